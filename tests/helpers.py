@@ -1,0 +1,57 @@
+"""Launch technique files the way a user does (torchrun on gloo + CPU), always with a timeout, and read
+the --json summary they write."""
+import json, os, re, subprocess, sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+# A tiny model: the checks are about exact arithmetic, not about learning.
+TINY = ["--vocab", "32", "--seq-len", "8", "--d-model", "16", "--n-heads", "2", "--n-layers", "2",
+        "--batch-size", "12", "--steps", "4", "--dtype", "float64"]
+
+
+def torchrun(script, nproc, *args, tmp_path, timeout=240, max_restarts=0, expect_rc=0, name="run"):
+    """`torchrun --standalone --nproc_per_node=nproc script args --json ...`; returns (summary, output)."""
+    out_json = Path(tmp_path) / f"{name}.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+           f"--max-restarts={max_restarts}", str(ROOT / script), *map(str, args), "--json", str(out_json)]
+    p = subprocess.run(cmd, env=ENV, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    output = p.stdout + p.stderr
+    assert p.returncode == expect_rc, f"exit {p.returncode} (expected {expect_rc}) from {' '.join(cmd)}\n{output[-6000:]}"
+    summary = json.loads(out_json.read_text()) if out_json.exists() else None
+    return summary, output
+
+
+def run_python(script, *args, timeout=60):
+    """Plain `python script args` (world size 1): for exit codes, which torchrun would rewrite."""
+    return subprocess.run([sys.executable, str(ROOT / script), *map(str, args)], env=ENV, cwd=ROOT,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def torchrun_bad_input(script, nproc, *args, timeout=60):
+    """A bad-input launch: returns the completed process; each worker must say one line and exit 2
+    (torchrun itself reports the failure as exit 1)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+           str(ROOT / script), *map(str, args)]
+    return subprocess.run(cmd, env=ENV, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+
+
+def assert_bad_input(p, nproc, words):
+    """Every rank printed one `error` line naming the problem and exited 2 (torchrun's report lists each
+    worker's exit code; torchrun itself exits 1), with no Python traceback from a worker."""
+    out = p.stdout + p.stderr
+    lines = [l for l in out.splitlines() if "error (rank" in l]
+    assert len(lines) == nproc, out
+    assert all(w.lower() in lines[0].lower() for w in words), lines[0]
+    if nproc == 1 and "torch.distributed.elastic" not in out:
+        assert p.returncode == 2, out
+    else:
+        assert p.returncode == 1 and len(re.findall(r"exitcode\s*:\s*2 ", out)) == nproc, out
+    worker_text = out.split("torch/distributed/elastic")[0]
+    assert "Traceback" not in worker_text, out
+
+
+def assert_matches_reference(summary, tol=1e-9):
+    c = summary["check"]
+    assert c is not None and c["passed"], c
+    assert c["max_loss_diff"] <= tol and c["max_param_diff"] <= tol, c
