@@ -1,0 +1,338 @@
+"""dp.py: naive data parallelism, written by hand, three ways to synchronise.
+
+Every rank holds the whole model and a slice of the data. They differ in *when* ranks agree:
+
+1. --mode sync (bulk synchronous; the idea behind PyTorch DDP, Horovod, Li et al. 2020)
+   Broadcast the weights from rank 0 once, then every step: each rank runs forward + backward on its
+   slice of the global batch, the gradients are summed over ranks (one all-reduce per parameter; see
+   ddp_bucketed.py for the bucketed, overlapped version), and every rank takes the same optimizer step.
+   Trade-off: the whole job runs at the speed of the slowest rank, and it equals one-process training.
+
+       rank 0  [fwd b0|bwd b0]--all-reduce--[step]   every rank waits for the last one,
+       rank 1  [fwd b1|bwd b1]--all-reduce--[step]   then all take the same step
+
+2. --accum K (gradient accumulation: "synchronise every K micro-batches")
+   Each rank runs K micro-batches, letting gradients add up in .grad, and all-reduces once after the
+   last: K times fewer all-reduces for the same global batch, and activations for only B/(world*K)
+   sequences alive at a time. The catch that two widely read repos get wrong: if each micro-batch loss is
+   a *mean over its own tokens*, micro-batches with fewer real tokens (padding, ignore_index) weigh as much
+   as full ones and the sum is not the full-batch gradient. Here every loss is a sum over tokens divided
+   by the token count of the *whole global batch* (common.lm_loss), so the gradients of all micro-batches
+   on all ranks simply add up, and the all-reduce is a SUM. (`--loss-norm per_microbatch` runs the wrong
+   way on purpose, so the tests can show that --check catches it.)
+
+3. --mode async (asynchronous parameter server; Dean et al. 2012 "Downpour SGD", Li et al. 2014)
+   Rank 0 is the server: it holds the weights and the optimizer. Workers (ranks 1..N-1) pull weights,
+   compute a gradient on a whole batch, push it, and never wait for each other; the server applies each
+   gradient the moment it arrives, so it was computed on weights some versions old (stale).
+   Trade-off: no worker waits for a straggler, but the update is W_{t+1} = W_t - lr * g(W_{t - s_t}) with
+   staleness s_t, which is not one-process training. --max-staleness S bounds s_t the way stale-synchronous
+   parallel does (Ho et al. 2013): when the oldest outstanding gradient is S versions behind, the server
+   waits for it before applying any other. The run reports the staleness it saw (min / mean / max).
+   --staleness D runs the same protocol in lockstep, so update t uses the gradient of batch t computed on
+   W_{max(t-D, 0)} exactly; --check then equals the one-process delayed-update reference in this file.
+
+       server  W0 W0 ... apply g(W0) -> W1 -> send W1 | apply g(W0) -> W2 -> send W2 | apply g(W1) ...
+       worker1   pull W0 ...compute... push ----------^                 pull W1 ...
+       worker2   pull W0 ......compute...... push ---------------------^   pull W2 ...
+
+Run:
+    python dp.py --check                                   # world 1: the reference against itself
+    torchrun --nproc_per_node=4 dp.py --check              # bulk synchronous
+    torchrun --nproc_per_node=4 dp.py --accum 4 --ragged --check
+    torchrun --nproc_per_node=4 dp.py --mode async --steps 40
+    torchrun --nproc_per_node=3 dp.py --mode async --staleness 1 --check
+In production, use torch.nn.parallel.DistributedDataParallel (or ddp_bucketed.py to see how it works).
+"""
+import queue
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+
+from common import (DTYPES, CommonArgs, GPTConfig, MarkovData, SavedActivations, Checkpointer, StepTimer,
+                    build_gpt, check_against_reference, check_common_args, clip_grads_, count_tokens,
+                    env_world_size, fail, init_dist, lm_loss, log_step, make_optimizer, maybe_fail,
+                    parse_args, peak_memory_bytes, state_bytes, write_summary)
+
+
+@dataclass
+class Args(CommonArgs):
+    mode: Literal["sync", "async"] = "sync"  # sync: bulk synchronous; async: parameter server
+    accum: int = 1  # sync: micro-batches per rank per step, one all-reduce after the last
+    loss_norm: Literal["global", "per_microbatch"] = "global"  # per_microbatch: the common bug, on purpose
+    staleness: int = -1  # async: run in lockstep with exactly this staleness D (-1: free-running)
+    max_staleness: int = 4  # async, free-running: bound on versions a gradient may lag (SSP)
+    delay_ms: float = 0.0  # async: extra compute time of worker r is r * delay_ms (makes stragglers)
+
+
+def grad_norm(params):
+    """Global L2 norm of the gradients, the way clip_grad_norm_ computes it (norm of per-tensor norms)."""
+    return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in params]))
+
+
+# ----------------------------------------------------------------------------- 1 + 2: bulk synchronous
+def sync_step(d, args, model, opt, x, y, n_tok):
+    """One optimizer step on this rank's slice of the global batch, in `args.accum` micro-batches.
+    Returns (global loss, gradient norm, bytes this rank handed to all-reduce, activation bytes saved)."""
+    rows = args.batch_size // d.world
+    x, y = x[d.rank * rows:(d.rank + 1) * rows], y[d.rank * rows:(d.rank + 1) * rows]  # (B/N, T) local slice
+    opt.zero_grad(set_to_none=True)
+    local_loss, saved = 0.0, 0
+    for xm, ym in zip(x.chunk(args.accum), y.chunk(args.accum)):  # (B/(N*K), T) micro-batches
+        xm, ym = xm.to(d.device), ym.to(d.device)
+        if args.loss_norm == "global":
+            divisor = n_tok  # every token of the global batch weighs the same
+        else:  # the bug: a mean over this micro-batch's own tokens, then a plain average over K * N of them
+            divisor = count_tokens(ym) * args.accum * d.world
+        with SavedActivations() as acts:
+            loss = lm_loss(model(xm), ym, divisor)
+        saved = max(saved, acts.bytes)
+        loss.backward()  # gradients add up in .grad across micro-batches: no communication yet
+        local_loss += loss.item()
+    # The one synchronisation of the step: SUM (not average) over ranks, because each rank's loss was
+    # already divided by the global token count. One all-reduce per parameter: the naive version.
+    sent = 0
+    for p in model.parameters():
+        dist.all_reduce(p.grad, op=dist.ReduceOp.SUM)  # (param shape) full gradient, replicated
+        sent += p.grad.numel() * p.grad.element_size()
+    loss_t = torch.tensor([local_loss], dtype=torch.float64, device=d.device)
+    dist.all_reduce(loss_t)  # for the log line only (8 bytes; not counted as training traffic)
+    params = list(model.parameters())
+    norm = grad_norm(params)  # gradients are identical on every rank now, so this is the global norm
+    clip_grads_([p.grad for p in params], norm, args.clip)
+    opt.step()
+    return loss_t.item(), norm.item(), sent, saved
+
+
+# ----------------------------------------------------------------------------- 3: asynchronous parameter server
+# Messages. Server -> worker: a header (version of the weights, batch id; batch id -1 = stop) and the flat
+# weights. Worker -> server: the flat gradient with its loss appended. Both are int64 / param-dtype tensors on
+# the device, sent with isend/irecv; a server never sends to a worker that might be sending to it at the
+# same time (that pattern can deadlock under NCCL, which serialises one pair's sends and receives).
+def flat_params(model):
+    return torch.cat([p.detach().flatten() for p in model.parameters()])
+
+
+def load_flat_(model, flat):
+    i = 0
+    for p in model.parameters():
+        p.data.copy_(flat[i:i + p.numel()].view_as(p))
+        i += p.numel()
+
+
+def worker_loop(d, args, model, data):
+    """Pull weights, compute the gradient of the batch named in the header, push it; until told to stop."""
+    header = torch.zeros(2, dtype=torch.long, device=d.device)
+    weights = flat_params(model)
+    while True:
+        dist.recv(header, src=0)
+        if header[1].item() < 0:
+            return
+        dist.recv(weights, src=0)
+        load_flat_(model, weights)
+        x, y = (t.to(d.device) for t in data.batch(header[1].item(), args.batch_size, args.seq_len, args.ragged))
+        model.zero_grad(set_to_none=True)
+        loss = lm_loss(model(x), y, count_tokens(y))
+        loss.backward()
+        time.sleep(d.rank * args.delay_ms / 1e3)  # a straggler, if asked for
+        grads = [p.grad.flatten() for p in model.parameters()]
+        grad = torch.cat(grads + [loss.detach().to(grads[0].dtype).view(1)])  # (P + 1,) gradient, then loss
+        dist.send(grad, dst=0)
+
+
+def server_loop(d, args, model, opt, timer):
+    """Rank 0: apply gradients as they arrive. Returns per-update (loss, version used, batch id, ms)."""
+    workers = list(range(1, d.world))
+    n_params = sum(p.numel() for p in model.parameters())
+    version, handed_out, log = 0, 0, []
+    outstanding = {}  # worker -> (version of the weights it pulled, batch id, receive buffer)
+    pending_sends, arrivals, arrived = [], queue.Queue(), set()
+
+    def send_pull(w, batch_id):
+        """Send the current weights (or a stop) to worker w and post the receive of its gradient."""
+        header = torch.tensor([version, batch_id], dtype=torch.long, device=d.device)
+        pending_sends.append(dist.isend(header, dst=w))
+        if batch_id < 0:
+            return
+        snapshot = flat_params(model)  # a copy: the weights change while the send may still be running
+        pending_sends.append(dist.isend(snapshot, dst=w))
+        buf = torch.empty(n_params + 1, dtype=snapshot.dtype, device=d.device)
+        work = dist.irecv(buf, src=w)
+        outstanding[w] = (version, batch_id, buf)
+        # A thread per pending gradient reports its arrival: there is no receive-from-any-source in NCCL,
+        # and gloo completes a receive only inside wait(), so neither polling nor any-source works for both.
+        threading.Thread(target=lambda: (wait_arrival(work), arrivals.put(w)), daemon=True).start()
+
+    lockstep = args.staleness >= 0
+    # Lockstep: update u's gradient comes from worker 1 + u % W, on batch u, from weights W_{max(u-D, 0)};
+    # so the first D + 1 pulls all carry W_0. Free-running: every worker pulls W_0 once to start.
+    first = args.staleness + 1 if lockstep else len(workers)
+    for u in range(min(first, args.steps)):
+        send_pull(workers[u % len(workers)], u)
+    handed_out = min(first, args.steps)
+    timer.start()
+    while version < args.steps:
+        if lockstep:
+            w = workers[version % len(workers)]
+        else:
+            oldest = min(outstanding, key=lambda k: outstanding[k][0])
+            # SSP: once the oldest gradient is max_staleness behind, nobody else may overtake it
+            w = oldest if version - outstanding[oldest][0] >= args.max_staleness else None
+        while (w is None and not arrived) or (w is not None and w not in arrived):
+            arrived.add(arrivals.get(timeout=args.timeout))
+        w = w if w is not None else min(arrived)
+        arrived.discard(w)
+        pulled, batch_id, buf = outstanding.pop(w)
+        load_grad_and_step(args, model, opt, buf[:-1])
+        log.append((buf[-1].item(), pulled, batch_id, timer.stop()))
+        version += 1
+        timer.start()
+        if lockstep:  # the pull that makes update u = version + D see exactly W_{version}
+            nxt = version + args.staleness
+            if nxt < args.steps:
+                send_pull(workers[nxt % len(workers)], nxt)
+        elif handed_out < args.steps:
+            send_pull(w, handed_out)
+            handed_out += 1
+    for w in workers:  # every gradient handed out has been applied: tell every worker to stop
+        send_pull(w, -1)
+    for s in pending_sends:
+        s.wait()
+    return log
+
+
+def wait_arrival(work):
+    work.wait()  # gloo: returns when the data is here; NCCL: only orders the streams, so poll as well
+    while not work.is_completed():
+        time.sleep(1e-4)
+
+
+def load_grad_and_step(args, model, opt, flat_grad):
+    i = 0
+    for p in model.parameters():
+        p.grad = flat_grad[i:i + p.numel()].view_as(p).clone()
+        i += p.numel()
+    params = list(model.parameters())
+    clip_grads_([p.grad for p in params], grad_norm(params), args.clip)
+    opt.step()
+
+
+def delayed_reference(args, used_versions, batch_ids):
+    """One process, no communication: update t applies the gradient of batch `batch_ids[t]` computed on the
+    weights of version `used_versions[t]` (W_{t-D} in lockstep): W_{t+1} = AdamW(W_t, clip(g(W_used)))."""
+    data = MarkovData(args.vocab, args.seed)
+    model = build_gpt(GPTConfig.from_args(args), args.seed, DTYPES[args.dtype])
+    stale = build_gpt(GPTConfig.from_args(args), args.seed, DTYPES[args.dtype])  # holds W_used
+    opt = make_optimizer(model.parameters(), args)
+    history, losses = [flat_params(model).clone()], []
+    for t in range(args.steps):
+        load_flat_(stale, history[used_versions[t]])
+        x, y = data.batch(batch_ids[t], args.batch_size, args.seq_len, args.ragged)
+        loss = lm_loss(stale(x), y, count_tokens(y))
+        grads = torch.autograd.grad(loss, list(stale.parameters()))
+        for p, g in zip(model.parameters(), grads):
+            p.grad = g
+        if args.clip > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)  # torch's own clipping, independently
+        opt.step()
+        history.append(flat_params(model).clone())
+        losses.append(loss.item())
+    return dict(losses=losses, params={n: p.detach().clone() for n, p in model.named_parameters()})
+
+
+# ----------------------------------------------------------------------------- main
+def main():
+    args = parse_args(Args)
+    world = env_world_size()
+    check_common_args(args)
+    if args.mode == "sync":
+        if args.accum < 1:
+            fail(f"--accum must be >= 1, got {args.accum}")
+        if args.batch_size % (world * args.accum):
+            fail(f"--batch-size {args.batch_size} must be divisible by world size x --accum = {world} x "
+                 f"{args.accum}; try --batch-size {world * args.accum * max(1, args.batch_size // (world * args.accum))}")
+    else:
+        if world < 2:
+            fail("--mode async needs a server and at least one worker: torchrun --nproc_per_node=2 (or more) dp.py --mode async")
+        if args.accum != 1 or args.ckpt_dir:
+            fail("--mode async supports neither --accum nor --ckpt-dir (the server's history is not checkpointed)")
+        if args.staleness > world - 2:
+            fail(f"--staleness {args.staleness} needs at least {args.staleness + 1} workers, so that no worker is "
+                 f"sent new weights while it still computes: torchrun --nproc_per_node={args.staleness + 2}")
+        if args.max_staleness < 0:
+            fail(f"--max-staleness must be >= 0, got {args.max_staleness}")
+        if args.staleness < -1:
+            fail(f"--staleness must be -1 (free-running) or >= 0, got {args.staleness}")
+    d = init_dist(args.timeout)
+    data = MarkovData(args.vocab, args.seed)
+    d.log(f"dp.py --mode {args.mode}: world {d.world} on {d.backend}, entropy floor {data.entropy:.4f} nats/token")
+    torch.manual_seed(args.seed + d.rank)  # dropout differs across ranks, as it would on different data
+    model = build_gpt(GPTConfig.from_args(args), args.seed, DTYPES[args.dtype], d.device)
+    for p in model.parameters():  # everyone starts from rank 0's weights (they agree already: one seed)
+        dist.broadcast(p.data, src=0)
+    opt = make_optimizer(model.parameters(), args)
+    timer = StepTimer(d.device)
+    tokens = args.batch_size * args.seq_len
+    param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+
+    if args.mode == "sync":
+        ckpt = Checkpointer(d, args.ckpt_dir, args.save_every, args.steps)
+        start, hist = ckpt.load({"model": model, "optim": opt})
+        losses, sent, saved = hist.get("losses", []), 0, 0
+        for step in range(start, args.steps):
+            maybe_fail(d, args, step)
+            timer.start()
+            x, y = data.batch(step, args.batch_size, args.seq_len, args.ragged)  # (B, T) global batch, CPU
+            loss, norm, sent, saved = sync_step(d, args, model, opt, x, y, count_tokens(y))
+            losses.append(loss)
+            log_step(d, step, loss, timer.stop(), tokens)
+            ckpt.maybe_save(step + 1, {"model": model, "optim": opt}, {"losses": losses})
+        ring = 2 * (d.world - 1) / d.world * sent
+        figures = dict(all_reduces_per_step=sum(1 for _ in model.parameters()), allreduce_payload_bytes=sent,
+                       ring_bytes_sent_theory=ring, activation_bytes_saved_per_microbatch=saved)
+        d.log(f"summary: all-reduce payload {sent} B/step/rank (= all gradients); bytes a rank sends in a ring "
+              f"all-reduce, theory 2(N-1)/N x payload = {ring:.0f} B; saved activations per micro-batch {saved} B")
+        counted = state_bytes(model, opt) + saved
+        full = {n: p.detach() for n, p in model.named_parameters()}
+        check = check_against_reference(d, args, losses, full) if args.check else None
+    else:
+        figures, check, losses, sent = {}, None, [], 0
+        if d.rank == 0:
+            log = server_loop(d, args, model, opt, timer)
+            losses, used, batch_ids = [l[0] for l in log], [l[1] for l in log], [l[2] for l in log]
+            stale = [t - v for t, v in enumerate(used)]
+            for t, (loss, v, b, ms) in enumerate(log):
+                d.log(f"update {t:4d} | loss {loss:.6f} | batch {b:3d} | weights v{v} (staleness {t - v}) | {ms:8.1f} ms")
+            bound = args.staleness if args.staleness >= 0 else args.max_staleness
+            figures = dict(staleness_min=min(stale), staleness_mean=sum(stale) / len(stale),
+                           staleness_max=max(stale), staleness_bound=bound, used_versions=used, batch_ids=batch_ids)
+            d.log(f"summary: staleness min {min(stale)} / mean {sum(stale) / len(stale):.2f} / max {max(stale)} "
+                  f"(bound {bound}); each update moved {2 * param_bytes} B through the server (weights out, "
+                  f"gradient in)")
+            sent = param_bytes + 16  # per update, the server sends one worker the weights and a header
+        else:
+            worker_loop(d, args, model, data)
+        counted = state_bytes(model, opt)
+        if args.check:  # replay the versions the run used; in lockstep, the ones the rule prescribes
+            ref = None
+            if d.rank == 0:
+                used = [max(t - args.staleness, 0) for t in range(args.steps)] if args.staleness >= 0 else used
+                ids = list(range(args.steps)) if args.staleness >= 0 else batch_ids
+                ref = delayed_reference(args, used, ids)
+            full = {n: p.detach().cpu() for n, p in model.named_parameters()}
+            check = check_against_reference(d, args, losses, full, ref=ref)
+
+    write_summary(d, args, f"dp-{args.mode}", losses, timer.median(), tokens / max(timer.median(), 1e-9) * 1e3,
+                  peak_memory_bytes(d, counted), sent, check, figures)
+    dist.barrier()  # nobody tears down the group while another rank still uses it
+    dist.destroy_process_group()
+    sys.exit(0 if check is None or check["passed"] else 1)
+
+
+if __name__ == "__main__":
+    main()
