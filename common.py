@@ -379,14 +379,18 @@ def state_bytes(model, optimizer=None):
 
 class SavedActivations:
     """Counts the bytes autograd saves for backward inside the `with` block (activations, not
-    parameters): `torch.autograd.graph.saved_tensors_hooks` sees every tensor it packs."""
+    parameters): `torch.autograd.graph.saved_tensors_hooks` sees every tensor it packs. A storage saved
+    by several ops (one input feeding q, k and v) counts once. Wrap a forward only: everything saved
+    then stays alive until backward, so no address is reused inside the block."""
 
     def __init__(self):
-        self.bytes = 0
+        self.bytes, self._seen = 0, set()
 
     def _pack(self, t):
-        if not (t.is_leaf and t.requires_grad):  # a parameter is held anyway; count activations only
-            self.bytes += t.numel() * t.element_size()
+        key = t.untyped_storage().data_ptr()
+        if not (t.is_leaf and t.requires_grad) and key not in self._seen:  # parameters are held anyway
+            self._seen.add(key)
+            self.bytes += t.untyped_storage().nbytes()
         return t
 
     def __enter__(self):
