@@ -4,7 +4,9 @@ import json, os, re, subprocess, sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+# TORCH_DISABLE_SHARE_RDZV_TCP_STORE: without it, workers restarted by torchrun (--max-restarts) can read
+# the dead attempt's gloo addresses from the shared store and fail to connect (pytorch/pytorch#135712).
+ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
 # A tiny model: the checks are about exact arithmetic, not about learning.
 TINY = ["--vocab", "32", "--seq-len", "8", "--d-model", "16", "--n-heads", "2", "--n-layers", "2",
         "--batch-size", "12", "--steps", "4", "--dtype", "float64"]
@@ -41,12 +43,16 @@ def assert_bad_input(p, nproc, words):
     worker's exit code; torchrun itself exits 1), with no Python traceback from a worker."""
     out = p.stdout + p.stderr
     lines = [l for l in out.splitlines() if "error (rank" in l]
-    assert len(lines) == nproc, out
+    # every rank checks before any collective; under torchrun the first to exit may get the others
+    # killed before they print, so at least one line, and all the lines say the same thing
+    assert 1 <= len(lines) <= nproc and len({l.split("): ", 1)[1] for l in lines}) == 1, out
     assert all(w.lower() in lines[0].lower() for w in words), lines[0]
     if nproc == 1 and "torch.distributed.elastic" not in out:
         assert p.returncode == 2, out
     else:
-        assert p.returncode == 1 and len(re.findall(r"exitcode\s*:\s*2 ", out)) == nproc, out
+        # once one worker exits 2, torchrun may SIGTERM the others before they exit 2 themselves (-15)
+        codes = re.findall(r"exitcode\s*:\s*(-?\d+) ", out)
+        assert p.returncode == 1 and "2" in codes and set(codes) <= {"2", "-15"}, out
     worker_text = out.split("torch/distributed/elastic")[0]
     assert "Traceback" not in worker_text, out
 
