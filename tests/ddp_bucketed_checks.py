@@ -1,0 +1,249 @@
+"""Layer-level checks of ddp_bucketed.BucketedDDP, all inside one process group (launched by
+tests/test_ddp_bucketed.py at world 2 and 3):
+
+    torchrun --standalone --nproc_per_node=2 tests/ddp_bucketed_checks.py
+
+References: torch's own DistributedDataParallel (gloo) on the same model and inputs, and the one-process
+full-batch gradient. Every check has a negative twin (something that must differ, differs). A failed check
+is recorded and the script goes on (so every rank keeps issuing the same collectives); it exits 1 at the end.
+Prints ALL CHECKS PASSED on success.
+"""
+import os, sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from common import CommonArgs, GPTConfig, MarkovData, build_gpt, count_tokens, init_dist, lm_loss, make_optimizer
+from ddp_bucketed import MiB, BucketedDDP
+
+CFG = GPTConfig(vocab=32, seq_len=8, d_model=16, n_heads=2, n_layers=2)
+B, SEED, F64 = 12, 0, torch.float64
+CAP, FIRST = 0.01, 0.002  # MiB: several buckets for this ~60 KB model
+d = init_dist(60)
+data = MarkovData(CFG.vocab, SEED)
+failures = []
+
+
+def check(ok, what):
+    if not ok:
+        failures.append(what)
+    d.log(f"{'ok  ' if ok else 'FAIL'} {what}")
+
+
+def rel(a, b):
+    """max |a - b| / max |b| over all tensors of two {name: grad} dicts (None must match None)."""
+    if a.keys() != b.keys() or any((a[n] is None) != (b[n] is None) for n in a):
+        return float("inf")
+    num = max((a[n] - b[n]).abs().max().item() for n in a if a[n] is not None)
+    return num / max(max(b[n].abs().max().item() for n in b if b[n] is not None), 1e-300)
+
+
+def grads(model):
+    return {n: None if p.grad is None else p.grad.detach().clone() for n, p in model.named_parameters()}
+
+
+def spread_over_ranks(g):
+    """Largest difference between this rank's gradients and rank 0's (0 = replicated)."""
+    flat = torch.cat([t.flatten() for t in g.values() if t is not None])
+    every = [torch.empty_like(flat) for _ in range(d.world)]
+    dist.all_gather(every, flat)
+    t = torch.tensor([max((e - every[0]).abs().max().item() for e in every)], dtype=F64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.item()
+
+
+def batch(step):
+    """Global batch of `step`, this rank's slice, and the global token count."""
+    x, y = data.batch(step, B, CFG.seq_len)
+    b = B // d.world
+    return x, y, x[d.rank * b:(d.rank + 1) * b], y[d.rank * b:(d.rank + 1) * b], count_tokens(y)
+
+
+def backward(model, x, y, n_tok, scale):
+    lm_loss(model(x), y, n_tok).mul(scale).backward()
+
+
+def full_batch_grads(steps):
+    """The one-process answer: gradient of the global loss summed over the given steps' global batches."""
+    m = build_gpt(CFG, SEED, F64)
+    for s in steps:
+        x, y, _, _, n = batch(s)
+        backward(m, x, y, n, 1.0)
+    return grads(m)
+
+
+# 1. vs torch DDP and the full-batch gradient, over 3 iterations (the 2nd and 3rd after the rebuild), with AdamW
+m_ours, m_ref = build_gpt(CFG, SEED, F64), build_gpt(CFG, SEED, F64)
+ours, ref = BucketedDDP(m_ours, CAP, FIRST), DDP(m_ref)
+first_layout = ours.layout()
+arrived = []  # an independent observer of gradient arrival, registered after BucketedDDP's hooks
+for n, p in m_ours.named_parameters():
+    p.register_post_accumulate_grad_hook(lambda p, n=n: arrived.append(n))
+launched_mid_backward = []  # buckets launched when the gradient reaches block 0's input (embeddings still to come)
+
+
+def watch_block0_input(module, args):  # forward pre-hook: put a gradient hook on block 0's input
+    args[0].register_hook(lambda g: launched_mid_backward.append(len(ours._works)))
+
+
+m_ours.blocks[0].register_forward_pre_hook(watch_block0_input)
+opt_ours, opt_ref = make_optimizer(m_ours.parameters(), CommonArgs()), make_optimizer(m_ref.parameters(), CommonArgs())
+for step in range(3):
+    x, y, xl, yl, n_tok = batch(step)
+    for model, opt in ((ours, opt_ours), (ref, opt_ref)):
+        opt.zero_grad(set_to_none=True)
+        backward(model, xl, yl, n_tok, d.world)  # N * L_r, averaged by DDP = grad of the global loss
+    g_ours, g_ref, g_full = grads(m_ours), grads(m_ref), full_batch_grads([step])
+    local = build_gpt(CFG, SEED, F64)
+    local.load_state_dict(m_ours.state_dict())
+    backward(local, xl, yl, n_tok, d.world)
+    check(rel(g_ours, g_ref) <= 1e-12, f"step {step}: grads == torch DDP (rel diff {rel(g_ours, g_ref):.1e})")
+    if step == 0:  # same parameters as the fresh one-process model only before the first update
+        check(rel(g_ours, g_full) <= 1e-10, f"step 0: grads == one-process full-batch grad ({rel(g_ours, g_full):.1e})")
+    check(spread_over_ranks(g_ours) == 0.0, f"step {step}: grads identical on every rank")
+    check(d.world == 1 or rel(grads(local), g_ours) > 1e-6,
+          f"step {step}: negative: this rank's own gradient differs from the average ({rel(grads(local), g_ours):.1e})")
+    if step == 0:
+        first_arrival = list(arrived)
+    opt_ours.step()
+    opt_ref.step()
+p_diff = max((a - b).abs().max().item() for a, b in zip(m_ours.parameters(), m_ref.parameters()))
+check(p_diff <= 1e-12, f"after 3 AdamW steps: parameters == torch DDP's (max diff {p_diff:.1e})")
+
+# 2. bucket layout: same on every rank, within the caps, reverse registration first, then arrival order
+names = [n for n, _ in m_ours.named_parameters()]
+layout = ours.layout()
+every = [None] * d.world
+dist.all_gather_object(every, layout)
+check(all(e == layout for e in every), f"layout identical on every rank ({len(layout)} buckets)")
+check(len(layout) >= 3, f"several buckets: {[nb for _, nb, _ in layout]} bytes")
+check(sorted(n for ns, _, _ in layout for n in ns) == sorted(names), "every parameter in exactly one bucket")
+within = all(nb <= (FIRST if b == 0 else CAP) * MiB or len(ns) == 1 for b, (ns, nb, _) in enumerate(layout))
+check(within, f"caps respected: bucket 0 <= {FIRST * MiB:.0f} B, others <= {CAP * MiB:.0f} B (or one parameter)")
+check([n for ns, _, _ in first_layout for n in ns] == names[::-1], "first layout: reverse of registration")
+check([n for ns, _, _ in layout for n in ns] == first_arrival,
+      f"rebuilt layout: the order gradients arrived (first: {first_arrival[0]})")
+check(ours.history[-1]["payload_bytes"] == sum(p.numel() for p in m_ours.parameters()) * 8,
+      f"all-reduce payload counted = parameter bytes ({ours.history[-1]['payload_bytes']} B)")
+
+# 3. overlap: buckets launched while backward was still computing (seen from inside backward)
+check(min(launched_mid_backward) >= 1 and ours.history[-1]["launched_early"] >= 1,
+      f"overlap: {launched_mid_backward} buckets launched before the embedding grads existed; "
+      f"{ours.history[-1]['launched_early']}/{len(layout)} launched before backward finished")
+
+
+class Reversed(nn.Module):
+    """Layers registered in the reverse of their use: the first-guess buckets are exactly backward-ordered
+    wrong, so nothing can launch early until the arrival-order rebuild fixes it."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(1)
+        self.c, self.b, self.a = (nn.Linear(64, 64, bias=False, dtype=F64) for _ in range(3))
+
+    def forward(self, x):
+        return self.c(torch.tanh(self.b(torch.tanh(self.a(x)))))
+
+
+rv = BucketedDDP(Reversed(), bucket_cap_mb=0.03, first_bucket_mb=0.03)  # 33 KB weight: one layer per bucket
+for _ in range(2):
+    rv(torch.randn(4, 64, dtype=F64)).square().sum().backward()
+e0, e1 = rv.history[0]["launched_early"], rv.history[1]["launched_early"]
+check(e0 == 0 and e1 == len(rv.buckets) - 1 >= 2,
+      f"negative: registration-ordered buckets launch {e0} early; after the rebuild {e1}/{len(rv.buckets)}")
+
+# 4. no_sync: local accumulation (differs between ranks), then a synced step = torch DDP's no_sync
+m_ours, m_ref = build_gpt(CFG, SEED, F64), build_gpt(CFG, SEED, F64)
+ours, ref = BucketedDDP(m_ours, CAP, FIRST), DDP(m_ref)
+xa, ya, xal, yal, na = batch(10)
+xb, yb, xbl, ybl, nb = batch(11)
+for model in (ours, ref):
+    with model.no_sync():
+        backward(model, xal, yal, na, d.world)
+local = build_gpt(CFG, SEED, F64)
+backward(local, xal, yal, na, d.world)
+check(rel(grads(m_ours), grads(local)) == 0.0, "no_sync: grads are exactly this rank's own")
+check(d.world == 1 or spread_over_ranks(grads(m_ours)) > 1e-6, "no_sync: grads differ between ranks")
+for model in (ours, ref):
+    backward(model, xbl, ybl, nb, d.world)
+g_ours, g_ref, g_full = grads(m_ours), grads(m_ref), full_batch_grads([10, 11])
+check(rel(g_ours, g_ref) <= 1e-12, f"no_sync + synced step: grads == torch DDP's ({rel(g_ours, g_ref):.1e})")
+check(rel(g_ours, g_full) <= 1e-10, f"no_sync + synced step: grads == one-process sum of both batches ({rel(g_ours, g_full):.1e})")
+check(spread_over_ranks(g_ours) == 0.0, "no_sync + synced step: grads identical on every rank")
+
+
+# 5. parameters that get no gradient
+class WithUnused(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.gpt = build_gpt(CFG, SEED, F64)
+        self.spare = nn.Linear(3, 3, dtype=F64)  # never used
+        self.gain = nn.Parameter(torch.ones((), dtype=F64))  # used on rank 0 only
+
+    def forward(self, x):
+        out = self.gpt(x)
+        return out * self.gain if d.rank == 0 else out
+
+
+x, y, xl, yl, n_tok = batch(20)
+strict = BucketedDDP(WithUnused(), CAP, FIRST)
+try:
+    backward(strict, xl, yl, n_tok, 1.0)
+    msg = ""
+except RuntimeError as e:
+    msg = str(e)
+check("spare.weight" in msg and "spare.bias" in msg and "find_unused_parameters" in msg,
+      f"unused parameter: clear error naming it: {msg[:110]}...")
+m_ours, m_ref = WithUnused(), WithUnused()
+ours, ref = BucketedDDP(m_ours, CAP, FIRST, find_unused_parameters=True), DDP(m_ref, find_unused_parameters=True)
+for step in (20, 21):  # the second after the rebuild
+    x, y, xl, yl, n_tok = batch(step)
+    for model in (m_ours, m_ref):
+        model.zero_grad(set_to_none=True)
+    for model in (ours, ref):
+        backward(model, xl, yl, n_tok, d.world)
+    g_ours, g_ref = grads(m_ours), grads(m_ref)
+    check(rel(g_ours, g_ref) <= 1e-12 and g_ours["spare.weight"] is None and g_ours["gain"] is not None,
+          f"step {step}: find_unused_parameters == torch DDP's (rel {rel(g_ours, g_ref):.1e}; unused everywhere "
+          f"-> grad None, used on rank 0 only -> averaged on all)")
+
+# 6. compression: close to the exact average and equal to torch DDP with a compress hook, but not exact
+
+
+def bf16_hook(state, bucket):
+    """default_hooks.bf16_compress_hook's arithmetic (torch allows that one on NCCL only): cast, divide, sum."""
+    buf = bucket.buffer()
+    fut = dist.all_reduce(buf.to(torch.bfloat16).div_(d.world), async_op=True).get_future()
+    return fut.then(lambda f: buf.copy_(f.value()[0]))
+
+
+x, y, xl, yl, n_tok = batch(30)
+exact = full_batch_grads([30])
+for name, dtype, hook in (("bf16", torch.bfloat16, bf16_hook), ("fp16", torch.float16, default_hooks.fp16_compress_hook)):
+    m_ours, m_ref = build_gpt(CFG, SEED, F64), build_gpt(CFG, SEED, F64)
+    ours, ref = BucketedDDP(m_ours, CAP, FIRST, compress=dtype), DDP(m_ref)
+    ref.register_comm_hook(None, hook)
+    for model in (ours, ref):
+        backward(model, xl, yl, n_tok, d.world)
+    g_ours, g_ref = grads(m_ours), grads(m_ref)
+    eps = torch.finfo(dtype).eps
+    check(rel(g_ours, g_ref) <= 2 * eps, f"{name}: grads ~ torch DDP's {name}_compress_hook ({rel(g_ours, g_ref):.1e})")
+    check(4 * eps >= rel(g_ours, exact) > 1e-9, f"{name}: close to but not equal to the exact average "
+          f"({rel(g_ours, exact):.1e})")
+    check(ours.history[-1]["payload_bytes"] * 4 == sum(p.numel() for p in m_ours.parameters()) * 8,
+          f"{name}: a quarter of the fp64 bytes travel ({ours.history[-1]['payload_bytes']} B)")
+
+every = [None] * d.world
+dist.all_gather_object(every, failures)
+dist.destroy_process_group()
+if any(every):
+    d.log("\n".join(f"FAIL on rank {r}: {what}" for r, whats in enumerate(every) for what in whats))
+    d.log(f"{sum(map(len, every))} CHECK(S) FAILED")
+    sys.exit(1)
+d.log("ALL CHECKS PASSED")
