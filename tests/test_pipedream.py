@@ -1,0 +1,265 @@
+"""pipedream.py: --mode flush equals one-process training in float64 for (p, m) = (2, 4), (4, 8) and 3 stages over
+4 layers; the executed schedule (the measured events) is 1F1B and obeys the pipeline's rules with at most p - s
+micro-batches alive; --mode stash runs every backward on the weight version its forward read (with --vertical-sync
+the version stage 0 read, on every stage), keeps at most p - s versions and equals its one-process simulation;
+--mode 2bw equals the delayed-update reference with two versions; both differ from synchronous training; bad
+input exits 2 with one line, before any collective. Launches: 6 torchrun, 6 plain python."""
+import json
+import re
+import subprocess
+import sys
+from argparse import Namespace
+
+import pytest
+
+from helpers import ENV, ROOT, TINY, assert_matches_reference, run_python, torchrun
+
+sys.path.insert(0, str(ROOT))
+import pipedream  # noqa: E402  (importing must not run main())
+from common import reference_train  # noqa: E402
+
+STEPS = 4  # TINY's --steps
+CFG = [*TINY, "--n-layers", "4", "--batch-size", "16"]  # 4 blocks to split; 16 sequences = 4 or 8 micro-batches
+MB_BYTES = 16 * 8 * 16 * 8  # a whole batch's (B, T, D) float64 activations: what crosses a boundary per step
+
+
+@pytest.fixture(scope="module")
+def launch(tmp_path_factory):
+    """torchrun pipedream.py once per configuration (with --check and --trace); tests share the runs."""
+    runs = {}
+
+    def get(p, m, *extra):
+        if (p, m, *extra) not in runs:
+            tmp = tmp_path_factory.mktemp("pipedream")
+            summary, out = torchrun("pipedream.py", p, *CFG, "--microbatches", m, "--check", *extra,
+                                    "--trace", tmp / "trace.json", tmp_path=tmp, name="run")
+            runs[p, m, *extra] = summary, out, json.loads((tmp / "trace.json").read_text())
+        return runs[p, m, *extra]
+    return get
+
+
+FLUSH_CLIP0 = (3, 4, "--clip", "0")  # the uneven split; also synchronous training for the stash comparisons
+STASH = (3, 4, "--mode", "stash", "--clip", "0")
+VSYNC = (3, 4, "--mode", "stash", "--clip", "0", "--vertical-sync")
+TWO_BW = (3, 4, "--mode", "2bw", "--clip", "0.5")  # 0.5: every update is clipped, so the norm's trip is tested
+
+
+# ----------------------------------------------------------------------------- the rules, from measured events
+def by_key(events):
+    return {(e["rank"], e["kind"], e["mb"]): e for e in events}
+
+
+def schedule_errors(events, p, n):
+    """Every pipeline's rules for micro-batches 0..n-1: one F and one B per (stage, micro-batch), never two at
+    once on a stage, F before B, F flows down (stage s+1 starts F_k after stage s ended it), B flows back up
+    (stage s starts B_k after stage s+1 ended it), and B runs in F's order."""
+    ev = by_key(events)
+    if len(events) != 2 * p * n or set(ev) != {(r, k, i) for r in range(p) for k in "FB" for i in range(n)}:
+        return ["not exactly one F and one B per stage and micro-batch"]
+    errors = []
+    for r in range(p):
+        mine = sorted((e for e in events if e["rank"] == r), key=lambda e: e["start"])
+        errors += [f"stage {r}: {b['kind']}{b['mb']} overlaps {a['kind']}{a['mb']}"
+                   for a, b in zip(mine, mine[1:]) if b["start"] < a["end"]]
+        bs = [e["mb"] for e in mine if e["kind"] == "B"]
+        if bs != sorted(bs):
+            errors.append(f"stage {r}: backwards out of order")
+        for i in range(n):
+            f, b = ev[r, "F", i], ev[r, "B", i]
+            if not f["start"] <= f["end"] <= b["start"] <= b["end"]:
+                errors.append(f"stage {r}: B{i} starts before F{i} ends")
+            if r > 0 and f["start"] < ev[r - 1, "F", i]["end"]:
+                errors.append(f"stage {r}: F{i} starts before stage {r - 1} ends it")
+            if r < p - 1 and b["start"] < ev[r + 1, "B", i]["end"]:
+                errors.append(f"stage {r}: B{i} starts before stage {r + 1} ends it")
+    return errors
+
+
+def executed(events, r):
+    return [(e["kind"], e["mb"]) for e in sorted(events, key=lambda e: e["start"]) if e["rank"] == r]
+
+
+def sweep(events, r):
+    """(most micro-batches alive at once, most distinct weight versions among them) on stage r, recounted from
+    the events: a micro-batch is alive from its F's start to its B's end."""
+    marks = sorted([(e["start"], 1, e) for e in events if e["rank"] == r and e["kind"] == "F"]
+                   + [(e["end"], -1, e) for e in events if e["rank"] == r and e["kind"] == "B"], key=lambda x: x[:2])
+    alive, peak, peak_versions = {}, 0, 0
+    for _, step, e in marks:
+        if step > 0:
+            alive[e["mb"]] = e["version"]
+        else:
+            alive.pop(e["mb"])
+        peak, peak_versions = max(peak, len(alive)), max(peak_versions, len(set(alive.values())))
+    return peak, peak_versions
+
+
+def drained_between_steps(events, m):
+    """True when every event of step t (on any stage) ends before any event of step t+1 starts."""
+    steps = max(e["mb"] for e in events) // m + 1
+    step_of = [[e for e in events if e["mb"] // m == t] for t in range(steps)]
+    return all(max(e["end"] for e in a) <= min(e["start"] for e in b) for a, b in zip(step_of, step_of[1:]))
+
+
+# ----------------------------------------------------------------------------- no launch
+def test_split_and_schedule_rules():
+    assert pipedream.split_layers(4, 3) == [(0, 2), (2, 3), (3, 4)]  # uneven: the first stage takes the extra
+    assert pipedream.split_layers(4, 2) == [(0, 2), (2, 4)] and pipedream.split_layers(5, 5)[-1] == (4, 5)
+    for p in range(1, 6):
+        for s in range(p):
+            for n in range(1, 10):
+                ops = pipedream.one_f_one_b(n, p, s)
+                assert sorted(ops) == sorted([("F", k) for k in range(n)] + [("B", k) for k in range(n)])
+                warm = next((i for i, (kind, _) in enumerate(ops) if kind == "B"), n)
+                assert warm == min(p - s, n)  # p-s-1 warm-up forwards, then the first steady F
+                alive = peak = 0
+                for kind, _ in ops:
+                    alive += 1 if kind == "F" else -1
+                    peak = max(peak, alive)
+                assert peak == min(p - s, n)  # 1F1B: at most p - s alive
+                steady = ops[warm - 1:len(ops) - (min(p - s, n) - 1)]
+                assert all(a[0] != b[0] for a, b in zip(steady, steady[1:]))  # one F, one B, in turn
+    chunks = pipedream.split_at_step_ends(pipedream.one_f_one_b(12, 3, 0), 4)
+    assert len(chunks) == 3 and [c[-1] for c in chunks] == [("B", 3), ("B", 7), ("B", 11)]
+    assert ("F", 5) in chunks[0]  # without a flush, step 0's chunk on stage 0 already runs forwards of step 1
+
+
+# ----------------------------------------------------------------------------- flush: synchronous 1F1B
+@pytest.mark.parametrize("p, m, extra", [(2, 4, ()), (4, 8, ()), (3, 4, ("--clip", "0"))])
+def test_flush_matches_reference_and_obeys_1f1b(launch, p, m, extra):
+    summary, out, _ = launch(p, m, *extra)
+    assert_matches_reference(summary)
+    f = summary["figures"]
+    assert f["split"] == [list(b) for b in pipedream.split_layers(4, p)]
+    assert "split: stage 0: embedding + blocks 0.." in out and "+ norm + head + loss" in out
+    events = f["events"]
+    assert schedule_errors(events, p, STEPS * m) == []
+    for r in range(p):  # exactly 1F1B, step after step, each step drained before the next
+        one_step = pipedream.one_f_one_b(m, p, r)
+        assert executed(events, r) == [(kind, t * m + k) for t in range(STEPS) for kind, k in one_step]
+    assert drained_between_steps(events, m)
+    assert all(e["version"] == e["mb"] // m for e in events)  # one optimizer step per step, after the drain
+    alive = [min(p - r, m) for r in range(p)]
+    assert f["peak_alive_microbatches"] == alive == [sweep(events, r)[0] for r in range(p)]  # p - s, not m
+    assert f["versions_kept"] == [1] * p and f["bubble_theory"] == pytest.approx((p - 1) / (m + p - 1))
+    assert all(0 < b < 1 for b in f["bubble"])
+    tag = 32 * m  # every message carries a 4-number float64 tag
+    assert f["sent_bytes_per_rank"] == [(MB_BYTES + tag) * ((r > 0) + (r < p - 1)) for r in range(p)]
+    assert f["sent_bytes_per_rank"] == f["sent_bytes_theory"] and summary["comm_bytes"] == max(f["sent_bytes_per_rank"])
+    assert all(re.search(rf"^stage {r} \|[^|]*F[^|]*B[^|]*\|$", out, re.M) for r in range(p))  # ASCII timeline
+
+
+def test_schedule_checks_catch_broken_schedules(launch):
+    """The negative for the rule checks: they fail on schedules that break the rules."""
+    events = launch(2, 4)[0]["figures"]["events"]
+    shift = lambda e, dt: dict(e, start=e["start"] + dt, end=e["end"] + dt)  # noqa: E731
+    f0_1, b0_0 = by_key(events)[1, "F", 0], by_key(events)[0, "B", 0]
+    early_f = [shift(e, -1e4) if e is f0_1 else e for e in events]  # stage 1 runs F0 before stage 0 sent it
+    early_b = [shift(e, -1e4) if e is b0_0 else e for e in events]  # stage 0 runs B0 before F0 and stage 1
+    assert any("F0 starts before stage 0" in x for x in schedule_errors(early_f, 2, 16))
+    assert any("B0 starts before F0" in x for x in schedule_errors(early_b, 2, 16))
+    assert any("stage 0: B0 starts before stage 1" in x for x in schedule_errors(early_b, 2, 16))
+    assert schedule_errors(events[1:], 2, 16) and executed(early_b, 0) != executed(events, 0)
+    late = [shift(e, 1e4) if e["mb"] == 3 else e for e in events]  # micro-batch 3 of step 0 runs during step 1
+    assert not drained_between_steps(late, 4)
+
+
+def test_chrome_trace(launch):
+    summary, out, trace = launch(2, 4)
+    xs = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    assert len(xs) == 2 * 2 * 4 * STEPS and f"wrote {len(xs)} events" in out
+    for e, ev in zip(sorted(xs, key=lambda e: (e["pid"], e["ts"])),
+                     sorted(summary["figures"]["events"], key=lambda e: (e["rank"], e["start"]))):
+        assert e["name"] == f"{ev['kind']}{ev['mb']}" and e["pid"] == ev["rank"]
+        assert e["args"]["version"] == ev["version"] and e["ts"] == pytest.approx(1e3 * ev["start"])
+        assert e["dur"] == pytest.approx(1e3 * (ev["end"] - ev["start"]))
+    assert {e["args"]["name"] for e in trace["traceEvents"] if e["ph"] == "M"} == {"stage 0", "stage 1"}
+
+
+# ----------------------------------------------------------------------------- stash: PipeDream 2019
+def versions_of(events, kind):
+    return {(e["rank"], e["mb"]): e["version"] for e in events if e["kind"] == kind}
+
+
+def test_stash_weight_stashing(launch):
+    summary, out, _ = launch(*STASH)
+    p, m = 3, 4
+    assert_matches_reference(summary)  # against simulate_stash, the rule in one process
+    assert "against the one-process simulation of the stash rule" in out
+    f, events = summary["figures"], summary["figures"]["events"]
+    assert schedule_errors(events, p, STEPS * m) == []
+    assert all(executed(events, r) == pipedream.one_f_one_b(STEPS * m, p, r) for r in range(p))  # one stream
+    assert not drained_between_steps(events, m)  # no flush: step t+1's forwards start before step t's backwards end
+    fwd, bwd = versions_of(events, "F"), versions_of(events, "B")
+    assert fwd == bwd  # weight stashing: every backward on the version its forward read
+    assert all(v == max(0, k - (p - r - 1)) for (r, k), v in fwd.items())  # stage s lags by its warm-up, p-s-1
+    assert len({fwd[0, k] for k in range(STEPS * m)}) > 1 < len({fwd[1, k] for k in range(STEPS * m)})
+    kept = [p - r for r in range(p)]
+    assert f["versions_kept"] == kept == f["versions_kept_theory"]
+    assert [sweep(events, r) for r in range(p)] == [(a, a) for a in kept]  # each one in flight: its own version
+    assert f["peak_alive_microbatches"] == kept
+    # the negative: this is not synchronous training (same config, --mode flush), from the first step on
+    sync = launch(*FLUSH_CLIP0)[0]["losses"]
+    assert all(abs(a - b) > 1e-6 for a, b in zip(summary["losses"], sync))
+
+
+def test_stash_vertical_sync(launch):
+    summary, _, _ = launch(*VSYNC)
+    p, m = 3, 4
+    assert_matches_reference(summary)
+    f, events = summary["figures"], summary["figures"]["events"]
+    assert schedule_errors(events, p, STEPS * m) == []
+    fwd = versions_of(events, "F")
+    assert fwd == versions_of(events, "B")
+    for k in range(STEPS * m):  # every stage reads the version stage 0 read for micro-batch k
+        assert fwd[0, k] == fwd[1, k] == fwd[2, k] == max(0, k - (p - 1))
+    # a later stage, already updated further, must keep what stage 0 may still send: p versions, not p - s
+    assert f["versions_kept"] == [p] * p == f["versions_kept_theory"]
+    # the negatives: another rule gives other numbers; and the check would have caught the wrong rule
+    plain = launch(*STASH)[0]
+    assert all(abs(a - b) > 1e-9 for a, b in zip(summary["losses"], plain["losses"]))
+    args = Namespace(**summary["config"])
+    flipped = pipedream.simulate_stash(Namespace(**{**vars(args), "vertical_sync": False}), p)
+    assert flipped["losses"] == pytest.approx(plain["losses"], rel=1e-12)  # the simulation of the other rule
+    assert all(abs(a - b) > 1e-9 for a, b in zip(flipped["losses"][1:], summary["losses"][1:]))
+
+
+# ----------------------------------------------------------------------------- 2bw: PipeDream-2BW
+def test_2bw_delayed_update(launch):
+    summary, out, _ = launch(*TWO_BW)
+    p, m = 3, 4
+    assert_matches_reference(summary)  # against simulate_2bw: W_{t+1} = AdamW(W_t, clip(grad at W_{t-1}))
+    assert "against the one-process simulation of the 2bw rule" in out
+    f, events = summary["figures"], summary["figures"]["events"]
+    assert schedule_errors(events, p, STEPS * m) == [] and not drained_between_steps(events, m)
+    assert versions_of(events, "F") == versions_of(events, "B")
+    assert all(e["version"] == max(e["mb"] // m - 1, 0) for e in events)  # batch t reads update t-1, everywhere
+    assert f["versions_kept"] == [2] * p and all(sweep(events, r)[1] <= 2 for r in range(p))
+    # the negative: synchronous training (the common reference, same config) agrees on batch 0, which reads W_0 in
+    # both, and differs from batch 1 on, which 2BW still runs on W_0
+    sync = reference_train(Namespace(**summary["config"]))["losses"]
+    assert summary["losses"][0] == pytest.approx(sync[0], rel=1e-12)
+    assert all(abs(a - b) > 1e-6 for a, b in zip(summary["losses"][1:], sync[1:]))
+
+
+# ----------------------------------------------------------------------------- bad input
+def one_error_line(p, words):
+    lines = p.stderr.strip().splitlines()
+    assert p.returncode == 2 and len(lines) == 1 and "Traceback" not in p.stderr, p.stdout + p.stderr
+    assert all(w in lines[0] for w in words), lines[0]
+
+
+def as_rank(world, *args):
+    """What rank world-1 of a torchrun job checks before any collective (world size from the environment)."""
+    env = dict(ENV, WORLD_SIZE=str(world), RANK=str(world - 1))
+    return subprocess.run([sys.executable, str(ROOT / "pipedream.py"), *CFG, *args], env=env, cwd=ROOT,
+                          capture_output=True, text=True, timeout=60)
+
+
+def test_bad_input():
+    one_error_line(run_python("pipedream.py", *CFG), ["one process per stage", "torchrun --nproc_per_node=4"])
+    one_error_line(run_python("pipedream.py", *CFG, "--microbatches", "0"), ["--microbatches must be >= 1"])
+    one_error_line(run_python("pipedream.py", *CFG, "--mode", "gpipe"), ["--mode", "invalid choice: 'gpipe'"])
+    one_error_line(run_python("pipedream.py", *CFG, "--mode", "stash"), ["whole-model gradient norm", "--clip 0"])
+    one_error_line(as_rank(3, "--n-layers", "2"), ["3 stages but --n-layers 2", "--n-layers 3"])
+    one_error_line(as_rank(4, "--mode", "2bw", "--microbatches", "2"), ["2bw needs --microbatches >= stages (4)"])
