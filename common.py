@@ -79,8 +79,9 @@ def parse_args(cls, argv=None):
 
 def fail(msg):
     """Bad input: one line on stderr and exit code 2, on every rank, before any collective."""
-    rank = os.environ.get("RANK", "0")
-    print(f"{os.path.basename(sys.argv[0])}: error (rank {rank}): {msg}", file=sys.stderr, flush=True)
+    rank = os.environ.get("RANK", "0")  # one write, so the lines of two ranks never interleave
+    sys.stderr.write(f"{os.path.basename(sys.argv[0])}: error (rank {rank}): {msg}\n")
+    sys.stderr.flush()
     sys.exit(2)
 
 
@@ -378,17 +379,17 @@ def state_bytes(model, optimizer=None):
 
 
 class SavedActivations:
-    """Counts the bytes autograd saves for backward inside the `with` block (activations, not
-    parameters): `torch.autograd.graph.saved_tensors_hooks` sees every tensor it packs. A storage saved
-    by several ops (one input feeding q, k and v) counts once. Wrap a forward only: everything saved
-    then stays alive until backward, so no address is reused inside the block."""
+    """Counts the bytes autograd saves for backward inside the `with` block: activations, not parameters
+    (nor views of them, such as the transposed weight a Linear saves). `saved_tensors_hooks` sees every
+    tensor autograd packs. A storage saved by several ops (one input feeding q, k and v) counts once.
+    Wrap a forward only: what it saves stays alive until backward, so no address is reused inside."""
 
     def __init__(self):
         self.bytes, self._seen = 0, set()
 
     def _pack(self, t):
         key = t.untyped_storage().data_ptr()
-        if not (t.is_leaf and t.requires_grad) and key not in self._seen:  # parameters are held anyway
+        if not (isinstance(t, nn.Parameter) or isinstance(t._base, nn.Parameter)) and key not in self._seen:
             self._seen.add(key)
             self.bytes += t.untyped_storage().nbytes()
         return t

@@ -93,7 +93,7 @@ class Stage(nn.Module):
 class HeldBytes:
     """Bytes autograd saves for backward inside the `with` block (`saved_tensors_hooks` sees every tensor it
     packs), parameters excluded, each storage once; `total(*tensors)` adds the stage input and output.
-    (common.SavedActivations skips every leaf that requires grad, which would hide a received activation.)"""
+    (common.SavedActivations counts the same tensors; this one also adds the input and output, once each.)"""
 
     def __init__(self, params):
         self.params = {p.untyped_storage().data_ptr() for p in params}

@@ -243,7 +243,7 @@ class StageRunner:
         self.events.append(dict(rank=self.s, kind="F", mb=k, start=start, end=self.clock(), version=v))
         self.in_flight[v] += 1
         self.next_f = k + 1
-        held = saved.bytes + sum(t.numel() * t.element_size() for t in (inp, out))  # + the input, the output
+        held = saved.bytes + out.numel() * out.element_size()  # + the output (the input is among the saved)
         self.alive[k] = (inp, out, v, held)
         self.peak_alive = max(self.peak_alive, len(self.alive))
         if self.stage.last:

@@ -1,0 +1,314 @@
+"""Layer-level checks of moe.py, all in one process group:
+
+    torchrun --nproc_per_node=4 tests/moe_checks.py        (prints ALL CHECKS PASSED, exits 1 otherwise)
+
+1. EP = 1, 2 and 4 (the last two inside the same world of 4: 4 replicas x EP 1, 2 x 2, 1 x 4) give the
+   outputs, aux loss, gradients, and after several steps losses and parameters of the one-process model
+   with every expert local and the same 4 routing groups, for every router (float64).
+2. Dispatch -> combine with identity experts and unit gates returns the input; experts that scale by
+   (i+1) show that each token reached the experts the router chose, across the all-to-all.
+3. Hand-written logits: assignment, capacity and drops of switch and gshard; switch's weighted aux loss is
+   alpha under uniform routing; expert choice fills every expert with exactly C tokens; noisy top-k's
+   smooth load equals a Monte-Carlo estimate of its definition.
+4. One process, one router per rank: the balancing loss evens the load against aux weight 0, and
+   training lowers the LM loss toward the Markov floor.
+Negative checks: random numbers keyed by a rank's local position, or other routing groups, change the answer.
+"""
+import math
+import os
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import torch
+import torch.distributed as dist
+
+import moe
+from common import MarkovData, count_tokens, init_dist, lm_loss, make_optimizer
+
+TOL = 1e-9
+results = []
+
+
+def tiny(router, **kw):
+    base = dict(vocab=32, seq_len=8, d_model=16, n_heads=2, n_layers=2, batch_size=12, steps=3, dtype="float64",
+                experts=4, capacity_factor=1.0, router=router, aux_weight=0.1)
+    base.update(kw)
+    return moe.Args(**base)
+
+
+def gmax(x):
+    """The largest value over ranks (every rank gets it)."""
+    t = torch.tensor([float(x)], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.item()
+
+
+def check(d, name, ok, detail=""):
+    ok = gmax(0.0 if ok else 1.0) == 0.0  # passed on every rank
+    results.append(ok)
+    d.log(f"{'PASS' if ok else 'FAIL'}  {name}  {detail}")
+
+
+def rel(a, b):
+    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-300)).item()
+
+
+def gather_grads(lay, model):
+    """Full gradients by name: expert shards all-gathered over the EP group."""
+    _, expert = moe.split_params(model)
+    ids, out = {id(p) for p in expert}, {}
+    for name, p in model.named_parameters():
+        if id(p) in ids and lay.ep > 1:
+            parts = [torch.empty_like(p.grad) for _ in range(lay.ep)]
+            dist.all_gather(parts, p.grad.contiguous(), group=lay.ep_group)
+            out[name] = torch.cat(parts)
+        else:
+            out[name] = p.grad
+    return out
+
+
+def first_step(args, data, groups, lay=None, d=None, row_key_offset=True):
+    """Forward + backward of step 0. One process (lay None) on the whole batch, else this rank's rows."""
+    x, y = data.batch(0, args.batch_size, args.seq_len)
+    n_tok = count_tokens(y)
+    if lay is None:
+        model, row0, rows = moe.build_moe_gpt(args, groups), 0, args.batch_size
+    else:
+        model = moe.build_moe_gpt(args, groups, lay.ep, lay.ep_rank, lay.ep_group)
+        rows = args.batch_size // d.world
+        row0 = d.rank * rows
+    logits, aux = moe.forward(model, x[row0:row0 + rows], 0, row0 if row_key_offset else 0)
+    (lm_loss(logits, y[row0:row0 + rows], n_tok) + args.aux_weight * aux).backward()
+    if lay is None:
+        return logits.detach(), aux.item(), {n: p.grad for n, p in model.named_parameters()}
+    moe.sync_grads(lay, model)
+    aux_t = aux.detach().clone().view(1)
+    dist.all_reduce(aux_t)
+    return logits.detach(), aux_t.item(), gather_grads(lay, model), row0, rows
+
+
+def parity(d, data, layouts):
+    groups = 4
+    for router in moe.ROUTERS:
+        args = tiny(router, top_k=2 if router == "noisy_topk" else 0)
+        ref_logits, ref_aux, ref_grads = first_step(args, data, groups)
+        ref = moe.moe_reference(args, groups, "cpu")
+        for ep, lay in layouts.items():
+            logits, aux, grads, row0, rows = first_step(args, data, groups, lay, d)
+            out_diff = rel(logits, ref_logits[row0:row0 + rows])
+            grad_diff = max(rel(grads[n], g) for n, g in ref_grads.items())
+            model = moe.build_moe_gpt(args, groups, ep, lay.ep_rank, lay.ep_group)
+            opt = make_optimizer(model.parameters(), args)
+            losses = []
+            for step in range(args.steps):
+                x, y = data.batch(step, args.batch_size, args.seq_len)
+                losses.append(moe.train_step(d, args, lay, model, opt, x, y, step))
+            full = moe.full_params(lay, model)
+            loss_diff = max(abs(a[0] - b) / abs(b) for a, b in zip(losses, ref["losses"]))
+            param_diff = max((full[n] - p).abs().max().item() for n, p in ref["params"].items())
+            aux_diff = abs(aux - ref_aux) / max(abs(ref_aux), 1e-300)
+            diffs = [gmax(v) for v in (out_diff, aux_diff, grad_diff, loss_diff, param_diff)]
+            check(d, f"parity {router:13s} EP {ep} ({d.world // ep} replicas) vs one process, 4 groups",
+                  max(diffs) <= TOL and set(full) == set(ref["params"]),
+                  "rel diff: outputs {:.1e}, aux {:.1e}, grads {:.1e}, losses after 3 steps {:.1e}; params {:.1e}"
+                  .format(*diffs))
+    # Negative: the noise keyed by a rank's *local* row (as a per-rank RNG would do) changes the answer.
+    args = tiny("noisy_topk")
+    ref_logits, _, _ = first_step(args, data, groups)
+    logits, _, _, row0, rows = first_step(args, data, groups, layouts[4], d, row_key_offset=False)
+    check(d, "negative: noise keyed by local instead of global row differs from the reference",
+          gmax(rel(logits, ref_logits[row0:row0 + rows])) > 1e-6)
+    # Negative: one routing group instead of 4 gives other capacities, other drops, other outputs.
+    args = tiny("switch")
+    one = first_step(args, data, 1)[0]
+    four = first_step(args, data, 4)[0]
+    check(d, "negative: 1 routing group vs 4 changes the output (capacity is per group)", rel(one, four) > 1e-6,
+          f"rel diff {rel(one, four):.2e}")
+
+
+def dispatch_combine(d, data, layouts):
+    for router in moe.ROUTERS:
+        for ep in (2, 4):
+            lay = layouts[ep]
+            args = tiny(router)
+            layer = moe.moe_layers(moe.build_moe_gpt(args, 4, ep, lay.ep_rank, lay.ep_group))[0]
+            g = torch.Generator().manual_seed(100 + d.rank)
+            xg = torch.randn(1, layer.rows_per_group * args.seq_len, args.d_model, generator=g, dtype=torch.float64)
+            dispatch, combine, _, _ = layer.route(xg, 0, d.rank * layer.rows_per_group, args.seq_len)
+            n_assigned = dispatch.sum((2, 3))[..., None]  # (1, S, 1)
+            layer.experts = lambda h: h  # identity experts, unit gates
+            y_id = layer.exchange(xg, dispatch, dispatch)
+            scale = torch.arange(1, layer.E + 1, dtype=torch.float64)  # expert i multiplies by i + 1
+            mine = scale[lay.ep_rank * layer.El:(lay.ep_rank + 1) * layer.El]
+            layer.experts = lambda h: h * mine[:, None, None]
+            y_sc = layer.exchange(xg, dispatch, dispatch)
+            want_sc = torch.einsum("gsec,e->gs", dispatch, scale)[..., None] * xg
+            remote = dispatch.sum((0, 1, 3))  # tokens sent to each expert; some must live on other ranks
+            remote = remote.sum() - remote[lay.ep_rank * layer.El:(lay.ep_rank + 1) * layer.El].sum()
+            ok = (torch.equal(y_id, n_assigned * xg) and torch.allclose(y_sc, want_sc, rtol=1e-15, atol=0)
+                  and remote > 0 and not torch.allclose(y_sc, y_id))
+            check(d, f"dispatch/combine {router:13s} EP {ep}: identity returns the input "
+                     f"(x #assignments), experts x(i+1) give sum_i (i+1) x over the router's choices", ok)
+    # With enough capacity for everything, switch's round trip returns exactly the input.
+    lay = layouts[4]
+    args = tiny("switch", capacity_factor=4.0)
+    layer = moe.moe_layers(moe.build_moe_gpt(args, 4, 4, lay.ep_rank, lay.ep_group))[0]
+    xg = torch.randn(1, layer.rows_per_group * args.seq_len, args.d_model, dtype=torch.float64)
+    dispatch, _, _, _ = layer.route(xg, 0, 0, args.seq_len)
+    layer.experts = lambda h: h
+    check(d, "dispatch/combine switch, C = S: identity experts + unit gates return exactly the input",
+          torch.equal(layer.exchange(xg, dispatch, dispatch), xg), f"C = {layer.C}")
+
+
+def hand_written(d):
+    # Switch, S = 6 tokens, E = 3, cf 1.0 -> C = 2. First choices 0 0 0 1 0 2: expert 0 takes tokens 0 and 1,
+    # tokens 2 and 4 find it full and are dropped; token 3 -> expert 1 slot 0, token 5 -> expert 2 slot 0.
+    a = tiny("switch", experts=3)
+    C = moe.capacity(a, 6)
+    logits = 4.0 * torch.nn.functional.one_hot(torch.tensor([[0, 0, 0, 1, 0, 2]]), 3).double()
+    dispatch, combine, _, wanted = moe.route_switch(logits, C)
+    want = torch.zeros(1, 6, 3, 2, dtype=torch.float64)
+    for s, e, c in [(0, 0, 0), (1, 0, 1), (3, 1, 0), (5, 2, 0)]:
+        want[0, s, e, c] = 1
+    p = logits.softmax(-1).max(-1).values[..., None, None]
+    check(d, "switch hand-written: C = 2, tokens 2 and 4 dropped, slots in token order, gate = router prob",
+          C == 2 and torch.equal(dispatch, want) and torch.allclose(combine, want * p, rtol=0, atol=1e-15)
+          and wanted.tolist() == [[4, 1, 1]], f"capacity {C}")
+    caps = [moe.capacity(tiny("switch", capacity_factor=1.25), 24), moe.capacity(tiny("gshard"), 24),
+            moe.capacity(tiny("expert_choice", capacity_factor=2.0), 24),
+            moe.capacity(tiny("switch", capacity_factor=9), 24)]
+    check(d, "capacity: switch ceil(1.25*24/4)=8, gshard 2*24/4=12, expert choice 2*24/4=12, capped at S=24",
+          caps == [8, 12, 12, 24], str(caps))
+    # GShard, S = 4, E = 3, cf 0.75 -> C = ceil(0.75 * 2 * 4 / 3) = 2. (1st, 2nd) choices: (0,1) (0,2) (0,1) (1,0).
+    # All first choices before any second: e0 <- t0, t1 (t2 dropped); e1 <- t3. Then seconds: t0 -> e1 slot 1,
+    # t1 -> e2 slot 0, t2 -> e1 full (dropped: token 2 gets nothing), t3 -> e0 full (dropped).
+    a = tiny("gshard", experts=3, capacity_factor=0.75)
+    C = moe.capacity(a, 4)
+    logits = torch.tensor([[[3.0, 2, 0], [3, 0, 2], [3, 2, 0], [2, 3, 0]]], dtype=torch.float64)
+    dispatch, combine, _, _ = moe.route_gshard(logits, torch.zeros(1, 4, dtype=torch.float64), C)
+    want = torch.zeros(1, 4, 3, 2, dtype=torch.float64)
+    for s, e, c in [(0, 0, 0), (1, 0, 1), (3, 1, 0), (0, 1, 1), (1, 2, 0)]:
+        want[0, s, e, c] = 1
+    g = logits.softmax(-1).topk(2).values
+    g = g / g.sum(-1, keepdim=True)
+    token_gates = torch.tensor([[1.0, 1.0, 0.0, g[0, 3, 0].item()]], dtype=torch.float64)  # token 3: its g1 only
+    gates_ok = torch.allclose(combine.sum((2, 3)), token_gates, atol=1e-15)
+    dispatch_u1, _, _, wanted_u1 = moe.route_gshard(logits, torch.ones(1, 4, dtype=torch.float64), C)
+    want_u1 = torch.zeros(1, 4, 3, 2, dtype=torch.float64)
+    for s, e, c in [(0, 0, 0), (1, 0, 1), (3, 1, 0)]:
+        want_u1[0, s, e, c] = 1
+    check(d, "gshard hand-written: C = 2, 2nd choices queue behind all 1st choices, token 2 dropped entirely; "
+             "uniform = 1 drops every 2nd choice (random routing keeps it with prob 2*g2 <= 1)",
+          C == 2 and torch.equal(dispatch, want) and gates_ok and torch.equal(dispatch_u1, want_u1)
+          and wanted_u1.tolist() == [[3, 1, 0]])
+    # Random routing frequency: 2 * g2 = 0.5 for every token, uniforms from a generator: ~half kept.
+    n = 20000
+    lg = torch.tensor([math.log(3.0), 0.0, -30.0], dtype=torch.float64).expand(1, n, 3)  # g1, g2 = 3/4, 1/4
+    u = torch.rand(1, n, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    kept = moe.route_gshard(lg, u, 1)[3][0, 1].item() / n  # wanted assignments of expert 1 = kept 2nd choices
+    check(d, "gshard random routing keeps the 2nd expert with probability 2*g2 = 0.5", abs(kept - 0.5) < 0.02,
+          f"kept {kept:.3f}")
+    # Switch aux under perfectly uniform routing (token s prefers expert s mod E, symmetric probabilities):
+    # E * sum f_i P_i = E * E * (1/E)(1/E) = 1, so the weighted aux loss is alpha exactly.
+    a = tiny("switch", experts=4, aux_weight=1e-2)
+    logits = 3.0 * torch.nn.functional.one_hot(torch.arange(8) % 4, 4).double()[None]
+    aux = moe.route_switch(logits, 2)[2].item()
+    skew = moe.route_switch(3.0 * torch.nn.functional.one_hot(torch.zeros(8, dtype=torch.long), 4).double()[None], 2)[2]
+    check(d, "switch aux loss x alpha = alpha under uniform routing; all tokens on one expert give more",
+          abs(a.aux_weight * aux - 1e-2) < 1e-15 and skew.item() > 3.0,
+          f"alpha*aux {a.aux_weight * aux:.17f}, skewed aux {skew.item():.3f}")
+    # Expert choice: every expert exactly C tokens, every slot filled once; a token may get 0..E experts.
+    g = torch.Generator().manual_seed(2)
+    logits = torch.randn(2, 24, 4, generator=g, dtype=torch.float64)
+    C = moe.capacity(tiny("expert_choice"), 24)
+    dispatch, combine, aux, _ = moe.route_expert_choice(logits, C)
+    per_token = dispatch.sum((2, 3))
+    check(d, "expert choice: every expert takes exactly C = 6 tokens, each slot once, tokens get 0..E experts",
+          C == 6 and (dispatch.sum((1, 3)) == C).all() and (dispatch.sum(1) == 1).all() and (per_token >= 2).any()
+          and (per_token == 0).any() and (aux == 0).all(), f"experts per token: {per_token[0].int().tolist()}")
+    # Noisy top-k's smooth load against its definition: redraw only expert i's noise, count how often i is
+    # in the top k (Monte Carlo, 40000 draws), for every token and expert of a small example.
+    g = torch.Generator().manual_seed(3)
+    clean = torch.randn(1, 3, 4, generator=g, dtype=torch.float64)
+    std = 0.2 + torch.rand(1, 3, 4, generator=g, dtype=torch.float64)
+    H = clean + torch.randn(1, 3, 4, generator=g, dtype=torch.float64) * std
+    P = moe.smooth_load(clean, std, H, 2)
+    mc = torch.zeros_like(P)
+    draws = torch.randn(40000, generator=g, dtype=torch.float64)
+    for s in range(3):
+        for i in range(4):
+            others = torch.cat([H[0, s, :i], H[0, s, i + 1:]])
+            kth_other = others.topk(2).values[-1]  # i is in the top 2 iff it beats the 2nd best of the others
+            mc[0, s, i] = ((clean[0, s, i] + draws * std[0, s, i]) > kth_other).double().mean()
+    check(d, "noisy top-k smooth load = Monte-Carlo of 'expert i stays in the top k when its noise is redrawn'",
+          (P - mc).abs().max() < 0.015, f"max |P - MC| {(P - mc).abs().max():.4f}")
+
+
+def balance(d):
+    """One process per rank, one router each: train from a deliberately sharp router (x50) with and without
+    the balancing loss; compare the load's coefficient of variation over the last 10 steps."""
+    args = dict(vocab=32, seq_len=16, d_model=32, n_heads=2, n_layers=2, batch_size=8, steps=30, dtype="float32",
+                experts=8, capacity_factor=1.0, lr=1e-2, seed=1)
+    data = MarkovData(args["vocab"], args["seed"])
+    mine = [r for i, r in enumerate(moe.ROUTERS) if i % d.world == d.rank]
+    for router in moe.ROUTERS:
+        out = torch.zeros(4, dtype=torch.float64)  # cv without, cv with, first LM loss, last LM losses
+        if router in mine:
+            cvs = {}
+            for w in (0.0, 0.1):
+                a = moe.Args(**args, router=router, aux_weight=w)
+                torch.manual_seed(0)
+                model = moe.build_moe_gpt(a, 1)
+                for layer in moe.moe_layers(model):
+                    layer.w_gate.data.mul_(50.0)
+                opt = make_optimizer(model.parameters(), a)
+                cv, lms = [], []
+                for step in range(a.steps):
+                    x, y = data.batch(step, a.batch_size, a.seq_len)
+                    logits, aux = moe.forward(model, x, step, 0)
+                    lm = lm_loss(logits, y, count_tokens(y))
+                    opt.zero_grad()
+                    (lm + w * aux).backward()
+                    opt.step()
+                    load = torch.stack([m.stats[:a.experts] for m in moe.moe_layers(model)]).double()
+                    cv.append((load.std(-1, correction=0) / load.mean(-1)).mean().item())
+                    lms.append(lm.item())
+                cvs[w] = sum(cv[-10:]) / 10
+            out = torch.tensor([cvs[0.0], cvs[0.1], lms[0], sum(lms[-5:]) / 5], dtype=torch.float64)
+        dist.all_reduce(out)  # only the owner's numbers are nonzero
+        cv0, cv1, first, last = out.tolist()
+        if router == "expert_choice":
+            check(d, "balance expert_choice: load perfectly even by construction, with or without aux",
+                  cv0 == 0 and cv1 == 0, f"CV {cv0:.3f} / {cv1:.3f}")
+        else:
+            check(d, f"balance {router:10s}: aux weight 0.1 evens the load vs 0 (CV of load, last 10 of 30 steps)",
+                  cv1 < 0.8 * cv0, f"CV {cv0:.3f} -> {cv1:.3f}")
+        gap0, gap1 = first - data.entropy, last - data.entropy
+        check(d, f"training {router:13s} lowers the LM loss toward the floor {data.entropy:.3f}",
+              gap1 < 0.4 * gap0, f"{first:.3f} -> {last:.3f} (gap {gap0:.3f} -> {gap1:.3f})")
+
+
+def main():
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    d = init_dist(120)
+    if d.world != 4:
+        print("run me as: torchrun --nproc_per_node=4 tests/moe_checks.py", file=sys.stderr)
+        sys.exit(2)
+    torch.manual_seed(d.rank)
+    data = MarkovData(32, 0)
+    layouts = {ep: moe.make_layout(d, ep) for ep in (1, 2, 4) if d.world % ep == 0}
+    parity(d, data, layouts)
+    dispatch_combine(d, data, layouts)
+    hand_written(d)
+    balance(d)
+    passed = all(results)
+    d.log("ALL CHECKS PASSED" if passed else f"{results.count(False)} CHECKS FAILED")
+    dist.barrier()
+    dist.destroy_process_group()
+    sys.exit(0 if passed else 1)
+
+
+if __name__ == "__main__":
+    main()
