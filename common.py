@@ -133,6 +133,13 @@ def init_dist(timeout_s=120):
     return Dist(dist.get_rank(), dist.get_world_size(), local_rank, device, backend)
 
 
+def close_dist():
+    """Barrier, then tear down: a rank that destroys its group while a peer still talks to it can make
+    gloo abort the peer at exit ("terminate called without an active exception")."""
+    dist.barrier()
+    dist.destroy_process_group()
+
+
 # ----------------------------------------------------------------------------- model
 @dataclass
 class GPTConfig:

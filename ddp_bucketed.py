@@ -45,10 +45,10 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from common import (CommonArgs, DTYPES, Checkpointer, GPTConfig, MarkovData, SavedActivations, StepTimer,
-                    build_gpt, check_against_reference, check_common_args, count_tokens, env_world_size, fail,
-                    init_dist, lm_loss, log_step, make_optimizer, maybe_fail, parse_args, peak_memory_bytes,
-                    state_bytes, tensor_bytes, tolerance, write_summary)
+from common import (DTYPES, build_gpt, check_against_reference, check_common_args, Checkpointer, close_dist,
+                    CommonArgs, count_tokens, env_world_size, fail, GPTConfig, init_dist, lm_loss, log_step,
+                    make_optimizer, MarkovData, maybe_fail, parse_args, peak_memory_bytes, SavedActivations,
+                    state_bytes, StepTimer, tensor_bytes, tolerance, write_summary)
 
 MiB = 1024 * 1024
 WIRE = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -275,7 +275,7 @@ def main():
                   args.batch_size * args.seq_len / max(timer.median(), 1e-9) * 1e3, peak_memory_bytes(d, peak),
                   figures["allreduce_payload_bytes_per_step"], check, figures)
     print_summary(d, figures)
-    dist.destroy_process_group()
+    close_dist()
     sys.exit(0 if check is None or check["passed"] else 1)
 
 

@@ -54,10 +54,10 @@ from typing import Literal
 import torch
 import torch.distributed as dist
 
-from common import (DTYPES, CommonArgs, GPTConfig, MarkovData, SavedActivations, Checkpointer, StepTimer,
-                    build_gpt, check_against_reference, check_common_args, clip_grads_, count_tokens,
-                    env_world_size, fail, init_dist, lm_loss, log_step, make_optimizer, maybe_fail,
-                    parse_args, peak_memory_bytes, state_bytes, write_summary)
+from common import (DTYPES, build_gpt, check_against_reference, check_common_args, Checkpointer, clip_grads_,
+                    close_dist, CommonArgs, count_tokens, env_world_size, fail, GPTConfig, init_dist, lm_loss,
+                    log_step, make_optimizer, MarkovData, maybe_fail, parse_args, peak_memory_bytes,
+                    SavedActivations, state_bytes, StepTimer, write_summary)
 
 
 @dataclass
@@ -329,8 +329,7 @@ def main():
 
     write_summary(d, args, f"dp-{args.mode}", losses, timer.median(), tokens / max(timer.median(), 1e-9) * 1e3,
                   peak_memory_bytes(d, counted), sent, check, figures)
-    dist.barrier()  # nobody tears down the group while another rank still uses it
-    dist.destroy_process_group()
+    close_dist()
     sys.exit(0 if check is None or check["passed"] else 1)
 
 

@@ -51,10 +51,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 from einops import rearrange
 
-from common import (DTYPES, IGNORE, Checkpointer, CommonArgs, GPTConfig, MarkovData, SavedActivations, StepTimer,
-                    build_gpt, check_against_reference, check_common_args, clip_grads_, count_tokens,
-                    env_world_size, fail, init_dist, log_step, make_optimizer, maybe_fail, parse_args,
-                    peak_memory_bytes, state_bytes, tensor_bytes, write_summary)
+from common import (DTYPES, IGNORE, build_gpt, check_against_reference, check_common_args, Checkpointer,
+                    clip_grads_, close_dist, CommonArgs, count_tokens, env_world_size, fail, GPTConfig,
+                    init_dist, log_step, make_optimizer, MarkovData, maybe_fail, parse_args,
+                    peak_memory_bytes, SavedActivations, state_bytes, StepTimer, tensor_bytes, write_summary)
 
 
 @dataclass
@@ -648,8 +648,7 @@ def main():
     tokens_per_s = args.batch_size * args.seq_len / max(timer.median(), 1e-9) * 1e3
     write_summary(d, args, "megatron_tp", losses, timer.median(), tokens_per_s,
                   peak_memory_bytes(d, state_bytes(model, opt) + acts), comm_bytes, check, figures)
-    dist.barrier()  # nobody tears down the group while another rank still uses it
-    dist.destroy_process_group()
+    close_dist()
     sys.exit(0 if check is None or check["passed"] else 1)
 
 

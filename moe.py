@@ -54,10 +54,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 from einops import rearrange
 
-from common import (DTYPES, CommonArgs, GPTConfig, MarkovData, SavedActivations, Checkpointer, StepTimer,
-                    build_gpt, check_against_reference, check_common_args, clip_grads_, count_tokens,
-                    env_world_size, fail, init_dist, lm_loss, log_step, make_optimizer, maybe_fail,
-                    parse_args, peak_memory_bytes, reference_train, state_bytes, write_summary)
+from common import (DTYPES, build_gpt, check_against_reference, check_common_args, Checkpointer, clip_grads_,
+                    close_dist, CommonArgs, count_tokens, env_world_size, fail, GPTConfig, init_dist, lm_loss,
+                    log_step, make_optimizer, MarkovData, maybe_fail, parse_args, peak_memory_bytes,
+                    reference_train, SavedActivations, state_bytes, StepTimer, write_summary)
 
 ROUTERS = ("noisy_topk", "gshard", "switch", "expert_choice")
 
@@ -521,8 +521,7 @@ def main():
         check = check_against_reference(d, args, losses, full, ref=ref)
     write_summary(d, args, f"moe-{args.router}", losses, timer.median(), tokens / max(timer.median(), 1e-9) * 1e3,
                   peak_memory_bytes(d, counted), sent, check, f)
-    dist.barrier()  # nobody tears down the group while another rank still uses it
-    dist.destroy_process_group()
+    close_dist()
     sys.exit(0 if check is None or check["passed"] else 1)
 
 

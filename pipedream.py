@@ -68,10 +68,10 @@ import torch.nn as nn
 from einops import rearrange
 from torch.func import functional_call
 
-from common import (DTYPES, Checkpointer, CommonArgs, GPTConfig, MarkovData, SavedActivations, StepTimer,
-                    build_gpt, check_against_reference, check_common_args, clip_grads_, count_tokens,
-                    env_world_size, fail, init_dist, lm_loss, log_step, make_optimizer, maybe_fail, parse_args,
-                    peak_memory_bytes, state_bytes, tensor_bytes, write_summary)
+from common import (DTYPES, build_gpt, check_against_reference, check_common_args, Checkpointer, clip_grads_,
+                    close_dist, CommonArgs, count_tokens, env_world_size, fail, GPTConfig, init_dist, lm_loss,
+                    log_step, make_optimizer, MarkovData, maybe_fail, parse_args, peak_memory_bytes,
+                    SavedActivations, state_bytes, StepTimer, tensor_bytes, write_summary)
 
 
 @dataclass
@@ -534,8 +534,7 @@ def main():
         check = check_against_reference(d, args, losses, full, ref=ref)
     write_summary(d, args, f"pipedream-{args.mode}", losses, timer.median(), tokens / max(timer.median(), 1e-9) * 1e3,
                   peak_memory_bytes(d, runner.peak_bytes), max(figures.get("sent_bytes_per_rank", [0])), check, figures)
-    dist.barrier()  # nobody tears down the group while another rank still uses it
-    dist.destroy_process_group()
+    close_dist()
     sys.exit(0 if check is None or check["passed"] else 1)
 
 

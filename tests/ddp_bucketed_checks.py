@@ -241,6 +241,7 @@ for name, dtype, hook in (("bf16", torch.bfloat16, bf16_hook), ("fp16", torch.fl
 
 every = [None] * d.world
 dist.all_gather_object(every, failures)
+dist.barrier()  # see common.close_dist
 dist.destroy_process_group()
 if any(every):
     d.log("\n".join(f"FAIL on rank {r}: {what}" for r, whats in enumerate(every) for what in whats))
