@@ -1,0 +1,560 @@
+"""zero.py: ZeRO stages 0-3 (stage 3 = FSDP) on the data-parallel group, written out, with CPU offload,
+activation recomputation, mixed precision with dynamic loss scaling, and a sharded checkpoint that
+reshards to another world size.
+
+ZeRO (Rajbhandari, Rasley, Ruwase, He, 2020) removes the redundancy of data parallelism: each of N ranks
+holds the whole model state, yet only 1/N of the update work needs to happen on it.
+  stage 0  plain data parallel: all-reduce the gradients, every rank runs the whole AdamW step.
+  stage 1  P_os: optimizer state sharded. Reduce-scatter the gradients, each rank updates its shard of the
+           parameters with its shard of the Adam moments, then all-gather the parameters.
+  stage 2  P_os+g: gradients sharded too: each unit's gradient is reduce-scattered as soon as backward has
+           produced it (every micro-batch) and only this rank's shard of it is kept.
+  stage 3  P_os+g+p: parameters sharded too (FSDP, Zhao et al. 2023). A unit (a transformer block; what is
+           left of the model is the root unit) is all-gathered just before its forward, freed after it,
+           all-gathered again for its backward, and its gradient reduce-scattered.
+  --offload         ZeRO-Offload (Ren et al. 2021), the GeePS idea (Cui et al. 2016) of keeping off the GPU
+                    what is not in use: the fp32 master shard and Adam moments live in CPU memory and the
+                    optimizer step runs there. On a CPU-only machine the same code path runs.
+  --recompute       activation recomputation per block (Chen et al. 2016), via torch.utils.checkpoint.
+  --mixed-precision fp32 master shard, bf16/fp16 compute copy, gradients reduced in fp32 (Micikevicius et
+                    al. 2018); fp16 adds dynamic loss scaling, with one skip decision for every rank.
+
+Flat shards: each unit's parameters are flattened into one vector, padded to N*S elements, S = ceil(P/N),
+and rank r owns elements [r*S, (r+1)*S), so any parameter count works at any world size:
+
+    unit, P = 15, N = 4      [ w (3x4) ........... | b (3) | pad ]       16 = 4 * 4 elements
+    owner                    [ rank 0 | rank 1 | rank 2 | rank 3 ]
+    stage 3, per micro-batch  fwd: gather root | gather u0, run, free | gather u1, run, free | loss
+                              bwd: (root) gather u1, grad, reduce-scatter, free | u0 ... | root
+
+What rank 0 of N = 4 holds (# = held), and the model-state bytes per rank (Psi parameters; p and g bytes
+per parameter and gradient element, K bytes of optimizer state per parameter; the paper's Fig. 1 uses
+fp16 Adam: p = g = 2, K = 12 = fp32 master + m + v):
+               parameters   gradients    Adam state
+    stage 0   [########]   [########]   [########]      (p+g+K) Psi
+    stage 1   [########]   [########]   [##      ]      (p+g) Psi + K Psi/N
+    stage 2   [########]   [##      ]   [##      ]      p Psi + (g+K) Psi/N
+    stage 3   [##      ]   [##      ]   [##      ]      (p+g+K) Psi/N   (+ the units gathered right now)
+
+    python zero.py --stage 3 --check                                        # world 1: a shard is the whole
+    torchrun --nproc_per_node=4 zero.py --stage 3 --accum 2 --check
+    torchrun --nproc_per_node=4 zero.py --stage 2 --offload --recompute --mixed-precision bf16
+    torchrun --nproc_per_node=4 zero.py --stage 1 --ckpt-dir ckpt --save-every 5 --steps 10
+    torchrun --nproc_per_node=2 zero.py --stage 3 --ckpt-dir ckpt --steps 20    # resumes at world 2
+
+In production, use torch.distributed.fsdp.fully_shard (FSDP2) or DeepSpeed ZeRO.
+"""
+import os, sys, weakref
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.func import functional_call
+from torch.utils.checkpoint import checkpoint
+
+from common import (DTYPES, CommonArgs, GPTConfig, MarkovData, StepTimer, build_gpt, check_against_reference,
+                    check_common_args, clip_grads_, close_dist, count_tokens, env_world_size, fail, init_dist,
+                    lm_loss, log_step, make_optimizer, maybe_fail, parse_args, peak_memory_bytes, tensor_bytes,
+                    tolerance, write_summary)
+
+LOW = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+# torch 2.13 renamed the flat collectives; older releases have only the *_into_tensor / *_tensor names
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+@dataclass
+class Args(CommonArgs):
+    stage: int = 0  # ZeRO stage: 0 data parallel, 1 shard optimizer state, 2 +gradients, 3 +parameters (FSDP)
+    accum: int = 1  # micro-batches per rank per optimizer step (gradient accumulation)
+    offload: bool = False  # keep the master shard and Adam moments in CPU memory and step there (ZeRO-Offload)
+    recompute: bool = False  # recompute each block's activations in backward (torch.utils.checkpoint)
+    mixed_precision: Literal["none", "bf16", "fp16"] = "none"  # low-precision compute copy; master stays --dtype
+    loss_scale: float = 65536.0  # fp16: initial dynamic loss scale
+    scale_window: int = 1000  # fp16: double the loss scale after this many clean steps in a row
+    inject_overflow: int = -1  # fp16 test: put an inf into the last rank's gradient at this step
+
+
+# ----------------------------------------------------------------------------- stage 3: gather and release
+class GatherParams(torch.autograd.Function):
+    """Stage 3 (FSDP). Forward: all-gather the unit's flat parameters from the N shards. Backward: the
+    gradient of the whole flat vector, reduce-scattered (in the master dtype: fp32 under mixed precision),
+    lands in this rank's gradient shard. The shard is handled here, so autograd gets None for it."""
+
+    @staticmethod
+    def forward(ctx, shard, unit):  # shard (S,) local -> (N*S,) global
+        ctx.unit = unit
+        return unit.gather(shard)
+
+    @staticmethod
+    def backward(ctx, grad_full):  # (N*S,) global, this rank's micro-batch gradient of the whole unit
+        ctx.unit.reduce_scatter_grad(grad_full)
+        ctx.unit.gathered = None  # the copy gathered again for backward is no longer needed: free it
+        return None, None
+
+
+class FlatUnit(nn.Module):
+    """One unit: `module`'s own parameters flattened into one vector padded to N*S elements. Stages 0-2 hold
+    the whole vector (`full`, the leaf autograd accumulates into); stage 3 holds only this rank's S
+    elements (`shard`) and all-gathers the whole just before each use. The module keeps no parameters:
+    each forward hands it views of the flat vector (torch.func.functional_call)."""
+
+    def __init__(self, zero, module, prefix):
+        super().__init__()
+        self.zero, self.module = zero, module
+        named = list(module.named_parameters())  # units inside `module` were replaced already: only its own
+        self.names = [prefix + n for n, _ in named]  # names in the original model, for full_state_dict()
+        self.local = [n for n, _ in named]  # names inside `module`, for functional_call
+        self.shapes = [p.shape for _, p in named]
+        self.offsets = [0]
+        for _, p in named:
+            self.offsets.append(self.offsets[-1] + p.numel())
+        self.numel = self.offsets[-1]
+        N, r, z = zero.world, zero.rank, zero
+        self.S = -(-self.numel // N)  # shard length ceil(P / N); the last shards hold the padding
+        self.padded, self.lo = self.S * N, r * self.S  # this rank owns flat elements [lo, lo + S)
+        self.valid = max(0, min(self.S, self.numel - self.lo))  # real (not padding) elements in my shard
+        flat = torch.zeros(self.padded, dtype=z.master_dtype, device=z.device)  # (N*S,) global
+        if named:
+            flat[:self.numel] = torch.cat([p.detach().flatten() for _, p in named])
+        for n, _ in named:  # from here on the parameters exist only as (slices of) the flat vector
+            owner, _, attr = n.rpartition(".")
+            del module.get_submodule(owner)._parameters[attr]
+        mine = flat if z.stage == 0 else flat[self.lo:self.lo + self.S]  # what this rank's optimizer updates
+        if z.stage < 3:
+            self.full = flat.to(z.compute_dtype, copy=True).requires_grad_()  # (N*S,) global, a leaf
+            self.full.register_post_accumulate_grad_hook(self._grad_ready)
+            self.compute = self.full.detach() if z.stage == 0 else self.full.detach()[self.lo:self.lo + self.S]
+        else:
+            # (S,) local. requires_grad only so that autograd runs GatherParams.backward.
+            self.full, self.shard = None, mine.to(z.compute_dtype).clone().requires_grad_()
+            self.compute = self.shard.detach()
+        if z.separate_master:  # mixed precision or offload: the optimizer's own copy, in --dtype
+            self.master = mine.clone().to(z.master_device)
+            if z.offload:  # the gradient shard is copied into a host buffer and the step runs on the CPU
+                self.master.grad = torch.zeros_like(self.master)
+        else:
+            self.master = self.compute  # the same storage: AdamW updates the parameters in place
+        # the gradient accumulator, in the master dtype: whole (N*S,) in stages 0-1, this rank's (S,) in 2-3
+        self.grad = torch.zeros(self.padded if z.stage <= 1 else self.S, dtype=z.master_dtype, device=z.device)
+        self.in_forward = None  # stage 3: where the gathered flat vector lies while this unit runs forward
+        self.gathered = None  # stage 3: the flat vector gathered again for this unit's backward
+
+    def views(self, full):  # {name inside module: view of the flat vector with the parameter's shape}
+        return {n: full[a:b].view(s) for n, a, b, s in zip(self.local, self.offsets, self.offsets[1:], self.shapes)}
+
+    def forward(self, *args):
+        if self.zero.recompute and self.module is not self.zero.model:
+            # Keep only the block input; in backward torch.utils.checkpoint (non-reentrant) re-runs _run,
+            # which in stage 3 all-gathers the unit again: that is the backward's gather.
+            for a in args:
+                self.zero.count_saved(a)
+            return checkpoint(self._run, *args, use_reentrant=False)
+        return self._run(*args)
+
+    def _run(self, *args):
+        if self.zero.stage < 3 or not self.numel:  # (a root unit may have no parameters of its own)
+            return functional_call(self.module, self.views(self.full), args)
+        full = GatherParams.apply(self.shard, self)  # (N*S,) global: all-gathered just before use
+        self.in_forward = full.untyped_storage().data_ptr()  # where it lies, for Zero._pack (not a reference)
+        try:
+            return functional_call(self.module, self.views(full), args)
+        finally:
+            self.in_forward = None  # `full` dies here: saved views of it were packed as positions (Zero._pack)
+
+    def gather(self, shard):  # (S,) local -> (N*S,) global, a new buffer whose lifetime is counted
+        buf = torch.empty(self.padded, dtype=shard.dtype, device=shard.device)
+        self.zero.all_gather(buf, shard)
+        full = buf.view(-1)  # count our own handle: gloo's worker thread may hold `buf` a moment longer
+        self.zero.track_gathered(full)
+        return full
+
+    def reduce_scatter_grad(self, g):  # (N*S,) global gradient of one micro-batch -> add my (S,) shard
+        out = torch.empty(self.S, dtype=self.zero.master_dtype, device=self.zero.device)
+        self.zero.reduce_scatter(out, g.to(self.zero.master_dtype).contiguous())  # reduced in fp32
+        self.grad += out
+
+    def _grad_ready(self, full):  # stages 0-2: autograd has accumulated this micro-batch's gradient
+        g = full.grad
+        full.grad = None
+        if self.zero.stage <= 1:
+            self.grad += g  # keep the whole gradient; reduced once per step (DDP's no_sync accumulation)
+        else:
+            self.reduce_scatter_grad(g)  # stage 2: reduce-scatter now, keep only my shard
+
+
+# ----------------------------------------------------------------------------- the wrapper
+class Zero:
+    """ZeRO around any nn.Module. `units` names submodules that become FlatUnits (in stage 3 gathered one at
+    a time); the parameters left over form the root unit. Per step: zero(x) and zero.backward(loss) for each
+    micro-batch, then zero.step(). Parameters only: buffers stay in the module, replicated. No parameter
+    may be shared between units (no tied weights across units)."""
+
+    def __init__(self, model, args, units=(), group=None):
+        self.group = group or dist.group.WORLD
+        self.rank, self.world = dist.get_rank(self.group), dist.get_world_size(self.group)
+        self.stage, self.clip, self.recompute, self.offload = args.stage, args.clip, args.recompute, args.offload
+        p0 = next(model.parameters())
+        self.device, self.master_dtype = p0.device, p0.dtype
+        self.compute_dtype = LOW[args.mixed_precision] or self.master_dtype
+        self.master_device = torch.device("cpu") if self.offload else self.device
+        self.separate_master = self.offload or self.compute_dtype != self.master_dtype
+        self.fp16 = args.mixed_precision == "fp16"  # dynamic loss scale, clean steps in a row, growth window
+        self.scale, self.clean, self.window = args.loss_scale if self.fp16 else 1.0, 0, args.scale_window
+        self.sent, self.live_gathered, self.peak_gathered, self.saved_bytes, self._seen = 0.0, 0, 0, 0, set()
+        self.model, self.units = model, []
+        for path in units:  # each named submodule becomes a unit, in its parent's place
+            unit = FlatUnit(self, model.get_submodule(path), path + ".")
+            parent, _, child = path.rpartition(".")
+            setattr(model.get_submodule(parent), child, unit)
+            self.units.append(unit)
+        self.root = FlatUnit(self, model, "")  # whatever parameters are left
+        self.units.append(self.root)
+        self.opt = make_optimizer([u.master for u in self.units], args)  # AdamW on the flat fp32 shards
+
+    # --- counted collectives: bytes this rank sends in a ring implementation -------------------------------
+    def all_gather(self, out, shard, count=True):  # (S,) local -> (N*S,) global
+        all_gather_single(out, shard, group=self.group)
+        self.sent += count * (self.world - 1) * shard.numel() * shard.element_size()
+
+    def reduce_scatter(self, out, full):  # (N*S,) global -> (S,) local, summed over ranks
+        reduce_scatter_single(out, full, group=self.group)
+        self.sent += (self.world - 1) * out.numel() * out.element_size()
+
+    def all_reduce(self, t):  # a ring all-reduce is a reduce-scatter plus an all-gather: twice the bytes
+        dist.all_reduce(t, group=self.group)
+        self.sent += 2 * (self.world - 1) / self.world * t.numel() * t.element_size()
+
+    # --- what autograd saves: activations counted, stage-3 parameter views kept as positions only ----------
+    # One pair of saved_tensors_hooks around the whole forward does both jobs: nested hooks would hide from
+    # an outer counter (common.SavedActivations) whatever these pack, since only the innermost pair runs.
+    # Inside a --recompute block torch.utils.checkpoint's own pair takes over: it keeps nothing there.
+    def track_gathered(self, full):  # live gathered bytes, up when gathered, down when the tensor dies
+        self.live_gathered += full.nbytes
+        self.peak_gathered = max(self.peak_gathered, self.live_gathered)
+        weakref.finalize(full, self._release, full.nbytes)
+
+    def _release(self, nbytes):
+        self.live_gathered -= nbytes
+
+    def count_saved(self, t):  # an activation kept for backward; a storage saved twice counts once
+        if torch.is_tensor(t) and t.untyped_storage().data_ptr() not in self._seen:
+            self._seen.add(t.untyped_storage().data_ptr())
+            self.saved_bytes += t.untyped_storage().nbytes()
+
+    def _pack(self, t):
+        ptr = t.untyped_storage().data_ptr()
+        for u in self.units:
+            if ptr == (u.full.untyped_storage().data_ptr() if self.stage < 3 else u.in_forward):
+                if self.stage < 3:
+                    return t  # a view of a persistent parameter vector: held anyway, not an activation
+                # Stage 3: holding the view would keep the whole gathered unit alive until backward; keep
+                # where it lies instead, and gather the unit again when backward first needs it.
+                return (u, t.storage_offset(), t.shape, t.stride())
+        self.count_saved(t)
+        return t
+
+    def _unpack(self, x):
+        if not isinstance(x, tuple):
+            return x
+        u, offset, shape, stride = x
+        if u.gathered is None:
+            u.gathered = u.gather(u.shard.detach())  # stage 3: all-gathered again for its backward
+        return u.gathered.as_strided(shape, stride, offset)
+
+    # --- training ---------------------------------------------------------------------------------------
+    def __call__(self, *args):
+        self.saved_bytes, self._seen = 0, set()  # counted per micro-batch forward
+        with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+            return self.root(*args)
+
+    def backward(self, loss):  # fp16: scale the loss so small gradients survive in half precision
+        (loss * self.scale if self.fp16 else loss).backward()
+
+    def _reduced(self, u):
+        """Finish the reduction; return (gradient the optimizer reads, the slice of it this rank norms)."""
+        if self.stage == 0:  # (N*S,) global: all-reduce, every rank holds the sum; norm only my slice
+            self.all_reduce(u.grad)
+            return u.grad, u.grad[u.lo:u.lo + u.valid]
+        if self.stage == 1:  # (N*S,) global -> (S,) local
+            g = torch.empty(u.S, dtype=u.grad.dtype, device=u.grad.device)
+            self.reduce_scatter(g, u.grad)
+            return g, g[:u.valid]
+        return u.grad, u.grad[:u.valid]  # stages 2-3: reduced during backward already
+
+    def step(self, inject_inf=False):
+        """1. finish the reduction 2. fp16: unscale 3. global norm from every rank's shard, padding excluded,
+        clip 4. AdamW on the master shard (on the CPU with offload) 5. publish the new parameters."""
+        grads, parts = zip(*(self._reduced(u) for u in self.units))
+        if self.fp16:
+            for g in grads:
+                g.mul_(1.0 / self.scale)
+        if inject_inf:  # test hook: an overflow on this rank only
+            next(p for p in parts if p.numel())[0] = float("inf")
+        sq = torch.zeros(1, dtype=torch.float64, device=self.device)
+        for p in parts:
+            sq += torch.linalg.vector_norm(p, dtype=torch.float64) ** 2
+        self.all_reduce(sq)  # each element is in exactly one rank's slice: no replica counted twice
+        norm = sq.sqrt()
+        # The norm is all-reduced, so an inf/nan anywhere makes it non-finite on every rank: one decision.
+        skipped = self.fp16 and not bool(torch.isfinite(norm))
+        if skipped:
+            self.scale, self.clean = self.scale / 2, 0  # back off and skip the step
+        else:
+            clip_grads_(grads, norm, self.clip)
+            for u, g in zip(self.units, grads):
+                if self.offload:
+                    u.master.grad.copy_(g)  # device -> host
+                else:
+                    u.master.grad = g
+            self.opt.step()
+            self.publish()
+            self.clean += 1
+            if self.fp16 and self.clean == self.window:
+                self.scale, self.clean = self.scale * 2, 0  # a run of clean steps: try a larger scale
+        for u in self.units:
+            u.grad.zero_()
+            if not self.offload:
+                u.master.grad = None
+        return dict(norm=float(norm), skipped=skipped, scale=self.scale)
+
+    def publish(self):
+        """Master -> compute copy (host fp32 -> device bf16); stages 1-2 then all-gather the whole vector."""
+        for u in self.units:
+            if self.separate_master:
+                u.compute.copy_(u.master)
+            if self.stage in (1, 2):
+                self.all_gather(u.full.detach(), u.compute.clone())  # (S,) local -> (N*S,) global
+
+    def full_state_dict(self):
+        """The whole unsharded model on every rank, {name in the original model: tensor}, master dtype."""
+        out = {}
+        for u in self.units:
+            flat = u.master.to(self.device)
+            if self.stage > 0 and u.numel:
+                flat = torch.empty(u.padded, dtype=u.master.dtype, device=self.device)
+                self.all_gather(flat, u.master.to(self.device), count=False)
+            out.update({n: v.detach().clone() for n, v in zip(u.names, u.views(flat).values())})
+        return out
+
+    # --- memory accounting, counted from the tensors -----------------------------------------------------
+    def memory(self):
+        params = tensor_bytes([u.full if self.stage < 3 else u.shard for u in self.units])
+        moments = [v for u in self.units for v in self.opt.state.get(u.master, {}).values()
+                   if torch.is_tensor(v) and v.dim() > 0]
+        optim = tensor_bytes(moments + ([u.master for u in self.units] if self.separate_master else []))
+        host_grads = tensor_bytes([u.master.grad for u in self.units]) if self.offload else 0
+        return dict(params=params, grads=tensor_bytes([u.grad for u in self.units]), optim=optim,
+                    host_grad_copy=host_grads)
+
+    def theory(self, padded=False):
+        """ZeRO's formulas with the bytes of the dtypes actually run: p (compute copy), g (gradient
+        accumulator, master dtype), K = 2 Adam moments (+ the master copy when separate)."""
+        psi = sum(u.padded if padded else u.numel for u in self.units)
+        p, m = torch.finfo(self.compute_dtype).bits // 8, torch.finfo(self.master_dtype).bits // 8
+        N, s = self.world, self.stage
+        K = 2 * m + (m if self.separate_master else 0)
+        return dict(params=p * psi / (N if s == 3 else 1), grads=m * psi / (N if s >= 2 else 1),
+                    optim=K * psi / (N if s >= 1 else 1), psi=psi, p=p, g=m, K=K)
+
+    # --- sharded checkpoint ------------------------------------------------------------------------------
+    def save(self, ckpt_dir, step, history):
+        """Each rank writes only the real elements of its shard (master, Adam moments); rank 0 then writes
+        meta.pt, which marks the step complete. Temporary file + rename: never a half-written file."""
+        path = os.path.join(ckpt_dir, f"step{step}")
+        os.makedirs(path, exist_ok=True)
+        shards = []
+        for u in self.units:
+            st = self.opt.state.get(u.master, {})  # empty if every step so far was skipped (fp16)
+            first = u.lo if self.stage == 0 else 0  # stage 0 holds the whole vector: save only my part
+            shards.append({k: st.get(k, torch.zeros_like(u.master)).detach()[first:first + u.valid].cpu().clone()
+                           for k in ("exp_avg", "exp_avg_sq")})
+            shards[-1]["master"] = u.master.detach()[first:first + u.valid].cpu().clone()
+        adam_step = float(self.opt.state.get(self.units[0].master, {}).get("step", 0))
+        _atomic_save(dict(units=shards), os.path.join(path, f"rank{self.rank}.pt"))
+        dist.barrier(group=self.group)  # every shard is on disk before the step is marked complete
+        if self.rank == 0:
+            meta = dict(world=self.world, numels=[u.numel for u in self.units], adam_step=adam_step,
+                        scale=self.scale, clean=self.clean, history=history)
+            _atomic_save(meta, os.path.join(path, "meta.pt"))
+            for old in _complete_steps(ckpt_dir)[:-2]:  # keep the last two
+                for f in os.listdir(os.path.join(ckpt_dir, f"step{old}")):
+                    os.remove(os.path.join(ckpt_dir, f"step{old}", f))
+                os.rmdir(os.path.join(ckpt_dir, f"step{old}"))
+
+    def load(self, ckpt_dir):
+        """Resume from the newest complete step, whatever world size wrote it: each rank reads, from the
+        old ranks' files, the pieces that overlap the flat elements it owns now. Returns (step, history)."""
+        steps = _complete_steps(ckpt_dir) if ckpt_dir else []
+        t = torch.tensor([steps[-1] if steps else 0], device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)  # every rank sees the same directory
+        if not t.item():
+            return 0, {}
+        path = os.path.join(ckpt_dir, f"step{int(t.item())}")
+        meta = torch.load(os.path.join(path, "meta.pt"), weights_only=False)
+        if meta["numels"] != [u.numel for u in self.units]:
+            raise RuntimeError(f"{path} holds another model (unit sizes {meta['numels']})")
+        old_n, files = meta["world"], {}
+        for i, u in enumerate(self.units):
+            lo, hi = (0, u.numel) if self.stage == 0 else (u.lo, u.lo + u.valid)  # elements I need
+            old_s = -(-u.numel // old_n)
+            pieces = {k: [] for k in ("master", "exp_avg", "exp_avg_sq")}
+            for q in range(lo // old_s, -(-hi // old_s)) if hi > lo else ():  # old ranks that overlap
+                if q not in files:
+                    files[q] = torch.load(os.path.join(path, f"rank{q}.pt"), weights_only=True)["units"]
+                for k in pieces:  # old rank q saved flat elements [q*old_s, q*old_s + len)
+                    pieces[k].append(files[q][i][k][max(lo - q * old_s, 0):hi - q * old_s])
+            state = {k: torch.cat(v).to(u.master) if v else u.master.new_zeros(0) for k, v in pieces.items()}
+            with torch.no_grad():  # stage 0: the whole vector; stages 1-3: my shard; either way from 0
+                u.master.zero_()[:hi - lo] = state["master"]
+            self.opt.state[u.master] = dict(step=torch.tensor(meta["adam_step"]),
+                                            exp_avg=torch.zeros_like(u.master), exp_avg_sq=torch.zeros_like(u.master))
+            self.opt.state[u.master]["exp_avg"][:hi - lo] = state["exp_avg"]
+            self.opt.state[u.master]["exp_avg_sq"][:hi - lo] = state["exp_avg_sq"]
+        self.scale, self.clean = meta["scale"], meta["clean"]
+        self.publish()  # master -> compute copy (and the all-gather of stages 1-2)
+        dist.barrier(group=self.group)
+        return int(t.item()), meta["history"]
+
+
+def _atomic_save(obj, path):
+    torch.save(obj, path + ".tmp")
+    os.replace(path + ".tmp", path)
+
+
+def _complete_steps(ckpt_dir):
+    if not os.path.isdir(ckpt_dir):
+        return []
+    return sorted(int(f[4:]) for f in os.listdir(ckpt_dir)
+                  if f.startswith("step") and f[4:].isdigit() and os.path.exists(os.path.join(ckpt_dir, f, "meta.pt")))
+
+
+def train_step(zero, x, y, n_tok, accum, loss_fn, inject_inf=False):
+    """One optimizer step on this rank's rows of the global batch (x, y), in `accum` micro-batches.
+    Returns the loss of the whole global batch (the ranks' pieces summed) and zero.step()'s info."""
+    rows = x.shape[0] // zero.world
+    x, y = (t[zero.rank * rows:(zero.rank + 1) * rows] for t in (x, y))  # (B/N, ...) local
+    local = 0.0
+    for xm, ym in zip(x.chunk(accum), y.chunk(accum)):  # (B/(N*accum), ...) each
+        loss = loss_fn(zero(xm.to(zero.device)), ym.to(zero.device), n_tok)  # / tokens of the global batch
+        zero.backward(loss)
+        local += loss.item()
+    info = zero.step(inject_inf)
+    t = torch.tensor([local], dtype=torch.float64, device=zero.device)
+    dist.all_reduce(t, group=zero.group)  # for the log line only; not counted as technique traffic
+    return t.item(), info
+
+
+# ----------------------------------------------------------------------------- main
+def report(d, args, zero, saved, without, sent):
+    """Rank 0's closing table: each figure counted in this run beside its ZeRO theory value."""
+    mem, th, thp = zero.memory(), zero.theory(), zero.theory(padded=True)
+    N, s, psi, p, g, K = d.world, args.stage, th["psi"], th["p"], th["g"], th["K"]
+    formula = {0: "(p+g+K) Psi", 1: "(p+g) Psi + K Psi/N", 2: "p Psi + (g+K) Psi/N", 3: "(p+g+K) Psi/N"}[s]
+    paper = {0: 16, 1: 4 + 12 / N, 2: 2 + 14 / N, 3: 16 / N}[s] * psi  # fp16 Adam: p = g = 2, K = 12
+    f = psi * (N - 1) / N  # elements a rank sends in one ring all-gather or reduce-scatter of Psi elements
+    comm, comm_formula = {0: (2 * f * g, "2 Psi (N-1)/N x g: all-reduce"),
+                          1: (f * (g + p), "Psi (N-1)/N x (g + p): reduce-scatter + all-gather"),
+                          2: (f * (args.accum * g + p), "Psi (N-1)/N x (accum g + p): reduce-scatter per "
+                              "micro-batch + all-gather"),
+                          3: (args.accum * f * (2 * p + g), "accum Psi (N-1)/N x (2p + g): 2 all-gathers + "
+                              "reduce-scatter per micro-batch")}[s]
+    gathered = p * (zero.root.padded + max((u.padded for u in zero.units[:-1]), default=0))
+    d.log(f"\nmemory per rank, counted from the tensors | ZeRO theory, Psi={psi}, N={N}, p={p} g={g} K={K} bytes")
+    for k, label in (("params", "parameters (compute copy)"), ("grads", "gradients (accumulator)"),
+                     ("optim", "optimizer (master, m, v)" + (" on host" if args.offload else ""))):
+        d.log(f"  {label:32s} {mem[k]:>10,d} B | theory {th[k]:>12,.0f} B")
+    d.log(f"  {'model states':32s} {mem['params'] + mem['grads'] + mem['optim']:>10,d} B | theory "
+          f"{th['params'] + th['grads'] + th['optim']:>12,.0f} B = {formula}  (paper, fp16 Adam: {paper:,.0f} B)")
+    if s == 3:
+        d.log(f"  {'peak gathered parameters':32s} {zero.peak_gathered:>10,d} B | theory {gathered:>12,.0f} B"
+              " = p (root + largest unit)")
+    d.log(f"  {'saved activations/micro-batch':32s} {saved:>10,d} B" +
+          (f" | without --recompute {without:,d} B" if without is not None else ""))
+    d.log(f"bytes sent per rank per step: counted {sent:,.0f} B | theory {comm:,.0f} B = {comm_formula} "
+          "(counted: padded vectors + the 8-byte norm all-reduce)")
+    memory = {k: dict(counted=mem[k], theory=th[k], theory_padded=thp[k]) for k in ("params", "grads", "optim")}
+    return dict(memory=memory,
+                host_grad_copy_bytes=mem["host_grad_copy"], psi=psi, psi_padded=thp["psi"],
+                bytes_per_elem=dict(p=p, g=g, K=K), model_state_formula=formula, gathered_peak_bytes=zero.peak_gathered,
+                gathered_theory_bytes=gathered, saved_activation_bytes=saved,
+                saved_activation_bytes_without_recompute=without, comm_theory_bytes=comm, comm_formula=comm_formula)
+
+
+def main():
+    # --- setup (same in every file) ---
+    args = parse_args(Args)
+    world = env_world_size()
+    check_common_args(args)
+    if args.stage not in (0, 1, 2, 3):
+        fail(f"--stage must be 0, 1, 2 or 3 (ZeRO stages; 3 is FSDP), got {args.stage}")
+    if args.offload and args.stage == 0:
+        fail("--offload moves the sharded optimizer state to the CPU: use it with --stage 1, 2 or 3")
+    if args.accum < 1 or args.batch_size % (world * args.accum):
+        fail(f"--batch-size {args.batch_size} must split into {world} ranks x --accum {args.accum} micro-batches "
+             f"(--accum >= 1; e.g. --batch-size {world * max(args.accum, 1)})")
+    if args.mixed_precision != "none" and args.dtype == "bfloat16":
+        fail("--mixed-precision keeps the master weights in --dtype: use --dtype float32 (or float64)")
+    if args.inject_overflow >= 0 and args.mixed_precision != "fp16":
+        fail("--inject-overflow tests fp16 loss scaling: add --mixed-precision fp16")
+    if args.scale_window < 1:
+        fail(f"--scale-window must be >= 1, got {args.scale_window}")
+    d = init_dist(args.timeout)
+    data = MarkovData(args.vocab, args.seed)
+    d.log(f"ZeRO stage {args.stage} on {d.world} ranks ({d.backend}); entropy floor {data.entropy:.4f} nats/token")
+
+    # --- the technique: the whole GPT from one seed, flattened and sharded, one unit per block ---
+    model = build_gpt(GPTConfig.from_args(args), args.seed, DTYPES[args.dtype], d.device)
+    zero = Zero(model, args, units=[f"blocks.{i}" for i in range(args.n_layers)])
+    start, history = zero.load(args.ckpt_dir)
+    if start:
+        d.log(f"resumed from {args.ckpt_dir} at step {start} (saved at world size {history['world']})")
+    losses, skipped, scales, sent, saved, without = history.get("losses", []), [], [], [], 0, None
+    if args.recompute:  # one extra forward without recomputation, only to count what it would have saved
+        zero.recompute = False
+        x, _ = data.batch(start, args.batch_size, args.seq_len, args.ragged)
+        zero(x[:args.batch_size // (d.world * args.accum)].to(d.device))  # one micro-batch
+        without, zero.recompute = zero.saved_bytes, True
+    timer = StepTimer(d.device)
+    for step in range(start, args.steps):
+        maybe_fail(d, args, step)
+        timer.start()
+        x, y = data.batch(step, args.batch_size, args.seq_len, args.ragged)  # (B, T) global, on CPU
+        n_tok = count_tokens(y)  # tokens of the whole global batch: the loss divisor everywhere
+        before = zero.sent
+        loss, info = train_step(zero, x, y, n_tok, args.accum, lm_loss,
+                                inject_inf=step == args.inject_overflow and d.rank == d.world - 1)
+        ms = timer.stop()
+        sent.append(zero.sent - before)
+        saved = max(saved, zero.saved_bytes)
+        losses.append(loss)
+        scales.append(info["scale"])
+        if info["skipped"]:
+            skipped.append(step)
+            d.log(f"step {step:4d} | overflow: step skipped on every rank, loss scale -> {info['scale']:g}")
+        log_step(d, step, loss, ms, args.batch_size * args.seq_len)
+        if args.ckpt_dir and (step + 1 == args.steps or args.save_every and (step + 1) % args.save_every == 0):
+            zero.save(args.ckpt_dir, step + 1, dict(losses=losses, world=d.world))
+
+    # --- summary ---
+    tol = None if args.mixed_precision == "none" else tolerance("bfloat16")
+    check = check_against_reference(d, args, losses, zero.full_state_dict(), tol=tol) if args.check else None
+    figures = report(d, args, zero, saved, without, sent[-1] if sent else 0.0)
+    per_rank = [None] * d.world  # what each rank decided on its own: the skipped steps, AdamW's step count
+    adam_step = float(zero.opt.state.get(zero.units[0].master, {}).get("step", 0))
+    dist.all_gather_object(per_rank, dict(skipped=skipped, adam_step=adam_step))
+    figures.update(loss_scale=scales, per_rank=per_rank, resumed_from_step=start)
+    mem = figures["memory"]
+    counted = sum(mem[k]["counted"] for k in ("params", "grads") + (() if args.offload else ("optim",)))
+    ms = timer.median()
+    write_summary(d, args, "zero", losses, ms, args.batch_size * args.seq_len / max(ms, 1e-9) * 1e3,
+                  peak_memory_bytes(d, counted + zero.peak_gathered + saved), sent[-1] if sent else 0.0, check,
+                  figures)
+    close_dist()
+    sys.exit(0 if check is None or check["passed"] else 1)
+
+
+if __name__ == "__main__":
+    main()
