@@ -133,11 +133,15 @@ def init_dist(timeout_s=120):
     return Dist(dist.get_rank(), dist.get_world_size(), local_rank, device, backend)
 
 
-def close_dist():
-    """Barrier, then tear down: a rank that destroys its group while a peer still talks to it can make
-    gloo abort the peer at exit ("terminate called without an active exception")."""
+def close_dist(ok=True):
+    """End the run: barrier (nobody tears down the group while a peer still uses it), destroy the group,
+    exit 0 (or 1 when `ok` is false, e.g. a failed --check). os._exit skips the interpreter's teardown, in
+    which gloo's worker threads may still hold tensors and abort the process (see pytorch/pytorch#179291)."""
     dist.barrier()
     dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0 if ok else 1)
 
 
 # ----------------------------------------------------------------------------- model

@@ -45,7 +45,6 @@ Run:
 In production, use torch.nn.parallel.DistributedDataParallel (or ddp_bucketed.py to see how it works).
 """
 import queue
-import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -329,8 +328,7 @@ def main():
 
     write_summary(d, args, f"dp-{args.mode}", losses, timer.median(), tokens / max(timer.median(), 1e-9) * 1e3,
                   peak_memory_bytes(d, counted), sent, check, figures)
-    close_dist()
-    sys.exit(0 if check is None or check["passed"] else 1)
+    close_dist(ok=check is None or check["passed"])
 
 
 if __name__ == "__main__":

@@ -40,7 +40,6 @@ column a data-parallel group.
 In production, use Megatron-Core (megatron.core.tensor_parallel) or torch.distributed.tensor.parallel.
 """
 import math
-import sys
 from collections import Counter
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -648,8 +647,7 @@ def main():
     tokens_per_s = args.batch_size * args.seq_len / max(timer.median(), 1e-9) * 1e3
     write_summary(d, args, "megatron_tp", losses, timer.median(), tokens_per_s,
                   peak_memory_bytes(d, state_bytes(model, opt) + acts), comm_bytes, check, figures)
-    close_dist()
-    sys.exit(0 if check is None or check["passed"] else 1)
+    close_dist(ok=check is None or check["passed"])
 
 
 if __name__ == "__main__":

@@ -44,7 +44,6 @@ In production, use a fused MoE (Megatron-Core, DeepSpeed-MoE, torchtitan): group
 dispatch instead of the dense (T, E, C) one-hot tensors written out here for clarity.
 """
 import math
-import sys
 from dataclasses import dataclass
 from typing import Literal
 
@@ -521,8 +520,7 @@ def main():
         check = check_against_reference(d, args, losses, full, ref=ref)
     write_summary(d, args, f"moe-{args.router}", losses, timer.median(), tokens / max(timer.median(), 1e-9) * 1e3,
                   peak_memory_bytes(d, counted), sent, check, f)
-    close_dist()
-    sys.exit(0 if check is None or check["passed"] else 1)
+    close_dist(ok=check is None or check["passed"])
 
 
 if __name__ == "__main__":

@@ -534,8 +534,7 @@ def main():
         check = check_against_reference(d, args, losses, full, ref=ref)
     write_summary(d, args, f"pipedream-{args.mode}", losses, timer.median(), tokens / max(timer.median(), 1e-9) * 1e3,
                   peak_memory_bytes(d, runner.peak_bytes), max(figures.get("sent_bytes_per_rank", [0])), check, figures)
-    close_dist()
-    sys.exit(0 if check is None or check["passed"] else 1)
+    close_dist(ok=check is None or check["passed"])
 
 
 # ----------------------------------------------------------------------------- the rules in one process (--check)

@@ -21,7 +21,7 @@ import torch.nn as nn  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 import megatron_tp as mt  # noqa: E402
-from common import IGNORE, MLP, Attention, GPTConfig, init_dist  # noqa: E402
+from common import IGNORE, MLP, Attention, GPTConfig, close_dist, init_dist  # noqa: E402
 
 TOL = 1e-12
 failures, passed = [], []
@@ -219,9 +219,7 @@ def main():
     d.log(f"{len(passed)} checks passed on rank 0 (t = {t})")
     if n_bad.item() == 0:
         d.log("ALL CHECKS PASSED")
-    dist.barrier()
-    dist.destroy_process_group()
-    sys.exit(0 if n_bad.item() == 0 else 1)
+    close_dist(ok=n_bad.item() == 0)
 
 
 if __name__ == "__main__":

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 import moe
-from common import MarkovData, count_tokens, init_dist, lm_loss, make_optimizer
+from common import MarkovData, close_dist, count_tokens, init_dist, lm_loss, make_optimizer
 
 TOL = 1e-9
 results = []
@@ -305,9 +305,7 @@ def main():
     balance(d)
     passed = all(results)
     d.log("ALL CHECKS PASSED" if passed else f"{results.count(False)} CHECKS FAILED")
-    dist.barrier()
-    dist.destroy_process_group()
-    sys.exit(0 if passed else 1)
+    close_dist(ok=passed)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,6 @@
 """dp.py: bulk-synchronous and accumulated data parallel equal one-process training; the asynchronous
 parameter server equals its own delayed-update reference; bad input fails fast; a resumed run continues
 to exactly the losses of an uninterrupted one."""
-import json
 
 import pytest
 

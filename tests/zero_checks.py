@@ -213,8 +213,7 @@ def main():
     bad = torch.tensor([float(len(FAILED))], device=d.device)
     dist.all_reduce(bad)
     d.log("ALL CHECKS PASSED" if bad.item() == 0 else f"FAILED: {FAILED}")
-    close_dist()
-    sys.exit(0 if bad.item() == 0 else 1)
+    close_dist(ok=bad.item() == 0)
 
 
 if __name__ == "__main__":
