@@ -61,3 +61,31 @@ def assert_matches_reference(summary, tol=1e-9):
     c = summary["check"]
     assert c is not None and c["passed"], c
     assert c["max_loss_diff"] <= tol and c["max_param_diff"] <= tol, c
+
+
+# ----------------------------------------------------------------------------- pipelines (gpipe.py, pipedream.py)
+def pipeline_schedule_errors(events, p, n):
+    """Measured events `{rank, kind: F|B, mb, start, end}` against every pipeline's rules for micro-batches
+    0..n-1: one F and one B per (stage, micro-batch), never two at once on a stage, F before B, F flows down
+    (stage s+1 starts F_k after stage s ended it), B flows back up (stage s starts B_k after stage s+1 ended
+    it), and B runs in F's order. Returns the broken rules (empty: all kept)."""
+    ev = {(e["rank"], e["kind"], e["mb"]): e for e in events}
+    if len(events) != 2 * p * n or set(ev) != {(r, k, i) for r in range(p) for k in "FB" for i in range(n)}:
+        return ["not exactly one F and one B per stage and micro-batch"]
+    errors = []
+    for r in range(p):
+        mine = sorted((e for e in events if e["rank"] == r), key=lambda e: e["start"])
+        errors += [f"stage {r}: {b['kind']}{b['mb']} overlaps {a['kind']}{a['mb']}"
+                   for a, b in zip(mine, mine[1:]) if b["start"] < a["end"]]
+        bs = [e["mb"] for e in mine if e["kind"] == "B"]
+        if bs != sorted(bs):
+            errors.append(f"stage {r}: backwards out of order")
+        for i in range(n):
+            f, b = ev[r, "F", i], ev[r, "B", i]
+            if not f["start"] <= f["end"] <= b["start"] <= b["end"]:
+                errors.append(f"stage {r}: B{i} starts before F{i} ends")
+            if r > 0 and f["start"] < ev[r - 1, "F", i]["end"]:
+                errors.append(f"stage {r}: F{i} starts before stage {r - 1} ends it")
+            if r < p - 1 and b["start"] < ev[r + 1, "B", i]["end"]:
+                errors.append(f"stage {r}: B{i} starts before stage {r + 1} ends it")
+    return errors

@@ -53,7 +53,7 @@ def test_per_microbatch_mean_is_caught(tmp_path):
     assert_matches_reference(s)
 
 
-@pytest.mark.parametrize("world, D", [(2, 0), (4, 2)])
+@pytest.mark.parametrize("world, D", [(2, 0), (3, 1), (4, 2)])
 def test_async_lockstep_equals_delayed_update_reference(tmp_path, world, D):
     s, _ = torchrun("dp.py", world, *TINY, "--steps", "6", "--mode", "async", "--staleness", D, "--check",
                     tmp_path=tmp_path)

@@ -9,7 +9,8 @@ import sys
 
 import pytest
 
-from helpers import ENV, ROOT, TINY, assert_matches_reference, run_python, torchrun, torchrun_bad_input
+from helpers import (ENV, ROOT, TINY, assert_matches_reference, pipeline_schedule_errors, run_python,
+                     torchrun, torchrun_bad_input)
 
 sys.path.insert(0, str(ROOT))
 from gpipe import split_layers  # noqa: E402  (importing must not run main())
@@ -34,28 +35,6 @@ def launch(tmp_path_factory):
 
 
 # ----------------------------------------------------------------------------- the rules, from measured events
-def schedule_errors(events, p, m):
-    """Every pipeline's rules: one F and one B per (stage, micro-batch), never two at once on a stage, F before
-    B, F flows down (stage s+1 starts F_i after stage s ended it), B flows up (stage s after stage s+1)."""
-    ev = {(e["rank"], e["kind"], e["mb"]): e for e in events}
-    if len(events) != 2 * p * m or set(ev) != {(r, k, i) for r in range(p) for k in "FB" for i in range(m)}:
-        return ["not exactly one F and one B per stage and micro-batch"]
-    errors = []
-    for r in range(p):
-        mine = sorted((e for e in events if e["rank"] == r), key=lambda e: e["start"])
-        errors += [f"stage {r}: {b['kind']}{b['mb']} overlaps {a['kind']}{a['mb']}"
-                   for a, b in zip(mine, mine[1:]) if b["start"] < a["end"]]
-        for i in range(m):
-            f, b = ev[r, "F", i], ev[r, "B", i]
-            if not f["start"] <= f["end"] <= b["start"] <= b["end"]:
-                errors.append(f"stage {r}: B{i} starts before F{i} ends")
-            if r > 0 and f["start"] < ev[r - 1, "F", i]["end"]:
-                errors.append(f"stage {r}: F{i} starts before stage {r - 1} ends it")
-            if r < p - 1 and b["start"] < ev[r + 1, "B", i]["end"]:
-                errors.append(f"stage {r}: B{i} starts before stage {r + 1} ends it")
-    return errors
-
-
 def flush_errors(events, p):
     """GPipe's own rule: on every stage all forwards end before the first backward starts."""
     out = []
@@ -97,7 +76,7 @@ def test_matches_reference_and_obeys_schedule(launch, p, m):
     assert f["split"] == [list(b) for b in split_layers(4, p)]
     assert "split: stage 0: embedding + blocks 0.." in out and "+ norm + head + loss" in out
     events = f["events"]
-    assert schedule_errors(events, p, m) == [] and flush_errors(events, p) == []
+    assert pipeline_schedule_errors(events, p, m) == [] and flush_errors(events, p) == []
     # GPipe holds every micro-batch until the flush: m alive, by the file's count and recounted from the events
     assert f["peak_alive_microbatches"] == [m] * p == [alive_from_events(events, r) for r in range(p)]
     assert f["bubble_theory"] == pytest.approx((p - 1) / (m + p - 1))
@@ -116,10 +95,10 @@ def test_schedule_checks_catch_broken_schedules(launch):
     b0_0 = next(e for e in events if (e["rank"], e["kind"], e["mb"]) == (0, "B", 0))
     early_f = [shift(e, -1e3) if e is f0_1 else e for e in events]  # stage 1 starts F0 before stage 0 sent it
     early_b = [shift(e, -1e3) if e is b0_0 else e for e in events]  # stage 0 runs B0 before its F's and stage 1
-    assert any("F0 starts before stage 0" in x for x in schedule_errors(early_f, 2, 4))
-    assert any("B0 starts before F0" in x for x in schedule_errors(early_b, 2, 4))
-    assert any("stage 0: B0 starts before stage 1" in x for x in schedule_errors(early_b, 2, 4))
-    assert flush_errors(early_b, 2) and schedule_errors(events[1:], 2, 4)
+    assert any("F0 starts before stage 0" in x for x in pipeline_schedule_errors(early_f, 2, 4))
+    assert any("B0 starts before F0" in x for x in pipeline_schedule_errors(early_b, 2, 4))
+    assert any("stage 0: B0 starts before stage 1" in x for x in pipeline_schedule_errors(early_b, 2, 4))
+    assert flush_errors(early_b, 2) and pipeline_schedule_errors(events[1:], 2, 4)
 
 
 def test_degree_invariance(launch):
@@ -134,7 +113,7 @@ def test_recompute_matches_and_holds_fewer_bytes(launch):
     assert_matches_reference(rc)
     assert rc["losses"] == plain["losses"]  # the same arithmetic, recomputed: bit for bit
     fp, fr = plain["figures"], rc["figures"]
-    assert schedule_errors(fr["events"], 2, 4) == [] and fr["peak_alive_microbatches"] == [4, 4]
+    assert pipeline_schedule_errors(fr["events"], 2, 4) == [] and fr["peak_alive_microbatches"] == [4, 4]
     held_p, held_r = fp["saved_activation_bytes"], fr["saved_activation_bytes"]
     assert all(r < q / 2 for r, q in zip(held_r, held_p)), (held_r, held_p)
     # each run's measured peak is what the other run predicts from its own measured parts

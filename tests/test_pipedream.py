@@ -12,7 +12,7 @@ from argparse import Namespace
 
 import pytest
 
-from helpers import ENV, ROOT, TINY, assert_matches_reference, run_python, torchrun
+from helpers import ENV, ROOT, TINY, assert_matches_reference, pipeline_schedule_errors, run_python, torchrun
 
 sys.path.insert(0, str(ROOT))
 import pipedream  # noqa: E402  (importing must not run main())
@@ -47,32 +47,6 @@ TWO_BW = (3, 4, "--mode", "2bw", "--clip", "0.5")  # 0.5: every update is clippe
 # ----------------------------------------------------------------------------- the rules, from measured events
 def by_key(events):
     return {(e["rank"], e["kind"], e["mb"]): e for e in events}
-
-
-def schedule_errors(events, p, n):
-    """Every pipeline's rules for micro-batches 0..n-1: one F and one B per (stage, micro-batch), never two at
-    once on a stage, F before B, F flows down (stage s+1 starts F_k after stage s ended it), B flows back up
-    (stage s starts B_k after stage s+1 ended it), and B runs in F's order."""
-    ev = by_key(events)
-    if len(events) != 2 * p * n or set(ev) != {(r, k, i) for r in range(p) for k in "FB" for i in range(n)}:
-        return ["not exactly one F and one B per stage and micro-batch"]
-    errors = []
-    for r in range(p):
-        mine = sorted((e for e in events if e["rank"] == r), key=lambda e: e["start"])
-        errors += [f"stage {r}: {b['kind']}{b['mb']} overlaps {a['kind']}{a['mb']}"
-                   for a, b in zip(mine, mine[1:]) if b["start"] < a["end"]]
-        bs = [e["mb"] for e in mine if e["kind"] == "B"]
-        if bs != sorted(bs):
-            errors.append(f"stage {r}: backwards out of order")
-        for i in range(n):
-            f, b = ev[r, "F", i], ev[r, "B", i]
-            if not f["start"] <= f["end"] <= b["start"] <= b["end"]:
-                errors.append(f"stage {r}: B{i} starts before F{i} ends")
-            if r > 0 and f["start"] < ev[r - 1, "F", i]["end"]:
-                errors.append(f"stage {r}: F{i} starts before stage {r - 1} ends it")
-            if r < p - 1 and b["start"] < ev[r + 1, "B", i]["end"]:
-                errors.append(f"stage {r}: B{i} starts before stage {r + 1} ends it")
-    return errors
 
 
 def executed(events, r):
@@ -133,7 +107,7 @@ def test_flush_matches_reference_and_obeys_1f1b(launch, p, m, extra):
     assert f["split"] == [list(b) for b in pipedream.split_layers(4, p)]
     assert "split: stage 0: embedding + blocks 0.." in out and "+ norm + head + loss" in out
     events = f["events"]
-    assert schedule_errors(events, p, STEPS * m) == []
+    assert pipeline_schedule_errors(events, p, STEPS * m) == []
     for r in range(p):  # exactly 1F1B, step after step, each step drained before the next
         one_step = pipedream.one_f_one_b(m, p, r)
         assert executed(events, r) == [(kind, t * m + k) for t in range(STEPS) for kind, k in one_step]
@@ -156,10 +130,10 @@ def test_schedule_checks_catch_broken_schedules(launch):
     f0_1, b0_0 = by_key(events)[1, "F", 0], by_key(events)[0, "B", 0]
     early_f = [shift(e, -1e4) if e is f0_1 else e for e in events]  # stage 1 runs F0 before stage 0 sent it
     early_b = [shift(e, -1e4) if e is b0_0 else e for e in events]  # stage 0 runs B0 before F0 and stage 1
-    assert any("F0 starts before stage 0" in x for x in schedule_errors(early_f, 2, 16))
-    assert any("B0 starts before F0" in x for x in schedule_errors(early_b, 2, 16))
-    assert any("stage 0: B0 starts before stage 1" in x for x in schedule_errors(early_b, 2, 16))
-    assert schedule_errors(events[1:], 2, 16) and executed(early_b, 0) != executed(events, 0)
+    assert any("F0 starts before stage 0" in x for x in pipeline_schedule_errors(early_f, 2, 16))
+    assert any("B0 starts before F0" in x for x in pipeline_schedule_errors(early_b, 2, 16))
+    assert any("stage 0: B0 starts before stage 1" in x for x in pipeline_schedule_errors(early_b, 2, 16))
+    assert pipeline_schedule_errors(events[1:], 2, 16) and executed(early_b, 0) != executed(events, 0)
     late = [shift(e, 1e4) if e["mb"] == 3 else e for e in events]  # micro-batch 3 of step 0 runs during step 1
     assert not drained_between_steps(late, 4)
 
@@ -187,7 +161,7 @@ def test_stash_weight_stashing(launch):
     assert_matches_reference(summary)  # against simulate_stash, the rule in one process
     assert "against the one-process simulation of the stash rule" in out
     f, events = summary["figures"], summary["figures"]["events"]
-    assert schedule_errors(events, p, STEPS * m) == []
+    assert pipeline_schedule_errors(events, p, STEPS * m) == []
     assert all(executed(events, r) == pipedream.one_f_one_b(STEPS * m, p, r) for r in range(p))  # one stream
     assert not drained_between_steps(events, m)  # no flush: step t+1's forwards start before step t's backwards end
     fwd, bwd = versions_of(events, "F"), versions_of(events, "B")
@@ -208,7 +182,7 @@ def test_stash_vertical_sync(launch):
     p, m = 3, 4
     assert_matches_reference(summary)
     f, events = summary["figures"], summary["figures"]["events"]
-    assert schedule_errors(events, p, STEPS * m) == []
+    assert pipeline_schedule_errors(events, p, STEPS * m) == []
     fwd = versions_of(events, "F")
     assert fwd == versions_of(events, "B")
     for k in range(STEPS * m):  # every stage reads the version stage 0 read for micro-batch k
@@ -231,7 +205,7 @@ def test_2bw_delayed_update(launch):
     assert_matches_reference(summary)  # against simulate_2bw: W_{t+1} = AdamW(W_t, clip(grad at W_{t-1}))
     assert "against the one-process simulation of the 2bw rule" in out
     f, events = summary["figures"], summary["figures"]["events"]
-    assert schedule_errors(events, p, STEPS * m) == [] and not drained_between_steps(events, m)
+    assert pipeline_schedule_errors(events, p, STEPS * m) == [] and not drained_between_steps(events, m)
     assert versions_of(events, "F") == versions_of(events, "B")
     assert all(e["version"] == max(e["mb"] // m - 1, 0) for e in events)  # batch t reads update t-1, everywhere
     assert f["versions_kept"] == [2] * p and all(sweep(events, r)[1] <= 2 for r in range(p))
