@@ -321,6 +321,7 @@ def reference_train(args, device="cpu", model=None, loss_of=None):
 
 
 def tolerance(dtype):
+    """--check's tolerance on the relative difference of per-step losses (see check_against_reference)."""
     return {"float64": 1e-9, "float32": 1e-4, "bfloat16": 5e-2}[dtype]
 
 
@@ -330,14 +331,17 @@ def check_against_reference(d, args, losses, params, ref=None, tol=None):
     result = None
     if d.rank == 0:
         ref = ref or reference_train(args, d.device)
+        # Parameters get the loss tolerance, but 10x by default in float32: AdamW divides each gradient by
+        # its own RMS, so an element whose gradient is mostly roundoff still moves by up to lr, either way.
+        ptol = tol or (10 if args.dtype == "float32" else 1) * tolerance(args.dtype)
         tol = tol or tolerance(args.dtype)
         loss_diff = max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(losses, ref["losses"]))
         missing = sorted(set(ref["params"]) ^ set(params))
         param_diff = max((params[n].to(ref["params"][n]) - p).abs().max().item() for n, p in ref["params"].items()
                          if n in params)
-        passed = len(losses) == len(ref["losses"]) and not missing and loss_diff <= tol and param_diff <= tol
-        d.log(f"check vs one-process reference: max rel loss diff {loss_diff:.3e}, max param diff "
-              f"{param_diff:.3e}, tolerance {tol:.0e}{', missing ' + str(missing) if missing else ''}"
+        passed = len(losses) == len(ref["losses"]) and not missing and loss_diff <= tol and param_diff <= ptol
+        d.log(f"check vs one-process reference: max rel loss diff {loss_diff:.3e} (tolerance {tol:.0e}), max param "
+              f"diff {param_diff:.3e} ({ptol:.0e}){', missing ' + str(missing) if missing else ''}"
               f" -> {'PASSED' if passed else 'FAILED'}")
         result = dict(max_loss_diff=loss_diff, max_param_diff=param_diff, passed=passed)
     box = [result]
