@@ -38,6 +38,25 @@ def torchrun_bad_input(script, nproc, *args, timeout=60):
     return subprocess.run(cmd, env=ENV, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
 
 
+def run_ranks(script, nproc, *args, timeout=60):
+    """The workers of a would-be `torchrun --nproc_per_node=nproc` launch, as plain processes with RANK and
+    WORLD_SIZE set but no rendezvous: a collective would crash them, so a clean exit 2 proves each rank
+    checked its input first. Unlike a torchrun launch, where the agent SIGTERMs the slower workers once the
+    first exits, every rank's own exit code is observable. Returns [(returncode, stdout + stderr)]."""
+    procs = [subprocess.Popen([sys.executable, str(ROOT / script), *map(str, args)], cwd=ROOT, text=True,
+                              env=dict(ENV, RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(nproc)),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE) for r in range(nproc)]
+    return [(p.returncode, out + err) for p, (out, err) in ((p, p.communicate(timeout=timeout)) for p in procs)]
+
+
+def assert_each_rank_fails(results, words):
+    """Every rank of run_ranks() printed exactly one line, naming its rank and the problem, and exited 2."""
+    for r, (rc, out) in enumerate(results):
+        lines = out.strip().splitlines()
+        assert rc == 2 and len(lines) == 1 and f"error (rank {r})" in lines[0], (rc, out)
+        assert all(w in lines[0] for w in words), lines[0]
+
+
 def assert_bad_input(p, nproc, words):
     """Every rank printed one `error` line naming the problem and exited 2 (torchrun's report lists each
     worker's exit code; torchrun itself exits 1), with no Python traceback from a worker."""

@@ -4,7 +4,8 @@ import json, re, subprocess, sys
 
 import pytest
 
-from helpers import ENV, ROOT, TINY, assert_matches_reference, run_python, torchrun, torchrun_bad_input
+from helpers import (ENV, ROOT, TINY, assert_each_rank_fails, assert_matches_reference, run_python, run_ranks, torchrun,
+                     torchrun_bad_input)
 
 sys.path.insert(0, str(ROOT))
 from common import GPT, GPTConfig  # noqa: E402
@@ -56,26 +57,8 @@ def test_layer_checks_vs_torch_ddp(nproc):
     assert p.returncode == 0 and "ALL CHECKS PASSED" in out and "FAIL" not in out, out[-6000:]
 
 
-def each_rank_alone(nproc, *args):
-    """Start `nproc` plain processes with torchrun's RANK/WORLD_SIZE but no rendezvous address: a check
-    placed after init_dist would crash (traceback, exit 1) instead of printing its line. Deterministic,
-    unlike a torchrun launch, where the agent SIGTERMs the other workers once the first one exits."""
-    procs = [subprocess.Popen([sys.executable, str(ROOT / "ddp_bucketed.py"), *args], cwd=ROOT, text=True,
-                              env=dict(ENV, RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(nproc)),
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE) for r in range(nproc)]
-    errs = [p.communicate(timeout=60)[1] for p in procs]
-    return [(p.returncode, err) for p, err in zip(procs, errs)]
-
-
-def assert_each_rank_fails(results, words):
-    for r, (rc, err) in enumerate(results):
-        lines = err.strip().splitlines()
-        assert rc == 2 and len(lines) == 1 and f"error (rank {r})" in lines[0], (rc, err)
-        assert all(w in lines[0] for w in words), lines[0]
-
-
 def test_bad_batch_split():
-    assert_each_rank_fails(each_rank_alone(2, *TINY, "--batch-size", "7"), ["--batch-size 7", "world size 2"])
+    assert_each_rank_fails(run_ranks("ddp_bucketed.py", 2, *TINY, "--batch-size", "7"), ["--batch-size 7", "world size 2"])
     # the same through torchrun: its agent stops the slower workers once one exits (-15), so every rank's
     # own exit code is not always observable there; the first one is, and nothing prints a traceback
     p = torchrun_bad_input("ddp_bucketed.py", 2, *TINY, "--batch-size", "5")
@@ -86,6 +69,6 @@ def test_bad_batch_split():
 
 
 def test_bad_bucket_cap():
-    assert_each_rank_fails(each_rank_alone(2, *TINY, "--bucket-cap-mb", "0"), ["--bucket-cap-mb", "positive"])
+    assert_each_rank_fails(run_ranks("ddp_bucketed.py", 2, *TINY, "--bucket-cap-mb", "0"), ["--bucket-cap-mb", "positive"])
     p = run_python("ddp_bucketed.py", *TINY, "--first-bucket-mb", "nan")
     assert p.returncode == 2 and "--first-bucket-mb" in p.stderr and "Traceback" not in p.stderr, p.stderr

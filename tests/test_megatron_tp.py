@@ -2,12 +2,10 @@
 one-process reference at t = 1, 2, 4 with and without sequence parallelism and with 2-way data
 parallelism, counted collectives against the closed-form count, dropout, and bad input."""
 import json
-import subprocess
-import sys
 
 import pytest
 
-from helpers import ENV, ROOT, TINY, assert_matches_reference, run_python, torchrun
+from helpers import TINY, assert_each_rank_fails, assert_matches_reference, run_python, run_ranks, torchrun
 
 SCRIPT = "megatron_tp.py"
 MODEL = [*TINY, "--n-heads", "4"]  # 4 heads so that t = 4 gets whole heads; the same model for every t
@@ -77,17 +75,6 @@ def test_dropout(tmp_path):
     assert not s["check"]["passed"] and s["check"]["max_loss_diff"] > 1e-4, s["check"]
 
 
-def run_ranks(nproc, *args):
-    """The workers of a would-be `torchrun --nproc_per_node=nproc` launch as plain processes (RANK and
-    WORLD_SIZE set, no rendezvous: a collective would fail, so a clean exit 2 proves the check came first).
-    Not through torchrun: its agent SIGTERMs the slower workers once the first exits, which under load races
-    with their own exit 2 (seen here: a rank reported as exitcode -15)."""
-    procs = [subprocess.Popen([sys.executable, str(ROOT / SCRIPT), *map(str, args)], cwd=ROOT, text=True,
-                              env=dict(ENV, RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(nproc)),
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE) for r in range(nproc)]
-    return [(p.returncode, out + err) for p, (out, err) in ((p, p.communicate(timeout=120)) for p in procs)]
-
-
 @pytest.mark.parametrize("nproc,args,words", [
     (1, ["--tp", "2"], ["world size 1 is not divisible by --tp 2"]),
     (2, ["--n-heads", "1"], ["--n-heads 1 is not divisible by the TP degree 2"]),
@@ -96,7 +83,4 @@ def run_ranks(nproc, *args):
 ], ids=["world1-tp2", "heads", "sp-seq-len"])
 def test_bad_input(nproc, args, words):
     """Each rank says one line naming the problem and exits 2, before any collective."""
-    for rank, (rc, out) in enumerate(run_ranks(nproc, *TINY, *args)):
-        lines = out.strip().splitlines()
-        assert rc == 2 and len(lines) == 1 and f"error (rank {rank})" in lines[0], out
-        assert all(w in lines[0] for w in words) and "Traceback" not in out, out
+    assert_each_rank_fails(run_ranks(SCRIPT, nproc, *TINY, *args, timeout=120), words)

@@ -3,13 +3,12 @@ hand-written routing, load balancing, training toward the floor: tests/moe_check
 at EP 2 with replicas and at EP 2 after a restart, both equal to the one-process reference with the same
 routing groups, and to a plain world-1 run; the summary's figures beside their theory; bad input exits 2."""
 import json
-import subprocess
-import sys
 
 import pytest
 
 import helpers
-from helpers import ENV, ROOT, TINY, assert_bad_input, assert_matches_reference, run_python, torchrun
+from helpers import (TINY, assert_bad_input, assert_each_rank_fails, assert_matches_reference, run_python, run_ranks,
+                     torchrun)
 
 
 def test_layer_checks(tmp_path):
@@ -77,10 +76,5 @@ def test_bad_input_every_rank():
     """Each rank of a world of 2, started alone (torchrun's environment but no rendezvous: a check placed
     after init_dist would crash instead), says the same one line and exits 2. Through torchrun, the agent
     SIGTERMs the slower rank once the first exits, so its own exit code is not always observable."""
-    procs = [subprocess.Popen([sys.executable, str(ROOT / "moe.py"), "--experts", "3"], cwd=ROOT, text=True,
-                              env=dict(ENV, RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE="2"),
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE) for r in range(2)]
-    for r, p in enumerate(procs):
-        err = p.communicate(timeout=60)[1].strip().splitlines()
-        assert p.returncode == 2 and len(err) == 1 and f"error (rank {r})" in err[0], (p.returncode, err)
-        assert "--experts 3 is not divisible by --ep 2" in err[0], err  # ep = world size by default
+    # ep = world size by default
+    assert_each_rank_fails(run_ranks("moe.py", 2, "--experts", "3"), ["--experts 3 is not divisible by --ep 2"])
