@@ -43,7 +43,7 @@ import torch.nn as nn
 from common import (DTYPES, build_gpt, check_against_reference, check_common_args, Checkpointer, clip_grads_,
                     close_dist, CommonArgs, count_tokens, env_world_size, fail, GPTConfig, init_dist, lm_loss,
                     log_step, make_optimizer, MarkovData, maybe_fail, parse_args, peak_memory_bytes,
-                    state_bytes, StepTimer, write_summary)
+                    SavedActivations, state_bytes, StepTimer, write_summary)
 
 
 @dataclass
@@ -90,33 +90,13 @@ class Stage(nn.Module):
 
 
 # ----------------------------------------------------------------------------- measuring
-class HeldBytes:
-    """Bytes autograd saves for backward inside the `with` block (`saved_tensors_hooks` sees every tensor it
-    packs), parameters excluded, each storage once; `total(*tensors)` adds the stage input and output.
-    (common.SavedActivations counts the same tensors; this one also adds the input and output, once each.)"""
-
-    def __init__(self, params):
-        self.params = {p.untyped_storage().data_ptr() for p in params}
-        self.storages = {}  # data_ptr -> bytes; no reference kept, so nothing here outlives the graph
-
-    def _pack(self, t):
-        s = t.untyped_storage()
-        if s.data_ptr() not in self.params:
-            self.storages[s.data_ptr()] = s.nbytes()
-        return t
+class HeldBytes(SavedActivations):
+    """common.SavedActivations (the bytes autograd saves for backward, parameters excluded, each storage once),
+    plus `total(*tensors)`: the same with the stage input and output added, each storage still counted once."""
 
     def total(self, *tensors):
-        found = dict(self.storages)
-        found.update((t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()) for t in tensors)
-        return sum(found.values())
-
-    def __enter__(self):
-        self.hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
-        self.hooks.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        self.hooks.__exit__(*exc)
+        extra = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+        return self.bytes + sum(n for ptr, n in extra.items() if ptr not in self._seen)
 
 
 def common_start(d):
@@ -178,7 +158,7 @@ def gpipe_step(d, stage, xs, ys, n_tok, act_shape, recompute, t0):
         if recompute:  # where the RNG stood, so that B's rerun draws the same dropout masks
             rng[i] = (torch.get_rng_state(), torch.cuda.get_rng_state(d.device) if cuda else None)
         start = clock(d, t0)
-        with torch.no_grad() if recompute else nullcontext(), HeldBytes(params) as saved:
+        with torch.no_grad() if recompute else nullcontext(), HeldBytes() as saved:
             out = forward(i)
         events.append(dict(rank=d.rank, kind="F", mb=i, start=start, end=clock(d, t0)))
         if stage.last:
@@ -204,7 +184,7 @@ def gpipe_step(d, stage, xs, ys, n_tok, act_shape, recompute, t0):
         out = outputs[i]
         if recompute:  # Sec. 2.3: rerun F from the kept input, this time keeping the graph, with the same
             # dropout masks: replay the RNG state F started from (as torch.utils.checkpoint does)
-            with torch.random.fork_rng(devices=[d.device] if cuda else []), HeldBytes(params) as saved:
+            with torch.random.fork_rng(devices=[d.device] if cuda else []), HeldBytes() as saved:
                 torch.set_rng_state(rng[i][0])
                 if cuda:
                     torch.cuda.set_rng_state(rng[i][1], d.device)
