@@ -343,10 +343,49 @@ def check_against_reference(d, args, losses, params, ref=None, tol=None):
         d.log(f"check vs one-process reference: max rel loss diff {loss_diff:.3e} (tolerance {tol:.0e}), max param "
               f"diff {param_diff:.3e} ({ptol:.0e}){', missing ' + str(missing) if missing else ''}"
               f" -> {'PASSED' if passed else 'FAILED'}")
-        result = dict(max_loss_diff=loss_diff, max_param_diff=param_diff, passed=passed)
-    box = [result]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
+        result = [loss_diff, param_diff, float(passed)]
+    # Rank 0's verdict for every rank, as three numbers in a tensor (no object collective: those pickle
+    # through numpy and, on NCCL, take a host round trip through the GPU).
+    t = torch.tensor(result or [0.0, 0.0, 0.0], dtype=torch.float64, device=d.device)
+    dist.broadcast(t, src=0)
+    return dict(max_loss_diff=t[0].item(), max_param_diff=t[1].item(), passed=bool(t[2].item()))
+
+
+def gather_rows(d, rows):
+    """Every rank's (n_r, k) rows of numbers (events, counters), on every rank, as a list of (n_r, k)
+    float64 CPU tensors: the row counts first, then the rows padded to the longest, two all_gathers of
+    tensors on the device."""
+    rows = torch.as_tensor(rows, dtype=torch.float64).to(d.device)
+    n = torch.tensor([rows.shape[0]], device=d.device)
+    counts = [torch.zeros_like(n) for _ in range(d.world)]
+    dist.all_gather(counts, n)
+    counts = [int(c) for c in counts]
+    padded = torch.zeros(max(counts), rows.shape[1], dtype=torch.float64, device=d.device)
+    padded[: rows.shape[0]] = rows
+    every = [torch.empty_like(padded) for _ in range(d.world)]
+    dist.all_gather(every, padded)
+    return [e[:c].cpu() for e, c in zip(every, counts)]
+
+
+def assemble_full(d, owned, shapes, dtype):
+    """The full model, by name, on every rank, from the disjoint pieces the ranks own (a pipeline stage's
+    blocks, say). `owned`: full-model name -> tensor this rank holds; `shapes`: every name -> shape, the
+    same on every rank. Each rank writes its pieces into a zero vector of the whole model and one
+    all-reduce adds them up: exact, since x + 0 = x. A name owned by no rank or by two is an error."""
+    names = list(shapes)
+    sizes = [torch.Size(shapes[n]).numel() for n in names]
+    flat = torch.zeros(sum(sizes), dtype=dtype, device=d.device)
+    owners = torch.zeros(len(names), dtype=torch.float64, device=d.device)
+    for i, (part, n) in enumerate(zip(flat.split(sizes), names)):
+        if n in owned:
+            part.copy_(owned[n].detach().reshape(-1))
+            owners[i] = 1
+    dist.all_reduce(flat)
+    dist.all_reduce(owners)
+    wrong = [n for n, c in zip(names, owners.tolist()) if c != 1]
+    if wrong:
+        raise RuntimeError(f"assemble_full: not owned by exactly one rank: {wrong}")
+    return {n: part.view(shapes[n]).cpu() for part, n in zip(flat.split(sizes), names)}
 
 
 # ----------------------------------------------------------------------------- timing, memory, logging
