@@ -117,17 +117,40 @@ class Dist:
             print(*msg, flush=True)
 
 
+def gpu_layout_error(n_gpus, local_world):
+    """Why `local_world` processes per node cannot each take their own GPU, or None when they can."""
+    if local_world > n_gpus:
+        return (f"{local_world} processes on this node but {n_gpus} GPU(s) found (NCCL cannot put two ranks on "
+                f"one GPU): launch torchrun --nproc_per_node={n_gpus}, or run on CPU with gloo by hiding the GPUs "
+                f"(CUDA_VISIBLE_DEVICES=)")
+    return None
+
+
 def init_dist(timeout_s=120):
     """NCCL on cuda:LOCAL_RANK when CUDA is there, gloo on CPU otherwise. Without torchrun: a world of 1."""
     cuda = torch.cuda.is_available()
     backend = "nccl" if cuda else "gloo"
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if cuda and (why := gpu_layout_error(torch.cuda.device_count(), int(os.environ.get("LOCAL_WORLD_SIZE", "1")))):
+        fail(why)  # before any collective, on every rank
     device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
+        torch.cuda.reset_peak_memory_stats(device)  # the peak a summary reports is this run's own
     timeout = timedelta(seconds=timeout_s)
-    if "RANK" in os.environ:  # launched by torchrun: rendezvous through MASTER_ADDR/PORT
-        dist.init_process_group(backend, timeout=timeout, device_id=device if cuda else None)
+    if "RANK" in os.environ:  # launched by torchrun: rendezvous through the store at MASTER_ADDR:MASTER_PORT
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        # torchrun's agent hosts that store and keeps it across restarts (--max-restarts), so the keys a
+        # dead attempt wrote (gloo's and NCCL's addresses) are still there and a restarted worker may
+        # connect to a dead peer (pytorch/pytorch#135712). Each attempt therefore rendezvous under its own
+        # prefix; the attempt number is the same for every worker, since the agents restart all of them.
+        agent_hosts = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
+                              is_master=rank == 0 and not agent_hosts, timeout=timeout, multi_tenant=True)
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        store = dist.PrefixStore(f"{os.environ.get('TORCHELASTIC_RUN_ID', 'run')}/attempt{attempt}", store)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout,
+                                device_id=device if cuda else None)
     else:  # plain `python file.py`: one process, an in-memory store, no port
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
     return Dist(dist.get_rank(), dist.get_world_size(), local_rank, device, backend)
@@ -468,30 +491,59 @@ def peak_memory_bytes(d, counted_bytes):
 # ----------------------------------------------------------------------------- checkpoints and faults
 class Checkpointer:
     """Rank-local checkpoints `DIR/rank{r}/step{s}.pt`, written to a temporary file and renamed (atomic),
-    the last two kept. At start every rank resumes from the newest step that *all* ranks have."""
+    the last two kept. At start every rank resumes from the newest step that *all* ranks have. Each file
+    records which script wrote it and at what world size; a directory from another file, another world
+    size, another model size or layout, or a damaged file is refused with one line (exit 2)."""
 
     def __init__(self, d, ckpt_dir, save_every, steps):
-        self.d, self.save_every, self.steps = d, save_every, steps
+        self.d, self.save_every, self.steps, self.root = d, save_every, steps, ckpt_dir
         self.dir = os.path.join(ckpt_dir, f"rank{d.rank}") if ckpt_dir else ""
+        self.meta = dict(file=os.path.basename(sys.argv[0]), world=d.world)
 
     def _steps_on_disk(self):
         if not self.dir or not os.path.isdir(self.dir):
             return []
         return sorted(int(m.group(1)) for f in os.listdir(self.dir) if (m := re.fullmatch(r"step(\d+)\.pt", f)))
 
+    def _read(self, step):
+        """One checkpoint file, checked against this run; a bad one ends the run with one clear line."""
+        path = os.path.join(self.dir, f"step{step}.pt")
+        try:  # on CPU: the RNG states must be CPU byte tensors; load_state_dict moves the rest
+            state = torch.load(path, map_location="cpu", weights_only=False)
+        except Exception as e:
+            fail(f"cannot read checkpoint {path} ({type(e).__name__}): delete it or use another --ckpt-dir")
+        meta = state.get("meta") if isinstance(state, dict) else None
+        if meta != self.meta:
+            what = lambda m: f"{m['file']} at world {m['world']}" if m else "an unknown writer"
+            fail(f"checkpoint {path} was written by {what(meta)}, this run is {what(self.meta)}: use another --ckpt-dir")
+        return state
+
     def load(self, objects):
         """Restore `objects` (name -> thing with load_state_dict) and RNG; return (step, history)."""
         if not self.dir:
             return 0, {}
+        # 1. checks that need no other rank, before any collective
+        ranks = [int(m.group(1)) for f in (os.listdir(self.root) if os.path.isdir(self.root) else [])
+                 if (m := re.fullmatch(r"rank(\d+)", f))]
+        if ranks and max(ranks) >= self.d.world:
+            fail(f"--ckpt-dir {self.root} holds checkpoints of {max(ranks) + 1} ranks, this run has {self.d.world}: "
+                 f"resume at the same world size, or use another --ckpt-dir")
         mine = self._steps_on_disk()
+        if mine:
+            self._read(mine[-1])
+        # 2. the newest step every rank has: a rank that died mid-save holds one step less
         t = torch.tensor([mine[-1] if mine else 0], device=self.d.device)
-        dist.all_reduce(t, op=dist.ReduceOp.MIN)  # a rank that died mid-save holds one step less
+        dist.all_reduce(t, op=dist.ReduceOp.MIN)
         step = int(t.item())
         if step == 0:
             return 0, {}
-        state = torch.load(os.path.join(self.dir, f"step{step}.pt"), map_location=self.d.device, weights_only=False)
-        for name, obj in objects.items():
-            obj.load_state_dict(state[name])
+        state = self._read(step)
+        try:
+            for name, obj in objects.items():
+                obj.load_state_dict(state[name])
+        except Exception as e:  # another model size or layout: shapes or names differ
+            why = " ".join(str(e).replace("Error(s) in loading state_dict for", "").split())[:160]
+            fail(f"checkpoint in {self.dir} does not fit this model or layout ({why}...): use another --ckpt-dir")
         torch.set_rng_state(state["rng_cpu"])
         if self.d.device.type == "cuda":
             torch.cuda.set_rng_state(state["rng_cuda"], self.d.device)
@@ -504,7 +556,7 @@ class Checkpointer:
             return
         os.makedirs(self.dir, exist_ok=True)
         state = {name: obj.state_dict() for name, obj in objects.items()}
-        state.update(step=step, history=history, rng_cpu=torch.get_rng_state())
+        state.update(step=step, history=history, meta=self.meta, rng_cpu=torch.get_rng_state())
         if self.d.device.type == "cuda":
             state["rng_cuda"] = torch.cuda.get_rng_state(self.d.device)
         tmp = os.path.join(self.dir, f".step{step}.pt.tmp")

@@ -4,9 +4,10 @@ import json, os, re, subprocess, sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-# TORCH_DISABLE_SHARE_RDZV_TCP_STORE: without it, workers restarted by torchrun (--max-restarts) can read
-# the dead attempt's gloo addresses from the shared store and fail to connect (pytorch/pytorch#135712).
-ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
+# The suite is the CPU suite, as CI runs it: gloo, with any GPUs hidden (a 4-process launch on a machine with
+# fewer GPUs would be refused). tests/gpu_check.sh is the one for GPUs. OMP_NUM_THREADS=1: several
+# processes share a few cores, as the README says.
+ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", CUDA_VISIBLE_DEVICES="")
 # A tiny model: the checks are about exact arithmetic, not about learning.
 TINY = ["--vocab", "32", "--seq-len", "8", "--d-model", "16", "--n-heads", "2", "--n-layers", "2",
         "--batch-size", "12", "--steps", "4", "--dtype", "float64"]
