@@ -18,7 +18,11 @@ Total loss = LM loss + --aux-weight x aux loss (aux = mean over routing groups a
 Capacity is per routing group (GShard's "groups"): the global batch is cut into --groups groups of whole
 sequences, T = batch/groups x seq_len tokens each, routed on their own with C slots per expert:
     token choice:  C = ceil(cf x k x T / E)      expert choice:  C = ceil(cf x T / E)      (both <= T)
-An assignment that finds its expert full is dropped: the token keeps only its residual path. Each rank
+An assignment that finds its expert full is dropped: the token keeps only its residual path. Slots go
+choice by choice: every token's 1st choice is served before any 2nd choice (GShard Alg. 1), so whether a
+token's 2nd choice is dropped depends on the 1st choices of *later* tokens of its group, its own sequence's
+future positions included: information from the future, as expert choice's top-C is (fine for training,
+not for causal decoding). A 1st choice depends only on earlier tokens of the group. Each rank
 routes whole groups of its own slice, so the one-process model with the same --groups (all experts local)
 computes exactly what any EP degree computes; --check compares with that reference.
 
@@ -94,7 +98,8 @@ def capacity(args, tokens_per_group):
 def fill_slots(expert, gate, keep, C, E):
     """Token choice -> slots. expert, gate, keep: (G, T, K), the k-th choice of each token. Slots are handed
     out choice by choice (every token's 1st choice before any 2nd choice: GShard Alg. 1), tokens in order
-    within a choice; an assignment whose expert already has C earlier ones is dropped."""
+    within a choice; an assignment whose expert already has C earlier ones is dropped. So a 2nd choice
+    queues behind the 1st choices of later tokens too (see the docstring: information from the future)."""
     K = expert.shape[-1]
     want = F.one_hot(expert, E) * keep[..., None].long()  # (G, T, K, E) requested assignments
     order = rearrange(want, "g t k e -> g (k t) e")  # priority order: choice-major, then token
@@ -423,6 +428,38 @@ def moe_reference(args, groups, device):
     return reference_train(args, device, model=model, loss_of=loss_of)
 
 
+# --- measurement ---
+def summarize(d, args, lay, layers, groups, sent, lms, auxes):
+    """The last step's routing, summed over all ranks, printed beside theory; returns the --json figures."""
+    E, T, k, ep = args.experts, args.batch_size // groups * args.seq_len, experts_per_token(args), lay.ep
+    C, tokens = capacity(args, T), args.batch_size * args.seq_len
+    stats = torch.stack([m.stats for m in layers]).to(d.device, torch.float64)  # (layers, 2E + 1)
+    dist.all_reduce(stats, group=dist.group.WORLD)
+    load, wanted, idle = stats[:, :E], stats[:, E:2 * E], stats[:, 2 * E]
+    fair = tokens * k / E if k else groups * C  # tokens per expert per layer when perfectly balanced
+    drop_theory = max(0.0, 1 - C / (k * T / E)) if k else 0.0
+    a2a_theory = 4 * len(layers) * (ep - 1) * (E // ep) * (groups // d.world) * C * args.d_model * \
+        (torch.finfo(DTYPES[args.dtype]).bits // 8)
+    f = dict(capacity=C, tokens_per_group=T, groups=groups, ep=ep, replicas=lay.replicas,
+             expert_load=load.tolist(), expert_load_theory_balanced=fair,
+             load_cv=(load.std(-1, correction=0) / load.mean(-1)).mean().item(),
+             dropped_frac=(1 - load.sum() / wanted.sum()).item(), dropped_frac_theory_balanced=drop_theory,
+             tokens_without_expert_frac=(idle.sum() / (tokens * len(layers))).item(),
+             lm_loss=lms[-1] if lms else None, aux_loss=auxes[-1] if auxes else None, lm_losses=lms,
+             aux_losses=auxes, alltoall_bytes_per_step=sent, alltoall_bytes_theory=a2a_theory)
+    d.log("summary (last step, all ranks)          measured   | theory\n"
+          f"  capacity C per expert per group      {C:<10} | ceil(cf x {k or 1} x T / E), at most T = {T}\n"
+          + "".join(f"  expert load, MoE layer {i}           {[int(v) for v in l]} | {fair:g} each if balanced\n"
+                    for i, l in enumerate(load.tolist()))
+          + f"  dropped assignments                  {f['dropped_frac']:<10.2%} | {drop_theory:.2%} if balanced "
+          f"(max(0, 1 - C E / (k T)))\n"
+          f"  tokens with no expert                {f['tokens_without_expert_frac']:<10.2%} |\n"
+          f"  LM loss, aux loss (x {args.aux_weight:g})  {lms[-1] if lms else 0:.6f}, {auxes[-1] if auxes else 0:.6f}\n"
+          f"  all-to-all bytes sent / step / rank  {sent:<10} | {a2a_theory} = "
+          "4 x layers x (ep-1)/ep x E x G/W x C x D x bytes")
+    return f
+
+
 # ----------------------------------------------------------------------------- main
 def check_moe_args(args, world):
     ep, groups, k, E = args.ep or world, args.groups or world, experts_per_token(args), args.experts
@@ -487,39 +524,16 @@ def main():
         log_step(d, step, loss, timer.stop(), tokens)
         ckpt.maybe_save(step + 1, {"model": model, "optim": opt}, {"losses": losses, "lm": lms, "aux": auxes})
 
-    # --- summary: the last step's routing, summed over all ranks, beside theory ---
-    stats = torch.stack([m.stats for m in layers]).to(d.device, torch.float64)  # (layers, 2E + 1)
-    dist.all_reduce(stats, group=dist.group.WORLD)
-    load, wanted, idle = stats[:, :E], stats[:, E:2 * E], stats[:, 2 * E]
-    fair = tokens * k / E if k else groups * C  # tokens per expert per layer when perfectly balanced
-    drop_theory = max(0.0, 1 - C / (k * T / E)) if k else 0.0
-    a2a_theory = 4 * len(layers) * (ep - 1) * (E // ep) * (groups // d.world) * C * args.d_model * \
-        (torch.finfo(DTYPES[args.dtype]).bits // 8)
-    f = dict(capacity=C, tokens_per_group=T, groups=groups, ep=ep, replicas=lay.replicas,
-             expert_load=load.tolist(), expert_load_theory_balanced=fair,
-             load_cv=(load.std(-1, correction=0) / load.mean(-1)).mean().item(),
-             dropped_frac=(1 - load.sum() / wanted.sum()).item(), dropped_frac_theory_balanced=drop_theory,
-             tokens_without_expert_frac=(idle.sum() / (tokens * len(layers))).item(),
-             lm_loss=lms[-1] if lms else None, aux_loss=auxes[-1] if auxes else None, lm_losses=lms,
-             aux_losses=auxes, alltoall_bytes_per_step=sent, alltoall_bytes_theory=a2a_theory)
-    d.log("summary (last step, all ranks)          measured   | theory\n"
-          f"  capacity C per expert per group      {C:<10} | ceil(cf x {k or 1} x T / E), at most T = {T}\n"
-          + "".join(f"  expert load, MoE layer {i}           {[int(v) for v in l]} | {fair:g} each if balanced\n"
-                    for i, l in enumerate(load.tolist()))
-          + f"  dropped assignments                  {f['dropped_frac']:<10.2%} | {drop_theory:.2%} if balanced "
-          f"(max(0, 1 - C E / (k T)))\n"
-          f"  tokens with no expert                {f['tokens_without_expert_frac']:<10.2%} |\n"
-          f"  LM loss, aux loss (x {args.aux_weight:g})  {lms[-1] if lms else 0:.6f}, {auxes[-1] if auxes else 0:.6f}\n"
-          f"  all-to-all bytes sent / step / rank  {sent:<10} | {a2a_theory} = "
-          "4 x layers x (ep-1)/ep x E x G/W x C x D x bytes")
-    counted = state_bytes(model, opt) + saved
+    f = summarize(d, args, lay, layers, groups, sent, lms, auxes)
+    # The technique's own peak, read before --check trains the one-process reference on rank 0's device.
+    peak = peak_memory_bytes(d, state_bytes(model, opt) + saved)
     check = None
     if args.check:
         full = full_params(lay, model)  # a collective: every rank
         ref = moe_reference(args, groups, d.device) if d.rank == 0 else None
         check = check_against_reference(d, args, losses, full, ref=ref)
     write_summary(d, args, f"moe-{args.router}", losses, timer.median(), tokens / max(timer.median(), 1e-9) * 1e3,
-                  peak_memory_bytes(d, counted), sent, check, f)
+                  peak, sent, check, f)
     close_dist(ok=check is None or check["passed"])
 
 

@@ -1,14 +1,22 @@
 """moe.py: layer-level checks in one 4-rank launch (EP 1/2/4 parity for every router, dispatch/combine,
 hand-written routing, load balancing, training toward the floor: tests/moe_checks.py); the command line
-at EP 2 with replicas and at EP 2 after a restart, both equal to the one-process reference with the same
-routing groups, and to a plain world-1 run; the summary's figures beside their theory; bad input exits 2."""
-import json
+at EP 2 with replicas equal to the one-process reference with the same routing groups, the summary's
+figures beside their theory; a run killed and restarted by torchrun equal bit for bit to an uninterrupted
+one; each router's maths against its paper's closed form computed by hand, and a broken router caught by
+it; the peak memory read before --check's reference; bad input exits 2."""
+import math
+import sys
 
 import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
 
-import helpers
-from helpers import (TINY, assert_bad_input, assert_each_rank_fails, assert_matches_reference, run_python, run_ranks,
-                     torchrun)
+from helpers import (ROOT, TINY, assert_bad_input, assert_each_rank_fails, assert_matches_reference, run_python,
+                     run_ranks, torchrun)
+
+sys.path.insert(0, str(ROOT))
+import moe  # noqa: E402  (importing must not run main())
 
 
 def test_layer_checks(tmp_path):
@@ -40,25 +48,36 @@ def test_replicas_x_ep_gshard_figures(tmp_path):
     assert "expert load, MoE layer 0" in out and "all-to-all bytes sent / step / rank" in out
 
 
-def test_ep2_restart_equals_one_process(tmp_path, monkeypatch):
-    """noisy_topk (random noise from (seed, step, layer, row)) with padding, killed at step 2 and resumed
-    from its checkpoints, at EP 2 with 4 routing groups: equals the reference, and a plain world-1 run with
-    --groups 4 gives the same losses."""
-    # torchrun's agent keeps one TCPStore across restarts, so the restarted gloo ranks can read the dead
-    # attempt's addresses (connection refused, or a hang). With this set, every attempt gets a fresh store.
-    monkeypatch.setitem(helpers.ENV, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
-    s, out = torchrun("moe.py", 2, *TINY, "--router", "noisy_topk", "--groups", "4", "--ragged", "--check",
-                      "--ckpt-dir", tmp_path / "ckpt", "--save-every", "1", "--fail-at-step", "2",
-                      tmp_path=tmp_path, max_restarts=1, name="ep2")
-    assert_matches_reference(s)
-    assert "simulated failure at step 2" in out and "resumed from" in out
-    one = tmp_path / "one.json"
-    p = run_python("moe.py", *TINY, "--router", "noisy_topk", "--groups", "4", "--ragged", "--json", one, timeout=120)
-    assert p.returncode == 0, p.stderr[-3000:]
-    ref = json.loads(one.read_text())
-    assert ref["world_size"] == 1 and ref["figures"]["alltoall_bytes_per_step"] == 0
-    assert max(abs(a - b) / b for a, b in zip(s["losses"], ref["losses"])) < 1e-12, (s["losses"], ref["losses"])
-    assert s["figures"]["aux_losses"] and abs(s["figures"]["aux_losses"][-1] - ref["figures"]["aux_losses"][-1]) < 1e-12
+def last_checkpoint(ckpt_dir, rank):
+    """The newest checkpoint a rank wrote: the run's final state (Checkpointer saves after the last step)."""
+    files = sorted((ckpt_dir / f"rank{rank}").glob("step*.pt"), key=lambda p: int(p.stem[4:]))
+    return torch.load(files[-1], map_location="cpu", weights_only=False)
+
+
+def flat_state(state, prefix=""):
+    """Every tensor of a nested state dict, by path."""
+    if torch.is_tensor(state):
+        return {prefix: state}
+    items = state.items() if isinstance(state, dict) else enumerate(state) if isinstance(state, list) else []
+    return {k: v for key, sub in items for k, v in flat_state(sub, f"{prefix}/{key}").items()}
+
+
+def test_ep2_restart_bit_for_bit(tmp_path):
+    """noisy_topk (router noise from (seed, step, layer, row)) at EP 2, each rank holding half the experts,
+    with 4 routing groups, padding and dropout (per-rank RNG), killed at step 2 and restarted by torchrun
+    from its checkpoints, launched exactly as the README says: bit for bit the per-step losses, final
+    parameters (expert shards included) and optimizer state of the same run uninterrupted."""
+    flags = [*TINY, "--router", "noisy_topk", "--groups", "4", "--ragged", "--dropout", "0.1"]
+    plain, _ = torchrun("moe.py", 2, *flags, "--ckpt-dir", tmp_path / "plain", tmp_path=tmp_path, name="plain")
+    s, out = torchrun("moe.py", 2, *flags, "--ckpt-dir", tmp_path / "ckpt", "--save-every", "1",
+                      "--fail-at-step", "2", tmp_path=tmp_path, max_restarts=1, name="restarted")
+    assert "simulated failure at step 2" in out and "resumed from" in out, out[-3000:]
+    assert s["losses"] == plain["losses"] and s["figures"]["aux_losses"] == plain["figures"]["aux_losses"]
+    for rank in range(2):
+        a, b = (flat_state({k: last_checkpoint(tmp_path / d, rank)[k] for k in ("model", "optim")})
+                for d in ("plain", "ckpt"))
+        assert a.keys() == b.keys() and any(".w1" in k for k in a), sorted(a)
+        assert all(torch.equal(a[k], b[k]) for k in a), [k for k in a if not torch.equal(a[k], b[k])]
 
 
 @pytest.mark.parametrize("flags, words", [
@@ -78,3 +97,202 @@ def test_bad_input_every_rank():
     SIGTERMs the slower rank once the first exits, so its own exit code is not always observable."""
     # ep = world size by default
     assert_each_rank_fails(run_ranks("moe.py", 2, "--experts", "3"), ["--experts 3 is not divisible by --ep 2"])
+
+
+# ----------------------------------------------------------------------------- the routing maths, by hand
+# Each router against its paper's formulas, evaluated in plain Python floats on a tiny input (one routing
+# group), independent of moe.py's tensor code; then a deliberately broken router must fail the same check.
+def softmax(xs):
+    e = [math.exp(x - max(xs)) for x in xs]
+    return [v / sum(e) for v in e]
+
+
+def phi(z):  # the standard normal CDF
+    return 0.5 * (1 + math.erf(z / math.sqrt(2)))
+
+
+def cv2(v):  # squared coefficient of variation, population variance (Shazeer et al. 2017, Sec. 4)
+    m = sum(v) / len(v)
+    return sum((x - m) ** 2 for x in v) / len(v) / m ** 2
+
+
+def group(rows):  # a list of T rows of E numbers -> one routing group (1, T, E)
+    return torch.tensor([rows], dtype=torch.float64)
+
+
+def rel_diff(got, want):
+    want = torch.as_tensor(want, dtype=torch.float64)
+    return ((got.detach().reshape(want.shape) - want).abs().max() / want.abs().max()).item()
+
+
+CLEAN = [[0.3, -0.2, 0.8, 0.1], [1.0, 0.4, -0.5, 0.2], [-0.3, 0.6, 0.0, 0.9]]  # x W_g: T = 3 tokens, E = 4
+STD = [[0.5, 1.0, 0.3, 0.7], [0.2, 0.6, 0.9, 0.4], [1.1, 0.3, 0.5, 0.8]]  # softplus(x W_noise)
+EPS = [[0.4, -1.2, 0.1, 0.9], [-0.7, 1.5, 0.3, -0.2], [0.2, -0.4, 1.3, -1.0]]  # N(0, 1) draws
+
+
+def noisy_topk_diff(k=2):
+    """Shazeer et al. 2017: H = clean + eps * std, gates = softmax over the top k of H (Sec. 2.1);
+    importance = sum of gates, load = sum of P(x, i) = Phi((clean_i - kth_excluding(H, k, i)) / std_i)
+    (Appendix A); aux = CV(importance)^2 + CV(load)^2 (Sec. 4). Largest relative diff of gates, load, aux."""
+    E, gates, importance, load = 4, [], [0.0] * 4, [0.0] * 4
+    for c, s, e in zip(CLEAN, STD, EPS):
+        H = [ci + ei * si for ci, si, ei in zip(c, s, e)]
+        top = sorted(range(E), key=lambda i: -H[i])[:k]
+        g = dict(zip(top, softmax([H[i] for i in top])))
+        gates.append([g.get(i, 0.0) for i in range(E)])
+        for i in range(E):
+            importance[i] += g.get(i, 0.0)
+            kth_other = sorted((H[j] for j in range(E) if j != i), reverse=True)[k - 1]
+            load[i] += phi((c[i] - kth_other) / s[i])
+    clean, std, eps = group(CLEAN), group(STD), group(EPS)
+    _, combine, aux, _ = moe.route_noisy_topk(clean, std, eps, k, C=3)  # C = T: nothing dropped
+    got_load = moe.smooth_load(clean, std, clean + eps * std, k).sum(1)
+    return max(rel_diff(combine.sum(-1), gates), rel_diff(got_load, load),
+               rel_diff(aux, cv2(importance) + cv2(load)))
+
+
+def test_noisy_topk_by_hand(monkeypatch):
+    assert noisy_topk_diff() < 1e-9  # moe.cv_squared's 1e-10 guard on mean^2 (0.56 here) is the 2e-10
+    with monkeypatch.context() as m:  # broken: the load threshold counts the expert itself among the top k
+        m.setattr(moe, "smooth_load", lambda c, s, H, k: torch.special.ndtr((c - H.topk(k).values[..., -1:]) / s))
+        assert noisy_topk_diff() > 1e-2
+    with monkeypatch.context() as m:  # broken: CV^2 with the sample variance
+        m.setattr(moe, "cv_squared", lambda v: v.var(-1) / v.mean(-1) ** 2)
+        assert noisy_topk_diff() > 1e-2
+
+
+GS_LOGITS = [[2.0, 1.0, -1.0], [0.5, 1.5, 0.0], [0.2, -0.3, 1.1], [1.0, 0.9, -2.0]]  # T = 4, E = 3
+GS_UNIFORM = [0.9, 0.05, 0.6, 0.7]  # 2 g2 = 0.54, 0.54, 0.58, 0.95: the 2nd expert kept for tokens 1 and 3
+
+
+def gshard_diff():
+    """GShard Alg. 1: g1, g2 = the top two softmax gates renormalised to sum 1; the 2nd expert is used iff
+    uniform < 2 g2; aux = mean_e (c_e / S) m_e (c_e: tokens whose 1st choice is e, m_e: mean gate), times
+    E^2 here (the file's convention: 1 under uniform routing). Largest relative diff of gates and aux."""
+    E, T, probs = 3, 4, [softmax(r) for r in GS_LOGITS]
+    gates, first = [], []
+    for p, u in zip(probs, GS_UNIFORM):
+        e1, e2 = sorted(range(E), key=lambda e: -p[e])[:2]
+        row = [0.0] * E
+        row[e1] = p[e1] / (p[e1] + p[e2])
+        if u < 2 * p[e2] / (p[e1] + p[e2]):
+            row[e2] = p[e2] / (p[e1] + p[e2])
+        gates.append(row), first.append(e1)
+    aux = sum(first.count(e) / T * sum(p[e] for p in probs) / T for e in range(E)) / E * E ** 2
+    _, combine, got_aux, _ = moe.route_gshard(group(GS_LOGITS), torch.tensor([GS_UNIFORM], dtype=torch.float64), 4)
+    return max(rel_diff(combine.sum(-1), gates), rel_diff(got_aux, aux))
+
+
+def test_gshard_by_hand(monkeypatch):
+    assert gshard_diff() < 1e-12
+    route, balance = moe.route_gshard, moe.balance_loss
+    with monkeypatch.context() as m:  # broken: random routing keeps the 2nd expert with probability g2
+        m.setattr(moe, "route_gshard", lambda logits, u, C: route(logits, 2 * u, C))
+        assert gshard_diff() > 1e-2
+    with monkeypatch.context() as m:  # broken: P_e from the 1st-choice mask instead of the router's gates
+        m.setattr(moe, "balance_loss", lambda probs, top1: balance(F.one_hot(top1, 3).to(probs), top1))
+        assert gshard_diff() > 1e-2
+
+
+def test_second_choice_depends_on_later_tokens():
+    """With a capacity, every 1st choice is served before any 2nd choice: token 0's 2nd choice (expert 1)
+    is dropped or kept depending on the 1st choice of the later token 1 (information from the future)."""
+    u = torch.zeros(1, 2, dtype=torch.float64)  # every 2nd choice wanted
+    later_takes_e1 = moe.route_gshard(group([[2.0, 1.0, -1.0], [-1.0, 2.0, 1.0]]), u, 1)[0]  # C = 1
+    later_takes_e2 = moe.route_gshard(group([[2.0, 1.0, -1.0], [-1.0, 1.0, 2.0]]), u, 1)[0]
+    assert later_takes_e1[0, 0, 1].sum() == 0 and later_takes_e2[0, 0, 1].sum() == 1
+    assert later_takes_e1[0, 0, 0].sum() == later_takes_e2[0, 0, 0].sum() == 1  # the 1st choice: served
+
+
+SW_LOGITS = [[1.0, 0.2, -0.5, 0.0], [0.8, 0.9, 0.1, -0.3], [1.5, -1.0, 0.3, 0.2], [0.1, 0.0, 0.7, 0.4],
+             [1.2, 0.3, 0.3, -0.2], [-0.4, 0.5, 0.2, 0.6]]  # T = 6, E = 4; 1st choices 0 1 0 2 0 3
+
+
+def switch_diff(alpha=1e-2, C=2):
+    """Switch (Fedus et al. 2021, Sec. 2.1-2.2) with C = 2, so token 4 is dropped from expert 0: gate = p of
+    the argmax for a token with a slot; loss = alpha N sum_i f_i P_i, f_i = share of tokens whose argmax is
+    i (before capacity), P_i = mean p_i; its gradient in the logits: alpha N / T p_tj (f_j - sum_i f_i p_ti).
+    Largest relative diff of gates, loss and gradient."""
+    N, T, probs = 4, 6, [softmax(r) for r in SW_LOGITS]
+    first = [max(range(N), key=lambda e: p[e]) for p in probs]
+    f = [first.count(i) / T for i in range(N)]
+    P = [sum(p[i] for p in probs) / T for i in range(N)]
+    gates = [[p[e] if e == first[t] and first[:t].count(e) < C else 0.0 for e in range(N)]
+             for t, p in enumerate(probs)]
+    grad = [[alpha * N / T * p[j] * (f[j] - sum(fi * pi for fi, pi in zip(f, p))) for j in range(N)] for p in probs]
+    logits = group(SW_LOGITS).requires_grad_()
+    _, combine, aux, _ = moe.route_switch(logits, C)
+    if aux.requires_grad:
+        (alpha * aux).sum().backward()
+    got_grad = torch.zeros_like(logits) if logits.grad is None else logits.grad  # no path: no gradient
+    return max(rel_diff(combine.sum(-1), gates), rel_diff(alpha * aux, alpha * N * sum(a * b for a, b in zip(f, P))),
+               rel_diff(got_grad, grad))
+
+
+def test_switch_by_hand(monkeypatch):
+    assert switch_diff() < 1e-12
+    route, balance = moe.route_switch, moe.balance_loss
+    with monkeypatch.context() as m:  # broken: P detached, so the router gets no balancing gradient
+        m.setattr(moe, "balance_loss", lambda probs, top1: balance(probs.detach(), top1))
+        assert switch_diff() > 1e-2
+
+    def f_after_capacity(logits, C):  # broken: f counts the tokens that kept a slot
+        dispatch, combine, _, wanted = route(logits, C)
+        probs, N, T = logits.softmax(-1), logits.shape[-1], logits.shape[1]
+        return dispatch, combine, N * (dispatch.sum((1, 3)) / T * probs.mean(1)).sum(-1), wanted
+
+    with monkeypatch.context() as m:
+        m.setattr(moe, "route_switch", f_after_capacity)
+        assert switch_diff() > 1e-2
+
+
+EC_LOGITS = [[0.5, -0.2, 1.0], [1.2, 0.3, -0.4], [0.5, -0.2, 1.0], [-0.6, 0.9, 0.1], [0.0, 0.0, 0.8],
+             [1.0, 1.1, -1.0]]  # T = 6, E = 3; tokens 0 and 2 tie exactly
+
+
+def expert_choice_errors(C=2):
+    """Expert choice (Zhou et al. 2022, Sec. 3.1): S = softmax over experts of each token's logits; expert e
+    takes the C tokens of highest S[:, e] (an exact tie: the earlier token), gate = S[t, e]."""
+    T, E, S = 6, 3, [softmax(r) for r in EC_LOGITS]
+    picked = [sorted(range(T), key=lambda t: (-S[t][e], t))[:C] for e in range(E)]
+    want = torch.zeros(1, T, E, C, dtype=torch.float64)
+    for e, tokens in enumerate(picked):
+        for c, t in enumerate(tokens):
+            want[0, t, e, c] = 1
+    gates = want * group(S)[..., None]
+    dispatch, combine, _, _ = moe.route_expert_choice(group(EC_LOGITS), C)
+    return not torch.equal(dispatch, want), rel_diff(combine, gates), picked
+
+
+def test_expert_choice_by_hand(monkeypatch):
+    bad_dispatch, gate_diff, picked = expert_choice_errors()
+    assert picked == [[1, 5], [3, 5], [4, 0]]  # token 5 gets two experts, token 2 none; the tie goes to token 0
+    assert not bad_dispatch and gate_diff < 1e-12
+
+    def softmax_over_tokens(logits, C):  # broken: affinities normalised over the group's tokens
+        probs = logits.softmax(1)  # (G, T, E)
+        top = probs.topk(C, dim=1)  # (G, C, E)
+        dispatch = F.one_hot(top.indices, logits.shape[1]).permute(0, 3, 2, 1).to(probs)  # (G, T, E, C)
+        return dispatch, dispatch * top.values.transpose(1, 2)[:, None], None, None
+
+    with monkeypatch.context() as m:
+        m.setattr(moe, "route_expert_choice", softmax_over_tokens)
+        bad_dispatch, gate_diff, _ = expert_choice_errors()
+        assert bad_dispatch or gate_diff > 1e-2
+
+
+def test_peak_memory_read_before_reference(monkeypatch, tmp_path):
+    """On a GPU the summary's peak must be the technique's own: read before --check trains the one-process
+    reference on rank 0's device. moe.main() at world 1 in this process, recording the order of the calls."""
+    calls = []
+    peak, reference = moe.peak_memory_bytes, moe.moe_reference
+    monkeypatch.setattr(moe, "peak_memory_bytes", lambda *a: calls.append("peak") or peak(*a))
+    monkeypatch.setattr(moe, "moe_reference", lambda *a: calls.append("reference") or reference(*a))
+    monkeypatch.setattr(moe, "close_dist", lambda ok: calls.append(ok))
+    monkeypatch.setattr(sys, "argv", ["moe.py", *TINY, "--steps", "2", "--check", "--json", str(tmp_path / "s.json")])
+    try:
+        moe.main()
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    assert calls == ["peak", "reference", True], calls
