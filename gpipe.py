@@ -22,10 +22,14 @@ extra forward, with m stage inputs plus one micro-batch's activations alive inst
 
 The run measures every F and B (start, end) on every stage, prints the bubble beside its theory, the peak
 number of micro-batches alive, the activation bytes held for backward, and an ASCII timeline of the last step
-drawn from the measured events; --trace writes the same events for Perfetto / chrome://tracing.
+drawn from the measured events; --trace writes the same events for Perfetto / chrome://tracing. On a laptop,
+processes that share a few cores time the operating system's scheduling, not the schedule: --stage-ms F
+simulates compute time (each F also waits F ms, each B 2F ms; the numbers computed are unchanged), so the
+measured bubble approaches its theory and the timeline looks like the picture above.
 
 Run (one process per stage; a world of 1 is not a pipeline):
     torchrun --nproc_per_node=4 gpipe.py --microbatches 8
+    torchrun --nproc_per_node=4 gpipe.py --microbatches 8 --stage-ms 30 --steps 3   # simulated compute: the bubble
     torchrun --nproc_per_node=4 gpipe.py --microbatches 8 --recompute --trace gpipe_trace.json
     torchrun --nproc_per_node=3 gpipe.py --n-layers 4 --dtype float64 --check   # uneven split: 2 + 1 + 1 blocks
 In production, use torch.distributed.pipelining (ScheduleGPipe), or DeepSpeed's / Megatron-LM's pipelines.
@@ -33,6 +37,7 @@ In production, use torch.distributed.pipelining (ScheduleGPipe), or DeepSpeed's 
 import json
 import sys
 import time
+import weakref
 from contextlib import nullcontext
 from dataclasses import dataclass
 
@@ -40,10 +45,10 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from common import (DTYPES, build_gpt, check_against_reference, check_common_args, Checkpointer, clip_grads_,
-                    close_dist, CommonArgs, count_tokens, env_world_size, fail, GPTConfig, init_dist, lm_loss,
-                    log_step, make_optimizer, MarkovData, maybe_fail, parse_args, peak_memory_bytes,
-                    SavedActivations, state_bytes, StepTimer, write_summary)
+from common import (DTYPES, assemble_full, build_gpt, check_against_reference, check_common_args, Checkpointer,
+                    clip_grads_, close_dist, CommonArgs, count_tokens, env_world_size, fail, gather_rows, GPTConfig,
+                    init_dist, lm_loss, log_step, make_optimizer, MarkovData, maybe_fail, parse_args,
+                    peak_memory_bytes, state_bytes, StepTimer, tensor_bytes, write_summary)
 
 
 @dataclass
@@ -51,6 +56,7 @@ class Args(CommonArgs):
     microbatches: int = 4  # m: micro-batches per global batch (--batch-size must be divisible by it)
     recompute: bool = False  # re-materialisation: keep each micro-batch's stage input only, rerun F during B
     trace: str = ""  # write the last step's measured F/B events as a Chrome trace (JSON) to this path
+    stage_ms: float = 0.0  # simulate compute time: each F of a micro-batch also waits this many ms, each B twice that
 
 
 # ----------------------------------------------------------------------------- the stages
@@ -89,33 +95,6 @@ class Stage(nn.Module):
         return self.head(self.ln_f(h)) if self.last else h  # last: logits (b, T, V); others: (b, T, D)
 
 
-# ----------------------------------------------------------------------------- measuring
-class HeldBytes(SavedActivations):
-    """common.SavedActivations (the bytes autograd saves for backward, parameters excluded, each storage once),
-    plus `total(*tensors)`: the same with the stage input and output added, each storage still counted once."""
-
-    def total(self, *tensors):
-        extra = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
-        return self.bytes + sum(n for ptr, n in extra.items() if ptr not in self._seen)
-
-
-def common_start(d):
-    """One zero (ms) for every rank's clock: the wall time at which the last rank arrived, so nothing can start
-    before it. (A barrier followed by each rank's own perf_counter leaves the zeros apart by the barrier's exit
-    skew, milliseconds on a busy host: enough to draw a receive before its send. perf_counter's origin also
-    differs between hosts; wall clocks agree to within NTP's accuracy.)"""
-    t = torch.tensor([time.time() * 1e3], dtype=torch.float64, device=d.device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)  # also lines the ranks up, like a barrier
-    return t.item()
-
-
-def clock(d, t0):
-    """ms since the common start; on a GPU after the queued kernels finish, so an event ends when its work did."""
-    if d.device.type == "cuda":
-        torch.cuda.synchronize(d.device)
-    return time.time() * 1e3 - t0
-
-
 # ----------------------------------------------------------------------------- point-to-point
 def p2p(sends=(), recvs=()):
     """Send [(tensor, peer)] and receive [(tensor, peer)] as one batch_isend_irecv, and wait. Batched, a send
@@ -124,20 +103,26 @@ def p2p(sends=(), recvs=()):
     ops = [dist.P2POp(dist.isend, t, peer) for t, peer in sends]
     ops += [dist.P2POp(dist.irecv, t, peer) for t, peer in recvs]
     for req in dist.batch_isend_irecv(ops):
-        req.wait()
+        req.wait()  # on a GPU: the compute stream waits for the transfer; the host does not
 
 
 # ----------------------------------------------------------------------------- the GPipe schedule
-def gpipe_step(d, stage, xs, ys, n_tok, act_shape, recompute, t0):
+def run_forward(forward, i, recompute):
+    """F of micro-batch i: with its graph, which the caller keeps until B; or, with re-materialisation, under
+    no_grad, so nothing is saved for backward and B reruns it from the stage input."""
+    with torch.no_grad() if recompute else nullcontext():
+        return forward(i)
+
+
+def gpipe_step(d, stage, xs, ys, n_tok, act_shape, args, clock):
     """One global batch on this stage: F of micro-batches 0..m-1, then B of 0..m-1 (the flush), leaving the
     whole batch's gradient summed in .grad. xs, ys: m x (b, T) micro-batches (b = B/m), global on CPU.
     Returns (the sum of this stage's micro-batch losses, 0 except on the last stage; events; stats)."""
-    prev, nxt, m = d.rank - 1, d.rank + 1, len(xs)
-    params, cuda = list(stage.parameters()), d.device.type == "cuda"
-    dtype = params[0].dtype
-    inputs, outputs, rng, held = [None] * m, [None] * m, [None] * m, [0] * m
+    prev, nxt, m, recompute = d.rank - 1, d.rank + 1, len(xs), args.recompute
+    cuda, dtype = d.device.type == "cuda", next(stage.parameters()).dtype
+    inputs, outputs, rng = [None] * m, [None] * m, [None] * m
     loss_sum = torch.zeros((), dtype=torch.float64, device=d.device)
-    events, alive, alive_bytes = [], 0, 0
+    events, held = [], HeldBytes()  # held: every activation saved for backward in this step, measured alive
     stats = dict(peak_alive=0, peak_bytes=0, input_bytes=0, full_bytes=0, sent_bytes=0)
 
     def forward(i):  # the stage's forward of micro-batch i; on the last stage, its loss
@@ -157,22 +142,23 @@ def gpipe_step(d, stage, xs, ys, n_tok, act_shape, recompute, t0):
             inputs[i].requires_grad_()  # a leaf: its .grad is what B sends back to stage s-1
         if recompute:  # where the RNG stood, so that B's rerun draws the same dropout masks
             rng[i] = (torch.get_rng_state(), torch.cuda.get_rng_state(d.device) if cuda else None)
-        start = clock(d, t0)
-        with torch.no_grad() if recompute else nullcontext(), HeldBytes() as saved:
-            out = forward(i)
-        events.append(dict(rank=d.rank, kind="F", mb=i, start=start, end=clock(d, t0)))
+        start, mine = clock.now(), HeldBytes()
+        with mine.saving():
+            out = run_forward(forward, i, recompute)
+        simulate_compute(args.stage_ms)
+        events.append(dict(kind="F", mb=i, start=start, end=clock.now()))
         if stage.last:
             loss_sum += out.detach()
         else:
             p2p(sends=[(out.detach(), nxt)])  # (b, T, D) to stage s+1
             stats["sent_bytes"] += out.numel() * out.element_size()
-        # What micro-batch i holds until its B: everything (input, saved tensors, output), or only its input.
-        outputs[i] = None if recompute else out
-        held[i] = saved.total(inputs[i]) if recompute else saved.total(inputs[i], out)
-        alive, alive_bytes = alive + 1, alive_bytes + held[i]
-        stats["peak_alive"] = max(stats["peak_alive"], alive)
-        stats["peak_bytes"] = max(stats["peak_bytes"], alive_bytes)
-        stats["input_bytes"] = max(stats["input_bytes"], inputs[i].untyped_storage().nbytes())
+        outputs[i] = None if recompute else out  # micro-batch i keeps its graph until B, or only its input
+        held.add(mine)
+        stats.update(peak_alive=max(stats["peak_alive"], sum(t is not None for t in inputs)),
+                     input_bytes=max(stats["input_bytes"], tensor_bytes([inputs[i]])),
+                     peak_bytes=max(stats["peak_bytes"], held.alive(*inputs, *outputs)))
+        if not recompute:
+            stats["full_bytes"] = max(stats["full_bytes"], mine.alive(inputs[i], out))  # one micro-batch's set
 
     # 2. all backwards, in the same order. B of micro-batch i starts when d loss / d output has arrived.
     for i in range(m):
@@ -180,32 +166,96 @@ def gpipe_step(d, stage, xs, ys, n_tok, act_shape, recompute, t0):
         if not stage.last:
             grad = torch.empty(act_shape, dtype=dtype, device=d.device)  # (b, T, D) from stage s+1
             p2p(recvs=[(grad, nxt)])
-        start = clock(d, t0)
+        start = clock.now()
         out = outputs[i]
         if recompute:  # Sec. 2.3: rerun F from the kept input, this time keeping the graph, with the same
             # dropout masks: replay the RNG state F started from (as torch.utils.checkpoint does)
-            with torch.random.fork_rng(devices=[d.device] if cuda else []), HeldBytes() as saved:
+            mine = HeldBytes()
+            with torch.random.fork_rng(devices=[d.device] if cuda else []), mine.saving():
                 torch.set_rng_state(rng[i][0])
                 if cuda:
                     torch.cuda.set_rng_state(rng[i][1], d.device)
                 out = forward(i)
-            full = saved.total(inputs[i], out)  # what F would have kept without re-materialisation
-            stats["peak_bytes"] = max(stats["peak_bytes"], alive_bytes - held[i] + full)  # held[i]: the input
-            stats["full_bytes"] = max(stats["full_bytes"], full)
+            held.add(mine)  # measured now: the kept inputs and this one rerun graph are alive
+            stats["peak_bytes"] = max(stats["peak_bytes"], held.alive(*inputs, out))
+            stats["full_bytes"] = max(stats["full_bytes"], mine.alive(inputs[i], out))
         torch.autograd.backward(out, grad)  # adds micro-batch i's gradient into every .grad of the stage
-        events.append(dict(rank=d.rank, kind="B", mb=i, start=start, end=clock(d, t0)))
+        simulate_compute(2 * args.stage_ms)
+        events.append(dict(kind="B", mb=i, start=start, end=clock.now()))
         if not stage.first:
             g = inputs[i].grad  # (b, T, D) d loss / d input, to stage s-1
             p2p(sends=[(g, prev)])
             stats["sent_bytes"] += g.numel() * g.element_size()
-        inputs[i] = outputs[i] = rng[i] = None  # the graph and all of micro-batch i's activations go now
-        alive, alive_bytes = alive - 1, alive_bytes - held[i]
-    if not recompute:
-        stats["full_bytes"] = max(held)
+        inputs[i] = outputs[i] = rng[i] = out = None  # the graph and all of micro-batch i's activations go now
     return loss_sum, events, stats
 
 
-# ----------------------------------------------------------------------------- the picture and the trace
+# --- measurement ---
+class Clock:
+    """Times of F and B in ms since one zero common to all stages. CPU: the wall clock, zeroed at the wall time
+    the last rank arrived (perf_counter's origin differs per process; a barrier's exit skew, milliseconds on a
+    busy host, would draw a receive before its send). CUDA: events recorded on the stream, so timing never
+    stops the host or the stream; the zero is an event right after an all-reduce, which ends at about the same
+    moment on every GPU. `read` turns a step's stamps into ms: one synchronize per step, none per op."""
+
+    def __init__(self, d):
+        self.d, self.cuda = d, d.device.type == "cuda"
+
+    def start(self):
+        t = torch.tensor([time.time() * 1e3], dtype=torch.float64, device=self.d.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)  # also lines the ranks up, like a barrier
+        if self.cuda:
+            self.zero = self.now()
+        else:
+            self.t0 = t.item()
+
+    def now(self):
+        if not self.cuda:
+            return time.time() * 1e3 - self.t0
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def read(self, events):
+        if self.cuda:
+            torch.cuda.synchronize(self.d.device)
+            for e in events:
+                e["start"], e["end"] = (self.zero.elapsed_time(e[k]) for k in ("start", "end"))
+        return events
+
+
+def simulate_compute(ms):
+    """--stage-ms: wait, not compute, so that the schedule sets the timing rather than processes competing for
+    a few cores. On a GPU the host waits before the end event is recorded, so the stream's span covers it."""
+    if ms > 0:
+        time.sleep(ms / 1e3)
+
+
+class HeldBytes:
+    """Activation bytes alive for backward, measured: a pack hook (autograd passes every tensor it saves
+    through it) keeps a weak reference to each saved activation (parameters and views of them excluded). A
+    graph freed by its B, or never built (--recompute's F), drops out by itself; `alive(*held)` counts the
+    storages still referenced, plus the tensors the schedule holds itself (inputs, outputs), each once."""
+
+    def __init__(self):
+        self.refs = []
+
+    def _pack(self, t):
+        if not (isinstance(t, nn.Parameter) or isinstance(t._base, nn.Parameter)):
+            self.refs.append(weakref.ref(t))
+        return t
+
+    def saving(self):
+        return torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+
+    def add(self, other):
+        self.refs += other.refs
+
+    def alive(self, *held):
+        saved = [t for t in (r() for r in self.refs) if t is not None]
+        self.refs = [weakref.ref(t) for t in saved]
+        return tensor_bytes(saved + [t for t in held if t is not None])
+
 def draw_timeline(events, p, max_cols=150):
     """One row per stage, to scale, from the measured events: `F3` / `B3` where micro-batch 3's forward /
     backward ran (then blank to its end), `.` where the stage sat idle."""
@@ -234,6 +284,57 @@ def write_trace(path, events, p):
     trace += [dict(name="process_name", ph="M", pid=r, tid=0, args=dict(name=f"stage {r}")) for r in range(p)]
     with open(path, "w") as f:
         json.dump(dict(traceEvents=trace, displayTimeUnit="ms"), f)
+
+
+def report(d, args, events, stats, counted, bounds, act_shape, dtype):
+    """Every rank's last-step events and counters, gathered as rows of numbers (no object collective), on
+    every rank; rank 0 prints them beside their theory. Returns (figures, bytes sent per rank)."""
+    p, m = d.world, args.microbatches
+    rows = [[d.rank, e["kind"] == "B", e["mb"], e["start"], e["end"]] for e in events]
+    ev = gather_rows(d, rows if rows else torch.zeros(0, 5))  # per rank: (2m, 5) rows, or none after a resume
+    keys = ["peak_alive", "peak_bytes", "input_bytes", "full_bytes", "sent_bytes"]
+    st = [dict(zip(keys + ["state"], map(int, r[0].tolist())))
+          for r in gather_rows(d, [[(stats or {}).get(k, 0) for k in keys] + [counted]])]
+    sent, figures = [s["sent_bytes"] for s in st], {}
+    all_events = [dict(rank=int(r), kind="FB"[int(b)], mb=int(i), start=a, end=z)
+                  for rank_rows in ev for r, b, i, a, z in rank_rows.tolist()]
+    if not all_events:
+        return figures, sent
+    end = max(e["end"] for e in all_events)  # the flush: the last B anywhere
+    busy = [sum(e["end"] - e["start"] for e in all_events if e["rank"] == r) for r in range(p)]
+    bubble, theory = [1 - b / end for b in busy], (p - 1) / (m + p - 1)
+    # Theory (a formula on measured parts, not a measurement): held for B per stage, m full sets without
+    # re-materialisation, m stage inputs + one full set (during its B) with it.
+    without = [m * s["full_bytes"] for s in st]
+    with_rc = [m * s["input_bytes"] + s["full_bytes"] - s["input_bytes"] for s in st]
+    b = act_shape[0] * act_shape[1] * act_shape[2] * torch.tensor([], dtype=dtype).element_size()
+    sent_theory = [m * b * ((r > 0) + (r < p - 1)) for r in range(p)]  # one (b, T, D) per micro-batch, direction
+    mean = sum(bubble) / p
+    figures.update(
+        events=all_events, bubble=bubble, bubble_mean=mean, bubble_theory=theory,
+        bubble_theory_formula="(p-1)/(m+p-1)", stage_ms=args.stage_ms,
+        peak_alive_microbatches=[s["peak_alive"] for s in st], peak_alive_theory=m,
+        saved_activation_bytes=[s["peak_bytes"] for s in st], saved_activation_bytes_without_recompute=without,
+        saved_activation_bytes_with_recompute=with_rc, sent_bytes_per_rank=sent, sent_bytes_theory=sent_theory,
+        busy_ms=busy, step_ms_last=end, state_bytes=[s["state"] for s in st])
+    d.log("\nlast step, measured per stage (theory: bubble (p-1)/(m+p-1), alive m, sent m x (b, T, D) each way)")
+    d.log("stage | blocks | busy ms | bubble | theory | alive | theory | held for B, bytes | sent bytes | theory")
+    for r, (a, z) in enumerate(bounds):
+        d.log(f"{r:5d} | {a:2d}..{z - 1:<2d} | {busy[r]:7.2f} | {bubble[r]:6.3f} | {theory:6.3f} | "
+              f"{st[r]['peak_alive']:5d} | {m:6d} | {st[r]['peak_bytes']:17d} | {sent[r]:10d} | {sent_theory[r]:6d}")
+    d.log(f"bubble, mean over stages: measured {mean:.3f}, theory (p-1)/(m+p-1) = {theory:.3f}, difference "
+          f"{mean - theory:+.3f}" + (f" (--stage-ms {args.stage_ms:g}: compute time simulated, each F waits "
+                                     f"{args.stage_ms:g} ms, each B {2 * args.stage_ms:g} ms)" if args.stage_ms else
+                                     " (real compute only: on shared cores this times the OS scheduler; try --stage-ms)"))
+    d.log(f"activation bytes held for B per stage, peak, measured from the live storages: "
+          f"{figures['saved_activation_bytes']}; theory from the measured parts: without --recompute m x full set = "
+          f"{without}, with it m x input + one full set = {with_rc}")
+    d.log(f"\ntimeline of the last step, measured ({m} micro-batches, {p} stages):")
+    d.log(draw_timeline(all_events, p))
+    if args.trace and d.rank == 0:
+        write_trace(args.trace, all_events, p)
+        d.log(f"wrote {len(all_events)} events to {args.trace} (open in https://ui.perfetto.dev)")
+    return figures, sent
 
 
 # ----------------------------------------------------------------------------- main
@@ -266,13 +367,15 @@ def main():
                                  f"{' + norm + head + loss' if s == p - 1 else ''}" for s, (a, b) in enumerate(bounds)))
     torch.manual_seed(args.seed + d.rank)  # dropout masks (if any) differ per stage
     dtype = DTYPES[args.dtype]
-    stage = Stage(build_gpt(GPTConfig.from_args(args), args.seed, dtype), d.rank, bounds).to(d.device)
+    gpt = build_gpt(GPTConfig.from_args(args), args.seed, dtype)  # the full model on CPU; a stage moves its part
+    shapes = {n: q.shape for n, q in gpt.named_parameters()}
+    stage = Stage(gpt, d.rank, bounds).to(d.device)
     opt = make_optimizer(stage.parameters(), args)
     ckpt = Checkpointer(d, args.ckpt_dir, args.save_every, args.steps)
     start, hist = ckpt.load({"model": stage, "optim": opt})
     losses, events, stats = hist.get("losses", []), [], None
     act_shape = (args.batch_size // m, args.seq_len, args.d_model)  # (b, T, D): what crosses a stage boundary
-    timer, tokens = StepTimer(d.device), args.batch_size * args.seq_len
+    timer, tokens, clock = StepTimer(d.device), args.batch_size * args.seq_len, Clock(d)
 
     for step in range(start, args.steps):
         maybe_fail(d, args, step)
@@ -280,8 +383,8 @@ def main():
         x, y = data.batch(step, args.batch_size, args.seq_len, args.ragged)  # (B, T) global batch, on CPU
         n_tok = count_tokens(y)  # tokens of the whole global batch: every micro-batch loss divides by it
         opt.zero_grad(set_to_none=True)
-        t0 = common_start(d)  # the timeline's zero; a collective before any point-to-point, as NCCL's batched p2p asks
-        loss, events, stats = gpipe_step(d, stage, x.chunk(m), y.chunk(m), n_tok, act_shape, args.recompute, t0)
+        clock.start()  # the timeline's zero; a collective before any point-to-point, as NCCL's batched p2p asks
+        loss, events, stats = gpipe_step(d, stage, x.chunk(m), y.chunk(m), n_tok, act_shape, args, clock)
         # 3. after the flush, one optimizer step: the norm of the whole model from every stage's squared norm,
         # and the batch loss that only the last stage knows, in one all-reduce of two numbers
         grads = [q.grad for q in stage.parameters()]
@@ -290,59 +393,21 @@ def main():
         clip_grads_(grads, both[0].sqrt(), args.clip)
         opt.step()
         losses.append(both[1].item())
+        events = clock.read(events)
         log_step(d, step, losses[-1], timer.stop(), tokens)
         ckpt.maybe_save(step + 1, {"model": stage, "optim": opt}, {"losses": losses})
 
-    # --- gather the last step's timeline and figures (every rank gets all; rank 0 prints) ---
-    mine = dict(events=events, stats=stats, state_bytes=state_bytes(stage, opt))
-    every = [None] * p
-    dist.all_gather_object(every, mine)
-    all_events = [e for r in every for e in r["events"]]
-    figures, counted = dict(split=bounds, stages=p, microbatches=m, recompute=args.recompute), mine["state_bytes"]
-    # comm bytes: what each rank's point-to-point sends carried in the step (activations down, gradients up);
-    # the two-number all-reduce is not counted. comm_bytes in the summary is the largest, a middle stage's.
-    sent = [r["stats"]["sent_bytes"] if r["stats"] else 0 for r in every]
-    if all_events:  # (none when a resumed run had no step left)
-        end = max(e["end"] for e in all_events)  # the flush: the last B anywhere
-        busy = [sum(e["end"] - e["start"] for e in all_events if e["rank"] == r) for r in range(p)]
-        bubble, theory = [1 - b / end for b in busy], (p - 1) / (m + p - 1)
-        st = [r["stats"] for r in every]
-        # Activation bytes a stage holds for backward, from its measured parts: m full sets without
-        # re-materialisation; m stage inputs + one full set (during its B) with it.
-        without = [m * s["full_bytes"] for s in st]
-        with_rc = [m * s["input_bytes"] + s["full_bytes"] - s["input_bytes"] for s in st]
-        b = act_shape[0] * act_shape[1] * act_shape[2] * torch.tensor([], dtype=dtype).element_size()
-        sent_theory = [m * b * ((r > 0) + (r < p - 1)) for r in range(p)]  # one (b, T, D) per micro-batch, direction
-        figures.update(
-            events=all_events, bubble=bubble, bubble_mean=sum(bubble) / p, bubble_theory=theory,
-            bubble_theory_formula="(p-1)/(m+p-1)", peak_alive_microbatches=[s["peak_alive"] for s in st],
-            peak_alive_theory=m, saved_activation_bytes=[s["peak_bytes"] for s in st],
-            saved_activation_bytes_without_recompute=without, saved_activation_bytes_with_recompute=with_rc,
-            sent_bytes_per_rank=sent, sent_bytes_theory=sent_theory, busy_ms=busy, step_ms_last=end)
-        counted += mine["stats"]["peak_bytes"]
-        d.log("\nlast step, measured per stage (theory: bubble (p-1)/(m+p-1), alive m, sent m x (b, T, D) each way)")
-        d.log("stage | blocks | busy ms | bubble | theory | alive | theory | held for B, bytes | sent bytes | theory")
-        for r, (a, z) in enumerate(bounds):
-            d.log(f"{r:5d} | {a:2d}..{z - 1:<2d} | {busy[r]:7.2f} | {bubble[r]:6.3f} | {theory:6.3f} | "
-                  f"{st[r]['peak_alive']:5d} | {m:6d} | {st[r]['peak_bytes']:17d} | {sent[r]:10d} | "
-                  f"{sent_theory[r]:6d}")
-        d.log(f"activation bytes held for B per stage, peak: measured {figures['saved_activation_bytes']}; from the "
-              f"measured parts: without --recompute m x full set = {without}, with it m x input + one full set = "
-              f"{with_rc}")
-        d.log(f"\ntimeline of the last step, measured ({m} micro-batches, {p} stages):")
-        d.log(draw_timeline(all_events, p))
-        if args.trace and d.rank == 0:
-            write_trace(args.trace, all_events, p)
-            d.log(f"wrote {len(all_events)} events to {args.trace} (open in https://ui.perfetto.dev)")
-
+    # --- measurement: the last step's timeline and figures; the peak is read before --check trains ---
+    counted = state_bytes(stage, opt)
+    figures, sent = report(d, args, events, stats, counted, bounds, act_shape, dtype)
+    figures.update(split=bounds, stages=p, microbatches=m, recompute=args.recompute)
+    peak = peak_memory_bytes(d, counted + (stats["peak_bytes"] if stats else 0))
     check = None
-    if args.check:  # the full model on rank 0, by name, from every stage's parameters
-        parts = [None] * p if d.rank == 0 else None
-        dist.gather_object({n: q.detach().cpu() for n, q in stage.named_parameters()}, parts, dst=0)
-        full = {n: t for part in parts for n, t in part.items()} if d.rank == 0 else None
+    if args.check:  # the full model, by name, from every stage's parameters (one all-reduce)
+        full = assemble_full(d, dict(stage.named_parameters()), shapes, dtype)
         check = check_against_reference(d, args, losses, full)
     write_summary(d, args, "gpipe", losses, timer.median(), tokens / max(timer.median(), 1e-9) * 1e3,
-                  peak_memory_bytes(d, counted), max(sent), check, figures)
+                  peak, max(sent), check, figures)
     close_dist(ok=check is None or check["passed"])
 
 
