@@ -12,12 +12,19 @@ Training", VLDB 2020, Sec. 3.2):
      parameter copies its gradient into its bucket; when a bucket is full, its async all-reduce starts while
      autograd is still computing the earlier layers. The end of backward waits for all of them.
   3. Bucket order: first the reverse of registration (a guess at backward order); after the first iteration,
-     rebuilt from the order gradients *actually* arrived, so bucket 0 fills first. Buckets are launched in
-     index order only: every rank must issue the same collectives in the same order (NCCL matches by order).
-  4. no_sync() (Sec. 3.2.4): gradient accumulation; inside it the hooks do nothing and grads add up locally.
+     rebuilt once from the order gradients *actually* arrived, so bucket 0 fills first. Buckets are launched
+     in index order only: every rank must issue the same collectives in the same order (NCCL matches by order).
+     Where torch differs: without find_unused_parameters its first iteration uses ONE bucket (no overlap
+     until the rebuild; registration order may be far from backward order); here the first iteration
+     already uses capped reverse-registration buckets, so the rebuild's gain is visible in the summary.
+     With find_unused_parameters=True torch never rebuilds (the set of gradients can change every
+     iteration), and neither does this file: its buckets stay in reverse registration order.
+  4. no_sync() (Sec. 3.2.4): gradient accumulation; inside it the hooks only note which parameters were
+     used, and gradients add up locally in .grad. The next synced backward reduces the accumulated .grad.
   5. A parameter that gets no gradient would leave its bucket waiting forever: an error names it, or
-     find_unused_parameters=True zero-fills it and reduces a small used-map to tell "unused here" from
-     "unused everywhere" (torch DDP's local_used_map).
+     find_unused_parameters=True fills its slot with its .grad (what no_sync() accumulated) or zeros, and
+     all-reduces a used-map (used in any backward since the last sync) to tell "unused here" from "unused
+     everywhere": the latter keep their .grad untouched (torch DDP's local_used_map, the same rule).
   6. --compress bf16|fp16: buckets travel in 16 bits (half the bytes of fp32, a quarter of fp64) and are
      copied back into the parameter dtype: gradient compression in its simplest form (torch's
      fp16_compress_hook / bf16_compress_hook). fp16 can underflow tiny gradients; bf16 keeps fp32's range.
@@ -95,7 +102,10 @@ class BucketedDDP(nn.Module):
             p.register_post_accumulate_grad_hook(lambda p, i=i: self._grad_ready(i))
         self.require_sync = True  # no_sync() turns it off
         self._sync = False  # decided at forward, as torch DDP does: a backward syncs if its forward did
-        self._arrival = []  # order gradients arrive in the first synced backward (None once rebuilt)
+        self._used = [False] * len(self.params)  # got a gradient since the last synced backward (no_sync too)
+        # order gradients arrive in the first synced backward (None: never rebuild, or rebuilt already);
+        # torch rebuilds only without find_unused_parameters, and so does this file
+        self._arrival = None if find_unused_parameters else []
         self._rebuild_pending = False
         self.history = []  # one record per synced backward: overlap and bytes, measured
 
@@ -152,6 +162,7 @@ class BucketedDDP(nn.Module):
 
     def _grad_ready(self, i):
         """Post-accumulate-grad hook of parameter i: its .grad is final for this backward."""
+        self._used[i] = True  # torch's local_used_map: a no_sync() backward marks it used too
         if not self._sync:
             return  # inside no_sync(): the gradient stays local, accumulating in .grad
         if not self._queued:
@@ -170,28 +181,34 @@ class BucketedDDP(nn.Module):
         while self._next < len(self.buckets) and self._pending[self._next] == 0:
             buf = self.buffers[self._next]  # (n_b,) this rank's gradients, wire dtype
             buf.div_(self.world)  # average = sum of grad/N (torch DDP divides before the sum too)
-            self._works.append(dist.all_reduce(buf, group=self.group, async_op=True))  # (n_b,) -> sum over ranks
+            self._works.append(self._reduce(self._next, buf))
             self._launched_at.append(self._n_arrived)  # gradients arrived by now: fewer than at the end = overlap
             self._next += 1
 
+    def _reduce(self, b, buf):
+        """Start bucket b's all-reduce: (n_b,) this rank's gradients / N -> their sum over ranks, in place."""
+        return dist.all_reduce(buf, group=self.group, async_op=True)
+
     def _finish_backward(self):
         """Autograd-engine callback, after the whole graph ran and before backward() returns."""
+        # measured, before anything else launches: all-reduces already complete while autograd still ran
+        hidden = sum(w.is_completed() for w in self._works)
         missing = [i for i, got in enumerate(self._arrived) if not got]
-        for i in missing:  # zeros: every bucket is still launched, in the same order on every rank
-            self.views[i].zero_()
+        for i in missing:  # every bucket is still launched, in the same order on every rank; the slot holds
+            g = self.params[i].grad  # what no_sync() accumulated (torch reduces a defined .grad), else zeros
+            self.views[i].copy_(g) if g is not None else self.views[i].zero_()
             self._pending[self.bucket_of[i]] -= 1
         self._launch_ready()
         early = [b for b in range(len(self._works)) if self._launched_at[b] < self._n_arrived]  # compute followed
-        hidden = sum(w.is_completed() for w in self._works)  # already done as backward ends: fully hidden
         if missing and not self.find_unused:
             for w in self._works:  # the group stays consistent: this rank took part in every collective
                 w.wait()
-            self._sync = False
+            self._sync, self._used = False, [False] * len(self.params)
             raise RuntimeError(f"BucketedDDP: {len(missing)} parameter(s) got no gradient in this backward: "
                                f"{', '.join(self.names[i] for i in missing)}. Make them part of the loss, set "
                                f"requires_grad=False, or pass find_unused_parameters=True")
         if self.find_unused:  # which parameters some rank used: unused here != unused everywhere
-            used = torch.tensor(self._arrived, dtype=torch.int32, device=self.device)  # (P,) 1 = got a gradient
+            used = torch.tensor(self._used, dtype=torch.int32, device=self.device)  # (P,) 1 = got a gradient
             dist.all_reduce(used, group=self.group)  # (P,) ranks that used each parameter
             unused_everywhere = {i for i, u in enumerate(used.tolist()) if u == 0}
         for idx, buf, w in zip(self.buckets, self.buffers, self._works):
@@ -205,10 +222,11 @@ class BucketedDDP(nn.Module):
                 p.grad.copy_(self.views[i])  # back into the parameter dtype
         nbytes = [buf.numel() * buf.element_size() for buf in self.buffers]
         self.history.append(dict(buckets=len(self.buckets), launched_early=len(early),
-                                 bytes_early=sum(nbytes[b] for b in early), hidden=hidden, payload_bytes=sum(nbytes)))
+                                 bytes_early=sum(nbytes[b] for b in early), hidden=hidden, payload_bytes=sum(nbytes),
+                                 order=[i for idx in self.buckets for i in idx]))
         if self._arrival is not None:
             self._rebuild_pending = True  # the next forward rebuilds the buckets from this arrival order
-        self._sync = False
+        self._sync, self._used = False, [False] * len(self.params)
 
     def _rebuild(self):
         """After the first iteration: buckets in the order gradients arrived (torch DDP's rebuild_buckets).
@@ -219,6 +237,62 @@ class BucketedDDP(nn.Module):
         dist.broadcast(t, src=self.src, group=self.group)
         self._build_buckets(t.tolist())
         self._arrival, self._rebuild_pending = None, False
+
+
+class BucketLayout:
+    """Checkpoint adapter (state_dict / load_state_dict) for a BucketedDDP's bucket order: a restarted run
+    rebuilds exactly these buckets, not the first-iteration guess, so it issues the same all-reduces with
+    the same elements in them (on 3+ ranks the layout decides the order of each element's sum)."""
+
+    def __init__(self, ddp):
+        self.ddp = ddp
+
+    def state_dict(self):
+        dd = self.ddp
+        return dict(order=[i for idx in dd.buckets for i in idx], arrival=dd._arrival, pending=dd._rebuild_pending)
+
+    def load_state_dict(self, state):
+        self.ddp._build_buckets(state["order"])
+        self.ddp._arrival, self.ddp._rebuild_pending = state["arrival"], state["pending"]
+
+
+def compressed_reference(args, world, wire, device):
+    """--check's answer for --compress: one process, no buckets, no communication, the same precision recipe.
+    Per step, each rank r's gradient of N * L_r (its slice) is rounded to the wire dtype and divided by N
+    there; the N terms are summed in the wire dtype (one rounding per addition, as the all-reduce does),
+    then cast back to the parameter dtype, clipped and stepped (AdamW). On 1 or 2 ranks this is exactly the
+    run's arithmetic (round(a + b) = round(b + a)); on 3 or more the collective picks the order of the sum."""
+    data = MarkovData(args.vocab, args.seed)
+    model = build_gpt(GPTConfig.from_args(args), args.seed, DTYPES[args.dtype], device)
+    opt, params, b, losses = make_optimizer(model.parameters(), args), list(model.parameters()), args.batch_size // world, []
+    for step in range(args.steps):
+        x, y = (t.to(device) for t in data.batch(step, args.batch_size, args.seq_len, args.ragged))
+        n_tok, total, summed = count_tokens(y), 0.0, None
+        for r in range(world):
+            loss = lm_loss(model(x[r * b:(r + 1) * b]), y[r * b:(r + 1) * b], n_tok)  # L_r on rank r's slice
+            g = [t.to(wire).div_(world) for t in torch.autograd.grad(loss * world, params)]
+            summed = g if summed is None else [s + t for s, t in zip(summed, g)]
+            total += loss.item()
+        for p, s in zip(params, summed):
+            p.grad = s.to(p.dtype)
+        if args.clip > 0:
+            torch.nn.utils.clip_grad_norm_(params, args.clip)
+        opt.step()
+        losses.append(total)
+    return dict(losses=losses, params={n: p.detach().clone() for n, p in model.named_parameters()})
+
+
+def compress_tolerance(args, world):
+    """(loss, parameter) tolerances of --check with --compress. On <= 2 ranks the reference is the run's own
+    arithmetic: the dtype's tolerance. On N >= 3 the collective's order of the sum changes each summed
+    gradient by up to N - 2 roundings, relative u (2^-8 in bf16, 2^-11 in fp16), so each AdamW step (which
+    moves a weight by about lr) by up to that fraction: loss tolerance steps * lr * (N - 2) * u, relative.
+    The parameters then get AdamW's largest possible move, 2 * lr * steps: an element whose sum is
+    roundoff-sized can flip sign and step the other way, so only the losses stay a tight check there."""
+    if world <= 2:
+        return tolerance(args.dtype), tolerance(args.dtype)
+    u = torch.finfo(WIRE[args.compress]).eps / 2
+    return max(tolerance(args.dtype), args.steps * args.lr * (world - 2) * u), 2 * args.lr * args.steps
 
 
 # ----------------------------------------------------------------------------- main
@@ -233,8 +307,13 @@ def main():
         if not getattr(args, flag) * MiB >= 1:  # also catches nan
             fail(f"--{flag.replace('_', '-')} must be a positive size in MiB (fractions allowed, e.g. 0.05), "
                  f"got {getattr(args, flag)}")
-    # --- setup (same in every file) ---
-    d = init_dist(args.timeout)
+    d = init_dist(args.timeout)  # --- setup (same in every file) ---
+    summary = train(d, args)
+    close_dist(ok=summary["check"] is None or summary["check"]["passed"])
+
+
+def train(d, args):
+    """Train (resuming from --ckpt-dir), --check, print and return the --json summary."""
     data = MarkovData(args.vocab, args.seed)
     d.log(f"ddp_bucketed: world {d.world}, {args.batch_size // d.world} sequences per rank, "
           f"entropy floor {data.entropy:.4f} nats/token")
@@ -242,7 +321,8 @@ def main():
     ddp = BucketedDDP(model, args.bucket_cap_mb, args.first_bucket_mb, compress=WIRE[args.compress])
     opt = make_optimizer(model.parameters(), args)
     ckpt = Checkpointer(d, args.ckpt_dir, args.save_every, args.steps)
-    start, hist = ckpt.load({"model": model, "optim": opt})
+    state = {"model": model, "optim": opt, "buckets": BucketLayout(ddp)}
+    start, hist = ckpt.load(state)
     losses = hist.get("losses", [])
     timer, b, peak = StepTimer(d.device), args.batch_size // d.world, 0
     # --- the training loop ---
@@ -266,18 +346,28 @@ def main():
         losses.append(total.item())
         peak = max(peak, state_bytes(model, opt) + tensor_bytes(ddp.buffers) + acts.bytes)
         log_step(d, step, losses[-1], ms, args.batch_size * args.seq_len)
-        ckpt.maybe_save(step + 1, {"model": model, "optim": opt}, {"losses": losses})
+        ckpt.maybe_save(step + 1, state, {"losses": losses})
     # --- the summary ---
-    tol = tolerance(args.dtype) if args.compress == "none" else max(tolerance(args.dtype), tolerance("bfloat16"))
-    check = check_against_reference(d, args, losses, dict(model.named_parameters()), tol=tol) if args.check else None
+    peak_mem = peak_memory_bytes(d, peak)  # the technique's own peak: read before --check trains a reference
+    check = None
+    if args.check:
+        ref, (tol, ptol) = None, (None, None)  # None: common's float reference and tolerances
+        if args.compress != "none":
+            tol, ptol = compress_tolerance(args, d.world)
+            ref = compressed_reference(args, d.world, WIRE[args.compress], d.device) if d.rank == 0 else None
+        check = check_against_reference(d, args, losses, dict(model.named_parameters()), ref=ref, tol=ptol)
+        if tol is not None and tol < ptol:  # the losses' own, tighter tolerance (N >= 3, see compress_tolerance)
+            check["passed"] = check["passed"] and check["max_loss_diff"] <= tol
+            d.log(f"  losses within {tol:.1e} (steps * lr * (N - 2) * u): {'PASSED' if check['passed'] else 'FAILED'}")
     figures = summary_figures(ddp, d.world)
-    write_summary(d, args, "ddp_bucketed", losses, timer.median(),
-                  args.batch_size * args.seq_len / max(timer.median(), 1e-9) * 1e3, peak_memory_bytes(d, peak),
-                  figures["allreduce_payload_bytes_per_step"], check, figures)
+    summary = write_summary(d, args, "ddp_bucketed", losses, timer.median(),
+                            args.batch_size * args.seq_len / max(timer.median(), 1e-9) * 1e3, peak_mem,
+                            figures["allreduce_payload_bytes_per_step"], check, figures)
     print_summary(d, figures)
-    close_dist(ok=check is None or check["passed"])
+    return summary
 
 
+# --- measurement ---
 def summary_figures(ddp, world):
     """Measured numbers beside their theory values."""
     none = dict(launched_early=0, bytes_early=0, hidden=0, payload_bytes=0)  # a resumed, finished run
@@ -290,7 +380,9 @@ def summary_figures(ddp, world):
         ring_bytes_sent_per_rank_theory=2 * (world - 1) / world * payload,  # theory: 2(N-1)/N * payload
         launched_before_backward_end=last["launched_early"], bytes_launched_before_backward_end=last["bytes_early"],
         launched_before_backward_end_first_step=first["launched_early"],  # before the arrival-order rebuild
-        completed_before_backward_end=last["hidden"],  # timing-dependent: all-reduce already done, fully hidden
+        # measured from the works (is_completed) as the backward's callback starts: fully hidden all-reduces
+        completed_before_backward_end=last["hidden"],
+        bucket_order_per_step=[h["order"] for h in ddp.history],  # parameter indices, bucket by bucket
     )
 
 
@@ -301,8 +393,8 @@ def print_summary(d, f):
     d.log(f"all-reduce payload per rank/step {f['allreduce_payload_bytes_per_step']} bytes (counted)")
     d.log(f"ring all-reduce sent per rank    {f['ring_bytes_sent_per_rank_theory']:.0f} bytes (theory: 2(N-1)/N * payload)")
     d.log(f"overlap, last step               {f['launched_before_backward_end']}/{f['buckets']} buckets "
-          f"({f['bytes_launched_before_backward_end']} bytes) launched before backward finished, "
-          f"{f['completed_before_backward_end']} already complete when it did (measured)")
+          f"({f['bytes_launched_before_backward_end']} bytes) launched before backward finished; "
+          f"{f['completed_before_backward_end']} had completed when it did (measured from the works)")
     d.log(f"overlap, first step              {f['launched_before_backward_end_first_step']}/{f['buckets']} buckets "
           f"launched early (registration-order buckets, before the rebuild)")
 

@@ -3,12 +3,13 @@ tests/test_ddp_bucketed.py at world 2 and 3):
 
     torchrun --standalone --nproc_per_node=2 tests/ddp_bucketed_checks.py
 
-References: torch's own DistributedDataParallel (gloo) on the same model and inputs, and the one-process
+References: torch's own DistributedDataParallel on the same model and inputs, and the one-process
 full-batch gradient. Every check has a negative twin (something that must differ, differs). A failed check
 is recorded and the script goes on (so every rank keeps issuing the same collectives); it exits 1 at the end.
-Prints ALL CHECKS PASSED on success.
+Prints ALL CHECKS PASSED on success. Device-correct: models and inputs live on the rank's device, so the
+same checks run on NCCL (torchrun on a GPU machine) as on gloo; only tensors cross the wire.
 """
-import os, sys
+import os, sys, time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -19,8 +20,9 @@ import torch.nn as nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from common import (CommonArgs, GPTConfig, MarkovData, build_gpt, close_dist, count_tokens, init_dist, lm_loss,
-                    make_optimizer)
+import ddp_bucketed
+from common import (CommonArgs, GPTConfig, MarkovData, build_gpt, close_dist, count_tokens, gather_rows, init_dist,
+                    lm_loss, make_optimizer, parse_args)
 from ddp_bucketed import MiB, BucketedDDP
 
 CFG = GPTConfig(vocab=32, seq_len=8, d_model=16, n_heads=2, n_layers=2)
@@ -34,7 +36,12 @@ failures = []
 def check(ok, what):
     if not ok:
         failures.append(what)
-    d.log(f"{'ok  ' if ok else 'FAIL'} {what}")
+    if d.rank == 0 or not ok:  # a failure is printed by the rank that saw it
+        print(f"{'ok  ' if ok else 'FAIL'} (rank {d.rank}) {what}", flush=True)
+
+
+def gpt():
+    return build_gpt(CFG, SEED, F64, d.device)
 
 
 def rel(a, b):
@@ -54,14 +61,14 @@ def spread_over_ranks(g):
     flat = torch.cat([t.flatten() for t in g.values() if t is not None])
     every = [torch.empty_like(flat) for _ in range(d.world)]
     dist.all_gather(every, flat)
-    t = torch.tensor([max((e - every[0]).abs().max().item() for e in every)], dtype=F64)
+    t = torch.tensor([max((e - every[0]).abs().max().item() for e in every)], dtype=F64, device=d.device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return t.item()
 
 
 def batch(step):
-    """Global batch of `step`, this rank's slice, and the global token count."""
-    x, y = data.batch(step, B, CFG.seq_len)
+    """Global batch of `step`, this rank's slice, and the global token count (tensors on the device)."""
+    x, y = (t.to(d.device) for t in data.batch(step, B, CFG.seq_len))
     b = B // d.world
     return x, y, x[d.rank * b:(d.rank + 1) * b], y[d.rank * b:(d.rank + 1) * b], count_tokens(y)
 
@@ -72,7 +79,7 @@ def backward(model, x, y, n_tok, scale):
 
 def full_batch_grads(steps):
     """The one-process answer: gradient of the global loss summed over the given steps' global batches."""
-    m = build_gpt(CFG, SEED, F64)
+    m = gpt()
     for s in steps:
         x, y, _, _, n = batch(s)
         backward(m, x, y, n, 1.0)
@@ -80,7 +87,7 @@ def full_batch_grads(steps):
 
 
 # 1. vs torch DDP and the full-batch gradient, over 3 iterations (the 2nd and 3rd after the rebuild), with AdamW
-m_ours, m_ref = build_gpt(CFG, SEED, F64), build_gpt(CFG, SEED, F64)
+m_ours, m_ref = gpt(), gpt()
 ours, ref = BucketedDDP(m_ours, CAP, FIRST), DDP(m_ref)
 first_layout = ours.layout()
 arrived = []  # an independent observer of gradient arrival, registered after BucketedDDP's hooks
@@ -89,8 +96,17 @@ for n, p in m_ours.named_parameters():
 launched_mid_backward = []  # buckets launched when the gradient reaches block 0's input (embeddings still to come)
 
 
+def at_block0_input_grad(g):
+    """Mid-backward (block 0's input gradient; the embeddings' still to come): count the buckets launched,
+    then give bucket 0's all-reduce up to 10 s to complete, so that its completion is measurable."""
+    launched_mid_backward.append(len(ours._works))
+    deadline = time.monotonic() + 10
+    while ours._works and not ours._works[0].is_completed() and time.monotonic() < deadline:
+        time.sleep(1e-3)
+
+
 def watch_block0_input(module, args):  # forward pre-hook: put a gradient hook on block 0's input
-    args[0].register_hook(lambda g: launched_mid_backward.append(len(ours._works)))
+    args[0].register_hook(at_block0_input_grad)
 
 
 m_ours.blocks[0].register_forward_pre_hook(watch_block0_input)
@@ -101,11 +117,12 @@ for step in range(3):
         opt.zero_grad(set_to_none=True)
         backward(model, xl, yl, n_tok, d.world)  # N * L_r, averaged by DDP = grad of the global loss
     g_ours, g_ref, g_full = grads(m_ours), grads(m_ref), full_batch_grads([step])
-    local = build_gpt(CFG, SEED, F64)
+    local = gpt()
     local.load_state_dict(m_ours.state_dict())
     backward(local, xl, yl, n_tok, d.world)
     check(rel(g_ours, g_ref) <= 1e-12, f"step {step}: grads == torch DDP (rel diff {rel(g_ours, g_ref):.1e})")
     if step == 0:  # same parameters as the fresh one-process model only before the first update
+        g_full0 = g_full
         check(rel(g_ours, g_full) <= 1e-10, f"step 0: grads == one-process full-batch grad ({rel(g_ours, g_full):.1e})")
     check(spread_over_ranks(g_ours) == 0.0, f"step {step}: grads identical on every rank")
     check(d.world == 1 or rel(grads(local), g_ours) > 1e-6,
@@ -120,9 +137,9 @@ check(p_diff <= 1e-12, f"after 3 AdamW steps: parameters == torch DDP's (max dif
 # 2. bucket layout: same on every rank, within the caps, reverse registration first, then arrival order
 names = [n for n, _ in m_ours.named_parameters()]
 layout = ours.layout()
-every = [None] * d.world
-dist.all_gather_object(every, layout)
-check(all(e == layout for e in every), f"layout identical on every rank ({len(layout)} buckets)")
+rows = [[b, names.index(n), nb, wire] for b, (ns, nb, wire) in enumerate(layout) for n in ns]  # (P, 4) numbers
+every = gather_rows(d, rows)  # every rank's layout, as tensors
+check(all(torch.equal(e, every[d.rank]) for e in every), f"layout identical on every rank ({len(layout)} buckets)")
 check(len(layout) >= 3, f"several buckets: {[nb for _, nb, _ in layout]} bytes")
 check(sorted(n for ns, _, _ in layout for n in ns) == sorted(names), "every parameter in exactly one bucket")
 within = all(nb <= (FIRST if b == 0 else CAP) * MiB or len(ns) == 1 for b, (ns, nb, _) in enumerate(layout))
@@ -133,10 +150,36 @@ check([n for ns, _, _ in layout for n in ns] == first_arrival,
 check(ours.history[-1]["payload_bytes"] == sum(p.numel() for p in m_ours.parameters()) * 8,
       f"all-reduce payload counted = parameter bytes ({ours.history[-1]['payload_bytes']} B)")
 
-# 3. overlap: buckets launched while backward was still computing (seen from inside backward)
+# 3. overlap: buckets launched while backward was still computing (seen from inside backward), and
+# all-reduces that had *completed* when backward ended, measured from the works themselves
+hidden = [h["hidden"] for h in ours.history]
 check(min(launched_mid_backward) >= 1 and ours.history[-1]["launched_early"] >= 1,
       f"overlap: {launched_mid_backward} buckets launched before the embedding grads existed; "
       f"{ours.history[-1]['launched_early']}/{len(layout)} launched before backward finished")
+check(min(hidden) >= 1, f"overlap: all-reduces complete when backward ended, per step: {hidden} (work.is_completed)")
+
+
+class LaunchAtEnd(BucketedDDP):
+    """Negative twin: every bucket waits for the end of backward (dp.py's naive way)."""
+
+    def _grad_ready(self, i):
+        self._deferred = True
+        super()._grad_ready(i)
+
+    def _launch_ready(self):
+        if not getattr(self, "_deferred", False):
+            super()._launch_ready()
+
+    def _finish_backward(self):
+        self._deferred = False
+        super()._finish_backward()
+
+
+late = LaunchAtEnd(gpt(), CAP, FIRST)
+x, y, xl, yl, n_tok = batch(0)
+backward(late, xl, yl, n_tok, d.world)
+check(late.history[-1]["hidden"] == 0 and late.history[-1]["launched_early"] == 0 and rel(grads(late.module), g_full0) <= 1e-10,
+      f"negative: buckets launched at the end of backward: {late.history[-1]['hidden']} complete when it ended")
 
 
 class Reversed(nn.Module):
@@ -146,7 +189,7 @@ class Reversed(nn.Module):
     def __init__(self):
         super().__init__()
         torch.manual_seed(1)
-        self.c, self.b, self.a = (nn.Linear(64, 64, bias=False, dtype=F64) for _ in range(3))
+        self.c, self.b, self.a = (nn.Linear(64, 64, bias=False, dtype=F64, device=d.device) for _ in range(3))
 
     def forward(self, x):
         return self.c(torch.tanh(self.b(torch.tanh(self.a(x)))))
@@ -154,20 +197,20 @@ class Reversed(nn.Module):
 
 rv = BucketedDDP(Reversed(), bucket_cap_mb=0.03, first_bucket_mb=0.03)  # 33 KB weight: one layer per bucket
 for _ in range(2):
-    rv(torch.randn(4, 64, dtype=F64)).square().sum().backward()
+    rv(torch.randn(4, 64, dtype=F64, device=d.device)).square().sum().backward()
 e0, e1 = rv.history[0]["launched_early"], rv.history[1]["launched_early"]
 check(e0 == 0 and e1 == len(rv.buckets) - 1 >= 2,
       f"negative: registration-ordered buckets launch {e0} early; after the rebuild {e1}/{len(rv.buckets)}")
 
 # 4. no_sync: local accumulation (differs between ranks), then a synced step = torch DDP's no_sync
-m_ours, m_ref = build_gpt(CFG, SEED, F64), build_gpt(CFG, SEED, F64)
+m_ours, m_ref = gpt(), gpt()
 ours, ref = BucketedDDP(m_ours, CAP, FIRST), DDP(m_ref)
 xa, ya, xal, yal, na = batch(10)
 xb, yb, xbl, ybl, nb = batch(11)
 for model in (ours, ref):
     with model.no_sync():
         backward(model, xal, yal, na, d.world)
-local = build_gpt(CFG, SEED, F64)
+local = gpt()
 backward(local, xal, yal, na, d.world)
 check(rel(grads(m_ours), grads(local)) == 0.0, "no_sync: grads are exactly this rank's own")
 check(d.world == 1 or spread_over_ranks(grads(m_ours)) > 1e-6, "no_sync: grads differ between ranks")
@@ -183,9 +226,9 @@ check(spread_over_ranks(g_ours) == 0.0, "no_sync + synced step: grads identical 
 class WithUnused(nn.Module):
     def __init__(self):
         super().__init__()
-        self.gpt = build_gpt(CFG, SEED, F64)
-        self.spare = nn.Linear(3, 3, dtype=F64)  # never used
-        self.gain = nn.Parameter(torch.ones((), dtype=F64))  # used on rank 0 only
+        self.gpt = gpt()
+        self.spare = nn.Linear(3, 3, dtype=F64, device=d.device)  # never used
+        self.gain = nn.Parameter(torch.ones((), dtype=F64, device=d.device))  # used on rank 0 only
 
     def forward(self, x):
         out = self.gpt(x)
@@ -203,7 +246,7 @@ check("spare.weight" in msg and "spare.bias" in msg and "find_unused_parameters"
       f"unused parameter: clear error naming it: {msg[:110]}...")
 m_ours, m_ref = WithUnused(), WithUnused()
 ours, ref = BucketedDDP(m_ours, CAP, FIRST, find_unused_parameters=True), DDP(m_ref, find_unused_parameters=True)
-for step in (20, 21):  # the second after the rebuild
+for step in (20, 21):  # no rebuild with find_unused_parameters (torch neither)
     x, y, xl, yl, n_tok = batch(step)
     for model in (m_ours, m_ref):
         model.zero_grad(set_to_none=True)
@@ -213,6 +256,42 @@ for step in (20, 21):  # the second after the rebuild
     check(rel(g_ours, g_ref) <= 1e-12 and g_ours["spare.weight"] is None and g_ours["gain"] is not None,
           f"step {step}: find_unused_parameters == torch DDP's (rel {rel(g_ours, g_ref):.1e}; unused everywhere "
           f"-> grad None, used on rank 0 only -> averaged on all)")
+
+# 5b. no_sync() + find_unused_parameters: a parameter whose use changes between the accumulated micro-batch
+# and the synced one. torch DDP reduces every defined .grad and skips only those unused on every rank in
+# every backward since the last sync (its local_used_map); BucketedDDP must give the same gradients.
+class Extra(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.gpt = gpt()
+        self.extra = nn.Parameter(torch.linspace(-1, 1, CFG.vocab, dtype=F64, device=d.device))
+        self.ranks = ()  # ranks that use `extra` in the next forward
+
+    def forward(self, x):
+        out = self.gpt(x)
+        return out * self.extra if d.rank in self.ranks else out
+
+
+m_ours, m_ref = Extra(), Extra()
+ours, ref = BucketedDDP(m_ours, CAP, FIRST, find_unused_parameters=True), DDP(m_ref, find_unused_parameters=True)
+everyone, rank0 = tuple(range(d.world)), (0,)
+for k, (in_no_sync, in_synced, what) in enumerate([(everyone, (), "used in no_sync, unused in the synced step"),
+                                                   (everyone, rank0, "used in no_sync, on rank 0 only when synced"),
+                                                   (rank0, (), "used on rank 0 in no_sync only"),
+                                                   ((), (), "unused everywhere")]):
+    (xa, ya, xal, yal, na), (xb, yb, xbl, ybl, nb) = batch(40 + 2 * k), batch(41 + 2 * k)
+    for model, m in ((ours, m_ours), (ref, m_ref)):
+        m.zero_grad(set_to_none=True)
+        m.ranks = in_no_sync
+        with model.no_sync():
+            backward(model, xal, yal, na, d.world)
+        m.ranks = in_synced
+        backward(model, xbl, ybl, nb, d.world)
+    g_ours, g_ref = grads(m_ours), grads(m_ref)
+    check(rel(g_ours, g_ref) <= 1e-12 and spread_over_ranks({n: g for n, g in g_ours.items() if g is not None}) == 0.0,
+          f"no_sync + find_unused, {what}: grads == torch DDP's, replicated (rel {rel(g_ours, g_ref):.1e}; "
+          f"extra.grad {'None' if g_ours['extra'] is None else 'averaged'})")
+check(g_ours["extra"] is None, "no_sync + find_unused: unused on every rank in every backward -> .grad stays None")
 
 # 6. compression: close to the exact average and equal to torch DDP with a compress hook, but not exact
 
@@ -227,7 +306,7 @@ def bf16_hook(state, bucket):
 x, y, xl, yl, n_tok = batch(30)
 exact = full_batch_grads([30])
 for name, dtype, hook in (("bf16", torch.bfloat16, bf16_hook), ("fp16", torch.float16, default_hooks.fp16_compress_hook)):
-    m_ours, m_ref = build_gpt(CFG, SEED, F64), build_gpt(CFG, SEED, F64)
+    m_ours, m_ref = gpt(), gpt()
     ours, ref = BucketedDDP(m_ours, CAP, FIRST, compress=dtype), DDP(m_ref)
     ref.register_comm_hook(None, hook)
     for model in (ours, ref):
@@ -240,11 +319,23 @@ for name, dtype, hook in (("bf16", torch.bfloat16, bf16_hook), ("fp16", torch.fl
     check(ours.history[-1]["payload_bytes"] * 4 == sum(p.numel() for p in m_ours.parameters()) * 8,
           f"{name}: a quarter of the fp64 bytes travel ({ours.history[-1]['payload_bytes']} B)")
 
-every = [None] * d.world
-dist.all_gather_object(every, failures)
-if any(every):
-    d.log("\n".join(f"FAIL on rank {r}: {what}" for r, whats in enumerate(every) for what in whats))
-    d.log(f"{sum(map(len, every))} CHECK(S) FAILED")
-else:
-    d.log("ALL CHECKS PASSED")
-close_dist(ok=not any(every))
+# 7. --check with --compress cannot miss a reduction: drop any one bucket's all-reduce (the bucket is reduced
+# into a copy, so every rank still issues the same collectives) and the run's own --check must FAIL.
+args = parse_args(ddp_bucketed.Args, ["--vocab", "32", "--seq-len", "8", "--d-model", "16", "--n-heads", "2",
+                                      "--n-layers", "2", "--batch-size", str(B), "--steps", "4", "--dtype", "float64",
+                                      "--bucket-cap-mb", str(CAP), "--first-bucket-mb", str(FIRST),
+                                      "--compress", "bf16", "--check"])
+reduce = BucketedDDP._reduce
+n_buckets = len(layout)
+for drop in [None] + (list(range(n_buckets)) if d.world == 2 else [0, n_buckets - 1]):
+    BucketedDDP._reduce = lambda self, b, buf, drop=drop: reduce(self, b, buf.clone() if b == drop else buf)
+    c = ddp_bucketed.train(d, args)["check"]
+    ok = c["passed"] if drop is None else not c["passed"]
+    check(ok, f"--compress bf16 --check {'PASSES' if drop is None else f'FAILS without bucket {drop}'} "
+              f"(loss {c['max_loss_diff']:.1e}, params {c['max_param_diff']:.1e})")
+BucketedDDP._reduce = reduce
+
+n_failed = torch.tensor([len(failures)], device=d.device)  # each rank printed its own failures above
+dist.all_reduce(n_failed)
+d.log(f"{int(n_failed)} CHECK(S) FAILED" if int(n_failed) else "ALL CHECKS PASSED")
+close_dist(ok=int(n_failed) == 0)
