@@ -101,6 +101,8 @@ def check_common_args(args):
         fail(f"--dropout must be in [0, 1), got {args.dropout}")
     if args.save_every and not args.ckpt_dir:
         fail("--save-every needs --ckpt-dir")
+    if args.ckpt_dir and os.path.exists(args.ckpt_dir) and not os.path.isdir(args.ckpt_dir):
+        fail(f"--ckpt-dir {args.ckpt_dir} is a file, not a directory")
 
 
 # ----------------------------------------------------------------------------- setup (same in every file)
