@@ -30,10 +30,13 @@ the output projection row-split. The token embedding is split over the vocabular
 ids it owns, zeros elsewhere, g sums), and the LM head is column-split over the vocabulary feeding a
 cross-entropy that combines max and sum(exp) across ranks: the (B, T, V) logits never exist anywhere.
 
---sequence-parallel: f / g become all-gather / reduce-scatter along T (same bytes: a ring all-reduce IS a
-reduce-scatter then an all-gather), and LayerNorm, dropout and the residual add run on (B, T/t, D) chunks:
+--sequence-parallel: f / g become all-gather / reduce-scatter along T (a ring all-reduce IS a reduce-scatter
+then an all-gather), and LayerNorm, dropout and the residual add run on (B, T/t, D) chunks:
 
     (B,T/t,D) -LN-> all-gather T -> [column .. row] -> reduce-scatter T -> (B,T/t,D) -dropout, + residual->
+
+The column layers keep only the (B, T/t, D) chunk for backward and all-gather it again there (Sec. 4.2.2),
+so every activation a block saves is 1/t of the unsharded block's, at the price of one more all-gather.
 
 Groups come from one grid, arange(world).view(dp, tp): a row is a TP group (adjacent ranks, one node), a
 column a data-parallel group.
@@ -50,7 +53,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from einops import rearrange
 
-from common import (DTYPES, IGNORE, build_gpt, check_against_reference, check_common_args, Checkpointer,
+from common import (DTYPES, IGNORE, Block, build_gpt, check_against_reference, check_common_args, Checkpointer,
                     clip_grads_, close_dist, CommonArgs, count_tokens, env_world_size, fail, GPTConfig,
                     init_dist, log_step, make_optimizer, MarkovData, maybe_fail, parse_args,
                     peak_memory_bytes, SavedActivations, state_bytes, StepTimer, tensor_bytes, write_summary)
@@ -62,37 +65,14 @@ class Args(CommonArgs):
     sequence_parallel: bool = False  # split LayerNorm / dropout regions along the sequence (Korthikanti et al.)
 
 
-# ----------------------------------------------------------------------------- counted collectives
-class Comm:
-    """Counts every collective of this file: calls and elements per 'op/axis/phase', and the bytes this rank
-    sends with a ring algorithm (all-reduce: 2(n-1)/n of the tensor; all-gather, reduce-scatter: (n-1)/n of
-    the whole, un-split tensor). A counter only: each collective still names its group where it is called."""
-    RING = {"all_reduce": 2, "all_gather": 1, "reduce_scatter": 1}
-
-    def __init__(self):
-        self.axis, self.calls, self.elems, self.bytes = {}, Counter(), Counter(), Counter()
-
-    def add(self, op, group, phase, whole):  # whole: the full-size tensor of the collective
-        n, key = dist.get_world_size(group), f"{op}/{self.axis.get(id(group), 'tp')}/{phase}"
-        self.calls[key] += 1
-        self.elems[key] += whole.numel()
-        self.bytes[key] += self.RING[op] * (n - 1) * whole.numel() * whole.element_size() // n
-
-    def reset(self):
-        self.calls, self.elems, self.bytes = Counter(), Counter(), Counter()
-
-    def table(self):
-        return {k: [self.calls[k], self.elems[k], self.bytes[k]] for k in sorted(self.calls)}
-
-
-COMM = Comm()
+# ----------------------------------------------------------------------------- collectives (counted by COMM, below)
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # renamed in torch 2.13
 _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 def all_reduce(x, group, phase, op=dist.ReduceOp.SUM):  # in place, any shape
     if dist.get_world_size(group) > 1:  # a group of one: nothing to say (t = 1 or dp = 1)
-        COMM.add("all_reduce", group, phase, x)
+        COMM.add("all_reduce", group, phase, x, x)
         dist.all_reduce(x, op=op, group=group)
     return x
 
@@ -102,8 +82,9 @@ def all_gather(x, dim, group, phase):  # (.., n, ..) local -> (.., t*n, ..) repl
     if t == 1:
         return x
     out = torch.empty(t * x.numel(), dtype=x.dtype, device=x.device)  # flat: every backend takes 1-D
-    _all_gather_flat(out, x.contiguous().view(-1), group=group)
-    COMM.add("all_gather", group, phase, out)
+    local = x.contiguous().view(-1)
+    COMM.add("all_gather", group, phase, out, local)
+    _all_gather_flat(out, local, group=group)
     return torch.cat(out.view(t, *x.shape).unbind(0), dim)
 
 
@@ -113,24 +94,43 @@ def reduce_scatter(x, dim, group, phase):  # (.., t*n, ..) partial sums -> (.., 
         return x
     whole = torch.stack(x.chunk(t, dim)).contiguous()  # (t, .., n, ..): slot r goes to rank r
     out = torch.empty(whole.shape[1:], dtype=x.dtype, device=x.device)
+    COMM.add("reduce_scatter", group, phase, whole, whole)
     _reduce_scatter_flat(out.view(-1), whole.view(-1), group=group)
-    COMM.add("reduce_scatter", group, phase, whole)
     return out
 
 
 # ----------------------------------------------------------------------------- the conjugate operators
-class f(torch.autograd.Function):
-    """Megatron-LM's f (Sec. 3, Fig. 3): identity forward, all-reduce backward. It opens a TP region: every
-    rank multiplies the same X by its own weight shard, so its dL/dX is a partial sum that backward adds up."""
+class ColumnParallelGEMM(torch.autograd.Function):
+    """Y_i = X W_i^T + b_i for one or more column-parallel layers reading the same X (attention's q, k, v:
+    Megatron fuses them into one GEMM), with the operator that opens the TP region built in:
+
+      plain TP  Megatron-LM's f (Sec. 3): identity forward, all-reduce backward. Every rank multiplies the
+                same X by its own shards, so its dL/dX is a partial sum that backward adds up.
+      SP        Korthikanti et al.'s g (Sec. 4.2.2): all-gather X along T forward, reduce-scatter dL/dX
+                backward (each rank keeps its own T/t rows of the sum). Only this rank's (B, T/t, D) chunk
+                is saved; backward all-gathers it again for the weight gradients, so the saved activation
+                is 1/t of X, as every other saved tensor of the block (Megatron-Core overlaps that
+                re-gather with the dL/dX GEMM; here it simply runs first)."""
 
     @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return x.view_as(x)
+    def forward(ctx, x, group, sp, *params):  # x (B, T, D) replicated, or (B, T/t, D) chunk; params w0, b0, ..
+        ctx.group, ctx.sp = group, sp
+        weights, biases = params[0::2], params[1::2]
+        ctx.has_bias = [b is not None for b in biases]
+        ctx.save_for_backward(x, *weights)  # under SP: the chunk, not the gathered X
+        full = all_gather(x, 1, group, "fwd") if sp else x  # (B, T, D)
+        return tuple(F.linear(full, w, b) for w, b in zip(weights, biases))  # each (B, T, out_i/t) local
 
     @staticmethod
-    def backward(ctx, grad):  # (B, T, D) partial on each rank -> summed, replicated
-        return all_reduce(grad.clone(), ctx.group, "bwd"), None  # a copy: autograd may still hold grad
+    def backward(ctx, *grads):  # each (B, T, out_i/t)
+        x, *weights = ctx.saved_tensors
+        full = all_gather(x, 1, ctx.group, "bwd") if ctx.sp else x  # (B, T, D): the re-gather
+        dx = sum(g @ w for g, w in zip(grads, weights))  # (B, T, D) partial: through this rank's shards only
+        dx = reduce_scatter(dx, 1, ctx.group, "bwd") if ctx.sp else all_reduce(dx, ctx.group, "bwd")
+        dparams = []
+        for g, has_bias in zip(grads, ctx.has_bias):
+            dparams += [g.flatten(0, -2).T @ full.flatten(0, -2), g.flatten(0, -2).sum(0) if has_bias else None]
+        return dx, None, None, *dparams  # dW_i (out_i/t, D), db_i (out_i/t)
 
 
 class g(torch.autograd.Function):
@@ -144,20 +144,6 @@ class g(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return grad, None
-
-
-class AllGatherSeq(torch.autograd.Function):
-    """Korthikanti et al.'s g (Sec. 4.2.2), replacing f under sequence parallelism: all-gather along T
-    forward, reduce-scatter backward (each rank's dL/dX is partial, and it keeps only its own T/t rows)."""
-
-    @staticmethod
-    def forward(ctx, x, group):  # (B, T/t, D) local chunk -> (B, T, D) replicated
-        ctx.group = group
-        return all_gather(x, 1, group, "fwd")
-
-    @staticmethod
-    def backward(ctx, grad):  # (B, T, D) partial -> (B, T/t, D) summed, this rank's chunk
-        return reduce_scatter(grad, 1, ctx.group, "bwd"), None
 
 
 class ReduceScatterSeq(torch.autograd.Function):
@@ -197,10 +183,6 @@ class SplitLastDim(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return all_gather(grad, -1, ctx.group, "bwd"), None
-
-
-def enter_tp(x, group, sp):  # into a TP region: f, or under SP all-gather the sequence
-    return AllGatherSeq.apply(x, group) if sp else f.apply(x, group)
 
 
 def exit_tp(x, group, sp):  # out of it: g, or under SP reduce-scatter the sequence
@@ -243,9 +225,15 @@ class ColumnParallelLinear(nn.Module):
         bias = None if linear.bias is None else shard(linear.bias, 0, group)
         return cls(shard(linear.weight, 0, group), bias, group, gather_output, sequence_parallel)
 
-    def forward(self, x):  # (B, T, in) replicated, or (B, T/t, in) this rank's chunk under SP
-        y = F.linear(enter_tp(x, self.group, self.sp), self.weight, self.bias)  # (B, T, out/t) local
-        return GatherLastDim.apply(y, self.group) if self.gather_output else y
+    def forward(self, x, *shared):
+        """x: (B, T, in) replicated, or (B, T/t, in) this rank's chunk under SP. `shared`: other column layers
+        reading the same x (attention's k and v beside q), computed behind the same f / all-gather; their
+        outputs follow this layer's."""
+        layers = (self, *shared)
+        ys = ColumnParallelGEMM.apply(x, self.group, self.sp, *[p for l in layers for p in (l.weight, l.bias)])
+        if self.gather_output:  # each (B, T, out/t) local -> (B, T, out) replicated
+            ys = tuple(GatherLastDim.apply(y, self.group) for y in ys)
+        return ys if shared else ys[0]
 
 
 class RowParallelLinear(nn.Module):
@@ -389,8 +377,8 @@ class RNGTracker:
 # ----------------------------------------------------------------------------- the sharded GPT
 class ParallelAttention(nn.Module):
     """common.Attention with heads split: q, k, v column-parallel (rank r owns heads [rH/t, (r+1)H/t), as the
-    features are head-major), proj row-parallel. One f for q, k and v together (Megatron fuses them into one
-    GEMM), so the block has one all-reduce forward (proj's g) and one backward (this f)."""
+    features are head-major), proj row-parallel. q's forward runs k and v behind the same f (Megatron fuses
+    them into one GEMM), so the block has one all-reduce forward (proj's g) and one backward (this f)."""
 
     def __init__(self, full, group, sp, tracker):
         super().__init__()
@@ -401,9 +389,8 @@ class ParallelAttention(nn.Module):
         self.group, self.sp, self.tracker = group, sp, tracker
 
     def forward(self, x):  # (B, T, D) replicated, or (B, T/t, D) chunk under SP
-        x = enter_tp(x, self.group, self.sp)  # (B, T, D)
-        q, k, v = (rearrange(F.linear(x, lin.weight), "b t (h e) -> b h t e", h=self.heads)
-                   for lin in (self.q, self.k, self.v))  # (B, H/t, T, E) this rank's heads
+        q, k, v = (rearrange(y, "b t (h e) -> b h t e", h=self.heads)
+                   for y in self.q(x, self.k, self.v))  # (B, H/t, T, E) this rank's heads, biases included
         with self.tracker.fork(self.training and self.p > 0):  # attention dropout: inside the TP region
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.p if self.training else 0.0)
         y = self.proj(rearrange(y, "b h t e -> b t (h e)"))  # (B, T, D/t) local -> (B, T, D) or (B, T/t, D)
@@ -499,6 +486,34 @@ def gather_full(model, group):
     return out
 
 
+# --- measurement ---
+# Counters, closed forms and the summary, apart so that the technique above reads without them.
+class Comm:
+    """Counts every collective of this file per 'op/axis/phase': calls, elements of the full-size tensor (the
+    paper's unit: b*s*h for a block's all-reduce; the un-split tensor of an all-gather or reduce-scatter), and
+    the bytes of the tensors this rank hands to the collective, read off them at the call (an all-reduce's
+    tensor, an all-gather's local chunk, a reduce-scatter's whole input). A counter only: each collective
+    still names its group where it is called."""
+
+    def __init__(self):
+        self.axis, self.calls, self.elems, self.bytes = {}, Counter(), Counter(), Counter()
+
+    def add(self, op, group, phase, whole, handed):  # whole: the full-size tensor; handed: this rank's input
+        key = f"{op}/{self.axis.get(id(group), 'tp')}/{phase}"
+        self.calls[key] += 1
+        self.elems[key] += whole.numel()
+        self.bytes[key] += handed.numel() * handed.element_size()
+
+    def reset(self):
+        self.calls, self.elems, self.bytes = Counter(), Counter(), Counter()
+
+    def table(self):
+        return {k: [self.calls[k], self.elems[k], self.bytes[k]] for k in sorted(self.calls)}
+
+
+COMM = Comm()
+
+
 def replicated_spread(model, group):
     """max |a - b| of any replicated parameter between TP ranks: 0 when they stayed identical."""
     flat = torch.cat([p.detach().reshape(-1) for p in model.parameters() if not is_split(p)])
@@ -507,7 +522,13 @@ def replicated_spread(model, group):
     return (hi - lo).abs().max().item()
 
 
-# ----------------------------------------------------------------------------- theory
+def saved_bytes_per_block(block, x):
+    """Bytes autograd saves for backward in one forward of `block` on x, counted by SavedActivations."""
+    with SavedActivations() as saved:
+        block(x.detach().requires_grad_())
+    return saved.bytes
+
+
 def params_per_rank(args, t):
     """Closed form: (split elements on one rank, replicated elements)."""
     D, L, V_pad = args.d_model, args.n_layers, math.ceil(args.vocab / t) * t
@@ -517,11 +538,18 @@ def params_per_rank(args, t):
     return split // t, repl
 
 
+RING = {"all_reduce": 2, "all_gather": 1, "reduce_scatter": 1}  # ring algorithm: sends = RING * (n-1)/n * whole
+
+
 def theory_collectives(args, t, dp):
-    """What one step must send, from the shapes alone. Per layer (Megatron-LM Sec. 3): 2 all-reduces forward
-    (attention's and MLP's g) and 2 backward (their f), each of b*s*h elements; under SP each becomes an
-    all-gather + reduce-scatter pair of the same size (Korthikanti Sec. 4.2.2). Plus: embedding g forward,
-    head f backward, the loss's 3 all-reduces of b*s, the norm; SP adds one bucket of replicated grads."""
+    """What one step must hand to collectives, from the shapes alone: {op/axis/phase: [calls, elements,
+    bytes handed, ring bytes sent]}. Per layer (Megatron-LM Sec. 3): 2 all-reduces forward (attention's and
+    the MLP's g) and 2 backward (their f), each of b*s*h elements; under SP each becomes an all-gather +
+    reduce-scatter pair of the same size, plus one all-gather backward per column layer, the re-gather of
+    its saved chunk (Korthikanti Sec. 4.2.2). Plus: embedding g forward, head f backward, the loss's 3
+    all-reduces of b*s, the norm; SP adds one bucket of replicated grads. Bytes handed: an all-reduce's
+    tensor, an all-gather's 1/n chunk, a reduce-scatter's whole input. Ring bytes sent per rank (the ring
+    algorithm's formula, never measured here): all-reduce 2(n-1)/n, all-gather, reduce-scatter (n-1)/n."""
     b, s, h, L = args.batch_size // dp, args.seq_len, args.d_model, args.n_layers
     es = DTYPES[args.dtype].itemsize
     ce_es = 4 if args.dtype == "bfloat16" else es  # the loss runs in float32 for bfloat16
@@ -530,15 +558,17 @@ def theory_collectives(args, t, dp):
 
     def add(op, axis, phase, calls, n, size):  # `calls` collectives of n elements of `size` bytes each
         group = t if axis == "tp" else dp
-        c = table.setdefault(f"{op}/{axis}/{phase}", [0, 0, 0])
+        c = table.setdefault(f"{op}/{axis}/{phase}", [0, 0, 0, 0])
         c[0], c[1] = c[0] + calls, c[1] + calls * n
-        c[2] += calls * (Comm.RING[op] * (group - 1) * n * size // group)
+        c[2] += calls * (n // group if op == "all_gather" else n) * size
+        c[3] += calls * (RING[op] * (group - 1) * n * size // group)
 
     if t > 1:
         if args.sequence_parallel:
             for op, phase in [("all_gather", "fwd"), ("reduce_scatter", "fwd"), ("reduce_scatter", "bwd"),
                               ("all_gather", "bwd")]:
                 add(op, "tp", phase, 2 * L + 1, b * s * h, es)  # per layer 2; + LM head / embedding
+            add("all_gather", "tp", "bwd", 2 * L + 1, b * s * h, es)  # the re-gathers: qkv, fc, LM head
             add("all_reduce", "tp", "step", 1, repl, es)  # replicated grads, partial over positions
         else:
             add("all_reduce", "tp", "fwd", 2 * L + 1, b * s * h, es)  # per layer 2 g; + embedding g
@@ -550,6 +580,42 @@ def theory_collectives(args, t, dp):
         add("all_reduce", "dp", "step", 1, split + repl, es)  # gradients
         add("all_reduce", "dp", "step", 1, 1, ce_es)  # the loss, for the log line
     return dict(sorted(table.items()))
+
+
+def report(d, args, model, tp_group, counted, full_bytes, acts, t, dp):
+    """Print each measured figure beside its theory; returns the summary's figures."""
+    theory = theory_collectives(args, t, dp)
+    split, repl = params_per_rank(args, t)
+    param_bytes, es = tensor_bytes(model.parameters()), DTYPES[args.dtype].itemsize
+    spread = replicated_spread(model, tp_group)
+    d.log(f"{'collective per step (op/axis/phase)':36s} {'calls':>5s} {'theory':>6s} {'elements':>9s} "
+          f"{'theory':>9s} {'bytes handed':>12s} {'theory':>9s} {'ring sends (theory)':>19s}")
+    for k in sorted(set(counted) | set(theory)):
+        m, th = counted.get(k, [0, 0, 0]), theory.get(k, [0, 0, 0, 0])
+        d.log(f"{k:36s} {m[0]:5d} {th[0]:6d} {m[1]:9d} {th[1]:9d} {m[2]:12d} {th[2]:9d} {th[3]:19d}")
+    d.log(f"theory per layer: 2 all-reduces forward + 2 backward of b*s*h = {args.batch_size // dp}*{args.seq_len}*"
+          f"{args.d_model} elements (SP: as many all-gather + reduce-scatter pairs, + 1 re-gather per column "
+          f"layer); ring sends per rank, a formula: all-reduce 2(n-1)/n, all-gather / reduce-scatter (n-1)/n")
+    # one block's saved activations, sharded vs an unsharded common.Block on the same (b, T, D) batch
+    b, T, D = args.batch_size // dp, args.seq_len, args.d_model
+    x = torch.randn(b, T, D, dtype=DTYPES[args.dtype], device=d.device)
+    mine = x.chunk(t, 1)[dist.get_rank(tp_group)].contiguous() if args.sequence_parallel else x  # (b, T/t, D) SP
+    block_saved = saved_bytes_per_block(model.blocks[0], mine)
+    full_block = Block(GPTConfig.from_args(args)).to(d.device, DTYPES[args.dtype]).train(model.training)
+    block_full = saved_bytes_per_block(full_block, x)
+    d.log(f"activations saved per block {block_saved} B, unsharded block {block_full} B, ratio "
+          f"{block_saved / block_full:.3f} (1/t = {1 / t:.3f}: every saved tensor sharded, as with SP)")
+    d.log(f"parameters per rank {param_bytes} B (theory split/t + replicated = {(split + repl) * es} B), full model "
+          f"{full_bytes} B, ratio {param_bytes / full_bytes:.3f} (1/t = {1 / t:.3f}); replicated params spread "
+          f"across TP ranks {spread:.1e}")
+    return dict(tp=t, dp=dp, sequence_parallel=args.sequence_parallel, collectives_per_step=counted,
+                collectives_per_step_theory=theory, param_bytes_per_rank=param_bytes,
+                param_bytes_per_rank_theory=(split + repl) * es, param_bytes_full_model=full_bytes,
+                replicated_param_spread_across_tp=spread, activation_bytes_saved=acts,
+                activation_bytes_per_block=block_saved, activation_bytes_per_block_unsharded=block_full,
+                theory_formula="per layer 2 all-reduce fwd + 2 bwd of b*s*h (SP: AG+RS pairs + 1 AG re-gather per "
+                               "column layer); + embedding g, head f, 3 loss all-reduces of b*s, norm; bytes handed: "
+                               "AR tensor, AG chunk, RS input; ring sends AR 2(n-1)/n, AG/RS (n-1)/n")
 
 
 # ----------------------------------------------------------------------------- main
@@ -584,11 +650,11 @@ def main():
     d.log(f"megatron_tp.py: world {d.world} = dp {dp} x tp {t} on {d.backend}, sequence parallel "
           f"{args.sequence_parallel}, entropy floor {data.entropy:.4f} nats/token")
 
-    # --- the model: the full GPT from one seed, then sliced ---
+    # --- the model: the full GPT from one seed, on the CPU; sliced there, and only the slices go to the device ---
     tracker = RNGTracker(d.device, args.seed, dp_rank, tp_rank)
-    full = build_gpt(GPTConfig.from_args(args), args.seed, DTYPES[args.dtype], d.device)
-    model = ParallelGPT(full, tp_group, args.sequence_parallel, tracker)
+    full = build_gpt(GPTConfig.from_args(args), args.seed, DTYPES[args.dtype])  # CPU
     full_bytes = tensor_bytes(full.parameters())
+    model = ParallelGPT(full, tp_group, args.sequence_parallel, tracker).to(d.device)  # shards + replicated
     del full
     opt = make_optimizer(model.parameters(), args)
     ckpt = Checkpointer(d, args.ckpt_dir, args.save_every, args.steps)
@@ -621,32 +687,13 @@ def main():
         log_step(d, step, global_loss, timer.stop(), args.batch_size * args.seq_len)
         ckpt.maybe_save(step + 1, {"model": model, "optim": opt, "rng": tracker}, {"losses": losses})
 
-    # --- summary: each counted figure beside its theory ---
-    theory = theory_collectives(args, t, dp)
-    split, repl = params_per_rank(args, t)
-    param_bytes, es = tensor_bytes(model.parameters()), DTYPES[args.dtype].itemsize
-    spread = replicated_spread(model, tp_group)
-    comm_bytes = sum(c[2] for c in counted.values())
-    d.log(f"{'collective per step (op/axis/phase)':38s} {'calls':>6s} {'theory':>6s} {'elements':>10s} "
-          f"{'theory':>10s} {'bytes sent':>11s} {'theory':>11s}")
-    for k in sorted(set(counted) | set(theory)):
-        m, th = counted.get(k, [0, 0, 0]), theory.get(k, [0, 0, 0])
-        d.log(f"{k:38s} {m[0]:6d} {th[0]:6d} {m[1]:10d} {th[1]:10d} {m[2]:11d} {th[2]:11d}")
-    d.log(f"theory per layer: 2 all-reduces forward + 2 backward of b*s*h = {b}*{args.seq_len}*{args.d_model} "
-          f"elements (SP: as many all-gather + reduce-scatter pairs); ring bytes: all-reduce 2(n-1)/n, AG/RS (n-1)/n")
-    d.log(f"parameters per rank {param_bytes} B (theory split/t + replicated = {(split + repl) * es} B), full model "
-          f"{full_bytes} B, ratio {param_bytes / full_bytes:.3f} (1/t = {1 / t:.3f}); replicated params spread "
-          f"across TP ranks {spread:.1e}")
+    # --- summary: the technique's own peak first, then each measured figure beside its theory, then --check ---
+    peak = peak_memory_bytes(d, state_bytes(model, opt) + acts)
+    figures = report(d, args, model, tp_group, counted, full_bytes, acts, t, dp)
     check = check_against_reference(d, args, losses, gather_full(model, tp_group)) if args.check else None
-    figures = dict(tp=t, dp=dp, sequence_parallel=args.sequence_parallel, collectives_per_step=counted,
-                   collectives_per_step_theory=theory, param_bytes_per_rank=param_bytes,
-                   param_bytes_per_rank_theory=(split + repl) * es, param_bytes_full_model=full_bytes,
-                   replicated_param_spread_across_tp=spread, activation_bytes_saved=acts,
-                   theory_formula="per layer 2 all-reduce fwd + 2 bwd of b*s*h (SP: AG+RS pairs); + embedding g, "
-                                  "head f, 3 loss all-reduces of b*s, norm; ring bytes AR 2(n-1)/n, AG/RS (n-1)/n")
     tokens_per_s = args.batch_size * args.seq_len / max(timer.median(), 1e-9) * 1e3
-    write_summary(d, args, "megatron_tp", losses, timer.median(), tokens_per_s,
-                  peak_memory_bytes(d, state_bytes(model, opt) + acts), comm_bytes, check, figures)
+    write_summary(d, args, "megatron_tp", losses, timer.median(), tokens_per_s, peak,
+                  sum(c[2] for c in counted.values()), check, figures)
     close_dist(ok=check is None or check["passed"])
 
 
