@@ -1,0 +1,330 @@
+"""ptdp.py: pipeline x tensor x data parallel with the interleaved 1F1B schedule.
+
+Parity with the one-process reference (float64, 1e-9) at (pp, tp, dp) = (2, 1, 1) v 1 and v 2, (2, 2, 1) v 2,
+(2, 1, 2) v 2 ragged, (2, 2, 2) v 2 ragged with a small --clip, and at pp 4, m 8, v 1 and 2 with --stage-ms;
+the executed schedule (measured events) obeys the pipeline's rules and is the schedule's order; the schedule's
+ideal timeline has the paper's bubble and its message counts the paper's, it equals torch's
+ScheduleInterleaved1F1B order, and its communication plan cannot deadlock under NCCL's semantics (simulated);
+clipping clips and counts replicated tensors once; a dropped DP all-reduce fails --check; a restarted run
+continues to bit-identical losses; bad input exits 2 on every rank. Launches: 10 torchrun (one restarts once),
+10 plain python."""
+import collections
+import json
+import sys
+from argparse import Namespace
+from types import SimpleNamespace
+
+import pytest
+
+from helpers import (ROOT, TINY, assert_each_rank_fails, assert_matches_reference, run_python, run_ranks,
+                     torchrun)
+
+sys.path.insert(0, str(ROOT))
+import ptdp  # noqa: E402  (importing must not run main())
+from common import reference_train  # noqa: E402
+
+CFG = [*TINY, "--n-layers", "4", "--batch-size", "16"]  # 4 blocks = 2 pp x 2 chunks; 16 = dp 2 x m 4 x 2
+P4 = [*TINY, "--n-layers", "8", "--batch-size", "16", "--steps", "2", "--pp", "4", "--microbatches", "8"]
+LAYOUTS = {  # name: (nproc, flags)
+    "pp2 v1": (2, ["--pp", "2"]),
+    "pp2 v2": (2, ["--pp", "2", "--virtual-stages", "2"]),
+    "pp2 tp2 v2": (4, ["--pp", "2", "--tp", "2", "--virtual-stages", "2"]),
+    "pp2 dp2 v2 ragged": (4, ["--pp", "2", "--dp", "2", "--virtual-stages", "2", "--ragged"]),
+    "pp2 tp2 dp2 v2 ragged clip": (8, ["--pp", "2", "--tp", "2", "--dp", "2", "--virtual-stages", "2", "--ragged",
+                                       "--clip", "0.05", "--steps", "3"]),
+}
+
+
+@pytest.fixture(scope="module")
+def launch(tmp_path_factory):
+    """torchrun ptdp.py once per layout, with --check and --trace; tests share the runs."""
+    runs = {}
+
+    def get(name):
+        if name not in runs:
+            nproc, flags = LAYOUTS[name] if name in LAYOUTS else STAGE_MS[name]
+            tmp = tmp_path_factory.mktemp("ptdp")
+            summary, out = torchrun("ptdp.py", nproc, *(CFG if name in LAYOUTS else []), *flags, "--check",
+                                    "--trace", tmp / "trace.json", tmp_path=tmp, timeout=300)
+            runs[name] = summary, out, json.loads((tmp / "trace.json").read_text())
+        return runs[name]
+    return get
+
+
+# ----------------------------------------------------------------------------- the rules, from measured events
+def rule_errors(events, p, v, m):
+    """Each pipeline (step, dp, tp) of the measured events against the rules: one F and one B per (chunk,
+    micro-batch), chunk c on pp rank c % p; a micro-batch's F runs its chunks in order and B in reverse (each
+    starts after the chunk before ended it); F before its B; a received input arrived after its producer ended
+    and before its op started; no two ops at once on a rank; at most the schedule's bound in flight."""
+    n, errors = p * v, []
+    pipes = collections.defaultdict(dict)
+    for e in events:
+        pipes[e["step"], e["dp"], e["tp"]][e["kind"], e["chunk"], e["mb"]] = e
+    for key, ev in pipes.items():
+        if len(ev) != 2 * n * m or set(ev) != {(k, c, j) for k in "FB" for c in range(n) for j in range(m)}:
+            errors.append(f"{key}: not one F and one B per chunk and micro-batch")
+            continue
+        for (kind, c, k), e in ev.items():
+            if e["pp"] != c % p:
+                errors.append(f"{key}: chunk {c} ran on pp rank {e['pp']}")
+            src = ("F", c - 1, k) if kind == "F" and c > 0 else ("B", c + 1, k) if kind == "B" and c < n - 1 else None
+            if src and e["start"] < ev[src]["end"]:
+                errors.append(f"{key}: {kind}{k} of chunk {c} starts before chunk {src[1]} ends it")
+            if src and not (e["recv"] is not None and ev[src]["end"] <= e["recv"] <= e["start"]):
+                errors.append(f"{key}: {kind}{k} of chunk {c}: input not received between its producer and its use")
+            if kind == "B" and e["start"] < ev["F", c, k]["end"]:
+                errors.append(f"{key}: B{k} of chunk {c} starts before its F ends")
+        for r in range(p):
+            mine = sorted((e for e in ev.values() if e["pp"] == r), key=lambda e: e["start"])
+            errors += [f"{key} rank {r}: {b['kind']}{b['mb']} overlaps" for a, b in zip(mine, mine[1:])
+                       if b["start"] < a["end"]]
+            if inflight(mine) > ptdp.inflight_bound(p, v, m, r):
+                errors.append(f"{key} rank {r}: {inflight(mine)} in flight > {ptdp.inflight_bound(p, v, m, r)}")
+    return errors
+
+
+def inflight(events):
+    """Most (chunk, micro-batch) pairs between F's start and B's end at once, swept over the events."""
+    marks = sorted([(e["start"], 1) for e in events if e["kind"] == "F"] + [(e["end"], -1) for e in events
+                                                                            if e["kind"] == "B"])
+    now = peak = 0
+    for _, step in marks:
+        now += step
+        peak = max(peak, now)
+    return peak
+
+
+def executed(events, step, r, dp=0, tp=0):
+    return [(e["kind"], e["chunk"], e["mb"]) for e in events
+            if (e["step"], e["pp"], e["dp"], e["tp"]) == (step, r, dp, tp)]  # list order = execution order
+
+
+# ----------------------------------------------------------------------------- schedule level (no processes)
+def simulate_plan(p, v, m, plan_of, f_slots=1, b_slots=2):
+    """Run every rank's plan under NCCL's strictest semantics: a batch completes only once every send and
+    receive in it meets its partner in a batch the peer has posted; each directed pair is one FIFO channel
+    (messages must be received in the order sent). Ops take f_slots / b_slots. Returns (idle slots per rank,
+    forward messages sent per rank) or raises on a deadlock or a mismatched message."""
+    plans = [plan_of(p, v, m, r) for r in range(p)]
+    sends, recvs = collections.defaultdict(list), collections.defaultdict(list)
+    for r, plan in enumerate(plans):
+        for i, (kind, *what) in enumerate(plan):
+            if kind == "p2p":
+                for q, msg in what[0]:
+                    sends[r, q].append((msg, i))
+                for q, msg in what[1]:
+                    recvs[q, r].append((msg, i))
+    partner = {}
+    for (a, b), out in sends.items():
+        if [msg for msg, _ in out] != [msg for msg, _ in recvs[a, b]]:
+            raise AssertionError(f"channel {a}->{b}: sent {out} but received {recvs[a, b]}")
+        for (msg, i), (_, j) in zip(out, recvs[a, b]):
+            partner[a, i, msg], partner[b, j, msg] = (b, j), (a, i)
+    posted, pos, busy, done = [{0: 0} for _ in range(p)], [0] * p, [0] * p, set()
+    while True:
+        moved = False
+        for r in range(p):
+            if pos[r] == len(plans[r]):
+                continue
+            kind, *what = plans[r][pos[r]]
+            t = posted[r][pos[r]]
+            if kind == "p2p":
+                peers = [partner[r, pos[r], msg] for _, msg in what[0] + what[1]]
+                if any(j not in posted[q] for q, j in peers):
+                    continue
+                t = max([t] + [posted[q][j] for q, j in peers])
+                done.update(msg for _, msg in what[1])
+            else:
+                op = what[0]
+                need = ptdp.needs(op, p * v)
+                assert need is None or need in done, f"rank {r}: {op} runs before its input arrived"
+                t += f_slots if op[0] == "F" else b_slots
+                busy[r] += f_slots if op[0] == "F" else b_slots
+            posted[r][pos[r] + 1], pos[r], moved = t, pos[r] + 1, True
+        if not moved:
+            break
+    if pos != [len(plan) for plan in plans]:
+        raise AssertionError(f"deadlock: ranks stopped at steps {pos} of {[len(x) for x in plans]}")
+    end = max(posted[r][len(plans[r])] for r in range(p))
+    fwd = [sum(1 for k, *w in plans[r] if k == "p2p" for _, msg in w[0] if msg[0] == "F") for r in range(p)]
+    return [end - b for b in busy], fwd
+
+
+def pipedream_style_plan(p, v, m, r):
+    """The naive pairing (as in pipedream.py): each op's result leaves with the next op's receive."""
+    steps, out, n = [], [], p * v
+    for op in ptdp.schedule(p, v, m, r):
+        need = ptdp.needs(op, n)
+        src = ptdp.producer(need) if need else None
+        steps.append(("p2p", out, [(src[1] % p, need)] if need else []))
+        kind, c, k = op
+        nxt = ("F", c + 1, k) if kind == "F" and c < n - 1 else ("B", c - 1, k) if kind == "B" and c > 0 else None
+        out = [(nxt[1] % p, nxt)] if nxt else []
+        steps.append(("op", op))
+    return steps + [("p2p", out, [])]
+
+
+@pytest.mark.parametrize("p, v, m", [(2, 2, 4), (4, 2, 8), (2, 1, 4), (4, 1, 8)])
+def test_schedule_counts_equal_theory(p, v, m):
+    at = ptdp.ideal_timeline(p, v, m)
+    end = max(e for _, _, e in at.values())
+    idle = [end - sum(e - s for q, s, e in at.values() if q == r) for r in range(p)]
+    assert idle == [3 * (p - 1)] * p  # F 1 slot, B 2: the bubble is (p-1)(tf+tb) per rank ...
+    assert [i / (3 * v * m) for i in idle] == [pytest.approx((p - 1) / (v * m))] * p  # ... = (p-1)/(v m) of busy
+    idle_sim, fwd = simulate_plan(p, v, m, ptdp.comm_plan)  # the plan, run under rendezvous semantics
+    assert fwd == [m * (v - (r == p - 1)) for r in range(p)] and sum(fwd) == (v * p - 1) * m  # 24 -> 56 at p 4, m 8
+    if (p, v, m) == (4, 2, 8):
+        assert sum(fwd) == 56 and idle_sim == idle  # no wait beyond the ideal: messages never delay an op
+    for r in range(p):
+        ops = ptdp.schedule(p, v, m, r)
+        assert sorted(ops) == sorted((k, c, j) for k in "FB" for c in range(r, p * v, p) for j in range(m))
+        alive = peak = 0
+        for kind, _, _ in ops:
+            alive += 1 if kind == "F" else -1
+            peak = max(peak, alive)
+        assert peak == ptdp.inflight_bound(p, v, m, r)
+
+
+@pytest.mark.parametrize("p, v, m", [(p, v, m) for p in (2, 3, 4) for v in (1, 2, 3) for m in (p, 2 * p, 3 * p)]
+                         + [(4, 1, 3), (3, 1, 7), (8, 2, 16)])
+def test_comm_plan_never_deadlocks(p, v, m):
+    idle, fwd = simulate_plan(p, v, m, ptdp.comm_plan)
+    assert sum(fwd) == (v * p - 1) * m and all(i >= 0 for i in idle)
+
+
+def test_simulator_catches_a_deadlock():
+    """The negative: the naive pairing (fine for plain 1F1B) deadlocks the interleaved schedule."""
+    simulate_plan(4, 1, 8, pipedream_style_plan)
+    with pytest.raises(AssertionError, match="deadlock"):
+        simulate_plan(2, 2, 4, pipedream_style_plan)
+
+
+def torch_order(p, v, m, r):
+    """torch's ScheduleInterleaved1F1B order for rank r, from its own per-rank planner (no stages needed)."""
+    from torch.distributed.pipelining.schedules import ScheduleInterleaved1F1B
+    rounds = max(1, m // p)
+    me = SimpleNamespace(n_local_stages=v, pp_group_size=p, _n_microbatches=m, microbatches_per_round=m // rounds)
+    acts = ScheduleInterleaved1F1B._calculate_single_rank_operations(me, r)
+    return [("F" if a.computation_type.value == "F" else "B", a.stage_index, a.microbatch_index) for a in acts if a]
+
+
+@pytest.mark.parametrize("p, v, m", [(2, 2, 4), (4, 2, 8), (4, 3, 8), (2, 2, 6), (3, 2, 9)])
+def test_matches_torch_interleaved_1f1b(p, v, m, monkeypatch):
+    for r in range(p):
+        assert ptdp.schedule(p, v, m, r) == torch_order(p, v, m, r)
+    monkeypatch.setattr(ptdp, "warmup", lambda p, v, m, r: min(p - r - 1, m))  # the negative: 1F1B's warm-up
+    assert any(ptdp.schedule(p, v, m, r) != torch_order(p, v, m, r) for r in range(p))
+
+
+# ----------------------------------------------------------------------------- parity and the measured schedule
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_matches_reference_and_obeys_schedule(launch, name):
+    summary, out, trace = launch(name)
+    assert_matches_reference(summary)
+    f, cfg = summary["figures"], summary["config"]
+    p, v, m, steps = f["pp"], f["virtual_stages"], f["microbatches"], cfg["steps"]
+    assert summary["world_size"] == p * f["tp"] * f["dp"] == LAYOUTS[name][0]
+    events = f["events"]
+    assert rule_errors(events, p, v, m) == []
+    for s in range(steps):
+        for r in range(p):
+            for dp in range(f["dp"]):
+                for tp in range(f["tp"]):
+                    assert executed(events, s, r, dp, tp) == ptdp.schedule(p, v, m, r)
+    assert f["inflight"] == f["inflight_theory"] == [inflight([e for e in events if e["step"] == 0 and e["pp"] == r
+                                                               and e["dp"] == 0 and e["tp"] == 0]) for r in range(p)]
+    # messages counted at the send = theory, on every rank of every pipeline
+    assert f["fwd_msgs_per_rank"] == f["fwd_msgs_theory"] and f["bwd_msgs_per_rank"] == f["bwd_msgs_theory"]
+    assert f["fwd_msgs_per_pipeline"] == (v * p - 1) * m
+    b_bytes = cfg["batch_size"] // (f["dp"] * m) * cfg["seq_len"] * cfg["d_model"] * 8
+    for key, row in f["counts_per_rank"].items():
+        r = int(key[2])
+        assert row[0] == steps * m * (v - (r == p - 1)) and row[1] == steps * m * (v - (r == 0)), key
+        assert row[2] == (row[0] + row[1]) * b_bytes
+        assert row[5] == (steps * 4 * m * (cfg["n_layers"] // p) if f["tp"] > 1 else 0)  # f, g: 2 + 2 per layer
+        assert row[7] == (steps if f["dp"] > 1 else 0)  # one DP all-reduce per batch, after the flush
+    xs = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    assert len(xs) == len(events) == 2 * v * m * steps * summary["world_size"] and f"wrote {len(xs)} events" in out
+    assert "timeline of the last step, measured" in out and f"rank {p - 1} |" in out
+
+
+def test_clipping_clips_and_equals_reference(launch):
+    summary, _, _ = launch("pp2 tp2 dp2 v2 ragged clip")
+    norms = summary["figures"]["grad_norms"]
+    ref = reference_train(Namespace(**summary["config"]))
+    assert norms == pytest.approx(ref["grad_norms"], rel=1e-9) and min(norms) > 0.05  # every step clipped
+    unclipped = reference_train(Namespace(**{**summary["config"], "clip": 0.0}))["losses"]
+    assert all(abs(a - b) > 1e-6 for a, b in zip(summary["losses"][1:], unclipped[1:]))
+
+
+@pytest.mark.parametrize("broken, nproc, flags", [
+    ("norm-counts-replicas", 4, ["--pp", "2", "--tp", "2", "--clip", "0.05", "--steps", "3"]),
+    ("no-dp-all-reduce", 4, ["--pp", "2", "--dp", "2", "--virtual-stages", "2"]),
+])
+def test_check_catches_a_broken_run(tmp_path, broken, nproc, flags):
+    """The negatives: counting the TP-replicated tensors t times in the norm, or skipping the DP all-reduce,
+    trains something else, and --check says so (exit 1)."""
+    summary, out = torchrun("tests/ptdp_checks.py", nproc, broken, *CFG, "--steps", "2", *flags, "--check",
+                            tmp_path=tmp_path, expect_rc=1)
+    c = summary["check"]
+    assert not c["passed"] and max(c["max_loss_diff"], c["max_param_diff"]) > 1e-6, c
+    assert "-> FAILED" in out
+
+
+def test_rule_checks_catch_broken_schedules(launch):
+    events = launch("pp2 v2")[0]["figures"]["events"]
+    assert rule_errors(events, 2, 2, 4) == []
+    first = [e for e in events if e["step"] == 0]
+    pick = lambda kind, c, k: next(e for e in first if (e["kind"], e["chunk"], e["mb"]) == (kind, c, k))  # noqa: E731
+    early = [dict(e, start=e["start"] - 1e4, end=e["end"] - 1e4) if e is pick("F", 1, 0) else e for e in first]
+    assert any("starts before chunk 0 ends it" in x for x in rule_errors(early, 2, 2, 4))
+    late_recv = [dict(e, recv=e["start"] + 1) if e is pick("B", 2, 1) else e for e in first]
+    assert any("input not received" in x for x in rule_errors(late_recv, 2, 2, 4))
+    assert rule_errors(first[1:], 2, 2, 4) and rule_errors(first, 2, 1, 4)
+
+
+# ----------------------------------------------------------------------------- --stage-ms: the bubble forms
+STAGE_MS = {f"stage-ms v{v}": (4, [*P4, "--virtual-stages", str(v), "--stage-ms", "50"]) for v in (1, 2)}
+
+
+def test_stage_ms_interleaving_shrinks_the_bubble(launch):
+    """p = 4, m = 8, the same simulated work per micro-batch and rank (F 50 ms, B 100 ms, split over the v
+    chunks): the measured bubble of v = 2 is below v = 1's (theory 0.1875 vs 0.375); parity unchanged."""
+    one, two = (launch(f"stage-ms v{v}") for v in (1, 2))
+    for summary, out, _ in (one, two):
+        assert_matches_reference(summary)
+        assert rule_errors(summary["figures"]["events"], 4, summary["figures"]["virtual_stages"], 8) == []
+        assert "compute time simulated" in out and summary["figures"]["stage_ms"] == 50
+    b1, b2 = one[0]["figures"], two[0]["figures"]
+    assert b1["bubble_theory"] == 3 / 8 and b2["bubble_theory"] == 3 / 16
+    assert 0 < b2["bubble_mean"] < b1["bubble_mean"], (b1["bubble_mean"], b2["bubble_mean"])
+
+
+# ----------------------------------------------------------------------------- checkpoints, bad input
+def test_restart_continues_bit_identically(launch, tmp_path):
+    """Killed at step 3 (after the checkpoint of step 2), restarted by torchrun: the same losses, bit for bit,
+    as the uninterrupted run of the same layout."""
+    nproc, flags = LAYOUTS["pp2 v2"]
+    summary, out = torchrun("ptdp.py", nproc, *CFG, *flags, "--ckpt-dir", tmp_path / "ckpt", "--save-every", "2",
+                            "--fail-at-step", "3", tmp_path=tmp_path, max_restarts=1, timeout=300)
+    assert "simulated failure at step 3" in out and "resumed from" in out
+    assert summary["losses"] == launch("pp2 v2")[0]["losses"]
+
+
+@pytest.mark.parametrize("nproc, flags, words", [
+    (2, ["--pp", "2", "--tp", "2"], ["world size 2 != pp 2 x tp 2", "--nproc_per_node=4"]),
+    (2, ["--virtual-stages", "2", "--microbatches", "3", "--batch-size", "12"],
+     ["--microbatches 3 is not a multiple of --pp 2", "--microbatches 4"]),
+    (2, ["--n-layers", "3"], ["--n-layers 3 is not divisible by pp x virtual stages = 2"]),
+    (2, ["--tp", "2", "--n-heads", "1"], ["--n-heads 1 is not divisible by --tp 2"]),
+])
+def test_bad_input_exits_2_on_every_rank(nproc, flags, words):
+    assert_each_rank_fails(run_ranks("ptdp.py", nproc, *TINY, *flags), words)
+
+
+def test_world_of_one_and_help():
+    p = run_python("ptdp.py", *TINY)
+    assert p.returncode == 2 and "world size 1 != pp 2" in p.stderr and "--nproc_per_node=2" in p.stderr, p.stderr
+    assert "Traceback" not in p.stderr and len(p.stderr.strip().splitlines()) == 1
+    assert "simulate compute time" in run_python("ptdp.py", "--help").stdout
