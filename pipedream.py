@@ -42,12 +42,15 @@ micro-batches are alive on stage s, where GPipe keeps all m.
 stash and 2bw are meant to differ from synchronous training: --check compares each with a one-process
 simulation of its own rule, without a pipeline (simulate_stash, simulate_2bw, at the end of the file).
 
-Measured on every rank: each F and B (start, end, weight version), the bubble (idle / total) beside its
-theory, micro-batches alive, weight versions kept, bytes sent; an ASCII timeline drawn from the events and
---trace PATH (Chrome trace JSON for https://ui.perfetto.dev).
+Measured on every rank: each F and B (start, end, weight version, and for B which weights its gradient landed
+on), the bubble (idle / total) beside its theory, micro-batches alive, weight versions kept, bytes sent; an ASCII
+timeline drawn from the events and --trace PATH (Chrome trace JSON for https://ui.perfetto.dev). --stage-ms F
+simulates compute time (each F also waits F ms, each B 2F ms; the numbers computed are unchanged), so that on
+a few shared cores the schedule, not the operating system's scheduling, sets the measured bubble.
 
 Run (one process per stage; a world of 1 is not a pipeline):
     torchrun --nproc_per_node=4 pipedream.py --microbatches 8 --trace pipedream_trace.json
+    torchrun --nproc_per_node=4 pipedream.py --microbatches 8 --stage-ms 30 --steps 3  # simulated compute: the bubble
     torchrun --nproc_per_node=3 pipedream.py --n-layers 4 --dtype float64 --check       # uneven: 2 + 1 + 1 blocks
     torchrun --nproc_per_node=4 pipedream.py --mode stash --clip 0 --vertical-sync --dtype float64 --check
     torchrun --nproc_per_node=4 pipedream.py --mode 2bw --microbatches 4 --dtype float64 --check
@@ -68,10 +71,10 @@ import torch.nn as nn
 from einops import rearrange
 from torch.func import functional_call
 
-from common import (DTYPES, build_gpt, check_against_reference, check_common_args, Checkpointer, clip_grads_,
-                    close_dist, CommonArgs, count_tokens, env_world_size, fail, GPTConfig, init_dist, lm_loss,
-                    log_step, make_optimizer, MarkovData, maybe_fail, parse_args, peak_memory_bytes,
-                    SavedActivations, state_bytes, StepTimer, tensor_bytes, write_summary)
+from common import (DTYPES, assemble_full, build_gpt, check_against_reference, check_common_args, Checkpointer,
+                    clip_grads_, close_dist, CommonArgs, count_tokens, env_world_size, fail, gather_rows, GPTConfig,
+                    init_dist, lm_loss, log_step, make_optimizer, MarkovData, maybe_fail, parse_args,
+                    peak_memory_bytes, SavedActivations, state_bytes, StepTimer, tensor_bytes, write_summary)
 
 
 @dataclass
@@ -80,6 +83,7 @@ class Args(CommonArgs):
     mode: Literal["flush", "stash", "2bw"] = "flush"  # flush: synchronous 1F1B; stash: PipeDream; 2bw: PipeDream-2BW
     vertical_sync: bool = False  # stash: every stage uses the weight version stage 0 used for the micro-batch
     trace: str = ""  # write the measured F/B events as a Chrome trace (JSON) to this path
+    stage_ms: float = 0.0  # simulate compute time: each F of a micro-batch also waits this many ms, each B twice that
 
 
 # ----------------------------------------------------------------------------- the stages
@@ -164,6 +168,9 @@ def p2p(sends, recvs):
 # Every activation and gradient travels with a 4-number float64 tag (kept in float64 so a loss is exact):
 #   forward  [micro-batch k, weight version, 2bw: newest batch whose whole-model grad norm is known, its norm^2]
 #   backward [micro-batch k, weight version, loss of k (from the last stage), 2bw: partial grad norm^2]
+# The host never reads a tag while the pipeline runs (on a GPU that would stop the stream at every message): the
+# numbers it needs to decide (k, versions, which norm is known) follow from the schedule; the tags carry them
+# too, and verify_tags() checks them against the schedule once per step. Losses and norms stay on the device.
 TAG = 4
 
 
@@ -171,9 +178,9 @@ class StageRunner:
     """One rank's stage: runs its ops in order, holding what lives between them: the micro-batches in flight,
     the message waiting to be sent with the next receive, the weight versions (stash, 2bw), the events."""
 
-    def __init__(self, d, args, stage, opt, batch_of, act_shape, t0):
+    def __init__(self, d, args, stage, opt, batch_of, act_shape, clock):
         self.d, self.args, self.mode, self.m = d, args, args.mode, args.microbatches
-        self.s, self.p, self.stage, self.opt, self.batch_of, self.t0 = d.rank, d.world, stage, opt, batch_of, t0
+        self.s, self.p, self.stage, self.opt, self.batch_of, self.clock = d.rank, d.world, stage, opt, batch_of, clock
         self.act_shape, self.dtype = act_shape, next(stage.parameters()).dtype  # (b, T, D) crosses a boundary
         self.version = 0  # optimizer steps taken: `stage` (the master the optimizer steps) is this version
         # Weight stashing: a forward never reads the master. Autograd keeps the tensors a forward used, and
@@ -185,19 +192,18 @@ class StageRunner:
         self.outbox = []  # the last op's message; it leaves with the next op's receive
         self.due = []  # [(gradient, whole-model norm^2 or None)]: updates to apply before the next op
         self.batch_grads = {}  # 2bw: batch -> its summed gradient, until the whole-model norm arrives
-        self.known = (-1, 0.0)  # 2bw: (newest batch whose whole-model norm^2 this stage knows, that norm^2)
+        self.known = (-1, self.tag()[0])  # 2bw: (newest batch whose whole-model norm^2 is known here, it on device)
         self.stage0_version = 0  # --vertical-sync: stage 0's version of the newest micro-batch received
         self.next_f = 0  # the micro-batch of this stage's next forward
-        self.losses = {}  # k -> loss: on the last stage from F to B; on stage 0 as its gradient arrives
+        self.losses = {}  # k -> loss (device): on the last stage from F to B; on stage 0 as its gradient arrives
+        self.received = []  # [(what the schedule says the tag holds {index: value}, tag)], until verify_tags
         self.events, self.sent, self.peak_alive, self.peak_versions, self.peak_bytes = [], 0, 0, 1, 0
 
-    def clock(self):  # ms since the common start; on a GPU after the queued work ends
-        if self.d.device.type == "cuda":
-            torch.cuda.synchronize(self.d.device)
-        return time.time() * 1e3 - self.t0
-
-    def tag(self, *xs):
-        return torch.tensor(xs, dtype=torch.float64, device=self.d.device)  # (TAG,)
+    def tag(self, *xs):  # (TAG,) on the device, from numbers or 0-d device tensors: no host round trip
+        t = torch.zeros(TAG, dtype=torch.float64, device=self.d.device)
+        for i, x in enumerate(xs):
+            t[i] = x
+        return t
 
     def run(self, ops):
         for kind, k in ops:
@@ -212,21 +218,26 @@ class StageRunner:
             self.sent += p2p(self.outbox, [])
             self.outbox = []
             return None, None
-        x, tag = torch.empty(self.act_shape, dtype=self.dtype, device=self.d.device), self.tag(*[0.0] * TAG)
+        x, tag = torch.empty(self.act_shape, dtype=self.dtype, device=self.d.device), self.tag()
         self.sent += p2p(self.outbox, [(x, peer), (tag, peer)])
         self.outbox = []
-        if int(tag[0]) != k:
-            raise RuntimeError(f"stage {self.s}: expected micro-batch {k} from stage {peer}, got {int(tag[0])}")
+        expect = {0: k}
         if kind == "F":
-            self.stage0_version = int(tag[1])
-            self.learn_norm(int(tag[2]), tag[3].item())
+            # Stage 0 read version max(0, k-(p-1)) for micro-batch k: its warm-up forwards run before any update.
+            self.stage0_version = max(0, k - (self.p - 1))
+            expect.update({1: self.stage0_version} if self.args.vertical_sync else {})
+            if self.mode == "2bw":  # stage 0 had run B up to k-p when it sent F_k: the norms of its full batches
+                t = max((k - self.p + 1) // self.m - 1, -1)
+                expect[2] = t
+                self.learn_norm(t, tag[3])
+        self.received.append((expect, tag))
         return x, tag
 
     def version_for(self, k, tag):
         if self.mode == "2bw":
             return max(k // self.m - 1, 0)  # batch t reads the weights of update t-1
         if self.mode == "stash" and self.args.vertical_sync and self.s > 0:
-            return int(tag[1])  # the version stage 0 read for micro-batch k
+            return self.stage0_version  # the version stage 0 read for micro-batch k (its tag carries it too)
         return self.version  # flush, stash: the newest
 
     def forward(self, k, x, tag):
@@ -235,30 +246,33 @@ class StageRunner:
         v = self.version_for(k, tag)
         weights = self.stage if self.mode == "flush" else self.snap[v]
         inp = tokens[j] if self.s == 0 else x.requires_grad_()  # a leaf: its .grad is what B sends back
-        start = self.clock()
+        start = self.clock.now()
         with SavedActivations() as saved:
             out = weights(inp)  # (b, T, D); last stage: logits (b, T, V) ...
             if self.stage.last:
                 out = lm_loss(out, targets[j], n_tok)  # ... and the loss: sum over tokens / global token count
-        self.events.append(dict(rank=self.s, kind="F", mb=k, start=start, end=self.clock(), version=v))
+        simulate_compute(self.args.stage_ms)
+        self.events.append(dict(rank=self.s, kind="F", mb=k, start=start, end=self.clock.now(), version=v))
         self.in_flight[v] += 1
         self.next_f = k + 1
         held = saved.bytes + out.numel() * out.element_size()  # + the output (the input is among the saved)
         self.alive[k] = (inp, out, v, held)
         self.peak_alive = max(self.peak_alive, len(self.alive))
         if self.stage.last:
-            self.losses[k] = out.item()
+            self.losses[k] = out.detach()
         else:
             self.outbox = [(out.detach(), self.s + 1), (self.tag(k, v, *self.known), self.s + 1)]
         self.count_bytes()
 
     def backward(self, k, grad, tag):
         inp, out, v, _ = self.alive.pop(k)
-        start = self.clock()
+        start = self.clock.now()
         torch.autograd.backward(out, grad)  # last stage: from the loss itself; the gradients land on `weights`
-        self.events.append(dict(rank=self.s, kind="B", mb=k, start=start, end=self.clock(), version=v))
+        simulate_compute(2 * self.args.stage_ms)
+        self.events.append(dict(rank=self.s, kind="B", mb=k, start=start, end=self.clock.now(), version=v))
+        self.events[-1].update(zip(("grad_version", "live_grad"), grads_landed_on(self)))
         self.in_flight[v] -= 1
-        loss, partial = (self.losses.pop(k), 0.0) if self.stage.last else (tag[2].item(), tag[3].item())
+        loss, partial = (self.losses.pop(k), self.tag()[0]) if self.stage.last else (tag[2], tag[3])  # on device
         if self.s == 0:
             self.losses[k] = loss  # step t's loss is complete on stage 0 when B of its last micro-batch is
         if self.mode == "stash":  # PipeDream: every backward is an update of this stage
@@ -268,7 +282,7 @@ class StageRunner:
             self.batch_grads[t] = grads
             # The whole-model norm is the sum of every stage's squared norm; stage 0 finishes last, so the
             # partial sum rides down with the gradient, and the total rides back up with an activation.
-            partial += sum((g.double() ** 2).sum() for g in grads).item()
+            partial = partial + sum((g.double() ** 2).sum() for g in grads)
             if self.s == 0:
                 self.learn_norm(t, partial)
         if self.s > 0:
@@ -282,20 +296,26 @@ class StageRunner:
         return grads
 
     def learn_norm(self, t, sq):
-        """2bw: batch t's whole-model squared gradient norm is known here now, so its update is due. It is first
-        needed by batch t+2, which starts on this stage after the norm passes with micro-batch (t+1)m + p-1."""
-        if self.mode == "2bw" and t > self.known[0]:
-            if t not in self.batch_grads:
-                raise RuntimeError(f"stage {self.s}: norm of batch {t} arrived before its gradient (m < p?)")
-            self.known = (t, sq)
-            self.due.append((self.batch_grads.pop(t), sq))
+        """2bw: batch t's whole-model squared gradient norm (sq, on the device) is known here now, so its update is
+        due. It is first needed by batch t+2, which starts on this stage after the norm passes with micro-batch
+        (t+1)m + p-1. A message carries only the newest norm its sender knows, so the drain's correctness rests on
+        an invariant: every norm a stage learns is the next one it expects. Skipping one would leave that batch's
+        gradient unapplied for ever (m < p breaks it: see the guard in main)."""
+        if self.mode != "2bw" or t == self.known[0]:
+            return  # nothing new
+        if t != self.known[0] + 1 or t not in self.batch_grads:
+            raise RuntimeError(f"stage {self.s}: 2bw learns the norm of batch {t}, but the next it expects is batch "
+                               f"{self.known[0] + 1}'s (gradient held for {sorted(self.batch_grads)}): an update "
+                               "would be skipped; the schedule needs --microbatches >= stages")
+        self.known = (t, sq)
+        self.due.append((self.batch_grads.pop(t), sq))
 
     def apply_due_updates(self):
         for grads, sq in self.due:
             for q, g in zip(self.stage.parameters(), grads):
                 q.grad = g
             if sq is not None:
-                clip_grads_(grads, torch.tensor(sq, dtype=torch.float64, device=self.d.device).sqrt(), self.args.clip)
+                clip_grads_(grads, sq.sqrt(), self.args.clip)
             self.opt.step()
             self.opt.zero_grad(set_to_none=True)
             self.version += 1
@@ -324,10 +344,21 @@ class StageRunner:
         self.apply_due_updates()
         if self.mode == "2bw":  # (drained only at the end of the run)
             # the last batch's norm has no activation left to ride on: stage 0 broadcasts it
-            known = self.tag(*self.known)
+            known, last = self.tag(*self.known), self.args.steps - 1
             dist.broadcast(known, src=0)
-            self.learn_norm(int(known[0]), known[1].item())
+            self.received.append(({0: last}, known))
+            self.learn_norm(last, known[1])
             self.apply_due_updates()
+        self.verify_tags()
+
+    def verify_tags(self):
+        """Once per step, one host read for all the step's messages: each tag holds what the schedule says."""
+        if self.received:
+            got = torch.stack([t for _, t in self.received]).cpu()  # (messages, TAG)
+            for (expect, _), row in zip(self.received, got.tolist()):
+                if any(row[i] != v for i, v in expect.items()):
+                    raise RuntimeError(f"stage {self.s}: a message's tag {row} is not the schedule's {expect}")
+        self.received = []
 
     def flush_update(self):
         """PipeDream-flush: the pipeline is empty; one step with the whole model's norm, as one process would."""
@@ -348,13 +379,73 @@ class StageRunner:
 
 
 # ----------------------------------------------------------------------------- measuring, the picture, the trace
-def common_start(d):
-    """One zero (ms) for every rank's clock: the wall time when the last rank arrived (an all-reduce, which also
-    lines the ranks up). Wall clocks are one clock on one host and agree to NTP's accuracy across hosts;
-    per-process perf_counter zeros after a barrier would differ by the barrier's exit skew."""
-    t = torch.tensor([time.time() * 1e3], dtype=torch.float64, device=d.device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.item()
+class Clock:
+    """Times of F and B in ms since one zero common to all stages. CPU: the wall clock, zeroed at the wall time
+    the last rank arrived (an all-reduce, which also lines the ranks up; per-process perf_counter zeros after a
+    barrier would differ by its exit skew). CUDA: events recorded on the stream, so timing never stops the host
+    or the stream; the zero is an event right after the all-reduce, which ends at about the same moment on
+    every GPU. `read` turns stamps into ms: one synchronize per step, none per op."""
+
+    def __init__(self, d):
+        self.d, self.cuda = d, d.device.type == "cuda"
+        t = torch.tensor([time.time() * 1e3], dtype=torch.float64, device=d.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        if self.cuda:
+            self.zero = self.now()
+        else:
+            self.t0 = t.item()
+
+    def now(self):
+        if not self.cuda:
+            return time.time() * 1e3 - self.t0
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def read(self, events):
+        if self.cuda:
+            torch.cuda.synchronize(self.d.device)
+            for e in events:
+                if not isinstance(e["start"], float):
+                    e["start"], e["end"] = (self.zero.elapsed_time(e[k]) for k in ("start", "end"))
+        return events
+
+
+def simulate_compute(ms):
+    """--stage-ms: wait, not compute, so that the schedule sets the timing rather than processes competing for
+    a few cores. On a GPU the host waits before the end event is recorded, so the stream's span covers it."""
+    if ms > 0:
+        time.sleep(ms / 1e3)
+
+
+def grads_landed_on(runner):
+    """Weight stashing, seen from its effect: right after a backward, before its gradient is taken, which stashed
+    version's tensors hold a gradient (-1: none, -2: more than one) and whether the live weights (the master the
+    optimizer steps) got any (1) or not (0)."""
+    holding = [v for v, w in runner.snap.items() if any(q.grad is not None for q in w.parameters())]
+    live = any(q.grad is not None for q in runner.stage.parameters())
+    return (holding[0] if len(holding) == 1 else -2 if holding else -1), int(live)
+
+
+EVENT = ["rank", "kind", "mb", "start", "end", "version", "grad_version", "live_grad"]  # one row per F or B
+COUNTS = ["alive", "versions", "sent", "bytes"]
+
+
+def gather(d, runner):
+    """Every rank's events and counters as rows of numbers (common.gather_rows: no object collective), on every
+    rank: [{events, alive, versions, sent, bytes}] per rank, as the report reads them."""
+    rows = [[d.rank, e["kind"] == "B", e["mb"], e["start"], e["end"], e["version"], e.get("grad_version", -1),
+             e.get("live_grad", 0)] for e in runner.events]
+    ev = gather_rows(d, rows if rows else torch.zeros(0, len(EVENT)))
+    counts = gather_rows(d, [[runner.peak_alive, runner.peak_versions, runner.sent, runner.peak_bytes]])
+    every = []
+    for rank_rows, c in zip(ev, counts):
+        events = [dict(zip(EVENT, [int(x) if n not in ("start", "end") else x for n, x in zip(EVENT, r)]))
+                  for r in rank_rows.tolist()]
+        for e in events:
+            e["kind"] = "FB"[e["kind"]]
+        every.append(dict(events=events, **dict(zip(COUNTS, map(int, c[0].tolist())))))
+    return every
 
 
 def bubble(events, p, lo, hi):
@@ -418,6 +509,11 @@ def report(d, args, every, bounds, b_bytes, steps_run):
         d.log(f"{s:5d} | {a:2d}..{z - 1:<2d} | {bub[s]:6.3f} | {theory:6.3f} | {every[s]['alive']:5d} | "
               f"{alive[s]:6d} | "
               f"{every[s]['versions']:8d} | {kept[s]:6d} | {sent[s]:11.0f} | {sent_theory[s]:6d} | {every[s]['bytes']}")
+    mean = sum(bub) / p
+    d.log(f"bubble, mean over stages: measured {mean:.3f}, theory {theory:.3f}, difference {mean - theory:+.3f}"
+          + (f" (--stage-ms {args.stage_ms:g}: compute time simulated, each F waits {args.stage_ms:g} ms, each B "
+             f"{2 * args.stage_ms:g} ms)" if args.stage_ms else
+             " (real compute only: on shared cores this times the OS scheduler; try --stage-ms)"))
     if args.mode == "flush":
         d.log("\ntimeline of the last step, measured (micro-batch numbers within the step):")
         d.log(draw_timeline(events, p, lo, hi, lambda k: k % m))
@@ -428,8 +524,8 @@ def report(d, args, every, bounds, b_bytes, steps_run):
     if args.trace:
         write_trace(args.trace, events, p)
         d.log(f"wrote {len(events)} events to {args.trace} (open in https://ui.perfetto.dev)")
-    return dict(events=events, bubble=bub, bubble_mean=sum(bub) / p, bubble_theory=theory,
-                bubble_theory_formula=formula,
+    return dict(events=events, bubble=bub, bubble_mean=mean, bubble_theory=theory,
+                bubble_theory_formula=formula, stage_ms=args.stage_ms,
                 peak_alive_microbatches=[r["alive"] for r in every], peak_alive_theory=alive,
                 versions_kept=[r["versions"] for r in every], versions_kept_theory=kept, sent_bytes_per_rank=sent,
                 sent_bytes_theory=sent_theory, mem_bytes_per_rank=[r["bytes"] for r in every])
@@ -452,17 +548,20 @@ def main():
         fail("--mode stash updates each stage right after its backward, before the whole-model gradient norm of "
              "that micro-batch exists (stage 0 finishes it last): pass --clip 0")
     if args.mode != "flush" and (args.ckpt_dir or args.fail_at_step >= 0):
-        fail(f"--mode {args.mode} never drains its pipeline, so no step boundary is a consistent checkpoint: "
-             "--ckpt-dir and --fail-at-step need --mode flush")
+        fail(f"--mode {args.mode} never drains its pipeline: at every step boundary the next step's micro-batches "
+             "are in flight on stashed weight versions, so a checkpoint could not resume the same run; --ckpt-dir "
+             "and --fail-at-step need --mode flush")
     if p == 1:
         fail(f"pipedream.py needs one process per stage, at least 2: torchrun --nproc_per_node="
              f"{max(2, min(4, args.n_layers))} pipedream.py {' '.join(sys.argv[1:])}".rstrip())
     if p > args.n_layers:
         fail(f"{p} stages but --n-layers {args.n_layers}: every stage needs at least one block; use --n-layers {p} "
              f"or more{f', or torchrun --nproc_per_node={args.n_layers}' if args.n_layers >= 2 else ''}")
-    if args.mode == "2bw" and m < p:
-        fail(f"--mode 2bw needs --microbatches >= stages ({p}), got {m}: otherwise a batch starts before the "
-             f"update it must read exists; use --microbatches {p}")
+    if args.mode == "2bw" and m < p:  # see StageRunner.learn_norm
+        fail(f"--mode 2bw needs --microbatches >= stages ({p}), got {m}: batch t's gradient norm reaches the later "
+             "stages only with the forward of micro-batch (t+1)m+p-1, so with m < p-1 batch t+2 would start before "
+             "the update it reads, and with m = p-1 the last batch's forwards end before the second-to-last "
+             f"norm can ride on one; use --microbatches {p}")
 
     # --- setup (same in every file) ---
     d = init_dist(args.timeout)
@@ -475,7 +574,9 @@ def main():
                                  f"{' + norm + head + loss' if s == p - 1 else ''}" for s, (a, z) in enumerate(bounds)))
     torch.manual_seed(args.seed + d.rank)  # dropout masks (if any) differ per stage
     dtype = DTYPES[args.dtype]
-    stage = Stage(build_gpt(GPTConfig.from_args(args), args.seed, dtype), d.rank, bounds).to(d.device)
+    gpt = build_gpt(GPTConfig.from_args(args), args.seed, dtype)  # the full model on CPU; a stage moves its part
+    shapes = {n: q.shape for n, q in gpt.named_parameters()}
+    stage = Stage(gpt, d.rank, bounds).to(d.device)
     opt = make_optimizer(stage.parameters(), args)
     ckpt = Checkpointer(d, args.ckpt_dir, args.save_every, args.steps)
     start, hist = ckpt.load({"model": stage, "optim": opt})
@@ -495,8 +596,8 @@ def main():
     else:
         stream = one_f_one_b(args.steps * m, p, d.rank)
     chunks = split_at_step_ends(stream, m)
-    t0 = common_start(d)  # a collective before any point-to-point, as NCCL's batched p2p asks
-    runner = StageRunner(d, args, stage, opt, batch_of, act_shape, t0)
+    clock = Clock(d)  # the timeline's zero; a collective before any point-to-point, as NCCL's batched p2p asks
+    runner = StageRunner(d, args, stage, opt, batch_of, act_shape, clock)
     runner.version = start  # flush, resumed: the optimizer steps already taken
     for step in range(start, args.steps):
         maybe_fail(d, args, step)
@@ -505,35 +606,35 @@ def main():
         if args.mode == "flush":
             runner.drain()
             runner.flush_update()
+        runner.verify_tags()
+        clock.read(runner.events)
         ms = timer.stop()
         # stage 0 has every loss of the step now (they came back with the gradients); other ranks log nothing
-        losses.append(sum(runner.losses.pop(step * m + j) for j in range(m)) if d.rank == 0 else float("nan"))
+        losses.append(sum(runner.losses.pop(step * m + j) for j in range(m)).item() if d.rank == 0 else float("nan"))
         log_step(d, step, losses[-1], ms, tokens)
         ckpt.maybe_save(step + 1, {"model": stage, "optim": opt}, {"losses": losses})
     if args.mode != "flush":
         runner.drain()  # the pipeline empties only here
+        clock.read(runner.events)
 
-    # --- gather every rank's events and counts on rank 0 ---
-    mine = dict(events=runner.events, alive=runner.peak_alive, versions=runner.peak_versions, sent=runner.sent,
-                bytes=runner.peak_bytes, params={n: q.detach().cpu() for n, q in stage.named_parameters()}
-                if args.check else {})
-    every = [None] * p if d.rank == 0 else None
-    dist.gather_object(mine, every, dst=0)
+    # --- measurement: every rank's events and counts; the peak is read before --check trains ---
+    every = gather(d, runner)
     figures = dict(split=bounds, stages=p, microbatches=m, mode=args.mode)
     if d.rank == 0 and args.steps > start:
         figures.update(report(d, args, every, bounds, act_shape[0] * act_shape[1] * act_shape[2] *
                               torch.tensor([], dtype=dtype).element_size(), args.steps - start))
+    peak = peak_memory_bytes(d, runner.peak_bytes)
 
     check = None
-    if args.check:
-        full = {n: t for r in every for n, t in r["params"].items()} if d.rank == 0 else None
+    if args.check:  # the full model, by name, from every stage's parameters (one all-reduce)
+        full = assemble_full(d, dict(stage.named_parameters()), shapes, dtype)
         ref = None
         if d.rank == 0 and args.mode != "flush":
             d.log(f"--check: against the one-process simulation of the {args.mode} rule, not synchronous training")
             ref = simulate_stash(args, p, d.device) if args.mode == "stash" else simulate_2bw(args, d.device)
         check = check_against_reference(d, args, losses, full, ref=ref)
     write_summary(d, args, f"pipedream-{args.mode}", losses, timer.median(), tokens / max(timer.median(), 1e-9) * 1e3,
-                  peak_memory_bytes(d, runner.peak_bytes), max(figures.get("sent_bytes_per_rank", [0])), check, figures)
+                  peak, max(figures.get("sent_bytes_per_rank", [0])), check, figures)
     close_dist(ok=check is None or check["passed"])
 
 

@@ -1,9 +1,12 @@
 """pipedream.py: --mode flush equals one-process training in float64 for (p, m) = (2, 4), (4, 8) and 3 stages over
 4 layers; the executed schedule (the measured events) is 1F1B and obeys the pipeline's rules with at most p - s
-micro-batches alive; --mode stash runs every backward on the weight version its forward read (with --vertical-sync
-the version stage 0 read, on every stage), keeps at most p - s versions and equals its one-process simulation;
---mode 2bw equals the delayed-update reference with two versions; both differ from synchronous training; bad
-input exits 2 with one line, before any collective. Launches: 6 torchrun, 6 plain python."""
+micro-batches alive, and with --stage-ms (simulated compute) its measured bubble is near (p-1)/(m+p-1); --mode
+stash reads the version the schedule says (with --vertical-sync the version stage 0 read, on every stage), and
+every backward's gradient lands on that stashed version and never on the live weights (a backward on the newest
+weights fails this and --check); it keeps at most p - s versions and equals its one-process simulation; --mode
+2bw equals the delayed-update reference with two versions, at m = p too, and with the m >= p guard lifted its
+invariant stops the run; both differ from synchronous training; no object collectives; bad input exits 2 with
+one line, before any collective. Launches: 10 torchrun (two break the file on purpose), 9 plain python."""
 import json
 import re
 import subprocess
@@ -19,6 +22,7 @@ import pipedream  # noqa: E402  (importing must not run main())
 from common import reference_train  # noqa: E402
 
 STEPS = 4  # TINY's --steps
+STAGE_MS = ("--stage-ms", "50")  # simulated compute, on the (4, 8) flush launch only: see test_gpipe.py
 CFG = [*TINY, "--n-layers", "4", "--batch-size", "16"]  # 4 blocks to split; 16 sequences = 4 or 8 micro-batches
 MB_BYTES = 16 * 8 * 16 * 8  # a whole batch's (B, T, D) float64 activations: what crosses a boundary per step
 
@@ -99,7 +103,7 @@ def test_split_and_schedule_rules():
 
 
 # ----------------------------------------------------------------------------- flush: synchronous 1F1B
-@pytest.mark.parametrize("p, m, extra", [(2, 4, ()), (4, 8, ()), (3, 4, ("--clip", "0"))])
+@pytest.mark.parametrize("p, m, extra", [(2, 4, ()), (4, 8, STAGE_MS), (3, 4, ("--clip", "0"))])
 def test_flush_matches_reference_and_obeys_1f1b(launch, p, m, extra):
     summary, out, _ = launch(p, m, *extra)
     assert_matches_reference(summary)
@@ -121,6 +125,17 @@ def test_flush_matches_reference_and_obeys_1f1b(launch, p, m, extra):
     assert f["sent_bytes_per_rank"] == [(MB_BYTES + tag) * ((r > 0) + (r < p - 1)) for r in range(p)]
     assert f["sent_bytes_per_rank"] == f["sent_bytes_theory"] and summary["comm_bytes"] == max(f["sent_bytes_per_rank"])
     assert all(re.search(rf"^stage {r} \|[^|]*F[^|]*B[^|]*\|$", out, re.M) for r in range(p))  # ASCII timeline
+
+
+def test_stage_ms_bubble_near_theory(launch):
+    """--stage-ms 50 (F waits 50 ms, B 100 ms): the measured bubble of the last step comes within 0.05 of 1F1B's
+    (p-1)/(m+p-1) = 3/11, GPipe's; parity is unchanged (the same launch passes --check above)."""
+    summary, out, _ = launch(4, 8, *STAGE_MS)
+    f = summary["figures"]
+    assert f["stage_ms"] == 50 and f["bubble_theory"] == pytest.approx(3 / 11)
+    assert abs(f["bubble_mean"] - 3 / 11) < 0.05, f["bubble"]
+    assert "compute time simulated" in out and re.search(r"bubble, mean over stages: measured [\d.]+, theory", out)
+    assert "simulate compute time" in run_python("pipedream.py", "--help").stdout
 
 
 def test_schedule_checks_catch_broken_schedules(launch):
@@ -155,6 +170,15 @@ def versions_of(events, kind):
     return {(e["rank"], e["mb"]): e["version"] for e in events if e["kind"] == kind}
 
 
+def stashing_errors(events):
+    """Weight stashing from its effect, measured right after each backward: the gradient sits on the tensors of
+    the version its forward read (and on no other version), and the live weights got none of it."""
+    fwd = versions_of(events, "F")
+    return [f"stage {e['rank']}: B{e['mb']} (forward on version {fwd[e['rank'], e['mb']]}) put its gradient on "
+            f"version {e['grad_version']}{' and on the live weights' if e['live_grad'] else ''}"
+            for e in events if e["kind"] == "B" and (e["grad_version"] != fwd[e["rank"], e["mb"]] or e["live_grad"])]
+
+
 def test_stash_weight_stashing(launch):
     summary, out, _ = launch(*STASH)
     p, m = 3, 4
@@ -164,8 +188,8 @@ def test_stash_weight_stashing(launch):
     assert pipeline_schedule_errors(events, p, STEPS * m) == []
     assert all(executed(events, r) == pipedream.one_f_one_b(STEPS * m, p, r) for r in range(p))  # one stream
     assert not drained_between_steps(events, m)  # no flush: step t+1's forwards start before step t's backwards end
-    fwd, bwd = versions_of(events, "F"), versions_of(events, "B")
-    assert fwd == bwd  # weight stashing: every backward on the version its forward read
+    fwd = versions_of(events, "F")
+    assert stashing_errors(events) == []  # every backward's gradient on the version its forward read
     assert all(v == max(0, k - (p - r - 1)) for (r, k), v in fwd.items())  # stage s lags by its warm-up, p-s-1
     assert len({fwd[0, k] for k in range(STEPS * m)}) > 1 < len({fwd[1, k] for k in range(STEPS * m)})
     kept = [p - r for r in range(p)]
@@ -177,6 +201,15 @@ def test_stash_weight_stashing(launch):
     assert all(abs(a - b) > 1e-6 for a, b in zip(summary["losses"], sync))
 
 
+def test_stash_backward_on_newest_weights_fails(tmp_path):
+    """The negative: a backward that runs on the newest weights, not the stashed version (tests/pipeline_checks.py
+    stash-newest). The effect check sees the gradients land elsewhere, and --check fails."""
+    summary, out = torchrun("tests/pipeline_checks.py", 3, "stash-newest", *CFG, "--microbatches", 4, "--mode", "stash",
+                            "--clip", "0", "--check", tmp_path=tmp_path, expect_rc=1)
+    errors = stashing_errors(summary["figures"]["events"])
+    assert errors and any("stage 0:" in e for e in errors) and not summary["check"]["passed"], errors
+    assert "-> FAILED" in out
+
 def test_stash_vertical_sync(launch):
     summary, _, _ = launch(*VSYNC)
     p, m = 3, 4
@@ -184,7 +217,7 @@ def test_stash_vertical_sync(launch):
     f, events = summary["figures"], summary["figures"]["events"]
     assert pipeline_schedule_errors(events, p, STEPS * m) == []
     fwd = versions_of(events, "F")
-    assert fwd == versions_of(events, "B")
+    assert stashing_errors(events) == []
     for k in range(STEPS * m):  # every stage reads the version stage 0 read for micro-batch k
         assert fwd[0, k] == fwd[1, k] == fwd[2, k] == max(0, k - (p - 1))
     # a later stage, already updated further, must keep what stage 0 may still send: p versions, not p - s
@@ -206,7 +239,7 @@ def test_2bw_delayed_update(launch):
     assert "against the one-process simulation of the 2bw rule" in out
     f, events = summary["figures"], summary["figures"]["events"]
     assert pipeline_schedule_errors(events, p, STEPS * m) == [] and not drained_between_steps(events, m)
-    assert versions_of(events, "F") == versions_of(events, "B")
+    assert stashing_errors(events) == []  # each batch's gradient summed on the version it read
     assert all(e["version"] == max(e["mb"] // m - 1, 0) for e in events)  # batch t reads update t-1, everywhere
     assert f["versions_kept"] == [2] * p and all(sweep(events, r)[1] <= 2 for r in range(p))
     # the negative: synchronous training (the common reference, same config) agrees on batch 0, which reads W_0 in
@@ -215,6 +248,20 @@ def test_2bw_delayed_update(launch):
     assert summary["losses"][0] == pytest.approx(sync[0], rel=1e-12)
     assert all(abs(a - b) > 1e-6 for a, b in zip(summary["losses"][1:], sync[1:]))
 
+
+def test_2bw_at_the_boundary_m_equals_p(launch):
+    """m = p, the smallest the guard allows: the second-to-last batch's norm rides on the last batch's final forward."""
+    summary, _, _ = launch(4, 4, "--mode", "2bw", "--clip", "0.5")
+    assert_matches_reference(summary)
+    assert summary["figures"]["versions_kept"] == [2] * 4
+
+
+def test_2bw_invariant_stops_a_run_below_the_guard(tmp_path):
+    """The negative: with the guard lifted (tests/pipeline_checks.py 2bw-fewer), m = p - 1 leaves the drain one norm
+    short; the invariant in learn_norm stops the run with its reason instead of ending on an unapplied gradient."""
+    _, out = torchrun("tests/pipeline_checks.py", 3, "2bw-fewer", *CFG, "--microbatches", 2, "--mode", "2bw",
+                      "--steps", 3, tmp_path=tmp_path, expect_rc=1)  # fails on purpose
+    assert "2bw learns the norm of batch 2, but the next it expects is batch 1's" in out, out[-3000:]
 
 # ----------------------------------------------------------------------------- bad input
 def one_error_line(p, words):
@@ -236,4 +283,14 @@ def test_bad_input():
     one_error_line(run_python("pipedream.py", *CFG, "--mode", "gpipe"), ["--mode", "invalid choice: 'gpipe'"])
     one_error_line(run_python("pipedream.py", *CFG, "--mode", "stash"), ["whole-model gradient norm", "--clip 0"])
     one_error_line(as_rank(3, "--n-layers", "2"), ["3 stages but --n-layers 2", "--n-layers 3"])
-    one_error_line(as_rank(4, "--mode", "2bw", "--microbatches", "2"), ["2bw needs --microbatches >= stages (4)"])
+    one_error_line(as_rank(4, "--mode", "2bw", "--microbatches", "2"),
+                   ["2bw needs --microbatches >= stages (4)", "second-to-last norm", "--microbatches 4"])
+    # stash and 2bw never drain, so they refuse a checkpoint directory rather than resume another run
+    for mode in (["--mode", "stash", "--clip", "0"], ["--mode", "2bw"]):
+        one_error_line(run_python("pipedream.py", *CFG, *mode, "--ckpt-dir", "ck"),
+                       ["never drains", "in flight on stashed weight versions", "need --mode flush"])
+
+
+def test_no_object_collectives():
+    """Only tensors cross the wire: no pickling collective (broadcast_object_list, gather_object, ...)."""
+    assert not re.search(r"_object(_list)?\(", (ROOT / "pipedream.py").read_text())
