@@ -8,10 +8,13 @@ holds the whole model state, yet only 1/N of the update work needs to happen on 
   stage 1  P_os: optimizer state sharded. Reduce-scatter the gradients, each rank updates its shard of the
            parameters with its shard of the Adam moments, then all-gather the parameters.
   stage 2  P_os+g: gradients sharded too: each unit's gradient is reduce-scattered as soon as backward has
-           produced it (every micro-batch) and only this rank's shard of it is kept.
+           produced it (every micro-batch, asynchronously) and only this rank's shard of it is kept.
   stage 3  P_os+g+p: parameters sharded too (FSDP, Zhao et al. 2023). A unit (a transformer block; what is
            left of the model is the root unit) is all-gathered just before its forward, freed after it,
-           all-gathered again for its backward, and its gradient reduce-scattered.
+           all-gathered again for its backward, and its gradient reduce-scattered. As in FSDP (Sec. 3.3) the
+           all-gather of the next unit is launched asynchronously before the current one computes, in
+           forward and in backward, at most one ahead (FSDP's rate limiter): besides the root, only the unit
+           running and the unit arriving are gathered at any time.
   --offload         ZeRO-Offload (Ren et al. 2021), the GeePS idea (Cui et al. 2016) of keeping off the GPU
                     what is not in use: the fp32 master shard and Adam moments live in CPU memory and the
                     optimizer step runs there. On a CPU-only machine the same code path runs.
@@ -24,8 +27,10 @@ and rank r owns elements [r*S, (r+1)*S), so any parameter count works at any wor
 
     unit, P = 15, N = 4      [ w (3x4) ........... | b (3) | pad ]       16 = 4 * 4 elements
     owner                    [ rank 0 | rank 1 | rank 2 | rank 3 ]
-    stage 3, per micro-batch  fwd: gather root | gather u0, run, free | gather u1, run, free | loss
-                              bwd: (root) gather u1, grad, reduce-scatter, free | u0 ... | root
+    stage 3, per micro-batch (=> launch an async all-gather, <= wait for it; RS = async reduce-scatter)
+      fwd: gather root, =>u0 | <=u0, =>u1, run u0, free u0 | <=u1, run u1, free u1 | loss
+      bwd: gather root (head), =>u1 | <=u1, =>u0, grad u1, RS u1, free | <=u0, grad u0, RS u0 (waits RS u1),
+           free | grad root, RS root; backward ends: wait the last RS
 
 What rank 0 of N = 4 holds (# = held), and the model-state bytes per rank (Psi parameters; p and g bytes
 per parameter and gradient element, K bytes of optimizer state per parameter; the paper's Fig. 1 uses
@@ -34,17 +39,17 @@ fp16 Adam: p = g = 2, K = 12 = fp32 master + m + v):
     stage 0   [########]   [########]   [########]      (p+g+K) Psi
     stage 1   [########]   [########]   [##      ]      (p+g) Psi + K Psi/N
     stage 2   [########]   [##      ]   [##      ]      p Psi + (g+K) Psi/N
-    stage 3   [##      ]   [##      ]   [##      ]      (p+g+K) Psi/N   (+ the units gathered right now)
+    stage 3   [##      ]   [##      ]   [##      ]      (p+g+K) Psi/N   (+ root and two units gathered)
 
     python zero.py --stage 3 --check                                        # world 1: a shard is the whole
     torchrun --nproc_per_node=4 zero.py --stage 3 --accum 2 --check
-    torchrun --nproc_per_node=4 zero.py --stage 2 --offload --recompute --mixed-precision bf16
+    torchrun --nproc_per_node=4 zero.py --stage 2 --offload --recompute --mixed-precision bf16 --check
     torchrun --nproc_per_node=4 zero.py --stage 1 --ckpt-dir ckpt --save-every 5 --steps 10
     torchrun --nproc_per_node=2 zero.py --stage 3 --ckpt-dir ckpt --steps 20    # resumes at world 2
 
 In production, use torch.distributed.fsdp.fully_shard (FSDP2) or DeepSpeed ZeRO.
 """
-import os, weakref
+import copy, os
 from dataclasses import dataclass
 from typing import Literal
 
@@ -52,12 +57,13 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.func import functional_call
+from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils.checkpoint import checkpoint
 
 from common import (DTYPES, CommonArgs, GPTConfig, MarkovData, StepTimer, build_gpt, check_against_reference,
-                    check_common_args, clip_grads_, close_dist, count_tokens, env_world_size, fail, init_dist,
-                    lm_loss, log_step, make_optimizer, maybe_fail, parse_args, peak_memory_bytes, tensor_bytes,
-                    tolerance, write_summary)
+                    check_common_args, clip_grads_, close_dist, count_tokens, env_world_size, fail, gather_rows,
+                    init_dist, lm_loss, log_step, make_optimizer, maybe_fail, parse_args, peak_memory_bytes,
+                    tensor_bytes, write_summary)
 
 LOW = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 # torch 2.13 renamed the flat collectives; older releases have only the *_into_tensor / *_tensor names
@@ -79,18 +85,18 @@ class Args(CommonArgs):
 
 # ----------------------------------------------------------------------------- stage 3: gather and release
 class GatherParams(torch.autograd.Function):
-    """Stage 3 (FSDP). Forward: all-gather the unit's flat parameters from the N shards. Backward: the
-    gradient of the whole flat vector, reduce-scattered (in the master dtype: fp32 under mixed precision),
-    lands in this rank's gradient shard. The shard is handled here, so autograd gets None for it."""
+    """Stage 3 (FSDP). Forward: the unit's flat parameters all-gathered from the N shards (prefetched by
+    Zero.acquire). Backward: the gradient of the whole flat vector is reduce-scattered (asynchronously, in
+    the master dtype: fp32 under mixed precision) into this rank's gradient shard; autograd gets None."""
 
     @staticmethod
     def forward(ctx, shard, unit):  # shard (S,) local -> (N*S,) global
         ctx.unit = unit
-        return unit.gather(shard)
+        return unit.zero.acquire(unit)
 
     @staticmethod
     def backward(ctx, grad_full):  # (N*S,) global, this rank's micro-batch gradient of the whole unit
-        ctx.unit.reduce_scatter_grad(grad_full)
+        ctx.unit.zero.reduce_scatter_grad(ctx.unit, grad_full)
         ctx.unit.gathered = None  # the copy gathered again for backward is no longer needed: free it
         return None, None
 
@@ -99,7 +105,8 @@ class FlatUnit(nn.Module):
     """One unit: `module`'s own parameters flattened into one vector padded to N*S elements. Stages 0-2 hold
     the whole vector (`full`, the leaf autograd accumulates into); stage 3 holds only this rank's S
     elements (`shard`) and all-gathers the whole just before each use. The module keeps no parameters:
-    each forward hands it views of the flat vector (torch.func.functional_call)."""
+    each forward hands it views of the flat vector (torch.func.functional_call). The flat vector is made
+    on the CPU, where the model was built; only what this rank keeps moves to the device."""
 
     def __init__(self, zero, module, prefix):
         super().__init__()
@@ -116,23 +123,23 @@ class FlatUnit(nn.Module):
         self.S = -(-self.numel // N)  # shard length ceil(P / N); the last shards hold the padding
         self.padded, self.lo = self.S * N, r * self.S  # this rank owns flat elements [lo, lo + S)
         self.valid = max(0, min(self.S, self.numel - self.lo))  # real (not padding) elements in my shard
-        flat = torch.zeros(self.padded, dtype=z.master_dtype, device=z.device)  # (N*S,) global
+        flat = torch.zeros(self.padded, dtype=z.master_dtype)  # (N*S,) global, on the CPU
         if named:
-            flat[:self.numel] = torch.cat([p.detach().flatten() for _, p in named])
+            flat[:self.numel] = torch.cat([p.detach().cpu().flatten() for _, p in named])
         for n, _ in named:  # from here on the parameters exist only as (slices of) the flat vector
             owner, _, attr = n.rpartition(".")
             del module.get_submodule(owner)._parameters[attr]
         mine = flat if z.stage == 0 else flat[self.lo:self.lo + self.S]  # what this rank's optimizer updates
         if z.stage < 3:
-            self.full = flat.to(z.compute_dtype, copy=True).requires_grad_()  # (N*S,) global, a leaf
+            self.full = flat.to(z.device, z.compute_dtype, copy=True).requires_grad_()  # (N*S,) global, a leaf
             self.full.register_post_accumulate_grad_hook(self._grad_ready)
             self.compute = self.full.detach() if z.stage == 0 else self.full.detach()[self.lo:self.lo + self.S]
         else:
             # (S,) local. requires_grad only so that autograd runs GatherParams.backward.
-            self.full, self.shard = None, mine.to(z.compute_dtype).clone().requires_grad_()
+            self.full, self.shard = None, mine.to(z.device, z.compute_dtype, copy=True).requires_grad_()
             self.compute = self.shard.detach()
         if z.separate_master:  # mixed precision or offload: the optimizer's own copy, in --dtype
-            self.master = mine.clone().to(z.master_device)
+            self.master = mine.to(z.master_device, copy=True)
             if z.offload:  # the gradient shard is copied into a host buffer and the step runs on the CPU
                 self.master.grad = torch.zeros_like(self.master)
         else:
@@ -150,7 +157,7 @@ class FlatUnit(nn.Module):
             # Keep only the block input; in backward torch.utils.checkpoint (non-reentrant) re-runs _run,
             # which in stage 3 all-gathers the unit again: that is the backward's gather.
             for a in args:
-                self.zero.count_saved(a)
+                self.zero.meter.count_saved(a)
             return checkpoint(self._run, *args, use_reentrant=False)
         return self._run(*args)
 
@@ -164,46 +171,35 @@ class FlatUnit(nn.Module):
         finally:
             self.in_forward = None  # `full` dies here: saved views of it were packed as positions (Zero._pack)
 
-    def gather(self, shard):  # (S,) local -> (N*S,) global, a new buffer whose lifetime is counted
-        buf = torch.empty(self.padded, dtype=shard.dtype, device=shard.device)
-        self.zero.all_gather(buf, shard)
-        full = buf.view(-1)  # count our own handle: gloo's worker thread may hold `buf` a moment longer
-        self.zero.track_gathered(full)
-        return full
-
-    def reduce_scatter_grad(self, g):  # (N*S,) global gradient of one micro-batch -> add my (S,) shard
-        out = torch.empty(self.S, dtype=self.zero.master_dtype, device=self.zero.device)
-        self.zero.reduce_scatter(out, g.to(self.zero.master_dtype).contiguous())  # reduced in fp32
-        self.grad += out
-
     def _grad_ready(self, full):  # stages 0-2: autograd has accumulated this micro-batch's gradient
         g = full.grad
         full.grad = None
         if self.zero.stage <= 1:
             self.grad += g  # keep the whole gradient; reduced once per step (DDP's no_sync accumulation)
         else:
-            self.reduce_scatter_grad(g)  # stage 2: reduce-scatter now, keep only my shard
+            self.zero.reduce_scatter_grad(self, g)  # stage 2: reduce-scatter now (async), keep only my shard
 
 
 # ----------------------------------------------------------------------------- the wrapper
 class Zero:
-    """ZeRO around any nn.Module. `units` names submodules that become FlatUnits (in stage 3 gathered one at
-    a time); the parameters left over form the root unit. Per step: zero(x) and zero.backward(loss) for each
+    """ZeRO around any nn.Module (built on the CPU; `device` defaults to its parameters' device). `units`
+    names submodules, in the order forward runs them, that become FlatUnits (in stage 3 gathered one at a
+    time); the parameters left over form the root unit. Per step: zero(x) and zero.backward(loss) for each
     micro-batch, then zero.step(). Parameters only: buffers stay in the module, replicated. No parameter
     may be shared between units (no tied weights across units)."""
 
-    def __init__(self, model, args, units=(), group=None):
+    def __init__(self, model, args, units=(), group=None, device=None):
         self.group = group or dist.group.WORLD
         self.rank, self.world = dist.get_rank(self.group), dist.get_world_size(self.group)
         self.stage, self.clip, self.recompute, self.offload = args.stage, args.clip, args.recompute, args.offload
         p0 = next(model.parameters())
-        self.device, self.master_dtype = p0.device, p0.dtype
+        self.device, self.master_dtype = torch.device(device or p0.device), p0.dtype
         self.compute_dtype = LOW[args.mixed_precision] or self.master_dtype
         self.master_device = torch.device("cpu") if self.offload else self.device
         self.separate_master = self.offload or self.compute_dtype != self.master_dtype
         self.fp16 = args.mixed_precision == "fp16"  # dynamic loss scale, clean steps in a row, growth window
         self.scale, self.clean, self.window = args.loss_scale if self.fp16 else 1.0, 0, args.scale_window
-        self.sent, self.live_gathered, self.peak_gathered, self.saved_bytes, self._seen = 0.0, 0, 0, 0, set()
+        self.meter = Meter()  # the measurement section below: bytes handed to collectives, gathered, saved
         self.model, self.units = model, []
         for path in units:  # each named submodule becomes a unit, in its parent's place
             unit = FlatUnit(self, model.get_submodule(path), path + ".")
@@ -212,38 +208,73 @@ class Zero:
             self.units.append(unit)
         self.root = FlatUnit(self, model, "")  # whatever parameters are left
         self.units.append(self.root)
+        model.to(self.device)  # the buffers (no parameters are left in the modules)
         self.opt = make_optimizer([u.master for u in self.units], args)  # AdamW on the flat fp32 shards
+        # stage 3: the order units are first needed in, forward and backward (the root is in use at both ends)
+        blocks = [u for u in self.units[:-1] if u.numel]
+        self.forward_order = [self.root] * bool(self.root.numel) + blocks
+        self.backward_order = [self.root] * bool(self.root.numel) + blocks[::-1]
+        self.order, self.prefetched, self.pending = self.forward_order, {}, None
 
-    # --- counted collectives: bytes this rank sends in a ring implementation -------------------------------
-    def all_gather(self, out, shard, count=True):  # (S,) local -> (N*S,) global
-        all_gather_single(out, shard, group=self.group)
-        self.sent += count * (self.world - 1) * shard.numel() * shard.element_size()
+    # --- collectives; the meter records the bytes of each tensor handed to one ---------------------------
+    def all_gather(self, out, shard, async_op=False, count=True):  # (S,) local -> (N*S,) global
+        if count:
+            self.meter.handed(shard)
+        return all_gather_single(out, shard, group=self.group, async_op=async_op)
 
-    def reduce_scatter(self, out, full):  # (N*S,) global -> (S,) local, summed over ranks
-        reduce_scatter_single(out, full, group=self.group)
-        self.sent += (self.world - 1) * out.numel() * out.element_size()
+    def reduce_scatter(self, out, full, async_op=False):  # (N*S,) global -> (S,) local, summed over ranks
+        self.meter.handed(full)
+        return reduce_scatter_single(out, full, group=self.group, async_op=async_op)
 
-    def all_reduce(self, t):  # a ring all-reduce is a reduce-scatter plus an all-gather: twice the bytes
+    def all_reduce(self, t):
+        self.meter.handed(t)
         dist.all_reduce(t, group=self.group)
-        self.sent += 2 * (self.world - 1) / self.world * t.numel() * t.element_size()
+
+    # --- stage 3: prefetching all-gathers (FSDP's forward and backward prefetch) ---------------------------
+    def acquire(self, u):
+        """Stage 3: u's whole flat vector (N*S,). Its all-gather was launched when the unit before it in
+        this pass was acquired: wait for it (or gather now), then launch the next unit's, and return at
+        once so that it travels while u computes. One ahead, no more: besides the root, at most the unit
+        running and the unit arriving are gathered (FSDP's rate limiter)."""
+        work, buf = self.prefetched.pop(u, None) or self._launch_gather(u)
+        work.wait()
+        later = self.order[self.order.index(u) + 1:]
+        if later and later[0] not in self.prefetched:
+            self.prefetched[later[0]] = self._launch_gather(later[0])
+        return buf
+
+    def _launch_gather(self, u):  # (S,) local -> a new (N*S,) buffer; returns (work, buffer)
+        buf = torch.empty(u.padded, dtype=self.compute_dtype, device=self.device)
+        work = self.all_gather(buf, u.shard.detach(), async_op=True)
+        self.meter.gathered(buf)
+        return work, buf
+
+    def _new_pass(self, order):  # a prefetch the last pass did not use (a forward without its units) ends
+        for work, _ in self.prefetched.values():
+            work.wait()
+        self.order, self.prefetched = order, {}
+
+    # --- stages 2-3: asynchronous reduce-scatter, one in flight --------------------------------------------
+    def reduce_scatter_grad(self, u, g):
+        """Launch the reduce-scatter of u's micro-batch gradient (N*S,) global -> (S,) local, in the master
+        dtype (fp32 under mixed precision), and let backward go on. It is finished (waited for, added into
+        u.grad) where its result is needed: before the next one is launched, or when backward ends."""
+        self.finish_reduce()
+        out = torch.empty(u.S, dtype=self.master_dtype, device=self.device)
+        g = g.to(self.master_dtype).contiguous()
+        self.pending = (u, self.reduce_scatter(out, g, async_op=True), out, g)  # g referenced until done
+
+    def finish_reduce(self):
+        if self.pending:
+            u, work, out, _ = self.pending
+            work.wait()
+            u.grad += out
+            self.pending = None
 
     # --- what autograd saves: activations counted, stage-3 parameter views kept as positions only ----------
     # One pair of saved_tensors_hooks around the whole forward does both jobs: nested hooks would hide from
     # an outer counter (common.SavedActivations) whatever these pack, since only the innermost pair runs.
     # Inside a --recompute block torch.utils.checkpoint's own pair takes over: it keeps nothing there.
-    def track_gathered(self, full):  # live gathered bytes, up when gathered, down when the tensor dies
-        self.live_gathered += full.nbytes
-        self.peak_gathered = max(self.peak_gathered, self.live_gathered)
-        weakref.finalize(full, self._release, full.nbytes)
-
-    def _release(self, nbytes):
-        self.live_gathered -= nbytes
-
-    def count_saved(self, t):  # an activation kept for backward; a storage saved twice counts once
-        if torch.is_tensor(t) and t.untyped_storage().data_ptr() not in self._seen:
-            self._seen.add(t.untyped_storage().data_ptr())
-            self.saved_bytes += t.untyped_storage().nbytes()
-
     def _pack(self, t):
         ptr = t.untyped_storage().data_ptr()
         for u in self.units:
@@ -253,7 +284,7 @@ class Zero:
                 # Stage 3: holding the view would keep the whole gathered unit alive until backward; keep
                 # where it lies instead, and gather the unit again when backward first needs it.
                 return (u, t.storage_offset(), t.shape, t.stride())
-        self.count_saved(t)
+        self.meter.count_saved(t)
         return t
 
     def _unpack(self, x):
@@ -261,17 +292,20 @@ class Zero:
             return x
         u, offset, shape, stride = x
         if u.gathered is None:
-            u.gathered = u.gather(u.shard.detach())  # stage 3: all-gathered again for its backward
+            u.gathered = self.acquire(u)  # stage 3: all-gathered again for its backward (prefetched)
         return u.gathered.as_strided(shape, stride, offset)
 
     # --- training ---------------------------------------------------------------------------------------
     def __call__(self, *args):
-        self.saved_bytes, self._seen = 0, set()  # counted per micro-batch forward
+        self.meter.new_forward()  # saved bytes are counted per micro-batch forward
+        self._new_pass(self.forward_order)
         with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
             return self.root(*args)
 
     def backward(self, loss):  # fp16: scale the loss so small gradients survive in half precision
+        self._new_pass(self.backward_order)
         (loss * self.scale if self.fp16 else loss).backward()
+        self.finish_reduce()  # the last unit's reduce-scatter
 
     def _reduced(self, u):
         """Finish the reduction; return (gradient the optimizer reads, the slice of it this rank norms)."""
@@ -287,6 +321,7 @@ class Zero:
     def step(self, inject_inf=False):
         """1. finish the reduction 2. fp16: unscale 3. global norm from every rank's shard, padding excluded,
         clip 4. AdamW on the master shard (on the CPU with offload) 5. publish the new parameters."""
+        self.finish_reduce()
         grads, parts = zip(*(self._reduced(u) for u in self.units))
         if self.fp16:
             for g in grads:
@@ -336,33 +371,14 @@ class Zero:
             if self.stage > 0 and u.numel:
                 flat = torch.empty(u.padded, dtype=u.master.dtype, device=self.device)
                 self.all_gather(flat, u.master.to(self.device), count=False)
-            out.update({n: v.detach().clone() for n, v in zip(u.names, u.views(flat).values())})
+            out.update({n: v.detach().cpu().clone() for n, v in zip(u.names, u.views(flat).values())})
         return out
-
-    # --- memory accounting, counted from the tensors -----------------------------------------------------
-    def memory(self):
-        params = tensor_bytes([u.full if self.stage < 3 else u.shard for u in self.units])
-        moments = [v for u in self.units for v in self.opt.state.get(u.master, {}).values()
-                   if torch.is_tensor(v) and v.dim() > 0]
-        optim = tensor_bytes(moments + ([u.master for u in self.units] if self.separate_master else []))
-        host_grads = tensor_bytes([u.master.grad for u in self.units]) if self.offload else 0
-        return dict(params=params, grads=tensor_bytes([u.grad for u in self.units]), optim=optim,
-                    host_grad_copy=host_grads)
-
-    def theory(self, padded=False):
-        """ZeRO's formulas with the bytes of the dtypes actually run: p (compute copy), g (gradient
-        accumulator, master dtype), K = 2 Adam moments (+ the master copy when separate)."""
-        psi = sum(u.padded if padded else u.numel for u in self.units)
-        p, m = torch.finfo(self.compute_dtype).bits // 8, torch.finfo(self.master_dtype).bits // 8
-        N, s = self.world, self.stage
-        K = 2 * m + (m if self.separate_master else 0)
-        return dict(params=p * psi / (N if s == 3 else 1), grads=m * psi / (N if s >= 2 else 1),
-                    optim=K * psi / (N if s >= 1 else 1), psi=psi, p=p, g=m, K=K)
 
     # --- sharded checkpoint ------------------------------------------------------------------------------
     def save(self, ckpt_dir, step, history):
-        """Each rank writes only the real elements of its shard (master, Adam moments); rank 0 then writes
-        meta.pt, which marks the step complete. Temporary file + rename: never a half-written file."""
+        """Each rank writes only the real elements of its shard (master, Adam moments) and its RNG states
+        (dropout masks continue exactly); rank 0 then writes meta.pt, which marks the step complete.
+        Temporary file + rename: never a half-written file. Everything is saved from the CPU."""
         path = os.path.join(ckpt_dir, f"step{step}")
         os.makedirs(path, exist_ok=True)
         shards = []
@@ -372,8 +388,11 @@ class Zero:
             shards.append({k: st.get(k, torch.zeros_like(u.master)).detach()[first:first + u.valid].cpu().clone()
                            for k in ("exp_avg", "exp_avg_sq")})
             shards[-1]["master"] = u.master.detach()[first:first + u.valid].cpu().clone()
+        rng = dict(rng_cpu=torch.get_rng_state())  # a CPU byte tensor, as torch.set_rng_state wants it
+        if self.device.type == "cuda":
+            rng["rng_cuda"] = torch.cuda.get_rng_state(self.device)  # also a CPU byte tensor
         adam_step = float(self.opt.state.get(self.units[0].master, {}).get("step", 0))
-        _atomic_save(dict(units=shards), os.path.join(path, f"rank{self.rank}.pt"))
+        _atomic_save(dict(units=shards, **rng), os.path.join(path, f"rank{self.rank}.pt"))
         dist.barrier(group=self.group)  # every shard is on disk before the step is marked complete
         if self.rank == 0:
             meta = dict(world=self.world, numels=[u.numel for u in self.units], adam_step=adam_step,
@@ -386,26 +405,31 @@ class Zero:
 
     def load(self, ckpt_dir):
         """Resume from the newest complete step, whatever world size wrote it: each rank reads, from the
-        old ranks' files, the pieces that overlap the flat elements it owns now. Returns (step, history)."""
+        old ranks' files, the pieces that overlap the flat elements it owns now, and at the same world size
+        its own RNG states. Returns (step, history)."""
         steps = _complete_steps(ckpt_dir) if ckpt_dir else []
         t = torch.tensor([steps[-1] if steps else 0], device=self.device)
         dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)  # every rank sees the same directory
         if not t.item():
             return 0, {}
         path = os.path.join(ckpt_dir, f"step{int(t.item())}")
-        meta = torch.load(os.path.join(path, "meta.pt"), weights_only=False)
+        meta = torch.load(os.path.join(path, "meta.pt"), map_location="cpu", weights_only=False)
         if meta["numels"] != [u.numel for u in self.units]:
             raise RuntimeError(f"{path} holds another model (unit sizes {meta['numels']})")
         old_n, files = meta["world"], {}
+
+        def rank_file(q):
+            if q not in files:
+                files[q] = torch.load(os.path.join(path, f"rank{q}.pt"), map_location="cpu", weights_only=True)
+            return files[q]
+
         for i, u in enumerate(self.units):
             lo, hi = (0, u.numel) if self.stage == 0 else (u.lo, u.lo + u.valid)  # elements I need
             old_s = -(-u.numel // old_n)
             pieces = {k: [] for k in ("master", "exp_avg", "exp_avg_sq")}
             for q in range(lo // old_s, -(-hi // old_s)) if hi > lo else ():  # old ranks that overlap
-                if q not in files:
-                    files[q] = torch.load(os.path.join(path, f"rank{q}.pt"), weights_only=True)["units"]
                 for k in pieces:  # old rank q saved flat elements [q*old_s, q*old_s + len)
-                    pieces[k].append(files[q][i][k][max(lo - q * old_s, 0):hi - q * old_s])
+                    pieces[k].append(rank_file(q)["units"][i][k][max(lo - q * old_s, 0):hi - q * old_s])
             state = {k: torch.cat(v).to(u.master) if v else u.master.new_zeros(0) for k, v in pieces.items()}
             with torch.no_grad():  # stage 0: the whole vector; stages 1-3: my shard; either way from 0
                 u.master.zero_()[:hi - lo] = state["master"]
@@ -413,6 +437,10 @@ class Zero:
                                             exp_avg=torch.zeros_like(u.master), exp_avg_sq=torch.zeros_like(u.master))
             self.opt.state[u.master]["exp_avg"][:hi - lo] = state["exp_avg"]
             self.opt.state[u.master]["exp_avg_sq"][:hi - lo] = state["exp_avg_sq"]
+        if old_n == self.world:  # at another world size the ranks' RNG streams cannot continue exactly
+            torch.set_rng_state(rank_file(self.rank)["rng_cpu"])
+            if self.device.type == "cuda":
+                torch.cuda.set_rng_state(rank_file(self.rank)["rng_cuda"], self.device)
         self.scale, self.clean = meta["scale"], meta["clean"]
         self.publish()  # master -> compute copy (and the all-gather of stages 1-2)
         dist.barrier(group=self.group)
@@ -447,46 +475,157 @@ def train_step(zero, x, y, n_tok, accum, loss_fn, inject_inf=False):
     return t.item(), info
 
 
-# ----------------------------------------------------------------------------- main
+# ----------------------------------------------------------------------------- the reference for --mixed-precision
+def reference_mixed(args, world, device="cpu"):
+    """What --check compares a --mixed-precision run with: one process, the same precision recipe, written
+    plainly with nn.Module parameters. A low-precision copy of the model computes each of the world x accum
+    micro-batches the ranks compute (the same rows and shapes, so the same bf16/fp16 arithmetic); each
+    micro-batch's gradient is cast to --dtype and summed there; clipping and AdamW run on --dtype master
+    weights, which are then rounded into the copy. fp16 scales the loss and skips a non-finite step."""
+    data, rows = MarkovData(args.vocab, args.seed), args.batch_size // world
+    master = build_gpt(GPTConfig.from_args(args), args.seed, DTYPES[args.dtype], device)
+    low = copy.deepcopy(master).to(LOW[args.mixed_precision])
+    opt = make_optimizer(master.parameters(), args)
+    scale, clean, losses = (args.loss_scale if args.mixed_precision == "fp16" else 1.0), 0, []
+    for step in range(args.steps):
+        x, y = (t.to(device) for t in data.batch(step, args.batch_size, args.seq_len, args.ragged))
+        n_tok, total = count_tokens(y), 0.0
+        grads = [torch.zeros_like(p) for p in master.parameters()]
+        for r in range(world):
+            for xm, ym in zip(x[r * rows:(r + 1) * rows].chunk(args.accum), y[r * rows:(r + 1) * rows].chunk(args.accum)):
+                low.zero_grad(set_to_none=True)
+                loss = lm_loss(low(xm), ym, n_tok)
+                (loss * scale).backward()
+                for g, p in zip(grads, low.parameters()):
+                    g += p.grad.to(g.dtype)
+                total += loss.item()
+        losses.append(total)
+        if step == args.inject_overflow:
+            grads[0][0] = float("inf")
+        for g in grads:
+            g.mul_(1.0 / scale)
+        norm = torch.stack([torch.linalg.vector_norm(g, dtype=torch.float64) for g in grads]).norm()
+        if args.mixed_precision == "fp16" and not torch.isfinite(norm):
+            scale, clean = scale / 2, 0
+            continue
+        clip_grads_(grads, norm, args.clip)
+        for p, g in zip(master.parameters(), grads):
+            p.grad = g
+        opt.step()
+        with torch.no_grad():
+            for q, p in zip(low.parameters(), master.parameters()):
+                q.copy_(p)
+        clean += 1
+        if args.mixed_precision == "fp16" and clean == args.scale_window:
+            scale, clean = scale * 2, 0
+    return dict(losses=losses, params={n: p.detach().clone() for n, p in master.named_parameters()})
+
+
+def mixed_tolerance(args):
+    """--check's tolerance for a --mixed-precision run against reference_mixed: the two differ only in the
+    order in which the fp32 sums of the micro-batch gradients are taken, a few units of fp32 rounding; the
+    rare master weight that then rounds to a neighbouring bf16/fp16 value changes later steps by at most
+    the compute precision's unit roundoff. Bound: steps x lr x u (u = 2^-8 for bf16, 2^-11 for fp16)."""
+    u = torch.finfo(LOW[args.mixed_precision]).eps / 2  # unit roundoff: half the spacing at 1
+    return args.steps * args.lr * u
+
+
+# ----------------------------------------------------------------------------- --- measurement ---
+class Meter:
+    """What zero.py measures, apart from the technique: the bytes of every tensor this rank hands to a
+    collective, the stage-3 gathered buffers alive (by their storages: a view or a handle elsewhere keeps
+    the bytes alive too) and their peak, and the activation bytes autograd saves per micro-batch."""
+
+    def __init__(self):
+        self.sent, self.alive, self.peak_gathered = 0, [], 0
+        self.new_forward()
+
+    def handed(self, t):  # one tensor handed to a collective (an all-gather's input, a reduce-scatter's input)
+        self.sent += t.numel() * t.element_size()
+
+    def gathered(self, buf):  # a new gathered buffer: gathered memory only grows here, so the peak is seen here
+        self.alive.append((StorageWeakRef(buf.untyped_storage()), buf.untyped_storage().nbytes()))
+        self.peak_gathered = max(self.peak_gathered, self.live_gathered())
+
+    def live_gathered(self):  # bytes of the gathered storages still alive (not yet freed by anyone)
+        self.alive = [(w, n) for w, n in self.alive if not w.expired()]
+        return sum(n for _, n in self.alive)
+
+    def new_forward(self):
+        self.saved_bytes, self._seen = 0, set()
+
+    def count_saved(self, t):  # an activation kept for backward; a storage saved twice counts once
+        if torch.is_tensor(t) and t.untyped_storage().data_ptr() not in self._seen:
+            self._seen.add(t.untyped_storage().data_ptr())
+            self.saved_bytes += t.untyped_storage().nbytes()
+
+
+def memory(zero):
+    """Model-state bytes of this rank, counted from the tensors themselves."""
+    params = tensor_bytes([u.full if zero.stage < 3 else u.shard for u in zero.units])
+    moments = [v for u in zero.units for v in zero.opt.state.get(u.master, {}).values()
+               if torch.is_tensor(v) and v.dim() > 0]
+    optim = tensor_bytes(moments + ([u.master for u in zero.units] if zero.separate_master else []))
+    host_grads = tensor_bytes([u.master.grad for u in zero.units]) if zero.offload else 0
+    return dict(params=params, grads=tensor_bytes([u.grad for u in zero.units]), optim=optim,
+                host_grad_copy=host_grads)
+
+
+def theory(zero, padded=False):
+    """ZeRO's formulas with the bytes of the dtypes actually run: p (compute copy), g (gradient accumulator,
+    master dtype), K = 2 Adam moments (+ the master copy when separate)."""
+    psi = sum(u.padded if padded else u.numel for u in zero.units)
+    p, m = torch.finfo(zero.compute_dtype).bits // 8, torch.finfo(zero.master_dtype).bits // 8
+    N, s = zero.world, zero.stage
+    K = 2 * m + (m if zero.separate_master else 0)
+    return dict(params=p * psi / (N if s == 3 else 1), grads=m * psi / (N if s >= 2 else 1),
+                optim=K * psi / (N if s >= 1 else 1), psi=psi, p=p, g=m, K=K)
+
+
 def report(d, args, zero, saved, without, sent):
     """Rank 0's closing table: each figure counted in this run beside its ZeRO theory value."""
-    mem, th, thp = zero.memory(), zero.theory(), zero.theory(padded=True)
+    mem, th, thp = memory(zero), theory(zero), theory(zero, padded=True)
     N, s, psi, p, g, K = d.world, args.stage, th["psi"], th["p"], th["g"], th["K"]
     formula = {0: "(p+g+K) Psi", 1: "(p+g) Psi + K Psi/N", 2: "p Psi + (g+K) Psi/N", 3: "(p+g+K) Psi/N"}[s]
     paper = {0: 16, 1: 4 + 12 / N, 2: 2 + 14 / N, 3: 16 / N}[s] * psi  # fp16 Adam: p = g = 2, K = 12
-    f = psi * (N - 1) / N  # elements a rank sends in one ring all-gather or reduce-scatter of Psi elements
-    comm, comm_formula = {0: (2 * f * g, "2 Psi (N-1)/N x g: all-reduce"),
-                          1: (f * (g + p), "Psi (N-1)/N x (g + p): reduce-scatter + all-gather"),
-                          2: (f * (args.accum * g + p), "Psi (N-1)/N x (accum g + p): reduce-scatter per "
+    # bytes handed to collectives per step: an all-reduce or reduce-scatter takes the whole vector, an
+    # all-gather this rank's 1/N of it; a ring then puts (N-1)/N of the first (twice for an all-reduce)
+    # and N-1 times the second on this rank's link
+    comm, comm_formula = {0: (g * psi, "g Psi: all-reduce"),
+                          1: (psi * (g + p / N), "Psi (g + p/N): reduce-scatter + all-gather"),
+                          2: (psi * (args.accum * g + p / N), "Psi (accum g + p/N): reduce-scatter per "
                               "micro-batch + all-gather"),
-                          3: (args.accum * f * (2 * p + g), "accum Psi (N-1)/N x (2p + g): 2 all-gathers + "
+                          3: (args.accum * psi * (2 * p / N + g), "accum Psi (2p/N + g): 2 all-gathers + "
                               "reduce-scatter per micro-batch")}[s]
-    gathered = p * (zero.root.padded + max((u.padded for u in zero.units[:-1]), default=0))
+    blocks = sorted((u.padded for u in zero.units[:-1]), reverse=True)[:2]
+    gathered = p * (zero.root.padded + sum(blocks))
     d.log(f"\nmemory per rank, counted from the tensors | ZeRO theory, Psi={psi}, N={N}, p={p} g={g} K={K} bytes")
+    host = ""
+    if args.offload:
+        host = " on host" + (" (= the device here: trivially true on CPU)" if zero.device.type == "cpu" else "")
     for k, label in (("params", "parameters (compute copy)"), ("grads", "gradients (accumulator)"),
-                     ("optim", "optimizer (master, m, v)" + (" on host" if args.offload else ""))):
+                     ("optim", "optimizer (master, m, v)" + host)):
         d.log(f"  {label:32s} {mem[k]:>10,d} B | theory {th[k]:>12,.0f} B")
     d.log(f"  {'model states':32s} {mem['params'] + mem['grads'] + mem['optim']:>10,d} B | theory "
           f"{th['params'] + th['grads'] + th['optim']:>12,.0f} B = {formula}  (paper, fp16 Adam: {paper:,.0f} B)")
     if s == 3:
-        d.log(f"  {'peak gathered parameters':32s} {zero.peak_gathered:>10,d} B | theory {gathered:>12,.0f} B"
-              " = p (root + largest unit)")
+        d.log(f"  {'peak gathered parameters':32s} {zero.meter.peak_gathered:>10,d} B | bound {gathered:>12,.0f} B"
+              " = p (root + 2 largest units: the one running, the one prefetched)")
     d.log(f"  {'saved activations/micro-batch':32s} {saved:>10,d} B" +
           (f" | without --recompute {without:,d} B" if without is not None else ""))
-    d.log(f"bytes sent per rank per step: counted {sent:,.0f} B | theory {comm:,.0f} B = {comm_formula} "
-          "(counted: padded vectors + the 8-byte norm all-reduce)")
-    memory = {k: dict(counted=mem[k], theory=th[k], theory_padded=thp[k]) for k in ("params", "grads", "optim")}
-    return dict(memory=memory,
+    d.log(f"bytes handed to collectives per rank per step: counted {sent:,.0f} B | theory {comm:,.0f} B = "
+          f"{comm_formula} (counted: padded vectors + the 8-byte norm all-reduce)")
+    memory_ = {k: dict(counted=mem[k], theory=th[k], theory_padded=thp[k]) for k in ("params", "grads", "optim")}
+    return dict(memory=memory_,
                 host_grad_copy_bytes=mem["host_grad_copy"], psi=psi, psi_padded=thp["psi"],
-                bytes_per_elem=dict(p=p, g=g, K=K), model_state_formula=formula, gathered_peak_bytes=zero.peak_gathered,
-                gathered_theory_bytes=gathered, saved_activation_bytes=saved,
-                saved_activation_bytes_without_recompute=without, comm_theory_bytes=comm, comm_formula=comm_formula)
+                bytes_per_elem=dict(p=p, g=g, K=K), model_state_formula=formula,
+                gathered_peak_bytes=zero.meter.peak_gathered, gathered_bound_bytes=gathered,
+                saved_activation_bytes=saved, saved_activation_bytes_without_recompute=without,
+                comm_theory_bytes=comm, comm_formula=comm_formula)
 
 
-def main():
-    # --- setup (same in every file) ---
-    args = parse_args(Args)
-    world = env_world_size()
+# ----------------------------------------------------------------------------- main
+def check_args(args, world):
     check_common_args(args)
     if args.stage not in (0, 1, 2, 3):
         fail(f"--stage must be 0, 1, 2 or 3 (ZeRO stages; 3 is FSDP), got {args.stage}")
@@ -501,34 +640,40 @@ def main():
         fail("--inject-overflow tests fp16 loss scaling: add --mixed-precision fp16")
     if args.scale_window < 1:
         fail(f"--scale-window must be >= 1, got {args.scale_window}")
-    d = init_dist(args.timeout)
+
+
+def train(d, args):
+    """The run: train, report, check. Returns the summary (tests/zero_checks.py calls this in-process)."""
     data = MarkovData(args.vocab, args.seed)
     d.log(f"ZeRO stage {args.stage} on {d.world} ranks ({d.backend}); entropy floor {data.entropy:.4f} nats/token")
 
-    # --- the technique: the whole GPT from one seed, flattened and sharded, one unit per block ---
-    model = build_gpt(GPTConfig.from_args(args), args.seed, DTYPES[args.dtype], d.device)
-    zero = Zero(model, args, units=[f"blocks.{i}" for i in range(args.n_layers)])
+    # --- the technique: the whole GPT from one seed on the CPU, flattened and sharded, one unit per block ---
+    model = build_gpt(GPTConfig.from_args(args), args.seed, DTYPES[args.dtype])
+    zero = Zero(model, args, units=[f"blocks.{i}" for i in range(args.n_layers)], device=d.device)
+    torch.manual_seed(args.seed + d.rank)  # dropout masks (if any) differ per rank; a resume restores the stream
     start, history = zero.load(args.ckpt_dir)
     if start:
-        d.log(f"resumed from {args.ckpt_dir} at step {start} (saved at world size {history['world']})")
+        d.log(f"resumed from {args.ckpt_dir} at step {start} (saved at world size {history['world']}"
+              f"{'' if history['world'] == d.world else '; RNG streams start afresh'})")
     losses, skipped, scales, sent, saved, without = history.get("losses", []), [], [], [], 0, None
     if args.recompute:  # one extra forward without recomputation, only to count what it would have saved
         zero.recompute = False
         x, _ = data.batch(start, args.batch_size, args.seq_len, args.ragged)
-        zero(x[:args.batch_size // (d.world * args.accum)].to(d.device))  # one micro-batch
-        without, zero.recompute = zero.saved_bytes, True
+        with torch.random.fork_rng(devices=[d.device] if d.device.type == "cuda" else []):  # dropout: no RNG used
+            zero(x[:args.batch_size // (d.world * args.accum)].to(d.device))  # one micro-batch
+        without, zero.recompute = zero.meter.saved_bytes, True
     timer = StepTimer(d.device)
     for step in range(start, args.steps):
         maybe_fail(d, args, step)
         timer.start()
         x, y = data.batch(step, args.batch_size, args.seq_len, args.ragged)  # (B, T) global, on CPU
         n_tok = count_tokens(y)  # tokens of the whole global batch: the loss divisor everywhere
-        before = zero.sent
+        before = zero.meter.sent
         loss, info = train_step(zero, x, y, n_tok, args.accum, lm_loss,
                                 inject_inf=step == args.inject_overflow and d.rank == d.world - 1)
         ms = timer.stop()
-        sent.append(zero.sent - before)
-        saved = max(saved, zero.saved_bytes)
+        sent.append(zero.meter.sent - before)
+        saved = max(saved, zero.meter.saved_bytes)
         losses.append(loss)
         scales.append(info["scale"])
         if info["skipped"]:
@@ -538,21 +683,37 @@ def main():
         if args.ckpt_dir and (step + 1 == args.steps or args.save_every and (step + 1) % args.save_every == 0):
             zero.save(args.ckpt_dir, step + 1, dict(losses=losses, world=d.world))
 
-    # --- summary ---
-    tol = None if args.mixed_precision == "none" else tolerance("bfloat16")
-    check = check_against_reference(d, args, losses, zero.full_state_dict(), tol=tol) if args.check else None
+    # --- summary: the technique's own peak first, then --check trains the reference ---
     figures = report(d, args, zero, saved, without, sent[-1] if sent else 0.0)
-    per_rank = [None] * d.world  # what each rank decided on its own: the skipped steps, AdamW's step count
-    adam_step = float(zero.opt.state.get(zero.units[0].master, {}).get("step", 0))
-    dist.all_gather_object(per_rank, dict(skipped=skipped, adam_step=adam_step))
-    figures.update(loss_scale=scales, per_rank=per_rank, resumed_from_step=start)
     mem = figures["memory"]
     counted = sum(mem[k]["counted"] for k in ("params", "grads") + (() if args.offload else ("optim",)))
+    peak = peak_memory_bytes(d, counted + zero.meter.peak_gathered + saved)
+    # what each rank decided on its own: the steps it skipped, AdamW's step count (as tensors, no objects)
+    adam_step = float(zero.opt.state.get(zero.units[0].master, {}).get("step", 0))
+    every_skipped = gather_rows(d, torch.tensor(skipped, dtype=torch.float64).view(-1, 1))
+    every_adam = gather_rows(d, [[adam_step]])
+    per_rank = [dict(skipped=[int(s) for s in sk[:, 0].tolist()], adam_step=a[0, 0].item())
+                for sk, a in zip(every_skipped, every_adam)]
+    figures.update(loss_scale=scales, per_rank=per_rank, resumed_from_step=start)
+    check = None
+    if args.check:
+        full = zero.full_state_dict()
+        if args.mixed_precision == "none":
+            check = check_against_reference(d, args, losses, full)
+        else:
+            ref = reference_mixed(args, d.world, d.device) if d.rank == 0 else None
+            check = check_against_reference(d, args, losses, full, ref=ref, tol=mixed_tolerance(args))
     ms = timer.median()
-    write_summary(d, args, "zero", losses, ms, args.batch_size * args.seq_len / max(ms, 1e-9) * 1e3,
-                  peak_memory_bytes(d, counted + zero.peak_gathered + saved), sent[-1] if sent else 0.0, check,
-                  figures)
-    close_dist(ok=check is None or check["passed"])
+    return write_summary(d, args, "zero", losses, ms, args.batch_size * args.seq_len / max(ms, 1e-9) * 1e3,
+                         peak, sent[-1] if sent else 0.0, check, figures)
+
+
+def main():
+    args = parse_args(Args)
+    check_args(args, env_world_size())
+    d = init_dist(args.timeout)
+    summary = train(d, args)
+    close_dist(ok=summary["check"] is None or summary["check"]["passed"])
 
 
 if __name__ == "__main__":

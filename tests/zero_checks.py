@@ -6,12 +6,21 @@
    parameter; flat units of 40, 15 and 35 elements, so world 3 pads two of them) against one-process
    training, torch's ZeroRedundancyOptimizer (stage 1) and fully_shard (FSDP2, stage 3), in float64.
 2. The GPT at stages 0-3 (gradient accumulation, clipping) against common.reference_train and each other;
-   counted memory per stage against the ZeRO formulas; counted bytes per step against the ring volumes;
-   stage 3 frees each unit after use (peak gathered = root + one block); recomputation saves less.
+   counted memory per stage against the ZeRO formulas; bytes handed to collectives per step against a
+   closed form from the model's own parameter counts; stage 3 frees each gathered storage after use and
+   its peak stays within root + 2 blocks; its all-gathers are prefetched (forward and backward) and its
+   reduce-scatters still in flight while the next block computes; recomputation saves less; offload keeps
+   master and moments on the CPU in storages of their own.
+3. --mixed-precision bf16 --check (zero.train, in-process) passes, and FAILS when any one unit's gradient
+   is not reduced across ranks.
+Each check is also run against code broken on purpose (a gathered unit kept alive, prefetch off, offload
+aliasing the compute copy, a dropped reduction), and must catch it.
+Every tensor and model lives on the process group's device (gloo + CPU here, NCCL + GPU elsewhere).
 Prints ALL CHECKS PASSED and exits 0, or names each failed check and exits 1.
 """
-import os, sys
+import os, sys, time
 from dataclasses import replace
+from unittest import mock
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -39,7 +48,7 @@ def check(d, name, ok, detail=""):
 
 def max_diff(a, b):
     assert set(a) == set(b), sorted(set(a) ^ set(b))
-    return max((a[n] - b[n]).abs().max().item() for n in a)
+    return max((a[n].cpu() - b[n].cpu()).abs().max().item() for n in a)
 
 
 # ----------------------------------------------------------------------------- 1. awkward shapes
@@ -55,14 +64,15 @@ class Awkward(nn.Module):
         return self.c(torch.tanh(self.b(torch.tanh(self.a(x))))) * self.gain
 
 
-def awkward():
+def awkward(device="cpu"):
     torch.manual_seed(1)
-    return Awkward().double()
+    return Awkward().double().to(device)
 
 
-def batch(step):  # the global batch of a step, (12, 7) inputs and targets
+def batch(d, step):  # the global batch of a step, (12, 7) inputs and targets, on the device
     g = torch.Generator().manual_seed(100 + step)
-    return torch.randn(12, 7, generator=g, dtype=torch.float64), torch.randn(12, 7, generator=g, dtype=torch.float64)
+    x, y = (torch.randn(12, 7, generator=g, dtype=torch.float64) for _ in range(2))
+    return x.to(d.device), y.to(d.device)
 
 
 def mse(out, y, n):  # sum over this piece / elements of the whole global batch, like common.lm_loss
@@ -75,23 +85,23 @@ def local_pieces(d, x, y, accum):  # this rank's rows, in accum micro-batches
 
 
 def check_awkward(d, args, steps=3):
-    init = dict(awkward().named_parameters())
-    plain = awkward()  # one process, the whole global batch
+    init = {n: p.detach().cpu() for n, p in awkward().named_parameters()}
+    plain = awkward(d.device)  # one process, the whole global batch
     opt = make_optimizer(plain.parameters(), args)
     norms = []
     for s in range(steps):
-        x, y = batch(s)
+        x, y = batch(d, s)
         opt.zero_grad()
         mse(plain(x), y, y.numel()).backward()
         norms.append(float(torch.nn.utils.clip_grad_norm_(plain.parameters(), args.clip)))
         opt.step()
-    want = {n: p.detach() for n, p in plain.named_parameters()}
+    want = {n: p.detach().cpu() for n, p in plain.named_parameters()}
 
-    z1 = awkward()  # torch's ZeRO-1: gradients summed by hand (our loss is already divided globally)
+    z1 = awkward(d.device)  # torch's ZeRO-1: gradients summed by hand (our loss is already divided globally)
     opt = ZeroRedundancyOptimizer(z1.parameters(), optimizer_class=torch.optim.AdamW, lr=args.lr,
                                   betas=(0.9, 0.95), weight_decay=args.weight_decay, foreach=False)
     for s in range(steps):
-        x, y = batch(s)
+        x, y = batch(d, s)
         opt.zero_grad()
         for xm, ym in local_pieces(d, x, y, args.accum):
             mse(z1(xm), ym, y.numel()).backward()
@@ -99,20 +109,20 @@ def check_awkward(d, args, steps=3):
             dist.all_reduce(p.grad)
         torch.nn.utils.clip_grad_norm_(z1.parameters(), args.clip)
         opt.step()
-    torch_zero1 = {n: p.detach() for n, p in z1.named_parameters()}
+    torch_zero1 = {n: p.detach().cpu() for n, p in z1.named_parameters()}
 
-    f = awkward()  # torch's FSDP2, the same units; it averages gradients over ranks, so the loss is x N
+    f = awkward(d.device)  # torch's FSDP2, the same units; it averages gradients over ranks, so the loss is x N
     for unit in (f.a, f.b, f):
         fully_shard(unit)
     opt = make_optimizer(f.parameters(), args)
     for s in range(steps):
-        x, y = batch(s)
+        x, y = batch(d, s)
         opt.zero_grad()
         for xm, ym in local_pieces(d, x, y, args.accum):
             (mse(f(xm), ym, y.numel()) * d.world).backward()
         torch.nn.utils.clip_grad_norm_(f.parameters(), args.clip)
         opt.step()
-    torch_fsdp = {n: p.full_tensor().detach() for n, p in f.named_parameters()}
+    torch_fsdp = {n: p.full_tensor().detach().cpu() for n, p in f.named_parameters()}
     check(d, "awkward: torch ZeRO-1 == one process", max_diff(torch_zero1, want) < 1e-12)
     check(d, "awkward: torch FSDP2 == one process", max_diff(torch_fsdp, want) < 1e-12)
     check(d, "awkward: training moved the parameters (parity is not vacuous)", max_diff(want, init) > 1e-3)
@@ -120,9 +130,9 @@ def check_awkward(d, args, steps=3):
 
     def run(stage, **kw):
         a = replace(args, stage=stage, **kw)
-        zero = Z.Zero(awkward(), a, units=["a", "b"])
+        zero = Z.Zero(awkward(), a, units=["a", "b"], device=d.device)  # built on the CPU, sharded to the device
         for s in range(steps):
-            x, y = batch(s)
+            x, y = batch(d, s)
             Z.train_step(zero, x, y, y.numel(), a.accum, mse)
         return zero.full_state_dict()
 
@@ -144,6 +154,92 @@ def check_awkward(d, args, steps=3):
 
 
 # ----------------------------------------------------------------------------- 2. the GPT, stages 0-3
+def gpt_zero(d, a):
+    model = build_gpt(GPTConfig.from_args(a), a.seed, torch.float64)  # on the CPU; Zero moves the shards
+    return Z.Zero(model, a, units=[f"blocks.{i}" for i in range(a.n_layers)], device=d.device)
+
+
+def live_after(zero, wait_s=2.0):
+    """Gathered bytes still alive; a storage a collective's worker thread holds a moment longer is waited
+    for (briefly), one that our code keeps alive never goes."""
+    deadline = time.time() + wait_s
+    while zero.meter.live_gathered() and time.time() < deadline:
+        time.sleep(0.01)
+    return zero.meter.live_gathered()
+
+
+def stage3_memory_problems(d, a, data):
+    """Stage 3, one step: what is wrong with the gathered memory (empty: nothing). The storages holding
+    gathered bytes must all be freed after a forward and after a backward, and their peak must stay within
+    the root plus the two largest blocks (the one running, the one prefetched)."""
+    zero = gpt_zero(d, a)
+    x, y = data.batch(0, a.batch_size, a.seq_len)
+    rows = a.batch_size // d.world
+    x, y = x[d.rank * rows:(d.rank + 1) * rows].to(d.device), y[d.rank * rows:(d.rank + 1) * rows].to(d.device)
+    problems = []
+    loss = lm_loss(zero(x), y, count_tokens(y))
+    if live_after(zero):
+        problems.append(f"{zero.meter.live_gathered()} B gathered still alive after forward")
+    zero.backward(loss)
+    del loss
+    if live_after(zero):
+        problems.append(f"{zero.meter.live_gathered()} B gathered still alive after backward")
+    blocks = sorted((u.padded * 8 for u in zero.units[:-1]), reverse=True)
+    bound = zero.root.padded * 8 + sum(blocks[:2])
+    if zero.meter.peak_gathered > bound:
+        problems.append(f"peak gathered {zero.meter.peak_gathered} B > bound {bound} B")
+    return problems, zero.meter.peak_gathered, bound
+
+
+def keep_alive(stash):
+    """A broken stage 3 that keeps one parameter *view* of every gathered unit (as a careless cache would):
+    the view holds the gathered storage, so its bytes never come back."""
+    acquire = Z.Zero.acquire
+
+    def acquire_and_keep(self, u):
+        buf = acquire(self, u)
+        stash.append(u.views(buf)[u.local[0]])
+        return buf
+    return mock.patch.object(Z.Zero, "acquire", acquire_and_keep)
+
+
+def overlap_events(d, a, data):
+    """Stage 3, one micro-batch, recording what is in flight when each block starts computing: the
+    all-gathers launched and not yet waited for, and the reduce-scatter not yet waited for.
+    Returns (forward, backward), each {block index: (set of block indices gathering, block reducing)}."""
+    zero = gpt_zero(d, a)
+    index = {u: i for i, u in enumerate(zero.units[:-1])}
+    fwd, bwd = {}, {}
+
+    def record(events, i):  # (returns None: a pre-hook's return value would replace the inputs)
+        events.setdefault(i, ({index.get(v) for v in zero.prefetched}, zero.pending and index.get(zero.pending[0])))
+    for u, i in index.items():
+        u.module.register_forward_pre_hook(lambda m, args, i=i: record(fwd, i))
+        u.module.register_full_backward_pre_hook(lambda m, g, i=i: record(bwd, i))
+    x, y = data.batch(0, a.batch_size, a.seq_len)
+    x, y = x[:2].to(d.device), y[:2].to(d.device)
+    zero.backward(lm_loss(zero(x), y, count_tokens(y)))
+    return fwd, bwd
+
+
+def no_prefetch():
+    """A broken stage 3 without prefetch: each all-gather starts only when its unit is needed."""
+    def acquire_now(self, u):
+        work, buf = self._launch_gather(u)
+        work.wait()
+        return buf
+    return mock.patch.object(Z.Zero, "acquire", acquire_now)
+
+
+def overlap_ok(fwd, bwd, L):
+    """Forward: while block i computes, block i+1's all-gather is in flight. Backward: block i's all-gather
+    was launched before its backward began (during block i+1's), and block i+1's reduce-scatter is still
+    in flight while block i computes (it is waited for only when block i's is launched)."""
+    f = all(fwd[i][0] == ({i + 1} if i + 1 < L else set()) for i in range(L))
+    b = all(bwd[i][0] == {i} and bwd[i][1] == (i + 1 if i + 1 < L else None) for i in range(L))
+    return f, b
+
+
 def check_gpt(d, args):
     ref = reference_train(args)
     data = MarkovData(args.vocab, args.seed)
@@ -151,19 +247,14 @@ def check_gpt(d, args):
     for stage in (0, 1, 2, 3, "3+offload+recompute"):
         a = replace(args, stage=3, offload=True, recompute=True) if stage == "3+offload+recompute" else \
             replace(args, stage=stage)
-        model = build_gpt(GPTConfig.from_args(a), a.seed, torch.float64, d.device)
-        zero = Z.Zero(model, a, units=[f"blocks.{i}" for i in range(a.n_layers)])
+        zero = gpt_zero(d, a)
         losses, sent = [], []
         for s in range(a.steps):
             x, y = data.batch(s, a.batch_size, a.seq_len)
-            before = zero.sent
+            before = zero.meter.sent
             losses.append(Z.train_step(zero, x, y, count_tokens(y), a.accum, lm_loss)[0])
-            sent.append(zero.sent - before)
-        saved = zero.saved_bytes
-        if a.stage == 3:  # one more forward, no backward: every gathered unit must be freed after it
-            zero(x[:2])
-            check(d, f"stage {stage}: no gathered parameters live after a forward", zero.live_gathered == 0,
-                  f"({zero.live_gathered} B live)")
+            sent.append(zero.meter.sent - before)
+        saved = zero.meter.saved_bytes
         full = zero.full_state_dict()
         pdiff = max_diff(full, ref["params"])
         ldiff = max(abs(p - q) / abs(q) for p, q in zip(losses, ref["losses"]))
@@ -178,38 +269,109 @@ def check_gpt(d, args):
     totals = []
     for stage in (0, 1, 2, 3):  # memory, counted from the tensors, against the ZeRO formulas
         zero = results[stage][0]
-        mem, th, thp = zero.memory(), zero.theory(), zero.theory(padded=True)
+        mem, th, thp = Z.memory(zero), Z.theory(zero), Z.theory(zero, padded=True)
         ok = all(th[k] <= mem[k] == thp[k] for k in ("params", "grads", "optim"))
         check(d, f"stage {stage}: counted memory == ZeRO formula (padded), >= formula (unpadded)", ok,
               f"({ {k: (mem[k], round(th[k])) for k in ('params', 'grads', 'optim')} })")
         totals.append(mem["params"] + mem["grads"] + mem["optim"])
     check(d, "model-state bytes fall stage by stage", totals[0] > totals[1] > totals[2] > totals[3], f"{totals}")
     N = d.world
-    psi = results[0][0].theory()["psi"]
-    check(d, "stage 3 holds about 1/N of stage 0", abs(totals[3] * N / totals[0] - 1) < 0.01, f"(Psi = {psi})")
+    check(d, "stage 3 holds about 1/N of stage 0", abs(totals[3] * N / totals[0] - 1) < 0.01, f"{totals}")
 
-    for stage in (0, 1, 2, 3):  # bytes per step: ring volumes of the padded vectors + the 8-byte norm
-        zero, _, sent, _ = results[stage]
-        f = zero.theory(padded=True)["psi"] * (N - 1) / N * 8  # float64: 8 bytes per element
-        want = {0: 2 * f, 1: 2 * f, 2: (args.accum + 1) * f, 3: 3 * args.accum * f}[stage] + 2 * (N - 1) / N * 8
-        check(d, f"stage {stage}: counted bytes per step == ring formula", abs(sent - want) < 1e-6, f"({sent:.0f} B)")
+    # bytes handed to collectives per step, against a closed form from a fresh model's own parameter counts:
+    # every unit is padded to a multiple of N; an all-reduce / reduce-scatter takes the whole padded vector,
+    # an all-gather this rank's 1/N; plus the 8-byte norm all-reduce
+    model = build_gpt(GPTConfig.from_args(args), args.seed, torch.float64)
+    sizes = [sum(p.numel() for p in b.parameters()) for b in model.blocks]
+    sizes.append(sum(p.numel() for p in model.parameters()) - sum(sizes))
+    whole = sum(-(-n // N) * N for n in sizes) * 8  # float64
+    want = {0: whole, 1: whole + whole / N, 2: args.accum * whole + whole / N, 3: args.accum * (2 * whole / N + whole)}
+    for stage in (0, 1, 2, 3):
+        sent = results[stage][2]
+        check(d, f"stage {stage}: bytes handed to collectives per step == closed form", sent == want[stage] + 8,
+              f"({sent:.0f} B, want {want[stage] + 8:.0f} B)")
 
-    zero3 = results[3][0]
-    unit_bytes = [u.padded * 8 for u in zero3.units]
-    want = unit_bytes[-1] + max(unit_bytes[:-1])  # the root stays gathered while one block is in use
-    check(d, "stage 3: peak gathered == root + largest block", zero3.peak_gathered == want,
-          f"({zero3.peak_gathered} B, all units {sum(unit_bytes)} B)")
+    # stage 3: gathered storages freed and within the bound; a unit kept alive by a view must be caught
+    a3 = replace(args, stage=3)
+    problems, peak, bound = stage3_memory_problems(d, a3, data)
+    check(d, "stage 3: gathered storages all freed, peak within root + 2 blocks", not problems,
+          f"(peak {peak} B, bound {bound} B) {problems}")
+    check(d, "stage 3: the peak reaches the bound (a unit is prefetched while one runs)", peak == bound,
+          f"({peak} vs {bound} B)")
+    stash = []
+    with keep_alive(stash):
+        problems, peak, bound = stage3_memory_problems(d, a3, data)
+    stash.clear()
+    check(d, "stage 3 mutant (a view of each gathered unit kept alive) is caught",
+          any("after forward" in p for p in problems) and any("peak" in p for p in problems), f"{problems}")
+
+    # stage 3 overlap, observed: what is in flight when each block starts its forward and its backward
+    L = args.n_layers
+    fwd, bwd = overlap_events(d, a3, data)
+    f, b = overlap_ok(fwd, bwd, L)
+    check(d, "stage 3 forward: the next block's all-gather is in flight while a block computes", f, f"{fwd}")
+    check(d, "stage 3 backward: all-gather prefetched, the later block's reduce-scatter in flight", b, f"{bwd}")
+    with no_prefetch():
+        fwd, bwd = overlap_events(d, a3, data)
+    f, b = overlap_ok(fwd, bwd, L)
+    check(d, "stage 3 mutant (no prefetch) is caught, forward and backward", not f and not b, f"{fwd} {bwd}")
+
     rec = results["3+offload+recompute"]
     check(d, "recompute saves fewer activation bytes", rec[3] < results[3][3] / 2, f"({rec[3]} vs {results[3][3]} B)")
-    check(d, "offload: optimizer state on the CPU", all(u.master.device.type == "cpu" for u in rec[0].units))
+    problems = offload_problems(rec[0], d.device)
+    check(d, "offload: master and Adam moments on the CPU, compute copy on the device, distinct storages",
+          not problems, f"{problems}" + (" (CPU only here: on/off device is trivially true)" if d.device.type == "cpu" else ""))
+    problems = offload_problems(results[3][0], d.device)  # negative: without offload the master IS the compute copy
+    check(d, "offload check catches a master that shares the compute copy's storage (no offload)",
+          any("shares" in p for p in problems), f"{problems}")
+
+
+def offload_problems(zero, device):
+    """What is wrong with --offload's placement (empty: nothing): the master shard and both Adam moments live
+    in CPU memory, the compute copy on the model's device, and none of them shares the compute copy's
+    storage (on a CPU-only machine the placement is trivially right; the storages are still checked)."""
+    problems = []
+    for i, u in enumerate(zero.units):
+        st = zero.opt.state[u.master]
+        host = {"master": u.master, "exp_avg": st["exp_avg"], "exp_avg_sq": st["exp_avg_sq"]}
+        problems += [f"unit {i}: {k} on {t.device}" for k, t in host.items() if t.device.type != "cpu"]
+        if u.compute.device != torch.device(device):
+            problems.append(f"unit {i}: compute copy on {u.compute.device}")
+        ptr = u.compute.untyped_storage().data_ptr()
+        problems += [f"unit {i}: {k} shares the compute copy's storage" for k, t in host.items()
+                     if t.untyped_storage().data_ptr() == ptr]
+    return problems
+
+
+# ----------------------------------------------------------------------------- 3. --mixed-precision --check
+def check_mixed(d, args):
+    """zero.train with bf16 compute at stage 2 (accumulation, clipping) against reference_mixed: passes
+    as written, fails when any one unit's micro-batch gradient is kept local instead of reduce-scattered."""
+    a = replace(args, dtype="float32", mixed_precision="bf16", stage=2, check=True, steps=4)
+    ok = Z.train(d, a)["check"]
+    check(d, "bf16 stage 2 --check passes", ok["passed"], f"({ok})")
+    n_units = a.n_layers + 1
+    for target in range(n_units):
+        rs = Z.Zero.reduce_scatter_grad
+
+        def dropped(self, u, g, target=target):  # this unit's gradient is never summed over the ranks
+            if u is self.units[target]:
+                u.grad += g.to(u.grad.dtype)[u.lo:u.lo + u.S]
+            else:
+                rs(self, u, g)
+        with mock.patch.object(Z.Zero, "reduce_scatter_grad", dropped):
+            bad = Z.train(d, a)["check"]
+        check(d, f"bf16 --check FAILS with unit {target}'s reduce-scatter dropped", not bad["passed"],
+              f"(param diff {bad['max_param_diff']:.1e}, loss diff {bad['max_loss_diff']:.1e})")
 
 
 def main():
     d = init_dist(60)
-    base = Z.Args(vocab=32, seq_len=8, d_model=16, n_heads=2, n_layers=2, batch_size=12, steps=3,
+    base = Z.Args(vocab=32, seq_len=8, d_model=16, n_heads=2, n_layers=3, batch_size=12, steps=3,
                   dtype="float64", accum=2, clip=0.5, lr=1e-2)
     check_awkward(d, base)
     check_gpt(d, base)
+    check_mixed(d, base)
     bad = torch.tensor([float(len(FAILED))], device=d.device)
     dist.all_reduce(bad)
     d.log("ALL CHECKS PASSED" if bad.item() == 0 else f"FAILED: {FAILED}")
