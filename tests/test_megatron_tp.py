@@ -1,6 +1,7 @@
-"""megatron_tp.py: layer-level checks at t = 2 and 4 (one launch each), model-level parity with the
-one-process reference at t = 1, 2, 4 with and without sequence parallelism and with 2-way data
-parallelism, counted collectives against the closed-form count, dropout, and bad input."""
+"""megatron_tp.py: layer-level checks at t = 2 and 4 (one launch each, saved activations per block
+included), model-level parity with the one-process reference at t = 1, 2, 4 with and without sequence
+parallelism and with 2-way data parallelism, collectives counted at the call against the paper's count,
+dropout, a restart with dropout, two "nodes" against one launch, and bad input."""
 import json, socket, subprocess, sys
 
 import pytest
@@ -98,7 +99,7 @@ def test_restart_with_dropout_is_bit_identical(tmp_path):
     full, _ = torchrun(SCRIPT, 2, *args, "--ckpt-dir", tmp_path / "a", tmp_path=tmp_path, name="full")
     again, out = torchrun(SCRIPT, 2, *args, "--ckpt-dir", tmp_path / "b", "--fail-at-step", "3",
                           tmp_path=tmp_path, name="restarted", max_restarts=1)
-    assert "simulated failure at step 3" in out and "at step 2" in out, out[-3000:]
+    assert "simulated failure at step 3" in out and "rank0 at step 2" in out, out[-3000:]
     assert again["losses"] == full["losses"]
     for a, b in zip(final_params(tmp_path / "a", 2, 5), final_params(tmp_path / "b", 2, 5)):
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
@@ -121,7 +122,8 @@ def test_two_nodes_equal_one(tmp_path):
     assert_tp_run(one, 2, 2, False)
     port, out_json = free_port(), tmp_path / "two.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=2", "--rdzv-backend=c10d",
-           f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=tp-two-nodes", str(ROOT / SCRIPT), *args, "--json", out_json]
+           f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id=tp-two-nodes-{port}", str(ROOT / SCRIPT), *args,
+           "--json", out_json]
     nodes = [subprocess.Popen([*cmd[:3], f"--node-rank={i}", *cmd[3:]], env=ENV, cwd=ROOT, text=True,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for i in range(2)]
     try:
