@@ -26,7 +26,8 @@ import torch.nn.functional as F  # noqa: E402
 from einops import rearrange  # noqa: E402
 
 import megatron_tp as mt  # noqa: E402
-from common import IGNORE, MLP, Attention, Block, GPTConfig, SavedActivations, close_dist, init_dist  # noqa: E402
+from common import (IGNORE, MLP, Attention, Block, GPTConfig, SavedActivations, build_gpt, close_dist,  # noqa: E402
+                    init_dist)
 
 TOL = 1e-12
 failures, passed = [], []
@@ -205,6 +206,14 @@ def main():
             close(f"mlp vs DTensor grad {n}", p.grad, g.to_local() if hasattr(g, "to_local") else g)
     except Exception as e:  # only if torch's DTensor TP does not run on this backend
         d.log(f"DTensor reference skipped: {type(e).__name__}: {e}")
+
+    # --- ParallelGPT built from a CPU model, then moved: the shards keep their marks (on a GPU, a new
+    # Parameter from .to() would lose tp_dim, and clipping would then count a shard as replicated) ---
+    gpt = mt.ParallelGPT(build_gpt(cfg, 0, torch.float64), group, False, tracker)
+    marks = [(n, getattr(p, "tp_dim", None)) for n, p in gpt.named_parameters()]
+    gpt.to(dev)
+    equal("split marks after .to(device)", [(n, getattr(p, "tp_dim", None)) for n, p in gpt.named_parameters()], marks)
+    equal("every parameter on the device", {p.device for p in gpt.parameters()}, {torch.device(dev)})
 
     # --- VocabParallelEmbedding: unpadded and padded vocabularies ---
     for V in (12, 11, 9):
