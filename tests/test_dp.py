@@ -2,9 +2,19 @@
 parameter server equals its own delayed-update reference; bad input fails fast; a resumed run continues
 to exactly the losses of an uninterrupted one."""
 
-import pytest
+import copy, sys
 
-from helpers import TINY, assert_bad_input, assert_matches_reference, run_python, torchrun, torchrun_bad_input
+import pytest
+import torch
+import torch.nn.functional as F
+
+from helpers import ROOT, TINY, assert_bad_input, assert_matches_reference, run_python, torchrun, torchrun_bad_input
+
+sys.path.insert(0, str(ROOT))
+from common import GPT, GPTConfig, MarkovData, build_gpt  # noqa: E402  (the model and data, not dp.py)
+
+TINY_CFG = GPTConfig(vocab=32, seq_len=8, d_model=16, n_heads=2, n_layers=2)
+PARAM_BYTES = sum(p.numel() for p in GPT(TINY_CFG).parameters()) * 8  # float64
 
 
 def test_sync_world_1_with_ragged_accumulation():
@@ -18,7 +28,8 @@ def test_sync_world_1_with_ragged_accumulation():
 def test_sync_matches_reference(tmp_path, world, accum):
     s, _ = torchrun("dp.py", world, *TINY, "--accum", accum, "--ragged", "--check", tmp_path=tmp_path)
     assert_matches_reference(s)
-    assert s["figures"]["all_reduces_per_step"] == 2 + 2 * 13 + 3  # one per parameter tensor: the naive way
+    n_tensors = len(list(GPT(TINY_CFG).parameters()))
+    assert s["figures"]["all_reduces_per_step"] == n_tensors  # counted at the calls: one per tensor, the naive way
 
 
 def test_world_2_ragged_accumulation_resume_and_restart(tmp_path):
@@ -55,26 +66,67 @@ def test_per_microbatch_mean_is_caught(tmp_path):
 
 @pytest.mark.parametrize("world, D", [(2, 0), (3, 1), (4, 2)])
 def test_async_lockstep_equals_delayed_update_reference(tmp_path, world, D):
-    s, _ = torchrun("dp.py", world, *TINY, "--steps", "6", "--mode", "async", "--staleness", D, "--check",
+    """World 3 also restarts: a worker dies at step 5 of 8, and the server resumes from its step-4 checkpoint
+    (the model, AdamW, and the last D weight versions still in flight) to the uninterrupted run's losses
+    and final parameters, bit for bit."""
+    steps = ["--steps", "8" if world == 3 else "6"]
+    ck = ["--ckpt-dir", tmp_path / "full"] if world == 3 else []
+    s, _ = torchrun("dp.py", world, *TINY, *steps, "--mode", "async", "--staleness", D, "--check", *ck,
                     tmp_path=tmp_path)
     assert_matches_reference(s)
     f = s["figures"]
-    assert f["used_versions"] == [max(t - D, 0) for t in range(6)]  # exactly D stale after the start
+    n = len(s["losses"])
+    assert f["used_versions"] == [max(t - D, 0) for t in range(n)]  # exactly D stale after the start
     assert f["staleness_max"] == D
+    assert f["server_bytes_sent_per_update"] >= PARAM_BYTES  # measured at the sends: the weights, at least
+    if world == 3:
+        rs, out = torchrun("dp.py", 3, *TINY, *steps, "--mode", "async", "--staleness", D, "--ckpt-dir",
+                           tmp_path / "rs", "--save-every", "2", "--fail-at-step", "5", tmp_path=tmp_path,
+                           name="rs", max_restarts=1)
+        assert "simulated failure at step 5" in out and "at step 4" in out, out[-3000:]
+        assert rs["losses"] == s["losses"] and rs["figures"]["used_versions"] == f["used_versions"]
+        a, b = (torch.load(tmp_path / k / "rank0" / "step8.pt", weights_only=False)["model"] for k in ("full", "rs"))
+        assert all(torch.equal(a[k], b[k]) for k in a)
     if D > 0:  # stale gradients are not synchronous training: the one-process sync reference differs
         sync, _ = torchrun("dp.py", 1, *TINY, "--steps", "6", tmp_path=tmp_path, name="sync")
         assert sync["losses"][0] == pytest.approx(s["losses"][0], rel=1e-12)  # both start from W_0
         assert max(abs(a - b) for a, b in zip(sync["losses"], s["losses"])) > 1e-4
 
 
-def test_async_free_running_trains_within_staleness_bound(tmp_path):
-    s, _ = torchrun("dp.py", 4, *TINY, "--steps", "30", "--lr", "1e-2", "--mode", "async", "--max-staleness", "3",
+def replay_async(used, batch_ids, lr):
+    """The update rule, written here from torch alone: W_{t+1} = AdamW(W_t, clip(grad of batch b_t at W_{used_t}));
+    returns the loss of each gradient. Independent of dp.py's code and of its --check."""
+    data, model, stale = MarkovData(32, 0), build_gpt(TINY_CFG, 0, torch.float64), build_gpt(TINY_CFG, 0, torch.float64)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1, foreach=False)
+    versions, losses = [copy.deepcopy(model.state_dict())], []
+    for v, b in zip(used, batch_ids):
+        stale.load_state_dict(versions[v])
+        x, y = data.batch(b, 12, 8)
+        loss = F.cross_entropy(stale(x).flatten(0, 1), y.flatten())  # no padding: the mean over tokens
+        for p, g in zip(model.parameters(), torch.autograd.grad(loss, list(stale.parameters()))):
+            p.grad = g
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        versions.append(copy.deepcopy(model.state_dict()))
+        losses.append(loss.item())
+    return losses
+
+
+def test_async_free_running_holds_a_staleness_bound_below_workers(tmp_path):
+    """Three workers, the slowest 3x slower than the fastest, bound 1 < W - 1 = 2: three workers pulling the
+    same weights at once would already reach staleness 2, so the server must make workers wait (SSP)."""
+    s, _ = torchrun("dp.py", 4, *TINY, "--steps", "30", "--lr", "1e-2", "--mode", "async", "--max-staleness", "1",
                     "--delay-ms", "15", "--check", tmp_path=tmp_path)
     f = s["figures"]
-    assert 0 <= f["staleness_min"] <= f["staleness_mean"] <= f["staleness_max"] <= 3 == f["staleness_bound"]
-    assert f["staleness_max"] >= 1  # three workers: gradients do arrive stale
+    stale = [t - v for t, v in enumerate(f["used_versions"])]  # versions reported by the workers themselves
+    assert max(stale) <= 1 == f["staleness_bound"] and f["staleness_max"] == max(stale), stale
+    assert max(stale) == 1  # two in flight: gradients do arrive stale
     assert sorted(f["batch_ids"]) == list(range(30))  # every batch applied exactly once
-    assert_matches_reference(s)  # replaying the staleness it saw, in one process, gives the same run
+    assert_matches_reference(s)  # dp.py's own replay
+    replay = replay_async(f["used_versions"], f["batch_ids"], 1e-2)
+    assert max(abs(a - b) / b for a, b in zip(s["losses"], replay)) <= 1e-9  # each loss was computed on W_used
+    fresh = replay_async(list(range(30)), f["batch_ids"], 1e-2)  # negative: every gradient on the newest weights
+    assert max(abs(a - b) / b for a, b in zip(s["losses"], fresh)) > 1e-6
     first, last = sum(s["losses"][:5]) / 5, sum(s["losses"][-5:]) / 5
     assert last < first - 0.2, s["losses"]
 
@@ -86,3 +138,5 @@ def test_bad_input_exits_2_with_one_line():
         assert_bad_input(p, 1, words)
     p = torchrun_bad_input("dp.py", 2, "--batch-size", "7")
     assert_bad_input(p, 2, ["--batch-size 7", "divisible"])
+    p = torchrun_bad_input("dp.py", 2, "--mode", "async", "--ckpt-dir", "unused")  # free-running cannot resume exactly
+    assert_bad_input(p, 2, ["--ckpt-dir", "--staleness", "race"])
