@@ -18,7 +18,7 @@ micro-batches are alive on stage s, where GPipe keeps all m.
 1. flush (PipeDream-flush; Narayanan, Phanishayee, Shi, Chen, Zaharia, "Memory-Efficient Pipeline-Parallel
    DNN Training", ICML 2021; the 1F1B of Megatron-LM and DeepSpeed): the picture above once per step, then
    one optimizer step on the drained pipeline. Synchronous: exactly one-process training (--check).
-2. stash (PipeDream 2019): never drain. Micro-batches stream through one long 1F1B schedule, and every stage
+2. stash (PipeDream 2019): never drain (but see checkpoints below). Micro-batches stream through one long 1F1B schedule, and every stage
    steps its optimizer after every backward, with that one micro-batch's gradient. Micro-batch k's forward on
    stage s therefore reads the stage's weights after max(0, k - (p-s-1)) updates; weight stashing keeps that
    version until k's backward, so the gradient belongs to the weights that produced it (--clip 0 only: the
@@ -41,6 +41,10 @@ micro-batches are alive on stage s, where GPipe keeps all m.
    more than the versions it counts (autograd must never see a tensor it saved change in place).
 stash and 2bw are meant to differ from synchronous training: --check compares each with a one-process
 simulation of its own rule, without a pipeline (simulate_stash, simulate_2bw, at the end of the file).
+Checkpoints (--ckpt-dir): a stream has no consistent step boundary, so stash and 2bw drain the pipeline at each
+save step (one more fill and drain there: the schedule changes only there) and save the weight versions that
+later micro-batches still read. Every micro-batch reads the version the uninterrupted stream gives it, so a run
+killed and resumed ends with the uninterrupted run's losses and parameters, bit for bit.
 
 Measured on every rank: each F and B (start, end, weight version, and for B which weights its gradient landed
 on), the bubble (idle / total) beside its theory, micro-batches alive, weight versions kept, bytes sent; an ASCII
@@ -194,6 +198,7 @@ class StageRunner:
         self.batch_grads = {}  # 2bw: batch -> its summed gradient, until the whole-model norm arrives
         self.known = (-1, self.tag()[0])  # 2bw: (newest batch whose whole-model norm^2 is known here, it on device)
         self.stage0_version = 0  # --vertical-sync: stage 0's version of the newest micro-batch received
+        self.drained_norm = -1  # 2bw: the norm every stage knew at the last drain (see drain)
         self.next_f = 0  # the micro-batch of this stage's next forward
         self.losses = {}  # k -> loss (device): on the last stage from F to B; on stage 0 as its gradient arrives
         self.received = []  # [(what the schedule says the tag holds {index: value}, tag)], until verify_tags
@@ -227,23 +232,26 @@ class StageRunner:
             self.stage0_version = max(0, k - (self.p - 1))
             expect.update({1: self.stage0_version} if self.args.vertical_sync else {})
             if self.mode == "2bw":  # stage 0 had run B up to k-p when it sent F_k: the norms of its full batches
-                t = max((k - self.p + 1) // self.m - 1, -1)
+                t = max((k - self.p + 1) // self.m - 1, self.drained_norm)
                 expect[2] = t
                 self.learn_norm(t, tag[3])
         self.received.append((expect, tag))
         return x, tag
 
-    def version_for(self, k, tag):
+    def version_for(self, k):
+        """The weights micro-batch k reads here. Stash and 2bw name them by the rule of one uninterrupted 1F1B
+        stream, so a drain (at a checkpoint) changes the timing only, never which version a micro-batch reads."""
         if self.mode == "2bw":
             return max(k // self.m - 1, 0)  # batch t reads the weights of update t-1
-        if self.mode == "stash" and self.args.vertical_sync and self.s > 0:
-            return self.stage0_version  # the version stage 0 read for micro-batch k (its tag carries it too)
-        return self.version  # flush, stash: the newest
+        if self.mode == "stash":  # stage s has had max(0, k - lag) updates when F_k comes (its warm-up: lag forwards)
+            lag = self.p - 1 if self.args.vertical_sync else self.p - self.s - 1  # vertical sync: stage 0's lag
+            return max(0, k - lag)
+        return self.version  # flush: the only version
 
     def forward(self, k, x, tag):
         step, j = divmod(k, self.m)
         tokens, targets, n_tok = self.batch_of(step)  # (m, b, T) each: step's global batch, as micro-batches
-        v = self.version_for(k, tag)
+        v = self.version_for(k)
         weights = self.stage if self.mode == "flush" else self.snap[v]
         inp = tokens[j] if self.s == 0 else x.requires_grad_()  # a leaf: its .grad is what B sends back
         start = self.clock.now()
@@ -332,24 +340,38 @@ class StageRunner:
             floor = max(self.next_f // self.m - 1, 0)  # the version of the next forward's batch
         elif self.args.vertical_sync and self.s > 0 and self.next_f < self.args.steps * self.m:
             floor = self.stage0_version  # stage 0's versions only grow
-        else:
-            floor = self.version  # flush, stash: the next forward reads the newest
+        else:  # flush, stash: the next forward reads the newest (older after a drain; see version_for)
+            floor = min(self.version, self.version_for(self.next_f))
         for v in [v for v in self.snap if v < floor and not self.in_flight[v]]:
             del self.snap[v]
 
-    def drain(self):
-        """End of a flush step or of the stream: send what the last op left, apply the updates still due."""
+    def drain(self, last):
+        """End of a flush step, of the stream, or (stash, 2bw) of a segment before a checkpoint, after batch `last`:
+        send what the last op left, apply the updates still due. Then nothing is in flight, and the versions
+        kept (self.snap) are all the state the rest of the run needs."""
         self.sent += p2p(self.outbox, [])
         self.outbox = []
         self.apply_due_updates()
-        if self.mode == "2bw":  # (drained only at the end of the run)
+        if self.mode == "2bw":
             # the last batch's norm has no activation left to ride on: stage 0 broadcasts it
-            known, last = self.tag(*self.known), self.args.steps - 1
+            known = self.tag(*self.known)
             dist.broadcast(known, src=0)
             self.received.append(({0: last}, known))
             self.learn_norm(last, known[1])
             self.apply_due_updates()
+            self.drained_norm = last  # the next segment's tags carry it until stage 0 knows a newer one
         self.verify_tags()
+
+    def state_dict(self):  # for the checkpoint, after a drain: the step count, the versions kept, the known norm
+        return dict(version=self.version, known=(self.known[0], self.known[1].cpu()), drained_norm=self.drained_norm,
+                    snap={v: w.state_dict() for v, w in self.snap.items()})
+
+    def load_state_dict(self, state):  # after the master `stage` itself is loaded
+        self.version, self.drained_norm = state["version"], state["drained_norm"]
+        self.known = (state["known"][0], state["known"][1].to(self.d.device))
+        self.snap = {v: copy.deepcopy(self.stage) for v in state["snap"]}
+        for v, w in self.snap.items():
+            w.load_state_dict(state["snap"][v])
 
     def verify_tags(self):
         """Once per step, one host read for all the step's messages: each tag holds what the schedule says."""
@@ -485,9 +507,10 @@ def write_trace(path, events, p):
         json.dump(dict(traceEvents=trace, displayTimeUnit="ms"), f)
 
 
-def report(d, args, every, bounds, b_bytes, steps_run):
+def report(d, args, every, bounds, b_bytes, steps_run, segments):
     """Rank 0: the figures of the summary from every rank's events and counts, each beside its theory; prints the
-    table, the ASCII timeline, and writes --trace. b_bytes: one micro-batch's (b, T, D) activation in bytes."""
+    table, the ASCII timeline, and writes --trace. b_bytes: one micro-batch's (b, T, D) activation in bytes;
+    segments: the stretches of 1F1B between drains in this run (stash, 2bw: 1, or more with checkpoints)."""
     p, m = len(bounds), args.microbatches
     events = sorted((e for r in every for e in r["events"]), key=lambda e: (e["rank"], e["start"]))
     n = m if args.mode == "flush" else args.steps * m  # micro-batches between two drains
@@ -495,9 +518,10 @@ def report(d, args, every, bounds, b_bytes, steps_run):
         last = [e for e in events if e["mb"] // m == args.steps - 1]
         lo, hi = min(e["start"] for e in last), max(e["end"] for e in last)
         theory, formula = (p - 1) / (m + p - 1), "(p-1)/(m+p-1), over the last step"
-    else:  # the whole run: one fill, one drain
-        lo, hi = min(e["start"] for e in events), max(e["end"] for e in events)
-        theory, formula = (p - 1) / (n + p - 1), "(p-1)/(steps*m+p-1) over the whole run, -> 0 in steady state"
+    else:  # the whole run: one fill and one drain per segment (one segment without checkpoints)
+        lo, hi, idle = min(e["start"] for e in events), max(e["end"] for e in events), segments * (p - 1)
+        theory = idle / (steps_run * m + idle)
+        formula = "S(p-1)/(steps*m+S(p-1)) over the whole run, S segments between drains, -> 0 in steady state"
     bub, alive = bubble(events, p, lo, hi), [min(p - s, n) for s in range(p)]
     sent = [r["sent"] / steps_run for r in every]
     sent_theory = [m * (b_bytes + 8 * TAG) * ((s > 0) + (s < p - 1)) for s in range(p)]
@@ -519,7 +543,8 @@ def report(d, args, every, bounds, b_bytes, steps_run):
         d.log(draw_timeline(events, p, lo, hi, lambda k: k % m))
     else:
         lo = min(e["start"] for e in events if e["mb"] >= max(args.steps - 2, 0) * m)
-        d.log("\ntimeline of the last two steps, measured (micro-batches numbered from the start; no drain between):")
+        d.log("\ntimeline of the last two steps, measured (micro-batches numbered from the start; no drain between "
+              "but at a checkpoint):")
         d.log(draw_timeline(events, p, lo, hi, lambda k: k))
     if args.trace:
         write_trace(args.trace, events, p)
@@ -547,10 +572,6 @@ def main():
     if args.mode == "stash" and args.clip > 0:
         fail("--mode stash updates each stage right after its backward, before the whole-model gradient norm of "
              "that micro-batch exists (stage 0 finishes it last): pass --clip 0")
-    if args.mode != "flush" and (args.ckpt_dir or args.fail_at_step >= 0):
-        fail(f"--mode {args.mode} never drains its pipeline: at every step boundary the next step's micro-batches "
-             "are in flight on stashed weight versions, so a checkpoint could not resume the same run; --ckpt-dir "
-             "and --fail-at-step need --mode flush")
     if p == 1:
         fail(f"pipedream.py needs one process per stage, at least 2: torchrun --nproc_per_node="
              f"{max(2, min(4, args.n_layers))} pipedream.py {' '.join(sys.argv[1:])}".rstrip())
@@ -578,9 +599,6 @@ def main():
     shapes = {n: q.shape for n, q in gpt.named_parameters()}
     stage = Stage(gpt, d.rank, bounds).to(d.device)
     opt = make_optimizer(stage.parameters(), args)
-    ckpt = Checkpointer(d, args.ckpt_dir, args.save_every, args.steps)
-    start, hist = ckpt.load({"model": stage, "optim": opt})
-    losses = hist.get("losses", [])
     timer, tokens = StepTimer(d.device), args.batch_size * args.seq_len
     act_shape = (args.batch_size // m, args.seq_len, args.d_model)  # (b, T, D): what crosses a stage boundary
 
@@ -590,21 +608,26 @@ def main():
         split = lambda t: rearrange(t, "(m b) n -> m b n", m=m).to(d.device)  # noqa: E731
         return split(x), split(y), count_tokens(y)  # n_tok: tokens of the whole global batch
 
-    # flush: every step its own 1F1B schedule, drained before the step; stash, 2bw: one schedule for the run
-    if args.mode == "flush":
-        stream = [(kind, step * m + k) for step in range(args.steps) for kind, k in one_f_one_b(m, p, d.rank)]
-    else:
-        stream = one_f_one_b(args.steps * m, p, d.rank)
-    chunks = split_at_step_ends(stream, m)
     clock = Clock(d)  # the timeline's zero; a collective before any point-to-point, as NCCL's batched p2p asks
     runner = StageRunner(d, args, stage, opt, batch_of, act_shape, clock)
-    runner.version = start  # flush, resumed: the optimizer steps already taken
+    ckpt = Checkpointer(d, args.ckpt_dir, args.save_every, args.steps)
+    start, hist = ckpt.load({"model": stage, "optim": opt, "pipe": runner})
+    losses = hist.get("losses", [])
+    # flush: every step its own 1F1B schedule, drained before the optimizer step. stash, 2bw: one schedule for
+    # the run, cut only where a checkpoint is saved (--ckpt-dir): there the pipeline drains, so the checkpoint
+    # is a consistent state. The drain adds a fill and a drain (bubble) there; the arithmetic stays that of the
+    # uninterrupted stream, since version_for names each micro-batch's weights by the stream's rule.
+    ends = [t for t in range(start + 1, args.steps + 1) if args.mode == "flush" or t == args.steps
+            or (args.ckpt_dir and args.save_every and t % args.save_every == 0)]
+    stream = [(kind, a * m + k) for a, z in zip([start] + ends, ends) for kind, k in one_f_one_b((z - a) * m, p, d.rank)]
+    chunks = split_at_step_ends(stream, m)  # chunks[i]: what this stage runs in step start + i
     for step in range(start, args.steps):
         maybe_fail(d, args, step)
         timer.start()
-        runner.run(chunks[step])
+        runner.run(chunks[step - start])
+        if step + 1 in ends:
+            runner.drain(step)
         if args.mode == "flush":
-            runner.drain()
             runner.flush_update()
         runner.verify_tags()
         clock.read(runner.events)
@@ -612,17 +635,14 @@ def main():
         # stage 0 has every loss of the step now (they came back with the gradients); other ranks log nothing
         losses.append(sum(runner.losses.pop(step * m + j) for j in range(m)).item() if d.rank == 0 else float("nan"))
         log_step(d, step, losses[-1], ms, tokens)
-        ckpt.maybe_save(step + 1, {"model": stage, "optim": opt}, {"losses": losses})
-    if args.mode != "flush":
-        runner.drain()  # the pipeline empties only here
-        clock.read(runner.events)
+        ckpt.maybe_save(step + 1, {"model": stage, "optim": opt, "pipe": runner}, {"losses": losses})
 
     # --- measurement: every rank's events and counts; the peak is read before --check trains ---
     every = gather(d, runner)
     figures = dict(split=bounds, stages=p, microbatches=m, mode=args.mode)
     if d.rank == 0 and args.steps > start:
         figures.update(report(d, args, every, bounds, act_shape[0] * act_shape[1] * act_shape[2] *
-                              torch.tensor([], dtype=dtype).element_size(), args.steps - start))
+                              torch.tensor([], dtype=dtype).element_size(), args.steps - start, len(ends)))
     peak = peak_memory_bytes(d, runner.peak_bytes)
 
     check = None

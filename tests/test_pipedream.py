@@ -5,8 +5,10 @@ stash reads the version the schedule says (with --vertical-sync the version stag
 every backward's gradient lands on that stashed version and never on the live weights (a backward on the newest
 weights fails this and --check); it keeps at most p - s versions and equals its one-process simulation; --mode
 2bw equals the delayed-update reference with two versions, at m = p too, and with the m >= p guard lifted its
-invariant stops the run; both differ from synchronous training; no object collectives; bad input exits 2 with
-one line, before any collective. Launches: 10 torchrun (two break the file on purpose), 9 plain python."""
+invariant stops the run; both differ from synchronous training; killed and restarted from checkpoints (a drain
+at each save), stash and 2bw end with the uninterrupted run's losses and final parameters, bit for bit; no object
+collectives; bad input exits 2 with one line, before any collective.
+Launches: 14 torchrun (two break the file on purpose, two restart once), 7 plain python."""
 import json
 import re
 import subprocess
@@ -285,10 +287,27 @@ def test_bad_input():
     one_error_line(as_rank(3, "--n-layers", "2"), ["3 stages but --n-layers 2", "--n-layers 3"])
     one_error_line(as_rank(4, "--mode", "2bw", "--microbatches", "2"),
                    ["2bw needs --microbatches >= stages (4)", "second-to-last norm", "--microbatches 4"])
-    # stash and 2bw never drain, so they refuse a checkpoint directory rather than resume another run
-    for mode in (["--mode", "stash", "--clip", "0"], ["--mode", "2bw"]):
-        one_error_line(run_python("pipedream.py", *CFG, *mode, "--ckpt-dir", "ck"),
-                       ["never drains", "in flight on stashed weight versions", "need --mode flush"])
+
+
+@pytest.mark.parametrize("mode", [STASH[1:], TWO_BW[1:]], ids=["stash", "2bw"])
+def test_stash_and_2bw_resume_exactly(tmp_path, mode):
+    """torchrun --max-restarts=1 ... --ckpt-dir D --save-every 2 --fail-at-step 3, as a user types it: the pipeline
+    drains at each checkpoint (timing only: version_for keeps every micro-batch on the stream's version), the last
+    stage dies at step 3, every stage resumes at step 2 with its stashed versions. Against an uninterrupted run that
+    never drains (it saves only at the end): the same losses and the same final parameters, bit for bit."""
+    import torch
+    args = [*CFG, "--microbatches", mode[0], *mode[1:]]
+    whole, _ = torchrun("pipedream.py", 3, *args, "--ckpt-dir", tmp_path / "u", tmp_path=tmp_path, name="whole")
+    resumed, out = torchrun("pipedream.py", 3, *args, "--ckpt-dir", tmp_path / "r", "--save-every", 2,
+                            "--fail-at-step", 3, "--check", tmp_path=tmp_path, max_restarts=1, name="resumed")
+    assert "simulated failure at step 3" in out and "at step 2" in out
+    assert_matches_reference(resumed)  # and its own one-process simulation, which knows no drains
+    assert resumed["losses"] == whole["losses"] and len(whole["losses"]) == STEPS
+    for r in range(3):
+        a, b = (torch.load(tmp_path / run / f"rank{r}" / f"step{STEPS}.pt", weights_only=False, map_location="cpu")
+                for run in ("u", "r"))
+        assert a["model"].keys() == b["model"].keys()
+        assert all(torch.equal(a["model"][n], b["model"][n]) for n in a["model"]), f"stage {r}"
 
 
 def test_no_object_collectives():
