@@ -1,8 +1,7 @@
 """ptdp.py: PTD-P, pipeline x tensor x data parallelism with the interleaved 1F1B schedule.
 
-Narayanan, Shoeybi, Casper, LeGresley, Patwary, Korthikanti, Vainbrand, Kashinkunti, Bernauer, Catanzaro,
-Phanishayee, Zaharia, "Efficient Large-Scale Language Model Training on GPU Clusters Using Megatron-LM"
-(SC 2021). Three ways to split one GPT, composed on one grid of ranks:
+Narayanan et al., "Efficient Large-Scale Language Model Training on GPU Clusters Using Megatron-LM" (SC 2021).
+Three ways to split one GPT, composed on one grid of ranks:
 
     grid = torch.arange(world).view(pp, dp, tp)     e.g. pp 2 x dp 2 x tp 2 = 8 ranks:
                     tp 0  tp 1
@@ -15,14 +14,14 @@ Phanishayee, Zaharia, "Efficient Large-Scale Language Model Training on GPU Clus
     a pipeline is grid[:, j, k]         point-to-point activations forward, gradients backward
 
 1. Tensor parallel (Megatron-LM, Shoeybi et al. 2019, Sec. 3), innermost, so a TP group sits inside a node
-   where links are fastest (Sec. 3.3 of the PTD-P paper): q, k, v and the MLP's fc are split by output
+   where links are fastest (the PTD-P paper's Takeaway #1): q, k, v and the MLP's fc are split by output
    features (column-parallel; rank k owns heads k*H/t .. (k+1)*H/t - 1), both output projections by input
    features (row-parallel). f (identity forward, all-reduce backward) opens each split region and g
    (all-reduce forward, identity backward) closes it. LayerNorms, the row-parallel biases, the embedding and
    the head are replicated over the TP group (the head computes all logits on every TP rank: simple, and the
    vocabulary is small here; megatron_tp.py shows the vocab-parallel version).
 2. Pipeline parallel: the n_layers blocks are cut into p*v chunks of equal size. Rank i of a pipeline holds
-   the v non-contiguous chunks i, i+p, i+2p, ... (the "virtual stages", Sec. 2.2.2), so a micro-batch
+   the v non-contiguous chunks i, i+p, i+2p, ... (the paper's "virtual stages"), so a micro-batch
    visits every rank v times and the bubble shrinks v-fold: (p-1)/(v*m) of the ideal compute time. The
    schedule is Megatron's interleaved 1F1B: warm-up forwards, then one forward and one backward in turn, then
    the cool-down backwards, then a flush. With v = 1 it is plain 1F1B (PipeDream-flush). Forwards run in
@@ -138,8 +137,11 @@ def tp_dim(name):
 
 
 class TPBlock(nn.Module):
-    """common.Block with Megatron's split, keeping its parameter names (attn.q.weight is now this rank's
-    (D/t, D) rows). Its own forward: f, local matmuls, g, twice."""
+    """common.Block with Megatron's split, keeping its parameter names; its own forward: f, local matmuls, g.
+
+        q, k, v, fc  (out, in) = [W_0; W_1; ..]  rows: rank k computes its heads / its 4D/t hidden features
+        proj         (out, in) = [W_0 | W_1 ..]  columns: rank k's partial product; g sums, then the bias
+    """
 
     def __init__(self, full, group):
         super().__init__()
@@ -154,7 +156,8 @@ class TPBlock(nn.Module):
     def forward(self, x):  # (b, T, D) replicated on the TP group
         a, mlp, grp = self.attn, self.mlp, self.group
         h = f.apply(self.ln1(x), grp)
-        q, k, v = (rearrange(F.linear(h, lin.weight), "b t (h e) -> b h t e", h=self.heads) for lin in (a.q, a.k, a.v))
+        q, k, v = (rearrange(F.linear(h, lin.weight), "b t (h e) -> b h t e", h=self.heads)
+                   for lin in (a.q, a.k, a.v))  # (b, H/t, T, E) each: this rank's heads
         y = rearrange(F.scaled_dot_product_attention(q, k, v, is_causal=True), "b h t e -> b t (h e)")  # (b, T, D/t)
         x = x + g.apply(F.linear(y, a.proj.weight), grp) + a.proj.bias  # bias after g: added once, not t times
         h = F.gelu(F.linear(f.apply(self.ln2(x), grp), mlp.fc.weight, mlp.fc.bias))  # (b, T, 4D/t) local
@@ -264,7 +267,8 @@ def comm_plan(p, v, m, r):
 
 def p2p(sends, recvs):
     """One batch_isend_irecv of [(tensor, global peer)] sends and receives, then wait."""
-    ops = [dist.P2POp(dist.isend, t, peer) for t, peer in sends] + [dist.P2POp(dist.irecv, t, peer) for t, peer in recvs]
+    ops = [dist.P2POp(dist.isend, t, peer) for t, peer in sends]
+    ops += [dist.P2POp(dist.irecv, t, peer) for t, peer in recvs]
     if ops:
         for req in dist.batch_isend_irecv(ops):
             req.wait()
@@ -274,7 +278,8 @@ class PipelineRank:
     """One rank's part of one pipeline: its v chunks, the plan, and what lives between ops."""
 
     def __init__(self, d, args, chunks, coords, peers, act_shape, clock):
-        self.d, self.args, self.chunks, self.peers, self.act_shape, self.clock = d, args, chunks, peers, act_shape, clock
+        self.d, self.args, self.chunks, self.peers, self.clock = d, args, chunks, peers, clock
+        self.act_shape = act_shape  # (b, T, D): every message, activation or gradient
         self.pp_rank, self.dp_rank, self.tp_rank = coords
         self.p, self.v, self.m = args.pp, args.virtual_stages, args.microbatches
         self.n, self.dtype = self.p * self.v, next(chunks.parameters()).dtype
@@ -296,7 +301,7 @@ class PipelineRank:
         return self.loss
 
     def exchange(self, sends, recvs):
-        out = [(self.outbox.pop(msg), self.peers[q]) for q, msg in sends]
+        out = [(self.outbox.pop(msg).contiguous(), self.peers[q]) for q, msg in sends]
         into = [(torch.empty(self.act_shape, dtype=self.dtype, device=self.d.device), self.peers[q]) for q, _ in recvs]
         p2p(out, into)
         stamp = self.clock.stamp()
@@ -361,6 +366,24 @@ def finish_batch(d, args, chunks, loss, coords, dp_group):
     norm = total[1].sqrt()
     clip_grads_([q.grad for q in params], norm, args.clip)
     return total[0].item(), norm.item()
+
+
+def full_model(d, chunks, shapes, coords, t, dtype):
+    """The whole GPT by name on every rank (for --check), exactly: TP shard k of `name` travels as `name#k`,
+    a replicated tensor once (from TP rank 0), all from DP rank 0; common.assemble_full adds the pieces up."""
+    _, dp_rank, tp_rank = coords
+    owned = {}
+    for n, q in chunks.named_parameters():
+        if dp_rank == 0 and (q.tp_split or tp_rank == 0):
+            owned[n.split(".", 1)[1] + (f"#{tp_rank}" if q.tp_split else "")] = q  # "3.blocks.." -> "blocks.."
+    pieces = {}
+    for n, shape in shapes.items():
+        k = tp_dim(n)
+        pieces.update({n: shape} if k is None else {f"{n}#{j}": [z // t if i == k else z for i, z in enumerate(shape)]
+                                                    for j in range(t)})
+    got = assemble_full(d, owned, pieces, dtype)
+    return {n: got[n] if tp_dim(n) is None else torch.cat([got[f"{n}#{j}"] for j in range(t)], tp_dim(n))
+            for n in shapes}
 
 
 # --- measurement ---
@@ -442,13 +465,14 @@ def write_trace(path, events):
         json.dump(dict(traceEvents=trace, displayTimeUnit="ms"), fh)
 
 
-def report(d, args, rows, counts, steps_run, act_bytes):
+def report(d, args, dp, rows, counts, steps_run, act_bytes):
     """Rank 0: every measured figure beside its theory, the timeline of the last step; returns the figures."""
     p, v, m = args.pp, args.virtual_stages, args.microbatches
     keys = ("step", "pp", "dp", "tp", "kind", "chunk", "mb", "start", "end", "recv")
     events = [dict(zip(keys, row), rank=r, kind="B" if row[4] else "F") for r, rs in enumerate(rows) for row in rs]
     for e in events:
-        e.update({k: int(e[k]) for k in ("step", "pp", "dp", "tp", "chunk", "mb")}, recv=None if e["recv"] < 0 else e["recv"])
+        e.update({k: int(e[k]) for k in ("step", "pp", "dp", "tp", "chunk", "mb")})
+        e["recv"] = None if e["recv"] < 0 else e["recv"]  # -1: the op started from tokens or its own loss
     last = [e for e in events if e["step"] == max(x["step"] for x in events) and e["dp"] == 0 and e["tp"] == 0]
     lo, hi = min(e["start"] for e in last), max(e["end"] for e in last)
     bub = bubble(last, p, lo, hi)
@@ -474,6 +498,10 @@ def report(d, args, rows, counts, steps_run, act_bytes):
     d.log(f"bubble mean {mean:.3f} vs theory (p-1)/(v*m) = {theory:.3f} ({mean - theory:+.3f}); {note}")
     d.log(f"forward messages per batch and pipeline {sum(f_msgs)} = (v*p-1)*m = {(v * p - 1) * m}; "
           f"each {act_bytes} B = (b, T, D)")
+    tp_calls, dp_calls = int(mine[0][9]) // steps_run, int(mine[0][11]) // steps_run
+    tp_theory, dp_theory = 4 * m * args.n_layers // p if args.tp > 1 else 0, int(dp > 1)
+    d.log(f"rank 0 collectives per batch: TP all-reduces {tp_calls}, theory {tp_theory} (g twice forward, f twice "
+          f"backward, per layer and micro-batch); DP gradient all-reduces {dp_calls}, theory {dp_theory}")
     d.log("\ntimeline of the last step, measured (Fk / Bk: a rank's first chunk, fk / bk: its later ones):")
     d.log(draw_timeline(last, p, lo, hi))
     if args.trace:
@@ -484,7 +512,8 @@ def report(d, args, rows, counts, steps_run, act_bytes):
                 bubble_minus_theory=mean - theory, stage_ms=args.stage_ms,
                 fwd_msgs_per_rank=f_msgs, fwd_msgs_theory=f_theory, bwd_msgs_per_rank=b_msgs, bwd_msgs_theory=b_theory,
                 fwd_msgs_per_pipeline=sum(f_msgs), fwd_msgs_per_pipeline_theory=(v * p - 1) * m,
-                p2p_bytes_per_rank=sent, inflight=inflight, inflight_theory=inflight_th,
+                p2p_bytes_per_rank=sent, inflight=inflight, inflight_theory=inflight_th, tp_calls_per_batch=tp_calls,
+                tp_calls_theory=tp_theory, dp_calls_per_batch=dp_calls, dp_calls_theory=dp_theory,
                 counts_per_rank={f"pp{int(x[1])} dp{int(x[2])} tp{int(x[3])}": [int(y) for y in x[4:]] for x in counts},
                 counts_columns=COUNT_COLUMNS)
 
@@ -545,7 +574,7 @@ def main():
     b = args.batch_size // (dp * m)
     act_shape = (b, args.seq_len, args.d_model)  # (b, T, D): what crosses a chunk boundary
     clock, timer = Clock(d), StepTimer(d.device)  # Clock: an all-reduce first, before any point-to-point (NCCL)
-    runner = PipelineRank(d, args, chunks, coords, peers, act_shape, clock)
+    runner, held = PipelineRank(d, args, chunks, coords, peers, act_shape, clock), 0
     for step in range(start, args.steps):
         maybe_fail(d, args, step)
         timer.start()
@@ -556,6 +585,7 @@ def main():
         loss = runner.run(step, split(x), split(y), n_tok)
         loss, norm = finish_batch(d, args, chunks, loss, coords, dp_group)
         opt.step()
+        held = max(held, state_bytes(chunks, opt))  # parameters, gradients, AdamW state: all alive here
         opt.zero_grad(set_to_none=True)
         ms = timer.stop()
         clock.resolve(runner.events[-2 * v * m:])
@@ -565,7 +595,7 @@ def main():
         ckpt.maybe_save(step + 1, {"model": chunks, "optim": opt}, {"losses": losses, "norms": norms})
 
     # --- gather the events and counters of every rank (tensors only), then the summary on rank 0 ---
-    peak = peak_memory_bytes(d, state_bytes(chunks, opt) + runner.peak_act_bytes)
+    peak = peak_memory_bytes(d, held + runner.peak_act_bytes)  # counted; CUDA's own peak on a GPU
     steps_run = max(args.steps - start, 1)
     rows = gather_rows(d, [[-1 if z is None else z for z in e] for e in runner.events] or [[0] * 10])
     counts = gather_rows(d, [[d.rank, pp_rank, dp_rank, tp_rank, COUNT["p2p_F_msgs"], COUNT["p2p_B_msgs"],
@@ -574,27 +604,12 @@ def main():
     counts = [r[0].tolist() for r in counts]  # per rank: rank, pp, dp, tp, then COUNT_COLUMNS
     figures = dict(pp=p, tp=t, dp=dp, virtual_stages=v, microbatches=m, grad_norms=norms)
     if d.rank == 0 and args.steps > start:
-        figures.update(report(d, args, [r.tolist() for r in rows], counts, steps_run, b * args.seq_len *
+        figures.update(report(d, args, dp, [r.tolist() for r in rows], counts, steps_run, b * args.seq_len *
                               args.d_model * dtype.itemsize))
     comm = max((x[6] + x[10] + x[12] + x[13]) / steps_run for x in counts)  # bytes sent or handed, per step
     check = None
     if args.check:
-        owned = {}  # pieces named "name" (replicated, from TP rank 0) or "name#k" (TP shard k), from DP rank 0
-        if dp_rank == 0:
-            for n, q in chunks.named_parameters():
-                if q.tp_split:
-                    owned[f"{n.split('.', 1)[1]}#{tp_rank}"] = q
-                elif tp_rank == 0:
-                    owned[n.split(".", 1)[1]] = q
-        pieces = {}
-        for n, s in shapes.items():
-            if tp_dim(n) is None:
-                pieces[n] = s
-            else:
-                pieces.update({f"{n}#{k}": [z // t if i == tp_dim(n) else z for i, z in enumerate(s)] for k in range(t)})
-        got = assemble_full(d, owned, pieces, dtype)
-        full_params = {n: got[n] if tp_dim(n) is None else torch.cat([got[f"{n}#{k}"] for k in range(t)], tp_dim(n))
-                       for n in shapes}
+        full_params = full_model(d, chunks, shapes, coords, t, dtype)
         check = check_against_reference(d, args, losses, full_params)
     tokens_per_s = args.batch_size * args.seq_len / max(timer.median(), 1e-9) * 1e3
     write_summary(d, args, "ptdp", losses, timer.median(), tokens_per_s, peak, comm, check, figures)

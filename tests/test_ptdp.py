@@ -237,6 +237,7 @@ def test_matches_reference_and_obeys_schedule(launch, name):
     # messages counted at the send = theory, on every rank of every pipeline
     assert f["fwd_msgs_per_rank"] == f["fwd_msgs_theory"] and f["bwd_msgs_per_rank"] == f["bwd_msgs_theory"]
     assert f["fwd_msgs_per_pipeline"] == (v * p - 1) * m
+    assert f["tp_calls_per_batch"] == f["tp_calls_theory"] and f["dp_calls_per_batch"] == f["dp_calls_theory"]
     b_bytes = cfg["batch_size"] // (f["dp"] * m) * cfg["seq_len"] * cfg["d_model"] * 8
     for key, row in f["counts_per_rank"].items():
         r = int(key[2])
