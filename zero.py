@@ -464,15 +464,14 @@ def train_step(zero, x, y, n_tok, accum, loss_fn, inject_inf=False):
     Returns the loss of the whole global batch (the ranks' pieces summed) and zero.step()'s info."""
     rows = x.shape[0] // zero.world
     x, y = (t[zero.rank * rows:(zero.rank + 1) * rows] for t in (x, y))  # (B/N, ...) local
-    local = 0.0
+    local = torch.zeros(1, dtype=torch.float64, device=zero.device)  # summed on the device: no sync per micro-batch
     for xm, ym in zip(x.chunk(accum), y.chunk(accum)):  # (B/(N*accum), ...) each
         loss = loss_fn(zero(xm.to(zero.device)), ym.to(zero.device), n_tok)  # / tokens of the global batch
         zero.backward(loss)
-        local += loss.item()
+        local += loss.detach()
     info = zero.step(inject_inf)
-    t = torch.tensor([local], dtype=torch.float64, device=zero.device)
-    dist.all_reduce(t, group=zero.group)  # for the log line only; not counted as technique traffic
-    return t.item(), info
+    dist.all_reduce(local, group=zero.group)  # for the log line only; not counted as technique traffic
+    return local.item(), info
 
 
 # ----------------------------------------------------------------------------- the reference for --mixed-precision
@@ -522,15 +521,16 @@ def reference_mixed(args, world, device="cpu"):
 
 
 def mixed_tolerance(args):
-    """--check's tolerance for a --mixed-precision run against reference_mixed: the two differ only in the
-    order in which the fp32 sums of the micro-batch gradients are taken, a few units of fp32 rounding; the
-    rare master weight that then rounds to a neighbouring bf16/fp16 value changes later steps by at most
-    the compute precision's unit roundoff. Bound: steps x lr x u (u = 2^-8 for bf16, 2^-11 for fp16)."""
+    """--check's tolerance for a --mixed-precision run against reference_mixed. The two differ only in the
+    order of the fp32 sums of the micro-batch gradients (a few fp32 roundings), which can round a rare
+    master weight to the neighbouring bf16/fp16 value; an AdamW step moves a weight by about lr at most, so
+    such a difference changes it by about lr x u per step (u: the compute dtype's unit roundoff, 2^-8 for
+    bf16, 2^-11 for fp16). Over the run: steps x lr x u. A missing reduction moves weights by ~lr per step."""
     u = torch.finfo(LOW[args.mixed_precision]).eps / 2  # unit roundoff: half the spacing at 1
     return args.steps * args.lr * u
 
 
-# ----------------------------------------------------------------------------- --- measurement ---
+# --- measurement --- (counters and the summary: the technique above never reads them back) ---------------
 class Meter:
     """What zero.py measures, apart from the technique: the bytes of every tensor this rank hands to a
     collective, the stage-3 gathered buffers alive (by their storages: a view or a handle elsewhere keeps
