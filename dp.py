@@ -47,6 +47,8 @@ Run:
     torchrun --nproc_per_node=4 dp.py --accum 4 --ragged --check
     torchrun --nproc_per_node=4 dp.py --mode async --steps 40
     torchrun --nproc_per_node=3 dp.py --mode async --staleness 1 --check
+    torchrun --max-restarts=1 --nproc_per_node=3 dp.py --mode async --staleness 1 --steps 8 --ckpt-dir D \
+        --save-every 2 --fail-at-step 5                     # a worker dies; the rerun ends as if it had not
 In production, use torch.nn.parallel.DistributedDataParallel (or ddp_bucketed.py to see how it works).
 """
 import os
@@ -330,6 +332,8 @@ def main():
     ckpt = Checkpointer(d, args.ckpt_dir, args.save_every, args.steps)
     if args.mode == "sync":
         start, hist = ckpt.load({"model": model, "optim": opt})
+        if start and "losses" not in hist:
+            fail(f"--ckpt-dir {args.ckpt_dir} holds a --mode async checkpoint, this run is --mode sync: use another --ckpt-dir")
         losses, sent, saved, calls = hist.get("losses", []), 0, 0, 0
         for step in range(start, args.steps):
             maybe_fail(d, args, step)
@@ -355,6 +359,8 @@ def main():
         if d.rank > 0:  # workers are stateless: they only agree with the server on where it resumes
             ckpt.dir = ckpt.dir and os.path.join(args.ckpt_dir, "rank0")  # (so the directory must be shared)
         start, hist = ckpt.load({"model": model, "optim": opt} if d.rank == 0 else {})
+        if start and "log" not in hist:
+            fail(f"--ckpt-dir {args.ckpt_dir} holds a --mode sync checkpoint, this run is --mode async: use another --ckpt-dir")
         figures, check, losses, sent = {}, None, [], 0
         if d.rank == 0:
             log = hist.get("log", [])
