@@ -21,6 +21,9 @@ holds the whole model state, yet only 1/N of the update work needs to happen on 
   --recompute       activation recomputation per block (Chen et al. 2016), via torch.utils.checkpoint.
   --mixed-precision fp32 master shard, bf16/fp16 compute copy, gradients reduced in fp32 (Micikevicius et
                     al. 2018); fp16 adds dynamic loss scaling, with one skip decision for every rank.
+  --compress-activations  Gist (Jain et al. 2018): each activation autograd saves for backward is encoded
+                    when forward saves it (bf16: a cast; int8: one absmax scale per row) and decoded when
+                    backward needs it. Lossy by design: it trades gradient accuracy for activation memory.
 
 Flat shards: each unit's parameters are flattened into one vector, padded to N*S elements, S = ceil(P/N),
 and rank r owns elements [r*S, (r+1)*S), so any parameter count works at any world size:
@@ -51,7 +54,7 @@ In production, use torch.distributed.fsdp.fully_shard (FSDP2) or DeepSpeed ZeRO.
 """
 import copy, os
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, NamedTuple, Optional
 
 import torch
 import torch.distributed as dist
@@ -81,6 +84,7 @@ class Args(CommonArgs):
     loss_scale: float = 65536.0  # fp16: initial dynamic loss scale
     scale_window: int = 1000  # fp16: double the loss scale after this many clean steps in a row
     inject_overflow: int = -1  # fp16 test: put an inf into the last rank's gradient at this step
+    compress_activations: Literal["none", "bf16", "int8"] = "none"  # encode the activations saved for backward
 
 
 # ----------------------------------------------------------------------------- stage 3: gather and release
@@ -200,6 +204,7 @@ class Zero:
         self.fp16 = args.mixed_precision == "fp16"  # dynamic loss scale, clean steps in a row, growth window
         self.scale, self.clean, self.window = args.loss_scale if self.fp16 else 1.0, 0, args.scale_window
         self.meter = Meter()  # the measurement section below: bytes handed to collectives, gathered, saved
+        self.compress, self._encoded = args.compress_activations, {}
         self.model, self.units = model, []
         for path in units:  # each named submodule becomes a unit, in its parent's place
             unit = FlatUnit(self, model.get_submodule(path), path + ".")
@@ -284,10 +289,22 @@ class Zero:
                 # Stage 3: holding the view would keep the whole gathered unit alive until backward; keep
                 # where it lies instead, and gather the unit again when backward first needs it.
                 return (u, t.storage_offset(), t.shape, t.stride())
-        self.meter.count_saved(t)
-        return t
+        if self.compress == "none" or not t.is_floating_point() or t.dim() == 0:
+            self.meter.count_saved(t)
+            return t
+        # one tensor saved by several ops (the input of q, k and v) is encoded once, while it is alive
+        key = (t.untyped_storage().data_ptr(), t.storage_offset(), t.shape, t.stride())
+        alive, e = self._encoded.get(key, (None, None))
+        if alive is None or alive.expired():
+            e = encode(t, self.compress)
+            self._encoded[key] = (StorageWeakRef(t.untyped_storage()), e)
+            self.meter.count_saved(e.data)
+            self.meter.count_saved(e.scale)
+        return e
 
     def _unpack(self, x):
+        if isinstance(x, Encoded):
+            return decode(x)
         if not isinstance(x, tuple):
             return x
         u, offset, shape, stride = x
@@ -298,6 +315,7 @@ class Zero:
     # --- training ---------------------------------------------------------------------------------------
     def __call__(self, *args):
         self.meter.new_forward()  # saved bytes are counted per micro-batch forward
+        self._encoded = {}
         self._new_pass(self.forward_order)
         with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
             return self.root(*args)
@@ -445,6 +463,27 @@ class Zero:
         self.publish()  # master -> compute copy (and the all-gather of stages 1-2)
         dist.barrier(group=self.group)
         return int(t.item()), meta["history"]
+
+
+# ----------------------------------------------------------------------------- --compress-activations
+class Encoded(NamedTuple):
+    """An activation as kept for backward: bf16 (scale None), or int8 with one scale per row (last dim)."""
+    data: torch.Tensor
+    scale: Optional[torch.Tensor]
+    dtype: torch.dtype
+
+
+def encode(t, how):  # (..., C) -> bf16 (..., C), or int8 (..., C) and scales (..., 1)
+    t = t.detach()
+    if how == "bf16":
+        return Encoded(t.to(torch.bfloat16), None, t.dtype)
+    scale = t.abs().amax(-1, keepdim=True).clamp_min(torch.finfo(t.dtype).tiny) / 127  # row absmax -> 127
+    return Encoded(torch.round(t / scale).to(torch.int8), scale, t.dtype)
+
+
+def decode(e):  # back to the dtype forward saved it in; error <= half a step: |x| u, u = 2^-9 or absmax/254
+    x = e.data.to(e.dtype)
+    return x if e.scale is None else x * e.scale
 
 
 def _atomic_save(obj, path):
@@ -612,7 +651,11 @@ def report(d, args, zero, saved, without, sent):
         d.log(f"  {'peak gathered parameters':32s} {zero.meter.peak_gathered:>10,d} B | bound {gathered:>12,.0f} B"
               " = p (root + 2 largest units: the one running, the one prefetched)")
     d.log(f"  {'saved activations/micro-batch':32s} {saved:>10,d} B" +
-          (f" | without --recompute {without:,d} B" if without is not None else ""))
+          (f" | without --recompute/--compress-activations {without:,d} B" if without is not None else ""))
+    if args.compress_activations != "none" and not args.recompute:
+        elem = torch.finfo(zero.compute_dtype).bits // 8
+        d.log(f"  {'compressed / plain':32s} {saved / without:>10.3f}   | theory {({'bf16': 2, 'int8': 1}[args.compress_activations] / elem):.3f}"
+              f" = {args.compress_activations} bytes / {elem} (+ int8's scales, + integer tensors kept as they are)")
     d.log(f"bytes handed to collectives per rank per step: counted {sent:,.0f} B | theory {comm:,.0f} B = "
           f"{comm_formula} (counted: padded vectors + the 8-byte norm all-reduce)")
     memory_ = {k: dict(counted=mem[k], theory=th[k], theory_padded=thp[k]) for k in ("params", "grads", "optim")}
@@ -638,6 +681,9 @@ def check_args(args, world):
         fail("--mixed-precision keeps the master weights in --dtype: use --dtype float32 (or float64)")
     if args.inject_overflow >= 0 and args.mixed_precision != "fp16":
         fail("--inject-overflow tests fp16 loss scaling: add --mixed-precision fp16")
+    if args.compress_activations != "none" and args.check:
+        fail("--compress-activations is lossy, so --check (exact parity) would fail: compare it with a run "
+             "without it instead (tests/zero_checks.py bounds the gradient error)")
     if args.scale_window < 1:
         fail(f"--scale-window must be >= 1, got {args.scale_window}")
 
@@ -656,12 +702,12 @@ def train(d, args):
         d.log(f"resumed from {args.ckpt_dir} at step {start} (saved at world size {history['world']}"
               f"{'' if history['world'] == d.world else '; RNG streams start afresh'})")
     losses, skipped, scales, sent, saved, without = history.get("losses", []), [], [], [], 0, None
-    if args.recompute:  # one extra forward without recomputation, only to count what it would have saved
-        zero.recompute = False
+    if args.recompute or args.compress_activations != "none":  # one extra forward with neither memory saver,
+        zero.recompute, zero.compress = False, "none"  # only to count what it would have saved
         x, _ = data.batch(start, args.batch_size, args.seq_len, args.ragged)
         with torch.random.fork_rng(devices=[d.device] if d.device.type == "cuda" else []):  # dropout: no RNG used
             zero(x[:args.batch_size // (d.world * args.accum)].to(d.device))  # one micro-batch
-        without, zero.recompute = zero.meter.saved_bytes, True
+        without, zero.recompute, zero.compress = zero.meter.saved_bytes, args.recompute, args.compress_activations
     timer = StepTimer(d.device)
     for step in range(start, args.steps):
         maybe_fail(d, args, step)
