@@ -400,7 +400,7 @@ class StageRunner:
         self.peak_bytes = max(self.peak_bytes, now)
 
 
-# ----------------------------------------------------------------------------- measuring, the picture, the trace
+# --- measurement --- (the clock, the counters gathered, the picture, the trace) ----------------------------
 class Clock:
     """Times of F and B in ms since one zero common to all stages. CPU: the wall clock, zeroed at the wall time
     the last rank arrived (an all-reduce, which also lines the ranks up; per-process perf_counter zeros after a

@@ -14,6 +14,7 @@ import re
 import subprocess
 import sys
 from argparse import Namespace
+from pathlib import Path
 
 import pytest
 
@@ -31,14 +32,15 @@ MB_BYTES = 16 * 8 * 16 * 8  # a whole batch's (B, T, D) float64 activations: wha
 
 @pytest.fixture(scope="module")
 def launch(tmp_path_factory):
-    """torchrun pipedream.py once per configuration (with --check and --trace); tests share the runs."""
+    """torchrun pipedream.py once per configuration (with --check, --trace, and --ckpt-dir, which saves only at the
+    end: the uninterrupted run's final parameters); tests share the runs."""
     runs = {}
 
     def get(p, m, *extra):
         if (p, m, *extra) not in runs:
             tmp = tmp_path_factory.mktemp("pipedream")
             summary, out = torchrun("pipedream.py", p, *CFG, "--microbatches", m, "--check", *extra,
-                                    "--trace", tmp / "trace.json", tmp_path=tmp, name="run")
+                                    "--trace", tmp / "trace.json", "--ckpt-dir", tmp / "ck", tmp_path=tmp, name="run")
             runs[p, m, *extra] = summary, out, json.loads((tmp / "trace.json").read_text())
         return runs[p, m, *extra]
     return get
@@ -290,22 +292,21 @@ def test_bad_input():
 
 
 @pytest.mark.parametrize("mode", [STASH[1:], TWO_BW[1:]], ids=["stash", "2bw"])
-def test_stash_and_2bw_resume_exactly(tmp_path, mode):
+def test_stash_and_2bw_resume_exactly(launch, tmp_path, mode):
     """torchrun --max-restarts=1 ... --ckpt-dir D --save-every 2 --fail-at-step 3, as a user types it: the pipeline
     drains at each checkpoint (timing only: version_for keeps every micro-batch on the stream's version), the last
     stage dies at step 3, every stage resumes at step 2 with its stashed versions. Against an uninterrupted run that
     never drains (it saves only at the end): the same losses and the same final parameters, bit for bit."""
     import torch
-    args = [*CFG, "--microbatches", mode[0], *mode[1:]]
-    whole, _ = torchrun("pipedream.py", 3, *args, "--ckpt-dir", tmp_path / "u", tmp_path=tmp_path, name="whole")
-    resumed, out = torchrun("pipedream.py", 3, *args, "--ckpt-dir", tmp_path / "r", "--save-every", 2,
-                            "--fail-at-step", 3, "--check", tmp_path=tmp_path, max_restarts=1, name="resumed")
+    whole = launch(3, *mode)[0]  # the shared launch; its --ckpt-dir holds the final parameters
+    resumed, out = torchrun("pipedream.py", 3, *CFG, "--microbatches", *mode, "--check", "--ckpt-dir", tmp_path / "r",
+                            "--save-every", 2, "--fail-at-step", 3, tmp_path=tmp_path, max_restarts=1, name="resumed")
     assert "simulated failure at step 3" in out and "at step 2" in out
     assert_matches_reference(resumed)  # and its own one-process simulation, which knows no drains
     assert resumed["losses"] == whole["losses"] and len(whole["losses"]) == STEPS
     for r in range(3):
-        a, b = (torch.load(tmp_path / run / f"rank{r}" / f"step{STEPS}.pt", weights_only=False, map_location="cpu")
-                for run in ("u", "r"))
+        a, b = (torch.load(Path(ck) / f"rank{r}" / f"step{STEPS}.pt", weights_only=False, map_location="cpu")
+                for ck in (whole["config"]["ckpt_dir"], tmp_path / "r"))
         assert a["model"].keys() == b["model"].keys()
         assert all(torch.equal(a["model"][n], b["model"][n]) for n in a["model"]), f"stage {r}"
 
