@@ -21,8 +21,8 @@ inside the timed step, as every technique file does:
     tp        megatron_tp.py                     DTensor ColwiseParallel / RowwiseParallel (parallelize_module)
     ptdp      ptdp.py --virtual-stages 2         ScheduleInterleaved1F1B, 2 stages per rank (if ptdp.py exists)
 
-Figures per pair: step time, tokens/s, peak memory per rank, bytes sent per rank per step (collectives at
-ring cost, labelled), the pipelines' bubble beside (p-1)/(m+p-1), data parallel's scaling efficiency
+Figures per pair: step time, tokens/s, peak memory per rank, bytes handed to collectives and sends per rank
+and step (counted), the pipelines' bubble beside (p-1)/(m+p-1), data parallel's scaling efficiency
 (tokens/s at world N over N x tokens/s of one process), and for ddp_bucketed the share of all-reduce time
 hidden behind backward against the same buckets reduced after backward. Writes --out.json (a list of rows
 with `ours`, `torch`, `ratio`) and --out.md; --profile DIR also writes a Chrome trace per rank and run.
@@ -49,9 +49,9 @@ class Args(CommonArgs):
     batch_size: int = 8  # global batch, in sequences
     seq_len: int = 64  # tokens per sequence
     vocab: int = 2048  # vocabulary size
-    d_model: int = 384  # model width (with the defaults: 9.2 M parameters)
+    d_model: int = 448  # model width (with the defaults: 11.5 M parameters)
     n_layers: int = 4  # transformer blocks (a multiple of world x 2 for the ptdp pair)
-    n_heads: int = 6  # attention heads
+    n_heads: int = 8  # attention heads
     pairs: str = "all"  # comma-separated pairs: ddp,dp_sync,zero1,zero2,zero3,gpipe,1f1b,tp,ptdp (or all)
     world: int = 2  # processes per run (on GPUs: GPUs)
     rounds: int = 2  # alternations A B per pair
@@ -125,7 +125,7 @@ def data_parallel_side(d, args, name):
             dist.all_reduce(total)  # logging only
         optim_state = opt.optim.state if name == "zero1" else opt.state
         counted = state_tensor_bytes(model.parameters(), optim_state) + acts.bytes
-        counted += ddp_bucket_bytes(net) if name in ("ddp", "zero1") else gathered.peak
+        counted += sum(ddp_bucket_sizes(net)) if name in ("ddp", "zero1") else gathered.peak
         return total.item(), counted
 
     return step
@@ -150,10 +150,11 @@ def single_process_side(d, args, name):
     return step
 
 
-def ddp_bucket_bytes(net):
-    """The bytes of DDP's gradient buckets, as DDP reports them itself (its C++ reducer owns them)."""
-    sizes = str(net._get_ddp_logging_data().get("bucket_sizes", ""))
-    return sum(int(s) for s in re.findall(r"\d+", sizes))
+def ddp_bucket_sizes(net):
+    """The bytes of each of DDP's gradient buckets, as DDP reports them (its C++ reducer owns them); after the
+    first step DDP rebuilds them in the order gradients arrived."""
+    data = net._get_ddp_logging_data()
+    return [int(s) for s in re.findall(r"\d+", str(data.get("rebuilt_bucket_sizes") or data.get("bucket_sizes", "")))]
 
 
 class GatheredBytes:
@@ -245,7 +246,6 @@ def pipeline_side(d, args, name):
         losses = []
         kwargs = dict(target=y.to(d.device), losses=losses) if last else {}
         sched.step(*([x.to(d.device)] if first else []), **kwargs)  # the schedule splits the batch into m
-        timeline.stop()
         loss = sum(losses) if losses else torch.zeros((), device=d.device)
         grads = [p.grad for p in params if p.grad is not None]
         both = torch.stack([sum((g.double() ** 2).sum() for g in grads), loss.double()])  # (2,) this rank's part
@@ -260,37 +260,46 @@ def pipeline_side(d, args, name):
 
 
 class StageTimeline:
-    """Times every forward_one_chunk / backward_one_chunk of this rank's stages (the compute of one
-    micro-batch; sends and receives run outside them) and counts the activation bytes saved for backward."""
+    """Times every forward_one_chunk / backward_one_chunk of this rank's stages (one micro-batch's compute;
+    sends and receives run outside them), with CUDA events on a GPU (read once, after the step), and counts
+    the activation bytes each forward saves for backward until that micro-batch's backward frees them."""
 
     def __init__(self, stages):
-        self.events, self.saved, self.saved_peak = [], 0, 0
-        for st in stages:
-            st.forward_one_chunk = self._timed(st.forward_one_chunk, 0, count=True)
-            st.backward_one_chunk = self._timed(st.backward_one_chunk, 1)
+        self.events, self.saved_peak = [], 0
+        for k, st in enumerate(stages):
+            st.forward_one_chunk = self._timed(st.forward_one_chunk, 0, k)
+            st.backward_one_chunk = self._timed(st.backward_one_chunk, 1, k)
 
-    def _timed(self, fn, kind, count=False):
-        def run(*a, **k):
-            t = clock_ms(self.device)
-            with SavedActivations() if count else _Null() as acts:
-                out = fn(*a, **k)
-            self.events.append((kind, t - self.t0, clock_ms(self.device) - self.t0))
-            self.saved = self.saved + acts.bytes if count else self.saved  # freed at the end of the step
-            self.saved_peak = max(self.saved_peak, self.saved)
+    def _timed(self, fn, kind, stage):
+        def run(chunk, *a, **k):
+            start = self._now()
+            with SavedActivations() if kind == 0 else _Null() as acts:
+                out = fn(chunk, *a, **k)
+            self.events.append((kind, start, self._now()))
+            self.held[stage, chunk] = acts.bytes if kind == 0 else 0  # backward frees what forward saved
+            self.saved_peak = max(self.saved_peak, sum(self.held.values()))
             return out
         return run
 
+    def _now(self):
+        if self.cuda:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            return ev
+        return time.time() * 1e3
+
     def start(self, d):  # one zero for every rank: the wall time the last rank arrived (as gpipe.py does)
-        self.device, self.events, self.saved = d.device, [], 0
+        self.cuda, self.events, self.held = d.device.type == "cuda", [], {}
         t = torch.tensor([time.time() * 1e3], dtype=torch.float64, device=d.device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        self.t0 = t.item()
-
-    def stop(self):
-        pass
+        self.t0 = self._now() if self.cuda else t.item()
 
     def figures(self, d, m, v):
-        rows = gather_rows(d, [list(e) for e in self.events])  # every rank's (kind, start, end), last step
+        """The last step's bubble per rank: 1 - busy / (the last backward's end anywhere)."""
+        if self.cuda:
+            torch.cuda.synchronize(d.device)
+        ms = (lambda e: self.t0.elapsed_time(e)) if self.cuda else (lambda t: t - self.t0)  # noqa: E731
+        rows = gather_rows(d, [[kind, ms(a), ms(z)] for kind, a, z in self.events])  # every rank's (kind, start, end)
         end = max(float(r[:, 2].max()) for r in rows)
         bubble = [1 - float((r[:, 2] - r[:, 1]).sum()) / end for r in rows]
         p = d.world
@@ -306,12 +315,6 @@ class _Null:
 
     def __exit__(self, *exc):
         pass
-
-
-def clock_ms(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.time() * 1e3
 
 
 # ----------------------------------------------------------------------------- torch's side: tensor parallel
@@ -371,13 +374,14 @@ class LocalSaved(SavedActivations):
 class CountComm(torch.utils._python_dispatch.TorchDispatchMode):
     """Every collective and send this rank hands to c10d while active, seen at the dispatcher (DDP's C++
     reducer, FSDP, ZeroRedundancyOptimizer, pipelining and DTensor's functional collectives all pass there):
-    calls and payload bytes per op, and the bytes a rank sends with ring algorithms (all-reduce 2(n-1)/n of
-    the tensor, all-gather (n-1) x its input, reduce-scatter and broadcast (n-1)/n of the whole). DTensor ops
-    are passed on (NotImplemented) so that the collectives DTensor issues underneath are seen too."""
+    calls and bytes handed over per op, as the technique files count theirs: an all-reduce's tensor, an
+    all-gather's input shard, a reduce-scatter's whole input, a send's tensor, a broadcast's tensor on its
+    root only; receives hand nothing over. DTensor ops are passed on (NotImplemented) so that the
+    collectives DTensor issues underneath are seen instead."""
 
-    def __init__(self, world):
+    def __init__(self, rank):
         super().__init__()
-        self.world, self.ops, self.paused = world, {}, False
+        self.rank, self.ops, self.paused = rank, {}, False
 
     @contextlib.contextmanager
     def pause(self):  # for the loss all-reduce that only feeds the log line (the technique files skip it too)
@@ -392,26 +396,17 @@ class CountComm(torch.utils._python_dispatch.TorchDispatchMode):
             return NotImplemented
         name, ns = func.__name__.split(".")[0], func.namespace
         if ns in ("c10d", "_c10d_functional") and COLLECTIVE.search(name) and not self.paused:
-            n, tensors = self.world, [a for a in _flatten(args) if torch.is_tensor(a)]
+            tensors = [a for a in _flatten(args) if torch.is_tensor(a)]
             # c10d ops take (tensors, ...), the *_base_ ones (output, input); functional ones (input, ...)
             handed = tensors[1:2] if name.endswith("_base_") else tensors[:1] if ns == "_c10d_functional" else tensors
-            payload = nbytes(handed)
-            if name.startswith("recv"):
-                sent = 0
-            elif "reduce_scatter" in name or "broadcast" in name:
-                sent = (n - 1) / n * payload
-            elif "gather" in name:
-                sent = (n - 1) * payload
-            elif "reduce" in name:
-                sent = 2 * (n - 1) / n * payload
-            else:  # send, all-to-all: what is handed over leaves
-                sent = payload
-            c = self.ops.setdefault(f"{ns}.{name}", [0, 0, 0.0])
-            c[0], c[1], c[2] = c[0] + 1, c[1] + payload, c[2] + sent
+            if name.startswith("recv") or name.startswith("broadcast") and args[2] != self.rank:  # (t, pg, root, ..)
+                handed = []
+            c = self.ops.setdefault(f"{ns}.{name}", [0, 0])
+            c[0], c[1] = c[0] + 1, c[1] + nbytes(handed)
         return func(*args, **(kwargs or {}))
 
     def sent(self):
-        return sum(c[2] for c in self.ops.values())
+        return sum(c[1] for c in self.ops.values())
 
 
 COLLECTIVE = re.compile(r"reduce|gather|scatter|broadcast|send|recv|all_to_all|alltoall")
@@ -440,7 +435,7 @@ def run_worker(args):
             "tp": tensor_parallel_side}[args.worker]
     step = side(d, args, args.worker)
     global COUNT
-    timer, losses, counted, comm = StepTimer(d.device), [], 0, CountComm(d.world)
+    timer, losses, counted, comm = StepTimer(d.device), [], 0, CountComm(d.rank)
     COUNT = comm
     prof = start_profiler(args, d)
     for i in range(args.steps):
@@ -454,7 +449,7 @@ def run_worker(args):
     stop_profiler(prof, args, d)
     sent = torch.tensor([comm.sent()], dtype=torch.float64, device=d.device)
     dist.all_reduce(sent, op=dist.ReduceOp.MAX)  # the busiest rank, as the technique files report
-    figures = dict(comm_ops_rank0={k: dict(calls=c[0], payload_bytes=c[1], ring_sent_bytes=c[2])
+    figures = dict(comm_ops_rank0={k: dict(calls=c[0], bytes_handed=c[1])
                                    for k, c in comm.ops.items()}, step_ms_all=timer.ms)
     if hasattr(step, "figures"):
         figures.update(step.figures())
@@ -481,6 +476,12 @@ def stop_profiler(prof, args, d):
         prof.export_chrome_trace(os.path.join(args.profile, f"{Path(args.json).stem}.rank{d.rank}.json"))
 
 
+def clock_ms(device):  # the overlap worker times whole regions: one synchronisation at each end
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.time() * 1e3
+
+
 def overlap_worker(d, args):
     """`torchrun bench.py --worker overlap`: how much of the gradient all-reduce backward hides, for
     ddp_bucketed.BucketedDDP and torch's DDP, both at --bucket-cap-mb. Every step measures (1) backward with
@@ -499,7 +500,7 @@ def overlap_worker(d, args):
         else:
             net = DDP(model, device_ids=[d.local_rank] if d.device.type == "cuda" else None,
                       bucket_cap_mb=args.bucket_cap_mb)
-            sizes = lambda: [int(s) for s in re.findall(r"\d+", str(net._get_ddp_logging_data()["bucket_sizes"]))]  # noqa: E731
+            sizes = lambda: ddp_bucket_sizes(net)  # noqa: E731
         params = [p for p in model.parameters()]
         t = {"overlapped": [], "backward": [], "allreduce": []}
 
@@ -574,8 +575,9 @@ def launch(args, tag, cmd_tail, nproc):
         output, rc = f"{e.stdout or ''}{e.stderr or ''}\ntimed out after {args.launch_timeout} s", -1
     summary = json.loads(out_json.read_text()) if rc == 0 and out_json.exists() else None
     ms = {int(s): float(v) for s, v in STEP_LINE.findall(output)}
-    print(f"  {tag:28s} rc {rc}  {time.time() - t0:5.1f} s wall  median step "
-          f"{statistics.median(list(ms.values())[args.warmup:] or [0]):8.1f} ms", flush=True)
+    timed = list(ms.values())[args.warmup:]
+    print(f"  {tag:28s} rc {rc}  {time.time() - t0:5.1f} s wall" +
+          (f"  median step {statistics.median(timed):8.1f} ms" if timed else ""), flush=True)
     if rc != 0:
         print("\n".join("    | " + line for line in output.strip().splitlines()[-15:]), flush=True)
     return dict(rc=rc, summary=summary, ms=[ms[k] for k in sorted(ms)], cmd=" ".join(cmd[3:]))
@@ -597,14 +599,6 @@ def run_side(args, pair, side, world, tag):
     return launch(args, tag, ["bench.py", *own, *model_flags(args)], world)
 
 
-def ours_sent(pair, s):
-    """Bytes a rank sends per step, from our file's --json: collectives at ring cost (zero.py and megatron_tp.py
-    count that way; ddp_bucketed.py and dp.py count the payload and give its ring cost), sends as counted."""
-    f = s["figures"]
-    return {"ddp": f.get("ring_bytes_sent_per_rank_theory"), "dp_sync": f.get("ring_bytes_sent_theory")}.get(
-        pair, s["comm_bytes"])
-
-
 def side_row(args, pair, side, runs, one_ms):
     ok = [r for r in runs if r["rc"] == 0 and len(r["ms"]) > args.warmup]
     if not ok:
@@ -615,11 +609,14 @@ def side_row(args, pair, side, runs, one_ms):
     row = dict(name=PAIRS[pair][0] if side == "ours" else TORCH_NAME[PAIRS[pair][2]], step_ms=med,
                step_ms_per_round=[statistics.median(r["ms"][args.warmup:]) for r in ok], tokens_per_s=tokens / med * 1e3,
                peak_mem_bytes=s["peak_mem_bytes"] if s else None,
-               sent_bytes_per_rank=(ours_sent(pair, s) if side == "ours" else s["comm_bytes"]) if s else None,
+               sent_bytes_per_rank=s["comm_bytes"] if s else None,
                losses=s["losses"] if s else None, command=ok[-1]["cmd"])
     f = (s or {}).get("figures", {})
-    if "bubble_mean" in f:
-        row.update(bubble=f["bubble_mean"], bubble_theory=f["bubble_theory"])
+    if "bubble_mean" in f:  # the idle share of the step; ptdp.py reports idle / busy, the paper's (p-1)/(v*m)
+        idle_per_busy = side == "ours" and pair == "ptdp"
+        share = [b / (1 + b) for b in f["bubble"]] if idle_per_busy else None
+        row.update(bubble=sum(share) / len(share) if idle_per_busy else f["bubble_mean"],
+                   bubble_theory=f["bubble_theory"] / (1 + f["bubble_theory"]) if idle_per_busy else f["bubble_theory"])
     if one_ms and PAIRS[pair][3] == "dp":  # tokens/s at world N / (N x tokens/s of one process)
         row.update(scaling_efficiency=(tokens / med) / (args.world * tokens / one_ms))
     return row
@@ -693,9 +690,10 @@ def markdown(args, rows, wall_s, one_ms):
     lines += ["", "ratio = ours / torch step time (median over the timed steps of every round; < 1: ours faster). "
               "Loss diff: largest relative difference of a per-step loss between the two sides (same training). "
               "Peak memory: CUDA's peak on GPUs; on CPU counted from tensors (parameters, gradients, optimizer "
-              "state, saved activations, DDP buckets / FSDP gathered parameters). Sent: per rank per step, sends as "
-              "counted, collectives at ring cost of the counted tensors (theory conversion: all-reduce 2(n-1)/n, "
-              "all-gather (n-1) x input, reduce-scatter / broadcast (n-1)/n). Scaling efficiency: tokens/s at "
+              "state, saved activations, DDP buckets / FSDP gathered parameters). Sent: bytes of the tensors the "
+              "busiest rank hands to collectives and sends in one step, counted (ours by the file, torch's at the "
+              "dispatcher): an all-gather's shard, a reduce-scatter's whole input, a broadcast at its root. "
+              "Bubble: idle share of the last step. Scaling efficiency: tokens/s at "
               f"world {args.world} / ({args.world} x tokens/s of plain one-process training on the whole batch"
               + (f", {args.batch_size * args.seq_len / one_ms * 1e3:.0f} tok/s here)." if one_ms else ").")]
     return "\n".join(lines) + "\n"
@@ -748,6 +746,7 @@ def main():
     for pairs in groups.values():
         rows += bench_group(args, pairs, one_ms)
         Path(args.out + ".json").write_text(json.dumps(rows, indent=1))  # what is done so far, if interrupted
+        Path(args.out + ".md").write_text(markdown(args, rows, time.time() - t0, one_ms))
     rows.sort(key=lambda r: names.index(r["pair"]))
     md = markdown(args, rows, time.time() - t0, one_ms)
     Path(args.out + ".md").write_text(md)
