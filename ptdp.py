@@ -247,20 +247,29 @@ def ideal_timeline(p, v, m, f_slots=1, b_slots=2):
 
 def comm_plan(p, v, m, r):
     """Rank r's steps for one batch: ("op", op) and ("p2p", sends, recvs) with [(peer pp rank, message)].
-    Each message leaves right after the op that makes it (time G on the ideal timeline); its receiver posts the
-    receive at the same G (after its ops that start before G, before those that start at or after G). All
-    ranks thus post their batches in order of G, and a batch's partners are batches of the same G: none can
-    wait for a later one, so no cycle (NCCL deadlocks on a send whose receive is posted behind a wait on the
-    sender). Within a batch, messages are sorted the same way on both sides: per pair, one FIFO order."""
+    Each message travels at one moment G of the ideal timeline, between the end of the op that makes it and
+    the start of the op that uses it: the first such moment at which both ranks are between ops (else right
+    after it is made, when the sender is). Both post it in their batch of G, which comes after their ops that
+    start before G and before those that start at or after it. All ranks thus post their batches in order of
+    G and a batch's partners are batches of the same G: none can wait for a later one, so no cycle (NCCL
+    deadlocks on a send whose receive is posted behind a wait on the sender). Within a batch, messages are
+    sorted the same way on both sides: per pair of ranks, one FIFO order."""
     at, n, items = ideal_timeline(p, v, m), p * v, collections.defaultdict(lambda: ([], []))
-    steps = [((at[op][1], 1), ("op", op)) for op in schedule(p, v, m, r)]
+    spans = collections.defaultdict(list)  # pp rank -> (start, end) of its ops
+    for q, start, end in at.values():
+        spans[q].append((start, end))
     for msg in (needs(op, n) for op in at):
         if msg is not None:
-            src, dst, when = at[producer(msg)][0], at[msg][0], at[producer(msg)][2]
+            (src, _, made), (dst, used, _) = at[producer(msg)], at[msg]
+            edges = {x for q in (src, dst) for span in spans[q] for x in span if made <= x <= used}
+            times = sorted(edges | {made, used})
+            between = [x for x in times if all(not a < x < z for q in (src, dst) for a, z in spans[q])]
+            when = between[0] if between else made
             if src == r:
                 items[when][0].append((dst, msg))
             if dst == r:
                 items[when][1].append((src, msg))
+    steps = [((at[op][1], 1), ("op", op)) for op in schedule(p, v, m, r)]
     steps += [((when, 0), ("p2p", sorted(s), sorted(rv))) for when, (s, rv) in items.items()]
     return [step for _, step in sorted(steps, key=lambda x: x[0])]
 
