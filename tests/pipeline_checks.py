@@ -6,6 +6,8 @@ can fail. Each case monkeypatches one piece of the technique and calls the file'
     stash-newest    pipedream.py --mode stash whose backward runs on the newest weights instead of the version
                     its forward read (no weight stashing): the gradients land on the wrong tensors
     2bw-fewer       pipedream.py --mode 2bw with its m >= p guard lifted, so the drain would skip a norm
+    resume-newest   pipedream.py resumed from a checkpoint with every stashed version replaced by the live weights
+                    (the checkpoint's versions ignored): the run goes on, on the wrong weights
 
 Run: torchrun --standalone --nproc_per_node=P tests/pipeline_checks.py CASE [the file's flags]"""
 import sys
@@ -51,6 +53,20 @@ elif case == "2bw-fewer":
 
     real_fail = pipedream.fail
     pipedream.fail = lambda msg: None if msg.startswith("--mode 2bw needs --microbatches") else real_fail(msg)
+    pipedream.main()
+
+elif case == "resume-newest":
+    import copy
+
+    import pipedream
+
+    load_with_versions = pipedream.StageRunner.load_state_dict
+
+    def load_live_only(self, state):
+        load_with_versions(self, state)
+        self.snap = {v: copy.deepcopy(self.stage) for v in self.snap}  # each kept version = the live weights
+
+    pipedream.StageRunner.load_state_dict = load_live_only
     pipedream.main()
 
 else:

@@ -3,7 +3,7 @@
 its graph by mistake is caught); the executed schedule (the measured events) obeys the pipeline's rules; with
 --stage-ms (simulated compute) the measured bubble is near (p-1)/(m+p-1); the Chrome trace holds one event per F
 and B; no object collectives; bad input exits 2 with one line.
-Launches: 8 torchrun (one restarts once, one is a bad input, one breaks the file on purpose), 5 plain python."""
+Launches: 9 torchrun (one restarts once, one is a bad input, one breaks the file on purpose), 5 plain python."""
 import json
 import re
 import subprocess

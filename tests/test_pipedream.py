@@ -8,7 +8,7 @@ weights fails this and --check); it keeps at most p - s versions and equals its 
 invariant stops the run; both differ from synchronous training; killed and restarted from checkpoints (a drain
 at each save), stash and 2bw end with the uninterrupted run's losses and final parameters, bit for bit; no object
 collectives; bad input exits 2 with one line, before any collective.
-Launches: 14 torchrun (two break the file on purpose, two restart once), 7 plain python."""
+Launches: 12 torchrun (three break the file on purpose, three restart once), 7 plain python."""
 import json
 import re
 import subprocess
@@ -309,6 +309,17 @@ def test_stash_and_2bw_resume_exactly(launch, tmp_path, mode):
                 for ck in (whole["config"]["ckpt_dir"], tmp_path / "r"))
         assert a["model"].keys() == b["model"].keys()
         assert all(torch.equal(a["model"][n], b["model"][n]) for n in a["model"]), f"stage {r}"
+
+
+def test_resume_without_the_stashed_versions_fails(launch, tmp_path):
+    """The negative: a resume that replaces the checkpoint's stashed versions by the live weights
+    (tests/pipeline_checks.py resume-newest) runs on, but its losses leave the uninterrupted run's and --check fails."""
+    whole = launch(*STASH)[0]
+    resumed, out = torchrun("tests/pipeline_checks.py", 3, "resume-newest", *CFG, "--microbatches", *STASH[1:],
+                            "--check", "--ckpt-dir", tmp_path / "r", "--save-every", 2, "--fail-at-step", 3,
+                            tmp_path=tmp_path, max_restarts=1, expect_rc=1)
+    assert "at step 2" in out and not resumed["check"]["passed"]
+    assert resumed["losses"][:2] == whole["losses"][:2] and resumed["losses"][2] != whole["losses"][2]
 
 
 def test_no_object_collectives():
