@@ -21,6 +21,9 @@ holds the whole model state, yet only 1/N of the update work needs to happen on 
   --recompute       activation recomputation per block (Chen et al. 2016), via torch.utils.checkpoint.
   --mixed-precision fp32 master shard, bf16/fp16 compute copy, gradients reduced in fp32 (Micikevicius et
                     al. 2018); fp16 adds dynamic loss scaling, with one skip decision for every rank.
+  --optimizer adafactor   Adafactor (Shazeer & Stern 2018): factored second moments, a row and a column
+                    vector per matrix instead of a matrix, no first moment; exact on flat shards that cut
+                    through matrices (each rank sums its own squares, one all-reduce of the small vectors).
   --compress-activations  Gist (Jain et al. 2018): each activation autograd saves for backward is encoded
                     when forward saves it (bf16: a cast; int8: one absmax scale per row) and decoded when
                     backward needs it. Lossy by design: it trades gradient accuracy for activation memory.
@@ -85,6 +88,7 @@ class Args(CommonArgs):
     scale_window: int = 1000  # fp16: double the loss scale after this many clean steps in a row
     inject_overflow: int = -1  # fp16 test: put an inf into the last rank's gradient at this step
     compress_activations: Literal["none", "bf16", "int8"] = "none"  # encode the activations saved for backward
+    optimizer: Literal["adamw", "adafactor"] = "adamw"  # adafactor: factored second moments, no first moment
 
 
 # ----------------------------------------------------------------------------- stage 3: gather and release
@@ -214,7 +218,8 @@ class Zero:
         self.root = FlatUnit(self, model, "")  # whatever parameters are left
         self.units.append(self.root)
         model.to(self.device)  # the buffers (no parameters are left in the modules)
-        self.opt = make_optimizer([u.master for u in self.units], args)  # AdamW on the flat fp32 shards
+        self.opt = FlatAdafactor(self, args) if args.optimizer == "adafactor" else \
+            make_optimizer([u.master for u in self.units], args)  # AdamW on the flat fp32 shards
         # stage 3: the order units are first needed in, forward and backward (the root is in use at both ends)
         blocks = [u for u in self.units[:-1] if u.numel]
         self.forward_order = [self.root] * bool(self.root.numel) + blocks
@@ -486,6 +491,70 @@ def decode(e):  # back to the dtype forward saved it in; error <= half a step: |
     return x if e.scale is None else x * e.scale
 
 
+# ----------------------------------------------------------------------------- --optimizer adafactor
+class FlatAdafactor:
+    """Adafactor (Shazeer & Stern 2018) on ZeRO's flat shards, computed as torch.optim.Adafactor does:
+    beta1 = 0, 1 - beta2_t = t^-0.8, update clipping at RMS d = 1, decoupled weight decay, and torch's
+    relative step alpha = max(1e-3, RMS(X)) min(lr, 1/sqrt t) (torch has no switch for it; keeping it makes
+    torch's optimizer an independent reference). An (R, C) matrix keeps mean squared gradients per row (R,)
+    and per column (C,), whole on every rank. A shard cuts through matrices, so:
+      1. each rank adds the squares of its own gradient elements into those vectors (and each parameter's
+         sum of squared weights, for RMS(X)); one all-reduce of all of them makes them exact;
+      2. each rank computes the update of its own elements, v = row[i] col[j] / mean(row), u = g / sqrt(v);
+      3. one all-reduce of each parameter's sum of u^2 gives the clip, max(1, RMS(u) / d); step.
+    A vector (bias, LayerNorm) keeps an unfactored second moment of this rank's elements only."""
+
+    def __init__(self, zero, args):
+        self.zero, self.lr, self.wd, self.t, self.state, self.pieces = zero, args.lr, args.weight_decay, 0, {}, []
+        for u in zero.units:
+            lo, hi = (0, u.numel) if zero.stage == 0 else (u.lo, u.lo + u.valid)  # flat elements I update
+            st, mine = {}, []
+            for k, (a, b, shape) in enumerate(zip(u.offsets, u.offsets[1:], u.shapes)):
+                s, e = max(a, lo), min(b, hi)  # my elements of parameter k: flat [s, e), maybe none
+                i = torch.arange(s, max(s, e), device=u.master.device) - a  # positions inside the parameter
+                if len(shape) == 2:
+                    st[f"row{k}"], st[f"col{k}"] = (u.master.new_zeros(n) for n in shape)
+                    mine.append((k, slice(s - lo, max(s, e) - lo), i // shape[1], i % shape[1], shape, b - a))
+                else:
+                    st[f"var{k}"] = u.master.new_zeros(max(e - s, 0))
+                    mine.append((k, slice(s - lo, max(s, e) - lo), None, None, shape, b - a))
+            self.state[u.master] = st
+            self.pieces.append(mine)
+
+    def _all_reduce(self, parts):  # stage 0 holds whole vectors: nothing to add up
+        flat = torch.cat(parts).to(self.zero.device)
+        if self.zero.stage > 0:
+            self.zero.all_reduce(flat)
+            self.sent += flat.nbytes  # its extra traffic, for the summary
+        return flat.to(parts[0].device).split([p.numel() for p in parts])
+
+    def step(self):
+        self.t, self.sent = self.t + 1, 0
+        beta, rho = self.t ** -0.8, min(self.lr, self.t ** -0.5)
+        todo = [(u.master, u.master.grad, self.state[u.master], p) for u, mine in zip(self.zero.units, self.pieces)
+                for p in mine]
+        parts = []  # 1. my squares, into the (R,) and (C,) vectors of each matrix, and sum X^2 per parameter
+        for x, g, st, (k, sl, r, c, shape, n) in todo:
+            if r is not None:
+                parts += [x.new_zeros(shape[0]).index_add_(0, r, g[sl] ** 2),
+                          x.new_zeros(shape[1]).index_add_(0, c, g[sl] ** 2)]
+            parts.append((x[sl] ** 2).sum().view(1))
+        stats, updates = iter(self._all_reduce(parts)), []
+        for x, g, st, (k, sl, r, c, shape, n) in todo:  # 2. the update of my elements
+            eps1 = torch.finfo(x.dtype).eps
+            if r is not None:
+                st[f"row{k}"].lerp_(next(stats) / shape[1], beta)  # mean over the row's C elements
+                st[f"col{k}"].lerp_(next(stats) / shape[0], beta)
+                v = st[f"row{k}"][r] * st[f"col{k}"][c] / st[f"row{k}"].mean().clamp(min=eps1)
+            else:
+                v = st[f"var{k}"].lerp_(g[sl] ** 2, beta).clone()
+            alpha = (next(stats) / n).sqrt().clamp(min=1e-3) * rho  # (1,), on the device: no host sync
+            updates.append((v.clamp_(min=eps1 * eps1).rsqrt_() * g[sl], alpha))
+        sq = self._all_reduce([(u ** 2).sum().view(1) for u, _ in updates])  # 3. clip by RMS(u), whole parameter
+        for (x, g, st, (k, sl, r, c, shape, n)), (u, alpha), s in zip(todo, updates, sq):
+            x[sl].mul_(1 - self.lr * self.wd).sub_(u * (alpha / (s / n).sqrt().clamp(min=1.0)))
+
+
 def _atomic_save(obj, path):
     torch.save(obj, path + ".tmp")
     os.replace(path + ".tmp", path)
@@ -559,6 +628,25 @@ def reference_mixed(args, world, device="cpu"):
     return dict(losses=losses, params={n: p.detach().clone() for n, p in master.named_parameters()})
 
 
+def reference_adafactor(args, device="cpu"):
+    """What --check compares an --optimizer adafactor run with: plain one-process training, as
+    common.reference_train does it, with torch.optim.Adafactor in AdamW's place (foreach=False)."""
+    data = MarkovData(args.vocab, args.seed)
+    model = build_gpt(GPTConfig.from_args(args), args.seed, DTYPES[args.dtype], device)
+    opt = torch.optim.Adafactor(model.parameters(), lr=args.lr, weight_decay=args.weight_decay, foreach=False)
+    losses = []
+    for step in range(args.steps):
+        x, y = (t.to(device) for t in data.batch(step, args.batch_size, args.seq_len, args.ragged))
+        loss = lm_loss(model(x), y, count_tokens(y))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        if args.clip > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
+        opt.step()
+        losses.append(loss.item())
+    return dict(losses=losses, params={n: p.detach().clone() for n, p in model.named_parameters()})
+
+
 def mixed_tolerance(args):
     """--check's tolerance for a --mixed-precision run against reference_mixed. The two differ only in the
     order of the fp32 sums of the micro-batch gradients (a few fp32 roundings), which can round a rare
@@ -617,6 +705,13 @@ def theory(zero, padded=False):
     p, m = torch.finfo(zero.compute_dtype).bits // 8, torch.finfo(zero.master_dtype).bits // 8
     N, s = zero.world, zero.stage
     K = 2 * m + (m if zero.separate_master else 0)
+    if isinstance(zero.opt, FlatAdafactor):  # m (R + C) per matrix, whole; m per vector element, sharded
+        shapes = [sh for u in zero.units for sh in u.shapes]
+        factored = m * sum(sh[0] + sh[1] for sh in shapes if len(sh) == 2)
+        vectors = m * sum(sh.numel() for sh in shapes if len(sh) != 2)
+        master = m * psi / (N if s >= 1 else 1) if zero.separate_master else 0
+        return dict(params=p * psi / (N if s == 3 else 1), grads=m * psi / (N if s >= 2 else 1),
+                    optim=factored + vectors / (N if s >= 1 else 1) + master, psi=psi, p=p, g=m, K=None)
     return dict(params=p * psi / (N if s == 3 else 1), grads=m * psi / (N if s >= 2 else 1),
                 optim=K * psi / (N if s >= 1 else 1), psi=psi, p=p, g=m, K=K)
 
@@ -643,8 +738,14 @@ def report(d, args, zero, saved, without, sent):
     if args.offload:
         host = " on host" + (" (= the device here: trivially true on CPU)" if zero.device.type == "cpu" else "")
     for k, label in (("params", "parameters (compute copy)"), ("grads", "gradients (accumulator)"),
-                     ("optim", "optimizer (master, m, v)" + host)):
+                     ("optim", f"optimizer (master, {'row/col/var' if K is None else 'm, v'})" + host)):
         d.log(f"  {label:32s} {mem[k]:>10,d} B | theory {th[k]:>12,.0f} B")
+    if K is None:
+        d.log(f"  {'(AdamW moments would take)':32s} {2 * g * psi / (N if s >= 1 else 1):>10,.0f} B = 2 g Psi/N")
+        shapes = [sh for u in zero.units for sh in u.shapes]
+        extra = g * (sum(sh[0] + sh[1] for sh in shapes if len(sh) == 2) + 2 * len(shapes)) * (s > 0)
+        d.log(f"  Adafactor's own all-reduces: counted {zero.opt.sent:,d} B/step | theory {extra:,d} B = g (sum of R + C "
+              f"over matrices + 2 per parameter), none at stage 0")
     d.log(f"  {'model states':32s} {mem['params'] + mem['grads'] + mem['optim']:>10,d} B | theory "
           f"{th['params'] + th['grads'] + th['optim']:>12,.0f} B = {formula}  (paper, fp16 Adam: {paper:,.0f} B)")
     if s == 3:
@@ -679,6 +780,10 @@ def check_args(args, world):
              f"(--accum >= 1; e.g. --batch-size {world * max(args.accum, 1)})")
     if args.mixed_precision != "none" and args.dtype == "bfloat16":
         fail("--mixed-precision keeps the master weights in --dtype: use --dtype float32 (or float64)")
+    if args.optimizer == "adafactor" and args.ckpt_dir:
+        fail("--optimizer adafactor does not checkpoint its factored state yet: drop --ckpt-dir, or use adamw")
+    if args.optimizer == "adafactor" and args.check and args.mixed_precision != "none":
+        fail("--check of --optimizer adafactor has a full-precision reference only: drop --mixed-precision")
     if args.inject_overflow >= 0 and args.mixed_precision != "fp16":
         fail("--inject-overflow tests fp16 loss scaling: add --mixed-precision fp16")
     if args.compress_activations != "none" and args.check:
@@ -744,7 +849,10 @@ def train(d, args):
     check = None
     if args.check:
         full = zero.full_state_dict()
-        if args.mixed_precision == "none":
+        if args.optimizer == "adafactor":
+            ref = reference_adafactor(args, d.device) if d.rank == 0 else None
+            check = check_against_reference(d, args, losses, full, ref=ref)
+        elif args.mixed_precision == "none":
             check = check_against_reference(d, args, losses, full)
         else:
             ref = reference_mixed(args, d.world, d.device) if d.rank == 0 else None

@@ -139,6 +139,13 @@ def test_fp16_overflow_skipped_on_every_rank(tmp_path):
     assert s["check"]["passed"], s["check"]  # the same recipe (scaling, the skip) in one process
 
 
+def test_adafactor_world1_check():
+    # the command line and its --check (torch.optim.Adafactor on the plain model); sharded worlds and the
+    # state bytes are in tests/zero_checks.py
+    p = run_python("zero.py", *TINY, "--stage", "3", "--optimizer", "adafactor", "--check")
+    assert p.returncode == 0 and "-> PASSED" in p.stdout and "(AdamW moments would take)" in p.stdout, p.stdout[-3000:]
+
+
 def test_bad_input():
     p = run_python("zero.py", "--stage", "4")
     assert p.returncode == 2 and "--stage must be 0, 1, 2 or 3" in p.stderr, p.stderr

@@ -13,6 +13,9 @@
    master and moments on the CPU in storages of their own.
 3. --mixed-precision bf16 --check (zero.train, in-process) passes, and FAILS when any one unit's gradient
    is not reduced across ranks.
+4. --compress-activations: none is plain autograd bit for bit; bf16 / int8 save ~1/2 / ~1/4 of the bytes
+   with gradients within the encoding's rounding.
+5. --optimizer adafactor at world 1, 2, 3 and stages 0-3 == torch.optim.Adafactor; its state bytes.
 Each check is also run against code broken on purpose (a gathered unit kept alive, prefetch off, offload
 aliasing the compute copy, a dropped reduction), and must catch it.
 Every tensor and model lives on the process group's device (gloo + CPU here, NCCL + GPU elsewhere).
@@ -404,6 +407,58 @@ def check_compression(d, args):
         check(d, f"compress {how} mutant (decode returns zeros) is caught", err > 4 * bound[how], f"({err:.1e})")
 
 
+# ----------------------------------------------------------------------------- 5. --optimizer adafactor
+def check_adafactor(d, args):
+    """Adafactor on flat shards at world 1 (a shard is the whole tensor), 2 and the launch's world
+    (subgroups of it), stages 0-3, against torch.optim.Adafactor on the plain model in one process
+    (float64); its optimizer state against a closed form from the model's shapes; a run whose statistics
+    are not summed over the ranks (each rank's own squares only) is caught."""
+    a = replace(args, optimizer="adafactor")
+    data = MarkovData(a.vocab, a.seed)
+    plain = build_gpt(GPTConfig.from_args(a), a.seed, torch.float64, d.device)
+    opt = torch.optim.Adafactor(plain.parameters(), lr=a.lr, weight_decay=a.weight_decay, foreach=False)
+    for s in range(a.steps):
+        x, y = (t.to(d.device) for t in data.batch(s, a.batch_size, a.seq_len))
+        opt.zero_grad()
+        lm_loss(plain(x), y, count_tokens(y)).backward()
+        torch.nn.utils.clip_grad_norm_(plain.parameters(), a.clip)
+        opt.step()
+    want = {n: p.detach().cpu() for n, p in plain.named_parameters()}
+    init = {n: p.detach() for n, p in build_gpt(GPTConfig.from_args(a), a.seed, torch.float64).named_parameters()}
+    check(d, "adafactor: training moved the parameters (parity is not vacuous)", max_diff(want, init) > 1e-3)
+    shapes = [p.shape for p in plain.parameters()]
+    factored = 8 * sum(sh[0] + sh[1] for sh in shapes if len(sh) == 2)
+    vectors = 8 * sum(sh.numel() for sh in shapes if len(sh) != 2)
+
+    def run(stage, group, **kw):
+        zero = Z.Zero(build_gpt(GPTConfig.from_args(a), a.seed, torch.float64), replace(a, stage=stage, **kw),
+                      units=[f"blocks.{i}" for i in range(a.n_layers)], group=group, device=d.device)
+        for s in range(a.steps):
+            x, y = data.batch(s, a.batch_size, a.seq_len)
+            Z.train_step(zero, x, y, count_tokens(y), a.accum, lm_loss)
+        return zero, zero.full_state_dict()
+
+    groups = {1: dist.new_group([0]), 2: dist.new_group([0, 1]), d.world: dist.group.WORLD}
+    for n, group in groups.items():
+        for stage in (0, 1, 2, 3) if n > 1 else (0,):
+            if d.rank >= n:
+                continue  # not in this subgroup
+            zero, got = run(stage, group)
+            diff = max_diff(got, want)
+            check(d, f"adafactor: world {n} stage {stage} == torch.optim.Adafactor", diff < 1e-12, f"({diff:.1e})")
+            if n == d.world and stage == 3:  # optimizer state: row + column per matrix whole, vectors sharded
+                t = torch.tensor([float(Z.memory(zero)["optim"])], device=d.device)
+                dist.all_reduce(t)
+                ok = t.item() == n * factored + vectors
+                check(d, "adafactor: optimizer bytes, summed over ranks == N x 8 (R + C) per matrix + 8 x vector "
+                      "elements", ok, f"({t.item():.0f} B; AdamW's moments: {2 * 8 * sum(x.numel() for x in plain.parameters())} B)")
+                with mock.patch.object(Z.FlatAdafactor, "_all_reduce", lambda self, parts: parts):
+                    _, got = run(stage, group)
+                check(d, "adafactor mutant (statistics not summed over ranks) is caught", max_diff(got, want) > 1e-6,
+                      f"({max_diff(got, want):.1e})")
+    dist.barrier()
+
+
 def main():
     d = init_dist(60)
     base = Z.Args(vocab=32, seq_len=8, d_model=16, n_heads=2, n_layers=3, batch_size=12, steps=3,
@@ -412,6 +467,7 @@ def main():
     check_gpt(d, base)
     check_mixed(d, base)
     check_compression(d, base)
+    check_adafactor(d, base)
     bad = torch.tensor([float(len(FAILED))], device=d.device)
     dist.all_reduce(bad)
     d.log("ALL CHECKS PASSED" if bad.item() == 0 else f"FAILED: {FAILED}")
