@@ -42,22 +42,20 @@ Three ways to split one GPT, composed on one grid of ranks:
    and the dp replicas identical copies (counted on dp rank 0): one all-reduce of two numbers over the world,
    which also sums the loss.
 
-Messages: every activation and gradient is one tensor handed to batch_isend_irecv. comm_plan() reads from the
-ideal timeline when each one leaves (right after the op that made it) and pairs it with the receive at the same
-point of the receiver's timeline, so every rank posts its batches in one global order and the sends and
-receives of a batch always meet their partners (NCCL deadlocks otherwise); the tests simulate that.
-
-Measured: each F and B (start, end, when its input arrived) on every rank; the bubble beside (p-1)/(v*m);
-micro-batches in flight beside the schedule's bound; messages and bytes counted at the send beside theory
-(forward messages per batch and pipeline (v*p-1)*m); an ASCII timeline; --trace PATH (Chrome trace JSON).
---stage-ms F simulates compute time: each chunk's forward also waits F/v ms and its backward 2F/v ms, so a
-rank does F + 2F ms of simulated work per micro-batch whatever v (the paper's comparison: same work, v-fold
-smaller bubble); the numbers computed are unchanged.
+Messages: each activation and gradient is one tensor in a batch_isend_irecv. comm_plan() gives each one moment
+of the ideal timeline at which both its ranks post it, so every rank posts its batches in one global order and
+no batch waits on a later one (NCCL deadlocks otherwise; the tests simulate that). Measured: every F and B
+(start, end, when its input arrived); the bubble beside (p-1)/(v*m); chunks in flight beside the schedule's
+bound; messages and bytes counted at the send beside theory ((v*p-1)*m forward messages per batch and
+pipeline); TP and DP collectives counted; an ASCII timeline; --trace PATH (Chrome trace JSON). --stage-ms F
+simulates compute time: each chunk's forward also waits F/v ms and its backward 2F/v ms, so a rank does 3F ms
+of simulated work per micro-batch whatever v (the paper's comparison: same work, v-fold smaller bubble); the
+numbers computed are unchanged.
 
 Run (2 processes at least: a pipeline of 2; --dp 0 = world / (pp * tp)):
     torchrun --nproc_per_node=2 ptdp.py --pp 2 --virtual-stages 2 --dtype float64 --check
     torchrun --nproc_per_node=8 ptdp.py --pp 2 --tp 2 --dp 2 --virtual-stages 2 --dtype float64 --check
-    torchrun --nproc_per_node=4 ptdp.py --pp 4 --n-layers 8 --microbatches 8 --virtual-stages 2 --stage-ms 20 --steps 3
+    torchrun --nproc_per_node=4 ptdp.py --pp 4 --n-layers 8 --microbatches 8 --virtual-stages 2 --stage-ms 50 --steps 2
 2 nodes x 8 GPUs: torchrun --nnodes=2 --nproc_per_node=8 ... ptdp.py --tp 8 --pp 2 (tp inside a node, where
 NVLink carries its per-layer all-reduces; only point-to-point activations cross the slower inter-node links).
 In production, use Megatron-Core, or torch.distributed.pipelining (ScheduleInterleaved1F1B) with DTensor TP.
