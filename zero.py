@@ -52,6 +52,8 @@ fp16 Adam: p = g = 2, K = 12 = fp32 master + m + v):
     torchrun --nproc_per_node=4 zero.py --stage 2 --offload --recompute --mixed-precision bf16 --check
     torchrun --nproc_per_node=4 zero.py --stage 1 --ckpt-dir ckpt --save-every 5 --steps 10
     torchrun --nproc_per_node=2 zero.py --stage 3 --ckpt-dir ckpt --steps 20    # resumes at world 2
+    torchrun --nproc_per_node=2 zero.py --stage 3 --optimizer adafactor --check  # vs torch's Adafactor
+    torchrun --nproc_per_node=2 zero.py --stage 3 --compress-activations int8    # saved bytes, with/without
 
 In production, use torch.distributed.fsdp.fully_shard (FSDP2) or DeepSpeed ZeRO.
 """

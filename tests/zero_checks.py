@@ -405,6 +405,16 @@ def check_compression(d, args):
             g, _, _ = compressed_grads(d, a, x, y, how)
         err = ((g - exact).norm() / exact.norm()).item()
         check(d, f"compress {how} mutant (decode returns zeros) is caught", err > 4 * bound[how], f"({err:.1e})")
+    # training: the loss after the same steps, compressed against plain (a figure, loosely bounded)
+    losses = {}
+    for how in ("none", "bf16", "int8"):
+        zero, data = gpt_zero(d, replace(a, compress_activations=how), torch.float32), MarkovData(a.vocab, a.seed)
+        for s in range(a.steps):
+            xs, ys = data.batch(s, a.batch_size, a.seq_len)
+            losses[how] = Z.train_step(zero, xs, ys, count_tokens(ys), 1, lm_loss)[0]
+    for how in ("bf16", "int8"):
+        diff = abs(losses[how] - losses["none"]) / losses["none"]
+        check(d, f"compress {how}: loss after {a.steps} steps within 1e-2 of plain", diff < 1e-2, f"(relative {diff:.1e})")
 
 
 # ----------------------------------------------------------------------------- 5. --optimizer adafactor
