@@ -25,7 +25,8 @@ Figures per pair: step time, tokens/s, peak memory per rank, bytes handed to col
 and step (counted), the pipelines' bubble beside (p-1)/(m+p-1), data parallel's scaling efficiency
 (tokens/s at world N over N x tokens/s of one process), and for ddp_bucketed the share of all-reduce time
 hidden behind backward against the same buckets reduced after backward. Writes --out.json (a list of rows
-with `ours`, `torch`, `ratio`) and --out.md; --profile DIR also writes a Chrome trace per rank and run.
+with `ours`, `torch`, `ratio`) and --out.md. --profile DIR runs both sides under torch.profiler, writes a
+Chrome trace per run and rank, and prints each run's biggest top-level ops (where a slower side loses time).
 """
 import contextlib, json, os, re, statistics, subprocess, sys, time
 from dataclasses import dataclass
@@ -59,7 +60,7 @@ class Args(CommonArgs):
     microbatches: int = 4  # pipelines: micro-batches per step
     bucket_cap_mb: float = 4.0  # ddp, dp_sync, zero1: bucket cap in MiB on both sides
     threads: int = 1  # OMP_NUM_THREADS of every rank
-    scaling: bool = True  # data-parallel pairs: one world-1 run per side too, for the scaling efficiency
+    scaling: bool = True  # data-parallel pairs: also time plain one-process training, for the scaling efficiency
     out: str = "bench"  # writes OUT.json and OUT.md
     profile: str = ""  # write a torch.profiler Chrome trace of every run and rank into this directory
     launch_timeout: int = 600  # seconds one torchrun launch may take
@@ -556,6 +557,25 @@ def profile_run(argv):
     runpy.run_path(str(ROOT / script), run_name="__main__")
 
 
+def profile_top(path, n=8):
+    """The main thread's top-level ops in a Chrome trace, from the first step's data on (setup skipped):
+    where a step's time went, biggest first, as lines of text."""
+    events = json.loads(Path(path).read_text())["traceEvents"]
+    ops = [e for e in events if e.get("ph") == "X" and e.get("cat") in ("cpu_op", "user_annotation")]
+    if not ops:
+        return []
+    main = statistics.mode(e["tid"] for e in ops if e.get("cat") == "cpu_op")
+    ops = sorted((e for e in ops if e["tid"] == main), key=lambda e: e["ts"])
+    t0 = next((e["ts"] for e in ops if e["name"] == "aten::multinomial"), ops[0]["ts"])  # MarkovData.batch
+    total, calls, end = {}, {}, -1.0
+    for e in ops:
+        if e["ts"] >= max(t0, end):  # top level: not inside the op before it
+            total[e["name"]] = total.get(e["name"], 0) + e["dur"] / 1e3
+            calls[e["name"]] = calls.get(e["name"], 0) + 1
+            end = e["ts"] + e["dur"]
+    return [f"{ms:9.1f} ms {calls[k]:5d} x {k[:80]}" for k, ms in sorted(total.items(), key=lambda kv: -kv[1])[:n]]
+
+
 # ----------------------------------------------------------------------------- the driver: A B A B
 STEP_LINE = re.compile(r"^step\s+(\d+) \| loss .*?\|\s+([\d.]+) ms", re.M)
 
@@ -580,6 +600,9 @@ def launch(args, tag, cmd_tail, nproc):
           (f"  median step {statistics.median(timed):8.1f} ms" if timed else ""), flush=True)
     if rc != 0:
         print("\n".join("    | " + line for line in output.strip().splitlines()[-15:]), flush=True)
+    trace = Path(args.profile) / f"{tag}.rank0.json" if args.profile else None
+    if trace and trace.exists():  # rank 0's biggest top-level ops over the run's steps
+        print("\n".join("    profile " + line for line in profile_top(trace)), flush=True)
     return dict(rc=rc, summary=summary, ms=[ms[k] for k in sorted(ms)], cmd=" ".join(cmd[3:]))
 
 
