@@ -28,6 +28,8 @@ Training", VLDB 2020, Sec. 3.2):
   6. --compress bf16|fp16: buckets travel in 16 bits (half the bytes of fp32, a quarter of fp64) and are
      copied back into the parameter dtype: gradient compression in its simplest form (torch's
      fp16_compress_hook / bf16_compress_hook). fp16 can underflow tiny gradients; bf16 keeps fp32's range.
+     --check then compares with a one-process run of the same recipe (compressed_reference), exact on 2 ranks.
+  7. --ckpt-dir saves the bucket layout with the model (BucketLayout): a restarted run keeps the rebuilt buckets.
 Ring all-reduce (Patarasuk & Yuan, 2009; Sergeev & Del Balso, "Horovod", 2018) sends 2(N-1)/N of the
 payload per rank, whatever N: adding ranks does not add bytes per rank.
 
