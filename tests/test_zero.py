@@ -116,10 +116,11 @@ def test_bf16_stage3_recompute(tmp_path):
     s, out = torchrun("zero.py", 2, *TINY, "--dtype", "float32", "--mixed-precision", "bf16", "--stage", "3",
                       "--recompute", "--check", tmp_path=tmp_path, name="bf16")
     c = s["check"]
-    # against the one-process reference with the same recipe, within steps x lr x 2^-8 (the default lr)
-    tol = 4 * 3e-3 * 2 ** -8
-    assert c["passed"] and c["max_loss_diff"] <= tol and c["max_param_diff"] <= tol, c
-    assert f"tolerance {tol:.0e}" in out
+    # against the one-process reference with the same recipe: losses within bf16's unit roundoff, each
+    # tensor within 10% of how far training moved it (zero.check_mixed; a dropped reduction gives O(1),
+    # tests/zero_checks.py)
+    assert c["passed"] and c["max_loss_diff"] <= 2 ** -8 and c["max_param_diff"] <= 0.1, c
+    assert "same precision recipe" in out and "(tolerance 4e-03 = u)" in out, out[-3000:]
     # yet not the float32 run: the compute really ran in bf16
     ref = reference_train(Z.Args(vocab=32, seq_len=8, d_model=16, n_heads=2, n_layers=2, batch_size=12, steps=4))
     assert max(abs(a - b) for a, b in zip(s["losses"], ref["losses"])) > 1e-5, (s["losses"], ref["losses"])
