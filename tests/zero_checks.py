@@ -296,7 +296,15 @@ def check_gpt(d, args):
 
     # stage 3: gathered storages freed and within the bound; a unit kept alive by a view must be caught
     a3 = replace(args, stage=3)
-    problems, peak, bound = stage3_memory_problems(d, a3, data)
+    # gloo's worker thread drops its reference to a finished all-gather's output a moment after the wait
+    # returns; on a loaded machine that can show once as a storage still alive. Up to 3 tries, decided
+    # together (every rank runs the same collectives); a storage our code keeps shows every time.
+    for attempt in range(3):
+        problems, peak, bound = stage3_memory_problems(d, a3, data)
+        good = torch.tensor([float(not problems and peak == bound)], device=d.device)
+        dist.all_reduce(good, op=dist.ReduceOp.MIN)
+        if good.item():
+            break
     check(d, "stage 3: gathered storages all freed, peak within root + 2 blocks", not problems,
           f"(peak {peak} B, bound {bound} B) {problems}")
     check(d, "stage 3: the peak reaches the bound (a unit is prefetched while one runs)", peak == bound,
