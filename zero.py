@@ -777,7 +777,7 @@ def report(d, args, zero, saved, without, sent):
         d.log(f"  {'compressed / plain':32s} {saved / without:>10.3f}   | theory {({'bf16': 2, 'int8': 1}[args.compress_activations] / elem):.3f}"
               f" = {args.compress_activations} bytes / {elem} (+ int8's scales, + integer tensors kept as they are)")
     d.log(f"bytes handed to collectives per rank per step: counted {sent:,.0f} B | theory {comm:,.0f} B = "
-          f"{comm_formula} (counted: padded vectors + the 8-byte norm all-reduce)")
+          f"{comm_formula} (counted: padded vectors + the 8-byte norm all-reduce{' + Adafactor' if K is None else ''})")
     memory_ = {k: dict(counted=mem[k], theory=th[k], theory_padded=thp[k]) for k in ("params", "grads", "optim")}
     return dict(memory=memory_,
                 host_grad_copy_bytes=mem["host_grad_copy"], psi=psi, psi_padded=thp["psi"],
