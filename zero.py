@@ -428,19 +428,35 @@ class Zero:
                     os.remove(os.path.join(ckpt_dir, f"step{old}", f))
                 os.rmdir(os.path.join(ckpt_dir, f"step{old}"))
 
+    def _read_meta(self, path):
+        """A step's meta.pt, checked against this run: one clear line (exit 2) for a damaged file or
+        another model; another world size is fine (load reshards)."""
+        try:
+            meta = torch.load(os.path.join(path, "meta.pt"), map_location="cpu", weights_only=False)
+            numels = meta["numels"]
+        except Exception as e:
+            fail(f"cannot read checkpoint {path}/meta.pt ({type(e).__name__}): delete it or use another --ckpt-dir")
+        if numels != [u.numel for u in self.units]:
+            fail(f"checkpoint {path} holds another model (unit sizes {numels}, this run "
+                 f"{[u.numel for u in self.units]}): use another --ckpt-dir")
+        return meta
+
     def load(self, ckpt_dir):
         """Resume from the newest complete step, whatever world size wrote it: each rank reads, from the
         old ranks' files, the pieces that overlap the flat elements it owns now, and at the same world size
         its own RNG states. Returns (step, history)."""
         steps = _complete_steps(ckpt_dir) if ckpt_dir else []
+        if ckpt_dir and os.path.isdir(ckpt_dir) and any(f.startswith("rank") for f in os.listdir(ckpt_dir)):
+            fail(f"--ckpt-dir {ckpt_dir} holds another file's rank-local checkpoints (rank*/), not zero.py's "
+                 f"sharded steps (step*/): use another --ckpt-dir")  # checked before any collective
+        if steps:
+            self._read_meta(os.path.join(ckpt_dir, f"step{steps[-1]}"))
         t = torch.tensor([steps[-1] if steps else 0], device=self.device)
         dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)  # every rank sees the same directory
         if not t.item():
             return 0, {}
         path = os.path.join(ckpt_dir, f"step{int(t.item())}")
-        meta = torch.load(os.path.join(path, "meta.pt"), map_location="cpu", weights_only=False)
-        if meta["numels"] != [u.numel for u in self.units]:
-            raise RuntimeError(f"{path} holds another model (unit sizes {meta['numels']})")
+        meta = self._read_meta(path)
         old_n, files = meta["world"], {}
 
         def rank_file(q):

@@ -39,19 +39,28 @@ MATRIX = [
     ("pipedream.py", 2, [*T, "--mode", "bogus"], ["invalid choice"]),
     ("pipedream.py", 2, [*T, "--microbatches", "5"], ["not divisible by --microbatches 5"]),
     ("pipedream.py", 2, [*T, "--vertical-sync"], ["--vertical-sync"]),
+    ("pipedream.py", 2, [*T, "--mode", "2bw", "--microbatches", "1"], ["2bw needs --microbatches >= stages (2)"]),
     ("megatron_tp.py", 4, [*T, "--tp", "3"], ["not divisible by --tp 3"]),
     ("megatron_tp.py", 4, [*T, "--tp", "4"], ["--n-heads 2 is not divisible by the TP degree 4"]),
     ("moe.py", 4, [*T, "--experts", "6", "--ep", "4"], ["not divisible by --ep 4"]),
     ("moe.py", 1, [*T, "--router", "bogus"], ["invalid choice"]),
     ("zero.py", 2, [*T, "--stage", "5"], ["--stage must be 0, 1, 2 or 3"]),
     ("zero.py", 2, [*T, "--stage", "0", "--offload"], ["--offload"]),
-    ("ptdp.py", 4, [*T, "--pp", "2", "--tp", "1", "--dp", "1"], ["world"]),
+    ("zero.py", 2, [*T, "--optimizer", "adafactor", "--ckpt-dir", "unused"], ["adafactor", "--ckpt-dir"]),
+    ("dp.py", 3, [*T, "--mode", "async", "--ckpt-dir", "unused"], ["--ckpt-dir"]),
+    ("ptdp.py", 4, [*T, "--pp", "2", "--tp", "1", "--dp", "1"], ["world size 4 != pp 2 x tp 1 x dp 1"]),
+    ("ptdp.py", 4, [*T, "--pp", "2", "--tp", "2", "--n-heads", "1", "--d-model", "16"], ["--n-heads 1 is not divisible by --tp 2"]),
+    ("ptdp.py", 2, [*T, "--pp", "2", "--virtual-stages", "2", "--microbatches", "3"], ["not a multiple of --pp 2"]),
+    ("ptdp.py", 2, [*T, "--pp", "2", "--virtual-stages", "2", "--microbatches", "2", "--n-layers", "3"],
+     ["not divisible by pp x virtual stages = 4"]),
 ]
 # checkpoint directories (made in the test): another file's, another model size, damaged, another world
 CKPT_CASES = [
     ("ddp_bucketed.py", [*T, "--ckpt-dir", "{A}"], ["written by dp.py at world 1", "this run is ddp_bucketed.py"]),
     ("moe.py", [*T, "--ckpt-dir", "{A}"], ["written by dp.py at world 1"]),
     ("megatron_tp.py", [*T, "--ckpt-dir", "{A}"], ["written by dp.py at world 1"]),
+    ("zero.py", [*T, "--ckpt-dir", "{A}"], ["another file's rank-local checkpoints"]),
+    ("zero.py", [*T, "--d-model", "32", "--ckpt-dir", "{Z}"], ["holds another model"]),
     ("dp.py", [*T, "--d-model", "32", "--ckpt-dir", "{A}"], ["does not fit this model", "size mismatch"]),
     ("dp.py", [*T, "--n-layers", "3", "--ckpt-dir", "{A}"], ["does not fit this model", "Missing key"]),
     ("dp.py", [*T, "--ckpt-dir", "{damaged}"], ["cannot read checkpoint"]),
@@ -66,7 +75,11 @@ def test_bad_input_matrix(tmp_path):
     p = subprocess.run([sys.executable, str(ROOT / "dp.py"), *T, "--steps", "2", "--ckpt-dir", str(A),
                         "--save-every", "2"], env=ENV, cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert p.returncode == 0 and (A / "rank0" / "step2.pt").exists(), p.stdout + p.stderr
-    dirs = dict(A=A, damaged=tmp_path / "damaged", world2=tmp_path / "world2", file=tmp_path / "file")
+    Z = tmp_path / "Z"  # a zero.py (sharded) checkpoint at world 1, step 2
+    p = subprocess.run([sys.executable, str(ROOT / "zero.py"), *T, "--steps", "2", "--ckpt-dir", str(Z),
+                        "--save-every", "2"], env=ENV, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0 and (Z / "step2" / "meta.pt").exists(), p.stdout + p.stderr
+    dirs = dict(A=A, Z=Z, damaged=tmp_path / "damaged", world2=tmp_path / "world2", file=tmp_path / "file")
     shutil.copytree(A, dirs["damaged"])
     (dirs["damaged"] / "rank0" / "step2.pt").write_bytes(b"not a checkpoint")
     for r in range(2):  # as if written by a world of 2
