@@ -55,7 +55,7 @@ class Args(CommonArgs):
     n_heads: int = 8  # attention heads
     pairs: str = "all"  # comma-separated pairs: ddp,dp_sync,zero1,zero2,zero3,gpipe,1f1b,tp,ptdp (or all)
     world: int = 2  # processes per run (on GPUs: GPUs)
-    rounds: int = 2  # alternations A B per pair
+    rounds: int = 3  # alternations A B per pair (a busy machine swings a round by 2x: the median needs several)
     warmup: int = 2  # steps per run left out of the step time
     microbatches: int = 4  # pipelines: micro-batches per step
     bucket_cap_mb: float = 4.0  # ddp, dp_sync, zero1: bucket cap in MiB on both sides
@@ -515,7 +515,7 @@ def overlap_worker(d, args):
             (loss * d.world).backward()
             t[key].append(clock_ms(d.device) - t0)
 
-        for i in range(args.steps):
+        for i in range(2 * args.steps):  # twice the steps: three short timings each, noisier than a step
             timed_backward(i, "overlapped")
             with net.no_sync():
                 timed_backward(i, "backward")
@@ -661,6 +661,8 @@ def bench_group(args, pairs, one_ms):
                    torch=side_row(args, p, "torch", runs["torch"], one_ms))
         a, b = row["ours"].get("step_ms"), row["torch"].get("step_ms")
         row["ratio"] = a / b if a and b else None
+        row["ratio_per_round"] = [x / y for x, y in zip(row["ours"].get("step_ms_per_round", []),
+                                                          row["torch"].get("step_ms_per_round", []))]
         lo, lt = row["ours"].get("losses") or [], row["torch"].get("losses") or []  # the same training, both sides
         row["max_loss_diff"] = max((abs(x - y) / abs(y) for x, y in zip(lo, lt)), default=None)
         rows.append(row)
@@ -683,7 +685,7 @@ def markdown(args, rows, wall_s, one_ms):
              f"width {args.d_model}, {args.n_layers} blocks, {args.seq_len} tokens x {args.batch_size} sequences), "
              f"{args.dtype}; {args.steps} steps per run, the first {args.warmup} untimed, {args.rounds} rounds "
              f"A B; whole bench {wall_s / 60:.1f} min.", "",
-             "| pair | ours | torch | ours ms | torch ms | ratio | tok/s ours / torch | peak MiB/rank ours / torch "
+             "| pair | ours | torch | ours ms | torch ms | ratio (per round) | tok/s ours / torch | peak MiB/rank ours / torch "
              "| sent MiB/rank/step ours / torch | bubble ours / torch (theory) | scaling eff. ours / torch | loss diff |",
              "|---|---|---|---:|---:|---:|---|---|---|---|---|---:|"]
     for r in rows:
@@ -696,7 +698,8 @@ def markdown(args, rows, wall_s, one_ms):
         eff = (f"{fmt(o.get('scaling_efficiency'), '%.2f')} / {fmt(t.get('scaling_efficiency'), '%.2f')}"
                if "scaling_efficiency" in o or "scaling_efficiency" in t else "")
         lines.append(f"| {r['pair']} | `{o.get('name') or 'failed'}` | {t.get('name') or 'failed'} | "
-                     f"{fmt(o.get('step_ms'), '%.0f')} | {fmt(t.get('step_ms'), '%.0f')} | {fmt(r['ratio'], '%.2f')} | "
+                     f"{fmt(o.get('step_ms'), '%.0f')} | {fmt(t.get('step_ms'), '%.0f')} | {fmt(r['ratio'], '%.2f')} "
+                     f"({', '.join(f'{x:.2f}' for x in r['ratio_per_round'])}) | "
                      f"{fmt(o.get('tokens_per_s'), '%.0f')} / {fmt(t.get('tokens_per_s'), '%.0f')} | "
                      f"{mb(o.get('peak_mem_bytes'))} / {mb(t.get('peak_mem_bytes'))} | "
                      f"{mb(o.get('sent_bytes_per_rank'))} / {mb(t.get('sent_bytes_per_rank'))} | {bub} | {eff} | "
@@ -710,7 +713,8 @@ def markdown(args, rows, wall_s, one_ms):
                       f"{100 * o['hidden_share']:.0f}% hidden ({o['buckets']} buckets); torch DDP "
                       f"{t['overlapped']:.0f} / {t['backward']:.0f} + {t['allreduce']:.0f} ms = "
                       f"{100 * t['hidden_share']:.0f}% hidden ({t['buckets']} buckets)."]
-    lines += ["", "ratio = ours / torch step time (median over the timed steps of every round; < 1: ours faster). "
+    lines += ["", "ratio = ours / torch step time (median over the timed steps of every round; < 1: ours faster), "
+              "then each round's own ratio. "
               "Loss diff: largest relative difference of a per-step loss between the two sides (same training). "
               "Peak memory: CUDA's peak on GPUs; on CPU counted from tensors (parameters, gradients, optimizer "
               "state, saved activations, DDP buckets / FSDP gathered parameters). Sent: bytes of the tensors the "
