@@ -1,7 +1,7 @@
 """bench.py: every technique of this repo beside PyTorch's own, on the same model, data and machine, in one run.
 
-    python bench.py                                  # every pair, world 2, one thread per rank, ~10 M params
-    python bench.py --pairs ddp,zero3 --rounds 3     # some pairs, more alternations
+    python bench.py                                  # every pair, world 2, one thread per rank, 10.6 M params
+    python bench.py --pairs ddp,zero3 --rounds 5     # some pairs, more alternations
     python bench.py --world 4 --d-model 1024         # GPUs: the same command, NCCL on cuda:LOCAL_RANK
 
 Each pair runs our file (`torchrun FILE.py ... --json`) and torch's built-in (`torchrun bench.py --worker
