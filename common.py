@@ -350,15 +350,16 @@ def tolerance(dtype):
     return {"float64": 1e-9, "float32": 1e-4, "bfloat16": 5e-2}[dtype]
 
 
-def check_against_reference(d, args, losses, params, ref=None, tol=None):
-    """Rank 0 trains the reference (or takes `ref`) and compares per-step losses (relative) and final
-    parameters (max abs difference, by name). `params`: the full, unsharded model on rank 0."""
+def check_against_reference(d, args, losses, params, ref=None, tol=None, ptol=None):
+    """Rank 0 trains the reference (or takes `ref`) and compares per-step losses (relative, within `tol`)
+    and final parameters (max abs difference by name, within `ptol`; `tol` when only that is given).
+    `params`: the full, unsharded model on rank 0."""
     result = None
     if d.rank == 0:
         ref = ref or reference_train(args, d.device)
         # Parameters get the loss tolerance, but 10x by default in float32: AdamW divides each gradient by
         # its own RMS, so an element whose gradient is mostly roundoff still moves by up to lr, either way.
-        ptol = tol or (10 if args.dtype == "float32" else 1) * tolerance(args.dtype)
+        ptol = ptol or tol or (10 if args.dtype == "float32" else 1) * tolerance(args.dtype)
         tol = tol or tolerance(args.dtype)
         loss_diff = max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(losses, ref["losses"]))
         missing = sorted(set(ref["params"]) ^ set(params))

@@ -1,6 +1,6 @@
 """Launch technique files the way a user does (torchrun on gloo + CPU), always with a timeout, and read
 the --json summary they write."""
-import json, os, re, subprocess, sys
+import json, os, re, socket, subprocess, sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -23,6 +23,13 @@ def torchrun(script, nproc, *args, tmp_path, timeout=240, max_restarts=0, expect
     assert p.returncode == expect_rc, f"exit {p.returncode} (expected {expect_rc}) from {' '.join(cmd)}\n{output[-6000:]}"
     summary = json.loads(out_json.read_text()) if out_json.exists() else None
     return summary, output
+
+
+def free_port():
+    """A port nobody listens on now, for a rendezvous endpoint a test picks itself (two "nodes")."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def run_python(script, *args, timeout=60):

@@ -2,13 +2,13 @@
 included), model-level parity with the one-process reference at t = 1, 2, 4 with and without sequence
 parallelism and with 2-way data parallelism, collectives counted at the call against the paper's count,
 dropout, a restart with dropout, two "nodes" against one launch, and bad input."""
-import json, socket, subprocess, sys
+import json, subprocess, sys
 
 import pytest
 import torch
 
-from helpers import (ENV, ROOT, TINY, assert_each_rank_fails, assert_matches_reference, run_python, run_ranks,
-                     torchrun)
+from helpers import (ENV, ROOT, TINY, assert_each_rank_fails, assert_matches_reference, free_port, run_python,
+                     run_ranks, torchrun)
 
 SCRIPT = "megatron_tp.py"
 MODEL = [*TINY, "--n-heads", "4"]  # 4 heads so that t = 4 gets whole heads; the same model for every t
@@ -106,12 +106,6 @@ def test_restart_with_dropout_is_bit_identical(tmp_path):
     forgot, out = torchrun("tests/megatron_tp_checks.py", 2, "--forget-tp-rng", *args, "--ckpt-dir", tmp_path / "c",
                            "--fail-at-step", "3", tmp_path=tmp_path, name="forgot", max_restarts=1)
     assert forgot["losses"][:2] == full["losses"][:2] and forgot["losses"][2] != full["losses"][2], out[-3000:]
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_two_nodes_equal_one(tmp_path):

@@ -1,11 +1,11 @@
 """Resilience shared by every file (common.py): bad input is one line and exit 2 before any collective, a
 crash in the middle of a save loses nothing, two "nodes" equal one, a dead rank never leaves a hang, and
 the CPU suite stays on CPU on a GPU machine."""
-import json, shutil, socket, subprocess, sys, time
+import json, shutil, subprocess, sys, time
 
 import pytest
 
-from helpers import ENV, ROOT, TINY, torchrun
+from helpers import ENV, ROOT, TINY, free_port, torchrun
 
 sys.path.insert(0, str(ROOT))
 import common  # noqa: E402
@@ -161,12 +161,6 @@ def test_a_dead_rank_brings_the_job_down_without_a_hang(tmp_path, script, fault,
     assert took < 150, f"took {took:.0f} s: the job hung until a timeout"
     time.sleep(1)
     assert not orphans(tmp_path), orphans(tmp_path)
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_two_nodes_on_one_machine_equal_one_node(tmp_path):
