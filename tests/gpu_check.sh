@@ -4,14 +4,14 @@
 # then a run killed at step 5 and restarted by torchrun, against the uninterrupted run. One line per run
 # with its check figures; exit 1 if any run fails. About 2-4 minutes on one GPU.
 #   bash tests/gpu_check.sh          # on a GPU machine; without a GPU it says so and exits 0
-#   bash tests/gpu_check.sh --cpu    # the same runs on gloo + CPU (to try the script itself; slower)
+#   bash tests/gpu_check.sh --cpu    # the same runs on gloo + CPU at worlds 1 and 2 (to try the script itself)
 set -u
 cd "$(dirname "$0")/.."
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 py=${PYTHON:-python}
 if [ "${1:-}" = "--cpu" ]; then
   export CUDA_VISIBLE_DEVICES=""
-  worlds="1"
+  worlds="1 2"
 else
   n=$($py -c "import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)" 2>/dev/null || echo 0)
   if [ "$n" = 0 ]; then
@@ -26,12 +26,16 @@ failed=0
 # a small model that every layout below can split (4 layers, 4 heads, batch 8 = 8 micro-batches)
 small="--steps 10 --batch-size 16 --seq-len 32 --d-model 64 --n-heads 4 --n-layers 4 --vocab 64"
 
-flags_for() {  # per-file flags that make a world of $2 legal
+flags_for() {  # per-file flags that make a world of $2 legal (pipelines need >= 2 ranks: "" = skip)
+  local w=$2 h=$(( $2 > 4 ? $2 : 4 ))
   case "$1" in
-    ptdp.py) echo "--pp $2 --tp 1 --dp 1 --virtual-stages 1 --microbatches 4" ;;
-    gpipe.py|pipedream.py) echo "--microbatches 4" ;;
-    megatron_tp.py) echo "--tp $2" ;;
-    moe.py) echo "--ep $2" ;;
+    gpipe.py|pipedream.py|ptdp.py) [ "$w" -lt 2 ] && { echo skip; return; } ;;
+  esac
+  case "$1" in
+    ptdp.py) echo "--pp $w --tp 1 --dp 1 --virtual-stages 1 --microbatches 4 --n-layers $((2 * w))" ;;
+    gpipe.py|pipedream.py) echo "--microbatches 4 --n-layers $((2 * w))" ;;
+    megatron_tp.py) echo "--tp $w --n-heads $h" ;;
+    moe.py) echo "--ep $w --experts $((2 * w))" ;;
     zero.py) echo "--stage 3" ;;
     *) echo "" ;;
   esac
@@ -50,12 +54,19 @@ run() {  # run NAME CMD...: one line with the check figures, the tail of the out
 for f in dp.py ddp_bucketed.py gpipe.py pipedream.py megatron_tp.py ptdp.py moe.py zero.py; do
   [ -f "$f" ] || { echo "$f: not in this checkout (skipped)"; continue; }
   for w in $worlds; do
+    flags=$(flags_for "$f" $w)
+    if [ "$flags" = skip ]; then
+      printf '%-44s %s\n' "$f world $w" "skipped: a pipeline needs one GPU per stage, at least 2"
+      continue
+    fi
     for dt in float32 bfloat16; do
-      run "$f world $w $dt" $py -m torch.distributed.run --standalone --nproc_per_node=$w "$f" $small \
-        $(flags_for "$f" $w) --dtype "$dt" --check
+      run "$f world $w $dt" $py -m torch.distributed.run --standalone --nproc_per_node=$w "$f" $small $flags \
+        --dtype "$dt" --check
     done
   done
 done
+# moe.py's layer checks (dispatch/combine, EP invariance) on the device, world 1
+[ -f tests/moe_checks.py ] && run "tests/moe_checks.py world 1" $py tests/moe_checks.py
 
 # resume after a kill: torchrun restarts the killed run from its step-4 checkpoint; its losses must equal
 # an uninterrupted run's (float32 on the GPU: equal to a few ulps at most, printed)
