@@ -7,7 +7,8 @@
     training   lm_loss() (sum over tokens / tokens of the *global* batch), make_optimizer() (AdamW),
                clip_grads_() (torch's clipping rule), reference_train(): the one-process trainer
     plumbing   CommonArgs + parse_args(), fail() (exit 2), Dist.log(), StepTimer, memory counting,
-               Checkpointer (rank-local, atomic, resumable), maybe_fail(), check_against_reference(),
+               Checkpointer (rank-local, atomic, resumable, refuses a mismatched directory), maybe_fail(),
+               check_against_reference(), gather_rows() / assemble_full() (tensors only, never objects),
                write_summary() (--json)
 """
 import argparse, inspect, json, os, re, statistics, sys, time
@@ -318,8 +319,8 @@ def clip_grads_(grads, total_norm, max_norm):
     """torch.nn.utils.clip_grad_norm_'s rule, given the norm of the *whole* model (all shards)."""
     if max_norm > 0:
         coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
-        for g in grads:
-            g.mul_(coef.to(g.device))
+        for g in grads:  # in the gradient's dtype, as torch does (a float64 coef would take a slow path)
+            g.mul_(coef.to(device=g.device, dtype=g.dtype))
     return total_norm
 
 

@@ -160,7 +160,11 @@ class FlatUnit(nn.Module):
         self.gathered = None  # stage 3: the flat vector gathered again for this unit's backward
 
     def views(self, full):  # {name inside module: view of the flat vector with the parameter's shape}
-        return {n: full[a:b].view(s) for n, a, b, s in zip(self.local, self.offsets, self.offsets[1:], self.shapes)}
+        # One split, not a slice per parameter: each slice's backward would build a zero tensor the size of
+        # the whole unit (bench.py measured 150-180 ms vs 30 ms for one block's backward on CPU).
+        a, b = self.offsets[0], self.offsets[-1]
+        parts = full[a:b].split([hi - lo for lo, hi in zip(self.offsets, self.offsets[1:])])
+        return {n: p.view(s) for n, p, s in zip(self.local, parts, self.shapes)}
 
     def forward(self, *args):
         if self.zero.recompute and self.module is not self.zero.model:
