@@ -53,7 +53,7 @@ fp16 Adam: p = g = 2, K = 12 = fp32 master + m + v):
     torchrun --nproc_per_node=4 zero.py --stage 1 --ckpt-dir ckpt --save-every 5 --steps 10
     torchrun --nproc_per_node=2 zero.py --stage 3 --ckpt-dir ckpt --steps 20    # resumes at world 2
     torchrun --nproc_per_node=2 zero.py --stage 3 --optimizer adafactor --check  # vs torch's Adafactor
-    torchrun --nproc_per_node=2 zero.py --stage 3 --compress-activations int8    # saved bytes, with/without
+    torchrun --nproc_per_node=2 zero.py --stage 3 --compress-activations int8 --check  # bytes; loss vs plain
 
 In production, use torch.distributed.fsdp.fully_shard (FSDP2) or DeepSpeed ZeRO.
 """
@@ -825,9 +825,8 @@ def check_args(args, world):
         fail("--check of --optimizer adafactor has a full-precision reference only: drop --mixed-precision")
     if args.inject_overflow >= 0 and args.mixed_precision != "fp16":
         fail("--inject-overflow tests fp16 loss scaling: add --mixed-precision fp16")
-    if args.compress_activations != "none" and args.check:
-        fail("--compress-activations is lossy, so --check (exact parity) would fail: compare it with a run "
-             "without it instead (tests/zero_checks.py bounds the gradient error)")
+    if args.compress_activations != "none" and args.check and args.optimizer == "adafactor":
+        fail("--check of --compress-activations compares with uncompressed AdamW training: drop --optimizer adafactor")
     if args.scale_window < 1:
         fail(f"--scale-window must be >= 1, got {args.scale_window}")
 
@@ -891,6 +890,12 @@ def train(d, args):
         if args.optimizer == "adafactor":
             ref = reference_adafactor(args, d.device) if d.rank == 0 else None
             check = check_against_reference(d, args, losses, full, ref=ref)
+        elif args.compress_activations != "none":
+            # lossy by design: --check reports the loss difference against uncompressed one-process training
+            # after the same steps, bounded loosely (losses within 1e-2 relative, as tests/zero_checks.py
+            # bounds it; parameters within AdamW's largest move, 2 lr per step)
+            d.log(f"--check: --compress-activations {args.compress_activations} against the uncompressed run")
+            check = check_against_reference(d, args, losses, full, tol=1e-2, ptol=2 * args.lr * args.steps)
         elif args.mixed_precision == "none":
             check = check_against_reference(d, args, losses, full)
         else:

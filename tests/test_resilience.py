@@ -163,10 +163,14 @@ def test_a_dead_rank_brings_the_job_down_without_a_hang(tmp_path, script, fault,
     assert not orphans(tmp_path), orphans(tmp_path)
 
 
-def test_two_nodes_on_one_machine_equal_one_node(tmp_path):
+@pytest.mark.parametrize("script,layout", [
+    ("zero.py", ["--stage", "3"]),  # every collective spans both nodes
+    ("ptdp.py", ["--pp", "2", "--tp", "2", "--dp", "1"]),  # a TP group inside each node, the pipeline across
+])
+def test_two_nodes_on_one_machine_equal_one_node(tmp_path, script, layout):
     """Two `torchrun --nnodes=2` launches of 2 processes each, meeting through a c10d rendezvous, give
-    exactly the losses of one 4-process launch (zero.py --stage 3: every collective spans both nodes)."""
-    args = ["zero.py", *T, "--stage", "3"]
+    exactly the losses of one 4-process launch. (megatron_tp.py's twin is in test_megatron_tp.py.)"""
+    args = [script, *T, *layout]
     one, _ = torchrun(*args[:1], 4, *args[1:], tmp_path=tmp_path, name="one")
     port = free_port()
     procs = [subprocess.Popen(

@@ -147,6 +147,21 @@ def test_adafactor_world1_check():
     assert p.returncode == 0 and "-> PASSED" in p.stdout and "(AdamW moments would take)" in p.stdout, p.stdout[-3000:]
 
 
+def test_compress_activations_summary_at_world1():
+    """The command line of --compress-activations int8 --check: the saved bytes beside theory, and the loss
+    difference against uncompressed training after the same steps (bytes and gradient error are checked
+    in tests/zero_checks.py, with a zero decoder caught)."""
+    p = run_python("zero.py", *TINY, "--stage", "3", "--compress-activations", "int8", "--check")
+    out = p.stdout
+    assert p.returncode == 0 and "against the uncompressed run" in out and "-> PASSED" in out, out[-3000:]
+    line = out.split("compressed / plain")[1].splitlines()[0]  # "  0.210   | theory 0.125 = int8 bytes / 8 ..."
+    ratio, theory = float(line.split()[0]), float(line.split("| theory")[1].split()[0])
+    # int8 is 1/8 of float64's bytes; the per-row scales and integer tensors saved as they are add to it
+    assert theory == 0.125 and theory <= ratio <= 2 * theory, (ratio, theory)
+    loss_diff = float(out.split("max rel loss diff")[1].split()[0])
+    assert 0 < loss_diff < 1e-2, loss_diff  # lossy, but close
+
+
 def test_bad_input():
     p = run_python("zero.py", "--stage", "4")
     assert p.returncode == 2 and "--stage must be 0, 1, 2 or 3" in p.stderr, p.stderr
