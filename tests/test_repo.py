@@ -36,7 +36,8 @@ def test_readme_first_command_passes_silently():
 def test_no_object_collectives():
     """Object collectives pickle through numpy and, on NCCL, through the GPU: only tensors may cross."""
     pattern = re.compile(r"\b(broadcast|all_gather|gather|scatter)_object(_list)?\(|\bsend_object_list\(|recv_object_list\(")
-    assert pattern.search("dist.all_gather_object(out, mine)") and pattern.search("dist.broadcast_object_list(box)")
-    hits = [f"{f.relative_to(ROOT)}:{i + 1}" for f in [*ROOT.glob("*.py"), *ROOT.glob("tests/*.py")] if f.name != "test_repo.py"
+    # the pattern catches what it is for (samples spelled in two pieces, so that no grep finds them here)
+    assert pattern.search("dist.all_gather" + "_object(out, mine)") and pattern.search("dist.broadcast" + "_object_list(b)")
+    hits = [f"{f.relative_to(ROOT)}:{i + 1}" for f in [*ROOT.glob("*.py"), *ROOT.glob("tests/*.py")]
             for i, l in enumerate(f.read_text().splitlines()) if pattern.search(l)]
     assert not hits, hits
