@@ -36,9 +36,10 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from common import (DTYPES, build_gpt, check_common_args, clip_grads_, close_dist, CommonArgs, count_tokens, fail,
-                    gather_rows, GPTConfig, init_dist, lm_loss, log_step, make_optimizer, MarkovData, parse_args,
-                    peak_memory_bytes, SavedActivations, StepTimer, tensor_bytes, write_summary)
+from common import (DTYPES, build_gpt, clip_grads_, close_dist, count_tokens, fail, GPTConfig, init_dist,
+                    lm_loss, make_optimizer, MarkovData)
+from harness import (check_common_args, CommonArgs, gather_rows, log_step, parse_args, peak_memory_bytes,
+                     SavedActivations, StepTimer, tensor_bytes, write_summary)
 
 ROOT = Path(__file__).resolve().parent
 MiB = 1024 * 1024

@@ -54,10 +54,11 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from common import (DTYPES, build_gpt, check_against_reference, check_common_args, Checkpointer, close_dist,
-                    CommonArgs, count_tokens, env_world_size, fail, GPTConfig, init_dist, lm_loss, log_step,
-                    make_optimizer, MarkovData, maybe_fail, parse_args, peak_memory_bytes, SavedActivations,
-                    state_bytes, StepTimer, tensor_bytes, tolerance, write_summary)
+from common import (DTYPES, build_gpt, close_dist, count_tokens, fail, GPTConfig, init_dist, lm_loss,
+                    make_optimizer, MarkovData)
+from harness import (check_against_reference, check_common_args, Checkpointer, CommonArgs, env_world_size,
+                     log_step, maybe_fail, parse_args, peak_memory_bytes, SavedActivations, state_bytes,
+                     StepTimer, tensor_bytes, tolerance, write_summary)
 
 MiB = 1024 * 1024
 WIRE = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}

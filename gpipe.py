@@ -45,10 +45,11 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from common import (DTYPES, assemble_full, build_gpt, check_against_reference, check_common_args, Checkpointer,
-                    clip_grads_, close_dist, CommonArgs, count_tokens, env_world_size, fail, gather_rows, GPTConfig,
-                    init_dist, lm_loss, log_step, make_optimizer, MarkovData, maybe_fail, parse_args,
-                    peak_memory_bytes, state_bytes, StepTimer, tensor_bytes, write_summary)
+from common import (DTYPES, build_gpt, clip_grads_, close_dist, count_tokens, fail, GPTConfig, init_dist,
+                    lm_loss, make_optimizer, MarkovData)
+from harness import (assemble_full, check_against_reference, check_common_args, Checkpointer, CommonArgs,
+                     env_world_size, gather_rows, log_step, maybe_fail, parse_args, peak_memory_bytes,
+                     state_bytes, StepTimer, tensor_bytes, write_summary)
 
 
 @dataclass

@@ -53,10 +53,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 from einops import rearrange
 
-from common import (DTYPES, IGNORE, Block, build_gpt, check_against_reference, check_common_args, Checkpointer,
-                    clip_grads_, close_dist, CommonArgs, count_tokens, env_world_size, fail, GPTConfig,
-                    init_dist, log_step, make_optimizer, MarkovData, maybe_fail, parse_args,
-                    peak_memory_bytes, SavedActivations, state_bytes, StepTimer, tensor_bytes, write_summary)
+from common import (DTYPES, IGNORE, Block, build_gpt, clip_grads_, close_dist, count_tokens, fail, GPTConfig,
+                    init_dist, make_optimizer, MarkovData)
+from harness import (check_against_reference, check_common_args, Checkpointer, CommonArgs, env_world_size,
+                     log_step, maybe_fail, parse_args, peak_memory_bytes, SavedActivations, state_bytes,
+                     StepTimer, tensor_bytes, write_summary)
 
 
 @dataclass

@@ -57,10 +57,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 from einops import rearrange
 
-from common import (DTYPES, build_gpt, check_against_reference, check_common_args, Checkpointer, clip_grads_,
-                    close_dist, CommonArgs, count_tokens, env_world_size, fail, GPTConfig, init_dist, lm_loss,
-                    log_step, make_optimizer, MarkovData, maybe_fail, parse_args, peak_memory_bytes,
-                    reference_train, SavedActivations, state_bytes, StepTimer, write_summary)
+from common import (DTYPES, build_gpt, clip_grads_, close_dist, count_tokens, fail, GPTConfig, init_dist,
+                    lm_loss, make_optimizer, MarkovData, reference_train)
+from harness import (check_against_reference, check_common_args, Checkpointer, CommonArgs, env_world_size,
+                     log_step, maybe_fail, parse_args, peak_memory_bytes, SavedActivations, state_bytes,
+                     StepTimer, write_summary)
 
 ROUTERS = ("noisy_topk", "gshard", "switch", "expert_choice")
 

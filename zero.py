@@ -68,10 +68,11 @@ from torch.func import functional_call
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils.checkpoint import checkpoint
 
-from common import (DTYPES, CommonArgs, GPTConfig, MarkovData, StepTimer, build_gpt, check_against_reference,
-                    check_common_args, clip_grads_, close_dist, count_tokens, env_world_size, fail, gather_rows,
-                    init_dist, lm_loss, log_step, make_optimizer, maybe_fail, parse_args, peak_memory_bytes,
-                    tensor_bytes, write_summary)
+from common import (DTYPES, GPTConfig, MarkovData, build_gpt, clip_grads_, close_dist, count_tokens, fail,
+                    init_dist, lm_loss, make_optimizer)
+from harness import (CommonArgs, StepTimer, check_against_reference, check_common_args, env_world_size,
+                     gather_rows, log_step, maybe_fail, parse_args, peak_memory_bytes, tensor_bytes,
+                     write_summary)
 
 LOW = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 # torch 2.13 renamed the flat collectives; older releases have only the *_into_tensor / *_tensor names

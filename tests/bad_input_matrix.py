@@ -28,6 +28,7 @@ def load(file):
             raise RuntimeError("the run went through: no error was raised")
 
         mod.close_dist = no_exit
+        sys.modules["harness"].close_dist = no_exit  # harness.Run.finish ends a run through it
         modules[file] = mod
     return modules[file]
 

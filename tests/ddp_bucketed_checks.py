@@ -21,8 +21,9 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import ddp_bucketed
-from common import (CommonArgs, GPTConfig, MarkovData, build_gpt, close_dist, count_tokens, gather_rows, init_dist,
-                    lm_loss, make_optimizer, parse_args)
+from common import (GPTConfig, MarkovData, build_gpt, close_dist, count_tokens, init_dist, lm_loss,
+                    make_optimizer)
+from harness import CommonArgs, gather_rows, parse_args
 from ddp_bucketed import MiB, BucketedDDP
 
 CFG = GPTConfig(vocab=32, seq_len=8, d_model=16, n_heads=2, n_layers=2)

@@ -26,8 +26,8 @@ import torch.nn.functional as F  # noqa: E402
 from einops import rearrange  # noqa: E402
 
 import megatron_tp as mt  # noqa: E402
-from common import (IGNORE, MLP, Attention, Block, GPTConfig, SavedActivations, build_gpt, close_dist,  # noqa: E402
-                    init_dist)
+from common import IGNORE, MLP, Attention, Block, GPTConfig, build_gpt, close_dist, init_dist  # noqa: E402
+from harness import SavedActivations  # noqa: E402
 
 TOL = 1e-12
 failures, passed = [], []
