@@ -577,12 +577,13 @@ class Timeline:
     `simulate` ({"F": ms, "B": ms, "W": ms}, --stage-ms): each span also waits that long before its end, so
     that on a few shared cores the schedule, not the operating system, sets the measured bubble (on a GPU
     the host waits before the end event is recorded, so the stream's span covers it). Events are dicts
-    {rank, kind, mb, start, end, **tags}; tags are numbers (gathered as rows of numbers)."""
+    {rank, kind, mb, start, end, **tags}; tags are numbers named in `tags` (gathered as rows of numbers)."""
 
     KINDS = "FBW"
 
-    def __init__(self, d, simulate=None):
+    def __init__(self, d, simulate=None, tags=()):
         self.d, self.cuda, self.simulate, self.events = d, d.device.type == "cuda", simulate or {}, []
+        self.tags = tuple(tags)  # the names of the numbers an event may carry besides rank, kind, mb, times
         self.zero()
 
     def zero(self):
@@ -602,6 +603,8 @@ class Timeline:
 
     @contextlib.contextmanager
     def span(self, kind, mb, **tags):
+        if set(tags) - set(self.tags):
+            raise ValueError(f"Timeline: tags {sorted(set(tags) - set(self.tags))} not named in Timeline(tags=...)")
         start = self.now()
         yield
         if self.simulate.get(kind, 0) > 0:
@@ -619,21 +622,17 @@ class Timeline:
         return self.events
 
     def gather(self, events=None):
-        """Every rank's events (default: all of this rank's) on every rank, as dicts, sorted by (rank, start).
-        All events must carry the same tag names; a tag that is None travels as -1."""
+        """Every rank's events (default: all of this rank's) on every rank, as dicts sorted by (rank, start),
+        with the tags named in the constructor (a tag an event lacks, or None, travels as -1)."""
         events = self.resolve() if events is None else events
-        keys = sorted({k for e in events for k in e} - {"rank", "kind", "mb", "start", "end"})
-        ints = torch.tensor([len(keys)], device=self.d.device)
-        dist.all_reduce(ints, op=dist.ReduceOp.MAX)  # every rank must send rows of one width
         rows = [[e["rank"], self.KINDS.index(e["kind"]), e["mb"], e["start"], e["end"]]
-                + [-1 if e[k] is None else e[k] for k in keys] for e in events]
-        width = 5 + int(ints.item())
-        got = gather_rows(self.d, rows if rows else torch.zeros(0, width))
+                + [-1 if e.get(k) is None else e[k] for k in self.tags] for e in events]
+        got = gather_rows(self.d, rows if rows else torch.zeros(0, 5 + len(self.tags)))
         out = []
         for rank_rows in got:
             for r in rank_rows.tolist():
                 e = dict(rank=int(r[0]), kind=self.KINDS[int(r[1])], mb=int(r[2]), start=r[3], end=r[4])
-                e.update({k: (int(x) if float(x).is_integer() else x) for k, x in zip(keys, r[5:])})
+                e.update({k: (int(x) if float(x).is_integer() else x) for k, x in zip(self.tags, r[5:])})
                 out.append(e)
         return sorted(out, key=lambda e: (e["rank"], e["start"]))
 
