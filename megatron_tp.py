@@ -428,10 +428,16 @@ def sync_grads(model, sp, tp_group, dp_group):
 
 def global_grad_norm(model, tp_group):
     """The norm of the whole model's gradient: squares of split parameters summed over the TP group (each
-    rank holds a different piece), replicated ones added once (every TP rank holds the same copy)."""
+    rank holds a different piece), replicated ones added once (every TP rank holds the same copy). Summed
+    in float32 at least: in bfloat16 (8 significant bits) a sum stops growing once it is 256 times a term."""
     params = list(model.parameters())
-    split = all_reduce(sum(p.grad.pow(2).sum() for p in params if is_split(p)), tp_group)
-    return (split + sum(p.grad.pow(2).sum() for p in params if not is_split(p))).sqrt()
+    acc = torch.promote_types(params[0].dtype, torch.float32)
+
+    def squares(ps):
+        return sum((torch.linalg.vector_norm(p.grad, dtype=acc) ** 2 for p in ps),
+                   torch.zeros((), dtype=acc, device=params[0].device))
+    split = all_reduce(squares(p for p in params if is_split(p)), tp_group)
+    return (split + squares(p for p in params if not is_split(p))).sqrt()
 
 
 def check_args(args):
@@ -533,7 +539,7 @@ def theory_collectives(args, t, dp):
     SP adds one bucket of replicated grads. Ring bytes sent per rank: the ring algorithm's, never measured."""
     b, s, h, L = args.batch_size // dp, args.seq_len, args.d_model, args.n_layers
     es = DTYPES[args.dtype].itemsize
-    ce_es = 4 if args.dtype == "bfloat16" else es  # the loss runs in float32 for bfloat16
+    f32_es = 4 if args.dtype == "bfloat16" else es  # the loss and the norm are float32 for bfloat16
     split, repl = params_per_rank(args, t)
     table = {}
 
@@ -554,12 +560,12 @@ def theory_collectives(args, t, dp):
         else:
             add("all_reduce", "tp", "fwd", 2 * L + 1, b * s * h, es)  # per layer 2 g; + embedding g
             add("all_reduce", "tp", "bwd", 2 * L + 1, b * s * h, es)  # per layer 2 f; + LM head f
-        add("all_reduce", "tp", "fwd", 3, b * s, ce_es)  # the loss: max, target logit, sum of exp
+        add("all_reduce", "tp", "fwd", 3, b * s, f32_es)  # the loss: max, target logit, sum of exp
         if args.clip > 0:
-            add("all_reduce", "tp", "step", 1, 1, es)  # the gradient norm
+            add("all_reduce", "tp", "step", 1, 1, f32_es)  # the gradient norm's sum of squares
     if dp > 1:
         add("all_reduce", "dp", "step", 1, split + repl, es)  # gradients
-        add("all_reduce", "dp", "step", 1, 1, ce_es)  # the loss, for the log line
+        add("all_reduce", "dp", "step", 1, 1, f32_es)  # the loss, for the log line
     return dict(sorted(table.items()))
 
 

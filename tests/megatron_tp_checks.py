@@ -7,10 +7,10 @@ Each sharded layer is built from an unsharded one, fed the same input, and its o
 weight gradients must equal the unsharded layer's (weight gradients: this rank's slice). Independent
 references: the plain torch modules of common.py, F.cross_entropy, torch's own DTensor tensor parallel
 (ColwiseParallel / RowwiseParallel) for the MLP, and closed forms computed here (collective counts and
-bytes, as harness.CommCounter sees them at the dispatcher). Negative checks show that what
+bytes, as harness.CommCounter sees them at the dispatcher; a gradient norm). Negative checks show that what
 must differ, differs, and that the checks catch the defects they guard against (put back on purpose by
 monkeypatching): each of the four conjugate operators broken, the column layer saving the gathered input,
-the q/k/v biases dropped, the padding mask dropped.
+the q/k/v biases dropped, the padding mask dropped, a bfloat16 norm summed in bfloat16.
 
 copy_out() is the check to copy for your own trainer: megatron_tp's layers applied to a model that is not
 the GPT, trained beside the unsharded model in one process, every step's loss and every final parameter
@@ -398,6 +398,23 @@ def main():
     gpt.to(dev)
     equal("split marks after .to(device)", [(n, getattr(p, "tp_dim", None)) for n, p in gpt.named_parameters()], marks)
     equal("every parameter on the device", {p.device for p in gpt.parameters()}, {torch.device(dev)})
+
+    # --- the gradient norm across shards, against its closed form; bfloat16 squares summed in float32 ---
+    # 300 replicated scalars with gradient 1 and one split tensor with gradient 1 in each of its 64 elements
+    # per rank: norm^2 = 300 + 64 t, exact in float32. Summed in bfloat16, 256 + 1 rounds back to 256.
+    bf = nn.ParameterList([nn.Parameter(torch.zeros((), dtype=torch.bfloat16, device=dev)) for _ in range(300)])
+    bf.append(nn.Parameter(torch.zeros(64, dtype=torch.bfloat16, device=dev)))
+    bf[-1].tp_dim, bf[-1].tp_full = 0, 64 * t
+    for p in bf:
+        p.grad = torch.ones_like(p)
+    want = torch.tensor(300.0 + 64 * t).float().sqrt()  # float32, as the norm is taken
+    close("bfloat16 gradient norm vs sqrt(300 + 64 t)", mt.global_grad_norm(bf, group).cpu(), want, 0)
+
+    def bf16_sum(model, tp_group):  # the defect, put back: squares summed in the gradients' own dtype
+        split = mt.all_reduce(sum(p.grad.pow(2).sum() for p in model.parameters() if mt.is_split(p)), tp_group)
+        return (split + sum(p.grad.pow(2).sum() for p in model.parameters() if not mt.is_split(p))).sqrt()
+    differs("bfloat16 gradient norm summed in bfloat16 vs sqrt(300 + 64 t)", bf16_sum(bf, group).float().cpu(),
+            want, 0.5)
 
     # --- VocabParallelEmbedding: unpadded and padded vocabularies ---
     for V in (12, 11, 9):

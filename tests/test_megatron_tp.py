@@ -24,9 +24,9 @@ def test_copy_out_and_layer_checks(tmp_path, nproc):
     sum of the replicated gradients is caught (tests/megatron_tp_checks.py: copy_out).
     Layer checks (t = 2 and 4): column / row / MLP / attention / embedding outputs and gradients vs unsharded
     modules, the vocab-parallel loss vs F.cross_entropy (padded and unpadded), the MLP vs torch's DTensor TP,
-    dropout masks, each layer's collectives as harness.CommCounter sees them, and the mutants (each of f, g,
-    f_sp, g_sp broken; the gathered input saved; biases or the padding mask dropped) caught: all asserted in
-    the check script."""
+    dropout masks, each layer's collectives as harness.CommCounter sees them, the gradient norm of a
+    bfloat16 model vs its closed form, and the mutants (each of f, g, f_sp, g_sp broken; the gathered input
+    saved; biases or the padding mask dropped; a bfloat16 sum) caught: all asserted in the check script."""
     _, out = torchrun("tests/megatron_tp_checks.py", nproc, tmp_path=tmp_path, timeout=240)
     assert "ALL CHECKS PASSED" in out, out[-6000:]
     assert "DTensor reference skipped" not in out, out[-3000:]
