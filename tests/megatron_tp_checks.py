@@ -50,7 +50,7 @@ def differs(name, a, b, at_least=1e-6):
 
 
 def counts(name, comm, want, handed=None):
-    """Collective calls per key (and, given `handed`, the bytes handed to them) against values computed here."""
+    """Collective calls per key (and, given `handed`, the bytes handed to them) against values from here."""
     (passed if comm.calls == want else failures).append(f"{name}: counted {comm.calls}, theory {want}")
     if handed is not None:
         (passed if comm.bytes == handed else failures).append(
@@ -137,10 +137,12 @@ def unsharded(tp, group):
     t, out = dist.get_world_size(group), {}
     for kind in ("weight", "bias"):
         both = mt.all_gather(getattr(tp.gate_up, kind).detach(), 0, group)
-        out[f"mlp.gate.{kind}"], out[f"mlp.up.{kind}"] = rearrange(both, "(t n o) ... -> n (t o) ...", t=t, n=2)
+        gate, up = rearrange(both, "(t n o) ... -> n (t o) ...", t=t, n=2)
+        out[f"mlp.gate.{kind}"], out[f"mlp.up.{kind}"] = gate, up
     out["mlp.down.weight"] = mt.all_gather(tp.down.weight.detach(), 1, group)
     out["mlp.down.bias"] = tp.down.bias.detach()
-    out.update({n: p.detach() for n, p in tp.named_parameters() if n.split(".")[0] in ("gain", "stem", "head")})
+    replicated = ("gain", "stem", "head")
+    out.update({n: p.detach() for n, p in tp.named_parameters() if n.split(".")[0] in replicated})
     return out
 
 
@@ -185,8 +187,9 @@ def copy_out(d, group, steps=5, clip=0.05):
         trained = unsharded(tp, group)
         assert trained.keys() == dict(ref.named_parameters()).keys(), trained.keys()
         got = torch.cat([torch.stack(losses), *(trained[n].flatten() for n, _ in ref.named_parameters())])
-        want = torch.cat([torch.stack(ref_losses), *(p.detach().flatten() for _, p in ref.named_parameters())])
-        tag = f"copy-out: SwiGLU net at t = {t}{', SP' if sp else ''}, losses and trained weights vs plain torch"
+        want = torch.cat([torch.stack(ref_losses), *(p.detach().flatten() for p in ref.parameters())])
+        tag = f"copy-out: SwiGLU net at t = {t}{', SP' if sp else ''}, losses and trained weights vs plain " \
+              "torch"
         if sum_replicated:
             close(tag, got, want)
             d.log(f"{tag}: max diff {(got - want).abs().max().item():.1e}")
@@ -267,7 +270,7 @@ def main():
                 mt.all_reduce(grads[n], group)
         return y, x2.grad, grads, comm
 
-    def expected(par, ref, x, w, sp):  # the unsharded layer's output, input grad, this rank's slice of its grads
+    def expected(par, ref, x, w, sp):  # the unsharded output, input grad and this rank's slice of its grads
         ref.zero_grad()
         x = x.detach().clone().requires_grad_()
         y = ref(x)
@@ -338,7 +341,8 @@ def main():
         if name == "attention":  # an old forward, F.linear(x, weight), dropped the q/k/v biases
             def weights_only(self, x):
                 x = mt.all_gather(x, 1, group) if self.sp else x
-                q, k, v = rearrange(F.linear(x, self.qkv.weight), "b t (n h e) -> n b h t e", n=3, h=self.heads)
+                qkv = F.linear(x, self.qkv.weight)  # no bias
+                q, k, v = rearrange(qkv, "b t (n h e) -> n b h t e", n=3, h=self.heads)
                 y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
                 return self.proj(rearrange(y, "b h t e -> b t (h e)"))
             with torch.no_grad():
@@ -402,7 +406,7 @@ def main():
     # --- the gradient norm across shards, against its closed form; bfloat16 squares summed in float32 ---
     # 300 replicated scalars with gradient 1 and one split tensor with gradient 1 in each of its 64 elements
     # per rank: norm^2 = 300 + 64 t, exact in float32. Summed in bfloat16, 256 + 1 rounds back to 256.
-    bf = nn.ParameterList([nn.Parameter(torch.zeros((), dtype=torch.bfloat16, device=dev)) for _ in range(300)])
+    bf = nn.ParameterList(nn.Parameter(torch.zeros((), dtype=torch.bfloat16, device=dev)) for _ in range(300))
     bf.append(nn.Parameter(torch.zeros(64, dtype=torch.bfloat16, device=dev)))
     bf[-1].tp_dim, bf[-1].tp_full = 0, 64 * t
     for p in bf:
@@ -411,10 +415,11 @@ def main():
     close("bfloat16 gradient norm vs sqrt(300 + 64 t)", mt.global_grad_norm(bf, group).cpu(), want, 0)
 
     def bf16_sum(model, tp_group):  # the defect, put back: squares summed in the gradients' own dtype
-        split = mt.all_reduce(sum(p.grad.pow(2).sum() for p in model.parameters() if mt.is_split(p)), tp_group)
-        return (split + sum(p.grad.pow(2).sum() for p in model.parameters() if not mt.is_split(p))).sqrt()
-    differs("bfloat16 gradient norm summed in bfloat16 vs sqrt(300 + 64 t)", bf16_sum(bf, group).float().cpu(),
-            want, 0.5)
+        params = list(model.parameters())
+        split = mt.all_reduce(sum(p.grad.pow(2).sum() for p in params if mt.is_split(p)), tp_group)
+        return (split + sum(p.grad.pow(2).sum() for p in params if not mt.is_split(p))).sqrt()
+    differs("bfloat16 gradient norm summed in bfloat16 vs sqrt(300 + 64 t)",
+            bf16_sum(bf, group).float().cpu(), want, 0.5)
 
     # --- VocabParallelEmbedding: unpadded and padded vocabularies ---
     for V in (12, 11, 9):

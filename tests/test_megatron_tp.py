@@ -1,7 +1,8 @@
-"""megatron_tp.py: its layers copied into a model that is not the GPT, and layer-level checks at t = 2 and 4
-(one launch each, saved activations per block included), model-level parity with the one-process reference at t = 1, 2, 4 with and without sequence
-parallelism and with 2-way data parallelism, collectives counted at the call against the paper's count,
-dropout, a restart with dropout, two "nodes" against one launch, and bad input."""
+"""megatron_tp.py: its layers copied into a model that is not the GPT, layer-level checks at t = 2 and 4 (one
+launch each, saved activations per block included), model-level parity with the one-process reference at
+t = 1, 2, 4 with and without sequence parallelism and with 2-way data parallelism, collectives counted at the
+dispatcher against the paper's count, dropout, a restart with dropout, two "nodes" against one launch, and
+bad input."""
 import json, subprocess, sys
 
 import pytest
