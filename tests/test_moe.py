@@ -1,26 +1,37 @@
 """moe.py: layer-level checks in one 4-rank launch (EP 1/2/4 parity for every router, dispatch/combine,
-hand-written routing, load balancing, training toward the floor: tests/moe_checks.py); the command line
-at EP 2 with replicas equal to the one-process reference with the same routing groups, the summary's
-figures beside their theory; a run killed and restarted by torchrun equal bit for bit to an uninterrupted
-one; each router's maths against its paper's closed form computed by hand, and a broken router caught by
-it; the peak memory read before --check's reference; bad input exits 2."""
+hand-written routing, load balancing, training toward the floor: tests/moe_checks.py), which also runs this
+module's copy-out check (moe.MoE in a model that is not the GPT); the command line at EP 2 with replicas
+equal to the one-process reference with the same routing groups, the summary's figures beside their theory;
+a run killed and restarted by torchrun equal bit for bit to an uninterrupted one; each router's maths against
+its paper's closed form computed by hand, and a broken router caught by it; the peak memory read before
+--check's reference; bad input exits 2."""
 import math
 import sys
 
 import pytest
 import torch
 import torch.distributed as dist
+import torch.nn as nn
 import torch.nn.functional as F
 
 from helpers import (ROOT, TINY, assert_bad_input, assert_each_rank_fails, assert_matches_reference, run_python,
                      run_ranks, torchrun)
 
 sys.path.insert(0, str(ROOT))
+import harness  # noqa: E402
 import moe  # noqa: E402  (importing must not run main())
 
 
-def test_layer_checks(tmp_path):
-    _, out = torchrun("tests/moe_checks.py", 4, tmp_path=tmp_path, name="checks", timeout=400)
+@pytest.fixture(scope="module")
+def checks(tmp_path_factory):
+    """tests/moe_checks.py at world 4, once for the module: its output."""
+    _, out = torchrun("tests/moe_checks.py", 4, tmp_path=tmp_path_factory.mktemp("checks"), name="checks",
+                      timeout=600)
+    return out
+
+
+def test_layer_checks(checks):
+    out = checks
     assert "ALL CHECKS PASSED" in out and "FAIL" not in out, out[-6000:]
     assert out.count("PASS  parity") == 12, out[-6000:]  # 4 routers x EP 1, 2, 4
 
@@ -46,6 +57,7 @@ def test_replicas_x_ep_gshard_figures(tmp_path):
     for total, lm, aux in zip(s["losses"], f["lm_losses"], f["aux_losses"]):
         assert abs(total - (lm + cfg["aux_weight"] * aux)) < 1e-12 and aux > 0
     assert "expert load, MoE layer 0" in out and "all-to-all bytes sent / step / rank" in out
+    assert f["alltoall_bytes_per_rank"] == f["alltoall_bytes_expected_per_rank"] == [f["alltoall_bytes_theory"]] * 4
 
 
 def last_checkpoint(ckpt_dir, rank):
@@ -145,7 +157,8 @@ def noisy_topk_diff(k=2):
             kth_other = sorted((H[j] for j in range(E) if j != i), reverse=True)[k - 1]
             load[i] += phi((c[i] - kth_other) / s[i])
     clean, std, eps = group(CLEAN), group(STD), group(EPS)
-    _, combine, aux, _ = moe.route_noisy_topk(clean, std, eps, k, C=3)  # C = T: nothing dropped
+    expert, gate, keep, aux = moe.route_noisy_topk(clean, std, eps, k)
+    _, combine = moe.fill_slots(expert, gate, keep, 3, 4)  # C = T: nothing dropped
     got_load = moe.smooth_load(clean, std, clean + eps * std, k).sum(1)
     return max(rel_diff(combine.sum(-1), gates), rel_diff(got_load, load),
                rel_diff(aux, cv2(importance) + cv2(load)))
@@ -179,7 +192,8 @@ def gshard_diff():
             row[e2] = p[e2] / (p[e1] + p[e2])
         gates.append(row), first.append(e1)
     aux = sum(first.count(e) / T * sum(p[e] for p in probs) / T for e in range(E)) / E * E ** 2
-    _, combine, got_aux, _ = moe.route_gshard(group(GS_LOGITS), torch.tensor([GS_UNIFORM], dtype=torch.float64), 4)
+    expert, gate, keep, got_aux = moe.route_gshard(group(GS_LOGITS), torch.tensor([GS_UNIFORM], dtype=torch.float64))
+    _, combine = moe.fill_slots(expert, gate, keep, 4, E)
     return max(rel_diff(combine.sum(-1), gates), rel_diff(got_aux, aux))
 
 
@@ -187,7 +201,7 @@ def test_gshard_by_hand(monkeypatch):
     assert gshard_diff() < 1e-12
     route, balance = moe.route_gshard, moe.balance_loss
     with monkeypatch.context() as m:  # broken: random routing keeps the 2nd expert with probability g2
-        m.setattr(moe, "route_gshard", lambda logits, u, C: route(logits, 2 * u, C))
+        m.setattr(moe, "route_gshard", lambda logits, u: route(logits, 2 * u))
         assert gshard_diff() > 1e-2
     with monkeypatch.context() as m:  # broken: P_e from the 1st-choice mask instead of the router's gates
         m.setattr(moe, "balance_loss", lambda probs, top1: balance(F.one_hot(top1, 3).to(probs), top1))
@@ -198,8 +212,8 @@ def test_second_choice_depends_on_later_tokens():
     """With a capacity, every 1st choice is served before any 2nd choice: token 0's 2nd choice (expert 1)
     is dropped or kept depending on the 1st choice of the later token 1 (information from the future)."""
     u = torch.zeros(1, 2, dtype=torch.float64)  # every 2nd choice wanted
-    later_takes_e1 = moe.route_gshard(group([[2.0, 1.0, -1.0], [-1.0, 2.0, 1.0]]), u, 1)[0]  # C = 1
-    later_takes_e2 = moe.route_gshard(group([[2.0, 1.0, -1.0], [-1.0, 1.0, 2.0]]), u, 1)[0]
+    later_takes_e1 = moe.fill_slots(*moe.route_gshard(group([[2.0, 1.0, -1.0], [-1.0, 2.0, 1.0]]), u)[:3], 1, 3)[0]
+    later_takes_e2 = moe.fill_slots(*moe.route_gshard(group([[2.0, 1.0, -1.0], [-1.0, 1.0, 2.0]]), u)[:3], 1, 3)[0]
     assert later_takes_e1[0, 0, 1].sum() == 0 and later_takes_e2[0, 0, 1].sum() == 1
     assert later_takes_e1[0, 0, 0].sum() == later_takes_e2[0, 0, 0].sum() == 1  # the 1st choice: served
 
@@ -221,7 +235,8 @@ def switch_diff(alpha=1e-2, C=2):
              for t, p in enumerate(probs)]
     grad = [[alpha * N / T * p[j] * (f[j] - sum(fi * pi for fi, pi in zip(f, p))) for j in range(N)] for p in probs]
     logits = group(SW_LOGITS).requires_grad_()
-    _, combine, aux, _ = moe.route_switch(logits, C)
+    expert, gate, keep, aux = moe.route_switch(logits)
+    _, combine = moe.fill_slots(expert, gate, keep, C, N)
     if aux.requires_grad:
         (alpha * aux).sum().backward()
     got_grad = torch.zeros_like(logits) if logits.grad is None else logits.grad  # no path: no gradient
@@ -236,10 +251,11 @@ def test_switch_by_hand(monkeypatch):
         m.setattr(moe, "balance_loss", lambda probs, top1: balance(probs.detach(), top1))
         assert switch_diff() > 1e-2
 
-    def f_after_capacity(logits, C):  # broken: f counts the tokens that kept a slot
-        dispatch, combine, _, wanted = route(logits, C)
+    def f_after_capacity(logits):  # broken: f counts the tokens that kept a slot (C = 2, as switch_diff's)
+        expert, gate, keep, _ = route(logits)
         probs, N, T = logits.softmax(-1), logits.shape[-1], logits.shape[1]
-        return dispatch, combine, N * (dispatch.sum((1, 3)) / T * probs.mean(1)).sum(-1), wanted
+        dispatch, _ = moe.fill_slots(expert, gate, keep, 2, N)
+        return expert, gate, keep, N * (dispatch.sum((1, 3)) / T * probs.mean(1)).sum(-1)
 
     with monkeypatch.context() as m:
         m.setattr(moe, "route_switch", f_after_capacity)
@@ -260,7 +276,7 @@ def expert_choice_errors(C=2):
         for c, t in enumerate(tokens):
             want[0, t, e, c] = 1
     gates = want * group(S)[..., None]
-    dispatch, combine, _, _ = moe.route_expert_choice(group(EC_LOGITS), C)
+    dispatch, combine = moe.route_expert_choice(group(EC_LOGITS), C)
     return not torch.equal(dispatch, want), rel_diff(combine, gates), picked
 
 
@@ -273,7 +289,7 @@ def test_expert_choice_by_hand(monkeypatch):
         probs = logits.softmax(1)  # (G, T, E)
         top = probs.topk(C, dim=1)  # (G, C, E)
         dispatch = F.one_hot(top.indices, logits.shape[1]).permute(0, 3, 2, 1).to(probs)  # (G, T, E, C)
-        return dispatch, dispatch * top.values.transpose(1, 2)[:, None], None, None
+        return dispatch, dispatch * top.values.transpose(1, 2)[:, None]
 
     with monkeypatch.context() as m:
         m.setattr(moe, "route_expert_choice", softmax_over_tokens)
@@ -288,7 +304,7 @@ def test_peak_memory_read_before_reference(monkeypatch, tmp_path):
     peak, reference = moe.peak_memory_bytes, moe.moe_reference
     monkeypatch.setattr(moe, "peak_memory_bytes", lambda *a: calls.append("peak") or peak(*a))
     monkeypatch.setattr(moe, "moe_reference", lambda *a: calls.append("reference") or reference(*a))
-    monkeypatch.setattr(moe, "close_dist", lambda ok: calls.append(ok))
+    monkeypatch.setattr(harness, "close_dist", lambda ok: calls.append(ok))  # Run.finish ends the run through it
     monkeypatch.setattr(sys, "argv", ["moe.py", *TINY, "--steps", "2", "--check", "--json", str(tmp_path / "s.json")])
     try:
         moe.main()
@@ -296,3 +312,92 @@ def test_peak_memory_read_before_reference(monkeypatch, tmp_path):
         if dist.is_initialized():
             dist.destroy_process_group()
     assert calls == ["peak", "reference", True], calls
+
+
+# ----------------------------------------------------------------------------- copy-out: check your own MoE
+# moe.MoE with its routers in a model that is not the GPT (a parameter on the root module, nested modules, odd
+# sizes: width 6, expert width 10, 6 experts, 5 positions, 3 input features; an MSE loss), expert parallel at
+# EP 2 x 2 replicas, against the same model with every expert local trained by plain torch in one process,
+# written here. tests/moe_checks.py runs copy_out() in its 4-rank launch; test_copy_out_moe reads the verdicts.
+D, EXPERTS, HIDDEN, FEATURES, SEQ, ROWS, GROUP_ROWS = 6, 6, 10, 3, 5, 8, 2
+
+
+class ResidualMoEStack(nn.Module):
+    def __init__(self, ep_group, **moe_flags):
+        super().__init__()
+        self.gain = nn.Parameter(torch.ones(D))  # on the root module
+        self.inp = nn.Linear(FEATURES, D)
+        gen = torch.Generator().manual_seed(5)  # the experts' initial weights: the same whatever the layout
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.LayerNorm(D), moe.MoE(D, EXPERTS, hidden=HIDDEN, group_rows=GROUP_ROWS, ep_group=ep_group,
+                                                   seed=3, layer=i, generator=gen, **moe_flags)) for i in range(2))
+
+    def forward(self, x):  # (b, SEQ, FEATURES) -> (b, SEQ, D)
+        h = self.inp(x)
+        for block in self.blocks:
+            h = h + block(h)
+        return h * self.gain
+
+
+def copy_out(d, lay, steps=3, aux_weight=0.1):
+    """[(name, ok, detail)] for gshard with a capacity."""
+    results = []
+    groups, rows = ROWS // GROUP_ROWS, ROWS // d.world
+    row0 = d.rank * rows
+    for flags in (dict(router="gshard", capacity_factor=1.0),):
+        g = torch.Generator().manual_seed(11)
+        data = [(torch.randn(ROWS, SEQ, FEATURES, generator=g, dtype=torch.float64).to(d.device),
+                 torch.randn(ROWS, SEQ, D, generator=g, dtype=torch.float64).to(d.device)) for _ in range(steps)]
+
+        def build(ep_group):
+            torch.manual_seed(0)
+            model = ResidualMoEStack(ep_group, **flags).double().to(d.device)
+            return model, torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=False)
+
+        # 1. the reference: plain torch, one process, the whole batch, every expert local
+        ref, opt = build(None)
+        ref_losses, layers = [], [m for m in ref.modules() if isinstance(m, moe.MoE)]
+        for step, (x, t) in enumerate(data):
+            moe.set_step(ref, step, 0)
+            mse = F.mse_loss(ref(x), t, reduction="sum") / t.numel()
+            loss = mse + aux_weight * sum(m.aux.mean() for m in layers) / len(layers)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            ref_losses.append(loss.item())
+        want = dict(ref.named_parameters())
+        # 2. expert parallel: my rows, my experts; gradients synced by moe.sync_grads (or not: the negative)
+        for synced in (True, False):
+            model, opt = build(lay.ep_group)
+            losses = []
+            for step, (x, t) in enumerate(data):
+                moe.set_step(model, step, row0)
+                mse = F.mse_loss(model(x[row0:row0 + rows]), t[row0:row0 + rows], reduction="sum") / t.numel()
+                loss = mse + aux_weight * moe.aux_share(model, groups)
+                opt.zero_grad()
+                loss.backward()
+                if synced:
+                    moe.sync_grads(model, lay.ep_group, lay.replica_group)
+                opt.step()
+                total = loss.detach().clone()
+                dist.all_reduce(total)
+                losses.append(total.item())
+            got = moe.full_params(lay, model)
+            loss_diff = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses))
+            param_diff = max((got[n] - p).abs().max().item() for n, p in want.items())
+            name = f"copy-out {flags['router']} capacity"
+            detail = f"rel loss diff {loss_diff:.1e}, param diff {param_diff:.1e}"
+            if synced:
+                results.append((f"{name}: EP 2 x 2 replicas = one-process torch training of a residual MoE stack",
+                                got.keys() == want.keys() and max(loss_diff, param_diff) < 1e-9, detail))
+            else:
+                results.append((f"{name}: negative: without moe.sync_grads the parameters differ",
+                                param_diff > 1e-6, detail))
+    return results
+
+
+def test_copy_out_moe(checks):
+    """Check your own MoE the same way: the layer inside your model, expert parallel, against the model with
+    every expert local trained in one process (copy_out above, run in tests/moe_checks.py's launch)."""
+    lines = [l for l in checks.splitlines() if "copy-out" in l]
+    assert len(lines) == 2 and all(l.startswith("PASS") for l in lines), "\n".join(lines) or checks[-3000:]
