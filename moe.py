@@ -1,4 +1,4 @@
-"""moe.py: mixture-of-experts layers with expert parallelism, and four routers.
+"""moe.py: mixture-of-experts layers with expert parallelism: five routers, shared experts, dropless routing.
 
 The GPT of common.py with the MLP of every block (or every --moe-every'th, as GShard's every other one)
 replaced by E expert MLPs and a router that sends each token to a few of them. With expert parallelism
@@ -13,7 +13,15 @@ Routers (--router):
   switch         Fedus et al. 2021: top-1; the same aux loss, weighted by alpha = --aux-weight (1e-2).
   expert_choice  Zhou et al. 2022: each expert takes its own top-C tokens, so every expert is exactly full;
                  a token gets 0..E experts; no aux loss is needed.
-Total loss = LM loss + --aux-weight x aux loss (aux = mean over routing groups and MoE layers).
+  loss_free      Wang et al. 2024, auxiliary-loss-free balancing (DeepSeek-V3 trains with it): affinities
+                 s = sigmoid(x W_g) (--score: or softmax); the top k of s + b choose, the gates are the chosen
+                 s normalised to sum 1, so the bias b chooses but never weighs and gets no gradient. After
+                 each step b_e += --bias-rate x sign(mean load - load_e), the loads counted over the whole
+                 batch (one all-reduce): every rank holds the same b. DeepSeek-V3's small sequence-wise
+                 balance loss is there too, weighted by --seq-aux-weight (0, off, by default).
+Total loss = LM loss + weight x aux (aux: mean over routing groups and MoE layers; weight: --aux-weight, or
+--seq-aux-weight for loss_free). --shared-experts S adds S expert MLPs that every token goes through beside
+its routed ones (DeepSeek-MoE, Dai et al. 2024): replicated on every rank, data parallel like attention.
 
 Capacity is per routing group (GShard's "groups"): the global batch is cut into --groups groups of whole
 sequences, T = batch/groups x seq_len tokens each, routed on their own with C slots per expert:
@@ -33,6 +41,15 @@ computes exactly what any EP degree computes; --check compares with that referen
       my experts run on (E/ep, ep x G x C, D) --> all-to-all back --> (E, G, C, D)
       --combine einsum (gate weights)--> (G, T, D), added to the residual stream
 
+Dropless (--capacity-factor 0, token choice; as MegaBlocks, Gale et al. 2023): no slots, nothing dropped.
+Each rank sorts its (token, choice) pairs by expert and sends every EP rank exactly its experts' tokens:
+      rank 0 chose  e0 e0 e0 e1 | e2 e3 e3     counts [3 1 | 1 2]: keeps 4, sends 3 to rank 1
+      rank 1 chose  e0 e1 e1 | e2 e2 e2 e3     counts [1 2 | 3 1]: sends 3 to rank 0, keeps 4
+      all-gather the counts, so every rank knows every split; all_to_all_single(out, in, recv, send);
+      rank 0 then runs e0 on [3 own | 1 from rank 1], e1 on [1 | 2]; the way back swaps the splits.
+The splits must reach the host to size the buffers: one host sync per dropless layer (Megatron-Core's
+dropless dispatcher has it too). With a capacity every size comes from the command line: nothing syncs.
+
 Ranks form the grid torch.arange(world).view(world // ep, ep): a row is an EP group (together it holds all
 E experts), a column holds copies of the same E/ep experts. Expert gradients arrive through the backward
 all-to-all, already summed over the tokens of the EP group, and are summed over the column; every other
@@ -44,6 +61,7 @@ Run:
     torchrun --nproc_per_node=4 moe.py --router gshard --check       # EP 4, 4 routing groups
     torchrun --nproc_per_node=4 moe.py --router expert_choice --ep 2 --check    # 2 replicas x EP 2
     python moe.py --router noisy_topk --groups 4 --check             # the one-process twin of EP 4
+    torchrun --nproc_per_node=4 moe.py --router loss_free --shared-experts 1 --capacity-factor 0 --check
 In production, use a fused MoE (Megatron-Core, DeepSpeed-MoE, torchtitan): grouped GEMMs and index-based
 dispatch instead of the dense (T, E, C) one-hot tensors written out here for clarity.
 """
@@ -62,23 +80,27 @@ from common import (DTYPES, build_gpt, clip_grads_, count_tokens, fail, GPTConfi
 from harness import (check_against_reference, check_common_args, CommCounter, CommonArgs, env_world_size,
                      gather_rows, parse_args, peak_memory_bytes, Run, SavedActivations, state_bytes)
 
-ROUTERS = ("noisy_topk", "gshard", "switch", "expert_choice")
+ROUTERS = ("noisy_topk", "gshard", "switch", "expert_choice", "loss_free")
 
 
 @dataclass
 class Args(CommonArgs):
-    router: Literal["noisy_topk", "gshard", "switch", "expert_choice"] = "switch"  # routing algorithm
-    experts: int = 4  # experts per MoE layer (E)
-    top_k: int = 0  # noisy_topk: experts per token (0 = 2); gshard is top-2 and switch top-1 by definition
-    capacity_factor: float = 1.25  # slots per expert = cf x k x group tokens / experts (k = 1: expert_choice)
+    router: Literal["noisy_topk", "gshard", "switch", "expert_choice", "loss_free"] = "switch"  # the router
+    experts: int = 4  # routed experts per MoE layer (E)
+    top_k: int = 0  # noisy_topk, loss_free: experts per token (0 = 2); gshard is top-2, switch top-1
+    capacity_factor: float = 1.25  # slots/expert: cf x k x group tokens / E (expert_choice: k=1); 0: dropless
     aux_weight: float = 1e-2  # total loss = LM loss + aux_weight x load-balancing loss (Switch's alpha)
+    score: Literal["sigmoid", "softmax"] = "sigmoid"  # loss_free: affinity function (sigmoid: DeepSeek-V3)
+    bias_rate: float = 1e-3  # loss_free: each step the expert bias moves by this much (Wang et al.'s u)
+    seq_aux_weight: float = 0.0  # loss_free: weight of DeepSeek-V3's sequence-wise balance loss (0 = off)
+    shared_experts: int = 0  # always-on expert MLPs per MoE layer beside the routed ones (DeepSeek-MoE)
     moe_every: int = 1  # an MoE layer in every n-th block (2: every other one, as GShard), dense MLPs between
     ep: int = 0  # expert-parallel degree: ranks that split one set of experts (0 = world size)
     groups: int = 0  # routing groups in the global batch; capacity is per group (0 = world size)
 
 
 def experts_per_token(router, top_k=0):
-    return dict(noisy_topk=top_k or 2, gshard=2, switch=1, expert_choice=0)[router]
+    return dict(noisy_topk=top_k or 2, loss_free=top_k or 2, gshard=2, switch=1, expert_choice=0)[router]
 
 
 def capacity(capacity_factor, k, tokens_per_group, experts):
@@ -94,7 +116,7 @@ def capacity(capacity_factor, k, tokens_per_group, experts):
 #   per group)   K choices per token   D model width   H expert hidden width (4D)   r ranks of the EP group
 # A token-choice router returns expert, gate, keep (G, T, K): each token's k-th choice, its gate weight, and 1
 # if it is wanted (0: gshard's dropped 2nd choice); and aux (G,): the balancing loss per group. Capacity comes
-# after it (fill_slots). Expert choice returns dispatch and combine (G, T, E, C) itself:
+# after it (fill_slots), or never (dropless). Expert choice returns dispatch and combine (G, T, E, C) itself:
 # token t sits in slot c of expert e, and comes back with that gate weight.
 def fill_slots(expert, gate, keep, C, E):
     """Token choice -> slots: dispatch, combine (G, T, E, C). Slots are handed out choice by choice (every
@@ -183,28 +205,63 @@ def route_expert_choice(logits, C):
     return dispatch, dispatch * rearrange(gate, "g e c -> g 1 e c")
 
 
+# -------------------------------------------------------------------------- loss-free balancing (DeepSeek-V3)
+def seq_balance_loss(scores, expert, n):
+    """DeepSeek-V3's sequence-wise balance loss (Sec. 2.1.2, eq. 17-20), per sequence of n tokens:
+    sum_e f_e P_e, f_e = E / (K n) x (tokens choosing e), P_e = mean over the sequence of s_e / sum_j s_j.
+    1 under uniform routing; f counts the experts actually chosen (top k of s + b). -> (G,): mean over the
+    group's sequences. scores (G, T, E), expert (G, T, K)."""
+    E, K = scores.shape[-1], expert.shape[-1]
+    per_seq = lambda t: rearrange(t, "g (b n) e -> g b n e", n=n)  # noqa: E731
+    f = per_seq(F.one_hot(expert, E).sum(2).to(scores.dtype)).sum(2) * E / (K * n)  # (G, b, E)
+    P = per_seq(scores / scores.sum(-1, keepdim=True)).mean(2)  # (G, b, E)
+    return (f * P).sum(-1).mean(-1)
+
+
+def route_loss_free(scores, bias, k, n):
+    """Wang et al. 2024 (Alg. 1), as DeepSeek-V3 uses it (Sec. 2.1.2, eq. 12-16): the top k of s + b choose
+    the experts; the gates are the *unbiased* scores of the chosen experts, normalised over the k. Only the
+    indices of the top k see b, so no gradient reaches it. scores (G, T, E), bias (E,); n: sequence length."""
+    expert = (scores + bias).topk(k, dim=-1).indices  # (G, T, K): the bias only chooses ...
+    s = scores.gather(-1, expert)  # (G, T, K): ... the gates are the scores without it
+    return expert, s / s.sum(-1, keepdim=True), torch.ones_like(s), seq_balance_loss(scores, expert, n)
+
+
+def update_biases(layers, rate, group):
+    """Wang et al. 2024, Alg. 1, after each step: b_e += u * sign(mean_e c - c_e), c_e = tokens that chose
+    expert e in the whole batch: under-loaded experts get more attractive, over-loaded ones less. Each rank
+    routes its own tokens, so the counts are summed over `group` (the world): one all-reduce of (layers, E)
+    numbers, and every rank ends with the same bias. group=None: one process, whose counts are the batch's."""
+    counts = torch.stack([m.wanted for m in layers]).to(torch.float64)  # (L, E), exact integers
+    if group is not None:
+        dist.all_reduce(counts, group=group)
+    for m, c in zip(layers, counts):
+        m.expert_bias += rate * torch.sign(c.mean() - c).to(m.expert_bias.dtype)
+
+
 # ----------------------------------------------------------------------------- dispatch, experts, combine
-def all_to_all(x, group):
-    """Equal-split all_to_all_single over the EP group: block j of dim 0 goes to rank j, block i of the
-    output came from rank i."""
+def all_to_all(x, group, out_splits=None, in_splits=None):
+    """all_to_all_single over dim 0: rows in_splits[j] go to rank j, out_splits[i] come from rank i
+    (None: equal blocks)."""
     x = x.contiguous()
-    out = torch.empty_like(x)
-    dist.all_to_all_single(out, x, group=group)
+    out = x.new_empty((x.shape[0] if out_splits is None else sum(out_splits), *x.shape[1:]))
+    dist.all_to_all_single(out, x, out_splits, in_splits, group=group)
     return out
 
 
 class AllToAll(torch.autograd.Function):
-    """The exchange as an autograd op. Its backward is the same exchange: the gradient of the block I sent
-    to rank j comes back from rank j."""
+    """The exchange as an autograd op. Its backward is the same exchange with the splits swapped: the
+    gradient of the rows I sent to rank j comes back from rank j."""
 
     @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return all_to_all(x, group)
+    def forward(ctx, x, group, out_splits=None, in_splits=None):
+        ctx.group, ctx.splits = group, (out_splits, in_splits)
+        return all_to_all(x, group, out_splits, in_splits)
 
     @staticmethod
     def backward(ctx, grad):
-        return all_to_all(grad, ctx.group), None
+        out_splits, in_splits = ctx.splits
+        return all_to_all(grad, ctx.group, in_splits, out_splits), None, None, None
 
 
 def mlps(h, w1, b1, w2, b2):
@@ -220,23 +277,24 @@ def position_seed(seed, step, layer, group):
 
 
 class MoE(nn.Module):
-    """Replaces an MLP: route -> dispatch -> all-to-all -> experts -> all-to-all -> combine.
+    """Replaces an MLP: route -> dispatch -> all-to-all -> experts -> all-to-all -> combine (+ shared ones).
     x (b, n, D) -> (b, n, D), the b sequences cut into routing groups of `group_rows` whole sequences.
-      router, top_k     one of ROUTERS; 0 = the router's own k     capacity_factor  slots (see capacity)
+      router, top_k     one of ROUTERS; 0 = the router's own k     capacity_factor  0 = dropless
       ep_group          the ranks that split the E experts, E/ep each (None: all local)
-      hidden            expert width (4 d_model)
+      shared, score     always-on experts; loss_free's affinity     hidden  expert width (4 d_model)
       seed, layer       key the router's random numbers     generator  initial weights (all E: any EP agrees)
     The loop sets `step` and `row0` (x's first global row) before a forward (set_step). A forward leaves
     `aux` (G,) (balancing loss per group), `wanted` (E,) (choices per expert before capacity, this rank's
-    tokens) and `dispatch` (G, T, E, C): plain attributes, for whoever measures."""
+    tokens: the loss-free update reads it), `dispatch` (G, T, E, C) (None when dropless: all are served).
+    `expert_bias` (loss_free) moves in steps of --bias-rate: keep it in float32 if you cast to bf16."""
 
     def __init__(self, d_model, experts, router="switch", top_k=0, capacity_factor=1.25, group_rows=1,
-                 ep_group=None, hidden=None, dropout=0.0, seed=0, layer=0,
+                 ep_group=None, shared=0, score="sigmoid", hidden=None, dropout=0.0, seed=0, layer=0,
                  generator=None, dtype=torch.float64):
         super().__init__()
         D, H, E = d_model, hidden or 4 * d_model, experts
         self.kind, self.k, self.cf, self.E = router, experts_per_token(router, top_k), capacity_factor, E
-        self.group_rows = group_rows
+        self.score, self.n_shared, self.group_rows = score, shared, group_rows
         self.seed, self.layer, self.step, self.row0 = seed, layer, 0, 0
         self.ep_group, self.ep = ep_group, 1 if ep_group is None else dist.get_world_size(ep_group)
         self.ep_rank, self.El = 0 if ep_group is None else dist.get_rank(ep_group), E // self.ep
@@ -245,11 +303,16 @@ class MoE(nn.Module):
         zeros = lambda *shape: nn.Parameter(torch.zeros(*shape, dtype=dtype))  # noqa: E731
         self.w_gate = nn.Parameter(full(D, E))  # W_g: replicated, data parallel
         self.w_noise = nn.Parameter(full(D, E)) if router == "noisy_topk" else None  # W_noise
+        if router == "loss_free":  # b: a buffer (so checkpointed), moved by update_biases, never by autograd
+            self.register_buffer("expert_bias", torch.zeros(E, dtype=dtype))
         # Every rank draws all E experts from the one generator and keeps its slice, so any EP degree starts
         # from the same numbers: model expert e = local expert e - ep_rank * El on EP rank e // El.
         mine = slice(self.ep_rank * self.El, (self.ep_rank + 1) * self.El)
         self.w1, self.b1 = nn.Parameter(full(E, D, H)[mine].clone()), zeros(self.El, H)
         self.w2, self.b2 = nn.Parameter(full(E, H, D)[mine].clone()), zeros(self.El, D)
+        if shared:  # S always-on experts: replicated, data parallel like the router
+            self.shared_w1, self.shared_b1 = nn.Parameter(full(shared, D, H)), zeros(shared, H)
+            self.shared_w2, self.shared_b2 = nn.Parameter(full(shared, H, D)), zeros(shared, D)
         self.drop = nn.Dropout(dropout)
         self.dispatch = self.wanted = self.aux = None
 
@@ -273,6 +336,9 @@ class MoE(nn.Module):
         logits, x = self.logits(xg)
         if self.kind == "switch":
             return route_switch(logits)
+        if self.kind == "loss_free":
+            scores = logits.sigmoid() if self.score == "sigmoid" else logits.softmax(-1)
+            return route_loss_free(scores, self.expert_bias.to(x.dtype), self.k, n)
         if self.kind == "noisy_topk":
             eps = self.draw(logits) if self.training else torch.zeros_like(logits)
             std = F.softplus(x @ self.w_noise.to(x.dtype)) + 1e-2  # the floor keeps Phi's argument finite
@@ -292,6 +358,37 @@ class MoE(nn.Module):
             out = AllToAll.apply(out, self.ep_group)  # (E, G, C, D): all experts' outputs, my tokens
         return torch.einsum("gtec,egcd->gtd", combine.to(xg.dtype), out)  # empty / dropped slots weigh 0
 
+    def dropless(self, xg, expert, gate, keep):
+        """No capacity, every wanted choice served: xg (G, T, D), expert/gate/keep (G, T, K) -> (G, T, D)."""
+        (G, T, K), D, E, El, r, me = expert.shape, xg.shape[-1], self.E, self.El, self.ep, self.ep_rank
+        dest = torch.where(keep > 0, expert, E).flatten()  # (N = G T K,): each pair's expert; E = unwanted
+        order = torch.argsort(dest, stable=True)  # pairs by expert, then token: rank j's share is one block
+        counts = dest.new_zeros(E + 1).scatter_add_(0, dest, torch.ones_like(dest))  # (E + 1,): pairs each
+        if r > 1:  # every rank's counts, so that each knows what it gets from whom
+            every = counts.new_empty(r * (E + 1))
+            dist.all_gather_single(every, counts, group=self.ep_group)
+            counts = every
+        sizes = rearrange(counts, "(r e) -> r e", r=r)[:, :E].tolist()  # (r, E): the one host sync (see top)
+        mine = [row[me * El:(me + 1) * El] for row in sizes]  # (r, El): rank i's pairs for each of my experts
+        send = [sum(sizes[me][j * El:(j + 1) * El]) for j in range(r)]  # pairs I send to rank j
+        recv = [sum(row) for row in mine]  # pairs I get from rank i
+        h = rearrange(xg, "g t d -> (g t) d")[order[:sum(send)] // K]  # (sum send, D): each pair's token
+        if r > 1:
+            h = AllToAll.apply(h, self.ep_group, recv, send)  # (sum recv, D): from each rank, by my expert
+        pieces = h.split([c for row in mine for c in row])  # piece (i, e): rank i's tokens for my expert e
+        outs = [self.expert(e, torch.cat(pieces[e::El])) for e in range(El)]  # expert e on all its tokens
+        back = [o.split([mine[i][e] for i in range(r)]) for e, o in enumerate(outs)]
+        h = torch.cat([back[e][i] for i in range(r) for e in range(El)])  # back in (rank i, expert e) order
+        if r > 1:
+            h = AllToAll.apply(h, self.ep_group, send, recv)  # (sum send, D): my pairs' outputs, sorted
+        y = xg.new_zeros(G * T * K, D).index_copy(0, order[:sum(send)], h)  # each pair's output in its place
+        y = rearrange(y, "(g t k) d -> g t k d", t=T, k=K)
+        return torch.einsum("gtkd,gtk->gtd", y, (gate * keep).to(xg.dtype))
+
+    def expert(self, e, h):
+        """My expert e on its tokens: (N, D) -> (N, H) -> (N, D)."""
+        return F.gelu(h @ self.w1[e] + self.b1[e]) @ self.w2[e] + self.b2[e]
+
     def forward(self, x):
         """x (b, n, D): this rank's b sequences of n positions, global rows self.row0 .. -> (b, n, D)."""
         n = x.shape[1]
@@ -303,8 +400,17 @@ class MoE(nn.Module):
         else:
             expert, gate, keep, self.aux = self.choose(xg, n)
             self.wanted = (F.one_hot(expert, self.E) * keep[..., None]).detach().sum((0, 1, 2))  # (E,)
-            dispatch, combine = fill_slots(expert, gate, keep, capacity(self.cf, self.k, T, self.E), self.E)
-        y, self.dispatch = self.exchange(xg, dispatch, combine), dispatch.detach()
+            if self.cf > 0:
+                C = capacity(self.cf, self.k, T, self.E)
+                dispatch, combine = fill_slots(expert, gate, keep, C, self.E)
+        if self.cf > 0:
+            y, self.dispatch = self.exchange(xg, dispatch, combine), dispatch.detach()
+        else:
+            y, self.dispatch = self.dropless(xg, expert, gate, keep), None
+        if self.n_shared:  # every token through every shared expert: (S, G T, D), summed over S
+            xs = rearrange(xg, "g t d -> (g t) d").expand(self.n_shared, -1, -1)
+            ys = mlps(xs, self.shared_w1, self.shared_b1, self.shared_w2, self.shared_b2).sum(0)
+            y = y + rearrange(ys, "(g t) d -> g t d", g=G)
         return self.drop(rearrange(y, "g (b n) d -> (g b) n d", n=n))
 
 
@@ -332,9 +438,13 @@ def build_moe_gpt(args, groups, ep_group=None, device="cpu"):
     for i, block in enumerate(model.blocks):
         if i % args.moe_every == args.moe_every - 1:
             block.mlp = MoE(args.d_model, args.experts, args.router, args.top_k, args.capacity_factor,
-                            args.batch_size // groups, ep_group, dropout=args.dropout, seed=args.seed,
-                            layer=i, generator=gen)
-    return model.to(device=device, dtype=DTYPES[args.dtype])
+                            args.batch_size // groups, ep_group, args.shared_experts, args.score,
+                            dropout=args.dropout, seed=args.seed, layer=i, generator=gen)
+    model.to(device=device, dtype=DTYPES[args.dtype])
+    for m in moe_layers(model):  # the bias moves in --bias-rate steps: bf16 would round them away
+        if m.kind == "loss_free":
+            m.expert_bias.data = m.expert_bias.to(torch.promote_types(m.expert_bias.dtype, torch.float32))
+    return model
 
 
 # ----------------------------------------------------------------------------- expert + data parallel step
@@ -395,6 +505,11 @@ def sync_grads(model, ep_group=None, replica_group=None):
     return (sq_dense + sq_expert).sqrt()
 
 
+def aux_weight(args):
+    """Total loss = LM + this x aux: Switch's alpha, or loss_free's sequence-wise weight (DeepSeek-V3)."""
+    return args.seq_aux_weight if args.router == "loss_free" else args.aux_weight
+
+
 def to_device(t, device):
     """The step's one host-to-device copy: from pinned memory, not waited for (a copy from pageable memory
     would stop the host until the stream drains)."""
@@ -408,10 +523,12 @@ def train_step(args, lay, model, opt, x, y, n_tok, step, row0, groups):
     opt.zero_grad(set_to_none=True)
     lm = lm_loss(model(x), y, n_tok)  # common.GPT's forward, unchanged: the MoE layers sit in its blocks
     aux = aux_share(model, groups)  # my share of the mean over groups and layers
-    (lm + args.aux_weight * aux).backward()
+    (lm + aux_weight(args) * aux).backward()
     norm = sync_grads(model, lay.ep_group, lay.replica_group)
     clip_grads_([p.grad for p in model.parameters()], norm, args.clip)
     opt.step()
+    if args.router == "loss_free":  # after the step: the next one routes with the new bias
+        update_biases(moe_layers(model), args.bias_rate, dist.group.WORLD)
     return lm.detach(), aux.detach()
 
 
@@ -421,16 +538,21 @@ def check_args(args, world):
     k, cf = experts_per_token(args.router, args.top_k), args.capacity_factor
     if E < 1:
         fail(f"--experts must be >= 1, got {E}")
-    if cf <= 0:
-        fail(f"--capacity-factor must be > 0, got {cf} (1.0 = each expert's fair share of slots)")
+    if cf < 0:
+        fail(f"--capacity-factor must be >= 0, got {cf} (1: each expert's fair share of slots, 0: dropless)")
+    if cf == 0 and args.router == "expert_choice":
+        fail("--router expert_choice has no dropless form (an expert takes C): --capacity-factor > 0")
     if args.router in ("gshard", "switch") and args.top_k not in (0, k):
         fail(f"--router {args.router} is top-{k} by definition; drop --top-k, or use --router noisy_topk")
     if args.router == "expert_choice" and args.top_k:
         fail("--router expert_choice has no per-token k (each expert takes cf x T / E tokens); drop --top-k")
     if args.top_k < 0 or k > E:
         fail(f"top-k {k} must be in 1..--experts {E}: a token cannot pick more experts than exist")
-    if args.aux_weight < 0:
-        fail(f"--aux-weight must be >= 0, got {args.aux_weight}")
+    for name in ("aux_weight", "seq_aux_weight", "bias_rate", "shared_experts"):
+        if getattr(args, name) < 0:
+            fail(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
+    if args.seq_aux_weight and args.router != "loss_free":
+        fail("--seq-aux-weight weighs loss_free's sequence-wise loss; the other routers' is --aux-weight")
     if not 1 <= args.moe_every <= args.n_layers:
         fail(f"--moe-every must be in 1..--n-layers {args.n_layers}, got {args.moe_every}")
     if ep < 1 or E % ep:
@@ -453,13 +575,14 @@ def main():
     data, lay = MarkovData(args.vocab, args.seed), make_layout(d, ep)
     E, T, cf = args.experts, args.batch_size // groups * args.seq_len, args.capacity_factor
     k = experts_per_token(args.router, args.top_k)
+    slots = f"capacity C={capacity(cf, k, T, E)}" if cf else "dropless"
     d.log(f"moe.py --router {args.router}: world {d.world} = {lay.replicas} replicas x ep {ep} on "
-          f"{d.backend}; {E} experts ({E // ep} per rank), {groups} routing groups of T={T} tokens, "
-          f"capacity C={capacity(cf, k, T, E)}; entropy floor {data.entropy:.4f} nats/token")
+          f"{d.backend}; {E} experts ({E // ep} per rank) + {args.shared_experts} shared, {groups} routing "
+          f"groups of T={T} tokens, {slots}; entropy floor {data.entropy:.4f} nats/token")
     torch.manual_seed(args.seed + d.rank)  # dropout only; routing randomness comes from position_seed
     model = build_moe_gpt(args, groups, lay.ep_group, d.device)
     opt = make_optimizer(model.parameters(), args)
-    run = Run(d, args, {"model": model, "optim": opt})  # resumes from --ckpt-dir
+    run = Run(d, args, {"model": model, "optim": opt})  # resumes from --ckpt-dir (the loss-free bias too)
     lms, auxes = run.history.get("lm", []), run.history.get("aux", [])
     watch = Watch(moe_layers(model), lay)
     rows = args.batch_size // d.world
@@ -474,7 +597,7 @@ def main():
         dist.all_reduce(parts)  # the global batch's LM and aux losses, for the log: one host sync per step
         lm, aux = parts.tolist()
         lms.append(lm), auxes.append(aux)
-        run.end_step(step, lm + args.aux_weight * aux, lm=lms, aux=auxes)
+        run.end_step(step, lm + aux_weight(args) * aux, lm=lms, aux=auxes)
 
     f = watch.summarize(d, args, lay, groups, lms, auxes)
     # The technique's own peak, read before --check trains the one-process reference on rank 0's device.
@@ -502,7 +625,9 @@ class Watch:
             m.register_forward_hook(self.hook)
 
     def hook(self, m, inputs, output):
-        load, idle = m.dispatch.sum((0, 1, 3)), (m.dispatch.sum((2, 3)) == 0).sum().view(1)
+        dispatch = m.dispatch  # None when dropless: every wanted choice is served, every token its 1st
+        load = m.wanted if dispatch is None else dispatch.sum((0, 1, 3))
+        idle = load.new_zeros(1) if dispatch is None else (dispatch.sum((2, 3)) == 0).sum().view(1)
         self.rows.append(torch.cat([m.wanted.double(), load.double(), idle.double()]))  # (2E + 1,)
 
     def summarize(self, d, args, lay, groups, lms, auxes):
@@ -511,18 +636,29 @@ class Watch:
             experts_per_token(args.router, args.top_k)
         T, tokens, nbytes = args.batch_size // groups * args.seq_len, args.batch_size * args.seq_len, \
             torch.finfo(DTYPES[args.dtype]).bits // 8
-        C = capacity(cf, k, T, E)
+        C = capacity(cf, k, T, E) if cf else None
         rows = self.rows or [torch.zeros(L * (2 * E + 1), device=d.device)]  # none: resumed at the end
-        every = torch.stack(rows).view(-1, L, 2 * E + 1)  # (steps, L, 2E + 1): my tokens
+        mine = torch.stack(rows).view(-1, L, 2 * E + 1)  # (steps, L, 2E + 1): my tokens
+        every = mine.clone()
         dist.all_reduce(every)  # the global batch's routing, every step of this run
         wanted, load, idle = every[..., :E], every[..., E:2 * E], every[..., 2 * E]
         fair = tokens * k / E if k else groups * C  # tokens per expert per layer when perfectly balanced
-        drop_theory = max(0.0, 1 - C / (k * T / E)) if k else 0.0
+        drop_theory = max(0.0, 1 - C / (k * T / E)) if k and C else 0.0
         # All-to-all bytes handed to other ranks in the last step, 4 exchanges per layer (dispatch, combine
-        # and their backward): the (E, G/W, C, D) buffers less the block that stays home.
+        # and their backward): with a capacity the (E, G/W, C, D) buffers less the block that stays home;
+        # dropless, what the counts send: 2 x (my pairs for other ranks + their pairs for me) x D x bytes.
         sent = sum(c["to_others"] for c in self.comm.calls_log if c["op"] == "all_to_all")
-        expected = 4 * L * (ep - 1) * (E // ep) * (groups // d.world) * C * D * nbytes
+        if cf:
+            expected = 4 * L * (ep - 1) * (E // ep) * (groups // d.world) * C * D * nbytes
+        else:
+            pairs = mine[-1, :, :E].contiguous()  # (L, E): my pairs per expert, last step
+            got = torch.empty(ep * L * E, dtype=pairs.dtype, device=d.device)
+            dist.all_gather_single(got, pairs.flatten(), group=lay.ep_group)
+            got, me = got.view(ep, L, E), slice(lay.ep_rank * (E // ep), (lay.ep_rank + 1) * (E // ep))
+            out, into = pairs.sum() - pairs[:, me].sum(), got[:, :, me].sum() - got[lay.ep_rank, :, me].sum()
+            expected = int(2 * (out + into).item() * D * nbytes)
         per_rank = [r[0].long().tolist() for r in gather_rows(d, [[sent, expected]])]
+        biases = [m.expert_bias.tolist() for m in self.layers if m.kind == "loss_free"]
         f = dict(capacity=C, tokens_per_group=T, groups=groups, ep=ep, replicas=lay.replicas,
                  expert_load=load[-1].tolist(), expert_load_theory_balanced=fair,
                  load_cv=(load[-1].std(-1, correction=0) / load[-1].mean(-1)).mean().item(),
@@ -532,26 +668,38 @@ class Watch:
                  lm_loss=lms[-1], aux_loss=auxes[-1], lm_losses=lms, aux_losses=auxes,
                  alltoall_bytes_per_step=sent, alltoall_bytes_theory=expected,
                  alltoall_bytes_per_rank=[r[0] for r in per_rank],
-                 alltoall_bytes_expected_per_rank=[r[1] for r in per_rank])
+                 alltoall_bytes_expected_per_rank=[r[1] for r in per_rank],
+                 counts_bytes_per_step=self.comm.total("all_gather", "ep"),
+                 expert_load_per_step=load.tolist(),
+                 maxvio_per_step=(load.amax(-1) / load.mean(-1) - 1).mean(-1).tolist(), expert_bias=biases)
+        rule = "4 x layers x (ep-1)/ep x E x G/W x C x D x bytes" if cf else \
+            "2 x (pairs to other ranks + pairs from them) x D x bytes, from the routed counts"
         d.log("summary (last step, all ranks)          measured   | theory\n"
-              + f"  capacity C per expert per group      {C:<10} | ceil(cf x {k or 1} x T / E), <= T = {T}\n"
+              + (f"  capacity C per expert per group      {C:<10} | ceil(cf x {k or 1} x T / E), <= T = {T}\n"
+                 if cf else "  capacity                             dropless   | every choice served\n")
               + "".join(f"  expert load, MoE layer {i}           {[int(v) for v in l]} | {fair:g} each if "
                         "balanced\n" for i, l in enumerate(f["expert_load"]))
               + f"  dropped assignments                  {f['dropped_frac']:<10.2%} | {drop_theory:.2%} if "
               f"balanced (max(0, 1 - C E / (k T)))\n"
               f"  tokens with no expert                {f['tokens_without_expert_frac']:<10.2%} |\n"
-              f"  LM loss, aux loss (x {args.aux_weight:g})  {lms[-1]:.6f}, {auxes[-1]:.6f}\n"
+              f"  MaxVio per step (max/mean load - 1)  {' '.join(f'{v:.3f}' for v in f['maxvio_per_step'])}\n"
+              + "".join(f"  expert bias, MoE layer {i}           {[round(v, 4) for v in b]}\n"
+                        for i, b in enumerate(biases))
+              + f"  LM loss, aux loss (x {aux_weight(args):g})  {lms[-1]:.6f}, {auxes[-1]:.6f}\n"
               f"  all-to-all bytes sent / step / rank  {f['alltoall_bytes_per_rank']} | "
-              f"{f['alltoall_bytes_expected_per_rank']} = 4 x layers x (ep-1)/ep x E x G/W x C x D x bytes")
+              f"{f['alltoall_bytes_expected_per_rank']} = {rule}"
+              + (f"\n  counts all-gathered / step / rank    {f['counts_bytes_per_step']:<10} | "
+                 f"{L * (E + 1) * 8} = layers x (E+1) x 8" if not cf and ep > 1 else ""))
         return f
 
 
 # --- reference for --check ---
 def full_params(lay, model):
-    """The whole model by name (expert shards all-gathered over the EP group), for --check on rank 0."""
+    """The whole model by name (expert shards all-gathered over the EP group) and its buffers (the loss-free
+    bias), for --check on rank 0."""
     _, expert = split_params(model)
     ids, out = {id(p) for p in expert}, {}
-    for name, p in model.named_parameters():
+    for name, p in [*model.named_parameters(), *model.named_buffers()]:
         if id(p) in ids and lay.ep > 1:
             parts = [torch.empty_like(p) for _ in range(lay.ep)]
             dist.all_gather(parts, p.detach().contiguous(), group=lay.ep_group)
@@ -562,15 +710,23 @@ def full_params(lay, model):
 
 
 def moe_reference(args, groups, device):
-    """The one-process answer: every expert local, the same routing groups, the same random numbers."""
+    """The one-process answer: every expert local, the same routing groups, the same random numbers, the
+    loss-free bias moved by the whole batch's counts (one process routes them all: nothing to all-reduce)."""
     model = build_moe_gpt(args, groups, device=device)
-    steps = iter(range(args.steps))  # reference_train calls loss_of once per step, in order
+    layers, steps = moe_layers(model), iter(range(args.steps))  # reference_train calls loss_of once per step
 
     def loss_of(m, x, y, n_tok):
-        set_step(m, next(steps), 0)
-        return lm_loss(m(x), y, n_tok) + args.aux_weight * aux_share(m, groups)
+        step = next(steps)
+        if step > 0 and args.router == "loss_free":
+            update_biases(layers, args.bias_rate, None)  # the update after step - 1, before this step routes
+        set_step(m, step, 0)
+        return lm_loss(m(x), y, n_tok) + aux_weight(args) * aux_share(m, groups)
 
-    return reference_train(args, device, model=model, loss_of=loss_of)
+    ref = reference_train(args, device, model=model, loss_of=loss_of)
+    if args.router == "loss_free" and args.steps:
+        update_biases(layers, args.bias_rate, None)
+    ref["params"].update({n: b.detach().clone() for n, b in model.named_buffers()})
+    return ref
 
 
 if __name__ == "__main__":
