@@ -2,15 +2,20 @@
 --recompute equals it too and holds fewer activation bytes, measured from the live storages (a forward that keeps
 its graph by mistake is caught); the executed schedule (the measured events) obeys the pipeline's rules; with
 --stage-ms (simulated compute) the measured bubble is near (p-1)/(m+p-1); the Chrome trace holds one event per F
-and B; no object collectives; bad input exits 2 with one line.
-Launches: 9 torchrun (one restarts once, one is a bad input, one breaks the file on purpose), 5 plain python."""
+and B; no object collectives; bad input exits 2 with one line. The core, gpipe_step, copied out onto a model that
+is not the GPT equals plain one-process training written here (and a broken schedule is caught).
+Launches: 9 torchrun (one restarts once, one is a bad input, one runs tests/gpipe_checks.py: the copy-out and a
+file broken on purpose), 5 plain python."""
 import json
 import re
 import subprocess
 import sys
 
 import pytest
+import torch
+import torch.nn.functional as F
 
+import gpipe_checks
 from helpers import (ENV, ROOT, TINY, assert_matches_reference, pipeline_schedule_errors, run_python,
                      torchrun, torchrun_bad_input)
 
@@ -146,15 +151,54 @@ def test_recompute_matches_and_holds_fewer_bytes(launch):
     assert rc["peak_mem_bytes"] < plain["peak_mem_bytes"]
 
 
-def test_recompute_held_bytes_catch_a_kept_graph(tmp_path):
-    """The negative: --recompute whose forward keeps its graph (tests/pipeline_checks.py gpipe-leak). Parity cannot
-    see it; the measured bytes held for B exceed even m full sets, where the theory says m inputs + one set."""
-    summary, _ = torchrun("tests/pipeline_checks.py", 2, "gpipe-leak", *CFG, "--microbatches", 4, "--steps", 2,
-                          "--recompute", "--check", tmp_path=tmp_path)
+@pytest.fixture(scope="module")
+def checks(tmp_path_factory):
+    """One launch of tests/gpipe_checks.py at 3 ranks: the copy-out, then gpipe.py broken on purpose (leak)."""
+    tmp = tmp_path_factory.mktemp("gpipe_checks")
+    summary, _ = torchrun("tests/gpipe_checks.py", 3, f"copy-out:{tmp},leak", *CFG, "--microbatches", 4,
+                          "--steps", 2, "--recompute", "--check", tmp_path=tmp)
+    return summary, [torch.load(tmp / f"rank{r}.pt") for r in range(3)]
+
+
+def test_recompute_held_bytes_catch_a_kept_graph(checks):
+    """The negative: --recompute whose forward keeps its graph (tests/gpipe_checks.py leak). Parity cannot see it;
+    the measured bytes held for B exceed even m full sets, where the theory says m inputs + one set."""
+    summary = checks[0]
     assert_matches_reference(summary)
     f = summary["figures"]
     assert all(h > w >= r for h, w, r in zip(f["saved_activation_bytes"], f["saved_activation_bytes_without_recompute"],
                                              f["saved_activation_bytes_with_recompute"])), f
+
+
+def plain_training():
+    """gpipe_checks.Net trained the plain way: one process, the whole model, the whole batch, torch's MSE."""
+    net = gpipe_checks.build_net()
+    opt = torch.optim.AdamW(net.parameters(), lr=gpipe_checks.LR, foreach=False)
+    losses = []
+    for step in range(gpipe_checks.STEPS):
+        x, y = gpipe_checks.batch(step)
+        loss = F.mse_loss(net(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses, {n: q.detach() for n, q in net.named_parameters()}
+
+
+def test_copy_out_matches_plain_training(checks):
+    """gpipe_step alone over 3 stages of a model that is not the GPT (nested blocks of odd widths, a parameter on
+    the root module, MSE, 3 micro-batches), with and without recompute, equals plain training; the same run with
+    the stage's gradients zeroed before each B (the broken schedule) does not."""
+    ranks, (ref_losses, ref) = checks[1], plain_training()
+    for how in ("plain", "recompute", "broken"):
+        params = {n: t for r in ranks for n, t in r[how]["params"].items()}
+        assert sorted(params) == sorted(ref) and sum(len(r[how]["params"]) for r in ranks) == len(ref)
+        diff = max((params[n] - ref[n]).abs().max().item() for n in ref)
+        losses = ranks[-1][how]["losses"]
+        if how == "broken":
+            assert diff > 1e-3 and losses[1:] != pytest.approx(ref_losses[1:], rel=1e-6), (diff, losses)
+        else:
+            assert diff < 1e-12 and losses == pytest.approx(ref_losses, rel=1e-12), (how, diff, losses)
 
 
 def test_no_object_collectives():
