@@ -95,15 +95,20 @@ class Stage(nn.Module):
         return self.head(self.ln_f(h)) if self.last else h  # last: logits (b, T, V); others: (b, T, D)
 
 
+def micro_batches(batch, m, device):
+    """The step's (B, T) batch on the device in one copy (on CUDA from pinned memory, non-blocking: the host
+    goes on), cut into m micro-batches (B/m, T), each in its own storage like a received input."""
+    if device.type == "cuda":
+        batch = batch.pin_memory()
+    return [mb.clone() for mb in batch.to(device, non_blocking=True).chunk(m)]
+
+
 # ----------------------------------------------------------------------------- the GPipe schedule
-def p2p(sends=(), recvs=()):
-    """Send [(tensor, peer)] and receive [(tensor, peer)] as one batch_isend_irecv, and wait. Batched, a send
-    and a receive between the same two ranks cannot deadlock under NCCL. GPipe never needs both at once (each
-    phase flows one way), but every transfer goes through here so the rule holds everywhere."""
-    ops = [dist.P2POp(dist.isend, t, peer) for t, peer in sends]
-    ops += [dist.P2POp(dist.irecv, t, peer) for t, peer in recvs]
-    for req in dist.batch_isend_irecv(ops):
-        req.wait()  # on a GPU: the compute stream waits for the transfer; the host does not
+def post(op, tensor, peer):
+    """Start one transfer (op: dist.isend or dist.irecv) and return its request, through batch_isend_irecv
+    even alone: on NCCL every transfer then runs on the group's one communicator, in the order posted. A
+    request's wait() makes the host wait on gloo; on NCCL it makes the current stream wait, never the host."""
+    return dist.batch_isend_irecv([dist.P2POp(op, tensor, peer)])[0]
 
 
 def rng_state(device):
@@ -123,28 +128,43 @@ def gpipe_step(stage, xs, ys, loss_fn, prev, nxt, recv_shape, recompute=False, o
       prev, nxt   global ranks of the stages before and after this one, None at the ends
       recv_shape  shape of the activation received from prev, the same for every micro-batch: (b, T, D) here
       recompute   re-materialisation: F keeps only its input, B reruns F first
-      observe     observe(kind, mb): a context manager entered around every F and B, to time or measure it"""
+      observe     observe(kind, mb): a context manager entered around every F and B, to time or measure it
+    Each transfer is posted as soon as its buffer exists and waited only where its data is needed: a receive
+    one micro-batch ahead (it arrives while this stage computes), a send when the next is posted (the stage
+    computes on while it travels). On NCCL those waits hold the stream: the host queues ahead of the GPU."""
     observe = observe or (lambda kind, mb: contextlib.nullcontext())
     m, first, last = len(xs), prev is None, nxt is None
     like = next(stage.parameters())  # dtype and device of what is received
     inputs, outputs, rng = [None] * m, [None] * m, [None] * m
     loss_sum = torch.zeros((), dtype=torch.float64, device=like.device)
+    sending = []  # the send in flight, with its tensor (kept referenced until it is done)
 
-    def recv(shape, peer):  # (shape) from peer, once it has arrived
+    def recv(shape, peer):  # an empty buffer and the posted receive that fills it
         buf = torch.empty(shape, dtype=like.dtype, device=like.device)
-        p2p(recvs=[(buf, peer)])
-        return buf
+        return buf, post(dist.irecv, buf, peer)
+
+    def finish_sends():
+        while sending:
+            sending.pop()[0].wait()
+
+    def send(t, peer):
+        finish_sends()
+        sending.append((post(dist.isend, t, peer), t))
 
     def forward(i):  # the stage's forward of micro-batch i; on the last stage, its loss
         out = stage(inputs[i])
         return loss_fn(out, ys[i]) if last else out
 
     # 1. all forwards. F of micro-batch i starts when its input has arrived from stage s-1.
+    pending = None if first else recv(recv_shape, prev)
     for i in range(m):
         if first:
             inputs[i] = xs[i]  # (b, T) token ids here
         else:
-            inputs[i] = recv(recv_shape, prev)  # (b, T, D) from stage s-1
+            inputs[i], req = pending  # (b, T, D) from stage s-1
+            if i + 1 < m:
+                pending = recv(recv_shape, prev)  # micro-batch i+1's, before F(i) runs
+            req.wait()
             inputs[i].requires_grad_()  # a leaf: its .grad is what B sends back to stage s-1
         if recompute:  # where the RNG stood, so that B's rerun draws the same dropout masks
             rng[i] = rng_state(like.device)
@@ -153,13 +173,20 @@ def gpipe_step(stage, xs, ys, loss_fn, prev, nxt, recv_shape, recompute=False, o
         if last:
             loss_sum += out.detach()
         else:
-            p2p(sends=[(out.detach(), nxt)])  # (b, T, D) to stage s+1
+            send(out.detach(), nxt)  # (b, T, D) to stage s+1
             out_shape = out.shape
         outputs[i] = None if recompute else out  # micro-batch i keeps its graph until B, or only its input
+    finish_sends()  # under --recompute, then, only the m inputs are left
 
     # 2. all backwards, in the same order. B of micro-batch i starts when d loss / d output has arrived.
+    pending = None if last else recv(out_shape, nxt)
     for i in range(m):
-        grad = None if last else recv(out_shape, nxt)  # (b, T, D) from stage s+1; last: from the loss itself
+        grad = None  # last stage: B starts from the loss itself (d loss / d loss = 1)
+        if not last:
+            grad, req = pending  # (b, T, D) from stage s+1
+            if i + 1 < m:
+                pending = recv(out_shape, nxt)  # micro-batch i+1's, before B(i) runs
+            req.wait()
         with observe("B", i):
             out = outputs[i]
             if recompute:  # Sec. 2.3: rerun F from the kept input, this time keeping the graph, with the same
@@ -172,9 +199,19 @@ def gpipe_step(stage, xs, ys, loss_fn, prev, nxt, recv_shape, recompute=False, o
                     out = forward(i)
             torch.autograd.backward(out, grad)  # adds micro-batch i's gradient into every .grad of the stage
         if not first:
-            p2p(sends=[(inputs[i].grad, prev)])  # (b, T, D) d loss / d input, to stage s-1
+            send(inputs[i].grad, prev)  # (b, T, D) d loss / d input, to stage s-1
         inputs[i] = outputs[i] = rng[i] = out = None  # the graph and micro-batch i's activations go now
+    finish_sends()
     return loss_sum
+
+
+def squared_norm(grads):
+    """This stage's part of the whole model's squared gradient norm, in float64, with no float64 copy of a
+    gradient (the norm's dtype=float64 would cast its input first): each tensor's norm in its own dtype
+    (bf16 / fp16 accumulated as float32, which CUDA reads in place), the few norms squared in float64."""
+    low = (torch.float16, torch.bfloat16)
+    return sum(torch.linalg.vector_norm(g, dtype=torch.float32 if g.dtype in low else None).double() ** 2
+               for g in grads)
 
 
 def check_args(args, p):
@@ -225,9 +262,8 @@ def main():
     for step in run.steps():
         x, y = data.batch(step, args.batch_size, args.seq_len, args.ragged)  # (B, T) global batch, on CPU
         n_tok = count_tokens(y)  # tokens of the global batch (on CPU): every micro-batch loss divides by it
-        # m x (b, T), b = B/m, on the device, each its own storage like a received input: first and last stage
-        xs = [c.to(d.device, copy=True) for c in x.chunk(m)] if prev is None else [None] * m
-        ys = [c.to(d.device, copy=True) for c in y.chunk(m)] if nxt is None else [None] * m
+        xs = micro_batches(x, m, d.device) if prev is None else [None] * m  # m x (b, T), b = B/m: first stage
+        ys = micro_batches(y, m, d.device) if nxt is None else [None] * m  # their targets: last stage
         opt.zero_grad(set_to_none=True)
         # the timeline's zero is an all-reduce: a collective before any point-to-point, as NCCL's p2p asks
         timeline = Timeline(d, simulate={"F": args.stage_ms, "B": 2 * args.stage_ms})
@@ -238,7 +274,7 @@ def main():
         # 3. after the flush, one optimizer step: the norm of the whole model from every stage's squared norm,
         # and the batch loss that only the last stage knows, in one all-reduce of two numbers
         grads = [q.grad for q in stage.parameters()]
-        both = torch.stack([sum((g.double() ** 2).sum() for g in grads), loss])  # (2,) this stage's part
+        both = torch.stack([squared_norm(grads), loss])  # (2,) this stage's part
         dist.all_reduce(both)  # (2,) sums over stages: squared norm of the whole model, batch loss
         clip_grads_(grads, both[0].sqrt(), args.clip)
         opt.step()

@@ -1,14 +1,17 @@
-"""gpipe.py's core used on a model that is not the GPT, and gpipe.py broken on purpose: what tests/test_gpipe.py
-checks under torchrun. The cases run in the order given, in one launch:
+"""gpipe.py's core used on a model that is not the GPT, and gpipe.py broken on purpose: what
+tests/test_gpipe.py checks under torchrun. The cases run in the order given, in one launch:
 
-    copy-out:DIR   gpipe.gpipe_step alone (no harness, no common.py) on Net below, a stack of nested MLP blocks
-                   with odd widths and a parameter on the root module, an MSE loss, 3 micro-batches, one stage
-                   per rank; trained 3 steps as is, with recompute=True, and broken on purpose (an observe
-                   callback that zeroes the stage's gradients before every B, so only the last micro-batch's
-                   gradient is left). Each rank writes its parameters (by Net's names) and the losses to
-                   DIR/rank{r}.pt; the test trains Net in one process itself and compares.
-    leak           gpipe.py --recompute whose stage forward keeps its graph alive (a buffer kept by mistake): the
-                   arithmetic is unchanged, only the measured "held for B" bytes can notice. Runs gpipe.main().
+    copy-out:DIR   gpipe.gpipe_step alone (no harness, no common.py) on Net below, a stack of nested MLP
+                   blocks with odd widths and a parameter on the root module, an MSE loss, 3 micro-batches,
+                   one stage per rank; trained 3 steps as is, with recompute=True, and broken on purpose (an
+                   observe callback that zeroes the stage's gradients before every B, so only the last
+                   micro-batch's gradient is left). Each rank writes its parameters (by Net's names) and the
+                   losses to DIR/rank{r}.pt, and for "plain" the transfers its first step posted, in order
+                   (seen by a harness.CommCounter), and where each F and B started among them; the test trains
+                   Net in one process itself and compares.
+    leak           gpipe.py --recompute whose stage forward keeps its graph alive (a buffer kept by mistake):
+                   the arithmetic is unchanged, only the measured "held for B" bytes can notice. Runs
+                   gpipe.main().
 
 Run: torchrun --standalone --nproc_per_node=P tests/gpipe_checks.py copy-out:DIR,leak [gpipe.py's flags]"""
 import contextlib
@@ -22,6 +25,7 @@ import torch.nn as nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import gpipe  # noqa: E402
+from harness import CommCounter  # noqa: E402
 
 WIDTHS = (5, 7, 3, 6, 2)  # the features between Net's 4 blocks
 BATCH, M, STEPS, LR = 6, 3, 3, 0.05  # 3 micro-batches of 2 samples
@@ -89,18 +93,27 @@ def train_copied_out(rank, world, how):
             stage.zero_grad(set_to_none=True)
         yield
 
+    comm, starts = CommCounter(log=True), []  # what "plain" posts in its first step, and where each op starts
+
+    @contextlib.contextmanager
+    def marking(kind, mb):
+        starts.append((kind, mb, len(comm.calls_log)))
+        yield
+
     losses = []
     for step in range(STEPS):
         x, y = batch(step)
-        loss_fn = lambda out, target: ((out - target) ** 2).sum() / y.numel()  # noqa: E731  (MSE, whole batch)
-        loss = gpipe.gpipe_step(stage, list(x.chunk(M)), list(y.chunk(M)), loss_fn, prev, nxt,
-                                (BATCH // M, WIDTHS[a]), recompute=how == "recompute",
-                                observe=forgetful if how == "broken" else None)
+        loss_fn = lambda out, target: ((out - target) ** 2).sum() / y.numel()  # noqa: E731  (the batch's MSE)
+        observe = forgetful if how == "broken" else marking if how == "plain" and step == 0 else None
+        with comm if observe is marking else contextlib.nullcontext():
+            loss = gpipe.gpipe_step(stage, list(x.chunk(M)), list(y.chunk(M)), loss_fn, prev, nxt,
+                                    (BATCH // M, WIDTHS[a]), recompute=how == "recompute", observe=observe)
         opt.step()
         opt.zero_grad(set_to_none=True)
         losses.append(float(loss))
     names = {id(q): n for n, q in net.named_parameters()}
-    return dict(params={names[id(q)]: q.detach().clone() for q in stage.parameters()}, losses=losses)
+    return dict(params={names[id(q)]: q.detach().clone() for q in stage.parameters()}, losses=losses,
+                posted=[(c["op"], c["peer"]) for c in comm.calls_log], starts=starts)
 
 
 def copy_out(out_dir):
