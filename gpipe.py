@@ -269,8 +269,9 @@ def main():
         timeline = Timeline(d, simulate={"F": args.stage_ms, "B": 2 * args.stage_ms})
         held = HeldForB(stage, timeline) if step == args.steps - 1 else None
         with comm if step == count_at else contextlib.nullcontext(), held or contextlib.nullcontext():
-            loss = gpipe_step(stage, xs, ys, lambda out, y: lm_loss(out, y, n_tok), prev, nxt, act_shape,
-                              args.recompute, observe=held or timeline.span)
+            loss_fn = lambda logits, targets: lm_loss(logits, targets, n_tok)  # noqa: E731
+            loss = gpipe_step(stage, xs, ys, loss_fn, prev, nxt, act_shape, args.recompute,
+                              observe=held or timeline.span)
         # 3. after the flush, one optimizer step: the norm of the whole model from every stage's squared norm,
         # and the batch loss that only the last stage knows, in one all-reduce of two numbers
         grads = [q.grad for q in stage.parameters()]
