@@ -47,7 +47,7 @@ import torch.nn as nn
 from common import (DTYPES, build_gpt, clip_grads_, count_tokens, fail, GPTConfig, init_dist, lm_loss,
                     make_optimizer, MarkovData)
 from harness import (assemble_full, busy_ms, check_against_reference, check_common_args, CommCounter,
-                     CommonArgs, draw_timeline, env_world_size, gather_rows, is_parameter, LiveStorages,
+                     CommonArgs, draw_timeline, env_world_size, gather_rows, HeldForB,
                      parse_args, peak_memory_bytes, Run, state_bytes, tensor_bytes, Timeline, write_trace)
 
 
@@ -268,7 +268,7 @@ def main():
         # the timeline's zero is an all-reduce: a collective before any point-to-point, as NCCL's p2p asks
         timeline = Timeline(d, simulate={"F": args.stage_ms, "B": 2 * args.stage_ms})
         held = HeldForB(stage, timeline) if step == args.steps - 1 else None
-        with comm if step == count_at else contextlib.nullcontext(), held or contextlib.nullcontext():
+        with run.watching(step, comm, at=count_at), held or contextlib.nullcontext():
             loss_fn = lambda logits, targets: lm_loss(logits, targets, n_tok)  # noqa: E731
             loss = gpipe_step(stage, xs, ys, loss_fn, prev, nxt, act_shape, args.recompute,
                               observe=held or timeline.span)
@@ -297,62 +297,6 @@ def main():
 # The last step is the one reported: timed (Timeline) and its bytes held for B measured (HeldForB). The bytes
 # sent are counted by harness.CommCounter, which sends every op through Python: one step earlier when there is
 # one, to keep that cost out of the timed step (every step sends the same).
-class HeldForB:
-    """The schedule's observe callback in the reported step: Timeline.span around each op, and the activation
-    bytes held for B, from the live storages. Saved-tensor hooks register what autograd saves (parameters
-    excluded), module hooks each stage input and output (what the schedule holds itself), weakly, per
-    micro-batch (LiveStorages): a graph freed by its B, or never built (--recompute's F), drops out by itself.
-    Sampled as each F ends and as each B first unpacks a saved tensor, when its whole graph is alive."""
-
-    def __init__(self, stage, timeline):
-        self.stage, self.timeline, self.live = stage, timeline, LiveStorages()
-        self.of_mb, self.mine = {}, None  # what each micro-batch's F registered; what the current op did
-        self.peak_alive, self.input_bytes, self.full_bytes, self.in_b = 0, 0, 0, False
-
-    def __enter__(self):
-        def pre(_, args):  # a stage input: (b, T) token ids or (b, T, D)
-            self.input_bytes = max(self.input_bytes, tensor_bytes(args[:1]))
-            self.hold(args[0])
-        self.hooks = [self.stage.register_forward_pre_hook(pre),
-                      self.stage.register_forward_hook(lambda _, args, out: self.hold(out))]
-        self.saving = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
-        self.saving.__enter__()
-
-    def __exit__(self, *exc):
-        self.saving.__exit__(*exc)
-        for h in self.hooks:
-            h.remove()
-
-    def hold(self, t):
-        self.live.add(t)
-        self.mine.add(t)
-
-    def pack(self, t):
-        if not is_parameter(t):
-            self.hold(t)
-        return t
-
-    def unpack(self, t):
-        if self.in_b:  # this B's first
-            self.sample()
-        return t
-
-    def sample(self):  # the peak (kept in self.live.peak), one op's full set, the micro-batches alive
-        self.live.alive()
-        self.full_bytes, self.in_b = max(self.full_bytes, self.mine.alive()), False
-        self.peak_alive = max(self.peak_alive, sum(s.alive() > 0 for s in self.of_mb.values()))
-
-    @contextlib.contextmanager
-    def __call__(self, kind, mb):
-        self.mine, self.in_b = LiveStorages(), kind == "B"
-        if kind == "F":
-            self.of_mb[mb] = self.mine
-        with self.timeline.span(kind, mb):
-            yield
-        if kind == "F":
-            self.sample()
-
-
 def report(d, args, bounds, act_shape, dtype, held, sent, counted):
     """Every rank's last-step figures and events on every rank (rows of numbers: no object collective); rank 0
     prints them beside their theory. Returns (figures, bytes sent per rank)."""

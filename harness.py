@@ -15,6 +15,7 @@ their technique:
                    SavedActivations bytes autograd saves for backward (saved-tensor hooks)
                    LiveStorages     bytes of given storages still alive, and their peak (weak references)
                    Timeline         every F / B / W a pipeline runs: one `span` per op, bubble, picture, trace
+                   HeldForB         a pipeline's observe callback that also measures the bytes held for B
 Only tensors cross the wire here too: no object collectives.
 """
 import argparse, contextlib, inspect, json, os, re, statistics, sys, time
@@ -170,13 +171,12 @@ class Run:
         self.ckpt.maybe_save(step + 1, self.state, self.history)
 
     @contextlib.contextmanager
-    def watching(self, step, *counters):
-        """Enter `counters` (a CommCounter, ...) during the run's last step only, the step whose figures the
-        summary reports: a dispatcher counter sends every op through Python, so the other steps run without
-        it.
-        `with run.watching(step, comm):` around the step's work."""
+    def watching(self, step, *counters, at=None):
+        """Enter `counters` (a CommCounter, ...) during one step only (`at`; default the run's last, the step
+        whose figures the summary reports): a dispatcher counter sends every op through Python, so the other
+        steps run without it. `with run.watching(step, comm):` around the step's work."""
         with contextlib.ExitStack() as stack:
-            if step == self.args.steps - 1:
+            if step == (self.args.steps - 1 if at is None else at):
                 for c in counters:
                     stack.enter_context(c)
             yield
@@ -688,3 +688,62 @@ def write_trace(path, events, label, row_key="rank", row_name="stage"):
               for r in sorted({e[row_key] for e in events})]
     with open(path, "w") as f:
         json.dump(dict(traceEvents=trace, displayTimeUnit="ms"), f)
+
+
+class HeldForB:
+    """A pipeline schedule's `observe` callback that also measures the activation bytes held for B: enter it
+    around the step and pass it as `observe`. Timeline.span times each op; saved-tensor hooks register what
+    autograd saves (parameters excluded), module hooks each stage input and output (what the schedule holds
+    itself), weakly, per micro-batch (LiveStorages): a graph freed by its B, or never built (a recomputing F),
+    drops out by itself. Sampled as each F ends and as each B first unpacks a saved tensor, when its whole
+    graph is alive: .live.peak (bytes), .full_bytes (the most one op registered: one micro-batch's input,
+    saved tensors and output), .input_bytes (the largest stage input), .peak_alive (micro-batches whose F's
+    storages are alive)."""
+
+    def __init__(self, stage, timeline):
+        self.stage, self.timeline, self.live = stage, timeline, LiveStorages()
+        self.of_mb, self.mine = {}, None  # what each micro-batch's F registered; what the current op did
+        self.peak_alive, self.input_bytes, self.full_bytes, self.in_b = 0, 0, 0, False
+
+    def __enter__(self):
+        def pre(_, args):  # a stage input: (b, T) token ids or (b, T, D)
+            self.input_bytes = max(self.input_bytes, tensor_bytes(args[:1]))
+            self.hold(args[0])
+        self.hooks = [self.stage.register_forward_pre_hook(pre),
+                      self.stage.register_forward_hook(lambda _, args, out: self.hold(out))]
+        self.saving = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
+        self.saving.__enter__()
+
+    def __exit__(self, *exc):
+        self.saving.__exit__(*exc)
+        for h in self.hooks:
+            h.remove()
+
+    def hold(self, t):
+        self.live.add(t)
+        self.mine.add(t)
+
+    def pack(self, t):
+        if not is_parameter(t):
+            self.hold(t)
+        return t
+
+    def unpack(self, t):
+        if self.in_b:  # this B's first
+            self.sample()
+        return t
+
+    def sample(self):  # the peak (kept in self.live.peak), one op's full set, the micro-batches alive
+        self.live.alive()
+        self.full_bytes, self.in_b = max(self.full_bytes, self.mine.alive()), False
+        self.peak_alive = max(self.peak_alive, sum(s.alive() > 0 for s in self.of_mb.values()))
+
+    @contextlib.contextmanager
+    def __call__(self, kind, mb):
+        self.mine, self.in_b = LiveStorages(), kind == "B"
+        if kind == "F":
+            self.of_mb[mb] = self.mine
+        with self.timeline.span(kind, mb):
+            yield
+        if kind == "F":
+            self.sample()
