@@ -22,7 +22,7 @@ over the steps after --warmup of every round. Both train the same GPT from one s
     tp        megatron_tp.py                     DTensor ColwiseParallel / RowwiseParallel, parallelize_module
     ptdp      ptdp.py --virtual-stages 2         ScheduleInterleaved1F1B, 2 stages per rank, looped
     zbv       ptdp.py --schedule zbv             ScheduleZBVZeroBubble, 2 stages per rank in a V
-A pair whose file's --help does not offer the mode the pair needs (yet) is skipped, with one line.
+A pair whose file does not offer the mode it needs yet (its Args, as its --help shows) is skipped, one line.
 
 Per pair (OUT.json, OUT.md): step time and ratio per round, tokens/s, peak memory and bytes handed to
 collectives per rank and step (torch's side counted at the dispatcher by harness.CommCounter), the pipelines'
@@ -30,7 +30,7 @@ bubble beside theory, data parallel's scaling efficiency, the two sides' loss di
 share of all-reduce hidden behind backward. --profile DIR: a Chrome trace of every run and rank, and each
 run's biggest top-level ops printed.
 """
-import collections, contextlib, itertools, json, os, re, statistics, subprocess, sys, time
+import collections, contextlib, importlib, itertools, json, os, re, statistics, subprocess, sys, time, typing
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -84,8 +84,8 @@ PAIRS = {  # pair -> (our file, its flags, torch's worker, kind)
     "ptdp": ("ptdp.py", PTDP, "interleaved", "pp"),
     "zbv": ("ptdp.py", PTDP + " --schedule zbv", "zbv", "pp"),
 }
-NEEDS = {"zb": ("--mode", "zb"), "zbv": ("--schedule", "zbv")}  # pair -> a choice our file's --help must offer
-MODEL = "steps batch_size seq_len vocab d_model n_layers n_heads lr weight_decay clip seed dtype timeout".split()
+NEEDS = {"zb": ("--mode", "zb"), "zbv": ("--schedule", "zbv")}  # pair -> a choice its file must offer
+MODEL = "steps batch_size seq_len vocab d_model n_layers n_heads lr weight_decay clip seed dtype timeout"
 
 
 # ----------------------------------------------------------------------------- torch's side
@@ -97,8 +97,8 @@ def data_parallel_side(d, args, name, comm):
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.optim import ZeroRedundancyOptimizer
     from torch.nn.parallel import DistributedDataParallel as DDP
-    fsdp = name.startswith("fsdp")  # FSDP2 moves its units to the device itself
-    model = net = build_gpt(GPTConfig.from_args(args), args.seed, DTYPES[args.dtype], "cpu" if fsdp else d.device)
+    fsdp, cfg = name.startswith("fsdp"), GPTConfig.from_args(args)  # FSDP2 moves its units to the device
+    model = net = build_gpt(cfg, args.seed, DTYPES[args.dtype], "cpu" if fsdp else d.device)
     if fsdp:  # each block its own unit, then the root, as torch's docs do
         mesh = dist.device_mesh.init_device_mesh(d.device.type, (d.world,))
         for unit in [*model.blocks, model]:
@@ -144,7 +144,8 @@ def gathered_bytes(model):
 
     def sample(*_):
         groups = [getattr(m._get_fsdp_state(), "_fsdp_param_group", None) for m in units]
-        live.alive(*[getattr(w, "_unsharded_param", None) for g in groups for w in getattr(g, "fsdp_params", [])])
+        live.alive(*[w._unsharded_param for g in groups for w in getattr(g, "fsdp_params", [])
+                     if hasattr(w, "_unsharded_param")])
 
     for m in units:
         for hook in (m.register_forward_pre_hook, m.register_forward_hook, m.register_full_backward_pre_hook):
@@ -169,7 +170,8 @@ class PipeStage(nn.Module):
         return self.head(self.ln_f(h)) if self.last else h  # last: (b, T, V) logits
 
 
-SCHEDULES = {  # worker -> (torch's schedule, stage placement, k: bubble theory (p-1)/(k*m+p-1), T_F = T_B = T_W)
+# worker -> (torch's schedule, stages of a rank, k: bubble theory (p-1)/(k*m+p-1) when T_F = T_B = T_W)
+SCHEDULES = {
     "gpipe": ("ScheduleGPipe", "one", 1), "1f1b": ("Schedule1F1B", "one", 1),
     "zb": ("ScheduleInterleavedZeroBubble", "one", 3),  # each W in a slot 1F1B leaves idle: ZB-H1's theory
     "interleaved": ("ScheduleInterleaved1F1B", "looped", 2),  # stages r and r + p: (p-1)/(v*m+p-1), v = 2
@@ -207,8 +209,8 @@ def pipeline_side(d, args, name, comm):
         kwargs = dict(target=y.to(d.device), losses=losses) if n - 1 in ids else {}
         sched.step(*([x.to(d.device)] if 0 in ids else []), **kwargs)  # the schedule splits the batch into m
         grads = [w.grad for w in params if w.grad is not None]
-        zero = torch.zeros((), dtype=torch.float64, device=d.device)
-        sq = sum((torch.linalg.vector_norm(g, dtype=torch.float64) ** 2 for g in grads), zero)  # this rank's part
+        zero = torch.zeros((), dtype=torch.float64, device=d.device)  # this rank's part of the squared norm:
+        sq = sum((torch.linalg.vector_norm(g, dtype=torch.float64) ** 2 for g in grads), zero)
         both = torch.stack([sq, sum(losses, zero).double()])  # (2,)
         dist.all_reduce(both)  # squared norm of the whole model, batch loss (as gpipe.py does)
         clip_grads_(grads, both[0].sqrt(), args.clip)
@@ -227,21 +229,22 @@ def pipeline_side(d, args, name, comm):
 
 
 def watch_stages(stages, timeline, live):
-    """From outside: each forward_one_chunk (F), backward_one_chunk (B: the whole backward, or in a zero-bubble
-    schedule the input gradient only) and backward_weight_one_chunk (W) of a stage runs inside Timeline.span,
-    one micro-batch's compute (sends and receives run outside). What each F saves for backward is held
-    weakly in `live`, sampled after every op: its peak is the saved activations' peak."""
+    """From outside: each forward_one_chunk (F), backward_one_chunk (B: the whole backward, or in a
+    zero-bubble schedule the input gradient only) and backward_weight_one_chunk (W) of a stage runs in
+    Timeline.span, one micro-batch's compute (sends and receives run outside). What each F saves for backward
+    is held weakly in `live`, sampled after every op: its peak is the saved activations' peak."""
     def observed(fn, kind):
         def run(chunk, *a, **kw):
-            with timeline.span(kind, chunk), SavedActivations(live) if kind == "F" else contextlib.nullcontext():
+            saved = SavedActivations(live) if kind == "F" else contextlib.nullcontext()
+            with timeline.span(kind, chunk), saved:
                 out = fn(chunk, *a, **kw)
             live.alive()
             return out
         return run
 
     for st in stages:
-        for kind, attr in zip("FBW", ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk")):
-            setattr(st, attr, observed(getattr(st, attr), kind))
+        for kind, op in zip("FBW", ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk")):
+            setattr(st, op, observed(getattr(st, op), kind))
 
 
 def tensor_parallel_side(d, args, name, comm):
@@ -253,7 +256,8 @@ def tensor_parallel_side(d, args, name, comm):
     from torch.distributed.tensor.parallel import RowwiseParallel as Row
     mesh = dist.device_mesh.init_device_mesh(d.device.type, (d.world,))
     model = build_gpt(GPTConfig.from_args(args), args.seed, DTYPES[args.dtype], d.device)  # as megatron_tp.py
-    plan = {"tok_emb": Row(input_layouts=Replicate()), "head": Col(output_layouts=Shard(-1), use_local_output=False)}
+    plan = dict(tok_emb=Row(input_layouts=Replicate()),
+                head=Col(output_layouts=Shard(-1), use_local_output=False))  # into loss_parallel
     for i, block in enumerate(model.blocks):
         block.attn.n_heads //= d.world  # a rank's q, k, v hold n_heads / tp whole heads
         plan.update({f"blocks.{i}.{w}": Col() for w in ("attn.q", "attn.k", "attn.v", "mlp.fc")})
@@ -291,11 +295,13 @@ class LocalSaved(SavedActivations):
 
 # ----------------------------------------------------------------------------- the workers (under torchrun)
 WORKERS = {  # worker -> (torch's side, its name in the table)
-    "single": (data_parallel_side, "one process"), "ddp": (data_parallel_side, "DistributedDataParallel"),
-    "zero1": (data_parallel_side, "DDP + ZeroRedundancyOptimizer"), "fsdp": (data_parallel_side, "fully_shard"),
-    "fsdp_noreshard": (data_parallel_side, "fully_shard(reshard_after_forward=False)"),
-    "tp": (tensor_parallel_side, "DTensor Colwise/RowwiseParallel"),
-    **{w: (pipeline_side, f"pipelining {s[0]}" + " (1 stage/rank)" * (w == "zb")) for w, s in SCHEDULES.items()}}
+    **{w: (data_parallel_side, name) for w, name in (
+        ("single", "one process"), ("ddp", "DistributedDataParallel"), ("fsdp", "fully_shard"),
+        ("zero1", "DDP + ZeroRedundancyOptimizer"),
+        ("fsdp_noreshard", "fully_shard(reshard_after_forward=False)"))},
+    **{w: (pipeline_side, f"pipelining {cls}" + " (1 stage/rank)" * (w == "zb")) for w, (cls, *_) in
+       SCHEDULES.items()},
+    "tp": (tensor_parallel_side, "DTensor Colwise/RowwiseParallel")}
 
 
 def run_worker(args):
@@ -312,8 +318,9 @@ def run_worker(args):
                 opt.zero_grad(set_to_none=True)
                 loss, held = train(i)
                 opt.step()
-            state = [v for s in getattr(opt, "optim", opt).state.values() for v in s.values() if torch.is_tensor(v)]
-            state = [local(t) for t in [*params, *(w.grad for w in params), *state] if t is not None and t.dim()]
+            state = [v for s in getattr(opt, "optim", opt).state.values() for v in s.values()]  # ZeRO: .optim
+            state = [local(t) for t in [*params, *(w.grad for w in params), *state]
+                     if torch.is_tensor(t) and t.dim()]
             counted = max(counted, held + tensor_bytes(state))  # + parameters, gradients, optimizer state
             losses.append(loss)
             log_step(d, i, loss, timer.stop(), args.batch_size * args.seq_len)
@@ -330,12 +337,13 @@ def overlap_worker(d, args):
     """`torchrun bench.py --worker overlap`: how much of the gradient all-reduce backward hides, for
     ddp_bucketed.BucketedDDP and torch's DDP at --bucket-cap-mb. Each step times, whole (StepTimer: on a GPU
     synchronised at both ends), (1) backward with the buckets overlapped, as trained, (2) backward under
-    no_sync (compute only), (3) the same bucket sizes all-reduced after it. Hidden share = (t2 + t3 - t1) / t3:
-    1 if the all-reduce cost nothing extra, 0 if overlapping saved nothing. No optimizer step is needed."""
+    no_sync (compute only), (3) the same bucket sizes all-reduced after it. Hidden share = (t2 + t3 - t1)
+    / t3: 1 if the all-reduce cost nothing extra, 0 if overlapping saved nothing. No optimizer step needed."""
     from torch.nn.parallel import DistributedDataParallel as DDP
     from ddp_bucketed import BucketedDDP
     torch.set_num_threads(args.threads)
-    data, b, out, timer = MarkovData(args.vocab, args.seed), args.batch_size // d.world, {}, StepTimer(d.device)
+    data, b, out = MarkovData(args.vocab, args.seed), args.batch_size // d.world, {}
+    timer = StepTimer(d.device)
     for impl in ("ours", "torch"):
         model = build_gpt(GPTConfig.from_args(args), args.seed, DTYPES[args.dtype], d.device)
         if impl == "ours":
@@ -382,19 +390,20 @@ def profiled(out_dir, stem):
     if not out_dir:
         yield
         return
-    cuda = [torch.profiler.ProfilerActivity.CUDA] if torch.cuda.is_available() else []
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU, *cuda], record_shapes=True) as p:
+    kinds = torch.profiler.ProfilerActivity
+    with torch.profiler.profile(activities=[kinds.CPU] + [kinds.CUDA] * torch.cuda.is_available(),
+                                record_shapes=True) as p:
         yield
     rank, top = os.environ.get("RANK", "0"), [e for e in p.events() if e.cpu_parent is None]
     os.makedirs(out_dir, exist_ok=True)
     p.export_chrome_trace(os.path.join(out_dir, f"{stem}.rank{rank}.json"))
     main = statistics.mode(e.thread for e in top)
-    t0 = min((e.time_range.start for e in top if e.name == "aten::multinomial"), default=0)  # MarkovData.batch
+    t0 = min((e.time_range.start for e in top if e.name == "aten::multinomial"), default=0)  # the first batch
     ms, calls = collections.Counter(), collections.Counter()
     for e in (e for e in top if e.thread == main and e.time_range.start >= t0):
         ms[e.name], calls[e.name] = ms[e.name] + e.cpu_time_total / 1e3, calls[e.name] + 1
     if rank == "0":
-        print("".join(f"profile {v:9.1f} ms {calls[k]:5d} x {k[:80]}\n" for k, v in ms.most_common(8)), flush=True)
+        print("".join(f"profile {v:9.1f} ms {calls[k]:5d} x {k[:80]}\n" for k, v in ms.most_common(8)))
 
 
 def profile_run(argv):
@@ -423,21 +432,22 @@ STEP_LINE = re.compile(r"^step\s+(\d+) \| loss .*?\|\s+([\d.]+) ms", re.M)
 def launch(args, pair, tag, worker=None):
     """One torchrun launch of our file of `pair`, or of bench.py's torch `worker`: its summary, every step's
     ms (read from the rank-0 step lines), and the command."""
-    opts = lambda names: [str(x) for n in names for x in ("--" + n.replace("_", "-"), getattr(args, n))]  # noqa
+    opts = lambda names: [str(x) for n in names.split() for x in ("--" + n.replace("_", "-"), vars(args)[n])]
     if worker:
-        tail = ["bench.py", "--worker", worker, *opts(MODEL + ["microbatches", "bucket_cap_mb", "threads",
-                                                                "warmup", "profile"])]
+        tail = ["bench.py", "--worker", worker, *opts(MODEL + " microbatches bucket_cap_mb threads warmup")]
+        tail += ["--profile", args.profile]
     else:
         flags = PAIRS[pair][1].format(m=args.microbatches, world=args.world, cap=args.bucket_cap_mb).split()
-        tail = ["bench.py", "--profile-run", args.profile] * bool(args.profile) + [PAIRS[pair][0], *flags]
-        tail += opts(MODEL)
+        profile = ["bench.py", "--profile-run", args.profile] if args.profile else []
+        tail = [*profile, PAIRS[pair][0], *flags, *opts(MODEL)]
     out_json = Path(args.out).with_name(f"{Path(args.out).name}_runs") / f"{tag}.json"
     out_json.parent.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
            f"--nproc_per_node={1 if worker == 'single' else args.world}", *tail, "--json", str(out_json)]
     env, t0 = dict(os.environ, OMP_NUM_THREADS=str(args.threads), PYTHONUNBUFFERED="1"), time.time()
     try:
-        p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=args.launch_timeout)
+        p = subprocess.run(cmd, cwd=ROOT, env=env, text=True, capture_output=True,
+                           timeout=args.launch_timeout)
         output, rc = p.stdout + p.stderr, p.returncode
     except subprocess.TimeoutExpired as e:
         output, rc = f"{e.stdout or ''}{e.stderr or ''}\ntimed out after {args.launch_timeout} s", -1
@@ -445,8 +455,8 @@ def launch(args, pair, tag, worker=None):
     ms = [steps[k] for k in sorted(steps)]
     timed = f"  median step {statistics.median(ms[args.warmup:]):8.1f} ms" if ms[args.warmup:] else ""
     print(f"  {tag:28s} rc {rc}  {time.time() - t0:5.1f} s wall{timed}", flush=True)
-    shown = [x for x in output.splitlines() if x.startswith("profile ")] if rc == 0 else output.splitlines()[-15:]
-    print("".join(f"    | {line}\n" for line in shown), end="", flush=True)  # its profile, or why it failed
+    shown = output.splitlines()[-15:] if rc else [x for x in output.splitlines() if x.startswith("profile ")]
+    print("".join(f"    | {line}\n" for line in shown), end="", flush=True)  # why it failed, or its profile
     summary = json.loads(out_json.read_text()) if rc == 0 and out_json.exists() else None
     return dict(rc=rc, summary=summary, ms=ms, cmd=" ".join(cmd[3:]))
 
@@ -471,7 +481,7 @@ def side_row(args, pair, side, runs, one_ms):
 
 
 def bench_group(args, pairs, one_ms):
-    """Pairs that share torch's side (ddp and dp_sync: both against DDP) run as one alternation, A C B A C B."""
+    """Pairs that share torch's side (ddp and dp_sync: both against DDP) run in one alternation: A C B."""
     worker, runs = PAIRS[pairs[0]][2], {p: [] for p in [*pairs, "torch"]}
     print(f"{', '.join(PAIRS[p][0] for p in pairs)} vs {WORKERS[worker][1]}", flush=True)
     for r in range(args.rounds):  # alternating: drift on the machine hits every side alike
@@ -495,57 +505,57 @@ def bench_group(args, pairs, one_ms):
 def markdown(args, rows, wall_s, one_ms):
     fmt = lambda x, f="%.0f", s=1: (f % (x / s)) if x is not None else "-"  # noqa: E731
     two = lambda o, t, k, *f: f"{fmt(o.get(k), *f)} / {fmt(t.get(k), *f)}"  # noqa: E731
-    n = sum(p.numel() for p in build_gpt(GPTConfig.from_args(args), args.seed).parameters())
+    a, n = args, sum(w.numel() for w in build_gpt(GPTConfig.from_args(args), args.seed).parameters())
     lines = [f"`python bench.py {' '.join(sys.argv[1:])}`".replace(" `", "`"), "",
-             f"world {args.world} on {'NCCL' if torch.cuda.is_available() else 'gloo, CPU'}, {args.threads} "
+             f"world {a.world} on {'NCCL' if torch.cuda.is_available() else 'gloo, CPU'}, {a.threads} "
              f"thread(s) per rank, {os.cpu_count()} CPU cores; GPT {n / 1e6:.1f} M parameters (vocab "
-             f"{args.vocab}, width {args.d_model}, {args.n_layers} blocks, {args.seq_len} tokens x "
-             f"{args.batch_size} sequences), {args.dtype}; {args.steps} steps per run, the first {args.warmup} "
-             f"untimed, {args.rounds} rounds A B; whole bench {wall_s / 60:.1f} min.", "",
-             "| pair | ours | torch | ours ms | torch ms | ratio (per round) | tok/s ours / torch | peak MiB/rank "
-             "ours / torch | sent MiB/rank/step ours / torch | bubble ours / torch (theory) | scaling eff. ours / "
-             "torch | loss diff |", "|---|---|---|---:|---:|---:|---|---|---|---|---|---:|"]
+             f"{a.vocab}, width {a.d_model}, {a.n_layers} blocks, {a.seq_len} tokens x {a.batch_size} "
+             f"sequences), {a.dtype}; {a.steps} steps per run, the first {a.warmup} untimed, {a.rounds} "
+             f"rounds A B; whole bench {wall_s / 60:.1f} min.", "",
+             "| pair | ours | torch | ours ms | torch ms | ratio (per round) | tok/s ours / torch | peak "
+             "MiB/rank ours / torch | sent MiB/rank/step ours / torch | bubble ours / torch (theory) | "
+             "scaling eff. ours / torch | loss diff |", "|---|---|---|---:|---:|---:|" + "---|" * 5 + "---:|"]
     for r in rows:
-        o, t = r["ours"] or {}, r["torch"] or {}
-        theory, rounds = o.get("bubble_theory", t.get("bubble_theory")), r.get("ratio_per_round", [])
-        lines.append(f"| {r['pair']} | skipped: {r['skipped']} |" + " |" * 10 if r.get("skipped") else " | ".join([
-            f"| {r['pair']}", f"`{o.get('name') or 'failed'}`", t.get("name") or "failed", fmt(o.get("step_ms")),
-            fmt(t.get("step_ms")), fmt(r["ratio"], "%.2f") + f" ({', '.join('%.2f' % x for x in rounds)})",
-            two(o, t, "tokens_per_s"), two(o, t, "peak_mem_bytes", "%.1f", MiB),
-            two(o, t, "sent_bytes_per_rank", "%.1f", MiB),
-            f"{two(o, t, 'bubble', '%.2f')} ({theory:.2f})" if theory is not None else "",
-            two(o, t, "scaling_efficiency", "%.2f") if "scaling_efficiency" in {**o, **t} else "",
-            fmt(r.get("max_loss_diff"), "%.0e") + " |"]))
+        if r.get("skipped"):
+            lines.append(f"| {r['pair']} | skipped: {r['skipped']} |" + " |" * 10)
+            continue
+        o, t, rounds = r["ours"], r["torch"], ", ".join("%.2f" % x for x in r["ratio_per_round"])
+        theory = o.get("bubble_theory", t.get("bubble_theory"))
+        cells = [r["pair"], f"`{o['name'] or 'failed'}`", t["name"] or "failed", fmt(o.get("step_ms")),
+                 fmt(t.get("step_ms")), f"{fmt(r['ratio'], '%.2f')} ({rounds})", two(o, t, "tokens_per_s"),
+                 two(o, t, "peak_mem_bytes", "%.1f", MiB), two(o, t, "sent_bytes_per_rank", "%.1f", MiB),
+                 f"{two(o, t, 'bubble', '%.2f')} ({theory:.2f})" if theory is not None else "",
+                 two(o, t, "scaling_efficiency", "%.2f") if "scaling_efficiency" in {**o, **t} else "",
+                 fmt(r["max_loss_diff"], "%.0e")]
+        lines.append("| " + " | ".join(cells) + " |")
     say = lambda x: (f"{x['overlapped']:.0f} / {x['backward']:.0f} + {x['allreduce']:.0f} ms = "  # noqa: E731
                      f"{100 * x['hidden_share']:.0f}% hidden ({x['buckets']} buckets)")
-    lines += [f"\nAll-reduce hidden behind backward ({args.bucket_cap_mb} MiB buckets; median ms of backward "
+    lines += [f"\nAll-reduce hidden behind backward ({a.bucket_cap_mb} MiB buckets; median ms of backward "
               f"overlapped / backward alone + the same buckets reduced after it): ddp_bucketed "
-              f"{say(r['overlap']['ours'])}; torch DDP {say(r['overlap']['torch'])}." for r in rows if "overlap" in r]
-    lines += ["", "ratio = ours / torch step time (median over the timed steps of every round; < 1: ours faster), "
-              "then each round's own. Loss diff: the largest relative difference of a step's loss between the two "
-              "sides. Peak memory: CUDA's peak on GPUs; on CPU counted from tensors (parameters, gradients, "
-              "optimizer state, saved activations, DDP buckets / FSDP gathered parameters). Sent: bytes the "
-              "busiest rank hands to collectives and sends in one step (ours counted by the file, torch's at the "
-              "dispatcher by harness.CommCounter): an all-gather's shard, a reduce-scatter's whole input, a "
-              "broadcast at its root. Bubble: idle share of the last step; theory with equal F, B (and W) times. "
-              f"Scaling efficiency: tokens/s at world {args.world} / ({args.world} x tokens/s of plain one-process "
-              "training on the whole batch" + (f", {args.batch_size * args.seq_len / one_ms * 1e3:.0f} tok/s "
-              "here)." if one_ms else ").")]
+              f"{say(r['overlap']['ours'])}; torch DDP {say(r['overlap']['torch'])}."
+              for r in rows if "overlap" in r]
+    lines += ["", "ratio = ours / torch step time (median over the timed steps of all rounds; < 1: ours "
+              "faster), then per round. Loss diff: the largest relative difference of a step's loss between "
+              "the sides. Peak memory: CUDA's peak on GPUs, on CPU counted from tensors (parameters, "
+              "gradients, optimizer state, saved activations, DDP buckets / FSDP gathered parameters). Sent: "
+              "bytes the busiest rank hands to collectives and sends in a step (ours counted by the file, "
+              "torch's at the dispatcher by harness.CommCounter): an all-gather's shard, a reduce-scatter's "
+              "whole input, a broadcast at its root. Bubble: idle share of the last step; theory with equal "
+              f"F, B (and W) times. Scaling efficiency: tokens/s at world {a.world} / ({a.world} x tokens/s "
+              "of one-process training on the whole batch"
+              + (f", {a.batch_size * a.seq_len / one_ms * 1e3:.0f} tok/s here)." if one_ms else ").")]
     return "\n".join(lines) + "\n"
 
 
 def why_skipped(pair):
-    """'' when our file offers what `pair` needs; else why not: its --help lacks the mode (being written in
-    another branch)."""
+    """'' when our file offers the choice `pair` needs (NEEDS); else why not (a mode still being written in
+    another branch). Read from the file's Args, which its --help shows."""
     if pair not in NEEDS:
         return ""
     (flag, choice), file = NEEDS[pair], PAIRS[pair][0]
-    help_text = subprocess.run([sys.executable, str(ROOT / file), "--help"], cwd=ROOT, capture_output=True,
-                               text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1")).stdout
-    offered = re.search(re.escape(flag) + r" \{([^}]*)\}", help_text)  # argparse's "--mode {flush,stash}"
-    if offered and choice in offered.group(1).split(","):
-        return ""
-    return f"{file} has no {flag} {choice} yet ({offered.group(0) if offered else 'no ' + flag})"
+    hints = typing.get_type_hints(importlib.import_module(file.removesuffix(".py")).Args)
+    offered = typing.get_args(hints.get(flag[2:].replace("-", "_")))
+    return "" if choice in offered else f"{file} has no {flag} {choice} yet ({flag} offers {list(offered)})"
 
 
 def check_bench_args(args):
@@ -558,13 +568,14 @@ def check_bench_args(args):
         if getattr(args, flag) < 1:
             fail(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
     if not 1 <= args.warmup < args.steps:  # the last warm-up step counts the bytes sent, slowly
-        fail(f"--warmup {args.warmup} must be >= 1 and leave a timed step: 1 <= --warmup < --steps {args.steps}")
+        fail(f"--warmup {args.warmup} must be >= 1 and leave a timed step: 1 <= --warmup < --steps "
+             f"{args.steps}")
     if args.batch_size % (args.world * args.microbatches):
         fail(f"--batch-size {args.batch_size} must divide by --world x --microbatches = "
              f"{args.world * args.microbatches}")
     if {"ptdp", "zbv"} & set(names) and args.n_layers % (2 * args.world) or args.n_layers < args.world:
-        fail(f"--n-layers {args.n_layers} must be >= --world {args.world} (a block per stage) and, for ptdp and "
-             f"zbv, divide by 2 x --world = {2 * args.world} (two stages per rank)")
+        fail(f"--n-layers {args.n_layers} must be >= --world {args.world} (a block per stage) and, for ptdp "
+             f"and zbv, divide by 2 x --world = {2 * args.world} (two stages per rank)")
     if args.n_heads % args.world:
         fail(f"--n-heads {args.n_heads} must divide by --world {args.world} (the tp pair splits heads)")
     if not args.bucket_cap_mb * MiB >= 1:
@@ -590,11 +601,13 @@ def main():
         else:
             groups.setdefault(PAIRS[p][2], []).append(p)
     for pairs in [*groups.values(), []]:  # after each group what is done so far (if interrupted), then all
-        rows = sorted(rows + (bench_group(args, pairs, one_ms) if pairs else []), key=lambda r: names.index(r["pair"]))
+        rows = sorted(rows + (bench_group(args, pairs, one_ms) if pairs else []),
+                      key=lambda r: names.index(r["pair"]))
         Path(args.out + ".json").write_text(json.dumps(rows, indent=1))
         Path(args.out + ".md").write_text(md := markdown(args, rows, time.time() - t0, one_ms))
     print("\n" + md + f"\nwrote {args.out}.json and {args.out}.md", flush=True)
-    failed = [r["pair"] for r in rows if not r.get("skipped") and not (r["ours"]["name"] and r["torch"]["name"])]
+    failed = [r["pair"] for r in rows if not r.get("skipped") and
+              None in (r["ours"]["name"], r["torch"]["name"])]
     if failed:
         print(f"failed runs: {failed}", file=sys.stderr)
     sys.exit(1 if failed else 0)

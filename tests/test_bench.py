@@ -108,16 +108,19 @@ def test_torch_sides_match_reference_and_counts(tmp_path):
 
 def test_one_pair_end_to_end(tmp_path):
     """`python bench.py --pairs gpipe,zb` at tiny size, 2 steps, one round: gpipe's row of the documented shape;
-    zb pointed at a file that will never offer `--mode zb` (gpipe.py) is skipped with one line, no launch."""
+    zb pointed at a file that will never offer `--mode zb` (gpipe.py) is skipped with one line, no launch,
+    and a choice the file does offer (pipedream.py --mode flush) is not."""
     out, runner = tmp_path / "b", tmp_path / "bench_runner.py"
     runner.write_text(f"import sys; sys.path.insert(0, {str(ROOT)!r}); import bench\n"
+                      "bench.NEEDS['1f1b'] = ('--mode', 'flush')  # offered: not skipped\n"
+                      "assert bench.why_skipped('1f1b') == '', bench.why_skipped('1f1b')\n"
                       "bench.PAIRS['zb'] = ('gpipe.py', *bench.PAIRS['zb'][1:])\nbench.main()\n")
     p = subprocess.run([sys.executable, str(runner), "--pairs", "gpipe,zb", *TINY, "--steps", "2", "--warmup", "1",
                         "--rounds", "1", "--microbatches", "2", "--out", str(out), "--launch-timeout", "150"],
                        env=ENV, cwd=ROOT, capture_output=True, text=True, timeout=330)
     assert p.returncode == 0, p.stdout + p.stderr
     skip = [line for line in p.stdout.splitlines() if line.startswith("zb:")]
-    assert skip == ["zb: pair skipped, gpipe.py has no --mode zb yet (no --mode)"], p.stdout
+    assert skip == ["zb: pair skipped, gpipe.py has no --mode zb yet (--mode offers [])"], p.stdout
     rows = json.loads((tmp_path / "b.json").read_text())
     assert [r["pair"] for r in rows] == ["gpipe", "zb"] and rows[1]["skipped"] and rows[1]["ours"] is None
     r = rows[0]
