@@ -318,12 +318,13 @@ def run_worker(args):
                 opt.zero_grad(set_to_none=True)
                 loss, held = train(i)
                 opt.step()
-            state = [v for s in getattr(opt, "optim", opt).state.values() for v in s.values()]  # ZeRO: .optim
+            ms = timer.stop()  # then, untimed: parameters, gradients and optimizer state (ZeRO's in .optim)
+            state = [v for s in getattr(opt, "optim", opt).state.values() for v in s.values()]
             state = [local(t) for t in [*params, *(w.grad for w in params), *state]
                      if torch.is_tensor(t) and t.dim()]
-            counted = max(counted, held + tensor_bytes(state))  # + parameters, gradients, optimizer state
+            counted = max(counted, held + tensor_bytes(state))
             losses.append(loss)
-            log_step(d, i, loss, timer.stop(), args.batch_size * args.seq_len)
+            log_step(d, i, loss, ms, args.batch_size * args.seq_len)
     sent = torch.tensor([comm.total()], dtype=torch.float64, device=d.device)
     dist.all_reduce(sent, op=dist.ReduceOp.MAX)  # the busiest rank, as the technique files report
     figures = dict(comm_ops_rank0=comm.table(), step_ms_all=timer.ms, **getattr(train, "figures", dict)())
