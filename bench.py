@@ -130,8 +130,7 @@ def data_parallel_side(d, args, name, comm):
 
 
 def ddp_bucket_sizes(net):
-    """The bytes of each of DDP's gradient buckets, as its C++ reducer reports them (rebuilt after the first
-    step in the order gradients arrived)."""
+    """The bytes of each of DDP's gradient buckets, as its C++ reducer reports them (rebuilt after step 1)."""
     data = net._get_ddp_logging_data()
     return [int(s) for s in re.findall(r"\d+", str(data.get("rebuilt_bucket_sizes") or data["bucket_sizes"]))]
 
@@ -431,8 +430,7 @@ STEP_LINE = re.compile(r"^step\s+(\d+) \| loss .*?\|\s+([\d.]+) ms", re.M)
 
 
 def launch(args, pair, tag, worker=None):
-    """One torchrun launch of our file of `pair`, or of bench.py's torch `worker`: its summary, every step's
-    ms (read from the rank-0 step lines), and the command."""
+    """One torchrun launch of our file of `pair`, or of bench.py's `worker`: summary, step ms, command."""
     opts = lambda names: [str(x) for n in names.split() for x in ("--" + n.replace("_", "-"), vars(args)[n])]
     if worker:
         tail = ["bench.py", "--worker", worker, *opts(MODEL + " microbatches bucket_cap_mb threads warmup")]
@@ -592,6 +590,7 @@ def main():
         return overlap_worker(init_dist(args.timeout), args) if args.worker == "overlap" else run_worker(args)
     names = check_bench_args(args)
     t0, rows, one_ms, groups = time.time(), [], None, {}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     if args.scaling and any(PAIRS[p][3] == "dp" for p in names):  # plain one-process training: the baseline
         ms = launch(args, names[0], "one_process", "single")["ms"][args.warmup:]
         one_ms = statistics.median(ms) if ms else None
