@@ -5,9 +5,10 @@ Parity with the one-process reference (float64, 1e-9) at (pp, tp, dp) = (2, 1, 1
 the executed schedule (measured events) obeys the pipeline's rules and is the schedule's order; the schedule's
 ideal timeline has the paper's bubble and its message counts the paper's, it equals torch's
 ScheduleInterleaved1F1B order, and its communication plan cannot deadlock under NCCL's semantics (simulated);
-clipping clips and counts replicated tensors once; a dropped DP all-reduce fails --check; a restarted run
-continues to bit-identical losses; bad input exits 2 on every rank. Launches: 10 torchrun (one restarts once),
-10 plain python."""
+the pieces, copied out onto another model, train it as one process does; clipping clips and counts
+replicated tensors once; a dropped DP all-reduce fails --check; a restarted run continues to bit-identical
+losses; bad input exits 2 on every rank. Launches: 10 torchrun (one restarts once, one also runs the
+copy-out check), 10 plain python."""
 import collections
 import json
 import sys
@@ -28,25 +29,32 @@ P4 = [*TINY, "--n-layers", "8", "--batch-size", "16", "--steps", "2", "--pp", "4
 LAYOUTS = {  # name: (nproc, flags)
     "pp2 v1": (2, ["--pp", "2"]),
     "pp2 v2": (2, ["--pp", "2", "--virtual-stages", "2"]),
-    "pp2 tp2 v2": (4, ["--pp", "2", "--tp", "2", "--virtual-stages", "2"]),
+    "pp2 tp2 v2": (4, ["--pp", "2", "--tp", "2", "--virtual-stages", "2"]),  # through the copy-out check
     "pp2 dp2 v2 ragged": (4, ["--pp", "2", "--dp", "2", "--virtual-stages", "2", "--ragged"]),
     "pp2 tp2 dp2 v2 ragged clip": (8, ["--pp", "2", "--tp", "2", "--dp", "2", "--virtual-stages", "2", "--ragged",
                                        "--clip", "0.05", "--steps", "3"]),
 }
+STAGE_MS = {f"stage-ms {s}": (4, [*P4, *flags, "--stage-ms", "50"]) for s, flags in [
+    ("v1", []), ("v2", ["--virtual-stages", "2"])]}
 
 
 @pytest.fixture(scope="module")
 def launch(tmp_path_factory):
-    """torchrun ptdp.py once per layout, with --check and --trace; tests share the runs."""
+    """torchrun ptdp.py once per layout, with --check and --trace; tests share the runs. The pp 2 x tp 2
+    layout runs through tests/ptdp_checks.py, which first checks the copied-out pieces (same processes)."""
     runs = {}
 
     def get(name):
         if name not in runs:
             nproc, flags = LAYOUTS[name] if name in LAYOUTS else STAGE_MS[name]
             tmp = tmp_path_factory.mktemp("ptdp")
-            summary, out = torchrun("ptdp.py", nproc, *(CFG if name in LAYOUTS else []), *flags, "--check",
-                                    "--trace", tmp / "trace.json", tmp_path=tmp, timeout=300)
-            runs[name] = summary, out, json.loads((tmp / "trace.json").read_text())
+            head = ["tests/ptdp_checks.py", nproc, "copy-out", tmp / "copy_out.json"] if name == "pp2 tp2 v2" \
+                else ["ptdp.py", nproc]
+            summary, out = torchrun(*head, *(CFG if name in LAYOUTS else []), *flags, "--check", "--trace",
+                                    tmp / "trace.json", tmp_path=tmp, timeout=300)
+            copy_out = tmp / "copy_out.json"
+            runs[name] = (summary, out, json.loads((tmp / "trace.json").read_text()),
+                          json.loads(copy_out.read_text()) if copy_out.exists() else None)
         return runs[name]
     return get
 
@@ -220,7 +228,7 @@ def test_matches_torch_interleaved_1f1b(p, v, m, monkeypatch):
 # ----------------------------------------------------------------------------- parity and the measured schedule
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_matches_reference_and_obeys_schedule(launch, name):
-    summary, out, trace = launch(name)
+    summary, out, trace, _ = launch(name)
     assert_matches_reference(summary)
     f, cfg = summary["figures"], summary["config"]
     p, v, m, steps = f["pp"], f["virtual_stages"], f["microbatches"], cfg["steps"]
@@ -234,24 +242,37 @@ def test_matches_reference_and_obeys_schedule(launch, name):
                     assert executed(events, s, r, dp, tp) == ptdp.schedule(p, v, m, r)
     assert f["inflight"] == f["inflight_theory"] == [inflight([e for e in events if e["step"] == 0 and e["pp"] == r
                                                                and e["dp"] == 0 and e["tp"] == 0]) for r in range(p)]
-    # messages counted at the send = theory, on every rank of every pipeline
+    # messages handed to the sends of the last step = theory, on every rank of every pipeline, by tag
     assert f["fwd_msgs_per_rank"] == f["fwd_msgs_theory"] and f["bwd_msgs_per_rank"] == f["bwd_msgs_theory"]
     assert f["fwd_msgs_per_pipeline"] == (v * p - 1) * m
     assert f["tp_calls_per_batch"] == f["tp_calls_theory"] and f["dp_calls_per_batch"] == f["dp_calls_theory"]
     b_bytes = cfg["batch_size"] // (f["dp"] * m) * cfg["seq_len"] * cfg["d_model"] * 8
+    per_layer = 4 * m * (cfg["n_layers"] // p) if f["tp"] > 1 else 0  # f, g: 2 + 2 per layer and micro-batch
     for key, row in f["counts_per_rank"].items():
         r = int(key[2])
-        assert row[0] == steps * m * (v - (r == p - 1)) and row[1] == steps * m * (v - (r == 0)), key
-        assert row[2] == (row[0] + row[1]) * b_bytes
-        assert row[5] == (steps * 4 * m * (cfg["n_layers"] // p) if f["tp"] > 1 else 0)  # f, g: 2 + 2 per layer
-        assert row[7] == (steps if f["dp"] > 1 else 0)  # one DP all-reduce per batch, after the flush
+        assert (row["fwd_msgs"], row["bwd_msgs"]) == (m * (v - (r == p - 1)), m * (v - (r == 0))), key
+        assert row["p2p_bytes"] == (row["fwd_msgs"] + row["bwd_msgs"]) * b_bytes
+        assert row["tp_calls"] == per_layer and row["tp_fwd"] == row["tp_bwd"] == per_layer // 2
+        assert row["dp_calls"] == (1 if f["dp"] > 1 else 0)  # one DP all-reduce per batch, after the flush
+    assert f["microbatches_alive_theory"] == [x / v for x in f["inflight_theory"]]
     xs = [e for e in trace["traceEvents"] if e["ph"] == "X"]
     assert len(xs) == len(events) == 2 * v * m * steps * summary["world_size"] and f"wrote {len(xs)} events" in out
     assert "timeline of the last step, measured" in out and f"rank {p - 1} |" in out
 
 
+def test_copy_out_pipeline_and_tp_match_one_process(launch):
+    """The pieces as a reader copies them (f and g around a split MLP, comm_plan and PipelineRank) on a model
+    that is not the GPT (tests/ptdp_checks.py: nested modules, a parameter on the root module, hidden width
+    10, squared error), pp 2 x tp 2, interleaved: every gradient of the first step and every final parameter
+    equal plain one-process SGD's within 1e-12; with f's all-reduce dropped the same comparison fails."""
+    got = launch("pp2 tp2 v2")[3]
+    assert got["interleaved"]["max_grad_or_param_diff"] < 1e-12 and got["interleaved"]["max_loss_diff"] < 1e-12
+    assert got["interleaved"]["losses"] == pytest.approx(got["reference_losses"], rel=1e-12)
+    assert got["interleaved, f without its all-reduce"]["max_grad_or_param_diff"] > 1e-3
+
+
 def test_clipping_clips_and_equals_reference(launch):
-    summary, _, _ = launch("pp2 tp2 dp2 v2 ragged clip")
+    summary = launch("pp2 tp2 dp2 v2 ragged clip")[0]
     norms = summary["figures"]["grad_norms"]
     ref = reference_train(Namespace(**summary["config"]))
     assert norms == pytest.approx(ref["grad_norms"], rel=1e-9) and min(norms) > 0.05  # every step clipped
@@ -277,26 +298,23 @@ def test_rule_checks_catch_broken_schedules(launch):
     events = launch("pp2 v2")[0]["figures"]["events"]
     assert rule_errors(events, 2, 2, 4) == []
     first = [e for e in events if e["step"] == 0]
-    pick = lambda kind, c, k: next(e for e in first if (e["kind"], e["chunk"], e["mb"]) == (kind, c, k))  # noqa: E731
-    early = [dict(e, start=e["start"] - 1e4, end=e["end"] - 1e4) if e is pick("F", 1, 0) else e for e in first]
+    pick = lambda evs, kind, c, k: next(e for e in evs if (e["kind"], e["chunk"], e["mb"]) == (kind, c, k))  # noqa
+    early = [dict(e, start=e["start"] - 1e4, end=e["end"] - 1e4) if e is pick(first, "F", 1, 0) else e for e in first]
     assert any("starts before chunk 0 ends it" in x for x in rule_errors(early, 2, 2, 4))
-    late_recv = [dict(e, recv=e["start"] + 1) if e is pick("B", 2, 1) else e for e in first]
+    late_recv = [dict(e, recv=e["start"] + 1) if e is pick(first, "B", 2, 1) else e for e in first]
     assert any("input not received" in x for x in rule_errors(late_recv, 2, 2, 4))
     assert rule_errors(first[1:], 2, 2, 4) and rule_errors(first, 2, 1, 4)
 
 
 # ----------------------------------------------------------------------------- --stage-ms: the bubble forms
-STAGE_MS = {f"stage-ms v{v}": (4, [*P4, "--virtual-stages", str(v), "--stage-ms", "50"]) for v in (1, 2)}
-
-
 def test_stage_ms_interleaving_shrinks_the_bubble(launch):
     """p = 4, m = 8, the same simulated work per micro-batch and rank (F 50 ms, B 100 ms, split over the v
     chunks): the measured bubble of v = 2 is below v = 1's (theory 0.1875 vs 0.375); parity unchanged."""
     one, two = (launch(f"stage-ms v{v}") for v in (1, 2))
-    for summary, out, _ in (one, two):
+    for summary, out, _, _ in (one, two):
         assert_matches_reference(summary)
         assert rule_errors(summary["figures"]["events"], 4, summary["figures"]["virtual_stages"], 8) == []
-        assert "compute time simulated" in out and summary["figures"]["stage_ms"] == 50
+        assert "compute simulated" in out and summary["figures"]["stage_ms"] == 50
     b1, b2 = one[0]["figures"], two[0]["figures"]
     assert b1["bubble_theory"] == 3 / 8 and b2["bubble_theory"] == 3 / 16
     assert 0 < b2["bubble_mean"] < b1["bubble_mean"], (b1["bubble_mean"], b2["bubble_mean"])
@@ -328,4 +346,5 @@ def test_world_of_one_and_help():
     p = run_python("ptdp.py", *TINY)
     assert p.returncode == 2 and "world size 1 != pp 2" in p.stderr and "--nproc_per_node=2" in p.stderr, p.stderr
     assert "Traceback" not in p.stderr and len(p.stderr.strip().splitlines()) == 1
-    assert "simulate compute time" in run_python("ptdp.py", "--help").stdout
+    help_text = run_python("ptdp.py", "--help").stdout
+    assert "simulate compute time" in help_text
