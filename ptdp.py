@@ -353,8 +353,12 @@ def sum_gradients(params, group):
 
 def squared_norm_piece(params, tp_rank):
     """This rank's share of the whole model's squared gradient norm: its TP shards always, the tensors every
-    TP rank holds a copy of (LayerNorms, row-parallel biases, embedding, head) on TP rank 0 only."""
-    return sum((q.grad.double() ** 2).sum() for q in params if getattr(q, "tp_split", False) or tp_rank == 0)
+    TP rank holds a copy of (LayerNorms, row-parallel biases, embedding, head) on TP rank 0 only. Summed in
+    float32 at least (float64 for a float64 model) by the norm's dtype=, not by a float64 copy of each one."""
+    acc = torch.promote_types(params[0].dtype, torch.float32)
+    norms = [torch.linalg.vector_norm(q.grad, dtype=acc) for q in params
+             if getattr(q, "tp_split", False) or tp_rank == 0]
+    return torch.stack(norms).square().sum().double()
 
 
 def finish_batch(params, loss, dp_group, tp_rank, dp_rank, max_norm):

@@ -16,6 +16,8 @@ from argparse import Namespace
 from types import SimpleNamespace
 
 import pytest
+import torch
+import torch.nn as nn
 
 from helpers import (ROOT, TINY, assert_each_rank_fails, assert_matches_reference, run_python, run_ranks,
                      torchrun)
@@ -223,6 +225,19 @@ def test_matches_torch_interleaved_1f1b(p, v, m, monkeypatch):
         assert ptdp.schedule(p, v, m, r) == torch_order(p, v, m, r)
     monkeypatch.setattr(ptdp, "warmup", lambda p, v, m, r: min(p - r - 1, m))  # the negative: 1F1B's warm-up
     assert any(ptdp.schedule(p, v, m, r) != torch_order(p, v, m, r) for r in range(p))
+
+
+def test_norm_of_bf16_gradients_sums_in_float32():
+    """Issue 21: the clipping norm of a bf16 model is summed in float32 (the norm's dtype=), not in bf16."""
+    torch.manual_seed(0)
+    params = [nn.Parameter(torch.zeros(4096, dtype=torch.bfloat16)) for _ in range(3)]
+    for q in params:
+        q.grad = (torch.rand(4096) + 0.5).to(torch.bfloat16)
+    exact = sum((q.grad.double() ** 2).sum() for q in params)
+    got = ptdp.squared_norm_piece(params, tp_rank=0)
+    assert got.dtype == torch.float64 and abs(got / exact - 1) < 1e-5
+    in_bf16 = sum(q.grad.pow(2).sum() for q in params)  # the negative: what a bf16 sum gives
+    assert abs(in_bf16.double() / exact - 1) > 1e-3
 
 
 # ----------------------------------------------------------------------------- parity and the measured schedule
