@@ -53,6 +53,8 @@ MATRIX = [
     ("ptdp.py", 2, [*T, "--pp", "2", "--virtual-stages", "2", "--microbatches", "3"], ["not a multiple of --pp 2"]),
     ("ptdp.py", 2, [*T, "--pp", "2", "--virtual-stages", "2", "--microbatches", "2", "--n-layers", "3"],
      ["not divisible by pp x virtual stages = 4"]),
+    ("ptdp.py", 2, [*T, "--pp", "2", "--virtual-stages", "2", "--schedule", "zbv", "--microbatches", "2"],
+     ["too few for --schedule zbv"]),
 ]
 # checkpoint directories (made in the test): another file's, another model size, damaged, another world
 CKPT_CASES = [
