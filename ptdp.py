@@ -1,4 +1,4 @@
-"""ptdp.py: PTD-P, pipeline x tensor x data parallelism with the interleaved 1F1B schedule.
+"""ptdp.py: PTD-P, pipeline x tensor x data parallelism, with the interleaved 1F1B schedule or ZB-V.
 
 Narayanan et al., "Efficient Large-Scale Language Model Training on GPU Clusters Using Megatron-LM" (SC 2021).
 Three ways to split one GPT, composed on one grid of ranks:
@@ -18,16 +18,15 @@ Three ways to split one GPT, composed on one grid of ranks:
    features (column-parallel; rank k owns heads k*H/t .. (k+1)*H/t - 1), both output projections by input
    features (row-parallel). f (identity forward, all-reduce backward) opens each split region and g
    (all-reduce forward, identity backward) closes it. LayerNorms, the row-parallel biases, the embedding and
-   the head are replicated over the TP group (the head computes all logits on every TP rank: simple, and the
-   vocabulary is small here; megatron_tp.py shows the vocab-parallel version).
+   the head are replicated over the TP group (megatron_tp.py shows the vocab-parallel head).
 2. Pipeline parallel: the n_layers blocks are cut into p*v chunks of equal size. Rank i of a pipeline holds
-   the v non-contiguous chunks i, i+p, i+2p, ... (the paper's "virtual stages"), so a micro-batch
-   visits every rank v times and the bubble shrinks v-fold: (p-1)/(v*m) of the ideal compute time. The
-   schedule is Megatron's interleaved 1F1B: warm-up forwards, then one forward and one backward in turn, then
-   the cool-down backwards, then a flush. With v = 1 it is plain 1F1B (PipeDream-flush). Forwards run in
-   groups of p micro-batches per chunk, so like Megatron we require m to be a multiple of p when v > 1.
-   Picture, p = 2, v = 2, m = 4 (capitals: a rank's first chunk, lower case: its second; B takes twice F's
-   time; idle ".."), the ideal timeline that ideal_timeline() computes (the run draws the measured one):
+   the v non-contiguous chunks i, i+p, i+2p, ... (the paper's "virtual stages"), so a micro-batch visits
+   every rank v times and the bubble shrinks v-fold: (p-1)/(v*m) of the ideal compute time. The schedule is
+   Megatron's interleaved 1F1B: warm-up forwards, then one forward and one backward in turn, then the
+   cool-down backwards, then a flush; with v = 1 it is plain 1F1B (PipeDream-flush). Forwards run in groups of
+   p micro-batches per chunk, so like Megatron we require m to be a multiple of p when v > 1. Picture, p = 2,
+   v = 2, m = 4 (capitals: a rank's first chunk, lower case: its second; B takes twice F's time; idle ".."),
+   the ideal timeline that ideal_timeline() computes (the run draws the measured one):
 
       rank 0  F0F1f0f1F2..b0b0F3b1b1f2B0B0f3B1B1..b2b2..b3b3B2B2B3B3      idle 3 slots per 24 busy
       rank 1  ..F0F1f0b0b0f1b1b1F2B0B0F3B1B1f2b2b2f3b3b3B2B2B3B3....      = (p-1)/(v*m) = 1/8
@@ -35,35 +34,45 @@ Three ways to split one GPT, composed on one grid of ranks:
       rank 0  F0F0F1F1........B0B0B0B0F2F2B1B1B1B1F3F3B2B2B2B2....B3B3B3B3  idle 6 per 24 busy
       rank 1  ....F0F0B0B0B0B0F1F1B1B1B1B1F2F2B2B2B2B2F3F3B3B3B3B3........  = (p-1)/m = 1/4
    The price: (v*p-1)*m messages per direction instead of (p-1)*m, and more chunks in flight on early ranks.
-3. Data parallel outermost: each of the dp replicas runs its pipelines on its own slice of the global batch
-   and, after the flush, all-reduces the summed micro-batch gradients once per batch. Then the gradients are
-   clipped by the norm of the whole model, over all three axes: TP-split pieces are disjoint (each counted
-   where it lives), TP-replicated tensors are counted once (on TP rank 0), the pp ranks hold disjoint chunks,
-   and the dp replicas identical copies (counted on dp rank 0): one all-reduce of two numbers over the world,
-   which also sums the loss.
+3. Zero bubble, --schedule zbv (Qi, Wan, Huang, Lin, "Zero Bubble Pipeline Parallelism", ICLR 2024, Sec. 6).
+   Each backward splits in two: B, the input gradient, which the chunk before waits for, and W, the weight
+   gradients, which nothing waits for, so W fills what would be idle. Two chunks per rank in a V: rank r holds
+   chunk r (down) and chunk 2p-1-r (back up), so rank 0 holds the embedding and the head, and the turn of the
+   V (chunk p-1 to p) stays on rank p-1. The order is torch's ScheduleZBVZeroBubble (m >= 2p-1). Picture,
+   p = 2, m = 4, F, B and W one slot each (capitals: down the V, lower case: back up):
+
+      rank 0  F0F1F2f0b0w0f1b1w1F3B0W0f2b2w2B1W1f3b3w3B2W2B3W3..      idle 1 slot per 24 busy
+      rank 1  ..F0f0F1f1b0w0F2B0W0f2b1w1F3B1W1f3b2w2B2b3B3W2w3W3      = (p-1)/(6m): the paper's "about 0"
+   At most 2p chunks of micro-batches alive per rank (p micro-batches of a whole stage, as 1F1B), for twice
+   1F1B's messages: 2(p-1)*m per direction.
+4. Data parallel outermost: each replica runs its pipelines on its slice of the global batch and, after the
+   flush, all-reduces the summed micro-batch gradients once per batch. Then the gradients are clipped by the
+   norm of the whole model: TP-split pieces are counted where they live, TP-replicated tensors once (TP rank
+   0), the pp ranks hold disjoint chunks, the dp replicas identical copies (counted on dp rank 0): one
+   all-reduce of two numbers over the world, which also sums the loss.
 
 Messages: each activation and gradient is one tensor in a batch_isend_irecv. comm_plan() gives each one moment
 of the ideal timeline at which both its ranks post it, so every rank posts its batches in one global order and
-no batch waits on a later one (NCCL deadlocks otherwise; the tests simulate that). Measured: every F and B
-(start, end, when its input arrived); the bubble beside (p-1)/(v*m); chunks in flight beside the schedule's
-bound; messages and bytes counted at the send beside theory ((v*p-1)*m forward messages per batch and
-pipeline); TP and DP collectives counted; an ASCII timeline; --trace PATH (Chrome trace JSON). --stage-ms F
-simulates compute time: each chunk's forward also waits F/v ms and its backward 2F/v ms, so a rank does 3F ms
-of simulated work per micro-batch whatever v (the paper's comparison: same work, v-fold smaller bubble); the
-numbers computed are unchanged.
+no batch waits on a later one (NCCL deadlocks otherwise; the tests simulate that). Measured from outside:
+every F, B, W (start, end, when its input arrived), the bubble, chunks in flight and saved activations alive,
+messages and bytes handed to the sends, TP and DP collectives, each beside its theory; an ASCII timeline;
+--trace PATH (Chrome trace JSON). --stage-ms F simulates compute: a chunk's forward also waits F/v ms, its
+backward 2F/v ms (zbv: F, B and W F/2 ms each), so a rank does 3F ms of simulated work per micro-batch
+whatever the schedule (the papers' comparison: same work, smaller bubble); the numbers computed are unchanged.
 
 Run (2 processes at least: a pipeline of 2; --dp 0 = world / (pp * tp)):
     torchrun --nproc_per_node=2 ptdp.py --pp 2 --virtual-stages 2 --dtype float64 --check
     torchrun --nproc_per_node=8 ptdp.py --pp 2 --tp 2 --dp 2 --virtual-stages 2 --dtype float64 --check
-    torchrun --nproc_per_node=4 ptdp.py --pp 4 --n-layers 8 --microbatches 8 --virtual-stages 2 --stage-ms 50 --steps 2
+    torchrun --nproc_per_node=4 ptdp.py --pp 4 --n-layers 8 --microbatches 8 --virtual-stages 2 \\
+        --stage-ms 50 --steps 2                                                 # add --schedule zbv: ZB-V
 2 nodes x 8 GPUs: torchrun --nnodes=2 --nproc_per_node=8 ... ptdp.py --tp 8 --pp 2 (tp inside a node, where
 NVLink carries its per-layer all-reduces; only point-to-point activations cross the slower inter-node links).
-In production, use Megatron-Core, or torch.distributed.pipelining (ScheduleInterleaved1F1B) with DTensor TP.
+In production, use Megatron-Core, or torch.distributed.pipelining (ScheduleInterleaved1F1B,
+ScheduleZBVZeroBubble) with DTensor TP.
 """
-import collections
-import json
-import time
+import collections, contextlib
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 import torch.distributed as dist
@@ -71,11 +80,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 from einops import rearrange
 
-from common import (DTYPES, build_gpt, clip_grads_, close_dist, count_tokens, fail, GPTConfig, init_dist,
-                    lm_loss, make_optimizer, MarkovData)
-from harness import (assemble_full, check_against_reference, check_common_args, Checkpointer, CommonArgs,
-                     env_world_size, gather_rows, log_step, maybe_fail, parse_args, peak_memory_bytes,
-                     SavedActivations, state_bytes, StepTimer, write_summary)
+from common import (build_gpt, clip_grads_, count_tokens, DTYPES, fail, GPTConfig, init_dist, lm_loss,
+                    make_optimizer, MarkovData)
+from harness import (assemble_full, busy_ms, check_against_reference, check_common_args, CommCounter,
+                     CommonArgs, draw_timeline, env_world_size, gather_rows, LiveStorages, parse_args,
+                     peak_memory_bytes, Run, SavedActivations, state_bytes, Timeline, write_trace)
 
 
 @dataclass
@@ -83,20 +92,18 @@ class Args(CommonArgs):
     pp: int = 2  # pipeline-parallel degree p (ranks per pipeline)
     tp: int = 1  # tensor-parallel degree t (innermost: adjacent ranks)
     dp: int = 0  # data-parallel degree (0 = world / (pp * tp))
-    virtual_stages: int = 1  # v: model chunks per pipeline rank (1 = plain 1F1B)
+    virtual_stages: int = 1  # v: model chunks per pipeline rank (1 = plain 1F1B; zbv needs 2)
     microbatches: int = 4  # m: micro-batches per replica and batch (a multiple of --pp when v > 1)
-    trace: str = ""  # write the measured F/B events as a Chrome trace (JSON) to this path
-    stage_ms: float = 0.0  # simulate compute time: each chunk's F also waits stage_ms/v ms, its B 2*stage_ms/v
+    schedule: Literal["interleaved", "zbv"] = "interleaved"  # interleaved 1F1B, or ZB-V (backward as B + W)
+    trace: str = ""  # write the measured F/B/W events as a Chrome trace (JSON) to this path
+    stage_ms: float = 0.0  # simulate compute time: a chunk's F waits stage_ms/v ms, B twice that (zbv: once)
 
 
-# ----------------------------------------------------------------------------- tensor parallel: f, g, the layers
-COUNT = collections.Counter()  # what this rank hands to collectives and sends (see the measurement section)
-
-
-def all_reduce(x, group, key):
-    if dist.get_world_size(group) > 1:  # a group of one (t = 1, dp = 1): nothing to do
-        COUNT[key + "_calls"] += 1
-        COUNT[key + "_bytes"] += x.numel() * x.element_size()
+# ------------------------------------------------------------------------- tensor parallel: f, g, the layers
+def summed(x, group):
+    """x summed over `group`, in a new tensor (autograd's tensors are not ours to change in place)."""
+    x = x.clone()
+    if dist.get_world_size(group) > 1:  # a group of one (t = 1): nothing to add
         dist.all_reduce(x, group=group)
     return x
 
@@ -112,7 +119,7 @@ class f(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):  # (b, T, D) partial -> summed over the TP group
-        return all_reduce(grad.clone(), ctx.group, "tp"), None
+        return summed(grad, ctx.group), None
 
 
 class g(torch.autograd.Function):
@@ -120,16 +127,53 @@ class g(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, group):  # (b, T, D) partial -> summed, replicated
-        return all_reduce(x.clone(), group, "tp")
+        return summed(x, group)
 
     @staticmethod
     def backward(ctx, grad):
         return grad, None
 
 
+# ------------------------------------------------------------------------- the B/W split (zero bubble)
+class LinearBW(torch.autograd.Function):
+    """y = x W^T with its backward split in two (Qi et al. 2024, Sec. 2):
+        B  now, on the critical path (the chunk before waits for it):   dL/dx = dy W
+        W  later, in a slot that would be idle (nothing waits for it):  dL/dW = dy^T x
+    B keeps what W needs, the layer's input x and its output gradient dy, in `stash` (a list)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, stash):  # x (..., in), weight (out, in)
+        ctx.save_for_backward(x)
+        ctx.weight, ctx.stash = weight, stash  # the parameter itself: W sets its .grad
+        return F.linear(x, weight)  # (..., out)
+
+    @staticmethod
+    def backward(ctx, dy):  # dy (..., out)
+        (x,) = ctx.saved_tensors
+        ctx.stash.append((ctx.weight, x.detach(), dy))  # values only: keeping x's graph would keep it all
+        return dy @ ctx.weight, None, None  # dL/dx (..., in); no weight gradient yet
+
+
+def linear(x, weight, bias=None, stash=None):
+    """F.linear, or with a `stash` the B/W-split one. Every other parameter gets its gradient in B from
+    autograd as usual: a bias, a LayerNorm's gain and shift, an embedding. Each is a sum over tokens of dy
+    (times the normalised input): elementwise work, no matmul worth moving, and deferring it keeps as much."""
+    if stash is None:
+        return F.linear(x, weight, bias)
+    y = LinearBW.apply(x, weight, stash)
+    return y if bias is None else y + bias
+
+
+def weight_grads(stashed):
+    """W: the weight gradients that B left for later, accumulated into .grad as autograd does."""
+    for weight, x, dy in stashed:
+        dw = dy.flatten(0, -2).T @ x.flatten(0, -2)  # (out, N) @ (N, in), N = the micro-batch's tokens
+        weight.grad = dw if weight.grad is None else weight.grad.add_(dw)
+
+
 def tp_dim(name):
     """The dimension of GPT parameter `name` split over the TP group (None: replicated). Column-parallel
-    weights (out, in) split dim 0, with their biases; row-parallel weights split dim 1, their bias is whole."""
+    weights (out, in) split dim 0, with their biases; row-parallel ones split dim 1, their bias is whole."""
     if name.endswith(("attn.q.weight", "attn.k.weight", "attn.v.weight", "mlp.fc.weight", "mlp.fc.bias")):
         return 0
     return 1 if name.endswith(("attn.proj.weight", "mlp.proj.weight")) else None
@@ -137,42 +181,47 @@ def tp_dim(name):
 
 class TPBlock(nn.Module):
     """common.Block with Megatron's split, keeping its parameter names; its own forward: f, local matmuls, g.
+    Split parameters are marked `tp_split` (the clipping norm counts them on every TP rank).
 
         q, k, v, fc  (out, in) = [W_0; W_1; ..]  rows: rank k computes its heads / its 4D/t hidden features
         proj         (out, in) = [W_0 | W_1 ..]  columns: rank k's partial product; g sums, then the bias
     """
 
-    def __init__(self, full, group):
+    def __init__(self, full, group, stash=None):
         super().__init__()
         t, r = dist.get_world_size(group), dist.get_rank(group)
         self.ln1, self.attn, self.ln2, self.mlp = full.ln1, full.attn, full.ln2, full.mlp
         for name, w in list(self.named_parameters()):
             if tp_dim(name) is not None:
                 owner, leaf = name.rsplit(".", 1)
-                setattr(self.get_submodule(owner), leaf, nn.Parameter(w.detach().chunk(t, tp_dim(name))[r].clone()))
-        self.group, self.heads = group, full.attn.n_heads // t
+                shard = nn.Parameter(w.detach().chunk(t, tp_dim(name))[r].clone())
+                shard.tp_split = True
+                setattr(self.get_submodule(owner), leaf, shard)
+        self.group, self.heads, self.stash = group, full.attn.n_heads // t, stash
 
     def forward(self, x):  # (b, T, D) replicated on the TP group
-        a, mlp, grp = self.attn, self.mlp, self.group
+        a, mlp, grp, s = self.attn, self.mlp, self.group, self.stash
         h = f.apply(self.ln1(x), grp)
-        q, k, v = (rearrange(F.linear(h, lin.weight), "b t (h e) -> b h t e", h=self.heads)
+        q, k, v = (rearrange(linear(h, lin.weight, stash=s), "b t (h e) -> b h t e", h=self.heads)
                    for lin in (a.q, a.k, a.v))  # (b, H/t, T, E) each: this rank's heads
-        y = rearrange(F.scaled_dot_product_attention(q, k, v, is_causal=True), "b h t e -> b t (h e)")  # (b, T, D/t)
-        x = x + g.apply(F.linear(y, a.proj.weight), grp) + a.proj.bias  # bias after g: added once, not t times
-        h = F.gelu(F.linear(f.apply(self.ln2(x), grp), mlp.fc.weight, mlp.fc.bias))  # (b, T, 4D/t) local
-        return x + g.apply(F.linear(h, mlp.proj.weight), grp) + mlp.proj.bias  # (b, T, D) replicated
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (b, H/t, T, E)
+        y = rearrange(y, "b h t e -> b t (h e)")  # (b, T, D/t)
+        x = x + g.apply(linear(y, a.proj.weight, stash=s), grp) + a.proj.bias  # bias after g: added once
+        h = F.gelu(linear(f.apply(self.ln2(x), grp), mlp.fc.weight, mlp.fc.bias, s))  # (b, T, 4D/t) local
+        return x + g.apply(linear(h, mlp.proj.weight, stash=s), grp) + mlp.proj.bias  # (b, T, D) replicated
 
 
 class Chunk(nn.Module):
     """Model chunk c of n: blocks [c*L/n, (c+1)*L/n), plus the embedding on chunk 0 and ln_f + head on chunk
     n-1. Parameter names are common.GPT's, so the chunks together name the whole GPT."""
 
-    def __init__(self, full, c, n, group):
+    def __init__(self, full, c, n, group, stash=None):
         super().__init__()
-        per, self.first, self.last = full.cfg.n_layers // n, c == 0, c == n - 1
+        per, self.first, self.last, self.stash = full.cfg.n_layers // n, c == 0, c == n - 1, stash
         if self.first:
             self.tok_emb, self.pos_emb = full.tok_emb, full.pos_emb
-        self.blocks = nn.ModuleDict({str(i): TPBlock(full.blocks[i], group) for i in range(c * per, (c + 1) * per)})
+        self.blocks = nn.ModuleDict({str(i): TPBlock(full.blocks[i], group, stash)
+                                     for i in range(c * per, (c + 1) * per)})
         if self.last:
             self.ln_f, self.head = full.ln_f, full.head
 
@@ -181,10 +230,10 @@ class Chunk(nn.Module):
             h = self.tok_emb(h) + self.pos_emb(torch.arange(h.shape[1], device=h.device))
         for block in self.blocks.values():
             h = block(h)
-        return self.head(self.ln_f(h)) if self.last else h  # last: logits (b, T, V)
+        return linear(self.ln_f(h), self.head.weight, stash=self.stash) if self.last else h  # logits (b,T,V)
 
 
-# ----------------------------------------------------------------------------- the interleaved 1F1B schedule
+# ------------------------------------------------------------------------- the schedules
 def warmup(p, v, m, r):
     """Forwards pipeline rank r runs before its first backward. v = 1: plain 1F1B fills the p-r-1 ranks after
     it. v > 1 (Megatron's interleaved schedule): (v-1)*p to get the first micro-batch group through the rank's
@@ -193,9 +242,15 @@ def warmup(p, v, m, r):
 
 
 def schedule(p, v, m, r):
-    """Rank r's ops in order: (kind, chunk, micro-batch), chunk = global index l*p + r of local chunk l. The
-    k-th forward runs micro-batch (k // pv)*p + k % p on local chunk (k % pv) // p: groups of p micro-batches
-    sweep the rank's chunks in order; backwards sweep them in reverse."""
+    """Interleaved 1F1B: rank r's ops in order, (kind, chunk, micro-batch), chunk = global index l*p + r of
+    local chunk l. The k-th forward runs micro-batch (k // pv)*p + k % p on local chunk (k % pv) // p: groups
+    of p micro-batches sweep the rank's chunks in order; backwards sweep them in reverse. For r = 0, p = 2,
+    v = 2, m = 4 (warm-up 4):
+        k                              0  1  2  3  4  5  6  7
+        forward chunk  (k%pv)//p*p+r   0  0  2  2  0  0  2  2
+        micro-batch    k//pv*p + k%p   0  1  0  1  2  3  2  3
+        backward chunk (v-1-l)*p+r     2  2  0  0  2  2  0  0     (l = k%pv//p, the forward's local chunk)
+        ops  F0 F1 f0 f1 | F2 b0 F3 b1 f2 B0 f3 B1 | b2 b3 B2 B3   (capitals chunk 0, lower case chunk 2)"""
     def fwd(k):
         return ((k % (p * v)) // p) * p + r, (k // (p * v)) * p + k % p
 
@@ -209,12 +264,52 @@ def schedule(p, v, m, r):
     return ops + [("B", *bwd(i)) for i in range(n - w, n)]
 
 
+def zbv_schedule(p, m, r):
+    """ZB-V, rank r's ops in order (torch's ScheduleZBVZeroBubble; m >= 2p-1). Down is chunk r, up 2p-1-r.
+    1. warm-up: 2(p-r)-1 F down; then r times F up, F down; then p-r times F up, B up, W up
+    2. steady: F down (while micro-batches remain), B down, W down, F up, B up, W up, until every F ran
+    3. cool-down: r times B down, B up; p-r times B down, W down (the oldest); then the W's left, up first."""
+    down, up = r, 2 * p - 1 - r
+    ops, done = [], collections.Counter()
+
+    def run(kind, c):
+        ops.append((kind, c, done[kind, c]))
+        done[kind, c] += 1
+    for _ in range(2 * (p - r) - 1):
+        run("F", down)
+    for _ in range(r):
+        run("F", up), run("F", down)
+    for _ in range(p - r):
+        run("F", up), run("B", up), run("W", up)
+    while done["F", up] < m:
+        if done["F", down] < m:
+            run("F", down)
+        run("B", down), run("W", down), run("F", up), run("B", up), run("W", up)
+    for _ in range(r):
+        run("B", down), run("B", up)
+    for _ in range(p - r):
+        run("B", down), run("W", down)
+    for c in (up, down):
+        while done["W", c] < done["B", c]:
+            run("W", c)
+    return ops
+
+
+def order_of(p, v, m, r, order):
+    return schedule(p, v, m, r) if order == "interleaved" else zbv_schedule(p, m, r)
+
+
+def rank_of(c, p, order):
+    """The pp rank holding chunk c: interleaved, a loop (c % p); zbv, a V (down 0..p-1, then back up)."""
+    return c % p if order == "interleaved" else min(c, 2 * p - 1 - c)
+
+
 def needs(op, n):
     """The message op (kind, c, k) waits for: ("F", c, k) = its input activation, from chunk c-1; ("B", c, k)
-    = the gradient of its output, from chunk c+1; None when it starts from tokens (chunk 0's F) or from its
-    own loss (the last chunk's B)."""
+    = the gradient of its output, from chunk c+1; None when it starts from tokens (chunk 0's F), from its
+    own loss (the last chunk's B), or from its own B (a W)."""
     kind, c, _ = op
-    return None if (kind, c) in (("F", 0), ("B", n - 1)) else op
+    return None if kind == "W" or (kind, c) in (("F", 0), ("B", n - 1)) else op
 
 
 def producer(msg):
@@ -222,10 +317,11 @@ def producer(msg):
     return ("F", c - 1, k) if kind == "F" else ("B", c + 1, k)
 
 
-def ideal_timeline(p, v, m, f_slots=1, b_slots=2):
-    """Every rank's ops at their earliest start when each takes f_slots (F) or b_slots (B) and messages are
-    free: {op: (rank, start, end)}. Its idle slots are the schedule's bubble, (p-1)*(f_slots+b_slots)."""
-    ops, n, at = [schedule(p, v, m, r) for r in range(p)], p * v, {}
+def ideal_timeline(p, v, m, order="interleaved", slots=None):
+    """Every rank's ops at their earliest start when each takes its slots (interleaved: F 1, B 2; zbv: F, B, W
+    1 each) and messages are free: {op: (rank, start, end)}. Its idle slots are the schedule's bubble."""
+    slots = slots or ({"F": 1, "B": 2} if order == "interleaved" else {"F": 1, "B": 1, "W": 1})
+    ops, n, at = [order_of(p, v, m, r, order) for r in range(p)], p * v, {}
     nxt, free = [0] * p, [0] * p
     while any(nxt[r] < len(ops[r]) for r in range(p)):
         moved = False
@@ -233,18 +329,18 @@ def ideal_timeline(p, v, m, f_slots=1, b_slots=2):
             while nxt[r] < len(ops[r]):
                 op = ops[r][nxt[r]]
                 deps = [producer(op)] if needs(op, n) else []
-                deps += [("F", op[1], op[2])] if op[0] == "B" else []
+                deps += [("F", *op[1:])] if op[0] == "B" else [("B", *op[1:])] if op[0] == "W" else []
                 if any(dep not in at for dep in deps):
                     break
                 start = max([free[r]] + [at[dep][2] for dep in deps])
-                free[r] = start + (f_slots if op[0] == "F" else b_slots)
+                free[r] = start + slots[op[0]]
                 at[op], nxt[r], moved = (r, start, free[r]), nxt[r] + 1, True
         if not moved:
-            raise RuntimeError(f"schedule ({p}, {v}, {m}) waits on itself")
+            raise RuntimeError(f"schedule {order} ({p}, {v}, {m}) waits on itself")
     return at
 
 
-def comm_plan(p, v, m, r):
+def comm_plan(p, v, m, r, order="interleaved"):
     """Rank r's steps for one batch: ("op", op) and ("p2p", sends, recvs) with [(peer pp rank, message)].
     Each message travels at one moment G of the ideal timeline, between the end of the op that makes it and
     the start of the op that uses it: the first such moment at which both ranks are between ops (else right
@@ -252,13 +348,14 @@ def comm_plan(p, v, m, r):
     start before G and before those that start at or after it. All ranks thus post their batches in order of
     G and a batch's partners are batches of the same G: none can wait for a later one, so no cycle (NCCL
     deadlocks on a send whose receive is posted behind a wait on the sender). Within a batch, messages are
-    sorted the same way on both sides: per pair of ranks, one FIFO order."""
-    at, n, items = ideal_timeline(p, v, m), p * v, collections.defaultdict(lambda: ([], []))
+    sorted the same way on both sides: per pair of ranks, one FIFO order. Between two chunks of one rank (the
+    turn of the V) there is no message: the rank hands the tensor on itself."""
+    at, n, items = ideal_timeline(p, v, m, order), p * v, collections.defaultdict(lambda: ([], []))
     spans = collections.defaultdict(list)  # pp rank -> (start, end) of its ops
     for q, start, end in at.values():
         spans[q].append((start, end))
     for msg in (needs(op, n) for op in at):
-        if msg is not None:
+        if msg is not None and at[producer(msg)][0] != at[msg][0]:
             (src, _, made), (dst, used, _) = at[producer(msg)], at[msg]
             edges = {x for q in (src, dst) for span in spans[q] for x in span if made <= x <= used}
             times = sorted(edges | {made, used})
@@ -268,291 +365,155 @@ def comm_plan(p, v, m, r):
                 items[when][0].append((dst, msg))
             if dst == r:
                 items[when][1].append((src, msg))
-    steps = [((at[op][1], 1), ("op", op)) for op in schedule(p, v, m, r)]
+    steps = [((at[op][1], 1), ("op", op)) for op in order_of(p, v, m, r, order)]
     steps += [((when, 0), ("p2p", sorted(s), sorted(rv))) for when, (s, rv) in items.items()]
     return [step for _, step in sorted(steps, key=lambda x: x[0])]
 
 
-def p2p(sends, recvs):
-    """One batch_isend_irecv of [(tensor, global peer)] sends and receives, then wait."""
-    ops = [dist.P2POp(dist.isend, t, peer) for t, peer in sends]
-    ops += [dist.P2POp(dist.irecv, t, peer) for t, peer in recvs]
-    if ops:
-        for req in dist.batch_isend_irecv(ops):
-            req.wait()
+TAG = {"F": 0, "B": 1}  # a point-to-point tag per direction: activations 0, gradients 1 (NCCL ignores tags)
 
 
 class PipelineRank:
-    """One rank's part of one pipeline: its v chunks, the plan, and what lives between ops."""
+    """One rank of one pipeline: runs `plan` (comm_plan's steps) over its chunks for one batch, to the flush.
+        chunks   {global chunk index: module} of n in all; chunk 0 takes inputs[k], chunk n-1's output goes to
+                 loss_fn(output, targets[k]) (a scalar)
+        peers    pp rank -> global rank; every message is one tensor of msg_shape and dtype, on device
+        stash    the list the chunks' split linears fill during B (zbv), or None (B is the whole backward)
+        observe  observe(kind, mb, **tags): a context manager around every F, B, W (chunk=c) and exchange
+                 ("p2p", None, recvs=[message, ...]); the measurement section watches through it"""
 
-    def __init__(self, d, args, chunks, coords, peers, act_shape, clock):
-        self.d, self.args, self.chunks, self.peers, self.clock = d, args, chunks, peers, clock
-        self.act_shape = act_shape  # (b, T, D): every message, activation or gradient
-        self.pp_rank, self.dp_rank, self.tp_rank = coords
-        self.p, self.v, self.m = args.pp, args.virtual_stages, args.microbatches
-        self.n, self.dtype = self.p * self.v, next(chunks.parameters()).dtype
-        self.plan = comm_plan(self.p, self.v, self.m, self.pp_rank)
-        self.inbox, self.outbox, self.arrived, self.alive = {}, {}, {}, {}
-        self.events, self.peak_inflight, self.peak_act_bytes = [], 0, 0
+    def __init__(self, chunks, n, plan, peers, msg_shape, dtype, device, stash=None, observe=None):
+        self.chunks, self.n, self.plan, self.peers, self.stash = chunks, n, plan, peers, stash
+        self.msg_shape, self.dtype, self.device = msg_shape, dtype, device
+        self.observe = observe or (lambda *a, **k: contextlib.nullcontext())
+        self.inbox, self.outbox, self.alive, self.waiting = {}, {}, {}, {}
 
-    def run(self, step, tokens, targets, n_tok):
-        """One batch: the plan's ops and messages, then the pipeline is empty. Returns the summed loss of the
-        micro-batches whose last chunk lives here (a tensor; zero elsewhere)."""
-        self.loss = torch.zeros((), dtype=torch.float64, device=self.d.device)
-        for kind, *what in self.plan:
-            if kind == "p2p":
-                self.exchange(*what)
-            elif what[0][0] == "F":
-                self.forward(step, *what[0][1:], tokens, targets, n_tok)
-            else:
-                self.backward(step, *what[0][1:])
+    def run(self, inputs, targets, loss_fn):
+        """inputs, targets: m micro-batches each. Returns the summed loss of those scored here (0-dim)."""
+        self.loss = torch.zeros((), dtype=torch.float64, device=self.device)
+        for step, *what in self.plan:
+            if step == "p2p":
+                with self.observe("p2p", None, recvs=[msg for _, msg in what[1]]):
+                    self.exchange(*what)
+                continue
+            kind, c, k = what[0]
+            with self.observe(kind, k, chunk=c):
+                if kind == "F":
+                    self.forward(c, k, inputs, targets, loss_fn)
+                elif kind == "B":
+                    self.backward(c, k)
+                else:  # W: the weight gradients its B left (zbv)
+                    weight_grads(self.waiting.pop((c, k)))
         return self.loss
 
     def exchange(self, sends, recvs):
-        out = [(self.outbox.pop(msg).contiguous(), self.peers[q]) for q, msg in sends]
-        into = [(torch.empty(self.act_shape, dtype=self.dtype, device=self.d.device), self.peers[q]) for q, _ in recvs]
-        p2p(out, into)
-        stamp = self.clock.stamp()
-        for (_, msg), (t, _) in zip(recvs, into):
-            self.inbox[msg], self.arrived[msg] = t, stamp
-        count_sent(out, [msg for _, msg in sends])
+        """One batch_isend_irecv: sends [(pp rank, message)] from the outbox, receives into the inbox."""
+        into = {msg: torch.empty(self.msg_shape, dtype=self.dtype, device=self.device) for _, msg in recvs}
+        ops = [dist.P2POp(dist.isend, self.outbox.pop(msg).contiguous(), self.peers[q], tag=TAG[msg[0]])
+               for q, msg in sends]
+        ops += [dist.P2POp(dist.irecv, into[msg], self.peers[q], tag=TAG[msg[0]]) for q, msg in recvs]
+        if ops:
+            for req in dist.batch_isend_irecv(ops):
+                req.wait()
+        self.inbox.update(into)
 
-    def forward(self, step, c, k, tokens, targets, n_tok):
-        chunk = self.chunks[c // self.p]
-        inp = tokens[k] if c == 0 else self.inbox.pop(("F", c, k)).requires_grad_()  # (b, T) ids or (b, T, D)
-        start = self.clock.stamp()
-        with SavedActivations() as saved:
-            out = chunk(inp)  # (b, T, D); last chunk: logits (b, T, V) ...
-            if chunk.last:
-                out = lm_loss(out, targets[k], n_tok)  # ... and the loss: sum over tokens / global token count
-        simulate_compute(self.args.stage_ms / self.v)
-        self.record(step, "F", c, k, start)
-        if chunk.last:
+    def hand_on(self, msg, t):
+        """To the chunk that waits for `msg`: here when this rank holds it (the V's turn), else a message."""
+        (self.inbox if msg[1] in self.chunks else self.outbox)[msg] = t
+
+    def forward(self, c, k, inputs, targets, loss_fn):
+        inp = inputs[k] if c == 0 else self.inbox.pop(("F", c, k)).requires_grad_()  # (b, T) ids or (b, T, D)
+        out = self.chunks[c](inp)  # (b, T, D); last chunk: logits (b, T, V) ...
+        if c == self.n - 1:
+            out = loss_fn(out, targets[k])  # ... and its loss
             self.loss += out.detach()
         else:
-            self.outbox["F", c + 1, k] = out.detach()  # (b, T, D) to chunk c+1, on pp rank (c+1) % p
-        self.alive[c, k] = (inp, out, saved.bytes + out.numel() * out.element_size())
-        self.peak_inflight = max(self.peak_inflight, len(self.alive))
-        self.peak_act_bytes = max(self.peak_act_bytes, sum(a[2] for a in self.alive.values()))
+            self.hand_on(("F", c + 1, k), out.detach())  # (b, T, D) to chunk c+1
+        self.alive[c, k] = inp, out
 
-    def backward(self, step, c, k):
-        inp, out, _ = self.alive.pop((c, k))
-        start = self.clock.stamp()
-        torch.autograd.backward(out, None if c == self.n - 1 else self.inbox.pop(("B", c, k)))  # grads accumulate
-        simulate_compute(2 * self.args.stage_ms / self.v)
-        self.record(step, "B", c, k, start)
+    def backward(self, c, k):  # the whole backward; with a stash only B, the weights' part waits for W
+        inp, out = self.alive.pop((c, k))
+        torch.autograd.backward(out, None if c == self.n - 1 else self.inbox.pop(("B", c, k)))  # grads add up
+        if self.stash is not None:
+            self.waiting[c, k] = list(self.stash)  # what this B kept for its W
+            self.stash.clear()
         if c > 0:
-            self.outbox["B", c - 1, k] = inp.grad  # (b, T, D) to chunk c-1, on pp rank (c-1) % p
+            self.hand_on(("B", c - 1, k), inp.grad)  # (b, T, D) to chunk c-1
 
-    def record(self, step, kind, c, k, start):
-        arrived = self.arrived.pop((kind, c, k), None)
-        self.events.append([step, self.pp_rank, self.dp_rank, self.tp_rank, kind == "B", c, k, start,
-                            self.clock.stamp(), arrived])
+
+# ------------------------------------------------------------------------- after the flush: DP, clipping
+def sum_gradients(params, group):
+    """Data parallel: every gradient summed over the replicas in one all-reduce (each replica's loss is
+    already divided by the global token count, so the sum is the full-batch gradient)."""
+    if dist.get_world_size(group) > 1:
+        flat = torch.cat([q.grad.reshape(-1) for q in params])  # (this rank's elements,)
+        dist.all_reduce(flat, group=group)
+        for q, part in zip(params, flat.split([q.numel() for q in params])):
+            q.grad.copy_(part.view_as(q))
 
 
 def squared_norm_piece(params, tp_rank):
     """This rank's share of the whole model's squared gradient norm: its TP shards always, the tensors every
-    TP rank holds a copy of (LayerNorms, row-parallel biases, embedding, head) on TP rank 0 only."""
-    return sum((q.grad.double() ** 2).sum() for q in params if q.tp_split or tp_rank == 0)
+    TP rank holds a copy of (LayerNorms, row-parallel biases, embedding, head) on TP rank 0 only. Summed in
+    float32 at least (float64 for a float64 model) by the norm's dtype=, not by a float64 copy of each one."""
+    acc = torch.promote_types(params[0].dtype, torch.float32)
+    norms = [torch.linalg.vector_norm(q.grad, dtype=acc) for q in params
+             if getattr(q, "tp_split", False) or tp_rank == 0]
+    return torch.stack(norms).square().sum().double()
 
 
-def finish_batch(d, args, chunks, loss, coords, dp_group):
-    """After the flush: 1. one all-reduce of all gradients over the DP group (each replica's loss is already
-    divided by the global token count, so the sum is the full-batch gradient); 2. the whole model's squared
-    norm and the batch loss in one all-reduce over the world, each piece counted once; 3. clip. Returns
-    (loss, norm) as floats."""
-    pp_rank, dp_rank, tp_rank = coords
-    params = [q for q in chunks.parameters()]
-    if dist.get_world_size(dp_group) > 1:
-        flat = all_reduce(torch.cat([q.grad.reshape(-1) for q in params]), dp_group, "dp")  # (this rank's elements,)
-        for q, part in zip(params, flat.split([q.numel() for q in params])):
-            q.grad.copy_(part.view_as(q))
+def finish_batch(params, loss, dp_group, tp_rank, dp_rank, max_norm):
+    """After the flush: 1. the DP sum of gradients; 2. the whole model's squared norm and the batch loss in
+    one all-reduce over the world, each piece counted once (each replica's loss from TP rank 0, the norm
+    from DP rank 0); 3. clip. Returns (loss, norm) as floats."""
+    sum_gradients(params, dp_group)
     sq = squared_norm_piece(params, tp_rank)
-    mine = torch.stack([loss if pp_rank == args.pp - 1 and tp_rank == 0 else torch.zeros_like(loss),
-                        sq if dp_rank == 0 else torch.zeros_like(sq)])  # (2,): loss piece, norm^2 piece
-    total = all_reduce(mine, dist.group.WORLD, "world")
+    total = torch.stack([loss if tp_rank == 0 else torch.zeros_like(loss),
+                         sq if dp_rank == 0 else torch.zeros_like(sq)])  # (2,): loss piece, norm^2 piece
+    dist.all_reduce(total)
     norm = total[1].sqrt()
-    clip_grads_([q.grad for q in params], norm, args.clip)
+    clip_grads_([q.grad for q in params], norm, max_norm)
     return total[0].item(), norm.item()
 
 
-def full_model(d, chunks, shapes, coords, t, dtype):
-    """The whole GPT by name on every rank (for --check), exactly: TP shard k of `name` travels as `name#k`,
-    a replicated tensor once (from TP rank 0), all from DP rank 0; common.assemble_full adds the pieces up."""
-    _, dp_rank, tp_rank = coords
-    owned = {}
-    for n, q in chunks.named_parameters():
-        if dp_rank == 0 and (q.tp_split or tp_rank == 0):
-            owned[n.split(".", 1)[1] + (f"#{tp_rank}" if q.tp_split else "")] = q  # "3.blocks.." -> "blocks.."
-    pieces = {}
-    for n, shape in shapes.items():
-        k = tp_dim(n)
-        pieces.update({n: shape} if k is None else {f"{n}#{j}": [z // t if i == k else z for i, z in enumerate(shape)]
-                                                    for j in range(t)})
-    got = assemble_full(d, owned, pieces, dtype)
-    return {n: got[n] if tp_dim(n) is None else torch.cat([got[f"{n}#{j}"] for j in range(t)], tp_dim(n))
-            for n in shapes}
-
-
-# --- measurement ---
-class Clock:
-    """Stamps in ms from one common zero. On CPU the wall clock (one clock for the ranks of a host); on a GPU
-    CUDA events, resolved after the step (no host sync per op), offset by the wall time of the zero."""
-
-    def __init__(self, d):
-        t = torch.tensor([time.time() * 1e3], dtype=torch.float64, device=d.device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=dist.group.WORLD)  # the last rank's arrival: zero for all
-        self.t0, self.cuda = t.item(), d.device.type == "cuda"
-        if self.cuda:
-            self.zero = self.event()
-
-    def event(self):
-        e = torch.cuda.Event(enable_timing=True)
-        e.record()
-        return e
-
-    def stamp(self):
-        return self.event() if self.cuda else time.time() * 1e3 - self.t0
-
-    def resolve(self, rows):  # the event objects of the rows into ms (after StepTimer.stop synchronised)
-        if self.cuda:
-            for row in rows:
-                row[7:10] = [self.zero.elapsed_time(e) if e is not None else None for e in row[7:10]]
-        return rows
-
-
-def simulate_compute(ms):
-    """--stage-ms: wait, not compute, so the schedule and not the competition for a few cores sets the
-    timing (on a GPU the host waits before the end event is recorded, so the stream's span covers it)."""
-    if ms > 0:
-        time.sleep(ms / 1e3)
-
-
-def count_sent(out, msgs):
-    for (t, _), (kind, *_) in zip(out, msgs):
-        COUNT[f"p2p_{kind}_msgs"] += 1
-        COUNT["p2p_bytes"] += t.numel() * t.element_size()
-
-
-COUNT_COLUMNS = ["fwd_msgs", "bwd_msgs", "p2p_bytes", "peak_inflight", "peak_act_bytes", "tp_calls", "tp_bytes",
-                 "dp_calls", "dp_bytes", "world_bytes"]
-
-
-def inflight_bound(p, v, m, r):
-    """Micro-batch chunks between their F and B at most: the warm-up plus the first steady forward."""
-    return min(warmup(p, v, m, r) + 1, v * m)
-
-
-def bubble(events, p, lo, hi):
-    """Per pp rank: idle time in [lo, hi] / busy time (the paper's bubble relative to ideal compute)."""
-    busy = [sum(e["end"] - e["start"] for e in events if e["pp"] == r) for r in range(p)]
-    return [(hi - lo - b) / b for b in busy]
-
-
-def draw_timeline(events, p, lo, hi, cols=120):
-    """One row per pp rank, to scale: Fk/Bk on a rank's first chunk, fk/bk on the others, '.' idle."""
-    per, rows = (hi - lo) / cols, []
-    for r in range(p):
-        row = ["."] * cols
-        for e in sorted((e for e in events if e["pp"] == r), key=lambda e: e["start"]):
-            a = min(int((e["start"] - lo) / per), cols - 1)
-            z = max(a + 1, min(cols, round((e["end"] - lo) / per)))
-            name = (e["kind"] if e["chunk"] < p else e["kind"].lower()) + str(e["mb"])
-            row[a:z] = list(name.ljust(z - a)[:z - a])
-        rows.append(f"rank {r} |{''.join(row)}|")
-    return "\n".join(rows + [f"{'':7}{lo:.1f} ms{f'{hi:.1f} ms':>{cols - 3}}"])
-
-
-def write_trace(path, events):
-    trace = [dict(name=f"{e['kind']}{e['mb']} chunk {e['chunk']}", ph="X", ts=1e3 * e["start"],
-                  dur=1e3 * (e["end"] - e["start"]), pid=e["rank"], tid=0, args=dict(step=e["step"])) for e in events]
-    ranks = sorted({(e["rank"], e["pp"], e["dp"], e["tp"]) for e in events})
-    trace += [dict(name="process_name", ph="M", pid=q, args=dict(name=f"rank {q} (pp {a} dp {b} tp {c})"))
-              for q, a, b, c in ranks]
-    with open(path, "w") as fh:
-        json.dump(dict(traceEvents=trace, displayTimeUnit="ms"), fh)
-
-
-def report(d, args, dp, rows, counts, steps_run, act_bytes):
-    """Rank 0: every measured figure beside its theory, the timeline of the last step; returns the figures."""
-    p, v, m = args.pp, args.virtual_stages, args.microbatches
-    keys = ("step", "pp", "dp", "tp", "kind", "chunk", "mb", "start", "end", "recv")
-    events = [dict(zip(keys, row), rank=r, kind="B" if row[4] else "F") for r, rs in enumerate(rows) for row in rs]
-    for e in events:
-        e.update({k: int(e[k]) for k in ("step", "pp", "dp", "tp", "chunk", "mb")})
-        e["recv"] = None if e["recv"] < 0 else e["recv"]  # -1: the op started from tokens or its own loss
-    last = [e for e in events if e["step"] == max(x["step"] for x in events) and e["dp"] == 0 and e["tp"] == 0]
-    lo, hi = min(e["start"] for e in last), max(e["end"] for e in last)
-    bub = bubble(last, p, lo, hi)
-    theory = (p - 1) / (v * m)
-    c = {(int(x[1]), int(x[2]), int(x[3])): x for x in counts}  # (pp, dp, tp) -> that rank's counters
-    mine = [c[r, 0, 0] for r in range(p)]  # pipeline dp 0, tp 0
-    f_msgs, b_msgs = [int(x[4]) // steps_run for x in mine], [int(x[5]) // steps_run for x in mine]
-    f_theory, b_theory = [m * (v - (r == p - 1)) for r in range(p)], [m * (v - (r == 0)) for r in range(p)]
-    sent = [int(x[6]) // steps_run for x in mine]
-    inflight, inflight_th = [int(x[7]) for x in mine], [inflight_bound(p, v, m, r) for r in range(p)]
-    d.log(f"\nsummary, pipeline dp 0 tp 0 (p = {p}, v = {v}, m = {m}), each measurement beside its theory: bubble = "
-          f"idle / busy over the last step, theory (p-1)/(v*m); messages counted at the send, theory per batch "
-          f"m*(v - 1 if last rank) forward, m*(v - 1 if rank 0) backward")
-    d.log("rank | chunks | bubble | theory | in flight | bound | fwd msgs | theory | bwd msgs | theory | bytes sent")
-    for r in range(p):
-        d.log(f"{r:4d} | {','.join(str(r + j * p) for j in range(v)):6s} | {bub[r]:6.3f} | {theory:6.3f} | "
-              f"{inflight[r]:9d} | {inflight_th[r]:5d} | {f_msgs[r]:8d} | {f_theory[r]:6d} | {b_msgs[r]:8d} | "
-              f"{b_theory[r]:6d} | {sent[r]}")
-    mean = sum(bub) / p
-    note = (f"--stage-ms {args.stage_ms:g}: compute time simulated, each chunk's F waits {args.stage_ms / v:g} ms, "
-            f"B {2 * args.stage_ms / v:g} ms" if args.stage_ms else "real compute only: on shared cores this "
-            "times the OS scheduler; try --stage-ms")
-    d.log(f"bubble mean {mean:.3f} vs theory (p-1)/(v*m) = {theory:.3f} ({mean - theory:+.3f}); {note}")
-    d.log(f"forward messages per batch and pipeline {sum(f_msgs)} = (v*p-1)*m = {(v * p - 1) * m}; "
-          f"each {act_bytes} B = (b, T, D)")
-    tp_calls, dp_calls = int(mine[0][9]) // steps_run, int(mine[0][11]) // steps_run
-    tp_theory, dp_theory = 4 * m * args.n_layers // p if args.tp > 1 else 0, int(dp > 1)
-    d.log(f"rank 0 collectives per batch: TP all-reduces {tp_calls}, theory {tp_theory} (g twice forward, f twice "
-          f"backward, per layer and micro-batch); DP gradient all-reduces {dp_calls}, theory {dp_theory}")
-    d.log("\ntimeline of the last step, measured (Fk / Bk: a rank's first chunk, fk / bk: its later ones):")
-    d.log(draw_timeline(last, p, lo, hi))
-    if args.trace:
-        write_trace(args.trace, events)
-        d.log(f"wrote {len(events)} events to {args.trace} (open in https://ui.perfetto.dev)")
-    return dict(events=events, bubble=bub, bubble_mean=mean, bubble_theory=theory,
-                bubble_definition="idle / busy per rank over the last step (relative to ideal compute)",
-                bubble_minus_theory=mean - theory, stage_ms=args.stage_ms,
-                fwd_msgs_per_rank=f_msgs, fwd_msgs_theory=f_theory, bwd_msgs_per_rank=b_msgs, bwd_msgs_theory=b_theory,
-                fwd_msgs_per_pipeline=sum(f_msgs), fwd_msgs_per_pipeline_theory=(v * p - 1) * m,
-                p2p_bytes_per_rank=sent, inflight=inflight, inflight_theory=inflight_th, tp_calls_per_batch=tp_calls,
-                tp_calls_theory=tp_theory, dp_calls_per_batch=dp_calls, dp_calls_theory=dp_theory,
-                counts_per_rank={f"pp{int(x[1])} dp{int(x[2])} tp{int(x[3])}": [int(y) for y in x[4:]] for x in counts},
-                counts_columns=COUNT_COLUMNS)
-
-
-# ----------------------------------------------------------------------------- main
-def main():
-    args = parse_args(Args)
+# ------------------------------------------------------------------------- argument checks, main
+def check_args(args):
     world, p, t, v, m = env_world_size(), args.pp, args.tp, args.virtual_stages, args.microbatches
     check_common_args(args)
     for name in ("pp", "tp", "virtual_stages", "microbatches"):
         if getattr(args, name) < 1:
             fail(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.dropout > 0:
-        fail("ptdp.py runs without dropout (TP regions would need Megatron's RNG tracker, see megatron_tp.py)")
+        fail("ptdp.py runs without dropout (TP regions would need Megatron's RNG tracker: megatron_tp.py)")
     if args.n_heads % t:
         fail(f"--n-heads {args.n_heads} is not divisible by --tp {t}: each TP rank needs whole heads")
     if p < 2:
-        fail("--pp must be >= 2: ptdp.py is a pipeline (for tensor x data parallel alone, use megatron_tp.py)")
+        fail("--pp must be >= 2: ptdp.py is a pipeline (tensor x data parallel alone: megatron_tp.py)")
     dp = args.dp or world // (p * t)
     if args.dp < 0 or dp < 1 or p * t * dp != world:
         fail(f"world size {world} != pp {p} x tp {t} x dp {args.dp or '(world / pp / tp)'}: launch torchrun "
              f"--nproc_per_node={p * t * max(args.dp, 1)} or change --pp / --tp / --dp")
-    if v > 1 and m % p:
-        fail(f"--microbatches {m} is not a multiple of --pp {p}, as the interleaved schedule (v = {v}) needs: "
-             f"use --microbatches {(m // p + 1) * p}")
+    if args.schedule == "zbv" and v != 2:
+        fail(f"--schedule zbv places two chunks per rank in a V: use --virtual-stages 2, not {v}")
+    if args.schedule == "zbv" and m < 2 * p - 1:
+        fail(f"--microbatches {m} is too few for --schedule zbv at --pp {p}: rank 0 runs 2p-1 = {2 * p - 1} "
+             f"forwards before its first backward; use --microbatches {2 * p - 1} or more")
+    if args.schedule == "interleaved" and v > 1 and m % p:
+        fail(f"--microbatches {m} is not a multiple of --pp {p}, as the interleaved schedule (v = {v}) "
+             f"needs: use --microbatches {(m // p + 1) * p}")
     if args.n_layers % (p * v):
         fail(f"--n-layers {args.n_layers} is not divisible by pp x virtual stages = {p * v} chunks")
     if args.batch_size % (dp * m):
         fail(f"--batch-size {args.batch_size} is not divisible by dp x microbatches = {dp * m}")
     if args.stage_ms < 0:
         fail(f"--stage-ms must be >= 0, got {args.stage_ms}")
+    return world, dp
+
+
+def main():
+    args = parse_args(Args)
+    world, dp = check_args(args)
+    p, t, v, m = args.pp, args.tp, args.virtual_stages, args.microbatches
 
     # --- setup (same in every file) ---
     d = init_dist(args.timeout)
@@ -564,64 +525,189 @@ def main():
     dp_groups = {(i, k): dist.new_group(grid[i, :, k].tolist()) for i in range(p) for k in range(t)}
     tp_group, dp_group = tp_groups[pp_rank, dp_rank], dp_groups[pp_rank, tp_rank]
     peers = grid[:, dp_rank, tp_rank].tolist()  # pp rank -> global rank of this pipeline
-    d.log(f"ptdp.py: world {world} = pp {p} x dp {dp} x tp {t}, v = {v} chunks per rank, m = {m} micro-batches of "
-          f"{args.batch_size // (dp * m)} per replica, on {d.backend}; entropy floor {data.entropy:.4f} nats/token")
+    b = args.batch_size // (dp * m)
+    d.log(f"ptdp.py: world {world} = pp {p} x dp {dp} x tp {t}, {args.schedule} schedule, v = {v} chunks per "
+          f"rank, m = {m} micro-batches of {b} per replica, on {d.backend}; entropy floor "
+          f"{data.entropy:.4f} nats")
 
     # --- the model: the full GPT on CPU from one seed, then this rank's chunks, TP-sliced, to the device ---
     dtype = DTYPES[args.dtype]
     full = build_gpt(GPTConfig.from_args(args), args.seed, dtype)
     shapes = {n: list(q.shape) for n, q in full.named_parameters()}
-    chunks = nn.ModuleList(Chunk(full, pp_rank + j * p, p * v, tp_group) for j in range(v)).to(d.device)
-    for name, q in chunks.named_parameters():
-        q.tp_split = tp_dim(name) is not None
+    stash = [] if args.schedule == "zbv" else None  # zbv: the split linears keep what W needs here
+    mine = [c for c in range(p * v) if rank_of(c, p, args.schedule) == pp_rank]
+    chunks = nn.ModuleDict({str(c): Chunk(full, c, p * v, tp_group, stash) for c in mine}).to(d.device)
     del full
     opt = make_optimizer(chunks.parameters(), args)
-    ckpt = Checkpointer(d, args.ckpt_dir, args.save_every, args.steps)
-    start, hist = ckpt.load({"model": chunks, "optim": opt})
-    losses, norms = hist.get("losses", []), hist.get("norms", [])
-    b = args.batch_size // (dp * m)
-    act_shape = (b, args.seq_len, args.d_model)  # (b, T, D): what crosses a chunk boundary
-    clock, timer = Clock(d), StepTimer(d.device)  # Clock: an all-reduce first, before any point-to-point (NCCL)
-    runner, held = PipelineRank(d, args, chunks, coords, peers, act_shape, clock), 0
-    for step in range(start, args.steps):
-        maybe_fail(d, args, step)
-        timer.start()
+    run = Run(d, args, {"model": chunks, "optim": opt})
+    norms, params = run.history.get("norms", []), list(chunks.parameters())
+    watch = Watch(d, args, coords)  # times F, B, W; its zero is an all-reduce, before any p2p (as NCCL wants)
+    comm = CommCounter(axes={"tp": tp_group, "dp": dp_group}, log=True)
+    plan = comm_plan(p, v, m, pp_rank, args.schedule)
+    msg_shape = (b, args.seq_len, args.d_model)  # every activation and gradient between chunks
+    runner = PipelineRank({c: chunks[str(c)] for c in mine}, p * v, plan, peers, msg_shape, dtype, d.device,
+                          stash, observe=watch)
+    for step in run.steps():
         x, y = data.batch(step, args.batch_size, args.seq_len, args.ragged)  # (B, T) global batch, CPU
         n_tok = count_tokens(y)  # the whole global batch's: every micro-batch loss divides by it
-        mine = slice(dp_rank * b * m, (dp_rank + 1) * b * m)  # this replica's rows
-        split = lambda z: rearrange(z[mine], "(m b) n -> m b n", m=m).to(d.device)  # noqa: E731  (m, b, T)
-        loss = runner.run(step, split(x), split(y), n_tok)
-        loss, norm = finish_batch(d, args, chunks, loss, coords, dp_group)
+        rows = slice(dp_rank * b * m, (dp_rank + 1) * b * m)  # this replica's rows
+        split = lambda z: rearrange(z[rows], "(m b) n -> m b n", m=m).to(d.device)  # noqa: E731  (m, b, T)
+        watch.step = step
+        # every collective and send of the first step counted at the dispatcher (it slows every op down; the
+        # last step is the one timed)
+        with comm if step == run.start else contextlib.nullcontext():
+            loss = runner.run(split(x), split(y), lambda logits, tgt: lm_loss(logits, tgt, n_tok))
+            loss, norm = finish_batch(params, loss, dp_group, tp_rank, dp_rank, args.clip)
         opt.step()
-        held = max(held, state_bytes(chunks, opt))  # parameters, gradients, AdamW state: all alive here
+        watch.held = max(watch.held, state_bytes(chunks, opt))  # parameters, gradients, AdamW state
         opt.zero_grad(set_to_none=True)
-        ms = timer.stop()
-        clock.resolve(runner.events[-2 * v * m:])
-        losses.append(loss)
         norms.append(norm)
-        log_step(d, step, loss, ms, args.batch_size * args.seq_len)
-        ckpt.maybe_save(step + 1, {"model": chunks, "optim": opt}, {"losses": losses, "norms": norms})
+        run.end_step(step, loss, norms=norms)
 
-    # --- gather the events and counters of every rank (tensors only), then the summary on rank 0 ---
-    peak = peak_memory_bytes(d, held + runner.peak_act_bytes)  # counted; CUDA's own peak on a GPU
-    steps_run = max(args.steps - start, 1)
-    rows = gather_rows(d, [[-1 if z is None else z for z in e] for e in runner.events] or [[0] * 10])
-    counts = gather_rows(d, [[d.rank, pp_rank, dp_rank, tp_rank, COUNT["p2p_F_msgs"], COUNT["p2p_B_msgs"],
-                              COUNT["p2p_bytes"], runner.peak_inflight, runner.peak_act_bytes, COUNT["tp_calls"],
-                              COUNT["tp_bytes"], COUNT["dp_calls"], COUNT["dp_bytes"], COUNT["world_bytes"]]])
-    counts = [r[0].tolist() for r in counts]  # per rank: rank, pp, dp, tp, then COUNT_COLUMNS
-    figures = dict(pp=p, tp=t, dp=dp, virtual_stages=v, microbatches=m, grad_norms=norms)
-    if d.rank == 0 and args.steps > start:
-        figures.update(report(d, args, dp, [r.tolist() for r in rows], counts, steps_run, b * args.seq_len *
-                              args.d_model * dtype.itemsize))
-    comm = max((x[6] + x[10] + x[12] + x[13]) / steps_run for x in counts)  # bytes sent or handed, per step
+    figures, comm_bytes = report(d, args, dp, watch, comm)
+    figures.update(pp=p, tp=t, dp=dp, virtual_stages=v, microbatches=m, schedule=args.schedule,
+                   grad_norms=norms)
+    peak = peak_memory_bytes(d, watch.held + watch.live.peak)  # counted; CUDA's own peak on a GPU
     check = None
     if args.check:
-        full_params = full_model(d, chunks, shapes, coords, t, dtype)
-        check = check_against_reference(d, args, losses, full_params)
-    tokens_per_s = args.batch_size * args.seq_len / max(timer.median(), 1e-9) * 1e3
-    write_summary(d, args, "ptdp", losses, timer.median(), tokens_per_s, peak, comm, check, figures)
-    close_dist(ok=check is None or check["passed"])
+        check = check_against_reference(d, args, run.losses, full_model(d, chunks, shapes, coords, t, dtype))
+    run.finish("ptdp", peak, comm_bytes, check, figures)
+
+
+# --- measurement ---
+class Watch:
+    """The schedule's `observe` callback: harness.Timeline.span times every F, B, W (--stage-ms waits in it),
+    tagged with the step, the rank's grid coordinates and when its input arrived; it counts the micro-batch
+    chunks between F and their last op; saved-tensor hooks count what F saves, live storages what still is."""
+
+    def __init__(self, d, args, coords):
+        f_ms, self.last = args.stage_ms / args.virtual_stages, "W" if args.schedule == "zbv" else "B"
+        ms = dict(F=f_ms, B=f_ms, W=f_ms) if args.schedule == "zbv" else dict(F=f_ms, B=2 * f_ms)
+        self.timeline = Timeline(d, ms, tags=("chunk", "step", "pp", "dp", "tp", "recv"))
+        self.coords, self.step, self.held, self.arrived, self.saved = coords, 0, 0, {}, {}
+        self.live, self.inflight = LiveStorages(), [0, 0]  # in flight: now, peak
+
+    @contextlib.contextmanager
+    def __call__(self, kind, mb, chunk=None, recvs=()):
+        if kind == "p2p":
+            yield
+            self.arrived.update((msg, self.timeline.now()) for msg in recvs)
+            return
+        self.inflight[0] += kind == "F"
+        self.inflight[1] = max(self.inflight)
+        pp, dp, tp = self.coords
+        with self.timeline.span(kind, mb, chunk=chunk, step=self.step, pp=pp, dp=dp, tp=tp,
+                                recv=self.arrived.pop((kind, chunk, mb), None)):
+            with SavedActivations(self.live) if kind == "F" else contextlib.nullcontext() as saved:
+                yield
+        self.inflight[0] -= kind == self.last
+        if kind == "F":
+            self.saved.setdefault(chunk, saved.bytes)  # what one micro-batch saves on this chunk
+        self.live.alive()  # the peak of saved activations alive
+
+
+def theory(p, v, m, order):
+    """Per pp rank: the bubble (idle / busy of the ideal timeline), the most micro-batch chunks between F and
+    their last op, the forward and backward messages per batch.
+        interleaved  (p-1)/(v*m); warm-up + 1; m(v - 1 if the last rank), m(v - 1 if rank 0)
+        zbv          (p-1)/(6m): p-1 chunk ops of 6m idle (the paper: about 0); 2p, p micro-batches of a whole
+                     stage as in 1F1B; m(2 - 1 if rank 0 - 1 if rank p-1) each way (the V's turn is local)"""
+    if order == "interleaved":
+        return ((p - 1) / (v * m), [min(warmup(p, v, m, r) + 1, v * m) for r in range(p)],
+                [m * (v - (r == p - 1)) for r in range(p)], [m * (v - (r == 0)) for r in range(p)])
+    msgs = [m * (2 - (r == 0) - (r == p - 1)) for r in range(p)]
+    return (p - 1) / (6 * m), [2 * p] * p, msgs, msgs
+
+
+def inflight_bound(p, v, m, r, order="interleaved"):
+    return theory(p, v, m, order)[1][r]
+
+
+def counted(comm, watch):
+    """This rank's figures of the counted step, by name; its sends told apart by their tag (one per way)."""
+    sends, ar = [c for c in comm.calls_log if c["op"] == "send"], comm.total
+    tags = [c["tag"] for c in sends]
+    return dict(fwd_msgs=tags.count(TAG["F"]), bwd_msgs=tags.count(TAG["B"]), p2p_bytes=ar("send"),
+                tp_calls=ar("all_reduce", "tp", what="calls"), tp_fwd=ar("all_reduce", "tp", "fwd", "calls"),
+                tp_bwd=ar("all_reduce", "tp", "bwd", "calls"), dp_calls=ar("all_reduce", "dp", what="calls"),
+                tp_bytes=ar("all_reduce", "tp"), dp_bytes=ar("all_reduce", "dp"), world_bytes=ar("all_reduce",
+                "world"), comm_bytes=ar(), inflight=watch.inflight[1], act_peak=watch.live.peak,
+                act_per_microbatch=sum(watch.saved.values()))
+
+
+def report(d, args, dp, watch, comm):
+    """All ranks: gather events and counters (tensors only). Rank 0: each figure beside its theory."""
+    p, v, m, order = args.pp, args.virtual_stages, args.microbatches, args.schedule
+    events, mine = watch.timeline.gather(), counted(comm, watch)
+    rows = gather_rows(d, [[*watch.coords, *mine.values()]])
+    per_rank = {tuple(int(x) for x in r[0, :3]): dict(zip(mine, (int(x) for x in r[0, 3:]))) for r in rows}
+    comm_bytes = max(c["comm_bytes"] for c in per_rank.values())  # bytes handed per step, the busiest rank
+    if d.rank != 0 or not events:
+        return {}, comm_bytes
+    for e in events:
+        e["recv"] = None if e["recv"] < 0 else e["recv"]  # -1: the op started from tokens, its loss or its B
+    last = [e for e in events if e["step"] == events[-1]["step"] and e["dp"] == 0 and e["tp"] == 0]
+    lo, hi = min(e["start"] for e in last), max(e["end"] for e in last)
+    bub = [(hi - lo - x) / x for x in (busy_ms(last, r, lo, hi, key="pp") for r in range(p))]
+    bub_theory, bound, f_theory, b_theory = theory(p, v, m, order)
+    pipe = [per_rank[r, 0, 0] for r in range(p)]  # the pipeline of dp 0, tp 0
+    f_msgs, b_msgs, sent, inflight = ([c[k] for c in pipe] for k in ("fwd_msgs", "bwd_msgs", "p2p_bytes",
+                                                                      "inflight"))
+    alive = [c["act_peak"] / max(c["act_per_microbatch"], 1) for c in pipe]
+    d.log(f"\nsummary, pipeline dp 0 tp 0 ({order}, p {p}, v {v}, m {m}): bubble = idle / busy in the last "
+          "step, in flight = micro-batch chunks between F and their last op, alive = saved activations at "
+          "their peak in micro-batches of the rank's chunks, messages and bytes handed to the sends; each "
+          "measured | theory\nrank | chunks | bubble | theory | in flight | bound | alive | theory | "
+          "fwd msgs | theory | bwd msgs | theory | bytes sent")
+    for r in range(p):
+        held = ",".join(str(c) for c in range(p * v) if rank_of(c, p, order) == r)
+        d.log(f"{r:4d} | {held:6s} | {bub[r]:6.3f} | {bub_theory:6.3f} | {inflight[r]:9d} | {bound[r]:5d} | "
+              f"{alive[r]:5.2f} | {bound[r] / v:6.2f} | {f_msgs[r]:8d} | {f_theory[r]:6d} | {b_msgs[r]:8d} | "
+              f"{b_theory[r]:6d} | {sent[r]}")
+    mean, c0, tp_theory = sum(bub) / p, pipe[0], 4 * m * args.n_layers // p if args.tp > 1 else 0
+    formula, per_pipe = ("(p-1)/(v*m)", "(v*p-1)*m") if order == "interleaved" else ("(p-1)/(6m)", "2(p-1)*m")
+    waits = ", ".join(f"{k} waits {x:g} ms" for k, x in watch.timeline.simulate.items())
+    d.log(f"bubble mean {mean:.3f} vs theory {formula} = {bub_theory:.3f} ({mean - bub_theory:+.3f}); " +
+          (f"--stage-ms {args.stage_ms:g}: compute simulated, a chunk's {waits}" if args.stage_ms else
+           "real compute only: on shared cores this times the OS scheduler; try --stage-ms"))
+    d.log(f"forward messages per batch and pipeline {sum(f_msgs)} = {per_pipe} = {sum(f_theory)}, each "
+          f"{sent[0] // (f_msgs[0] + b_msgs[0])} B = (b, T, D); rank 0 collectives per batch: TP all-reduces "
+          f"{c0['tp_calls']} ({c0['tp_fwd']} forward, {c0['tp_bwd']} backward), theory {tp_theory} (g twice "
+          f"forward, f twice backward, per layer and micro-batch); DP all-reduces {c0['dp_calls']}, theory "
+          f"{int(dp > 1)}")
+    label = lambda e: (e["kind"] if e["chunk"] < p else e["kind"].lower()) + str(e["mb"])  # noqa: E731
+    d.log("\ntimeline of the last step, measured (Fk Bk Wk: chunk < p, fk bk wk: the later chunks):\n" +
+          draw_timeline(last, p, lo, hi, label, row_key="pp", row_name="rank"))
+    if args.trace:
+        write_trace(args.trace, events, lambda e: f"{e['kind']}{e['mb']} chunk {e['chunk']}", row_name="rank")
+        d.log(f"wrote {len(events)} events to {args.trace} (open in https://ui.perfetto.dev)")
+    return dict(events=events, bubble=bub, bubble_mean=mean, bubble_theory=bub_theory, stage_ms=args.stage_ms,
+                bubble_definition="idle / busy per rank over the last step (relative to ideal compute)",
+                bubble_minus_theory=mean - bub_theory, fwd_msgs_per_rank=f_msgs, fwd_msgs_theory=f_theory,
+                bwd_msgs_per_rank=b_msgs, bwd_msgs_theory=b_theory, fwd_msgs_per_pipeline=sum(f_msgs),
+                fwd_msgs_per_pipeline_theory=sum(f_theory), p2p_bytes_per_rank=sent, inflight=inflight,
+                inflight_theory=bound, microbatches_alive=alive, tp_calls_per_batch=c0["tp_calls"],
+                microbatches_alive_theory=[x / v for x in bound], tp_calls_theory=tp_theory,
+                dp_calls_per_batch=c0["dp_calls"], dp_calls_theory=int(dp > 1),
+                counts_per_rank={f"pp{a} dp{b} tp{c}": x for (a, b, c), x in per_rank.items()}), comm_bytes
+
+
+# --- reference for --check ---
+def full_model(d, chunks, shapes, coords, t, dtype):
+    """The whole GPT by name on every rank (for --check), exactly: TP shard k of `name` travels as `name#k`,
+    a replicated tensor once (from TP rank 0), all from DP rank 0; harness.assemble_full adds them up."""
+    _, dp_rank, tp_rank = coords
+    owned, pieces = {}, {}
+    for n, q in chunks.named_parameters():
+        if dp_rank == 0 and (getattr(q, "tp_split", False) or tp_rank == 0):
+            owned[n.split(".", 1)[1] + (f"#{tp_rank}" if tp_dim(n) is not None else "")] = q  # "3.blocks.."
+    for n, shape in shapes.items():
+        k = tp_dim(n)
+        pieces.update({n: shape} if k is None else {f"{n}#{j}": [z // t if i == k else z for i, z in
+                                                                 enumerate(shape)] for j in range(t)})
+    got = assemble_full(d, owned, pieces, dtype)
+    return {n: got[n] if tp_dim(n) is None else torch.cat([got[f"{n}#{j}"] for j in range(t)], tp_dim(n))
+            for n in shapes}
 
 
 if __name__ == "__main__":

@@ -1,23 +1,196 @@
-"""Break ptdp.py on purpose, under torchrun, to show that its --check catches the break:
+"""Break ptdp.py on purpose, or apply its core to another model, under torchrun:
 
     torchrun --nproc_per_node=4 tests/ptdp_checks.py BREAK [ptdp.py flags]
+    torchrun --nproc_per_node=4 tests/ptdp_checks.py copy-out OUT.json [ptdp.py flags]
 
 BREAK is one of
     norm-counts-replicas  every TP rank adds its copy of the replicated tensors to the clipping norm (t times)
     no-dp-all-reduce      the data-parallel gradient all-reduce after the flush is skipped
+copy-out first trains a model that is not the GPT (nested modules, a parameter on the root module, odd sizes,
+a squared-error loss) on a pp 2 x tp 2 grid with ptdp.py's pieces as a reader would copy them (f and g around
+a split MLP, the B/W-split linear, comm_plan and PipelineRank), under both schedules, against plain
+one-process training written here; it writes the errors to OUT.json and then runs ptdp.py's own main (the
+same processes, so the check costs no launch).
 """
+import json
 import sys
 from pathlib import Path
 
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import ptdp  # noqa: E402
+from common import init_dist  # noqa: E402
+
+D, HIDDEN, IN, OUT, BLOCKS, B, M, STEPS, LR = 6, 10, 5, 3, 4, 12, 4, 3, 0.1
+
+
+class Residual(nn.Module):
+    """x + W2 tanh(W1 LayerNorm(x) + b1) + b2: nested modules, a hidden width of 10 (5 per TP rank)."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm = nn.LayerNorm(D)
+        self.mlp = nn.Sequential(nn.Linear(D, HIDDEN), nn.Tanh(), nn.Linear(HIDDEN, D))
+
+    def forward(self, x):
+        return x + self.mlp(self.norm(x))
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.scale = nn.Parameter(torch.linspace(0.5, 1.5, D))  # a parameter on the root module
+        self.inp = nn.Linear(IN, D)
+        self.blocks = nn.ModuleList(Residual() for _ in range(BLOCKS))
+        self.out = nn.Linear(D, OUT)
+
+    def forward(self, x):  # (b, IN) -> (b, OUT)
+        h = self.inp(x) * self.scale
+        for block in self.blocks:
+            h = block(h)
+        return self.out(h)
+
+
+class TPResidual(nn.Module):
+    """Residual with its MLP split over `group` the Megatron way, copied from ptdp's pieces: f, a
+    column-parallel W1 (and b1), a row-parallel W2, g, then the whole b2."""
+
+    def __init__(self, full, group, stash):
+        super().__init__()
+        t, r = dist.get_world_size(group), dist.get_rank(group)
+        fc, proj = full.mlp[0], full.mlp[2]
+        self.norm, self.group, self.stash = full.norm, group, stash
+        self.w1 = nn.Parameter(fc.weight.detach().chunk(t, 0)[r].clone())  # (HIDDEN/t, D)
+        self.b1 = nn.Parameter(fc.bias.detach().chunk(t, 0)[r].clone())
+        self.w2 = nn.Parameter(proj.weight.detach().chunk(t, 1)[r].clone())  # (D, HIDDEN/t)
+        self.b2 = proj.bias
+
+    def forward(self, x):
+        h = torch.tanh(ptdp.linear(ptdp.f.apply(self.norm(x), self.group), self.w1, self.b1, self.stash))
+        return x + ptdp.g.apply(ptdp.linear(h, self.w2, stash=self.stash), self.group) + self.b2
+
+
+class NetChunk(nn.Module):
+    def __init__(self, full, c, n, group, stash):
+        super().__init__()
+        self.first, self.last, self.stash = c == 0, c == n - 1, stash
+        if self.first:
+            self.scale, self.inp = full.scale, full.inp
+        self.blocks = nn.ModuleList(TPResidual(full.blocks[i], group, stash) for i in (c,))  # one block each
+        if self.last:
+            self.out = full.out
+
+    def forward(self, h):
+        if self.first:
+            h = ptdp.linear(h, self.inp.weight, self.inp.bias, self.stash) * self.scale
+        for block in self.blocks:
+            h = block(h)
+        return ptdp.linear(h, self.out.weight, self.out.bias, self.stash) if self.last else h
+
+
+def batch(step):
+    g = torch.Generator().manual_seed(100 + step)
+    x = torch.randn(B, IN, generator=g, dtype=torch.float64)
+    return x, torch.sin(x[:, :OUT] * 3) + 0.1 * torch.randn(B, OUT, generator=g, dtype=torch.float64)
+
+
+def loss_of(out, y):  # squared error summed, over the whole batch's elements: micro-batch losses add up
+    return ((out - y) ** 2).sum() / (B * OUT)
+
+
+def reference():
+    """Plain one-process training: the whole batch, one backward, SGD."""
+    torch.manual_seed(0)
+    net = Net().double()
+    opt, losses, grads0 = torch.optim.SGD(net.parameters(), lr=LR), [], None
+    for step in range(STEPS):
+        x, y = batch(step)
+        loss = loss_of(net(x), y)
+        opt.zero_grad()
+        loss.backward()
+        grads0 = grads0 or {n: q.grad.clone() for n, q in net.named_parameters()}
+        opt.step()
+        losses.append(loss.item())
+    return net, losses, grads0
+
+
+def copy_out(out_path):
+    d = init_dist()
+    p, t = 2, 2
+    grid = torch.arange(4).view(p, t)
+    pp_rank, tp_rank = [int(i) for i in (grid == d.rank).nonzero()[0]]
+    tp_groups = [dist.new_group(grid[i].tolist()) for i in range(p)]
+    net, ref_losses, ref_grads0 = reference()
+    peers = grid[:, tp_rank].tolist()
+    errors = {}
+    real_w, real_f = ptdp.weight_grads, vars(ptdp.f)["backward"]  # the staticmethod itself
+    for order in ("interleaved", "zbv", "interleaved, f without its all-reduce", "zbv, W never run"):
+        # the last two must fail, showing that the comparison can
+        ptdp.weight_grads = (lambda stashed: None) if "W never run" in order else real_w
+        ptdp.f.backward = staticmethod(lambda ctx, grad: (grad, None)) if "f without" in order else real_f
+        torch.manual_seed(0)
+        schedule = order.split(",")[0]
+        full, stash = Net().double(), ([] if schedule == "zbv" else None)
+        mine = [c for c in range(BLOCKS) if ptdp.rank_of(c, p, schedule) == pp_rank]
+        chunks = {c: NetChunk(full, c, BLOCKS, tp_groups[pp_rank], stash) for c in mine}
+        runner = ptdp.PipelineRank(chunks, BLOCKS, ptdp.comm_plan(p, 2, M, pp_rank, schedule), peers,
+                                   (B // M, D), torch.float64, d.device, stash)
+        params = [q for c in mine for q in chunks[c].parameters()]
+        opt, losses, err = torch.optim.SGD(params, lr=LR), [], 0.0
+        for step in range(STEPS):
+            x, y = batch(step)
+            loss = runner.run(list(x.view(M, -1, IN)), list(y.view(M, -1, OUT)), loss_of)
+            dist.all_reduce(loss)  # the loss lives on the last chunk's rank (twice: its TP ranks)
+            losses.append(loss.item() / t)
+            if step == 0:  # every local gradient against the same slice of the one-process gradient
+                err = max(err, max(diff(n, q.grad, ref_grads0, c, tp_rank, t) for c in mine
+                                   for n, q in chunks[c].named_parameters()))
+            opt.step()
+            opt.zero_grad()
+        final = {n: q.detach() for n, q in net.named_parameters()}
+        mine_final = [diff(n, q, final, c, tp_rank, t) for c in mine for n, q in chunks[c].named_parameters()]
+        err = max([err] + mine_final)
+        err = torch.tensor([err, max(abs(a - b) for a, b in zip(losses, ref_losses))], dtype=torch.float64)
+        dist.all_reduce(err, op=dist.ReduceOp.MAX)
+        errors[order] = dict(max_grad_or_param_diff=err[0].item(), max_loss_diff=err[1].item(), losses=losses)
+    ptdp.weight_grads, ptdp.f.backward = real_w, real_f
+    if d.rank == 0:
+        Path(out_path).write_text(json.dumps(dict(errors, reference_losses=ref_losses)))
+    return d
+
+
+def diff(name, mine, ref, c, tp_rank, t):
+    """|mine - the reference's slice|: a chunk's names map back to Net's (blocks.0 of chunk c is blocks.c)."""
+    if mine is None:  # a gradient that never came
+        return float("inf")
+    full = {"scale": "scale", "inp.weight": "inp.weight", "inp.bias": "inp.bias", "out.weight": "out.weight",
+            "out.bias": "out.bias"}.get(name)
+    if full is None:
+        leaf = name.split(".", 2)[2]  # "blocks.0.w1" -> "w1"
+        full = {"w1": "mlp.0.weight", "b1": "mlp.0.bias", "w2": "mlp.2.weight", "b2": "mlp.2.bias",
+                "norm.weight": "norm.weight", "norm.bias": "norm.bias"}[leaf]
+        full = f"blocks.{c}.{full}"
+        want = ref[full]
+        if leaf in ("w1", "b1"):
+            want = want.chunk(t, 0)[tp_rank]
+        elif leaf == "w2":
+            want = want.chunk(t, 1)[tp_rank]
+    else:
+        want = ref[full]
+    return (mine - want).abs().max().item()
+
 
 BREAK = sys.argv.pop(1)
-if BREAK == "norm-counts-replicas":
+if BREAK == "copy-out":
+    d = copy_out(sys.argv.pop(1))
+    ptdp.init_dist = lambda timeout: d  # ptdp.main runs in the same processes and process group
+elif BREAK == "norm-counts-replicas":
     ptdp.squared_norm_piece = lambda params, tp_rank: sum((q.grad.double() ** 2).sum() for q in params)
 elif BREAK == "no-dp-all-reduce":
-    real_all_reduce = ptdp.all_reduce
-    ptdp.all_reduce = lambda x, group, key: x if key == "dp" else real_all_reduce(x, group, key)
+    ptdp.sum_gradients = lambda params, group: None
 else:
     sys.exit(f"unknown break {BREAK!r}")
 ptdp.main()

@@ -1,13 +1,15 @@
-"""ptdp.py: pipeline x tensor x data parallel with the interleaved 1F1B schedule.
+"""ptdp.py: pipeline x tensor x data parallel with the interleaved 1F1B schedule or ZB-V.
 
 Parity with the one-process reference (float64, 1e-9) at (pp, tp, dp) = (2, 1, 1) v 1 and v 2, (2, 2, 1) v 2,
-(2, 1, 2) v 2 ragged, (2, 2, 2) v 2 ragged with a small --clip, and at pp 4, m 8, v 1 and 2 with --stage-ms;
-the executed schedule (measured events) obeys the pipeline's rules and is the schedule's order; the schedule's
-ideal timeline has the paper's bubble and its message counts the paper's, it equals torch's
-ScheduleInterleaved1F1B order, and its communication plan cannot deadlock under NCCL's semantics (simulated);
+(2, 1, 2) v 2 ragged, (2, 2, 2) v 2 ragged with a small --clip, (2, 2, 2) zbv ragged, and at pp 4, m 8, v 1,
+v 2 and zbv with --stage-ms; the executed schedule (measured events) obeys the pipeline's rules and is the
+schedule's order, torch's own for zbv; the schedules' ideal timelines have the papers' bubbles and their
+message counts the papers', they equal torch's ScheduleInterleaved1F1B and ScheduleZBVZeroBubble orders, and
+their communication plans cannot deadlock under NCCL's semantics (simulated); the B/W split gives one
+backward's gradients bit for bit; the pieces, copied out onto another model, train it as one process does;
 clipping clips and counts replicated tensors once; a dropped DP all-reduce fails --check; a restarted run
-continues to bit-identical losses; bad input exits 2 on every rank. Launches: 10 torchrun (one restarts once),
-10 plain python."""
+continues to bit-identical losses; bad input exits 2 on every rank. Launches: 12 torchrun (one restarts once,
+one also runs the copy-out check), 10 plain python."""
 import collections
 import json
 import sys
@@ -15,6 +17,8 @@ from argparse import Namespace
 from types import SimpleNamespace
 
 import pytest
+import torch
+import torch.nn as nn
 
 from helpers import (ROOT, TINY, assert_each_rank_fails, assert_matches_reference, run_python, run_ranks,
                      torchrun)
@@ -24,70 +28,97 @@ import ptdp  # noqa: E402  (importing must not run main())
 from common import reference_train  # noqa: E402
 
 CFG = [*TINY, "--n-layers", "4", "--batch-size", "16"]  # 4 blocks = 2 pp x 2 chunks; 16 = dp 2 x m 4 x 2
-P4 = [*TINY, "--n-layers", "8", "--batch-size", "16", "--steps", "2", "--pp", "4", "--microbatches", "8"]
+P4 = [*TINY, "--n-layers", "8", "--batch-size", "16", "--steps", "3", "--pp", "4", "--microbatches", "8"]
 LAYOUTS = {  # name: (nproc, flags)
     "pp2 v1": (2, ["--pp", "2"]),
     "pp2 v2": (2, ["--pp", "2", "--virtual-stages", "2"]),
-    "pp2 tp2 v2": (4, ["--pp", "2", "--tp", "2", "--virtual-stages", "2"]),
+    "pp2 tp2 v2": (4, ["--pp", "2", "--tp", "2", "--virtual-stages", "2"]),  # through the copy-out check
     "pp2 dp2 v2 ragged": (4, ["--pp", "2", "--dp", "2", "--virtual-stages", "2", "--ragged"]),
     "pp2 tp2 dp2 v2 ragged clip": (8, ["--pp", "2", "--tp", "2", "--dp", "2", "--virtual-stages", "2", "--ragged",
                                        "--clip", "0.05", "--steps", "3"]),
+    "pp2 tp2 dp2 zbv ragged": (8, ["--pp", "2", "--tp", "2", "--dp", "2", "--virtual-stages", "2", "--schedule",
+                                   "zbv", "--ragged", "--steps", "3"]),
 }
+STAGE_MS = {f"stage-ms {s}": (4, [*P4, *flags, "--stage-ms", "50"]) for s, flags in [
+    ("v1", []), ("v2", ["--virtual-stages", "2"]), ("zbv", ["--virtual-stages", "2", "--schedule", "zbv"])]}
 
 
 @pytest.fixture(scope="module")
 def launch(tmp_path_factory):
-    """torchrun ptdp.py once per layout, with --check and --trace; tests share the runs."""
+    """torchrun ptdp.py once per layout, with --check and --trace; tests share the runs. The pp 2 x tp 2
+    layout runs through tests/ptdp_checks.py, which first checks the copied-out pieces (same processes)."""
     runs = {}
 
     def get(name):
         if name not in runs:
             nproc, flags = LAYOUTS[name] if name in LAYOUTS else STAGE_MS[name]
             tmp = tmp_path_factory.mktemp("ptdp")
-            summary, out = torchrun("ptdp.py", nproc, *(CFG if name in LAYOUTS else []), *flags, "--check",
-                                    "--trace", tmp / "trace.json", tmp_path=tmp, timeout=300)
-            runs[name] = summary, out, json.loads((tmp / "trace.json").read_text())
+            head = ["tests/ptdp_checks.py", nproc, "copy-out", tmp / "copy_out.json"] if name == "pp2 tp2 v2" \
+                else ["ptdp.py", nproc]
+            summary, out = torchrun(*head, *(CFG if name in LAYOUTS else []), *flags, "--check", "--trace",
+                                    tmp / "trace.json", tmp_path=tmp, timeout=300)
+            copy_out = tmp / "copy_out.json"
+            runs[name] = (summary, out, json.loads((tmp / "trace.json").read_text()),
+                          json.loads(copy_out.read_text()) if copy_out.exists() else None)
         return runs[name]
     return get
 
 
 # ----------------------------------------------------------------------------- the rules, from measured events
-def rule_errors(events, p, v, m):
-    """Each pipeline (step, dp, tp) of the measured events against the rules: one F and one B per (chunk,
-    micro-batch), chunk c on pp rank c % p; a micro-batch's F runs its chunks in order and B in reverse (each
-    starts after the chunk before ended it); F before its B; a received input arrived after its producer ended
-    and before its op started; no two ops at once on a rank; at most the schedule's bound in flight."""
-    n, errors = p * v, []
+def holder(c, p, schedule):
+    """The pp rank that must hold chunk c: a loop for interleaved, a V for zbv (0 .. p-1, then p-1 .. 0)."""
+    return c % p if schedule == "interleaved" else (c if c < p else 2 * p - 1 - c)
+
+
+def rule_errors(events, p, v, m, schedule="interleaved"):
+    """Each pipeline (step, dp, tp) of the measured events against the rules: one F and one B (and zbv: one
+    W) per (chunk, micro-batch), chunk c on its pp rank; a micro-batch's F runs its chunks in order and B in
+    reverse (each starts after the chunk before ended it); F before its B, W after its B; an input received
+    from another rank arrived after its producer ended and before its op started (one from the same rank
+    is no message); no two ops at once on a rank; at most the schedule's bound in flight; every W of a step
+    ends before the next step starts anywhere (the optimizer steps in between)."""
+    n, kinds, errors = p * v, "FB" if schedule == "interleaved" else "FBW", []
     pipes = collections.defaultdict(dict)
     for e in events:
         pipes[e["step"], e["dp"], e["tp"]][e["kind"], e["chunk"], e["mb"]] = e
     for key, ev in pipes.items():
-        if len(ev) != 2 * n * m or set(ev) != {(k, c, j) for k in "FB" for c in range(n) for j in range(m)}:
-            errors.append(f"{key}: not one F and one B per chunk and micro-batch")
+        if len(ev) != len(kinds) * n * m or set(ev) != {(k, c, j) for k in kinds for c in range(n) for j in range(m)}:
+            errors.append(f"{key}: not one {'/'.join(kinds)} per chunk and micro-batch")
             continue
         for (kind, c, k), e in ev.items():
-            if e["pp"] != c % p:
+            if e["pp"] != holder(c, p, schedule):
                 errors.append(f"{key}: chunk {c} ran on pp rank {e['pp']}")
             src = ("F", c - 1, k) if kind == "F" and c > 0 else ("B", c + 1, k) if kind == "B" and c < n - 1 else None
             if src and e["start"] < ev[src]["end"]:
                 errors.append(f"{key}: {kind}{k} of chunk {c} starts before chunk {src[1]} ends it")
-            if src and not (e["recv"] is not None and ev[src]["end"] <= e["recv"] <= e["start"]):
+            if src and ev[src]["pp"] != e["pp"] and not (e["recv"] is not None and
+                                                         ev[src]["end"] <= e["recv"] <= e["start"]):
                 errors.append(f"{key}: {kind}{k} of chunk {c}: input not received between its producer and its use")
             if kind == "B" and e["start"] < ev["F", c, k]["end"]:
                 errors.append(f"{key}: B{k} of chunk {c} starts before its F ends")
+            if kind == "W" and e["start"] < ev["B", c, k]["end"]:
+                errors.append(f"{key}: W{k} of chunk {c} starts before its B ends")
         for r in range(p):
             mine = sorted((e for e in ev.values() if e["pp"] == r), key=lambda e: e["start"])
             errors += [f"{key} rank {r}: {b['kind']}{b['mb']} overlaps" for a, b in zip(mine, mine[1:])
                        if b["start"] < a["end"]]
-            if inflight(mine) > ptdp.inflight_bound(p, v, m, r):
-                errors.append(f"{key} rank {r}: {inflight(mine)} in flight > {ptdp.inflight_bound(p, v, m, r)}")
+            bound = ptdp.inflight_bound(p, v, m, r, schedule)
+            if inflight(mine) > bound:
+                errors.append(f"{key} rank {r}: {inflight(mine)} in flight > {bound}")
+    steps = sorted({e["step"] for e in events})
+    for s, nxt in zip(steps, steps[1:]):
+        last_w = max(e["end"] for e in events if e["step"] == s and e["kind"] == kinds[-1])
+        if last_w > min(e["start"] for e in events if e["step"] == nxt):
+            errors.append(f"step {s}: a {kinds[-1]} ends after step {nxt} started")
     return errors
 
 
 def inflight(events):
-    """Most (chunk, micro-batch) pairs between F's start and B's end at once, swept over the events."""
+    """Most (chunk, micro-batch) pairs between F's start and the end of their last op (B; W when there are W's)
+    at once, swept over the events."""
+    last = "W" if any(e["kind"] == "W" for e in events) else "B"
     marks = sorted([(e["start"], 1) for e in events if e["kind"] == "F"] + [(e["end"], -1) for e in events
-                                                                            if e["kind"] == "B"])
+                                                                            if e["kind"] == last])
     now = peak = 0
     for _, step in marks:
         now += step
@@ -101,11 +132,13 @@ def executed(events, step, r, dp=0, tp=0):
 
 
 # ----------------------------------------------------------------------------- schedule level (no processes)
-def simulate_plan(p, v, m, plan_of, f_slots=1, b_slots=2):
+def simulate_plan(p, v, m, plan_of, slots=None, local=None):
     """Run every rank's plan under NCCL's strictest semantics: a batch completes only once every send and
     receive in it meets its partner in a batch the peer has posted; each directed pair is one FIFO channel
-    (messages must be received in the order sent). Ops take f_slots / b_slots. Returns (idle slots per rank,
-    forward messages sent per rank) or raises on a deadlock or a mismatched message."""
+    (messages must be received in the order sent). Ops take their slots (F 1, B 2, W 1). An input made on
+    the same rank (`local(msg)`, the turn of the V) must have been made earlier by that rank. Returns (idle
+    slots per rank, forward messages sent per rank) or raises on a deadlock or a mismatched message."""
+    slots, local = slots or {"F": 1, "B": 2, "W": 1}, local or (lambda msg: False)
     plans = [plan_of(p, v, m, r) for r in range(p)]
     sends, recvs = collections.defaultdict(list), collections.defaultdict(list)
     for r, plan in enumerate(plans):
@@ -121,7 +154,7 @@ def simulate_plan(p, v, m, plan_of, f_slots=1, b_slots=2):
             raise AssertionError(f"channel {a}->{b}: sent {out} but received {recvs[a, b]}")
         for (msg, i), (_, j) in zip(out, recvs[a, b]):
             partner[a, i, msg], partner[b, j, msg] = (b, j), (a, i)
-    posted, pos, busy, done = [{0: 0} for _ in range(p)], [0] * p, [0] * p, set()
+    posted, pos, busy, done, ran = [{0: 0} for _ in range(p)], [0] * p, [0] * p, set(), set()
     while True:
         moved = False
         for r in range(p):
@@ -138,9 +171,13 @@ def simulate_plan(p, v, m, plan_of, f_slots=1, b_slots=2):
             else:
                 op = what[0]
                 need = ptdp.needs(op, p * v)
-                assert need is None or need in done, f"rank {r}: {op} runs before its input arrived"
-                t += f_slots if op[0] == "F" else b_slots
-                busy[r] += f_slots if op[0] == "F" else b_slots
+                if need is not None and local(need):
+                    assert (r, ptdp.producer(need)) in ran, f"rank {r}: {op} runs before its own producer"
+                else:
+                    assert need is None or need in done, f"rank {r}: {op} runs before its input arrived"
+                t += slots[op[0]]
+                busy[r] += slots[op[0]]
+                ran.add((r, op))
             posted[r][pos[r] + 1], pos[r], moved = t, pos[r] + 1, True
         if not moved:
             break
@@ -149,6 +186,14 @@ def simulate_plan(p, v, m, plan_of, f_slots=1, b_slots=2):
     end = max(posted[r][len(plans[r])] for r in range(p))
     fwd = [sum(1 for k, *w in plans[r] if k == "p2p" for _, msg in w[0] if msg[0] == "F") for r in range(p)]
     return [end - b for b in busy], fwd
+
+
+def zbv_plan(p, v, m, r):
+    return ptdp.comm_plan(p, v, m, r, "zbv")
+
+
+def zbv_local(p):  # the V's turn: chunk p-1 -> p forward, p -> p-1 backward, both on rank p-1
+    return lambda msg: msg[:2] in (("F", p), ("B", p - 1))
 
 
 def pipedream_style_plan(p, v, m, r):
@@ -186,6 +231,29 @@ def test_schedule_counts_equal_theory(p, v, m):
         assert peak == ptdp.inflight_bound(p, v, m, r)
 
 
+@pytest.mark.parametrize("p, m", [(2, 3), (2, 4), (3, 5), (4, 8), (4, 12)])
+def test_zbv_schedule_counts_equal_theory(p, m):
+    """F, B, W one slot each: every rank idles p-1 slots of its 6m (the V fills and drains: (p-1)/(6m),
+    the paper's "about 0"), holds at most 2p chunks of micro-batches (p of a whole stage, as 1F1B) and sends
+    m(2 - [r = 0] - [r = p-1]) messages each way: 2(p-1)m per pipeline, twice 1F1B's (p-1)m."""
+    at = ptdp.ideal_timeline(p, 2, m, "zbv")
+    end = max(e for _, _, e in at.values())
+    assert [end - sum(e - s for q, s, e in at.values() if q == r) for r in range(p)] == [p - 1] * p
+    idle_sim, fwd = simulate_plan(p, 2, m, zbv_plan, {"F": 1, "B": 1, "W": 1}, zbv_local(p))
+    assert idle_sim == [p - 1] * p  # messages never delay an op
+    assert fwd == [m * (2 - (r == 0) - (r == p - 1)) for r in range(p)] and sum(fwd) == 2 * (p - 1) * m
+    for r in range(p):
+        ops = ptdp.zbv_schedule(p, m, r)
+        assert sorted(ops) == sorted((k, c, j) for k in "FBW" for c in (r, 2 * p - 1 - r) for j in range(m))
+        assert all(ops.index(("W", c, j)) > ops.index(("B", c, j)) > ops.index(("F", c, j))
+                   for _, c, j in ops)
+        alive = peak = 0
+        for kind, _, _ in ops:
+            alive += {"F": 1, "B": 0, "W": -1}[kind]
+            peak = max(peak, alive)
+        assert peak == 2 * p == ptdp.inflight_bound(p, 2, m, r, "zbv")
+
+
 @pytest.mark.parametrize("p, v, m", [(p, v, m) for p in (2, 3, 4) for v in (1, 2, 3) for m in (p, 2 * p, 3 * p)]
                          + [(4, 1, 3), (3, 1, 7), (8, 2, 16)])
 def test_comm_plan_never_deadlocks(p, v, m):
@@ -193,11 +261,20 @@ def test_comm_plan_never_deadlocks(p, v, m):
     assert sum(fwd) == (v * p - 1) * m and all(i >= 0 for i in idle)
 
 
+@pytest.mark.parametrize("p, m", [(p, m) for p in (2, 3, 4) for m in (2 * p - 1, 2 * p, 3 * p + 1)] + [(8, 16)])
+def test_zbv_comm_plan_never_deadlocks(p, m):
+    idle, fwd = simulate_plan(p, 2, m, zbv_plan, {"F": 1, "B": 1, "W": 1}, zbv_local(p))
+    assert sum(fwd) == 2 * (p - 1) * m and all(i >= 0 for i in idle)
+
+
 def test_simulator_catches_a_deadlock():
-    """The negative: the naive pairing (fine for plain 1F1B) deadlocks the interleaved schedule."""
+    """The negatives: the naive pairing (fine for plain 1F1B) deadlocks the interleaved schedule; a V whose
+    turn is sent as a message instead of handed on within the rank is caught as a mismatched message."""
     simulate_plan(4, 1, 8, pipedream_style_plan)
     with pytest.raises(AssertionError, match="deadlock"):
         simulate_plan(2, 2, 4, pipedream_style_plan)
+    with pytest.raises(AssertionError, match="before its input arrived"):
+        simulate_plan(2, 2, 4, zbv_plan, {"F": 1, "B": 1, "W": 1})  # no local hand-on: the turn never arrives
 
 
 def torch_order(p, v, m, r):
@@ -209,6 +286,15 @@ def torch_order(p, v, m, r):
     return [("F" if a.computation_type.value == "F" else "B", a.stage_index, a.microbatch_index) for a in acts if a]
 
 
+def torch_zbv_order(p, m, r):
+    """torch's ScheduleZBVZeroBubble order for rank r (F, I = B, W), from its own per-rank planner."""
+    from torch.distributed.pipelining.schedules import ScheduleZBVZeroBubble
+    me = SimpleNamespace(pp_group_size=p, _n_microbatches=m, num_stages=2 * p)
+    kind = {"FORWARD": "F", "BACKWARD_INPUT": "B", "BACKWARD_WEIGHT": "W"}
+    return [(kind[a.computation_type.name], a.stage_index, a.microbatch_index)
+            for a in ScheduleZBVZeroBubble._calculate_single_rank_operations(me, r) if a]
+
+
 @pytest.mark.parametrize("p, v, m", [(2, 2, 4), (4, 2, 8), (4, 3, 8), (2, 2, 6), (3, 2, 9)])
 def test_matches_torch_interleaved_1f1b(p, v, m, monkeypatch):
     for r in range(p):
@@ -217,41 +303,141 @@ def test_matches_torch_interleaved_1f1b(p, v, m, monkeypatch):
     assert any(ptdp.schedule(p, v, m, r) != torch_order(p, v, m, r) for r in range(p))
 
 
+@pytest.mark.parametrize("p, m", [(2, 3), (2, 4), (3, 5), (3, 9), (4, 7), (4, 8), (5, 12)])
+def test_zbv_matches_torch(p, m):
+    for r in range(p):
+        assert ptdp.zbv_schedule(p, m, r) == torch_zbv_order(p, m, r)
+    # the negative: a valid order with each W right after its B (no W deferred) is not torch's
+    eager = [[op for b in ptdp.zbv_schedule(p, m, r) if b[0] != "W" for op in [b] + ([("W", *b[1:])] if
+              b[0] == "B" else [])] for r in range(p)]
+    assert any(eager[r] != torch_zbv_order(p, m, r) for r in range(p))
+
+
+# ----------------------------------------------------------------------------- the B/W split, in one process
+def test_bw_split_gives_one_backwards_gradients_bit_for_bit():
+    """A chunk of split linears (3-d inputs, a bias, a LayerNorm between), two micro-batches run as
+    PipelineRank runs them (F0 F1, B0 B1 each draining the one stash, W0 W1): the gradients of one plain
+    backward per micro-batch, bit for bit in float64; B alone leaves the split weights without a gradient and
+    the rest complete. Negatives: a W never run, or run on the wrong micro-batch (micro-batch 0's twice)."""
+    torch.manual_seed(0)
+    ln = nn.LayerNorm(6, dtype=torch.float64)
+    w1, b1, w2 = (nn.Parameter(torch.randn(*s, dtype=torch.float64)) for s in [(9, 6), (9,), (6, 9)])
+    params, xs = [ln.weight, ln.bias, w1, b1, w2], [torch.randn(2, 5, 6, dtype=torch.float64) for _ in range(2)]
+
+    def loss_of(x, stash):
+        return (ptdp.linear(torch.tanh(ptdp.linear(ln(x), w1, b1, stash)), w2, stash=stash) ** 2).sum()
+
+    for q in params:
+        q.grad = None
+    for x in xs:
+        loss_of(x, None).backward()  # plain autograd: F.linear, one backward
+    want = [q.grad.clone() for q in params]
+
+    def split(ws, check_b=False):  # F, F, B, B, then W for the micro-batches in `ws`
+        stash, kept = [], []
+        for q in params:
+            q.grad = None
+        for loss in [loss_of(x, stash) for x in xs]:
+            torch.autograd.backward(loss)
+            kept.append(list(stash))
+            stash.clear()
+        if check_b:
+            assert w1.grad is None and w2.grad is None  # B computed no weight gradient ...
+            assert torch.equal(b1.grad, want[3]) and torch.equal(ln.weight.grad, want[0])  # ... and all the rest
+        for i in ws:
+            ptdp.weight_grads(kept[i])
+        return [q.grad for q in params]
+
+    assert all(torch.equal(a, b) for a, b in zip(split([0, 1], check_b=True), want)), "B then W != one backward"
+    assert not torch.allclose(split([0])[4], want[4])  # a W never run
+    assert not torch.allclose(split([0, 0])[4], want[4])  # W on the wrong micro-batch
+
+
+def test_norm_of_bf16_gradients_sums_in_float32():
+    """Issue 21: the clipping norm of a bf16 model is summed in float32 (the norm's dtype=), not in bf16."""
+    torch.manual_seed(0)
+    params = [nn.Parameter(torch.zeros(4096, dtype=torch.bfloat16)) for _ in range(3)]
+    for q in params:
+        q.grad = (torch.rand(4096) + 0.5).to(torch.bfloat16)
+    exact = sum((q.grad.double() ** 2).sum() for q in params)
+    got = ptdp.squared_norm_piece(params, tp_rank=0)
+    assert got.dtype == torch.float64 and abs(got / exact - 1) < 1e-5
+    in_bf16 = sum(q.grad.pow(2).sum() for q in params)  # the negative: what a bf16 sum gives
+    assert abs(in_bf16.double() / exact - 1) > 1e-3
+
+
+@pytest.mark.parametrize("flags, words", [
+    (["--schedule", "zbv", "--virtual-stages", "2", "--microbatches", "2"],
+     ["--microbatches 2 is too few for --schedule zbv at --pp 2", "use --microbatches 3"]),
+    (["--schedule", "zbv", "--n-layers", "4"], ["--schedule zbv places two chunks per rank", "--virtual-stages 2"]),
+])
+def test_zbv_bad_input_is_one_line_and_exit_2(flags, words, monkeypatch, capsys):
+    """Checked in this process: check_args() runs before any collective (the launches of
+    test_bad_input_exits_2_on_every_rank show it on every rank)."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setattr(sys, "argv", ["ptdp.py", *TINY, *flags])
+    with pytest.raises(SystemExit) as exit_:
+        ptdp.check_args(ptdp.parse_args(ptdp.Args, sys.argv[1:]))
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert exit_.value.code == 2 and len(lines) == 1 and all(w in lines[0] for w in words), lines
+
+
 # ----------------------------------------------------------------------------- parity and the measured schedule
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_matches_reference_and_obeys_schedule(launch, name):
-    summary, out, trace = launch(name)
+    summary, out, trace, _ = launch(name)
     assert_matches_reference(summary)
     f, cfg = summary["figures"], summary["config"]
-    p, v, m, steps = f["pp"], f["virtual_stages"], f["microbatches"], cfg["steps"]
+    p, v, m, steps, schedule = f["pp"], f["virtual_stages"], f["microbatches"], cfg["steps"], f["schedule"]
     assert summary["world_size"] == p * f["tp"] * f["dp"] == LAYOUTS[name][0]
+    assert schedule == ("zbv" if "zbv" in name else "interleaved")
     events = f["events"]
-    assert rule_errors(events, p, v, m) == []
+    assert rule_errors(events, p, v, m, schedule) == []
     for s in range(steps):
         for r in range(p):
             for dp in range(f["dp"]):
                 for tp in range(f["tp"]):
-                    assert executed(events, s, r, dp, tp) == ptdp.schedule(p, v, m, r)
+                    want = ptdp.schedule(p, v, m, r) if schedule == "interleaved" else torch_zbv_order(p, m, r)
+                    assert executed(events, s, r, dp, tp) == want
     assert f["inflight"] == f["inflight_theory"] == [inflight([e for e in events if e["step"] == 0 and e["pp"] == r
                                                                and e["dp"] == 0 and e["tp"] == 0]) for r in range(p)]
-    # messages counted at the send = theory, on every rank of every pipeline
+    # messages handed to the sends of the counted step = theory, on every rank of every pipeline, by tag
     assert f["fwd_msgs_per_rank"] == f["fwd_msgs_theory"] and f["bwd_msgs_per_rank"] == f["bwd_msgs_theory"]
-    assert f["fwd_msgs_per_pipeline"] == (v * p - 1) * m
+    assert f["fwd_msgs_per_pipeline"] == ((v * p - 1) * m if schedule == "interleaved" else 2 * (p - 1) * m)
     assert f["tp_calls_per_batch"] == f["tp_calls_theory"] and f["dp_calls_per_batch"] == f["dp_calls_theory"]
     b_bytes = cfg["batch_size"] // (f["dp"] * m) * cfg["seq_len"] * cfg["d_model"] * 8
+    per_layer = 4 * m * (cfg["n_layers"] // p) if f["tp"] > 1 else 0  # f, g: 2 + 2 per layer and micro-batch
     for key, row in f["counts_per_rank"].items():
         r = int(key[2])
-        assert row[0] == steps * m * (v - (r == p - 1)) and row[1] == steps * m * (v - (r == 0)), key
-        assert row[2] == (row[0] + row[1]) * b_bytes
-        assert row[5] == (steps * 4 * m * (cfg["n_layers"] // p) if f["tp"] > 1 else 0)  # f, g: 2 + 2 per layer
-        assert row[7] == (steps if f["dp"] > 1 else 0)  # one DP all-reduce per batch, after the flush
+        msgs = (m * (v - (r == p - 1)), m * (v - (r == 0))) if schedule == "interleaved" else \
+            (m * (2 - (r == 0) - (r == p - 1)),) * 2
+        assert (row["fwd_msgs"], row["bwd_msgs"]) == msgs, key
+        assert row["p2p_bytes"] == (row["fwd_msgs"] + row["bwd_msgs"]) * b_bytes
+        assert row["tp_calls"] == per_layer and row["tp_fwd"] == row["tp_bwd"] == per_layer // 2
+        assert row["dp_calls"] == (1 if f["dp"] > 1 else 0)  # one DP all-reduce per batch, after the flush
+    assert f["microbatches_alive_theory"] == [x / v for x in f["inflight_theory"]]
     xs = [e for e in trace["traceEvents"] if e["ph"] == "X"]
-    assert len(xs) == len(events) == 2 * v * m * steps * summary["world_size"] and f"wrote {len(xs)} events" in out
+    ops = (2 if schedule == "interleaved" else 3) * v * m
+    assert len(xs) == len(events) == ops * steps * summary["world_size"] and f"wrote {len(xs)} events" in out
     assert "timeline of the last step, measured" in out and f"rank {p - 1} |" in out
 
 
+def test_copy_out_pipeline_and_tp_match_one_process(launch):
+    """The pieces as a reader copies them (f and g around a split MLP, the B/W-split linear, comm_plan and
+    PipelineRank) on a model that is not the GPT (tests/ptdp_checks.py: nested modules, a parameter on the
+    root module, hidden width 10, squared error), pp 2 x tp 2, both schedules: every gradient of the first step
+    and every final parameter equal plain one-process SGD's within 1e-12; with f's all-reduce dropped, or W
+    never run, the same comparison fails."""
+    got = launch("pp2 tp2 v2")[3]
+    for order in ("interleaved", "zbv"):
+        assert got[order]["max_grad_or_param_diff"] < 1e-12 and got[order]["max_loss_diff"] < 1e-12, got[order]
+        assert got[order]["losses"] == pytest.approx(got["reference_losses"], rel=1e-12)
+    assert got["interleaved, f without its all-reduce"]["max_grad_or_param_diff"] > 1e-3
+    assert got["zbv, W never run"]["max_grad_or_param_diff"] > 1e-3
+
+
 def test_clipping_clips_and_equals_reference(launch):
-    summary, _, _ = launch("pp2 tp2 dp2 v2 ragged clip")
+    summary = launch("pp2 tp2 dp2 v2 ragged clip")[0]
     norms = summary["figures"]["grad_norms"]
     ref = reference_train(Namespace(**summary["config"]))
     assert norms == pytest.approx(ref["grad_norms"], rel=1e-9) and min(norms) > 0.05  # every step clipped
@@ -277,29 +463,54 @@ def test_rule_checks_catch_broken_schedules(launch):
     events = launch("pp2 v2")[0]["figures"]["events"]
     assert rule_errors(events, 2, 2, 4) == []
     first = [e for e in events if e["step"] == 0]
-    pick = lambda kind, c, k: next(e for e in first if (e["kind"], e["chunk"], e["mb"]) == (kind, c, k))  # noqa: E731
-    early = [dict(e, start=e["start"] - 1e4, end=e["end"] - 1e4) if e is pick("F", 1, 0) else e for e in first]
+    pick = lambda evs, kind, c, k: next(e for e in evs if (e["kind"], e["chunk"], e["mb"]) == (kind, c, k))  # noqa
+    early = [dict(e, start=e["start"] - 1e4, end=e["end"] - 1e4) if e is pick(first, "F", 1, 0) else e for e in first]
     assert any("starts before chunk 0 ends it" in x for x in rule_errors(early, 2, 2, 4))
-    late_recv = [dict(e, recv=e["start"] + 1) if e is pick("B", 2, 1) else e for e in first]
+    late_recv = [dict(e, recv=e["start"] + 1) if e is pick(first, "B", 2, 1) else e for e in first]
     assert any("input not received" in x for x in rule_errors(late_recv, 2, 2, 4))
     assert rule_errors(first[1:], 2, 2, 4) and rule_errors(first, 2, 1, 4)
+    # zbv: a W before its B, a W that never ran, a W after the next step began
+    zbv = [e for e in launch("pp2 tp2 dp2 zbv ragged")[0]["figures"]["events"] if e["dp"] == 0 and e["tp"] == 0]
+    assert rule_errors(zbv, 2, 2, 4, "zbv") == []
+    one = [e for e in zbv if e["step"] == 0]
+    w = pick(one, "W", 3, 2)
+    before = [dict(e, start=pick(one, "B", 3, 2)["start"] - 1e-3) if e is w else e for e in one]
+    assert any("W2 of chunk 3 starts before its B ends" in x for x in rule_errors(before, 2, 2, 4, "zbv"))
+    assert rule_errors([e for e in one if e is not w], 2, 2, 4, "zbv")
+    step1 = min(e["start"] for e in zbv if e["step"] == 1)
+    late = [dict(e, end=step1 + 1) if e is w else e for e in zbv]
+    assert any("ends after step 1 started" in x for x in rule_errors(late, 2, 2, 4, "zbv"))
 
 
 # ----------------------------------------------------------------------------- --stage-ms: the bubble forms
-STAGE_MS = {f"stage-ms v{v}": (4, [*P4, "--virtual-stages", str(v), "--stage-ms", "50"]) for v in (1, 2)}
+def step_bubbles(events, p):
+    """Per step, the mean over the pp ranks of idle / busy in the step's span (pipeline dp 0, tp 0)."""
+    out = []
+    for step in sorted({e["step"] for e in events}):
+        mine = [e for e in events if e["step"] == step and e["dp"] == 0 and e["tp"] == 0]
+        span = max(e["end"] for e in mine) - min(e["start"] for e in mine)
+        busy = [sum(e["end"] - e["start"] for e in mine if e["pp"] == r) for r in range(p)]
+        out.append(sum((span - b) / b for b in busy) / p)
+    return out
 
 
-def test_stage_ms_interleaving_shrinks_the_bubble(launch):
-    """p = 4, m = 8, the same simulated work per micro-batch and rank (F 50 ms, B 100 ms, split over the v
-    chunks): the measured bubble of v = 2 is below v = 1's (theory 0.1875 vs 0.375); parity unchanged."""
-    one, two = (launch(f"stage-ms v{v}") for v in (1, 2))
-    for summary, out, _ in (one, two):
+def test_stage_ms_bubbles_shrink_as_the_theory_says(launch):
+    """p = 4, m = 8, the same simulated work per micro-batch and rank (interleaved: F 50 ms, B 100 ms, split
+    over the v chunks; zbv: F, B, W 25 ms each per chunk): the measured bubble shrinks from v = 1 to v = 2 to
+    zbv (theory 0.375, 0.1875, 0.0625); parity unchanged; zbv's micro-batches alive, counted from the saved
+    activations, at most p = 4 of a whole stage. The bubbles compared are each run's best of its 3 steps,
+    from the measured events: on a few shared cores a stalled process only ever adds idle time."""
+    one, two, zbv = (launch(f"stage-ms {s}") for s in ("v1", "v2", "zbv"))
+    for summary, out, _, _ in (one, two, zbv):
+        f = summary["figures"]
         assert_matches_reference(summary)
-        assert rule_errors(summary["figures"]["events"], 4, summary["figures"]["virtual_stages"], 8) == []
-        assert "compute time simulated" in out and summary["figures"]["stage_ms"] == 50
-    b1, b2 = one[0]["figures"], two[0]["figures"]
-    assert b1["bubble_theory"] == 3 / 8 and b2["bubble_theory"] == 3 / 16
-    assert 0 < b2["bubble_mean"] < b1["bubble_mean"], (b1["bubble_mean"], b2["bubble_mean"])
+        assert rule_errors(f["events"], 4, f["virtual_stages"], 8, f["schedule"]) == []
+        assert "compute simulated" in out and f["stage_ms"] == 50 and f["bubble_mean"] > 0
+    b1, b2, bz = one[0]["figures"], two[0]["figures"], zbv[0]["figures"]
+    assert b1["bubble_theory"] == 3 / 8 and b2["bubble_theory"] == 3 / 16 and bz["bubble_theory"] == 3 / 48
+    best = [min(step_bubbles(b["events"], 4)) for b in (b1, b2, bz)]
+    assert 0 < best[2] < best[1] < best[0], best
+    assert bz["microbatches_alive_theory"] == [4.0] * 4 and max(bz["microbatches_alive"]) <= 4.2
 
 
 # ----------------------------------------------------------------------------- checkpoints, bad input
@@ -328,4 +539,5 @@ def test_world_of_one_and_help():
     p = run_python("ptdp.py", *TINY)
     assert p.returncode == 2 and "world size 1 != pp 2" in p.stderr and "--nproc_per_node=2" in p.stderr, p.stderr
     assert "Traceback" not in p.stderr and len(p.stderr.strip().splitlines()) == 1
-    assert "simulate compute time" in run_python("ptdp.py", "--help").stdout
+    help_text = run_python("ptdp.py", "--help").stdout
+    assert "simulate compute time" in help_text and "zbv" in help_text

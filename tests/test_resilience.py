@@ -59,6 +59,8 @@ MATRIX = [
     ("context_parallel.py", 4, [*T, "--cp", "3"], ["world size 4 != dp 1 x cp 3"]),
     ("context_parallel.py", 4, [*T, "--cp", "2", "--batch-size", "7"], ["not divisible by --dp 2"]),
     ("context_parallel.py", 1, [*T, "--dropout", "0.1"], ["--dropout 0.1", "use --dropout 0"]),
+    ("ptdp.py", 2, [*T, "--pp", "2", "--virtual-stages", "2", "--schedule", "zbv", "--microbatches", "2"],
+     ["too few for --schedule zbv"]),
 ]
 # checkpoint directories (made in the test): another file's, another model size, damaged, another world
 CKPT_CASES = [
