@@ -6,9 +6,12 @@ every backward's gradient lands on that stashed version and never on the live we
 weights fails this and --check); it keeps at most p - s versions and equals its one-process simulation; --mode
 2bw equals the delayed-update reference with two versions, at m = p too, and with the m >= p guard lifted its
 invariant stops the run; both differ from synchronous training; killed and restarted from checkpoints (a drain
-at each save), stash and 2bw end with the uninterrupted run's losses and final parameters, bit for bit; no object
+at each save), flush, stash and 2bw end with the uninterrupted run's losses and final parameters, bit for bit.
+The runner, copied onto a model that is not the GPT, equals plain one-process training. Every received tag holds
+what the schedule says (watched launches); the messages pair under NCCL's rules (simulated); no object
 collectives; bad input exits 2 with one line, before any collective.
-Launches: 12 torchrun (three break the file on purpose, three restart once), 7 plain python."""
+Launches: 14 torchrun (three break the file on purpose, one runs its core outside it, four restart once; seven run
+under the watcher of tests/pipeline_checks.py, which only observes), 7 plain python."""
 import json
 import re
 import subprocess
@@ -17,39 +20,49 @@ from argparse import Namespace
 from pathlib import Path
 
 import pytest
+import torch
 
 from helpers import ENV, ROOT, TINY, assert_matches_reference, pipeline_schedule_errors, run_python, torchrun
 
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))
 import pipedream  # noqa: E402  (importing must not run main())
+import pipedream_sim  # noqa: E402
+import pipeline_checks  # noqa: E402
 from common import reference_train  # noqa: E402
 
 STEPS = 4  # TINY's --steps
-STAGE_MS = ("--stage-ms", "50")  # simulated compute, on the (4, 8) flush launch only: see test_gpipe.py
+STAGE_MS = ("--stage-ms", "50")  # simulated compute, on the (4, 8) launches only: see test_gpipe.py
 CFG = [*TINY, "--n-layers", "4", "--batch-size", "16"]  # 4 blocks to split; 16 sequences = 4 or 8 micro-batches
 MB_BYTES = 16 * 8 * 16 * 8  # a whole batch's (B, T, D) float64 activations: what crosses a boundary per step
+WATCH = "watch"  # run through tests/pipeline_checks.py watch: where gradients land, tags against the schedule
 
 
 @pytest.fixture(scope="module")
 def launch(tmp_path_factory):
     """torchrun pipedream.py once per configuration (with --check, --trace, and --ckpt-dir, which saves only at the
-    end: the uninterrupted run's final parameters); tests share the runs."""
+    end: the uninterrupted run's final parameters); tests share the runs. A leading WATCH runs it watched."""
     runs = {}
 
-    def get(p, m, *extra):
-        if (p, m, *extra) not in runs:
+    def get(*key):
+        if key not in runs:
+            watched = key[0] == WATCH
+            p, m, *extra = key[1:] if watched else key
             tmp = tmp_path_factory.mktemp("pipedream")
-            summary, out = torchrun("pipedream.py", p, *CFG, "--microbatches", m, "--check", *extra,
+            script = ["tests/pipeline_checks.py", WATCH] if watched else ["pipedream.py"]
+            summary, out = torchrun(script[0], p, *script[1:], *CFG, "--microbatches", m, "--check", *extra,
                                     "--trace", tmp / "trace.json", "--ckpt-dir", tmp / "ck", tmp_path=tmp, name="run")
-            runs[p, m, *extra] = summary, out, json.loads((tmp / "trace.json").read_text())
-        return runs[p, m, *extra]
+            if watched:  # the watcher ran on every stage and found every tag as the schedule says
+                assert all(re.search(rf"watch: stage {r} checked [1-9]\d* tags", out) for r in range(p)), out[-3000:]
+            runs[key] = summary, out, json.loads((tmp / "trace.json").read_text())
+        return runs[key]
     return get
 
 
-FLUSH_CLIP0 = (3, 4, "--clip", "0")  # the uneven split; also synchronous training for the stash comparisons
-STASH = (3, 4, "--mode", "stash", "--clip", "0")
-VSYNC = (3, 4, "--mode", "stash", "--clip", "0", "--vertical-sync")
-TWO_BW = (3, 4, "--mode", "2bw", "--clip", "0.5")  # 0.5: every update is clipped, so the norm's trip is tested
+FLUSH_CLIP0 = (WATCH, 3, 4, "--clip", "0")  # the uneven split; also synchronous training for the stash comparisons
+STASH = (WATCH, 3, 4, "--mode", "stash", "--clip", "0")
+VSYNC = (WATCH, 3, 4, "--mode", "stash", "--clip", "0", "--vertical-sync")
+TWO_BW = (WATCH, 3, 4, "--mode", "2bw", "--clip", "0.5")  # 0.5: every update is clipped, so the norm's trip is tested
 
 
 # ----------------------------------------------------------------------------- the rules, from measured events
@@ -106,10 +119,34 @@ def test_split_and_schedule_rules():
     assert ("F", 5) in chunks[0]  # without a flush, step 0's chunk on stage 0 already runs forwards of step 1
 
 
+def test_tag_check_catches_a_wrong_tag():
+    """The watcher's check of the tags (tests/pipeline_checks.py), shown to fail: a tag whose version is not the
+    sender's, or whose 2bw norm is not the one stage 0 knew, is reported; the right ones are not."""
+    expect = pipeline_checks.expected_tag("stash", False, 4, 4, 2, "F", 9, -1)  # from stage 1: lag 2 -> 7
+    assert expect == {0: 9, 1: 7}
+    assert pipeline_checks.tag_errors([(expect, torch.tensor([9.0, 7, 0, 0], dtype=torch.float64))]) == []
+    assert pipeline_checks.tag_errors([(expect, torch.tensor([9.0, 8, 0, 0], dtype=torch.float64))])
+    assert pipeline_checks.expected_tag("stash", True, 4, 4, 2, "B", 9, -1) == {0: 9, 1: 6}  # vertical sync
+    two = pipeline_checks.expected_tag("2bw", False, 3, 4, 1, "F", 10, -1)  # stage 0 had batch 0's norm
+    assert two == {0: 10, 1: 1, 2: 1} and pipeline_checks.tag_errors([(two, torch.tensor([10.0, 1, 0, 5.0]))])
+
+
+def test_messages_pair_under_nccl_rules():
+    """tests/pipedream_sim.py: every mode, p = 2..6, m = 1..8, with checkpoint drains: no deadlock, every send
+    paired with its receive; and the simulator does find the deadlock of two blocking sends facing each other."""
+    bad = [(c, r) for c in pipedream_sim.configs()
+           if (r := pipedream_sim.simulate([pipedream_sim.items_for(*c, s) for s in range(c[1])])) != "ok"]
+    assert bad == [] and len(list(pipedream_sim.configs())) > 300
+    facing = [[("batch", [("S", 1, "x")]), ("batch", [("R", 1, "y")])],
+              [("batch", [("S", 0, "y")]), ("batch", [("R", 0, "x")])]]
+    assert pipedream_sim.simulate(facing).startswith("DEADLOCK")
+
+
 # ----------------------------------------------------------------------------- flush: synchronous 1F1B
-@pytest.mark.parametrize("p, m, extra", [(2, 4, ()), (4, 8, STAGE_MS), (3, 4, ("--clip", "0"))])
-def test_flush_matches_reference_and_obeys_1f1b(launch, p, m, extra):
-    summary, out, _ = launch(p, m, *extra)
+@pytest.mark.parametrize("key", [(2, 4), (4, 8, *STAGE_MS), FLUSH_CLIP0], ids=["2-4", "4-8", "3-4"])
+def test_flush_matches_reference_and_obeys_1f1b(launch, key):
+    summary, out, _ = launch(*key)
+    p, m = [x for x in key if x != WATCH][:2]
     assert_matches_reference(summary)
     f = summary["figures"]
     assert f["split"] == [list(b) for b in pipedream.split_layers(4, p)]
@@ -169,6 +206,32 @@ def test_chrome_trace(launch):
     assert {e["args"]["name"] for e in trace["traceEvents"] if e["ph"] == "M"} == {"stage 0", "stage 1"}
 
 
+def test_copy_out_runner_on_a_model_that_is_not_the_gpt(tmp_path):
+    """StageRunner + Flush under 1F1B, copied onto three toy stages (nested modules, parameters on root modules,
+    widths 5 -> 7 -> 11 -> 3, 2-D and 3-D inputs to Linears, a smooth-L1 loss; tests/pipeline_checks.py
+    copy-out) on plain torch.distributed, equal plain one-process training written here: the whole model, one
+    backward per step, torch's clip_grad_norm_, AdamW."""
+    torchrun("tests/pipeline_checks.py", 3, "copy-out", tmp_path, tmp_path=tmp_path, name="copy-out")
+    toy = pipeline_checks.TOY
+    model = torch.nn.Sequential(*pipeline_checks.toy_stages())
+    opt = torch.optim.AdamW(model.parameters(), lr=toy["lr"], weight_decay=0.1, foreach=False)
+    losses = []
+    for x, y in pipeline_checks.toy_data():
+        loss = torch.nn.functional.smooth_l1_loss(model(x), y, reduction="sum") / y.numel()
+        opt.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), toy["clip"])
+        opt.step()
+        losses.append(loss.item())
+    for name in ("1f1b",):
+        runs = [torch.load(tmp_path / f"{name}-rank{r}.pt", weights_only=False) for r in range(3)]
+        got = {f"{r}.{n}": q for r, run in enumerate(runs) for n, q in run["params"].items()}
+        assert got.keys() == dict(model.named_parameters()).keys()
+        diff = max((got[n] - q).abs().max().item() for n, q in model.named_parameters())
+        loss_diff = max(abs(a - b) / abs(b) for a, b in zip(runs[0]["losses"], losses))
+        assert diff < 1e-12 and loss_diff < 1e-12, (name, diff, loss_diff)
+
+
 # ----------------------------------------------------------------------------- stash: PipeDream 2019
 def versions_of(events, kind):
     return {(e["rank"], e["mb"]): e["version"] for e in events if e["kind"] == kind}
@@ -200,6 +263,7 @@ def test_stash_weight_stashing(launch):
     assert f["versions_kept"] == kept == f["versions_kept_theory"]
     assert [sweep(events, r) for r in range(p)] == [(a, a) for a in kept]  # each one in flight: its own version
     assert f["peak_alive_microbatches"] == kept
+    assert f["sent_bytes_per_rank"] == f["sent_bytes_theory"]  # the stream's bytes over its steps
     # the negative: this is not synchronous training (same config, --mode flush), from the first step on
     sync = launch(*FLUSH_CLIP0)[0]["losses"]
     assert all(abs(a - b) > 1e-6 for a, b in zip(summary["losses"], sync))
@@ -208,11 +272,12 @@ def test_stash_weight_stashing(launch):
 def test_stash_backward_on_newest_weights_fails(tmp_path):
     """The negative: a backward that runs on the newest weights, not the stashed version (tests/pipeline_checks.py
     stash-newest). The effect check sees the gradients land elsewhere, and --check fails."""
-    summary, out = torchrun("tests/pipeline_checks.py", 3, "stash-newest", *CFG, "--microbatches", 4, "--mode", "stash",
-                            "--clip", "0", "--check", tmp_path=tmp_path, expect_rc=1)
+    summary, out = torchrun("tests/pipeline_checks.py", 3, "stash-newest", *CFG, "--microbatches", 4, "--mode",
+                            "stash", "--clip", "0", "--check", tmp_path=tmp_path, expect_rc=1)
     errors = stashing_errors(summary["figures"]["events"])
     assert errors and any("stage 0:" in e for e in errors) and not summary["check"]["passed"], errors
     assert "-> FAILED" in out
+
 
 def test_stash_vertical_sync(launch):
     summary, _, _ = launch(*VSYNC)
@@ -267,6 +332,7 @@ def test_2bw_invariant_stops_a_run_below_the_guard(tmp_path):
                       "--steps", 3, tmp_path=tmp_path, expect_rc=1)  # fails on purpose
     assert "2bw learns the norm of batch 2, but the next it expects is batch 1's" in out, out[-3000:]
 
+
 # ----------------------------------------------------------------------------- bad input
 def one_error_line(p, words):
     lines = p.stderr.strip().splitlines()
@@ -291,14 +357,14 @@ def test_bad_input():
                    ["2bw needs --microbatches >= stages (4)", "second-to-last norm", "--microbatches 4"])
 
 
-@pytest.mark.parametrize("mode", [STASH[1:], TWO_BW[1:]], ids=["stash", "2bw"])
-def test_stash_and_2bw_resume_exactly(launch, tmp_path, mode):
-    """torchrun --max-restarts=1 ... --ckpt-dir D --save-every 2 --fail-at-step 3, as a user types it: the pipeline
-    drains at each checkpoint (timing only: version_for keeps every micro-batch on the stream's version), the last
-    stage dies at step 3, every stage resumes at step 2 with its stashed versions. Against an uninterrupted run that
-    never drains (it saves only at the end): the same losses and the same final parameters, bit for bit."""
-    import torch
-    whole = launch(3, *mode)[0]  # the shared launch; its --ckpt-dir holds the final parameters
+@pytest.mark.parametrize("mode", [FLUSH_CLIP0[2:], STASH[2:], TWO_BW[2:]], ids=["flush", "stash", "2bw"])
+def test_resume_exactly(launch, tmp_path, mode):
+    """torchrun --max-restarts=1 ... --ckpt-dir D --save-every 2 --fail-at-step 3, as a user types it: stash and 2bw
+    drain the pipeline at each checkpoint (timing only: version_for keeps every micro-batch on the stream's
+    version), the last stage dies at step 3, every stage resumes at step 2 with its stashed versions. Against an
+    uninterrupted run that never drains (it saves only at the end): the same losses and the same final
+    parameters, bit for bit."""
+    whole = launch(WATCH, 3, *mode)[0]  # the shared launch; its --ckpt-dir holds the final parameters
     resumed, out = torchrun("pipedream.py", 3, *CFG, "--microbatches", *mode, "--check", "--ckpt-dir", tmp_path / "r",
                             "--save-every", 2, "--fail-at-step", 3, tmp_path=tmp_path, max_restarts=1, name="resumed")
     assert "simulated failure at step 3" in out and "at step 2" in out
@@ -315,7 +381,7 @@ def test_resume_without_the_stashed_versions_fails(launch, tmp_path):
     """The negative: a resume that replaces the checkpoint's stashed versions by the live weights
     (tests/pipeline_checks.py resume-newest) runs on, but its losses leave the uninterrupted run's and --check fails."""
     whole = launch(*STASH)[0]
-    resumed, out = torchrun("tests/pipeline_checks.py", 3, "resume-newest", *CFG, "--microbatches", *STASH[1:],
+    resumed, out = torchrun("tests/pipeline_checks.py", 3, "resume-newest", *CFG, "--microbatches", *STASH[2:],
                             "--check", "--ckpt-dir", tmp_path / "r", "--save-every", 2, "--fail-at-step", 3,
                             tmp_path=tmp_path, max_restarts=1, expect_rc=1)
     assert "at step 2" in out and not resumed["check"]["passed"]
