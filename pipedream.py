@@ -65,7 +65,6 @@ import contextlib
 import copy
 import sys
 from dataclasses import dataclass
-from functools import lru_cache
 from typing import Literal
 
 import torch
@@ -256,8 +255,8 @@ def clip_(grads, total_norm, max_norm):
             g.mul_(coef.to(device=g.device, dtype=g.dtype))
 
 
-def squared_norm(grads):  # in float64
-    return sum((g.double() ** 2).sum() for g in grads)
+def squared_norm(grads):  # in float64, without a float64 copy of each gradient (the norm's dtype=)
+    return torch.stack([torch.linalg.vector_norm(g, dtype=torch.float64) for g in grads]).square().sum()
 
 
 class Flush:
@@ -410,6 +409,15 @@ class TwoBW(Stash):
         self.drained_norm = t  # the next segment's tags carry it until stage 0 knows a newer one
 
 
+def to_device(m, device, *batch):
+    """A step's global (B, ...) tensors as m micro-batches (m, B/m, ...), copied to the device once per step
+    (pinned and non-blocking on a GPU), never once per micro-batch in the middle of the schedule."""
+    batch = [rearrange(t, "(m b) ... -> m b ...", m=m) for t in batch]
+    if device.type == "cuda":
+        batch = [t.pin_memory() for t in batch]
+    return [t.to(device, non_blocking=True) for t in batch]
+
+
 def check_args(args, p, m):
     check_common_args(args)
     if m < 1:
@@ -464,14 +472,10 @@ def main():
         policy = Stash(stage, opt, lag=p - 1 if args.vertical_sync else p - s - 1)
     else:
         policy = TwoBW(stage, opt, m, p, args.clip, first=s == 0)
-    @lru_cache(maxsize=2)  # a stage works on at most two steps at once
-    def batch_of(step):  # the step's global batch as m micro-batches: (m, b, T) tokens, targets; global n_tok
-        x, y = data.batch(step, args.batch_size, args.seq_len, args.ragged)  # (B, T) global, on CPU
-        split = lambda t: rearrange(t, "(m b) n -> m b n", m=m).to(d.device)  # noqa: E731
-        return split(x), split(y), count_tokens(y)  # n_tok: tokens of the whole global batch
+    batches = {}  # step -> (m, b, T) tokens and targets on the device, the global token count
 
     def source(k):  # micro-batch k: stage 0's tokens (b, T); the last stage's targets (b, T) and token count
-        x, y, n_tok = batch_of(k // m)
+        x, y, n_tok = batches[k // m]
         return x[k % m], (y[k % m], n_tok)
 
     act, ms = (args.batch_size // m, args.seq_len, args.d_model), args.stage_ms  # act: crosses a boundary
@@ -492,12 +496,16 @@ def main():
     chunks = split_at_step_ends(stream, m)  # chunks[i]: what this stage runs in step start + i
     for step in run.steps():
         chunk = chunks[step - run.start]
+        for t in sorted({k // m for _, k in chunk} - set(batches)):  # a stream reads ahead into later steps
+            x, y = data.batch(t, args.batch_size, args.seq_len, args.ragged)  # (B, T) global, on CPU
+            batches[t] = (*to_device(m, d.device, x, y), count_tokens(y))  # (m, b, T) each; count: on CPU
         # bytes sent, seen at the dispatcher (which slows every op): over one step (flush: the one
         # before the last, whose bubble is reported), or over every step of a stream (no step is a schedule)
         with comm if not sync or step == max(run.start, args.steps - 2) else contextlib.nullcontext():
             runner.run(chunk)
             if step + 1 in ends:
                 runner.drain(step)
+        del batches[step]
         # stage 0 has every loss of the step now (they came back with the gradients); other ranks log nothing
         loss = sum(runner.losses.pop(step * m + j) for j in range(m)).item() if s == 0 else float("nan")
         run.end_step(step, loss)

@@ -4,8 +4,8 @@ own main()), and run its core on a model that is not the GPT:
     watch           nothing broken, only watched: where each backward's gradient lands (right after B, before
                     the policy takes it: which stashed version holds a gradient, and whether the live weights got
                     any), written into that B's event as grad_version / live_grad, so the --json events carry it;
-                    and every received tag checked against the schedule once per chunk. Every case below but
-                    copy-out runs with it.
+                    every received tag checked against the schedule once per chunk; the host-to-device copies
+                    of the batches counted. Every case below but copy-out runs with it.
     stash-newest    --mode stash whose backward runs on the newest weights instead of the version its forward read
                     (no weight stashing): the gradients land on the wrong tensors
     2bw-fewer       --mode 2bw with its m >= p guard lifted, so the drain would skip a norm
@@ -61,7 +61,7 @@ def tag_errors(received):
 def watch(pipedream, harness):
     args = pipedream.parse_args(pipedream.Args, sys.argv[1:])
     p, s, m = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"]), args.microbatches
-    timelines, received, counts = [], [], dict(tags=0, landings=0)
+    timelines, received, counts = [], [], dict(tags=0, landings=0, copies=0)
 
     class WatchedTimeline(harness.Timeline):
         def __init__(self, d, simulate=None, tags=()):
@@ -102,11 +102,17 @@ def watch(pipedream, harness):
             raise RuntimeError(f"stage {s}: {errors[0]} ({len(errors)} such)")
 
     pipedream.StageRunner.exchange, pipedream.StageRunner.run = watched_exchange, watched_run
+    to_device = pipedream.to_device
+
+    def counted_to_device(*a, **kw):
+        counts["copies"] += 1
+        return to_device(*a, **kw)
+    pipedream.to_device = counted_to_device
     close = harness.close_dist
 
     def close_dist(ok=True):
         print(f"watch: stage {s} checked {counts['tags']} tags against the schedule and placed "
-              f"{counts['landings']} backwards' gradients", flush=True)
+              f"{counts['landings']} backwards' gradients; copied {counts['copies']} batches", flush=True)
         close(ok)
     harness.close_dist = close_dist
 

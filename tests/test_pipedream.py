@@ -52,8 +52,11 @@ def launch(tmp_path_factory):
             script = ["tests/pipeline_checks.py", WATCH] if watched else ["pipedream.py"]
             summary, out = torchrun(script[0], p, *script[1:], *CFG, "--microbatches", m, "--check", *extra,
                                     "--trace", tmp / "trace.json", "--ckpt-dir", tmp / "ck", tmp_path=tmp, name="run")
-            if watched:  # the watcher ran on every stage and found every tag as the schedule says
-                assert all(re.search(rf"watch: stage {r} checked [1-9]\d* tags", out) for r in range(p)), out[-3000:]
+            if watched:  # the watcher ran on every stage and found every tag as the schedule says; each step's
+                # batch went to the device in one copy (not one per micro-batch), before the step's schedule
+                steps = int(extra[extra.index("--steps") + 1]) if "--steps" in extra else STEPS
+                assert all(re.search(rf"watch: stage {r} checked [1-9]\d* tags.* copied {steps} batches", out)
+                           for r in range(p)), out[-3000:]
             runs[key] = summary, out, json.loads((tmp / "trace.json").read_text())
         return runs[key]
     return get
@@ -117,6 +120,31 @@ def test_split_and_schedule_rules():
     chunks = pipedream.split_at_step_ends(pipedream.one_f_one_b(12, 3, 0), 4)
     assert len(chunks) == 3 and [c[-1] for c in chunks] == [("B", 3), ("B", 7), ("B", 11)]
     assert ("F", 5) in chunks[0]  # without a flush, step 0's chunk on stage 0 already runs forwards of step 1
+
+
+def test_norm_takes_no_float64_copy_of_a_gradient():
+    """The squared norm in float64 by the norm's dtype= argument: one reduction per gradient seen at the
+    dispatcher, no float64 copy (_to_copy) of it; equal to the float64 sum of squares. The old way copies."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(func.__name__)
+            return func(*args, **(kwargs or {}))
+
+    grads = [torch.randn(33, 17), torch.randn(5)]
+    with Ops() as ops:
+        sq = pipedream.squared_norm(grads)
+    exact = sum((g.double() ** 2).sum() for g in grads)
+    assert sq.dtype == torch.float64 and abs(sq.item() - exact.item()) < 1e-12 * exact.item()
+    assert ops.names.count("linalg_vector_norm.default") == 2 and not any("_to_copy" in n for n in ops.names)
+    with Ops() as old:
+        sum((g.double() ** 2).sum() for g in grads)
+    assert any("_to_copy" in n for n in old.names)  # the check sees a copy where there is one
 
 
 def test_tag_check_catches_a_wrong_tag():
