@@ -1,4 +1,4 @@
-"""pipedream.py: one-forward-one-backward (1F1B) pipelines: PipeDream-flush, PipeDream, PipeDream-2BW.
+"""pipedream.py: one-forward-one-backward (1F1B) pipelines: PipeDream-flush, PipeDream, PipeDream-2BW, ZB-H1.
 
 As in gpipe.py the GPT is cut into p stages, one per rank (embedding + first blocks on stage 0, last blocks +
 final norm + head + loss on stage p-1), and the global batch into m micro-batches. What changes is the order
@@ -14,7 +14,8 @@ micro-batches are alive on stage s, where GPipe keeps all m.
     stage 3   .. .. .. F0 B0 F1 B1 F2 B2 F3 B3 F4 B4 F5 B5 F6 B6 F7 B7 .. .. ..   alive 1
               idle ("..") = 6 of 22 slots = (p-1)/(m+p-1): the same bubble as GPipe, if the pipeline drains
 
---mode says when the weights change (the three systems differ only there):
+--mode says when the weights change (flush, stash, 2bw: the three systems differ only there), or, for zb, how
+a backward is cut:
 1. flush (PipeDream-flush; Narayanan, Phanishayee, Shi, Chen, Zaharia, "Memory-Efficient Pipeline-Parallel
    DNN Training", ICML 2021; the 1F1B of Megatron-LM and DeepSpeed): the picture above once per step, then
    one optimizer step on the drained pipeline. Synchronous: exactly one-process training (--check).
@@ -38,6 +39,22 @@ micro-batches are alive on stage s, where GPipe keeps all m.
    (last to finish the batch): it rides back down with an activation, before any stage needs W_{t+1}.
    The newest version also lives in the master weights the optimizer steps, so a stage holds one buffer more
    than the versions it counts (autograd must never see a tensor it saved change in place).
+4. zb (ZB-H1; Qi, Wan, Huang, Lin, "Zero Bubble Pipeline Parallelism", ICLR 2024): synchronous as flush, but
+   each backward is cut in two: B, the gradient of the stage's input, which the stage before waits for, and W,
+   the gradient of the stage's weights, which nobody waits for. 1F1B's order of F and B, each B followed by a
+   W, except that stage s holds back its first s W's: its last s fill the cool-down, where 1F1B's stage s
+   waits (the order of torch's ScheduleInterleavedZeroBubble with one stage per rank):
+    ZB-H1, p = 4, m = 8 (F, B, W one slot each)                                                 time ->
+    stage 0   F0 F1 F2 F3 .. .. .. B0 W0 F4 B1 W1 F5 B2 W2 F6 B3 W3 F7 B4 W4 B5 W5 B6 W6 B7 W7
+    stage 1   .. F0 F1 F2 .. .. B0 F3 B1 W0 F4 B2 W1 F5 B3 W2 F6 B4 W3 F7 B5 W4 B6 W5 B7 W6 W7
+    stage 2   .. .. F0 F1 .. B0 F2 B1 F3 B2 W0 F4 B3 W1 F5 B4 W2 F6 B5 W3 F7 B6 W4 B7 W5 W6 W7
+    stage 3   .. .. .. F0 B0 F1 B1 F2 B2 F3 B3 W0 F4 B4 W1 F5 B5 W2 F6 B6 W3 F7 B7 W4 W5 W6 W7
+              idle (p-1)(T_F+T_B-T_W) = 3 slots of 27, a third of 1F1B's (p-1)(T_F+T_B+T_W) = 9 (of 33)
+   The cut (SplitBackward): in B, each nn.Linear returns only its input's gradient dx = dy W and keeps its
+   input x and its output's gradient dy; W forms dW = dy^T x and db = sum(dy), the very products autograd
+   forms, so B then W equals one backward bit for bit. Every other parameter (LayerNorm, embeddings) gets its
+   gradient in B, as autograd computes it: elementwise or scatter work, small beside the Linears' products.
+   A micro-batch lives until its W: at most p on every stage (1F1B's stage 0 holds p as well).
 stash and 2bw are meant to differ from synchronous training: --check compares each with a one-process
 simulation of its own rule, without a pipeline (simulate_stash, simulate_2bw, at the end of the file).
 Checkpoints (--ckpt-dir): a stream has no consistent step boundary, so stash and 2bw drain the pipeline at
@@ -45,24 +62,27 @@ each save step (one more fill and drain there: the schedule changes only there) 
 that later micro-batches still read. Every micro-batch reads the version the uninterrupted stream gives it, so
 a run killed and resumed ends with the uninterrupted run's losses and parameters, bit for bit.
 
-Measured from outside the schedule: each F and B (start, end, weight version), the bubble beside its theory,
+Measured from outside the schedule: each F, B, W (start, end, weight version), the bubble beside its theory,
 micro-batches alive, weight versions kept, bytes sent (seen at the dispatcher); an ASCII timeline and --trace
 PATH (Chrome trace JSON for https://ui.perfetto.dev). --stage-ms F simulates compute (each F also waits F ms,
-each B 2F; the numbers computed are unchanged), so that on a few shared cores the schedule, not the operating
-system's scheduling, sets the measured bubble.
+each B 2F; with zb each F, B and W waits F; the numbers computed are unchanged), so that on a few shared cores
+the schedule, not the operating system's scheduling, sets the measured bubble.
 
 Run (one process per stage; a world of 1 is not a pipeline):
     torchrun --nproc_per_node=4 pipedream.py --microbatches 8 --trace pipedream_trace.json
     torchrun --nproc_per_node=4 pipedream.py --microbatches 8 --stage-ms 30 --steps 3  # simulated compute
+    torchrun --nproc_per_node=4 pipedream.py --mode zb --microbatches 8 --stage-ms 30 --steps 3  # ZB-H1
     torchrun --nproc_per_node=3 pipedream.py --n-layers 4 --dtype float64 --check  # uneven: 2 + 1 + 1 blocks
     torchrun --nproc_per_node=4 pipedream.py --mode stash --clip 0 --vertical-sync --dtype float64 --check
     torchrun --nproc_per_node=4 pipedream.py --mode 2bw --microbatches 4 --dtype float64 --check
-In production, use torch.distributed.pipelining (Schedule1F1B) or the pipelines of Megatron-LM or DeepSpeed.
+In production, use torch.distributed.pipelining (Schedule1F1B, ScheduleInterleavedZeroBubble) or the pipelines
+of Megatron-LM or DeepSpeed.
 """
 
 import collections
 import contextlib
 import copy
+import functools
 import sys
 from dataclasses import dataclass
 from typing import Literal
@@ -70,6 +90,7 @@ from typing import Literal
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+import torch.nn.functional as F
 from einops import rearrange
 from torch.func import functional_call
 
@@ -83,10 +104,10 @@ from harness import (assemble_full, busy_ms, check_against_reference, check_comm
 @dataclass
 class Args(CommonArgs):
     microbatches: int = 4  # m: micro-batches per global batch (--batch-size must be divisible by it)
-    mode: Literal["flush", "stash", "2bw"] = "flush"  # flush: 1F1B; stash: PipeDream; 2bw: PipeDream-2BW
+    mode: Literal["flush", "stash", "2bw", "zb"] = "flush"  # flush: 1F1B; stash: PipeDream; 2bw; zb: ZB-H1
     vertical_sync: bool = False  # stash: every stage uses the weight version stage 0 used for the micro-batch
-    trace: str = ""  # write the measured F/B events as a Chrome trace (JSON) to this path
-    stage_ms: float = 0.0  # simulate compute time: each F also waits this many ms, each B twice that
+    trace: str = ""  # write the measured F/B/W events as a Chrome trace (JSON) to this path
+    stage_ms: float = 0.0  # simulate compute time: each F also waits this many ms, each B twice (zb: once)
 
 
 # ----------------------------------------------------------------------------- the stages
@@ -133,28 +154,92 @@ def one_f_one_b(n, p, s):
     return ops + [("B", k) for k in range(n - warm, n)]
 
 
+def zb_h1(n, p, s):
+    """ZB-H1 (Qi et al. 2024, Sec. 3.1): 1F1B's F and B (B: the input's gradient only), each B followed by the
+    oldest W still to run, but stage s runs its first s B's without one: its last s W's end the schedule."""
+    ops, waiting = [], collections.deque()
+    for kind, k in one_f_one_b(n, p, s):
+        ops.append((kind, k))
+        if kind == "B":
+            waiting.append(k)
+            if k >= s:
+                ops.append(("W", waiting.popleft()))
+    return ops + [("W", k) for k in waiting]
+
+
 def split_at_step_ends(ops, m):
-    """Cut a stage's ops after the backward of each step's last micro-batch: chunk t is what it runs in step
-    t. Without a flush (stash, 2bw), chunk t already holds forwards of step t+1."""
-    chunks = [[]]
+    """Cut a stage's ops after the last op (W if there are any, else B) of each step's last micro-batch: chunk
+    t is what it runs in step t. Without a flush (stash, 2bw), chunk t already holds forwards of step t+1."""
+    last, chunks = "W" if any(kind == "W" for kind, _ in ops) else "B", [[]]
     for kind, k in ops:
         chunks[-1].append((kind, k))
-        if kind == "B" and k % m == m - 1:
+        if kind == last and k % m == m - 1:
             chunks.append([])
     return chunks[:-1]
 
 
-def p2p(sends, recvs):
-    """One batch_isend_irecv of [(tensor, peer)] sends and receives, then wait. A stage sends each result
-    together with the receive its next op needs, and its neighbour posts the mirror pair: after F(k) stage s
-    sends k's activation and receives the gradient for its next B(j); after B(j) stage s+1 sends that gradient
-    and receives k's activation. Two blocking sends facing each other deadlock under NCCL; one batch cannot
-    (Megatron-LM's send_forward_recv_backward)."""
+def p2p(sends, recvs, wait=True):
+    """One batch_isend_irecv of [(tensor, peer)] sends and receives, then wait (or return the requests, to
+    wait later). A stage sends each result together with the receive its next op needs, and its neighbour
+    posts the mirror pair: after F(k) stage s sends k's activation and receives the gradient for its next
+    B(j); after B(j) stage s+1 sends that gradient and receives k's activation. Two blocking sends facing each
+    other deadlock under NCCL; one batch cannot (Megatron-LM's send_forward_recv_backward)."""
     ops = [dist.P2POp(dist.isend, t, peer) for t, peer in sends]
     ops += [dist.P2POp(dist.irecv, t, peer) for t, peer in recvs]
-    if ops:
-        for req in dist.batch_isend_irecv(ops):
-            req.wait()
+    reqs = dist.batch_isend_irecv(ops) if ops else []
+    for req in reqs if wait else []:
+        req.wait()
+    return [] if wait else reqs
+
+
+# ----------------------------------------------------------------------------- B and W: one backward in two
+class _LinearDeferringW(torch.autograd.Function):
+    """F.linear whose backward returns dx only and keeps (x, dy), what W needs, in split.saved."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, layer, split):
+        ctx.save_for_backward(x, weight)  # x for W, the weight for dx: what nn.Linear's own backward keeps
+        ctx.layer, ctx.split = layer, split
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, dy):  # dy: (..., out)
+        x, weight = ctx.saved_tensors  # x: (..., in)
+        ctx.split.saved.append((ctx.layer, x, dy))
+        dx = dy.reshape(-1, dy.shape[-1]).mm(weight).view(x.shape) if ctx.needs_input_grad[0] else None
+        return dx, None, None, None, None  # no weight or bias gradient now: W adds it
+
+
+class SplitBackward:
+    """Zero Bubble's B and W for `module` (Qi et al. 2024, Sec. 2): every nn.Linear inside defers its weight
+    gradient. backward_input(out, grad), B: one autograd backward that gives the input and every parameter
+    that is not a Linear's (LayerNorm, embeddings, ...) its gradient, and returns what W needs.
+    backward_weight(that), W: dW = dy^T x and db = sum(dy) per Linear, added to .grad as autograd adds."""
+
+    def __init__(self, module):
+        self.saved = []  # (layer, x, dy), appended by the B in progress
+        for layer in module.modules():
+            if isinstance(layer, nn.Linear):
+                layer.forward = functools.partial(self._linear, layer)
+
+    def _linear(self, layer, x):
+        return _LinearDeferringW.apply(x, layer.weight, layer.bias, layer, self)
+
+    def backward_input(self, out, grad=None):
+        torch.autograd.backward(out, grad)
+        saved, self.saved = self.saved, []
+        return saved
+
+    @staticmethod
+    def backward_weight(saved):
+        for layer, x, dy in saved:
+            x2, dy2 = x.reshape(-1, x.shape[-1]), dy.reshape(-1, dy.shape[-1])  # (N, in), (N, out)
+            # the products autograd's addmm / mm backward forms, in its layout: the same bits
+            grads = [(layer.weight, dy2.t().mm(x2))]  # (out, in)
+            if layer.bias is not None:
+                grads.append((layer.bias, dy2.sum(0)))  # (out,)
+            for q, g in grads:
+                q.grad = g if q.grad is None else q.grad.add_(g)
 
 
 # ----------------------------------------------------------------------------- one stage running its ops
@@ -167,21 +252,22 @@ TAG = 4
 
 
 class StageRunner:
-    """One pipeline stage running its ops ("F", k), ("B", k) in order, for any stage module; when the weights
-    change is the policy's (Flush, Stash, TwoBW). It holds what lives between two ops: the micro-batches
-    between F and B, the message waiting to leave with the next receive, the losses.
+    """One pipeline stage running its ops ("F", k), ("B", k), ("W", k) in order, for any stage module; when
+    the weights change is the policy's (Flush, Stash, TwoBW). It holds what lives between two ops: the
+    micro-batches between F and B (and W), the message waiting to leave with the next receive, the losses.
       source(k)   (stage 0's input, the last stage's target) of micro-batch k; loss_fn(output, target)
       in_shape    what this stage receives from prev (its gradient goes back); out_shape: what it sends on
-      prev, next  the neighbours' ranks, None at the ends
+      prev, next  the neighbours' ranks, None at the ends; split: a SplitBackward for a schedule with W
       observe     observe(kind, k, **tags): a context around every op, for a timer watching from outside"""
 
     def __init__(self, policy, source, loss_fn, in_shape, out_shape, dtype, device, prev=None, next=None,
-                 observe=lambda kind, k, **tags: contextlib.nullcontext()):
-        self.policy, self.source, self.loss_fn = policy, source, loss_fn
+                 split=None, observe=lambda kind, k, **tags: contextlib.nullcontext()):
+        self.policy, self.source, self.loss_fn, self.split = policy, source, loss_fn, split
         self.shape, self.dtype, self.device = {"F": in_shape, "B": out_shape}, dtype, device
         self.prev, self.next, self.observe = prev, next, observe
-        self.alive = {}  # k -> (input, output, version), from F to B
+        self.alive, self.w_pending = {}, {}  # k -> (input, output, version), F to B; k -> W's inputs, B to W
         self.outbox, self.losses, self.next_f = [], {}, 0
+        self.sending = ([], [])  # (requests, tensors) of a send left in flight over a W
 
     def tag(self, *xs):  # (TAG,) on the device, from numbers or 0-d device tensors: no host round trip
         t = torch.zeros(TAG, dtype=torch.float64, device=self.device)
@@ -193,20 +279,23 @@ class StageRunner:
         for kind, k in ops:
             x, tag = self.exchange(kind, k)
             self.policy.apply_due(self.next_f)  # the updates the last backward made due (stash, 2bw)
-            (self.forward if kind == "F" else self.backward)(k, x, tag)
+            {"F": self.forward, "B": self.backward, "W": self.weight_grads}[kind](k, x, tag)
 
     def exchange(self, kind, k):
         """Send the last op's message with this op's receive, in one batch: F's activation from prev, B's
-        gradient from next."""
-        peer = self.prev if kind == "F" else self.next
-        if peer is None:  # stage 0 reads tokens; the last stage starts B from its loss
-            p2p(self.outbox, [])
+        gradient from next. W receives nothing: the gradient of the B before it leaves at once, and W computes
+        while it travels (waiting for its arrival would idle the stage until the stage before takes it)."""
+        for req in self.sending[0]:
+            req.wait()
+        peer = {"F": self.prev, "B": self.next}.get(kind)
+        if peer is None:  # stage 0 reads tokens, the last stage starts B from its loss, W needs no message
+            self.sending = (p2p(self.outbox, [], wait=kind != "W"), self.outbox)
             self.outbox = []
             return None, None
         x = torch.empty(self.shape[kind], dtype=self.dtype, device=self.device)
         tag = torch.empty(TAG, dtype=torch.float64, device=self.device)
         p2p(self.outbox, [(x, peer), (tag, peer)])
-        self.outbox = []
+        self.outbox, self.sending = [], ([], [])
         if kind == "F":
             self.policy.received(k, tag)  # 2bw: the whole-model norm rides on the activation
         return x, tag
@@ -229,7 +318,10 @@ class StageRunner:
     def backward(self, k, grad, tag):
         inp, out, v = self.alive[k]
         with self.observe("B", k, version=v):
-            torch.autograd.backward(out, grad)  # last stage: from the loss itself; gradients land on weights
+            if self.split is None:  # the whole backward; last stage: from the loss itself
+                torch.autograd.backward(out, grad)
+            else:  # B: the input's gradient now, the Linears' weight gradients at W
+                self.w_pending[k] = self.split.backward_input(out, grad)
         del self.alive[k]
         loss, partial = (self.losses.pop(k), 0.0) if self.next is None else (tag[2], tag[3])  # on the device
         if self.prev is None:
@@ -238,11 +330,18 @@ class StageRunner:
         if self.prev is not None:
             self.outbox = [(inp.grad, self.prev), (self.tag(k, v, loss, partial), self.prev)]  # (b, T, D)
 
+    def weight_grads(self, k, x=None, tag=None):
+        with self.observe("W", k, version=self.policy.version):
+            self.split.backward_weight(self.w_pending[k])
+        del self.w_pending[k]
+
     def drain(self, t):
-        """The end of step t (flush) or of a stream's segment: send what the last op left, then the policy's
-        end of batch (flush: the optimizer step; stash, 2bw: the updates still due)."""
+        """The end of step t (flush, zb) or of a stream's segment: send what the last op left, then the
+        policy's end of batch (flush: the optimizer step; stash, 2bw: the updates still due)."""
+        for req in self.sending[0]:
+            req.wait()
         p2p(self.outbox, [])
-        self.outbox = []
+        self.outbox, self.sending = [], ([], [])
         self.policy.drain(t, self.next_f)
 
 
@@ -260,7 +359,7 @@ def squared_norm(grads):  # in float64, without a float64 copy of each gradient 
 
 
 class Flush:
-    """PipeDream-flush: one version of the weights, the live one. Every micro-batch's gradient adds up
+    """PipeDream-flush, ZB-H1: one version of the weights, the live one. Every micro-batch's gradient adds up
     on it; once the pipeline has drained, one optimizer step, clipped by the whole model's norm."""
 
     def __init__(self, stage, opt, clip, group=None):
@@ -465,7 +564,7 @@ def main():
     shapes = {n: q.shape for n, q in gpt.named_parameters()}
     stage = Stage(gpt, s, bounds).to(d.device)
     opt = make_optimizer(stage.parameters(), args)
-    sync = args.mode == "flush"  # one schedule per step, drained; stash, 2bw: one stream for the run
+    sync = args.mode in ("flush", "zb")  # one schedule per step, drained; stash, 2bw: one stream for the run
     if sync:
         policy = Flush(stage, opt, args.clip)
     elif args.mode == "stash":
@@ -479,27 +578,30 @@ def main():
         return x[k % m], (y[k % m], n_tok)
 
     act, ms = (args.batch_size // m, args.seq_len, args.d_model), args.stage_ms  # act: crosses a boundary
-    timeline = Timeline(d, {"F": ms, "B": 2 * ms}, tags=("version",))
+    simulate = {"F": ms, "B": ms, "W": ms} if args.mode == "zb" else {"F": ms, "B": 2 * ms}
+    timeline = Timeline(d, simulate, tags=("version",))
     observer, comm = Observer(timeline), CommCounter()  # the timeline's zero: the collective NCCL wants first
     runner = StageRunner(policy, source, lambda logits, y: lm_loss(logits, *y), act, act, dtype, d.device,
-                         s - 1 if s > 0 else None, s + 1 if s < p - 1 else None, observer)
+                         s - 1 if s > 0 else None, s + 1 if s < p - 1 else None,
+                         SplitBackward(stage) if args.mode == "zb" else None, observer)
     observer.runner = runner
     run = Run(d, args, {"model": stage, "optim": opt, "pipe": PolicyState(policy)})
-    # flush: every step its own schedule, drained before the optimizer step. stash, 2bw: one schedule for
+    # flush, zb: every step its own schedule, drained before the optimizer step. stash, 2bw: one schedule for
     # the run, cut only where a checkpoint is saved (--ckpt-dir): there the pipeline drains, so the checkpoint
     # is a consistent state. The drain adds a fill and a drain (bubble) there; the arithmetic stays that of
     # the uninterrupted stream, since version_for names each micro-batch's weights by the stream's rule.
     ends = [t for t in range(run.start + 1, args.steps + 1)
             if sync or t == args.steps or (args.save_every and t % args.save_every == 0)]
+    schedule = zb_h1 if args.mode == "zb" else one_f_one_b
     stream = [(kind, a * m + k) for a, z in zip([run.start] + ends, ends)
-              for kind, k in one_f_one_b((z - a) * m, p, s)]
+              for kind, k in schedule((z - a) * m, p, s)]
     chunks = split_at_step_ends(stream, m)  # chunks[i]: what this stage runs in step start + i
     for step in run.steps():
         chunk = chunks[step - run.start]
         for t in sorted({k // m for _, k in chunk} - set(batches)):  # a stream reads ahead into later steps
             x, y = data.batch(t, args.batch_size, args.seq_len, args.ragged)  # (B, T) global, on CPU
             batches[t] = (*to_device(m, d.device, x, y), count_tokens(y))  # (m, b, T) each; count: on CPU
-        # bytes sent, seen at the dispatcher (which slows every op): over one step (flush: the one
+        # bytes sent, seen at the dispatcher (which slows every op): over one step (flush, zb: the one
         # before the last, whose bubble is reported), or over every step of a stream (no step is a schedule)
         with comm if not sync or step == max(run.start, args.steps - 2) else contextlib.nullcontext():
             runner.run(chunk)
@@ -561,9 +663,9 @@ class PolicyState:
 class Observer:
     """The schedule's observe callback: Timeline.span (times the op; --stage-ms), and, as each op begins, this
     stage's peaks in the state the ops before it left, read from the runner's and the policy's attributes:
-    micro-batches alive (F to B), weight versions kept, bytes alive after a forward (what forwards saved for
-    backward, seen by LiveStorages, plus outputs, and parameters, gradients and optimizer state of the live
-    and the stashed versions)."""
+    micro-batches alive (F to B, or to W), weight versions kept, bytes alive after a forward (what forwards
+    saved for backward, seen by LiveStorages, plus outputs, W's inputs, and parameters, gradients and
+    optimizer state of the live and the stashed versions)."""
 
     def __init__(self, timeline):
         self.timeline, self.live, self.runner, self.after_f = timeline, LiveStorages(), None, False
@@ -572,10 +674,11 @@ class Observer:
     @contextlib.contextmanager
     def __call__(self, kind, mb, **tags):
         r, pol = self.runner, self.runner.policy
-        self.alive = max(self.alive, len(r.alive))
+        self.alive = max(self.alive, len(set(r.alive) | set(r.w_pending)))
         self.versions = max(self.versions, len(getattr(pol, "versions", [pol.stage])))
         if self.after_f:  # activations peak after a forward
             held = [t for a in r.alive.values() for t in a[:2]]  # inputs and outputs until B
+            held += [dy for w in r.w_pending.values() for *_, dy in w]  # and what W needs (x: saved in F)
             versions = getattr(pol, "versions", {}).values()
             model = state_bytes(pol.stage, pol.opt) + sum(state_bytes(w) for w in versions)
             self.bytes = max(self.bytes, self.live.alive(*held) + model)
@@ -589,35 +692,40 @@ def report(d, args, events, every, bounds, b_bytes, steps_run, segments):
     """Rank 0: the summary's figures, each beside its theory, the table, the timeline, --trace. b_bytes: one
     micro-batch's (b, T, D) activation; segments: the schedules between drains in this run."""
     p, m, mode, ms = len(bounds), args.microbatches, args.mode, args.stage_ms
-    sync = mode == "flush"
+    sync, zb = mode in ("flush", "zb"), mode == "zb"
     shown = [e for e in events if e["mb"] // m == args.steps - 1] if sync else events  # the last step, or all
     lo, hi = min(e["start"] for e in shown), max(e["end"] for e in shown)
     n, drains = (m, 1) if sync else (args.steps * m, segments)  # micro-batches between drains; drains shown
     if sync:
-        theory, formula = (p - 1) / (m + p - 1), "(p-1)/(m+p-1)"
+        theory = (p - 1) / ((3 if zb else 1) * m + p - 1)
+        formula = "(p-1)(F+B-W)/(m(F+B+W)+(p-1)(F+B-W)), at F=B=W" if zb else "(p-1)/(m+p-1)"
     else:
         theory = drains * (p - 1) / (steps_run * m + drains * (p - 1))
         formula = "S(p-1)/(steps*m+S(p-1)), S drains in the run (-> 0 in steady state)"
     busy = [busy_ms(events, r, lo, hi) for r in range(p)]
-    bub = [1 - b / (hi - lo) for b in busy]
-    alive = [min(p - s, n) for s in range(p)]
+    bub, idle = [1 - b / (hi - lo) for b in busy], [hi - lo - b for b in busy]
+    op_ms = {k: sum(e["end"] - e["start"] for e in es) / len(es) for k in "FBW"
+             if (es := [e for e in shown if e["kind"] == k])}  # mean measured T_F, T_B, T_W (1F1B's B: B + W)
+    idle_theory = drains * (p - 1) * (op_ms["F"] + op_ms["B"] - op_ms.get("W", 0.0))  # Table 2 of ZB
+    alive = [min(p if zb else p - s, n) for s in range(p)]
     sent = [r[2] / (1 if sync else steps_run) for r in every]
     sent_theory = [m * (b_bytes + 8 * TAG) * ((s > 0) + (s < p - 1)) for s in range(p)]
     kept = {"2bw": [2] * p, "stash": [min(p, n)] * p if args.vertical_sync else alive}.get(mode, [1] * p)
     d.log(f"\nsummary ({mode}, {p} stages, m = {m}) over {'the last step' if sync else 'the run'}, theory "
-          f"beside each measurement: bubble {formula}; alive p - s; weight versions kept; bytes sent per "
-          f"step m x ((b, T, D) + {8 * TAG} B tag) each way")
-    d.log("stage | blocks | bubble | theory | alive | theory | versions | theory | sent B/step | theory | "
-          "mem B")
+          f"beside each measurement: bubble {formula}; idle ms (p-1)(T_F+T_B-T_W) per drain at the measured "
+          + ", ".join(f"T_{k} {v:.1f}" for k, v in op_ms.items()) + f" ms; alive {'p' if zb else 'p - s'}; "
+          f"weight versions kept; bytes sent per step m x ((b, T, D) + {8 * TAG} B tag) each way")
+    d.log("stage | blocks | bubble | theory | idle ms | theory | alive | theory | versions | theory | "
+          "sent B/step | theory | mem B")
     for s, (a, z) in enumerate(bounds):
-        d.log(f"{s:5d} | {a:2d}..{z - 1:<2d} | {bub[s]:6.3f} | {theory:6.3f} | {int(every[s][0]):5d} | "
-              f"{alive[s]:6d} | {int(every[s][1]):8d} | {kept[s]:6d} | {sent[s]:11.0f} | "
-              f"{sent_theory[s]:6d} | {int(every[s][3])}")
+        d.log(f"{s:5d} | {a:2d}..{z - 1:<2d} | {bub[s]:6.3f} | {theory:6.3f} | {idle[s]:7.1f} | "
+              f"{idle_theory:6.1f} | {int(every[s][0]):5d} | {alive[s]:6d} | {int(every[s][1]):8d} | "
+              f"{kept[s]:6d} | {sent[s]:11.0f} | {sent_theory[s]:6d} | {int(every[s][3])}")
     mean = sum(bub) / p
     d.log(f"bubble, mean over stages: measured {mean:.3f}, theory {theory:.3f}, "
           f"difference {mean - theory:+.3f}"
-          + (f" (--stage-ms {ms:g}: compute time simulated, each F waits {ms:g} ms, each B {2 * ms:g} ms)"
-             if ms else
+          + (f" (--stage-ms {ms:g}: compute time simulated, each F waits {ms:g} ms, each B "
+             f"{(1 if zb else 2) * ms:g} ms{f', each W {ms:g} ms' if zb else ''})" if ms else
              " (real compute only: on shared cores this times the OS scheduler; try --stage-ms)"))
     d.log("\ntimeline of the last step, measured (micro-batch numbers within the step):" if sync else
           "\ntimeline of the last two steps, measured (micro-batches numbered from the start; no drain "
@@ -628,8 +736,8 @@ def report(d, args, events, every, bounds, b_bytes, steps_run, segments):
         write_trace(args.trace, events, lambda e: f"{e['kind']}{e['mb']}")
         d.log(f"wrote {len(events)} events to {args.trace} (open in https://ui.perfetto.dev)")
     return dict(events=events, bubble=bub, bubble_mean=mean, bubble_theory=theory,
-                bubble_theory_formula=formula, stage_ms=ms,
-                peak_alive_microbatches=[int(r[0]) for r in every], peak_alive_theory=alive,
+                bubble_theory_formula=formula, stage_ms=ms, idle_ms=idle, idle_ms_theory=idle_theory,
+                op_ms=op_ms, peak_alive_microbatches=[int(r[0]) for r in every], peak_alive_theory=alive,
                 versions_kept=[int(r[1]) for r in every], versions_kept_theory=kept, sent_bytes_per_rank=sent,
                 sent_bytes_theory=sent_theory, mem_bytes_per_rank=[int(r[3]) for r in every])
 

@@ -11,10 +11,11 @@ own main()), and run its core on a model that is not the GPT:
     2bw-fewer       --mode 2bw with its m >= p guard lifted, so the drain would skip a norm
     resume-newest   resumed from a checkpoint with every stashed version replaced by the live weights (the
                     checkpoint's versions ignored): the run goes on, on the wrong weights
-    copy-out OUT    StageRunner + Flush under 1F1B on three toy stages that are not the GPT (nested modules,
-                    parameters on root modules, odd widths, 2-D and 3-D inputs to Linears, a smooth-L1 loss),
-                    plain torch.distributed on gloo. Writes OUT/1f1b-rank{r}.pt (the stage's parameters, stage
-                    0's losses); tests/test_pipedream.py trains the same model in one process.
+    copy-out OUT    StageRunner + Flush, under 1F1B and under ZB-H1 (SplitBackward), on three toy stages that are
+                    not the GPT (nested modules, parameters on root modules, odd widths, 2-D and 3-D inputs to
+                    Linears, a smooth-L1 loss), plain torch.distributed on gloo; and once more under ZB-H1 with W
+                    run on the wrong micro-batch. Writes OUT/{1f1b,zb,zb-wrong-w}-rank{r}.pt (the stage's
+                    parameters, stage 0's losses); tests/test_pipedream.py trains the same model in one process.
 
 Run: torchrun --standalone --nproc_per_node=P tests/pipeline_checks.py CASE [the file's flags]"""
 import copy
@@ -32,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 # ----------------------------------------------------------------------------- the tags, from the schedule
 def version_of(mode, vertical_sync, p, m, r, k):
     """The weight version stage r reads for micro-batch k, from each mode's rule (the docstring's tables)."""
-    if mode == "flush":
+    if mode in ("flush", "zb"):
         return k // m  # one update per step, after the drain
     if mode == "2bw":
         return max(k // m - 1, 0)
@@ -188,17 +189,23 @@ def copy_out(pipedream, out_dir):
         j = slice(k % m * b, (k % m + 1) * b)
         return x[j], (y[j], y.numel())
 
-    for name in ("1f1b",):
+    for name in ("1f1b", "zb", "zb-wrong-w"):
         stage = toy_stages()[r]
         policy = pipedream.Flush(stage, toy_optimizer(stage.parameters()), TOY["clip"])
         runner = pipedream.StageRunner(policy, source, lambda out, target: toy_loss(out, *target), (b, T, w[r]),
                                        (b, T, w[r + 1]), torch.float64, torch.device("cpu"),
-                                       r - 1 if r > 0 else None, r + 1 if r < p - 1 else None)
-        losses = []
+                                       r - 1 if r > 0 else None, r + 1 if r < p - 1 else None,
+                                       None if name == "1f1b" else pipedream.SplitBackward(stage))
+        if name == "zb-wrong-w":  # W of micro-batch k on k-1's inputs: k-1's weight gradient twice, k's never
+            def wrong_w(k, x=None, tag=None, runner=runner):
+                runner.split.backward_weight(runner.w_pending.get(k - 1, runner.w_pending[k]))
+            runner.weight_grads = wrong_w
+        schedule, losses = pipedream.one_f_one_b if name == "1f1b" else pipedream.zb_h1, []
         for step in range(TOY["steps"]):
-            runner.run([(kind, step * m + k) for kind, k in pipedream.one_f_one_b(m, p, r)])
+            runner.run([(kind, step * m + k) for kind, k in schedule(m, p, r)])
             runner.drain(step)
-            assert not runner.alive, "a micro-batch left over"
+            assert not runner.alive and (name == "zb-wrong-w" or not runner.w_pending), "a micro-batch left over"
+            runner.w_pending.clear()
             if r == 0:
                 losses.append(sum(runner.losses.pop(step * m + j) for j in range(m)).item())
         torch.save(dict(params={n: q.detach() for n, q in stage.named_parameters()}, losses=losses),
