@@ -1,4 +1,4 @@
-"""pipedream.py: one-forward-one-backward (1F1B) pipelines: PipeDream-flush, PipeDream, PipeDream-2BW.
+"""pipedream.py: one-forward-one-backward (1F1B) pipelines: PipeDream-flush, PipeDream, PipeDream-2BW, ZB-H1.
 
 As in gpipe.py the GPT is cut into p stages, one per rank (embedding + first blocks on stage 0, last blocks +
 final norm + head + loss on stage p-1), and the global batch into m micro-batches. What changes is the order
@@ -14,81 +14,100 @@ micro-batches are alive on stage s, where GPipe keeps all m.
     stage 3   .. .. .. F0 B0 F1 B1 F2 B2 F3 B3 F4 B4 F5 B5 F6 B6 F7 B7 .. .. ..   alive 1
               idle ("..") = 6 of 22 slots = (p-1)/(m+p-1): the same bubble as GPipe, if the pipeline drains
 
---mode says when the weights change (the three systems differ only there):
+--mode says when the weights change (flush, stash, 2bw: the three systems differ only there), or, for zb, how
+a backward is cut:
 1. flush (PipeDream-flush; Narayanan, Phanishayee, Shi, Chen, Zaharia, "Memory-Efficient Pipeline-Parallel
    DNN Training", ICML 2021; the 1F1B of Megatron-LM and DeepSpeed): the picture above once per step, then
    one optimizer step on the drained pipeline. Synchronous: exactly one-process training (--check).
-2. stash (PipeDream 2019): never drain (but see checkpoints below). Micro-batches stream through one long 1F1B schedule, and every stage
-   steps its optimizer after every backward, with that one micro-batch's gradient. Micro-batch k's forward on
-   stage s therefore reads the stage's weights after max(0, k - (p-s-1)) updates; weight stashing keeps that
-   version until k's backward, so the gradient belongs to the weights that produced it (--clip 0 only: the
-   whole model's norm of k's gradient exists once stage 0 ends B_k, after the later stages have stepped):
+2. stash (PipeDream 2019): never drain (but see checkpoints below). Micro-batches stream through one long 1F1B
+   schedule, and every stage steps its optimizer after every backward, with that one micro-batch's gradient.
+   Micro-batch k's forward on stage s therefore reads the stage's weights after max(0, k - (p-s-1)) updates;
+   weight stashing keeps that version until k's backward, so the gradient belongs to the weights that produced
+   it (--clip 0 only: k's whole-model norm exists once stage 0 ends B_k, after the later stages stepped):
        micro-batch k           0  1  2  3  4  5  6  7      (p = 4)
        stage 0 reads version   0  0  0  0  1  2  3  4      max(0, k-3)   versions kept <= p - s
        stage 3 reads version   0  1  2  3  4  5  6  7      k
    --vertical-sync: every stage reads the version stage 0 read (the number travels with the activation), so
    a micro-batch sees one consistent model; a later stage then keeps p versions, not p - s.
-   Words: step t = micro-batches t*m .. t*m+m-1 of the stream = m updates of every stage. Its loss is the
-   sum of those m micro-batch losses (each over the step's global token count), each computed with the
-   weights its forward read: a running loss, not the loss of any one set of weights.
+   Step t = micro-batches t*m .. t*m+m-1 of the stream = m updates of every stage; its loss is the sum of
+   their losses, each with the weights its forward read: a running loss, not the loss of one set of weights.
 3. 2bw (PipeDream-2BW, 2021): never drain either, but a stage sums the gradient over a batch's m
    micro-batches and steps once per batch. Batch t runs on the weights of update t-1, and its gradient
    updates the newest: W_{t+1} = AdamW(W_t, clip(grad at W_{t-1})) (the paper's W_t - lr*grad f(W_{t-1})).
    Two versions alive per stage, ever (the double buffer). Needs m >= p, as in the paper. Step t's loss is
    batch t's loss at W_{t-1}. Clipping needs the whole model's norm of batch t, complete only on stage 0
-   (last to finish the batch): it rides back up with an activation, before any stage needs W_{t+1}.
-   Here the newest version also lives in the master weights the optimizer steps, so a stage holds one buffer
-   more than the versions it counts (autograd must never see a tensor it saved change in place).
+   (last to finish the batch): it rides back down with an activation, before any stage needs W_{t+1}.
+   The newest version also lives in the master weights the optimizer steps, so a stage holds one buffer more
+   than the versions it counts (autograd must never see a tensor it saved change in place).
+4. zb (ZB-H1; Qi, Wan, Huang, Lin, "Zero Bubble Pipeline Parallelism", ICLR 2024): synchronous as flush, but
+   each backward is cut in two: B, the gradient of the stage's input, which the stage before waits for, and W,
+   the gradient of the stage's weights, which nobody waits for. 1F1B's order of F and B, each B followed by a
+   W, except that stage s holds back its first s W's: its last s fill the cool-down, where 1F1B's stage s
+   waits (the order of torch's ScheduleInterleavedZeroBubble with one stage per rank):
+    ZB-H1, p = 4, m = 8 (F, B, W one slot each)                                                 time ->
+    stage 0   F0 F1 F2 F3 .. .. .. B0 W0 F4 B1 W1 F5 B2 W2 F6 B3 W3 F7 B4 W4 B5 W5 B6 W6 B7 W7
+    stage 1   .. F0 F1 F2 .. .. B0 F3 B1 W0 F4 B2 W1 F5 B3 W2 F6 B4 W3 F7 B5 W4 B6 W5 B7 W6 W7
+    stage 2   .. .. F0 F1 .. B0 F2 B1 F3 B2 W0 F4 B3 W1 F5 B4 W2 F6 B5 W3 F7 B6 W4 B7 W5 W6 W7
+    stage 3   .. .. .. F0 B0 F1 B1 F2 B2 F3 B3 W0 F4 B4 W1 F5 B5 W2 F6 B6 W3 F7 B7 W4 W5 W6 W7
+              idle (p-1)(T_F+T_B-T_W) = 3 slots of 27, a third of 1F1B's (p-1)(T_F+T_B+T_W) = 9 (of 33)
+   The cut (SplitBackward): in B, each nn.Linear returns only its input's gradient dx = dy W and keeps its
+   input x and its output's gradient dy; W forms dW = dy^T x and db = sum(dy), the very products autograd
+   forms, so B then W equals one backward bit for bit. Every other parameter (LayerNorm, embeddings) gets its
+   gradient in B, as autograd computes it: elementwise or scatter work, small beside the Linears' products.
+   A micro-batch lives until its W: at most p on every stage (1F1B's stage 0 holds p as well).
 stash and 2bw are meant to differ from synchronous training: --check compares each with a one-process
 simulation of its own rule, without a pipeline (simulate_stash, simulate_2bw, at the end of the file).
-Checkpoints (--ckpt-dir): a stream has no consistent step boundary, so stash and 2bw drain the pipeline at each
-save step (one more fill and drain there: the schedule changes only there) and save the weight versions that
-later micro-batches still read. Every micro-batch reads the version the uninterrupted stream gives it, so a run
-killed and resumed ends with the uninterrupted run's losses and parameters, bit for bit.
+Checkpoints (--ckpt-dir): a stream has no consistent step boundary, so stash and 2bw drain the pipeline at
+each save step (one more fill and drain there: the schedule changes only there) and save the weight versions
+that later micro-batches still read. Every micro-batch reads the version the uninterrupted stream gives it, so
+a run killed and resumed ends with the uninterrupted run's losses and parameters, bit for bit.
 
-Measured on every rank: each F and B (start, end, weight version, and for B which weights its gradient landed
-on), the bubble (idle / total) beside its theory, micro-batches alive, weight versions kept, bytes sent; an ASCII
-timeline drawn from the events and --trace PATH (Chrome trace JSON for https://ui.perfetto.dev). --stage-ms F
-simulates compute time (each F also waits F ms, each B 2F ms; the numbers computed are unchanged), so that on
-a few shared cores the schedule, not the operating system's scheduling, sets the measured bubble.
+Measured from outside the schedule: each F, B, W (start, end, weight version), the bubble beside its theory,
+micro-batches alive, weight versions kept, bytes sent (seen at the dispatcher); an ASCII timeline and --trace
+PATH (Chrome trace JSON for https://ui.perfetto.dev). --stage-ms F simulates compute (each F also waits F ms,
+each B 2F; with zb each F, B and W waits F; the numbers computed are unchanged), so that on a few shared cores
+the schedule, not the operating system's scheduling, sets the measured bubble.
 
 Run (one process per stage; a world of 1 is not a pipeline):
     torchrun --nproc_per_node=4 pipedream.py --microbatches 8 --trace pipedream_trace.json
-    torchrun --nproc_per_node=4 pipedream.py --microbatches 8 --stage-ms 30 --steps 3  # simulated compute: the bubble
-    torchrun --nproc_per_node=3 pipedream.py --n-layers 4 --dtype float64 --check       # uneven: 2 + 1 + 1 blocks
+    torchrun --nproc_per_node=4 pipedream.py --microbatches 8 --stage-ms 30 --steps 3  # simulated compute
+    torchrun --nproc_per_node=4 pipedream.py --mode zb --microbatches 8 --stage-ms 30 --steps 3  # ZB-H1
+    torchrun --nproc_per_node=3 pipedream.py --n-layers 4 --dtype float64 --check  # uneven: 2 + 1 + 1 blocks
     torchrun --nproc_per_node=4 pipedream.py --mode stash --clip 0 --vertical-sync --dtype float64 --check
     torchrun --nproc_per_node=4 pipedream.py --mode 2bw --microbatches 4 --dtype float64 --check
-In production, use torch.distributed.pipelining (Schedule1F1B) or Megatron-LM's / DeepSpeed's pipelines.
+In production, use torch.distributed.pipelining (Schedule1F1B, ScheduleInterleavedZeroBubble) or the pipelines
+of Megatron-LM or DeepSpeed.
 """
+
 import collections
+import contextlib
 import copy
-import json
+import functools
 import sys
-import time
 from dataclasses import dataclass
-from functools import lru_cache
 from typing import Literal
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+import torch.nn.functional as F
 from einops import rearrange
 from torch.func import functional_call
 
-from common import (DTYPES, build_gpt, clip_grads_, close_dist, count_tokens, fail, GPTConfig, init_dist,
-                    lm_loss, make_optimizer, MarkovData)
-from harness import (assemble_full, check_against_reference, check_common_args, Checkpointer, CommonArgs,
-                     env_world_size, gather_rows, log_step, maybe_fail, parse_args, peak_memory_bytes,
-                     SavedActivations, state_bytes, StepTimer, tensor_bytes, write_summary)
+from common import (DTYPES, build_gpt, count_tokens, fail, GPTConfig, init_dist, lm_loss, make_optimizer,
+                    MarkovData)
+from harness import (assemble_full, busy_ms, check_against_reference, check_common_args, CommCounter,
+                     CommonArgs, draw_timeline, env_world_size, gather_rows, LiveStorages, parse_args,
+                     peak_memory_bytes, Run, SavedActivations, state_bytes, Timeline, write_trace)
 
 
 @dataclass
 class Args(CommonArgs):
     microbatches: int = 4  # m: micro-batches per global batch (--batch-size must be divisible by it)
-    mode: Literal["flush", "stash", "2bw"] = "flush"  # flush: synchronous 1F1B; stash: PipeDream; 2bw: PipeDream-2BW
+    mode: Literal["flush", "stash", "2bw", "zb"] = "flush"  # flush: 1F1B; stash: PipeDream; 2bw; zb: ZB-H1
     vertical_sync: bool = False  # stash: every stage uses the weight version stage 0 used for the micro-batch
-    trace: str = ""  # write the measured F/B events as a Chrome trace (JSON) to this path
-    stage_ms: float = 0.0  # simulate compute time: each F of a micro-batch also waits this many ms, each B twice that
+    trace: str = ""  # write the measured F/B/W events as a Chrome trace (JSON) to this path
+    stage_ms: float = 0.0  # simulate compute time: each F also waits this many ms, each B twice (zb: once)
 
 
 # ----------------------------------------------------------------------------- the stages
@@ -104,8 +123,8 @@ def split_layers(n_layers, p):
 
 
 class Stage(nn.Module):
-    """Blocks [start, end) of the seeded GPT, plus the embedding on the first stage and ln_f + head on the last.
-    The GPT's own parameter names are kept ("blocks.2.attn.q.weight"): the stages together are the GPT."""
+    """Blocks [start, end) of the seeded GPT, plus the embedding on the first stage and ln_f + head on the
+    last. The GPT's parameter names are kept ("blocks.2.attn.q.weight"): together the stages are the GPT."""
 
     def __init__(self, gpt, s, bounds):
         super().__init__()
@@ -124,17 +143,7 @@ class Stage(nn.Module):
         return self.head(self.ln_f(h)) if self.last else h  # last: logits (b, T, V)
 
 
-def stage_of(name, bounds):
-    """Which stage holds the GPT parameter `name`."""
-    if name.startswith(("tok_emb", "pos_emb")):
-        return 0
-    if name.startswith("blocks."):
-        i = int(name.split(".")[1])
-        return next(s for s, (a, z) in enumerate(bounds) if a <= i < z)
-    return len(bounds) - 1
-
-
-# ----------------------------------------------------------------------------- the 1F1B schedule
+# ----------------------------------------------------------------------------- the schedules
 def one_f_one_b(n, p, s):
     """Stage s's order of work for a stream of n micro-batches: p-s-1 warm-up forwards (as many as the stages
     after s need to fill), then one F and one B in turn, then the cool-down backwards. B runs in F's order."""
@@ -145,521 +154,595 @@ def one_f_one_b(n, p, s):
     return ops + [("B", k) for k in range(n - warm, n)]
 
 
+def zb_h1(n, p, s):
+    """ZB-H1 (Qi et al. 2024, Sec. 3.1): 1F1B's F and B (B: the input's gradient only), each B followed by the
+    oldest W still to run, but stage s runs its first s B's without one: its last s W's end the schedule."""
+    ops, waiting = [], collections.deque()
+    for kind, k in one_f_one_b(n, p, s):
+        ops.append((kind, k))
+        if kind == "B":
+            waiting.append(k)
+            if k >= s:
+                ops.append(("W", waiting.popleft()))
+    return ops + [("W", k) for k in waiting]
+
+
 def split_at_step_ends(ops, m):
-    """Cut a stage's ops after the backward of each step's last micro-batch: chunk t is what it runs in step t.
-    Without a flush (stash, 2bw), chunk t already holds some forwards of step t+1."""
-    chunks = [[]]
+    """Cut a stage's ops after the last op (W if there are any, else B) of each step's last micro-batch: chunk
+    t is what it runs in step t. Without a flush (stash, 2bw), chunk t already holds forwards of step t+1."""
+    last, chunks = "W" if any(kind == "W" for kind, _ in ops) else "B", [[]]
     for kind, k in ops:
         chunks[-1].append((kind, k))
-        if kind == "B" and k % m == m - 1:
+        if kind == last and k % m == m - 1:
             chunks.append([])
     return chunks[:-1]
 
 
-def p2p(sends, recvs):
-    """One batch_isend_irecv of [(tensor, peer)] sends and receives, then wait. A stage sends each result
-    together with the receive its next op needs, and its neighbour posts the mirror pair: after F(k) stage s
-    sends k's activation and receives the gradient for its next B(j); after B(j) stage s+1 sends that gradient
-    and receives k's activation. Two blocking sends facing each other deadlock under NCCL; one batch cannot
-    (Megatron-LM's send_forward_recv_backward). Returns the bytes sent."""
+def p2p(sends, recvs, wait=True):
+    """One batch_isend_irecv of [(tensor, peer)] sends and receives, then wait (or return the requests, to
+    wait later). A stage sends each result together with the receive its next op needs, and its neighbour
+    posts the mirror pair: after F(k) stage s sends k's activation and receives the gradient for its next
+    B(j); after B(j) stage s+1 sends that gradient and receives k's activation. Two blocking sends facing each
+    other deadlock under NCCL; one batch cannot (Megatron-LM's send_forward_recv_backward)."""
     ops = [dist.P2POp(dist.isend, t, peer) for t, peer in sends]
     ops += [dist.P2POp(dist.irecv, t, peer) for t, peer in recvs]
-    if ops:
-        for req in dist.batch_isend_irecv(ops):
-            req.wait()
-    return sum(t.numel() * t.element_size() for t, _ in sends)
+    reqs = dist.batch_isend_irecv(ops) if ops else []
+    for req in reqs if wait else []:
+        req.wait()
+    return [] if wait else reqs
 
 
-# Every activation and gradient travels with a 4-number float64 tag (kept in float64 so a loss is exact):
-#   forward  [micro-batch k, weight version, 2bw: newest batch whose whole-model grad norm is known, its norm^2]
+# ----------------------------------------------------------------------------- B and W: one backward in two
+class _LinearDeferringW(torch.autograd.Function):
+    """F.linear whose backward returns dx only and keeps (x, dy), what W needs, in split.saved."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, layer, split):
+        ctx.save_for_backward(x, weight)  # x for W, the weight for dx: what nn.Linear's own backward keeps
+        ctx.layer, ctx.split = layer, split
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, dy):  # dy: (..., out)
+        x, weight = ctx.saved_tensors  # x: (..., in)
+        ctx.split.saved.append((ctx.layer, x, dy))
+        dx = dy.reshape(-1, dy.shape[-1]).mm(weight).view(x.shape) if ctx.needs_input_grad[0] else None
+        return dx, None, None, None, None  # no weight or bias gradient now: W adds it
+
+
+class SplitBackward:
+    """Zero Bubble's B and W for `module` (Qi et al. 2024, Sec. 2): every nn.Linear inside defers its weight
+    gradient. backward_input(out, grad), B: one autograd backward that gives the input and every parameter
+    that is not a Linear's (LayerNorm, embeddings, ...) its gradient, and returns what W needs.
+    backward_weight(that), W: dW = dy^T x and db = sum(dy) per Linear, added to .grad as autograd adds."""
+
+    def __init__(self, module):
+        self.saved = []  # (layer, x, dy), appended by the B in progress
+        for layer in module.modules():
+            if isinstance(layer, nn.Linear):
+                layer.forward = functools.partial(self._linear, layer)
+
+    def _linear(self, layer, x):
+        return _LinearDeferringW.apply(x, layer.weight, layer.bias, layer, self)
+
+    def backward_input(self, out, grad=None):
+        torch.autograd.backward(out, grad)
+        saved, self.saved = self.saved, []
+        return saved
+
+    @staticmethod
+    def backward_weight(saved):
+        for layer, x, dy in saved:
+            x2, dy2 = x.reshape(-1, x.shape[-1]), dy.reshape(-1, dy.shape[-1])  # (N, in), (N, out)
+            # the products autograd's addmm / mm backward forms, in its layout: the same bits
+            grads = [(layer.weight, dy2.t().mm(x2))]  # (out, in)
+            if layer.bias is not None:
+                grads.append((layer.bias, dy2.sum(0)))  # (out,)
+            for q, g in grads:
+                q.grad = g if q.grad is None else q.grad.add_(g)
+
+
+# ----------------------------------------------------------------------------- one stage running its ops
+# Every activation and gradient travels with a 4-number float64 tag (float64, so that a loss is exact):
+#   forward  [micro-batch k, weight version, 2bw: newest batch whose whole-model norm is known, its norm^2]
 #   backward [micro-batch k, weight version, loss of k (from the last stage), 2bw: partial grad norm^2]
-# The host never reads a tag while the pipeline runs (on a GPU that would stop the stream at every message): the
-# numbers it needs to decide (k, versions, which norm is known) follow from the schedule; the tags carry them
-# too, and verify_tags() checks them against the schedule once per step. Losses and norms stay on the device.
+# Losses and norms ride on them, on the device: the host never reads a tag while the pipeline runs (on a GPU
+# that would stop the stream at every message); what it needs to decide follows from the schedule.
 TAG = 4
 
 
 class StageRunner:
-    """One rank's stage: runs its ops in order, holding what lives between them: the micro-batches in flight,
-    the message waiting to be sent with the next receive, the weight versions (stash, 2bw), the events."""
+    """One pipeline stage running its ops ("F", k), ("B", k), ("W", k) in order, for any stage module; when
+    the weights change is the policy's (Flush, Stash, TwoBW). It holds what lives between two ops: the
+    micro-batches between F and B (and W), the message waiting to leave with the next receive, the losses.
+      source(k)   (stage 0's input, the last stage's target) of micro-batch k; loss_fn(output, target)
+      in_shape    what this stage receives from prev (its gradient goes back); out_shape: what it sends on
+      prev, next  the neighbours' ranks, None at the ends; split: a SplitBackward for a schedule with W
+      observe     observe(kind, k, **tags): a context around every op, for a timer watching from outside"""
 
-    def __init__(self, d, args, stage, opt, batch_of, act_shape, clock):
-        self.d, self.args, self.mode, self.m = d, args, args.mode, args.microbatches
-        self.s, self.p, self.stage, self.opt, self.batch_of, self.clock = d.rank, d.world, stage, opt, batch_of, clock
-        self.act_shape, self.dtype = act_shape, next(stage.parameters()).dtype  # (b, T, D) crosses a boundary
-        self.version = 0  # optimizer steps taken: `stage` (the master the optimizer steps) is this version
-        # Weight stashing: a forward never reads the master. Autograd keeps the tensors a forward used, and
-        # the next step() would change them in place under a micro-batch still waiting for its backward. So
-        # every version a micro-batch may read is a frozen copy, taken right after the step that made it.
-        self.snap = {} if self.mode == "flush" else {0: copy.deepcopy(stage)}  # version -> frozen Stage
-        self.in_flight = collections.Counter()  # version -> micro-batches between their F and their B
-        self.alive = {}  # k -> (input, output, version, bytes held for B)
-        self.outbox = []  # the last op's message; it leaves with the next op's receive
-        self.due = []  # [(gradient, whole-model norm^2 or None)]: updates to apply before the next op
-        self.batch_grads = {}  # 2bw: batch -> its summed gradient, until the whole-model norm arrives
-        self.known = (-1, self.tag()[0])  # 2bw: (newest batch whose whole-model norm^2 is known here, it on device)
-        self.stage0_version = 0  # --vertical-sync: stage 0's version of the newest micro-batch received
-        self.drained_norm = -1  # 2bw: the norm every stage knew at the last drain (see drain)
-        self.next_f = 0  # the micro-batch of this stage's next forward
-        self.losses = {}  # k -> loss (device): on the last stage from F to B; on stage 0 as its gradient arrives
-        self.received = []  # [(what the schedule says the tag holds {index: value}, tag)], until verify_tags
-        self.events, self.sent, self.peak_alive, self.peak_versions, self.peak_bytes = [], 0, 0, 1, 0
+    def __init__(self, policy, source, loss_fn, in_shape, out_shape, dtype, device, prev=None, next=None,
+                 split=None, observe=lambda kind, k, **tags: contextlib.nullcontext()):
+        self.policy, self.source, self.loss_fn, self.split = policy, source, loss_fn, split
+        self.shape, self.dtype, self.device = {"F": in_shape, "B": out_shape}, dtype, device
+        self.prev, self.next, self.observe = prev, next, observe
+        self.alive, self.w_pending = {}, {}  # k -> (input, output, version), F to B; k -> W's inputs, B to W
+        self.outbox, self.losses, self.next_f = [], {}, 0
+        self.sending = ([], [])  # (requests, tensors) of a send left in flight over a W
 
     def tag(self, *xs):  # (TAG,) on the device, from numbers or 0-d device tensors: no host round trip
-        t = torch.zeros(TAG, dtype=torch.float64, device=self.d.device)
+        t = torch.zeros(TAG, dtype=torch.float64, device=self.device)
         for i, x in enumerate(xs):
             t[i] = x
         return t
 
     def run(self, ops):
         for kind, k in ops:
-            received = self.exchange(kind, k)
-            self.apply_due_updates()
-            (self.forward if kind == "F" else self.backward)(k, *received)
+            x, tag = self.exchange(kind, k)
+            self.policy.apply_due(self.next_f)  # the updates the last backward made due (stash, 2bw)
+            {"F": self.forward, "B": self.backward, "W": self.weight_grads}[kind](k, x, tag)
 
     def exchange(self, kind, k):
-        """Send the outbox and receive this op's input: an activation from s-1 for F, a gradient from s+1 for B."""
-        peer = self.s - 1 if kind == "F" else self.s + 1
-        if not 0 <= peer < self.p:  # stage 0 reads tokens; the last stage starts B from its own loss
-            self.sent += p2p(self.outbox, [])
+        """Send the last op's message with this op's receive, in one batch: F's activation from prev, B's
+        gradient from next. W receives nothing: the gradient of the B before it leaves at once, and W computes
+        while it travels (waiting for its arrival would idle the stage until the stage before takes it)."""
+        for req in self.sending[0]:
+            req.wait()
+        peer = {"F": self.prev, "B": self.next}.get(kind)
+        if peer is None:  # stage 0 reads tokens, the last stage starts B from its loss, W needs no message
+            self.sending = (p2p(self.outbox, [], wait=kind != "W"), self.outbox)
             self.outbox = []
             return None, None
-        x, tag = torch.empty(self.act_shape, dtype=self.dtype, device=self.d.device), self.tag()
-        self.sent += p2p(self.outbox, [(x, peer), (tag, peer)])
-        self.outbox = []
-        expect = {0: k}
+        x = torch.empty(self.shape[kind], dtype=self.dtype, device=self.device)
+        tag = torch.empty(TAG, dtype=torch.float64, device=self.device)
+        p2p(self.outbox, [(x, peer), (tag, peer)])
+        self.outbox, self.sending = [], ([], [])
         if kind == "F":
-            # Stage 0 read version max(0, k-(p-1)) for micro-batch k: its warm-up forwards run before any update.
-            self.stage0_version = max(0, k - (self.p - 1))
-            expect.update({1: self.stage0_version} if self.args.vertical_sync else {})
-            if self.mode == "2bw":  # stage 0 had run B up to k-p when it sent F_k: the norms of its full batches
-                t = max((k - self.p + 1) // self.m - 1, self.drained_norm)
-                expect[2] = t
-                self.learn_norm(t, tag[3])
-        self.received.append((expect, tag))
+            self.policy.received(k, tag)  # 2bw: the whole-model norm rides on the activation
         return x, tag
 
-    def version_for(self, k):
-        """The weights micro-batch k reads here. Stash and 2bw name them by the rule of one uninterrupted 1F1B
-        stream, so a drain (at a checkpoint) changes the timing only, never which version a micro-batch reads."""
-        if self.mode == "2bw":
-            return max(k // self.m - 1, 0)  # batch t reads the weights of update t-1
-        if self.mode == "stash":  # stage s has had max(0, k - lag) updates when F_k comes (its warm-up: lag forwards)
-            lag = self.p - 1 if self.args.vertical_sync else self.p - self.s - 1  # vertical sync: stage 0's lag
-            return max(0, k - lag)
-        return self.version  # flush: the only version
-
     def forward(self, k, x, tag):
-        step, j = divmod(k, self.m)
-        tokens, targets, n_tok = self.batch_of(step)  # (m, b, T) each: step's global batch, as micro-batches
-        v = self.version_for(k)
-        weights = self.stage if self.mode == "flush" else self.snap[v]
-        inp = tokens[j] if self.s == 0 else x.requires_grad_()  # a leaf: its .grad is what B sends back
-        start = self.clock.now()
-        with SavedActivations() as saved:
-            out = weights(inp)  # (b, T, D); last stage: logits (b, T, V) ...
-            if self.stage.last:
-                out = lm_loss(out, targets[j], n_tok)  # ... and the loss: sum over tokens / global token count
-        simulate_compute(self.args.stage_ms)
-        self.events.append(dict(rank=self.s, kind="F", mb=k, start=start, end=self.clock.now(), version=v))
-        self.in_flight[v] += 1
-        self.next_f = k + 1
-        held = saved.bytes + out.numel() * out.element_size()  # + the output (the input is among the saved)
-        self.alive[k] = (inp, out, v, held)
-        self.peak_alive = max(self.peak_alive, len(self.alive))
-        if self.stage.last:
+        weights, v = self.policy.weights(k)  # the version micro-batch k reads on this stage
+        inp, target = self.source(k)
+        if self.prev is not None:
+            inp = x.requires_grad_()  # a leaf: its .grad is what B sends back
+        with self.observe("F", k, version=v):
+            out = weights(inp)  # GPT: (b, T, D); last stage: logits (b, T, V) ...
+            if self.next is None:
+                out = self.loss_fn(out, target)  # ... and the loss: sum over tokens / global token count
+        self.alive[k], self.next_f = (inp, out, v), k + 1
+        if self.next is None:
             self.losses[k] = out.detach()
         else:
-            self.outbox = [(out.detach(), self.s + 1), (self.tag(k, v, *self.known), self.s + 1)]
-        self.count_bytes()
+            self.outbox = [(out.detach(), self.next), (self.tag(k, v, *self.policy.forward_tag()), self.next)]
 
     def backward(self, k, grad, tag):
-        inp, out, v, _ = self.alive.pop(k)
-        start = self.clock.now()
-        torch.autograd.backward(out, grad)  # last stage: from the loss itself; the gradients land on `weights`
-        simulate_compute(2 * self.args.stage_ms)
-        self.events.append(dict(rank=self.s, kind="B", mb=k, start=start, end=self.clock.now(), version=v))
-        self.events[-1].update(zip(("grad_version", "live_grad"), grads_landed_on(self)))
-        self.in_flight[v] -= 1
-        loss, partial = (self.losses.pop(k), self.tag()[0]) if self.stage.last else (tag[2], tag[3])  # on device
-        if self.s == 0:
-            self.losses[k] = loss  # step t's loss is complete on stage 0 when B of its last micro-batch is
-        if self.mode == "stash":  # PipeDream: every backward is an update of this stage
-            self.due.append((self.take_grads(v), None))
-        if self.mode == "2bw" and k % self.m == self.m - 1:  # the batch's gradient is complete on this stage
-            t, grads = k // self.m, self.take_grads(v)
-            self.batch_grads[t] = grads
-            # The whole-model norm is the sum of every stage's squared norm; stage 0 finishes last, so the
-            # partial sum rides down with the gradient, and the total rides back up with an activation.
-            partial = partial + sum((g.double() ** 2).sum() for g in grads)
-            if self.s == 0:
-                self.learn_norm(t, partial)
-        if self.s > 0:
-            self.outbox = [(inp.grad, self.s - 1), (self.tag(k, v, loss, partial), self.s - 1)]  # (b, T, D)
+        inp, out, v = self.alive[k]
+        with self.observe("B", k, version=v):
+            if self.split is None:  # the whole backward; last stage: from the loss itself
+                torch.autograd.backward(out, grad)
+            else:  # B: the input's gradient now, the Linears' weight gradients at W
+                self.w_pending[k] = self.split.backward_input(out, grad)
+        del self.alive[k]
+        loss, partial = (self.losses.pop(k), 0.0) if self.next is None else (tag[2], tag[3])  # on the device
+        if self.prev is None:
+            self.losses[k] = loss  # stage 0 holds k's loss once k's gradient is back
+        partial = self.policy.on_backward(k, v, partial)
+        if self.prev is not None:
+            self.outbox = [(inp.grad, self.prev), (self.tag(k, v, loss, partial), self.prev)]  # (b, T, D)
 
-    def take_grads(self, v):
-        """Move micro-batch (stash) or batch (2bw) gradients out of version v: the next user of v starts from 0."""
-        grads = [q.grad for q in self.snap[v].parameters()]
-        for q in self.snap[v].parameters():
-            q.grad = None
-        return grads
+    def weight_grads(self, k, x=None, tag=None):
+        with self.observe("W", k, version=self.policy.version):
+            self.split.backward_weight(self.w_pending[k])
+        del self.w_pending[k]
 
-    def learn_norm(self, t, sq):
-        """2bw: batch t's whole-model squared gradient norm (sq, on the device) is known here now, so its update is
-        due. It is first needed by batch t+2, which starts on this stage after the norm passes with micro-batch
-        (t+1)m + p-1. A message carries only the newest norm its sender knows, so the drain's correctness rests on
-        an invariant: every norm a stage learns is the next one it expects. Skipping one would leave that batch's
-        gradient unapplied for ever (m < p breaks it: see the guard in main)."""
-        if self.mode != "2bw" or t == self.known[0]:
-            return  # nothing new
-        if t != self.known[0] + 1 or t not in self.batch_grads:
-            raise RuntimeError(f"stage {self.s}: 2bw learns the norm of batch {t}, but the next it expects is batch "
-                               f"{self.known[0] + 1}'s (gradient held for {sorted(self.batch_grads)}): an update "
-                               "would be skipped; the schedule needs --microbatches >= stages")
-        self.known = (t, sq)
-        self.due.append((self.batch_grads.pop(t), sq))
+    def drain(self, t):
+        """The end of step t (flush, zb) or of a stream's segment: send what the last op left, then the
+        policy's end of batch (flush: the optimizer step; stash, 2bw: the updates still due)."""
+        for req in self.sending[0]:
+            req.wait()
+        p2p(self.outbox, [])
+        self.outbox, self.sending = [], ([], [])
+        self.policy.drain(t, self.next_f)
 
-    def apply_due_updates(self):
-        for grads, sq in self.due:
-            for q, g in zip(self.stage.parameters(), grads):
-                q.grad = g
-            if sq is not None:
-                clip_grads_(grads, sq.sqrt(), self.args.clip)
-            self.opt.step()
-            self.opt.zero_grad(set_to_none=True)
-            self.version += 1
-            self.drop_unused_versions()  # first, so a real system could reuse a dropped version's buffer
-            self.snap[self.version] = copy.deepcopy(self.stage)  # 2bw: the double buffer's other half
-        self.due = []
-        self.drop_unused_versions()
-        self.peak_versions = max(self.peak_versions, len(self.snap))
-        self.count_bytes()
 
-    def drop_unused_versions(self):
-        """Keep a version while a micro-batch in flight reads it or one still to come may read it."""
-        if self.mode == "2bw":
-            floor = max(self.next_f // self.m - 1, 0)  # the version of the next forward's batch
-        elif self.args.vertical_sync and self.s > 0 and self.next_f < self.args.steps * self.m:
-            floor = self.stage0_version  # stage 0's versions only grow
-        else:  # flush, stash: the next forward reads the newest (older after a drain; see version_for)
-            floor = min(self.version, self.version_for(self.next_f))
-        for v in [v for v in self.snap if v < floor and not self.in_flight[v]]:
-            del self.snap[v]
+# ----------------------------------------------------------------------------- policies: when weights change
+def clip_(grads, total_norm, max_norm):
+    """torch.nn.utils.clip_grad_norm_'s rule, given the whole model's norm (every stage's)."""
+    if max_norm > 0:
+        coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
+        for g in grads:
+            g.mul_(coef.to(device=g.device, dtype=g.dtype))
 
-    def drain(self, last):
-        """End of a flush step, of the stream, or (stash, 2bw) of a segment before a checkpoint, after batch `last`:
-        send what the last op left, apply the updates still due. Then nothing is in flight, and the versions
-        kept (self.snap) are all the state the rest of the run needs."""
-        self.sent += p2p(self.outbox, [])
-        self.outbox = []
-        self.apply_due_updates()
-        if self.mode == "2bw":
-            # the last batch's norm has no activation left to ride on: stage 0 broadcasts it
-            known = self.tag(*self.known)
-            dist.broadcast(known, src=0)
-            self.received.append(({0: last}, known))
-            self.learn_norm(last, known[1])
-            self.apply_due_updates()
-            self.drained_norm = last  # the next segment's tags carry it until stage 0 knows a newer one
-        self.verify_tags()
 
-    def state_dict(self):  # for the checkpoint, after a drain: the step count, the versions kept, the known norm
-        return dict(version=self.version, known=(self.known[0], self.known[1].cpu()), drained_norm=self.drained_norm,
-                    snap={v: w.state_dict() for v, w in self.snap.items()})
+def squared_norm(grads):  # in float64, without a float64 copy of each gradient (the norm's dtype=)
+    return torch.stack([torch.linalg.vector_norm(g, dtype=torch.float64) for g in grads]).square().sum()
 
-    def load_state_dict(self, state):  # after the master `stage` itself is loaded
-        self.version, self.drained_norm = state["version"], state["drained_norm"]
-        self.known = (state["known"][0], state["known"][1].to(self.d.device))
-        self.snap = {v: copy.deepcopy(self.stage) for v in state["snap"]}
-        for v, w in self.snap.items():
-            w.load_state_dict(state["snap"][v])
 
-    def verify_tags(self):
-        """Once per step, one host read for all the step's messages: each tag holds what the schedule says."""
-        if self.received:
-            got = torch.stack([t for _, t in self.received]).cpu()  # (messages, TAG)
-            for (expect, _), row in zip(self.received, got.tolist()):
-                if any(row[i] != v for i, v in expect.items()):
-                    raise RuntimeError(f"stage {self.s}: a message's tag {row} is not the schedule's {expect}")
-        self.received = []
+class Flush:
+    """PipeDream-flush, ZB-H1: one version of the weights, the live one. Every micro-batch's gradient adds up
+    on it; once the pipeline has drained, one optimizer step, clipped by the whole model's norm."""
 
-    def flush_update(self):
-        """PipeDream-flush: the pipeline is empty; one step with the whole model's norm, as one process would."""
-        grads = [q.grad for q in self.stage.parameters()]
-        sq = sum((g.double() ** 2).sum() for g in grads).view(1)  # (1,) this stage's squared norm
-        dist.all_reduce(sq)  # (1,) summed over stages: the whole model's
-        clip_grads_(grads, sq.sqrt(), self.args.clip)
+    def __init__(self, stage, opt, clip, group=None):
+        self.stage, self.opt, self.clip, self.group, self.version = stage, opt, clip, group, 0
+
+    def weights(self, k):  # -> (the module micro-batch k runs on, its version)
+        return self.stage, self.version
+
+    def forward_tag(self):  # what rides down with an activation (2bw: the newest whole-model norm)
+        return ()
+
+    def received(self, k, tag):  # ... and what a stage learns from it
+        pass
+
+    def on_backward(self, k, v, partial):  # after B of k on version v; returns the partial norm^2 going up
+        return partial
+
+    def apply_due(self, next_f):  # the updates due before the next op (stash, 2bw)
+        pass
+
+    def drain(self, t, next_f):
+        grads = [q.grad for q in self.stage.parameters() if q.grad is not None]
+        sq = squared_norm(grads).view(1)  # (1,) this stage's squared norm
+        dist.all_reduce(sq, group=self.group)  # (1,) summed over stages: the whole model's
+        clip_(grads, sq.sqrt(), self.clip)
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
         self.version += 1
 
-    def count_bytes(self):
-        """Parameters, gradients and AdamW state, stashed versions and pending gradients, live activations."""
-        extra = [t for w in self.snap.values() for q in w.parameters() for t in (q, q.grad)]
-        extra += [g for grads in self.batch_grads.values() for g in grads] + [g for gs, _ in self.due for g in gs]
-        now = state_bytes(self.stage, self.opt) + tensor_bytes(extra) + sum(a[3] for a in self.alive.values())
-        self.peak_bytes = max(self.peak_bytes, now)
+
+class Stash(Flush):
+    """PipeDream (2019): every backward is an update of this stage, with that micro-batch's gradient, so
+    micro-batch k reads the weights after max(0, k - lag) updates (lag: this stage's warm-up, p-s-1; with
+    vertical sync stage 0's, p-1). Weight stashing: a forward never reads the live weights the optimizer
+    steps (the next step would change, in place, tensors autograd saved for a backward still to come); each
+    version a micro-batch may read is a frozen copy, made right after the step that made it, and kept while a
+    micro-batch in flight or still to come reads it."""
+
+    def __init__(self, stage, opt, lag):
+        super().__init__(stage, opt, clip=0)
+        self.lag, self.versions = lag, {0: copy.deepcopy(stage)}  # version -> frozen copy of the stage
+        self.in_flight = collections.Counter()  # version -> micro-batches between their F and their B
+        self.due = []  # [(gradients, whole-model norm^2 or None)]: updates to apply before the next op
+
+    def version_for(self, k):  # the rule of one uninterrupted stream: a drain changes timing, never versions
+        return max(0, k - self.lag)
+
+    def floor(self, next_f):  # versions older than this serve no forward still to come
+        return min(self.version, self.version_for(next_f))
+
+    def weights(self, k):
+        v = self.version_for(k)
+        self.in_flight[v] += 1
+        return self.versions[v], v
+
+    def on_backward(self, k, v, partial):
+        self.in_flight[v] -= 1
+        self.due.append((self.take_grads(v), None))
+        return partial
+
+    def take_grads(self, v):
+        """Move the gradient out of version v: the next micro-batch on v starts from zero."""
+        grads = [q.grad for q in self.versions[v].parameters()]
+        for q in self.versions[v].parameters():
+            q.grad = None
+        return grads
+
+    def apply_due(self, next_f):
+        for grads, sq in self.due:
+            for q, g in zip(self.stage.parameters(), grads):
+                q.grad = g
+            if sq is not None:
+                clip_(grads, sq.sqrt(), self.clip)
+            self.opt.step()
+            self.opt.zero_grad(set_to_none=True)
+            self.version += 1
+            self.drop_unused(next_f)  # first, so that a real system could reuse a dropped version's buffer
+            self.versions[self.version] = copy.deepcopy(self.stage)  # 2bw: the double buffer's other half
+        self.due = []
+        self.drop_unused(next_f)
+
+    def drop_unused(self, next_f):
+        for v in [v for v in self.versions if v < self.floor(next_f) and not self.in_flight[v]]:
+            del self.versions[v]
+
+    def drain(self, t, next_f):
+        self.apply_due(next_f)
 
 
-# --- measurement --- (the clock, the counters gathered, the picture, the trace) ----------------------------
-class Clock:
-    """Times of F and B in ms since one zero common to all stages. CPU: the wall clock, zeroed at the wall time
-    the last rank arrived (an all-reduce, which also lines the ranks up; per-process perf_counter zeros after a
-    barrier would differ by its exit skew). CUDA: events recorded on the stream, so timing never stops the host
-    or the stream; the zero is an event right after the all-reduce, which ends at about the same moment on
-    every GPU. `read` turns stamps into ms: one synchronize per step, none per op."""
+class TwoBW(Stash):
+    """PipeDream-2BW: gradients summed over a batch's m micro-batches, one update per batch; batch t reads
+    the weights of update t-1 (two versions alive, ever). Clipping needs batch t's whole-model norm: each
+    stage adds its squared norm to the partial sum riding up with the gradients, stage 0 (last to end the
+    batch) has the total, and it rides back down with the activations before any stage needs W_{t+1}."""
 
-    def __init__(self, d):
-        self.d, self.cuda = d, d.device.type == "cuda"
-        t = torch.tensor([time.time() * 1e3], dtype=torch.float64, device=d.device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        if self.cuda:
-            self.zero = self.now()
-        else:
-            self.t0 = t.item()
+    def __init__(self, stage, opt, m, p, clip, first, src=0, group=None):
+        super().__init__(stage, opt, lag=None)
+        self.m, self.p, self.clip, self.first, self.src, self.group = m, p, clip, first, src, group
+        self.batch_grads = {}  # batch -> its summed gradient, until the whole-model norm arrives
+        zero = torch.zeros((), dtype=torch.float64, device=next(stage.parameters()).device)
+        self.known = (-1, zero)  # (newest batch whose whole-model norm^2 is known here, that norm^2)
+        self.drained_norm = -1  # the norm every stage knew at the last drain
 
-    def now(self):
-        if not self.cuda:
-            return time.time() * 1e3 - self.t0
-        event = torch.cuda.Event(enable_timing=True)
-        event.record()
-        return event
+    def version_for(self, k):
+        return max(k // self.m - 1, 0)  # batch t reads the weights of update t-1
 
-    def read(self, events):
-        if self.cuda:
-            torch.cuda.synchronize(self.d.device)
-            for e in events:
-                if not isinstance(e["start"], float):
-                    e["start"], e["end"] = (self.zero.elapsed_time(e[k]) for k in ("start", "end"))
-        return events
+    def floor(self, next_f):
+        return self.version_for(next_f)
 
+    def forward_tag(self):
+        return self.known
 
-def simulate_compute(ms):
-    """--stage-ms: wait, not compute, so that the schedule sets the timing rather than processes competing for
-    a few cores. On a GPU the host waits before the end event is recorded, so the stream's span covers it."""
-    if ms > 0:
-        time.sleep(ms / 1e3)
+    def received(self, k, tag):  # stage 0 had run B up to k-p when it sent F_k: it knew the norms that far
+        self.learn_norm(max((k - self.p + 1) // self.m - 1, self.drained_norm), tag[3])
 
+    def on_backward(self, k, v, partial):
+        self.in_flight[v] -= 1
+        if k % self.m == self.m - 1:  # the batch's gradient is complete on this stage
+            t, grads = k // self.m, self.take_grads(v)
+            self.batch_grads[t] = grads
+            partial = partial + squared_norm(grads)
+            if self.first:
+                self.learn_norm(t, partial)
+        return partial
 
-def grads_landed_on(runner):
-    """Weight stashing, seen from its effect: right after a backward, before its gradient is taken, which stashed
-    version's tensors hold a gradient (-1: none, -2: more than one) and whether the live weights (the master the
-    optimizer steps) got any (1) or not (0)."""
-    holding = [v for v, w in runner.snap.items() if any(q.grad is not None for q in w.parameters())]
-    live = any(q.grad is not None for q in runner.stage.parameters())
-    return (holding[0] if len(holding) == 1 else -2 if holding else -1), int(live)
+    def learn_norm(self, t, sq):
+        """Batch t's whole-model squared norm (on the device) is known here now, so its update is due. It is
+        first needed by batch t+2, which starts here after the norm passes with micro-batch (t+1)m + p-1. A
+        message carries only the newest norm its sender knows, so the drain's correctness rests on an
+        invariant: every norm a stage learns is the next one it expects (m < p breaks it: see check_args)."""
+        if t == self.known[0]:
+            return  # nothing new
+        if t != self.known[0] + 1 or t not in self.batch_grads:
+            raise RuntimeError(f"2bw learns the norm of batch {t}, but the next it expects is batch "
+                               f"{self.known[0] + 1}'s (gradient held for {sorted(self.batch_grads)}): an "
+                               "update would be skipped; the schedule needs --microbatches >= stages")
+        self.known = (t, sq)
+        self.due.append((self.batch_grads.pop(t), sq))
 
-
-EVENT = ["rank", "kind", "mb", "start", "end", "version", "grad_version", "live_grad"]  # one row per F or B
-COUNTS = ["alive", "versions", "sent", "bytes"]
-
-
-def gather(d, runner):
-    """Every rank's events and counters as rows of numbers (common.gather_rows: no object collective), on every
-    rank: [{events, alive, versions, sent, bytes}] per rank, as the report reads them."""
-    rows = [[d.rank, e["kind"] == "B", e["mb"], e["start"], e["end"], e["version"], e.get("grad_version", -1),
-             e.get("live_grad", 0)] for e in runner.events]
-    ev = gather_rows(d, rows if rows else torch.zeros(0, len(EVENT)))
-    counts = gather_rows(d, [[runner.peak_alive, runner.peak_versions, runner.sent, runner.peak_bytes]])
-    every = []
-    for rank_rows, c in zip(ev, counts):
-        events = [dict(zip(EVENT, [int(x) if n not in ("start", "end") else x for n, x in zip(EVENT, r)]))
-                  for r in rank_rows.tolist()]
-        for e in events:
-            e["kind"] = "FB"[e["kind"]]
-        every.append(dict(events=events, **dict(zip(COUNTS, map(int, c[0].tolist())))))
-    return every
+    def drain(self, t, next_f):
+        self.apply_due(next_f)
+        sq = self.known[1].reshape(1).clone()  # the last batch's norm has no activation left to ride on
+        dist.broadcast(sq, src=self.src, group=self.group)
+        self.learn_norm(t, sq[0])
+        self.apply_due(next_f)
+        self.drained_norm = t  # the next segment's tags carry it until stage 0 knows a newer one
 
 
-def bubble(events, p, lo, hi):
-    """Per rank, the idle share of [lo, hi] ms: 1 - (time in F or B) / (hi - lo)."""
-    busy = [0.0] * p
-    for e in events:
-        busy[e["rank"]] += max(0.0, min(e["end"], hi) - max(e["start"], lo))
-    return [1 - b / (hi - lo) for b in busy]
+def to_device(m, device, *batch):
+    """A step's global (B, ...) tensors as m micro-batches (m, B/m, ...), copied to the device once per step
+    (pinned and non-blocking on a GPU), never once per micro-batch in the middle of the schedule."""
+    batch = [rearrange(t, "(m b) ... -> m b ...", m=m) for t in batch]
+    if device.type == "cuda":
+        batch = [t.pin_memory() for t in batch]
+    return [t.to(device, non_blocking=True) for t in batch]
 
 
-def draw_timeline(events, p, lo, hi, label, max_cols=160):
-    """One row per stage, to scale, from the measured events in [lo, hi]: `F3` / `B3` where that micro-batch's
-    forward / backward ran (blank to its end), `.` where the stage sat idle."""
-    shown = [e for e in events if e["end"] > lo and e["start"] < hi]
-    typical = sorted(e["end"] - e["start"] for e in shown)[len(shown) // 2]
-    cols = int(min(max_cols, max(60, 3 * (hi - lo) / max(typical, 1e-6))))  # a typical event gets ~3 columns
-    per_col, rows = (hi - lo) / cols, []
-    for r in range(p):
-        row = ["."] * cols
-        for e in sorted((e for e in shown if e["rank"] == r), key=lambda e: e["start"]):
-            a = min(max(int((e["start"] - lo) / per_col), 0), cols - 1)
-            z = max(a + 1, min(cols, round((e["end"] - lo) / per_col)))
-            row[a:z] = list(f"{e['kind']}{label(e['mb'])}".ljust(z - a)[:z - a])
-        rows.append(f"stage {r} |{''.join(row)}|")
-    left = f"{lo:.1f} ms"
-    rows.append(f"{'':8}{left}{f'{hi:.1f} ms':>{cols + 2 - len(left)}}")
-    return "\n".join(rows)
-
-
-def write_trace(path, events, p):
-    """Chrome trace: one complete event ("ph": "X", microseconds) per F and B, one process per stage."""
-    trace = [dict(name=f"{e['kind']}{e['mb']}", cat="forward" if e["kind"] == "F" else "backward", ph="X",
-                  ts=1e3 * e["start"], dur=1e3 * (e["end"] - e["start"]), pid=e["rank"], tid=0,
-                  args=dict(mb=e["mb"], version=e["version"])) for e in events]
-    trace += [dict(name="process_name", ph="M", pid=r, tid=0, args=dict(name=f"stage {r}")) for r in range(p)]
-    with open(path, "w") as f:
-        json.dump(dict(traceEvents=trace, displayTimeUnit="ms"), f)
-
-
-def report(d, args, every, bounds, b_bytes, steps_run, segments):
-    """Rank 0: the figures of the summary from every rank's events and counts, each beside its theory; prints the
-    table, the ASCII timeline, and writes --trace. b_bytes: one micro-batch's (b, T, D) activation in bytes;
-    segments: the stretches of 1F1B between drains in this run (stash, 2bw: 1, or more with checkpoints)."""
-    p, m = len(bounds), args.microbatches
-    events = sorted((e for r in every for e in r["events"]), key=lambda e: (e["rank"], e["start"]))
-    n = m if args.mode == "flush" else args.steps * m  # micro-batches between two drains
-    if args.mode == "flush":  # the last step, as in gpipe.py
-        last = [e for e in events if e["mb"] // m == args.steps - 1]
-        lo, hi = min(e["start"] for e in last), max(e["end"] for e in last)
-        theory, formula = (p - 1) / (m + p - 1), "(p-1)/(m+p-1), over the last step"
-    else:  # the whole run: one fill and one drain per segment (one segment without checkpoints)
-        lo, hi, idle = min(e["start"] for e in events), max(e["end"] for e in events), segments * (p - 1)
-        theory = idle / (steps_run * m + idle)
-        formula = "S(p-1)/(steps*m+S(p-1)) over the whole run, S segments between drains, -> 0 in steady state"
-    bub, alive = bubble(events, p, lo, hi), [min(p - s, n) for s in range(p)]
-    sent = [r["sent"] / steps_run for r in every]
-    sent_theory = [m * (b_bytes + 8 * TAG) * ((s > 0) + (s < p - 1)) for s in range(p)]
-    kept = {"flush": [1] * p, "2bw": [2] * p, "stash": [min(p, n)] * p if args.vertical_sync else alive}[args.mode]
-    d.log(f"\nsummary ({args.mode}, {p} stages, m = {m}), theory beside each measurement: bubble {formula}; alive "
-          f"p - s; weight versions kept; bytes sent per step m x ((b, T, D) + {8 * TAG} B tag) each way")
-    d.log("stage | blocks | bubble | theory | alive | theory | versions | theory | sent B/step | theory | mem B")
-    for s, (a, z) in enumerate(bounds):
-        d.log(f"{s:5d} | {a:2d}..{z - 1:<2d} | {bub[s]:6.3f} | {theory:6.3f} | {every[s]['alive']:5d} | "
-              f"{alive[s]:6d} | "
-              f"{every[s]['versions']:8d} | {kept[s]:6d} | {sent[s]:11.0f} | {sent_theory[s]:6d} | {every[s]['bytes']}")
-    mean = sum(bub) / p
-    d.log(f"bubble, mean over stages: measured {mean:.3f}, theory {theory:.3f}, difference {mean - theory:+.3f}"
-          + (f" (--stage-ms {args.stage_ms:g}: compute time simulated, each F waits {args.stage_ms:g} ms, each B "
-             f"{2 * args.stage_ms:g} ms)" if args.stage_ms else
-             " (real compute only: on shared cores this times the OS scheduler; try --stage-ms)"))
-    if args.mode == "flush":
-        d.log("\ntimeline of the last step, measured (micro-batch numbers within the step):")
-        d.log(draw_timeline(events, p, lo, hi, lambda k: k % m))
-    else:
-        lo = min(e["start"] for e in events if e["mb"] >= max(args.steps - 2, 0) * m)
-        d.log("\ntimeline of the last two steps, measured (micro-batches numbered from the start; no drain between "
-              "but at a checkpoint):")
-        d.log(draw_timeline(events, p, lo, hi, lambda k: k))
-    if args.trace:
-        write_trace(args.trace, events, p)
-        d.log(f"wrote {len(events)} events to {args.trace} (open in https://ui.perfetto.dev)")
-    return dict(events=events, bubble=bub, bubble_mean=mean, bubble_theory=theory,
-                bubble_theory_formula=formula, stage_ms=args.stage_ms,
-                peak_alive_microbatches=[r["alive"] for r in every], peak_alive_theory=alive,
-                versions_kept=[r["versions"] for r in every], versions_kept_theory=kept, sent_bytes_per_rank=sent,
-                sent_bytes_theory=sent_theory, mem_bytes_per_rank=[r["bytes"] for r in every])
-
-
-# ----------------------------------------------------------------------------- main
-def main():
-    args = parse_args(Args)
-    p, m = env_world_size(), args.microbatches  # p: stages = processes; m: micro-batches per step
+def check_args(args, p, m):
     check_common_args(args)
     if m < 1:
         fail(f"--microbatches must be >= 1, got {m}")
     if args.batch_size % m:
         fit = max(k for k in range(1, m) if args.batch_size % k == 0)
-        fail(f"--batch-size {args.batch_size} is not divisible by --microbatches {m}: use --microbatches {fit} "
-             f"or --batch-size {(args.batch_size // m + 1) * m}")
+        fail(f"--batch-size {args.batch_size} is not divisible by --microbatches {m}: use --microbatches "
+             f"{fit} or --batch-size {(args.batch_size // m + 1) * m}")
     if args.vertical_sync and args.mode != "stash":
         fail(f"--vertical-sync belongs to --mode stash (--mode {args.mode} has no per-micro-batch versions)")
     if args.mode == "stash" and args.clip > 0:
-        fail("--mode stash updates each stage right after its backward, before the whole-model gradient norm of "
-             "that micro-batch exists (stage 0 finishes it last): pass --clip 0")
+        fail("--mode stash updates each stage right after its backward, before the whole-model gradient norm "
+             "of that micro-batch exists (stage 0 finishes it last): pass --clip 0")
     if p == 1:
         fail(f"pipedream.py needs one process per stage, at least 2: torchrun --nproc_per_node="
              f"{max(2, min(4, args.n_layers))} pipedream.py {' '.join(sys.argv[1:])}".rstrip())
     if p > args.n_layers:
-        fail(f"{p} stages but --n-layers {args.n_layers}: every stage needs at least one block; use --n-layers {p} "
-             f"or more{f', or torchrun --nproc_per_node={args.n_layers}' if args.n_layers >= 2 else ''}")
-    if args.mode == "2bw" and m < p:  # see StageRunner.learn_norm
-        fail(f"--mode 2bw needs --microbatches >= stages ({p}), got {m}: batch t's gradient norm reaches the later "
-             "stages only with the forward of micro-batch (t+1)m+p-1, so with m < p-1 batch t+2 would start before "
-             "the update it reads, and with m = p-1 the last batch's forwards end before the second-to-last "
-             f"norm can ride on one; use --microbatches {p}")
+        other = f", or torchrun --nproc_per_node={args.n_layers}" if args.n_layers >= 2 else ""
+        fail(f"{p} stages but --n-layers {args.n_layers}: every stage needs at least one block; use "
+             f"--n-layers {p} or more{other}")
+    if args.mode == "2bw" and m < p:  # see TwoBW.learn_norm
+        fail(f"--mode 2bw needs --microbatches >= stages ({p}), got {m}: batch t's gradient norm reaches the "
+             "later stages only with the forward of micro-batch (t+1)m+p-1, so with m < p-1 batch t+2 would "
+             "start before the update it reads, and with m = p-1 the last batch's forwards end before the "
+             f"second-to-last norm can ride on one; use --microbatches {p}")
+
+
+def main():
+    args = parse_args(Args)
+    p, m = env_world_size(), args.microbatches  # p: stages = processes; m: micro-batches per step
+    check_args(args, p, m)
 
     # --- setup (same in every file) ---
     d = init_dist(args.timeout)
-    data = MarkovData(args.vocab, args.seed)
-    bounds = split_layers(args.n_layers, p)
-    d.log(f"pipedream.py --mode {args.mode}{' --vertical-sync' if args.vertical_sync else ''}: {p} stages x {m} "
-          f"micro-batches of {args.batch_size // m} sequences on {d.backend}; entropy floor {data.entropy:.4f} "
-          "nats/token")
-    d.log("split: " + " | ".join(f"stage {s}: {'embedding + ' if s == 0 else ''}blocks {a}..{z - 1}"
-                                 f"{' + norm + head + loss' if s == p - 1 else ''}" for s, (a, z) in enumerate(bounds)))
-    torch.manual_seed(args.seed + d.rank)  # dropout masks (if any) differ per stage
+    s, data, bounds = d.rank, MarkovData(args.vocab, args.seed), split_layers(args.n_layers, p)
+    d.log(f"pipedream.py --mode {args.mode}{' --vertical-sync' if args.vertical_sync else ''}: {p} stages x "
+          f"{m} micro-batches of {args.batch_size // m} sequences on {d.backend}; entropy floor "
+          f"{data.entropy:.4f} nats/token")
+    d.log("split: " + " | ".join(f"stage {r}: {'embedding + ' if r == 0 else ''}blocks {a}..{z - 1}"
+                                 f"{' + norm + head + loss' if r == p - 1 else ''}"
+                                 for r, (a, z) in enumerate(bounds)))
+    torch.manual_seed(args.seed + s)  # dropout masks (if any) differ per stage
     dtype = DTYPES[args.dtype]
-    gpt = build_gpt(GPTConfig.from_args(args), args.seed, dtype)  # the full model on CPU; a stage moves its part
+    gpt = build_gpt(GPTConfig.from_args(args), args.seed, dtype)  # whole, on CPU; a stage takes its part
     shapes = {n: q.shape for n, q in gpt.named_parameters()}
-    stage = Stage(gpt, d.rank, bounds).to(d.device)
+    stage = Stage(gpt, s, bounds).to(d.device)
     opt = make_optimizer(stage.parameters(), args)
-    timer, tokens = StepTimer(d.device), args.batch_size * args.seq_len
-    act_shape = (args.batch_size // m, args.seq_len, args.d_model)  # (b, T, D): what crosses a stage boundary
+    sync = args.mode in ("flush", "zb")  # one schedule per step, drained; stash, 2bw: one stream for the run
+    if sync:
+        policy = Flush(stage, opt, args.clip)
+    elif args.mode == "stash":
+        policy = Stash(stage, opt, lag=p - 1 if args.vertical_sync else p - s - 1)
+    else:
+        policy = TwoBW(stage, opt, m, p, args.clip, first=s == 0)
+    batches = {}  # step -> (m, b, T) tokens and targets on the device, the global token count
 
-    @lru_cache(maxsize=2)  # a stage works on at most two steps at once
-    def batch_of(step):  # the step's global batch as m micro-batches: (m, b, T) tokens, targets; global n_tok
-        x, y = data.batch(step, args.batch_size, args.seq_len, args.ragged)  # (B, T) global, on CPU
-        split = lambda t: rearrange(t, "(m b) n -> m b n", m=m).to(d.device)  # noqa: E731
-        return split(x), split(y), count_tokens(y)  # n_tok: tokens of the whole global batch
+    def source(k):  # micro-batch k: stage 0's tokens (b, T); the last stage's targets (b, T) and token count
+        x, y, n_tok = batches[k // m]
+        return x[k % m], (y[k % m], n_tok)
 
-    clock = Clock(d)  # the timeline's zero; a collective before any point-to-point, as NCCL's batched p2p asks
-    runner = StageRunner(d, args, stage, opt, batch_of, act_shape, clock)
-    ckpt = Checkpointer(d, args.ckpt_dir, args.save_every, args.steps)
-    start, hist = ckpt.load({"model": stage, "optim": opt, "pipe": runner})
-    losses = hist.get("losses", [])
-    # flush: every step its own 1F1B schedule, drained before the optimizer step. stash, 2bw: one schedule for
+    act, ms = (args.batch_size // m, args.seq_len, args.d_model), args.stage_ms  # act: crosses a boundary
+    simulate = {"F": ms, "B": ms, "W": ms} if args.mode == "zb" else {"F": ms, "B": 2 * ms}
+    timeline = Timeline(d, simulate, tags=("version",))
+    observer, comm = Observer(timeline), CommCounter()  # the timeline's zero: the collective NCCL wants first
+    runner = StageRunner(policy, source, lambda logits, y: lm_loss(logits, *y), act, act, dtype, d.device,
+                         s - 1 if s > 0 else None, s + 1 if s < p - 1 else None,
+                         SplitBackward(stage) if args.mode == "zb" else None, observer)
+    observer.runner = runner
+    run = Run(d, args, {"model": stage, "optim": opt, "pipe": PolicyState(policy)})
+    # flush, zb: every step its own schedule, drained before the optimizer step. stash, 2bw: one schedule for
     # the run, cut only where a checkpoint is saved (--ckpt-dir): there the pipeline drains, so the checkpoint
-    # is a consistent state. The drain adds a fill and a drain (bubble) there; the arithmetic stays that of the
-    # uninterrupted stream, since version_for names each micro-batch's weights by the stream's rule.
-    ends = [t for t in range(start + 1, args.steps + 1) if args.mode == "flush" or t == args.steps
-            or (args.ckpt_dir and args.save_every and t % args.save_every == 0)]
-    stream = [(kind, a * m + k) for a, z in zip([start] + ends, ends) for kind, k in one_f_one_b((z - a) * m, p, d.rank)]
+    # is a consistent state. The drain adds a fill and a drain (bubble) there; the arithmetic stays that of
+    # the uninterrupted stream, since version_for names each micro-batch's weights by the stream's rule.
+    ends = [t for t in range(run.start + 1, args.steps + 1)
+            if sync or t == args.steps or (args.save_every and t % args.save_every == 0)]
+    schedule = zb_h1 if args.mode == "zb" else one_f_one_b
+    stream = [(kind, a * m + k) for a, z in zip([run.start] + ends, ends)
+              for kind, k in schedule((z - a) * m, p, s)]
     chunks = split_at_step_ends(stream, m)  # chunks[i]: what this stage runs in step start + i
-    for step in range(start, args.steps):
-        maybe_fail(d, args, step)
-        timer.start()
-        runner.run(chunks[step - start])
-        if step + 1 in ends:
-            runner.drain(step)
-        if args.mode == "flush":
-            runner.flush_update()
-        runner.verify_tags()
-        clock.read(runner.events)
-        ms = timer.stop()
+    for step in run.steps():
+        chunk = chunks[step - run.start]
+        for t in sorted({k // m for _, k in chunk} - set(batches)):  # a stream reads ahead into later steps
+            x, y = data.batch(t, args.batch_size, args.seq_len, args.ragged)  # (B, T) global, on CPU
+            batches[t] = (*to_device(m, d.device, x, y), count_tokens(y))  # (m, b, T) each; count: on CPU
+        # bytes sent, seen at the dispatcher (which slows every op): over one step (flush, zb: the one
+        # before the last, whose bubble is reported), or over every step of a stream (no step is a schedule)
+        with comm if not sync or step == max(run.start, args.steps - 2) else contextlib.nullcontext():
+            runner.run(chunk)
+            if step + 1 in ends:
+                runner.drain(step)
+        del batches[step]
         # stage 0 has every loss of the step now (they came back with the gradients); other ranks log nothing
-        losses.append(sum(runner.losses.pop(step * m + j) for j in range(m)).item() if d.rank == 0 else float("nan"))
-        log_step(d, step, losses[-1], ms, tokens)
-        ckpt.maybe_save(step + 1, {"model": stage, "optim": opt, "pipe": runner}, {"losses": losses})
+        loss = sum(runner.losses.pop(step * m + j) for j in range(m)).item() if s == 0 else float("nan")
+        run.end_step(step, loss)
 
     # --- measurement: every rank's events and counts; the peak is read before --check trains ---
-    every = gather(d, runner)
+    events, steps_run = timeline.gather(), args.steps - run.start
+    every = [r[0].tolist() for r in gather_rows(d, [[observer.alive, observer.versions, comm.total(op="send"),
+                                                     observer.bytes]])]
     figures = dict(split=bounds, stages=p, microbatches=m, mode=args.mode)
-    if d.rank == 0 and args.steps > start:
-        figures.update(report(d, args, every, bounds, act_shape[0] * act_shape[1] * act_shape[2] *
-                              torch.tensor([], dtype=dtype).element_size(), args.steps - start, len(ends)))
-    peak = peak_memory_bytes(d, runner.peak_bytes)
+    if d.rank == 0 and steps_run:
+        b_bytes = act[0] * act[1] * act[2] * torch.tensor([], dtype=dtype).element_size()
+        figures.update(report(d, args, events, every, bounds, b_bytes, steps_run, len(ends)))
+    peak = peak_memory_bytes(d, observer.bytes)
 
     check = None
     if args.check:  # the full model, by name, from every stage's parameters (one all-reduce)
         full = assemble_full(d, dict(stage.named_parameters()), shapes, dtype)
         ref = None
-        if d.rank == 0 and args.mode != "flush":
-            d.log(f"--check: against the one-process simulation of the {args.mode} rule, not synchronous training")
+        if d.rank == 0 and not sync:
+            d.log(f"--check: against the one-process simulation of the {args.mode} rule, not synchronous "
+                  "training")
             ref = simulate_stash(args, p, d.device) if args.mode == "stash" else simulate_2bw(args, d.device)
-        check = check_against_reference(d, args, losses, full, ref=ref)
-    write_summary(d, args, f"pipedream-{args.mode}", losses, timer.median(), tokens / max(timer.median(), 1e-9) * 1e3,
-                  peak, max(figures.get("sent_bytes_per_rank", [0])), check, figures)
-    close_dist(ok=check is None or check["passed"])
+        check = check_against_reference(d, args, run.losses, full, ref=ref)
+    run.finish(f"pipedream-{args.mode}", peak, max(figures.get("sent_bytes_per_rank", [0])), check, figures)
 
 
-# ----------------------------------------------------------------------------- the rules in one process (--check)
+class PolicyState:
+    """A stage policy's part of a checkpoint, saved after a drain: the updates taken, the versions kept
+    (stash, 2bw), the whole-model norm known (2bw). Loaded after the live stage itself."""
+
+    def __init__(self, policy):
+        self.policy = policy
+
+    def state_dict(self):
+        pol = self.policy
+        versions = {v: w.state_dict() for v, w in pol.versions.items()} if isinstance(pol, Stash) else {}
+        norm = (pol.known[0], pol.known[1].cpu(), pol.drained_norm) if isinstance(pol, TwoBW) else None
+        return dict(version=pol.version, versions=versions, norm=norm)
+
+    def load_state_dict(self, state):
+        pol = self.policy
+        pol.version = state["version"]
+        if isinstance(pol, Stash):
+            pol.versions = {v: copy.deepcopy(pol.stage) for v in state["versions"]}
+            for v, w in pol.versions.items():
+                w.load_state_dict(state["versions"][v])
+        if isinstance(pol, TwoBW):
+            t, sq, pol.drained_norm = state["norm"]
+            pol.known = (t, sq.to(pol.known[1].device))
+
+
+# --- measurement --- (from outside the schedule: its observe callback, the collective counter, the report) --
+class Observer:
+    """The schedule's observe callback: Timeline.span (times the op; --stage-ms), and, as each op begins, this
+    stage's peaks in the state the ops before it left, read from the runner's and the policy's attributes:
+    micro-batches alive (F to B, or to W), weight versions kept, bytes alive after a forward (what forwards
+    saved for backward, seen by LiveStorages, plus outputs, W's inputs, and parameters, gradients and
+    optimizer state of the live and the stashed versions)."""
+
+    def __init__(self, timeline):
+        self.timeline, self.live, self.runner, self.after_f = timeline, LiveStorages(), None, False
+        self.alive = self.versions = self.bytes = 0
+
+    @contextlib.contextmanager
+    def __call__(self, kind, mb, **tags):
+        r, pol = self.runner, self.runner.policy
+        self.alive = max(self.alive, len(set(r.alive) | set(r.w_pending)))
+        self.versions = max(self.versions, len(getattr(pol, "versions", [pol.stage])))
+        if self.after_f:  # activations peak after a forward
+            held = [t for a in r.alive.values() for t in a[:2]]  # inputs and outputs until B
+            held += [dy for w in r.w_pending.values() for *_, dy in w]  # and what W needs (x: saved in F)
+            versions = getattr(pol, "versions", {}).values()
+            model = state_bytes(pol.stage, pol.opt) + sum(state_bytes(w) for w in versions)
+            self.bytes = max(self.bytes, self.live.alive(*held) + model)
+        saving = SavedActivations(self.live) if kind == "F" else contextlib.nullcontext()
+        with self.timeline.span(kind, mb, **tags), saving:
+            yield
+        self.after_f = kind == "F"
+
+
+def report(d, args, events, every, bounds, b_bytes, steps_run, segments):
+    """Rank 0: the summary's figures, each beside its theory, the table, the timeline, --trace. b_bytes: one
+    micro-batch's (b, T, D) activation; segments: the schedules between drains in this run."""
+    p, m, mode, ms = len(bounds), args.microbatches, args.mode, args.stage_ms
+    sync, zb = mode in ("flush", "zb"), mode == "zb"
+    shown = [e for e in events if e["mb"] // m == args.steps - 1] if sync else events  # the last step, or all
+    lo, hi = min(e["start"] for e in shown), max(e["end"] for e in shown)
+    n, drains = (m, 1) if sync else (args.steps * m, segments)  # micro-batches between drains; drains shown
+    if sync:
+        theory = (p - 1) / ((3 if zb else 1) * m + p - 1)
+        formula = "(p-1)(F+B-W)/(m(F+B+W)+(p-1)(F+B-W)), at F=B=W" if zb else "(p-1)/(m+p-1)"
+    else:
+        theory = drains * (p - 1) / (steps_run * m + drains * (p - 1))
+        formula = "S(p-1)/(steps*m+S(p-1)), S drains in the run (-> 0 in steady state)"
+    busy = [busy_ms(events, r, lo, hi) for r in range(p)]
+    bub, idle = [1 - b / (hi - lo) for b in busy], [hi - lo - b for b in busy]
+    op_ms = {k: sum(e["end"] - e["start"] for e in es) / len(es) for k in "FBW"
+             if (es := [e for e in shown if e["kind"] == k])}  # mean measured T_F, T_B, T_W (1F1B's B: B + W)
+    idle_theory = drains * (p - 1) * (op_ms["F"] + op_ms["B"] - op_ms.get("W", 0.0))  # Table 2 of ZB
+    alive = [min(p if zb else p - s, n) for s in range(p)]
+    sent = [r[2] / (1 if sync else steps_run) for r in every]
+    sent_theory = [m * (b_bytes + 8 * TAG) * ((s > 0) + (s < p - 1)) for s in range(p)]
+    kept = {"2bw": [2] * p, "stash": [min(p, n)] * p if args.vertical_sync else alive}.get(mode, [1] * p)
+    d.log(f"\nsummary ({mode}, {p} stages, m = {m}) over {'the last step' if sync else 'the run'}, theory "
+          f"beside each measurement: bubble {formula}; idle ms (p-1)(T_F+T_B-T_W) per drain at the measured "
+          + ", ".join(f"T_{k} {v:.1f}" for k, v in op_ms.items()) + f" ms; alive {'p' if zb else 'p - s'}; "
+          f"weight versions kept; bytes sent per step m x ((b, T, D) + {8 * TAG} B tag) each way")
+    d.log("stage | blocks | bubble | theory | idle ms | theory | alive | theory | versions | theory | "
+          "sent B/step | theory | mem B")
+    for s, (a, z) in enumerate(bounds):
+        d.log(f"{s:5d} | {a:2d}..{z - 1:<2d} | {bub[s]:6.3f} | {theory:6.3f} | {idle[s]:7.1f} | "
+              f"{idle_theory:6.1f} | {int(every[s][0]):5d} | {alive[s]:6d} | {int(every[s][1]):8d} | "
+              f"{kept[s]:6d} | {sent[s]:11.0f} | {sent_theory[s]:6d} | {int(every[s][3])}")
+    mean = sum(bub) / p
+    d.log(f"bubble, mean over stages: measured {mean:.3f}, theory {theory:.3f}, "
+          f"difference {mean - theory:+.3f}"
+          + (f" (--stage-ms {ms:g}: compute time simulated, each F waits {ms:g} ms, each B "
+             f"{(1 if zb else 2) * ms:g} ms{f', each W {ms:g} ms' if zb else ''})" if ms else
+             " (real compute only: on shared cores this times the OS scheduler; try --stage-ms)"))
+    d.log("\ntimeline of the last step, measured (micro-batch numbers within the step):" if sync else
+          "\ntimeline of the last two steps, measured (micro-batches numbered from the start; no drain "
+          "between but at a checkpoint):")
+    lo = lo if sync else min(e["start"] for e in events if e["mb"] >= max(args.steps - 2, 0) * m)
+    d.log(draw_timeline(events, p, lo, hi, lambda e: f"{e['kind']}{e['mb'] % m if sync else e['mb']}"))
+    if args.trace:
+        write_trace(args.trace, events, lambda e: f"{e['kind']}{e['mb']}")
+        d.log(f"wrote {len(events)} events to {args.trace} (open in https://ui.perfetto.dev)")
+    return dict(events=events, bubble=bub, bubble_mean=mean, bubble_theory=theory,
+                bubble_theory_formula=formula, stage_ms=ms, idle_ms=idle, idle_ms_theory=idle_theory,
+                op_ms=op_ms, peak_alive_microbatches=[int(r[0]) for r in every], peak_alive_theory=alive,
+                versions_kept=[int(r[1]) for r in every], versions_kept_theory=kept, sent_bytes_per_rank=sent,
+                sent_bytes_theory=sent_theory, mem_bytes_per_rank=[int(r[3]) for r in every])
+
+
+# --- reference for --check --- (the stash and 2bw rules in one process) -------------------------------------
 def simulate_stash(args, p, device="cpu"):
     """PipeDream's rule without a pipeline: micro-batches in stream order k = step*m + j; k's forward and
     backward read, on stage s, the weights after max(0, k - lag_s) updates, lag_s = p-s-1 (p-1 everywhere
@@ -668,9 +751,10 @@ def simulate_stash(args, p, device="cpu"):
     bounds, m = split_layers(args.n_layers, p), args.microbatches
     model = build_gpt(GPTConfig.from_args(args), args.seed, DTYPES[args.dtype], device)
     opt, data = make_optimizer(model.parameters(), args), MarkovData(args.vocab, args.seed)
+    owner = {n: s for s in range(p) for n, _ in Stage(model, s, bounds).named_parameters()}  # name -> stage
     names = [n for n, _ in model.named_parameters()]
-    lag = {n: p - 1 if args.vertical_sync else p - stage_of(n, bounds) - 1 for n in names}
-    frozen = lambda: {n: q.detach().clone().requires_grad_() for n, q in model.named_parameters()}  # noqa: E731
+    lag = {n: p - 1 if args.vertical_sync else p - owner[n] - 1 for n in names}
+    frozen = lambda: {n: q.detach().clone().requires_grad_() for n, q in model.named_parameters()}  # noqa
     history, losses = {0: frozen()}, []  # history[v]: the weights after v updates
     for step in range(args.steps):
         x, y = data.batch(step, args.batch_size, args.seq_len, args.ragged)
@@ -690,8 +774,9 @@ def simulate_stash(args, p, device="cpu"):
 
 
 def simulate_2bw(args, device="cpu"):
-    """PipeDream-2BW's rule on the whole model and the whole batch: the gradient of batch t at W_{max(t-1, 0)},
-    clipped by torch's clip_grad_norm_, updates the newest weights: W_{t+1} = AdamW(W_t, clip(grad at W_{t-1}))."""
+    """PipeDream-2BW's rule on the whole model and the whole batch: the gradient of batch t at
+    W_{max(t-1, 0)}, clipped by torch's clip_grad_norm_, updates the newest weights:
+    W_{t+1} = AdamW(W_t, clip(grad at W_{t-1}))."""
     model = build_gpt(GPTConfig.from_args(args), args.seed, DTYPES[args.dtype], device)
     opt, data = make_optimizer(model.parameters(), args), MarkovData(args.vocab, args.seed)
     stale, losses = copy.deepcopy(model), []  # W_{t-1}; batches 0 and 1 both read W_0

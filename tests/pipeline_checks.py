@@ -1,73 +1,252 @@
-"""Break gpipe.py or pipedream.py on purpose, then run it as usual: the negatives that show the tests' checks
-can fail. Each case monkeypatches one piece of the technique and calls the file's own main():
+"""Watch or break pipedream.py on purpose, then run it as usual (each case patches one piece and calls the file's
+own main()), and run its core on a model that is not the GPT:
 
-    gpipe-leak      gpipe.py --recompute whose forward keeps its graph alive (a buffer kept by mistake): the
-                    arithmetic is unchanged, only the measured "held for B" bytes can notice
-    stash-newest    pipedream.py --mode stash whose backward runs on the newest weights instead of the version
-                    its forward read (no weight stashing): the gradients land on the wrong tensors
-    2bw-fewer       pipedream.py --mode 2bw with its m >= p guard lifted, so the drain would skip a norm
-    resume-newest   pipedream.py resumed from a checkpoint with every stashed version replaced by the live weights
-                    (the checkpoint's versions ignored): the run goes on, on the wrong weights
+    watch           nothing broken, only watched: where each backward's gradient lands (right after B, before
+                    the policy takes it: which stashed version holds a gradient, and whether the live weights got
+                    any), written into that B's event as grad_version / live_grad, so the --json events carry it;
+                    every received tag checked against the schedule once per chunk; the host-to-device copies
+                    of the batches counted. Every case below but copy-out runs with it.
+    stash-newest    --mode stash whose backward runs on the newest weights instead of the version its forward read
+                    (no weight stashing): the gradients land on the wrong tensors
+    2bw-fewer       --mode 2bw with its m >= p guard lifted, so the drain would skip a norm
+    resume-newest   resumed from a checkpoint with every stashed version replaced by the live weights (the
+                    checkpoint's versions ignored): the run goes on, on the wrong weights
+    copy-out OUT    StageRunner + Flush, under 1F1B and under ZB-H1 (SplitBackward), on three toy stages that are
+                    not the GPT (nested modules, parameters on root modules, odd widths, 2-D and 3-D inputs to
+                    Linears, a smooth-L1 loss), plain torch.distributed on gloo; and once more under ZB-H1 with W
+                    run on the wrong micro-batch. Writes OUT/{1f1b,zb,zb-wrong-w}-rank{r}.pt (the stage's
+                    parameters, stage 0's losses); tests/test_pipedream.py trains the same model in one process.
 
 Run: torchrun --standalone --nproc_per_node=P tests/pipeline_checks.py CASE [the file's flags]"""
+import copy
+import os
 import sys
 from pathlib import Path
 
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-case = sys.argv.pop(1)
 
-if case == "gpipe-leak":
-    import gpipe
 
-    kept = []
+# ----------------------------------------------------------------------------- the tags, from the schedule
+def version_of(mode, vertical_sync, p, m, r, k):
+    """The weight version stage r reads for micro-batch k, from each mode's rule (the docstring's tables)."""
+    if mode in ("flush", "zb"):
+        return k // m  # one update per step, after the drain
+    if mode == "2bw":
+        return max(k // m - 1, 0)
+    return max(0, k - (p - 1 if vertical_sync else p - r - 1))
 
-    def leaky_forward(forward, i, recompute):
-        out = forward(i)  # with its graph, even under --recompute ...
-        kept.append(out)  # ... and kept until the end of the run
-        return out
 
-    gpipe.run_forward = leaky_forward
-    gpipe.main()
+def expected_tag(mode, vertical_sync, p, m, s, kind, k, drained_norm):
+    """{slot: value} that stage s's received tag for op (kind, k) must hold: the micro-batch, the sender's
+    weight version and, for 2bw's forward, the newest batch whose norm the sender (stage 0's knowledge) knows."""
+    sender = s - 1 if kind == "F" else s + 1
+    expect = {0: k, 1: version_of(mode, vertical_sync, p, m, sender, k)}
+    if kind == "F" and mode == "2bw":
+        expect[2] = max((k - p + 1) // m - 1, drained_norm)
+    return expect
 
-elif case == "stash-newest":
+
+def tag_errors(received):
+    """[(expected {slot: value}, tag on the device)] -> the mismatches, with one host read for all of them."""
+    if not received:
+        return []
+    rows = torch.stack([t for _, t in received]).cpu().tolist()
+    return [f"tag {row} is not the schedule's {expect}" for (expect, _), row in zip(received, rows)
+            if any(row[i] != v for i, v in expect.items())]
+
+
+def watch(pipedream, harness):
+    args = pipedream.parse_args(pipedream.Args, sys.argv[1:])
+    p, s, m = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"]), args.microbatches
+    timelines, received, counts = [], [], dict(tags=0, landings=0, copies=0)
+
+    class WatchedTimeline(harness.Timeline):
+        def __init__(self, d, simulate=None, tags=()):
+            super().__init__(d, simulate, tags=(*tags, "grad_version", "live_grad"))
+            timelines.append(self)
+
+    pipedream.Timeline = WatchedTimeline
+
+    def landing(cls):
+        on_backward = cls.on_backward
+
+        def watched(self, k, v, partial):
+            holding = [u for u, w in self.versions.items() if any(q.grad is not None for q in w.parameters())]
+            event = timelines[0].events[-1]
+            assert (event["kind"], event["mb"]) == ("B", k), event
+            event.update(grad_version=holding[0] if len(holding) == 1 else -2 if holding else -1,
+                         live_grad=int(any(q.grad is not None for q in self.stage.parameters())))
+            counts["landings"] += 1
+            return on_backward(self, k, v, partial)
+        cls.on_backward = watched
+
+    landing(pipedream.Stash)
+    landing(pipedream.TwoBW)
+    exchange, run = pipedream.StageRunner.exchange, pipedream.StageRunner.run
+
+    def watched_exchange(self, kind, k):
+        drained = getattr(self.policy, "drained_norm", -1)  # read before the message can change it
+        x, tag = exchange(self, kind, k)
+        if tag is not None:
+            received.append((expected_tag(args.mode, args.vertical_sync, p, m, s, kind, k, drained), tag))
+        return x, tag
+
+    def watched_run(self, ops):
+        run(self, ops)
+        errors, counts["tags"] = tag_errors(received), counts["tags"] + len(received)
+        received.clear()
+        if errors:
+            raise RuntimeError(f"stage {s}: {errors[0]} ({len(errors)} such)")
+
+    pipedream.StageRunner.exchange, pipedream.StageRunner.run = watched_exchange, watched_run
+    to_device = pipedream.to_device
+
+    def counted_to_device(*a, **kw):
+        counts["copies"] += 1
+        return to_device(*a, **kw)
+    pipedream.to_device = counted_to_device
+    close = harness.close_dist
+
+    def close_dist(ok=True):
+        print(f"watch: stage {s} checked {counts['tags']} tags against the schedule and placed "
+              f"{counts['landings']} backwards' gradients; copied {counts['copies']} batches", flush=True)
+        close(ok)
+    harness.close_dist = close_dist
+
+
+# ----------------------------------------------------------------------------- a model that is not the GPT
+class Scaled(nn.Module):  # a parameter on the root module, the Linear nested below it
+    def __init__(self, d_in, d):
+        super().__init__()
+        self.gain = nn.Parameter(torch.linspace(0.5, 1.5, d))
+        self.inner = nn.Sequential(nn.Linear(d_in, d), nn.Tanh())
+
+    def forward(self, x):
+        return self.inner(x) * self.gain
+
+
+class Residual(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.norm = nn.LayerNorm(d)
+        self.mix = nn.Sequential(nn.Linear(d, d, bias=False), nn.GELU(), nn.Linear(d, d))
+
+    def forward(self, x):
+        return x + self.mix(self.norm(x))
+
+
+class Head(nn.Module):  # (b, T, d) -> (b, out): a 2-D input into a Linear, and a root parameter
+    def __init__(self, d, out):
+        super().__init__()
+        self.shift = nn.Parameter(torch.full((out,), 0.1))
+        self.proj = nn.Linear(d, out, bias=False)
+
+    def forward(self, x):
+        return self.proj(x.mean(1)) + self.shift
+
+
+TOY = dict(widths=(5, 7, 11, 3), T=4, b=3, m=4, steps=3, lr=1e-2, clip=0.5)  # 3 stages, batch m * b = 12
+
+
+def toy_stages(dtype=torch.float64):
+    """Three stages, widths 5 -> 7 -> 11 -> 3, the same numbers on every call."""
+    torch.manual_seed(1234)
+    w = TOY["widths"]
+    stages = [Scaled(w[0], w[1]), nn.Sequential(nn.Linear(w[1], w[2]), Residual(w[2])), Head(w[2], w[3])]
+    return [s.to(dtype) for s in stages]
+
+
+def toy_data(dtype=torch.float64):
+    """Per step: inputs (m*b, T, 5) and targets (m*b, 3)."""
+    g = torch.Generator().manual_seed(99)
+    n = TOY["m"] * TOY["b"]
+    return [(torch.randn(n, TOY["T"], TOY["widths"][0], generator=g, dtype=dtype),
+             torch.randn(n, TOY["widths"][-1], generator=g, dtype=dtype)) for _ in range(TOY["steps"])]
+
+
+def toy_loss(out, y, n):  # not a cross-entropy: smooth L1, summed, over the global batch's element count
+    return F.smooth_l1_loss(out, y, reduction="sum") / n
+
+
+def toy_optimizer(params):
+    return torch.optim.AdamW(params, lr=TOY["lr"], weight_decay=0.1, foreach=False)
+
+
+def copy_out(pipedream, out_dir):
+    """The runner needs only torch: a process group, a stage module, an optimizer, a micro-batch source."""
+    import torch.distributed as dist
+    dist.init_process_group("gloo")
+    r, p, m, b, T, w = dist.get_rank(), dist.get_world_size(), TOY["m"], TOY["b"], TOY["T"], TOY["widths"]
+    assert p == 3, "copy-out runs three stages"
+    data = toy_data()
+
+    def source(k):  # micro-batch k: (b, T, 5) inputs for stage 0; (b, 3) targets and the global count for the last
+        x, y = data[k // m]
+        j = slice(k % m * b, (k % m + 1) * b)
+        return x[j], (y[j], y.numel())
+
+    for name in ("1f1b", "zb", "zb-wrong-w"):
+        stage = toy_stages()[r]
+        policy = pipedream.Flush(stage, toy_optimizer(stage.parameters()), TOY["clip"])
+        runner = pipedream.StageRunner(policy, source, lambda out, target: toy_loss(out, *target), (b, T, w[r]),
+                                       (b, T, w[r + 1]), torch.float64, torch.device("cpu"),
+                                       r - 1 if r > 0 else None, r + 1 if r < p - 1 else None,
+                                       None if name == "1f1b" else pipedream.SplitBackward(stage))
+        if name == "zb-wrong-w":  # W of micro-batch k on k-1's inputs: k-1's weight gradient twice, k's never
+            def wrong_w(k, x=None, tag=None, runner=runner):
+                runner.split.backward_weight(runner.w_pending.get(k - 1, runner.w_pending[k]))
+            runner.weight_grads = wrong_w
+        schedule, losses = pipedream.one_f_one_b if name == "1f1b" else pipedream.zb_h1, []
+        for step in range(TOY["steps"]):
+            runner.run([(kind, step * m + k) for kind, k in schedule(m, p, r)])
+            runner.drain(step)
+            assert not runner.alive and (name == "zb-wrong-w" or not runner.w_pending), "a micro-batch left over"
+            runner.w_pending.clear()
+            if r == 0:
+                losses.append(sum(runner.losses.pop(step * m + j) for j in range(m)).item())
+        torch.save(dict(params={n: q.detach() for n, q in stage.named_parameters()}, losses=losses),
+                   Path(out_dir) / f"{name}-rank{r}.pt")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    case = sys.argv.pop(1)
+    import harness
     import pipedream
-    from common import lm_loss
 
-    stashed_backward = pipedream.StageRunner.backward
+    if case == "copy-out":
+        copy_out(pipedream, sys.argv.pop(1))
+        sys.exit(0)
+    watch(pipedream, harness)
+    if case == "stash-newest":
+        stashed_backward = pipedream.StageRunner.backward
 
-    def backward_on_newest(self, k, grad, tag):
-        inp, out, v, held = self.alive[k]
-        newest = self.snap[max(self.snap)]  # the weights after the latest update, not version v
-        tokens, targets, n_tok = self.batch_of(k // self.m)
-        out = newest(tokens[k % self.m] if self.s == 0 else inp)
-        if self.stage.last:
-            out = lm_loss(out, targets[k % self.m], n_tok)
-        self.alive[k] = (inp, out, v, held)
-        stashed_backward(self, k, grad, tag)
+        def backward_on_newest(self, k, grad, tag):
+            inp, out, v = self.alive[k]
+            newest = self.policy.versions[max(self.policy.versions)]  # the latest update's, not version v
+            x, target = self.source(k)
+            out = newest(x if self.prev is None else inp)
+            if self.next is None:
+                out = self.loss_fn(out, target)
+            self.alive[k] = (inp, out, v)
+            stashed_backward(self, k, grad, tag)
+        pipedream.StageRunner.backward = backward_on_newest
+    elif case == "2bw-fewer":
+        real_fail = pipedream.fail
+        pipedream.fail = lambda msg: None if msg.startswith("--mode 2bw needs --microbatches") else real_fail(msg)
+    elif case == "resume-newest":
+        load_with_versions = pipedream.PolicyState.load_state_dict
 
-    pipedream.StageRunner.backward = backward_on_newest
+        def load_live_only(self, state):
+            load_with_versions(self, state)
+            pol = self.policy  # each kept version = the live weights
+            pol.versions = {v: copy.deepcopy(pol.stage) for v in pol.versions}
+        pipedream.PolicyState.load_state_dict = load_live_only
+    elif case != "watch":
+        sys.exit(f"unknown case {case!r}")
     pipedream.main()
-
-elif case == "2bw-fewer":
-    import pipedream
-
-    real_fail = pipedream.fail
-    pipedream.fail = lambda msg: None if msg.startswith("--mode 2bw needs --microbatches") else real_fail(msg)
-    pipedream.main()
-
-elif case == "resume-newest":
-    import copy
-
-    import pipedream
-
-    load_with_versions = pipedream.StageRunner.load_state_dict
-
-    def load_live_only(self, state):
-        load_with_versions(self, state)
-        self.snap = {v: copy.deepcopy(self.stage) for v in self.snap}  # each kept version = the live weights
-
-    pipedream.StageRunner.load_state_dict = load_live_only
-    pipedream.main()
-
-else:
-    sys.exit(f"unknown case {case!r}")
