@@ -95,6 +95,8 @@ class Layout:
     precision: str = "bf16"
     schedule: str = "1f1b"  # gpipe, 1f1b, interleaved, zb-h1, zb-v
     vocab_parallel: bool = True  # embedding and head split over V (megatron_tp.py), else replicated (ptdp.py)
+    outputs: bool = False  # also each stage's output, held to its backward as this repo's pipelines hold it
+    # (Megatron frees its data once sent)
     gpus = property(lambda lay: lay.dp * lay.tp * lay.pp)
 
     def __str__(self):
@@ -204,13 +206,13 @@ def layer_bytes(M, lay, b, e, **kw):
 def microbatch_bytes(M, lay, b, e, c):
     """What chunk c holds per micro-batch, by part: embedding (int64 token and position ids, the
     vocab-parallel mask), blocks, final norm and head input, loss (log-softmax or vocab-parallel softmax,
-    int64 targets), and its output, kept by the schedule until backward (on the last chunk the loss)."""
+    int64 targets), and with lay.outputs its output, held until its backward (the last chunk's: the loss)."""
     t, n, bs, ce, gpt = lay.tp, lay.pp * lay.v, b * M.seq, max(e, 4), M.arch == "gpt"
     t_sp, vp = (t if lay.sp else 1), lay.vocab_parallel
     dense, moe = kinds(M, n, c)
     out = dict(embedding=(8 * bs + bs * vp + 8 * M.seq // t_sp * gpt) * (c == 0),
                blocks=(dense + moe) * layer_bytes(M, lay, b, e), final=0, loss=0,
-               out=bs * M.d * e if c < n - 1 else ce)
+               out=(bs * M.d * e if c < n - 1 else ce) * lay.outputs)
     if moe:  # E C slots (dispatched input, fc and GeLU outputs, expert output) for the MLP's 2f: not measured
         out["blocks"] += moe * (M.experts * capacity(M, bs) * (2 * M.d + 2 * M.f) - bs * 2 * M.f) * e
     if c == n - 1:
@@ -431,11 +433,11 @@ def layouts(M, C, B, precision="bf16"):
                 yield lay
 
 
-def search(M, C, B, eff=0.5, headroom=0.1, precision="bf16"):
+def search(M, C, B, eff=0.5, headroom=0.1, precision="bf16", keep=lambda lay: True):
     """The fastest layout that fits, of each grid (dp, tp, pp, ep), ranked by predicted tokens/s; with the
-    counts of legal and fitting layouts."""
+    counts of legal and fitting layouts. `keep` limits the options (a paper's, say)."""
     best, n_legal, n_fit = {}, 0, 0
-    for lay in layouts(M, C, B, precision):
+    for lay in filter(keep, layouts(M, C, B, precision)):
         n_legal += 1
         if max(sum(memory(M, lay, B, r).values()) for r in {0, lay.pp - 1}) > C.mem_gb * GB * (1 - headroom):
             continue

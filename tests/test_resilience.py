@@ -53,6 +53,8 @@ MATRIX = [
     ("ptdp.py", 2, [*T, "--pp", "2", "--virtual-stages", "2", "--microbatches", "3"], ["not a multiple of --pp 2"]),
     ("ptdp.py", 2, [*T, "--pp", "2", "--virtual-stages", "2", "--microbatches", "2", "--n-layers", "3"],
      ["not divisible by pp x virtual stages = 4"]),
+    ("plan.py", 1, ["--model", "llama3-70b", "--tp", "8", "--pp", "2"], ["16 GPUs, the cluster has 8"]),
+    ("plan.py", 1, ["--model", "gpt3-6.7b", "--batch-size", "100", "--microbatches", "3"], ["not divisible by dp"]),
 ]
 # checkpoint directories (made in the test): another file's, another model size, damaged, another world
 CKPT_CASES = [
