@@ -17,7 +17,8 @@ activation element, Psi parameters of one rank (its pipeline stage, its 1/t).
                5as/h); selective recomputation drops 5as/h, full keeps 2sbh. layer_items sums the same tensor
                by tensor, here as this repo's GPT saves them: flash attention (a logsumexp per head, no s x s
                terms), norm statistics, no dropout. Micro-batches alive on pipeline rank r: GPipe m, 1F1B and
-               ZB-H1 p - r, ZB-V p (Qi et al. 2023: 1F1B's memory), interleaved its warm-up + 1 chunks.
+               ZB-H1 p - r, ZB-V p (Qi et al. 2023: 1F1B's memory), interleaved its warm-up + 1 chunks; with
+               Layout.outputs also each stage's output, which this repo's pipelines hold to its backward.
   bytes        handed to collectives per rank and step, as harness.CommCounter counts (an all-reduce's
                tensor, an all-gather's local input, a reduce-scatter's or all-to-all's whole input, a send):
                TP (Shoeybi et al. 2019, Sec. 3) 2 all-reduces of bsh forward, 2 backward per layer; SP
@@ -41,7 +42,7 @@ activation element, Psi parameters of one rank (its pipeline stage, its 1/t).
     python plan.py --model gpt3-6.7b --nodes 1 --search             # a 7B model on one node of 8 H100s
     python plan.py --model llama3-70b --nodes 8 --batch-size 256 --search
     python plan.py --model llama3-70b --nodes 8 --tp 8 --pp 4 --virtual-stages 2 --microbatches 256
-    python -m pytest -q -s tests/test_plan.py -k paper               # each paper's figure beside plan's
+    python -m pytest -q -s tests/test_plan.py -k "paper_rows or zz"  # each paper's figure beside plan's
 """
 import math
 from collections import namedtuple
@@ -452,10 +453,12 @@ PARTS = dict(compute_s="compute", tp_ep_s="TP and all-to-all", bubble_s="bubble"
 
 
 def why_faster(a, b):
-    """One line: where the predicted step of a gains on b's, part by part."""
-    gains = sorted(((b[k] - a[k], w) for k, w in PARTS.items() if abs(b[k] - a[k]) >= 5e-4), reverse=True)
-    return (f"{a['tokens_per_s'] / b['tokens_per_s']:.3f}x the tokens/s of {b['layout']}: "
-            + ", ".join(f"{name} {d * 1e3:+,.0f} ms" for d, name in gains))
+    """One line: where the predicted step of a is shorter than b's, and where longer, part by part."""
+    d = sorted(((b[k] - a[k]) * 1e3, w) for k, w in PARTS.items() if abs(b[k] - a[k]) >= 5e-4)
+    less = ", ".join(f"{w} {x:,.0f} ms" for x, w in d[::-1] if x > 0) or "nothing"
+    more = ", ".join(f"{w} {-x:,.0f} ms" for x, w in d if x < 0)
+    return (f"{a['tokens_per_s'] / b['tokens_per_s']:.3f}x the tokens/s of {b['layout']}: its step spends "
+            f"less on {less}" + (f"; more on {more}" if more else ""))
 
 
 # ----------------------------------------------------------------------------- report
