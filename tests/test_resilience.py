@@ -61,6 +61,8 @@ MATRIX = [
     ("context_parallel.py", 1, [*T, "--dropout", "0.1"], ["--dropout 0.1", "use --dropout 0"]),
     ("ptdp.py", 2, [*T, "--pp", "2", "--virtual-stages", "2", "--schedule", "zbv", "--microbatches", "2"],
      ["too few for --schedule zbv"]),
+    ("plan.py", 1, ["--model", "llama3-70b", "--tp", "8", "--pp", "2"], ["16 GPUs, the cluster has 8"]),
+    ("plan.py", 1, ["--model", "gpt3-6.7b", "--batch-size", "100", "--microbatches", "3"], ["not divisible by dp"]),
 ]
 # checkpoint directories (made in the test): another file's, another model size, damaged, another world
 CKPT_CASES = [

@@ -1,0 +1,574 @@
+"""plan.py: before a run, what fits and what it costs (memory, bytes, bubble, time), any layout, any scale.
+
+The technique files print measured figures beside theory for the tiny model they train; this is that theory
+for your model and cluster, small functions with their formulas, then a search over every legal layout.
+tests/test_plan.py launches the files at many layouts and holds these predictions to each run's counted
+memory and collective bytes exactly, and to its bubble under --stage-ms. Time, tokens/s, MFU: predictions.
+
+L layers, h width, a heads, s sequence, V vocabulary, b sequences per micro-batch, m micro-batches per step
+and replica, t tensor-, p pipeline-, d data-parallel degree, v chunks per pipeline rank, e bytes per
+activation element, Psi parameters of one rank (its pipeline stage, its 1/t).
+  model state  ZeRO (Rajbhandari et al. 2020, Sec. 5, Fig. 1), p, g, K bytes per parameter (mixed-precision
+               Adam 2, 2, 12): stage 0 (p+g+K) Psi, 1 (p+g) Psi + K Psi/d, 2 p Psi + (g+K) Psi/d, 3 (p+g+K)
+               Psi/d; units (each block, the rest) padded to d ceil(P/d) as zero.py's and FSDP's flat
+               parameters; stage 3 also holds p (root + 2 largest units) gathered.
+  activations  saved for backward per layer and micro-batch (Korthikanti et al. 2022, Table 2: eager
+               attention, fp16, dropout): sbh(34 + 5as/h), TP sbh(10 + 24/t + 5as/(ht)), TP+SP sbh/t (34 +
+               5as/h); selective recomputation drops 5as/h, full keeps 2sbh. layer_items sums the same tensor
+               by tensor, here as this repo's GPT saves them: flash attention (a logsumexp per head, no s x s
+               terms), norm statistics, no dropout. Micro-batches alive on pipeline rank r: GPipe m, 1F1B and
+               ZB-H1 p - r, ZB-V p (Qi et al. 2023: 1F1B's memory), interleaved its warm-up + 1 chunks; with
+               Layout.outputs also each stage's output, which this repo's pipelines hold to its backward.
+  bytes        handed to collectives per rank and step, as harness.CommCounter counts (an all-reduce's
+               tensor, an all-gather's local input, a reduce-scatter's or all-to-all's whole input, a send):
+               TP (Shoeybi et al. 2019, Sec. 3) 2 all-reduces of bsh forward, 2 backward per layer; SP
+               (Korthikanti Sec. 4.2.2) each an all-gather + reduce-scatter, + 1 re-gather per column layer;
+               PP a bsh message per chunk boundary, micro-batch and direction; ZeRO 0 all-reduce g Psi, 1
+               reduce-scatter g Psi + all-gather p Psi/d, 2 the reduce-scatter per micro-batch, 3 per
+               micro-batch 2 all-gathers p Psi/d + a reduce-scatter; MoE (Lepikhin et al. 2020) 4 all-to-alls
+               of E C h e per MoE layer and micro-batch, C = ceil(cf k bs / E). On the wire (ring):
+               all-reduce 2(n-1)/n, others (n-1)/n of the whole; NVLink when the group fits in a node of the
+               grid arange(world).view(pp, dp, tp) (tp innermost, ep inside dp), else InfiniBand.
+  bubble       idle share of the step (Narayanan et al. 2021, PTD-P, Sec. 2.2): GPipe, 1F1B (p-1)/(m+p-1);
+               interleaved (p-1)/(vm) of ideal compute; with backward split into B and W of a forward's time
+               each (Qi et al. 2023, Zero Bubble): ZB-H1 (p-1)(T_F + T_B - T_W), a third of 1F1B's; ZB-V 0.
+  time         forward FLOPs per layer 24bsh^2 + 4bs^2h, head 2bshV; training 3x, full recomputation 4x the
+               blocks: PTD-P's 96Bslh^2(1 + s/(6h) + V/(16lh)). A step: (m + bubble slots) micro-batch times
+               of the slowest stage (FLOPs at --efficiency of peak, + TP and all-to-all time, not overlapped),
+               + what cannot hide: the data-parallel reduction beyond the last micro-batch's backward (ZeRO-2:
+               each one's; ZeRO-3: all its traffic beyond each micro-batch), the all-gather of stages 1-2, a
+               pipeline message per chunk boundary in and out. MFU: model FLOPs (3x) / (step x GPUs x peak).
+
+    python plan.py --model gpt3-6.7b --nodes 1 --search             # a 7B model on one node of 8 H100s
+    python plan.py --model llama3-70b --nodes 8 --batch-size 256 --search
+    python plan.py --model llama3-70b --nodes 8 --tp 8 --pp 4 --virtual-stages 2 --microbatches 256
+    python -m pytest -q -s tests/test_plan.py -k "paper_rows or zz"  # each paper's figure beside plan's
+"""
+import math
+from collections import namedtuple
+from dataclasses import dataclass, replace
+from functools import lru_cache
+from typing import Literal
+
+from common import fail
+from harness import parse_args
+
+GB = 1e9
+
+
+# ----------------------------------------------------------------------------- model, cluster, layout
+class Model(namedtuple("Model", "layers d heads vocab seq kv_heads ffn arch experts top_k capacity moe_every",
+                       defaults=(0, 0, "gpt", 0, 1, 1.25, 1))):
+    """L, h, a, V, s; kv_heads (grouped-query attention, 0: a), ffn (MLP width, 0: 4h), arch (gpt: common.GPT,
+    LayerNorm, learned positions, biases; llama: RMSNorm, RoPE, SwiGLU); MoE: experts in every moe_every-th
+    block (0: dense), top_k per token, capacity factor."""
+    kv = property(lambda M: M.kv_heads or M.heads)
+    f = property(lambda M: M.ffn or 4 * M.d)
+
+
+PRESETS = {  # GPT-3 Table 2.1, Llama 3 Table 3, PTD-P Table 1; harness.CommonArgs, tests/helpers.TINY
+    "repo": Model(4, 64, 4, 64, 32), "tiny": Model(2, 16, 2, 32, 8),
+    "gpt3-6.7b": Model(32, 4096, 32, 50257, 2048), "gpt3-175b": Model(96, 12288, 96, 50257, 2048),
+    "llama3-8b": Model(32, 4096, 32, 128256, 8192, 8, 14336, "llama"),
+    "llama3-70b": Model(80, 8192, 64, 128256, 8192, 8, 28672, "llama"),
+    "llama3-405b": Model(126, 16384, 128, 128256, 8192, 8, 53248, "llama"),
+    "ptdp-1t": Model(128, 25600, 160, 51200, 2048)}
+
+
+# per GPU: memory GB, peak dense bf16 TFLOP/s, GB/s per direction inside a node (NVLink) and across nodes
+# (its share of the node's InfiniBand)
+Cluster = namedtuple("Cluster", "nodes gpus_per_node mem_gb tflops intra_gbs inter_gbs")
+CLUSTERS = {"a100-80g": Cluster(1, 8, 80, 312, 300, 25),  # NVSwitch 600 GB/s both ways, 8 x 200 Gb/s IB
+            "h100-80g": Cluster(1, 8, 80, 989, 450, 50)}  # 900 GB/s, 8 x 400 Gb/s
+
+
+@dataclass(frozen=True)
+class Layout:
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    v: int = 1  # model chunks per pipeline rank (interleaved 1F1B; ZB-V: 2)
+    ep: int = 1  # expert-parallel ranks, inside the data-parallel group
+    zero: int = 0  # ZeRO stage over the data-parallel group
+    m: int = 1  # micro-batches per step and replica (a pipeline's, or gradient accumulation)
+    sp: bool = False  # sequence parallelism
+    recompute: str = "none"  # none, selective (the attention core), full (keep each layer's input)
+    precision: str = "bf16"
+    schedule: str = "1f1b"  # gpipe, 1f1b, interleaved, zb-h1, zb-v
+    vocab_parallel: bool = True  # embedding and head split over V (megatron_tp.py), else replicated (ptdp.py)
+    outputs: bool = False  # also each stage's output, held to its backward as this repo's pipelines hold it
+    # (Megatron frees its data once sent)
+    gpus = property(lambda lay: lay.dp * lay.tp * lay.pp)
+
+    def __str__(self):
+        pipe = f" pp {self.pp} {self.schedule}" + f" v {self.v}" * (self.v > 1) if self.pp > 1 else ""
+        return (f"dp {self.dp} tp {self.tp}{' sp' if self.sp else ''}{pipe}{f' ep {self.ep}' * (self.ep > 1)}"
+                f" zero {self.zero} m {self.m} recompute {self.recompute}")
+
+
+PRECISION = {"bf16": (2, 2, 12, 2), "fp32": (4, 4, 8, 4), "fp64": (8, 8, 16, 8)}  # p, g, K (AdamW), e
+
+
+def capacity(M, tokens):
+    """Slots per expert for tokens routed together (GShard, moe.py): ceil(cf k tokens / E), at most tokens."""
+    return min(tokens, math.ceil(M.capacity * M.top_k * tokens / M.experts))
+
+
+# ----------------------------------------------------------------------------- parameters
+def layer_params(M, moe=False):
+    """Elements of one block: (split over t, replicated, experts). common.Block: q, k, v, proj 4h^2 + h, fc
+    4h^2 + 4h, proj 4h^2 + h, LayerNorms 4h: 12h^2 + 4h split (column layers, row weights), 6h replicated.
+    Llama: GQA q, k, v, o, SwiGLU 3hf, 2 RMSNorms. MoE (moe.py): the MLP becomes E of (2hf + f + h), a gate
+    hE."""
+    h, f, gpt = M.d, M.f, M.arch == "gpt"
+    attn = 2 * h * h + 2 * h * M.kv * (h // M.heads)
+    mlp, bias, repl = (2 * h * f, f, 6 * h) if gpt else (3 * h * f, 0, 2 * h)
+    if moe:
+        return attn, repl - h * gpt + h * M.experts, M.experts * (mlp + (f + h) * gpt)
+    return attn + mlp + bias, repl, 0
+
+
+@lru_cache(maxsize=None)
+def chunks(layers, n):
+    """Blocks of each of n chunks in pipeline order (chunk c on pipeline rank c % p); when n does not divide
+    L the earlier chunks take one more (gpipe.py's split)."""
+    base, extra = divmod(layers, n)
+    ends = [c * base + min(c, extra) for c in range(n + 1)]
+    return tuple(range(a, z) for a, z in zip(ends, ends[1:]))
+
+
+@lru_cache(maxsize=None)
+def kinds(M, n, c):
+    """(dense blocks, MoE blocks) in chunk c of n."""
+    moe = sum(M.experts > 0 and i % M.moe_every == M.moe_every - 1 for i in chunks(M.layers, n)[c])
+    return len(chunks(M.layers, n)[c]) - moe, moe
+
+
+def vocab_padded(M, lay):  # megatron_tp.py rounds V up to a multiple of t
+    return -(-M.vocab // lay.tp) * lay.tp if lay.vocab_parallel else M.vocab
+
+
+def rank_units(M, lay, r):
+    """Parameter elements pipeline rank r holds, one per ZeRO unit: each block of its chunks (its 1/t, its
+    1/ep of the experts), then the root: embedding (+ positions) on chunk 0, final norm, head on the last."""
+    units, n, gpt = [], lay.pp * lay.v, M.arch == "gpt"
+    for c in range(r, n, lay.pp):
+        for moe, k in zip((False, True), kinds(M, n, c)):
+            split, repl, expert = layer_params(M, moe)
+            units += [split // lay.tp + repl + expert // lay.ep] * k
+    vh = vocab_padded(M, lay) * M.d // (lay.tp if lay.vocab_parallel else 1)
+    return units + [(vh + M.seq * M.d * gpt) * (r == 0) + (vh + M.d * (1 + gpt)) * (r == (n - 1) % lay.pp)]
+
+
+def padded(units, d):
+    return sum(-(-u // d) * d for u in units)
+
+
+def model_state(units, d, stage, p, g, K):
+    """ZeRO per rank: parameters p Psi (/d at stage 3), gradients g Psi (/d from 2), optimizer K Psi (/d from
+    1); sharded stages pad each unit to d ceil(P/d) (zero.py pads at stage 0 too; DDP does not)."""
+    psi = padded(units, d) if stage else sum(units)
+    return dict(params=p * psi // (d if stage >= 3 else 1), grads=g * psi // (d if stage >= 2 else 1),
+                optim=K * psi // (d if stage >= 1 else 1))
+
+
+def gathered(units, d, p):
+    """ZeRO-3: the root and the two largest units gathered at once (zero.py's bound, FSDP's rate limiter)."""
+    return p * (padded(units[-1:], d) + padded(sorted(units[:-1])[-2:], d))
+
+
+# ----------------------------------------------------------------------------- activations
+def layer_items(M, e, attention="flash", dropout=False, stats=True):
+    """Bytes one block saves per token: (what, bytes, split by TP, kept by selective recomputation).
+    Korthikanti's row is attention="eager", dropout=True, stats=False, e=2: norm inputs and outputs 8, q, k,
+    v 6, proj input 2, fc and GeLU outputs 16, two dropout masks 2 = 34 per h; softmax, mask, output 5as/h."""
+    h, f, a, se, kvh = M.d, M.f, M.heads, max(e, 4), M.kv * (M.d // M.heads)  # statistics: fp32 at least
+    items = [("norm inputs", 2 * h * e, False, True), ("norm outputs", 2 * h * e, False, True),
+             ("q, k, v", (h + 2 * kvh) * e, True, True), ("attention output", h * e, True, True)]
+    if M.arch == "gpt":
+        items += [("fc output, GeLU output", 2 * f * e, True, True)]
+    else:  # RoPE keeps q and k before the rotation; SwiGLU keeps gate, up, silu(gate) and their product
+        items += [("q, k before RoPE", (h + kvh) * e, True, True), ("SwiGLU", 4 * f * e, True, True)]
+    items += [("dropout masks", 2 * h, False, True)] * dropout
+    items += [("norm statistics", (4 if M.arch == "gpt" else 2) * se, False, True)] * stats
+    if attention == "flash":
+        return items + [("logsumexp", a * se, True, False)]
+    return items + [("softmax", a * M.seq * (2 * e + dropout), True, False)]  # + its mask, dropped output
+
+
+def layer_bytes(M, lay, b, e, **kw):
+    """One block, one micro-batch: the items x bs, / t where split by TP or SP; full: its input only."""
+    if lay.recompute == "full":
+        return b * M.seq * M.d * e // (lay.tp if lay.sp else 1)
+    return sum(b * M.seq * n // (lay.tp if split or lay.sp else 1)
+               for _, n, split, keep in layer_items(M, e, **kw) if keep or lay.recompute == "none")
+
+
+def microbatch_bytes(M, lay, b, e, c):
+    """What chunk c holds per micro-batch, by part: embedding (int64 token and position ids, the
+    vocab-parallel mask), blocks, final norm and head input, loss (log-softmax or vocab-parallel softmax,
+    int64 targets), and with lay.outputs its output, held until its backward (the last chunk's: the loss)."""
+    t, n, bs, ce, gpt = lay.tp, lay.pp * lay.v, b * M.seq, max(e, 4), M.arch == "gpt"
+    t_sp, vp = (t if lay.sp else 1), lay.vocab_parallel
+    dense, moe = kinds(M, n, c)
+    out = dict(embedding=(8 * bs + bs * vp + 8 * M.seq // t_sp * gpt) * (c == 0),
+               blocks=(dense + moe) * layer_bytes(M, lay, b, e), final=0, loss=0,
+               out=(bs * M.d * e if c < n - 1 else ce) * lay.outputs)
+    if moe:  # E C slots (dispatched input, fc and GeLU outputs, expert output) for the MLP's 2f: not measured
+        out["blocks"] += moe * (M.experts * capacity(M, bs) * (2 * M.d + 2 * M.f) - bs * 2 * M.f) * e
+    if c == n - 1:
+        out["final"] = bs * (M.d * e + 2 * ce) // t_sp + bs * M.d * e // (t_sp if vp else 1)
+        out["loss"] = bs * (vocab_padded(M, lay) // t * ce + 10) if vp else bs * (M.vocab * ce + 8) + ce
+    return out
+
+
+@lru_cache(maxsize=None)
+def alive_patterns(p, v, m, r, schedule):
+    """Rank r's micro-batch chunks alive after each forward, as counts per local chunk (the maximal ones).
+    GPipe: all m; 1F1B, ZB-H1: p - r; ZB-V: p (its 2 chunks together). Interleaved: Megatron's order walked,
+    2(p-r-1) + (v-1)p warm-up forwards, then forward k and backward k - warm-up in turn (forward on local
+    chunk (k % pv) // p, backward on v-1 minus it); the order repeats every p micro-batches: 4p suffice."""
+    if v == 1 or schedule in ("gpipe", "zb-v"):
+        return frozenset({(m if schedule == "gpipe" else min(p if schedule == "zb-v" else p - r, m),)})
+    m = min(m, 4 * p)
+    warm, alive, seen = min(2 * (p - r - 1) + (v - 1) * p, v * m), [0] * v, set()
+    chunk = [(k % (p * v)) // p for k in range(v * m)]
+    for k in range(v * m):
+        alive[chunk[k]] += 1
+        seen.add(tuple(alive))
+        if k >= warm:
+            alive[v - 1 - chunk[k - warm]] -= 1
+    return frozenset(x for x in seen if not any(y != x and min(map(int.__sub__, y, x)) >= 0 for y in seen))
+
+
+def peak_activations(M, lay, b, e, r):
+    """Most bytes rank r holds for backward at once: the largest sum of its alive chunks' bytes; full
+    recomputation adds one layer's whole set, rebuilt in its backward."""
+    per = [sum(microbatch_bytes(M, lay, b, e, c).values()) for c in range(r, lay.pp * lay.v, lay.pp)]
+    per = [sum(per)] if lay.schedule == "zb-v" else per
+    peak = max(sum(map(int.__mul__, k, per)) for k in alive_patterns(lay.pp, lay.v, lay.m, r, lay.schedule))
+    return peak + (layer_bytes(M, replace(lay, recompute="none"), b, e) if lay.recompute == "full" else 0)
+
+
+@lru_cache(maxsize=None)
+def memory(M, lay, B, r):
+    """Bytes on pipeline rank r: parameters, gradients, optimizer state, activations, gathered (ZeRO-3)."""
+    p, g, K, e = PRECISION[lay.precision]
+    units = rank_units(M, lay, r)
+    return dict(model_state(units, lay.dp, lay.zero, p, g, K),
+                activations=peak_activations(M, lay, B // (lay.dp * lay.m), e, r),
+                gathered=gathered(units, lay.dp, p) if lay.zero == 3 else 0)
+
+
+# ----------------------------------------------------------------------------- bytes handed to collectives
+WIRE = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: n - 1, "send": lambda n: 1,
+        "reduce_scatter": lambda n: (n - 1) / n, "all_to_all": lambda n: (n - 1) / n}  # x bytes handed
+
+
+def collectives(M, lay, B, r=0):
+    """{"op/axis/phase": [calls, bytes handed, group size]} per step on pipeline rank r, as the docstring
+    counts them; the bookkeeping each file does its own way (the loss for its log line, the clipping norm)
+    is left out."""
+    t, d, n, m = lay.tp, lay.dp, lay.pp * lay.v, lay.m
+    p, g, K, e = PRECISION[lay.precision]
+    b = B // (d * m)
+    bsh, out, gpt = b * M.seq * M.d * e, {}, M.arch == "gpt"
+
+    def add(key, calls, nbytes, size):
+        if calls and size > 1:
+            x = out.setdefault(key, [0, 0, size])
+            x[0], x[1] = x[0] + calls, x[1] + calls * nbytes
+
+    mine = range(r, n, lay.pp)
+    layers, first, last = sum(sum(kinds(M, n, c)) for c in mine), r == 0, r == (n - 1) % lay.pp
+    emb, head, again = first and lay.vocab_parallel, last and lay.vocab_parallel, lay.recompute == "full"
+    if lay.sp:  # all-gather before each column layer, reduce-scatter after each row layer; backward mirrors
+        k = 2 * layers
+        add("all_gather/tp/fwd", m * (k + head), bsh // t, t)
+        add("reduce_scatter/tp/fwd", m * (k + emb), bsh, t)
+        add("reduce_scatter/tp/bwd", m * (k * (1 + again) + head), bsh, t)
+        add("all_gather/tp/bwd", m * (k * (2 + again) + emb + head), bsh // t, t)  # + each column's re-gather
+        repl = sum(layer_params(M, moe)[1] * k for c in mine for moe, k in zip((0, 1), kinds(M, n, c)))
+        repl += M.seq * M.d * (first and gpt) + M.d * (1 + gpt) * last  # their gradients saw T/t positions
+        add("all_reduce/tp/step", 1, e * repl, t)
+    else:  # g forward, f backward, twice per layer; the vocab-parallel embedding's g and head's f
+        add("all_reduce/tp/fwd", m * (2 * layers + emb), bsh, t)
+        add("all_reduce/tp/bwd", m * (2 * layers * (1 + again) + head), bsh, t)
+    add("all_reduce/tp/fwd", 3 * m * head, b * M.seq * max(e, 4), t)  # vocab-parallel loss: max, target, sum
+    for c in mine:  # an activation to chunk c+1, a gradient to chunk c-1, per micro-batch
+        add("send/pp/fwd", m * (c < n - 1) * (1 + (lay.schedule == "zb-v")), bsh, lay.pp)
+        add("send/pp/bwd", m * (c > 0) * (1 + (lay.schedule == "zb-v")), bsh, lay.pp)
+    if M.experts:  # dispatch and combine, forward and backward: (E, C, h) slots each
+        calls = 2 * m * sum(kinds(M, n, c)[1] for c in mine)
+        add("all_to_all/ep/fwd", calls, M.experts * capacity(M, b * M.seq) * M.d * e, lay.ep)
+        add("all_to_all/ep/bwd", calls, M.experts * capacity(M, b * M.seq) * M.d * e, lay.ep)
+    units, z = rank_units(M, lay, r), lay.zero
+    psi = padded(units, d) if z else sum(units)
+    reduce = {0: "all_reduce/dp/step", 1: "reduce_scatter/dp/step"}.get(z, "reduce_scatter/dp/bwd")
+    add(reduce, m if z > 1 else 1, g * psi, d)
+    for key, calls in (("all_gather/dp/step", z in (1, 2)), ("all_gather/dp/fwd", m * (z == 3)),
+                       ("all_gather/dp/bwd", m * (z == 3))):
+        add(key, calls, p * psi // d, d)
+    return dict(sorted(out.items()))
+
+
+def on_the_wire(key, calls, handed, n):
+    return handed * WIRE[key.split("/")[0]](n)
+
+
+def link(C, lay, axis):
+    """'nvlink' when every group of this axis sits inside one node of the grid, else 'ib'."""
+    span = {"tp": lay.tp, "ep": lay.tp * lay.ep, "dp": lay.tp * lay.dp, "pp": lay.gpus}[axis]
+    return "nvlink" if span <= C.gpus_per_node else "ib"
+
+
+# ----------------------------------------------------------------------------- bubble, FLOPs, time
+def bubble_slots(lay):
+    """Idle micro-batch times per step: GPipe, 1F1B p-1; interleaved (p-1)/v; ZB-H1 (p-1)/3; ZB-V 0."""
+    p = lay.pp
+    slots = {"gpipe": p - 1, "1f1b": p - 1, "interleaved": (p - 1) / lay.v, "zb-h1": (p - 1) / 3, "zb-v": 0}
+    return slots[lay.schedule] if p > 1 else 0
+
+
+def bubble(lay):
+    """(idle / step, idle / ideal compute): GPipe, 1F1B (p-1)/(m+p-1), (p-1)/m; interleaved ../(vm)."""
+    k = bubble_slots(lay)
+    return k / (lay.m + k), k / lay.m
+
+
+def layer_flops(M, b, moe=False):
+    """Forward FLOPs of one block on b sequences: 2 bs x its matmul weights + 4bs^2h (QK^T, AV); an MoE
+    layer runs k cf slots per token through its experts, and the gate."""
+    h, bs = M.d, b * M.seq
+    mlp = (2 if M.arch == "gpt" else 3) * h * M.f
+    attn = 2 * bs * (2 * h * h + 2 * h * M.kv * (h // M.heads)) + 4 * bs * M.seq * h
+    return attn + 2 * bs * (mlp * M.capacity * M.top_k + h * M.experts if moe else mlp)
+
+
+def chunk_flops(M, lay, b, c, recompute=None):
+    """Training FLOPs one rank of chunk c runs per micro-batch: 3x forward, + the blocks' forward again under
+    full recomputation or the attention core's (4bs^2h) under selective, / t; head 3 x 2bshV (/ t when
+    vocab-parallel: a replicated head runs whole on every TP rank)."""
+    rc = lay.recompute if recompute is None else recompute
+    core = 4 * b * M.seq ** 2 * M.d * (rc == "selective")
+    blocks = sum(k * ((3 + (rc == "full")) * layer_flops(M, b, moe) + core)
+                 for moe, k in zip((False, True), kinds(M, lay.pp * lay.v, c)))
+    head = 6 * b * M.seq * M.d * M.vocab * (c == lay.pp * lay.v - 1)
+    return blocks / lay.tp + head / (lay.tp if lay.vocab_parallel else 1)
+
+
+def predict(M, C, lay, B, eff=0.5, headroom=0.1):
+    """Memory of the first and last pipeline rank (the most micro-batches; the head and loss), bytes per
+    collective, bubble, and the predicted step, as the docstring composes it."""
+    ranks, b, n = sorted({0, lay.pp - 1}), B // (lay.dp * lay.m), lay.pp * lay.v
+    mem, comm = {r: memory(M, lay, B, r) for r in ranks}, {r: collectives(M, lay, B, r) for r in ranks}
+    worst = max(ranks, key=lambda r: sum(mem[r].values()))
+    rate, bw = C.tflops * 1e12 * eff, {"nvlink": C.intra_gbs * GB, "ib": C.inter_gbs * GB}
+    secs = {r: {k: on_the_wire(k, *x) / bw[link(C, lay, k.split("/")[1])] for k, x in comm[r].items()}
+            for r in ranks}
+    flops = {r: sum(chunk_flops(M, lay, b, c) for c in range(r, n, lay.pp)) / rate for r in ranks}
+    tp_ep = {r: sum(x for k, x in secs[r].items() if k.split("/")[1] in ("tp", "ep") and "step" not in k)
+             / lay.m for r in ranks}  # per micro-batch, on its critical path
+    slow = max(ranks, key=lambda r: flops[r] + tp_ep[r])
+    per_mb = flops[slow] + tp_ep[slow]
+    dp = {k: x for k, x in secs[slow].items() if k.endswith("step") or "/dp/" in k}
+    gathers = sum(x for k, x in dp.items() if "all_gather" in k)
+    reduce = sum(dp.values()) - gathers
+    if lay.zero == 3:  # prefetched one unit ahead: hides behind each micro-batch
+        exposed = lay.m * max(0.0, (gathers + reduce) / lay.m - per_mb)
+    elif lay.zero == 2:  # each micro-batch's reduce-scatter behind its backward, the all-gather after
+        exposed = lay.m * max(0.0, reduce / lay.m - 2 / 3 * flops[slow]) + gathers
+    else:  # the reduction behind the last micro-batch's backward (DDP's buckets); ZeRO-1's all-gather after
+        exposed = max(0.0, reduce - 2 / 3 * flops[slow]) + gathers
+    one = secs[0]["send/pp/fwd"] / comm[0]["send/pp/fwd"][0] if lay.pp > 1 else 0.0  # one message's time
+    parts = dict(compute_s=flops[slow] * lay.m, tp_ep_s=tp_ep[slow] * lay.m, dp_s=exposed,
+                 bubble_s=per_mb * bubble_slots(lay), pp_s=2 * (n - 1) * one)
+    step, model = sum(parts.values()), chunk_flops(M, Layout(), B, 0, "none")
+    return dict(parts, layout=lay, memory=mem, worst=worst, comm=comm[0], bubble=bubble(lay), step_s=step,
+                fits=sum(mem[worst].values()) <= C.mem_gb * GB * (1 - headroom), model_flops=model,
+                tokens_per_s=B * M.seq / step, mfu=model / (step * lay.gpus * C.tflops * 1e12))
+
+
+# ----------------------------------------------------------------------------- the search
+def legal(M, C, lay, B):
+    """Why this layout cannot run this model and batch on this cluster, or None."""
+    for ok, why in [
+            (lay.gpus <= C.nodes * C.gpus_per_node, f"dp x tp x pp = {lay.gpus} GPUs, the cluster has "
+                                                     f"{C.nodes * C.gpus_per_node}"),
+            (M.heads % lay.tp == M.kv % lay.tp == M.f % lay.tp == 0,
+             f"--n-heads {M.heads}, kv heads {M.kv} or MLP width {M.f} not divisible by --tp {lay.tp}"),
+            (not lay.sp or lay.tp > 1 and M.seq % lay.tp == 0,
+             "--sequence-parallel needs --tp > 1 dividing --seq-len"),
+            (lay.pp * lay.v <= M.layers and (lay.v == 1 or M.layers % (lay.pp * lay.v) == 0),
+             f"--n-layers {M.layers} does not split into pp x virtual stages = {lay.pp * lay.v} chunks"),
+            (B % (lay.dp * lay.m) == 0,
+             f"--batch-size {B} is not divisible by dp x microbatches = {lay.dp} x {lay.m}"),
+            (lay.v == 1 or lay.pp > 1 and lay.m % lay.pp == 0,
+             "interleaving needs --pp > 1 dividing --microbatches"),
+            ((lay.schedule == "interleaved") == (lay.v > 1) or lay.schedule == "zb-v" and lay.v == 2,
+             f"--schedule {lay.schedule} with --virtual-stages {lay.v}: interleaved needs v > 1, zb-v 2"),
+            (lay.ep == 1 or M.experts % lay.ep == lay.dp % lay.ep == 0,
+             f"--ep {lay.ep} must divide the experts and dp"),
+            (lay.zero in (0, 1, 2, 3), f"--stage must be 0, 1, 2 or 3, got {lay.zero}")]:
+        if not ok:
+            return why
+    return None
+
+
+def layouts(M, C, B, precision="bf16"):
+    """Every legal layout on all the cluster's GPUs: tp dividing a node, pp dividing L, b in 1, 2, 4, 8, each
+    schedule and v, ZeRO stage, SP, recomputation (GPipe left out: 1F1B's time, more memory)."""
+    gpus = C.nodes * C.gpus_per_node
+    for tp, pp in [(t, p) for t in range(1, C.gpus_per_node + 1) for p in range(1, M.layers + 1)
+                   if C.gpus_per_node % t == 0 and M.layers % p == 0 and gpus % (t * p) == 0]:
+        dp = gpus // (tp * pp)
+        scheds = [("1f1b", 1), ("zb-h1", 1), ("zb-v", 2), ("interleaved", 2), ("interleaved", 4),
+                  ("interleaved", 8)] if pp > 1 else [("1f1b", 1)]
+        eps = [k for k in range(1, dp + 1) if k == 1 or M.experts and dp % k == 0]
+        bs = [b for b in (1, 2, 4, 8) if B % (dp * b) == 0]
+        for b, (sched, v), ep, zero, sp, rc in [(b, s, ep, z, sp, rc) for b in bs for s in scheds
+                                                for ep in eps for z in range(4) for sp in (0, 1)
+                                                for rc in ("none", "selective", "full")]:
+            lay = Layout(dp, tp, pp, v, ep, zero, B // (dp * b), bool(sp), rc, precision, sched)
+            if legal(M, C, lay, B) is None:
+                yield lay
+
+
+def search(M, C, B, eff=0.5, headroom=0.1, precision="bf16", keep=lambda lay: True):
+    """The fastest layout that fits, of each grid (dp, tp, pp, ep), ranked by predicted tokens/s; with the
+    counts of legal and fitting layouts. `keep` limits the options (a paper's, say)."""
+    best, n_legal, n_fit = {}, 0, 0
+    for lay in filter(keep, layouts(M, C, B, precision)):
+        n_legal += 1
+        if max(sum(memory(M, lay, B, r).values()) for r in {0, lay.pp - 1}) > C.mem_gb * GB * (1 - headroom):
+            continue
+        n_fit, got, key = n_fit + 1, predict(M, C, lay, B, eff, headroom), (lay.dp, lay.tp, lay.pp, lay.ep)
+        if key not in best or got["tokens_per_s"] > best[key]["tokens_per_s"]:
+            best[key] = got
+    return sorted(best.values(), key=lambda x: -x["tokens_per_s"]), n_legal, n_fit
+
+
+PARTS = dict(compute_s="compute", tp_ep_s="TP and all-to-all", bubble_s="bubble",
+             dp_s="exposed data-parallel", pp_s="pipeline messages")
+
+
+def why_faster(a, b):
+    """One line: where the predicted step of a is shorter than b's, and where longer, part by part."""
+    d = sorted(((b[k] - a[k]) * 1e3, w) for k, w in PARTS.items() if abs(b[k] - a[k]) >= 5e-4)
+    less = ", ".join(f"{w} {x:,.0f} ms" for x, w in d[::-1] if x > 0) or "nothing"
+    more = ", ".join(f"{w} {-x:,.0f} ms" for x, w in d if x < 0)
+    return (f"{a['tokens_per_s'] / b['tokens_per_s']:.3f}x the tokens/s of {b['layout']}: its step spends "
+            f"less on {less}" + (f"; more on {more}" if more else ""))
+
+
+# ----------------------------------------------------------------------------- report
+def report(C, B, got):
+    lay, mem, bw = got["layout"], got["memory"], {"nvlink": C.intra_gbs, "ib": C.inter_gbs}
+    print(f"layout: {lay}, {lay.precision}, {B // (lay.dp * lay.m)} sequences per micro-batch")
+    print("memory per rank, GB    params    grads    optim  activations  gathered     total")
+    for r, x in mem.items():
+        print(f"  pipeline rank {r:<5d}" + "".join(f"{x[k] / GB:9.2f}" for k in ("params", "grads", "optim"))
+              + f"{x['activations'] / GB:13.2f}{x['gathered'] / GB:10.2f}{sum(x.values()) / GB:10.2f}")
+    print(f"  {'fits' if got['fits'] else 'does NOT fit'} in {C.mem_gb:g} GB less the headroom")
+    print("bytes per step, pipeline rank 0     calls  handed GB  on the wire GB  link       ms")
+    for k, (calls, handed, n) in got["comm"].items():
+        wire, where = on_the_wire(k, calls, handed, n), link(C, lay, k.split("/")[1])
+        print(f"  {k:30s} {calls:7d} {handed / GB:10.3f} {wire / GB:15.3f}  {where:6s} "
+              f"{wire / GB / bw[where] * 1e3:8.1f}")
+    print(f"bubble: {got['bubble'][0]:.3f} of the step, {got['bubble'][1]:.3f} of ideal compute")
+    print(f"predicted step {got['step_s']:.3f} s = " + " + ".join(f"{w} {got[k]:.3f}" for k, w in
+                                                                  PARTS.items()))
+    print(f"predicted {got['tokens_per_s']:,.0f} tokens/s, MFU {got['mfu']:.1%} (model FLOPs "
+          f"{got['model_flops']:.3e})")
+
+
+# ----------------------------------------------------------------------------- main
+@dataclass
+class Args:
+    model: Literal[tuple(PRESETS)] = "gpt3-6.7b"  # a preset shape (the model flags below override it)
+    n_layers: int = 0  # transformer blocks L (0: the preset's, as for every model flag)
+    d_model: int = 0  # width h
+    n_heads: int = 0  # attention heads a
+    kv_heads: int = 0  # key/value heads (grouped-query attention)
+    vocab: int = 0  # vocabulary V
+    seq_len: int = 0  # tokens per sequence s
+    ffn: int = 0  # MLP width
+    experts: int = 0  # MoE: experts per MoE layer
+    top_k: int = 1  # MoE: experts per token
+    capacity_factor: float = 1.25  # MoE: slots per expert = cf x k x tokens / experts
+    moe_every: int = 1  # MoE: an MoE layer every n-th block
+    batch_size: int = 512  # global batch, in sequences
+    cluster: Literal[tuple(CLUSTERS)] = "h100-80g"  # per-GPU figures (the cluster flags below override them)
+    nodes: int = 1  # nodes
+    gpus_per_node: int = 0  # GPUs per node (0: the preset's, as for every cluster flag)
+    gpu_mem_gb: float = 0  # memory per GPU, GB
+    tflops: float = 0  # peak dense bf16 TFLOP/s per GPU
+    intra_gbs: float = 0  # GB/s per GPU and direction inside a node
+    inter_gbs: float = 0  # GB/s per GPU and direction across nodes
+    efficiency: float = 0.5  # share of peak FLOP/s the matmuls reach (an assumption of every prediction)
+    headroom: float = 0.1  # share of GPU memory kept free for what is not counted (workspace, fragmentation)
+    dp: int = 0  # data-parallel degree d (0: GPUs / (tp x pp))
+    tp: int = 1  # tensor-parallel degree t
+    pp: int = 1  # pipeline stages p
+    virtual_stages: int = 1  # model chunks per pipeline rank v
+    ep: int = 1  # expert-parallel degree, inside dp
+    stage: int = 0  # ZeRO stage over the data-parallel group
+    microbatches: int = 1  # m per step and replica
+    sequence_parallel: bool = False  # split norm and dropout regions along the sequence (--tp > 1)
+    recompute: Literal["none", "selective", "full"] = "none"  # activation recomputation
+    precision: Literal["bf16", "fp32", "fp64"] = "bf16"  # bf16: mixed-precision Adam, 2 + 2 + 12 bytes
+    schedule: Literal["1f1b", "gpipe", "interleaved", "zb-h1", "zb-v"] = "1f1b"  # pipeline schedule
+    vocab_parallel: bool = True  # split embedding and head over the vocabulary (else replicated over tp)
+    search: bool = False  # rank every legal layout that fits by predicted tokens/s
+    top: int = 10  # layouts --search prints
+
+
+def check_args(a):
+    ones = "batch_size nodes tp pp virtual_stages ep microbatches top top_k moe_every".split()
+    zeros = "n_layers d_model n_heads kv_heads vocab seq_len ffn experts dp gpus_per_node gpu_mem_gb tflops"
+    for name, low in [(n, 1) for n in ones] + [(n, 0) for n in zeros.split() + ["intra_gbs", "inter_gbs"]]:
+        if getattr(a, name) < low:
+            fail(f"--{name.replace('_', '-')} must be >= {low}, got {getattr(a, name)}")
+    if not 0 < a.efficiency <= 1 or not 0 <= a.headroom < 1:
+        fail(f"--efficiency must be in (0, 1] and --headroom in [0, 1), got {a.efficiency}, {a.headroom}")
+
+
+def main():
+    a = parse_args(Args)
+    check_args(a)
+    P, K = PRESETS[a.model], CLUSTERS[a.cluster]
+    M = P._replace(layers=a.n_layers or P.layers, d=a.d_model or P.d, heads=a.n_heads or P.heads,
+                   kv_heads=a.kv_heads or P.kv_heads, vocab=a.vocab or P.vocab, seq=a.seq_len or P.seq,
+                   ffn=a.ffn or P.ffn, experts=a.experts or P.experts, top_k=a.top_k,
+                   capacity=a.capacity_factor, moe_every=a.moe_every)
+    if M.d % M.heads or M.heads % M.kv:
+        fail(f"--d-model {M.d} must be divisible by --n-heads {M.heads}, and that by --kv-heads {M.kv}")
+    C = Cluster(a.nodes, a.gpus_per_node or K.gpus_per_node, a.gpu_mem_gb or K.mem_gb, a.tflops or K.tflops,
+                a.intra_gbs or K.intra_gbs, a.inter_gbs or K.inter_gbs)
+    gpus, B = C.nodes * C.gpus_per_node, a.batch_size
+    print(f"plan (predictions): {a.model}, {sum(rank_units(M, Layout(), 0)) / 1e9:.2f}B parameters, "
+          f"L {M.layers} h {M.d} a {M.heads} V {M.vocab} s {M.seq}; batch {B} x {M.seq} tokens; {C.nodes} x "
+          f"{C.gpus_per_node} GPUs of {C.mem_gb:g} GB, {C.tflops:g} TFLOP/s, {C.intra_gbs:g} / "
+          f"{C.inter_gbs:g} GB/s in / across nodes; efficiency {a.efficiency:g}")
+    if a.search:
+        ranked, n_legal, n_fit = search(M, C, B, a.efficiency, a.headroom, a.precision)
+        if not ranked:
+            fail(f"no layout of {a.model} fits {gpus} GPUs of {C.mem_gb:g} GB at --batch-size {B}")
+        print(f"--search: {n_legal} legal layouts on {gpus} GPUs, {n_fit} fit; the fastest of each grid:")
+        for i, x in enumerate(ranked[:a.top]):
+            print(f"  {i + 1:2d}. {x['tokens_per_s']:11,.0f} tok/s  MFU {x['mfu']:5.1%}  "
+                  f"step {x['step_s']:8.3f} s  {x['layout']}")
+        print("why 1 beats 2: " + (why_faster(*ranked[:2]) if ranked[1:] else "it is the only one that fits"))
+        return report(C, B, ranked[0])
+    v = a.virtual_stages
+    lay = Layout(a.dp or max(1, gpus // (a.tp * a.pp)), a.tp, a.pp, v, a.ep, a.stage, a.microbatches,
+                 a.sequence_parallel, a.recompute, a.precision,
+                 "interleaved" if v > 1 and a.schedule == "1f1b" else a.schedule, a.vocab_parallel)
+    why = legal(M, C, lay, B)
+    if why:
+        fail(why)
+    report(C, B, predict(M, C, lay, B, a.efficiency, a.headroom))
+
+
+if __name__ == "__main__":
+    main()
