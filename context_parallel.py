@@ -178,9 +178,8 @@ def ring_exchange(send, group, to, frm):
 
 
 class RingAttention(torch.autograd.Function):
-    """Causal attention of this rank's queries over the whole sequence, whose keys and values come round the
-    ring of the cp ranks a block at a time (Liu, Zaharia, Abbeel 2023, Sec. 3). `computed`: a list that the
-    forward appends (queries, keys) of every block it computes to, a plain record for whoever counts."""
+    """Causal attention of this rank's queries over the whole sequence, keys and values coming round the ring
+    a block at a time (Liu et al. 2023, Sec. 3). Forward appends each block's (queries, keys) to computed."""
 
     @staticmethod
     def forward(ctx, q, k, v, group, zigzag, computed):  # q, k, v (B, H, t, E): this rank's tokens
@@ -227,8 +226,7 @@ class RingAttention(torch.autograd.Function):
                 dq_b, dk_b, dv_b = attend_backward(q[:, :, rows], k_b, v_b, dout[:, :, rows], lse[:, :, rows],
                                                    delta[:, :, rows], causal)
                 dq[:, :, rows] += dq_b
-                dkv[0][:, :, cols] += dk_b
-                dkv[1][:, :, cols] += dv_b
+                dkv[:, :, :, cols] += torch.stack([dk_b, dv_b])  # (2, B, H, tk, E)
             return dkv
 
         # The forward's ring run the other way (the adjoint of "send to r+1" is "receive from r+1"): blocks go
@@ -315,9 +313,8 @@ class ContextParallelAttention(nn.Module):
 
 
 class ContextParallelGPT(nn.Module):
-    """common.GPT on this rank's T/cp tokens of every sequence. It takes over the GPT's own modules (the same
-    names and weights: only the activations are split), embeds at the tokens' global positions and swaps each
-    block's attention for a ContextParallelAttention; LayerNorms, MLPs, residuals run per token, as ever."""
+    """common.GPT on this rank's T/cp tokens of every sequence: the GPT's own modules (same names and weights:
+    only the activations are split), embedding at global positions, each block's attention swapped."""
 
     def __init__(self, gpt, group, attention, zigzag):
         super().__init__()
