@@ -1,11 +1,10 @@
 r"""context_parallel.py: context parallelism: each rank holds T/cp tokens of every sequence, in every layer.
 
 Data parallelism splits the batch, tensor parallelism the matrices, a pipeline the layers; context parallelism
-splits the *sequence*. Each of the cp ranks of a sequence group holds T/cp tokens of every sequence, and the
-embedding (at the tokens' global positions), LayerNorms, MLPs, head and loss run on them alone: they work per
-token. Attention is where tokens meet, so it is the one place where ranks exchange anything: keys and values.
-The weights stay whole on every rank; a rank's gradient is that of its own tokens' share of the global loss,
-and one all-reduce over the dp x cp ranks sums them into the whole batch's. Three attentions, one answer:
+splits the *sequence*. The embedding (at the tokens' global positions), LayerNorms, MLPs, head and loss work
+per token, so they run on a rank's T/cp tokens alone; attention is where tokens meet, the one place where
+ranks exchange anything: keys and values. The weights stay whole on every rank; a rank's gradient is its
+tokens' share of the global loss's, and one all-reduce over dp x cp sums them. Three attentions, one answer:
 
   allgather  gather K and V of the whole sequence once per layer; backward reduce-scatters dK/dV to their
              owners (the form Llama 3 trains with, Dubey et al. 2024): simple, but K/V memory x cp
@@ -34,8 +33,6 @@ a column a data-parallel group.
     torchrun --nproc_per_node=4 context_parallel.py --check                      # ring, zigzag, cp = 4
     torchrun --nproc_per_node=4 context_parallel.py --attention ulysses --check
     torchrun --nproc_per_node=4 context_parallel.py --cp 2 --dp 2 --layout contiguous --dtype float64 --check
-The summary prints, beside their theory, the bytes each rank hands over per layer, the blocks each ring rank
-computed, and the activation bytes each rank saves for backward against 1/cp of an unsplit rank's.
 In production, use torch.distributed.tensor.experimental.context_parallel, or Megatron-Core's.
 """
 from dataclasses import dataclass
@@ -122,10 +119,9 @@ def allgather_attention(q, k, v, group, zigzag):
 
 # ----------------------------------------------------------------------------- ring attention
 def attend(q, k, v, causal):
-    """Exact attention of queries q (B, H, tq, E) over one block of keys and values (B, H, tk, E): the block's
-    output (B, H, tq, E) and each query's log-sum-exp over the block's scores (B, H, tq), with which partial
-    results over other blocks merge later. `causal`: the diagonal block (tq = tk), query i sees keys <= i.
-    The softmax in float32 at least, as flash attention accumulates."""
+    """Exact attention of queries q (B, H, tq, E) over one block of keys and values (B, H, tk, E): the output
+    (B, H, tq, E) and each query's log-sum-exp over the block (B, H, tq), by which partial results merge.
+    `causal`: the diagonal block (tq = tk), query i sees keys <= i. Softmax in float32 at least (as flash)."""
     acc = torch.promote_types(q.dtype, torch.float32)
     s = q.to(acc) @ k.to(acc).transpose(-2, -1) * q.shape[-1] ** -0.5  # (B, H, tq, tk)
     if causal:
@@ -158,10 +154,9 @@ def attend_backward(q, k, v, dout, lse, delta, causal):
 
 def ring_block(rank, src, cp, zigzag, t):
     """The part of (this rank's queries) x (rank src's keys) that causal attention needs, as (query rows, key
-    rows, causal), or None when the mask hides all of it: skipped. t: tokens per rank. Contiguous: src < rank
-    whole, src = rank the diagonal, src > rank hidden. Zig-zag (chunks r, 2cp-1-r): src < rank, every query
-    against src's early chunk (its late one follows both of mine); src > rank, only my late chunk, against
-    both of src's. Half a block each: cp blocks on every rank."""
+    rows, causal), or None when the mask hides all of it: skipped. t: tokens per rank. Zig-zag (chunks r,
+    2cp-1-r): src < rank, every query against src's early chunk (its late one follows both of mine); src >
+    rank, only my late chunk, against both of src's. Half a block each: cp blocks on every rank."""
     whole, half = slice(None), t // 2
     if src == rank:  # zig-zag too: my two chunks are in sequence order, so a causal mask over t is right
         return whole, whole, True
@@ -183,9 +178,8 @@ def ring_exchange(send, group, to, frm):
 
 
 class RingAttention(torch.autograd.Function):
-    """Causal attention of this rank's queries over the whole sequence, whose keys and values come round the
-    ring of the cp ranks a block at a time (Liu, Zaharia, Abbeel 2023, Sec. 3). `computed`: a list that the
-    forward appends (queries, keys) of every block it computes to, a plain record for whoever counts."""
+    """Causal attention of this rank's queries over the whole sequence, keys and values coming round the ring
+    a block at a time (Liu et al. 2023, Sec. 3). Forward appends each block's (queries, keys) to computed."""
 
     @staticmethod
     def forward(ctx, q, k, v, group, zigzag, computed):  # q, k, v (B, H, t, E): this rank's tokens
@@ -232,8 +226,7 @@ class RingAttention(torch.autograd.Function):
                 dq_b, dk_b, dv_b = attend_backward(q[:, :, rows], k_b, v_b, dout[:, :, rows], lse[:, :, rows],
                                                    delta[:, :, rows], causal)
                 dq[:, :, rows] += dq_b
-                dkv[0][:, :, cols] += dk_b
-                dkv[1][:, :, cols] += dv_b
+                dkv[:, :, :, cols] += torch.stack([dk_b, dv_b])  # (2, B, H, tk, E)
             return dkv
 
         # The forward's ring run the other way (the adjoint of "send to r+1" is "receive from r+1"): blocks go
@@ -302,9 +295,8 @@ ATTENTIONS = {"allgather": allgather_attention, "ring": ring_attention, "ulysses
 
 # ----------------------------------------------------------------------------- the GPT on T/cp tokens
 class ContextParallelAttention(nn.Module):
-    """A causal self-attention layer (common.Attention: q, k, v, proj) on this rank's T/cp tokens: the same
-    projections, per token, around one of the three attentions. `.computed`: the ring's record of the blocks
-    its last forward computed."""
+    """common.Attention (q, k, v, proj) on this rank's T/cp tokens: the same projections, per token, around
+    one of the three attentions. `.computed`: the blocks the ring computed in the last forward."""
 
     def __init__(self, attn, group, attention, zigzag):
         super().__init__()
@@ -314,18 +306,15 @@ class ContextParallelAttention(nn.Module):
 
     def forward(self, x):  # (B, t, D) this rank's tokens
         q, k, v = (rearrange(f(x), "b t (h e) -> b h t e", h=self.n_heads) for f in (self.q, self.k, self.v))
-        if self.attention == "ring":
-            self.computed = []
-            y = ring_attention(q, k, v, self.group, self.zigzag, self.computed)
-        else:
-            y = ATTENTIONS[self.attention](q, k, v, self.group, self.zigzag)
+        self.computed = []  # the ring appends to it; the other two keep no record
+        record = (self.computed,) if self.attention == "ring" else ()
+        y = ATTENTIONS[self.attention](q, k, v, self.group, self.zigzag, *record)  # (B, H, t, E)
         return self.drop(self.proj(rearrange(y, "b h t e -> b t (h e)")))  # (B, t, D)
 
 
 class ContextParallelGPT(nn.Module):
-    """common.GPT on this rank's T/cp tokens of every sequence. It takes over the GPT's own modules (the same
-    names and weights: only the activations are split), embeds at the tokens' global positions and swaps each
-    block's attention for a ContextParallelAttention; LayerNorms, MLPs, residuals run per token, as ever."""
+    """common.GPT on this rank's T/cp tokens of every sequence: the GPT's own modules (same names and weights:
+    only the activations are split), embedding at global positions, each block's attention swapped."""
 
     def __init__(self, gpt, group, attention, zigzag):
         super().__init__()
@@ -417,9 +406,8 @@ def main():
         run.end_step(step, loss.item())
 
     figures, peak, comm_bytes = report(d, args, model, opt, comm, dp_rank, cp_rank, dp, cp)
-    check = None
-    if args.check:  # every rank holds the whole model, under the GPT's own names
-        check = check_against_reference(d, args, run.losses, dict(model.named_parameters()))
+    full = dict(model.named_parameters())  # every rank holds the whole model, under the GPT's own names
+    check = check_against_reference(d, args, run.losses, full) if args.check else None
     run.finish("context_parallel", peak, comm_bytes, check, figures)
 
 
@@ -435,9 +423,8 @@ def report(d, args, model, opt, comm, dp_rank, cp_rank, dp, cp):
     """The last step, watched from outside: bytes handed to the cp group per layer (the CommCounter), the
     ring's blocks (layer 0's `.computed`; every layer computes the same), and the activation bytes one more
     forward of the last batch saves for backward, beside the unsplit GPT's on the same sequences."""
-    L, T, D, b = args.n_layers, args.seq_len, args.d_model, args.batch_size // dp
-    zigzag = args.layout == "zigzag"
-    t, es, ring = T // cp, torch.tensor([], dtype=DTYPES[args.dtype]).element_size(), args.attention == "ring"
+    L, T, D, b, t = args.n_layers, args.seq_len, args.d_model, args.batch_size // dp, args.seq_len // cp
+    es, zigzag, ring = DTYPES[args.dtype].itemsize, args.layout == "zigzag", args.attention == "ring"
     computed = model.blocks[0].attn.computed
     x = MarkovData(args.vocab, args.seed).batch(args.steps - 1, args.batch_size, T, args.ragged)[0]
     x = x[dp_rank * b:(dp_rank + 1) * b].contiguous().to(d.device)  # (b, T) my replica's sequences

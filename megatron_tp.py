@@ -25,12 +25,9 @@ The MLP, column-then-row, so the GeLU needs no communication (Sec. 3, Fig. 3a), 
                  |
             Z (B,T,D) replicated  (+ the proj bias, replicated, added once after g)
 
-Attention is the same pattern over heads: q, k, v column-split, so rank r owns heads [rH/t, (r+1)H/t);
-the output projection row-split. The token embedding is split over the vocabulary (each rank looks up the
-ids it owns, zeros elsewhere, g sums), and the LM head is column-split over the vocabulary feeding a
-cross-entropy that combines max and sum(exp) across ranks: the (B, T, V) logits never exist anywhere.
-
-Which layer of common.GPT is split how (column: output features split; row: input features split):
+Attention is the same pattern over heads. The LM head, column-split over the vocabulary, feeds a cross-entropy
+that combines max and sum(exp) across ranks: the (B, T, V) logits never exist anywhere. Layer by layer
+(column: output features split; row: input features split):
 
     common.GPT          split                  rank r holds                       enters / leaves the region
     tok_emb             vocabulary (rows)      ids [r V/t, (r+1) V/t)             -  / g     (SP: g_sp)
@@ -111,62 +108,46 @@ def reduce_scatter(x, dim, group):  # (.., t*n, ..) partial sums -> (.., n, ..) 
 #   g         all-reduce               identity                  after a row layer: sums the partial products
 #   f_sp      all-gather along T       reduce-scatter along T    before a column layer, X split along T
 #   g_sp      reduce-scatter along T   all-gather along T        after a row layer, back to T/t positions
-class f(torch.autograd.Function):
-    """Each rank multiplies X by its own shard, so its dL/dX is a partial sum: backward adds them up."""
-
-    @staticmethod
-    def forward(ctx, x, group):  # (B, T, D) replicated
-        ctx.group = group
-        return x
-
-    @staticmethod
-    def backward(ctx, grad):  # (B, T, D) partial -> summed; a copy: autograd may hold on to its own buffer
-        return all_reduce(grad.clone(), ctx.group), None
+def identity(x, group):
+    return x
 
 
-class g(torch.autograd.Function):
-    """The row-parallel partial products are summed; a sum's gradient reaches every term unchanged."""
+def conjugate(name, forward, backward):
+    """The autograd.Function y = forward(x, group), dL/dx = backward(dL/dy, group): one of the four below."""
+    class Operator(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, group):
+            ctx.group = group
+            return forward(x, group)
 
-    @staticmethod
-    def forward(ctx, x, group):  # (B, T, D) partial -> summed, replicated (not in place on the graph's input)
-        return all_reduce(x.clone(), group)
+        @staticmethod
+        def backward(ctx, grad):  # an identity backward needs no group (nor a forward that kept one)
+            return (grad if backward is identity else backward(grad, ctx.group)), None
 
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, None
-
-
-class f_sp(torch.autograd.Function):
-    """The column layer needs all T positions; backward sums the partial dL/dX, each rank keeping its T/t."""
-
-    @staticmethod
-    def forward(ctx, x, group):  # (B, T/t, D) chunk -> (B, T, D)
-        ctx.group = group
-        return all_gather(x, 1, group)
-
-    @staticmethod
-    def backward(ctx, grad):  # (B, T, D) partial -> (B, T/t, D) summed
-        return reduce_scatter(grad, 1, ctx.group), None
+    Operator.__name__ = Operator.__qualname__ = name
+    return Operator
 
 
-class g_sp(torch.autograd.Function):
-    """The partial products are summed, each rank keeping its T/t positions; backward gathers all T again."""
-
-    @staticmethod
-    def forward(ctx, x, group):  # (B, T, D) partial -> (B, T/t, D) summed chunk
-        ctx.group = group
-        return reduce_scatter(x, 1, group)
-
-    @staticmethod
-    def backward(ctx, grad):  # (B, T/t, D) -> (B, T, D)
-        return all_gather(grad, 1, ctx.group), None
+# f's backward and g's forward sum a copy: autograd may hold on to the buffer it hands in, and g's input is
+# the row layer's output, still in the graph (an all-reduce works in place).
+# f: each rank multiplies X by its own shard, so its dL/dX is a partial sum: backward adds them up.
+f = conjugate("f", identity,  # (B, T, D) replicated
+              lambda dx, group: all_reduce(dx.clone(), group))  # (B, T, D) partial -> summed
+# g: the row-parallel partial products are summed; a sum's gradient reaches every term unchanged.
+g = conjugate("g", lambda x, group: all_reduce(x.clone(), group),  # (B, T, D) partial -> summed, replicated
+              identity)
+# f_sp: the column layer needs all T positions; backward sums the partial dL/dX, each rank keeping its T/t.
+f_sp = conjugate("f_sp", lambda x, group: all_gather(x, 1, group),  # (B, T/t, D) chunk -> (B, T, D)
+                 lambda dx, group: reduce_scatter(dx, 1, group))  # (B, T, D) partial -> (B, T/t, D) summed
+# g_sp: the partial products are summed, each rank keeping its T/t positions; backward gathers all T again.
+g_sp = conjugate("g_sp", lambda x, group: reduce_scatter(x, 1, group),  # (B, T, D) partial -> (B, T/t, D)
+                 lambda dx, group: all_gather(dx, 1, group))  # (B, T/t, D) -> (B, T, D)
 
 
 class ColumnParallelGEMM(torch.autograd.Function):
-    """Y = X W^T + b on f_sp's gathered X that saves only this rank's (B, T/t, D) chunk of X, and gathers it
-    again in backward for dL/dW (Korthikanti et al. Sec. 4.2.2): F.linear would keep the whole (B, T, D) X.
-    The activation a column layer saves is then 1/t of X, as every other saved tensor of the block.
-    (Megatron-Core overlaps the re-gather with the dL/dX GEMM; here it simply runs first.)"""
+    """Y = X W^T + b on f_sp's gathered X that saves only this rank's (B, T/t, D) chunk of X (F.linear would
+    keep the whole (B, T, D) X) and gathers it again in backward for dL/dW (Korthikanti et al. Sec. 4.2.2).
+    Megatron-Core overlaps the re-gather with the dL/dX GEMM; here it simply runs first."""
 
     @staticmethod
     def forward(ctx, full, chunk, weight, bias, group):  # full (B, T, D) = f_sp(chunk); chunk (B, T/t, D)
@@ -249,12 +230,9 @@ class RowParallelLinear(nn.Module):
 
 
 class VocabParallelEmbedding(nn.Module):
-    """The token table split over the vocabulary: rank r owns ids [r V_pad/t, (r+1) V_pad/t), where V_pad
-    rounds V up to a multiple of t with rows no id ever reaches. Each rank looks up the ids it owns and
-    writes zeros for the others; exactly one rank holds each row, so g's sum is the full lookup.
-
-        E (V_pad, D) = [ rows of rank 0 ; rows of rank 1 ; ... ]      E_r (V_pad/t, D)
-    """
+    """The token table E (V_pad, D) split over the vocabulary: rank r holds E_r (V_pad/t, D), the rows of ids
+    [r V_pad/t, (r+1) V_pad/t) (V_pad: V rounded up to a multiple of t, rows no id reaches). Each rank looks
+    up the ids it owns, writes zeros for the others; one rank holds each row, so g's sum is the lookup."""
 
     def __init__(self, embedding, group, sequence_parallel=False):
         super().__init__()
@@ -345,9 +323,8 @@ class RNGTracker:
 
 # ----------------------------------------------------------------------------- the sharded GPT
 class ParallelAttention(nn.Module):
-    """common.Attention with heads split: q, k, v one column-parallel layer (rank r owns heads
-    [rH/t, (r+1)H/t), as the features are head-major), proj row-parallel: one all-reduce forward (proj's g),
-    one backward (f)."""
+    """common.Attention with heads split: q, k, v one column-parallel layer (the features are head-major, so
+    rank r owns heads [rH/t, (r+1)H/t)); proj row-parallel. One all-reduce forward (g), one backward (f)."""
 
     def __init__(self, full, group, sp, tracker):
         super().__init__()
@@ -378,10 +355,9 @@ class ParallelMLP(nn.Module):
 
 
 class ParallelGPT(nn.Module):
-    """common.GPT sharded by the docstring's mapping, from the full model (one seed), so any t starts from
-    the same numbers. The full model is consumed: each common.Block keeps its forward and its replicated
-    LayerNorms, its attention and MLP are replaced. Parameter names stay common.GPT's, but for attention's
-    fused attn.qkv (attn.q, attn.k, attn.v)."""
+    """common.GPT sharded by the docstring's table, from the full model (one seed: any t starts from the same
+    numbers), which it consumes: each common.Block keeps its forward and replicated LayerNorms, its attention
+    and MLP replaced. Parameter names stay common.GPT's, but for the fused attn.qkv (attn.q, .k, .v)."""
 
     def __init__(self, full, group, sp, tracker):
         super().__init__()
@@ -569,13 +545,6 @@ def theory_collectives(args, t, dp):
     return dict(sorted(table.items()))
 
 
-def saved_bytes_per_block(block, x):
-    """Bytes autograd saves for backward in one forward of `block` on x, counted by SavedActivations."""
-    with SavedActivations() as saved:
-        block(x.detach().requires_grad_())
-    return saved.bytes
-
-
 def report(d, args, model, tp_group, counted, full_bytes, acts, t, dp):
     """Print each measured figure beside its theory; returns the summary's figures."""
     theory, (split, repl) = theory_collectives(args, t, dp), params_per_rank(args, t)
@@ -589,15 +558,17 @@ def report(d, args, model, tp_group, counted, full_bytes, acts, t, dp):
         m, th = counted.get(k, [0, 0, 0]), theory.get(k, [0, 0, 0, 0])
         d.log(f"{k:36s} {m[0]:5d} {th[0]:6d} {m[1]:9d} {th[1]:9d} {m[2]:12d} {th[2]:9d} {th[3]:19d}")
     b, T, D = args.batch_size // dp, args.seq_len, args.d_model
-    d.log(f"theory per layer: 2 all-reduces forward + 2 backward of b*s*h = {b}*{T}*{D} elements (SP: as "
-          f"many all-gather + reduce-scatter pairs, + 1 re-gather per column layer); ring sends per rank, a "
-          f"formula: all-reduce 2(n-1)/n, all-gather / reduce-scatter (n-1)/n")
+    d.log(f"theory: {FORMULA}; b*s*h = {b}*{T}*{D} elements")
+
+    def saved_by(block, x):  # bytes autograd saves for backward in one forward of `block` on x
+        with SavedActivations() as saved:
+            block(x.detach().requires_grad_())
+        return saved.bytes
     # one block's saved activations, sharded vs an unsharded common.Block on the same (b, T, D) batch
     x = torch.randn(b, T, D, dtype=dtype, device=d.device)
     mine = x.chunk(t, 1)[dist.get_rank(tp_group)].contiguous() if args.sequence_parallel else x  # (b, T/t, D)
-    block_saved = saved_bytes_per_block(model.blocks[0], mine)
-    unsharded = Block(GPTConfig.from_args(args)).to(d.device, dtype).train(model.training)
-    block_full = saved_bytes_per_block(unsharded, x)
+    block_saved = saved_by(model.blocks[0], mine)
+    block_full = saved_by(Block(GPTConfig.from_args(args)).to(d.device, dtype).train(model.training), x)
     d.log(f"activations saved per block {block_saved} B, unsharded block {block_full} B, ratio "
           f"{block_saved / block_full:.3f} (1/t = {1 / t:.3f}: every saved tensor sharded, as with SP)")
     d.log(f"parameters per rank {param_bytes} B (theory split/t + replicated = {(split + repl) * es} B), "

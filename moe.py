@@ -5,20 +5,18 @@ replaced by E expert MLPs and a router that sends each token to a few of them. W
 (--ep ranks) each rank holds E/ep experts, and two all-to-alls per layer carry the tokens to the rank that
 owns their expert and back (GShard, Lepikhin et al. 2020; Switch Transformer, Fedus et al. 2021).
 
-Routers (--router):
-  noisy_topk     Shazeer et al. 2017: H = x W_g + N(0,1) * softplus(x W_noise), keep the top k, softmax.
-                 Aux loss CV(importance)^2 + CV(load)^2, load by the paper's smooth estimator (normal CDF).
+Routers (--router), each a route_* function below:
+  noisy_topk     Shazeer et al. 2017: the top k of x W_g + noise, softmax over them; aux loss CV(importance)^2
+                 + CV(load)^2, load by the paper's smooth estimator (normal CDF).
   gshard         Lepikhin et al. 2020: top-2; the 2nd expert is kept with probability 2 * g2 (random
                  routing); aux loss E * sum_e f_e P_e (f_e: share of first choices, P_e: mean gate).
   switch         Fedus et al. 2021: top-1; the same aux loss, weighted by alpha = --aux-weight (1e-2).
   expert_choice  Zhou et al. 2022: each expert takes its own top-C tokens, so every expert is exactly full;
                  a token gets 0..E experts; no aux loss is needed.
-  loss_free      Wang et al. 2024, auxiliary-loss-free balancing (DeepSeek-V3 trains with it): affinities
-                 s = sigmoid(x W_g) (--score: or softmax); the top k of s + b choose, the gates are the chosen
-                 s normalised to sum 1, so the bias b chooses but never weighs and gets no gradient. After
-                 each step b_e += --bias-rate x sign(mean load - load_e), the loads counted over the whole
-                 batch (one all-reduce): every rank holds the same b. DeepSeek-V3's small sequence-wise
-                 balance loss is there too, weighted by --seq-aux-weight (0, off, by default).
+  loss_free      Wang et al. 2024 (DeepSeek-V3 trains with it): affinities s = sigmoid(x W_g) (or --score
+                 softmax); the top k of s + b choose, the gates are the chosen s alone, so the bias b chooses
+                 but never weighs. After each step b moves by --bias-rate towards balance, from the whole
+                 batch's counts; DeepSeek-V3's sequence-wise balance loss is there too (--seq-aux-weight).
 Total loss = LM loss + weight x aux (aux: mean over routing groups and MoE layers; weight: --aux-weight, or
 --seq-aux-weight for loss_free). --shared-experts S adds S expert MLPs that every token goes through beside
 its routed ones (DeepSeek-MoE, Dai et al. 2024): replicated on every rank, data parallel like attention.
@@ -26,13 +24,10 @@ its routed ones (DeepSeek-MoE, Dai et al. 2024): replicated on every rank, data 
 Capacity is per routing group (GShard's "groups"): the global batch is cut into --groups groups of whole
 sequences, T = batch/groups x seq_len tokens each, routed on their own with C slots per expert:
     token choice:  C = ceil(cf x k x T / E)      expert choice:  C = ceil(cf x T / E)      (both <= T)
-An assignment that finds its expert full is dropped: the token keeps only its residual path. Slots go
-choice by choice: every token's 1st choice is served before any 2nd choice (GShard Alg. 1), so whether a
-token's 2nd choice is dropped depends on the 1st choices of *later* tokens of its group, its own sequence's
-future positions included: information from the future, as expert choice's top-C is (fine for training,
-not for causal decoding). A 1st choice depends only on earlier tokens of the group. Each rank
-routes whole groups of its own slice, so the one-process model with the same --groups (all experts local)
-computes exactly what any EP degree computes; --check compares with that reference.
+An assignment that finds its expert full is dropped: the token keeps only its residual path. Every token's
+1st choice is served before any 2nd choice (GShard Alg. 1), so whether a 2nd choice gets a slot depends on
+the 1st choices of *later* tokens, its own sequence's future included: information from the future, as in
+expert choice's top-C (fine for training, not for causal decoding). A 1st choice sees only earlier tokens.
 
     EP = 2, E = 4: rank 0 owns experts e0 e1, rank 1 owns e2 e3 (picture of rank 0; rank 1 mirrors it)
       my groups (G, T, D) --dispatch einsum--> (E, G, C, D) = [ e0 e1 | e2 e3 ]
@@ -50,11 +45,8 @@ Each rank sorts its (token, choice) pairs by expert and sends every EP rank exac
 The splits must reach the host to size the buffers: one host sync per dropless layer (Megatron-Core's
 dropless dispatcher has it too). With a capacity every size comes from the command line: nothing syncs.
 
-Ranks form the grid torch.arange(world).view(world // ep, ep): a row is an EP group (together it holds all
-E experts), a column holds copies of the same E/ep experts. Expert gradients arrive through the backward
-all-to-all, already summed over the tokens of the EP group, and are summed over the column; every other
-parameter is data parallel (summed over the world). Router noise and random routing are drawn from
-(seed, step, layer, global routing group), never from a rank's RNG, so the EP degree does not change them.
+Ranks form the grid torch.arange(world).view(world // ep, ep): a row is an EP group (together all E experts),
+a column holds copies of the same E/ep experts (their gradients summed over it); the rest is data parallel.
 
 Run:
     python moe.py --router switch --check                            # world 1: all experts local
@@ -119,10 +111,9 @@ def capacity(capacity_factor, k, tokens_per_group, experts):
 # after it (fill_slots), or never (dropless). Expert choice returns dispatch and combine (G, T, E, C) itself:
 # token t sits in slot c of expert e, and comes back with that gate weight.
 def fill_slots(expert, gate, keep, C, E):
-    """Token choice -> slots: dispatch, combine (G, T, E, C). Slots are handed out choice by choice (every
-    token's 1st choice before any 2nd choice: GShard Alg. 1), tokens in order within a choice; an assignment
-    whose expert already has C earlier ones is dropped. So a 2nd choice queues behind the 1st choices of
-    later tokens too (see the docstring: information from the future)."""
+    """Token choice -> slots: dispatch, combine (G, T, E, C). Slots go choice by choice (every token's 1st
+    choice before any 2nd: GShard Alg. 1), tokens in order within a choice; an assignment whose expert already
+    has C earlier ones is dropped, so a 2nd choice queues behind later tokens' 1st choices (see the top)."""
     K = expert.shape[-1]
     want = F.one_hot(expert, E) * keep[..., None].long()  # (G, T, K, E) requested assignments
     order = rearrange(want, "g t k e -> g (k t) e")  # priority order: choice-major, then token
@@ -192,9 +183,8 @@ def route_noisy_topk(clean, noise_std, eps, k):
 
 def route_expert_choice(logits, C):
     """Expert choice (Zhou et al. 2022, Sec. 3.1): token-to-expert affinities softmax(x W_g) (softmax over
-    experts), then each expert takes its C highest-affinity tokens of the group: every expert is exactly
-    full, no token is ever 'dropped' for capacity, and a token gets 0..E experts. The top-C looks at
-    every token of the group, including later ones: fine for training, not for causal decoding."""
+    experts), then each expert takes its C highest-affinity tokens of the group, later ones included: every
+    expert is exactly full, no token is ever 'dropped' for capacity, and a token gets 0..E experts."""
     T = logits.shape[1]
     probs = logits.softmax(-1)  # (G, T, E)
     # A stable sort, not topk: identical tokens (same prefix) tie exactly, and the earlier one must win
@@ -229,9 +219,8 @@ def route_loss_free(scores, bias, k, n):
 
 def update_biases(layers, rate, group):
     """Wang et al. 2024, Alg. 1, after each step: b_e += u * sign(mean_e c - c_e), c_e = tokens that chose
-    expert e in the whole batch: under-loaded experts get more attractive, over-loaded ones less. Each rank
-    routes its own tokens, so the counts are summed over `group` (the world): one all-reduce of (layers, E)
-    numbers, and every rank ends with the same bias. group=None: one process, whose counts are the batch's."""
+    expert e in the whole batch: under-loaded experts get more attractive, over-loaded ones less. Counts are
+    summed over `group` (the world; None: one process) by one all-reduce of (L, E): the same b everywhere."""
     counts = torch.stack([m.wanted for m in layers]).to(torch.float64)  # (L, E), exact integers
     if group is not None:
         dist.all_reduce(counts, group=group)
@@ -268,12 +257,6 @@ def mlps(h, w1, b1, w2, b2):
     """X independent expert MLPs as batched matmuls: h (X, N, D) -> (X, N, H) -> (X, N, D)."""
     h = F.gelu(torch.einsum("xnd,xdh->xnh", h, w1) + b1[:, None])
     return torch.einsum("xnh,xhd->xnd", h, w2) + b2[:, None]
-
-
-def position_seed(seed, step, layer, group):
-    """A seed for the random numbers of one routing group (global index) of one step and layer: any rank that
-    routes that group draws the same numbers, so neither the EP degree nor the data split changes them."""
-    return (((seed * 1_000_003 + step) * 1_009 + layer) * 1_000_000_007 + group) % 2 ** 63
 
 
 class MoE(nn.Module):
@@ -318,11 +301,14 @@ class MoE(nn.Module):
 
     def draw(self, like):
         """Standard normals (noisy_topk) or uniforms (gshard) shaped like `like`, (G, T, E) or (G, T), for my
-        G routing groups, drawn on the device from one generator per (seed, step, layer, global group)."""
+        G routing groups, drawn on the device from one generator per (seed, step, layer, global group): any
+        rank that routes a group draws the same numbers, so neither the EP degree nor the data split changes
+        them."""
         group0, out = self.row0 // self.group_rows, []
+        sample = torch.randn if self.kind == "noisy_topk" else torch.rand
         for g in range(group0, group0 + like.shape[0]):
-            gen = torch.Generator(like.device).manual_seed(position_seed(self.seed, self.step, self.layer, g))
-            sample = torch.randn if self.kind == "noisy_topk" else torch.rand
+            seed = (((self.seed * 1_000_003 + self.step) * 1_009 + self.layer) * 1_000_000_007 + g) % 2 ** 63
+            gen = torch.Generator(like.device).manual_seed(seed)
             out.append(sample(like.shape[1:], generator=gen, device=like.device, dtype=like.dtype))
         return torch.stack(out)
 
@@ -460,14 +446,10 @@ class Layout:
 def make_layout(d, ep):
     """Grid torch.arange(world).view(world // ep, ep): a row is an EP group, a column a set of replicas."""
     grid = torch.arange(d.world).view(d.world // ep, ep)
-    ep_group = replica_group = None
-    for row in grid:  # every rank creates every group, in the same order
-        g = dist.new_group(row.tolist())
-        ep_group = g if d.rank in row.tolist() else ep_group
-    for col in grid.T:
-        g = dist.new_group(col.tolist())
-        replica_group = g if d.rank in col.tolist() else replica_group
-    return Layout(ep, d.rank % ep, ep_group, replica_group, d.world // ep)
+    ep_groups = [dist.new_group(row) for row in grid.tolist()]  # every rank creates every group, in one order
+    replica_groups = [dist.new_group(col) for col in grid.T.tolist()]
+    replica, ep_rank = divmod(d.rank, ep)
+    return Layout(ep, ep_rank, ep_groups[replica], replica_groups[ep_rank], d.world // ep)
 
 
 def split_params(model):
@@ -579,7 +561,7 @@ def main():
     d.log(f"moe.py --router {args.router}: world {d.world} = {lay.replicas} replicas x ep {ep} on "
           f"{d.backend}; {E} experts ({E // ep} per rank) + {args.shared_experts} shared, {groups} routing "
           f"groups of T={T} tokens, {slots}; entropy floor {data.entropy:.4f} nats/token")
-    torch.manual_seed(args.seed + d.rank)  # dropout only; routing randomness comes from position_seed
+    torch.manual_seed(args.seed + d.rank)  # dropout only; routing randomness comes from MoE.draw
     model = build_moe_gpt(args, groups, lay.ep_group, d.device)
     opt = make_optimizer(model.parameters(), args)
     run = Run(d, args, {"model": model, "optim": opt})  # resumes from --ckpt-dir (the loss-free bias too)
@@ -602,11 +584,9 @@ def main():
     f = watch.summarize(d, args, lay, groups, lms, auxes)
     # The technique's own peak, read before --check trains the one-process reference on rank 0's device.
     peak = peak_memory_bytes(d, state_bytes(model, opt) + watch.acts.bytes)
-    check = None
-    if args.check:
-        full = full_params(lay, model)  # a collective: every rank
-        ref = moe_reference(args, groups, d.device) if d.rank == 0 else None
-        check = check_against_reference(d, args, run.losses, full, ref=ref)
+    full = full_params(lay, model) if args.check else None  # a collective: every rank
+    ref = moe_reference(args, groups, d.device) if args.check and d.rank == 0 else None
+    check = check_against_reference(d, args, run.losses, full, ref=ref) if args.check else None
     run.finish(f"moe-{args.router}", peak, f["alltoall_bytes_per_step"], check, f)
 
 
