@@ -108,40 +108,55 @@ def reduce_scatter(x, dim, group):  # (.., t*n, ..) partial sums -> (.., n, ..) 
 #   g         all-reduce               identity                  after a row layer: sums the partial products
 #   f_sp      all-gather along T       reduce-scatter along T    before a column layer, X split along T
 #   g_sp      reduce-scatter along T   all-gather along T        after a row layer, back to T/t positions
-def identity(x, group):
-    return x
+class f(torch.autograd.Function):
+    """Each rank multiplies X by its own shard, so its dL/dX is a partial sum: backward adds them up."""
+
+    @staticmethod
+    def forward(ctx, x, group):  # (B, T, D) replicated
+        ctx.group = group
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):  # (B, T, D) partial -> summed; a copy: autograd may hold on to its own buffer
+        return all_reduce(grad.clone(), ctx.group), None
 
 
-def conjugate(name, forward, backward):
-    """The autograd.Function y = forward(x, group), dL/dx = backward(dL/dy, group): one of the four below."""
-    class Operator(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, x, group):
-            ctx.group = group
-            return forward(x, group)
+class g(torch.autograd.Function):
+    """The row-parallel partial products are summed; a sum's gradient reaches every term unchanged."""
 
-        @staticmethod
-        def backward(ctx, grad):  # an identity backward needs no group (nor a forward that kept one)
-            return (grad if backward is identity else backward(grad, ctx.group)), None
+    @staticmethod
+    def forward(ctx, x, group):  # (B, T, D) partial -> summed, replicated (not in place on the graph's input)
+        return all_reduce(x.clone(), group)
 
-    Operator.__name__ = Operator.__qualname__ = name
-    return Operator
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
 
 
-# f's backward and g's forward sum a copy: autograd may hold on to the buffer it hands in, and g's input is
-# the row layer's output, still in the graph (an all-reduce works in place).
-# f: each rank multiplies X by its own shard, so its dL/dX is a partial sum: backward adds them up.
-f = conjugate("f", identity,  # (B, T, D) replicated
-              lambda dx, group: all_reduce(dx.clone(), group))  # (B, T, D) partial -> summed
-# g: the row-parallel partial products are summed; a sum's gradient reaches every term unchanged.
-g = conjugate("g", lambda x, group: all_reduce(x.clone(), group),  # (B, T, D) partial -> summed, replicated
-              identity)
-# f_sp: the column layer needs all T positions; backward sums the partial dL/dX, each rank keeping its T/t.
-f_sp = conjugate("f_sp", lambda x, group: all_gather(x, 1, group),  # (B, T/t, D) chunk -> (B, T, D)
-                 lambda dx, group: reduce_scatter(dx, 1, group))  # (B, T, D) partial -> (B, T/t, D) summed
-# g_sp: the partial products are summed, each rank keeping its T/t positions; backward gathers all T again.
-g_sp = conjugate("g_sp", lambda x, group: reduce_scatter(x, 1, group),  # (B, T, D) partial -> (B, T/t, D)
-                 lambda dx, group: all_gather(dx, 1, group))  # (B, T/t, D) -> (B, T, D)
+class f_sp(torch.autograd.Function):
+    """The column layer needs all T positions; backward sums the partial dL/dX, each rank keeping its T/t."""
+
+    @staticmethod
+    def forward(ctx, x, group):  # (B, T/t, D) chunk -> (B, T, D)
+        ctx.group = group
+        return all_gather(x, 1, group)
+
+    @staticmethod
+    def backward(ctx, grad):  # (B, T, D) partial -> (B, T/t, D) summed
+        return reduce_scatter(grad, 1, ctx.group), None
+
+
+class g_sp(torch.autograd.Function):
+    """The partial products are summed, each rank keeping its T/t positions; backward gathers all T again."""
+
+    @staticmethod
+    def forward(ctx, x, group):  # (B, T, D) partial -> (B, T/t, D) summed chunk
+        ctx.group = group
+        return reduce_scatter(x, 1, group)
+
+    @staticmethod
+    def backward(ctx, grad):  # (B, T/t, D) -> (B, T, D)
+        return all_gather(grad, 1, ctx.group), None
 
 
 class ColumnParallelGEMM(torch.autograd.Function):
