@@ -2,7 +2,7 @@
 
     python tests/bad_input_matrix.py CASES.json  ->  one JSON line per case: {"code", "stderr", "stdout"}
 
-A case is {"file", "world", "rank", "argv"}. With world > 1, RANK/WORLD_SIZE/LOCAL_RANK are set but there is
+A case is {"file", "world", "rank", "argv"} (and "torchrun": true to set RANK etc. at world 1 too). With world > 1, RANK/WORLD_SIZE/LOCAL_RANK are set but there is
 no rendezvous (no MASTER_ADDR): a rank that reached a collective, or init_dist, would crash instead of
 exiting 2, so exit code 2 with one line proves the check came first. With world 1 there is no RANK, so a
 case may get as far as init_dist (a one-process group) and the checkpoint checks behind it."""
@@ -36,7 +36,7 @@ def load(file):
 for case in json.load(open(sys.argv[1])):
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
         os.environ.pop(k, None)
-    if case["world"] > 1:
+    if case["world"] > 1 or case.get("torchrun"):  # as torchrun starts it (torchrun sets them at world 1 too)
         os.environ.update(RANK=str(case["rank"]), LOCAL_RANK=str(case["rank"]), WORLD_SIZE=str(case["world"]))
     mod = load(case["file"])
     sys.argv = [str(ROOT / case["file"]), *case["argv"]]

@@ -122,6 +122,33 @@ def test_bad_input_matrix(tmp_path):
           f"directories) over {len({c['file'] for c in cases})} files")
 
 
+def test_gpu_check_plans_a_legal_run_for_any_gpu_count(tmp_path):
+    """tests/gpu_check.py derives every run's flags from the GPU count: at 1 to 8 GPUs each planned run passes
+    its file's argument checks and reaches the rendezvous (the matrix runner has none, so it crashes there),
+    where an illegal one would exit 2. The control: the same plan at 6 GPUs launched at world 4 is refused."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    import gpu_check
+    cases = [dict(file=f, world=w, rank=w - 1, argv=list(map(str, flags)), torchrun=True, name=name)
+             for w in range(1, 9) for name, f, flags in gpu_check.plan(w) + gpu_check.bf16_plan(w)
+             + gpu_check.restart_plan(w)]
+    kinds = {name.split(" (")[0] for name, _, _ in gpu_check.plan(8)}
+    assert len(kinds) >= 35 and {f for _, f, _ in gpu_check.plan(8)} == {
+        "dp.py", "ddp_bucketed.py", "gpipe.py", "pipedream.py", "megatron_tp.py", "ptdp.py", "moe.py", "zero.py",
+        "context_parallel.py"}, kinds
+    wrong_world = [dict(file=f, world=4, rank=0, argv=list(map(str, flags)), torchrun=True, name=name)
+                   for name, f, flags in gpu_check.plan(6) if f in ("ptdp.py", "megatron_tp.py", "moe.py")]
+    (tmp_path / "cases.json").write_text(json.dumps(cases + wrong_world))
+    p = subprocess.run([sys.executable, str(ROOT / "tests" / "bad_input_matrix.py"), str(tmp_path / "cases.json")],
+                       env=ENV, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    results = [json.loads(l) for l in p.stdout.splitlines() if l.startswith("{")]
+    assert len(results) == len(cases) + len(wrong_world), p.stdout[-2000:] + p.stderr[-3000:]
+    bad = [f"{c['name']} world {c['world']}: {r['code']} {r['stderr'].strip()[-200:]}"
+           for c, r in zip(cases, results) if not (r["code"] == "crash" and "MASTER_ADDR" in r["stderr"])]
+    assert not bad, f"{len(bad)} of {len(cases)} planned runs are refused:\n" + "\n".join(bad[:20])
+    refused = [r for r in results[len(cases):] if r["code"] == 2]
+    assert len(refused) == len(wrong_world), results[len(cases):]
+
+
 # --------------------------------------------------------------------------- faults
 def launch(tmp_path, nproc, *args, max_restarts=0, timeout=240):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
