@@ -12,8 +12,10 @@ Training", VLDB 2020, Sec. 3.2):
      cut rule: walk the parameters, add each to the open bucket, and close the bucket as soon as it holds
      at least the cap (so a bucket passes the cap by up to one parameter, and there are fewer of them).
   2. Gradients live in the buckets (DDP's gradient_as_bucket_view): each parameter's .grad is a view into
-     its bucket, so the all-reduce's result *is* the gradient; when .grad starts as None (zero_grad's
-     set_to_none), the first hook copies it in once and points .grad at the view.
+     its bucket, so the all-reduce's result *is* the gradient, never copied back. With
+     zero_grad(set_to_none=False) the views survive and autograd adds into them: no copy at all. With
+     set_to_none=True (used here: on a CPU one copy costs less than zeroing and adding) .grad starts as None
+     and each hook copies the new gradient in once, then points .grad at its view.
   3. Overlap (Sec. 3.2.3): backward produces gradients from the last layer to the first. A hook on every
      parameter marks its gradient ready; when a bucket is full, its async all-reduce starts while autograd
      is still computing the earlier layers. The end of backward waits for all of them.
@@ -318,7 +320,7 @@ def main():
         n_tok = count_tokens(y)  # tokens of the whole global batch: the loss divisor on every rank
         x, y = to_device(d.device, x[d.rank * b:(d.rank + 1) * b], y[d.rank * b:(d.rank + 1) * b])  # (B/N, T)
         with run.watching(step, comm, acts):
-            opt.zero_grad(set_to_none=False)  # .grad stays a view into its bucket: backward adds into it
+            opt.zero_grad(set_to_none=True)  # backward's hooks copy each gradient into its bucket once
             loss = lm_loss(ddp(x), y, n_tok)  # this rank's share L_r of the global loss L = sum_r L_r
             # DDP *averages*: backpropagate N * L_r, so mean_r grad(N L_r) = grad L exactly, ragged or not
             (loss * d.world).backward()  # returns with every .grad averaged over ranks
