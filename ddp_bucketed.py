@@ -140,7 +140,7 @@ class BucketedDDP(nn.Module):
 
     def _build_buckets(self, order):
         """One flat buffer per bucket, in the parameter dtype; each parameter's gradient a fixed slice of it,
-        shaped like the parameter."""
+        shaped like the parameter tensor."""
         self.buckets, self.bucket_of, self.views, self.buffers = self._assign(order), {}, {}, []
         for b, idx in enumerate(self.buckets):
             buf = torch.zeros(sum(self.params[i].numel() for i in idx), dtype=self.params[idx[0]].dtype,

@@ -404,7 +404,7 @@ def saving(loss_fn, saved):
 
 class SentCopies(CommCounter):
     """A CommCounter that also holds every tensor handed to a send, weakly (LiveStorages): `peak` is the most
-    bytes of sent tensors still alive as a `with` block ends (kept copies would grow by a model per update)."""
+    bytes of sent tensors still alive as a `with` block ends (kept copies grow by a model per update)."""
 
     def __init__(self):
         super().__init__()
