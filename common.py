@@ -8,8 +8,8 @@
     training   lm_loss() (sum over tokens / tokens of the *global* batch), make_optimizer() (AdamW),
                clip_grads_() (torch's clipping rule), reference_train(): the one-process trainer that every
                --check compares with
-The bookkeeping around a lesson (flags, --check's verdict, checkpoints, counters, timelines, the summary) is in
-harness.py, which no reader needs in order to learn a technique.
+The bookkeeping around a lesson (flags, --check's verdict, checkpoints, counters, timelines, the summary)
+is in harness.py, which no reader needs in order to learn a technique.
 """
 import os, sys
 from dataclasses import dataclass
@@ -50,9 +50,9 @@ class Dist:
 def gpu_layout_error(n_gpus, local_world):
     """Why `local_world` processes per node cannot each take their own GPU, or None when they can."""
     if local_world > n_gpus:
-        return (f"{local_world} processes on this node but {n_gpus} GPU(s) found (NCCL cannot put two ranks on "
-                f"one GPU): launch torchrun --nproc_per_node={n_gpus}, or run on CPU with gloo by hiding the GPUs "
-                f"(CUDA_VISIBLE_DEVICES=)")
+        return (f"{local_world} processes on this node but {n_gpus} GPU(s) found (NCCL cannot put two ranks "
+                f"on one GPU): launch torchrun --nproc_per_node={n_gpus}, or run on CPU with gloo by hiding "
+                f"the GPUs (CUDA_VISIBLE_DEVICES=)")
     return None
 
 
@@ -61,7 +61,8 @@ def init_dist(timeout_s=120):
     cuda = torch.cuda.is_available()
     backend = "nccl" if cuda else "gloo"
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    if cuda and (why := gpu_layout_error(torch.cuda.device_count(), int(os.environ.get("LOCAL_WORLD_SIZE", "1")))):
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    if cuda and (why := gpu_layout_error(torch.cuda.device_count(), local_world)):
         fail(why)  # before any collective, on every rank
     device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
     if cuda:
@@ -123,8 +124,10 @@ class Attention(nn.Module):
         self.drop = nn.Dropout(cfg.dropout)
 
     def forward(self, x):  # (B, T, D)
-        q, k, v = (rearrange(lin(x), "b t (h e) -> b h t e", h=self.n_heads) for lin in (self.q, self.k, self.v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.p if self.training else 0.0)
+        q, k, v = (rearrange(lin(x), "b t (h e) -> b h t e", h=self.n_heads)
+                   for lin in (self.q, self.k, self.v))  # (B, H, T, E) each
+        p = self.p if self.training else 0.0
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=p)  # (B, H, T, E)
         return self.drop(self.proj(rearrange(y, "b h t e -> b t (h e)")))  # (B, T, D)
 
 
@@ -157,7 +160,8 @@ class GPT(nn.Module):
     def __init__(self, cfg):
         super().__init__()
         self.cfg = cfg
-        self.tok_emb, self.pos_emb = nn.Embedding(cfg.vocab, cfg.d_model), nn.Embedding(cfg.seq_len, cfg.d_model)
+        self.tok_emb = nn.Embedding(cfg.vocab, cfg.d_model)
+        self.pos_emb = nn.Embedding(cfg.seq_len, cfg.d_model)
         self.drop = nn.Dropout(cfg.dropout)
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
         self.ln_f, self.head = nn.LayerNorm(cfg.d_model), nn.Linear(cfg.d_model, cfg.vocab, bias=False)
@@ -233,13 +237,15 @@ def lm_loss(logits, targets, n_tokens):
     per-rank losses (and gradients) simply add up to the full-batch ones, whatever the split."""
     if logits.dtype in (torch.float16, torch.bfloat16):
         logits = logits.float()  # softmax in low precision loses the small probabilities
-    return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE, reduction="sum") / n_tokens
+    total = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE, reduction="sum")
+    return total / n_tokens
 
 
 def make_optimizer(params, args):
     # foreach=False: the per-tensor code path, elementwise, so a shard of a tensor updates exactly as
     # the same elements of the whole tensor would.
-    return torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay, foreach=False)
+    return torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay,
+                             foreach=False)
 
 
 def clip_grads_(grads, total_norm, max_norm):

@@ -20,36 +20,35 @@ Between its F and its B a micro-batch's activations stay alive, so a stage holds
 input of each micro-batch, and B reruns the stage's forward from it first: the same numbers for about one
 extra forward, with m stage inputs plus one micro-batch's activations alive instead of m full sets.
 
-The run measures every F and B (start, end) on every stage, prints the bubble beside its theory, the peak
-number of micro-batches alive, the activation bytes held for backward, and an ASCII timeline of the last step
-drawn from the measured events; --trace writes the same events for Perfetto / chrome://tracing. On a laptop,
+The schedule, `gpipe_step`, runs any stage module over any list of micro-batches and counts nothing itself:
+it enters one callback, `observe(kind, mb)`, around every F and B. Through it the run measures, from outside,
+every F and B (start, end) on every stage, and prints the bubble beside its theory, the peak number of
+micro-batches alive, the activation bytes held for backward (the live storages), the bytes sent, and an ASCII
+timeline of the last step; --trace writes the same events for Perfetto / chrome://tracing. On a laptop,
 processes that share a few cores time the operating system's scheduling, not the schedule: --stage-ms F
 simulates compute time (each F also waits F ms, each B 2F ms; the numbers computed are unchanged), so the
 measured bubble approaches its theory and the timeline looks like the picture above.
 
 Run (one process per stage; a world of 1 is not a pipeline):
     torchrun --nproc_per_node=4 gpipe.py --microbatches 8
-    torchrun --nproc_per_node=4 gpipe.py --microbatches 8 --stage-ms 30 --steps 3   # simulated compute: the bubble
+    torchrun --nproc_per_node=4 gpipe.py --microbatches 8 --stage-ms 30 --steps 3   # simulated compute
     torchrun --nproc_per_node=4 gpipe.py --microbatches 8 --recompute --trace gpipe_trace.json
-    torchrun --nproc_per_node=3 gpipe.py --n-layers 4 --dtype float64 --check   # uneven split: 2 + 1 + 1 blocks
+    torchrun --nproc_per_node=3 gpipe.py --n-layers 4 --dtype float64 --check   # uneven split: 2 + 1 + 1
 In production, use torch.distributed.pipelining (ScheduleGPipe), or DeepSpeed's / Megatron-LM's pipelines.
 """
-import json
+import contextlib
 import sys
-import time
-import weakref
-from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from common import (DTYPES, build_gpt, clip_grads_, close_dist, count_tokens, fail, GPTConfig, init_dist,
-                    lm_loss, make_optimizer, MarkovData)
-from harness import (assemble_full, check_against_reference, check_common_args, Checkpointer, CommonArgs,
-                     env_world_size, gather_rows, log_step, maybe_fail, parse_args, peak_memory_bytes,
-                     state_bytes, StepTimer, tensor_bytes, write_summary)
+from common import (DTYPES, build_gpt, clip_grads_, count_tokens, fail, GPTConfig, init_dist, lm_loss,
+                    make_optimizer, MarkovData)
+from harness import (assemble_full, busy_ms, check_against_reference, check_common_args, CommCounter,
+                     CommonArgs, draw_timeline, env_world_size, gather_rows, HeldForB,
+                     parse_args, peak_memory_bytes, Run, state_bytes, tensor_bytes, Timeline, write_trace)
 
 
 @dataclass
@@ -57,7 +56,7 @@ class Args(CommonArgs):
     microbatches: int = 4  # m: micro-batches per global batch (--batch-size must be divisible by it)
     recompute: bool = False  # re-materialisation: keep each micro-batch's stage input only, rerun F during B
     trace: str = ""  # write the last step's measured F/B events as a Chrome trace (JSON) to this path
-    stage_ms: float = 0.0  # simulate compute time: each F of a micro-batch also waits this many ms, each B twice that
+    stage_ms: float = 0.0  # simulate compute time: each F of a micro-batch also waits this many ms, each B 2x
 
 
 # ----------------------------------------------------------------------------- the stages
@@ -96,267 +95,149 @@ class Stage(nn.Module):
         return self.head(self.ln_f(h)) if self.last else h  # last: logits (b, T, V); others: (b, T, D)
 
 
-# ----------------------------------------------------------------------------- point-to-point
-def p2p(sends=(), recvs=()):
-    """Send [(tensor, peer)] and receive [(tensor, peer)] as one batch_isend_irecv, and wait. Batched, a send
-    and a receive between the same two ranks cannot deadlock under NCCL. GPipe never needs both at once (each
-    phase flows one way), but every transfer goes through here so the rule holds everywhere."""
-    ops = [dist.P2POp(dist.isend, t, peer) for t, peer in sends]
-    ops += [dist.P2POp(dist.irecv, t, peer) for t, peer in recvs]
-    for req in dist.batch_isend_irecv(ops):
-        req.wait()  # on a GPU: the compute stream waits for the transfer; the host does not
+def micro_batches(batch, m, device):
+    """The step's (B, T) batch on the device in one copy (on CUDA from pinned memory, non-blocking: the host
+    goes on), cut into m micro-batches (B/m, T), each in its own storage like a received input."""
+    if device.type == "cuda":
+        batch = batch.pin_memory()
+    return [mb.clone() for mb in batch.to(device, non_blocking=True).chunk(m)]
 
 
 # ----------------------------------------------------------------------------- the GPipe schedule
-def run_forward(forward, i, recompute):
-    """F of micro-batch i: with its graph, which the caller keeps until B; or, with re-materialisation, under
-    no_grad, so nothing is saved for backward and B reruns it from the stage input."""
-    with torch.no_grad() if recompute else nullcontext():
-        return forward(i)
+def post(op, tensor, peer):
+    """Start one transfer (op: dist.isend or dist.irecv) and return its request, through batch_isend_irecv
+    even alone: on NCCL every transfer then runs on the group's one communicator, in the order posted. A
+    request's wait() makes the host wait on gloo; on NCCL it makes the current stream wait, never the host."""
+    return dist.batch_isend_irecv([dist.P2POp(op, tensor, peer)])[0]
 
 
-def gpipe_step(d, stage, xs, ys, n_tok, act_shape, args, clock):
-    """One global batch on this stage: F of micro-batches 0..m-1, then B of 0..m-1 (the flush), leaving the
-    whole batch's gradient summed in .grad. xs, ys: m x (b, T) micro-batches (b = B/m), global on CPU.
-    Returns (the sum of this stage's micro-batch losses, 0 except on the last stage; events; stats)."""
-    prev, nxt, m, recompute = d.rank - 1, d.rank + 1, len(xs), args.recompute
-    cuda, dtype = d.device.type == "cuda", next(stage.parameters()).dtype
+def rng_state(device):
+    """Where the random generators stand (the CPU's, and the device's on CUDA): what dropout draws from."""
+    return torch.get_rng_state(), torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+
+
+def gpipe_step(stage, xs, ys, loss_fn, prev, nxt, recv_shape, recompute=False, observe=None):
+    """One global batch through this rank's stage: F of micro-batches 0..m-1, then B of 0..m-1 (the flush),
+    leaving the whole batch's gradient summed in the stage's .grad. Returns the sum of the m micro-batch
+    losses (0-dim, float64; 0 except on the last stage).
+      stage       this rank's nn.Module; what crosses a boundary has its first parameter's dtype and device
+      xs, ys      the m micro-batches' inputs and targets, on the device; only the first stage reads xs, only
+                  the last ys (the others may pass Nones)
+      loss_fn     loss_fn(output, target): the micro-batch's share of the batch loss (a sum over its samples
+                  divided by the whole batch's count, so that the m gradients add up to the batch's)
+      prev, nxt   global ranks of the stages before and after this one, None at the ends
+      recv_shape  shape of the activation received from prev, the same for every micro-batch: (b, T, D) here
+      recompute   re-materialisation: F keeps only its input, B reruns F first
+      observe     observe(kind, mb): a context manager entered around every F and B, to time or measure it
+    Each transfer is posted as soon as its buffer exists and waited only where its data is needed: a receive
+    one micro-batch ahead (it arrives while this stage computes), a send when the next is posted (the stage
+    computes on while it travels). On NCCL those waits hold the stream: the host queues ahead of the GPU."""
+    observe = observe or (lambda kind, mb: contextlib.nullcontext())
+    m, first, last = len(xs), prev is None, nxt is None
+    like = next(stage.parameters())  # dtype and device of what is received
     inputs, outputs, rng = [None] * m, [None] * m, [None] * m
-    loss_sum = torch.zeros((), dtype=torch.float64, device=d.device)
-    events, held = [], HeldBytes()  # held: every activation saved for backward in this step, measured alive
-    stats = dict(peak_alive=0, peak_bytes=0, input_bytes=0, full_bytes=0, sent_bytes=0)
+    loss_sum = torch.zeros((), dtype=torch.float64, device=like.device)
+    sending = []  # the send in flight, with its tensor (kept referenced until it is done)
+
+    def recv(shape, peer):  # an empty buffer and the posted receive that fills it
+        buf = torch.empty(shape, dtype=like.dtype, device=like.device)
+        return buf, post(dist.irecv, buf, peer)
+
+    def finish_sends():
+        while sending:
+            sending.pop()[0].wait()
+
+    def send(t, peer):
+        finish_sends()
+        sending.append((post(dist.isend, t, peer), t))
 
     def forward(i):  # the stage's forward of micro-batch i; on the last stage, its loss
         out = stage(inputs[i])
-        if not stage.last:
-            return out  # (b, T, D)
-        y = ys[i].to(d.device, copy=True)  # (b, T) its own storage, not a view of the whole batch's
-        return lm_loss(out, y, n_tok)  # sum over the micro-batch's tokens / tokens of the global batch
+        return loss_fn(out, ys[i]) if last else out
 
     # 1. all forwards. F of micro-batch i starts when its input has arrived from stage s-1.
+    pending = None if first else recv(recv_shape, prev)
     for i in range(m):
-        if stage.first:
-            inputs[i] = xs[i].to(d.device, copy=True)  # (b, T) token ids, its own storage like a received input
+        if first:
+            inputs[i] = xs[i]  # (b, T) token ids here
         else:
-            inputs[i] = torch.empty(act_shape, dtype=dtype, device=d.device)  # (b, T, D) from stage s-1
-            p2p(recvs=[(inputs[i], prev)])
+            inputs[i], req = pending  # (b, T, D) from stage s-1
+            if i + 1 < m:
+                pending = recv(recv_shape, prev)  # micro-batch i+1's, before F(i) runs
+            req.wait()
             inputs[i].requires_grad_()  # a leaf: its .grad is what B sends back to stage s-1
         if recompute:  # where the RNG stood, so that B's rerun draws the same dropout masks
-            rng[i] = (torch.get_rng_state(), torch.cuda.get_rng_state(d.device) if cuda else None)
-        start, mine = clock.now(), HeldBytes()
-        with mine.saving():
-            out = run_forward(forward, i, recompute)
-        simulate_compute(args.stage_ms)
-        events.append(dict(kind="F", mb=i, start=start, end=clock.now()))
-        if stage.last:
+            rng[i] = rng_state(like.device)
+        with observe("F", i), torch.no_grad() if recompute else contextlib.nullcontext():
+            out = forward(i)  # with --recompute under no_grad: nothing is saved for backward
+        if last:
             loss_sum += out.detach()
         else:
-            p2p(sends=[(out.detach(), nxt)])  # (b, T, D) to stage s+1
-            stats["sent_bytes"] += out.numel() * out.element_size()
+            send(out.detach(), nxt)  # (b, T, D) to stage s+1
+            out_shape = out.shape
         outputs[i] = None if recompute else out  # micro-batch i keeps its graph until B, or only its input
-        held.add(mine)
-        stats.update(peak_alive=max(stats["peak_alive"], sum(t is not None for t in inputs)),
-                     input_bytes=max(stats["input_bytes"], tensor_bytes([inputs[i]])),
-                     peak_bytes=max(stats["peak_bytes"], held.alive(*inputs, *outputs)))
-        if not recompute:
-            stats["full_bytes"] = max(stats["full_bytes"], mine.alive(inputs[i], out))  # one micro-batch's set
+    finish_sends()  # under --recompute, then, only the m inputs are left
 
     # 2. all backwards, in the same order. B of micro-batch i starts when d loss / d output has arrived.
+    pending = None if last else recv(out_shape, nxt)
     for i in range(m):
         grad = None  # last stage: B starts from the loss itself (d loss / d loss = 1)
-        if not stage.last:
-            grad = torch.empty(act_shape, dtype=dtype, device=d.device)  # (b, T, D) from stage s+1
-            p2p(recvs=[(grad, nxt)])
-        start = clock.now()
-        out = outputs[i]
-        if recompute:  # Sec. 2.3: rerun F from the kept input, this time keeping the graph, with the same
-            # dropout masks: replay the RNG state F started from (as torch.utils.checkpoint does)
-            mine = HeldBytes()
-            with torch.random.fork_rng(devices=[d.device] if cuda else []), mine.saving():
-                torch.set_rng_state(rng[i][0])
-                if cuda:
-                    torch.cuda.set_rng_state(rng[i][1], d.device)
-                out = forward(i)
-            held.add(mine)  # measured now: the kept inputs and this one rerun graph are alive
-            stats["peak_bytes"] = max(stats["peak_bytes"], held.alive(*inputs, out))
-            stats["full_bytes"] = max(stats["full_bytes"], mine.alive(inputs[i], out))
-        torch.autograd.backward(out, grad)  # adds micro-batch i's gradient into every .grad of the stage
-        simulate_compute(2 * args.stage_ms)
-        events.append(dict(kind="B", mb=i, start=start, end=clock.now()))
-        if not stage.first:
-            g = inputs[i].grad  # (b, T, D) d loss / d input, to stage s-1
-            p2p(sends=[(g, prev)])
-            stats["sent_bytes"] += g.numel() * g.element_size()
-        inputs[i] = outputs[i] = rng[i] = out = None  # the graph and all of micro-batch i's activations go now
-    return loss_sum, events, stats
+        if not last:
+            grad, req = pending  # (b, T, D) from stage s+1
+            if i + 1 < m:
+                pending = recv(out_shape, nxt)  # micro-batch i+1's, before B(i) runs
+            req.wait()
+        with observe("B", i):
+            out = outputs[i]
+            if recompute:  # Sec. 2.3: rerun F from the kept input, this time keeping the graph, with the same
+                # dropout masks: replay the RNG state F started from (as torch.utils.checkpoint does)
+                cpu_state, device_state = rng[i]
+                with torch.random.fork_rng(devices=[like.device] if device_state is not None else []):
+                    torch.set_rng_state(cpu_state)
+                    if device_state is not None:
+                        torch.cuda.set_rng_state(device_state, like.device)
+                    out = forward(i)
+            torch.autograd.backward(out, grad)  # adds micro-batch i's gradient into every .grad of the stage
+        if not first:
+            send(inputs[i].grad, prev)  # (b, T, D) d loss / d input, to stage s-1
+        inputs[i] = outputs[i] = rng[i] = out = None  # the graph and micro-batch i's activations go now
+    finish_sends()
+    return loss_sum
 
 
-# --- measurement ---
-class Clock:
-    """Times of F and B in ms since one zero common to all stages. CPU: the wall clock, zeroed at the wall time
-    the last rank arrived (perf_counter's origin differs per process; a barrier's exit skew, milliseconds on a
-    busy host, would draw a receive before its send). CUDA: events recorded on the stream, so timing never
-    stops the host or the stream; the zero is an event right after an all-reduce, which ends at about the same
-    moment on every GPU. `read` turns a step's stamps into ms: one synchronize per step, none per op."""
-
-    def __init__(self, d):
-        self.d, self.cuda = d, d.device.type == "cuda"
-
-    def start(self):
-        t = torch.tensor([time.time() * 1e3], dtype=torch.float64, device=self.d.device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)  # also lines the ranks up, like a barrier
-        if self.cuda:
-            self.zero = self.now()
-        else:
-            self.t0 = t.item()
-
-    def now(self):
-        if not self.cuda:
-            return time.time() * 1e3 - self.t0
-        event = torch.cuda.Event(enable_timing=True)
-        event.record()
-        return event
-
-    def read(self, events):
-        if self.cuda:
-            torch.cuda.synchronize(self.d.device)
-            for e in events:
-                e["start"], e["end"] = (self.zero.elapsed_time(e[k]) for k in ("start", "end"))
-        return events
+def squared_norm(grads):
+    """This stage's part of the whole model's squared gradient norm, in float64, with no float64 copy of a
+    gradient (the norm's dtype=float64 would cast its input first): each tensor's norm in its own dtype
+    (bf16 / fp16 accumulated as float32, which CUDA reads in place), the few norms squared in float64."""
+    low = (torch.float16, torch.bfloat16)
+    return sum(torch.linalg.vector_norm(g, dtype=torch.float32 if g.dtype in low else None).double() ** 2
+               for g in grads)
 
 
-def simulate_compute(ms):
-    """--stage-ms: wait, not compute, so that the schedule sets the timing rather than processes competing for
-    a few cores. On a GPU the host waits before the end event is recorded, so the stream's span covers it."""
-    if ms > 0:
-        time.sleep(ms / 1e3)
-
-
-class HeldBytes:
-    """Activation bytes alive for backward, measured: a pack hook (autograd passes every tensor it saves
-    through it) keeps a weak reference to each saved activation (parameters and views of them excluded). A
-    graph freed by its B, or never built (--recompute's F), drops out by itself; `alive(*held)` counts the
-    storages still referenced, plus the tensors the schedule holds itself (inputs, outputs), each once."""
-
-    def __init__(self):
-        self.refs = []
-
-    def _pack(self, t):
-        if not (isinstance(t, nn.Parameter) or isinstance(t._base, nn.Parameter)):
-            self.refs.append(weakref.ref(t))
-        return t
-
-    def saving(self):
-        return torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
-
-    def add(self, other):
-        self.refs += other.refs
-
-    def alive(self, *held):
-        saved = [t for t in (r() for r in self.refs) if t is not None]
-        self.refs = [weakref.ref(t) for t in saved]
-        return tensor_bytes(saved + [t for t in held if t is not None])
-
-def draw_timeline(events, p, max_cols=150):
-    """One row per stage, to scale, from the measured events: `F3` / `B3` where micro-batch 3's forward /
-    backward ran (then blank to its end), `.` where the stage sat idle."""
-    end = max(e["end"] for e in events)
-    shortest = max(min(e["end"] - e["start"] for e in events), 1e-6)
-    cols = max(40, min(max_cols, int(3 * end / shortest)))  # the shortest event gets about 3 columns
-    ms_per_col = end / cols
-    rows = []
-    for r in range(p):
-        row = ["."] * cols
-        for e in sorted((e for e in events if e["rank"] == r), key=lambda e: e["start"]):
-            a = min(int(e["start"] / ms_per_col), cols - 1)
-            b = max(a + 1, min(cols, round(e["end"] / ms_per_col)))
-            row[a:b] = list(f"{e['kind']}{e['mb']}".ljust(b - a)[:b - a])
-        rows.append(f"stage {r} |{''.join(row)}|")
-    rows.append(f"{'':8}0 ms{f'{end:.1f} ms':>{cols - 2}}")
-    return "\n".join(rows)
-
-
-def write_trace(path, events, p):
-    """Chrome trace format: one complete event ("ph": "X", times in microseconds) per F and B, one process per
-    stage. Open in https://ui.perfetto.dev or chrome://tracing."""
-    trace = [dict(name=f"{e['kind']}{e['mb']}", cat="forward" if e["kind"] == "F" else "backward", ph="X",
-                  ts=1e3 * e["start"], dur=1e3 * (e["end"] - e["start"]), pid=e["rank"], tid=0, args=dict(mb=e["mb"]))
-             for e in events]
-    trace += [dict(name="process_name", ph="M", pid=r, tid=0, args=dict(name=f"stage {r}")) for r in range(p)]
-    with open(path, "w") as f:
-        json.dump(dict(traceEvents=trace, displayTimeUnit="ms"), f)
-
-
-def report(d, args, events, stats, counted, bounds, act_shape, dtype):
-    """Every rank's last-step events and counters, gathered as rows of numbers (no object collective), on
-    every rank; rank 0 prints them beside their theory. Returns (figures, bytes sent per rank)."""
-    p, m = d.world, args.microbatches
-    rows = [[d.rank, e["kind"] == "B", e["mb"], e["start"], e["end"]] for e in events]
-    ev = gather_rows(d, rows if rows else torch.zeros(0, 5))  # per rank: (2m, 5) rows, or none after a resume
-    keys = ["peak_alive", "peak_bytes", "input_bytes", "full_bytes", "sent_bytes"]
-    st = [dict(zip(keys + ["state"], map(int, r[0].tolist())))
-          for r in gather_rows(d, [[(stats or {}).get(k, 0) for k in keys] + [counted]])]
-    sent, figures = [s["sent_bytes"] for s in st], {}
-    all_events = [dict(rank=int(r), kind="FB"[int(b)], mb=int(i), start=a, end=z)
-                  for rank_rows in ev for r, b, i, a, z in rank_rows.tolist()]
-    if not all_events:
-        return figures, sent
-    end = max(e["end"] for e in all_events)  # the flush: the last B anywhere
-    busy = [sum(e["end"] - e["start"] for e in all_events if e["rank"] == r) for r in range(p)]
-    bubble, theory = [1 - b / end for b in busy], (p - 1) / (m + p - 1)
-    # Theory (a formula on measured parts, not a measurement): held for B per stage, m full sets without
-    # re-materialisation, m stage inputs + one full set (during its B) with it.
-    without = [m * s["full_bytes"] for s in st]
-    with_rc = [m * s["input_bytes"] + s["full_bytes"] - s["input_bytes"] for s in st]
-    b = act_shape[0] * act_shape[1] * act_shape[2] * torch.tensor([], dtype=dtype).element_size()
-    sent_theory = [m * b * ((r > 0) + (r < p - 1)) for r in range(p)]  # one (b, T, D) per micro-batch, direction
-    mean = sum(bubble) / p
-    figures.update(
-        events=all_events, bubble=bubble, bubble_mean=mean, bubble_theory=theory,
-        bubble_theory_formula="(p-1)/(m+p-1)", stage_ms=args.stage_ms,
-        peak_alive_microbatches=[s["peak_alive"] for s in st], peak_alive_theory=m,
-        saved_activation_bytes=[s["peak_bytes"] for s in st], saved_activation_bytes_without_recompute=without,
-        saved_activation_bytes_with_recompute=with_rc, sent_bytes_per_rank=sent, sent_bytes_theory=sent_theory,
-        busy_ms=busy, step_ms_last=end, state_bytes=[s["state"] for s in st])
-    d.log("\nlast step, measured per stage (theory: bubble (p-1)/(m+p-1), alive m, sent m x (b, T, D) each way)")
-    d.log("stage | blocks | busy ms | bubble | theory | alive | theory | held for B, bytes | sent bytes | theory")
-    for r, (a, z) in enumerate(bounds):
-        d.log(f"{r:5d} | {a:2d}..{z - 1:<2d} | {busy[r]:7.2f} | {bubble[r]:6.3f} | {theory:6.3f} | "
-              f"{st[r]['peak_alive']:5d} | {m:6d} | {st[r]['peak_bytes']:17d} | {sent[r]:10d} | {sent_theory[r]:6d}")
-    d.log(f"bubble, mean over stages: measured {mean:.3f}, theory (p-1)/(m+p-1) = {theory:.3f}, difference "
-          f"{mean - theory:+.3f}" + (f" (--stage-ms {args.stage_ms:g}: compute time simulated, each F waits "
-                                     f"{args.stage_ms:g} ms, each B {2 * args.stage_ms:g} ms)" if args.stage_ms else
-                                     " (real compute only: on shared cores this times the OS scheduler; try --stage-ms)"))
-    d.log(f"activation bytes held for B per stage, peak, measured from the live storages: "
-          f"{figures['saved_activation_bytes']}; theory from the measured parts: without --recompute m x full set = "
-          f"{without}, with it m x input + one full set = {with_rc}")
-    d.log(f"\ntimeline of the last step, measured ({m} micro-batches, {p} stages):")
-    d.log(draw_timeline(all_events, p))
-    if args.trace and d.rank == 0:
-        write_trace(args.trace, all_events, p)
-        d.log(f"wrote {len(all_events)} events to {args.trace} (open in https://ui.perfetto.dev)")
-    return figures, sent
-
-
-# ----------------------------------------------------------------------------- main
-def main():
-    args = parse_args(Args)
-    p, m = env_world_size(), args.microbatches  # p: stages = processes; m: micro-batches
+def check_args(args, p):
     check_common_args(args)
+    m = args.microbatches
     if m < 1:
         fail(f"--microbatches must be >= 1, got {m}")
     if args.batch_size % m:
         fit = max(k for k in range(1, m) if args.batch_size % k == 0)
-        fail(f"--batch-size {args.batch_size} is not divisible by --microbatches {m}: use --microbatches {fit} "
-             f"or --batch-size {(args.batch_size // m + 1) * m}")
+        fail(f"--batch-size {args.batch_size} is not divisible by --microbatches {m}: use --microbatches "
+             f"{fit} or --batch-size {(args.batch_size // m + 1) * m}")
     if p == 1:
         nproc = max(2, min(4, args.n_layers))
         fail(f"gpipe.py needs one process per stage, at least 2: torchrun --nproc_per_node={nproc} gpipe.py "
              f"{' '.join(sys.argv[1:])}".rstrip())
     if p > args.n_layers:
         fewer = f", or torchrun --nproc_per_node={args.n_layers}" if args.n_layers >= 2 else ""
-        fail(f"{p} stages but --n-layers {args.n_layers}: every stage needs at least one block; use --n-layers {p} "
-             f"or more{fewer}")
+        fail(f"{p} stages but --n-layers {args.n_layers}: every stage needs at least one block; use "
+             f"--n-layers {p} or more{fewer}")
+
+
+# ----------------------------------------------------------------------------- main
+def main():
+    args = parse_args(Args)
+    p, m = env_world_size(), args.microbatches  # p: stages = processes; m: micro-batches
+    check_args(args, p)
 
     # --- setup (same in every file) ---
     d = init_dist(args.timeout)
@@ -365,52 +246,102 @@ def main():
     d.log(f"gpipe.py: {p} stages x {m} micro-batches of {args.batch_size // m} sequences on {d.backend}"
           f"{', --recompute' if args.recompute else ''}; entropy floor {data.entropy:.4f} nats/token")
     d.log("split: " + " | ".join(f"stage {s}: {'embedding + ' if s == 0 else ''}blocks {a}..{b - 1}"
-                                 f"{' + norm + head + loss' if s == p - 1 else ''}" for s, (a, b) in enumerate(bounds)))
+                                 f"{' + norm + head + loss' if s == p - 1 else ''}"
+                                 for s, (a, b) in enumerate(bounds)))
     torch.manual_seed(args.seed + d.rank)  # dropout masks (if any) differ per stage
     dtype = DTYPES[args.dtype]
-    gpt = build_gpt(GPTConfig.from_args(args), args.seed, dtype)  # the full model on CPU; a stage moves its part
+    gpt = build_gpt(GPTConfig.from_args(args), args.seed, dtype)  # the whole model on CPU; a stage takes part
     shapes = {n: q.shape for n, q in gpt.named_parameters()}
     stage = Stage(gpt, d.rank, bounds).to(d.device)
     opt = make_optimizer(stage.parameters(), args)
-    ckpt = Checkpointer(d, args.ckpt_dir, args.save_every, args.steps)
-    start, hist = ckpt.load({"model": stage, "optim": opt})
-    losses, events, stats = hist.get("losses", []), [], None
+    run = Run(d, args, {"model": stage, "optim": opt})
+    prev, nxt = (d.rank - 1 if d.rank > 0 else None), (d.rank + 1 if d.rank < p - 1 else None)
     act_shape = (args.batch_size // m, args.seq_len, args.d_model)  # (b, T, D): what crosses a stage boundary
-    timer, tokens, clock = StepTimer(d.device), args.batch_size * args.seq_len, Clock(d)
+    comm, held, count_at = CommCounter(), None, max(run.start, args.steps - 2)  # see "measurement"
 
-    for step in range(start, args.steps):
-        maybe_fail(d, args, step)
-        timer.start()
+    for step in run.steps():
         x, y = data.batch(step, args.batch_size, args.seq_len, args.ragged)  # (B, T) global batch, on CPU
-        n_tok = count_tokens(y)  # tokens of the whole global batch: every micro-batch loss divides by it
+        n_tok = count_tokens(y)  # tokens of the global batch (on CPU): every micro-batch loss divides by it
+        xs = micro_batches(x, m, d.device) if prev is None else [None] * m  # m x (b, T), b = B/m: first stage
+        ys = micro_batches(y, m, d.device) if nxt is None else [None] * m  # their targets: last stage
         opt.zero_grad(set_to_none=True)
-        clock.start()  # the timeline's zero; a collective before any point-to-point, as NCCL's batched p2p asks
-        loss, events, stats = gpipe_step(d, stage, x.chunk(m), y.chunk(m), n_tok, act_shape, args, clock)
+        # the timeline's zero is an all-reduce: a collective before any point-to-point, as NCCL's p2p asks
+        timeline = Timeline(d, simulate={"F": args.stage_ms, "B": 2 * args.stage_ms})
+        held = HeldForB(stage, timeline) if step == args.steps - 1 else None
+        with run.watching(step, comm, at=count_at), held or contextlib.nullcontext():
+            loss_fn = lambda logits, targets: lm_loss(logits, targets, n_tok)  # noqa: E731
+            loss = gpipe_step(stage, xs, ys, loss_fn, prev, nxt, act_shape, args.recompute,
+                              observe=held or timeline.span)
         # 3. after the flush, one optimizer step: the norm of the whole model from every stage's squared norm,
         # and the batch loss that only the last stage knows, in one all-reduce of two numbers
         grads = [q.grad for q in stage.parameters()]
-        both = torch.stack([sum((g.double() ** 2).sum() for g in grads), loss])  # (2,) this stage's part
+        both = torch.stack([squared_norm(grads), loss])  # (2,) this stage's part
         dist.all_reduce(both)  # (2,) sums over stages: squared norm of the whole model, batch loss
         clip_grads_(grads, both[0].sqrt(), args.clip)
         opt.step()
-        losses.append(both[1].item())
-        events = clock.read(events)
-        log_step(d, step, losses[-1], timer.stop(), tokens)
-        ckpt.maybe_save(step + 1, {"model": stage, "optim": opt}, {"losses": losses})
+        run.end_step(step, both[1].item())
 
-    # --- measurement: the last step's timeline and figures; the peak is read before --check trains ---
+    # --- report: the last step's figures; the peak is read before --check trains ---
     counted = state_bytes(stage, opt)
-    figures, sent = report(d, args, events, stats, counted, bounds, act_shape, dtype)
+    figures, sent = report(d, args, bounds, act_shape, dtype, held, comm.total(op="send"), counted)
     figures.update(split=bounds, stages=p, microbatches=m, recompute=args.recompute)
-    peak = peak_memory_bytes(d, counted + (stats["peak_bytes"] if stats else 0))
+    peak = peak_memory_bytes(d, counted + (held.live.peak if held else 0))
     check = None
     if args.check:  # the full model, by name, from every stage's parameters (one all-reduce)
         full = assemble_full(d, dict(stage.named_parameters()), shapes, dtype)
-        check = check_against_reference(d, args, losses, full)
-    write_summary(d, args, "gpipe", losses, timer.median(), tokens / max(timer.median(), 1e-9) * 1e3,
-                  peak, max(sent), check, figures)
-    close_dist(ok=check is None or check["passed"])
+        check = check_against_reference(d, args, run.losses, full)
+    run.finish("gpipe", peak, max(sent), check, figures)
 
+
+# --- measurement ---
+# The last step is the one reported: timed (Timeline) and its bytes held for B measured (HeldForB). The bytes
+# sent are counted by harness.CommCounter, which sends every op through Python: one step earlier when there is
+# one, to keep that cost out of the timed step (every step sends the same).
+def report(d, args, bounds, act_shape, dtype, held, sent, counted):
+    """Every rank's last-step figures and events on every rank (rows of numbers: no object collective); rank 0
+    prints them beside their theory. Returns (figures, bytes sent per rank)."""
+    p, m = d.world, args.microbatches
+    mine = [held.peak_alive, held.live.peak, held.input_bytes, held.full_bytes] if held else [0] * 4
+    rows = gather_rows(d, [mine + [sent, counted]])
+    alive, peak, inp, full, sent, state = (list(c) for c in zip(*(map(int, r[0].tolist()) for r in rows)))
+    events = held.timeline.gather() if held else []
+    if not events:  # a resumed run that had no step left to run
+        return {}, sent
+    end = max(e["end"] for e in events)  # the flush: the last B anywhere
+    busy = [busy_ms(events, r, 0, end) for r in range(p)]
+    bubble, theory = [1 - b / end for b in busy], (p - 1) / (m + p - 1)
+    # Theory, a formula on measured parts: held for B per stage, m full sets without re-materialisation,
+    # m stage inputs + one full set (during its B) with it; sent, one (b, T, D) per micro-batch and direction.
+    without, with_rc = [m * f for f in full], [m * i + f - i for i, f in zip(inp, full)]
+    one = torch.Size(act_shape).numel() * dtype.itemsize
+    sent_theory = [m * one * ((r > 0) + (r < p - 1)) for r in range(p)]
+    mean = sum(bubble) / p
+    figures = dict(events=events, bubble=bubble, bubble_mean=mean, bubble_theory=theory,
+                   bubble_theory_formula="(p-1)/(m+p-1)", stage_ms=args.stage_ms,
+                   peak_alive_microbatches=alive, peak_alive_theory=m, saved_activation_bytes=peak,
+                   saved_activation_bytes_without_recompute=without,
+                   saved_activation_bytes_with_recompute=with_rc, sent_bytes_per_rank=sent,
+                   sent_bytes_theory=sent_theory, busy_ms=busy, step_ms_last=end, state_bytes=state)
+    d.log("\nlast step, measured per stage (theory: bubble (p-1)/(m+p-1), alive m, sent m x (b, T, D) a way)"
+          "\nstage | blocks | busy ms | bubble | theory | alive | theory | held for B | sent bytes | theory")
+    for r, (a, z) in enumerate(bounds):
+        d.log(f"{r:5d} | {a:2d}..{z - 1:<2d} | {busy[r]:7.2f} | {bubble[r]:6.3f} | {theory:6.3f} | "
+              f"{alive[r]:5d} | {m:6d} | {peak[r]:10d} | {sent[r]:10d} | {sent_theory[r]:6d}")
+    ms = args.stage_ms
+    why = (f"--stage-ms {ms:g}: compute time simulated, each F waits {ms:g} ms, each B {2 * ms:g} ms" if ms
+           else "real compute only: on shared cores this times the OS scheduler; try --stage-ms")
+    d.log(f"bubble, mean over stages: measured {mean:.3f}, theory (p-1)/(m+p-1) = {theory:.3f}, "
+          f"difference {mean - theory:+.3f} ({why})")
+    d.log(f"activation bytes held for B per stage, peak, measured from the live storages: {peak}; theory "
+          f"from the measured parts: without --recompute m x full set = {without}, with it m x input + one "
+          f"full set = {with_rc}")
+    label = lambda e: f"{e['kind']}{e['mb']}"  # noqa: E731
+    d.log(f"\ntimeline of the last step, measured ({m} micro-batches, {p} stages):\n"
+          + draw_timeline(events, p, 0, end, label))
+    if args.trace and d.rank == 0:
+        write_trace(args.trace, events, label)
+        d.log(f"wrote {len(events)} events to {args.trace} (open in https://ui.perfetto.dev)")
+    return figures, sent
 
 if __name__ == "__main__":
     main()

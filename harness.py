@@ -1,19 +1,21 @@
 """harness.py: what every technique file runs with and no reader needs in order to learn a technique.
 
 Read common.py to learn what the lessons stand on (the model, the data, process groups, the reference). This
-module holds the bookkeeping that wraps each lesson, kept out of the technique files so that they read as their
-technique:
+module holds the bookkeeping that wraps each lesson, kept out of the technique files so that they read as
+their technique:
 
     flags        CommonArgs + parse_args(): an Args dataclass becomes the command line; check_common_args()
     the loop     Run: resume from --ckpt-dir, --fail-at-step, the step timer, the log line, checkpoints, the
                  --json summary (Checkpointer, maybe_fail, StepTimer, log_step, write_summary underneath)
-    --check      check_against_reference(): per-step losses and final parameters against common.reference_train
-                 (or a file's own reference), one verdict on every rank; assemble_full(), gather_rows()
+    --check      check_against_reference(): per-step losses and final parameters against
+                 common.reference_train (or a file's own reference), one verdict on every rank;
+                 assemble_full(), gather_rows()
     counters     watching from outside, never called by a technique:
                    CommCounter      bytes and calls handed to every collective and send, at the dispatcher
                    SavedActivations bytes autograd saves for backward (saved-tensor hooks)
                    LiveStorages     bytes of given storages still alive, and their peak (weak references)
                    Timeline         every F / B / W a pipeline runs: one `span` per op, bubble, picture, trace
+                   HeldForB         a pipeline's observe callback that also measures the bytes held for B
 Only tensors cross the wire here too: no object collectives.
 """
 import argparse, contextlib, inspect, json, os, re, statistics, sys, time
@@ -130,14 +132,15 @@ def log_step(d, step, loss, ms, tokens):
 
 def maybe_fail(d, args, step):
     """--fail-at-step: the last rank dies at the start of `step`, on torchrun's first attempt only."""
-    if step == args.fail_at_step and d.rank == d.world - 1 and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
+    first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+    if step == args.fail_at_step and d.rank == d.world - 1 and first_attempt:
         print(f"rank {d.rank}: simulated failure at step {step}", file=sys.stderr, flush=True)
         os._exit(13)
 
 
 class Run:
     """The edges of a training loop that every file shares: resume from --ckpt-dir, --fail-at-step, time the
-    step, print its line, save checkpoints, and at the end the --json summary. The loop itself stays in the file:
+    step, print its line, save checkpoints, and at the end the --json summary. The loop stays in the file:
 
         run = Run(d, args, {"model": model, "optim": opt})     # resumes: run.start, run.losses, run.history
         for step in run.steps():                               # --fail-at-step, then the timer starts
@@ -168,12 +171,12 @@ class Run:
         self.ckpt.maybe_save(step + 1, self.state, self.history)
 
     @contextlib.contextmanager
-    def watching(self, step, *counters):
-        """Enter `counters` (a CommCounter, ...) during the run's last step only, the step whose figures the
-        summary reports: a dispatcher counter sends every op through Python, so the other steps run without it.
-        `with run.watching(step, comm):` around the step's work."""
+    def watching(self, step, *counters, at=None):
+        """Enter `counters` (a CommCounter, ...) during one step only (`at`; default the run's last, the step
+        whose figures the summary reports): a dispatcher counter sends every op through Python, so the other
+        steps run without it. `with run.watching(step, comm):` around the step's work."""
         with contextlib.ExitStack() as stack:
-            if step == self.args.steps - 1:
+            if step == (self.args.steps - 1 if at is None else at):
                 for c in counters:
                     stack.enter_context(c)
             yield
@@ -216,7 +219,8 @@ class Checkpointer:
     def _steps_on_disk(self):
         if not self.dir or not os.path.isdir(self.dir):
             return []
-        return sorted(int(m.group(1)) for f in os.listdir(self.dir) if (m := re.fullmatch(r"step(\d+)\.pt", f)))
+        names = (re.fullmatch(r"step(\d+)\.pt", f) for f in os.listdir(self.dir))
+        return sorted(int(m.group(1)) for m in names if m)
 
     def _read(self, step):
         """One checkpoint file, checked against this run; a bad one ends the run with one clear line."""
@@ -240,7 +244,8 @@ class Checkpointer:
         ranks = [int(m.group(1)) for f in (os.listdir(self.root) if os.path.isdir(self.root) else [])
                  if (m := re.fullmatch(r"rank(\d+)", f))]
         if ranks and max(ranks) >= self.d.world:
-            fail(f"--ckpt-dir {self.root} holds checkpoints of {max(ranks) + 1} ranks, this run has {self.d.world}: "
+            fail(f"--ckpt-dir {self.root} holds checkpoints of {max(ranks) + 1} ranks, this run has "
+                 f"{self.d.world}: "
                  f"resume at the same world size, or use another --ckpt-dir")
         mine = self._steps_on_disk()
         if mine:
@@ -257,7 +262,8 @@ class Checkpointer:
                 obj.load_state_dict(state[name])
         except Exception as e:  # another model size or layout: shapes or names differ
             why = " ".join(str(e).replace("Error(s) in loading state_dict for", "").split())[:160]
-            fail(f"checkpoint in {self.dir} does not fit this model or layout ({why}...): use another --ckpt-dir")
+            fail(f"checkpoint in {self.dir} does not fit this model or layout ({why}...): use another "
+                 "--ckpt-dir")
         torch.set_rng_state(state["rng_cpu"])
         if self.d.device.type == "cuda":
             torch.cuda.set_rng_state(state["rng_cuda"], self.d.device)
@@ -299,11 +305,11 @@ def check_against_reference(d, args, losses, params, ref=None, tol=None, ptol=No
         tol = tol or tolerance(args.dtype)
         loss_diff = max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(losses, ref["losses"]))
         missing = sorted(set(ref["params"]) ^ set(params))
-        param_diff = max((params[n].to(ref["params"][n]) - p).abs().max().item() for n, p in ref["params"].items()
-                         if n in params)
+        param_diff = max((params[n].to(p) - p).abs().max().item()
+                         for n, p in ref["params"].items() if n in params)
         passed = len(losses) == len(ref["losses"]) and not missing and loss_diff <= tol and param_diff <= ptol
-        d.log(f"check vs one-process reference: max rel loss diff {loss_diff:.3e} (tolerance {tol:.0e}), max param "
-              f"diff {param_diff:.3e} ({ptol:.0e}){', missing ' + str(missing) if missing else ''}"
+        d.log(f"check vs one-process reference: max rel loss diff {loss_diff:.3e} (tolerance {tol:.0e}), "
+              f"max param diff {param_diff:.3e} ({ptol:.0e}){', missing ' + str(missing) if missing else ''}"
               f" -> {'PASSED' if passed else 'FAILED'}")
         result = [loss_diff, param_diff, float(passed)]
     # Rank 0's verdict for every rank, as three numbers in a tensor (no object collective: those pickle
@@ -397,7 +403,8 @@ class LiveStorages:
     def alive(self, *held):
         """Bytes alive now: the registered storages not yet freed, plus `held` tensors (each storage once)."""
         self.refs = {w: n for w, n in self.refs.items() if not w.expired()}
-        extra = {StorageWeakRef(t.untyped_storage()): t.untyped_storage().nbytes() for t in held if t is not None}
+        extra = {StorageWeakRef(t.untyped_storage()): t.untyped_storage().nbytes()
+                 for t in held if t is not None}
         now = sum({**extra, **self.refs}.values())
         self.peak = max(self.peak, now)
         return now
@@ -431,16 +438,17 @@ class SavedActivations:
         self._hooks.__exit__(*exc)
 
 
-# ----------------------------------------------------------------------------- collectives, seen at the dispatcher
+# ------------------------------------------------------------------------ collectives, seen at the dispatcher
 _OPS = {"allreduce_": "all_reduce", "allreduce_coalesced_": "all_reduce", "all_reduce": "all_reduce",
         "all_reduce_coalesced": "all_reduce", "_allgather_base_": "all_gather", "allgather_": "all_gather",
         "allgather_coalesced_": "all_gather", "allgather_into_tensor_coalesced_": "all_gather",
         "all_gather_into_tensor": "all_gather", "all_gather_into_tensor_coalesced": "all_gather",
         "_reduce_scatter_base_": "reduce_scatter", "reduce_scatter_": "reduce_scatter",
         "reduce_scatter_tensor_coalesced_": "reduce_scatter", "reduce_scatter_tensor": "reduce_scatter",
-        "reduce_scatter_tensor_coalesced": "reduce_scatter", "alltoall_base_": "all_to_all", "alltoall_": "all_to_all",
-        "all_to_all_single": "all_to_all", "broadcast_": "broadcast", "broadcast": "broadcast", "send": "send",
-        "recv_": "recv", "recv_any_source_": "recv", "reduce_": "reduce", "gather_": "gather", "scatter_": "scatter"}
+        "reduce_scatter_tensor_coalesced": "reduce_scatter", "alltoall_base_": "all_to_all",
+        "alltoall_": "all_to_all", "all_to_all_single": "all_to_all", "broadcast_": "broadcast",
+        "broadcast": "broadcast", "send": "send", "recv_": "recv", "recv_any_source_": "recv",
+        "reduce_": "reduce", "gather_": "gather", "scatter_": "scatter"}
 
 
 def _flat(xs):
@@ -532,11 +540,13 @@ class CommCounter(TorchDispatchMode):
             elems = sum(t.numel() for t in handed)
             if op in ("send", "recv"):
                 peer, tag = args[2], args[3]  # the peer's rank in the group: made global below
-                peer = dist.get_global_rank(pg, peer) if pg is not None and pg is not dist.group.WORLD else peer
+                if pg is not None and pg is not dist.group.WORLD:
+                    peer = dist.get_global_rank(pg, peer)
             if op == "recv" or op == "broadcast" and pg is not None and args[2] != pg.rank():
                 handed = []  # a receive hands nothing over; a broadcast only at its root
         nbytes = _nbytes(handed)
-        axis = self.names.get(id(pg), "world" if pg is None or pg is dist.group.WORLD else f"group{pg.size()}")
+        unnamed = "world" if pg is None or pg is dist.group.WORLD else f"group{pg.size()}"
+        axis = self.names.get(id(pg), unnamed)
         phase = "bwd" if torch._C._current_graph_task_id() != -1 else self.label
         key = f"{op}/{axis}/{phase}"
         self.calls[key] = self.calls.get(key, 0) + 1
@@ -545,7 +555,7 @@ class CommCounter(TorchDispatchMode):
         if self.log:
             to_others = nbytes
             if op == "all_to_all" and pg is not None and handed:
-                splits = [a for a in args if isinstance(a, (list, tuple)) and all(isinstance(x, int) for x in a)]
+                splits = [a for a in args if isinstance(a, (list, tuple)) and all(type(x) is int for x in a)]
                 rows, r, n = handed[0].shape[0], pg.rank(), pg.size()
                 mine = splits[-1][r] if splits and splits[-1] else rows // n  # input_split_sizes, else equal
                 to_others = nbytes - nbytes * mine // max(rows, 1)
@@ -560,7 +570,8 @@ class CommCounter(TorchDispatchMode):
         """Sum of bytes (or "calls", "elems") over the keys that match the given parts."""
         counts = {"bytes": self.bytes, "calls": self.calls, "elems": self.elems}[what]
         want = (op, axis, phase)
-        return sum(v for k, v in counts.items() if all(w is None or w == x for w, x in zip(want, k.split("/"))))
+        return sum(v for k, v in counts.items()
+                   if all(w is None or w == x for w, x in zip(want, k.split("/"))))
 
 
 # ----------------------------------------------------------------------------- pipeline timelines
@@ -570,19 +581,20 @@ class Timeline:
 
         with observe("F", i):          # the schedule's side: one line per op, nothing else
             out = stage(x)
-    CPU: the wall clock, zeroed by `zero()` at the wall time the last rank arrived (an all-reduce: it lines the
-    ranks up, and is the collective NCCL wants before any batched point-to-point; per-process perf_counter
+    CPU: the wall clock, zeroed by `zero()` at the wall time the last rank arrived (an all-reduce: it lines
+    the ranks up, and is the collective NCCL wants before any batched point-to-point; per-process perf_counter
     zeros after a barrier would differ by its exit skew). CUDA: events recorded on the stream, so timing stops
     neither the host nor the stream; `resolve()` turns them into ms, one synchronize per step, none per op.
     `simulate` ({"F": ms, "B": ms, "W": ms}, --stage-ms): each span also waits that long before its end, so
     that on a few shared cores the schedule, not the operating system, sets the measured bubble (on a GPU
     the host waits before the end event is recorded, so the stream's span covers it). Events are dicts
-    {rank, kind, mb, start, end, **tags}; tags are numbers (gathered as rows of numbers)."""
+    {rank, kind, mb, start, end, **tags}; tags are numbers named in `tags` (gathered as rows of numbers)."""
 
     KINDS = "FBW"
 
-    def __init__(self, d, simulate=None):
+    def __init__(self, d, simulate=None, tags=()):
         self.d, self.cuda, self.simulate, self.events = d, d.device.type == "cuda", simulate or {}, []
+        self.tags = tuple(tags)  # the names of the numbers an event may carry besides rank, kind, mb, times
         self.zero()
 
     def zero(self):
@@ -602,6 +614,9 @@ class Timeline:
 
     @contextlib.contextmanager
     def span(self, kind, mb, **tags):
+        if set(tags) - set(self.tags):
+            unknown = sorted(set(tags) - set(self.tags))
+            raise ValueError(f"Timeline: tags {unknown} not named in Timeline(tags=...)")
         start = self.now()
         yield
         if self.simulate.get(kind, 0) > 0:
@@ -619,21 +634,17 @@ class Timeline:
         return self.events
 
     def gather(self, events=None):
-        """Every rank's events (default: all of this rank's) on every rank, as dicts, sorted by (rank, start).
-        All events must carry the same tag names; a tag that is None travels as -1."""
+        """Every rank's events (default: all of this rank's) on every rank, as dicts sorted by (rank, start),
+        with the tags named in the constructor (a tag an event lacks, or None, travels as -1)."""
         events = self.resolve() if events is None else events
-        keys = sorted({k for e in events for k in e} - {"rank", "kind", "mb", "start", "end"})
-        ints = torch.tensor([len(keys)], device=self.d.device)
-        dist.all_reduce(ints, op=dist.ReduceOp.MAX)  # every rank must send rows of one width
         rows = [[e["rank"], self.KINDS.index(e["kind"]), e["mb"], e["start"], e["end"]]
-                + [-1 if e[k] is None else e[k] for k in keys] for e in events]
-        width = 5 + int(ints.item())
-        got = gather_rows(self.d, rows if rows else torch.zeros(0, width))
+                + [-1 if e.get(k) is None else e[k] for k in self.tags] for e in events]
+        got = gather_rows(self.d, rows if rows else torch.zeros(0, 5 + len(self.tags)))
         out = []
         for rank_rows in got:
             for r in rank_rows.tolist():
                 e = dict(rank=int(r[0]), kind=self.KINDS[int(r[1])], mb=int(r[2]), start=r[3], end=r[4])
-                e.update({k: (int(x) if float(x).is_integer() else x) for k, x in zip(keys, r[5:])})
+                e.update({k: (int(x) if float(x).is_integer() else x) for k, x in zip(self.tags, r[5:])})
                 out.append(e)
         return sorted(out, key=lambda e: (e["rank"], e["start"]))
 
@@ -669,10 +680,70 @@ def write_trace(path, events, label, row_key="rank", row_name="stage"):
     https://ui.perfetto.dev or chrome://tracing."""
     names = {"F": "forward", "B": "backward (input)" if any(e["kind"] == "W" for e in events) else "backward",
              "W": "backward (weights)"}
-    trace = [dict(name=label(e), cat=names[e["kind"]], ph="X", ts=1e3 * e["start"], dur=1e3 * (e["end"] - e["start"]),
-                  pid=e[row_key], tid=0, args={k: v for k, v in e.items() if k not in ("start", "end")})
+    trace = [dict(name=label(e), cat=names[e["kind"]], ph="X", ts=1e3 * e["start"],
+                  dur=1e3 * (e["end"] - e["start"]), pid=e[row_key], tid=0,
+                  args={k: v for k, v in e.items() if k not in ("start", "end")})
              for e in events]
     trace += [dict(name="process_name", ph="M", pid=r, tid=0, args=dict(name=f"{row_name} {r}"))
               for r in sorted({e[row_key] for e in events})]
     with open(path, "w") as f:
         json.dump(dict(traceEvents=trace, displayTimeUnit="ms"), f)
+
+
+class HeldForB:
+    """A pipeline schedule's `observe` callback that also measures the activation bytes held for B: enter it
+    around the step and pass it as `observe`. Timeline.span times each op; saved-tensor hooks register what
+    autograd saves (parameters excluded), module hooks each stage input and output (what the schedule holds
+    itself), weakly, per micro-batch (LiveStorages): a graph freed by its B, or never built (a recomputing F),
+    drops out by itself. Sampled as each F ends and as each B first unpacks a saved tensor, when its whole
+    graph is alive: .live.peak (bytes), .full_bytes (the most one op registered: one micro-batch's input,
+    saved tensors and output), .input_bytes (the largest stage input), .peak_alive (micro-batches whose F's
+    storages are alive)."""
+
+    def __init__(self, stage, timeline):
+        self.stage, self.timeline, self.live = stage, timeline, LiveStorages()
+        self.of_mb, self.mine = {}, None  # what each micro-batch's F registered; what the current op did
+        self.peak_alive, self.input_bytes, self.full_bytes, self.in_b = 0, 0, 0, False
+
+    def __enter__(self):
+        def pre(_, args):  # a stage input: (b, T) token ids or (b, T, D)
+            self.input_bytes = max(self.input_bytes, tensor_bytes(args[:1]))
+            self.hold(args[0])
+        self.hooks = [self.stage.register_forward_pre_hook(pre),
+                      self.stage.register_forward_hook(lambda _, args, out: self.hold(out))]
+        self.saving = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
+        self.saving.__enter__()
+
+    def __exit__(self, *exc):
+        self.saving.__exit__(*exc)
+        for h in self.hooks:
+            h.remove()
+
+    def hold(self, t):
+        self.live.add(t)
+        self.mine.add(t)
+
+    def pack(self, t):
+        if not is_parameter(t):
+            self.hold(t)
+        return t
+
+    def unpack(self, t):
+        if self.in_b:  # this B's first
+            self.sample()
+        return t
+
+    def sample(self):  # the peak (kept in self.live.peak), one op's full set, the micro-batches alive
+        self.live.alive()
+        self.full_bytes, self.in_b = max(self.full_bytes, self.mine.alive()), False
+        self.peak_alive = max(self.peak_alive, sum(s.alive() > 0 for s in self.of_mb.values()))
+
+    @contextlib.contextmanager
+    def __call__(self, kind, mb):
+        self.mine, self.in_b = LiveStorages(), kind == "B"
+        if kind == "F":
+            self.of_mb[mb] = self.mine
+        with self.timeline.span(kind, mb):
+            yield
+        if kind == "F":
+            self.sample()

@@ -30,8 +30,19 @@ the output projection row-split. The token embedding is split over the vocabular
 ids it owns, zeros elsewhere, g sums), and the LM head is column-split over the vocabulary feeding a
 cross-entropy that combines max and sum(exp) across ranks: the (B, T, V) logits never exist anywhere.
 
---sequence-parallel: f / g become all-gather / reduce-scatter along T (a ring all-reduce IS a reduce-scatter
-then an all-gather), and LayerNorm, dropout and the residual add run on (B, T/t, D) chunks:
+Which layer of common.GPT is split how (column: output features split; row: input features split):
+
+    common.GPT          split                  rank r holds                       enters / leaves the region
+    tok_emb             vocabulary (rows)      ids [r V/t, (r+1) V/t)             -  / g     (SP: g_sp)
+    attn.q, .k, .v      column, one GEMM       heads [r H/t, (r+1) H/t)           f  / -     (SP: f_sp)
+    attn.proj           row                    those heads' input columns         -  / g     (SP: g_sp)
+    mlp.fc              column                 4D/t hidden features               f  / -     (SP: f_sp)
+    mlp.proj            row                    those 4D/t input features          -  / g     (SP: g_sp)
+    head                column (vocabulary)    V/t logits, for the parallel loss  f  / -     (SP: f_sp)
+    ln1, ln2, ln_f, pos_emb, row biases        replicated (SP: their gradients summed over the TP group)
+
+--sequence-parallel: f / g become f_sp / g_sp, an all-gather / reduce-scatter along T (a ring all-reduce IS a
+reduce-scatter then an all-gather), and LayerNorm, dropout and the residual add run on (B, T/t, D) chunks:
 
     (B,T/t,D) -LN-> all-gather T -> [column .. row] -> reduce-scatter T -> (B,T/t,D) -dropout, + residual->
 
@@ -43,8 +54,7 @@ column a data-parallel group.
 In production, use Megatron-Core (megatron.core.tensor_parallel) or torch.distributed.tensor.parallel.
 """
 import math
-from collections import Counter
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -53,154 +63,141 @@ import torch.nn as nn
 import torch.nn.functional as F
 from einops import rearrange
 
-from common import (DTYPES, IGNORE, Block, build_gpt, clip_grads_, close_dist, count_tokens, fail, GPTConfig,
-                    init_dist, make_optimizer, MarkovData)
-from harness import (check_against_reference, check_common_args, Checkpointer, CommonArgs, env_world_size,
-                     log_step, maybe_fail, parse_args, peak_memory_bytes, SavedActivations, state_bytes,
-                     StepTimer, tensor_bytes, write_summary)
+from common import (DTYPES, IGNORE, Block, build_gpt, clip_grads_, count_tokens, fail, GPTConfig, init_dist,
+                    make_optimizer, MarkovData)
+from harness import (check_against_reference, check_common_args, CommCounter, CommonArgs, env_world_size,
+                     parse_args, peak_memory_bytes, Run, SavedActivations, state_bytes, tensor_bytes)
 
 
 @dataclass
 class Args(CommonArgs):
     tp: int = 0  # tensor-parallel degree t (0 = the whole world); data parallel over world / t
-    sequence_parallel: bool = False  # split LayerNorm / dropout regions along the sequence (Korthikanti et al.)
+    sequence_parallel: bool = False  # split LayerNorm / dropout regions along the sequence (Korthikanti)
 
 
-# ----------------------------------------------------------------------------- collectives (counted by COMM, below)
-_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # renamed in torch 2.13
-_reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-
-
-def all_reduce(x, group, phase, op=dist.ReduceOp.SUM):  # in place, any shape
-    if dist.get_world_size(group) > 1:  # a group of one: nothing to say (t = 1 or dp = 1)
-        COMM.add("all_reduce", group, phase, x, x)
+# ----------------------------------------------------------------------------- collectives over one group
+def all_reduce(x, group, op=dist.ReduceOp.SUM):  # in place, any shape
+    if dist.get_world_size(group) > 1:  # a group of one has nothing to add (t = 1 or dp = 1)
         dist.all_reduce(x, op=op, group=group)
     return x
 
 
-def all_gather(x, dim, group, phase):  # (.., n, ..) local -> (.., t*n, ..) replicated, rank r's chunk r-th
+def all_gather(x, dim, group):  # (.., n, ..) this rank's chunk -> (.., t*n, ..), rank r's chunk r-th
     t = dist.get_world_size(group)
     if t == 1:
         return x
     out = torch.empty(t * x.numel(), dtype=x.dtype, device=x.device)  # flat: every backend takes 1-D
-    local = x.contiguous().view(-1)
-    COMM.add("all_gather", group, phase, out, local)
-    _all_gather_flat(out, local, group=group)
+    dist.all_gather_single(out, x.contiguous().view(-1), group=group)
     return torch.cat(out.view(t, *x.shape).unbind(0), dim)
 
 
-def reduce_scatter(x, dim, group, phase):  # (.., t*n, ..) partial sums -> (.., n, ..) summed, chunk r
+def reduce_scatter(x, dim, group):  # (.., t*n, ..) partial sums -> (.., n, ..) summed, chunk r
     t = dist.get_world_size(group)
     if t == 1:
         return x
     whole = torch.stack(x.chunk(t, dim)).contiguous()  # (t, .., n, ..): slot r goes to rank r
     out = torch.empty(whole.shape[1:], dtype=x.dtype, device=x.device)
-    COMM.add("reduce_scatter", group, phase, whole, whole)
-    _reduce_scatter_flat(out.view(-1), whole.view(-1), group=group)
+    dist.reduce_scatter_single(out.view(-1), whole.view(-1), group=group)
     return out
 
 
-# ----------------------------------------------------------------------------- the conjugate operators
-class ColumnParallelGEMM(torch.autograd.Function):
-    """Y_i = X W_i^T + b_i for one or more column-parallel layers reading the same X (attention's q, k, v:
-    Megatron fuses them into one GEMM), with the operator that opens the TP region built in:
-
-      plain TP  Megatron-LM's f (Sec. 3): identity forward, all-reduce backward. Every rank multiplies the
-                same X by its own shards, so its dL/dX is a partial sum that backward adds up.
-      SP        Korthikanti et al.'s g (Sec. 4.2.2): all-gather X along T forward, reduce-scatter dL/dX
-                backward (each rank keeps its own T/t rows of the sum). Only this rank's (B, T/t, D) chunk
-                is saved; backward all-gathers it again for the weight gradients, so the saved activation
-                is 1/t of X, as every other saved tensor of the block (Megatron-Core overlaps that
-                re-gather with the dL/dX GEMM; here it simply runs first)."""
-
-    @staticmethod
-    def forward(ctx, x, group, sp, *params):  # x (B, T, D) replicated, or (B, T/t, D) chunk; params w0, b0, ..
-        ctx.group, ctx.sp = group, sp
-        weights, biases = params[0::2], params[1::2]
-        ctx.has_bias = [b is not None for b in biases]
-        ctx.save_for_backward(x, *weights)  # under SP: the chunk, not the gathered X
-        full = all_gather(x, 1, group, "fwd") if sp else x  # (B, T, D)
-        return tuple(F.linear(full, w, b) for w, b in zip(weights, biases))  # each (B, T, out_i/t) local
+# ----------------------------------------------------------------------------- the four conjugate operators
+# A TP region opens with f and closes with g (Megatron-LM Sec. 3). Under sequence parallelism they become
+# an all-gather / reduce-scatter pair along T (Korthikanti et al. Sec. 4.2.2, who call f_sp "g" and g_sp
+# "g-bar"). In each pair, one operator's forward is the other's backward:
+#
+#   operator  forward                  backward                  stands
+#   f         identity                 all-reduce dL/dX          before a column layer, X replicated
+#   g         all-reduce               identity                  after a row layer: sums the partial products
+#   f_sp      all-gather along T       reduce-scatter along T    before a column layer, X split along T
+#   g_sp      reduce-scatter along T   all-gather along T        after a row layer, back to T/t positions
+class f(torch.autograd.Function):
+    """Each rank multiplies X by its own shard, so its dL/dX is a partial sum: backward adds them up."""
 
     @staticmethod
-    def backward(ctx, *grads):  # each (B, T, out_i/t)
-        x, *weights = ctx.saved_tensors
-        full = all_gather(x, 1, ctx.group, "bwd") if ctx.sp else x  # (B, T, D): the re-gather
-        dx = sum(g @ w for g, w in zip(grads, weights))  # (B, T, D) partial: through this rank's shards only
-        dx = reduce_scatter(dx, 1, ctx.group, "bwd") if ctx.sp else all_reduce(dx, ctx.group, "bwd")
-        dparams = []
-        for g, has_bias in zip(grads, ctx.has_bias):
-            dparams += [g.flatten(0, -2).T @ full.flatten(0, -2), g.flatten(0, -2).sum(0) if has_bias else None]
-        return dx, None, None, *dparams  # dW_i (out_i/t, D), db_i (out_i/t)
+    def forward(ctx, x, group):  # (B, T, D) replicated
+        ctx.group = group
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):  # (B, T, D) partial -> summed; a copy: autograd may hold on to its own buffer
+        return all_reduce(grad.clone(), ctx.group), None
 
 
 class g(torch.autograd.Function):
-    """Megatron-LM's g, f's conjugate: all-reduce forward, identity backward. It closes a TP region: the
-    row-parallel partial products are summed; the gradient of a sum reaches every term unchanged."""
+    """The row-parallel partial products are summed; a sum's gradient reaches every term unchanged."""
 
     @staticmethod
-    def forward(ctx, x, group):  # (B, T, D) partial -> summed, replicated
-        return all_reduce(x.clone(), group, "fwd")
+    def forward(ctx, x, group):  # (B, T, D) partial -> summed, replicated (not in place on the graph's input)
+        return all_reduce(x.clone(), group)
 
     @staticmethod
     def backward(ctx, grad):
         return grad, None
 
 
-class ReduceScatterSeq(torch.autograd.Function):
-    """Korthikanti et al.'s g-bar, replacing g: reduce-scatter along T forward, all-gather backward."""
+class f_sp(torch.autograd.Function):
+    """The column layer needs all T positions; backward sums the partial dL/dX, each rank keeping its T/t."""
+
+    @staticmethod
+    def forward(ctx, x, group):  # (B, T/t, D) chunk -> (B, T, D)
+        ctx.group = group
+        return all_gather(x, 1, group)
+
+    @staticmethod
+    def backward(ctx, grad):  # (B, T, D) partial -> (B, T/t, D) summed
+        return reduce_scatter(grad, 1, ctx.group), None
+
+
+class g_sp(torch.autograd.Function):
+    """The partial products are summed, each rank keeping its T/t positions; backward gathers all T again."""
 
     @staticmethod
     def forward(ctx, x, group):  # (B, T, D) partial -> (B, T/t, D) summed chunk
         ctx.group = group
-        return reduce_scatter(x, 1, group, "fwd")
+        return reduce_scatter(x, 1, group)
 
     @staticmethod
-    def backward(ctx, grad):  # (B, T/t, D) -> (B, T, D): every position's gradient, for every rank's shard
-        return all_gather(grad, 1, ctx.group, "bwd"), None
+    def backward(ctx, grad):  # (B, T/t, D) -> (B, T, D)
+        return all_gather(grad, 1, ctx.group), None
 
 
-class GatherLastDim(torch.autograd.Function):
-    """ColumnParallelLinear(gather_output=True): all-gather the feature shards; backward keeps its own."""
-
-    @staticmethod
-    def forward(ctx, x, group):  # (.., n/t) -> (.., n)
-        ctx.group = group
-        return all_gather(x, -1, group, "fwd")
+class ColumnParallelGEMM(torch.autograd.Function):
+    """Y = X W^T + b on f_sp's gathered X that saves only this rank's (B, T/t, D) chunk of X, and gathers it
+    again in backward for dL/dW (Korthikanti et al. Sec. 4.2.2): F.linear would keep the whole (B, T, D) X.
+    The activation a column layer saves is then 1/t of X, as every other saved tensor of the block.
+    (Megatron-Core overlaps the re-gather with the dL/dX GEMM; here it simply runs first.)"""
 
     @staticmethod
-    def backward(ctx, grad):
-        return grad.chunk(dist.get_world_size(ctx.group), -1)[dist.get_rank(ctx.group)].contiguous(), None
-
-
-class SplitLastDim(torch.autograd.Function):
-    """RowParallelLinear(input_is_parallel=False): keep this rank's feature slice; backward all-gathers."""
+    def forward(ctx, full, chunk, weight, bias, group):  # full (B, T, D) = f_sp(chunk); chunk (B, T/t, D)
+        ctx.save_for_backward(chunk, weight)
+        ctx.group, ctx.has_bias = group, bias is not None
+        return F.linear(full, weight, bias)  # (B, T, out/t) local
 
     @staticmethod
-    def forward(ctx, x, group):  # (.., n) replicated -> (.., n/t)
-        ctx.group = group
-        return x.chunk(dist.get_world_size(group), -1)[dist.get_rank(group)].contiguous()
-
-    @staticmethod
-    def backward(ctx, grad):
-        return all_gather(grad, -1, ctx.group, "bwd"), None
-
-
-def exit_tp(x, group, sp):  # out of it: g, or under SP reduce-scatter the sequence
-    return ReduceScatterSeq.apply(x, group) if sp else g.apply(x, group)
+    def backward(ctx, dy):  # (B, T, out/t)
+        chunk, weight = ctx.saved_tensors
+        full = all_gather(chunk, 1, ctx.group).flatten(0, -2)  # (B*T, D): the re-gather
+        dw = dy.flatten(0, -2).T @ full  # (out/t, D)
+        db = dy.flatten(0, -2).sum(0) if ctx.has_bias else None
+        return dy @ weight, None, dw, db, None  # dL/d(full) (B, T, D) partial: f_sp's backward sums it
 
 
 # ----------------------------------------------------------------------------- parallel layers
 def shard(full, dim, group):
-    """This rank's slice of a full tensor along `dim`, as a Parameter, zero-padded to a multiple of t (only
-    the vocabulary ever needs it). Marked with tp_dim so clipping and gathering know it is split."""
-    t, n = dist.get_world_size(group), full.shape[dim]
-    if n % t:
-        pad = list(full.shape)
-        pad[dim] = -n % t
-        full = torch.cat([full, full.new_zeros(pad)], dim)
-    p = nn.Parameter(full.detach().chunk(t, dim)[dist.get_rank(group)].clone())
-    p.tp_dim, p.tp_full = dim, n
+    """This rank's slice along `dim` of a full tensor (or of several, their slices stacked), as one Parameter
+    marked tp_dim (split along it) and tp_full (the unpadded size), so that clipping and gathering know.
+    A size that t does not divide is zero-padded to a multiple of t (only the vocabulary ever needs it)."""
+    parts, t = (full if isinstance(full, (list, tuple)) else [full]), dist.get_world_size(group)
+    if len(parts) > 1 and any(x.shape[dim] % t for x in parts):
+        raise ValueError(f"stacked shards need sizes divisible by t = {t}: {[x.shape[dim] for x in parts]}")
+    slices = []
+    for x in parts:
+        pad = list(x.shape)
+        pad[dim] = -x.shape[dim] % t
+        slices.append(torch.cat([x.detach(), x.new_zeros(pad)], dim).chunk(t, dim)[dist.get_rank(group)])
+    p = nn.Parameter(torch.cat(slices, dim).clone())
+    p.tp_dim, p.tp_full = dim, sum(x.shape[dim] for x in parts)
     return p
 
 
@@ -211,30 +208,23 @@ class ColumnParallelLinear(nn.Module):
         +---------------+
         |  W_0  rank 0  |         Y_r = f(X) W_r^T + b_r : (B, T, out/t), this rank's output features
         +---------------+
-        |  W_1  rank 1  |         gather_output: all-gather the slices -> (B, T, out) replicated
+        |  W_1  rank 1  |
         +---------------+
-    """
+    Built from one nn.Linear, or from several that read the same X (attention's q, k, v): rank r then holds
+    [W_q,r; W_k,r; W_v,r] as one weight, so one GEMM behind one f serves all three (Megatron fuses them so),
+    and its output is their outputs side by side."""
 
-    def __init__(self, weight, bias, group, gather_output=False, sequence_parallel=False):
+    def __init__(self, linears, group, sequence_parallel=False):
         super().__init__()
-        self.register_parameter("weight", weight)
-        self.register_parameter("bias", bias)
-        self.group, self.gather_output, self.sp = group, gather_output, sequence_parallel
+        linears = linears if isinstance(linears, (list, tuple)) else [linears]
+        self.weight = shard([lin.weight for lin in linears], 0, group)
+        self.bias = None if linears[0].bias is None else shard([lin.bias for lin in linears], 0, group)
+        self.group, self.sp = group, sequence_parallel
 
-    @classmethod
-    def from_full(cls, linear, group, gather_output=False, sequence_parallel=False):
-        bias = None if linear.bias is None else shard(linear.bias, 0, group)
-        return cls(shard(linear.weight, 0, group), bias, group, gather_output, sequence_parallel)
-
-    def forward(self, x, *shared):
-        """x: (B, T, in) replicated, or (B, T/t, in) this rank's chunk under SP. `shared`: other column layers
-        reading the same x (attention's k and v beside q), computed behind the same f / all-gather; their
-        outputs follow this layer's."""
-        layers = (self, *shared)
-        ys = ColumnParallelGEMM.apply(x, self.group, self.sp, *[p for l in layers for p in (l.weight, l.bias)])
-        if self.gather_output:  # each (B, T, out/t) local -> (B, T, out) replicated
-            ys = tuple(GatherLastDim.apply(y, self.group) for y in ys)
-        return ys if shared else ys[0]
+    def forward(self, x):  # (B, T, in) replicated, or (B, T/t, in) this rank's chunk under SP
+        if self.sp:
+            return ColumnParallelGEMM.apply(f_sp.apply(x, self.group), x, self.weight, self.bias, self.group)
+        return F.linear(f.apply(x, self.group), self.weight, self.bias)  # (B, T, out/t) local
 
 
 class RowParallelLinear(nn.Module):
@@ -245,24 +235,16 @@ class RowParallelLinear(nn.Module):
         |   W_0   |   W_1   |
         +---------+---------+     Y = g(X_0 W_0^T + X_1 W_1^T) + b : one all-reduce sums the partial
         X = [ X_0 | X_1 ]         products; the bias is added once, after it (else it would count t times)
-    X_r is (B, T, in/t): a column layer's output (input_is_parallel) or sliced here from a replicated X.
-    """
+    X_r is (B, T, in/t): a column layer's output, this rank's features."""
 
-    def __init__(self, weight, bias, group, input_is_parallel=True, sequence_parallel=False):
+    def __init__(self, linear, group, sequence_parallel=False):
         super().__init__()
-        self.register_parameter("weight", weight)
-        self.register_parameter("bias", bias)
-        self.group, self.input_is_parallel, self.sp = group, input_is_parallel, sequence_parallel
+        self.weight = shard(linear.weight, 1, group)
+        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone())  # replicated
+        self.group, self.sp = group, sequence_parallel
 
-    @classmethod
-    def from_full(cls, linear, group, input_is_parallel=True, sequence_parallel=False):
-        bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone())  # replicated
-        return cls(shard(linear.weight, 1, group), bias, group, input_is_parallel, sequence_parallel)
-
-    def forward(self, x):  # (B, T, in/t) local, or (B, T, in) replicated without input_is_parallel
-        if not self.input_is_parallel:
-            x = SplitLastDim.apply(x, self.group)  # (B, T, in/t) local
-        y = exit_tp(F.linear(x, self.weight), self.group, self.sp)  # (B, T, out) summed; SP: (B, T/t, out)
+    def forward(self, x):  # (B, T, in/t) local
+        y = (g_sp if self.sp else g).apply(F.linear(x, self.weight), self.group)  # (B, T or T/t, out) summed
         return y if self.bias is None else y + self.bias
 
 
@@ -274,21 +256,17 @@ class VocabParallelEmbedding(nn.Module):
         E (V_pad, D) = [ rows of rank 0 ; rows of rank 1 ; ... ]      E_r (V_pad/t, D)
     """
 
-    def __init__(self, weight, group, sequence_parallel=False):
+    def __init__(self, embedding, group, sequence_parallel=False):
         super().__init__()
-        self.weight, self.group, self.sp = weight, group, sequence_parallel
-        self.start = dist.get_rank(group) * weight.shape[0]
-
-    @classmethod
-    def from_full(cls, embedding, group, sequence_parallel=False):
-        return cls(shard(embedding.weight, 0, group), group, sequence_parallel)
+        self.weight, self.group, self.sp = shard(embedding.weight, 0, group), group, sequence_parallel
+        self.start = dist.get_rank(group) * self.weight.shape[0]
 
     def forward(self, idx):  # (B, T) global token ids
         local = idx - self.start
         mine = (local >= 0) & (local < self.weight.shape[0])  # (B, T): ids this rank owns
         e = F.embedding(torch.where(mine, local, 0), self.weight)  # (B, T, D) local rows
         e = e.masked_fill(~mine[..., None], 0.0)  # others' ids: zero output and zero gradient to row 0
-        return exit_tp(e, self.group, self.sp)  # (B, T, D) replicated, or (B, T/t, D) chunk under SP
+        return (g_sp if self.sp else g).apply(e, self.group)  # (B, T, D) replicated, or (B, T/t, D) under SP
 
 
 class VocabParallelCrossEntropy(torch.autograd.Function):
@@ -304,15 +282,15 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
         padded = torch.arange(start, start + n_local, device=logits.device) >= vocab  # (V_pad/t,)
         z = logits.masked_fill(padded, float("-inf"))  # padded entries get probability 0: never predicted
         m = z.max(-1).values  # (N,)
-        all_reduce(m, group, "fwd", op=dist.ReduceOp.MAX)  # 1. global max, for a stable exp
+        all_reduce(m, group, op=dist.ReduceOp.MAX)  # 1. global max, for a stable exp
         z = z - m[:, None]
         mine = (target >= start) & (target < start + n_local)  # (N,) this rank holds the target's logit
         local_t = torch.where(mine, target - start, 0)
         picked = torch.where(mine, z.gather(1, local_t[:, None])[:, 0], 0.0)
-        all_reduce(picked, group, "fwd")  # 2. z_target - m, from whichever rank holds it
+        all_reduce(picked, group)  # 2. z_target - m, from whichever rank holds it
         e = z.exp()  # (N, V_pad/t)
         sum_e = e.sum(-1)
-        all_reduce(sum_e, group, "fwd")  # 3. sum of exp over the whole vocabulary
+        all_reduce(sum_e, group)  # 3. sum of exp over the whole vocabulary
         valid = target != IGNORE
         ctx.save_for_backward(e / sum_e[:, None], local_t, mine & valid, valid)
         return torch.where(valid, sum_e.log() - picked, 0.0)  # (N,), identical on every TP rank
@@ -325,47 +303,37 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
         return d * (grad * valid)[:, None], None, None, None
 
 
-def vocab_parallel_cross_entropy(logits, target, vocab, group):
-    return VocabParallelCrossEntropy.apply(logits, target, vocab, group)
-
-
 # ----------------------------------------------------------------------------- dropout RNG
 class RNGTracker:
-    """Megatron's RNG states tracker (Megatron-LM Sec. 3; megatron.core.tensor_parallel.random): two RNG
-    streams. The default one drives dropout in replicated regions: seeded the same on every TP rank of a
-    replica, so the replicated activations (and parameters) stay identical. fork() switches to a second
-    stream, seeded per TP rank, for dropout inside TP regions, where each rank holds different heads (or,
-    under SP, different positions) and same masks would correlate. Both streams differ across replicas."""
+    """Megatron's RNG states tracker (megatron.core.tensor_parallel.random): two streams of the device's
+    generator. The default one drives dropout in replicated regions: seeded the same on every TP rank of a
+    replica, so the replicated activations (and parameters) stay identical. fork() runs a block on the second
+    stream, seeded per TP rank, for dropout inside TP regions, where each rank holds other heads (or, under
+    SP, other positions) and equal masks would correlate. Both streams differ across replicas."""
 
     def __init__(self, device, seed, dp_rank, tp_rank):
-        self.device = device
         base = 100_003 * seed + 7_919 * dp_rank + 1
-        torch.manual_seed(base)  # the default stream: same across TP ranks
-        self.tp_state = torch.Generator(device=device).manual_seed(base + 2_718 + 1 + tp_rank).get_state()
-
-    def _get(self):
-        return torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else torch.get_rng_state()
-
-    def _set(self, state):
-        torch.cuda.set_rng_state(state, self.device) if self.device.type == "cuda" else torch.set_rng_state(state)
+        torch.manual_seed(base)  # the default stream: the same across TP ranks
+        self.gen = torch.default_generator  # the generator dropout draws from on `device` (cuda:i or cpu)
+        if device.type == "cuda":
+            torch.cuda.init()  # fills torch.cuda.default_generators
+            self.gen = torch.cuda.default_generators[device.index]
+        self.tp_state = torch.Generator(device=device).manual_seed(base + 2_719 + tp_rank).get_state()
 
     @contextmanager
-    def fork(self, active=True):
-        if not active:
-            yield
-            return
-        saved = self._get()
-        self._set(self.tp_state)
+    def fork(self):
+        outside = self.gen.get_state()
+        self.gen.set_state(self.tp_state)
         try:
             yield
         finally:
-            self.tp_state = self._get()
-            self._set(saved)
+            self.tp_state = self.gen.get_state()
+            self.gen.set_state(outside)
 
     def dropout(self, x, p, training, tp_region):
         if not training or p == 0:
             return x
-        with self.fork(tp_region):
+        with self.fork() if tp_region else nullcontext():
             return F.dropout(x, p)
 
     def state_dict(self):  # the checkpointer saves the default stream; this is the other one
@@ -377,23 +345,21 @@ class RNGTracker:
 
 # ----------------------------------------------------------------------------- the sharded GPT
 class ParallelAttention(nn.Module):
-    """common.Attention with heads split: q, k, v column-parallel (rank r owns heads [rH/t, (r+1)H/t), as the
-    features are head-major), proj row-parallel. q's forward runs k and v behind the same f (Megatron fuses
-    them into one GEMM), so the block has one all-reduce forward (proj's g) and one backward (this f)."""
+    """common.Attention with heads split: q, k, v one column-parallel layer (rank r owns heads
+    [rH/t, (r+1)H/t), as the features are head-major), proj row-parallel: one all-reduce forward (proj's g),
+    one backward (f)."""
 
     def __init__(self, full, group, sp, tracker):
         super().__init__()
-        self.q, self.k, self.v = (ColumnParallelLinear.from_full(lin, group, sequence_parallel=sp)
-                                  for lin in (full.q, full.k, full.v))
-        self.proj = RowParallelLinear.from_full(full.proj, group, input_is_parallel=True, sequence_parallel=sp)
+        self.qkv = ColumnParallelLinear([full.q, full.k, full.v], group, sp)
+        self.proj = RowParallelLinear(full.proj, group, sp)
         self.heads, self.p = full.n_heads // dist.get_world_size(group), full.p
-        self.group, self.sp, self.tracker = group, sp, tracker
+        self.sp, self.tracker = sp, tracker
 
     def forward(self, x):  # (B, T, D) replicated, or (B, T/t, D) chunk under SP
-        q, k, v = (rearrange(y, "b t (h e) -> b h t e", h=self.heads)
-                   for y in self.q(x, self.k, self.v))  # (B, H/t, T, E) this rank's heads, biases included
-        with self.tracker.fork(self.training and self.p > 0):  # attention dropout: inside the TP region
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.p if self.training else 0.0)
+        q, k, v = rearrange(self.qkv(x), "b t (n h e) -> n b h t e", n=3, h=self.heads)  # each (B, H/t, T, E)
+        with self.tracker.fork():  # attention dropout: inside the TP region, on this rank's own stream
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.p * self.training)
         y = self.proj(rearrange(y, "b h t e -> b t (h e)"))  # (B, T, D/t) local -> (B, T, D) or (B, T/t, D)
         return self.tracker.dropout(y, self.p, self.training, tp_region=self.sp)
 
@@ -403,8 +369,7 @@ class ParallelMLP(nn.Module):
 
     def __init__(self, full, group, sp, tracker):
         super().__init__()
-        self.fc = ColumnParallelLinear.from_full(full.fc, group, sequence_parallel=sp)
-        self.proj = RowParallelLinear.from_full(full.proj, group, input_is_parallel=True, sequence_parallel=sp)
+        self.fc, self.proj = ColumnParallelLinear(full.fc, group, sp), RowParallelLinear(full.proj, group, sp)
         self.p, self.sp, self.tracker = full.drop.p, sp, tracker
 
     def forward(self, x):  # (B, T, D) replicated, or (B, T/t, D) under SP
@@ -412,28 +377,20 @@ class ParallelMLP(nn.Module):
         return self.tracker.dropout(y, self.p, self.training, tp_region=self.sp)
 
 
-class ParallelBlock(nn.Module):
-    def __init__(self, full, group, sp, tracker):
-        super().__init__()
-        self.ln1, self.attn = full.ln1, ParallelAttention(full.attn, group, sp, tracker)  # LayerNorms replicated
-        self.ln2, self.mlp = full.ln2, ParallelMLP(full.mlp, group, sp, tracker)
-
-    def forward(self, x):  # (B, T, D) replicated, or (B, T/t, D): LN and residual act on the chunk
-        x = x + self.attn(self.ln1(x))
-        return x + self.mlp(self.ln2(x))
-
-
 class ParallelGPT(nn.Module):
-    """common.GPT sharded: built from the full model (one seed), so any t starts from the same numbers.
-    Parameter names are common.GPT's, so a gathered state dict compares with the reference by name."""
+    """common.GPT sharded by the docstring's mapping, from the full model (one seed), so any t starts from
+    the same numbers. The full model is consumed: each common.Block keeps its forward and its replicated
+    LayerNorms, its attention and MLP are replaced. Parameter names stay common.GPT's, but for attention's
+    fused attn.qkv (attn.q, attn.k, attn.v)."""
 
     def __init__(self, full, group, sp, tracker):
         super().__init__()
-        self.tok_emb = VocabParallelEmbedding.from_full(full.tok_emb, group, sp)
-        self.pos_emb = full.pos_emb  # replicated: seq_len x D is small
-        self.blocks = nn.ModuleList(ParallelBlock(b, group, sp, tracker) for b in full.blocks)
-        self.ln_f = full.ln_f
-        self.head = ColumnParallelLinear.from_full(full.head, group, sequence_parallel=sp)  # untied, no bias
+        for block in full.blocks:  # x + attn(ln1(x)), then + mlp(ln2(x)): under SP, LN and residual on chunks
+            block.attn = ParallelAttention(block.attn, group, sp, tracker)
+            block.mlp = ParallelMLP(block.mlp, group, sp, tracker)
+        self.tok_emb = VocabParallelEmbedding(full.tok_emb, group, sp)
+        self.pos_emb, self.blocks, self.ln_f = full.pos_emb, full.blocks, full.ln_f  # replicated
+        self.head = ColumnParallelLinear(full.head, group, sp)  # untied, no bias
         self.p, self.group, self.sp, self.tracker = full.cfg.dropout, group, sp, tracker
 
     def forward(self, idx):  # (B, T) global ids -> (B, T, V_pad/t) logits, this rank's vocabulary slice
@@ -455,7 +412,7 @@ def flat_all_reduce(tensors, group):
     """One all-reduce of many tensors through a flat buffer (a single bucket)."""
     if dist.get_world_size(group) == 1 or not tensors:
         return
-    flat = all_reduce(torch.cat([t.reshape(-1) for t in tensors]), group, "step")
+    flat = all_reduce(torch.cat([t.reshape(-1) for t in tensors]), group)
     for t, v in zip(tensors, flat.split([t.numel() for t in tensors])):
         t.copy_(v.view_as(t))
 
@@ -471,63 +428,100 @@ def sync_grads(model, sp, tp_group, dp_group):
 
 def global_grad_norm(model, tp_group):
     """The norm of the whole model's gradient: squares of split parameters summed over the TP group (each
-    rank holds a different piece), replicated ones added once (every TP rank holds the same copy)."""
+    rank holds a different piece), replicated ones added once (every TP rank holds the same copy). Summed
+    in float32 at least: in bfloat16 (8 significant bits) a sum stops growing once it is 256 times a term."""
     params = list(model.parameters())
-    split = sum(p.grad.pow(2).sum() for p in params if is_split(p))
-    all_reduce(split, tp_group, "step")
-    return (split + sum(p.grad.pow(2).sum() for p in params if not is_split(p))).sqrt()
+    acc = torch.promote_types(params[0].dtype, torch.float32)
+
+    def squares(ps):
+        return sum((torch.linalg.vector_norm(p.grad, dtype=acc) ** 2 for p in ps),
+                   torch.zeros((), dtype=acc, device=params[0].device))
+    split = all_reduce(squares(p for p in params if is_split(p)), tp_group)
+    return (split + squares(p for p in params if not is_split(p))).sqrt()
 
 
-def gather_full(model, group):
-    """The unsharded model as {common.GPT name: tensor}: split parameters all-gathered, padding cut off."""
-    out = {}
-    for name, p in model.named_parameters():
-        w = all_gather(p.detach(), p.tp_dim, group, "end").narrow(p.tp_dim, 0, p.tp_full) if is_split(p) else p
-        out[name] = w.detach().clone()
-    return out
+def check_args(args):
+    """Bad input: one line and exit 2, on every rank, before any collective. Returns (t, dp)."""
+    check_common_args(args)
+    world = env_world_size()
+    if args.tp < 0:
+        fail(f"--tp must be >= 0 (0 = the whole world), got {args.tp}")
+    t = args.tp or world
+    if world % t:
+        fail(f"world size {world} is not divisible by --tp {args.tp}: use a --tp that divides {world} "
+             "(or 0 = all)")
+    if args.n_heads % t:
+        fail(f"--n-heads {args.n_heads} is not divisible by the TP degree {t}: each rank needs whole heads")
+    if args.sequence_parallel and args.seq_len % t:
+        fail(f"--sequence-parallel needs --seq-len {args.seq_len} divisible by the TP degree {t}")
+    if args.batch_size % (world // t):
+        fail(f"--batch-size {args.batch_size} is not divisible by the data-parallel degree {world // t} "
+             "(= world / tp)")
+    return t, world // t
+
+
+def main():
+    args = parse_args(Args)
+    t, dp = check_args(args)
+
+    # --- setup (same in every file) ---
+    d = init_dist(args.timeout)
+    data = MarkovData(args.vocab, args.seed)
+    grid = torch.arange(d.world).view(dp, t)  # rows: TP groups (adjacent ranks); columns: DP groups
+    tp_groups = [dist.new_group(row) for row in grid.tolist()]  # every rank creates every group, same order
+    dp_groups = [dist.new_group(col) for col in grid.T.tolist()]
+    dp_rank, tp_rank = divmod(d.rank, t)
+    tp_group, dp_group = tp_groups[dp_rank], dp_groups[tp_rank]
+    d.log(f"megatron_tp.py: world {d.world} = dp {dp} x tp {t} on {d.backend}, sequence parallel "
+          f"{args.sequence_parallel}, entropy floor {data.entropy:.4f} nats/token")
+
+    # --- the model: the full GPT from one seed on the CPU, sliced there; only the slices go to the device ---
+    tracker = RNGTracker(d.device, args.seed, dp_rank, tp_rank)
+    full = build_gpt(GPTConfig.from_args(args), args.seed, DTYPES[args.dtype])  # CPU
+    full_bytes = tensor_bytes(full.parameters())
+    model = ParallelGPT(full, tp_group, args.sequence_parallel, tracker).to(d.device)  # shards + replicated
+    del full
+    opt = make_optimizer(model.parameters(), args)
+    run = Run(d, args, {"model": model, "optim": opt, "rng": tracker})
+    comm, saved = CommCounter(axes={"tp": tp_group, "dp": dp_group}), SavedActivations()  # for the last step
+    b = args.batch_size // dp
+    for step in run.steps():
+        x, y = data.batch(step, args.batch_size, args.seq_len, args.ragged)  # (B, T) global batch, CPU
+        n_tok = count_tokens(y)  # tokens of the whole global batch: the loss divisor on every rank
+        x, y = x[dp_rank * b:(dp_rank + 1) * b].to(d.device), y[dp_rank * b:(dp_rank + 1) * b].to(d.device)
+        with run.watching(step, comm):
+            with run.watching(step, saved):
+                logits = model(x)  # (b, T, V_pad/t) this rank's vocabulary slice
+                if logits.dtype == torch.bfloat16:
+                    logits = logits.float()  # as common.lm_loss: a bf16 softmax loses small probabilities
+                per_tok = VocabParallelCrossEntropy.apply(logits.flatten(0, 1), y.flatten(), args.vocab,
+                                                          tp_group)  # (b*T,), identical on every TP rank
+                loss = per_tok.sum() / n_tok  # this replica's piece of the global batch's loss
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            with comm.phase("step"):
+                sync_grads(model, args.sequence_parallel, tp_group, dp_group)
+                if args.clip > 0:
+                    norm = global_grad_norm(model, tp_group)
+                    clip_grads_([p.grad for p in model.parameters()], norm, args.clip)
+                opt.step()
+                global_loss = all_reduce(loss.detach().clone(), dp_group)  # sum of the replicas' pieces
+        run.end_step(step, global_loss.item())
+
+    # --- summary: the technique's own peak first, each measured figure beside its theory, then --check ---
+    peak = peak_memory_bytes(d, state_bytes(model, opt) + saved.bytes)
+    figures = report(d, args, model, tp_group, comm.table(), full_bytes, saved.bytes, t, dp)
+    check = check_against_reference(d, args, run.losses, gather_full(model, tp_group)) if args.check else None
+    run.finish("megatron_tp", peak, comm.total(), check, figures)
 
 
 # --- measurement ---
-# Counters, closed forms and the summary, apart so that the technique above reads without them.
-class Comm:
-    """Counts every collective of this file per 'op/axis/phase': calls, elements of the full-size tensor (the
-    paper's unit: b*s*h for a block's all-reduce; the un-split tensor of an all-gather or reduce-scatter), and
-    the bytes of the tensors this rank hands to the collective, read off them at the call (an all-reduce's
-    tensor, an all-gather's local chunk, a reduce-scatter's whole input). A counter only: each collective
-    still names its group where it is called."""
-
-    def __init__(self):
-        self.axis, self.calls, self.elems, self.bytes = {}, Counter(), Counter(), Counter()
-
-    def add(self, op, group, phase, whole, handed):  # whole: the full-size tensor; handed: this rank's input
-        key = f"{op}/{self.axis.get(id(group), 'tp')}/{phase}"
-        self.calls[key] += 1
-        self.elems[key] += whole.numel()
-        self.bytes[key] += handed.numel() * handed.element_size()
-
-    def reset(self):
-        self.calls, self.elems, self.bytes = Counter(), Counter(), Counter()
-
-    def table(self):
-        return {k: [self.calls[k], self.elems[k], self.bytes[k]] for k in sorted(self.calls)}
-
-
-COMM = Comm()
-
-
-def replicated_spread(model, group):
-    """max |a - b| of any replicated parameter between TP ranks: 0 when they stayed identical."""
-    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters() if not is_split(p)])
-    hi = all_reduce(flat.clone(), group, "end", dist.ReduceOp.MAX)
-    lo = all_reduce(flat.clone(), group, "end", dist.ReduceOp.MIN)
-    return (hi - lo).abs().max().item()
-
-
-def saved_bytes_per_block(block, x):
-    """Bytes autograd saves for backward in one forward of `block` on x, counted by SavedActivations."""
-    with SavedActivations() as saved:
-        block(x.detach().requires_grad_())
-    return saved.bytes
+# Closed forms and the summary, apart so that the technique above reads without them. The collectives were
+# counted by harness.CommCounter at the dispatcher, per "op/axis/phase", during the last step.
+FORMULA = ("per layer 2 all-reduce fwd + 2 bwd of b*s*h (SP: AG+RS pairs + 1 AG re-gather per column "
+           "layer); + embedding g, head f, 3 loss all-reduces of b*s, norm; bytes handed: AR tensor, AG "
+           "chunk, RS input; ring sends AR 2(n-1)/n, AG/RS (n-1)/n")
+RING = {"all_reduce": 2, "all_gather": 1, "reduce_scatter": 1}  # ring sends = RING * (n-1)/n * whole
 
 
 def params_per_rank(args, t):
@@ -539,21 +533,13 @@ def params_per_rank(args, t):
     return split // t, repl
 
 
-RING = {"all_reduce": 2, "all_gather": 1, "reduce_scatter": 1}  # ring algorithm: sends = RING * (n-1)/n * whole
-
-
 def theory_collectives(args, t, dp):
     """What one step must hand to collectives, from the shapes alone: {op/axis/phase: [calls, elements,
-    bytes handed, ring bytes sent]}. Per layer (Megatron-LM Sec. 3): 2 all-reduces forward (attention's and
-    the MLP's g) and 2 backward (their f), each of b*s*h elements; under SP each becomes an all-gather +
-    reduce-scatter pair of the same size, plus one all-gather backward per column layer, the re-gather of
-    its saved chunk (Korthikanti Sec. 4.2.2). Plus: embedding g forward, head f backward, the loss's 3
-    all-reduces of b*s, the norm; SP adds one bucket of replicated grads. Bytes handed: an all-reduce's
-    tensor, an all-gather's 1/n chunk, a reduce-scatter's whole input. Ring bytes sent per rank (the ring
-    algorithm's formula, never measured here): all-reduce 2(n-1)/n, all-gather, reduce-scatter (n-1)/n."""
+    bytes handed, ring bytes sent]}, by the rule of FORMULA (Megatron-LM Sec. 3; Korthikanti Sec. 4.2.2);
+    SP adds one bucket of replicated grads. Ring bytes sent per rank: the ring algorithm's, never measured."""
     b, s, h, L = args.batch_size // dp, args.seq_len, args.d_model, args.n_layers
     es = DTYPES[args.dtype].itemsize
-    ce_es = 4 if args.dtype == "bfloat16" else es  # the loss runs in float32 for bfloat16
+    f32_es = 4 if args.dtype == "bfloat16" else es  # the loss and the norm are float32 for bfloat16
     split, repl = params_per_rank(args, t)
     table = {}
 
@@ -574,128 +560,71 @@ def theory_collectives(args, t, dp):
         else:
             add("all_reduce", "tp", "fwd", 2 * L + 1, b * s * h, es)  # per layer 2 g; + embedding g
             add("all_reduce", "tp", "bwd", 2 * L + 1, b * s * h, es)  # per layer 2 f; + LM head f
-        add("all_reduce", "tp", "fwd", 3, b * s, ce_es)  # the loss: max, target logit, sum of exp
+        add("all_reduce", "tp", "fwd", 3, b * s, f32_es)  # the loss: max, target logit, sum of exp
         if args.clip > 0:
-            add("all_reduce", "tp", "step", 1, 1, es)  # the gradient norm
+            add("all_reduce", "tp", "step", 1, 1, f32_es)  # the gradient norm's sum of squares
     if dp > 1:
         add("all_reduce", "dp", "step", 1, split + repl, es)  # gradients
-        add("all_reduce", "dp", "step", 1, 1, ce_es)  # the loss, for the log line
+        add("all_reduce", "dp", "step", 1, 1, f32_es)  # the loss, for the log line
     return dict(sorted(table.items()))
+
+
+def saved_bytes_per_block(block, x):
+    """Bytes autograd saves for backward in one forward of `block` on x, counted by SavedActivations."""
+    with SavedActivations() as saved:
+        block(x.detach().requires_grad_())
+    return saved.bytes
 
 
 def report(d, args, model, tp_group, counted, full_bytes, acts, t, dp):
     """Print each measured figure beside its theory; returns the summary's figures."""
-    theory = theory_collectives(args, t, dp)
-    split, repl = params_per_rank(args, t)
-    param_bytes, es = tensor_bytes(model.parameters()), DTYPES[args.dtype].itemsize
-    spread = replicated_spread(model, tp_group)
+    theory, (split, repl) = theory_collectives(args, t, dp), params_per_rank(args, t)
+    param_bytes, es, dtype = tensor_bytes(model.parameters()), DTYPES[args.dtype].itemsize, DTYPES[args.dtype]
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters() if not is_split(p)])
+    hi, lo = (all_reduce(flat.clone(), tp_group, op) for op in (dist.ReduceOp.MAX, dist.ReduceOp.MIN))
+    spread = (hi - lo).abs().max().item()  # of replicated parameters across TP ranks: 0 if they stayed equal
     d.log(f"{'collective per step (op/axis/phase)':36s} {'calls':>5s} {'theory':>6s} {'elements':>9s} "
           f"{'theory':>9s} {'bytes handed':>12s} {'theory':>9s} {'ring sends (theory)':>19s}")
     for k in sorted(set(counted) | set(theory)):
         m, th = counted.get(k, [0, 0, 0]), theory.get(k, [0, 0, 0, 0])
         d.log(f"{k:36s} {m[0]:5d} {th[0]:6d} {m[1]:9d} {th[1]:9d} {m[2]:12d} {th[2]:9d} {th[3]:19d}")
-    d.log(f"theory per layer: 2 all-reduces forward + 2 backward of b*s*h = {args.batch_size // dp}*{args.seq_len}*"
-          f"{args.d_model} elements (SP: as many all-gather + reduce-scatter pairs, + 1 re-gather per column "
-          f"layer); ring sends per rank, a formula: all-reduce 2(n-1)/n, all-gather / reduce-scatter (n-1)/n")
-    # one block's saved activations, sharded vs an unsharded common.Block on the same (b, T, D) batch
     b, T, D = args.batch_size // dp, args.seq_len, args.d_model
-    x = torch.randn(b, T, D, dtype=DTYPES[args.dtype], device=d.device)
-    mine = x.chunk(t, 1)[dist.get_rank(tp_group)].contiguous() if args.sequence_parallel else x  # (b, T/t, D) SP
+    d.log(f"theory per layer: 2 all-reduces forward + 2 backward of b*s*h = {b}*{T}*{D} elements (SP: as "
+          f"many all-gather + reduce-scatter pairs, + 1 re-gather per column layer); ring sends per rank, a "
+          f"formula: all-reduce 2(n-1)/n, all-gather / reduce-scatter (n-1)/n")
+    # one block's saved activations, sharded vs an unsharded common.Block on the same (b, T, D) batch
+    x = torch.randn(b, T, D, dtype=dtype, device=d.device)
+    mine = x.chunk(t, 1)[dist.get_rank(tp_group)].contiguous() if args.sequence_parallel else x  # (b, T/t, D)
     block_saved = saved_bytes_per_block(model.blocks[0], mine)
-    full_block = Block(GPTConfig.from_args(args)).to(d.device, DTYPES[args.dtype]).train(model.training)
-    block_full = saved_bytes_per_block(full_block, x)
+    unsharded = Block(GPTConfig.from_args(args)).to(d.device, dtype).train(model.training)
+    block_full = saved_bytes_per_block(unsharded, x)
     d.log(f"activations saved per block {block_saved} B, unsharded block {block_full} B, ratio "
           f"{block_saved / block_full:.3f} (1/t = {1 / t:.3f}: every saved tensor sharded, as with SP)")
-    d.log(f"parameters per rank {param_bytes} B (theory split/t + replicated = {(split + repl) * es} B), full model "
-          f"{full_bytes} B, ratio {param_bytes / full_bytes:.3f} (1/t = {1 / t:.3f}); replicated params spread "
-          f"across TP ranks {spread:.1e}")
+    d.log(f"parameters per rank {param_bytes} B (theory split/t + replicated = {(split + repl) * es} B), "
+          f"full model {full_bytes} B, ratio {param_bytes / full_bytes:.3f} (1/t = {1 / t:.3f}); replicated "
+          f"params spread across TP ranks {spread:.1e}")
     return dict(tp=t, dp=dp, sequence_parallel=args.sequence_parallel, collectives_per_step=counted,
                 collectives_per_step_theory=theory, param_bytes_per_rank=param_bytes,
                 param_bytes_per_rank_theory=(split + repl) * es, param_bytes_full_model=full_bytes,
                 replicated_param_spread_across_tp=spread, activation_bytes_saved=acts,
                 activation_bytes_per_block=block_saved, activation_bytes_per_block_unsharded=block_full,
-                theory_formula="per layer 2 all-reduce fwd + 2 bwd of b*s*h (SP: AG+RS pairs + 1 AG re-gather per "
-                               "column layer); + embedding g, head f, 3 loss all-reduces of b*s, norm; bytes handed: "
-                               "AR tensor, AG chunk, RS input; ring sends AR 2(n-1)/n, AG/RS (n-1)/n")
+                theory_formula=FORMULA)
 
 
-# ----------------------------------------------------------------------------- main
-def main():
-    args = parse_args(Args)
-    world = env_world_size()
-    check_common_args(args)
-    if args.tp < 0:
-        fail(f"--tp must be >= 0 (0 = the whole world), got {args.tp}")
-    t = args.tp or world
-    if world % t:
-        fail(f"world size {world} is not divisible by --tp {args.tp}: use a --tp that divides {world} (or 0 = all)")
-    dp = world // t
-    if args.n_heads % t:
-        fail(f"--n-heads {args.n_heads} is not divisible by the TP degree {t}: each rank needs whole heads")
-    if 4 * args.d_model % t:  # implied by the heads check while the MLP is 4x; kept for a copier who changes it
-        fail(f"MLP width 4 x --d-model = {4 * args.d_model} is not divisible by the TP degree {t}")
-    if args.sequence_parallel and args.seq_len % t:
-        fail(f"--sequence-parallel needs --seq-len {args.seq_len} divisible by the TP degree {t}")
-    if args.batch_size % dp:
-        fail(f"--batch-size {args.batch_size} is not divisible by the data-parallel degree {dp} (= world / tp)")
-
-    # --- setup (same in every file) ---
-    d = init_dist(args.timeout)
-    data = MarkovData(args.vocab, args.seed)
-    grid = torch.arange(d.world).view(dp, t)  # rows: TP groups (adjacent ranks); columns: DP groups
-    tp_groups = [dist.new_group(row) for row in grid.tolist()]  # every rank creates every group, same order
-    dp_groups = [dist.new_group(col) for col in grid.T.tolist()]
-    dp_rank, tp_rank = divmod(d.rank, t)
-    tp_group, dp_group = tp_groups[dp_rank], dp_groups[tp_rank]
-    COMM.axis.update({id(tp_group): "tp", id(dp_group): "dp"})
-    d.log(f"megatron_tp.py: world {d.world} = dp {dp} x tp {t} on {d.backend}, sequence parallel "
-          f"{args.sequence_parallel}, entropy floor {data.entropy:.4f} nats/token")
-
-    # --- the model: the full GPT from one seed, on the CPU; sliced there, and only the slices go to the device ---
-    tracker = RNGTracker(d.device, args.seed, dp_rank, tp_rank)
-    full = build_gpt(GPTConfig.from_args(args), args.seed, DTYPES[args.dtype])  # CPU
-    full_bytes = tensor_bytes(full.parameters())
-    model = ParallelGPT(full, tp_group, args.sequence_parallel, tracker).to(d.device)  # shards + replicated
-    del full
-    opt = make_optimizer(model.parameters(), args)
-    ckpt = Checkpointer(d, args.ckpt_dir, args.save_every, args.steps)
-    start, hist = ckpt.load({"model": model, "optim": opt, "rng": tracker})
-    losses = hist.get("losses", [])
-    timer, b, acts, counted = StepTimer(d.device), args.batch_size // dp, 0, {}
-    for step in range(start, args.steps):
-        maybe_fail(d, args, step)
-        timer.start()
-        COMM.reset()
-        x, y = data.batch(step, args.batch_size, args.seq_len, args.ragged)  # (B, T) global batch, CPU
-        n_tok = count_tokens(y)  # tokens of the whole global batch: the loss divisor on every rank
-        x, y = x[dp_rank * b:(dp_rank + 1) * b].to(d.device), y[dp_rank * b:(dp_rank + 1) * b].to(d.device)
-        with SavedActivations() as saved:
-            logits = model(x)  # (b, T, V_pad/t) this rank's vocabulary slice
-            if logits.dtype == torch.bfloat16:
-                logits = logits.float()  # as common.lm_loss: softmax in low precision loses small probabilities
-            token_losses = vocab_parallel_cross_entropy(logits.flatten(0, 1), y.flatten(), args.vocab, tp_group)
-            loss = token_losses.sum() / n_tok  # (b*T,) per token, identical on every TP rank -> this replica's piece
-        acts = max(acts, saved.bytes)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        sync_grads(model, args.sequence_parallel, tp_group, dp_group)
-        if args.clip > 0:
-            clip_grads_([p.grad for p in model.parameters()], global_grad_norm(model, tp_group), args.clip)
-        opt.step()
-        global_loss = all_reduce(loss.detach().clone(), dp_group, "step").item()  # sum of the replicas' pieces
-        counted = COMM.table()
-        losses.append(global_loss)
-        log_step(d, step, global_loss, timer.stop(), args.batch_size * args.seq_len)
-        ckpt.maybe_save(step + 1, {"model": model, "optim": opt, "rng": tracker}, {"losses": losses})
-
-    # --- summary: the technique's own peak first, then each measured figure beside its theory, then --check ---
-    peak = peak_memory_bytes(d, state_bytes(model, opt) + acts)
-    figures = report(d, args, model, tp_group, counted, full_bytes, acts, t, dp)
-    check = check_against_reference(d, args, losses, gather_full(model, tp_group)) if args.check else None
-    tokens_per_s = args.batch_size * args.seq_len / max(timer.median(), 1e-9) * 1e3
-    write_summary(d, args, "megatron_tp", losses, timer.median(), tokens_per_s, peak,
-                  sum(c[2] for c in counted.values()), check, figures)
-    close_dist(ok=check is None or check["passed"])
+def gather_full(model, group):
+    """For --check: the unsharded model as {common.GPT name: tensor}: split parameters all-gathered, padding
+    cut off, and the fused attn.qkv, rank-major [q_0; k_0; v_0; q_1; ...], split back into q, k and v."""
+    t, out = dist.get_world_size(group), {}
+    for name, p in model.named_parameters():
+        w = p.detach()
+        if is_split(p):
+            w = all_gather(w, p.tp_dim, group).narrow(p.tp_dim, 0, p.tp_full)  # padding cut off
+        if ".qkv." in name:  # (t * 3 * D/t, ..) -> 3 x (D, ..)
+            for part, w_i in zip("qkv", rearrange(w, "(t n o) ... -> n (t o) ...", t=t, n=3)):
+                out[name.replace(".qkv.", f".{part}.")] = w_i.clone()
+        else:
+            out[name] = w.clone()
+    return out
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""moe.py: mixture-of-experts layers with expert parallelism, and four routers.
+"""moe.py: mixture-of-experts layers with expert parallelism: five routers, shared experts, dropless routing.
 
 The GPT of common.py with the MLP of every block (or every --moe-every'th, as GShard's every other one)
 replaced by E expert MLPs and a router that sends each token to a few of them. With expert parallelism
@@ -13,7 +13,15 @@ Routers (--router):
   switch         Fedus et al. 2021: top-1; the same aux loss, weighted by alpha = --aux-weight (1e-2).
   expert_choice  Zhou et al. 2022: each expert takes its own top-C tokens, so every expert is exactly full;
                  a token gets 0..E experts; no aux loss is needed.
-Total loss = LM loss + --aux-weight x aux loss (aux = mean over routing groups and MoE layers).
+  loss_free      Wang et al. 2024, auxiliary-loss-free balancing (DeepSeek-V3 trains with it): affinities
+                 s = sigmoid(x W_g) (--score: or softmax); the top k of s + b choose, the gates are the chosen
+                 s normalised to sum 1, so the bias b chooses but never weighs and gets no gradient. After
+                 each step b_e += --bias-rate x sign(mean load - load_e), the loads counted over the whole
+                 batch (one all-reduce): every rank holds the same b. DeepSeek-V3's small sequence-wise
+                 balance loss is there too, weighted by --seq-aux-weight (0, off, by default).
+Total loss = LM loss + weight x aux (aux: mean over routing groups and MoE layers; weight: --aux-weight, or
+--seq-aux-weight for loss_free). --shared-experts S adds S expert MLPs that every token goes through beside
+its routed ones (DeepSeek-MoE, Dai et al. 2024): replicated on every rank, data parallel like attention.
 
 Capacity is per routing group (GShard's "groups"): the global batch is cut into --groups groups of whole
 sequences, T = batch/groups x seq_len tokens each, routed on their own with C slots per expert:
@@ -33,17 +41,27 @@ computes exactly what any EP degree computes; --check compares with that referen
       my experts run on (E/ep, ep x G x C, D) --> all-to-all back --> (E, G, C, D)
       --combine einsum (gate weights)--> (G, T, D), added to the residual stream
 
+Dropless (--capacity-factor 0, token choice; as MegaBlocks, Gale et al. 2023): no slots, nothing dropped.
+Each rank sorts its (token, choice) pairs by expert and sends every EP rank exactly its experts' tokens:
+      rank 0 chose  e0 e0 e0 e1 | e2 e3 e3     counts [3 1 | 1 2]: keeps 4, sends 3 to rank 1
+      rank 1 chose  e0 e1 e1 | e2 e2 e2 e3     counts [1 2 | 3 1]: sends 3 to rank 0, keeps 4
+      all-gather the counts, so every rank knows every split; all_to_all_single(out, in, recv, send);
+      rank 0 then runs e0 on [3 own | 1 from rank 1], e1 on [1 | 2]; the way back swaps the splits.
+The splits must reach the host to size the buffers: one host sync per dropless layer (Megatron-Core's
+dropless dispatcher has it too). With a capacity every size comes from the command line: nothing syncs.
+
 Ranks form the grid torch.arange(world).view(world // ep, ep): a row is an EP group (together it holds all
 E experts), a column holds copies of the same E/ep experts. Expert gradients arrive through the backward
 all-to-all, already summed over the tokens of the EP group, and are summed over the column; every other
 parameter is data parallel (summed over the world). Router noise and random routing are drawn from
-(seed, step, layer, global row), never from a rank's RNG, so the EP degree does not change them.
+(seed, step, layer, global routing group), never from a rank's RNG, so the EP degree does not change them.
 
 Run:
     python moe.py --router switch --check                            # world 1: all experts local
     torchrun --nproc_per_node=4 moe.py --router gshard --check       # EP 4, 4 routing groups
     torchrun --nproc_per_node=4 moe.py --router expert_choice --ep 2 --check    # 2 replicas x EP 2
     python moe.py --router noisy_topk --groups 4 --check             # the one-process twin of EP 4
+    torchrun --nproc_per_node=4 moe.py --router loss_free --shared-experts 1 --capacity-factor 0 --check
 In production, use a fused MoE (Megatron-Core, DeepSpeed-MoE, torchtitan): grouped GEMMs and index-based
 dispatch instead of the dense (T, E, C) one-hot tensors written out here for clarity.
 """
@@ -57,50 +75,54 @@ import torch.nn as nn
 import torch.nn.functional as F
 from einops import rearrange
 
-from common import (DTYPES, build_gpt, clip_grads_, close_dist, count_tokens, fail, GPTConfig, init_dist,
-                    lm_loss, make_optimizer, MarkovData, reference_train)
-from harness import (check_against_reference, check_common_args, Checkpointer, CommonArgs, env_world_size,
-                     log_step, maybe_fail, parse_args, peak_memory_bytes, SavedActivations, state_bytes,
-                     StepTimer, write_summary)
+from common import (DTYPES, build_gpt, clip_grads_, count_tokens, fail, GPTConfig, init_dist, lm_loss,
+                    make_optimizer, MarkovData, reference_train)
+from harness import (check_against_reference, check_common_args, CommCounter, CommonArgs, env_world_size,
+                     gather_rows, parse_args, peak_memory_bytes, Run, SavedActivations, state_bytes)
 
-ROUTERS = ("noisy_topk", "gshard", "switch", "expert_choice")
+ROUTERS = ("noisy_topk", "gshard", "switch", "expert_choice", "loss_free")
 
 
 @dataclass
 class Args(CommonArgs):
-    router: Literal["noisy_topk", "gshard", "switch", "expert_choice"] = "switch"  # routing algorithm
-    experts: int = 4  # experts per MoE layer (E)
-    top_k: int = 0  # noisy_topk: experts per token (0 = 2); gshard is top-2 and switch top-1 by definition
-    capacity_factor: float = 1.25  # slots per expert = cf x k x tokens per group / experts (k = 1: expert_choice)
+    router: Literal["noisy_topk", "gshard", "switch", "expert_choice", "loss_free"] = "switch"  # the router
+    experts: int = 4  # routed experts per MoE layer (E)
+    top_k: int = 0  # noisy_topk, loss_free: experts per token (0 = 2); gshard is top-2, switch top-1
+    capacity_factor: float = 1.25  # slots/expert: cf x k x group tokens / E (expert_choice: k=1); 0: dropless
     aux_weight: float = 1e-2  # total loss = LM loss + aux_weight x load-balancing loss (Switch's alpha)
-    moe_every: int = 1  # an MoE layer in every n-th block (2 = every other block, as GShard), dense MLP elsewhere
+    score: Literal["sigmoid", "softmax"] = "sigmoid"  # loss_free: affinity function (sigmoid: DeepSeek-V3)
+    bias_rate: float = 1e-3  # loss_free: each step the expert bias moves by this much (Wang et al.'s u)
+    seq_aux_weight: float = 0.0  # loss_free: weight of DeepSeek-V3's sequence-wise balance loss (0 = off)
+    shared_experts: int = 0  # always-on expert MLPs per MoE layer beside the routed ones (DeepSeek-MoE)
+    moe_every: int = 1  # an MoE layer in every n-th block (2: every other one, as GShard), dense MLPs between
     ep: int = 0  # expert-parallel degree: ranks that split one set of experts (0 = world size)
     groups: int = 0  # routing groups in the global batch; capacity is per group (0 = world size)
 
 
-def experts_per_token(args):
-    return {"noisy_topk": args.top_k or 2, "gshard": 2, "switch": 1, "expert_choice": 0}[args.router]
+def experts_per_token(router, top_k=0):
+    return dict(noisy_topk=top_k or 2, loss_free=top_k or 2, gshard=2, switch=1, expert_choice=0)[router]
 
 
-def capacity(args, tokens_per_group):
-    """Slots per expert per group. A pure function of the command line, never of the data: every rank gets
-    the same C, so the (E, G, C, D) all-to-all buffers match everywhere (a mismatch would hang the collective)."""
-    k = experts_per_token(args) or 1  # expert choice: C = cf * T / E tokens per expert (Zhou et al., Sec. 3.1)
-    return max(1, min(tokens_per_group, math.ceil(args.capacity_factor * k * tokens_per_group / args.experts)))
+def capacity(capacity_factor, k, tokens_per_group, experts):
+    """Slots per expert per group. A pure function of the command line, never of the data: every rank gets the
+    same C, so the (E, G, C, D) all-to-all buffers match everywhere (a mismatch would hang the collective)."""
+    k = k or 1  # expert choice: C = cf * T / E tokens per expert (Zhou et al., Sec. 3.1)
+    return max(1, min(tokens_per_group, math.ceil(capacity_factor * k * tokens_per_group / experts)))
 
 
 # ----------------------------------------------------------------------------- the routers
 # Legend (einsum letters and shape comments from here on):
 #   G routing groups on this rank   T tokens per group (GShard's S)   E experts   C capacity (slots per expert
 #   per group)   K choices per token   D model width   H expert hidden width (4D)   r ranks of the EP group
-# Every router returns dispatch (G, T, E, C) in {0, 1}: token t sits in slot c of expert e; combine
-# (G, T, E, C): the gate weight that slot's output comes back with; aux (G,): the balancing loss per group;
-# wanted (G, E): assignments the router asked for before capacity (for the drop statistics).
+# A token-choice router returns expert, gate, keep (G, T, K): each token's k-th choice, its gate weight, and 1
+# if it is wanted (0: gshard's dropped 2nd choice); and aux (G,): the balancing loss per group. Capacity comes
+# after it (fill_slots), or never (dropless). Expert choice returns dispatch and combine (G, T, E, C) itself:
+# token t sits in slot c of expert e, and comes back with that gate weight.
 def fill_slots(expert, gate, keep, C, E):
-    """Token choice -> slots. expert, gate, keep: (G, T, K), the k-th choice of each token. Slots are handed
-    out choice by choice (every token's 1st choice before any 2nd choice: GShard Alg. 1), tokens in order
-    within a choice; an assignment whose expert already has C earlier ones is dropped. So a 2nd choice
-    queues behind the 1st choices of later tokens too (see the docstring: information from the future)."""
+    """Token choice -> slots: dispatch, combine (G, T, E, C). Slots are handed out choice by choice (every
+    token's 1st choice before any 2nd choice: GShard Alg. 1), tokens in order within a choice; an assignment
+    whose expert already has C earlier ones is dropped. So a 2nd choice queues behind the 1st choices of
+    later tokens too (see the docstring: information from the future)."""
     K = expert.shape[-1]
     want = F.one_hot(expert, E) * keep[..., None].long()  # (G, T, K, E) requested assignments
     order = rearrange(want, "g t k e -> g (k t) e")  # priority order: choice-major, then token
@@ -110,8 +132,7 @@ def fill_slots(expert, gate, keep, C, E):
     e_hot = F.one_hot(expert, E).to(gate.dtype) * kept[..., None]  # (G, T, K, E)
     c_hot = F.one_hot(slot.clamp(max=C - 1), C).to(gate.dtype)  # (G, T, K, C)
     dispatch = torch.einsum("gtke,gtkc->gtec", e_hot, c_hot)  # (G, T, E, C); a token's K experts are distinct
-    combine = torch.einsum("gtke,gtkc,gtk->gtec", e_hot, c_hot, gate)
-    return dispatch, combine, want.sum((1, 2))
+    return dispatch, torch.einsum("gtke,gtkc,gtk->gtec", e_hot, c_hot, gate)
 
 
 def balance_loss(probs, top1):
@@ -123,25 +144,22 @@ def balance_loss(probs, top1):
     return E * (f * probs.mean(1)).sum(-1)  # (G,)
 
 
-def route_switch(logits, C):
+def route_switch(logits):
     """Switch (Fedus et al. 2021, Sec. 2.1-2.2): top-1; the gate is the router probability itself, so
-    the router learns through it; overflow beyond C is dropped."""
+    the router learns through it; overflow beyond C is dropped (by fill_slots)."""
     probs = logits.softmax(-1)  # (G, T, E)
     gate, top1 = probs.max(-1)  # (G, T)
-    dispatch, combine, wanted = fill_slots(top1[..., None], gate[..., None], torch.ones_like(gate[..., None]), C,
-                                           probs.shape[-1])
-    return dispatch, combine, balance_loss(probs, top1), wanted
+    return top1[..., None], gate[..., None], torch.ones_like(gate[..., None]), balance_loss(probs, top1)
 
 
-def route_gshard(logits, uniform, C):
+def route_gshard(logits, uniform):
     """GShard (Lepikhin et al. 2020, Alg. 1): top-2, gates renormalised over the two; the 2nd expert is
     used only if 2 * g2 > uniform (random routing: a small g2 is rarely worth a slot)."""
     probs = logits.softmax(-1)  # (G, T, E)
     top = probs.topk(2, dim=-1)  # (G, T, 2)
     gate = top.values / top.values.sum(-1, keepdim=True)  # g1, g2 with g1 + g2 = 1
     keep = torch.stack([torch.ones_like(uniform), (2 * gate[..., 1] > uniform).to(uniform.dtype)], -1)
-    dispatch, combine, wanted = fill_slots(top.indices, gate, keep, C, probs.shape[-1])
-    return dispatch, combine, balance_loss(probs, top.indices[..., 0]), wanted
+    return top.indices, gate, keep, balance_loss(probs, top.indices[..., 0])
 
 
 def cv_squared(v):
@@ -151,8 +169,8 @@ def cv_squared(v):
 
 def smooth_load(clean, noise_std, H, k):
     """Shazeer et al. 2017, Appendix A: P(x, i) = Phi((clean_i - kth_excluding(H, k, i)) / noise_std_i), the
-    chance that expert i is in the top k if only its own noise were drawn again: a differentiable load.
-    For an expert inside the top k, the k-th largest of the others is the (k+1)-th overall; outside, the k-th."""
+    chance that expert i is in the top k if only its own noise were drawn again: a differentiable load. For
+    an expert inside the top k, the k-th largest of the others is the (k+1)-th overall; outside, the k-th."""
     E = H.shape[-1]
     top = H.topk(min(k + 1, E), dim=-1).values  # (G, T, k+1)
     kth = top[..., k - 1:k]
@@ -160,17 +178,16 @@ def smooth_load(clean, noise_std, H, k):
     return torch.special.ndtr((clean - torch.where(H >= kth, k1th, kth)) / noise_std)  # (G, T, E)
 
 
-def route_noisy_topk(clean, noise_std, eps, k, C):
+def route_noisy_topk(clean, noise_std, eps, k):
     """Shazeer et al. 2017, Sec. 2.1. clean = x W_g, noise_std = softplus(x W_noise), eps ~ N(0, 1):
     H = clean + eps * noise_std; gates = softmax over the top k of H (-inf elsewhere). Aux loss (Sec. 4):
     CV(importance)^2 + CV(load)^2, importance = sum of gates per expert, load = sum of smooth_load."""
     H = clean + eps * noise_std  # (G, T, E)
     top = H.topk(k, dim=-1)  # (G, T, K)
     gate = top.values.softmax(-1)  # (G, T, K)
-    dispatch, combine, wanted = fill_slots(top.indices, gate, torch.ones_like(gate), C, H.shape[-1])
     importance = torch.zeros_like(clean).scatter(-1, top.indices, gate).sum(1)  # (G, E)
     load = smooth_load(clean, noise_std, H, k).sum(1)  # (G, E)
-    return dispatch, combine, cv_squared(importance) + cv_squared(load), wanted
+    return top.indices, gate, torch.ones_like(gate), cv_squared(importance) + cv_squared(load)
 
 
 def route_expert_choice(logits, C):
@@ -178,157 +195,259 @@ def route_expert_choice(logits, C):
     experts), then each expert takes its C highest-affinity tokens of the group: every expert is exactly
     full, no token is ever 'dropped' for capacity, and a token gets 0..E experts. The top-C looks at
     every token of the group, including later ones: fine for training, not for causal decoding."""
-    G, T, E = logits.shape
+    T = logits.shape[1]
     probs = logits.softmax(-1)  # (G, T, E)
     # A stable sort, not topk: identical tokens (same prefix) tie exactly, and the earlier one must win
     # whatever the layout, or EP degrees would disagree.
     order = torch.sort(rearrange(probs, "g t e -> g e t"), dim=-1, descending=True, stable=True)
-    picked, gate = order.indices[..., :C], order.values[..., :C]  # (G, E, C): expert e's slot c holds token picked
+    picked, gate = order.indices[..., :C], order.values[..., :C]  # (G, E, C): the token in expert e's slot c
     dispatch = rearrange(F.one_hot(picked, T).to(probs.dtype), "g e c t -> g t e c")  # (G, T, E, C)
-    combine = dispatch * rearrange(gate, "g e c -> g 1 e c")
-    return dispatch, combine, torch.zeros(G, dtype=probs.dtype, device=probs.device), dispatch.sum((1, 3))
+    return dispatch, dispatch * rearrange(gate, "g e c -> g 1 e c")
+
+
+# -------------------------------------------------------------------------- loss-free balancing (DeepSeek-V3)
+def seq_balance_loss(scores, expert, n):
+    """DeepSeek-V3's sequence-wise balance loss (Sec. 2.1.2, eq. 17-20), per sequence of n tokens:
+    sum_e f_e P_e, f_e = E / (K n) x (tokens choosing e), P_e = mean over the sequence of s_e / sum_j s_j.
+    1 under uniform routing; f counts the experts actually chosen (top k of s + b). -> (G,): mean over the
+    group's sequences. scores (G, T, E), expert (G, T, K)."""
+    E, K = scores.shape[-1], expert.shape[-1]
+    per_seq = lambda t: rearrange(t, "g (b n) e -> g b n e", n=n)  # noqa: E731
+    f = per_seq(F.one_hot(expert, E).sum(2).to(scores.dtype)).sum(2) * E / (K * n)  # (G, b, E)
+    P = per_seq(scores / scores.sum(-1, keepdim=True)).mean(2)  # (G, b, E)
+    return (f * P).sum(-1).mean(-1)
+
+
+def route_loss_free(scores, bias, k, n):
+    """Wang et al. 2024 (Alg. 1), as DeepSeek-V3 uses it (Sec. 2.1.2, eq. 12-16): the top k of s + b choose
+    the experts; the gates are the *unbiased* scores of the chosen experts, normalised over the k. Only the
+    indices of the top k see b, so no gradient reaches it. scores (G, T, E), bias (E,); n: sequence length."""
+    expert = (scores + bias).topk(k, dim=-1).indices  # (G, T, K): the bias only chooses ...
+    s = scores.gather(-1, expert)  # (G, T, K): ... the gates are the scores without it
+    return expert, s / s.sum(-1, keepdim=True), torch.ones_like(s), seq_balance_loss(scores, expert, n)
+
+
+def update_biases(layers, rate, group):
+    """Wang et al. 2024, Alg. 1, after each step: b_e += u * sign(mean_e c - c_e), c_e = tokens that chose
+    expert e in the whole batch: under-loaded experts get more attractive, over-loaded ones less. Each rank
+    routes its own tokens, so the counts are summed over `group` (the world): one all-reduce of (layers, E)
+    numbers, and every rank ends with the same bias. group=None: one process, whose counts are the batch's."""
+    counts = torch.stack([m.wanted for m in layers]).to(torch.float64)  # (L, E), exact integers
+    if group is not None:
+        dist.all_reduce(counts, group=group)
+    for m, c in zip(layers, counts):
+        m.expert_bias += rate * torch.sign(c.mean() - c).to(m.expert_bias.dtype)
 
 
 # ----------------------------------------------------------------------------- dispatch, experts, combine
+def all_to_all(x, group, out_splits=None, in_splits=None):
+    """all_to_all_single over dim 0: rows in_splits[j] go to rank j, out_splits[i] come from rank i
+    (None: equal blocks)."""
+    x = x.contiguous()
+    out = x.new_empty((x.shape[0] if out_splits is None else sum(out_splits), *x.shape[1:]))
+    dist.all_to_all_single(out, x, out_splits, in_splits, group=group)
+    return out
+
+
 class AllToAll(torch.autograd.Function):
-    """Equal-split all_to_all_single over the EP group: block j of dim 0 goes to rank j, block i of the
-    output came from rank i. Its backward is the same exchange: the gradient of the block I sent to rank j
-    comes back from rank j. `sent` counts the bytes that leave this rank."""
+    """The exchange as an autograd op. Its backward is the same exchange with the splits swapped: the
+    gradient of the rows I sent to rank j comes back from rank j."""
 
     @staticmethod
-    def forward(ctx, x, group, sent):
-        ctx.group, ctx.sent = group, sent
-        return AllToAll.exchange(x, group, sent)
+    def forward(ctx, x, group, out_splits=None, in_splits=None):
+        ctx.group, ctx.splits = group, (out_splits, in_splits)
+        return all_to_all(x, group, out_splits, in_splits)
 
     @staticmethod
     def backward(ctx, grad):
-        return AllToAll.exchange(grad, ctx.group, ctx.sent), None, None
-
-    @staticmethod
-    def exchange(x, group, sent):
-        x, r = x.contiguous(), dist.get_world_size(group)
-        out = torch.empty_like(x)
-        dist.all_to_all_single(out, x, group=group)
-        sent[0] += x.numel() * x.element_size() * (r - 1) // r  # the block to myself stays home
-        return out
+        out_splits, in_splits = ctx.splits
+        return all_to_all(grad, ctx.group, in_splits, out_splits), None, None, None
 
 
-def position_seed(seed, step, layer, row):
-    """A seed for the random numbers of one sequence (global row) of one step and layer: any rank that
-    holds that row draws the same numbers, so neither the EP degree nor the data split changes them."""
-    return (((seed * 1_000_003 + step) * 1_009 + layer) * 1_000_000_007 + row) % 2 ** 63
+def mlps(h, w1, b1, w2, b2):
+    """X independent expert MLPs as batched matmuls: h (X, N, D) -> (X, N, H) -> (X, N, D)."""
+    h = F.gelu(torch.einsum("xnd,xdh->xnh", h, w1) + b1[:, None])
+    return torch.einsum("xnh,xhd->xnd", h, w2) + b2[:, None]
+
+
+def position_seed(seed, step, layer, group):
+    """A seed for the random numbers of one routing group (global index) of one step and layer: any rank that
+    routes that group draws the same numbers, so neither the EP degree nor the data split changes them."""
+    return (((seed * 1_000_003 + step) * 1_009 + layer) * 1_000_000_007 + group) % 2 ** 63
 
 
 class MoE(nn.Module):
-    """Replaces a block's MLP: route -> dispatch -> all-to-all -> experts -> all-to-all -> combine."""
+    """Replaces an MLP: route -> dispatch -> all-to-all -> experts -> all-to-all -> combine (+ shared ones).
+    x (b, n, D) -> (b, n, D), the b sequences cut into routing groups of `group_rows` whole sequences.
+      router, top_k     one of ROUTERS; 0 = the router's own k     capacity_factor  0 = dropless
+      ep_group          the ranks that split the E experts, E/ep each (None: all local)
+      shared, score     always-on experts; loss_free's affinity     hidden  expert width (4 d_model)
+      seed, layer       key the router's random numbers     generator  initial weights (all E: any EP agrees)
+    The loop sets `step` and `row0` (x's first global row) before a forward (set_step). A forward leaves
+    `aux` (G,) (balancing loss per group), `wanted` (E,) (choices per expert before capacity, this rank's
+    tokens: the loss-free update reads it), `dispatch` (G, T, E, C) (None when dropless: all are served).
+    `expert_bias` (loss_free) moves in steps of --bias-rate: keep it in float32 if you cast to bf16."""
 
-    def __init__(self, args, layer, groups, ep, ep_rank, ep_group, gen):
+    def __init__(self, d_model, experts, router="switch", top_k=0, capacity_factor=1.25, group_rows=1,
+                 ep_group=None, shared=0, score="sigmoid", hidden=None, dropout=0.0, seed=0, layer=0,
+                 generator=None, dtype=torch.float64):
         super().__init__()
-        D, H, E = args.d_model, 4 * args.d_model, args.experts
-        self.router_kind, self.layer, self.seed, self.E, self.El = args.router, layer, args.seed, E, E // ep
-        self.k, self.ep, self.ep_group, self.n_groups = experts_per_token(args), ep, ep_group, groups
-        self.rows_per_group = args.batch_size // groups  # whole sequences: a group never splits one
-        self.C = capacity(args, self.rows_per_group * args.seq_len)
-        full = lambda *shape: 0.02 * torch.randn(*shape, generator=gen, dtype=torch.float64)
+        D, H, E = d_model, hidden or 4 * d_model, experts
+        self.kind, self.k, self.cf, self.E = router, experts_per_token(router, top_k), capacity_factor, E
+        self.score, self.n_shared, self.group_rows = score, shared, group_rows
+        self.seed, self.layer, self.step, self.row0 = seed, layer, 0, 0
+        self.ep_group, self.ep = ep_group, 1 if ep_group is None else dist.get_world_size(ep_group)
+        self.ep_rank, self.El = 0 if ep_group is None else dist.get_rank(ep_group), E // self.ep
+        gen, f64 = generator, torch.float64
+        full = lambda *s: (0.02 * torch.randn(*s, generator=gen, dtype=f64)).to(dtype)  # noqa: E731
+        zeros = lambda *shape: nn.Parameter(torch.zeros(*shape, dtype=dtype))  # noqa: E731
         self.w_gate = nn.Parameter(full(D, E))  # W_g: replicated, data parallel
-        self.w_noise = nn.Parameter(full(D, E)) if args.router == "noisy_topk" else None  # W_noise
+        self.w_noise = nn.Parameter(full(D, E)) if router == "noisy_topk" else None  # W_noise
+        if router == "loss_free":  # b: a buffer (so checkpointed), moved by update_biases, never by autograd
+            self.register_buffer("expert_bias", torch.zeros(E, dtype=dtype))
         # Every rank draws all E experts from the one generator and keeps its slice, so any EP degree starts
         # from the same numbers: model expert e = local expert e - ep_rank * El on EP rank e // El.
-        mine = slice(ep_rank * self.El, (ep_rank + 1) * self.El)
-        self.w1 = nn.Parameter(full(E, D, H)[mine].clone())  # (El, D, H)
-        self.b1 = nn.Parameter(torch.zeros(self.El, H, dtype=torch.float64))
-        self.w2 = nn.Parameter(full(E, H, D)[mine].clone())  # (El, H, D)
-        self.b2 = nn.Parameter(torch.zeros(self.El, D, dtype=torch.float64))
-        self.drop = nn.Dropout(args.dropout)
-        self.sent = [0]  # all-to-all bytes this rank sent, forward and backward
-        self.stats = torch.zeros(2 * E + 1)  # last step: load (E), wanted (E), tokens with no expert
+        mine = slice(self.ep_rank * self.El, (self.ep_rank + 1) * self.El)
+        self.w1, self.b1 = nn.Parameter(full(E, D, H)[mine].clone()), zeros(self.El, H)
+        self.w2, self.b2 = nn.Parameter(full(E, H, D)[mine].clone()), zeros(self.El, D)
+        if shared:  # S always-on experts: replicated, data parallel like the router
+            self.shared_w1, self.shared_b1 = nn.Parameter(full(shared, D, H)), zeros(shared, H)
+            self.shared_w2, self.shared_b2 = nn.Parameter(full(shared, H, D)), zeros(shared, D)
+        self.drop = nn.Dropout(dropout)
+        self.dispatch = self.wanted = self.aux = None
 
-    def draw(self, step, row0, rows, n, normal):
-        """(rows, n, E) standard normals or (rows, n) uniforms for global rows row0.. of `step`."""
-        out = []
-        for row in range(row0, row0 + rows):
-            g = torch.Generator().manual_seed(position_seed(self.seed, step, self.layer, row))
-            out.append(torch.randn(n, self.E, generator=g, dtype=torch.float64) if normal
-                       else torch.rand(n, generator=g, dtype=torch.float64))
+    def draw(self, like):
+        """Standard normals (noisy_topk) or uniforms (gshard) shaped like `like`, (G, T, E) or (G, T), for my
+        G routing groups, drawn on the device from one generator per (seed, step, layer, global group)."""
+        group0, out = self.row0 // self.group_rows, []
+        for g in range(group0, group0 + like.shape[0]):
+            gen = torch.Generator(like.device).manual_seed(position_seed(self.seed, self.step, self.layer, g))
+            sample = torch.randn if self.kind == "noisy_topk" else torch.rand
+            out.append(sample(like.shape[1:], generator=gen, device=like.device, dtype=like.dtype))
         return torch.stack(out)
 
-    def route(self, xg, step, row0, n):
-        """xg (G, T, D) -> dispatch, combine, aux, wanted. Router math in float32 or wider (Switch Sec. 2.4)."""
-        rdt = torch.float64 if xg.dtype == torch.float64 else torch.float32
-        x, dev, G = xg.to(rdt), xg.device, xg.shape[0]
-        logits = x @ self.w_gate.to(rdt)  # (G, T, E)
-        if self.router_kind == "switch":
-            return route_switch(logits, self.C)
-        if self.router_kind == "expert_choice":
-            return route_expert_choice(logits, self.C)
-        noisy = self.router_kind == "noisy_topk"  # both others need random numbers while training
-        r = self.draw(step, row0, G * self.rows_per_group, n, noisy) if self.training else None
-        if noisy:
-            eps = torch.zeros_like(logits) if r is None else rearrange(r, "(g b) n e -> g (b n) e", g=G)
-            std = F.softplus(x @ self.w_noise.to(rdt)) + 1e-2  # the floor keeps Phi's argument (and grad) finite
-            return route_noisy_topk(logits, std, eps.to(dev, rdt), self.k, self.C)
-        u = torch.zeros_like(logits[..., 0]) if r is None else rearrange(r, "(g b) n -> g (b n)", g=G)
-        return route_gshard(logits, u.to(dev, rdt), self.C)
+    def logits(self, xg):
+        """x W_g (G, T, E) in float32 or wider (Switch Sec. 2.4: bf16 routing is unstable), and that x."""
+        x = xg.to(torch.float64 if xg.dtype == torch.float64 else torch.float32)
+        return x @ self.w_gate.to(x.dtype), x
 
-    def experts(self, h):
-        """El independent expert MLPs as batched matmuls: (El, N, D) -> (El, N, H) -> (El, N, D)."""
-        h = F.gelu(torch.einsum("end,edh->enh", h, self.w1) + self.b1[:, None])
-        return torch.einsum("enh,ehd->end", h, self.w2) + self.b2[:, None]
+    def choose(self, xg, n):
+        """Token choice: xg (G, T, D) -> expert, gate, keep (G, T, K), aux (G,). Noise only while training."""
+        logits, x = self.logits(xg)
+        if self.kind == "switch":
+            return route_switch(logits)
+        if self.kind == "loss_free":
+            scores = logits.sigmoid() if self.score == "sigmoid" else logits.softmax(-1)
+            return route_loss_free(scores, self.expert_bias.to(x.dtype), self.k, n)
+        if self.kind == "noisy_topk":
+            eps = self.draw(logits) if self.training else torch.zeros_like(logits)
+            std = F.softplus(x @ self.w_noise.to(x.dtype)) + 1e-2  # the floor keeps Phi's argument finite
+            return route_noisy_topk(logits, std, eps, self.k)
+        u = self.draw(logits[..., 0]) if self.training else torch.zeros_like(logits[..., 0])
+        return route_gshard(logits, u)
 
     def exchange(self, xg, dispatch, combine):
-        """Tokens to their experts and back: xg (G, T, D), this rank's groups -> (G, T, D)."""
+        """Tokens to their experts' slots and back: xg (G, T, D), this rank's groups -> (G, T, D)."""
         G = xg.shape[0]
-        buf = torch.einsum("gtec,gtd->egcd", dispatch.to(xg.dtype), xg)  # (E, G, C, D): slots of all E experts
+        buf = torch.einsum("gtec,gtd->egcd", dispatch.to(xg.dtype), xg)  # (E, G, C, D): all E experts' slots
         if self.ep > 1:  # block j (EP rank j's experts) -> rank j; I get every rank's slots for my experts
-            buf = AllToAll.apply(buf, self.ep_group, self.sent)  # (r * El, G, C, D), block i from rank i
-        h = self.experts(rearrange(buf, "(r e) g c d -> e (r g c) d", r=self.ep))  # (El, r * G * C, D)
-        out = rearrange(h, "e (r g c) d -> (r e) g c d", r=self.ep, g=G)  # (r * El, G, C, D), block j for rank j
+            buf = AllToAll.apply(buf, self.ep_group)  # (r * El, G, C, D), block i from rank i
+        h = mlps(rearrange(buf, "(r e) g c d -> e (r g c) d", r=self.ep), self.w1, self.b1, self.w2, self.b2)
+        out = rearrange(h, "e (r g c) d -> (r e) g c d", r=self.ep, g=G)  # (r * El, G, C, D): block j for j
         if self.ep > 1:
-            out = AllToAll.apply(out, self.ep_group, self.sent)  # (E, G, C, D): all experts' outputs, my tokens
+            out = AllToAll.apply(out, self.ep_group)  # (E, G, C, D): all experts' outputs, my tokens
         return torch.einsum("gtec,egcd->gtd", combine.to(xg.dtype), out)  # empty / dropped slots weigh 0
 
-    def forward(self, x, step, row0):
-        """x (b, n, D): this rank's b sequences of n positions, global rows row0.. Returns y (b, n, D) and
-        this rank's share of the aux loss (its groups' sum / all groups of the global batch)."""
-        b, n, D = x.shape
-        xg = rearrange(x, "(g b) n d -> g (b n) d", b=self.rows_per_group)  # (G, T, D), T = rows_per_group * n
-        dispatch, combine, aux, wanted = self.route(xg, step, row0, n)
-        with torch.no_grad():
-            self.stats = torch.cat([dispatch.sum((0, 1, 3)), wanted.sum(0).to(dispatch.dtype),
-                                    (dispatch.sum((2, 3)) == 0).sum().to(dispatch.dtype).view(1)])  # (2E + 1,)
-        y = self.exchange(xg, dispatch, combine)
-        return self.drop(rearrange(y, "g (b n) d -> (g b) n d", n=n)), aux.sum() / self.n_groups
+    def dropless(self, xg, expert, gate, keep):
+        """No capacity, every wanted choice served: xg (G, T, D), expert/gate/keep (G, T, K) -> (G, T, D)."""
+        (G, T, K), D, E, El, r, me = expert.shape, xg.shape[-1], self.E, self.El, self.ep, self.ep_rank
+        dest = torch.where(keep > 0, expert, E).flatten()  # (N = G T K,): each pair's expert; E = unwanted
+        order = torch.argsort(dest, stable=True)  # pairs by expert, then token: rank j's share is one block
+        counts = dest.new_zeros(E + 1).scatter_add_(0, dest, torch.ones_like(dest))  # (E + 1,): pairs each
+        if r > 1:  # every rank's counts, so that each knows what it gets from whom
+            every = counts.new_empty(r * (E + 1))
+            dist.all_gather_single(every, counts, group=self.ep_group)
+            counts = every
+        sizes = rearrange(counts, "(r e) -> r e", r=r)[:, :E].tolist()  # (r, E): the one host sync (see top)
+        mine = [row[me * El:(me + 1) * El] for row in sizes]  # (r, El): rank i's pairs for each of my experts
+        send = [sum(sizes[me][j * El:(j + 1) * El]) for j in range(r)]  # pairs I send to rank j
+        recv = [sum(row) for row in mine]  # pairs I get from rank i
+        h = rearrange(xg, "g t d -> (g t) d")[order[:sum(send)] // K]  # (sum send, D): each pair's token
+        if r > 1:
+            h = AllToAll.apply(h, self.ep_group, recv, send)  # (sum recv, D): from each rank, by my expert
+        pieces = h.split([c for row in mine for c in row])  # piece (i, e): rank i's tokens for my expert e
+        outs = [self.expert(e, torch.cat(pieces[e::El])) for e in range(El)]  # expert e on all its tokens
+        back = [o.split([mine[i][e] for i in range(r)]) for e, o in enumerate(outs)]
+        h = torch.cat([back[e][i] for i in range(r) for e in range(El)])  # back in (rank i, expert e) order
+        if r > 1:
+            h = AllToAll.apply(h, self.ep_group, send, recv)  # (sum send, D): my pairs' outputs, sorted
+        y = xg.new_zeros(G * T * K, D).index_copy(0, order[:sum(send)], h)  # each pair's output in its place
+        y = rearrange(y, "(g t k) d -> g t k d", t=T, k=K)
+        return torch.einsum("gtkd,gtk->gtd", y, (gate * keep).to(xg.dtype))
+
+    def expert(self, e, h):
+        """My expert e on its tokens: (N, D) -> (N, H) -> (N, D)."""
+        return F.gelu(h @ self.w1[e] + self.b1[e]) @ self.w2[e] + self.b2[e]
+
+    def forward(self, x):
+        """x (b, n, D): this rank's b sequences of n positions, global rows self.row0 .. -> (b, n, D)."""
+        n = x.shape[1]
+        xg = rearrange(x, "(g b) n d -> g (b n) d", b=self.group_rows)  # (G, T, D), T = group_rows * n
+        G, T = xg.shape[:2]
+        if self.kind == "expert_choice":
+            dispatch, combine = route_expert_choice(self.logits(xg)[0], capacity(self.cf, 1, T, self.E))
+            self.aux, self.wanted = dispatch.new_zeros(G), dispatch.detach().sum((0, 1, 3))
+        else:
+            expert, gate, keep, self.aux = self.choose(xg, n)
+            self.wanted = (F.one_hot(expert, self.E) * keep[..., None]).detach().sum((0, 1, 2))  # (E,)
+            if self.cf > 0:
+                C = capacity(self.cf, self.k, T, self.E)
+                dispatch, combine = fill_slots(expert, gate, keep, C, self.E)
+        if self.cf > 0:
+            y, self.dispatch = self.exchange(xg, dispatch, combine), dispatch.detach()
+        else:
+            y, self.dispatch = self.dropless(xg, expert, gate, keep), None
+        if self.n_shared:  # every token through every shared expert: (S, G T, D), summed over S
+            xs = rearrange(xg, "g t d -> (g t) d").expand(self.n_shared, -1, -1)
+            ys = mlps(xs, self.shared_w1, self.shared_b1, self.shared_w2, self.shared_b2).sum(0)
+            y = y + rearrange(ys, "(g t) d -> g t d", g=G)
+        return self.drop(rearrange(y, "g (b n) d -> (g b) n d", n=n))
 
 
-def build_moe_gpt(args, groups, ep=1, ep_rank=0, ep_group=None, device="cpu"):
+def moe_layers(model):
+    return [m for m in model.modules() if isinstance(m, MoE)]
+
+
+def set_step(model, step, row0):
+    """Before each forward: the step and the first global row of this rank's batch, which every MoE layer
+    keys its random numbers by. The model's own forward (common.GPT's here) passes only x."""
+    for m in moe_layers(model):
+        m.step, m.row0 = step, row0
+
+
+def aux_share(model, groups):
+    """This rank's share of the aux loss averaged over all `groups` routing groups and every MoE layer."""
+    layers = moe_layers(model)
+    return sum(m.aux.sum() for m in layers) / (groups * len(layers))
+
+
+def build_moe_gpt(args, groups, ep_group=None, device="cpu"):
     """common's GPT (same seed, same dense weights) with the MLP of every moe_every-th block replaced."""
     model = build_gpt(GPTConfig.from_args(args), args.seed, torch.float64)
     gen = torch.Generator().manual_seed(args.seed + 7919)  # the MoE weights: one stream, same on every rank
     for i, block in enumerate(model.blocks):
         if i % args.moe_every == args.moe_every - 1:
-            block.mlp = MoE(args, i, groups, ep, ep_rank, ep_group, gen)
-    return model.to(device=device, dtype=DTYPES[args.dtype])
+            block.mlp = MoE(args.d_model, args.experts, args.router, args.top_k, args.capacity_factor,
+                            args.batch_size // groups, ep_group, args.shared_experts, args.score,
+                            dropout=args.dropout, seed=args.seed, layer=i, generator=gen)
+    model.to(device=device, dtype=DTYPES[args.dtype])
+    for m in moe_layers(model):  # the bias moves in --bias-rate steps: bf16 would round them away
+        if m.kind == "loss_free":
+            m.expert_bias.data = m.expert_bias.to(torch.promote_types(m.expert_bias.dtype, torch.float32))
+    return model
 
 
-def moe_layers(model):
-    return [b.mlp for b in model.blocks if isinstance(b.mlp, MoE)]
-
-
-def forward(model, idx, step, row0):
-    """common.GPT's forward, with the step and global row offset handed to the MoE layers. idx (b, n) ->
-    (logits (b, n, V), aux): this rank's share of the aux loss averaged over groups and MoE layers."""
-    h, aux = model.embed(idx), 0.0
-    for block in model.blocks:
-        h = h + block.attn(block.ln1(h))
-        if isinstance(block.mlp, MoE):
-            y, a = block.mlp(block.ln2(h), step, row0)
-            h, aux = h + y, aux + a
-        else:
-            h = h + block.mlp(block.ln2(h))
-    return model.head(model.ln_f(h)), aux / len(moe_layers(model))
-
-
-# ----------------------------------------------------------------------------- expert parallel + data parallel step
+# ----------------------------------------------------------------------------- expert + data parallel step
 @dataclass
 class Layout:
     ep: int  # ranks in one EP group (together they hold all E experts)
@@ -352,130 +471,88 @@ def make_layout(d, ep):
 
 
 def split_params(model):
-    """(dense, expert) parameters: expert weights are sharded over the EP group, the rest replicated."""
+    """(dense, expert) parameters: the routed experts are sharded over the EP group, the rest replicated."""
     expert = {id(p) for m in moe_layers(model) for p in (m.w1, m.b1, m.w2, m.b2)}
     params = list(model.parameters())
     return [p for p in params if id(p) not in expert], [p for p in params if id(p) in expert]
 
 
-def sync_grads(lay, model):
+def sync_grads(model, ep_group=None, replica_group=None):
     """Make every gradient the gradient of the global loss; return the global gradient norm.
     Each rank's loss is already its share (token sums / global token count, aux / total groups), so all
     reductions are SUMs."""
     dense, expert = split_params(model)
-    # 1. Dense parameters: data parallel over the whole world (one flat bucket; see ddp_bucketed.py for overlap).
+    # 1. Dense parameters: data parallel over the whole world (one flat bucket; ddp_bucketed.py overlaps it).
     flat = torch.cat([p.grad.flatten() for p in dense])  # (n_dense,)
     dist.all_reduce(flat, group=dist.group.WORLD)
-    i = 0
-    for p in dense:
-        p.grad.copy_(flat[i:i + p.numel()].view_as(p))
-        i += p.numel()
+    for p, g in zip(dense, flat.split([p.numel() for p in dense])):
+        p.grad.copy_(g.view_as(p))
     # 2. Expert parameters: the all-to-all backward already brought the gradient of every token of my EP
     #    group that was routed to my experts; the other replicas of my experts saw other tokens.
-    if lay.replicas > 1:
+    if replica_group is not None and dist.get_world_size(replica_group) > 1:
         for p in expert:
-            dist.all_reduce(p.grad, group=lay.replica_group)
+            dist.all_reduce(p.grad, group=replica_group)
     # 3. Global norm for clipping: dense gradients are identical everywhere (count once); expert shards are
-    #    distinct within an EP group (sum their squares over it) and identical across replicas.
-    sq_dense = sum(p.grad.double().pow(2).sum() for p in dense)
-    sq_expert = sum(p.grad.double().pow(2).sum() for p in expert)
-    if lay.ep > 1:
-        dist.all_reduce(sq_expert, group=lay.ep_group)
+    #    distinct within an EP group (sum their squares over it) and identical across replicas. Each norm in
+    #    the gradient's dtype (bf16: accumulated in float32, without a copy), the few norms then in float64.
+    def sq(ps):
+        return sum(torch.linalg.vector_norm(p.grad, dtype=torch.promote_types(p.grad.dtype, torch.float32))
+                   .double() ** 2 for p in ps)
+
+    sq_dense, sq_expert = sq(dense), sq(expert)
+    if ep_group is not None and dist.get_world_size(ep_group) > 1:
+        dist.all_reduce(sq_expert, group=ep_group)
     return (sq_dense + sq_expert).sqrt()
 
 
-def train_step(d, args, lay, model, opt, x, y, step):
-    """One optimizer step on the global batch x, y (B, T) on CPU. Returns (total, LM, aux) of the global batch."""
-    rows = args.batch_size // d.world
-    row0 = d.rank * rows  # my slice: (B/W, T), i.e. groups row0 / rows_per_group ... of the global batch
-    n_tok = count_tokens(y)
-    xl, yl = x[row0:row0 + rows].to(d.device), y[row0:row0 + rows].to(d.device)
+def aux_weight(args):
+    """Total loss = LM + this x aux: Switch's alpha, or loss_free's sequence-wise weight (DeepSeek-V3)."""
+    return args.seq_aux_weight if args.router == "loss_free" else args.aux_weight
+
+
+def to_device(t, device):
+    """The step's one host-to-device copy: from pinned memory, not waited for (a copy from pageable memory
+    would stop the host until the stream drains)."""
+    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
+
+
+def train_step(args, lay, model, opt, x, y, n_tok, step, row0, groups):
+    """One optimizer step. x, y (b, n): this rank's rows row0.. of the global batch, on the device; n_tok:
+    the global batch's token count. Returns this rank's shares of the LM and aux losses (device scalars)."""
+    set_step(model, step, row0)
     opt.zero_grad(set_to_none=True)
-    logits, aux = forward(model, xl, step, row0)  # (B/W, T, V); aux: my share of the mean over groups, layers
-    lm = lm_loss(logits, yl, n_tok)
-    (lm + args.aux_weight * aux).backward()
-    params = list(model.parameters())
-    clip_grads_([p.grad for p in params], sync_grads(lay, model), args.clip)
+    lm = lm_loss(model(x), y, n_tok)  # common.GPT's forward, unchanged: the MoE layers sit in its blocks
+    aux = aux_share(model, groups)  # my share of the mean over groups and layers
+    (lm + aux_weight(args) * aux).backward()
+    norm = sync_grads(model, lay.ep_group, lay.replica_group)
+    clip_grads_([p.grad for p in model.parameters()], norm, args.clip)
     opt.step()
-    parts = torch.stack([lm.detach().double(), aux.detach().double()])
-    dist.all_reduce(parts, group=dist.group.WORLD)  # for the log (16 bytes; not counted as traffic)
-    lm_g, aux_g = parts.tolist()
-    return lm_g + args.aux_weight * aux_g, lm_g, aux_g
-
-
-def full_params(lay, model):
-    """The whole model by name (expert shards all-gathered over the EP group), for --check on rank 0."""
-    _, expert = split_params(model)
-    ids, out = {id(p) for p in expert}, {}
-    for name, p in model.named_parameters():
-        if id(p) in ids and lay.ep > 1:
-            parts = [torch.empty_like(p) for _ in range(lay.ep)]
-            dist.all_gather(parts, p.detach().contiguous(), group=lay.ep_group)
-            out[name] = torch.cat(parts)  # (E, ...) in expert order: EP rank j holds block j
-        else:
-            out[name] = p.detach()
-    return out
-
-
-def moe_reference(args, groups, device):
-    """The one-process answer: every expert local, the same routing groups, the same random numbers."""
-    model = build_moe_gpt(args, groups, device=device)
-    steps = iter(range(args.steps))  # reference_train calls loss_of once per step, in order
-
-    def loss_of(m, x, y, n_tok):
-        logits, aux = forward(m, x, next(steps), 0)
-        return lm_loss(logits, y, n_tok) + args.aux_weight * aux
-
-    return reference_train(args, device, model=model, loss_of=loss_of)
-
-
-# --- measurement ---
-def summarize(d, args, lay, layers, groups, sent, lms, auxes):
-    """The last step's routing, summed over all ranks, printed beside theory; returns the --json figures."""
-    E, T, k, ep = args.experts, args.batch_size // groups * args.seq_len, experts_per_token(args), lay.ep
-    C, tokens = capacity(args, T), args.batch_size * args.seq_len
-    stats = torch.stack([m.stats for m in layers]).to(d.device, torch.float64)  # (layers, 2E + 1)
-    dist.all_reduce(stats, group=dist.group.WORLD)
-    load, wanted, idle = stats[:, :E], stats[:, E:2 * E], stats[:, 2 * E]
-    fair = tokens * k / E if k else groups * C  # tokens per expert per layer when perfectly balanced
-    drop_theory = max(0.0, 1 - C / (k * T / E)) if k else 0.0
-    a2a_theory = 4 * len(layers) * (ep - 1) * (E // ep) * (groups // d.world) * C * args.d_model * \
-        (torch.finfo(DTYPES[args.dtype]).bits // 8)
-    f = dict(capacity=C, tokens_per_group=T, groups=groups, ep=ep, replicas=lay.replicas,
-             expert_load=load.tolist(), expert_load_theory_balanced=fair,
-             load_cv=(load.std(-1, correction=0) / load.mean(-1)).mean().item(),
-             dropped_frac=(1 - load.sum() / wanted.sum()).item(), dropped_frac_theory_balanced=drop_theory,
-             tokens_without_expert_frac=(idle.sum() / (tokens * len(layers))).item(),
-             lm_loss=lms[-1] if lms else None, aux_loss=auxes[-1] if auxes else None, lm_losses=lms,
-             aux_losses=auxes, alltoall_bytes_per_step=sent, alltoall_bytes_theory=a2a_theory)
-    d.log("summary (last step, all ranks)          measured   | theory\n"
-          f"  capacity C per expert per group      {C:<10} | ceil(cf x {k or 1} x T / E), at most T = {T}\n"
-          + "".join(f"  expert load, MoE layer {i}           {[int(v) for v in l]} | {fair:g} each if balanced\n"
-                    for i, l in enumerate(load.tolist()))
-          + f"  dropped assignments                  {f['dropped_frac']:<10.2%} | {drop_theory:.2%} if balanced "
-          f"(max(0, 1 - C E / (k T)))\n"
-          f"  tokens with no expert                {f['tokens_without_expert_frac']:<10.2%} |\n"
-          f"  LM loss, aux loss (x {args.aux_weight:g})  {lms[-1] if lms else 0:.6f}, {auxes[-1] if auxes else 0:.6f}\n"
-          f"  all-to-all bytes sent / step / rank  {sent:<10} | {a2a_theory} = "
-          "4 x layers x (ep-1)/ep x E x G/W x C x D x bytes")
-    return f
+    if args.router == "loss_free":  # after the step: the next one routes with the new bias
+        update_biases(moe_layers(model), args.bias_rate, dist.group.WORLD)
+    return lm.detach(), aux.detach()
 
 
 # ----------------------------------------------------------------------------- main
-def check_moe_args(args, world):
-    ep, groups, k, E = args.ep or world, args.groups or world, experts_per_token(args), args.experts
+def check_args(args, world):
+    ep, groups, E = args.ep or world, args.groups or world, args.experts
+    k, cf = experts_per_token(args.router, args.top_k), args.capacity_factor
     if E < 1:
         fail(f"--experts must be >= 1, got {E}")
-    if args.capacity_factor <= 0:
-        fail(f"--capacity-factor must be > 0, got {args.capacity_factor} (1.0 = each expert's fair share of slots)")
+    if cf < 0:
+        fail(f"--capacity-factor must be >= 0, got {cf} (1: each expert's fair share of slots, 0: dropless)")
+    if cf == 0 and args.router == "expert_choice":
+        fail("--router expert_choice has no dropless form (an expert takes C): --capacity-factor > 0")
     if args.router in ("gshard", "switch") and args.top_k not in (0, k):
         fail(f"--router {args.router} is top-{k} by definition; drop --top-k, or use --router noisy_topk")
     if args.router == "expert_choice" and args.top_k:
         fail("--router expert_choice has no per-token k (each expert takes cf x T / E tokens); drop --top-k")
     if args.top_k < 0 or k > E:
         fail(f"top-k {k} must be in 1..--experts {E}: a token cannot pick more experts than exist")
-    if args.aux_weight < 0:
-        fail(f"--aux-weight must be >= 0, got {args.aux_weight}")
+    for name in ("aux_weight", "seq_aux_weight", "bias_rate", "shared_experts"):
+        if getattr(args, name) < 0:
+            fail(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
+    if args.seq_aux_weight and args.router != "loss_free":
+        fail("--seq-aux-weight weighs loss_free's sequence-wise loss; the other routers' is --aux-weight")
     if not 1 <= args.moe_every <= args.n_layers:
         fail(f"--moe-every must be in 1..--n-layers {args.n_layers}, got {args.moe_every}")
     if ep < 1 or E % ep:
@@ -486,56 +563,170 @@ def check_moe_args(args, world):
     if groups < 1 or groups % world:
         fail(f"--groups {groups} must be a multiple of the world size {world}: each rank routes whole groups")
     if args.batch_size % groups:
-        fail(f"--batch-size {args.batch_size} must be divisible by --groups {groups} (whole sequences per group)")
+        fail(f"--batch-size {args.batch_size} must be divisible by --groups {groups} (whole sequences each)")
     return ep, groups
 
 
 def main():
     args = parse_args(Args)
-    world = env_world_size()
     check_common_args(args)
-    ep, groups = check_moe_args(args, world)  # every rank, before any collective
+    ep, groups = check_args(args, env_world_size())  # every rank, before any collective
     d = init_dist(args.timeout)
-    data = MarkovData(args.vocab, args.seed)
-    lay = make_layout(d, ep)
-    E, T, k = args.experts, args.batch_size // groups * args.seq_len, experts_per_token(args)
-    C = capacity(args, T)
-    d.log(f"moe.py --router {args.router}: world {d.world} = {lay.replicas} replicas x ep {ep} on {d.backend}; "
-          f"{E} experts ({E // ep} per rank), {groups} routing groups of T={T} tokens, capacity C={C}; "
-          f"entropy floor {data.entropy:.4f} nats/token")
+    data, lay = MarkovData(args.vocab, args.seed), make_layout(d, ep)
+    E, T, cf = args.experts, args.batch_size // groups * args.seq_len, args.capacity_factor
+    k = experts_per_token(args.router, args.top_k)
+    slots = f"capacity C={capacity(cf, k, T, E)}" if cf else "dropless"
+    d.log(f"moe.py --router {args.router}: world {d.world} = {lay.replicas} replicas x ep {ep} on "
+          f"{d.backend}; {E} experts ({E // ep} per rank) + {args.shared_experts} shared, {groups} routing "
+          f"groups of T={T} tokens, {slots}; entropy floor {data.entropy:.4f} nats/token")
     torch.manual_seed(args.seed + d.rank)  # dropout only; routing randomness comes from position_seed
-    model = build_moe_gpt(args, groups, ep, lay.ep_rank, lay.ep_group, d.device)
-    layers = moe_layers(model)
+    model = build_moe_gpt(args, groups, lay.ep_group, d.device)
     opt = make_optimizer(model.parameters(), args)
-    ckpt = Checkpointer(d, args.ckpt_dir, args.save_every, args.steps)
-    start, hist = ckpt.load({"model": model, "optim": opt})
-    losses, lms, auxes = hist.get("losses", []), hist.get("lm", []), hist.get("aux", [])
-    timer, saved, sent = StepTimer(d.device), 0, 0
-    tokens = args.batch_size * args.seq_len
-    for step in range(start, args.steps):
-        maybe_fail(d, args, step)
-        timer.start()
+    run = Run(d, args, {"model": model, "optim": opt})  # resumes from --ckpt-dir (the loss-free bias too)
+    lms, auxes = run.history.get("lm", []), run.history.get("aux", [])
+    watch = Watch(moe_layers(model), lay)
+    rows = args.batch_size // d.world
+    row0 = d.rank * rows  # my slice: (B/W, T), i.e. groups row0 / rows_per_group ... of the global batch
+    for step in run.steps():
         x, y = data.batch(step, args.batch_size, args.seq_len, args.ragged)  # (B, n) global batch, CPU
-        for m in layers:
-            m.sent[0] = 0
-        with SavedActivations() as acts:
-            loss, lm, aux = train_step(d, args, lay, model, opt, x, y, step)
-        saved, sent = max(saved, acts.bytes), sum(m.sent[0] for m in layers)
-        losses.append(loss), lms.append(lm), auxes.append(aux)
-        log_step(d, step, loss, timer.stop(), tokens)
-        ckpt.maybe_save(step + 1, {"model": model, "optim": opt}, {"losses": losses, "lm": lms, "aux": auxes})
+        n_tok = count_tokens(y)  # counted on the CPU: no device sync
+        x, y = (to_device(t[row0:row0 + rows], d.device) for t in (x, y))
+        with run.watching(step, watch.comm, watch.acts):
+            lm, aux = train_step(args, lay, model, opt, x, y, n_tok, step, row0, groups)
+        parts = torch.stack([lm.double(), aux.double()])
+        dist.all_reduce(parts)  # the global batch's LM and aux losses, for the log: one host sync per step
+        lm, aux = parts.tolist()
+        lms.append(lm), auxes.append(aux)
+        run.end_step(step, lm + aux_weight(args) * aux, lm=lms, aux=auxes)
 
-    f = summarize(d, args, lay, layers, groups, sent, lms, auxes)
+    f = watch.summarize(d, args, lay, groups, lms, auxes)
     # The technique's own peak, read before --check trains the one-process reference on rank 0's device.
-    peak = peak_memory_bytes(d, state_bytes(model, opt) + saved)
+    peak = peak_memory_bytes(d, state_bytes(model, opt) + watch.acts.bytes)
     check = None
     if args.check:
         full = full_params(lay, model)  # a collective: every rank
         ref = moe_reference(args, groups, d.device) if d.rank == 0 else None
-        check = check_against_reference(d, args, losses, full, ref=ref)
-    write_summary(d, args, f"moe-{args.router}", losses, timer.median(), tokens / max(timer.median(), 1e-9) * 1e3,
-                  peak, sent, check, f)
-    close_dist(ok=check is None or check["passed"])
+        check = check_against_reference(d, args, run.losses, full, ref=ref)
+    run.finish(f"moe-{args.router}", peak, f["alltoall_bytes_per_step"], check, f)
+
+
+# --- measurement ---
+class Watch:
+    """What the summary prints, watched from outside the technique: a forward hook on every MoE layer keeps,
+    per step, each expert's choices and served assignments and the tokens no expert served (device tensors,
+    summed over ranks once, at the end); a CommCounter entered on the last step sees each all-to-all at the
+    dispatcher; SavedActivations the bytes autograd saves for backward in that step."""
+
+    def __init__(self, layers, lay):
+        self.layers, self.rows = layers, []
+        self.comm = CommCounter(axes={"ep": lay.ep_group, "replicas": lay.replica_group}, log=True)
+        self.acts = SavedActivations()
+        for m in layers:
+            m.register_forward_hook(self.hook)
+
+    def hook(self, m, inputs, output):
+        dispatch = m.dispatch  # None when dropless: every wanted choice is served, every token its 1st
+        load = m.wanted if dispatch is None else dispatch.sum((0, 1, 3))
+        idle = load.new_zeros(1) if dispatch is None else (dispatch.sum((2, 3)) == 0).sum().view(1)
+        self.rows.append(torch.cat([m.wanted.double(), load.double(), idle.double()]))  # (2E + 1,)
+
+    def summarize(self, d, args, lay, groups, lms, auxes):
+        """Every step's routing summed over all ranks (one all-reduce), the last step's bytes; and theory."""
+        E, L, ep, D, cf, k = args.experts, len(self.layers), lay.ep, args.d_model, args.capacity_factor, \
+            experts_per_token(args.router, args.top_k)
+        T, tokens, nbytes = args.batch_size // groups * args.seq_len, args.batch_size * args.seq_len, \
+            torch.finfo(DTYPES[args.dtype]).bits // 8
+        C = capacity(cf, k, T, E) if cf else None
+        rows = self.rows or [torch.zeros(L * (2 * E + 1), device=d.device)]  # none: resumed at the end
+        mine = torch.stack(rows).view(-1, L, 2 * E + 1)  # (steps, L, 2E + 1): my tokens
+        every = mine.clone()
+        dist.all_reduce(every)  # the global batch's routing, every step of this run
+        wanted, load, idle = every[..., :E], every[..., E:2 * E], every[..., 2 * E]
+        fair = tokens * k / E if k else groups * C  # tokens per expert per layer when perfectly balanced
+        drop_theory = max(0.0, 1 - C / (k * T / E)) if k and C else 0.0
+        # All-to-all bytes handed to other ranks in the last step, 4 exchanges per layer (dispatch, combine
+        # and their backward): with a capacity the (E, G/W, C, D) buffers less the block that stays home;
+        # dropless, what the counts send: 2 x (my pairs for other ranks + their pairs for me) x D x bytes.
+        sent = sum(c["to_others"] for c in self.comm.calls_log if c["op"] == "all_to_all")
+        if cf:
+            expected = 4 * L * (ep - 1) * (E // ep) * (groups // d.world) * C * D * nbytes
+        else:
+            pairs = mine[-1, :, :E].contiguous()  # (L, E): my pairs per expert, last step
+            got = torch.empty(ep * L * E, dtype=pairs.dtype, device=d.device)
+            dist.all_gather_single(got, pairs.flatten(), group=lay.ep_group)
+            got, me = got.view(ep, L, E), slice(lay.ep_rank * (E // ep), (lay.ep_rank + 1) * (E // ep))
+            out, into = pairs.sum() - pairs[:, me].sum(), got[:, :, me].sum() - got[lay.ep_rank, :, me].sum()
+            expected = int(2 * (out + into).item() * D * nbytes)
+        per_rank = [r[0].long().tolist() for r in gather_rows(d, [[sent, expected]])]
+        biases = [m.expert_bias.tolist() for m in self.layers if m.kind == "loss_free"]
+        f = dict(capacity=C, tokens_per_group=T, groups=groups, ep=ep, replicas=lay.replicas,
+                 expert_load=load[-1].tolist(), expert_load_theory_balanced=fair,
+                 load_cv=(load[-1].std(-1, correction=0) / load[-1].mean(-1)).mean().item(),
+                 dropped_frac=(1 - load[-1].sum() / wanted[-1].sum()).item(),
+                 dropped_frac_theory_balanced=drop_theory,
+                 tokens_without_expert_frac=(idle[-1].sum() / (tokens * L)).item(),
+                 lm_loss=lms[-1], aux_loss=auxes[-1], lm_losses=lms, aux_losses=auxes,
+                 alltoall_bytes_per_step=sent, alltoall_bytes_theory=expected,
+                 alltoall_bytes_per_rank=[r[0] for r in per_rank],
+                 alltoall_bytes_expected_per_rank=[r[1] for r in per_rank],
+                 counts_bytes_per_step=self.comm.total("all_gather", "ep"),
+                 expert_load_per_step=load.tolist(),
+                 maxvio_per_step=(load.amax(-1) / load.mean(-1) - 1).mean(-1).tolist(), expert_bias=biases)
+        rule = "4 x layers x (ep-1)/ep x E x G/W x C x D x bytes" if cf else \
+            "2 x (pairs to other ranks + pairs from them) x D x bytes, from the routed counts"
+        d.log("summary (last step, all ranks)          measured   | theory\n"
+              + (f"  capacity C per expert per group      {C:<10} | ceil(cf x {k or 1} x T / E), <= T = {T}\n"
+                 if cf else "  capacity                             dropless   | every choice served\n")
+              + "".join(f"  expert load, MoE layer {i}           {[int(v) for v in l]} | {fair:g} each if "
+                        "balanced\n" for i, l in enumerate(f["expert_load"]))
+              + f"  dropped assignments                  {f['dropped_frac']:<10.2%} | {drop_theory:.2%} if "
+              f"balanced (max(0, 1 - C E / (k T)))\n"
+              f"  tokens with no expert                {f['tokens_without_expert_frac']:<10.2%} |\n"
+              f"  MaxVio per step (max/mean load - 1)  {' '.join(f'{v:.3f}' for v in f['maxvio_per_step'])}\n"
+              + "".join(f"  expert bias, MoE layer {i}           {[round(v, 4) for v in b]}\n"
+                        for i, b in enumerate(biases))
+              + f"  LM loss, aux loss (x {aux_weight(args):g})  {lms[-1]:.6f}, {auxes[-1]:.6f}\n"
+              f"  all-to-all bytes sent / step / rank  {f['alltoall_bytes_per_rank']} | "
+              f"{f['alltoall_bytes_expected_per_rank']} = {rule}"
+              + (f"\n  counts all-gathered / step / rank    {f['counts_bytes_per_step']:<10} | "
+                 f"{L * (E + 1) * 8} = layers x (E+1) x 8" if not cf and ep > 1 else ""))
+        return f
+
+
+# --- reference for --check ---
+def full_params(lay, model):
+    """The whole model by name (expert shards all-gathered over the EP group) and its buffers (the loss-free
+    bias), for --check on rank 0."""
+    _, expert = split_params(model)
+    ids, out = {id(p) for p in expert}, {}
+    for name, p in [*model.named_parameters(), *model.named_buffers()]:
+        if id(p) in ids and lay.ep > 1:
+            parts = [torch.empty_like(p) for _ in range(lay.ep)]
+            dist.all_gather(parts, p.detach().contiguous(), group=lay.ep_group)
+            out[name] = torch.cat(parts)  # (E, ...) in expert order: EP rank j holds block j
+        else:
+            out[name] = p.detach()
+    return out
+
+
+def moe_reference(args, groups, device):
+    """The one-process answer: every expert local, the same routing groups, the same random numbers, the
+    loss-free bias moved by the whole batch's counts (one process routes them all: nothing to all-reduce)."""
+    model = build_moe_gpt(args, groups, device=device)
+    layers, steps = moe_layers(model), iter(range(args.steps))  # reference_train calls loss_of once per step
+
+    def loss_of(m, x, y, n_tok):
+        step = next(steps)
+        if step > 0 and args.router == "loss_free":
+            update_biases(layers, args.bias_rate, None)  # the update after step - 1, before this step routes
+        set_step(m, step, 0)
+        return lm_loss(m(x), y, n_tok) + aux_weight(args) * aux_share(m, groups)
+
+    ref = reference_train(args, device, model=model, loss_of=loss_of)
+    if args.router == "loss_free" and args.steps:
+        update_biases(layers, args.bias_rate, None)
+    ref["params"].update({n: b.detach().clone() for n, b in model.named_buffers()})
+    return ref
 
 
 if __name__ == "__main__":

@@ -1,16 +1,21 @@
 """Layer-level checks of megatron_tp.py, all in one process group (t = world size), float64.
 
-    torchrun --nproc_per_node=2 tests/megatron_tp_checks.py      (and 4)
+    torchrun --nproc_per_node=2 tests/megatron_tp_checks.py      (and 4; at t = 2 also the copy-out check)
     torchrun ... tests/megatron_tp_checks.py --forget-tp-rng ARGS  megatron_tp.py ARGS with a broken resume
 
-Each sharded layer is built from an unsharded one (`from_full`), fed the same input, and its output,
-input gradient and weight gradients must equal the unsharded layer's (weight gradients: this rank's
-slice). Independent references: the plain torch modules of common.py, F.cross_entropy, and torch's own
-DTensor tensor parallel (ColwiseParallel / RowwiseParallel) for the MLP. A block's saved activations are
-counted against the unsharded block's. Negative checks show that what must differ, differs, and that the
-checks catch the defects they guard against (put back on purpose by monkeypatching). Every module and
-tensor lives on d.device, so the same checks run on NCCL. Prints ALL CHECKS PASSED and exits 0, else lists
-failures and exits 1.
+Each sharded layer is built from an unsharded one, fed the same input, and its output, input gradient and
+weight gradients must equal the unsharded layer's (weight gradients: this rank's slice). Independent
+references: the plain torch modules of common.py, F.cross_entropy, torch's own DTensor tensor parallel
+(ColwiseParallel / RowwiseParallel) for the MLP, and closed forms computed here (collective counts and
+bytes, as harness.CommCounter sees them at the dispatcher; a gradient norm). Negative checks show that what
+must differ, differs, and that the checks catch the defects they guard against (put back on purpose by
+monkeypatching): each of the four conjugate operators broken, the column layer saving the gathered input,
+the q/k/v biases dropped, the padding mask dropped, a bfloat16 norm summed in bfloat16.
+
+copy_out() is the check to copy for your own trainer: megatron_tp's layers applied to a model that is not
+the GPT, trained beside the unsharded model in one process, every step's loss and every final parameter
+compared. Every module and tensor lives on d.device, so the same checks run on NCCL. Prints ALL CHECKS
+PASSED and exits 0, else lists failures and exits 1.
 """
 import copy
 import os
@@ -27,7 +32,7 @@ from einops import rearrange  # noqa: E402
 
 import megatron_tp as mt  # noqa: E402
 from common import IGNORE, MLP, Attention, Block, GPTConfig, build_gpt, close_dist, init_dist  # noqa: E402
-from harness import SavedActivations  # noqa: E402
+from harness import CommCounter, SavedActivations  # noqa: E402
 
 TOL = 1e-12
 failures, passed = [], []
@@ -40,21 +45,156 @@ def close(name, got, want, tol=TOL):
 
 def differs(name, a, b, at_least=1e-6):
     """A negative check: these two MUST differ (else the positive checks could not fail)."""
-    diff = (a.detach() - b.detach()).abs().max().item()
+    diff = (a.detach() - b.detach()).abs().max().item() if a.shape == b.shape else float("inf")
     (passed if diff >= at_least else failures).append(f"{name} (must differ): max diff {diff:.2e}")
 
 
-def counts(name, want, handed=None):
-    """Collective calls per key (and, given `handed`, the bytes handed to them) against values computed here."""
-    got = dict(mt.COMM.calls)
-    (passed if got == want else failures).append(f"{name}: counted {got}, theory {want}")
+def counts(name, comm, want, handed=None):
+    """Collective calls per key (and, given `handed`, the bytes handed to them) against values from here."""
+    (passed if comm.calls == want else failures).append(f"{name}: counted {comm.calls}, theory {want}")
     if handed is not None:
-        got = dict(mt.COMM.bytes)
-        (passed if got == handed else failures).append(f"{name}: bytes handed {got}, from the shapes {handed}")
+        (passed if comm.bytes == handed else failures).append(
+            f"{name}: bytes handed {comm.bytes}, from the shapes {handed}")
 
 
 def equal(name, got, want):
     (passed if got == want else failures).append(f"{name}: {got} vs {want}")
+
+
+# ----------------------------------------------------------------------------- test-only operators
+class GatherLastDim(torch.autograd.Function):
+    """A column layer's output gathered (Megatron's gather_output=True): all-gather the feature shards;
+    backward keeps this rank's own."""
+
+    @staticmethod
+    def forward(ctx, x, group):  # (.., n/t) -> (.., n)
+        ctx.group = group
+        return mt.all_gather(x, -1, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.chunk(dist.get_world_size(ctx.group), -1)[dist.get_rank(ctx.group)].contiguous(), None
+
+
+class SplitLastDim(torch.autograd.Function):
+    """A row layer fed a replicated X (Megatron's input_is_parallel=False): keep this rank's feature slice;
+    backward all-gathers."""
+
+    @staticmethod
+    def forward(ctx, x, group):  # (.., n) replicated -> (.., n/t)
+        ctx.group = group
+        return x.chunk(dist.get_world_size(group), -1)[dist.get_rank(group)].contiguous()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return mt.all_gather(grad, -1, ctx.group), None
+
+
+def parallel_block(block, group, sp, tracker):
+    """mt.ParallelGPT's treatment of one common.Block, on a copy: attention and MLP replaced."""
+    block = copy.deepcopy(block)
+    block.attn, block.mlp = mt.ParallelAttention(block.attn, group, sp, tracker), mt.ParallelMLP(
+        block.mlp, group, sp, tracker)
+    return block
+
+
+# ----------------------------------------------------------------------------- the core, copied out
+class SwiGLUNet(nn.Module):
+    """Not the GPT: a parameter on the root module, nested modules, odd sizes (7 in, 10 hidden = 5 per rank,
+    3 out), a gated MLP (SwiGLU, as in Llama) whose gate and up projections read the same input."""
+
+    def __init__(self):
+        super().__init__()
+        self.gain = nn.Parameter(torch.tensor(0.5))
+        self.stem = nn.Linear(7, 6)
+        self.mlp = nn.ModuleDict(dict(gate=nn.Linear(6, 10), up=nn.Linear(6, 10), down=nn.Linear(10, 6)))
+        self.head = nn.Linear(6, 3, bias=False)
+
+    def forward(self, x):  # (N, T, 7) -> (N, T, 3)
+        h = torch.tanh(self.stem(x))
+        return self.head(h + self.gain * self.mlp.down(F.silu(self.mlp.gate(h)) * self.mlp.up(h)))
+
+
+class TPSwiGLUNet(nn.Module):
+    """SwiGLUNet with its MLP tensor-parallel: gate and up one column-parallel layer (one GEMM), down
+    row-parallel; the rest replicated. Under SP, x is this rank's T/t positions."""
+
+    def __init__(self, net, group, sp):
+        super().__init__()
+        self.gain, self.stem, self.head = (copy.deepcopy(m) for m in (net.gain, net.stem, net.head))
+        self.gate_up = mt.ColumnParallelLinear([net.mlp.gate, net.mlp.up], group, sp)
+        self.down = mt.RowParallelLinear(net.mlp.down, group, sp)
+
+    def forward(self, x):  # (N, T, 7), or (N, T/t, 7)
+        h = torch.tanh(self.stem(x))
+        gate, up = self.gate_up(h).chunk(2, -1)  # each (N, T, 10/t): this rank's hidden features
+        return self.head(h + self.gain * self.down(F.silu(gate) * up))
+
+
+def unsharded(tp, group):
+    """The trained TPSwiGLUNet's parameters under SwiGLUNet's names: split ones all-gathered, the fused
+    gate_up (rank-major [gate_0; up_0; gate_1; up_1; ...]) split back into gate and up."""
+    t, out = dist.get_world_size(group), {}
+    for kind in ("weight", "bias"):
+        both = mt.all_gather(getattr(tp.gate_up, kind).detach(), 0, group)
+        gate, up = rearrange(both, "(t n o) ... -> n (t o) ...", t=t, n=2)
+        out[f"mlp.gate.{kind}"], out[f"mlp.up.{kind}"] = gate, up
+    out["mlp.down.weight"] = mt.all_gather(tp.down.weight.detach(), 1, group)
+    out["mlp.down.bias"] = tp.down.bias.detach()
+    replicated = ("gain", "stem", "head")
+    out.update({n: p.detach() for n, p in tp.named_parameters() if n.split(".")[0] in replicated})
+    return out
+
+
+def copy_out(d, group, steps=5, clip=0.05):
+    """TPSwiGLUNet against SwiGLUNet trained in plain torch, one process's way: AdamW, clipping by the
+    global norm (torch.nn.utils.clip_grad_norm_), a Huber loss summed over tokens / all tokens. Under SP
+    each rank holds T/t positions: the replicated parameters' gradients are then partial and are summed
+    over the group. With sum_replicated=False that sum is skipped, on purpose: the check must fail."""
+    t, r, dev = d.world, d.rank, d.device
+    torch.manual_seed(99)  # the same model and data on every rank
+    net = SwiGLUNet().to(dev)
+    batches = [(torch.randn(3, 4, 7, device=dev), torch.randn(3, 4, 3, device=dev)) for _ in range(steps)]
+    ref = copy.deepcopy(net)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.02, foreach=False)
+    ref_losses = []
+    for x, y in batches:
+        loss = F.smooth_l1_loss(ref(x), y, reduction="sum") / y[..., 0].numel()
+        ref_opt.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), clip)
+        ref_opt.step()
+        ref_losses.append(loss.detach())
+    for sp, sum_replicated in ((False, True), (True, True), (True, False)):
+        tp = TPSwiGLUNet(net, group, sp)
+        opt = torch.optim.AdamW(tp.parameters(), lr=0.02, foreach=False)
+        losses = []
+        for x, y in batches:
+            if sp:  # this rank's positions of every sequence: (N, T/t, ..)
+                x, y = x.chunk(t, 1)[r], y.chunk(t, 1)[r]
+            loss = F.smooth_l1_loss(tp(x), y, reduction="sum") / (y[..., 0].numel() * (t if sp else 1))
+            opt.zero_grad()
+            loss.backward()
+            if sp and sum_replicated:
+                for p in tp.parameters():
+                    if not mt.is_split(p):
+                        mt.all_reduce(p.grad, group)
+            norm = mt.global_grad_norm(tp, group)
+            for p in tp.parameters():
+                p.grad.mul_(torch.clamp(clip / (norm + 1e-6), max=1.0))  # clip_grad_norm_'s rule
+            opt.step()
+            losses.append(mt.all_reduce(loss.detach().clone(), group) if sp else loss.detach())
+        trained = unsharded(tp, group)
+        assert trained.keys() == dict(ref.named_parameters()).keys(), trained.keys()
+        got = torch.cat([torch.stack(losses), *(trained[n].flatten() for n, _ in ref.named_parameters())])
+        want = torch.cat([torch.stack(ref_losses), *(p.detach().flatten() for p in ref.parameters())])
+        tag = f"copy-out: SwiGLU net at t = {t}{', SP' if sp else ''}, losses and trained weights vs plain " \
+              "torch"
+        if sum_replicated:
+            close(tag, got, want)
+            d.log(f"{tag}: max diff {(got - want).abs().max().item():.1e}")
+        else:
+            differs(f"{tag}, the replicated gradients not summed", got, want)
 
 
 def main():
@@ -67,6 +207,9 @@ def main():
     torch.manual_seed(1234)  # the same inputs and full weights on every rank
     B, T, D, H = 2, 8, 16, 4
 
+    def counter():
+        return CommCounter(axes={"tp": group})
+
     def shard_of(x, dim):  # this rank's slice of a full tensor, padded like mt.shard
         n = x.shape[dim]
         if n % t:
@@ -75,42 +218,92 @@ def main():
             x = torch.cat([x, x.new_zeros(pad)], dim)
         return x.chunk(t, dim)[r]
 
-    # --- ColumnParallelLinear, with and without gather_output ---
+    # --- ColumnParallelLinear, alone and with its output gathered ---
     full = nn.Linear(D, 12).to(dev)
     x, w = torch.randn(B, T, D, device=dev, requires_grad=True), torch.randn(B, T, 12, device=dev)
     (full(x) * w).sum().backward()
     for gather in (True, False):
-        col = mt.ColumnParallelLinear.from_full(full, group, gather_output=gather)
+        col = mt.ColumnParallelLinear(full, group)
         x2 = x.detach().clone().requires_grad_()
-        mt.COMM.reset()
-        y = col(x2)
-        want, wt = (full(x), w) if gather else (shard_of(full(x), -1), shard_of(w, -1))
-        close(f"column(gather_output={gather}) output", y, want)
-        (y * wt).sum().backward()
-        close(f"column(gather_output={gather}) input grad", x2.grad, x.grad)
-        close(f"column(gather_output={gather}) weight grad", col.weight.grad, shard_of(full.weight.grad, 0))
-        close(f"column(gather_output={gather}) bias grad", col.bias.grad, shard_of(full.bias.grad, 0))
-        counts(f"column(gather_output={gather}) collectives",
+        with counter() as comm:
+            y = GatherLastDim.apply(col(x2), group) if gather else col(x2)
+            want, wt = (full(x), w) if gather else (shard_of(full(x), -1), shard_of(w, -1))
+            (y * wt).sum().backward()
+        close(f"column(gathered={gather}) output", y, want)
+        close(f"column(gathered={gather}) input grad", x2.grad, x.grad)
+        close(f"column(gathered={gather}) weight grad", col.weight.grad, shard_of(full.weight.grad, 0))
+        close(f"column(gathered={gather}) bias grad", col.bias.grad, shard_of(full.bias.grad, 0))
+        counts(f"column(gathered={gather}) collectives", comm,
                {"all_reduce/tp/bwd": 1, **({"all_gather/tp/fwd": 1} if gather else {})},
                {"all_reduce/tp/bwd": B * T * D * es, **({"all_gather/tp/fwd": B * T * 12 // t * es} if gather else {})})
 
-    # --- RowParallelLinear, input split here or already parallel ---
+    # --- RowParallelLinear, input already parallel or split here from a replicated X ---
     full = nn.Linear(12, D).to(dev)
     x, w = torch.randn(B, T, 12, device=dev, requires_grad=True), torch.randn(B, T, D, device=dev)
     (full(x) * w).sum().backward()
     for parallel in (False, True):
-        row = mt.RowParallelLinear.from_full(full, group, input_is_parallel=parallel)
+        row = mt.RowParallelLinear(full, group)
         x2 = (shard_of(x, -1) if parallel else x).detach().clone().requires_grad_()
-        y = row(x2)
-        close(f"row(input_is_parallel={parallel}) output", y, full(x))
+        y = row(x2 if parallel else SplitLastDim.apply(x2, group))
+        close(f"row(input parallel={parallel}) output", y, full(x))
         (y * w).sum().backward()
-        close(f"row(input_is_parallel={parallel}) input grad", x2.grad, shard_of(x.grad, -1) if parallel else x.grad)
-        close(f"row(input_is_parallel={parallel}) weight grad", row.weight.grad, shard_of(full.weight.grad, 1))
-        close(f"row(input_is_parallel={parallel}) bias grad", row.bias.grad, full.bias.grad)
+        close(f"row(input parallel={parallel}) input grad", x2.grad, shard_of(x.grad, -1) if parallel else x.grad)
+        close(f"row(input parallel={parallel}) weight grad", row.weight.grad, shard_of(full.weight.grad, 1))
+        close(f"row(input parallel={parallel}) bias grad", row.bias.grad, full.bias.grad)
     differs("row partial product before g vs full output", F.linear(shard_of(x, -1), row.weight) + row.bias, full(x))
 
-    # --- MLP and attention, plain and sequence parallel ---
+    # --- MLP and attention, plain and sequence parallel; then each conjugate operator broken ---
     cfg = GPTConfig(vocab=12, seq_len=T, d_model=D, n_heads=H, n_layers=1, dropout=0.0)
+
+    def run_layer(par, x, w, sp):  # output, input grad, {name: gradient}, the counter of its collectives
+        x2 = (shard_of(x, 1) if sp else x).detach().clone().requires_grad_()  # (B, T/t, D) chunk under SP
+        with counter() as comm:
+            y = par(x2)
+            (y * (shard_of(w, 1) if sp else w)).sum().backward()
+        grads = {}
+        for n, p in par.named_parameters():
+            if p.grad is None:  # a parameter the forward never used
+                failures.append(f"{n}: no gradient")
+                continue
+            grads[n] = p.grad.clone()
+            if sp and not mt.is_split(p):  # a replicated bias saw only this rank's positions
+                mt.all_reduce(grads[n], group)
+        return y, x2.grad, grads, comm
+
+    def expected(par, ref, x, w, sp):  # the unsharded output, input grad and this rank's slice of its grads
+        ref.zero_grad()
+        x = x.detach().clone().requires_grad_()
+        y = ref(x)
+        (y * w).sum().backward()
+        full, grads = {n: p.grad for n, p in ref.named_parameters()}, {}
+        for n, p in par.named_parameters():
+            if n.startswith("qkv."):  # one fused column layer: rank r holds [q_r; k_r; v_r]
+                grads[n] = torch.cat([shard_of(full[f"{c}.{n[4:]}"], 0) for c in "qkv"])
+            else:
+                grads[n] = shard_of(full[n], p.tp_dim) if mt.is_split(p) else full[n]
+        return (shard_of(y, 1) if sp else y), (shard_of(x.grad, 1) if sp else x.grad), grads
+
+    def mine(x):  # this rank's T/t positions of a (B, T, D) partial sum, without the sum
+        return x.chunk(t, 1)[r].clone()
+
+    def f_no_all_reduce(ctx, grad):
+        return grad, None
+
+    def g_no_all_reduce(ctx, x, group):
+        return x.clone()
+
+    def f_sp_no_reduce_scatter(ctx, grad):
+        return mine(grad), None
+
+    def g_sp_no_reduce_scatter(ctx, x, group):
+        ctx.group = group
+        return mine(x)
+    breaks = {  # each operator broken on purpose: its collective dropped
+        "f without its backward all-reduce": (mt.f, "backward", f_no_all_reduce),
+        "g without its forward all-reduce": (mt.g, "forward", g_no_all_reduce),
+        "f_sp without its backward reduce-scatter": (mt.f_sp, "backward", f_sp_no_reduce_scatter),
+        "g_sp without its forward reduce-scatter": (mt.g_sp, "forward", g_sp_no_reduce_scatter),
+    }
     for name, Full, Par in (("mlp", MLP, mt.ParallelMLP), ("attention", Attention, mt.ParallelAttention)):
         ref = Full(cfg)
         if name == "attention":  # biased q, k, v (common.Attention has none): a dropped bias would show
@@ -118,40 +311,38 @@ def main():
         for p in ref.parameters():  # nonzero biases, so a bias added t times would show
             nn.init.normal_(p, 0.0, 0.3)
         ref.to(dev)
-        x, w = torch.randn(B, T, D, device=dev, requires_grad=True), torch.randn(B, T, D, device=dev)
-        (ref(x) * w).sum().backward()
-        grads = {n: p.grad for n, p in ref.named_parameters()}
+        x, w = torch.randn(B, T, D, device=dev), torch.randn(B, T, D, device=dev)
         for sp in (False, True):
-            par = Par(ref, group, sp, tracker)
-            x2 = (shard_of(x, 1) if sp else x).detach().clone().requires_grad_()  # (B, T/t, D) chunk under SP
-            mt.COMM.reset()
-            y = par(x2)
-            tag = f"{name}{' (SP)' if sp else ''}"
-            close(f"{tag} output", y, shard_of(ref(x), 1) if sp else ref(x))
-            (y * (shard_of(w, 1) if sp else w)).sum().backward()
-            close(f"{tag} input grad", x2.grad, shard_of(x.grad, 1) if sp else x.grad)
-            for n, p in par.named_parameters():
-                if p.grad is None:  # a layer the forward never ran (the old attention's q/k/v biases)
-                    failures.append(f"{tag} grad {n}: none")
-                    continue
-                g = p.grad.clone()
-                if sp and not mt.is_split(p):  # a replicated bias saw only this rank's positions
-                    mt.all_reduce(g, group, "test")
-                close(f"{tag} grad {n}", g, shard_of(grads[n], p.tp_dim) if mt.is_split(p) else grads[n])
-            mt.COMM.calls.pop("all_reduce/tp/test", None)
-            mt.COMM.bytes.pop("all_reduce/tp/test", None)
+            par, tag = Par(ref, group, sp, tracker), f"{name}{' (SP)' if sp else ''}"
+            y, dx, grads, comm = run_layer(par, x, w, sp)
+            want_y, want_dx, want_g = expected(par, ref, x, w, sp)
+            close(f"{tag} output", y, want_y)
+            close(f"{tag} input grad", dx, want_dx)
+            for n in grads:
+                close(f"{tag} grad {n}", grads[n], want_g[n])
             # one all-reduce per direction; under SP one AG + RS pair per direction, + the re-gather backward
             one = {"all_gather/tp/fwd": 1, "reduce_scatter/tp/fwd": 1, "reduce_scatter/tp/bwd": 1,
                    "all_gather/tp/bwd": 2} if sp else {"all_reduce/tp/fwd": 1, "all_reduce/tp/bwd": 1}
             bsd = B * T * D * es  # bytes of one (B, T, D) activation; an all-gather is handed 1/t of it
             handed = {"all_gather/tp/fwd": bsd // t, "reduce_scatter/tp/fwd": bsd, "reduce_scatter/tp/bwd": bsd,
                       "all_gather/tp/bwd": 2 * bsd // t} if sp else {"all_reduce/tp/fwd": bsd, "all_reduce/tp/bwd": bsd}
-            counts(f"{tag} collectives", one, handed)
-        if name == "attention":  # the old forward, F.linear(x, lin.weight), dropped the q/k/v biases
+            counts(f"{tag} collectives", comm, one, handed)
+            for what, (op, method, broken) in breaks.items():
+                if sp != what.startswith(("f_sp", "g_sp")):
+                    continue
+                real = op.__dict__[method]
+                setattr(op, method, staticmethod(broken))
+                try:
+                    y, dx, grads, _ = run_layer(Par(ref, group, sp, tracker), x, w, sp)
+                finally:
+                    setattr(op, method, real)
+                worst = max((y - want_y).abs().max(), (dx - want_dx).abs().max())
+                differs(f"{tag} with {what}: output or input grad vs unsharded", worst[None], torch.zeros(1))
+        if name == "attention":  # an old forward, F.linear(x, weight), dropped the q/k/v biases
             def weights_only(self, x):
-                x = (mt.all_gather(x, 1, self.group, "test") if self.sp else x)
-                q, k, v = (rearrange(F.linear(x, lin.weight), "b t (h e) -> b h t e", h=self.heads)
-                           for lin in (self.q, self.k, self.v))
+                x = mt.all_gather(x, 1, group) if self.sp else x
+                qkv = F.linear(x, self.qkv.weight)  # no bias
+                q, k, v = rearrange(qkv, "b t (n h e) -> n b h t e", n=3, h=self.heads)
                 y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
                 return self.proj(rearrange(y, "b h t e -> b t (h e)"))
             with torch.no_grad():
@@ -166,19 +357,16 @@ def main():
 
     blk, x = Block(cfg).to(dev), torch.randn(B, T, D, device=dev)
     whole = saved_by(blk, x)
-    tp_only = saved_by(mt.ParallelBlock(blk, group, False, tracker), x)
-    with_sp = saved_by(mt.ParallelBlock(blk, group, True, tracker), shard_of(x, 1))
+    tp_only = saved_by(parallel_block(blk, group, False, tracker), x)
+    with_sp = saved_by(parallel_block(blk, group, True, tracker), shard_of(x, 1))
     equal("block saved bytes under SP, times t, vs the unsharded block's", with_sp * t, whole)
     equal("block saved bytes with TP alone exceed 1/t (replicated LN / residual)", tp_only * t > whole, True)
 
-    def saves_gathered(self, x, *shared):  # the defect, put back: autograd keeps the all-gathered (B, T, D) X
-        with torch.no_grad():  # forward only (bytes are counted, no backward): F.linear still saves its input
-            full = mt.all_gather(x.detach(), 1, self.group, "test") if self.sp else x
-        ys = tuple(F.linear(full, lin.weight, lin.bias) for lin in (self, *shared))
-        return ys if shared else ys[0]
+    def saves_gathered(self, x):  # the defect, put back: F.linear on f_sp's output keeps the gathered X
+        return F.linear((mt.f_sp if self.sp else mt.f).apply(x, self.group), self.weight, self.bias)
     real, mt.ColumnParallelLinear.forward = mt.ColumnParallelLinear.forward, saves_gathered
     try:
-        gathered = saved_by(mt.ParallelBlock(blk, group, True, tracker), shard_of(x, 1))
+        gathered = saved_by(parallel_block(blk, group, True, tracker), shard_of(x, 1))
     finally:
         mt.ColumnParallelLinear.forward = real
     equal("the check fails when the column layers save the gathered input", gathered * t != whole, True)
@@ -215,6 +403,24 @@ def main():
     equal("split marks after .to(device)", [(n, getattr(p, "tp_dim", None)) for n, p in gpt.named_parameters()], marks)
     equal("every parameter on the device", {p.device for p in gpt.parameters()}, {torch.device(dev)})
 
+    # --- the gradient norm across shards, against its closed form; bfloat16 squares summed in float32 ---
+    # 300 replicated scalars with gradient 1 and one split tensor with gradient 1 in each of its 64 elements
+    # per rank: norm^2 = 300 + 64 t, exact in float32. Summed in bfloat16, 256 + 1 rounds back to 256.
+    bf = nn.ParameterList(nn.Parameter(torch.zeros((), dtype=torch.bfloat16, device=dev)) for _ in range(300))
+    bf.append(nn.Parameter(torch.zeros(64, dtype=torch.bfloat16, device=dev)))
+    bf[-1].tp_dim, bf[-1].tp_full = 0, 64 * t
+    for p in bf:
+        p.grad = torch.ones_like(p)
+    want = torch.tensor(300.0 + 64 * t).float().sqrt()  # float32, as the norm is taken
+    close("bfloat16 gradient norm vs sqrt(300 + 64 t)", mt.global_grad_norm(bf, group).cpu(), want, 0)
+
+    def bf16_sum(model, tp_group):  # the defect, put back: squares summed in the gradients' own dtype
+        params = list(model.parameters())
+        split = mt.all_reduce(sum(p.grad.pow(2).sum() for p in params if mt.is_split(p)), tp_group)
+        return (split + sum(p.grad.pow(2).sum() for p in params if not mt.is_split(p))).sqrt()
+    differs("bfloat16 gradient norm summed in bfloat16 vs sqrt(300 + 64 t)",
+            bf16_sum(bf, group).float().cpu(), want, 0.5)
+
     # --- VocabParallelEmbedding: unpadded and padded vocabularies ---
     for V in (12, 11, 9):
         full = nn.Embedding(V, D).to(dev)
@@ -222,7 +428,7 @@ def main():
         w = torch.randn(B, T, D, device=dev)
         (full(idx) * w).sum().backward()
         for sp in (False, True):
-            emb = mt.VocabParallelEmbedding.from_full(full, group, sequence_parallel=sp)
+            emb = mt.VocabParallelEmbedding(full, group, sequence_parallel=sp)
             y = emb(idx)
             tag = f"embedding V={V} (pad {-V % t}){' SP' if sp else ''}"
             close(f"{tag} output", y, shard_of(full(idx), 1) if sp else full(idx))
@@ -241,13 +447,13 @@ def main():
         V_pad = V + (-V % t)
         junk = torch.cat([logits.detach(), torch.full((N, V_pad - V), 50.0, device=dev)], 1)  # big logits in the padding
         local = junk.chunk(t, 1)[r].clone().requires_grad_()
-        got = mt.vocab_parallel_cross_entropy(local, target, V, group)
+        got = mt.VocabParallelCrossEntropy.apply(local, target, V, group)
         tag = f"cross-entropy V={V} (pad {V_pad - V})"
         close(f"{tag} loss", got, want)
         (got * gw).sum().backward()
         close(f"{tag} logits grad", local.grad, shard_of(grad_full, 1))
         if V_pad > V:  # the padding is predictable if the mask is dropped: it must be what the mask does
-            unmasked = mt.vocab_parallel_cross_entropy(local, target, V_pad, group)
+            unmasked = mt.VocabParallelCrossEntropy.apply(local, target, V_pad, group)
             differs(f"{tag} loss without the padding mask", unmasked, want)
 
     # --- dropout masks: TP regions differ across TP ranks, replicated regions agree, replicas differ ---
@@ -259,7 +465,7 @@ def main():
         with tr.fork():
             inside = F.dropout(torch.ones(512, device=dev), 0.5) != 0
         masks = torch.stack([rep, inside]).to(torch.float64)
-        everyone = mt.all_gather(masks[None], 0, group, "test")  # (t, 2, 512)
+        everyone = mt.all_gather(masks[None], 0, group)  # (t, 2, 512)
         for other in range(t):
             if other == r:
                 continue
@@ -279,9 +485,12 @@ def main():
         par = Par(Full(cfg_p).to(dev), group, False, tracker).train()
         x_p = torch.randn(B, T, D, device=dev)
         y = par(x_p)
-        ys = mt.all_gather(y.detach()[None], 0, group, "test")
+        ys = mt.all_gather(y.detach()[None], 0, group)
         close(f"{name} with dropout: output identical on every TP rank", ys.max(0).values, ys.min(0).values)
         differs(f"{name} with dropout vs without", y, par.eval()(x_p))
+
+    if t == 2:
+        copy_out(d, group)
 
     for line in failures:
         print(f"rank {r} FAILED {line}", flush=True)

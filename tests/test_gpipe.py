@@ -1,21 +1,27 @@
 """gpipe.py: equals one-process training in float64 for (p, m) = (2, 4), (4, 8) and 3 stages over 4 layers;
---recompute equals it too and holds fewer activation bytes, measured from the live storages (a forward that keeps
-its graph by mistake is caught); the executed schedule (the measured events) obeys the pipeline's rules; with
---stage-ms (simulated compute) the measured bubble is near (p-1)/(m+p-1); the Chrome trace holds one event per F
-and B; no object collectives; bad input exits 2 with one line.
-Launches: 9 torchrun (one restarts once, one is a bad input, one breaks the file on purpose), 5 plain python."""
+--recompute equals it too and holds fewer activation bytes, measured from the live storages (a forward that
+keeps its graph by mistake is caught); the executed schedule (the measured events) obeys the pipeline's rules;
+with --stage-ms (simulated compute) the measured bubble is near (p-1)/(m+p-1); the Chrome trace holds one event
+per F and B; no object collectives; bad input exits 2 with one line. The core, gpipe_step, copied out onto a
+model that is not the GPT equals plain one-process training written here (and a broken schedule is caught);
+the transfers it posts complete under NCCL's strict pairing; the gradient norm takes no float64 copy.
+Launches: 9 torchrun (one restarts once, one is a bad input, one runs tests/gpipe_checks.py: the copy-out and
+a file broken on purpose), 5 plain python."""
 import json
 import re
 import subprocess
 import sys
 
 import pytest
+import torch
+import torch.nn.functional as F
 
+import gpipe_checks
 from helpers import (ENV, ROOT, TINY, assert_matches_reference, pipeline_schedule_errors, run_python,
                      torchrun, torchrun_bad_input)
 
 sys.path.insert(0, str(ROOT))
-from gpipe import split_layers  # noqa: E402  (importing must not run main())
+from gpipe import split_layers, squared_norm  # noqa: E402  (importing must not run main())
 
 CFG = [*TINY, "--n-layers", "4", "--batch-size", "16"]  # 4 blocks to split; 16 sequences = 4 or 8 micro-batches
 ACT_BYTES = 16 * 8 * 16 * 8  # a whole batch's (B, T, D) float64 activations: what crosses a boundary per step
@@ -146,15 +152,111 @@ def test_recompute_matches_and_holds_fewer_bytes(launch):
     assert rc["peak_mem_bytes"] < plain["peak_mem_bytes"]
 
 
-def test_recompute_held_bytes_catch_a_kept_graph(tmp_path):
-    """The negative: --recompute whose forward keeps its graph (tests/pipeline_checks.py gpipe-leak). Parity cannot
-    see it; the measured bytes held for B exceed even m full sets, where the theory says m inputs + one set."""
-    summary, _ = torchrun("tests/pipeline_checks.py", 2, "gpipe-leak", *CFG, "--microbatches", 4, "--steps", 2,
-                          "--recompute", "--check", tmp_path=tmp_path)
+@pytest.fixture(scope="module")
+def checks(tmp_path_factory):
+    """One launch of tests/gpipe_checks.py at 3 ranks: the copy-out, then gpipe.py broken on purpose."""
+    tmp = tmp_path_factory.mktemp("gpipe_checks")
+    summary, _ = torchrun("tests/gpipe_checks.py", 3, f"copy-out:{tmp},leak", *CFG, "--microbatches", 4,
+                          "--steps", 2, "--recompute", "--check", tmp_path=tmp)
+    return summary, [torch.load(tmp / f"rank{r}.pt") for r in range(3)]
+
+
+def test_recompute_held_bytes_catch_a_kept_graph(checks):
+    """The negative: --recompute whose forward keeps its graph (tests/gpipe_checks.py leak). Parity cannot see
+    it; the measured bytes held for B exceed even m full sets, where the theory says m inputs + one set."""
+    summary = checks[0]
     assert_matches_reference(summary)
     f = summary["figures"]
     assert all(h > w >= r for h, w, r in zip(f["saved_activation_bytes"], f["saved_activation_bytes_without_recompute"],
                                              f["saved_activation_bytes_with_recompute"])), f
+
+
+def plain_training():
+    """gpipe_checks.Net trained the plain way: one process, the whole model, the whole batch, torch's MSE."""
+    net = gpipe_checks.build_net()
+    opt = torch.optim.AdamW(net.parameters(), lr=gpipe_checks.LR, foreach=False)
+    losses = []
+    for step in range(gpipe_checks.STEPS):
+        x, y = gpipe_checks.batch(step)
+        loss = F.mse_loss(net(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses, {n: q.detach() for n, q in net.named_parameters()}
+
+
+def test_copy_out_matches_plain_training(checks):
+    """gpipe_step alone over 3 stages of a model that is not the GPT (nested blocks of odd widths, a parameter
+    on the root module, MSE, 3 micro-batches), with and without recompute, equals plain training; the same run
+    with the stage's gradients zeroed before each B (the broken schedule) does not."""
+    ranks, (ref_losses, ref) = checks[1], plain_training()
+    for how in ("plain", "recompute", "broken"):
+        params = {n: t for r in ranks for n, t in r[how]["params"].items()}
+        assert sorted(params) == sorted(ref) and sum(len(r[how]["params"]) for r in ranks) == len(ref)
+        diff = max((params[n] - ref[n]).abs().max().item() for n in ref)
+        losses = ranks[-1][how]["losses"]
+        if how == "broken":
+            assert diff > 1e-3 and losses[1:] != pytest.approx(ref_losses[1:], rel=1e-6), (diff, losses)
+        else:
+            assert diff < 1e-12 and losses == pytest.approx(ref_losses, rel=1e-12), (how, diff, losses)
+
+
+def nccl_stuck(posted):
+    """posted[r]: rank r's transfers in the order posted, ("send" | "recv", peer). NCCL runs each rank's
+    transfers first in, first out; in the strict model here (stricter than NCCL, which buffers small sends) a
+    transfer completes only when its peer's matching one is at the head of the peer's queue too. Returns the
+    transfers left when nothing can move (empty: all complete)."""
+    queues = [list(q) for q in posted]
+    moved = True
+    while moved:
+        moved = False
+        for r, q in enumerate(queues):
+            if q and q[0][0] == "send" and queues[q[0][1]][:1] == [("recv", r)]:
+                queues[q[0][1]].pop(0)
+                q.pop(0)
+                moved = True
+    return [(r, q[0]) for r, q in enumerate(queues) if q]
+
+
+def test_posted_transfers_complete_under_nccl_pairing(checks):
+    """The transfers gpipe_step posted (seen by a CommCounter in the copy-out's first step, 3 stages, 3
+    micro-batches) all complete when run first in, first out per rank with strict pairing, and each receive of
+    the next micro-batch is posted before F / B of this one starts. The negatives: both ends of a pair
+    receiving first, and a missing send, get stuck."""
+    posted = [[tuple(x) for x in r["plain"]["posted"]] for r in checks[1]]
+    m = gpipe_checks.M
+    assert [len(q) for q in posted] == [2 * m, 4 * m, 2 * m] and nccl_stuck(posted) == []
+    for rank, r in enumerate(checks[1]):
+        for kind, i, at in r["plain"]["starts"]:
+            peer = rank - 1 if kind == "F" else rank + 1
+            if 0 <= peer < 3:  # receives from that peer posted before this op starts: its own and the next's
+                assert posted[rank][:at].count(("recv", peer)) == min(i + 2, m), (rank, kind, i, posted[rank])
+    assert nccl_stuck([[("recv", 1)] + posted[0], posted[1], posted[2]])  # 0 waits for 1, and 1 for 0
+    assert nccl_stuck([posted[0][:-1], posted[1], posted[2]])
+
+
+def biggest_allocation(fn):
+    """The largest CPU allocation an op made while fn ran (ops inside ops included), seen by torch's profiler."""
+    cpu = [torch.profiler.ProfilerActivity.CPU]
+    with torch.profiler.profile(activities=cpu, profile_memory=True) as prof:
+        fn()
+    return max((e.cpu_memory_usage for e in prof.events()), default=0)
+
+
+def test_squared_norm_takes_no_float64_copy_of_a_gradient():
+    """Issue 21: the whole-model squared norm in float64 without a float64 copy of any gradient. Negatives:
+    the old `(g.double() ** 2).sum()`, and the norm's `dtype=torch.float64`, which casts its input first."""
+    grads = [torch.randn(4096, generator=torch.Generator().manual_seed(i)) for i in range(3)]
+    grads.append(torch.randn(64, generator=torch.Generator().manual_seed(3)).bfloat16())
+    copy = 8 * 4096  # bytes of one float64 copy of a gradient
+    got = squared_norm(grads)
+    exact = sum(g.double().pow(2).sum() for g in grads)
+    assert got.dtype == torch.float64 and got.item() == pytest.approx(exact.item(), rel=1e-6)
+    assert biggest_allocation(lambda: squared_norm(grads)) < copy
+    assert biggest_allocation(lambda: sum((g.double() ** 2).sum() for g in grads)) >= copy
+    assert biggest_allocation(lambda: [torch.linalg.vector_norm(g, dtype=torch.float64) for g in grads]) >= \
+        copy
 
 
 def test_no_object_collectives():

@@ -1,7 +1,8 @@
-"""megatron_tp.py: layer-level checks at t = 2 and 4 (one launch each, saved activations per block
-included), model-level parity with the one-process reference at t = 1, 2, 4 with and without sequence
-parallelism and with 2-way data parallelism, collectives counted at the call against the paper's count,
-dropout, a restart with dropout, two "nodes" against one launch, and bad input."""
+"""megatron_tp.py: its layers copied into a model that is not the GPT, layer-level checks at t = 2 and 4 (one
+launch each, saved activations per block included), model-level parity with the one-process reference at
+t = 1, 2, 4 with and without sequence parallelism and with 2-way data parallelism, collectives counted at the
+dispatcher against the paper's count, dropout, a restart with dropout, two "nodes" against one launch, and
+bad input."""
 import json, subprocess, sys
 
 import pytest
@@ -16,17 +17,25 @@ L, B, S, H = 2, 12, 8, 16  # TINY's layers, global batch, sequence, width
 
 
 @pytest.mark.parametrize("nproc", [2, 4])
-def test_layer_checks(tmp_path, nproc):
-    """Column / row / MLP / attention / embedding outputs and gradients vs unsharded modules, the
-    vocab-parallel loss vs F.cross_entropy (padded and unpadded), the MLP vs torch's DTensor TP, dropout
-    masks, and each layer's collective count: all asserted inside tests/megatron_tp_checks.py."""
+def test_copy_out_and_layer_checks(tmp_path, nproc):
+    """The core copied out (t = 2): megatron_tp's ColumnParallelLinear (gate and up fused) and
+    RowParallelLinear put into a SwiGLU net that is not the GPT (a root parameter, nested modules, odd sizes,
+    a Huber loss), with and without sequence parallelism, trained beside the unsharded net in plain torch
+    (AdamW, clip_grad_norm_): every step's loss and every final parameter equal within 1e-12; SP without the
+    sum of the replicated gradients is caught (tests/megatron_tp_checks.py: copy_out).
+    Layer checks (t = 2 and 4): column / row / MLP / attention / embedding outputs and gradients vs unsharded
+    modules, the vocab-parallel loss vs F.cross_entropy (padded and unpadded), the MLP vs torch's DTensor TP,
+    dropout masks, each layer's collectives as harness.CommCounter sees them, the gradient norm of a
+    bfloat16 model vs its closed form, and the mutants (each of f, g, f_sp, g_sp broken; the gathered input
+    saved; biases or the padding mask dropped; a bfloat16 sum) caught: all asserted in the check script."""
     _, out = torchrun("tests/megatron_tp_checks.py", nproc, tmp_path=tmp_path, timeout=240)
     assert "ALL CHECKS PASSED" in out, out[-6000:]
     assert "DTensor reference skipped" not in out, out[-3000:]
+    assert out.count("copy-out: SwiGLU net") == (2 if nproc == 2 else 0), out[-3000:]
 
 
 def assert_tp_run(s, t, dp, sp):
-    """Parity; collectives counted at the call against the closed-form count, and against the paper's count
+    """Parity; collectives counted at the dispatcher against the closed-form count, and against the paper's count
     written here (calls, elements, bytes handed per rank); parameters per rank; replicas identical; one
     block's saved activations vs the unsharded block's."""
     assert_matches_reference(s)

@@ -1,28 +1,41 @@
-"""moe.py: layer-level checks in one 4-rank launch (EP 1/2/4 parity for every router, dispatch/combine,
-hand-written routing, load balancing, training toward the floor: tests/moe_checks.py); the command line
-at EP 2 with replicas equal to the one-process reference with the same routing groups, the summary's
-figures beside their theory; a run killed and restarted by torchrun equal bit for bit to an uninterrupted
-one; each router's maths against its paper's closed form computed by hand, and a broken router caught by
-it; the peak memory read before --check's reference; bad input exits 2."""
+"""moe.py: layer-level checks in one 4-rank launch (EP 1/2/4 parity for every router, loss-free, dropless and
+shared experts included, dispatch/combine, dropless against a per-token loop, hand-written routing, load
+balancing and MaxVio, training toward the floor: tests/moe_checks.py), which also runs this module's copy-out
+check (moe.MoE in a model that is not the GPT); the command line at EP 2 with replicas equal to the
+one-process reference with the same routing groups, the summary's figures beside their theory; EP 3 loss-free
+dropless with a shared expert, killed and restarted; a run killed and restarted by torchrun equal bit for bit
+to an uninterrupted one; each router's maths against its paper's closed form computed by hand, and a broken
+router caught by it; the peak memory read before --check's reference; bad input exits 2."""
 import math
 import sys
 
 import pytest
 import torch
 import torch.distributed as dist
+import torch.nn as nn
 import torch.nn.functional as F
 
 from helpers import (ROOT, TINY, assert_bad_input, assert_each_rank_fails, assert_matches_reference, run_python,
                      run_ranks, torchrun)
 
 sys.path.insert(0, str(ROOT))
+import harness  # noqa: E402
 import moe  # noqa: E402  (importing must not run main())
 
 
-def test_layer_checks(tmp_path):
-    _, out = torchrun("tests/moe_checks.py", 4, tmp_path=tmp_path, name="checks", timeout=400)
+@pytest.fixture(scope="module")
+def checks(tmp_path_factory):
+    """tests/moe_checks.py at world 4, once for the module: its output."""
+    _, out = torchrun("tests/moe_checks.py", 4, tmp_path=tmp_path_factory.mktemp("checks"), name="checks",
+                      timeout=600)
+    return out
+
+
+def test_layer_checks(checks):
+    out = checks
     assert "ALL CHECKS PASSED" in out and "FAIL" not in out, out[-6000:]
-    assert out.count("PASS  parity") == 12, out[-6000:]  # 4 routers x EP 1, 2, 4
+    assert out.count("PASS  parity") == 24, out[-6000:]  # 8 router configurations x EP 1, 2, 4
+    assert out.count("PASS  dropless") == 4 and "PASS  negative: a loss-free bias" in out, out[-6000:]
 
 
 def test_replicas_x_ep_gshard_figures(tmp_path):
@@ -46,6 +59,29 @@ def test_replicas_x_ep_gshard_figures(tmp_path):
     for total, lm, aux in zip(s["losses"], f["lm_losses"], f["aux_losses"]):
         assert abs(total - (lm + cfg["aux_weight"] * aux)) < 1e-12 and aux > 0
     assert "expert load, MoE layer 0" in out and "all-to-all bytes sent / step / rank" in out
+    assert f["alltoall_bytes_per_rank"] == f["alltoall_bytes_expected_per_rank"] == [f["alltoall_bytes_theory"]] * 4
+
+
+def test_ep3_loss_free_dropless_shared_restart(tmp_path):
+    """World 3 = EP 3 with 6 experts: loss_free (sigmoid gates) with a shared expert, dropless, killed at step 2
+    and restarted by torchrun from its checkpoints: --check equals the one-process reference, the loss-free
+    biases compared by name (a bias lost in the restart would move the routing and the losses); no token is
+    dropped, each step's loads add up to every token's k choices, and the uneven all-to-all's bytes per rank
+    equal their value expected from the routed counts."""
+    s, out = torchrun("moe.py", 3, *TINY, "--router", "loss_free", "--experts", "6", "--shared-experts", "1",
+                      "--capacity-factor", "0", "--bias-rate", "0.02", "--check", "--ckpt-dir", tmp_path / "ckpt",
+                      "--save-every", "1", "--fail-at-step", "2", tmp_path=tmp_path, max_restarts=1, name="ep3")
+    assert "simulated failure at step 2" in out and "resumed from" in out, out[-3000:]
+    assert_matches_reference(s)
+    f, cfg = s["figures"], s["config"]
+    assert f["capacity"] is None and f["dropped_frac"] == 0 and f["tokens_without_expert_frac"] == 0, f
+    tokens = cfg["batch_size"] * cfg["seq_len"]
+    assert [[sum(l) for l in step] for step in f["expert_load_per_step"]] == [[2 * tokens] * 2] * 2, f  # steps 2, 3
+    assert len(f["maxvio_per_step"]) == 2 and all(v >= 0 for v in f["maxvio_per_step"])
+    assert any(b != 0 for bias in f["expert_bias"] for b in bias) and len(f["expert_bias"]) == 2, f
+    sent, expected = f["alltoall_bytes_per_rank"], f["alltoall_bytes_expected_per_rank"]
+    assert sent == expected and min(sent) > 0 and len(set(sent)) > 1, (sent, expected)  # uneven across ranks
+    assert s["comm_bytes"] == sent[0] and f["counts_bytes_per_step"] == 2 * 7 * 8, f
 
 
 def last_checkpoint(ckpt_dir, rank):
@@ -83,7 +119,7 @@ def test_ep2_restart_bit_for_bit(tmp_path):
 @pytest.mark.parametrize("flags, words", [
     (["--experts", "6", "--ep", "4"], ["--experts 6", "--ep 4"]),
     (["--router", "noisy_topk", "--top-k", "5", "--experts", "4"], ["top-k 5", "--experts 4"]),
-    (["--capacity-factor", "0"], ["--capacity-factor", "> 0"]),
+    (["--capacity-factor", "-1"], ["--capacity-factor", ">= 0"]),
     (["--router", "switch", "--top-k", "2"], ["top-1"]),
 ])
 def test_bad_input_world1(flags, words):
@@ -145,7 +181,8 @@ def noisy_topk_diff(k=2):
             kth_other = sorted((H[j] for j in range(E) if j != i), reverse=True)[k - 1]
             load[i] += phi((c[i] - kth_other) / s[i])
     clean, std, eps = group(CLEAN), group(STD), group(EPS)
-    _, combine, aux, _ = moe.route_noisy_topk(clean, std, eps, k, C=3)  # C = T: nothing dropped
+    expert, gate, keep, aux = moe.route_noisy_topk(clean, std, eps, k)
+    _, combine = moe.fill_slots(expert, gate, keep, 3, 4)  # C = T: nothing dropped
     got_load = moe.smooth_load(clean, std, clean + eps * std, k).sum(1)
     return max(rel_diff(combine.sum(-1), gates), rel_diff(got_load, load),
                rel_diff(aux, cv2(importance) + cv2(load)))
@@ -179,7 +216,8 @@ def gshard_diff():
             row[e2] = p[e2] / (p[e1] + p[e2])
         gates.append(row), first.append(e1)
     aux = sum(first.count(e) / T * sum(p[e] for p in probs) / T for e in range(E)) / E * E ** 2
-    _, combine, got_aux, _ = moe.route_gshard(group(GS_LOGITS), torch.tensor([GS_UNIFORM], dtype=torch.float64), 4)
+    expert, gate, keep, got_aux = moe.route_gshard(group(GS_LOGITS), torch.tensor([GS_UNIFORM], dtype=torch.float64))
+    _, combine = moe.fill_slots(expert, gate, keep, 4, E)
     return max(rel_diff(combine.sum(-1), gates), rel_diff(got_aux, aux))
 
 
@@ -187,7 +225,7 @@ def test_gshard_by_hand(monkeypatch):
     assert gshard_diff() < 1e-12
     route, balance = moe.route_gshard, moe.balance_loss
     with monkeypatch.context() as m:  # broken: random routing keeps the 2nd expert with probability g2
-        m.setattr(moe, "route_gshard", lambda logits, u, C: route(logits, 2 * u, C))
+        m.setattr(moe, "route_gshard", lambda logits, u: route(logits, 2 * u))
         assert gshard_diff() > 1e-2
     with monkeypatch.context() as m:  # broken: P_e from the 1st-choice mask instead of the router's gates
         m.setattr(moe, "balance_loss", lambda probs, top1: balance(F.one_hot(top1, 3).to(probs), top1))
@@ -198,8 +236,8 @@ def test_second_choice_depends_on_later_tokens():
     """With a capacity, every 1st choice is served before any 2nd choice: token 0's 2nd choice (expert 1)
     is dropped or kept depending on the 1st choice of the later token 1 (information from the future)."""
     u = torch.zeros(1, 2, dtype=torch.float64)  # every 2nd choice wanted
-    later_takes_e1 = moe.route_gshard(group([[2.0, 1.0, -1.0], [-1.0, 2.0, 1.0]]), u, 1)[0]  # C = 1
-    later_takes_e2 = moe.route_gshard(group([[2.0, 1.0, -1.0], [-1.0, 1.0, 2.0]]), u, 1)[0]
+    later_takes_e1 = moe.fill_slots(*moe.route_gshard(group([[2.0, 1.0, -1.0], [-1.0, 2.0, 1.0]]), u)[:3], 1, 3)[0]
+    later_takes_e2 = moe.fill_slots(*moe.route_gshard(group([[2.0, 1.0, -1.0], [-1.0, 1.0, 2.0]]), u)[:3], 1, 3)[0]
     assert later_takes_e1[0, 0, 1].sum() == 0 and later_takes_e2[0, 0, 1].sum() == 1
     assert later_takes_e1[0, 0, 0].sum() == later_takes_e2[0, 0, 0].sum() == 1  # the 1st choice: served
 
@@ -221,7 +259,8 @@ def switch_diff(alpha=1e-2, C=2):
              for t, p in enumerate(probs)]
     grad = [[alpha * N / T * p[j] * (f[j] - sum(fi * pi for fi, pi in zip(f, p))) for j in range(N)] for p in probs]
     logits = group(SW_LOGITS).requires_grad_()
-    _, combine, aux, _ = moe.route_switch(logits, C)
+    expert, gate, keep, aux = moe.route_switch(logits)
+    _, combine = moe.fill_slots(expert, gate, keep, C, N)
     if aux.requires_grad:
         (alpha * aux).sum().backward()
     got_grad = torch.zeros_like(logits) if logits.grad is None else logits.grad  # no path: no gradient
@@ -236,10 +275,11 @@ def test_switch_by_hand(monkeypatch):
         m.setattr(moe, "balance_loss", lambda probs, top1: balance(probs.detach(), top1))
         assert switch_diff() > 1e-2
 
-    def f_after_capacity(logits, C):  # broken: f counts the tokens that kept a slot
-        dispatch, combine, _, wanted = route(logits, C)
+    def f_after_capacity(logits):  # broken: f counts the tokens that kept a slot (C = 2, as switch_diff's)
+        expert, gate, keep, _ = route(logits)
         probs, N, T = logits.softmax(-1), logits.shape[-1], logits.shape[1]
-        return dispatch, combine, N * (dispatch.sum((1, 3)) / T * probs.mean(1)).sum(-1), wanted
+        dispatch, _ = moe.fill_slots(expert, gate, keep, 2, N)
+        return expert, gate, keep, N * (dispatch.sum((1, 3)) / T * probs.mean(1)).sum(-1)
 
     with monkeypatch.context() as m:
         m.setattr(moe, "route_switch", f_after_capacity)
@@ -260,7 +300,7 @@ def expert_choice_errors(C=2):
         for c, t in enumerate(tokens):
             want[0, t, e, c] = 1
     gates = want * group(S)[..., None]
-    dispatch, combine, _, _ = moe.route_expert_choice(group(EC_LOGITS), C)
+    dispatch, combine = moe.route_expert_choice(group(EC_LOGITS), C)
     return not torch.equal(dispatch, want), rel_diff(combine, gates), picked
 
 
@@ -273,7 +313,7 @@ def test_expert_choice_by_hand(monkeypatch):
         probs = logits.softmax(1)  # (G, T, E)
         top = probs.topk(C, dim=1)  # (G, C, E)
         dispatch = F.one_hot(top.indices, logits.shape[1]).permute(0, 3, 2, 1).to(probs)  # (G, T, E, C)
-        return dispatch, dispatch * top.values.transpose(1, 2)[:, None], None, None
+        return dispatch, dispatch * top.values.transpose(1, 2)[:, None]
 
     with monkeypatch.context() as m:
         m.setattr(moe, "route_expert_choice", softmax_over_tokens)
@@ -288,7 +328,7 @@ def test_peak_memory_read_before_reference(monkeypatch, tmp_path):
     peak, reference = moe.peak_memory_bytes, moe.moe_reference
     monkeypatch.setattr(moe, "peak_memory_bytes", lambda *a: calls.append("peak") or peak(*a))
     monkeypatch.setattr(moe, "moe_reference", lambda *a: calls.append("reference") or reference(*a))
-    monkeypatch.setattr(moe, "close_dist", lambda ok: calls.append(ok))
+    monkeypatch.setattr(harness, "close_dist", lambda ok: calls.append(ok))  # Run.finish ends the run through it
     monkeypatch.setattr(sys, "argv", ["moe.py", *TINY, "--steps", "2", "--check", "--json", str(tmp_path / "s.json")])
     try:
         moe.main()
@@ -296,3 +336,185 @@ def test_peak_memory_read_before_reference(monkeypatch, tmp_path):
         if dist.is_initialized():
             dist.destroy_process_group()
     assert calls == ["peak", "reference", True], calls
+
+
+# ----------------------------------------------------------------------------- loss-free routing, by hand
+LF_LOGITS = [[0.2, -0.1, 0.4, 0.0], [1.0, 0.9, -0.3, 0.2], [-0.5, 0.3, 0.1, 0.35], [0.0, 0.1, 0.2, 0.3]]
+LF_BIAS = [0.3, 0.0, -0.4, 0.1]  # token 0: e2, e0 by score; e0, e3 once the bias is added
+
+
+def loss_free_diff(k=2, n=2):
+    """Wang et al. 2024 / DeepSeek-V3 eq. 12-20 on T = 4 tokens (two sequences of n = 2), E = 4, in Python
+    floats: the top k of s + b choose (s = sigmoid(logits)); gate = s / (sum of the chosen s), no bias in it;
+    sequence-wise loss sum_e f_e P_e, f_e = E / (k n) x (tokens choosing e), P_e = mean of s_e / sum_j s_j,
+    averaged over the sequences. Returns the largest relative diff of gates and loss, and the bias's gradient."""
+    E = 4
+    s = [[1 / (1 + math.exp(-v)) for v in row] for row in LF_LOGITS]
+    chosen = [sorted(range(E), key=lambda e: -(row[e] + LF_BIAS[e]))[:k] for row in s]
+    gates = [[row[e] / sum(row[j] for j in top) if e in top else 0.0 for e in range(E)] for row, top in zip(s, chosen)]
+    per_seq = []
+    for q in range(0, len(s), n):
+        f = [E / (k * n) * sum(e in chosen[t] for t in range(q, q + n)) for e in range(E)]
+        P = [sum(s[t][e] / sum(s[t]) for t in range(q, q + n)) / n for e in range(E)]
+        per_seq.append(sum(fe * pe for fe, pe in zip(f, P)))
+    bias = torch.tensor(LF_BIAS, dtype=torch.float64, requires_grad=True)
+    logits = group(LF_LOGITS).requires_grad_()
+    expert, gate, keep, aux = moe.route_loss_free(logits.sigmoid(), bias, k, n)
+    _, combine = moe.fill_slots(expert, gate, keep, 4, E)  # C = T: nothing dropped
+    weights = torch.arange(1.0, 5.0, dtype=torch.float64)  # any loss of the gates and the aux loss
+    grad = torch.autograd.grad((combine.sum(-1) * weights).sum() + aux.sum(), bias, allow_unused=True)[0]
+    return max(rel_diff(combine.sum(-1), gates), rel_diff(aux, sum(per_seq) / len(per_seq))), grad
+
+
+def test_loss_free_by_hand(monkeypatch):
+    diff, grad = loss_free_diff()
+    assert diff < 1e-12 and grad is None  # the bias only chooses: no gradient reaches it
+    route, seq = moe.route_loss_free, moe.seq_balance_loss
+
+    def biased_gates(scores, bias, k, n):  # broken: the gates weigh with s + b
+        expert, gate, keep, aux = route(scores, bias, k, n)
+        g = (scores + bias).gather(-1, expert)
+        return expert, g / g.sum(-1, keepdim=True), keep, aux
+
+    with monkeypatch.context() as m:
+        m.setattr(moe, "route_loss_free", biased_gates)
+        diff, grad = loss_free_diff()
+        assert diff > 1e-2 and grad is not None
+    with monkeypatch.context() as m:  # broken: the balance loss over the whole group, not per sequence
+        m.setattr(moe, "seq_balance_loss", lambda scores, expert, n: seq(scores, expert, scores.shape[1]))
+        assert loss_free_diff()[0] > 1e-2
+
+
+def test_bias_update_closed_form(monkeypatch):
+    """b_e + u sign(mean c - c_e) from counts c, in Python, against moe.update_biases (one process: the counts
+    are the batch's); under-loaded experts move up, over-loaded down, one at the mean stays."""
+    from types import SimpleNamespace
+    counts, bias, u = [[5.0, 1.0, 3.0, 3.0], [0.0, 2.0, 2.0, 8.0]], [[0.1, -0.2, 0.0, 0.05], [0.0] * 4], 0.01
+    layers = [SimpleNamespace(wanted=torch.tensor(c), expert_bias=torch.tensor(b, dtype=torch.float64))
+              for c, b in zip(counts, bias)]
+
+    def want():
+        mean = [sum(c) / len(c) for c in counts]
+        return [[b + u * ((x < m) - (x > m)) for x, b in zip(c, bs)] for c, bs, m in zip(counts, bias, mean)]
+
+    flat = lambda rows: [v for row in rows for v in row]  # noqa: E731
+    moe.update_biases(layers, u, None)
+    assert flat(l.expert_bias.tolist() for l in layers) == pytest.approx(flat(want()), abs=1e-15)
+    assert want()[0][2] == bias[0][2] and want()[1][1] == bias[1][1] + u  # at the mean: stays; below: up
+    for l, b in zip(layers, bias):  # broken: the sign reversed (over-loaded experts made more attractive)
+        l.expert_bias = torch.tensor(b, dtype=torch.float64)
+    monkeypatch.setattr(moe.torch, "sign", lambda t: t.neg().sign_())
+    moe.update_biases(layers, u, None)
+    assert flat(l.expert_bias.tolist() for l in layers) != pytest.approx(flat(want()), abs=1e-6)
+
+
+@pytest.mark.parametrize("flags, words", [
+    (dict(router="expert_choice", capacity_factor=0.0), ["expert_choice", "no dropless form"]),
+    (dict(router="switch", seq_aux_weight=1e-3), ["--seq-aux-weight", "loss_free"]),
+    (dict(router="loss_free", top_k=5), ["top-k 5", "--experts 4"]),
+    (dict(shared_experts=-1), ["--shared-experts must be >= 0"]),
+    (dict(router="loss_free", bias_rate=-1.0), ["--bias-rate must be >= 0"]),
+])
+def test_bad_input_new_flags(flags, words, capsys):
+    """The checks main() runs on every rank before init_dist (tests above show the order with subprocesses):
+    one line, exit 2."""
+    with pytest.raises(SystemExit) as e:
+        moe.check_args(moe.Args(**flags), 1)
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and len(lines) == 1 and all(w in lines[0] for w in words), lines
+
+
+# ----------------------------------------------------------------------------- copy-out: check your own MoE
+# moe.MoE with its routers in a model that is not the GPT (a parameter on the root module, nested modules, odd
+# sizes: width 6, expert width 10, 6 experts, 5 positions, 3 input features; an MSE loss), expert parallel at
+# EP 2 x 2 replicas, against the same model with every expert local trained by plain torch in one process,
+# written here. tests/moe_checks.py runs copy_out() in its 4-rank launch; test_copy_out_moe reads the verdicts.
+D, EXPERTS, HIDDEN, FEATURES, SEQ, ROWS, GROUP_ROWS = 6, 6, 10, 3, 5, 8, 2
+
+
+class ResidualMoEStack(nn.Module):
+    def __init__(self, ep_group, **moe_flags):
+        super().__init__()
+        self.gain = nn.Parameter(torch.ones(D))  # on the root module
+        self.inp = nn.Linear(FEATURES, D)
+        gen = torch.Generator().manual_seed(5)  # the experts' initial weights: the same whatever the layout
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.LayerNorm(D), moe.MoE(D, EXPERTS, hidden=HIDDEN, group_rows=GROUP_ROWS, ep_group=ep_group,
+                                                   seed=3, layer=i, generator=gen, **moe_flags)) for i in range(2))
+
+    def forward(self, x):  # (b, SEQ, FEATURES) -> (b, SEQ, D)
+        h = self.inp(x)
+        for block in self.blocks:
+            h = h + block(h)
+        return h * self.gain
+
+
+def copy_out(d, lay, steps=3, aux_weight=0.1, bias_rate=0.05):
+    """[(name, ok, detail)] for gshard with a capacity and loss_free dropless with a shared expert."""
+    results = []
+    groups, rows = ROWS // GROUP_ROWS, ROWS // d.world
+    row0 = d.rank * rows
+    for flags in (dict(router="gshard", capacity_factor=1.0),
+                  dict(router="loss_free", capacity_factor=0.0, shared=1, top_k=2)):
+        g = torch.Generator().manual_seed(11)
+        data = [(torch.randn(ROWS, SEQ, FEATURES, generator=g, dtype=torch.float64).to(d.device),
+                 torch.randn(ROWS, SEQ, D, generator=g, dtype=torch.float64).to(d.device)) for _ in range(steps)]
+        free = flags["router"] == "loss_free"
+
+        def build(ep_group):
+            torch.manual_seed(0)
+            model = ResidualMoEStack(ep_group, **flags).double().to(d.device)
+            return model, torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=False)
+
+        # 1. the reference: plain torch, one process, the whole batch, every expert local
+        ref, opt = build(None)
+        ref_losses, layers = [], [m for m in ref.modules() if isinstance(m, moe.MoE)]
+        for step, (x, t) in enumerate(data):
+            moe.set_step(ref, step, 0)
+            mse = F.mse_loss(ref(x), t, reduction="sum") / t.numel()
+            loss = mse + (0 if free else aux_weight) * sum(m.aux.mean() for m in layers) / len(layers)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            if free:  # the loss-free update from the batch's counts
+                for m in layers:
+                    m.expert_bias += bias_rate * torch.sign(m.wanted.mean() - m.wanted)
+            ref_losses.append(loss.item())
+        want = dict(ref.named_parameters()) | dict(ref.named_buffers())
+        # 2. expert parallel: my rows, my experts; gradients synced by moe.sync_grads (or not: the negative)
+        for synced in (True, False):
+            model, opt = build(lay.ep_group)
+            losses = []
+            for step, (x, t) in enumerate(data):
+                moe.set_step(model, step, row0)
+                mse = F.mse_loss(model(x[row0:row0 + rows]), t[row0:row0 + rows], reduction="sum") / t.numel()
+                loss = mse + (0 if free else aux_weight) * moe.aux_share(model, groups)
+                opt.zero_grad()
+                loss.backward()
+                if synced:
+                    moe.sync_grads(model, lay.ep_group, lay.replica_group)
+                opt.step()
+                if free:
+                    moe.update_biases(moe.moe_layers(model), bias_rate, dist.group.WORLD)
+                total = loss.detach().clone()
+                dist.all_reduce(total)
+                losses.append(total.item())
+            got = moe.full_params(lay, model)
+            loss_diff = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses))
+            param_diff = max((got[n] - p).abs().max().item() for n, p in want.items())
+            name = f"copy-out {flags['router']} {'capacity' if flags['capacity_factor'] else 'dropless + shared'}"
+            detail = f"rel loss diff {loss_diff:.1e}, param diff {param_diff:.1e}"
+            if synced:
+                results.append((f"{name}: EP 2 x 2 replicas = one-process torch training of a residual MoE stack",
+                                got.keys() == want.keys() and max(loss_diff, param_diff) < 1e-9, detail))
+            else:
+                results.append((f"{name}: negative: without moe.sync_grads the parameters differ",
+                                param_diff > 1e-6, detail))
+    return results
+
+
+def test_copy_out_moe(checks):
+    """Check your own MoE the same way: the layer inside your model, expert parallel, against the model with
+    every expert local trained in one process (copy_out above, run in tests/moe_checks.py's launch)."""
+    lines = [l for l in checks.splitlines() if "copy-out" in l]
+    assert len(lines) == 4 and all(l.startswith("PASS") for l in lines), "\n".join(lines) or checks[-3000:]

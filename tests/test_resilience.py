@@ -53,6 +53,12 @@ MATRIX = [
     ("ptdp.py", 2, [*T, "--pp", "2", "--virtual-stages", "2", "--microbatches", "3"], ["not a multiple of --pp 2"]),
     ("ptdp.py", 2, [*T, "--pp", "2", "--virtual-stages", "2", "--microbatches", "2", "--n-layers", "3"],
      ["not divisible by pp x virtual stages = 4"]),
+    ("context_parallel.py", 4, [*T, "--attention", "ulysses"], ["--n-heads 2 is not divisible by --cp 4"]),
+    ("context_parallel.py", 2, [*T, "--seq-len", "6"], ["--seq-len 6 is not divisible by 2 x cp = 4"]),
+    ("context_parallel.py", 3, [*T, "--layout", "contiguous"], ["--seq-len 8 is not divisible by cp = 3"]),
+    ("context_parallel.py", 4, [*T, "--cp", "3"], ["world size 4 != dp 1 x cp 3"]),
+    ("context_parallel.py", 4, [*T, "--cp", "2", "--batch-size", "7"], ["not divisible by --dp 2"]),
+    ("context_parallel.py", 1, [*T, "--dropout", "0.1"], ["--dropout 0.1", "use --dropout 0"]),
 ]
 # checkpoint directories (made in the test): another file's, another model size, damaged, another world
 CKPT_CASES = [

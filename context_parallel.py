@@ -1,0 +1,479 @@
+r"""context_parallel.py: context parallelism: each rank holds T/cp tokens of every sequence, in every layer.
+
+Data parallelism splits the batch, tensor parallelism the matrices, a pipeline the layers; context parallelism
+splits the *sequence*. Each of the cp ranks of a sequence group holds T/cp tokens of every sequence, and the
+embedding (at the tokens' global positions), LayerNorms, MLPs, head and loss run on them alone: they work per
+token. Attention is where tokens meet, so it is the one place where ranks exchange anything: keys and values.
+The weights stay whole on every rank; a rank's gradient is that of its own tokens' share of the global loss,
+and one all-reduce over the dp x cp ranks sums them into the whole batch's. Three attentions, one answer:
+
+  allgather  gather K and V of the whole sequence once per layer; backward reduce-scatters dK/dV to their
+             owners (the form Llama 3 trains with, Dubey et al. 2024): simple, but K/V memory x cp
+  ring       K/V blocks go round the ring by batch_isend_irecv while the block in hand is computed, partial
+             softmaxes merged by their log-sum-exp; backward runs the ring the other way, a dK/dV accumulator
+             travelling with each block (Liu, Zaharia, Abbeel 2023, "Ring Attention with Blockwise
+             Transformers for Near-Infinite Context"). Blocks that the causal mask hides are skipped.
+  ulysses    all-to-all from sequence-sharded to head-sharded, attention over the whole sequence for H/cp
+             heads, all-to-all back (Jacobs et al. 2023, "DeepSpeed Ulysses"); cp must divide the heads
+
+The split, T = 16, cp = 4 (c0 .. c7: 2cp chunks of T/2cp tokens):
+    --layout contiguous   rank 0: t0-t3    rank 1: t4-t7    rank 2: t8-t11   rank 3: t12-t15
+    --layout zigzag       rank 0: c0 c7    rank 1: c1 c6    rank 2: c2 c5    rank 3: c3 c4
+The ring, contiguous: rank r's queries (rows) against rank s's keys (columns). At step j rank r holds block
+s = r - j, sends it on to r + 1 and receives block r - j - 1 from r - 1. \ the diagonal block (causal mask),
+# a whole block, . hidden by the mask: skipped, not computed.
+              s=0 s=1 s=2 s=3
+        r=0    \   .   .   .        contiguous: rank r computes r + 1 of the cp blocks (rank 3: 4x rank 0)
+        r=1    #   \   .   .        zigzag: the diagonal, then half a block per other rank, so every rank
+        r=2    #   #   \   .        computes the same cp blocks (Brandon et al. 2023, "Striped Attention",
+        r=3    #   #   #   \        balance the ring so; the chunks are Llama 3's and Megatron-Core's)
+Groups come from one grid, arange(world).view(dp, cp): a row is a sequence's cp group (neighbours: one node),
+a column a data-parallel group.
+
+    python context_parallel.py --check                                           # cp = 1: no exchange
+    torchrun --nproc_per_node=4 context_parallel.py --check                      # ring, zigzag, cp = 4
+    torchrun --nproc_per_node=4 context_parallel.py --attention ulysses --check
+    torchrun --nproc_per_node=4 context_parallel.py --cp 2 --dp 2 --layout contiguous --dtype float64 --check
+The summary prints, beside their theory, the bytes each rank hands over per layer, the blocks each ring rank
+computed, and the activation bytes each rank saves for backward against 1/cp of an unsplit rank's.
+In production, use torch.distributed.tensor.experimental.context_parallel, or Megatron-Core's.
+"""
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from einops import rearrange
+
+from common import (DTYPES, build_gpt, count_tokens, fail, GPTConfig, init_dist, lm_loss, make_optimizer,
+                    MarkovData)
+from harness import (check_against_reference, check_common_args, CommCounter, CommonArgs, env_world_size,
+                     gather_rows, parse_args, peak_memory_bytes, Run, SavedActivations, state_bytes)
+
+
+@dataclass
+class Args(CommonArgs):
+    cp: int = 0  # context-parallel degree: ranks that share each sequence (0 = world / dp)
+    dp: int = 0  # data-parallel degree: replicas, each with batch / dp sequences (0 = world / cp)
+    attention: Literal["allgather", "ring", "ulysses"] = "ring"  # how a sequence's ranks exchange K and V
+    layout: Literal["contiguous", "zigzag"] = "zigzag"  # rank r holds chunk r of cp, or r and 2cp-1-r of 2cp
+
+
+# ----------------------------------------------------------------------------- the split of every sequence
+def chunk_ids(rank, cp, zigzag):
+    """The chunks of every sequence that rank `rank` of cp holds. Contiguous: chunk r of cp. Zig-zag: chunks r
+    and 2cp-1-r of 2cp, an early one and a late one, so that under the causal mask all ranks do equal work."""
+    return [rank, 2 * cp - 1 - rank] if zigzag else [rank]
+
+
+def shard_sequence(x, rank, cp, zigzag, dim=1):
+    """(.., T, ..) whole sequences -> (.., T/cp, ..) this rank's tokens, its chunks in sequence order."""
+    chunks = x.chunk(2 * cp if zigzag else cp, dim)
+    return torch.cat([chunks[c] for c in chunk_ids(rank, cp, zigzag)], dim)
+
+
+def positions(rank, cp, zigzag, seq_len, device=None):
+    """(T/cp,) the global positions of this rank's tokens, for the position embedding and the causal mask."""
+    return shard_sequence(torch.arange(seq_len, device=device), rank, cp, zigzag, 0)
+
+
+def reorder(x, cp, zigzag, dim, to_sequence=True):
+    """(.., T, ..) every rank's tokens, rank 0's first (as a gather or an all-to-all leaves them) -> the
+    sequence's own order; to_sequence=False: back. Contiguous: the two orders are one."""
+    ranked = [c for r in range(cp) for c in chunk_ids(r, cp, zigzag)]  # chunk ids, in rank order
+    have, want = (ranked, sorted(ranked)) if to_sequence else (sorted(ranked), ranked)
+    pieces = dict(zip(have, x.chunk(len(have), dim)))
+    return torch.cat([pieces[c] for c in want], dim)
+
+
+# ----------------------------------------------------------------------------- all-gather attention
+class GatherSequence(torch.autograd.Function):
+    """All-gather forward; backward reduce-scatter: the gradients every rank computed for its gathered copy of
+    rank j's tokens are summed onto rank j (each rank's queries looked at them)."""
+
+    @staticmethod
+    def forward(ctx, x, group):  # (..) this rank's -> (cp, ..) every rank's, rank j's at [j]
+        ctx.group = group
+        out = x.new_empty(dist.get_world_size(group), *x.shape)
+        dist.all_gather_single(out.view(-1), x.contiguous().view(-1), group=group)  # flat: any backend
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):  # (cp, ..) every rank's share of the gradient -> (..) their sum, for my tokens
+        out = grad.new_empty(grad.shape[1:])
+        dist.reduce_scatter_single(out.view(-1), grad.contiguous().view(-1), group=ctx.group)
+        return out, None
+
+
+def allgather_attention(q, k, v, group, zigzag):
+    """Causal attention of this rank's queries q (B, H, t, E), t = T/cp, over the keys and values of the whole
+    sequence, gathered once: every rank holds, and saves for backward, K and V of all T tokens."""
+    cp, r = dist.get_world_size(group), dist.get_rank(group)
+    if cp == 1:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    kv = GatherSequence.apply(torch.stack([k, v]), group)  # (cp, 2, B, H, t, E): every rank's tokens
+    kv = reorder(rearrange(kv, "n s b h t e -> s b h (n t) e"), cp, zigzag, 3)  # (2, B, H, T, E) in order
+    T = kv.shape[3]
+    sees = positions(r, cp, zigzag, T, q.device)[:, None] >= torch.arange(T, device=q.device)  # (t, T) causal
+    return F.scaled_dot_product_attention(q, kv[0], kv[1], attn_mask=sees)  # (B, H, t, E)
+
+
+# ----------------------------------------------------------------------------- ring attention
+def attend(q, k, v, causal):
+    """Exact attention of queries q (B, H, tq, E) over one block of keys and values (B, H, tk, E): the block's
+    output (B, H, tq, E) and each query's log-sum-exp over the block's scores (B, H, tq), with which partial
+    results over other blocks merge later. `causal`: the diagonal block (tq = tk), query i sees keys <= i.
+    The softmax in float32 at least, as flash attention accumulates."""
+    acc = torch.promote_types(q.dtype, torch.float32)
+    s = q.to(acc) @ k.to(acc).transpose(-2, -1) * q.shape[-1] ** -0.5  # (B, H, tq, tk)
+    if causal:
+        s = s.masked_fill(torch.ones_like(s[0, 0], dtype=torch.bool).triu(1), float("-inf"))
+    lse = s.logsumexp(-1)  # (B, H, tq)
+    return torch.exp(s - lse[..., None]) @ v.to(acc), lse
+
+
+def merge(out, lse, block_out, block_lse):
+    """Online softmax (Milakov & Gimelshein 2018, as ring attention merges its blocks): two attentions over
+    disjoint sets of keys, each normalised over its own set -> the attention over their union, each weighted
+    by its share exp(lse_i - lse) of the total exp-sum. (B, H, tq, E) and (B, H, tq) each."""
+    new = torch.logaddexp(lse, block_lse)
+    return out * torch.exp(lse - new)[..., None] + block_out * torch.exp(block_lse - new)[..., None], new
+
+
+def attend_backward(q, k, v, dout, lse, delta, causal):
+    """One block's gradients from every query's *final* log-sum-exp (so exp(s - lse) is this block's share of
+    the softmax over all keys) and delta = rowsum(dout * out): flash attention's backward, block by block (Dao
+    et al. 2022, "FlashAttention", App. B). Returns dq (B, H, tq, E), dk and dv (B, H, tk, E)."""
+    scale = q.shape[-1] ** -0.5
+    q, k, v, dout = (x.to(lse.dtype) for x in (q, k, v, dout))
+    s = q @ k.transpose(-2, -1) * scale  # (B, H, tq, tk), recomputed rather than saved
+    if causal:
+        s = s.masked_fill(torch.ones_like(s[0, 0], dtype=torch.bool).triu(1), float("-inf"))
+    p = torch.exp(s - lse[..., None])  # the probabilities; 0 where masked
+    ds = p * (dout @ v.transpose(-2, -1) - delta[..., None])  # back through the softmax
+    return ds @ k * scale, ds.transpose(-2, -1) @ q * scale, p.transpose(-2, -1) @ dout
+
+
+def ring_block(rank, src, cp, zigzag, t):
+    """The part of (this rank's queries) x (rank src's keys) that causal attention needs, as (query rows, key
+    rows, causal), or None when the mask hides all of it: skipped. t: tokens per rank. Contiguous: src < rank
+    whole, src = rank the diagonal, src > rank hidden. Zig-zag (chunks r, 2cp-1-r): src < rank, every query
+    against src's early chunk (its late one follows both of mine); src > rank, only my late chunk, against
+    both of src's. Half a block each: cp blocks on every rank."""
+    whole, half = slice(None), t // 2
+    if src == rank:  # zig-zag too: my two chunks are in sequence order, so a causal mask over t is right
+        return whole, whole, True
+    if not zigzag:
+        return (whole, whole, False) if src < rank else None
+    return (whole, slice(0, half), False) if src < rank else (slice(half, None), whole, False)
+
+
+def ring_exchange(send, group, to, frm):
+    """Start sending the named tensors `send` to rank `to` of `group` and receiving as many (same names and
+    shapes) from `frm`, in one batch_isend_irecv: paired, so that on NCCL no send waits on a receive posted
+    later. Returns (received by name, wait); read them after wait(). On a GPU waiting makes the compute stream
+    wait, not the host, so the block computed meanwhile overlaps the transfer."""
+    got = {name: torch.empty_like(x) for name, x in send.items()}
+    ops = [dist.P2POp(dist.isend, x, group=group, group_peer=to) for x in send.values()]
+    ops += [dist.P2POp(dist.irecv, x, group=group, group_peer=frm) for x in got.values()]
+    reqs = dist.batch_isend_irecv(ops) if ops else []
+    return got, lambda: [req.wait() for req in reqs]
+
+
+class RingAttention(torch.autograd.Function):
+    """Causal attention of this rank's queries over the whole sequence, whose keys and values come round the
+    ring of the cp ranks a block at a time (Liu, Zaharia, Abbeel 2023, Sec. 3). `computed`: a list that the
+    forward appends (queries, keys) of every block it computes to, a plain record for whoever counts."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, group, zigzag, computed):  # q, k, v (B, H, t, E): this rank's tokens
+        cp, r = dist.get_world_size(group), dist.get_rank(group)
+        kv, out, lse = torch.stack([k, v]), None, None  # kv (2, B, H, t, E): the block that travels
+        for step in range(cp):
+            src = (r - step) % cp  # whose keys and values we hold: our own, then r-1's, r-2's, ...
+            if step < cp - 1:  # 1. pass them on to r+1, and take r-1's, while we compute
+                got, wait = ring_exchange({"kv": kv}, group, to=(r + 1) % cp, frm=(r - 1) % cp)
+            block = ring_block(r, src, cp, zigzag, q.shape[2])
+            if block is not None:  # 2. attend to this block, merge (step 0 is the diagonal: every row has it)
+                rows, cols, causal = block
+                k_b, v_b = kv[:, :, :, cols]  # (B, H, tk, E) each
+                o, l = attend(q[:, :, rows], k_b, v_b, causal)
+                if out is None:
+                    out, lse = o, l
+                else:
+                    out[:, :, rows], lse[:, :, rows] = merge(out[:, :, rows], lse[:, :, rows], o, l)
+                computed.append((o.shape[2], k_b.shape[2]))
+            if step < cp - 1:  # 3. the next block has arrived
+                wait()
+                kv = got["kv"]
+        # (B, H, t, E) stored as (B, t, H, E), as flash attention stores it: the output projection's b t (h e)
+        # is then a view of it, not a copy that would be saved a second time
+        out = out.to(q.dtype).transpose(1, 2).contiguous().transpose(1, 2)
+        ctx.save_for_backward(q, k, v, out, lse)  # (B, H, t, E) x 4 and (B, H, t): 1/cp of the sequence's
+        ctx.group, ctx.zigzag = group, zigzag
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):  # (B, H, t, E)
+        q, k, v, out, lse = ctx.saved_tensors
+        group, zigzag = ctx.group, ctx.zigzag
+        cp, r = dist.get_world_size(group), dist.get_rank(group)
+        delta = (dout.to(lse.dtype) * out.to(lse.dtype)).sum(-1)  # (B, H, t)
+        dq = torch.zeros_like(q, dtype=lse.dtype)
+
+        def grads_from(src, kv):  # adds my queries' part to dq; returns their dK/dV (2, B, H, t, E) for src
+            dkv = torch.zeros_like(kv, dtype=lse.dtype)
+            block = ring_block(r, src, cp, zigzag, q.shape[2])
+            if block is not None:  # the forward's blocks: the hidden ones cost nothing here either
+                rows, cols, causal = block
+                k_b, v_b = kv[:, :, :, cols]
+                dq_b, dk_b, dv_b = attend_backward(q[:, :, rows], k_b, v_b, dout[:, :, rows], lse[:, :, rows],
+                                                   delta[:, :, rows], causal)
+                dq[:, :, rows] += dq_b
+                dkv[0][:, :, cols] += dk_b
+                dkv[1][:, :, cols] += dv_b
+            return dkv
+
+        # The forward's ring run the other way (the adjoint of "send to r+1" is "receive from r+1"): blocks go
+        # to r-1, so rank r sees its own, then r+1's, ..., r-1's. Block s's dK/dV accumulator starts at rank
+        # s-1 and travels with the block, each rank adding its queries' share, back to s on the last hop.
+        kv, own, acc = torch.stack([k, v]), None, None
+        for step in range(cp):
+            src = (r + step) % cp
+            send = {"kv": kv} if step < cp - 1 else {}  # 1. the block, to r-1, who needs it next step
+            if acc is not None:
+                send["dkv"] = acc  # block src-1's accumulator (done last step), to its next visitor
+            got, wait = ring_exchange(send, group, to=(r - 1) % cp, frm=(r + 1) % cp)
+            dkv = grads_from(src, kv)  # 2. while they travel
+            wait()
+            if step == 0:
+                own = dkv  # my queries' share of my own block's gradient: kept here, added at the end
+            else:  # 3. src's accumulator came from r+1 (none yet at step 1): add my share
+                acc = dkv + got["dkv"] if "dkv" in got else dkv
+            kv = got.get("kv")
+        if cp > 1:  # the last hop: every accumulator goes home, holding all the other ranks' shares
+            got, wait = ring_exchange({"dkv": acc}, group, to=(r - 1) % cp, frm=(r + 1) % cp)
+            wait()
+            own = own + got["dkv"]
+        return dq.to(q.dtype), own[0].to(k.dtype), own[1].to(v.dtype), None, None, None
+
+
+def ring_attention(q, k, v, group, zigzag, computed=None):
+    return RingAttention.apply(q, k, v, group, zigzag, [] if computed is None else computed)
+
+
+# ----------------------------------------------------------------------------- Ulysses attention
+class AllToAll(torch.autograd.Function):
+    """(cp, ..) chunk j to rank j, and chunk j of the result from rank j. Its own adjoint: the gradient of
+    what rank j received from me is sent back to me by the same exchange."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group, x = group, x.contiguous()
+        out = torch.empty_like(x)  # of a contiguous x: empty_like keeps a permuted view's strides
+        dist.all_to_all_single(out, x, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        return AllToAll.apply(grad, ctx.group), None
+
+
+def ulysses_attention(q, k, v, group, zigzag):
+    """Causal attention of this rank's tokens (B, H, t, E): an all-to-all trades my tokens of every head for
+    every token of my H/cp heads, attention runs over the whole sequence for those heads, and a second
+    all-to-all trades back (Jacobs et al. 2023, Sec. 3.1). Rank j takes heads [j H/cp, (j+1) H/cp)."""
+    cp = dist.get_world_size(group)
+    if cp == 1:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    qkv = rearrange(torch.stack([q, k, v]), "s b (n h) t e -> n s b h t e", n=cp)  # chunk j: rank j's heads
+    qkv = AllToAll.apply(qkv, group)  # (cp, 3, B, H/cp, t, E): chunk j = rank j's tokens of my heads
+    qkv = reorder(rearrange(qkv, "n s b h t e -> s b h (n t) e"), cp, zigzag, 3)  # (3, B, H/cp, T, E)
+    y = F.scaled_dot_product_attention(qkv[0], qkv[1], qkv[2], is_causal=True)  # (B, H/cp, T, E)
+    y = rearrange(reorder(y, cp, zigzag, 2, False), "b h (n t) e -> n b h t e", n=cp)  # j: rank j's tokens
+    y = AllToAll.apply(y, group)  # (cp, B, H/cp, t, E): chunk j = my tokens of rank j's heads
+    return rearrange(y, "n b h t e -> b (n h) t e")  # (B, H, t, E)
+
+
+ATTENTIONS = {"allgather": allgather_attention, "ring": ring_attention, "ulysses": ulysses_attention}
+
+
+# ----------------------------------------------------------------------------- the GPT on T/cp tokens
+class ContextParallelAttention(nn.Module):
+    """A causal self-attention layer (common.Attention: q, k, v, proj) on this rank's T/cp tokens: the same
+    projections, per token, around one of the three attentions. `.computed`: the ring's record of the blocks
+    its last forward computed."""
+
+    def __init__(self, attn, group, attention, zigzag):
+        super().__init__()
+        self.q, self.k, self.v, self.proj, self.drop = attn.q, attn.k, attn.v, attn.proj, attn.drop
+        self.n_heads, self.group, self.attention, self.zigzag = attn.n_heads, group, attention, zigzag
+        self.computed = []
+
+    def forward(self, x):  # (B, t, D) this rank's tokens
+        q, k, v = (rearrange(f(x), "b t (h e) -> b h t e", h=self.n_heads) for f in (self.q, self.k, self.v))
+        if self.attention == "ring":
+            self.computed = []
+            y = ring_attention(q, k, v, self.group, self.zigzag, self.computed)
+        else:
+            y = ATTENTIONS[self.attention](q, k, v, self.group, self.zigzag)
+        return self.drop(self.proj(rearrange(y, "b h t e -> b t (h e)")))  # (B, t, D)
+
+
+class ContextParallelGPT(nn.Module):
+    """common.GPT on this rank's T/cp tokens of every sequence. It takes over the GPT's own modules (the same
+    names and weights: only the activations are split), embeds at the tokens' global positions and swaps each
+    block's attention for a ContextParallelAttention; LayerNorms, MLPs, residuals run per token, as ever."""
+
+    def __init__(self, gpt, group, attention, zigzag):
+        super().__init__()
+        self.group, self.zigzag = group, zigzag
+        self.tok_emb, self.pos_emb, self.drop, self.blocks = gpt.tok_emb, gpt.pos_emb, gpt.drop, gpt.blocks
+        self.ln_f, self.head = gpt.ln_f, gpt.head
+        for block in self.blocks:
+            block.attn = ContextParallelAttention(block.attn, group, attention, zigzag)
+
+    def forward(self, idx):  # (B, t) token ids: this rank's tokens of every sequence
+        cp, r = dist.get_world_size(self.group), dist.get_rank(self.group)
+        pos = positions(r, cp, self.zigzag, cp * idx.shape[1], idx.device)  # (t,) global positions
+        h = self.drop(self.tok_emb(idx) + self.pos_emb(pos))  # (B, t, D)
+        for block in self.blocks:
+            h = block(h)
+        return self.head(self.ln_f(h))  # (B, t, V): logits of this rank's tokens
+
+
+def sync_gradients(params, loss, group=None):
+    """Sum the gradients (and the loss) over the dp x cp ranks (here the world): each rank holds the gradient
+    of its tokens' share of the global batch's loss, so the sum is the whole batch's, on every rank."""
+    grads = [p.grad for p in params]
+    flat = torch.cat([g.reshape(-1) for g in grads])  # (P,): one all-reduce for the whole model
+    dist.all_reduce(flat, group=group)
+    for g, summed in zip(grads, flat.split([g.numel() for g in grads])):
+        g.copy_(summed.view_as(g))
+    dist.all_reduce(loss, group=group)
+    return loss
+
+
+def check_args(args, world):
+    """Bad input: one line and exit 2, on every rank, before any collective. Returns (dp, cp)."""
+    check_common_args(args)
+    if args.cp < 0 or args.dp < 0:
+        fail(f"--cp and --dp must be >= 0 (0 = the rest of the world), got --cp {args.cp} --dp {args.dp}")
+    cp = args.cp or world // max(args.dp, 1)
+    dp = args.dp or world // max(cp, 1)
+    if dp * cp != world or cp < 1:
+        fail(f"world size {world} != dp {dp} x cp {cp}: launch dp x cp processes, or give --cp / --dp that "
+             "divide the world")
+    chunks = 2 * cp if args.layout == "zigzag" else cp
+    if args.seq_len % chunks:
+        fail(f"--seq-len {args.seq_len} is not divisible by {'2 x cp' if chunks > cp else 'cp'} = {chunks} "
+             f"(--layout {args.layout} cuts each sequence into {chunks} chunks): use --seq-len "
+             f"{(args.seq_len // chunks + 1) * chunks}")
+    if args.attention == "ulysses" and args.n_heads % cp:
+        fail(f"--n-heads {args.n_heads} is not divisible by --cp {cp}: ulysses gives each rank whole heads; "
+             f"use --attention ring or allgather, or a multiple of {cp} heads")
+    if args.batch_size % dp:
+        fail(f"--batch-size {args.batch_size} is not divisible by --dp {dp}: use --batch-size "
+             f"{(args.batch_size // dp + 1) * dp}")
+    if args.dropout:
+        fail(f"--dropout {args.dropout}: context_parallel.py trains without dropout (one query's attention "
+             "probabilities are spread over cp ranks); use --dropout 0")
+    return dp, cp
+
+
+def main():
+    args = parse_args(Args)
+    dp, cp = check_args(args, env_world_size())
+    # --- setup (same in every file) ---
+    d = init_dist(args.timeout)
+    grid = torch.arange(d.world).view(dp, cp)  # cp innermost: a sequence's ranks are neighbours (one node)
+    cp_groups = [dist.new_group(row.tolist()) for row in grid]  # every rank makes every group, in one order
+    dp_rank, cp_rank = divmod(d.rank, cp)  # my row and column of the grid
+    cp_group, b, zigzag = cp_groups[dp_rank], args.batch_size // dp, args.layout == "zigzag"
+    data = MarkovData(args.vocab, args.seed)
+    d.log(f"context_parallel.py --attention {args.attention} --layout {args.layout}: world {d.world} = dp "
+          f"{dp} x cp {cp} on {d.backend}, a rank holds {args.seq_len // cp} of the {args.seq_len} tokens of "
+          f"{b} sequences; entropy floor {data.entropy:.4f} nats/token")
+    gpt = build_gpt(GPTConfig.from_args(args), args.seed, DTYPES[args.dtype])  # the full model, one seed
+    model = ContextParallelGPT(gpt, cp_group, args.attention, zigzag).to(d.device)
+    opt = make_optimizer(model.parameters(), args)
+    run, comm = Run(d, args, {"model": model, "optim": opt}), CommCounter(axes={"cp": cp_group})
+
+    for step in run.steps():
+        x, y = data.batch(step, args.batch_size, args.seq_len, args.ragged)  # (B, T) the global batch, on CPU
+        n_tok = count_tokens(y)  # of the whole global batch: every rank's loss divides by it
+        mine = slice(dp_rank * b, (dp_rank + 1) * b)  # my replica's sequences, then my tokens of each
+        x, y = (shard_sequence(t[mine], cp_rank, cp, zigzag).to(d.device) for t in (x, y))  # (b, T/cp)
+        with run.watching(step, comm):
+            loss = lm_loss(model(x), y, n_tok)  # my tokens' share of the global batch's loss
+            opt.zero_grad(set_to_none=True)
+            loss.backward()  # attention's backward exchanges dK/dV; the rest is per token
+            loss = sync_gradients(list(model.parameters()), loss.detach())
+        if args.clip > 0:  # every rank holds the whole gradient now: plain clipping
+            torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
+        opt.step()
+        run.end_step(step, loss.item())
+
+    figures, peak, comm_bytes = report(d, args, model, opt, comm, dp_rank, cp_rank, dp, cp)
+    check = None
+    if args.check:  # every rank holds the whole model, under the GPT's own names
+        check = check_against_reference(d, args, run.losses, dict(model.named_parameters()))
+    run.finish("context_parallel", peak, comm_bytes, check, figures)
+
+
+# --- measurement ---
+THEORY = {"ring": "2(cp-1) K/V blocks of (b, T/cp, d) forward; as many and 2(cp-1) dK/dV blocks backward",
+          "allgather": "K, V of T/cp tokens to the all-gather forward; dK, dV of all T to the reduce-scatter",
+          "ulysses": "Q, K, V and the output, 4 (b, T/cp, d) blocks, to the all-to-all each way"}
+EXTRA = {"ring": "", "ulysses": " + per layer one (b, T/cp, d): the heads' output beside the tokens'",
+         "allgather": " + per layer the other ranks' K, V and the (T/cp, T) mask"}
+
+
+def report(d, args, model, opt, comm, dp_rank, cp_rank, dp, cp):
+    """The last step, watched from outside: bytes handed to the cp group per layer (the CommCounter), the
+    ring's blocks (layer 0's `.computed`; every layer computes the same), and the activation bytes one more
+    forward of the last batch saves for backward, beside the unsplit GPT's on the same sequences."""
+    L, T, D, b = args.n_layers, args.seq_len, args.d_model, args.batch_size // dp
+    zigzag = args.layout == "zigzag"
+    t, es, ring = T // cp, torch.tensor([], dtype=DTYPES[args.dtype]).element_size(), args.attention == "ring"
+    computed = model.blocks[0].attn.computed
+    x = MarkovData(args.vocab, args.seed).batch(args.steps - 1, args.batch_size, T, args.ragged)[0]
+    x = x[dp_rank * b:(dp_rank + 1) * b].contiguous().to(d.device)  # (b, T) my replica's sequences
+    with SavedActivations() as split:
+        model(shard_sequence(x, cp_rank, cp, zigzag))
+    with SavedActivations() as whole:  # common's GPT on the same b whole sequences: 1/cp of it is the goal
+        build_gpt(GPTConfig.from_args(args), args.seed, DTYPES[args.dtype], d.device)(x)
+    mine = [comm.total(axis="cp", phase="fwd") // L, comm.total(axis="cp", phase="bwd") // L, len(computed),
+            sum(q * k for q, k in computed), split.bytes, whole.bytes, sum(comm.bytes.values())]
+    rows = [r[0].tolist() for r in gather_rows(d, [mine])]  # one row per rank
+    fwd, bwd, blocks, scores, saved, unsplit, total = ([int(v) for v in col] for col in zip(*rows))
+    blk, acc_es = b * t * D, max(es, 4)  # elements of a (b, T/cp, d) block; the ring's dK/dV: >= float32
+    theory = {"ring": (2 * (cp - 1) * blk * es, 2 * (cp - 1) * blk * (es + acc_es)),
+              "allgather": (2 * blk * es, 2 * cp * blk * es), "ulysses": (4 * blk * es, 4 * blk * es)}
+    theory = theory[args.attention] if cp > 1 else (0, 0)
+    extra = {"ring": 0, "ulysses": blk, "allgather": 2 * b * (T - t) * D + t * T}[args.attention] * L * es
+    saved_th = [u // cp + (extra if cp > 1 else 0) for u in unsplit]
+    blocks_th = [cp if zigzag else c + 1 for c in range(cp)] if ring else []
+    scores_th = [t * t * (cp + 1) // 2 if zigzag else t * t * (c + 1) for c in range(cp)] if ring else []
+    d.log(f"\nlast step, per rank and layer: bytes handed to the cp group (theory: {THEORY[args.attention]}),"
+          f" the ring's blocks and query-key scores computed (theory: contiguous r + 1 blocks, zigzag cp),"
+          f" the activation bytes saved for backward (theory: the unsplit GPT's / cp{EXTRA[args.attention]})")
+    d.log("rank | dp cp | fwd bytes | theory | bwd bytes | theory | blocks | theory | scores | theory | "
+          "saved, all layers | theory")
+    for r in range(d.world):
+        c = r % cp
+        ring_cols = [blocks[r], blocks_th[c], scores[r], scores_th[c]] if ring else ["-"] * 4
+        d.log(f"{r:4d} | {r // cp:2d} {c:2d} | {fwd[r]:9d} | {theory[0]:6d} | {bwd[r]:9d} | {theory[1]:6d} | "
+              + " | ".join(f"{v:>6}" for v in ring_cols) + f" | {saved[r]:17d} | {saved_th[r]:d}")
+    figures = dict(cp=cp, dp=dp, attention=args.attention, layout=args.layout, collectives=comm.table(),
+                   bytes_per_layer_fwd=fwd, bytes_per_layer_bwd=bwd, bytes_per_layer_theory=list(theory),
+                   blocks=blocks, blocks_theory=blocks_th, scores=scores, scores_theory=scores_th,
+                   saved_activation_bytes=saved, saved_activation_bytes_theory=saved_th,
+                   saved_activation_bytes_unsplit=unsplit)
+    return figures, peak_memory_bytes(d, state_bytes(model, opt) + split.bytes), max(total)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,150 @@
+"""gpipe.py's core used on a model that is not the GPT, and gpipe.py broken on purpose: what
+tests/test_gpipe.py checks under torchrun. The cases run in the order given, in one launch:
+
+    copy-out:DIR   gpipe.gpipe_step alone (no harness, no common.py) on Net below, a stack of nested MLP
+                   blocks with odd widths and a parameter on the root module, an MSE loss, 3 micro-batches,
+                   one stage per rank; trained 3 steps as is, with recompute=True, and broken on purpose (an
+                   observe callback that zeroes the stage's gradients before every B, so only the last
+                   micro-batch's gradient is left). Each rank writes its parameters (by Net's names) and the
+                   losses to DIR/rank{r}.pt, and for "plain" the transfers its first step posted, in order
+                   (seen by a harness.CommCounter), and where each F and B started among them; the test trains
+                   Net in one process itself and compares.
+    leak           gpipe.py --recompute whose stage forward keeps its graph alive (a buffer kept by mistake):
+                   the arithmetic is unchanged, only the measured "held for B" bytes can notice. Runs
+                   gpipe.main().
+
+Run: torchrun --standalone --nproc_per_node=P tests/gpipe_checks.py copy-out:DIR,leak [gpipe.py's flags]"""
+import contextlib
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import gpipe  # noqa: E402
+from harness import CommCounter  # noqa: E402
+
+WIDTHS = (5, 7, 3, 6, 2)  # the features between Net's 4 blocks
+BATCH, M, STEPS, LR = 6, 3, 3, 0.05  # 3 micro-batches of 2 samples
+
+
+class Block(nn.Module):
+    def __init__(self, a, b):
+        super().__init__()
+        self.inner = nn.Sequential(nn.Linear(a, b), nn.Tanh(), nn.Linear(b, b))  # nested modules
+        self.skip = nn.Linear(a, b, bias=False)
+
+    def forward(self, x):
+        return self.inner(x) + self.skip(x)
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(Block(a, b) for a, b in zip(WIDTHS, WIDTHS[1:]))
+        self.gain = nn.Parameter(torch.linspace(0.5, 1.5, WIDTHS[-1]))  # a parameter on the root module
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x * self.gain
+
+
+def build_net():
+    torch.manual_seed(0)
+    return Net().double()
+
+
+def batch(step):
+    """(BATCH, 5) inputs and (BATCH, 2) targets of `step`, float64."""
+    g = torch.Generator().manual_seed(100 + step)
+    return (torch.randn(BATCH, WIDTHS[0], generator=g, dtype=torch.float64),
+            torch.randn(BATCH, WIDTHS[-1], generator=g, dtype=torch.float64))
+
+
+class StageOf(nn.Module):
+    """Blocks [a, b) of a Net, and its root parameter on the last stage."""
+
+    def __init__(self, net, a, b):
+        super().__init__()
+        self.blocks = net.blocks[a:b]
+        self.gain = net.gain if b == len(net.blocks) else None
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x if self.gain is None else x * self.gain
+
+
+def train_copied_out(rank, world, how):
+    """Net trained by gpipe_step over `world` stages: how = "plain", "recompute" or "broken"."""
+    net = build_net()
+    a, b = gpipe.split_layers(len(net.blocks), world)[rank]
+    stage = StageOf(net, a, b)
+    opt = torch.optim.AdamW(stage.parameters(), lr=LR, foreach=False)
+    prev, nxt = (rank - 1 if rank > 0 else None), (rank + 1 if rank < world - 1 else None)
+
+    @contextlib.contextmanager
+    def forgetful(kind, mb):  # the bug: .grad zeroed before every B
+        if kind == "B":
+            stage.zero_grad(set_to_none=True)
+        yield
+
+    comm, starts = CommCounter(log=True), []  # what "plain" posts in its first step, and where each op starts
+
+    @contextlib.contextmanager
+    def marking(kind, mb):
+        starts.append((kind, mb, len(comm.calls_log)))
+        yield
+
+    losses = []
+    for step in range(STEPS):
+        x, y = batch(step)
+        loss_fn = lambda out, target: ((out - target) ** 2).sum() / y.numel()  # noqa: E731  (the batch's MSE)
+        observe = forgetful if how == "broken" else marking if how == "plain" and step == 0 else None
+        with comm if observe is marking else contextlib.nullcontext():
+            loss = gpipe.gpipe_step(stage, list(x.chunk(M)), list(y.chunk(M)), loss_fn, prev, nxt,
+                                    (BATCH // M, WIDTHS[a]), recompute=how == "recompute", observe=observe)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(float(loss))
+    names = {id(q): n for n, q in net.named_parameters()}
+    return dict(params={names[id(q)]: q.detach().clone() for q in stage.parameters()}, losses=losses,
+                posted=[(c["op"], c["peer"]) for c in comm.calls_log], starts=starts)
+
+
+def copy_out(out_dir):
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    runs = {how: train_copied_out(rank, world, how) for how in ("plain", "recompute", "broken")}
+    torch.save(runs, os.path.join(out_dir, f"rank{rank}.pt"))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def leak():
+    real_forward, kept = gpipe.Stage.forward, []
+
+    def keeps_its_graph(self, h):
+        with torch.enable_grad():  # even inside F's no_grad under --recompute ...
+            out = real_forward(self, h)
+        kept.append(out)  # ... and kept until the end of the run
+        return out
+
+    gpipe.Stage.forward = keeps_its_graph
+    gpipe.main()
+
+
+if __name__ == "__main__":
+    cases = sys.argv.pop(1).split(",")
+    for case in cases:
+        name, _, arg = case.partition(":")
+        if name == "copy-out":
+            copy_out(arg)
+        elif name == "leak":
+            leak()
+        else:
+            sys.exit(f"unknown case {case!r}")

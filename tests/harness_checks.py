@@ -1,0 +1,88 @@
+"""The shared counters of harness.py against what each collective hands over, on a real process group:
+
+    torchrun --standalone --nproc_per_node=N tests/harness_checks.py OUT.json
+
+Rank 0 writes {"table": CommCounter's table, "log": its per-call log, "naive": the table of a counter that
+counts every tensor argument (outputs and receive buffers included: the usual mistake), "events": a Timeline's
+gathered events}. tests/test_harness.py computes what the table must be from the shapes alone."""
+import json, sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+import harness  # noqa: E402
+from common import close_dist, init_dist  # noqa: E402
+
+d = init_dist(60)
+W, r = d.world, d.rank
+pair = dist.new_group([0, 1])  # every rank creates every group; ranks 0 and 1 are "pair"
+f64 = dict(dtype=torch.float64, device=d.device)
+
+
+def traffic():
+    x = torch.ones(10, **f64)
+    dist.all_reduce(x)  # 80 B handed
+    if r < 2:
+        out = torch.empty(20, **f64)
+        dist.all_gather_into_tensor(out, x, group=pair)  # hands its 80 B, whole 20 elements
+        dist.reduce_scatter_tensor(torch.empty(10, **f64), out, group=pair)  # hands the whole 160 B
+    rows = [3 + q for q in range(W)]  # uneven all-to-all: this rank sends q+3 rows to rank q
+    inp = torch.ones(sum(rows), 2, **f64)
+    got = [3 + r] * W
+    dist.all_to_all_single(torch.empty(sum(got), 2, **f64), inp, output_split_sizes=got, input_split_sizes=rows)
+    dist.broadcast(x, src=W - 1)  # hands 80 B at the root only
+    peer_next, peer_prev = (r + 1) % W, (r - 1) % W
+    reqs = dist.batch_isend_irecv([dist.P2POp(dist.isend, torch.ones(7, **f64), peer_next, tag=1),
+                                   dist.P2POp(dist.irecv, torch.empty(7, **f64), peer_prev, tag=1)])
+    for q in reqs:
+        q.wait()
+
+    class AllReduceInBackward(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, t):
+            return t.clone()
+
+        @staticmethod
+        def backward(ctx, g):
+            g = g.clone()
+            dist.all_reduce(g)  # 3 elements, inside backward: phase "bwd"
+            return g
+
+    AllReduceInBackward.apply(torch.ones(3, requires_grad=True, **f64)).sum().backward()
+
+
+comm = harness.CommCounter(axes={"pair": pair}, log=True)
+with comm:
+    traffic()
+    with comm.phase("step"):
+        dist.all_reduce(torch.ones(4, **f64))
+    with comm.paused():
+        dist.all_reduce(torch.ones(100, **f64))  # not counted
+
+
+class Naive(harness.CommCounter):
+    """The mutant: bytes of every tensor argument, outputs and receive buffers included."""
+
+    def _count(self, op, name, ns, args):
+        key = f"{op}/-/-"
+        self.bytes[key] = self.bytes.get(key, 0) + harness._nbytes([a for a in harness._flat(args) if torch.is_tensor(a)])
+
+
+naive = Naive()
+with naive:
+    traffic()
+
+tl = harness.Timeline(d, simulate={"F": 30, "B": 60}, tags=("chunk", "note"))
+for i in range(2):
+    with tl.span("F", i, chunk=r):
+        torch.ones(100).sum()
+for i in range(2):
+    with tl.span("B", i, chunk=r, note=None):
+        pass
+events = tl.gather()
+if r == 0:
+    Path(sys.argv[1]).write_text(json.dumps(dict(table=comm.table(), log=comm.calls_log, events=events,
+                                                 naive=naive.bytes, world=W)))
+close_dist()

@@ -1,0 +1,86 @@
+"""The counters every technique file measures with (harness.py), against closed forms computed here from the
+shapes alone: CommCounter on a real gloo group at worlds 2 and 3, SavedActivations and LiveStorages in one
+process, the Timeline's gathered events. Each check is shown to fail on a broken counter."""
+import json, subprocess, sys
+
+import pytest
+import torch
+import torch.nn as nn
+
+from helpers import ENV, ROOT
+
+sys.path.insert(0, str(ROOT))
+import harness  # noqa: E402
+
+
+def expected_table(W):
+    """What rank 0 hands over in tests/harness_checks.py's traffic(), by "op/axis/phase": [calls, elems, bytes]."""
+    rows = [3 + q for q in range(W)]
+    return {
+        "all_reduce/world/fwd": [1, 10, 80],
+        "all_gather/pair/fwd": [1, 20, 80],  # hands its 10 elements; the whole output is 20
+        "reduce_scatter/pair/fwd": [1, 20, 160],  # hands the whole input
+        "all_to_all/world/fwd": [1, 2 * sum(rows), 8 * 2 * sum(rows)],
+        "broadcast/world/fwd": [1, 10, 80 if W == 1 else 0],  # root W-1 hands it; rank 0 only receives
+        "send/world/fwd": [1, 7, 56],
+        "recv/world/fwd": [1, 7, 0],  # a receive hands nothing over
+        "all_reduce/world/bwd": [1, 3, 24],  # inside an autograd backward
+        "all_reduce/world/step": [1, 4, 32],  # under comm.phase("step"); the paused one is not counted
+    }
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_comm_counter_sees_what_each_collective_hands_over(tmp_path, world):
+    out = tmp_path / "h.json"
+    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}",
+                        str(ROOT / "tests" / "harness_checks.py"), str(out)], env=ENV, cwd=ROOT,
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    got = json.loads(out.read_text())
+    assert got["table"] == expected_table(world), got["table"]
+    # the per-call log: peers as global ranks, the tag, and the all-to-all bytes that leave the rank
+    log = {c["op"] + "/" + c["phase"]: c for c in got["log"]}
+    assert log["send/fwd"]["peer"] == 1 and log["send/fwd"]["tag"] == 1 and log["recv/fwd"]["peer"] == world - 1
+    rows = [3 + q for q in range(world)]
+    assert log["all_to_all/fwd"]["to_others"] == 8 * 2 * (sum(rows) - rows[0])  # the block to itself stays
+    # the check can fail: a counter that adds up every tensor argument gets other numbers
+    real = {k.split("/")[0]: 0 for k in expected_table(world)}
+    for k, v in expected_table(world).items():
+        real[k.split("/")[0]] += v[2] if not k.endswith("/step") else 0
+    assert {k.split("/")[0]: v for k, v in got["naive"].items()} != real, got["naive"]
+    assert got["naive"]["recv/-/-"] == 56 and got["naive"]["all_gather/-/-"] == 80 + 160
+    # the timeline: every span on every rank, simulated time inside it, kinds and tags kept
+    ev = got["events"]
+    assert sorted((e["rank"], e["kind"], e["mb"]) for e in ev) == sorted(
+        (q, k, i) for q in range(world) for k in "FB" for i in range(2))
+    assert all(e["end"] - e["start"] >= (30 if e["kind"] == "F" else 60) * 0.99 for e in ev), ev
+    assert all(e["chunk"] == e["rank"] for e in ev) and all(e["note"] == -1 for e in ev if e["kind"] == "B")
+    assert all(a["end"] <= b["start"] + 1e-6 for a, b in zip(ev, ev[1:]) if a["rank"] == b["rank"])
+
+
+def test_saved_activations_and_live_storages():
+    lin = nn.Linear(5, 3).double()
+    x = torch.randn(4, 5, dtype=torch.float64, requires_grad=True)
+    with harness.SavedActivations() as saved:
+        y = torch.tanh(lin(x))  # Linear saves its input (not its weight); tanh saves its output
+    assert saved.bytes == 8 * (4 * 5 + 4 * 3), saved.bytes
+    assert saved.live.alive() == saved.bytes
+    y.sum().backward()  # backward frees what the graph saved ...
+    del y
+    assert saved.live.alive(x) == 8 * 4 * 5  # ... but x is still held by the caller, counted once
+    assert saved.live.peak == saved.bytes
+    # the check can fail: without the parameter filter the weight (a parameter) would be counted too
+    real = harness.is_parameter
+    harness.is_parameter = lambda t: False
+    try:
+        with harness.SavedActivations() as wrong:
+            torch.tanh(lin(x))
+    finally:
+        harness.is_parameter = real
+    assert wrong.bytes > 8 * (4 * 5 + 4 * 3)
+    live = harness.LiveStorages()
+    kept, dropped = torch.zeros(10), torch.zeros(20)
+    live.add(kept), live.add(dropped), live.add(kept[2:])  # a view: the same storage, counted once
+    assert live.alive() == 4 * 30
+    del dropped
+    assert live.alive() == 4 * 10 and live.peak == 4 * 30
