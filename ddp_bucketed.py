@@ -315,11 +315,12 @@ def main():
     opt = make_optimizer(model.parameters(), args)
     run = Run(d, args, {"model": ddp, "optim": opt})  # ddp's state_dict: the model and its bucket layout
     comm, overlap, acts, b = CommCounter(), Overlap(ddp), SavedActivations(), args.batch_size // d.world
+    count_at = min(max(run.start, 1), args.steps - 1)  # measurement: a step bench.py leaves untimed (below)
     for step in run.steps():
         x, y = data.batch(step, args.batch_size, args.seq_len, args.ragged)  # (B, T) global batch, CPU
         n_tok = count_tokens(y)  # tokens of the whole global batch: the loss divisor on every rank
         x, y = to_device(d.device, x[d.rank * b:(d.rank + 1) * b], y[d.rank * b:(d.rank + 1) * b])  # (B/N, T)
-        with run.watching(step, comm, acts):
+        with run.watching(step, comm, acts, at=count_at):
             opt.zero_grad(set_to_none=True)  # backward's hooks copy each gradient into its bucket once
             loss = lm_loss(ddp(x), y, n_tok)  # this rank's share L_r of the global loss L = sum_r L_r
             # DDP *averages*: backpropagate N * L_r, so mean_r grad(N L_r) = grad L exactly, ragged or not
@@ -346,6 +347,8 @@ def main():
 
 
 # --- measurement ---
+# The dispatcher counter sends every op through Python: it watches one step, the second (after the rebuild;
+# bench.py times the steps after its warm-up, and torch's side counts in its last warm-up step too).
 class Overlap:
     """Watches a BucketedDDP, per synced backward: the buckets launched while gradients were still to come
     (fewer had arrived than at the end), and the all-reduces complete when backward ended. CPU: the works'

@@ -274,13 +274,14 @@ def train_sync(d, args, data, model):
     run = Run(d, args, {"model": model, "optim": opt})
     refuse_checkpoint(args, run.start and "used" in run.history, "async", "sync")
     comm, saved, rows = CommCounter(), [], args.batch_size // d.world
+    count_at = min(max(run.start, 1), args.steps - 1)  # measurement: a step bench.py leaves untimed (below)
     for step in run.steps():
         x, y = data.batch(step, args.batch_size, args.seq_len, args.ragged)  # (B, T) global batch, CPU
         n_tok = count_tokens(y)  # tokens of the whole global batch: every micro-batch loss divides by it
         x, y = to_device(d.device, x[d.rank * rows:(d.rank + 1) * rows], y[d.rank * rows:(d.rank + 1) * rows])
         loss_fn = lambda m, xm, ym: lm_loss(m(xm), ym, n_tok)  # noqa: E731
-        loss_fn = saving(loss_fn, saved) if step == args.steps - 1 else loss_fn  # measurement (below)
-        with run.watching(step, comm):  # (B/N, T) local slice in K micro-batches of (B/(N*K), T)
+        loss_fn = saving(loss_fn, saved) if step == count_at else loss_fn
+        with run.watching(step, comm, at=count_at):  # (B/N, T) local slice in K micro-batches of (B/(N*K), T)
             loss, _ = sync_step(model, opt, zip(x.chunk(args.accum), y.chunk(args.accum)), loss_fn, args.clip)
         dist.all_reduce(loss)  # the global batch's loss, for the log line only (not training traffic)
         run.end_step(step, loss.item())
@@ -392,6 +393,8 @@ def main():
 
 
 # --- measurement ---
+# The dispatcher counter sends every op through Python: it watches one step, the second (bench.py times the
+# steps after its warm-up, and torch's side counts in its last warm-up step too); the figures are per step.
 def saving(loss_fn, saved):
     """loss_fn, appending to `saved` the bytes each call saves for backward (a micro-batch's activations)."""
     def measured(*a):
