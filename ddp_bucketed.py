@@ -14,8 +14,8 @@ Training", VLDB 2020, Sec. 3.2):
   2. Gradients live in the buckets (DDP's gradient_as_bucket_view): each parameter's .grad is a view into
      its bucket, so the all-reduce's result *is* the gradient, never copied back. With
      zero_grad(set_to_none=False) the views survive and autograd adds into them: no copy at all. With
-     set_to_none=True (used here: on a CPU one copy costs less than zeroing and adding) .grad starts as None
-     and each hook copies the new gradient in once, then points .grad at its view.
+     set_to_none=True (used here: on a CPU one pass costs less than zeroing and adding) .grad starts as None
+     and each hook writes the new gradient / N into its slot in one pass, then points .grad at it.
   3. Overlap (Sec. 3.2.3): backward produces gradients from the last layer to the first. A hook on every
      parameter marks its gradient ready; when a bucket is full, its async all-reduce starts while autograd
      is still computing the earlier layers. The end of backward waits for all of them.
@@ -202,25 +202,30 @@ class BucketedDDP(nn.Module):
             self._arrival.append(i)
         self.arrived[i] = True
         self._into_bucket(i)
+        self.params[i].grad = self.views[i]  # .grad lives in its bucket from now on
         self._pending[self.bucket_of[i]] -= 1
         self._launch_ready()
 
     def _into_bucket(self, i):
-        """.grad becomes a view into the bucket. Already one (zero_grad(set_to_none=False) kept it, and
-        autograd added into it in place): nothing to do, no copy. A fresh .grad (set_to_none): copied once."""
-        p, view = self.params[i], self.views[i]
-        if p.grad.data_ptr() != view.data_ptr():
-            view.copy_(p.grad)
-            p.grad = view
+        """Slot i of its bucket := .grad / N in one pass (the average is a sum of grad/N; torch DDP divides
+        before the sum too; compressed, the 16-bit copy is divided instead, as torch's hook does); zeros for
+        no .grad. A .grad that already is the slot (zero_grad(set_to_none=False) kept it, and autograd added
+        into it in place): divided where it is, no copy."""
+        g, view, n = self.params[i].grad, self.views[i], 1 if self.wire_dtype else self.world
+        if g is None:
+            view.zero_()
+        elif g.data_ptr() == view.data_ptr():
+            view.div_(n)
+        else:
+            torch.div(g, n, out=view)
 
     def _launch_ready(self):
         """Launch every full bucket, in index order only (a full bucket waits for the earlier ones)."""
         while self._next < len(self.buckets) and self._pending[self._next] == 0:
-            buf = self.buffers[self._next]  # (n_b,) this rank's gradients
+            buf = self.buffers[self._next]  # (n_b,) this rank's gradients / N
             if self.wire_dtype is not None:  # a 16-bit copy travels: rounded, then divided (torch's hook)
-                buf = buf.to(self.wire_dtype)
+                buf = buf.to(self.wire_dtype).div_(self.world)
                 self._wires.append(buf)
-            buf.div_(self.world)  # average = sum of grad/N (torch DDP divides before the sum too)
             self.works.append(self._reduce(self._next, buf))
             self._next += 1
 
@@ -249,8 +254,7 @@ class BucketedDDP(nn.Module):
         every rank. Returns those parameters."""
         missing = [i for i, got in enumerate(self.arrived) if not got]
         for i in missing:
-            g = self.params[i].grad
-            self.views[i].copy_(g) if g is not None else self.views[i].zero_()
+            self._into_bucket(i)
             self._pending[self.bucket_of[i]] -= 1
         self._launch_ready()
         return missing

@@ -420,20 +420,25 @@ for cap in (CAP, 0.004):
 
 
 # 9. gradients live in the buckets: with zero_grad(set_to_none=False) backward adds into the bucket views and
-# nothing is copied into a bucket; with set_to_none=True each gradient is copied in once; a BucketedDDP that
-# copies out of the bucket (a .grad of its own, the way before issue 21) fails the storage check
+# nothing is moved into a bucket; with set_to_none=True each gradient is moved in once (divided by N on the
+# way); a BucketedDDP that copies out of the bucket (a .grad of its own, as before issue 21) fails the check
 class Copies(TorchDispatchMode):
-    """aten.copy_ calls whose destination lives in one of ddp's bucket buffers (as they are at the call)."""
+    """Gradients moved into ddp's bucket buffers, seen at the dispatcher: a copy_, or a div with out=, from a
+    tensor outside the buffers into one of them (the buffers as they are at the call). Autograd's own add_
+    into a .grad that is already a bucket view is the accumulation, not a move."""
 
     def __init__(self, ddp):
         super().__init__()
         self.ddp, self.n = ddp, 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func is torch.ops.aten.copy_.default:
+        kwargs = kwargs or {}
+        name = func._schema.name
+        dst, src = (args[0], args[1]) if name == "aten::copy_" else (kwargs.get("out"), args[0])
+        if name in ("aten::copy_", "aten::div") and torch.is_tensor(dst) and torch.is_tensor(src):
             ptrs = {b.untyped_storage().data_ptr() for b in self.ddp.buffers}
-            self.n += args[0].untyped_storage().data_ptr() in ptrs
-        return func(*args, **(kwargs or {}))
+            self.n += dst.untyped_storage().data_ptr() in ptrs and src.untyped_storage().data_ptr() not in ptrs
+        return func(*args, **kwargs)
 
 
 class CopyOut(BucketedDDP):
