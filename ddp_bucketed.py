@@ -1,5 +1,6 @@
-"""ddp_bucketed.py: data parallel as torch's DistributedDataParallel does it, written out: gradients packed
-into flat buckets, each bucket all-reduced the moment its last gradient lands, overlapping the rest of backward.
+"""ddp_bucketed.py: data parallel as torch's DistributedDataParallel does it, written out: gradients that
+live in flat buckets, each bucket all-reduced the moment its last gradient lands, overlapping the rest of
+backward.
 
 Every rank holds the whole model and runs forward + backward on its slice of the global batch; the gradients
 are then averaged over ranks, so every replica takes the same optimizer step. dp.py averages every gradient
@@ -7,29 +8,38 @@ after backward has finished; the network then idles during backward and compute 
 all-reduce. Here (Li et al., "PyTorch Distributed: Experiences on Accelerating Data Parallel
 Training", VLDB 2020, Sec. 3.2):
   1. Bucketing (Sec. 3.2.2): one all-reduce of a few MB costs about as much as one of a few KB (latency
-     dominates small messages), so gradients are copied into a few flat buffers and each is reduced as one.
-  2. Overlap (Sec. 3.2.3): backward produces gradients from the last layer to the first. A hook on every
-     parameter copies its gradient into its bucket; when a bucket is full, its async all-reduce starts while
-     autograd is still computing the earlier layers. The end of backward waits for all of them.
-  3. Bucket order: first the reverse of registration (a guess at backward order); after the first iteration,
+     dominates small messages), so gradients live in a few flat buffers and each is reduced as one. DDP's
+     cut rule: walk the parameters, add each to the open bucket, and close the bucket as soon as it holds
+     at least the cap (so a bucket passes the cap by up to one parameter, and there are fewer of them).
+  2. Gradients live in the buckets (DDP's gradient_as_bucket_view): each parameter's .grad is a view into
+     its bucket, so the all-reduce's result *is* the gradient, never copied back. With
+     zero_grad(set_to_none=False) the views survive and autograd adds into them: no copy at all. With
+     set_to_none=True (used here: on a CPU one pass costs less than zeroing and adding) .grad starts as None
+     and each hook writes the new gradient / N into its slot in one pass, then points .grad at it.
+  3. Overlap (Sec. 3.2.3): backward produces gradients from the last layer to the first. A hook on every
+     parameter marks its gradient ready; when a bucket is full, its async all-reduce starts while autograd
+     is still computing the earlier layers. The end of backward waits for all of them.
+  4. Bucket order: first the reverse of registration (a guess at backward order); after the first iteration,
      rebuilt once from the order gradients *actually* arrived, so bucket 0 fills first. Buckets are launched
-     in index order only: every rank must issue the same collectives in the same order (NCCL matches by order).
+     in index order only: every rank must issue the same collectives in the same order (NCCL matches by
+     order).
      Where torch differs: without find_unused_parameters its first iteration uses ONE bucket (no overlap
      until the rebuild; registration order may be far from backward order); here the first iteration
      already uses capped reverse-registration buckets, so the rebuild's gain is visible in the summary.
      With find_unused_parameters=True torch never rebuilds (the set of gradients can change every
      iteration), and neither does this file: its buckets stay in reverse registration order.
-  4. no_sync() (Sec. 3.2.4): gradient accumulation; inside it the hooks only note which parameters were
+  5. no_sync() (Sec. 3.2.4): gradient accumulation; inside it the hooks only note which parameters were
      used, and gradients add up locally in .grad. The next synced backward reduces the accumulated .grad.
-  5. A parameter that gets no gradient would leave its bucket waiting forever: an error names it, or
+  6. A parameter that gets no gradient would leave its bucket waiting forever: an error names it, or
      find_unused_parameters=True fills its slot with its .grad (what no_sync() accumulated) or zeros, and
      all-reduces a used-map (used in any backward since the last sync) to tell "unused here" from "unused
      everywhere": the latter keep their .grad untouched (torch DDP's local_used_map, the same rule).
-  6. --compress bf16|fp16: buckets travel in 16 bits (half the bytes of fp32, a quarter of fp64) and are
-     copied back into the parameter dtype: gradient compression in its simplest form (torch's
+  7. --compress bf16|fp16: each bucket travels as a 16-bit copy (half the bytes of fp32, a quarter of fp64),
+     copied back into the bucket when it lands: gradient compression in its simplest form (torch's
      fp16_compress_hook / bf16_compress_hook). fp16 can underflow tiny gradients; bf16 keeps fp32's range.
      --check then compares with a one-process run of the same recipe (compressed_reference), exact on 2 ranks.
-  7. --ckpt-dir saves the bucket layout with the model (BucketLayout): a restarted run keeps the rebuilt buckets.
+  8. The bucket layout is part of the module's state_dict (get_extra_state): a restarted run keeps the
+     rebuilt buckets.
 Ring all-reduce (Patarasuk & Yuan, 2009; Sergeev & Del Balso, "Horovod", 2018) sends 2(N-1)/N of the
 payload per rank, whatever N: adding ranks does not add bytes per rank.
 
@@ -42,9 +52,10 @@ payload per rank, whatever N: adding ranks does not add bytes per rank.
   bucket 0 (small)               [AR 0 ....]
   bucket 1                                  [AR 1 ..........]
   bucket 2                                                    [AR 2 .........]
-  bucket 3                                                                  [AR 3]  wait all, copy to .grad
+  bucket 3                                                                  [AR 3]  wait all: .grad is ready
                                                                                   ^ loss.backward() returns
-In production, use torch.nn.parallel.DistributedDataParallel (or FSDP's fully_shard when the model does not fit).
+In production, use torch.nn.parallel.DistributedDataParallel (or FSDP's fully_shard when the model does not
+fit).
 """
 import contextlib
 from dataclasses import dataclass
@@ -54,11 +65,10 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from common import (DTYPES, build_gpt, close_dist, count_tokens, fail, GPTConfig, init_dist, lm_loss,
-                    make_optimizer, MarkovData)
-from harness import (check_against_reference, check_common_args, Checkpointer, CommonArgs, env_world_size,
-                     log_step, maybe_fail, parse_args, peak_memory_bytes, SavedActivations, state_bytes,
-                     StepTimer, tensor_bytes, tolerance, write_summary)
+from common import (DTYPES, build_gpt, count_tokens, fail, GPTConfig, init_dist, lm_loss, make_optimizer,
+                    MarkovData)
+from harness import (check_against_reference, check_common_args, CommCounter, CommonArgs, env_world_size,
+                     parse_args, peak_memory_bytes, Run, SavedActivations, tensor_bytes, tolerance)
 
 MiB = 1024 * 1024
 WIRE = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -67,14 +77,15 @@ WIRE = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 @dataclass
 class Args(CommonArgs):
     bucket_cap_mb: float = 0.1  # bucket capacity in MiB (torch: 25, which would be one bucket for this model)
-    first_bucket_mb: float = 0.02  # capacity of bucket 0, the first to launch (torch: 1); small = starts early
+    first_bucket_mb: float = 0.02  # capacity of bucket 0, the first to launch (torch: 1): small starts early
     compress: Literal["none", "bf16", "fp16"] = "none"  # dtype the gradients travel in
 
 
 # ----------------------------------------------------------------------------- the technique
 class BucketedDDP(nn.Module):
-    """Drop-in for torch.nn.parallel.DistributedDataParallel: when loss.backward() returns, every .grad
-    holds the average over the ranks of `group`.
+    """Drop-in for torch.nn.parallel.DistributedDataParallel(gradient_as_bucket_view=True): when
+    loss.backward() returns, every .grad holds the average over the ranks of `group`, as a view into its
+    bucket.
 
     Why post-accumulate-grad hooks + queue_callback: `Tensor.register_post_accumulate_grad_hook` runs right
     after autograd has written a parameter's .grad (including what no_sync() accumulated before), which is
@@ -84,14 +95,14 @@ class BucketedDDP(nn.Module):
     `Variable._execution_engine.queue_callback`, queued from the first hook of each backward, is that
     moment (torch DDP's Reducer queues its finalize_backward the same way). Waiting in the hook of the
     last bucket instead would hang on a parameter that gets no gradient; the callback can name it.
-    Left out of torch DDP: gradient_as_bucket_view (.grad living inside the bucket: one copy less),
-    re-broadcasting buffers every forward (the GPT has none), static_graph, general comm hooks."""
+    Left out of torch DDP: re-broadcasting buffers every forward (the GPT has none), static_graph, general
+    comm hooks."""
 
     def __init__(self, module, bucket_cap_mb=25, first_bucket_mb=1, group=None, find_unused_parameters=False,
                  compress=None):
         super().__init__()
-        self.module, self.group, self.find_unused, self.wire_dtype = module, group, find_unused_parameters, compress
-        self.world = dist.get_world_size(group)
+        self.module, self.group, self.find_unused = module, group, find_unused_parameters
+        self.wire_dtype, self.world = compress, dist.get_world_size(group)
         self.src = dist.get_global_rank(group, 0) if group is not None else 0
         self.caps = (int(first_bucket_mb * MiB), int(bucket_cap_mb * MiB))  # bytes of bucket 0, of the others
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
@@ -110,36 +121,52 @@ class BucketedDDP(nn.Module):
         # torch rebuilds only without find_unused_parameters, and so does this file
         self._arrival = None if find_unused_parameters else []
         self._rebuild_pending = False
-        self.history = []  # one record per synced backward: overlap and bytes, measured
+        self.works, self._wires = [], []  # this backward's all-reduces (and 16-bit copies), bucket by bucket
 
-    def _build_buckets(self, order):
-        """Pack parameters greedily in `order`: at most caps[0] bytes in bucket 0, caps[1] in the others (in
-        the parameter dtype, as torch DDP counts); a parameter bigger than its cap gets a bucket of its own."""
-        self.buckets, cur, size = [], [], 0
+    def _assign(self, order):
+        """DDP's cut rule (compute_bucket_assignment_by_size in its reducer): walk `order`, add each parameter
+        to the open bucket of its dtype, and close that bucket once it holds at least its cap (caps[0] for
+        the first bucket of each dtype, caps[1] after). Returns the buckets, as lists of parameter indices."""
+        buckets, open_, closed = [], {}, {}
         for i in order:
             p = self.params[i]
-            nbytes = p.numel() * p.element_size()
-            if cur and (size + nbytes > self.caps[min(len(self.buckets), 1)] or p.dtype != self.params[cur[0]].dtype):
-                self.buckets.append(cur)
-                cur, size = [], 0
-            cur.append(i)
-            size += nbytes
-        self.buckets.append(cur)
-        self.bucket_of, self.views, self.buffers = {}, {}, []
+            idx, size = open_.setdefault(p.dtype, ([], [0]))
+            idx.append(i)
+            size[0] += p.numel() * p.element_size()
+            if size[0] >= self.caps[min(closed.get(p.dtype, 0), 1)]:
+                buckets.append(open_.pop(p.dtype)[0])
+                closed[p.dtype] = closed.get(p.dtype, 0) + 1
+        return buckets + [idx for idx, _ in open_.values()]
+
+    def _build_buckets(self, order):
+        """One flat buffer per bucket, in the parameter dtype; each parameter's gradient a fixed slice of it,
+        shaped like the parameter tensor."""
+        self.buckets, self.bucket_of, self.views, self.buffers = self._assign(order), {}, {}, []
         for b, idx in enumerate(self.buckets):
-            dtype = self.wire_dtype or self.params[idx[0]].dtype
-            buf = torch.zeros(sum(self.params[i].numel() for i in idx), dtype=dtype, device=self.device)  # (n_b,)
-            off = 0
-            for i in idx:  # each parameter's gradient has a fixed slice of the flat buffer, shaped like it
-                n = self.params[i].numel()
-                self.views[i], self.bucket_of[i] = buf[off:off + n].view_as(self.params[i]), b
-                off += n
+            buf = torch.zeros(sum(self.params[i].numel() for i in idx), dtype=self.params[idx[0]].dtype,
+                              device=self.device)  # (n_b,)
+            for i, view in zip(idx, buf.split([self.params[i].numel() for i in idx])):
+                self.views[i], self.bucket_of[i] = view.view_as(self.params[i]), b
             self.buffers.append(buf)
 
     def layout(self):
-        """[(parameter names, bytes in the parameter dtype, bytes on the wire)] per bucket, in launch order."""
-        return [([self.names[i] for i in idx], sum(self.params[i].numel() * self.params[i].element_size() for i in idx),
-                 buf.numel() * buf.element_size()) for idx, buf in zip(self.buckets, self.buffers)]
+        """[(parameter names, bytes in the parameter dtype, bytes on the wire)] per bucket, launch order."""
+        out = []
+        for idx, buf in zip(self.buckets, self.buffers):
+            wire = torch.finfo(self.wire_dtype).bits // 8 if self.wire_dtype else buf.element_size()
+            out.append(([self.names[i] for i in idx], buf.numel() * buf.element_size(), buf.numel() * wire))
+        return out
+
+    def get_extra_state(self):
+        """The bucket layout travels in the state_dict: a restarted run rebuilds exactly these buckets, not
+        the first guess, so it issues the same all-reduces with the same elements in them (on 3+ ranks the
+        layout decides the order of each element's sum)."""
+        order = [i for idx in self.buckets for i in idx]
+        return dict(order=order, arrival=self._arrival, pending=self._rebuild_pending)
+
+    def set_extra_state(self, state):
+        self._build_buckets(state["order"])
+        self._arrival, self._rebuild_pending = state["arrival"], state["pending"]
 
     @contextlib.contextmanager
     def no_sync(self):
@@ -159,8 +186,8 @@ class BucketedDDP(nn.Module):
             if self._arrival is not None:  # (re)start recording: the first backward that completes counts
                 self._arrival = []
             self._pending = [len(idx) for idx in self.buckets]  # gradients each bucket still waits for
-            self._arrived, self._n_arrived = [False] * len(self.params), 0
-            self._works, self._launched_at, self._next, self._queued = [], [], 0, False
+            self.arrived = [False] * len(self.params)  # got its gradient in this backward
+            self.works, self._wires, self._next, self._queued = [], [], 0, False
         return self.module(*args, **kwargs)
 
     def _grad_ready(self, i):
@@ -173,19 +200,33 @@ class BucketedDDP(nn.Module):
             self._queued = True
         if self._arrival is not None:
             self._arrival.append(i)
-        self._arrived[i] = True
-        self._n_arrived += 1
-        self.views[i].copy_(self.params[i].grad)  # into the flat buffer (casts to the wire dtype)
+        self.arrived[i] = True
+        self._into_bucket(i)
+        self.params[i].grad = self.views[i]  # .grad lives in its bucket from now on
         self._pending[self.bucket_of[i]] -= 1
         self._launch_ready()
 
+    def _into_bucket(self, i):
+        """Slot i of its bucket := .grad / N in one pass (the average is a sum of grad/N; torch DDP divides
+        before the sum too; compressed, the 16-bit copy is divided instead, as torch's hook does); zeros for
+        no .grad. A .grad that already is the slot (zero_grad(set_to_none=False) kept it, and autograd added
+        into it in place): divided where it is, no copy."""
+        g, view, n = self.params[i].grad, self.views[i], 1 if self.wire_dtype else self.world
+        if g is None:
+            view.zero_()
+        elif g.data_ptr() == view.data_ptr():
+            view.div_(n)
+        else:
+            torch.div(g, n, out=view)
+
     def _launch_ready(self):
-        """Launch every bucket that is full, in index order only (a full bucket waits for the earlier ones)."""
+        """Launch every full bucket, in index order only (a full bucket waits for the earlier ones)."""
         while self._next < len(self.buckets) and self._pending[self._next] == 0:
-            buf = self.buffers[self._next]  # (n_b,) this rank's gradients, wire dtype
-            buf.div_(self.world)  # average = sum of grad/N (torch DDP divides before the sum too)
-            self._works.append(self._reduce(self._next, buf))
-            self._launched_at.append(self._n_arrived)  # gradients arrived by now: fewer than at the end = overlap
+            buf = self.buffers[self._next]  # (n_b,) this rank's gradients / N
+            if self.wire_dtype is not None:  # a 16-bit copy travels: rounded, then divided (torch's hook)
+                buf = buf.to(self.wire_dtype).div_(self.world)
+                self._wires.append(buf)
+            self.works.append(self._reduce(self._next, buf))
             self._next += 1
 
     def _reduce(self, b, buf):
@@ -194,42 +235,46 @@ class BucketedDDP(nn.Module):
 
     def _finish_backward(self):
         """Autograd-engine callback, after the whole graph ran and before backward() returns."""
-        # measured, before anything else launches: all-reduces already complete while autograd still ran
-        hidden = sum(w.is_completed() for w in self._works)
-        missing = [i for i, got in enumerate(self._arrived) if not got]
-        for i in missing:  # every bucket is still launched, in the same order on every rank; the slot holds
-            g = self.params[i].grad  # what no_sync() accumulated (torch reduces a defined .grad), else zeros
-            self.views[i].copy_(g) if g is not None else self.views[i].zero_()
-            self._pending[self.bucket_of[i]] -= 1
-        self._launch_ready()
-        early = [b for b in range(len(self._works)) if self._launched_at[b] < self._n_arrived]  # compute followed
+        missing = self._fill_missing()
         if missing and not self.find_unused:
-            for w in self._works:  # the group stays consistent: this rank took part in every collective
-                w.wait()
+            for work in self.works:  # the group stays consistent: this rank took part in every collective
+                work.wait()
             self._sync, self._used = False, [False] * len(self.params)
             raise RuntimeError(f"BucketedDDP: {len(missing)} parameter(s) got no gradient in this backward: "
-                               f"{', '.join(self.names[i] for i in missing)}. Make them part of the loss, set "
-                               f"requires_grad=False, or pass find_unused_parameters=True")
-        if self.find_unused:  # which parameters some rank used: unused here != unused everywhere
-            used = torch.tensor(self._used, dtype=torch.int32, device=self.device)  # (P,) 1 = got a gradient
-            dist.all_reduce(used, group=self.group)  # (P,) ranks that used each parameter
-            unused_everywhere = {i for i, u in enumerate(used.tolist()) if u == 0}
-        for idx, buf, w in zip(self.buckets, self.buffers, self._works):
-            w.wait()
-            for i in idx:
-                p = self.params[i]
-                if self.find_unused and i in unused_everywhere:
-                    continue  # unused on every rank: .grad is left alone, as torch DDP leaves it
-                if p.grad is None:  # unused here, used elsewhere: it gets the average too
-                    p.grad = torch.empty_like(p)
-                p.grad.copy_(self.views[i])  # back into the parameter dtype
-        nbytes = [buf.numel() * buf.element_size() for buf in self.buffers]
-        self.history.append(dict(buckets=len(self.buckets), launched_early=len(early),
-                                 bytes_early=sum(nbytes[b] for b in early), hidden=hidden, payload_bytes=sum(nbytes),
-                                 order=[i for idx in self.buckets for i in idx]))
+                               f"{', '.join(self.names[i] for i in missing)}. Make them part of the loss, "
+                               f"set requires_grad=False, or pass find_unused_parameters=True")
+        self._wait(self._unused_everywhere() if self.find_unused else set())
         if self._arrival is not None:
             self._rebuild_pending = True  # the next forward rebuilds the buckets from this arrival order
         self._sync, self._used = False, [False] * len(self.params)
+
+    def _fill_missing(self):
+        """Slots of parameters that got no gradient in this backward: what no_sync() accumulated in .grad
+        (torch reduces a defined .grad), else zeros; so every bucket still launches, in the same order on
+        every rank. Returns those parameters."""
+        missing = [i for i, got in enumerate(self.arrived) if not got]
+        for i in missing:
+            self._into_bucket(i)
+            self._pending[self.bucket_of[i]] -= 1
+        self._launch_ready()
+        return missing
+
+    def _unused_everywhere(self):
+        """The parameters no rank used since the last sync: unused here is not unused everywhere."""
+        used = torch.tensor(self._used, dtype=torch.int32, device=self.device)  # (P,) 1 = got a gradient
+        dist.all_reduce(used, group=self.group)  # (P,) ranks that used each parameter
+        return {i for i, u in enumerate(used.tolist()) if u == 0}
+
+    def _wait(self, unused_everywhere=()):
+        """Wait for every bucket; .grad = its view (the average), but where no rank used the parameter: its
+        .grad is left alone, as torch DDP leaves it."""
+        for b, work in enumerate(self.works):
+            work.wait()
+            if self.wire_dtype is not None:
+                self.buffers[b].copy_(self._wires[b])  # back into the parameter dtype
+            for i in self.buckets[b]:
+                if i not in unused_everywhere:
+                    self.params[i].grad = self.views[i]
 
     def _rebuild(self):
         """After the first iteration: buckets in the order gradients arrived (torch DDP's rebuild_buckets).
@@ -242,32 +287,163 @@ class BucketedDDP(nn.Module):
         self._arrival, self._rebuild_pending = None, False
 
 
-class BucketLayout:
-    """Checkpoint adapter (state_dict / load_state_dict) for a BucketedDDP's bucket order: a restarted run
-    rebuilds exactly these buckets, not the first-iteration guess, so it issues the same all-reduces with
-    the same elements in them (on 3+ ranks the layout decides the order of each element's sum)."""
+def to_device(device, *tensors):
+    """A step's batch onto the device, one copy per tensor: pinned and non-blocking on CUDA."""
+    if device.type != "cuda":
+        return tensors
+    return tuple(t.pin_memory().to(device, non_blocking=True) for t in tensors)
+
+
+def check_args(args):
+    world = env_world_size()
+    check_common_args(args)  # every rank checks, before any collective
+    if args.batch_size % world:
+        fail(f"--batch-size {args.batch_size} is not divisible by the world size {world}: each rank takes an "
+             f"equal slice; use a multiple of {world}, e.g. {world * max(1, args.batch_size // world)}")
+    for flag in ("bucket_cap_mb", "first_bucket_mb"):
+        if not getattr(args, flag) * MiB >= 1:  # also catches nan
+            fail(f"--{flag.replace('_', '-')} must be a positive size in MiB (fractions allowed, e.g. 0.05), "
+                 f"got {getattr(args, flag)}")
+
+
+# ----------------------------------------------------------------------------- main
+def main():
+    args = parse_args(Args)
+    check_args(args)
+    d = init_dist(args.timeout)  # --- setup (same in every file) ---
+    data = MarkovData(args.vocab, args.seed)
+    d.log(f"ddp_bucketed: world {d.world}, {args.batch_size // d.world} sequences per rank, "
+          f"entropy floor {data.entropy:.4f} nats/token")
+    model = build_gpt(GPTConfig.from_args(args), args.seed, DTYPES[args.dtype], d.device)
+    ddp = BucketedDDP(model, args.bucket_cap_mb, args.first_bucket_mb, compress=WIRE[args.compress])
+    opt = make_optimizer(model.parameters(), args)
+    run = Run(d, args, {"model": ddp, "optim": opt})  # ddp's state_dict: the model and its bucket layout
+    comm, overlap, acts, b = CommCounter(), Overlap(ddp), SavedActivations(), args.batch_size // d.world
+    count_at = min(max(run.start, 1), args.steps - 1)  # measurement: a step bench.py leaves untimed (below)
+    for step in run.steps():
+        x, y = data.batch(step, args.batch_size, args.seq_len, args.ragged)  # (B, T) global batch, CPU
+        n_tok = count_tokens(y)  # tokens of the whole global batch: the loss divisor on every rank
+        x, y = to_device(d.device, x[d.rank * b:(d.rank + 1) * b], y[d.rank * b:(d.rank + 1) * b])  # (B/N, T)
+        with run.watching(step, comm, acts, at=count_at):
+            opt.zero_grad(set_to_none=True)  # backward's hooks copy each gradient into its bucket once
+            loss = lm_loss(ddp(x), y, n_tok)  # this rank's share L_r of the global loss L = sum_r L_r
+            # DDP *averages*: backpropagate N * L_r, so mean_r grad(N L_r) = grad L exactly, ragged or not
+            (loss * d.world).backward()  # returns with every .grad averaged over ranks
+            if args.clip > 0:  # grads are now replicated, so this local norm is the global norm
+                torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
+            opt.step()
+        total = loss.detach().clone().reshape(1)  # (1,) logging only: not counted in comm_bytes
+        dist.all_reduce(total)
+        run.end_step(step, total.item())
+    figures = summary_figures(d, ddp, comm, overlap)
+    held = [*model.parameters(), *(p.grad for p in model.parameters()), *ddp.buffers, *ddp._wires,
+            *(v for s in opt.state.values() for v in s.values() if torch.is_tensor(v) and v.dim() > 0)]
+    peak = peak_memory_bytes(d, tensor_bytes(held) + acts.bytes)  # read before --check trains a reference
+    check = None
+    if args.check:
+        ref, (tol, ptol) = None, (None, None)  # None: common's float reference and tolerances
+        if args.compress != "none":
+            tol, ptol = compress_tolerance(args, d.world)
+            ref = compressed_reference(args, d.world, WIRE[args.compress], d.device) if d.rank == 0 else None
+        check = check_against_reference(d, args, run.losses, dict(model.named_parameters()), ref=ref, tol=tol,
+                                        ptol=ptol)
+    run.finish("ddp_bucketed", peak, figures["allreduce_payload_bytes_per_step"], check, figures)
+
+
+# --- measurement ---
+# The dispatcher counter sends every op through Python: it watches one step, the second (after the rebuild;
+# bench.py times the steps after its warm-up, and torch's side counts in its last warm-up step too).
+class Overlap:
+    """Watches a BucketedDDP, per synced backward: the buckets launched while gradients were still to come
+    (fewer had arrived than at the end), and the all-reduces complete when backward ended. CPU: the works'
+    is_completed() as the end-of-backward callback starts. A GPU's host runs ahead of the device, so there:
+    a CUDA event on a side stream made to wait for each all-reduce, against one where backward's kernels
+    end."""
 
     def __init__(self, ddp):
-        self.ddp = ddp
+        self.ddp, self.steps, self.cuda = ddp, [], ddp.device.type == "cuda"
+        self.side = torch.cuda.Stream(ddp.device) if self.cuda else None
+        self.reduce, self.finish = ddp._reduce, ddp._finish_backward
+        ddp._reduce, ddp._finish_backward = self._reduce, self._finish
 
-    def state_dict(self):
-        dd = self.ddp
-        return dict(order=[i for idx in dd.buckets for i in idx], arrival=dd._arrival, pending=dd._rebuild_pending)
+    def _reduce(self, b, buf):
+        self._begin()
+        work, done = self.reduce(b, buf), None
+        if self.cuda:  # the side stream waits for this all-reduce: its event marks when it ended
+            with torch.cuda.stream(self.side):
+                work.wait()
+                done = self._event()
+        self.now["launched"].append((sum(self.ddp.arrived), buf.numel() * buf.element_size(), done))
+        return work
 
-    def load_state_dict(self, state):
-        self.ddp._build_buckets(state["order"])
-        self.ddp._arrival, self.ddp._rebuild_pending = state["arrival"], state["pending"]
+    def _finish(self):
+        self._begin()
+        arrived, works = sum(self.ddp.arrived), self.ddp.works
+        ended = self._event() if self.cuda else [w.is_completed() for w in works]
+        self.finish()
+        self.steps.append(dict(self.now, arrived=arrived, ended=ended, order=sum(self.ddp.buckets, [])))
+
+    def _begin(self):  # the first launch of a backward starts its record (on a GPU with an event: its zero)
+        if not self.ddp.works:
+            self.now = dict(launched=[], zero=self._event() if self.cuda else None)
+
+    def _event(self):
+        e = torch.cuda.Event(enable_timing=True)
+        e.record()
+        return e
+
+    def per_step(self):
+        """Per synced backward: buckets, launched_early, bytes_early, hidden, payload_bytes, order."""
+        if self.cuda:
+            torch.cuda.synchronize(self.ddp.device)
+        out = []
+        for s in self.steps:
+            early = [n for arrived, n, _ in s["launched"] if arrived < s["arrived"]]
+            ms = s["zero"].elapsed_time if self.cuda else None
+            hidden = sum(ms(done) <= ms(s["ended"]) for *_, done in s["launched"]) if ms else sum(s["ended"])
+            out.append(dict(buckets=len(s["launched"]), launched_early=len(early), bytes_early=sum(early),
+                            hidden=hidden, payload_bytes=sum(n for _, n, _ in s["launched"]),
+                            order=s["order"]))
+        return out
 
 
+def summary_figures(d, ddp, comm, overlap):
+    """Measured numbers beside their theory values."""
+    steps, payload, layout = overlap.per_step(), comm.total("all_reduce"), ddp.layout()
+    last, first = (steps[-1], steps[0]) if steps else (dict(launched_early=0, bytes_early=0, hidden=0),) * 2
+    f = dict(buckets=len(layout), bucket_bytes=[wire for *_, wire in layout],
+             bucket_params=[len(names) for names, *_ in layout],
+             allreduce_payload_bytes_per_step=payload,  # counted at the dispatcher: what each rank hands over
+             ring_bytes_sent_per_rank_theory=2 * (d.world - 1) / d.world * payload,  # theory
+             launched_before_backward_end=last["launched_early"],
+             bytes_launched_before_backward_end=last["bytes_early"],
+             launched_before_backward_end_first_step=first["launched_early"],  # before the rebuild
+             completed_before_backward_end=last["hidden"],  # fully hidden all-reduces
+             bucket_order_per_step=[s["order"] for s in steps])  # parameter indices, bucket by bucket
+    d.log(f"--- summary (rank 0 of {d.world}) ---\n"
+          f"buckets                          {f['buckets']}: {f['bucket_bytes']} bytes on the wire, "
+          f"{f['bucket_params']} parameters\n"
+          f"all-reduce payload per rank/step {payload} bytes (counted)\n"
+          f"ring all-reduce sent per rank    {f['ring_bytes_sent_per_rank_theory']:.0f} bytes (theory: "
+          f"2(N-1)/N * payload)\n"
+          f"overlap, last step               {last['launched_early']}/{f['buckets']} buckets "
+          f"({last['bytes_early']} bytes) launched before backward finished; {last['hidden']} had "
+          f"completed when it did (measured)\n"
+          f"overlap, first step              {first['launched_early']}/{f['buckets']} buckets launched early "
+          f"(registration-order buckets, before the rebuild)")
+    return f
+
+
+# --- reference for --check ---
 def compressed_reference(args, world, wire, device):
-    """--check's answer for --compress: one process, no buckets, no communication, the same precision recipe.
-    Per step, each rank r's gradient of N * L_r (its slice) is rounded to the wire dtype and divided by N
-    there; the N terms are summed in the wire dtype (one rounding per addition, as the all-reduce does),
-    then cast back to the parameter dtype, clipped and stepped (AdamW). On 1 or 2 ranks this is exactly the
-    run's arithmetic (round(a + b) = round(b + a)); on 3 or more the collective picks the order of the sum."""
+    """--check's answer for --compress: one process, no buckets, no communication, the same precision recipe:
+    each rank r's gradient of N * L_r rounded to the wire dtype and divided by N there, the N terms summed in
+    the wire dtype, cast back, clipped, stepped. Exactly the run's arithmetic on 1 or 2 ranks (a + b = b + a);
+    on 3 or more the collective picks the order of the sum."""
     data = MarkovData(args.vocab, args.seed)
     model = build_gpt(GPTConfig.from_args(args), args.seed, DTYPES[args.dtype], device)
-    opt, params, b, losses = make_optimizer(model.parameters(), args), list(model.parameters()), args.batch_size // world, []
+    opt, params = make_optimizer(model.parameters(), args), list(model.parameters())
+    b, losses = args.batch_size // world, []
     for step in range(args.steps):
         x, y = (t.to(device) for t in data.batch(step, args.batch_size, args.seq_len, args.ragged))
         n_tok, total, summed = count_tokens(y), 0.0, None
@@ -286,117 +462,14 @@ def compressed_reference(args, world, wire, device):
 
 
 def compress_tolerance(args, world):
-    """(loss, parameter) tolerances of --check with --compress. On <= 2 ranks the reference is the run's own
-    arithmetic: the dtype's tolerance. On N >= 3 the collective's order of the sum changes each summed
-    gradient by up to N - 2 roundings, relative u (2^-8 in bf16, 2^-11 in fp16), so each AdamW step (which
-    moves a weight by about lr) by up to that fraction: loss tolerance steps * lr * (N - 2) * u, relative.
-    The parameters then get AdamW's largest possible move, 2 * lr * steps: an element whose sum is
-    roundoff-sized can flip sign and step the other way, so only the losses stay a tight check there."""
+    """(loss, parameter) tolerances of --check with --compress: the dtype's on <= 2 ranks (the same
+    arithmetic). On N >= 3 the order of the sum moves each summed gradient by up to N - 2 roundings of
+    relative u, so each AdamW step (about lr) by that fraction: losses within steps * lr * (N - 2) * u;
+    parameters within AdamW's largest move, 2 * lr * steps (a roundoff-sized sum can flip sign)."""
     if world <= 2:
         return tolerance(args.dtype), tolerance(args.dtype)
     u = torch.finfo(WIRE[args.compress]).eps / 2
     return max(tolerance(args.dtype), args.steps * args.lr * (world - 2) * u), 2 * args.lr * args.steps
-
-
-# ----------------------------------------------------------------------------- main
-def main():
-    args = parse_args(Args)
-    world = env_world_size()
-    check_common_args(args)  # every rank checks, before any collective
-    if args.batch_size % world:
-        fail(f"--batch-size {args.batch_size} is not divisible by the world size {world}: each rank takes an "
-             f"equal slice; use a multiple of {world}, e.g. {world * max(1, args.batch_size // world)}")
-    for flag in ("bucket_cap_mb", "first_bucket_mb"):
-        if not getattr(args, flag) * MiB >= 1:  # also catches nan
-            fail(f"--{flag.replace('_', '-')} must be a positive size in MiB (fractions allowed, e.g. 0.05), "
-                 f"got {getattr(args, flag)}")
-    d = init_dist(args.timeout)  # --- setup (same in every file) ---
-    summary = train(d, args)
-    close_dist(ok=summary["check"] is None or summary["check"]["passed"])
-
-
-def train(d, args):
-    """Train (resuming from --ckpt-dir), --check, print and return the --json summary."""
-    data = MarkovData(args.vocab, args.seed)
-    d.log(f"ddp_bucketed: world {d.world}, {args.batch_size // d.world} sequences per rank, "
-          f"entropy floor {data.entropy:.4f} nats/token")
-    model = build_gpt(GPTConfig.from_args(args), args.seed, DTYPES[args.dtype], d.device)
-    ddp = BucketedDDP(model, args.bucket_cap_mb, args.first_bucket_mb, compress=WIRE[args.compress])
-    opt = make_optimizer(model.parameters(), args)
-    ckpt = Checkpointer(d, args.ckpt_dir, args.save_every, args.steps)
-    state = {"model": model, "optim": opt, "buckets": BucketLayout(ddp)}
-    start, hist = ckpt.load(state)
-    losses = hist.get("losses", [])
-    timer, b, peak = StepTimer(d.device), args.batch_size // d.world, 0
-    # --- the training loop ---
-    for step in range(start, args.steps):
-        maybe_fail(d, args, step)
-        timer.start()
-        x, y = data.batch(step, args.batch_size, args.seq_len, args.ragged)  # (B, T) global batch, CPU
-        n_tok = count_tokens(y)  # tokens of the whole global batch: the loss divisor on every rank
-        x, y = x[d.rank * b:(d.rank + 1) * b].to(d.device), y[d.rank * b:(d.rank + 1) * b].to(d.device)  # (B/N, T)
-        opt.zero_grad(set_to_none=True)
-        with SavedActivations() as acts:
-            loss = lm_loss(ddp(x), y, n_tok)  # this rank's share L_r of the global loss L = sum_r L_r
-        # DDP *averages*: backpropagate N * L_r, so mean_r grad(N L_r) = grad L exactly, ragged targets too
-        (loss * d.world).backward()  # returns with every .grad averaged over ranks
-        if args.clip > 0:  # grads are now replicated, so this local norm is the global norm
-            torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
-        opt.step()
-        total = loss.detach().clone().reshape(1)  # (1,) logging only: not counted in comm_bytes
-        dist.all_reduce(total)
-        ms = timer.stop()
-        losses.append(total.item())
-        peak = max(peak, state_bytes(model, opt) + tensor_bytes(ddp.buffers) + acts.bytes)
-        log_step(d, step, losses[-1], ms, args.batch_size * args.seq_len)
-        ckpt.maybe_save(step + 1, state, {"losses": losses})
-    # --- the summary ---
-    peak_mem = peak_memory_bytes(d, peak)  # the technique's own peak: read before --check trains a reference
-    check = None
-    if args.check:
-        ref, (tol, ptol) = None, (None, None)  # None: common's float reference and tolerances
-        if args.compress != "none":
-            tol, ptol = compress_tolerance(args, d.world)
-            ref = compressed_reference(args, d.world, WIRE[args.compress], d.device) if d.rank == 0 else None
-        check = check_against_reference(d, args, losses, dict(model.named_parameters()), ref=ref, tol=tol, ptol=ptol)
-    figures = summary_figures(ddp, d.world)
-    summary = write_summary(d, args, "ddp_bucketed", losses, timer.median(),
-                            args.batch_size * args.seq_len / max(timer.median(), 1e-9) * 1e3, peak_mem,
-                            figures["allreduce_payload_bytes_per_step"], check, figures)
-    print_summary(d, figures)
-    return summary
-
-
-# --- measurement ---
-def summary_figures(ddp, world):
-    """Measured numbers beside their theory values."""
-    none = dict(launched_early=0, bytes_early=0, hidden=0, payload_bytes=0)  # a resumed, finished run
-    last, first = (ddp.history or [none])[-1], (ddp.history or [none])[0]
-    payload = last["payload_bytes"]
-    return dict(
-        buckets=len(ddp.buckets), bucket_bytes=[wire for _, _, wire in ddp.layout()],
-        bucket_params=[len(names) for names, _, _ in ddp.layout()],
-        allreduce_payload_bytes_per_step=payload,  # counted at launch: what each rank hands to all-reduce
-        ring_bytes_sent_per_rank_theory=2 * (world - 1) / world * payload,  # theory: 2(N-1)/N * payload
-        launched_before_backward_end=last["launched_early"], bytes_launched_before_backward_end=last["bytes_early"],
-        launched_before_backward_end_first_step=first["launched_early"],  # before the arrival-order rebuild
-        # measured from the works (is_completed) as the backward's callback starts: fully hidden all-reduces
-        completed_before_backward_end=last["hidden"],
-        bucket_order_per_step=[h["order"] for h in ddp.history],  # parameter indices, bucket by bucket
-    )
-
-
-def print_summary(d, f):
-    d.log(f"--- summary (rank 0 of {d.world}) ---")
-    d.log(f"buckets                          {f['buckets']}: {f['bucket_bytes']} bytes on the wire, "
-          f"{f['bucket_params']} parameters")
-    d.log(f"all-reduce payload per rank/step {f['allreduce_payload_bytes_per_step']} bytes (counted)")
-    d.log(f"ring all-reduce sent per rank    {f['ring_bytes_sent_per_rank_theory']:.0f} bytes (theory: 2(N-1)/N * payload)")
-    d.log(f"overlap, last step               {f['launched_before_backward_end']}/{f['buckets']} buckets "
-          f"({f['bytes_launched_before_backward_end']} bytes) launched before backward finished; "
-          f"{f['completed_before_backward_end']} had completed when it did (measured from the works)")
-    d.log(f"overlap, first step              {f['launched_before_backward_end_first_step']}/{f['buckets']} buckets "
-          f"launched early (registration-order buckets, before the rebuild)")
 
 
 if __name__ == "__main__":

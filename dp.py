@@ -18,8 +18,8 @@ Every rank holds the whole model and a slice of the data. They differ in *when* 
    a *mean over its own tokens*, micro-batches with fewer real tokens (padding, ignore_index) weigh as much
    as full ones and the sum is not the full-batch gradient. Here every loss is a sum over tokens divided
    by the token count of the *whole global batch* (common.lm_loss), so the gradients of all micro-batches
-   on all ranks simply add up, and the all-reduce is a SUM. (`--loss-norm per_microbatch` runs the wrong
-   way on purpose, so the tests can show that --check catches it.)
+   on all ranks simply add up, and the all-reduce is a SUM. (tests/dp_checks.py runs the wrong way on
+   purpose and shows that --check catches it.)
 
 3. --mode async (asynchronous parameter server; Dean et al. 2012 "Downpour SGD", Li et al. 2014)
    Rank 0 is the server: it holds the weights and the optimizer. Workers (ranks 1..N-1) pull weights,
@@ -61,65 +61,54 @@ from typing import Literal
 import torch
 import torch.distributed as dist
 
-from common import (DTYPES, build_gpt, clip_grads_, close_dist, count_tokens, fail, GPTConfig, init_dist,
-                    lm_loss, make_optimizer, MarkovData)
-from harness import (check_against_reference, check_common_args, Checkpointer, CommonArgs, env_world_size,
-                     log_step, maybe_fail, parse_args, peak_memory_bytes, SavedActivations, state_bytes,
-                     StepTimer, write_summary)
+from common import (DTYPES, build_gpt, close_dist, count_tokens, fail, GPTConfig, init_dist, lm_loss,
+                    make_optimizer, MarkovData)
+from harness import (check_against_reference, check_common_args, Checkpointer, CommCounter, CommonArgs,
+                     env_world_size, LiveStorages, maybe_fail, parse_args, peak_memory_bytes, Run,
+                     SavedActivations, state_bytes, StepTimer)
 
 
 @dataclass
 class Args(CommonArgs):
     mode: Literal["sync", "async"] = "sync"  # sync: bulk synchronous; async: parameter server
     accum: int = 1  # sync: micro-batches per rank per step, one all-reduce after the last
-    loss_norm: Literal["global", "per_microbatch"] = "global"  # per_microbatch: the common bug, on purpose
     staleness: int = -1  # async: run in lockstep with exactly this staleness D (-1: free-running)
     max_staleness: int = 4  # async, free-running: bound on versions a gradient may lag (SSP)
     delay_ms: float = 0.0  # async: extra compute time of worker r is r * delay_ms (makes stragglers)
 
 
-def grad_norm(params):
-    """Global L2 norm of the gradients, the way clip_grad_norm_ computes it (norm of per-tensor norms)."""
-    return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in params]))
-
-
 # ----------------------------------------------------------------------------- 1 + 2: bulk synchronous
-def sync_step(d, args, model, opt, x, y, n_tok):
-    """One optimizer step on this rank's slice of the global batch, in `args.accum` micro-batches.
-    Returns (global loss, gradient norm, bytes this rank handed to all-reduce, activation bytes saved, number
-    of gradient all-reduces)."""
-    rows = args.batch_size // d.world
-    x, y = x[d.rank * rows:(d.rank + 1) * rows], y[d.rank * rows:(d.rank + 1) * rows]  # (B/N, T) local slice
-    opt.zero_grad(set_to_none=True)
-    local_loss, saved = 0.0, 0
-    for xm, ym in zip(x.chunk(args.accum), y.chunk(args.accum)):  # (B/(N*K), T) micro-batches
-        xm, ym = xm.to(d.device), ym.to(d.device)
-        if args.loss_norm == "global":
-            divisor = n_tok  # every token of the global batch weighs the same
-        else:  # the bug: a mean over this micro-batch's own tokens, then a plain average over K * N of them
-            divisor = count_tokens(ym) * args.accum * d.world
-        with SavedActivations() as acts:
-            loss = lm_loss(model(xm), ym, divisor)
-        saved = max(saved, acts.bytes)
-        loss.backward()  # gradients add up in .grad across micro-batches: no communication yet
-        local_loss += loss.item()
-    # The one synchronisation of the step: SUM (not average) over ranks, because each rank's loss was
-    # already divided by the global token count. One all-reduce per parameter: the naive version.
-    sent, calls = 0, 0
-    for p in model.parameters():
-        dist.all_reduce(p.grad, op=dist.ReduceOp.SUM)  # (param shape) full gradient, replicated
-        sent += p.grad.numel() * p.grad.element_size()  # measured: the bytes handed to the all-reduce
-        calls += 1
-    loss_t = torch.tensor([local_loss], dtype=torch.float64, device=d.device)
-    dist.all_reduce(loss_t)  # for the log line only (8 bytes; not counted as training traffic)
-    params = list(model.parameters())
-    norm = grad_norm(params)  # gradients are identical on every rank now, so this is the global norm
-    clip_grads_([p.grad for p in params], norm, args.clip)
+def clip_and_step(params, opt, clip):
+    """torch's clipping rule by the norm of the whole gradient, then the step; returns the norm
+    (get_total_norm takes each tensor's norm in its own dtype: no float64 copies of the gradients)."""
+    norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+    if clip > 0:
+        torch.nn.utils.clip_grads_with_norm_(params, clip, norm)
     opt.step()
-    return loss_t.item(), norm.item(), sent, saved, calls
+    return norm
 
 
-# ----------------------------------------------------------------------------- 3: asynchronous parameter server
+def sync_step(model, opt, micro_batches, loss_fn, clip=0.0, group=None):
+    """One optimizer step of bulk-synchronous data parallel. Every rank of `group` starts from the same
+    weights and passes its share of the global batch as `micro_batches`, (x, y) pairs on the device.
+    loss_fn(model, x, y) is a micro-batch's loss: a *sum* over its examples divided by the size of the whole
+    global batch, so that the gradients of all micro-batches on all ranks add up to the full-batch gradient.
+    Returns (this rank's loss over its micro-batches, float64 on the device; the norm before clipping)."""
+    opt.zero_grad(set_to_none=True)
+    total = 0
+    for x, y in micro_batches:  # (B/(N*K), T) each
+        loss = loss_fn(model, x, y)
+        loss.backward()  # gradients add up in .grad across micro-batches: no communication yet
+        total = total + loss.detach().double()  # on the device: no host sync per micro-batch
+    # The one synchronisation of the step: SUM (not average) over ranks, because each rank's loss was
+    # already divided by the global count. One all-reduce per parameter: the naive version.
+    params = [p for p in model.parameters() if p.requires_grad]
+    for p in params:
+        dist.all_reduce(p.grad, op=dist.ReduceOp.SUM, group=group)  # (param shape) full gradient, replicated
+    return total, clip_and_step(params, opt, clip)  # the gradients agree everywhere: the local norm is global
+
+
+# ----------------------------------------------------------------------------- 3: a parameter server
 # Messages, all tensors on the device. Server -> worker: a header (version of the weights, batch id; batch id
 # -1 = stop) and the flat weights. Worker -> server: the flat gradient, then (loss, version it computed on,
 # batch id) in float64. Every server <-> worker pair talks on its own two-rank group (`groups[w]`): under
@@ -127,43 +116,32 @@ def sync_step(d, args, model, opt, x, y, n_tok):
 # server's posted receive from a slow worker would block its sends to every other worker (round robin,
 # not asynchrony). One communicator per worker lets each pair's traffic proceed independently.
 def flat_params(model):
-    return torch.cat([p.detach().flatten() for p in model.parameters()])
+    return torch.cat([p.detach().flatten() for p in model.parameters()])  # (P,) a copy
 
 
 def load_flat_(model, flat):
-    i = 0
-    for p in model.parameters():
-        p.data.copy_(flat[i:i + p.numel()].view_as(p))
-        i += p.numel()
+    for p, piece in zip(model.parameters(), flat.split([p.numel() for p in model.parameters()])):
+        p.data.copy_(piece.view_as(p))
 
 
-def batch_seed(args, batch_id):
-    """Dropout on a worker depends only on (seed, batch): workers hold no state a restart could lose."""
-    return 7_919 * args.seed + batch_id
-
-
-def worker_loop(d, args, model, data, group):
-    """Pull weights, compute the gradient of the batch named in the header, push it; until told to stop."""
-    header = torch.zeros(2, dtype=torch.long, device=d.device)
+def worker_loop(model, loss_of_batch, group, server=0):
+    """A worker: pull weights and a batch id from the server (global rank `server`), push the gradient of
+    loss_of_batch(model, batch id) on those weights, until told to stop. It holds no state."""
+    header = torch.zeros(2, dtype=torch.long, device=next(model.parameters()).device)  # (version, batch id)
     weights = flat_params(model)
     while True:
-        dist.recv(header, src=0, group=group)
-        version, batch_id = header.tolist()
+        dist.recv(header, src=server, group=group)
+        batch_id = int(header[1])  # the worker must know its batch: a host sync, off the server's path
         if batch_id < 0:
             return
-        if batch_id >= args.fail_at_step >= 0:
-            maybe_fail(d, args, args.fail_at_step)  # the last worker dies at its first batch >= --fail-at-step
-        dist.recv(weights, src=0, group=group)
+        dist.recv(weights, src=server, group=group)
         load_flat_(model, weights)
-        x, y = (t.to(d.device) for t in data.batch(batch_id, args.batch_size, args.seq_len, args.ragged))
-        torch.manual_seed(batch_seed(args, batch_id))
         model.zero_grad(set_to_none=True)
-        loss = lm_loss(model(x), y, count_tokens(y))
+        loss = loss_of_batch(model, batch_id)
         loss.backward()
-        time.sleep(d.rank * args.delay_ms / 1e3)  # a straggler, if asked for
-        dist.send(torch.cat([p.grad.flatten() for p in model.parameters()]), dst=0, group=group)  # (P,)
-        meta = torch.tensor([loss.item(), version, batch_id], dtype=torch.float64, device=d.device)
-        dist.send(meta, dst=0, group=group)  # what this gradient is: measured here, where it was computed
+        dist.send(torch.cat([p.grad.flatten() for p in model.parameters()]), dst=server, group=group)  # (P,)
+        meta = torch.cat([loss.detach().double().reshape(1), header.double()])  # (loss, version, batch id)
+        dist.send(meta, dst=server, group=group)  # what this gradient is: said where it was computed
 
 
 def within_bound(version, pulled, bound):
@@ -172,100 +150,309 @@ def within_bound(version, pulled, bound):
     return all(version + k - v <= bound for k, v in enumerate(sorted(pulled)))
 
 
-def server_loop(d, args, model, opt, timer, groups, ckpt, log, recent):
-    """Rank 0: apply gradients as they arrive. `log` (one (loss, version used, batch id, ms) per update) and
-    `recent` (lockstep: the last D weight versions) come from a checkpoint, or are empty. Returns the bytes
-    the server handed to sends."""
-    workers = list(range(1, d.world))
-    n_params = sum(p.numel() for p in model.parameters())
-    version = len(log)
-    outstanding = {}  # worker -> (version of the weights it was sent, batch id, gradient buffer, meta buffer)
-    pending_sends, arrivals, arrived, sent = [], queue.Queue(), set(), [0]
+@dataclass
+class Lockstep:
+    """Update u applies the gradient of batch u, computed by worker u mod W on W_{max(u-D, 0)}: exactly D
+    versions stale, D + 1 pulls in flight (so at least D + 1 workers)."""
+    D: int
 
-    def send_pull(w, batch_id, weights=None, weights_version=None):
-        """Send weights (default: the current ones) or a stop to worker w, and post receives for its gradient."""
-        v = version if weights_version is None else weights_version
-        header = torch.tensor([v, batch_id], dtype=torch.long, device=d.device)
-        out = [header] if batch_id < 0 else [header, flat_params(model) if weights is None else weights]
-        for t in out:  # a copy of the weights: they change while the send may still be running
-            pending_sends.append(dist.isend(t, dst=w, group=groups[w]))
-            sent[0] += t.numel() * t.element_size()  # measured: the bytes handed to the send
-        if batch_id < 0:
-            return
-        grad = torch.empty(n_params, dtype=out[1].dtype, device=d.device)
-        meta = torch.empty(3, dtype=torch.float64, device=d.device)
-        works = [dist.irecv(grad, src=w, group=groups[w]), dist.irecv(meta, src=w, group=groups[w])]
-        outstanding[w] = (v, batch_id, grad, meta)
-        # A thread per pending gradient reports its arrival: there is no receive-from-any-source in NCCL,
-        # and gloo completes a receive only inside wait(), so neither polling nor any-source works for both.
-        threading.Thread(target=lambda: ([wait_arrival(k) for k in works], arrivals.put(w)), daemon=True).start()
+    def next_pull(self, s):  # (worker, weights version) for batch u = s.handed, once W_{u-D} exists
+        u = s.handed
+        return (s.workers[u % len(s.workers)], max(u - self.D, 0)) if u <= s.version + self.D else None
 
-    lockstep, D, S = args.staleness >= 0, args.staleness, args.max_staleness
-    idle = list(workers)
-    if lockstep:  # update u's gradient: worker 1 + u % W, batch u, weights W_{max(u-D, 0)}; pulls u = v..v+D
-        for u in range(version, min(version + D + 1, args.steps)):  # in flight (resent after a restart)
-            v = max(u - D, 0)
-            send_pull(workers[u % len(workers)], u, None if v == version else recent[v - version + len(recent)], v)
-    handed_out = version
-    if not lockstep:  # bounded staleness: hand out pulls only while all in flight can land within S
-        while idle and handed_out < args.steps and within_bound(version, [o[0] for o in outstanding.values()] + [version], S):
-            send_pull(idle.pop(0), handed_out)
-            handed_out += 1
-    timer.start()
-    while version < args.steps:
-        if lockstep:
-            w = workers[version % len(workers)]
-            while w not in arrived:
-                arrived.add(arrivals.get(timeout=args.timeout))
-        else:  # SSP-style wait: apply an arrived gradient, oldest first, only if the rest still fit the bound
-            w = None
-            while w is None:
-                for c in sorted(arrived, key=lambda k: outstanding[k][0]):
-                    rest = [o[0] for k, o in outstanding.items() if k != c]
-                    if within_bound(version + 1, rest, S):
-                        w = c
-                        break
-                else:
-                    arrived.add(arrivals.get(timeout=args.timeout))
-        arrived.discard(w)
-        pulled, batch_id, grad, meta = outstanding.pop(w)
-        loss, used, batch = meta.tolist()  # as the worker reports it
-        if lockstep and D:
-            recent = (recent + [flat_params(model)])[-D:]  # versions version+1-D .. version, for a restart
-        load_grad_and_step(args, model, opt, grad)
-        log.append((loss, int(used), int(batch), timer.stop()))
-        version += 1
-        ckpt.maybe_save(version, {"model": model, "optim": opt}, {"log": log, "recent": recent})
-        timer.start()
-        if lockstep:  # the pull that makes update u = version + D see exactly W_{version}
-            if version + D < args.steps:
-                send_pull(workers[(version + D) % len(workers)], version + D)
-        else:
-            idle.append(w)
-            while idle and handed_out < args.steps and within_bound(version, [o[0] for o in outstanding.values()] + [version], S):
-                send_pull(idle.pop(0), handed_out)
-                handed_out += 1
-    for w in workers:  # every gradient handed out has been applied: tell every worker to stop
-        send_pull(w, -1)
-    for s in pending_sends:
-        s.wait()
-    return sent[0]
+    def pick(self, s):  # only the gradient of batch s.version may land now
+        w = s.workers[s.version % len(s.workers)]
+        return w if w in s.arrived else None
 
 
-def wait_arrival(work):
-    work.wait()  # gloo: returns when the data is here; NCCL: only orders the streams, so poll as well
-    while not work.is_completed():
-        time.sleep(1e-4)
+@dataclass
+class BoundedStaleness:
+    """Stale-synchronous parallel on versions: hand the newest weights to an idle worker only while every
+    gradient in flight can still land within S versions; apply an arrived gradient, oldest first, only if
+    the others still can. Otherwise wait for the slowest."""
+    S: int
+
+    def next_pull(self, s):
+        in_flight = [v for v, *_ in s.pending.values()] + [s.version]
+        return (s.idle[0], s.version) if s.idle and within_bound(s.version, in_flight, self.S) else None
+
+    def pick(self, s):
+        for w in sorted(s.arrived, key=lambda k: s.pending[k][0]):
+            if within_bound(s.version + 1, [v for k, (v, *_) in s.pending.items() if k != w], self.S):
+                return w
+        return None
 
 
-def load_grad_and_step(args, model, opt, flat_grad):
-    i = 0
-    for p in model.parameters():
-        p.grad = flat_grad[i:i + p.numel()].view_as(p).clone()
-        i += p.numel()
-    params = list(model.parameters())
-    clip_grads_([p.grad for p in params], grad_norm(params), args.clip)
-    opt.step()
+class Server:
+    """The parameter server: holds the weights and the optimizer, hands out pulls (weights, and the batch to
+    compute on them) and applies the workers' gradients in the order `policy` allows. `groups`: a worker's
+    global rank -> its two-rank group with this rank. `version`: updates applied so far (a resumed run);
+    `old`: {version: flat weights} of earlier versions that the pulls in flight at a resume were sent."""
+
+    def __init__(self, model, opt, groups, policy, updates, clip=0.0, version=0, old=None, timeout=120):
+        self.model, self.opt, self.groups, self.policy, self.clip = model, opt, groups, policy, clip
+        self.workers, self.updates, self.version, self.handed = sorted(groups), updates, version, version
+        self.old, self.timeout = old or {}, timeout
+        self.pending = {}  # worker -> (weights version, batch id, gradient buffer, meta buffer, recv works)
+        self.sends = {}  # worker -> the works of its pull in flight: nothing older is kept alive
+        self.idle, self.arrived, self.arrivals = list(self.workers), set(), queue.Queue()
+        self.flat = flat_params(model)  # (P,) the layout of a flat gradient
+        self.gloo = dist.get_backend() == "gloo"
+
+    def hand_out(self):
+        """Send every pull the policy allows now, and post the receives of their gradients."""
+        while self.handed < self.updates and (pull := self.policy.next_pull(self)) is not None:
+            w, v = pull
+            header = torch.tensor([v, self.handed], device=self.flat.device)
+            self._send(w, header, flat_params(self.model) if v == self.version else self.old[v])
+            grad, meta = torch.empty_like(self.flat), self.flat.new_empty(3, dtype=torch.float64)
+            works = [dist.irecv(t, src=w, group=self.groups[w]) for t in (grad, meta)]
+            self.pending[w] = (v, self.handed, grad, meta, works)
+            self.idle.remove(w)
+            threading.Thread(target=self._report_arrival, args=(w, works), daemon=True).start()
+            self.handed += 1
+
+    def _send(self, w, *tensors):
+        self.sends[w] = [dist.isend(t, dst=w, group=self.groups[w]) for t in tensors]
+
+    def _report_arrival(self, w, works):
+        """A thread per pending gradient puts w on `arrivals` once it is here: NCCL has no receive from any
+        source, and gloo completes a receive only inside wait(). On NCCL the thread only polls: a wait()
+        here would make the stream it shares with the server wait for this receive, and so every later
+        kernel and send of the server wait for every worker in flight (one worker computing at a time)."""
+        for work in works:
+            if self.gloo:
+                work.wait()
+            while not work.is_completed():
+                time.sleep(1e-4)
+        self.arrivals.put(w)
+
+    def next_to_apply(self):
+        """The worker whose gradient the policy applies next; blocks until it has arrived."""
+        while (w := self.policy.pick(self)) is None:
+            self.arrived.add(self.arrivals.get(timeout=self.timeout))
+        return w
+
+    def apply(self, w):
+        """W_{version+1} = AdamW(W_version, clip(g_w)). Returns w's report (loss, the version it computed on,
+        batch id), float64 on the device."""
+        _, _, grad, meta, works = self.pending.pop(w)
+        for work in works if not self.gloo else []:  # (gloo: waited in the thread; a second wait() hangs)
+            work.wait()  # NCCL: the server's stream waits for this receive, and only for it
+        for work in self.sends.pop(w):  # w answered its pull, so the send is complete: let the copy go
+            work.wait()
+        self.arrived.discard(w)
+        self.idle.append(w)
+        params = list(self.model.parameters())
+        for p, g in zip(params, grad.split([p.numel() for p in params])):
+            p.grad = g.view_as(p)  # views into the received buffer: no copy
+        clip_and_step(params, self.opt, self.clip)
+        self.version += 1
+        return meta
+
+    def stop(self):
+        """Every gradient handed out has been applied: tell every worker to stop."""
+        for w in self.workers:
+            self._send(w, torch.tensor([-1, -1], device=self.flat.device))
+        for work in [k for works in self.sends.values() for k in works]:
+            work.wait()
+
+
+def to_device(device, *tensors):
+    """A step's batch onto the device, one copy per tensor: pinned and non-blocking on CUDA (a copy from
+    pageable memory makes the host wait for the stream)."""
+    if device.type != "cuda":
+        return tensors
+    return tuple(t.pin_memory().to(device, non_blocking=True) for t in tensors)
+
+
+# ----------------------------------------------------------------------------- the training loops
+def train_sync(d, args, data, model):
+    for p in model.parameters():  # everyone starts from rank 0's weights (they agree already: one seed)
+        dist.broadcast(p.data, src=0)
+    opt = make_optimizer(model.parameters(), args)
+    run = Run(d, args, {"model": model, "optim": opt})
+    refuse_checkpoint(args, run.start and "used" in run.history, "async", "sync")
+    comm, saved, rows = CommCounter(), [], args.batch_size // d.world
+    count_at = min(max(run.start, 1), args.steps - 1)  # measurement: a step bench.py leaves untimed (below)
+    for step in run.steps():
+        x, y = data.batch(step, args.batch_size, args.seq_len, args.ragged)  # (B, T) global batch, CPU
+        n_tok = count_tokens(y)  # tokens of the whole global batch: every micro-batch loss divides by it
+        x, y = to_device(d.device, x[d.rank * rows:(d.rank + 1) * rows], y[d.rank * rows:(d.rank + 1) * rows])
+        loss_fn = lambda m, xm, ym: lm_loss(m(xm), ym, n_tok)  # noqa: E731
+        loss_fn = saving(loss_fn, saved) if step == count_at else loss_fn
+        with run.watching(step, comm, at=count_at):  # (B/N, T) local slice in K micro-batches of (B/(N*K), T)
+            loss, _ = sync_step(model, opt, zip(x.chunk(args.accum), y.chunk(args.accum)), loss_fn, args.clip)
+        dist.all_reduce(loss)  # the global batch's loss, for the log line only (not training traffic)
+        run.end_step(step, loss.item())
+    figures = sync_figures(d, comm, max(saved, default=0))
+    peak = peak_memory_bytes(d, state_bytes(model, opt) + max(saved, default=0))  # before --check trains
+    full = dict(model.named_parameters())
+    check = check_against_reference(d, args, run.losses, full) if args.check else None
+    run.finish("dp-sync", peak, figures["allreduce_payload_bytes"], check, figures)
+
+
+def train_async(d, args, data, model):
+    groups = {w: dist.new_group([0, w]) for w in range(1, d.world)}  # every rank makes them, in one order
+    lockstep, D = args.staleness >= 0, args.staleness
+
+    def loss_of_batch(m, batch_id):  # what a worker computes for a batch
+        if batch_id >= args.fail_at_step >= 0:
+            maybe_fail(d, args, args.fail_at_step)  # the last worker dies at its first batch >= the step
+        x, y = data.batch(batch_id, args.batch_size, args.seq_len, args.ragged)  # (B, T) a whole batch
+        n_tok = count_tokens(y)
+        x, y = to_device(d.device, x, y)
+        torch.manual_seed(batch_seed(args, batch_id))  # dropout: a function of (seed, batch) only
+        time.sleep(d.rank * args.delay_ms / 1e3)  # a straggler, if asked for
+        return lm_loss(m(x), y, n_tok)
+
+    if d.rank > 0:  # a worker holds no state: it only agrees with the server on the step it resumes from
+        ckpt = Checkpointer(d, args.ckpt_dir, args.save_every, args.steps)
+        ckpt.dir = ckpt.dir and os.path.join(args.ckpt_dir, "rank0")  # (so the directory must be shared)
+        start, history = ckpt.load({})
+        refuse_checkpoint(args, start and "used" not in history, "sync", "async")
+        worker_loop(model, loss_of_batch, groups[d.rank])
+        peak_memory_bytes(d, state_bytes(model))  # every rank joins the collectives of the server's summary
+        check = check_against_reference(d, args, [], {}) if args.check else None
+        return close_dist(ok=check is None or check["passed"])
+    opt = make_optimizer(model.parameters(), args)
+    run = Run(d, args, {"model": model, "optim": opt})
+    refuse_checkpoint(args, run.start and "used" not in run.history, "sync", "async")
+    used, batches, recent = (run.history.get(k, []) for k in ("used", "batches", "recent"))
+    old = {run.start - len(recent) + i: t.to(d.device) for i, t in enumerate(recent)}  # in flight at a resume
+    policy = Lockstep(D) if lockstep else BoundedStaleness(args.max_staleness)
+    server = Server(model, opt, groups, policy, args.steps, args.clip, run.start, old, args.timeout)
+    # A host timer: the report's .tolist() below has waited for this update on the server's own stream, while
+    # StepTimer's device-wide synchronize would also wait for the receives posted for every other worker.
+    run.timer, sent = StepTimer(torch.device("cpu")), SentCopies()
+    with sent:  # measurement: the bytes handed to the sends, and the sent copies still alive (below)
+        server.hand_out()
+    for step in run.steps():
+        if lockstep and D and args.ckpt_dir:  # a restart needs the versions the pulls in flight were sent
+            recent = (recent + [flat_params(model)])[-D:]
+        report = server.apply(server.next_to_apply())
+        with sent:
+            server.hand_out()  # the next pulls leave before the host reads anything back
+        loss, v, b = report.tolist()  # as the worker reports it
+        used, batches = used + [int(v)], batches + [int(b)]
+        run.end_step(step, loss, used=used, batches=batches, recent=recent)
+    with sent:
+        server.stop()
+    figures = async_figures(d, args, run, sent, used, batches, model)
+    peak = peak_memory_bytes(d, state_bytes(model, opt))  # before --check trains the reference
+    check = None
+    if args.check:  # replay the versions the run used; in lockstep, the ones the rule prescribes
+        ref = delayed_reference(args, [max(t - D, 0) for t in range(args.steps)] if lockstep else used,
+                                list(range(args.steps)) if lockstep else batches, d.device)
+        check = check_against_reference(d, args, run.losses, dict(model.named_parameters()), ref=ref)
+    run.finish("dp-async", peak, figures["server_bytes_sent_per_update"], check, figures)
+
+
+def refuse_checkpoint(args, refuse, theirs, ours):
+    if refuse:
+        fail(f"--ckpt-dir {args.ckpt_dir} holds a --mode {theirs} checkpoint, this run is --mode {ours}: use "
+             "another --ckpt-dir")
+
+
+def check_args(args):
+    world, k = env_world_size(), env_world_size() * args.accum
+    check_common_args(args)
+    if args.mode == "sync":
+        if args.accum < 1:
+            fail(f"--accum must be >= 1, got {args.accum}")
+        if args.batch_size % k:
+            fail(f"--batch-size {args.batch_size} must be divisible by world size x --accum = {world} x "
+                 f"{args.accum}; try --batch-size {k * max(1, args.batch_size // k)}")
+        return
+    if world < 2:
+        fail("--mode async needs a server and at least one worker: torchrun --nproc_per_node=2 (or more)")
+    if args.accum != 1:
+        fail("--mode async does not support --accum (each worker computes a whole batch)")
+    if args.ckpt_dir and args.staleness < 0:
+        fail("--mode async --ckpt-dir needs --staleness D (lockstep): free-running, the order in which "
+             "gradients arrive is a race, so no resumed run can repeat the uninterrupted one")
+    if args.staleness > world - 2:
+        fail(f"--staleness {args.staleness} needs at least {args.staleness + 1} workers, so that no worker "
+             f"is sent new weights while it still computes: torchrun --nproc_per_node={args.staleness + 2}")
+    if args.max_staleness < 0:
+        fail(f"--max-staleness must be >= 0, got {args.max_staleness}")
+    if args.staleness < -1:
+        fail(f"--staleness must be -1 (free-running) or >= 0, got {args.staleness}")
+
+
+def main():
+    args = parse_args(Args)
+    check_args(args)
+    d = init_dist(args.timeout)
+    data = MarkovData(args.vocab, args.seed)
+    d.log(f"dp.py --mode {args.mode}: world {d.world} on {d.backend}, "
+          f"entropy floor {data.entropy:.4f} nats/token")
+    torch.manual_seed(args.seed + d.rank)  # dropout differs across ranks, as it would on different data
+    model = build_gpt(GPTConfig.from_args(args), args.seed, DTYPES[args.dtype], d.device)
+    (train_sync if args.mode == "sync" else train_async)(d, args, data, model)
+
+
+# --- measurement ---
+# The dispatcher counter sends every op through Python: it watches one step, the second (bench.py times the
+# steps after its warm-up, and torch's side counts in its last warm-up step too); the figures are per step.
+def saving(loss_fn, saved):
+    """loss_fn, appending to `saved` the bytes each call saves for backward (a micro-batch's activations)."""
+    def measured(*a):
+        with SavedActivations() as acts:
+            loss = loss_fn(*a)
+        saved.append(acts.bytes)
+        return loss
+    return measured
+
+
+class SentCopies(CommCounter):
+    """A CommCounter that also holds every tensor handed to a send, weakly (LiveStorages): `peak` is the most
+    bytes of sent tensors still alive as a `with` block ends (kept copies grow by a model per update)."""
+
+    def __init__(self):
+        super().__init__()
+        self.live, self.peak = LiveStorages(), 0
+
+    def _count(self, op, name, ns, args):
+        super()._count(op, name, ns, args)
+        if op == "send":
+            self.live.add(args[0][0])
+
+    def __exit__(self, *exc):
+        super().__exit__(*exc)
+        self.peak = max(self.peak, self.live.alive())
+
+
+def sync_figures(d, comm, saved):
+    sent, calls = comm.total("all_reduce"), comm.total("all_reduce", what="calls")
+    ring = 2 * (d.world - 1) / d.world * sent
+    d.log(f"summary: all-reduce payload {sent} B/step/rank (measured) in {calls} all-reduces; bytes a rank "
+          f"sends in a ring all-reduce, theory 2(N-1)/N x payload = {ring:.0f} B; saved activations per "
+          f"micro-batch {saved} B (measured)")
+    return dict(all_reduces_per_step=calls, allreduce_payload_bytes=sent, ring_bytes_sent_theory=ring,
+                activation_bytes_saved_per_microbatch=saved)
+
+
+def async_figures(d, args, run, sent, used, batches, model):
+    stale = [t - v for t, v in enumerate(used)]  # versions reported by the workers that computed them
+    bound = args.staleness if args.staleness >= 0 else args.max_staleness
+    per_update = sent.total("send") // max(args.steps - run.start, 1)  # measured at the sends
+    model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    copies = sent.peak // model_bytes  # weight copies (a header is 16 bytes)
+    d.log(f"summary: staleness min {min(stale)} / mean {sum(stale) / len(stale):.2f} / max {max(stale)} "
+          f"(bound {bound}); the server sent {per_update} B per update (measured; weights {model_bytes} B + "
+          f"header); sent weight copies alive at most {copies} (measured; theory: one per pull in flight, "
+          f"min(workers, bound + 1) = {min(d.world - 1, bound + 1)})")
+    return dict(staleness_min=min(stale), staleness_mean=sum(stale) / len(stale), staleness_max=max(stale),
+                staleness_bound=bound, used_versions=used, batch_ids=batches,
+                server_bytes_sent_per_update=per_update, sent_weight_copies_alive_max=copies,
+                sent_bytes_alive_max=sent.peak)
+
+
+# --- reference for --check ---
+def batch_seed(args, batch_id):
+    """Dropout on a worker depends only on (seed, batch): workers hold no state a restart could lose."""
+    return 7_919 * args.seed + batch_id
 
 
 def delayed_reference(args, used_versions, batch_ids, device="cpu"):
@@ -285,114 +472,11 @@ def delayed_reference(args, used_versions, batch_ids, device="cpu"):
         for p, g in zip(model.parameters(), grads):
             p.grad = g
         if args.clip > 0:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)  # torch's own clipping, independently
+            torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)  # torch's clipping, independently
         opt.step()
         history.append(flat_params(model).clone())
         losses.append(loss.item())
     return dict(losses=losses, params={n: p.detach().clone() for n, p in model.named_parameters()})
-
-
-# ----------------------------------------------------------------------------- main
-def main():
-    args = parse_args(Args)
-    world = env_world_size()
-    check_common_args(args)
-    if args.mode == "sync":
-        if args.accum < 1:
-            fail(f"--accum must be >= 1, got {args.accum}")
-        if args.batch_size % (world * args.accum):
-            fail(f"--batch-size {args.batch_size} must be divisible by world size x --accum = {world} x "
-                 f"{args.accum}; try --batch-size {world * args.accum * max(1, args.batch_size // (world * args.accum))}")
-    else:
-        if world < 2:
-            fail("--mode async needs a server and at least one worker: torchrun --nproc_per_node=2 (or more) dp.py --mode async")
-        if args.accum != 1:
-            fail("--mode async does not support --accum (each worker computes a whole batch)")
-        if args.ckpt_dir and args.staleness < 0:
-            fail("--mode async --ckpt-dir needs --staleness D (lockstep): free-running, the order in which gradients "
-                 "arrive is a race, so no resumed run can repeat the uninterrupted one")
-        if args.staleness > world - 2:
-            fail(f"--staleness {args.staleness} needs at least {args.staleness + 1} workers, so that no worker is "
-                 f"sent new weights while it still computes: torchrun --nproc_per_node={args.staleness + 2}")
-        if args.max_staleness < 0:
-            fail(f"--max-staleness must be >= 0, got {args.max_staleness}")
-        if args.staleness < -1:
-            fail(f"--staleness must be -1 (free-running) or >= 0, got {args.staleness}")
-    d = init_dist(args.timeout)
-    data = MarkovData(args.vocab, args.seed)
-    d.log(f"dp.py --mode {args.mode}: world {d.world} on {d.backend}, entropy floor {data.entropy:.4f} nats/token")
-    torch.manual_seed(args.seed + d.rank)  # dropout differs across ranks, as it would on different data
-    model = build_gpt(GPTConfig.from_args(args), args.seed, DTYPES[args.dtype], d.device)
-    for p in model.parameters():  # everyone starts from rank 0's weights (they agree already: one seed)
-        dist.broadcast(p.data, src=0)
-    opt = make_optimizer(model.parameters(), args)
-    timer = StepTimer(d.device)
-    tokens = args.batch_size * args.seq_len
-    param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-
-    ckpt = Checkpointer(d, args.ckpt_dir, args.save_every, args.steps)
-    if args.mode == "sync":
-        start, hist = ckpt.load({"model": model, "optim": opt})
-        if start and "losses" not in hist:
-            fail(f"--ckpt-dir {args.ckpt_dir} holds a --mode async checkpoint, this run is --mode sync: use another --ckpt-dir")
-        losses, sent, saved, calls = hist.get("losses", []), 0, 0, 0
-        for step in range(start, args.steps):
-            maybe_fail(d, args, step)
-            timer.start()
-            x, y = data.batch(step, args.batch_size, args.seq_len, args.ragged)  # (B, T) global batch, CPU
-            loss, norm, sent, saved, calls = sync_step(d, args, model, opt, x, y, count_tokens(y))
-            losses.append(loss)
-            log_step(d, step, loss, timer.stop(), tokens)
-            ckpt.maybe_save(step + 1, {"model": model, "optim": opt}, {"losses": losses})
-        # --- measurement ---
-        ring = 2 * (d.world - 1) / d.world * sent
-        figures = dict(all_reduces_per_step=calls, allreduce_payload_bytes=sent,
-                       ring_bytes_sent_theory=ring, activation_bytes_saved_per_microbatch=saved)
-        d.log(f"summary: all-reduce payload {sent} B/step/rank (measured) in {figures['all_reduces_per_step']} "
-              f"all-reduces; bytes a rank sends in a ring all-reduce, theory 2(N-1)/N x payload = {ring:.0f} B; "
-              f"saved activations per micro-batch {saved} B")
-        peak = peak_memory_bytes(d, state_bytes(model, opt) + saved)  # before --check trains the reference
-        full = {n: p.detach() for n, p in model.named_parameters()}
-        check = check_against_reference(d, args, losses, full) if args.check else None
-    else:
-        # one two-rank group per worker (see the messages comment); every rank creates them, in one order
-        groups = {w: dist.new_group([0, w]) for w in range(1, d.world)}
-        if d.rank > 0:  # workers are stateless: they only agree with the server on where it resumes
-            ckpt.dir = ckpt.dir and os.path.join(args.ckpt_dir, "rank0")  # (so the directory must be shared)
-        start, hist = ckpt.load({"model": model, "optim": opt} if d.rank == 0 else {})
-        if start and "log" not in hist:
-            fail(f"--ckpt-dir {args.ckpt_dir} holds a --mode sync checkpoint, this run is --mode async: use another --ckpt-dir")
-        figures, check, losses, sent = {}, None, [], 0
-        if d.rank == 0:
-            log = hist.get("log", [])
-            recent = [t.to(d.device) for t in hist.get("recent", [])]  # a checkpoint may load to the CPU
-            sent = server_loop(d, args, model, opt, timer, groups, ckpt, log, recent)
-            # --- measurement ---
-            losses, used, batch_ids = [l[0] for l in log], [l[1] for l in log], [l[2] for l in log]
-            stale = [t - v for t, v in enumerate(used)]  # versions reported by the workers that computed them
-            for t, (loss, v, b, ms) in enumerate(log[start:], start):
-                d.log(f"update {t:4d} | loss {loss:.6f} | batch {b:3d} | weights v{v} (staleness {t - v}) | {ms:8.1f} ms")
-            bound = args.staleness if args.staleness >= 0 else args.max_staleness
-            sent //= max(args.steps - start, 1)  # per update, measured
-            figures = dict(staleness_min=min(stale), staleness_mean=sum(stale) / len(stale), staleness_max=max(stale),
-                           staleness_bound=bound, used_versions=used, batch_ids=batch_ids, server_bytes_sent_per_update=sent)
-            d.log(f"summary: staleness min {min(stale)} / mean {sum(stale) / len(stale):.2f} / max {max(stale)} "
-                  f"(bound {bound}); the server sent {sent} B per update (measured; weights {param_bytes} B + header)")
-        else:
-            worker_loop(d, args, model, data, groups[d.rank])
-        peak = peak_memory_bytes(d, state_bytes(model, opt))  # before --check trains the reference
-        if args.check:  # replay the versions the run used; in lockstep, the ones the rule prescribes
-            ref = None
-            if d.rank == 0:
-                used = [max(t - args.staleness, 0) for t in range(args.steps)] if args.staleness >= 0 else used
-                ids = list(range(args.steps)) if args.staleness >= 0 else batch_ids
-                ref = delayed_reference(args, used, ids, d.device)
-            full = {n: p.detach().cpu() for n, p in model.named_parameters()}
-            check = check_against_reference(d, args, losses, full, ref=ref)
-
-    write_summary(d, args, f"dp-{args.mode}", losses, timer.median(), tokens / max(timer.median(), 1e-9) * 1e3,
-                  peak, sent, check, figures)
-    close_dist(ok=check is None or check["passed"])
 
 
 if __name__ == "__main__":

@@ -3,13 +3,15 @@ tests/test_ddp_bucketed.py at world 2 and 3):
 
     torchrun --standalone --nproc_per_node=2 tests/ddp_bucketed_checks.py
 
-References: torch's own DistributedDataParallel on the same model and inputs, and the one-process
-full-batch gradient. Every check has a negative twin (something that must differ, differs). A failed check
-is recorded and the script goes on (so every rank keeps issuing the same collectives); it exits 1 at the end.
+References: torch's own DistributedDataParallel on the same model and inputs (its gradients, its bucket
+layout as its reducer reports it), and the one-process full-batch gradient; section 8 applies BucketedDDP
+to a model that is not the GPT and holds it against plain one-process training written here (copy-out).
+Every check has a negative twin (something that must differ, differs). A failed check is recorded and the
+script goes on (so every rank keeps issuing the same collectives); it exits 1 at the end.
 Prints ALL CHECKS PASSED on success. Device-correct: models and inputs live on the rank's device, so the
 same checks run on NCCL (torchrun on a GPU machine) as on gloo; only tensors cross the wire.
 """
-import os, sys, time
+import contextlib, os, sys, time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -17,14 +19,17 @@ sys.path.insert(0, ROOT)
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+import torch.nn.functional as F
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import ddp_bucketed
+import harness
 from common import (GPTConfig, MarkovData, build_gpt, close_dist, count_tokens, init_dist, lm_loss,
                     make_optimizer)
-from harness import CommonArgs, gather_rows, parse_args
-from ddp_bucketed import MiB, BucketedDDP
+from harness import CommonArgs, gather_rows
+from ddp_bucketed import MiB, BucketedDDP, Overlap
 
 CFG = GPTConfig(vocab=32, seq_len=8, d_model=16, n_heads=2, n_layers=2)
 B, SEED, F64 = 12, 0, torch.float64
@@ -90,6 +95,7 @@ def full_batch_grads(steps):
 # 1. vs torch DDP and the full-batch gradient, over 3 iterations (the 2nd and 3rd after the rebuild), with AdamW
 m_ours, m_ref = gpt(), gpt()
 ours, ref = BucketedDDP(m_ours, CAP, FIRST), DDP(m_ref)
+watch = Overlap(ours)  # the file's own measurement, watching from outside
 first_layout = ours.layout()
 arrived = []  # an independent observer of gradient arrival, registered after BucketedDDP's hooks
 for n, p in m_ours.named_parameters():
@@ -100,9 +106,9 @@ launched_mid_backward = []  # buckets launched when the gradient reaches block 0
 def at_block0_input_grad(g):
     """Mid-backward (block 0's input gradient; the embeddings' still to come): count the buckets launched,
     then give bucket 0's all-reduce up to 10 s to complete, so that its completion is measurable."""
-    launched_mid_backward.append(len(ours._works))
+    launched_mid_backward.append(len(ours.works))
     deadline = time.monotonic() + 10
-    while ours._works and not ours._works[0].is_completed() and time.monotonic() < deadline:
+    while ours.works and not ours.works[0].is_completed() and time.monotonic() < deadline:
         time.sleep(1e-3)
 
 
@@ -135,6 +141,16 @@ for step in range(3):
 p_diff = max((a - b).abs().max().item() for a, b in zip(m_ours.parameters(), m_ref.parameters()))
 check(p_diff <= 1e-12, f"after 3 AdamW steps: parameters == torch DDP's (max diff {p_diff:.1e})")
 
+
+def in_bucket(ddp):
+    """Parameters whose .grad shares its storage with its own bucket's buffer (DDP's gradient_as_bucket_view)."""
+    return sum(p.grad is not None and p.grad.untyped_storage().data_ptr() ==
+               ddp.buffers[ddp.bucket_of[i]].untyped_storage().data_ptr() for i, p in enumerate(ddp.params))
+
+
+check(in_bucket(ours) == len(ours.params), f"gradients live in the buckets: {in_bucket(ours)}/{len(ours.params)} "
+      f".grad share storage with their bucket's buffer")
+
 # 2. bucket layout: same on every rank, within the caps, reverse registration first, then arrival order
 names = [n for n, _ in m_ours.named_parameters()]
 layout = ours.layout()
@@ -143,44 +159,47 @@ every = gather_rows(d, rows)  # every rank's layout, as tensors
 check(all(torch.equal(e, every[d.rank]) for e in every), f"layout identical on every rank ({len(layout)} buckets)")
 check(len(layout) >= 3, f"several buckets: {[nb for _, nb, _ in layout]} bytes")
 check(sorted(n for ns, _, _ in layout for n in ns) == sorted(names), "every parameter in exactly one bucket")
-within = all(nb <= (FIRST if b == 0 else CAP) * MiB or len(ns) == 1 for b, (ns, nb, _) in enumerate(layout))
-check(within, f"caps respected: bucket 0 <= {FIRST * MiB:.0f} B, others <= {CAP * MiB:.0f} B (or one parameter)")
+nbytes = {n: p.numel() * 8 for n, p in m_ours.named_parameters()}
+cut = all(nb >= cap > nb - nbytes[ns[-1]] for (ns, nb, _), cap in
+          zip(layout[:-1], [int(FIRST * MiB)] + [int(CAP * MiB)] * len(layout)))
+check(cut, f"DDP's cut rule: each bucket but the last closed as its last parameter took it to its cap or past "
+      f"(bucket 0: {FIRST * MiB:.0f} B, others {CAP * MiB:.0f} B): {[nb for _, nb, _ in layout]} B")
 check([n for ns, _, _ in first_layout for n in ns] == names[::-1], "first layout: reverse of registration")
 check([n for ns, _, _ in layout for n in ns] == first_arrival,
       f"rebuilt layout: the order gradients arrived (first: {first_arrival[0]})")
-check(ours.history[-1]["payload_bytes"] == sum(p.numel() for p in m_ours.parameters()) * 8,
-      f"all-reduce payload counted = parameter bytes ({ours.history[-1]['payload_bytes']} B)")
+steps = watch.per_step()
+check(steps[-1]["payload_bytes"] == sum(p.numel() for p in m_ours.parameters()) * 8,
+      f"all-reduce payload counted = parameter bytes ({steps[-1]['payload_bytes']} B)")
 
 # 3. overlap: buckets launched while backward was still computing (seen from inside backward), and
 # all-reduces that had *completed* when backward ended, measured from the works themselves
-hidden = [h["hidden"] for h in ours.history]
-check(min(launched_mid_backward) >= 1 and ours.history[-1]["launched_early"] >= 1,
+hidden = [h["hidden"] for h in steps]
+check(min(launched_mid_backward) >= 1 and steps[-1]["launched_early"] >= 1,
       f"overlap: {launched_mid_backward} buckets launched before the embedding grads existed; "
-      f"{ours.history[-1]['launched_early']}/{len(layout)} launched before backward finished")
+      f"{steps[-1]['launched_early']}/{len(layout)} launched before backward finished")
 check(min(hidden) >= 1, f"overlap: all-reduces complete when backward ended, per step: {hidden} (work.is_completed)")
 
 
 class LaunchAtEnd(BucketedDDP):
     """Negative twin: every bucket waits for the end of backward (dp.py's naive way)."""
 
-    def _grad_ready(self, i):
-        self._deferred = True
-        super()._grad_ready(i)
-
     def _launch_ready(self):
-        if not getattr(self, "_deferred", False):
+        if getattr(self, "_at_end", False):
             super()._launch_ready()
 
     def _finish_backward(self):
-        self._deferred = False
+        self._at_end = True  # _fill_missing launches every bucket now, in order
         super()._finish_backward()
+        self._at_end = False
 
 
 late = LaunchAtEnd(gpt(), CAP, FIRST)
+late_watch = Overlap(late)
 x, y, xl, yl, n_tok = batch(0)
 backward(late, xl, yl, n_tok, d.world)
-check(late.history[-1]["hidden"] == 0 and late.history[-1]["launched_early"] == 0 and rel(grads(late.module), g_full0) <= 1e-10,
-      f"negative: buckets launched at the end of backward: {late.history[-1]['hidden']} complete when it ended")
+h = late_watch.per_step()[-1]
+check(h["hidden"] == 0 and h["launched_early"] == 0 and rel(grads(late.module), g_full0) <= 1e-10,
+      f"negative: buckets launched at the end of backward: {h['hidden']} complete when it ended")
 
 
 class Reversed(nn.Module):
@@ -197,9 +216,10 @@ class Reversed(nn.Module):
 
 
 rv = BucketedDDP(Reversed(), bucket_cap_mb=0.03, first_bucket_mb=0.03)  # 33 KB weight: one layer per bucket
+rv_watch = Overlap(rv)
 for _ in range(2):
     rv(torch.randn(4, 64, dtype=F64, device=d.device)).square().sum().backward()
-e0, e1 = rv.history[0]["launched_early"], rv.history[1]["launched_early"]
+e0, e1 = (h["launched_early"] for h in rv_watch.per_step())
 check(e0 == 0 and e1 == len(rv.buckets) - 1 >= 2,
       f"negative: registration-ordered buckets launch {e0} early; after the rebuild {e1}/{len(rv.buckets)}")
 
@@ -309,6 +329,7 @@ exact = full_batch_grads([30])
 for name, dtype, hook in (("bf16", torch.bfloat16, bf16_hook), ("fp16", torch.float16, default_hooks.fp16_compress_hook)):
     m_ours, m_ref = gpt(), gpt()
     ours, ref = BucketedDDP(m_ours, CAP, FIRST, compress=dtype), DDP(m_ref)
+    watch = Overlap(ours)
     ref.register_comm_hook(None, hook)
     for model in (ours, ref):
         backward(model, xl, yl, n_tok, d.world)
@@ -317,24 +338,181 @@ for name, dtype, hook in (("bf16", torch.bfloat16, bf16_hook), ("fp16", torch.fl
     check(rel(g_ours, g_ref) <= 2 * eps, f"{name}: grads ~ torch DDP's {name}_compress_hook ({rel(g_ours, g_ref):.1e})")
     check(4 * eps >= rel(g_ours, exact) > 1e-9, f"{name}: close to but not equal to the exact average "
           f"({rel(g_ours, exact):.1e})")
-    check(ours.history[-1]["payload_bytes"] * 4 == sum(p.numel() for p in m_ours.parameters()) * 8,
-          f"{name}: a quarter of the fp64 bytes travel ({ours.history[-1]['payload_bytes']} B)")
+    sent = watch.per_step()[-1]["payload_bytes"]
+    check(sent * 4 == sum(p.numel() for p in m_ours.parameters()) * 8,
+          f"{name}: a quarter of the fp64 bytes travel ({sent} B)")
 
 # 7. --check with --compress cannot miss a reduction: drop any one bucket's all-reduce (the bucket is reduced
 # into a copy, so every rank still issues the same collectives) and the run's own --check must FAIL.
-args = parse_args(ddp_bucketed.Args, ["--vocab", "32", "--seq-len", "8", "--d-model", "16", "--n-heads", "2",
-                                      "--n-layers", "2", "--batch-size", str(B), "--steps", "4", "--dtype", "float64",
-                                      "--bucket-cap-mb", str(CAP), "--first-bucket-mb", str(FIRST),
-                                      "--compress", "bf16", "--check"])
+# ddp_bucketed.py's main runs here, as torchrun runs it: it returns instead of ending the process, and its
+# --check verdict is read from its call
+verdicts, check_against_reference = [], ddp_bucketed.check_against_reference
+ddp_bucketed.check_against_reference = lambda *a, **k: verdicts.append(check_against_reference(*a, **k)) or verdicts[-1]
+ddp_bucketed.init_dist, harness.close_dist = (lambda timeout=120: d), (lambda ok=True: None)
+argv = ["ddp_bucketed.py", "--vocab", "32", "--seq-len", "8", "--d-model", "16", "--n-heads", "2", "--n-layers", "2",
+        "--batch-size", str(B), "--steps", "4", "--dtype", "float64", "--bucket-cap-mb", str(CAP),
+        "--first-bucket-mb", str(FIRST), "--compress", "bf16", "--check"]
 reduce = BucketedDDP._reduce
 n_buckets = len(layout)
 for drop in [None] + (list(range(n_buckets)) if d.world == 2 else [0, n_buckets - 1]):
     BucketedDDP._reduce = lambda self, b, buf, drop=drop: reduce(self, b, buf.clone() if b == drop else buf)
-    c = ddp_bucketed.train(d, args)["check"]
+    sys.argv = argv
+    ddp_bucketed.main()
+    c = verdicts[-1]
     ok = c["passed"] if drop is None else not c["passed"]
     check(ok, f"--compress bf16 --check {'PASSES' if drop is None else f'FAILS without bucket {drop}'} "
               f"(loss {c['max_loss_diff']:.1e}, params {c['max_param_diff']:.1e})")
 BucketedDDP._reduce = reduce
+
+# 8. DDP's bucket cut rule: our rebuilt layout has torch DDP's buckets, the same parameters in the same order,
+# read from DDP's own reducer (a comm hook sees its GradBucket objects; its logging data their sizes)
+def ddp_buckets(cap):
+    """torch DDP's buckets after its rebuild, read from DDP itself: the parameter names of each GradBucket its
+    reducer hands to a comm hook, and the sizes and parameter indices its logging data reports."""
+    m = gpt()
+    ddp, seen, name_of = DDP(m, bucket_cap_mb=cap), {}, {id(p): n for n, p in m.named_parameters()}
+
+    def record(state, bucket):
+        seen[bucket.index()] = [name_of[id(p)] for p in bucket.parameters()]
+        return default_hooks.allreduce_hook(None, bucket)
+    ddp.register_comm_hook(None, record)
+    for step in range(3):  # rebuilt before the 2nd forward; the logging data has it after the 3rd
+        _, _, xl, yl, n_tok = batch(step)
+        backward(ddp, xl, yl, n_tok, d.world)
+    log = ddp._get_ddp_logging_data()
+    sizes = [int(s) for s in str(log["rebuilt_bucket_sizes"]).split(",")]
+    indices = [[int(i) for i in b.split()] for b in str(log["rebuilt_per_bucket_param_indices"]).split(",")]
+    return [seen[b] for b in sorted(seen)], sizes, indices
+
+
+def our_buckets(cls, cap):
+    m = gpt()
+    ddp = cls(m, cap, cap)  # first bucket = cap: what DDP does when bucket_cap_mb is given
+    for step in range(3):
+        _, _, xl, yl, n_tok = batch(step)
+        backward(ddp, xl, yl, n_tok, d.world)
+        m.zero_grad(set_to_none=True)
+    return [names for names, _, _ in ddp.layout()], [nb for _, nb, _ in ddp.layout()], ddp.buckets
+
+
+class CloseBefore(BucketedDDP):
+    """Negative twin: the cut rule before issue 21, a bucket closed *before* a parameter would pass the cap."""
+
+    def _assign(self, order):
+        buckets, size = [[]], 0
+        for i in order:
+            nbytes = self.params[i].numel() * self.params[i].element_size()
+            if buckets[-1] and size + nbytes > self.caps[min(len(buckets) - 1, 1)]:
+                buckets, size = buckets + [[]], 0
+            buckets[-1].append(i)
+            size += nbytes
+        return buckets
+
+
+for cap in (CAP, 0.004):
+    (theirs, their_sizes, their_idx), (mine, my_sizes, my_idx) = ddp_buckets(cap), our_buckets(BucketedDDP, cap)
+    check(mine == theirs and my_sizes == their_sizes and my_idx == their_idx,
+          f"cap {cap} MiB: {len(mine)} buckets, the same parameters in the same order as torch DDP's rebuilt "
+          f"buckets ({len(theirs)}; sizes {their_sizes} B, from its reducer)")
+    old = our_buckets(CloseBefore, cap)[0]
+    check(len(old) != len(theirs), f"cap {cap} MiB: negative: closing a bucket before it passes the cap gives "
+          f"{len(old)} buckets, not DDP's {len(theirs)}")
+
+
+# 9. gradients live in the buckets: with zero_grad(set_to_none=False) backward adds into the bucket views and
+# nothing is moved into a bucket; with set_to_none=True each gradient is moved in once (divided by N on the
+# way); a BucketedDDP that copies out of the bucket (a .grad of its own, as before issue 21) fails the check
+class Copies(TorchDispatchMode):
+    """Gradients moved into ddp's bucket buffers, seen at the dispatcher: a copy_, or a div with out=, from a
+    tensor outside the buffers into one of them (the buffers as they are at the call). Autograd's own add_
+    into a .grad that is already a bucket view is the accumulation, not a move."""
+
+    def __init__(self, ddp):
+        super().__init__()
+        self.ddp, self.n = ddp, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = func._schema.name
+        dst, src = (args[0], args[1]) if name == "aten::copy_" else (kwargs.get("out"), args[0])
+        if name in ("aten::copy_", "aten::div") and torch.is_tensor(dst) and torch.is_tensor(src):
+            ptrs = {b.untyped_storage().data_ptr() for b in self.ddp.buffers}
+            self.n += dst.untyped_storage().data_ptr() in ptrs and src.untyped_storage().data_ptr() not in ptrs
+        return func(*args, **kwargs)
+
+
+class CopyOut(BucketedDDP):
+    def _wait(self, unused_everywhere=()):
+        for b, work in enumerate(self.works):
+            work.wait()
+            for i in self.buckets[b]:
+                self.params[i].grad = self.views[i].clone()
+
+
+for cls in (BucketedDDP, CopyOut):
+    m = gpt()
+    ddp, opt, copies = cls(m, CAP, FIRST), make_optimizer(m.parameters(), CommonArgs()), []
+    for step, set_to_none in enumerate((True, True, False, False)):  # the rebuild comes before step 1
+        opt.zero_grad(set_to_none=set_to_none)
+        _, _, xl, yl, n_tok = batch(50 + step)
+        with Copies(ddp) as c:
+            backward(ddp, xl, yl, n_tok, d.world)
+        opt.step()
+        copies.append(c.n)
+    if cls is BucketedDDP:
+        check(in_bucket(ddp) == len(ddp.params) and copies[1:] == [len(ddp.params), 0, 0],
+              f"gradients live in the buckets: {in_bucket(ddp)}/{len(ddp.params)} share their bucket's storage; "
+              f"copies into the buckets per backward {copies} (set_to_none True, True, False, False)")
+    else:
+        check(in_bucket(ddp) == 0, f"negative: gradients copied out of the buckets: {in_bucket(ddp)} share storage")
+
+
+# 10. copy-out: BucketedDDP on a model that is not the GPT (nested modules, a parameter on the root module,
+# odd sizes, a Huber loss, gradient accumulation under no_sync, clipping) == plain one-process training
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(3)  # the same weights on every rank
+        inner = nn.Sequential(nn.Linear(13, 5), nn.LayerNorm(5))
+        self.enc = nn.Sequential(nn.Linear(7, 13), nn.Tanh(), inner)
+        self.gain = nn.Parameter(torch.linspace(0.5, 1.5, 5))
+        self.head = nn.Linear(5, 3)
+        self.to(device=d.device, dtype=F64)
+
+    def forward(self, x):  # (b, 7) -> (b, 3)
+        return self.head(self.enc(x) * self.gain)
+
+
+def net_batch(step):  # (B, 7) inputs, (B, 3) targets, the same on every rank
+    g = torch.Generator().manual_seed(200 + step)
+    return (torch.randn(B, k, generator=g, dtype=F64).to(d.device) for k in (7, 3))
+
+
+def huber(model, x, y):  # a sum over the rows given / the rows of the whole batch
+    return F.huber_loss(model(x), y, reduction="sum", delta=0.5) / B
+
+
+plain, rows = Net(), B // d.world
+for model, distributed in ((plain, False), (Net(), True), (Net(), None)):
+    net = BucketedDDP(model, bucket_cap_mb=0.0005, first_bucket_mb=0.0002) if distributed else model
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, foreach=False)
+    for step in range(4):
+        opt.zero_grad(set_to_none=step % 2 == 0)
+        for k, (x, y) in enumerate(zip(*(t.chunk(2) for t in net_batch(step)))):  # two micro-batches
+            if distributed is not False:  # this rank's rows of each micro-batch
+                x, y = x[d.rank * rows // 2:(d.rank + 1) * rows // 2], y[d.rank * rows // 2:(d.rank + 1) * rows // 2]
+            with net.no_sync() if distributed and k == 0 else contextlib.nullcontext():
+                (huber(net, x, y) * (d.world if distributed else 1)).backward()  # DDP averages: N x rank's share
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+        opt.step()
+    diff = max((a - b).abs().max().item() for a, b in zip(model.parameters(), plain.parameters()))
+    if distributed:
+        buckets = len(net.buckets)
+        check(diff <= 1e-12 and buckets >= 3, f"copy-out: BucketedDDP on a non-GPT model ({buckets} buckets, Huber "
+              f"loss, a root parameter, no_sync accumulation) == plain one-process training (params {diff:.1e})")
+    elif distributed is None:
+        check(d.world == 1 or diff > 1e-6, f"copy-out: negative: the same model trained on this rank's rows alone "
+              f"differs ({diff:.1e})")
 
 n_failed = torch.tensor([len(failures)], device=d.device)  # each rank printed its own failures above
 dist.all_reduce(n_failed)

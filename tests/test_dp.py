@@ -1,14 +1,16 @@
 """dp.py: bulk-synchronous and accumulated data parallel equal one-process training; the asynchronous
 parameter server equals its own delayed-update reference; bad input fails fast; a resumed run continues
-to exactly the losses of an uninterrupted one."""
+to exactly the losses of an uninterrupted one. tests/dp_checks.py (one launch at world 3) applies the cores
+to a model that is not the GPT, and holds the negatives that need code from tests/."""
 
-import copy, sys
+import copy, re, subprocess, sys
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from helpers import ROOT, TINY, assert_bad_input, assert_matches_reference, run_python, torchrun, torchrun_bad_input
+from helpers import (ENV, ROOT, TINY, assert_bad_input, assert_matches_reference, run_python, torchrun,
+                     torchrun_bad_input)
 
 sys.path.insert(0, str(ROOT))
 from common import GPT, GPTConfig, MarkovData, build_gpt  # noqa: E402  (the model and data, not dp.py)
@@ -24,7 +26,7 @@ def test_sync_world_1_with_ragged_accumulation():
     assert "PASSED" in p.stdout
 
 
-@pytest.mark.parametrize("world, accum", [(3, 2), (4, 3)])
+@pytest.mark.parametrize("world, accum", [(4, 3)])  # world 3, accum 2: tests/dp_checks.py
 def test_sync_matches_reference(tmp_path, world, accum):
     s, _ = torchrun("dp.py", world, *TINY, "--accum", accum, "--ragged", "--check", tmp_path=tmp_path)
     assert_matches_reference(s)
@@ -53,15 +55,54 @@ def test_world_2_ragged_accumulation_resume_and_restart(tmp_path):
     assert restarted["losses"] == full["losses"]
 
 
-def test_per_microbatch_mean_is_caught(tmp_path):
-    """The widespread bug (mean over each micro-batch's own tokens) must FAIL the check on ragged data,
-    and be harmless without padding only up to roundoff (every micro-batch then has the same count)."""
-    s, out = torchrun("dp.py", 2, *TINY, "--accum", "2", "--ragged", "--loss-norm", "per_microbatch", "--check",
-                      tmp_path=tmp_path, expect_rc=1, name="bug")
-    assert s["check"]["passed"] is False and s["check"]["max_loss_diff"] > 1e-3, s["check"]
-    s, _ = torchrun("dp.py", 2, *TINY, "--accum", "2", "--loss-norm", "per_microbatch", "--check",
-                    tmp_path=tmp_path, name="nobug")
-    assert_matches_reference(s)
+@pytest.fixture(scope="module")
+def checks():
+    """tests/dp_checks.py at world 3, once for the tests below: its lines "ok ..." / "FAIL ..."."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=3",
+           str(ROOT / "tests" / "dp_checks.py")]
+    p = subprocess.run(cmd, env=ENV, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    out = p.stdout + p.stderr
+    assert p.returncode == 0 and "ALL CHECKS PASSED" in out and not re.search(r"^FAIL", out, re.M), out[-6000:]
+    return [l for l in out.splitlines() if l.startswith("ok ")]
+
+
+def passed(lines, *words):
+    """The checks' lines that name all `words` (each line "ok ..." or the launch would have failed)."""
+    return [l for l in lines if all(w in l for w in words)]
+
+
+def test_copy_out_sync_step(checks):
+    """dp.sync_step on a model that is not the GPT (nested modules, a root parameter, odd sizes, a Huber
+    loss, 2 micro-batches per rank at world 3) == plain one-process training written in the checks (1e-12);
+    the same step whose all-reduce reaches only its own rank differs (the comparison can fail)."""
+    assert passed(checks, "copy-out sync_step", "== plain one-process training", "replicas identical"), checks
+    assert passed(checks, "copy-out sync_step", "negative", "differs"), checks
+
+
+def test_copy_out_parameter_server(checks):
+    """dp.Server + dp.worker_loop on that model: bound 0 == plain training, lockstep 1 == the one-step-delayed
+    update, both written in the checks (1e-12); lockstep 1 differs from plain training."""
+    assert passed(checks, "BoundedStaleness(0)", "[0.0, 1.0, 2.0, 3.0, 4.0]", "== plain one-process training"), checks
+    assert passed(checks, "Lockstep(1)", "[0.0, 0.0, 1.0, 2.0, 3.0]", "== the one-step-delayed update"), checks
+    assert passed(checks, "Lockstep(1)", "negative", "differs"), checks
+
+
+def test_per_microbatch_mean_is_caught(checks):
+    """The widespread bug (mean over each micro-batch's own tokens, a sync_step monkeypatched in the checks)
+    must FAIL dp.py's --check on ragged data (loss diff > 1e-3), and be harmless without padding only up to
+    roundoff (every micro-batch then has the same count); the right step passes at world 3, accum 2, ragged,
+    with one all-reduce per tensor."""
+    assert passed(checks, "--accum 2 --ragged --check: PASSED", "all-reduces per step (one per tensor"), checks
+    line = passed(checks, "negative: the per-micro-batch mean on ragged data FAILS --check")
+    assert line and float(re.search(r"loss diff ([\d.e+-]+)\)", line[0]).group(1)) > 1e-3, checks
+    assert passed(checks, "per-micro-batch mean without padding passes --check"), checks
+
+
+def test_server_keeps_one_sent_copy_per_worker(checks):
+    """The weight copies a server has sent and still holds, counted from outside (weak references to every
+    tensor handed to a send): one per pull in flight, not one per update (a kept send is caught)."""
+    assert passed(checks, "--staleness 1: sent weight copies alive at most 2 (one per pull in flight: 2)"), checks
+    assert passed(checks, "negative: a server that keeps every send is caught: 8 weight copies alive"), checks
 
 
 @pytest.mark.parametrize("world, D", [(2, 0), (3, 1), (4, 2)])
@@ -79,6 +120,7 @@ def test_async_lockstep_equals_delayed_update_reference(tmp_path, world, D):
     assert f["used_versions"] == [max(t - D, 0) for t in range(n)]  # exactly D stale after the start
     assert f["staleness_max"] == D
     assert f["server_bytes_sent_per_update"] >= PARAM_BYTES  # measured at the sends: the weights, at least
+    assert f["sent_weight_copies_alive_max"] == min(world - 1, D + 1)  # one per pull in flight
     if world == 3:
         rs, out = torchrun("dp.py", 3, *TINY, *steps, "--mode", "async", "--staleness", D, "--ckpt-dir",
                            tmp_path / "rs", "--save-every", "2", "--fail-at-step", "5", tmp_path=tmp_path,
@@ -122,6 +164,7 @@ def test_async_free_running_holds_a_staleness_bound_below_workers(tmp_path):
     assert max(stale) <= 1 == f["staleness_bound"] and f["staleness_max"] == max(stale), stale
     assert max(stale) == 1  # two in flight: gradients do arrive stale
     assert sorted(f["batch_ids"]) == list(range(30))  # every batch applied exactly once
+    assert f["sent_weight_copies_alive_max"] <= 2  # at most S + 1 pulls in flight, measured from outside
     assert_matches_reference(s)  # dp.py's own replay
     replay = replay_async(f["used_versions"], f["batch_ids"], 1e-2)
     assert max(abs(a - b) / b for a, b in zip(s["losses"], replay)) <= 1e-9  # each loss was computed on W_used

@@ -1,0 +1,229 @@
+"""Checks of dp.py inside one process group (launched once by tests/test_dp.py, at world 3):
+
+    torchrun --standalone --nproc_per_node=3 tests/dp_checks.py
+
+1. copy-out, bulk synchronous: dp.sync_step on a model that is not the GPT (nested modules, a parameter on
+   the root module, odd sizes, a Huber loss, two micro-batches per rank) equals plain one-process training
+   written here; negative: the same step whose all-reduce only reaches this rank differs.
+2. copy-out, parameter server: dp.Server + dp.worker_loop on that model. BoundedStaleness(0) equals plain
+   one-process training (one gradient in flight: every batch computed on the newest weights); Lockstep(1)
+   equals the one-step-delayed update written here; negative: Lockstep(1) differs from plain training.
+3. dp.py's own --check (main() run here, as torchrun runs it): --accum 2 --ragged passes, one all-reduce per
+   tensor; the per-micro-batch mean (a wrong sync_step, monkeypatched from here) FAILS it on ragged data
+   and passes without padding, where every micro-batch has the same token count.
+4. dp.py --mode async: the sent weight copies alive on the server stay at one per pull in flight (measured
+   from outside, the figure sent_weight_copies_alive_max); a server that keeps every send (monkeypatched)
+   is caught by that figure, which then grows with the updates.
+A failed check is recorded and the script goes on; it prints ALL CHECKS PASSED or exits 1 at the end.
+"""
+import os, sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+import dp
+import harness
+from common import GPT, GPTConfig, close_dist, count_tokens, init_dist, lm_loss
+
+d = init_dist(60)
+F64, B, STEPS, CLIP = torch.float64, 12, 5, 0.05  # clip low enough that every step clips
+failures = []
+
+
+def check(ok, what):
+    if not ok:
+        failures.append(what)
+    if d.rank == 0 or not ok:  # a failure is printed by the rank that saw it
+        print(f"{'ok  ' if ok else 'FAIL'} (rank {d.rank}) {what}", flush=True)
+
+
+# ----------------------------------------------------------------------------- a model that is not the GPT
+class Net(nn.Module):
+    """Nested modules, a parameter on the root module, odd sizes."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(5)  # the same weights on every rank
+        inner = nn.Sequential(nn.Linear(13, 5), nn.LayerNorm(5))
+        self.enc = nn.Sequential(nn.Linear(7, 13), nn.Tanh(), inner)
+        self.gain = nn.Parameter(torch.linspace(0.5, 1.5, 5))
+        self.head = nn.Linear(5, 3)
+        self.to(device=d.device, dtype=F64)
+
+    def forward(self, x):  # (b, 7) -> (b, 3)
+        return self.head(self.enc(x) * self.gain)
+
+
+def batch(step):
+    g = torch.Generator().manual_seed(100 + step)
+    x, y = torch.randn(B, 7, generator=g, dtype=F64), torch.randn(B, 3, generator=g, dtype=F64)
+    return x.to(d.device), y.to(d.device)
+
+
+def huber(m, x, y):  # a sum over the rows given, divided by the rows of the whole batch
+    return F.huber_loss(m(x), y, reduction="sum", delta=0.5) / B
+
+
+def adamw(model):
+    return torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, foreach=False)
+
+
+def plain_training(batch_of_update, weights_of_update):
+    """One process: update t steps on the gradient of batch batch_of_update(t), computed on the weights of
+    version weights_of_update(t) (t: plain training); torch's clipping. Returns (losses, final parameters)."""
+    model, stale = Net(), Net()
+    opt, versions, losses = adamw(model), [[p.detach().clone() for p in model.parameters()]], []
+    for t in range(STEPS):
+        with torch.no_grad():
+            for q, v in zip(stale.parameters(), versions[weights_of_update(t)]):
+                q.copy_(v)
+        x, y = batch(batch_of_update(t))
+        loss = huber(stale, x, y)
+        for p, g in zip(model.parameters(), torch.autograd.grad(loss, list(stale.parameters()))):
+            p.grad = g
+        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        opt.step()
+        versions.append([p.detach().clone() for p in model.parameters()])
+        losses.append(loss.item())
+    return losses, versions[-1]
+
+
+def max_diff(params, ref):
+    return max((p.detach() - r).abs().max().item() for p, r in zip(params, ref))
+
+
+def spread(t):
+    """Largest difference of `t` between any rank and this one, seen on every rank (0: they agree)."""
+    every = [torch.empty_like(t) for _ in range(d.world)]
+    dist.all_gather(every, t)
+    return max((e - t).abs().max().item() for e in every)
+
+
+# ----------------------------------------------------------------------------- 1. copy-out: sync_step
+ref_losses, ref_params = plain_training(lambda t: t, lambda t: t)
+singletons = [dist.new_group([r]) for r in range(d.world)]  # every rank makes every group, in one order
+for group, what in ((None, "all ranks"), (singletons[d.rank], "negative: this rank alone")):
+    model = Net()
+    opt, rows, losses = adamw(model), B // d.world, []
+    for step in range(STEPS):
+        x, y = batch(step)
+        x, y = x[d.rank * rows:(d.rank + 1) * rows], y[d.rank * rows:(d.rank + 1) * rows]  # this rank's slice
+        loss, norm = dp.sync_step(model, opt, zip(x.chunk(2), y.chunk(2)), huber, CLIP, group)
+        dist.all_reduce(loss)
+        losses.append(loss.item())
+    diff = max_diff(model.parameters(), ref_params)
+    loss_diff = max(abs(a - b) / b for a, b in zip(losses, ref_losses))
+    flat = torch.cat([p.detach().flatten() for p in model.parameters()])
+    if group is None:
+        check(diff <= 1e-12 and loss_diff <= 1e-12 and spread(flat) == 0.0,
+              f"copy-out sync_step, world {d.world} x 2 micro-batches, Huber loss, a root parameter: == "
+              f"plain one-process training (params {diff:.1e}, losses {loss_diff:.1e}), replicas identical")
+    else:
+        check(d.world == 1 or diff > 1e-6, f"copy-out sync_step, {what}: differs from plain training "
+              f"({diff:.1e})")
+
+# ---------------------------------------------------------------------------- 2. copy-out: a parameter server
+groups = {w: dist.new_group([0, w]) for w in range(1, d.world)}
+for name, policy, delay in (("BoundedStaleness(0)", dp.BoundedStaleness(0), 0),
+                            ("Lockstep(1)", dp.Lockstep(1), 1)):
+    model = Net()
+    if d.rank > 0:
+        dp.worker_loop(model, lambda m, b: huber(m, *batch(b)), groups[d.rank])
+        continue
+    server = dp.Server(model, adamw(model), groups, policy, STEPS, CLIP)
+    server.hand_out()
+    reports = []
+    for _ in range(STEPS):
+        reports.append(server.apply(server.next_to_apply()).tolist())
+        server.hand_out()
+    server.stop()
+    losses, used, ids = ([r[k] for r in reports] for k in range(3))
+    ref_l, ref_p = plain_training(lambda t: int(ids[t]), lambda t: max(t - delay, 0))  # what the rule says
+    diff, loss_diff = max_diff(model.parameters(), ref_p), max(abs(a - b) / b for a, b in zip(losses, ref_l))
+    rule = used == [max(t - delay, 0) for t in range(STEPS)] and ids == list(range(STEPS))
+    check(rule and diff <= 1e-12 and loss_diff <= 1e-12,
+          f"copy-out Server + worker_loop, {name}: versions used {used}, == "
+          f"{'plain one-process training' if delay == 0 else 'the one-step-delayed update'} written here "
+          f"(params {diff:.1e}, losses {loss_diff:.1e})")
+    if delay:
+        far = max_diff(model.parameters(), ref_params)
+        check(far > 1e-6, f"copy-out {name}: negative: differs from plain training ({far:.1e})")
+
+# ----------------------------------------------------------------------------- 3 + 4: dp.py's main, patched
+summaries = []
+write_summary = harness.write_summary
+harness.write_summary = lambda *a, **k: summaries.append(write_summary(*a, **k)) or summaries[-1]
+harness.close_dist = dp.close_dist = lambda ok=True: None  # main() returns instead of ending the process
+dp.init_dist = lambda timeout=120: d
+TINY = ["--vocab", "32", "--seq-len", "8", "--d-model", "16", "--n-heads", "2", "--n-layers", "2",
+        "--batch-size", "12", "--steps", "4", "--dtype", "float64"]
+
+
+def run_main(*flags):
+    """dp.py's main on these flags; its --json summary (None on an async worker, which writes none)."""
+    sys.argv, n = ["dp.py", *TINY, *flags], len(summaries)
+    dp.main()
+    return summaries[-1] if len(summaries) > n else None
+
+
+real_step = dp.sync_step
+
+
+def per_microbatch_mean(model, opt, micro_batches, loss_fn, clip=0.0, group=None):
+    """The common bug: each micro-batch's loss a mean over its own tokens, then a plain average over the
+    K x N micro-batches (right only when every micro-batch has as many real tokens as every other)."""
+    micro_batches = list(micro_batches)
+    k = len(micro_batches) * dist.get_world_size(group)
+    own_mean = lambda m, x, y: lm_loss(m(x), y, count_tokens(y)) / k  # noqa: E731
+    return real_step(model, opt, micro_batches, own_mean, clip, group)
+
+
+s = run_main("--accum", "2", "--ragged", "--check")
+n_tensors = len(list(GPT(GPTConfig(vocab=32, seq_len=8, d_model=16, n_heads=2, n_layers=2)).parameters()))
+calls = s["figures"]["all_reduces_per_step"]
+check(s["check"]["passed"] and s["check"]["max_loss_diff"] <= 1e-9 and calls == n_tensors,
+      f"dp.py --accum 2 --ragged --check: PASSED ({s['check']['max_loss_diff']:.1e}), "
+      f"{calls} all-reduces per step (one per tensor: {n_tensors})")
+dp.sync_step = per_microbatch_mean
+s = run_main("--accum", "2", "--ragged", "--check")
+check(not s["check"]["passed"] and s["check"]["max_loss_diff"] > 1e-3,
+      f"negative: the per-micro-batch mean on ragged data FAILS --check (loss diff "
+      f"{s['check']['max_loss_diff']:.1e})")
+s = run_main("--accum", "2", "--check")
+check(s["check"]["passed"] and s["check"]["max_loss_diff"] <= 1e-9,
+      f"the per-micro-batch mean without padding passes --check ({s['check']['max_loss_diff']:.1e}): "
+      f"equal counts")
+dp.sync_step = real_step
+
+workers, steps = d.world - 1, 8
+s = run_main("--mode", "async", "--staleness", "1", "--steps", str(steps), "--check")
+f = (s or {}).get("figures", {})
+check(d.rank > 0 or s["check"]["passed"] and f["sent_weight_copies_alive_max"] == workers,
+      f"dp.py --mode async --staleness 1: sent weight copies alive at most "
+      f"{f.get('sent_weight_copies_alive_max')} "
+      f"(one per pull in flight: {workers}), --check PASSED")
+kept, real_send = [], dp.Server._send
+
+
+def keep_every_send(self, w, *tensors):
+    real_send(self, w, *tensors)
+    kept.extend(self.sends[w])  # the bug: every send's work (and so its tensor) stays alive to the end
+
+
+dp.Server._send = keep_every_send
+s = run_main("--mode", "async", "--staleness", "1", "--steps", str(steps))
+dp.Server._send = real_send
+f = (s or {}).get("figures", {})
+check(d.rank > 0 or f["sent_weight_copies_alive_max"] == steps > workers,
+      f"negative: a server that keeps every send is caught: {f.get('sent_weight_copies_alive_max')} weight "
+      f"copies alive (one per update: {steps})")
+
+n_failed = torch.tensor([len(failures)], device=d.device)  # each rank printed its own failures above
+dist.all_reduce(n_failed)
+d.log(f"{int(n_failed)} CHECK(S) FAILED" if int(n_failed) else "ALL CHECKS PASSED")
+close_dist(ok=int(n_failed) == 0)
