@@ -6,7 +6,10 @@ ZeRO (Rajbhandari, Rasley, Ruwase, He, 2020) removes the redundancy of data para
 holds the whole model state, yet only 1/N of the update work needs to happen on it.
   stage 0  plain data parallel: all-reduce the gradients, every rank runs the whole AdamW step.
   stage 1  P_os: optimizer state sharded. Reduce-scatter the gradients, each rank updates its shard of the
-           parameters with its shard of the Adam moments, then all-gather the parameters.
+           parameters with its shard of the Adam moments, then all-gather the parameters. Both overlap
+           with compute: each unit's reduce-scatter starts as soon as the last micro-batch's backward has
+           produced its gradient (as DDP's buckets do), each unit's all-gather is waited for only just
+           before the unit's next forward.
   stage 2  P_os+g: gradients sharded too: each unit's gradient is reduce-scattered as soon as backward has
            produced it (every micro-batch, asynchronously) and only this rank's shard of it is kept.
   stage 3  P_os+g+p: parameters sharded too (FSDP, Zhao et al. 2023). A unit (a transformer block; what is
@@ -95,6 +98,12 @@ all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_
 reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
+class Works(list):  # the works of several collectives, waited for as one
+    def wait(self):
+        for w in self:
+            w.wait()
+
+
 class GatherParams(torch.autograd.Function):
     """Stage 3 (FSDP). Forward: the unit's flat parameters all-gathered from the N shards (prefetched by
     Zero.acquire). Backward: the gradient of the whole flat vector is reduce-scattered (asynchronously, in
@@ -155,15 +164,17 @@ class FlatUnit(nn.Module):
         # the gradient accumulator, in the master dtype: whole (N*S,) in stages 0-1, this rank's (S,) in 2-3
         self.grad = torch.zeros(self.padded if z.stage <= 1 else self.S, dtype=z.master_dtype,
                                 device=z.device)
+        self.has_grad = False  # whether self.grad holds this step's gradient yet (else it is stale)
         self.reduced = None  # stages 0-1: the step's reduced gradient, once its reduction is done
         self.in_forward = None  # stage 3: where the gathered flat vector lies while this unit runs forward
         self.gathered = None  # stage 3: the flat vector gathered again for this unit's backward
 
     def views(self, full):  # {name inside module: view of the flat vector with the parameter's shape}
-        # One split, not a slice per parameter: each slice's backward would build a zero tensor the size of
-        # the whole unit (bench.py measured 150-180 ms vs 30 ms for one block's backward on CPU).
-        parts = full[:self.numel].split([hi - lo for lo, hi in zip(self.offsets, self.offsets[1:])])
-        return {n: p.view(s) for n, p, s in zip(self.local, parts, self.shapes)}
+        # One split of the whole vector, the padding its last piece: a slice's backward builds a zero tensor
+        # the size of the unit and copies into it (bench.py: 150-180 ms vs 30 ms for one block's backward,
+        # a slice per parameter; one slice per unit still doubled SplitBackward's one copy).
+        sizes = [hi - lo for lo, hi in zip(self.offsets, self.offsets[1:])] + [self.padded - self.numel]
+        return {n: p.view(s) for n, p, s in zip(self.local, full.split(sizes), self.shapes)}
 
     def forward(self, *args):
         if self.zero.recompute and self is not self.zero.root:
@@ -174,6 +185,7 @@ class FlatUnit(nn.Module):
 
     def _run(self, *args):
         if self.zero.stage < 3 or not self.numel:  # (a root unit may have no parameters of its own)
+            self.zero.wait_published(self)  # stages 1-2: the all-gather of the last step's update
             return functional_call(self.module, self.views(self.full), args)
         full = GatherParams.apply(self.shard, self)  # (N*S,) global: all-gathered just before use
         self.in_forward = full.untyped_storage().data_ptr()  # where it lies, for Zero._pack (not a reference)
@@ -187,7 +199,16 @@ class FlatUnit(nn.Module):
         if self.zero.stage == 2:
             self.zero.reduce_grad(self, g)  # reduce-scatter now (async), keep only my shard
             return
-        self.grad += g  # stages 0-1 keep the whole gradient, summed over micro-batches; reduced in step()
+        self.accumulate(g)  # stages 0-1 keep the whole gradient, summed over micro-batches (no_sync) ...
+        if self.zero.last_microbatch:  # ... and reduce it once per step, as soon as the last backward made it
+            self.zero.reduce_grad(self, self.grad)
+
+    def accumulate(self, g):  # into the step's gradient; the first micro-batch copies: nothing to zero
+        if self.has_grad:
+            self.grad += g
+        else:
+            self.grad.copy_(g)
+        self.has_grad = True
 
 
 class LossScaler:
@@ -212,18 +233,19 @@ class Zero:
     """ZeRO around any nn.Module (built on the CPU; `device` defaults to its parameters' device). `units`
     names submodules, in the order forward runs them, that become FlatUnits (in stage 3 gathered one at a
     time); the parameters left over form the root unit. Per step: zero(x) and zero.backward(loss) for each
-    micro-batch, then zero.step(). `optimizer` makes the optimizer from the list of flat master tensors
-    (torch.optim.AdamW(params, lr=...)); `clip` is the global gradient norm to clip to (0: off);
-    `mixed_precision` a compute dtype (torch.bfloat16, or torch.float16: then the loss is scaled
-    dynamically from `loss_scale`); `compress` "bf16" or "int8" encodes the activations saved for
-    backward. Parameters only: buffers stay in the module, replicated. No parameter may be shared between
-    units (no tied weights across units)."""
+    micro-batch (last=False on all but the last), then zero.step(). `optimizer` makes the optimizer from
+    the list of flat master tensors (torch.optim.AdamW(params, lr=...)); `clip` is the global gradient
+    norm to clip to (0: off); `mixed_precision` a compute dtype (torch.bfloat16, or torch.float16: then
+    the loss is scaled dynamically from `loss_scale`); `compress` "bf16" or "int8" encodes the
+    activations saved for backward. Parameters only: buffers stay in the module, replicated. No parameter
+    may be shared between units (no tied weights across units)."""
 
     def __init__(self, model, units=(), stage=0, optimizer=torch.optim.AdamW, clip=0.0, group=None,
                  device=None, offload=False, recompute=False, mixed_precision=None, loss_scale=65536.0,
                  scale_window=1000, compress=None):
         self.group = group or dist.group.WORLD
         self.rank, self.world = dist.get_rank(self.group), dist.get_world_size(self.group)
+        self.gloo = dist.get_backend(self.group) == "gloo"  # (see ZeRO's two collectives, below)
         self.stage, self.clip, self.recompute, self.offload = stage, clip, recompute, offload
         p0 = next(model.parameters())
         self.device, self.master_dtype = torch.device(device or p0.device), p0.dtype
@@ -246,7 +268,32 @@ class Zero:
         blocks = [u for u in self.units[:-1] if u.numel]
         self.forward_order = [self.root] * bool(self.root.numel) + blocks
         self.backward_order = [self.root] * bool(self.root.numel) + blocks[::-1]
-        self.order, self.prefetched, self.pending = self.forward_order, {}, []
+        self.order, self.prefetched, self.pending, self.last_microbatch = self.forward_order, {}, [], True
+        self.publishing = {}  # stages 1-2: unit -> (all-gather in flight, its input)
+
+    # --- ZeRO's two collectives ---------------------------------------------------------------------------
+    # A ring reduce-scatter or all-gather (NCCL) moves (N-1)/N of the vector over each link: the primitives
+    # ZeRO is built from. torch's gloo backend runs reduce_scatter_single as an all-reduce of a copy of the
+    # whole vector, and all_gather_single through flat copies of every shard (ProcessGroupGloo); on gloo the
+    # same shards therefore go as N reduces to their owners and N broadcasts from them, in place (as torch's
+    # ZeroRedundancyOptimizer broadcasts). Same bytes handed over, without the copies.
+    def reduce_scatter(self, full):  # (N*S,) global -> (work, (S,) local: my shard of the sum, once done)
+        S = full.numel() // self.world
+        if not self.gloo:
+            out = torch.empty(S, dtype=full.dtype, device=full.device)
+            return reduce_scatter_single(out, full, group=self.group, async_op=True), out
+        return Works(dist.reduce(full[q * S:(q + 1) * S], group_dst=q, group=self.group, async_op=True)
+                     for q in range(self.world)), full[self.rank * S:(self.rank + 1) * S]
+
+    def all_gather(self, full, shard):  # (S,) local -> (N*S,) global; returns (work, what it reads)
+        if not self.gloo:
+            if shard.untyped_storage().data_ptr() == full.untyped_storage().data_ptr():
+                shard = shard.clone()  # stages 1-2 publish a slice of `full`: the input may not alias it
+            return all_gather_single(full, shard, group=self.group, async_op=True), shard
+        S = shard.numel()
+        full[self.rank * S:(self.rank + 1) * S].copy_(shard)  # (a no-op when it is that slice already)
+        return Works(dist.broadcast(full[q * S:(q + 1) * S], group_src=q, group=self.group, async_op=True)
+                     for q in range(self.world)), shard
 
     # --- stage 3: prefetching all-gathers (FSDP's forward and backward prefetch) ---------------------------
     def acquire(self, u):
@@ -263,7 +310,7 @@ class Zero:
 
     def _launch_gather(self, u):  # (S,) local -> a new (N*S,) buffer; returns (work, buffer)
         buf = torch.empty(u.padded, dtype=self.compute_dtype, device=self.device)
-        return all_gather_single(buf, u.shard.detach(), group=self.group, async_op=True), buf
+        return self.all_gather(buf, u.shard.detach())[0], buf
 
     def _new_pass(self, order):  # a prefetch the last pass did not use (a forward without its units) ends
         for work, _ in self.prefetched.values():
@@ -276,15 +323,14 @@ class Zero:
         place: every rank holds the sum. Stages 1-3 reduce-scatter it into this rank's (S,) shard, in the
         master dtype (fp32 under mixed precision). Stages 2-3 reduce every micro-batch's gradient and keep
         one in flight (its (N*S,) input lives until it is done); stages 0-1 reduce their accumulator once
-        per step, in step(), all in flight at once."""
+        per step, each unit as soon as the last backward has produced it, and all may be in flight."""
         if self.stage >= 2:
             self.finish_reductions()
             g = g.to(self.master_dtype).contiguous()
         if self.stage == 0:
             out, work = g, dist.all_reduce(g, group=self.group, async_op=True)
         else:
-            out = torch.empty(u.S, dtype=self.master_dtype, device=self.device)
-            work = reduce_scatter_single(out, g, group=self.group, async_op=True)
+            work, out = self.reduce_scatter(g)
         self.pending.append((u, work, out, g))  # g referenced until done
 
     def finish_reductions(self):
@@ -293,7 +339,7 @@ class Zero:
         for u, work, out, _ in self.pending:
             work.wait()
             if self.stage >= 2:
-                u.grad += out
+                u.accumulate(out)
             else:
                 u.reduced = out
         self.pending = []
@@ -331,8 +377,11 @@ class Zero:
         with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
             return self.root(*args)
 
-    def backward(self, loss):  # fp16: the loss is scaled so small gradients survive in half precision
+    def backward(self, loss, last=True):
+        """One micro-batch's backward; last=False on all but the step's last (stages 0-1 then reduce only
+        during the last one, as DDP's no_sync). fp16: the loss is scaled so small gradients survive."""
         self._new_pass(self.backward_order)
+        self.last_microbatch = last
         (loss * self.scaler.scale if self.scaler else loss).backward()
         if self.stage >= 2:
             self.finish_reductions()  # the last unit's reduce-scatter
@@ -341,17 +390,21 @@ class Zero:
         """The L2 norm of the whole model's gradient from each rank's slices: every element lies in exactly
         one rank's slice (padding excluded), so no replica is counted twice. An inf or nan anywhere makes
         it non-finite on every rank: one skip decision, taken alike everywhere."""
-        sq = torch.zeros(1, dtype=torch.float64, device=self.device)
-        for p in parts:
-            sq += torch.linalg.vector_norm(p, dtype=torch.float64) ** 2
+        # Each slice's norm in its own dtype, as torch's clip_grad_norm_ takes them (dtype=float64 would
+        # take a slow path on CPU, 18x a float32 norm); the squares summed in float64.
+        sq = torch.stack([torch.linalg.vector_norm(p).double() for p in parts]).square().sum().view(1)
         dist.all_reduce(sq, group=self.group)
         return sq.sqrt()
 
     def step(self):
         """1. finish the reduction 2. fp16: unscale 3. the global norm, clip 4. AdamW on the master shard
         (on the CPU with offload) 5. publish the new parameters. Returns {norm, skipped}."""
-        for u in self.units if self.stage <= 1 else ():  # stages 0-1 reduce the step's gradient now
-            self.reduce_grad(u, u.grad)
+        self.wait_published()  # (a unit the forward did not use: its shard is about to change)
+        for u in self.units:
+            if not u.has_grad:  # no backward reached u this step: its gradient is zero
+                u.grad.zero_()
+            if self.stage <= 1 and not any(p[0] is u for p in self.pending):  # (nor the last one's)
+                self.reduce_grad(u, u.grad)
         self.finish_reductions()
         grads = [u.reduced if self.stage <= 1 else u.grad for u in self.units]  # what the optimizer reads
         parts = [g[u.lo:u.lo + u.valid] if self.stage == 0 else g[:u.valid]  # padding excluded
@@ -373,22 +426,31 @@ class Zero:
             self.opt.step()
             self.publish()
         for u in self.units:
-            u.grad.zero_()
-            u.reduced = None
+            u.has_grad, u.reduced = False, None
             if not self.offload:
                 u.master.grad = None
         return dict(norm=norm, skipped=skipped)
 
     def publish(self):
-        """Master -> compute copy (host fp32 -> device bf16); stages 1-2 then all-gather the whole vector."""
+        """Master -> compute copy (host fp32 -> device bf16). Stages 1-2 then all-gather the whole vector
+        from the updated shards, asynchronously and in the order the next forward needs the units: each
+        unit's all-gather is waited for just before its next forward, so it travels while the units
+        before it compute."""
         for u in self.units:
             if self.separate_master:
                 u.compute.copy_(u.master)
-            if self.stage in (1, 2):  # (S,) local -> (N*S,) global (the input may not alias the output)
-                all_gather_single(u.full.detach(), u.compute.clone(), group=self.group)
+        for u in self.forward_order if self.stage in (1, 2) else ():
+            self.publishing[u] = self.all_gather(u.full.detach(), u.compute)
+
+    def wait_published(self, u=None):  # stages 1-2: unit u's all-gather from publish() (None: every unit's)
+        for v in [u] if u is not None else list(self.publishing):
+            work, _ = self.publishing.pop(v, (None, None))
+            if work is not None:
+                work.wait()
 
     def full_state_dict(self):
         """The whole unsharded model on every rank, {name in the original model: tensor}, master dtype."""
+        self.wait_published()
         out = {}
         for u in self.units:
             flat = u.master.to(self.device)
@@ -399,17 +461,22 @@ class Zero:
         return out
 
 
+def to_device(t, device):
+    """One host-to-device copy; on a GPU from pinned memory and non-blocking, so the host goes on."""
+    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t.to(device)
+
+
 def train_step(zero, x, y, n_tok, accum, loss_fn):
-    """One optimizer step on this rank's rows of the global batch (x, y), in `accum` micro-batches.
-    Returns this rank's share of the batch loss (a device tensor, no host sync) and zero.step()'s result.
-    loss_fn(out, y, n_tok) sums over its rows and divides by n_tok, the count of the whole global batch,
-    so that the pieces of every rank and micro-batch add up to the batch's loss."""
+    """One optimizer step on this rank's rows of the global batch (x, y), copied to the device once, in
+    `accum` micro-batches. Returns this rank's share of the batch loss (a device tensor, no host sync) and
+    zero.step()'s result. loss_fn(out, y, n_tok) sums over its rows and divides by n_tok, the count of the
+    whole global batch, so that the pieces of every rank and micro-batch add up to the batch's loss."""
     rows = x.shape[0] // zero.world
-    x, y = (t[zero.rank * rows:(zero.rank + 1) * rows] for t in (x, y))  # (B/N, ...) local
+    x, y = (to_device(t[zero.rank * rows:(zero.rank + 1) * rows], zero.device) for t in (x, y))  # (B/N, ...)
     local = torch.zeros((), dtype=torch.float64, device=zero.device)
-    for xm, ym in zip(x.chunk(accum), y.chunk(accum)):  # (B/(N*accum), ...) each
-        loss = loss_fn(zero(xm.to(zero.device)), ym.to(zero.device), n_tok)
-        zero.backward(loss)
+    for i, (xm, ym) in enumerate(zip(x.chunk(accum), y.chunk(accum))):  # (B/(N*accum), ...) each
+        loss = loss_fn(zero(xm), ym, n_tok)
+        zero.backward(loss, last=i == accum - 1)
         local += loss.detach()
     return local, zero.step()
 
@@ -603,7 +670,7 @@ class Watch:
                          torch.utils.checkpoint keeps, seen by forward pre-hooks
       gathered buffers   each stage-3 all-gather's output, held weakly (harness.LiveStorages), and their peak
       Adafactor's bytes  its step runs inside comm.phase("optimizer")
-    reset() starts the peaks afresh."""
+    reset() starts the peaks afresh, CUDA's included."""
 
     def __init__(self, zero, comm):
         self.zero, self.gathered, self.saved, self.saved_peak, self._seen = zero, LiveStorages(), 0, 0, set()
@@ -654,11 +721,13 @@ class Watch:
 
     def reset(self):
         self.saved_peak = self.gathered.peak = 0
+        if self.zero.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.zero.device)
 
     def saved_without_savers(self, x):
         """The bytes one micro-batch x saves with recomputation and compression off: one extra forward
         before training, drawing no RNG (dropout masks stay the run's). The peaks are reset after it, so
-        that the figures the summary reports come from the training steps."""
+        that the figures the summary reports (CUDA's peak too) come from the training steps."""
         z = self.zero
         keep, z.recompute, z.compressor = (z.recompute, z.compressor), False, None
         with torch.random.fork_rng(devices=[z.device] if z.device.type == "cuda" else []):
@@ -751,7 +820,7 @@ def report(d, args, zero, watch, without, comm):
 
 
 def peak(d, args, zero, watch):
-    """Largest over ranks: CUDA's own peak on a GPU, else the bytes counted: the model
+    """Largest over ranks: CUDA's own peak on a GPU (since Watch.reset), else the bytes counted: the model
     states on the device, the gathered peak and the saved activations of the training forwards."""
     mem = memory(zero)
     counted = mem["params"] + mem["grads"] + (0 if args.offload else mem["optim"])
@@ -881,6 +950,7 @@ def save_checkpoint(zero, ckpt_dir, step, history):
     meta.pt, which marks the step complete. Temporary file + rename: never a half-written file."""
     path = os.path.join(ckpt_dir, f"step{step}")
     os.makedirs(path, exist_ok=True)
+    zero.wait_published()  # (stages 1-2, no separate master: the master is a view of the gathered vector)
     shards = []
     for u in zero.units:
         st = zero.opt.state.get(u.master, {})  # empty if every step so far was skipped (fp16)

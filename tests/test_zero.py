@@ -65,6 +65,10 @@ def test_stage2_world3_offload_recompute(tmp_path):
     assert_figures(s)
     f = s["figures"]
     assert 0 < f["saved_activation_bytes"] < f["saved_activation_bytes_without_savers"] / 2, f
+    # the peak (counted on CPU) comes from the training steps, not from the measurement forward without the
+    # savers that runs before them: the states on the device + the saved bytes with --recompute
+    m = f["memory"]
+    assert s["peak_mem_bytes"] == m["params"]["counted"] + m["grads"]["counted"] + f["saved_activation_bytes"], s
     # offload: the optimizer state is on the host (on a CPU-only machine that is trivially so, and says so;
     # tests/zero_checks.py checks the placement and the storages), and so is a copy of the gradient shard
     assert "optimizer (master, m, v) on host (= the device here: trivially true on CPU)" in out

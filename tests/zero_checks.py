@@ -11,13 +11,19 @@
    its peak stays within root + 2 blocks; its all-gathers are prefetched (forward and backward) and its
    reduce-scatters still in flight while the next block computes; recomputation saves less; offload keeps
    master and moments on the CPU in storages of their own.
-3. --mixed-precision bf16 --check (zero.train, in-process) passes, and FAILS when any one unit's gradient
+3. --mixed-precision bf16 --check (zero.main, in-process) passes, and FAILS when any one unit's gradient
    is not reduced across ranks.
 4. --compress-activations: none is plain autograd bit for bit; bf16 / int8 save ~1/2 / ~1/4 of the bytes
    with gradients within the encoding's rounding.
 5. --optimizer adafactor at world 1, 2, 3 and stages 0-3 == torch.optim.Adafactor; its state bytes.
+6. What a GPU would show (issue 21): one host-to-device copy of a step's batch; the reported peak comes
+   from the training steps, not the measurement forward before them; stages 0-1 reduce each unit during
+   the last backward, stages 1-2 wait for each unit's all-gather of the update only at its next forward.
+7. fp16: an overflow injected into one rank's gradient (a monkeypatch, the test hook the file no longer
+   has) is skipped on every rank, with the loss scale's back-off and growth, and --check passes.
 Each check is also run against code broken on purpose (a gathered unit kept alive, prefetch off, offload
-aliasing the compute copy, a dropped reduction), and must catch it.
+aliasing the compute copy, a dropped reduction, a copy per micro-batch, no peak reset, reductions or
+all-gathers waited for at once), and must catch it.
 Every tensor and model lives on the process group's device (gloo + CPU here, NCCL + GPU elsewhere).
 Prints ALL CHECKS PASSED and exits 0, or names each failed check and exits 1.
 """
@@ -400,7 +406,7 @@ def compressed_grads(d, a, x, y, how):
     the activation bytes saved for it, and the units' parameter names in that order."""
     zero = gpt_zero(d, replace(a, compress_activations=how), torch.float32)
     watch = Z.Watch(zero, CommCounter())
-    zero.backward(lm_loss(zero(x), y, count_tokens(y)))
+    zero.backward(lm_loss(zero(x), y, count_tokens(y)), last=False)  # last=False: no reduction launched
     g = torch.cat([u.grad[:u.numel] for u in zero.units])
     return g.cpu(), watch.saved, [n for u in zero.units for n in u.names]
 
@@ -496,6 +502,125 @@ def check_adafactor(d, args):
     dist.barrier()
 
 
+# ----------------------------------------------------------------------------- 6. what the GPU would show
+def reduction_events(d, a, data):
+    """Stages 0-1, one step of `a.accum` micro-batches: the units whose reduction has been launched when
+    each block starts its backward, per micro-batch. {(micro-batch, block index): set of unit indices}."""
+    zero = gpt_zero(d, a)
+    index, events, mb = {u: i for i, u in enumerate(zero.units)}, {}, [0]
+
+    def record(i):  # (returns None: a backward pre-hook's return value would replace the gradients)
+        events.setdefault((mb[0], i), {index[p[0]] for p in zero.pending})
+    for u, i in index.items():
+        if u is not zero.root:
+            u.module.register_full_backward_pre_hook(lambda m, g, i=i: record(i))
+    x, y = data.batch(0, a.batch_size, a.seq_len)
+    rows = a.batch_size // (d.world * a.accum)
+    for k in range(a.accum):
+        mb[0] = k
+        xm, ym = x[k * rows:(k + 1) * rows].to(d.device), y[k * rows:(k + 1) * rows].to(d.device)
+        zero.backward(lm_loss(zero(xm), ym, count_tokens(y)), last=k == a.accum - 1)
+    zero.step()
+    return events
+
+
+def check_gpu_defects(d, args):
+    """Issue 21, on CPU: (2) train_step copies a step's batch to the device once, whatever --accum;
+    (4) the reported peak comes from the training steps: the measurement forward without the savers runs
+    first and the peaks are reset after it (a run that skips the reset is caught); (7) stages 0-1 launch
+    each unit's reduction during the last micro-batch's backward, as soon as the unit's gradient is
+    complete (the later blocks' are in flight when a block starts its backward), not after backward (a
+    run that defers them to the step is caught)."""
+    data, L = MarkovData(args.vocab, args.seed), args.n_layers
+    copies = []
+    with mock.patch.object(Z, "to_device", lambda t, dev: copies.append(t) or t.to(dev)):
+        zero = gpt_zero(d, replace(args, stage=1))
+        x, y = data.batch(0, args.batch_size, args.seq_len)
+        step_loss(zero, x, y, count_tokens(y), args.accum, lm_loss)
+    check(d, f"train_step: one host-to-device copy of the batch per step (inputs, targets) at --accum {args.accum}",
+          len(copies) == 2, f"({len(copies)} copies)")
+    copies.clear()
+    with mock.patch.object(Z, "to_device", lambda t, dev: copies.append(t) or t.to(dev)), \
+            mock.patch.object(Z, "train_step", per_microbatch_copies):
+        step_loss(zero, x, y, count_tokens(y), args.accum, lm_loss)
+    check(d, "train_step mutant (a copy per micro-batch) is caught", len(copies) != 2, f"({len(copies)} copies)")
+
+    a = replace(args, stage=3, recompute=True, steps=2, check=False)
+    s = Z.main(a, d)
+    f, m = s["figures"], s["figures"]["memory"]
+    states = sum(m[k]["counted"] for k in ("params", "grads", "optim"))
+    want = states + f["gathered_peak_bytes"] + f["saved_activation_bytes"]
+    check(d, "the peak comes from the training steps (states + gathered peak + saved with --recompute)",
+          s["peak_mem_bytes"] == want and f["saved_activation_bytes"] < f["saved_activation_bytes_without_savers"] / 2,
+          f"({s['peak_mem_bytes']} B, want {want} B; saved {f['saved_activation_bytes']} B, "
+          f"without {f['saved_activation_bytes_without_savers']} B)")
+    with mock.patch.object(Z.Watch, "reset", lambda self: None):
+        bad = Z.main(a, d)
+    check(d, "peak mutant (not reset after the measurement forward) is caught",
+          bad["peak_mem_bytes"] - s["peak_mem_bytes"] == f["saved_activation_bytes_without_savers"] - f["saved_activation_bytes"],
+          f"({bad['peak_mem_bytes']} vs {s['peak_mem_bytes']} B)")
+
+    for stage in (1, 2):
+        a = replace(args, stage=stage)
+        ok, ev = publish_deferred(d, a, data)
+        check(d, f"stage {stage}: the all-gather of the update is waited for at each unit's next forward", ok, f"{ev}")
+        with mock.patch.object(Z.Zero, "publish", publish_and_wait):
+            ok, ev = publish_deferred(d, a, data)
+        check(d, f"stage {stage} mutant (publish waits for its all-gathers) is caught", not ok, f"{ev}")
+    for stage in (0, 1):
+        a = replace(args, stage=stage)
+        ev = reduction_events(d, a, data)
+        early = all(ev[k, i] == set() for k in range(a.accum - 1) for i in range(L))
+        last = all(ev[a.accum - 1, i] == set(range(i + 1, L)) for i in range(L))
+        check(d, f"stage {stage}: each unit's reduction launched during the last backward, none before", early and last,
+              f"{ev}")
+        backward = Z.Zero.backward
+        with mock.patch.object(Z.Zero, "backward", lambda self, loss, last=True: backward(self, loss, last=False)):
+            ev = reduction_events(d, a, data)
+        check(d, f"stage {stage} mutant (reductions deferred to the step) is caught",
+              any(ev[a.accum - 1, i] != set(range(i + 1, L)) for i in range(L - 1)), f"{ev}")
+
+
+def per_microbatch_copies(zero, x, y, n_tok, accum, loss_fn):
+    """A broken train_step that copies each micro-batch to the device on its own (issue 21's defect)."""
+    rows = x.shape[0] // zero.world
+    x, y = (t[zero.rank * rows:(zero.rank + 1) * rows] for t in (x, y))
+    local = torch.zeros((), dtype=torch.float64, device=zero.device)
+    for i, (xm, ym) in enumerate(zip(x.chunk(accum), y.chunk(accum))):
+        loss = loss_fn(zero(Z.to_device(xm, zero.device)), Z.to_device(ym, zero.device), n_tok)
+        zero.backward(loss, last=i == accum - 1)
+        local += loss.detach()
+    return local, zero.step()
+
+
+def publish_deferred(d, a, data):
+    """Stages 1-2, after one step: the units whose publishing all-gather has not been waited for yet when
+    each block starts its next forward. True when that is every later unit (each is waited for just
+    before its own forward), and nothing is left after the forward."""
+    zero = gpt_zero(d, a)
+    x, y = data.batch(0, a.batch_size, a.seq_len)
+    step_loss(zero, x, y, count_tokens(y), a.accum, lm_loss)
+    index, ev = {u: i for i, u in enumerate(zero.units)}, {}
+
+    def record(i):  # (returns None: a pre-hook's return value would replace the inputs)
+        ev.setdefault(i, {index[v] for v in zero.publishing})
+    for u, i in index.items():
+        if u is not zero.root:
+            u.module.register_forward_pre_hook(lambda m, args, i=i: record(i))
+    zero(x[:2].to(d.device))
+    L = len(zero.units) - 1
+    return all(ev[i] == set(range(i + 1, L)) for i in range(L)) and not zero.publishing, ev
+
+
+PUBLISH = Z.Zero.publish
+
+
+def publish_and_wait(self):
+    """A publish that waits for its all-gathers at once, as before issue 21."""
+    PUBLISH(self)
+    self.wait_published()
+
+
 class InfGrad(torch.autograd.Function):
     """The identity forward; backward makes the gradient infinite (an fp16 overflow, on purpose)."""
 
@@ -564,6 +689,7 @@ def main():
     check_mixed(d, base)
     check_compression(d, base)
     check_adafactor(d, base)
+    check_gpu_defects(d, base)
     check_fp16_overflow(d, base)
     bad = torch.tensor([float(len(FAILED))], device=d.device)
     dist.all_reduce(bad)
