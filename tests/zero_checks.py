@@ -11,17 +11,23 @@
    its peak stays within root + 2 blocks; its all-gathers are prefetched (forward and backward) and its
    reduce-scatters still in flight while the next block computes; recomputation saves less; offload keeps
    master and moments on the CPU in storages of their own.
-3. --mixed-precision bf16 --check (zero.train, in-process) passes, and FAILS when any one unit's gradient
+3. --mixed-precision bf16 --check (zero.main, in-process) passes, and FAILS when any one unit's gradient
    is not reduced across ranks.
 4. --compress-activations: none is plain autograd bit for bit; bf16 / int8 save ~1/2 / ~1/4 of the bytes
    with gradients within the encoding's rounding.
 5. --optimizer adafactor at world 1, 2, 3 and stages 0-3 == torch.optim.Adafactor; its state bytes.
+6. What a GPU would show (issue 21): one host-to-device copy of a step's batch; the reported peak comes
+   from the training steps, not the measurement forward before them; stages 0-1 reduce each unit during
+   the last backward, stages 1-2 wait for each unit's all-gather of the update only at its next forward.
+7. fp16: an overflow injected into one rank's gradient (a monkeypatch, the test hook the file no longer
+   has) is skipped on every rank, with the loss scale's back-off and growth, and --check passes.
 Each check is also run against code broken on purpose (a gathered unit kept alive, prefetch off, offload
-aliasing the compute copy, a dropped reduction), and must catch it.
+aliasing the compute copy, a dropped reduction, a copy per micro-batch, no peak reset, reductions or
+all-gathers waited for at once), and must catch it.
 Every tensor and model lives on the process group's device (gloo + CPU here, NCCL + GPU elsewhere).
 Prints ALL CHECKS PASSED and exits 0, or names each failed check and exits 1.
 """
-import os, sys, time
+import contextlib, os, sys, time
 from dataclasses import replace
 from unittest import mock
 
@@ -37,6 +43,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 import zero as Z
 from common import (GPTConfig, MarkovData, build_gpt, close_dist, count_tokens, init_dist, lm_loss, make_optimizer,
                     reference_train)
+from harness import CommCounter
 
 FAILED = []
 
@@ -52,6 +59,24 @@ def check(d, name, ok, detail=""):
 def max_diff(a, b):
     assert set(a) == set(b), sorted(set(a) ^ set(b))
     return max((a[n].cpu() - b[n].cpu()).abs().max().item() for n in a)
+
+
+def make_zero(model, a, units, device, group=None):
+    """Zero built from an Args as zero.main builds it (AdamW, or Adafactor in its place)."""
+    zero = Z.Zero(model, units, stage=a.stage, optimizer=lambda ps: make_optimizer(ps, a), clip=a.clip, group=group,
+                  device=device, offload=a.offload, recompute=a.recompute, mixed_precision=Z.LOW[a.mixed_precision],
+                  compress=None if a.compress_activations == "none" else a.compress_activations)
+    if a.optimizer == "adafactor":
+        zero.opt = Z.FlatAdafactor(zero, a.lr, a.weight_decay)
+    return zero
+
+
+def step_loss(zero, x, y, n_tok, accum, loss_fn, comm=None):
+    """One train_step; its bytes seen by `comm` (a CommCounter) when given; the global batch's loss."""
+    with comm if comm is not None else contextlib.nullcontext():
+        local, _ = Z.train_step(zero, x, y, n_tok, accum, loss_fn)
+    dist.all_reduce(local, group=zero.group)
+    return local.item()
 
 
 # ----------------------------------------------------------------------------- 1. awkward shapes
@@ -133,7 +158,7 @@ def check_awkward(d, args, steps=3):
 
     def run(stage, **kw):
         a = replace(args, stage=stage, **kw)
-        zero = Z.Zero(awkward(), a, units=["a", "b"], device=d.device)  # built on the CPU, sharded to the device
+        zero = make_zero(awkward(), a, ["a", "b"], d.device)  # built on the CPU, sharded to the device
         for s in range(steps):
             x, y = batch(d, s)
             Z.train_step(zero, x, y, y.numel(), a.accum, mse)
@@ -159,16 +184,16 @@ def check_awkward(d, args, steps=3):
 # ----------------------------------------------------------------------------- 2. the GPT, stages 0-3
 def gpt_zero(d, a, dtype=torch.float64):
     model = build_gpt(GPTConfig.from_args(a), a.seed, dtype)  # on the CPU; Zero moves the shards
-    return Z.Zero(model, a, units=[f"blocks.{i}" for i in range(a.n_layers)], device=d.device)
+    return make_zero(model, a, [f"blocks.{i}" for i in range(a.n_layers)], d.device)
 
 
-def live_after(zero, wait_s=2.0):
+def live_after(watch, wait_s=2.0):
     """Gathered bytes still alive; a storage a collective's worker thread holds a moment longer is waited
     for (briefly), one that our code keeps alive never goes."""
     deadline = time.time() + wait_s
-    while zero.meter.live_gathered() and time.time() < deadline:
+    while watch.gathered.alive() and time.time() < deadline:
         time.sleep(0.01)
-    return zero.meter.live_gathered()
+    return watch.gathered.alive()
 
 
 def stage3_memory_problems(d, a, data):
@@ -176,22 +201,23 @@ def stage3_memory_problems(d, a, data):
     gathered bytes must all be freed after a forward and after a backward, and their peak must stay within
     the root plus the two largest blocks (the one running, the one prefetched)."""
     zero = gpt_zero(d, a)
+    watch = Z.Watch(zero, CommCounter())
     x, y = data.batch(0, a.batch_size, a.seq_len)
     rows = a.batch_size // d.world
     x, y = x[d.rank * rows:(d.rank + 1) * rows].to(d.device), y[d.rank * rows:(d.rank + 1) * rows].to(d.device)
     problems = []
     loss = lm_loss(zero(x), y, count_tokens(y))
-    if live_after(zero):
-        problems.append(f"{zero.meter.live_gathered()} B gathered still alive after forward")
+    if live_after(watch):
+        problems.append(f"{watch.gathered.alive()} B gathered still alive after forward")
     zero.backward(loss)
     del loss
-    if live_after(zero):
-        problems.append(f"{zero.meter.live_gathered()} B gathered still alive after backward")
+    if live_after(watch):
+        problems.append(f"{watch.gathered.alive()} B gathered still alive after backward")
     blocks = sorted((u.padded * 8 for u in zero.units[:-1]), reverse=True)
     bound = zero.root.padded * 8 + sum(blocks[:2])
-    if zero.meter.peak_gathered > bound:
-        problems.append(f"peak gathered {zero.meter.peak_gathered} B > bound {bound} B")
-    return problems, zero.meter.peak_gathered, bound
+    if watch.gathered.peak > bound:
+        problems.append(f"peak gathered {watch.gathered.peak} B > bound {bound} B")
+    return problems, watch.gathered.peak, bound
 
 
 def keep_alive(stash):
@@ -215,7 +241,7 @@ def overlap_events(d, a, data):
     fwd, bwd = {}, {}
 
     def record(events, i):  # (returns None: a pre-hook's return value would replace the inputs)
-        events.setdefault(i, ({index.get(v) for v in zero.prefetched}, zero.pending and index.get(zero.pending[0])))
+        events.setdefault(i, ({index.get(v) for v in zero.prefetched}, index.get(zero.pending[0][0]) if zero.pending else None))
     for u, i in index.items():
         u.module.register_forward_pre_hook(lambda m, args, i=i: record(fwd, i))
         u.module.register_full_backward_pre_hook(lambda m, g, i=i: record(bwd, i))
@@ -250,20 +276,18 @@ def check_gpt(d, args):
     for stage in (0, 1, 2, 3, "3+offload+recompute"):
         a = replace(args, stage=3, offload=True, recompute=True) if stage == "3+offload+recompute" else \
             replace(args, stage=stage)
-        zero = gpt_zero(d, a)
-        losses, sent = [], []
+        zero, comm = gpt_zero(d, a), CommCounter()  # the bytes of the last step, at the dispatcher
+        watch, losses = Z.Watch(zero, comm), []
         for s in range(a.steps):
             x, y = data.batch(s, a.batch_size, a.seq_len)
-            before = zero.meter.sent
-            losses.append(Z.train_step(zero, x, y, count_tokens(y), a.accum, lm_loss)[0])
-            sent.append(zero.meter.sent - before)
-        saved = zero.meter.saved_bytes
+            losses.append(step_loss(zero, x, y, count_tokens(y), a.accum, lm_loss, comm if s == a.steps - 1 else None))
+        sent, saved = comm.total(), watch.saved  # (saved: the last micro-batch's forward)
         full = zero.full_state_dict()
         pdiff = max_diff(full, ref["params"])
         ldiff = max(abs(p - q) / abs(q) for p, q in zip(losses, ref["losses"]))
         check(d, f"stage {stage}: losses and params == reference", pdiff < 1e-10 and ldiff < 1e-10,
               f"(params {pdiff:.1e}, losses {ldiff:.1e})")
-        results[stage] = (zero, full, sent[-1], saved)
+        results[stage] = (zero, full, sent, saved)
 
     for stage in (1, 2, 3):
         diff = max_diff(results[stage][1], results[0][1])
@@ -359,19 +383,19 @@ def check_mixed(d, args):
     """zero.train with bf16 compute at stage 2 (accumulation, clipping) against reference_mixed: passes
     as written, fails when any one unit's micro-batch gradient is kept local instead of reduce-scattered."""
     a = replace(args, dtype="float32", mixed_precision="bf16", stage=2, check=True, steps=4)
-    ok = Z.train(d, a)["check"]
+    ok = Z.main(a, d)["check"]
     check(d, "bf16 stage 2 --check passes", ok["passed"], f"({ok})")
     n_units = a.n_layers + 1
     for target in range(n_units):
-        rs = Z.Zero.reduce_scatter_grad
+        rs = Z.Zero.reduce_grad
 
         def dropped(self, u, g, target=target):  # this unit's gradient is never summed over the ranks
             if u is self.units[target]:
                 u.grad += g.to(u.grad.dtype)[u.lo:u.lo + u.S]
             else:
                 rs(self, u, g)
-        with mock.patch.object(Z.Zero, "reduce_scatter_grad", dropped):
-            bad = Z.train(d, a)["check"]
+        with mock.patch.object(Z.Zero, "reduce_grad", dropped):
+            bad = Z.main(a, d)["check"]
         check(d, f"bf16 --check FAILS with unit {target}'s reduce-scatter dropped", not bad["passed"],
               f"(param diff {bad['max_param_diff']:.1e}, loss diff {bad['max_loss_diff']:.1e})")
 
@@ -381,9 +405,10 @@ def compressed_grads(d, a, x, y, how):
     """This rank's gradient of one micro-batch (stage 0: before any reduction), flat in the units' order,
     the activation bytes saved for it, and the units' parameter names in that order."""
     zero = gpt_zero(d, replace(a, compress_activations=how), torch.float32)
-    zero.backward(lm_loss(zero(x), y, count_tokens(y)))
+    watch = Z.Watch(zero, CommCounter())
+    zero.backward(lm_loss(zero(x), y, count_tokens(y)), last=False)  # last=False: no reduction launched
     g = torch.cat([u.grad[:u.numel] for u in zero.units])
-    return g.cpu(), zero.meter.saved_bytes, [n for u in zero.units for n in u.names]
+    return g.cpu(), watch.saved, [n for u in zero.units for n in u.names]
 
 
 def check_compression(d, args):
@@ -419,7 +444,7 @@ def check_compression(d, args):
         zero, data = gpt_zero(d, replace(a, compress_activations=how), torch.float32), MarkovData(a.vocab, a.seed)
         for s in range(a.steps):
             xs, ys = data.batch(s, a.batch_size, a.seq_len)
-            losses[how] = Z.train_step(zero, xs, ys, count_tokens(ys), 1, lm_loss)[0]
+            losses[how] = step_loss(zero, xs, ys, count_tokens(ys), 1, lm_loss)
     for how in ("bf16", "int8"):
         diff = abs(losses[how] - losses["none"]) / losses["none"]
         check(d, f"compress {how}: loss after {a.steps} steps within 1e-2 of plain", diff < 1e-2, f"(relative {diff:.1e})")
@@ -449,8 +474,8 @@ def check_adafactor(d, args):
     vectors = 8 * sum(sh.numel() for sh in shapes if len(sh) != 2)
 
     def run(stage, group, **kw):
-        zero = Z.Zero(build_gpt(GPTConfig.from_args(a), a.seed, torch.float64), replace(a, stage=stage, **kw),
-                      units=[f"blocks.{i}" for i in range(a.n_layers)], group=group, device=d.device)
+        zero = make_zero(build_gpt(GPTConfig.from_args(a), a.seed, torch.float64), replace(a, stage=stage, **kw),
+                         [f"blocks.{i}" for i in range(a.n_layers)], d.device, group=group)
         for s in range(a.steps):
             x, y = data.batch(s, a.batch_size, a.seq_len)
             Z.train_step(zero, x, y, count_tokens(y), a.accum, lm_loss)
@@ -477,6 +502,184 @@ def check_adafactor(d, args):
     dist.barrier()
 
 
+# ----------------------------------------------------------------------------- 6. what the GPU would show
+def reduction_events(d, a, data):
+    """Stages 0-1, one step of `a.accum` micro-batches: the units whose reduction has been launched when
+    each block starts its backward, per micro-batch. {(micro-batch, block index): set of unit indices}."""
+    zero = gpt_zero(d, a)
+    index, events, mb = {u: i for i, u in enumerate(zero.units)}, {}, [0]
+
+    def record(i):  # (returns None: a backward pre-hook's return value would replace the gradients)
+        events.setdefault((mb[0], i), {index[p[0]] for p in zero.pending})
+    for u, i in index.items():
+        if u is not zero.root:
+            u.module.register_full_backward_pre_hook(lambda m, g, i=i: record(i))
+    x, y = data.batch(0, a.batch_size, a.seq_len)
+    rows = a.batch_size // (d.world * a.accum)
+    for k in range(a.accum):
+        mb[0] = k
+        xm, ym = x[k * rows:(k + 1) * rows].to(d.device), y[k * rows:(k + 1) * rows].to(d.device)
+        zero.backward(lm_loss(zero(xm), ym, count_tokens(y)), last=k == a.accum - 1)
+    zero.step()
+    return events
+
+
+def check_gpu_defects(d, args):
+    """Issue 21, on CPU: (2) train_step copies a step's batch to the device once, whatever --accum;
+    (4) the reported peak comes from the training steps: the measurement forward without the savers runs
+    first and the peaks are reset after it (a run that skips the reset is caught); (7) stages 0-1 launch
+    each unit's reduction during the last micro-batch's backward, as soon as the unit's gradient is
+    complete (the later blocks' are in flight when a block starts its backward), not after backward (a
+    run that defers them to the step is caught)."""
+    data, L = MarkovData(args.vocab, args.seed), args.n_layers
+    copies = []
+    with mock.patch.object(Z, "to_device", lambda t, dev: copies.append(t) or t.to(dev)):
+        zero = gpt_zero(d, replace(args, stage=1))
+        x, y = data.batch(0, args.batch_size, args.seq_len)
+        step_loss(zero, x, y, count_tokens(y), args.accum, lm_loss)
+    check(d, f"train_step: one host-to-device copy of the batch per step (inputs, targets) at --accum {args.accum}",
+          len(copies) == 2, f"({len(copies)} copies)")
+    copies.clear()
+    with mock.patch.object(Z, "to_device", lambda t, dev: copies.append(t) or t.to(dev)), \
+            mock.patch.object(Z, "train_step", per_microbatch_copies):
+        step_loss(zero, x, y, count_tokens(y), args.accum, lm_loss)
+    check(d, "train_step mutant (a copy per micro-batch) is caught", len(copies) != 2, f"({len(copies)} copies)")
+
+    a = replace(args, stage=3, recompute=True, steps=2, check=False)
+    s = Z.main(a, d)
+    f, m = s["figures"], s["figures"]["memory"]
+    states = sum(m[k]["counted"] for k in ("params", "grads", "optim"))
+    want = states + f["gathered_peak_bytes"] + f["saved_activation_bytes"]
+    check(d, "the peak comes from the training steps (states + gathered peak + saved with --recompute)",
+          s["peak_mem_bytes"] == want and f["saved_activation_bytes"] < f["saved_activation_bytes_without_savers"] / 2,
+          f"({s['peak_mem_bytes']} B, want {want} B; saved {f['saved_activation_bytes']} B, "
+          f"without {f['saved_activation_bytes_without_savers']} B)")
+    with mock.patch.object(Z.Watch, "reset", lambda self: None):
+        bad = Z.main(a, d)
+    check(d, "peak mutant (not reset after the measurement forward) is caught",
+          bad["peak_mem_bytes"] - s["peak_mem_bytes"] == f["saved_activation_bytes_without_savers"] - f["saved_activation_bytes"],
+          f"({bad['peak_mem_bytes']} vs {s['peak_mem_bytes']} B)")
+
+    for stage in (1, 2):
+        a = replace(args, stage=stage)
+        ok, ev = publish_deferred(d, a, data)
+        check(d, f"stage {stage}: the all-gather of the update is waited for at each unit's next forward", ok, f"{ev}")
+        with mock.patch.object(Z.Zero, "publish", publish_and_wait):
+            ok, ev = publish_deferred(d, a, data)
+        check(d, f"stage {stage} mutant (publish waits for its all-gathers) is caught", not ok, f"{ev}")
+    for stage in (0, 1):
+        a = replace(args, stage=stage)
+        ev = reduction_events(d, a, data)
+        early = all(ev[k, i] == set() for k in range(a.accum - 1) for i in range(L))
+        last = all(ev[a.accum - 1, i] == set(range(i + 1, L)) for i in range(L))
+        check(d, f"stage {stage}: each unit's reduction launched during the last backward, none before", early and last,
+              f"{ev}")
+        backward = Z.Zero.backward
+        with mock.patch.object(Z.Zero, "backward", lambda self, loss, last=True: backward(self, loss, last=False)):
+            ev = reduction_events(d, a, data)
+        check(d, f"stage {stage} mutant (reductions deferred to the step) is caught",
+              any(ev[a.accum - 1, i] != set(range(i + 1, L)) for i in range(L - 1)), f"{ev}")
+
+
+def per_microbatch_copies(zero, x, y, n_tok, accum, loss_fn):
+    """A broken train_step that copies each micro-batch to the device on its own (issue 21's defect)."""
+    rows = x.shape[0] // zero.world
+    x, y = (t[zero.rank * rows:(zero.rank + 1) * rows] for t in (x, y))
+    local = torch.zeros((), dtype=torch.float64, device=zero.device)
+    for i, (xm, ym) in enumerate(zip(x.chunk(accum), y.chunk(accum))):
+        loss = loss_fn(zero(Z.to_device(xm, zero.device)), Z.to_device(ym, zero.device), n_tok)
+        zero.backward(loss, last=i == accum - 1)
+        local += loss.detach()
+    return local, zero.step()
+
+
+def publish_deferred(d, a, data):
+    """Stages 1-2, after one step: the units whose publishing all-gather has not been waited for yet when
+    each block starts its next forward. True when that is every later unit (each is waited for just
+    before its own forward), and nothing is left after the forward."""
+    zero = gpt_zero(d, a)
+    x, y = data.batch(0, a.batch_size, a.seq_len)
+    step_loss(zero, x, y, count_tokens(y), a.accum, lm_loss)
+    index, ev = {u: i for i, u in enumerate(zero.units)}, {}
+
+    def record(i):  # (returns None: a pre-hook's return value would replace the inputs)
+        ev.setdefault(i, {index[v] for v in zero.publishing})
+    for u, i in index.items():
+        if u is not zero.root:
+            u.module.register_forward_pre_hook(lambda m, args, i=i: record(i))
+    zero(x[:2].to(d.device))
+    L = len(zero.units) - 1
+    return all(ev[i] == set(range(i + 1, L)) for i in range(L)) and not zero.publishing, ev
+
+
+PUBLISH = Z.Zero.publish
+
+
+def publish_and_wait(self):
+    """A publish that waits for its all-gathers at once, as before issue 21."""
+    PUBLISH(self)
+    self.wait_published()
+
+
+class InfGrad(torch.autograd.Function):
+    """The identity forward; backward makes the gradient infinite (an fp16 overflow, on purpose)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * float("inf")
+
+
+def inject_overflow(step, rank):
+    """fp16: an inf in one rank's gradient shard at `step`, after the reduction, so that only the norm's
+    all-reduce carries it to the other ranks; the one-process reference (zero.reference_mixed) gets an
+    infinite gradient at the same step, through the loss of that step's first micro-batch."""
+    norm, reference = Z.Zero.global_norm, Z.reference_mixed
+    calls = []
+
+    def global_norm(self, parts):
+        if len(calls) == step and self.rank == rank:
+            next(p for p in parts if p.numel())[0] = float("inf")
+        calls.append(step)
+        return norm(self, parts)
+
+    def reference_with_inf(args, world, device="cpu"):
+        n, loss = [], Z.lm_loss
+
+        def lm_loss_inf(logits, targets, n_tokens):
+            n.append(1)
+            first = (len(n) - 1) % (world * args.accum) == 0 and (len(n) - 1) // (world * args.accum) == step
+            return InfGrad.apply(loss(logits, targets, n_tokens)) if first else loss(logits, targets, n_tokens)
+        with mock.patch.object(Z, "lm_loss", lm_loss_inf):
+            return reference(args, world, device)
+    stack = contextlib.ExitStack()
+    stack.enter_context(mock.patch.object(Z.Zero, "global_norm", global_norm))
+    stack.enter_context(mock.patch.object(Z, "reference_mixed", reference_with_inf))
+    return stack
+
+
+def check_fp16_overflow(d, args):
+    """--mixed-precision fp16 at stage 2 with an overflow injected into the last rank's gradient at step 2:
+    every rank skips that step (the all-reduced norm makes rank 0 skip it too), AdamW runs 4 of 5 steps,
+    the loss scale grows after 2 clean steps, halves on the overflow and grows again, the losses stay finite
+    and training, and --check (the same recipe, the skip included, in one process) passes."""
+    a = replace(args, dtype="float32", mixed_precision="fp16", stage=2, accum=1, clip=1.0, lr=3e-3, steps=5,
+                loss_scale=1024, scale_window=2, check=True)
+    with inject_overflow(step=2, rank=d.world - 1):
+        s = Z.main(a, d)
+    f = s["figures"]
+    check(d, "fp16: the overflow of one rank skipped on every rank", [r["skipped"] for r in f["per_rank"]] ==
+          [[2]] * d.world, f"{f['per_rank']}")
+    check(d, "fp16: AdamW ran 4 of 5 steps on every rank", [r["adam_step"] for r in f["per_rank"]] == [4.0] * d.world)
+    check(d, "fp16: loss scale grows after 2 clean steps, halves on the overflow", f["loss_scale"] ==
+          [1024.0, 2048.0, 1024.0, 1024.0, 2048.0], f"{f['loss_scale']}")
+    check(d, "fp16: losses finite and training", all(l == l and l < 3.6 for l in s["losses"]), f"{s['losses']}")
+    check(d, "fp16: --check (the same recipe and skip in one process) passes", s["check"]["passed"], f"{s['check']}")
+
+
 def main():
     d = init_dist(60)
     base = Z.Args(vocab=32, seq_len=8, d_model=16, n_heads=2, n_layers=3, batch_size=12, steps=3,
@@ -486,6 +689,8 @@ def main():
     check_mixed(d, base)
     check_compression(d, base)
     check_adafactor(d, base)
+    check_gpu_defects(d, base)
+    check_fp16_overflow(d, base)
     bad = torch.tensor([float(len(FAILED))], device=d.device)
     dist.all_reduce(bad)
     d.log("ALL CHECKS PASSED" if bad.item() == 0 else f"FAILED: {FAILED}")
