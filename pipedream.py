@@ -68,7 +68,6 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from einops import rearrange
-from torch.func import functional_call
 
 from common import (build_gpt, clip_grads_, count_tokens, DTYPES, fail, GPTConfig, init_dist, lm_loss,
                     make_optimizer, MarkovData)
@@ -710,7 +709,7 @@ def simulate_rule(args, p, device="cpu"):
         for j, (xj, yj) in enumerate(zip(x.chunk(m), y.chunk(m))):  # (b, T) micro-batches; 2bw: one (B, T)
             k = step * m + j
             w = {n: history[max(0, k - lag[n])][n] for n in names}
-            loss = lm_loss(functional_call(model, w, (xj.to(device),)), yj.to(device), n_tok)
+            loss = lm_loss(torch.func.functional_call(model, w, (xj.to(device),)), yj.to(device), n_tok)
             for q, g in zip(model.parameters(), torch.autograd.grad(loss, [w[n] for n in names])):
                 q.grad = g
             if args.clip > 0:  # 2bw only (stash refuses --clip)
