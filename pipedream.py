@@ -19,26 +19,22 @@ a backward is cut:
 1. flush (PipeDream-flush; Narayanan, Phanishayee, Shi, Chen, Zaharia, "Memory-Efficient Pipeline-Parallel
    DNN Training", ICML 2021; the 1F1B of Megatron-LM and DeepSpeed): the picture above once per step, then
    one optimizer step on the drained pipeline. Synchronous: exactly one-process training (--check).
-2. stash (PipeDream 2019): never drain (but see checkpoints below). Micro-batches stream through one long 1F1B
-   schedule, and every stage steps its optimizer after every backward, with that one micro-batch's gradient.
-   Micro-batch k's forward on stage s therefore reads the stage's weights after max(0, k - (p-s-1)) updates;
-   weight stashing keeps that version until k's backward, so the gradient belongs to the weights that produced
-   it (--clip 0 only: k's whole-model norm exists once stage 0 ends B_k, after the later stages stepped):
+2. stash (PipeDream 2019): never drain. Micro-batches stream through one long 1F1B schedule, and every stage
+   steps its optimizer after every backward, with that one micro-batch's gradient. Micro-batch k's forward on
+   stage s therefore reads the stage's weights after max(0, k - (p-s-1)) updates; weight stashing keeps that
+   version until k's backward, so the gradient belongs to the weights that produced it (--clip 0 only: k's
+   whole-model norm exists once stage 0 ends B_k, after the later stages stepped):
        micro-batch k           0  1  2  3  4  5  6  7      (p = 4)
        stage 0 reads version   0  0  0  0  1  2  3  4      max(0, k-3)   versions kept <= p - s
        stage 3 reads version   0  1  2  3  4  5  6  7      k
    --vertical-sync: every stage reads the version stage 0 read (the number travels with the activation), so
    a micro-batch sees one consistent model; a later stage then keeps p versions, not p - s.
-   Step t = micro-batches t*m .. t*m+m-1 of the stream = m updates of every stage; its loss is the sum of
-   their losses, each with the weights its forward read: a running loss, not the loss of one set of weights.
 3. 2bw (PipeDream-2BW, 2021): never drain either, but a stage sums the gradient over a batch's m
    micro-batches and steps once per batch. Batch t runs on the weights of update t-1, and its gradient
    updates the newest: W_{t+1} = AdamW(W_t, clip(grad at W_{t-1})) (the paper's W_t - lr*grad f(W_{t-1})).
-   Two versions alive per stage, ever (the double buffer). Needs m >= p, as in the paper. Step t's loss is
-   batch t's loss at W_{t-1}. Clipping needs the whole model's norm of batch t, complete only on stage 0
-   (last to finish the batch): it rides back down with an activation, before any stage needs W_{t+1}.
-   The newest version also lives in the master weights the optimizer steps, so a stage holds one buffer more
-   than the versions it counts (autograd must never see a tensor it saved change in place).
+   Two versions alive per stage, ever (the double buffer). Needs m >= p, as in the paper. Clipping needs
+   batch t's whole-model norm, complete only on stage 0 (last to finish the batch): it rides back down with
+   an activation, before any stage needs W_{t+1}.
 4. zb (ZB-H1; Qi, Wan, Huang, Lin, "Zero Bubble Pipeline Parallelism", ICLR 2024): synchronous as flush, but
    each backward is cut in two: B, the gradient of the stage's input, which the stage before waits for, and W,
    the gradient of the stage's weights, which nobody waits for. 1F1B's order of F and B, each B followed by a
@@ -50,40 +46,20 @@ a backward is cut:
     stage 2   .. .. F0 F1 .. B0 F2 B1 F3 B2 W0 F4 B3 W1 F5 B4 W2 F6 B5 W3 F7 B6 W4 B7 W5 W6 W7
     stage 3   .. .. .. F0 B0 F1 B1 F2 B2 F3 B3 W0 F4 B4 W1 F5 B5 W2 F6 B6 W3 F7 B7 W4 W5 W6 W7
               idle (p-1)(T_F+T_B-T_W) = 3 slots of 27, a third of 1F1B's (p-1)(T_F+T_B+T_W) = 9 (of 33)
-   The cut (SplitBackward): in B, each nn.Linear returns only its input's gradient dx = dy W and keeps its
-   input x and its output's gradient dy; W forms dW = dy^T x and db = sum(dy), the very products autograd
-   forms, so B then W equals one backward bit for bit. Every other parameter (LayerNorm, embeddings) gets its
-   gradient in B, as autograd computes it: elementwise or scatter work, small beside the Linears' products.
-   A micro-batch lives until its W: at most p on every stage (1F1B's stage 0 holds p as well).
+   B then W is one backward, bit for bit (SplitBackward). A micro-batch lives until its W: at most p on every
+   stage (1F1B's stage 0 holds p as well).
 stash and 2bw are meant to differ from synchronous training: --check compares each with a one-process
-simulation of its own rule, without a pipeline (simulate_stash, simulate_2bw, at the end of the file).
-Checkpoints (--ckpt-dir): a stream has no consistent step boundary, so stash and 2bw drain the pipeline at
-each save step (one more fill and drain there: the schedule changes only there) and save the weight versions
-that later micro-batches still read. Every micro-batch reads the version the uninterrupted stream gives it, so
-a run killed and resumed ends with the uninterrupted run's losses and parameters, bit for bit.
-
-Measured from outside the schedule: each F, B, W (start, end, weight version), the bubble beside its theory,
-micro-batches alive, weight versions kept, bytes sent (seen at the dispatcher); an ASCII timeline and --trace
-PATH (Chrome trace JSON for https://ui.perfetto.dev). --stage-ms F simulates compute (each F also waits F ms,
-each B 2F; with zb each F, B and W waits F; the numbers computed are unchanged), so that on a few shared cores
-the schedule, not the operating system's scheduling, sets the measured bubble.
+simulation of its own rule (simulate_rule, at the end of the file). Measured from outside the schedule, each
+beside its theory: the bubble, micro-batches alive, weight versions kept, bytes sent; an ASCII timeline.
 
 Run (one process per stage; a world of 1 is not a pipeline):
-    torchrun --nproc_per_node=4 pipedream.py --microbatches 8 --trace pipedream_trace.json
     torchrun --nproc_per_node=4 pipedream.py --microbatches 8 --stage-ms 30 --steps 3  # simulated compute
     torchrun --nproc_per_node=4 pipedream.py --mode zb --microbatches 8 --stage-ms 30 --steps 3  # ZB-H1
-    torchrun --nproc_per_node=3 pipedream.py --n-layers 4 --dtype float64 --check  # uneven: 2 + 1 + 1 blocks
     torchrun --nproc_per_node=4 pipedream.py --mode stash --clip 0 --vertical-sync --dtype float64 --check
-    torchrun --nproc_per_node=4 pipedream.py --mode 2bw --microbatches 4 --dtype float64 --check
 In production, use torch.distributed.pipelining (Schedule1F1B, ScheduleInterleavedZeroBubble) or the pipelines
 of Megatron-LM or DeepSpeed.
 """
-
-import collections
-import contextlib
-import copy
-import functools
-import sys
+import collections, contextlib, copy, sys
 from dataclasses import dataclass
 from typing import Literal
 
@@ -92,10 +68,9 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from einops import rearrange
-from torch.func import functional_call
 
-from common import (DTYPES, build_gpt, count_tokens, fail, GPTConfig, init_dist, lm_loss, make_optimizer,
-                    MarkovData)
+from common import (build_gpt, clip_grads_, count_tokens, DTYPES, fail, GPTConfig, init_dist, lm_loss,
+                    make_optimizer, MarkovData)
 from harness import (assemble_full, busy_ms, check_against_reference, check_common_args, CommCounter,
                      CommonArgs, draw_timeline, env_world_size, gather_rows, LiveStorages, parse_args,
                      peak_memory_bytes, Run, SavedActivations, state_bytes, Timeline, write_trace)
@@ -115,11 +90,7 @@ def split_layers(n_layers, p):
     """Blocks [start, end) of each of p stages, as even as possible; the earlier stages take the extra block
     (the last stage carries the head and the loss already)."""
     base, extra = divmod(n_layers, p)
-    bounds, start = [], 0
-    for s in range(p):
-        bounds.append((start, start + base + (s < extra)))
-        start = bounds[-1][1]
-    return bounds
+    return [(s * base + min(s, extra), (s + 1) * base + min(s + 1, extra)) for s in range(p)]
 
 
 class Stage(nn.Module):
@@ -212,18 +183,17 @@ class _LinearDeferringW(torch.autograd.Function):
 
 class SplitBackward:
     """Zero Bubble's B and W for `module` (Qi et al. 2024, Sec. 2): every nn.Linear inside defers its weight
-    gradient. backward_input(out, grad), B: one autograd backward that gives the input and every parameter
-    that is not a Linear's (LayerNorm, embeddings, ...) its gradient, and returns what W needs.
-    backward_weight(that), W: dW = dy^T x and db = sum(dy) per Linear, added to .grad as autograd adds."""
+    gradient. backward_input(out, grad), B: one autograd backward, giving the input and every parameter not a
+    Linear's (LayerNorm, embeddings: elementwise or scatter work, small beside the products) its gradient;
+    returns what W needs. backward_weight(that), W: dW = dy^T x and db = sum(dy) per Linear, the very
+    products autograd forms, added to .grad as autograd adds: B then W equals one backward bit for bit."""
 
     def __init__(self, module):
         self.saved = []  # (layer, x, dy), appended by the B in progress
         for layer in module.modules():
             if isinstance(layer, nn.Linear):
-                layer.forward = functools.partial(self._linear, layer)
-
-    def _linear(self, layer, x):
-        return _LinearDeferringW.apply(x, layer.weight, layer.bias, layer, self)
+                layer.forward = lambda x, layer=layer: _LinearDeferringW.apply(x, layer.weight, layer.bias,
+                                                                               layer, self)
 
     def backward_input(self, out, grad=None):
         torch.autograd.backward(out, grad)
@@ -255,10 +225,9 @@ class StageRunner:
     """One pipeline stage running its ops ("F", k), ("B", k), ("W", k) in order, for any stage module; when
     the weights change is the policy's (Flush, Stash, TwoBW). It holds what lives between two ops: the
     micro-batches between F and B (and W), the message waiting to leave with the next receive, the losses.
-      source(k)   (stage 0's input, the last stage's target) of micro-batch k; loss_fn(output, target)
-      in_shape    what this stage receives from prev (its gradient goes back); out_shape: what it sends on
-      prev, next  the neighbours' ranks, None at the ends; split: a SplitBackward for a schedule with W
-      observe     observe(kind, k, **tags): a context around every op, for a timer watching from outside"""
+    source(k): (stage 0's input, the last stage's target) of micro-batch k, for loss_fn(output, target);
+    in_shape / out_shape: what arrives from prev / leaves for next (ranks, None at the ends); split: a
+    SplitBackward (a schedule with W); observe(kind, k, **tags): a context around every op, to watch it."""
 
     def __init__(self, policy, source, loss_fn, in_shape, out_shape, dtype, device, prev=None, next=None,
                  split=None, observe=lambda kind, k, **tags: contextlib.nullcontext()):
@@ -287,24 +256,20 @@ class StageRunner:
         while it travels (waiting for its arrival would idle the stage until the stage before takes it)."""
         for req in self.sending[0]:
             req.wait()
-        peer = {"F": self.prev, "B": self.next}.get(kind)
-        if peer is None:  # stage 0 reads tokens, the last stage starts B from its loss, W needs no message
-            self.sending = (p2p(self.outbox, [], wait=kind != "W"), self.outbox)
-            self.outbox = []
-            return None, None
-        x = torch.empty(self.shape[kind], dtype=self.dtype, device=self.device)
-        tag = torch.empty(TAG, dtype=torch.float64, device=self.device)
-        p2p(self.outbox, [(x, peer), (tag, peer)])
-        self.outbox, self.sending = [], ([], [])
-        if kind == "F":
+        peer, x, tag = {"F": self.prev, "B": self.next}.get(kind), None, None
+        if peer is not None:  # (none: stage 0 reads tokens, the last stage starts B from its loss, W)
+            x = torch.empty(self.shape[kind], dtype=self.dtype, device=self.device)
+            tag = torch.empty(TAG, dtype=torch.float64, device=self.device)
+        reqs = p2p(self.outbox, [] if peer is None else [(x, peer), (tag, peer)], wait=kind != "W")
+        self.sending, self.outbox = (reqs, self.outbox if reqs else []), []
+        if kind == "F" and peer is not None:
             self.policy.received(k, tag)  # 2bw: the whole-model norm rides on the activation
         return x, tag
 
     def forward(self, k, x, tag):
         weights, v = self.policy.weights(k)  # the version micro-batch k reads on this stage
         inp, target = self.source(k)
-        if self.prev is not None:
-            inp = x.requires_grad_()  # a leaf: its .grad is what B sends back
+        inp = inp if self.prev is None else x.requires_grad_()  # a leaf: its .grad is what B sends back
         with self.observe("F", k, version=v):
             out = weights(inp)  # GPT: (b, T, D); last stage: logits (b, T, V) ...
             if self.next is None:
@@ -312,7 +277,7 @@ class StageRunner:
         self.alive[k], self.next_f = (inp, out, v), k + 1
         if self.next is None:
             self.losses[k] = out.detach()
-        else:
+        else:  # (b, T, D) and its tag, leaving with the next op's receive
             self.outbox = [(out.detach(), self.next), (self.tag(k, v, *self.policy.forward_tag()), self.next)]
 
     def backward(self, k, grad, tag):
@@ -332,28 +297,16 @@ class StageRunner:
 
     def weight_grads(self, k, x=None, tag=None):
         with self.observe("W", k, version=self.policy.version):
-            self.split.backward_weight(self.w_pending[k])
-        del self.w_pending[k]
+            self.split.backward_weight(self.w_pending.pop(k))
 
     def drain(self, t):
-        """The end of step t (flush, zb) or of a stream's segment: send what the last op left, then the
-        policy's end of batch (flush: the optimizer step; stash, 2bw: the updates still due)."""
-        for req in self.sending[0]:
-            req.wait()
-        p2p(self.outbox, [])
-        self.outbox, self.sending = [], ([], [])
+        """The end of step t (flush, zb) or of a stream's segment: send what the last op left, and wait; then
+        the policy's end of batch (flush: the optimizer step; stash, 2bw: the updates still due)."""
+        self.exchange("end", None)
         self.policy.drain(t, self.next_f)
 
 
 # ----------------------------------------------------------------------------- policies: when weights change
-def clip_(grads, total_norm, max_norm):
-    """torch.nn.utils.clip_grad_norm_'s rule, given the whole model's norm (every stage's)."""
-    if max_norm > 0:
-        coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
-        for g in grads:
-            g.mul_(coef.to(device=g.device, dtype=g.dtype))
-
-
 def squared_norm(grads):  # in float64, without a float64 copy of each gradient (the norm's dtype=)
     return torch.stack([torch.linalg.vector_norm(g, dtype=torch.float64) for g in grads]).square().sum()
 
@@ -384,7 +337,11 @@ class Flush:
         grads = [q.grad for q in self.stage.parameters() if q.grad is not None]
         sq = squared_norm(grads).view(1)  # (1,) this stage's squared norm
         dist.all_reduce(sq, group=self.group)  # (1,) summed over stages: the whole model's
-        clip_(grads, sq.sqrt(), self.clip)
+        self.step(grads, sq)
+
+    def step(self, grads, sq):  # one update of the live weights, clipped by the whole model's norm^2 (or not)
+        if sq is not None:
+            clip_grads_(grads, sq.sqrt(), self.clip)
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
         self.version += 1
@@ -392,11 +349,10 @@ class Flush:
 
 class Stash(Flush):
     """PipeDream (2019): every backward is an update of this stage, with that micro-batch's gradient, so
-    micro-batch k reads the weights after max(0, k - lag) updates (lag: this stage's warm-up, p-s-1; with
-    vertical sync stage 0's, p-1). Weight stashing: a forward never reads the live weights the optimizer
-    steps (the next step would change, in place, tensors autograd saved for a backward still to come); each
-    version a micro-batch may read is a frozen copy, made right after the step that made it, and kept while a
-    micro-batch in flight or still to come reads it."""
+    micro-batch k reads the weights after max(0, k - lag) updates. Weight stashing: a forward never reads the
+    live weights the optimizer steps (the next step would change, in place, tensors autograd saved for a
+    backward still to come); each version a micro-batch may read is a frozen copy, made right after the step
+    that made it, and kept while a micro-batch in flight or still to come reads it."""
 
     def __init__(self, stage, opt, lag):
         super().__init__(stage, opt, clip=0)
@@ -420,8 +376,7 @@ class Stash(Flush):
         self.due.append((self.take_grads(v), None))
         return partial
 
-    def take_grads(self, v):
-        """Move the gradient out of version v: the next micro-batch on v starts from zero."""
+    def take_grads(self, v):  # move the gradient out of version v: the next micro-batch on v starts from 0
         grads = [q.grad for q in self.versions[v].parameters()]
         for q in self.versions[v].parameters():
             q.grad = None
@@ -431,11 +386,7 @@ class Stash(Flush):
         for grads, sq in self.due:
             for q, g in zip(self.stage.parameters(), grads):
                 q.grad = g
-            if sq is not None:
-                clip_(grads, sq.sqrt(), self.clip)
-            self.opt.step()
-            self.opt.zero_grad(set_to_none=True)
-            self.version += 1
+            self.step(grads, sq)
             self.drop_unused(next_f)  # first, so that a real system could reuse a dropped version's buffer
             self.versions[self.version] = copy.deepcopy(self.stage)  # 2bw: the double buffer's other half
         self.due = []
@@ -451,9 +402,9 @@ class Stash(Flush):
 
 class TwoBW(Stash):
     """PipeDream-2BW: gradients summed over a batch's m micro-batches, one update per batch; batch t reads
-    the weights of update t-1 (two versions alive, ever). Clipping needs batch t's whole-model norm: each
-    stage adds its squared norm to the partial sum riding up with the gradients, stage 0 (last to end the
-    batch) has the total, and it rides back down with the activations before any stage needs W_{t+1}."""
+    the weights of update t-1. Two versions, ever (the newest also lives in the master weights the optimizer
+    steps: autograd must never see a tensor it saved change in place). Batch t's whole-model norm: each stage
+    adds its squared norm to the partial sum riding up with the gradients; stage 0 has the total."""
 
     def __init__(self, stage, opt, m, p, clip, first, src=0, group=None):
         super().__init__(stage, opt, lag=None)
@@ -561,13 +512,12 @@ def main():
     torch.manual_seed(args.seed + s)  # dropout masks (if any) differ per stage
     dtype = DTYPES[args.dtype]
     gpt = build_gpt(GPTConfig.from_args(args), args.seed, dtype)  # whole, on CPU; a stage takes its part
-    shapes = {n: q.shape for n, q in gpt.named_parameters()}
-    stage = Stage(gpt, s, bounds).to(d.device)
+    shapes, stage = {n: q.shape for n, q in gpt.named_parameters()}, Stage(gpt, s, bounds).to(d.device)
     opt = make_optimizer(stage.parameters(), args)
     sync = args.mode in ("flush", "zb")  # one schedule per step, drained; stash, 2bw: one stream for the run
     if sync:
         policy = Flush(stage, opt, args.clip)
-    elif args.mode == "stash":
+    elif args.mode == "stash":  # lag: the stage's warm-up p-s-1 (vertical sync: stage 0's, p-1)
         policy = Stash(stage, opt, lag=p - 1 if args.vertical_sync else p - s - 1)
     else:
         policy = TwoBW(stage, opt, m, p, args.clip, first=s == 0)
@@ -577,10 +527,8 @@ def main():
         x, y, n_tok = batches[k // m]
         return x[k % m], (y[k % m], n_tok)
 
-    act, ms = (args.batch_size // m, args.seq_len, args.d_model), args.stage_ms  # act: crosses a boundary
-    simulate = {"F": ms, "B": ms, "W": ms} if args.mode == "zb" else {"F": ms, "B": 2 * ms}
-    timeline = Timeline(d, simulate, tags=("version",))
-    observer, comm = Observer(timeline), CommCounter()  # the timeline's zero: the collective NCCL wants first
+    act = (args.batch_size // m, args.seq_len, args.d_model)  # (b, T, D): what crosses a stage boundary
+    observer, comm = Observer(d, args), CommCounter()  # the timeline's zero: the collective NCCL wants first
     runner = StageRunner(policy, source, lambda logits, y: lm_loss(logits, *y), act, act, dtype, d.device,
                          s - 1 if s > 0 else None, s + 1 if s < p - 1 else None,
                          SplitBackward(stage) if args.mode == "zb" else None, observer)
@@ -603,7 +551,7 @@ def main():
             batches[t] = (*to_device(m, d.device, x, y), count_tokens(y))  # (m, b, T) each; count: on CPU
         # bytes sent, seen at the dispatcher (which slows every op): over one step (flush, zb: the one
         # before the last, whose bubble is reported), or over every step of a stream (no step is a schedule)
-        with comm if not sync or step == max(run.start, args.steps - 2) else contextlib.nullcontext():
+        with run.watching(step, comm, at=max(run.start, args.steps - 2) if sync else step):
             runner.run(chunk)
             if step + 1 in ends:
                 runner.drain(step)
@@ -612,16 +560,8 @@ def main():
         loss = sum(runner.losses.pop(step * m + j) for j in range(m)).item() if s == 0 else float("nan")
         run.end_step(step, loss)
 
-    # --- measurement: every rank's events and counts; the peak is read before --check trains ---
-    events, steps_run = timeline.gather(), args.steps - run.start
-    every = [r[0].tolist() for r in gather_rows(d, [[observer.alive, observer.versions, comm.total(op="send"),
-                                                     observer.bytes]])]
-    figures = dict(split=bounds, stages=p, microbatches=m, mode=args.mode)
-    if d.rank == 0 and steps_run:
-        b_bytes = act[0] * act[1] * act[2] * torch.tensor([], dtype=dtype).element_size()
-        figures.update(report(d, args, events, every, bounds, b_bytes, steps_run, len(ends)))
-    peak = peak_memory_bytes(d, observer.bytes)
-
+    figures = report(d, args, observer, comm, bounds, args.steps - run.start, len(ends))
+    peak = peak_memory_bytes(d, observer.bytes)  # read before --check trains
     check = None
     if args.check:  # the full model, by name, from every stage's parameters (one all-reduce)
         full = assemble_full(d, dict(stage.named_parameters()), shapes, dtype)
@@ -629,7 +569,7 @@ def main():
         if d.rank == 0 and not sync:
             d.log(f"--check: against the one-process simulation of the {args.mode} rule, not synchronous "
                   "training")
-            ref = simulate_stash(args, p, d.device) if args.mode == "stash" else simulate_2bw(args, d.device)
+            ref = simulate_rule(args, p, d.device)
         check = check_against_reference(d, args, run.losses, full, ref=ref)
     run.finish(f"pipedream-{args.mode}", peak, max(figures.get("sent_bytes_per_rank", [0])), check, figures)
 
@@ -643,9 +583,9 @@ class PolicyState:
 
     def state_dict(self):
         pol = self.policy
-        versions = {v: w.state_dict() for v, w in pol.versions.items()} if isinstance(pol, Stash) else {}
         norm = (pol.known[0], pol.known[1].cpu(), pol.drained_norm) if isinstance(pol, TwoBW) else None
-        return dict(version=pol.version, versions=versions, norm=norm)
+        return dict(version=pol.version, norm=norm,
+                    versions={v: w.state_dict() for v, w in getattr(pol, "versions", {}).items()})
 
     def load_state_dict(self, state):
         pol = self.policy
@@ -661,15 +601,17 @@ class PolicyState:
 
 # --- measurement --- (from outside the schedule: its observe callback, the collective counter, the report) --
 class Observer:
-    """The schedule's observe callback: Timeline.span (times the op; --stage-ms), and, as each op begins, this
-    stage's peaks in the state the ops before it left, read from the runner's and the policy's attributes:
-    micro-batches alive (F to B, or to W), weight versions kept, bytes alive after a forward (what forwards
-    saved for backward, seen by LiveStorages, plus outputs, W's inputs, and parameters, gradients and
-    optimizer state of the live and the stashed versions)."""
+    """The schedule's observe callback: Timeline.span (times the op; --stage-ms: each op also waits), and, as
+    each op begins, this stage's peaks in the state the ops before it left, read from the runner's and the
+    policy's attributes: micro-batches alive (F to B, or to W), weight versions kept, bytes alive after a
+    forward (what forwards saved for backward, seen by LiveStorages, plus outputs, W's inputs, and
+    parameters, gradients and optimizer state of the live and the stashed versions)."""
 
-    def __init__(self, timeline):
-        self.timeline, self.live, self.runner, self.after_f = timeline, LiveStorages(), None, False
-        self.alive = self.versions = self.bytes = 0
+    def __init__(self, d, args):
+        ms = args.stage_ms
+        simulate = {"F": ms, "B": ms, "W": ms} if args.mode == "zb" else {"F": ms, "B": 2 * ms}
+        self.timeline, self.live = Timeline(d, simulate, tags=("version",)), LiveStorages()
+        self.runner, self.after_f, self.alive, self.versions, self.bytes = None, False, 0, 0, 0
 
     @contextlib.contextmanager
     def __call__(self, kind, mb, **tags):
@@ -688,20 +630,23 @@ class Observer:
         self.after_f = kind == "F"
 
 
-def report(d, args, events, every, bounds, b_bytes, steps_run, segments):
-    """Rank 0: the summary's figures, each beside its theory, the table, the timeline, --trace. b_bytes: one
-    micro-batch's (b, T, D) activation; segments: the schedules between drains in this run."""
+def report(d, args, observer, comm, bounds, steps_run, segments):
+    """Every rank's events and counts, gathered (tensors only); rank 0: the summary's figures, each beside its
+    theory, the table, the timeline, --trace. segments: the schedules between drains in this run."""
+    events = observer.timeline.gather()
+    every = [r[0].tolist() for r in gather_rows(d, [[observer.alive, observer.versions, comm.total(op="send"),
+                                                     observer.bytes]])]
     p, m, mode, ms = len(bounds), args.microbatches, args.mode, args.stage_ms
+    figures = dict(split=bounds, stages=p, microbatches=m, mode=mode)
+    if d.rank != 0 or not steps_run:
+        return figures
     sync, zb = mode in ("flush", "zb"), mode == "zb"
     shown = [e for e in events if e["mb"] // m == args.steps - 1] if sync else events  # the last step, or all
     lo, hi = min(e["start"] for e in shown), max(e["end"] for e in shown)
     n, drains = (m, 1) if sync else (args.steps * m, segments)  # micro-batches between drains; drains shown
-    if sync:
-        theory = (p - 1) / ((3 if zb else 1) * m + p - 1)
-        formula = "(p-1)(F+B-W)/(m(F+B+W)+(p-1)(F+B-W)), at F=B=W" if zb else "(p-1)/(m+p-1)"
-    else:
-        theory = drains * (p - 1) / (steps_run * m + drains * (p - 1))
-        formula = "S(p-1)/(steps*m+S(p-1)), S drains in the run (-> 0 in steady state)"
+    theory = drains * (p - 1) / ((3 if zb else 1) * (m if sync else steps_run * m) + drains * (p - 1))
+    formula = {"flush": "(p-1)/(m+p-1)", "zb": "(p-1)(F+B-W)/(m(F+B+W)+(p-1)(F+B-W)), at F=B=W"}.get(
+        mode, "S(p-1)/(steps*m+S(p-1)), S drains in the run (-> 0 in steady state)")
     busy = [busy_ms(events, r, lo, hi) for r in range(p)]
     bub, idle = [1 - b / (hi - lo) for b in busy], [hi - lo - b for b in busy]
     op_ms = {k: sum(e["end"] - e["start"] for e in es) / len(es) for k in "FBW"
@@ -709,6 +654,7 @@ def report(d, args, events, every, bounds, b_bytes, steps_run, segments):
     idle_theory = drains * (p - 1) * (op_ms["F"] + op_ms["B"] - op_ms.get("W", 0.0))  # Table 2 of ZB
     alive = [min(p if zb else p - s, n) for s in range(p)]
     sent = [r[2] / (1 if sync else steps_run) for r in every]
+    b_bytes = args.batch_size // m * args.seq_len * args.d_model * DTYPES[args.dtype].itemsize  # (b, T, D)
     sent_theory = [m * (b_bytes + 8 * TAG) * ((s > 0) + (s < p - 1)) for s in range(p)]
     kept = {"2bw": [2] * p, "stash": [min(p, n)] * p if args.vertical_sync else alive}.get(mode, [1] * p)
     d.log(f"\nsummary ({mode}, {p} stages, m = {m}) over {'the last step' if sync else 'the run'}, theory "
@@ -722,10 +668,9 @@ def report(d, args, events, every, bounds, b_bytes, steps_run, segments):
               f"{idle_theory:6.1f} | {int(every[s][0]):5d} | {alive[s]:6d} | {int(every[s][1]):8d} | "
               f"{kept[s]:6d} | {sent[s]:11.0f} | {sent_theory[s]:6d} | {int(every[s][3])}")
     mean = sum(bub) / p
-    d.log(f"bubble, mean over stages: measured {mean:.3f}, theory {theory:.3f}, "
-          f"difference {mean - theory:+.3f}"
-          + (f" (--stage-ms {ms:g}: compute time simulated, each F waits {ms:g} ms, each B "
-             f"{(1 if zb else 2) * ms:g} ms{f', each W {ms:g} ms' if zb else ''})" if ms else
+    waits = ", ".join(f"each {k} waits {x:g} ms" for k, x in observer.timeline.simulate.items())
+    d.log(f"bubble, mean over stages: measured {mean:.3f}, theory {theory:.3f}, difference "
+          f"{mean - theory:+.3f}" + (f" (--stage-ms {ms:g}: compute time simulated, {waits})" if ms else
              " (real compute only: on shared cores this times the OS scheduler; try --stage-ms)"))
     d.log("\ntimeline of the last step, measured (micro-batch numbers within the step):" if sync else
           "\ntimeline of the last two steps, measured (micro-batches numbered from the start; no drain "
@@ -735,7 +680,7 @@ def report(d, args, events, every, bounds, b_bytes, steps_run, segments):
     if args.trace:
         write_trace(args.trace, events, lambda e: f"{e['kind']}{e['mb']}")
         d.log(f"wrote {len(events)} events to {args.trace} (open in https://ui.perfetto.dev)")
-    return dict(events=events, bubble=bub, bubble_mean=mean, bubble_theory=theory,
+    return dict(figures, events=events, bubble=bub, bubble_mean=mean, bubble_theory=theory,
                 bubble_theory_formula=formula, stage_ms=ms, idle_ms=idle, idle_ms_theory=idle_theory,
                 op_ms=op_ms, peak_alive_microbatches=[int(r[0]) for r in every], peak_alive_theory=alive,
                 versions_kept=[int(r[1]) for r in every], versions_kept_theory=kept, sent_bytes_per_rank=sent,
@@ -743,55 +688,37 @@ def report(d, args, events, every, bounds, b_bytes, steps_run, segments):
 
 
 # --- reference for --check --- (the stash and 2bw rules in one process) -------------------------------------
-def simulate_stash(args, p, device="cpu"):
-    """PipeDream's rule without a pipeline: micro-batches in stream order k = step*m + j; k's forward and
-    backward read, on stage s, the weights after max(0, k - lag_s) updates, lag_s = p-s-1 (p-1 everywhere
-    with --vertical-sync); then every stage takes one AdamW step with k's gradient. One AdamW over the whole
-    model equals one per stage: with foreach=False it updates each tensor on its own."""
-    bounds, m = split_layers(args.n_layers, p), args.microbatches
+def simulate_rule(args, p, device="cpu"):
+    """The stash or 2bw rule without a pipeline, on the whole model. stash: micro-batches in stream order
+    k = step*m + j, whose forward and backward read, on stage s, the weights after max(0, k - lag_s) updates,
+    lag_s = p-s-1 (p-1 everywhere with --vertical-sync); then one AdamW step with k's gradient. 2bw: whole
+    batches t, reading W_{max(t-1, 0)}: W_{t+1} = AdamW(W_t, clip(grad at W_{t-1})), torch's clip_grad_norm_.
+    One AdamW over the whole model equals one per stage: with foreach=False it updates each tensor alone."""
+    stash, bounds = args.mode == "stash", split_layers(args.n_layers, p)
+    m = args.microbatches if stash else 1  # updates per step
     model = build_gpt(GPTConfig.from_args(args), args.seed, DTYPES[args.dtype], device)
     opt, data = make_optimizer(model.parameters(), args), MarkovData(args.vocab, args.seed)
     owner = {n: s for s in range(p) for n, _ in Stage(model, s, bounds).named_parameters()}  # name -> stage
     names = [n for n, _ in model.named_parameters()]
-    lag = {n: p - 1 if args.vertical_sync else p - owner[n] - 1 for n in names}
+    lag = {n: (p - 1 if args.vertical_sync else p - owner[n] - 1) if stash else 1 for n in names}
     frozen = lambda: {n: q.detach().clone().requires_grad_() for n, q in model.named_parameters()}  # noqa
     history, losses = {0: frozen()}, []  # history[v]: the weights after v updates
     for step in range(args.steps):
         x, y = data.batch(step, args.batch_size, args.seq_len, args.ragged)
         n_tok, step_loss = count_tokens(y), 0.0
-        for j, (xj, yj) in enumerate(zip(x.chunk(m), y.chunk(m))):  # (b, T) micro-batches
+        for j, (xj, yj) in enumerate(zip(x.chunk(m), y.chunk(m))):  # (b, T) micro-batches; 2bw: one (B, T)
             k = step * m + j
             w = {n: history[max(0, k - lag[n])][n] for n in names}
-            loss = lm_loss(functional_call(model, w, (xj.to(device),)), yj.to(device), n_tok)
+            loss = lm_loss(torch.func.functional_call(model, w, (xj.to(device),)), yj.to(device), n_tok)
             for q, g in zip(model.parameters(), torch.autograd.grad(loss, [w[n] for n in names])):
                 q.grad = g
+            if args.clip > 0:  # 2bw only (stash refuses --clip)
+                torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
             opt.step()
             history[k + 1] = frozen()
-            history.pop(k + 1 - p, None)  # micro-batch k+1 and later read version k+2-p or newer
+            history.pop(k + 1 - p, None)  # k+1 and later read version k+2-p or newer
             step_loss += loss.item()
         losses.append(step_loss)
-    return dict(losses=losses, params={n: q.detach().clone() for n, q in model.named_parameters()})
-
-
-def simulate_2bw(args, device="cpu"):
-    """PipeDream-2BW's rule on the whole model and the whole batch: the gradient of batch t at
-    W_{max(t-1, 0)}, clipped by torch's clip_grad_norm_, updates the newest weights:
-    W_{t+1} = AdamW(W_t, clip(grad at W_{t-1}))."""
-    model = build_gpt(GPTConfig.from_args(args), args.seed, DTYPES[args.dtype], device)
-    opt, data = make_optimizer(model.parameters(), args), MarkovData(args.vocab, args.seed)
-    stale, losses = copy.deepcopy(model), []  # W_{t-1}; batches 0 and 1 both read W_0
-    for step in range(args.steps):
-        x, y = (t.to(device) for t in data.batch(step, args.batch_size, args.seq_len, args.ragged))
-        loss = lm_loss(stale(x), y, count_tokens(y))
-        grads = torch.autograd.grad(loss, list(stale.parameters()))
-        stale = copy.deepcopy(model)  # W_t: what batch t+1 reads
-        for q, g in zip(model.parameters(), grads):
-            q.grad = g
-        if args.clip > 0:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        losses.append(loss.item())
     return dict(losses=losses, params={n: q.detach().clone() for n, q in model.named_parameters()})
 
 

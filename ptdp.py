@@ -51,22 +51,16 @@ Three ways to split one GPT, composed on one grid of ranks:
    0), the pp ranks hold disjoint chunks, the dp replicas identical copies (counted on dp rank 0): one
    all-reduce of two numbers over the world, which also sums the loss.
 
-Messages: each activation and gradient is one tensor in a batch_isend_irecv. comm_plan() gives each one moment
-of the ideal timeline at which both its ranks post it, so every rank posts its batches in one global order and
-no batch waits on a later one (NCCL deadlocks otherwise; the tests simulate that). Measured from outside:
-every F, B, W (start, end, when its input arrived), the bubble, chunks in flight and saved activations alive,
-messages and bytes handed to the sends, TP and DP collectives, each beside its theory; an ASCII timeline;
---trace PATH (Chrome trace JSON). --stage-ms F simulates compute: a chunk's forward also waits F/v ms, its
-backward 2F/v ms (zbv: F, B and W F/2 ms each), so a rank does 3F ms of simulated work per micro-batch
-whatever the schedule (the papers' comparison: same work, smaller bubble); the numbers computed are unchanged.
+Messages: each activation and gradient is one tensor in a batch_isend_irecv, posted at the moment of the ideal
+timeline that comm_plan() gives it, so that no batch waits on a later one (NCCL deadlocks otherwise; the tests
+simulate it). Measured from outside, each beside its theory: every F, B, W, the bubble, chunks in flight and
+saved activations alive, messages and bytes sent, TP and DP collectives; an ASCII timeline.
 
 Run (2 processes at least: a pipeline of 2; --dp 0 = world / (pp * tp)):
     torchrun --nproc_per_node=2 ptdp.py --pp 2 --virtual-stages 2 --dtype float64 --check
     torchrun --nproc_per_node=8 ptdp.py --pp 2 --tp 2 --dp 2 --virtual-stages 2 --dtype float64 --check
     torchrun --nproc_per_node=4 ptdp.py --pp 4 --n-layers 8 --microbatches 8 --virtual-stages 2 \\
         --stage-ms 50 --steps 2                                                 # add --schedule zbv: ZB-V
-2 nodes x 8 GPUs: torchrun --nnodes=2 --nproc_per_node=8 ... ptdp.py --tp 8 --pp 2 (tp inside a node, where
-NVLink carries its per-layer all-reduces; only point-to-point activations cross the slower inter-node links).
 In production, use Megatron-Core, or torch.distributed.pipelining (ScheduleInterleaved1F1B,
 ScheduleZBVZeroBubble) with DTensor TP.
 """
@@ -136,10 +130,8 @@ class g(torch.autograd.Function):
 
 # ------------------------------------------------------------------------- the B/W split (zero bubble)
 class LinearBW(torch.autograd.Function):
-    """y = x W^T with its backward split in two (Qi et al. 2024, Sec. 2):
-        B  now, on the critical path (the chunk before waits for it):   dL/dx = dy W
-        W  later, in a slot that would be idle (nothing waits for it):  dL/dW = dy^T x
-    B keeps what W needs, the layer's input x and its output gradient dy, in `stash` (a list)."""
+    """y = x W^T with its backward split in two (Qi et al. 2024, Sec. 2): B, dL/dx = dy W, now (the chunk
+    before waits for it); W, dL/dW = dy^T x, later. B keeps what W needs, x and dy, in `stash` (a list)."""
 
     @staticmethod
     def forward(ctx, x, weight, stash):  # x (..., in), weight (out, in)
@@ -344,12 +336,11 @@ def comm_plan(p, v, m, r, order="interleaved"):
     """Rank r's steps for one batch: ("op", op) and ("p2p", sends, recvs) with [(peer pp rank, message)].
     Each message travels at one moment G of the ideal timeline, between the end of the op that makes it and
     the start of the op that uses it: the first such moment at which both ranks are between ops (else right
-    after it is made, when the sender is). Both post it in their batch of G, which comes after their ops that
-    start before G and before those that start at or after it. All ranks thus post their batches in order of
-    G and a batch's partners are batches of the same G: none can wait for a later one, so no cycle (NCCL
-    deadlocks on a send whose receive is posted behind a wait on the sender). Within a batch, messages are
-    sorted the same way on both sides: per pair of ranks, one FIFO order. Between two chunks of one rank (the
-    turn of the V) there is no message: the rank hands the tensor on itself."""
+    after it is made, when the sender is). Both post it in their batch of G, after their ops that start
+    before G and before those that start at or after it. So all ranks post their batches in order of G, a
+    batch's partners are batches of the same G, none can wait for a later one: no cycle (NCCL deadlocks on
+    a send whose receive is posted behind a wait on the sender). Within a batch, messages are sorted alike
+    on both sides (per pair of ranks, one FIFO order). The turn of the V is no message: the rank keeps it."""
     at, n, items = ideal_timeline(p, v, m, order), p * v, collections.defaultdict(lambda: ([], []))
     spans = collections.defaultdict(list)  # pp rank -> (start, end) of its ops
     for q, start, end in at.values():
@@ -379,8 +370,8 @@ class PipelineRank:
                  loss_fn(output, targets[k]) (a scalar)
         peers    pp rank -> global rank; every message is one tensor of msg_shape and dtype, on device
         stash    the list the chunks' split linears fill during B (zbv), or None (B is the whole backward)
-        observe  observe(kind, mb, **tags): a context manager around every F, B, W (chunk=c) and exchange
-                 ("p2p", None, recvs=[message, ...]); the measurement section watches through it"""
+        observe  a context manager around every F, B, W (observe(kind, mb, chunk=c)) and exchange
+                 (observe("p2p", None, recvs=[message, ...])), for the measurement to watch through"""
 
     def __init__(self, chunks, n, plan, peers, msg_shape, dtype, device, stash=None, observe=None):
         self.chunks, self.n, self.plan, self.peers, self.stash = chunks, n, plan, peers, stash
@@ -555,7 +546,7 @@ def main():
         watch.step = step
         # every collective and send of the first step counted at the dispatcher (it slows every op down; the
         # last step is the one timed)
-        with comm if step == run.start else contextlib.nullcontext():
+        with run.watching(step, comm, at=run.start):
             loss = runner.run(split(x), split(y), lambda logits, tgt: lm_loss(logits, tgt, n_tok))
             loss, norm = finish_batch(params, loss, dp_group, tp_rank, dp_rank, args.clip)
         opt.step()
@@ -623,22 +614,18 @@ def inflight_bound(p, v, m, r, order="interleaved"):
     return theory(p, v, m, order)[1][r]
 
 
-def counted(comm, watch):
-    """This rank's figures of the counted step, by name; its sends told apart by their tag (one per way)."""
-    sends, ar = [c for c in comm.calls_log if c["op"] == "send"], comm.total
-    tags = [c["tag"] for c in sends]
-    return dict(fwd_msgs=tags.count(TAG["F"]), bwd_msgs=tags.count(TAG["B"]), p2p_bytes=ar("send"),
+def report(d, args, dp, watch, comm):
+    """All ranks: gather events and this rank's counts of the counted step, its sends told apart by their tag
+    (one per way); tensors only. Rank 0: each figure beside its theory."""
+    p, v, m, order, ar = args.pp, args.virtual_stages, args.microbatches, args.schedule, comm.total
+    tags = [c["tag"] for c in comm.calls_log if c["op"] == "send"]
+    mine = dict(fwd_msgs=tags.count(TAG["F"]), bwd_msgs=tags.count(TAG["B"]), p2p_bytes=ar("send"),
                 tp_calls=ar("all_reduce", "tp", what="calls"), tp_fwd=ar("all_reduce", "tp", "fwd", "calls"),
                 tp_bwd=ar("all_reduce", "tp", "bwd", "calls"), dp_calls=ar("all_reduce", "dp", what="calls"),
                 tp_bytes=ar("all_reduce", "tp"), dp_bytes=ar("all_reduce", "dp"), world_bytes=ar("all_reduce",
                 "world"), comm_bytes=ar(), inflight=watch.inflight[1], act_peak=watch.live.peak,
                 act_per_microbatch=sum(watch.saved.values()))
-
-
-def report(d, args, dp, watch, comm):
-    """All ranks: gather events and counters (tensors only). Rank 0: each figure beside its theory."""
-    p, v, m, order = args.pp, args.virtual_stages, args.microbatches, args.schedule
-    events, mine = watch.timeline.gather(), counted(comm, watch)
+    events = watch.timeline.gather()
     rows = gather_rows(d, [[*watch.coords, *mine.values()]])
     per_rank = {tuple(int(x) for x in r[0, :3]): dict(zip(mine, (int(x) for x in r[0, 3:]))) for r in rows}
     comm_bytes = max(c["comm_bytes"] for c in per_rank.values())  # bytes handed per step, the busiest rank

@@ -419,7 +419,7 @@ def stashing_errors(events):
 def test_stash_weight_stashing(launch):
     summary, out, _ = launch(*STASH)
     p, m = 3, 4
-    assert_matches_reference(summary)  # against simulate_stash, the rule in one process
+    assert_matches_reference(summary)  # against simulate_rule, the stash rule in one process
     assert "against the one-process simulation of the stash rule" in out
     f, events = summary["figures"], summary["figures"]["events"]
     assert pipeline_schedule_errors(events, p, STEPS * m) == []
@@ -465,7 +465,7 @@ def test_stash_vertical_sync(launch):
     plain = launch(*STASH)[0]
     assert all(abs(a - b) > 1e-9 for a, b in zip(summary["losses"], plain["losses"]))
     args = Namespace(**summary["config"])
-    flipped = pipedream.simulate_stash(Namespace(**{**vars(args), "vertical_sync": False}), p)
+    flipped = pipedream.simulate_rule(Namespace(**{**vars(args), "vertical_sync": False}), p)
     assert flipped["losses"] == pytest.approx(plain["losses"], rel=1e-12)  # the simulation of the other rule
     assert all(abs(a - b) > 1e-9 for a, b in zip(flipped["losses"][1:], summary["losses"][1:]))
 
@@ -474,7 +474,7 @@ def test_stash_vertical_sync(launch):
 def test_2bw_delayed_update(launch):
     summary, out, _ = launch(*TWO_BW)
     p, m = 3, 4
-    assert_matches_reference(summary)  # against simulate_2bw: W_{t+1} = AdamW(W_t, clip(grad at W_{t-1}))
+    assert_matches_reference(summary)  # against simulate_rule: W_{t+1} = AdamW(W_t, clip(grad at W_{t-1}))
     assert "against the one-process simulation of the 2bw rule" in out
     f, events = summary["figures"], summary["figures"]["events"]
     assert pipeline_schedule_errors(events, p, STEPS * m) == [] and not drained_between_steps(events, m)
