@@ -60,8 +60,8 @@ fp16 Adam: p = g = 2, K = 12 = fp32 master + m + v):
 
 In production, use torch.distributed.fsdp.fully_shard (FSDP2) or DeepSpeed ZeRO.
 """
-import copy, os
-from dataclasses import dataclass, replace
+import copy
+from dataclasses import dataclass
 from typing import Literal, NamedTuple, Optional
 
 import torch
@@ -73,8 +73,9 @@ from torch.utils.checkpoint import checkpoint
 
 from common import (DTYPES, GPTConfig, MarkovData, build_gpt, clip_grads_, close_dist, count_tokens, fail,
                     init_dist, lm_loss, make_optimizer)
-from harness import (CommCounter, CommonArgs, LiveStorages, Run, check_against_reference, check_common_args,
-                     env_world_size, gather_rows, parse_args, peak_memory_bytes, tensor_bytes, write_summary)
+from harness import (CommCounter, CommonArgs, FlatShardCheckpoint, LiveStorages, Run, check_against_reference,
+                     check_common_args, env_world_size, gather_rows, parse_args, peak_memory_bytes,
+                     tensor_bytes, write_summary)
 
 LOW = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -629,9 +630,10 @@ def main(args=None, d=None):
     if args.optimizer == "adafactor":
         zero.opt = FlatAdafactor(zero, args.lr, args.weight_decay)
     torch.manual_seed(args.seed + d.rank)  # dropout masks (if any) differ per rank; a resume restores them
-    run = Run(d, replace(args, ckpt_dir=""), {})  # the loop's edges; zero's checkpoint is its own (reshards)
-    run.start, run.history = load_checkpoint(zero, args.ckpt_dir, d)
-    run.losses, comm = run.history.get("losses", []), CommCounter()
+    # the loop's edges; the checkpoint holds each rank's shards, and any world size resumes it (reshards)
+    ckpt = FlatShardCheckpoint(d, args.ckpt_dir, args.save_every, args.steps, [u.numel for u in zero.units],
+                               zero.group)
+    run, comm = Run(d, args, ZeroShards(zero), ckpt=ckpt), CommCounter()
     watch, without = Watch(zero, comm), None  # (measurement: saved activations, gathered buffers, peaks)
     if args.recompute or zero.compressor:  # one extra forward without them, only to count what they save
         x = data.batch(run.start, args.batch_size, args.seq_len)[0]
@@ -646,10 +648,7 @@ def main(args=None, d=None):
         if info["skipped"]:
             skipped.append(step)
             d.log(f"step {step:4d} | overflow: step skipped on every rank, loss scale -> {scales[-1]:g}")
-        run.end_step(step, local.item())
-        done = step + 1
-        if args.ckpt_dir and (done == args.steps or args.save_every and done % args.save_every == 0):
-            save_checkpoint(zero, args.ckpt_dir, done, dict(losses=run.losses, world=d.world))
+        run.end_step(step, local.item())  # the timer, the log line, the checkpoint
     figures = report(d, args, zero, watch, without, comm)
     figures.update(loss_scale=scales, per_rank=per_rank(d, zero, skipped), resumed_from_step=run.start)
     check = check_run(d, args, run.losses, zero.full_state_dict()) if args.check else None
@@ -827,11 +826,14 @@ def peak(d, args, zero, watch):
     return peak_memory_bytes(d, counted + watch.gathered.peak + watch.saved_peak)
 
 
+def adam_step(zero):  # AdamW's step count (fp16 skips steps); 0 before the first step
+    return float(zero.opt.state.get(zero.units[0].master, {}).get("step", 0))
+
+
 def per_rank(d, zero, skipped):
     """What each rank decided on its own: the steps it skipped, its optimizer's step count (as tensors)."""
-    adam_step = float(zero.opt.state.get(zero.units[0].master, {}).get("step", 0))
     every_skipped = gather_rows(d, torch.tensor(skipped, dtype=torch.float64).view(-1, 1))
-    every_adam = gather_rows(d, [[adam_step]])
+    every_adam = gather_rows(d, [[adam_step(zero)]])
     return [dict(skipped=[int(s) for s in sk[:, 0].tolist()], adam_step=a[0, 0].item())
             for sk, a in zip(every_skipped, every_adam)]
 
@@ -943,104 +945,39 @@ def check_mixed(d, args, losses, params):
     return dict(max_loss_diff=t[0].item(), max_param_diff=t[1].item(), passed=bool(t[2].item()))
 
 
-# --- resharding checkpoint --- (zero.py's own: each rank saves its shards; any world size resumes) -------
-def save_checkpoint(zero, ckpt_dir, step, history):
-    """DIR/step{s}/rank{r}.pt: each rank's real elements of each unit (master, Adam moments; its slice of
-    the whole vector in stage 0) and its RNG states (dropout masks continue exactly); then rank 0 writes
-    meta.pt, which marks the step complete. Temporary file + rename: never a half-written file."""
-    path = os.path.join(ckpt_dir, f"step{step}")
-    os.makedirs(path, exist_ok=True)
-    zero.wait_published()  # (stages 1-2, no separate master: the master is a view of the gathered vector)
-    shards = []
-    for u in zero.units:
-        st = zero.opt.state.get(u.master, {})  # empty if every step so far was skipped (fp16)
-        first = u.lo if zero.stage == 0 else 0
-        mine = {k: st.get(k, torch.zeros_like(u.master)) for k in ("exp_avg", "exp_avg_sq")}
-        mine["master"] = u.master
-        shards.append({k: v.detach()[first:first + u.valid].cpu().clone() for k, v in mine.items()})
-    rng = dict(rng_cpu=torch.get_rng_state())  # CPU byte tensors, as torch.set_rng_state wants them
-    if zero.device.type == "cuda":
-        rng["rng_cuda"] = torch.cuda.get_rng_state(zero.device)
-    _atomic_save(dict(units=shards, **rng), os.path.join(path, f"rank{zero.rank}.pt"))
-    dist.barrier(group=zero.group)  # every shard is on disk before the step is marked complete
-    if zero.rank == 0:
-        scale, clean = (zero.scaler.scale, zero.scaler.clean) if zero.scaler else (1.0, 0)
-        adam_step = float(zero.opt.state.get(zero.units[0].master, {}).get("step", 0))
-        _atomic_save(dict(world=zero.world, numels=[u.numel for u in zero.units], adam_step=adam_step,
-                          scale=scale, clean=clean, history=history), os.path.join(path, "meta.pt"))
-        for old in _complete_steps(ckpt_dir)[:-2]:  # keep the last two
-            for f in os.listdir(os.path.join(ckpt_dir, f"step{old}")):
-                os.remove(os.path.join(ckpt_dir, f"step{old}", f))
-            os.rmdir(os.path.join(ckpt_dir, f"step{old}"))
+# --- checkpoint state --- (what harness.FlatShardCheckpoint saves of a Zero, and how it reshards) -----------
+class ZeroShards:
+    """Per unit, the real elements this rank owns of the master and the Adam moments (stage 0: its slice
+    [lo, lo + valid) of the whole vector it holds), AdamW's step and the fp16 loss scale. A resume at any
+    world size takes the elements each rank owns now from the whole vectors; padding stays zero."""
+    MOMENTS = ("exp_avg", "exp_avg_sq")
 
+    def __init__(self, zero):
+        self.zero = zero
 
-def _read_meta(zero, path):
-    """A step's meta.pt, checked against this run: one clear line (exit 2) for a damaged file or another
-    model; another world size is fine (load reshards)."""
-    try:
-        meta = torch.load(os.path.join(path, "meta.pt"), map_location="cpu", weights_only=False)
-        numels = meta["numels"]
-    except Exception as e:
-        fail(f"cannot read checkpoint {path}/meta.pt ({type(e).__name__}): delete it or use another "
-             "--ckpt-dir")
-    if numels != [u.numel for u in zero.units]:
-        fail(f"checkpoint {path} holds another model (unit sizes {numels}, this run "
-             f"{[u.numel for u in zero.units]}): use another --ckpt-dir")
-    return meta
+    def shards(self):
+        z = self.zero
+        z.wait_published()  # (stages 1-2, no separate master: the master is a view of the gathered vector)
+        pieces = []
+        for u in z.units:
+            st, first = z.opt.state.get(u.master, {}), u.lo if z.stage == 0 else 0  # st {}: all skipped (fp16)
+            held = dict(master=u.master, **{k: st.get(k, torch.zeros_like(u.master)) for k in self.MOMENTS})
+            pieces.append({k: v[first:first + u.valid] for k, v in held.items()})
+        scale, clean = (z.scaler.scale, z.scaler.clean) if z.scaler else (1.0, 0)
+        return pieces, dict(adam_step=adam_step(z), scale=scale, clean=clean)
 
-
-def load_checkpoint(zero, ckpt_dir, d):
-    """Resume from the newest complete step, whatever world size wrote it: the old ranks' real elements,
-    in rank order, are each unit's whole unpadded vector, and each rank takes the elements it owns now
-    (at scale one would read only the files that overlap them). At the same world size each rank also
-    continues its RNG streams. Returns (step, history); (0, {}) when there is nothing to resume."""
-    steps = _complete_steps(ckpt_dir) if ckpt_dir else []
-    if ckpt_dir and os.path.isdir(ckpt_dir) and any(f.startswith("rank") for f in os.listdir(ckpt_dir)):
-        fail(f"--ckpt-dir {ckpt_dir} holds another file's rank-local checkpoints (rank*/), not zero.py's "
-             f"sharded steps (step*/): use another --ckpt-dir")  # checked before any collective
-    if steps:
-        _read_meta(zero, os.path.join(ckpt_dir, f"step{steps[-1]}"))
-    t = torch.tensor([steps[-1] if steps else 0], device=zero.device)
-    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=zero.group)  # every rank sees the same directory
-    if not t.item():
-        return 0, {}
-    step = int(t.item())
-    path = os.path.join(ckpt_dir, f"step{step}")
-    meta = _read_meta(zero, path)
-    files = [torch.load(os.path.join(path, f"rank{q}.pt"), map_location="cpu", weights_only=True)
-             for q in range(meta["world"])]
-    for i, u in enumerate(zero.units):
-        lo, hi = (0, u.numel) if zero.stage == 0 else (u.lo, u.lo + u.valid)  # the flat elements I own
-        whole = {k: torch.cat([f["units"][i][k] for f in files]).to(u.master)[lo:hi]  # (P,) -> mine
-                 for k in ("master", "exp_avg", "exp_avg_sq")}
-        state = {k: torch.zeros_like(u.master) for k in ("exp_avg", "exp_avg_sq")}
-        with torch.no_grad():  # padding stays zero
-            for k, v in (("master", u.master), *state.items()):
-                v.zero_()[:hi - lo] = whole[k]
-        zero.opt.state[u.master] = dict(step=torch.tensor(meta["adam_step"]), **state)
-    if meta["world"] == zero.world:  # at another world size the ranks' RNG streams cannot continue exactly
-        torch.set_rng_state(files[zero.rank]["rng_cpu"])
-        if zero.device.type == "cuda":
-            torch.cuda.set_rng_state(files[zero.rank]["rng_cuda"], zero.device)
-    if zero.scaler:
-        zero.scaler.scale, zero.scaler.clean = meta["scale"], meta["clean"]
-    zero.publish()  # master -> compute copy (and the all-gather of stages 1-2)
-    dist.barrier(group=zero.group)
-    d.log(f"resumed from {ckpt_dir} at step {step} (saved at world size {meta['world']}"
-          f"{'' if meta['world'] == zero.world else '; RNG streams start afresh'})")
-    return step, meta["history"]
-
-
-def _atomic_save(obj, path):
-    torch.save(obj, path + ".tmp")
-    os.replace(path + ".tmp", path)
-
-
-def _complete_steps(ckpt_dir):
-    if not os.path.isdir(ckpt_dir):
-        return []
-    return sorted(int(f[4:]) for f in os.listdir(ckpt_dir) if f.startswith("step") and f[4:].isdigit()
-                  and os.path.exists(os.path.join(ckpt_dir, f, "meta.pt")))
+    def reshard(self, whole, scalars):  # whole: per unit {name: (P,) unpadded vector}
+        z = self.zero
+        for u, w in zip(z.units, whole):
+            lo, hi = (0, u.numel) if z.stage == 0 else (u.lo, u.lo + u.valid)  # the flat elements I own
+            moments = {k: torch.zeros_like(u.master) for k in self.MOMENTS}
+            with torch.no_grad():
+                for k, v in (("master", u.master), *moments.items()):
+                    v.zero_()[:hi - lo] = w[k][lo:hi]
+            z.opt.state[u.master] = dict(step=torch.tensor(scalars["adam_step"]), **moments)
+        if z.scaler:
+            z.scaler.scale, z.scaler.clean = scalars["scale"], scalars["clean"]
+        z.publish()  # master -> compute copy (and the all-gather of stages 1-2)
 
 
 if __name__ == "__main__":
