@@ -105,6 +105,32 @@ class Works(list):  # the works of several collectives, waited for as one
             w.wait()
 
 
+# ZeRO's two collectives, on flat vectors: a ring reduce-scatter or all-gather (NCCL) moves (N-1)/N of the
+# vector over each link. torch's gloo backend runs reduce_scatter_single as an all-reduce of a copy of the
+# whole vector, and all_gather_single through flat copies of every shard (ProcessGroupGloo); on gloo, N
+# reduces to the owners and N broadcasts from them, in place (as torch's ZeroRedundancyOptimizer
+# broadcasts), hand over the same bytes without the copies.
+def reduce_scatter_(full, group):  # (N*S,) global -> (work, (S,) local: my shard of the sum, once done)
+    N, me = dist.get_world_size(group), dist.get_rank(group)
+    S = full.numel() // N
+    if dist.get_backend(group) != "gloo":
+        out = full.new_empty(S)
+        return reduce_scatter_single(out, full, group=group, async_op=True), out
+    return Works(dist.reduce(full[q * S:(q + 1) * S], group_dst=q, group=group, async_op=True)
+                 for q in range(N)), full[me * S:(me + 1) * S]
+
+
+def all_gather_(full, shard, group):  # (S,) local -> (N*S,) global, into `full`; returns (work, its input)
+    N, me, S = dist.get_world_size(group), dist.get_rank(group), shard.numel()
+    if dist.get_backend(group) != "gloo":
+        if shard.untyped_storage().data_ptr() == full.untyped_storage().data_ptr():
+            shard = shard.clone()  # stages 1-2 publish a slice of `full`: the input may not alias it
+        return all_gather_single(full, shard, group=group, async_op=True), shard
+    full[me * S:(me + 1) * S].copy_(shard)  # (a no-op when it is that slice already)
+    return Works(dist.broadcast(full[q * S:(q + 1) * S], group_src=q, group=group, async_op=True)
+                 for q in range(N)), shard
+
+
 class GatherParams(torch.autograd.Function):
     """Stage 3 (FSDP). Forward: the unit's flat parameters all-gathered from the N shards (prefetched by
     Zero.acquire). Backward: the gradient of the whole flat vector is reduce-scattered (asynchronously, in
@@ -246,7 +272,6 @@ class Zero:
                  scale_window=1000, compress=None):
         self.group = group or dist.group.WORLD
         self.rank, self.world = dist.get_rank(self.group), dist.get_world_size(self.group)
-        self.gloo = dist.get_backend(self.group) == "gloo"  # (see ZeRO's two collectives, below)
         self.stage, self.clip, self.recompute, self.offload = stage, clip, recompute, offload
         p0 = next(model.parameters())
         self.device, self.master_dtype = torch.device(device or p0.device), p0.dtype
@@ -272,30 +297,6 @@ class Zero:
         self.order, self.prefetched, self.pending, self.last_microbatch = self.forward_order, {}, [], True
         self.publishing = {}  # stages 1-2: unit -> (all-gather in flight, its input)
 
-    # --- ZeRO's two collectives ---------------------------------------------------------------------------
-    # A ring reduce-scatter or all-gather (NCCL) moves (N-1)/N of the vector over each link: the primitives
-    # ZeRO is built from. torch's gloo backend runs reduce_scatter_single as an all-reduce of a copy of the
-    # whole vector, and all_gather_single through flat copies of every shard (ProcessGroupGloo); on gloo the
-    # same shards therefore go as N reduces to their owners and N broadcasts from them, in place (as torch's
-    # ZeroRedundancyOptimizer broadcasts). Same bytes handed over, without the copies.
-    def reduce_scatter(self, full):  # (N*S,) global -> (work, (S,) local: my shard of the sum, once done)
-        S = full.numel() // self.world
-        if not self.gloo:
-            out = torch.empty(S, dtype=full.dtype, device=full.device)
-            return reduce_scatter_single(out, full, group=self.group, async_op=True), out
-        return Works(dist.reduce(full[q * S:(q + 1) * S], group_dst=q, group=self.group, async_op=True)
-                     for q in range(self.world)), full[self.rank * S:(self.rank + 1) * S]
-
-    def all_gather(self, full, shard):  # (S,) local -> (N*S,) global; returns (work, what it reads)
-        if not self.gloo:
-            if shard.untyped_storage().data_ptr() == full.untyped_storage().data_ptr():
-                shard = shard.clone()  # stages 1-2 publish a slice of `full`: the input may not alias it
-            return all_gather_single(full, shard, group=self.group, async_op=True), shard
-        S = shard.numel()
-        full[self.rank * S:(self.rank + 1) * S].copy_(shard)  # (a no-op when it is that slice already)
-        return Works(dist.broadcast(full[q * S:(q + 1) * S], group_src=q, group=self.group, async_op=True)
-                     for q in range(self.world)), shard
-
     # --- stage 3: prefetching all-gathers (FSDP's forward and backward prefetch) ---------------------------
     def acquire(self, u):
         """Stage 3: u's whole flat vector (N*S,). Its all-gather was launched when the unit before it in
@@ -311,7 +312,7 @@ class Zero:
 
     def _launch_gather(self, u):  # (S,) local -> a new (N*S,) buffer; returns (work, buffer)
         buf = torch.empty(u.padded, dtype=self.compute_dtype, device=self.device)
-        return self.all_gather(buf, u.shard.detach())[0], buf
+        return all_gather_(buf, u.shard.detach(), self.group)[0], buf
 
     def _new_pass(self, order):  # a prefetch the last pass did not use (a forward without its units) ends
         for work, _ in self.prefetched.values():
@@ -331,7 +332,7 @@ class Zero:
         if self.stage == 0:
             out, work = g, dist.all_reduce(g, group=self.group, async_op=True)
         else:
-            work, out = self.reduce_scatter(g)
+            work, out = reduce_scatter_(g, self.group)
         self.pending.append((u, work, out, g))  # g referenced until done
 
     def finish_reductions(self):
@@ -441,7 +442,7 @@ class Zero:
             if self.separate_master:
                 u.compute.copy_(u.master)
         for u in self.forward_order if self.stage in (1, 2) else ():
-            self.publishing[u] = self.all_gather(u.full.detach(), u.compute)
+            self.publishing[u] = all_gather_(u.full.detach(), u.compute, self.group)
 
     def wait_published(self, u=None):  # stages 1-2: unit u's all-gather from publish() (None: every unit's)
         for v in [u] if u is not None else list(self.publishing):
@@ -457,7 +458,7 @@ class Zero:
             flat = u.master.to(self.device)
             if self.stage > 0 and u.numel:
                 flat = torch.empty(u.padded, dtype=u.master.dtype, device=self.device)
-                all_gather_single(flat, u.master.to(self.device), group=self.group)
+                all_gather_(flat, u.master.to(self.device), self.group)[0].wait()
             out.update({n: v.detach().cpu().clone() for n, v in zip(u.names, u.views(flat).values())})
         return out
 
@@ -960,7 +961,7 @@ class ZeroShards:
         z.wait_published()  # (stages 1-2, no separate master: the master is a view of the gathered vector)
         pieces = []
         for u in z.units:
-            st, first = z.opt.state.get(u.master, {}), u.lo if z.stage == 0 else 0  # st {}: all skipped (fp16)
+            st, first = z.opt.state.get(u.master, {}), u.lo if z.stage == 0 else 0  # {}: all skipped (fp16)
             held = dict(master=u.master, **{k: st.get(k, torch.zeros_like(u.master)) for k in self.MOMENTS})
             pieces.append({k: v[first:first + u.valid] for k, v in held.items()})
         scale, clean = (z.scaler.scale, z.scaler.clean) if z.scaler else (1.0, 0)
