@@ -62,6 +62,7 @@ In production, use torch.distributed.fsdp.fully_shard (FSDP2) or DeepSpeed ZeRO.
 """
 import copy
 from dataclasses import dataclass
+from itertools import accumulate
 from typing import Literal, NamedTuple, Optional
 
 import torch
@@ -161,9 +162,7 @@ class FlatUnit(nn.Module):
         named = list(module.named_parameters())  # units inside `module` were replaced already: only its own
         self.names = [prefix + n for n, _ in named]  # names in the original model, for full_state_dict()
         self.local, self.shapes = [n for n, _ in named], [p.shape for _, p in named]  # names inside `module`
-        self.offsets = [0]
-        for _, p in named:
-            self.offsets.append(self.offsets[-1] + p.numel())
+        self.offsets = [0, *accumulate(p.numel() for _, p in named)]  # param k: flat [offsets[k], [k+1])
         self.numel = self.offsets[-1]
         self.S = -(-self.numel // z.world)  # shard length ceil(P / N); the last shards hold the padding
         self.padded, self.lo = self.S * z.world, z.rank * self.S  # this rank owns flat elements [lo, lo + S)
@@ -247,12 +246,11 @@ class LossScaler:
         self.scale, self.window, self.clean = scale, window, 0
 
     def update(self, finite):  # returns whether the step may run
+        self.clean = self.clean + 1 if finite else 0
         if not finite:
-            self.scale, self.clean = self.scale / 2, 0  # back off; the step is skipped
-        else:
-            self.clean += 1
-            if self.clean == self.window:  # a run of clean steps: try a larger scale
-                self.scale, self.clean = self.scale * 2, 0
+            self.scale /= 2  # back off; the step is skipped
+        elif self.clean == self.window:  # a run of clean steps: try a larger scale
+            self.scale, self.clean = self.scale * 2, 0
         return finite
 
 
@@ -682,12 +680,7 @@ class Watch:
         for u in zero.units[:-1]:
             u.register_forward_pre_hook(self._block_input)
         if isinstance(zero.opt, FlatAdafactor):  # its own all-reduces, told apart by their phase
-            step = zero.opt.step
-
-            def step_in_phase():
-                with comm.phase("optimizer"):
-                    step()
-            zero.opt.step = step_in_phase
+            zero.opt.step = comm.phase("optimizer")(zero.opt.step)  # (a contextmanager is a decorator too)
 
     def _new_forward(self, *_):
         self.saved, self._seen = 0, set()
@@ -700,13 +693,11 @@ class Watch:
             self._seen.add(t.untyped_storage().data_ptr())
             self.saved += t.untyped_storage().nbytes()
 
-    def _kept(self, kept):
+    def _kept(self, kept):  # what _pack kept: a tensor, an encoding, or a stage-3 position (not a tensor)
         params = {u.full.untyped_storage().data_ptr() for u in self.zero.units} if self.zero.stage < 3 else ()
-        if isinstance(kept, Encoded):
-            self._add(kept.data)
-            self._add(kept.scale)
-        elif torch.is_tensor(kept) and kept.untyped_storage().data_ptr() not in params:
-            self._add(kept)
+        for t in (kept.data, kept.scale) if isinstance(kept, Encoded) else (kept,):
+            if torch.is_tensor(t) and t.untyped_storage().data_ptr() not in params:
+                self._add(t)
         return kept
 
     def _block_input(self, unit, args):  # (returns None: a pre-hook's return value would replace the inputs)
@@ -739,31 +730,29 @@ class Watch:
 
 def memory(zero):
     """Model-state bytes of this rank, counted from the tensors themselves."""
-    params = tensor_bytes([u.full if zero.stage < 3 else u.shard for u in zero.units])
     moments = [v for u in zero.units for v in zero.opt.state.get(u.master, {}).values()
                if torch.is_tensor(v) and v.dim() > 0]
-    optim = tensor_bytes(moments + ([u.master for u in zero.units] if zero.separate_master else []))
-    host_grads = tensor_bytes([u.master.grad for u in zero.units]) if zero.offload else 0
-    return dict(params=params, grads=tensor_bytes([u.grad for u in zero.units]), optim=optim,
-                host_grad_copy=host_grads)
+    masters = [u.master for u in zero.units] if zero.separate_master else []
+    return dict(params=tensor_bytes([u.full if zero.stage < 3 else u.shard for u in zero.units]),
+                grads=tensor_bytes([u.grad for u in zero.units]), optim=tensor_bytes(moments + masters),
+                host_grad_copy=tensor_bytes([u.master.grad for u in zero.units]) if zero.offload else 0)
 
 
 def theory(zero, padded=False):
     """ZeRO's formulas with the bytes of the dtypes actually run: p (compute copy), g (gradient accumulator,
-    master dtype), K = 2 Adam moments (+ the master copy when separate)."""
+    master dtype), K = 2 Adam moments (+ the master copy when separate). Adafactor (K None): m (R + C) per
+    (R, C) matrix, whole on every rank (`rc` = the sum of R + C), m per element of a vector, sharded."""
     psi = sum(u.padded if padded else u.numel for u in zero.units)
     p, m = torch.finfo(zero.compute_dtype).bits // 8, torch.finfo(zero.master_dtype).bits // 8
-    N, s = zero.world, zero.stage
-    K = 2 * m + (m if zero.separate_master else 0)
-    if isinstance(zero.opt, FlatAdafactor):  # m (R + C) per matrix, whole; m per vector element, sharded
-        shapes = [sh for u in zero.units for sh in u.shapes]
-        factored = m * sum(sh[0] + sh[1] for sh in shapes if len(sh) == 2)
+    N, s, shapes = zero.world, zero.stage, [sh for u in zero.units for sh in u.shapes]
+    K, rc = 2 * m + (m if zero.separate_master else 0), sum(sh[0] + sh[1] for sh in shapes if len(sh) == 2)
+    optim = K * psi / (N if s >= 1 else 1)
+    if isinstance(zero.opt, FlatAdafactor):
         vectors = m * sum(sh.numel() for sh in shapes if len(sh) != 2)
         master = m * psi / (N if s >= 1 else 1) if zero.separate_master else 0
-        return dict(params=p * psi / (N if s == 3 else 1), grads=m * psi / (N if s >= 2 else 1),
-                    optim=factored + vectors / (N if s >= 1 else 1) + master, psi=psi, p=p, g=m, K=None)
-    return dict(params=p * psi / (N if s == 3 else 1), grads=m * psi / (N if s >= 2 else 1),
-                optim=K * psi / (N if s >= 1 else 1), psi=psi, p=p, g=m, K=K)
+        K, optim = None, m * rc + vectors / (N if s >= 1 else 1) + master
+    return dict(params=p * psi / (N if s == 3 else 1), grads=m * psi / (N if s >= 2 else 1), optim=optim,
+                psi=psi, p=p, g=m, K=K, rc=rc, tensors=len(shapes))
 
 
 def report(d, args, zero, watch, without, comm):
@@ -791,8 +780,7 @@ def report(d, args, zero, watch, without, comm):
                                + (" on host" + on_cpu if args.offload else ""))):
         d.log(f"  {label:32s} {mem[k]:>10,d} B | theory {th[k]:>12,.0f} B")
     if K is None:
-        shapes = [sh for u in zero.units for sh in u.shapes]
-        extra = g * (sum(sh[0] + sh[1] for sh in shapes if len(sh) == 2) + 2 * len(shapes)) * (s > 0)
+        extra = g * (th["rc"] + 2 * th["tensors"]) * (s > 0)
         d.log(f"  {'(AdamW moments would take)':32s} {2 * g * psi / (N if s else 1):>10,.0f} B = 2 g Psi/N\n"
               f"  Adafactor's own all-reduces: counted {comm.total(phase='optimizer'):,d} B/step | theory "
               f"{extra:,d} B = g (sum of R + C over matrices + 2 per parameter), none at stage 0")
@@ -805,9 +793,9 @@ def report(d, args, zero, watch, without, comm):
           (f" | without --recompute/--compress-activations {without:,d} B" if without is not None else ""))
     if args.compress_activations != "none" and not args.recompute:
         how, elem = args.compress_activations, torch.finfo(zero.compute_dtype).bits // 8
-        ratio = dict(bf16=2, int8=1)[how] / elem
-        d.log(f"  {'compressed / plain':32s} {saved / without:>10.3f}   | theory {ratio:.3f} = {how} bytes / "
-              f"{elem} (+ int8's scales, + integer tensors kept as they are)")
+        d.log(f"  {'compressed / plain':32s} {saved / without:>10.3f}   | theory "
+              f"{dict(bf16=2, int8=1)[how] / elem:.3f} = {how} bytes / {elem} (+ int8's scales, + integer "
+              "tensors kept as they are)")
     d.log(f"bytes handed to collectives per rank per step: counted {sent:,.0f} B | theory {comm_:,.0f} B = "
           f"{comm_formula} (counted: padded vectors + the 8-byte norm all-reduce"
           f"{' + Adafactor' if K is None else ''})")
@@ -842,9 +830,6 @@ def per_rank(d, zero, skipped):
 # --- reference for --check --- (mixed precision and Adafactor: one process, the same recipe) ------------
 def check_run(d, args, losses, full):
     """--check against the one-process reference that fits the run (`full`: the whole model on rank 0)."""
-    if args.optimizer == "adafactor":
-        ref = reference_adafactor(args, d.device) if d.rank == 0 else None
-        return check_against_reference(d, args, losses, full, ref=ref)
     if args.compress_activations != "none":
         # lossy by design: the loss difference against uncompressed one-process training after the same
         # steps, bounded loosely (losses within 1e-2 relative, as tests/zero_checks.py bounds it; parameters
@@ -853,19 +838,22 @@ def check_run(d, args, losses, full):
         return check_against_reference(d, args, losses, full, tol=1e-2, ptol=2 * args.lr * args.steps)
     if args.mixed_precision != "none":
         return check_mixed(d, args, losses, full)
-    return check_against_reference(d, args, losses, full)
+    ref = reference(args, d.world, d.device) if d.rank == 0 and args.optimizer == "adafactor" else None
+    return check_against_reference(d, args, losses, full, ref=ref)  # (ref None: common.reference_train)
 
 
-def reference_mixed(args, world, device="cpu"):
-    """What --check compares a --mixed-precision run with: one process, the same precision recipe, written
-    plainly with nn.Module parameters. A low-precision copy of the model computes each of the world x accum
-    micro-batches the ranks compute (the same rows and shapes, so the same bf16/fp16 arithmetic); each
-    micro-batch's gradient is cast to --dtype and summed there; clipping and AdamW run on --dtype master
-    weights, which are then rounded into the copy. fp16 scales the loss and skips a non-finite step."""
+def reference(args, world, device="cpu"):
+    """What --check compares a --mixed-precision or an --optimizer adafactor run with: one process, the same
+    recipe, written plainly with nn.Module parameters. A low-precision copy of the model (none: the model
+    itself) computes each of the world x accum micro-batches the ranks compute (the same rows and shapes,
+    so the same bf16/fp16 arithmetic); each micro-batch's gradient is cast to --dtype and summed there;
+    clipping and AdamW (or torch.optim.Adafactor, foreach=False) run on --dtype master weights, which are
+    then rounded into the copy. fp16 scales the loss and skips a non-finite step."""
     data, rows = MarkovData(args.vocab, args.seed), args.batch_size // world
     master = build_gpt(GPTConfig.from_args(args), args.seed, DTYPES[args.dtype], device)
-    low = copy.deepcopy(master).to(LOW[args.mixed_precision])
-    opt = make_optimizer(master.parameters(), args)
+    low = master if LOW[args.mixed_precision] is None else copy.deepcopy(master).to(LOW[args.mixed_precision])
+    opt = make_optimizer(master.parameters(), args) if args.optimizer == "adamw" else torch.optim.Adafactor(
+        master.parameters(), lr=args.lr, weight_decay=args.weight_decay, foreach=False)
     scale, clean, losses = (args.loss_scale if args.mixed_precision == "fp16" else 1.0), 0, []
     for step in range(args.steps):
         x, y = (t.to(device) for t in data.batch(step, args.batch_size, args.seq_len, args.ragged))
@@ -893,34 +881,15 @@ def reference_mixed(args, world, device="cpu"):
         opt.step()
         with torch.no_grad():
             for q, p in zip(low.parameters(), master.parameters()):
-                q.copy_(p)
+                q.copy_(p)  # (a copy onto itself without mixed precision)
         clean += 1
         if args.mixed_precision == "fp16" and clean == args.scale_window:
             scale, clean = scale * 2, 0
     return dict(losses=losses, params={n: p.detach().clone() for n, p in master.named_parameters()})
 
 
-def reference_adafactor(args, device="cpu"):
-    """What --check compares an --optimizer adafactor run with: plain one-process training, as
-    common.reference_train does it, with torch.optim.Adafactor in AdamW's place (foreach=False)."""
-    data = MarkovData(args.vocab, args.seed)
-    model = build_gpt(GPTConfig.from_args(args), args.seed, DTYPES[args.dtype], device)
-    opt = torch.optim.Adafactor(model.parameters(), lr=args.lr, weight_decay=args.weight_decay, foreach=False)
-    losses = []
-    for step in range(args.steps):
-        x, y = (t.to(device) for t in data.batch(step, args.batch_size, args.seq_len, args.ragged))
-        loss = lm_loss(model(x), y, count_tokens(y))
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        if args.clip > 0:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
-        opt.step()
-        losses.append(loss.item())
-    return dict(losses=losses, params={n: p.detach().clone() for n, p in model.named_parameters()})
-
-
 def check_mixed(d, args, losses, params):
-    """--check for --mixed-precision, against reference_mixed on rank 0. The two do the same arithmetic up to
+    """--check for --mixed-precision, against reference() on rank 0. The two do the same arithmetic up to
     the order of a few fp32 operations, and agree bit for bit until one such rounding sends a master weight
     to the neighbouring bf16/fp16 value; from then on they differ as two runs of the same recipe do: the
     losses by about the compute dtype's unit roundoff u at most (2^-8 bf16, 2^-11 fp16), and a few single
@@ -931,7 +900,7 @@ def check_mixed(d, args, losses, params):
     (measured 1.3 after 4 steps). Tolerances: u on the losses, 0.1 on that ratio."""
     t = torch.zeros(3, dtype=torch.float64, device=d.device)
     if d.rank == 0:
-        ref = reference_mixed(args, d.world, d.device)
+        ref = reference(args, d.world, d.device)
         init = dict(build_gpt(GPTConfig.from_args(args), args.seed, DTYPES[args.dtype]).named_parameters())
         u = torch.finfo(LOW[args.mixed_precision]).eps / 2  # unit roundoff: half the spacing at 1
         loss_diff = max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(losses, ref["losses"]))
