@@ -793,9 +793,9 @@ def report(d, args, zero, watch, without, comm):
           (f" | without --recompute/--compress-activations {without:,d} B" if without is not None else ""))
     if args.compress_activations != "none" and not args.recompute:
         how, elem = args.compress_activations, torch.finfo(zero.compute_dtype).bits // 8
-        d.log(f"  {'compressed / plain':32s} {saved / without:>10.3f}   | theory "
-              f"{dict(bf16=2, int8=1)[how] / elem:.3f} = {how} bytes / {elem} (+ int8's scales, + integer "
-              "tensors kept as they are)")
+        ratio = dict(bf16=2, int8=1)[how] / elem
+        d.log(f"  {'compressed / plain':32s} {saved / without:>10.3f}   | theory {ratio:.3f} = {how} bytes / "
+              f"{elem} (+ int8's scales, + integer tensors kept as they are)")
     d.log(f"bytes handed to collectives per rank per step: counted {sent:,.0f} B | theory {comm_:,.0f} B = "
           f"{comm_formula} (counted: padded vectors + the 8-byte norm all-reduce"
           f"{' + Adafactor' if K is None else ''})")
