@@ -147,11 +147,13 @@ class Run:
             loss = ...                                         # the technique's step
             run.end_step(step, loss)                           # timer, log line, checkpoint
         run.finish("name", peak, comm_bytes, check, figures)   # summary; exits (1 if --check failed)
-    `state` maps names to objects with state_dict / load_state_dict (saved every --save-every steps)."""
+    `state` maps names to objects with state_dict / load_state_dict (saved every --save-every steps). `ckpt`:
+    another checkpointer, with load(state) -> (step, history) and maybe_save(step, state, history), e.g. a
+    FlatShardCheckpoint; `state` is then what it takes."""
 
-    def __init__(self, d, args, state):
+    def __init__(self, d, args, state, ckpt=None):
         self.d, self.args, self.state = d, args, state
-        self.ckpt = Checkpointer(d, args.ckpt_dir, args.save_every, args.steps)
+        self.ckpt = ckpt or Checkpointer(d, args.ckpt_dir, args.save_every, args.steps)
         self.start, self.history = self.ckpt.load(state)
         self.losses = self.history.get("losses", [])
         self.timer, self.tokens = StepTimer(d.device), args.batch_size * args.seq_len
@@ -747,3 +749,100 @@ class HeldForB:
             yield
         if kind == "F":
             self.sample()
+
+
+# ----------------------------------------------------------------------------- resharding checkpoints
+class FlatShardCheckpoint:
+    """Checkpoints of named flat vectors sharded over `group`, that any world size resumes (zero.py's). Each
+    rank owns elements [lo, lo + valid) of each vector: the ranks' pieces, in rank order, are the whole,
+    unpadded vector (`numels` long). DIR/step{s}/rank{r}.pt holds this rank's pieces and its RNG states;
+    then rank 0 writes meta.pt (world size, sizes, the state's scalars, history), which marks the step
+    complete. Temporary file + rename: never a half-written file; the last two steps are kept. A resume
+    takes the newest step complete for every rank, whatever world size wrote it, and hands the state the
+    whole vectors to take the elements it owns now from (at scale one would read only the files that
+    overlap them); at the same world size each rank also continues its RNG streams. A directory of
+    rank-local checkpoints (Checkpointer's rank*/), a damaged meta.pt or other sizes (another model) are
+    refused with one line (exit 2), before any collective. `state`, as Run passes it, has
+        shards()                 -> ([{name: this rank's piece (valid,)}, one dict per vector], {scalars})
+        reshard(whole, scalars)  <- ([{name: the whole vector (numel,)}, ...], the scalars saved)"""
+
+    def __init__(self, d, ckpt_dir, save_every, steps, numels, group=None):
+        self.d, self.root, self.save_every, self.steps, self.numels = d, ckpt_dir, save_every, steps, numels
+        self.group = group or dist.group.WORLD
+        self.rank, self.world = dist.get_rank(self.group), dist.get_world_size(self.group)
+
+    def _complete_steps(self):
+        if not self.root or not os.path.isdir(self.root):
+            return []
+        return sorted(int(f[4:]) for f in os.listdir(self.root) if f.startswith("step") and f[4:].isdigit()
+                      and os.path.exists(os.path.join(self.root, f, "meta.pt")))
+
+    def _read_meta(self, path):
+        """A step's meta.pt, checked against this run (another world size is fine: load reshards)."""
+        try:
+            meta = torch.load(os.path.join(path, "meta.pt"), map_location="cpu", weights_only=False)
+            numels = meta["numels"]
+        except Exception as e:
+            fail(f"cannot read checkpoint {path}/meta.pt ({type(e).__name__}): delete it or use another "
+                 "--ckpt-dir")
+        if numels != list(self.numels):
+            fail(f"checkpoint {path} holds another model (flat sizes {numels}, this run "
+                 f"{list(self.numels)}): use another --ckpt-dir")
+        return meta
+
+    def load(self, state):
+        """Restore `state` and the RNG from the newest complete step; return (step, history), (0, {}) when
+        there is nothing to resume."""
+        if not self.root:
+            return 0, {}
+        if os.path.isdir(self.root) and any(f.startswith("rank") for f in os.listdir(self.root)):
+            fail(f"--ckpt-dir {self.root} holds another file's rank-local checkpoints (rank*/), not "
+                 f"{os.path.basename(sys.argv[0])}'s sharded steps (step*/): use another --ckpt-dir")
+        steps = self._complete_steps()
+        if steps:  # checked before the collective
+            self._read_meta(os.path.join(self.root, f"step{steps[-1]}"))
+        t = torch.tensor([steps[-1] if steps else 0], device=self.d.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)  # every rank sees the same directory
+        step = int(t.item())
+        if not step:
+            return 0, {}
+        path = os.path.join(self.root, f"step{step}")
+        meta = self._read_meta(path)
+        files = [torch.load(os.path.join(path, f"rank{q}.pt"), map_location="cpu", weights_only=True)
+                 for q in range(meta["world"])]
+        state.reshard([{k: torch.cat([f["vectors"][i][k] for f in files]) for k in piece}  # (numel,) each
+                       for i, piece in enumerate(files[0]["vectors"])], meta["scalars"])
+        if meta["world"] == self.world:  # at another world size the ranks' RNG streams cannot continue
+            torch.set_rng_state(files[self.rank]["rng_cpu"])
+            if self.d.device.type == "cuda":
+                torch.cuda.set_rng_state(files[self.rank]["rng_cuda"], self.d.device)
+        dist.barrier(group=self.group)
+        self.d.log(f"resumed from {self.root} at step {step} (saved at world size {meta['world']}"
+                   f"{'' if meta['world'] == self.world else '; RNG streams start afresh'})")
+        return step, meta["history"]
+
+    def maybe_save(self, step, state, history):
+        """`step` = steps completed. Saves every `save_every` steps and after the last one."""
+        if not self.root or not (step == self.steps or (self.save_every and step % self.save_every == 0)):
+            return
+        path = os.path.join(self.root, f"step{step}")
+        os.makedirs(path, exist_ok=True)
+        pieces, scalars = state.shards()
+        mine = dict(vectors=[{k: v.detach().cpu().clone() for k, v in p.items()} for p in pieces],
+                    rng_cpu=torch.get_rng_state())  # CPU byte tensors, as torch.set_rng_state wants them
+        if self.d.device.type == "cuda":
+            mine["rng_cuda"] = torch.cuda.get_rng_state(self.d.device)
+        self._atomic_save(mine, os.path.join(path, f"rank{self.rank}.pt"))
+        dist.barrier(group=self.group)  # every piece is on disk before the step is marked complete
+        if self.rank == 0:
+            meta = dict(world=self.world, numels=list(self.numels), scalars=scalars, history=history)
+            self._atomic_save(meta, os.path.join(path, "meta.pt"))
+            for old in self._complete_steps()[:-2]:  # keep the last two
+                for f in os.listdir(os.path.join(self.root, f"step{old}")):
+                    os.remove(os.path.join(self.root, f"step{old}", f))
+                os.rmdir(os.path.join(self.root, f"step{old}"))
+
+    @staticmethod
+    def _atomic_save(obj, path):
+        torch.save(obj, path + ".tmp")
+        os.replace(path + ".tmp", path)

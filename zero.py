@@ -60,8 +60,9 @@ fp16 Adam: p = g = 2, K = 12 = fp32 master + m + v):
 
 In production, use torch.distributed.fsdp.fully_shard (FSDP2) or DeepSpeed ZeRO.
 """
-import copy, os
-from dataclasses import dataclass, replace
+import copy
+from dataclasses import dataclass
+from itertools import accumulate
 from typing import Literal, NamedTuple, Optional
 
 import torch
@@ -73,8 +74,9 @@ from torch.utils.checkpoint import checkpoint
 
 from common import (DTYPES, GPTConfig, MarkovData, build_gpt, clip_grads_, close_dist, count_tokens, fail,
                     init_dist, lm_loss, make_optimizer)
-from harness import (CommCounter, CommonArgs, LiveStorages, Run, check_against_reference, check_common_args,
-                     env_world_size, gather_rows, parse_args, peak_memory_bytes, tensor_bytes, write_summary)
+from harness import (CommCounter, CommonArgs, FlatShardCheckpoint, LiveStorages, Run, check_against_reference,
+                     check_common_args, env_world_size, gather_rows, parse_args, peak_memory_bytes,
+                     tensor_bytes, write_summary)
 
 LOW = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -102,6 +104,32 @@ class Works(list):  # the works of several collectives, waited for as one
     def wait(self):
         for w in self:
             w.wait()
+
+
+# ZeRO's two collectives, on flat vectors: a ring reduce-scatter or all-gather (NCCL) moves (N-1)/N of the
+# vector over each link. torch's gloo backend runs reduce_scatter_single as an all-reduce of a copy of the
+# whole vector, and all_gather_single through flat copies of every shard (ProcessGroupGloo); on gloo, N
+# reduces to the owners and N broadcasts from them, in place (as torch's ZeroRedundancyOptimizer
+# broadcasts), hand over the same bytes without the copies.
+def reduce_scatter_(full, group):  # (N*S,) global -> (work, (S,) local: my shard of the sum, once done)
+    N, me = dist.get_world_size(group), dist.get_rank(group)
+    S = full.numel() // N
+    if dist.get_backend(group) != "gloo":
+        out = full.new_empty(S)
+        return reduce_scatter_single(out, full, group=group, async_op=True), out
+    return Works(dist.reduce(full[q * S:(q + 1) * S], group_dst=q, group=group, async_op=True)
+                 for q in range(N)), full[me * S:(me + 1) * S]
+
+
+def all_gather_(full, shard, group):  # (S,) local -> (N*S,) global, into `full`; returns (work, its input)
+    N, me, S = dist.get_world_size(group), dist.get_rank(group), shard.numel()
+    if dist.get_backend(group) != "gloo":
+        if shard.untyped_storage().data_ptr() == full.untyped_storage().data_ptr():
+            shard = shard.clone()  # stages 1-2 publish a slice of `full`: the input may not alias it
+        return all_gather_single(full, shard, group=group, async_op=True), shard
+    full[me * S:(me + 1) * S].copy_(shard)  # (a no-op when it is that slice already)
+    return Works(dist.broadcast(full[q * S:(q + 1) * S], group_src=q, group=group, async_op=True)
+                 for q in range(N)), shard
 
 
 class GatherParams(torch.autograd.Function):
@@ -134,9 +162,7 @@ class FlatUnit(nn.Module):
         named = list(module.named_parameters())  # units inside `module` were replaced already: only its own
         self.names = [prefix + n for n, _ in named]  # names in the original model, for full_state_dict()
         self.local, self.shapes = [n for n, _ in named], [p.shape for _, p in named]  # names inside `module`
-        self.offsets = [0]
-        for _, p in named:
-            self.offsets.append(self.offsets[-1] + p.numel())
+        self.offsets = [0, *accumulate(p.numel() for _, p in named)]  # param k: flat [offsets[k], [k+1])
         self.numel = self.offsets[-1]
         self.S = -(-self.numel // z.world)  # shard length ceil(P / N); the last shards hold the padding
         self.padded, self.lo = self.S * z.world, z.rank * self.S  # this rank owns flat elements [lo, lo + S)
@@ -220,12 +246,11 @@ class LossScaler:
         self.scale, self.window, self.clean = scale, window, 0
 
     def update(self, finite):  # returns whether the step may run
+        self.clean = self.clean + 1 if finite else 0
         if not finite:
-            self.scale, self.clean = self.scale / 2, 0  # back off; the step is skipped
-        else:
-            self.clean += 1
-            if self.clean == self.window:  # a run of clean steps: try a larger scale
-                self.scale, self.clean = self.scale * 2, 0
+            self.scale /= 2  # back off; the step is skipped
+        elif self.clean == self.window:  # a run of clean steps: try a larger scale
+            self.scale, self.clean = self.scale * 2, 0
         return finite
 
 
@@ -245,7 +270,6 @@ class Zero:
                  scale_window=1000, compress=None):
         self.group = group or dist.group.WORLD
         self.rank, self.world = dist.get_rank(self.group), dist.get_world_size(self.group)
-        self.gloo = dist.get_backend(self.group) == "gloo"  # (see ZeRO's two collectives, below)
         self.stage, self.clip, self.recompute, self.offload = stage, clip, recompute, offload
         p0 = next(model.parameters())
         self.device, self.master_dtype = torch.device(device or p0.device), p0.dtype
@@ -271,30 +295,6 @@ class Zero:
         self.order, self.prefetched, self.pending, self.last_microbatch = self.forward_order, {}, [], True
         self.publishing = {}  # stages 1-2: unit -> (all-gather in flight, its input)
 
-    # --- ZeRO's two collectives ---------------------------------------------------------------------------
-    # A ring reduce-scatter or all-gather (NCCL) moves (N-1)/N of the vector over each link: the primitives
-    # ZeRO is built from. torch's gloo backend runs reduce_scatter_single as an all-reduce of a copy of the
-    # whole vector, and all_gather_single through flat copies of every shard (ProcessGroupGloo); on gloo the
-    # same shards therefore go as N reduces to their owners and N broadcasts from them, in place (as torch's
-    # ZeroRedundancyOptimizer broadcasts). Same bytes handed over, without the copies.
-    def reduce_scatter(self, full):  # (N*S,) global -> (work, (S,) local: my shard of the sum, once done)
-        S = full.numel() // self.world
-        if not self.gloo:
-            out = torch.empty(S, dtype=full.dtype, device=full.device)
-            return reduce_scatter_single(out, full, group=self.group, async_op=True), out
-        return Works(dist.reduce(full[q * S:(q + 1) * S], group_dst=q, group=self.group, async_op=True)
-                     for q in range(self.world)), full[self.rank * S:(self.rank + 1) * S]
-
-    def all_gather(self, full, shard):  # (S,) local -> (N*S,) global; returns (work, what it reads)
-        if not self.gloo:
-            if shard.untyped_storage().data_ptr() == full.untyped_storage().data_ptr():
-                shard = shard.clone()  # stages 1-2 publish a slice of `full`: the input may not alias it
-            return all_gather_single(full, shard, group=self.group, async_op=True), shard
-        S = shard.numel()
-        full[self.rank * S:(self.rank + 1) * S].copy_(shard)  # (a no-op when it is that slice already)
-        return Works(dist.broadcast(full[q * S:(q + 1) * S], group_src=q, group=self.group, async_op=True)
-                     for q in range(self.world)), shard
-
     # --- stage 3: prefetching all-gathers (FSDP's forward and backward prefetch) ---------------------------
     def acquire(self, u):
         """Stage 3: u's whole flat vector (N*S,). Its all-gather was launched when the unit before it in
@@ -310,7 +310,7 @@ class Zero:
 
     def _launch_gather(self, u):  # (S,) local -> a new (N*S,) buffer; returns (work, buffer)
         buf = torch.empty(u.padded, dtype=self.compute_dtype, device=self.device)
-        return self.all_gather(buf, u.shard.detach())[0], buf
+        return all_gather_(buf, u.shard.detach(), self.group)[0], buf
 
     def _new_pass(self, order):  # a prefetch the last pass did not use (a forward without its units) ends
         for work, _ in self.prefetched.values():
@@ -330,7 +330,7 @@ class Zero:
         if self.stage == 0:
             out, work = g, dist.all_reduce(g, group=self.group, async_op=True)
         else:
-            work, out = self.reduce_scatter(g)
+            work, out = reduce_scatter_(g, self.group)
         self.pending.append((u, work, out, g))  # g referenced until done
 
     def finish_reductions(self):
@@ -440,7 +440,7 @@ class Zero:
             if self.separate_master:
                 u.compute.copy_(u.master)
         for u in self.forward_order if self.stage in (1, 2) else ():
-            self.publishing[u] = self.all_gather(u.full.detach(), u.compute)
+            self.publishing[u] = all_gather_(u.full.detach(), u.compute, self.group)
 
     def wait_published(self, u=None):  # stages 1-2: unit u's all-gather from publish() (None: every unit's)
         for v in [u] if u is not None else list(self.publishing):
@@ -456,7 +456,7 @@ class Zero:
             flat = u.master.to(self.device)
             if self.stage > 0 and u.numel:
                 flat = torch.empty(u.padded, dtype=u.master.dtype, device=self.device)
-                all_gather_single(flat, u.master.to(self.device), group=self.group)
+                all_gather_(flat, u.master.to(self.device), self.group)[0].wait()
             out.update({n: v.detach().cpu().clone() for n, v in zip(u.names, u.views(flat).values())})
         return out
 
@@ -629,9 +629,10 @@ def main(args=None, d=None):
     if args.optimizer == "adafactor":
         zero.opt = FlatAdafactor(zero, args.lr, args.weight_decay)
     torch.manual_seed(args.seed + d.rank)  # dropout masks (if any) differ per rank; a resume restores them
-    run = Run(d, replace(args, ckpt_dir=""), {})  # the loop's edges; zero's checkpoint is its own (reshards)
-    run.start, run.history = load_checkpoint(zero, args.ckpt_dir, d)
-    run.losses, comm = run.history.get("losses", []), CommCounter()
+    # the loop's edges; the checkpoint holds each rank's shards, and any world size resumes it (reshards)
+    ckpt = FlatShardCheckpoint(d, args.ckpt_dir, args.save_every, args.steps, [u.numel for u in zero.units],
+                               zero.group)
+    run, comm = Run(d, args, ZeroShards(zero), ckpt=ckpt), CommCounter()
     watch, without = Watch(zero, comm), None  # (measurement: saved activations, gathered buffers, peaks)
     if args.recompute or zero.compressor:  # one extra forward without them, only to count what they save
         x = data.batch(run.start, args.batch_size, args.seq_len)[0]
@@ -646,10 +647,7 @@ def main(args=None, d=None):
         if info["skipped"]:
             skipped.append(step)
             d.log(f"step {step:4d} | overflow: step skipped on every rank, loss scale -> {scales[-1]:g}")
-        run.end_step(step, local.item())
-        done = step + 1
-        if args.ckpt_dir and (done == args.steps or args.save_every and done % args.save_every == 0):
-            save_checkpoint(zero, args.ckpt_dir, done, dict(losses=run.losses, world=d.world))
+        run.end_step(step, local.item())  # the timer, the log line, the checkpoint
     figures = report(d, args, zero, watch, without, comm)
     figures.update(loss_scale=scales, per_rank=per_rank(d, zero, skipped), resumed_from_step=run.start)
     check = check_run(d, args, run.losses, zero.full_state_dict()) if args.check else None
@@ -682,12 +680,7 @@ class Watch:
         for u in zero.units[:-1]:
             u.register_forward_pre_hook(self._block_input)
         if isinstance(zero.opt, FlatAdafactor):  # its own all-reduces, told apart by their phase
-            step = zero.opt.step
-
-            def step_in_phase():
-                with comm.phase("optimizer"):
-                    step()
-            zero.opt.step = step_in_phase
+            zero.opt.step = comm.phase("optimizer")(zero.opt.step)  # (a contextmanager is a decorator too)
 
     def _new_forward(self, *_):
         self.saved, self._seen = 0, set()
@@ -700,13 +693,11 @@ class Watch:
             self._seen.add(t.untyped_storage().data_ptr())
             self.saved += t.untyped_storage().nbytes()
 
-    def _kept(self, kept):
+    def _kept(self, kept):  # what _pack kept: a tensor, an encoding, or a stage-3 position (not a tensor)
         params = {u.full.untyped_storage().data_ptr() for u in self.zero.units} if self.zero.stage < 3 else ()
-        if isinstance(kept, Encoded):
-            self._add(kept.data)
-            self._add(kept.scale)
-        elif torch.is_tensor(kept) and kept.untyped_storage().data_ptr() not in params:
-            self._add(kept)
+        for t in (kept.data, kept.scale) if isinstance(kept, Encoded) else (kept,):
+            if torch.is_tensor(t) and t.untyped_storage().data_ptr() not in params:
+                self._add(t)
         return kept
 
     def _block_input(self, unit, args):  # (returns None: a pre-hook's return value would replace the inputs)
@@ -739,31 +730,29 @@ class Watch:
 
 def memory(zero):
     """Model-state bytes of this rank, counted from the tensors themselves."""
-    params = tensor_bytes([u.full if zero.stage < 3 else u.shard for u in zero.units])
     moments = [v for u in zero.units for v in zero.opt.state.get(u.master, {}).values()
                if torch.is_tensor(v) and v.dim() > 0]
-    optim = tensor_bytes(moments + ([u.master for u in zero.units] if zero.separate_master else []))
-    host_grads = tensor_bytes([u.master.grad for u in zero.units]) if zero.offload else 0
-    return dict(params=params, grads=tensor_bytes([u.grad for u in zero.units]), optim=optim,
-                host_grad_copy=host_grads)
+    masters = [u.master for u in zero.units] if zero.separate_master else []
+    return dict(params=tensor_bytes([u.full if zero.stage < 3 else u.shard for u in zero.units]),
+                grads=tensor_bytes([u.grad for u in zero.units]), optim=tensor_bytes(moments + masters),
+                host_grad_copy=tensor_bytes([u.master.grad for u in zero.units]) if zero.offload else 0)
 
 
 def theory(zero, padded=False):
     """ZeRO's formulas with the bytes of the dtypes actually run: p (compute copy), g (gradient accumulator,
-    master dtype), K = 2 Adam moments (+ the master copy when separate)."""
+    master dtype), K = 2 Adam moments (+ the master copy when separate). Adafactor (K None): m (R + C) per
+    (R, C) matrix, whole on every rank (`rc` = the sum of R + C), m per element of a vector, sharded."""
     psi = sum(u.padded if padded else u.numel for u in zero.units)
     p, m = torch.finfo(zero.compute_dtype).bits // 8, torch.finfo(zero.master_dtype).bits // 8
-    N, s = zero.world, zero.stage
-    K = 2 * m + (m if zero.separate_master else 0)
-    if isinstance(zero.opt, FlatAdafactor):  # m (R + C) per matrix, whole; m per vector element, sharded
-        shapes = [sh for u in zero.units for sh in u.shapes]
-        factored = m * sum(sh[0] + sh[1] for sh in shapes if len(sh) == 2)
+    N, s, shapes = zero.world, zero.stage, [sh for u in zero.units for sh in u.shapes]
+    K, rc = 2 * m + (m if zero.separate_master else 0), sum(sh[0] + sh[1] for sh in shapes if len(sh) == 2)
+    optim = K * psi / (N if s >= 1 else 1)
+    if isinstance(zero.opt, FlatAdafactor):
         vectors = m * sum(sh.numel() for sh in shapes if len(sh) != 2)
         master = m * psi / (N if s >= 1 else 1) if zero.separate_master else 0
-        return dict(params=p * psi / (N if s == 3 else 1), grads=m * psi / (N if s >= 2 else 1),
-                    optim=factored + vectors / (N if s >= 1 else 1) + master, psi=psi, p=p, g=m, K=None)
-    return dict(params=p * psi / (N if s == 3 else 1), grads=m * psi / (N if s >= 2 else 1),
-                optim=K * psi / (N if s >= 1 else 1), psi=psi, p=p, g=m, K=K)
+        K, optim = None, m * rc + vectors / (N if s >= 1 else 1) + master
+    return dict(params=p * psi / (N if s == 3 else 1), grads=m * psi / (N if s >= 2 else 1), optim=optim,
+                psi=psi, p=p, g=m, K=K, rc=rc, tensors=len(shapes))
 
 
 def report(d, args, zero, watch, without, comm):
@@ -791,8 +780,7 @@ def report(d, args, zero, watch, without, comm):
                                + (" on host" + on_cpu if args.offload else ""))):
         d.log(f"  {label:32s} {mem[k]:>10,d} B | theory {th[k]:>12,.0f} B")
     if K is None:
-        shapes = [sh for u in zero.units for sh in u.shapes]
-        extra = g * (sum(sh[0] + sh[1] for sh in shapes if len(sh) == 2) + 2 * len(shapes)) * (s > 0)
+        extra = g * (th["rc"] + 2 * th["tensors"]) * (s > 0)
         d.log(f"  {'(AdamW moments would take)':32s} {2 * g * psi / (N if s else 1):>10,.0f} B = 2 g Psi/N\n"
               f"  Adafactor's own all-reduces: counted {comm.total(phase='optimizer'):,d} B/step | theory "
               f"{extra:,d} B = g (sum of R + C over matrices + 2 per parameter), none at stage 0")
@@ -827,11 +815,14 @@ def peak(d, args, zero, watch):
     return peak_memory_bytes(d, counted + watch.gathered.peak + watch.saved_peak)
 
 
+def adam_step(zero):  # AdamW's step count (fp16 skips steps); 0 before the first step
+    return float(zero.opt.state.get(zero.units[0].master, {}).get("step", 0))
+
+
 def per_rank(d, zero, skipped):
     """What each rank decided on its own: the steps it skipped, its optimizer's step count (as tensors)."""
-    adam_step = float(zero.opt.state.get(zero.units[0].master, {}).get("step", 0))
     every_skipped = gather_rows(d, torch.tensor(skipped, dtype=torch.float64).view(-1, 1))
-    every_adam = gather_rows(d, [[adam_step]])
+    every_adam = gather_rows(d, [[adam_step(zero)]])
     return [dict(skipped=[int(s) for s in sk[:, 0].tolist()], adam_step=a[0, 0].item())
             for sk, a in zip(every_skipped, every_adam)]
 
@@ -839,9 +830,6 @@ def per_rank(d, zero, skipped):
 # --- reference for --check --- (mixed precision and Adafactor: one process, the same recipe) ------------
 def check_run(d, args, losses, full):
     """--check against the one-process reference that fits the run (`full`: the whole model on rank 0)."""
-    if args.optimizer == "adafactor":
-        ref = reference_adafactor(args, d.device) if d.rank == 0 else None
-        return check_against_reference(d, args, losses, full, ref=ref)
     if args.compress_activations != "none":
         # lossy by design: the loss difference against uncompressed one-process training after the same
         # steps, bounded loosely (losses within 1e-2 relative, as tests/zero_checks.py bounds it; parameters
@@ -850,19 +838,22 @@ def check_run(d, args, losses, full):
         return check_against_reference(d, args, losses, full, tol=1e-2, ptol=2 * args.lr * args.steps)
     if args.mixed_precision != "none":
         return check_mixed(d, args, losses, full)
-    return check_against_reference(d, args, losses, full)
+    ref = reference(args, d.world, d.device) if d.rank == 0 and args.optimizer == "adafactor" else None
+    return check_against_reference(d, args, losses, full, ref=ref)  # (ref None: common.reference_train)
 
 
-def reference_mixed(args, world, device="cpu"):
-    """What --check compares a --mixed-precision run with: one process, the same precision recipe, written
-    plainly with nn.Module parameters. A low-precision copy of the model computes each of the world x accum
-    micro-batches the ranks compute (the same rows and shapes, so the same bf16/fp16 arithmetic); each
-    micro-batch's gradient is cast to --dtype and summed there; clipping and AdamW run on --dtype master
-    weights, which are then rounded into the copy. fp16 scales the loss and skips a non-finite step."""
+def reference(args, world, device="cpu"):
+    """What --check compares a --mixed-precision or an --optimizer adafactor run with: one process, the same
+    recipe, written plainly with nn.Module parameters. A low-precision copy of the model (none: the model
+    itself) computes each of the world x accum micro-batches the ranks compute (the same rows and shapes,
+    so the same bf16/fp16 arithmetic); each micro-batch's gradient is cast to --dtype and summed there;
+    clipping and AdamW (or torch.optim.Adafactor, foreach=False) run on --dtype master weights, which are
+    then rounded into the copy. fp16 scales the loss and skips a non-finite step."""
     data, rows = MarkovData(args.vocab, args.seed), args.batch_size // world
     master = build_gpt(GPTConfig.from_args(args), args.seed, DTYPES[args.dtype], device)
-    low = copy.deepcopy(master).to(LOW[args.mixed_precision])
-    opt = make_optimizer(master.parameters(), args)
+    low = master if LOW[args.mixed_precision] is None else copy.deepcopy(master).to(LOW[args.mixed_precision])
+    opt = make_optimizer(master.parameters(), args) if args.optimizer == "adamw" else torch.optim.Adafactor(
+        master.parameters(), lr=args.lr, weight_decay=args.weight_decay, foreach=False)
     scale, clean, losses = (args.loss_scale if args.mixed_precision == "fp16" else 1.0), 0, []
     for step in range(args.steps):
         x, y = (t.to(device) for t in data.batch(step, args.batch_size, args.seq_len, args.ragged))
@@ -890,34 +881,15 @@ def reference_mixed(args, world, device="cpu"):
         opt.step()
         with torch.no_grad():
             for q, p in zip(low.parameters(), master.parameters()):
-                q.copy_(p)
+                q.copy_(p)  # (a copy onto itself without mixed precision)
         clean += 1
         if args.mixed_precision == "fp16" and clean == args.scale_window:
             scale, clean = scale * 2, 0
     return dict(losses=losses, params={n: p.detach().clone() for n, p in master.named_parameters()})
 
 
-def reference_adafactor(args, device="cpu"):
-    """What --check compares an --optimizer adafactor run with: plain one-process training, as
-    common.reference_train does it, with torch.optim.Adafactor in AdamW's place (foreach=False)."""
-    data = MarkovData(args.vocab, args.seed)
-    model = build_gpt(GPTConfig.from_args(args), args.seed, DTYPES[args.dtype], device)
-    opt = torch.optim.Adafactor(model.parameters(), lr=args.lr, weight_decay=args.weight_decay, foreach=False)
-    losses = []
-    for step in range(args.steps):
-        x, y = (t.to(device) for t in data.batch(step, args.batch_size, args.seq_len, args.ragged))
-        loss = lm_loss(model(x), y, count_tokens(y))
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        if args.clip > 0:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
-        opt.step()
-        losses.append(loss.item())
-    return dict(losses=losses, params={n: p.detach().clone() for n, p in model.named_parameters()})
-
-
 def check_mixed(d, args, losses, params):
-    """--check for --mixed-precision, against reference_mixed on rank 0. The two do the same arithmetic up to
+    """--check for --mixed-precision, against reference() on rank 0. The two do the same arithmetic up to
     the order of a few fp32 operations, and agree bit for bit until one such rounding sends a master weight
     to the neighbouring bf16/fp16 value; from then on they differ as two runs of the same recipe do: the
     losses by about the compute dtype's unit roundoff u at most (2^-8 bf16, 2^-11 fp16), and a few single
@@ -928,7 +900,7 @@ def check_mixed(d, args, losses, params):
     (measured 1.3 after 4 steps). Tolerances: u on the losses, 0.1 on that ratio."""
     t = torch.zeros(3, dtype=torch.float64, device=d.device)
     if d.rank == 0:
-        ref = reference_mixed(args, d.world, d.device)
+        ref = reference(args, d.world, d.device)
         init = dict(build_gpt(GPTConfig.from_args(args), args.seed, DTYPES[args.dtype]).named_parameters())
         u = torch.finfo(LOW[args.mixed_precision]).eps / 2  # unit roundoff: half the spacing at 1
         loss_diff = max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(losses, ref["losses"]))
@@ -943,104 +915,39 @@ def check_mixed(d, args, losses, params):
     return dict(max_loss_diff=t[0].item(), max_param_diff=t[1].item(), passed=bool(t[2].item()))
 
 
-# --- resharding checkpoint --- (zero.py's own: each rank saves its shards; any world size resumes) -------
-def save_checkpoint(zero, ckpt_dir, step, history):
-    """DIR/step{s}/rank{r}.pt: each rank's real elements of each unit (master, Adam moments; its slice of
-    the whole vector in stage 0) and its RNG states (dropout masks continue exactly); then rank 0 writes
-    meta.pt, which marks the step complete. Temporary file + rename: never a half-written file."""
-    path = os.path.join(ckpt_dir, f"step{step}")
-    os.makedirs(path, exist_ok=True)
-    zero.wait_published()  # (stages 1-2, no separate master: the master is a view of the gathered vector)
-    shards = []
-    for u in zero.units:
-        st = zero.opt.state.get(u.master, {})  # empty if every step so far was skipped (fp16)
-        first = u.lo if zero.stage == 0 else 0
-        mine = {k: st.get(k, torch.zeros_like(u.master)) for k in ("exp_avg", "exp_avg_sq")}
-        mine["master"] = u.master
-        shards.append({k: v.detach()[first:first + u.valid].cpu().clone() for k, v in mine.items()})
-    rng = dict(rng_cpu=torch.get_rng_state())  # CPU byte tensors, as torch.set_rng_state wants them
-    if zero.device.type == "cuda":
-        rng["rng_cuda"] = torch.cuda.get_rng_state(zero.device)
-    _atomic_save(dict(units=shards, **rng), os.path.join(path, f"rank{zero.rank}.pt"))
-    dist.barrier(group=zero.group)  # every shard is on disk before the step is marked complete
-    if zero.rank == 0:
-        scale, clean = (zero.scaler.scale, zero.scaler.clean) if zero.scaler else (1.0, 0)
-        adam_step = float(zero.opt.state.get(zero.units[0].master, {}).get("step", 0))
-        _atomic_save(dict(world=zero.world, numels=[u.numel for u in zero.units], adam_step=adam_step,
-                          scale=scale, clean=clean, history=history), os.path.join(path, "meta.pt"))
-        for old in _complete_steps(ckpt_dir)[:-2]:  # keep the last two
-            for f in os.listdir(os.path.join(ckpt_dir, f"step{old}")):
-                os.remove(os.path.join(ckpt_dir, f"step{old}", f))
-            os.rmdir(os.path.join(ckpt_dir, f"step{old}"))
+# --- checkpoint state --- (what harness.FlatShardCheckpoint saves of a Zero, and how it reshards) -----------
+class ZeroShards:
+    """Per unit, the real elements this rank owns of the master and the Adam moments (stage 0: its slice
+    [lo, lo + valid) of the whole vector it holds), AdamW's step and the fp16 loss scale. A resume at any
+    world size takes the elements each rank owns now from the whole vectors; padding stays zero."""
+    MOMENTS = ("exp_avg", "exp_avg_sq")
 
+    def __init__(self, zero):
+        self.zero = zero
 
-def _read_meta(zero, path):
-    """A step's meta.pt, checked against this run: one clear line (exit 2) for a damaged file or another
-    model; another world size is fine (load reshards)."""
-    try:
-        meta = torch.load(os.path.join(path, "meta.pt"), map_location="cpu", weights_only=False)
-        numels = meta["numels"]
-    except Exception as e:
-        fail(f"cannot read checkpoint {path}/meta.pt ({type(e).__name__}): delete it or use another "
-             "--ckpt-dir")
-    if numels != [u.numel for u in zero.units]:
-        fail(f"checkpoint {path} holds another model (unit sizes {numels}, this run "
-             f"{[u.numel for u in zero.units]}): use another --ckpt-dir")
-    return meta
+    def shards(self):
+        z = self.zero
+        z.wait_published()  # (stages 1-2, no separate master: the master is a view of the gathered vector)
+        pieces = []
+        for u in z.units:
+            st, first = z.opt.state.get(u.master, {}), u.lo if z.stage == 0 else 0  # {}: all skipped (fp16)
+            held = dict(master=u.master, **{k: st.get(k, torch.zeros_like(u.master)) for k in self.MOMENTS})
+            pieces.append({k: v[first:first + u.valid] for k, v in held.items()})
+        scale, clean = (z.scaler.scale, z.scaler.clean) if z.scaler else (1.0, 0)
+        return pieces, dict(adam_step=adam_step(z), scale=scale, clean=clean)
 
-
-def load_checkpoint(zero, ckpt_dir, d):
-    """Resume from the newest complete step, whatever world size wrote it: the old ranks' real elements,
-    in rank order, are each unit's whole unpadded vector, and each rank takes the elements it owns now
-    (at scale one would read only the files that overlap them). At the same world size each rank also
-    continues its RNG streams. Returns (step, history); (0, {}) when there is nothing to resume."""
-    steps = _complete_steps(ckpt_dir) if ckpt_dir else []
-    if ckpt_dir and os.path.isdir(ckpt_dir) and any(f.startswith("rank") for f in os.listdir(ckpt_dir)):
-        fail(f"--ckpt-dir {ckpt_dir} holds another file's rank-local checkpoints (rank*/), not zero.py's "
-             f"sharded steps (step*/): use another --ckpt-dir")  # checked before any collective
-    if steps:
-        _read_meta(zero, os.path.join(ckpt_dir, f"step{steps[-1]}"))
-    t = torch.tensor([steps[-1] if steps else 0], device=zero.device)
-    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=zero.group)  # every rank sees the same directory
-    if not t.item():
-        return 0, {}
-    step = int(t.item())
-    path = os.path.join(ckpt_dir, f"step{step}")
-    meta = _read_meta(zero, path)
-    files = [torch.load(os.path.join(path, f"rank{q}.pt"), map_location="cpu", weights_only=True)
-             for q in range(meta["world"])]
-    for i, u in enumerate(zero.units):
-        lo, hi = (0, u.numel) if zero.stage == 0 else (u.lo, u.lo + u.valid)  # the flat elements I own
-        whole = {k: torch.cat([f["units"][i][k] for f in files]).to(u.master)[lo:hi]  # (P,) -> mine
-                 for k in ("master", "exp_avg", "exp_avg_sq")}
-        state = {k: torch.zeros_like(u.master) for k in ("exp_avg", "exp_avg_sq")}
-        with torch.no_grad():  # padding stays zero
-            for k, v in (("master", u.master), *state.items()):
-                v.zero_()[:hi - lo] = whole[k]
-        zero.opt.state[u.master] = dict(step=torch.tensor(meta["adam_step"]), **state)
-    if meta["world"] == zero.world:  # at another world size the ranks' RNG streams cannot continue exactly
-        torch.set_rng_state(files[zero.rank]["rng_cpu"])
-        if zero.device.type == "cuda":
-            torch.cuda.set_rng_state(files[zero.rank]["rng_cuda"], zero.device)
-    if zero.scaler:
-        zero.scaler.scale, zero.scaler.clean = meta["scale"], meta["clean"]
-    zero.publish()  # master -> compute copy (and the all-gather of stages 1-2)
-    dist.barrier(group=zero.group)
-    d.log(f"resumed from {ckpt_dir} at step {step} (saved at world size {meta['world']}"
-          f"{'' if meta['world'] == zero.world else '; RNG streams start afresh'})")
-    return step, meta["history"]
-
-
-def _atomic_save(obj, path):
-    torch.save(obj, path + ".tmp")
-    os.replace(path + ".tmp", path)
-
-
-def _complete_steps(ckpt_dir):
-    if not os.path.isdir(ckpt_dir):
-        return []
-    return sorted(int(f[4:]) for f in os.listdir(ckpt_dir) if f.startswith("step") and f[4:].isdigit()
-                  and os.path.exists(os.path.join(ckpt_dir, f, "meta.pt")))
+    def reshard(self, whole, scalars):  # whole: per unit {name: (P,) unpadded vector}
+        z = self.zero
+        for u, w in zip(z.units, whole):
+            lo, hi = (0, u.numel) if z.stage == 0 else (u.lo, u.lo + u.valid)  # the flat elements I own
+            moments = {k: torch.zeros_like(u.master) for k in self.MOMENTS}
+            with torch.no_grad():
+                for k, v in (("master", u.master), *moments.items()):
+                    v.zero_()[:hi - lo] = w[k][lo:hi]
+            z.opt.state[u.master] = dict(step=torch.tensor(scalars["adam_step"]), **moments)
+        if z.scaler:
+            z.scaler.scale, z.scaler.clean = scalars["scale"], scalars["clean"]
+        z.publish()  # master -> compute copy (and the all-gather of stages 1-2)
 
 
 if __name__ == "__main__":

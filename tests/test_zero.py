@@ -96,7 +96,7 @@ def shards(ckpt, step, world):
     for r in range(world):
         state = torch.load(ckpt / f"step{step}" / f"rank{r}.pt", weights_only=True)
         out[r, "rng"] = state["rng_cpu"]
-        for i, u in enumerate(state["units"]):
+        for i, u in enumerate(state["vectors"]):
             out.update({(r, i, k): v for k, v in u.items()})
     return out
 

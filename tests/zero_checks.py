@@ -380,7 +380,7 @@ def offload_problems(zero, device):
 
 # ----------------------------------------------------------------------------- 3. --mixed-precision --check
 def check_mixed(d, args):
-    """zero.train with bf16 compute at stage 2 (accumulation, clipping) against reference_mixed: passes
+    """zero.train with bf16 compute at stage 2 (accumulation, clipping) against zero.reference: passes
     as written, fails when any one unit's micro-batch gradient is kept local instead of reduce-scattered."""
     a = replace(args, dtype="float32", mixed_precision="bf16", stage=2, check=True, steps=4)
     ok = Z.main(a, d)["check"]
@@ -635,9 +635,9 @@ class InfGrad(torch.autograd.Function):
 
 def inject_overflow(step, rank):
     """fp16: an inf in one rank's gradient shard at `step`, after the reduction, so that only the norm's
-    all-reduce carries it to the other ranks; the one-process reference (zero.reference_mixed) gets an
+    all-reduce carries it to the other ranks; the one-process reference (zero.reference) gets an
     infinite gradient at the same step, through the loss of that step's first micro-batch."""
-    norm, reference = Z.Zero.global_norm, Z.reference_mixed
+    norm, reference = Z.Zero.global_norm, Z.reference
     calls = []
 
     def global_norm(self, parts):
@@ -657,7 +657,7 @@ def inject_overflow(step, rank):
             return reference(args, world, device)
     stack = contextlib.ExitStack()
     stack.enter_context(mock.patch.object(Z.Zero, "global_norm", global_norm))
-    stack.enter_context(mock.patch.object(Z, "reference_mixed", reference_with_inf))
+    stack.enter_context(mock.patch.object(Z, "reference", reference_with_inf))
     return stack
 
 
