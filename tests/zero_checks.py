@@ -556,8 +556,11 @@ def check_gpu_defects(d, args):
           f"without {f['saved_activation_bytes_without_savers']} B)")
     with mock.patch.object(Z.Watch, "reset", lambda self: None):
         bad = Z.main(a, d)
+    # the gathered peak is left out of the comparison: on a loaded machine gloo's worker may hold a finished
+    # all-gather's output a moment longer in one run than in the other (the same reason as the 3 tries of the stage-3 storage check)
+    grown = (bad["peak_mem_bytes"] - bad["figures"]["gathered_peak_bytes"]) - (s["peak_mem_bytes"] - f["gathered_peak_bytes"])
     check(d, "peak mutant (not reset after the measurement forward) is caught",
-          bad["peak_mem_bytes"] - s["peak_mem_bytes"] == f["saved_activation_bytes_without_savers"] - f["saved_activation_bytes"],
+          grown == f["saved_activation_bytes_without_savers"] - f["saved_activation_bytes"],
           f"({bad['peak_mem_bytes']} vs {s['peak_mem_bytes']} B)")
 
     for stage in (1, 2):
