@@ -5,7 +5,8 @@
    --stage-ms) is compared with plan.py's prediction for the same sizes: memory and bytes equal to the byte,
    the bubble within 0.05 (the pipeline tests' tolerance). Where a file counts something plan.py leaves out
    (its bookkeeping all-reduces of the loss and the clipping norm, pipedream's message tags, the storage of a
-   whole batch behind a micro-batch view), the test adds it, named, as that file does it.
+   whole batch behind micro-batch views), the test adds it, named, as that file does it. Where a file leaves
+   out what it holds (FILE_BUGS), the row stays exact and is asserted on its own, as a known failure.
 2. Papers: ZeRO Fig. 1, Korthikanti et al. Table 2, the PTD-P bubble and FLOPs, the ZB bubbles, PTD-P's 1T
    layout in the top five of --search.
 3. The README's worked examples, against closed forms written here.
@@ -15,10 +16,11 @@ Each check is shown to fail when plan.py drops a term of its model (monkeypatche
 saved_activation_bytes, comm_bytes; megatron_tp.py figures.collectives_per_step, param_bytes_per_rank,
 activation_bytes_per_block, activation_bytes_saved, peak_mem_bytes; gpipe.py figures.saved_activation_bytes,
 state_bytes, sent_bytes_per_rank, bubble_mean; pipedream.py figures.mem_bytes_per_rank, sent_bytes_per_rank,
-bubble_mean; ptdp.py figures.counts_columns, counts_per_rank, bubble_mean, peak_mem_bytes; moe.py
-figures.alltoall_bytes_per_step, capacity.
+bubble_mean; ptdp.py figures.counts_per_rank (named figures per rank, over one step), bubble_mean,
+peak_mem_bytes; moe.py figures.alltoall_bytes_per_step, capacity.
 """
 import json, math, re, sys
+from dataclasses import replace
 
 import pytest
 
@@ -81,10 +83,11 @@ def state(mem):
     return mem["params"] + mem["grads"] + mem["optim"]
 
 
-def view_extra(M, B, b, tokens, targets):
-    """Bytes a file's count adds when a micro-batch's token ids (targets) are a view of the whole batch's
-    (B, s+1) token ((B, s) target) storage: a saved view counts its whole storage."""
-    return 8 * ((B * (M.seq + 1) - b * M.seq) * tokens + (B * M.seq - b * M.seq) * targets)
+def batch_storage(M, B, b, alive, tokens, targets):
+    """Bytes a file's count adds when its micro-batches' token ids (targets) are views of the step's whole
+    (B, s+1) token ((B, s) target) storage: a saved view holds the whole storage, which the file's live
+    storages count once however many views are alive, where plan.py counts each alive micro-batch's b x s."""
+    return 8 * ((B * (M.seq + 1) - alive * b * M.seq) * tokens + (B * M.seq - alive * b * M.seq) * targets)
 
 
 # ----------------------------------------------------------------------------- what each file counts
@@ -100,7 +103,7 @@ def zero_rows(s, name):
         rows.append(("gathered peak bytes", f["gathered_peak_bytes"], mem["gathered"]))
     part = plan.microbatch_bytes(M, lay, b, E, 0)
     rows.append(("saved bytes per micro-batch", f["saved_activation_bytes"],
-                 part["embedding"] + part["blocks"] + part["final"] + view_extra(M, B, b, 1, 0)))
+                 part["embedding"] + part["blocks"] + part["final"] + batch_storage(M, B, b, 1, 1, 0)))
     handed = sum(x[1] for x in plan.collectives(M, lay, B).values())
     return rows + [("bytes handed per step", s["comm_bytes"], handed + 8)]  # + the norm, one float64
 
@@ -144,40 +147,46 @@ def pipeline_rows(s, name):
             rows += [(f"stage {r} held for backward", f["saved_activation_bytes"][r], mem["activations"]),
                      (f"stage {r} model state", f["state_bytes"][r], state(mem)),
                      (f"stage {r} bytes sent", f["sent_bytes_per_rank"][r], sent)]
-        else:  # pipedream.py's micro-batches are views of the batch; each message carries a 4-float64 tag
-            held = state(mem) + mem["activations"] + min(p - r, m) * view_extra(M, B, b, r == 0, r == p - 1)
+        else:  # pipedream.py's micro-batches are views of the step's batch, alive through the step (its
+            # storage once: pipedream counts live storages); each message carries a 4-float64 tag
+            held = state(mem) + mem["activations"] + batch_storage(M, B, b, min(p - r, m), r == 0, r == p - 1)
             rows += [(f"stage {r} state + held, peak", f["mem_bytes_per_rank"][r], held),
                      (f"stage {r} bytes sent", f["sent_bytes_per_rank"][r], sent + sends * 8 * 4)]
     return rows + [("bubble, idle share of the step", f["bubble_mean"], plan.bubble(lay)[0])]
 
 
 def ptdp_rows(s, name):
-    """ptdp.py: per pipeline rank (dp 0, tp 0) the point-to-point, TP, DP and world bytes per step, the peak
-    bytes of micro-batch chunks alive; the peak over all ranks; the bubble (idle / busy)."""
+    """ptdp.py: per pipeline rank (dp 0, tp 0) the point-to-point, TP, DP and world bytes of the counted step,
+    the peak bytes saved for backward by the micro-batch chunks alive; the peak over all ranks (model state +
+    what is held to B: saved tensors and each chunk's output); the bubble (idle / busy)."""
     M, B, m = model_of(name), flag(name, "--batch-size"), flag(name, "--microbatches")
     p, t, d, v = (flag(name, k) for k in ("--pp", "--tp", "--dp", "--virtual-stages"))
     lay = plan.Layout(dp=d, tp=t, pp=p, v=v, m=m, schedule="interleaved", precision="fp64",
-                      vocab_parallel=False, outputs=True)
-    f, b, steps, rows, peaks = s["figures"], B // (d * m), flag(name, "--steps"), [], []
+                      vocab_parallel=False, outputs=True)  # PipelineRank holds each chunk's output to its B
+    f, b, rows, peaks, n = s["figures"], B // (d * m), [], [], p * v
     for r in range(p):
-        got = dict(zip(f["counts_columns"], f["counts_per_rank"][f"pp{r} dp0 tp0"]))
+        got = f["counts_per_rank"][f"pp{r} dp0 tp0"]  # over one step (the first)
         comm, mem = plan.collectives(M, lay, B, r), plan.memory(M, lay, B, r)
         for k, axis in (("p2p", "pp"), ("tp", "tp"), ("dp", "dp")):
-            rows.append((f"rank {r} {k} bytes per step", got[f"{k}_bytes"] // steps,
+            rows.append((f"rank {r} {k} bytes per step", got[f"{k}_bytes"],
                          sum(x for key, (_, x, _) in comm.items() if f"/{axis}/" in key)))
-        rows.append((f"rank {r} world bytes per step", got["world_bytes"] // steps, 16))  # loss, norm^2
-        # chunk 0's tokens and the last chunk's targets are views of the replica's batch
-        mine = range(r, p * v, p)
-        per = [sum(plan.microbatch_bytes(M, lay, b, E, c).values())
-               + view_extra(M, B, b, c == 0, c == p * v - 1) for c in mine]
-        peak = max(sum(map(int.__mul__, k, per)) for k in plan.alive_patterns(p, v, m, r, "interleaved"))
-        rows.append((f"rank {r} peak bytes of chunks alive", got["peak_act_bytes"], peak))
-        peaks.append(state(mem) + peak)
-    rows.append(("peak bytes, any rank (state + alive)", s["peak_mem_bytes"], max(peaks)))
+        rows.append((f"rank {r} world bytes per step", got["world_bytes"], 16))  # loss, norm^2
+        mine, first, last = range(r, n, p), r == 0, r == (n - 1) % p
+
+        def alive_peak(held):  # the largest sum over the alive patterns of the chunks' bytes per micro-batch
+            per = [sum(plan.microbatch_bytes(M, held, b, E, c).values()) for c in mine]
+            # chunk 0's tokens and the last chunk's targets: views of the replica's batch, its storage once
+            return max(sum(map(int.__mul__, k, per)) + batch_storage(M, B, b, k[0], first, 0)
+                       + batch_storage(M, B, b, k[-1], 0, last)
+                       for k in plan.alive_patterns(p, v, m, r, "interleaved"))
+        rows.append((f"rank {r} peak bytes saved by chunks alive", got["act_peak"],
+                     alive_peak(replace(lay, outputs=False))))
+        peaks.append(state(mem) + alive_peak(lay))
+    rows.append(("peak bytes, any rank (state + saved + outputs)", s["peak_mem_bytes"], max(peaks)))
     # Reported, not asserted: ptdp.py posts each message batch at a fixed moment of the ideal timeline and
     # waits for it, so a rank also waits for its partner's next op boundary; replaying its comm_plan with
-    # exact op times (F 1, B 2) gives 0.208 here, beside PTD-P's (p-1)/(vm) = 0.125 (measured ~0.22 at
-    # --stage-ms 50 to 150, at world 2 or 8).
+    # exact op times (F 1, B 2) gives 0.208 here, beside PTD-P's (p-1)/(vm) = 0.125 (measured 0.23 to 0.26
+    # at --stage-ms 50 to 100, at world 2 or 8).
     return rows + [("bubble, idle / busy (reported)", f["bubble_mean"], plan.bubble(lay)[1])]
 
 
@@ -203,9 +212,24 @@ def rows_of(run, name):
     return ROWS[name.split()[0]](run(name), name)
 
 
-def mismatches(rows):
-    return [(what, got, want) for what, got, want in rows if "reported" not in what and (
-        abs(got - want) > BUBBLE_TOL if "bubble" in what else got != want)]
+# What a file holds and leaves out of its count, found when the files were reshaped (issue 20) and reported;
+# each row stays exact, asserted in test_a_file_bug_still_shows (strict xfail: once the file counts it, that
+# test fails until its entry here goes). (run, row) -> what the file's figure leaves out.
+FILE_BUGS = {
+    ("gpipe p 4 m 8", "stage 3 held for backward"):
+        "harness.HeldForB registers the stage module's output (the logits, freed at once), not what "
+        "gpipe_step holds to B on the last stage, loss_fn's output: one 0-dim float64 loss per micro-batch, "
+        "8 x 8 = 64 B short (336960 vs 337024)",
+    ("ptdp 2x2x2 v 2", "peak bytes, any rank (state + saved + outputs)"):
+        "ptdp.py's Watch counts saved tensors only; PipelineRank.alive holds each chunk's output (and the "
+        "last chunk's loss) to its B: on pp rank 0, 4 + 1 outputs of (2, 8, 16) float64 = 10240 B short "
+        "(233984 vs 244224)",
+}
+
+
+def mismatches(rows, name):
+    return [(what, got, want) for what, got, want in rows if "reported" not in what and (name, what) not in
+            FILE_BUGS and (abs(got - want) > BUBBLE_TOL if "bubble" in what else got != want)]
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -215,8 +239,16 @@ def test_plan_equals_what_the_files_count(run, family):
     for name in [n for n in RUNS if n.split()[0] in FAMILIES[family]]:
         rows = rows_of(run, name)
         TABLE.extend((name, *row) for row in rows)
-        bad += [(name, *x) for x in mismatches(rows)]
+        bad += [(name, *x) for x in mismatches(rows, name)]
     assert not bad, bad
+
+
+@pytest.mark.parametrize("name,what", [pytest.param(*key, marks=pytest.mark.xfail(strict=True, reason=why))
+                                       for key, why in FILE_BUGS.items()])
+def test_a_file_bug_still_shows(run, name, what):
+    """The rows of FILE_BUGS, exact as every other row: they fail while the file leaves the term out."""
+    got, want = {w: (g, x) for w, g, x in rows_of(run, name)}[what]
+    assert got == want, (name, what, got, want)
 
 
 # ----------------------------------------------------------------------------- a dropped term is caught
@@ -277,26 +309,36 @@ MUTANTS = {  # what plan.py forgets -> a launch whose figures must then disagree
 @pytest.mark.parametrize("mutant", MUTANTS)
 def test_a_dropped_term_fails_the_comparison(run, monkeypatch, mutant):
     drop, name = MUTANTS[mutant]
-    assert not mismatches(rows_of(run, name))
+    assert not mismatches(rows_of(run, name), name)
     plan.memory.cache_clear()
     drop(monkeypatch)
     try:
-        assert mismatches(rows_of(run, name)), f"{mutant}: still matches {name}"
+        assert mismatches(rows_of(run, name), name), f"{mutant}: still matches {name}"
     finally:
         plan.memory.cache_clear()
 
 
-def test_moe_model_state_equals_the_files_parameters():
-    """moe.py's own model at EP 1, 2, 4, every EP rank (built in this process: no collective): its parameter
-    bytes equal plan's, and plan's AdamW state is twice that."""
+def test_moe_model_state_equals_the_files_parameters(monkeypatch):
+    """moe.py's own model at EP 1, 2, 4, every EP rank, built in this process: MoE's constructor asks its EP
+    group only for its size and this rank's place in it, so a stand-in group answers (no collective). Its
+    parameter bytes equal plan's, and plan's AdamW state is twice that."""
     import moe  # noqa: E402
+
+    class EPGroup:  # EP rank `rank` of `size`
+        def __init__(self, size, rank):
+            self.size, self.rank = size, rank
+    size, rank = moe.dist.get_world_size, moe.dist.get_rank
+    monkeypatch.setattr(moe.dist, "get_world_size",
+                        lambda g=None: g.size if isinstance(g, EPGroup) else size(g))
+    monkeypatch.setattr(moe.dist, "get_rank", lambda g=None: g.rank if isinstance(g, EPGroup) else rank(g))
     args = moe.Args(vocab=32, seq_len=8, d_model=16, n_heads=2, n_layers=2, batch_size=12, dtype="float64")
     M = TINY_MODEL._replace(experts=4)
     for ep in (1, 2, 4):
         want = plan.memory(M, plan.Layout(dp=ep, ep=ep, precision="fp64", vocab_parallel=False), 12, 0)
-        for rank in range(ep):
-            model = moe.build_moe_gpt(args, ep, ep, rank)
-            assert sum(q.numel() * 8 for q in model.parameters()) == want["params"], (ep, rank)
+        for r in range(ep):
+            model = moe.build_moe_gpt(args, ep, EPGroup(ep, r))
+            assert [x.ep_rank for x in moe.moe_layers(model)] == [r] * 2, (ep, r)
+            assert sum(q.numel() * 8 for q in model.parameters()) == want["params"], (ep, r)
         assert want["optim"] == 2 * want["params"]
 
 
