@@ -270,6 +270,7 @@ def main():
         held = HeldForB(stage, timeline) if step == args.steps - 1 else None
         with run.watching(step, comm, at=count_at), held or contextlib.nullcontext():
             loss_fn = lambda logits, targets: lm_loss(logits, targets, n_tok)  # noqa: E731
+            loss_fn = held.holding(loss_fn) if held else loss_fn
             loss = gpipe_step(stage, xs, ys, loss_fn, prev, nxt, act_shape, args.recompute,
                               observe=held or timeline.span)
         # 3. after the flush, one optimizer step: the norm of the whole model from every stage's squared norm,

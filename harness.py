@@ -725,6 +725,15 @@ class HeldForB:
         self.live.add(t)
         self.mine.add(t)
 
+    def holding(self, loss_fn):
+        """loss_fn, its output registered too: a schedule holds the last stage's loss, not the stage's
+        output, until B."""
+        def held_loss(*args):
+            out = loss_fn(*args)
+            self.hold(out)
+            return out
+        return held_loss
+
     def pack(self, t):
         if not is_parameter(t):
             self.hold(t)

@@ -73,6 +73,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from einops import rearrange
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from common import (build_gpt, clip_grads_, count_tokens, DTYPES, fail, GPTConfig, init_dist, lm_loss,
                     make_optimizer, MarkovData)
@@ -538,6 +539,7 @@ def main():
     msg_shape = (b, args.seq_len, args.d_model)  # every activation and gradient between chunks
     runner = PipelineRank({c: chunks[str(c)] for c in mine}, p * v, plan, peers, msg_shape, dtype, d.device,
                           stash, observe=watch)
+    watch.runner = runner  # what it holds to B, for the counted peak
     for step in run.steps():
         x, y = data.batch(step, args.batch_size, args.seq_len, args.ragged)  # (B, T) global batch, CPU
         n_tok = count_tokens(y)  # the whole global batch's: every micro-batch loss divides by it
@@ -558,7 +560,7 @@ def main():
     figures, comm_bytes = report(d, args, dp, watch, comm)
     figures.update(pp=p, tp=t, dp=dp, virtual_stages=v, microbatches=m, schedule=args.schedule,
                    grad_norms=norms)
-    peak = peak_memory_bytes(d, watch.held + watch.live.peak)  # counted; CUDA's own peak on a GPU
+    peak = peak_memory_bytes(d, watch.held + watch.held_peak)  # counted; CUDA's own peak on a GPU
     check = None
     if args.check:
         check = check_against_reference(d, args, run.losses, full_model(d, chunks, shapes, coords, t, dtype))
@@ -577,6 +579,7 @@ class Watch:
         self.timeline = Timeline(d, ms, tags=("chunk", "step", "pp", "dp", "tp", "recv"))
         self.coords, self.step, self.held, self.arrived, self.saved = coords, 0, 0, {}, {}
         self.live, self.inflight = LiveStorages(), [0, 0]  # in flight: now, peak
+        self.runner, self.held_peak = None, 0  # + what the runner holds to B: outputs (the last: losses)
 
     @contextlib.contextmanager
     def __call__(self, kind, mb, chunk=None, recvs=()):
@@ -594,7 +597,10 @@ class Watch:
         self.inflight[0] -= kind == self.last
         if kind == "F":
             self.saved.setdefault(chunk, saved.bytes)  # what one micro-batch saves on this chunk
-        self.live.alive()  # the peak of saved activations alive
+        now = self.live.alive()  # the peak of saved activations alive
+        outs = {StorageWeakRef(o.untyped_storage()): o.untyped_storage().nbytes()
+                for _, o in self.runner.alive.values()} if self.runner else {}
+        self.held_peak = max(self.held_peak, now + sum(n for w, n in outs.items() if w not in self.live.refs))
 
 
 def theory(p, v, m, order):

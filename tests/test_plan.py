@@ -5,8 +5,7 @@
    --stage-ms) is compared with plan.py's prediction for the same sizes: memory and bytes equal to the byte,
    the bubble within 0.05 (the pipeline tests' tolerance). Where a file counts something plan.py leaves out
    (its bookkeeping all-reduces of the loss and the clipping norm, pipedream's message tags, the storage of a
-   whole batch behind micro-batch views), the test adds it, named, as that file does it. Where a file leaves
-   out what it holds (FILE_BUGS), the row stays exact and is asserted on its own, as a known failure.
+   whole batch behind micro-batch views), the test adds it, named, as that file does it.
 2. Papers: ZeRO Fig. 1, Korthikanti et al. Table 2, the PTD-P bubble and FLOPs, the ZB bubbles, PTD-P's 1T
    layout in the top five of --search.
 3. The README's worked examples, against closed forms written here.
@@ -212,24 +211,9 @@ def rows_of(run, name):
     return ROWS[name.split()[0]](run(name), name)
 
 
-# What a file holds and leaves out of its count, found when the files were reshaped (issue 20) and reported;
-# each row stays exact, asserted in test_a_file_bug_still_shows (strict xfail: once the file counts it, that
-# test fails until its entry here goes). (run, row) -> what the file's figure leaves out.
-FILE_BUGS = {
-    ("gpipe p 4 m 8", "stage 3 held for backward"):
-        "harness.HeldForB registers the stage module's output (the logits, freed at once), not what "
-        "gpipe_step holds to B on the last stage, loss_fn's output: one 0-dim float64 loss per micro-batch, "
-        "8 x 8 = 64 B short (336960 vs 337024)",
-    ("ptdp 2x2x2 v 2", "peak bytes, any rank (state + saved + outputs)"):
-        "ptdp.py's Watch counts saved tensors only; PipelineRank.alive holds each chunk's output (and the "
-        "last chunk's loss) to its B: on pp rank 0, 4 + 1 outputs of (2, 8, 16) float64 = 10240 B short "
-        "(233984 vs 244224)",
-}
-
-
 def mismatches(rows, name):
-    return [(what, got, want) for what, got, want in rows if "reported" not in what and (name, what) not in
-            FILE_BUGS and (abs(got - want) > BUBBLE_TOL if "bubble" in what else got != want)]
+    return [(what, got, want) for what, got, want in rows if "reported" not in what
+            and (abs(got - want) > BUBBLE_TOL if "bubble" in what else got != want)]
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -241,14 +225,6 @@ def test_plan_equals_what_the_files_count(run, family):
         TABLE.extend((name, *row) for row in rows)
         bad += [(name, *x) for x in mismatches(rows, name)]
     assert not bad, bad
-
-
-@pytest.mark.parametrize("name,what", [pytest.param(*key, marks=pytest.mark.xfail(strict=True, reason=why))
-                                       for key, why in FILE_BUGS.items()])
-def test_a_file_bug_still_shows(run, name, what):
-    """The rows of FILE_BUGS, exact as every other row: they fail while the file leaves the term out."""
-    got, want = {w: (g, x) for w, g, x in rows_of(run, name)}[what]
-    assert got == want, (name, what, got, want)
 
 
 # ----------------------------------------------------------------------------- a dropped term is caught
