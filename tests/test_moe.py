@@ -198,6 +198,24 @@ def test_noisy_topk_by_hand(monkeypatch):
         assert noisy_topk_diff() > 1e-2
 
 
+def all_experts_chosen_grads():
+    """k = E: every expert is in every token's top k, so the load is 1 per token and expert, and the aux loss's
+    gradients (to x W_g and to the noise scale) must be finite: they reach the router's weights."""
+    clean, std = group(CLEAN).requires_grad_(), group(STD).requires_grad_()
+    _, _, _, aux = moe.route_noisy_topk(clean, std, group(EPS), 4)
+    load = moe.smooth_load(clean, std, clean + group(EPS) * std, 4)
+    aux.backward()
+    return load.detach(), torch.cat([clean.grad.flatten(), std.grad.flatten()])
+
+
+def test_noisy_topk_with_every_expert_chosen(monkeypatch):
+    load, grads = all_experts_chosen_grads()  # gpu_check's 2 experts, top-2: NaN from step 1 before the fix
+    assert torch.equal(load, torch.ones_like(load)) and torch.isfinite(grads).all()
+    with monkeypatch.context() as m:  # broken: the old margin to a k+1-th expert of -inf (0 x inf in backward)
+        m.setattr(moe, "smooth_load", lambda c, s, H, k: torch.special.ndtr((c + math.inf) / s))
+        assert not torch.isfinite(all_experts_chosen_grads()[1]).all()
+
+
 GS_LOGITS = [[2.0, 1.0, -1.0], [0.5, 1.5, 0.0], [0.2, -0.3, 1.1], [1.0, 0.9, -2.0]]  # T = 4, E = 3
 GS_UNIFORM = [0.9, 0.05, 0.6, 0.7]  # 2 g2 = 0.54, 0.54, 0.58, 0.95: the 2nd expert kept for tokens 1 and 3
 
