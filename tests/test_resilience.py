@@ -219,3 +219,25 @@ def test_two_nodes_on_one_machine_equal_one_node(tmp_path, script, layout):
     assert all(p.returncode == 0 for p in procs), "\n".join(o[-3000:] for o in outs)
     two = json.loads((tmp_path / "node0.json").read_text())  # global rank 0 lives on node 0
     assert two["world_size"] == 4 and two["losses"] == one["losses"], (two["losses"], one["losses"])
+
+
+def test_gpu_check_straggler_verdict(monkeypatch, capsys):
+    """gpu_check's straggler check compares two measured update loops (bash tests/gpu_check.sh --cpu runs it
+    for real at world 3: 0.52). Here its verdict on the step times a launch prints: workers that overlap
+    (half the lockstep loop) pass; a server that serialises them (the loop of lockstep, issue 21's NCCL bug)
+    fails, and so does a run that did not finish."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    import gpu_check
+
+    def verdict(free_ms, lockstep_ms, steps=24, rc=0):
+        def launch(w, f, flags, cpu, **kw):
+            ms = lockstep_ms if "--staleness" in flags else free_ms
+            return rc, "".join(f"step {s:4d} | loss 4.0 | {ms:8.1f} ms | 1 tok/s\n" for s in range(steps))
+        monkeypatch.setattr(gpu_check, "launch", launch)
+        monkeypatch.setattr(gpu_check, "FAILED", [])
+        gpu_check.stragglers(3, True)
+        capsys.readouterr()
+        return not gpu_check.FAILED
+
+    assert verdict(110, 220) and not verdict(220, 220) and not verdict(110, 220, steps=3)
+    assert not verdict(110, 220, rc=1)
