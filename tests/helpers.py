@@ -25,6 +25,22 @@ def torchrun(script, nproc, *args, tmp_path, timeout=240, max_restarts=0, expect
     return summary, output
 
 
+def check_lines(script, nproc, timeout=240):
+    """A checks script (`tests/*_checks.py`, one line "ok ..." or "FAIL ..." per check, then "ALL CHECKS
+    PASSED") under `torchrun --standalone --nproc_per_node=nproc`: its "ok" lines, once every check passed."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+           str(ROOT / script)]
+    p = subprocess.run(cmd, env=ENV, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    out = p.stdout + p.stderr
+    assert p.returncode == 0 and "ALL CHECKS PASSED" in out and not re.search(r"^FAIL", out, re.M), out[-6000:]
+    return [l for l in out.splitlines() if l.startswith("ok ")]
+
+
+def passed(lines, *words):
+    """The checks' lines that name all `words` (each line "ok ..." or the launch would have failed)."""
+    return [l for l in lines if all(w in l for w in words)]
+
+
 def free_port():
     """A port nobody listens on now, for a rendezvous endpoint a test picks itself (two "nodes")."""
     with socket.socket() as s:

@@ -1,13 +1,13 @@
 """ddp_bucketed.py: parity with the one-process reference at world 1-4, the layer-level checks against torch's
 DDP (tests/ddp_bucketed_checks.py, one launch per world size: gradients, bucket layout, overlap, gradients as
 bucket views, and the core applied to a model that is not the GPT), compression, and bad input."""
-import json, re, subprocess, sys
+import json, re, sys
 
 import pytest
 import torch
 
-from helpers import (ENV, ROOT, TINY, assert_each_rank_fails, assert_matches_reference, run_python, run_ranks, torchrun,
-                     torchrun_bad_input)
+from helpers import (ROOT, TINY, assert_each_rank_fails, assert_matches_reference, check_lines, passed,
+                     run_python, run_ranks, torchrun, torchrun_bad_input)
 
 sys.path.insert(0, str(ROOT))
 from common import GPT, GPTConfig  # noqa: E402
@@ -69,16 +69,8 @@ def test_restart_rebuilds_the_same_buckets(tmp_path):
 @pytest.fixture(scope="module", params=[2, 3])
 def checks(request):
     """tests/ddp_bucketed_checks.py at world 2 and 3, once each for the tests below: its "ok ..." lines."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={request.param}",
-           str(ROOT / "tests" / "ddp_bucketed_checks.py")]
-    p = subprocess.run(cmd, env=ENV, cwd=ROOT, capture_output=True, text=True, timeout=240)
-    out = p.stdout + p.stderr
-    assert p.returncode == 0 and "ALL CHECKS PASSED" in out and not re.search(r"^FAIL", out, re.M), out[-6000:]
-    return [l for l in out.splitlines() if l.startswith("ok ")]
+    return check_lines("tests/ddp_bucketed_checks.py", request.param, timeout=240)
 
-
-def passed(lines, *words):
-    return [l for l in lines if all(w in l for w in words)]
 
 
 def test_layer_checks_vs_torch_ddp(checks):

@@ -3,14 +3,14 @@ parameter server equals its own delayed-update reference; bad input fails fast; 
 to exactly the losses of an uninterrupted one. tests/dp_checks.py (one launch at world 3) applies the cores
 to a model that is not the GPT, and holds the negatives that need code from tests/."""
 
-import copy, re, subprocess, sys
+import copy, re, sys
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from helpers import (ENV, ROOT, TINY, assert_bad_input, assert_matches_reference, run_python, torchrun,
-                     torchrun_bad_input)
+from helpers import (ROOT, TINY, assert_bad_input, assert_matches_reference, check_lines, passed,
+                     run_python, torchrun, torchrun_bad_input)
 
 sys.path.insert(0, str(ROOT))
 from common import GPT, GPTConfig, MarkovData, build_gpt  # noqa: E402  (the model and data, not dp.py)
@@ -58,17 +58,8 @@ def test_world_2_ragged_accumulation_resume_and_restart(tmp_path):
 @pytest.fixture(scope="module")
 def checks():
     """tests/dp_checks.py at world 3, once for the tests below: its lines "ok ..." / "FAIL ..."."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=3",
-           str(ROOT / "tests" / "dp_checks.py")]
-    p = subprocess.run(cmd, env=ENV, cwd=ROOT, capture_output=True, text=True, timeout=300)
-    out = p.stdout + p.stderr
-    assert p.returncode == 0 and "ALL CHECKS PASSED" in out and not re.search(r"^FAIL", out, re.M), out[-6000:]
-    return [l for l in out.splitlines() if l.startswith("ok ")]
+    return check_lines("tests/dp_checks.py", 3, timeout=300)
 
-
-def passed(lines, *words):
-    """The checks' lines that name all `words` (each line "ok ..." or the launch would have failed)."""
-    return [l for l in lines if all(w in l for w in words)]
 
 
 def test_copy_out_sync_step(checks):
