@@ -18,7 +18,7 @@ heads, 2w blocks, 2w micro-batches, 16w sequences of 32 tokens, or 16w tokens wh
   at w >= 3, an async parameter server with stragglers (--delay-ms) whose update loop must take well under
   that of the same run in lockstep, where the workers take turns (free-running, they overlap);
   five files killed at step 3 and restarted by torchrun, against their uninterrupted run.
-About 10 minutes on 8 GPUs (about 75 launches)."""
+About 10 minutes on 8 GPUs (about 85 runs at worlds 1 and 8)."""
 import json, os, re, subprocess, sys, tempfile, time
 from pathlib import Path
 
