@@ -162,7 +162,7 @@ def smooth_load(clean, noise_std, H, k):
     """Shazeer et al. 2017, Appendix A: P(x, i) = Phi((clean_i - kth_excluding(H, k, i)) / noise_std_i), the
     chance that expert i is in the top k if only its own noise were drawn again: a differentiable load. For
     an expert inside the top k, the k-th largest of the others is the (k+1)-th overall; outside, the k-th."""
-    if k >= H.shape[-1]:  # every expert is always chosen: a constant load (an infinite margin has no gradient)
+    if k >= H.shape[-1]:  # k = E: every expert always chosen, a load of 1 (a margin of inf has no gradient)
         return torch.ones_like(clean)
     top = H.topk(k + 1, dim=-1).values  # (G, T, k+1)
     kth, k1th = top[..., k - 1:k], top[..., k:k + 1]
