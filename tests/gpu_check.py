@@ -150,6 +150,7 @@ def stragglers(w, cpu, delay=40, steps=24):
          f"{loop['free']:.0f} ms vs lockstep D=0 {loop['lockstep']:.0f} ms: {ratio:.2f} (must be < 0.75; "
          "ideal about 0.5)", out)
 
+
 def main():
     argv = sys.argv[1:]
     if argv[:1] == ["--list"]:

@@ -72,7 +72,6 @@ def checks(request):
     return check_lines("tests/ddp_bucketed_checks.py", request.param, timeout=240)
 
 
-
 def test_layer_checks_vs_torch_ddp(checks):
     """vs torch DDP: gradients, AdamW steps, no_sync, bucket layout, rebuild, overlap (launched and
     completed), unused parameters (error, find_unused_parameters, and both with no_sync), fp16/bf16

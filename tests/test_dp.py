@@ -61,7 +61,6 @@ def checks():
     return check_lines("tests/dp_checks.py", 3, timeout=300)
 
 
-
 def test_copy_out_sync_step(checks):
     """dp.sync_step on a model that is not the GPT (nested modules, a root parameter, odd sizes, a Huber
     loss, 2 micro-batches per rank at world 3) == plain one-process training written in the checks (1e-12);
