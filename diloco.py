@@ -1,0 +1,432 @@
+"""diloco.py: synchronise every H steps. Local SGD, DiLoCo and Streaming DiLoCo, written by hand.
+
+dp.py is one end of data parallelism's trade-off (every rank agrees after every step) and its parameter
+server the other (nobody waits). This is the middle, the one that trains across poorly connected islands of
+GPUs: each of M workers (one process each, its own slice of every global batch) trains its own copy of the
+model for H inner steps with its own AdamW, and only then do they talk.
+
+1. Local SGD / DiLoCo (Douillard et al., "DiLoCo: Distributed Low-Communication Training of Language
+   Models", 2023, Algorithm 1). Every worker starts a round from the same global weights theta; after H
+   inner steps worker m holds theta_m. The *pseudo-gradient* Delta = theta - mean_m(theta_m) (the average
+   change, sign flipped, so that it points uphill like a gradient) is the only thing exchanged, with one
+   all-reduce; an *outer* optimizer steps theta with it, and every worker restarts from the new theta:
+       theta <- OuterOpt(theta, Delta)        Nesterov momentum, lr 0.7, momentum 0.9 (the paper's)
+   Each worker keeps its inner AdamW state across rounds. --outer sgd --outer-lr 1 is theta <- mean(theta_m):
+   local SGD / federated averaging (McMahan et al. 2017). With plain SGD inside, H = 1 and that outer step,
+   it is synchronous data parallel SGD exactly (a test): the averaged weights are the averaged gradient step.
+   The paper: 8 workers, H = 500 match synchronous training's perplexity on C4 (400M params) while
+   communicating 500x less.
+2. Streaming DiLoCo (Douillard et al., "Streaming DiLoCo with overlapping communication", 2025):
+   a. --fragments F: the blocks are dealt into F fragments (strided: fragment f holds blocks f, f+F, ...;
+      the embeddings ride with fragment 0, the head with the last block's). Fragment f is synced every H
+      steps, but at its own offset, (f+1) H/F: the same bytes per round, spread out, so the peak
+      bandwidth is F times lower.
+   b. --overlap TAU: a fragment's exchange is launched asynchronously and its outer update lands TAU inner
+      steps later; meanwhile the workers keep training. On landing the worker's fragment becomes
+      mix * (its own, TAU steps further) + (1 - mix) * (the new global one) (--mix; torchft's
+      fragment_update_alpha; 0 drops the TAU local steps of that fragment).
+   c. --outer-dtype bfloat16 (or float16, float32 under float64): pseudo-gradients travel in low precision.
+      An all-reduce in bfloat16 would round every partial sum in an order only the backend knows; here
+      each worker's bfloat16 pseudo-gradient is all-gathered and summed in rank order in the parameter
+      dtype, on every rank: exact, and --check's reference rounds and sums the same way. It costs bytes:
+      an all-gather hands over n x 2 B per rank but a ring sends (M-1) n x 2 B, against 2 (M-1)/M n x 4 B
+      for a float32 all-reduce: cheaper for M < 4, dearer beyond (the paper quantises to 4 bits and
+      reduces; exactness against a reference is what this file chose).
+
+      step    1 2 3 4 5 6 7 8 9 10 11 12      H = 4, F = 2, TAU = 1 (each fragment syncs every 4 steps)
+      frag 0  . S L . . S L . . S  L  .       S: its all-reduce is launched after that inner step
+      frag 1  . . . S L . . S L .  .  S       L: it lands one step later: outer step, merge
+      bytes   . n . n . n . n . n  .  n       n = half the model (the pseudo-gradient of one fragment)
+
+Bytes per inner step: DDP all-reduces every gradient every step (P x 4 B in float32); DiLoCo P x b / H (b:
+bytes per element on the wire), measured at the dispatcher below: the ratio is H (x 4/b).
+
+Loss gap to the entropy floor vs bytes (world 4, 600 inner steps, the default model: d_model 64, 4 layers,
+batch 8 x 32 tokens, float32; last 100 steps' mean training loss minus the floor 2.1 nats), measured by
+    torchrun --nproc_per_node=4 dp.py --steps 600 --json ddp.json
+    for H in 5 20 50; do torchrun --nproc_per_node=4 diloco.py --steps 600 --inner-steps $H --json h$H.json; done
+    python diloco.py --table ddp.json,h5.json,h20.json,h50.json
+TABLE
+On a laptop the gap is the lesson: the fewer the syncs, the more each worker drifts on its own quarter of
+the data. At scale the paper reports no such gap: 8 workers, H = 500, 400M params match synchronous
+training on C4 (and Streaming DiLoCo at 4-bit, F fragments, matches at 1B-4B params).
+
+Run:
+    python diloco.py --check                                      # world 1: one worker
+    torchrun --nproc_per_node=4 diloco.py --inner-steps 10 --check
+    torchrun --nproc_per_node=4 diloco.py --inner-steps 10 --fragments 2 --overlap 2 --mix 0.5 \
+        --outer-dtype bfloat16 --check                            # Streaming DiLoCo
+    torchrun --nproc_per_node=2 --max-restarts=1 diloco.py --inner-steps 4 --fragments 2 --overlap 1 \
+        --ckpt-dir D --save-every 3 --fail-at-step 5               # a worker dies; the rerun ends as if not
+In production: torchft's DiLoCo / LocalSGD, or OpenDiLoCo (Prime Intellect).
+"""
+import contextlib, json
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+
+from common import (DTYPES, GPTConfig, MarkovData, build_gpt, count_tokens, fail, init_dist, lm_loss,
+                    make_optimizer)
+from harness import (CommCounter, CommonArgs, Run, check_against_reference, check_common_args,
+                     env_world_size, parse_args, peak_memory_bytes, state_bytes)
+
+
+@dataclass
+class Args(CommonArgs):
+    inner_steps: int = 10  # H: inner steps per worker between two syncs of a fragment
+    inner: Literal["adamw", "sgd"] = "adamw"  # inner optimizer, one per worker (sgd: plain, no momentum)
+    outer: Literal["nesterov", "sgd"] = "nesterov"  # outer optimizer on the global weights
+    outer_lr: float = 0.7  # outer learning rate (the paper's 0.7; sgd with 1.0 = federated averaging)
+    outer_momentum: float = 0.9  # Nesterov momentum of the outer optimizer (the paper's 0.9)
+    fragments: int = 1  # F: Streaming DiLoCo's fragments, synced at staggered steps (1: DiLoCo)
+    overlap: int = 0  # TAU: inner steps between a fragment's exchange starting and its outer update
+    mix: float = 0.0  # on landing, worker fragment = mix * local + (1 - mix) * new global
+    outer_dtype: Literal["same", "float32", "bfloat16", "float16"] = "same"  # pseudo-gradients on the wire
+    table: str = ""  # A.json,B.json,...: print the docstring's table from these --json files, and exit
+
+
+# ----------------------------------------------------------------------------- the technique
+@dataclass
+class Exchange:
+    """One fragment's pseudo-gradient in flight."""
+    fragment: int
+    lands: int  # the inner step after which its outer update is applied
+    out: torch.Tensor  # (n,) the sum over workers (all-reduce), or (M, n) every worker's (all-gather)
+    work: object = None  # the asynchronous collective; None once waited
+
+
+class DiLoCo:
+    """The outer loop of (Streaming) DiLoCo around any model and inner optimizer. `fragments`: lists of the
+    worker's own parameters, disjoint, covering the model ([all of them] for plain DiLoCo). The caller runs
+    the inner steps and calls after_inner_step(t) after each; this holds the global weights (a copy, with
+    the outer optimizer's state) and does the rest. Every rank of `group` is one worker and makes the same
+    calls in the same order: the same collectives in the same order, as NCCL requires.
+    wire_dtype: None = all-reduce in the parameters' dtype; else all-gather in wire_dtype, summed in rank
+    order (exact). Fragment f syncs after the inner steps t with t + 1 = (f + 1) H / F (mod H)."""
+
+    def __init__(self, fragments, inner_steps, outer_lr=0.7, outer_momentum=0.9, nesterov=True, overlap=0,
+                 mix=0.0, wire_dtype=None, group=None):
+        H, F = inner_steps, len(fragments)
+        if H % F or not 0 <= overlap < H or not 0 <= mix < 1:
+            raise ValueError(f"DiLoCo: need inner_steps % fragments == 0 (got {H} % {F}), 0 <= overlap < "
+                             f"inner_steps (got {overlap}) and 0 <= mix < 1 (got {mix})")
+        self.local, self.H, self.overlap, self.mix = fragments, H, overlap, mix
+        self.wire, self.group, self.M = wire_dtype, group, dist.get_world_size(group)
+        self.offsets = [(f + 1) * H // F % H for f in range(F)]  # t + 1 = offset (mod H): a sync
+        self.glob = [[p.detach().clone() for p in frag] for frag in fragments]  # theta, per fragment
+        self.outer = torch.optim.SGD([g for frag in self.glob for g in frag], lr=outer_lr, foreach=False,
+                                     momentum=outer_momentum if nesterov else 0.0, nesterov=nesterov)
+        self.pending = []  # Exchanges in flight, in launch order (= landing order: TAU is one number)
+
+    def syncs_after(self, t):
+        """The fragments whose exchange starts after inner step t (0-based)."""
+        return [f for f, off in enumerate(self.offsets) if (t + 1) % self.H == off]
+
+    def after_inner_step(self, t):
+        for f in self.syncs_after(t):
+            self.pending.append(self.send(f, t + self.overlap))
+        while self.pending and self.pending[0].lands <= t:  # TAU = 0: the one just sent lands at once
+            self.land(self.pending.pop(0))
+
+    @torch.no_grad()
+    def send(self, f, lands):
+        """1. Delta_m = theta - theta_m for fragment f, flat; start its exchange; do not wait."""
+        delta = torch.cat([(g - p).flatten() for g, p in zip(self.glob[f], self.local[f])])  # (n,) this worker
+        if self.wire is None:  # the sum over workers, in place, in an order that is the backend's
+            return Exchange(f, lands, delta, dist.all_reduce(delta, group=self.group, async_op=True))
+        low = delta.to(self.wire)  # (n,) rounded once, here, by this worker
+        out = low.new_empty(self.M * low.numel())  # (M n,) every worker's, rank order
+        work = dist.all_gather_single(out, low, group=self.group, async_op=True)
+        return Exchange(f, lands, out.view(self.M, -1), work)
+
+    @torch.no_grad()
+    def land(self, ex):
+        """2. Wait for the exchange; Delta = mean_m Delta_m; the outer step on theta (this fragment only);
+        3. the worker's fragment restarts from the new theta (mixed with its own by `mix`)."""
+        if ex.work is not None:
+            ex.work.wait()
+            ex.work = None
+        glob, local = self.glob[ex.fragment], self.local[ex.fragment]
+        if self.wire is None:
+            total = ex.out  # (n,)
+        else:  # sum in rank order, in the parameters' dtype: the same bits on every rank
+            total = ex.out[0].to(glob[0].dtype)
+            for m in range(1, self.M):
+                total = total + ex.out[m].to(glob[0].dtype)
+        mean = total / self.M  # (n,) the pseudo-gradient Delta
+        for g, piece in zip(glob, mean.split([g.numel() for g in glob])):
+            g.grad = piece.view_as(g)
+        self.outer.step()  # steps only the parameters with a .grad: this fragment's
+        for g, p in zip(glob, local):
+            g.grad = None
+            p.mul_(self.mix).add_(g, alpha=1 - self.mix) if self.mix else p.copy_(g)
+
+    def finish(self):
+        """Land every exchange still in flight (the end of training)."""
+        while self.pending:
+            self.land(self.pending.pop(0))
+
+    def global_params(self):
+        return [g for frag in self.glob for g in frag]
+
+    # What a restart needs besides the worker's model and inner optimizer: theta, the outer momentum, and
+    # the exchanges in flight (waited here, so their results are saved and nothing is sent twice).
+    def state_dict(self):
+        for ex in self.pending:
+            if ex.work is not None:
+                ex.work.wait()
+                ex.work = None
+        return dict(glob=[[g.detach().clone() for g in frag] for frag in self.glob],
+                    outer=self.outer.state_dict(),
+                    pending=[(ex.fragment, ex.lands, ex.out.clone()) for ex in self.pending])
+
+    @torch.no_grad()
+    def load_state_dict(self, state):
+        for frag, saved in zip(self.glob, state["glob"]):
+            for g, s in zip(frag, saved):
+                g.copy_(s)
+        self.outer.load_state_dict(state["outer"])
+        dev = self.glob[0][0].device
+        self.pending = [Exchange(f, lands, out.to(dev)) for f, lands, out in state["pending"]]
+
+
+def gpt_fragments(model, n):
+    """Streaming DiLoCo's fragments of the repo's GPT: block i in fragment i mod n (strided, as the paper
+    found a little better than contiguous); the embeddings join fragment 0, ln_f and the head the fragment
+    of the last block."""
+    frags = [list(b.parameters()) for b in model.blocks[:n]]
+    for i, b in enumerate(model.blocks[n:], n):
+        frags[i % n] += list(b.parameters())
+    frags[0] = [model.tok_emb.weight, model.pos_emb.weight] + frags[0]
+    frags[(len(model.blocks) - 1) % n] += list(model.ln_f.parameters()) + list(model.head.parameters())
+    return frags
+
+
+def make_inner(model, args):
+    if args.inner == "sgd":  # plain SGD: the equivalence with synchronous data parallel SGD
+        return torch.optim.SGD(model.parameters(), lr=args.lr, foreach=False)
+    return make_optimizer(model.parameters(), args)  # the repo's AdamW, this worker's own state
+
+
+def inner_step(model, opt, x, y, clip):
+    """One inner step of this worker on its own slice (b, T): the loss is the mean over *its* tokens (a
+    worker trains alone), clipped by the norm of its own gradient."""
+    loss = lm_loss(model(x), y, count_tokens(y))
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    if clip > 0:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+    opt.step()
+    return loss.detach()
+
+
+# ----------------------------------------------------------------------------- the training loop
+def wire_dtype(args):
+    same = args.outer_dtype in ("same", args.dtype)
+    return None if same else DTYPES.get(args.outer_dtype) or getattr(torch, args.outer_dtype)
+
+
+def train_diloco(d, args, data, model):
+    inner = make_inner(model, args)
+    diloco = DiLoCo(gpt_fragments(model, args.fragments), args.inner_steps, args.outer_lr,
+                    args.outer_momentum, args.outer == "nesterov", args.overlap, args.mix, wire_dtype(args))
+    run = Run(d, args, {"model": model, "inner": inner, "diloco": diloco})
+    comm, rows = CommCounter(), args.batch_size // d.world
+    counted = range(max(run.start, args.steps - args.inner_steps), args.steps)  # measurement: one period
+    for step in run.steps():
+        x, y = data.batch(step, args.batch_size, args.seq_len, args.ragged)  # (B, T) global batch, CPU
+        x, y = (t[d.rank * rows:(d.rank + 1) * rows].to(d.device) for t in (x, y))  # (B/M, T) this worker's
+        with comm if step in counted else contextlib.nullcontext():
+            loss = inner_step(model, inner, x, y, args.clip)
+            diloco.after_inner_step(step)
+        dist.all_reduce(loss)  # the workers' mean loss, for the log line only (a real run logs locally)
+        run.end_step(step, loss.item() / d.world)
+    diloco.finish()
+    figures = figures_of(d, args, model, diloco, comm, len(counted), data)
+    peak = peak_memory_bytes(d, state_bytes(model, inner) + state_bytes_of(diloco))
+    check = None
+    if args.check:  # theta and every worker's own weights, against the one-process simulation of M workers
+        mine = final_params(d, model, diloco)
+        ref = reference(args, d.world, d.device) if d.rank == 0 else None
+        check = check_against_reference(d, args, run.losses, mine, ref=ref)
+    run.finish("diloco", peak, figures["bytes_per_inner_step"], check, figures)
+
+
+def check_args(args):
+    check_common_args(args)
+    world, H, F = env_world_size(), args.inner_steps, args.fragments
+    if args.batch_size % world:
+        fail(f"--batch-size {args.batch_size} is not divisible by the {world} workers; try --batch-size "
+             f"{world * max(1, args.batch_size // world)}")
+    if H < 1:
+        fail(f"--inner-steps must be >= 1, got {H}")
+    if not 1 <= F <= args.n_layers:
+        fail(f"--fragments {F} must be between 1 and --n-layers {args.n_layers} (a fragment holds blocks)")
+    if H % F:
+        fail(f"--inner-steps {H} is not divisible by --fragments {F} (fragments sync H/F steps apart)")
+    if not 0 <= args.overlap < H:
+        fail(f"--overlap {args.overlap} must be in [0, --inner-steps {H}): an update lands before the "
+             "fragment's next sync")
+    if not 0 <= args.mix < 1:
+        fail(f"--mix must be in [0, 1), got {args.mix}")
+    if args.outer_lr <= 0 or not 0 <= args.outer_momentum < 1:
+        fail(f"--outer-lr must be > 0 and --outer-momentum in [0, 1), got {args.outer_lr} and "
+             f"{args.outer_momentum}")
+    if args.check and args.dropout > 0:
+        fail(f"--check needs --dropout 0 (got {args.dropout}): the reference cannot replay every worker's "
+             "dropout stream")
+    if args.outer_dtype != "same" and torch.finfo(getattr(torch, args.outer_dtype)).bits > \
+            torch.finfo(DTYPES[args.dtype]).bits:
+        fail(f"--outer-dtype {args.outer_dtype} is wider than --dtype {args.dtype}: use --outer-dtype same")
+
+
+def main():
+    args = parse_args(Args)
+    if args.table:
+        return print_table(args.table.split(","))
+    check_args(args)
+    d = init_dist(args.timeout)  # --- setup (same in every file) ---
+    data = MarkovData(args.vocab, args.seed)
+    d.log(f"diloco.py: {d.world} workers, H {args.inner_steps}, {args.fragments} fragment(s), overlap "
+          f"{args.overlap}, outer {args.outer} lr {args.outer_lr}, wire {args.outer_dtype}; entropy floor "
+          f"{data.entropy:.4f} nats/token")
+    torch.manual_seed(args.seed + d.rank)  # dropout differs across workers, as it would on other data
+    model = build_gpt(GPTConfig.from_args(args), args.seed, DTYPES[args.dtype], d.device)
+    train_diloco(d, args, data, model)
+
+
+# --- measurement ---
+def state_bytes_of(diloco):
+    """The global copy and the outer momentum: DiLoCo's memory on top of plain training (2 models more)."""
+    held = diloco.global_params() + [v for s in diloco.outer.state.values() for v in s.values()
+                                     if torch.is_tensor(v)]
+    return sum(t.numel() * t.element_size() for t in held)
+
+
+def figures_of(d, args, model, diloco, comm, counted_steps, data):
+    """Bytes handed to collectives per inner step, counted at the dispatcher over the last H steps (one
+    period: every fragment once), beside theory and beside DDP's (theory: every gradient, every step)."""
+    n_params = sum(p.numel() for p in model.parameters())
+    elem = next(model.parameters()).element_size()
+    wire = torch.finfo(wire_dtype(args)).bits // 8 if wire_dtype(args) else elem
+    per_step = comm.total() / max(counted_steps, 1)
+    theory = n_params * wire / args.inner_steps
+    ddp = n_params * elem
+    peak_sync = max(sum(p.numel() for p in f) for f in diloco.local) * wire
+    op = "all_gather" if wire_dtype(args) else "all_reduce"
+    ring = (d.world - 1) * per_step if wire_dtype(args) else 2 * (d.world - 1) / d.world * per_step
+    glob = build_gpt(GPTConfig.from_args(args), args.seed, DTYPES[args.dtype], d.device)
+    with torch.no_grad():
+        for p, g in zip(glob.parameters(), diloco.global_params()):
+            p.copy_(g)
+        x, y = (t.to(d.device) for t in data.batch(10**6, args.batch_size, args.seq_len))  # held out
+        held_out = lm_loss(glob(x), y, count_tokens(y)).item()
+    d.log(f"summary: {per_step:.0f} B handed to {op} per inner step (measured over {counted_steps} steps); "
+          f"theory P x {wire} B / H = {theory:.0f}; DDP all-reduces P x {elem} B = {ddp} B per step "
+          f"(theory): {ddp / max(per_step, 1e-9):.1f}x more; one sync sends at most {peak_sync} B "
+          f"(the largest fragment); ring bytes sent per inner step {ring:.0f} (theory); the final global "
+          f"weights' loss on a held-out batch {held_out:.4f} (floor {data.entropy:.4f})")
+    return dict(bytes_per_inner_step=per_step, bytes_per_inner_step_theory=theory,
+                ddp_bytes_per_step_theory=ddp, ratio_vs_ddp=ddp / max(per_step, 1e-9),
+                bytes_per_sync_max=peak_sync, ring_bytes_sent_per_inner_step_theory=ring,
+                comm_table=comm.table(), held_out_loss=held_out, entropy_floor=data.entropy)
+
+
+def final_params(d, model, diloco):
+    """{"global.<name>": theta, "worker<m>": worker m's flat weights}, on every rank (one all-gather)."""
+    by_param = dict(zip((id(p) for f in diloco.local for p in f), diloco.global_params()))
+    out = {f"global.{n}": by_param[id(p)].detach() for n, p in model.named_parameters()}
+    flat = torch.cat([p.detach().flatten() for p in model.parameters()])  # (P,)
+    every = flat.new_empty(d.world * flat.numel())
+    dist.all_gather_single(every, flat)
+    out.update({f"worker{m}": w for m, w in enumerate(every.view(d.world, -1))})
+    return out
+
+
+def print_table(paths):
+    """The docstring's table from the --json files of dp.py (DDP) and diloco.py runs."""
+    print("| run | bytes handed per rank, whole run | loss gap to the floor (last 100 steps) |")
+    print("|---|---|---|")
+    for path in paths:
+        with open(path) as f:
+            s = json.load(f)
+        floor = MarkovData(s["config"]["vocab"], s["config"]["seed"]).entropy
+        n = len(s["losses"])
+        gap = sum(s["losses"][-100:]) / len(s["losses"][-100:]) - floor
+        name = "DDP (dp.py)" if s["technique"].startswith("dp") else f"DiLoCo H={s['config']['inner_steps']}"
+        print(f"| {name} | {s['comm_bytes'] * n / 1e6:.1f} MB | {gap:.4f} |")
+
+
+# --- reference for --check ---
+def reference(args, M, device="cpu"):
+    """One process, no communication: the M workers in turn, each with its own model and inner optimizer,
+    the global weights and a Nesterov / SGD outer step written out here, the same fragment schedule and
+    delay, and the same rounding and rank-order sum of a low-precision exchange."""
+    data, dt = MarkovData(args.vocab, args.seed), DTYPES[args.dtype]
+    cfg, H, F, tau = GPTConfig.from_args(args), args.inner_steps, args.fragments, args.overlap
+    workers = [build_gpt(cfg, args.seed, dt, device) for _ in range(M)]
+    opts = [make_inner(w, args) for w in workers]
+    names = [n for n, _ in workers[0].named_parameters()]
+    frag_of = {}  # parameter name -> fragment, from the block index (the same dealing, written again)
+    for n in names:
+        if n.startswith("blocks."):
+            frag_of[n] = int(n.split(".")[1]) % F
+        else:
+            frag_of[n] = 0 if n.split(".")[0] in ("tok_emb", "pos_emb") else (args.n_layers - 1) % F
+    theta = {n: p.detach().clone() for n, p in workers[0].named_parameters()}
+    buf = {}  # outer momentum
+    wire = wire_dtype(args)
+    in_flight, losses = [], []  # (lands, fragment, {name: mean Delta})
+    for t in range(args.steps):
+        x, y = data.batch(t, args.batch_size, args.seq_len, args.ragged)
+        rows, step_loss = args.batch_size // M, 0.0
+        for m in range(M):
+            xm, ym = (v[m * rows:(m + 1) * rows].to(device) for v in (x, y))
+            loss = lm_loss(workers[m](xm), ym, count_tokens(ym))
+            opts[m].zero_grad(set_to_none=True)
+            loss.backward()
+            if args.clip > 0:
+                torch.nn.utils.clip_grad_norm_(workers[m].parameters(), args.clip)
+            opts[m].step()
+            step_loss += loss.item()
+        losses.append(step_loss / M)
+        for f in range(F):
+            if (t + 1) % H == (f + 1) * H // F % H:  # fragment f syncs: every worker's Delta, summed
+                mean = {}
+                for n in (n for n in names if frag_of[n] == f):
+                    deltas = [theta[n] - dict(w.named_parameters())[n].detach() for w in workers]
+                    if wire is not None:
+                        deltas = [d_.to(wire).to(dt) for d_ in deltas]
+                    total = deltas[0]
+                    for d_ in deltas[1:]:
+                        total = total + d_
+                    mean[n] = total / M
+                in_flight.append((t + tau, f, mean))
+        while in_flight and in_flight[0][0] <= t:
+            outer_update(args, theta, buf, workers, *in_flight.pop(0)[1:])
+    while in_flight:
+        outer_update(args, theta, buf, workers, *in_flight.pop(0)[1:])
+    params = {f"global.{n}": v for n, v in theta.items()}
+    params.update({f"worker{m}": torch.cat([p.detach().flatten() for p in w.parameters()])
+                   for m, w in enumerate(workers)})
+    return dict(losses=losses, params=params)
+
+
+@torch.no_grad()
+def outer_update(args, theta, buf, workers, f, mean):
+    """theta <- theta - lr (g + mu buf') with buf' = mu buf + g (torch's Nesterov SGD); plain: - lr g. Then
+    every worker's fragment: mix * its own + (1 - mix) * theta."""
+    for n, g in mean.items():
+        if args.outer == "nesterov":
+            buf[n] = g.clone() if n not in buf else args.outer_momentum * buf[n] + g
+            g = g + args.outer_momentum * buf[n]
+        theta[n] = theta[n] - args.outer_lr * g
+        for w in workers:
+            p = dict(w.named_parameters())[n]
+            p.copy_(args.mix * p + (1 - args.mix) * theta[n] if args.mix else theta[n])
+
+
+if __name__ == "__main__":
+    main()
