@@ -347,8 +347,8 @@ def final_params(d, model, diloco):
 
 def print_table(paths):
     """The docstring's table from the --json files of dp.py (DDP) and diloco.py runs."""
-    print("| run | bytes handed per rank, whole run | loss gap to the floor (last 100 steps) |")
-    print("|---|---|---|")
+    print("| run | bytes handed per rank, whole run | loss gap to the floor: last 100 steps | held out, final |")
+    print("|---|---|---|---|")
     for path in paths:
         with open(path) as f:
             s = json.load(f)
@@ -356,7 +356,9 @@ def print_table(paths):
         n = len(s["losses"])
         gap = sum(s["losses"][-100:]) / len(s["losses"][-100:]) - floor
         name = "DDP (dp.py)" if s["technique"].startswith("dp") else f"DiLoCo H={s['config']['inner_steps']}"
-        print(f"| {name} | {s['comm_bytes'] * n / 1e6:.1f} MB | {gap:.4f} |")
+        held = s["figures"].get("held_out_loss")
+        held = "-" if held is None else f"{held - floor:.4f}"
+        print(f"| {name} | {s['comm_bytes'] * n / 1e6:.2f} MB | {gap:.4f} | {held} |")
 
 
 # --- reference for --check ---

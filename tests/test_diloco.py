@@ -1,0 +1,131 @@
+"""diloco.py: DiLoCo and Streaming DiLoCo equal their own one-process simulation of the M workers (float64,
+worlds 1-4); inner SGD with H = 1 and outer SGD lr 1 is synchronous data parallel SGD; the mutants are
+caught; the bytes per inner step are P x b / H, counted at the dispatcher; a worker that dies mid-run
+(exchanges in flight) is restarted to the uninterrupted run's losses and state, bit for bit; bad input is
+one line and exit 2. tests/diloco_checks.py (one launch at world 3) holds the checks that patch the code."""
+import json, subprocess, sys
+
+import pytest
+import torch
+
+from helpers import (ENV, ROOT, TINY, assert_matches_reference, check_lines, passed, run_python,
+                     torchrun)
+
+sys.path.insert(0, str(ROOT))
+from common import GPT, GPTConfig  # noqa: E402  (the model's size, not diloco.py)
+
+P = sum(p.numel() for p in GPT(GPTConfig(vocab=32, seq_len=8, d_model=16, n_heads=2, n_layers=2)).parameters())
+
+
+@pytest.fixture(scope="module")
+def checks():
+    """tests/diloco_checks.py at world 3, once for the tests below: its lines "ok ..."."""
+    return check_lines("tests/diloco_checks.py", 3, timeout=400)
+
+
+def test_copy_out_core_on_another_model(checks):
+    """DiLoCo's core on a model that is not the GPT, inner SGD, H 1: outer SGD lr 1 == plain SGD and outer
+    Nesterov == one-process Nesterov SGD with the product of the learning rates (torch's SGD, 1e-12); H 2
+    differs (the comparison can fail)."""
+    assert passed(checks, "copy-out", "outer SGD lr 1 == plain SGD", "restart from theta"), checks
+    assert passed(checks, "copy-out", "outer Nesterov 0.7/0.9 == one-process Nesterov SGD"), checks
+    assert passed(checks, "copy-out", "negative: H = 2 differs"), checks
+
+
+def test_check_passes_and_bytes_are_p_b_over_h(checks):
+    """World 3: DiLoCo and Streaming DiLoCo (bfloat16 on the wire) pass --check; the bytes handed to the
+    collectives per inner step (measured) equal P x b / H, computed from the parameter count."""
+    assert passed(checks, "--inner-steps 3 --check", "PASSED", "(measured) == P x 8 / H"), checks
+    assert passed(checks, "streaming", "PASSED", "(measured) == P x 2 / H", "== the largest fragment"), checks
+
+
+def test_sgd_h1_equals_synchronous_data_parallel(checks):
+    assert passed(checks, "H 1, outer SGD lr 1 == synchronous data parallel SGD", "PASSED"), checks
+    assert passed(checks, "negative: H 2 against synchronous SGD FAILS"), checks
+
+
+def test_mutants_are_caught(checks):
+    assert passed(checks, "mutant: the outer step applied to the workers' weights: FAILS"), checks
+    assert passed(checks, "mutant: fragment 1 synced one step late: FAILS"), checks
+
+
+def test_world_1():
+    p = run_python("diloco.py", *TINY, "--inner-steps", "3", "--steps", "6", "--check")
+    assert p.returncode == 0 and "-> PASSED" in p.stdout, p.stdout + p.stderr
+
+
+def test_world_4_streaming(tmp_path):
+    """H 10, 2 fragments, overlap 3, bfloat16: fragment 1's exchange lands after the last step (drained)."""
+    s, _ = torchrun("diloco.py", 4, *TINY, "--steps", "12", "--inner-steps", "10", "--fragments", "2",
+                    "--overlap", "3", "--outer-dtype", "bfloat16", "--check", tmp_path=tmp_path)
+    assert_matches_reference(s)
+    assert s["figures"]["bytes_per_inner_step"] == P * 2 / 10  # the last 10 steps: each fragment once
+
+
+def test_world_2_restart_with_exchanges_in_flight(tmp_path):
+    """Streaming, float32 on the wire under float64, overlap 1: the checkpoint at step 4 holds fragment 1's
+    exchange in flight (as does step 8's, the same phase, which is kept). A worker dies at step 5; torchrun restarts both from step 4; losses, theta, outer
+    momentum, every worker's weights and AdamW state end bit for bit as in the uninterrupted run."""
+    args = [*TINY, "--steps", "10", "--inner-steps", "4", "--fragments", "2", "--overlap", "1",
+            "--outer-dtype", "float32"]
+    full, _ = torchrun("diloco.py", 2, *args, "--check", "--ckpt-dir", tmp_path / "full", tmp_path=tmp_path,
+                       name="full")
+    assert_matches_reference(full)
+    rs, out = torchrun("diloco.py", 2, *args, "--ckpt-dir", tmp_path / "rs", "--save-every", "2",
+                       "--fail-at-step", "5", tmp_path=tmp_path, name="rs", max_restarts=1)
+    assert "simulated failure at step 5" in out and "at step 4" in out, out[-3000:]
+    # step 8 is step 4's phase (H = 4): fragment 1's exchange, sent after step 7, was saved in flight
+    saved = torch.load(tmp_path / "rs" / "rank0" / "step8.pt", weights_only=False)
+    assert [f for f, *_ in saved["diloco"]["pending"]] == [1]
+    assert rs["losses"] == full["losses"]
+    for r in range(2):
+        a, b = (torch.load(tmp_path / k / f"rank{r}" / "step10.pt", weights_only=False) for k in ("full", "rs"))
+        for key in ("model", "inner", "diloco"):
+            assert_identical(a[key], b[key])
+
+
+def assert_identical(a, b):
+    if torch.is_tensor(a):
+        assert torch.equal(a, b)
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys()
+        for k in a:
+            assert_identical(a[k], b[k])
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b)
+        for x, y in zip(a, b):
+            assert_identical(x, y)
+    else:
+        assert a == b
+
+
+BAD = [  # (world, flags, words): each on every rank, in one process (tests/bad_input_matrix.py)
+    (1, ["--inner-steps", "0"], ["--inner-steps must be >= 1"]),
+    (1, ["--fragments", "3"], ["--fragments 3 must be between 1 and --n-layers 2"]),
+    (1, ["--inner-steps", "3", "--fragments", "2"], ["not divisible by --fragments 2"]),
+    (1, ["--inner-steps", "4", "--overlap", "4"], ["--overlap 4 must be in [0, --inner-steps 4)"]),
+    (1, ["--mix", "1"], ["--mix must be in [0, 1)"]),
+    (1, ["--outer-momentum", "1"], ["--outer-momentum in [0, 1)"]),
+    (1, ["--check", "--dropout", "0.1"], ["--check needs --dropout 0"]),
+    (1, ["--dtype", "bfloat16", "--outer-dtype", "float32"], ["wider than --dtype bfloat16"]),
+    (3, ["--batch-size", "8"], ["--batch-size 8 is not divisible by the 3 workers"]),
+]
+
+
+def test_bad_input_exits_2_with_one_line(tmp_path):
+    cases = [dict(file="diloco.py", world=w, rank=r, argv=[*TINY, *a], words=words)
+             for w, a, words in BAD for r in range(w)]
+    # the control: a valid configuration passes every check and crashes at the rendezvous, which this
+    # runner does not provide: a case whose check were missing would show up so
+    cases.append(dict(file="diloco.py", world=2, rank=1, argv=TINY, words=[]))
+    (tmp_path / "cases.json").write_text(json.dumps(cases))
+    p = subprocess.run([sys.executable, str(ROOT / "tests" / "bad_input_matrix.py"), str(tmp_path / "cases.json")],
+                       env=ENV, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    results = [json.loads(l) for l in p.stdout.splitlines() if l.startswith("{")]
+    assert len(results) == len(cases), p.stdout[-2000:] + p.stderr[-2000:]
+    control = results.pop()
+    assert control["code"] == "crash" and "MASTER_ADDR" in control["stderr"], control
+    for c, r in zip(cases, results):
+        lines = r["stderr"].strip().splitlines()
+        assert r["code"] == 2 and len(lines) == 1 and f"error (rank {c['rank']})" in lines[0], (c, r)
+        assert all(w in lines[0] for w in c["words"]), (c, lines[0])
