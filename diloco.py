@@ -44,7 +44,8 @@ bytes per element on the wire), measured at the dispatcher below: the ratio is H
 Loss gap to the entropy floor vs bytes (world 4, 600 inner steps, the default model: d_model 64, 4 layers,
 batch 8 x 32 tokens, float32; last 100 steps' mean training loss minus the floor 2.1 nats), measured by
     torchrun --nproc_per_node=4 dp.py --steps 600 --json ddp.json
-    for H in 5 20 50; do torchrun --nproc_per_node=4 diloco.py --steps 600 --inner-steps $H --json h$H.json; done
+    for H in 5 20 50; do
+        torchrun --nproc_per_node=4 diloco.py --steps 600 --inner-steps $H --json h$H.json; done
     python diloco.py --table ddp.json,h5.json,h20.json,h50.json
 TABLE
 On a laptop the gap is the lesson: the fewer the syncs, the more each worker drifts on its own quarter of
@@ -87,7 +88,83 @@ class Args(CommonArgs):
     table: str = ""  # A.json,B.json,...: print the docstring's table from these --json files, and exit
 
 
-# ----------------------------------------------------------------------------- the technique
+# ----------------------------------------------------------------------------- 1: DiLoCo (and local SGD)
+def make_inner(model, args):
+    if args.inner == "sgd":  # plain SGD: the equivalence with synchronous data parallel SGD
+        return torch.optim.SGD(model.parameters(), lr=args.lr, foreach=False)
+    return make_optimizer(model.parameters(), args)  # the repo's AdamW, this worker's own state
+
+
+def inner_step(model, opt, x, y, clip):
+    """One inner step of this worker on its own slice (b, T): the loss is the mean over *its* tokens (a
+    worker trains alone), clipped by the norm of its own gradient. No communication."""
+    loss = lm_loss(model(x), y, count_tokens(y))
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    if clip > 0:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+    opt.step()
+    return loss.detach()
+
+
+class DiLoCo:
+    """The outer loop of DiLoCo around any model and inner optimizer: call after_inner_step(t) after each
+    inner step t (0-based) on every worker (every rank of `group`); every H-th one syncs. This holds the
+    global weights theta (a copy of `params`, the worker's own parameters) and the outer optimizer's state.
+    Outer SGD with lr 1 and no momentum (nesterov=False, outer_momentum=0) is local SGD."""
+
+    def __init__(self, params, inner_steps, outer_lr=0.7, outer_momentum=0.9, nesterov=True, group=None):
+        self.H, self.group, self.M = inner_steps, group, dist.get_world_size(group)
+        self.local = [list(params)]  # one fragment: the whole model (Streaming DiLoCo has several)
+        self.glob = [[p.detach().clone() for p in frag] for frag in self.local]  # theta
+        self.outer = torch.optim.SGD([g for frag in self.glob for g in frag], lr=outer_lr, foreach=False,
+                                     momentum=outer_momentum if nesterov else 0.0, nesterov=nesterov)
+
+    def after_inner_step(self, t):
+        if (t + 1) % self.H == 0:
+            self.sync()
+
+    @torch.no_grad()
+    def sync(self):
+        # 1. this worker's pseudo-gradient Delta_m = theta - theta_m, flat: one all-reduce for the model
+        delta = torch.cat([(g - p).flatten() for g, p in zip(self.glob[0], self.local[0])])  # (P,)
+        dist.all_reduce(delta, group=self.group)  # (P,) sum over workers, the same on every rank
+        self.outer_step(0, delta / self.M)  # 2. Delta = mean_m Delta_m: the outer step on theta
+        self.restart(0)  # 3. every worker continues from the new theta
+
+    def outer_step(self, f, mean):
+        """theta <- OuterOpt(theta, Delta) for fragment f; `mean`: (n,) its Delta, flat."""
+        glob = self.glob[f]
+        for g, piece in zip(glob, mean.split([g.numel() for g in glob])):
+            g.grad = piece.view_as(g)  # Delta plays the gradient
+        self.outer.step()  # steps only the parameters that have a .grad: this fragment's
+        for g in glob:
+            g.grad = None
+
+    def restart(self, f):
+        for g, p in zip(self.glob[f], self.local[f]):
+            p.copy_(g)
+
+    def finish(self):  # nothing in flight here (Streaming DiLoCo lands its exchanges)
+        pass
+
+    def global_params(self):
+        return [g for frag in self.glob for g in frag]
+
+    # For a restart, besides the worker's model and inner optimizer: theta and the outer momentum.
+    def state_dict(self):
+        return dict(glob=[[g.detach().clone() for g in frag] for frag in self.glob],
+                    outer=self.outer.state_dict())
+
+    @torch.no_grad()
+    def load_state_dict(self, state):
+        for frag, saved in zip(self.glob, state["glob"]):
+            for g, s in zip(frag, saved):
+                g.copy_(s)
+        self.outer.load_state_dict(state["outer"])
+
+
+# ----------------------------------------------------------------------------- 2: Streaming DiLoCo
 @dataclass
 class Exchange:
     """One fragment's pseudo-gradient in flight."""
@@ -97,27 +174,26 @@ class Exchange:
     work: object = None  # the asynchronous collective; None once waited
 
 
-class DiLoCo:
-    """The outer loop of (Streaming) DiLoCo around any model and inner optimizer. `fragments`: lists of the
-    worker's own parameters, disjoint, covering the model ([all of them] for plain DiLoCo). The caller runs
-    the inner steps and calls after_inner_step(t) after each; this holds the global weights (a copy, with
-    the outer optimizer's state) and does the rest. Every rank of `group` is one worker and makes the same
-    calls in the same order: the same collectives in the same order, as NCCL requires.
-    wire_dtype: None = all-reduce in the parameters' dtype; else all-gather in wire_dtype, summed in rank
-    order (exact). Fragment f syncs after the inner steps t with t + 1 = (f + 1) H / F (mod H)."""
+class StreamingDiLoCo(DiLoCo):
+    """DiLoCo with the model in `fragments` (lists of the worker's parameters, disjoint, covering it),
+    fragment f synced after the inner steps t with t + 1 = (f + 1) H / F (mod H); each exchange launched
+    asynchronously and landed `overlap` inner steps later, the worker's fragment then mixed with the new
+    theta by `mix`. wire_dtype: None = all-reduce in the parameters' dtype; else all-gather in wire_dtype
+    and sum in rank order in the parameters' dtype (exact). Every rank makes the same calls in the same
+    order, so the same collectives are issued in the same order, as NCCL requires."""
 
     def __init__(self, fragments, inner_steps, outer_lr=0.7, outer_momentum=0.9, nesterov=True, overlap=0,
                  mix=0.0, wire_dtype=None, group=None):
         H, F = inner_steps, len(fragments)
         if H % F or not 0 <= overlap < H or not 0 <= mix < 1:
-            raise ValueError(f"DiLoCo: need inner_steps % fragments == 0 (got {H} % {F}), 0 <= overlap < "
-                             f"inner_steps (got {overlap}) and 0 <= mix < 1 (got {mix})")
-        self.local, self.H, self.overlap, self.mix = fragments, H, overlap, mix
-        self.wire, self.group, self.M = wire_dtype, group, dist.get_world_size(group)
+            raise ValueError(f"StreamingDiLoCo: need inner_steps % fragments == 0 (got {H} % {F}), 0 <= "
+                             f"overlap < inner_steps (got {overlap}) and 0 <= mix < 1 (got {mix})")
+        every = [p for frag in fragments for p in frag]
+        super().__init__(every, H, outer_lr, outer_momentum, nesterov, group)
+        theta = iter(self.glob[0])  # the same copies, the outer optimizer's, dealt into the fragments
+        self.local, self.glob = fragments, [[next(theta) for _ in frag] for frag in fragments]
+        self.overlap, self.mix, self.wire = overlap, mix, wire_dtype
         self.offsets = [(f + 1) * H // F % H for f in range(F)]  # t + 1 = offset (mod H): a sync
-        self.glob = [[p.detach().clone() for p in frag] for frag in fragments]  # theta, per fragment
-        self.outer = torch.optim.SGD([g for frag in self.glob for g in frag], lr=outer_lr, foreach=False,
-                                     momentum=outer_momentum if nesterov else 0.0, nesterov=nesterov)
         self.pending = []  # Exchanges in flight, in launch order (= landing order: TAU is one number)
 
     def syncs_after(self, t):
@@ -132,68 +208,60 @@ class DiLoCo:
 
     @torch.no_grad()
     def send(self, f, lands):
-        """1. Delta_m = theta - theta_m for fragment f, flat; start its exchange; do not wait."""
-        delta = torch.cat([(g - p).flatten() for g, p in zip(self.glob[f], self.local[f])])  # (n,) this worker
+        """1. Delta_m for fragment f, flat; start its exchange; do not wait for it."""
+        delta = torch.cat([(g - p).flatten() for g, p in zip(self.glob[f], self.local[f])])  # (n,) mine
         if self.wire is None:  # the sum over workers, in place, in an order that is the backend's
             return Exchange(f, lands, delta, dist.all_reduce(delta, group=self.group, async_op=True))
         low = delta.to(self.wire)  # (n,) rounded once, here, by this worker
-        out = low.new_empty(self.M * low.numel())  # (M n,) every worker's, rank order
+        out = low.new_empty(self.M * low.numel())  # (M n,) every worker's, in rank order
         work = dist.all_gather_single(out, low, group=self.group, async_op=True)
         return Exchange(f, lands, out.view(self.M, -1), work)
 
     @torch.no_grad()
     def land(self, ex):
-        """2. Wait for the exchange; Delta = mean_m Delta_m; the outer step on theta (this fragment only);
-        3. the worker's fragment restarts from the new theta (mixed with its own by `mix`)."""
-        if ex.work is not None:
-            ex.work.wait()
-            ex.work = None
-        glob, local = self.glob[ex.fragment], self.local[ex.fragment]
+        """2. Wait for the exchange (TAU steps later), the outer step on fragment f of theta; 3. the worker's
+        fragment = mix * its own (TAU steps further) + (1 - mix) * the new theta."""
+        self.wait(ex)
+        dtype = self.glob[ex.fragment][0].dtype
         if self.wire is None:
             total = ex.out  # (n,)
         else:  # sum in rank order, in the parameters' dtype: the same bits on every rank
-            total = ex.out[0].to(glob[0].dtype)
+            total = ex.out[0].to(dtype)
             for m in range(1, self.M):
-                total = total + ex.out[m].to(glob[0].dtype)
-        mean = total / self.M  # (n,) the pseudo-gradient Delta
-        for g, piece in zip(glob, mean.split([g.numel() for g in glob])):
-            g.grad = piece.view_as(g)
-        self.outer.step()  # steps only the parameters with a .grad: this fragment's
-        for g, p in zip(glob, local):
-            g.grad = None
+                total = total + ex.out[m].to(dtype)
+        self.outer_step(ex.fragment, total / self.M)
+        self.restart(ex.fragment)
+
+    def restart(self, f):
+        for g, p in zip(self.glob[f], self.local[f]):
             p.mul_(self.mix).add_(g, alpha=1 - self.mix) if self.mix else p.copy_(g)
+
+    @staticmethod
+    def wait(ex):
+        if ex.work is not None:
+            ex.work.wait()
+            ex.work = None
 
     def finish(self):
         """Land every exchange still in flight (the end of training)."""
         while self.pending:
             self.land(self.pending.pop(0))
 
-    def global_params(self):
-        return [g for frag in self.glob for g in frag]
-
-    # What a restart needs besides the worker's model and inner optimizer: theta, the outer momentum, and
-    # the exchanges in flight (waited here, so their results are saved and nothing is sent twice).
+    # The exchanges in flight too: waited here, so their results are saved and nothing is sent twice.
     def state_dict(self):
         for ex in self.pending:
-            if ex.work is not None:
-                ex.work.wait()
-                ex.work = None
-        return dict(glob=[[g.detach().clone() for g in frag] for frag in self.glob],
-                    outer=self.outer.state_dict(),
-                    pending=[(ex.fragment, ex.lands, ex.out.clone()) for ex in self.pending])
+            self.wait(ex)
+        pending = [(ex.fragment, ex.lands, ex.out.clone()) for ex in self.pending]
+        return dict(super().state_dict(), pending=pending)
 
-    @torch.no_grad()
     def load_state_dict(self, state):
-        for frag, saved in zip(self.glob, state["glob"]):
-            for g, s in zip(frag, saved):
-                g.copy_(s)
-        self.outer.load_state_dict(state["outer"])
+        super().load_state_dict(state)
         dev = self.glob[0][0].device
         self.pending = [Exchange(f, lands, out.to(dev)) for f, lands, out in state["pending"]]
 
 
 def gpt_fragments(model, n):
-    """Streaming DiLoCo's fragments of the repo's GPT: block i in fragment i mod n (strided, as the paper
+    """Streaming DiLoCo's fragments of the repo's GPT: block i in fragment i mod n (strided, which the paper
     found a little better than contiguous); the embeddings join fragment 0, ln_f and the head the fragment
     of the last block."""
     frags = [list(b.parameters()) for b in model.blocks[:n]]
@@ -204,24 +272,6 @@ def gpt_fragments(model, n):
     return frags
 
 
-def make_inner(model, args):
-    if args.inner == "sgd":  # plain SGD: the equivalence with synchronous data parallel SGD
-        return torch.optim.SGD(model.parameters(), lr=args.lr, foreach=False)
-    return make_optimizer(model.parameters(), args)  # the repo's AdamW, this worker's own state
-
-
-def inner_step(model, opt, x, y, clip):
-    """One inner step of this worker on its own slice (b, T): the loss is the mean over *its* tokens (a
-    worker trains alone), clipped by the norm of its own gradient."""
-    loss = lm_loss(model(x), y, count_tokens(y))
-    opt.zero_grad(set_to_none=True)
-    loss.backward()
-    if clip > 0:
-        torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-    opt.step()
-    return loss.detach()
-
-
 # ----------------------------------------------------------------------------- the training loop
 def wire_dtype(args):
     same = args.outer_dtype in ("same", args.dtype)
@@ -230,8 +280,12 @@ def wire_dtype(args):
 
 def train_diloco(d, args, data, model):
     inner = make_inner(model, args)
-    diloco = DiLoCo(gpt_fragments(model, args.fragments), args.inner_steps, args.outer_lr,
-                    args.outer_momentum, args.outer == "nesterov", args.overlap, args.mix, wire_dtype(args))
+    outer = (args.outer_lr, args.outer_momentum, args.outer == "nesterov")
+    if args.fragments == 1 and args.overlap == 0 and args.mix == 0 and wire_dtype(args) is None:
+        diloco = DiLoCo(model.parameters(), args.inner_steps, *outer)
+    else:
+        diloco = StreamingDiLoCo(gpt_fragments(model, args.fragments), args.inner_steps, *outer, args.overlap,
+                                 args.mix, wire_dtype(args))
     run = Run(d, args, {"model": model, "inner": inner, "diloco": diloco})
     comm, rows = CommCounter(), args.batch_size // d.world
     counted = range(max(run.start, args.steps - args.inner_steps), args.steps)  # measurement: one period
@@ -347,7 +401,7 @@ def final_params(d, model, diloco):
 
 def print_table(paths):
     """The docstring's table from the --json files of dp.py (DDP) and diloco.py runs."""
-    print("| run | bytes handed per rank, whole run | loss gap to the floor: last 100 steps | held out, final |")
+    print("| run | bytes handed per rank, whole run | loss - floor: last 100 steps | held out, final |")
     print("|---|---|---|---|")
     for path in paths:
         with open(path) as f:

@@ -13,8 +13,8 @@
 3. The equivalence that needs no reference of its own: inner SGD, H = 1, outer SGD lr 1 == synchronous data
    parallel SGD, a one-process full-batch SGD trainer written here (plugged in as --check's reference);
    negative: H = 2 FAILS that check.
-4. Mutants, each FAILS --check: the outer step applied to the workers' weights instead of the global ones;
-   fragment 1 synced one inner step late.
+4. Mutants, each FAILS --check: the outer step applied to the workers' weights instead of the global ones
+   (DiLoCo, H 3); fragment 1 synced one inner step late (Streaming DiLoCo).
 A failed check is recorded and the script goes on; it prints ALL CHECKS PASSED or exits 1 at the end.
 """
 import os, sys
@@ -90,7 +90,7 @@ for H, outer_lr, mu, what in ((1, 1.0, 0.0, "outer SGD lr 1 == plain SGD"),
                               (2, 1.0, 0.0, "negative: H = 2 differs from plain SGD")):
     model = Net()
     inner = torch.optim.SGD(model.parameters(), lr=LR)
-    outer = diloco.DiLoCo([list(model.parameters())], H, outer_lr, mu, nesterov=mu > 0)
+    outer = diloco.DiLoCo(model.parameters(), H, outer_lr, mu, nesterov=mu > 0)
     for step in range(STEPS):
         x, y = batch(step)
         inner.zero_grad()
@@ -132,14 +132,17 @@ def run_main(*flags):
 
 
 def passed(s):
-    return s["check"]["passed"] and s["check"]["max_loss_diff"] <= 1e-9 and s["check"]["max_param_diff"] <= 1e-9
+    c = s["check"]
+    return c["passed"] and c["max_loss_diff"] <= 1e-9 and c["max_param_diff"] <= 1e-9
 
 
 s = run_main("--inner-steps", "3", "--check")
 f = s["figures"]
-check(passed(s) and f["bytes_per_inner_step"] == P * 8 / 3 and list(f["comm_table"]) == ["all_reduce/world/fwd"],
-      f"diloco.py --inner-steps 3 --check (AdamW in, Nesterov out): PASSED ({s['check']['max_loss_diff']:.1e}, "
-      f"params {s['check']['max_param_diff']:.1e}); {f['bytes_per_inner_step']:.1f} B all-reduced per inner "
+only_all_reduce = list(f["comm_table"]) == ["all_reduce/world/fwd"]
+check(passed(s) and f["bytes_per_inner_step"] == P * 8 / 3 and only_all_reduce,
+      f"diloco.py --inner-steps 3 --check (AdamW in, Nesterov out): PASSED "
+      f"({s['check']['max_loss_diff']:.1e}, params {s['check']['max_param_diff']:.1e}); "
+      f"{f['bytes_per_inner_step']:.1f} B all-reduced per inner "
       f"step (measured) == P x 8 / H = {P * 8 / 3:.1f}")
 STREAM = ["--inner-steps", "4", "--fragments", "2", "--overlap", "1", "--mix", "0.5", "--outer-dtype",
           "bfloat16", "--steps", "9"]
@@ -149,7 +152,8 @@ check(passed(s) and f["bytes_per_inner_step"] == P * 2 / 4 and f["bytes_per_sync
       and list(f["comm_table"]) == ["all_gather/world/fwd"],
       f"diloco.py streaming (F 2, overlap 1, mix 0.5, bfloat16 wire) --check: PASSED "
       f"({s['check']['max_loss_diff']:.1e}, params {s['check']['max_param_diff']:.1e}); "
-      f"{f['bytes_per_inner_step']:.1f} B all-gathered per inner step (measured) == P x 2 / H = {P * 2 / 4:.1f}; "
+      f"{f['bytes_per_inner_step']:.1f} B all-gathered per inner step (measured) == P x 2 / H = "
+      f"{P * 2 / 4:.1f}; "
       f"one sync at most {f['bytes_per_sync_max']} B == the largest fragment x 2 = {max(frag_sizes) * 2}")
 
 
@@ -181,15 +185,15 @@ check(not s["check"]["passed"] and s["check"]["max_param_diff"] > 1e-6,
       f"negative: H 2 against synchronous SGD FAILS (params {s['check']['max_param_diff']:.1e})")
 diloco.reference = real_reference
 
-real_land, real_syncs = diloco.DiLoCo.land, diloco.DiLoCo.syncs_after
+real_outer = diloco.DiLoCo.outer_step
 
 
-def land_on_workers(self, ex):
+def outer_on_workers(self, f, mean):
     """The bug: the outer step starts from the worker's own weights instead of the global ones."""
     with torch.no_grad():
-        for g, p in zip(self.glob[ex.fragment], self.local[ex.fragment]):
+        for g, p in zip(self.glob[f], self.local[f]):
             g.copy_(p)
-    real_land(self, ex)
+    real_outer(self, f, mean)
 
 
 def fragment_1_late(self, t):
@@ -197,14 +201,18 @@ def fragment_1_late(self, t):
     return [f for f, off in enumerate(self.offsets) if (t + 1 - (f == 1)) % self.H == off]
 
 
-for name, attr, mutant in (("the outer step applied to the workers' weights", "land", land_on_workers),
-                           ("fragment 1 synced one step late", "syncs_after", fragment_1_late)):
-    setattr(diloco.DiLoCo, attr, mutant)
-    s = run_main(*STREAM, "--check")
-    setattr(diloco.DiLoCo, attr, real_land if attr == "land" else real_syncs)
+for name, cls, attr, mutant, flags in (
+        ("the outer step applied to the workers' weights", diloco.DiLoCo, "outer_step", outer_on_workers,
+         ["--inner-steps", "3"]),
+        ("fragment 1 synced one step late", diloco.StreamingDiLoCo, "syncs_after", fragment_1_late, STREAM)):
+    real = getattr(cls, attr)
+    setattr(cls, attr, mutant)
+    s = run_main(*flags, "--check")
+    setattr(cls, attr, real)
     c = s["check"]
     check(not c["passed"] and max(c["max_loss_diff"], c["max_param_diff"]) > 1e-6,
-          f"mutant: {name}: FAILS --check (losses {c['max_loss_diff']:.1e}, params {c['max_param_diff']:.1e})")
+          f"mutant: {name}: FAILS --check (losses {c['max_loss_diff']:.1e}, "
+          f"params {c['max_param_diff']:.1e})")
 
 n_failed = torch.tensor([len(failures)], device=d.device)  # each rank printed its own failures above
 dist.all_reduce(n_failed)

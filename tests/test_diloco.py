@@ -14,7 +14,8 @@ from helpers import (ENV, ROOT, TINY, assert_matches_reference, check_lines, pas
 sys.path.insert(0, str(ROOT))
 from common import GPT, GPTConfig  # noqa: E402  (the model's size, not diloco.py)
 
-P = sum(p.numel() for p in GPT(GPTConfig(vocab=32, seq_len=8, d_model=16, n_heads=2, n_layers=2)).parameters())
+CFG = GPTConfig(vocab=32, seq_len=8, d_model=16, n_heads=2, n_layers=2)
+P = sum(p.numel() for p in GPT(CFG).parameters())  # parameters of TINY's model
 
 
 @pytest.fixture(scope="module")
@@ -64,7 +65,8 @@ def test_world_4_streaming(tmp_path):
 
 def test_world_2_restart_with_exchanges_in_flight(tmp_path):
     """Streaming, float32 on the wire under float64, overlap 1: the checkpoint at step 4 holds fragment 1's
-    exchange in flight (as does step 8's, the same phase, which is kept). A worker dies at step 5; torchrun restarts both from step 4; losses, theta, outer
+    exchange in flight (as does step 8's, the same phase, which is kept). A worker dies at step 5; torchrun
+    restarts both from step 4; losses, theta, outer
     momentum, every worker's weights and AdamW state end bit for bit as in the uninterrupted run."""
     args = [*TINY, "--steps", "10", "--inner-steps", "4", "--fragments", "2", "--overlap", "1",
             "--outer-dtype", "float32"]
@@ -79,7 +81,8 @@ def test_world_2_restart_with_exchanges_in_flight(tmp_path):
     assert [f for f, *_ in saved["diloco"]["pending"]] == [1]
     assert rs["losses"] == full["losses"]
     for r in range(2):
-        a, b = (torch.load(tmp_path / k / f"rank{r}" / "step10.pt", weights_only=False) for k in ("full", "rs"))
+        a, b = (torch.load(tmp_path / k / f"rank{r}" / "step10.pt", weights_only=False)
+                for k in ("full", "rs"))
         for key in ("model", "inner", "diloco"):
             assert_identical(a[key], b[key])
 
@@ -119,8 +122,8 @@ def test_bad_input_exits_2_with_one_line(tmp_path):
     # runner does not provide: a case whose check were missing would show up so
     cases.append(dict(file="diloco.py", world=2, rank=1, argv=TINY, words=[]))
     (tmp_path / "cases.json").write_text(json.dumps(cases))
-    p = subprocess.run([sys.executable, str(ROOT / "tests" / "bad_input_matrix.py"), str(tmp_path / "cases.json")],
-                       env=ENV, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    runner = [sys.executable, str(ROOT / "tests" / "bad_input_matrix.py"), str(tmp_path / "cases.json")]
+    p = subprocess.run(runner, env=ENV, cwd=ROOT, capture_output=True, text=True, timeout=120)
     results = [json.loads(l) for l in p.stdout.splitlines() if l.startswith("{")]
     assert len(results) == len(cases), p.stdout[-2000:] + p.stderr[-2000:]
     control = results.pop()
