@@ -14,8 +14,8 @@ model for H inner steps with its own AdamW, and only then do they talk.
    Each worker keeps its inner AdamW state across rounds. --outer sgd --outer-lr 1 is theta <- mean(theta_m):
    local SGD / federated averaging (McMahan et al. 2017). With plain SGD inside, H = 1 and that outer step,
    it is synchronous data parallel SGD exactly (a test): the averaged weights are the averaged gradient step.
-   The paper: 8 workers, H = 500 match synchronous training's perplexity on C4 (400M params) while
-   communicating 500x less.
+   The paper: on C4, 8 workers with H = 500 match fully synchronous training while communicating 500x
+   less. Memory: theta and the outer momentum are two more copies of the model on every worker.
 2. Streaming DiLoCo (Douillard et al., "Streaming DiLoCo with overlapping communication", 2025):
    a. --fragments F: the blocks are dealt into F fragments (strided: fragment f holds blocks f, f+F, ...;
       the embeddings ride with fragment 0, the head with the last block's). Fragment f is synced every H
@@ -298,8 +298,8 @@ def train_diloco(d, args, data, model):
         dist.all_reduce(loss)  # the workers' mean loss, for the log line only (a real run logs locally)
         run.end_step(step, loss.item() / d.world)
     diloco.finish()
+    peak = peak_memory_bytes(d, state_bytes(model, inner) + state_bytes_of(diloco))  # before anything else
     figures = figures_of(d, args, model, diloco, comm, len(counted), data)
-    peak = peak_memory_bytes(d, state_bytes(model, inner) + state_bytes_of(diloco))
     check = None
     if args.check:  # theta and every worker's own weights, against the one-process simulation of M workers
         mine = final_params(d, model, diloco)
