@@ -25,13 +25,15 @@ model for H inner steps with its own AdamW, and only then do they talk.
       steps later; meanwhile the workers keep training. On landing the worker's fragment becomes
       mix * (its own, TAU steps further) + (1 - mix) * (the new global one) (--mix; torchft's
       fragment_update_alpha; 0 drops the TAU local steps of that fragment).
-   c. --outer-dtype bfloat16 (or float16, float32 under float64): pseudo-gradients travel in low precision.
-      An all-reduce in bfloat16 would round every partial sum in an order only the backend knows; here
-      each worker's bfloat16 pseudo-gradient is all-gathered and summed in rank order in the parameter
-      dtype, on every rank: exact, and --check's reference rounds and sums the same way. It costs bytes:
-      an all-gather hands over n x 2 B per rank but a ring sends (M-1) n x 2 B, against 2 (M-1)/M n x 4 B
-      for a float32 all-reduce: cheaper for M < 4, dearer beyond (the paper quantises to 4 bits and
-      reduces; exactness against a reference is what this file chose).
+   c. --outer-dtype bfloat16 (float16, float8_e4m3fn; float32 under float64): pseudo-gradients travel in
+      low precision. An all-reduce in bfloat16 would round every partial sum in an order only the backend
+      knows; here each worker's rounded pseudo-gradient is all-gathered and summed in rank order in the
+      parameter dtype, on every rank: exact, and --check's reference rounds and sums the same way. float8
+      is scaled first (one scale per fragment and worker, so that its largest element is float8's
+      largest; a pseudo-gradient of 1e-3 would otherwise flush to 0) and travels as bytes, scale appended.
+      It costs bytes: an all-gather hands over n x b B per rank but a ring sends (M-1) n x b B, against
+      2 (M-1)/M n x 4 B for a float32 all-reduce: for bfloat16 cheaper below M = 4, dearer beyond (the
+      paper quantises to 4 bits; exactness against a reference is what this file chose).
 
       step    1 2 3 4 5 6 7 8 9 10 11 12      H = 4, F = 2, TAU = 1 (each fragment syncs every 4 steps)
       frag 0  . S L . . S L . . S  L  .       S: its all-reduce is launched after that inner step
@@ -84,7 +86,7 @@ class Args(CommonArgs):
     fragments: int = 1  # F: Streaming DiLoCo's fragments, synced at staggered steps (1: DiLoCo)
     overlap: int = 0  # TAU: inner steps between a fragment's exchange starting and its outer update
     mix: float = 0.0  # on landing, worker fragment = mix * local + (1 - mix) * new global
-    outer_dtype: Literal["same", "float32", "bfloat16", "float16"] = "same"  # pseudo-gradients on the wire
+    outer_dtype: Literal["same", "float32", "bfloat16", "float16", "float8_e4m3fn"] = "same"  # on the wire
     table: str = ""  # A.json,B.json,...: print the docstring's table from these --json files, and exit
 
 
@@ -212,10 +214,26 @@ class StreamingDiLoCo(DiLoCo):
         delta = torch.cat([(g - p).flatten() for g, p in zip(self.glob[f], self.local[f])])  # (n,) mine
         if self.wire is None:  # the sum over workers, in place, in an order that is the backend's
             return Exchange(f, lands, delta, dist.all_reduce(delta, group=self.group, async_op=True))
-        low = delta.to(self.wire)  # (n,) rounded once, here, by this worker
-        out = low.new_empty(self.M * low.numel())  # (M n,) every worker's, in rank order
+        low = self.encode(delta)  # (k,) rounded once, here, by this worker
+        out = low.new_empty(self.M * low.numel())  # (M k,) every worker's, in rank order
         work = dist.all_gather_single(out, low, group=self.group, async_op=True)
         return Exchange(f, lands, out.view(self.M, -1), work)
+
+    def encode(self, delta):
+        """(n,) -> what travels. float8: scaled so its largest element is float8's largest (else a
+        pseudo-gradient of ~1e-3 would flush to 0), as bytes, with the scale's bytes appended."""
+        if self.wire.itemsize > 1:
+            return delta.to(self.wire)  # (n,)
+        scale = delta.abs().max().clamp_min(1e-30) / torch.finfo(self.wire).max  # () parameter dtype
+        q = (delta / scale).to(self.wire)  # (n,) float8
+        return torch.cat([q.view(torch.uint8), scale.reshape(1).view(torch.uint8)])  # (n + 8,) for float64
+
+    def decode(self, row, dtype):
+        """One worker's wire row -> (n,) in the parameters' dtype."""
+        if self.wire.itemsize > 1:
+            return row.to(dtype)
+        k = torch.finfo(dtype).bits // 8  # the scale's bytes, at the end
+        return row[:-k].view(self.wire).to(dtype) * row[-k:].view(dtype)
 
     @torch.no_grad()
     def land(self, ex):
@@ -226,9 +244,9 @@ class StreamingDiLoCo(DiLoCo):
         if self.wire is None:
             total = ex.out  # (n,)
         else:  # sum in rank order, in the parameters' dtype: the same bits on every rank
-            total = ex.out[0].to(dtype)
+            total = self.decode(ex.out[0], dtype)
             for m in range(1, self.M):
-                total = total + ex.out[m].to(dtype)
+                total = total + self.decode(ex.out[m], dtype)
         self.outer_step(ex.fragment, total / self.M)
         self.restart(ex.fragment)
 
@@ -287,7 +305,7 @@ def train_diloco(d, args, data, model):
         diloco = StreamingDiLoCo(gpt_fragments(model, args.fragments), args.inner_steps, *outer, args.overlap,
                                  args.mix, wire_dtype(args))
     run = Run(d, args, {"model": model, "inner": inner, "diloco": diloco})
-    comm, rows = CommCounter(), args.batch_size // d.world
+    comm, rows = CommCounter(log=True), args.batch_size // d.world
     counted = range(max(run.start, args.steps - args.inner_steps), args.steps)  # measurement: one period
     for step in run.steps():
         x, y = data.batch(step, args.batch_size, args.seq_len, args.ragged)  # (B, T) global batch, CPU
@@ -366,32 +384,41 @@ def figures_of(d, args, model, diloco, comm, counted_steps, data):
     elem = next(model.parameters()).element_size()
     wire = torch.finfo(wire_dtype(args)).bits // 8 if wire_dtype(args) else elem
     per_step = comm.total() / max(counted_steps, 1)
-    theory = n_params * wire / args.inner_steps
+    scales = args.fragments * elem if wire == 1 else 0  # float8: one scale per fragment
+    theory = (n_params * wire + scales) / args.inner_steps
     ddp = n_params * elem
-    peak_sync = max(sum(p.numel() for p in f) for f in diloco.local) * wire
+    peak_sync = max((c["bytes"] for c in comm.calls_log), default=0)  # measured: the largest one call
+    peak_theory = max(sum(p.numel() for p in f) for f in diloco.local) * wire + (elem if wire == 1 else 0)
     op = "all_gather" if wire_dtype(args) else "all_reduce"
     ring = (d.world - 1) * per_step if wire_dtype(args) else 2 * (d.world - 1) / d.world * per_step
     glob = build_gpt(GPTConfig.from_args(args), args.seed, DTYPES[args.dtype], d.device)
     with torch.no_grad():
-        for p, g in zip(glob.parameters(), diloco.global_params()):
-            p.copy_(g)
+        for n, p in glob.named_parameters():
+            p.copy_(theta_by_name(model, diloco)[n])
         x, y = (t.to(d.device) for t in data.batch(10**6, args.batch_size, args.seq_len))  # held out
         held_out = lm_loss(glob(x), y, count_tokens(y)).item()
     d.log(f"summary: {per_step:.0f} B handed to {op} per inner step (measured over {counted_steps} steps); "
           f"theory P x {wire} B / H = {theory:.0f}; DDP all-reduces P x {elem} B = {ddp} B per step "
-          f"(theory): {ddp / max(per_step, 1e-9):.1f}x more; one sync sends at most {peak_sync} B "
-          f"(the largest fragment); ring bytes sent per inner step {ring:.0f} (theory); the final global "
-          f"weights' loss on a held-out batch {held_out:.4f} (floor {data.entropy:.4f})")
+          f"(theory): {ddp / max(per_step, 1e-9):.1f}x more; one exchange hands over at most {peak_sync} B "
+          f"(measured; the largest fragment, theory {peak_theory} B); ring bytes sent per inner step "
+          f"{ring:.0f} (theory); the final global weights' loss on a held-out batch {held_out:.4f} (floor "
+          f"{data.entropy:.4f})")
     return dict(bytes_per_inner_step=per_step, bytes_per_inner_step_theory=theory,
                 ddp_bytes_per_step_theory=ddp, ratio_vs_ddp=ddp / max(per_step, 1e-9),
-                bytes_per_sync_max=peak_sync, ring_bytes_sent_per_inner_step_theory=ring,
+                bytes_per_sync_max=peak_sync, bytes_per_sync_max_theory=peak_theory,
+                ring_bytes_sent_per_inner_step_theory=ring,
                 comm_table=comm.table(), held_out_loss=held_out, entropy_floor=data.entropy)
+
+
+def theta_by_name(model, diloco):
+    """The global weights by the model's parameter names (fragments deal the parameters out of order)."""
+    by_param = dict(zip((id(p) for f in diloco.local for p in f), diloco.global_params()))
+    return {n: by_param[id(p)].detach() for n, p in model.named_parameters()}
 
 
 def final_params(d, model, diloco):
     """{"global.<name>": theta, "worker<m>": worker m's flat weights}, on every rank (one all-gather)."""
-    by_param = dict(zip((id(p) for f in diloco.local for p in f), diloco.global_params()))
-    out = {f"global.{n}": by_param[id(p)].detach() for n, p in model.named_parameters()}
+    out = {f"global.{n}": g for n, g in theta_by_name(model, diloco).items()}
     flat = torch.cat([p.detach().flatten() for p in model.parameters()])  # (P,)
     every = flat.new_empty(d.world * flat.numel())
     dist.all_gather_single(every, flat)
@@ -450,14 +477,16 @@ def reference(args, M, device="cpu"):
         losses.append(step_loss / M)
         for f in range(F):
             if (t + 1) % H == (f + 1) * H // F % H:  # fragment f syncs: every worker's Delta, summed
+                mine = [n for n in names if frag_of[n] == f]
+                deltas = [{n: theta[n] - p.detach() for n, p in w.named_parameters() if n in mine}
+                          for w in workers]
+                if wire is not None:
+                    deltas = [rounded(dm, wire) for dm in deltas]
                 mean = {}
-                for n in (n for n in names if frag_of[n] == f):
-                    deltas = [theta[n] - dict(w.named_parameters())[n].detach() for w in workers]
-                    if wire is not None:
-                        deltas = [d_.to(wire).to(dt) for d_ in deltas]
-                    total = deltas[0]
-                    for d_ in deltas[1:]:
-                        total = total + d_
+                for n in mine:
+                    total = deltas[0][n]
+                    for dm in deltas[1:]:
+                        total = total + dm[n]
                     mean[n] = total / M
                 in_flight.append((t + tau, f, mean))
         while in_flight and in_flight[0][0] <= t:
@@ -468,6 +497,15 @@ def reference(args, M, device="cpu"):
     params.update({f"worker{m}": torch.cat([p.detach().flatten() for p in w.parameters()])
                    for m, w in enumerate(workers)})
     return dict(losses=losses, params=params)
+
+
+def rounded(delta, wire):
+    """A worker's pseudo-gradient of one fragment {name: tensor} as the wire rounds it; float8 with one
+    scale per fragment and worker, its largest element at float8's largest."""
+    if wire.itemsize > 1:
+        return {n: v.to(wire).to(v.dtype) for n, v in delta.items()}
+    scale = max(v.abs().max() for v in delta.values()).clamp_min(1e-30) / torch.finfo(wire).max
+    return {n: (v / scale).to(wire).to(v.dtype) * scale for n, v in delta.items()}
 
 
 @torch.no_grad()

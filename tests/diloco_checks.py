@@ -9,7 +9,7 @@
 2. diloco.py's main (run here as torchrun runs it), --check against its own reference: DiLoCo (AdamW inside,
    Nesterov outside) and Streaming DiLoCo (2 fragments, overlap 1, mix 0.5, bfloat16 on the wire) pass; the
    bytes handed to collectives per inner step, counted at the dispatcher, are P x b / H exactly (closed
-   form from the parameter count here), and one sync sends at most the largest fragment.
+   form from the parameter count here), and the largest single exchange (measured) is the largest fragment's.
 3. The equivalence that needs no reference of its own: inner SGD, H = 1, outer SGD lr 1 == synchronous data
    parallel SGD, a one-process full-batch SGD trainer written here (plugged in as --check's reference);
    negative: H = 2 FAILS that check.
@@ -154,7 +154,8 @@ check(passed(s) and f["bytes_per_inner_step"] == P * 2 / 4 and f["bytes_per_sync
       f"({s['check']['max_loss_diff']:.1e}, params {s['check']['max_param_diff']:.1e}); "
       f"{f['bytes_per_inner_step']:.1f} B all-gathered per inner step (measured) == P x 2 / H = "
       f"{P * 2 / 4:.1f}; "
-      f"one sync at most {f['bytes_per_sync_max']} B == the largest fragment x 2 = {max(frag_sizes) * 2}")
+      f"one exchange hands over at most {f['bytes_per_sync_max']} B (measured) == the largest fragment x 2 = "
+      f"{max(frag_sizes) * 2}")
 
 
 def sgd_trainer(args, M, device="cpu"):

@@ -55,12 +55,14 @@ def test_world_1():
     assert p.returncode == 0 and "-> PASSED" in p.stdout, p.stdout + p.stderr
 
 
-def test_world_4_streaming(tmp_path):
-    """H 10, 2 fragments, overlap 3, bfloat16: fragment 1's exchange lands after the last step (drained)."""
+def test_world_4_streaming_float8(tmp_path):
+    """H 10, 2 fragments, overlap 3, float8 with a scale per fragment: fragment 1's exchange lands after the
+    last step (drained). Bytes: the last 10 steps hold each fragment's exchange once, 1 B per element and
+    8 B of scale per fragment."""
     s, _ = torchrun("diloco.py", 4, *TINY, "--steps", "12", "--inner-steps", "10", "--fragments", "2",
-                    "--overlap", "3", "--outer-dtype", "bfloat16", "--check", tmp_path=tmp_path)
+                    "--overlap", "3", "--outer-dtype", "float8_e4m3fn", "--check", tmp_path=tmp_path)
     assert_matches_reference(s)
-    assert s["figures"]["bytes_per_inner_step"] == P * 2 / 10  # the last 10 steps: each fragment once
+    assert s["figures"]["bytes_per_inner_step"] == (P * 1 + 2 * 8) / 10
 
 
 def test_world_2_restart_with_exchanges_in_flight(tmp_path):
