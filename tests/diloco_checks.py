@@ -9,7 +9,8 @@
 2. diloco.py's main (run here as torchrun runs it), --check against its own reference: DiLoCo (AdamW inside,
    Nesterov outside) and Streaming DiLoCo (2 fragments, overlap 1, mix 0.5, bfloat16 on the wire) pass; the
    bytes handed to collectives per inner step, counted at the dispatcher, are P x b / H exactly (closed
-   form from the parameter count here), and the largest single exchange (measured) is the largest fragment's.
+   form from the parameter count here), and the largest single exchange (measured) is the largest fragment's;
+   negative: a reference that skips the wire's rounding FAILS the streaming run's --check.
 3. The equivalence that needs no reference of its own: inner SGD, H = 1, outer SGD lr 1 == synchronous data
    parallel SGD, a one-process full-batch SGD trainer written here (plugged in as --check's reference);
    negative: H = 2 FAILS that check.
@@ -156,6 +157,14 @@ check(passed(s) and f["bytes_per_inner_step"] == P * 2 / 4 and f["bytes_per_sync
       f"{P * 2 / 4:.1f}; "
       f"one exchange hands over at most {f['bytes_per_sync_max']} B (measured) == the largest fragment x 2 = "
       f"{max(frag_sizes) * 2}")
+
+real_rounded = diloco.rounded
+diloco.rounded = lambda delta, wire: delta  # negative: a reference that does not round as the wire does
+s = run_main(*STREAM, "--check")
+diloco.rounded = real_rounded
+check(not s["check"]["passed"] and s["check"]["max_param_diff"] > 1e-6,
+      f"negative: against a reference that skips the bfloat16 rounding, --check FAILS (params "
+      f"{s['check']['max_param_diff']:.1e}): the exactness is the rounding's, not a loose tolerance's")
 
 
 def sgd_trainer(args, M, device="cpu"):

@@ -34,10 +34,12 @@ def test_copy_out_core_on_another_model(checks):
 
 
 def test_check_passes_and_bytes_are_p_b_over_h(checks):
-    """World 3: DiLoCo and Streaming DiLoCo (bfloat16 on the wire) pass --check; the bytes handed to the
-    collectives per inner step (measured) equal P x b / H, computed from the parameter count."""
+    """World 3: DiLoCo and Streaming DiLoCo (bfloat16 on the wire) pass --check, and the latter fails it
+    against a reference that does not round as the wire does; the bytes handed to the collectives per inner
+    step (measured) equal P x b / H, computed from the parameter count."""
     assert passed(checks, "--inner-steps 3 --check", "PASSED", "(measured) == P x 8 / H"), checks
     assert passed(checks, "streaming", "PASSED", "(measured) == P x 2 / H", "== the largest fragment"), checks
+    assert passed(checks, "negative: against a reference that skips the bfloat16 rounding", "FAILS"), checks
 
 
 def test_sgd_h1_equals_synchronous_data_parallel(checks):
