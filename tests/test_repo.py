@@ -158,3 +158,92 @@ def test_readme_is_read_in_five_minutes():
     """The README is the front door (<= 200 lines); everything else lives in docs/ and the files' docstrings."""
     n = len((ROOT / "README.md").read_text().splitlines())
     assert n <= README_LINES, f"README.md: {n} lines > {README_LINES}"
+
+
+# --------------------------------------------------------------------------- tests/line_counts.py, on a sample
+LINE_SAMPLE = [  # (expected category, line): each category, and the places the old count went wrong
+    ("docstring", '"""A ring: send right, receive from the left."""'),
+    ("boilerplate", "import torch"),
+    ("boilerplate", "from harness import CommCounter, Run, fail, parse_args"),
+    (None, ""), (None, ""),
+    ("boilerplate", "@dataclass"),
+    ("boilerplate", "class Args:"),
+    ("boilerplate", "    steps: int = 2  # optimizer steps"),
+    (None, ""), (None, ""),
+    ("boilerplate", "# ----------------------------------------------------------------- the technique"),
+    ("technique", "class Ring:"),
+    ("technique", '    """One shift per step."""'),
+    ("technique", "    def __init__(self, n):"),
+    ("validation", "        if n < 2:"),
+    ("validation", '            raise ValueError("a ring needs two ranks")'),
+    ("technique", "        self.n = n  # ranks"),
+    ("measure", "        # bytes, for the report"),
+    ("measure", "        self.meter = CommCounter()"),
+    (None, ""),
+    ("technique", "    def step(self, x, observe=None):"),
+    ("measure", '        with observe("F", 0):'),
+    ("technique", "            y = x.roll(1)"),
+    ("technique", "        return y"),
+    (None, ""),
+    ("checkpoint", "    def state_dict(self):"),
+    ("checkpoint", '        return {"n": self.n}'),
+    (None, ""), (None, ""),
+    ("validation", "def check_args(args):"),
+    ("validation", "    need = 1  # a step at least"),
+    ("validation", "    if args.steps < 1:"),
+    ("validation", '        fail("--steps must be >= 1")'),
+    (None, ""), (None, ""),
+    ("boilerplate", "def main():"),
+    ("boilerplate", "    args = parse_args(Args)"),
+    ("validation", "    check_args(args)"),
+    ("technique", "    ring = Ring(4)"),
+    ("checkpoint", "    run = Run(None, args, {})"),
+    ("technique", "    for step in run.steps():"),
+    ("technique", "        y = ring.step(torch.ones(2), observe=ring.meter)"),
+    ("measure", '        d.log(f"step {step}")'),
+    ("check", "    if args.check:  # the one-process reference"),
+    ("check", "        check_against_reference(None, args, [], {})"),
+    (None, ""), (None, ""),
+    ("measure", "# --- measurement ---"),
+    ("measure", "def summary(meter):"),
+    ("measure", "    return meter.total()"),
+    (None, ""), (None, ""),
+    ("check", "# --- reference for --check ---"),
+    ("check", "def reference(args):"),
+    ("check", "    return 0"),
+    (None, ""), (None, ""),
+    ("checkpoint", "# --- checkpoint state ---"),
+    ("checkpoint", "def shards(ring):"),
+    ("checkpoint", "    return [ring.n]"),
+    (None, ""), (None, ""),
+    ("boilerplate", 'if __name__ == "__main__":'),
+    ("boilerplate", "    main()"),
+]
+
+
+def test_line_counts_sorts_a_sample_by_what_each_line_does(monkeypatch):
+    """tests/line_counts.py puts every line of a sample file in its category (a log line or a Run inside main()
+    is not technique, a guarded failure in a technique class is validation, a comment goes with its line, the
+    fenced sections by their fence); with any one of its rules switched off it misplaces a sample line (the
+    mutants), so each rule is needed and the sample shows it."""
+    import line_counts
+    fence = "# --- measurement ---"
+    text = "\n".join(line for _, line in LINE_SAMPLE) + "\n"
+    expected = [cat for cat, _ in LINE_SAMPLE]
+    got = line_counts.classify(text)
+    wrong = [(i + 1, e, g, l) for i, (e, g, (_, l)) in enumerate(zip(expected, got, LINE_SAMPLE)) if e != g]
+    assert not wrong, wrong
+    assert set(expected) - {None} == set(line_counts.CATEGORIES)
+    counts = line_counts.row_of_text(text)
+    assert counts["technique"] == expected.count("technique") and counts["read_path"] == 47
+    for table in ("PATTERNS", "WHOLE_DEF", "FENCES"):
+        for key in getattr(line_counts, table):
+            off = "(?!)" if table != "FENCES" else "technique"  # a rule that never fires / a fence ignored
+            monkeypatch.setitem(getattr(line_counts, table), key, off)
+            assert line_counts.classify(text) != expected, f"{table}[{key!r}] switched off, still right"
+            monkeypatch.undo()
+    # the old count: all of main() and everything between Args and main() as technique
+    lesson = range([l for _, l in LINE_SAMPLE].index("class Ring:"), [l for _, l in LINE_SAMPLE].index(fence))
+    old = ["technique" if e in ("measure", "checkpoint", "check", "validation") and i in lesson else e
+           for i, e in enumerate(expected)]
+    assert old != got
