@@ -174,3 +174,20 @@ def test_the_check_catches_what_it_is_for():
 def test_printed_command_runs_as_printed(page, cmd):
     why = runs_as_printed(cmd)
     assert why is None, f"{page}: `{cmd}`: {why}"
+
+
+def links_in(page):
+    """Relative links of a Markdown page, `[text](path)` and `[text](path#anchor)`, that do not resolve."""
+    text = page.read_text()
+    targets = [t.split("#")[0] for t in re.findall(r"\]\(([^)\s]+)\)", text) if not re.match(r"\w+://", t)]
+    return [t for t in targets if t and not (page.parent / t).exists()]
+
+
+def test_links_resolve(tmp_path):
+    """Every page the README and docs/ link to exists (a link to a missing page is caught)."""
+    (tmp_path / "tests.md").write_text("")
+    (sample := tmp_path / "sample.md").write_text("[ok](tests.md) [web](https://pytorch.org) [gone](no.md#x)\n")
+    assert links_in(sample) == ["no.md"]
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    broken = {p.relative_to(ROOT).as_posix(): links_in(p) for p in pages}
+    assert not {k: v for k, v in broken.items() if v}, broken
