@@ -74,8 +74,9 @@ def load(path):
 getsource = functools.lru_cache(maxsize=None)(inspect.getsource)
 
 
-def accepts(script, argv, world):
-    """None if `script argv` passes its parse and checks at `world` processes, else the reason (a string)."""
+def accepts(script, argv, world, local=None):
+    """None if `script argv` passes its parse and checks at `world` processes (`local` of them on this node),
+    else the reason (a string)."""
     path = ROOT / script
     if not path.is_file():
         return f"{script}: no such file"
@@ -90,7 +91,7 @@ def accepts(script, argv, world):
     if not checks:  # a helper script: its flags must at least appear in it
         missing = [w for w in re.findall(r"--[\w-]+", " ".join(argv)) if w.split("=")[0] not in path.read_text()]
         return missing and f"{script}: no flag {missing}" or None
-    env = dict(WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world), RANK="0", LOCAL_RANK="0")
+    env = dict(WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(local or world), RANK="0", LOCAL_RANK="0")
     saved_env, saved_argv, err = {k: os.environ.get(k) for k in env}, sys.argv, io.StringIO()
     os.environ.update(env)
     sys.argv = [str(path), *argv]
@@ -128,8 +129,8 @@ def runs_as_printed(cmd):
                 t = get_args_parser().parse_args(rest)
         except SystemExit:
             return f"torchrun refuses its flags: {err.getvalue().strip().splitlines()[-1]}"
-        world = int(str(t.nnodes).split(":")[-1]) * int(t.nproc_per_node)
-        return accepts(t.training_script, t.training_script_args, world)
+        nodes, local = int(str(t.nnodes).split(":")[-1]), int(t.nproc_per_node)
+        return accepts(t.training_script, t.training_script_args, nodes * local, local)
     if rest[:1] == ["-m"]:  # python -m venv DIR / python -m pytest PATHS
         if rest[1] == "pytest":
             paths = [w for w in rest[2:] if not w.startswith("-")]
@@ -168,6 +169,8 @@ def test_the_check_catches_what_it_is_for():
     assert "world 8" in runs_as_printed("torchrun --nnodes=2 --nproc_per_node=4 gpipe.py")  # 8 stages, 4 blocks
     assert "no flag" in runs_as_printed("bash tests/gpu_check.sh --gpus")
     assert "no path" in runs_as_printed("python -m pytest -q tests/test_nothing.py")
+    page = "Pipelines:\n```bash\ntorchrun --nproc_per_node=4 gpipe.py --microbatchs 8 --check\n```\n"
+    assert [runs_as_printed(c) for c in commands_in(page)] != [None]  # from a page, as the test below reads it
 
 
 @pytest.mark.parametrize("page,cmd", printed_commands(), ids=lambda x: x if x.endswith(".md") else x[:60])
