@@ -5,12 +5,13 @@ shared/reviews/reading-review-2.md, section 1):
     python tests/line_counts.py -v dp.py   # and every line of dp.py with its category
 
 Categories (non-blank lines; a comment line takes the category of the code line it stands above):
-    technique   what the reader came for: the technique's classes and functions, their docstrings and comments,
-                and the lines of main() that build and drive it (the batch, zero_grad, the step, the sync,
-                clipping, the optimizer step)
+    technique   what the reader came for: the technique's classes and functions, their docstrings and
+                comments, and the lines of main() that build and drive it (the batch, zero_grad, the step,
+                the sync, clipping, the optimizer step)
     measure     counters, timers, observer callbacks, log lines, the report and summary, `run.watching` /
                 `run.end_step` / `run.finish`, and the `# --- measurement ---` section
-    checkpoint  `Run(...)`, checkpoints, `maybe_fail`, state_dict / extra-state methods, the checkpoint section
+    checkpoint  `Run(...)`, checkpoints, `maybe_fail`, state_dict / extra-state methods, the checkpoint
+                section
     validation  check_args() and every `fail(...)` / `raise ...Error` with the `if` that guards it
     check       the --check call sites, gathering for the check, the `# --- reference for --check ---` section
     docstring   the module docstring
@@ -34,11 +35,12 @@ CATEGORIES = ("technique", "measure", "checkpoint", "validation", "check", "docs
 # Sorting a statement by its text: the first category whose pattern matches (in this order) wins.
 PATTERNS = {
     "validation": r"\bfail\(|\braise\s+\w*(Error|Exception)\b|\bcheck(_\w+)?_args\(",
-    "check": r"check_against_reference\(|\breference_train\(|\bassemble_full\(|\bgather_rows\(|\bargs\.check\b",
+    "check": r"check_against_reference\(|\breference_train\(|\bassemble_full\(|\bgather_rows\(|"
+             r"\bargs\.check\b",
     "checkpoint": r"\bRun\(|\bCheckpointer\(|\bmaybe_fail\(|_extra_state\b|\bstate_dict\(|\bckpt\b|"
                   r"\brefuse_checkpoint\(",
-    "measure": r"\bCommCounter\(|\bmeter\.|\bCOMM\.|\.handed\(|count_saved|\bstats\[|\bperf_counter|\bEvent\(|"
-               r"\bStepTimer\(|\bTimeline\(|\bHeldForB\(|\bLiveStorages\(|\bSavedActivations\(|"
+    "measure": r"\bCommCounter\(|\bmeter\.|\bCOMM\.|\.handed\(|count_saved|\bstats\[|\bperf_counter|"
+               r"\bEvent\(|\bStepTimer\(|\bTimeline\(|\bHeldForB\(|\bLiveStorages\(|\bSavedActivations\(|"
                r"\bSentCopies\(|\bjson\.|\bwrite_summary\(|\bpeak_memory_bytes\(|\bstate_bytes\(|"
                r"\bobserve\(|\bobserve\s*=\s*observe\b|\.observe\s*=|\.phase\(|\bd\.log\(|\blog_step\(|"
                r"\bprint\(|\brun\.(watching|end_step|finish)\b|\breport\(|_figures\(|\bwrite_trace\(",
@@ -82,7 +84,8 @@ def classify(text):
     def compound(node, default):
         first = node.body[0].lineno - 1
         head = by_text(src(node.lineno, first), default)
-        if isinstance(node, ast.If) and all(by_text(src(n.lineno, n.end_lineno)) == "validation" for n in node.body):
+        guards = all(by_text(src(n.lineno, n.end_lineno)) == "validation" for n in node.body)
+        if isinstance(node, ast.If) and guards:
             head = "validation"  # an `if` that guards a failure
         if isinstance(node, ast.If) and head != default:  # `if args.check:`, a guarded failure: all of it
             put(node.lineno, node.end_lineno, head)

@@ -1,6 +1,6 @@
-"""Every command printed in README.md and docs/*.md runs as printed, as far as can be checked without training:
-the file exists, torchrun's own flags parse (torch's torchrun parser), the script's flags parse with its Args
-(harness.parse_args) and its argument checks accept them at the printed world size (--nnodes x
+"""Every command printed in README.md and docs/*.md runs as printed, as far as can be checked without
+training: the file exists, torchrun's own flags parse (torch's torchrun parser), the script's flags parse with
+its Args (harness.parse_args) and its argument checks accept them at the printed world size (--nnodes x
 --nproc_per_node; 1 for plain `python`). In process, without a launch: the script's main() runs with sys.argv
 and WORLD_SIZE set as torchrun would set them, and stops the moment its check_args returns (a refusal is the
 SystemExit(2) of `common.fail`). Training is what the per-file tests launch; the README's first command is
@@ -38,7 +38,8 @@ def commands_in(text):
 
 def printed_commands():
     pages = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
-    return [(page.relative_to(ROOT).as_posix(), cmd) for page in pages for cmd in commands_in(page.read_text())]
+    return [(page.relative_to(ROOT).as_posix(), cmd) for page in pages
+            for cmd in commands_in(page.read_text())]
 
 
 class Accepted(Exception):
@@ -82,14 +83,14 @@ def accepts(script, argv, world, local=None):
         return f"{script}: no such file"
     if path.suffix == ".sh":
         words = set(re.findall(r"--[\w-]+", " ".join(argv)))
-        text = path.read_text() + "".join((ROOT / f).read_text() for f in re.findall(r"[\w/]+\.py", path.read_text())
-                                          if (ROOT / f).is_file())
+        named = [ROOT / f for f in re.findall(r"[\w/]+\.py", path.read_text())]  # what the script runs
+        text = path.read_text() + "".join(f.read_text() for f in named if f.is_file())
         syntax = subprocess.run(["bash", "-n", str(path)], capture_output=True, text=True)
         missing = [w for w in words if w not in text]
         return (syntax.returncode and syntax.stderr) or (missing and f"{script}: no flag {missing}") or None
     module, checks = load(path)
     if not checks:  # a helper script: its flags must at least appear in it
-        missing = [w for w in re.findall(r"--[\w-]+", " ".join(argv)) if w.split("=")[0] not in path.read_text()]
+        missing = [w for w in re.findall(r"--[\w-]+", " ".join(argv)) if w not in path.read_text()]
         return missing and f"{script}: no flag {missing}" or None
     env = dict(WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(local or world), RANK="0", LOCAL_RANK="0")
     saved_env, saved_argv, err = {k: os.environ.get(k) for k in env}, sys.argv, io.StringIO()
@@ -103,7 +104,8 @@ def accepts(script, argv, world, local=None):
     except Accepted:
         return None
     except SystemExit as e:
-        return f"{script} {' '.join(argv)}: refused at world {world} (exit {e.code}): {err.getvalue().strip()}"
+        why = err.getvalue().strip()
+        return f"{script} {' '.join(argv)}: refused at world {world} (exit {e.code}): {why}"
     finally:
         sys.argv = saved_argv
         for k, v in saved_env.items():
@@ -144,7 +146,8 @@ def test_the_reader_finds_the_commands():
     not prose; and the docs print commands for every technique file."""
     sample = ("Run `torchrun --nproc_per_node=2 dp.py --check` or `python` alone.\n```bash\n"
               "$ OMP_NUM_THREADS=1 python plan.py --model gpt3-6.7b \\\n  --nodes 1   # a comment\n"
-              "srun -N 2 bash -c 'torchrun --nnodes=2 --nproc_per_node=4 dp.py'\nplan (predictions): ...\n```\n")
+              "srun -N 2 bash -c 'torchrun --nnodes=2 --nproc_per_node=4 dp.py'\n"
+              "plan (predictions): ...\n```\n")
     assert commands_in(sample) == ["torchrun --nproc_per_node=2 dp.py --check",
                                    "python plan.py --model gpt3-6.7b    --nodes 1",
                                    "srun -N 2 bash -c 'torchrun --nnodes=2 --nproc_per_node=4 dp.py'"]
@@ -166,11 +169,11 @@ def test_the_check_catches_what_it_is_for():
     assert "refused at world 3" in runs_as_printed("torchrun --nproc_per_node=3 gpipe.py --batch-size 8 "
                                                    "--microbatches 3")  # 8 sequences in 3 micro-batches
     assert "refused at world 1" in runs_as_printed("python gpipe.py --check")  # needs a process per stage
-    assert "world 8" in runs_as_printed("torchrun --nnodes=2 --nproc_per_node=4 gpipe.py")  # 8 stages, 4 blocks
+    assert "world 8" in runs_as_printed("torchrun --nnodes=2 --nproc_per_node=4 gpipe.py")  # 4 layers only
     assert "no flag" in runs_as_printed("bash tests/gpu_check.sh --gpus")
     assert "no path" in runs_as_printed("python -m pytest -q tests/test_nothing.py")
     page = "Pipelines:\n```bash\ntorchrun --nproc_per_node=4 gpipe.py --microbatchs 8 --check\n```\n"
-    assert [runs_as_printed(c) for c in commands_in(page)] != [None]  # from a page, as the test below reads it
+    assert [runs_as_printed(c) for c in commands_in(page)] != [None]  # read from a page, as below
 
 
 @pytest.mark.parametrize("page,cmd", printed_commands(), ids=lambda x: x if x.endswith(".md") else x[:60])
@@ -189,7 +192,8 @@ def links_in(page):
 def test_links_resolve(tmp_path):
     """Every page the README and docs/ link to exists (a link to a missing page is caught)."""
     (tmp_path / "tests.md").write_text("")
-    (sample := tmp_path / "sample.md").write_text("[ok](tests.md) [web](https://pytorch.org) [gone](no.md#x)\n")
+    sample = tmp_path / "sample.md"
+    sample.write_text("[ok](tests.md) [web](https://pytorch.org) [gone](no.md#x)\n")
     assert links_in(sample) == ["no.md"]
     pages = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
     broken = {p.relative_to(ROOT).as_posix(): links_in(p) for p in pages}

@@ -43,12 +43,12 @@ def test_no_object_collectives():
     assert not hits, hits
 
 
-# --------------------------------------------------------------------------- the shape of the files (DESIGN.md)
+# ------------------------------------------------------------------------- the shape of the files (DESIGN.md)
 TECHNIQUES = ["dp.py", "ddp_bucketed.py", "diloco.py", "fault_tolerance.py", "zero.py", "memory_savers.py",
               "gpipe.py", "pipedream.py", "zero_bubble.py", "megatron_tp.py", "ptdp.py", "moe.py",
               "context_parallel.py"]
-# Read path: the lines from the end of the module docstring to the `# --- measurement ---` fence, what a learner
-# reads (issue 29: <= 400, <= 460 for the three files that teach the most).
+# Read path: the lines from the end of the module docstring to the `# --- measurement ---` fence, what a
+# learner reads (issue 29: <= 400, <= 460 for the three files that teach the most).
 READ_PATH = {**{name: 400 for name in TECHNIQUES}, "megatron_tp.py": 460, "ptdp.py": 460, "moe.py": 460}
 # Whole-file ceilings against drift for the shared modules and tools (about today's size + room; plan.py grows
 # with issue 32).
@@ -82,7 +82,7 @@ def too_wide(text, cols=110):
 
 
 def measurement_fence(text):
-    """0-based index of the `# --- measurement ---` line, or None. The read path and the fence rule end here."""
+    """Index of the `# --- measurement ---` line, or None: the read path and the fence rule end here."""
     return next((i for i, l in enumerate(text.splitlines()) if FENCE.match(l) and "measurement" in l), None)
 
 
@@ -94,8 +94,8 @@ def read_path(text):
 
 
 def leaks(text):
-    """Bookkeeping above the measurement fence outside main(): (line number, rule, line) for each hit. Comments,
-    docstrings and main() are skipped; everything else above the fence is the lesson."""
+    """Bookkeeping above the measurement fence outside main(): (line number, rule, line) for each hit.
+    Comments, docstrings and main() are skipped; everything else above the fence is the lesson."""
     lines, tree = text.splitlines(), ast.parse(text)
     fence = measurement_fence(text)
     skip = {i for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "main"
@@ -113,9 +113,9 @@ def leaks(text):
 
 def test_files_keep_their_shape():
     """No line past 110 columns in the repo's own files; every technique file's read path and every shared
-    module within its ceiling; each technique file fenced, its measurement fence first, with no counter, timer,
-    observer, log line, Run, checkpoint or check call above the fence except in main() (the technique comes
-    first); no technique file imports another. Each rule catches what it is for (samples below)."""
+    module within its ceiling; each technique file fenced, its measurement fence first, with no counter,
+    timer, observer, log line, Run, checkpoint or check call above the fence except in main() (the technique
+    comes first); no technique file imports another. Each rule catches what it is for (samples below)."""
     assert too_wide("x" * 111) == [1] and not too_wide("x" * 110)
     fence = "# --- measurement ---\n"
     for name, (pattern, hit, miss) in RULES.items():
@@ -155,12 +155,12 @@ def test_files_keep_their_shape():
 
 
 def test_readme_is_read_in_five_minutes():
-    """The README is the front door (<= 200 lines); everything else lives in docs/ and the files' docstrings."""
+    """The README is the front door (<= 200 lines); the rest lives in docs/ and the files' docstrings."""
     n = len((ROOT / "README.md").read_text().splitlines())
     assert n <= README_LINES, f"README.md: {n} lines > {README_LINES}"
 
 
-# --------------------------------------------------------------------------- tests/line_counts.py, on a sample
+# ------------------------------------------------------------------------- tests/line_counts.py, on a sample
 LINE_SAMPLE = [  # (expected category, line): each category, and the places the old count went wrong
     ("docstring", '"""A ring: send right, receive from the left."""'),
     ("boilerplate", "import torch"),
@@ -222,10 +222,10 @@ LINE_SAMPLE = [  # (expected category, line): each category, and the places the 
 
 
 def test_line_counts_sorts_a_sample_by_what_each_line_does(monkeypatch):
-    """tests/line_counts.py puts every line of a sample file in its category (a log line or a Run inside main()
-    is not technique, a guarded failure in a technique class is validation, a comment goes with its line, the
-    fenced sections by their fence); with any one of its rules switched off it misplaces a sample line (the
-    mutants), so each rule is needed and the sample shows it."""
+    """tests/line_counts.py puts every line of a sample file in its category (a log line or a Run inside
+    main() is not technique, a guarded failure in a technique class is validation, a comment goes with its
+    line, the fenced sections by their fence); with any one of its rules switched off it misplaces a sample
+    line (the mutants), so each rule is needed and the sample shows it."""
     import line_counts
     fence = "# --- measurement ---"
     text = "\n".join(line for _, line in LINE_SAMPLE) + "\n"
