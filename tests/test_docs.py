@@ -5,7 +5,7 @@ its Args (harness.parse_args) and its argument checks accept them at the printed
 and WORLD_SIZE set as torchrun would set them, and stops the moment its check_args returns (a refusal is the
 SystemExit(2) of `common.fail`). Training is what the per-file tests launch; the README's first command is
 launched for real in test_repo.py."""
-import contextlib, functools, importlib.util, inspect, io, os, re, shlex, subprocess, sys
+import ast, contextlib, functools, importlib.util, inspect, io, os, re, shlex, subprocess, sys
 from unittest import mock
 from pathlib import Path
 
@@ -40,6 +40,16 @@ def printed_commands():
     pages = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
     return [(page.relative_to(ROOT).as_posix(), cmd) for page in pages
             for cmd in commands_in(page.read_text())]
+
+
+def docstring_commands():
+    """The indented command lines of each script's module docstring (its "commands" part, DESIGN.md)."""
+    found = []
+    for path in sorted(ROOT.glob("*.py")):
+        doc = re.sub(r"\\\n\s*", " ", ast.get_docstring(ast.parse(path.read_text())) or "")
+        found += [(path.name, c) for l in doc.splitlines() if re.match(r"\s+(torchrun|python3?|bash)\s", l)
+                  for c in commands_in(f"`{l.strip()}`")]
+    return found
 
 
 class Accepted(Exception):
@@ -135,7 +145,8 @@ def runs_as_printed(cmd):
         return accepts(t.training_script, t.training_script_args, nodes * local, local)
     if rest[:1] == ["-m"]:  # python -m venv DIR / python -m pytest PATHS
         if rest[1] == "pytest":
-            paths = [w for w in rest[2:] if not w.startswith("-")]
+            paths = [w for i, w in enumerate(rest[2:]) if not w.startswith("-")
+                     and not (i and rest[1 + i] in ("-k", "-m", "-o", "-p"))]  # not an option's value
             return next((f"no path {p}" for p in paths if not (ROOT / p.split("::")[0]).exists()), None)
         return None if rest[1] == "venv" else f"python -m {rest[1]}: not a command this repo prints"
     return accepts(rest[0], rest[1:], 1)
@@ -198,3 +209,10 @@ def test_links_resolve(tmp_path):
     pages = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
     broken = {p.relative_to(ROOT).as_posix(): links_in(p) for p in pages}
     assert not {k: v for k, v in broken.items() if v}, broken
+
+
+@pytest.mark.parametrize("script,cmd", docstring_commands(), ids=lambda x: x if x.endswith(".py") else x[:60])
+def test_docstring_command_runs_as_printed(script, cmd):
+    """The same check for the commands a file's docstring prints: the reader meets them first."""
+    why = runs_as_printed(cmd)
+    assert why is None, f"{script} docstring: `{cmd}`: {why}"
