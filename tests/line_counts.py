@@ -36,14 +36,15 @@ CATEGORIES = ("technique", "measure", "checkpoint", "validation", "check", "docs
 PATTERNS = {
     "validation": r"\bfail\(|\braise\s+\w*(Error|Exception)\b|\bcheck(_\w+)?_args\(",
     "check": r"check_against_reference\(|\breference_train\(|\bassemble_full\(|\bgather_rows\(|"
-             r"\bargs\.check\b",
+             r"\bargs\.check\b|^\s*check = None$",
     "checkpoint": r"\bRun\(|\bCheckpointer\(|\bmaybe_fail\(|_extra_state\b|\bstate_dict\(|\bckpt\b|"
                   r"\brefuse_checkpoint\(",
     "measure": r"\bCommCounter\(|\bmeter\.|\bCOMM\.|\.handed\(|count_saved|\bstats\[|\bperf_counter|"
                r"\bEvent\(|\bStepTimer\(|\bTimeline\(|\bHeldForB\(|\bLiveStorages\(|\bSavedActivations\(|"
                r"\bSentCopies\(|\bjson\.|\bwrite_summary\(|\bpeak_memory_bytes\(|\bstate_bytes\(|"
                r"\bobserve\(|\bobserve\s*=\s*observe\b|\.observe\s*=|\.phase\(|\bd\.log\(|\blog_step\(|"
-               r"\bprint\(|\brun\.(watching|end_step|finish)\b|\breport\(|_figures\(|\bwrite_trace\(",
+               r"\bprint\(|\brun\.(watching|end_step|finish)\b|\breport\(|_figures\(|\bfigures\b|"
+               r"\bwrite_trace\(",
     "boilerplate": r"\bparse_args\(|\binit_dist\(|\bMarkovData\(|\bbuild_gpt\(|\bclose_dist\(|"
                    r"\benv_world_size\(",
 }
