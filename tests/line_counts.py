@@ -1,84 +1,175 @@
-"""Lines of each technique file by section, as the README and the session notes report them:
+"""How much of each technique file is the technique, each line sorted by what it does (the rules of
+shared/reviews/reading-review-2.md, section 1):
 
-    python tests/line_counts.py            # one row per file
+    python tests/line_counts.py            # one row per file: docs/lines.md holds the table
+    python tests/line_counts.py -v dp.py   # and every line of dp.py with its category
 
-Non-blank lines only. Sections, by the file's own shape (DESIGN.md):
+Categories (non-blank lines; a comment line takes the category of the code line it stands above):
+    technique   what the reader came for: the technique's classes and functions, their docstrings and
+                comments, and the lines of main() that build and drive it (the batch, zero_grad, the step,
+                the sync, clipping, the optimizer step)
+    measure     counters, timers, observer callbacks, log lines, the report and summary, `run.watching` /
+                `run.end_step` / `run.finish`, and the `# --- measurement ---` section
+    checkpoint  `Run(...)`, checkpoints, `maybe_fail`, state_dict / extra-state methods, the checkpoint
+                section
+    validation  check_args() and every `fail(...)` / `raise ...Error` with the `if` that guards it
+    check       the --check call sites, gathering for the check, the `# --- reference for --check ---` section
     docstring   the module docstring
-    setup       imports, module constants and the Args dataclass (everything before the first technique def)
-    technique   every top-level def / class (and the lines between them) after Args and before check_args()
-                or main(), comments and shape notes included
-    checks      check_args(), the argument checks (bad input: one line, exit 2)
-    main        main(): build, the training loop, report, check
-    end         the fenced sections `# --- measurement ---`, `# --- reference for --check ---` (from the first
-                fence on, wherever it stands, main excepted) and every def after main
-share = (technique + main) / all non-docstring lines: what a reader of the lesson reads."""
+    boilerplate imports, section headers, the Args dataclass, parse / init / data / model set-up lines,
+                `if __name__ == "__main__"`
+A line is sorted by its statement's text, wherever it stands: a log line inside a technique class is
+measurement, a checkpoint call inside main() is checkpoint. Compound statements are sorted by their header,
+their bodies line by line; an `if` guarding only a failure is validation, an `if args.check:` block is check.
+read path = lines from the end of the module docstring to the measurement fence (what tests/test_repo.py
+limits); share = technique / (non-blank lines - docstring).
+The classifier reads text, so it cannot see intent: an attribute kept only for a watcher (`.computed`,
+`layout()`) counts as technique unless its line names a counter; the review's hand count is the arbiter."""
 import ast, re, sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-FILES = ["dp.py", "ddp_bucketed.py", "gpipe.py", "pipedream.py", "megatron_tp.py", "ptdp.py", "moe.py", "zero.py",
+FILES = ["dp.py", "ddp_bucketed.py", "diloco.py", "fault_tolerance.py", "zero.py", "memory_savers.py",
+         "gpipe.py", "pipedream.py", "zero_bubble.py", "megatron_tp.py", "ptdp.py", "moe.py",
          "context_parallel.py"]
+CATEGORIES = ("technique", "measure", "checkpoint", "validation", "check", "docstring", "boilerplate")
+# Sorting a statement by its text: the first category whose pattern matches (in this order) wins.
+PATTERNS = {
+    "validation": r"\bfail\(|\braise\s+\w*(Error|Exception)\b|\bcheck(_\w+)?_args\(",
+    "check": r"check_against_reference\(|\breference_train\(|\bassemble_full\(|\bgather_rows\(|"
+             r"\bargs\.check\b|^\s*check = None$",
+    "checkpoint": r"\bRun\(|\bCheckpointer\(|\bmaybe_fail\(|_extra_state\b|\bstate_dict\(|\bckpt\b|"
+                  r"\brefuse_checkpoint\(",
+    "measure": r"\bCommCounter\(|\bmeter\.|\bCOMM\.|\.handed\(|count_saved|\bstats\[|\bperf_counter|"
+               r"\bEvent\(|\bStepTimer\(|\bTimeline\(|\bHeldForB\(|\bLiveStorages\(|\bSavedActivations\(|"
+               r"\bSentCopies\(|\bjson\.|\bwrite_summary\(|\bpeak_memory_bytes\(|\bstate_bytes\(|"
+               r"\bobserve\(|\bobserve\s*=\s*observe\b|\.observe\s*=|\.phase\(|\bd\.log\(|\blog_step\(|"
+               r"\bprint\(|\brun\.(watching|end_step|finish)\b|\breport\(|_figures\(|\bfigures\b|"
+               r"\bwrite_trace\(",
+    "boilerplate": r"\bparse_args\(|\binit_dist\(|\bMarkovData\(|\bbuild_gpt\(|\bclose_dist\(|"
+                   r"\benv_world_size\(",
+}
+WHOLE_DEF = {"checkpoint": r"^(state_dict|load_state_dict|get_extra_state|set_extra_state)$",
+             "validation": r"^check(_\w+)?_args$", "boilerplate": r"^Args$"}
+FENCES = {"measurement": "measure", "reference": "check", "checkpoint": "checkpoint"}
+FENCE = re.compile(r"# -+ *(measurement|reference|checkpoint)")
 
 
-def sections(path):
-    text = Path(path).read_text()
-    lines = text.splitlines()
-    tree = ast.parse(text)
-    label = ["setup"] * len(lines)
+def by_text(text, default="technique"):
+    code = "\n".join(re.sub(r"\s#\s.*$|^\s*#.*$", "", l) for l in text.splitlines())  # comments say, not do
+    return next((cat for cat, pattern in PATTERNS.items() if re.search(pattern, code)), default)
+
+
+def classify(text):
+    """One category per line of a technique file (blank lines: None)."""
+    lines, tree = text.splitlines(), ast.parse(text)
+    label = [None] * len(lines)
+
+    def src(a, b):  # lines a..b, 1-based inclusive
+        return "\n".join(lines[a - 1:b])
+
+    def put(a, b, cat):
+        for i in range(a - 1, b):
+            label[i] = cat
+
+    def block(body, default):
+        for node in body:
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                definition(node)
+            elif isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant):  # a docstring
+                put(node.lineno, node.end_lineno, default)
+            elif isinstance(getattr(node, "body", None), list):  # if / for / while / with / try
+                compound(node, default)
+            else:
+                put(node.lineno, node.end_lineno, by_text(src(node.lineno, node.end_lineno), default))
+
+    def compound(node, default):
+        first = node.body[0].lineno - 1
+        head = by_text(src(node.lineno, first), default)
+        guards = all(by_text(src(n.lineno, n.end_lineno)) == "validation" for n in node.body)
+        if isinstance(node, ast.If) and guards:
+            head = "validation"  # an `if` that guards a failure
+        if isinstance(node, ast.If) and head != default:  # `if args.check:`, a guarded failure: all of it
+            put(node.lineno, node.end_lineno, head)
+            return
+        put(node.lineno, first, head)
+        for part in ("body", "orelse", "finalbody"):
+            block(getattr(node, part, []), default)
+        for handler in getattr(node, "handlers", []):
+            put(handler.lineno, handler.body[0].lineno - 1, default)
+            block(handler.body, default)
+
+    def definition(node):
+        start, cat = node.lineno - len(node.decorator_list), next(
+            (c for c, pattern in WHOLE_DEF.items() if re.match(pattern, node.name)), None)
+        if cat:  # check_args, Args, a checkpoint method: the whole definition
+            put(start, node.end_lineno, cat)
+            return
+        head = src(start, node.body[0].lineno - 1)
+        put(start, node.body[0].lineno - 1, "boilerplate" if node.name == "main" else by_text(head))
+        block(node.body, "technique")
+
+    fence = next((i for i, l in enumerate(lines) if FENCE.match(l)), len(lines))
+    main = next((n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "main"), None)
+    body = list(tree.body)
+    if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+        put(body[0].lineno, body[0].end_lineno, "docstring")
+        body = body[1:]
+    for node in body:
+        if isinstance(node, (ast.Import, ast.ImportFrom)) or (
+                isinstance(node, ast.If) and "__name__" in src(node.lineno, node.lineno)):
+            put(node.lineno, node.end_lineno, "boilerplate")
+        elif node.lineno - 1 < fence or node is main:
+            block([node], "technique")
+    section = None
+    for i, l in enumerate(lines):  # the fenced sections, main() and `if __name__` excepted
+        if m := FENCE.match(l):
+            section = FENCES[m.group(1)]
+        in_main = main is not None and main.lineno - 1 - len(main.decorator_list) <= i < main.end_lineno
+        if section and not in_main and label[i] != "boilerplate":
+            label[i] = section
+    for i in range(len(lines) - 1, -1, -1):  # a comment takes the category of the line below it
+        if not lines[i].strip():
+            label[i] = None
+        elif lines[i].lstrip().startswith("#") and label[i] is None:
+            header = not lines[i].startswith((" ", "\t")) and re.match(r"# -{3,}", lines[i])
+            below = next((label[j] for j in range(i + 1, len(lines)) if label[j] is not None), "boilerplate")
+            label[i] = "boilerplate" if header else below
+    for i in range(len(lines)):  # `else:`, `try:` and the like: the category of the line above
+        if label[i] is None and lines[i].strip():
+            label[i] = next((label[j] for j in range(i - 1, -1, -1) if label[j] is not None), "boilerplate")
+    return label
+
+
+def read_path(text):
+    """Lines from the end of the module docstring to the `# --- measurement ---` fence."""
+    lines, tree = text.splitlines(), ast.parse(text)
     doc = tree.body[0] if tree.body and isinstance(tree.body[0], ast.Expr) else None
-    if doc is not None:
-        for i in range(doc.lineno - 1, doc.end_lineno):
-            label[i] = "docstring"
-    nodes = [n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))]
-    args = next((n for n in nodes if n.name == "Args"), None)
-    first_def = next((n for n in nodes if n is not args and (args is None or n.lineno > args.lineno)), None)
-    main = next((n for n in nodes if n.name == "main"), None)
-    checks = next((n for n in nodes if n.name == "check_args"), None)
-    stop = min(x.lineno for x in (main, checks) if x is not None) if (main or checks) else len(lines) + 1
-    start = (first_def.lineno - len(first_def.decorator_list)) if first_def else stop
-    # comments just above the first technique def belong to it
-    while start > 1 and lines[start - 2].lstrip().startswith("#"):
-        start -= 1
-    for i in range(start - 1, stop - 1):
-        label[i] = "technique"
-    for node, name in ((checks, "checks"), (main, "main")):
-        if node is not None:
-            for i in range(node.lineno - 1 - len(node.decorator_list), node.end_lineno):
-                label[i] = name
-    after = max((n.end_lineno for n in (main, checks) if n is not None), default=len(lines))
-    for i in range(after, len(lines)):
-        if label[i] == "setup" and not lines[i].startswith("if __name__"):
-            label[i] = "end"
-    fence = next((i for i, l in enumerate(lines) if re.match(r"# -+ *(measurement|reference)", l)), None)
-    if fence is not None:  # everything from the first fence on is an end section (main excepted)
-        for i in range(fence, len(lines)):
-            if label[i] != "main":
-                label[i] = "end"
-    for n in nodes:  # defs after main are the fenced end sections
-        if main is not None and n.lineno > main.end_lineno:
-            for i in range(n.lineno - 1 - len(getattr(n, "decorator_list", [])), n.end_lineno):
-                label[i] = "end"
-    counts = {k: 0 for k in ("docstring", "setup", "technique", "checks", "main", "end")}
-    for l, lab in zip(lines, label):
-        if l.strip():
-            counts[lab] += 1
-    return len(lines), counts
+    fence = next((i for i, l in enumerate(lines) if FENCE.match(l) and "measurement" in l), len(lines))
+    return fence + 1 - (doc.end_lineno if doc else 0)
+
+
+def row_of_text(text, name=""):
+    labels = classify(text)
+    counts = {c: labels.count(c) for c in CATEGORIES}
+    body = sum(counts.values()) - counts["docstring"]
+    return dict(file=name, lines=len(text.splitlines()), read_path=read_path(text), **counts,
+                share=counts["technique"] / max(body, 1))
 
 
 def table(files=FILES):
-    rows = []
-    for f in files:
-        if (ROOT / f).exists():
-            total, c = sections(ROOT / f)
-            body = sum(c.values()) - c["docstring"]
-            rows.append((f, total, c, (c["technique"] + c["main"]) / max(body, 1)))
-    return rows
+    return [row_of_text((ROOT / f).read_text(), f) for f in files if (ROOT / f).exists()]
 
 
 if __name__ == "__main__":
-    files = sys.argv[1:] or FILES
-    print("| file | lines | docstring | setup | technique | checks | main | end | share |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
-    for f, total, c, share in table(files):
-        print(f"| {f} | {total} | {c['docstring']} | {c['setup']} | {c['technique']} | {c['checks']} | {c['main']} | "
-              f"{c['end']} | {share:.0%} |")
+    verbose = "-v" in sys.argv
+    files = [a for a in sys.argv[1:] if a != "-v"] or FILES
+    if verbose:
+        for f in files:
+            text = (ROOT / f).read_text()
+            for n, (l, cat) in enumerate(zip(text.splitlines(), classify(text)), 1):
+                print(f"{n:4} {cat or '':11} {l}")
+    cols = ("lines", "read_path", *CATEGORIES)
+    print("| file | lines | read path | " + " | ".join(CATEGORIES) + " | share |")
+    print("|---|" + "---:|" * (len(cols) + 1))
+    for r in table(files):
+        print(f"| {r['file']} | " + " | ".join(str(r[c]) for c in cols) + f" | {r['share']:.0%} |")

@@ -43,51 +43,207 @@ def test_no_object_collectives():
     assert not hits, hits
 
 
-# --------------------------------------------------------------------------- the shape of the files (DESIGN.md)
-TECHNIQUES = ["dp.py", "ddp_bucketed.py", "gpipe.py", "pipedream.py", "megatron_tp.py", "ptdp.py", "moe.py",
-              "zero.py", "context_parallel.py"]
-BOOKKEEPING = re.compile(r"\bmeter\.|COMM\.|perf_counter|Event\(|json\.|stats\[|\.handed\(|count_saved|"
-                         r"CommCounter\(|Timeline\(|StepTimer\(|Checkpointer\(|write_summary\(")
-# Ceilings against drift, at about today's sizes (issue 20 aimed at 450, 550 for the files that teach several
-# things, 300 for common.py, 500 for bench.py; the files that are above say why in the README's file table).
-LIMITS = {"dp.py": 500, "ddp_bucketed.py": 500, "gpipe.py": 450, "pipedream.py": 750, "megatron_tp.py": 640,
-          "ptdp.py": 720, "moe.py": 730, "zero.py": 970, "context_parallel.py": 480, "common.py": 300,
-          "harness.py": 900, "bench.py": 640, "plan.py": 600}
+# ------------------------------------------------------------------------- the shape of the files (DESIGN.md)
+TECHNIQUES = ["dp.py", "ddp_bucketed.py", "diloco.py", "fault_tolerance.py", "zero.py", "memory_savers.py",
+              "gpipe.py", "pipedream.py", "zero_bubble.py", "megatron_tp.py", "ptdp.py", "moe.py",
+              "context_parallel.py"]
+# Read path: the lines from the end of the module docstring to the `# --- measurement ---` fence, what a
+# learner reads (issue 29: <= 400, <= 460 for the three files that teach the most).
+READ_PATH = {**{name: 400 for name in TECHNIQUES}, "megatron_tp.py": 460, "ptdp.py": 460, "moe.py": 460}
+# Whole-file ceilings against drift for the shared modules and tools (about today's size + room; plan.py grows
+# with issue 32).
+TOTAL = {"common.py": 300, "harness.py": 900, "bench.py": 700, "plan.py": 1100}
+README_LINES = 200
+# What may not stand above a technique file's measurement fence outside main(): name -> (pattern, a line it
+# must catch, a near miss it must let through). Bookkeeping is measurement, logging, checkpointing and the
+# --check verdict; the technique exposes plain attributes or return values and is watched from outside.
+RULES = {
+    "counter": (r"\bCommCounter\(|\bmeter\.|\bCOMM\.|\.handed\(|count_saved|\bstats\[|"
+                r"\b(LiveStorages|SavedActivations|HeldForB)\(", "comm = CommCounter()", "commit = True"),
+    "timer": (r"perf_counter|\bEvent\(|\bStepTimer\(|\bTimeline\(", "t0 = time.perf_counter()",
+              "timeline_len = 3"),
+    "summary": (r"\bjson\.|write_summary\(|peak_memory_bytes\(", "json.dump(x, f)", "args.json_path"),
+    "observer": (r"\bobserve\b", 'observe("F", i)', "observed = x"),
+    "phase": (r"\bcomm\.phase\b|\.phase\(", 'phase = comm.phase("step")', "phases = 2"),
+    "log line": (r"\bd\.log\(|\blog_step\(", 'd.log(f"step {s}")', "d.logits = y"),
+    "run": (r"\bRun\(|\brun\.(watching|end_step|finish|steps)\b", "run = Run(d, args, state)",
+            "runner.run(ops)"),
+    "checkpoint": (r"\bCheckpointer\(|\bmaybe_fail\(|_extra_state\(", "ckpt = Checkpointer(d, path)",
+                   "checkpoint_every = 2"),
+    "check": (r"check_against_reference\(|\breference_train\(", "check_against_reference(d, args, ls, ps)",
+              "check_args(args)"),
+}
+BOOKKEEPING = re.compile("|".join(f"(?:{pattern})" for pattern, _, _ in RULES.values()))
+FENCE = re.compile(r"# -+ *(measurement|reference|checkpoint)")
 
 
 def too_wide(text, cols=110):
     return [i + 1 for i, l in enumerate(text.splitlines()) if len(l) > cols]
 
 
-def above_fence(text):
-    """The lines of a technique file before its first `# --- measurement` / `# --- reference` fence."""
-    lines = text.splitlines()
-    fence = next((i for i, l in enumerate(lines) if re.match(r"# -+ *(measurement|reference)", l)), len(lines))
-    return lines[:fence]
+def measurement_fence(text):
+    """Index of the `# --- measurement ---` line, or None: the read path and the fence rule end here."""
+    return next((i for i, l in enumerate(text.splitlines()) if FENCE.match(l) and "measurement" in l), None)
+
+
+def read_path(text):
+    """Lines from the end of the module docstring to the measurement fence (gpipe.py at d58b272: 297 - 38)."""
+    doc = ast.parse(text).body[0]
+    doc_end = doc.end_lineno if isinstance(doc, ast.Expr) and isinstance(doc.value, ast.Constant) else 0
+    return measurement_fence(text) + 1 - doc_end
+
+
+def leaks(text):
+    """Bookkeeping above the measurement fence outside main(): (line number, rule, line) for each hit.
+    Comments, docstrings and main() are skipped; everything else above the fence is the lesson."""
+    lines, tree = text.splitlines(), ast.parse(text)
+    fence = measurement_fence(text)
+    skip = {i for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "main"
+            for i in range(n.lineno - 1 - len(n.decorator_list), n.end_lineno)}
+    skip |= {i for n in ast.walk(tree) if isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant)
+             and isinstance(n.value.value, str) for i in range(n.lineno - 1, n.end_lineno)}  # docstrings
+    hits = []
+    for i, line in enumerate(lines[:len(lines) if fence is None else fence]):
+        code = re.sub(r"\s#\s.*$|^\s*#.*$", "", line)  # a trailing or whole-line comment
+        if i not in skip and BOOKKEEPING.search(code):
+            rule = next(name for name, (pattern, _, _) in RULES.items() if re.search(pattern, code))
+            hits.append((i + 1, rule, line.strip()))
+    return hits
 
 
 def test_files_keep_their_shape():
-    """No line past 110 columns in the repo's own files; every file within its ceiling; each technique file
-    fenced, with no counter, timer, JSON or checkpoint call above its measurement fence except in main() and
-    the train_* loops it calls (the technique comes first); no technique file imports another. The rules
-    catch what they are for (samples below)."""
+    """No line past 110 columns in the repo's own files; every technique file's read path and every shared
+    module within its ceiling; each technique file fenced, its measurement fence first, with no counter,
+    timer, observer, log line, Run, checkpoint or check call above the fence except in main() (the technique
+    comes first); no technique file imports another. Each rule catches what it is for (samples below)."""
     assert too_wide("x" * 111) == [1] and not too_wide("x" * 110)
-    assert any(BOOKKEEPING.search(l) for l in above_fence("comm = CommCounter()\n# --- measurement ---\n"))
-    assert not BOOKKEEPING.search("a parameter.grad") and BOOKKEEPING.search("meter.count(x)")
-    assert not any(BOOKKEEPING.search(l) for l in above_fence("x = 1\n# --- measurement ---\nCommCounter()\n"))
+    fence = "# --- measurement ---\n"
+    for name, (pattern, hit, miss) in RULES.items():
+        assert re.search(pattern, hit) and not re.search(pattern, miss), name
+        assert leaks(f"def step(x):\n    {hit}\n{fence}") == [(2, name, hit)], name  # caught in the lesson
+        assert not leaks(f"def main():\n    {hit}\n{fence}{hit}\n"), name  # main() and below the fence may
+        assert not leaks(f'def step(x):\n    """{hit}"""\n    {miss}  # {hit}\n    # {hit}\n{fence}'), name
+    sample = '"""doc\n"""\nimport torch\n\n\ndef f():\n    pass\n# --- measurement ---\nx = 1\n'
+    assert read_path(sample) == 6 and measurement_fence("# --- reference ---\n" + fence) == 1
     wide = {f.name: too_wide(f.read_text()) for f in ROOT.glob("*.py")}  # the files a reader reads
     assert not {k: v for k, v in wide.items() if v}, {k: v[:5] for k, v in wide.items() if v}
-    for name, limit in LIMITS.items():
+    for name, limit in TOTAL.items():
         n = len((ROOT / name).read_text().splitlines())
         assert n <= limit, f"{name}: {n} lines > {limit}"
+    problems = []
     for name in TECHNIQUES:
+        if not (ROOT / name).is_file():
+            problems.append(f"{name}: missing")
+            continue
         text = (ROOT / name).read_text()
-        assert re.search(r"^# -+ *measurement", text, re.M), f"{name} has no '# --- measurement ---' fence"
-        loops = {i for n in ast.parse(text).body if isinstance(n, ast.FunctionDef)
-                 and (n.name == "main" or n.name.startswith("train_")) for i in range(n.lineno - 1, n.end_lineno)}
-        leaks = [l.strip() for i, l in enumerate(above_fence(text)) if i not in loops and BOOKKEEPING.search(l)
-                 and not l.lstrip().startswith("#")]
-        assert not leaks, f"{name}: bookkeeping in the technique section: {leaks[:5]}"
+        at = measurement_fence(text)
+        if at is None:
+            problems.append(f"{name} has no '# --- measurement ---' fence")
+            continue
+        first = next(i for i, l in enumerate(text.splitlines()) if FENCE.match(l))
+        if first != at:
+            problems.append(f"{name}: a fence above '# --- measurement ---' (line {first + 1})")
+        if read_path(text) > READ_PATH[name]:
+            problems.append(f"{name}: read path {read_path(text)} > {READ_PATH[name]}")
+        if leaks(text):
+            problems.append(f"{name}: bookkeeping above the fence outside main(): {leaks(text)[:4]}")
         others = [t[:-3] for t in TECHNIQUES if t != name]
         imports = re.findall(r"^\s*(?:from|import)\s+(\w+)", text, re.M)
-        assert not set(imports) & set(others), f"{name} imports {set(imports) & set(others)}"
+        if set(imports) & set(others):
+            problems.append(f"{name} imports {set(imports) & set(others)}")
+    assert not problems, "\n".join(problems)
+
+
+def test_readme_is_read_in_five_minutes():
+    """The README is the front door (<= 200 lines); the rest lives in docs/ and the files' docstrings."""
+    n = len((ROOT / "README.md").read_text().splitlines())
+    assert n <= README_LINES, f"README.md: {n} lines > {README_LINES}"
+
+
+# ------------------------------------------------------------------------- tests/line_counts.py, on a sample
+LINE_SAMPLE = [  # (expected category, line): each category, and the places the old count went wrong
+    ("docstring", '"""A ring: send right, receive from the left."""'),
+    ("boilerplate", "import torch"),
+    ("boilerplate", "from harness import CommCounter, Run, fail, parse_args"),
+    (None, ""), (None, ""),
+    ("boilerplate", "@dataclass"),
+    ("boilerplate", "class Args:"),
+    ("boilerplate", "    steps: int = 2  # optimizer steps"),
+    (None, ""), (None, ""),
+    ("boilerplate", "# ----------------------------------------------------------------- the technique"),
+    ("technique", "class Ring:"),
+    ("technique", '    """One shift per step."""'),
+    ("technique", "    def __init__(self, n):"),
+    ("validation", "        if n < 2:"),
+    ("validation", '            raise ValueError("a ring needs two ranks")'),
+    ("technique", "        self.n = n  # ranks"),
+    ("measure", "        # bytes, for the report"),
+    ("measure", "        self.meter = CommCounter()"),
+    (None, ""),
+    ("technique", "    def step(self, x, observe=None):"),
+    ("measure", '        with observe("F", 0):'),
+    ("technique", "            y = x.roll(1)"),
+    ("technique", "        return y"),
+    (None, ""),
+    ("checkpoint", "    def state_dict(self):"),
+    ("checkpoint", '        return {"n": self.n}'),
+    (None, ""), (None, ""),
+    ("validation", "def check_args(args):"),
+    ("validation", "    need = 1  # a step at least"),
+    ("validation", "    if args.steps < 1:"),
+    ("validation", '        fail("--steps must be >= 1")'),
+    (None, ""), (None, ""),
+    ("boilerplate", "def main():"),
+    ("boilerplate", "    args = parse_args(Args)"),
+    ("validation", "    check_args(args)"),
+    ("technique", "    ring = Ring(4)"),
+    ("checkpoint", "    run = Run(None, args, {})"),
+    ("technique", "    for step in run.steps():"),
+    ("technique", "        y = ring.step(torch.ones(2), observe=ring.meter)"),
+    ("measure", '        d.log(f"step {step}")'),
+    ("check", "    if args.check:  # the one-process reference"),
+    ("check", "        check_against_reference(None, args, [], {})"),
+    (None, ""), (None, ""),
+    ("measure", "# --- measurement ---"),
+    ("measure", "def summary(meter):"),
+    ("measure", "    return meter.total()"),
+    (None, ""), (None, ""),
+    ("check", "# --- reference for --check ---"),
+    ("check", "def reference(args):"),
+    ("check", "    return 0"),
+    (None, ""), (None, ""),
+    ("checkpoint", "# --- checkpoint state ---"),
+    ("checkpoint", "def shards(ring):"),
+    ("checkpoint", "    return [ring.n]"),
+    (None, ""), (None, ""),
+    ("boilerplate", 'if __name__ == "__main__":'),
+    ("boilerplate", "    main()"),
+]
+
+
+def test_line_counts_sorts_a_sample_by_what_each_line_does(monkeypatch):
+    """tests/line_counts.py puts every line of a sample file in its category (a log line or a Run inside
+    main() is not technique, a guarded failure in a technique class is validation, a comment goes with its
+    line, the fenced sections by their fence); with any one of its rules switched off it misplaces a sample
+    line (the mutants), so each rule is needed and the sample shows it."""
+    import line_counts
+    fence = "# --- measurement ---"
+    text = "\n".join(line for _, line in LINE_SAMPLE) + "\n"
+    expected = [cat for cat, _ in LINE_SAMPLE]
+    got = line_counts.classify(text)
+    wrong = [(i + 1, e, g, l) for i, (e, g, (_, l)) in enumerate(zip(expected, got, LINE_SAMPLE)) if e != g]
+    assert not wrong, wrong
+    assert set(expected) - {None} == set(line_counts.CATEGORIES)
+    counts = line_counts.row_of_text(text)
+    assert counts["technique"] == expected.count("technique") and counts["read_path"] == 47
+    for table in ("PATTERNS", "WHOLE_DEF", "FENCES"):
+        for key in getattr(line_counts, table):
+            off = "(?!)" if table != "FENCES" else "technique"  # a rule that never fires / a fence ignored
+            monkeypatch.setitem(getattr(line_counts, table), key, off)
+            assert line_counts.classify(text) != expected, f"{table}[{key!r}] switched off, still right"
+            monkeypatch.undo()
+    # the old count: all of main() and everything between Args and main() as technique
+    lesson = range([l for _, l in LINE_SAMPLE].index("class Ring:"), [l for _, l in LINE_SAMPLE].index(fence))
+    old = ["technique" if e in ("measure", "checkpoint", "check", "validation") and i in lesson else e
+           for i, e in enumerate(expected)]
+    assert old != got
