@@ -340,7 +340,7 @@ def overlap_worker(d, args):
     no_sync (compute only), (3) the same bucket sizes all-reduced after it. Hidden share = (t2 + t3 - t1)
     / t3: 1 if the all-reduce cost nothing extra, 0 if overlapping saved nothing. No optimizer step needed."""
     from torch.nn.parallel import DistributedDataParallel as DDP
-    from ddp_bucketed import BucketedDDP
+    from ddp_bucketed import BucketedDDP, bucket_layout
     torch.set_num_threads(args.threads)
     data, b, out = MarkovData(args.vocab, args.seed), args.batch_size // d.world, {}
     timer = StepTimer(d.device)
@@ -348,7 +348,7 @@ def overlap_worker(d, args):
         model = build_gpt(GPTConfig.from_args(args), args.seed, DTYPES[args.dtype], d.device)
         if impl == "ours":
             net = BucketedDDP(model, bucket_cap_mb=args.bucket_cap_mb, first_bucket_mb=args.bucket_cap_mb)
-            sizes = lambda: [wire for *_, wire in net.layout()]  # noqa: E731
+            sizes = lambda: [wire for *_, wire in bucket_layout(net)]  # noqa: E731
         else:
             net = DDP(model, device_ids=[d.local_rank] if d.device.type == "cuda" else None,
                       bucket_cap_mb=args.bucket_cap_mb)

@@ -179,10 +179,10 @@ def ring_exchange(send, group, to, frm):
 
 class RingAttention(torch.autograd.Function):
     """Causal attention of this rank's queries over the whole sequence, keys and values coming round the ring
-    a block at a time (Liu et al. 2023, Sec. 3). Forward appends each block's (queries, keys) to computed."""
+    a block at a time (Liu et al. 2023, Sec. 3)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, group, zigzag, computed):  # q, k, v (B, H, t, E): this rank's tokens
+    def forward(ctx, q, k, v, group, zigzag):  # q, k, v (B, H, t, E): this rank's tokens
         cp, r = dist.get_world_size(group), dist.get_rank(group)
         kv, out, lse = torch.stack([k, v]), None, None  # kv (2, B, H, t, E): the block that travels
         for step in range(cp):
@@ -198,7 +198,6 @@ class RingAttention(torch.autograd.Function):
                     out, lse = o, l
                 else:
                     out[:, :, rows], lse[:, :, rows] = merge(out[:, :, rows], lse[:, :, rows], o, l)
-                computed.append((o.shape[2], k_b.shape[2]))
             if step < cp - 1:  # 3. the next block has arrived
                 wait()
                 kv = got["kv"]
@@ -250,11 +249,11 @@ class RingAttention(torch.autograd.Function):
             got, wait = ring_exchange({"dkv": acc}, group, to=(r - 1) % cp, frm=(r + 1) % cp)
             wait()
             own = own + got["dkv"]
-        return dq.to(q.dtype), own[0].to(k.dtype), own[1].to(v.dtype), None, None, None
+        return dq.to(q.dtype), own[0].to(k.dtype), own[1].to(v.dtype), None, None
 
 
-def ring_attention(q, k, v, group, zigzag, computed=None):
-    return RingAttention.apply(q, k, v, group, zigzag, [] if computed is None else computed)
+def ring_attention(q, k, v, group, zigzag):
+    return RingAttention.apply(q, k, v, group, zigzag)
 
 
 # ----------------------------------------------------------------------------- Ulysses attention
@@ -296,19 +295,16 @@ ATTENTIONS = {"allgather": allgather_attention, "ring": ring_attention, "ulysses
 # ----------------------------------------------------------------------------- the GPT on T/cp tokens
 class ContextParallelAttention(nn.Module):
     """common.Attention (q, k, v, proj) on this rank's T/cp tokens: the same projections, per token, around
-    one of the three attentions. `.computed`: the blocks the ring computed in the last forward."""
+    one of the three attentions."""
 
     def __init__(self, attn, group, attention, zigzag):
         super().__init__()
         self.q, self.k, self.v, self.proj, self.drop = attn.q, attn.k, attn.v, attn.proj, attn.drop
         self.n_heads, self.group, self.attention, self.zigzag = attn.n_heads, group, attention, zigzag
-        self.computed = []
 
     def forward(self, x):  # (B, t, D) this rank's tokens
         q, k, v = (rearrange(f(x), "b t (h e) -> b h t e", h=self.n_heads) for f in (self.q, self.k, self.v))
-        self.computed = []  # the ring appends to it; the other two keep no record
-        record = (self.computed,) if self.attention == "ring" else ()
-        y = ATTENTIONS[self.attention](q, k, v, self.group, self.zigzag, *record)  # (B, H, t, E)
+        y = ATTENTIONS[self.attention](q, k, v, self.group, self.zigzag)  # (B, H, t, E)
         return self.drop(self.proj(rearrange(y, "b h t e -> b t (h e)")))  # (B, t, D)
 
 
@@ -333,16 +329,14 @@ class ContextParallelGPT(nn.Module):
         return self.head(self.ln_f(h))  # (B, t, V): logits of this rank's tokens
 
 
-def sync_gradients(params, loss, group=None):
-    """Sum the gradients (and the loss) over the dp x cp ranks (here the world): each rank holds the gradient
-    of its tokens' share of the global batch's loss, so the sum is the whole batch's, on every rank."""
+def sync_gradients(params, group=None):
+    """Sum the gradients over the dp x cp ranks (here the world): each rank holds the gradient of its tokens'
+    share of the global batch's loss, so the sum is the whole batch's, on every rank."""
     grads = [p.grad for p in params]
     flat = torch.cat([g.reshape(-1) for g in grads])  # (P,): one all-reduce for the whole model
     dist.all_reduce(flat, group=group)
     for g, summed in zip(grads, flat.split([g.numel() for g in grads])):
         g.copy_(summed.view_as(g))
-    dist.all_reduce(loss, group=group)
-    return loss
 
 
 def check_args(args, world):
@@ -399,10 +393,12 @@ def main():
             loss = lm_loss(model(x), y, n_tok)  # my tokens' share of the global batch's loss
             opt.zero_grad(set_to_none=True)
             loss.backward()  # attention's backward exchanges dK/dV; the rest is per token
-            loss = sync_gradients(list(model.parameters()), loss.detach())
+            sync_gradients(list(model.parameters()))
         if args.clip > 0:  # every rank holds the whole gradient now: plain clipping
             torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
         opt.step()
+        loss = loss.detach()
+        dist.all_reduce(loss)  # the global batch's loss, for the log line only (not training traffic)
         run.end_step(step, loss.item())
 
     figures, peak, comm_bytes = report(d, args, model, opt, comm, dp_rank, cp_rank, dp, cp)
@@ -419,17 +415,35 @@ EXTRA = {"ring": "", "ulysses": " + per layer one (b, T/cp, d): the heads' outpu
          "allgather": " + per layer the other ranks' K, V and the (T/cp, T) mask"}
 
 
+class CountBlocks:
+    """Inside the `with` block, every call of this module's `attend` (the ring's, one per block it computes)
+    appends (query rows, key rows) to `.blocks`, by a wrapper around it: RingAttention is unchanged."""
+
+    def __enter__(self):
+        self.blocks, self.real = [], globals()["attend"]
+
+        def counted(q, k, v, causal):
+            self.blocks.append((q.shape[2], k.shape[2]))
+            return self.real(q, k, v, causal)
+        globals()["attend"] = counted
+        return self
+
+    def __exit__(self, *exc):
+        globals()["attend"] = self.real
+
+
 def report(d, args, model, opt, comm, dp_rank, cp_rank, dp, cp):
-    """The last step, watched from outside: bytes handed to the cp group per layer (the CommCounter), the
-    ring's blocks (layer 0's `.computed`; every layer computes the same), and the activation bytes one more
-    forward of the last batch saves for backward, beside the unsplit GPT's on the same sequences."""
+    """The last step, watched from outside: bytes handed to the cp group per layer (the CommCounter); one more
+    forward of the last batch: the activation bytes it saves for backward, beside the unsplit GPT's on the
+    same sequences, and the ring's blocks (layer 0's calls of `attend`, which only the ring makes;
+    CountBlocks)."""
     L, T, D, b, t = args.n_layers, args.seq_len, args.d_model, args.batch_size // dp, args.seq_len // cp
     es, zigzag, ring = DTYPES[args.dtype].itemsize, args.layout == "zigzag", args.attention == "ring"
-    computed = model.blocks[0].attn.computed
     x = MarkovData(args.vocab, args.seed).batch(args.steps - 1, args.batch_size, T, args.ragged)[0]
     x = x[dp_rank * b:(dp_rank + 1) * b].contiguous().to(d.device)  # (b, T) my replica's sequences
-    with SavedActivations() as split:
+    with SavedActivations() as split, CountBlocks() as counted:
         model(shard_sequence(x, cp_rank, cp, zigzag))
+    computed = counted.blocks[:len(counted.blocks) // L]  # layer 0's
     with SavedActivations() as whole:  # common's GPT on the same b whole sequences: 1/cp of it is the goal
         build_gpt(GPTConfig.from_args(args), args.seed, DTYPES[args.dtype], d.device)(x)
     mine = [comm.total(axis="cp", phase="fwd") // L, comm.total(axis="cp", phase="bwd") // L, len(computed),

@@ -38,8 +38,8 @@ Training", VLDB 2020, Sec. 3.2):
      copied back into the bucket when it lands: gradient compression in its simplest form (torch's
      fp16_compress_hook / bf16_compress_hook). fp16 can underflow tiny gradients; bf16 keeps fp32's range.
      --check then compares with a one-process run of the same recipe (compressed_reference), exact on 2 ranks.
-  8. The bucket layout is part of the module's state_dict (get_extra_state): a restarted run keeps the
-     rebuilt buckets.
+  8. The bucket layout is checkpointed beside the model (BucketLayout, below the fence): a restarted run
+     keeps the rebuilt buckets.
 Ring all-reduce (Patarasuk & Yuan, 2009; Sergeev & Del Balso, "Horovod", 2018) sends 2(N-1)/N of the
 payload per rank, whatever N: adding ranks does not add bytes per rank.
 
@@ -148,25 +148,6 @@ class BucketedDDP(nn.Module):
             for i, view in zip(idx, buf.split([self.params[i].numel() for i in idx])):
                 self.views[i], self.bucket_of[i] = view.view_as(self.params[i]), b
             self.buffers.append(buf)
-
-    def layout(self):
-        """[(parameter names, bytes in the parameter dtype, bytes on the wire)] per bucket, launch order."""
-        out = []
-        for idx, buf in zip(self.buckets, self.buffers):
-            wire = torch.finfo(self.wire_dtype).bits // 8 if self.wire_dtype else buf.element_size()
-            out.append(([self.names[i] for i in idx], buf.numel() * buf.element_size(), buf.numel() * wire))
-        return out
-
-    def get_extra_state(self):
-        """The bucket layout travels in the state_dict: a restarted run rebuilds exactly these buckets, not
-        the first guess, so it issues the same all-reduces with the same elements in them (on 3+ ranks the
-        layout decides the order of each element's sum)."""
-        order = [i for idx in self.buckets for i in idx]
-        return dict(order=order, arrival=self._arrival, pending=self._rebuild_pending)
-
-    def set_extra_state(self, state):
-        self._build_buckets(state["order"])
-        self._arrival, self._rebuild_pending = state["arrival"], state["pending"]
 
     @contextlib.contextmanager
     def no_sync(self):
@@ -317,7 +298,7 @@ def main():
     model = build_gpt(GPTConfig.from_args(args), args.seed, DTYPES[args.dtype], d.device)
     ddp = BucketedDDP(model, args.bucket_cap_mb, args.first_bucket_mb, compress=WIRE[args.compress])
     opt = make_optimizer(model.parameters(), args)
-    run = Run(d, args, {"model": ddp, "optim": opt})  # ddp's state_dict: the model and its bucket layout
+    run = Run(d, args, {"model": model, "buckets": BucketLayout(ddp), "optim": opt})  # resumes: --ckpt-dir
     comm, overlap, acts, b = CommCounter(), Overlap(ddp), SavedActivations(), args.batch_size // d.world
     count_at = min(max(run.start, 1), args.steps - 1)  # measurement: a step bench.py leaves untimed (below)
     for step in run.steps():
@@ -351,6 +332,33 @@ def main():
 
 
 # --- measurement ---
+def bucket_layout(ddp):
+    """[(parameter names, bytes in the parameter dtype, bytes on the wire)] per bucket, launch order."""
+    out = []
+    for idx, buf in zip(ddp.buckets, ddp.buffers):
+        wire = torch.finfo(ddp.wire_dtype).bits // 8 if ddp.wire_dtype else buf.element_size()
+        out.append(([ddp.names[i] for i in idx], buf.numel() * buf.element_size(), buf.numel() * wire))
+    return out
+
+
+class BucketLayout:
+    """A BucketedDDP's bucket layout as checkpoint state, beside the model's: a restarted run rebuilds exactly
+    these buckets, not the first guess, so it issues the same all-reduces with the same elements in them (on
+    3+ ranks the layout decides the order of each element's sum)."""
+
+    def __init__(self, ddp):
+        self.ddp = ddp
+
+    def state_dict(self):
+        ddp = self.ddp
+        return dict(order=[i for idx in ddp.buckets for i in idx], arrival=ddp._arrival,
+                    pending=ddp._rebuild_pending)
+
+    def load_state_dict(self, state):
+        self.ddp._build_buckets(state["order"])
+        self.ddp._arrival, self.ddp._rebuild_pending = state["arrival"], state["pending"]
+
+
 # The dispatcher counter sends every op through Python: it watches one step, the second (after the rebuild;
 # bench.py times the steps after its warm-up, and torch's side counts in its last warm-up step too).
 class Overlap:
@@ -409,7 +417,7 @@ class Overlap:
 
 def summary_figures(d, ddp, comm, overlap):
     """Measured numbers beside their theory values."""
-    steps, payload, layout = overlap.per_step(), comm.total("all_reduce"), ddp.layout()
+    steps, payload, layout = overlap.per_step(), comm.total("all_reduce"), bucket_layout(ddp)
     last, first = (steps[-1], steps[0]) if steps else (dict(launched_early=0, bytes_early=0, hidden=0),) * 2
     f = dict(buckets=len(layout), bucket_bytes=[wire for *_, wire in layout],
              bucket_params=[len(names) for names, *_ in layout],

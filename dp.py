@@ -266,92 +266,14 @@ def to_device(device, *tensors):
     return tuple(t.pin_memory().to(device, non_blocking=True) for t in tensors)
 
 
-# ----------------------------------------------------------------------------- the training loops
-def train_sync(d, args, data, model):
-    for p in model.parameters():  # everyone starts from rank 0's weights (they agree already: one seed)
-        dist.broadcast(p.data, src=0)
-    opt = make_optimizer(model.parameters(), args)
-    run = Run(d, args, {"model": model, "optim": opt})
-    refuse_checkpoint(args, run.start and "used" in run.history, "async", "sync")
-    comm, saved, rows = CommCounter(), [], args.batch_size // d.world
-    count_at = min(max(run.start, 1), args.steps - 1)  # measurement: a step bench.py leaves untimed (below)
-    for step in run.steps():
-        x, y = data.batch(step, args.batch_size, args.seq_len, args.ragged)  # (B, T) global batch, CPU
-        n_tok = count_tokens(y)  # tokens of the whole global batch: every micro-batch loss divides by it
-        x, y = to_device(d.device, x[d.rank * rows:(d.rank + 1) * rows], y[d.rank * rows:(d.rank + 1) * rows])
-        loss_fn = lambda m, xm, ym: lm_loss(m(xm), ym, n_tok)  # noqa: E731
-        loss_fn = saving(loss_fn, saved) if step == count_at else loss_fn
-        with run.watching(step, comm, at=count_at):  # (B/N, T) local slice in K micro-batches of (B/(N*K), T)
-            loss, _ = sync_step(model, opt, zip(x.chunk(args.accum), y.chunk(args.accum)), loss_fn, args.clip)
-        dist.all_reduce(loss)  # the global batch's loss, for the log line only (not training traffic)
-        run.end_step(step, loss.item())
-    figures = sync_figures(d, comm, max(saved, default=0))
-    peak = peak_memory_bytes(d, state_bytes(model, opt) + max(saved, default=0))  # before --check trains
-    full = dict(model.named_parameters())
-    check = check_against_reference(d, args, run.losses, full) if args.check else None
-    run.finish("dp-sync", peak, figures["allreduce_payload_bytes"], check, figures)
-
-
-def train_async(d, args, data, model):
-    groups = {w: dist.new_group([0, w]) for w in range(1, d.world)}  # every rank makes them, in one order
-    lockstep, D = args.staleness >= 0, args.staleness
-
-    def loss_of_batch(m, batch_id):  # what a worker computes for a batch
-        if batch_id >= args.fail_at_step >= 0:
-            maybe_fail(d, args, args.fail_at_step)  # the last worker dies at its first batch >= the step
-        x, y = data.batch(batch_id, args.batch_size, args.seq_len, args.ragged)  # (B, T) a whole batch
-        n_tok = count_tokens(y)
-        x, y = to_device(d.device, x, y)
-        torch.manual_seed(batch_seed(args, batch_id))  # dropout: a function of (seed, batch) only
-        time.sleep(d.rank * args.delay_ms / 1e3)  # a straggler, if asked for
-        return lm_loss(m(x), y, n_tok)
-
-    if d.rank > 0:  # a worker holds no state: it only agrees with the server on the step it resumes from
-        ckpt = Checkpointer(d, args.ckpt_dir, args.save_every, args.steps)
-        ckpt.dir = ckpt.dir and os.path.join(args.ckpt_dir, "rank0")  # (so the directory must be shared)
-        start, history = ckpt.load({})
-        refuse_checkpoint(args, start and "used" not in history, "sync", "async")
-        worker_loop(model, loss_of_batch, groups[d.rank])
-        peak_memory_bytes(d, state_bytes(model))  # every rank joins the collectives of the server's summary
-        check = check_against_reference(d, args, [], {}) if args.check else None
-        return close_dist(ok=check is None or check["passed"])
-    opt = make_optimizer(model.parameters(), args)
-    run = Run(d, args, {"model": model, "optim": opt})
-    refuse_checkpoint(args, run.start and "used" not in run.history, "sync", "async")
-    used, batches, recent = (run.history.get(k, []) for k in ("used", "batches", "recent"))
-    old = {run.start - len(recent) + i: t.to(d.device) for i, t in enumerate(recent)}  # in flight at a resume
-    policy = Lockstep(D) if lockstep else BoundedStaleness(args.max_staleness)
-    server = Server(model, opt, groups, policy, args.steps, args.clip, run.start, old, args.timeout)
-    # A host timer: the report's .tolist() below has waited for this update on the server's own stream, while
-    # StepTimer's device-wide synchronize would also wait for the receives posted for every other worker.
-    run.timer, sent = StepTimer(torch.device("cpu")), SentCopies()
-    with sent:  # measurement: the bytes handed to the sends, and the sent copies still alive (below)
-        server.hand_out()
-    for step in run.steps():
-        if lockstep and D and args.ckpt_dir:  # a restart needs the versions the pulls in flight were sent
-            recent = (recent + [flat_params(model)])[-D:]
-        report = server.apply(server.next_to_apply())
-        with sent:
-            server.hand_out()  # the next pulls leave before the host reads anything back
-        loss, v, b = report.tolist()  # as the worker reports it
-        used, batches = used + [int(v)], batches + [int(b)]
-        run.end_step(step, loss, used=used, batches=batches, recent=recent)
-    with sent:
-        server.stop()
-    figures = async_figures(d, args, run, sent, used, batches, model)
-    peak = peak_memory_bytes(d, state_bytes(model, opt))  # before --check trains the reference
-    check = None
-    if args.check:  # replay the versions the run used; in lockstep, the ones the rule prescribes
-        ref = delayed_reference(args, [max(t - D, 0) for t in range(args.steps)] if lockstep else used,
-                                list(range(args.steps)) if lockstep else batches, d.device)
-        check = check_against_reference(d, args, run.losses, dict(model.named_parameters()), ref=ref)
-    run.finish("dp-async", peak, figures["server_bytes_sent_per_update"], check, figures)
-
-
-def refuse_checkpoint(args, refuse, theirs, ours):
-    if refuse:
-        fail(f"--ckpt-dir {args.ckpt_dir} holds a --mode {theirs} checkpoint, this run is --mode {ours}: use "
-             "another --ckpt-dir")
+def global_batch_loss(model, batch_id, data, args, device):
+    """What a worker computes for a batch id: the loss of that whole global batch (B, T); its dropout a
+    function of (seed, batch) only, so that no worker holds state a restart could lose."""
+    x, y = data.batch(batch_id, args.batch_size, args.seq_len, args.ragged)  # (B, T) a whole batch, CPU
+    n_tok = count_tokens(y)
+    x, y = to_device(device, x, y)
+    torch.manual_seed(batch_seed(args, batch_id))
+    return lm_loss(model(x), y, n_tok)
 
 
 def check_args(args):
@@ -389,12 +311,157 @@ def main():
           f"entropy floor {data.entropy:.4f} nats/token")
     torch.manual_seed(args.seed + d.rank)  # dropout differs across ranks, as it would on different data
     model = build_gpt(GPTConfig.from_args(args), args.seed, DTYPES[args.dtype], d.device)
-    (train_sync if args.mode == "sync" else train_async)(d, args, data, model)
+    if args.mode == "sync":  # 1 + 2: everyone starts from rank 0's weights (they agree already: one seed)
+        for p in model.parameters():
+            dist.broadcast(p.data, src=0)
+        opt = make_optimizer(model.parameters(), args)
+        run, rows = SyncRun(d, args, model, opt), args.batch_size // d.world  # resume, log, counters: below
+        for step in run.steps():
+            x, y = data.batch(step, args.batch_size, args.seq_len, args.ragged)  # (B, T) global batch, CPU
+            n_tok = count_tokens(y)  # tokens of the whole global batch: every micro-batch loss divides by it
+            x, y = to_device(d.device, *(t[d.rank * rows:(d.rank + 1) * rows] for t in (x, y)))  # (B/N, T)
+            micro = zip(x.chunk(args.accum), y.chunk(args.accum))  # K micro-batches of (B/(N*K), T)
+            loss_fn = run.watched(step, lambda m, xm, ym: lm_loss(m(xm), ym, n_tok))
+            with run.watching(step):
+                loss, _ = sync_step(model, opt, micro, loss_fn, args.clip)
+            run.end_step(step, loss)
+        return run.finish(model, opt)
+    # 3: a parameter server on rank 0, a worker on every other rank, each pair on its own group (see above)
+    groups = {w: dist.new_group([0, w]) for w in range(1, d.world)}  # every rank makes them, in one order
+    if d.rank > 0:  # a worker holds no state: it only agrees with the server on the step it resumes from
+        worker = WorkerRun(d, args)
+        worker_loop(model, worker.watched(lambda m, b: global_batch_loss(m, b, data, args, d.device)),
+                    groups[d.rank])
+        return worker.finish(model)
+    opt = make_optimizer(model.parameters(), args)
+    run = ServerRun(d, args, model, opt)  # resume (the version, the weights of pulls in flight), log: below
+    policy = Lockstep(args.staleness) if args.staleness >= 0 else BoundedStaleness(args.max_staleness)
+    server = Server(model, opt, groups, policy, args.steps, args.clip, run.start, run.old, args.timeout)
+    run.watch(server)  # measurement: the bytes handed to its sends, the sent copies alive
+    server.hand_out()
+    for step in run.steps():
+        report = server.apply(server.next_to_apply())
+        server.hand_out()  # the next pulls leave before the host reads anything back
+        run.end_step(step, report)  # (loss, version it computed on, batch id), as the worker reports it
+    server.stop()
+    run.finish(model, opt)
 
 
 # --- measurement ---
-# The dispatcher counter sends every op through Python: it watches one step, the second (bench.py times the
-# steps after its warm-up, and torch's side counts in its last warm-up step too); the figures are per step.
+# The loops' edges, watched from outside: harness.Run (resume from --ckpt-dir, --fail-at-step, the step's
+# timer and log line, checkpoints), the counters, the summary and --check.
+def refuse_checkpoint(args, refuse, theirs, ours):
+    if refuse:
+        fail(f"--ckpt-dir {args.ckpt_dir} holds a --mode {theirs} checkpoint, this run is --mode {ours}: use "
+             "another --ckpt-dir")
+
+
+class SyncRun(Run):
+    """The sync loop's Run. The dispatcher counter sends every op through Python: it watches one step, the
+    second (bench.py times the steps after its warm-up, and torch's side counts in its last warm-up step
+    too); the figures are per step. On that step each micro-batch's saved activations are counted too."""
+
+    def __init__(self, d, args, model, opt):
+        super().__init__(d, args, {"model": model, "optim": opt})
+        refuse_checkpoint(args, self.start and "used" in self.history, "async", "sync")
+        self.comm, self.saved = CommCounter(), []
+        self.at = min(max(self.start, 1), args.steps - 1)  # a step bench.py leaves untimed
+
+    def watched(self, step, loss_fn):
+        return saving(loss_fn, self.saved) if step == self.at else loss_fn
+
+    def watching(self, step):
+        return super().watching(step, self.comm, at=self.at)
+
+    def end_step(self, step, loss):
+        dist.all_reduce(loss)  # the global batch's loss, for the log line only (not training traffic)
+        super().end_step(step, loss.item())
+
+    def finish(self, model, opt):
+        saved = max(self.saved, default=0)
+        figures = sync_figures(self.d, self.comm, saved)
+        peak = peak_memory_bytes(self.d, state_bytes(model, opt) + saved)  # before --check trains
+        full = dict(model.named_parameters())
+        check = check_against_reference(self.d, self.args, self.losses, full) if self.args.check else None
+        super().finish("dp-sync", peak, figures["allreduce_payload_bytes"], check, figures)
+
+
+class ServerRun(Run):
+    """The server's Run: the history a resume needs (the versions used, the batch ids, and in lockstep the
+    weights the pulls in flight were sent), a host timer, and SentCopies wrapped around the server's sends."""
+
+    def __init__(self, d, args, model, opt):
+        super().__init__(d, args, {"model": model, "optim": opt})
+        refuse_checkpoint(args, self.start and "used" not in self.history, "sync", "async")
+        self.model, self.D = model, args.staleness
+        h = self.history
+        self.used, self.batches, self.recent = h.get("used", []), h.get("batches", []), h.get("recent", [])
+        self.old = {self.start - len(self.recent) + i: t.to(d.device) for i, t in enumerate(self.recent)}
+        # A host timer: the report's .tolist() in end_step has waited for this update on the server's own
+        # stream, while StepTimer's device-wide synchronize would also wait for the receives posted for every
+        # other worker.
+        self.timer, self.sent = StepTimer(torch.device("cpu")), SentCopies()
+
+    def watch(self, server):
+        """Count what server.hand_out and server.stop hand to their sends, and the sent copies still alive."""
+        def counted(method):
+            def call(*a):
+                with self.sent:
+                    return method(*a)
+            return call
+        server.hand_out, server.stop = counted(server.hand_out), counted(server.stop)
+
+    def steps(self):
+        for step in super().steps():
+            if self.D > 0 and self.args.ckpt_dir:  # a restart needs the weights the pulls in flight were sent
+                self.recent = (self.recent + [flat_params(self.model)])[-self.D:]
+            yield step
+
+    def end_step(self, step, report):
+        loss, v, b = report.tolist()  # as the worker reports it
+        self.used, self.batches = self.used + [int(v)], self.batches + [int(b)]
+        super().end_step(step, loss, used=self.used, batches=self.batches, recent=self.recent)
+
+    def finish(self, model, opt):
+        d, args, D = self.d, self.args, self.D
+        figures = async_figures(d, args, self, self.sent, self.used, self.batches, model)
+        peak = peak_memory_bytes(d, state_bytes(model, opt))  # before --check trains the reference
+        check = None
+        if args.check:  # replay the versions the run used; in lockstep, the ones the rule prescribes
+            ref = delayed_reference(args, [max(t - D, 0) for t in range(args.steps)] if D >= 0 else self.used,
+                                    list(range(args.steps)) if D >= 0 else self.batches, d.device)
+            check = check_against_reference(d, args, self.losses, dict(model.named_parameters()), ref=ref)
+        super().finish("dp-async", peak, figures["server_bytes_sent_per_update"], check, figures)
+
+
+class WorkerRun:
+    """A worker's edges: it agrees with the server on the step it resumes from (so the --ckpt-dir must be
+    shared), fails at --fail-at-step (the last worker, at its first batch >= the step), sleeps r x --delay-ms
+    per batch (a straggler, if asked for), and joins the collectives of the server's summary and --check."""
+
+    def __init__(self, d, args):
+        self.d, self.args = d, args
+        ckpt = Checkpointer(d, args.ckpt_dir, args.save_every, args.steps)
+        ckpt.dir = ckpt.dir and os.path.join(args.ckpt_dir, "rank0")
+        start, history = ckpt.load({})
+        refuse_checkpoint(args, start and "used" not in history, "sync", "async")
+
+    def watched(self, loss_of_batch):
+        d, args = self.d, self.args
+
+        def loss(m, batch_id):
+            if batch_id >= args.fail_at_step >= 0:
+                maybe_fail(d, args, args.fail_at_step)
+            time.sleep(d.rank * args.delay_ms / 1e3)
+            return loss_of_batch(m, batch_id)
+        return loss
+
+    def finish(self, model):
+        peak_memory_bytes(self.d, state_bytes(model))  # joins the collectives of the server's summary
+        check = check_against_reference(self.d, self.args, [], {}) if self.args.check else None
+        close_dist(ok=check is None or check["passed"])
+
+
 def saving(loss_fn, saved):
     """loss_fn, appending to `saved` the bytes each call saves for backward (a micro-batch's activations)."""
     def measured(*a):

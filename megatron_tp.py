@@ -329,12 +329,6 @@ class RNGTracker:
         with self.fork() if tp_region else nullcontext():
             return F.dropout(x, p)
 
-    def state_dict(self):  # the checkpointer saves the default stream; this is the other one
-        return {"tp_state": self.tp_state}
-
-    def load_state_dict(self, state):
-        self.tp_state = state["tp_state"].cpu()
-
 
 # ----------------------------------------------------------------------------- the sharded GPT
 class ParallelAttention(nn.Module):
@@ -473,7 +467,7 @@ def main():
     model = ParallelGPT(full, tp_group, args.sequence_parallel, tracker).to(d.device)  # shards + replicated
     del full
     opt = make_optimizer(model.parameters(), args)
-    run = Run(d, args, {"model": model, "optim": opt, "rng": tracker})
+    run = Run(d, args, {"model": model, "optim": opt, "rng": TrackerState(tracker)})  # resumes: --ckpt-dir
     comm, saved = CommCounter(axes={"tp": tp_group, "dp": dp_group}), SavedActivations()  # for the last step
     b = args.batch_size // dp
     for step in run.steps():
@@ -513,6 +507,20 @@ FORMULA = ("per layer 2 all-reduce fwd + 2 bwd of b*s*h (SP: AG+RS pairs + 1 AG 
            "layer); + embedding g, head f, 3 loss all-reduces of b*s, norm; bytes handed: AR tensor, AG "
            "chunk, RS input; ring sends AR 2(n-1)/n, AG/RS (n-1)/n")
 RING = {"all_reduce": 2, "all_gather": 1, "reduce_scatter": 1}  # ring sends = RING * (n-1)/n * whole
+
+
+class TrackerState:
+    """An RNGTracker's TP-region stream as checkpoint state (the checkpointer saves the default stream
+    itself): a restart draws the same dropout masks inside TP regions as the uninterrupted run."""
+
+    def __init__(self, tracker):
+        self.tracker = tracker
+
+    def state_dict(self):
+        return {"tp_state": self.tracker.tp_state}
+
+    def load_state_dict(self, state):
+        self.tracker.tp_state = state["tp_state"].cpu()
 
 
 def params_per_rank(args, t):

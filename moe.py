@@ -48,6 +48,10 @@ dropless dispatcher has it too). With a capacity every size comes from the comma
 Ranks form the grid torch.arange(world).view(world // ep, ep): a row is an EP group (together all E experts),
 a column holds copies of the same E/ep experts (their gradients summed over it); the rest is data parallel.
 
+Reading order: the base layer first, complete through train_step (Switch routing, capacity, the all-to-all
+exchange, the MoE module, the expert + data parallel step); then the other routers (GShard, Shazeer's noisy
+top-k, expert choice), then loss-free balancing. Dropless routing and shared experts are branches of MoE.
+
 Run:
     python moe.py --router switch --check                            # world 1: all experts local
     torchrun --nproc_per_node=4 moe.py --router gshard --check       # EP 4, 4 routing groups
@@ -56,9 +60,17 @@ Run:
     torchrun --nproc_per_node=4 moe.py --router loss_free --shared-experts 1 --capacity-factor 0 --check
 In production, use a fused MoE (Megatron-Core, DeepSpeed-MoE, torchtitan): grouped GEMMs and index-based
 dispatch instead of the dense (T, E, C) one-hot tensors written out here for clarity.
+
+Legend (einsum letters and shape comments): G routing groups on this rank, T tokens per group (GShard's S),
+E experts, C capacity (slots per expert per group), K choices per token, D model width, H expert hidden width
+(4D), r ranks of the EP group. A token-choice router returns expert, gate, keep (G, T, K): each token's k-th
+choice, its gate weight, and 1 if it is wanted (0: gshard's dropped 2nd choice); and aux (G,): the balancing
+loss per group. Capacity comes after it (fill_slots), or never (dropless). Expert choice returns dispatch and
+combine (G, T, E, C) itself: token t sits in slot c of expert e, and comes back with that gate weight.
 """
 import math
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Literal
 
 import torch
@@ -102,14 +114,7 @@ def capacity(capacity_factor, k, tokens_per_group, experts):
     return max(1, min(tokens_per_group, math.ceil(capacity_factor * k * tokens_per_group / experts)))
 
 
-# ----------------------------------------------------------------------------- the routers
-# Legend (einsum letters and shape comments from here on):
-#   G routing groups on this rank   T tokens per group (GShard's S)   E experts   C capacity (slots per expert
-#   per group)   K choices per token   D model width   H expert hidden width (4D)   r ranks of the EP group
-# A token-choice router returns expert, gate, keep (G, T, K): each token's k-th choice, its gate weight, and 1
-# if it is wanted (0: gshard's dropped 2nd choice); and aux (G,): the balancing loss per group. Capacity comes
-# after it (fill_slots), or never (dropless). Expert choice returns dispatch and combine (G, T, E, C) itself:
-# token t sits in slot c of expert e, and comes back with that gate weight.
+# --------------------------------------------------- the base layer: Switch routing, capacity, the all-to-all
 def fill_slots(expert, gate, keep, C, E):
     """Token choice -> slots: dispatch, combine (G, T, E, C). Slots go choice by choice (every token's 1st
     choice before any 2nd: GShard Alg. 1), tokens in order within a choice; an assignment whose expert already
@@ -143,95 +148,8 @@ def route_switch(logits):
     return top1[..., None], gate[..., None], torch.ones_like(gate[..., None]), balance_loss(probs, top1)
 
 
-def route_gshard(logits, uniform):
-    """GShard (Lepikhin et al. 2020, Alg. 1): top-2, gates renormalised over the two; the 2nd expert is
-    used only if 2 * g2 > uniform (random routing: a small g2 is rarely worth a slot)."""
-    probs = logits.softmax(-1)  # (G, T, E)
-    top = probs.topk(2, dim=-1)  # (G, T, 2)
-    gate = top.values / top.values.sum(-1, keepdim=True)  # g1, g2 with g1 + g2 = 1
-    keep = torch.stack([torch.ones_like(uniform), (2 * gate[..., 1] > uniform).to(uniform.dtype)], -1)
-    return top.indices, gate, keep, balance_loss(probs, top.indices[..., 0])
-
-
-def cv_squared(v):
-    """CV^2 = variance / mean^2 over experts (population variance), per group: (G, E) -> (G,)."""
-    return v.var(-1, correction=0) / (v.mean(-1) ** 2 + 1e-10)
-
-
-def smooth_load(clean, noise_std, H, k):
-    """Shazeer et al. 2017, Appendix A: P(x, i) = Phi((clean_i - kth_excluding(H, k, i)) / noise_std_i), the
-    chance that expert i is in the top k if only its own noise were drawn again: a differentiable load. For
-    an expert inside the top k, the k-th largest of the others is the (k+1)-th overall; outside, the k-th."""
-    if k >= H.shape[-1]:  # k = E: every expert always chosen, a load of 1 (a margin of inf has no gradient)
-        return torch.ones_like(clean)
-    top = H.topk(k + 1, dim=-1).values  # (G, T, k+1)
-    kth, k1th = top[..., k - 1:k], top[..., k:k + 1]
-    return torch.special.ndtr((clean - torch.where(H >= kth, k1th, kth)) / noise_std)  # (G, T, E)
-
-
-def route_noisy_topk(clean, noise_std, eps, k):
-    """Shazeer et al. 2017, Sec. 2.1. clean = x W_g, noise_std = softplus(x W_noise), eps ~ N(0, 1):
-    H = clean + eps * noise_std; gates = softmax over the top k of H (-inf elsewhere). Aux loss (Sec. 4):
-    CV(importance)^2 + CV(load)^2, importance = sum of gates per expert, load = sum of smooth_load."""
-    H = clean + eps * noise_std  # (G, T, E)
-    top = H.topk(k, dim=-1)  # (G, T, K)
-    gate = top.values.softmax(-1)  # (G, T, K)
-    importance = torch.zeros_like(clean).scatter(-1, top.indices, gate).sum(1)  # (G, E)
-    load = smooth_load(clean, noise_std, H, k).sum(1)  # (G, E)
-    return top.indices, gate, torch.ones_like(gate), cv_squared(importance) + cv_squared(load)
-
-
-def route_expert_choice(logits, C):
-    """Expert choice (Zhou et al. 2022, Sec. 3.1): token-to-expert affinities softmax(x W_g) (softmax over
-    experts), then each expert takes its C highest-affinity tokens of the group, later ones included: every
-    expert is exactly full, no token is ever 'dropped' for capacity, and a token gets 0..E experts."""
-    T = logits.shape[1]
-    probs = logits.softmax(-1)  # (G, T, E)
-    # A stable sort, not topk: identical tokens (same prefix) tie exactly, and the earlier one must win
-    # whatever the layout, or EP degrees would disagree.
-    order = torch.sort(rearrange(probs, "g t e -> g e t"), dim=-1, descending=True, stable=True)
-    picked, gate = order.indices[..., :C], order.values[..., :C]  # (G, E, C): the token in expert e's slot c
-    dispatch = rearrange(F.one_hot(picked, T).to(probs.dtype), "g e c t -> g t e c")  # (G, T, E, C)
-    return dispatch, dispatch * rearrange(gate, "g e c -> g 1 e c")
-
-
-# -------------------------------------------------------------------------- loss-free balancing (DeepSeek-V3)
-def seq_balance_loss(scores, expert, n):
-    """DeepSeek-V3's sequence-wise balance loss (Sec. 2.1.2, eq. 17-20), per sequence of n tokens:
-    sum_e f_e P_e, f_e = E / (K n) x (tokens choosing e), P_e = mean over the sequence of s_e / sum_j s_j.
-    1 under uniform routing; f counts the experts actually chosen (top k of s + b). -> (G,): mean over the
-    group's sequences. scores (G, T, E), expert (G, T, K)."""
-    E, K = scores.shape[-1], expert.shape[-1]
-    per_seq = lambda t: rearrange(t, "g (b n) e -> g b n e", n=n)  # noqa: E731
-    f = per_seq(F.one_hot(expert, E).sum(2).to(scores.dtype)).sum(2) * E / (K * n)  # (G, b, E)
-    P = per_seq(scores / scores.sum(-1, keepdim=True)).mean(2)  # (G, b, E)
-    return (f * P).sum(-1).mean(-1)
-
-
-def route_loss_free(scores, bias, k, n):
-    """Wang et al. 2024 (Alg. 1), as DeepSeek-V3 uses it (Sec. 2.1.2, eq. 12-16): the top k of s + b choose
-    the experts; the gates are the *unbiased* scores of the chosen experts, normalised over the k. Only the
-    indices of the top k see b, so no gradient reaches it. scores (G, T, E), bias (E,); n: sequence length."""
-    expert = (scores + bias).topk(k, dim=-1).indices  # (G, T, K): the bias only chooses ...
-    s = scores.gather(-1, expert)  # (G, T, K): ... the gates are the scores without it
-    return expert, s / s.sum(-1, keepdim=True), torch.ones_like(s), seq_balance_loss(scores, expert, n)
-
-
-def update_biases(layers, rate, group):
-    """Wang et al. 2024, Alg. 1, after each step: b_e += u * sign(mean_e c - c_e), c_e = tokens that chose
-    expert e in the whole batch: under-loaded experts get more attractive, over-loaded ones less. Counts are
-    summed over `group` (the world; None: one process) by one all-reduce of (L, E): the same b everywhere."""
-    counts = torch.stack([m.wanted for m in layers]).to(torch.float64)  # (L, E), exact integers
-    if group is not None:
-        dist.all_reduce(counts, group=group)
-    for m, c in zip(layers, counts):
-        m.expert_bias += rate * torch.sign(c.mean() - c).to(m.expert_bias.dtype)
-
-
-# ----------------------------------------------------------------------------- dispatch, experts, combine
 def all_to_all(x, group, out_splits=None, in_splits=None):
-    """all_to_all_single over dim 0: rows in_splits[j] go to rank j, out_splits[i] come from rank i
-    (None: equal blocks)."""
+    """all_to_all_single over dim 0: in_splits[j] rows to rank j, out_splits[i] from rank i (None: even)."""
     x = x.contiguous()
     out = x.new_empty((x.shape[0] if out_splits is None else sum(out_splits), *x.shape[1:]))
     dist.all_to_all_single(out, x, out_splits, in_splits, group=group)
@@ -262,14 +180,13 @@ def mlps(h, w1, b1, w2, b2):
 class MoE(nn.Module):
     """Replaces an MLP: route -> dispatch -> all-to-all -> experts -> all-to-all -> combine (+ shared ones).
     x (b, n, D) -> (b, n, D), the b sequences cut into routing groups of `group_rows` whole sequences.
-      router, top_k     one of ROUTERS; 0 = the router's own k     capacity_factor  0 = dropless
-      ep_group          the ranks that split the E experts, E/ep each (None: all local)
-      shared, score     always-on experts; loss_free's affinity     hidden  expert width (4 d_model)
-      seed, layer       key the router's random numbers     generator  initial weights (all E: any EP agrees)
-    The loop sets `step` and `row0` (x's first global row) before a forward (set_step). A forward leaves
-    `aux` (G,) (balancing loss per group), `wanted` (E,) (choices per expert before capacity, this rank's
-    tokens: the loss-free update reads it), `dispatch` (G, T, E, C) (None when dropless: all are served).
-    `expert_bias` (loss_free) moves in steps of --bias-rate: keep it in float32 if you cast to bf16."""
+    router: one of ROUTERS (top_k 0: its own k); capacity_factor 0: dropless; ep_group: the ranks that split
+    the E experts (None: all local); shared: always-on experts; score: loss_free's affinity; seed, layer: key
+    the router's random numbers; generator: initial weights (all E drawn: any EP degree agrees). The loop
+    sets `step` and `row0` (x's first global row) before a forward (set_step). A forward leaves `aux` (G,),
+    the balancing loss per group; `wanted` (E,), this rank's choices per expert before capacity (the
+    loss-free update reads it); `dispatch` (G, T, E, C) (None when dropless). Keep `expert_bias` in float32
+    under bf16."""
 
     def __init__(self, d_model, experts, router="switch", top_k=0, capacity_factor=1.25, group_rows=1,
                  ep_group=None, shared=0, score="sigmoid", hidden=None, dropout=0.0, seed=0, layer=0,
@@ -300,10 +217,9 @@ class MoE(nn.Module):
         self.dispatch = self.wanted = self.aux = None
 
     def draw(self, like):
-        """Standard normals (noisy_topk) or uniforms (gshard) shaped like `like`, (G, T, E) or (G, T), for my
-        G routing groups, drawn on the device from one generator per (seed, step, layer, global group): any
-        rank that routes a group draws the same numbers, so neither the EP degree nor the data split changes
-        them."""
+        """Normals (noisy_topk) or uniforms (gshard) like `like`, (G, T, E) or (G, T), for my G groups, from
+        one generator per (seed, step, layer, global group): any rank that routes a group draws the same
+        numbers, so neither the EP degree nor the data split changes them."""
         group0, out = self.row0 // self.group_rows, []
         sample = torch.randn if self.kind == "noisy_topk" else torch.rand
         for g in range(group0, group0 + like.shape[0]):
@@ -389,10 +305,8 @@ class MoE(nn.Module):
             if self.cf > 0:
                 C = capacity(self.cf, self.k, T, self.E)
                 dispatch, combine = fill_slots(expert, gate, keep, C, self.E)
-        if self.cf > 0:
-            y, self.dispatch = self.exchange(xg, dispatch, combine), dispatch.detach()
-        else:
-            y, self.dispatch = self.dropless(xg, expert, gate, keep), None
+        y = self.exchange(xg, dispatch, combine) if self.cf > 0 else self.dropless(xg, expert, gate, keep)
+        self.dispatch = dispatch.detach() if self.cf > 0 else None  # the slots taken (for the summary)
         if self.n_shared:  # every token through every shared expert: (S, G T, D), summed over S
             xs = rearrange(xg, "g t d -> (g t) d").expand(self.n_shared, -1, -1)
             ys = mlps(xs, self.shared_w1, self.shared_b1, self.shared_w2, self.shared_b2).sum(0)
@@ -405,8 +319,7 @@ def moe_layers(model):
 
 
 def set_step(model, step, row0):
-    """Before each forward: the step and the first global row of this rank's batch, which every MoE layer
-    keys its random numbers by. The model's own forward (common.GPT's here) passes only x."""
+    """Before each forward: the step and this rank's first global row (they key the routers' noise)."""
     for m in moe_layers(model):
         m.step, m.row0 = step, row0
 
@@ -434,22 +347,16 @@ def build_moe_gpt(args, groups, ep_group=None, device="cpu"):
 
 
 # ----------------------------------------------------------------------------- expert + data parallel step
-@dataclass
-class Layout:
-    ep: int  # ranks in one EP group (together they hold all E experts)
-    ep_rank: int  # my place in it: I own experts ep_rank * E/ep ... (ep_rank + 1) * E/ep - 1
-    ep_group: object
-    replica_group: object  # the ranks holding copies of my experts
-    replicas: int
-
-
 def make_layout(d, ep):
-    """Grid torch.arange(world).view(world // ep, ep): a row is an EP group, a column a set of replicas."""
+    """Grid torch.arange(world).view(world // ep, ep): a row is an EP group (together all E experts), a column
+    a set of replicas (copies of the same experts). I own experts ep_rank * E/ep ... (ep_rank + 1) * E/ep -
+    1."""
     grid = torch.arange(d.world).view(d.world // ep, ep)
     ep_groups = [dist.new_group(row) for row in grid.tolist()]  # every rank creates every group, in one order
     replica_groups = [dist.new_group(col) for col in grid.T.tolist()]
     replica, ep_rank = divmod(d.rank, ep)
-    return Layout(ep, ep_rank, ep_groups[replica], replica_groups[ep_rank], d.world // ep)
+    return SimpleNamespace(ep=ep, ep_rank=ep_rank, ep_group=ep_groups[replica],
+                           replica_group=replica_groups[ep_rank], replicas=d.world // ep)
 
 
 def split_params(model):
@@ -460,9 +367,8 @@ def split_params(model):
 
 
 def sync_grads(model, ep_group=None, replica_group=None):
-    """Make every gradient the gradient of the global loss; return the global gradient norm.
-    Each rank's loss is already its share (token sums / global token count, aux / total groups), so all
-    reductions are SUMs."""
+    """Make every gradient the gradient of the global loss; return the global gradient norm. Each rank's loss
+    is already its share (token sums / global token count, aux / total groups), so all reductions are SUMs."""
     dense, expert = split_params(model)
     # 1. Dense parameters: data parallel over the whole world (one flat bucket; ddp_bucketed.py overlaps it).
     flat = torch.cat([p.grad.flatten() for p in dense])  # (n_dense,)
@@ -477,11 +383,8 @@ def sync_grads(model, ep_group=None, replica_group=None):
     # 3. Global norm for clipping: dense gradients are identical everywhere (count once); expert shards are
     #    distinct within an EP group (sum their squares over it) and identical across replicas. Each norm in
     #    the gradient's dtype (bf16: accumulated in float32, without a copy), the few norms then in float64.
-    def sq(ps):
-        return sum(torch.linalg.vector_norm(p.grad, dtype=torch.promote_types(p.grad.dtype, torch.float32))
-                   .double() ** 2 for p in ps)
-
-    sq_dense, sq_expert = sq(dense), sq(expert)
+    sq_dense, sq_expert = (sum(torch.linalg.vector_norm(p.grad, dtype=torch.promote_types(p.grad.dtype,
+                           torch.float32)).double() ** 2 for p in ps) for ps in (dense, expert))
     if ep_group is not None and dist.get_world_size(ep_group) > 1:
         dist.all_reduce(sq_expert, group=ep_group)
     return (sq_dense + sq_expert).sqrt()
@@ -493,8 +396,7 @@ def aux_weight(args):
 
 
 def to_device(t, device):
-    """The step's one host-to-device copy: from pinned memory, not waited for (a copy from pageable memory
-    would stop the host until the stream drains)."""
+    """The step's one host-to-device copy: pinned, not waited for (from pageable memory, the host waits)."""
     return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
 
 
@@ -512,6 +414,92 @@ def train_step(args, lay, model, opt, x, y, n_tok, step, row0, groups):
     if args.router == "loss_free":  # after the step: the next one routes with the new bias
         update_biases(moe_layers(model), args.bias_rate, dist.group.WORLD)
     return lm.detach(), aux.detach()
+
+
+# -------------------------------------- more routers: GShard's top-2, Shazeer's noisy top-k, expert choice
+def route_gshard(logits, uniform):
+    """GShard (Lepikhin et al. 2020, Alg. 1): top-2, gates renormalised over the two; the 2nd expert is
+    used only if 2 * g2 > uniform (random routing: a small g2 is rarely worth a slot)."""
+    probs = logits.softmax(-1)  # (G, T, E)
+    top = probs.topk(2, dim=-1)  # (G, T, 2)
+    gate = top.values / top.values.sum(-1, keepdim=True)  # g1, g2 with g1 + g2 = 1
+    keep = torch.stack([torch.ones_like(uniform), (2 * gate[..., 1] > uniform).to(uniform.dtype)], -1)
+    return top.indices, gate, keep, balance_loss(probs, top.indices[..., 0])
+
+
+def cv_squared(v):
+    """CV^2 = variance / mean^2 over experts (population variance), per group: (G, E) -> (G,)."""
+    return v.var(-1, correction=0) / (v.mean(-1) ** 2 + 1e-10)
+
+
+def smooth_load(clean, noise_std, H, k):
+    """Shazeer et al. 2017, Appendix A: P(x, i) = Phi((clean_i - kth_excluding(H, k, i)) / noise_std_i), the
+    chance that expert i is in the top k if only its own noise were drawn again: a differentiable load. For
+    an expert inside the top k, the k-th largest of the others is the (k+1)-th overall; outside, the k-th."""
+    if k >= H.shape[-1]:  # k = E: every expert always chosen, a load of 1 (a margin of inf has no gradient)
+        return torch.ones_like(clean)
+    top = H.topk(k + 1, dim=-1).values  # (G, T, k+1)
+    kth, k1th = top[..., k - 1:k], top[..., k:k + 1]
+    return torch.special.ndtr((clean - torch.where(H >= kth, k1th, kth)) / noise_std)  # (G, T, E)
+
+
+def route_noisy_topk(clean, noise_std, eps, k):
+    """Shazeer et al. 2017, Sec. 2.1. clean = x W_g, noise_std = softplus(x W_noise), eps ~ N(0, 1):
+    H = clean + eps * noise_std; gates = softmax over the top k of H (-inf elsewhere). Aux loss (Sec. 4):
+    CV(importance)^2 + CV(load)^2, importance = sum of gates per expert, load = sum of smooth_load."""
+    H = clean + eps * noise_std  # (G, T, E)
+    top = H.topk(k, dim=-1)  # (G, T, K)
+    gate = top.values.softmax(-1)  # (G, T, K)
+    importance = torch.zeros_like(clean).scatter(-1, top.indices, gate).sum(1)  # (G, E)
+    load = smooth_load(clean, noise_std, H, k).sum(1)  # (G, E)
+    return top.indices, gate, torch.ones_like(gate), cv_squared(importance) + cv_squared(load)
+
+
+def route_expert_choice(logits, C):
+    """Expert choice (Zhou et al. 2022, Sec. 3.1): token-to-expert affinities softmax(x W_g) (softmax over
+    experts), then each expert takes its C highest-affinity tokens of the group, later ones included: every
+    expert is exactly full, no token is ever 'dropped' for capacity, and a token gets 0..E experts."""
+    T = logits.shape[1]
+    probs = logits.softmax(-1)  # (G, T, E)
+    # A stable sort, not topk: identical tokens (same prefix) tie exactly, and the earlier one must win
+    # whatever the layout, or EP degrees would disagree.
+    order = torch.sort(rearrange(probs, "g t e -> g e t"), dim=-1, descending=True, stable=True)
+    picked, gate = order.indices[..., :C], order.values[..., :C]  # (G, E, C): the token in expert e's slot c
+    dispatch = rearrange(F.one_hot(picked, T).to(probs.dtype), "g e c t -> g t e c")  # (G, T, E, C)
+    return dispatch, dispatch * rearrange(gate, "g e c -> g 1 e c")
+
+
+# -------------------------------------------------------------------------- loss-free balancing (DeepSeek-V3)
+def seq_balance_loss(scores, expert, n):
+    """DeepSeek-V3's sequence-wise balance loss (Sec. 2.1.2, eq. 17-20), per sequence of n tokens:
+    sum_e f_e P_e, f_e = E / (K n) x (tokens choosing e), P_e = mean over the sequence of s_e / sum_j s_j.
+    1 under uniform routing; f counts the experts actually chosen (top k of s + b). -> (G,): mean over the
+    group's sequences. scores (G, T, E), expert (G, T, K)."""
+    E, K = scores.shape[-1], expert.shape[-1]
+    per_seq = lambda t: rearrange(t, "g (b n) e -> g b n e", n=n)  # noqa: E731
+    f = per_seq(F.one_hot(expert, E).sum(2).to(scores.dtype)).sum(2) * E / (K * n)  # (G, b, E)
+    P = per_seq(scores / scores.sum(-1, keepdim=True)).mean(2)  # (G, b, E)
+    return (f * P).sum(-1).mean(-1)
+
+
+def route_loss_free(scores, bias, k, n):
+    """Wang et al. 2024 (Alg. 1), as DeepSeek-V3 uses it (Sec. 2.1.2, eq. 12-16): the top k of s + b choose
+    the experts; the gates are the *unbiased* scores of the chosen experts, normalised over the k. Only the
+    indices of the top k see b, so no gradient reaches it. scores (G, T, E), bias (E,); n: sequence length."""
+    expert = (scores + bias).topk(k, dim=-1).indices  # (G, T, K): the bias only chooses ...
+    s = scores.gather(-1, expert)  # (G, T, K): ... the gates are the scores without it
+    return expert, s / s.sum(-1, keepdim=True), torch.ones_like(s), seq_balance_loss(scores, expert, n)
+
+
+def update_biases(layers, rate, group):
+    """Wang et al. 2024, Alg. 1, after each step: b_e += u * sign(mean_e c - c_e), c_e = tokens that chose
+    expert e in the whole batch: under-loaded experts get more attractive, over-loaded ones less. Counts are
+    summed over `group` (the world; None: one process) by one all-reduce of (L, E): the same b everywhere."""
+    counts = torch.stack([m.wanted for m in layers]).to(torch.float64)  # (L, E), exact integers
+    if group is not None:
+        dist.all_reduce(counts, group=group)
+    for m, c in zip(layers, counts):
+        m.expert_bias += rate * torch.sign(c.mean() - c).to(m.expert_bias.dtype)
 
 
 # ----------------------------------------------------------------------------- main
@@ -555,39 +543,21 @@ def main():
     ep, groups = check_args(args, env_world_size())  # every rank, before any collective
     d = init_dist(args.timeout)
     data, lay = MarkovData(args.vocab, args.seed), make_layout(d, ep)
-    E, T, cf = args.experts, args.batch_size // groups * args.seq_len, args.capacity_factor
-    k = experts_per_token(args.router, args.top_k)
-    slots = f"capacity C={capacity(cf, k, T, E)}" if cf else "dropless"
-    d.log(f"moe.py --router {args.router}: world {d.world} = {lay.replicas} replicas x ep {ep} on "
-          f"{d.backend}; {E} experts ({E // ep} per rank) + {args.shared_experts} shared, {groups} routing "
-          f"groups of T={T} tokens, {slots}; entropy floor {data.entropy:.4f} nats/token")
     torch.manual_seed(args.seed + d.rank)  # dropout only; routing randomness comes from MoE.draw
     model = build_moe_gpt(args, groups, lay.ep_group, d.device)
     opt = make_optimizer(model.parameters(), args)
     run = Run(d, args, {"model": model, "optim": opt})  # resumes from --ckpt-dir (the loss-free bias too)
-    lms, auxes = run.history.get("lm", []), run.history.get("aux", [])
-    watch = Watch(moe_layers(model), lay)
+    watch = Watch(d, args, lay, groups, model, run, data)  # measurement: the banner, hooks, counters
     rows = args.batch_size // d.world
-    row0 = d.rank * rows  # my slice: (B/W, T), i.e. groups row0 / rows_per_group ... of the global batch
+    row0 = d.rank * rows  # my slice (B/W, n): routing groups row0 / rows_per_group ... of the global batch
     for step in run.steps():
         x, y = data.batch(step, args.batch_size, args.seq_len, args.ragged)  # (B, n) global batch, CPU
         n_tok = count_tokens(y)  # counted on the CPU: no device sync
         x, y = (to_device(t[row0:row0 + rows], d.device) for t in (x, y))
         with run.watching(step, watch.comm, watch.acts):
             lm, aux = train_step(args, lay, model, opt, x, y, n_tok, step, row0, groups)
-        parts = torch.stack([lm.double(), aux.double()])
-        dist.all_reduce(parts)  # the global batch's LM and aux losses, for the log: one host sync per step
-        lm, aux = parts.tolist()
-        lms.append(lm), auxes.append(aux)
-        run.end_step(step, lm + aux_weight(args) * aux, lm=lms, aux=auxes)
-
-    f = watch.summarize(d, args, lay, groups, lms, auxes)
-    # The technique's own peak, read before --check trains the one-process reference on rank 0's device.
-    peak = peak_memory_bytes(d, state_bytes(model, opt) + watch.acts.bytes)
-    full = full_params(lay, model) if args.check else None  # a collective: every rank
-    ref = moe_reference(args, groups, d.device) if args.check and d.rank == 0 else None
-    check = check_against_reference(d, args, run.losses, full, ref=ref) if args.check else None
-    run.finish(f"moe-{args.router}", peak, f["alltoall_bytes_per_step"], check, f)
+        watch.end_step(step, lm, aux)  # the global batch's losses, the log line, the checkpoint
+    watch.finish(model, opt)  # the summary and --check
 
 
 # --- measurement ---
@@ -597,12 +567,39 @@ class Watch:
     summed over ranks once, at the end); a CommCounter entered on the last step sees each all-to-all at the
     dispatcher; SavedActivations the bytes autograd saves for backward in that step."""
 
-    def __init__(self, layers, lay):
-        self.layers, self.rows = layers, []
+    def __init__(self, d, args, lay, groups, model, run, data):
+        self.d, self.args, self.lay, self.groups, self.run = d, args, lay, groups, run
+        self.layers, self.rows = moe_layers(model), []
+        self.lms, self.auxes = run.history.get("lm", []), run.history.get("aux", [])
         self.comm = CommCounter(axes={"ep": lay.ep_group, "replicas": lay.replica_group}, log=True)
         self.acts = SavedActivations()
-        for m in layers:
+        for m in self.layers:
             m.register_forward_hook(self.hook)
+        E, T, cf, ep = args.experts, args.batch_size // groups * args.seq_len, args.capacity_factor, lay.ep
+        k = experts_per_token(args.router, args.top_k)
+        slots = f"capacity C={capacity(cf, k, T, E)}" if cf else "dropless"
+        d.log(f"moe.py --router {args.router}: world {d.world} = {lay.replicas} replicas x ep {ep} on "
+              f"{d.backend}; {E} experts ({E // ep} per rank) + {args.shared_experts} shared, {groups} "
+              f"routing groups of T={T} tokens, {slots}; entropy floor {data.entropy:.4f} nats/token")
+
+    def end_step(self, step, lm, aux):
+        """The global batch's LM and aux losses for the log line (one all-reduce, one host sync per step)."""
+        parts = torch.stack([lm.double(), aux.double()])
+        dist.all_reduce(parts)
+        lm, aux = parts.tolist()
+        self.lms.append(lm), self.auxes.append(aux)
+        self.run.end_step(step, lm + aux_weight(self.args) * aux, lm=self.lms, aux=self.auxes)
+
+    def finish(self, model, opt):
+        """The summary; the technique's own peak, read before --check trains the one-process reference on rank
+        0's device; --check; the --json summary. Exits."""
+        d, args, lay, groups, run = self.d, self.args, self.lay, self.groups, self.run
+        f = self.summarize(d, args, lay, groups, self.lms, self.auxes)
+        peak = peak_memory_bytes(d, state_bytes(model, opt) + self.acts.bytes)
+        full = full_params(lay, model) if args.check else None  # a collective: every rank
+        ref = moe_reference(args, groups, d.device) if args.check and d.rank == 0 else None
+        check = check_against_reference(d, args, run.losses, full, ref=ref) if args.check else None
+        run.finish(f"moe-{args.router}", peak, f["alltoall_bytes_per_step"], check, f)
 
     def hook(self, m, inputs, output):
         dispatch = m.dispatch  # None when dropless: every wanted choice is served, every token its 1st

@@ -108,13 +108,11 @@ def attention_checks(d, group, members):
             tag = f"cp {cp} rank {r} {attention} {'zigzag' if zigzag else 'contiguous'}"
             mine = lambda x: cpm.shard_sequence(x, r, cp, zigzag, dim=2)  # noqa: E731
             local = [mine(x).detach().clone().requires_grad_() for x in (q, k, v)]
-            computed, comm = [], CommCounter(axes={"cp": group}, log=True)
-            with comm:
-                if attention == "ring":
-                    out = cpm.ring_attention(*local, group, zigzag, computed)
-                else:
-                    out = cpm.ATTENTIONS[attention](*local, group, zigzag)
+            comm = CommCounter(axes={"cp": group}, log=True)
+            with comm, cpm.CountBlocks() as counted:  # the blocks: every call of cpm.attend (the ring's)
+                out = cpm.ATTENTIONS[attention](*local, group, zigzag)
                 out.backward(mine(dout))
+            computed = counted.blocks
             close("attention", f"{tag}: output", out, mine(ref))
             for name, x, full in zip("qkv", local, leaves):
                 close("attention", f"{tag}: d{name}", x.grad, mine(full.grad))

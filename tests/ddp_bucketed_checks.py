@@ -96,7 +96,7 @@ def full_batch_grads(steps):
 m_ours, m_ref = gpt(), gpt()
 ours, ref = BucketedDDP(m_ours, CAP, FIRST), DDP(m_ref)
 watch = Overlap(ours)  # the file's own measurement, watching from outside
-first_layout = ours.layout()
+first_layout = ddp_bucketed.bucket_layout(ours)
 arrived = []  # an independent observer of gradient arrival, registered after BucketedDDP's hooks
 for n, p in m_ours.named_parameters():
     p.register_post_accumulate_grad_hook(lambda p, n=n: arrived.append(n))
@@ -153,7 +153,7 @@ check(in_bucket(ours) == len(ours.params), f"gradients live in the buckets: {in_
 
 # 2. bucket layout: same on every rank, within the caps, reverse registration first, then arrival order
 names = [n for n, _ in m_ours.named_parameters()]
-layout = ours.layout()
+layout = ddp_bucketed.bucket_layout(ours)
 rows = [[b, names.index(n), nb, wire] for b, (ns, nb, wire) in enumerate(layout) for n in ns]  # (P, 4) numbers
 every = gather_rows(d, rows)  # every rank's layout, as tensors
 check(all(torch.equal(e, every[d.rank]) for e in every), f"layout identical on every rank ({len(layout)} buckets)")
@@ -392,7 +392,8 @@ def our_buckets(cls, cap):
         _, _, xl, yl, n_tok = batch(step)
         backward(ddp, xl, yl, n_tok, d.world)
         m.zero_grad(set_to_none=True)
-    return [names for names, _, _ in ddp.layout()], [nb for _, nb, _ in ddp.layout()], ddp.buckets
+    buckets = ddp_bucketed.bucket_layout(ddp)
+    return [names for names, _, _ in buckets], [nb for _, nb, _ in buckets], ddp.buckets
 
 
 class CloseBefore(BucketedDDP):

@@ -507,7 +507,7 @@ def main():
 if __name__ == "__main__":
     if sys.argv[1:2] == ["--forget-tp-rng"]:  # `... --forget-tp-rng MEGATRON_ARGS`: a broken resume, on purpose
         del sys.argv[1]  # the tracker's TP-region stream is not restored: a restarted run redraws its masks
-        mt.RNGTracker.load_state_dict = lambda self, state: None
+        mt.TrackerState.load_state_dict = lambda self, state: None
         mt.main()
     else:
         main()
