@@ -2,7 +2,7 @@
 
     python bench.py                                  # every pair, world 2, one thread per rank, 10.6 M params
     python bench.py --pairs ddp,zero3 --rounds 5     # some pairs, more alternations
-    python bench.py --world 4 --d-model 1024         # GPUs: the same command, NCCL on cuda:LOCAL_RANK
+    python bench.py --world 4 --d-model 1024 --batch-size 16 --n-layers 8   # GPUs: NCCL, cuda:LOCAL_RANK
 
 Each pair runs our file (`torchrun FILE.py ... --json`) and torch's own (`torchrun bench.py --worker NAME`,
 below) alternately, A B A B, so that drift on a busy machine hits both sides; the step time is the median

@@ -44,7 +44,7 @@ Every rank holds the whole model and a slice of the data. They differ in *when* 
 Run:
     python dp.py --check                                   # world 1: the reference against itself
     torchrun --nproc_per_node=4 dp.py --check              # bulk synchronous
-    torchrun --nproc_per_node=4 dp.py --accum 4 --ragged --check
+    torchrun --nproc_per_node=4 dp.py --accum 4 --ragged --batch-size 16 --check
     torchrun --nproc_per_node=4 dp.py --mode async --steps 40
     torchrun --nproc_per_node=3 dp.py --mode async --staleness 1 --check
     torchrun --max-restarts=1 --nproc_per_node=3 dp.py --mode async --staleness 1 --steps 8 --ckpt-dir D \

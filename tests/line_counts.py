@@ -22,8 +22,8 @@ measurement, a checkpoint call inside main() is checkpoint. Compound statements 
 their bodies line by line; an `if` guarding only a failure is validation, an `if args.check:` block is check.
 read path = lines from the end of the module docstring to the measurement fence (what tests/test_repo.py
 limits); share = technique / (non-blank lines - docstring).
-The classifier reads text, so it cannot see intent: an attribute kept only for a watcher (`.computed`,
-`layout()`) counts as technique unless its line names a counter; the review's hand count is the arbiter."""
+The classifier reads text, so it cannot see intent: an attribute kept only for a watcher (a list of
+events, a layout method) counts as technique unless its line names a counter; the review's hand count is the arbiter."""
 import ast, re, sys
 from pathlib import Path
 
