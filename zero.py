@@ -84,7 +84,7 @@ class Args(CommonArgs):
 
 # ============================================================================= the ZeRO core
 # ZeRO's two collectives, on flat vectors, asynchronous: a ring reduce-scatter or all-gather (NCCL) moves
-# (N-1)/N of the vector over each link. (On gloo they are replaced below the core: a backend note.)
+# (N-1)/N of the vector over each link. (On gloo they are replaced at the end of the file: a note.)
 def reduce_scatter_(full, group):  # (N*S,) global -> (work, (S,) local: my shard of the sum, once done)
     out = full.new_empty(full.numel() // dist.get_world_size(group))
     return dist.reduce_scatter_single(out, full, group=group, async_op=True), out
@@ -97,9 +97,8 @@ def all_gather_(full, shard, group):  # (S,) local -> (N*S,) global, into `full`
 
 
 class GatherParams(torch.autograd.Function):
-    """Stage 3 (FSDP). Forward: the unit's flat parameters all-gathered from the N shards (prefetched by
-    Zero.acquire). Backward: the gradient of the whole flat vector is reduce-scattered (asynchronously, in
-    the master dtype: fp32 under mixed precision) into this rank's gradient shard; autograd gets None."""
+    """Stage 3 (FSDP). Forward: the unit's flat parameters all-gathered from the N shards (Zero.acquire).
+    Backward: the flat gradient reduce-scattered (async, master dtype) into this rank's shard (Zero)."""
 
     @staticmethod
     def forward(ctx, shard, unit):  # shard (S,) local -> (N*S,) global
@@ -115,16 +114,15 @@ class GatherParams(torch.autograd.Function):
 
 class FlatUnit(nn.Module):
     """One unit: `module`'s own parameters flattened into one vector padded to N*S elements. Stages 0-2 hold
-    the whole vector (`full`, the leaf autograd accumulates into); stage 3 holds only this rank's S
-    elements (`shard`) and all-gathers the whole just before each use. The module keeps no parameters:
-    each forward hands it views of the flat vector (torch.func.functional_call). The flat vector is made
-    on the CPU, where the model was built; only what this rank keeps moves to the device."""
+    the whole (`full`, the leaf autograd accumulates into), stage 3 only this rank's S elements (`shard`),
+    all-gathered just before each use. The module keeps no parameters: forward hands it views of the flat
+    vector (functional_call). Made on the CPU; only what this rank keeps moves to the device."""
 
     def __init__(self, zero, module, prefix):
         super().__init__()
         self.zero, self.module, z = zero, module, zero
         named = list(module.named_parameters())  # units inside `module` were replaced already: only its own
-        self.names = [prefix + n for n, _ in named]  # names in the original model, for full_state_dict()
+        self.names = [prefix + n for n, _ in named]  # names in the original model
         self.local, self.shapes = [n for n, _ in named], [p.shape for _, p in named]  # names inside `module`
         self.offsets = [0, *accumulate(p.numel() for _, p in named)]  # param k: flat [offsets[k], [k+1])
         self.numel = self.offsets[-1]
@@ -145,9 +143,8 @@ class FlatUnit(nn.Module):
         else:  # (S,) local. requires_grad only so that autograd runs GatherParams.backward.
             self.full, self.shard = None, mine.to(z.device, z.compute_dtype, copy=True).requires_grad_()
             self.compute = self.shard.detach()
-        # The optimizer's own copy in the master dtype (mixed precision, offload), or the compute copy itself
-        # (the same storage: AdamW updates the parameters in place). Offload steps on the CPU, from a host
-        # copy of the gradient shard.
+        # The optimizer's copy in the master dtype (mixed precision, offload; offload steps on the CPU from a
+        # host copy of the gradient shard), or the compute copy itself (AdamW updates it in place).
         self.master = mine.to(z.master_device, copy=True) if z.separate_master else self.compute
         if z.offload:
             self.master.grad = torch.zeros_like(self.master)
@@ -160,9 +157,7 @@ class FlatUnit(nn.Module):
         self.gathered = None  # stage 3: the flat vector gathered again for this unit's backward
 
     def views(self, full):  # {name inside module: view of the flat vector with the parameter's shape}
-        # One split of the whole vector, the padding its last piece: a slice's backward builds a zero tensor
-        # the size of the unit and copies into it (bench.py: 150-180 ms vs 30 ms for one block's backward,
-        # a slice per parameter; one slice per unit still doubled SplitBackward's one copy).
+        # one split, padding last (a slice per parameter: each slice's backward zero-fills the unit: 5x)
         sizes = [hi - lo for lo, hi in zip(self.offsets, self.offsets[1:])] + [self.padded - self.numel]
         return {n: p.view(s) for n, p, s in zip(self.local, full.split(sizes), self.shapes)}
 
@@ -195,14 +190,11 @@ class FlatUnit(nn.Module):
 
 
 class Zero:
-    """ZeRO around any nn.Module (built on the CPU; `device` defaults to its parameters' device). `units`
-    names submodules, in the order forward runs them, that become FlatUnits (in stage 3 gathered one at a
-    time); the parameters left over form the root unit. Per step: zero(x) and zero.backward(loss) for each
-    micro-batch (last=False on all but the last), then zero.step(). `optimizer` makes the optimizer from
-    the list of flat master tensors (torch.optim.AdamW(params, lr=...)); `clip` is the global gradient
-    norm to clip to (0: off); `mixed_precision` a compute dtype (torch.bfloat16, or torch.float16: then
-    the loss is scaled dynamically from `loss_scale`). Parameters only: buffers stay in the module,
-    replicated. No parameter may be shared between units (no tied weights across units)."""
+    """ZeRO around any nn.Module built on the CPU. `units` names submodules, in forward's order, that become
+    FlatUnits; the parameters left over form the root unit. Per step: zero(x) and zero.backward(loss) per
+    micro-batch (last=False on all but the last), then zero.step(). `optimizer(flat master tensors)` makes
+    the optimizer; `clip`: the global norm (0: off); `mixed_precision`: a compute dtype (float16: dynamic
+    loss scaling). Buffers stay in the module, replicated; no parameter may be shared between units."""
 
     def __init__(self, model, units=(), stage=0, optimizer=torch.optim.AdamW, clip=0.0, group=None,
                  device=None, offload=False, mixed_precision=None, loss_scale=65536.0, scale_window=1000):
@@ -234,10 +226,9 @@ class Zero:
 
     # --- stage 3: prefetching all-gathers (FSDP's forward and backward prefetch) ---------------------------
     def acquire(self, u):
-        """Stage 3: u's whole flat vector (N*S,). Its all-gather was launched when the unit before it in
-        this pass was acquired: wait for it (or gather now), then launch the next unit's, and return at
-        once so that it travels while u computes. One ahead, no more: besides the root, at most the unit
-        running and the unit arriving are gathered (FSDP's rate limiter)."""
+        """Stage 3: u's whole flat vector (N*S,). Wait for its all-gather (launched when the unit before it
+        was acquired; else gather now), launch the next unit's and return, so that it travels while u
+        computes. One ahead, no more (FSDP's rate limiter): the root, the unit running, the one arriving."""
         work, buf = self.prefetched.pop(u, None) or self._launch_gather(u)
         work.wait()
         later = self.order[self.order.index(u) + 1:]
@@ -256,11 +247,10 @@ class Zero:
 
     # --- the gradient reductions, launched during backward -----------------------------------------------
     def reduce_grad(self, u, g):
-        """Launch the reduction of u's gradient g (N*S,) and let backward go on. Stage 0 all-reduces it in
-        place: every rank holds the sum. Stages 1-3 reduce-scatter it into this rank's (S,) shard, in the
-        master dtype (fp32 under mixed precision). Stages 2-3 reduce every micro-batch's gradient and keep
-        one in flight (its (N*S,) input lives until it is done); stages 0-1 reduce their accumulator once
-        per step, each unit as soon as the last backward has produced it, and all may be in flight."""
+        """Launch the reduction of u's gradient g (N*S,); backward goes on. Stage 0 all-reduces it in place;
+        stages 1-3 reduce-scatter it into this rank's (S,) shard, in the master dtype. Stages 2-3 reduce each
+        micro-batch's gradient, one in flight (its input lives until done); stages 0-1 their accumulator once
+        per step, each unit as soon as the last backward has produced it, all in flight together."""
         if self.stage >= 2:
             self.finish_reductions()
             g = g.to(self.master_dtype).contiguous()
@@ -271,8 +261,7 @@ class Zero:
         self.pending.append((u, work, out, g))  # g referenced until done
 
     def finish_reductions(self):
-        """Wait for the reductions in flight. Stages 2-3 add the shard into u.grad (summed over the
-        micro-batches); for stages 0-1 it is the step's gradient."""
+        """Wait for the reductions in flight; stages 2-3 add the shard into u.grad, 0-1 keep the sum."""
         for u, work, out, _ in self.pending:
             work.wait()
             if self.stage >= 2:
@@ -282,13 +271,9 @@ class Zero:
         self.pending = []
 
     # --- what autograd saves: stage-3 parameter views kept as positions only --------------------------------
-    # One pair of saved_tensors_hooks around the whole forward; every other tensor is kept as it is.
-    def _pack(self, t):
-        ptr = t.untyped_storage().data_ptr()
+    def _pack(self, t):  # (one pair of saved_tensors_hooks around the whole forward; all else kept as it is)
         for u in self.units:
-            if self.stage < 3 and ptr == u.full.untyped_storage().data_ptr():
-                return t  # a view of a persistent parameter vector: held anyway, not an activation
-            if self.stage == 3 and ptr == u.in_forward:
+            if self.stage == 3 and t.untyped_storage().data_ptr() == u.in_forward:
                 # Holding the view would keep the whole gathered unit alive until backward; keep where it
                 # lies instead, and gather the unit again when backward first needs it.
                 return (u, t.storage_offset(), t.shape, t.stride())
@@ -309,8 +294,7 @@ class Zero:
             return self.root(*args)
 
     def backward(self, loss, last=True):
-        """One micro-batch's backward; last=False on all but the step's last (stages 0-1 then reduce only
-        during the last one, as DDP's no_sync). fp16: the loss is scaled so small gradients survive."""
+        """One micro-batch's backward; last=False on all but the step's last (stages 0-1 reduce only then)."""
         self._new_pass(self.backward_order)
         self.last_microbatch = last
         (loss * self.scaler.scale if self.scaler else loss).backward()
@@ -318,11 +302,9 @@ class Zero:
             self.finish_reductions()  # the last unit's reduce-scatter
 
     def global_norm(self, parts):
-        """The L2 norm of the whole model's gradient from each rank's slices: every element lies in exactly
-        one rank's slice (padding excluded), so no replica is counted twice. An inf or nan anywhere makes
-        it non-finite on every rank: one skip decision, taken alike everywhere."""
-        # Each slice's norm in its own dtype, as torch's clip_grad_norm_ takes them (dtype=float64 would
-        # take a slow path on CPU, 18x a float32 norm); the squares summed in float64.
+        """The L2 norm of the whole gradient from each rank's slices (each element in one slice, padding
+        excluded). An inf or nan anywhere makes it non-finite on every rank: one skip decision everywhere."""
+        # each slice's norm in its own dtype, as clip_grad_norm_ (a float64 norm: 18x slower on CPU)
         sq = torch.stack([torch.linalg.vector_norm(p).double() for p in parts]).square().sum().view(1)
         dist.all_reduce(sq, group=self.group)
         return sq.sqrt()
@@ -364,9 +346,8 @@ class Zero:
 
     def publish(self):
         """Master -> compute copy (host fp32 -> device bf16). Stages 1-2 then all-gather the whole vector
-        from the updated shards, asynchronously and in the order the next forward needs the units: each
-        unit's all-gather is waited for just before its next forward, so it travels while the units
-        before it compute."""
+        from the updated shards, asynchronously, in forward's order: each unit's is waited for just before
+        its next forward, so it travels while the units before it compute."""
         for u in self.units:
             if self.separate_master:
                 u.compute.copy_(u.master)
@@ -375,21 +356,8 @@ class Zero:
 
     def wait_published(self, u=None):  # stages 1-2: unit u's all-gather from publish() (None: every unit's)
         for v in [u] if u is not None else list(self.publishing):
-            work, _ = self.publishing.pop(v, (None, None))
-            if work is not None:
-                work.wait()
-
-    def full_state_dict(self):
-        """The whole unsharded model on every rank, {name in the original model: tensor}, master dtype."""
-        self.wait_published()
-        out = {}
-        for u in self.units:
-            flat = u.master.to(self.device)
-            if self.stage > 0 and u.numel:
-                flat = torch.empty(u.padded, dtype=u.master.dtype, device=self.device)
-                all_gather_(flat, u.master.to(self.device), self.group)[0].wait()
-            out.update({n: v.detach().cpu().clone() for n, v in zip(u.names, u.views(flat).values())})
-        return out
+            if v in self.publishing:
+                self.publishing.pop(v)[0].wait()
 
 
 def to_device(t, device):
@@ -398,10 +366,8 @@ def to_device(t, device):
 
 
 def train_step(zero, x, y, n_tok, accum, loss_fn):
-    """One optimizer step on this rank's rows of the global batch (x, y), copied to the device once, in
-    `accum` micro-batches. Returns this rank's share of the batch loss (a device tensor, no host sync) and
-    zero.step()'s result. loss_fn(out, y, n_tok) sums over its rows and divides by n_tok, the count of the
-    whole global batch, so that the pieces of every rank and micro-batch add up to the batch's loss."""
+    """One optimizer step on this rank's rows of (x, y), copied to the device once, in `accum` micro-batches;
+    returns this rank's loss (on the device) and zero.step()'s. loss_fn(out, y, n_tok): sum / global count."""
     rows = x.shape[0] // zero.world
     x, y = (to_device(t[zero.rank * rows:(zero.rank + 1) * rows], zero.device) for t in (x, y))  # (B/N, ...)
     local = torch.zeros((), dtype=torch.float64, device=zero.device)
@@ -414,9 +380,9 @@ def train_step(zero, x, y, n_tok, accum, loss_fn):
 
 # ============================================================================= mixed precision: loss scaling
 class LossScaler:
-    """Dynamic loss scaling for fp16 (Micikevicius et al. 2018, Sec. 3.2): the loss is multiplied by `scale`
-    so that small gradients survive in half precision; a step whose gradient overflowed is skipped and the
-    scale halved; after `window` clean steps in a row the scale doubles. (bf16 has fp32's range: none.)"""
+    """Dynamic loss scaling for fp16 (Micikevicius et al. 2018, Sec. 3.2): the loss times `scale`, so that
+    small gradients survive in fp16; an overflowed step is skipped and the scale halved; after `window` clean
+    steps in a row it doubles. (bf16 has fp32's range: no scaling.)"""
 
     def __init__(self, scale, window):
         self.scale, self.window, self.clean = scale, window, 0
@@ -428,39 +394,6 @@ class LossScaler:
         elif self.clean == self.window:  # a run of clean steps: try a larger scale
             self.scale, self.clean = self.scale * 2, 0
         return finite
-
-
-
-# ============================================================================= backend note: gloo
-# torch's gloo backend runs reduce_scatter_single as an all-reduce of a copy of the whole vector, and
-# all_gather_single through flat copies of every shard (ProcessGroupGloo). On gloo, N reduces to the owners
-# and N broadcasts from them, in place (as torch's ZeroRedundancyOptimizer broadcasts), hand over the same
-# bytes without the copies. These two replace the core's collectives above; on NCCL they are the core's.
-class Works(list):  # the works of several collectives, waited for as one
-    def wait(self):
-        for w in self:
-            w.wait()
-
-
-_ring_reduce_scatter, _ring_all_gather = reduce_scatter_, all_gather_
-
-
-def reduce_scatter_(full, group):  # noqa: F811  (N*S,) global -> (work, (S,) local), as above
-    if dist.get_backend(group) != "gloo":
-        return _ring_reduce_scatter(full, group)
-    N, me = dist.get_world_size(group), dist.get_rank(group)
-    S = full.numel() // N
-    return Works(dist.reduce(full[q * S:(q + 1) * S], group_dst=q, group=group, async_op=True)
-                 for q in range(N)), full[me * S:(me + 1) * S]
-
-
-def all_gather_(full, shard, group):  # noqa: F811  (S,) local -> (N*S,) global, into `full`, as above
-    if dist.get_backend(group) != "gloo":
-        return _ring_all_gather(full, shard, group)
-    N, me, S = dist.get_world_size(group), dist.get_rank(group), shard.numel()
-    full[me * S:(me + 1) * S].copy_(shard)  # (a no-op when it is that slice already)
-    return Works(dist.broadcast(full[q * S:(q + 1) * S], group_src=q, group=group, async_op=True)
-                 for q in range(N)), shard
 
 
 # ----------------------------------------------------------------------------- main
@@ -482,17 +415,15 @@ def check_args(args, world):
 def train_zero(d, args):
     """Build, train, report, check; returns the --json summary."""
     data = MarkovData(args.vocab, args.seed)
-    d.log(f"ZeRO stage {args.stage} on {d.world} ranks ({d.backend}); entropy floor {data.entropy:.4f} "
-          "nats/token")
+    d.log(f"ZeRO stage {args.stage} on {d.world} ranks ({d.backend}); entropy floor {data.entropy:.4f}")
     model = build_gpt(GPTConfig.from_args(args), args.seed, DTYPES[args.dtype])  # whole, one seed, on the CPU
     zero = Zero(model, [f"blocks.{i}" for i in range(args.n_layers)], stage=args.stage, clip=args.clip,
                 optimizer=lambda params: make_optimizer(params, args), device=d.device, offload=args.offload,
                 mixed_precision=LOW[args.mixed_precision], loss_scale=args.loss_scale,
                 scale_window=args.scale_window)
     torch.manual_seed(args.seed + d.rank)  # dropout masks (if any) differ per rank; a resume restores them
-    # the loop's edges; the checkpoint holds each rank's shards, and any world size resumes it (reshards)
     ckpt = FlatShardCheckpoint(d, args.ckpt_dir, args.save_every, args.steps, [u.numel for u in zero.units],
-                               zero.group)
+                               zero.group)  # each rank's shards; any world size resumes them (reshards)
     run, comm = Run(d, args, ZeroShards(zero), ckpt=ckpt), CommCounter()
     watch = Watch(zero)  # (measurement: saved activations, gathered buffers, their peaks)
     skipped, scales = [], []
@@ -508,7 +439,7 @@ def train_zero(d, args):
         run.end_step(step, local.item())  # the timer, the log line, the checkpoint
     figures = report(d, args, zero, watch, comm)
     figures.update(loss_scale=scales, per_rank=per_rank(d, zero, skipped), resumed_from_step=run.start)
-    check = check_run(d, args, run.losses, zero.full_state_dict()) if args.check else None
+    check = check_run(d, args, run.losses, full_state_dict(zero)) if args.check else None
     return write_summary(d, args, "zero", run.losses, run.timer.median(), run.tokens_per_s(),
                          peak(d, args, zero, watch), comm.total(), check, figures)
 
@@ -527,7 +458,7 @@ class Watch:
       saved activations  a wrapper around Zero's own pack hook (the innermost pair of saved-tensor hooks,
                          which would hide an outer harness.SavedActivations): the bytes of what it keeps per
                          micro-batch forward, each storage once (not parameter views, not stage-3 positions)
-      gathered buffers   each stage-3 all-gather's output, held weakly (harness.LiveStorages), and their peak"""
+      gathered buffers   each stage-3 all-gather's output, held weakly (harness.LiveStorages); their peak"""
 
     def __init__(self, zero):
         self.zero, self.gathered, self.saved, self.saved_peak, self._seen = zero, LiveStorages(), 0, 0, set()
@@ -645,6 +576,19 @@ def check_run(d, args, losses, full):
     if args.mixed_precision != "none":
         return check_mixed(d, args, losses, full)
     return check_against_reference(d, args, losses, full)  # common.reference_train
+
+
+def full_state_dict(zero):
+    """The whole unsharded model on every rank, {name in the original model: tensor}, master dtype."""
+    zero.wait_published()
+    out = {}
+    for u in zero.units:
+        flat = u.master.to(zero.device)
+        if zero.stage > 0 and u.numel:
+            flat = torch.empty(u.padded, dtype=u.master.dtype, device=zero.device)
+            all_gather_(flat, u.master.to(zero.device), zero.group)[0].wait()
+        out.update({n: v.detach().cpu().clone() for n, v in zip(u.names, u.views(flat).values())})
+    return out
 
 
 def reference(args, world, device="cpu"):
@@ -848,6 +792,38 @@ class FlatShardCheckpoint:
     def _atomic_save(obj, path):
         torch.save(obj, path + ".tmp")
         os.replace(path + ".tmp", path)
+
+
+# --- backend note: gloo --- (neither measurement nor reference: ZeRO's two collectives, faster on gloo) ---
+# torch's gloo backend runs reduce_scatter_single as an all-reduce of a copy of the whole vector, and
+# all_gather_single through flat copies of every shard (ProcessGroupGloo). On gloo, N reduces to the owners
+# and N broadcasts from them, in place (as torch's ZeroRedundancyOptimizer broadcasts), hand over the same
+# bytes without the copies. These two replace the core's collectives; on NCCL they are the core's.
+class Works(list):  # the works of several collectives, waited for as one
+    def wait(self):
+        for w in self:
+            w.wait()
+
+
+_ring_reduce_scatter, _ring_all_gather = reduce_scatter_, all_gather_
+
+
+def reduce_scatter_(full, group):  # noqa: F811  (N*S,) global -> (work, (S,) local), as above
+    if dist.get_backend(group) != "gloo":
+        return _ring_reduce_scatter(full, group)
+    N, me = dist.get_world_size(group), dist.get_rank(group)
+    S = full.numel() // N
+    return Works(dist.reduce(full[q * S:(q + 1) * S], group_dst=q, group=group, async_op=True)
+                 for q in range(N)), full[me * S:(me + 1) * S]
+
+
+def all_gather_(full, shard, group):  # noqa: F811  (S,) local -> (N*S,) global, into `full`, as above
+    if dist.get_backend(group) != "gloo":
+        return _ring_all_gather(full, shard, group)
+    N, me, S = dist.get_world_size(group), dist.get_rank(group), shard.numel()
+    full[me * S:(me + 1) * S].copy_(shard)  # (a no-op when it is that slice already)
+    return Works(dist.broadcast(full[q * S:(q + 1) * S], group_src=q, group=group, async_op=True)
+                 for q in range(N)), shard
 
 
 if __name__ == "__main__":

@@ -211,7 +211,7 @@ def copy_out_worker(json_path, steps=3, accum=2, clip=0.2):
         zero = core["Zero"](tower(), ["stem", "body.mix"], optimizer=adamw, clip=clip, **kw)
         for x, y in batches:  # every rank passes the global batch; train_step takes its own rows
             core["train_step"](zero, x, y, y.numel(), accum, huber)
-        got = zero.full_state_dict()
+        got = Z.full_state_dict(zero)
         return max((got[n] - p).abs().max().item() for n, p in want.items())
 
     configs = {f"stage {s}": dict(stage=s) for s in range(4)}

@@ -156,7 +156,7 @@ def check_awkward(d, args, steps=3):
         for s in range(steps):
             x, y = batch(d, s)
             Z.train_step(zero, x, y, y.numel(), a.accum, mse)
-        return zero.full_state_dict()
+        return Z.full_state_dict(zero)
 
     for stage in range(4):
         got = run(stage)
@@ -275,7 +275,7 @@ def check_gpt(d, args):
             x, y = data.batch(s, a.batch_size, a.seq_len)
             losses.append(step_loss(zero, x, y, count_tokens(y), a.accum, lm_loss, comm if s == a.steps - 1 else None))
         sent, saved = comm.total(), watch.saved  # (saved: the last micro-batch's forward)
-        full = zero.full_state_dict()
+        full = Z.full_state_dict(zero)
         pdiff = max_diff(full, ref["params"])
         ldiff = max(abs(p - q) / abs(q) for p, q in zip(losses, ref["losses"]))
         check(d, f"stage {stage}: losses and params == reference", pdiff < 1e-10 and ldiff < 1e-10,
