@@ -11,8 +11,9 @@ heads, 2w blocks, 2w micro-batches, 16w sequences of 32 tokens, or 16w tokens wh
   every mode of every file in float32 with --check (dp sync / accumulation / async lockstep, ddp with and
   without gradient compression, gpipe with and without recompute, pipedream flush / stash / 2bw / zb, megatron
   tp and sequence parallel and tp x dp, ptdp 1F1B / interleaved / ZB-V / tp x pp, moe's five routers and
-  dropless loss-free with a shared expert, zero stages 0-3, offload + bf16 mixed precision + recompute, fp16
-  loss scaling, activation compression, Adafactor, context parallel's three attentions in both layouts);
+  dropless loss-free with a shared expert, zero stages 0-3, offload + bf16 mixed precision, fp16 loss
+  scaling, memory_savers' full and selective recomputation, activation compression and Adafactor, context
+  parallel's three attentions in both layouts);
   each file's default mode in bfloat16 under TORCH_DISTRIBUTED_DEBUG=DETAIL (every collective's kind, shape
   and order checked across ranks before it runs);
   at w >= 3, an async parameter server with stragglers (--delay-ms) whose update loop must take well under
@@ -46,11 +47,12 @@ def plan(w):
              ["--router", "loss_free", "--ep", w, "--experts", 2 * w, "--capacity-factor", 0,
               "--shared-experts", 1]),
             *[(f"zero stage {s}", "zero.py", ["--stage", s, "--accum", 2]) for s in range(4)],
-            ("zero 2 offload bf16 recompute", "zero.py",
-             ["--stage", 2, "--offload", "--mixed-precision", "bf16", "--recompute"]),
+            ("zero 2 offload bf16", "zero.py", ["--stage", 2, "--offload", "--mixed-precision", "bf16"]),
             ("zero 3 fp16 loss scaling", "zero.py", ["--stage", 3, "--mixed-precision", "fp16"]),
-            ("zero 3 compress int8", "zero.py", ["--stage", 3, "--compress-activations", "int8"]),
-            ("zero 3 adafactor", "zero.py", ["--stage", 3, "--optimizer", "adafactor"]),
+            ("savers recompute full", "memory_savers.py", ["--recompute", "full", "--accum", 2]),
+            ("savers recompute selective", "memory_savers.py", ["--recompute", "selective"]),
+            ("savers compress int8", "memory_savers.py", ["--compress-activations", "int8"]),
+            ("savers adafactor", "memory_savers.py", ["--optimizer", "adafactor"]),
             *[(f"cp {a} {lay}", "context_parallel.py", ["--cp", w, "--attention", a, "--layout", lay])
               for a, lay in (("ring", "zigzag"), ("ring", "contiguous"), ("allgather", "zigzag"),
                              ("ulysses", "contiguous"))]]

@@ -46,7 +46,8 @@ MATRIX = [
     ("moe.py", 1, [*T, "--router", "bogus"], ["invalid choice"]),
     ("zero.py", 2, [*T, "--stage", "5"], ["--stage must be 0, 1, 2 or 3"]),
     ("zero.py", 2, [*T, "--stage", "0", "--offload"], ["--offload"]),
-    ("zero.py", 2, [*T, "--optimizer", "adafactor", "--ckpt-dir", "unused"], ["adafactor", "--ckpt-dir"]),
+    ("memory_savers.py", 2, [*T, "--recompute", "full", "--compress-activations", "int8"], ["pick one"]),
+    ("memory_savers.py", 3, [*T, "--accum", "5"], ["--accum 5", "must split"]),
     ("dp.py", 3, [*T, "--mode", "async", "--ckpt-dir", "unused"], ["--ckpt-dir"]),
     ("ptdp.py", 4, [*T, "--pp", "2", "--tp", "1", "--dp", "1"], ["world size 4 != pp 2 x tp 1 x dp 1"]),
     ("ptdp.py", 4, [*T, "--pp", "2", "--tp", "2", "--n-heads", "1", "--d-model", "16"], ["--n-heads 1 is not divisible by --tp 2"]),
@@ -71,6 +72,7 @@ CKPT_CASES = [
     ("megatron_tp.py", [*T, "--ckpt-dir", "{A}"], ["written by dp.py at world 1"]),
     ("zero.py", [*T, "--ckpt-dir", "{A}"], ["another file's rank-local checkpoints"]),
     ("zero.py", [*T, "--d-model", "32", "--ckpt-dir", "{Z}"], ["holds another model"]),
+    ("memory_savers.py", [*T, "--ckpt-dir", "{A}"], ["written by dp.py at world 1"]),
     ("dp.py", [*T, "--d-model", "32", "--ckpt-dir", "{A}"], ["does not fit this model", "size mismatch"]),
     ("dp.py", [*T, "--n-layers", "3", "--ckpt-dir", "{A}"], ["does not fit this model", "Missing key"]),
     ("dp.py", [*T, "--ckpt-dir", "{damaged}"], ["cannot read checkpoint"]),
@@ -134,7 +136,7 @@ def test_gpu_check_plans_a_legal_run_for_any_gpu_count(tmp_path):
     kinds = {name.split(" (")[0] for name, _, _ in gpu_check.plan(8)}
     assert len(kinds) >= 35 and {f for _, f, _ in gpu_check.plan(8)} == {
         "dp.py", "ddp_bucketed.py", "gpipe.py", "pipedream.py", "megatron_tp.py", "ptdp.py", "moe.py", "zero.py",
-        "context_parallel.py"}, kinds
+        "memory_savers.py", "context_parallel.py"}, kinds
     wrong_world = [dict(file=f, world=4, rank=0, argv=list(map(str, flags)), torchrun=True, name=name)
                    for name, f, flags in gpu_check.plan(6) if f in ("ptdp.py", "megatron_tp.py", "moe.py")]
     (tmp_path / "cases.json").write_text(json.dumps(cases + wrong_world))

@@ -1,8 +1,8 @@
 """zero.py: ZeRO stages 0-3 match the one-process reference (float64, accumulation, clipping) at world sizes
 2, 3 and 4; the wrapper matches torch's ZeroRedundancyOptimizer and fully_shard; memory falls as the ZeRO
 formulas say; stage 3 prefetches and frees its gathered storages; bytes handed to collectives equal a closed
-form from the model's parameter counts; offload, recomputation and bf16 train correctly (bf16 against a
-one-process reference with the same precision recipe); fp16 skips an injected overflow on every rank
+form from the model's parameter counts; offload and bf16 train correctly (bf16 against a one-process
+reference with the same precision recipe); fp16 skips an injected overflow on every rank
 (tests/zero_checks.py); a checkpoint saved at world 4 resumes at world 2; a run killed and restarted by
 torchrun at each stage, with dropout, equals the uninterrupted run bit for bit; bad input exits 2; and the
 technique, copied out of zero.py with nothing but torch, trains a model that is not the GPT exactly as plain
@@ -24,8 +24,7 @@ import zero as Z  # noqa: E402  (importing must not run main())
 
 def test_layer_checks_world3(tmp_path):
     # awkward shapes vs ZeroRedundancyOptimizer and FSDP2; GPT stages 0-3 vs reference and each other;
-    # counted memory and bytes vs formulas; stage 3 frees its storages and prefetches; recompute saves less;
-    # offload placement; bf16 --check catches a dropped reduce-scatter; each check against a mutant too
+    # counted memory and bytes vs formulas; stage 3 frees its storages and prefetches; offload placement; bf16 --check catches a dropped reduce-scatter; each check against a mutant too
     _, out = torchrun("tests/zero_checks.py", 3, tmp_path=tmp_path, name="checks", timeout=400)
     assert "ALL CHECKS PASSED" in out and "FAIL " not in out, out[-4000:]
 
@@ -58,15 +57,14 @@ def test_stage0_world2_accum(tmp_path):
     assert_figures(s)
 
 
-def test_stage2_world3_offload_recompute(tmp_path):
+def test_stage2_world3_offload(tmp_path):
     s, out = torchrun("zero.py", 3, *TINY, "--stage", "2", "--accum", "2", "--clip", "0.5", "--offload",
-                      "--recompute", "--check", tmp_path=tmp_path, name="s2")
+                      "--check", tmp_path=tmp_path, name="s2")
     assert_matches_reference(s)
     assert_figures(s)
     f = s["figures"]
-    assert 0 < f["saved_activation_bytes"] < f["saved_activation_bytes_without_savers"] / 2, f
-    # the peak (counted on CPU) comes from the training steps, not from the measurement forward without the
-    # savers that runs before them: the states on the device + the saved bytes with --recompute
+    assert f["saved_activation_bytes"] > 0, f
+    # the peak (counted on CPU): the states on the device (offload: not the optimizer's) + the saved bytes
     m = f["memory"]
     assert s["peak_mem_bytes"] == m["params"]["counted"] + m["grads"]["counted"] + f["saved_activation_bytes"], s
     # offload: the optimizer state is on the host (on a CPU-only machine that is trivially so, and says so;
@@ -121,9 +119,9 @@ def test_restart_each_stage_dropout_bitwise(tmp_path):
         assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want), stage
 
 
-def test_bf16_stage3_recompute(tmp_path):
+def test_bf16_stage3(tmp_path):
     s, out = torchrun("zero.py", 2, *TINY, "--dtype", "float32", "--mixed-precision", "bf16", "--stage", "3",
-                      "--recompute", "--check", tmp_path=tmp_path, name="bf16")
+                      "--check", tmp_path=tmp_path, name="bf16")
     c = s["check"]
     # against the one-process reference with the same recipe: losses within bf16's unit roundoff, each
     # tensor within 10% of how far training moved it (zero.check_mixed; a dropped reduction gives O(1),
@@ -134,28 +132,6 @@ def test_bf16_stage3_recompute(tmp_path):
     ref = reference_train(Z.Args(vocab=32, seq_len=8, d_model=16, n_heads=2, n_layers=2, batch_size=12, steps=4))
     assert max(abs(a - b) for a, b in zip(s["losses"], ref["losses"])) > 1e-5, (s["losses"], ref["losses"])
     assert s["figures"]["bytes_per_elem"] == dict(p=2, g=4, K=12), s["figures"]  # the paper's K for Adam
-
-
-def test_adafactor_world1_check():
-    # the command line and its --check (torch.optim.Adafactor on the plain model); sharded worlds and the
-    # state bytes are in tests/zero_checks.py
-    p = run_python("zero.py", *TINY, "--stage", "3", "--optimizer", "adafactor", "--check")
-    assert p.returncode == 0 and "-> PASSED" in p.stdout and "(AdamW moments would take)" in p.stdout, p.stdout[-3000:]
-
-
-def test_compress_activations_summary_at_world1():
-    """The command line of --compress-activations int8 --check: the saved bytes beside theory, and the loss
-    difference against uncompressed training after the same steps (bytes and gradient error are checked
-    in tests/zero_checks.py, with a zero decoder caught)."""
-    p = run_python("zero.py", *TINY, "--stage", "3", "--compress-activations", "int8", "--check")
-    out = p.stdout
-    assert p.returncode == 0 and "against the uncompressed run" in out and "-> PASSED" in out, out[-3000:]
-    line = out.split("compressed / plain")[1].splitlines()[0]  # "  0.210   | theory 0.125 = int8 bytes / 8 ..."
-    ratio, theory = float(line.split()[0]), float(line.split("| theory")[1].split()[0])
-    # int8 is 1/8 of float64's bytes; the per-row scales and integer tensors saved as they are add to it
-    assert theory == 0.125 and theory <= ratio <= 2 * theory, (ratio, theory)
-    loss_diff = float(out.split("max rel loss diff")[1].split()[0])
-    assert 0 < loss_diff < 1e-2, loss_diff  # lossy, but close
 
 
 def test_bad_input():
@@ -203,7 +179,7 @@ def huber(out, y, n):  # not cross-entropy; summed over the piece, divided by th
 
 
 def copied_out():
-    """zero.py's technique section (the ZeRO core, Adafactor, compression: from its first heading to
+    """zero.py's technique section (the ZeRO core, loss scaling, the gloo note: from its first heading to
     check_args) run with zero.py's imports minus common.py and harness.py: what a reader copies."""
     text = (ROOT / "zero.py").read_text()
     imports = [ast.get_source_segment(text, n) for n in ast.parse(text).body
@@ -235,11 +211,11 @@ def copy_out_worker(json_path, steps=3, accum=2, clip=0.2):
         zero = core["Zero"](tower(), ["stem", "body.mix"], optimizer=adamw, clip=clip, **kw)
         for x, y in batches:  # every rank passes the global batch; train_step takes its own rows
             core["train_step"](zero, x, y, y.numel(), accum, huber)
-        got = zero.full_state_dict()
+        got = Z.full_state_dict(zero)
         return max((got[n] - p).abs().max().item() for n, p in want.items())
 
     configs = {f"stage {s}": dict(stage=s) for s in range(4)}
-    configs["stage 3 offload recompute"] = dict(stage=3, offload=True, recompute=True)
+    configs["stage 3 offload"] = dict(stage=3, offload=True)
     out = dict(diff={name: trained(**kw) for name, kw in configs.items()}, clipped=max(norms) > clip,
                moved=max((p - q).abs().max().item() for p, q in zip(want.values(), tower().parameters())))
     keep_local = lambda self, u, g: u.grad.add_(g[u.lo:u.lo + u.S])  # noqa: E731  (a broken stage 2)
@@ -253,7 +229,7 @@ def copy_out_worker(json_path, steps=3, accum=2, clip=0.2):
 
 def test_copy_out_zero_on_another_model(tmp_path):
     """Check your own implementation: Zero and train_step, copied out of zero.py with nothing but torch, on a
-    model that is not the GPT, at world 3, stages 0-3 (and 3 with offload and recompute), accumulation 2 and
+    model that is not the GPT, at world 3, stages 0-3 (and 3 with offload), accumulation 2 and
     clipping, equal plain one-process AdamW training written above (float64); a stage 2 whose gradients are
     never reduced across ranks is caught."""
     s, _ = torchrun("tests/test_zero.py", 3, "copy-out", tmp_path=tmp_path, name="copy_out")

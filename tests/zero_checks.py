@@ -9,21 +9,19 @@
    counted memory per stage against the ZeRO formulas; bytes handed to collectives per step against a
    closed form from the model's own parameter counts; stage 3 frees each gathered storage after use and
    its peak stays within root + 2 blocks; its all-gathers are prefetched (forward and backward) and its
-   reduce-scatters still in flight while the next block computes; recomputation saves less; offload keeps
-   master and moments on the CPU in storages of their own.
-3. --mixed-precision bf16 --check (zero.main, in-process) passes, and FAILS when any one unit's gradient
-   is not reduced across ranks.
-4. --compress-activations: none is plain autograd bit for bit; bf16 / int8 save ~1/2 / ~1/4 of the bytes
-   with gradients within the encoding's rounding.
-5. --optimizer adafactor at world 1, 2, 3 and stages 0-3 == torch.optim.Adafactor; its state bytes.
-6. What a GPU would show (issue 21): one host-to-device copy of a step's batch; the reported peak comes
-   from the training steps, not the measurement forward before them; stages 0-1 reduce each unit during
-   the last backward, stages 1-2 wait for each unit's all-gather of the update only at its next forward.
-7. fp16: an overflow injected into one rank's gradient (a monkeypatch, the test hook the file no longer
+   reduce-scatters still in flight while the next block computes; offload keeps master and moments on the
+   CPU in storages of their own.
+3. --mixed-precision bf16 --check (zero.train_zero, in-process) passes, and FAILS when any one unit's
+   gradient is not reduced across ranks.
+4. What a GPU would show (issue 21): one host-to-device copy of a step's batch; the reported peak is the
+   training steps' (states + gathered peak + saved); stages 0-1 reduce each unit during the last backward,
+   stages 1-2 wait for each unit's all-gather of the update only at its next forward.
+5. fp16: an overflow injected into one rank's gradient (a monkeypatch, the test hook the file no longer
    has) is skipped on every rank, with the loss scale's back-off and growth, and --check passes.
+(Recomputation, activation compression and Adafactor: tests/memory_savers_checks.py.)
 Each check is also run against code broken on purpose (a gathered unit kept alive, prefetch off, offload
-aliasing the compute copy, a dropped reduction, a copy per micro-batch, no peak reset, reductions or
-all-gathers waited for at once), and must catch it.
+aliasing the compute copy, a dropped reduction, a copy per micro-batch, reductions or all-gathers waited
+for at once), and must catch it.
 Every tensor and model lives on the process group's device (gloo + CPU here, NCCL + GPU elsewhere).
 Prints ALL CHECKS PASSED and exits 0, or names each failed check and exits 1.
 """
@@ -62,13 +60,9 @@ def max_diff(a, b):
 
 
 def make_zero(model, a, units, device, group=None):
-    """Zero built from an Args as zero.main builds it (AdamW, or Adafactor in its place)."""
-    zero = Z.Zero(model, units, stage=a.stage, optimizer=lambda ps: make_optimizer(ps, a), clip=a.clip, group=group,
-                  device=device, offload=a.offload, recompute=a.recompute, mixed_precision=Z.LOW[a.mixed_precision],
-                  compress=None if a.compress_activations == "none" else a.compress_activations)
-    if a.optimizer == "adafactor":
-        zero.opt = Z.FlatAdafactor(zero, a.lr, a.weight_decay)
-    return zero
+    """Zero built from an Args as zero.train_zero builds it."""
+    return Z.Zero(model, units, stage=a.stage, optimizer=lambda ps: make_optimizer(ps, a), clip=a.clip, group=group,
+                  device=device, offload=a.offload, mixed_precision=Z.LOW[a.mixed_precision])
 
 
 def step_loss(zero, x, y, n_tok, accum, loss_fn, comm=None):
@@ -162,7 +156,7 @@ def check_awkward(d, args, steps=3):
         for s in range(steps):
             x, y = batch(d, s)
             Z.train_step(zero, x, y, y.numel(), a.accum, mse)
-        return zero.full_state_dict()
+        return Z.full_state_dict(zero)
 
     for stage in range(4):
         got = run(stage)
@@ -174,8 +168,8 @@ def check_awkward(d, args, steps=3):
         if stage == 3:
             check(d, "awkward: Zero stage 3 == torch fully_shard (FSDP2)", max_diff(got, torch_fsdp) < 1e-12,
                   f"({max_diff(got, torch_fsdp):.1e})")
-    got = run(3, offload=True, recompute=True)
-    check(d, "awkward: stage 3 + offload + recompute == FSDP2", max_diff(got, torch_fsdp) < 1e-12)
+    got = run(3, offload=True)
+    check(d, "awkward: stage 3 + offload == FSDP2", max_diff(got, torch_fsdp) < 1e-12)
     got = run(3, clip=0.0)  # negative: the same run without clipping must differ
     check(d, "awkward: without clipping it differs (negative)", max_diff(got, want) > 1e-6,
           f"({max_diff(got, want):.1e})")
@@ -201,7 +195,7 @@ def stage3_memory_problems(d, a, data):
     gathered bytes must all be freed after a forward and after a backward, and their peak must stay within
     the root plus the two largest blocks (the one running, the one prefetched)."""
     zero = gpt_zero(d, a)
-    watch = Z.Watch(zero, CommCounter())
+    watch = Z.Watch(zero)
     x, y = data.batch(0, a.batch_size, a.seq_len)
     rows = a.batch_size // d.world
     x, y = x[d.rank * rows:(d.rank + 1) * rows].to(d.device), y[d.rank * rows:(d.rank + 1) * rows].to(d.device)
@@ -273,16 +267,15 @@ def check_gpt(d, args):
     ref = reference_train(args)
     data = MarkovData(args.vocab, args.seed)
     results = {}
-    for stage in (0, 1, 2, 3, "3+offload+recompute"):
-        a = replace(args, stage=3, offload=True, recompute=True) if stage == "3+offload+recompute" else \
-            replace(args, stage=stage)
+    for stage in (0, 1, 2, 3, "3+offload"):
+        a = replace(args, stage=3, offload=True) if stage == "3+offload" else replace(args, stage=stage)
         zero, comm = gpt_zero(d, a), CommCounter()  # the bytes of the last step, at the dispatcher
-        watch, losses = Z.Watch(zero, comm), []
+        watch, losses = Z.Watch(zero), []
         for s in range(a.steps):
             x, y = data.batch(s, a.batch_size, a.seq_len)
             losses.append(step_loss(zero, x, y, count_tokens(y), a.accum, lm_loss, comm if s == a.steps - 1 else None))
         sent, saved = comm.total(), watch.saved  # (saved: the last micro-batch's forward)
-        full = zero.full_state_dict()
+        full = Z.full_state_dict(zero)
         pdiff = max_diff(full, ref["params"])
         ldiff = max(abs(p - q) / abs(q) for p, q in zip(losses, ref["losses"]))
         check(d, f"stage {stage}: losses and params == reference", pdiff < 1e-10 and ldiff < 1e-10,
@@ -351,9 +344,7 @@ def check_gpt(d, args):
     f, b = overlap_ok(fwd, bwd, L)
     check(d, "stage 3 mutant (no prefetch) is caught, forward and backward", not f and not b, f"{fwd} {bwd}")
 
-    rec = results["3+offload+recompute"]
-    check(d, "recompute saves fewer activation bytes", rec[3] < results[3][3] / 2, f"({rec[3]} vs {results[3][3]} B)")
-    problems = offload_problems(rec[0], d.device)
+    problems = offload_problems(results["3+offload"][0], d.device)
     check(d, "offload: master and Adam moments on the CPU, compute copy on the device, distinct storages",
           not problems, f"{problems}" + (" (CPU only here: on/off device is trivially true)" if d.device.type == "cpu" else ""))
     problems = offload_problems(results[3][0], d.device)  # negative: without offload the master IS the compute copy
@@ -380,10 +371,10 @@ def offload_problems(zero, device):
 
 # ----------------------------------------------------------------------------- 3. --mixed-precision --check
 def check_mixed(d, args):
-    """zero.train with bf16 compute at stage 2 (accumulation, clipping) against zero.reference: passes
+    """zero.train_zero with bf16 compute at stage 2 (accumulation, clipping) against zero.reference: passes
     as written, fails when any one unit's micro-batch gradient is kept local instead of reduce-scattered."""
     a = replace(args, dtype="float32", mixed_precision="bf16", stage=2, check=True, steps=4)
-    ok = Z.main(a, d)["check"]
+    ok = Z.train_zero(d, a)["check"]
     check(d, "bf16 stage 2 --check passes", ok["passed"], f"({ok})")
     n_units = a.n_layers + 1
     for target in range(n_units):
@@ -395,114 +386,12 @@ def check_mixed(d, args):
             else:
                 rs(self, u, g)
         with mock.patch.object(Z.Zero, "reduce_grad", dropped):
-            bad = Z.main(a, d)["check"]
+            bad = Z.train_zero(d, a)["check"]
         check(d, f"bf16 --check FAILS with unit {target}'s reduce-scatter dropped", not bad["passed"],
               f"(param diff {bad['max_param_diff']:.1e}, loss diff {bad['max_loss_diff']:.1e})")
 
 
-# ----------------------------------------------------------------------------- 4. --compress-activations
-def compressed_grads(d, a, x, y, how):
-    """This rank's gradient of one micro-batch (stage 0: before any reduction), flat in the units' order,
-    the activation bytes saved for it, and the units' parameter names in that order."""
-    zero = gpt_zero(d, replace(a, compress_activations=how), torch.float32)
-    watch = Z.Watch(zero, CommCounter())
-    zero.backward(lm_loss(zero(x), y, count_tokens(y)), last=False)  # last=False: no reduction launched
-    g = torch.cat([u.grad[:u.numel] for u in zero.units])
-    return g.cpu(), watch.saved, [n for u in zero.units for n in u.names]
-
-
-def check_compression(d, args):
-    """Float32 GPT, one micro-batch: `none` equals plain autograd on the model bit for bit; bf16 and int8
-    keep about 1/2 and 1/4 of the saved bytes (int8 also keeps one float32 scale per row of C elements, so
-    1/4 + 1/C); their gradients lie within a few units of the encoding's rounding (bf16: u = 2^-8; int8:
-    half a step of 1/127 of the row's absmax) of the exact ones; a decoder returning zeros is caught."""
-    a = replace(args, dtype="float32", stage=0, accum=1)
-    x, y = MarkovData(a.vocab, a.seed).batch(0, a.batch_size, a.seq_len)
-    rows = a.batch_size // d.world
-    x, y = (t[d.rank * rows:(d.rank + 1) * rows].to(d.device) for t in (x, y))
-    plain = build_gpt(GPTConfig.from_args(a), a.seed, torch.float32, d.device)
-    lm_loss(plain(x), y, count_tokens(y)).backward()
-    grads = dict(plain.named_parameters())
-    exact, plain_bytes, names = compressed_grads(d, a, x, y, "none")
-    want = torch.cat([grads[n].grad.detach().cpu().flatten() for n in names])
-    check(d, "compress none: gradient == plain autograd, bit for bit", torch.equal(exact, want))
-    bound = {"bf16": 2.0 ** -8, "int8": 1 / 254}
-    for how, lo, hi in (("bf16", 0.5, 0.56), ("int8", 0.25, 0.36)):
-        g, saved, _ = compressed_grads(d, a, x, y, how)
-        err = ((g - exact).norm() / exact.norm()).item()
-        check(d, f"compress {how}: saved bytes {lo} to {hi} of plain", lo <= saved / plain_bytes <= hi,
-              f"({saved} / {plain_bytes} = {saved / plain_bytes:.3f})")
-        check(d, f"compress {how}: gradient within 4 x the encoding's rounding", 0 < err <= 4 * bound[how],
-              f"(relative error {err:.1e}, bound {4 * bound[how]:.1e})")
-        with mock.patch.object(Z, "decode", lambda e: torch.zeros(e.data.shape, dtype=e.dtype, device=e.data.device)):
-            g, _, _ = compressed_grads(d, a, x, y, how)
-        err = ((g - exact).norm() / exact.norm()).item()
-        check(d, f"compress {how} mutant (decode returns zeros) is caught", err > 4 * bound[how], f"({err:.1e})")
-    # training: the loss after the same steps, compressed against plain (a figure, loosely bounded)
-    losses = {}
-    for how in ("none", "bf16", "int8"):
-        zero, data = gpt_zero(d, replace(a, compress_activations=how), torch.float32), MarkovData(a.vocab, a.seed)
-        for s in range(a.steps):
-            xs, ys = data.batch(s, a.batch_size, a.seq_len)
-            losses[how] = step_loss(zero, xs, ys, count_tokens(ys), 1, lm_loss)
-    for how in ("bf16", "int8"):
-        diff = abs(losses[how] - losses["none"]) / losses["none"]
-        check(d, f"compress {how}: loss after {a.steps} steps within 1e-2 of plain", diff < 1e-2, f"(relative {diff:.1e})")
-
-
-# ----------------------------------------------------------------------------- 5. --optimizer adafactor
-def check_adafactor(d, args):
-    """Adafactor on flat shards at world 1 (a shard is the whole tensor), 2 and the launch's world
-    (subgroups of it), stages 0-3, against torch.optim.Adafactor on the plain model in one process
-    (float64); its optimizer state against a closed form from the model's shapes; a run whose statistics
-    are not summed over the ranks (each rank's own squares only) is caught."""
-    a = replace(args, optimizer="adafactor")
-    data = MarkovData(a.vocab, a.seed)
-    plain = build_gpt(GPTConfig.from_args(a), a.seed, torch.float64, d.device)
-    opt = torch.optim.Adafactor(plain.parameters(), lr=a.lr, weight_decay=a.weight_decay, foreach=False)
-    for s in range(a.steps):
-        x, y = (t.to(d.device) for t in data.batch(s, a.batch_size, a.seq_len))
-        opt.zero_grad()
-        lm_loss(plain(x), y, count_tokens(y)).backward()
-        torch.nn.utils.clip_grad_norm_(plain.parameters(), a.clip)
-        opt.step()
-    want = {n: p.detach().cpu() for n, p in plain.named_parameters()}
-    init = {n: p.detach() for n, p in build_gpt(GPTConfig.from_args(a), a.seed, torch.float64).named_parameters()}
-    check(d, "adafactor: training moved the parameters (parity is not vacuous)", max_diff(want, init) > 1e-3)
-    shapes = [p.shape for p in plain.parameters()]
-    factored = 8 * sum(sh[0] + sh[1] for sh in shapes if len(sh) == 2)
-    vectors = 8 * sum(sh.numel() for sh in shapes if len(sh) != 2)
-
-    def run(stage, group, **kw):
-        zero = make_zero(build_gpt(GPTConfig.from_args(a), a.seed, torch.float64), replace(a, stage=stage, **kw),
-                         [f"blocks.{i}" for i in range(a.n_layers)], d.device, group=group)
-        for s in range(a.steps):
-            x, y = data.batch(s, a.batch_size, a.seq_len)
-            Z.train_step(zero, x, y, count_tokens(y), a.accum, lm_loss)
-        return zero, zero.full_state_dict()
-
-    groups = {1: dist.new_group([0]), 2: dist.new_group([0, 1]), d.world: dist.group.WORLD}
-    for n, group in groups.items():
-        for stage in (0, 1, 2, 3) if n > 1 else (0,):
-            if d.rank >= n:
-                continue  # not in this subgroup
-            zero, got = run(stage, group)
-            diff = max_diff(got, want)
-            check(d, f"adafactor: world {n} stage {stage} == torch.optim.Adafactor", diff < 1e-12, f"({diff:.1e})")
-            if n == d.world and stage == 3:  # optimizer state: row + column per matrix whole, vectors sharded
-                t = torch.tensor([float(Z.memory(zero)["optim"])], device=d.device)
-                dist.all_reduce(t)
-                ok = t.item() == n * factored + vectors
-                check(d, "adafactor: optimizer bytes, summed over ranks == N x 8 (R + C) per matrix + 8 x vector "
-                      "elements", ok, f"({t.item():.0f} B; AdamW's moments: {2 * 8 * sum(x.numel() for x in plain.parameters())} B)")
-                with mock.patch.object(Z.FlatAdafactor, "_all_reduce", lambda self, parts: parts):
-                    _, got = run(stage, group)
-                check(d, "adafactor mutant (statistics not summed over ranks) is caught", max_diff(got, want) > 1e-6,
-                      f"({max_diff(got, want):.1e})")
-    dist.barrier()
-
-
-# ----------------------------------------------------------------------------- 6. what the GPU would show
+# ----------------------------------------------------------------------------- 4. what the GPU would show
 def reduction_events(d, a, data):
     """Stages 0-1, one step of `a.accum` micro-batches: the units whose reduction has been launched when
     each block starts its backward, per micro-batch. {(micro-batch, block index): set of unit indices}."""
@@ -526,8 +415,8 @@ def reduction_events(d, a, data):
 
 def check_gpu_defects(d, args):
     """Issue 21, on CPU: (2) train_step copies a step's batch to the device once, whatever --accum;
-    (4) the reported peak comes from the training steps: the measurement forward without the savers runs
-    first and the peaks are reset after it (a run that skips the reset is caught); (7) stages 0-1 launch
+    (4) the reported peak is the training steps' (no measurement forward runs before them; the one of
+    memory_savers.py is checked in its own tests); (7) stages 0-1 launch
     each unit's reduction during the last micro-batch's backward, as soon as the unit's gradient is
     complete (the later blocks' are in flight when a block starts its backward), not after backward (a
     run that defers them to the step is caught)."""
@@ -545,23 +434,13 @@ def check_gpu_defects(d, args):
         step_loss(zero, x, y, count_tokens(y), args.accum, lm_loss)
     check(d, "train_step mutant (a copy per micro-batch) is caught", len(copies) != 2, f"({len(copies)} copies)")
 
-    a = replace(args, stage=3, recompute=True, steps=2, check=False)
-    s = Z.main(a, d)
+    a = replace(args, stage=3, steps=2, check=False)
+    s = Z.train_zero(d, a)
     f, m = s["figures"], s["figures"]["memory"]
     states = sum(m[k]["counted"] for k in ("params", "grads", "optim"))
     want = states + f["gathered_peak_bytes"] + f["saved_activation_bytes"]
-    check(d, "the peak comes from the training steps (states + gathered peak + saved with --recompute)",
-          s["peak_mem_bytes"] == want and f["saved_activation_bytes"] < f["saved_activation_bytes_without_savers"] / 2,
-          f"({s['peak_mem_bytes']} B, want {want} B; saved {f['saved_activation_bytes']} B, "
-          f"without {f['saved_activation_bytes_without_savers']} B)")
-    with mock.patch.object(Z.Watch, "reset", lambda self: None):
-        bad = Z.main(a, d)
-    # the gathered peak is left out of the comparison: on a loaded machine gloo's worker may hold a finished
-    # all-gather's output a moment longer in one run than in the other (the same reason as the 3 tries of the stage-3 storage check)
-    grown = (bad["peak_mem_bytes"] - bad["figures"]["gathered_peak_bytes"]) - (s["peak_mem_bytes"] - f["gathered_peak_bytes"])
-    check(d, "peak mutant (not reset after the measurement forward) is caught",
-          grown == f["saved_activation_bytes_without_savers"] - f["saved_activation_bytes"],
-          f"({bad['peak_mem_bytes']} vs {s['peak_mem_bytes']} B)")
+    check(d, "the peak comes from the training steps (states + gathered peak + saved)", s["peak_mem_bytes"] == want,
+          f"({s['peak_mem_bytes']} B, want {want} B)")
 
     for stage in (1, 2):
         a = replace(args, stage=stage)
@@ -672,7 +551,7 @@ def check_fp16_overflow(d, args):
     a = replace(args, dtype="float32", mixed_precision="fp16", stage=2, accum=1, clip=1.0, lr=3e-3, steps=5,
                 loss_scale=1024, scale_window=2, check=True)
     with inject_overflow(step=2, rank=d.world - 1):
-        s = Z.main(a, d)
+        s = Z.train_zero(d, a)
     f = s["figures"]
     check(d, "fp16: the overflow of one rank skipped on every rank", [r["skipped"] for r in f["per_rank"]] ==
           [[2]] * d.world, f"{f['per_rank']}")
@@ -690,8 +569,6 @@ def main():
     check_awkward(d, base)
     check_gpt(d, base)
     check_mixed(d, base)
-    check_compression(d, base)
-    check_adafactor(d, base)
     check_gpu_defects(d, base)
     check_fp16_overflow(d, base)
     bad = torch.tensor([float(len(FAILED))], device=d.device)
