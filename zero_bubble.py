@@ -28,14 +28,15 @@ Both are synchronous: B then W is one backward bit for bit, every step drains be
 --check compares with one-process training. Data parallel outermost (--dp): each replica runs its pipeline on
 its slice of the batch, then one gradient all-reduce per step.
 
-Messages: every activation and gradient is one tensor in a batch_isend_irecv, posted at the moment of the ideal
-timeline that comm_plan() gives it, so that no batch waits on a later one (NCCL deadlocks otherwise; the tests
-simulate it). Measured from outside, each beside its theory: the bubble, micro-batches alive, bytes held and
-sent; an ASCII timeline.
+Messages: every activation and gradient is one tensor in a batch_isend_irecv, posted at the moment of the
+ideal timeline that comm_plan() gives it, so that no batch waits on a later one (NCCL deadlocks otherwise;
+the tests simulate it). Measured from outside, each beside its theory: the bubble, micro-batches alive, bytes
+held and sent; an ASCII timeline.
 
 Run (one process per stage; a world of 1 is not a pipeline):
     torchrun --nproc_per_node=4 zero_bubble.py --microbatches 8 --stage-ms 30 --steps 3      # ZB-H1
-    torchrun --nproc_per_node=4 zero_bubble.py --schedule zbv --n-layers 8 --microbatches 8 --stage-ms 30 --steps 3
+    torchrun --nproc_per_node=4 zero_bubble.py --schedule zbv --n-layers 8 --microbatches 8 --stage-ms 30 \\
+        --steps 3                                                                            # ZB-V
     torchrun --nproc_per_node=4 zero_bubble.py --pp 2 --dp 2 --schedule zbv --dtype float64 --check
 In production, use torch.distributed.pipelining (ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble).
 """
@@ -117,8 +118,7 @@ class SplitBackward:
 
 # ----------------------------------------------------------------------------- the chunks of the model
 def split_layers(n_layers, n):
-    """Blocks [start, end) of each of n chunks, as even as possible; the earlier chunks take the extra block
-    (the last carries the head and the loss already)."""
+    """Blocks [start, end) of each of n chunks, as even as possible; the earlier chunks take the extras."""
     base, extra = divmod(n_layers, n)
     return [(c * base + min(c, extra), (c + 1) * base + min(c + 1, extra)) for c in range(n)]
 
@@ -148,8 +148,8 @@ class Chunk(nn.Module):
 def zbh1(p, m, r):
     """ZB-H1 on rank r (chunk r of p): ops (kind, chunk, micro-batch). 1F1B's F and B: p-r-1 warm-up
     forwards, then one F and one B in turn, then the cool-down B's; each B followed by the oldest W still to
-    run, except the first r B's: their W's end the schedule (the order of torch's ScheduleInterleavedZeroBubble
-    with one stage per rank)."""
+    run, except the first r B's: their W's end the schedule (the order of torch's
+    ScheduleInterleavedZeroBubble with one stage per rank)."""
     warm = min(p - r - 1, m)
     fb = [("F", k) for k in range(warm)]
     for i in range(m - warm):
@@ -167,9 +167,8 @@ def zbh1(p, m, r):
 
 # ----------------------------------------------------------------------------- messages, placed in time
 def needs(op, n):
-    """The message op (kind, c, k) waits for: ("F", c, k) = its input activation, from chunk c-1; ("B", c, k)
-    = the gradient of its output, from chunk c+1; None when it starts from tokens (chunk 0's F), from its
-    own loss (the last chunk's B), or from its own B (a W)."""
+    """The message op (kind, c, k) waits for: ("F", c, k), its input, from chunk c-1; ("B", c, k), its
+    output's gradient, from chunk c+1; None from tokens (chunk 0's F), its loss (the last B), its B (a W)."""
     kind, c, _ = op
     return None if kind == "W" or (kind, c) in (("F", 0), ("B", n - 1)) else op
 
@@ -202,13 +201,11 @@ def ideal_timeline(orders, n):
 
 def comm_plan(orders, n, r):
     """Rank r's steps for one batch: ("op", op) and ("p2p", sends, recvs) with [(peer pp rank, message)].
-    Each message travels at one moment G of the ideal timeline, between the end of the op that makes it and
-    the start of the op that uses it: the first such moment at which both ranks are between ops (else right
-    after it is made, when the sender is). Both post it in their batch of G, after their ops that start
-    before G and before those that start at or after it. So all ranks post their batches in order of G, a
-    batch's partners are batches of the same G, none can wait for a later one: no cycle (NCCL deadlocks on
-    a send whose receive is posted behind a wait on the sender). Within a batch, messages are sorted alike
-    on both sides (per pair of ranks, one FIFO order). A message within one rank (the V's turn) is none."""
+    Each message travels at one moment G of the ideal timeline, between the op that makes it and the op that
+    uses it: the first at which both ranks are between ops (else when it is made). Both ranks post it in
+    their batch of G, so all ranks post batches in order of G and none waits for a later one: no cycle (NCCL
+    deadlocks on a send whose receive is posted behind a wait on the sender). Messages are sorted alike on
+    both sides (one FIFO order per pair of ranks). A message within one rank (the V's turn) is none."""
     at, items = ideal_timeline(orders, n), collections.defaultdict(lambda: ([], []))
     spans = collections.defaultdict(list)  # pp rank -> (start, end) of its ops
     for q, start, end in at.values():
@@ -501,8 +498,8 @@ def report(d, args, p, watch, comm, bounds, holder):
     per_rank = {(int(r[0, 0]), int(r[0, 1])): [int(x) for x in r[0, 2:]] for r in rows}
     counts = [per_rank[r, 0] for r in range(p)]  # the pipeline of dp replica 0
     sent, f_msgs, b_msgs = ([c[i] for c in counts] for i in (1, 3, 4))
-    figures = dict(split=bounds, pp=p, dp=args.dp, microbatches=m, schedule=schedule, sent_bytes_per_rank=sent,
-                   fwd_msgs_per_rank=f_msgs, bwd_msgs_per_rank=b_msgs)
+    figures = dict(split=bounds, pp=p, dp=args.dp, microbatches=m, schedule=schedule,
+                   sent_bytes_per_rank=sent, fwd_msgs_per_rank=f_msgs, bwd_msgs_per_rank=b_msgs)
     if d.rank != 0 or not events:
         return figures
     for e in events:
@@ -519,10 +516,11 @@ def report(d, args, p, watch, comm, bounds, holder):
     sent_theory = [(f + g) * b_bytes for f, g in zip(f_theory, b_theory)]
     formula = "(p-1)/(3m)" if schedule == "zbh1" else "(p-1)/(6m)"
     d.log(f"\nsummary ({schedule}, pp {p}, dp {args.dp}, m {m}), pipeline of dp 0: bubble = idle / busy "
-          f"over the last step, theory {formula}; idle ms, theory (p-1)(T_F+T_B-T_W) per chunk at the measured "
+          f"over the last step, theory {formula}; idle ms, theory (p-1)(T_F+T_B-T_W) at the measured "
           + ", ".join(f"T_{k} {x:.1f}" for k, x in op_ms.items()) + " ms; alive = micro-batch chunks between "
           "F and W; bytes sent per step (b, T, D) per message; mem B: state + held, after a forward")
-    d.log("rank | chunks | bubble | theory | idle ms | theory | alive | theory | sent B/step | theory | mem B")
+    d.log("rank | chunks | bubble | theory | idle ms | theory | alive | theory | sent B/step | theory | "
+          "mem B")
     for r in range(p):
         held = ",".join(str(c) for c in range(len(bounds)) if holder(c, p) == r)
         d.log(f"{r:4d} | {held:6s} | {bub[r]:6.3f} | {bub_theory:6.3f} | {idle[r]:7.1f} | {idle_theory:6.1f} "
@@ -543,7 +541,8 @@ def report(d, args, p, watch, comm, bounds, holder):
         d.log(f"wrote {len(events)} events to {args.trace} (open in https://ui.perfetto.dev)")
     return dict(figures, events=events, bubble=bub, bubble_mean=mean, bubble_theory=bub_theory,
                 bubble_definition="idle / busy per rank over the last step (relative to ideal compute)",
-                bubble_theory_formula=formula, stage_ms=args.stage_ms, idle_ms=idle, idle_ms_theory=idle_theory,
+                bubble_theory_formula=formula, stage_ms=args.stage_ms, idle_ms=idle,
+                idle_ms_theory=idle_theory,
                 op_ms=op_ms, peak_alive_microbatches=[c[0] for c in counts], peak_alive_theory=alive_theory,
                 fwd_msgs_theory=f_theory, bwd_msgs_theory=b_theory, sent_bytes_theory=sent_theory,
                 mem_bytes_per_rank=[c[2] for c in counts],
