@@ -232,12 +232,11 @@ TAG = {"F": 0, "B": 1}  # a point-to-point tag per direction: activations 0, gra
 
 class PipelineRank:
     """One rank of one pipeline: runs `plan` (comm_plan's steps) over its chunks for one batch, to the flush.
-        chunks   {global chunk index: module} of n in all; chunk 0 takes inputs[k], chunk n-1's output goes to
-                 loss_fn(output, targets[k]) (a scalar)
+        chunks   {global chunk index: module} of n; chunk 0 reads inputs[k], chunk n-1 loss_fn(., targets[k])
         split    a SplitBackward over this rank's chunks: B keeps what W needs, W adds the weight gradients
         peers    pp rank -> global rank; every message is one tensor of msg_shape and dtype, on device
-        observe  a context manager around every F, B, W (observe(kind, mb, chunk=c)) and exchange
-                 (observe("p2p", None, recvs=[message, ...])), for the measurement to watch through
+        observe  a context around every F, B, W (observe(kind, mb, chunk=c)) and p2p (observe("p2p", None,
+                 recvs=[message, ...])), for the measurement to watch through
     NCCL wants one collective before the first batch_isend_irecv: the caller runs it (see main)."""
 
     def __init__(self, chunks, n, plan, split, peers, msg_shape, dtype, device, observe=None):
