@@ -298,10 +298,9 @@ class PipelineRank:
 
 # ----------------------------------------------------------------------------- after the flush: DP, clipping
 def finish_batch(params, loss, dp_group, dp_rank, max_norm):
-    """1. Data parallel: every gradient summed over the replicas in one all-reduce (each micro-batch loss is
-    already divided by the global token count, so the sum is the full batch's gradient). 2. The whole model's
-    squared norm and the batch loss in one all-reduce over the world (the pp ranks hold disjoint chunks, the
-    replicas copies: the norm counted on dp rank 0). 3. Clip. Returns (loss, norm) as floats."""
+    """1. Data parallel: every gradient summed over the replicas in one all-reduce (micro-batch losses are
+    divided by the global token count: the sum is the batch's gradient). 2. The model's squared norm and the
+    loss in one all-reduce over the world (the norm counted on dp rank 0). 3. Clip. Returns (loss, norm)."""
     if dist.get_world_size(dp_group) > 1:
         flat = torch.cat([q.grad.reshape(-1) for q in params])  # (this rank's elements,)
         dist.all_reduce(flat, group=dp_group)
@@ -376,7 +375,8 @@ def check_args(args):
         fail(f"--microbatches {m} is too few for --schedule zbv at pp {p}: rank 0 runs 2p-1 = {2 * p - 1} "
              f"forwards before its first backward; use --microbatches {2 * p - 1} or more")
     if args.batch_size % (args.dp * m):
-        fail(f"--batch-size {args.batch_size} is not divisible by dp x microbatches = {args.dp * m}")
+        fail(f"--batch-size {args.batch_size} is not divisible by dp x microbatches = {args.dp * m}: use "
+             f"--batch-size {(args.batch_size // (args.dp * m) + 1) * args.dp * m}")
     if args.stage_ms < 0:
         fail(f"--stage-ms must be >= 0, got {args.stage_ms}")
     return world, p
