@@ -17,11 +17,11 @@ over the steps after --warmup of every round. Both train the same GPT from one s
     zero3     zero.py --stage 3                  fully_shard per block, then root
     gpipe     gpipe.py                           pipelining PipelineStage + ScheduleGPipe, same layer bounds
     1f1b      pipedream.py --mode flush          pipelining Schedule1F1B
-    zb        pipedream.py --mode zb (ZB-H1)     ScheduleInterleavedZeroBubble on one stage per rank (ZB1P:
+    zb        zero_bubble.py (ZB-H1)             ScheduleInterleavedZeroBubble on one stage per rank (ZB1P:
                                                  the nearest zero-bubble schedule torch ships to ZB-H1)
     tp        megatron_tp.py                     DTensor ColwiseParallel / RowwiseParallel, parallelize_module
     ptdp      ptdp.py --virtual-stages 2         ScheduleInterleaved1F1B, 2 stages per rank, looped
-    zbv       ptdp.py --schedule zbv             ScheduleZBVZeroBubble, 2 stages per rank in a V
+    zbv       zero_bubble.py --schedule zbv      ScheduleZBVZeroBubble, 2 stages per rank in a V
 A pair whose file does not offer the mode it needs yet (its Args, as its --help shows) is skipped, one line.
 
 Per pair (OUT.json, OUT.md): step time and ratio per round, tokens/s, peak memory and bytes handed to
@@ -79,12 +79,12 @@ PAIRS = {  # pair -> (our file, its flags, torch's worker, kind)
     "zero3": ("zero.py", "--stage 3", "fsdp", "dp"),
     "gpipe": ("gpipe.py", "--microbatches {m}", "gpipe", "pp"),
     "1f1b": ("pipedream.py", "--mode flush --microbatches {m}", "1f1b", "pp"),
-    "zb": ("pipedream.py", "--mode zb --microbatches {m}", "zb", "pp"),
+    "zb": ("zero_bubble.py", "--schedule zbh1 --microbatches {m}", "zb", "pp"),
     "tp": ("megatron_tp.py", "", "tp", "tp"),
     "ptdp": ("ptdp.py", PTDP, "interleaved", "pp"),
-    "zbv": ("ptdp.py", PTDP + " --schedule zbv", "zbv", "pp"),
+    "zbv": ("zero_bubble.py", "--schedule zbv --microbatches {m}", "zbv", "pp"),
 }
-NEEDS = {"zb": ("--mode", "zb"), "zbv": ("--schedule", "zbv")}  # pair -> a choice its file must offer
+NEEDS = {"zb": ("--schedule", "zbh1"), "zbv": ("--schedule", "zbv")}  # pair -> a choice its file must offer
 MODEL = "steps batch_size seq_len vocab d_model n_layers n_heads lr weight_decay clip seed dtype timeout"
 
 
@@ -471,7 +471,7 @@ def side_row(args, pair, side, runs, one_ms):
                tokens_per_s=tokens / med * 1e3, peak_mem_bytes=s.get("peak_mem_bytes"),
                sent_bytes_per_rank=s.get("comm_bytes"), losses=s.get("losses"), command=ok[-1]["cmd"])
     f = s.get("figures", {})
-    if "bubble_mean" in f:  # the idle share of the step; ptdp.py reports idle / busy, the paper's (p-1)/(v*m)
+    if "bubble_mean" in f:  # the idle share of the step; ptdp.py and zero_bubble.py report idle / busy
         share = (lambda b: b / (1 + b)) if "idle / busy" in f.get("bubble_definition", "") else (lambda b: b)
         row.update(bubble=statistics.mean(map(share, f["bubble"])), bubble_theory=share(f["bubble_theory"]))
     if one_ms and PAIRS[pair][3] == "dp":  # tokens/s at world N / (N x tokens/s of one process)

@@ -48,7 +48,7 @@ from common import (DTYPES, build_gpt, clip_grads_, count_tokens, fail, GPTConfi
                     make_optimizer, MarkovData)
 from harness import (assemble_full, busy_ms, check_against_reference, check_common_args, CommCounter,
                      CommonArgs, draw_timeline, env_world_size, gather_rows, HeldForB,
-                     parse_args, peak_memory_bytes, Run, state_bytes, tensor_bytes, Timeline, write_trace)
+                     parse_args, peak_memory_bytes, Run, state_bytes, Timeline, write_trace)
 
 
 @dataclass
@@ -131,7 +131,8 @@ def gpipe_step(stage, xs, ys, loss_fn, prev, nxt, recv_shape, recompute=False, o
       observe     observe(kind, mb): a context manager entered around every F and B, to time or measure it
     Each transfer is posted as soon as its buffer exists and waited only where its data is needed: a receive
     one micro-batch ahead (it arrives while this stage computes), a send when the next is posted (the stage
-    computes on while it travels). On NCCL those waits hold the stream: the host queues ahead of the GPU."""
+    computes on while it travels). On NCCL those waits hold the stream: the host queues ahead of the GPU.
+    NCCL wants one collective before the first batch_isend_irecv: the caller runs it (see main)."""
     observe = observe or (lambda kind, mb: contextlib.nullcontext())
     m, first, last = len(xs), prev is None, nxt is None
     like = next(stage.parameters())  # dtype and device of what is received
@@ -258,14 +259,14 @@ def main():
     prev, nxt = (d.rank - 1 if d.rank > 0 else None), (d.rank + 1 if d.rank < p - 1 else None)
     act_shape = (args.batch_size // m, args.seq_len, args.d_model)  # (b, T, D): what crosses a stage boundary
     comm, held, count_at = CommCounter(), None, max(run.start, args.steps - 2)  # see "measurement"
-
+    # NCCL sets up its communicator at the first collective; batched point-to-point must not come first
+    dist.all_reduce(torch.zeros(1, device=d.device))
     for step in run.steps():
         x, y = data.batch(step, args.batch_size, args.seq_len, args.ragged)  # (B, T) global batch, on CPU
         n_tok = count_tokens(y)  # tokens of the global batch (on CPU): every micro-batch loss divides by it
         xs = micro_batches(x, m, d.device) if prev is None else [None] * m  # m x (b, T), b = B/m: first stage
         ys = micro_batches(y, m, d.device) if nxt is None else [None] * m  # their targets: last stage
         opt.zero_grad(set_to_none=True)
-        # the timeline's zero is an all-reduce: a collective before any point-to-point, as NCCL's p2p asks
         timeline = Timeline(d, simulate={"F": args.stage_ms, "B": 2 * args.stage_ms})
         held = HeldForB(stage, timeline) if step == args.steps - 1 else None
         with run.watching(step, comm, at=count_at), held or contextlib.nullcontext():

@@ -1,4 +1,4 @@
-"""pipedream.py: one-forward-one-backward (1F1B) pipelines: PipeDream-flush, PipeDream, PipeDream-2BW, ZB-H1.
+"""pipedream.py: one-forward-one-backward (1F1B) pipelines: PipeDream-flush, PipeDream, PipeDream-2BW.
 
 As in gpipe.py the GPT is cut into p stages, one per rank (embedding + first blocks on stage 0, last blocks +
 final norm + head + loss on stage p-1), and the global batch into m micro-batches. What changes is the order
@@ -14,8 +14,7 @@ micro-batches are alive on stage s, where GPipe keeps all m.
     stage 3   .. .. .. F0 B0 F1 B1 F2 B2 F3 B3 F4 B4 F5 B5 F6 B6 F7 B7 .. .. ..   alive 1
               idle ("..") = 6 of 22 slots = (p-1)/(m+p-1): the same bubble as GPipe, if the pipeline drains
 
---mode says when the weights change (flush, stash, 2bw: the three systems differ only there), or, for zb, how
-a backward is cut:
+--mode says when the weights change (flush, stash, 2bw: the three systems differ only there):
 1. flush (PipeDream-flush; Narayanan, Phanishayee, Shi, Chen, Zaharia, "Memory-Efficient Pipeline-Parallel
    DNN Training", ICML 2021; the 1F1B of Megatron-LM and DeepSpeed): the picture above once per step, then
    one optimizer step on the drained pipeline. Synchronous: exactly one-process training (--check).
@@ -35,29 +34,15 @@ a backward is cut:
    Two versions alive per stage, ever (the double buffer). Needs m >= p, as in the paper. Clipping needs
    batch t's whole-model norm, complete only on stage 0 (last to finish the batch): it rides back down with
    an activation, before any stage needs W_{t+1}.
-4. zb (ZB-H1; Qi, Wan, Huang, Lin, "Zero Bubble Pipeline Parallelism", ICLR 2024): synchronous as flush, but
-   each backward is cut in two: B, the gradient of the stage's input, which the stage before waits for, and W,
-   the gradient of the stage's weights, which nobody waits for. 1F1B's order of F and B, each B followed by a
-   W, except that stage s holds back its first s W's: its last s fill the cool-down, where 1F1B's stage s
-   waits (the order of torch's ScheduleInterleavedZeroBubble with one stage per rank):
-    ZB-H1, p = 4, m = 8 (F, B, W one slot each)                                                 time ->
-    stage 0   F0 F1 F2 F3 .. .. .. B0 W0 F4 B1 W1 F5 B2 W2 F6 B3 W3 F7 B4 W4 B5 W5 B6 W6 B7 W7
-    stage 1   .. F0 F1 F2 .. .. B0 F3 B1 W0 F4 B2 W1 F5 B3 W2 F6 B4 W3 F7 B5 W4 B6 W5 B7 W6 W7
-    stage 2   .. .. F0 F1 .. B0 F2 B1 F3 B2 W0 F4 B3 W1 F5 B4 W2 F6 B5 W3 F7 B6 W4 B7 W5 W6 W7
-    stage 3   .. .. .. F0 B0 F1 B1 F2 B2 F3 B3 W0 F4 B4 W1 F5 B5 W2 F6 B6 W3 F7 B7 W4 W5 W6 W7
-              idle (p-1)(T_F+T_B-T_W) = 3 slots of 27, a third of 1F1B's (p-1)(T_F+T_B+T_W) = 9 (of 33)
-   B then W is one backward, bit for bit (SplitBackward). A micro-batch lives until its W: at most p on every
-   stage (1F1B's stage 0 holds p as well).
 stash and 2bw are meant to differ from synchronous training: --check compares each with a one-process
 simulation of its own rule (simulate_rule, at the end of the file). Measured from outside the schedule, each
 beside its theory: the bubble, micro-batches alive, weight versions kept, bytes sent; an ASCII timeline.
 
 Run (one process per stage; a world of 1 is not a pipeline):
     torchrun --nproc_per_node=4 pipedream.py --microbatches 8 --stage-ms 30 --steps 3  # simulated compute
-    torchrun --nproc_per_node=4 pipedream.py --mode zb --microbatches 8 --stage-ms 30 --steps 3  # ZB-H1
     torchrun --nproc_per_node=4 pipedream.py --mode stash --clip 0 --vertical-sync --dtype float64 --check
-In production, use torch.distributed.pipelining (Schedule1F1B, ScheduleInterleavedZeroBubble) or the pipelines
-of Megatron-LM or DeepSpeed.
+Zero-bubble pipelines (the backward cut in two, ZB-H1, ZB-V) are zero_bubble.py. In production, use
+torch.distributed.pipelining (Schedule1F1B) or the pipelines of Megatron-LM or DeepSpeed.
 """
 import collections, contextlib, copy, sys
 from dataclasses import dataclass
@@ -66,7 +51,6 @@ from typing import Literal
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-import torch.nn.functional as F
 from einops import rearrange
 
 from common import (build_gpt, clip_grads_, count_tokens, DTYPES, fail, GPTConfig, init_dist, lm_loss,
@@ -79,10 +63,10 @@ from harness import (assemble_full, busy_ms, check_against_reference, check_comm
 @dataclass
 class Args(CommonArgs):
     microbatches: int = 4  # m: micro-batches per global batch (--batch-size must be divisible by it)
-    mode: Literal["flush", "stash", "2bw", "zb"] = "flush"  # flush: 1F1B; stash: PipeDream; 2bw; zb: ZB-H1
+    mode: Literal["flush", "stash", "2bw"] = "flush"  # flush: 1F1B (PipeDream-flush); stash: PipeDream; 2bw
     vertical_sync: bool = False  # stash: every stage uses the weight version stage 0 used for the micro-batch
-    trace: str = ""  # write the measured F/B/W events as a Chrome trace (JSON) to this path
-    stage_ms: float = 0.0  # simulate compute time: each F also waits this many ms, each B twice (zb: once)
+    trace: str = ""  # write the measured F/B events as a Chrome trace (JSON) to this path
+    stage_ms: float = 0.0  # simulate compute time: each F also waits this many ms, each B twice
 
 
 # ----------------------------------------------------------------------------- the stages
@@ -125,91 +109,16 @@ def one_f_one_b(n, p, s):
     return ops + [("B", k) for k in range(n - warm, n)]
 
 
-def zb_h1(n, p, s):
-    """ZB-H1 (Qi et al. 2024, Sec. 3.1): 1F1B's F and B (B: the input's gradient only), each B followed by the
-    oldest W still to run, but stage s runs its first s B's without one: its last s W's end the schedule."""
-    ops, waiting = [], collections.deque()
-    for kind, k in one_f_one_b(n, p, s):
-        ops.append((kind, k))
-        if kind == "B":
-            waiting.append(k)
-            if k >= s:
-                ops.append(("W", waiting.popleft()))
-    return ops + [("W", k) for k in waiting]
-
-
-def split_at_step_ends(ops, m):
-    """Cut a stage's ops after the last op (W if there are any, else B) of each step's last micro-batch: chunk
-    t is what it runs in step t. Without a flush (stash, 2bw), chunk t already holds forwards of step t+1."""
-    last, chunks = "W" if any(kind == "W" for kind, _ in ops) else "B", [[]]
-    for kind, k in ops:
-        chunks[-1].append((kind, k))
-        if kind == last and k % m == m - 1:
-            chunks.append([])
-    return chunks[:-1]
-
-
-def p2p(sends, recvs, wait=True):
-    """One batch_isend_irecv of [(tensor, peer)] sends and receives, then wait (or return the requests, to
-    wait later). A stage sends each result together with the receive its next op needs, and its neighbour
+def p2p(sends, recvs):
+    """One batch_isend_irecv of [(tensor, peer)] sends and receives, then wait. A stage sends each result
+    together with the receive its next op needs, and its neighbour
     posts the mirror pair: after F(k) stage s sends k's activation and receives the gradient for its next
     B(j); after B(j) stage s+1 sends that gradient and receives k's activation. Two blocking sends facing each
     other deadlock under NCCL; one batch cannot (Megatron-LM's send_forward_recv_backward)."""
     ops = [dist.P2POp(dist.isend, t, peer) for t, peer in sends]
     ops += [dist.P2POp(dist.irecv, t, peer) for t, peer in recvs]
-    reqs = dist.batch_isend_irecv(ops) if ops else []
-    for req in reqs if wait else []:
+    for req in dist.batch_isend_irecv(ops) if ops else []:
         req.wait()
-    return [] if wait else reqs
-
-
-# ----------------------------------------------------------------------------- B and W: one backward in two
-class _LinearDeferringW(torch.autograd.Function):
-    """F.linear whose backward returns dx only and keeps (x, dy), what W needs, in split.saved."""
-
-    @staticmethod
-    def forward(ctx, x, weight, bias, layer, split):
-        ctx.save_for_backward(x, weight)  # x for W, the weight for dx: what nn.Linear's own backward keeps
-        ctx.layer, ctx.split = layer, split
-        return F.linear(x, weight, bias)
-
-    @staticmethod
-    def backward(ctx, dy):  # dy: (..., out)
-        x, weight = ctx.saved_tensors  # x: (..., in)
-        ctx.split.saved.append((ctx.layer, x, dy))
-        dx = dy.reshape(-1, dy.shape[-1]).mm(weight).view(x.shape) if ctx.needs_input_grad[0] else None
-        return dx, None, None, None, None  # no weight or bias gradient now: W adds it
-
-
-class SplitBackward:
-    """Zero Bubble's B and W for `module` (Qi et al. 2024, Sec. 2): every nn.Linear inside defers its weight
-    gradient. backward_input(out, grad), B: one autograd backward, giving the input and every parameter not a
-    Linear's (LayerNorm, embeddings: elementwise or scatter work, small beside the products) its gradient;
-    returns what W needs. backward_weight(that), W: dW = dy^T x and db = sum(dy) per Linear, the very
-    products autograd forms, added to .grad as autograd adds: B then W equals one backward bit for bit."""
-
-    def __init__(self, module):
-        self.saved = []  # (layer, x, dy), appended by the B in progress
-        for layer in module.modules():
-            if isinstance(layer, nn.Linear):
-                layer.forward = lambda x, layer=layer: _LinearDeferringW.apply(x, layer.weight, layer.bias,
-                                                                               layer, self)
-
-    def backward_input(self, out, grad=None):
-        torch.autograd.backward(out, grad)
-        saved, self.saved = self.saved, []
-        return saved
-
-    @staticmethod
-    def backward_weight(saved):
-        for layer, x, dy in saved:
-            x2, dy2 = x.reshape(-1, x.shape[-1]), dy.reshape(-1, dy.shape[-1])  # (N, in), (N, out)
-            # the products autograd's addmm / mm backward forms, in its layout: the same bits
-            grads = [(layer.weight, dy2.t().mm(x2))]  # (out, in)
-            if layer.bias is not None:
-                grads.append((layer.bias, dy2.sum(0)))  # (out,)
-            for q, g in grads:
-                q.grad = g if q.grad is None else q.grad.add_(g)
 
 
 # ----------------------------------------------------------------------------- one stage running its ops
@@ -222,21 +131,21 @@ TAG = 4
 
 
 class StageRunner:
-    """One pipeline stage running its ops ("F", k), ("B", k), ("W", k) in order, for any stage module; when
-    the weights change is the policy's (Flush, Stash, TwoBW). It holds what lives between two ops: the
-    micro-batches between F and B (and W), the message waiting to leave with the next receive, the losses.
+    """One pipeline stage running its ops ("F", k), ("B", k) in order, for any stage module; when the weights
+    change is the policy's (Flush, Stash, TwoBW). It holds what lives between two ops: the micro-batches
+    between F and B, the message waiting to leave with the next receive, the losses.
     source(k): (stage 0's input, the last stage's target) of micro-batch k, for loss_fn(output, target);
-    in_shape / out_shape: what arrives from prev / leaves for next (ranks, None at the ends); split: a
-    SplitBackward (a schedule with W); observe(kind, k, **tags): a context around every op, to watch it."""
+    in_shape / out_shape: what arrives from prev / leaves for next (ranks, None at the ends); observe(kind, k,
+    **tags): a context around every op, to watch it. NCCL wants one collective before the first
+    batch_isend_irecv: the caller runs it (see main)."""
 
     def __init__(self, policy, source, loss_fn, in_shape, out_shape, dtype, device, prev=None, next=None,
-                 split=None, observe=lambda kind, k, **tags: contextlib.nullcontext()):
-        self.policy, self.source, self.loss_fn, self.split = policy, source, loss_fn, split
+                 observe=lambda kind, k, **tags: contextlib.nullcontext()):
+        self.policy, self.source, self.loss_fn = policy, source, loss_fn
         self.shape, self.dtype, self.device = {"F": in_shape, "B": out_shape}, dtype, device
         self.prev, self.next, self.observe = prev, next, observe
-        self.alive, self.w_pending = {}, {}  # k -> (input, output, version), F to B; k -> W's inputs, B to W
+        self.alive = {}  # k -> (input, output, version), F to B
         self.outbox, self.losses, self.next_f = [], {}, 0
-        self.sending = ([], [])  # (requests, tensors) of a send left in flight over a W
 
     def tag(self, *xs):  # (TAG,) on the device, from numbers or 0-d device tensors: no host round trip
         t = torch.zeros(TAG, dtype=torch.float64, device=self.device)
@@ -248,20 +157,18 @@ class StageRunner:
         for kind, k in ops:
             x, tag = self.exchange(kind, k)
             self.policy.apply_due(self.next_f)  # the updates the last backward made due (stash, 2bw)
-            {"F": self.forward, "B": self.backward, "W": self.weight_grads}[kind](k, x, tag)
+            (self.forward if kind == "F" else self.backward)(k, x, tag)
 
     def exchange(self, kind, k):
         """Send the last op's message with this op's receive, in one batch: F's activation from prev, B's
-        gradient from next. W receives nothing: the gradient of the B before it leaves at once, and W computes
-        while it travels (waiting for its arrival would idle the stage until the stage before takes it)."""
-        for req in self.sending[0]:
-            req.wait()
+        gradient from next. So F's output leaves with the next B's gradient receive, and B's gradient with
+        the next F's activation receive (Megatron-LM's send_forward_recv_backward and its mirror)."""
         peer, x, tag = {"F": self.prev, "B": self.next}.get(kind), None, None
-        if peer is not None:  # (none: stage 0 reads tokens, the last stage starts B from its loss, W)
+        if peer is not None:  # (none: stage 0 reads tokens, the last stage starts B from its loss)
             x = torch.empty(self.shape[kind], dtype=self.dtype, device=self.device)
             tag = torch.empty(TAG, dtype=torch.float64, device=self.device)
-        reqs = p2p(self.outbox, [] if peer is None else [(x, peer), (tag, peer)], wait=kind != "W")
-        self.sending, self.outbox = (reqs, self.outbox if reqs else []), []
+        p2p(self.outbox, [] if peer is None else [(x, peer), (tag, peer)])
+        self.outbox = []
         if kind == "F" and peer is not None:
             self.policy.received(k, tag)  # 2bw: the whole-model norm rides on the activation
         return x, tag
@@ -283,10 +190,7 @@ class StageRunner:
     def backward(self, k, grad, tag):
         inp, out, v = self.alive[k]
         with self.observe("B", k, version=v):
-            if self.split is None:  # the whole backward; last stage: from the loss itself
-                torch.autograd.backward(out, grad)
-            else:  # B: the input's gradient now, the Linears' weight gradients at W
-                self.w_pending[k] = self.split.backward_input(out, grad)
+            torch.autograd.backward(out, grad)  # last stage: from the loss itself
         del self.alive[k]
         loss, partial = (self.losses.pop(k), 0.0) if self.next is None else (tag[2], tag[3])  # on the device
         if self.prev is None:
@@ -295,12 +199,8 @@ class StageRunner:
         if self.prev is not None:
             self.outbox = [(inp.grad, self.prev), (self.tag(k, v, loss, partial), self.prev)]  # (b, T, D)
 
-    def weight_grads(self, k, x=None, tag=None):
-        with self.observe("W", k, version=self.policy.version):
-            self.split.backward_weight(self.w_pending.pop(k))
-
     def drain(self, t):
-        """The end of step t (flush, zb) or of a stream's segment: send what the last op left, and wait; then
+        """The end of step t (flush) or of a stream's segment: send what the last op left, and wait; then
         the policy's end of batch (flush: the optimizer step; stash, 2bw: the updates still due)."""
         self.exchange("end", None)
         self.policy.drain(t, self.next_f)
@@ -312,7 +212,7 @@ def squared_norm(grads):  # in float64, without a float64 copy of each gradient 
 
 
 class Flush:
-    """PipeDream-flush, ZB-H1: one version of the weights, the live one. Every micro-batch's gradient adds up
+    """PipeDream-flush: one version of the weights, the live one. Every micro-batch's gradient adds up
     on it; once the pipeline has drained, one optimizer step, clipped by the whole model's norm."""
 
     def __init__(self, stage, opt, clip, group=None):
@@ -345,6 +245,18 @@ class Flush:
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
         self.version += 1
+
+
+# ----------------------------------------------------------------------------- PipeDream and 2BW: no flush
+def split_at_step_ends(ops, m):
+    """Cut a stage's ops after the B of each step's last micro-batch: chunk t is what it runs in step t.
+    Without a flush (stash, 2bw), chunk t already holds forwards of step t+1."""
+    chunks = [[]]
+    for kind, k in ops:
+        chunks[-1].append((kind, k))
+        if kind == "B" and k % m == m - 1:
+            chunks.append([])
+    return chunks[:-1]
 
 
 class Stash(Flush):
@@ -514,7 +426,7 @@ def main():
     gpt = build_gpt(GPTConfig.from_args(args), args.seed, dtype)  # whole, on CPU; a stage takes its part
     shapes, stage = {n: q.shape for n, q in gpt.named_parameters()}, Stage(gpt, s, bounds).to(d.device)
     opt = make_optimizer(stage.parameters(), args)
-    sync = args.mode in ("flush", "zb")  # one schedule per step, drained; stash, 2bw: one stream for the run
+    sync = args.mode == "flush"  # one schedule per step, drained; stash, 2bw: one stream for the run
     if sync:
         policy = Flush(stage, opt, args.clip)
     elif args.mode == "stash":  # lag: the stage's warm-up p-s-1 (vertical sync: stage 0's, p-1)
@@ -528,28 +440,28 @@ def main():
         return x[k % m], (y[k % m], n_tok)
 
     act = (args.batch_size // m, args.seq_len, args.d_model)  # (b, T, D): what crosses a stage boundary
-    observer, comm = Observer(d, args), CommCounter()  # the timeline's zero: the collective NCCL wants first
+    observer, comm = Observer(d, args), CommCounter()
     runner = StageRunner(policy, source, lambda logits, y: lm_loss(logits, *y), act, act, dtype, d.device,
-                         s - 1 if s > 0 else None, s + 1 if s < p - 1 else None,
-                         SplitBackward(stage) if args.mode == "zb" else None, observer)
+                         s - 1 if s > 0 else None, s + 1 if s < p - 1 else None, observer)
     observer.runner = runner
     run = Run(d, args, {"model": stage, "optim": opt, "pipe": PolicyState(policy)})
-    # flush, zb: every step its own schedule, drained before the optimizer step. stash, 2bw: one schedule for
+    # flush: every step its own schedule, drained before the optimizer step. stash, 2bw: one schedule for
     # the run, cut only where a checkpoint is saved (--ckpt-dir): there the pipeline drains, so the checkpoint
     # is a consistent state. The drain adds a fill and a drain (bubble) there; the arithmetic stays that of
     # the uninterrupted stream, since version_for names each micro-batch's weights by the stream's rule.
     ends = [t for t in range(run.start + 1, args.steps + 1)
             if sync or t == args.steps or (args.save_every and t % args.save_every == 0)]
-    schedule = zb_h1 if args.mode == "zb" else one_f_one_b
     stream = [(kind, a * m + k) for a, z in zip([run.start] + ends, ends)
-              for kind, k in schedule((z - a) * m, p, s)]
+              for kind, k in one_f_one_b((z - a) * m, p, s)]
     chunks = split_at_step_ends(stream, m)  # chunks[i]: what this stage runs in step start + i
+    # NCCL sets up its communicator at the first collective; batched point-to-point must not come first
+    dist.all_reduce(torch.zeros(1, device=d.device))
     for step in run.steps():
         chunk = chunks[step - run.start]
         for t in sorted({k // m for _, k in chunk} - set(batches)):  # a stream reads ahead into later steps
             x, y = data.batch(t, args.batch_size, args.seq_len, args.ragged)  # (B, T) global, on CPU
             batches[t] = (*to_device(m, d.device, x, y), count_tokens(y))  # (m, b, T) each; count: on CPU
-        # bytes sent, seen at the dispatcher (which slows every op): over one step (flush, zb: the one
+        # bytes sent, seen at the dispatcher (which slows every op): over one step (flush: the one
         # before the last, whose bubble is reported), or over every step of a stream (no step is a schedule)
         with run.watching(step, comm, at=max(run.start, args.steps - 2) if sync else step):
             runner.run(chunk)
@@ -574,6 +486,8 @@ def main():
     run.finish(f"pipedream-{args.mode}", peak, max(figures.get("sent_bytes_per_rank", [0])), check, figures)
 
 
+# --- measurement --- (from outside the schedule: its observe callback, the collective counter, the report) --
+# A policy's checkpoint state (Run saves and loads it; no part of the schedule)
 class PolicyState:
     """A stage policy's part of a checkpoint, saved after a drain: the updates taken, the versions kept
     (stash, 2bw), the whole-model norm known (2bw). Loaded after the live stage itself."""
@@ -599,28 +513,26 @@ class PolicyState:
             pol.known = (t, sq.to(pol.known[1].device))
 
 
-# --- measurement --- (from outside the schedule: its observe callback, the collective counter, the report) --
 class Observer:
     """The schedule's observe callback: Timeline.span (times the op; --stage-ms: each op also waits), and, as
     each op begins, this stage's peaks in the state the ops before it left, read from the runner's and the
-    policy's attributes: micro-batches alive (F to B, or to W), weight versions kept, bytes alive after a
-    forward (what forwards saved for backward, seen by LiveStorages, plus outputs, W's inputs, and
+    policy's attributes: micro-batches alive (F to B), weight versions kept, bytes alive after a
+    forward (what forwards saved for backward, seen by LiveStorages, plus inputs and outputs, and
     parameters, gradients and optimizer state of the live and the stashed versions)."""
 
     def __init__(self, d, args):
         ms = args.stage_ms
-        simulate = {"F": ms, "B": ms, "W": ms} if args.mode == "zb" else {"F": ms, "B": 2 * ms}
+        simulate = {"F": ms, "B": 2 * ms}
         self.timeline, self.live = Timeline(d, simulate, tags=("version",)), LiveStorages()
         self.runner, self.after_f, self.alive, self.versions, self.bytes = None, False, 0, 0, 0
 
     @contextlib.contextmanager
     def __call__(self, kind, mb, **tags):
         r, pol = self.runner, self.runner.policy
-        self.alive = max(self.alive, len(set(r.alive) | set(r.w_pending)))
+        self.alive = max(self.alive, len(r.alive))
         self.versions = max(self.versions, len(getattr(pol, "versions", [pol.stage])))
         if self.after_f:  # activations peak after a forward
             held = [t for a in r.alive.values() for t in a[:2]]  # inputs and outputs until B
-            held += [dy for w in r.w_pending.values() for *_, dy in w]  # and what W needs (x: saved in F)
             versions = getattr(pol, "versions", {}).values()
             model = state_bytes(pol.stage, pol.opt) + sum(state_bytes(w) for w in versions)
             self.bytes = max(self.bytes, self.live.alive(*held) + model)
@@ -640,26 +552,25 @@ def report(d, args, observer, comm, bounds, steps_run, segments):
     figures = dict(split=bounds, stages=p, microbatches=m, mode=mode)
     if d.rank != 0 or not steps_run:
         return figures
-    sync, zb = mode in ("flush", "zb"), mode == "zb"
+    sync = mode == "flush"
     shown = [e for e in events if e["mb"] // m == args.steps - 1] if sync else events  # the last step, or all
     lo, hi = min(e["start"] for e in shown), max(e["end"] for e in shown)
     n, drains = (m, 1) if sync else (args.steps * m, segments)  # micro-batches between drains; drains shown
-    theory = drains * (p - 1) / ((3 if zb else 1) * (m if sync else steps_run * m) + drains * (p - 1))
-    formula = {"flush": "(p-1)/(m+p-1)", "zb": "(p-1)(F+B-W)/(m(F+B+W)+(p-1)(F+B-W)), at F=B=W"}.get(
-        mode, "S(p-1)/(steps*m+S(p-1)), S drains in the run (-> 0 in steady state)")
+    theory = drains * (p - 1) / ((m if sync else steps_run * m) + drains * (p - 1))
+    formula = "(p-1)/(m+p-1)" if sync else "S(p-1)/(steps*m+S(p-1)), S drains in the run (-> 0 steady)"
     busy = [busy_ms(events, r, lo, hi) for r in range(p)]
     bub, idle = [1 - b / (hi - lo) for b in busy], [hi - lo - b for b in busy]
-    op_ms = {k: sum(e["end"] - e["start"] for e in es) / len(es) for k in "FBW"
-             if (es := [e for e in shown if e["kind"] == k])}  # mean measured T_F, T_B, T_W (1F1B's B: B + W)
-    idle_theory = drains * (p - 1) * (op_ms["F"] + op_ms["B"] - op_ms.get("W", 0.0))  # Table 2 of ZB
-    alive = [min(p if zb else p - s, n) for s in range(p)]
+    op_ms = {k: sum(e["end"] - e["start"] for e in es) / len(es) for k in "FB"
+             if (es := [e for e in shown if e["kind"] == k])}  # mean measured T_F, T_B
+    idle_theory = drains * (p - 1) * (op_ms["F"] + op_ms["B"])  # each stage waits p-1 F's and p-1 B's
+    alive = [min(p - s, n) for s in range(p)]
     sent = [r[2] / (1 if sync else steps_run) for r in every]
     b_bytes = args.batch_size // m * args.seq_len * args.d_model * DTYPES[args.dtype].itemsize  # (b, T, D)
     sent_theory = [m * (b_bytes + 8 * TAG) * ((s > 0) + (s < p - 1)) for s in range(p)]
     kept = {"2bw": [2] * p, "stash": [min(p, n)] * p if args.vertical_sync else alive}.get(mode, [1] * p)
     d.log(f"\nsummary ({mode}, {p} stages, m = {m}) over {'the last step' if sync else 'the run'}, theory "
-          f"beside each measurement: bubble {formula}; idle ms (p-1)(T_F+T_B-T_W) per drain at the measured "
-          + ", ".join(f"T_{k} {v:.1f}" for k, v in op_ms.items()) + f" ms; alive {'p' if zb else 'p - s'}; "
+          f"beside each measurement: bubble {formula}; idle ms (p-1)(T_F+T_B) per drain at the measured "
+          + ", ".join(f"T_{k} {v:.1f}" for k, v in op_ms.items()) + " ms; alive p - s; "
           f"weight versions kept; bytes sent per step m x ((b, T, D) + {8 * TAG} B tag) each way")
     d.log("stage | blocks | bubble | theory | idle ms | theory | alive | theory | versions | theory | "
           "sent B/step | theory | mem B")

@@ -1,4 +1,4 @@
-"""ptdp.py: PTD-P, pipeline x tensor x data parallelism, with the interleaved 1F1B schedule or ZB-V.
+"""ptdp.py: PTD-P, pipeline x tensor x data parallelism, with the interleaved 1F1B schedule.
 
 Narayanan et al., "Efficient Large-Scale Language Model Training on GPU Clusters Using Megatron-LM" (SC 2021).
 Three ways to split one GPT, composed on one grid of ranks:
@@ -34,18 +34,7 @@ Three ways to split one GPT, composed on one grid of ranks:
       rank 0  F0F0F1F1........B0B0B0B0F2F2B1B1B1B1F3F3B2B2B2B2....B3B3B3B3  idle 6 per 24 busy
       rank 1  ....F0F0B0B0B0B0F1F1B1B1B1B1F2F2B2B2B2B2F3F3B3B3B3B3........  = (p-1)/m = 1/4
    The price: (v*p-1)*m messages per direction instead of (p-1)*m, and more chunks in flight on early ranks.
-3. Zero bubble, --schedule zbv (Qi, Wan, Huang, Lin, "Zero Bubble Pipeline Parallelism", ICLR 2024, Sec. 6).
-   Each backward splits in two: B, the input gradient, which the chunk before waits for, and W, the weight
-   gradients, which nothing waits for, so W fills what would be idle. Two chunks per rank in a V: rank r holds
-   chunk r (down) and chunk 2p-1-r (back up), so rank 0 holds the embedding and the head, and the turn of the
-   V (chunk p-1 to p) stays on rank p-1. The order is torch's ScheduleZBVZeroBubble (m >= 2p-1). Picture,
-   p = 2, m = 4, F, B and W one slot each (capitals: down the V, lower case: back up):
-
-      rank 0  F0F1F2f0b0w0f1b1w1F3B0W0f2b2w2B1W1f3b3w3B2W2B3W3..      idle 1 slot per 24 busy
-      rank 1  ..F0f0F1f1b0w0F2B0W0f2b1w1F3B1W1f3b2w2B2b3B3W2w3W3      = (p-1)/(6m): the paper's "about 0"
-   At most 2p chunks of micro-batches alive per rank (p micro-batches of a whole stage, as 1F1B), for twice
-   1F1B's messages: 2(p-1)*m per direction.
-4. Data parallel outermost: each replica runs its pipelines on its slice of the global batch and, after the
+3. Data parallel outermost: each replica runs its pipelines on its slice of the global batch and, after the
    flush, all-reduces the summed micro-batch gradients once per batch. Then the gradients are clipped by the
    norm of the whole model: TP-split pieces are counted where they live, TP-replicated tensors once (TP rank
    0), the pp ranks hold disjoint chunks, the dp replicas identical copies (counted on dp rank 0): one
@@ -53,20 +42,19 @@ Three ways to split one GPT, composed on one grid of ranks:
 
 Messages: each activation and gradient is one tensor in a batch_isend_irecv, posted at the moment of the ideal
 timeline that comm_plan() gives it, so that no batch waits on a later one (NCCL deadlocks otherwise; the tests
-simulate it). Measured from outside, each beside its theory: every F, B, W, the bubble, chunks in flight and
+simulate it). Measured from outside, each beside its theory: every F and B, the bubble, chunks in flight and
 saved activations alive, messages and bytes sent, TP and DP collectives; an ASCII timeline.
 
 Run (2 processes at least: a pipeline of 2; --dp 0 = world / (pp * tp)):
     torchrun --nproc_per_node=2 ptdp.py --pp 2 --virtual-stages 2 --dtype float64 --check
     torchrun --nproc_per_node=8 ptdp.py --pp 2 --tp 2 --dp 2 --virtual-stages 2 --dtype float64 --check
     torchrun --nproc_per_node=4 ptdp.py --pp 4 --n-layers 8 --microbatches 8 --virtual-stages 2 \\
-        --stage-ms 50 --steps 2                                                 # add --schedule zbv: ZB-V
-In production, use Megatron-Core, or torch.distributed.pipelining (ScheduleInterleaved1F1B,
-ScheduleZBVZeroBubble) with DTensor TP.
+        --stage-ms 50 --steps 2
+The zero-bubble schedules (ZB-H1, ZB-V) are zero_bubble.py. In production, use Megatron-Core, or
+torch.distributed.pipelining (ScheduleInterleaved1F1B) with DTensor TP.
 """
 import collections, contextlib
 from dataclasses import dataclass
-from typing import Literal
 
 import torch
 import torch.distributed as dist
@@ -87,11 +75,10 @@ class Args(CommonArgs):
     pp: int = 2  # pipeline-parallel degree p (ranks per pipeline)
     tp: int = 1  # tensor-parallel degree t (innermost: adjacent ranks)
     dp: int = 0  # data-parallel degree (0 = world / (pp * tp))
-    virtual_stages: int = 1  # v: model chunks per pipeline rank (1 = plain 1F1B; zbv needs 2)
+    virtual_stages: int = 1  # v: model chunks per pipeline rank (1 = plain 1F1B)
     microbatches: int = 4  # m: micro-batches per replica and batch (a multiple of --pp when v > 1)
-    schedule: Literal["interleaved", "zbv"] = "interleaved"  # interleaved 1F1B, or ZB-V (backward as B + W)
-    trace: str = ""  # write the measured F/B/W events as a Chrome trace (JSON) to this path
-    stage_ms: float = 0.0  # simulate compute time: a chunk's F waits stage_ms/v ms, B twice that (zbv: once)
+    trace: str = ""  # write the measured F/B events as a Chrome trace (JSON) to this path
+    stage_ms: float = 0.0  # simulate compute time: a chunk's F waits stage_ms/v ms, B twice that
 
 
 # ------------------------------------------------------------------------- tensor parallel: f, g, the layers
@@ -129,41 +116,6 @@ class g(torch.autograd.Function):
         return grad, None
 
 
-# ------------------------------------------------------------------------- the B/W split (zero bubble)
-class LinearBW(torch.autograd.Function):
-    """y = x W^T with its backward split in two (Qi et al. 2024, Sec. 2): B, dL/dx = dy W, now (the chunk
-    before waits for it); W, dL/dW = dy^T x, later. B keeps what W needs, x and dy, in `stash` (a list)."""
-
-    @staticmethod
-    def forward(ctx, x, weight, stash):  # x (..., in), weight (out, in)
-        ctx.save_for_backward(x)
-        ctx.weight, ctx.stash = weight, stash  # the parameter itself: W sets its .grad
-        return F.linear(x, weight)  # (..., out)
-
-    @staticmethod
-    def backward(ctx, dy):  # dy (..., out)
-        (x,) = ctx.saved_tensors
-        ctx.stash.append((ctx.weight, x.detach(), dy))  # values only: keeping x's graph would keep it all
-        return dy @ ctx.weight, None, None  # dL/dx (..., in); no weight gradient yet
-
-
-def linear(x, weight, bias=None, stash=None):
-    """F.linear, or with a `stash` the B/W-split one. Every other parameter gets its gradient in B from
-    autograd as usual: a bias, a LayerNorm's gain and shift, an embedding. Each is a sum over tokens of dy
-    (times the normalised input): elementwise work, no matmul worth moving, and deferring it keeps as much."""
-    if stash is None:
-        return F.linear(x, weight, bias)
-    y = LinearBW.apply(x, weight, stash)
-    return y if bias is None else y + bias
-
-
-def weight_grads(stashed):
-    """W: the weight gradients that B left for later, accumulated into .grad as autograd does."""
-    for weight, x, dy in stashed:
-        dw = dy.flatten(0, -2).T @ x.flatten(0, -2)  # (out, N) @ (N, in), N = the micro-batch's tokens
-        weight.grad = dw if weight.grad is None else weight.grad.add_(dw)
-
-
 def tp_dim(name):
     """The dimension of GPT parameter `name` split over the TP group (None: replicated). Column-parallel
     weights (out, in) split dim 0, with their biases; row-parallel ones split dim 1, their bias is whole."""
@@ -180,7 +132,7 @@ class TPBlock(nn.Module):
         proj         (out, in) = [W_0 | W_1 ..]  columns: rank k's partial product; g sums, then the bias
     """
 
-    def __init__(self, full, group, stash=None):
+    def __init__(self, full, group):
         super().__init__()
         t, r = dist.get_world_size(group), dist.get_rank(group)
         self.ln1, self.attn, self.ln2, self.mlp = full.ln1, full.attn, full.ln2, full.mlp
@@ -190,30 +142,30 @@ class TPBlock(nn.Module):
                 shard = nn.Parameter(w.detach().chunk(t, tp_dim(name))[r].clone())
                 shard.tp_split = True
                 setattr(self.get_submodule(owner), leaf, shard)
-        self.group, self.heads, self.stash = group, full.attn.n_heads // t, stash
+        self.group, self.heads = group, full.attn.n_heads // t
 
     def forward(self, x):  # (b, T, D) replicated on the TP group
-        a, mlp, grp, s = self.attn, self.mlp, self.group, self.stash
+        a, mlp, grp = self.attn, self.mlp, self.group
         h = f.apply(self.ln1(x), grp)
-        q, k, v = (rearrange(linear(h, lin.weight, stash=s), "b t (h e) -> b h t e", h=self.heads)
+        q, k, v = (rearrange(F.linear(h, lin.weight), "b t (h e) -> b h t e", h=self.heads)
                    for lin in (a.q, a.k, a.v))  # (b, H/t, T, E) each: this rank's heads
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (b, H/t, T, E)
         y = rearrange(y, "b h t e -> b t (h e)")  # (b, T, D/t)
-        x = x + g.apply(linear(y, a.proj.weight, stash=s), grp) + a.proj.bias  # bias after g: added once
-        h = F.gelu(linear(f.apply(self.ln2(x), grp), mlp.fc.weight, mlp.fc.bias, s))  # (b, T, 4D/t) local
-        return x + g.apply(linear(h, mlp.proj.weight, stash=s), grp) + mlp.proj.bias  # (b, T, D) replicated
+        x = x + g.apply(F.linear(y, a.proj.weight), grp) + a.proj.bias  # bias after g: added once
+        h = F.gelu(F.linear(f.apply(self.ln2(x), grp), mlp.fc.weight, mlp.fc.bias))  # (b, T, 4D/t) local
+        return x + g.apply(F.linear(h, mlp.proj.weight), grp) + mlp.proj.bias  # (b, T, D) replicated
 
 
 class Chunk(nn.Module):
     """Model chunk c of n: blocks [c*L/n, (c+1)*L/n), plus the embedding on chunk 0 and ln_f + head on chunk
     n-1. Parameter names are common.GPT's, so the chunks together name the whole GPT."""
 
-    def __init__(self, full, c, n, group, stash=None):
+    def __init__(self, full, c, n, group):
         super().__init__()
-        per, self.first, self.last, self.stash = full.cfg.n_layers // n, c == 0, c == n - 1, stash
+        per, self.first, self.last = full.cfg.n_layers // n, c == 0, c == n - 1
         if self.first:
             self.tok_emb, self.pos_emb = full.tok_emb, full.pos_emb
-        self.blocks = nn.ModuleDict({str(i): TPBlock(full.blocks[i], group, stash)
+        self.blocks = nn.ModuleDict({str(i): TPBlock(full.blocks[i], group)
                                      for i in range(c * per, (c + 1) * per)})
         if self.last:
             self.ln_f, self.head = full.ln_f, full.head
@@ -223,7 +175,7 @@ class Chunk(nn.Module):
             h = self.tok_emb(h) + self.pos_emb(torch.arange(h.shape[1], device=h.device))
         for block in self.blocks.values():
             h = block(h)
-        return linear(self.ln_f(h), self.head.weight, stash=self.stash) if self.last else h  # logits (b,T,V)
+        return self.head(self.ln_f(h)) if self.last else h  # last: logits (b, T, V)
 
 
 # ------------------------------------------------------------------------- the schedules
@@ -257,52 +209,17 @@ def schedule(p, v, m, r):
     return ops + [("B", *bwd(i)) for i in range(n - w, n)]
 
 
-def zbv_schedule(p, m, r):
-    """ZB-V, rank r's ops in order (torch's ScheduleZBVZeroBubble; m >= 2p-1). Down is chunk r, up 2p-1-r.
-    1. warm-up: 2(p-r)-1 F down; then r times F up, F down; then p-r times F up, B up, W up
-    2. steady: F down (while micro-batches remain), B down, W down, F up, B up, W up, until every F ran
-    3. cool-down: r times B down, B up; p-r times B down, W down (the oldest); then the W's left, up first."""
-    down, up = r, 2 * p - 1 - r
-    ops, done = [], collections.Counter()
-
-    def run(kind, c):
-        ops.append((kind, c, done[kind, c]))
-        done[kind, c] += 1
-    for _ in range(2 * (p - r) - 1):
-        run("F", down)
-    for _ in range(r):
-        run("F", up), run("F", down)
-    for _ in range(p - r):
-        run("F", up), run("B", up), run("W", up)
-    while done["F", up] < m:
-        if done["F", down] < m:
-            run("F", down)
-        run("B", down), run("W", down), run("F", up), run("B", up), run("W", up)
-    for _ in range(r):
-        run("B", down), run("B", up)
-    for _ in range(p - r):
-        run("B", down), run("W", down)
-    for c in (up, down):
-        while done["W", c] < done["B", c]:
-            run("W", c)
-    return ops
-
-
-def order_of(p, v, m, r, order):
-    return schedule(p, v, m, r) if order == "interleaved" else zbv_schedule(p, m, r)
-
-
-def rank_of(c, p, order):
-    """The pp rank holding chunk c: interleaved, a loop (c % p); zbv, a V (down 0..p-1, then back up)."""
-    return c % p if order == "interleaved" else min(c, 2 * p - 1 - c)
+def rank_of(c, p):
+    """The pp rank holding chunk c: a loop (c % p)."""
+    return c % p
 
 
 def needs(op, n):
     """The message op (kind, c, k) waits for: ("F", c, k) = its input activation, from chunk c-1; ("B", c, k)
-    = the gradient of its output, from chunk c+1; None when it starts from tokens (chunk 0's F), from its
-    own loss (the last chunk's B), or from its own B (a W)."""
+    = the gradient of its output, from chunk c+1; None when it starts from tokens (chunk 0's F) or from its
+    own loss (the last chunk's B)."""
     kind, c, _ = op
-    return None if kind == "W" or (kind, c) in (("F", 0), ("B", n - 1)) else op
+    return None if (kind, c) in (("F", 0), ("B", n - 1)) else op
 
 
 def producer(msg):
@@ -310,11 +227,11 @@ def producer(msg):
     return ("F", c - 1, k) if kind == "F" else ("B", c + 1, k)
 
 
-def ideal_timeline(p, v, m, order="interleaved", slots=None):
-    """Every rank's ops at their earliest start when each takes its slots (interleaved: F 1, B 2; zbv: F, B, W
-    1 each) and messages are free: {op: (rank, start, end)}. Its idle slots are the schedule's bubble."""
-    slots = slots or ({"F": 1, "B": 2} if order == "interleaved" else {"F": 1, "B": 1, "W": 1})
-    ops, n, at = [order_of(p, v, m, r, order) for r in range(p)], p * v, {}
+def ideal_timeline(p, v, m, slots=None):
+    """Every rank's ops at their earliest start when each takes its slots (F 1, B 2) and messages are free:
+    {op: (rank, start, end)}. Its idle slots are the schedule's bubble."""
+    slots = slots or {"F": 1, "B": 2}
+    ops, n, at = [schedule(p, v, m, r) for r in range(p)], p * v, {}
     nxt, free = [0] * p, [0] * p
     while any(nxt[r] < len(ops[r]) for r in range(p)):
         moved = False
@@ -322,18 +239,18 @@ def ideal_timeline(p, v, m, order="interleaved", slots=None):
             while nxt[r] < len(ops[r]):
                 op = ops[r][nxt[r]]
                 deps = [producer(op)] if needs(op, n) else []
-                deps += [("F", *op[1:])] if op[0] == "B" else [("B", *op[1:])] if op[0] == "W" else []
+                deps += [("F", *op[1:])] if op[0] == "B" else []
                 if any(dep not in at for dep in deps):
                     break
                 start = max([free[r]] + [at[dep][2] for dep in deps])
                 free[r] = start + slots[op[0]]
                 at[op], nxt[r], moved = (r, start, free[r]), nxt[r] + 1, True
         if not moved:
-            raise RuntimeError(f"schedule {order} ({p}, {v}, {m}) waits on itself")
+            raise RuntimeError(f"schedule ({p}, {v}, {m}) waits on itself")
     return at
 
 
-def comm_plan(p, v, m, r, order="interleaved"):
+def comm_plan(p, v, m, r):
     """Rank r's steps for one batch: ("op", op) and ("p2p", sends, recvs) with [(peer pp rank, message)].
     Each message travels at one moment G of the ideal timeline, between the end of the op that makes it and
     the start of the op that uses it: the first such moment at which both ranks are between ops (else right
@@ -341,8 +258,8 @@ def comm_plan(p, v, m, r, order="interleaved"):
     before G and before those that start at or after it. So all ranks post their batches in order of G, a
     batch's partners are batches of the same G, none can wait for a later one: no cycle (NCCL deadlocks on
     a send whose receive is posted behind a wait on the sender). Within a batch, messages are sorted alike
-    on both sides (per pair of ranks, one FIFO order). The turn of the V is no message: the rank keeps it."""
-    at, n, items = ideal_timeline(p, v, m, order), p * v, collections.defaultdict(lambda: ([], []))
+    on both sides (per pair of ranks, one FIFO order)."""
+    at, n, items = ideal_timeline(p, v, m), p * v, collections.defaultdict(lambda: ([], []))
     spans = collections.defaultdict(list)  # pp rank -> (start, end) of its ops
     for q, start, end in at.values():
         spans[q].append((start, end))
@@ -357,7 +274,7 @@ def comm_plan(p, v, m, r, order="interleaved"):
                 items[when][0].append((dst, msg))
             if dst == r:
                 items[when][1].append((src, msg))
-    steps = [((at[op][1], 1), ("op", op)) for op in order_of(p, v, m, r, order)]
+    steps = [((at[op][1], 1), ("op", op)) for op in schedule(p, v, m, r)]
     steps += [((when, 0), ("p2p", sorted(s), sorted(rv))) for when, (s, rv) in items.items()]
     return [step for _, step in sorted(steps, key=lambda x: x[0])]
 
@@ -370,15 +287,15 @@ class PipelineRank:
         chunks   {global chunk index: module} of n in all; chunk 0 takes inputs[k], chunk n-1's output goes to
                  loss_fn(output, targets[k]) (a scalar)
         peers    pp rank -> global rank; every message is one tensor of msg_shape and dtype, on device
-        stash    the list the chunks' split linears fill during B (zbv), or None (B is the whole backward)
-        observe  a context manager around every F, B, W (observe(kind, mb, chunk=c)) and exchange
-                 (observe("p2p", None, recvs=[message, ...])), for the measurement to watch through"""
+        observe  a context manager around every F and B (observe(kind, mb, chunk=c)) and exchange
+                 (observe("p2p", None, recvs=[message, ...])), for the measurement to watch through
+    NCCL wants one collective before the first batch_isend_irecv: the caller runs it (see main)."""
 
-    def __init__(self, chunks, n, plan, peers, msg_shape, dtype, device, stash=None, observe=None):
-        self.chunks, self.n, self.plan, self.peers, self.stash = chunks, n, plan, peers, stash
+    def __init__(self, chunks, n, plan, peers, msg_shape, dtype, device, observe=None):
+        self.chunks, self.n, self.plan, self.peers = chunks, n, plan, peers
         self.msg_shape, self.dtype, self.device = msg_shape, dtype, device
         self.observe = observe or (lambda *a, **k: contextlib.nullcontext())
-        self.inbox, self.outbox, self.alive, self.waiting = {}, {}, {}, {}
+        self.inbox, self.outbox, self.alive = {}, {}, {}
 
     def run(self, inputs, targets, loss_fn):
         """inputs, targets: m micro-batches each. Returns the summed loss of those scored here (0-dim)."""
@@ -392,10 +309,8 @@ class PipelineRank:
             with self.observe(kind, k, chunk=c):
                 if kind == "F":
                     self.forward(c, k, inputs, targets, loss_fn)
-                elif kind == "B":
+                else:
                     self.backward(c, k)
-                else:  # W: the weight gradients its B left (zbv)
-                    weight_grads(self.waiting.pop((c, k)))
         return self.loss
 
     def exchange(self, sends, recvs):
@@ -409,10 +324,6 @@ class PipelineRank:
                 req.wait()
         self.inbox.update(into)
 
-    def hand_on(self, msg, t):
-        """To the chunk that waits for `msg`: here when this rank holds it (the V's turn), else a message."""
-        (self.inbox if msg[1] in self.chunks else self.outbox)[msg] = t
-
     def forward(self, c, k, inputs, targets, loss_fn):
         inp = inputs[k] if c == 0 else self.inbox.pop(("F", c, k)).requires_grad_()  # (b, T) ids or (b, T, D)
         out = self.chunks[c](inp)  # (b, T, D); last chunk: logits (b, T, V) ...
@@ -420,17 +331,14 @@ class PipelineRank:
             out = loss_fn(out, targets[k])  # ... and its loss
             self.loss += out.detach()
         else:
-            self.hand_on(("F", c + 1, k), out.detach())  # (b, T, D) to chunk c+1
+            self.outbox["F", c + 1, k] = out.detach()  # (b, T, D) to chunk c+1, on the next rank
         self.alive[c, k] = inp, out
 
-    def backward(self, c, k):  # the whole backward; with a stash only B, the weights' part waits for W
+    def backward(self, c, k):
         inp, out = self.alive.pop((c, k))
         torch.autograd.backward(out, None if c == self.n - 1 else self.inbox.pop(("B", c, k)))  # grads add up
-        if self.stash is not None:
-            self.waiting[c, k] = list(self.stash)  # what this B kept for its W
-            self.stash.clear()
         if c > 0:
-            self.hand_on(("B", c - 1, k), inp.grad)  # (b, T, D) to chunk c-1
+            self.outbox["B", c - 1, k] = inp.grad  # (b, T, D) to chunk c-1, on the rank before
 
 
 # ------------------------------------------------------------------------- after the flush: DP, clipping
@@ -485,12 +393,7 @@ def check_args(args):
     if args.dp < 0 or dp < 1 or p * t * dp != world:
         fail(f"world size {world} != pp {p} x tp {t} x dp {args.dp or '(world / pp / tp)'}: launch torchrun "
              f"--nproc_per_node={p * t * max(args.dp, 1)} or change --pp / --tp / --dp")
-    if args.schedule == "zbv" and v != 2:
-        fail(f"--schedule zbv places two chunks per rank in a V: use --virtual-stages 2, not {v}")
-    if args.schedule == "zbv" and m < 2 * p - 1:
-        fail(f"--microbatches {m} is too few for --schedule zbv at --pp {p}: rank 0 runs 2p-1 = {2 * p - 1} "
-             f"forwards before its first backward; use --microbatches {2 * p - 1} or more")
-    if args.schedule == "interleaved" and v > 1 and m % p:
+    if v > 1 and m % p:
         fail(f"--microbatches {m} is not a multiple of --pp {p}, as the interleaved schedule (v = {v}) "
              f"needs: use --microbatches {(m // p + 1) * p}")
     if args.n_layers % (p * v):
@@ -518,7 +421,7 @@ def main():
     tp_group, dp_group = tp_groups[pp_rank, dp_rank], dp_groups[pp_rank, tp_rank]
     peers = grid[:, dp_rank, tp_rank].tolist()  # pp rank -> global rank of this pipeline
     b = args.batch_size // (dp * m)
-    d.log(f"ptdp.py: world {world} = pp {p} x dp {dp} x tp {t}, {args.schedule} schedule, v = {v} chunks per "
+    d.log(f"ptdp.py: world {world} = pp {p} x dp {dp} x tp {t}, interleaved 1F1B, v = {v} chunks per "
           f"rank, m = {m} micro-batches of {b} per replica, on {d.backend}; entropy floor "
           f"{data.entropy:.4f} nats")
 
@@ -526,20 +429,21 @@ def main():
     dtype = DTYPES[args.dtype]
     full = build_gpt(GPTConfig.from_args(args), args.seed, dtype)
     shapes = {n: list(q.shape) for n, q in full.named_parameters()}
-    stash = [] if args.schedule == "zbv" else None  # zbv: the split linears keep what W needs here
-    mine = [c for c in range(p * v) if rank_of(c, p, args.schedule) == pp_rank]
-    chunks = nn.ModuleDict({str(c): Chunk(full, c, p * v, tp_group, stash) for c in mine}).to(d.device)
+    mine = [c for c in range(p * v) if rank_of(c, p) == pp_rank]
+    chunks = nn.ModuleDict({str(c): Chunk(full, c, p * v, tp_group) for c in mine}).to(d.device)
     del full
     opt = make_optimizer(chunks.parameters(), args)
     run = Run(d, args, {"model": chunks, "optim": opt})
     norms, params = run.history.get("norms", []), list(chunks.parameters())
-    watch = Watch(d, args, coords)  # times F, B, W; its zero is an all-reduce, before any p2p (as NCCL wants)
+    watch = Watch(d, args, coords)  # times every F and B
     comm = CommCounter(axes={"tp": tp_group, "dp": dp_group}, log=True)
-    plan = comm_plan(p, v, m, pp_rank, args.schedule)
+    plan = comm_plan(p, v, m, pp_rank)
     msg_shape = (b, args.seq_len, args.d_model)  # every activation and gradient between chunks
     runner = PipelineRank({c: chunks[str(c)] for c in mine}, p * v, plan, peers, msg_shape, dtype, d.device,
-                          stash, observe=watch)
+                          observe=watch)
     watch.runner = runner  # what it holds to B, for the counted peak
+    # NCCL sets up its communicator at the first collective; batched point-to-point must not come first
+    dist.all_reduce(torch.zeros(1, device=d.device))
     for step in run.steps():
         x, y = data.batch(step, args.batch_size, args.seq_len, args.ragged)  # (B, T) global batch, CPU
         n_tok = count_tokens(y)  # the whole global batch's: every micro-batch loss divides by it
@@ -558,7 +462,7 @@ def main():
         run.end_step(step, loss, norms=norms)
 
     figures, comm_bytes = report(d, args, dp, watch, comm)
-    figures.update(pp=p, tp=t, dp=dp, virtual_stages=v, microbatches=m, schedule=args.schedule,
+    figures.update(pp=p, tp=t, dp=dp, virtual_stages=v, microbatches=m, schedule="interleaved",
                    grad_norms=norms)
     peak = peak_memory_bytes(d, watch.held + watch.held_peak)  # counted; CUDA's own peak on a GPU
     check = None
@@ -569,14 +473,14 @@ def main():
 
 # --- measurement ---
 class Watch:
-    """The schedule's `observe` callback: harness.Timeline.span times every F, B, W (--stage-ms waits in it),
+    """The schedule's `observe` callback: harness.Timeline.span times every F and B (--stage-ms waits in it),
     tagged with the step, the rank's grid coordinates and when its input arrived; it counts the micro-batch
-    chunks between F and their last op; saved-tensor hooks count what F saves, live storages what still is."""
+    chunks between F and B; saved-tensor hooks count what F saves, live storages what still is."""
 
     def __init__(self, d, args, coords):
-        f_ms, self.last = args.stage_ms / args.virtual_stages, "W" if args.schedule == "zbv" else "B"
-        ms = dict(F=f_ms, B=f_ms, W=f_ms) if args.schedule == "zbv" else dict(F=f_ms, B=2 * f_ms)
-        self.timeline = Timeline(d, ms, tags=("chunk", "step", "pp", "dp", "tp", "recv"))
+        f_ms = args.stage_ms / args.virtual_stages
+        self.timeline = Timeline(d, dict(F=f_ms, B=2 * f_ms), tags=("chunk", "step", "pp", "dp", "tp",
+                                                                      "recv"))
         self.coords, self.step, self.held, self.arrived, self.saved = coords, 0, 0, {}, {}
         self.live, self.inflight = LiveStorages(), [0, 0]  # in flight: now, peak
         self.runner, self.held_peak = None, 0  # + what the runner holds to B: outputs (the last: losses)
@@ -594,7 +498,7 @@ class Watch:
                                 recv=self.arrived.pop((kind, chunk, mb), None)):
             with SavedActivations(self.live) if kind == "F" else contextlib.nullcontext() as saved:
                 yield
-        self.inflight[0] -= kind == self.last
+        self.inflight[0] -= kind == "B"
         if kind == "F":
             self.saved.setdefault(chunk, saved.bytes)  # what one micro-batch saves on this chunk
         now = self.live.alive()  # the peak of saved activations alive
@@ -603,27 +507,22 @@ class Watch:
         self.held_peak = max(self.held_peak, now + sum(n for w, n in outs.items() if w not in self.live.refs))
 
 
-def theory(p, v, m, order):
-    """Per pp rank: the bubble (idle / busy of the ideal timeline), the most micro-batch chunks between F and
-    their last op, the forward and backward messages per batch.
-        interleaved  (p-1)/(v*m); warm-up + 1; m(v - 1 if the last rank), m(v - 1 if rank 0)
-        zbv          (p-1)/(6m): p-1 chunk ops of 6m idle (the paper: about 0); 2p, p micro-batches of a whole
-                     stage as in 1F1B; m(2 - 1 if rank 0 - 1 if rank p-1) each way (the V's turn is local)"""
-    if order == "interleaved":
-        return ((p - 1) / (v * m), [min(warmup(p, v, m, r) + 1, v * m) for r in range(p)],
-                [m * (v - (r == p - 1)) for r in range(p)], [m * (v - (r == 0)) for r in range(p)])
-    msgs = [m * (2 - (r == 0) - (r == p - 1)) for r in range(p)]
-    return (p - 1) / (6 * m), [2 * p] * p, msgs, msgs
+def theory(p, v, m):
+    """Per pp rank: the bubble (idle / busy of the ideal timeline), (p-1)/(v*m); the most micro-batch chunks
+    between F and B, warm-up + 1; the forward and backward messages per batch, m(v - 1 if the last rank) and
+    m(v - 1 if rank 0)."""
+    return ((p - 1) / (v * m), [min(warmup(p, v, m, r) + 1, v * m) for r in range(p)],
+            [m * (v - (r == p - 1)) for r in range(p)], [m * (v - (r == 0)) for r in range(p)])
 
 
-def inflight_bound(p, v, m, r, order="interleaved"):
-    return theory(p, v, m, order)[1][r]
+def inflight_bound(p, v, m, r):
+    return theory(p, v, m)[1][r]
 
 
 def report(d, args, dp, watch, comm):
     """All ranks: gather events and this rank's counts of the counted step, its sends told apart by their tag
     (one per way); tensors only. Rank 0: each figure beside its theory."""
-    p, v, m, order, ar = args.pp, args.virtual_stages, args.microbatches, args.schedule, comm.total
+    p, v, m, ar = args.pp, args.virtual_stages, args.microbatches, comm.total
     tags = [c["tag"] for c in comm.calls_log if c["op"] == "send"]
     mine = dict(fwd_msgs=tags.count(TAG["F"]), bwd_msgs=tags.count(TAG["B"]), p2p_bytes=ar("send"),
                 tp_calls=ar("all_reduce", "tp", what="calls"), tp_fwd=ar("all_reduce", "tp", "fwd", "calls"),
@@ -642,23 +541,24 @@ def report(d, args, dp, watch, comm):
     last = [e for e in events if e["step"] == events[-1]["step"] and e["dp"] == 0 and e["tp"] == 0]
     lo, hi = min(e["start"] for e in last), max(e["end"] for e in last)
     bub = [(hi - lo - x) / x for x in (busy_ms(last, r, lo, hi, key="pp") for r in range(p))]
-    bub_theory, bound, f_theory, b_theory = theory(p, v, m, order)
+    bub_theory, bound, f_theory, b_theory = theory(p, v, m)
     pipe = [per_rank[r, 0, 0] for r in range(p)]  # the pipeline of dp 0, tp 0
     f_msgs, b_msgs, sent, inflight = ([c[k] for c in pipe] for k in ("fwd_msgs", "bwd_msgs", "p2p_bytes",
                                                                       "inflight"))
     alive = [c["act_peak"] / max(c["act_per_microbatch"], 1) for c in pipe]
-    d.log(f"\nsummary, pipeline dp 0 tp 0 ({order}, p {p}, v {v}, m {m}): bubble = idle / busy in the last "
+    d.log(f"\nsummary, pipeline dp 0 tp 0 (interleaved, p {p}, v {v}, m {m}): bubble = idle / busy in the "
+          "last "
           "step, in flight = micro-batch chunks between F and their last op, alive = saved activations at "
           "their peak in micro-batches of the rank's chunks, messages and bytes handed to the sends; each "
           "measured | theory\nrank | chunks | bubble | theory | in flight | bound | alive | theory | "
           "fwd msgs | theory | bwd msgs | theory | bytes sent")
     for r in range(p):
-        held = ",".join(str(c) for c in range(p * v) if rank_of(c, p, order) == r)
+        held = ",".join(str(c) for c in range(p * v) if rank_of(c, p) == r)
         d.log(f"{r:4d} | {held:6s} | {bub[r]:6.3f} | {bub_theory:6.3f} | {inflight[r]:9d} | {bound[r]:5d} | "
               f"{alive[r]:5.2f} | {bound[r] / v:6.2f} | {f_msgs[r]:8d} | {f_theory[r]:6d} | {b_msgs[r]:8d} | "
               f"{b_theory[r]:6d} | {sent[r]}")
     mean, c0, tp_theory = sum(bub) / p, pipe[0], 4 * m * args.n_layers // p if args.tp > 1 else 0
-    formula, per_pipe = ("(p-1)/(v*m)", "(v*p-1)*m") if order == "interleaved" else ("(p-1)/(6m)", "2(p-1)*m")
+    formula, per_pipe = "(p-1)/(v*m)", "(v*p-1)*m"
     waits = ", ".join(f"{k} waits {x:g} ms" for k, x in watch.timeline.simulate.items())
     d.log(f"bubble mean {mean:.3f} vs theory {formula} = {bub_theory:.3f} ({mean - bub_theory:+.3f}); " +
           (f"--stage-ms {args.stage_ms:g}: compute simulated, a chunk's {waits}" if args.stage_ms else
@@ -669,7 +569,7 @@ def report(d, args, dp, watch, comm):
           f"forward, f twice backward, per layer and micro-batch); DP all-reduces {c0['dp_calls']}, theory "
           f"{int(dp > 1)}")
     label = lambda e: (e["kind"] if e["chunk"] < p else e["kind"].lower()) + str(e["mb"])  # noqa: E731
-    d.log("\ntimeline of the last step, measured (Fk Bk Wk: chunk < p, fk bk wk: the later chunks):\n" +
+    d.log("\ntimeline of the last step, measured (Fk Bk: chunk < p, fk bk: the later chunks):\n" +
           draw_timeline(last, p, lo, hi, label, row_key="pp", row_name="rank"))
     if args.trace:
         write_trace(args.trace, events, lambda e: f"{e['kind']}{e['mb']} chunk {e['chunk']}", row_name="rank")

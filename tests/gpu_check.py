@@ -9,10 +9,10 @@ and at world N = the number of GPUs, with --check, one line per run; exit 1 if a
 What it runs at world w (the flags are derived from w, so any GPU count works: heads 2*max(2, w), width 16 x
 heads, 2w blocks, 2w micro-batches, 16w sequences of 32 tokens, or 16w tokens when 2w does not divide 32):
   every mode of every file in float32 with --check (dp sync / accumulation / async lockstep, ddp with and
-  without gradient compression, gpipe with and without recompute, pipedream flush / stash / 2bw / zb, megatron
-  tp and sequence parallel and tp x dp, ptdp 1F1B / interleaved / ZB-V / tp x pp, moe's five routers and
-  dropless loss-free with a shared expert, zero stages 0-3, offload + bf16 mixed precision, fp16 loss
-  scaling, memory_savers' full and selective recomputation, activation compression and Adafactor, context
+  without gradient compression, gpipe with and without recompute, pipedream flush / stash / 2bw, zero_bubble
+  ZB-H1 / ZB-V, megatron tp and sequence parallel and tp x dp, ptdp 1F1B / interleaved / tp x pp, moe's five
+  routers and dropless loss-free with a shared expert, zero stages 0-3, offload + bf16 mixed precision, fp16
+  loss scaling, memory_savers' full and selective recomputation, activation compression and Adafactor, context
   parallel's three attentions in both layouts);
   each file's default mode in bfloat16 under TORCH_DISTRIBUTED_DEBUG=DETAIL (every collective's kind, shape
   and order checked across ranks before it runs);
@@ -64,10 +64,11 @@ def plan(w):
         runs += [(f"dp async lockstep D={D}", "dp.py", ["--mode", "async", "--staleness", D]),
                  ("gpipe", "gpipe.py", m), ("gpipe recompute", "gpipe.py", [*m, "--recompute"]),
                  *[(f"pipedream {mode}", "pipedream.py", ["--mode", mode, *m, *clip])
-                   for mode, clip in (("flush", []), ("stash", ["--clip", 0]), ("2bw", []), ("zb", []))],
+                   for mode, clip in (("flush", []), ("stash", ["--clip", 0]), ("2bw", []))],
+                 ("zero_bubble zbh1", "zero_bubble.py", m),
+                 ("zero_bubble zbv", "zero_bubble.py", ["--schedule", "zbv", *m]),
                  ("ptdp 1f1b", "ptdp.py", ["--pp", w, *m]),
-                 ("ptdp interleaved v 2", "ptdp.py", ["--pp", w, "--virtual-stages", 2, *m]),
-                 ("ptdp zbv", "ptdp.py", ["--pp", w, "--virtual-stages", 2, "--schedule", "zbv", *m])]
+                 ("ptdp interleaved v 2", "ptdp.py", ["--pp", w, "--virtual-stages", 2, *m])]
     return [(name, f, [*model_flags(w), *flags, "--check"]) for name, f, flags in runs]
 
 

@@ -3,10 +3,10 @@
 Each rank's stream runs its items in order: a batch_isend_irecv group, or a collective. A group's send or receive
 completes only when its counterpart (the n-th message from that sender to that receiver, matched in order as
 NCCL matches them) is in the peer's group that runs now; the group ends when all of its ops have; a collective
-needs every rank at the same one. items_for mirrors StageRunner.run / exchange / drain and the policies' drains
-(flush, zb: an all-reduce; 2bw: a broadcast), on the file's own schedules (one_f_one_b, zb_h1,
+needs every rank at the same one. items_for mirrors main's first collective, StageRunner.run / exchange / drain
+and the policies' drains (flush: an all-reduce; 2bw: a broadcast), on the file's own schedules (one_f_one_b,
 split_at_step_ends), checkpoint drains included. (Adapted from the review's nccl-sims/sim_pipedream.py to the
-runner and to ZB-H1, whose W sends the outbox of the B before it alone.)
+runner.)
 
     python tests/pipedream_sim.py       # every mode, p = 2..6, m = 1..8, with and without checkpoint drains"""
 import collections
@@ -19,13 +19,13 @@ import pipedream  # noqa: E402
 
 def items_for(mode, p, m, steps, save_every, s, start=0):
     """Stage s's stream of items for a run of `steps` steps, as the runner issues them."""
-    sync = mode in ("flush", "zb")
+    sync = mode == "flush"
     ends = [t for t in range(start + 1, steps + 1) if sync or t == steps or (save_every and t % save_every == 0)]
-    schedule = pipedream.zb_h1 if mode == "zb" else pipedream.one_f_one_b
-    stream = [(kind, a * m + k) for a, z in zip([start] + ends, ends) for kind, k in schedule((z - a) * m, p, s)]
+    stream = [(kind, a * m + k) for a, z in zip([start] + ends, ends)
+              for kind, k in pipedream.one_f_one_b((z - a) * m, p, s)]
     chunks = pipedream.split_at_step_ends(stream, m)
     prev, nxt = (s - 1 if s > 0 else None), (s + 1 if s < p - 1 else None)
-    items, outbox = [("coll", "all_reduce")], []  # the timeline's zero
+    items, outbox = [("coll", "all_reduce")], []  # main's first collective, before any point-to-point
 
     def batch(sends, recvs):
         ops = [("S", peer, what) for what, peer in sends] + [("R", peer, what) for what, peer in recvs]
@@ -98,7 +98,7 @@ def simulate(queues):
 
 
 def configs():
-    for mode in ("flush", "zb", "stash", "2bw"):
+    for mode in ("flush", "stash", "2bw"):
         for p in range(2, 7):
             for m in range(1, 9):
                 if mode == "2bw" and m < p:

@@ -1,5 +1,5 @@
 """Watch or break pipedream.py on purpose, then run it as usual (each case patches one piece and calls the file's
-own main()), and run its core on a model that is not the GPT:
+own main()), and run its core (and zero_bubble.py's) on a model that is not the GPT:
 
     watch           nothing broken, only watched: where each backward's gradient lands (right after B, before
                     the policy takes it: which stashed version holds a gradient, and whether the live weights got
@@ -11,11 +11,14 @@ own main()), and run its core on a model that is not the GPT:
     2bw-fewer       --mode 2bw with its m >= p guard lifted, so the drain would skip a norm
     resume-newest   resumed from a checkpoint with every stashed version replaced by the live weights (the
                     checkpoint's versions ignored): the run goes on, on the wrong weights
-    copy-out OUT    StageRunner + Flush, under 1F1B and under ZB-H1 (SplitBackward), on three toy stages that are
-                    not the GPT (nested modules, parameters on root modules, odd widths, 2-D and 3-D inputs to
-                    Linears, a smooth-L1 loss), plain torch.distributed on gloo; and once more under ZB-H1 with W
-                    run on the wrong micro-batch. Writes OUT/{1f1b,zb,zb-wrong-w}-rank{r}.pt (the stage's
-                    parameters, stage 0's losses); tests/test_pipedream.py trains the same model in one process.
+    copy-out OUT    StageRunner + Flush under 1F1B on three toy stages that are not the GPT (nested modules,
+                    parameters on root modules, odd widths, 2-D and 3-D inputs to Linears, a smooth-L1 loss),
+                    plain torch.distributed on gloo; and once more with the optimizer's zero_grad dropped.
+                    Writes OUT/{1f1b,1f1b-no-zero-grad}-rank{r}.pt (the stage's parameters, stage 0's losses);
+                    tests/test_pipedream.py trains the same model in one process.
+    zb-copy-out OUT zero_bubble.py's SplitBackward + comm_plan + PipelineRank on a ZBNet (not the GPT) over 2
+                    ranks, ZB-H1 and ZB-V, against one-process training (and two broken W's), OUT as JSON; then
+                    zero_bubble.py's own main in the same processes (tests/test_zero_bubble.py).
 
 Run: torchrun --standalone --nproc_per_node=P tests/pipeline_checks.py CASE [the file's flags]"""
 import copy
@@ -33,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 # ----------------------------------------------------------------------------- the tags, from the schedule
 def version_of(mode, vertical_sync, p, m, r, k):
     """The weight version stage r reads for micro-batch k, from each mode's rule (the docstring's tables)."""
-    if mode in ("flush", "zb"):
+    if mode == "flush":
         return k // m  # one update per step, after the drain
     if mode == "2bw":
         return max(k // m - 1, 0)
@@ -189,23 +192,20 @@ def copy_out(pipedream, out_dir):
         j = slice(k % m * b, (k % m + 1) * b)
         return x[j], (y[j], y.numel())
 
-    for name in ("1f1b", "zb", "zb-wrong-w"):
+    dist.all_reduce(torch.zeros(1))  # the collective NCCL wants before the first batched point-to-point
+    for name in ("1f1b", "1f1b-no-zero-grad"):
         stage = toy_stages()[r]
         policy = pipedream.Flush(stage, toy_optimizer(stage.parameters()), TOY["clip"])
-        runner = pipedream.StageRunner(policy, source, lambda out, target: toy_loss(out, *target), (b, T, w[r]),
-                                       (b, T, w[r + 1]), torch.float64, torch.device("cpu"),
-                                       r - 1 if r > 0 else None, r + 1 if r < p - 1 else None,
-                                       None if name == "1f1b" else pipedream.SplitBackward(stage))
-        if name == "zb-wrong-w":  # W of micro-batch k on k-1's inputs: k-1's weight gradient twice, k's never
-            def wrong_w(k, x=None, tag=None, runner=runner):
-                runner.split.backward_weight(runner.w_pending.get(k - 1, runner.w_pending[k]))
-            runner.weight_grads = wrong_w
-        schedule, losses = pipedream.one_f_one_b if name == "1f1b" else pipedream.zb_h1, []
+        if name == "1f1b-no-zero-grad":  # broken on purpose: each step's gradient adds to the last one's
+            policy.opt.zero_grad = lambda set_to_none=True: None
+        runner = pipedream.StageRunner(policy, source, lambda out, target: toy_loss(out, *target),
+                                       (b, T, w[r]), (b, T, w[r + 1]), torch.float64, torch.device("cpu"),
+                                       r - 1 if r > 0 else None, r + 1 if r < p - 1 else None)
+        losses = []
         for step in range(TOY["steps"]):
-            runner.run([(kind, step * m + k) for kind, k in schedule(m, p, r)])
+            runner.run([(kind, step * m + k) for kind, k in pipedream.one_f_one_b(m, p, r)])
             runner.drain(step)
-            assert not runner.alive and (name == "zb-wrong-w" or not runner.w_pending), "a micro-batch left over"
-            runner.w_pending.clear()
+            assert not runner.alive, "a micro-batch left over"
             if r == 0:
                 losses.append(sum(runner.losses.pop(step * m + j) for j in range(m)).item())
         torch.save(dict(params={n: q.detach() for n, q in stage.named_parameters()}, losses=losses),
@@ -214,8 +214,141 @@ def copy_out(pipedream, out_dir):
     dist.destroy_process_group()
 
 
+# ----------------------------------------------------------------------------- zero_bubble.py's core, copied out
+ZB = dict(width=6, hidden=10, n_in=5, n_out=3, blocks=4, b=12, m=4, steps=3, lr=0.1)
+
+
+class ZBResidual(nn.Module):
+    """x + W2 tanh(W1 LayerNorm(x) + b1) + b2: nested modules, a hidden width of 10."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm = nn.LayerNorm(ZB["width"])
+        self.mlp = nn.Sequential(nn.Linear(ZB["width"], ZB["hidden"]), nn.Tanh(), nn.Linear(ZB["hidden"], ZB["width"]))
+
+    def forward(self, x):
+        return x + self.mlp(self.norm(x))
+
+
+class ZBNet(nn.Module):
+    """(b, 5) -> (b, 3): a parameter on the root module, an input Linear, 4 residual blocks, an output Linear."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.scale = nn.Parameter(torch.linspace(0.5, 1.5, ZB["width"]))
+        self.inp = nn.Linear(ZB["n_in"], ZB["width"])
+        self.blocks = nn.ModuleList(ZBResidual() for _ in range(ZB["blocks"]))
+        self.out = nn.Linear(ZB["width"], ZB["n_out"])
+        self.double()
+
+    def forward(self, x):
+        h = self.inp(x) * self.scale
+        for block in self.blocks:
+            h = block(h)
+        return self.out(h)
+
+
+class ZBChunk(nn.Module):
+    """Chunk c of n of a ZBNet (4 blocks cut evenly), sharing its modules."""
+
+    def __init__(self, net, c, n):
+        super().__init__()
+        self.first, self.last = c == 0, c == n - 1
+        self.blocks = nn.ModuleList(net.blocks[i] for i in range(c * ZB["blocks"] // n, (c + 1) * ZB["blocks"] // n))
+        if self.first:
+            self.scale, self.inp = net.scale, net.inp
+        if self.last:
+            self.out = net.out
+
+    def forward(self, h):
+        if self.first:
+            h = self.inp(h) * self.scale
+        for block in self.blocks:
+            h = block(h)
+        return self.out(h) if self.last else h
+
+
+def zb_batch(step):
+    g = torch.Generator().manual_seed(100 + step)
+    x = torch.randn(ZB["b"], ZB["n_in"], generator=g, dtype=torch.float64)
+    return x, torch.sin(x[:, :ZB["n_out"]] * 3) + 0.1 * torch.randn(ZB["b"], ZB["n_out"], generator=g, dtype=torch.float64)
+
+
+def zb_loss(out, y):  # squared error summed, over the whole batch's elements: micro-batch losses add up
+    return ((out - y) ** 2).sum() / (ZB["b"] * ZB["n_out"])
+
+
+def zb_copy_out(zero_bubble, d, out_path):
+    """SplitBackward + comm_plan + PipelineRank, as a reader copies them, on a ZBNet over 2 ranks (ZB-H1: 2
+    chunks; ZB-V: 4, two per rank in a V), plain SGD, against one-process training of the same net: the first
+    step's gradients, the losses and the final parameters. Then the negatives: W never run; W of micro-batch k
+    on micro-batch k-1's saved inputs. Writes {case: {max_diff, losses}} and the reference's losses."""
+    import torch.distributed as dist
+    p, m, steps = dist.get_world_size(), ZB["m"], ZB["steps"]
+    ref, losses_ref, grads0 = ZBNet(), [], None
+    opt = torch.optim.SGD(ref.parameters(), lr=ZB["lr"])
+    for step in range(steps):
+        x, y = zb_batch(step)
+        loss = zb_loss(ref(x), y)
+        opt.zero_grad()
+        loss.backward()
+        grads0 = grads0 or {n: q.grad.clone() for n, q in ref.named_parameters()}
+        opt.step()
+        losses_ref.append(loss.item())
+    final = {n: q.detach() for n, q in ref.named_parameters()}
+    results, real_w = {}, zero_bubble.SplitBackward.backward_weight
+    for case in ("zbh1", "zbv", "zbh1, W never run", "zbv, W on the previous micro-batch"):
+        schedule = case.split(",")[0]
+        order, n_chunks, holder = zero_bubble.SCHEDULES[schedule]
+        n = n_chunks(p)
+        net = ZBNet()
+        mine = [c for c in range(n) if holder(c, p) == d.rank]
+        chunks = {c: ZBChunk(net, c, n) for c in mine}
+        split = zero_bubble.SplitBackward(nn.ModuleList(chunks.values()))
+        plan = zero_bubble.comm_plan([order(p, m, r) for r in range(p)], n, d.rank)
+        runner = zero_bubble.PipelineRank(chunks, n, plan, split, list(range(p)), (ZB["b"] // m, ZB["width"]),
+                                          torch.float64, d.device)
+        if "never" in case:
+            split.backward_weight = lambda saved: None
+        if "previous" in case:  # W of micro-batch k on k-1's saved (x, dy): k-1's weight gradient twice, k's never
+            def previous(saved, seen=[]):
+                real_w(seen[-1] if seen else saved)
+                seen.append(saved)
+            split.backward_weight = previous
+        params = list(nn.ModuleList(chunks.values()).parameters())
+        params = list({id(q): q for q in params}.values())
+        opt, losses, err = torch.optim.SGD(params, lr=ZB["lr"]), [], 0.0
+        names = {id(q): nm for nm, q in net.named_parameters()}
+        for step in range(steps):
+            x, y = zb_batch(step)
+            loss = runner.run(list(x.view(m, -1, ZB["n_in"])), list(y.view(m, -1, ZB["n_out"])), zb_loss)
+            dist.all_reduce(loss)
+            losses.append(loss.item())
+            if step == 0:
+                err = max([err] + [float("inf") if q.grad is None else (q.grad - grads0[names[id(q)]]).abs().max().item()
+                                   for q in params])
+            opt.step()
+            opt.zero_grad()
+        err = max([err] + [(q.detach() - final[names[id(q)]]).abs().max().item() for q in params])
+        err = torch.tensor([err, max(abs(a - b) for a, b in zip(losses, losses_ref))], dtype=torch.float64)
+        dist.all_reduce(err, op=dist.ReduceOp.MAX)
+        results[case] = dict(max_diff=err[0].item(), max_loss_diff=err[1].item(), losses=losses)
+    if d.rank == 0:
+        import json
+        Path(out_path).write_text(json.dumps(dict(results, reference_losses=losses_ref)))
+
+
 if __name__ == "__main__":
     case = sys.argv.pop(1)
+    if case == "zb-copy-out":  # then zero_bubble.py's own main, in the same processes (no extra launch)
+        import zero_bubble
+        from common import init_dist
+        d = init_dist()
+        zb_copy_out(zero_bubble, d, sys.argv.pop(1))
+        zero_bubble.init_dist = lambda timeout: d
+        zero_bubble.main()
+        sys.exit(0)
     import harness
     import pipedream
 

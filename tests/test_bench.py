@@ -112,8 +112,8 @@ def test_torch_sides_match_reference_and_counts(tmp_path):
 def test_one_pair_end_to_end(tmp_path):
     """`python bench.py --pairs gpipe,zb` at tiny size, 2 steps, one round: gpipe's row of the documented
     shape;
-    zb pointed at a file that will never offer `--mode zb` (gpipe.py) is skipped with one line, no launch,
-    and a choice the file does offer (pipedream.py --mode flush) is not."""
+    zb pointed at a file that will never offer `--schedule zbh1` (gpipe.py) is skipped with one line, no
+    launch, and a choice the file does offer (pipedream.py --mode flush) is not."""
     out, runner = tmp_path / "b", tmp_path / "bench_runner.py"
     runner.write_text(f"import sys; sys.path.insert(0, {str(ROOT)!r}); import bench\n"
                       "bench.NEEDS['1f1b'] = ('--mode', 'flush')  # offered: not skipped\n"
@@ -125,7 +125,7 @@ def test_one_pair_end_to_end(tmp_path):
                        text=True, timeout=330)
     assert p.returncode == 0, p.stdout + p.stderr
     skip = [line for line in p.stdout.splitlines() if line.startswith("zb:")]
-    assert skip == ["zb: pair skipped, gpipe.py has no --mode zb yet (--mode offers [])"], p.stdout
+    assert skip == ["zb: pair skipped, gpipe.py has no --schedule zbh1 yet (--schedule offers [])"], p.stdout
     rows = json.loads((tmp_path / "b.json").read_text())
     assert [r["pair"] for r in rows] == ["gpipe", "zb"] and rows[1]["skipped"] and rows[1]["ours"] is None
     r = rows[0]
@@ -136,7 +136,7 @@ def test_one_pair_end_to_end(tmp_path):
     assert r["ratio"] == r["ours"]["step_ms"] / r["torch"]["step_ms"] and len(r["ratio_per_round"]) == 1
     assert r["max_loss_diff"] <= 1e-4, r  # both sides trained the same model on the same data (float32)
     md = (tmp_path / "b.md").read_text()
-    assert "| gpipe |" in md and "ratio" in md and "| zb | skipped: gpipe.py has no --mode zb" in md
+    assert "| gpipe |" in md and "ratio" in md and "| zb | skipped: gpipe.py has no --schedule zbh1" in md
 
 
 def test_bad_input():

@@ -6,15 +6,12 @@ every backward's gradient lands on that stashed version and never on the live we
 weights fails this and --check); it keeps at most p - s versions and equals its one-process simulation; --mode
 2bw equals the delayed-update reference with two versions, at m = p too, and with the m >= p guard lifted its
 invariant stops the run; both differ from synchronous training; killed and restarted from checkpoints (a drain
-at each save), stash and 2bw end with the uninterrupted run's losses and final parameters, bit for bit. --mode zb
-(ZB-H1) equals one-process training at (2, 4), (4, 8) and 3 stages over 5 layers, runs torch's zero-bubble order
-with every W after its B and before the step, at most p micro-batches alive, a third of 1F1B's idle time under
---stage-ms; B then W equals one backward bit for bit (a W never run, or run on the wrong micro-batch, is caught).
-The runner and its B/W split, copied onto a model that is not the GPT, equal plain one-process training. Every
-received tag holds what the schedule says (watched launches); the messages pair under NCCL's rules (simulated);
-no object collectives; bad input exits 2 with one line, before any collective.
-Launches: 17 torchrun (three break the file on purpose, one runs its core outside it, four restart once; nine run
-under the watcher of tests/pipeline_checks.py, which only observes), 9 plain python."""
+at each save), stash and 2bw end with the uninterrupted run's losses and final parameters, bit for bit. The runner,
+copied onto a model that is not the GPT, equals plain one-process training. Every received tag holds what the
+schedule says (watched launches); the messages pair under NCCL's rules (simulated); no object collectives; bad
+input exits 2 with one line, before any collective. (ZB-H1, once --mode zb here: tests/test_zero_bubble.py.)
+Launches: 14 torchrun (three break the file on purpose, one runs its core outside it, four restart once; seven run
+under the watcher of tests/pipeline_checks.py, which only observes), 10 plain python."""
 import json
 import re
 import subprocess
@@ -70,8 +67,6 @@ FLUSH_CLIP0 = (WATCH, 3, 4, "--clip", "0")  # the uneven split; also synchronous
 STASH = (WATCH, 3, 4, "--mode", "stash", "--clip", "0")
 VSYNC = (WATCH, 3, 4, "--mode", "stash", "--clip", "0", "--vertical-sync")
 TWO_BW = (WATCH, 3, 4, "--mode", "2bw", "--clip", "0.5")  # 0.5: every update is clipped, so the norm's trip is tested
-ZB = {(2, 4): (WATCH, 2, 4, "--mode", "zb"), (4, 8): (4, 8, "--mode", "zb", *STAGE_MS),
-      (3, 4): (WATCH, 3, 4, "--mode", "zb", "--n-layers", "5")}  # 3 stages over 5 layers: 2 + 2 + 1
 
 
 # ----------------------------------------------------------------------------- the rules, from measured events
@@ -105,29 +100,6 @@ def drained_between_steps(events, m):
     return all(max(e["end"] for e in a) <= min(e["start"] for e in b) for a, b in zip(step_of, step_of[1:]))
 
 
-def zb_errors(events, p, n, m):
-    """ZB-H1's rules beyond the F/B ones: one W per (stage, micro-batch), never overlapping another op, after its
-    own B has ended, and before the step ends: every W of step t ends before the stage starts step t+1, whose ops
-    read the weights of one more update."""
-    errors = pipeline_schedule_errors([e for e in events if e["kind"] != "W"], p, n)
-    ev, ws = by_key(events), [e for e in events if e["kind"] == "W"]
-    if len(ws) != p * n or {(e["rank"], e["mb"]) for e in ws} != {(r, k) for r in range(p) for k in range(n)}:
-        return errors + ["not exactly one W per stage and micro-batch"]
-    for r in range(p):
-        mine = sorted((e for e in events if e["rank"] == r), key=lambda e: e["start"])
-        errors += [f"stage {r}: {b['kind']}{b['mb']} overlaps {a['kind']}{a['mb']}"
-                   for a, b in zip(mine, mine[1:]) if b["start"] < a["end"]]
-        for k in range(n):
-            if ev[r, "W", k]["start"] < ev[r, "B", k]["end"]:
-                errors.append(f"stage {r}: W{k} starts before B{k} ends")
-        for t in range(n // m - 1):
-            w_end = max(ev[r, "W", k]["end"] for k in range(t * m, t * m + m))
-            nxt = [e for e in mine if e["mb"] // m == t + 1]
-            if w_end > min(e["start"] for e in nxt) or any(e["version"] != t + 1 for e in nxt):
-                errors.append(f"stage {r}: a W of step {t} after the step")
-    return errors
-
-
 # ----------------------------------------------------------------------------- no launch
 def test_split_and_schedule_rules():
     assert pipedream.split_layers(4, 3) == [(0, 2), (2, 3), (3, 4)]  # uneven: the first stage takes the extra
@@ -146,84 +118,9 @@ def test_split_and_schedule_rules():
                 assert peak == min(p - s, n)  # 1F1B: at most p - s alive
                 steady = ops[warm - 1:len(ops) - (min(p - s, n) - 1)]
                 assert all(a[0] != b[0] for a, b in zip(steady, steady[1:]))  # one F, one B, in turn
-                zb = pipedream.zb_h1(n, p, s)  # ZB-H1: 1F1B's F and B, a W after each B, the first s held back
-                assert [op for op in zb if op[0] != "W"] == ops
-                assert sorted(k for kind, k in zb if kind == "W") == list(range(n))
-                assert all(zb.index(("B", k)) < zb.index(("W", k)) for k in range(n))
-                alive = peak = 0
-                for kind, _ in zb:
-                    alive += {"F": 1, "B": 0, "W": -1}[kind]
-                    peak = max(peak, alive)
-                assert peak == min(p, n)  # alive until W: p on every stage
     chunks = pipedream.split_at_step_ends(pipedream.one_f_one_b(12, 3, 0), 4)
     assert len(chunks) == 3 and [c[-1] for c in chunks] == [("B", 3), ("B", 7), ("B", 11)]
     assert ("F", 5) in chunks[0]  # without a flush, step 0's chunk on stage 0 already runs forwards of step 1
-    assert [c[-1] for c in pipedream.split_at_step_ends(pipedream.zb_h1(8, 3, 2), 4)] == [("W", 3), ("W", 7)]
-
-
-def test_zb_h1_is_torchs_zero_bubble_order():
-    """The order of F, B, W on every stage equals torch's ScheduleInterleavedZeroBubble with one stage per rank
-    (its own _calculate_single_rank_operations), wherever torch takes the micro-batch count."""
-    from torch.distributed.pipelining.schedules import ScheduleInterleavedZeroBubble
-    names = {"F": "F", "I": "B", "W": "W"}
-    for p in range(2, 7):
-        for m in range(1, 13):
-            rounds = max(1, m // p)
-            if m % rounds:
-                continue  # torch refuses this m
-            fake = SimpleNamespace(n_local_stages=1, pp_group_size=p, microbatches_per_round=m // rounds,
-                                   _n_microbatches=m)
-            for s in range(p):
-                ops = ScheduleInterleavedZeroBubble._calculate_single_rank_operations(fake, s)
-                theirs = [(names[a.computation_type.value], a.microbatch_index) for a in ops if a is not None]
-                assert pipedream.zb_h1(m, p, s) == theirs, (p, m, s)
-
-
-def gradients(model):
-    return {n: None if q.grad is None else q.grad.clone() for n, q in model.named_parameters()}
-
-
-def test_split_backward_is_one_backward_bit_for_bit():
-    """B then W gives the gradients (and the input's) of one autograd backward, bit for bit in float64, per
-    micro-batch and summed over two, on a GPT (Linears with and without bias, LayerNorm, embeddings) and on the
-    toy stages (a 2-D input into a Linear, root parameters); after B alone, only the Linears lack theirs. The
-    negatives: a W never run, or run on the wrong micro-batch, gives other gradients."""
-    import copy
-    gpt = build_gpt(GPTConfig(vocab=32, seq_len=8, d_model=16, n_heads=2, n_layers=2), 0, torch.float64)
-    g = torch.Generator().manual_seed(0)
-    tokens = [torch.randint(0, 32, (3, 8), generator=g) for _ in range(2)]
-    toy = torch.nn.Sequential(*pipeline_checks.toy_stages())
-    xs = [torch.randn(3, 4, 5, dtype=torch.float64, generator=g) for _ in range(2)]
-    cases = [(gpt, [(x, lambda out, x=x: lm_loss(out, x, 48)) for x in tokens]),
-             (toy, [(x, lambda out: (out ** 2).sum()) for x in xs])]
-    for model, mbs in cases:
-        plain = copy.deepcopy(model)
-        for x, loss in mbs:
-            loss(plain(x)).backward()
-        ref = gradients(plain)
-        for variant in ("right", "never", "wrong"):
-            split_model = copy.deepcopy(model)
-            split = pipedream.SplitBackward(split_model)
-            saved = [split.backward_input(loss(split_model(x))) for x, loss in mbs]  # B, B
-            linears = [lin for lin in split_model.modules() if isinstance(lin, torch.nn.Linear)]
-            deferred = {n for n, q in split_model.named_parameters()
-                        if any(q is lin.weight or q is lin.bias for lin in linears)}
-            after_b = gradients(split_model)
-            assert deferred and all(after_b[n] is None for n in deferred)  # B left the Linears' to W
-            assert all(torch.equal(after_b[n], ref[n]) for n in ref if n not in deferred)
-            for w in {"right": saved, "never": saved[:1], "wrong": [saved[0], saved[0]]}[variant]:
-                pipedream.SplitBackward.backward_weight(w)  # W, W (or one W never run, or on the wrong one)
-            got = gradients(split_model)
-            same = all(got[n] is not None and torch.equal(got[n], ref[n]) for n in ref)
-            assert same == (variant == "right"), (type(model).__name__, variant)
-    # the input's gradient, through a stage that receives one (the toy's middle stage)
-    mid = pipeline_checks.toy_stages()[1]
-    h = torch.randn(3, 4, 7, dtype=torch.float64, generator=g)
-    a, b = h.clone().requires_grad_(), h.clone().requires_grad_()
-    mid_split = copy.deepcopy(mid)
-    mid(a).pow(2).sum().backward()
-    saved = pipedream.SplitBackward(mid_split).backward_input(mid_split(b).pow(2).sum())
-    assert torch.equal(a.grad, b.grad) and len(saved) == 3  # three Linears deferred
 
 
 def test_norm_takes_no_float64_copy_of_a_gradient():
@@ -268,7 +165,7 @@ def test_messages_pair_under_nccl_rules():
     paired with its receive; and the simulator does find the deadlock of two blocking sends facing each other."""
     bad = [(c, r) for c in pipedream_sim.configs()
            if (r := pipedream_sim.simulate([pipedream_sim.items_for(*c, s) for s in range(c[1])])) != "ok"]
-    assert bad == [] and len(list(pipedream_sim.configs())) > 400
+    assert bad == [] and len(list(pipedream_sim.configs())) == 315  # 3 modes x p 2..6 x m 1..8 x 3 runs
     facing = [[("batch", [("S", 1, "x")]), ("batch", [("R", 1, "y")])],
               [("batch", [("S", 0, "y")]), ("batch", [("R", 0, "x")])]]
     assert pipedream_sim.simulate(facing).startswith("DEADLOCK")
@@ -338,49 +235,12 @@ def test_chrome_trace(launch):
     assert {e["args"]["name"] for e in trace["traceEvents"] if e["ph"] == "M"} == {"stage 0", "stage 1"}
 
 
-# ----------------------------------------------------------------------------- zb: ZB-H1
-@pytest.mark.parametrize("pm", list(ZB), ids=["2-4", "4-8", "3-4-5layers"])
-def test_zb_matches_reference_and_obeys_its_rules(launch, pm):
-    summary, out, trace = launch(*ZB[pm])
-    (p, m), layers = pm, 5 if pm == (3, 4) else 4
-    assert_matches_reference(summary)
-    f, events = summary["figures"], summary["figures"]["events"]
-    assert f["split"] == [list(b) for b in pipedream.split_layers(layers, p)]
-    assert zb_errors(events, p, STEPS * m, m) == []
-    for r in range(p):  # exactly ZB-H1, step after step
-        assert executed(events, r) == [(kind, t * m + k) for t in range(STEPS) for kind, k in pipedream.zb_h1(m, p, r)]
-    assert f["peak_alive_microbatches"] == [min(p, m)] * p == [sweep(events, r, until="W")[0] for r in range(p)]
-    assert f["peak_alive_theory"] == [min(p, m)] * p and f["versions_kept"] == [1] * p
-    assert f["bubble_theory"] == pytest.approx((p - 1) / (3 * m + p - 1))
-    assert f["sent_bytes_per_rank"] == [(MB_BYTES + 32 * m) * ((r > 0) + (r < p - 1)) for r in range(p)]
-    assert all(re.search(rf"^stage {r} \|[^|]*F[^|]*B[^|]*W[^|]*\|$", out, re.M) for r in range(p))  # timeline
-    ws = [e for e in trace["traceEvents"] if e["ph"] == "X" and e["name"].startswith("W")]
-    assert len(ws) == p * m * STEPS and {e["cat"] for e in ws} == {"backward (weights)"}  # --trace shows W
-
-
-def test_zb_bubble_a_third_of_1f1b(launch):
-    """--stage-ms 50 at p = 4, m = 8: each F, B and W waits 50 ms (1F1B's B, which is B + W, 100 ms), so that
-    the schedule sets the timing. The paper's idle time per stage, (p-1)(T_F+T_B-T_W) for ZB-H1 against
-    1F1B's (p-1)(T_F+T_B+T_W), is a third at the measured op times; measured, ZB-H1 idles under 0.6 of 1F1B
-    (both carry a few ms per op of messaging on shared cores beyond their theory, so the measured ratio sits
-    above 1/3), and its bubble is within 0.1 of (p-1)/(3m+p-1) = 1/9, where 1F1B's is 3/11. A ZB-H1 whose
-    W waited for the gradient of its B to arrive measured 0.31 here: caught."""
-    zb = launch(*ZB[4, 8])[0]["figures"]
-    flush = launch(4, 8, *STAGE_MS)[0]["figures"]
-    assert zb["stage_ms"] == 50 and min(zb["op_ms"].values()) >= 50 and min(flush["op_ms"].values()) >= 50
-    assert zb["idle_ms_theory"] == pytest.approx(3 * (zb["op_ms"]["F"] + zb["op_ms"]["B"] - zb["op_ms"]["W"]))
-    assert zb["idle_ms_theory"] / flush["idle_ms_theory"] == pytest.approx(1 / 3, abs=0.05)
-    idle_zb, idle_1f1b = (sum(f["idle_ms"]) / 4 for f in (zb, flush))
-    assert idle_zb < 0.6 * idle_1f1b, (zb["idle_ms"], flush["idle_ms"])
-    assert abs(zb["bubble_mean"] - 1 / 9) < 0.1 and zb["bubble_mean"] < flush["bubble_mean"] - 0.1, zb["bubble"]
-
-
 def test_copy_out_runner_on_a_model_that_is_not_the_gpt(tmp_path):
-    """StageRunner + Flush under 1F1B and under ZB-H1 (SplitBackward), copied onto three toy stages (nested
-    modules, parameters on root modules, widths 5 -> 7 -> 11 -> 3, 2-D and 3-D inputs to Linears, a smooth-L1
-    loss; tests/pipeline_checks.py copy-out) on plain torch.distributed, equal plain one-process training written
-    here: the whole model, one backward per step, torch's clip_grad_norm_, AdamW. The negative: the same run with
-    each W on the previous micro-batch's inputs does not."""
+    """StageRunner + Flush under 1F1B, copied onto three toy stages (nested modules, parameters on root modules,
+    widths 5 -> 7 -> 11 -> 3, 2-D and 3-D inputs to Linears, a smooth-L1 loss; tests/pipeline_checks.py
+    copy-out) on plain torch.distributed, equal plain one-process training written here: the whole model, one
+    backward per step, torch's clip_grad_norm_, AdamW. The negative: the same run with the optimizer's
+    zero_grad dropped (each step's gradient added to the last's) does not."""
     torchrun("tests/pipeline_checks.py", 3, "copy-out", tmp_path, tmp_path=tmp_path, name="copy-out")
     toy = pipeline_checks.TOY
     model = torch.nn.Sequential(*pipeline_checks.toy_stages())
@@ -393,13 +253,13 @@ def test_copy_out_runner_on_a_model_that_is_not_the_gpt(tmp_path):
         torch.nn.utils.clip_grad_norm_(model.parameters(), toy["clip"])
         opt.step()
         losses.append(loss.item())
-    for name in ("1f1b", "zb", "zb-wrong-w"):
+    for name in ("1f1b", "1f1b-no-zero-grad"):
         runs = [torch.load(tmp_path / f"{name}-rank{r}.pt", weights_only=False) for r in range(3)]
         got = {f"{r}.{n}": q for r, run in enumerate(runs) for n, q in run["params"].items()}
         assert got.keys() == dict(model.named_parameters()).keys()
         diff = max((got[n] - q).abs().max().item() for n, q in model.named_parameters())
         loss_diff = max(abs(a - b) / abs(b) for a, b in zip(runs[0]["losses"], losses))
-        assert (diff < 1e-12 and loss_diff < 1e-12) == (name != "zb-wrong-w"), (name, diff, loss_diff)
+        assert (diff < 1e-12 and loss_diff < 1e-12) == (name == "1f1b"), (name, diff, loss_diff)
 
 
 # ----------------------------------------------------------------------------- stash: PipeDream 2019
@@ -525,10 +385,11 @@ def test_bad_input():
     one_error_line(as_rank(3, "--n-layers", "2"), ["3 stages but --n-layers 2", "--n-layers 3"])
     one_error_line(as_rank(4, "--mode", "2bw", "--microbatches", "2"),
                    ["2bw needs --microbatches >= stages (4)", "second-to-last norm", "--microbatches 4"])
-    # ZB-H1 takes every m that 1F1B takes; what it refuses is what has no meaning for it
-    one_error_line(as_rank(4, "--mode", "zb", "--microbatches", "3"),
+    # an m that does not divide the batch, a flag of another mode, a mode that moved to its own file
+    one_error_line(as_rank(4, "--microbatches", "3"),
                    ["--batch-size 16 is not divisible by --microbatches 3", "--microbatches 2"])
-    one_error_line(as_rank(2, "--mode", "zb", "--vertical-sync"), ["--vertical-sync belongs to --mode stash"])
+    one_error_line(as_rank(2, "--mode", "2bw", "--vertical-sync"), ["--vertical-sync belongs to --mode stash"])
+    one_error_line(as_rank(2, "--mode", "zb"), ["--mode", "invalid choice: 'zb'"])  # ZB-H1: zero_bubble.py
 
 
 @pytest.mark.parametrize("mode", [FLUSH_CLIP0[2:], STASH[2:], TWO_BW[2:]], ids=["flush", "stash", "2bw"])

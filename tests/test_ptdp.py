@@ -1,15 +1,14 @@
-"""ptdp.py: pipeline x tensor x data parallel with the interleaved 1F1B schedule or ZB-V.
+"""ptdp.py: pipeline x tensor x data parallel with the interleaved 1F1B schedule (ZB-V: test_zero_bubble.py).
 
 Parity with the one-process reference (float64, 1e-9) at (pp, tp, dp) = (2, 1, 1) v 1 and v 2, (2, 2, 1) v 2,
-(2, 1, 2) v 2 ragged, (2, 2, 2) v 2 ragged with a small --clip, (2, 2, 2) zbv ragged, and at pp 4, m 8, v 1,
-v 2 and zbv with --stage-ms; the executed schedule (measured events) obeys the pipeline's rules and is the
-schedule's order, torch's own for zbv; the schedules' ideal timelines have the papers' bubbles and their
-message counts the papers', they equal torch's ScheduleInterleaved1F1B and ScheduleZBVZeroBubble orders, and
-their communication plans cannot deadlock under NCCL's semantics (simulated); the B/W split gives one
-backward's gradients bit for bit; the pieces, copied out onto another model, train it as one process does;
-clipping clips and counts replicated tensors once; a dropped DP all-reduce fails --check; a restarted run
-continues to bit-identical losses; bad input exits 2 on every rank. Launches: 12 torchrun (one restarts once,
-one also runs the copy-out check), 10 plain python."""
+(2, 1, 2) v 2 ragged, (2, 2, 2) v 2 ragged with a small --clip, and at pp 4, m 8, v 1 and v 2 with --stage-ms;
+the executed schedule (measured events) obeys the pipeline's rules and is the schedule's order; the
+schedules' ideal timelines have the paper's bubble and message counts, they equal torch's
+ScheduleInterleaved1F1B order, and their communication plans cannot deadlock under NCCL's semantics
+(simulated); the pieces, copied out onto another model, train it as one process does; clipping clips and
+counts replicated tensors once; a dropped DP all-reduce fails --check; a restarted run continues to
+bit-identical losses; bad input exits 2 on every rank. Launches: 10 torchrun (one restarts once, one also runs
+the copy-out check), 8 plain python."""
 import collections
 import json
 import sys
@@ -36,11 +35,9 @@ LAYOUTS = {  # name: (nproc, flags)
     "pp2 dp2 v2 ragged": (4, ["--pp", "2", "--dp", "2", "--virtual-stages", "2", "--ragged"]),
     "pp2 tp2 dp2 v2 ragged clip": (8, ["--pp", "2", "--tp", "2", "--dp", "2", "--virtual-stages", "2", "--ragged",
                                        "--clip", "0.05", "--steps", "3"]),
-    "pp2 tp2 dp2 zbv ragged": (8, ["--pp", "2", "--tp", "2", "--dp", "2", "--virtual-stages", "2", "--schedule",
-                                   "zbv", "--ragged", "--steps", "3"]),
 }
 STAGE_MS = {f"stage-ms {s}": (4, [*P4, *flags, "--stage-ms", "50"]) for s, flags in [
-    ("v1", []), ("v2", ["--virtual-stages", "2"]), ("zbv", ["--virtual-stages", "2", "--schedule", "zbv"])]}
+    ("v1", []), ("v2", ["--virtual-stages", "2"])]}
 
 
 @pytest.fixture(scope="module")
@@ -65,19 +62,19 @@ def launch(tmp_path_factory):
 
 
 # ----------------------------------------------------------------------------- the rules, from measured events
-def holder(c, p, schedule):
-    """The pp rank that must hold chunk c: a loop for interleaved, a V for zbv (0 .. p-1, then p-1 .. 0)."""
-    return c % p if schedule == "interleaved" else (c if c < p else 2 * p - 1 - c)
+def holder(c, p):
+    """The pp rank that must hold chunk c: a loop (c % p)."""
+    return c % p
 
 
-def rule_errors(events, p, v, m, schedule="interleaved"):
-    """Each pipeline (step, dp, tp) of the measured events against the rules: one F and one B (and zbv: one
-    W) per (chunk, micro-batch), chunk c on its pp rank; a micro-batch's F runs its chunks in order and B in
-    reverse (each starts after the chunk before ended it); F before its B, W after its B; an input received
-    from another rank arrived after its producer ended and before its op started (one from the same rank
-    is no message); no two ops at once on a rank; at most the schedule's bound in flight; every W of a step
-    ends before the next step starts anywhere (the optimizer steps in between)."""
-    n, kinds, errors = p * v, "FB" if schedule == "interleaved" else "FBW", []
+def rule_errors(events, p, v, m):
+    """Each pipeline (step, dp, tp) of the measured events against the rules: one F and one B per (chunk,
+    micro-batch), chunk c on its pp rank; a micro-batch's F runs its chunks in order and B in reverse (each
+    starts after the chunk before ended it); F before its B; an input received from another rank arrived
+    after its producer ended and before its op started; no two ops at once on a rank; at most the
+    schedule's bound in flight; every B of a step ends before the next step starts anywhere (the optimizer
+    steps in between)."""
+    n, kinds, errors = p * v, "FB", []
     pipes = collections.defaultdict(dict)
     for e in events:
         pipes[e["step"], e["dp"], e["tp"]][e["kind"], e["chunk"], e["mb"]] = e
@@ -86,7 +83,7 @@ def rule_errors(events, p, v, m, schedule="interleaved"):
             errors.append(f"{key}: not one {'/'.join(kinds)} per chunk and micro-batch")
             continue
         for (kind, c, k), e in ev.items():
-            if e["pp"] != holder(c, p, schedule):
+            if e["pp"] != holder(c, p):
                 errors.append(f"{key}: chunk {c} ran on pp rank {e['pp']}")
             src = ("F", c - 1, k) if kind == "F" and c > 0 else ("B", c + 1, k) if kind == "B" and c < n - 1 else None
             if src and e["start"] < ev[src]["end"]:
@@ -96,13 +93,11 @@ def rule_errors(events, p, v, m, schedule="interleaved"):
                 errors.append(f"{key}: {kind}{k} of chunk {c}: input not received between its producer and its use")
             if kind == "B" and e["start"] < ev["F", c, k]["end"]:
                 errors.append(f"{key}: B{k} of chunk {c} starts before its F ends")
-            if kind == "W" and e["start"] < ev["B", c, k]["end"]:
-                errors.append(f"{key}: W{k} of chunk {c} starts before its B ends")
         for r in range(p):
             mine = sorted((e for e in ev.values() if e["pp"] == r), key=lambda e: e["start"])
             errors += [f"{key} rank {r}: {b['kind']}{b['mb']} overlaps" for a, b in zip(mine, mine[1:])
                        if b["start"] < a["end"]]
-            bound = ptdp.inflight_bound(p, v, m, r, schedule)
+            bound = ptdp.inflight_bound(p, v, m, r)
             if inflight(mine) > bound:
                 errors.append(f"{key} rank {r}: {inflight(mine)} in flight > {bound}")
     steps = sorted({e["step"] for e in events})
@@ -114,11 +109,10 @@ def rule_errors(events, p, v, m, schedule="interleaved"):
 
 
 def inflight(events):
-    """Most (chunk, micro-batch) pairs between F's start and the end of their last op (B; W when there are W's)
-    at once, swept over the events."""
-    last = "W" if any(e["kind"] == "W" for e in events) else "B"
+    """Most (chunk, micro-batch) pairs between F's start and the end of their B at once, swept over the
+    events."""
     marks = sorted([(e["start"], 1) for e in events if e["kind"] == "F"] + [(e["end"], -1) for e in events
-                                                                            if e["kind"] == last])
+                                                                            if e["kind"] == "B"])
     now = peak = 0
     for _, step in marks:
         now += step
@@ -188,14 +182,6 @@ def simulate_plan(p, v, m, plan_of, slots=None, local=None):
     return [end - b for b in busy], fwd
 
 
-def zbv_plan(p, v, m, r):
-    return ptdp.comm_plan(p, v, m, r, "zbv")
-
-
-def zbv_local(p):  # the V's turn: chunk p-1 -> p forward, p -> p-1 backward, both on rank p-1
-    return lambda msg: msg[:2] in (("F", p), ("B", p - 1))
-
-
 def pipedream_style_plan(p, v, m, r):
     """The naive pairing (as in pipedream.py): each op's result leaves with the next op's receive."""
     steps, out, n = [], [], p * v
@@ -231,29 +217,6 @@ def test_schedule_counts_equal_theory(p, v, m):
         assert peak == ptdp.inflight_bound(p, v, m, r)
 
 
-@pytest.mark.parametrize("p, m", [(2, 3), (2, 4), (3, 5), (4, 8), (4, 12)])
-def test_zbv_schedule_counts_equal_theory(p, m):
-    """F, B, W one slot each: every rank idles p-1 slots of its 6m (the V fills and drains: (p-1)/(6m),
-    the paper's "about 0"), holds at most 2p chunks of micro-batches (p of a whole stage, as 1F1B) and sends
-    m(2 - [r = 0] - [r = p-1]) messages each way: 2(p-1)m per pipeline, twice 1F1B's (p-1)m."""
-    at = ptdp.ideal_timeline(p, 2, m, "zbv")
-    end = max(e for _, _, e in at.values())
-    assert [end - sum(e - s for q, s, e in at.values() if q == r) for r in range(p)] == [p - 1] * p
-    idle_sim, fwd = simulate_plan(p, 2, m, zbv_plan, {"F": 1, "B": 1, "W": 1}, zbv_local(p))
-    assert idle_sim == [p - 1] * p  # messages never delay an op
-    assert fwd == [m * (2 - (r == 0) - (r == p - 1)) for r in range(p)] and sum(fwd) == 2 * (p - 1) * m
-    for r in range(p):
-        ops = ptdp.zbv_schedule(p, m, r)
-        assert sorted(ops) == sorted((k, c, j) for k in "FBW" for c in (r, 2 * p - 1 - r) for j in range(m))
-        assert all(ops.index(("W", c, j)) > ops.index(("B", c, j)) > ops.index(("F", c, j))
-                   for _, c, j in ops)
-        alive = peak = 0
-        for kind, _, _ in ops:
-            alive += {"F": 1, "B": 0, "W": -1}[kind]
-            peak = max(peak, alive)
-        assert peak == 2 * p == ptdp.inflight_bound(p, 2, m, r, "zbv")
-
-
 @pytest.mark.parametrize("p, v, m", [(p, v, m) for p in (2, 3, 4) for v in (1, 2, 3) for m in (p, 2 * p, 3 * p)]
                          + [(4, 1, 3), (3, 1, 7), (8, 2, 16)])
 def test_comm_plan_never_deadlocks(p, v, m):
@@ -261,20 +224,11 @@ def test_comm_plan_never_deadlocks(p, v, m):
     assert sum(fwd) == (v * p - 1) * m and all(i >= 0 for i in idle)
 
 
-@pytest.mark.parametrize("p, m", [(p, m) for p in (2, 3, 4) for m in (2 * p - 1, 2 * p, 3 * p + 1)] + [(8, 16)])
-def test_zbv_comm_plan_never_deadlocks(p, m):
-    idle, fwd = simulate_plan(p, 2, m, zbv_plan, {"F": 1, "B": 1, "W": 1}, zbv_local(p))
-    assert sum(fwd) == 2 * (p - 1) * m and all(i >= 0 for i in idle)
-
-
 def test_simulator_catches_a_deadlock():
-    """The negatives: the naive pairing (fine for plain 1F1B) deadlocks the interleaved schedule; a V whose
-    turn is sent as a message instead of handed on within the rank is caught as a mismatched message."""
+    """The negative: the naive pairing (fine for plain 1F1B) deadlocks the interleaved schedule."""
     simulate_plan(4, 1, 8, pipedream_style_plan)
     with pytest.raises(AssertionError, match="deadlock"):
         simulate_plan(2, 2, 4, pipedream_style_plan)
-    with pytest.raises(AssertionError, match="before its input arrived"):
-        simulate_plan(2, 2, 4, zbv_plan, {"F": 1, "B": 1, "W": 1})  # no local hand-on: the turn never arrives
 
 
 def torch_order(p, v, m, r):
@@ -286,71 +240,12 @@ def torch_order(p, v, m, r):
     return [("F" if a.computation_type.value == "F" else "B", a.stage_index, a.microbatch_index) for a in acts if a]
 
 
-def torch_zbv_order(p, m, r):
-    """torch's ScheduleZBVZeroBubble order for rank r (F, I = B, W), from its own per-rank planner."""
-    from torch.distributed.pipelining.schedules import ScheduleZBVZeroBubble
-    me = SimpleNamespace(pp_group_size=p, _n_microbatches=m, num_stages=2 * p)
-    kind = {"FORWARD": "F", "BACKWARD_INPUT": "B", "BACKWARD_WEIGHT": "W"}
-    return [(kind[a.computation_type.name], a.stage_index, a.microbatch_index)
-            for a in ScheduleZBVZeroBubble._calculate_single_rank_operations(me, r) if a]
-
-
 @pytest.mark.parametrize("p, v, m", [(2, 2, 4), (4, 2, 8), (4, 3, 8), (2, 2, 6), (3, 2, 9)])
 def test_matches_torch_interleaved_1f1b(p, v, m, monkeypatch):
     for r in range(p):
         assert ptdp.schedule(p, v, m, r) == torch_order(p, v, m, r)
     monkeypatch.setattr(ptdp, "warmup", lambda p, v, m, r: min(p - r - 1, m))  # the negative: 1F1B's warm-up
     assert any(ptdp.schedule(p, v, m, r) != torch_order(p, v, m, r) for r in range(p))
-
-
-@pytest.mark.parametrize("p, m", [(2, 3), (2, 4), (3, 5), (3, 9), (4, 7), (4, 8), (5, 12)])
-def test_zbv_matches_torch(p, m):
-    for r in range(p):
-        assert ptdp.zbv_schedule(p, m, r) == torch_zbv_order(p, m, r)
-    # the negative: a valid order with each W right after its B (no W deferred) is not torch's
-    eager = [[op for b in ptdp.zbv_schedule(p, m, r) if b[0] != "W" for op in [b] + ([("W", *b[1:])] if
-              b[0] == "B" else [])] for r in range(p)]
-    assert any(eager[r] != torch_zbv_order(p, m, r) for r in range(p))
-
-
-# ----------------------------------------------------------------------------- the B/W split, in one process
-def test_bw_split_gives_one_backwards_gradients_bit_for_bit():
-    """A chunk of split linears (3-d inputs, a bias, a LayerNorm between), two micro-batches run as
-    PipelineRank runs them (F0 F1, B0 B1 each draining the one stash, W0 W1): the gradients of one plain
-    backward per micro-batch, bit for bit in float64; B alone leaves the split weights without a gradient and
-    the rest complete. Negatives: a W never run, or run on the wrong micro-batch (micro-batch 0's twice)."""
-    torch.manual_seed(0)
-    ln = nn.LayerNorm(6, dtype=torch.float64)
-    w1, b1, w2 = (nn.Parameter(torch.randn(*s, dtype=torch.float64)) for s in [(9, 6), (9,), (6, 9)])
-    params, xs = [ln.weight, ln.bias, w1, b1, w2], [torch.randn(2, 5, 6, dtype=torch.float64) for _ in range(2)]
-
-    def loss_of(x, stash):
-        return (ptdp.linear(torch.tanh(ptdp.linear(ln(x), w1, b1, stash)), w2, stash=stash) ** 2).sum()
-
-    for q in params:
-        q.grad = None
-    for x in xs:
-        loss_of(x, None).backward()  # plain autograd: F.linear, one backward
-    want = [q.grad.clone() for q in params]
-
-    def split(ws, check_b=False):  # F, F, B, B, then W for the micro-batches in `ws`
-        stash, kept = [], []
-        for q in params:
-            q.grad = None
-        for loss in [loss_of(x, stash) for x in xs]:
-            torch.autograd.backward(loss)
-            kept.append(list(stash))
-            stash.clear()
-        if check_b:
-            assert w1.grad is None and w2.grad is None  # B computed no weight gradient ...
-            assert torch.equal(b1.grad, want[3]) and torch.equal(ln.weight.grad, want[0])  # ... and all the rest
-        for i in ws:
-            ptdp.weight_grads(kept[i])
-        return [q.grad for q in params]
-
-    assert all(torch.equal(a, b) for a, b in zip(split([0, 1], check_b=True), want)), "B then W != one backward"
-    assert not torch.allclose(split([0])[4], want[4])  # a W never run
-    assert not torch.allclose(split([0, 0])[4], want[4])  # W on the wrong micro-batch
 
 
 def test_norm_of_bf16_gradients_sums_in_float32():
@@ -366,22 +261,6 @@ def test_norm_of_bf16_gradients_sums_in_float32():
     assert abs(in_bf16.double() / exact - 1) > 1e-3
 
 
-@pytest.mark.parametrize("flags, words", [
-    (["--schedule", "zbv", "--virtual-stages", "2", "--microbatches", "2"],
-     ["--microbatches 2 is too few for --schedule zbv at --pp 2", "use --microbatches 3"]),
-    (["--schedule", "zbv", "--n-layers", "4"], ["--schedule zbv places two chunks per rank", "--virtual-stages 2"]),
-])
-def test_zbv_bad_input_is_one_line_and_exit_2(flags, words, monkeypatch, capsys):
-    """Checked in this process: check_args() runs before any collective (the launches of
-    test_bad_input_exits_2_on_every_rank show it on every rank)."""
-    monkeypatch.setenv("WORLD_SIZE", "2")
-    monkeypatch.setattr(sys, "argv", ["ptdp.py", *TINY, *flags])
-    with pytest.raises(SystemExit) as exit_:
-        ptdp.check_args(ptdp.parse_args(ptdp.Args, sys.argv[1:]))
-    lines = capsys.readouterr().err.strip().splitlines()
-    assert exit_.value.code == 2 and len(lines) == 1 and all(w in lines[0] for w in words), lines
-
-
 # ----------------------------------------------------------------------------- parity and the measured schedule
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_matches_reference_and_obeys_schedule(launch, name):
@@ -390,50 +269,46 @@ def test_matches_reference_and_obeys_schedule(launch, name):
     f, cfg = summary["figures"], summary["config"]
     p, v, m, steps, schedule = f["pp"], f["virtual_stages"], f["microbatches"], cfg["steps"], f["schedule"]
     assert summary["world_size"] == p * f["tp"] * f["dp"] == LAYOUTS[name][0]
-    assert schedule == ("zbv" if "zbv" in name else "interleaved")
+    assert schedule == "interleaved"
     events = f["events"]
-    assert rule_errors(events, p, v, m, schedule) == []
+    assert rule_errors(events, p, v, m) == []
     for s in range(steps):
         for r in range(p):
             for dp in range(f["dp"]):
                 for tp in range(f["tp"]):
-                    want = ptdp.schedule(p, v, m, r) if schedule == "interleaved" else torch_zbv_order(p, m, r)
-                    assert executed(events, s, r, dp, tp) == want
+                    assert executed(events, s, r, dp, tp) == ptdp.schedule(p, v, m, r)
     assert f["inflight"] == f["inflight_theory"] == [inflight([e for e in events if e["step"] == 0 and e["pp"] == r
                                                                and e["dp"] == 0 and e["tp"] == 0]) for r in range(p)]
     # messages handed to the sends of the counted step = theory, on every rank of every pipeline, by tag
     assert f["fwd_msgs_per_rank"] == f["fwd_msgs_theory"] and f["bwd_msgs_per_rank"] == f["bwd_msgs_theory"]
-    assert f["fwd_msgs_per_pipeline"] == ((v * p - 1) * m if schedule == "interleaved" else 2 * (p - 1) * m)
+    assert f["fwd_msgs_per_pipeline"] == (v * p - 1) * m
     assert f["tp_calls_per_batch"] == f["tp_calls_theory"] and f["dp_calls_per_batch"] == f["dp_calls_theory"]
     b_bytes = cfg["batch_size"] // (f["dp"] * m) * cfg["seq_len"] * cfg["d_model"] * 8
     per_layer = 4 * m * (cfg["n_layers"] // p) if f["tp"] > 1 else 0  # f, g: 2 + 2 per layer and micro-batch
     for key, row in f["counts_per_rank"].items():
         r = int(key[2])
-        msgs = (m * (v - (r == p - 1)), m * (v - (r == 0))) if schedule == "interleaved" else \
-            (m * (2 - (r == 0) - (r == p - 1)),) * 2
+        msgs = (m * (v - (r == p - 1)), m * (v - (r == 0)))
         assert (row["fwd_msgs"], row["bwd_msgs"]) == msgs, key
         assert row["p2p_bytes"] == (row["fwd_msgs"] + row["bwd_msgs"]) * b_bytes
         assert row["tp_calls"] == per_layer and row["tp_fwd"] == row["tp_bwd"] == per_layer // 2
         assert row["dp_calls"] == (1 if f["dp"] > 1 else 0)  # one DP all-reduce per batch, after the flush
     assert f["microbatches_alive_theory"] == [x / v for x in f["inflight_theory"]]
     xs = [e for e in trace["traceEvents"] if e["ph"] == "X"]
-    ops = (2 if schedule == "interleaved" else 3) * v * m
+    ops = 2 * v * m
     assert len(xs) == len(events) == ops * steps * summary["world_size"] and f"wrote {len(xs)} events" in out
     assert "timeline of the last step, measured" in out and f"rank {p - 1} |" in out
 
 
 def test_copy_out_pipeline_and_tp_match_one_process(launch):
-    """The pieces as a reader copies them (f and g around a split MLP, the B/W-split linear, comm_plan and
-    PipelineRank) on a model that is not the GPT (tests/ptdp_checks.py: nested modules, a parameter on the
-    root module, hidden width 10, squared error), pp 2 x tp 2, both schedules: every gradient of the first step
-    and every final parameter equal plain one-process SGD's within 1e-12; with f's all-reduce dropped, or W
-    never run, the same comparison fails."""
+    """The pieces as a reader copies them (f and g around a split MLP, comm_plan and PipelineRank) on a model
+    that is not the GPT (tests/ptdp_checks.py: nested modules, a parameter on the root module, hidden width 10,
+    squared error), pp 2 x tp 2, v 2: every gradient of the first step and every final parameter equal plain
+    one-process SGD's within 1e-12; with f's all-reduce dropped, the same comparison fails."""
     got = launch("pp2 tp2 v2")[3]
-    for order in ("interleaved", "zbv"):
-        assert got[order]["max_grad_or_param_diff"] < 1e-12 and got[order]["max_loss_diff"] < 1e-12, got[order]
-        assert got[order]["losses"] == pytest.approx(got["reference_losses"], rel=1e-12)
+    assert got["interleaved"]["max_grad_or_param_diff"] < 1e-12, got["interleaved"]
+    assert got["interleaved"]["max_loss_diff"] < 1e-12, got["interleaved"]
+    assert got["interleaved"]["losses"] == pytest.approx(got["reference_losses"], rel=1e-12)
     assert got["interleaved, f without its all-reduce"]["max_grad_or_param_diff"] > 1e-3
-    assert got["zbv, W never run"]["max_grad_or_param_diff"] > 1e-3
 
 
 def test_clipping_clips_and_equals_reference(launch):
@@ -469,17 +344,10 @@ def test_rule_checks_catch_broken_schedules(launch):
     late_recv = [dict(e, recv=e["start"] + 1) if e is pick(first, "B", 2, 1) else e for e in first]
     assert any("input not received" in x for x in rule_errors(late_recv, 2, 2, 4))
     assert rule_errors(first[1:], 2, 2, 4) and rule_errors(first, 2, 1, 4)
-    # zbv: a W before its B, a W that never ran, a W after the next step began
-    zbv = [e for e in launch("pp2 tp2 dp2 zbv ragged")[0]["figures"]["events"] if e["dp"] == 0 and e["tp"] == 0]
-    assert rule_errors(zbv, 2, 2, 4, "zbv") == []
-    one = [e for e in zbv if e["step"] == 0]
-    w = pick(one, "W", 3, 2)
-    before = [dict(e, start=pick(one, "B", 3, 2)["start"] - 1e-3) if e is w else e for e in one]
-    assert any("W2 of chunk 3 starts before its B ends" in x for x in rule_errors(before, 2, 2, 4, "zbv"))
-    assert rule_errors([e for e in one if e is not w], 2, 2, 4, "zbv")
-    step1 = min(e["start"] for e in zbv if e["step"] == 1)
-    late = [dict(e, end=step1 + 1) if e is w else e for e in zbv]
-    assert any("ends after step 1 started" in x for x in rule_errors(late, 2, 2, 4, "zbv"))
+    last_b = pick(first, "B", 0, 3)  # a B of step 0 that ends after step 1 began
+    step1 = min(e["start"] for e in events if e["step"] == 1)
+    late = [dict(e, end=step1 + 1) if e is last_b else e for e in events]
+    assert any("ends after step 1 started" in x for x in rule_errors(late, 2, 2, 4))
 
 
 # ----------------------------------------------------------------------------- --stage-ms: the bubble forms
@@ -495,22 +363,20 @@ def step_bubbles(events, p):
 
 
 def test_stage_ms_bubbles_shrink_as_the_theory_says(launch):
-    """p = 4, m = 8, the same simulated work per micro-batch and rank (interleaved: F 50 ms, B 100 ms, split
-    over the v chunks; zbv: F, B, W 25 ms each per chunk): the measured bubble shrinks from v = 1 to v = 2 to
-    zbv (theory 0.375, 0.1875, 0.0625); parity unchanged; zbv's micro-batches alive, counted from the saved
-    activations, at most p = 4 of a whole stage. The bubbles compared are each run's best of its 3 steps,
-    from the measured events: on a few shared cores a stalled process only ever adds idle time."""
-    one, two, zbv = (launch(f"stage-ms {s}") for s in ("v1", "v2", "zbv"))
-    for summary, out, _, _ in (one, two, zbv):
+    """p = 4, m = 8, the same simulated work per micro-batch and rank (F 50 ms, B 100 ms, split over the v
+    chunks): the measured bubble shrinks from v = 1 to v = 2 (theory 0.375, 0.1875); parity unchanged. The
+    bubbles compared are each run's best of its 3 steps, from the measured events: on a few shared cores a
+    stalled process only ever adds idle time. (ZB-V's, smaller again: tests/test_zero_bubble.py.)"""
+    one, two = (launch(f"stage-ms {s}") for s in ("v1", "v2"))
+    for summary, out, _, _ in (one, two):
         f = summary["figures"]
         assert_matches_reference(summary)
-        assert rule_errors(f["events"], 4, f["virtual_stages"], 8, f["schedule"]) == []
+        assert rule_errors(f["events"], 4, f["virtual_stages"], 8) == []
         assert "compute simulated" in out and f["stage_ms"] == 50 and f["bubble_mean"] > 0
-    b1, b2, bz = one[0]["figures"], two[0]["figures"], zbv[0]["figures"]
-    assert b1["bubble_theory"] == 3 / 8 and b2["bubble_theory"] == 3 / 16 and bz["bubble_theory"] == 3 / 48
-    best = [min(step_bubbles(b["events"], 4)) for b in (b1, b2, bz)]
-    assert 0 < best[2] < best[1] < best[0], best
-    assert bz["microbatches_alive_theory"] == [4.0] * 4 and max(bz["microbatches_alive"]) <= 4.2
+    b1, b2 = one[0]["figures"], two[0]["figures"]
+    assert b1["bubble_theory"] == 3 / 8 and b2["bubble_theory"] == 3 / 16
+    best = [min(step_bubbles(b["events"], 4)) for b in (b1, b2)]
+    assert 0 < best[1] < best[0], best
 
 
 # ----------------------------------------------------------------------------- checkpoints, bad input
@@ -540,4 +406,4 @@ def test_world_of_one_and_help():
     assert p.returncode == 2 and "world size 1 != pp 2" in p.stderr and "--nproc_per_node=2" in p.stderr, p.stderr
     assert "Traceback" not in p.stderr and len(p.stderr.strip().splitlines()) == 1
     help_text = run_python("ptdp.py", "--help").stdout
-    assert "simulate compute time" in help_text and "zbv" in help_text
+    assert "simulate compute time" in help_text and "zbv" not in help_text  # ZB-V: zero_bubble.py

@@ -60,8 +60,10 @@ MATRIX = [
     ("context_parallel.py", 4, [*T, "--cp", "3"], ["world size 4 != dp 1 x cp 3"]),
     ("context_parallel.py", 4, [*T, "--cp", "2", "--batch-size", "7"], ["not divisible by --dp 2"]),
     ("context_parallel.py", 1, [*T, "--dropout", "0.1"], ["--dropout 0.1", "use --dropout 0"]),
-    ("ptdp.py", 2, [*T, "--pp", "2", "--virtual-stages", "2", "--schedule", "zbv", "--microbatches", "2"],
+    ("zero_bubble.py", 2, [*T, "--schedule", "zbv", "--microbatches", "2", "--n-layers", "4"],
      ["too few for --schedule zbv"]),
+    ("zero_bubble.py", 2, [*T, "--schedule", "bogus"], ["invalid choice"]),
+    ("zero_bubble.py", 4, [*T, "--schedule", "zbv"], ["cuts the model into 8 chunks"]),
     ("plan.py", 1, ["--model", "llama3-70b", "--tp", "8", "--pp", "2"], ["16 GPUs, the cluster has 8"]),
     ("plan.py", 1, ["--model", "gpt3-6.7b", "--batch-size", "100", "--microbatches", "3"], ["not divisible by dp"]),
 ]
@@ -135,8 +137,8 @@ def test_gpu_check_plans_a_legal_run_for_any_gpu_count(tmp_path):
              + gpu_check.restart_plan(w)]
     kinds = {name.split(" (")[0] for name, _, _ in gpu_check.plan(8)}
     assert len(kinds) >= 35 and {f for _, f, _ in gpu_check.plan(8)} == {
-        "dp.py", "ddp_bucketed.py", "gpipe.py", "pipedream.py", "megatron_tp.py", "ptdp.py", "moe.py", "zero.py",
-        "memory_savers.py", "context_parallel.py"}, kinds
+        "dp.py", "ddp_bucketed.py", "gpipe.py", "pipedream.py", "zero_bubble.py", "megatron_tp.py", "ptdp.py",
+        "moe.py", "zero.py", "memory_savers.py", "context_parallel.py"}, kinds
     wrong_world = [dict(file=f, world=4, rank=0, argv=list(map(str, flags)), torchrun=True, name=name)
                    for name, f, flags in gpu_check.plan(6) if f in ("ptdp.py", "megatron_tp.py", "moe.py")]
     (tmp_path / "cases.json").write_text(json.dumps(cases + wrong_world))

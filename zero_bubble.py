@@ -1,0 +1,554 @@
+"""zero_bubble.py: zero-bubble pipelines: the backward cut in two (B and W), ZB-H1 and ZB-V.
+
+Qi, Wan, Huang, Lin, "Zero Bubble Pipeline Parallelism" (ICLR 2024). A backward does two things: B, the
+gradient of the stage's input, which the stage before waits for; and W, the gradient of the stage's weights,
+which nobody waits for until the optimizer step. Cut apart, W can run wherever a stage would sit idle.
+1. ZB-H1 (Sec. 3.1), one stage per rank as in 1F1B (pipedream.py): 1F1B's order of F and B, each B followed
+   by a W, except that stage s holds back its first s W's; its last s W's fill the cool-down, where 1F1B's
+   stage s waits. The same activation memory as 1F1B: at most p micro-batches alive (F to W) per stage.
+
+    ZB-H1, p = 4, m = 8 (F, B, W one slot each)                                                 time ->
+    stage 0   F0 F1 F2 F3 .. .. .. B0 W0 F4 B1 W1 F5 B2 W2 F6 B3 W3 F7 B4 W4 B5 W5 B6 W6 B7 W7
+    stage 1   .. F0 F1 F2 .. .. B0 F3 B1 W0 F4 B2 W1 F5 B3 W2 F6 B4 W3 F7 B5 W4 B6 W5 B7 W6 W7
+    stage 2   .. .. F0 F1 .. B0 F2 B1 F3 B2 W0 F4 B3 W1 F5 B4 W2 F6 B5 W3 F7 B6 W4 B7 W5 W6 W7
+    stage 3   .. .. .. F0 B0 F1 B1 F2 B2 F3 B3 W0 F4 B4 W1 F5 B5 W2 F6 B6 W3 F7 B7 W4 W5 W6 W7
+              idle (p-1)(T_F+T_B-T_W) = 3 slots per stage, a third of 1F1B's (p-1)(T_F+T_B+T_W) = 9:
+              bubble = idle / busy = (p-1)/(3m) at T_F = T_B = T_W (1F1B: (p-1)/m)
+
+2. ZB-V (Sec. 6): the model in 2p chunks, two per rank in a V: rank r holds chunk r (down) and chunk 2p-1-r
+   (back up), so rank 0 holds the embedding and the head, and the turn of the V (chunk p-1 to p) stays on
+   rank p-1. The order is torch's ScheduleZBVZeroBubble (m >= 2p-1). p = 2, m = 4, F, B and W one slot each
+   of a half-stage chunk (capitals: down the V, lower case: back up):
+
+      rank 0  F0F1F2f0b0w0f1b1w1F3B0W0f2b2w2B1W1f3b3w3B2W2B3W3..      idle 1 slot per 24 busy
+      rank 1  ..F0f0F1f1b0w0F2B0W0f2b1w1F3B1W1f3b2w2B2b3B3W2w3W3      = (p-1)/(6m): the paper's "about 0"
+   At most 2p chunks of micro-batches alive per rank (p micro-batches of a whole stage, as 1F1B), for twice
+   1F1B's messages: 2(p-1)m per direction and pipeline.
+Both are synchronous: B then W is one backward bit for bit, every step drains before one optimizer step, so
+--check compares with one-process training. Data parallel outermost (--dp): each replica runs its pipeline on
+its slice of the batch, then one gradient all-reduce per step.
+
+Messages: every activation and gradient is one tensor in a batch_isend_irecv, posted at the moment of the
+ideal timeline that comm_plan() gives it, so that no batch waits on a later one (NCCL deadlocks otherwise;
+the tests simulate it). Measured from outside, each beside its theory: the bubble, micro-batches alive, bytes
+held and sent; an ASCII timeline.
+
+Run (one process per stage; a world of 1 is not a pipeline):
+    torchrun --nproc_per_node=4 zero_bubble.py --microbatches 8 --stage-ms 30 --steps 3      # ZB-H1
+    torchrun --nproc_per_node=4 zero_bubble.py --schedule zbv --n-layers 8 --microbatches 8 --stage-ms 30 \\
+        --steps 3                                                                            # ZB-V
+    torchrun --nproc_per_node=4 zero_bubble.py --pp 2 --dp 2 --schedule zbv --dtype float64 --check
+In production, use torch.distributed.pipelining (ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble).
+"""
+import collections, contextlib, sys
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from einops import rearrange
+
+from common import (build_gpt, clip_grads_, count_tokens, DTYPES, fail, GPTConfig, init_dist, lm_loss,
+                    make_optimizer, MarkovData)
+from harness import (assemble_full, busy_ms, check_against_reference, check_common_args, CommCounter,
+                     CommonArgs, draw_timeline, env_world_size, gather_rows, LiveStorages, parse_args,
+                     peak_memory_bytes, Run, SavedActivations, state_bytes, Timeline, write_trace)
+
+
+@dataclass
+class Args(CommonArgs):
+    schedule: Literal["zbh1", "zbv"] = "zbh1"  # zbh1: one stage per rank; zbv: two chunks per rank in a V
+    pp: int = 0  # pipeline ranks p (0 = world / dp)
+    dp: int = 1  # data-parallel replicas, outermost
+    microbatches: int = 4  # m: micro-batches per replica and step (zbv: at least 2p-1)
+    trace: str = ""  # write the measured F/B/W events as a Chrome trace (JSON) to this path
+    stage_ms: float = 0.0  # simulate compute: each F, B and W of a chunk also waits this many ms
+
+
+# ----------------------------------------------------------------------------- B and W: one backward in two
+class _LinearDeferringW(torch.autograd.Function):
+    """F.linear whose backward returns dx only and keeps (x, dy), what W needs, in split.saved."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, layer, split):
+        ctx.save_for_backward(x, weight)  # x for W, the weight for dx: what nn.Linear's own backward keeps
+        ctx.layer, ctx.split = layer, split
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, dy):  # dy: (..., out)
+        x, weight = ctx.saved_tensors  # x: (..., in)
+        ctx.split.saved.append((ctx.layer, x, dy))
+        dx = dy.reshape(-1, dy.shape[-1]).mm(weight).view(x.shape) if ctx.needs_input_grad[0] else None
+        return dx, None, None, None, None  # no weight or bias gradient now: W adds it
+
+
+class SplitBackward:
+    """Zero Bubble's B and W for `module` (Qi et al. 2024, Sec. 2): every nn.Linear inside defers its weight
+    gradient. backward_input(out, grad), B: one autograd backward, giving the input and every parameter not a
+    Linear's (LayerNorm, embeddings: elementwise or scatter work, small beside the products) its gradient;
+    returns what W needs. backward_weight(that), W: dW = dy^T x and db = sum(dy) per Linear, the very
+    products autograd forms, added to .grad as autograd adds: B then W equals one backward bit for bit."""
+
+    def __init__(self, module):
+        self.saved = []  # (layer, x, dy), appended by the B in progress
+        for layer in module.modules():
+            if isinstance(layer, nn.Linear):
+                layer.forward = lambda x, layer=layer: _LinearDeferringW.apply(x, layer.weight, layer.bias,
+                                                                               layer, self)
+
+    def backward_input(self, out, grad=None):
+        torch.autograd.backward(out, grad)
+        saved, self.saved = self.saved, []
+        return saved
+
+    @staticmethod
+    def backward_weight(saved):
+        for layer, x, dy in saved:
+            x2, dy2 = x.reshape(-1, x.shape[-1]), dy.reshape(-1, dy.shape[-1])  # (N, in), (N, out)
+            # the products autograd's addmm / mm backward forms, in its layout: the same bits
+            grads = [(layer.weight, dy2.t().mm(x2))]  # (out, in)
+            if layer.bias is not None:
+                grads.append((layer.bias, dy2.sum(0)))  # (out,)
+            for q, g in grads:
+                q.grad = g if q.grad is None else q.grad.add_(g)
+
+
+# ----------------------------------------------------------------------------- the chunks of the model
+def split_layers(n_layers, n):
+    """Blocks [start, end) of each of n chunks, as even as possible; the earlier chunks take the extras."""
+    base, extra = divmod(n_layers, n)
+    return [(c * base + min(c, extra), (c + 1) * base + min(c + 1, extra)) for c in range(n)]
+
+
+class Chunk(nn.Module):
+    """Blocks [start, end) of the seeded GPT, plus the embedding on the first chunk and ln_f + head on the
+    last. The GPT's parameter names are kept ("blocks.2.attn.q.weight"): together the chunks are the GPT."""
+
+    def __init__(self, gpt, c, bounds):
+        super().__init__()
+        (start, end), self.first, self.last = bounds[c], c == 0, c == len(bounds) - 1
+        if self.first:
+            self.tok_emb, self.pos_emb, self.drop = gpt.tok_emb, gpt.pos_emb, gpt.drop
+        self.blocks = nn.ModuleDict({str(i): gpt.blocks[i] for i in range(start, end)})
+        if self.last:
+            self.ln_f, self.head = gpt.ln_f, gpt.head
+
+    def forward(self, h):  # first chunk: (b, T) token ids; others: (b, T, D) from the chunk before
+        if self.first:  # = GPT.embed
+            h = self.drop(self.tok_emb(h) + self.pos_emb(torch.arange(h.shape[1], device=h.device)))
+        for block in self.blocks.values():
+            h = block(h)  # (b, T, D)
+        return self.head(self.ln_f(h)) if self.last else h  # last: logits (b, T, V)
+
+
+# ----------------------------------------------------------------------------- ZB-H1: the schedule
+def zbh1(p, m, r):
+    """ZB-H1 on rank r (chunk r of p): ops (kind, chunk, micro-batch). 1F1B's F and B: p-r-1 warm-up
+    forwards, then one F and one B in turn, then the cool-down B's; each B followed by the oldest W still to
+    run, except the first r B's: their W's end the schedule (the order of torch's
+    ScheduleInterleavedZeroBubble with one stage per rank)."""
+    warm = min(p - r - 1, m)
+    fb = [("F", k) for k in range(warm)]
+    for i in range(m - warm):
+        fb += [("F", warm + i), ("B", i)]
+    fb += [("B", k) for k in range(m - warm, m)]
+    ops, waiting = [], collections.deque()
+    for kind, k in fb:
+        ops.append((kind, r, k))
+        if kind == "B":
+            waiting.append(k)
+            if k >= r:
+                ops.append(("W", r, waiting.popleft()))
+    return ops + [("W", r, k) for k in waiting]
+
+
+# ----------------------------------------------------------------------------- messages, placed in time
+def needs(op, n):
+    """The message op (kind, c, k) waits for: ("F", c, k), its input, from chunk c-1; ("B", c, k), its
+    output's gradient, from chunk c+1; None from tokens (chunk 0's F), its loss (the last B), its B (a W)."""
+    kind, c, _ = op
+    return None if kind == "W" or (kind, c) in (("F", 0), ("B", n - 1)) else op
+
+
+def producer(msg):
+    kind, c, k = msg
+    return ("F", c - 1, k) if kind == "F" else ("B", c + 1, k)
+
+
+def ideal_timeline(orders, n):
+    """Every rank's ops (orders[r], n chunks in all) at their earliest start when F, B, W take one slot
+    each and messages are free: {op: (rank, start, end)}. Its idle slots are the schedule's bubble."""
+    p, at, nxt, free = len(orders), {}, [0] * len(orders), [0] * len(orders)
+    while any(nxt[r] < len(orders[r]) for r in range(p)):
+        moved = False
+        for r in range(p):
+            while nxt[r] < len(orders[r]):
+                op = orders[r][nxt[r]]
+                deps = [producer(op)] if needs(op, n) else []
+                deps += [("F", *op[1:])] if op[0] == "B" else [("B", *op[1:])] if op[0] == "W" else []
+                if any(dep not in at for dep in deps):
+                    break
+                start = max([free[r]] + [at[dep][2] for dep in deps])
+                free[r] = start + 1
+                at[op], nxt[r], moved = (r, start, free[r]), nxt[r] + 1, True
+        if not moved:
+            raise RuntimeError("the schedule waits on itself")
+    return at
+
+
+def comm_plan(orders, n, r):
+    """Rank r's steps for one batch: ("op", op) and ("p2p", sends, recvs) with [(peer pp rank, message)].
+    Each message travels at one moment G of the ideal timeline, between the op that makes it and the op that
+    uses it: the first at which both ranks are between ops (else when it is made). Both ranks post it in
+    their batch of G, so all ranks post batches in order of G and none waits for a later one: no cycle (NCCL
+    deadlocks on a send whose receive is posted behind a wait on the sender). Messages are sorted alike on
+    both sides (one FIFO order per pair of ranks). A message within one rank (the V's turn) is none."""
+    at, items = ideal_timeline(orders, n), collections.defaultdict(lambda: ([], []))
+    spans = collections.defaultdict(list)  # pp rank -> (start, end) of its ops
+    for q, start, end in at.values():
+        spans[q].append((start, end))
+    for msg in (needs(op, n) for op in at):
+        if msg is not None and at[producer(msg)][0] != at[msg][0]:
+            (src, _, made), (dst, used, _) = at[producer(msg)], at[msg]
+            edges = {x for q in (src, dst) for span in spans[q] for x in span if made <= x <= used}
+            between = [x for x in sorted(edges | {made, used})
+                       if all(not a < x < z for q in (src, dst) for a, z in spans[q])]
+            when = between[0] if between else made
+            if src == r:
+                items[when][0].append((dst, msg))
+            if dst == r:
+                items[when][1].append((src, msg))
+    steps = [((at[op][1], 1), ("op", op)) for op in orders[r]]
+    steps += [((when, 0), ("p2p", sorted(s), sorted(rv))) for when, (s, rv) in items.items()]
+    return [step for _, step in sorted(steps, key=lambda x: x[0])]
+
+
+# ----------------------------------------------------------------------------- one rank running its plan
+TAG = {"F": 0, "B": 1}  # a point-to-point tag per direction: activations 0, gradients 1 (NCCL ignores tags)
+
+
+class PipelineRank:
+    """One rank of one pipeline: runs `plan` (comm_plan's steps) over its chunks for one batch, to the flush.
+        chunks   {global chunk index: module} of n; chunk 0 reads inputs[k], chunk n-1 loss_fn(., targets[k])
+        split    a SplitBackward over this rank's chunks: B keeps what W needs, W adds the weight gradients
+        peers    pp rank -> global rank; every message is one tensor of msg_shape and dtype, on device
+        observe  a context around every F, B, W (observe(kind, mb, chunk=c)) and p2p (observe("p2p", None,
+                 recvs=[message, ...])), for the measurement to watch through
+    NCCL wants one collective before the first batch_isend_irecv: the caller runs it (see main)."""
+
+    def __init__(self, chunks, n, plan, split, peers, msg_shape, dtype, device, observe=None):
+        self.chunks, self.n, self.plan, self.split, self.peers = chunks, n, plan, split, peers
+        self.msg_shape, self.dtype, self.device = msg_shape, dtype, device
+        self.observe = observe or (lambda *a, **k: contextlib.nullcontext())
+        self.inbox, self.outbox, self.alive, self.waiting = {}, {}, {}, {}
+
+    def run(self, inputs, targets, loss_fn):
+        """inputs, targets: m micro-batches each. Returns the summed loss of those scored here (0-dim)."""
+        self.loss = torch.zeros((), dtype=torch.float64, device=self.device)
+        for step, *what in self.plan:
+            if step == "p2p":
+                with self.observe("p2p", None, recvs=[msg for _, msg in what[1]]):
+                    self.exchange(*what)
+                continue
+            kind, c, k = what[0]
+            with self.observe(kind, k, chunk=c):
+                if kind == "F":
+                    self.forward(c, k, inputs, targets, loss_fn)
+                elif kind == "B":
+                    self.backward(c, k)
+                else:  # W: the weight gradients its B left
+                    self.split.backward_weight(self.waiting.pop((c, k)))
+        return self.loss
+
+    def exchange(self, sends, recvs):
+        """One batch_isend_irecv: sends [(pp rank, message)] from the outbox, receives into the inbox."""
+        into = {msg: torch.empty(self.msg_shape, dtype=self.dtype, device=self.device) for _, msg in recvs}
+        ops = [dist.P2POp(dist.isend, self.outbox.pop(msg).contiguous(), self.peers[q], tag=TAG[msg[0]])
+               for q, msg in sends]
+        ops += [dist.P2POp(dist.irecv, into[msg], self.peers[q], tag=TAG[msg[0]]) for q, msg in recvs]
+        if ops:
+            for req in dist.batch_isend_irecv(ops):
+                req.wait()
+        self.inbox.update(into)
+
+    def hand_on(self, msg, t):
+        """To the chunk that waits for `msg`: here when this rank holds it (the V's turn), else a message."""
+        (self.inbox if msg[1] in self.chunks else self.outbox)[msg] = t
+
+    def forward(self, c, k, inputs, targets, loss_fn):
+        inp = inputs[k] if c == 0 else self.inbox.pop(("F", c, k)).requires_grad_()  # (b, T) ids or (b, T, D)
+        out = self.chunks[c](inp)  # (b, T, D); last chunk: logits (b, T, V) ...
+        if c == self.n - 1:
+            out = loss_fn(out, targets[k])  # ... and its loss
+            self.loss += out.detach()
+        else:
+            self.hand_on(("F", c + 1, k), out.detach())  # (b, T, D) to chunk c+1
+        self.alive[c, k] = inp, out
+
+    def backward(self, c, k):  # B: the input's gradient now; the Linears' weight gradients wait for W
+        inp, out = self.alive.pop((c, k))
+        grad = None if c == self.n - 1 else self.inbox.pop(("B", c, k))  # last chunk: from its loss
+        self.waiting[c, k] = self.split.backward_input(out, grad)
+        if c > 0:
+            self.hand_on(("B", c - 1, k), inp.grad)  # (b, T, D) to chunk c-1
+
+
+# ----------------------------------------------------------------------------- after the flush: DP, clipping
+def finish_batch(params, loss, dp_group, dp_rank, max_norm):
+    """1. Data parallel: every gradient summed over the replicas in one all-reduce (micro-batch losses are
+    divided by the global token count: the sum is the batch's gradient). 2. The model's squared norm and the
+    loss in one all-reduce over the world (the norm counted on dp rank 0). 3. Clip. Returns (loss, norm)."""
+    if dist.get_world_size(dp_group) > 1:
+        flat = torch.cat([q.grad.reshape(-1) for q in params])  # (this rank's elements,)
+        dist.all_reduce(flat, group=dp_group)
+        for q, part in zip(params, flat.split([q.numel() for q in params])):
+            q.grad.copy_(part.view_as(q))
+    acc = torch.promote_types(params[0].dtype, torch.float32)
+    sq = torch.stack([torch.linalg.vector_norm(q.grad, dtype=acc) for q in params]).square().sum().double()
+    total = torch.stack([loss, sq if dp_rank == 0 else torch.zeros_like(sq)])  # (2,) loss piece, norm^2 piece
+    dist.all_reduce(total)
+    norm = total[1].sqrt()
+    clip_grads_([q.grad for q in params], norm, max_norm)
+    return total[0].item(), norm.item()
+
+
+# ----------------------------------------------------------------------------- ZB-V: two chunks in a V
+def zbv(p, m, r):
+    """ZB-V, rank r's ops in order (torch's ScheduleZBVZeroBubble; m >= 2p-1). Down is chunk r, up 2p-1-r.
+    1. warm-up: 2(p-r)-1 F down; then r times F up, F down; then p-r times F up, B up, W up
+    2. steady: F down (while micro-batches remain), B down, W down, F up, B up, W up, until every F ran
+    3. cool-down: r times B down, B up; p-r times B down, W down (the oldest); then the W's left, up first."""
+    down, up = r, 2 * p - 1 - r
+    ops, done = [], collections.Counter()
+
+    def run(kind, c):
+        ops.append((kind, c, done[kind, c]))
+        done[kind, c] += 1
+    for _ in range(2 * (p - r) - 1):
+        run("F", down)
+    for _ in range(r):
+        run("F", up), run("F", down)
+    for _ in range(p - r):
+        run("F", up), run("B", up), run("W", up)
+    while done["F", up] < m:
+        if done["F", down] < m:
+            run("F", down)
+        run("B", down), run("W", down), run("F", up), run("B", up), run("W", up)
+    for _ in range(r):
+        run("B", down), run("B", up)
+    for _ in range(p - r):
+        run("B", down), run("W", down)
+    for c in (up, down):
+        while done["W", c] < done["B", c]:
+            run("W", c)
+    return ops
+
+
+SCHEDULES = {  # name -> (rank r's ops, chunks in all, the pp rank holding chunk c)
+    "zbh1": (zbh1, lambda p: p, lambda c, p: c),
+    "zbv": (zbv, lambda p: 2 * p, lambda c, p: min(c, 2 * p - 1 - c)),
+}
+
+
+# ----------------------------------------------------------------------------- argument checks, main
+def check_args(args):
+    world, m = env_world_size(), args.microbatches
+    check_common_args(args)
+    for name in ("dp", "microbatches"):
+        if getattr(args, name) < 1:
+            fail(f"--{name} must be >= 1, got {getattr(args, name)}")
+    p = args.pp or world // args.dp
+    if args.pp < 0 or p * args.dp != world:
+        fail(f"world size {world} != pp {args.pp or '(world / dp)'} x dp {args.dp}: launch torchrun "
+             f"--nproc_per_node={max(p, 2) * args.dp} or change --pp / --dp")
+    if p < 2:
+        fail(f"zero_bubble.py needs one process per pipeline stage, at least 2: torchrun --nproc_per_node="
+             f"{2 * args.dp} zero_bubble.py {' '.join(sys.argv[1:])}".rstrip())
+    n = SCHEDULES[args.schedule][1](p)
+    if n > args.n_layers:
+        fail(f"--schedule {args.schedule} at pp {p} cuts the model into {n} chunks but --n-layers is "
+             f"{args.n_layers}: every chunk needs at least one block; use --n-layers {n} or more")
+    if args.schedule == "zbv" and m < 2 * p - 1:
+        fail(f"--microbatches {m} is too few for --schedule zbv at pp {p}: rank 0 runs 2p-1 = {2 * p - 1} "
+             f"forwards before its first backward; use --microbatches {2 * p - 1} or more")
+    if args.batch_size % (args.dp * m):
+        fail(f"--batch-size {args.batch_size} is not divisible by dp x microbatches = {args.dp * m}: use "
+             f"--batch-size {(args.batch_size // (args.dp * m) + 1) * args.dp * m}")
+    if args.stage_ms < 0:
+        fail(f"--stage-ms must be >= 0, got {args.stage_ms}")
+    return world, p
+
+
+def main():
+    args = parse_args(Args)
+    world, p = check_args(args)
+    dp, m = args.dp, args.microbatches
+    order, n_chunks, holder = SCHEDULES[args.schedule]
+
+    # --- setup (same in every file) ---
+    d = init_dist(args.timeout)
+    data, bounds = MarkovData(args.vocab, args.seed), split_layers(args.n_layers, n_chunks(p))
+    grid = torch.arange(world).view(p, dp)  # data parallel outermost: a pipeline is a column, grid[:, j]
+    pp_rank, dp_rank = [int(i) for i in (grid == d.rank).nonzero()[0]]
+    dp_groups = [dist.new_group(grid[i, :].tolist()) for i in range(p)]  # every rank creates every group
+    peers, b = grid[:, dp_rank].tolist(), args.batch_size // (dp * m)  # pp rank -> global rank
+    d.log(f"zero_bubble.py --schedule {args.schedule}: pp {p} x dp {dp}, {len(bounds)} chunks, m = {m} "
+          f"micro-batches of {b} per replica, on {d.backend}; entropy floor {data.entropy:.4f} nats/token")
+    torch.manual_seed(args.seed + d.rank)  # dropout masks (if any) differ per rank
+    dtype = DTYPES[args.dtype]
+    gpt = build_gpt(GPTConfig.from_args(args), args.seed, dtype)  # whole, on CPU; a rank takes its chunks
+    shapes = {n: q.shape for n, q in gpt.named_parameters()}
+    mine = [c for c in range(len(bounds)) if holder(c, p) == pp_rank]
+    chunks = nn.ModuleDict({str(c): Chunk(gpt, c, bounds) for c in mine}).to(d.device)
+    del gpt
+    split = SplitBackward(chunks)  # every Linear of this rank's chunks defers its weight gradient to W
+    opt, params = make_optimizer(chunks.parameters(), args), list(chunks.parameters())
+    run = Run(d, args, {"model": chunks, "optim": opt})
+    orders = [order(p, m, r) for r in range(p)]
+    plan = comm_plan(orders, len(bounds), pp_rank)
+    # NCCL sets up its communicator at the first collective; batched point-to-point must not come first
+    dist.all_reduce(torch.zeros(1, device=d.device))
+    watch, comm = Watch(d, args, (pp_rank, dp_rank)), CommCounter(log=True)
+    runner = PipelineRank({c: chunks[str(c)] for c in mine}, len(bounds), plan, split, peers,
+                          (b, args.seq_len, args.d_model), dtype, d.device, observe=watch)
+    watch.runner, watch.state = runner, lambda: state_bytes(chunks, opt)
+    for step in run.steps():
+        x, y = data.batch(step, args.batch_size, args.seq_len, args.ragged)  # (B, T) global batch, CPU
+        n_tok = count_tokens(y)  # the whole global batch's: every micro-batch loss divides by it
+        rows = slice(dp_rank * b * m, (dp_rank + 1) * b * m)  # this replica's rows
+        mbs = [rearrange(z[rows], "(m b) t -> m b t", m=m).to(d.device) for z in (x, y)]  # (m, b, T) each
+        watch.step = step
+        # the sends of the step before the last, counted at the dispatcher (it slows every op; not the last,
+        # whose bubble is reported)
+        with run.watching(step, comm, at=max(run.start, args.steps - 2)):
+            loss = runner.run(*mbs, lambda logits, tgt: lm_loss(logits, tgt, n_tok))
+            loss, _ = finish_batch(params, loss, dp_groups[pp_rank], dp_rank, args.clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        run.end_step(step, loss)
+
+    figures = report(d, args, p, watch, comm, bounds, holder)
+    peak = peak_memory_bytes(d, watch.bytes)  # counted; CUDA's own peak on a GPU
+    check = None
+    if args.check:  # the full model, by name, from the chunks of dp replica 0 (one all-reduce)
+        owned = {n.split(".", 1)[1]: q for n, q in chunks.named_parameters()} if dp_rank == 0 else {}
+        check = check_against_reference(d, args, run.losses, assemble_full(d, owned, shapes, dtype))
+    run.finish(f"zero-bubble-{args.schedule}", peak, max(figures.get("sent_bytes_per_rank", [0])), check,
+               figures)
+
+
+# --- measurement --- (from outside the schedule: its observe callback, the collective counter, the report) --
+class Watch:
+    """The schedule's `observe` callback: Timeline.span times every F, B, W (--stage-ms waits in it), tagged
+    with the step, the rank's grid coordinates and when its input arrived. As each op begins, it reads the
+    runner's attributes: micro-batch chunks alive (F to W); after a forward, the bytes alive: what forwards
+    saved for backward (LiveStorages), the inputs and outputs held to B, what B left for W, and the state."""
+
+    def __init__(self, d, args, coords):
+        ms = args.stage_ms
+        self.timeline = Timeline(d, dict(F=ms, B=ms, W=ms), tags=("chunk", "step", "pp", "dp", "recv"))
+        self.coords, self.step, self.arrived, self.live = coords, 0, {}, LiveStorages()
+        self.runner, self.state, self.after_f, self.alive, self.bytes = None, None, False, 0, 0
+
+    @contextlib.contextmanager
+    def __call__(self, kind, mb, chunk=None, recvs=()):
+        if kind == "p2p":
+            yield
+            self.arrived.update((msg, self.timeline.now()) for msg in recvs)
+            return
+        r = self.runner
+        self.alive = max(self.alive, len(set(r.alive) | set(r.waiting)))
+        if self.after_f:  # activations peak after a forward
+            held = [t for a in r.alive.values() for t in a]  # inputs and outputs until B
+            held += [t for w in r.waiting.values() for _, x, dy in w for t in (x, dy)]  # what W needs
+            self.bytes = max(self.bytes, self.live.alive(*held) + self.state())
+        saving = SavedActivations(self.live) if kind == "F" else contextlib.nullcontext()
+        pp, dp = self.coords
+        with self.timeline.span(kind, mb, chunk=chunk, step=self.step, pp=pp, dp=dp,
+                                recv=self.arrived.pop((kind, chunk, mb), None)), saving:
+            yield
+        self.after_f = kind == "F"
+
+
+def theory(p, m, schedule):
+    """Per pp rank: the bubble (idle / busy at T_F = T_B = T_W), the most micro-batch chunks between F and
+    W, the messages per step each way.
+        zbh1  (p-1)/(3m): p-1 idle slots of 3m; p (or m if fewer), as 1F1B's stage 0; m to each neighbour
+        zbv   (p-1)/(6m): p-1 chunk ops of 6m idle (the paper: about 0); 2p, p micro-batches of a whole
+              stage as in 1F1B; m(2 - 1 if rank 0 - 1 if rank p-1) each way (the V's turn is local)"""
+    if schedule == "zbh1":
+        return (p - 1) / (3 * m), [min(p, m)] * p, [m * (r < p - 1) for r in range(p)], [m * (r > 0)
+                                                                                       for r in range(p)]
+    msgs = [m * (2 - (r == 0) - (r == p - 1)) for r in range(p)]
+    return (p - 1) / (6 * m), [2 * p] * p, msgs, msgs
+
+
+def report(d, args, p, watch, comm, bounds, holder):
+    """Every rank's events and counts, gathered (tensors only); rank 0: each figure beside its theory, the
+    table, the timeline of the last step of pipeline 0, --trace."""
+    m, schedule, v = args.microbatches, args.schedule, len(bounds) // p
+    tags = [c["tag"] for c in comm.calls_log if c["op"] == "send"]  # one tag per direction
+    events = watch.timeline.gather()
+    rows = gather_rows(d, [[*watch.coords, watch.alive, comm.total(op="send"), watch.bytes,
+                            tags.count(TAG["F"]), tags.count(TAG["B"])]])
+    per_rank = {(int(r[0, 0]), int(r[0, 1])): [int(x) for x in r[0, 2:]] for r in rows}
+    counts = [per_rank[r, 0] for r in range(p)]  # the pipeline of dp replica 0
+    sent, f_msgs, b_msgs = ([c[i] for c in counts] for i in (1, 3, 4))
+    figures = dict(split=bounds, pp=p, dp=args.dp, microbatches=m, schedule=schedule,
+                   sent_bytes_per_rank=sent, fwd_msgs_per_rank=f_msgs, bwd_msgs_per_rank=b_msgs)
+    if d.rank != 0 or not events:
+        return figures
+    for e in events:
+        e["recv"] = None if e["recv"] < 0 else e["recv"]  # -1: the op started from tokens, its loss or its B
+    last = [e for e in events if e["step"] == events[-1]["step"] and e["dp"] == 0]
+    lo, hi = min(e["start"] for e in last), max(e["end"] for e in last)
+    busy = [busy_ms(last, r, lo, hi, key="pp") for r in range(p)]
+    bub, idle = [(hi - lo - x) / x for x in busy], [hi - lo - x for x in busy]
+    bub_theory, alive_theory, f_theory, b_theory = theory(p, m, schedule)
+    op_ms = {k: sum(e["end"] - e["start"] for e in es) / len(es) for k in "FBW"
+             if (es := [e for e in last if e["kind"] == k])}  # mean measured T_F, T_B, T_W of a chunk
+    idle_theory = (p - 1) * (op_ms["F"] + op_ms["B"] - op_ms["W"])  # Table 2 of ZB; zbv: of a chunk
+    b_bytes = (args.batch_size // (args.dp * m) * args.seq_len * args.d_model * DTYPES[args.dtype].itemsize)
+    sent_theory = [(f + g) * b_bytes for f, g in zip(f_theory, b_theory)]
+    formula = "(p-1)/(3m)" if schedule == "zbh1" else "(p-1)/(6m)"
+    d.log(f"\nsummary ({schedule}, pp {p}, dp {args.dp}, m {m}), pipeline of dp 0: bubble = idle / busy "
+          f"over the last step, theory {formula}; idle ms, theory (p-1)(T_F+T_B-T_W) at the measured "
+          + ", ".join(f"T_{k} {x:.1f}" for k, x in op_ms.items()) + " ms; alive = micro-batch chunks between "
+          "F and W; bytes sent per step (b, T, D) per message; mem B: state + held, after a forward")
+    d.log("rank | chunks | bubble | theory | idle ms | theory | alive | theory | sent B/step | theory | "
+          "mem B")
+    for r in range(p):
+        held = ",".join(str(c) for c in range(len(bounds)) if holder(c, p) == r)
+        d.log(f"{r:4d} | {held:6s} | {bub[r]:6.3f} | {bub_theory:6.3f} | {idle[r]:7.1f} | {idle_theory:6.1f} "
+              f"| {counts[r][0]:5d} | {alive_theory[r]:6d} | {sent[r]:11d} | {sent_theory[r]:6d} | "
+              f"{counts[r][2]}")
+    mean = sum(bub) / p
+    d.log(f"bubble, mean over ranks: measured {mean:.3f}, theory {bub_theory:.3f}, difference "
+          f"{mean - bub_theory:+.3f}" + (f" (--stage-ms {args.stage_ms:g}: compute simulated, each F, B, W "
+                                         "waits that long)" if args.stage_ms else
+                                         " (real compute only: on shared cores this times the OS scheduler; "
+                                         "try --stage-ms)"))
+    label = lambda e: (e["kind"] if e["chunk"] < p else e["kind"].lower()) + str(e["mb"])  # noqa: E731
+    d.log("\ntimeline of the last step, measured (Fk Bk Wk: chunk < p, fk bk wk: the later chunks):\n" +
+          draw_timeline(last, p, lo, hi, label, row_key="pp", row_name="rank"))
+    if args.trace:
+        write_trace(args.trace, events, lambda e: f"{e['kind']}{e['mb']} chunk {e['chunk']}", row_key="pp",
+                    row_name="rank")
+        d.log(f"wrote {len(events)} events to {args.trace} (open in https://ui.perfetto.dev)")
+    return dict(figures, events=events, bubble=bub, bubble_mean=mean, bubble_theory=bub_theory,
+                bubble_definition="idle / busy per rank over the last step (relative to ideal compute)",
+                bubble_theory_formula=formula, stage_ms=args.stage_ms, idle_ms=idle,
+                idle_ms_theory=idle_theory,
+                op_ms=op_ms, peak_alive_microbatches=[c[0] for c in counts], peak_alive_theory=alive_theory,
+                fwd_msgs_theory=f_theory, bwd_msgs_theory=b_theory, sent_bytes_theory=sent_theory,
+                mem_bytes_per_rank=[c[2] for c in counts],
+                counts_per_rank={f"pp{a} dp{b}": dict(zip(("alive", "sent_bytes", "mem_bytes", "fwd_msgs",
+                                                                     "bwd_msgs"), c))
+                                 for (a, b), c in per_rank.items()})
+
+
+if __name__ == "__main__":
+    main()
