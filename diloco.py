@@ -309,7 +309,35 @@ def gpt_fragments(model, n):
     return frags
 
 
-# ----------------------------------------------------------------------------- the training loop
+# ----------------------------------------------------------------------------- argument checks, main
+def check_args(args):
+    check_common_args(args)
+    world, H, F = env_world_size(), args.inner_steps, args.fragments
+    if args.batch_size % world:
+        fail(f"--batch-size {args.batch_size} is not divisible by the {world} workers; try --batch-size "
+             f"{world * max(1, args.batch_size // world)}")
+    if H < 1:
+        fail(f"--inner-steps must be >= 1, got {H}")
+    if not 1 <= F <= args.n_layers:
+        fail(f"--fragments {F} must be between 1 and --n-layers {args.n_layers} (a fragment holds blocks)")
+    if H % F:
+        fail(f"--inner-steps {H} is not divisible by --fragments {F} (fragments sync H/F steps apart)")
+    if not 0 <= args.overlap < H:
+        fail(f"--overlap {args.overlap} must be in [0, --inner-steps {H}): an update lands before the "
+             "fragment's next sync")
+    if not 0 <= args.mix < 1:
+        fail(f"--mix must be in [0, 1), got {args.mix}")
+    if args.outer_lr <= 0 or not 0 <= args.outer_momentum < 1:
+        fail(f"--outer-lr must be > 0 and --outer-momentum in [0, 1), got {args.outer_lr} and "
+             f"{args.outer_momentum}")
+    if args.check and args.dropout > 0:
+        fail(f"--check needs --dropout 0 (got {args.dropout}): the reference cannot replay every worker's "
+             "dropout stream")
+    if args.outer_dtype != "same" and torch.finfo(getattr(torch, args.outer_dtype)).bits > \
+            torch.finfo(DTYPES[args.dtype]).bits:
+        fail(f"--outer-dtype {args.outer_dtype} is wider than --dtype {args.dtype}: use --outer-dtype same")
+
+
 def wire_dtype(args):
     same = args.outer_dtype in ("same", args.dtype)
     return None if same else DTYPES.get(args.outer_dtype) or getattr(torch, args.outer_dtype)
@@ -343,34 +371,6 @@ def train_diloco(d, args, data, model):
         ref = reference(args, d.world, d.device) if d.rank == 0 else None
         check = check_against_reference(d, args, run.losses, mine, ref=ref)
     run.finish("diloco", peak, figures["bytes_per_inner_step"], check, figures)
-
-
-def check_args(args):
-    check_common_args(args)
-    world, H, F = env_world_size(), args.inner_steps, args.fragments
-    if args.batch_size % world:
-        fail(f"--batch-size {args.batch_size} is not divisible by the {world} workers; try --batch-size "
-             f"{world * max(1, args.batch_size // world)}")
-    if H < 1:
-        fail(f"--inner-steps must be >= 1, got {H}")
-    if not 1 <= F <= args.n_layers:
-        fail(f"--fragments {F} must be between 1 and --n-layers {args.n_layers} (a fragment holds blocks)")
-    if H % F:
-        fail(f"--inner-steps {H} is not divisible by --fragments {F} (fragments sync H/F steps apart)")
-    if not 0 <= args.overlap < H:
-        fail(f"--overlap {args.overlap} must be in [0, --inner-steps {H}): an update lands before the "
-             "fragment's next sync")
-    if not 0 <= args.mix < 1:
-        fail(f"--mix must be in [0, 1), got {args.mix}")
-    if args.outer_lr <= 0 or not 0 <= args.outer_momentum < 1:
-        fail(f"--outer-lr must be > 0 and --outer-momentum in [0, 1), got {args.outer_lr} and "
-             f"{args.outer_momentum}")
-    if args.check and args.dropout > 0:
-        fail(f"--check needs --dropout 0 (got {args.dropout}): the reference cannot replay every worker's "
-             "dropout stream")
-    if args.outer_dtype != "same" and torch.finfo(getattr(torch, args.outer_dtype)).bits > \
-            torch.finfo(DTYPES[args.dtype]).bits:
-        fail(f"--outer-dtype {args.outer_dtype} is wider than --dtype {args.dtype}: use --outer-dtype same")
 
 
 def main():

@@ -148,8 +148,8 @@ class Run:
             run.end_step(step, loss)                           # timer, log line, checkpoint
         run.finish("name", peak, comm_bytes, check, figures)   # summary; exits (1 if --check failed)
     `state` maps names to objects with state_dict / load_state_dict (saved every --save-every steps). `ckpt`:
-    another checkpointer, with load(state) -> (step, history) and maybe_save(step, state, history), e.g. zero.py's
-    FlatShardCheckpoint; `state` is then what it takes."""
+    another checkpointer, with load(state) -> (step, history) and maybe_save(step, state, history), e.g.
+    zero.py's FlatShardCheckpoint; `state` is then what it takes."""
 
     def __init__(self, d, args, state, ckpt=None):
         self.d, self.args, self.state = d, args, state

@@ -425,8 +425,7 @@ def train_zero(d, args):
     ckpt = FlatShardCheckpoint(d, args.ckpt_dir, args.save_every, args.steps, [u.numel for u in zero.units],
                                zero.group)  # each rank's shards; any world size resumes them (reshards)
     run, comm = Run(d, args, ZeroShards(zero), ckpt=ckpt), CommCounter()
-    watch = Watch(zero)  # (measurement: saved activations, gathered buffers, their peaks)
-    skipped, scales = [], []
+    watch, skipped, scales = Watch(zero), [], []  # Watch: saved activations, gathered buffers, their peaks
     for step in run.steps():
         x, y = data.batch(step, args.batch_size, args.seq_len, args.ragged)  # (B, T) global, on the CPU
         with run.watching(step, comm):  # the bytes of the last step, seen at the dispatcher

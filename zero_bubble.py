@@ -421,8 +421,7 @@ def main():
         rows = slice(dp_rank * b * m, (dp_rank + 1) * b * m)  # this replica's rows
         mbs = [rearrange(z[rows], "(m b) t -> m b t", m=m).to(d.device) for z in (x, y)]  # (m, b, T) each
         watch.step = step
-        # the sends of the step before the last, counted at the dispatcher (it slows every op; not the last,
-        # whose bubble is reported)
+        # count the sends of the step before last (counting slows ops; the last step's bubble is reported)
         with run.watching(step, comm, at=max(run.start, args.steps - 2)):
             loss = runner.run(*mbs, lambda logits, tgt: lm_loss(logits, tgt, n_tok))
             loss, _ = finish_batch(params, loss, dp_groups[pp_rank], dp_rank, args.clip)
