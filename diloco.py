@@ -54,8 +54,9 @@ outer Nesterov lr 0.7 / momentum 0.9; floor 1.0946 nats/token). "last 100 steps"
 steps 500-599 (DiLoCo: the workers' own weights, mid-round); "held out": the final global weights on a
 batch no step used (dp.py reports none); bytes: handed to collectives by one rank over the run.
     torchrun --nproc_per_node=4 dp.py --steps 600 --json ddp.json
-    for H in 5 20 50; do
-        torchrun --nproc_per_node=4 diloco.py --steps 600 --inner-steps $H --json h$H.json; done
+    torchrun --nproc_per_node=4 diloco.py --steps 600 --inner-steps 5 --json h5.json
+    torchrun --nproc_per_node=4 diloco.py --steps 600 --inner-steps 20 --json h20.json
+    torchrun --nproc_per_node=4 diloco.py --steps 600 --inner-steps 50 --json h50.json
     python diloco.py --table ddp.json,h5.json,h20.json,h50.json
 
     | run | bytes handed per rank, whole run | loss - floor: last 100 steps | held out, final |
@@ -375,9 +376,9 @@ def train_diloco(d, args, data, model):
 
 def main():
     args = parse_args(Args)
+    check_args(args)
     if args.table:
         return print_table(args.table.split(","))
-    check_args(args)
     d = init_dist(args.timeout)  # --- setup (same in every file) ---
     data = MarkovData(args.vocab, args.seed)
     d.log(f"diloco.py: {d.world} workers, H {args.inner_steps}, {args.fragments} fragment(s), overlap "
