@@ -44,7 +44,7 @@ activation element, Psi parameters of one rank (its pipeline stage, its 1/t).
     python plan.py --model llama3-70b --nodes 8 --tp 8 --pp 4 --virtual-stages 2 --microbatches 256
     python -m pytest -q -s tests/test_plan.py -k "paper_rows or zz"  # each paper's figure beside plan's
 """
-import math
+import math, re
 from collections import namedtuple
 from dataclasses import dataclass, replace
 from functools import lru_cache
@@ -98,12 +98,14 @@ class Layout:
     vocab_parallel: bool = True  # embedding and head split over V (megatron_tp.py), else replicated (ptdp.py)
     outputs: bool = False  # also each stage's output, held to its backward as this repo's pipelines hold it
     # (Megatron frees its data once sent)
+    split: tuple = ()  # blocks per chunk in pipeline order (--stage-layers); () the files' cut
     gpus = property(lambda lay: lay.dp * lay.tp * lay.pp)
 
     def __str__(self):
         pipe = f" pp {self.pp} {self.schedule}" + f" v {self.v}" * (self.v > 1) if self.pp > 1 else ""
         return (f"dp {self.dp} tp {self.tp}{' sp' if self.sp else ''}{pipe}{f' ep {self.ep}' * (self.ep > 1)}"
-                f" zero {self.zero} m {self.m} recompute {self.recompute}")
+                f" zero {self.zero} m {self.m} recompute {self.recompute}"
+                + (f" blocks {'/'.join(map(str, self.split))}" if self.split else ""))
 
 
 PRECISION = {"bf16": (2, 2, 12, 2), "fp32": (4, 4, 8, 4), "fp64": (8, 8, 16, 8)}  # p, g, K (AdamW), e
@@ -129,19 +131,28 @@ def layer_params(M, moe=False):
 
 
 @lru_cache(maxsize=None)
-def chunks(layers, n):
-    """Blocks of each of n chunks in pipeline order (chunk c on pipeline rank c % p); when n does not divide
-    L the earlier chunks take one more (gpipe.py's split)."""
-    base, extra = divmod(layers, n)
-    ends = [c * base + min(c, extra) for c in range(n + 1)]
+def chunks(layers, n, split=()):
+    """Blocks of each of n chunks in pipeline order: `split` (blocks per chunk, a hand-made cut: fewer on the
+    first and last stages, say), else the files' cut: when n does not divide L the earlier chunks take one
+    more (gpipe.py's split)."""
+    if split:
+        ends = [sum(split[:c]) for c in range(n + 1)]
+    else:
+        base, extra = divmod(layers, n)
+        ends = [c * base + min(c, extra) for c in range(n + 1)]
     return tuple(range(a, z) for a, z in zip(ends, ends[1:]))
 
 
+def kinds(M, lay, c):
+    """(dense blocks, MoE blocks) in chunk c of the layout's pp x v."""
+    return _kinds(M, lay.pp * lay.v, lay.split, c)
+
+
 @lru_cache(maxsize=None)
-def kinds(M, n, c):
-    """(dense blocks, MoE blocks) in chunk c of n."""
-    moe = sum(M.experts > 0 and i % M.moe_every == M.moe_every - 1 for i in chunks(M.layers, n)[c])
-    return len(chunks(M.layers, n)[c]) - moe, moe
+def _kinds(M, n, split, c):
+    blocks = chunks(M.layers, n, split)[c]
+    moe = sum(M.experts > 0 and i % M.moe_every == M.moe_every - 1 for i in blocks)
+    return len(blocks) - moe, moe
 
 
 def mine(lay, r):
@@ -165,7 +176,7 @@ def rank_units(M, lay, r):
     1/ep of the experts), then the root: embedding (+ positions) on chunk 0, final norm, head on the last."""
     units, n, gpt = [], lay.pp * lay.v, M.arch == "gpt"
     for c in mine(lay, r):
-        for moe, k in zip((False, True), kinds(M, n, c)):
+        for moe, k in zip((False, True), kinds(M, lay, c)):
             split, repl, expert = layer_params(M, moe)
             units += [split // lay.tp + repl + expert // lay.ep] * k
     vh = vocab_padded(M, lay) * M.d // (lay.tp if lay.vocab_parallel else 1)
@@ -226,7 +237,7 @@ def microbatch_bytes(M, lay, b, e, c):
     int64 targets), and with lay.outputs its output, held until its backward (the last chunk's: the loss)."""
     t, n, bs, ce, gpt = lay.tp, lay.pp * lay.v, b * M.seq, max(e, 4), M.arch == "gpt"
     t_sp, vp = (t if lay.sp else 1), lay.vocab_parallel
-    dense, moe = kinds(M, n, c)
+    dense, moe = kinds(M, lay, c)
     out = dict(embedding=(8 * bs + bs * vp + 8 * M.seq // t_sp * gpt) * (c == 0),
                blocks=(dense + moe) * layer_bytes(M, lay, b, e), final=0, loss=0,
                out=(bs * M.d * e if c < n - 1 else ce) * lay.outputs)
@@ -245,7 +256,7 @@ def pending_bytes(M, lay, b, e, c):
     activation (/ t); dy: the column layers' outputs (/ t) and the two row layers' (whole); the head's x its
     input h, dy the logits' V (/ t when vocab-parallel). Experts' linears left out. (x bytes, dy bytes)."""
     h, f, t, bs, kvh = M.d, M.f, lay.tp, b * M.seq, M.kv * (M.d // M.heads)
-    layers, last, gpt = sum(kinds(M, lay.pp * lay.v, c)), c == lay.pp * lay.v - 1, M.arch == "gpt"
+    layers, last, gpt = sum(kinds(M, lay, c)), c == lay.pp * lay.v - 1, M.arch == "gpt"
     x = layers * (2 * h + (h + f) // t) + h * last
     dy = layers * ((h + 2 * kvh + (1 if gpt else 2) * f) // t + 2 * h)
     dy += (vocab_padded(M, lay) // t if lay.vocab_parallel else M.vocab) * last
@@ -260,7 +271,8 @@ def zero_bubble_ops(p, m, r, schedule):
     ran; then r times B down, B up; p-r times B down, W down; the W's left, up first."""
     if schedule == "zb-h1":
         warm = min(p - r - 1, m)
-        ones = [("F", 0)] * warm + [x for _ in range(m - warm) for x in (("F", 0), ("B", 0))] + [("B", 0)] * warm
+        steady = [x for _ in range(m - warm) for x in (("F", 0), ("B", 0))]
+        ones = [("F", 0)] * warm + steady + [("B", 0)] * warm
         ops, held = [], 0
         for op in ones:
             ops.append(op)
@@ -282,7 +294,9 @@ def zero_bubble_ops(p, m, r, schedule):
 
 
 def maximal(states):
-    return frozenset(x for x in states if not any(y != x and min(map(int.__sub__, y, x)) >= 0 for y in states))
+    """The states no other state holds as much of, chunk by chunk."""
+    return frozenset(x for x in states if not any(y != x and min(map(int.__sub__, y, x)) >= 0
+                                                  for y in states))
 
 
 @lru_cache(maxsize=None)
@@ -322,8 +336,9 @@ def peak_activations(M, lay, b, e, r):
     peak = max(sum(map(int.__mul__, k, per)) for k in alive_patterns(lay.pp, lay.v, lay.m, r, lay.schedule))
     if lay.recompute != "full":
         return peak
-    moe = any(kinds(M, lay.pp * lay.v, c)[1] for c in mine(lay, r))  # the largest layer rebuilt
-    return peak + layer_bytes(M, replace(lay, recompute="none"), b, e) + (moe_extra(M, b * M.seq, e) if moe else 0)
+    moe = any(kinds(M, lay, c)[1] for c in mine(lay, r))  # the largest layer rebuilt
+    rebuilt = layer_bytes(M, replace(lay, recompute="none"), b, e)
+    return peak + rebuilt + (moe_extra(M, b * M.seq, e) if moe else 0)
 
 
 @lru_cache(maxsize=None)
@@ -356,7 +371,7 @@ def collectives(M, lay, B, r=0):
             x[0], x[1] = x[0] + calls, x[1] + calls * nbytes
 
     chunks_r = mine(lay, r)
-    layers, first, last = sum(sum(kinds(M, n, c)) for c in chunks_r), r == 0, r == owner(lay, n - 1)
+    layers, first, last = sum(sum(kinds(M, lay, c)) for c in chunks_r), r == 0, r == owner(lay, n - 1)
     emb, head, again = first and lay.vocab_parallel, last and lay.vocab_parallel, lay.recompute == "full"
     if lay.sp:  # all-gather before each column layer, reduce-scatter after each row layer; backward mirrors
         k = 2 * layers
@@ -364,18 +379,18 @@ def collectives(M, lay, B, r=0):
         add("reduce_scatter/tp/fwd", m * (k + emb), bsh, t)
         add("reduce_scatter/tp/bwd", m * (k * (1 + again) + head), bsh, t)
         add("all_gather/tp/bwd", m * (k * (2 + again) + emb + head), bsh // t, t)  # + each column's re-gather
-        repl = sum(layer_params(M, moe)[1] * k for c in chunks_r for moe, k in zip((0, 1), kinds(M, n, c)))
+        repl = sum(layer_params(M, moe)[1] * k for c in chunks_r for moe, k in zip((0, 1), kinds(M, lay, c)))
         repl += M.seq * M.d * (first and gpt) + M.d * (1 + gpt) * last  # their gradients saw T/t positions
         add("all_reduce/tp/step", 1, e * repl, t)
     else:  # g forward, f backward, twice per layer; the vocab-parallel embedding's g and head's f
         add("all_reduce/tp/fwd", m * (2 * layers + emb), bsh, t)
         add("all_reduce/tp/bwd", m * (2 * layers * (1 + again) + head), bsh, t)
     add("all_reduce/tp/fwd", 3 * m * head, b * M.seq * max(e, 4), t)  # vocab-parallel loss: max, target, sum
-    for c in chunks_r:  # an activation to chunk c+1, a gradient to chunk c-1, per micro-batch, when on another rank
+    for c in chunks_r:  # an activation to chunk c+1, a gradient to chunk c-1, per micro-batch, off the rank
         add("send/pp/fwd", m * (c < n - 1 and owner(lay, c + 1) != r), bsh, lay.pp)
         add("send/pp/bwd", m * (c > 0 and owner(lay, c - 1) != r), bsh, lay.pp)
     if M.experts:  # dispatch and combine, forward and backward: (E, C, h) slots each
-        calls = 2 * m * sum(kinds(M, n, c)[1] for c in chunks_r)
+        calls = 2 * m * sum(kinds(M, lay, c)[1] for c in chunks_r)
         add("all_to_all/ep/fwd", calls, M.experts * capacity(M, b * M.seq) * M.d * e, lay.ep)
         add("all_to_all/ep/bwd", calls, M.experts * capacity(M, b * M.seq) * M.d * e, lay.ep)
     units, z = rank_units(M, lay, r), lay.zero
@@ -428,7 +443,7 @@ def chunk_flops(M, lay, b, c, recompute=None):
     rc = lay.recompute if recompute is None else recompute
     core = 4 * b * M.seq ** 2 * M.d * (rc == "selective")
     blocks = sum(k * ((3 + (rc == "full")) * layer_flops(M, b, moe) + core)
-                 for moe, k in zip((False, True), kinds(M, lay.pp * lay.v, c)))
+                 for moe, k in zip((False, True), kinds(M, lay, c)))
     head = 6 * b * M.seq * M.d * M.vocab * (c == lay.pp * lay.v - 1)
     return blocks / lay.tp + head / (lay.tp if lay.vocab_parallel else 1)
 
@@ -475,8 +490,12 @@ def legal(M, C, lay, B):
              f"--n-heads {M.heads}, kv heads {M.kv} or MLP width {M.f} not divisible by --tp {lay.tp}"),
             (not lay.sp or lay.tp > 1 and M.seq % lay.tp == 0,
              "--sequence-parallel needs --tp > 1 dividing --seq-len"),
-            (lay.pp * lay.v <= M.layers and (lay.v == 1 or M.layers % (lay.pp * lay.v) == 0),
-             f"--n-layers {M.layers} does not split into pp x virtual stages = {lay.pp * lay.v} chunks"),
+            (lay.pp * lay.v <= M.layers, f"--n-layers {M.layers} does not split into pp x virtual stages = "
+                                          f"{lay.pp * lay.v} chunks of a block at least"),
+            (not lay.split or len(lay.split) == lay.pp * lay.v and sum(lay.split) == M.layers
+             and min(lay.split) >= 1, f"--stage-layers {','.join(map(str, lay.split))}: pp x virtual stages ="
+                                      f" "
+                                      f"{lay.pp * lay.v} numbers >= 1 summing to --n-layers {M.layers}"),
             (B % (lay.dp * lay.m) == 0,
              f"--batch-size {B} is not divisible by dp x microbatches = {lay.dp} x {lay.m}"),
             (lay.schedule != "interleaved" or lay.pp > 1 and lay.m % lay.pp == 0,
@@ -495,14 +514,17 @@ def legal(M, C, lay, B):
 
 
 def layouts(M, C, B, precision="bf16"):
-    """Every legal layout on all the cluster's GPUs: tp dividing a node, pp dividing L, b in 1, 2, 4, 8, each
-    schedule and v, ZeRO stage, SP, recomputation (GPipe left out: 1F1B's time, more memory)."""
+    """Every legal layout on all the cluster's GPUs: tp dividing a node, every pp up to L (the files' cut when
+    it does not divide L), b in 1, 2, 4, 8, each schedule and every v (interleaved: each v > 1 cutting L into
+    equal chunks, as Megatron asks; ZB-V 2), ZeRO stage, SP, recomputation (GPipe left out: 1F1B's time, more
+    memory)."""
     gpus = C.nodes * C.gpus_per_node
     for tp, pp in [(t, p) for t in range(1, C.gpus_per_node + 1) for p in range(1, M.layers + 1)
-                   if C.gpus_per_node % t == 0 and M.layers % p == 0 and gpus % (t * p) == 0]:
+                   if C.gpus_per_node % t == 0 and gpus % (t * p) == 0]:
         dp = gpus // (tp * pp)
-        scheds = [("1f1b", 1), ("zb-h1", 1), ("zb-v", 2), ("interleaved", 2), ("interleaved", 4),
-                  ("interleaved", 8)] if pp > 1 else [("1f1b", 1)]
+        scheds = [("1f1b", 1), ("zb-h1", 1), ("zb-v", 2)] + [
+            ("interleaved", v) for v in range(2, M.layers // pp + 1) if M.layers % (pp * v) == 0]
+        scheds = scheds if pp > 1 else [("1f1b", 1)]
         eps = [k for k in range(1, dp + 1) if k == 1 or M.experts and dp % k == 0]
         bs = [b for b in (1, 2, 4, 8) if B % (dp * b) == 0]
         for b, (sched, v), ep, zero, sp, rc in [(b, s, ep, z, sp, rc) for b in bs for s in scheds
@@ -602,6 +624,25 @@ def work_in(wall_s, gpus, rate, write_s, restart_s, interval_s=0.0):
     return wall_s / wall
 
 
+# ----------------------------------------------------------------------------- DiLoCo across slow links
+def diloco(M, C, got, H, outer_bytes=4, fragments=1, overlap=0):
+    """DiLoCo (Douillard et al. 2023) beside DDP for the layout of `got`, its data-parallel group across the
+    slow link: every H inner steps one all-reduce of the pseudo-gradient (outer_bytes per parameter), where
+    DDP all-reduces g bytes per parameter every step. Streaming DiLoCo (Douillard et al. 2025): F fragments,
+    each synced once per H steps, staggered, its exchange overlapped with `overlap` inner steps. Per inner
+    step: bytes handed, bytes on the wire (ring: 2(d-1)/d), and the exposed communication time; DDP's exposed
+    time is what predict found beyond the backward. Theory: diloco.py measures its own bytes."""
+    lay, d = got["layout"], got["layout"].dp
+    g, psi = PRECISION[lay.precision][1], sum(rank_units(M, lay, 0))  # pipeline rank 0's parameters (its 1/t)
+    bw = (C.intra_gbs if link(C, lay, "dp") == "nvlink" else C.inter_gbs) * GB
+    wire = WIRE["all_reduce"](d) * psi * outer_bytes
+    per_sync = wire / fragments / bw  # one fragment's all-reduce, seconds
+    exposed = fragments * max(0.0, per_sync - overlap * got["step_s"]) / H
+    return dict(bytes=psi * outer_bytes / H, wire=wire / H, exposed_s=exposed, ddp_bytes=psi * g,
+                ddp_wire=WIRE["all_reduce"](d) * psi * g, ddp_exposed_s=got["dp_s"],
+                step_s=got["step_s"] - got["dp_s"] + exposed)
+
+
 # ----------------------------------------------------------------------------- report
 def report(C, B, got):
     lay, mem, bw = got["layout"], got["memory"], {"nvlink": C.intra_gbs, "ib": C.inter_gbs}
@@ -660,6 +701,7 @@ class Args:
     precision: Literal["bf16", "fp32", "fp64"] = "bf16"  # bf16: mixed-precision Adam, 2 + 2 + 12 bytes
     schedule: Literal["1f1b", "gpipe", "interleaved", "zb-h1", "zb-v"] = "1f1b"  # pipeline schedule
     vocab_parallel: bool = True  # split embedding and head over the vocabulary (else replicated over tp)
+    stage_layers: str = ""  # blocks per chunk in pipeline order, e.g. 7,8,...,8,7 (fewer on first and last)
     search: bool = False  # rank every legal layout that fits by predicted tokens/s
     top: int = 10  # layouts --search prints
     tokens: float = 0  # the whole run: train on this many tokens (wall time, GPU-hours, cost)
@@ -667,10 +709,14 @@ class Args:
     days: float = 0  # a budget in days on this cluster, failures and checkpoints included
     flops: float = 0  # a budget in training FLOPs, C = 6ND
     usd_per_gpu_hour: float = 0  # price per GPU-hour, for the cost
-    failures_per_gpu_hour: float = 0  # interruptions per GPU-hour (Llama 3 405B: 419 in 54 days on 16384: 2e-5)
+    failures_per_gpu_hour: float = 0  # interruptions per GPU-hour (Llama 3: 419 in 54 days on 16384: 2e-5)
     ckpt_minutes: float = 0  # checkpoint interval (0: Young/Daly's optimum for the failure rate)
     ckpt_write_s: float = 30  # seconds each checkpoint stops training
     restart_minutes: float = 10  # minutes from a failure to training again (detect, replace, reload)
+    inner_steps: int = 0  # DiLoCo beside DDP: H inner steps per outer sync (0: off), dp across --inter-gbs
+    fragments: int = 1  # Streaming DiLoCo: fragments synced in turn
+    overlap: int = 0  # Streaming DiLoCo: inner steps each fragment's exchange overlaps
+    outer_dtype: Literal["float32", "bfloat16"] = "float32"  # DiLoCo: the pseudo-gradient's type on the wire
 
 
 def check_args(a):
@@ -678,19 +724,21 @@ def check_args(a):
     for name, x in vars(a).items():
         if isinstance(x, float) and not math.isfinite(x):
             fail(f"--{name.replace('_', '-')} must be a finite number, got {x}")
-    ones = "batch_size nodes tp pp virtual_stages ep microbatches top top_k moe_every".split()
+    ones = "batch_size nodes tp pp virtual_stages ep microbatches top top_k moe_every fragments".split()
     zeros = ("n_layers d_model n_heads kv_heads vocab seq_len ffn experts dp gpus_per_node gpu_mem_gb tflops "
              "intra_gbs inter_gbs stage tokens gpu_hours days flops usd_per_gpu_hour failures_per_gpu_hour "
-             "ckpt_minutes ckpt_write_s restart_minutes").split()
+             "ckpt_minutes ckpt_write_s restart_minutes inner_steps overlap").split()
     for name, low in [(n, 1) for n in ones] + [(n, 0) for n in zeros]:
         if getattr(a, name) < low:
             fail(f"--{name.replace('_', '-')} must be >= {low}, got {getattr(a, name)}")
     if not 0 < a.efficiency <= 1 or not 0 <= a.headroom < 1:
         fail(f"--efficiency must be in (0, 1] and --headroom in [0, 1), got {a.efficiency}, {a.headroom}")
     if not a.capacity_factor > 0:
-        fail(f"--capacity-factor must be > 0 (slots per expert = cf x k x tokens / E), got {a.capacity_factor}")
+        fail(f"--capacity-factor must be > 0 (slots: cf x k x tokens / E), got {a.capacity_factor}")
     if a.experts and a.top_k > a.experts:
         fail(f"--top-k {a.top_k} must be at most --experts {a.experts}")
+    if a.stage_layers and not re.fullmatch(r"\d+(,\d+)*", a.stage_layers):
+        fail(f"--stage-layers must be numbers separated by commas, got {a.stage_layers!r}")
     budget = [f"--{n.replace('_', '-')}" for n in ("gpu_hours", "days", "flops") if getattr(a, n)]
     if len(budget) + (a.tokens > 0) > 1:
         given = budget + ["--tokens"] * (a.tokens > 0)
@@ -706,10 +754,12 @@ def run_report(M, C, got, D, a, optimal=None):
     N, day = n_params(M), 86400
     print("the whole run (theory):")
     if optimal:
-        print(f"  compute-optimal for C = {optimal[0]:.3e} FLOPs (Chinchilla Approach 3, L = E + A/N^alpha + B/D^beta"
+        print(f"  compute-optimal for C = {optimal[0]:.3e} FLOPs (Chinchilla Approach 3, "
+              f"L = E + A/N^alpha + B/D^beta"
               f", {', '.join(f'{k} {x:g}' for k, x in CHINCHILLA.items())}): N {optimal[1] / 1e9:,.1f}B, "
               f"D {optimal[2] / 1e9:,.0f}B tokens")
-    print(f"  model {N / 1e9:,.2f}B parameters: L {M.layers} h {M.d} a {M.heads} kv {M.kv} ffn {M.f} V {M.vocab} "
+    print(f"  model {N / 1e9:,.2f}B parameters: L {M.layers} h {M.d} a {M.heads} kv {M.kv} ffn {M.f} "
+          f"V {M.vocab} "
           f"s {M.seq}; {D / 1e9:,.0f}B tokens ({D / N:.1f} per parameter), 6ND = {6 * N * D:.3e} FLOPs")
     print(f"  layout {got['layout']}: {got['tokens_per_s']:,.0f} tokens/s, MFU {got['mfu']:.1%}")
     lost = f", {fails:,.1f} failures expected, a checkpoint every {tau / 60:,.1f} min" if fails else ""
@@ -775,11 +825,21 @@ def main():
         lay = Layout(a.dp or max(1, gpus // (a.tp * a.pp)), a.tp, a.pp, v, a.ep, a.stage, a.microbatches,
                      a.sequence_parallel, a.recompute, a.precision,
                      "interleaved" if v > 1 and a.schedule == "1f1b" else a.schedule, a.vocab_parallel)
+        if a.stage_layers:
+            lay = replace(lay, split=tuple(map(int, a.stage_layers.split(","))))
         why = legal(M, C, lay, B)
         if why:
             fail(why)
         got = predict(M, C, lay, B, a.efficiency, a.headroom)
     report(C, B, got)
+    if a.inner_steps:
+        outer = {"float32": 4, "bfloat16": 2}[a.outer_dtype]
+        x = diloco(M, C, got, a.inner_steps, outer, a.fragments, a.overlap)
+        print(f"DiLoCo (theory), H {a.inner_steps}, {a.fragments} fragment(s), overlap {a.overlap}, "
+              f"{a.outer_dtype}: per inner step {x['bytes'] / GB:.3f} GB handed ({x['wire'] / GB:.3f} on the "
+              f"wire), exposed {x['exposed_s'] * 1e3:.1f} ms; DDP {x['ddp_bytes'] / GB:.3f} GB "
+              f"({x['ddp_wire'] / GB:.3f}), exposed {x['ddp_exposed_s'] * 1e3:.1f} ms: "
+              f"{x['ddp_bytes'] / x['bytes']:.0f}x fewer bytes")
     if a.tokens:
         run_report(M, C, got, a.tokens, a)
 

@@ -134,9 +134,11 @@ def megatron_rows(s, name):
             ("peak bytes (state + saved)", s["peak_mem_bytes"], state(mem) + saved)]
 
 
-ZB_H1_LEAK = ("pipedream.py --mode zb: SplitBackward.backward_weight runs with autograd on, so each W's dy^T x "
+ZB_H1_LEAK = ("pipedream.py --mode zb: SplitBackward.backward_weight runs with autograd on, so each W's "
+              "dy^T x "
               "gets a graph through x back to the stage's received input, and .grad.add_ keeps it: every "
-              "micro-batch's input stays alive to the step's end (stages > 0); under torch.no_grad() these rows "
+              "micro-batch's input stays alive to the step's end (stages > 0); under torch.no_grad() these "
+              "rows "
               "are exact")
 
 
@@ -199,7 +201,7 @@ def ptdp_rows(s, name):
     p, t, d, v = (flag(name, k) for k in ("--pp", "--tp", "--dp", "--virtual-stages"))
     zbv = "zbv" in RUNS[name][2]
     lay = plan.Layout(dp=d, tp=t, pp=p, v=v, m=m, schedule="zb-v" if zbv else "interleaved",
-                      precision="fp64", vocab_parallel=False, outputs=True)  # it holds each chunk's output to B
+                      precision="fp64", vocab_parallel=False, outputs=True)  # holds each chunk's output to B
     f, b, rows, peaks, n = s["figures"], B // (d * m), [], [], p * v
     for r in range(p):
         got = f["counts_per_rank"][f"pp{r} dp0 tp0"]  # over one step (the first)
@@ -535,7 +537,7 @@ def test_worked_example(example, monkeypatch, capsys):
 
 def bad_values():
     """For every flag of plan.Args, values it must refuse: a number out of range, NaN and the infinities for
-    floats, a word for ints, an unknown choice, a value after a switch; and the combinations that are wrong."""
+    floats, a word for ints, an unknown choice, a value after a switch; and combinations that are wrong."""
     import typing
     from dataclasses import fields
     cases = []
@@ -561,6 +563,9 @@ def bad_values():
         (["--pp", "2", "--dp", "4", "--schedule", "zb-v", "--virtual-stages", "2", "--microbatches", "2"],
          ["--microbatches >= 2p-1 = 3"]),
         (["--stage", "4"], ["--stage must be 0, 1, 2 or 3"]),
+        (["--pp", "2", "--dp", "4", "--stage-layers", "1,2"], ["--stage-layers 1,2: pp x virtual stages = 2",
+                                                               "summing to --n-layers 32"]),
+        (["--pp", "2", "--dp", "4", "--stage-layers", "32,0"], ["numbers >= 1"]),
         (["--days", "1", "--flops", "1e20"], ["give one of", "--days, --flops"]),
         (["--tokens", "1e9", "--gpu-hours", "10"], ["give one of"]),
     ]
@@ -606,7 +611,8 @@ TABLE_3_TOL = 0.25  # the refit's exponent 0.513 against Approach 1's 0.50: 1-15
 
 
 def table_3_errors(law):
-    return [(n / N - 1, d / D - 1) for N, C, D in CHINCHILLA_TABLE_3 for n, d in [plan.compute_optimal(C, law)]]
+    return [(n / N - 1, d / D - 1) for N, C, D in CHINCHILLA_TABLE_3
+            for n, d in [plan.compute_optimal(C, law)]]
 
 
 def test_compute_optimal_sizes_follow_chinchilla_table_3():
@@ -681,6 +687,84 @@ def test_moe_under_full_recomputation_keeps_block_inputs():
     C = plan.CLUSTERS["h100-80g"]._replace(nodes=1024)
     assert plan.legal(M, C, lay, 2048) is None and sum(plan.memory(M, lay, 2048, 0).values()) < 72e9
     assert dense + M.layers * extra > 80e9
+
+
+# ----------------------------------------------------------------------------- uneven stages, every pp and v
+def test_blocks_per_stage_as_the_files_split_them():
+    """plan's cut of L blocks into p stages is gpipe.py's and pipedream.py's (imported here, in the test only)
+    for every L up to 24 and p up to L."""
+    import gpipe, pipedream  # noqa: E401
+    for L in range(1, 25):
+        for p in range(1, L + 1):
+            want = [range(a, z) for a, z in gpipe.split_layers(L, p)]
+            assert list(plan.chunks(L, p)) == want == [range(a, z) for a, z in pipedream.split_layers(L, p)]
+
+
+def test_stage_layers_a_hand_made_cut():
+    """Llama 3 405B (126 blocks) cut 7 + 14 x 8 + 7 over 16 stages: rank 0 holds 7 blocks and the embedding,
+    rank 15 7 blocks, the final norm and the head; parameters per rank and TP bytes against the closed form
+    written here (GQA attention 2h^2 + 2h kv, SwiGLU 3hf, 2 norms h); the files' cut (8 on the first 14) is
+    another layout; --search now offers pp 4 to 64 for it, where pp had to divide 126."""
+    M, t, b = plan.PRESETS["llama3-405b"], 8, 1
+    h, f, kvh, V = M.d, M.f, M.kv * M.d // M.heads, M.vocab
+    split = (7,) + (8,) * 14 + (7,)
+    lay = plan.Layout(dp=16, tp=t, pp=16, m=16, zero=1, split=split)
+    block = (2 * h * h + 2 * h * kvh + 3 * h * f) // t + 2 * h
+    assert plan.rank_units(M, lay, 0) == [block] * 7 + [V * h // t]
+    assert plan.rank_units(M, lay, 15) == [block] * 7 + [V * h // t + h]
+    assert plan.rank_units(M, lay, 5) == [block] * 8 + [0]
+    files = plan.rank_units(M, plan.Layout(dp=16, tp=t, pp=16, m=16), 0)
+    assert files == [block] * 8 + [V * h // t]
+    bsh = b * M.seq * h * 2
+    tp_fwd = plan.collectives(M, lay, 16 * 16 * b, 0)["all_reduce/tp/fwd"]
+    assert tp_fwd[:2] == [16 * (2 * 7 + 1), 16 * (2 * 7 + 1) * bsh]  # 2 per block, + the embedding's
+    C = plan.CLUSTERS["h100-80g"]._replace(nodes=256)
+    assert {lay.pp for lay in plan.layouts(M, C, 2048)} == {1, 2, 4, 8, 16, 32, 64}
+    assert plan.legal(M, C, replace(lay, split=(8,) * 16), 2048) and plan.legal(M, C, lay, 2048) is None
+
+
+def test_search_tries_every_v():
+    """Interleaved: every v > 1 cutting L into equal chunks (Megatron's condition), not only 2, 4, 8."""
+    M, C = plan.PRESETS["gpt3-6.7b"], plan.CLUSTERS["h100-80g"]
+    got = {(lay.pp, lay.v) for lay in plan.layouts(M, C, 512) if lay.schedule == "interleaved"}
+    assert got == {(p, v) for p in (2, 4, 8) for v in range(2, 33) if 32 % (p * v) == 0}
+    assert (2, 16) in got
+
+
+# ----------------------------------------------------------------------------- DiLoCo across a slow link
+def test_diloco_bytes_and_exposed_time_closed_form():
+    """GPT-3 6.7B at tp 8 on 8 nodes whose link is 1 GB/s: DiLoCo all-reduces the fp32 pseudo-gradient of a
+    rank's Psi every H steps, DDP its bf16 gradient every step; Psi written here (12h^2 + 4h split over t,
+    6h replicated per layer; the vocab-parallel embedding and head V'h/t, positions sh, final norm 2h); ring
+    2(d-1)/d; Streaming DiLoCo's 4 fragments each overlapped with 2 inner steps. A ring without its factor
+    fails."""
+    M, h, L, t, d = plan.PRESETS["gpt3-6.7b"], 4096, 32, 8, 8
+    C = plan.CLUSTERS["h100-80g"]._replace(nodes=8, inter_gbs=1)
+    got = plan.predict(M, C, plan.Layout(dp=d, tp=t), 512)
+    Vp = -(-M.vocab // t) * t
+    psi = L * ((12 * h * h + 4 * h) // t + 6 * h) + 2 * Vp * h // t + M.seq * h + 2 * h
+    ring = 2 * (d - 1) / d
+
+    def closed(H, outer, F, tau):
+        per_sync = ring * outer * psi / F / 1e9
+        return dict(bytes=outer * psi / H, wire=ring * outer * psi / H, ddp_bytes=2 * psi,
+                    exposed_s=F * max(0.0, per_sync - tau * got["step_s"]) / H)
+
+    def agree():
+        return all(math.isclose(plan.diloco(M, C, got, H, outer, F, tau)[k], x, rel_tol=1e-12, abs_tol=1e-15)
+                   for H, outer, F, tau in [(1, 4, 1, 0), (100, 4, 1, 0), (100, 2, 4, 2), (500, 4, 4, 0)]
+                   for k, x in closed(H, outer, F, tau).items())
+    x = plan.diloco(M, C, got, 100)
+    TABLE.append(("DiLoCo", "6.7B, tp 8, d 8 across 1 GB/s, H 100: GB per inner step, exposed s; DDP's",
+                  f"{x['bytes'] / 1e9:.3f}, {x['exposed_s']:.3f}", f"{x['ddp_bytes'] / 1e9:.3f}, "
+                  f"{x['ddp_exposed_s']:.3f}"))
+    assert agree() and x["exposed_s"] < x["ddp_exposed_s"]
+    real = plan.WIRE["all_reduce"]
+    plan.WIRE["all_reduce"] = lambda n: 1
+    try:
+        assert not agree()
+    finally:
+        plan.WIRE["all_reduce"] = real
 
 
 def test_search_lists_fitting_layouts_fastest_first():
