@@ -490,8 +490,10 @@ def legal(M, C, lay, B):
              f"--n-heads {M.heads}, kv heads {M.kv} or MLP width {M.f} not divisible by --tp {lay.tp}"),
             (not lay.sp or lay.tp > 1 and M.seq % lay.tp == 0,
              "--sequence-parallel needs --tp > 1 dividing --seq-len"),
-            (lay.pp * lay.v <= M.layers, f"--n-layers {M.layers} does not split into pp x virtual stages = "
-                                          f"{lay.pp * lay.v} chunks of a block at least"),
+            (lay.pp * lay.v <= M.layers and (lay.schedule != "interleaved" or lay.split
+                                              or M.layers % (lay.pp * lay.v) == 0),
+             f"--n-layers {M.layers} does not split into pp x virtual stages = {lay.pp * lay.v} chunks (of a "
+             f"block at least; equal ones when interleaved, unless --stage-layers cuts them)"),
             (not lay.split or len(lay.split) == lay.pp * lay.v and sum(lay.split) == M.layers
              and min(lay.split) >= 1, f"--stage-layers {','.join(map(str, lay.split))}: pp x virtual stages ="
                                       f" "

@@ -331,8 +331,6 @@ def zb_v_as_a_loop(mp):  # ZB-V's chunks placed as interleaving's, c % p
 MUTANTS = {  # what plan.py forgets -> a launch whose figures must then disagree
     "ZB-H1 holds 1F1B's p - r": (zb_h1_as_1f1b, "zb-h1 p 4 m 8"),
     "ZB-V chunks in a loop": (zb_v_as_a_loop, "zbv p 3 m 6"),
-    "zero bubble keeps nothing for W": (lambda mp: mp.setattr(plan, "pending_bytes", lambda *a: (0, 0)),
-                                        "zbv p 3 m 6"),
     "stage 3 forgets its gathered units": (drop_gathered, "zero stage 3, d 4, accum 2"),
     "sharded units without padding": (drop_padding, "zero stage 1, d 3"),
     "1F1B without its p-r-1 warm-up": (drop_warmup, "1f1b p 4 m 8"),
@@ -360,7 +358,10 @@ def test_a_dropped_term_fails_the_comparison(run, monkeypatch, mutant):
 @pytest.mark.xfail(strict=True, reason=ZB_H1_LEAK)
 def test_zb_h1_memory_on_every_stage(run):
     """ZB-H1's stages > 0 held to plan's peak (+ the received input pipedream's W graph keeps): fails while
-    pipedream's W builds autograd history (the reason); strict, so the fix turns this red: drop the mark."""
+    pipedream's W builds autograd history (the reason); strict, so the fix turns this red: drop the mark.
+    The one check of what W keeps (x and dy): ZB-V's peak comes before any W is pending (at these sizes and
+    every p <= 4, m <= 8), and ZB-H1's stage 0 too. With W under torch.no_grad() in a copy of pipedream.py,
+    stages 1-3 measured 244,992 / 244,224 / 286,736 bytes: these rows, exactly."""
     rows = rows_of(run, "zb-h1 p 4 m 8")
     assert not [x for x in rows if "state + held" in x[0] and x[1] != x[2]]
 
