@@ -16,9 +16,12 @@ activation element, Psi parameters of one rank (its pipeline stage, its 1/t).
                attention, fp16, dropout): sbh(34 + 5as/h), TP sbh(10 + 24/t + 5as/(ht)), TP+SP sbh/t (34 +
                5as/h); selective recomputation drops 5as/h, full keeps 2sbh. layer_items sums the same tensor
                by tensor, here as this repo's GPT saves them: flash attention (a logsumexp per head, no s x s
-               terms), norm statistics, no dropout. Micro-batches alive on pipeline rank r: GPipe m, 1F1B and
-               ZB-H1 p - r, ZB-V p (Qi et al. 2023: 1F1B's memory), interleaved its warm-up + 1 chunks; with
-               Layout.outputs also each stage's output, which this repo's pipelines hold to its backward.
+               terms), norm statistics, no dropout. Micro-batches alive on pipeline rank r: GPipe m, 1F1B
+               p - r, interleaved its warm-up + 1 chunks; zero bubble (ZB-H1, ZB-V) the schedule walked, each
+               micro-batch until its W, from its B holding each linear's input and output gradient (ZB-H1: p
+               on every rank); with Layout.outputs also each stage's output, which this repo's pipelines hold
+               to its backward. Chunks: the files' cut (earlier ones one block more) or --stage-layers; ZB-V
+               puts chunks r and 2p-1-r on rank r.
   bytes        handed to collectives per rank and step, as harness.CommCounter counts (an all-reduce's
                tensor, an all-gather's local input, a reduce-scatter's or all-to-all's whole input, a send):
                TP (Shoeybi et al. 2019, Sec. 3) 2 all-reduces of bsh forward, 2 backward per layer; SP
@@ -39,9 +42,16 @@ activation element, Psi parameters of one rank (its pipeline stage, its 1/t).
                each one's; ZeRO-3: all its traffic beyond each micro-batch), the all-gather of stages 1-2, a
                pipeline message per chunk boundary in and out. MFU: model FLOPs (3x) / (step x GPUs x peak).
 
+  the run       --tokens: wall time = tokens / tokens/s, with failures (rate per GPU-hour, a checkpoint every
+               tau, Young/Daly's sqrt(2 delta M) by default) to first order; a budget (--gpu-hours, --days,
+               --flops) gives Chinchilla's compute-optimal N and D (Hoffmann et al. 2022, Approach 3, the
+               constants of Besiroglu et al. 2024's refit) and the fit's final loss. DiLoCo (--inner-steps):
+               the pseudo-gradient's all-reduce every H steps beside DDP's every step. docs/plan.md: examples.
+
     python plan.py --model gpt3-6.7b --nodes 1 --search             # a 7B model on one node of 8 H100s
     python plan.py --model llama3-70b --nodes 8 --batch-size 256 --search
     python plan.py --model llama3-70b --nodes 8 --tp 8 --pp 4 --virtual-stages 2 --microbatches 256
+    python plan.py --model llama3-70b --days 30 --nodes 64 --failures-per-gpu-hour 2e-5  # the whole run
     python -m pytest -q -s tests/test_plan.py -k "paper_rows or zz"  # each paper's figure beside plan's
 """
 import math, re
