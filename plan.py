@@ -16,9 +16,12 @@ activation element, Psi parameters of one rank (its pipeline stage, its 1/t).
                attention, fp16, dropout): sbh(34 + 5as/h), TP sbh(10 + 24/t + 5as/(ht)), TP+SP sbh/t (34 +
                5as/h); selective recomputation drops 5as/h, full keeps 2sbh. layer_items sums the same tensor
                by tensor, here as this repo's GPT saves them: flash attention (a logsumexp per head, no s x s
-               terms), norm statistics, no dropout. Micro-batches alive on pipeline rank r: GPipe m, 1F1B and
-               ZB-H1 p - r, ZB-V p (Qi et al. 2023: 1F1B's memory), interleaved its warm-up + 1 chunks; with
-               Layout.outputs also each stage's output, which this repo's pipelines hold to its backward.
+               terms), norm statistics, no dropout. Micro-batches alive on pipeline rank r: GPipe m, 1F1B
+               p - r, interleaved its warm-up + 1 chunks; zero bubble (ZB-H1, ZB-V) the schedule walked, each
+               micro-batch until its W, from its B holding each linear's input and output gradient (ZB-H1: p
+               on every rank); with Layout.outputs also each stage's output, which this repo's pipelines hold
+               to its backward. Chunks: the files' cut (earlier ones one block more) or --stage-layers; ZB-V
+               puts chunks r and 2p-1-r on rank r.
   bytes        handed to collectives per rank and step, as harness.CommCounter counts (an all-reduce's
                tensor, an all-gather's local input, a reduce-scatter's or all-to-all's whole input, a send):
                TP (Shoeybi et al. 2019, Sec. 3) 2 all-reduces of bsh forward, 2 backward per layer; SP
@@ -39,12 +42,19 @@ activation element, Psi parameters of one rank (its pipeline stage, its 1/t).
                each one's; ZeRO-3: all its traffic beyond each micro-batch), the all-gather of stages 1-2, a
                pipeline message per chunk boundary in and out. MFU: model FLOPs (3x) / (step x GPUs x peak).
 
+  the run       --tokens: wall time = tokens / tokens/s, with failures (rate per GPU-hour, a checkpoint every
+               tau, Young/Daly's sqrt(2 delta M) by default) to first order; a budget (--gpu-hours, --days,
+               --flops) gives Chinchilla's compute-optimal N and D (Hoffmann et al. 2022, Approach 3, the
+               constants of Besiroglu et al. 2024's refit) and the fit's final loss. DiLoCo (--inner-steps):
+               the pseudo-gradient's all-reduce every H steps beside DDP's every step. docs/plan.md: examples.
+
     python plan.py --model gpt3-6.7b --nodes 1 --search             # a 7B model on one node of 8 H100s
     python plan.py --model llama3-70b --nodes 8 --batch-size 256 --search
     python plan.py --model llama3-70b --nodes 8 --tp 8 --pp 4 --virtual-stages 2 --microbatches 256
+    python plan.py --model llama3-70b --days 30 --nodes 64 --failures-per-gpu-hour 2e-5  # the whole run
     python -m pytest -q -s tests/test_plan.py -k "paper_rows or zz"  # each paper's figure beside plan's
 """
-import math
+import math, re
 from collections import namedtuple
 from dataclasses import dataclass, replace
 from functools import lru_cache
@@ -98,12 +108,14 @@ class Layout:
     vocab_parallel: bool = True  # embedding and head split over V (megatron_tp.py), else replicated (ptdp.py)
     outputs: bool = False  # also each stage's output, held to its backward as this repo's pipelines hold it
     # (Megatron frees its data once sent)
+    split: tuple = ()  # blocks per chunk in pipeline order (--stage-layers); () the files' cut
     gpus = property(lambda lay: lay.dp * lay.tp * lay.pp)
 
     def __str__(self):
         pipe = f" pp {self.pp} {self.schedule}" + f" v {self.v}" * (self.v > 1) if self.pp > 1 else ""
         return (f"dp {self.dp} tp {self.tp}{' sp' if self.sp else ''}{pipe}{f' ep {self.ep}' * (self.ep > 1)}"
-                f" zero {self.zero} m {self.m} recompute {self.recompute}")
+                f" zero {self.zero} m {self.m} recompute {self.recompute}"
+                + (f" blocks {'/'.join(map(str, self.split))}" if self.split else ""))
 
 
 PRECISION = {"bf16": (2, 2, 12, 2), "fp32": (4, 4, 8, 4), "fp64": (8, 8, 16, 8)}  # p, g, K (AdamW), e
@@ -129,19 +141,40 @@ def layer_params(M, moe=False):
 
 
 @lru_cache(maxsize=None)
-def chunks(layers, n):
-    """Blocks of each of n chunks in pipeline order (chunk c on pipeline rank c % p); when n does not divide
-    L the earlier chunks take one more (gpipe.py's split)."""
-    base, extra = divmod(layers, n)
-    ends = [c * base + min(c, extra) for c in range(n + 1)]
+def chunks(layers, n, split=()):
+    """Blocks of each of n chunks in pipeline order: `split` (blocks per chunk, a hand-made cut: fewer on the
+    first and last stages, say), else the files' cut: when n does not divide L the earlier chunks take one
+    more (gpipe.py's split)."""
+    if split:
+        ends = [sum(split[:c]) for c in range(n + 1)]
+    else:
+        base, extra = divmod(layers, n)
+        ends = [c * base + min(c, extra) for c in range(n + 1)]
     return tuple(range(a, z) for a, z in zip(ends, ends[1:]))
 
 
+def kinds(M, lay, c):
+    """(dense blocks, MoE blocks) in chunk c of the layout's pp x v."""
+    return _kinds(M, lay.pp * lay.v, lay.split, c)
+
+
 @lru_cache(maxsize=None)
-def kinds(M, n, c):
-    """(dense blocks, MoE blocks) in chunk c of n."""
-    moe = sum(M.experts > 0 and i % M.moe_every == M.moe_every - 1 for i in chunks(M.layers, n)[c])
-    return len(chunks(M.layers, n)[c]) - moe, moe
+def _kinds(M, n, split, c):
+    blocks = chunks(M.layers, n, split)[c]
+    moe = sum(M.experts > 0 and i % M.moe_every == M.moe_every - 1 for i in blocks)
+    return len(blocks) - moe, moe
+
+
+def mine(lay, r):
+    """The chunks pipeline rank r holds, in pipeline order: c = r, r + p, ... (a loop); ZB-V r and 2p-1-r (a
+    V: down, then back up, so rank 0 holds the embedding and the head, and the turn stays on rank p-1)."""
+    if lay.schedule == "zb-v":
+        return (r, 2 * lay.pp - 1 - r)
+    return tuple(range(r, lay.pp * lay.v, lay.pp))
+
+
+def owner(lay, c):
+    return min(c, 2 * lay.pp - 1 - c) if lay.schedule == "zb-v" else c % lay.pp
 
 
 def vocab_padded(M, lay):  # megatron_tp.py rounds V up to a multiple of t
@@ -152,12 +185,12 @@ def rank_units(M, lay, r):
     """Parameter elements pipeline rank r holds, one per ZeRO unit: each block of its chunks (its 1/t, its
     1/ep of the experts), then the root: embedding (+ positions) on chunk 0, final norm, head on the last."""
     units, n, gpt = [], lay.pp * lay.v, M.arch == "gpt"
-    for c in range(r, n, lay.pp):
-        for moe, k in zip((False, True), kinds(M, n, c)):
+    for c in mine(lay, r):
+        for moe, k in zip((False, True), kinds(M, lay, c)):
             split, repl, expert = layer_params(M, moe)
             units += [split // lay.tp + repl + expert // lay.ep] * k
     vh = vocab_padded(M, lay) * M.d // (lay.tp if lay.vocab_parallel else 1)
-    return units + [(vh + M.seq * M.d * gpt) * (r == 0) + (vh + M.d * (1 + gpt)) * (r == (n - 1) % lay.pp)]
+    return units + [(vh + M.seq * M.d * gpt) * (r == 0) + (vh + M.d * (1 + gpt)) * (r == owner(lay, n - 1))]
 
 
 def padded(units, d):
@@ -204,32 +237,95 @@ def layer_bytes(M, lay, b, e, **kw):
                for _, n, split, keep in layer_items(M, e, **kw) if keep or lay.recompute == "none")
 
 
+def moe_extra(M, bs, e):
+    return (M.experts * capacity(M, bs) * (2 * M.d + 2 * M.f) - bs * 2 * M.f) * e
+
+
 def microbatch_bytes(M, lay, b, e, c):
     """What chunk c holds per micro-batch, by part: embedding (int64 token and position ids, the
     vocab-parallel mask), blocks, final norm and head input, loss (log-softmax or vocab-parallel softmax,
     int64 targets), and with lay.outputs its output, held until its backward (the last chunk's: the loss)."""
     t, n, bs, ce, gpt = lay.tp, lay.pp * lay.v, b * M.seq, max(e, 4), M.arch == "gpt"
     t_sp, vp = (t if lay.sp else 1), lay.vocab_parallel
-    dense, moe = kinds(M, n, c)
+    dense, moe = kinds(M, lay, c)
     out = dict(embedding=(8 * bs + bs * vp + 8 * M.seq // t_sp * gpt) * (c == 0),
                blocks=(dense + moe) * layer_bytes(M, lay, b, e), final=0, loss=0,
                out=(bs * M.d * e if c < n - 1 else ce) * lay.outputs)
-    if moe:  # E C slots (dispatched input, fc and GeLU outputs, expert output) for the MLP's 2f: not measured
-        out["blocks"] += moe * (M.experts * capacity(M, bs) * (2 * M.d + 2 * M.f) - bs * 2 * M.f) * e
+    if moe and lay.recompute != "full":  # E C slots (dispatched input, fc and GeLU outputs, expert output)
+        out["blocks"] += moe * moe_extra(M, bs, e)  # for the MLP's 2f: not measured; full: the inputs only
     if c == n - 1:
         out["final"] = bs * (M.d * e + 2 * ce) // t_sp + bs * M.d * e // (t_sp if vp else 1)
         out["loss"] = bs * (vocab_padded(M, lay) // t * ce + 10) if vp else bs * (M.vocab * ce + 8) + ce
     return out
 
 
+def pending_bytes(M, lay, b, e, c):
+    """What a zero-bubble schedule keeps of chunk c's micro-batch from its B to its W (Qi et al. 2023, Sec.
+    2): each linear's input x (a tensor its forward saved, kept alive) and output gradient dy, for W's dy^T x.
+    Per token, a block's x: the two norm outputs (whole over TP), the attention output and the MLP's inner
+    activation (/ t); dy: the column layers' outputs (/ t) and the two row layers' (whole); the head's x its
+    input h, dy the logits' V (/ t when vocab-parallel). Experts' linears left out. (x bytes, dy bytes)."""
+    h, f, t, bs, kvh = M.d, M.f, lay.tp, b * M.seq, M.kv * (M.d // M.heads)
+    layers, last, gpt = sum(kinds(M, lay, c)), c == lay.pp * lay.v - 1, M.arch == "gpt"
+    x = layers * (2 * h + (h + f) // t) + h * last
+    dy = layers * ((h + 2 * kvh + (1 if gpt else 2) * f) // t + 2 * h)
+    dy += (vocab_padded(M, lay) // t if lay.vocab_parallel else M.vocab) * last
+    return x * bs * e, dy * bs * e
+
+
+def zero_bubble_ops(p, m, r, schedule):
+    """Rank r's ops in order, (kind, local chunk). ZB-H1 (Qi et al. Sec. 3.1): 1F1B's F and B, each B followed
+    by the oldest W still to run, except rank r's first r B's: their W's end the step. ZB-V (Sec. 6, torch's
+    ScheduleZBVZeroBubble; local chunk 0 is r, down the V, 1 is 2p-1-r, back up): 2(p-r)-1 F down; r times F
+    up, F down; p-r times F, B, W up; then F down (while any remain), B, W down, F, B, W up until every F
+    ran; then r times B down, B up; p-r times B down, W down; the W's left, up first."""
+    if schedule == "zb-h1":
+        warm = min(p - r - 1, m)
+        steady = [x for _ in range(m - warm) for x in (("F", 0), ("B", 0))]
+        ones = [("F", 0)] * warm + steady + [("B", 0)] * warm
+        ops, held = [], 0
+        for op in ones:
+            ops.append(op)
+            if op[0] == "B":
+                held += 1
+                if sum(o == ("B", 0) for o in ops) > r:
+                    ops, held = ops + [("W", 0)], held - 1
+        return ops + [("W", 0)] * held
+    ops = [("F", 0)] * (2 * (p - r) - 1) + [("F", 1), ("F", 0)] * r + [("F", 1), ("B", 1), ("W", 1)] * (p - r)
+    forwards = [2 * (p - r) - 1 + r, p]
+    while forwards[1] < m:
+        if forwards[0] < m:
+            ops, forwards[0] = ops + [("F", 0)], forwards[0] + 1
+        ops, forwards[1] = ops + [("B", 0), ("W", 0), ("F", 1), ("B", 1), ("W", 1)], forwards[1] + 1
+    ops += [("B", 0), ("B", 1)] * r + [("B", 0), ("W", 0)] * (p - r)
+    for c in (1, 0):
+        ops += [("W", c)] * (sum(o == ("B", c) for o in ops) - sum(o == ("W", c) for o in ops))
+    return ops
+
+
+def maximal(states):
+    """The states no other state holds as much of, chunk by chunk."""
+    return frozenset(x for x in states if not any(y != x and min(map(int.__sub__, y, x)) >= 0
+                                                  for y in states))
+
+
 @lru_cache(maxsize=None)
 def alive_patterns(p, v, m, r, schedule):
-    """Rank r's micro-batch chunks alive after each forward, as counts per local chunk (the maximal ones).
-    GPipe: all m; 1F1B, ZB-H1: p - r; ZB-V: p (its 2 chunks together). Interleaved: Megatron's order walked,
-    2(p-r-1) + (v-1)p warm-up forwards, then forward k and backward k - warm-up in turn (forward on local
-    chunk (k % pv) // p, backward on v-1 minus it); the order repeats every p micro-batches: 4p suffice."""
-    if v == 1 or schedule in ("gpipe", "zb-v"):
-        return frozenset({(m if schedule == "gpipe" else min(p if schedule == "zb-v" else p - r, m),)})
+    """Rank r's micro-batch chunks alive after each op, as counts per local chunk (the maximal ones).
+    GPipe: all m; 1F1B: p - r. Interleaved: Megatron's order walked, 2(p-r-1) + (v-1)p warm-up forwards, then
+    forward k and backward k - warm-up in turn (forward on local chunk (k % pv) // p, backward on v-1 minus
+    it); the order repeats every p micro-batches: 4p suffice. Zero bubble: their orders walked, and each
+    count twice, (between F and B per local chunk, then between B and W): a micro-batch lives until its W,
+    p on every ZB-H1 rank, not 1F1B's p - r."""
+    if schedule in ("zb-h1", "zb-v"):
+        full, pend, seen = [0] * v, [0] * v, set()
+        for kind, c in zero_bubble_ops(p, m, r, schedule):
+            full[c] += {"F": 1, "B": -1}.get(kind, 0)
+            pend[c] += {"B": 1, "W": -1}.get(kind, 0)
+            seen.add(tuple(full + pend))
+        return maximal(seen)
+    if v == 1 or schedule == "gpipe":
+        return frozenset({(m if schedule == "gpipe" else min(p - r, m),)})
     m = min(m, 4 * p)
     warm, alive, seen = min(2 * (p - r - 1) + (v - 1) * p, v * m), [0] * v, set()
     chunk = [(k % (p * v)) // p for k in range(v * m)]
@@ -238,16 +334,21 @@ def alive_patterns(p, v, m, r, schedule):
         seen.add(tuple(alive))
         if k >= warm:
             alive[v - 1 - chunk[k - warm]] -= 1
-    return frozenset(x for x in seen if not any(y != x and min(map(int.__sub__, y, x)) >= 0 for y in seen))
+    return maximal(seen)
 
 
 def peak_activations(M, lay, b, e, r):
-    """Most bytes rank r holds for backward at once: the largest sum of its alive chunks' bytes; full
-    recomputation adds one layer's whole set, rebuilt in its backward."""
-    per = [sum(microbatch_bytes(M, lay, b, e, c).values()) for c in range(r, lay.pp * lay.v, lay.pp)]
-    per = [sum(per)] if lay.schedule == "zb-v" else per
+    """Most bytes rank r holds for backward at once: the largest sum of its alive chunks' bytes (zero bubble:
+    and of what W needs); full recomputation adds one layer's whole set, rebuilt in its backward."""
+    per = [sum(microbatch_bytes(M, lay, b, e, c).values()) for c in mine(lay, r)]
+    if lay.schedule in ("zb-h1", "zb-v"):
+        per += [sum(pending_bytes(M, lay, b, e, c)) for c in mine(lay, r)]
     peak = max(sum(map(int.__mul__, k, per)) for k in alive_patterns(lay.pp, lay.v, lay.m, r, lay.schedule))
-    return peak + (layer_bytes(M, replace(lay, recompute="none"), b, e) if lay.recompute == "full" else 0)
+    if lay.recompute != "full":
+        return peak
+    moe = any(kinds(M, lay, c)[1] for c in mine(lay, r))  # the largest layer rebuilt
+    rebuilt = layer_bytes(M, replace(lay, recompute="none"), b, e)
+    return peak + rebuilt + (moe_extra(M, b * M.seq, e) if moe else 0)
 
 
 @lru_cache(maxsize=None)
@@ -279,8 +380,8 @@ def collectives(M, lay, B, r=0):
             x = out.setdefault(key, [0, 0, size])
             x[0], x[1] = x[0] + calls, x[1] + calls * nbytes
 
-    mine = range(r, n, lay.pp)
-    layers, first, last = sum(sum(kinds(M, n, c)) for c in mine), r == 0, r == (n - 1) % lay.pp
+    chunks_r = mine(lay, r)
+    layers, first, last = sum(sum(kinds(M, lay, c)) for c in chunks_r), r == 0, r == owner(lay, n - 1)
     emb, head, again = first and lay.vocab_parallel, last and lay.vocab_parallel, lay.recompute == "full"
     if lay.sp:  # all-gather before each column layer, reduce-scatter after each row layer; backward mirrors
         k = 2 * layers
@@ -288,18 +389,18 @@ def collectives(M, lay, B, r=0):
         add("reduce_scatter/tp/fwd", m * (k + emb), bsh, t)
         add("reduce_scatter/tp/bwd", m * (k * (1 + again) + head), bsh, t)
         add("all_gather/tp/bwd", m * (k * (2 + again) + emb + head), bsh // t, t)  # + each column's re-gather
-        repl = sum(layer_params(M, moe)[1] * k for c in mine for moe, k in zip((0, 1), kinds(M, n, c)))
+        repl = sum(layer_params(M, moe)[1] * k for c in chunks_r for moe, k in zip((0, 1), kinds(M, lay, c)))
         repl += M.seq * M.d * (first and gpt) + M.d * (1 + gpt) * last  # their gradients saw T/t positions
         add("all_reduce/tp/step", 1, e * repl, t)
     else:  # g forward, f backward, twice per layer; the vocab-parallel embedding's g and head's f
         add("all_reduce/tp/fwd", m * (2 * layers + emb), bsh, t)
         add("all_reduce/tp/bwd", m * (2 * layers * (1 + again) + head), bsh, t)
     add("all_reduce/tp/fwd", 3 * m * head, b * M.seq * max(e, 4), t)  # vocab-parallel loss: max, target, sum
-    for c in mine:  # an activation to chunk c+1, a gradient to chunk c-1, per micro-batch
-        add("send/pp/fwd", m * (c < n - 1) * (1 + (lay.schedule == "zb-v")), bsh, lay.pp)
-        add("send/pp/bwd", m * (c > 0) * (1 + (lay.schedule == "zb-v")), bsh, lay.pp)
+    for c in chunks_r:  # an activation to chunk c+1, a gradient to chunk c-1, per micro-batch, off the rank
+        add("send/pp/fwd", m * (c < n - 1 and owner(lay, c + 1) != r), bsh, lay.pp)
+        add("send/pp/bwd", m * (c > 0 and owner(lay, c - 1) != r), bsh, lay.pp)
     if M.experts:  # dispatch and combine, forward and backward: (E, C, h) slots each
-        calls = 2 * m * sum(kinds(M, n, c)[1] for c in mine)
+        calls = 2 * m * sum(kinds(M, lay, c)[1] for c in chunks_r)
         add("all_to_all/ep/fwd", calls, M.experts * capacity(M, b * M.seq) * M.d * e, lay.ep)
         add("all_to_all/ep/bwd", calls, M.experts * capacity(M, b * M.seq) * M.d * e, lay.ep)
     units, z = rank_units(M, lay, r), lay.zero
@@ -352,7 +453,7 @@ def chunk_flops(M, lay, b, c, recompute=None):
     rc = lay.recompute if recompute is None else recompute
     core = 4 * b * M.seq ** 2 * M.d * (rc == "selective")
     blocks = sum(k * ((3 + (rc == "full")) * layer_flops(M, b, moe) + core)
-                 for moe, k in zip((False, True), kinds(M, lay.pp * lay.v, c)))
+                 for moe, k in zip((False, True), kinds(M, lay, c)))
     head = 6 * b * M.seq * M.d * M.vocab * (c == lay.pp * lay.v - 1)
     return blocks / lay.tp + head / (lay.tp if lay.vocab_parallel else 1)
 
@@ -366,7 +467,7 @@ def predict(M, C, lay, B, eff=0.5, headroom=0.1):
     rate, bw = C.tflops * 1e12 * eff, {"nvlink": C.intra_gbs * GB, "ib": C.inter_gbs * GB}
     secs = {r: {k: on_the_wire(k, *x) / bw[link(C, lay, k.split("/")[1])] for k, x in comm[r].items()}
             for r in ranks}
-    flops = {r: sum(chunk_flops(M, lay, b, c) for c in range(r, n, lay.pp)) / rate for r in ranks}
+    flops = {r: sum(chunk_flops(M, lay, b, c) for c in mine(lay, r)) / rate for r in ranks}
     tp_ep = {r: sum(x for k, x in secs[r].items() if k.split("/")[1] in ("tp", "ep") and "step" not in k)
              / lay.m for r in ranks}  # per micro-batch, on its critical path
     slow = max(ranks, key=lambda r: flops[r] + tp_ep[r])
@@ -399,14 +500,23 @@ def legal(M, C, lay, B):
              f"--n-heads {M.heads}, kv heads {M.kv} or MLP width {M.f} not divisible by --tp {lay.tp}"),
             (not lay.sp or lay.tp > 1 and M.seq % lay.tp == 0,
              "--sequence-parallel needs --tp > 1 dividing --seq-len"),
-            (lay.pp * lay.v <= M.layers and (lay.v == 1 or M.layers % (lay.pp * lay.v) == 0),
-             f"--n-layers {M.layers} does not split into pp x virtual stages = {lay.pp * lay.v} chunks"),
+            (lay.pp * lay.v <= M.layers and (lay.schedule != "interleaved" or lay.split
+                                              or M.layers % (lay.pp * lay.v) == 0),
+             f"--n-layers {M.layers} does not split into pp x virtual stages = {lay.pp * lay.v} chunks (of a "
+             f"block at least; equal ones when interleaved, unless --stage-layers cuts them)"),
+            (not lay.split or len(lay.split) == lay.pp * lay.v and sum(lay.split) == M.layers
+             and min(lay.split) >= 1, f"--stage-layers {','.join(map(str, lay.split))}: pp x virtual stages ="
+                                      f" "
+                                      f"{lay.pp * lay.v} numbers >= 1 summing to --n-layers {M.layers}"),
             (B % (lay.dp * lay.m) == 0,
              f"--batch-size {B} is not divisible by dp x microbatches = {lay.dp} x {lay.m}"),
-            (lay.v == 1 or lay.pp > 1 and lay.m % lay.pp == 0,
+            (lay.schedule != "interleaved" or lay.pp > 1 and lay.m % lay.pp == 0,
              "interleaving needs --pp > 1 dividing --microbatches"),
-            ((lay.schedule == "interleaved") == (lay.v > 1) or lay.schedule == "zb-v" and lay.v == 2,
-             f"--schedule {lay.schedule} with --virtual-stages {lay.v}: interleaved needs v > 1, zb-v 2"),
+            (lay.v == {"interleaved": max(lay.v, 2), "zb-v": 2}.get(lay.schedule, 1),
+             f"--schedule {lay.schedule} with --virtual-stages {lay.v}: interleaved needs v > 1, zb-v 2, "
+             "the others 1"),
+            (lay.schedule != "zb-v" or lay.pp > 1 and lay.m >= 2 * lay.pp - 1,
+             f"--schedule zb-v needs --pp > 1 and --microbatches >= 2p-1 = {2 * lay.pp - 1}, got {lay.m}"),
             (lay.ep == 1 or M.experts % lay.ep == lay.dp % lay.ep == 0,
              f"--ep {lay.ep} must divide the experts and dp"),
             (lay.zero in (0, 1, 2, 3), f"--stage must be 0, 1, 2 or 3, got {lay.zero}")]:
@@ -416,14 +526,17 @@ def legal(M, C, lay, B):
 
 
 def layouts(M, C, B, precision="bf16"):
-    """Every legal layout on all the cluster's GPUs: tp dividing a node, pp dividing L, b in 1, 2, 4, 8, each
-    schedule and v, ZeRO stage, SP, recomputation (GPipe left out: 1F1B's time, more memory)."""
+    """Every legal layout on all the cluster's GPUs: tp dividing a node, every pp up to L (the files' cut when
+    it does not divide L), b in 1, 2, 4, 8, each schedule and every v (interleaved: each v > 1 cutting L into
+    equal chunks, as Megatron asks; ZB-V 2), ZeRO stage, SP, recomputation (GPipe left out: 1F1B's time, more
+    memory)."""
     gpus = C.nodes * C.gpus_per_node
     for tp, pp in [(t, p) for t in range(1, C.gpus_per_node + 1) for p in range(1, M.layers + 1)
-                   if C.gpus_per_node % t == 0 and M.layers % p == 0 and gpus % (t * p) == 0]:
+                   if C.gpus_per_node % t == 0 and gpus % (t * p) == 0]:
         dp = gpus // (tp * pp)
-        scheds = [("1f1b", 1), ("zb-h1", 1), ("zb-v", 2), ("interleaved", 2), ("interleaved", 4),
-                  ("interleaved", 8)] if pp > 1 else [("1f1b", 1)]
+        scheds = [("1f1b", 1), ("zb-h1", 1), ("zb-v", 2)] + [
+            ("interleaved", v) for v in range(2, M.layers // pp + 1) if M.layers % (pp * v) == 0]
+        scheds = scheds if pp > 1 else [("1f1b", 1)]
         eps = [k for k in range(1, dp + 1) if k == 1 or M.experts and dp % k == 0]
         bs = [b for b in (1, 2, 4, 8) if B % (dp * b) == 0]
         for b, (sched, v), ep, zero, sp, rc in [(b, s, ep, z, sp, rc) for b in bs for s in scheds
@@ -459,6 +572,87 @@ def why_faster(a, b):
     more = ", ".join(f"{w} {-x:,.0f} ms" for x, w in d if x < 0)
     return (f"{a['tokens_per_s'] / b['tokens_per_s']:.3f}x the tokens/s of {b['layout']}: its step spends "
             f"less on {less}" + (f"; more on {more}" if more else ""))
+
+
+# ----------------------------------------------------------------------------- the whole run
+# Hoffmann et al. 2022 (Chinchilla), Approach 3: the final loss L(N, D) = E + A / N^alpha + B / D^beta of N
+# parameters trained on D tokens, compute C = 6ND. Constants: Besiroglu et al. 2024's refit of the paper's own
+# points; the paper's Eq. 10 (HOFFMANN) gives compute-optimal models 2-3x smaller than its Approaches 1 and 2
+# and its Table 3, which the refit matches within 15% up to 1T parameters (tests/test_plan.py checks it).
+CHINCHILLA = dict(E=1.82, A=482.01, B=2085.43, alpha=0.3478, beta=0.3658)
+HOFFMANN = dict(E=1.69, A=406.4, B=410.7, alpha=0.34, beta=0.28)
+
+
+def compute_optimal(C, law=CHINCHILLA):
+    """(N, D) minimising L(N, D) at 6ND = C: N = G (C/6)^(beta/(alpha+beta)), D = C / (6N), with G =
+    (alpha A / (beta B))^(1/(alpha+beta)) (Hoffmann et al. Eq. 4)."""
+    a, b = law["alpha"], law["beta"]
+    N = (a * law["A"] / (b * law["B"])) ** (1 / (a + b)) * (C / 6) ** (b / (a + b))
+    return N, C / (6 * N)
+
+
+def final_loss(N, D, law=CHINCHILLA):
+    return law["E"] + law["A"] / N ** law["alpha"] + law["B"] / D ** law["beta"]
+
+
+def n_params(M):
+    return sum(rank_units(M, Layout(), 0))
+
+
+def shaped(P, N):
+    """A model of about N parameters in preset P's proportions: its head width, MLP width / h, depth / h,
+    vocabulary, sequence and kv heads; heads a multiple of 8 (so every tp up to 8 divides them)."""
+    hd, best = P.d // P.heads, None
+    for heads in range(8, 100000, 8):
+        d = heads * hd
+        kv = math.gcd(P.kv_heads, heads) if P.kv_heads else 0
+        ffn = -(-round(P.f / P.d * d) // 256) * 256 if P.ffn else 0
+        M = P._replace(layers=max(1, round(P.layers / P.d * d)), d=d, heads=heads, kv_heads=kv, ffn=ffn)
+        n = n_params(M)
+        if best is None or abs(math.log(n / N)) < abs(math.log(best[0] / N)):
+            best = (n, M)
+        if n > 2 * N:
+            return best[1]
+
+
+def with_failures(work_s, gpus, rate, write_s, restart_s, interval_s=0.0):
+    """Wall time of work_s seconds of training on `gpus` GPUs that each fail at `rate` per GPU-hour (the job
+    stops at the first: mean time between failures M = 3600 / (rate x gpus) s). A checkpoint every tau s
+    (0: Young 1974 / Daly 2006's optimum sqrt(2 delta M)) costs delta = write_s; each failure a restart R and,
+    on average, half an interval of work: wall = work (1 + delta/tau) / (1 - (tau/2 + R) / M), to first order.
+    (wall s, tau s, expected failures); wall inf when failures come faster than the run recovers."""
+    if rate == 0:
+        return work_s, interval_s, 0.0
+    mtbf = 3600 / (rate * gpus)
+    tau = interval_s or math.sqrt(2 * write_s * mtbf)
+    lost = (tau / 2 + restart_s) / mtbf
+    wall = work_s * (1 + write_s / tau) / (1 - lost) if lost < 1 else math.inf
+    return wall, tau, wall / mtbf
+
+
+def work_in(wall_s, gpus, rate, write_s, restart_s, interval_s=0.0):
+    """The training seconds a wall time holds, failures and checkpoints taken out: with_failures inverted."""
+    wall, tau, _ = with_failures(1.0, gpus, rate, write_s, restart_s, interval_s)
+    return wall_s / wall
+
+
+# ----------------------------------------------------------------------------- DiLoCo across slow links
+def diloco(M, C, got, H, outer_bytes=4, fragments=1, overlap=0):
+    """DiLoCo (Douillard et al. 2023) beside DDP for the layout of `got`, its data-parallel group across the
+    slow link: every H inner steps one all-reduce of the pseudo-gradient (outer_bytes per parameter), where
+    DDP all-reduces g bytes per parameter every step. Streaming DiLoCo (Douillard et al. 2025): F fragments,
+    each synced once per H steps, staggered, its exchange overlapped with `overlap` inner steps. Per inner
+    step: bytes handed, bytes on the wire (ring: 2(d-1)/d), and the exposed communication time; DDP's exposed
+    time is what predict found beyond the backward. Theory: diloco.py measures its own bytes."""
+    lay, d = got["layout"], got["layout"].dp
+    g, psi = PRECISION[lay.precision][1], sum(rank_units(M, lay, 0))  # pipeline rank 0's parameters (its 1/t)
+    bw = (C.intra_gbs if link(C, lay, "dp") == "nvlink" else C.inter_gbs) * GB
+    wire = WIRE["all_reduce"](d) * psi * outer_bytes
+    per_sync = wire / fragments / bw  # one fragment's all-reduce, seconds
+    exposed = fragments * max(0.0, per_sync - overlap * got["step_s"]) / H
+    return dict(bytes=psi * outer_bytes / H, wire=wire / H, exposed_s=exposed, ddp_bytes=psi * g,
+                ddp_wire=WIRE["all_reduce"](d) * psi * g, ddp_exposed_s=got["dp_s"],
+                step_s=got["step_s"] - got["dp_s"] + exposed)
 
 
 # ----------------------------------------------------------------------------- report
@@ -519,18 +713,92 @@ class Args:
     precision: Literal["bf16", "fp32", "fp64"] = "bf16"  # bf16: mixed-precision Adam, 2 + 2 + 12 bytes
     schedule: Literal["1f1b", "gpipe", "interleaved", "zb-h1", "zb-v"] = "1f1b"  # pipeline schedule
     vocab_parallel: bool = True  # split embedding and head over the vocabulary (else replicated over tp)
+    stage_layers: str = ""  # blocks per chunk in pipeline order, e.g. 7,8,...,8,7 (fewer on first and last)
     search: bool = False  # rank every legal layout that fits by predicted tokens/s
     top: int = 10  # layouts --search prints
+    tokens: float = 0  # the whole run: train on this many tokens (wall time, GPU-hours, cost)
+    gpu_hours: float = 0  # a budget in GPU-hours: the compute-optimal model and tokens for it (Chinchilla)
+    days: float = 0  # a budget in days on this cluster, failures and checkpoints included
+    flops: float = 0  # a budget in training FLOPs, C = 6ND
+    usd_per_gpu_hour: float = 0  # price per GPU-hour, for the cost
+    failures_per_gpu_hour: float = 0  # interruptions per GPU-hour (Llama 3: 419 in 54 days on 16384: 2e-5)
+    ckpt_minutes: float = 0  # checkpoint interval (0: Young/Daly's optimum for the failure rate)
+    ckpt_write_s: float = 30  # seconds each checkpoint stops training
+    restart_minutes: float = 10  # minutes from a failure to training again (detect, replace, reload)
+    inner_steps: int = 0  # DiLoCo beside DDP: H inner steps per outer sync (0: off), dp across --inter-gbs
+    fragments: int = 1  # Streaming DiLoCo: fragments synced in turn
+    overlap: int = 0  # Streaming DiLoCo: inner steps each fragment's exchange overlaps
+    outer_dtype: Literal["float32", "bfloat16"] = "float32"  # DiLoCo: the pseudo-gradient's type on the wire
 
 
 def check_args(a):
-    ones = "batch_size nodes tp pp virtual_stages ep microbatches top top_k moe_every".split()
-    zeros = "n_layers d_model n_heads kv_heads vocab seq_len ffn experts dp gpus_per_node gpu_mem_gb tflops"
-    for name, low in [(n, 1) for n in ones] + [(n, 0) for n in zeros.split() + ["intra_gbs", "inter_gbs"]]:
+    """Every flag: numbers finite and in range; one budget at most; MoE flags that fit together."""
+    for name, x in vars(a).items():
+        if isinstance(x, float) and not math.isfinite(x):
+            fail(f"--{name.replace('_', '-')} must be a finite number, got {x}")
+    ones = "batch_size nodes tp pp virtual_stages ep microbatches top top_k moe_every fragments".split()
+    zeros = ("n_layers d_model n_heads kv_heads vocab seq_len ffn experts dp gpus_per_node gpu_mem_gb tflops "
+             "intra_gbs inter_gbs stage tokens gpu_hours days flops usd_per_gpu_hour failures_per_gpu_hour "
+             "ckpt_minutes ckpt_write_s restart_minutes inner_steps overlap").split()
+    for name, low in [(n, 1) for n in ones] + [(n, 0) for n in zeros]:
         if getattr(a, name) < low:
             fail(f"--{name.replace('_', '-')} must be >= {low}, got {getattr(a, name)}")
     if not 0 < a.efficiency <= 1 or not 0 <= a.headroom < 1:
         fail(f"--efficiency must be in (0, 1] and --headroom in [0, 1), got {a.efficiency}, {a.headroom}")
+    if not a.capacity_factor > 0:
+        fail(f"--capacity-factor must be > 0 (slots: cf x k x tokens / E), got {a.capacity_factor}")
+    if a.experts and a.top_k > a.experts:
+        fail(f"--top-k {a.top_k} must be at most --experts {a.experts}")
+    if a.stage_layers and not re.fullmatch(r"\d+(,\d+)*", a.stage_layers):
+        fail(f"--stage-layers must be numbers separated by commas, got {a.stage_layers!r}")
+    budget = [f"--{n.replace('_', '-')}" for n in ("gpu_hours", "days", "flops") if getattr(a, n)]
+    if len(budget) + (a.tokens > 0) > 1:
+        given = budget + ["--tokens"] * (a.tokens > 0)
+        fail(f"give one of --tokens, --gpu-hours, --days, --flops, got {', '.join(given)}")
+
+
+def run_report(M, C, got, D, a, optimal=None):
+    """The whole run at the chosen layout: training D tokens, its checkpoints and failures, GPU-hours, cost,
+    the fitted law's final loss (and the compute-optimal N, D the budget asked for)."""
+    gpus, work = got["layout"].gpus, D / got["tokens_per_s"]
+    wall, tau, fails = with_failures(work, gpus, a.failures_per_gpu_hour, a.ckpt_write_s,
+                                     60 * a.restart_minutes, 60 * a.ckpt_minutes)
+    N, day = n_params(M), 86400
+    print("the whole run (theory):")
+    if optimal:
+        print(f"  compute-optimal for C = {optimal[0]:.3e} FLOPs (Chinchilla Approach 3, "
+              f"L = E + A/N^alpha + B/D^beta"
+              f", {', '.join(f'{k} {x:g}' for k, x in CHINCHILLA.items())}): N {optimal[1] / 1e9:,.1f}B, "
+              f"D {optimal[2] / 1e9:,.0f}B tokens")
+    print(f"  model {N / 1e9:,.2f}B parameters: L {M.layers} h {M.d} a {M.heads} kv {M.kv} ffn {M.f} "
+          f"V {M.vocab} "
+          f"s {M.seq}; {D / 1e9:,.0f}B tokens ({D / N:.1f} per parameter), 6ND = {6 * N * D:.3e} FLOPs")
+    print(f"  layout {got['layout']}: {got['tokens_per_s']:,.0f} tokens/s, MFU {got['mfu']:.1%}")
+    lost = f", {fails:,.1f} failures expected, a checkpoint every {tau / 60:,.1f} min" if fails else ""
+    print(f"  wall time {wall / day:,.2f} days (training {work / day:,.2f}{lost}); {gpus * wall / 3600:,.0f} "
+          f"GPU-hours" + (f", ${a.usd_per_gpu_hour * gpus * wall / 3600:,.0f}" if a.usd_per_gpu_hour else ""))
+    print(f"  predicted final loss {final_loss(N, D):.3f} nats/token (the law's, on its data: MassiveText)")
+    return dict(wall_s=wall, work_s=work, tau_s=tau, failures=fails, N=N, D=D, loss=final_loss(N, D))
+
+
+def budget_model(P, C, B, a):
+    """The compute-optimal model for the budget: C from the budget's training seconds x GPUs x peak x MFU, the
+    MFU of the best layout found for the model of the step before (twice, from --efficiency)."""
+    gpus, mfu = C.nodes * C.gpus_per_node, a.efficiency
+    wall = a.days * 86400 or a.gpu_hours * 3600 / gpus
+    work = work_in(wall, gpus, a.failures_per_gpu_hour, a.ckpt_write_s, 60 * a.restart_minutes,
+                   60 * a.ckpt_minutes) if wall else 0
+    for _ in range(2):
+        flops = a.flops or work * gpus * C.tflops * 1e12 * mfu
+        N, D = compute_optimal(flops)
+        M = shaped(P, N)
+        ranked = search(M, C, B, a.efficiency, a.headroom, a.precision)[0]
+        if not ranked:
+            fail(f"no layout of the compute-optimal {n_params(M) / 1e9:.1f}B model fits {gpus} GPUs of "
+                 f"{C.mem_gb:g} GB at --batch-size {B}")
+        mfu = ranked[0]["mfu"]
+    tokens = flops / (6 * n_params(M)) if a.flops else work * ranked[0]["tokens_per_s"]
+    return M, ranked, tokens, (flops, N, D)
 
 
 def main():
@@ -546,10 +814,14 @@ def main():
     C = Cluster(a.nodes, a.gpus_per_node or K.gpus_per_node, a.gpu_mem_gb or K.mem_gb, a.tflops or K.tflops,
                 a.intra_gbs or K.intra_gbs, a.inter_gbs or K.inter_gbs)
     gpus, B = C.nodes * C.gpus_per_node, a.batch_size
-    print(f"plan (predictions): {a.model}, {sum(rank_units(M, Layout(), 0)) / 1e9:.2f}B parameters, "
+    print(f"plan (predictions): {a.model}, {n_params(M) / 1e9:.2f}B parameters, "
           f"L {M.layers} h {M.d} a {M.heads} V {M.vocab} s {M.seq}; batch {B} x {M.seq} tokens; {C.nodes} x "
           f"{C.gpus_per_node} GPUs of {C.mem_gb:g} GB, {C.tflops:g} TFLOP/s, {C.intra_gbs:g} / "
           f"{C.inter_gbs:g} GB/s in / across nodes; efficiency {a.efficiency:g}")
+    if a.gpu_hours or a.days or a.flops:
+        M, ranked, tokens, optimal = budget_model(P, C, B, a)
+        report(C, B, ranked[0])
+        return run_report(M, C, ranked[0], tokens, a, optimal)
     if a.search:
         ranked, n_legal, n_fit = search(M, C, B, a.efficiency, a.headroom, a.precision)
         if not ranked:
@@ -559,15 +831,29 @@ def main():
             print(f"  {i + 1:2d}. {x['tokens_per_s']:11,.0f} tok/s  MFU {x['mfu']:5.1%}  "
                   f"step {x['step_s']:8.3f} s  {x['layout']}")
         print("why 1 beats 2: " + (why_faster(*ranked[:2]) if ranked[1:] else "it is the only one that fits"))
-        return report(C, B, ranked[0])
-    v = a.virtual_stages
-    lay = Layout(a.dp or max(1, gpus // (a.tp * a.pp)), a.tp, a.pp, v, a.ep, a.stage, a.microbatches,
-                 a.sequence_parallel, a.recompute, a.precision,
-                 "interleaved" if v > 1 and a.schedule == "1f1b" else a.schedule, a.vocab_parallel)
-    why = legal(M, C, lay, B)
-    if why:
-        fail(why)
-    report(C, B, predict(M, C, lay, B, a.efficiency, a.headroom))
+        got = ranked[0]
+    else:
+        v = a.virtual_stages
+        lay = Layout(a.dp or max(1, gpus // (a.tp * a.pp)), a.tp, a.pp, v, a.ep, a.stage, a.microbatches,
+                     a.sequence_parallel, a.recompute, a.precision,
+                     "interleaved" if v > 1 and a.schedule == "1f1b" else a.schedule, a.vocab_parallel)
+        if a.stage_layers:
+            lay = replace(lay, split=tuple(map(int, a.stage_layers.split(","))))
+        why = legal(M, C, lay, B)
+        if why:
+            fail(why)
+        got = predict(M, C, lay, B, a.efficiency, a.headroom)
+    report(C, B, got)
+    if a.inner_steps:
+        outer = {"float32": 4, "bfloat16": 2}[a.outer_dtype]
+        x = diloco(M, C, got, a.inner_steps, outer, a.fragments, a.overlap)
+        print(f"DiLoCo (theory), H {a.inner_steps}, {a.fragments} fragment(s), overlap {a.overlap}, "
+              f"{a.outer_dtype}: per inner step {x['bytes'] / GB:.3f} GB handed ({x['wire'] / GB:.3f} on the "
+              f"wire), exposed {x['exposed_s'] * 1e3:.1f} ms; DDP {x['ddp_bytes'] / GB:.3f} GB "
+              f"({x['ddp_wire'] / GB:.3f}), exposed {x['ddp_exposed_s'] * 1e3:.1f} ms: "
+              f"{x['ddp_bytes'] / x['bytes']:.0f}x fewer bytes")
+    if a.tokens:
+        run_report(M, C, got, a.tokens, a)
 
 
 if __name__ == "__main__":

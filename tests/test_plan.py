@@ -42,9 +42,13 @@ RUNS = {  # name: (file, processes, flags)
     "megatron tp 4 + SP": ("megatron_tp.py", 4, [*T, "--tp", "4", "--n-heads", "4", "--sequence-parallel"]),
     "gpipe p 4 m 8": ("gpipe.py", 4, [*T, *PIPE]),
     "1f1b p 4 m 8": ("pipedream.py", 4, [*T, *PIPE, "--mode", "flush"]),
+    "zb-h1 p 4 m 8": ("pipedream.py", 4, [*T, *PIPE, "--mode", "zb"]),
     "ptdp 2x2x2 v 2": ("ptdp.py", 8, [*T, "--pp", "2", "--tp", "2", "--dp", "2", "--virtual-stages", "2",
                                       "--n-layers", "4", "--batch-size", "16", "--microbatches", "4",
                                       "--stage-ms", "50"]),
+    "zbv p 3 m 6": ("ptdp.py", 3, [*T, "--pp", "3", "--tp", "1", "--dp", "1", "--virtual-stages", "2",
+                                   "--schedule", "zbv", "--n-layers", "6", "--microbatches", "6",
+                                   "--stage-ms", "50"]),
     "moe ep 1": ("moe.py", 1, [*T, "--router", "switch"]),
     "moe ep 2": ("moe.py", 2, [*T, "--router", "switch", "--ep", "2"]),
     "moe ep 4": ("moe.py", 4, [*T, "--router", "switch", "--ep", "4"]),
@@ -130,12 +134,21 @@ def megatron_rows(s, name):
             ("peak bytes (state + saved)", s["peak_mem_bytes"], state(mem) + saved)]
 
 
+ZB_H1_LEAK = ("pipedream.py --mode zb: SplitBackward.backward_weight runs with autograd on, so each W's "
+              "dy^T x "
+              "gets a graph through x back to the stage's received input, and .grad.add_ keeps it: every "
+              "micro-batch's input stays alive to the step's end (stages > 0); under torch.no_grad() these "
+              "rows "
+              "are exact")
+
+
 def pipeline_rows(s, name):
-    """gpipe.py, pipedream.py (flush): per stage the bytes held for backward at the peak (gpipe) or with the
-    model state (pipedream), the model state (gpipe), bytes sent; the bubble (idle share of the last step)."""
+    """gpipe.py, pipedream.py (flush, zb): per stage the bytes held for backward at the peak (gpipe) or with
+    the model state (pipedream), the model state (gpipe), bytes sent; the bubble (idle share of the last
+    step). ZB-H1: the peak over plan's alive patterns (between F and B, between B and W)."""
     M, p, B, m = model_of(name), RUNS[name][1], flag(name, "--batch-size"), flag(name, "--microbatches")
-    gpipe = RUNS[name][0] == "gpipe.py"
-    lay = plan.Layout(pp=p, m=m, schedule="gpipe" if gpipe else "1f1b", precision="fp64",
+    gpipe, zb = RUNS[name][0] == "gpipe.py", "zb" in RUNS[name][2]
+    lay = plan.Layout(pp=p, m=m, schedule="gpipe" if gpipe else "zb-h1" if zb else "1f1b", precision="fp64",
                       vocab_parallel=False, outputs=True)  # it holds each stage output until its backward
     f, b, rows = s["figures"], B // m, []
     for r in range(p):
@@ -146,22 +159,53 @@ def pipeline_rows(s, name):
             rows += [(f"stage {r} held for backward", f["saved_activation_bytes"][r], mem["activations"]),
                      (f"stage {r} model state", f["state_bytes"][r], state(mem)),
                      (f"stage {r} bytes sent", f["sent_bytes_per_rank"][r], sent)]
+        elif zb:  # as flush; pipedream's W keeps x with its graph (not detached, as ptdp.py does), and the
+            # graph the stage's received input (b, T, D): alive from B to W on stages > 0
+            A = sum(plan.microbatch_bytes(M, lay, b, E, r).values())
+            W = sum(plan.pending_bytes(M, lay, b, E, r)) + b * M.seq * M.d * E * (r > 0)
+            held = state(mem) + max(k[0] * A + k[1] * W + batch_storage(M, B, b, k[0], r == 0, r == p - 1)
+                                    for k in plan.alive_patterns(p, 1, m, r, "zb-h1"))
+            what = f"stage {r} state + held, peak" + (f" (reported: {ZB_H1_LEAK})" if r else "")
+            alive = max(sum(k) for k in plan.alive_patterns(p, 1, m, r, "zb-h1"))
+            rows += [(what, f["mem_bytes_per_rank"][r], held),
+                     (f"stage {r} micro-batches alive, F to W", f["peak_alive_microbatches"][r], alive),
+                     (f"stage {r} bytes sent", f["sent_bytes_per_rank"][r], sent + sends * 8 * 4)]
         else:  # pipedream.py's micro-batches are views of the step's batch, alive through the step (its
             # storage once: pipedream counts live storages); each message carries a 4-float64 tag
             held = state(mem) + mem["activations"] + batch_storage(M, B, b, min(p - r, m), r == 0, r == p - 1)
             rows += [(f"stage {r} state + held, peak", f["mem_bytes_per_rank"][r], held),
                      (f"stage {r} bytes sent", f["sent_bytes_per_rank"][r], sent + sends * 8 * 4)]
-    return rows + [("bubble, idle share of the step", f["bubble_mean"], plan.bubble(lay)[0])]
+    # ZB-H1: three ops per micro-batch, each with its host overhead beside --stage-ms: measured 0.139 on a
+    # quiet machine, 0.19-0.20 under a load of 10-19 on 2 cores (theory 0.111); tests/test_pipedream.py's
+    # tolerance for it, 0.1
+    what = "bubble, idle share of the step" + (", within 0.1" if zb else "")
+    return rows + [(what, f["bubble_mean"], plan.bubble(lay)[0])]
+
+
+def zbv_walk(p, m, r, per, pend, turn):
+    """ZB-V rank r's saved bytes after each op of plan's order: (F - B) x per + (B - W) x pend per local chunk
+    (pend: each linear's input x, the saved tensor W's stash keeps; its dy is no saved tensor, ptdp.py counts
+    saved storages), + `turn` bytes per micro-batch whose chunk p ran B before chunk p-1 did on rank p-1: the
+    V's turn hands chunk p-1's output to chunk p without a copy, so chunk p saved that storage, which the rank
+    holds to chunk p-1's B. Yields (bytes, micro-batches between F and B per local chunk)."""
+    n = {(k, c): 0 for k in "FBW" for c in (0, 1)}
+    for kind, c in plan.zero_bubble_ops(p, m, r, "zb-v"):
+        n[kind, c] += 1
+        full = [n["F", c] - n["B", c] for c in (0, 1)]
+        held = sum(full[c] * per[c] + (n["B", c] - n["W", c]) * pend[c] for c in (0, 1))
+        yield held + turn * (r == p - 1) * max(0, n["B", 1] - n["B", 0]), full
 
 
 def ptdp_rows(s, name):
     """ptdp.py: per pipeline rank (dp 0, tp 0) the point-to-point, TP, DP and world bytes of the counted step,
     the peak bytes saved for backward by the micro-batch chunks alive; the peak over all ranks (model state +
-    what is held to B: saved tensors and each chunk's output); the bubble (idle / busy)."""
+    what is held to B: saved tensors and each chunk's output); the bubble (idle / busy). --schedule zbv: the
+    chunks in a V (plan.mine), the peak walked over plan's ZB-V order (zbv_walk)."""
     M, B, m = model_of(name), flag(name, "--batch-size"), flag(name, "--microbatches")
     p, t, d, v = (flag(name, k) for k in ("--pp", "--tp", "--dp", "--virtual-stages"))
-    lay = plan.Layout(dp=d, tp=t, pp=p, v=v, m=m, schedule="interleaved", precision="fp64",
-                      vocab_parallel=False, outputs=True)  # PipelineRank holds each chunk's output to its B
+    zbv = "zbv" in RUNS[name][2]
+    lay = plan.Layout(dp=d, tp=t, pp=p, v=v, m=m, schedule="zb-v" if zbv else "interleaved",
+                      precision="fp64", vocab_parallel=False, outputs=True)  # holds each chunk's output to B
     f, b, rows, peaks, n = s["figures"], B // (d * m), [], [], p * v
     for r in range(p):
         got = f["counts_per_rank"][f"pp{r} dp0 tp0"]  # over one step (the first)
@@ -170,14 +214,21 @@ def ptdp_rows(s, name):
             rows.append((f"rank {r} {k} bytes per step", got[f"{k}_bytes"],
                          sum(x for key, (_, x, _) in comm.items() if f"/{axis}/" in key)))
         rows.append((f"rank {r} world bytes per step", got["world_bytes"], 16))  # loss, norm^2
-        mine, first, last = range(r, n, p), r == 0, r == (n - 1) % p
+        mine = plan.mine(lay, r)
+        first, last = mine.index(0) if 0 in mine else None, mine.index(n - 1) if n - 1 in mine else None
 
         def alive_peak(held):  # the largest sum over the alive patterns of the chunks' bytes per micro-batch
             per = [sum(plan.microbatch_bytes(M, held, b, E, c).values()) for c in mine]
-            # chunk 0's tokens and the last chunk's targets: views of the replica's batch, its storage once
-            return max(sum(map(int.__mul__, k, per)) + batch_storage(M, B, b, k[0], first, 0)
-                       + batch_storage(M, B, b, k[-1], 0, last)
-                       for k in plan.alive_patterns(p, v, m, r, "interleaved"))
+
+            def batch(k):  # chunk 0's tokens and the last chunk's targets: views of the replica's batch, its
+                # storage once
+                return (batch_storage(M, B, b, k[first], 1, 0) if first is not None else 0) + (
+                    batch_storage(M, B, b, k[last], 0, 1) if last is not None else 0)
+            if zbv:
+                pend = [plan.pending_bytes(M, held, b, E, c)[0] for c in mine]
+                return max(x + batch(k) for x, k in zbv_walk(p, m, r, per, pend, b * M.seq * M.d * E))
+            return max(sum(map(int.__mul__, k, per)) + batch(k) for k in plan.alive_patterns(p, v, m, r,
+                                                                                           "interleaved"))
         rows.append((f"rank {r} peak bytes saved by chunks alive", got["act_peak"],
                      alive_peak(replace(lay, outputs=False))))
         peaks.append(state(mem) + alive_peak(lay))
@@ -185,7 +236,8 @@ def ptdp_rows(s, name):
     # Reported, not asserted: ptdp.py posts each message batch at a fixed moment of the ideal timeline and
     # waits for it, so a rank also waits for its partner's next op boundary; replaying its comm_plan with
     # exact op times (F 1, B 2) gives 0.208 here, beside PTD-P's (p-1)/(vm) = 0.125 (measured 0.23 to 0.26
-    # at --stage-ms 50 to 100, at world 2 or 8).
+    # at --stage-ms 50 to 100, at world 2 or 8). ZB-V: 0.121 measured, (p-1)/(6m) = 0.056 in ptdp's ideal
+    # timeline, 0 in plan (the paper's).
     return rows + [("bubble, idle / busy (reported)", f["bubble_mean"], plan.bubble(lay)[1])]
 
 
@@ -202,9 +254,9 @@ def moe_rows(s, name):
 
 
 ROWS = {"zero": zero_rows, "megatron": megatron_rows, "gpipe": pipeline_rows, "1f1b": pipeline_rows,
-        "ptdp": ptdp_rows, "moe": moe_rows}
+        "zb-h1": pipeline_rows, "ptdp": ptdp_rows, "zbv": ptdp_rows, "moe": moe_rows}
 FAMILIES = {"zero": ("zero",), "megatron": ("megatron",), "pipelines": ("gpipe", "1f1b", "ptdp"),
-            "moe": ("moe",)}
+            "zero bubble": ("zb-h1", "zbv"), "moe": ("moe",)}
 
 
 def rows_of(run, name):
@@ -213,7 +265,8 @@ def rows_of(run, name):
 
 def mismatches(rows, name):
     return [(what, got, want) for what, got, want in rows if "reported" not in what
-            and (abs(got - want) > BUBBLE_TOL if "bubble" in what else got != want)]
+            and (abs(got - want) > (0.1 if "within 0.1" in what else BUBBLE_TOL) if "bubble" in what
+                 else got != want)]
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -269,7 +322,20 @@ def drop_regathers(mp):  # SP's backward all-gathers without each column layer's
     mp.setattr(plan, "collectives", fewer)
 
 
+def zb_h1_as_1f1b(mp):  # ZB-H1 holding 1F1B's p - r micro-batches and nothing for W
+    real = plan.alive_patterns
+    mp.setattr(plan, "alive_patterns", lambda p, v, m, r, s: frozenset({(min(p - r, m), 0)}) if s == "zb-h1"
+               else real(p, v, m, r, s))
+
+
+def zb_v_as_a_loop(mp):  # ZB-V's chunks placed as interleaving's, c % p
+    mp.setattr(plan, "mine", lambda lay, r: tuple(range(r, lay.pp * lay.v, lay.pp)))
+    mp.setattr(plan, "owner", lambda lay, c: c % lay.pp)
+
+
 MUTANTS = {  # what plan.py forgets -> a launch whose figures must then disagree
+    "ZB-H1 holds 1F1B's p - r": (zb_h1_as_1f1b, "zb-h1 p 4 m 8"),
+    "ZB-V chunks in a loop": (zb_v_as_a_loop, "zbv p 3 m 6"),
     "stage 3 forgets its gathered units": (drop_gathered, "zero stage 3, d 4, accum 2"),
     "sharded units without padding": (drop_padding, "zero stage 1, d 3"),
     "1F1B without its p-r-1 warm-up": (drop_warmup, "1f1b p 4 m 8"),
@@ -292,6 +358,17 @@ def test_a_dropped_term_fails_the_comparison(run, monkeypatch, mutant):
         assert mismatches(rows_of(run, name), name), f"{mutant}: still matches {name}"
     finally:
         plan.memory.cache_clear()
+
+
+@pytest.mark.xfail(strict=True, reason=ZB_H1_LEAK)
+def test_zb_h1_memory_on_every_stage(run):
+    """ZB-H1's stages > 0 held to plan's peak (+ the received input pipedream's W graph keeps): fails while
+    pipedream's W builds autograd history (the reason); strict, so the fix turns this red: drop the mark.
+    The one check of what W keeps (x and dy): ZB-V's peak comes before any W is pending (at these sizes and
+    every p <= 4, m <= 8), and ZB-H1's stage 0 too. With W under torch.no_grad() in a copy of pipedream.py,
+    stages 1-3 measured 244,992 / 244,224 / 286,736 bytes: these rows, exactly."""
+    rows = rows_of(run, "zb-h1 p 4 m 8")
+    assert not [x for x in rows if "state + held" in x[0] and x[1] != x[2]]
 
 
 def test_moe_model_state_equals_the_files_parameters(monkeypatch):
@@ -464,22 +541,236 @@ def test_worked_example(example, monkeypatch, capsys):
         plan.memory.cache_clear()
 
 
-@pytest.mark.parametrize("flags,words", [
-    (["--model", "llama3-70b", "--nodes", "1", "--tp", "8", "--pp", "2"], ["16 GPUs, the cluster has 8"]),
-    (["--model", "gpt3-6.7b", "--tp", "3"], ["not divisible by --tp 3"]),
-    (["--batch-size", "100", "--microbatches", "3"], ["not divisible by dp x microbatches"]),
-    (["--pp", "2", "--dp", "4", "--virtual-stages", "3"], ["does not split into"]),
-    (["--model", "bogus"], ["invalid choice"]),
-    (["--efficiency", "2"], ["--efficiency must be in (0, 1]"]),
-])
-def test_bad_input_is_one_line_and_exit_2(flags, words, monkeypatch, capsys):
-    """In this process; tests/test_resilience.py's matrix runs plan.py's cases as processes of their own."""
+def bad_values():
+    """For every flag of plan.Args, values it must refuse: a number out of range, NaN and the infinities for
+    floats, a word for ints, an unknown choice, a value after a switch; and combinations that are wrong."""
+    import typing
+    from dataclasses import fields
+    cases = []
+    for f in fields(plan.Args):
+        flag, hint = "--" + f.name.replace("_", "-"), typing.get_type_hints(plan.Args)[f.name]
+        if hint is bool:
+            cases.append(([flag, "yes"], ["unrecognized arguments"]))
+        elif typing.get_origin(hint) is typing.Literal:
+            cases.append(([flag, "bogus"], ["invalid choice", flag]))
+        elif hint is int:
+            cases += [([flag, "-1"], [flag]), ([flag, "nan"], [flag, "invalid int"])]
+        else:
+            cases += [([flag, x], [flag]) for x in ("-1", "nan", "inf", "-inf")]
+    return cases + [
+        (["--model", "llama3-70b", "--nodes", "1", "--tp", "8", "--pp", "2"], ["16 GPUs, the cluster has 8"]),
+        (["--model", "gpt3-6.7b", "--tp", "3"], ["not divisible by --tp 3"]),
+        (["--batch-size", "100", "--microbatches", "3"], ["not divisible by dp x microbatches"]),
+        (["--pp", "2", "--dp", "4", "--virtual-stages", "3"], ["does not split into"]),
+        (["--efficiency", "2"], ["--efficiency must be in (0, 1]"]),
+        (["--experts", "4", "--capacity-factor", "0"], ["--capacity-factor must be > 0"]),
+        (["--experts", "4", "--top-k", "5"], ["--top-k 5 must be at most --experts 4"]),
+        (["--pp", "2", "--dp", "4", "--schedule", "zb-v"], ["zb-v with --virtual-stages 1"]),
+        (["--pp", "2", "--dp", "4", "--schedule", "zb-v", "--virtual-stages", "2", "--microbatches", "2"],
+         ["--microbatches >= 2p-1 = 3"]),
+        (["--stage", "4"], ["--stage must be 0, 1, 2 or 3"]),
+        (["--pp", "2", "--dp", "4", "--stage-layers", "1,2"], ["--stage-layers 1,2: pp x virtual stages = 2",
+                                                               "summing to --n-layers 32"]),
+        (["--pp", "2", "--dp", "4", "--stage-layers", "32,0"], ["numbers >= 1"]),
+        (["--days", "1", "--flops", "1e20"], ["give one of", "--days, --flops"]),
+        (["--tokens", "1e9", "--gpu-hours", "10"], ["give one of"]),
+    ]
+
+
+BAD = bad_values()
+
+
+@pytest.fixture(scope="module")
+def source_once():
+    """harness.parse_args reads Args' comments with inspect.getsource, which parses plan.py each call (0.3 s
+    on a busy machine): read once for the module's many parses."""
+    import functools, inspect
+    real = inspect.getsource
+    inspect.getsource = functools.lru_cache(maxsize=None)(real)
+    yield
+    inspect.getsource = real
+
+
+@pytest.mark.parametrize("flags,words", BAD, ids=[" ".join(f) for f, _ in BAD])
+def test_bad_input_is_one_line_and_exit_2(flags, words, monkeypatch, capsys, source_once):
+    """Every flag, in this process; tests/test_resilience.py's matrix runs plan.py's cases as processes."""
     monkeypatch.setattr(sys, "argv", ["plan.py", *flags])
     with pytest.raises(SystemExit) as stop:
         plan.main()
     lines = capsys.readouterr().err.strip().splitlines()
     assert stop.value.code == 2 and len(lines) == 1 and "plan.py: error" in lines[0], lines
     assert all(w in lines[0] for w in words), lines[0]
+
+
+def test_bad_input_covers_every_flag():
+    from dataclasses import fields
+    named = {w for flags, _ in BAD for w in flags if w.startswith("--")}
+    assert named >= {"--" + f.name.replace("_", "-") for f in fields(plan.Args)}
+
+
+# ----------------------------------------------------------------------------- the whole run
+# Hoffmann et al. 2022, Table 3 (Approach 1): parameters, compute-optimal FLOPs, tokens
+CHINCHILLA_TABLE_3 = [(400e6, 1.92e19, 8.0e9), (1e9, 1.21e20, 20.2e9), (10e9, 1.23e22, 205.1e9),
+                      (67e9, 5.76e23, 1.5e12), (175e9, 3.85e24, 3.7e12), (280e9, 9.90e24, 5.9e12),
+                      (520e9, 3.43e25, 11.0e12), (1e12, 1.27e26, 21.2e12), (10e12, 1.30e28, 216.2e12)]
+TABLE_3_TOL = 0.25  # the refit's exponent 0.513 against Approach 1's 0.50: 1-15% off to 1T, 23% at 10T
+
+
+def table_3_errors(law):
+    return [(n / N - 1, d / D - 1) for N, C, D in CHINCHILLA_TABLE_3
+            for n, d in [plan.compute_optimal(C, law)]]
+
+
+def test_compute_optimal_sizes_follow_chinchilla_table_3():
+    """plan's compute-optimal N and D for each FLOPs row of the paper's Table 3 within 25% (the paper's own
+    Eq. 10 constants miss the table by up to 70%: that fit is caught); D = C / 6N exactly; the loss falls as
+    the budget grows and stays above the fit's irreducible E."""
+    errors = table_3_errors(plan.CHINCHILLA)
+    TABLE.extend(("chinchilla", f"Table 3 {N / 1e9:g}B at {C:.3g} FLOPs: N, D error", "", f"{e[0]:+.2f}, "
+                  f"{e[1]:+.2f}") for (N, C, D), e in zip(CHINCHILLA_TABLE_3, errors))
+    assert all(abs(x) <= TABLE_3_TOL for e in errors for x in e), errors
+    assert not all(abs(x) <= TABLE_3_TOL for e in table_3_errors(plan.HOFFMANN) for x in e)
+    losses = [plan.final_loss(*plan.compute_optimal(C)) for _, C, _ in CHINCHILLA_TABLE_3]
+    assert losses == sorted(losses, reverse=True) and losses[-1] > plan.CHINCHILLA["E"]
+    N, D = plan.compute_optimal(1e22)
+    assert math.isclose(6 * N * D, 1e22, rel_tol=1e-12)
+
+
+def test_failures_follow_a_simulated_run():
+    """plan's wall time with failures (Young/Daly to first order) against a simulated run: exponential
+    failures at the rate, a checkpoint every tau (writing delta), each failure losing the work since the last
+    checkpoint and a restart R; the mean of 400 runs within 3%. Without the restart term it misses."""
+    import random
+    work, gpus, rate, delta, R = 30 * 86400.0, 16384, 2e-5, 60.0, 600.0
+    wall, tau, fails = plan.with_failures(work, gpus, rate, delta, R)
+    mtbf = 3600 / (rate * gpus)
+    assert math.isclose(tau, math.sqrt(2 * delta * mtbf)) and math.isclose(fails, wall / mtbf)
+    rng, walls = random.Random(0), []
+    for _ in range(400):
+        t, done, nxt = 0.0, 0.0, rng.expovariate(1 / mtbf)
+        while done < work:
+            seg = min(tau, work - done) + delta * (done + tau < work)  # an interval, then its checkpoint
+            if t + seg <= nxt:
+                t, done = t + seg, done + min(tau, work - done)
+            else:  # lost: the part of this interval run, then the restart
+                t, nxt = nxt + R, nxt + R + rng.expovariate(1 / mtbf)
+        walls.append(t)
+    sim = sum(walls) / len(walls)
+    TABLE.append(("failures", "30 days of work, 16384 GPUs, 2e-5 per GPU-hour: wall days, plan vs simulated",
+                  wall / 86400, sim / 86400))
+    assert abs(wall / sim - 1) < 0.03, (wall / 86400, sim / 86400)
+    no_restart = plan.with_failures(work, gpus, rate, delta, 0.0)[0]
+    assert abs(no_restart / sim - 1) >= 0.03
+
+
+def test_whole_run_from_a_budget(monkeypatch, capsys):
+    """`--days 30 --nodes 64` (Done when): the printed model, tokens, layout, wall time with failures,
+    GPU-hours and loss; the wall time is the budget's 30 days, the tokens what the layout trains in them, the
+    model the shape nearest Chinchilla's N."""
+    argv = ["--model", "llama3-70b", "--days", "30", "--nodes", "64", "--failures-per-gpu-hour", "2e-5",
+            "--usd-per-gpu-hour", "2"]
+    monkeypatch.setattr(sys, "argv", ["plan.py", *argv])
+    got = plan.main()
+    out = capsys.readouterr().out
+    TABLE.append(("example", "the whole run", "python plan.py " + " ".join(argv), out))
+    assert math.isclose(got["wall_s"], 30 * 86400, rel_tol=1e-9) and got["failures"] > 0
+    for words in ("compute-optimal for C", "parameters: L", "wall time 30.00 days", "GPU-hours, $",
+                  "predicted final loss"):
+        assert words in out, (words, out)
+    assert f"{got['loss']:.3f}" in out and 0.5 < got["N"] / 70e9 < 2
+
+
+def test_moe_under_full_recomputation_keeps_block_inputs():
+    """Full recomputation keeps each block's input and rebuilds one layer at a time: an MoE model holds its
+    expert dispatch buffers (E C slots of 2h + 2f) once, not per layer. A 70B model with 8 experts at tp 8,
+    ZeRO-3 on 8192 GPUs fits; counting the buffers in every layer (the old plan) does not."""
+    M = plan.PRESETS["llama3-70b"]._replace(experts=8, top_k=2)
+    lay = plan.Layout(dp=1024, tp=8, ep=8, zero=3, recompute="full")
+    b, bs, e = 2, 2 * M.seq, 2
+    extra = (8 * math.ceil(1.25 * 2 * bs / 8) * (2 * M.d + 2 * M.f) - bs * 2 * M.f) * e
+    dense = plan.memory(M._replace(experts=0), lay, 2048, 0)["activations"]
+    assert plan.memory(M, lay, 2048, 0)["activations"] == dense + extra
+    C = plan.CLUSTERS["h100-80g"]._replace(nodes=1024)
+    assert plan.legal(M, C, lay, 2048) is None and sum(plan.memory(M, lay, 2048, 0).values()) < 72e9
+    assert dense + M.layers * extra > 80e9
+
+
+# ----------------------------------------------------------------------------- uneven stages, every pp and v
+def test_blocks_per_stage_as_the_files_split_them():
+    """plan's cut of L blocks into p stages is gpipe.py's and pipedream.py's (imported here, in the test only)
+    for every L up to 24 and p up to L."""
+    import gpipe, pipedream  # noqa: E401
+    for L in range(1, 25):
+        for p in range(1, L + 1):
+            want = [range(a, z) for a, z in gpipe.split_layers(L, p)]
+            assert list(plan.chunks(L, p)) == want == [range(a, z) for a, z in pipedream.split_layers(L, p)]
+
+
+def test_stage_layers_a_hand_made_cut():
+    """Llama 3 405B (126 blocks) cut 7 + 14 x 8 + 7 over 16 stages: rank 0 holds 7 blocks and the embedding,
+    rank 15 7 blocks, the final norm and the head; parameters per rank and TP bytes against the closed form
+    written here (GQA attention 2h^2 + 2h kv, SwiGLU 3hf, 2 norms h); the files' cut (8 on the first 14) is
+    another layout; --search now offers pp 4 to 64 for it, where pp had to divide 126."""
+    M, t, b = plan.PRESETS["llama3-405b"], 8, 1
+    h, f, kvh, V = M.d, M.f, M.kv * M.d // M.heads, M.vocab
+    split = (7,) + (8,) * 14 + (7,)
+    lay = plan.Layout(dp=16, tp=t, pp=16, m=16, zero=1, split=split)
+    block = (2 * h * h + 2 * h * kvh + 3 * h * f) // t + 2 * h
+    assert plan.rank_units(M, lay, 0) == [block] * 7 + [V * h // t]
+    assert plan.rank_units(M, lay, 15) == [block] * 7 + [V * h // t + h]
+    assert plan.rank_units(M, lay, 5) == [block] * 8 + [0]
+    files = plan.rank_units(M, plan.Layout(dp=16, tp=t, pp=16, m=16), 0)
+    assert files == [block] * 8 + [V * h // t]
+    bsh = b * M.seq * h * 2
+    tp_fwd = plan.collectives(M, lay, 16 * 16 * b, 0)["all_reduce/tp/fwd"]
+    assert tp_fwd[:2] == [16 * (2 * 7 + 1), 16 * (2 * 7 + 1) * bsh]  # 2 per block, + the embedding's
+    C = plan.CLUSTERS["h100-80g"]._replace(nodes=256)
+    assert {lay.pp for lay in plan.layouts(M, C, 2048)} == {1, 2, 4, 8, 16, 32, 64}
+    assert plan.legal(M, C, replace(lay, split=(8,) * 16), 2048) and plan.legal(M, C, lay, 2048) is None
+
+
+def test_search_tries_every_v():
+    """Interleaved: every v > 1 cutting L into equal chunks (Megatron's condition), not only 2, 4, 8."""
+    M, C = plan.PRESETS["gpt3-6.7b"], plan.CLUSTERS["h100-80g"]
+    got = {(lay.pp, lay.v) for lay in plan.layouts(M, C, 512) if lay.schedule == "interleaved"}
+    assert got == {(p, v) for p in (2, 4, 8) for v in range(2, 33) if 32 % (p * v) == 0}
+    assert (2, 16) in got
+
+
+# ----------------------------------------------------------------------------- DiLoCo across a slow link
+def test_diloco_bytes_and_exposed_time_closed_form():
+    """GPT-3 6.7B at tp 8 on 8 nodes whose link is 1 GB/s: DiLoCo all-reduces the fp32 pseudo-gradient of a
+    rank's Psi every H steps, DDP its bf16 gradient every step; Psi written here (12h^2 + 4h split over t,
+    6h replicated per layer; the vocab-parallel embedding and head V'h/t, positions sh, final norm 2h); ring
+    2(d-1)/d; Streaming DiLoCo's 4 fragments each overlapped with 2 inner steps. A ring without its factor
+    fails."""
+    M, h, L, t, d = plan.PRESETS["gpt3-6.7b"], 4096, 32, 8, 8
+    C = plan.CLUSTERS["h100-80g"]._replace(nodes=8, inter_gbs=1)
+    got = plan.predict(M, C, plan.Layout(dp=d, tp=t), 512)
+    Vp = -(-M.vocab // t) * t
+    psi = L * ((12 * h * h + 4 * h) // t + 6 * h) + 2 * Vp * h // t + M.seq * h + 2 * h
+    ring = 2 * (d - 1) / d
+
+    def closed(H, outer, F, tau):
+        per_sync = ring * outer * psi / F / 1e9
+        return dict(bytes=outer * psi / H, wire=ring * outer * psi / H, ddp_bytes=2 * psi,
+                    exposed_s=F * max(0.0, per_sync - tau * got["step_s"]) / H)
+
+    def agree():
+        return all(math.isclose(plan.diloco(M, C, got, H, outer, F, tau)[k], x, rel_tol=1e-12, abs_tol=1e-15)
+                   for H, outer, F, tau in [(1, 4, 1, 0), (100, 4, 1, 0), (100, 2, 4, 2), (500, 4, 4, 0)]
+                   for k, x in closed(H, outer, F, tau).items())
+    x = plan.diloco(M, C, got, 100)
+    TABLE.append(("DiLoCo", "6.7B, tp 8, d 8 across 1 GB/s, H 100: GB per inner step, exposed s; DDP's",
+                  f"{x['bytes'] / 1e9:.3f}, {x['exposed_s']:.3f}", f"{x['ddp_bytes'] / 1e9:.3f}, "
+                  f"{x['ddp_exposed_s']:.3f}"))
+    assert agree() and x["exposed_s"] < x["ddp_exposed_s"]
+    real = plan.WIRE["all_reduce"]
+    plan.WIRE["all_reduce"] = lambda n: 1
+    try:
+        assert not agree()
+    finally:
+        plan.WIRE["all_reduce"] = real
 
 
 def test_search_lists_fitting_layouts_fastest_first():
