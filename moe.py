@@ -116,25 +116,22 @@ def capacity(capacity_factor, k, tokens_per_group, experts):
 
 # --------------------------------------------------- the base layer: Switch routing, capacity, the all-to-all
 def fill_slots(expert, gate, keep, C, E):
-    """Token choice -> slots: dispatch, combine (G, T, E, C). Slots go choice by choice (every token's 1st
-    choice before any 2nd: GShard Alg. 1), tokens in order within a choice; an assignment whose expert already
-    has C earlier ones is dropped, so a 2nd choice queues behind later tokens' 1st choices (see the top)."""
+    """Token choice -> slots: dispatch, combine (G, T, E, C). Slots go choice by choice (GShard Alg. 1),
+    tokens in order within a choice; an assignment whose expert already has C earlier ones is dropped."""
     K = expert.shape[-1]
     want = F.one_hot(expert, E) * keep[..., None].long()  # (G, T, K, E) requested assignments
     order = rearrange(want, "g t k e -> g (k t) e")  # priority order: choice-major, then token
     ahead = rearrange(order.cumsum(1) - order, "g (k t) e -> g t k e", k=K)  # earlier requests, same expert
     slot = (ahead * want).sum(-1)  # (G, T, K): the slot this assignment gets in its expert
-    kept = (want.sum(-1) * (slot < C)).to(gate.dtype)  # (G, T, K): 1 = it has a slot, 0 = dropped
-    e_hot = F.one_hot(expert, E).to(gate.dtype) * kept[..., None]  # (G, T, K, E)
+    e_hot = (want * (slot < C)[..., None]).to(gate.dtype)  # (G, T, K, E): the wanted ones that got a slot
     c_hot = F.one_hot(slot.clamp(max=C - 1), C).to(gate.dtype)  # (G, T, K, C)
     dispatch = torch.einsum("gtke,gtkc->gtec", e_hot, c_hot)  # (G, T, E, C); a token's K experts are distinct
     return dispatch, torch.einsum("gtke,gtkc,gtk->gtec", e_hot, c_hot, gate)
 
 
 def balance_loss(probs, top1):
-    """GShard / Switch: E * sum_e f_e P_e, f_e = fraction of tokens whose first choice is e (not
-    differentiable), P_e = mean router probability (differentiable). Equals 1 under uniform routing; GShard
-    Alg. 1 writes mean_e(f_e P_e), i.e. this divided by E^2, and folds the E^2 into the weight."""
+    """GShard / Switch's E * sum_e f_e P_e per group (see the top; f_e is not differentiable, P_e is): 1 under
+    uniform routing. GShard Alg. 1 writes mean_e(f_e P_e), this / E^2, and folds the E^2 into the weight."""
     E = probs.shape[-1]
     f = F.one_hot(top1, E).to(probs.dtype).mean(1)  # (G, E)
     return E * (f * probs.mean(1)).sum(-1)  # (G,)
@@ -148,45 +145,33 @@ def route_switch(logits):
     return top1[..., None], gate[..., None], torch.ones_like(gate[..., None]), balance_loss(probs, top1)
 
 
-def all_to_all(x, group, out_splits=None, in_splits=None):
-    """all_to_all_single over dim 0: in_splits[j] rows to rank j, out_splits[i] from rank i (None: even)."""
-    x = x.contiguous()
-    out = x.new_empty((x.shape[0] if out_splits is None else sum(out_splits), *x.shape[1:]))
-    dist.all_to_all_single(out, x, out_splits, in_splits, group=group)
-    return out
-
-
 class AllToAll(torch.autograd.Function):
-    """The exchange as an autograd op. Its backward is the same exchange with the splits swapped: the
-    gradient of the rows I sent to rank j comes back from rank j."""
+    """all_to_all_single over dim 0: in_splits[j] rows to rank j, out_splits[i] rows from rank i (None: even).
+    Its backward is the same exchange, splits swapped: the gradient of the rows I sent to j comes from j."""
 
     @staticmethod
     def forward(ctx, x, group, out_splits=None, in_splits=None):
-        ctx.group, ctx.splits = group, (out_splits, in_splits)
-        return all_to_all(x, group, out_splits, in_splits)
+        ctx.group, ctx.swapped = group, (in_splits, out_splits)
+        out = x.new_empty((x.shape[0] if out_splits is None else sum(out_splits), *x.shape[1:]))
+        dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
+        return out
 
     @staticmethod
     def backward(ctx, grad):
-        out_splits, in_splits = ctx.splits
-        return all_to_all(grad, ctx.group, in_splits, out_splits), None, None, None
+        return AllToAll.apply(grad, ctx.group, *ctx.swapped), None, None, None
 
 
 def mlps(h, w1, b1, w2, b2):
-    """X independent expert MLPs as batched matmuls: h (X, N, D) -> (X, N, H) -> (X, N, D)."""
-    h = F.gelu(torch.einsum("xnd,xdh->xnh", h, w1) + b1[:, None])
-    return torch.einsum("xnh,xhd->xnd", h, w2) + b2[:, None]
+    """gelu(h w1 + b1) w2 + b2: one expert (h (N, D), w1 (D, H), b1 (H,)), or X experts at once as batched
+    matmuls (w1 (X, D, H), b1 (X, H); h (X, N, D), or (N, D) for all X) -> (X, N, D)."""
+    return F.gelu(h @ w1 + b1[..., None, :]) @ w2 + b2[..., None, :]
 
 
 class MoE(nn.Module):
     """Replaces an MLP: route -> dispatch -> all-to-all -> experts -> all-to-all -> combine (+ shared ones).
-    x (b, n, D) -> (b, n, D), the b sequences cut into routing groups of `group_rows` whole sequences.
-    router: one of ROUTERS (top_k 0: its own k); capacity_factor 0: dropless; ep_group: the ranks that split
-    the E experts (None: all local); shared: always-on experts; score: loss_free's affinity; seed, layer: key
-    the router's random numbers; generator: initial weights (all E drawn: any EP degree agrees). The loop
-    sets `step` and `row0` (x's first global row) before a forward (set_step). A forward leaves `aux` (G,),
-    the balancing loss per group; `wanted` (E,), this rank's choices per expert before capacity (the
-    loss-free update reads it); `dispatch` (G, T, E, C) (None when dropless). Keep `expert_bias` in float32
-    under bf16."""
+    x (b, n, D) -> (b, n, D), cut into routing groups of `group_rows` whole sequences; ep_group: the ranks
+    that split the E experts (None: all local). A forward leaves `aux` (G,), the balancing loss per group,
+    and `wanted` (E,), this rank's choices per expert before capacity (update_biases reads it)."""
 
     def __init__(self, d_model, experts, router="switch", top_k=0, capacity_factor=1.25, group_rows=1,
                  ep_group=None, shared=0, score="sigmoid", hidden=None, dropout=0.0, seed=0, layer=0,
@@ -203,8 +188,9 @@ class MoE(nn.Module):
         zeros = lambda *shape: nn.Parameter(torch.zeros(*shape, dtype=dtype))  # noqa: E731
         self.w_gate = nn.Parameter(full(D, E))  # W_g: replicated, data parallel
         self.w_noise = nn.Parameter(full(D, E)) if router == "noisy_topk" else None  # W_noise
-        if router == "loss_free":  # b: a buffer (so checkpointed), moved by update_biases, never by autograd
-            self.register_buffer("expert_bias", torch.zeros(E, dtype=dtype))
+        if router == "loss_free":  # b: a buffer (so checkpointed), moved by update_biases, never by autograd;
+            b_dtype = torch.promote_types(dtype, torch.float32)  # bf16 would round its --bias-rate steps away
+            self.register_buffer("expert_bias", torch.zeros(E, dtype=b_dtype))
         # Every rank draws all E experts from the one generator and keeps its slice, so any EP degree starts
         # from the same numbers: model expert e = local expert e - ep_rank * El on EP rank e // El.
         mine = slice(self.ep_rank * self.El, (self.ep_rank + 1) * self.El)
@@ -230,7 +216,7 @@ class MoE(nn.Module):
 
     def logits(self, xg):
         """x W_g (G, T, E) in float32 or wider (Switch Sec. 2.4: bf16 routing is unstable), and that x."""
-        x = xg.to(torch.float64 if xg.dtype == torch.float64 else torch.float32)
+        x = xg.to(torch.promote_types(xg.dtype, torch.float32))
         return x @ self.w_gate.to(x.dtype), x
 
     def choose(self, xg, n):
@@ -264,7 +250,6 @@ class MoE(nn.Module):
         """No capacity, every wanted choice served: xg (G, T, D), expert/gate/keep (G, T, K) -> (G, T, D)."""
         (G, T, K), D, E, El, r, me = expert.shape, xg.shape[-1], self.E, self.El, self.ep, self.ep_rank
         dest = torch.where(keep > 0, expert, E).flatten()  # (N = G T K,): each pair's expert; E = unwanted
-        order = torch.argsort(dest, stable=True)  # pairs by expert, then token: rank j's share is one block
         counts = dest.new_zeros(E + 1).scatter_add_(0, dest, torch.ones_like(dest))  # (E + 1,): pairs each
         if r > 1:  # every rank's counts, so that each knows what it gets from whom
             every = counts.new_empty(r * (E + 1))
@@ -274,22 +259,19 @@ class MoE(nn.Module):
         mine = [row[me * El:(me + 1) * El] for row in sizes]  # (r, El): rank i's pairs for each of my experts
         send = [sum(sizes[me][j * El:(j + 1) * El]) for j in range(r)]  # pairs I send to rank j
         recv = [sum(row) for row in mine]  # pairs I get from rank i
-        h = rearrange(xg, "g t d -> (g t) d")[order[:sum(send)] // K]  # (sum send, D): each pair's token
+        pairs = torch.argsort(dest, stable=True)[:sum(send)]  # wanted pairs, by expert then token
+        h = rearrange(xg, "g t d -> (g t) d")[pairs // K]  # (sum send, D): each pair's token (j's: a block)
         if r > 1:
             h = AllToAll.apply(h, self.ep_group, recv, send)  # (sum recv, D): from each rank, by my expert
         pieces = h.split([c for row in mine for c in row])  # piece (i, e): rank i's tokens for my expert e
-        outs = [self.expert(e, torch.cat(pieces[e::El])) for e in range(El)]  # expert e on all its tokens
+        ws = self.w1, self.b1, self.w2, self.b2
+        outs = [mlps(torch.cat(pieces[e::El]), *(w[e] for w in ws)) for e in range(El)]  # e on all its tokens
         back = [o.split([mine[i][e] for i in range(r)]) for e, o in enumerate(outs)]
         h = torch.cat([back[e][i] for i in range(r) for e in range(El)])  # back in (rank i, expert e) order
         if r > 1:
             h = AllToAll.apply(h, self.ep_group, send, recv)  # (sum send, D): my pairs' outputs, sorted
-        y = xg.new_zeros(G * T * K, D).index_copy(0, order[:sum(send)], h)  # each pair's output in its place
-        y = rearrange(y, "(g t k) d -> g t k d", t=T, k=K)
-        return torch.einsum("gtkd,gtk->gtd", y, (gate * keep).to(xg.dtype))
-
-    def expert(self, e, h):
-        """My expert e on its tokens: (N, D) -> (N, H) -> (N, D)."""
-        return F.gelu(h @ self.w1[e] + self.b1[e]) @ self.w2[e] + self.b2[e]
+        w = gate.flatten()[pairs].to(xg.dtype)  # (sum send,): each pair's gate weight
+        return xg.new_zeros(G * T, D).index_add(0, pairs // K, h * w[:, None]).view_as(xg)  # summed per token
 
     def forward(self, x):
         """x (b, n, D): this rank's b sequences of n positions, global rows self.row0 .. -> (b, n, D)."""
@@ -306,11 +288,10 @@ class MoE(nn.Module):
                 C = capacity(self.cf, self.k, T, self.E)
                 dispatch, combine = fill_slots(expert, gate, keep, C, self.E)
         y = self.exchange(xg, dispatch, combine) if self.cf > 0 else self.dropless(xg, expert, gate, keep)
-        self.dispatch = dispatch.detach() if self.cf > 0 else None  # the slots taken (for the summary)
-        if self.n_shared:  # every token through every shared expert: (S, G T, D), summed over S
-            xs = rearrange(xg, "g t d -> (g t) d").expand(self.n_shared, -1, -1)
-            ys = mlps(xs, self.shared_w1, self.shared_b1, self.shared_w2, self.shared_b2).sum(0)
-            y = y + rearrange(ys, "(g t) d -> g t d", g=G)
+        self.dispatch = dispatch.detach() if self.cf > 0 else None  # the slots taken (None when dropless)
+        if self.n_shared:  # every token through each of the S shared experts: (S, G T, D), summed over S
+            ws = self.shared_w1, self.shared_b1, self.shared_w2, self.shared_b2
+            y = y + mlps(rearrange(xg, "g t d -> (g t) d"), *ws).sum(0).view_as(xg)
         return self.drop(rearrange(y, "g (b n) d -> (g b) n d", n=n))
 
 
@@ -332,25 +313,20 @@ def aux_share(model, groups):
 
 def build_moe_gpt(args, groups, ep_group=None, device="cpu"):
     """common's GPT (same seed, same dense weights) with the MLP of every moe_every-th block replaced."""
-    model = build_gpt(GPTConfig.from_args(args), args.seed, torch.float64)
+    model = build_gpt(GPTConfig.from_args(args), args.seed, DTYPES[args.dtype])
     gen = torch.Generator().manual_seed(args.seed + 7919)  # the MoE weights: one stream, same on every rank
     for i, block in enumerate(model.blocks):
         if i % args.moe_every == args.moe_every - 1:
             block.mlp = MoE(args.d_model, args.experts, args.router, args.top_k, args.capacity_factor,
                             args.batch_size // groups, ep_group, args.shared_experts, args.score,
-                            dropout=args.dropout, seed=args.seed, layer=i, generator=gen)
-    model.to(device=device, dtype=DTYPES[args.dtype])
-    for m in moe_layers(model):  # the bias moves in --bias-rate steps: bf16 would round them away
-        if m.kind == "loss_free":
-            m.expert_bias.data = m.expert_bias.to(torch.promote_types(m.expert_bias.dtype, torch.float32))
-    return model
+                            dropout=args.dropout, seed=args.seed, layer=i, generator=gen,
+                            dtype=DTYPES[args.dtype])
+    return model.to(device)
 
 
 # ----------------------------------------------------------------------------- expert + data parallel step
 def make_layout(d, ep):
-    """Grid torch.arange(world).view(world // ep, ep): a row is an EP group (together all E experts), a column
-    a set of replicas (copies of the same experts). I own experts ep_rank * E/ep ... (ep_rank + 1) * E/ep -
-    1."""
+    """The grid of the module docstring: my row is my EP group, my column my expert replicas."""
     grid = torch.arange(d.world).view(d.world // ep, ep)
     ep_groups = [dist.new_group(row) for row in grid.tolist()]  # every rank creates every group, in one order
     replica_groups = [dist.new_group(col) for col in grid.T.tolist()]
@@ -366,7 +342,7 @@ def split_params(model):
     return [p for p in params if id(p) not in expert], [p for p in params if id(p) in expert]
 
 
-def sync_grads(model, ep_group=None, replica_group=None):
+def sync_grads(model, ep_group, replica_group):
     """Make every gradient the gradient of the global loss; return the global gradient norm. Each rank's loss
     is already its share (token sums / global token count, aux / total groups), so all reductions are SUMs."""
     dense, expert = split_params(model)
@@ -377,15 +353,14 @@ def sync_grads(model, ep_group=None, replica_group=None):
         p.grad.copy_(g.view_as(p))
     # 2. Expert parameters: the all-to-all backward already brought the gradient of every token of my EP
     #    group that was routed to my experts; the other replicas of my experts saw other tokens.
-    if replica_group is not None and dist.get_world_size(replica_group) > 1:
+    if dist.get_world_size(replica_group) > 1:
         for p in expert:
             dist.all_reduce(p.grad, group=replica_group)
     # 3. Global norm for clipping: dense gradients are identical everywhere (count once); expert shards are
-    #    distinct within an EP group (sum their squares over it) and identical across replicas. Each norm in
-    #    the gradient's dtype (bf16: accumulated in float32, without a copy), the few norms then in float64.
+    #    distinct within an EP group (sum their squares over it), identical over replicas. bf16: float32 sums.
     sq_dense, sq_expert = (sum(torch.linalg.vector_norm(p.grad, dtype=torch.promote_types(p.grad.dtype,
                            torch.float32)).double() ** 2 for p in ps) for ps in (dense, expert))
-    if ep_group is not None and dist.get_world_size(ep_group) > 1:
+    if dist.get_world_size(ep_group) > 1:
         dist.all_reduce(sq_expert, group=ep_group)
     return (sq_dense + sq_expert).sqrt()
 
@@ -393,11 +368,6 @@ def sync_grads(model, ep_group=None, replica_group=None):
 def aux_weight(args):
     """Total loss = LM + this x aux: Switch's alpha, or loss_free's sequence-wise weight (DeepSeek-V3)."""
     return args.seq_aux_weight if args.router == "loss_free" else args.aux_weight
-
-
-def to_device(t, device):
-    """The step's one host-to-device copy: pinned, not waited for (from pageable memory, the host waits)."""
-    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
 
 
 def train_step(args, lay, model, opt, x, y, n_tok, step, row0, groups):
@@ -444,9 +414,8 @@ def smooth_load(clean, noise_std, H, k):
 
 
 def route_noisy_topk(clean, noise_std, eps, k):
-    """Shazeer et al. 2017, Sec. 2.1. clean = x W_g, noise_std = softplus(x W_noise), eps ~ N(0, 1):
-    H = clean + eps * noise_std; gates = softmax over the top k of H (-inf elsewhere). Aux loss (Sec. 4):
-    CV(importance)^2 + CV(load)^2, importance = sum of gates per expert, load = sum of smooth_load."""
+    """Shazeer et al. 2017, Sec. 2.1 and 4: H = clean + eps * noise_std (clean = x W_g, noise_std = softplus(x
+    W_noise), eps ~ N(0, 1)), gates = softmax over the top k of H; aux = CV(importance)^2 + CV(load)^2."""
     H = clean + eps * noise_std  # (G, T, E)
     top = H.topk(k, dim=-1)  # (G, T, K)
     gate = top.values.softmax(-1)  # (G, T, K)
@@ -457,8 +426,7 @@ def route_noisy_topk(clean, noise_std, eps, k):
 
 def route_expert_choice(logits, C):
     """Expert choice (Zhou et al. 2022, Sec. 3.1): token-to-expert affinities softmax(x W_g) (softmax over
-    experts), then each expert takes its C highest-affinity tokens of the group, later ones included: every
-    expert is exactly full, no token is ever 'dropped' for capacity, and a token gets 0..E experts."""
+    experts), then each expert takes its C highest-affinity tokens of the group, later ones included."""
     T = logits.shape[1]
     probs = logits.softmax(-1)  # (G, T, E)
     # A stable sort, not topk: identical tokens (same prefix) tie exactly, and the earlier one must win
@@ -471,10 +439,9 @@ def route_expert_choice(logits, C):
 
 # -------------------------------------------------------------------------- loss-free balancing (DeepSeek-V3)
 def seq_balance_loss(scores, expert, n):
-    """DeepSeek-V3's sequence-wise balance loss (Sec. 2.1.2, eq. 17-20), per sequence of n tokens:
-    sum_e f_e P_e, f_e = E / (K n) x (tokens choosing e), P_e = mean over the sequence of s_e / sum_j s_j.
-    1 under uniform routing; f counts the experts actually chosen (top k of s + b). -> (G,): mean over the
-    group's sequences. scores (G, T, E), expert (G, T, K)."""
+    """DeepSeek-V3's sequence-wise balance loss (Sec. 2.1.2, eq. 17-20) of scores (G, T, E), expert (G, T, K):
+    per sequence of n tokens sum_e f_e P_e, f_e = E / (K n) x (tokens choosing e: top k of s + b), P_e = mean
+    over the sequence of s_e / sum_j s_j; 1 under uniform routing. -> (G,): the mean over the sequences."""
     E, K = scores.shape[-1], expert.shape[-1]
     per_seq = lambda t: rearrange(t, "g (b n) e -> g b n e", n=n)  # noqa: E731
     f = per_seq(F.one_hot(expert, E).sum(2).to(scores.dtype)).sum(2) * E / (K * n)  # (G, b, E)
@@ -483,9 +450,8 @@ def seq_balance_loss(scores, expert, n):
 
 
 def route_loss_free(scores, bias, k, n):
-    """Wang et al. 2024 (Alg. 1), as DeepSeek-V3 uses it (Sec. 2.1.2, eq. 12-16): the top k of s + b choose
-    the experts; the gates are the *unbiased* scores of the chosen experts, normalised over the k. Only the
-    indices of the top k see b, so no gradient reaches it. scores (G, T, E), bias (E,); n: sequence length."""
+    """Wang et al. 2024 (Alg. 1), as DeepSeek-V3 uses it (Sec. 2.1.2, eq. 12-16), gates normalised over the k:
+    only the indices of the top k see b: no gradient reaches it. scores (G, T, E), bias (E,); n: seq_len."""
     expert = (scores + bias).topk(k, dim=-1).indices  # (G, T, K): the bias only chooses ...
     s = scores.gather(-1, expert)  # (G, T, K): ... the gates are the scores without it
     return expert, s / s.sum(-1, keepdim=True), torch.ones_like(s), seq_balance_loss(scores, expert, n)
@@ -493,8 +459,7 @@ def route_loss_free(scores, bias, k, n):
 
 def update_biases(layers, rate, group):
     """Wang et al. 2024, Alg. 1, after each step: b_e += u * sign(mean_e c - c_e), c_e = tokens that chose
-    expert e in the whole batch: under-loaded experts get more attractive, over-loaded ones less. Counts are
-    summed over `group` (the world; None: one process) by one all-reduce of (L, E): the same b everywhere."""
+    expert e in the whole batch, summed over `group` (None: one process) by one all-reduce of (L, E)."""
     counts = torch.stack([m.wanted for m in layers]).to(torch.float64)  # (L, E), exact integers
     if group is not None:
         dist.all_reduce(counts, group=group)
@@ -553,7 +518,9 @@ def main():
     for step in run.steps():
         x, y = data.batch(step, args.batch_size, args.seq_len, args.ragged)  # (B, n) global batch, CPU
         n_tok = count_tokens(y)  # counted on the CPU: no device sync
-        x, y = (to_device(t[row0:row0 + rows], d.device) for t in (x, y))
+        x, y = x[row0:row0 + rows], y[row0:row0 + rows]
+        if d.device.type == "cuda":  # the one host-to-device copy, pinned: not waited for (pageable would be)
+            x, y = (t.pin_memory().to(d.device, non_blocking=True) for t in (x, y))
         with run.watching(step, watch.comm, watch.acts):
             lm, aux = train_step(args, lay, model, opt, x, y, n_tok, step, row0, groups)
         watch.end_step(step, lm, aux)  # the global batch's losses, the log line, the checkpoint
