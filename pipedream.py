@@ -100,8 +100,7 @@ class Stage(nn.Module):
 
 # ----------------------------------------------------------------------------- the schedules
 def one_f_one_b(n, p, s):
-    """Stage s's order of work for a stream of n micro-batches: p-s-1 warm-up forwards (as many as the stages
-    after s need to fill), then one F and one B in turn, then the cool-down backwards. B runs in F's order."""
+    """Stage s's ops for a stream of n micro-batches: p-s-1 warm-up Fs, then F and B in turn, then Bs."""
     warm = min(p - s - 1, n)
     ops = [("F", k) for k in range(warm)]
     for i in range(n - warm):
@@ -109,35 +108,45 @@ def one_f_one_b(n, p, s):
     return ops + [("B", k) for k in range(n - warm, n)]
 
 
+def split_at_step_ends(ops, m):
+    """Cut a stage's ops after the B of each step's last micro-batch: chunk t is what it runs in step t.
+    Without a flush (stash, 2bw), chunk t already holds forwards of step t+1."""
+    ends = [i + 1 for i, (kind, k) in enumerate(ops) if kind == "B" and k % m == m - 1]
+    return [ops[a:z] for a, z in zip([0] + ends, ends)]
+
+
 def p2p(sends, recvs):
-    """One batch_isend_irecv of [(tensor, peer)] sends and receives, then wait. A stage sends each result
-    together with the receive its next op needs, and its neighbour
-    posts the mirror pair: after F(k) stage s sends k's activation and receives the gradient for its next
-    B(j); after B(j) stage s+1 sends that gradient and receives k's activation. Two blocking sends facing each
-    other deadlock under NCCL; one batch cannot (Megatron-LM's send_forward_recv_backward)."""
+    """One batch_isend_irecv of [(tensor, peer)] sends and receives, then wait. Two blocking sends facing each
+    other deadlock under NCCL; sends and receives in one batch cannot."""
     ops = [dist.P2POp(dist.isend, t, peer) for t, peer in sends]
     ops += [dist.P2POp(dist.irecv, t, peer) for t, peer in recvs]
     for req in dist.batch_isend_irecv(ops) if ops else []:
         req.wait()
 
 
+def to_device(m, device, *batch):
+    """A step's global (B, ...) tensors as m micro-batches (m, B/m, ...), copied to the device once per step
+    (pinned and non-blocking on a GPU), never once per micro-batch in the middle of the schedule."""
+    batch = [rearrange(t, "(m b) ... -> m b ...", m=m) for t in batch]
+    if device.type == "cuda":
+        batch = [t.pin_memory() for t in batch]
+    return [t.to(device, non_blocking=True) for t in batch]
+
+
 # ----------------------------------------------------------------------------- one stage running its ops
-# Every activation and gradient travels with a 4-number float64 tag (float64, so that a loss is exact):
+# Every activation and gradient travels with a 4-number float64 tag (float64: a loss is exact), on the device:
 #   forward  [micro-batch k, weight version, 2bw: newest batch whose whole-model norm is known, its norm^2]
 #   backward [micro-batch k, weight version, loss of k (from the last stage), 2bw: partial grad norm^2]
-# Losses and norms ride on them, on the device: the host never reads a tag while the pipeline runs (on a GPU
-# that would stop the stream at every message); what it needs to decide follows from the schedule.
+# The host never reads one while the pipeline runs (on a GPU that would stop the stream at every message).
 TAG = 4
 
 
 class StageRunner:
     """One pipeline stage running its ops ("F", k), ("B", k) in order, for any stage module; when the weights
-    change is the policy's (Flush, Stash, TwoBW). It holds what lives between two ops: the micro-batches
-    between F and B, the message waiting to leave with the next receive, the losses.
-    source(k): (stage 0's input, the last stage's target) of micro-batch k, for loss_fn(output, target);
-    in_shape / out_shape: what arrives from prev / leaves for next (ranks, None at the ends); observe(kind, k,
-    **tags): a context around every op, to watch it. NCCL wants one collective before the first
-    batch_isend_irecv: the caller runs it (see main)."""
+    change is the policy's (Flush, Stash, TwoBW). source(k): (stage 0's input, the last stage's target) of
+    micro-batch k, for loss_fn(output, target); in_shape / out_shape: what arrives from prev / leaves for next
+    (ranks, None at the ends); observe(kind, k, **tags): a context around every op, to watch it. NCCL wants
+    one collective before the first batch_isend_irecv: the caller runs it (see main)."""
 
     def __init__(self, policy, source, loss_fn, in_shape, out_shape, dtype, device, prev=None, next=None,
                  observe=lambda kind, k, **tags: contextlib.nullcontext()):
@@ -154,19 +163,17 @@ class StageRunner:
         return t
 
     def run(self, ops):
-        for kind, k in ops:
+        for kind, k in ops:  # the last op's message leaves with this op's receive
             x, tag = self.exchange(kind, k)
             self.policy.apply_due(self.next_f)  # the updates the last backward made due (stash, 2bw)
             (self.forward if kind == "F" else self.backward)(k, x, tag)
 
     def exchange(self, kind, k):
-        """Send the last op's message with this op's receive, in one batch: F's activation from prev, B's
-        gradient from next. So F's output leaves with the next B's gradient receive, and B's gradient with
-        the next F's activation receive (Megatron-LM's send_forward_recv_backward and its mirror)."""
+        """The last op's message and this op's receive in one batch: F's output leaves with the next B's
+        gradient receive, B's with the next F's activation receive (Megatron's send_forward_recv_backward)."""
         peer, x, tag = {"F": self.prev, "B": self.next}.get(kind), None, None
         if peer is not None:  # (none: stage 0 reads tokens, the last stage starts B from its loss)
-            x = torch.empty(self.shape[kind], dtype=self.dtype, device=self.device)
-            tag = torch.empty(TAG, dtype=torch.float64, device=self.device)
+            x, tag = torch.empty(self.shape[kind], dtype=self.dtype, device=self.device), self.tag()
         p2p(self.outbox, [] if peer is None else [(x, peer), (tag, peer)])
         self.outbox = []
         if kind == "F" and peer is not None:
@@ -200,8 +207,8 @@ class StageRunner:
             self.outbox = [(inp.grad, self.prev), (self.tag(k, v, loss, partial), self.prev)]  # (b, T, D)
 
     def drain(self, t):
-        """The end of step t (flush) or of a stream's segment: send what the last op left, and wait; then
-        the policy's end of batch (flush: the optimizer step; stash, 2bw: the updates still due)."""
+        """The end of step t (flush) or of a stream's segment: send what the last op left, then the policy's
+        end of batch (flush: the optimizer step; stash, 2bw: the updates still due)."""
         self.exchange("end", None)
         self.policy.drain(t, self.next_f)
 
@@ -212,8 +219,7 @@ def squared_norm(grads):  # in float64, without a float64 copy of each gradient 
 
 
 class Flush:
-    """PipeDream-flush: one version of the weights, the live one. Every micro-batch's gradient adds up
-    on it; once the pipeline has drained, one optimizer step, clipped by the whole model's norm."""
+    """PipeDream-flush: one version of the weights; once the pipeline has drained, one optimizer step."""
 
     def __init__(self, stage, opt, clip, group=None):
         self.stage, self.opt, self.clip, self.group, self.version = stage, opt, clip, group, 0
@@ -248,23 +254,10 @@ class Flush:
 
 
 # ----------------------------------------------------------------------------- PipeDream and 2BW: no flush
-def split_at_step_ends(ops, m):
-    """Cut a stage's ops after the B of each step's last micro-batch: chunk t is what it runs in step t.
-    Without a flush (stash, 2bw), chunk t already holds forwards of step t+1."""
-    chunks = [[]]
-    for kind, k in ops:
-        chunks[-1].append((kind, k))
-        if kind == "B" and k % m == m - 1:
-            chunks.append([])
-    return chunks[:-1]
-
-
 class Stash(Flush):
-    """PipeDream (2019): every backward is an update of this stage, with that micro-batch's gradient, so
-    micro-batch k reads the weights after max(0, k - lag) updates. Weight stashing: a forward never reads the
-    live weights the optimizer steps (the next step would change, in place, tensors autograd saved for a
-    backward still to come); each version a micro-batch may read is a frozen copy, made right after the step
-    that made it, and kept while a micro-batch in flight or still to come reads it."""
+    """PipeDream (2019), weight stashing: a forward never reads the live weights the optimizer steps (the
+    next step would change, in place, tensors autograd saved for a backward still to come); each version is a
+    frozen copy, made right after its step, kept while a micro-batch in flight or still to come reads it."""
 
     def __init__(self, stage, opt, lag):
         super().__init__(stage, opt, clip=0)
@@ -290,8 +283,7 @@ class Stash(Flush):
 
     def take_grads(self, v):  # move the gradient out of version v: the next micro-batch on v starts from 0
         grads = [q.grad for q in self.versions[v].parameters()]
-        for q in self.versions[v].parameters():
-            q.grad = None
+        self.versions[v].zero_grad(set_to_none=True)
         return grads
 
     def apply_due(self, next_f):
@@ -313,10 +305,9 @@ class Stash(Flush):
 
 
 class TwoBW(Stash):
-    """PipeDream-2BW: gradients summed over a batch's m micro-batches, one update per batch; batch t reads
-    the weights of update t-1. Two versions, ever (the newest also lives in the master weights the optimizer
-    steps: autograd must never see a tensor it saved change in place). Batch t's whole-model norm: each stage
-    adds its squared norm to the partial sum riding up with the gradients; stage 0 has the total."""
+    """PipeDream-2BW: two versions, ever (the newest also lives in the master weights the optimizer steps:
+    autograd must never see a tensor it saved change in place). Batch t's whole-model norm: each stage adds
+    its squared norm to the partial sum riding up with the gradients; stage 0 has the total."""
 
     def __init__(self, stage, opt, m, p, clip, first, src=0, group=None):
         super().__init__(stage, opt, lag=None)
@@ -349,16 +340,15 @@ class TwoBW(Stash):
         return partial
 
     def learn_norm(self, t, sq):
-        """Batch t's whole-model squared norm (on the device) is known here now, so its update is due. It is
-        first needed by batch t+2, which starts here after the norm passes with micro-batch (t+1)m + p-1. A
-        message carries only the newest norm its sender knows, so the drain's correctness rests on an
-        invariant: every norm a stage learns is the next one it expects (m < p breaks it: see check_args)."""
+        """Batch t's whole-model squared norm (on the device) is known here now: its update is due, first
+        needed by batch t+2, which starts here after the norm passes with micro-batch (t+1)m + p-1. A message
+        carries only the newest norm its sender knows: every norm a stage learns must be the next it expects,
+        or an update would be skipped (m < p breaks this: see check_args)."""
         if t == self.known[0]:
             return  # nothing new
         if t != self.known[0] + 1 or t not in self.batch_grads:
             raise RuntimeError(f"2bw learns the norm of batch {t}, but the next it expects is batch "
-                               f"{self.known[0] + 1}'s (gradient held for {sorted(self.batch_grads)}): an "
-                               "update would be skipped; the schedule needs --microbatches >= stages")
+                               f"{self.known[0] + 1}'s: the schedule needs --microbatches >= stages")
         self.known = (t, sq)
         self.due.append((self.batch_grads.pop(t), sq))
 
@@ -369,15 +359,6 @@ class TwoBW(Stash):
         self.learn_norm(t, sq[0])
         self.apply_due(next_f)
         self.drained_norm = t  # the next segment's tags carry it until stage 0 knows a newer one
-
-
-def to_device(m, device, *batch):
-    """A step's global (B, ...) tensors as m micro-batches (m, B/m, ...), copied to the device once per step
-    (pinned and non-blocking on a GPU), never once per micro-batch in the middle of the schedule."""
-    batch = [rearrange(t, "(m b) ... -> m b ...", m=m) for t in batch]
-    if device.type == "cuda":
-        batch = [t.pin_memory() for t in batch]
-    return [t.to(device, non_blocking=True) for t in batch]
 
 
 def check_args(args, p, m):
@@ -446,9 +427,7 @@ def main():
     observer.runner = runner
     run = Run(d, args, {"model": stage, "optim": opt, "pipe": PolicyState(policy)})
     # flush: every step its own schedule, drained before the optimizer step. stash, 2bw: one schedule for
-    # the run, cut only where a checkpoint is saved (--ckpt-dir): there the pipeline drains, so the checkpoint
-    # is a consistent state. The drain adds a fill and a drain (bubble) there; the arithmetic stays that of
-    # the uninterrupted stream, since version_for names each micro-batch's weights by the stream's rule.
+    # the run, drained only where a checkpoint is saved (--ckpt-dir), so that the checkpoint is consistent.
     ends = [t for t in range(run.start + 1, args.steps + 1)
             if sync or t == args.steps or (args.save_every and t % args.save_every == 0)]
     stream = [(kind, a * m + k) for a, z in zip([run.start] + ends, ends)
@@ -461,8 +440,7 @@ def main():
         for t in sorted({k // m for _, k in chunk} - set(batches)):  # a stream reads ahead into later steps
             x, y = data.batch(t, args.batch_size, args.seq_len, args.ragged)  # (B, T) global, on CPU
             batches[t] = (*to_device(m, d.device, x, y), count_tokens(y))  # (m, b, T) each; count: on CPU
-        # bytes sent, seen at the dispatcher (which slows every op): over one step (flush: the one
-        # before the last, whose bubble is reported), or over every step of a stream (no step is a schedule)
+        # bytes sent, counted at the slow dispatcher: flush, in the step before the timed last; a stream, all
         with run.watching(step, comm, at=max(run.start, args.steps - 2) if sync else step):
             runner.run(chunk)
             if step + 1 in ends:
@@ -477,11 +455,7 @@ def main():
     check = None
     if args.check:  # the full model, by name, from every stage's parameters (one all-reduce)
         full = assemble_full(d, dict(stage.named_parameters()), shapes, dtype)
-        ref = None
-        if d.rank == 0 and not sync:
-            d.log(f"--check: against the one-process simulation of the {args.mode} rule, not synchronous "
-                  "training")
-            ref = simulate_rule(args, p, d.device)
+        ref = simulate_rule(args, p, d.device, d.log) if d.rank == 0 and not sync else None  # stash, 2bw
         check = check_against_reference(d, args, run.losses, full, ref=ref)
     run.finish(f"pipedream-{args.mode}", peak, max(figures.get("sent_bytes_per_rank", [0])), check, figures)
 
@@ -599,12 +573,13 @@ def report(d, args, observer, comm, bounds, steps_run, segments):
 
 
 # --- reference for --check --- (the stash and 2bw rules in one process) -------------------------------------
-def simulate_rule(args, p, device="cpu"):
+def simulate_rule(args, p, device="cpu", log=lambda line: None):
     """The stash or 2bw rule without a pipeline, on the whole model. stash: micro-batches in stream order
     k = step*m + j, whose forward and backward read, on stage s, the weights after max(0, k - lag_s) updates,
     lag_s = p-s-1 (p-1 everywhere with --vertical-sync); then one AdamW step with k's gradient. 2bw: whole
     batches t, reading W_{max(t-1, 0)}: W_{t+1} = AdamW(W_t, clip(grad at W_{t-1})), torch's clip_grad_norm_.
     One AdamW over the whole model equals one per stage: with foreach=False it updates each tensor alone."""
+    log(f"--check: against the one-process simulation of the {args.mode} rule, not synchronous training")
     stash, bounds = args.mode == "stash", split_layers(args.n_layers, p)
     m = args.microbatches if stash else 1  # updates per step
     model = build_gpt(GPTConfig.from_args(args), args.seed, DTYPES[args.dtype], device)
