@@ -31,6 +31,7 @@ def commands_in(text):
             span = re.sub(r"\s+#\s.*$", "", re.sub(r"^\s*\$\s+", "", span.strip()))  # prompt, comment
             for part in re.split(r"\s*&&\s*(?=(?:[^']*'[^']*')*[^']*$)", span):  # && outside quotes
                 part = re.sub(r"^(\w+=\S*\s+)+", "", part.strip())  # OMP_NUM_THREADS=1 torchrun ...
+                part = re.split(r"\s+\|\s+(?=(?:[^']*'[^']*')*[^']*$)", part)[0]  # not what it is piped into
                 if COMMAND.match(part) and part.split()[0] != part:  # a command word alone is prose
                     found.append(part)
     return found
@@ -158,10 +159,11 @@ def test_the_reader_finds_the_commands():
     sample = ("Run `torchrun --nproc_per_node=2 dp.py --check` or `python` alone.\n```bash\n"
               "$ OMP_NUM_THREADS=1 python plan.py --model gpt3-6.7b \\\n  --nodes 1   # a comment\n"
               "srun -N 2 bash -c 'torchrun --nnodes=2 --nproc_per_node=4 dp.py'\n"
-              "plan (predictions): ...\n```\n")
+              "python plan.py --tp 8 | tail -1\nplan (predictions): ...\n```\n")
     assert commands_in(sample) == ["torchrun --nproc_per_node=2 dp.py --check",
                                    "python plan.py --model gpt3-6.7b    --nodes 1",
-                                   "srun -N 2 bash -c 'torchrun --nnodes=2 --nproc_per_node=4 dp.py'"]
+                                   "srun -N 2 bash -c 'torchrun --nnodes=2 --nproc_per_node=4 dp.py'",
+                                   "python plan.py --tp 8"]
     printed = " ".join(c for _, c in printed_commands())
     from test_repo import TECHNIQUES
     assert not [t for t in TECHNIQUES if t not in printed], [t for t in TECHNIQUES if t not in printed]
