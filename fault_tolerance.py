@@ -246,7 +246,7 @@ def sync_state(pg, members, me, rep, verify):
     if not receivers:
         return [], [], 0
     flat = rep.full() if i_me == src else torch.empty_like(rep.full())
-    pg.broadcast([flat], src).wait()  # (state,) the source's whole state
+    pg.broadcast(flat, src).wait()  # (state,) the source's whole state
     if i_me in receivers:
         rep.load_full(flat)
     return [members[i].rid for i in bad], [members[i].rid for i in receivers], flat.numel() * flat.element_size()
@@ -361,7 +361,7 @@ def train_replica(args):
             held = quorum_group(store, k - 1, members, me, held, args.timeout)
             pg, newest = held[1], max(members, key=lambda m: m.version)
             verify = args.verify_every > 0 and newest.step % args.verify_every == 0
-            bad, receivers, nbytes = sync_state(pg, members, me, rep, verify)
+            log.synced(k - 1, members, newest.step, *sync_state(pg, members, me, rep, verify))
             step, batch = rep.step, rep.batch
             x, y = data.batch(batch, B, args.seq_len, args.ragged)  # (B, T) the global batch, CPU
             loss = local_grads(model, x, y, members, me, R, 1e4 if batch in inject else 1.0)
@@ -378,7 +378,7 @@ def train_replica(args):
             continue
         what = apply_update(rep, loss, spike, norm, args.clip, args.max_skips, args.snapshot_every)
         started = True
-        log.committed(k - 1, members, t_start, step, batch, what, loss, bad, receivers, nbytes)
+        log.committed(k - 1, members, t_start, step, batch, what, loss)
         if args.recipe == "restart" and what == "update" and rep.step % args.save_every == 0:
             save_checkpoint(args, rep, me.rid == members[0].rid)
     if rep.step < args.steps:
@@ -540,19 +540,23 @@ class Log:
         print(f"replica {self.me.rid}: round {k} failed ({type(e).__name__}: {str(e).splitlines()[0][:90]}); "
               "the step is discarded", flush=True)
 
-    def committed(self, k, members, t_start, step, batch, what, loss, bad, receivers, nbytes):
+    def synced(self, k, members, step, bad, receivers, nbytes):
+        if self.me.rid != members[0].rid:
+            return
+        for rid in bad:
+            print(f"silent corruption: replica {rid}'s weights differ from the majority at step {step}; "
+                  f"repaired from a peer", flush=True)
+            self.store.set(f"sdc/{self.store.add('sdc', 1)}", f"{rid} {step}")
+        if receivers:
+            self.store.set(f"recv/{self.store.add('recv', 1)}", f"{k} {','.join(map(str, receivers))} {nbytes}")
+
+    def committed(self, k, members, t_start, step, batch, what, loss):
         if self.me.rid != members[0].rid:
             return
         s, a, t_end = self.store, self.args, time.time()
         rids = ",".join(str(m.rid) for m in members)
         s.set(f"t/{k}", f"{t_start!r} {t_end!r} {step} {what}")
         self.step_ms.append(1e3 * (t_end - t_start))
-        for rid in bad:
-            print(f"silent corruption: replica {rid}'s weights differ from the majority at step {step}; "
-                  f"repaired from a peer", flush=True)
-            s.set(f"sdc/{s.add('sdc', 1)}", f"{rid} {step}")
-        if receivers:
-            s.set(f"recv/{s.add('recv', 1)}", f"{k} {','.join(map(str, receivers))} {nbytes}")
         if what == "update":
             s.set(f"upd/{step}", f"{k} {batch} {rids} {loss!r}")
             log_step(Dist(0, 1, 0, torch.device("cpu"), "gloo"), step, loss, 1e3 * (t_end - t_start),
