@@ -1,5 +1,5 @@
-"""fault_tolerance.py: data parallel training that goes on when a replica is lost (per-step fault tolerance with
-a quorum per step, live recovery from a peer, loss-spike skip and rollback, silent-corruption checks).
+"""fault_tolerance.py: data parallel training that goes on when a replica is lost (per-step fault tolerance
+with a quorum per step, live recovery from a peer, loss-spike skip and rollback, silent-corruption checks).
 
 The 2020 way to survive a failure is to stop: torchrun kills every worker, restarts them all, they reload the
 last checkpoint from disk and train the steps since it again. On 16K GPUs that is the dominant loss (Llama 3
@@ -14,7 +14,8 @@ replicated dimension (torchft, PyTorch Conference 2024; used in torchtitan) lets
    goes, every replica says so in one line and exits). Before each step every live replica checks in to
    round k with its state version; the first to see every live replica checked in, or its --join-ms
    window pass, closes the round by one atomic add (a later check-in sees it closed and tries round k+1).
-   The members are who checked in before the close.
+   The members are who checked in before the close; with fewer than --min-replicas (torchft's
+   min_replica_size) nobody trains, and they wait (bounded) for a restarted replica.
 2. A group per quorum. The step's collectives run on the group the members still share when the membership
    is unchanged, else on a new gloo group under the fresh store prefix `g{k}`: never on a group with a dead
    member. On NCCL: ProcessGroupNCCL(PrefixStore(f"g{k}", store), rank, size, opts) the same way; a failed
@@ -53,6 +54,10 @@ Run (one command starts the coordinator and the replicas; R in one place, no tor
     python fault_tolerance.py --replicas 3 --verify-every 2 --corrupt-replica 2 --at-step 6 --check
     python fault_tolerance.py --replicas 3 --kill-replica 1 --at-step 5 --recipe restart --ckpt-dir D \
         --save-every 4        # the 2020 recipe on the same run: every replica restarts, reloads from disk
+Measured and printed: per failure, the ms from the kill (its timestamp on the coordinator) to the next commit
+of the step it interrupted, the steps trained again, the ms until the replica is back in a quorum; goodput
+(the time of the rounds whose updates are in the final model over the wall time). --recipe restart runs the
+same kill the 2020 way for the same figures side by side.
 Goodput at scale (the arithmetic; the run prints its own measured figures beside it). N GPUs failing at
 lambda per GPU-hour give a failure every M = 1 / (N lambda) hours: Llama 3's 419 in 54 days on 16,384 GPUs is
 lambda = 2.0e-5, M = 3.1 h. Restart-from-checkpoint with checkpoint cost C and restart cost T_r loses, per
@@ -78,11 +83,11 @@ from harness import CommonArgs, check_common_args, log_step, parse_args, write_s
 @dataclass
 class Args(CommonArgs):
     replicas: int = 3  # R replica processes, each holding the whole model
-    join_ms: float = 300.0  # a quorum closes when every live replica checked in, or this long after a check-in
+    join_ms: float = 300.0  # a quorum closes when every live replica checked in, or this long after one did
     min_replicas: int = 1  # a smaller quorum does not train: its members wait for replicas to come back
     kill_replica: int = -1  # SIGKILL this replica (first life only) at --at-step, in --phase
     at_step: int = -1  # the step of --kill-replica and of --corrupt-replica
-    phase: Literal["before", "during", "after"] = "during"  # before check-in / before the all-reduce / after it
+    phase: Literal["before", "during", "after"] = "during"  # before check-in / the all-reduce / the vote
     max_restarts: int = 1  # the launcher restarts a killed replica (or, --recipe restart, the job) this often
     recipe: Literal["live", "restart"] = "live"  # live recovery, or the whole job restarts from --ckpt-dir
     spike_sigma: float = 6.0  # a loss above the mean of the last 16 by this many standard deviations
@@ -179,7 +184,7 @@ class Replica:
         self.corrupted = False  # (--corrupt-replica: done once)
 
     def core(self):
-        """(3P + 5 + n_params + steps,) params | exp_avg | exp_avg_sq | counters, AdamW steps, loss history."""
+        """(3P + 5 + n_params + steps,) params | exp_avg | exp_avg_sq | counters, AdamW steps, losses."""
         state = [self.opt.state.get(p, {}) for p in self.params]
         parts = [p.detach().reshape(-1) for p in self.params]
         for key in ("exp_avg", "exp_avg_sq"):
@@ -249,7 +254,8 @@ def sync_state(pg, members, me, rep, verify):
     pg.broadcast(flat, src).wait()  # (state,) the source's whole state
     if i_me in receivers:
         rep.load_full(flat)
-    return [members[i].rid for i in bad], [members[i].rid for i in receivers], flat.numel() * flat.element_size()
+    nbytes = flat.numel() * flat.element_size()
+    return [members[i].rid for i in bad], [members[i].rid for i in receivers], nbytes
 
 
 # ----------------------------------------------------------------------------- 3. the step
@@ -270,7 +276,7 @@ def local_grads(model, x, y, members, me, replicas, loss_scale=1.0):
 
 
 def allreduce_grads(pg, params, loss):
-    """One all-reduce of the flat gradient and the loss over the quorum: (sum of grads, participants' loss)."""
+    """One all-reduce of the flat gradient and the loss over the quorum; returns the participants' loss."""
     flat = torch.cat([p.grad.reshape(-1) for p in params] + [loss.reshape(1).to(params[0].grad.dtype)])
     pg.allreduce([flat]).wait()  # (P + 1,) SUM over the members
     for p, g in zip(params, flat[:-1].split([p.numel() for p in params])):
@@ -298,7 +304,7 @@ def agree(pg, flag, device):
 
 def apply_update(rep, loss, spike, norm, clip, max_skips, snapshot_every):
     """The committed step: the optimizer step, or a skip (the batch is consumed, the weights stay), or after
-    `max_skips` skips in a row a rollback to the snapshot, going on from the next batch. Returns what it did."""
+    `max_skips` skips in a row a rollback to the snapshot, going on from the next batch. Returns which."""
     rep.version, rep.batch = rep.version + 1, rep.batch + 1
     if not spike:
         if clip > 0:
@@ -344,8 +350,8 @@ def train_replica(args):
         me.version, me.step = rep.version, rep.step
         me.gid, me.gsize = (held[0], held[1].size()) if held else (-1, 0)
         t_start = time.time()
-        members = join_round(store, k, me, expected, args.join_ms / 1e3 if started else max(60, args.timeout),
-                             args.timeout)
+        window = args.join_ms / 1e3 if started else max(60, args.timeout)  # (a start waits for everyone)
+        members = join_round(store, k, me, expected, window, args.timeout)
         k += 1
         if members is None:
             continue
@@ -355,8 +361,10 @@ def train_replica(args):
             time.sleep(args.join_ms / 1e3)
             continue
         waiting.clear()
-        ok = spike = False
-        loss = norm = math.nan
+        ok, spike, loss, norm = False, False, math.nan, torch.tensor(math.nan)
+        if rep.batch > 4 * args.steps + 16:  # every loop is bounded, a spike that never ends too
+            raise TimeoutError(f"{rep.batch} batches used for {rep.step} steps: the loss keeps spiking")
+        step, batch = rep.step, rep.batch
         try:
             held = quorum_group(store, k - 1, members, me, held, args.timeout)
             pg, newest = held[1], max(members, key=lambda m: m.version)
@@ -364,9 +372,9 @@ def train_replica(args):
             log.synced(k - 1, members, newest.step, *sync_state(pg, members, me, rep, verify))
             step, batch = rep.step, rep.batch
             x, y = data.batch(batch, B, args.seq_len, args.ragged)  # (B, T) the global batch, CPU
-            loss = local_grads(model, x, y, members, me, R, 1e4 if batch in inject else 1.0)
+            mine = local_grads(model, x, y, members, me, R, 1e4 if batch in inject else 1.0)
             inject_faults(args, store, rep, "during")
-            loss = allreduce_grads(pg, rep.params, loss)
+            loss = allreduce_grads(pg, rep.params, mine)
             norm = torch.nn.utils.get_total_norm([p.grad for p in rep.params])  # of the whole gradient
             spike = agree(pg, is_spike(loss, norm.item(), rep.losses, args.spike_sigma), device)
             inject_faults(args, store, rep, "after")
@@ -384,7 +392,7 @@ def train_replica(args):
     if rep.step < args.steps:
         return 0  # the run ended without this replica (it came back after the last step)
     # The members of the last round end together: one all-reduce shows whether they hold identical weights.
-    sums = torch.zeros(len(members), dtype=torch.long)
+    sums = torch.zeros(len(members), dtype=torch.long, device=device)
     sums[[m.rid for m in members].index(me.rid)] = checksum(rep.params)
     held[1].allreduce([sums]).wait()
     if me.rid != members[0].rid:
@@ -393,35 +401,9 @@ def train_replica(args):
     return log.finish(rep, model, device, identical=bool((sums == sums[0]).all()))
 
 
-def inject_faults(args, store, rep, phase):
-    """--kill-replica / --corrupt-replica, on the replica's first life only: the faults the tests inject."""
-    if args.life > 0 or rep.step != args.at_step:
-        return
-    if args.replica == args.corrupt_replica and phase == "before" and rep.version >= 0 and not rep.corrupted:
-        with torch.no_grad():  # a silent flip of one weight: nothing fails, the numbers are just wrong
-            rep.params[0].view(-1)[0] += 1e-3
-        rep.corrupted = True
-    if args.replica == args.kill_replica and phase == args.phase:
-        store.set(f"killed/{args.replica}", f"{time.time()!r} {rep.step}")  # when, for the recovery figures
-        print(f"replica {args.replica}: SIGKILL at step {rep.step} ({phase} its all-reduce)", flush=True)
-        os.kill(os.getpid(), signal.SIGKILL)
-
-
-def ckpt_path(args):
-    return os.path.join(args.ckpt_dir, "state.pt")
-
-
-def save_checkpoint(args, rep, writer):
-    """--recipe restart: the lowest member writes the whole state (atomic: a temporary file, renamed)."""
-    if writer:
-        os.makedirs(args.ckpt_dir, exist_ok=True)
-        torch.save(rep.full(), ckpt_path(args) + ".tmp")
-        os.replace(ckpt_path(args) + ".tmp", ckpt_path(args))
-
-
 def launch(args):
-    """The coordinator (a TCPStore server: the single point of the design) and R replica processes. A replica
-    killed by a signal is restarted (--recipe restart: every replica is); every child is killed on any exit."""
+    """The coordinator (a TCPStore server: the single point of the design) and R replica processes. A
+    replica killed by a signal is restarted (--recipe restart: all are); on any exit, all are killed."""
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                           timeout=timedelta(seconds=args.timeout))
     cmd = [sys.executable, sys.argv[0], *sys.argv[1:], "--coordinator", f"127.0.0.1:{store.port}"]
@@ -502,15 +484,15 @@ def check_args(args):
     if args.max_restarts < 0 or args.verify_every < 0:
         fail("--max-restarts and --verify-every must be >= 0")
     if args.replica >= R or (args.replica >= 0 and ":" not in args.coordinator):
-        fail("--replica and --coordinator are set by the launcher: run python fault_tolerance.py --replicas R")
+        fail("--replica and --coordinator are the launcher's: run python fault_tolerance.py --replicas N")
 
 
 def main():
     args = parse_args(Args)
     check_args(args)
     if args.replica < 0:
-        print(f"fault_tolerance.py: {args.replicas} replicas, recipe {args.recipe}, coordinator in this process "
-              f"(pid {os.getpid()})", flush=True)
+        print(f"fault_tolerance.py: {args.replicas} replicas, recipe {args.recipe}, coordinator in this "
+              f"process (pid {os.getpid()})", flush=True)
         sys.exit(launch(args))
     try:
         code = train_replica(args)
@@ -528,6 +510,34 @@ def main():
 
 
 # --- measurement ---
+# The faults the tests inject (--kill-replica, --corrupt-replica), and the checkpoint of the recipe measured
+# beside live recovery (--recipe restart).
+def inject_faults(args, store, rep, phase):
+    """--kill-replica / --corrupt-replica, on the replica's first life only: the faults the tests inject."""
+    if args.life > 0 or rep.step != args.at_step:
+        return
+    if args.replica == args.corrupt_replica and phase == "before" and rep.version >= 0 and not rep.corrupted:
+        with torch.no_grad():  # a silent flip of one weight: nothing fails, the numbers are just wrong
+            rep.params[0].view(-1)[0] += 1e-3
+        rep.corrupted = True
+    if args.replica == args.kill_replica and phase == args.phase:
+        store.set(f"killed/{args.replica}", f"{time.time()!r} {rep.step}")  # when, for the recovery figures
+        print(f"replica {args.replica}: SIGKILL at step {rep.step} ({phase} its all-reduce)", flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def ckpt_path(args):
+    return os.path.join(args.ckpt_dir, "state.pt")
+
+
+def save_checkpoint(args, rep, writer):
+    """--recipe restart: the lowest member writes the whole state (atomic: a temporary file, renamed)."""
+    if writer:
+        os.makedirs(args.ckpt_dir, exist_ok=True)
+        torch.save(rep.full(), ckpt_path(args) + ".tmp")
+        os.replace(ckpt_path(args) + ".tmp", ckpt_path(args))
+
+
 class Log:
     """What the run records on the coordinator (per committed round and per update, by the round's lowest
     member) and prints; at the end, the figures and the --check. Watches from outside the technique."""
@@ -548,7 +558,8 @@ class Log:
                   f"repaired from a peer", flush=True)
             self.store.set(f"sdc/{self.store.add('sdc', 1)}", f"{rid} {step}")
         if receivers:
-            self.store.set(f"recv/{self.store.add('recv', 1)}", f"{k} {','.join(map(str, receivers))} {nbytes}")
+            who = ",".join(map(str, receivers))
+            self.store.set(f"recv/{self.store.add('recv', 1)}", f"{k} {who} {nbytes}")
 
     def committed(self, k, members, t_start, step, batch, what, loss):
         if self.me.rid != members[0].rid:
@@ -573,11 +584,10 @@ class Log:
         batches, masks, losses = [int(r[1]) for r in recs], [list(map(int, r[2].split(","))) for r in recs], \
             [float(r[3]) for r in recs]
         figures = recovery_figures(s, a, rounds)
+        listed = lambda key: [s.get(f"{key}/{i}").decode() for i in range(1, s.add(key, 0) + 1)]  # noqa: E731
         figures.update(batches=batches, members=masks, replicas_identical=identical,
-                       corruptions=[s.get(f"sdc/{i}").decode() for i in range(1, s.add("sdc", 0) + 1)],
-                       skips=[s.get(f"skip/{i}").decode() for i in range(1, s.add("skip", 0) + 1)],
-                       rollbacks=[s.get(f"rollback/{i}").decode() for i in range(1, s.add("rollback", 0) + 1)],
-                       recoveries=[s.get(f"recv/{i}").decode() for i in range(1, s.add("recv", 0) + 1)])
+                       corruptions=listed("sdc"), skips=listed("skip"), rollbacks=listed("rollback"),
+                       recoveries=listed("recv"))
         print(f"summary: replicas identical at the end: {identical}; members per step {masks}", flush=True)
         check = None
         if a.check:

@@ -1,11 +1,12 @@
 """fault_tolerance.py: a replica killed before its check-in, during its step, or after its all-reduce (R = 2,
-3, 4); the others go on, and the run equals the one-process reference replaying the membership it had (float64,
-1e-9 relative; it comes out near 1e-16). A killed replica rejoins and recovers live; spikes are skipped and
-rolled back; a corrupted replica is found and repaired; the restart-from-checkpoint recipe is measured
-beside it and, with every replica in every step, equals plain one-process training (common.reference_train,
-not this file's reference). Each check is shown to fail on a mutant (tests/fault_tolerance_checks.py, which
-runs the file with one function replaced). No process is left after any launch; bad input is one line, exit 2.
-Every launch is one `python fault_tolerance.py --replicas R` (the launcher, its coordinator and R processes)."""
+3, 4); the others go on, and the run equals the one-process reference replaying the membership it had
+(float64, 1e-9 relative; it comes out near 1e-16). A killed replica rejoins and recovers live; spikes are
+skipped and rolled back; a corrupted replica is found and repaired; the restart-from-checkpoint recipe is
+measured beside it and, with every replica in every step, equals plain one-process training
+(common.reference_train, not this file's reference). Each check is shown to fail on a mutant
+(tests/fault_tolerance_checks.py runs the file with one function replaced). No process is left after any
+launch; a lost coordinator ends every replica with one line; bad input is one line, exit 2. Every launch
+is one `python fault_tolerance.py --replicas R` (the launcher, its coordinator, R processes)."""
 import json, math, os, subprocess, sys
 from types import SimpleNamespace
 
@@ -39,7 +40,8 @@ def launch(tmp_path, *args, mutant="", name="run", timeout=900):
     out = tmp_path / f"{name}.json"
     script = "tests/fault_tolerance_checks.py" if mutant else "fault_tolerance.py"
     p = subprocess.run([sys.executable, str(ROOT / script), *TINY, *map(str, args), "--json", str(out)],
-                       env=dict(ENV, FT_MUTANT=mutant), cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+                       env=dict(ENV, FT_MUTANT=mutant), cwd=ROOT, capture_output=True, text=True,
+                       timeout=timeout)
     p.output = p.stdout + p.stderr
     assert processes_of(str(out)) == [], f"processes left behind\n{p.output[-3000:]}"
     summary = json.loads(out.read_text()) if out.exists() else None
@@ -54,6 +56,10 @@ def exact(p, s):
     c = s["check"]
     assert c["passed"] and c["max_loss_diff"] <= 1e-9 and c["max_param_diff"] <= 1e-9, c
     assert s["figures"]["replicas_identical"]
+    f = s["figures"]
+    print(f"\nR {s['config']['replicas']} {s['config']['recipe']}: loss diff {c['max_loss_diff']:.1e}, "
+          f"param diff {c['max_param_diff']:.1e}, goodput {f['goodput']:.3f}, failures {f['failures']}, "
+          f"recoveries {f['recoveries']}")
 
 
 def caught(p, s):
@@ -103,7 +109,8 @@ def test_r2_mutants_are_caught(tmp_path, mutant):
 
 
 # ----------------------------------------------------------------------------- R = 3: during, rejoin
-R3 = ["--replicas", 3, "--steps", 6, "--kill-replica", 1, "--at-step", 3, "--phase", "during", "--min-replicas", 3,
+R3 = ["--replicas", 3, "--steps", 6, "--kill-replica", 1, "--at-step", 3, "--phase", "during",
+      "--min-replicas", 3,
       *SLOW_OK, "--check"]
 
 
@@ -151,7 +158,8 @@ def test_restart_recipe_on_the_same_kill_is_measured_and_equals_one_process_trai
 
 
 # ----------------------------------------------------------------------------- R = 4: after, corruption
-R4 = ["--replicas", 4, "--steps", 6, "--kill-replica", 1, "--at-step", 3, "--phase", "after", "--min-replicas", 3,
+R4 = ["--replicas", 4, "--steps", 6, "--kill-replica", 1, "--at-step", 3, "--phase", "after",
+      "--min-replicas", 3,
       "--max-restarts", 0, "--verify-every", 3, "--corrupt-replica", 3, *SLOW_OK, "--check"]
 
 
@@ -163,7 +171,8 @@ def test_r4_kill_after_allreduce_and_a_corrupted_replica_repaired(tmp_path):
     exact(p, s)
     f = s["figures"]
     assert f["members"] == [[0, 1, 2, 3]] * 3 + [[0, 2, 3]] * 3, f["members"]
-    assert f["corruptions"] == ["3 3"] and "replica 3's weights differ from the majority at step 3" in p.output
+    assert f["corruptions"] == ["3 3"]
+    assert "replica 3's weights differ from the majority at step 3" in p.output
     assert measured_failure(s, 1, 3)["steps_redone"] == 0
     assert 0 < f["goodput"] <= 1
 
@@ -172,11 +181,34 @@ def test_r4_unrepaired_corruption_is_caught(tmp_path):
     caught(*launch(tmp_path, *R4, mutant="no-checksum"))
 
 
+# ----------------------------------------------------------------------------- the coordinator is lost
+def test_lost_coordinator_ends_every_replica_with_one_line(tmp_path):
+    """The coordinator is the single point of the design: SIGKILL the launcher that holds it in the middle of
+    a run, and every replica says so in one line and exits (3) within --timeout; no process is left."""
+    marker = str(tmp_path / "gone.json")
+    p = subprocess.Popen([sys.executable, str(ROOT / "fault_tolerance.py"), *TINY, "--replicas", "2",
+                          "--steps", "500", "--timeout", "20", "--json", marker],
+                         env=ENV, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        for line in p.stdout:
+            if line.startswith("step    1 "):
+                break
+        p.kill()  # the launcher, and with it the coordinator's store
+        out, err = p.communicate(timeout=180)  # returns once every replica (holding the pipes) has exited
+    finally:
+        for q in processes_of(marker):
+            os.kill(q, 9)
+    assert processes_of(marker) == []
+    gone = [l for l in err.splitlines() if "is gone" in l]
+    assert len(gone) == 2 and all("single point" in l for l in gone), err[-3000:]
+
+
 # ----------------------------------------------------------------------------- bad input
 @pytest.mark.parametrize("flags, words", [
     (["--replicas", 5], ["--batch-size 12 must be divisible by --replicas 5"]),
     (["--kill-replica", 3, "--replicas", 3, "--at-step", 1], ["--kill-replica 3 needs a replica in 0..2"]),
-    (["--recipe", "restart", "--replica", 1, "--coordinator", "127.0.0.1:1"], ["--recipe restart needs --ckpt-dir"]),
+    (["--recipe", "restart", "--replica", 1, "--coordinator", "127.0.0.1:1"],
+     ["--recipe restart needs --ckpt-dir"]),
 ])
 def test_bad_input_is_one_line_and_exit_2(flags, words):
     """The launcher, and a replica as the launcher starts it (before it touches the coordinator)."""
