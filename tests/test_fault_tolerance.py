@@ -1,0 +1,227 @@
+"""fault_tolerance.py: a replica killed before its check-in, during its step, or after its all-reduce (R = 2,
+3, 4); the others go on, and the run equals the one-process reference replaying the membership it had
+(float64, 1e-9 relative; it comes out near 1e-16). A killed replica rejoins and recovers live; spikes are
+skipped and rolled back; a corrupted replica is found and repaired; the restart-from-checkpoint recipe is
+measured beside it and, with every replica in every step, equals plain one-process training
+(common.reference_train, not this file's reference). Each check is shown to fail on a mutant
+(tests/fault_tolerance_checks.py runs the file with one function replaced). No process is left after any
+launch; a lost coordinator ends every replica with one line; bad input is one line, exit 2. Every launch
+is one `python fault_tolerance.py --replicas R` (the launcher, its coordinator, R processes)."""
+import json, math, os, subprocess, sys
+from types import SimpleNamespace
+
+import pytest
+
+from helpers import ENV, ROOT, TINY, run_python
+
+sys.path.insert(0, str(ROOT))
+from common import reference_train  # noqa: E402  (plain one-process training, not fault_tolerance.py's)
+
+# --timeout bounds every wait; it is long because a restarted replica must import torch on a loaded machine
+# before the others (waiting for --min-replicas) can go on. Detection of a death does not wait for it.
+SLOW_OK = ["--timeout", "120"]
+
+
+def processes_of(marker):
+    """Pids of live processes whose command line contains `marker` (this launch's --json path)."""
+    pids = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if marker.encode() in f.read():
+                    pids.append(int(pid))
+        except OSError:
+            pass
+    return pids
+
+
+def launch(tmp_path, *args, mutant="", name="run", timeout=900):
+    """One run (with a mutant: through tests/fault_tolerance_checks.py). Returns (process, summary)."""
+    out = tmp_path / f"{name}.json"
+    script = "tests/fault_tolerance_checks.py" if mutant else "fault_tolerance.py"
+    p = subprocess.run([sys.executable, str(ROOT / script), *TINY, *map(str, args), "--json", str(out)],
+                       env=dict(ENV, FT_MUTANT=mutant), cwd=ROOT, capture_output=True, text=True,
+                       timeout=timeout)
+    p.output = p.stdout + p.stderr
+    assert processes_of(str(out)) == [], f"processes left behind\n{p.output[-3000:]}"
+    summary = json.loads(out.read_text()) if out.exists() else None
+    if summary:  # every process the launcher started is gone too (the pids it recorded)
+        pids = [summary["launcher"]["pid"]] + [q for ps in summary["launcher"]["pids"].values() for q in ps]
+        assert not [q for q in pids if os.path.exists(f"/proc/{q}")], pids
+    return p, summary
+
+
+def exact(p, s):
+    assert p.returncode == 0 and s is not None, p.output[-4000:]
+    c = s["check"]
+    assert c["passed"] and c["max_loss_diff"] <= 1e-9 and c["max_param_diff"] <= 1e-9, c
+    assert s["figures"]["replicas_identical"]
+    f = s["figures"]
+    print(f"\nR {s['config']['replicas']} {s['config']['recipe']}: loss diff {c['max_loss_diff']:.1e}, "
+          f"param diff {c['max_param_diff']:.1e}, goodput {f['goodput']:.3f}, failures {f['failures']}, "
+          f"recoveries {f['recoveries']}")
+
+
+def caught(p, s):
+    """A mutant's run: its --check FAILED (exit 1), or the run could not finish at all; never a pass."""
+    assert p.returncode != 0, p.output[-3000:]
+    assert s is None or not s["check"]["passed"], s["check"]
+
+
+def pids(s):
+    return {int(r): ps for r, ps in s["launcher"]["pids"].items()}
+
+
+def measured_failure(s, replica, step):
+    (f,) = s["figures"]["failures"]
+    assert f["replica"] == replica and f["step"] == step, f
+    assert 0 < f["ms_to_next_commit"] < 600_000, f  # measured from the kill's timestamp to the commit
+    return f
+
+
+# ----------------------------------------------------------------------------- R = 2: before its check-in
+SPIKES = ["--inject-spike", "4,7,8", "--max-skips", 2, "--snapshot-every", 4]
+R2 = ["--replicas", 2, "--steps", 9, "--kill-replica", 1, "--at-step", 2, "--phase", "before",
+      "--max-restarts", 0, *SPIKES, *SLOW_OK, "--check"]
+
+
+def test_r2_kill_before_checkin_then_spike_skip_and_rollback(tmp_path):
+    """Replica 1 dies before checking in to step 2 (not restarted): replica 0 goes on alone from step 2, its
+    process never restarted. Batch 4 spikes: skipped. Batches 7 and 8 spike: skipped, and on the second
+    (--max-skips 2) everyone rolls back to the step-4 snapshot and goes on from batch 9, so steps 4..8 train
+    on batches 9..13 (the rule, as a closed form). Exact against the reference replaying that."""
+    p, s = launch(tmp_path, *R2)
+    exact(p, s)
+    f = s["figures"]
+    assert f["members"] == [[0, 1]] * 2 + [[0]] * 7, f["members"]
+    assert f["batches"] == [0, 1, 2, 3, 9, 10, 11, 12, 13], f["batches"]
+    assert f["skips"] == ["4 4", "6 7"] and f["rollbacks"] == ["6 8"], (f["skips"], f["rollbacks"])
+    assert len(pids(s)[0]) == 1 and s["launcher"]["restarts"] == 0
+    measured_failure(s, 1, 2)
+    assert "SIGKILL at step 2" in p.output and "flagged as a spike" in p.output
+
+
+@pytest.mark.parametrize("mutant", ["old-membership", "no-detector", "rollback-keeps-adam"])
+def test_r2_mutants_are_caught(tmp_path, mutant):
+    """The gradient averaged over the old membership after the loss, a detector that never fires, a rollback
+    that keeps AdamW's moments: each FAILS the same run's --check."""
+    caught(*launch(tmp_path, *R2, mutant=mutant))
+
+
+# ----------------------------------------------------------------------------- R = 3: during, rejoin
+R3 = ["--replicas", 3, "--steps", 6, "--kill-replica", 1, "--at-step", 3, "--phase", "during",
+      "--min-replicas", 3,
+      *SLOW_OK, "--check"]
+
+
+def test_r3_kill_during_step_discards_it_and_the_replica_rejoins_live(tmp_path):
+    """Replica 1 dies after its backward, before the all-reduce: the others' all-reduce fails, step 3 is
+    discarded (a "no" vote), the launcher restarts replica 1, and (--min-replicas 3) it rejoins at step 3 with
+    the weights, AdamW state and step broadcast by replica 0: the whole state, measured at the broadcast. The
+    healthy processes never restart; every step has all three replicas; exact."""
+    p, s = launch(tmp_path, *R3)
+    exact(p, s)
+    f = s["figures"]
+    assert f["members"] == [[0, 1, 2]] * 6, f["members"]
+    assert len(pids(s)[0]) == len(pids(s)[2]) == 1 and len(pids(s)[1]) == 2, pids(s)
+    assert "round" in p.output and "failed" in p.output and "discarded" in p.output
+    (rec,) = f["recoveries"]  # "round receivers bytes"
+    _, receivers, nbytes = rec.split()
+    P = sum(t.numel() for t in reference_train(tiny(steps=1))["params"].values())
+    assert receivers == "1" and int(nbytes) >= 2 * 8 * (3 * P)  # weights + 2 AdamW moments (+ the snapshot)
+    fail = measured_failure(s, 1, 3)
+    assert fail["steps_redone"] == 0 and math.isfinite(fail["ms_to_rejoin"])
+    pytest.r3_ms = fail["ms_to_next_commit"]
+
+
+@pytest.mark.parametrize("mutant", ["commit-anyway", "recover-weights-only"])
+def test_r3_mutants_are_caught(tmp_path, mutant):
+    """Committing a failed round (its partial gradient), and a recovery that sends only the weights: each
+    FAILS --check (the rejoined replica's AdamW state differs: the replicas are not identical at the end)."""
+    caught(*launch(tmp_path, *R3, mutant=mutant))
+
+
+def test_restart_recipe_on_the_same_kill_is_measured_and_equals_one_process_training(tmp_path):
+    """The same kill under the 2020 recipe: every replica is killed and restarted, all reload the step-2
+    checkpoint from disk and train step 2 again (1 step redone, the closed form at-step - last save), and
+    with all three in every step the run equals plain one-process training (common.reference_train)."""
+    p, s = launch(tmp_path, *R3, "--recipe", "restart", "--ckpt-dir", tmp_path / "ck", "--save-every", 2)
+    exact(p, s)
+    assert s["figures"]["members"] == [[0, 1, 2]] * 6
+    assert all(len(ps) == 2 for ps in pids(s).values())  # every process restarted
+    ref = reference_train(tiny(steps=6))
+    assert max(abs(a - b) / b for a, b in zip(s["losses"], ref["losses"])) < 1e-12
+    fail = measured_failure(s, 1, 3)
+    assert fail["steps_redone"] == 1
+    print(f"restart-from-checkpoint: {fail['ms_to_next_commit']:.0f} ms to the next commit of step 3; live "
+          f"recovery on the same kill: {getattr(pytest, 'r3_ms', float('nan')):.0f} ms")
+
+
+# ----------------------------------------------------------------------------- R = 4: after, corruption
+R4 = ["--replicas", 4, "--steps", 6, "--kill-replica", 1, "--at-step", 3, "--phase", "after",
+      "--min-replicas", 3,
+      "--max-restarts", 0, "--verify-every", 3, "--corrupt-replica", 3, *SLOW_OK, "--check"]
+
+
+def test_r4_kill_after_allreduce_and_a_corrupted_replica_repaired(tmp_path):
+    """Step 3: replica 3's weights are silently perturbed; the checksum all-reduce finds it (3 against 1) and
+    replica 0's state repairs it. Then replica 1 dies after its all-reduce succeeded, before voting: the
+    others discard the step anyway (it never said yes) and redo step 3 with three replicas; exact."""
+    p, s = launch(tmp_path, *R4)
+    exact(p, s)
+    f = s["figures"]
+    assert f["members"] == [[0, 1, 2, 3]] * 3 + [[0, 2, 3]] * 3, f["members"]
+    assert f["corruptions"] == ["3 3"]
+    assert "replica 3's weights differ from the majority at step 3" in p.output
+    assert measured_failure(s, 1, 3)["steps_redone"] == 0
+    assert 0 < f["goodput"] <= 1
+
+
+def test_r4_unrepaired_corruption_is_caught(tmp_path):
+    caught(*launch(tmp_path, *R4, mutant="no-checksum"))
+
+
+# ----------------------------------------------------------------------------- the coordinator is lost
+def test_lost_coordinator_ends_every_replica_with_one_line(tmp_path):
+    """The coordinator is the single point of the design: SIGKILL the launcher that holds it in the middle of
+    a run, and every replica says so in one line and exits (3) within --timeout; no process is left."""
+    marker = str(tmp_path / "gone.json")
+    p = subprocess.Popen([sys.executable, str(ROOT / "fault_tolerance.py"), *TINY, "--replicas", "2",
+                          "--steps", "500", "--timeout", "20", "--json", marker],
+                         env=ENV, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        for line in p.stdout:
+            if line.startswith("step    1 "):
+                break
+        p.kill()  # the launcher, and with it the coordinator's store
+        out, err = p.communicate(timeout=180)  # returns once every replica (holding the pipes) has exited
+    finally:
+        for q in processes_of(marker):
+            os.kill(q, 9)
+    assert processes_of(marker) == []
+    gone = [l for l in err.splitlines() if "is gone" in l]
+    assert len(gone) == 2 and all("single point" in l for l in gone), err[-3000:]
+
+
+# ----------------------------------------------------------------------------- bad input
+@pytest.mark.parametrize("flags, words", [
+    (["--replicas", 5], ["--batch-size 12 must be divisible by --replicas 5"]),
+    (["--kill-replica", 3, "--replicas", 3, "--at-step", 1], ["--kill-replica 3 needs a replica in 0..2"]),
+    (["--recipe", "restart", "--replica", 1, "--coordinator", "127.0.0.1:1"],
+     ["--recipe restart needs --ckpt-dir"]),
+])
+def test_bad_input_is_one_line_and_exit_2(flags, words):
+    """The launcher, and a replica as the launcher starts it (before it touches the coordinator)."""
+    p = run_python("fault_tolerance.py", *TINY, *flags)
+    lines = (p.stdout + p.stderr).strip().splitlines()
+    assert p.returncode == 2 and len(lines) == 1 and all(w in lines[0] for w in words), p.stdout + p.stderr
+
+
+def tiny(steps):
+    """TINY as the args reference_train takes."""
+    it = iter(TINY)
+    a = {k.lstrip("-").replace("-", "_"): v for k, v in zip(it, it)}
+    return SimpleNamespace(vocab=int(a["vocab"]), seq_len=int(a["seq_len"]), d_model=int(a["d_model"]),
+                           n_heads=int(a["n_heads"]), n_layers=int(a["n_layers"]), dropout=0.0,
+                           batch_size=int(a["batch_size"]), steps=steps, dtype=a["dtype"], seed=0, lr=3e-3,
+                           weight_decay=0.1, clip=1.0, ragged=False)
