@@ -107,8 +107,8 @@ class SplitBackward:
     @staticmethod
     def backward_weight(saved):
         for layer, x, dy in saved:
-            x2, dy2 = x.reshape(-1, x.shape[-1]), dy.reshape(-1, dy.shape[-1])  # (N, in), (N, out)
-            # the products autograd's addmm / mm backward forms, in its layout: the same bits
+            x2, dy2 = x.detach().reshape(-1, x.shape[-1]), dy.reshape(-1, dy.shape[-1])  # (N, in), (N, out)
+            # autograd's addmm / mm backward products, same layout and bits; x detached: W builds no graph
             grads = [(layer.weight, dy2.t().mm(x2))]  # (out, in)
             if layer.bias is not None:
                 grads.append((layer.bias, dy2.sum(0)))  # (out,)
