@@ -1,6 +1,6 @@
 """Launch technique files the way a user does (torchrun on gloo + CPU), always with a timeout, and read
 the --json summary they write."""
-import json, os, re, socket, subprocess, sys
+import json, os, re, shutil, socket, subprocess, sys, tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -13,27 +13,61 @@ TINY = ["--vocab", "32", "--seq-len", "8", "--d-model", "16", "--n-heads", "2", 
         "--batch-size", "12", "--steps", "4", "--dtype", "float64"]
 
 
-def torchrun(script, nproc, *args, tmp_path, timeout=240, max_restarts=0, expect_rc=0, name="run"):
-    """`torchrun --standalone --nproc_per_node=nproc script args --json ...`; returns (summary, output)."""
+def torchrun(script, nproc, *args, tmp_path, timeout=240, max_restarts=0, expect_rc=0, name="run", real=False):
+    """`torchrun --standalone --nproc_per_node=nproc script args --json ...`; returns (summary, output).
+    The workers are forked from a warm interpreter (tests/forkserver.py: the same environment, argv and
+    rendezvous as torchrun's, without N + 1 imports of torch); `real=True` runs torchrun itself."""
     out_json = Path(tmp_path) / f"{name}.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           f"--max-restarts={max_restarts}", str(ROOT / script), *map(str, args), "--json", str(out_json)]
-    p = subprocess.run(cmd, env=ENV, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
-    output = p.stdout + p.stderr
-    assert p.returncode == expect_rc, f"exit {p.returncode} (expected {expect_rc}) from {' '.join(cmd)}\n{output[-6000:]}"
+    args = [*map(str, args), "--json", str(out_json)]
+    if real:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+               f"--max-restarts={max_restarts}", str(ROOT / script), *args]
+        p = subprocess.run(cmd, env=ENV, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+        rc, output = p.returncode, p.stdout + p.stderr
+    else:
+        cmd = ["torchrun", f"--nproc_per_node={nproc}", f"--max-restarts={max_restarts}", script, *args]
+        rc, output = forked(script, nproc, *args, timeout=timeout, max_restarts=max_restarts)
+    assert rc == expect_rc, f"exit {rc} (expected {expect_rc}) from {' '.join(cmd)}\n{output[-6000:]}"
     summary = json.loads(out_json.read_text()) if out_json.exists() else None
     return summary, output
 
 
 def check_lines(script, nproc, timeout=240):
     """A checks script (`tests/*_checks.py`, one line "ok ..." or "FAIL ..." per check, then "ALL CHECKS
-    PASSED") under `torchrun --standalone --nproc_per_node=nproc`: its "ok" lines, once every check passed."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           str(ROOT / script)]
-    p = subprocess.run(cmd, env=ENV, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
-    out = p.stdout + p.stderr
-    assert p.returncode == 0 and "ALL CHECKS PASSED" in out and not re.search(r"^FAIL", out, re.M), out[-6000:]
+    PASSED") launched as `torchrun --standalone --nproc_per_node=nproc` would (forked, as torchrun() is):
+    its "ok" lines, once every check passed."""
+    rc, out = forked(script, nproc, timeout=timeout)
+    assert rc == 0 and "ALL CHECKS PASSED" in out and not re.search(r"^FAIL", out, re.M), out[-6000:]
     return [l for l in out.splitlines() if l.startswith("ok ")]
+
+
+_server = None
+
+
+def forked(script, nproc, *args, timeout=240, max_restarts=0, mode="torchrun"):
+    """Run `script args` in nproc workers forked by tests/forkserver.py, as torchrun would start them
+    (workers stopped when one fails, restarted up to max_restarts times); returns (exit code, stdout + stderr).
+    A launch past `timeout` is killed and fails the test, like subprocess.run's timeout. mode "plain" is
+    `python script args`, "ranks" run_ranks()'s workers: those return (reply, read: a file name -> its text)."""
+    global _server
+    if _server is None or _server.poll() is not None:
+        _server = subprocess.Popen([sys.executable, str(ROOT / "tests" / "forkserver.py")], env=ENV, cwd=ROOT,
+                                   stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1)
+    d = Path(tempfile.mkdtemp())
+    req = dict(mode=mode, script=str(ROOT / script), args=list(map(str, args)), nproc=nproc, env=ENV,
+               cwd=str(ROOT), out=str(d / "out"), err=str(d / "err"), timeout=timeout, max_restarts=max_restarts)
+    _server.stdin.write(json.dumps(req) + "\n")
+    _server.stdin.flush()
+    line = _server.stdout.readline()
+    assert line, "tests/forkserver.py died"
+    reply, texts = json.loads(line), {f.name: f.read_text() for f in d.iterdir()}
+    shutil.rmtree(d)
+    read = lambda name: texts.get(name, "")
+    if reply["timed_out"]:
+        raise subprocess.TimeoutExpired([script, *args], timeout, output=read("out") + read("err"))
+    if mode != "torchrun":
+        return reply, read
+    return reply["rc"], read("out") + read("err")
 
 
 def passed(lines, *words):
@@ -49,9 +83,10 @@ def free_port():
 
 
 def run_python(script, *args, timeout=60):
-    """Plain `python script args` (world size 1): for exit codes, which torchrun would rewrite."""
-    return subprocess.run([sys.executable, str(ROOT / script), *map(str, args)], env=ENV, cwd=ROOT,
-                          capture_output=True, text=True, timeout=timeout)
+    """Plain `python script args` (world size 1): for exit codes, which torchrun would rewrite. Forked from
+    the warm interpreter too; returns what subprocess.run would (returncode, stdout, stderr)."""
+    reply, read = forked(script, 1, *args, timeout=timeout, mode="plain")
+    return subprocess.CompletedProcess([script, *args], reply["codes"][0], read("out"), read("err"))
 
 
 def torchrun_bad_input(script, nproc, *args, timeout=60):
@@ -63,14 +98,12 @@ def torchrun_bad_input(script, nproc, *args, timeout=60):
 
 
 def run_ranks(script, nproc, *args, timeout=60):
-    """The workers of a would-be `torchrun --nproc_per_node=nproc` launch, as plain processes with RANK and
-    WORLD_SIZE set but no rendezvous: a collective would crash them, so a clean exit 2 proves each rank
-    checked its input first. Unlike a torchrun launch, where the agent SIGTERMs the slower workers once the
-    first exits, every rank's own exit code is observable. Returns [(returncode, stdout + stderr)]."""
-    procs = [subprocess.Popen([sys.executable, str(ROOT / script), *map(str, args)], cwd=ROOT, text=True,
-                              env=dict(ENV, RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(nproc)),
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE) for r in range(nproc)]
-    return [(p.returncode, out + err) for p, (out, err) in ((p, p.communicate(timeout=timeout)) for p in procs)]
+    """The workers of a would-be `torchrun --nproc_per_node=nproc` launch, with RANK and WORLD_SIZE set but
+    no rendezvous: a collective would crash them, so a clean exit 2 proves each rank checked its input first.
+    Unlike a torchrun launch, where the agent SIGTERMs the slower workers once the first exits, every rank's
+    own exit code is observable. Returns [(returncode, stdout + stderr)]."""
+    reply, read = forked(script, nproc, *args, timeout=timeout, mode="ranks")
+    return [(c, read(f"out.{r}") + read(f"err.{r}")) for r, c in enumerate(reply["codes"])]
 
 
 def assert_each_rank_fails(results, words):
