@@ -65,8 +65,22 @@ def chunk_ids(rank, cp, zigzag):
     return [rank, 2 * cp - 1 - rank] if zigzag else [rank]
 
 
+def check_split(T, cp, zigzag, heads=None):
+    """What the split and the attentions rely on, raised before any exchange (else gloo aborts, NCCL hangs):
+    T tokens in cp equal chunks (zig-zag: 2cp); for Ulysses, heads that cp divides. That every rank holds as
+    many tokens (as shard_sequence cuts them), no rank can see alone."""
+    n = 2 * cp if zigzag else cp
+    if T % n:
+        raise ValueError(f"{T} tokens do not cut into {n} equal chunks ({'2 x ' * zigzag}cp, cp = {cp}): "
+                         f"use a sequence length divisible by {n}, e.g. {(T // n + 1) * n}")
+    if heads is not None and heads % cp:
+        raise ValueError(f"ulysses gives each of cp = {cp} ranks whole heads: {heads} heads do not split; "
+                         f"use a multiple of {cp} heads, or ring / allgather attention")
+
+
 def shard_sequence(x, rank, cp, zigzag, dim=1):
     """(.., T, ..) whole sequences -> (.., T/cp, ..) this rank's tokens, its chunks in sequence order."""
+    check_split(x.shape[dim], cp, zigzag)
     chunks = x.chunk(2 * cp if zigzag else cp, dim)
     return torch.cat([chunks[c] for c in chunk_ids(rank, cp, zigzag)], dim)
 
@@ -108,6 +122,7 @@ def allgather_attention(q, k, v, group, zigzag):
     """Causal attention of this rank's queries q (B, H, t, E), t = T/cp, over the keys and values of the whole
     sequence, gathered once: every rank holds, and saves for backward, K and V of all T tokens."""
     cp, r = dist.get_world_size(group), dist.get_rank(group)
+    check_split(cp * q.shape[2], cp, zigzag)
     if cp == 1:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True)
     kv = GatherSequence.apply(torch.stack([k, v]), group)  # (cp, 2, B, H, t, E): every rank's tokens
@@ -253,6 +268,7 @@ class RingAttention(torch.autograd.Function):
 
 
 def ring_attention(q, k, v, group, zigzag):
+    check_split(dist.get_world_size(group) * q.shape[2], dist.get_world_size(group), zigzag)
     return RingAttention.apply(q, k, v, group, zigzag)
 
 
@@ -278,6 +294,7 @@ def ulysses_attention(q, k, v, group, zigzag):
     every token of my H/cp heads, attention runs over the whole sequence for those heads, and a second
     all-to-all trades back (Jacobs et al. 2023, Sec. 3.1). Rank j takes heads [j H/cp, (j+1) H/cp)."""
     cp = dist.get_world_size(group)
+    check_split(cp * q.shape[2], cp, zigzag, heads=q.shape[1])
     if cp == 1:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True)
     qkv = rearrange(torch.stack([q, k, v]), "s b (n h) t e -> n s b h t e", n=cp)  # chunk j: rank j's heads
@@ -383,13 +400,14 @@ def main():
     model = ContextParallelGPT(gpt, cp_group, args.attention, zigzag).to(d.device)
     opt = make_optimizer(model.parameters(), args)
     run, comm = Run(d, args, {"model": model, "optim": opt}), CommCounter(axes={"cp": cp_group})
+    saved = SavedActivations()  # what the last step saves for backward, for the peak
 
     for step in run.steps():
         x, y = data.batch(step, args.batch_size, args.seq_len, args.ragged)  # (B, T) the global batch, on CPU
         n_tok = count_tokens(y)  # of the whole global batch: every rank's loss divides by it
         mine = slice(dp_rank * b, (dp_rank + 1) * b)  # my replica's sequences, then my tokens of each
         x, y = (shard_sequence(t[mine], cp_rank, cp, zigzag).to(d.device) for t in (x, y))  # (b, T/cp)
-        with run.watching(step, comm):
+        with run.watching(step, comm, saved):
             loss = lm_loss(model(x), y, n_tok)  # my tokens' share of the global batch's loss
             opt.zero_grad(set_to_none=True)
             loss.backward()  # attention's backward exchanges dK/dV; the rest is per token
@@ -401,7 +419,8 @@ def main():
         dist.all_reduce(loss)  # the global batch's loss, for the log line only (not training traffic)
         run.end_step(step, loss.item())
 
-    figures, peak, comm_bytes = report(d, args, model, opt, comm, dp_rank, cp_rank, dp, cp)
+    peak = peak_memory_bytes(d, state_bytes(model, opt) + saved.bytes)  # before report's unsplit GPT runs
+    figures, comm_bytes = report(d, args, model, comm, dp_rank, cp_rank, dp, cp)
     full = dict(model.named_parameters())  # every rank holds the whole model, under the GPT's own names
     check = check_against_reference(d, args, run.losses, full) if args.check else None
     run.finish("context_parallel", peak, comm_bytes, check, figures)
@@ -432,7 +451,7 @@ class CountBlocks:
         globals()["attend"] = self.real
 
 
-def report(d, args, model, opt, comm, dp_rank, cp_rank, dp, cp):
+def report(d, args, model, comm, dp_rank, cp_rank, dp, cp):
     """The last step, watched from outside: bytes handed to the cp group per layer (the CommCounter); one more
     forward of the last batch: the activation bytes it saves for backward, beside the unsplit GPT's on the
     same sequences, and the ring's blocks (layer 0's calls of `attend`, which only the ring makes;
@@ -473,7 +492,7 @@ def report(d, args, model, opt, comm, dp_rank, cp_rank, dp, cp):
                    blocks=blocks, blocks_theory=blocks_th, scores=scores, scores_theory=scores_th,
                    saved_activation_bytes=saved, saved_activation_bytes_theory=saved_th,
                    saved_activation_bytes_unsplit=unsplit)
-    return figures, peak_memory_bytes(d, state_bytes(model, opt) + split.bytes), max(total)
+    return figures, max(total)
 
 
 if __name__ == "__main__":

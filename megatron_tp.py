@@ -90,6 +90,8 @@ def all_gather(x, dim, group):  # (.., n, ..) this rank's chunk -> (.., t*n, ..)
 
 def reduce_scatter(x, dim, group):  # (.., t*n, ..) partial sums -> (.., n, ..) summed, chunk r
     t = dist.get_world_size(group)
+    if x.shape[dim] % t:  # checked before communicating: uneven chunks would abort inside the collective
+        raise ValueError(f"sequence parallelism splits T = {x.shape[dim]} over t = {t}: use T divisible by t")
     if t == 1:
         return x
     whole = torch.stack(x.chunk(t, dim)).contiguous()  # (t, .., n, ..): slot r goes to rank r
@@ -186,7 +188,8 @@ def shard(full, dim, group):
     A size that t does not divide is zero-padded to a multiple of t (only the vocabulary ever needs it)."""
     parts, t = (full if isinstance(full, (list, tuple)) else [full]), dist.get_world_size(group)
     if len(parts) > 1 and any(x.shape[dim] % t for x in parts):
-        raise ValueError(f"stacked shards need sizes divisible by t = {t}: {[x.shape[dim] for x in parts]}")
+        raise ValueError(f"fused parts of sizes {[x.shape[dim] for x in parts]} must each split evenly over "
+                         f"t = {t} (only a single layer is zero-padded): use sizes divisible by {t}")
     slices = []
     for x in parts:
         pad = list(x.shape)
@@ -214,13 +217,18 @@ class ColumnParallelLinear(nn.Module):
         super().__init__()
         linears = linears if isinstance(linears, (list, tuple)) else [linears]
         self.weight = shard([lin.weight for lin in linears], 0, group)
-        self.bias = None if linears[0].bias is None else shard([lin.bias for lin in linears], 0, group)
+        has = [lin.bias is not None for lin in linears]  # may differ by part (SwiGLU: gate without, up with)
+        bias = [lin.bias if h else lin.weight.new_zeros(len(lin.weight)) for lin, h in zip(linears, has)]
+        self.bias = shard(bias, 0, group) if any(has) else None
+        mask = shard([torch.full_like(b, h) for b, h in zip(bias, has)], 0, group).detach()  # 1: a real bias
+        self.register_buffer("bias_mask", None if all(has) or not any(has) else mask, persistent=False)
         self.group, self.sp = group, sequence_parallel
 
     def forward(self, x):  # (B, T, in) replicated, or (B, T/t, in) this rank's chunk under SP
+        b = self.bias if self.bias_mask is None else self.bias * self.bias_mask  # a missing bias stays zero
         if self.sp:
-            return ColumnParallelGEMM.apply(f_sp.apply(x, self.group), x, self.weight, self.bias, self.group)
-        return F.linear(f.apply(x, self.group), self.weight, self.bias)  # (B, T, out/t) local
+            return ColumnParallelGEMM.apply(f_sp.apply(x, self.group), x, self.weight, b, self.group)
+        return F.linear(f.apply(x, self.group), self.weight, b)  # (B, T, out/t) local
 
 
 class RowParallelLinear(nn.Module):
@@ -270,7 +278,9 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits, target, vocab, group):  # logits (N, V_pad/t) local, target (N,) global ids
-        n_local = logits.shape[-1]
+        n_local, t = logits.shape[-1], dist.get_world_size(group)
+        if n_local != math.ceil(vocab / t):  # VocabParallelEmbedding's split; else some targets go unseen
+            raise ValueError(f"vocab {vocab} over t = {t}: give each rank ceil(V/t) logits, not {n_local}")
         start = dist.get_rank(group) * n_local
         padded = torch.arange(start, start + n_local, device=logits.device) >= vocab  # (V_pad/t,)
         z = logits.masked_fill(padded, float("-inf"))  # padded entries get probability 0: never predicted
@@ -337,9 +347,12 @@ class ParallelAttention(nn.Module):
 
     def __init__(self, full, group, sp, tracker):
         super().__init__()
+        t = dist.get_world_size(group)
+        if full.n_heads % t:  # checked: a head cut across ranks would be silently wrong
+            raise ValueError(f"{full.n_heads} heads do not split over t = {t}: use heads divisible by t")
         self.qkv = ColumnParallelLinear([full.q, full.k, full.v], group, sp)
         self.proj = RowParallelLinear(full.proj, group, sp)
-        self.heads, self.p = full.n_heads // dist.get_world_size(group), full.p
+        self.heads, self.p = full.n_heads // t, full.p
         self.sp, self.tracker = sp, tracker
 
     def forward(self, x):  # (B, T, D) replicated, or (B, T/t, D) chunk under SP
@@ -406,8 +419,7 @@ def sync_grads(model, sp, tp_group, dp_group):
     params = list(model.parameters())
     if sp:  # 1. replicated parameters (LN, row biases, positions) saw only this rank's T/t positions:
         flat_all_reduce([p.grad for p in params if not is_split(p)], tp_group)  # sum them (Korthikanti 4.2.2)
-    # 2. data parallel: each replica's loss is divided by the *global* token count, so the SUM over the dp
-    #    group is the full-batch gradient (the average of the usual per-replica mean-loss gradients).
+    # 2. data parallel: losses divide by the *global* token count, so the SUM over dp is the batch's gradient
     flat_all_reduce([p.grad for p in params], dp_group)
 
 
@@ -433,15 +445,13 @@ def check_args(args):
         fail(f"--tp must be >= 0 (0 = the whole world), got {args.tp}")
     t = args.tp or world
     if world % t:
-        fail(f"world size {world} is not divisible by --tp {args.tp}: use a --tp that divides {world} "
-             "(or 0 = all)")
+        fail(f"world size {world} is not divisible by --tp {args.tp}: use a --tp dividing {world} (0 = all)")
     if args.n_heads % t:
         fail(f"--n-heads {args.n_heads} is not divisible by the TP degree {t}: each rank needs whole heads")
     if args.sequence_parallel and args.seq_len % t:
         fail(f"--sequence-parallel needs --seq-len {args.seq_len} divisible by the TP degree {t}")
     if args.batch_size % (world // t):
-        fail(f"--batch-size {args.batch_size} is not divisible by the data-parallel degree {world // t} "
-             "(= world / tp)")
+        fail(f"--batch-size {args.batch_size} is not divisible by the data-parallel degree {world // t}")
     return t, world // t
 
 
@@ -474,14 +484,13 @@ def main():
         x, y = data.batch(step, args.batch_size, args.seq_len, args.ragged)  # (B, T) global batch, CPU
         n_tok = count_tokens(y)  # tokens of the whole global batch: the loss divisor on every rank
         x, y = x[dp_rank * b:(dp_rank + 1) * b].to(d.device), y[dp_rank * b:(dp_rank + 1) * b].to(d.device)
-        with run.watching(step, comm):
-            with run.watching(step, saved):
-                logits = model(x)  # (b, T, V_pad/t) this rank's vocabulary slice
-                if logits.dtype == torch.bfloat16:
-                    logits = logits.float()  # as common.lm_loss: a bf16 softmax loses small probabilities
-                per_tok = VocabParallelCrossEntropy.apply(logits.flatten(0, 1), y.flatten(), args.vocab,
-                                                          tp_group)  # (b*T,), identical on every TP rank
-                loss = per_tok.sum() / n_tok  # this replica's piece of the global batch's loss
+        with run.watching(step, comm, saved):
+            logits = model(x)  # (b, T, V_pad/t) this rank's vocabulary slice
+            if logits.dtype == torch.bfloat16:
+                logits = logits.float()  # as common.lm_loss: a bf16 softmax loses small probabilities
+            per_tok = VocabParallelCrossEntropy.apply(logits.flatten(0, 1), y.flatten(), args.vocab,
+                                                      tp_group)  # (b*T,), identical on every TP rank
+            loss = per_tok.sum() / n_tok  # this replica's piece of the global batch's loss
             opt.zero_grad(set_to_none=True)
             loss.backward()
             with comm.phase("step"):

@@ -6,12 +6,14 @@
            cp 4, on its own against one-process causal attention (F.scaled_dot_product_attention on the whole
            sequence): the output and dQ/dK/dV, 1e-12 in float64; the bytes handed to each collective and the
            direction of every ring send against the closed form written here; the ring's computed blocks.
-           Negatives: the three broken pieces below must change the output or the gradients. Then the copy-out
+           Negatives: the three broken pieces below must change the output or the gradients. At cp 2, each
+           core given a shape it cannot split must raise a clear ValueError before any collective. Then the copy-out
            check: the attention functions on a model that is not the GPT, trained with Adam, against plain
            one-process training of the same model. Prints ALL CHECKS PASSED and exits 0, else the failures
            and exits 1; given OUTDIR, writes each rank's checks to OUTDIR/layers-rank{r}.json and exits 0.
 --runs     context_parallel.py's own main() once per entry of RUNS.json ({"name", "argv", "mutant"}), in this
-           process group, each writing OUTDIR/NAME.json; the test reads them. A mutant breaks one piece of the
+           process group, each writing OUTDIR/NAME.json, and OUTDIR/NAME.events.json: the order in which main()
+           read the peak and ran report()'s unsplit GPT; the test reads them. A mutant breaks one piece of the
            file for its run (monkeypatched here, put back after):
              plain-sum   the log-sum-exp merge replaced by a plain sum of the block outputs
              stale-kv    the ring's backward keeps computing on the K/V block it holds, ignoring the new one
@@ -129,6 +131,8 @@ def attention_checks(d, group, members):
                 equal("attention", f"{tag}: blocks computed", len(computed), cp if zigzag else r + 1)
                 equal("attention", f"{tag}: scores computed", sum(a * b for a, b in computed),
                       t * t + (cp - 1) * t * t // 2 if zigzag else (r + 1) * t * t)
+    if cp == 2:
+        bad_input_checks(d, group, r)
     # negatives: each broken piece changes what the checks above compare (on the ranks it can reach)
     for mutant, part in (("plain-sum", "output"), ("stale-kv", "dk"), ("dkv-kept", "dk")):
         mutate(mutant)
@@ -141,6 +145,32 @@ def attention_checks(d, group, members):
         err = torch.stack([(got - want).abs().max()])
         dist.all_reduce(err, op=dist.ReduceOp.MAX, group=group)  # some ranks may be untouched: the worst one
         differs("mutant", f"cp {cp} rank {r} ring zigzag, {mutant}: {part}", err, torch.zeros_like(err))
+
+
+def bad_input_checks(d, group, r):
+    """Each core given a shape it cannot split, at cp 2: a ValueError that names what would work, raised
+    before any collective (the counter saw none). Today's code aborted inside gloo or raised einops' error."""
+    def rand(*shape):
+        return torch.randn(*shape, dtype=torch.float64, device=d.device)
+    odd = [rand(2, 4, 3, 2) for _ in range(3)]  # t = 3 tokens a rank: T = 6, not 2cp = 4 chunks
+    bad = {"shard_sequence, T = 7, contiguous": (lambda: cpm.shard_sequence(rand(2, 7, 4), r, 2, False),
+                                                 ["7 tokens", "divisible by 2", "e.g. 8"]),
+           "shard_sequence, T = 6, zig-zag": (lambda: cpm.shard_sequence(rand(2, 6, 4), r, 2, True),
+                                              ["6 tokens", "4 equal chunks", "e.g. 8"]),
+           "ulysses, 3 heads": (lambda: cpm.ulysses_attention(*[rand(2, 3, 4, 2) for _ in range(3)], group, False),
+                                ["3 heads", "multiple of 2"])}
+    for attention in ("allgather", "ring", "ulysses"):
+        bad[f"{attention}, zig-zag, t = 3"] = (lambda a=attention: cpm.ATTENTIONS[a](*odd, group, True),
+                                               ["6 tokens", "4 equal chunks"])
+    for what, (call, words) in bad.items():
+        with CommCounter(axes={"cp": group}) as comm:
+            try:
+                call()
+                msg = "no error"
+            except Exception as e:  # noqa: BLE001 (any other error is a failure, reported)
+                msg = f"{type(e).__name__}: {e}"
+        ok = msg.startswith("ValueError") and all(w in msg for w in words) and not comm.calls
+        record("bad-input", f"rank {r}: {what}", ok, f"{msg}; collectives before it: {comm.calls}")
 
 
 # ----------------------------------------------------------------------------- copy-out: a model not the GPT
@@ -216,7 +246,19 @@ def runs(d, spec, outdir):
         raise Finished(ok)
 
     harness.close_dist, cpm.init_dist = no_exit, lambda timeout=120: d
+    real_peak, real_build, events = cpm.peak_memory_bytes, cpm.build_gpt, []
+
+    def peak(*a):  # the order in which main() reads the peak and runs the unsplit GPT beside it
+        events.append("peak read")
+        return real_peak(*a)
+
+    def build(*a, **k):  # main's GPT lends its modules and never runs forward; report's unsplit one does
+        gpt = real_build(*a, **k)
+        gpt.register_forward_pre_hook(lambda *_: events.append("unsplit GPT forward"))
+        return gpt
+    cpm.peak_memory_bytes, cpm.build_gpt = peak, build
     for run in json.loads(Path(spec).read_text()):
+        events.clear()
         out = Path(outdir) / f"{run['name']}.json"
         sys.argv = [str(ROOT / "context_parallel.py"), *run["argv"], "--json", str(out)]
         mutate(run.get("mutant"))
@@ -226,8 +268,11 @@ def runs(d, spec, outdir):
             pass
         finally:
             mutate(None)
+        if d.rank == 0:
+            (Path(outdir) / f"{run['name']}.events.json").write_text(json.dumps(events))
         dist.barrier()
         d.log(f"run {run['name']} done")
+    cpm.peak_memory_bytes, cpm.build_gpt = real_peak, real_build
 
 
 def main():

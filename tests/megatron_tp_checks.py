@@ -100,14 +100,16 @@ def parallel_block(block, group, sp, tracker):
 
 # ----------------------------------------------------------------------------- the core, copied out
 class SwiGLUNet(nn.Module):
-    """Not the GPT: a parameter on the root module, nested modules, odd sizes (7 in, 10 hidden = 5 per rank,
-    3 out), a gated MLP (SwiGLU, as in Llama) whose gate and up projections read the same input."""
+    """Not the GPT: a parameter on the root module, nested modules, odd sizes (7 in, 5 hidden per rank, 3
+    out), a gated MLP (SwiGLU, as in Llama) whose gate and up projections read the same input, each with or
+    without a bias (mixed biases in one fused layer)."""
 
-    def __init__(self):
+    def __init__(self, t=2, gate_bias=True, up_bias=True):
         super().__init__()
         self.gain = nn.Parameter(torch.tensor(0.5))
         self.stem = nn.Linear(7, 6)
-        self.mlp = nn.ModuleDict(dict(gate=nn.Linear(6, 10), up=nn.Linear(6, 10), down=nn.Linear(10, 6)))
+        self.mlp = nn.ModuleDict(dict(gate=nn.Linear(6, 5 * t, bias=gate_bias), up=nn.Linear(6, 5 * t, bias=up_bias),
+                                      down=nn.Linear(5 * t, 6)))
         self.head = nn.Linear(6, 3, bias=False)
 
     def forward(self, x):  # (N, T, 7) -> (N, T, 3)
@@ -127,34 +129,40 @@ class TPSwiGLUNet(nn.Module):
 
     def forward(self, x):  # (N, T, 7), or (N, T/t, 7)
         h = torch.tanh(self.stem(x))
-        gate, up = self.gate_up(h).chunk(2, -1)  # each (N, T, 10/t): this rank's hidden features
+        gate, up = self.gate_up(h).chunk(2, -1)  # each (N, T, 5): this rank's hidden features
         return self.head(h + self.gain * self.down(F.silu(gate) * up))
 
 
-def unsharded(tp, group):
+def unsharded(tp, group, net):
     """The trained TPSwiGLUNet's parameters under SwiGLUNet's names: split ones all-gathered, the fused
-    gate_up (rank-major [gate_0; up_0; gate_1; up_1; ...]) split back into gate and up."""
-    t, out = dist.get_world_size(group), {}
+    gate_up (rank-major [gate_0; up_0; gate_1; up_1; ...]) split back into gate and up. The bias part of a
+    linear that `net` built without one is returned apart, under its name: it must still be zero."""
+    t, out, absent = dist.get_world_size(group), {}, {}
     for kind in ("weight", "bias"):
-        both = mt.all_gather(getattr(tp.gate_up, kind).detach(), 0, group)
-        gate, up = rearrange(both, "(t n o) ... -> n (t o) ...", t=t, n=2)
-        out[f"mlp.gate.{kind}"], out[f"mlp.up.{kind}"] = gate, up
+        mine = getattr(tp.gate_up, kind)  # None: the layer dropped every bias (the old defect): count zeros
+        mine = tp.gate_up.weight.new_zeros(len(tp.gate_up.weight)) if mine is None else mine.detach()
+        both = mt.all_gather(mine, 0, group)
+        for part, w in zip(("gate", "up"), rearrange(both, "(t n o) ... -> n (t o) ...", t=t, n=2)):
+            has = getattr(net.mlp[part], kind) is not None
+            (out if has else absent)[f"mlp.{part}.{kind}"] = w
     out["mlp.down.weight"] = mt.all_gather(tp.down.weight.detach(), 1, group)
     out["mlp.down.bias"] = tp.down.bias.detach()
     replicated = ("gain", "stem", "head")
     out.update({n: p.detach() for n, p in tp.named_parameters() if n.split(".")[0] in replicated})
-    return out
+    return out, absent
 
 
-def copy_out(d, group, steps=5, clip=0.05):
+def copy_out(d, group, gate_bias=True, up_bias=True, mutants=True, steps=5, clip=0.05):
     """TPSwiGLUNet against SwiGLUNet trained in plain torch, one process's way: AdamW, clipping by the
     global norm (torch.nn.utils.clip_grad_norm_), a Huber loss summed over tokens / all tokens. Under SP
     each rank holds T/t positions: the replicated parameters' gradients are then partial and are summed
-    over the group. With sum_replicated=False that sum is skipped, on purpose: the check must fail."""
-    t, r, dev = d.world, d.rank, d.device
+    over the group. With sum_replicated=False that sum is skipped, on purpose: the check must fail. With
+    mixed biases (one of gate, up without), the fused layer's mask dropped on purpose must fail too: the
+    bias-free part would then train. mutants=False: the exact runs only."""
+    t, r, dev = dist.get_world_size(group), dist.get_rank(group), d.device
     torch.manual_seed(99)  # the same model and data on every rank
-    net = SwiGLUNet().to(dev)
-    batches = [(torch.randn(3, 4, 7, device=dev), torch.randn(3, 4, 3, device=dev)) for _ in range(steps)]
+    net = SwiGLUNet(t, gate_bias, up_bias).to(dev)
+    batches = [(torch.randn(3, 6, 7, device=dev), torch.randn(3, 6, 3, device=dev)) for _ in range(steps)]
     ref = copy.deepcopy(net)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.02, foreach=False)
     ref_losses = []
@@ -165,8 +173,12 @@ def copy_out(d, group, steps=5, clip=0.05):
         torch.nn.utils.clip_grad_norm_(ref.parameters(), clip)
         ref_opt.step()
         ref_losses.append(loss.detach())
-    for sp, sum_replicated in ((False, True), (True, True), (True, False)):
+    mixed = gate_bias != up_bias
+    broken = [(True, False, True) if not mixed else (False, True, False)] if mutants else []
+    for sp, sum_replicated, masked in [(False, True, True), (True, True, True), *broken]:
         tp = TPSwiGLUNet(net, group, sp)
+        if not masked:  # the defect, put back: the bias-free part's zeros train like a bias
+            tp.gate_up.bias_mask = None
         opt = torch.optim.AdamW(tp.parameters(), lr=0.02, foreach=False)
         losses = []
         for x, y in batches:
@@ -184,17 +196,21 @@ def copy_out(d, group, steps=5, clip=0.05):
                 p.grad.mul_(torch.clamp(clip / (norm + 1e-6), max=1.0))  # clip_grad_norm_'s rule
             opt.step()
             losses.append(mt.all_reduce(loss.detach().clone(), group) if sp else loss.detach())
-        trained = unsharded(tp, group)
+        trained, absent = unsharded(tp, group, net)
         assert trained.keys() == dict(ref.named_parameters()).keys(), trained.keys()
-        got = torch.cat([torch.stack(losses), *(trained[n].flatten() for n, _ in ref.named_parameters())])
-        want = torch.cat([torch.stack(ref_losses), *(p.detach().flatten() for p in ref.parameters())])
-        tag = f"copy-out: SwiGLU net at t = {t}{', SP' if sp else ''}, losses and trained weights vs plain " \
-              "torch"
-        if sum_replicated:
+        got = torch.cat([torch.stack(losses), *(trained[n].flatten() for n, _ in ref.named_parameters()),
+                         *(w.flatten() for w in absent.values())])  # a missing bias: zeros, still
+        want = torch.cat([torch.stack(ref_losses), *(p.detach().flatten() for p in ref.parameters()),
+                          *(torch.zeros_like(w).flatten() for w in absent.values())])
+        tag = f"copy-out: SwiGLU net at t = {t}{', SP' if sp else ''}, biases gate {gate_bias} up {up_bias}, " \
+              "losses and trained weights vs plain torch"
+        if not sum_replicated:
+            differs(f"{tag}, the replicated gradients not summed", got, want)
+        elif not masked:
+            differs(f"{tag}, the bias-free part not masked", got, want)
+        else:
             close(tag, got, want)
             d.log(f"{tag}: max diff {(got - want).abs().max().item():.1e}")
-        else:
-            differs(f"{tag}, the replicated gradients not summed", got, want)
 
 
 def main():
@@ -489,8 +505,44 @@ def main():
         close(f"{name} with dropout: output identical on every TP rank", ys.max(0).values, ys.min(0).values)
         differs(f"{name} with dropout vs without", y, par.eval()(x_p))
 
-    if t == 2:
-        copy_out(d, group)
+    # --- each layer given a size it cannot split: a ValueError naming what would work, before any collective
+    # (SP's T, cut across ranks, would abort inside gloo; heads or a vocabulary cut wrongly, silently wrong) ---
+    n = t + 1  # divisible by no t > 1
+    bad = {
+        "fused column layer, parts of t + 1 features": (
+            lambda: mt.ColumnParallelLinear([nn.Linear(D, n), nn.Linear(D, n)], group), [f"divisible by {t}"]),
+        "attention with t + 1 heads": (
+            lambda: mt.ParallelAttention(Attention(GPTConfig(vocab=12, seq_len=T, d_model=2 * n, n_heads=n,
+                                                             n_layers=1)), group, False, tracker),
+            [f"{n} heads", "divisible by t"]),
+        "row layer under SP, T = t + 1 positions": (
+            lambda: mt.RowParallelLinear(nn.Linear(4 * t, D), group, True)(torch.randn(B, n, 4, device=dev)),
+            [f"T = {n}", "divisible by t"]),
+        "embedding under SP, T = t + 1 positions": (
+            lambda: mt.VocabParallelEmbedding(nn.Embedding(12, D), group, True)(torch.zeros(B, n, dtype=torch.long,
+                                                                                           device=dev)),
+            [f"T = {n}", "divisible by t"]),
+        "cross-entropy, a rank's logits not ceil(V / t)": (
+            lambda: mt.VocabParallelCrossEntropy.apply(torch.randn(5, 12 // t - 1, device=dev),
+                                                       torch.zeros(5, dtype=torch.long, device=dev), 12, group),
+            ["vocab 12", "ceil(V/t)"]),
+    }
+    for what, (call, words) in bad.items():
+        with counter() as comm:
+            try:
+                call()
+                msg = "no error"
+            except Exception as e:  # noqa: BLE001 (any other error is a failure, reported)
+                msg = f"{type(e).__name__}: {e}"
+        equal(f"bad input, {what}: a ValueError naming {words}, before any collective ({msg})",
+              (msg.startswith("ValueError") and all(w in msg for w in words), comm.calls), (True, {}))
+
+    # --- the core copied out: at t = 2, and at t = 3 on ranks 0-2 of a launch of 4 (rank 3 waits): there the
+    # mixed biases only, without the mutants (both biases and the mutants ran at t = 2) ---
+    sub = dist.new_group([0, 1, 2]) if t == 4 else group  # every rank makes every group
+    if t == 2 or (t == 4 and r < 3):
+        for gate_bias, up_bias in ((True, True), (False, True), (True, False))[0 if t == 2 else 1:]:
+            copy_out(d, sub, gate_bias, up_bias, mutants=t == 2)
 
     for line in failures:
         print(f"rank {r} FAILED {line}", flush=True)

@@ -1,7 +1,8 @@
 """context_parallel.py: each attention on its own against one-process attention, and the copy-out check
 (one launch, cp 2, 3 and 4); --check parity with one-process training for every attention and layout at cp
 4, 3 and 2 x dp 2 (with --ragged), each run's bytes, ring blocks and saved activations against closed forms
-written here; the three broken pieces caught by --check; world 1; a restart bit for bit; bad input."""
+written here; the three broken pieces caught by --check; world 1; a restart bit for bit; bad input, to
+main() and to each core; the peak read before report()'s unsplit GPT runs."""
 import json
 
 import pytest
@@ -115,6 +116,28 @@ def test_each_broken_piece_is_caught(world4):
         assert not c["passed"] and c["max_param_diff"] > 1e-4, (m, c)
 
 
+def assert_peak_first(folder, name):
+    """main() read the peak before report() ran the unsplit GPT beside the split one (issue 31): on a GPU,
+    CUDA's peak read after it would be at least the unsplit activations, hiding the saving."""
+    events = json.loads((folder / f"{name}.events.json").read_text())
+    assert events == ["peak read", "unsplit GPT forward"], (name, events)
+
+
+def test_peak_is_read_before_the_unsplit_gpt_runs(world4):
+    """tests/context_parallel_checks.py --runs wraps main()'s peak reader and the GPT it builds: the order of
+    the two, for every run of the launch of 4 (and of cp 3, below)."""
+    names = [f"{p}-{a}-{l}" for p in ("cp4", "cp2dp2") for a in ATTENTIONS for l in LAYOUTS] + list(MUTANTS)
+    for name in names:
+        assert_peak_first(world4[0], name)
+
+
+def test_each_core_refuses_what_it_cannot_split(world4):
+    """At cp 2 (both groups of the launch of 4): shard_sequence given T = 7 (contiguous) and T = 6 (zig-zag, 2cp =
+    4 chunks), each attention given t = 3 tokens a rank under zig-zag, Ulysses given 3 heads: a ValueError that
+    names what would work, and no collective counted before it. 4 ranks x 6 inputs."""
+    assert_checks(world4[1], "bad-input", 4 * 6)
+
+
 def test_parity_at_cp3(tmp_path):
     runs = [dict(name=f"cp3-{a}-{l}", argv=[*MODEL3, "--attention", a, "--layout", l, "--check",
                                             *(["--ragged"] if l == "zigzag" else [])])
@@ -125,6 +148,7 @@ def test_parity_at_cp3(tmp_path):
         for l in LAYOUTS:
             assert_run(json.loads((tmp_path / f"cp3-{a}-{l}.json").read_text()), 3, 1, a, l,
                        last(MODEL3, "--seq-len"), last(MODEL3, "--d-model"))
+            assert_peak_first(tmp_path, f"cp3-{a}-{l}")
 
 
 def test_world1_is_the_reference(tmp_path):
