@@ -435,7 +435,9 @@ def profile_run(argv):
 # Samples: the rounds' ratios ours / torch (a round's runs are neighbours in time: drift cancels in their
 # ratio; one run's steps share its drift). Student's t on their logs (0.8 and 1.25 are as far from 1): exact
 # for log-normal noise at any number of rounds, where a percentile bootstrap over 3 rounds cannot reach past
-# the extreme rounds, which hold the median between them 1 - 2 x 2^-3 = 75% of the time, not 95%.
+# the extreme rounds, which hold the median between them 1 - 2 x 2^-3 = 75% of the time, not 95%. The spread
+# is the first --rounds rounds' (Stein's two-stage interval, exact): rounds added because it was wide must not
+# re-estimate it, or the alternation stops when it happens to be low, and undercovers (docs/bench.md).
 LEVEL = 0.95
 
 
@@ -451,23 +453,23 @@ def t_quantile(p, df):
     return (lo + hi) / 2
 
 
-def ratio_interval(ratios, level=LEVEL):
-    """(geometric mean, low, high) of the rounds' ratios at `level`; None under two rounds."""
-    logs, n = [math.log(r) for r in ratios], len(ratios)
-    if n < 2:
+def ratio_interval(ratios, first=None, level=LEVEL):
+    """(geometric mean, low, high) at `level`; the spread is the first `first` (>= 2) rounds'."""
+    logs, k = [math.log(r) for r in ratios], min(max(first or len(ratios), 2), len(ratios))
+    if k < 2:
         return None
-    mean, half = statistics.mean(logs), t_quantile((1 + level) / 2, n - 1) * statistics.stdev(logs) / n ** 0.5
+    mean, sd = statistics.fmean(logs), math.dist(logs[:k], [statistics.fmean(logs[:k])] * k) / (k - 1) ** 0.5
+    half = t_quantile((1 + level) / 2, k - 1) * sd / len(logs) ** 0.5
     return math.exp(mean), math.exp(mean - half), math.exp(mean + half)
 
 
-def verdict(iv):
-    """Ours "faster" / "slower" only where the whole interval is below / above 1."""
+def verdict(iv):  # ours "faster" / "slower" only where the whole interval is below / above 1
     return "faster" if iv and iv[2] < 1 else "slower" if iv and iv[1] > 1 else "no difference measurable"
 
 
-def judge(ratios, precision):
+def judge(ratios, precision, first=None):
     """A pair's row from its rounds' ratios; noisy: a log half-width over log(1 + precision)."""
-    iv = ratio_interval(ratios)
+    iv = ratio_interval(ratios, first)
     noisy = iv is None or math.log(iv[2] / iv[1]) / 2 > math.log1p(precision)
     return dict(ratio=iv and iv[0], interval=iv and list(iv[1:]), rounds=len(ratios), verdict=verdict(iv),
                 noisy=noisy, ratio_per_round=ratios)
@@ -478,11 +480,10 @@ def say(row):
     (lo, hi), n, ratio = row["interval"] or (0, 0), row["rounds"], "" if row["verdict"][0] == "n" else "%.2f "
     noise = f", noisy (+-{100 * (math.sqrt(hi / lo) - 1):.0f}%)" if row["noisy"] and lo else ""
     span = f"[{lo:.2f}, {hi:.2f}]" if lo else "no interval"
-    return f"{row['verdict']}: {ratio and ratio % row['ratio']}{span}, {n} round(s){noise}"
+    return f"{row['verdict']}: {ratio and ratio % row['ratio']}{span}, {n} round{'s' * (n != 1)}{noise}"
 
 
-def paired(args, ours, torch_runs):
-    """Per round where both sides ran: median step ms of ours / of torch's."""
+def paired(args, ours, torch_runs):  # per round where both sides ran: median step ms of ours / of torch's
     ok = lambda r: r["rc"] == 0 and statistics.median(r["ms"][args.warmup:] or [0]) > 0  # noqa: E731
     return [statistics.median(a["ms"][args.warmup:]) / statistics.median(b["ms"][args.warmup:])
             for a, b in zip(ours, torch_runs) if ok(a) and ok(b)]
@@ -555,7 +556,7 @@ def bench_group(args, pairs, one_ms, share_s):
         for p in pairs:
             runs[p].append(launch(args, p, f"{p}_ours_w{args.world}_r{r}"))
         runs["torch"].append(launch(args, pairs[0], f"{worker}_torch_w{args.world}_r{r}", worker))
-        judged = {p: judge(paired(args, runs[p], runs["torch"]), args.precision) for p in pairs}
+        judged = {p: judge(paired(args, runs[p], runs["torch"]), args.precision, args.rounds) for p in pairs}
         print(f"  after round {r + 1}: " + "; ".join(f"{p} {say(judged[p])}" for p in pairs), flush=True)
     rows = []
     for p in pairs:

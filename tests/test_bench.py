@@ -165,6 +165,29 @@ def test_coverage_over_synthetic_benches(monkeypatch):
     assert coverage() < 0.88  # the mutant: a normal quantile on 3 rounds
 
 
+def claims_on_equal_sides(benches=1500, noise=0.07):
+    """bench_group's rule on equal sides (per-round log-normal noise): from 3 rounds, on while the interval is
+    wider than +-5%, at most 30 rounds; the share of benches that end calling a difference."""
+    rng, claims = random.Random(4), 0
+    for _ in range(benches):
+        ratios, n = [math.exp(rng.gauss(0, noise)) for _ in range(30)], 3
+        while n < 30 and bench.judge(ratios[:n], 0.05, 3)["noisy"]:
+            n += 1
+        claims += bench.judge(ratios[:n], 0.05, 3)["verdict"] != "no difference measurable"
+    return claims / benches
+
+
+def test_alternation_keeps_the_level(monkeypatch):
+    """Rounds added while the interval is wide keep its 95%: with the spread of the first 3 rounds (Stein's
+    two-stage interval) equal sides at 7% noise are called different in at most 6.7% of 1500 benches (5% + 3
+    binomial sd of 0.56%); a spread re-estimated every round stops when it happens to be low, and claims more
+    (the mutant: 8.7% here)."""
+    assert claims_on_equal_sides() <= 0.067
+    real = bench.ratio_interval
+    monkeypatch.setattr(bench, "ratio_interval", lambda ratios, first=None: real(ratios))
+    assert claims_on_equal_sides() > 0.067
+
+
 def verdict_errors():
     """What a verdict must say on synthetic timings (a list of the expectations it broke)."""
     rng, bad = random.Random(2), []
@@ -221,16 +244,19 @@ def test_alternation_stops_when_narrow_or_spent(monkeypatch):
     """At least --rounds 3, then on while the interval is wider than +-5% and one more 20 s round ends within
     the 600 s share: 2x apart with 1% noise stops at 3, slower; equal sides with 30% noise run the whole
     share, 20 (r + 1) > 600 -> 30 rounds, flagged noisy; 3% noise stops between, at the first round whose
-    interval is narrow. A loop blind to the interval (never noisy) stops the noisy pair at 3."""
+    interval (the spread of the first 3 rounds) is narrow. A loop blind to the interval (never noisy) stops
+    the noisy pair at 3."""
     n, row = alternate(monkeypatch, 2.0, 0.01)
     assert n == 3 and row["verdict"] == "slower" and not row["noisy"], row
     n, row = alternate(monkeypatch, 1.0, 0.3)
     assert n == 30 and row["noisy"] and bench.verdict([row["ratio"], *row["interval"]]) == row["verdict"], row
     n, row = alternate(monkeypatch, 1.0, 0.03)
-    assert 3 < n < 30 and not row["noisy"] and bench.judge(row["ratio_per_round"][:-1], 0.05)["noisy"], row
+    assert 3 < n < 30 and not row["noisy"] and bench.judge(row["ratio_per_round"][:-1], 0.05, 3)["noisy"], row
     assert row["verdict"] == "no difference measurable" and "+-" not in bench.say(row), row
+    per = row["ratio_per_round"]  # the spread of the first 3 rounds, not of all n
+    assert row["interval"] == bench.judge(per, 0.05, 3)["interval"] != bench.judge(per, 0.05)["interval"]
     real = bench.judge
-    monkeypatch.setattr(bench, "judge", lambda ratios, precision: dict(real(ratios, precision), noisy=False))
+    monkeypatch.setattr(bench, "judge", lambda *a: dict(real(*a), noisy=False))
     assert alternate(monkeypatch, 1.0, 0.3)[0] == 3  # the mutant
 
 
