@@ -1,7 +1,7 @@
 """bench.py: every technique of this repo beside PyTorch's own, on the same model, data and machine.
 
     python bench.py                                  # every pair, world 2, one thread per rank, 10.6 M params
-    python bench.py --pairs ddp,zero3 --budget-min 5 # some pairs, at most about 5 minutes in all
+    python bench.py --pairs ddp,zero3 --budget-min 5 # some pairs: 3 rounds, more while 5 minutes last
     python bench.py --world 4 --d-model 1024 --batch-size 16 --n-layers 8   # GPUs: NCCL, cuda:LOCAL_RANK
 
 Each pair runs our file (`torchrun FILE.py ... --json`) and torch's own (`torchrun bench.py --worker NAME`,
@@ -27,7 +27,7 @@ same GPT from one seed on one global batch (float32, AdamW, clipping at the glob
     zbv       zero_bubble.py --schedule zbv      ScheduleZBVZeroBubble, 2 stages per rank in a V
 A pair whose file does not offer the mode it needs yet (its Args, as its --help shows) is skipped, one line.
 
-Per pair (OUT.json, OUT.md): the verdict and interval, step time and ratio per round, tokens/s, peak memory
+Per pair (OUT.json, OUT.md): the verdict and interval, the ratio per round, step time, tokens/s, peak memory
 and bytes handed to collectives per rank and step (torch's side counted at the dispatcher by
 harness.CommCounter), the pipelines' bubble beside theory, data parallel's scaling efficiency, the two sides'
 loss difference, and for ddp the share of all-reduce hidden behind backward. --profile DIR: a Chrome trace
@@ -545,7 +545,7 @@ def side_row(args, pair, side, runs, one_ms):
 def bench_group(args, pairs, one_ms, share_s):
     """Pairs that share torch's side (ddp and dp_sync: both against DDP) run in one alternation, A C B: at
     least --rounds times, then on while an interval is wider than --precision and one more round (at the mean
-    round's time) ends within share_s seconds of the start. A failed launch ends it."""
+    round's time) ends within share_s seconds of the start; a failed launch ends the extra rounds."""
     worker, runs = PAIRS[pairs[0]][2], {p: [] for p in [*pairs, "torch"]}
     print(f"{', '.join(PAIRS[p][0] for p in pairs)} vs {WORKERS[worker][1]}", flush=True)
     t0, judged = time.time(), {}
@@ -606,16 +606,17 @@ def markdown(args, rows, wall_s, one_ms):
               f"{hid(r['overlap']['ours'])}; torch DDP {hid(r['overlap']['torch'])}."
               for r in rows if "overlap" in r]
     lines += ["", "Verdict: each round's ratio of median step times ours / torch (< 1: ours faster); their "
-              f"geometric mean and its {LEVEL:.0%} interval, Student's t on the logs over the rounds. faster "
-              "/ slower: the whole interval below / above 1; no difference measurable (no ratio printed): it "
-              f"holds 1; noisy: wider than +-{a.precision:.0%} when the budget ran out. ms: median over all "
-              "rounds' timed steps. Loss diff: the largest relative difference of a step's loss between the "
-              "sides. Peak memory: CUDA's peak on GPUs, on CPU counted from tensors (parameters, gradients, "
-              "optimizer state, saved activations, DDP buckets / FSDP gathered parameters). Sent: bytes the "
-              "busiest rank hands to collectives and sends in a step (ours counted by the file, torch's at "
-              "the dispatcher by harness.CommCounter): an all-gather's shard, a reduce-scatter's whole "
-              "input, a broadcast at its root. Bubble: idle share of the last step; theory with equal F, B "
-              f"(and W) times. Scaling efficiency: tokens/s at world {a.world} / ({a.world} x tokens/s "
+              f"geometric mean and {LEVEL:.0%} interval (Student's t on the logs, the first {a.rounds} "
+              "rounds' spread). faster / slower: the whole interval below / above 1; no difference "
+              f"measurable (no ratio printed): it holds 1; noisy: wider than +-{a.precision:.0%} when the "
+              "budget ran out. ms: median over all rounds' timed steps. Loss diff: the largest relative "
+              "difference of a step's loss between the sides. Peak memory: CUDA's peak on GPUs, on CPU "
+              "counted from tensors (parameters, gradients, optimizer state, saved activations, DDP "
+              "buckets / FSDP gathered parameters). Sent: bytes the busiest rank hands to collectives and "
+              "sends in a step (ours counted by the file, torch's at the dispatcher by "
+              "harness.CommCounter): an all-gather's shard, a reduce-scatter's whole input, a broadcast at "
+              "its root. Bubble: idle share of the last step; theory with equal F, B (and W) times. "
+              f"Scaling efficiency: tokens/s at world {a.world} / ({a.world} x tokens/s "
               "of one-process training on the whole batch"
               + (f", {a.batch_size * a.seq_len / one_ms * 1e3:.0f} tok/s here)." if one_ms else ").")]
     return "\n".join(lines) + "\n"
@@ -639,8 +640,7 @@ def check_bench_args(args):
         fail(f"--pairs: unknown {sorted(set(names) - set(PAIRS)) or repr(args.pairs)}; choose from "
              f"{','.join(PAIRS)} or all")
     if not (0 < args.precision <= 1 and 0 <= args.budget_min <= 1e4):  # NaN fails both
-        fail(f"--precision must be in (0, 1] and --budget-min in [0, 1e4], got {args.precision} and "
-             f"{args.budget_min}")
+        fail(f"need 0 < --precision <= 1, 0 <= --budget-min <= 1e4: got {args.precision}, {args.budget_min}")
     for flag in ("world", "rounds", "microbatches", "threads", "launch_timeout"):
         if getattr(args, flag) < 1:
             fail(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
