@@ -1,9 +1,10 @@
 """bench.py: torch's side of every pair trains exactly what the one-process reference trains,
 harness.CommCounter counts what closed forms say (and a counter blind to all-reduces fails that check), the
-stage hooks see every F, B and W the schedules run, the interval and the verdict hold against closed forms and
-synthetic timings (a verdict that ignores the interval, a normal quantile for Student's, a loop that stops
-before its interval narrows are caught), one pair end to end writes well-formed rows with a verdict, a pair
-whose file lacks the mode it needs is skipped with one line, and bad input exits 2. No real timing is
+stage hooks see every F, B and W the schedules run; the interval and the verdict hold against closed forms and
+synthetic timings, the alternation keeps the interval's level and shares the budget between groups (a verdict
+that ignores the interval, a normal quantile for Student's, a spread re-estimated every round, a loop that
+stops before its interval narrows are caught); one pair end to end writes well-formed rows with a verdict, a
+pair whose file lacks the mode it needs is skipped with one line, and bad input exits 2. No real timing is
 asserted."""
 import json, math, random, statistics, subprocess, sys, types
 
@@ -258,6 +259,30 @@ def test_alternation_stops_when_narrow_or_spent(monkeypatch):
     real = bench.judge
     monkeypatch.setattr(bench, "judge", lambda *a: dict(real(*a), noisy=False))
     assert alternate(monkeypatch, 1.0, 0.3)[0] == 3  # the mutant
+
+
+def test_budget_shared_between_groups(tmp_path, monkeypatch, capsys):
+    """`--pairs gpipe,1f1b --budget-min 10` (two groups, no one-process launch for pipelines), each launch
+    10 s on a fake clock: gpipe, 1% noise, is narrow at its 3 rounds (60 s), so 1f1b, 30% noise, gets the
+    540 s left, 20 (r + 1) > 540 -> 27 rounds, where halving the budget up front would give it 15; the
+    bench's last line says one interval stayed noisy."""
+    clock, rng = [0.0], random.Random(5)
+    monkeypatch.setattr(bench, "time", types.SimpleNamespace(time=lambda: clock[0]))
+
+    def launch(args, pair, tag, worker=None):
+        clock[0] += 10.0
+        ms = 100 * math.exp(rng.gauss(0, 0.01 if pair == "gpipe" else 0.3))
+        return dict(rc=0, summary=None, ms=[ms] * args.steps, cmd=tag)
+
+    monkeypatch.setattr(bench, "launch", launch)
+    monkeypatch.setattr(sys, "argv", ["bench.py", "--pairs", "gpipe,1f1b", *TINY, "--budget-min", "10",
+                                      "--out", str(tmp_path / "b")])
+    with pytest.raises(SystemExit) as e:
+        bench.main()
+    rows, out = json.loads((tmp_path / "b.json").read_text()), capsys.readouterr().out
+    assert e.value.code == 0, out
+    assert [(r["pair"], r["rounds"], r["noisy"]) for r in rows] == [("gpipe", 3, False), ("1f1b", 27, True)]
+    assert out.rstrip().endswith("noisy machine: 1 interval(s) wider than +-5% when the budget ran out"), out
 
 
 def test_one_pair_end_to_end(tmp_path, monkeypatch, capsys):
