@@ -1,13 +1,16 @@
 """bench.py: every technique of this repo beside PyTorch's own, on the same model, data and machine.
 
     python bench.py                                  # every pair, world 2, one thread per rank, 10.6 M params
-    python bench.py --pairs ddp,zero3 --rounds 5     # some pairs, more alternations
+    python bench.py --pairs ddp,zero3 --budget-min 5 # some pairs: 3 rounds, more while 5 minutes last
     python bench.py --world 4 --d-model 1024 --batch-size 16 --n-layers 8   # GPUs: NCCL, cuda:LOCAL_RANK
 
 Each pair runs our file (`torchrun FILE.py ... --json`) and torch's own (`torchrun bench.py --worker NAME`,
-below) alternately, A B A B, so that drift on a busy machine hits both sides; the step time is the median
-over the steps after --warmup of every round. Both train the same GPT from one seed on the same global batch
-(float32, AdamW, clipping at the global norm), and make the batch inside the timed step:
+below) alternately, A B A B, so that drift on a busy machine hits both sides alike. A round's ratio ours /
+torch is of the median steps after --warmup; over the rounds, a 95% interval (Student's t on their logs,
+below) says "faster" or "slower" if it excludes 1, else "no difference measurable" (no ratio printed). After
+--rounds, it alternates on while an interval is wider than ratio x (1 +- --precision) and a round fits in the
+pair's share of --budget-min; one still wider is "noisy": the machine cannot tell closer. Both sides train the
+same GPT from one seed on one global batch (float32, AdamW, clipping at the global norm), made in the step:
 
     pair      ours                               torch's own
     ddp       ddp_bucketed.py                    DistributedDataParallel, the same bucket cap
@@ -24,13 +27,14 @@ over the steps after --warmup of every round. Both train the same GPT from one s
     zbv       zero_bubble.py --schedule zbv      ScheduleZBVZeroBubble, 2 stages per rank in a V
 A pair whose file does not offer the mode it needs yet (its Args, as its --help shows) is skipped, one line.
 
-Per pair (OUT.json, OUT.md): step time and ratio per round, tokens/s, peak memory and bytes handed to
-collectives per rank and step (torch's side counted at the dispatcher by harness.CommCounter), the pipelines'
-bubble beside theory, data parallel's scaling efficiency, the two sides' loss difference, and for ddp the
-share of all-reduce hidden behind backward. --profile DIR: a Chrome trace of every run and rank, and each
-run's biggest top-level ops printed.
+Per pair (OUT.json, OUT.md): the verdict and interval, the ratio per round, step time, tokens/s, peak memory
+and bytes handed to collectives per rank and step (torch's side counted at the dispatcher by
+harness.CommCounter), the pipelines' bubble beside theory, data parallel's scaling efficiency, the two sides'
+loss difference, and for ddp the share of all-reduce hidden behind backward. --profile DIR: a Chrome trace
+of every run and rank, and each run's biggest top-level ops printed.
 """
-import collections, contextlib, importlib, itertools, json, os, re, statistics, subprocess, sys, time, typing
+import collections, contextlib, functools, importlib, itertools, json, math, os, re, statistics, subprocess
+import sys, time, typing
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -58,7 +62,9 @@ class Args(CommonArgs):
     n_heads: int = 8  # attention heads
     pairs: str = "all"  # comma-separated: ddp,dp_sync,zero1,zero2,zero3,gpipe,1f1b,zb,tp,ptdp,zbv (or all)
     world: int = 2  # processes per run (on GPUs: GPUs)
-    rounds: int = 3  # alternations A B per pair (a busy machine swings a round by 2x: the median needs a few)
+    rounds: int = 3  # at least this many alternations A B per pair (2 or more give an interval)
+    budget_min: float = 20.0  # whole bench: go on alternating while an interval is wide, until this is spent
+    precision: float = 0.05  # an interval is narrow enough within ratio x (1 +- this)
     warmup: int = 2  # steps per run left out of the step time
     microbatches: int = 4  # pipelines: micro-batches per step
     bucket_cap_mb: float = 4.0  # ddp, dp_sync, zero1: bucket cap in MiB on both sides
@@ -425,6 +431,64 @@ def profile_run(argv):
     runpy.run_path(str(ROOT / script), run_name="__main__")
 
 
+# ----------------------------------------------------------------------------- how sure: an interval per pair
+# Samples: the rounds' ratios ours / torch (a round's runs are neighbours in time: drift cancels in their
+# ratio; one run's steps share its drift). Student's t on their logs (0.8 and 1.25 are as far from 1): exact
+# for log-normal noise at any number of rounds, where a percentile bootstrap over 3 rounds cannot reach past
+# the extreme rounds, which hold the median between them 1 - 2 x 2^-3 = 75% of the time, not 95%. The spread
+# is the first --rounds rounds' (Stein's two-stage interval, exact): rounds added because it was wide must not
+# re-estimate it, or the alternation stops when it happens to be low, and undercovers (docs/bench.md).
+LEVEL = 0.95
+
+
+@functools.lru_cache(maxsize=None)
+def t_quantile(p, df):
+    """Student's t quantile, p > 1/2 (none in torch): bisection on 1/2 + Simpson's integral from 0."""
+    c, lo, hi = math.exp(math.lgamma((df + 1) / 2) - math.lgamma(df / 2)) / math.sqrt(df * math.pi), 0.0, 1e3
+    for _ in range(50):
+        u = torch.linspace(0, (lo + hi) / 2, 4001, dtype=torch.float64)
+        f = c * (1 + u * u / df) ** (-(df + 1) / 2)
+        below = 0.5 + (4 * torch.trapezoid(f, u) - torch.trapezoid(f[::2], u[::2])).item() / 3 < p
+        lo, hi = ((lo + hi) / 2, hi) if below else (lo, (lo + hi) / 2)
+    return (lo + hi) / 2
+
+
+def ratio_interval(ratios, first=None, level=LEVEL):
+    """(geometric mean, low, high) at `level`; the spread is the first `first` (>= 2) rounds'."""
+    logs, k = [math.log(r) for r in ratios], min(max(first or len(ratios), 2), len(ratios))
+    if k < 2:
+        return None
+    mean, sd = statistics.fmean(logs), math.dist(logs[:k], [statistics.fmean(logs[:k])] * k) / (k - 1) ** 0.5
+    half = t_quantile((1 + level) / 2, k - 1) * sd / len(logs) ** 0.5
+    return math.exp(mean), math.exp(mean - half), math.exp(mean + half)
+
+
+def verdict(iv):  # ours "faster" / "slower" only where the whole interval is below / above 1
+    return "faster" if iv and iv[2] < 1 else "slower" if iv and iv[1] > 1 else "no difference measurable"
+
+
+def judge(ratios, precision, first=None):
+    """A pair's row from its rounds' ratios; noisy: a log half-width over log(1 + precision)."""
+    iv = ratio_interval(ratios, first)
+    noisy = iv is None or math.log(iv[2] / iv[1]) / 2 > math.log1p(precision)
+    return dict(ratio=iv and iv[0], interval=iv and list(iv[1:]), rounds=len(ratios), verdict=verdict(iv),
+                noisy=noisy, ratio_per_round=ratios)
+
+
+def say(row):
+    """A pair's judgement in words: a ratio only beside a verdict the interval supports."""
+    (lo, hi), n, ratio = row["interval"] or (0, 0), row["rounds"], "" if row["verdict"][0] == "n" else "%.2f "
+    noise = f", noisy (+-{100 * (math.sqrt(hi / lo) - 1):.0f}%)" if row["noisy"] and lo else ""
+    span = f"[{lo:.2f}, {hi:.2f}]" if lo else "no interval"
+    return f"{row['verdict']}: {ratio and ratio % row['ratio']}{span}, {n} round{'s' * (n != 1)}{noise}"
+
+
+def paired(args, ours, torch_runs):  # per round where both sides ran: median step ms of ours / of torch's
+    ok = lambda r: r["rc"] == 0 and statistics.median(r["ms"][args.warmup:] or [0]) > 0  # noqa: E731
+    return [statistics.median(a["ms"][args.warmup:]) / statistics.median(b["ms"][args.warmup:])
+            for a, b in zip(ours, torch_runs) if ok(a) and ok(b)]
+
+
 # ----------------------------------------------------------------------------- the driver: A B A B
 STEP_LINE = re.compile(r"^step\s+(\d+) \| loss .*?\|\s+([\d.]+) ms", re.M)
 
@@ -467,7 +531,6 @@ def side_row(args, pair, side, runs, one_ms):
     s, tokens = ok[-1]["summary"] or {}, args.batch_size * args.seq_len
     med = statistics.median(t for r in ok for t in r["ms"][args.warmup:])
     row = dict(name=PAIRS[pair][0] if side == "ours" else WORKERS[PAIRS[pair][2]][1], step_ms=med,
-               step_ms_per_round=[statistics.median(r["ms"][args.warmup:]) for r in ok],
                tokens_per_s=tokens / med * 1e3, peak_mem_bytes=s.get("peak_mem_bytes"),
                sent_bytes_per_rank=s.get("comm_bytes"), losses=s.get("losses"), command=ok[-1]["cmd"])
     f = s.get("figures", {})
@@ -479,20 +542,27 @@ def side_row(args, pair, side, runs, one_ms):
     return row
 
 
-def bench_group(args, pairs, one_ms):
-    """Pairs that share torch's side (ddp and dp_sync: both against DDP) run in one alternation: A C B."""
+def bench_group(args, pairs, one_ms, share_s):
+    """Pairs that share torch's side (ddp and dp_sync: both against DDP) run in one alternation, A C B: at
+    least --rounds times, then on while an interval is wider than --precision and one more round (at the mean
+    round's time) ends within share_s seconds of the start; a failed launch ends the extra rounds."""
     worker, runs = PAIRS[pairs[0]][2], {p: [] for p in [*pairs, "torch"]}
     print(f"{', '.join(PAIRS[p][0] for p in pairs)} vs {WORKERS[worker][1]}", flush=True)
-    for r in range(args.rounds):  # alternating: drift on the machine hits every side alike
+    t0, judged = time.time(), {}
+    for r in itertools.count():  # alternating: drift on the machine hits every side alike
+        if r >= args.rounds and (not any(j["noisy"] for j in judged.values()) or any(
+                x[-1]["rc"] for x in runs.values()) or (time.time() - t0) * (r + 1) / r > share_s):
+            break
         for p in pairs:
             runs[p].append(launch(args, p, f"{p}_ours_w{args.world}_r{r}"))
         runs["torch"].append(launch(args, pairs[0], f"{worker}_torch_w{args.world}_r{r}", worker))
+        judged = {p: judge(paired(args, runs[p], runs["torch"]), args.precision, args.rounds) for p in pairs}
+        print(f"  after round {r + 1}: " + "; ".join(f"{p} {say(judged[p])}" for p in pairs), flush=True)
     rows = []
     for p in pairs:
         o, t = side_row(args, p, "ours", runs[p], one_ms), side_row(args, p, "torch", runs["torch"], one_ms)
-        a, b, lo, lt = o.get("step_ms"), t.get("step_ms"), o.get("losses") or [], t.get("losses") or []
-        per_round = [x / y for x, y in zip(o.get("step_ms_per_round", []), t.get("step_ms_per_round", []))]
-        rows.append(dict(pair=p, ours=o, torch=t, ratio=a / b if a and b else None, ratio_per_round=per_round,
+        lo, lt = o.get("losses") or [], t.get("losses") or []
+        rows.append(dict(pair=p, ours=o, torch=t, **judged[p],
                          max_loss_diff=max((abs(x - y) / abs(y) for x, y in zip(lo, lt)), default=None)))
     if "ddp" in pairs and args.world > 1:
         r = launch(args, "ddp", "ddp_overlap", "overlap")
@@ -509,38 +579,44 @@ def markdown(args, rows, wall_s, one_ms):
              f"world {a.world} on {'NCCL' if torch.cuda.is_available() else 'gloo, CPU'}, {a.threads} "
              f"thread(s) per rank, {os.cpu_count()} CPU cores; GPT {n / 1e6:.1f} M parameters (vocab "
              f"{a.vocab}, width {a.d_model}, {a.n_layers} blocks, {a.seq_len} tokens x {a.batch_size} "
-             f"sequences), {a.dtype}; {a.steps} steps per run, the first {a.warmup} untimed, {a.rounds} "
-             f"rounds A B; whole bench {wall_s / 60:.1f} min.", "",
-             "| pair | ours | torch | ours ms | torch ms | ratio (per round) | tok/s ours / torch | peak "
-             "MiB/rank ours / torch | sent MiB/rank/step ours / torch | bubble ours / torch (theory) | "
-             "scaling eff. ours / torch | loss diff |", "|---|---|---|---:|---:|---:|" + "---|" * 5 + "---:|"]
+             f"sequences), {a.dtype}; {a.steps} steps per run, the first {a.warmup} untimed; at least "
+             f"{a.rounds} rounds A B, more while an interval was wider than +-{a.precision:.0%}, within "
+             f"--budget-min {a.budget_min:g}; whole bench {wall_s / 60:.1f} min.", "",
+             f"| pair | ours | torch | ours ms | torch ms | verdict: ours / torch [{LEVEL:.0%}] | tok/s "
+             "ours / torch | peak MiB/rank ours / torch | sent MiB/rank/step ours / torch | bubble ours / "
+             "torch (theory) | scaling eff. ours / torch | loss diff |", "|---|---|---|---:|---:|---|---|"
+             "---|---|---|---|---:|"]
     for r in rows:
         if r.get("skipped"):
             lines.append(f"| {r['pair']} | skipped: {r['skipped']} |" + " |" * 10)
             continue
-        o, t, rounds = r["ours"], r["torch"], ", ".join("%.2f" % x for x in r["ratio_per_round"])
+        o, t = r["ours"], r["torch"]
         theory = o.get("bubble_theory", t.get("bubble_theory"))
         cells = [r["pair"], f"`{o['name'] or 'failed'}`", t["name"] or "failed", fmt(o.get("step_ms")),
-                 fmt(t.get("step_ms")), f"{fmt(r['ratio'], '%.2f')} ({rounds})", two(o, t, "tokens_per_s"),
+                 fmt(t.get("step_ms")), say(r), two(o, t, "tokens_per_s"),
                  two(o, t, "peak_mem_bytes", "%.1f", MiB), two(o, t, "sent_bytes_per_rank", "%.1f", MiB),
                  f"{two(o, t, 'bubble', '%.2f')} ({theory:.2f})" if theory is not None else "",
                  two(o, t, "scaling_efficiency", "%.2f") if "scaling_efficiency" in {**o, **t} else "",
                  fmt(r["max_loss_diff"], "%.0e")]
         lines.append("| " + " | ".join(cells) + " |")
-    say = lambda x: (f"{x['overlapped']:.0f} / {x['backward']:.0f} + {x['allreduce']:.0f} ms = "  # noqa: E731
+    hid = lambda x: (f"{x['overlapped']:.0f} / {x['backward']:.0f} + {x['allreduce']:.0f} ms = "  # noqa: E731
                      f"{100 * x['hidden_share']:.0f}% hidden ({x['buckets']} buckets)")
     lines += [f"\nAll-reduce hidden behind backward ({a.bucket_cap_mb} MiB buckets; median ms of backward "
               f"overlapped / backward alone + the same buckets reduced after it): ddp_bucketed "
-              f"{say(r['overlap']['ours'])}; torch DDP {say(r['overlap']['torch'])}."
+              f"{hid(r['overlap']['ours'])}; torch DDP {hid(r['overlap']['torch'])}."
               for r in rows if "overlap" in r]
-    lines += ["", "ratio = ours / torch step time (median over the timed steps of all rounds; < 1: ours "
-              "faster), then per round. Loss diff: the largest relative difference of a step's loss between "
-              "the sides. Peak memory: CUDA's peak on GPUs, on CPU counted from tensors (parameters, "
-              "gradients, optimizer state, saved activations, DDP buckets / FSDP gathered parameters). Sent: "
-              "bytes the busiest rank hands to collectives and sends in a step (ours counted by the file, "
-              "torch's at the dispatcher by harness.CommCounter): an all-gather's shard, a reduce-scatter's "
-              "whole input, a broadcast at its root. Bubble: idle share of the last step; theory with equal "
-              f"F, B (and W) times. Scaling efficiency: tokens/s at world {a.world} / ({a.world} x tokens/s "
+    lines += ["", "Verdict: each round's ratio of median step times ours / torch (< 1: ours faster); their "
+              f"geometric mean and {LEVEL:.0%} interval (Student's t on the logs, the first {a.rounds} "
+              "rounds' spread). faster / slower: the whole interval below / above 1; no difference "
+              f"measurable (no ratio printed): it holds 1; noisy: wider than +-{a.precision:.0%} when the "
+              "budget ran out. ms: median over all rounds' timed steps. Loss diff: the largest relative "
+              "difference of a step's loss between the sides. Peak memory: CUDA's peak on GPUs, on CPU "
+              "counted from tensors (parameters, gradients, optimizer state, saved activations, DDP "
+              "buckets / FSDP gathered parameters). Sent: bytes the busiest rank hands to collectives and "
+              "sends in a step (ours counted by the file, torch's at the dispatcher by "
+              "harness.CommCounter): an all-gather's shard, a reduce-scatter's whole input, a broadcast at "
+              "its root. Bubble: idle share of the last step; theory with equal F, B (and W) times. "
+              f"Scaling efficiency: tokens/s at world {a.world} / ({a.world} x tokens/s "
               "of one-process training on the whole batch"
               + (f", {a.batch_size * a.seq_len / one_ms * 1e3:.0f} tok/s here)." if one_ms else ").")]
     return "\n".join(lines) + "\n"
@@ -563,6 +639,8 @@ def check_bench_args(args):
     if not names or set(names) - set(PAIRS):
         fail(f"--pairs: unknown {sorted(set(names) - set(PAIRS)) or repr(args.pairs)}; choose from "
              f"{','.join(PAIRS)} or all")
+    if not (0 < args.precision <= 1 and 0 <= args.budget_min <= 1e4):  # NaN fails both
+        fail(f"need 0 < --precision <= 1, 0 <= --budget-min <= 1e4: got {args.precision}, {args.budget_min}")
     for flag in ("world", "rounds", "microbatches", "threads", "launch_timeout"):
         if getattr(args, flag) < 1:
             fail(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
@@ -600,12 +678,17 @@ def main():
             rows.append(dict(pair=p, ours=None, torch=None, ratio=None, skipped=why))
         else:
             groups.setdefault(PAIRS[p][2], []).append(p)
-    for pairs in [*groups.values(), []]:  # after each group what is done so far (if interrupted), then all
-        rows = sorted(rows + (bench_group(args, pairs, one_ms) if pairs else []),
+    for i, pairs in enumerate([*groups.values(), []]):  # after each group what is done so far, then all
+        share = (t0 + 60 * args.budget_min - time.time()) / max(len(groups) - i, 1)  # the budget left, shared
+        rows = sorted(rows + (bench_group(args, pairs, one_ms, share) if pairs else []),
                       key=lambda r: names.index(r["pair"]))
         Path(args.out + ".json").write_text(json.dumps(rows, indent=1))
         Path(args.out + ".md").write_text(md := markdown(args, rows, time.time() - t0, one_ms))
-    print("\n" + md + f"\nwrote {args.out}.json and {args.out}.md", flush=True)
+    print("\n" + md + f"\nwrote {args.out}.json and {args.out}.md\n", flush=True)
+    judged = [r for r in rows if not r.get("skipped")]
+    print("".join(f"{r['pair']}: {PAIRS[r['pair']][0]} vs {r['torch']['name']}: {say(r)}\n" for r in judged))
+    if noisy := sum(r["noisy"] for r in judged):
+        print(f"noisy machine: {noisy} interval(s) wider than +-{args.precision:.0%} when the budget ran out")
     failed = [r["pair"] for r in rows if not r.get("skipped") and
               None in (r["ours"]["name"], r["torch"]["name"])]
     if failed:

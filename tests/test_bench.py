@@ -1,10 +1,19 @@
 """bench.py: torch's side of every pair trains exactly what the one-process reference trains,
 harness.CommCounter counts what closed forms say (and a counter blind to all-reduces fails that check), the
-stage hooks see every F, B and W the schedules run, one pair end to end writes well-formed rows, a pair whose
-file lacks the mode it needs is skipped with one line, and bad input exits 2. No timing is asserted."""
-import json, subprocess, sys
+stage hooks see every F, B and W the schedules run; the interval and the verdict hold against closed forms and
+synthetic timings, the alternation keeps the interval's level and shares the budget between groups (a verdict
+that ignores the interval, a normal quantile for Student's, a spread re-estimated every round, a loop that
+stops before its interval narrows are caught); one pair end to end writes well-formed rows with a verdict, a
+pair whose file lacks the mode it needs is skipped with one line, and bad input exits 2. No real timing is
+asserted."""
+import json, math, random, statistics, subprocess, sys, types
 
-from helpers import ENV, ROOT, run_python
+import pytest
+
+from helpers import forked, ROOT, run_python
+
+sys.path.insert(0, str(ROOT))
+import bench  # noqa: E402
 
 TINY = ["--vocab", "32", "--seq-len", "8", "--d-model", "16", "--n-heads", "2", "--n-layers", "4",
         "--batch-size", "8"]
@@ -100,32 +109,208 @@ def test_torch_sides_match_reference_and_counts(tmp_path):
     table; the stage hooks see m F, m B (and m W when split) per stage."""
     script = tmp_path / "bench_checks.py"
     script.write_text(CHECKS)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script),
-           str(ROOT)]
-    p = subprocess.run(cmd, env=ENV, cwd=ROOT, capture_output=True, text=True, timeout=300)
-    out = p.stdout + p.stderr
-    assert p.returncode == 0 and "ALL CHECKS PASSED" in out, out[-6000:]
+    rc, out = forked(script, 2, str(ROOT), timeout=300)
+    assert rc == 0 and "ALL CHECKS PASSED" in out, out[-6000:]
     assert out.count("must differ): max rel loss diff") == 2, out[-6000:]
     assert "(a counter blind to all-reduce)" in out, out[-6000:]
 
 
-def test_one_pair_end_to_end(tmp_path):
-    """`python bench.py --pairs gpipe,zb` at tiny size, 2 steps, one round: gpipe's row of the documented
-    shape;
-    zb pointed at a file that will never offer `--schedule zbh1` (gpipe.py) is skipped with one line, no
-    launch, and a choice the file does offer (pipedream.py --mode flush) is not."""
-    out, runner = tmp_path / "b", tmp_path / "bench_runner.py"
-    runner.write_text(f"import sys; sys.path.insert(0, {str(ROOT)!r}); import bench\n"
-                      "bench.NEEDS['1f1b'] = ('--mode', 'flush')  # offered: not skipped\n"
-                      "assert bench.why_skipped('1f1b') == '', bench.why_skipped('1f1b')\n"
-                      "bench.PAIRS['zb'] = ('gpipe.py', *bench.PAIRS['zb'][1:])\nbench.main()\n")
-    argv = ["--pairs", "gpipe,zb", *TINY, "--steps", "2", "--warmup", "1", "--rounds", "1", "--microbatches",
-            "2", "--out", str(out), "--launch-timeout", "150"]
-    p = subprocess.run([sys.executable, str(runner), *argv], env=ENV, cwd=ROOT, capture_output=True,
-                       text=True, timeout=330)
-    assert p.returncode == 0, p.stdout + p.stderr
-    skip = [line for line in p.stdout.splitlines() if line.startswith("zb:")]
-    assert skip == ["zb: pair skipped, gpipe.py has no --schedule zbh1 yet (--schedule offers [])"], p.stdout
+# ----------------------------------------------------------------------------- the interval and the verdict
+def rounds(ratio, noise, n, rng, drift=0.5):
+    """n synthetic rounds of median step ms (ours, torch): a base time scaled by a load factor the round's two
+    runs share (up to e^+-drift: a busy machine), each run with its own log-normal noise; ours = ratio x."""
+    out = []
+    for _ in range(n):
+        load = 100 * math.exp(rng.uniform(-drift, drift))
+        out.append((ratio * load * math.exp(rng.gauss(0, noise)), load * math.exp(rng.gauss(0, noise))))
+    return out
+
+
+def judged(pairs, precision=0.05):
+    return bench.judge([a / b for a, b in pairs], precision)
+
+
+def test_interval_against_closed_forms():
+    """Student's quantile against its closed forms at 1 and 2 degrees of freedom and the normal's at many; the
+    interval at 2 and 3 rounds against exp(mean log +- t s / sqrt n) computed here from those closed forms."""
+    p = 0.975
+    t1, t2 = math.tan(math.pi * (p - 0.5)), (2 * p - 1) / math.sqrt(2 * p * (1 - p))  # 12.706, 4.303
+    assert abs(bench.t_quantile(p, 1) - t1) < 1e-9 and abs(bench.t_quantile(p, 2) - t2) < 1e-9
+    assert abs(bench.t_quantile(p, 10 ** 5) - statistics.NormalDist().inv_cdf(p)) < 1e-3
+    a, b = 0.8, 1.1  # two rounds: mean of logs +- t1 x |log a - log b| / 2
+    m, half = (math.log(a) + math.log(b)) / 2, t1 * abs(math.log(a / b)) / 2
+    got = bench.ratio_interval([a, b])
+    want = math.exp(m), math.exp(m - half), math.exp(m + half)
+    assert all(abs(x / y - 1) < 1e-9 for x, y in zip(got, want))
+    logs = [math.log(r) for r in (0.9, 1.0, 1.2)]
+    m = sum(logs) / 3
+    sd = math.sqrt(sum((x - m) ** 2 for x in logs) / 2)
+    lo, hi = math.exp(m - t2 * sd / math.sqrt(3)), math.exp(m + t2 * sd / math.sqrt(3))
+    got = bench.ratio_interval([0.9, 1.0, 1.2])
+    assert abs(got[1] / lo - 1) < 1e-9 and abs(got[2] / hi - 1) < 1e-9 and bench.ratio_interval([1.3]) is None
+
+
+def test_coverage_over_synthetic_benches(monkeypatch):
+    """4000 synthetic 3-round benches of a true ratio 0.9: the 95% interval holds 0.9 in 93.5-96.5% of them
+    (binomial sd 0.34%); with the normal's 1.96 in place of Student's 4.30 it would hold it in ~82%, and the
+    extreme rounds (all a percentile bootstrap can reach) hold it in 75% = 1 - 2 x 2^-3, as bench.py says."""
+    rng, n = random.Random(1), 4000
+    benches = [[a / b for a, b in rounds(0.9, 0.1, 3, rng)] for _ in range(n)]
+
+    def coverage():
+        return sum(iv[1] <= 0.9 <= iv[2] for iv in map(bench.ratio_interval, benches)) / n
+
+    assert 0.935 <= coverage() <= 0.965
+    assert 0.73 <= sum(min(r) <= 0.9 <= max(r) for r in benches) / n <= 0.77
+    monkeypatch.setattr(bench, "t_quantile", lambda p, df: statistics.NormalDist().inv_cdf(p))
+    assert coverage() < 0.88  # the mutant: a normal quantile on 3 rounds
+
+
+def claims_on_equal_sides(benches=1500, noise=0.07):
+    """bench_group's rule on equal sides (per-round log-normal noise): from 3 rounds, on while the interval is
+    wider than +-5%, at most 30 rounds; the share of benches that end calling a difference."""
+    rng, claims = random.Random(4), 0
+    for _ in range(benches):
+        ratios, n = [math.exp(rng.gauss(0, noise)) for _ in range(30)], 3
+        while n < 30 and bench.judge(ratios[:n], 0.05, 3)["noisy"]:
+            n += 1
+        claims += bench.judge(ratios[:n], 0.05, 3)["verdict"] != "no difference measurable"
+    return claims / benches
+
+
+def test_alternation_keeps_the_level(monkeypatch):
+    """Rounds added while the interval is wide keep its 95%: with the spread of the first 3 rounds (Stein's
+    two-stage interval) equal sides at 7% noise are called different in at most 6.7% of 1500 benches (5% + 3
+    binomial sd of 0.56%); a spread re-estimated every round stops when it happens to be low, and claims more
+    (the mutant: 8.7% here)."""
+    assert claims_on_equal_sides() <= 0.067
+    real = bench.ratio_interval
+    monkeypatch.setattr(bench, "ratio_interval", lambda ratios, first=None: real(ratios))
+    assert claims_on_equal_sides() > 0.067
+
+
+def verdict_errors():
+    """What a verdict must say on synthetic timings (a list of the expectations it broke)."""
+    rng, bad = random.Random(2), []
+    same = [(100.0 * (1 + i / 7), 100.0 * (1 + i / 7)) for i in range(3)]  # identical streams, drifting
+    j = judged(same)
+    if (j["verdict"], j["interval"], j["noisy"]) != ("no difference measurable", [1.0, 1.0], False):
+        bad.append(f"identical streams: {j}")
+    for ratio, word in ((2.0, "slower"), (0.5, "faster")):  # 2x apart, 2% noise, a load swinging 1.6x
+        j = judged(rounds(ratio, 0.02, 3, rng))
+        if j["verdict"] != word or not j["interval"][0] <= ratio <= j["interval"][1]:
+            bad.append(f"{ratio}x: {j}")
+        if not bench.say(j).startswith(f"{word}: {j['ratio']:.2f} ["):
+            bad.append(f"{ratio}x said {bench.say(j)!r}")
+    claims = 0  # no difference, 10% noise per run: a difference claimed in about 5% of 3-round benches
+    for _ in range(400):
+        j = judged(rounds(1.0, 0.1, 3, rng))
+        claims += j["verdict"] != "no difference measurable"
+        said = bench.say(j)
+        if j["verdict"][0] == "n" and f"{j['ratio']:.2f} [" in said or j["noisy"] != ("noisy" in said):
+            bad.append(f"a ratio beside no difference, or noise unsaid: {said!r}")
+    if not claims <= 400 * 0.09:  # binomial(400, 0.05): mean 20, sd 4.4
+        bad.append(f"{claims} of 400 equal pairs called faster or slower")
+    return bad
+
+
+def test_verdicts_on_synthetic_timings(monkeypatch):
+    """Identical streams: no difference measurable, a zero-width interval; 2x apart with small noise under a
+    drifting load: slower / faster with the ratio inside; equal sides under 10% noise: a difference claimed in
+    at most 9% of 400 benches (5% expected), no ratio printed beside "no difference", "noisy" said where the
+    interval is over +-5%. A verdict from the ratio alone, ignoring the interval, is caught."""
+    assert verdict_errors() == []
+    point = lambda iv: "faster" if iv[0] < 1 else "slower" if iv[0] > 1 else "no difference measurable"
+    monkeypatch.setattr(bench, "verdict", point)  # the ratio alone
+    assert any("equal pairs called" in e for e in verdict_errors())
+
+
+def alternate(monkeypatch, ratio, noise, share_s=600.0, seed=3):
+    """bench_group on one pair (gpipe) with synthetic launches, each 10 s on a fake clock: (rounds run,
+    the row)."""
+    clock, rng, args = [0.0], random.Random(seed), bench.Args(rounds=3, precision=0.05, steps=4, warmup=2)
+    monkeypatch.setattr(bench, "time", types.SimpleNamespace(time=lambda: clock[0]))
+
+    def launch(args, pair, tag, worker=None):
+        clock[0] += 10.0
+        base = 100 * math.exp(rng.gauss(0, noise)) * (1 if worker else ratio)
+        return dict(rc=0, summary=None, ms=[base] * args.steps, cmd=tag)
+
+    monkeypatch.setattr(bench, "launch", launch)
+    row = bench.bench_group(args, ["gpipe"], None, share_s)[0]
+    return row["rounds"], row
+
+
+def test_alternation_stops_when_narrow_or_spent(monkeypatch):
+    """At least --rounds 3, then on while the interval is wider than +-5% and one more 20 s round ends within
+    the 600 s share: 2x apart with 1% noise stops at 3, slower; equal sides with 30% noise run the whole
+    share, 20 (r + 1) > 600 -> 30 rounds, flagged noisy; 3% noise stops between, at the first round whose
+    interval (the spread of the first 3 rounds) is narrow. A loop blind to the interval (never noisy) stops
+    the noisy pair at 3."""
+    n, row = alternate(monkeypatch, 2.0, 0.01)
+    assert n == 3 and row["verdict"] == "slower" and not row["noisy"], row
+    n, row = alternate(monkeypatch, 1.0, 0.3)
+    assert n == 30 and row["noisy"] and bench.verdict([row["ratio"], *row["interval"]]) == row["verdict"], row
+    n, row = alternate(monkeypatch, 1.0, 0.03)
+    assert 3 < n < 30 and not row["noisy"] and bench.judge(row["ratio_per_round"][:-1], 0.05, 3)["noisy"], row
+    assert row["verdict"] == "no difference measurable" and "+-" not in bench.say(row), row
+    per = row["ratio_per_round"]  # the spread of the first 3 rounds, not of all n
+    assert row["interval"] == bench.judge(per, 0.05, 3)["interval"] != bench.judge(per, 0.05)["interval"]
+    real = bench.judge
+    monkeypatch.setattr(bench, "judge", lambda *a: dict(real(*a), noisy=False))
+    assert alternate(monkeypatch, 1.0, 0.3)[0] == 3  # the mutant
+
+
+def test_budget_shared_between_groups(tmp_path, monkeypatch, capsys):
+    """`--pairs gpipe,1f1b --budget-min 10` (two groups, no one-process launch for pipelines), each launch
+    10 s on a fake clock: gpipe, 1% noise, is narrow at its 3 rounds (60 s), so 1f1b, 30% noise, gets the
+    540 s left, 20 (r + 1) > 540 -> 27 rounds, where halving the budget up front would give it 15; the
+    bench's last line says one interval stayed noisy."""
+    clock, rng = [0.0], random.Random(5)
+    monkeypatch.setattr(bench, "time", types.SimpleNamespace(time=lambda: clock[0]))
+
+    def launch(args, pair, tag, worker=None):
+        clock[0] += 10.0
+        ms = 100 * math.exp(rng.gauss(0, 0.01 if pair == "gpipe" else 0.3))
+        return dict(rc=0, summary=None, ms=[ms] * args.steps, cmd=tag)
+
+    monkeypatch.setattr(bench, "launch", launch)
+    monkeypatch.setattr(sys, "argv", ["bench.py", "--pairs", "gpipe,1f1b", *TINY, "--budget-min", "10",
+                                      "--out", str(tmp_path / "b")])
+    with pytest.raises(SystemExit) as e:
+        bench.main()
+    rows, out = json.loads((tmp_path / "b.json").read_text()), capsys.readouterr().out
+    assert e.value.code == 0, out
+    assert [(r["pair"], r["rounds"], r["noisy"]) for r in rows] == [("gpipe", 3, False), ("1f1b", 27, True)]
+    assert out.rstrip().endswith("noisy machine: 1 interval(s) wider than +-5% when the budget ran out"), out
+
+
+def test_one_pair_end_to_end(tmp_path, monkeypatch, capsys):
+    """`python bench.py --pairs gpipe,zb` at tiny size, 2 steps, at least 2 rounds within a 6 s budget:
+    gpipe's row of the documented shape, with an interval and a verdict that agrees with it, printed and in
+    the table; zb pointed at a file that will never offer `--schedule zbh1` (gpipe.py) is skipped with one
+    line, no launch, and a choice the file does offer (pipedream.py --mode flush) is not. The torchrun
+    commands bench.py builds are run by tests/forkserver.py, as torchrun would run them."""
+    def torchrun(cmd, cwd, env, text, capture_output, timeout):
+        nproc = int(next(a for a in cmd if a.startswith("--nproc_per_node=")).split("=")[1])
+        script, *args = cmd[cmd.index("--standalone") + 2:]
+        rc, out = forked(script, nproc, *args, timeout=timeout)
+        return subprocess.CompletedProcess(cmd, rc, out, "")
+
+    monkeypatch.setattr(bench, "subprocess", types.SimpleNamespace(run=torchrun, TimeoutExpired=None))
+    monkeypatch.setitem(bench.NEEDS, "1f1b", ("--mode", "flush"))  # offered: not skipped
+    assert bench.why_skipped("1f1b") == "", bench.why_skipped("1f1b")
+    monkeypatch.setitem(bench.PAIRS, "zb", ("gpipe.py", *bench.PAIRS["zb"][1:]))
+    out = tmp_path / "b"
+    monkeypatch.setattr(sys, "argv", ["bench.py", "--pairs", "gpipe,zb", *TINY, "--steps", "2", "--warmup",
+                                      "1", "--rounds", "2", "--budget-min", "0.1", "--microbatches", "2",
+                                      "--out", str(out), "--launch-timeout", "150"])
+    with pytest.raises(SystemExit) as e:
+        bench.main()
+    stdout = capsys.readouterr().out
+    assert e.value.code == 0, stdout
+    skip = [line for line in stdout.splitlines() if line.startswith("zb:")]
+    assert skip == ["zb: pair skipped, gpipe.py has no --schedule zbh1 yet (--schedule offers [])"], stdout
     rows = json.loads((tmp_path / "b.json").read_text())
     assert [r["pair"] for r in rows] == ["gpipe", "zb"] and rows[1]["skipped"] and rows[1]["ours"] is None
     r = rows[0]
@@ -133,15 +318,30 @@ def test_one_pair_end_to_end(tmp_path):
         s = r[side]
         assert s["name"] and s["step_ms"] > 0 and s["tokens_per_s"] > 0 and s["peak_mem_bytes"] > 0, s
         assert s["sent_bytes_per_rank"] > 0 and 0 <= s["bubble"] <= 1 and s["bubble_theory"] == 1 / 3, s
-    assert r["ratio"] == r["ours"]["step_ms"] / r["torch"]["step_ms"] and len(r["ratio_per_round"]) == 1
+    (lo, hi), per = r["interval"], r["ratio_per_round"]
+    assert r["rounds"] == len(per) >= 2 and lo <= r["ratio"] <= hi, r
+    assert abs(math.log(r["ratio"]) - sum(map(math.log, per)) / len(per)) < 1e-12, r  # the geometric mean
+    word = "faster" if hi < 1 else "slower" if lo > 1 else "no difference measurable"
+    assert r["verdict"] == word, r
+    line = f"gpipe: gpipe.py vs pipelining ScheduleGPipe: {word}: "
+    assert any(x.startswith(line) and f"[{lo:.2f}, {hi:.2f}], {len(per)} round" in x for x in
+               stdout.splitlines()), stdout
     assert r["max_loss_diff"] <= 1e-4, r  # both sides trained the same model on the same data (float32)
     md = (tmp_path / "b.md").read_text()
-    assert "| gpipe |" in md and "ratio" in md and "| zb | skipped: gpipe.py has no --schedule zbh1" in md
+    assert f"| {word}: " in md and "| zb | skipped: gpipe.py has no --schedule zbh1" in md, md
 
 
-def test_bad_input():
+def test_bad_input(capsys):
+    """One line and exit 2: three launches, and --precision / --budget-min checked in-process (as fail())."""
     for argv, words in ((["--pairs", "nope"], "unknown"), (["--warmup", "0"], "--warmup"),
                         (["--world", "2", "--n-heads", "3", "--d-model", "48"], "--n-heads")):
         p = run_python("bench.py", *argv)
         lines = p.stderr.strip().splitlines()
         assert p.returncode == 2 and len(lines) == 1 and words in lines[0], p.stderr
+    for bad in (dict(precision=0.0), dict(precision=float("nan")), dict(budget_min=-1.0),
+                dict(budget_min=float("inf"))):
+        with pytest.raises(SystemExit) as e:
+            bench.check_bench_args(bench.Args(**bad))
+        lines = capsys.readouterr().err.strip().splitlines()
+        flag = "--" + next(iter(bad)).replace("_", "-")
+        assert e.value.code == 2 and len(lines) == 1 and flag in lines[0], lines
