@@ -154,7 +154,7 @@ class StageRunner:
         self.shape, self.dtype, self.device = {"F": in_shape, "B": out_shape}, dtype, device
         self.prev, self.next, self.observe = prev, next, observe
         self.alive = {}  # k -> (input, output, version), F to B
-        self.outbox, self.losses, self.next_f = [], {}, 0
+        self.outbox, self.losses = [], {}
 
     def tag(self, *xs):  # (TAG,) on the device, from numbers or 0-d device tensors: no host round trip
         t = torch.zeros(TAG, dtype=torch.float64, device=self.device)
@@ -165,7 +165,6 @@ class StageRunner:
     def run(self, ops):
         for kind, k in ops:  # the last op's message leaves with this op's receive
             x, tag = self.exchange(kind, k)
-            self.policy.apply_due(self.next_f)  # the updates the last backward made due (stash, 2bw)
             (self.forward if kind == "F" else self.backward)(k, x, tag)
 
     def exchange(self, kind, k):
@@ -176,11 +175,10 @@ class StageRunner:
             x, tag = torch.empty(self.shape[kind], dtype=self.dtype, device=self.device), self.tag()
         p2p(self.outbox, [] if peer is None else [(x, peer), (tag, peer)])
         self.outbox = []
-        if kind == "F" and peer is not None:
-            self.policy.received(k, tag)  # 2bw: the whole-model norm rides on the activation
         return x, tag
 
     def forward(self, k, x, tag):
+        riding = self.policy.pass_on(k, tag)  # 2bw: the whole-model norm rides on the activations
         weights, v = self.policy.weights(k)  # the version micro-batch k reads on this stage
         inp, target = self.source(k)
         inp = inp if self.prev is None else x.requires_grad_()  # a leaf: its .grad is what B sends back
@@ -188,11 +186,11 @@ class StageRunner:
             out = weights(inp)  # GPT: (b, T, D); last stage: logits (b, T, V) ...
             if self.next is None:
                 out = self.loss_fn(out, target)  # ... and the loss: sum over tokens / global token count
-        self.alive[k], self.next_f = (inp, out, v), k + 1
+        self.alive[k] = (inp, out, v)
         if self.next is None:
             self.losses[k] = out.detach()
         else:  # (b, T, D) and its tag, leaving with the next op's receive
-            self.outbox = [(out.detach(), self.next), (self.tag(k, v, *self.policy.forward_tag()), self.next)]
+            self.outbox = [(out.detach(), self.next), (self.tag(k, v, *riding), self.next)]
 
     def backward(self, k, grad, tag):
         inp, out, v = self.alive[k]
@@ -208,9 +206,9 @@ class StageRunner:
 
     def drain(self, t):
         """The end of step t (flush) or of a stream's segment: send what the last op left, then the policy's
-        end of batch (flush: the optimizer step; stash, 2bw: the updates still due)."""
+        end of batch (flush: the optimizer step; 2bw: the last batch's norm, which no activation carries)."""
         self.exchange("end", None)
-        self.policy.drain(t, self.next_f)
+        self.policy.drain(t)
 
 
 # ----------------------------------------------------------------------------- policies: when weights change
@@ -227,22 +225,16 @@ class Flush:
     def weights(self, k):  # -> (the module micro-batch k runs on, its version)
         return self.stage, self.version
 
-    def forward_tag(self):  # what rides down with an activation (2bw: the newest whole-model norm)
+    def pass_on(self, k, tag):  # 2bw: learns from F's tag (None on stage 0); returns what rides on with F
         return ()
-
-    def received(self, k, tag):  # ... and what a stage learns from it
-        pass
 
     def on_backward(self, k, v, partial):  # after B of k on version v; returns the partial norm^2 going up
         return partial
 
-    def apply_due(self, next_f):  # the updates due before the next op (stash, 2bw)
-        pass
-
-    def drain(self, t, next_f):
+    def drain(self, t):
         grads = [q.grad for q in self.stage.parameters() if q.grad is not None]
-        sq = squared_norm(grads).view(1)  # (1,) this stage's squared norm
-        dist.all_reduce(sq, group=self.group)  # (1,) summed over stages: the whole model's
+        sq = squared_norm(grads)  # () this stage's squared norm; a (1,) norm could not scale a 0-dim grad
+        dist.all_reduce(sq, group=self.group)  # () summed over stages: the whole model's
         self.step(grads, sq)
 
     def step(self, grads, sq):  # one update of the live weights, clipped by the whole model's norm^2 (or not)
@@ -263,22 +255,19 @@ class Stash(Flush):
         super().__init__(stage, opt, clip=0)
         self.lag, self.versions = lag, {0: copy.deepcopy(stage)}  # version -> frozen copy of the stage
         self.in_flight = collections.Counter()  # version -> micro-batches between their F and their B
-        self.due = []  # [(gradients, whole-model norm^2 or None)]: updates to apply before the next op
+        self.next_f = 0  # the next micro-batch to run forward here
 
     def version_for(self, k):  # the rule of one uninterrupted stream: a drain changes timing, never versions
         return max(0, k - self.lag)
 
-    def floor(self, next_f):  # versions older than this serve no forward still to come
-        return min(self.version, self.version_for(next_f))
-
     def weights(self, k):
-        v = self.version_for(k)
+        v, self.next_f = self.version_for(k), k + 1
         self.in_flight[v] += 1
         return self.versions[v], v
 
     def on_backward(self, k, v, partial):
         self.in_flight[v] -= 1
-        self.due.append((self.take_grads(v), None))
+        self.update(self.take_grads(v), None)
         return partial
 
     def take_grads(self, v):  # move the gradient out of version v: the next micro-batch on v starts from 0
@@ -286,22 +275,21 @@ class Stash(Flush):
         self.versions[v].zero_grad(set_to_none=True)
         return grads
 
-    def apply_due(self, next_f):
-        for grads, sq in self.due:
-            for q, g in zip(self.stage.parameters(), grads):
-                q.grad = g
-            self.step(grads, sq)
-            self.drop_unused(next_f)  # first, so that a real system could reuse a dropped version's buffer
-            self.versions[self.version] = copy.deepcopy(self.stage)  # 2bw: the double buffer's other half
-        self.due = []
-        self.drop_unused(next_f)
+    def update(self, grads, sq):  # one step of the live weights with these gradients, frozen as a new version
+        for q, g in zip(self.stage.parameters(), grads):
+            q.grad = g
+        self.step(grads, sq)
+        self.drop_unused()  # first, so that a real system could reuse a dropped version's buffer
+        self.versions[self.version] = copy.deepcopy(self.stage)  # 2bw: the double buffer's other half
+        self.drop_unused()
 
-    def drop_unused(self, next_f):
-        for v in [v for v in self.versions if v < self.floor(next_f) and not self.in_flight[v]]:
+    def drop_unused(self):  # versions older than the floor serve no forward still to come
+        floor = min(self.version, self.version_for(self.next_f))
+        for v in [v for v in self.versions if v < floor and not self.in_flight[v]]:
             del self.versions[v]
 
-    def drain(self, t, next_f):
-        self.apply_due(next_f)
+    def drain(self, t):  # every update is applied as soon as its gradient (and norm) is complete
+        pass
 
 
 class TwoBW(Stash):
@@ -320,14 +308,10 @@ class TwoBW(Stash):
     def version_for(self, k):
         return max(k // self.m - 1, 0)  # batch t reads the weights of update t-1
 
-    def floor(self, next_f):
-        return self.version_for(next_f)
-
-    def forward_tag(self):
+    def pass_on(self, k, tag):  # stage 0 had run B up to k-p when it sent F_k: it knew the norms that far
+        if tag is not None:
+            self.learn_norm(max((k - self.p + 1) // self.m - 1, self.drained_norm), tag[3])
         return self.known
-
-    def received(self, k, tag):  # stage 0 had run B up to k-p when it sent F_k: it knew the norms that far
-        self.learn_norm(max((k - self.p + 1) // self.m - 1, self.drained_norm), tag[3])
 
     def on_backward(self, k, v, partial):
         self.in_flight[v] -= 1
@@ -340,7 +324,7 @@ class TwoBW(Stash):
         return partial
 
     def learn_norm(self, t, sq):
-        """Batch t's whole-model squared norm (on the device) is known here now: its update is due, first
+        """Batch t's whole-model squared norm (on the device) is known here now: its update is made, first
         needed by batch t+2, which starts here after the norm passes with micro-batch (t+1)m + p-1. A message
         carries only the newest norm its sender knows: every norm a stage learns must be the next it expects,
         or an update would be skipped (m < p breaks this: see check_args)."""
@@ -350,14 +334,12 @@ class TwoBW(Stash):
             raise RuntimeError(f"2bw learns the norm of batch {t}, but the next it expects is batch "
                                f"{self.known[0] + 1}'s: the schedule needs --microbatches >= stages")
         self.known = (t, sq)
-        self.due.append((self.batch_grads.pop(t), sq))
+        self.update(self.batch_grads.pop(t), sq)
 
-    def drain(self, t, next_f):
-        self.apply_due(next_f)
-        sq = self.known[1].reshape(1).clone()  # the last batch's norm has no activation left to ride on
+    def drain(self, t):
+        sq = self.known[1].clone()  # () the last batch's norm has no activation left to ride on
         dist.broadcast(sq, src=self.src, group=self.group)
-        self.learn_norm(t, sq[0])
-        self.apply_due(next_f)
+        self.learn_norm(t, sq)
         self.drained_norm = t  # the next segment's tags carry it until stage 0 knows a newer one
 
 
@@ -382,10 +364,9 @@ def check_args(args, p, m):
         fail(f"{p} stages but --n-layers {args.n_layers}: every stage needs at least one block; use "
              f"--n-layers {p} or more{other}")
     if args.mode == "2bw" and m < p:  # see TwoBW.learn_norm
-        fail(f"--mode 2bw needs --microbatches >= stages ({p}), got {m}: batch t's gradient norm reaches the "
-             "later stages only with the forward of micro-batch (t+1)m+p-1, so with m < p-1 batch t+2 would "
-             "start before the update it reads, and with m = p-1 the last batch's forwards end before the "
-             f"second-to-last norm can ride on one; use --microbatches {p}")
+        fail(f"--mode 2bw needs --microbatches >= stages ({p}), got {m}: batch t's norm reaches the later "
+             "stages with micro-batch (t+1)m+p-1's forward, after batch t+2 starts if m < p-1, and after the "
+             f"last batch's forwards for the second-to-last norm if m = p-1; use --microbatches {p}")
 
 
 def main():

@@ -1,11 +1,12 @@
 """gpipe.py's core used on a model that is not the GPT, and gpipe.py broken on purpose: what
 tests/test_gpipe.py checks under torchrun. The cases run in the order given, in one launch:
 
-    copy-out:DIR   gpipe.gpipe_step alone (no harness, no common.py) on Net below, a stack of nested MLP
-                   blocks with odd widths and a parameter on the root module, an MSE loss, 3 micro-batches,
-                   one stage per rank; trained 3 steps as is, with recompute=True, and broken on purpose (an
-                   observe callback that zeroes the stage's gradients before every B, so only the last
-                   micro-batch's gradient is left). Each rank writes its parameters (by Net's names) and the
+    copy-out:DIR   gpipe.gpipe_step alone (no harness) on Net below, a stack of nested MLP blocks with odd
+                   widths and parameters on the root module (one 0-dim), an MSE loss, 3 micro-batches, one
+                   stage per rank, clipped by the whole model's norm as gpipe.main does (gpipe.squared_norm,
+                   one all-reduce, common.clip_grads_); trained 3 steps as is, with recompute=True, and broken
+                   on purpose (an observe callback that zeroes the stage's gradients before every B, so only
+                   the last micro-batch's gradient is left). Each rank writes its parameters (by Net's names) and the
                    losses to DIR/rank{r}.pt, and for "plain" the transfers its first step posted, in order
                    (seen by a harness.CommCounter), and where each F and B started among them; the test trains
                    Net in one process itself and compares.
@@ -25,10 +26,11 @@ import torch.nn as nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import gpipe  # noqa: E402
+from common import clip_grads_  # noqa: E402
 from harness import CommCounter  # noqa: E402
 
 WIDTHS = (5, 7, 3, 6, 2)  # the features between Net's 4 blocks
-BATCH, M, STEPS, LR = 6, 3, 3, 0.05  # 3 micro-batches of 2 samples
+BATCH, M, STEPS, LR, CLIP = 6, 3, 3, 0.05, 0.3  # 3 micro-batches of 2 samples
 
 
 class Block(nn.Module):
@@ -46,11 +48,12 @@ class Net(nn.Module):
         super().__init__()
         self.blocks = nn.ModuleList(Block(a, b) for a, b in zip(WIDTHS, WIDTHS[1:]))
         self.gain = nn.Parameter(torch.linspace(0.5, 1.5, WIDTHS[-1]))  # a parameter on the root module
+        self.temp = nn.Parameter(torch.tensor(1.5))  # shape (): a 0-dim gradient to clip (issue 30, defect 4)
 
     def forward(self, x):
         for block in self.blocks:
             x = block(x)
-        return x * self.gain
+        return x * self.gain * self.temp
 
 
 def build_net():
@@ -66,17 +69,17 @@ def batch(step):
 
 
 class StageOf(nn.Module):
-    """Blocks [a, b) of a Net, and its root parameter on the last stage."""
+    """Blocks [a, b) of a Net, and its root parameters on the last stage."""
 
     def __init__(self, net, a, b):
         super().__init__()
         self.blocks = net.blocks[a:b]
-        self.gain = net.gain if b == len(net.blocks) else None
+        self.gain, self.temp = (net.gain, net.temp) if b == len(net.blocks) else (None, None)
 
     def forward(self, x):
         for block in self.blocks:
             x = block(x)
-        return x if self.gain is None else x * self.gain
+        return x if self.gain is None else x * self.gain * self.temp
 
 
 def train_copied_out(rank, world, how):
@@ -108,6 +111,10 @@ def train_copied_out(rank, world, how):
         with comm if observe is marking else contextlib.nullcontext():
             loss = gpipe.gpipe_step(stage, list(x.chunk(M)), list(y.chunk(M)), loss_fn, prev, nxt,
                                     (BATCH // M, WIDTHS[a]), recompute=how == "recompute", observe=observe)
+        grads = [q.grad for q in stage.parameters()]  # then gpipe.main's clipping: a () norm of the whole model
+        sq = gpipe.squared_norm(grads)
+        dist.all_reduce(sq)
+        clip_grads_(grads, sq.sqrt(), CLIP)
         opt.step()
         opt.zero_grad(set_to_none=True)
         losses.append(float(loss))

@@ -11,13 +11,16 @@ own main()), and run its core (and zero_bubble.py's) on a model that is not the 
     2bw-fewer       --mode 2bw with its m >= p guard lifted, so the drain would skip a norm
     resume-newest   resumed from a checkpoint with every stashed version replaced by the live weights (the
                     checkpoint's versions ignored): the run goes on, on the wrong weights
-    copy-out OUT    StageRunner + Flush under 1F1B on three toy stages that are not the GPT (nested modules,
-                    parameters on root modules, odd widths, 2-D and 3-D inputs to Linears, a smooth-L1 loss),
-                    plain torch.distributed on gloo; and once more with the optimizer's zero_grad dropped.
-                    Writes OUT/{1f1b,1f1b-no-zero-grad}-rank{r}.pt (the stage's parameters, stage 0's losses);
-                    tests/test_pipedream.py trains the same model in one process.
-    zb-copy-out OUT zero_bubble.py's SplitBackward + comm_plan + PipelineRank on a ZBNet (not the GPT) over 2
-                    ranks, ZB-H1 and ZB-V, against one-process training (and two broken W's), OUT as JSON; then
+    copy-out OUT    StageRunner + Flush under 1F1B, clipped, on three toy stages that are not the GPT (nested
+                    modules, parameters on root modules, a 0-dim one, odd widths, 2-D and 3-D inputs to Linears,
+                    a smooth-L1 loss), plain torch.distributed on gloo; once more with the optimizer's zero_grad
+                    dropped; then on two stages (the first two toy stages as one) on ranks 0-1 of the three,
+                    with the norm's group= [0, 1]. Writes OUT/{1f1b,1f1b-no-zero-grad,1f1b-2-stages}-rank{r}.pt
+                    (the stage's parameters, stage 0's losses); tests/test_pipedream.py trains the same model
+                    in one process.
+    zb-copy-out OUT zero_bubble.py's SplitBackward + comm_plan + PipelineRank + finish_batch (clipped) on a ZBNet
+                    (not the GPT; a 0-dim parameter) over 2 ranks, ZB-H1 and ZB-V, against one-process training
+                    (and two broken W's), OUT as JSON; then
                     zero_bubble.py's own main in the same processes (tests/test_zero_bubble.py).
 
 Run: torchrun --standalone --nproc_per_node=P tests/pipeline_checks.py CASE [the file's flags]"""
@@ -142,17 +145,18 @@ class Residual(nn.Module):
         return x + self.mix(self.norm(x))
 
 
-class Head(nn.Module):  # (b, T, d) -> (b, out): a 2-D input into a Linear, and a root parameter
+class Head(nn.Module):  # (b, T, d) -> (b, out): a 2-D input into a Linear, root parameters, one of them 0-dim
     def __init__(self, d, out):
         super().__init__()
         self.shift = nn.Parameter(torch.full((out,), 0.1))
+        self.temp = nn.Parameter(torch.tensor(1.5))  # shape (): its gradient is 0-dim too (issue 30, defect 4)
         self.proj = nn.Linear(d, out, bias=False)
 
     def forward(self, x):
-        return self.proj(x.mean(1)) + self.shift
+        return (self.proj(x.mean(1)) + self.shift) * self.temp
 
 
-TOY = dict(widths=(5, 7, 11, 3), T=4, b=3, m=4, steps=3, lr=1e-2, clip=0.5)  # 3 stages, batch m * b = 12
+TOY = dict(widths=(5, 7, 11, 3), T=4, b=3, m=4, steps=3, lr=1e-2, clip=0.3)  # 3 stages, batch m * b = 12
 
 
 def toy_stages(dtype=torch.float64):
@@ -193,29 +197,35 @@ def copy_out(pipedream, out_dir):
         return x[j], (y[j], y.numel())
 
     dist.all_reduce(torch.zeros(1))  # the collective NCCL wants before the first batched point-to-point
-    for name in ("1f1b", "1f1b-no-zero-grad"):
-        stage = toy_stages()[r]
-        policy = pipedream.Flush(stage, toy_optimizer(stage.parameters()), TOY["clip"])
+    pair = dist.new_group([0, 1])  # the two-stage pipeline's ranks (every rank takes part in making it)
+    for name in ("1f1b", "1f1b-no-zero-grad", "1f1b-2-stages"):
+        n, group, cuts = (2, pair, [0, 2, 3]) if "2-stages" in name else (p, None, [0, 1, 2, 3])
+        if r >= n:  # rank 2 sits out the two-stage pipeline
+            continue
+        whole = nn.Sequential(*toy_stages())
+        stage, ins, outs = whole[cuts[r]:cuts[r + 1]], w[cuts[r]], w[cuts[r + 1]]  # toy stages [cut, next cut)
+        policy = pipedream.Flush(stage, toy_optimizer(stage.parameters()), TOY["clip"], group=group)
         if name == "1f1b-no-zero-grad":  # broken on purpose: each step's gradient adds to the last one's
             policy.opt.zero_grad = lambda set_to_none=True: None
         runner = pipedream.StageRunner(policy, source, lambda out, target: toy_loss(out, *target),
-                                       (b, T, w[r]), (b, T, w[r + 1]), torch.float64, torch.device("cpu"),
-                                       r - 1 if r > 0 else None, r + 1 if r < p - 1 else None)
+                                       (b, T, ins), (b, T, outs), torch.float64, torch.device("cpu"),
+                                       r - 1 if r > 0 else None, r + 1 if r < n - 1 else None)
         losses = []
         for step in range(TOY["steps"]):
-            runner.run([(kind, step * m + k) for kind, k in pipedream.one_f_one_b(m, p, r)])
+            runner.run([(kind, step * m + k) for kind, k in pipedream.one_f_one_b(m, n, r)])
             runner.drain(step)
             assert not runner.alive, "a micro-batch left over"
             if r == 0:
                 losses.append(sum(runner.losses.pop(step * m + j) for j in range(m)).item())
-        torch.save(dict(params={n: q.detach() for n, q in stage.named_parameters()}, losses=losses),
+        names = {id(q): nm for nm, q in whole.named_parameters()}  # the whole model's names ("2.temp")
+        torch.save(dict(params={names[id(q)]: q.detach() for q in stage.parameters()}, losses=losses),
                    Path(out_dir) / f"{name}-rank{r}.pt")
     dist.barrier()
     dist.destroy_process_group()
 
 
 # ----------------------------------------------------------------------------- zero_bubble.py's core, copied out
-ZB = dict(width=6, hidden=10, n_in=5, n_out=3, blocks=4, b=12, m=4, steps=3, lr=0.1)
+ZB = dict(width=6, hidden=10, n_in=5, n_out=3, blocks=4, b=12, m=4, steps=3, lr=0.1, clip=0.3)
 
 
 class ZBResidual(nn.Module):
@@ -231,12 +241,14 @@ class ZBResidual(nn.Module):
 
 
 class ZBNet(nn.Module):
-    """(b, 5) -> (b, 3): a parameter on the root module, an input Linear, 4 residual blocks, an output Linear."""
+    """(b, 5) -> (b, 3): parameters on the root module (one 0-dim), an input Linear, 4 residual blocks, an
+    output Linear."""
 
     def __init__(self):
         super().__init__()
         torch.manual_seed(0)
         self.scale = nn.Parameter(torch.linspace(0.5, 1.5, ZB["width"]))
+        self.temp = nn.Parameter(torch.tensor(1.5))  # shape (): a 0-dim gradient to clip (issue 30, defect 4)
         self.inp = nn.Linear(ZB["n_in"], ZB["width"])
         self.blocks = nn.ModuleList(ZBResidual() for _ in range(ZB["blocks"]))
         self.out = nn.Linear(ZB["width"], ZB["n_out"])
@@ -246,7 +258,7 @@ class ZBNet(nn.Module):
         h = self.inp(x) * self.scale
         for block in self.blocks:
             h = block(h)
-        return self.out(h)
+        return self.out(h) * self.temp
 
 
 class ZBChunk(nn.Module):
@@ -259,14 +271,14 @@ class ZBChunk(nn.Module):
         if self.first:
             self.scale, self.inp = net.scale, net.inp
         if self.last:
-            self.out = net.out
+            self.out, self.temp = net.out, net.temp
 
     def forward(self, h):
         if self.first:
             h = self.inp(h) * self.scale
         for block in self.blocks:
             h = block(h)
-        return self.out(h) if self.last else h
+        return self.out(h) * self.temp if self.last else h
 
 
 def zb_batch(step):
@@ -280,22 +292,25 @@ def zb_loss(out, y):  # squared error summed, over the whole batch's elements: m
 
 
 def zb_copy_out(zero_bubble, d, out_path):
-    """SplitBackward + comm_plan + PipelineRank, as a reader copies them, on a ZBNet over 2 ranks (ZB-H1: 2
-    chunks; ZB-V: 4, two per rank in a V), plain SGD, against one-process training of the same net: the first
-    step's gradients, the losses and the final parameters. Then the negatives: W never run; W of micro-batch k
-    on micro-batch k-1's saved inputs. Writes {case: {max_diff, losses}} and the reference's losses."""
+    """SplitBackward + comm_plan + PipelineRank + finish_batch (clipping by the whole model's norm), as a reader
+    copies them, on a ZBNet over 2 ranks (ZB-H1: 2 chunks; ZB-V: 4, two per rank in a V), plain SGD, against
+    one-process training of the same net with torch's clip_grad_norm_: the first step's clipped gradients, the
+    losses and the final parameters. Then the negatives: W never run; W of micro-batch k on micro-batch k-1's
+    saved inputs. Writes {case: {max_diff, losses}} and the reference's losses and norms."""
     import torch.distributed as dist
     p, m, steps = dist.get_world_size(), ZB["m"], ZB["steps"]
-    ref, losses_ref, grads0 = ZBNet(), [], None
+    ref, losses_ref, norms_ref, grads0 = ZBNet(), [], [], None
     opt = torch.optim.SGD(ref.parameters(), lr=ZB["lr"])
     for step in range(steps):
         x, y = zb_batch(step)
         loss = zb_loss(ref(x), y)
         opt.zero_grad()
         loss.backward()
+        norms_ref.append(torch.nn.utils.clip_grad_norm_(ref.parameters(), ZB["clip"]).item())
         grads0 = grads0 or {n: q.grad.clone() for n, q in ref.named_parameters()}
         opt.step()
         losses_ref.append(loss.item())
+    alone = [dist.new_group([r]) for r in range(p)]  # no data parallelism: each rank its own replica group
     final = {n: q.detach() for n, q in ref.named_parameters()}
     results, real_w = {}, zero_bubble.SplitBackward.backward_weight
     for case in ("zbh1", "zbv", "zbh1, W never run", "zbv, W on the previous micro-batch"):
@@ -323,11 +338,14 @@ def zb_copy_out(zero_bubble, d, out_path):
         for step in range(steps):
             x, y = zb_batch(step)
             loss = runner.run(list(x.view(m, -1, ZB["n_in"])), list(y.view(m, -1, ZB["n_out"])), zb_loss)
-            dist.all_reduce(loss)
-            losses.append(loss.item())
+            missing = [q for q in params if q.grad is None]  # a W never run leaves its Linears without one:
+            for q in missing:  # zeros, so that finish_batch runs and the comparison sees them
+                q.grad = torch.zeros_like(q)
+            loss, _ = zero_bubble.finish_batch(params, loss, alone[d.rank], 0, ZB["clip"])  # summed loss; clipped
+            losses.append(loss)
             if step == 0:
-                err = max([err] + [float("inf") if q.grad is None else (q.grad - grads0[names[id(q)]]).abs().max().item()
-                                   for q in params])
+                err = max([err, float("inf") if missing else 0.0] +
+                          [(q.grad - grads0[names[id(q)]]).abs().max().item() for q in params])
             opt.step()
             opt.zero_grad()
         err = max([err] + [(q.detach() - final[names[id(q)]]).abs().max().item() for q in params])
@@ -336,7 +354,7 @@ def zb_copy_out(zero_bubble, d, out_path):
         results[case] = dict(max_diff=err[0].item(), max_loss_diff=err[1].item(), losses=losses)
     if d.rank == 0:
         import json
-        Path(out_path).write_text(json.dumps(dict(results, reference_losses=losses_ref)))
+        Path(out_path).write_text(json.dumps(dict(results, reference_losses=losses_ref, reference_norms=norms_ref)))
 
 
 if __name__ == "__main__":

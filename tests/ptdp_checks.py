@@ -6,11 +6,11 @@
 BREAK is one of
     norm-counts-replicas  every TP rank adds its copy of the replicated tensors to the clipping norm (t times)
     no-dp-all-reduce      the data-parallel gradient all-reduce after the flush is skipped
-copy-out first trains a model that is not the GPT (nested modules, a parameter on the root module, odd sizes,
-a squared-error loss) on a pp 2 x tp 2 grid with ptdp.py's pieces as a reader would copy them (f and g around
-a split MLP, comm_plan and PipelineRank), v = 2, against plain
-one-process training written here; it writes the errors to OUT.json and then runs ptdp.py's own main (the
-same processes, so the check costs no launch).
+copy-out first trains a model that is not the GPT (nested modules, parameters on the root module, one 0-dim,
+odd sizes, a squared-error loss) on a pp 2 x tp 2 grid with ptdp.py's pieces as a reader would copy them (f and
+g around a split MLP, comm_plan, PipelineRank, finish_batch's clipping by the whole model's norm), v = 2,
+against plain one-process training written here (torch's clip_grad_norm_); it writes the errors to OUT.json
+and then runs ptdp.py's own main (the same processes, so the check costs no launch).
 """
 import json
 import sys
@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import ptdp  # noqa: E402
 from common import init_dist  # noqa: E402
 
-D, HIDDEN, IN, OUT, BLOCKS, B, M, STEPS, LR = 6, 10, 5, 3, 4, 12, 4, 3, 0.1
+D, HIDDEN, IN, OUT, BLOCKS, B, M, STEPS, LR, CLIP = 6, 10, 5, 3, 4, 12, 4, 3, 0.1, 0.3
 
 
 class Residual(nn.Module):
@@ -44,6 +44,7 @@ class Net(nn.Module):
     def __init__(self):
         super().__init__()
         self.scale = nn.Parameter(torch.linspace(0.5, 1.5, D))  # a parameter on the root module
+        self.temp = nn.Parameter(torch.tensor(1.5))  # shape (): a 0-dim gradient to clip (issue 30, defect 4)
         self.inp = nn.Linear(IN, D)
         self.blocks = nn.ModuleList(Residual() for _ in range(BLOCKS))
         self.out = nn.Linear(D, OUT)
@@ -52,7 +53,7 @@ class Net(nn.Module):
         h = self.inp(x) * self.scale
         for block in self.blocks:
             h = block(h)
-        return self.out(h)
+        return self.out(h) * self.temp
 
 
 class TPResidual(nn.Module):
@@ -68,6 +69,8 @@ class TPResidual(nn.Module):
         self.b1 = nn.Parameter(fc.bias.detach().chunk(t, 0)[r].clone())
         self.w2 = nn.Parameter(proj.weight.detach().chunk(t, 1)[r].clone())  # (D, HIDDEN/t)
         self.b2 = proj.bias
+        for q in (self.w1, self.b1, self.w2):
+            q.tp_split = True  # a shard: finish_batch's norm counts it on every TP rank
 
     def forward(self, x):
         h = torch.tanh(F.linear(ptdp.f.apply(self.norm(x), self.group), self.w1, self.b1))
@@ -82,14 +85,14 @@ class NetChunk(nn.Module):
             self.scale, self.inp = full.scale, full.inp
         self.blocks = nn.ModuleList(TPResidual(full.blocks[i], group) for i in (c,))  # one block each
         if self.last:
-            self.out = full.out
+            self.out, self.temp = full.out, full.temp
 
     def forward(self, h):
         if self.first:
             h = self.inp(h) * self.scale
         for block in self.blocks:
             h = block(h)
-        return self.out(h) if self.last else h
+        return self.out(h) * self.temp if self.last else h
 
 
 def batch(step):
@@ -103,19 +106,20 @@ def loss_of(out, y):  # squared error summed, over the whole batch's elements: m
 
 
 def reference():
-    """Plain one-process training: the whole batch, one backward, SGD."""
+    """Plain one-process training: the whole batch, one backward, torch's clip_grad_norm_, SGD."""
     torch.manual_seed(0)
     net = Net().double()
-    opt, losses, grads0 = torch.optim.SGD(net.parameters(), lr=LR), [], None
+    opt, losses, norms, grads0 = torch.optim.SGD(net.parameters(), lr=LR), [], [], None
     for step in range(STEPS):
         x, y = batch(step)
         loss = loss_of(net(x), y)
         opt.zero_grad()
         loss.backward()
+        norms.append(torch.nn.utils.clip_grad_norm_(net.parameters(), CLIP).item())
         grads0 = grads0 or {n: q.grad.clone() for n, q in net.named_parameters()}
         opt.step()
         losses.append(loss.item())
-    return net, losses, grads0
+    return net, losses, norms, grads0
 
 
 def copy_out(out_path):
@@ -125,7 +129,8 @@ def copy_out(out_path):
     pp_rank, tp_rank = [int(i) for i in (grid == d.rank).nonzero()[0]]
     tp_groups = [dist.new_group(grid[i].tolist()) for i in range(p)]
     dist.all_reduce(torch.zeros(1, device=d.device))  # the collective NCCL wants before any point-to-point
-    net, ref_losses, ref_grads0 = reference()
+    net, ref_losses, ref_norms, ref_grads0 = reference()
+    alone = [dist.new_group([r]) for r in range(4)]  # no data parallelism: each rank its own replica group
     peers = grid[:, tp_rank].tolist()
     errors = {}
     real_f = vars(ptdp.f)["backward"]  # the staticmethod itself
@@ -142,8 +147,8 @@ def copy_out(out_path):
         for step in range(STEPS):
             x, y = batch(step)
             loss = runner.run(list(x.view(M, -1, IN)), list(y.view(M, -1, OUT)), loss_of)
-            dist.all_reduce(loss)  # the loss lives on the last chunk's rank (twice: its TP ranks)
-            losses.append(loss.item() / t)
+            loss, _ = ptdp.finish_batch(params, loss, alone[d.rank], tp_rank, 0, CLIP)  # (summed once); clipped
+            losses.append(loss)
             if step == 0:  # every local gradient against the same slice of the one-process gradient
                 err = max(err, max(diff(n, q.grad, ref_grads0, c, tp_rank, t) for c in mine
                                    for n, q in chunks[c].named_parameters()))
@@ -157,7 +162,8 @@ def copy_out(out_path):
         errors[order] = dict(max_grad_or_param_diff=err[0].item(), max_loss_diff=err[1].item(), losses=losses)
     ptdp.f.backward = real_f
     if d.rank == 0:
-        Path(out_path).write_text(json.dumps(dict(errors, reference_losses=ref_losses)))
+        Path(out_path).write_text(json.dumps(dict(errors, reference_losses=ref_losses, reference_norms=ref_norms,
+                                                  clip=CLIP)))
     return d
 
 
@@ -165,7 +171,7 @@ def diff(name, mine, ref, c, tp_rank, t):
     """|mine - the reference's slice|: a chunk's names map back to Net's (blocks.0 of chunk c is blocks.c)."""
     if mine is None:  # a gradient that never came
         return float("inf")
-    full = {"scale": "scale", "inp.weight": "inp.weight", "inp.bias": "inp.bias", "out.weight": "out.weight",
+    full = {"scale": "scale", "temp": "temp", "inp.weight": "inp.weight", "inp.bias": "inp.bias", "out.weight": "out.weight",
             "out.bias": "out.bias"}.get(name)
     if full is None:
         leaf = name.split(".", 2)[2]  # "blocks.0.w1" -> "w1"

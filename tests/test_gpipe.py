@@ -172,7 +172,8 @@ def test_recompute_held_bytes_catch_a_kept_graph(checks):
 
 
 def plain_training():
-    """gpipe_checks.Net trained the plain way: one process, the whole model, the whole batch, torch's MSE."""
+    """gpipe_checks.Net trained the plain way: one process, the whole model, the whole batch, torch's MSE and
+    clip_grad_norm_ (which clips every step: the norm is above the threshold)."""
     net = gpipe_checks.build_net()
     opt = torch.optim.AdamW(net.parameters(), lr=gpipe_checks.LR, foreach=False)
     losses = []
@@ -181,15 +182,17 @@ def plain_training():
         loss = F.mse_loss(net(x), y)
         opt.zero_grad()
         loss.backward()
+        assert torch.nn.utils.clip_grad_norm_(net.parameters(), gpipe_checks.CLIP) > gpipe_checks.CLIP
         opt.step()
         losses.append(loss.item())
     return losses, {n: q.detach() for n, q in net.named_parameters()}
 
 
 def test_copy_out_matches_plain_training(checks):
-    """gpipe_step alone over 3 stages of a model that is not the GPT (nested blocks of odd widths, a parameter
-    on the root module, MSE, 3 micro-batches), with and without recompute, equals plain training; the same run
-    with the stage's gradients zeroed before each B (the broken schedule) does not."""
+    """gpipe_step alone over 3 stages of a model that is not the GPT (nested blocks of odd widths, parameters
+    on the root module, one 0-dim, MSE, 3 micro-batches), clipped by the whole model's norm as gpipe.main does,
+    with and without recompute, equals plain training; the same run with the stage's gradients zeroed before
+    each B (the broken schedule) does not. Issue 30, defect 4: the 0-dim parameter in the clip path."""
     ranks, (ref_losses, ref) = checks[1], plain_training()
     for how in ("plain", "recompute", "broken"):
         params = {n: t for r in ranks for n, t in r[how]["params"].items()}

@@ -237,29 +237,34 @@ def test_chrome_trace(launch):
 
 def test_copy_out_runner_on_a_model_that_is_not_the_gpt(tmp_path):
     """StageRunner + Flush under 1F1B, copied onto three toy stages (nested modules, parameters on root modules,
-    widths 5 -> 7 -> 11 -> 3, 2-D and 3-D inputs to Linears, a smooth-L1 loss; tests/pipeline_checks.py
-    copy-out) on plain torch.distributed, equal plain one-process training written here: the whole model, one
-    backward per step, torch's clip_grad_norm_, AdamW. The negative: the same run with the optimizer's
-    zero_grad dropped (each step's gradient added to the last's) does not."""
+    a 0-dim one, widths 5 -> 7 -> 11 -> 3, 2-D and 3-D inputs to Linears, a smooth-L1 loss; tests/pipeline_checks.py
+    copy-out) on plain torch.distributed, clipped, equal plain one-process training written here: the whole model,
+    one backward per step, torch's clip_grad_norm_ (clipping every step: the norm is above the threshold), AdamW.
+    Again on two stages (ranks 0-1, the norm's group= those two). Issue 30, defect 4: the 0-dim parameter crashed
+    Flush's clipping ("output with shape [] doesn't match the broadcast shape [1]") at 2 and 3 stages. The negative:
+    the three-stage run with the optimizer's zero_grad dropped (each step's gradient added to the last's)."""
     torchrun("tests/pipeline_checks.py", 3, "copy-out", tmp_path, tmp_path=tmp_path, name="copy-out")
     toy = pipeline_checks.TOY
     model = torch.nn.Sequential(*pipeline_checks.toy_stages())
+    assert model[2].temp.dim() == 0
     opt = torch.optim.AdamW(model.parameters(), lr=toy["lr"], weight_decay=0.1, foreach=False)
-    losses = []
+    losses, norms = [], []
     for x, y in pipeline_checks.toy_data():
         loss = torch.nn.functional.smooth_l1_loss(model(x), y, reduction="sum") / y.numel()
         opt.zero_grad()
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), toy["clip"])
+        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), toy["clip"]).item())
         opt.step()
         losses.append(loss.item())
-    for name in ("1f1b", "1f1b-no-zero-grad"):
-        runs = [torch.load(tmp_path / f"{name}-rank{r}.pt", weights_only=False) for r in range(3)]
-        got = {f"{r}.{n}": q for r, run in enumerate(runs) for n, q in run["params"].items()}
-        assert got.keys() == dict(model.named_parameters()).keys()
+    assert min(norms) > toy["clip"], norms  # the clip scales every step's gradients, the 0-dim one among them
+    for name, ranks in (("1f1b", 3), ("1f1b-no-zero-grad", 3), ("1f1b-2-stages", 2)):
+        runs = [torch.load(tmp_path / f"{name}-rank{r}.pt", weights_only=False) for r in range(ranks)]
+        got = {n: q for run in runs for n, q in run["params"].items()}
+        assert sorted(got) == sorted(dict(model.named_parameters())), (name, sorted(got))
         diff = max((got[n] - q).abs().max().item() for n, q in model.named_parameters())
         loss_diff = max(abs(a - b) / abs(b) for a, b in zip(runs[0]["losses"], losses))
-        assert (diff < 1e-12 and loss_diff < 1e-12) == (name == "1f1b"), (name, diff, loss_diff)
+        assert len(runs[0]["losses"]) == len(losses)
+        assert (diff < 1e-12 and loss_diff < 1e-12) == (name != "1f1b-no-zero-grad"), (name, diff, loss_diff)
 
 
 # ----------------------------------------------------------------------------- stash: PipeDream 2019

@@ -300,11 +300,14 @@ def test_matches_reference_and_obeys_schedule(launch, name):
 
 
 def test_copy_out_pipeline_and_tp_match_one_process(launch):
-    """The pieces as a reader copies them (f and g around a split MLP, comm_plan and PipelineRank) on a model
-    that is not the GPT (tests/ptdp_checks.py: nested modules, a parameter on the root module, hidden width 10,
-    squared error), pp 2 x tp 2, v 2: every gradient of the first step and every final parameter equal plain
-    one-process SGD's within 1e-12; with f's all-reduce dropped, the same comparison fails."""
+    """The pieces as a reader copies them (f and g around a split MLP, comm_plan, PipelineRank, finish_batch) on
+    a model that is not the GPT (tests/ptdp_checks.py: nested modules, parameters on the root module, one 0-dim,
+    hidden width 10, squared error), pp 2 x tp 2, v 2, clipped by the whole model's norm: every clipped gradient
+    of the first step and every final parameter equal plain one-process SGD's with torch's clip_grad_norm_
+    (which clips every step: the norm is above the threshold) within 1e-12; with f's all-reduce dropped, the
+    same comparison fails. Issue 30, defect 4: the 0-dim parameter in the clip path."""
     got = launch("pp2 tp2 v2")[3]
+    assert min(got["reference_norms"]) > got["clip"], got["reference_norms"]
     assert got["interleaved"]["max_grad_or_param_diff"] < 1e-12, got["interleaved"]
     assert got["interleaved"]["max_loss_diff"] < 1e-12, got["interleaved"]
     assert got["interleaved"]["losses"] == pytest.approx(got["reference_losses"], rel=1e-12)

@@ -295,7 +295,7 @@ def gradients(model):
 def test_split_backward_is_one_backward_bit_for_bit():
     """B then W gives the gradients of one autograd backward, bit for bit in float64, summed over two
     micro-batches, on a GPT (Linears with and without bias, LayerNorm, embeddings) and on the copy-out's
-    ZBNet (a root parameter, 2-D inputs); after B alone only the Linears lack theirs; the input's gradient
+    ZBNet (root parameters, one 0-dim; 2-D inputs); after B alone only the Linears lack theirs; the input's gradient
     is B's. The negatives: a W never run, or run on the wrong micro-batch, gives other gradients."""
     gpt = build_gpt(GPTConfig(vocab=32, seq_len=8, d_model=16, n_heads=2, n_layers=2), 0, torch.float64)
     g = torch.Generator().manual_seed(0)
@@ -387,11 +387,14 @@ def test_rule_checks_catch_broken_schedules(launch):
 
 
 def test_copy_out_core_on_another_model(launch):
-    """SplitBackward, comm_plan and PipelineRank as a reader copies them, on a model that is not the GPT
-    (tests/pipeline_checks.py zb-copy-out: nested modules, a root parameter, 2-D inputs, squared error, SGD)
-    over 2 ranks, both schedules: the first step's gradients and the final parameters equal one-process
-    training's within 1e-12; with W never run, or W on the previous micro-batch, the comparison fails."""
+    """SplitBackward, comm_plan, PipelineRank and finish_batch as a reader copies them, on a model that is not
+    the GPT (tests/pipeline_checks.py zb-copy-out: nested modules, root parameters, one 0-dim, 2-D inputs,
+    squared error, clipping by the whole model's norm, SGD) over 2 ranks, both schedules: the first step's
+    clipped gradients and the final parameters equal one-process training's (torch's clip_grad_norm_, which
+    clips every step: the norm is above the threshold) within 1e-12; with W never run, or W on the previous
+    micro-batch, the comparison fails. Issue 30, defect 4: the 0-dim parameter in the clip path."""
     got = launch("zbh1 p2")[3]
+    assert min(got["reference_norms"]) > pipeline_checks.ZB["clip"], got["reference_norms"]
     for case in ("zbh1", "zbv"):
         assert got[case]["max_diff"] < 1e-12 and got[case]["max_loss_diff"] < 1e-12, got[case]
         assert got[case]["losses"] == pytest.approx(got["reference_losses"], rel=1e-12)
