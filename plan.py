@@ -31,16 +31,27 @@ activation element, Psi parameters of one rank (its pipeline stage, its 1/t).
                micro-batch 2 all-gathers p Psi/d + a reduce-scatter; MoE (Lepikhin et al. 2020) 4 all-to-alls
                of E C h e per MoE layer and micro-batch, C = ceil(cf k bs / E). On the wire (ring):
                all-reduce 2(n-1)/n, others (n-1)/n of the whole; NVLink when the group fits in a node of the
-               grid arange(world).view(pp, dp, tp) (tp innermost, ep inside dp), else InfiniBand.
+               grid arange(world).view(pp, dp, cp, tp) (tp innermost, ep inside dp), else InfiniBand.
   bubble       idle share of the step (Narayanan et al. 2021, PTD-P, Sec. 2.2): GPipe, 1F1B (p-1)/(m+p-1);
                interleaved (p-1)/(vm) of ideal compute; with backward split into B and W of a forward's time
                each (Qi et al. 2023, Zero Bubble): ZB-H1 (p-1)(T_F + T_B - T_W), a third of 1F1B's; ZB-V 0.
+  context      cp ranks share each sequence (context_parallel.py; Liu et al. 2023 ring, Jacobs et al. 2023
+               Ulysses): activations of s/cp tokens, + the all-gather's other K, V and (s/cp, s) mask, or
+               Ulysses' head-sharded output; per layer and micro-batch the ring sends cp-1 K/V blocks forward,
+               as many + fp32 dK/dV backward, all-gather K, V in and a reduce-scatter of cp x theirs back,
+               Ulysses 2 all-to-alls each way; gradients summed (ZeRO: sharded) over dp x cp.
   time         forward FLOPs per layer 24bsh^2 + 4bs^2h, head 2bshV; training 3x, full recomputation 4x the
-               blocks: PTD-P's 96Bslh^2(1 + s/(6h) + V/(16lh)). A step: (m + bubble slots) micro-batch times
-               of the slowest stage (FLOPs at --efficiency of peak, + TP and all-to-all time, not overlapped),
-               + what cannot hide: the data-parallel reduction beyond the last micro-batch's backward (ZeRO-2:
-               each one's; ZeRO-3: all its traffic beyond each micro-batch), the all-gather of stages 1-2, a
-               pipeline message per chunk boundary in and out. MFU: model FLOPs (3x) / (step x GPUs x peak).
+               blocks: PTD-P's 96Bslh^2(1 + s/(6h) + V/(16lh)). Seconds per micro-batch: each GEMM's FLOPs at
+               --efficiency of peak + its operands and result at HBM speed (so a GEMM reaches eff / (1 + eff
+               peak / (HBM x FLOPs per byte)): thin ones less), attention per head (eager: s x s scores
+               through HBM; flash: one pass), norms, residuals and activations at HBM speed. A step: (m +
+               bubble slots) micro-batch times of the slowest stage, + TP (hidden behind the GEMMs with SP, as
+               Megatron's --tp-comm-overlap; exposed without), CP (the ring behind attention) and all-to-all
+               time, + what cannot hide: the data-parallel reduction beyond the last micro-batch's backward
+               (ZeRO-2: each one's; ZeRO-3: all its traffic beyond each micro-batch), the all-gather of stages
+               1-2, a pipeline message per chunk boundary in and out. EFFICIENCY 0.745, fitted on three rows
+               of PTD-P's Table 1, predicts the other seven within 4 points (docs/plan.md). MFU: model FLOPs
+               (3x) / (step x GPUs x peak).
 
   the run       --tokens: wall time = tokens / tokens/s, with failures (rate per GPU-hour, a checkpoint every
                tau, Young/Daly's sqrt(2 delta M) by default) to first order; a budget (--gpu-hours, --days,
@@ -52,6 +63,7 @@ activation element, Psi parameters of one rank (its pipeline stage, its 1/t).
     python plan.py --model llama3-70b --nodes 8 --batch-size 256 --search
     python plan.py --model llama3-70b --nodes 8 --tp 8 --pp 4 --virtual-stages 2 --microbatches 256
     python plan.py --model llama3-70b --days 30 --nodes 64 --failures-per-gpu-hour 2e-5  # the whole run
+    python plan.py --model llama3-8b --nodes 2 --tp 8 --cp 2 --sequence-parallel --stage 1 --batch-size 64
     python -m pytest -q -s tests/test_plan.py -k "paper_rows or zz"  # each paper's figure beside plan's
 """
 import math, re
@@ -133,6 +145,7 @@ def capacity(M, tokens):
 
 
 # ----------------------------------------------------------------------------- parameters
+@lru_cache(maxsize=None)
 def layer_params(M, moe=False):
     """Elements of one block: (split over t, replicated, experts). common.Block: q, k, v, proj 4h^2 + h, fc
     4h^2 + 4h, proj 4h^2 + h, LayerNorms 4h: 12h^2 + 4h split (column layers, row weights), 6h replicated.
@@ -266,6 +279,11 @@ def microbatch_bytes(M, lay, b, e, c):
     """What chunk c holds per micro-batch, by part: embedding (int64 token and position ids, the
     vocab-parallel mask), blocks, final norm and head input, loss (log-softmax or vocab-parallel softmax,
     int64 targets), and with lay.outputs its output, held until its backward (the last chunk's: the loss)."""
+    return dict(_microbatch_bytes(M, replace(lay, dp=1, zero=0, m=1, ep=1), b, e, c))  # (for --search)
+
+
+@lru_cache(maxsize=None)
+def _microbatch_bytes(M, lay, b, e, c):
     t, n, bs, ce, gpt = lay.tp, lay.pp * lay.v, b * M.seq // lay.cp, max(e, 4), M.arch == "gpt"
     t_sp, vp = (t if lay.sp else 1), lay.vocab_parallel
     dense, moe = kinds(M, lay, c)
@@ -304,20 +322,23 @@ def zero_bubble_ops(p, m, r, schedule):
         warm = min(p - r - 1, m)
         steady = [x for _ in range(m - warm) for x in (("F", 0), ("B", 0))]
         ones = [("F", 0)] * warm + steady + [("B", 0)] * warm
-        ops, held = [], 0
+        ops, held, backwards = [], 0, 0
         for op in ones:
             ops.append(op)
             if op[0] == "B":
-                held += 1
-                if sum(o == ("B", 0) for o in ops) > r:
-                    ops, held = ops + [("W", 0)], held - 1
+                held, backwards = held + 1, backwards + 1
+                if backwards > r:
+                    ops.append(("W", 0))
+                    held -= 1
         return ops + [("W", 0)] * held
     ops = [("F", 0)] * (2 * (p - r) - 1) + [("F", 1), ("F", 0)] * r + [("F", 1), ("B", 1), ("W", 1)] * (p - r)
     forwards = [2 * (p - r) - 1 + r, p]
     while forwards[1] < m:
         if forwards[0] < m:
-            ops, forwards[0] = ops + [("F", 0)], forwards[0] + 1
-        ops, forwards[1] = ops + [("B", 0), ("W", 0), ("F", 1), ("B", 1), ("W", 1)], forwards[1] + 1
+            ops.append(("F", 0))
+            forwards[0] += 1
+        ops += [("B", 0), ("W", 0), ("F", 1), ("B", 1), ("W", 1)]
+        forwards[1] += 1
     ops += [("B", 0), ("B", 1)] * r + [("B", 0), ("W", 0)] * (p - r)
     for c in (1, 0):
         ops += [("W", c)] * (sum(o == ("B", c) for o in ops) - sum(o == ("W", c) for o in ops))
@@ -325,9 +346,13 @@ def zero_bubble_ops(p, m, r, schedule):
 
 
 def maximal(states):
-    """The states no other state holds as much of, chunk by chunk."""
-    return frozenset(x for x in states if not any(y != x and min(map(int.__sub__, y, x)) >= 0
-                                                  for y in states))
+    """The states no other state holds as much of, chunk by chunk (largest totals first: a state another holds
+    as much of is held by one of the maximal ones kept before it)."""
+    kept = []
+    for x in sorted(set(states), key=sum, reverse=True):
+        if not any(min(map(int.__sub__, y, x)) >= 0 for y in kept):
+            kept.append(x)
+    return frozenset(kept)
 
 
 @lru_cache(maxsize=None)
