@@ -63,7 +63,8 @@ activation element, Psi parameters of one rank (its pipeline stage, its 1/t).
     python plan.py --model llama3-70b --nodes 8 --batch-size 256 --search
     python plan.py --model llama3-70b --nodes 8 --tp 8 --pp 4 --virtual-stages 2 --microbatches 256
     python plan.py --model llama3-70b --days 30 --nodes 64 --failures-per-gpu-hour 2e-5  # the whole run
-    python plan.py --model llama3-8b --nodes 2 --tp 8 --cp 2 --sequence-parallel --stage 1 --batch-size 64
+    python plan.py --model llama3-8b --nodes 2 --tp 8 --cp 2 --sequence-parallel --stage 1 --microbatches 64 \
+        --batch-size 64
     python -m pytest -q -s tests/test_plan.py -k "paper_rows or zz"  # each paper's figure beside plan's
 """
 import math, re

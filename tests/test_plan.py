@@ -22,6 +22,7 @@ bubble_mean (idle / busy), peak_mem_bytes; moe.py figures.alltoall_bytes_per_ste
 """
 import json, math, re, sys
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
@@ -63,6 +64,9 @@ CP_RUNS = {  # context_parallel.py's main() three times in one launch of 4 (test
     "cp 4 ulysses zigzag": CP + ["--attention", "ulysses", "--layout", "zigzag"],
 }
 RUNS.update({name: ("context_parallel.py", 4, argv) for name, argv in CP_RUNS.items()})
+# launched together: one launch of 4 runs each file's main() in turn (fold(), at the end of this file)
+FOLDED = ("zero stage 2, d 4, accum 2", "zero stage 3, d 4, accum 2", "megatron tp 2 x dp 2",
+          "megatron tp 4 + SP", "moe ep 4")
 BUBBLE_TOL = 0.05  # tests/test_gpipe.py and test_pipedream.py: within 0.05 of theory at --stage-ms 50
 TABLE, _done = [], {}
 
@@ -73,7 +77,13 @@ def run(tmp_path_factory):
         if name not in _done:
             file, n, flags = RUNS[name]
             tmp = tmp_path_factory.mktemp("plan")
-            if name in CP_RUNS:  # all of them in one launch
+            if name in FOLDED:
+                spec = tmp / "runs.json"
+                spec.write_text(json.dumps([dict(name=k, file=RUNS[k][0], argv=RUNS[k][2]) for k in FOLDED]))
+                torchrun("tests/test_plan.py", 4, "--fold", spec, tmp, tmp_path=tmp, timeout=600,
+                         name="unused")
+                _done.update({k: json.loads((tmp / f"{FOLDED.index(k)}.json").read_text()) for k in FOLDED})
+            elif name in CP_RUNS:  # all of them in one launch
                 spec = tmp / "runs.json"
                 spec.write_text(json.dumps([dict(name=k, argv=v) for k, v in CP_RUNS.items()]))
                 torchrun("tests/context_parallel_checks.py", 4, "--runs", spec, tmp, tmp_path=tmp,
@@ -490,7 +500,8 @@ def paper_rows(with_search=True, table=False):
     def of_2021(lay):
         return not lay.zero and not lay.sp and lay.recompute != "selective" and lay.schedule in (
             "1f1b", "interleaved")
-    searched = search_both(M, plan.CLUSTERS["a100-80g"]._replace(nodes=384), B, of_2021) if with_search else ()
+    C = plan.CLUSTERS["a100-80g"]._replace(nodes=384)
+    searched = search_both(M, C, B, of_2021) if with_search else ()
     for what, want, ranked in zip(("", ", 2021's options"), (5, 1), searched):
         at = [i for i, x in enumerate(ranked) if (x["layout"].tp, x["layout"].pp) == (8, 64)]
         rows.append(("PTD-P Table 1", f"1T on 384 x 8 A100{what}: rank of t 8 p 64 in --search", want,
@@ -965,3 +976,35 @@ def test_zz_print_table():
     for row in TABLE:
         print(f"\n{row[1]}\n{row[2]}\n{row[3]}" if row[0] in ("example", "1T search") else
               f"| {row[0]} | {row[1]} | {row[2]} | {row[3]} |")
+
+
+def fold(spec, outdir):
+    """A worker of `torchrun --nproc_per_node=4 tests/test_plan.py --fold RUNS.json OUTDIR`: each run's file's
+    own main() in turn on one process group (its init_dist hands it the group; its close_dist ends the run,
+    not the process), as tests/context_parallel_checks.py --runs does for context_parallel.py."""
+    import importlib
+    import common
+    import harness
+    import torch.distributed as dist
+
+    class Finished(Exception):
+        pass
+
+    def no_exit(ok=True):
+        raise Finished(ok)
+    real_close, d = common.close_dist, common.init_dist()
+    for i, run in enumerate(json.loads(Path(spec).read_text())):
+        mod = importlib.import_module(run["file"][:-3])
+        harness.close_dist = mod.close_dist = no_exit
+        mod.init_dist = lambda timeout_s=120: d
+        sys.argv = [run["file"], *run["argv"], "--json", str(Path(outdir) / f"{i}.json")]
+        try:
+            mod.main()
+        except Finished as done:
+            assert done.args[0] is not False, run
+        dist.barrier()
+    real_close()
+
+
+if __name__ == "__main__" and "--fold" in sys.argv:
+    fold(*sys.argv[sys.argv.index("--fold") + 1:][:2])
