@@ -31,16 +31,27 @@ activation element, Psi parameters of one rank (its pipeline stage, its 1/t).
                micro-batch 2 all-gathers p Psi/d + a reduce-scatter; MoE (Lepikhin et al. 2020) 4 all-to-alls
                of E C h e per MoE layer and micro-batch, C = ceil(cf k bs / E). On the wire (ring):
                all-reduce 2(n-1)/n, others (n-1)/n of the whole; NVLink when the group fits in a node of the
-               grid arange(world).view(pp, dp, tp) (tp innermost, ep inside dp), else InfiniBand.
+               grid arange(world).view(pp, dp, cp, tp) (tp innermost, ep inside dp), else InfiniBand.
   bubble       idle share of the step (Narayanan et al. 2021, PTD-P, Sec. 2.2): GPipe, 1F1B (p-1)/(m+p-1);
                interleaved (p-1)/(vm) of ideal compute; with backward split into B and W of a forward's time
                each (Qi et al. 2023, Zero Bubble): ZB-H1 (p-1)(T_F + T_B - T_W), a third of 1F1B's; ZB-V 0.
+  context      cp ranks share each sequence (context_parallel.py; Liu et al. 2023 ring, Jacobs et al. 2023
+               Ulysses): activations of s/cp tokens, + the all-gather's other K, V and (s/cp, s) mask, or
+               Ulysses' head-sharded output; per layer and micro-batch the ring sends cp-1 K/V blocks forward,
+               as many + fp32 dK/dV backward, all-gather K, V in and a reduce-scatter of cp x theirs back,
+               Ulysses 2 all-to-alls each way; gradients summed (ZeRO: sharded) over dp x cp.
   time         forward FLOPs per layer 24bsh^2 + 4bs^2h, head 2bshV; training 3x, full recomputation 4x the
-               blocks: PTD-P's 96Bslh^2(1 + s/(6h) + V/(16lh)). A step: (m + bubble slots) micro-batch times
-               of the slowest stage (FLOPs at --efficiency of peak, + TP and all-to-all time, not overlapped),
-               + what cannot hide: the data-parallel reduction beyond the last micro-batch's backward (ZeRO-2:
-               each one's; ZeRO-3: all its traffic beyond each micro-batch), the all-gather of stages 1-2, a
-               pipeline message per chunk boundary in and out. MFU: model FLOPs (3x) / (step x GPUs x peak).
+               blocks: PTD-P's 96Bslh^2(1 + s/(6h) + V/(16lh)). Seconds per micro-batch: each GEMM's FLOPs at
+               --efficiency of peak + its operands and result at HBM speed (so a GEMM reaches eff / (1 + eff
+               peak / (HBM x FLOPs per byte)): thin ones less), attention per head (eager: s x s scores
+               through HBM; flash: one pass), norms, residuals and activations at HBM speed. A step: (m +
+               bubble slots) micro-batch times of the slowest stage, + TP (hidden behind the GEMMs with SP, as
+               Megatron's --tp-comm-overlap; exposed without), CP (the ring behind attention) and all-to-all
+               time, + what cannot hide: the data-parallel reduction beyond the last micro-batch's backward
+               (ZeRO-2: each one's; ZeRO-3: all its traffic beyond each micro-batch), the all-gather of stages
+               1-2, a pipeline message per chunk boundary in and out. EFFICIENCY 0.745, fitted on three rows
+               of PTD-P's Table 1, predicts the other seven within 4 points (docs/plan.md). MFU: model FLOPs
+               (3x) / (step x GPUs x peak).
 
   the run       --tokens: wall time = tokens / tokens/s, with failures (rate per GPU-hour, a checkpoint every
                tau, Young/Daly's sqrt(2 delta M) by default) to first order; a budget (--gpu-hours, --days,
@@ -52,6 +63,8 @@ activation element, Psi parameters of one rank (its pipeline stage, its 1/t).
     python plan.py --model llama3-70b --nodes 8 --batch-size 256 --search
     python plan.py --model llama3-70b --nodes 8 --tp 8 --pp 4 --virtual-stages 2 --microbatches 256
     python plan.py --model llama3-70b --days 30 --nodes 64 --failures-per-gpu-hour 2e-5  # the whole run
+    python plan.py --model llama3-8b --nodes 2 --tp 8 --cp 2 --sequence-parallel --stage 1 --microbatches 64 \
+        --batch-size 64
     python -m pytest -q -s tests/test_plan.py -k "paper_rows or zz"  # each paper's figure beside plan's
 """
 import math, re
@@ -86,10 +99,11 @@ PRESETS = {  # GPT-3 Table 2.1, Llama 3 Table 3, PTD-P Table 1; harness.CommonAr
 
 
 # per GPU: memory GB, peak dense bf16 TFLOP/s, GB/s per direction inside a node (NVLink) and across nodes
-# (its share of the node's InfiniBand)
-Cluster = namedtuple("Cluster", "nodes gpus_per_node mem_gb tflops intra_gbs inter_gbs")
-CLUSTERS = {"a100-80g": Cluster(1, 8, 80, 312, 300, 25),  # NVSwitch 600 GB/s both ways, 8 x 200 Gb/s IB
-            "h100-80g": Cluster(1, 8, 80, 989, 450, 50)}  # 900 GB/s, 8 x 400 Gb/s
+# (its share of the node's InfiniBand), GB/s of its memory (HBM)
+Cluster = namedtuple("Cluster", "nodes gpus_per_node mem_gb tflops intra_gbs inter_gbs hbm_gbs")
+CLUSTERS = {"a100-80g": Cluster(1, 8, 80, 312, 300, 25, 2039),  # NVSwitch 600 GB/s both ways, 8 x 200 Gb/s
+            "h100-80g": Cluster(1, 8, 80, 989, 450, 50, 3350)}  # 900 GB/s, 8 x 400 Gb/s
+EFFICIENCY = 0.745  # the GEMMs' ceiling, fitted on three rows of PTD-P's Table 1 (tests/test_plan.py, docs)
 
 
 @dataclass(frozen=True)
@@ -109,11 +123,16 @@ class Layout:
     outputs: bool = False  # also each stage's output, held to its backward as this repo's pipelines hold it
     # (Megatron frees its data once sent)
     split: tuple = ()  # blocks per chunk in pipeline order (--stage-layers); () the files' cut
-    gpus = property(lambda lay: lay.dp * lay.tp * lay.pp)
+    cp: int = 1  # context-parallel ranks sharing each sequence (context_parallel.py), between tp and dp
+    cp_attention: str = "ring"  # allgather, ring, ulysses: how a sequence's cp ranks exchange K and V
+    gpus = property(lambda lay: lay.dp * lay.cp * lay.tp * lay.pp)
+    grad_group = property(lambda lay: lay.dp * lay.cp)  # gradients are summed (ZeRO: sharded) over dp x cp
 
     def __str__(self):
         pipe = f" pp {self.pp} {self.schedule}" + f" v {self.v}" * (self.v > 1) if self.pp > 1 else ""
-        return (f"dp {self.dp} tp {self.tp}{' sp' if self.sp else ''}{pipe}{f' ep {self.ep}' * (self.ep > 1)}"
+        cp = f" cp {self.cp} {self.cp_attention}" if self.cp > 1 else ""
+        ep = f" ep {self.ep}" * (self.ep > 1)
+        return (f"dp {self.dp}{cp} tp {self.tp}{' sp' if self.sp else ''}{pipe}{ep}"
                 f" zero {self.zero} m {self.m} recompute {self.recompute}"
                 + (f" blocks {'/'.join(map(str, self.split))}" if self.split else ""))
 
@@ -127,6 +146,7 @@ def capacity(M, tokens):
 
 
 # ----------------------------------------------------------------------------- parameters
+@lru_cache(maxsize=None)
 def layer_params(M, moe=False):
     """Elements of one block: (split over t, replicated, experts). common.Block: q, k, v, proj 4h^2 + h, fc
     4h^2 + 4h, proj 4h^2 + h, LayerNorms 4h: 12h^2 + 4h split (column layers, row weights), 6h replicated.
@@ -230,11 +250,26 @@ def layer_items(M, e, attention="flash", dropout=False, stats=True):
 
 
 def layer_bytes(M, lay, b, e, **kw):
-    """One block, one micro-batch: the items x bs, / t where split by TP or SP; full: its input only."""
+    """One block, one micro-batch: the items x bs, / t where split by TP or SP; full: its input only. Under
+    context parallelism s is the rank's s/cp, and the attention core keeps what its exchange adds
+    (cp_extra)."""
+    s = M.seq // lay.cp
     if lay.recompute == "full":
-        return b * M.seq * M.d * e // (lay.tp if lay.sp else 1)
-    return sum(b * M.seq * n // (lay.tp if split or lay.sp else 1)
-               for _, n, split, keep in layer_items(M, e, **kw) if keep or lay.recompute == "none")
+        return b * s * M.d * e // (lay.tp if lay.sp else 1)
+    return cp_extra(M, lay, b, e) + sum(b * s * n // (lay.tp if split or lay.sp else 1) for _, n, split, keep
+                                        in layer_items(M, e, **kw) if keep or lay.recompute == "none")
+
+
+def cp_extra(M, lay, b, e):
+    """What one block's attention keeps beyond its s/cp tokens' own items (context_parallel.py): all-gather
+    the other ranks' K and V and the (s/cp, s) causal mask (as the file's scaled_dot_product_attention saves
+    it, e bytes each); Ulysses the heads' output beside the tokens' (b s/cp h/t); the ring nothing (its
+    blocks pass through). Selective recomputation drops the core, and this with it."""
+    s, t, kvh = M.seq // lay.cp, lay.tp, M.kv * (M.d // M.heads)
+    if lay.cp == 1 or lay.recompute != "none":
+        return 0
+    return {"ring": 0, "ulysses": b * s * M.d // t,
+            "allgather": 2 * b * (M.seq - s) * kvh // t + s * M.seq}[lay.cp_attention] * e
 
 
 def moe_extra(M, bs, e):
@@ -245,10 +280,15 @@ def microbatch_bytes(M, lay, b, e, c):
     """What chunk c holds per micro-batch, by part: embedding (int64 token and position ids, the
     vocab-parallel mask), blocks, final norm and head input, loss (log-softmax or vocab-parallel softmax,
     int64 targets), and with lay.outputs its output, held until its backward (the last chunk's: the loss)."""
-    t, n, bs, ce, gpt = lay.tp, lay.pp * lay.v, b * M.seq, max(e, 4), M.arch == "gpt"
+    return dict(_microbatch_bytes(M, replace(lay, dp=1, zero=0, m=1, ep=1), b, e, c))  # (for --search)
+
+
+@lru_cache(maxsize=None)
+def _microbatch_bytes(M, lay, b, e, c):
+    t, n, bs, ce, gpt = lay.tp, lay.pp * lay.v, b * M.seq // lay.cp, max(e, 4), M.arch == "gpt"
     t_sp, vp = (t if lay.sp else 1), lay.vocab_parallel
     dense, moe = kinds(M, lay, c)
-    out = dict(embedding=(8 * bs + bs * vp + 8 * M.seq // t_sp * gpt) * (c == 0),
+    out = dict(embedding=(8 * bs + bs * vp + 8 * M.seq // lay.cp // t_sp * gpt) * (c == 0),
                blocks=(dense + moe) * layer_bytes(M, lay, b, e), final=0, loss=0,
                out=(bs * M.d * e if c < n - 1 else ce) * lay.outputs)
     if moe and lay.recompute != "full":  # E C slots (dispatched input, fc and GeLU outputs, expert output)
@@ -265,7 +305,7 @@ def pending_bytes(M, lay, b, e, c):
     Per token, a block's x: the two norm outputs (whole over TP), the attention output and the MLP's inner
     activation (/ t); dy: the column layers' outputs (/ t) and the two row layers' (whole); the head's x its
     input h, dy the logits' V (/ t when vocab-parallel). Experts' linears left out. (x bytes, dy bytes)."""
-    h, f, t, bs, kvh = M.d, M.f, lay.tp, b * M.seq, M.kv * (M.d // M.heads)
+    h, f, t, bs, kvh = M.d, M.f, lay.tp, b * M.seq // lay.cp, M.kv * (M.d // M.heads)
     layers, last, gpt = sum(kinds(M, lay, c)), c == lay.pp * lay.v - 1, M.arch == "gpt"
     x = layers * (2 * h + (h + f) // t) + h * last
     dy = layers * ((h + 2 * kvh + (1 if gpt else 2) * f) // t + 2 * h)
@@ -283,20 +323,23 @@ def zero_bubble_ops(p, m, r, schedule):
         warm = min(p - r - 1, m)
         steady = [x for _ in range(m - warm) for x in (("F", 0), ("B", 0))]
         ones = [("F", 0)] * warm + steady + [("B", 0)] * warm
-        ops, held = [], 0
+        ops, held, backwards = [], 0, 0
         for op in ones:
             ops.append(op)
             if op[0] == "B":
-                held += 1
-                if sum(o == ("B", 0) for o in ops) > r:
-                    ops, held = ops + [("W", 0)], held - 1
+                held, backwards = held + 1, backwards + 1
+                if backwards > r:
+                    ops.append(("W", 0))
+                    held -= 1
         return ops + [("W", 0)] * held
     ops = [("F", 0)] * (2 * (p - r) - 1) + [("F", 1), ("F", 0)] * r + [("F", 1), ("B", 1), ("W", 1)] * (p - r)
     forwards = [2 * (p - r) - 1 + r, p]
     while forwards[1] < m:
         if forwards[0] < m:
-            ops, forwards[0] = ops + [("F", 0)], forwards[0] + 1
-        ops, forwards[1] = ops + [("B", 0), ("W", 0), ("F", 1), ("B", 1), ("W", 1)], forwards[1] + 1
+            ops.append(("F", 0))
+            forwards[0] += 1
+        ops += [("B", 0), ("W", 0), ("F", 1), ("B", 1), ("W", 1)]
+        forwards[1] += 1
     ops += [("B", 0), ("B", 1)] * r + [("B", 0), ("W", 0)] * (p - r)
     for c in (1, 0):
         ops += [("W", c)] * (sum(o == ("B", c) for o in ops) - sum(o == ("W", c) for o in ops))
@@ -304,9 +347,13 @@ def zero_bubble_ops(p, m, r, schedule):
 
 
 def maximal(states):
-    """The states no other state holds as much of, chunk by chunk."""
-    return frozenset(x for x in states if not any(y != x and min(map(int.__sub__, y, x)) >= 0
-                                                  for y in states))
+    """The states no other state holds as much of, chunk by chunk (largest totals first: a state another holds
+    as much of is held by one of the maximal ones kept before it)."""
+    kept = []
+    for x in sorted(set(states), key=sum, reverse=True):
+        if not any(min(map(int.__sub__, y, x)) >= 0 for y in kept):
+            kept.append(x)
+    return frozenset(kept)
 
 
 @lru_cache(maxsize=None)
@@ -348,7 +395,7 @@ def peak_activations(M, lay, b, e, r):
         return peak
     moe = any(kinds(M, lay, c)[1] for c in mine(lay, r))  # the largest layer rebuilt
     rebuilt = layer_bytes(M, replace(lay, recompute="none"), b, e)
-    return peak + rebuilt + (moe_extra(M, b * M.seq, e) if moe else 0)
+    return peak + rebuilt + (moe_extra(M, b * M.seq // lay.cp, e) if moe else 0)
 
 
 @lru_cache(maxsize=None)
@@ -356,9 +403,9 @@ def memory(M, lay, B, r):
     """Bytes on pipeline rank r: parameters, gradients, optimizer state, activations, gathered (ZeRO-3)."""
     p, g, K, e = PRECISION[lay.precision]
     units = rank_units(M, lay, r)
-    return dict(model_state(units, lay.dp, lay.zero, p, g, K),
+    return dict(model_state(units, lay.grad_group, lay.zero, p, g, K),
                 activations=peak_activations(M, lay, B // (lay.dp * lay.m), e, r),
-                gathered=gathered(units, lay.dp, p) if lay.zero == 3 else 0)
+                gathered=gathered(units, lay.grad_group, p) if lay.zero == 3 else 0)
 
 
 # ----------------------------------------------------------------------------- bytes handed to collectives
@@ -370,10 +417,10 @@ def collectives(M, lay, B, r=0):
     """{"op/axis/phase": [calls, bytes handed, group size]} per step on pipeline rank r, as the docstring
     counts them; the bookkeeping each file does its own way (the loss for its log line, the clipping norm)
     is left out."""
-    t, d, n, m = lay.tp, lay.dp, lay.pp * lay.v, lay.m
+    t, d, n, m, cp = lay.tp, lay.grad_group, lay.pp * lay.v, lay.m, lay.cp
     p, g, K, e = PRECISION[lay.precision]
-    b = B // (d * m)
-    bsh, out, gpt = b * M.seq * M.d * e, {}, M.arch == "gpt"
+    b, s = B // (lay.dp * m), M.seq // cp  # sequences per micro-batch, tokens of each on this rank
+    bsh, out, gpt = b * s * M.d * e, {}, M.arch == "gpt"
 
     def add(key, calls, nbytes, size):
         if calls and size > 1:
@@ -395,14 +442,29 @@ def collectives(M, lay, B, r=0):
     else:  # g forward, f backward, twice per layer; the vocab-parallel embedding's g and head's f
         add("all_reduce/tp/fwd", m * (2 * layers + emb), bsh, t)
         add("all_reduce/tp/bwd", m * (2 * layers * (1 + again) + head), bsh, t)
-    add("all_reduce/tp/fwd", 3 * m * head, b * M.seq * max(e, 4), t)  # vocab-parallel loss: max, target, sum
+    add("all_reduce/tp/fwd", 3 * m * head, b * s * max(e, 4), t)  # vocab-parallel loss: max, target, sum
     for c in chunks_r:  # an activation to chunk c+1, a gradient to chunk c-1, per micro-batch, off the rank
         add("send/pp/fwd", m * (c < n - 1 and owner(lay, c + 1) != r), bsh, lay.pp)
         add("send/pp/bwd", m * (c > 0 and owner(lay, c - 1) != r), bsh, lay.pp)
     if M.experts:  # dispatch and combine, forward and backward: (E, C, h) slots each
         calls = 2 * m * sum(kinds(M, lay, c)[1] for c in chunks_r)
-        add("all_to_all/ep/fwd", calls, M.experts * capacity(M, b * M.seq) * M.d * e, lay.ep)
-        add("all_to_all/ep/bwd", calls, M.experts * capacity(M, b * M.seq) * M.d * e, lay.ep)
+        add("all_to_all/ep/fwd", calls, M.experts * capacity(M, b * s) * M.d * e, lay.ep)
+        add("all_to_all/ep/bwd", calls, M.experts * capacity(M, b * s) * M.d * e, lay.ep)
+    if cp > 1:  # per layer and micro-batch (context_parallel.py); full recomputation runs the forward's again
+        kv, k = 2 * b * s * (M.kv * (M.d // M.heads)) // t * e, m * layers  # K and V of my tokens, stacked
+        if lay.cp_attention == "ring":  # each block on to the next rank; backward: blocks and dK/dV (fp32+)
+            add("send/cp/fwd", k * (cp - 1), kv, cp)
+            add("send/cp/bwd", k * (cp - 1) * (1 + again), kv, cp)
+            add("send/cp/bwd", k * (cp - 1), kv // e * max(e, 4), cp)
+        elif lay.cp_attention == "allgather":  # my K, V to the gather; everyone's dK, dV to the scatter
+            add("all_gather/cp/fwd", k, kv, cp)
+            add("all_gather/cp/bwd", k * again, kv, cp)
+            add("reduce_scatter/cp/bwd", k, kv * cp, cp)
+        else:  # Ulysses: q, k, v to head-sharded, the output back; backward the same two
+            qkv, o = b * s * (M.d + M.kv * (M.d // M.heads) * 2) // t * e, bsh // t
+            for phase, calls in (("fwd", k), ("bwd", k * (1 + again))):
+                add(f"all_to_all/cp/{phase}", calls, qkv, cp)
+                add(f"all_to_all/cp/{phase}", calls, o, cp)
     units, z = rank_units(M, lay, r), lay.zero
     psi = padded(units, d) if z else sum(units)
     reduce = {0: "all_reduce/dp/step", 1: "reduce_scatter/dp/step"}.get(z, "reduce_scatter/dp/bwd")
@@ -418,8 +480,10 @@ def on_the_wire(key, calls, handed, n):
 
 
 def link(C, lay, axis):
-    """'nvlink' when every group of this axis sits inside one node of the grid, else 'ib'."""
-    span = {"tp": lay.tp, "ep": lay.tp * lay.ep, "dp": lay.tp * lay.dp, "pp": lay.gpus}[axis]
+    """'nvlink' when every group of this axis sits inside one node of the grid arange(world).view(pp, dp, cp,
+    tp), else 'ib'."""
+    tc = lay.tp * lay.cp
+    span = {"tp": lay.tp, "cp": tc, "ep": tc * lay.ep, "dp": tc * lay.dp, "pp": lay.gpus}[axis]
     return "nvlink" if span <= C.gpus_per_node else "ib"
 
 
@@ -455,34 +519,102 @@ def chunk_flops(M, lay, b, c, recompute=None):
     blocks = sum(k * ((3 + (rc == "full")) * layer_flops(M, b, moe) + core)
                  for moe, k in zip((False, True), kinds(M, lay, c)))
     head = 6 * b * M.seq * M.d * M.vocab * (c == lay.pp * lay.v - 1)
-    return blocks / lay.tp + head / (lay.tp if lay.vocab_parallel else 1)
+    return (blocks / lay.tp + head / (lay.tp if lay.vocab_parallel else 1)) / lay.cp  # cp: s/cp queries
 
 
-def predict(M, C, lay, B, eff=0.5, headroom=0.1):
+def gemm_s(C, eff, e, m, k, n, batch=1):
+    """Seconds of `batch` products (m x k) @ (k x n): the FLOPs at eff of peak, plus the operands read and the
+    result written once at memory speed (a roofline taken as a sum): a GEMM reaches eff / (1 + eff x peak /
+    (HBM x its FLOPs per byte)) of peak, so small and thin ones (attention's per head, a micro-batch's
+    against a wide weight) less than large square ones."""
+    return batch * (2 * m * k * n / (eff * C.tflops * 1e12) + e * (m * k + k * n + m * n) / (C.hbm_gbs * GB))
+
+
+def block_s(M, C, lay, b, eff, moe=False, attention="flash", dropout=False):
+    """(seconds, of which the attention core) of one block's forward on b sequences (s/cp tokens each) on one
+    rank: each GEMM by gemm_s, the attention core per head (eager: QK^T and AV, its s/cp x s scores through
+    HBM with a softmax, and dropout; flash: one pass, q, k, v, o read and written), and the memory-bound rest
+    at HBM speed: two norms and two residual adds (read and write h; whole unless SP), the activation
+    (GeLU 2f, SwiGLU 3f, / t)."""
+    return _block_s(M, C, lay.tp, lay.sp, lay.cp, lay.ep, PRECISION[lay.precision][3], b, eff, moe, attention,
+                    dropout)
+
+
+@lru_cache(maxsize=None)
+def _block_s(M, C, t, sp, cp, ep, e, b, eff, moe, attention, dropout):
+    sq, h, f = M.seq // cp, M.d, M.f
+    n, kvh, tsp, heads = b * sq, M.kv * (h // M.heads), (t if sp else 1), b * M.heads // t
+    mlp = [(n, h, f // t * (1 if M.arch == "gpt" else 2)), (n, f // t, h)]
+    if moe:  # this rank's E/ep experts, each on C ep slots; the gate
+        slots, k = capacity(M, n) * ep, M.experts // ep
+        mlp = [(slots, h, f // t, k), (slots, f // t, h, k), (n, h, M.experts)]
+    gemms = sum(gemm_s(C, eff, e, *x) for x in [(n, h, (h + 2 * kvh) // t), (n, h // t, h), *mlp])
+    dh = h // M.heads
+    if attention == "eager":
+        core = gemm_s(C, eff, e, sq, dh, M.seq, heads) + gemm_s(C, eff, e, sq, M.seq, dh, heads)
+        core += heads * sq * M.seq * (2 * e + (2 * e + 1) * dropout) / (C.hbm_gbs * GB)
+    else:
+        core = (4 * n * M.seq * h / t / (eff * C.tflops * 1e12)
+                + e * n * (2 * h + 2 * kvh) / t / (C.hbm_gbs * GB))
+    rest = n * e * (10 * h / tsp + f / t * (2 if M.arch == "gpt" else 3)) / (C.hbm_gbs * GB)
+    return gemms + core + rest, core
+
+
+def chunk_s(M, C, lay, b, c, eff, attention="flash", dropout=False):
+    """(seconds, of which attention cores) one rank of chunk c computes per micro-batch: each block's forward
+    (block_s) 3 times (a backward does twice a forward's work, both gradients of each product), 4 under full
+    recomputation, + the core again under selective; the head 3 x (its GEMM + the softmax's read and
+    write)."""
+    rc, total, cores = lay.recompute, 0.0, 0.0
+    for moe, k in zip((False, True), kinds(M, lay, c)):
+        if k:
+            fwd, core = block_s(M, C, lay, b, eff, moe, attention, dropout)
+            total += k * ((3 + (rc == "full")) * fwd + core * (rc == "selective"))
+            cores += k * (3 + (rc != "none")) * core
+    if c == lay.pp * lay.v - 1:
+        e, n = PRECISION[lay.precision][3], b * M.seq // lay.cp
+        v = M.vocab // (lay.tp if lay.vocab_parallel else 1)
+        total += 3 * (gemm_s(C, eff, e, n, M.d, v) + 2 * n * v * e / (C.hbm_gbs * GB))
+    return total, cores
+
+
+def predict(M, C, lay, B, eff=EFFICIENCY, headroom=0.1, attention="flash", dropout=False, overlap_dp=True):
     """Memory of the first and last pipeline rank (the most micro-batches; the head and loss), bytes per
-    collective, bubble, and the predicted step, as the docstring composes it."""
+    collective, bubble, and the predicted step, as the docstring composes it. Megatron's overlaps: TP's
+    exchanges behind the GEMMs with SP (its --tp-comm-overlap; without SP, 2021's all-reduces, exposed), the
+    ring's blocks behind attention, the gradients' reduction behind the backward unless overlap_dp=False
+    (2021's Megatron reduced after the flush)."""
     ranks, b, n = sorted({0, lay.pp - 1}), B // (lay.dp * lay.m), lay.pp * lay.v
     mem, comm = {r: memory(M, lay, B, r) for r in ranks}, {r: collectives(M, lay, B, r) for r in ranks}
     worst = max(ranks, key=lambda r: sum(mem[r].values()))
-    rate, bw = C.tflops * 1e12 * eff, {"nvlink": C.intra_gbs * GB, "ib": C.inter_gbs * GB}
+    bw = {"nvlink": C.intra_gbs * GB, "ib": C.inter_gbs * GB}
     secs = {r: {k: on_the_wire(k, *x) / bw[link(C, lay, k.split("/")[1])] for k, x in comm[r].items()}
             for r in ranks}
-    flops = {r: sum(chunk_flops(M, lay, b, c) for c in mine(lay, r)) / rate for r in ranks}
-    tp_ep = {r: sum(x for k, x in secs[r].items() if k.split("/")[1] in ("tp", "ep") and "step" not in k)
-             / lay.m for r in ranks}  # per micro-batch, on its critical path
-    slow = max(ranks, key=lambda r: flops[r] + tp_ep[r])
-    per_mb = flops[slow] + tp_ep[slow]
+    work = {r: [sum(x) for x in zip(*(chunk_s(M, C, lay, b, c, eff, attention, dropout)
+                                      for c in mine(lay, r)))] for r in ranks}  # (s, of it attention) per mb
+
+    def exposed_mb(r):  # per micro-batch, on its critical path: TP (hidden with SP), CP (the ring's hidden
+        # behind attention), all-to-all
+        x = {a: sum(v for k, v in secs[r].items() if f"/{a}/" in k and "step" not in k) / lay.m
+             for a in ("tp", "cp", "ep")}
+        tp = max(0.0, x["tp"] - work[r][0]) if lay.sp else x["tp"]
+        cp = max(0.0, x["cp"] - work[r][1]) if lay.cp_attention == "ring" else x["cp"]
+        return tp + cp + x["ep"]
+    slow = max(ranks, key=lambda r: work[r][0] + exposed_mb(r))
+    compute, comm_mb = work[slow][0], exposed_mb(slow)
+    per_mb = compute + comm_mb
     dp = {k: x for k, x in secs[slow].items() if k.endswith("step") or "/dp/" in k}
     gathers = sum(x for k, x in dp.items() if "all_gather" in k)
     reduce = sum(dp.values()) - gathers
+    behind = 2 / 3 * compute if overlap_dp else 0.0  # one micro-batch's backward
     if lay.zero == 3:  # prefetched one unit ahead: hides behind each micro-batch
-        exposed = lay.m * max(0.0, (gathers + reduce) / lay.m - per_mb)
+        exposed = lay.m * max(0.0, (gathers + reduce) / lay.m - per_mb * overlap_dp)
     elif lay.zero == 2:  # each micro-batch's reduce-scatter behind its backward, the all-gather after
-        exposed = lay.m * max(0.0, reduce / lay.m - 2 / 3 * flops[slow]) + gathers
+        exposed = lay.m * max(0.0, reduce / lay.m - behind) + gathers
     else:  # the reduction behind the last micro-batch's backward (DDP's buckets); ZeRO-1's all-gather after
-        exposed = max(0.0, reduce - 2 / 3 * flops[slow]) + gathers
+        exposed = max(0.0, reduce - behind) + gathers
     one = secs[0]["send/pp/fwd"] / comm[0]["send/pp/fwd"][0] if lay.pp > 1 else 0.0  # one message's time
-    parts = dict(compute_s=flops[slow] * lay.m, tp_ep_s=tp_ep[slow] * lay.m, dp_s=exposed,
+    parts = dict(compute_s=compute * lay.m, tp_ep_s=comm_mb * lay.m, dp_s=exposed,
                  bubble_s=per_mb * bubble_slots(lay), pp_s=2 * (n - 1) * one)
     step, model = sum(parts.values()), chunk_flops(M, Layout(), B, 0, "none")
     return dict(parts, layout=lay, memory=mem, worst=worst, comm=comm[0], bubble=bubble(lay), step_s=step,
@@ -494,12 +626,18 @@ def predict(M, C, lay, B, eff=0.5, headroom=0.1):
 def legal(M, C, lay, B):
     """Why this layout cannot run this model and batch on this cluster, or None."""
     for ok, why in [
-            (lay.gpus <= C.nodes * C.gpus_per_node, f"dp x tp x pp = {lay.gpus} GPUs, the cluster has "
+            (lay.gpus <= C.nodes * C.gpus_per_node, f"dp x cp x tp x pp = {lay.gpus} GPUs, the cluster has "
                                                      f"{C.nodes * C.gpus_per_node}"),
             (M.heads % lay.tp == M.kv % lay.tp == M.f % lay.tp == 0,
              f"--n-heads {M.heads}, kv heads {M.kv} or MLP width {M.f} not divisible by --tp {lay.tp}"),
-            (not lay.sp or lay.tp > 1 and M.seq % lay.tp == 0,
-             "--sequence-parallel needs --tp > 1 dividing --seq-len"),
+            (not lay.sp or lay.tp > 1 and M.seq // lay.cp % lay.tp == 0,
+             "--sequence-parallel needs --tp > 1 dividing --seq-len / --cp"),
+            (lay.cp == 1 or M.seq % (2 * lay.cp) == 0,
+             f"--seq-len {M.seq} is not divisible by 2 x --cp = {2 * lay.cp} (zig-zag: 2cp chunks)"),
+            (lay.cp == 1 or lay.cp_attention != "ulysses" or M.heads % (lay.tp * lay.cp) == 0
+             and M.kv % (lay.tp * lay.cp) == 0,
+             f"--cp-attention ulysses gives each of tp x cp = {lay.tp * lay.cp} ranks whole heads: --n-heads "
+             f"{M.heads} and kv heads {M.kv} must divide by it"),
             (lay.pp * lay.v <= M.layers and (lay.schedule != "interleaved" or lay.split
                                               or M.layers % (lay.pp * lay.v) == 0),
              f"--n-layers {M.layers} does not split into pp x virtual stages = {lay.pp * lay.v} chunks (of a "
@@ -547,7 +685,7 @@ def layouts(M, C, B, precision="bf16"):
                 yield lay
 
 
-def search(M, C, B, eff=0.5, headroom=0.1, precision="bf16", keep=lambda lay: True):
+def search(M, C, B, eff=EFFICIENCY, headroom=0.1, precision="bf16", keep=lambda lay: True):
     """The fastest layout that fits, of each grid (dp, tp, pp, ep), ranked by predicted tokens/s; with the
     counts of legal and fitting layouts. `keep` limits the options (a paper's, say)."""
     best, n_legal, n_fit = {}, 0, 0
@@ -561,7 +699,7 @@ def search(M, C, B, eff=0.5, headroom=0.1, precision="bf16", keep=lambda lay: Tr
     return sorted(best.values(), key=lambda x: -x["tokens_per_s"]), n_legal, n_fit
 
 
-PARTS = dict(compute_s="compute", tp_ep_s="TP and all-to-all", bubble_s="bubble",
+PARTS = dict(compute_s="compute", tp_ep_s="TP, CP and all-to-all", bubble_s="bubble",
              dp_s="exposed data-parallel", pp_s="pipeline messages")
 
 
@@ -699,10 +837,13 @@ class Args:
     tflops: float = 0  # peak dense bf16 TFLOP/s per GPU
     intra_gbs: float = 0  # GB/s per GPU and direction inside a node
     inter_gbs: float = 0  # GB/s per GPU and direction across nodes
-    efficiency: float = 0.5  # share of peak FLOP/s the matmuls reach (an assumption of every prediction)
+    hbm_gbs: float = 0  # GB/s of each GPU's memory (memory-bound work, each GEMM's operands)
+    efficiency: float = EFFICIENCY  # the GEMMs' ceiling share of peak (fitted on PTD-P's Table 1)
     headroom: float = 0.1  # share of GPU memory kept free for what is not counted (workspace, fragmentation)
     dp: int = 0  # data-parallel degree d (0: GPUs / (tp x pp))
     tp: int = 1  # tensor-parallel degree t
+    cp: int = 1  # context-parallel degree: ranks sharing each sequence (context_parallel.py)
+    cp_attention: Literal["ring", "allgather", "ulysses"] = "ring"  # how they exchange keys and values
     pp: int = 1  # pipeline stages p
     virtual_stages: int = 1  # model chunks per pipeline rank v
     ep: int = 1  # expert-parallel degree, inside dp
@@ -736,9 +877,10 @@ def check_args(a):
     for name, x in vars(a).items():
         if isinstance(x, float) and not math.isfinite(x):
             fail(f"--{name.replace('_', '-')} must be a finite number, got {x}")
-    ones = "batch_size nodes tp pp virtual_stages ep microbatches top top_k moe_every fragments".split()
+    ones = "batch_size nodes tp cp pp virtual_stages ep microbatches top top_k moe_every fragments".split()
     zeros = ("n_layers d_model n_heads kv_heads vocab seq_len ffn experts dp gpus_per_node gpu_mem_gb tflops "
-             "intra_gbs inter_gbs stage tokens gpu_hours days flops usd_per_gpu_hour failures_per_gpu_hour "
+             "intra_gbs inter_gbs hbm_gbs stage tokens gpu_hours days flops usd_per_gpu_hour "
+             "failures_per_gpu_hour "
              "ckpt_minutes ckpt_write_s restart_minutes inner_steps overlap").split()
     for name, low in [(n, 1) for n in ones] + [(n, 0) for n in zeros]:
         if getattr(a, name) < low:
@@ -812,12 +954,12 @@ def main():
     if M.d % M.heads or M.heads % M.kv:
         fail(f"--d-model {M.d} must be divisible by --n-heads {M.heads}, and that by --kv-heads {M.kv}")
     C = Cluster(a.nodes, a.gpus_per_node or K.gpus_per_node, a.gpu_mem_gb or K.mem_gb, a.tflops or K.tflops,
-                a.intra_gbs or K.intra_gbs, a.inter_gbs or K.inter_gbs)
+                a.intra_gbs or K.intra_gbs, a.inter_gbs or K.inter_gbs, a.hbm_gbs or K.hbm_gbs)
     gpus, B = C.nodes * C.gpus_per_node, a.batch_size
     print(f"plan (predictions): {a.model}, {n_params(M) / 1e9:.2f}B parameters, "
           f"L {M.layers} h {M.d} a {M.heads} V {M.vocab} s {M.seq}; batch {B} x {M.seq} tokens; {C.nodes} x "
           f"{C.gpus_per_node} GPUs of {C.mem_gb:g} GB, {C.tflops:g} TFLOP/s, {C.intra_gbs:g} / "
-          f"{C.inter_gbs:g} GB/s in / across nodes; efficiency {a.efficiency:g}")
+          f"{C.inter_gbs:g} GB/s in / across nodes, {C.hbm_gbs:g} GB/s memory; GEMM ceiling {a.efficiency:g}")
     if a.gpu_hours or a.days or a.flops:
         M, ranked, tokens, optimal = budget_model(P, C, B, a)
         report(C, B, ranked[0])
@@ -834,9 +976,11 @@ def main():
         got = ranked[0]
     else:
         v = a.virtual_stages
-        lay = Layout(a.dp or max(1, gpus // (a.tp * a.pp)), a.tp, a.pp, v, a.ep, a.stage, a.microbatches,
+        lay = Layout(a.dp or max(1, gpus // (a.tp * a.pp * a.cp)), a.tp, a.pp, v, a.ep, a.stage,
+                     a.microbatches,
                      a.sequence_parallel, a.recompute, a.precision,
-                     "interleaved" if v > 1 and a.schedule == "1f1b" else a.schedule, a.vocab_parallel)
+                     "interleaved" if v > 1 and a.schedule == "1f1b" else a.schedule, a.vocab_parallel,
+                     cp=a.cp, cp_attention=a.cp_attention)
         if a.stage_layers:
             lay = replace(lay, split=tuple(map(int, a.stage_layers.split(","))))
         why = legal(M, C, lay, B)

@@ -22,6 +22,7 @@ bubble_mean (idle / busy), peak_mem_bytes; moe.py figures.alltoall_bytes_per_ste
 """
 import json, math, re, sys
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
@@ -55,6 +56,17 @@ RUNS = {  # name: (file, processes, flags)
     "moe ep 2": ("moe.py", 2, [*T, "--router", "switch", "--ep", "2"]),
     "moe ep 4": ("moe.py", 4, [*T, "--router", "switch", "--ep", "4"]),
 }
+CP = [*T, "--n-heads", "4"]  # 4 heads: Ulysses at cp 4
+CP_RUNS = {  # context_parallel.py's main() three times in one launch of 4 (tests/context_parallel_checks.py)
+    "cp 4 ring zigzag": CP + ["--attention", "ring", "--layout", "zigzag"],
+    "cp 2 x dp 2 allgather": CP + ["--cp", "2", "--dp", "2", "--attention", "allgather",
+                                   "--layout", "contiguous"],
+    "cp 4 ulysses zigzag": CP + ["--attention", "ulysses", "--layout", "zigzag"],
+}
+RUNS.update({name: ("context_parallel.py", 4, argv) for name, argv in CP_RUNS.items()})
+# launched together: one launch of 4 runs each file's main() in turn (fold(), at the end of this file)
+FOLDED = ("zero stage 2, d 4, accum 2", "zero stage 3, d 4, accum 2", "megatron tp 2 x dp 2",
+          "megatron tp 4 + SP", "moe ep 4")
 BUBBLE_TOL = 0.05  # tests/test_gpipe.py and test_pipedream.py: within 0.05 of theory at --stage-ms 50
 TABLE, _done = [], {}
 
@@ -65,7 +77,19 @@ def run(tmp_path_factory):
         if name not in _done:
             file, n, flags = RUNS[name]
             tmp = tmp_path_factory.mktemp("plan")
-            if n == 1:  # plain python: world 1
+            if name in FOLDED:
+                spec = tmp / "runs.json"
+                spec.write_text(json.dumps([dict(name=k, file=RUNS[k][0], argv=RUNS[k][2]) for k in FOLDED]))
+                torchrun("tests/test_plan.py", 4, "--fold", spec, tmp, tmp_path=tmp, timeout=600,
+                         name="unused")
+                _done.update({k: json.loads((tmp / f"{FOLDED.index(k)}.json").read_text()) for k in FOLDED})
+            elif name in CP_RUNS:  # all of them in one launch
+                spec = tmp / "runs.json"
+                spec.write_text(json.dumps([dict(name=k, argv=v) for k, v in CP_RUNS.items()]))
+                torchrun("tests/context_parallel_checks.py", 4, "--runs", spec, tmp, tmp_path=tmp,
+                         timeout=400, name="unused")
+                _done.update({k: json.loads((tmp / f"{k}.json").read_text()) for k in CP_RUNS})
+            elif n == 1:  # plain python: world 1
                 p = run_python(file, *flags, "--json", tmp / "run.json", timeout=240)
                 assert p.returncode == 0, p.stdout + p.stderr
                 _done[name] = json.loads((tmp / "run.json").read_text())
@@ -73,6 +97,11 @@ def run(tmp_path_factory):
                 _done[name], _ = torchrun(file, n, *flags, tmp_path=tmp, timeout=400)
         return _done[name]
     return get
+
+
+def clear_caches():  # plan's memoised figures, recomputed after (and before) a mutant changes its terms
+    plan.memory.cache_clear()
+    plan._microbatch_bytes.cache_clear()
 
 
 def flag(name, key):  # the value of a flag in RUNS[name] (the last one given wins, as in argparse)
@@ -265,10 +294,32 @@ def moe_rows(s, name):
             ("capacity C", s["figures"]["capacity"], plan.capacity(M, B // n * M.seq))]
 
 
+def cp_rows(s, name):
+    """context_parallel.py (dp x cp, every rank the whole model): per rank the bytes handed to the cp group
+    per layer, forward and backward (plan's cp collectives / L), the bytes its forward saves for backward
+    (embedding, blocks, final norm and head input), the peak (state + saved), and the bytes handed per step
+    (the exchanges of every layer and the gradients' all-reduce over dp x cp)."""
+    argv, f = CP_RUNS[name], s["figures"]
+    M, B, L = model_of(name), flag(name, "--batch-size"), flag(name, "--n-layers")
+    cp, dp = f["cp"], f["dp"]
+    lay = plan.Layout(dp=dp, cp=cp, cp_attention=argv[argv.index("--attention") + 1], precision="fp64",
+                      vocab_parallel=False)
+    comm, mem, b = plan.collectives(M, lay, B), plan.memory(M, lay, B, 0), B // dp
+    fwd, bwd = (sum(x for k, (_, x, _) in comm.items() if k.endswith(f"/cp/{ph}")) // L
+                for ph in ("fwd", "bwd"))
+    part = plan.microbatch_bytes(M, lay, b, E, 0)
+    saved = part["embedding"] + part["blocks"] + part["final"]
+    return [("bytes to the cp group per layer, forward (every rank)", f["bytes_per_layer_fwd"], [fwd] * 4),
+            ("bytes to the cp group per layer, backward (every rank)", f["bytes_per_layer_bwd"], [bwd] * 4),
+            ("saved bytes, forward (every rank)", f["saved_activation_bytes"], [saved] * 4),
+            ("peak bytes (state + saved)", s["peak_mem_bytes"], state(mem) + saved),
+            ("bytes handed per step", s["comm_bytes"], sum(x for _, x, _ in comm.values()))]
+
+
 ROWS = {"zero": zero_rows, "megatron": megatron_rows, "gpipe": pipeline_rows, "1f1b": pipeline_rows,
-        "zb-h1": zero_bubble_rows, "ptdp": ptdp_rows, "zbv": zero_bubble_rows, "moe": moe_rows}
+        "zb-h1": zero_bubble_rows, "ptdp": ptdp_rows, "zbv": zero_bubble_rows, "moe": moe_rows, "cp": cp_rows}
 FAMILIES = {"zero": ("zero",), "megatron": ("megatron",), "pipelines": ("gpipe", "1f1b", "ptdp"),
-            "zero bubble": ("zb-h1", "zbv"), "moe": ("moe",)}
+            "zero bubble": ("zb-h1", "zbv"), "moe": ("moe",), "context parallel": ("cp",)}
 
 
 def rows_of(run, name):
@@ -345,6 +396,22 @@ def zb_v_as_a_loop(mp):  # ZB-V's chunks placed as interleaving's, c % p
     mp.setattr(plan, "owner", lambda lay, c: c % lay.pp)
 
 
+def ring_blocks_only(mp):  # the ring's backward as its forward: K/V blocks, no dK/dV accumulators
+    real = plan.collectives
+
+    def fewer(M, lay, B, r=0):
+        out = real(M, lay, B, r)
+        if "send/cp/bwd" in out:
+            out["send/cp/bwd"] = list(out["send/cp/fwd"])
+        return out
+    mp.setattr(plan, "collectives", fewer)
+
+
+def whole_sequence(mp):  # each block's saved bytes as if the rank held every token
+    real = plan.layer_bytes
+    mp.setattr(plan, "layer_bytes", lambda M, lay, b, e, **k: real(M, replace(lay, cp=1), b, e, **k))
+
+
 MUTANTS = {  # what plan.py forgets -> a launch whose figures must then disagree
     "ZB-H1 holds 1F1B's p - r": (zb_h1_as_1f1b, "zb-h1 p 4 m 8"),
     "ZB-V chunks in a loop": (zb_v_as_a_loop, "zbv p 3 m 6"),
@@ -357,6 +424,12 @@ MUTANTS = {  # what plan.py forgets -> a launch whose figures must then disagree
     "MoE capacity without its factor": (lambda mp: mp.setattr(
         plan, "capacity", lambda M, n: math.ceil(M.top_k * n / M.experts)), "moe ep 2"),
     "no bubble": (lambda mp: mp.setattr(plan, "bubble_slots", lambda lay: 0), "gpipe p 4 m 8"),
+    "all-gather CP keeps only its own K, V": (lambda mp: mp.setattr(plan, "cp_extra", lambda *a: 0),
+                                              "cp 2 x dp 2 allgather"),
+    "Ulysses keeps no head-sharded output": (lambda mp: mp.setattr(plan, "cp_extra", lambda *a: 0),
+                                             "cp 4 ulysses zigzag"),
+    "the ring's backward sends no dK/dV": (ring_blocks_only, "cp 4 ring zigzag"),
+    "CP activations of the whole sequence": (whole_sequence, "cp 4 ring zigzag"),
 }
 
 
@@ -364,12 +437,12 @@ MUTANTS = {  # what plan.py forgets -> a launch whose figures must then disagree
 def test_a_dropped_term_fails_the_comparison(run, monkeypatch, mutant):
     drop, name = MUTANTS[mutant]
     assert not mismatches(rows_of(run, name), name)
-    plan.memory.cache_clear()
+    clear_caches()
     drop(monkeypatch)
     try:
         assert mismatches(rows_of(run, name), name), f"{mutant}: still matches {name}"
     finally:
-        plan.memory.cache_clear()
+        clear_caches()
 
 
 def test_moe_model_state_equals_the_files_parameters(monkeypatch):
@@ -427,8 +500,9 @@ def paper_rows(with_search=True, table=False):
     def of_2021(lay):
         return not lay.zero and not lay.sp and lay.recompute != "selective" and lay.schedule in (
             "1f1b", "interleaved")
-    for what, keep, want in [("", lambda lay: True, 5), (", 2021's options", of_2021, 1)][:2 * with_search]:
-        ranked = plan.search(M, plan.CLUSTERS["a100-80g"]._replace(nodes=384), B, keep=keep)[0]
+    C = plan.CLUSTERS["a100-80g"]._replace(nodes=384)
+    searched = search_both(M, C, B, of_2021) if with_search else ()
+    for what, want, ranked in zip(("", ", 2021's options"), (5, 1), searched):
         at = [i for i, x in enumerate(ranked) if (x["layout"].tp, x["layout"].pp) == (8, 64)]
         rows.append(("PTD-P Table 1", f"1T on 384 x 8 A100{what}: rank of t 8 p 64 in --search", want,
                      at[0] + 1 if at else None))
@@ -438,6 +512,28 @@ def paper_rows(with_search=True, table=False):
             TABLE.append(("1T search", top, plan.why_faster(ranked[at[0]], ranked[at[0] + 1]),
                           plan.why_faster(ranked[0], ranked[at[0]]) if at[0] else "(first)"))
     return rows
+
+
+def search_both(M, C, B, keep):
+    """plan.search's ranking, and the one it gives with `keep` (a subset of the options): one enumeration for
+    both, the second taken from every prediction the first made, by search's own rule (the fastest of each
+    grid dp, tp, pp, ep; the first of equals), as plan.search(M, C, B, keep=keep) would rank them."""
+    seen, real = [], plan.predict
+
+    def spy(*a, **k):
+        seen.append(real(*a, **k))
+        return seen[-1]
+    plan.predict = spy
+    try:
+        ranked = plan.search(M, C, B)[0]
+    finally:
+        plan.predict = real
+    best = {}
+    for x in (x for x in seen if keep(x["layout"])):
+        key = (x["layout"].dp, x["layout"].tp, x["layout"].pp, x["layout"].ep)
+        if key not in best or x["tokens_per_s"] > best[key]["tokens_per_s"]:
+            best[key] = x
+    return ranked, sorted(best.values(), key=lambda x: -x["tokens_per_s"])
 
 
 def paper_checks(with_search=True, table=False):
@@ -451,6 +547,15 @@ def paper_checks(with_search=True, table=False):
             ok = math.isclose(ours, theirs, rel_tol=1e-12, abs_tol=1e-12)
         bad += [] if ok else [(paper, what, theirs, ours)]
     return rows, bad
+
+
+def test_one_enumeration_ranks_as_two_searches():
+    """search_both's second ranking equals plan.search with keep (a 7B model on one node, 2021's options)."""
+    M, C = plan.PRESETS["gpt3-6.7b"], plan.CLUSTERS["h100-80g"]
+    keep = lambda lay: not lay.zero and lay.schedule in ("1f1b", "interleaved")  # noqa: E731
+    both = search_both(M, C, 512, keep)
+    assert [x["layout"] for x in both[1]] == [x["layout"] for x in plan.search(M, C, 512, keep=keep)[0]]
+    assert [x["layout"] for x in both[0]] != [x["layout"] for x in both[1]]
 
 
 def test_paper_rows():
@@ -488,13 +593,87 @@ PAPER_MUTANTS = {"ZeRO without K": (drop_optimizer_state, "ZeRO Fig. 1"),
 @pytest.mark.parametrize("mutant", PAPER_MUTANTS)
 def test_a_dropped_term_fails_a_paper_row(monkeypatch, mutant):
     drop, paper = PAPER_MUTANTS[mutant]
-    plan.memory.cache_clear()
+    clear_caches()
     drop(monkeypatch)
     try:
         _, bad = paper_checks(with_search=paper == "PTD-P Table 1")
         assert any(x[0] == paper for x in bad), (mutant, bad)
     finally:
-        plan.memory.cache_clear()
+        clear_caches()
+
+
+# ----------------------------------------------------------------------------- the time model, PTD-P Table 1
+# Narayanan et al. 2021, Table 1 (weak scaling on Selene, A100 80 GB, fp16, V 51200, s 2048, full activation
+# recomputation): billions of parameters, heads a, width h, layers L, t, p, GPUs, batch, the share of peak
+# (312 TFLOP/s) achieved, in %, counted by the paper's 96 B s L h^2 (1 + s/6h + V/16Lh) per step
+PTDP_TABLE_1 = [(1.7, 24, 2304, 24, 1, 1, 32, 512, 44), (3.6, 32, 3072, 30, 2, 1, 64, 512, 44),
+                (7.5, 32, 4096, 36, 4, 1, 128, 512, 46), (18.4, 48, 6144, 40, 8, 1, 256, 1024, 43),
+                (39.1, 64, 8192, 48, 8, 2, 512, 1536, 44), (76.1, 80, 10240, 60, 8, 4, 1024, 1792, 45),
+                (145.6, 96, 12288, 80, 8, 8, 1536, 2304, 47), (310.1, 128, 16384, 96, 8, 16, 1920, 2160, 50),
+                (529.6, 128, 20480, 105, 8, 35, 2520, 2520, 52),
+                (1008.0, 160, 25600, 128, 8, 64, 3072, 3072, 52)]
+CALIBRATION = (1.7, 18.4, 1008.0)  # the smallest, the lowest and the largest: the fit sees only these three
+HELD_OUT_TOL = 5  # points of peak: the issue's goal; the published shares are whole percents (+-0.5), and
+# one fitted constant against seven rows it never saw, over 1.7B to 530B, t 1 to 8, p 1 to 35
+
+
+def ptdp_share(row, eff, cluster=None):
+    """plan's share of peak for a Table 1 row, counted as the paper counts (its FLOPs formula over the
+    predicted step). What the table does not say is taken from 2021's Megatron-LM: micro-batches of one
+    sequence, 1F1B, eager attention with dropout, no SP, the gradients all-reduced after the flush."""
+    _, a, h, L, t, p, G, B, _ = row
+    M, d = plan.Model(L, h, a, 51200, 2048), G // (t * p)
+    C = (cluster or plan.CLUSTERS["a100-80g"])._replace(nodes=G // 8)
+    lay = plan.Layout(dp=d, tp=t, pp=p, m=B // d, recompute="full")
+    step = plan.predict(M, C, lay, B, eff, attention="eager", dropout=True, overlap_dp=False)["step_s"]
+    return 100 * 96 * B * 2048 * L * h * h * (1 + 2048 / (6 * h) + 51200 / (16 * L * h)) / (step * G * 312e12)
+
+
+def fit_efficiency(rows, cluster=None):
+    """The GEMM ceiling minimising the squared error of the rows' shares: a grid of 0.0025 over (0.4, 1]."""
+    return min((sum((ptdp_share(r, eff, cluster) - r[-1]) ** 2 for r in rows), eff)
+               for eff in (k / 400 for k in range(161, 401)))[1]
+
+
+def ranks(xs):  # average ranks (ties share theirs), for Spearman's correlation
+    order = sorted(range(len(xs)), key=xs.__getitem__)
+    out = [0.0] * len(xs)
+    for x in set(xs):
+        at = [i for i, k in enumerate(order) if xs[k] == x]
+        for i in at:
+            out[order[i]] = sum(at) / len(at)
+    return out
+
+
+def spearman(xs, ys):
+    rx, ry = ranks(xs), ranks(ys)
+    mx, my = sum(rx) / len(rx), sum(ry) / len(ry)
+    cov = sum((a - mx) * (b - my) for a, b in zip(rx, ry))
+    return cov / math.sqrt(sum((a - mx) ** 2 for a in rx) * sum((b - my) ** 2 for b in ry))
+
+
+def table_1_verdict(cluster=None):
+    """(fitted ceiling, [(row, predicted share)], held-out rows off by more than the tolerance, Spearman)."""
+    eff = fit_efficiency([r for r in PTDP_TABLE_1 if r[0] in CALIBRATION], cluster)
+    got = [(r, ptdp_share(r, eff, cluster)) for r in PTDP_TABLE_1]
+    off = [(r[0], round(x, 1), r[-1]) for r, x in got
+           if r[0] not in CALIBRATION and abs(x - r[-1]) > HELD_OUT_TOL]
+    return eff, got, off, spearman([x for _, x in got], [r[-1] for r, _ in got])
+
+
+def test_time_model_follows_ptdp_table_1():
+    """Fitted on three rows of PTD-P's Table 1 (1.7B, 18.4B, 1T), the one constant is plan.py's EFFICIENCY;
+    each of the seven other rows is predicted within 5 points of peak, and the trend is the paper's: the
+    shares rise with size (Spearman > 0.7 over the ten rows; the 1T row above the 1.7B). With one efficiency
+    for every GEMM and no memory-bound work (HBM taken as infinitely fast: the old model) the fit cannot."""
+    eff, got, off, rho = table_1_verdict()
+    TABLE.extend(("PTD-P Table 1", f"{r[0]:g}B t {r[4]} p {r[5]}, % of peak" + " (calibration)" *
+                  (r[0] in CALIBRATION), r[-1], round(x, 1)) for r, x in got)
+    TABLE.append(("PTD-P Table 1", "fitted GEMM ceiling; Spearman over the ten rows", eff, round(rho, 2)))
+    assert abs(eff - plan.EFFICIENCY) < 0.0025 and not off, (eff, off)
+    assert rho > 0.7 and got[-1][1] > got[0][1], rho
+    flat_eff, flat, flat_off, flat_rho = table_1_verdict(plan.CLUSTERS["a100-80g"]._replace(hbm_gbs=math.inf))
+    assert flat_off or flat_rho <= 0.7 or flat[-1][1] <= flat[0][1], (flat_eff, flat_off, flat_rho)
 
 
 # ----------------------------------------------------------------------------- worked examples, bad input
@@ -534,12 +713,12 @@ def test_worked_example(example, monkeypatch, capsys):
     best = plan.search(M, C, B)[0][0]
     assert str(best["layout"]) in out.splitlines()[2] and f"{best['tokens_per_s']:,.0f}" in out
     assert all(closed_form_checks(M, best["layout"], B, best))
-    plan.memory.cache_clear()
+    clear_caches()
     drop_optimizer_state(monkeypatch)
     try:
         assert not all(closed_form_checks(M, best["layout"], B, plan.predict(M, C, best["layout"], B)))
     finally:
-        plan.memory.cache_clear()
+        clear_caches()
 
 
 def bad_values():
@@ -573,6 +752,10 @@ def bad_values():
         (["--pp", "2", "--dp", "4", "--stage-layers", "1,2"], ["--stage-layers 1,2: pp x virtual stages = 2",
                                                                "summing to --n-layers 32"]),
         (["--pp", "2", "--dp", "4", "--stage-layers", "32,0"], ["numbers >= 1"]),
+        (["--cp", "3", "--nodes", "3", "--gpus-per-node", "1", "--dp", "1"],
+         ["--seq-len 2048 is not divisible by", "2 x --cp = 6"]),
+        (["--model", "llama3-8b", "--nodes", "2", "--tp", "8", "--cp", "2", "--dp", "1", "--cp-attention",
+          "ulysses"], ["--cp-attention ulysses", "tp x cp = 16", "kv heads 8"]),
         (["--days", "1", "--flops", "1e20"], ["give one of", "--days, --flops"]),
         (["--tokens", "1e9", "--gpu-hours", "10"], ["give one of"]),
     ]
@@ -793,3 +976,35 @@ def test_zz_print_table():
     for row in TABLE:
         print(f"\n{row[1]}\n{row[2]}\n{row[3]}" if row[0] in ("example", "1T search") else
               f"| {row[0]} | {row[1]} | {row[2]} | {row[3]} |")
+
+
+def fold(spec, outdir):
+    """A worker of `torchrun --nproc_per_node=4 tests/test_plan.py --fold RUNS.json OUTDIR`: each run's file's
+    own main() in turn on one process group (its init_dist hands it the group; its close_dist ends the run,
+    not the process), as tests/context_parallel_checks.py --runs does for context_parallel.py."""
+    import importlib
+    import common
+    import harness
+    import torch.distributed as dist
+
+    class Finished(Exception):
+        pass
+
+    def no_exit(ok=True):
+        raise Finished(ok)
+    real_close, d = common.close_dist, common.init_dist()
+    for i, run in enumerate(json.loads(Path(spec).read_text())):
+        mod = importlib.import_module(run["file"][:-3])
+        harness.close_dist = mod.close_dist = no_exit
+        mod.init_dist = lambda timeout_s=120: d
+        sys.argv = [run["file"], *run["argv"], "--json", str(Path(outdir) / f"{i}.json")]
+        try:
+            mod.main()
+        except Finished as done:
+            assert done.args[0] is not False, run
+        dist.barrier()
+    real_close()
+
+
+if __name__ == "__main__" and "--fold" in sys.argv:
+    fold(*sys.argv[sys.argv.index("--fold") + 1:][:2])
