@@ -1,20 +1,21 @@
 """The counters every technique file measures with (harness.py), against closed forms computed here from the
 shapes alone: CommCounter on a real gloo group at worlds 2 and 3, SavedActivations and LiveStorages in one
 process, the Timeline's gathered events. Each check is shown to fail on a broken counter."""
-import json, subprocess, sys
+import json, sys
 
 import pytest
 import torch
 import torch.nn as nn
 
-from helpers import ENV, ROOT
+from helpers import ROOT, forked
 
 sys.path.insert(0, str(ROOT))
 import harness  # noqa: E402
 
 
 def expected_table(W):
-    """What rank 0 hands over in tests/harness_checks.py's traffic(), by "op/axis/phase": [calls, elems, bytes]."""
+    """What rank 0 hands over in tests/harness_checks.py's traffic(), by "op/axis/phase": [calls, elems,
+    bytes]."""
     rows = [3 + q for q in range(W)]
     return {
         "all_reduce/world/fwd": [1, 10, 80],
@@ -29,18 +30,39 @@ def expected_table(W):
     }
 
 
+def expected_rest(W):
+    """The same for tests/harness_checks.py's the_rest(): coalesced, functional and any-source ops."""
+    return {
+        "all_reduce/world/fwd": [3, 8 + 5 + 8, 8 * 21],  # functional coalesced (5 + 3), in place (5), c10d's
+        "all_gather/world/fwd": [2, 8 * W + 2 * W, 64 + 16],  # coalesced [5, 3] and a list of W pieces of 2
+        "reduce_scatter/world/fwd": [1, 3 * W, 8 * 3 * W],  # coalesced [2W, W]: hands both whole inputs
+        "broadcast/world/fwd": [1, 3, 24],  # rank 0 is the root
+        "recv/world/fwd": [W, 3 * (W - 1) + 4, 0],  # W - 1 from any source, one in the functional batch
+        "send/world/fwd": [1, 4, 32],  # the functional batch's send (rank 0 sends nothing to any source)
+        "all_to_all/world/fwd": [1, 2 * W, 16 * W],
+        "gather/world/fwd": [1, 2 * W, 16],
+        "scatter/world/fwd": [1, 2 * W, 16 * W],  # the root hands every piece
+        "reduce/world/fwd": [1, 3, 24],
+    }
+
+
 @pytest.mark.parametrize("world", [2, 3])
 def test_comm_counter_sees_what_each_collective_hands_over(tmp_path, world):
     out = tmp_path / "h.json"
-    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}",
-                        str(ROOT / "tests" / "harness_checks.py"), str(out)], env=ENV, cwd=ROOT,
-                       capture_output=True, text=True, timeout=120)
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    rc, output = forked("tests/harness_checks.py", world, out, timeout=120)
+    assert rc == 0, output[-6000:]
     got = json.loads(out.read_text())
     assert got["table"] == expected_table(world), got["table"]
+    # every other form of op (issue 31: the coalesced functional ops and recv_any_source crashed the counter)
+    assert got["rest"] == expected_rest(world), got["rest"]
+    rest = [(c["op"], c["peer"], c["tag"]) for c in got["rest_log"] if c["op"] in ("send", "recv")]
+    ring = [("send", 1, 0), ("recv", world - 1, 0)]  # peers as global ranks; None: from any source
+    assert rest == [("recv", None, 5)] * (world - 1) + ring, rest
+    assert [c["to_others"] for c in got["rest_log"] if c["op"] == "all_to_all"] == [16 * (world - 1)]
     # the per-call log: peers as global ranks, the tag, and the all-to-all bytes that leave the rank
     log = {c["op"] + "/" + c["phase"]: c for c in got["log"]}
-    assert log["send/fwd"]["peer"] == 1 and log["send/fwd"]["tag"] == 1 and log["recv/fwd"]["peer"] == world - 1
+    assert log["send/fwd"]["peer"] == 1 and log["send/fwd"]["tag"] == 1
+    assert log["recv/fwd"]["peer"] == world - 1
     rows = [3 + q for q in range(world)]
     assert log["all_to_all/fwd"]["to_others"] == 8 * 2 * (sum(rows) - rows[0])  # the block to itself stays
     # the check can fail: a counter that adds up every tensor argument gets other numbers
@@ -56,6 +78,15 @@ def test_comm_counter_sees_what_each_collective_hands_over(tmp_path, world):
     assert all(e["end"] - e["start"] >= (30 if e["kind"] == "F" else 60) * 0.99 for e in ev), ev
     assert all(e["chunk"] == e["rank"] for e in ev) and all(e["note"] == -1 for e in ev if e["kind"] == "B")
     assert all(a["end"] <= b["start"] + 1e-6 for a, b in zip(ev, ev[1:]) if a["rank"] == b["rank"])
+
+
+def test_comm_counter_knows_every_communication_op_of_this_torch():
+    """Each op torch registers in the two namespaces the counter watches is counted (harness._OPS) or moves
+    no data (barriers, waits): an op added by a later torch fails here, not silently uncounted in a run."""
+    names = [n.split("::") for n in torch._C._dispatch_get_all_op_names()]
+    ops = {name for ns, name in names if ns in ("c10d", "_c10d_functional")}
+    assert len(ops) >= 35 and ops <= set(harness._OPS) | harness._NOT_TRAFFIC, ops - set(harness._OPS)
+    assert not ops <= set(harness._OPS) - {"recv_any_source_"} | harness._NOT_TRAFFIC  # the check can fail
 
 
 def test_saved_activations_and_live_storages():
