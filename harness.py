@@ -198,6 +198,8 @@ def write_summary(d, args, technique, losses, step_ms, tokens_per_s, peak_mem_by
     summary = dict(technique=technique, world_size=d.world, config=asdict(args), losses=losses,
                    step_ms=step_ms, tokens_per_s=tokens_per_s, peak_mem_bytes=peak_mem_bytes,
                    comm_bytes=comm_bytes, check=check, figures=figures or {})
+    if d.device.type == "cuda" and _counted:  # CUDA's peak above, the bytes the file counted beside it
+        summary["counted_mem_bytes"] = _counted["bytes"]
     if d.rank == 0 and args.json:
         tmp = args.json + ".tmp"
         with open(tmp, "w") as f:
@@ -377,12 +379,18 @@ def state_bytes(model, optimizer=None):
     return tensor_bytes(ts)
 
 
+_counted = {}  # the largest counted bytes over ranks, as of the last peak_memory_bytes (for the summary)
+
+
 def peak_memory_bytes(d, counted_bytes):
-    """Largest over ranks: CUDA's own peak on a GPU, else the bytes the file counted itself."""
-    own = torch.cuda.max_memory_allocated(d.device) if d.device.type == "cuda" else counted_bytes
-    t = torch.tensor([float(own)], dtype=torch.float64, device=d.device)
+    """Largest over ranks: CUDA's own peak on a GPU, else the bytes the file counted itself (on a GPU those go
+    into the summary beside CUDA's peak, as counted_mem_bytes)."""
+    cuda = d.device.type == "cuda"
+    own = [torch.cuda.max_memory_allocated(d.device), counted_bytes] if cuda else [counted_bytes]
+    t = torch.tensor([float(x) for x in own], dtype=torch.float64, device=d.device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return int(t.item())
+    _counted["bytes"] = int(t[-1].item())
+    return int(t[0].item())
 
 
 def is_parameter(t):

@@ -1,7 +1,7 @@
 """The counters every technique file measures with (harness.py), against closed forms computed here from the
 shapes alone: CommCounter on a real gloo group at worlds 2 and 3, SavedActivations and LiveStorages in one
 process, the Timeline's gathered events. Each check is shown to fail on a broken counter."""
-import json, sys
+import json, re, sys
 
 import pytest
 import torch
@@ -115,3 +115,83 @@ def test_saved_activations_and_live_storages():
     assert live.alive() == 4 * 30
     del dropped
     assert live.alive() == 4 * 10 and live.peak == 4 * 30
+
+
+# --------------------------------------------------------------------------- tests/gpu_check.py, sized
+def gpu_check_main(capsys, *argv):
+    sys.path.insert(0, str(ROOT / "tests"))
+    import gpu_check
+    gpu_check.FAILED.clear()
+    rc = gpu_check.main(list(argv))
+    return rc, capsys.readouterr().out
+
+
+def planned(out):
+    """The runs a dry run lists: {name: launches}; and those it skips for the budget."""
+    runs = {m[0].strip(): int(m[1]) for m in re.findall(r"^(.+?\(world \d+\))\s+(\d+) launch", out, re.M)}
+    return runs, re.findall(r"^(.+?\(world \d+\))\s+skipped", out, re.M)
+
+
+def test_gpu_check_one_gpu_plan_only_world_and_minutes(capsys):
+    rc, out = gpu_check_main(capsys, "--dry-run", "--one-gpu")
+    runs, skipped = planned(out)
+    assert rc == 0 and not skipped and all(n.endswith("(world 1)") for n in runs), out
+    for path in ("offload bf16", "fp16 loss scaling", "CUDA events", "bfloat16", "compress int8", "adafactor",
+                 "cp 1", "dropout 0.1, vs none", "restart", "bench", *(f"moe {r} " for r in (
+                     "switch", "gshard", "noisy_topk", "expert_choice", "loss_free"))):
+        assert any(path in n for n in runs), (path, out)  # every CUDA-only path of issue 31 is planned
+    n = sum(runs.values())  # the launch count printed is the sum of the runs' launches; 10 s each: < 6 min
+    assert f"{len(runs)} runs ({n} launches)" in out and 10 * n < 6 * 60, out
+    # --only: just those files' runs; a file that is not in the plan is one line and exit 2
+    rc, out = gpu_check_main(capsys, "--dry-run", "--gpus", "4", "--only", "zero.py,moe.py")
+    files = set(re.findall(r"launch\(es\), ~\d+ s  (\S+)", out))
+    assert rc == 0 and files == {"zero.py", "moe.py"}, out
+    rc, out = gpu_check_main(capsys, "--dry-run", "--only", "zero.py,nope.py")
+    assert rc == 2 and out.strip().splitlines() == [out.strip()] and "nope.py" in out, out
+    # --world: that world's plan alone; beyond the GPUs at hand it is refused
+    rc, out = gpu_check_main(capsys, "--dry-run", "--gpus", "8", "--world", "4")
+    runs, _ = planned(out)
+    assert rc == 0 and runs and all(n.endswith("(world 4)") for n in runs), out
+    assert any("ptdp pp 2 x dp 2" in n for n in runs) and any("moe ep 2 of 4" in n for n in runs), out
+    assert gpu_check_main(capsys, "--dry-run", "--gpus", "2", "--world", "4")[0] == 2
+    # --minutes: in order, a run is skipped when its estimate does not fit in what is left (10 s per launch
+    # at world 1 on a GPU), and every later run that fits still runs
+    full, _ = planned(gpu_check_main(capsys, "--dry-run", "--one-gpu")[1])
+    rc, out = gpu_check_main(capsys, "--dry-run", "--one-gpu", "--minutes", "1.5")
+    runs, skipped = planned(out)
+    left, expect_run, expect_skip = 90, [], []
+    for name, launches in full.items():
+        (expect_run if 10 * launches <= left else expect_skip).append(name)
+        left -= 10 * launches if 10 * launches <= left else 0
+    assert list(runs) == expect_run and skipped == expect_skip and expect_skip, out
+    assert f"{len(expect_skip)} skipped for the budget" in out
+
+
+def test_gpu_check_budget_and_rerun_verdicts(capsys, monkeypatch):
+    """A real (non-dry) run under --minutes launches nothing that does not fit and gives each launch no more
+    than the time left; the restart verdict: bit for bit when reruns agree bit for bit, else within 10 x
+    their measured spread (a restart that differs while the runs are deterministic fails)."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    import gpu_check
+    timeouts = []
+    monkeypatch.setattr(gpu_check, "launch", lambda w, f, flags, cpu, env=None, restarts=0, timeout=300: (
+        timeouts.append(timeout), (0, "check vs one-process reference: max rel loss diff 0 -> PASSED"))[1])
+    monkeypatch.setattr(gpu_check, "run_bench", lambda *a: timeouts.append("bench"))
+    rc, out = gpu_check_main(capsys, "--cpu", "--one-gpu", "--only", "zero.py,bench.py", "--minutes", "0.4")
+    assert rc == 0 and "bench world 1 (world 1)" in out and "skipped" in out and "bench" not in timeouts, out
+    assert len(timeouts) == 2 and all(t <= 24 for t in timeouts), timeouts  # 2 zero.py runs, each <= 0.4 min
+    job = dict(name="x", world=1, file="dp.py", a=[], b=[[]], restart=True)
+
+    def verdict(a, b, again):
+        runs = iter([a, b, again])
+        monkeypatch.setattr(gpu_check, "losses", lambda *args, **kw: (next(runs), ""))
+        gpu_check.FAILED.clear()
+        gpu_check.run_same(job, True, None, 1e18)
+        capsys.readouterr()
+        return not gpu_check.FAILED
+
+    assert verdict([4.0, 3.0], [4.0, 3.0], None)  # bit for bit: no third run
+    assert not verdict([4.0, 3.0], [4.0, 3.0 + 1e-9], [4.0, 3.0])  # reruns agree bit for bit: it may not
+    assert verdict([4.0, 3.0], [4.0, 3.0 + 1e-7], [4.0, 3.0 + 3e-8])  # within 10 x a measured spread
+    assert not verdict([4.0, 3.0], [4.0, 3.1], [4.0, 3.0 + 3e-8])  # far outside it
+    assert not verdict([4.0, 3.0], None, [4.0, 3.0])  # a restart that failed
