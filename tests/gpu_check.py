@@ -5,14 +5,14 @@ one line per run, sized to the GPUs and the minutes at hand; exit 1 if any run f
     bash tests/gpu_check.sh                     # N = every visible GPU: world N's plan, then the one-GPU plan
     bash tests/gpu_check.sh --world 4 --only zero.py,moe.py --minutes 10   # a slice, within a budget
     bash tests/gpu_check.sh --cpu --one-gpu     # the same plan on gloo + CPU (to try the script itself)
-    python tests/gpu_check.py --dry-run --gpus 8 --minutes 15   # print the plan, its launches and estimated
-                                                                # time, and what the budget would skip
+    python tests/gpu_check.py --dry-run --for-gpus 8 --minutes 15   # print the plan, its launches and
+                                                    # estimated time, and what the budget would skip
 
 --only FILE[,FILE]  only the runs of these files (bench.py included)
 --world N           only world N's plan (N = 1: the one-GPU plan); default: N = the GPUs, then world 1
 --minutes M         launch nothing whose estimate does not fit in what is left of M minutes (each skipped run
-                    is printed, with why); a run is also stopped when the budget is spent (no verdict)
---gpus N            with --dry-run or --cpu: plan for N GPUs (default: the visible GPUs; --cpu: 2)
+                    is printed, with why); a run still going when the budget is spent is stopped (FAILED)
+--for-gpus N        with --dry-run or --cpu: plan for N GPUs (default: the visible GPUs; --cpu: 2)
 
 The one-GPU plan (world 1; what differs on CUDA from the CPU suite, every group being of one rank):
   bf16 and fp16 mixed precision (zero.py), a bfloat16 GPT (SDPA's flash kernels), the offload's pinned
@@ -117,7 +117,7 @@ def restart_plan(w):
 
 def extra_plan(w):
     """The modes review 2 (issue 31) found never run on a GPU, at world w >= 2: [(name, file, flags)]."""
-    m, half = ["--microbatches", 2 * w], max(1, w // 2)
+    half = max(q for q in range(1, w) if w % q == 0)  # the largest proper divisor: w / 2 when w is even
     runs = [("dp async free-running", "dp.py", ["--mode", "async"]),
             (f"moe ep {half} of {w}", "moe.py", ["--router", "gshard", "--ep", half, "--experts", 2 * half]),
             (f"cp {half} x dp {w // half}", "context_parallel.py", ["--cp", half, "--dp", w // half])]
@@ -243,6 +243,8 @@ def run_check(job, cpu, tmp, timeout):
 
 def losses(job, flags, cpu, tmp, tag, timeout, restart=False):
     """One run under the deterministic settings; its per-step losses (None if it failed)."""
+    tmp = tmp / re.sub(r"\W+", "_", job["name"])  # each job its own checkpoints: never another job's resumed
+    tmp.mkdir(parents=True, exist_ok=True)
     path = tmp / f"{tag}.json"
     extra = ["--ckpt-dir", tmp / f"ck-{tag}", "--save-every", 2, "--fail-at-step", 3] if restart else []
     rc, out = launch(job["world"], "tests/gpu_check.py", ["--deterministic-run", job["file"], *flags,
@@ -268,6 +270,8 @@ def run_same(job, cpu, tmp, deadline):
         outs += out
         if b is None or len(b) != len(a):
             return line(job["name"], False, "the compared run failed", outs)
+        if job["restart"] and not ("simulated failure at step 3" in out and "resumed from" in out):
+            return line(job["name"], False, "the run was not killed at step 3 and resumed", outs)
         diffs.append(rel(a, b))
     if max(diffs) == 0:
         return line(job["name"], True, f"losses equal bit for bit ({len(a)} steps)")
@@ -344,7 +348,7 @@ def parse(argv):
     p.add_argument("--cpu", action="store_true", help="gloo + CPU, GPUs hidden")
     p.add_argument("--one-gpu", action="store_true", help="the one-GPU plan (world 1)")
     p.add_argument("--world", type=int, default=0, help="only this world's plan")
-    p.add_argument("--gpus", type=int, default=0, help="with --dry-run or --cpu: plan for this many GPUs")
+    p.add_argument("--for-gpus", type=int, default=0, help="with --dry-run or --cpu: plan for this many GPUs")
     p.add_argument("--only", default="", help="FILE[,FILE]: only these files' runs")
     p.add_argument("--minutes", type=float, default=0, help="time budget (0: none)")
     p.add_argument("--dry-run", action="store_true", help="print the plan and its estimate; launch nothing")
@@ -363,21 +367,23 @@ def main(argv=None):
     if argv[:1] == ["--deterministic-run"]:  # (internal) a file under torch's deterministic algorithms
         return deterministic_run(argv[1], argv[2:])
     if argv[:1] == ["--list"]:  # the earlier spelling: the plan for N GPUs
-        argv = ["--dry-run", "--gpus", *argv[1:2]]
+        argv = ["--dry-run", "--for-gpus", *argv[1:2]]
     args = parse(argv)
     unknown = sorted(set(args.only) - set(FILES))
     if unknown:
         return bad(f"--only: unknown {', '.join(unknown)}; choose from {', '.join(FILES)}")
-    if args.minutes < 0 or args.world < 0 or args.gpus < 0:
-        return bad("--minutes, --world and --gpus must be >= 0")
+    if args.minutes < 0 or args.world < 0 or args.for_gpus < 0:
+        return bad("--minutes, --world and --for-gpus must be >= 0")
     if args.one_gpu and args.world not in (0, 1):
         return bad(f"--one-gpu is world 1; --world {args.world} contradicts it")
     where = "cpu" if args.cpu else "gpu"
     if args.dry_run or args.cpu:
-        gpus = args.gpus or args.world or (1 if args.one_gpu else 2)
+        gpus = args.for_gpus or args.world or (1 if args.one_gpu else 2)
     else:
-        import torch
-        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        gpus = 0
+        if os.environ.get("CUDA_VISIBLE_DEVICES") != "":  # set and empty: every GPU hidden, no import needed
+            import torch
+            gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if gpus == 0:
             print("gpu_check: no CUDA GPU visible to torch: nothing to check (skipped)")
             return 0

@@ -143,17 +143,17 @@ def test_gpu_check_one_gpu_plan_only_world_and_minutes(capsys):
     n = sum(runs.values())  # the launch count printed is the sum of the runs' launches; 10 s each: < 6 min
     assert f"{len(runs)} runs ({n} launches)" in out and 10 * n < 6 * 60, out
     # --only: just those files' runs; a file that is not in the plan is one line and exit 2
-    rc, out = gpu_check_main(capsys, "--dry-run", "--gpus", "4", "--only", "zero.py,moe.py")
+    rc, out = gpu_check_main(capsys, "--dry-run", "--for-gpus", "4", "--only", "zero.py,moe.py")
     files = set(re.findall(r"launch\(es\), ~\d+ s  (\S+)", out))
     assert rc == 0 and files == {"zero.py", "moe.py"}, out
     rc, out = gpu_check_main(capsys, "--dry-run", "--only", "zero.py,nope.py")
     assert rc == 2 and out.strip().splitlines() == [out.strip()] and "nope.py" in out, out
     # --world: that world's plan alone; beyond the GPUs at hand it is refused
-    rc, out = gpu_check_main(capsys, "--dry-run", "--gpus", "8", "--world", "4")
+    rc, out = gpu_check_main(capsys, "--dry-run", "--for-gpus", "8", "--world", "4")
     runs, _ = planned(out)
     assert rc == 0 and runs and all(n.endswith("(world 4)") for n in runs), out
     assert any("ptdp pp 2 x dp 2" in n for n in runs) and any("moe ep 2 of 4" in n for n in runs), out
-    assert gpu_check_main(capsys, "--dry-run", "--gpus", "2", "--world", "4")[0] == 2
+    assert gpu_check_main(capsys, "--dry-run", "--for-gpus", "2", "--world", "4")[0] == 2
     # --minutes: in order, a run is skipped when its estimate does not fit in what is left (10 s per launch
     # at world 1 on a GPU), and every later run that fits still runs
     full, _ = planned(gpu_check_main(capsys, "--dry-run", "--one-gpu")[1])
@@ -182,9 +182,10 @@ def test_gpu_check_budget_and_rerun_verdicts(capsys, monkeypatch):
     assert len(timeouts) == 2 and all(t <= 24 for t in timeouts), timeouts  # 2 zero.py runs, each <= 0.4 min
     job = dict(name="x", world=1, file="dp.py", a=[], b=[[]], restart=True)
 
-    def verdict(a, b, again):
+    def verdict(a, b, again, killed=True):
         runs = iter([a, b, again])
-        monkeypatch.setattr(gpu_check, "losses", lambda *args, **kw: (next(runs), ""))
+        said = "simulated failure at step 3 ... resumed from" if killed else ""
+        monkeypatch.setattr(gpu_check, "losses", lambda *args, **kw: (next(runs), said))
         gpu_check.FAILED.clear()
         gpu_check.run_same(job, True, None, 1e18)
         capsys.readouterr()
@@ -195,3 +196,4 @@ def test_gpu_check_budget_and_rerun_verdicts(capsys, monkeypatch):
     assert verdict([4.0, 3.0], [4.0, 3.0 + 1e-7], [4.0, 3.0 + 3e-8])  # within 10 x a measured spread
     assert not verdict([4.0, 3.0], [4.0, 3.1], [4.0, 3.0 + 3e-8])  # far outside it
     assert not verdict([4.0, 3.0], None, [4.0, 3.0])  # a restart that failed
+    assert not verdict([4.0, 3.0], [4.0, 3.0], None, killed=False)  # equal, but nothing was killed

@@ -141,8 +141,8 @@ def test_gpu_check_plans_a_legal_run_for_any_gpu_count(tmp_path):
             sides = [j["flags"]] if "flags" in j else [j["a"], *j["b"]] if "a" in j else []
             if j["kind"] == "bench":  # our side of each pair, as bench.py launches it with gpu_check's flags
                 pairs = list(bench.PAIRS) if j["pairs"] == "all" else j["pairs"].split(",")
-                sides = [[*gpu_check.bench_flags(w)[:-2], *bench.PAIRS[q][1].format(
-                    m=2 * w, world=w, cap=4.0).split()] for q in pairs]  # [:-2]: not bench's own --warmup
+                sides = [[*gpu_check.bench_flags(w)[:-4], *bench.PAIRS[q][1].format(
+                    m=2 * w, world=w, cap=4.0).split()] for q in pairs]  # the model; not --microbatches, --warmup
                 files = [bench.PAIRS[q][0] for q in pairs]
             else:
                 files = [j["file"]] * len(sides)
