@@ -50,7 +50,7 @@ FILES = ("dp.py", "ddp_bucketed.py", "gpipe.py", "pipedream.py", "zero_bubble.py
 # Seconds per launch on a GPU machine (an estimate: interpreter + torch import, CUDA context, NCCL
 # communicators, the tiny model and its --check reference, teardown); --cpu: measured on 2 shared cores
 # under load, the workers forked from a warm interpreter, except bench.py's (its own torchrun launches).
-PER_LAUNCH = {"gpu": {1: 10, 2: 15}, "cpu": {1: 12, 2: 20, "bench": 70}}
+PER_LAUNCH = {"gpu": {1: 10, 2: 15}, "cpu": {1: 12, 2: 20, "bench": 40}}
 DETERMINISTIC = {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
 
 
