@@ -198,6 +198,8 @@ def write_summary(d, args, technique, losses, step_ms, tokens_per_s, peak_mem_by
     summary = dict(technique=technique, world_size=d.world, config=asdict(args), losses=losses,
                    step_ms=step_ms, tokens_per_s=tokens_per_s, peak_mem_bytes=peak_mem_bytes,
                    comm_bytes=comm_bytes, check=check, figures=figures or {})
+    if d.device.type == "cuda" and _counted:  # CUDA's peak above, the bytes the file counted beside it
+        summary["counted_mem_bytes"] = _counted["bytes"]
     if d.rank == 0 and args.json:
         tmp = args.json + ".tmp"
         with open(tmp, "w") as f:
@@ -377,12 +379,18 @@ def state_bytes(model, optimizer=None):
     return tensor_bytes(ts)
 
 
+_counted = {}  # the largest counted bytes over ranks, as of the last peak_memory_bytes (for the summary)
+
+
 def peak_memory_bytes(d, counted_bytes):
-    """Largest over ranks: CUDA's own peak on a GPU, else the bytes the file counted itself."""
-    own = torch.cuda.max_memory_allocated(d.device) if d.device.type == "cuda" else counted_bytes
-    t = torch.tensor([float(own)], dtype=torch.float64, device=d.device)
+    """Largest over ranks: CUDA's own peak on a GPU, else the bytes the file counted itself (on a GPU those go
+    into the summary beside CUDA's peak, as counted_mem_bytes)."""
+    cuda = d.device.type == "cuda"
+    own = [torch.cuda.max_memory_allocated(d.device), counted_bytes] if cuda else [counted_bytes]
+    t = torch.tensor([float(x) for x in own], dtype=torch.float64, device=d.device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return int(t.item())
+    _counted["bytes"] = int(t[-1].item())
+    return int(t[0].item())
 
 
 def is_parameter(t):
@@ -441,16 +449,30 @@ class SavedActivations:
 
 
 # ------------------------------------------------------------------------ collectives, seen at the dispatcher
+# Every communication op of c10d (torch.distributed's process-group ops) and of _c10d_functional (DTensor's,
+# returning its output) by name: the kind it is counted as. tests/test_harness.py checks that the installed
+# torch has no other op in these two namespaces that moves data.
 _OPS = {"allreduce_": "all_reduce", "allreduce_coalesced_": "all_reduce", "all_reduce": "all_reduce",
-        "all_reduce_coalesced": "all_reduce", "_allgather_base_": "all_gather", "allgather_": "all_gather",
-        "allgather_coalesced_": "all_gather", "allgather_into_tensor_coalesced_": "all_gather",
-        "all_gather_into_tensor": "all_gather", "all_gather_into_tensor_coalesced": "all_gather",
+        "all_reduce_": "all_reduce", "all_reduce_coalesced": "all_reduce",
+        "all_reduce_coalesced_": "all_reduce",
+        "_allgather_base_": "all_gather", "allgather_": "all_gather", "allgather_coalesced_": "all_gather",
+        "allgather_into_tensor_coalesced_": "all_gather", "all_gather_into_tensor": "all_gather",
+        "all_gather_into_tensor_out": "all_gather", "all_gather_into_tensor_coalesced": "all_gather",
         "_reduce_scatter_base_": "reduce_scatter", "reduce_scatter_": "reduce_scatter",
         "reduce_scatter_tensor_coalesced_": "reduce_scatter", "reduce_scatter_tensor": "reduce_scatter",
-        "reduce_scatter_tensor_coalesced": "reduce_scatter", "alltoall_base_": "all_to_all",
-        "alltoall_": "all_to_all", "all_to_all_single": "all_to_all", "broadcast_": "broadcast",
-        "broadcast": "broadcast", "send": "send", "recv_": "recv", "recv_any_source_": "recv",
-        "reduce_": "reduce", "gather_": "gather", "scatter_": "scatter"}
+        "reduce_scatter_tensor_out": "reduce_scatter", "reduce_scatter_tensor_coalesced": "reduce_scatter",
+        "alltoall_base_": "all_to_all", "alltoall_": "all_to_all", "all_to_all_single": "all_to_all",
+        "broadcast_": "broadcast", "broadcast": "broadcast", "send": "send", "isend": "send", "recv_": "recv",
+        "recv_any_source_": "recv", "irecv": "recv", "batch_p2p_ops": "send/recv", "reduce_": "reduce",
+        "gather_": "gather", "gather_into_tensor_": "gather", "scatter_": "scatter"}
+_NOT_TRAFFIC = {"barrier", "monitored_barrier_", "wait_tensor", "check_for_nan"}  # seen, moves no data
+# c10d ops' arguments: (tensors, pg, ...) but for these, (outputs, inputs, pg, ...): what is handed is inputs
+_OUT_IN = ("all_gather", "reduce_scatter", "all_to_all", "gather", "scatter")
+# where the peer (a rank in the op's group) and the tag are, and the root of a broadcast or scatter
+_PEER_TAG = {("c10d", "send"): (2, 3), ("c10d", "recv_"): (2, 3), ("c10d", "recv_any_source_"): (None, 2),
+             ("_c10d_functional", "isend"): (1, 2), ("_c10d_functional", "irecv"): (1, 2)}
+_ROOT = {("c10d", "broadcast_"): 2, ("c10d", "scatter_"): 3, ("_c10d_functional", "broadcast"): 1,
+         ("_c10d_functional", "broadcast_"): 1}
 
 
 def _flat(xs):
@@ -459,6 +481,10 @@ def _flat(xs):
             yield from _flat(x)
         else:
             yield x
+
+
+def _tensors(x):  # a tensor, or a list (of lists) of them, as a flat list
+    return list(_flat([x]))
 
 
 def _nbytes(ts):
@@ -476,9 +502,11 @@ class CommCounter(TorchDispatchMode):
       phase  "bwd" inside an autograd backward (hooks and autograd.Functions included), else the innermost
              `with counter.phase(name)` ("fwd" when none)
     With `log=True` every call is also kept in `.calls_log` (op, axis, phase, bytes, elems, peer as a global
-    rank for send/recv, tag, and `to_others`: the bytes of an all-to-all that leave this rank). The counter
-    makes every op pass through Python: enter it around the steps you report (one is enough), not the whole
-    run when you time it. DTensor ops are passed on, so that the collectives they issue are seen instead."""
+    rank for send/recv (None: a receive from any source), tag, and `to_others`: the bytes of an all-to-all
+    that leave this rank). Coalesced ops count once, with all their tensors; a functional batch of sends and
+    receives counts each. The counter makes every op pass through Python: enter it around the steps you
+    report (one is enough), not the whole run when you time it. DTensor ops are passed on, so that the
+    collectives they issue are seen instead."""
 
     def __init__(self, axes=None, log=False):
         super().__init__()
@@ -527,25 +555,34 @@ class CommCounter(TorchDispatchMode):
 
     def _count(self, op, name, ns, args):
         pg = self._group(ns, args)
-        peer = tag = None
-        if ns == "_c10d_functional":  # (input, ...): the output is returned, not passed in
-            handed = [args[0]]
-            elems = args[0].numel() * (pg.size() if op == "all_gather" and pg is not None else 1)
-        elif name.endswith("_base_"):  # (output, input, pg, ...)
-            handed = [args[1]]
-            elems = (args[0] if op == "all_gather" else args[1]).numel()
-        elif op in ("all_gather", "reduce_scatter", "all_to_all"):  # (outputs, inputs, pg, ...)
-            handed = list(_flat([args[1]]))
-            elems = sum(t.numel() for t in _flat([args[0] if op == "all_gather" else args[1]]))
-        else:  # (tensors, pg, ...): all-reduce, broadcast, send, recv, reduce, ...
-            handed = list(_flat([args[0]]))
-            elems = sum(t.numel() for t in handed)
-            if op in ("send", "recv"):
-                peer, tag = args[2], args[3]  # the peer's rank in the group: made global below
-                if pg is not None and pg is not dist.group.WORLD:
-                    peer = dist.get_global_rank(pg, peer)
-            if op == "recv" or op == "broadcast" and pg is not None and args[2] != pg.rank():
-                handed = []  # a receive hands nothing over; a broadcast only at its root
+        if name == "batch_p2p_ops":  # (["isend" | "irecv", ...], peers, tags, tensors, group): one call each
+            for kind, peer, tag, t in zip(*args[:4]):
+                self._add("send" if kind == "isend" else "recv", pg, [t], t.numel(), peer, tag, args)
+            return
+        size = pg.size() if pg is not None else dist.get_world_size()
+        if ns == "_c10d_functional":  # (input or inputs, ...): the output is returned, not passed in
+            handed = whole = _tensors(args[0])
+        elif op in _OUT_IN:  # (outputs, inputs, pg, ...): a list per rank, or one tensor (the *_base_ forms)
+            handed = _tensors(args[1])
+            whole = _tensors(args[0] if op in ("all_gather", "scatter") else args[1])
+        else:  # (tensors, pg, ...): all-reduce, broadcast, reduce, send, recv
+            handed = whole = _tensors(args[0])
+        elems = sum(t.numel() for t in whole)
+        if op in ("gather", "scatter") or ns == "_c10d_functional" and op == "all_gather":
+            elems *= size  # the whole is not an argument (or is at the root only): my piece x the group
+        peer_at, tag_at = _PEER_TAG.get((ns, name), (None, None))
+        peer = args[peer_at] if peer_at is not None else None  # None: a receive from any source
+        tag = args[tag_at] if tag_at is not None else None
+        root_at = _ROOT.get((ns, name))
+        if root_at is not None and args[root_at] != (pg.rank() if pg is not None else dist.get_rank()):
+            handed = []  # a broadcast or a scatter hands its tensors over at its root only
+        self._add(op, pg, handed, elems, peer, tag, args)
+
+    def _add(self, op, pg, handed, elems, peer, tag, args):
+        if op == "recv":
+            handed = []  # a receive hands nothing over
+        if peer is not None and pg is not None and pg is not dist.group.WORLD:
+            peer = dist.get_global_rank(pg, peer)  # the peer's rank in the group, made global
         nbytes = _nbytes(handed)
         unnamed = "world" if pg is None or pg is dist.group.WORLD else f"group{pg.size()}"
         axis = self.names.get(id(pg), unnamed)
@@ -557,10 +594,15 @@ class CommCounter(TorchDispatchMode):
         if self.log:
             to_others = nbytes
             if op == "all_to_all" and pg is not None and handed:
-                splits = [a for a in args if isinstance(a, (list, tuple)) and all(type(x) is int for x in a)]
-                rows, r, n = handed[0].shape[0], pg.rank(), pg.size()
-                mine = splits[-1][r] if splits and splits[-1] else rows // n  # input_split_sizes, else equal
-                to_others = nbytes - nbytes * mine // max(rows, 1)
+                r, n = pg.rank(), pg.size()
+                if len(handed) == n and n > 1:  # alltoall_: one input tensor per rank
+                    mine = _nbytes([handed[r]])
+                else:  # one input, split by input_split_sizes (the last list of ints), else equally
+                    splits = [a for a in args if isinstance(a, (list, tuple)) and all(type(i) is int
+                                                                                        for i in a)]
+                    rows = handed[0].shape[0]
+                    mine = nbytes * (splits[-1][r] if splits and splits[-1] else rows // n) // max(rows, 1)
+                to_others = nbytes - mine
             self.calls_log.append(dict(op=op, axis=axis, phase=phase, bytes=nbytes, elems=elems, peer=peer,
                                        tag=tag, to_others=to_others))
 

@@ -1,30 +1,57 @@
-"""The check for a machine with GPUs (the pytest suite always runs on CPU): every file's every mode at world 1
-and at world N = the number of GPUs, with --check, one line per run; exit 1 if any run fails.
+"""The check for a machine with GPUs (the pytest suite always runs on CPU): each file's modes with --check,
+one line per run, sized to the GPUs and the minutes at hand; exit 1 if any run fails, 2 on a bad flag.
 
-    bash tests/gpu_check.sh                # N = every visible GPU (NCCL); without a GPU: says so, exits 0
-    bash tests/gpu_check.sh --cpu          # the same plan on gloo + CPU at worlds 1 and 2, and the straggler
-                                           # check at world 3 (to try the script itself; about 7 minutes)
-    python tests/gpu_check.py --list 6     # print the plan for 6 GPUs, run nothing
+    bash tests/gpu_check.sh --one-gpu           # one GPU: the CUDA-only paths, world 1 (29 launches, ~5 min)
+    bash tests/gpu_check.sh                     # N = every visible GPU: world N's plan, then the one-GPU plan
+    bash tests/gpu_check.sh --world 4 --only zero.py,moe.py --minutes 10   # a slice, within a budget
+    bash tests/gpu_check.sh --cpu --one-gpu     # the same plan on gloo + CPU (to try the script itself)
+    python tests/gpu_check.py --dry-run --for-gpus 8 --minutes 15   # print the plan, its launches and
+                                                    # estimated time, and what the budget would skip
 
-What it runs at world w (the flags are derived from w, so any GPU count works: heads 2*max(2, w), width 16 x
-heads, 2w blocks, 2w micro-batches, 16w sequences of 32 tokens, or 16w tokens when 2w does not divide 32):
-  every mode of every file in float32 with --check (dp sync / accumulation / async lockstep, ddp with and
-  without gradient compression, gpipe with and without recompute, pipedream flush / stash / 2bw, zero_bubble
-  ZB-H1 / ZB-V, megatron tp and sequence parallel and tp x dp, ptdp 1F1B / interleaved / tp x pp, moe's five
-  routers and dropless loss-free with a shared expert, zero stages 0-3, offload + bf16 mixed precision, fp16
-  loss scaling, memory_savers' full and selective recomputation, activation compression and Adafactor, context
-  parallel's three attentions in both layouts);
-  each file's default mode in bfloat16 under TORCH_DISTRIBUTED_DEBUG=DETAIL (every collective's kind, shape
-  and order checked across ranks before it runs);
-  at w >= 3, an async parameter server with stragglers (--delay-ms) whose update loop must take well under
-  that of the same run in lockstep, where the workers take turns (free-running, they overlap);
-  five files killed at step 3 and restarted by torchrun, against their uninterrupted run.
-About 10 minutes on 8 GPUs (about 85 runs at worlds 1 and 8)."""
-import json, os, re, subprocess, sys, tempfile, time
+--only FILE[,FILE]  only the runs of these files (bench.py included)
+--world N           only world N's plan (N = 1: the one-GPU plan); default: N = the GPUs, then world 1
+--minutes M         launch nothing whose estimate does not fit in what is left of M minutes (each skipped run
+                    is printed, with why); a run still going when the budget is spent is stopped (FAILED)
+--for-gpus N        with --dry-run or --cpu: plan for N GPUs (default: the visible GPUs; --cpu: 2)
+
+The one-GPU plan (world 1; what differs on CUDA from the CPU suite, every group being of one rank):
+  bf16 and fp16 mixed precision (zero.py), a bfloat16 GPT (SDPA's flash kernels), the offload's pinned
+  non-blocking copies, ddp_bucketed's overlap timed by CUDA events, recompute's RNG replay with dropout
+  (memory_savers.py full and selective against the same run without recompute: equal losses), activation
+  compression and Adafactor on CUDA, context parallel at cp 1, the five MoE routers and dropless with a shared
+  expert, a kill-and-restart with dropout and Adafactor, and bench.py's pairs that exist at world 1 (ddp,
+  dp_sync, zero1-3, tp; a pipeline needs two stages). Each --check run prints CUDA's peak memory beside the
+  bytes the file counted.
+World N's plan (N >= 2; flags derived from N, so any count works: heads 2 max(2, N), width 16 x heads, 2N
+blocks, 2N micro-batches, 16N sequences of 32 tokens, or 16N tokens when 2N does not divide 32):
+  every mode of every file with --check in float32 (dp sync / accumulation / async lockstep, ddp with and
+  without compression, gpipe with and without recompute, pipedream flush / stash / 2bw, ZB-H1 / ZB-V, megatron
+  tp and sequence parallel and tp x dp, ptdp 1F1B / interleaved / tp x pp, the routers, zero stages 0-3,
+  offload + bf16, fp16 loss scaling, memory_savers' four savers, context parallel's attentions and layouts);
+  each file's default mode in bfloat16 under TORCH_DISTRIBUTED_DEBUG=DETAIL; the modes review 2 found never
+  run on a GPU: free-running dp.py --mode async, ptdp.py with dp > 1, ZB-V with dp > 1 (zero_bubble.py has no
+  tp), moe.py with ep < world, recompute with dropout under data parallel (zero.py no longer recomputes:
+  memory_savers.py does, on any layout), context parallel with dp > 1, megatron tp with dropout (restarted:
+  the CUDA RNG tracker's state must resume); kill-and-restarts; at N >= 3 the async server's stragglers;
+  bench.py's every pair at world N.
+Restarts and recompute's RNG replay compare losses bit for bit, with cuBLAS's workspace fixed
+(CUBLAS_WORKSPACE_CONFIG=:4096:8) and torch.use_deterministic_algorithms(True, warn_only=True). If a pair
+differs, a second uninterrupted run measures CUDA's run-to-run spread: a pair that differs while the two
+uninterrupted runs agree bit for bit fails; otherwise it must lie within 10 x the measured spread.
+Estimated time: launches x 10 s at world 1, 15 s at world >= 2 (see docs/gpus.md); --minutes rescales the
+estimates of what is left by the measured time of what ran."""
+import argparse, json, os, re, shutil, subprocess, sys, tempfile, time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 STEP = re.compile(r"^step\s+(\d+) \| loss ([\d.naninf]+) \|\s+([\d.]+) ms", re.M)
+FILES = ("dp.py", "ddp_bucketed.py", "gpipe.py", "pipedream.py", "zero_bubble.py", "megatron_tp.py",
+         "ptdp.py", "moe.py", "zero.py", "memory_savers.py", "context_parallel.py", "bench.py")
+# Seconds per launch on a GPU machine (an estimate: interpreter + torch import, CUDA context, NCCL
+# communicators, the tiny model and its --check reference, teardown); --cpu: measured on 2 shared cores
+# under load, the workers forked from a warm interpreter, except bench.py's (its own torchrun launches).
+PER_LAUNCH = {"gpu": {1: 10, 2: 15}, "cpu": {1: 12, 2: 20, "bench": 40}}
+DETERMINISTIC = {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
 
 
 def model_flags(w):
@@ -88,23 +115,105 @@ def restart_plan(w):
             for name, f, flags in plan(w) if name in keep]
 
 
+def extra_plan(w):
+    """The modes review 2 (issue 31) found never run on a GPU, at world w >= 2: [(name, file, flags)]."""
+    half = max(q for q in range(1, w) if w % q == 0)  # the largest proper divisor: w / 2 when w is even
+    runs = [("dp async free-running", "dp.py", ["--mode", "async"]),
+            (f"moe ep {half} of {w}", "moe.py", ["--router", "gshard", "--ep", half, "--experts", 2 * half]),
+            (f"cp {half} x dp {w // half}", "context_parallel.py", ["--cp", half, "--dp", w // half])]
+    if w >= 4 and w % 2 == 0:
+        runs += [(f"ptdp pp 2 x dp {half}", "ptdp.py", ["--pp", 2, "--dp", half, "--microbatches", 4]),
+                 (f"zero_bubble zbv pp {half} x dp 2", "zero_bubble.py",
+                  ["--schedule", "zbv", "--pp", half, "--dp", 2, "--microbatches", 2 * half])]
+    return [(name, f, [*model_flags(w), *flags, "--check"]) for name, f, flags in runs]
+
+
+def one_gpu_plan():
+    """World 1: the CUDA-only paths, [(name, file, flags)] with --check (jobs() adds the pairs compared bit
+    for bit and bench.py)."""
+    fp16 = ["--stage", 3, "--mixed-precision", "fp16", "--accum", 2]
+    runs = [("zero 2 offload bf16", "zero.py", ["--stage", 2, "--offload", "--mixed-precision", "bf16"]),
+            ("zero 3 fp16 loss scaling", "zero.py", fp16),
+            ("ddp overlap (CUDA events)", "ddp_bucketed.py", []),
+            ("ddp bfloat16", "ddp_bucketed.py", ["--dtype", "bfloat16"]),
+            ("savers compress int8", "memory_savers.py", ["--compress-activations", "int8"]),
+            ("savers adafactor", "memory_savers.py", ["--optimizer", "adafactor"]),
+            ("cp 1 ring zigzag", "context_parallel.py", ["--cp", 1]),
+            *[(f"moe {r}", "moe.py", ["--router", r, "--ep", 1, "--experts", 4])
+              for r in ("switch", "gshard", "noisy_topk", "expert_choice", "loss_free")],
+            ("moe loss_free dropless shared", "moe.py",
+             ["--router", "loss_free", "--ep", 1, "--experts", 4, "--capacity-factor", 0,
+              "--shared-experts", 1])]
+    return [(name, f, [*model_flags(1), *flags, "--check"]) for name, f, flags in runs]
+
+
+def jobs(w, cpu, gpus):
+    """Every job of world w's plan: dicts with name, kind, file, world, launches, and what the kind needs."""
+    out = []
+    add = lambda kind, name, f, launches, **kw: out.append(  # noqa: E731
+        dict(kind=kind, name=f"{name} (world {w})", file=f, world=w, launches=launches, **kw))
+    if w == 1:
+        for name, f, flags in one_gpu_plan():
+            add("check", name, f, 1, flags=flags)
+        drop = [*model_flags(1), "--dropout", 0.1, "--steps", 6]
+        add("same", "savers recompute full / selective, dropout 0.1, vs none", "memory_savers.py", 3,
+            a=drop, b=[[*drop, "--recompute", "full"], [*drop, "--recompute", "selective"]], restart=False)
+        kill = [*drop, "--optimizer", "adafactor", "--recompute", "full"]
+        add("same", "savers dropout adafactor restart", "memory_savers.py", 2, a=kill, b=[kill], restart=True)
+        add("bench", "bench world 1", "bench.py", 11, pairs="ddp,dp_sync,zero1,zero2,zero3,tp")
+        return out
+    for name, f, flags in plan(w) + extra_plan(w):
+        add("check", name, f, 1, flags=flags)
+    for name, f, flags in bf16_plan(w):
+        add("check", name, f, 1, flags=flags, env={"TORCH_DISTRIBUTED_DEBUG": "DETAIL"})
+    drop = [*model_flags(w), "--dropout", 0.1, "--steps", 6]
+    add("same", "savers recompute full, dropout 0.1, vs none", "memory_savers.py", 2,
+        a=drop, b=[[*drop, "--recompute", "full"]], restart=False)
+    add("same", "megatron tp dropout 0.1 restart", "megatron_tp.py", 2, a=[*drop, "--tp", w],
+        b=[[*drop, "--tp", w]], restart=True)
+    for name, f, flags in restart_plan(w):
+        add("same", name, f, 2, a=flags, b=[flags], restart=True)
+    if w >= 3:
+        add("stragglers", "dp async stragglers overlap", "dp.py", 2)
+    add("bench", f"bench world {w}", "bench.py", 22, pairs="all")
+    return out
+
+
+def estimate(job, where):
+    per = PER_LAUNCH[where][min(job["world"], 2)]
+    per = PER_LAUNCH[where].get("bench", per) if job["kind"] == "bench" else per
+    return job["launches"] * per + (4 if job["kind"] == "stragglers" else 0)
+
+
+# ----------------------------------------------------------------------------- launching
 def launch(w, f, flags, cpu, env=None, restarts=0, timeout=300):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={w}",
-           f"--max-restarts={restarts}", str(ROOT / f), *map(str, flags)]
+    """torchrun --standalone (on --cpu: forked from tests/forkserver.py's warm interpreter, which starts the
+    workers with torchrun's environment; the import of torch is most of a tiny launch on a few cores)."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **(env or {}),
                **({"CUDA_VISIBLE_DEVICES": ""} if cpu else {}))
+    flags = list(map(str, flags))
+    if cpu:
+        sys.path.insert(0, str(ROOT / "tests"))
+        import helpers
+        helpers.ENV = env  # the environment of this request (the server keeps the one it started with)
+        try:
+            return helpers.forked(f, w, *flags, timeout=timeout, max_restarts=restarts)
+        except subprocess.TimeoutExpired as e:
+            return -1, f"{e.output or ''}\nstopped after {timeout:.0f} s"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={w}",
+           f"--max-restarts={restarts}", str(ROOT / f), *flags]
     try:
         p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
         return p.returncode, p.stdout + p.stderr
     except subprocess.TimeoutExpired as e:
-        return -1, f"{e.stdout or ''}{e.stderr or ''}\ntimed out after {timeout} s"
+        return -1, f"{e.stdout or ''}{e.stderr or ''}\nstopped after {timeout:.0f} s"
 
 
-FAILED = []
+FAILED, STARTED = [], [time.time()]  # the runs that failed; when the current run started
 
 
 def line(name, ok, detail, out=""):
-    print(f"{name:46s} {'ok' if ok else 'FAILED'}  {detail}", flush=True)
+    print(f"{name:52s} {'ok' if ok else 'FAILED'}  [{time.time() - STARTED[0]:.0f} s] {detail}", flush=True)
     if not ok:
         FAILED.append(name)
         print("\n".join("    | " + l for l in out.strip().splitlines()[-15:]), flush=True)
@@ -115,29 +224,67 @@ def check_line(out):
     return found[-1] if found else ""
 
 
-def run_world(w, cpu):
-    tmp = Path(tempfile.mkdtemp())
-    for name, f, flags in plan(w):
-        rc, out = launch(w, f, flags, cpu)
-        line(f"{name} (world {w})", rc == 0 and "PASSED" in out, check_line(out), out)
-    for name, f, flags in bf16_plan(w):
-        rc, out = launch(w, f, flags, cpu, env={"TORCH_DISTRIBUTED_DEBUG": "DETAIL"})
-        line(f"{name} (world {w})", rc == 0 and "PASSED" in out, check_line(out), out)
-    for name, f, flags in restart_plan(w):
-        full, ck = tmp / f"{name}.full.json", tmp / f"{name}.restart.json"
-        rc1, out1 = launch(w, f, [*flags, "--json", full], cpu)
-        rc2, out2 = launch(w, f, [*flags, "--ckpt-dir", tmp / f"ck-{name}", "--save-every", 2,
-                                  "--fail-at-step", 3, "--json", ck], cpu, restarts=1)
-        a, b = (json.loads(p.read_text())["losses"] if p.exists() else None for p in (full, ck))
-        ok = rc1 == rc2 == 0 and a is not None and b is not None and len(a) == len(b)
-        diff = max(abs(x - y) / abs(x) for x, y in zip(a, b)) if ok else float("nan")
-        line(f"{name} (world {w})", ok and diff <= 1e-5, f"max rel loss diff {diff:.3e} vs uninterrupted "
-             "(tolerance 1e-05)", out1 + out2)
-    if w >= 3:
-        stragglers(w, cpu)
+def memory(path):
+    """CUDA's peak beside the bytes the file counted (harness.write_summary writes both)."""
+    s = json.loads(path.read_text()) if path.exists() else {}
+    peak, counted = s.get("peak_mem_bytes"), s.get("counted_mem_bytes")
+    if peak is None or counted is None or peak == counted:
+        return ""
+    return f" | peak {peak / 2**20:.1f} MiB (CUDA) vs {counted / 2**20:.1f} MiB counted"
 
 
-def stragglers(w, cpu, delay=40, steps=24):
+def run_check(job, cpu, tmp, timeout):
+    out_json = tmp / "run.json"
+    out_json.unlink(missing_ok=True)
+    rc, out = launch(job["world"], job["file"], [*job["flags"], "--json", out_json], cpu, job.get("env"),
+                     timeout=timeout)
+    line(job["name"], rc == 0 and "PASSED" in out, check_line(out) + memory(out_json), out)
+
+
+def losses(job, flags, cpu, tmp, tag, timeout, restart=False):
+    """One run under the deterministic settings; its per-step losses (None if it failed)."""
+    tmp = tmp / re.sub(r"\W+", "_", job["name"])  # each job its own checkpoints: never another job's resumed
+    tmp.mkdir(parents=True, exist_ok=True)
+    path = tmp / f"{tag}.json"
+    extra = ["--ckpt-dir", tmp / f"ck-{tag}", "--save-every", 2, "--fail-at-step", 3] if restart else []
+    rc, out = launch(job["world"], "tests/gpu_check.py", ["--deterministic-run", job["file"], *flags,
+                                                          *extra, "--json", path],
+                     cpu, DETERMINISTIC, restarts=1 if restart else 0, timeout=timeout)
+    return (json.loads(path.read_text())["losses"] if rc == 0 and path.exists() else None), out
+
+
+def rel(a, b):
+    return max(abs(x - y) / abs(x) for x, y in zip(a, b))
+
+
+def run_same(job, cpu, tmp, deadline):
+    """B (a restarted run, or the same model recomputed) must equal A as A's own rerun does: bit for bit when
+    two uninterrupted runs agree bit for bit, else within 10 x their measured spread."""
+    left = lambda: max(1, deadline - time.time())  # noqa: E731
+    a, out = losses(job, job["a"], cpu, tmp, "a", left())
+    if a is None:
+        return line(job["name"], False, "the uninterrupted run failed", out)
+    diffs, outs = [], out
+    for i, flags in enumerate(job["b"]):
+        b, out = losses(job, flags, cpu, tmp, f"b{i}", left(), restart=job["restart"])
+        outs += out
+        if b is None or len(b) != len(a):
+            return line(job["name"], False, "the compared run failed", outs)
+        if job["restart"] and not ("simulated failure at step 3" in out and "resumed from" in out):
+            return line(job["name"], False, "the run was not killed at step 3 and resumed", outs)
+        diffs.append(rel(a, b))
+    if max(diffs) == 0:
+        return line(job["name"], True, f"losses equal bit for bit ({len(a)} steps)")
+    again, out = losses(job, job["a"], cpu, tmp, "a2", left())
+    if again is None:
+        return line(job["name"], False, "the second uninterrupted run failed", out)
+    spread = rel(a, again)
+    ok = spread > 0 and max(diffs) <= 10 * spread
+    line(job["name"], ok, f"max rel loss diff {max(diffs):.3e} vs uninterrupted; two uninterrupted runs "
+         f"differ by {spread:.3e} (tolerance 10 x that)", outs + out)
+
+
+def stragglers(w, cpu, delay=40, steps=24, timeout=300):
     """Worker r computes r x delay ms longer. Free-running, the workers overlap, so the server's update loop
     takes about half as long as in lockstep with staleness 0 (each update waits for the one before it: one
     worker at a time), whatever a step's own compute costs; both are measured here. A server whose waits
@@ -145,7 +292,7 @@ def stragglers(w, cpu, delay=40, steps=24):
     loop = {}
     for mode, extra in (("free", []), ("lockstep", ["--staleness", 0])):
         flags = [*model_flags(w), "--mode", "async", "--delay-ms", delay, "--steps", steps, *extra]
-        rc, out = launch(w, "dp.py", flags, cpu)
+        rc, out = launch(w, "dp.py", flags, cpu, timeout=timeout)
         ms = [float(x[2]) for x in STEP.findall(out)]
         loop[mode] = sum(ms) if rc == 0 and len(ms) == steps else float("nan")
     ratio = loop["free"] / loop["lockstep"]
@@ -154,32 +301,151 @@ def stragglers(w, cpu, delay=40, steps=24):
          "ideal about 0.5)", out)
 
 
-def main():
-    argv = sys.argv[1:]
-    if argv[:1] == ["--list"]:
-        w = int(argv[1])
-        for name, f, flags in plan(w) + bf16_plan(w) + restart_plan(w):
-            print(f"{f} {' '.join(map(str, flags))}    # {name}")
-        return 0
-    cpu = argv[:1] == ["--cpu"]
-    if cpu:
-        worlds = [1, 2]
+def bench_flags(w):
+    """The plan's model; 2w micro-batches (ZB-V needs m >= 2p - 1) of 2 sequences per rank."""
+    return [*model_flags(w), "--batch-size", 4 * w * w, "--microbatches", 2 * w, "--warmup", 2]
+
+
+def run_bench(job, cpu, tmp, timeout):
+    """bench.py's pairs at this world, one round each: every pair runs on both sides and trains alike."""
+    w, out_prefix = job["world"], tmp / f"bench{job['world']}"
+    cmd = [sys.executable, str(ROOT / "bench.py"), "--world", str(w), "--pairs", job["pairs"], "--rounds",
+           "1", "--no-scaling", "--out", str(out_prefix), *map(str, bench_flags(w))]
+    env = dict(os.environ, PYTHONUNBUFFERED="1", **({"CUDA_VISIBLE_DEVICES": ""} if cpu else {}))
+    try:
+        p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+        rc, out = p.returncode, p.stdout + p.stderr
+    except subprocess.TimeoutExpired as e:
+        rc, out = -1, f"{e.stdout or ''}{e.stderr or ''}\nstopped after {timeout:.0f} s"
+    path = Path(f"{out_prefix}.json")
+    rows = json.loads(path.read_text()) if rc == 0 and path.exists() else []
+    diffs = {r["pair"]: r.get("max_loss_diff") for r in rows}
+    ok = bool(rows) and all(d is not None and d <= 1e-3 for d in diffs.values())
+    line(job["name"], ok, f"{len(rows)} pairs, ours vs torch max rel loss diff "
+         f"{max((d for d in diffs.values() if d is not None), default=float('nan')):.1e} (sanity bound 1e-3)",
+         out)
+
+
+# ----------------------------------------------------------------------------- the plan, the budget
+def build(args, gpus):
+    worlds = [args.world] if args.world else ([1] if args.one_gpu else sorted({gpus, 1}, reverse=True))
+    todo = [j for w in worlds for j in jobs(w, args.cpu, gpus)]
+    if args.cpu and not args.world and not args.one_gpu and gpus < 3:  # the straggler check tried on CPU too
+        todo.append(dict(kind="stragglers", name="dp async stragglers overlap (world 3)", file="dp.py",
+                         world=3, launches=2))
+    if args.only:
+        todo = [j for j in todo if j["file"] in args.only]
+    return todo
+
+
+class Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line and exit 2, as every file of the repo
+        sys.exit(bad(message))
+
+
+def parse(argv):
+    p = Parser(prog="gpu_check", description=__doc__.split("\n\n")[0])
+    p.add_argument("--cpu", action="store_true", help="gloo + CPU, GPUs hidden")
+    p.add_argument("--one-gpu", action="store_true", help="the one-GPU plan (world 1)")
+    p.add_argument("--world", type=int, default=0, help="only this world's plan")
+    p.add_argument("--for-gpus", type=int, default=0, help="with --dry-run or --cpu: plan for this many GPUs")
+    p.add_argument("--only", default="", help="FILE[,FILE]: only these files' runs")
+    p.add_argument("--minutes", type=float, default=0, help="time budget (0: none)")
+    p.add_argument("--dry-run", action="store_true", help="print the plan and its estimate; launch nothing")
+    args = p.parse_args(argv)
+    args.only = [f for f in args.only.split(",") if f]
+    return args
+
+
+def bad(why):
+    print(f"gpu_check: error: {why}", flush=True)
+    return 2
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--deterministic-run"]:  # (internal) a file under torch's deterministic algorithms
+        return deterministic_run(argv[1], argv[2:])
+    if argv[:1] == ["--list"]:  # the earlier spelling: the plan for N GPUs
+        argv = ["--dry-run", "--for-gpus", *argv[1:2]]
+    args = parse(argv)
+    unknown = sorted(set(args.only) - set(FILES))
+    if unknown:
+        return bad(f"--only: unknown {', '.join(unknown)}; choose from {', '.join(FILES)}")
+    if args.minutes < 0 or args.world < 0 or args.for_gpus < 0:
+        return bad("--minutes, --world and --for-gpus must be >= 0")
+    if args.one_gpu and args.world not in (0, 1):
+        return bad(f"--one-gpu is world 1; --world {args.world} contradicts it")
+    where = "cpu" if args.cpu else "gpu"
+    if args.dry_run or args.cpu:
+        gpus = args.for_gpus or args.world or (1 if args.one_gpu else 2)
     else:
-        import torch
-        n = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        if n == 0:
+        gpus = 0
+        if os.environ.get("CUDA_VISIBLE_DEVICES") != "":  # set and empty: every GPU hidden, no import needed
+            import torch
+            gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if gpus == 0:
             print("gpu_check: no CUDA GPU visible to torch: nothing to check (skipped)")
             return 0
-        print(f"gpu_check: {n} x {torch.cuda.get_device_name(0)} | torch {torch.__version__}", flush=True)
-        worlds = sorted({1, n})
-    t0 = time.time()
-    for w in worlds:
-        run_world(w, cpu)
-    if cpu:  # the smallest world with two workers, so the straggler check itself is tried on CPU too
-        stragglers(3, cpu)
-    print(f"gpu_check: {'all runs passed' if not FAILED else f'{len(FAILED)} RUNS FAILED'} "
-          f"({(time.time() - t0) / 60:.1f} min)")
+        print(f"gpu_check: {gpus} x {torch.cuda.get_device_name(0)} | torch {torch.__version__}", flush=True)
+    if args.world > gpus and not args.cpu:
+        return bad(f"--world {args.world} needs {args.world} GPUs; {gpus} "
+                   f"{'planned' if args.dry_run else 'visible'}")
+    todo = build(args, args.world or gpus)
+    if not todo:
+        return bad(f"no run of {', '.join(args.only)} in this plan (world {args.world or gpus})")
+    total = sum(estimate(j, where) for j in todo)
+    print(f"gpu_check: {len(todo)} runs, {sum(j['launches'] for j in todo)} launches, estimated "
+          f"{total / 60:.1f} min on {'CPU' if args.cpu else 'GPUs'}"
+          + (f" (budget {args.minutes:g} min)" if args.minutes else ""), flush=True)
+    budget = args.minutes * 60 if args.minutes else float("inf")
+    t0, ran_est, skipped, tmp = time.time(), 0.0, [], Path(tempfile.mkdtemp(prefix="gpu_check"))
+    for j in todo:
+        spent = ran_est if args.dry_run else time.time() - t0
+        scale = spent / ran_est if ran_est and not args.dry_run else 1.0  # measured / estimated so far
+        est = estimate(j, where) * max(scale, 0.5)
+        if spent + est > budget:
+            skipped.append(j)
+            print(f"{j['name']:52s} skipped  estimated {est:.0f} s; {max(0, budget - spent):.0f} s left of "
+                  f"the {args.minutes:g} min budget", flush=True)
+            continue
+        if args.dry_run:
+            flags = " ".join(map(str, j.get("flags", j.get("a", []))))
+            print(f"{j['name']:52s} {j['launches']:2d} launch(es), ~{est:.0f} s  {j['file']} {flags}")
+            ran_est += est
+            continue
+        deadline, STARTED[0] = min(t0 + budget, time.time() + 900), time.time()
+        timeout = max(1, deadline - time.time())
+        if j["kind"] == "check":
+            run_check(j, args.cpu, tmp, min(timeout, 300))
+        elif j["kind"] == "same":
+            run_same(j, args.cpu, tmp, deadline)
+        elif j["kind"] == "stragglers":
+            stragglers(j["world"], args.cpu, timeout=min(timeout, 300))
+        else:
+            run_bench(j, args.cpu, tmp, timeout)
+        ran_est += estimate(j, where)
+    shutil.rmtree(tmp, ignore_errors=True)
+    ran = len(todo) - len(skipped)
+    verdict = "planned" if args.dry_run else "all runs passed" if not FAILED else f"{len(FAILED)} RUNS FAILED"
+    launches = sum(j["launches"] for j in todo if j not in skipped)
+    print(f"gpu_check: {verdict}: {ran} runs ({launches} launches), "
+          f"{len(skipped)} skipped for the budget, "
+          + (f"estimated {ran_est / 60:.1f} min" if args.dry_run else f"{(time.time() - t0) / 60:.1f} min"),
+          flush=True)
     return 1 if FAILED else 0
+
+
+def deterministic_run(f, argv):
+    """Run FILE argv as its own __main__ with deterministic algorithms on (warn_only: an op with no
+    deterministic CUDA kernel warns instead of stopping the run; the spread measured beside it covers the
+    rest)."""
+    import runpy
+    import torch
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    sys.argv, sys.path[0] = [str(ROOT / f), *argv], str(ROOT)
+    runpy.run_path(str(ROOT / f), run_name="__main__")
+    return 0
 
 
 if __name__ == "__main__":

@@ -1,20 +1,21 @@
 """The counters every technique file measures with (harness.py), against closed forms computed here from the
 shapes alone: CommCounter on a real gloo group at worlds 2 and 3, SavedActivations and LiveStorages in one
 process, the Timeline's gathered events. Each check is shown to fail on a broken counter."""
-import json, subprocess, sys
+import json, re, sys
 
 import pytest
 import torch
 import torch.nn as nn
 
-from helpers import ENV, ROOT
+from helpers import ROOT, forked
 
 sys.path.insert(0, str(ROOT))
 import harness  # noqa: E402
 
 
 def expected_table(W):
-    """What rank 0 hands over in tests/harness_checks.py's traffic(), by "op/axis/phase": [calls, elems, bytes]."""
+    """What rank 0 hands over in tests/harness_checks.py's traffic(), by "op/axis/phase": [calls, elems,
+    bytes]."""
     rows = [3 + q for q in range(W)]
     return {
         "all_reduce/world/fwd": [1, 10, 80],
@@ -29,18 +30,39 @@ def expected_table(W):
     }
 
 
+def expected_rest(W):
+    """The same for tests/harness_checks.py's the_rest(): coalesced, functional and any-source ops."""
+    return {
+        "all_reduce/world/fwd": [3, 8 + 5 + 8, 8 * 21],  # functional coalesced (5 + 3), in place (5), c10d's
+        "all_gather/world/fwd": [2, 8 * W + 2 * W, 64 + 16],  # coalesced [5, 3] and a list of W pieces of 2
+        "reduce_scatter/world/fwd": [1, 3 * W, 8 * 3 * W],  # coalesced [2W, W]: hands both whole inputs
+        "broadcast/world/fwd": [1, 3, 24],  # rank 0 is the root
+        "recv/world/fwd": [W, 3 * (W - 1) + 4, 0],  # W - 1 from any source, one in the functional batch
+        "send/world/fwd": [1, 4, 32],  # the functional batch's send (rank 0 sends nothing to any source)
+        "all_to_all/world/fwd": [1, 2 * W, 16 * W],
+        "gather/world/fwd": [1, 2 * W, 16],
+        "scatter/world/fwd": [1, 2 * W, 16 * W],  # the root hands every piece
+        "reduce/world/fwd": [1, 3, 24],
+    }
+
+
 @pytest.mark.parametrize("world", [2, 3])
 def test_comm_counter_sees_what_each_collective_hands_over(tmp_path, world):
     out = tmp_path / "h.json"
-    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}",
-                        str(ROOT / "tests" / "harness_checks.py"), str(out)], env=ENV, cwd=ROOT,
-                       capture_output=True, text=True, timeout=120)
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    rc, output = forked("tests/harness_checks.py", world, out, timeout=120)
+    assert rc == 0, output[-6000:]
     got = json.loads(out.read_text())
     assert got["table"] == expected_table(world), got["table"]
+    # every other form of op (issue 31: the coalesced functional ops and recv_any_source crashed the counter)
+    assert got["rest"] == expected_rest(world), got["rest"]
+    rest = [(c["op"], c["peer"], c["tag"]) for c in got["rest_log"] if c["op"] in ("send", "recv")]
+    ring = [("send", 1, 0), ("recv", world - 1, 0)]  # peers as global ranks; None: from any source
+    assert rest == [("recv", None, 5)] * (world - 1) + ring, rest
+    assert [c["to_others"] for c in got["rest_log"] if c["op"] == "all_to_all"] == [16 * (world - 1)]
     # the per-call log: peers as global ranks, the tag, and the all-to-all bytes that leave the rank
     log = {c["op"] + "/" + c["phase"]: c for c in got["log"]}
-    assert log["send/fwd"]["peer"] == 1 and log["send/fwd"]["tag"] == 1 and log["recv/fwd"]["peer"] == world - 1
+    assert log["send/fwd"]["peer"] == 1 and log["send/fwd"]["tag"] == 1
+    assert log["recv/fwd"]["peer"] == world - 1
     rows = [3 + q for q in range(world)]
     assert log["all_to_all/fwd"]["to_others"] == 8 * 2 * (sum(rows) - rows[0])  # the block to itself stays
     # the check can fail: a counter that adds up every tensor argument gets other numbers
@@ -56,6 +78,15 @@ def test_comm_counter_sees_what_each_collective_hands_over(tmp_path, world):
     assert all(e["end"] - e["start"] >= (30 if e["kind"] == "F" else 60) * 0.99 for e in ev), ev
     assert all(e["chunk"] == e["rank"] for e in ev) and all(e["note"] == -1 for e in ev if e["kind"] == "B")
     assert all(a["end"] <= b["start"] + 1e-6 for a, b in zip(ev, ev[1:]) if a["rank"] == b["rank"])
+
+
+def test_comm_counter_knows_every_communication_op_of_this_torch():
+    """Each op torch registers in the two namespaces the counter watches is counted (harness._OPS) or moves
+    no data (barriers, waits): an op added by a later torch fails here, not silently uncounted in a run."""
+    names = [n.split("::") for n in torch._C._dispatch_get_all_op_names()]
+    ops = {name for ns, name in names if ns in ("c10d", "_c10d_functional")}
+    assert len(ops) >= 35 and ops <= set(harness._OPS) | harness._NOT_TRAFFIC, ops - set(harness._OPS)
+    assert not ops <= set(harness._OPS) - {"recv_any_source_"} | harness._NOT_TRAFFIC  # the check can fail
 
 
 def test_saved_activations_and_live_storages():
@@ -84,3 +115,85 @@ def test_saved_activations_and_live_storages():
     assert live.alive() == 4 * 30
     del dropped
     assert live.alive() == 4 * 10 and live.peak == 4 * 30
+
+
+# --------------------------------------------------------------------------- tests/gpu_check.py, sized
+def gpu_check_main(capsys, *argv):
+    sys.path.insert(0, str(ROOT / "tests"))
+    import gpu_check
+    gpu_check.FAILED.clear()
+    rc = gpu_check.main(list(argv))
+    return rc, capsys.readouterr().out
+
+
+def planned(out):
+    """The runs a dry run lists: {name: launches}; and those it skips for the budget."""
+    runs = {m[0].strip(): int(m[1]) for m in re.findall(r"^(.+?\(world \d+\))\s+(\d+) launch", out, re.M)}
+    return runs, re.findall(r"^(.+?\(world \d+\))\s+skipped", out, re.M)
+
+
+def test_gpu_check_one_gpu_plan_only_world_and_minutes(capsys):
+    rc, out = gpu_check_main(capsys, "--dry-run", "--one-gpu")
+    runs, skipped = planned(out)
+    assert rc == 0 and not skipped and all(n.endswith("(world 1)") for n in runs), out
+    for path in ("offload bf16", "fp16 loss scaling", "CUDA events", "bfloat16", "compress int8", "adafactor",
+                 "cp 1", "dropout 0.1, vs none", "restart", "bench", *(f"moe {r} " for r in (
+                     "switch", "gshard", "noisy_topk", "expert_choice", "loss_free"))):
+        assert any(path in n for n in runs), (path, out)  # every CUDA-only path of issue 31 is planned
+    n = sum(runs.values())  # the launch count printed is the sum of the runs' launches; 10 s each: < 6 min
+    assert f"{len(runs)} runs ({n} launches)" in out and 10 * n < 6 * 60, out
+    # --only: just those files' runs; a file that is not in the plan is one line and exit 2
+    rc, out = gpu_check_main(capsys, "--dry-run", "--for-gpus", "4", "--only", "zero.py,moe.py")
+    files = set(re.findall(r"launch\(es\), ~\d+ s  (\S+)", out))
+    assert rc == 0 and files == {"zero.py", "moe.py"}, out
+    rc, out = gpu_check_main(capsys, "--dry-run", "--only", "zero.py,nope.py")
+    assert rc == 2 and out.strip().splitlines() == [out.strip()] and "nope.py" in out, out
+    # --world: that world's plan alone; beyond the GPUs at hand it is refused
+    rc, out = gpu_check_main(capsys, "--dry-run", "--for-gpus", "8", "--world", "4")
+    runs, _ = planned(out)
+    assert rc == 0 and runs and all(n.endswith("(world 4)") for n in runs), out
+    assert any("ptdp pp 2 x dp 2" in n for n in runs) and any("moe ep 2 of 4" in n for n in runs), out
+    assert gpu_check_main(capsys, "--dry-run", "--for-gpus", "2", "--world", "4")[0] == 2
+    # --minutes: in order, a run is skipped when its estimate does not fit in what is left (10 s per launch
+    # at world 1 on a GPU), and every later run that fits still runs
+    full, _ = planned(gpu_check_main(capsys, "--dry-run", "--one-gpu")[1])
+    rc, out = gpu_check_main(capsys, "--dry-run", "--one-gpu", "--minutes", "1.5")
+    runs, skipped = planned(out)
+    left, expect_run, expect_skip = 90, [], []
+    for name, launches in full.items():
+        (expect_run if 10 * launches <= left else expect_skip).append(name)
+        left -= 10 * launches if 10 * launches <= left else 0
+    assert list(runs) == expect_run and skipped == expect_skip and expect_skip, out
+    assert f"{len(expect_skip)} skipped for the budget" in out
+
+
+def test_gpu_check_budget_and_rerun_verdicts(capsys, monkeypatch):
+    """A real (non-dry) run under --minutes launches nothing that does not fit and gives each launch no more
+    than the time left; the restart verdict: bit for bit when reruns agree bit for bit, else within 10 x
+    their measured spread (a restart that differs while the runs are deterministic fails)."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    import gpu_check
+    timeouts = []
+    monkeypatch.setattr(gpu_check, "launch", lambda w, f, flags, cpu, env=None, restarts=0, timeout=300: (
+        timeouts.append(timeout), (0, "check vs one-process reference: max rel loss diff 0 -> PASSED"))[1])
+    monkeypatch.setattr(gpu_check, "run_bench", lambda *a: timeouts.append("bench"))
+    rc, out = gpu_check_main(capsys, "--cpu", "--one-gpu", "--only", "zero.py,bench.py", "--minutes", "0.4")
+    assert rc == 0 and "bench world 1 (world 1)" in out and "skipped" in out and "bench" not in timeouts, out
+    assert len(timeouts) == 2 and all(t <= 24 for t in timeouts), timeouts  # 2 zero.py runs, each <= 0.4 min
+    job = dict(name="x", world=1, file="dp.py", a=[], b=[[]], restart=True)
+
+    def verdict(a, b, again, killed=True):
+        runs = iter([a, b, again])
+        said = "simulated failure at step 3 ... resumed from" if killed else ""
+        monkeypatch.setattr(gpu_check, "losses", lambda *args, **kw: (next(runs), said))
+        gpu_check.FAILED.clear()
+        gpu_check.run_same(job, True, None, 1e18)
+        capsys.readouterr()
+        return not gpu_check.FAILED
+
+    assert verdict([4.0, 3.0], [4.0, 3.0], None)  # bit for bit: no third run
+    assert not verdict([4.0, 3.0], [4.0, 3.0 + 1e-9], [4.0, 3.0])  # reruns agree bit for bit: it may not
+    assert verdict([4.0, 3.0], [4.0, 3.0 + 1e-7], [4.0, 3.0 + 3e-8])  # within 10 x a measured spread
+    assert not verdict([4.0, 3.0], [4.0, 3.1], [4.0, 3.0 + 3e-8])  # far outside it
+    assert not verdict([4.0, 3.0], None, [4.0, 3.0])  # a restart that failed
+    assert not verdict([4.0, 3.0], [4.0, 3.0], None, killed=False)  # equal, but nothing was killed

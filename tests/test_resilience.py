@@ -127,23 +127,38 @@ def test_bad_input_matrix(tmp_path):
 
 
 def test_gpu_check_plans_a_legal_run_for_any_gpu_count(tmp_path):
-    """tests/gpu_check.py derives every run's flags from the GPU count: at 1 to 8 GPUs each planned run passes
-    its file's argument checks and reaches the rendezvous (the matrix runner has none, so it crashes there),
-    where an illegal one would exit 2. The control: the same plan at 6 GPUs launched at world 4 is refused."""
+    """tests/gpu_check.py derives every run's flags from the GPU count: at 1 to 8 GPUs each planned run (the
+    --check runs, the DETAIL pass, both sides of every restart and dropout comparison, the one-GPU plan at
+    world 1) passes its file's argument checks and reaches the rendezvous (the matrix runner has none, so it
+    crashes there), where an illegal one would exit 2. The control: the plan for 6 GPUs launched at world 4
+    is refused."""
     sys.path.insert(0, str(ROOT / "tests"))
-    import gpu_check
-    cases = [dict(file=f, world=w, rank=w - 1, argv=list(map(str, flags)), torchrun=True, name=name)
-             for w in range(1, 9) for name, f, flags in gpu_check.plan(w) + gpu_check.bf16_plan(w)
-             + gpu_check.restart_plan(w)]
-    kinds = {name.split(" (")[0] for name, _, _ in gpu_check.plan(8)}
-    assert len(kinds) >= 35 and {f for _, f, _ in gpu_check.plan(8)} == {
+    sys.path.insert(0, str(ROOT))
+    import bench, gpu_check
+    runs = {}  # (file, world, argv) -> name; the DETAIL pass's runs are the plan's with --dtype bfloat16
+    for w in range(1, 9):
+        for j in gpu_check.jobs(w, False, w):
+            sides = [j["flags"]] if "flags" in j else [j["a"], *j["b"]] if "a" in j else []
+            if j["kind"] == "bench":  # our side of each pair, as bench.py launches it with gpu_check's flags
+                pairs = list(bench.PAIRS) if j["pairs"] == "all" else j["pairs"].split(",")
+                sides = [[*gpu_check.bench_flags(w)[:-4], *bench.PAIRS[q][1].format(
+                    m=2 * w, world=w, cap=4.0).split()] for q in pairs]  # the model; not --microbatches, --warmup
+                files = [bench.PAIRS[q][0] for q in pairs]
+            else:
+                files = [j["file"]] * len(sides)
+            for f, flags in zip(files, sides) if not j.get("env") else ():
+                runs.setdefault((f, w, tuple(map(str, flags))), j["name"])
+    cases = [dict(file=f, world=w, rank=w - 1, argv=list(argv), torchrun=True, name=name)
+             for (f, w, argv), name in runs.items()]
+    kinds = {name.split(" (")[0] for name, _, _ in gpu_check.plan(8) + gpu_check.extra_plan(8)}
+    assert len(kinds) >= 40 and {f for _, f, _ in gpu_check.plan(8)} == {
         "dp.py", "ddp_bucketed.py", "gpipe.py", "pipedream.py", "zero_bubble.py", "megatron_tp.py", "ptdp.py",
         "moe.py", "zero.py", "memory_savers.py", "context_parallel.py"}, kinds
     wrong_world = [dict(file=f, world=4, rank=0, argv=list(map(str, flags)), torchrun=True, name=name)
                    for name, f, flags in gpu_check.plan(6) if f in ("ptdp.py", "megatron_tp.py", "moe.py")]
     (tmp_path / "cases.json").write_text(json.dumps(cases + wrong_world))
     p = subprocess.run([sys.executable, str(ROOT / "tests" / "bad_input_matrix.py"), str(tmp_path / "cases.json")],
-                       env=ENV, cwd=ROOT, capture_output=True, text=True, timeout=300)
+                       env=ENV, cwd=ROOT, capture_output=True, text=True, timeout=600)
     results = [json.loads(l) for l in p.stdout.splitlines() if l.startswith("{")]
     assert len(results) == len(cases) + len(wrong_world), p.stdout[-2000:] + p.stderr[-3000:]
     bad = [f"{c['name']} world {c['world']}: {r['code']} {r['stderr'].strip()[-200:]}"
