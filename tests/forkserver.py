@@ -8,7 +8,7 @@ sees the same environment variables, the same `sys.argv` and `__main__` as under
 own modules fresh, and rendezvous the same way (`common.init_dist`: rank 0 hosts the TCPStore, as it does
 under torchrun without the agent's store). The agent's other behaviour is kept too: when a worker fails the
 others are stopped (SIGTERM, then SIGKILL) and the launch exits 1; with `max_restarts` every worker is
-started again with TORCHELASTIC_RESTART_COUNT one higher. `tests/test_harness.py` launches one configuration
+started again with TORCHELASTIC_RESTART_COUNT one higher. `tests/test_forkserver.py` launches one configuration
 both ways and requires the same summary to the bit.
 
 Protocol: one JSON request per line on stdin {mode, script, args, nproc, env, cwd, out, err, timeout,
