@@ -6,7 +6,9 @@ reference with the same precision recipe); fp16 skips an injected overflow on ev
 (tests/zero_checks.py); a checkpoint saved at world 4 resumes at world 2; a run killed and restarted by
 torchrun at each stage, with dropout, equals the uninterrupted run bit for bit; bad input exits 2; and the
 technique, copied out of zero.py with nothing but torch, trains a model that is not the GPT exactly as plain
-one-process training does (test_copy_out_zero_on_another_model: the way to check your own trainer)."""
+one-process training does, at worlds 3 and 2, with a weight tied inside a unit, a copier's loop that never
+passes last=, and a unit only one rank runs (its reductions in the same order on every rank)
+(test_copy_out_zero_on_another_model: the way to check your own trainer)."""
 import ast, json, sys
 
 import torch
@@ -280,8 +282,10 @@ def copy_out_worker(json_path, steps=3, accum=2, clip=0.2):
         for s in range(4):
             got, diff[f"stage {s}"] = trained(plain, group, stage=s)
             # the tied pair: both names read the one trained tensor
-            diff[f"stage {s}: tied names differ"] = (got["body.mix.proj.weight"] - got["body.mix.gate.weight"]).abs().max().item()
-            _, diff[f"stage {s}, backward(loss) on every micro-batch"] = trained(plain, group, default_backward_step, stage=s)
+            tied = got["body.mix.proj.weight"] - got["body.mix.gate.weight"]
+            diff[f"stage {s}: tied names differ"] = tied.abs().max().item()
+            _, diff[f"stage {s}, backward(loss) on every micro-batch"] = trained(plain, group, default_backward_step,
+                                                                                 stage=s)
         _, diff["stage 3 offload"] = trained(plain, group, stage=3, offload=True)
         branchy = batches(world, steps, branch_on=world)  # body.side runs on group rank 0 only
         want_now, _ = plain_training(branchy, clip)
@@ -305,10 +309,12 @@ def copy_out_worker(json_path, steps=3, accum=2, clip=0.2):
     mine = slice(rank * 4, (rank + 1) * 4)
 
     def issued(stage):  # [(op, elements)] handed to collectives, in order, as a tensor (3 numbers per call)
-        zero, comm = core["Zero"](tower(), UNITS, optimizer=adamw, clip=clip, group=singles[rank], stage=stage), CommCounter(log=True)
+        zero = core["Zero"](tower(), UNITS, optimizer=adamw, clip=clip, group=singles[rank], stage=stage)
+        comm = CommCounter(log=True)
         with comm:
             core["train_step"](zero, x[mine], y[mine], y.numel(), accum, huber)
-        calls = [[float(c["op"] == "all_reduce"), float(c["op"] == "reduce"), float(c["elems"])] for c in comm.calls_log]
+        calls = [[float(c["op"] == "all_reduce"), float(c["op"] == "reduce"), float(c["elems"])]
+                 for c in comm.calls_log]
         return torch.tensor(calls + [[-1.0] * 3] * (40 - len(calls)), dtype=torch.float64)  # padded: 40 calls
 
     def same_everywhere(stage):
@@ -322,7 +328,8 @@ def copy_out_worker(json_path, steps=3, accum=2, clip=0.2):
 
     def arrival_order(self, u, g):  # the old rule: each unit reduced as soon as autograd finishes it
         if u not in self.reduce_order[:self.next]:  # (its turn moves up to the next one)
-            self.reduce_order = [*self.reduce_order[:self.next], u, *[v for v in self.reduce_order[self.next:] if v is not u]]
+            rest = [v for v in self.reduce_order[self.next:] if v is not u]
+            self.reduce_order = [*self.reduce_order[:self.next], u, *rest]
         reduce_grad(self, u, g)
     core["Zero"].reduce_grad = arrival_order
     out["same order, arrival-order mutant"] = {s: same_everywhere(s) for s in range(3)}
