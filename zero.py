@@ -171,7 +171,7 @@ class FlatUnit(nn.Module):
     def forward(self, *args):
         if self.zero.stage < 3 or not self.numel:  # (a root unit may have no parameters of its own)
             self.zero.wait_published(self)  # stages 1-2: the all-gather of the last step's update
-            return functional_call(self.module, self.views(self.full), args)
+            return functional_call(self.module, self.views(self.full if self.numel else self.compute), args)
         full = GatherParams.apply(self.shard, self)  # (N*S,) global: all-gathered just before use
         self.in_forward = full.untyped_storage().data_ptr()  # where it lies, for Zero._pack (not a reference)
         try:

@@ -222,9 +222,14 @@ def adamw(params):
     return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1, foreach=False)
 
 
-def plain_training(data, clip):
+def bare():  # every parameter inside a unit: the root unit has none of its own
+    torch.manual_seed(5)
+    return nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3)).double()
+
+
+def plain_training(data, clip, make=tower):
     """Plain one-process training on the whole global batch: the answer, and the largest gradient norm."""
-    plain, norms = tower(), []
+    plain, norms = make(), []
     opt = adamw(plain.parameters())
     for x, y in data:
         opt.zero_grad()
@@ -268,8 +273,8 @@ def copy_out_worker(json_path, steps=3, accum=2, clip=0.2):
     want, top_norm = plain_training(plain, clip)
     out = dict(clipped=top_norm > clip, moved=max((want[n] - p).abs().max().item() for n, p in tower().named_parameters()))
 
-    def trained(data, group, loop=None, **kw):  # the largest difference from plain training, and the params
-        zero = core["Zero"](tower(), UNITS, optimizer=adamw, clip=clip, group=group, **kw)
+    def trained(data, group, loop=None, make=tower, units=UNITS, **kw):  # the params, the largest difference
+        zero = core["Zero"](make(), units, optimizer=adamw, clip=clip, group=group, **kw)
         for x, y in data:  # every rank passes the global batch; train_step takes its own rows
             loop(zero, x, y, accum) if loop else core["train_step"](zero, x, y, y.numel(), accum, huber)
         got = Z.full_state_dict(zero)
@@ -287,6 +292,8 @@ def copy_out_worker(json_path, steps=3, accum=2, clip=0.2):
             _, diff[f"stage {s}, backward(loss) on every micro-batch"] = trained(plain, group, default_backward_step,
                                                                                  stage=s)
         _, diff["stage 3 offload"] = trained(plain, group, stage=3, offload=True)
+        want_now, _ = plain_training(plain, clip, bare)
+        _, diff["stage 3, a root without parameters"] = trained(plain, group, make=bare, units=["0", "2"], stage=3)
         branchy = batches(world, steps, branch_on=world)  # body.side runs on group rank 0 only
         want_now, _ = plain_training(branchy, clip)
         for s in range(3):
@@ -357,7 +364,8 @@ def test_copy_out_zero_on_another_model(tmp_path):
       (no reduction is read while the next micro-batch writes its buffer, none counts a sum N times);
     - a unit run by one rank only (data-dependent graph): stages 0-2 are exact, and every rank issues the
       same collectives in the same order (each recorded on a group of its own, then compared);
-    - a tie across two units is refused with a ValueError naming both parameters.
+    - a tie across two units is refused with a ValueError naming both parameters;
+    - stage 3 with every parameter inside a unit (a root unit without parameters) trains exactly.
     Mutants caught: a stage 2 whose gradients are never reduced across ranks, stage 0 without waiting for the
     reduction before the next micro-batch writes into it, reductions launched in the order autograd finishes
     the units (the ranks' orders differ)."""
@@ -366,7 +374,7 @@ def test_copy_out_zero_on_another_model(tmp_path):
     for world in (3, 2):
         d = s[f"world {world}"]
         mutants = {k: d.pop(k) for k in list(d) if k.startswith("mutant")}
-        assert len(d) == 4 * 3 + 1 + 3 and all(diff < 1e-12 for diff in d.values()), (world, d)
+        assert len(d) == 4 * 3 + 1 + 1 + 3 and all(diff < 1e-12 for diff in d.values()), (world, d)
         assert all(diff > 1e-3 for diff in mutants.values()) and len(mutants) == 2, (world, mutants)
     assert all(s["same order"].values()) and len(s["same order"]) == 3, s["same order"]
     assert not any(s["same order, arrival-order mutant"].values()), s["same order, arrival-order mutant"]
