@@ -19,6 +19,11 @@ holds the whole model state, yet only 1/N of the update work needs to happen on 
            all-gather of the next unit is launched asynchronously before the current one computes, in
            forward and in backward, at most one ahead (FSDP's rate limiter): besides the root, only the unit
            running and the unit arriving are gathered at any time.
+  Reductions are launched in one fixed unit order on every rank (the reverse of forward's, the root last),
+  each once it and the units before it are ready, as ddp_bucketed.py's buckets: NCCL matches collectives
+  by order, so a graph that depends on the data (a unit one rank skips) must not reorder them; a unit this
+  rank's backward did not reach takes its turn with zeros. A weight tied inside a unit is one flat slot
+  that each of its names reads; a tie across units is refused (it would be cut in two).
   --offload         ZeRO-Offload (Ren et al. 2021), the GeePS idea (Cui et al. 2016) of keeping off the GPU
                     what is not in use: the fp32 master shard and Adam moments live in CPU memory and the
                     optimizer step runs there. On a CPU-only machine the same code path runs.
@@ -52,7 +57,6 @@ fp16 Adam: p = g = 2, K = 12 = fp32 master + m + v):
 
 In production, use torch.distributed.fsdp.fully_shard (FSDP2) or DeepSpeed ZeRO.
 """
-import copy
 import os
 import sys
 from dataclasses import dataclass
@@ -97,8 +101,8 @@ def all_gather_(full, shard, group):  # (S,) local -> (N*S,) global, into `full`
 
 
 class GatherParams(torch.autograd.Function):
-    """Stage 3 (FSDP). Forward: the unit's flat parameters all-gathered from the N shards (Zero.acquire).
-    Backward: the flat gradient reduce-scattered (async, master dtype) into this rank's shard (Zero)."""
+    """Stage 3 (FSDP). Forward: the unit's flat parameters all-gathered (Zero.acquire). Backward: the flat
+    gradient reduce-scattered (async, master dtype) into this rank's shard (Zero.reduce_grad)."""
 
     @staticmethod
     def forward(ctx, shard, unit):  # shard (S,) local -> (N*S,) global
@@ -121,18 +125,23 @@ class FlatUnit(nn.Module):
     def __init__(self, zero, module, prefix):
         super().__init__()
         self.zero, self.module, z = zero, module, zero
-        named = list(module.named_parameters())  # units inside `module` were replaced already: only its own
-        self.names = [prefix + n for n, _ in named]  # names in the original model
+        named = list(module.named_parameters(remove_duplicate=False))  # its own (units inside: replaced)
+        for tie in [f"{prefix + n} is {z.taken[id(p)]}" for n, p in named if id(p) in z.taken]:
+            raise ValueError(f"{tie} of another unit: a tie across units would be cut in two; put both in "
+                             "one unit (inside a unit a tie is shared) or untie them")
+        z.taken.update({id(p): prefix + n for n, p in named})
+        self.tied = {n: next(m for m, q in named if q is p) for n, p in named}  # name -> its tensor's first
+        named = [(n, p) for n, p in named if self.tied[n] == n]  # each tensor once: one slot, however tied
+        self.names = [prefix + n for n in self.tied]  # every name in the original model
         self.local, self.shapes = [n for n, _ in named], [p.shape for _, p in named]  # names inside `module`
         self.offsets = [0, *accumulate(p.numel() for _, p in named)]  # param k: flat [offsets[k], [k+1])
         self.numel = self.offsets[-1]
         self.S = -(-self.numel // z.world)  # shard length ceil(P / N); the last shards hold the padding
         self.padded, self.lo = self.S * z.world, z.rank * self.S  # this rank owns flat elements [lo, lo + S)
         self.valid = max(0, min(self.S, self.numel - self.lo))  # real (not padding) elements in my shard
-        flat = torch.zeros(self.padded, dtype=z.master_dtype)  # (N*S,) global, on the CPU
-        if named:
-            flat[:self.numel] = torch.cat([p.detach().cpu().flatten() for _, p in named])
-        for n in self.local:  # from here on the parameters exist only as (slices of) the flat vector
+        flat = torch.cat([p.detach().cpu().flatten() for _, p in named]  # (N*S,) global, on the CPU
+                         + [torch.zeros(self.padded - self.numel, dtype=z.master_dtype)])
+        for n in self.tied:  # from here on the parameters exist only as (slices of) the flat vector
             owner, _, attr = n.rpartition(".")
             del module.get_submodule(owner)._parameters[attr]
         mine = flat if z.stage == 0 else flat[self.lo:self.lo + self.S]  # what this rank's optimizer updates
@@ -143,28 +152,26 @@ class FlatUnit(nn.Module):
         else:  # (S,) local. requires_grad only so that autograd runs GatherParams.backward.
             self.full, self.shard = None, mine.to(z.device, z.compute_dtype, copy=True).requires_grad_()
             self.compute = self.shard.detach()
-        # The optimizer's copy in the master dtype (mixed precision, offload; offload steps on the CPU from a
-        # host copy of the gradient shard), or the compute copy itself (AdamW updates it in place).
+        # the optimizer's copy, master dtype (offload: on the CPU, stepped from a host copy of the gradient
+        # shard), or the compute copy itself (AdamW updates it in place)
         self.master = mine.to(z.master_device, copy=True) if z.separate_master else self.compute
         if z.offload:
             self.master.grad = torch.zeros_like(self.master)
         # the gradient accumulator, in the master dtype: whole (N*S,) in stages 0-1, this rank's (S,) in 2-3
-        self.grad = torch.zeros(self.padded if z.stage <= 1 else self.S, dtype=z.master_dtype,
-                                device=z.device)
-        self.has_grad = False  # whether self.grad holds this step's gradient yet (else it is stale)
-        self.reduced = None  # stages 0-1: the step's reduced gradient, once its reduction is done
-        self.in_forward = None  # stage 3: where the gathered flat vector lies while this unit runs forward
-        self.gathered = None  # stage 3: the flat vector gathered again for this unit's backward
+        self.grad = torch.zeros(self.padded if z.stage < 2 else self.S, dtype=z.master_dtype, device=z.device)
+        self.has_grad, self.reduced = False, None  # grad holds this step's (else stale); 0-1: the reduced sum
+        self.in_forward = self.gathered = None  # stage 3: where the gathered vector lies; backward's copy
 
     def views(self, full):  # {name inside module: view of the flat vector with the parameter's shape}
         # one split, padding last (a slice per parameter: each slice's backward zero-fills the unit: 5x)
         sizes = [hi - lo for lo, hi in zip(self.offsets, self.offsets[1:])] + [self.padded - self.numel]
-        return {n: p.view(s) for n, p, s in zip(self.local, full.split(sizes), self.shapes)}
+        views = {n: p.view(s) for n, p, s in zip(self.local, full.split(sizes), self.shapes)}
+        return {n: views[first] for n, first in self.tied.items()}  # a tied weight: one view, each name
 
     def forward(self, *args):
         if self.zero.stage < 3 or not self.numel:  # (a root unit may have no parameters of its own)
             self.zero.wait_published(self)  # stages 1-2: the all-gather of the last step's update
-            return functional_call(self.module, self.views(self.full), args)
+            return functional_call(self.module, self.views(self.full if self.numel else self.compute), args)
         full = GatherParams.apply(self.shard, self)  # (N*S,) global: all-gathered just before use
         self.in_forward = full.untyped_storage().data_ptr()  # where it lies, for Zero._pack (not a reference)
         try:
@@ -174,27 +181,31 @@ class FlatUnit(nn.Module):
 
     def _grad_ready(self, full):  # stages 0-2: autograd has accumulated this micro-batch's gradient
         g, full.grad = full.grad, None
-        if self.zero.stage == 2:
-            self.zero.reduce_grad(self, g)  # reduce-scatter now (async), keep only my shard
-            return
+        if self.zero.stage == 2:  # reduce-scatter every micro-batch's (async), keep only my shard
+            return self.zero.reduce_grad(self, g)
         self.accumulate(g)  # stages 0-1 keep the whole gradient, summed over micro-batches (no_sync) ...
         if self.zero.last_microbatch:  # ... and reduce it once per step, as soon as the last backward made it
             self.zero.reduce_grad(self, self.grad)
 
     def accumulate(self, g):  # into the step's gradient; the first micro-batch copies: nothing to zero
+        if self.reduced is not None:  # stages 0-1, reduced already (last=True before the last micro-batch):
+            self.zero.finish_reductions()  # wait, then keep of the sum only my shard, zeros elsewhere, so
+            mine = (self.reduced[self.lo:self.lo + self.S] if self.zero.stage == 0 else self.reduced).clone()
+            self.grad.zero_()[self.lo:self.lo + self.S] = mine  # that the next reduction adds it once
+            self.reduced, self.has_grad = None, True
         if self.has_grad:
             self.grad += g
         else:
             self.grad.copy_(g)
         self.has_grad = True
+        return self.grad
 
 
 class Zero:
-    """ZeRO around any nn.Module built on the CPU. `units` names submodules, in forward's order, that become
-    FlatUnits; the parameters left over form the root unit. Per step: zero(x) and zero.backward(loss) per
-    micro-batch (last=False on all but the last), then zero.step(). `optimizer(flat master tensors)` makes
-    the optimizer; `clip`: the global norm (0: off); `mixed_precision`: a compute dtype (float16: dynamic
-    loss scaling). Buffers stay in the module, replicated; no parameter may be shared between units."""
+    """ZeRO around any nn.Module built on the CPU. `units`: submodules, in forward's order, that become
+    FlatUnits; what is left is the root unit. Per step: zero(x), zero.backward(loss) per micro-batch
+    (last=False on all but the last: stages 0-1 then reduce once), zero.step(). `optimizer(flat masters)`;
+    `clip`: the global norm (0: off); `mixed_precision`: compute dtype (float16: loss scaling)."""
 
     def __init__(self, model, units=(), stage=0, optimizer=torch.optim.AdamW, clip=0.0, group=None,
                  device=None, offload=False, mixed_precision=None, loss_scale=65536.0, scale_window=1000):
@@ -207,12 +218,11 @@ class Zero:
         self.master_device = torch.device("cpu") if offload else self.device
         self.separate_master = offload or self.compute_dtype != self.master_dtype
         self.scaler = LossScaler(loss_scale, scale_window) if self.compute_dtype == torch.float16 else None
-        self.model, self.units = model, []
+        self.model, self.units, self.taken = model, [], {}  # taken: id of each parameter -> its name
         for path in units:  # each named submodule becomes a unit, in its parent's place
-            unit = FlatUnit(self, model.get_submodule(path), path + ".")
+            self.units.append(FlatUnit(self, model.get_submodule(path), path + "."))
             parent, _, child = path.rpartition(".")
-            setattr(model.get_submodule(parent), child, unit)
-            self.units.append(unit)
+            setattr(model.get_submodule(parent), child, self.units[-1])
         self.root = FlatUnit(self, model, "")  # whatever parameters are left
         self.units.append(self.root)
         model.to(self.device)  # the buffers (no parameters are left in the modules)
@@ -221,14 +231,14 @@ class Zero:
         blocks = [u for u in self.units[:-1] if u.numel]
         self.forward_order = [self.root] * bool(self.root.numel) + blocks
         self.backward_order = [self.root] * bool(self.root.numel) + blocks[::-1]
-        self.order, self.prefetched, self.pending, self.last_microbatch = self.forward_order, {}, [], True
+        self.order, self.prefetched, self.pending, self.last_microbatch = self.forward_order, {}, [], False
+        self.reduce_order, self.next, self.ready = [*self.units[-2::-1], self.root], 0, {}  # (reduce_grad)
         self.publishing = {}  # stages 1-2: unit -> (all-gather in flight, its input)
 
     # --- stage 3: prefetching all-gathers (FSDP's forward and backward prefetch) ---------------------------
     def acquire(self, u):
-        """Stage 3: u's whole flat vector (N*S,). Wait for its all-gather (launched when the unit before it
-        was acquired; else gather now), launch the next unit's and return, so that it travels while u
-        computes. One ahead, no more (FSDP's rate limiter): the root, the unit running, the one arriving."""
+        """Stage 3: u's whole flat vector (N*S,). Wait for its all-gather (launched with the previous unit's),
+        launch the next unit's, which travels while u computes: one ahead, no more (FSDP's rate limiter)."""
         work, buf = self.prefetched.pop(u, None) or self._launch_gather(u)
         work.wait()
         later = self.order[self.order.index(u) + 1:]
@@ -247,35 +257,42 @@ class Zero:
 
     # --- the gradient reductions, launched during backward -----------------------------------------------
     def reduce_grad(self, u, g):
-        """Launch the reduction of u's gradient g (N*S,); backward goes on. Stage 0 all-reduces it in place;
-        stages 1-3 reduce-scatter it into this rank's (S,) shard, in the master dtype. Stages 2-3 reduce each
-        micro-batch's gradient, one in flight (its input lives until done); stages 0-1 their accumulator once
-        per step, each unit as soon as the last backward has produced it, all in flight together."""
-        if self.stage >= 2:
-            self.finish_reductions()
-            g = g.to(self.master_dtype).contiguous()
-        if self.stage == 0:
-            out, work = g, dist.all_reduce(g, group=self.group, async_op=True)
-        else:
-            work, out = reduce_scatter_(g, self.group)
-        self.pending.append((u, work, out, g))  # g referenced until done
+        """g (N*S,), u's gradient, is ready: launch each reduction whose turn in `reduce_order` came (see the
+        top). Stage 0 all-reduces in place, 1-3 reduce-scatter to my (S,) shard, master dtype."""
+        self.ready[u] = g
+        while self.next < len(self.units) and self.reduce_order[self.next] in self.ready:
+            u = self.reduce_order[self.next]
+            g, self.next = self.ready.pop(u), self.next + 1
+            if self.stage >= 2:
+                self.finish_reductions()
+                g = g.to(self.master_dtype).contiguous()
+            if self.stage == 0:
+                out, work = g, dist.all_reduce(g, group=self.group, async_op=True)
+            else:
+                work, out = reduce_scatter_(g, self.group)
+            self.pending.append((u, work, out, g))  # g referenced until done
+            u.reduced = out if self.stage <= 1 else None  # stages 0-1: the step's sum, once work is done
+
+    def end_round(self):
+        """Backward ended (stages 0-1: the step's last): units it did not reach take their turn, zeros."""
+        while self.next < len(self.units):  # (each call launches its unit and the ready ones after it)
+            u = self.reduce_order[self.next]
+            zeros = torch.zeros(u.padded, dtype=self.compute_dtype, device=self.device)
+            self.reduce_grad(u, zeros if self.stage >= 2 else u.accumulate(zeros))  # 0-1: what it has
 
     def finish_reductions(self):
-        """Wait for the reductions in flight; stages 2-3 add the shard into u.grad, 0-1 keep the sum."""
+        """Wait for the reductions in flight; stages 2-3 add the shard into u.grad (0-1: u.reduced)."""
         for u, work, out, _ in self.pending:
             work.wait()
             if self.stage >= 2:
                 u.accumulate(out)
-            else:
-                u.reduced = out
         self.pending = []
 
     # --- what autograd saves: stage-3 parameter views kept as positions only --------------------------------
     def _pack(self, t):  # (one pair of saved_tensors_hooks around the whole forward; all else kept as it is)
         for u in self.units:
             if self.stage == 3 and t.untyped_storage().data_ptr() == u.in_forward:
-                # Holding the view would keep the whole gathered unit alive until backward; keep where it
-                # lies instead, and gather the unit again when backward first needs it.
+                # the view would keep the gathered unit alive until backward: keep where it lies, gather again
                 return (u, t.storage_offset(), t.shape, t.stride())
         return t
 
@@ -294,12 +311,14 @@ class Zero:
             return self.root(*args)
 
     def backward(self, loss, last=True):
-        """One micro-batch's backward; last=False on all but the step's last (stages 0-1 reduce only then)."""
+        """One micro-batch's backward. last=False on all but the step's last: stages 0-1 reduce once per step
+        (DDP's no_sync); any other pattern is right too, with more reductions."""
         self._new_pass(self.backward_order)
-        self.last_microbatch = last
+        self.last_microbatch, self.next = last, 0  # a new round of reductions (stages 0-1: if last)
         (loss * self.scaler.scale if self.scaler else loss).backward()
-        if self.stage >= 2:
-            self.finish_reductions()  # the last unit's reduce-scatter
+        if last or self.stage >= 2:
+            self.end_round()
+            self.finish_reductions()  # (stages 2-3: the last unit's reduce-scatter; 0-1: for step to read)
 
     def global_norm(self, parts):
         """The L2 norm of the whole gradient from each rank's slices (each element in one slice, padding
@@ -313,18 +332,13 @@ class Zero:
         """1. finish the reduction 2. fp16: unscale 3. the global norm, clip 4. AdamW on the master shard
         (on the CPU with offload) 5. publish the new parameters. Returns {norm, skipped}."""
         self.wait_published()  # (a unit the forward did not use: its shard is about to change)
-        for u in self.units:
-            if not u.has_grad:  # no backward reached u this step: its gradient is zero
-                u.grad.zero_()
-            if self.stage <= 1 and not any(p[0] is u for p in self.pending):  # (nor the last one's)
-                self.reduce_grad(u, u.grad)
+        self.end_round()  # (stages 0-1 when no backward said last=True, or none ran: reduce now)
         self.finish_reductions()
         grads = [u.reduced if self.stage <= 1 else u.grad for u in self.units]  # what the optimizer reads
         parts = [g[u.lo:u.lo + u.valid] if self.stage == 0 else g[:u.valid]  # padding excluded
                  for u, g in zip(self.units, grads)]
-        if self.scaler:
-            for g in grads:
-                g.mul_(1.0 / self.scaler.scale)
+        for g in grads if self.scaler else ():
+            g.mul_(1.0 / self.scaler.scale)
         norm = self.global_norm(parts)
         skipped = self.scaler is not None and not self.scaler.update(bool(torch.isfinite(norm)))
         if not skipped:
@@ -338,6 +352,7 @@ class Zero:
                     u.master.grad = g
             self.opt.step()
             self.publish()
+        self.next = 0
         for u in self.units:
             u.has_grad, u.reduced = False, None
             if not self.offload:
@@ -345,19 +360,16 @@ class Zero:
         return dict(norm=norm, skipped=skipped)
 
     def publish(self):
-        """Master -> compute copy (host fp32 -> device bf16). Stages 1-2 then all-gather the whole vector
-        from the updated shards, asynchronously, in forward's order: each unit's is waited for just before
-        its next forward, so it travels while the units before it compute."""
-        for u in self.units:
-            if self.separate_master:
-                u.compute.copy_(u.master)
+        """Master -> compute copy (host fp32 -> device bf16). Stages 1-2 then all-gather each unit from the
+        updated shards, async, in forward's order: waited for just before the unit's next forward."""
+        for u in self.units if self.separate_master else ():
+            u.compute.copy_(u.master)
         for u in self.forward_order if self.stage in (1, 2) else ():
             self.publishing[u] = all_gather_(u.full.detach(), u.compute, self.group)
 
     def wait_published(self, u=None):  # stages 1-2: unit u's all-gather from publish() (None: every unit's)
-        for v in [u] if u is not None else list(self.publishing):
-            if v in self.publishing:
-                self.publishing.pop(v)[0].wait()
+        for v in [v for v in list(self.publishing) if u in (None, v)]:
+            self.publishing.pop(v)[0].wait()
 
 
 def to_device(t, device):
@@ -380,9 +392,8 @@ def train_step(zero, x, y, n_tok, accum, loss_fn):
 
 # ============================================================================= mixed precision: loss scaling
 class LossScaler:
-    """Dynamic loss scaling for fp16 (Micikevicius et al. 2018, Sec. 3.2): the loss times `scale`, so that
-    small gradients survive in fp16; an overflowed step is skipped and the scale halved; after `window` clean
-    steps in a row it doubles. (bf16 has fp32's range: no scaling.)"""
+    """Dynamic loss scaling for fp16 (Micikevicius et al. 2018, Sec. 3.2): the loss times `scale`, so small
+    gradients survive in fp16; an overflow skips the step and halves it, `window` clean steps double it."""
 
     def __init__(self, scale, window):
         self.scale, self.window, self.clean = scale, window, 0
@@ -422,25 +433,19 @@ def train_zero(d, args):
                 mixed_precision=LOW[args.mixed_precision], loss_scale=args.loss_scale,
                 scale_window=args.scale_window)
     torch.manual_seed(args.seed + d.rank)  # dropout masks (if any) differ per rank; a resume restores them
-    ckpt = FlatShardCheckpoint(d, args.ckpt_dir, args.save_every, args.steps, [u.numel for u in zero.units],
-                               zero.group)  # each rank's shards; any world size resumes them (reshards)
-    run, comm = Run(d, args, ZeroShards(zero), ckpt=ckpt), CommCounter()
-    watch, skipped, scales = Watch(zero), [], []  # Watch: saved activations, gathered buffers, their peaks
+    ckpt = FlatShardCheckpoint(d, args.ckpt_dir, args.save_every, args.steps, [u.numel for u in zero.units])
+    run, comm, watch = Run(d, args, ZeroShards(zero), ckpt=ckpt), CommCounter(), Watch(zero)  # Watch: memory
     for step in run.steps():
         x, y = data.batch(step, args.batch_size, args.seq_len, args.ragged)  # (B, T) global, on the CPU
         with run.watching(step, comm):  # the bytes of the last step, seen at the dispatcher
             local, info = train_step(zero, x, y, count_tokens(y), args.accum, lm_loss)
         dist.all_reduce(local, group=zero.group)  # the global batch's loss, for the log line
-        scales.append(zero.scaler.scale if zero.scaler else 1.0)
-        if info["skipped"]:
-            skipped.append(step)
-            d.log(f"step {step:4d} | overflow: step skipped on every rank, loss scale -> {scales[-1]:g}")
+        watch.end_step(d, step, info["skipped"])  # fp16: the loss scale; a skipped step, logged
         run.end_step(step, local.item())  # the timer, the log line, the checkpoint
-    figures = report(d, args, zero, watch, comm)
-    figures.update(loss_scale=scales, per_rank=per_rank(d, zero, skipped), resumed_from_step=run.start)
+    top, figures = report(d, args, zero, watch, comm, run.start)  # the peak read first: before --check trains
     check = check_run(d, args, run.losses, full_state_dict(zero)) if args.check else None
-    return write_summary(d, args, "zero", run.losses, run.timer.median(), run.tokens_per_s(),
-                         peak(d, args, zero, watch), comm.total(), check, figures)
+    return write_summary(d, args, "zero", run.losses, run.timer.median(), run.tokens_per_s(), top,
+                         comm.total(), check, figures)
 
 
 def main():
@@ -461,11 +466,18 @@ class Watch:
 
     def __init__(self, zero):
         self.zero, self.gathered, self.saved, self.saved_peak, self._seen = zero, LiveStorages(), 0, 0, set()
+        self.scales, self.skipped = [], []  # fp16: the loss scale after each step, the steps skipped
         pack, launch = zero._pack, zero._launch_gather
         zero._pack = lambda t: self._kept(pack(t))
         zero._launch_gather = lambda u: self._gathered(*launch(u))
         zero.root.register_forward_pre_hook(self._new_forward)
         zero.root.register_forward_hook(self._end_forward)
+
+    def end_step(self, d, step, skipped):
+        self.scales.append(self.zero.scaler.scale if self.zero.scaler else 1.0)
+        if skipped:
+            self.skipped.append(step)
+            d.log(f"step {step:4d} | overflow: step skipped on every rank, loss scale -> {self.scales[-1]:g}")
 
     def _new_forward(self, *_):
         self.saved, self._seen = 0, set()
@@ -510,8 +522,11 @@ def theory(zero, padded=False):
                 optim=K * psi / (N if s >= 1 else 1), psi=psi, p=p, g=m, K=K)
 
 
-def report(d, args, zero, watch, comm):
-    """Rank 0's closing table: each figure counted in this run beside its ZeRO theory value."""
+def report(d, args, zero, watch, comm, resumed_from):
+    """Rank 0's closing table: each figure counted in this run beside its ZeRO theory value. Returns the peak
+    memory (read first, right after training: on a GPU, --check's reference would be the peak after) and
+    the figures."""
+    top = peak(d, args, zero, watch)
     mem, th, thp = memory(zero), theory(zero), theory(zero, padded=True)
     N, s, psi, p, g, K, A = d.world, args.stage, th["psi"], th["p"], th["g"], th["K"], args.accum
     keys, saved, sent = ("params", "grads", "optim"), watch.saved_peak, comm.total()
@@ -541,12 +556,13 @@ def report(d, args, zero, watch, comm):
     d.log(f"  {'saved activations/micro-batch':32s} {saved:>10,d} B (memory_savers.py cuts these)")
     d.log(f"bytes handed to collectives per rank per step: counted {sent:,.0f} B | theory {comm_:,.0f} B = "
           f"{comm_formula} (counted: padded vectors + the 8-byte norm all-reduce)")
-    return dict(memory={k: dict(counted=mem[k], theory=th[k], theory_padded=thp[k]) for k in keys},
-                host_grad_copy_bytes=mem["host_grad_copy"], psi=psi, psi_padded=thp["psi"],
-                bytes_per_elem=dict(p=p, g=g, K=K), model_state_formula=formula,
-                gathered_peak_bytes=watch.gathered.peak, gathered_bound_bytes=gathered,
-                saved_activation_bytes=saved,
-                comm_theory_bytes=comm_, comm_formula=comm_formula)
+    return top, dict(memory={k: dict(counted=mem[k], theory=th[k], theory_padded=thp[k]) for k in keys},
+                     host_grad_copy_bytes=mem["host_grad_copy"], psi=psi, psi_padded=thp["psi"],
+                     bytes_per_elem=dict(p=p, g=g, K=K), model_state_formula=formula,
+                     gathered_peak_bytes=watch.gathered.peak, gathered_bound_bytes=gathered,
+                     saved_activation_bytes=saved, comm_theory_bytes=comm_, comm_formula=comm_formula,
+                     loss_scale=watch.scales, per_rank=per_rank(d, zero, watch.skipped),
+                     resumed_from_step=resumed_from)
 
 
 def peak(d, args, zero, watch):
@@ -599,7 +615,8 @@ def reference(args, world, device="cpu"):
     loss and skips a non-finite step."""
     data, rows = MarkovData(args.vocab, args.seed), args.batch_size // world
     master = build_gpt(GPTConfig.from_args(args), args.seed, DTYPES[args.dtype], device)
-    low = master if LOW[args.mixed_precision] is None else copy.deepcopy(master).to(LOW[args.mixed_precision])
+    low = master if LOW[args.mixed_precision] is None else build_gpt(GPTConfig.from_args(args), args.seed,
+                                                                     LOW[args.mixed_precision], device)
     opt = make_optimizer(master.parameters(), args)
     scale, clean, losses = (args.loss_scale if args.mixed_precision == "fp16" else 1.0), 0, []
     for step in range(args.steps):

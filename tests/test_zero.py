@@ -6,7 +6,9 @@ reference with the same precision recipe); fp16 skips an injected overflow on ev
 (tests/zero_checks.py); a checkpoint saved at world 4 resumes at world 2; a run killed and restarted by
 torchrun at each stage, with dropout, equals the uninterrupted run bit for bit; bad input exits 2; and the
 technique, copied out of zero.py with nothing but torch, trains a model that is not the GPT exactly as plain
-one-process training does (test_copy_out_zero_on_another_model: the way to check your own trainer)."""
+one-process training does, at worlds 3 and 2, with a weight tied inside a unit, a copier's loop that never
+passes last=, and a unit only one rank runs (its reductions in the same order on every rank)
+(test_copy_out_zero_on_another_model: the way to check your own trainer)."""
 import ast, json, sys
 
 import torch
@@ -19,6 +21,7 @@ from helpers import (ROOT, TINY, assert_bad_input, assert_matches_reference, run
 
 sys.path.insert(0, str(ROOT))
 from common import GPTConfig, build_gpt, close_dist, reference_train  # noqa: E402
+from harness import CommCounter  # noqa: E402
 import zero as Z  # noqa: E402  (importing must not run main())
 
 
@@ -144,29 +147,40 @@ def test_bad_input():
 
 
 # ----------------------------------------------------------------------------- copy-out: check your own trainer
-class Mix(nn.Module):  # a nested unit: a norm without bias and an MLP inside a Sequential
+class Mix(nn.Module):  # a nested unit: a norm without bias, an MLP inside a Sequential, and a tied pair
     def __init__(self, d, hidden):
         super().__init__()
         self.norm = nn.LayerNorm(d, bias=False)
         self.inner = nn.Sequential(nn.Linear(d, hidden), nn.GELU(), nn.Linear(hidden, d))
+        self.gate, self.proj = nn.Linear(d, d, bias=False), nn.Linear(d, d)
+        self.proj.weight = self.gate.weight  # tied inside the unit: one tensor, two modules read it
 
     def forward(self, x):
-        return x + self.inner(self.norm(x))
+        return x + self.inner(self.norm(x)) + self.proj(torch.tanh(self.gate(x)))
 
 
 class Tower(nn.Module):
     """Not the GPT: nested modules (a Sequential, a ModuleDict), parameters on the root module (a vector and
-    a 0-dim scalar), sizes that do not divide by 3 (units of 35 and 179 elements, a root of 25)."""
+    a 0-dim scalar), a weight tied inside a unit, sizes that do not divide by 2 or 3 (units of 35, 56 and
+    235 elements, a root of 25), and a unit whose use depends on the data: body.side runs only when a row of
+    the micro-batch has x[:, 0] > 0, and adds only to those rows (so one process on the whole batch computes
+    the same function as the ranks on their pieces)."""
 
     def __init__(self):
         super().__init__()
         self.stem = nn.Sequential(nn.Linear(4, 7), nn.Tanh())
-        self.body = nn.ModuleDict(dict(mix=Mix(7, 11), out=nn.Linear(7, 3, bias=False)))
+        self.body = nn.ModuleDict(dict(side=nn.Linear(7, 7), mix=Mix(7, 11), out=nn.Linear(7, 3, bias=False)))
         self.temperature = nn.Parameter(torch.tensor([0.5, 1.0, 2.0]))
         self.offset = nn.Parameter(torch.tensor(0.1))
 
     def forward(self, x):  # (B, 4) -> (B, 3)
-        return self.body["out"](self.body["mix"](self.stem(x))) * self.temperature + self.offset
+        h, on = self.stem(x), x[:, :1] > 0  # (B, 7), (B, 1)
+        if on.any():  # (a host sync: the graph depends on the data)
+            h = h + on * torch.tanh(self.body["side"](h))
+        return self.body["out"](self.body["mix"](h)) * self.temperature + self.offset
+
+
+UNITS = ["stem", "body.side", "body.mix"]
 
 
 def tower():
@@ -190,38 +204,152 @@ def copied_out():
     return namespace
 
 
-def copy_out_worker(json_path, steps=3, accum=2, clip=0.2):
-    """torchrun --nproc_per_node=3 tests/test_zero.py copy-out --json PATH"""
-    dist.init_process_group("gloo")
-    core = copied_out()
-    g = torch.Generator().manual_seed(7)
-    batches = [(torch.randn(12, 4, generator=g, dtype=torch.float64), torch.randn(12, 3, generator=g, dtype=torch.float64))
-               for _ in range(steps)]
-    adamw = lambda params: torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1, foreach=False)  # noqa: E731
-    plain, norms = tower(), []  # plain one-process training on the whole global batch
+def batches(world, steps, branch_on=None):
+    """`steps` global batches, (12, 4) inputs and (12, 3) targets. x[:, 0] > 0 on every row (every piece runs
+    body.side), or, with branch_on=world, only on the rows of group rank 0 (the others never run it)."""
+    g, out = torch.Generator().manual_seed(7), []
+    for _ in range(steps):
+        x, y = torch.randn(12, 4, generator=g, dtype=torch.float64), torch.randn(12, 3, generator=g, dtype=torch.float64)
+        sign = torch.ones(12, dtype=torch.float64)
+        if branch_on:
+            sign[12 // branch_on:] = -1
+        x[:, 0] = x[:, 0].abs().clamp_min(0.1) * sign
+        out.append((x, y))
+    return out
+
+
+def adamw(params):
+    return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1, foreach=False)
+
+
+def bare():  # every parameter inside a unit: the root unit has none of its own
+    torch.manual_seed(5)
+    return nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3)).double()
+
+
+def plain_training(data, clip, make=tower):
+    """Plain one-process training on the whole global batch: the answer, and the largest gradient norm."""
+    plain, norms = make(), []
     opt = adamw(plain.parameters())
-    for x, y in batches:
+    for x, y in data:
         opt.zero_grad()
         huber(plain(x), y, y.numel()).backward()
         norms.append(float(torch.nn.utils.clip_grad_norm_(plain.parameters(), clip)))
         opt.step()
-    want = {n: p.detach() for n, p in plain.named_parameters()}
+    return {n: p.detach() for n, p in plain.named_parameters()}, max(norms)
 
-    def trained(**kw):
-        zero = core["Zero"](tower(), ["stem", "body.mix"], optimizer=adamw, clip=clip, **kw)
-        for x, y in batches:  # every rank passes the global batch; train_step takes its own rows
-            core["train_step"](zero, x, y, y.numel(), accum, huber)
+
+def default_backward_step(zero, x, y, accum):
+    """A copier's own loop, who never heard of last=: zero.backward(loss) after every micro-batch."""
+    rows = x.shape[0] // zero.world
+    x, y = x[zero.rank * rows:(zero.rank + 1) * rows], y[zero.rank * rows:(zero.rank + 1) * rows]
+    for xm, ym in zip(x.chunk(accum), y.chunk(accum)):
+        zero.backward(huber(zero(xm), ym, 12 * 3))
+    zero.step()
+
+
+def keep_local(self, u, g):  # mutant: this rank's shard of its own gradient, never summed over the ranks
+    u.accumulate(g.to(u.grad.dtype)[u.lo:u.lo + u.S])
+    self.next += 1  # (its turn taken)
+
+
+def accumulate_in_flight(self, g):  # mutant: accumulate as before issue 30, into a buffer a reduction may be
+    if self.has_grad:                # reading (stage 1) or has summed over the ranks already (stage 0)
+        self.grad += g
+    else:
+        self.grad.copy_(g)
+    self.has_grad = True
+    return self.grad
+
+
+def copy_out_worker(json_path, steps=3, accum=2, clip=0.2):
+    """torchrun --nproc_per_node=3 tests/test_zero.py copy-out --json PATH: every check at world 3 (the
+    default group) and at world 2 (a group of ranks 0 and 1: the core on a group, as a copier passes one)."""
+    from datetime import timedelta
+    dist.init_process_group("gloo", timeout=timedelta(seconds=180))  # a collective mismatch fails in bounded time
+    core, rank = copied_out(), dist.get_rank()
+    pair, singles = dist.new_group([0, 1]), [dist.new_group([r]) for r in range(3)]  # (every rank makes each)
+    plain = batches(3, steps)  # every piece runs body.side: the graph is the same on every rank
+    want, top_norm = plain_training(plain, clip)
+    out = dict(clipped=top_norm > clip, moved=max((want[n] - p).abs().max().item() for n, p in tower().named_parameters()))
+
+    def trained(data, group, loop=None, make=tower, units=UNITS, **kw):  # the params, the largest difference
+        zero = core["Zero"](make(), units, optimizer=adamw, clip=clip, group=group, **kw)
+        for x, y in data:  # every rank passes the global batch; train_step takes its own rows
+            loop(zero, x, y, accum) if loop else core["train_step"](zero, x, y, y.numel(), accum, huber)
         got = Z.full_state_dict(zero)
-        return max((got[n] - p).abs().max().item() for n, p in want.items())
+        return got, max((got[n] - p).abs().max().item() for n, p in want_now.items())
 
-    configs = {f"stage {s}": dict(stage=s) for s in range(4)}
-    configs["stage 3 offload"] = dict(stage=3, offload=True)
-    out = dict(diff={name: trained(**kw) for name, kw in configs.items()}, clipped=max(norms) > clip,
-               moved=max((p - q).abs().max().item() for p, q in zip(want.values(), tower().parameters())))
-    keep_local = lambda self, u, g: u.grad.add_(g[u.lo:u.lo + u.S])  # noqa: E731  (a broken stage 2)
-    core["Zero"].reduce_grad = keep_local
-    out["local_gradients"] = trained(stage=2)
-    if dist.get_rank() == 0:
+    for world, group in ((3, None), (2, pair)):
+        if rank >= world:
+            continue
+        want_now, diff = want, {}
+        for s in range(4):
+            got, diff[f"stage {s}"] = trained(plain, group, stage=s)
+            # the tied pair: both names read the one trained tensor
+            tied = got["body.mix.proj.weight"] - got["body.mix.gate.weight"]
+            diff[f"stage {s}: tied names differ"] = tied.abs().max().item()
+            _, diff[f"stage {s}, backward(loss) on every micro-batch"] = trained(plain, group, default_backward_step,
+                                                                                 stage=s)
+        _, diff["stage 3 offload"] = trained(plain, group, stage=3, offload=True)
+        want_now, _ = plain_training(plain, clip, bare)
+        _, diff["stage 3, a root without parameters"] = trained(plain, group, make=bare, units=["0", "2"], stage=3)
+        branchy = batches(world, steps, branch_on=world)  # body.side runs on group rank 0 only
+        want_now, _ = plain_training(branchy, clip)
+        for s in range(3):
+            _, diff[f"stage {s}, body.side on rank 0 only"] = trained(branchy, group, stage=s)
+        out[f"world {world}"] = diff
+        want_now = want  # mutants: each must be caught
+        broken = {"local_gradients": ("Zero", "reduce_grad", 2, keep_local),  # a stage 2 that never reduces
+                  "accumulate_during_reduction": ("FlatUnit", "accumulate", 0, accumulate_in_flight)}
+        for name, (cls, attr, stage, fake) in broken.items():
+            real = getattr(core[cls], attr)
+            setattr(core[cls], attr, fake)
+            try:
+                diff[f"mutant {name}"] = trained(plain, group, default_backward_step, stage=stage)[1]
+            finally:
+                setattr(core[cls], attr, real)
+
+    # the order of the collectives each rank issues, each on a group of its own (nothing is matched across
+    # ranks, so a mismatch cannot hang): one step of world 3's pieces, body.side on rank 0 only
+    x, y = batches(3, 1, branch_on=3)[0]
+    mine = slice(rank * 4, (rank + 1) * 4)
+
+    def issued(stage):  # [(op, elements)] handed to collectives, in order, as a tensor (3 numbers per call)
+        zero = core["Zero"](tower(), UNITS, optimizer=adamw, clip=clip, group=singles[rank], stage=stage)
+        comm = CommCounter(log=True)
+        with comm:
+            core["train_step"](zero, x[mine], y[mine], y.numel(), accum, huber)
+        calls = [[float(c["op"] == "all_reduce"), float(c["op"] == "reduce"), float(c["elems"])]
+                 for c in comm.calls_log]
+        return torch.tensor(calls + [[-1.0] * 3] * (40 - len(calls)), dtype=torch.float64)  # padded: 40 calls
+
+    def same_everywhere(stage):
+        seq = issued(stage)
+        every = [torch.empty_like(seq) for _ in range(3)]
+        dist.all_gather(every, seq)
+        return all(torch.equal(e, every[0]) for e in every)
+
+    out["same order"] = {s: same_everywhere(s) for s in range(3)}
+    reduce_grad = core["Zero"].reduce_grad
+
+    def arrival_order(self, u, g):  # the old rule: each unit reduced as soon as autograd finishes it
+        if u not in self.reduce_order[:self.next]:  # (its turn moves up to the next one)
+            rest = [v for v in self.reduce_order[self.next:] if v is not u]
+            self.reduce_order = [*self.reduce_order[:self.next], u, *rest]
+        reduce_grad(self, u, g)
+    core["Zero"].reduce_grad = arrival_order
+    out["same order, arrival-order mutant"] = {s: same_everywhere(s) for s in range(3)}
+    core["Zero"].reduce_grad = reduce_grad
+
+    tied = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 3))  # a tie across units: refused, naming both
+    tied[1].weight = tied[0].weight
+    try:
+        core["Zero"](tied, ["0"])
+        out["tie across units"] = "accepted"
+    except ValueError as e:
+        out["tie across units"] = str(e)
+    if rank == 0:
         with open(json_path, "w") as f:
             json.dump(out, f)
     close_dist()  # (gloo's threads may abort an interpreter's teardown: common.close_dist says why)
@@ -229,13 +357,28 @@ def copy_out_worker(json_path, steps=3, accum=2, clip=0.2):
 
 def test_copy_out_zero_on_another_model(tmp_path):
     """Check your own implementation: Zero and train_step, copied out of zero.py with nothing but torch, on a
-    model that is not the GPT, at world 3, stages 0-3 (and 3 with offload), accumulation 2 and
-    clipping, equal plain one-process AdamW training written above (float64); a stage 2 whose gradients are
-    never reduced across ranks is caught."""
+    model that is not the GPT, at worlds 3 and 2 (a group of two ranks), stages 0-3 (and 3 with offload),
+    accumulation 2 and clipping, equal plain one-process AdamW training written above (float64):
+    - a weight tied inside a unit trains as one tensor (both names equal the plain model's one);
+    - a copier's loop calling zero.backward(loss) on every micro-batch (the default last=True) is exact too
+      (no reduction is read while the next micro-batch writes its buffer, none counts a sum N times);
+    - a unit run by one rank only (data-dependent graph): stages 0-2 are exact, and every rank issues the
+      same collectives in the same order (each recorded on a group of its own, then compared);
+    - a tie across two units is refused with a ValueError naming both parameters;
+    - stage 3 with every parameter inside a unit (a root unit without parameters) trains exactly.
+    Mutants caught: a stage 2 whose gradients are never reduced across ranks, stage 0 without waiting for the
+    reduction before the next micro-batch writes into it, reductions launched in the order autograd finishes
+    the units (the ranks' orders differ)."""
     s, _ = torchrun("tests/test_zero.py", 3, "copy-out", tmp_path=tmp_path, name="copy_out")
     assert s["moved"] > 1e-3 and s["clipped"], s  # parity is not vacuous, and clipping was active
-    assert all(diff < 1e-12 for diff in s["diff"].values()), s["diff"]
-    assert s["local_gradients"] > 1e-6, s
+    for world in (3, 2):
+        d = s[f"world {world}"]
+        mutants = {k: d.pop(k) for k in list(d) if k.startswith("mutant")}
+        assert len(d) == 4 * 3 + 1 + 1 + 3 and all(diff < 1e-12 for diff in d.values()), (world, d)
+        assert all(diff > 1e-3 for diff in mutants.values()) and len(mutants) == 2, (world, mutants)
+    assert all(s["same order"].values()) and len(s["same order"]) == 3, s["same order"]
+    assert not any(s["same order, arrival-order mutant"].values()), s["same order, arrival-order mutant"]
+    assert "1.weight is 0.weight" in s["tie across units"] and "one unit" in s["tie across units"], s
 
 
 if __name__ == "__main__" and sys.argv[1:2] == ["copy-out"]:

@@ -14,14 +14,15 @@
 3. --mixed-precision bf16 --check (zero.train_zero, in-process) passes, and FAILS when any one unit's
    gradient is not reduced across ranks.
 4. What a GPU would show (issue 21): one host-to-device copy of a step's batch; the reported peak is the
-   training steps' (states + gathered peak + saved); stages 0-1 reduce each unit during the last backward,
-   stages 1-2 wait for each unit's all-gather of the update only at its next forward.
+   training steps' (states + gathered peak + saved), read before --check trains the reference (issue 31);
+   stages 0-1 reduce each unit during the last backward, stages 1-2 wait for each unit's all-gather of the
+   update only at its next forward.
 5. fp16: an overflow injected into one rank's gradient (a monkeypatch, the test hook the file no longer
    has) is skipped on every rank, with the loss scale's back-off and growth, and --check passes.
 (Recomputation, activation compression and Adafactor: tests/memory_savers_checks.py.)
 Each check is also run against code broken on purpose (a gathered unit kept alive, prefetch off, offload
 aliasing the compute copy, a dropped reduction, a copy per micro-batch, reductions or all-gathers waited
-for at once), and must catch it.
+for at once, the peak read after the reference), and must catch it.
 Every tensor and model lives on the process group's device (gloo + CPU here, NCCL + GPU elsewhere).
 Prints ALL CHECKS PASSED and exits 0, or names each failed check and exits 1.
 """
@@ -382,9 +383,9 @@ def check_mixed(d, args):
 
         def dropped(self, u, g, target=target):  # this unit's gradient is never summed over the ranks
             if u is self.units[target]:
-                u.grad += g.to(u.grad.dtype)[u.lo:u.lo + u.S]
-            else:
-                rs(self, u, g)
+                u.accumulate(g.to(u.grad.dtype)[u.lo:u.lo + u.S])  # kept local; its turn taken with zeros
+                g = torch.zeros_like(g)
+            rs(self, u, g)
         with mock.patch.object(Z.Zero, "reduce_grad", dropped):
             bad = Z.train_zero(d, a)["check"]
         check(d, f"bf16 --check FAILS with unit {target}'s reduce-scatter dropped", not bad["passed"],
@@ -434,8 +435,15 @@ def check_gpu_defects(d, args):
         step_loss(zero, x, y, count_tokens(y), args.accum, lm_loss)
     check(d, "train_step mutant (a copy per micro-batch) is caught", len(copies) != 2, f"({len(copies)} copies)")
 
-    a = replace(args, stage=3, steps=2, check=False)
-    s = Z.train_zero(d, a)
+    a = replace(args, stage=3, steps=2, check=True)
+    with peak_then_reference() as order:
+        s = Z.train_zero(d, a)
+    check(d, "the peak is read after training, before --check trains the reference (issue 31)",
+          order == ["peak", "reference"], f"({order})")
+    with peak_then_reference() as order, mock.patch.object(Z, "write_summary", peak_read_in_summary):
+        Z.train_zero(d, replace(a, steps=1))
+    check(d, "mutant (the peak read in write_summary's call, after --check) is caught",
+          order != ["peak", "reference"], f"({order})")
     f, m = s["figures"], s["figures"]["memory"]
     states = sum(m[k]["counted"] for k in ("params", "grads", "optim"))
     want = states + f["gathered_peak_bytes"] + f["saved_activation_bytes"]
@@ -461,6 +469,23 @@ def check_gpu_defects(d, args):
             ev = reduction_events(d, a, data)
         check(d, f"stage {stage} mutant (reductions deferred to the step) is caught",
               any(ev[a.accum - 1, i] != set(range(i + 1, L)) for i in range(L - 1)), f"{ev}")
+
+
+@contextlib.contextmanager
+def peak_then_reference():
+    """The order zero.train_zero reads the peak memory and trains --check's reference in, observed."""
+    order, peak, check_run = [], Z.peak_memory_bytes, Z.check_run
+    with mock.patch.object(Z, "peak_memory_bytes", lambda *a: order.append("peak") or peak(*a)), \
+            mock.patch.object(Z, "check_run", lambda *a: order.append("reference") or check_run(*a)):
+        yield order
+
+
+def peak_read_in_summary(d, args, name, losses, ms, tok_s, top, *rest):
+    """zero.train_zero's tail as before issue 31: the peak (on a GPU, CUDA's) read in the write_summary call."""
+    return WRITE_SUMMARY(d, args, name, losses, ms, tok_s, Z.peak_memory_bytes(d, top), *rest)
+
+
+WRITE_SUMMARY = Z.write_summary
 
 
 def per_microbatch_copies(zero, x, y, n_tok, accum, loss_fn):
