@@ -68,9 +68,9 @@ least at Young/Daly's tau = sqrt(2 C M): C = 1 min gives tau = 19 min, and with 
 restarts: ~ (t + T_r/R) / M per failure: t = 10 s, T_r = 10 min, R = 8 replicas is 85 s / 3.1 h = 0.8%.
 In production, use torchft (its Manager, ProcessGroupBabyNCCL and lighthouse) with torchtitan.
 """
-import math, os, signal, subprocess, sys, time
+import math, os, signal, statistics, subprocess, sys, time
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass
 from datetime import timedelta
 from typing import Literal
 
@@ -116,9 +116,6 @@ class Member:
     gid: int  # the round whose process group it still holds (-1: none)
     gsize: int  # that group's size
 
-    def encode(self):
-        return f"{self.rid} {self.life} {self.version} {self.step} {self.gid} {self.gsize}"
-
 
 def join_round(store, k, me, expected, window_s, timeout_s):
     """Check in to round k. Returns its members (sorted by replica id), or None when the round had closed
@@ -126,7 +123,7 @@ def join_round(store, k, me, expected, window_s, timeout_s):
     slot = store.add(f"q{k}/n", 1)
     if slot > CLOSED:
         return None
-    store.set(f"q{k}/slot{slot}", me.encode())
+    store.set(f"q{k}/slot{slot}", " ".join(map(str, astuple(me))))
     t0 = time.monotonic()
     while not store.check([f"q{k}/size"]):
         if store.add(f"q{k}/n", 0) >= expected() or time.monotonic() - t0 > window_s:
@@ -166,62 +163,47 @@ def vote(store, k, members, me, ok, timeout_s):
         if (len(votes) == len(keys) or b"no" in votes or any(store.check([d]) for d in dead)
                 or time.monotonic() - t0 > timeout_s):
             store.compare_set(f"q{k}/decision", "", "commit" if votes.count(b"yes") == len(keys) else "abort")
-        else:
-            time.sleep(0.001)
+        time.sleep(0.001)
     return store.get(f"q{k}/decision") == b"commit"
 
 
 # ----------------------------------------------------------------------------- 2. the state and its recovery
 class Replica:
-    """One replica's training state, and its flat form (float64: exact for float32 and bfloat16 weights too),
-    which the live recovery broadcasts and the rollback snapshot copies."""
+    """One replica's state; its flat float64 form (exact for float32/bfloat16 too) is what recovery sends."""
 
     def __init__(self, model, opt, steps):
         self.model, self.opt, self.steps = model, opt, steps
         self.params = [p for p in model.parameters() if p.requires_grad]
-        self.sizes = [p.numel() for p in self.params]
+        for p in self.params:  # AdamW's state, made now as its first step() would: one form at every step
+            opt.state[p] = dict(step=torch.tensor(0.0), exp_avg=torch.zeros_like(p),
+                                exp_avg_sq=torch.zeros_like(p))
+        self.tensors = self.params + [opt.state[p][key] for key in ("exp_avg", "exp_avg_sq", "step")
+                                      for p in self.params]  # everything that a step changes in place
         self.version, self.step, self.batch, self.skips = 0, 0, 0, 0
         self.losses = []  # the loss of every applied update: the spike detector's history
-        self.snapshot = None  # core() of a recent step: what a rollback restores
-        self.corrupted = False  # (--corrupt-replica: done once)
+        self.snapshot = self.core()  # what a rollback restores (a copy of a recent step's core)
 
     def core(self):
-        """(3P + 5 + n_params + steps,) params | exp_avg | exp_avg_sq | counters, AdamW steps, losses."""
-        state = [self.opt.state.get(p, {}) for p in self.params]
-        parts = [p.detach().reshape(-1) for p in self.params]
-        for key in ("exp_avg", "exp_avg_sq"):
-            parts += [s[key].reshape(-1) if key in s else torch.zeros_like(p).reshape(-1)
-                      for s, p in zip(state, self.params)]
-        meta = ([self.version, self.step, self.batch, self.skips, len(self.losses)]
-                + [float(s["step"]) if "step" in s else 0.0 for s in state]
-                + self.losses + [math.nan] * (self.steps - len(self.losses)))
-        dev = self.params[0].device
-        return torch.cat([t.double() for t in parts] + [torch.tensor(meta, dtype=torch.float64, device=dev)])
+        """(3P + n_params + 5 + steps,) weights | exp_avg | exp_avg_sq | AdamW steps | counters, losses."""
+        meta = [self.version, self.step, self.batch, self.skips, len(self.losses)]
+        meta += self.losses + [math.nan] * (self.steps - len(self.losses))
+        flat = [t.detach().double().reshape(-1) for t in self.tensors]
+        return torch.cat(flat + [torch.tensor(meta, dtype=torch.float64, device=flat[0].device)])
 
     def load_core(self, flat):
-        n = sum(self.sizes)
-        weights, m, v, meta = flat[:n], flat[n:2 * n], flat[2 * n:3 * n], flat[3 * n:].tolist()
+        sizes = [t.numel() for t in self.tensors]
+        for t, v in zip(self.tensors, flat[:sum(sizes)].split(sizes)):
+            t.detach().copy_(v.view_as(t))
+        meta = flat[sum(sizes):].tolist()
         self.version, self.step, self.batch, self.skips, n_losses = map(int, meta[:5])
-        adam_steps, self.losses = meta[5:5 + len(self.params)], meta[5 + len(self.params):][:n_losses]
-        for p, w, a, b, s in zip(self.params, weights.split(self.sizes), m.split(self.sizes),
-                                 v.split(self.sizes), adam_steps):
-            with torch.no_grad():
-                p.copy_(w.view_as(p))
-            self.opt.state.pop(p, None)
-            if s > 0:  # AdamW's own state entries, as its step() would have made them
-                self.opt.state[p] = dict(step=torch.tensor(s, dtype=torch.float32),
-                                         exp_avg=a.view_as(p).to(p.dtype).clone(),
-                                         exp_avg_sq=b.view_as(p).to(p.dtype).clone())
+        self.losses = meta[5:5 + n_losses]
 
-    def full(self):  # core | snapshot | has-snapshot flag: everything a recovering replica needs
-        core = self.core()
-        snap = self.snapshot if self.snapshot is not None else torch.zeros_like(core)
-        return torch.cat([core, snap, core.new_tensor([float(self.snapshot is not None)])])
+    def full(self):  # core | snapshot: everything a recovering replica needs
+        return torch.cat([self.core(), self.snapshot])
 
     def load_full(self, flat):
-        n = (flat.numel() - 1) // 2
-        self.load_core(flat[:n])
-        self.snapshot = flat[n:2 * n].clone() if flat[-1] > 0 else None
+        self.load_core(flat[:flat.numel() // 2])
+        self.snapshot = flat[flat.numel() // 2:].clone()
 
 
 def checksum(params):
@@ -231,11 +213,10 @@ def checksum(params):
 
 
 def sync_state(pg, members, me, rep, verify):
-    """Before the step, every member holds the same state. 1. With `verify`, the members with the newest
-    version all-reduce their checksums (one slot each): one that differs from the majority is corrupt.
-    2. The source, the lowest member with the newest version and the majority checksum, broadcasts its whole
-    state to the rest (a restarted replica recovers live, a corrupt one is repaired); nobody behind and
-    nothing corrupt: no broadcast. Returns (corrupt replica ids, receiving replica ids, bytes broadcast)."""
+    """Before the step every member holds the same state. 1. With `verify`, the newest members all-reduce
+    their checksums (one slot each): one that differs from the majority is corrupt. 2. The lowest newest
+    member with the majority checksum broadcasts its whole state to the members behind (a restarted replica
+    recovers live) and the corrupt (repaired). Returns (corrupt ids, receiving ids, bytes broadcast)."""
     i_me, newest = [m.rid for m in members].index(me.rid), max(m.version for m in members)
     if newest < 0:
         raise RuntimeError("no member of the quorum holds a state to recover from")
@@ -291,10 +272,7 @@ def is_spike(loss, norm, history, sigma, window=16):
     if not (math.isfinite(loss) and math.isfinite(norm)):
         return True
     h = history[-window:]
-    if len(h) < 4:
-        return False
-    mean = sum(h) / len(h)
-    return loss > mean + sigma * math.sqrt(sum((v - mean) ** 2 for v in h) / (len(h) - 1))
+    return len(h) >= 4 and loss > statistics.mean(h) + sigma * statistics.stdev(h)
 
 
 def agree(pg, flag, device):
@@ -318,7 +296,7 @@ def apply_update(rep, loss, spike, norm, clip, max_skips, snapshot_every):
             rep.snapshot = rep.core()
         return "update"
     rep.skips += 1
-    if rep.skips < max_skips or rep.snapshot is None:
+    if rep.skips < max_skips:
         return "skip"
     version, batch = rep.version, rep.batch
     rep.load_core(rep.snapshot)  # weights, AdamW, step and loss history of the snapshot's step
@@ -334,11 +312,8 @@ def train_replica(args):
     data, R, B = MarkovData(args.vocab, args.seed), args.replicas, args.batch_size
     model = build_gpt(GPTConfig.from_args(args), args.seed, DTYPES[args.dtype], device)
     rep = Replica(model, make_optimizer(model.parameters(), args), args.steps)
-    rep.snapshot = rep.core()
-    if args.life > 0:  # restarted: no state until a peer (or, --recipe restart, the disk) gives it
-        rep.version = -1
-        if args.recipe == "restart" and os.path.exists(ckpt_path(args)):
-            rep.load_full(torch.load(ckpt_path(args)))
+    rep.version = -1 if args.life > 0 else 0  # restarted: no state until a peer gives it
+    load_checkpoint(args, rep)  # (--recipe restart only: the 2020 way, from disk)
     me, started = Member(args.replica, args.life, rep.version, 0, -1, 0), False
     store.add("alive", 1)
     # Until its first commit a replica waits for all R (a run starts, or the whole job restarts, together);
@@ -346,7 +321,7 @@ def train_replica(args):
     expected = lambda: int(store.add("alive", 0)) if started else R  # noqa: E731
     held, k = None, int(store.get("round")) if store.check(["round"]) else 0
     inject = {int(b) for b in args.inject_spike.split(",") if b}
-    log, waiting = Log(store, args, me), {}
+    log, short_since = Log(store, args, me, rep), None
     while rep.step < args.steps and not store.check(["finished"]):
         inject_faults(args, store, rep, "before")
         me.version, me.step = rep.version, rep.step
@@ -358,14 +333,14 @@ def train_replica(args):
         if members is None:
             continue
         if len(members) < args.min_replicas:  # too few: wait (bounded) for a restarted replica to join
-            if time.monotonic() - waiting.setdefault("since", time.monotonic()) > max(60, args.timeout):
+            short_since = short_since or time.monotonic()
+            if time.monotonic() - short_since > max(60, args.timeout):
                 raise TimeoutError(f"fewer than --min-replicas {args.min_replicas} replicas for too long")
             time.sleep(args.join_ms / 1e3)
             continue
-        waiting.clear()
-        ok, spike, loss, norm = False, False, math.nan, torch.tensor(math.nan)
         if rep.batch > 4 * args.steps + 16:  # every loop is bounded, a spike that never ends too
             raise TimeoutError(f"{rep.batch} batches used for {rep.step} steps: the loss keeps spiking")
+        ok, spike, loss, norm, short_since = False, False, math.nan, torch.tensor(math.nan), None
         step, batch = rep.step, rep.batch
         try:
             held = quorum_group(store, k - 1, members, me, held, args.timeout)
@@ -388,19 +363,12 @@ def train_replica(args):
             continue
         what = apply_update(rep, loss, spike, norm, args.clip, args.max_skips, args.snapshot_every)
         started = True
-        log.committed(k - 1, members, t_start, step, batch, what, loss)
-        if args.recipe == "restart" and what == "update" and rep.step % args.save_every == 0:
-            save_checkpoint(args, rep, me.rid == members[0].rid)
+        log.committed(k - 1, members, t_start, step, batch, what, loss)  # (--recipe restart: and saves)
     if rep.step < args.steps:
         return 0  # the run ended without this replica (it came back after the last step)
-    # The members of the last round end together: one all-reduce shows whether they hold identical weights.
-    sums = torch.zeros(len(members), dtype=torch.long, device=device)
-    sums[[m.rid for m in members].index(me.rid)] = checksum(rep.params)
-    held[1].allreduce([sums]).wait()
-    if me.rid != members[0].rid:
-        return 0
+    code = log.finish(members, held[1])  # (the members compare their weights by one all-reduce; the --check)
     store.set("finished", "1")  # a replica restarted now exits at once
-    return log.finish(rep, model, device, identical=bool((sums == sums[0]).all()))
+    return code
 
 
 def launch(args):
@@ -411,11 +379,11 @@ def launch(args):
     cmd = [sys.executable, sys.argv[0], *sys.argv[1:], "--coordinator", f"127.0.0.1:{store.port}"]
     spawn = lambda r, life: subprocess.Popen(cmd + ["--replica", str(r), "--life", str(life)])  # noqa: E731
     lives = {r: [spawn(r, 0)] for r in range(args.replicas)}
-    codes, restarts, t0, rc = {}, 0, time.time(), 0
-    limit_s = 300 + args.timeout * (args.steps + 10)
+    codes, restarts, t0, R = {}, 0, time.time(), args.replicas
+    limit_s = 300 + args.timeout * (args.steps + 10)  # (every wait of a replica is bounded: a safety net)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so that `finally` kills the children
     try:
-        while len(codes) < args.replicas:
+        while len(codes) < R and time.time() - t0 < limit_s:
             for r, procs in lives.items():
                 code = procs[-1].poll()
                 if code is None or r in codes:
@@ -424,30 +392,19 @@ def launch(args):
                 store.add("alive", -1)
                 if code < 0 and restarts < args.max_restarts and not store.check(["finished"]):
                     restarts += 1
-                    again = [r] if args.recipe == "live" else list(lives)
-                    for q in again:
-                        if q != r and lives[q][-1].poll() is None:
-                            lives[q][-1].kill()
-                            lives[q][-1].wait()
-                            store.set(f"dead/{q}.{len(lives[q]) - 1}", "1")
-                            store.add("alive", -1)
+                    for q in [r] if args.recipe == "live" else stop_all(store, lives, r):
                         lives[q].append(spawn(q, len(lives[q])))
                 else:
                     codes[r] = code
-            if time.time() - t0 > limit_s:  # (every wait of a replica is bounded: this is a safety net)
-                print(f"fault_tolerance.py: error: the run took over {limit_s} s; stopping every replica",
-                      file=sys.stderr, flush=True)
-                rc = 1
-                break
             time.sleep(0.01)
     finally:
-        for procs in lives.values():
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
-                    p.wait()
+        for p in [p for procs in lives.values() for p in procs if p.poll() is None]:
+            p.kill()
+            p.wait()
+    if len(codes) < R:
+        print(f"fault_tolerance.py: error: over {limit_s} s; every replica stopped", file=sys.stderr)
     finished = store.check(["finished"])  # (a replica killed and not restarted is no failure of the run)
-    rc = rc or max([c for c in codes.values() if c > 0], default=0) or (0 if finished else 1)
+    rc = max([c for c in codes.values() if c > 0], default=0) or (0 if finished and len(codes) == R else 1)
     add_launcher_figures(args, lives, codes, restarts, time.time() - t0)
     return rc
 
@@ -456,8 +413,7 @@ def check_args(args):
     check_common_args(args)
     R = args.replicas
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        fail("start it with python, not torchrun: it starts its own replicas (python fault_tolerance.py "
-             "--replicas R)")
+        fail("start it with python fault_tolerance.py --replicas R, not torchrun: it starts its own replicas")
     if R < 1 or args.batch_size % R:
         fail(f"--batch-size {args.batch_size} must be divisible by --replicas {R} (each owns a shard); "
              f"try --batch-size {R * max(1, args.batch_size // max(R, 1))}")
@@ -506,8 +462,7 @@ def main():
                          f"{args.coordinator} is gone ({type(e).__name__}); it is the single point of this "
                          "design, as torchft's lighthouse is: restart the run\n")
         code = 3
-    sys.stdout.flush()
-    sys.stderr.flush()
+    sys.stdout.flush(), sys.stderr.flush()
     os._exit(code)  # skip the interpreter's teardown, in which gloo's threads may still hold tensors
 
 
@@ -518,18 +473,27 @@ def inject_faults(args, store, rep, phase):
     """--kill-replica / --corrupt-replica, on the replica's first life only: the faults the tests inject."""
     if args.life > 0 or rep.step != args.at_step:
         return
-    if args.replica == args.corrupt_replica and phase == "before" and rep.version >= 0 and not rep.corrupted:
+    if args.replica == args.corrupt_replica and phase == "before" and rep.version >= 0 \
+            and not getattr(rep, "corrupted", False):
         with torch.no_grad():  # a silent flip of one weight: nothing fails, the numbers are just wrong
             rep.params[0].view(-1)[0] += 1e-3
-        rep.corrupted = True
+        rep.corrupted = True  # once (a discarded step comes back to this point)
     if args.replica == args.kill_replica and phase == args.phase:
         store.set(f"killed/{args.replica}", f"{time.time()!r} {rep.step}")  # when, for the recovery figures
         print(f"replica {args.replica}: SIGKILL at step {rep.step} ({phase} its all-reduce)", flush=True)
         os.kill(os.getpid(), signal.SIGKILL)
 
 
+# The recipe measured beside live recovery (--recipe restart): the launcher stops every replica when one dies
+# and restarts them all; they reload the newest checkpoint from disk and train the steps since it again.
 def ckpt_path(args):
     return os.path.join(args.ckpt_dir, "state.pt")
+
+
+def load_checkpoint(args, rep):
+    """--recipe restart: a restarted replica reads the whole state from disk (live recovery reads none)."""
+    if args.recipe == "restart" and args.life > 0 and os.path.exists(ckpt_path(args)):
+        rep.load_full(torch.load(ckpt_path(args)))
 
 
 def save_checkpoint(args, rep, writer):
@@ -540,12 +504,23 @@ def save_checkpoint(args, rep, writer):
         os.replace(ckpt_path(args) + ".tmp", ckpt_path(args))
 
 
+def stop_all(store, lives, r):
+    """--recipe restart: replica r died; the launcher kills every other one too. Returns whom to restart."""
+    for q, procs in lives.items():
+        if q != r and procs[-1].poll() is None:
+            procs[-1].kill()
+            procs[-1].wait()
+            store.set(f"dead/{q}.{len(procs) - 1}", "1")
+            store.add("alive", -1)
+    return list(lives)
+
+
 class Log:
     """What the run records on the coordinator (per committed round and per update, by the round's lowest
     member) and prints; at the end, the figures and the --check. Watches from outside the technique."""
 
-    def __init__(self, store, args, me):
-        self.store, self.args, self.me = store, args, me
+    def __init__(self, store, args, me, rep):
+        self.store, self.args, self.me, self.rep = store, args, me, rep
         self.step_ms = []
 
     def failed(self, k, e):
@@ -564,9 +539,12 @@ class Log:
             self.store.set(f"recv/{self.store.add('recv', 1)}", f"{k} {who} {nbytes}")
 
     def committed(self, k, members, t_start, step, batch, what, loss):
-        if self.me.rid != members[0].rid:
+        a, writer = self.args, self.me.rid == members[0].rid
+        if a.recipe == "restart" and what == "update" and self.rep.step % a.save_every == 0:
+            save_checkpoint(a, self.rep, writer)
+        if not writer:
             return
-        s, a, t_end = self.store, self.args, time.time()
+        s, t_end = self.store, time.time()
         rids = ",".join(str(m.rid) for m in members)
         s.set(f"t/{k}", f"{t_start!r} {t_end!r} {step} {what}")
         self.step_ms.append(1e3 * (t_end - t_start))
@@ -579,8 +557,16 @@ class Log:
                   f"(replicas {rids})", flush=True)
             s.set(f"{what}/{s.add(what, 1)}", f"{step} {batch}")
 
-    def finish(self, rep, model, device, identical):
-        s, a = self.store, self.args
+    def finish(self, members, pg):
+        """The members of the last round end together: one all-reduce of their checksums shows whether they
+        hold identical weights. The lowest then writes the figures and runs the --check."""
+        s, a, rep = self.store, self.args, self.rep
+        sums = torch.zeros(len(members), dtype=torch.long, device=rep.params[0].device)
+        sums[[m.rid for m in members].index(self.me.rid)] = checksum(rep.params)
+        pg.allreduce([sums]).wait()
+        if self.me.rid != members[0].rid:
+            return 0
+        identical, model, device = bool((sums == sums[0]).all()), rep.model, rep.params[0].device
         recs = [s.get(f"upd/{i}").decode().split() for i in range(a.steps)]
         rounds = [int(r[0]) for r in recs]
         batches, masks, losses = [int(r[1]) for r in recs], [list(map(int, r[2].split(","))) for r in recs], \

@@ -6,7 +6,10 @@ measured beside it and, with every replica in every step, equals plain one-proce
 (common.reference_train, not this file's reference). Each check is shown to fail on a mutant
 (tests/fault_tolerance_checks.py runs the file with one function replaced). No process is left after any
 launch; a lost coordinator ends every replica with one line; bad input is one line, exit 2. Every launch
-is one `python fault_tolerance.py --replicas R` (the launcher, its coordinator, R processes)."""
+is one `python fault_tolerance.py --replicas R` (the launcher, its coordinator, R processes). The launcher is
+forked from the warm interpreter of tests/forkserver.py (run_python), as `python fault_tolerance.py` would
+start it, which saves one import of torch per launch; it starts its replicas itself, as real `python`
+processes (the lost-coordinator test starts the launcher as a plain subprocess too)."""
 import json, math, os, subprocess, sys
 from types import SimpleNamespace
 
@@ -38,10 +41,8 @@ def processes_of(marker):
 def launch(tmp_path, *args, mutant="", name="run", timeout=900):
     """One run (with a mutant: through tests/fault_tolerance_checks.py). Returns (process, summary)."""
     out = tmp_path / f"{name}.json"
-    script = "tests/fault_tolerance_checks.py" if mutant else "fault_tolerance.py"
-    p = subprocess.run([sys.executable, str(ROOT / script), *TINY, *map(str, args), "--json", str(out)],
-                       env=dict(ENV, FT_MUTANT=mutant), cwd=ROOT, capture_output=True, text=True,
-                       timeout=timeout)
+    script, first = ("tests/fault_tolerance_checks.py", [mutant]) if mutant else ("fault_tolerance.py", [])
+    p = run_python(script, *first, *TINY, *args, "--json", out, timeout=timeout)
     p.output = p.stdout + p.stderr
     assert processes_of(str(out)) == [], f"processes left behind\n{p.output[-3000:]}"
     summary = json.loads(out.read_text()) if out.exists() else None
@@ -134,11 +135,9 @@ def test_r3_kill_during_step_discards_it_and_the_replica_rejoins_live(tmp_path):
     pytest.r3_ms = fail["ms_to_next_commit"]
 
 
-@pytest.mark.parametrize("mutant", ["commit-anyway", "recover-weights-only"])
-def test_r3_mutants_are_caught(tmp_path, mutant):
-    """Committing a failed round (its partial gradient), and a recovery that sends only the weights: each
-    FAILS --check (the rejoined replica's AdamW state differs: the replicas are not identical at the end)."""
-    caught(*launch(tmp_path, *R3, mutant=mutant))
+def test_r3_mutant_is_caught(tmp_path):
+    """Committing a failed round (its partial gradient) FAILS the same run's --check."""
+    caught(*launch(tmp_path, *R3, mutant="commit-anyway"))
 
 
 def test_restart_recipe_on_the_same_kill_is_measured_and_equals_one_process_training(tmp_path):
@@ -177,8 +176,12 @@ def test_r4_kill_after_allreduce_and_a_corrupted_replica_repaired(tmp_path):
     assert 0 < f["goodput"] <= 1
 
 
-def test_r4_unrepaired_corruption_is_caught(tmp_path):
-    caught(*launch(tmp_path, *R4, mutant="no-checksum"))
+@pytest.mark.parametrize("mutant", ["no-checksum", "recover-weights-only"])
+def test_r4_mutants_are_caught(tmp_path, mutant):
+    """A checksum that is always 0 (the corruption is never found), and a repair from a peer that sends only
+    the weights (the repaired replica starts AdamW from scratch, the same load_full as a live rejoin's): each
+    FAILS the same run's --check."""
+    caught(*launch(tmp_path, *R4, mutant=mutant))
 
 
 # ----------------------------------------------------------------------------- the coordinator is lost
