@@ -50,8 +50,6 @@ TECHNIQUES = ["dp.py", "ddp_bucketed.py", "diloco.py", "fault_tolerance.py", "ze
 # Read path: the lines from the end of the module docstring to the `# --- measurement ---` fence, what a
 # learner reads (issue 29: <= 400, <= 460 for the three files that teach the most).
 READ_PATH = {**{name: 400 for name in TECHNIQUES}, "megatron_tp.py": 460, "ptdp.py": 460, "moe.py": 460}
-# Not yet at the target (issue 29 stays open for them): ceilings at today's read path, against drift only.
-NOT_YET = {}
 # Whole-file ceilings against drift for the shared modules and tools (about today's size + room; plan.py grows
 # with issue 32).
 TOTAL = {"common.py": 300, "harness.py": 900, "bench.py": 700, "plan.py": 1100}
@@ -154,8 +152,8 @@ def test_files_keep_their_shape():
         first = next(i for i, l in enumerate(text.splitlines()) if FENCE.match(l))
         if first != at:
             problems.append(f"{name}: a fence above '# --- measurement ---' (line {first + 1})")
-        if read_path(text) > NOT_YET.get(name, READ_PATH[name]):
-            problems.append(f"{name}: read path {read_path(text)} > {NOT_YET.get(name, READ_PATH[name])}")
+        if read_path(text) > READ_PATH[name]:
+            problems.append(f"{name}: read path {read_path(text)} > {READ_PATH[name]}")
         if leaks(text):
             problems.append(f"{name}: bookkeeping above the fence outside main(): {leaks(text)[:4]}")
         others = [t[:-3] for t in TECHNIQUES if t != name]
