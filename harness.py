@@ -465,7 +465,8 @@ _OPS = {"allreduce_": "all_reduce", "allreduce_coalesced_": "all_reduce", "all_r
         "broadcast_": "broadcast", "broadcast": "broadcast", "send": "send", "isend": "send", "recv_": "recv",
         "recv_any_source_": "recv", "irecv": "recv", "batch_p2p_ops": "send/recv", "reduce_": "reduce",
         "gather_": "gather", "gather_into_tensor_": "gather", "scatter_": "scatter"}
-_NOT_TRAFFIC = {"barrier", "monitored_barrier_", "wait_tensor", "check_for_nan"}  # seen, moves no data
+# seen, moves no data (_wrap_tensor_autograd: registered when torch.distributed._functional_collectives loads)
+_NOT_TRAFFIC = {"barrier", "monitored_barrier_", "wait_tensor", "check_for_nan", "_wrap_tensor_autograd"}
 # c10d ops' arguments: (tensors, pg, ...) but for these, (outputs, inputs, pg, ...): what is handed is inputs
 _OUT_IN = ("all_gather", "reduce_scatter", "all_to_all", "gather", "scatter")
 # where the peer (a rank in the op's group) and the tag are, and the root of a broadcast or scatter

@@ -297,7 +297,8 @@ def moe_rows(s, name):
 def cp_rows(s, name):
     """context_parallel.py (dp x cp, every rank the whole model): per rank the bytes handed to the cp group
     per layer, forward and backward (plan's cp collectives / L), the bytes its forward saves for backward
-    (embedding, blocks, final norm and head input), the peak (state + saved), and the bytes handed per step
+    (embedding, blocks, final norm and head input), the peak (state + saved + the loss's: the file reads it
+    after the last step's forward and loss, as megatron_tp.py does), and the bytes handed per step
     (the exchanges of every layer and the gradients' all-reduce over dp x cp)."""
     argv, f = CP_RUNS[name], s["figures"]
     M, B, L = model_of(name), flag(name, "--batch-size"), flag(name, "--n-layers")
@@ -312,7 +313,7 @@ def cp_rows(s, name):
     return [("bytes to the cp group per layer, forward (every rank)", f["bytes_per_layer_fwd"], [fwd] * 4),
             ("bytes to the cp group per layer, backward (every rank)", f["bytes_per_layer_bwd"], [bwd] * 4),
             ("saved bytes, forward (every rank)", f["saved_activation_bytes"], [saved] * 4),
-            ("peak bytes (state + saved)", s["peak_mem_bytes"], state(mem) + saved),
+            ("peak bytes (state + saved + loss)", s["peak_mem_bytes"], state(mem) + saved + part["loss"]),
             ("bytes handed per step", s["comm_bytes"], sum(x for _, x, _ in comm.values()))]
 
 
