@@ -306,11 +306,16 @@ def bench_flags(w):
     return [*model_flags(w), "--batch-size", 4 * w * w, "--microbatches", 2 * w, "--warmup", 2]
 
 
+def bench_command(w, pairs, out_prefix):
+    """bench.py's pairs at world w, one round each (--budget-min 0: no alternating for an interval)."""
+    return [sys.executable, str(ROOT / "bench.py"), "--world", str(w), "--pairs", pairs, "--rounds", "1",
+            "--budget-min", "0", "--no-scaling", "--out", str(out_prefix), *map(str, bench_flags(w))]
+
+
 def run_bench(job, cpu, tmp, timeout):
-    """bench.py's pairs at this world, one round each: every pair runs on both sides and trains alike."""
+    """bench.py's pairs at this world: every pair runs on both sides and trains alike."""
     w, out_prefix = job["world"], tmp / f"bench{job['world']}"
-    cmd = [sys.executable, str(ROOT / "bench.py"), "--world", str(w), "--pairs", job["pairs"], "--rounds",
-           "1", "--no-scaling", "--out", str(out_prefix), *map(str, bench_flags(w))]
+    cmd = bench_command(w, job["pairs"], out_prefix)
     env = dict(os.environ, PYTHONUNBUFFERED="1", **({"CUDA_VISIBLE_DEVICES": ""} if cpu else {}))
     try:
         p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)

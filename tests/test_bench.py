@@ -345,3 +345,20 @@ def test_bad_input(capsys):
         lines = capsys.readouterr().err.strip().splitlines()
         flag = "--" + next(iter(bad)).replace("_", "-")
         assert e.value.code == 2 and len(lines) == 1 and flag in lines[0], lines
+
+
+def test_gpu_check_runs_each_pair_once_without_alternating(monkeypatch, tmp_path):
+    """tests/gpu_check.py runs bench.py's pairs to see them train alike on a GPU, not to time them: its command
+    asks for one round and no budget to alternate in (without --budget-min 0 the default 20 minutes of
+    alternation for an interval ran past gpu_check's own timeout). Parsed as bench.py parses it."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    import gpu_check
+    import harness
+    for w in (1, 2):
+        cmd = gpu_check.bench_command(w, "ddp", tmp_path / "b")
+        monkeypatch.setattr(sys, "argv", ["bench.py", *cmd[2:]])
+        args = harness.parse_args(bench.Args)
+        assert args.rounds == 1 and args.budget_min == 0 and bench.check_bench_args(args) == ["ddp"], cmd
+    # the check can fail: the command as it was, without the budget, keeps bench's default
+    monkeypatch.setattr(sys, "argv", ["bench.py", *[a for a in cmd[2:] if a not in ("--budget-min", "0")]])
+    assert harness.parse_args(bench.Args).budget_min > 0
