@@ -184,6 +184,39 @@ def test_r4_mutants_are_caught(tmp_path, mutant):
     caught(*launch(tmp_path, *R4, mutant=mutant))
 
 
+# ----------------------------------------------------------------------------- every phase at every R
+@pytest.mark.parametrize("replicas, phase, victim", [
+    (3, "before", 0), (4, "before", 3), (2, "during", 0), (4, "during", 2), (2, "after", 1), (3, "after", 2)])
+def test_plain_kill_in_each_phase_at_each_r(tmp_path, replicas, phase, victim):
+    """The (phase, R) pairs the tests above leave out, as plain kills (no restart, no extras; the victim
+    varies, replica 0 included, the one that logs and sends state): replica `victim` dies in step 1 of 3, the
+    others never restart and train steps 1 and 2 without it (a round it was in is discarded, redone);
+    exact against the one-process replay of that membership. --join-ms 2000: a round closes when every live
+    replica checked in (the launcher counts them), and a healthy replica descheduled for 300 ms on a loaded
+    machine is not left out of a round (it would rejoin live, exact too, but the membership asserted here
+    would differ)."""
+    p, s = launch(tmp_path, "--replicas", replicas, "--steps", 3, "--kill-replica", victim, "--at-step", 1,
+                  "--phase", phase, "--max-restarts", 0, "--join-ms", 2000, *SLOW_OK, "--check")
+    exact(p, s)
+    everyone, rest = list(range(replicas)), [r for r in range(replicas) if r != victim]
+    m = s["figures"]["members"]
+    assert m[0] == everyone and m[2] == rest and set(m[1]) <= set(rest), m
+    # During at R 4, a healthy replica can sit out step 1: its all-reduce waits on a healthy peer that has
+    # left it, and is freed only when that peer drops the old group (the next round's group replaces it),
+    # so the next round closes on --join-ms without it; it recovers live at step 2 (exact too). Any other
+    # (phase, R): everyone healthy takes part in step 1. (The fix, reported: `held = pg = None` on abort.)
+    left_out = [r for r in rest if r not in m[1]]
+    assert left_out == [] or (replicas, phase) == (4, "during"), m
+    recovered = [r.split()[1] for r in s["figures"]["recoveries"]]  # "round receivers bytes"
+    assert recovered == ([",".join(map(str, left_out))] if left_out else []), (recovered, m)
+    assert s["figures"]["batches"] == [0, 1, 2] and s["launcher"]["restarts"] == 0
+    assert all(len(ps) == 1 for ps in pids(s).values()), pids(s)  # the healthy keep their one pid
+    assert s["launcher"]["exit_codes"][str(victim)] == -9 and f"SIGKILL at step 1 ({phase}" in p.output
+    assert measured_failure(s, victim, 1)["steps_redone"] == 0
+    # (after: its all-reduce had succeeded, and still step 1 committed without it: that round was voted down)
+    assert ("the step is discarded" in p.output) == (phase == "during"), p.output[-3000:]
+
+
 # ----------------------------------------------------------------------------- the coordinator is lost
 def test_lost_coordinator_ends_every_replica_with_one_line(tmp_path):
     """The coordinator is the single point of the design: SIGKILL the launcher that holds it in the middle of
