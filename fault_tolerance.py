@@ -614,7 +614,10 @@ def recovery_figures(s, a, rounds):
         if not after:
             continue
         t_next, k_next = after[0]
-        redone = sum(1 for k, v in t.items() if v[1] > t_kill and k < k_next and v[3] == "update")
+        # redone: an update begun after the kill for a step the run had passed (a restart's rollback); a
+        # round of an earlier step that was still ending when the kill came is not one
+        redone = sum(1 for k, v in t.items()
+                     if v[0] > t_kill and v[2] < step and k < k_next and v[3] == "update")
         rejoin = min((v[1] for k, v in t.items() if v[1] > t_kill and k in rounds
                       and r in member_ids(s, k)), default=math.nan)
         out["failures"].append(dict(replica=r, step=step, ms_to_next_commit=1e3 * (t_next - t_kill),
