@@ -5,7 +5,8 @@ Parity with the one-process reference (float64, 1e-9) at (pp, tp, dp) = (2, 1, 1
 the executed schedule (measured events) obeys the pipeline's rules and is the schedule's order; the
 schedules' ideal timelines have the paper's bubble and message counts, they equal torch's
 ScheduleInterleaved1F1B order, and their communication plans cannot deadlock under NCCL's semantics
-(simulated); the pieces, copied out onto another model, train it as one process does; clipping clips and
+(simulated); the pieces, copied out (the technique section alone) onto another model and a layout unlike
+main's grid, train it as one process does; clipping clips and
 counts replicated tensors once; a dropped DP all-reduce fails --check; a restarted run continues to
 bit-identical losses; bad input exits 2 on every rank. Launches: 10 torchrun (one restarts once, one also runs
 the copy-out check), 8 plain python."""
@@ -300,18 +301,25 @@ def test_matches_reference_and_obeys_schedule(launch, name):
 
 
 def test_copy_out_pipeline_and_tp_match_one_process(launch):
-    """The pieces as a reader copies them (f and g around a split MLP, comm_plan, PipelineRank, finish_batch) on
-    a model that is not the GPT (tests/ptdp_checks.py: nested modules, parameters on the root module, one 0-dim,
-    hidden width 10, squared error), pp 2 x tp 2, v 2, clipped by the whole model's norm: every clipped gradient
-    of the first step and every final parameter equal plain one-process SGD's with torch's clip_grad_norm_
-    (which clips every step: the norm is above the threshold) within 1e-12; with f's all-reduce dropped, the
-    same comparison fails. Issue 30, defect 4: the 0-dim parameter in the clip path."""
+    """The pieces as a reader copies them, from the technique section executed alone (section.load: torch and
+    einops only): f and g around a split MLP, PipelineRank, finish_batch, on a model that is not the GPT
+    (tests/ptdp_checks.py: nested modules, parameters on the root module, one 0-dim, hidden width 10, squared
+    error), pp 2 x tp 2, v 2, clipped by the whole model's norm, on a layout unlike main's: pipelines {0, 3} and
+    {1, 2} (peers are ranks within the pipeline's group: pp rank 1 of the first is global rank 3), TP groups
+    {0, 1} and {2, 3}: every clipped gradient of the first step and every final parameter equal plain
+    one-process SGD's with torch's clip_grad_norm_ (which clips every step: the norm is above the threshold)
+    within 1e-12; with f's all-reduce dropped, the same comparison fails. Issue 30, defect 4: the 0-dim
+    parameter in the clip path. The counter sees the step's sends and all-reduces (what deliver 2 relies on)."""
     got = launch("pp2 tp2 v2")[3]
+    assert [(x["pp"], x["tp"], x["pipeline"]) for x in got["layout"]] == [
+        (0, 0, [0, 3]), (0, 1, [1, 2]), (1, 0, [1, 2]), (1, 1, [0, 3])]
     assert min(got["reference_norms"]) > got["clip"], got["reference_norms"]
     assert got["interleaved"]["max_grad_or_param_diff"] < 1e-12, got["interleaved"]
     assert got["interleaved"]["max_loss_diff"] < 1e-12, got["interleaved"]
     assert got["interleaved"]["losses"] == pytest.approx(got["reference_losses"], rel=1e-12)
     assert got["interleaved, f without its all-reduce"]["max_grad_or_param_diff"] > 1e-3
+    counted = got["counted_step"]  # the counter sees what this code sends: sends, TP and world all-reduces
+    assert counted["send/pp/fwd"] > 0 and counted["all_reduce/tp/bwd"] > 0 and counted["all_reduce/world/fwd"] == 1
 
 
 def test_clipping_clips_and_equals_reference(launch):
