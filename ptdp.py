@@ -133,6 +133,8 @@ class TPBlock(nn.Module):
     def __init__(self, full, group):
         super().__init__()
         t, r = dist.get_world_size(group), dist.get_rank(group)
+        if full.attn.n_heads % t:
+            raise ValueError(f"{full.attn.n_heads} heads do not split over t = {t}: use heads divisible by t")
         self.ln1, self.attn, self.ln2, self.mlp = full.ln1, full.attn, full.ln2, full.mlp
         for name, w in list(self.named_parameters()):
             if tp_dim(name) is not None:
@@ -161,6 +163,8 @@ class Chunk(nn.Module):
     def __init__(self, full, c, n, group):
         super().__init__()
         per, self.first, self.last = full.cfg.n_layers // n, c == 0, c == n - 1
+        if full.cfg.n_layers % n or not 0 <= c < n:
+            raise ValueError(f"chunk {c} of {n}: need 0 <= c < n, n dividing the {full.cfg.n_layers} layers")
         if self.first:
             self.tok_emb, self.pos_emb = full.tok_emb, full.pos_emb
         self.blocks = nn.ModuleDict({str(i): TPBlock(full.blocks[i], group)
@@ -200,6 +204,9 @@ def schedule(p, v, m, r):
     def bwd(k):
         c, mb = fwd(k)
         return (v - 1 - c // p) * p + r, mb
+    if min(p, v, m) < 1 or not 0 <= r < p or v > 1 and m % p:
+        raise ValueError(f"schedule of p = {p}, v = {v}, m = {m}, r = {r}: need p, v, m >= 1, 0 <= r < p, "
+                         f"and with v > 1 m a multiple of p (interleaving runs groups of p micro-batches)")
     w, n = warmup(p, v, m, r), v * m
     ops = [("F", *fwd(k)) for k in range(w)]
     for i in range(n - w):
@@ -283,6 +290,8 @@ class PipelineRank:
 
     def __init__(self, chunks, group, m, msg_shape, dtype, device, observe=None):
         p, r, v = dist.get_world_size(group), dist.get_rank(group), len(chunks)
+        if sorted(chunks) != list(range(r, p * v, p)):  # also: the chunks' count p * v, the group's size p
+            raise ValueError(f"rank {r} of {p} holds chunks {list(range(r, p * v, p))}, not {sorted(chunks)}")
         self.chunks, self.n, self.group, self.m, self.plan = chunks, p * v, group, m, comm_plan(p, v, m, r)
         self.msg_shape, self.dtype, self.device = msg_shape, dtype, device
         self.observe = observe or (lambda *a, **k: contextlib.nullcontext())
@@ -290,6 +299,8 @@ class PipelineRank:
 
     def run(self, inputs, targets, loss_fn):
         """inputs, targets: m micro-batches each. Returns the summed loss of those scored here (0-dim)."""
+        if len(inputs) != self.m or len(targets) != self.m:
+            raise ValueError(f"m = {self.m} micro-batches, got {len(inputs)} inputs, {len(targets)} targets")
         self.loss = torch.zeros((), dtype=torch.float64, device=self.device)
         for step, *what in self.plan:
             if step == "p2p":
