@@ -61,10 +61,9 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from einops import rearrange
-from torch.multiprocessing.reductions import StorageWeakRef
 
-from common import (build_gpt, clip_grads_, count_tokens, DTYPES, fail, GPTConfig, init_dist, lm_loss,
-                    make_optimizer, MarkovData)
+from common import (build_gpt, count_tokens, DTYPES, fail, GPTConfig, init_dist, lm_loss, make_optimizer,
+                    MarkovData)
 from harness import (assemble_full, busy_ms, check_against_reference, check_common_args, CommCounter,
                      CommonArgs, draw_timeline, env_world_size, gather_rows, LiveStorages, parse_args,
                      peak_memory_bytes, Run, SavedActivations, state_bytes, Timeline, write_trace)
@@ -129,12 +128,13 @@ class TPBlock(nn.Module):
     Split parameters are marked `tp_split` (the clipping norm counts them on every TP rank).
 
         q, k, v, fc  (out, in) = [W_0; W_1; ..]  rows: rank k computes its heads / its 4D/t hidden features
-        proj         (out, in) = [W_0 | W_1 ..]  columns: rank k's partial product; g sums, then the bias
-    """
+        proj         (out, in) = [W_0 | W_1 ..]  columns: rank k's partial product; g sums, then the bias"""
 
     def __init__(self, full, group):
         super().__init__()
         t, r = dist.get_world_size(group), dist.get_rank(group)
+        if full.attn.n_heads % t:
+            raise ValueError(f"{full.attn.n_heads} heads do not split over t = {t}: use heads divisible by t")
         self.ln1, self.attn, self.ln2, self.mlp = full.ln1, full.attn, full.ln2, full.mlp
         for name, w in list(self.named_parameters()):
             if tp_dim(name) is not None:
@@ -163,6 +163,8 @@ class Chunk(nn.Module):
     def __init__(self, full, c, n, group):
         super().__init__()
         per, self.first, self.last = full.cfg.n_layers // n, c == 0, c == n - 1
+        if full.cfg.n_layers % n or not 0 <= c < n:
+            raise ValueError(f"chunk {c} of {n}: need 0 <= c < n, n dividing the {full.cfg.n_layers} layers")
         if self.first:
             self.tok_emb, self.pos_emb = full.tok_emb, full.pos_emb
         self.blocks = nn.ModuleDict({str(i): TPBlock(full.blocks[i], group)
@@ -202,6 +204,9 @@ def schedule(p, v, m, r):
     def bwd(k):
         c, mb = fwd(k)
         return (v - 1 - c // p) * p + r, mb
+    if min(p, v, m) < 1 or not 0 <= r < p or v > 1 and m % p:
+        raise ValueError(f"schedule of p = {p}, v = {v}, m = {m}, r = {r}: need p, v, m >= 1, 0 <= r < p, "
+                         f"and with v > 1 m a multiple of p (interleaving runs groups of p micro-batches)")
     w, n = warmup(p, v, m, r), v * m
     ops = [("F", *fwd(k)) for k in range(w)]
     for i in range(n - w):
@@ -209,15 +214,9 @@ def schedule(p, v, m, r):
     return ops + [("B", *bwd(i)) for i in range(n - w, n)]
 
 
-def rank_of(c, p):
-    """The pp rank holding chunk c: a loop (c % p)."""
-    return c % p
-
-
 def needs(op, n):
-    """The message op (kind, c, k) waits for: ("F", c, k) = its input activation, from chunk c-1; ("B", c, k)
-    = the gradient of its output, from chunk c+1; None when it starts from tokens (chunk 0's F) or from its
-    own loss (the last chunk's B)."""
+    """The message op (kind, c, k) waits for: F's input activation from chunk c-1, B's output gradient from
+    chunk c+1; None when it starts from tokens (chunk 0's F) or from its own loss (the last chunk's B)."""
     kind, c, _ = op
     return None if (kind, c) in (("F", 0), ("B", n - 1)) else op
 
@@ -227,11 +226,10 @@ def producer(msg):
     return ("F", c - 1, k) if kind == "F" else ("B", c + 1, k)
 
 
-def ideal_timeline(p, v, m, slots=None):
+def ideal_timeline(p, v, m):
     """Every rank's ops at their earliest start when each takes its slots (F 1, B 2) and messages are free:
     {op: (rank, start, end)}. Its idle slots are the schedule's bubble."""
-    slots = slots or {"F": 1, "B": 2}
-    ops, n, at = [schedule(p, v, m, r) for r in range(p)], p * v, {}
+    ops, n, at, slots = [schedule(p, v, m, r) for r in range(p)], p * v, {}, {"F": 1, "B": 2}
     nxt, free = [0] * p, [0] * p
     while any(nxt[r] < len(ops[r]) for r in range(p)):
         moved = False
@@ -256,9 +254,8 @@ def comm_plan(p, v, m, r):
     the start of the op that uses it: the first such moment at which both ranks are between ops (else right
     after it is made, when the sender is). Both post it in their batch of G, after their ops that start
     before G and before those that start at or after it. So all ranks post their batches in order of G, a
-    batch's partners are batches of the same G, none can wait for a later one: no cycle (NCCL deadlocks on
-    a send whose receive is posted behind a wait on the sender). Within a batch, messages are sorted alike
-    on both sides (per pair of ranks, one FIFO order)."""
+    batch's partners are batches of the same G, none can wait for a later one: no cycle (NCCL deadlocks on a
+    send whose receive is posted behind a wait on the sender). Both sides sort a batch's messages alike."""
     at, n, items = ideal_timeline(p, v, m), p * v, collections.defaultdict(lambda: ([], []))
     spans = collections.defaultdict(list)  # pp rank -> (start, end) of its ops
     for q, start, end in at.values():
@@ -283,22 +280,27 @@ TAG = {"F": 0, "B": 1}  # a point-to-point tag per direction: activations 0, gra
 
 
 class PipelineRank:
-    """One rank of one pipeline: runs `plan` (comm_plan's steps) over its chunks for one batch, to the flush.
-        chunks   {global chunk index: module} of n in all; chunk 0 takes inputs[k], chunk n-1's output goes to
-                 loss_fn(output, targets[k]) (a scalar)
-        peers    pp rank -> global rank; every message is one tensor of msg_shape and dtype, on device
+    """Rank r of the p in a pipeline's `group` (peers are ranks in it): runs comm_plan's steps over its
+    chunks for one batch of m micro-batches, to the flush; every message one tensor of msg_shape and dtype.
+        chunks   {global chunk index: module}: chunks r, r + p, ... of n = p * v (v = len(chunks)); chunk 0
+                 takes inputs[k], chunk n-1's output goes to loss_fn(output, targets[k]) (a scalar)
         observe  a context manager around every F and B (observe(kind, mb, chunk=c)) and exchange
                  (observe("p2p", None, recvs=[message, ...])), for the measurement to watch through
-    NCCL wants one collective before the first batch_isend_irecv: the caller runs it (see main)."""
+    NCCL wants one collective in `group` before its first batch_isend_irecv: the caller runs it (see main)."""
 
-    def __init__(self, chunks, n, plan, peers, msg_shape, dtype, device, observe=None):
-        self.chunks, self.n, self.plan, self.peers = chunks, n, plan, peers
+    def __init__(self, chunks, group, m, msg_shape, dtype, device, observe=None):
+        p, r, v = dist.get_world_size(group), dist.get_rank(group), len(chunks)
+        if sorted(chunks) != list(range(r, p * v, p)):  # also: the chunks' count p * v, the group's size p
+            raise ValueError(f"rank {r} of {p} holds chunks {list(range(r, p * v, p))}, not {sorted(chunks)}")
+        self.chunks, self.n, self.group, self.m, self.plan = chunks, p * v, group, m, comm_plan(p, v, m, r)
         self.msg_shape, self.dtype, self.device = msg_shape, dtype, device
         self.observe = observe or (lambda *a, **k: contextlib.nullcontext())
         self.inbox, self.outbox, self.alive = {}, {}, {}
 
     def run(self, inputs, targets, loss_fn):
         """inputs, targets: m micro-batches each. Returns the summed loss of those scored here (0-dim)."""
+        if len(inputs) != self.m or len(targets) != self.m:
+            raise ValueError(f"m = {self.m} micro-batches, got {len(inputs)} inputs, {len(targets)} targets")
         self.loss = torch.zeros((), dtype=torch.float64, device=self.device)
         for step, *what in self.plan:
             if step == "p2p":
@@ -314,11 +316,12 @@ class PipelineRank:
         return self.loss
 
     def exchange(self, sends, recvs):
-        """One batch_isend_irecv: sends [(pp rank, message)] from the outbox, receives into the inbox."""
+        """One batch_isend_irecv: sends [(peer, message)] from the outbox, receives into the inbox."""
         into = {msg: torch.empty(self.msg_shape, dtype=self.dtype, device=self.device) for _, msg in recvs}
-        ops = [dist.P2POp(dist.isend, self.outbox.pop(msg).contiguous(), self.peers[q], tag=TAG[msg[0]])
-               for q, msg in sends]
-        ops += [dist.P2POp(dist.irecv, into[msg], self.peers[q], tag=TAG[msg[0]]) for q, msg in recvs]
+        ops = [dist.P2POp(dist.isend, self.outbox.pop(msg).contiguous(), group=self.group, group_peer=q,
+                          tag=TAG[msg[0]]) for q, msg in sends]
+        ops += [dist.P2POp(dist.irecv, into[msg], group=self.group, group_peer=q, tag=TAG[msg[0]])
+                for q, msg in recvs]
         if ops:
             for req in dist.batch_isend_irecv(ops):
                 req.wait()
@@ -362,17 +365,16 @@ def squared_norm_piece(params, tp_rank):
     return torch.stack(norms).square().sum().double()
 
 
-def finish_batch(params, loss, dp_group, tp_rank, dp_rank, max_norm):
+def finish_batch(params, loss, dp_group, tp_rank, dp_rank, max_norm, group):
     """After the flush: 1. the DP sum of gradients; 2. the whole model's squared norm and the batch loss in
-    one all-reduce over the world, each piece counted once (each replica's loss from TP rank 0, the norm
-    from DP rank 0); 3. clip. Returns (loss, norm) as floats."""
+    one all-reduce over `group`, all the model's ranks (main: the world), each piece counted once (a replica's
+    loss on TP rank 0, the norm on DP rank 0); 3. clip as torch does. Returns (loss, norm) as floats."""
     sum_gradients(params, dp_group)
-    sq = squared_norm_piece(params, tp_rank)
-    total = torch.stack([loss if tp_rank == 0 else torch.zeros_like(loss),
-                         sq if dp_rank == 0 else torch.zeros_like(sq)])  # (2,): loss piece, norm^2 piece
-    dist.all_reduce(total)
+    total = torch.stack([loss * (tp_rank == 0), squared_norm_piece(params, tp_rank) * (dp_rank == 0)])
+    dist.all_reduce(total, group=group)  # (2,): this rank's piece of the loss, of the squared norm -> sums
     norm = total[1].sqrt()
-    clip_grads_([q.grad for q in params], norm, max_norm)
+    for q in params if max_norm > 0 else []:  # clip_grad_norm_'s rule, in each grad's dtype (0-dim ones too)
+        q.grad.mul_(torch.clamp(max_norm / (norm + 1e-6), max=1.0).to(q.grad.dtype))
     return total[0].item(), norm.item()
 
 
@@ -418,43 +420,41 @@ def main():
     # every rank creates every group, in the same order (new_group is a collective over the world)
     tp_groups = {(i, j): dist.new_group(grid[i, j, :].tolist()) for i in range(p) for j in range(dp)}
     dp_groups = {(i, k): dist.new_group(grid[i, :, k].tolist()) for i in range(p) for k in range(t)}
+    pp_groups = {(j, k): dist.new_group(grid[:, j, k].tolist()) for j in range(dp) for k in range(t)}
     tp_group, dp_group = tp_groups[pp_rank, dp_rank], dp_groups[pp_rank, tp_rank]
-    peers = grid[:, dp_rank, tp_rank].tolist()  # pp rank -> global rank of this pipeline
+    pp_group = pp_groups[dp_rank, tp_rank]  # its rank = pp_rank: new_group orders by global rank, as the grid
     b = args.batch_size // (dp * m)
-    d.log(f"ptdp.py: world {world} = pp {p} x dp {dp} x tp {t}, interleaved 1F1B, v = {v} chunks per "
-          f"rank, m = {m} micro-batches of {b} per replica, on {d.backend}; entropy floor "
-          f"{data.entropy:.4f} nats")
+    d.log(f"ptdp.py: world {world} = pp {p} x dp {dp} x tp {t}, interleaved 1F1B, v = {v} chunks per rank, "
+          f"m = {m} micro-batches of {b} per replica, on {d.backend}; entropy floor {data.entropy:.4f} nats")
 
     # --- the model: the full GPT on CPU from one seed, then this rank's chunks, TP-sliced, to the device ---
     dtype = DTYPES[args.dtype]
     full = build_gpt(GPTConfig.from_args(args), args.seed, dtype)
     shapes = {n: list(q.shape) for n, q in full.named_parameters()}
-    mine = [c for c in range(p * v) if rank_of(c, p) == pp_rank]
+    mine = list(range(pp_rank, p * v, p))  # chunk c on pp rank c % p: a loop
     chunks = nn.ModuleDict({str(c): Chunk(full, c, p * v, tp_group) for c in mine}).to(d.device)
     del full
     opt = make_optimizer(chunks.parameters(), args)
     run = Run(d, args, {"model": chunks, "optim": opt})
     norms, params = run.history.get("norms", []), list(chunks.parameters())
     watch = Watch(d, args, coords)  # times every F and B
-    comm = CommCounter(axes={"tp": tp_group, "dp": dp_group}, log=True)
-    plan = comm_plan(p, v, m, pp_rank)
+    comm = CommCounter(axes={"tp": tp_group, "dp": dp_group, "pp": pp_group}, log=True)
     msg_shape = (b, args.seq_len, args.d_model)  # every activation and gradient between chunks
-    runner = PipelineRank({c: chunks[str(c)] for c in mine}, p * v, plan, peers, msg_shape, dtype, d.device,
+    runner = PipelineRank({c: chunks[str(c)] for c in mine}, pp_group, m, msg_shape, dtype, d.device,
                           observe=watch)
     watch.runner = runner  # what it holds to B, for the counted peak
-    # NCCL sets up its communicator at the first collective; batched point-to-point must not come first
-    dist.all_reduce(torch.zeros(1, device=d.device))
+    # NCCL sets up a group's communicator at its first collective; batched point-to-point must not come first
+    dist.all_reduce(torch.zeros(1, device=d.device), group=pp_group)
     for step in run.steps():
         x, y = data.batch(step, args.batch_size, args.seq_len, args.ragged)  # (B, T) global batch, CPU
         n_tok = count_tokens(y)  # the whole global batch's: every micro-batch loss divides by it
         rows = slice(dp_rank * b * m, (dp_rank + 1) * b * m)  # this replica's rows
         split = lambda z: rearrange(z[rows], "(m b) n -> m b n", m=m).to(d.device)  # noqa: E731  (m, b, T)
         watch.step = step
-        # every collective and send of the first step counted at the dispatcher (it slows every op down; the
-        # last step is the one timed)
+        # the first step's collectives and sends counted at the dispatcher (slower; the last step is timed)
         with run.watching(step, comm, at=run.start):
             loss = runner.run(split(x), split(y), lambda logits, tgt: lm_loss(logits, tgt, n_tok))
-            loss, norm = finish_batch(params, loss, dp_group, tp_rank, dp_rank, args.clip)
+            loss, norm = finish_batch(params, loss, dp_group, tp_rank, dp_rank, args.clip, dist.group.WORLD)
         opt.step()
         watch.held = max(watch.held, state_bytes(chunks, opt))  # parameters, gradients, AdamW state
         opt.zero_grad(set_to_none=True)
@@ -501,6 +501,7 @@ class Watch:
         self.inflight[0] -= kind == "B"
         if kind == "F":
             self.saved.setdefault(chunk, saved.bytes)  # what one micro-batch saves on this chunk
+        from torch.multiprocessing.reductions import StorageWeakRef  # (measurement only)
         now = self.live.alive()  # the peak of saved activations alive
         outs = {StorageWeakRef(o.untyped_storage()): o.untyped_storage().nbytes()
                 for _, o in self.runner.alive.values()} if self.runner else {}
@@ -553,7 +554,7 @@ def report(d, args, dp, watch, comm):
           "measured | theory\nrank | chunks | bubble | theory | in flight | bound | alive | theory | "
           "fwd msgs | theory | bwd msgs | theory | bytes sent")
     for r in range(p):
-        held = ",".join(str(c) for c in range(p * v) if rank_of(c, p) == r)
+        held = ",".join(str(c) for c in range(r, p * v, p))
         d.log(f"{r:4d} | {held:6s} | {bub[r]:6.3f} | {bub_theory:6.3f} | {inflight[r]:9d} | {bound[r]:5d} | "
               f"{alive[r]:5.2f} | {bound[r] / v:6.2f} | {f_msgs[r]:8d} | {f_theory[r]:6d} | {b_msgs[r]:8d} | "
               f"{b_theory[r]:6d} | {sent[r]}")

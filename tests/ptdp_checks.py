@@ -6,11 +6,15 @@
 BREAK is one of
     norm-counts-replicas  every TP rank adds its copy of the replicated tensors to the clipping norm (t times)
     no-dp-all-reduce      the data-parallel gradient all-reduce after the flush is skipped
-copy-out first trains a model that is not the GPT (nested modules, parameters on the root module, one 0-dim,
-odd sizes, a squared-error loss) on a pp 2 x tp 2 grid with ptdp.py's pieces as a reader would copy them (f and
-g around a split MLP, comm_plan, PipelineRank, finish_batch's clipping by the whole model's norm), v = 2,
-against plain one-process training written here (torch's clip_grad_norm_); it writes the errors to OUT.json
-and then runs ptdp.py's own main (the same processes, so the check costs no launch).
+copy-out first calls each core of ptdp.py's technique section, loaded alone as a copier takes it
+(section.load("ptdp.py"): torch and einops only), with each input it cannot run, under harness.CommCounter:
+a ValueError and nothing sent. Then it trains a model that is not the GPT (nested modules, parameters on the
+root module, one 0-dim, odd sizes, a squared-error loss) with the section's pieces (f and g around a split
+MLP, PipelineRank and its comm_plan, finish_batch's clipping by the whole model's norm), pp 2 x tp 2, v = 2,
+on a layout unlike main's grid: TP groups {0, 1} and {2, 3}, pipelines {0, 3} and {1, 2} (so a pipeline's
+ranks are not 0..p-1 and its two stages' TP ranks differ), against plain one-process training written here
+(torch's clip_grad_norm_); it writes the errors to OUT.json and then runs ptdp.py's own main (the same
+processes, so the check costs no launch).
 """
 import json
 import sys
@@ -22,8 +26,13 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-import ptdp  # noqa: E402
-from common import init_dist  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import ptdp  # noqa: E402  (its main, run after the copy-out check)
+import section  # noqa: E402
+from common import build_gpt, GPTConfig, init_dist  # noqa: E402
+from harness import CommCounter  # noqa: E402
+
+core = section.load("ptdp.py")  # the technique section alone: what the copy-out check runs
 
 D, HIDDEN, IN, OUT, BLOCKS, B, M, STEPS, LR, CLIP = 6, 10, 5, 3, 4, 12, 4, 3, 0.1, 0.3
 
@@ -73,8 +82,8 @@ class TPResidual(nn.Module):
             q.tp_split = True  # a shard: finish_batch's norm counts it on every TP rank
 
     def forward(self, x):
-        h = torch.tanh(F.linear(ptdp.f.apply(self.norm(x), self.group), self.w1, self.b1))
-        return x + ptdp.g.apply(F.linear(h, self.w2), self.group) + self.b2
+        h = torch.tanh(F.linear(core["f"].apply(self.norm(x), self.group), self.w1, self.b1))
+        return x + core["g"].apply(F.linear(h, self.w2), self.group) + self.b2
 
 
 class NetChunk(nn.Module):
@@ -122,32 +131,81 @@ def reference():
     return net, losses, norms, grads0
 
 
+def refusals(pp_group, tp_group, alone, pp_rank):
+    """Each core given what it cannot run: {case: (the error as "Type: message", the counter's calls)}; and the
+    negatives: the TP block and the chunk with their checks cut out of the section's text take the bad sizes
+    without an error (the heads or the layers silently wrong)."""
+    tiny = build_gpt(GPTConfig(vocab=8, seq_len=4, d_model=6, n_heads=3, n_layers=2), 0, torch.float64)
+    blocks = {c: NetChunk(Net().double(), c, BLOCKS, tp_group) for c in range(pp_rank, BLOCKS, 2)}
+
+    def runner(group=pp_group, m=M):
+        return core["PipelineRank"](blocks, group, m, (B // M, D), torch.float64, torch.device("cpu"))
+    x, y = batch(0)
+    cases = {
+        "schedule, v 2, m 3 not a multiple of p 2": lambda: core["comm_plan"](2, 2, 3, pp_rank),
+        "schedule, rank 2 of p 2": lambda: core["schedule"](2, 1, 4, 2),
+        "schedule, m 0": lambda: core["schedule"](2, 1, 0, 0),
+        "PipelineRank, m 3 not a multiple of p 2": lambda: runner(m=3),
+        "PipelineRank, 2 chunks in a group of 4": lambda: runner(group=dist.group.WORLD),
+        "PipelineRank, 2 chunks of a pipeline of 2 in a group of 1": lambda: runner(group=alone),
+        "PipelineRank.run, m - 1 micro-batches": lambda: runner().run(list(x.view(M, -1, IN))[1:],
+                                                                       list(y.view(M, -1, OUT))[1:], loss_of),
+        "TPBlock, 3 heads over t 2": lambda: core["TPBlock"](tiny.blocks[0], tp_group),
+        "Chunk, 2 layers in 4 chunks": lambda: core["Chunk"](tiny, 0, 4, tp_group),
+        "Chunk, chunk 2 of 2": lambda: core["Chunk"](tiny, 2, 2, tp_group),
+    }
+    out, mutants = {}, {}
+    for case, call in cases.items():
+        with CommCounter() as comm:
+            try:
+                call()
+                got = "no error"
+            except Exception as e:  # noqa: BLE001 (any other error is reported, and fails the test)
+                got = f"{type(e).__name__}: {e}"
+        out[case] = (got, dict(comm.calls))
+    for case, text in (("TPBlock, 3 heads over t 2", "if full.attn.n_heads % t:"),
+                       ("Chunk, 2 layers in 4 chunks", "if full.cfg.n_layers % n or not 0 <= c < n:")):
+        mutant = section.load("ptdp.py", (section.ROOT / "ptdp.py").read_text().replace(text, "if False:"))
+        try:  # the negative: without its check the core takes the bad size silently (no error at all)
+            (mutant["TPBlock"](tiny.blocks[0], tp_group) if "TPBlock" in case else mutant["Chunk"](tiny, 0, 4,
+                                                                                                     tp_group))
+            mutants[case] = "no error"
+        except Exception as e:  # noqa: BLE001
+            mutants[case] = f"{type(e).__name__}: {e}"
+    return out, mutants
+
+
 def copy_out(out_path):
     d = init_dist()
     p, t = 2, 2
-    grid = torch.arange(4).view(p, t)
-    pp_rank, tp_rank = [int(i) for i in (grid == d.rank).nonzero()[0]]
-    tp_groups = [dist.new_group(grid[i].tolist()) for i in range(p)]
-    dist.all_reduce(torch.zeros(1, device=d.device))  # the collective NCCL wants before any point-to-point
+    # not main's grid: TP groups {0, 1} and {2, 3}, pipelines {0, 3} and {1, 2}. Every rank creates every group
+    # in the same order; a group numbers its ranks in global order, so pp and tp ranks come from the groups.
+    tp_groups = [dist.new_group(r) for r in ([0, 1], [2, 3])]
+    pp_groups = [dist.new_group(r) for r in ([0, 3], [1, 2])]
+    tp_group, pp_group = tp_groups[d.rank // 2], pp_groups[int(d.rank in (1, 2))]
+    pp_rank, tp_rank = dist.get_rank(pp_group), dist.get_rank(tp_group)
+    # the collective NCCL wants in a group before its first point-to-point
+    dist.all_reduce(torch.zeros(1, device=d.device), group=pp_group)
+    alone = [dist.new_group([r]) for r in range(4)][d.rank]  # no data parallelism: each rank its own replica
+    bad, mutants = refusals(pp_group, tp_group, alone, pp_rank)
     net, ref_losses, ref_norms, ref_grads0 = reference()
-    alone = [dist.new_group([r]) for r in range(4)]  # no data parallelism: each rank its own replica group
-    peers = grid[:, tp_rank].tolist()
-    errors = {}
-    real_f = vars(ptdp.f)["backward"]  # the staticmethod itself
+    errors, counted = {}, {}
+    real_f = vars(core["f"])["backward"]  # the staticmethod itself
     for order in ("interleaved", "interleaved, f without its all-reduce"):  # the second must fail
-        ptdp.f.backward = staticmethod(lambda ctx, grad: (grad, None)) if "f without" in order else real_f
+        core["f"].backward = staticmethod(lambda ctx, grad: (grad, None)) if "f without" in order else real_f
         torch.manual_seed(0)
         full = Net().double()
-        mine = [c for c in range(BLOCKS) if ptdp.rank_of(c, p) == pp_rank]
-        chunks = {c: NetChunk(full, c, BLOCKS, tp_groups[pp_rank]) for c in mine}
-        runner = ptdp.PipelineRank(chunks, BLOCKS, ptdp.comm_plan(p, 2, M, pp_rank), peers, (B // M, D),
-                                   torch.float64, d.device)
+        mine = list(range(pp_rank, BLOCKS, p))
+        chunks = {c: NetChunk(full, c, BLOCKS, tp_group) for c in mine}
+        runner = core["PipelineRank"](chunks, pp_group, M, (B // M, D), torch.float64, d.device)
         params = [q for c in mine for q in chunks[c].parameters()]
         opt, losses, err = torch.optim.SGD(params, lr=LR), [], 0.0
         for step in range(STEPS):
             x, y = batch(step)
-            loss = runner.run(list(x.view(M, -1, IN)), list(y.view(M, -1, OUT)), loss_of)
-            loss, _ = ptdp.finish_batch(params, loss, alone[d.rank], tp_rank, 0, CLIP)  # (summed once); clipped
+            with CommCounter(axes={"pp": pp_group, "tp": tp_group}) as comm:
+                loss = runner.run(list(x.view(M, -1, IN)), list(y.view(M, -1, OUT)), loss_of)
+                loss, _ = core["finish_batch"](params, loss, alone, tp_rank, 0, CLIP, dist.group.WORLD)  # clipped
+            counted = counted or dict(comm.calls)  # the positive control: the counter sees this code's traffic
             losses.append(loss)
             if step == 0:  # every local gradient against the same slice of the one-process gradient
                 err = max(err, max(diff(n, q.grad, ref_grads0, c, tp_rank, t) for c in mine
@@ -160,10 +218,19 @@ def copy_out(out_path):
         err = torch.tensor([err, max(abs(a - b) for a, b in zip(losses, ref_losses))], dtype=torch.float64)
         dist.all_reduce(err, op=dist.ReduceOp.MAX)
         errors[order] = dict(max_grad_or_param_diff=err[0].item(), max_loss_diff=err[1].item(), losses=losses)
-    ptdp.f.backward = real_f
+    core["f"].backward = real_f
+    # to rank 0, one row per rank: its pp rank, tp rank, the global ranks of its pipeline (pp rank order), and
+    # per case 1 if the core raised a ValueError with nothing counted
+    row = [pp_rank, tp_rank, *(dist.get_global_rank(pp_group, i) for i in range(p))]
+    row += [v[0].startswith("ValueError") and not v[1] for v in bad.values()]
+    rows = [torch.zeros(1, len(row), dtype=torch.float64) for _ in range(4)]
+    dist.all_gather(rows, torch.tensor([row], dtype=torch.float64))
+    rows = [[int(x) for x in r[0]] for r in rows]
     if d.rank == 0:
-        Path(out_path).write_text(json.dumps(dict(errors, reference_losses=ref_losses, reference_norms=ref_norms,
-                                                  clip=CLIP)))
+        Path(out_path).write_text(json.dumps(dict(
+            errors, reference_losses=ref_losses, reference_norms=ref_norms, clip=CLIP, refusals=bad, mutants=mutants,
+            refused_on_every_rank={case: all(r[4 + i] == 1 for r in rows) for i, case in enumerate(bad)},
+            counted_step=counted, layout=[dict(pp=r[0], tp=r[1], pipeline=r[2:4]) for r in rows])))  # by rank
     return d
 
 

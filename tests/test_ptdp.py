@@ -5,7 +5,9 @@ Parity with the one-process reference (float64, 1e-9) at (pp, tp, dp) = (2, 1, 1
 the executed schedule (measured events) obeys the pipeline's rules and is the schedule's order; the
 schedules' ideal timelines have the paper's bubble and message counts, they equal torch's
 ScheduleInterleaved1F1B order, and their communication plans cannot deadlock under NCCL's semantics
-(simulated); the pieces, copied out onto another model, train it as one process does; clipping clips and
+(simulated); the pieces, copied out (the technique section alone) onto another model and a layout unlike
+main's grid, train it as one process does, and each core refuses what it cannot run before sending anything;
+clipping clips and
 counts replicated tensors once; a dropped DP all-reduce fails --check; a restarted run continues to
 bit-identical losses; bad input exits 2 on every rank. Launches: 10 torchrun (one restarts once, one also runs
 the copy-out check), 8 plain python."""
@@ -24,6 +26,7 @@ from helpers import (ROOT, TINY, assert_each_rank_fails, assert_matches_referenc
 
 sys.path.insert(0, str(ROOT))
 import ptdp  # noqa: E402  (importing must not run main())
+import section  # noqa: E402
 from common import reference_train  # noqa: E402
 
 CFG = [*TINY, "--n-layers", "4", "--batch-size", "16"]  # 4 blocks = 2 pp x 2 chunks; 16 = dp 2 x m 4 x 2
@@ -300,18 +303,55 @@ def test_matches_reference_and_obeys_schedule(launch, name):
 
 
 def test_copy_out_pipeline_and_tp_match_one_process(launch):
-    """The pieces as a reader copies them (f and g around a split MLP, comm_plan, PipelineRank, finish_batch) on
-    a model that is not the GPT (tests/ptdp_checks.py: nested modules, parameters on the root module, one 0-dim,
-    hidden width 10, squared error), pp 2 x tp 2, v 2, clipped by the whole model's norm: every clipped gradient
-    of the first step and every final parameter equal plain one-process SGD's with torch's clip_grad_norm_
-    (which clips every step: the norm is above the threshold) within 1e-12; with f's all-reduce dropped, the
-    same comparison fails. Issue 30, defect 4: the 0-dim parameter in the clip path."""
+    """The pieces as a reader copies them, from the technique section executed alone (section.load: torch and
+    einops only): f and g around a split MLP, PipelineRank, finish_batch, on a model that is not the GPT
+    (tests/ptdp_checks.py: nested modules, parameters on the root module, one 0-dim, hidden width 10, squared
+    error), pp 2 x tp 2, v 2, clipped by the whole model's norm, on a layout unlike main's: pipelines {0, 3} and
+    {1, 2} (peers are ranks within the pipeline's group: pp rank 1 of the first is global rank 3), TP groups
+    {0, 1} and {2, 3}: every clipped gradient of the first step and every final parameter equal plain
+    one-process SGD's with torch's clip_grad_norm_ (which clips every step: the norm is above the threshold)
+    within 1e-12; with f's all-reduce dropped, the same comparison fails. Issue 30, defect 4: the 0-dim
+    parameter in the clip path.
+    Issue 30, deliver 2: in the same launch, each core given what it cannot run (the schedule's m not a
+    multiple of p, a rank outside p, m = 0; PipelineRank's chunks against its group's size, its m; run() given
+    m - 1 micro-batches; TPBlock's heads that t does not split; Chunk's layers that n chunks do not split, or a
+    chunk index past n) raises a ValueError that says what would work, on every rank, and harness.CommCounter
+    counted nothing while it ran; the same counter counts the sends and all-reduces of a training step (the
+    positive control); the TP block and the chunk with their check cut out take the bad sizes silently."""
     got = launch("pp2 tp2 v2")[3]
+    assert [(x["pp"], x["tp"], x["pipeline"]) for x in got["layout"]] == [
+        (0, 0, [0, 3]), (0, 1, [1, 2]), (1, 0, [1, 2]), (1, 1, [0, 3])]
     assert min(got["reference_norms"]) > got["clip"], got["reference_norms"]
     assert got["interleaved"]["max_grad_or_param_diff"] < 1e-12, got["interleaved"]
     assert got["interleaved"]["max_loss_diff"] < 1e-12, got["interleaved"]
     assert got["interleaved"]["losses"] == pytest.approx(got["reference_losses"], rel=1e-12)
     assert got["interleaved, f without its all-reduce"]["max_grad_or_param_diff"] > 1e-3
+    words = {"schedule, v 2, m 3 not a multiple of p 2": "m a multiple of p", "schedule, rank 2 of p 2": "0 <= r < p",
+             "schedule, m 0": "m >= 1", "PipelineRank, m 3 not a multiple of p 2": "m a multiple of p",
+             "PipelineRank, 2 chunks in a group of 4": "rank 0 of 4 holds chunks [0, 4], not [0, 2]",
+             "PipelineRank, 2 chunks of a pipeline of 2 in a group of 1": "rank 0 of 1 holds chunks [0, 1], not [0, 2]",
+             "PipelineRank.run, m - 1 micro-batches": "m = 4 micro-batches, got 3 inputs, 3 targets",
+             "TPBlock, 3 heads over t 2": "3 heads do not split over t = 2: use heads divisible by t",
+             "Chunk, 2 layers in 4 chunks": "n dividing the 2 layers",
+             "Chunk, chunk 2 of 2": "chunk 2 of 2: need 0 <= c < n"}
+    assert set(got["refusals"]) == set(words) and all(got["refused_on_every_rank"].values()), got["refusals"]
+    for case, (error, calls) in got["refusals"].items():  # rank 0's
+        assert error.startswith("ValueError: ") and words[case] in error and calls == {}, (case, error, calls)
+    counted = got["counted_step"]  # the counter sees what this code sends: sends, TP and world all-reduces
+    assert counted["send/pp/fwd"] > 0 and counted["all_reduce/tp/bwd"] > 0 and counted["all_reduce/world/fwd"] == 1
+    assert got["mutants"] == {"TPBlock, 3 heads over t 2": "no error", "Chunk, 2 layers in 4 chunks": "no error"}
+
+
+def test_schedule_refuses_what_it_cannot_run():
+    """comm_plan from the section alone, m = 3 with p = 2 and v = 2: a ValueError naming the rule; with the check
+    cut out of the text it fails later and obscurely (the ideal timeline waits on itself), or worse."""
+    with pytest.raises(ValueError, match="m a multiple of p"):
+        section.load("ptdp.py")["comm_plan"](2, 2, 3, 0)
+    text = (ROOT / "ptdp.py").read_text()
+    check = "if min(p, v, m) < 1 or not 0 <= r < p or v > 1 and m % p:"
+    assert check in text
+    with pytest.raises(RuntimeError, match="waits on itself"):
+        section.load("ptdp.py", text.replace(check, "if False:"))["comm_plan"](2, 2, 3, 0)
 
 
 def test_clipping_clips_and_equals_reference(launch):
