@@ -243,9 +243,9 @@ class RNGTracker:
     def __init__(self, device, seed, dp_rank, tp_rank):
         base = 100_003 * seed + 7_919 * dp_rank + 1
         torch.manual_seed(base)  # the default stream: the same across TP ranks
-        self.gen, self.forked = torch.default_generator, False  # dropout's generator on `device`: cpu,
-        if device.type == "cuda":
-            torch.cuda.init()  # or cuda:i (init fills torch.cuda.default_generators)
+        self.gen, self.forked = torch.default_generator, False  # the generator dropout draws from on the CPU
+        if device.type == "cuda":  # or on cuda:i (init fills torch.cuda.default_generators)
+            torch.cuda.init()
             self.gen = torch.cuda.default_generators[device.index]
         self.tp_state = torch.Generator(device=device).manual_seed(base + 2_719 + tp_rank).get_state()
 
