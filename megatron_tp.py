@@ -43,15 +43,24 @@ reduce-scatter then an all-gather), and LayerNorm, dropout and the residual add 
 
     (B,T/t,D) -LN-> all-gather T -> [column .. row] -> reduce-scatter T -> (B,T/t,D) -dropout, + residual->
 
+    operator  forward                  backward                  stands
+    f         identity                 all-reduce dL/dX          before a column layer, X replicated
+    g         all-reduce               identity                  after a row layer: sums the partial products
+    f_sp      all-gather along T       reduce-scatter along T    before a column layer, X split along T
+    g_sp      reduce-scatter along T   all-gather along T        after a row layer, back to T/t positions
+
 The column layers keep only the (B, T/t, D) chunk for backward and all-gather it again there (Sec. 4.2.2),
 so every activation a block saves is 1/t of the unsharded block's, at the price of one more all-gather.
+The file reads as Megatron-LM's TP complete first (f and g, the layers, the RNG tracker, the sharded GPT,
+gradients and clipping); the "sequence parallelism" heading then adds f_sp, g_sp, the GEMM that saves the
+chunk, the SP layers and SPGPT as subclasses, and the sum of the replicated gradients.
 
 Groups come from one grid, arange(world).view(dp, tp): a row is a TP group (adjacent ranks, one node), a
 column a data-parallel group.
 In production, use Megatron-Core (megatron.core.tensor_parallel) or torch.distributed.tensor.parallel.
 """
 import math
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -72,44 +81,13 @@ class Args(CommonArgs):
     sequence_parallel: bool = False  # split LayerNorm / dropout regions along the sequence (Korthikanti)
 
 
-# ----------------------------------------------------------------------------- collectives over one group
+# ----------------------------------------------------------------------------- f and g, the conjugate pair
 def all_reduce(x, group, op=dist.ReduceOp.SUM):  # in place, any shape
     if dist.get_world_size(group) > 1:  # a group of one has nothing to add (t = 1 or dp = 1)
         dist.all_reduce(x, op=op, group=group)
     return x
 
 
-def all_gather(x, dim, group):  # (.., n, ..) this rank's chunk -> (.., t*n, ..), rank r's chunk r-th
-    t = dist.get_world_size(group)
-    if t == 1:
-        return x
-    out = torch.empty(t * x.numel(), dtype=x.dtype, device=x.device)  # flat: every backend takes 1-D
-    dist.all_gather_single(out, x.contiguous().view(-1), group=group)
-    return torch.cat(out.view(t, *x.shape).unbind(0), dim)
-
-
-def reduce_scatter(x, dim, group):  # (.., t*n, ..) partial sums -> (.., n, ..) summed, chunk r
-    t = dist.get_world_size(group)
-    if x.shape[dim] % t:  # checked before communicating: uneven chunks would abort inside the collective
-        raise ValueError(f"sequence parallelism splits T = {x.shape[dim]} over t = {t}: use T divisible by t")
-    if t == 1:
-        return x
-    whole = torch.stack(x.chunk(t, dim)).contiguous()  # (t, .., n, ..): slot r goes to rank r
-    out = torch.empty(whole.shape[1:], dtype=x.dtype, device=x.device)
-    dist.reduce_scatter_single(out.view(-1), whole.view(-1), group=group)
-    return out
-
-
-# ----------------------------------------------------------------------------- the four conjugate operators
-# A TP region opens with f and closes with g (Megatron-LM Sec. 3). Under sequence parallelism they become
-# an all-gather / reduce-scatter pair along T (Korthikanti et al. Sec. 4.2.2, who call f_sp "g" and g_sp
-# "g-bar"). In each pair, one operator's forward is the other's backward:
-#
-#   operator  forward                  backward                  stands
-#   f         identity                 all-reduce dL/dX          before a column layer, X replicated
-#   g         all-reduce               identity                  after a row layer: sums the partial products
-#   f_sp      all-gather along T       reduce-scatter along T    before a column layer, X split along T
-#   g_sp      reduce-scatter along T   all-gather along T        after a row layer, back to T/t positions
 class f(torch.autograd.Function):
     """Each rank multiplies X by its own shard, so its dL/dX is a partial sum: backward adds them up."""
 
@@ -133,52 +111,6 @@ class g(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return grad, None
-
-
-class f_sp(torch.autograd.Function):
-    """The column layer needs all T positions; backward sums the partial dL/dX, each rank keeping its T/t."""
-
-    @staticmethod
-    def forward(ctx, x, group):  # (B, T/t, D) chunk -> (B, T, D)
-        ctx.group = group
-        return all_gather(x, 1, group)
-
-    @staticmethod
-    def backward(ctx, grad):  # (B, T, D) partial -> (B, T/t, D) summed
-        return reduce_scatter(grad, 1, ctx.group), None
-
-
-class g_sp(torch.autograd.Function):
-    """The partial products are summed, each rank keeping its T/t positions; backward gathers all T again."""
-
-    @staticmethod
-    def forward(ctx, x, group):  # (B, T, D) partial -> (B, T/t, D) summed chunk
-        ctx.group = group
-        return reduce_scatter(x, 1, group)
-
-    @staticmethod
-    def backward(ctx, grad):  # (B, T/t, D) -> (B, T, D)
-        return all_gather(grad, 1, ctx.group), None
-
-
-class ColumnParallelGEMM(torch.autograd.Function):
-    """Y = X W^T + b on f_sp's gathered X that saves only this rank's (B, T/t, D) chunk of X (F.linear would
-    keep the whole (B, T, D) X) and gathers it again in backward for dL/dW (Korthikanti et al. Sec. 4.2.2).
-    Megatron-Core overlaps the re-gather with the dL/dX GEMM; here it simply runs first."""
-
-    @staticmethod
-    def forward(ctx, full, chunk, weight, bias, group):  # full (B, T, D) = f_sp(chunk); chunk (B, T/t, D)
-        ctx.save_for_backward(chunk, weight)
-        ctx.group, ctx.has_bias = group, bias is not None
-        return F.linear(full, weight, bias)  # (B, T, out/t) local
-
-    @staticmethod
-    def backward(ctx, dy):  # (B, T, out/t)
-        chunk, weight = ctx.saved_tensors
-        full = all_gather(chunk, 1, ctx.group).flatten(0, -2)  # (B*T, D): the re-gather
-        dw = dy.flatten(0, -2).T @ full  # (out/t, D)
-        db = dy.flatten(0, -2).sum(0) if ctx.has_bias else None
-        return dy @ weight, None, dw, db, None  # dL/d(full) (B, T, D) partial: f_sp's backward sums it
 
 
 # ----------------------------------------------------------------------------- parallel layers
@@ -213,21 +145,18 @@ class ColumnParallelLinear(nn.Module):
     [W_q,r; W_k,r; W_v,r] as one weight, so one GEMM behind one f serves all three (Megatron fuses them so),
     and its output is their outputs side by side."""
 
-    def __init__(self, linears, group, sequence_parallel=False):
+    def __init__(self, linears, group):
         super().__init__()
         linears = linears if isinstance(linears, (list, tuple)) else [linears]
-        self.weight = shard([lin.weight for lin in linears], 0, group)
+        self.weight, self.group = shard([lin.weight for lin in linears], 0, group), group
         has = [lin.bias is not None for lin in linears]  # may differ by part (SwiGLU: gate without, up with)
         bias = [lin.bias if h else lin.weight.new_zeros(len(lin.weight)) for lin, h in zip(linears, has)]
         self.bias = shard(bias, 0, group) if any(has) else None
         mask = shard([torch.full_like(b, h) for b, h in zip(bias, has)], 0, group).detach()  # 1: a real bias
         self.register_buffer("bias_mask", None if all(has) or not any(has) else mask, persistent=False)
-        self.group, self.sp = group, sequence_parallel
 
-    def forward(self, x):  # (B, T, in) replicated, or (B, T/t, in) this rank's chunk under SP
+    def forward(self, x):  # (B, T, in) replicated
         b = self.bias if self.bias_mask is None else self.bias * self.bias_mask  # a missing bias stays zero
-        if self.sp:
-            return ColumnParallelGEMM.apply(f_sp.apply(x, self.group), x, self.weight, b, self.group)
         return F.linear(f.apply(x, self.group), self.weight, b)  # (B, T, out/t) local
 
 
@@ -240,15 +169,15 @@ class RowParallelLinear(nn.Module):
         +---------+---------+     Y = g(X_0 W_0^T + X_1 W_1^T) + b : one all-reduce sums the partial
         X = [ X_0 | X_1 ]         products; the bias is added once, after it (else it would count t times)
     X_r is (B, T, in/t): a column layer's output, this rank's features."""
+    leave = g  # the operator that closes the region (sequence parallelism, below, swaps in its own)
 
-    def __init__(self, linear, group, sequence_parallel=False):
+    def __init__(self, linear, group):
         super().__init__()
-        self.weight = shard(linear.weight, 1, group)
+        self.weight, self.group = shard(linear.weight, 1, group), group
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone())  # replicated
-        self.group, self.sp = group, sequence_parallel
 
     def forward(self, x):  # (B, T, in/t) local
-        y = (g_sp if self.sp else g).apply(F.linear(x, self.weight), self.group)  # (B, T or T/t, out) summed
+        y = self.leave.apply(F.linear(x, self.weight), self.group)  # (B, T, out) summed
         return y if self.bias is None else y + self.bias
 
 
@@ -256,10 +185,11 @@ class VocabParallelEmbedding(nn.Module):
     """The token table E (V_pad, D) split over the vocabulary: rank r holds E_r (V_pad/t, D), the rows of ids
     [r V_pad/t, (r+1) V_pad/t) (V_pad: V rounded up to a multiple of t, rows no id reaches). Each rank looks
     up the ids it owns, writes zeros for the others; one rank holds each row, so g's sum is the lookup."""
+    leave = g
 
-    def __init__(self, embedding, group, sequence_parallel=False):
+    def __init__(self, embedding, group):
         super().__init__()
-        self.weight, self.group, self.sp = shard(embedding.weight, 0, group), group, sequence_parallel
+        self.weight, self.group = shard(embedding.weight, 0, group), group
         self.start = dist.get_rank(group) * self.weight.shape[0]
 
     def forward(self, idx):  # (B, T) global token ids
@@ -267,7 +197,7 @@ class VocabParallelEmbedding(nn.Module):
         mine = (local >= 0) & (local < self.weight.shape[0])  # (B, T): ids this rank owns
         e = F.embedding(torch.where(mine, local, 0), self.weight)  # (B, T, D) local rows
         e = e.masked_fill(~mine[..., None], 0.0)  # others' ids: zero output and zero gradient to row 0
-        return (g_sp if self.sp else g).apply(e, self.group)  # (B, T, D) replicated, or (B, T/t, D) under SP
+        return self.leave.apply(e, self.group)  # (B, T, D) replicated
 
 
 class VocabParallelCrossEntropy(torch.autograd.Function):
@@ -277,24 +207,21 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
     instead of an all-gather of N * V logits. Backward is local: dL/dz = softmax(z) - onehot(target)."""
 
     @staticmethod
-    def forward(ctx, logits, target, vocab, group):  # logits (N, V_pad/t) local, target (N,) global ids
+    def forward(ctx, logits, target, vocab, group, ignore_index=-100):  # (N, V_pad/t) local, (N,) global ids
         n_local, t = logits.shape[-1], dist.get_world_size(group)
         if n_local != math.ceil(vocab / t):  # VocabParallelEmbedding's split; else some targets go unseen
             raise ValueError(f"vocab {vocab} over t = {t}: give each rank ceil(V/t) logits, not {n_local}")
         start = dist.get_rank(group) * n_local
         padded = torch.arange(start, start + n_local, device=logits.device) >= vocab  # (V_pad/t,)
         z = logits.masked_fill(padded, float("-inf"))  # padded entries get probability 0: never predicted
-        m = z.max(-1).values  # (N,)
-        all_reduce(m, group, op=dist.ReduceOp.MAX)  # 1. global max, for a stable exp
+        m = all_reduce(z.max(-1).values, group, op=dist.ReduceOp.MAX)  # (N,) 1. global max, for a stable exp
         z = z - m[:, None]
         mine = (target >= start) & (target < start + n_local)  # (N,) this rank holds the target's logit
         local_t = torch.where(mine, target - start, 0)
-        picked = torch.where(mine, z.gather(1, local_t[:, None])[:, 0], 0.0)
-        all_reduce(picked, group)  # 2. z_target - m, from whichever rank holds it
+        picked = all_reduce(torch.where(mine, z.gather(1, local_t[:, None])[:, 0], 0.0), group)  # 2. z_t - m
         e = z.exp()  # (N, V_pad/t)
-        sum_e = e.sum(-1)
-        all_reduce(sum_e, group)  # 3. sum of exp over the whole vocabulary
-        valid = target != IGNORE
+        sum_e = all_reduce(e.sum(-1), group)  # 3. sum of exp over the whole vocabulary
+        valid = target != ignore_index  # as F.cross_entropy: such a target (padding) carries no loss
         ctx.save_for_backward(e / sum_e[:, None], local_t, mine & valid, valid)
         return torch.where(valid, sum_e.log() - picked, 0.0)  # (N,), identical on every TP rank
 
@@ -303,41 +230,37 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
         softmax, local_t, hit, valid = ctx.saved_tensors
         d = softmax.clone()  # (N, V_pad/t) this rank's slice of softmax - onehot
         d[torch.arange(d.shape[0], device=d.device), local_t] -= hit.to(d.dtype)
-        return d * (grad * valid)[:, None], None, None, None
+        return d * (grad * valid)[:, None], None, None, None, None
 
 
 # ----------------------------------------------------------------------------- dropout RNG
 class RNGTracker:
     """Megatron's RNG states tracker (megatron.core.tensor_parallel.random): two streams of the device's
-    generator. The default one drives dropout in replicated regions: seeded the same on every TP rank of a
-    replica, so the replicated activations (and parameters) stay identical. fork() runs a block on the second
-    stream, seeded per TP rank, for dropout inside TP regions, where each rank holds other heads (or, under
-    SP, other positions) and equal masks would correlate. Both streams differ across replicas."""
+    generator. The default one, seeded alike on every TP rank of a replica, drives dropout in replicated
+    regions, which so stay identical; fork() runs a block on the second, seeded per TP rank, for dropout in
+    TP regions, where each rank holds other heads and equal masks would correlate. Both differ by replica."""
 
     def __init__(self, device, seed, dp_rank, tp_rank):
         base = 100_003 * seed + 7_919 * dp_rank + 1
         torch.manual_seed(base)  # the default stream: the same across TP ranks
-        self.gen = torch.default_generator  # the generator dropout draws from on `device` (cuda:i or cpu)
-        if device.type == "cuda":
-            torch.cuda.init()  # fills torch.cuda.default_generators
+        self.gen, self.forked = torch.default_generator, False  # the generator dropout draws from on the CPU
+        if device.type == "cuda":  # or on cuda:i (init fills torch.cuda.default_generators)
+            torch.cuda.init()
             self.gen = torch.cuda.default_generators[device.index]
         self.tp_state = torch.Generator(device=device).manual_seed(base + 2_719 + tp_rank).get_state()
 
     @contextmanager
     def fork(self):
-        outside = self.gen.get_state()
+        if self.forked:  # a fork inside a fork stays on this stream (SP runs a whole forward forked)
+            yield
+            return
+        outside, self.forked = self.gen.get_state(), True
         self.gen.set_state(self.tp_state)
         try:
             yield
         finally:
-            self.tp_state = self.gen.get_state()
+            self.tp_state, self.forked = self.gen.get_state(), False
             self.gen.set_state(outside)
-
-    def dropout(self, x, p, training, tp_region):
-        if not training or p == 0:
-            return x
-        with self.fork() if tp_region else nullcontext():
-            return F.dropout(x, p)
 
 
 # ----------------------------------------------------------------------------- the sharded GPT
@@ -345,60 +268,58 @@ class ParallelAttention(nn.Module):
     """common.Attention with heads split: q, k, v one column-parallel layer (the features are head-major, so
     rank r owns heads [rH/t, (r+1)H/t)); proj row-parallel. One all-reduce forward (g), one backward (f)."""
 
-    def __init__(self, full, group, sp, tracker):
+    def __init__(self, full, group, tracker, Column=ColumnParallelLinear, Row=RowParallelLinear):
         super().__init__()
         t = dist.get_world_size(group)
         if full.n_heads % t:  # checked: a head cut across ranks would be silently wrong
             raise ValueError(f"{full.n_heads} heads do not split over t = {t}: use heads divisible by t")
-        self.qkv = ColumnParallelLinear([full.q, full.k, full.v], group, sp)
-        self.proj = RowParallelLinear(full.proj, group, sp)
-        self.heads, self.p = full.n_heads // t, full.p
-        self.sp, self.tracker = sp, tracker
+        self.qkv, self.proj = Column([full.q, full.k, full.v], group), Row(full.proj, group)
+        self.heads, self.p, self.tracker = full.n_heads // t, full.p, tracker
 
-    def forward(self, x):  # (B, T, D) replicated, or (B, T/t, D) chunk under SP
+    def forward(self, x):  # (B, T, D) replicated
         q, k, v = rearrange(self.qkv(x), "b t (n h e) -> n b h t e", n=3, h=self.heads)  # each (B, H/t, T, E)
         with self.tracker.fork():  # attention dropout: inside the TP region, on this rank's own stream
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.p * self.training)
-        y = self.proj(rearrange(y, "b h t e -> b t (h e)"))  # (B, T, D/t) local -> (B, T, D) or (B, T/t, D)
-        return self.tracker.dropout(y, self.p, self.training, tp_region=self.sp)
+        y = self.proj(rearrange(y, "b h t e -> b t (h e)"))  # (B, T, D/t) local -> (B, T, D) summed
+        return F.dropout(y, self.p, self.training)  # replicated region: the default stream, one mask for all
 
 
 class ParallelMLP(nn.Module):
     """common.MLP as column-then-row: f, fc shard, GeLU, proj shard, g (Megatron-LM Fig. 3a)."""
 
-    def __init__(self, full, group, sp, tracker):
+    def __init__(self, full, group, Column=ColumnParallelLinear, Row=RowParallelLinear):
         super().__init__()
-        self.fc, self.proj = ColumnParallelLinear(full.fc, group, sp), RowParallelLinear(full.proj, group, sp)
-        self.p, self.sp, self.tracker = full.drop.p, sp, tracker
+        self.fc, self.proj, self.p = Column(full.fc, group), Row(full.proj, group), full.drop.p
 
-    def forward(self, x):  # (B, T, D) replicated, or (B, T/t, D) under SP
-        y = self.proj(F.gelu(self.fc(x)))  # fc: (B, T, 4D/t) local; proj: back to x's shape, summed
-        return self.tracker.dropout(y, self.p, self.training, tp_region=self.sp)
+    def forward(self, x):  # (B, T, D) replicated
+        y = self.proj(F.gelu(self.fc(x)))  # fc: (B, T, 4D/t) local; proj: (B, T, D) summed
+        return F.dropout(y, self.p, self.training)
 
 
 class ParallelGPT(nn.Module):
     """common.GPT sharded by the docstring's table, from the full model (one seed: any t starts from the same
-    numbers), which it consumes: each common.Block keeps its forward and replicated LayerNorms, its attention
-    and MLP replaced. Parameter names stay common.GPT's, but for the fused attn.qkv (attn.q, .k, .v)."""
+    numbers), which it consumes. Names stay common.GPT's, but for the fused attn.qkv (attn.q, .k, .v)."""
+    Column, Row, Embedding = ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding  # SPGPT: its own
 
-    def __init__(self, full, group, sp, tracker):
+    def __init__(self, full, group, tracker):
         super().__init__()
-        for block in full.blocks:  # x + attn(ln1(x)), then + mlp(ln2(x)): under SP, LN and residual on chunks
-            block.attn = ParallelAttention(block.attn, group, sp, tracker)
-            block.mlp = ParallelMLP(block.mlp, group, sp, tracker)
-        self.tok_emb = VocabParallelEmbedding(full.tok_emb, group, sp)
+        for block in full.blocks:  # keeps its forward and LayerNorms: x + attn(ln1(x)), then + mlp(ln2(x))
+            block.attn = ParallelAttention(block.attn, group, tracker, self.Column, self.Row)
+            block.mlp = ParallelMLP(block.mlp, group, self.Column, self.Row)
+        self.tok_emb = self.Embedding(full.tok_emb, group)
         self.pos_emb, self.blocks, self.ln_f = full.pos_emb, full.blocks, full.ln_f  # replicated
-        self.head = ColumnParallelLinear(full.head, group, sp)  # untied, no bias
-        self.p, self.group, self.sp, self.tracker = full.cfg.dropout, group, sp, tracker
+        self.head = self.Column(full.head, group)  # untied, no bias
+        self.p, self.group, self.tracker = full.cfg.dropout, group, tracker
 
     def forward(self, idx):  # (B, T) global ids -> (B, T, V_pad/t) logits, this rank's vocabulary slice
-        h = self.tok_emb(idx)  # (B, T, D) replicated, or (B, T/t, D) chunk under SP
-        first = dist.get_rank(self.group) * h.shape[1] if self.sp else 0  # this chunk's first position
-        h = h + self.pos_emb(torch.arange(first, first + h.shape[1], device=idx.device))
-        h = self.tracker.dropout(h, self.p, self.training, tp_region=self.sp)
+        h = self.tok_emb(idx)  # (B, T, D) replicated
+        h = F.dropout(h + self.pos_emb(self.positions(h)), self.p, self.training)
         for block in self.blocks:
             h = block(h)
-        return self.head(self.ln_f(h))  # head: f (or all-gather T) then (B, T, V_pad/t) local
+        return self.head(self.ln_f(h))  # head: f then (B, T, V_pad/t) local
+
+    def positions(self, h):  # (T,): the positions h holds
+        return torch.arange(h.shape[1], device=h.device)
 
 
 # ----------------------------------------------------------------------------- gradients and clipping
@@ -415,26 +336,116 @@ def flat_all_reduce(tensors, group):
         t.copy_(v.view_as(t))
 
 
-def sync_grads(model, sp, tp_group, dp_group):
-    params = list(model.parameters())
-    if sp:  # 1. replicated parameters (LN, row biases, positions) saw only this rank's T/t positions:
-        flat_all_reduce([p.grad for p in params if not is_split(p)], tp_group)  # sum them (Korthikanti 4.2.2)
-    # 2. data parallel: losses divide by the *global* token count, so the SUM over dp is the batch's gradient
-    flat_all_reduce([p.grad for p in params], dp_group)
-
-
 def global_grad_norm(model, tp_group):
     """The norm of the whole model's gradient: squares of split parameters summed over the TP group (each
     rank holds a different piece), replicated ones added once (every TP rank holds the same copy). Summed
     in float32 at least: in bfloat16 (8 significant bits) a sum stops growing once it is 256 times a term."""
     params = list(model.parameters())
     acc = torch.promote_types(params[0].dtype, torch.float32)
+    zero = torch.zeros((), dtype=acc, device=params[0].device)  # each sum's start: a tensor even if empty
+    squares = [(is_split(p), torch.linalg.vector_norm(p.grad, dtype=acc) ** 2) for p in params]
+    split = all_reduce(sum((s for held, s in squares if held), zero), tp_group)
+    return (split + sum((s for held, s in squares if not held), zero)).sqrt()
 
-    def squares(ps):
-        return sum((torch.linalg.vector_norm(p.grad, dtype=acc) ** 2 for p in ps),
-                   torch.zeros((), dtype=acc, device=params[0].device))
-    split = all_reduce(squares(p for p in params if is_split(p)), tp_group)
-    return (split + squares(p for p in params if not is_split(p))).sqrt()
+
+# ============================================================================= sequence parallelism
+# Korthikanti et al. 2022 Sec. 4.2.2: the regions replicated above (LayerNorm, dropout, residual) are split
+# along T; f and g become f_sp and g_sp (the paper's g and g-bar), as the docstring draws.
+def all_gather(x, dim, group):  # (.., n, ..) this rank's chunk -> (.., t*n, ..), rank r's chunk r-th
+    t = dist.get_world_size(group)
+    if t == 1:
+        return x
+    out = torch.empty(t * x.numel(), dtype=x.dtype, device=x.device)  # flat: every backend takes 1-D
+    dist.all_gather_single(out, x.contiguous().view(-1), group=group)
+    return torch.cat(out.view(t, *x.shape).unbind(0), dim)
+
+
+def reduce_scatter(x, dim, group):  # (.., t*n, ..) partial sums -> (.., n, ..) summed, chunk r
+    t = dist.get_world_size(group)
+    if x.shape[dim] % t:  # checked before communicating: uneven chunks would abort inside the collective
+        raise ValueError(f"sequence parallelism splits T = {x.shape[dim]} over t = {t}: use T divisible by t")
+    if t == 1:
+        return x
+    whole = torch.stack(x.chunk(t, dim)).contiguous()  # (t, .., n, ..): slot r goes to rank r
+    out = torch.empty(whole.shape[1:], dtype=x.dtype, device=x.device)
+    dist.reduce_scatter_single(out.view(-1), whole.view(-1), group=group)
+    return out
+
+
+class f_sp(torch.autograd.Function):
+    """The column layer needs all T positions; backward sums the partial dL/dX, each rank keeping its T/t."""
+
+    @staticmethod
+    def forward(ctx, x, group):  # (B, T/t, D) chunk -> (B, T, D)
+        ctx.group = group
+        return all_gather(x, 1, group)
+
+    @staticmethod
+    def backward(ctx, grad):  # (B, T, D) partial -> (B, T/t, D) summed
+        return reduce_scatter(grad, 1, ctx.group), None
+
+
+class g_sp(torch.autograd.Function):
+    """The partial products are summed, each rank keeping its T/t positions; backward gathers all T again."""
+
+    @staticmethod
+    def forward(ctx, x, group):  # (B, T, D) partial -> (B, T/t, D) summed chunk
+        ctx.group = group
+        return reduce_scatter(x, 1, group)
+
+    @staticmethod
+    def backward(ctx, grad):  # (B, T/t, D) -> (B, T, D)
+        return all_gather(grad, 1, ctx.group), None
+
+
+class ColumnParallelGEMM(torch.autograd.Function):
+    """Y = X W^T + b on f_sp's gathered X, saving only this rank's (B, T/t, D) chunk of X (F.linear keeps the
+    whole X) and gathering it again for dL/dW, first (Megatron-Core overlaps that with the dL/dX GEMM)."""
+
+    @staticmethod
+    def forward(ctx, full, chunk, weight, bias, group):  # full (B, T, D) = f_sp(chunk); chunk (B, T/t, D)
+        ctx.save_for_backward(chunk, weight)
+        ctx.group, ctx.has_bias = group, bias is not None
+        return F.linear(full, weight, bias)  # (B, T, out/t) local
+
+    @staticmethod
+    def backward(ctx, dy):  # (B, T, out/t)
+        chunk, weight = ctx.saved_tensors
+        full = all_gather(chunk, 1, ctx.group).flatten(0, -2)  # (B*T, D): the re-gather
+        dw = dy.flatten(0, -2).T @ full  # (out/t, D)
+        db = dy.flatten(0, -2).sum(0) if ctx.has_bias else None
+        return dy @ weight, None, dw, db, None  # dL/d(full) (B, T, D) partial: f_sp's backward sums it
+
+
+class SPColumnParallelLinear(ColumnParallelLinear):
+    def forward(self, x):  # (B, T/t, in) this rank's chunk -> (B, T, out/t) local
+        b = self.bias if self.bias_mask is None else self.bias * self.bias_mask
+        return ColumnParallelGEMM.apply(f_sp.apply(x, self.group), x, self.weight, b, self.group)
+
+
+class SPRowParallelLinear(RowParallelLinear):
+    leave = g_sp  # (B, T, out) partial -> (B, T/t, out) summed, this rank's positions
+
+
+class SPVocabParallelEmbedding(VocabParallelEmbedding):
+    leave = g_sp  # (B, T, D) partial -> (B, T/t, D) summed
+
+
+class SPGPT(ParallelGPT):
+    """ParallelGPT with LayerNorm, dropout, residual on (B, T/t, D): every dropout on the per-rank stream."""
+    Column, Row, Embedding = SPColumnParallelLinear, SPRowParallelLinear, SPVocabParallelEmbedding
+
+    def forward(self, idx):  # (B, T) global ids -> (B, T, V_pad/t) logits, this rank's vocabulary slice
+        with self.tracker.fork():
+            return super().forward(idx)
+
+    def positions(self, h):  # (T/t,): this rank's chunk of the sequence
+        return dist.get_rank(self.group) * h.shape[1] + super().positions(h)
+
+
+def sum_replicated_grads(model, tp_group):
+    """Replicated parameters (LN, row biases, positions) saw only my T/t positions: sum over the TP group."""
+    flat_all_reduce([p.grad for p in model.parameters() if not is_split(p)], tp_group)
 
 
 def check_args(args):
@@ -474,27 +485,29 @@ def main():
     tracker = RNGTracker(d.device, args.seed, dp_rank, tp_rank)
     full = build_gpt(GPTConfig.from_args(args), args.seed, DTYPES[args.dtype])  # CPU
     full_bytes = tensor_bytes(full.parameters())
-    model = ParallelGPT(full, tp_group, args.sequence_parallel, tracker).to(d.device)  # shards + replicated
+    model = (SPGPT if args.sequence_parallel else ParallelGPT)(full, tp_group, tracker).to(d.device)  # shards
     del full
     opt = make_optimizer(model.parameters(), args)
     run = Run(d, args, {"model": model, "optim": opt, "rng": TrackerState(tracker)})  # resumes: --ckpt-dir
     comm, saved = CommCounter(axes={"tp": tp_group, "dp": dp_group}), SavedActivations()  # for the last step
-    b = args.batch_size // dp
     for step in run.steps():
         x, y = data.batch(step, args.batch_size, args.seq_len, args.ragged)  # (B, T) global batch, CPU
         n_tok = count_tokens(y)  # tokens of the whole global batch: the loss divisor on every rank
-        x, y = x[dp_rank * b:(dp_rank + 1) * b].to(d.device), y[dp_rank * b:(dp_rank + 1) * b].to(d.device)
+        x, y = x.chunk(dp)[dp_rank].to(d.device), y.chunk(dp)[dp_rank].to(d.device)  # (b, T): my replica's
         with run.watching(step, comm, saved):
-            logits = model(x)  # (b, T, V_pad/t) this rank's vocabulary slice
+            logits = model(x)  # (b, T, V_pad/t), b = B/dp: this rank's vocabulary slice
             if logits.dtype == torch.bfloat16:
                 logits = logits.float()  # as common.lm_loss: a bf16 softmax loses small probabilities
-            per_tok = VocabParallelCrossEntropy.apply(logits.flatten(0, 1), y.flatten(), args.vocab,
-                                                      tp_group)  # (b*T,), identical on every TP rank
+            per_tok = VocabParallelCrossEntropy.apply(logits.flatten(0, 1), y.flatten(), args.vocab, tp_group,
+                                                      IGNORE)  # (b*T,), identical on every TP rank
             loss = per_tok.sum() / n_tok  # this replica's piece of the global batch's loss
             opt.zero_grad(set_to_none=True)
             loss.backward()
             with comm.phase("step"):
-                sync_grads(model, args.sequence_parallel, tp_group, dp_group)
+                if args.sequence_parallel:
+                    sum_replicated_grads(model, tp_group)
+                # data parallel: losses divide by the *global* token count, so the SUM is the batch's gradient
+                flat_all_reduce([p.grad for p in model.parameters()], dp_group)
                 if args.clip > 0:
                     norm = global_grad_norm(model, tp_group)
                     clip_grads_([p.grad for p in model.parameters()], norm, args.clip)
@@ -502,11 +515,7 @@ def main():
                 global_loss = all_reduce(loss.detach().clone(), dp_group)  # sum of the replicas' pieces
         run.end_step(step, global_loss.item())
 
-    # --- summary: the technique's own peak first, each measured figure beside its theory, then --check ---
-    peak = peak_memory_bytes(d, state_bytes(model, opt) + saved.bytes)
-    figures = report(d, args, model, tp_group, comm.table(), full_bytes, saved.bytes, t, dp)
-    check = check_against_reference(d, args, run.losses, gather_full(model, tp_group)) if args.check else None
-    run.finish("megatron_tp", peak, comm.total(), check, figures)
+    summarize(d, args, run, model, opt, tp_group, comm, saved, full_bytes, t, dp)  # the summary and --check
 
 
 # --- measurement ---
@@ -612,6 +621,14 @@ def report(d, args, model, tp_group, counted, full_bytes, acts, t, dp):
                 replicated_param_spread_across_tp=spread, activation_bytes_saved=acts,
                 activation_bytes_per_block=block_saved, activation_bytes_per_block_unsharded=block_full,
                 theory_formula=FORMULA)
+
+
+def summarize(d, args, run, model, opt, tp_group, comm, saved, full_bytes, t, dp):
+    """The technique's own peak first, each measured figure beside its theory, then --check."""
+    peak = peak_memory_bytes(d, state_bytes(model, opt) + saved.bytes)
+    figures = report(d, args, model, tp_group, comm.table(), full_bytes, saved.bytes, t, dp)
+    check = check_against_reference(d, args, run.losses, gather_full(model, tp_group)) if args.check else None
+    run.finish("megatron_tp", peak, comm.total(), check, figures)
 
 
 def gather_full(model, group):

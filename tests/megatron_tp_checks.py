@@ -1,6 +1,6 @@
 """Layer-level checks of megatron_tp.py, all in one process group (t = world size), float64.
 
-    torchrun --nproc_per_node=2 tests/megatron_tp_checks.py      (and 4; at t = 2 also the copy-out check)
+    torchrun --nproc_per_node=2 tests/megatron_tp_checks.py      (and 4; copy-out at t = 2, and t = 3 in 4)
     torchrun ... tests/megatron_tp_checks.py --forget-tp-rng ARGS  megatron_tp.py ARGS with a broken resume
 
 Each sharded layer is built from an unsharded one, fed the same input, and its output, input gradient and
@@ -10,13 +10,15 @@ references: the plain torch modules of common.py, F.cross_entropy, torch's own D
 bytes, as harness.CommCounter sees them at the dispatcher; a gradient norm). Negative checks show that what
 must differ, differs, and that the checks catch the defects they guard against (put back on purpose by
 monkeypatching): each of the four conjugate operators broken, the column layer saving the gathered input,
-the q/k/v biases dropped, the padding mask dropped, a bfloat16 norm summed in bfloat16.
+the q/k/v biases dropped, the padding mask dropped, a bfloat16 norm summed in bfloat16, a flat
+(non-re-entrant) RNG fork, SPGPT's forward without its fork, the default ignore index where another is given.
 
-copy_out() is the check to copy for your own trainer: megatron_tp's layers applied to a model that is not
-the GPT, trained beside the unsharded model in one process, every step's loss and every final parameter
-compared. Every module and tensor lives on d.device, so the same checks run on NCCL. Prints ALL CHECKS
+copy_out() is the check to copy for your own trainer: megatron_tp.py's technique section, run alone as a
+copier takes it (tests/section.py), applied to a model that is not the GPT, trained beside the unsharded
+model in one process, every step's loss and every final parameter compared. Every module and tensor lives on d.device, so the same checks run on NCCL. Prints ALL CHECKS
 PASSED and exits 0, else lists failures and exits 1.
 """
+import contextlib
 import copy
 import os
 import sys
@@ -31,6 +33,7 @@ import torch.nn.functional as F  # noqa: E402
 from einops import rearrange  # noqa: E402
 
 import megatron_tp as mt  # noqa: E402
+import section  # noqa: E402  (tests/section.py: a file's technique section alone)
 from common import IGNORE, MLP, Attention, Block, GPTConfig, build_gpt, close_dist, init_dist  # noqa: E402
 from harness import CommCounter, SavedActivations  # noqa: E402
 
@@ -90,11 +93,18 @@ class SplitLastDim(torch.autograd.Function):
         return mt.all_gather(grad, -1, ctx.group), None
 
 
+def build_layer(Layer, full, group, sp, tracker):
+    """mt.ParallelAttention or mt.ParallelMLP from `full`, with the TP layers, or the SP ones as mt.SPGPT builds."""
+    layers = (mt.SPColumnParallelLinear, mt.SPRowParallelLinear) if sp else (mt.ColumnParallelLinear,
+                                                                             mt.RowParallelLinear)
+    return Layer(full, group, tracker, *layers) if Layer is mt.ParallelAttention else Layer(full, group, *layers)
+
+
 def parallel_block(block, group, sp, tracker):
-    """mt.ParallelGPT's treatment of one common.Block, on a copy: attention and MLP replaced."""
+    """mt.ParallelGPT's (sp: mt.SPGPT's) treatment of one common.Block, on a copy: attention and MLP replaced."""
     block = copy.deepcopy(block)
-    block.attn, block.mlp = mt.ParallelAttention(block.attn, group, sp, tracker), mt.ParallelMLP(
-        block.mlp, group, sp, tracker)
+    block.attn = build_layer(mt.ParallelAttention, block.attn, group, sp, tracker)
+    block.mlp = build_layer(mt.ParallelMLP, block.mlp, group, sp, tracker)
     return block
 
 
@@ -118,14 +128,15 @@ class SwiGLUNet(nn.Module):
 
 
 class TPSwiGLUNet(nn.Module):
-    """SwiGLUNet with its MLP tensor-parallel: gate and up one column-parallel layer (one GEMM), down
-    row-parallel; the rest replicated. Under SP, x is this rank's T/t positions."""
+    """SwiGLUNet with its MLP tensor-parallel, built from megatron_tp.py's technique section alone (`S`, as a
+    copier takes it): gate and up one column-parallel layer (one GEMM), down row-parallel; the rest replicated.
+    Under SP (the section's SP layers), x is this rank's T/t positions."""
 
-    def __init__(self, net, group, sp):
+    def __init__(self, S, net, group, sp):
         super().__init__()
         self.gain, self.stem, self.head = (copy.deepcopy(m) for m in (net.gain, net.stem, net.head))
-        self.gate_up = mt.ColumnParallelLinear([net.mlp.gate, net.mlp.up], group, sp)
-        self.down = mt.RowParallelLinear(net.mlp.down, group, sp)
+        self.gate_up = S["SPColumnParallelLinear" if sp else "ColumnParallelLinear"]([net.mlp.gate, net.mlp.up], group)
+        self.down = S["SPRowParallelLinear" if sp else "RowParallelLinear"](net.mlp.down, group)
 
     def forward(self, x):  # (N, T, 7), or (N, T/t, 7)
         h = torch.tanh(self.stem(x))
@@ -133,7 +144,7 @@ class TPSwiGLUNet(nn.Module):
         return self.head(h + self.gain * self.down(F.silu(gate) * up))
 
 
-def unsharded(tp, group, net):
+def unsharded(S, tp, group, net):
     """The trained TPSwiGLUNet's parameters under SwiGLUNet's names: split ones all-gathered, the fused
     gate_up (rank-major [gate_0; up_0; gate_1; up_1; ...]) split back into gate and up. The bias part of a
     linear that `net` built without one is returned apart, under its name: it must still be zero."""
@@ -141,11 +152,11 @@ def unsharded(tp, group, net):
     for kind in ("weight", "bias"):
         mine = getattr(tp.gate_up, kind)  # None: the layer dropped every bias (the old defect): count zeros
         mine = tp.gate_up.weight.new_zeros(len(tp.gate_up.weight)) if mine is None else mine.detach()
-        both = mt.all_gather(mine, 0, group)
+        both = S["all_gather"](mine, 0, group)
         for part, w in zip(("gate", "up"), rearrange(both, "(t n o) ... -> n (t o) ...", t=t, n=2)):
             has = getattr(net.mlp[part], kind) is not None
             (out if has else absent)[f"mlp.{part}.{kind}"] = w
-    out["mlp.down.weight"] = mt.all_gather(tp.down.weight.detach(), 1, group)
+    out["mlp.down.weight"] = S["all_gather"](tp.down.weight.detach(), 1, group)
     out["mlp.down.bias"] = tp.down.bias.detach()
     replicated = ("gain", "stem", "head")
     out.update({n: p.detach() for n, p in tp.named_parameters() if n.split(".")[0] in replicated})
@@ -154,11 +165,14 @@ def unsharded(tp, group, net):
 
 def copy_out(d, group, gate_bias=True, up_bias=True, mutants=True, steps=5, clip=0.05):
     """TPSwiGLUNet against SwiGLUNet trained in plain torch, one process's way: AdamW, clipping by the
-    global norm (torch.nn.utils.clip_grad_norm_), a Huber loss summed over tokens / all tokens. Under SP
-    each rank holds T/t positions: the replicated parameters' gradients are then partial and are summed
-    over the group. With sum_replicated=False that sum is skipped, on purpose: the check must fail. With
-    mixed biases (one of gate, up without), the fused layer's mask dropped on purpose must fail too: the
-    bias-free part would then train. mutants=False: the exact runs only."""
+    global norm (torch.nn.utils.clip_grad_norm_), a Huber loss summed over tokens / all tokens. Every core
+    comes from megatron_tp.py's technique section run alone (section.load: torch and einops, nothing of
+    common.py, harness.py or the rest of the file). Under SP each rank holds T/t positions: the replicated
+    parameters' gradients are then partial and are summed over the group (the section's sum_replicated_grads).
+    With sum_replicated=False that sum is skipped, on purpose: the check must fail. With mixed biases (one of
+    gate, up without), the fused layer's mask dropped on purpose must fail too: the bias-free part would then
+    train. mutants=False: the exact runs only. `group` may hold other global ranks than its group ranks."""
+    S = section.load("megatron_tp.py")
     t, r, dev = dist.get_world_size(group), dist.get_rank(group), d.device
     torch.manual_seed(99)  # the same model and data on every rank
     net = SwiGLUNet(t, gate_bias, up_bias).to(dev)
@@ -176,7 +190,7 @@ def copy_out(d, group, gate_bias=True, up_bias=True, mutants=True, steps=5, clip
     mixed = gate_bias != up_bias
     broken = [(True, False, True) if not mixed else (False, True, False)] if mutants else []
     for sp, sum_replicated, masked in [(False, True, True), (True, True, True), *broken]:
-        tp = TPSwiGLUNet(net, group, sp)
+        tp = TPSwiGLUNet(S, net, group, sp)
         if not masked:  # the defect, put back: the bias-free part's zeros train like a bias
             tp.gate_up.bias_mask = None
         opt = torch.optim.AdamW(tp.parameters(), lr=0.02, foreach=False)
@@ -188,15 +202,13 @@ def copy_out(d, group, gate_bias=True, up_bias=True, mutants=True, steps=5, clip
             opt.zero_grad()
             loss.backward()
             if sp and sum_replicated:
-                for p in tp.parameters():
-                    if not mt.is_split(p):
-                        mt.all_reduce(p.grad, group)
-            norm = mt.global_grad_norm(tp, group)
+                S["sum_replicated_grads"](tp, group)
+            norm = S["global_grad_norm"](tp, group)
             for p in tp.parameters():
                 p.grad.mul_(torch.clamp(clip / (norm + 1e-6), max=1.0))  # clip_grad_norm_'s rule
             opt.step()
-            losses.append(mt.all_reduce(loss.detach().clone(), group) if sp else loss.detach())
-        trained, absent = unsharded(tp, group, net)
+            losses.append(S["all_reduce"](loss.detach().clone(), group) if sp else loss.detach())
+        trained, absent = unsharded(S, tp, group, net)
         assert trained.keys() == dict(ref.named_parameters()).keys(), trained.keys()
         got = torch.cat([torch.stack(losses), *(trained[n].flatten() for n, _ in ref.named_parameters()),
                          *(w.flatten() for w in absent.values())])  # a missing bias: zeros, still
@@ -210,7 +222,8 @@ def copy_out(d, group, gate_bias=True, up_bias=True, mutants=True, steps=5, clip
             differs(f"{tag}, the bias-free part not masked", got, want)
         else:
             close(tag, got, want)
-            d.log(f"{tag}: max diff {(got - want).abs().max().item():.1e}")
+            if r == 0:  # group rank 0, which need not be global rank 0
+                print(f"{tag}: max diff {(got - want).abs().max().item():.1e}", flush=True)
 
 
 def main():
@@ -329,7 +342,7 @@ def main():
         ref.to(dev)
         x, w = torch.randn(B, T, D, device=dev), torch.randn(B, T, D, device=dev)
         for sp in (False, True):
-            par, tag = Par(ref, group, sp, tracker), f"{name}{' (SP)' if sp else ''}"
+            par, tag = build_layer(Par, ref, group, sp, tracker), f"{name}{' (SP)' if sp else ''}"
             y, dx, grads, comm = run_layer(par, x, w, sp)
             want_y, want_dx, want_g = expected(par, ref, x, w, sp)
             close(f"{tag} output", y, want_y)
@@ -349,14 +362,14 @@ def main():
                 real = op.__dict__[method]
                 setattr(op, method, staticmethod(broken))
                 try:
-                    y, dx, grads, _ = run_layer(Par(ref, group, sp, tracker), x, w, sp)
+                    y, dx, grads, _ = run_layer(build_layer(Par, ref, group, sp, tracker), x, w, sp)
                 finally:
                     setattr(op, method, real)
                 worst = max((y - want_y).abs().max(), (dx - want_dx).abs().max())
                 differs(f"{tag} with {what}: output or input grad vs unsharded", worst[None], torch.zeros(1))
-        if name == "attention":  # an old forward, F.linear(x, weight), dropped the q/k/v biases
+        if name == "attention":  # an old forward, F.linear(x, weight), dropped the q/k/v biases (par: the SP one)
             def weights_only(self, x):
-                x = mt.all_gather(x, 1, group) if self.sp else x
+                x = mt.all_gather(x, 1, group)
                 qkv = F.linear(x, self.qkv.weight)  # no bias
                 q, k, v = rearrange(qkv, "b t (n h e) -> n b h t e", n=3, h=self.heads)
                 y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
@@ -379,12 +392,12 @@ def main():
     equal("block saved bytes with TP alone exceed 1/t (replicated LN / residual)", tp_only * t > whole, True)
 
     def saves_gathered(self, x):  # the defect, put back: F.linear on f_sp's output keeps the gathered X
-        return F.linear((mt.f_sp if self.sp else mt.f).apply(x, self.group), self.weight, self.bias)
-    real, mt.ColumnParallelLinear.forward = mt.ColumnParallelLinear.forward, saves_gathered
+        return F.linear(mt.f_sp.apply(x, self.group), self.weight, self.bias)
+    real, mt.SPColumnParallelLinear.forward = mt.SPColumnParallelLinear.forward, saves_gathered
     try:
         gathered = saved_by(parallel_block(blk, group, True, tracker), shard_of(x, 1))
     finally:
-        mt.ColumnParallelLinear.forward = real
+        mt.SPColumnParallelLinear.forward = real
     equal("the check fails when the column layers save the gathered input", gathered * t != whole, True)
     d.log(f"saved per block: unsharded {whole} B; TP {tp_only} B ({tp_only / whole:.3f}); TP + SP {with_sp} B "
           f"({with_sp / whole:.3f}, 1/t = {1 / t:.3f}); SP saving the gathered input {gathered} B "
@@ -397,7 +410,7 @@ def main():
         ref = MLP(cfg).to(dev)
         dt = parallelize_module(copy.deepcopy(ref), init_device_mesh(d.device.type, (t,)),
                                 {"fc": ColwiseParallel(), "proj": RowwiseParallel()})
-        par = mt.ParallelMLP(ref, group, False, tracker)
+        par = mt.ParallelMLP(ref, group)
         x, w = torch.randn(B, T, D, device=dev), torch.randn(B, T, D, device=dev)
         xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
         ya, yb = dt(xa), par(xb)
@@ -413,7 +426,7 @@ def main():
 
     # --- ParallelGPT built from a CPU model, then moved: the shards keep their marks (on a GPU, a new
     # Parameter from .to() would lose tp_dim, and clipping would then count a shard as replicated) ---
-    gpt = mt.ParallelGPT(build_gpt(cfg, 0, torch.float64), group, False, tracker)
+    gpt = mt.ParallelGPT(build_gpt(cfg, 0, torch.float64), group, tracker)
     marks = [(n, getattr(p, "tp_dim", None)) for n, p in gpt.named_parameters()]
     gpt.to(dev)
     equal("split marks after .to(device)", [(n, getattr(p, "tp_dim", None)) for n, p in gpt.named_parameters()], marks)
@@ -444,33 +457,38 @@ def main():
         w = torch.randn(B, T, D, device=dev)
         (full(idx) * w).sum().backward()
         for sp in (False, True):
-            emb = mt.VocabParallelEmbedding(full, group, sequence_parallel=sp)
+            emb = (mt.SPVocabParallelEmbedding if sp else mt.VocabParallelEmbedding)(full, group)
             y = emb(idx)
             tag = f"embedding V={V} (pad {-V % t}){' SP' if sp else ''}"
             close(f"{tag} output", y, shard_of(full(idx), 1) if sp else full(idx))
             (y * (shard_of(w, 1) if sp else w)).sum().backward()
             close(f"{tag} weight grad", emb.weight.grad, shard_of(full.weight.grad, 0))
 
-    # --- vocab-parallel cross-entropy vs F.cross_entropy, with IGNORE targets ---
+    # --- vocab-parallel cross-entropy vs F.cross_entropy, with ignored targets: IGNORE (-100, the default), and
+    # at V = 11 class 3 passed as ignore_index (the section takes it as an argument, not from common.py) ---
     N = 24
     for V in (12, 11, 9):
         logits = torch.randn(N, V, device=dev, requires_grad=True) * 3
         target = torch.randint(0, V, (N,), device=dev)
-        target[::5] = IGNORE
-        want = F.cross_entropy(logits, target, ignore_index=IGNORE, reduction="none")
+        ignore, extra = (3, (3,)) if V == 11 else (IGNORE, ())
+        target[::5] = ignore
+        want = F.cross_entropy(logits, target, ignore_index=ignore, reduction="none")
         gw = torch.randn(N, device=dev)
         grad_full, = torch.autograd.grad((want * gw).sum(), logits)
         V_pad = V + (-V % t)
         junk = torch.cat([logits.detach(), torch.full((N, V_pad - V), 50.0, device=dev)], 1)  # big logits in the padding
         local = junk.chunk(t, 1)[r].clone().requires_grad_()
-        got = mt.VocabParallelCrossEntropy.apply(local, target, V, group)
-        tag = f"cross-entropy V={V} (pad {V_pad - V})"
+        got = mt.VocabParallelCrossEntropy.apply(local, target, V, group, *extra)
+        tag = f"cross-entropy V={V} (pad {V_pad - V}, ignore {ignore})"
         close(f"{tag} loss", got, want)
         (got * gw).sum().backward()
         close(f"{tag} logits grad", local.grad, shard_of(grad_full, 1))
         if V_pad > V:  # the padding is predictable if the mask is dropped: it must be what the mask does
-            unmasked = mt.VocabParallelCrossEntropy.apply(local, target, V_pad, group)
+            unmasked = mt.VocabParallelCrossEntropy.apply(local, target, V_pad, group, *extra)
             differs(f"{tag} loss without the padding mask", unmasked, want)
+        if extra:  # the argument must be what ignores class 3: the default (-100) counts those targets
+            default = mt.VocabParallelCrossEntropy.apply(local, target, V, group)
+            differs(f"{tag} loss with the default ignore index", default, want)
 
     # --- dropout masks: TP regions differ across TP ranks, replicated regions agree, replicas differ ---
     for dp in (1, 2):  # t = world as one TP group, and the grid (2, t/2): two replicas
@@ -498,12 +516,51 @@ def main():
     cfg_p = GPTConfig(vocab=12, seq_len=T, d_model=D, n_heads=H, n_layers=1, dropout=0.5)
     tracker = mt.RNGTracker(dev, 0, 0, r)
     for name, Full, Par in (("mlp", MLP, mt.ParallelMLP), ("attention", Attention, mt.ParallelAttention)):
-        par = Par(Full(cfg_p).to(dev), group, False, tracker).train()
+        par = build_layer(Par, Full(cfg_p).to(dev), group, False, tracker).train()
         x_p = torch.randn(B, T, D, device=dev)
         y = par(x_p)
         ys = mt.all_gather(y.detach()[None], 0, group)
         close(f"{name} with dropout: output identical on every TP rank", ys.max(0).values, ys.min(0).values)
         differs(f"{name} with dropout vs without", y, par.eval()(x_p))
+
+    # the fork is re-entrant (SPGPT runs its whole forward forked, and attention forks inside it): a nested fork
+    # continues the per-rank stream and leaves the default one as it was; a flat fork (put back) restarts it
+    def draws(tr, nested):  # 64 draws in a fork, 64 in a nested one, then 64 from the default stream
+        with tr.fork():
+            a = torch.rand(64, device=dev)
+            with tr.fork() if nested else contextlib.nullcontext():
+                b = torch.rand(64, device=dev)
+        return torch.cat([a, b, torch.rand(64, device=dev)])
+
+    @contextlib.contextmanager
+    def flat_fork(self):
+        outside = self.gen.get_state()
+        self.gen.set_state(self.tp_state)
+        try:
+            yield
+        finally:
+            self.tp_state = self.gen.get_state()
+            self.gen.set_state(outside)
+    one_fork = draws(mt.RNGTracker(dev, 0, 0, r), nested=False)
+    close("a fork inside a fork vs one fork: the same draws", draws(mt.RNGTracker(dev, 0, 0, r), nested=True), one_fork)
+    real, mt.RNGTracker.fork = mt.RNGTracker.fork, flat_fork
+    try:
+        differs("a flat fork inside a fork vs one fork", draws(mt.RNGTracker(dev, 0, 0, r), nested=True), one_fork)
+    finally:
+        mt.RNGTracker.fork = real
+    # under SP no region is replicated: SPGPT's dropouts all draw from the per-rank stream, none from the default
+    # one; ParallelGPT's forward run on the same model without SPGPT's fork (the defect) draws from the default
+    tr = mt.RNGTracker(dev, 0, 0, r)
+    sp_gpt = mt.SPGPT(build_gpt(cfg_p, 0, torch.float64), group, tr).to(dev).train()
+
+    def streams_drawn(forward):  # (default stream advanced, per-rank stream advanced) by one forward
+        default, mine = tr.gen.get_state(), tr.tp_state
+        forward(torch.zeros(B, T, dtype=torch.long, device=dev))
+        return not torch.equal(tr.gen.get_state(), default), not torch.equal(tr.tp_state, mine)
+    equal("SPGPT with dropout: (default stream advanced, per-rank stream advanced)", streams_drawn(sp_gpt),
+          (False, True))
+    equal("SPGPT with dropout, its forward without the fork (ParallelGPT.forward): the default stream advanced",
+          streams_drawn(lambda idx: mt.ParallelGPT.forward(sp_gpt, idx))[0], True)
 
     # --- each layer given a size it cannot split: a ValueError naming what would work, before any collective
     # (SP's T, cut across ranks, would abort inside gloo; heads or a vocabulary cut wrongly, silently wrong) ---
@@ -513,14 +570,14 @@ def main():
             lambda: mt.ColumnParallelLinear([nn.Linear(D, n), nn.Linear(D, n)], group), [f"divisible by {t}"]),
         "attention with t + 1 heads": (
             lambda: mt.ParallelAttention(Attention(GPTConfig(vocab=12, seq_len=T, d_model=2 * n, n_heads=n,
-                                                             n_layers=1)), group, False, tracker),
+                                                             n_layers=1)), group, tracker),
             [f"{n} heads", "divisible by t"]),
         "row layer under SP, T = t + 1 positions": (
-            lambda: mt.RowParallelLinear(nn.Linear(4 * t, D), group, True)(torch.randn(B, n, 4, device=dev)),
+            lambda: mt.SPRowParallelLinear(nn.Linear(4 * t, D), group)(torch.randn(B, n, 4, device=dev)),
             [f"T = {n}", "divisible by t"]),
         "embedding under SP, T = t + 1 positions": (
-            lambda: mt.VocabParallelEmbedding(nn.Embedding(12, D), group, True)(torch.zeros(B, n, dtype=torch.long,
-                                                                                           device=dev)),
+            lambda: mt.SPVocabParallelEmbedding(nn.Embedding(12, D), group)(torch.zeros(B, n, dtype=torch.long,
+                                                                                        device=dev)),
             [f"T = {n}", "divisible by t"]),
         "cross-entropy, a rank's logits not ceil(V / t)": (
             lambda: mt.VocabParallelCrossEntropy.apply(torch.randn(5, 12 // t - 1, device=dev),
@@ -537,10 +594,11 @@ def main():
         equal(f"bad input, {what}: a ValueError naming {words}, before any collective ({msg})",
               (msg.startswith("ValueError") and all(w in msg for w in words), comm.calls), (True, {}))
 
-    # --- the core copied out: at t = 2, and at t = 3 on ranks 0-2 of a launch of 4 (rank 3 waits): there the
-    # mixed biases only, without the mutants (both biases and the mutants ran at t = 2) ---
-    sub = dist.new_group([0, 1, 2]) if t == 4 else group  # every rank makes every group
-    if t == 2 or (t == 4 and r < 3):
+    # --- the core, copied out: at t = 2, and at t = 3 on global ranks 1-3 of a launch of 4 (rank 0 waits), whose
+    # group ranks 0-2 are not their global ranks: there the mixed biases only, without the mutants (both biases
+    # and the mutants ran at t = 2) ---
+    sub = dist.new_group([1, 2, 3]) if t == 4 else group  # every rank makes every group
+    if t == 2 or (t == 4 and r > 0):
         for gate_bias, up_bias in ((True, True), (False, True), (True, False))[0 if t == 2 else 1:]:
             copy_out(d, sub, gate_bias, up_bias, mutants=t == 2)
 

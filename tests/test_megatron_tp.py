@@ -18,20 +18,24 @@ L, B, S, H = 2, 12, 8, 16  # TINY's layers, global batch, sequence, width
 
 @pytest.mark.parametrize("nproc", [2, 4])
 def test_copy_out_and_layer_checks(tmp_path, nproc):
-    """The core copied out (t = 2 in the launch of 2; t = 3, mixed biases, on ranks 0-2 of the launch of 4):
-    megatron_tp's ColumnParallelLinear (gate and up fused) and RowParallelLinear put into a SwiGLU net that
-    is not the GPT (a root parameter, nested modules, odd sizes, a Huber loss), with biases on both, on up
-    only and on gate only (issue 30: the fused layer dropped up's bias, or raised), with and without SP,
-    trained beside the unsharded net in plain torch (AdamW, clip_grad_norm_): every step's loss and every
-    final parameter equal within 1e-12, the bias-free part still exactly zero; SP without the sum of the
-    replicated gradients, and the mixed bias without its mask, are caught (megatron_tp_checks.py: copy_out).
-    Bad sizes (fused parts, heads, SP's T, a vocabulary slice that t does not divide): each layer raises a
-    ValueError naming what would work, and the counter saw no collective before it.
+    """The core copied out (t = 2 in the launch of 2; t = 3, mixed biases, on global ranks 1-3 of the launch of
+    4, group ranks 0-2): megatron_tp.py's technique section run alone (section.load: torch and einops only),
+    its ColumnParallelLinear (gate and up fused) and RowParallelLinear, or their SP subclasses, put into a
+    SwiGLU net that is not the GPT (a root parameter, nested modules, odd sizes, a Huber loss), with biases on
+    both, on up only and on gate only (issue 30: the fused layer dropped up's bias, or raised), with and
+    without SP, trained beside the unsharded net in plain torch (AdamW, clip_grad_norm_): every step's loss
+    and every final parameter equal within 1e-12, the bias-free part still exactly zero; SP without the
+    section's sum of the replicated gradients, and the mixed bias without its mask, are caught
+    (megatron_tp_checks.py: copy_out). Bad sizes (fused parts, heads, SP's T, a vocabulary slice that t
+    does not divide): each layer raises a ValueError naming what would work, and the counter saw no
+    collective before it.
     Layer checks (t = 2 and 4): column / row / MLP / attention / embedding outputs and gradients vs unsharded
-    modules, the vocab-parallel loss vs F.cross_entropy (padded and unpadded), the MLP vs torch's DTensor TP,
-    dropout masks, each layer's collectives as harness.CommCounter sees them, the gradient norm of a
+    modules, the vocab-parallel loss vs F.cross_entropy (padded and unpadded; ignore_index -100 and 3), the
+    MLP vs torch's DTensor TP, dropout masks, the RNG tracker's nested fork and SPGPT drawing every mask from
+    the per-rank stream, each layer's collectives as harness.CommCounter sees them, the gradient norm of a
     bfloat16 model vs its closed form, and the mutants (each of f, g, f_sp, g_sp broken; the gathered input
-    saved; biases or the padding mask dropped; a bfloat16 sum) caught: all asserted in the check script."""
+    saved; biases or the padding mask dropped; a bfloat16 sum; a flat fork; SPGPT without its fork; the
+    default ignore index) caught: all asserted in the check script."""
     _, out = torchrun("tests/megatron_tp_checks.py", nproc, tmp_path=tmp_path, timeout=240)
     assert "ALL CHECKS PASSED" in out, out[-6000:]
     assert "DTensor reference skipped" not in out, out[-3000:]
