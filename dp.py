@@ -215,7 +215,7 @@ class Server:
         self.sends = {}  # worker -> the works of its pull in flight: nothing older is kept alive
         self.idle, self.arrived, self.arrivals = list(self.workers), set(), queue.Queue()
         self.flat = flat_params(model)  # (P,) the layout of a flat gradient
-        self.gloo = dist.get_backend() == "gloo"
+        self.gloo = dist.get_backend(groups[self.workers[0]]) == "gloo"
 
     def hand_out(self):
         """Send every pull the policy allows now, and post the receives of their gradients."""
