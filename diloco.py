@@ -192,7 +192,7 @@ class StreamingDiLoCo(DiLoCo):
     def __init__(self, fragments, inner_steps, outer_lr=0.7, outer_momentum=0.9, nesterov=True, overlap=0,
                  mix=0.0, wire_dtype=None, group=None):
         H, F, every = inner_steps, len(fragments), [p for frag in fragments for p in frag]
-        if not all(fragments) or not fragments:
+        if not fragments or not all(fragments):
             raise ValueError(f"StreamingDiLoCo: need at least one fragment and a parameter in each, got "
                              f"fragment sizes {[len(f) for f in fragments]}: non-empty lists of parameters")
         if len({id(p) for p in every}) < len(every):
