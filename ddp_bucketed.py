@@ -70,7 +70,6 @@ from common import (DTYPES, build_gpt, count_tokens, fail, GPTConfig, init_dist,
 from harness import (check_against_reference, check_common_args, CommCounter, CommonArgs, env_world_size,
                      parse_args, peak_memory_bytes, Run, SavedActivations, tensor_bytes, tolerance)
 
-MiB = 1024 * 1024
 WIRE = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -82,6 +81,9 @@ class Args(CommonArgs):
 
 
 # ----------------------------------------------------------------------------- the technique
+MiB = 1024 * 1024  # bucket caps are given in MiB, as torch DDP's bucket_cap_mb
+
+
 class BucketedDDP(nn.Module):
     """Drop-in for torch.nn.parallel.DistributedDataParallel(gradient_as_bucket_view=True): when
     loss.backward() returns, every .grad holds the average over the ranks of `group`, as a view into its
@@ -101,12 +103,20 @@ class BucketedDDP(nn.Module):
     def __init__(self, module, bucket_cap_mb=25, first_bucket_mb=1, group=None, find_unused_parameters=False,
                  compress=None):
         super().__init__()
+        if not (bucket_cap_mb * MiB >= 1 and first_bucket_mb * MiB >= 1):  # written so that nan fails too
+            raise ValueError(f"BucketedDDP: bucket caps must be positive sizes in MiB, fractions too (0.05), "
+                             f"not bucket_cap_mb={bucket_cap_mb}, first_bucket_mb={first_bucket_mb}")
+        if compress is not None and not compress.is_floating_point:
+            raise ValueError(f"BucketedDDP: compress must be a float dtype (torch.bfloat16, torch.float16), "
+                             f"got {compress}")
         self.module, self.group, self.find_unused = module, group, find_unused_parameters
         self.wire_dtype, self.world = compress, dist.get_world_size(group)
         self.src = dist.get_global_rank(group, 0) if group is not None else 0
         self.caps = (int(first_bucket_mb * MiB), int(bucket_cap_mb * MiB))  # bytes of bucket 0, of the others
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         self.names, self.params = [n for n, _ in named], [p for _, p in named]
+        if not self.params:
+            raise ValueError("BucketedDDP: no parameter of the module requires grad: nothing to average")
         self.device = self.params[0].device
         with torch.no_grad():  # 1. one starting point: rank 0's weights (torch DDP broadcasts them too)
             for t in list(module.parameters()) + list(module.buffers()):

@@ -109,24 +109,6 @@ class Args(CommonArgs):
 
 
 # ----------------------------------------------------------------------------- 1: DiLoCo (and local SGD)
-def make_inner(model, args):
-    if args.inner == "sgd":  # plain SGD: the equivalence with synchronous data parallel SGD
-        return torch.optim.SGD(model.parameters(), lr=args.lr, foreach=False)
-    return make_optimizer(model.parameters(), args)  # the repo's AdamW, this worker's own state
-
-
-def inner_step(model, opt, x, y, clip):
-    """One inner step of this worker on its own slice (b, T): the loss is the mean over *its* tokens (a
-    worker trains alone), clipped by the norm of its own gradient. No communication."""
-    loss = lm_loss(model(x), y, count_tokens(y))
-    opt.zero_grad(set_to_none=True)
-    loss.backward()
-    if clip > 0:
-        torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-    opt.step()
-    return loss.detach()
-
-
 class DiLoCo:
     """The outer loop of DiLoCo around any model and inner optimizer: call after_inner_step(t) after each
     inner step t (0-based) on every worker (every rank of `group`); every H-th one syncs. This holds the
@@ -136,6 +118,9 @@ class DiLoCo:
     def __init__(self, params, inner_steps, outer_lr=0.7, outer_momentum=0.9, nesterov=True, group=None):
         if inner_steps < 1:
             raise ValueError(f"DiLoCo: inner_steps must be >= 1, got {inner_steps}")
+        if not outer_lr > 0 or nesterov and not 0 < outer_momentum < 1:  # written so that nan fails too
+            raise ValueError(f"DiLoCo: the outer step needs outer_lr > 0 and, with nesterov, 0 < "
+                             f"outer_momentum < 1 (the paper: 0.7, 0.9), not {outer_lr} and {outer_momentum}")
         self.H, self.group, self.M = inner_steps, group, dist.get_world_size(group)
         self.local = [list(params)]  # one fragment: the whole model (Streaming DiLoCo has several)
         self.glob = [[p.detach().clone() for p in frag] for frag in self.local]  # theta
@@ -206,11 +191,18 @@ class StreamingDiLoCo(DiLoCo):
 
     def __init__(self, fragments, inner_steps, outer_lr=0.7, outer_momentum=0.9, nesterov=True, overlap=0,
                  mix=0.0, wire_dtype=None, group=None):
-        H, F = inner_steps, len(fragments)
+        H, F, every = inner_steps, len(fragments), [p for frag in fragments for p in frag]
+        if not fragments or not all(fragments):
+            raise ValueError(f"StreamingDiLoCo: need at least one fragment and a parameter in each, got "
+                             f"fragment sizes {[len(f) for f in fragments]}: non-empty lists of parameters")
+        if len({id(p) for p in every}) < len(every):
+            raise ValueError("StreamingDiLoCo: a parameter is in two fragments: deal each to exactly one")
+        if wire_dtype is not None and not wire_dtype.is_floating_point:
+            raise ValueError(f"StreamingDiLoCo: wire_dtype must be a float dtype (torch.bfloat16, ...), "
+                             f"not {wire_dtype}")
         if H % F or not 0 <= overlap < H or not 0 <= mix < 1:
             raise ValueError(f"StreamingDiLoCo: need inner_steps % fragments == 0 (got {H} % {F}), 0 <= "
                              f"overlap < inner_steps (got {overlap}) and 0 <= mix < 1 (got {mix})")
-        every = [p for frag in fragments for p in frag]
         super().__init__(every, H, outer_lr, outer_momentum, nesterov, group)
         theta = iter(self.glob[0])  # the same copies, the outer optimizer's, dealt into the fragments
         self.local, self.glob = fragments, [[next(theta) for _ in frag] for frag in fragments]
@@ -302,6 +294,9 @@ def gpt_fragments(model, n):
     """Streaming DiLoCo's fragments of the repo's GPT: block i in fragment i mod n (strided, which the paper
     found a little better than contiguous); the embeddings join fragment 0, ln_f and the head the fragment
     of the last block."""
+    if not 1 <= n <= len(model.blocks):
+        raise ValueError(f"gpt_fragments: {n} fragments of {len(model.blocks)} blocks: a fragment holds "
+                         f"whole blocks, so 1 <= n <= {len(model.blocks)}")
     frags = [list(b.parameters()) for b in model.blocks[:n]]
     for i, b in enumerate(model.blocks[n:], n):
         frags[i % n] += list(b.parameters())
@@ -328,15 +323,35 @@ def check_args(args):
              "fragment's next sync")
     if not 0 <= args.mix < 1:
         fail(f"--mix must be in [0, 1), got {args.mix}")
-    if args.outer_lr <= 0 or not 0 <= args.outer_momentum < 1:
+    if not args.outer_lr > 0 or not 0 <= args.outer_momentum < 1:
         fail(f"--outer-lr must be > 0 and --outer-momentum in [0, 1), got {args.outer_lr} and "
              f"{args.outer_momentum}")
+    if args.outer == "nesterov" and args.outer_momentum == 0:
+        fail("--outer nesterov needs --outer-momentum > 0 (the paper's 0.9); without momentum: --outer sgd")
     if args.check and args.dropout > 0:
         fail(f"--check needs --dropout 0 (got {args.dropout}): the reference cannot replay every worker's "
              "dropout stream")
     if args.outer_dtype != "same" and torch.finfo(getattr(torch, args.outer_dtype)).bits > \
             torch.finfo(DTYPES[args.dtype]).bits:
         fail(f"--outer-dtype {args.outer_dtype} is wider than --dtype {args.dtype}: use --outer-dtype same")
+
+
+def make_inner(model, args):
+    if args.inner == "sgd":  # plain SGD: the equivalence with synchronous data parallel SGD
+        return torch.optim.SGD(model.parameters(), lr=args.lr, foreach=False)
+    return make_optimizer(model.parameters(), args)  # the repo's AdamW, this worker's own state
+
+
+def inner_step(model, opt, x, y, clip):
+    """One inner step of this worker on its own slice (b, T): the loss is the mean over *its* tokens (a
+    worker trains alone), clipped by the norm of its own gradient. No communication."""
+    loss = lm_loss(model(x), y, count_tokens(y))
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    if clip > 0:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+    opt.step()
+    return loss.detach()
 
 
 def wire_dtype(args):

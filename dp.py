@@ -100,9 +100,12 @@ def sync_step(model, opt, micro_batches, loss_fn, clip=0.0, group=None):
         loss = loss_fn(model, x, y)
         loss.backward()  # gradients add up in .grad across micro-batches: no communication yet
         total = total + loss.detach().double()  # on the device: no host sync per micro-batch
+    params = [p for p in model.parameters() if p.requires_grad]
+    if not torch.is_tensor(total) or any(p.grad is None for p in params):  # its all-reduce would fail here
+        raise ValueError("sync_step: no micro-batches, or a parameter they gave no gradient: pass at least "
+                         "one (x, y) pair and make every trainable parameter part of the loss (or freeze it)")
     # The one synchronisation of the step: SUM (not average) over ranks, because each rank's loss was
     # already divided by the global count. One all-reduce per parameter: the naive version.
-    params = [p for p in model.parameters() if p.requires_grad]
     for p in params:
         dist.all_reduce(p.grad, op=dist.ReduceOp.SUM, group=group)  # (param shape) full gradient, replicated
     return total, clip_and_step(params, opt, clip)  # the gradients agree everywhere: the local norm is global
@@ -127,6 +130,9 @@ def load_flat_(model, flat):
 def worker_loop(model, loss_of_batch, group, server=0):
     """A worker: pull weights and a batch id from the server (global rank `server`), push the gradient of
     loss_of_batch(model, batch id) on those weights, until told to stop. It holds no state."""
+    if dist.get_world_size(group) != 2:
+        raise ValueError(f"worker_loop: `group` must be this worker's two-rank group with the server, not "
+                         f"{dist.get_world_size(group)} rank(s): new_group([server, worker]) on every rank")
     header = torch.zeros(2, dtype=torch.long, device=next(model.parameters()).device)  # (version, batch id)
     weights = flat_params(model)
     while True:
@@ -156,6 +162,10 @@ class Lockstep:
     versions stale, D + 1 pulls in flight (so at least D + 1 workers)."""
     D: int
 
+    def __post_init__(self):
+        if self.D < 0:
+            raise ValueError(f"Lockstep: staleness D must be >= 0 (0: the newest weights), got {self.D}")
+
     def next_pull(self, s):  # (worker, weights version) for batch u = s.handed, once W_{u-D} exists
         u = s.handed
         return (s.workers[u % len(s.workers)], max(u - self.D, 0)) if u <= s.version + self.D else None
@@ -171,6 +181,10 @@ class BoundedStaleness:
     gradient in flight can still land within S versions; apply an arrived gradient, oldest first, only if
     the others still can. Otherwise wait for the slowest."""
     S: int
+
+    def __post_init__(self):
+        if self.S < 0:
+            raise ValueError(f"BoundedStaleness: S must be >= 0 (0: one gradient in flight), got {self.S}")
 
     def next_pull(self, s):
         in_flight = [v for v, *_ in s.pending.values()] + [s.version]
@@ -190,6 +204,10 @@ class Server:
     `old`: {version: flat weights} of earlier versions that the pulls in flight at a resume were sent."""
 
     def __init__(self, model, opt, groups, policy, updates, clip=0.0, version=0, old=None, timeout=120):
+        need = policy.D + 1 if isinstance(policy, Lockstep) else 1  # workers busy at once (one pull each)
+        if len(groups) < need:
+            raise ValueError(f"Server: {policy} needs at least {need} worker(s), got {len(groups)}: a world "
+                             f"of at least {need + 1} ranks, a two-rank group per worker")
         self.model, self.opt, self.groups, self.policy, self.clip = model, opt, groups, policy, clip
         self.workers, self.updates, self.version, self.handed = sorted(groups), updates, version, version
         self.old, self.timeout = old or {}, timeout
@@ -197,7 +215,7 @@ class Server:
         self.sends = {}  # worker -> the works of its pull in flight: nothing older is kept alive
         self.idle, self.arrived, self.arrivals = list(self.workers), set(), queue.Queue()
         self.flat = flat_params(model)  # (P,) the layout of a flat gradient
-        self.gloo = dist.get_backend() == "gloo"
+        self.gloo = dist.get_backend(groups[self.workers[0]]) == "gloo"
 
     def hand_out(self):
         """Send every pull the policy allows now, and post the receives of their gradients."""
@@ -258,24 +276,6 @@ class Server:
             work.wait()
 
 
-def to_device(device, *tensors):
-    """A step's batch onto the device, one copy per tensor: pinned and non-blocking on CUDA (a copy from
-    pageable memory makes the host wait for the stream)."""
-    if device.type != "cuda":
-        return tensors
-    return tuple(t.pin_memory().to(device, non_blocking=True) for t in tensors)
-
-
-def global_batch_loss(model, batch_id, data, args, device):
-    """What a worker computes for a batch id: the loss of that whole global batch (B, T); its dropout a
-    function of (seed, batch) only, so that no worker holds state a restart could lose."""
-    x, y = data.batch(batch_id, args.batch_size, args.seq_len, args.ragged)  # (B, T) a whole batch, CPU
-    n_tok = count_tokens(y)
-    x, y = to_device(device, x, y)
-    torch.manual_seed(batch_seed(args, batch_id))
-    return lm_loss(model(x), y, n_tok)
-
-
 def check_args(args):
     world, k = env_world_size(), env_world_size() * args.accum
     check_common_args(args)
@@ -300,6 +300,24 @@ def check_args(args):
         fail(f"--max-staleness must be >= 0, got {args.max_staleness}")
     if args.staleness < -1:
         fail(f"--staleness must be -1 (free-running) or >= 0, got {args.staleness}")
+
+
+def to_device(device, *tensors):
+    """A step's batch onto the device, one copy per tensor: pinned and non-blocking on CUDA (a copy from
+    pageable memory makes the host wait for the stream)."""
+    if device.type != "cuda":
+        return tensors
+    return tuple(t.pin_memory().to(device, non_blocking=True) for t in tensors)
+
+
+def global_batch_loss(model, batch_id, data, args, device):
+    """What a worker computes for a batch id: the loss of that whole global batch (B, T); its dropout a
+    function of (seed, batch) only, so that no worker holds state a restart could lose."""
+    x, y = data.batch(batch_id, args.batch_size, args.seq_len, args.ragged)  # (B, T) a whole batch, CPU
+    n_tok = count_tokens(y)
+    x, y = to_device(device, x, y)
+    torch.manual_seed(batch_seed(args, batch_id))
+    return lm_loss(model(x), y, n_tok)
 
 
 def main():

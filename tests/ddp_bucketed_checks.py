@@ -4,14 +4,16 @@ tests/test_ddp_bucketed.py at world 2 and 3):
     torchrun --standalone --nproc_per_node=2 tests/ddp_bucketed_checks.py
 
 References: torch's own DistributedDataParallel on the same model and inputs (its gradients, its bucket
-layout as its reducer reports it), and the one-process full-batch gradient; section 8 applies BucketedDDP
-to a model that is not the GPT and holds it against plain one-process training written here (copy-out).
+layout as its reducer reports it), and the one-process full-batch gradient; part 10 applies BucketedDDP, taken
+from ddp_bucketed.py's technique section alone (tests/section.py: what a copier takes, run with torch and
+nothing of this repo), to a model that is not the GPT and holds it against plain one-process training
+written here (copy-out); part 11 gives that core what it cannot do (each refused before any collective).
 Every check has a negative twin (something that must differ, differs). A failed check is recorded and the
 script goes on (so every rank keeps issuing the same collectives); it exits 1 at the end.
 Prints ALL CHECKS PASSED on success. Device-correct: models and inputs live on the rank's device, so the
 same checks run on NCCL (torchrun on a GPU machine) as on gloo; only tensors cross the wire.
 """
-import contextlib, os, sys, time
+import contextlib, os, sys, time, types
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -26,9 +28,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import ddp_bucketed
 import harness
+import section
 from common import (GPTConfig, MarkovData, build_gpt, close_dist, count_tokens, init_dist, lm_loss,
                     make_optimizer)
-from harness import CommonArgs, gather_rows
+from harness import CommCounter, CommonArgs, gather_rows
 from ddp_bucketed import MiB, BucketedDDP, Overlap
 
 CFG = GPTConfig(vocab=32, seq_len=8, d_model=16, n_heads=2, n_layers=2)
@@ -493,9 +496,10 @@ def huber(model, x, y):  # a sum over the rows given / the rows of the whole bat
     return F.huber_loss(model(x), y, reduction="sum", delta=0.5) / B
 
 
+core = types.SimpleNamespace(**section.load("ddp_bucketed.py"))  # the technique section alone
 plain, rows = Net(), B // d.world
 for model, distributed in ((plain, False), (Net(), True), (Net(), None)):
-    net = BucketedDDP(model, bucket_cap_mb=0.0005, first_bucket_mb=0.0002) if distributed else model
+    net = core.BucketedDDP(model, bucket_cap_mb=0.0005, first_bucket_mb=0.0002) if distributed else model
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, foreach=False)
     for step in range(4):
         opt.zero_grad(set_to_none=step % 2 == 0)
@@ -514,6 +518,48 @@ for model, distributed in ((plain, False), (Net(), True), (Net(), None)):
     elif distributed is None:
         check(d.world == 1 or diff > 1e-6, f"copy-out: negative: the same model trained on this rank's rows alone "
               f"differs ({diff:.1e})")
+
+# 11. bad input: the core refuses what it cannot do, a ValueError that says what would work, before any collective
+# (harness.CommCounter sees none: today's first collective is the broadcast of the weights). Negatives: a valid
+# BucketedDDP under the same counter broadcasts; the section with its checks taken out lets every one through.
+# Parameters that differ between ranks in number or shape cannot be seen without communicating (torch DDP
+# spends a collective on it, _verify_param_shape_across_processes): not checked here.
+def refused(call, words):
+    with CommCounter() as comm:
+        try:
+            call()
+            msg = "no error"
+        except Exception as e:  # noqa: BLE001 (any other error is a failure, reported)
+            msg = f"{type(e).__name__}: {e}"
+    return msg.startswith("ValueError") and all(w in msg for w in words) and not comm.calls, \
+        f"{msg[:100]}; collectives: {comm.calls}"
+
+
+def frozen():
+    net = Net()
+    net.requires_grad_(False)
+    return net
+
+
+def bad_calls(c):
+    return {"bucket_cap_mb 0": (lambda: c.BucketedDDP(Net(), bucket_cap_mb=0), ["bucket_cap_mb=0", "positive"]),
+            "first_bucket_mb -1": (lambda: c.BucketedDDP(Net(), first_bucket_mb=-1), ["first_bucket_mb=-1"]),
+            "bucket_cap_mb nan": (lambda: c.BucketedDDP(Net(), bucket_cap_mb=float("nan")), ["bucket_cap_mb=nan"]),
+            "compress int8": (lambda: c.BucketedDDP(Net(), compress=torch.int8), ["float dtype", "torch.int8"]),
+            "no trainable parameter": (lambda: c.BucketedDDP(frozen()), ["no parameter", "requires grad"])}
+
+
+for what, (call, words) in bad_calls(core).items():
+    ok, seen = refused(call, words)
+    check(ok, f"bad input: BucketedDDP, {what}: refused before any collective ({seen})")
+ok, seen = refused(lambda: core.BucketedDDP(Net()), [])
+check(seen.startswith("no error") and "'broadcast/" in seen,
+      f"bad input: negative: a valid BucketedDDP under the same counter broadcasts ({seen})")
+unchecked = types.SimpleNamespace(**section.load(
+    "ddp_bucketed.py", (section.ROOT / "ddp_bucketed.py").read_text().replace("raise ValueError(", "(")))
+through = [what for what, (call, words) in bad_calls(unchecked).items() if not refused(call, words)[0]]
+check(len(through) == len(bad_calls(core)), f"bad input: negative: the section without its checks lets "
+      f"{len(through)}/{len(bad_calls(core))} of them through")
 
 n_failed = torch.tensor([len(failures)], device=d.device)  # each rank printed its own failures above
 dist.all_reduce(n_failed)

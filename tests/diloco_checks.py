@@ -2,10 +2,16 @@
 
     torchrun --standalone --nproc_per_node=3 tests/diloco_checks.py
 
-1. copy-out: diloco.DiLoCo on a model that is not the GPT (nested modules, a root parameter, odd sizes, a
+The cores (parts 1, 1b, 5) come from diloco.py's technique section alone (tests/section.py: what a copier
+takes, run with torch and nothing of this repo); parts 2-4 run diloco.py's main.
+1. copy-out: DiLoCo on a model that is not the GPT (nested modules, a root parameter, odd sizes, a
    Huber loss), each rank a worker with plain SGD inside, H = 1: outer SGD lr 1 == plain one-process SGD on
    the whole batch; outer Nesterov (lr a, momentum mu) == one-process Nesterov SGD with lr a x the inner lr
    (both written here with torch.optim.SGD); negative: H = 2 differs.
+1b. copy-out: StreamingDiLoCo on that model (2 fragments, H 4, overlap 1, mix 0.5, bfloat16 on the wire, AdamW
+   inside, Nesterov outside) == the M workers simulated in one process here (their own AdamW, the fragment
+   schedule, the rounding, the rank-order sum, torch's Nesterov rule written out); negative: against the same
+   simulation without the rounding it differs.
 2. diloco.py's main (run here as torchrun runs it), --check against its own reference: DiLoCo (AdamW inside,
    Nesterov outside) and Streaming DiLoCo (2 fragments, overlap 1, mix 0.5, bfloat16 on the wire) pass; the
    bytes handed to collectives per inner step, counted at the dispatcher, are P x b / H exactly (closed
@@ -16,9 +22,14 @@
    negative: H = 2 FAILS that check.
 4. Mutants, each FAILS --check: the outer step applied to the workers' weights instead of the global ones
    (DiLoCo, H 3); fragment 1 synced one inner step late (Streaming DiLoCo).
+5. bad input: each core refuses what it cannot do with a ValueError naming what would work, before any
+   collective (harness.CommCounter saw none): DiLoCo with H < 1, outer lr <= 0, Nesterov momentum 0 or 1;
+   StreamingDiLoCo without fragments, with an empty or a shared one, an integer wire dtype, H not a multiple
+   of F, overlap >= H, mix 1; gpt_fragments asked for more fragments than blocks, or none. Negatives: a
+   valid sync under the same counter all-reduces; the section with its checks taken out lets them through.
 A failed check is recorded and the script goes on; it prints ALL CHECKS PASSED or exits 1 at the end.
 """
-import os, sys
+import os, sys, types
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -30,7 +41,11 @@ import torch.nn.functional as F
 
 import diloco
 import harness
+import section
 from common import GPT, GPTConfig, MarkovData, build_gpt, close_dist, count_tokens, init_dist, lm_loss
+from harness import CommCounter
+
+core = types.SimpleNamespace(**section.load("diloco.py"))  # the technique section alone, as a copier takes it
 
 d = init_dist(60)
 F64, B, STEPS = torch.float64, 12, 5
@@ -91,7 +106,7 @@ for H, outer_lr, mu, what in ((1, 1.0, 0.0, "outer SGD lr 1 == plain SGD"),
                               (2, 1.0, 0.0, "negative: H = 2 differs from plain SGD")):
     model = Net()
     inner = torch.optim.SGD(model.parameters(), lr=LR)
-    outer = diloco.DiLoCo(model.parameters(), H, outer_lr, mu, nesterov=mu > 0)
+    outer = core.DiLoCo(model.parameters(), H, outer_lr, mu, nesterov=mu > 0)
     for step in range(STEPS):
         x, y = batch(step)
         inner.zero_grad()
@@ -107,6 +122,78 @@ for H, outer_lr, mu, what in ((1, 1.0, 0.0, "outer SGD lr 1 == plain SGD"),
               f"(params {diff:.1e}); the workers restart from theta")
     else:
         check(diff > 1e-6, f"copy-out DiLoCo: {what} ({diff:.1e})")
+
+# ----------------------------------------------------------------------------- 1b. copy-out: Streaming DiLoCo
+def fragments_of(net):  # fragment 0: the encoder; fragment 1: the root gain and the head
+    return [list(net.enc.parameters()), [net.gain, *net.head.parameters()]]
+
+
+def adamw(net):
+    return torch.optim.AdamW(net.parameters(), lr=1e-2, weight_decay=0.1, foreach=False)
+
+
+SH, TAU, MIX, OLR, MU, WIRE, SSTEPS = 4, 1, 0.5, 0.7, 0.9, torch.bfloat16, 8  # fragment 1's last: drained
+
+
+def streaming_by_hand(rounding=True):
+    """The M workers in one process: own AdamW on own rows; fragment f's exchange after inner step t with
+    t + 1 = (f + 1) H / F (mod H), each worker's theta - theta_m rounded to the wire dtype and back, summed in
+    rank order, / M; it lands TAU steps later: torch's Nesterov rule (buf = g, then mu buf + g; theta -= lr
+    (g + mu buf)), then each worker's fragment = mix * its own + (1 - mix) * theta. Returns (theta, workers)."""
+    workers = [Net() for _ in range(d.world)]
+    opts = [adamw(w) for w in workers]
+    frags = [fragments_of(w) for w in workers]  # frags[m][f]: worker m's parameters of fragment f
+    theta = [[p.detach().clone() for p in f] for f in frags[0]]
+    buf, in_flight = {}, []
+    for t in range(SSTEPS):
+        x, y = batch(t)
+        for m, (w, opt) in enumerate(zip(workers, opts)):
+            opt.zero_grad()
+            huber(w, x[m * rows:(m + 1) * rows], y[m * rows:(m + 1) * rows]).backward()
+            opt.step()
+        for f in range(2):
+            if (t + 1) % SH == (f + 1) * SH // 2 % SH:
+                mean = []
+                for k, th in enumerate(theta[f]):
+                    deltas = [th - frags[m][f][k].detach() for m in range(d.world)]
+                    deltas = [dm.to(WIRE).to(F64) if rounding else dm for dm in deltas]
+                    total = deltas[0]
+                    for dm in deltas[1:]:
+                        total = total + dm
+                    mean.append(total / d.world)
+                in_flight.append((t + TAU, f, mean))
+        while in_flight and (in_flight[0][0] <= t or t == SSTEPS - 1):
+            _, f, mean = in_flight.pop(0)
+            with torch.no_grad():
+                for k, g in enumerate(mean):
+                    buf[f, k] = g.clone() if (f, k) not in buf else MU * buf[f, k] + g
+                    theta[f][k] = theta[f][k] - OLR * (g + MU * buf[f, k])
+                    for m in range(d.world):
+                        frags[m][f][k].copy_(MIX * frags[m][f][k] + (1 - MIX) * theta[f][k])
+    return torch.cat([g.flatten() for f in theta for g in f]), [flat(w) for w in workers]
+
+
+model = Net()
+inner = adamw(model)
+stream = core.StreamingDiLoCo(fragments_of(model), SH, OLR, MU, True, TAU, MIX, WIRE)
+for step in range(SSTEPS):
+    x, y = batch(step)
+    inner.zero_grad()
+    huber(model, x[d.rank * rows:(d.rank + 1) * rows], y[d.rank * rows:(d.rank + 1) * rows]).backward()
+    inner.step()
+    stream.after_inner_step(step)
+stream.finish()
+theta = torch.cat([g.flatten() for g in stream.global_params()])
+for rounding in (True, False):
+    ref_theta, ref_workers = streaming_by_hand(rounding)
+    diff = max((theta - ref_theta).abs().max().item(), (flat(model) - ref_workers[d.rank]).abs().max().item())
+    if rounding:
+        check(diff <= 1e-12, f"copy-out StreamingDiLoCo, {d.world} workers, 2 fragments, H {SH}, overlap {TAU}, "
+              f"mix {MIX}, bfloat16 wire, AdamW in, Nesterov out, Huber loss: theta and this worker == the "
+              f"workers simulated by hand ({diff:.1e})")
+    else:
+        check(diff > 1e-6, f"copy-out StreamingDiLoCo: negative: the simulation without the wire's rounding "
+              f"differs ({diff:.1e})")
 
 # ----------------------------------------------------------------------------- 2-4: diloco.py's main, patched
 summaries = []
@@ -223,6 +310,50 @@ for name, cls, attr, mutant, flags in (
     check(not c["passed"] and max(c["max_loss_diff"], c["max_param_diff"]) > 1e-6,
           f"mutant: {name}: FAILS --check (losses {c['max_loss_diff']:.1e}, "
           f"params {c['max_param_diff']:.1e})")
+
+# ----------------------------------------------------------------------------- 5. the cores refuse bad input
+def refused(call, words):
+    """(refused, what happened): call() raised a ValueError naming every word, and no collective was sent."""
+    with CommCounter() as comm:
+        try:
+            call()
+            msg = "no error"
+        except Exception as e:  # noqa: BLE001 (any other error is a failure, reported)
+            msg = f"{type(e).__name__}: {e}"
+    return msg.startswith("ValueError") and all(w in msg for w in words) and not comm.calls, \
+        f"{msg[:100]}; collectives: {comm.calls}"
+
+
+def bad_calls(c):
+    """name -> (call, words), each on a fresh model."""
+    ps, fr = lambda: Net().parameters(), lambda: fragments_of(Net())
+    return {"DiLoCo, H 0": (lambda: c.DiLoCo(ps(), 0), ["inner_steps must be >= 1", "got 0"]),
+            "DiLoCo, outer lr 0": (lambda: c.DiLoCo(ps(), 2, outer_lr=0.0), ["outer_lr > 0", "not 0.0"]),
+            "DiLoCo, Nesterov momentum 1": (lambda: c.DiLoCo(ps(), 2, outer_momentum=1.0), ["0 < outer_momentum < 1"]),
+            "DiLoCo, Nesterov momentum 0": (lambda: c.DiLoCo(ps(), 2, outer_momentum=0.0), ["0 < outer_momentum < 1"]),
+            "StreamingDiLoCo, no fragments": (lambda: c.StreamingDiLoCo([], 2), ["at least one fragment"]),
+            "StreamingDiLoCo, an empty fragment": (lambda: c.StreamingDiLoCo([fr()[0], []], 2), ["a parameter in each"]),
+            "StreamingDiLoCo, a shared parameter": (lambda: c.StreamingDiLoCo([(f := fr()[0]), f[:1]], 2),
+                                                    ["in two fragments"]),
+            "StreamingDiLoCo, int8 wire": (lambda: c.StreamingDiLoCo(fr(), 2, wire_dtype=torch.int8), ["float dtype"]),
+            "StreamingDiLoCo, H 3, F 2": (lambda: c.StreamingDiLoCo(fr(), 3), ["inner_steps % fragments", "3 % 2"]),
+            "StreamingDiLoCo, overlap 4 = H": (lambda: c.StreamingDiLoCo(fr(), 4, overlap=4), ["(got 4)"]),
+            "StreamingDiLoCo, mix 1": (lambda: c.StreamingDiLoCo(fr(), 4, mix=1.0), ["0 <= mix < 1 (got 1.0)"]),
+            "gpt_fragments, 3 of 2 blocks": (lambda: c.gpt_fragments(GPT(CFG), 3), ["3 fragments of 2 blocks"]),
+            "gpt_fragments, 0": (lambda: c.gpt_fragments(GPT(CFG), 0), ["0 fragments of 2 blocks"])}
+
+
+for what, (call, words) in bad_calls(core).items():
+    ok, seen = refused(call, words)
+    check(ok, f"bad input: {what}: refused before any collective ({seen})")
+ok, seen = refused(lambda: core.DiLoCo(Net().parameters(), 1).after_inner_step(0), [])
+check(seen.startswith("no error") and "'all_reduce/" in seen,
+      f"bad input: negative: a valid DiLoCo's sync under the same counter all-reduces ({seen})")
+unchecked = types.SimpleNamespace(**section.load(
+    "diloco.py", (section.ROOT / "diloco.py").read_text().replace("raise ValueError(", "(")))
+through = [what for what, (call, words) in bad_calls(unchecked).items() if not refused(call, words)[0]]
+check(len(through) == len(bad_calls(core)), f"bad input: negative: the section without its checks lets "
+      f"{len(through)}/{len(bad_calls(core))} of them through")
 
 n_failed = torch.tensor([len(failures)], device=d.device)  # each rank printed its own failures above
 dist.all_reduce(n_failed)

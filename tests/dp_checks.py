@@ -2,10 +2,12 @@
 
     torchrun --standalone --nproc_per_node=3 tests/dp_checks.py
 
-1. copy-out, bulk synchronous: dp.sync_step on a model that is not the GPT (nested modules, a parameter on
+The cores (parts 1, 2, 5) come from dp.py's technique section alone (tests/section.py: what a copier takes,
+run with torch and nothing of this repo); parts 3 and 4 run dp.py's main.
+1. copy-out, bulk synchronous: sync_step on a model that is not the GPT (nested modules, a parameter on
    the root module, odd sizes, a Huber loss, two micro-batches per rank) equals plain one-process training
    written here; negative: the same step whose all-reduce only reaches this rank differs.
-2. copy-out, parameter server: dp.Server + dp.worker_loop on that model. BoundedStaleness(0) equals plain
+2. copy-out, parameter server: Server + worker_loop on that model. BoundedStaleness(0) equals plain
    one-process training (one gradient in flight: every batch computed on the newest weights); Lockstep(1)
    equals the one-step-delayed update written here; negative: Lockstep(1) differs from plain training.
 3. dp.py's own --check (main() run here, as torchrun runs it): --accum 2 --ragged passes, one all-reduce per
@@ -14,9 +16,14 @@
 4. dp.py --mode async: the sent weight copies alive on the server stay at one per pull in flight (measured
    from outside, the figure sent_weight_copies_alive_max); a server that keeps every send (monkeypatched)
    is caught by that figure, which then grows with the updates.
+5. bad input: each core refuses what it cannot do with a ValueError naming what would work, before any
+   collective (harness.CommCounter saw none): sync_step without micro-batches or with a parameter the loss
+   does not reach; a staleness bound < 0; a Server without enough workers for its policy (a world of 1);
+   worker_loop on a group that is not two ranks. Negatives: a valid call seen by the same counter sends;
+   the section with its checks taken out lets the bad input through.
 A failed check is recorded and the script goes on; it prints ALL CHECKS PASSED or exits 1 at the end.
 """
-import os, sys
+import os, sys, types
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -28,7 +35,11 @@ import torch.nn.functional as F
 
 import dp
 import harness
+import section
 from common import GPT, GPTConfig, close_dist, count_tokens, init_dist, lm_loss
+from harness import CommCounter
+
+core = types.SimpleNamespace(**section.load("dp.py"))  # the technique section alone, as a copier takes it
 
 d = init_dist(60)
 F64, B, STEPS, CLIP = torch.float64, 12, 5, 0.05  # clip low enough that every step clips
@@ -113,7 +124,7 @@ for group, what in ((None, "all ranks"), (singletons[d.rank], "negative: this ra
     for step in range(STEPS):
         x, y = batch(step)
         x, y = x[d.rank * rows:(d.rank + 1) * rows], y[d.rank * rows:(d.rank + 1) * rows]  # this rank's slice
-        loss, norm = dp.sync_step(model, opt, zip(x.chunk(2), y.chunk(2)), huber, CLIP, group)
+        loss, norm = core.sync_step(model, opt, zip(x.chunk(2), y.chunk(2)), huber, CLIP, group)
         dist.all_reduce(loss)
         losses.append(loss.item())
     diff = max_diff(model.parameters(), ref_params)
@@ -129,13 +140,13 @@ for group, what in ((None, "all ranks"), (singletons[d.rank], "negative: this ra
 
 # ---------------------------------------------------------------------------- 2. copy-out: a parameter server
 groups = {w: dist.new_group([0, w]) for w in range(1, d.world)}
-for name, policy, delay in (("BoundedStaleness(0)", dp.BoundedStaleness(0), 0),
-                            ("Lockstep(1)", dp.Lockstep(1), 1)):
+for name, policy, delay in (("BoundedStaleness(0)", core.BoundedStaleness(0), 0),
+                            ("Lockstep(1)", core.Lockstep(1), 1)):
     model = Net()
     if d.rank > 0:
-        dp.worker_loop(model, lambda m, b: huber(m, *batch(b)), groups[d.rank])
+        core.worker_loop(model, lambda m, b: huber(m, *batch(b)), groups[d.rank])
         continue
-    server = dp.Server(model, adamw(model), groups, policy, STEPS, CLIP)
+    server = core.Server(model, adamw(model), groups, policy, STEPS, CLIP)
     server.hand_out()
     reports = []
     for _ in range(STEPS):
@@ -153,6 +164,58 @@ for name, policy, delay in (("BoundedStaleness(0)", dp.BoundedStaleness(0), 0),
     if delay:
         far = max_diff(model.parameters(), ref_params)
         check(far > 1e-6, f"copy-out {name}: negative: differs from plain training ({far:.1e})")
+
+# ----------------------------------------------------------------------------- 5. the cores refuse bad input
+def refused(call, words):
+    """(refused, what happened): call() raised a ValueError naming every word, and no collective was sent."""
+    with CommCounter() as comm:
+        try:
+            call()
+            msg = "no error"
+        except Exception as e:  # noqa: BLE001 (any other error is a failure, reported)
+            msg = f"{type(e).__name__}: {e}"
+    return msg.startswith("ValueError") and all(w in msg for w in words) and not comm.calls, \
+        f"{msg[:90]}; collectives: {comm.calls}"
+
+
+def unused_param_net():
+    net = Net()
+    net.spare = nn.Parameter(torch.zeros(2, dtype=F64, device=d.device))  # trainable, never in the loss
+    return net
+
+
+def bad_calls(c):
+    """name -> (call, words), each on a fresh model; none communicates before its check."""
+    x, y = batch(0)
+    return {"sync_step, no micro-batches": (lambda: c.sync_step(Net(), adamw(Net()), [], huber),
+                                            ["no micro-batches", "at least one (x, y) pair"]),
+            "sync_step, a parameter the loss does not reach": (
+                lambda: (m := unused_param_net()) and c.sync_step(m, adamw(m), [(x, y)], huber),
+                ["no gradient", "freeze it"]),
+            "Lockstep(-1)": (lambda: c.Lockstep(-1), ["D must be >= 0", "got -1"]),
+            "BoundedStaleness(-1)": (lambda: c.BoundedStaleness(-1), ["S must be >= 0", "got -1"]),
+            "Server, no workers (a world of 1)": (
+                lambda: c.Server(Net(), adamw(Net()), {}, c.BoundedStaleness(0), STEPS),
+                ["at least 1 worker(s), got 0", "at least 2 ranks"]),
+            f"Server, Lockstep({d.world - 1}) on {d.world - 1} workers": (
+                lambda: c.Server(Net(), adamw(Net()), groups, c.Lockstep(d.world - 1), STEPS),
+                [f"at least {d.world} worker(s), got {d.world - 1}"])}
+
+
+for what, (call, words) in bad_calls(core).items():
+    ok, seen = refused(call, words)
+    check(ok, f"bad input: {what}: refused before any collective ({seen})")
+for what, group in (("the whole world", None), ("a one-rank group", singletons[d.rank]))[d.world == 2:]:
+    ok, seen = refused(lambda: core.worker_loop(Net(), huber, group), ["two-rank group", "new_group"])
+    check(ok, f"bad input: worker_loop on {what}: refused before any collective ({seen})")
+ok, seen = refused(lambda: core.sync_step(Net(), adamw(Net()), [batch(0)], huber, group=singletons[d.rank]), [])
+check(not ok and seen.startswith("no error") and "'all_reduce/" in seen,
+      f"bad input: negative: a valid sync_step under the same counter sends ({seen})")
+unchecked = section.load("dp.py", (section.ROOT / "dp.py").read_text().replace("raise ValueError(", "("))
+let_through = [what for what, (call, words) in bad_calls(types.SimpleNamespace(**unchecked)).items()
+               if not refused(call, words)[0]]
+check(len(let_through) == len(bad_calls(core)), f"bad input: negative: the section without its checks lets "
+      f"{len(let_through)}/{len(bad_calls(core))} of them through")
 
 # ----------------------------------------------------------------------------- 3 + 4: dp.py's main, patched
 summaries = []

@@ -100,11 +100,25 @@ def test_gradients_live_in_the_buckets(checks):
 
 
 def test_copy_out_bucketed_ddp(checks):
-    """BucketedDDP on a model that is not the GPT (nested modules, a root parameter, odd sizes, a Huber loss,
-    gradient accumulation under no_sync, clipping) == plain one-process training written in the checks script
-    (1e-12); the same model trained on one rank's rows alone differs (the comparison can fail)."""
+    """BucketedDDP, from ddp_bucketed.py's technique section run alone (section.load), on a model that is not
+    the GPT (nested modules, a root parameter, odd sizes, a Huber loss, gradient accumulation under no_sync,
+    clipping) == plain one-process training written in the checks script (1e-12); the same model trained on
+    one rank's rows alone differs (the comparison can fail)."""
     assert passed(checks, "copy-out: BucketedDDP on a non-GPT model", "== plain one-process training"), checks
     assert passed(checks, "copy-out: negative: the same model trained on this rank's rows alone differs"), checks
+
+
+def test_core_refuses_bad_input_before_any_collective(checks):
+    """BucketedDDP from the technique section alone, given a cap of 0, -1 or nan MiB, an integer wire dtype or a
+    module with nothing to train: a ValueError saying what would work, no collective seen by
+    harness.CommCounter; a valid one under the same counter broadcasts, and the section with its checks taken
+    out lets all five through."""
+    for what in ("bucket_cap_mb 0", "first_bucket_mb -1", "bucket_cap_mb nan", "compress int8",
+                 "no trainable parameter"):
+        assert passed(checks, f"bad input: BucketedDDP, {what}: refused before any collective", "collectives: {}"), \
+            (what, checks)
+    assert passed(checks, "bad input: negative: a valid BucketedDDP under the same counter broadcasts"), checks
+    assert passed(checks, "bad input: negative: the section without its checks lets 5/5 of them through"), checks
 
 
 def test_bad_batch_split():

@@ -25,7 +25,7 @@ def checks():
 
 
 def test_copy_out_core_on_another_model(checks):
-    """DiLoCo's core on a model that is not the GPT, inner SGD, H 1: outer SGD lr 1 == plain SGD and outer
+    """DiLoCo, from diloco.py's technique section run alone (section.load), on a model that is not the GPT, inner SGD, H 1: outer SGD lr 1 == plain SGD and outer
     Nesterov == one-process Nesterov SGD with the product of the learning rates (torch's SGD, 1e-12); H 2
     differs (the comparison can fail)."""
     assert passed(checks, "copy-out", "outer SGD lr 1 == plain SGD", "restart from theta"), checks
@@ -40,6 +40,29 @@ def test_check_passes_and_bytes_are_p_b_over_h(checks):
     assert passed(checks, "--inner-steps 3 --check", "PASSED", "(measured) == P x 8 / H"), checks
     assert passed(checks, "streaming", "PASSED", "(measured) == P x 2 / H", "== the largest fragment"), checks
     assert passed(checks, "negative: against a reference that skips the bfloat16 rounding", "FAILS"), checks
+
+
+def test_copy_out_streaming_on_another_model(checks):
+    """StreamingDiLoCo from the technique section alone, on that model (2 fragments, H 4, overlap 1, mix 0.5,
+    bfloat16 on the wire, AdamW in, Nesterov out; the last exchange drained by finish): theta and the worker's
+    weights == the workers simulated by hand in the checks (1e-12); without the rounding that simulation
+    differs (the comparison can fail)."""
+    assert passed(checks, "copy-out StreamingDiLoCo", "== the workers simulated by hand"), checks
+    assert passed(checks, "copy-out StreamingDiLoCo: negative: the simulation without the wire's rounding"), checks
+
+
+def test_cores_refuse_bad_input_before_any_collective(checks):
+    """Each core of the section alone, given what it cannot do: a ValueError that says what would work, no
+    collective seen by harness.CommCounter; a valid sync under the same counter is seen, and the section with
+    its checks taken out lets all 13 through."""
+    for what in ("DiLoCo, H 0", "DiLoCo, outer lr 0", "DiLoCo, Nesterov momentum 1", "DiLoCo, Nesterov momentum 0",
+                 "StreamingDiLoCo, no fragments", "StreamingDiLoCo, an empty fragment",
+                 "StreamingDiLoCo, a shared parameter", "StreamingDiLoCo, int8 wire", "StreamingDiLoCo, H 3, F 2",
+                 "StreamingDiLoCo, overlap 4 = H", "StreamingDiLoCo, mix 1", "gpt_fragments, 3 of 2 blocks",
+                 "gpt_fragments, 0"):
+        assert passed(checks, f"bad input: {what}: refused before any collective", "collectives: {}"), (what, checks)
+    assert passed(checks, "bad input: negative: a valid DiLoCo's sync under the same counter all-reduces"), checks
+    assert passed(checks, "bad input: negative: the section without its checks lets 13/13 of them through"), checks
 
 
 def test_sgd_h1_equals_synchronous_data_parallel(checks):
@@ -113,6 +136,7 @@ BAD = [  # (world, flags, words): each on every rank, in one process (tests/bad_
     (1, ["--inner-steps", "4", "--overlap", "4"], ["--overlap 4 must be in [0, --inner-steps 4)"]),
     (1, ["--mix", "1"], ["--mix must be in [0, 1)"]),
     (1, ["--outer-momentum", "1"], ["--outer-momentum in [0, 1)"]),
+    (1, ["--outer-momentum", "0"], ["--outer nesterov needs --outer-momentum > 0"]),
     (1, ["--check", "--dropout", "0.1"], ["--check needs --dropout 0"]),
     (1, ["--dtype", "bfloat16", "--outer-dtype", "float32"], ["wider than --dtype bfloat16"]),
     (3, ["--batch-size", "8"], ["--batch-size 8 is not divisible by the 3 workers"]),

@@ -62,16 +62,17 @@ def checks():
 
 
 def test_copy_out_sync_step(checks):
-    """dp.sync_step on a model that is not the GPT (nested modules, a root parameter, odd sizes, a Huber
-    loss, 2 micro-batches per rank at world 3) == plain one-process training written in the checks (1e-12);
-    the same step whose all-reduce reaches only its own rank differs (the comparison can fail)."""
+    """sync_step, from dp.py's technique section run alone (section.load), on a model that is not the GPT
+    (nested modules, a root parameter, odd sizes, a Huber loss, 2 micro-batches per rank at world 3) == plain
+    one-process training written in the checks (1e-12); the same step whose all-reduce reaches only its own
+    rank differs (the comparison can fail)."""
     assert passed(checks, "copy-out sync_step", "== plain one-process training", "replicas identical"), checks
     assert passed(checks, "copy-out sync_step", "negative", "differs"), checks
 
 
 def test_copy_out_parameter_server(checks):
-    """dp.Server + dp.worker_loop on that model: bound 0 == plain training, lockstep 1 == the one-step-delayed
-    update, both written in the checks (1e-12); lockstep 1 differs from plain training."""
+    """Server + worker_loop (the section alone) on that model: bound 0 == plain training, lockstep 1 == the
+    one-step-delayed update, both written in the checks (1e-12); lockstep 1 differs from plain training."""
     assert passed(checks, "BoundedStaleness(0)", "[0.0, 1.0, 2.0, 3.0, 4.0]", "== plain one-process training"), checks
     assert passed(checks, "Lockstep(1)", "[0.0, 0.0, 1.0, 2.0, 3.0]", "== the one-step-delayed update"), checks
     assert passed(checks, "Lockstep(1)", "negative", "differs"), checks
@@ -93,6 +94,18 @@ def test_server_keeps_one_sent_copy_per_worker(checks):
     tensor handed to a send): one per pull in flight, not one per update (a kept send is caught)."""
     assert passed(checks, "--staleness 1: sent weight copies alive at most 2 (one per pull in flight: 2)"), checks
     assert passed(checks, "negative: a server that keeps every send is caught: 8 weight copies alive"), checks
+
+
+def test_cores_refuse_bad_input_before_any_collective(checks):
+    """Each core of dp.py's technique section (run alone) given what it cannot do raises a ValueError that says
+    what would work, with no collective seen by harness.CommCounter; a valid call under the same counter is
+    seen sending, and the section with its checks taken out lets every bad call through."""
+    for what in ("sync_step, no micro-batches", "sync_step, a parameter the loss does not reach", "Lockstep(-1)",
+                 "BoundedStaleness(-1)", "Server, no workers (a world of 1)", "Server, Lockstep(2) on 2 workers",
+                 "worker_loop on the whole world", "worker_loop on a one-rank group"):
+        assert passed(checks, f"bad input: {what}: refused before any collective", "collectives: {}"), (what, checks)
+    assert passed(checks, "bad input: negative: a valid sync_step under the same counter sends", "all_reduce"), checks
+    assert passed(checks, "bad input: negative: the section without its checks lets 6/6 of them through"), checks
 
 
 @pytest.mark.parametrize("world, D", [(2, 0), (3, 1), (4, 2)])
