@@ -48,9 +48,11 @@ dropless dispatcher has it too). With a capacity every size comes from the comma
 Ranks form the grid torch.arange(world).view(world // ep, ep): a row is an EP group (together all E experts),
 a column holds copies of the same E/ep experts (their gradients summed over it); the rest is data parallel.
 
-Reading order: the base layer first, complete through train_step (Switch routing, capacity, the all-to-all
-exchange, the MoE module, the expert + data parallel step); then the other routers (GShard, Shazeer's noisy
-top-k, expert choice), then loss-free balancing. Dropless routing and shared experts are branches of MoE.
+Reading order: the base layer first, complete through sync_grads (Switch routing, capacity, the all-to-all
+exchange, the MoE module, the expert + data parallel gradients); then the other routers (GShard, Shazeer's
+noisy top-k, expert choice), then loss-free balancing. Dropless routing and shared experts are branches of
+MoE. That is the technique section (torch and einops only); after check_args, this repo's run of it: the
+GPT with MoE blocks (build_moe_gpt) and one optimizer step (train_step: LM loss, sync, clipping, the step).
 
 Run:
     python moe.py --router switch --check                            # world 1: all experts local
@@ -103,6 +105,7 @@ class Args(CommonArgs):
     groups: int = 0  # routing groups in the global batch; capacity is per group (0 = world size)
 
 
+# --------------------------------------------------- the base layer: Switch routing, capacity, the all-to-all
 def experts_per_token(router, top_k=0):
     return dict(noisy_topk=top_k or 2, loss_free=top_k or 2, gshard=2, switch=1, expert_choice=0)[router]
 
@@ -114,7 +117,6 @@ def capacity(capacity_factor, k, tokens_per_group, experts):
     return max(1, min(tokens_per_group, math.ceil(capacity_factor * k * tokens_per_group / experts)))
 
 
-# --------------------------------------------------- the base layer: Switch routing, capacity, the all-to-all
 def fill_slots(expert, gate, keep, C, E):
     """Token choice -> slots: dispatch, combine (G, T, E, C). Slots go choice by choice (GShard Alg. 1),
     tokens in order within a choice; an assignment whose expert already has C earlier ones is dropped."""
@@ -311,19 +313,6 @@ def aux_share(model, groups):
     return sum(m.aux.sum() for m in layers) / (groups * len(layers))
 
 
-def build_moe_gpt(args, groups, ep_group=None, device="cpu"):
-    """common's GPT (same seed, same dense weights) with the MLP of every moe_every-th block replaced."""
-    model = build_gpt(GPTConfig.from_args(args), args.seed, DTYPES[args.dtype])
-    gen = torch.Generator().manual_seed(args.seed + 7919)  # the MoE weights: one stream, same on every rank
-    for i, block in enumerate(model.blocks):
-        if i % args.moe_every == args.moe_every - 1:
-            block.mlp = MoE(args.d_model, args.experts, args.router, args.top_k, args.capacity_factor,
-                            args.batch_size // groups, ep_group, args.shared_experts, args.score,
-                            dropout=args.dropout, seed=args.seed, layer=i, generator=gen,
-                            dtype=DTYPES[args.dtype])
-    return model.to(device)
-
-
 # ----------------------------------------------------------------------------- expert + data parallel step
 def make_layout(d, ep):
     """The grid of the module docstring: my row is my EP group, my column my expert replicas."""
@@ -363,27 +352,6 @@ def sync_grads(model, ep_group, replica_group):
     if dist.get_world_size(ep_group) > 1:
         dist.all_reduce(sq_expert, group=ep_group)
     return (sq_dense + sq_expert).sqrt()
-
-
-def aux_weight(args):
-    """Total loss = LM + this x aux: Switch's alpha, or loss_free's sequence-wise weight (DeepSeek-V3)."""
-    return args.seq_aux_weight if args.router == "loss_free" else args.aux_weight
-
-
-def train_step(args, lay, model, opt, x, y, n_tok, step, row0, groups):
-    """One optimizer step. x, y (b, n): this rank's rows row0.. of the global batch, on the device; n_tok:
-    the global batch's token count. Returns this rank's shares of the LM and aux losses (device scalars)."""
-    set_step(model, step, row0)
-    opt.zero_grad(set_to_none=True)
-    lm = lm_loss(model(x), y, n_tok)  # common.GPT's forward, unchanged: the MoE layers sit in its blocks
-    aux = aux_share(model, groups)  # my share of the mean over groups and layers
-    (lm + aux_weight(args) * aux).backward()
-    norm = sync_grads(model, lay.ep_group, lay.replica_group)
-    clip_grads_([p.grad for p in model.parameters()], norm, args.clip)
-    opt.step()
-    if args.router == "loss_free":  # after the step: the next one routes with the new bias
-        update_biases(moe_layers(model), args.bias_rate, dist.group.WORLD)
-    return lm.detach(), aux.detach()
 
 
 # -------------------------------------- more routers: GShard's top-2, Shazeer's noisy top-k, expert choice
@@ -467,7 +435,7 @@ def update_biases(layers, rate, group):
         m.expert_bias += rate * torch.sign(c.mean() - c).to(m.expert_bias.dtype)
 
 
-# ----------------------------------------------------------------------------- main
+# ------------------------------------ main: the checks, the GPT with MoE blocks, one training step
 def check_args(args, world):
     ep, groups, E = args.ep or world, args.groups or world, args.experts
     k, cf = experts_per_token(args.router, args.top_k), args.capacity_factor
@@ -500,6 +468,40 @@ def check_args(args, world):
     if args.batch_size % groups:
         fail(f"--batch-size {args.batch_size} must be divisible by --groups {groups} (whole sequences each)")
     return ep, groups
+
+
+def build_moe_gpt(args, groups, ep_group=None, device="cpu"):
+    """common's GPT (same seed, same dense weights) with the MLP of every moe_every-th block replaced."""
+    model = build_gpt(GPTConfig.from_args(args), args.seed, DTYPES[args.dtype])
+    gen = torch.Generator().manual_seed(args.seed + 7919)  # the MoE weights: one stream, same on every rank
+    for i, block in enumerate(model.blocks):
+        if i % args.moe_every == args.moe_every - 1:
+            block.mlp = MoE(args.d_model, args.experts, args.router, args.top_k, args.capacity_factor,
+                            args.batch_size // groups, ep_group, args.shared_experts, args.score,
+                            dropout=args.dropout, seed=args.seed, layer=i, generator=gen,
+                            dtype=DTYPES[args.dtype])
+    return model.to(device)
+
+
+def aux_weight(args):
+    """Total loss = LM + this x aux: Switch's alpha, or loss_free's sequence-wise weight (DeepSeek-V3)."""
+    return args.seq_aux_weight if args.router == "loss_free" else args.aux_weight
+
+
+def train_step(args, lay, model, opt, x, y, n_tok, step, row0, groups):
+    """One optimizer step. x, y (b, n): this rank's rows row0.. of the global batch, on the device; n_tok:
+    the global batch's token count. Returns this rank's shares of the LM and aux losses (device scalars)."""
+    set_step(model, step, row0)
+    opt.zero_grad(set_to_none=True)
+    lm = lm_loss(model(x), y, n_tok)  # common.GPT's forward, unchanged: the MoE layers sit in its blocks
+    aux = aux_share(model, groups)  # my share of the mean over groups and layers
+    (lm + aux_weight(args) * aux).backward()
+    norm = sync_grads(model, lay.ep_group, lay.replica_group)
+    clip_grads_([p.grad for p in model.parameters()], norm, args.clip)
+    opt.step()
+    if args.router == "loss_free":  # after the step: the next one routes with the new bias
+        update_biases(moe_layers(model), args.bias_rate, dist.group.WORLD)
+    return lm.detach(), aux.detach()
 
 
 def main():

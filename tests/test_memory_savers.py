@@ -5,7 +5,7 @@ counted beside their closed form; a run killed and restarted by torchrun, with d
 Adafactor's state, equals the uninterrupted run without recomputation bit for bit; bad input exits 2; and
 the savers, copied out of memory_savers.py with nothing but torch, work on a model that is not the GPT.
 tests/memory_savers_checks.py (one launch at world 3) holds the gradient-level checks and their mutants."""
-import ast, sys
+import sys
 
 import torch
 import torch.nn as nn
@@ -118,15 +118,10 @@ class Tower(nn.Module):
 
 
 def copied_out():
-    """memory_savers.py's technique section (from its first heading to check_args) with its imports minus
-    common.py and harness.py: what a reader copies."""
-    text = (ROOT / "memory_savers.py").read_text()
-    imports = [ast.get_source_segment(text, n) for n in ast.parse(text).body
-               if isinstance(n, (ast.Import, ast.ImportFrom)) and getattr(n, "module", None) not in ("common", "harness")]
-    core = text[text.index("# ====="):text.index("\ndef check_args")]
-    namespace = {}
-    exec(compile("\n".join(imports) + "\n" + core, "memory_savers.py (technique section)", "exec"), namespace)
-    return namespace
+    """memory_savers.py's technique section (from its first heading to check_args) executed alone with its
+    imports minus common.py and harness.py (tests/section.py): what a reader copies."""
+    import section
+    return section.load("memory_savers.py")
 
 
 def test_copy_out_savers_on_another_model():
