@@ -550,6 +550,16 @@ def copy_out(d, lay, steps=3, aux_weight=0.1, bias_rate=0.05):
     return results
 
 
+def test_cores_refuse_bad_input_before_any_collective(checks):
+    """Issue 30, deliver 2: MoE, its forward and AllToAll, from moe.py's technique section alone, each given what
+    it cannot do at EP 2, raise a ValueError naming what would work before any collective (harness.CommCounter
+    saw none; given good input it sees the all-to-alls); with the checks made no-ops (the mutant), the layers
+    are built silently and the forward fails inside einops (tests/moe_checks.py, 7)."""
+    lines = [l for l in checks.splitlines() if "  bad input" in l]
+    assert len(lines) == 2 * 8 + 3 + 4 and all(l.startswith("PASS") for l in lines), \
+        "\n".join(lines) or checks[-3000:]
+
+
 def test_copy_out_moe(checks):
     """Check your own MoE the same way: the layer inside your model, expert parallel, against the model with
     every expert local trained in one process (copy_out above, run in tests/moe_checks.py's launch)."""
