@@ -78,6 +78,8 @@ def dp_step(model, opt, micro_batches, loss_fn, clip=0.0, group=None, saver=None
         loss.backward()
         total = total + loss.detach().double()
     params = list(model.parameters())
+    if any(p.grad is None for p in params):  # checked before the collectives: a None cannot be all-reduced
+        raise ValueError("a parameter got no gradient: give each rank micro-batches; freeze what is unused")
     for p in params:  # SUM: each rank's loss is already divided by the global token count
         dist.all_reduce(p.grad, group=group)
     if clip > 0:
@@ -101,6 +103,8 @@ def recompute(blocks, how):
     input only (full) or also the matmul outputs (selective); backward re-runs the block from there, with
     the RNG state forward started from (preserve_rng_state: the same dropout masks). Parameter names and
     state_dict stay the model's own."""
+    if how not in ("none", "full", "selective"):
+        raise ValueError(f"recompute {how!r}: use 'none', 'full' or 'selective'")
     if how == "none":
         return
     ctx = functools.partial(create_selective_checkpoint_contexts, keep_matmuls) if how == "selective" \
@@ -139,6 +143,8 @@ class Gist(torch.autograd.graph.saved_tensors_hooks):
     at every forward, remembers it (the graph holds the encodings themselves)."""
 
     def __init__(self, how, keep=()):
+        if how not in ("bf16", "int8"):
+            raise ValueError(f"Gist encoding {how!r}: use 'bf16' or 'int8'")
         self.how, self.cache = how, {}
         self.keep = {p.untyped_storage().data_ptr() for p in keep}
         super().__init__(self.pack, self.unpack)
@@ -173,6 +179,9 @@ class Adafactor(torch.optim.Optimizer):
 
     def __init__(self, params, lr, weight_decay=0.0):
         super().__init__(params, dict(lr=lr, weight_decay=weight_decay))
+        big = [tuple(p.shape) for group in self.param_groups for p in group["params"] if p.dim() > 2]
+        if big:  # torch factors their last two dims; this one would keep a whole second moment instead
+            raise ValueError(f"shapes {big}: this Adafactor factors 2-D only; use torch.optim.Adafactor")
 
     @torch.no_grad()
     def step(self):

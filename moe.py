@@ -48,9 +48,11 @@ dropless dispatcher has it too). With a capacity every size comes from the comma
 Ranks form the grid torch.arange(world).view(world // ep, ep): a row is an EP group (together all E experts),
 a column holds copies of the same E/ep experts (their gradients summed over it); the rest is data parallel.
 
-Reading order: the base layer first, complete through train_step (Switch routing, capacity, the all-to-all
-exchange, the MoE module, the expert + data parallel step); then the other routers (GShard, Shazeer's noisy
-top-k, expert choice), then loss-free balancing. Dropless routing and shared experts are branches of MoE.
+Reading order: the base layer first, complete through sync_grads (Switch routing, capacity, the all-to-all
+exchange, the MoE module, the expert + data parallel gradients); then the other routers (GShard, Shazeer's
+noisy top-k, expert choice), then loss-free balancing. Dropless routing and shared experts are branches of
+MoE. That is the technique section (torch and einops only); after check_args, this repo's run of it: the
+GPT with MoE blocks (build_moe_gpt) and one optimizer step (train_step: LM loss, sync, clipping, the step).
 
 Run:
     python moe.py --router switch --check                            # world 1: all experts local
@@ -103,18 +105,17 @@ class Args(CommonArgs):
     groups: int = 0  # routing groups in the global batch; capacity is per group (0 = world size)
 
 
-def experts_per_token(router, top_k=0):
-    return dict(noisy_topk=top_k or 2, loss_free=top_k or 2, gshard=2, switch=1, expert_choice=0)[router]
+# --------------------------------------------------- the base layer: Switch routing, capacity, the all-to-all
+def experts_per_token(router, top_k=0):  # None: not a router
+    return dict(noisy_topk=top_k or 2, loss_free=top_k or 2, gshard=2, switch=1, expert_choice=0).get(router)
 
 
 def capacity(capacity_factor, k, tokens_per_group, experts):
-    """Slots per expert per group. A pure function of the command line, never of the data: every rank gets the
-    same C, so the (E, G, C, D) all-to-all buffers match everywhere (a mismatch would hang the collective)."""
-    k = k or 1  # expert choice: C = cf * T / E tokens per expert (Zhou et al., Sec. 3.1)
-    return max(1, min(tokens_per_group, math.ceil(capacity_factor * k * tokens_per_group / experts)))
+    """Slots per expert per group (expert choice, k = 0: cf T / E, Zhou et al. Sec. 3.1), from the command
+    line only: every rank gets the same C, so the (E, G, C, D) all-to-all buffers match (else it hangs)."""
+    return max(1, min(tokens_per_group, math.ceil(capacity_factor * (k or 1) * tokens_per_group / experts)))
 
 
-# --------------------------------------------------- the base layer: Switch routing, capacity, the all-to-all
 def fill_slots(expert, gate, keep, C, E):
     """Token choice -> slots: dispatch, combine (G, T, E, C). Slots go choice by choice (GShard Alg. 1),
     tokens in order within a choice; an assignment whose expert already has C earlier ones is dropped."""
@@ -151,6 +152,9 @@ class AllToAll(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, group, out_splits=None, in_splits=None):
+        r, n = dist.get_world_size(group), x.shape[0]  # checked: rows that do not split abort the collective
+        if n % r if in_splits is None else (sum(in_splits), len(in_splits), len(out_splits)) != (n, r, r):
+            raise ValueError(f"{n} rows, {r} ranks: {r} in/out splits (in: sum {n}) or rows divisible by {r}")
         ctx.group, ctx.swapped = group, (in_splits, out_splits)
         out = x.new_empty((x.shape[0] if out_splits is None else sum(out_splits), *x.shape[1:]))
         dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
@@ -183,6 +187,16 @@ class MoE(nn.Module):
         self.seed, self.layer, self.step, self.row0 = seed, layer, 0, 0
         self.ep_group, self.ep = ep_group, 1 if ep_group is None else dist.get_world_size(ep_group)
         self.ep_rank, self.El = 0 if ep_group is None else dist.get_rank(ep_group), E // self.ep
+        if self.k is None or score not in ("sigmoid", "softmax"):  # what it cannot do, before any collective
+            raise ValueError(f"router {router!r}, score {score!r}: use noisy_topk, gshard, switch, "
+                             "expert_choice or loss_free; score sigmoid or softmax")
+        if E < 1 or E % self.ep:
+            raise ValueError(f"{E} experts over EP {self.ep} ranks: use a multiple of {self.ep} experts")
+        if top_k not in (0, self.k) or not (1 <= self.k <= E or router == "expert_choice"):
+            raise ValueError(f"top-k {top_k or self.k} for {router} over {E} experts: noisy_topk and "
+                             f"loss_free take 1..{E}; gshard is top-2, switch top-1, expert_choice none (0)")
+        if capacity_factor < 0 or capacity_factor == 0 and router == "expert_choice":
+            raise ValueError(f"capacity_factor {capacity_factor}: use > 0, or 0 (dropless) for token choice")
         gen, f64 = generator, torch.float64
         full = lambda *s: (0.02 * torch.randn(*s, generator=gen, dtype=f64)).to(dtype)  # noqa: E731
         zeros = lambda *shape: nn.Parameter(torch.zeros(*shape, dtype=dtype))  # noqa: E731
@@ -191,21 +205,18 @@ class MoE(nn.Module):
         if router == "loss_free":  # b: a buffer (so checkpointed), moved by update_biases, never by autograd;
             b_dtype = torch.promote_types(dtype, torch.float32)  # bf16 would round its --bias-rate steps away
             self.register_buffer("expert_bias", torch.zeros(E, dtype=b_dtype))
-        # Every rank draws all E experts from the one generator and keeps its slice, so any EP degree starts
-        # from the same numbers: model expert e = local expert e - ep_rank * El on EP rank e // El.
+        # All E experts drawn from one generator, my slice kept: every EP degree starts from the same numbers.
         mine = slice(self.ep_rank * self.El, (self.ep_rank + 1) * self.El)
         self.w1, self.b1 = nn.Parameter(full(E, D, H)[mine].clone()), zeros(self.El, H)
         self.w2, self.b2 = nn.Parameter(full(E, H, D)[mine].clone()), zeros(self.El, D)
         if shared:  # S always-on experts: replicated, data parallel like the router
             self.shared_w1, self.shared_b1 = nn.Parameter(full(shared, D, H)), zeros(shared, H)
             self.shared_w2, self.shared_b2 = nn.Parameter(full(shared, H, D)), zeros(shared, D)
-        self.drop = nn.Dropout(dropout)
-        self.dispatch = self.wanted = self.aux = None
+        self.drop, self.dispatch, self.wanted, self.aux = nn.Dropout(dropout), None, None, None
 
     def draw(self, like):
-        """Normals (noisy_topk) or uniforms (gshard) like `like`, (G, T, E) or (G, T), for my G groups, from
-        one generator per (seed, step, layer, global group): any rank that routes a group draws the same
-        numbers, so neither the EP degree nor the data split changes them."""
+        """Normals (noisy_topk) or uniforms (gshard) like `like`, (G, T, E) or (G, T), one generator per
+        (seed, step, layer, global group): the same numbers whatever the EP degree or the data split."""
         group0, out = self.row0 // self.group_rows, []
         sample = torch.randn if self.kind == "noisy_topk" else torch.rand
         for g in range(group0, group0 + like.shape[0]):
@@ -276,6 +287,8 @@ class MoE(nn.Module):
     def forward(self, x):
         """x (b, n, D): this rank's b sequences of n positions, global rows self.row0 .. -> (b, n, D)."""
         n = x.shape[1]
+        if x.shape[0] % self.group_rows:  # every EP rank must also route as many groups of as many tokens
+            raise ValueError(f"{x.shape[0]} sequences: use a multiple of group_rows = {self.group_rows}")
         xg = rearrange(x, "(g b) n d -> g (b n) d", b=self.group_rows)  # (G, T, D), T = group_rows * n
         G, T = xg.shape[:2]
         if self.kind == "expert_choice":
@@ -309,19 +322,6 @@ def aux_share(model, groups):
     """This rank's share of the aux loss averaged over all `groups` routing groups and every MoE layer."""
     layers = moe_layers(model)
     return sum(m.aux.sum() for m in layers) / (groups * len(layers))
-
-
-def build_moe_gpt(args, groups, ep_group=None, device="cpu"):
-    """common's GPT (same seed, same dense weights) with the MLP of every moe_every-th block replaced."""
-    model = build_gpt(GPTConfig.from_args(args), args.seed, DTYPES[args.dtype])
-    gen = torch.Generator().manual_seed(args.seed + 7919)  # the MoE weights: one stream, same on every rank
-    for i, block in enumerate(model.blocks):
-        if i % args.moe_every == args.moe_every - 1:
-            block.mlp = MoE(args.d_model, args.experts, args.router, args.top_k, args.capacity_factor,
-                            args.batch_size // groups, ep_group, args.shared_experts, args.score,
-                            dropout=args.dropout, seed=args.seed, layer=i, generator=gen,
-                            dtype=DTYPES[args.dtype])
-    return model.to(device)
 
 
 # ----------------------------------------------------------------------------- expert + data parallel step
@@ -363,27 +363,6 @@ def sync_grads(model, ep_group, replica_group):
     if dist.get_world_size(ep_group) > 1:
         dist.all_reduce(sq_expert, group=ep_group)
     return (sq_dense + sq_expert).sqrt()
-
-
-def aux_weight(args):
-    """Total loss = LM + this x aux: Switch's alpha, or loss_free's sequence-wise weight (DeepSeek-V3)."""
-    return args.seq_aux_weight if args.router == "loss_free" else args.aux_weight
-
-
-def train_step(args, lay, model, opt, x, y, n_tok, step, row0, groups):
-    """One optimizer step. x, y (b, n): this rank's rows row0.. of the global batch, on the device; n_tok:
-    the global batch's token count. Returns this rank's shares of the LM and aux losses (device scalars)."""
-    set_step(model, step, row0)
-    opt.zero_grad(set_to_none=True)
-    lm = lm_loss(model(x), y, n_tok)  # common.GPT's forward, unchanged: the MoE layers sit in its blocks
-    aux = aux_share(model, groups)  # my share of the mean over groups and layers
-    (lm + aux_weight(args) * aux).backward()
-    norm = sync_grads(model, lay.ep_group, lay.replica_group)
-    clip_grads_([p.grad for p in model.parameters()], norm, args.clip)
-    opt.step()
-    if args.router == "loss_free":  # after the step: the next one routes with the new bias
-        update_biases(moe_layers(model), args.bias_rate, dist.group.WORLD)
-    return lm.detach(), aux.detach()
 
 
 # -------------------------------------- more routers: GShard's top-2, Shazeer's noisy top-k, expert choice
@@ -467,22 +446,16 @@ def update_biases(layers, rate, group):
         m.expert_bias += rate * torch.sign(c.mean() - c).to(m.expert_bias.dtype)
 
 
-# ----------------------------------------------------------------------------- main
+# ------------------------------------ main: the checks, the GPT with MoE blocks, one training step
 def check_args(args, world):
     ep, groups, E = args.ep or world, args.groups or world, args.experts
     k, cf = experts_per_token(args.router, args.top_k), args.capacity_factor
-    if E < 1:
-        fail(f"--experts must be >= 1, got {E}")
-    if cf < 0:
-        fail(f"--capacity-factor must be >= 0, got {cf} (1: each expert's fair share of slots, 0: dropless)")
-    if cf == 0 and args.router == "expert_choice":
-        fail("--router expert_choice has no dropless form (an expert takes C): --capacity-factor > 0")
-    if args.router in ("gshard", "switch") and args.top_k not in (0, k):
-        fail(f"--router {args.router} is top-{k} by definition; drop --top-k, or use --router noisy_topk")
-    if args.router == "expert_choice" and args.top_k:
-        fail("--router expert_choice has no per-token k (each expert takes cf x T / E tokens); drop --top-k")
-    if args.top_k < 0 or k > E:
-        fail(f"top-k {k} must be in 1..--experts {E}: a token cannot pick more experts than exist")
+    if cf < 0 or cf == 0 and args.router == "expert_choice":
+        fail(f"--capacity-factor must be >= 0, got {cf} (1: each expert's fair share of slots, 0: dropless); "
+             "> 0 for --router expert_choice, which has no dropless form (an expert takes C)")
+    if args.top_k not in (0, k) or not (1 <= k <= E or args.router == "expert_choice"):
+        fail(f"top-k {args.top_k or k} with --router {args.router} and --experts {E}: noisy_topk and "
+             f"loss_free take 1..{E}; gshard is top-2, switch top-1, expert_choice has no k; drop --top-k")
     for name in ("aux_weight", "seq_aux_weight", "bias_rate", "shared_experts"):
         if getattr(args, name) < 0:
             fail(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
@@ -490,8 +463,8 @@ def check_args(args, world):
         fail("--seq-aux-weight weighs loss_free's sequence-wise loss; the other routers' is --aux-weight")
     if not 1 <= args.moe_every <= args.n_layers:
         fail(f"--moe-every must be in 1..--n-layers {args.n_layers}, got {args.moe_every}")
-    if ep < 1 or E % ep:
-        fail(f"--experts {E} is not divisible by --ep {ep}: each rank holds experts/ep experts; "
+    if E < 1 or ep < 1 or E % ep:
+        fail(f"--experts {E} is not divisible by --ep {ep} (each rank holds experts/ep >= 1); "
              f"try --experts {ep * max(1, -(-E // ep))}")
     if world % ep:
         fail(f"world size {world} must be a multiple of --ep {ep} (world = replicas x ep)")
@@ -500,6 +473,35 @@ def check_args(args, world):
     if args.batch_size % groups:
         fail(f"--batch-size {args.batch_size} must be divisible by --groups {groups} (whole sequences each)")
     return ep, groups
+
+
+def build_moe_gpt(args, groups, ep_group=None, device="cpu"):
+    """common's GPT (same seed, same dense weights) with the MLP of every moe_every-th block replaced."""
+    model = build_gpt(GPTConfig.from_args(args), args.seed, DTYPES[args.dtype])
+    gen = torch.Generator().manual_seed(args.seed + 7919)  # the MoE weights: one stream, same on every rank
+    for i, block in enumerate(model.blocks):
+        if i % args.moe_every == args.moe_every - 1:
+            block.mlp = MoE(args.d_model, args.experts, args.router, args.top_k, args.capacity_factor,
+                            args.batch_size // groups, ep_group, args.shared_experts, args.score,
+                            dropout=args.dropout, seed=args.seed, layer=i, generator=gen,
+                            dtype=DTYPES[args.dtype])
+    return model.to(device)
+
+
+def train_step(args, lay, model, opt, x, y, n_tok, step, row0, groups):
+    """One optimizer step. x, y (b, n): this rank's rows row0.. of the global batch, on the device; n_tok:
+    the global batch's token count. Returns this rank's shares of the LM and aux losses (device scalars)."""
+    set_step(model, step, row0)
+    opt.zero_grad(set_to_none=True)
+    lm = lm_loss(model(x), y, n_tok)  # common.GPT's forward, unchanged: the MoE layers sit in its blocks
+    aux = aux_share(model, groups)  # my share of the mean over groups and layers
+    (lm + (args.seq_aux_weight if args.router == "loss_free" else args.aux_weight) * aux).backward()
+    norm = sync_grads(model, lay.ep_group, lay.replica_group)
+    clip_grads_([p.grad for p in model.parameters()], norm, args.clip)
+    opt.step()
+    if args.router == "loss_free":  # after the step: the next one routes with the new bias
+        update_biases(moe_layers(model), args.bias_rate, dist.group.WORLD)
+    return lm.detach(), aux.detach()
 
 
 def main():
@@ -528,6 +530,11 @@ def main():
 
 
 # --- measurement ---
+def aux_weight(args):
+    """Total loss = LM + this x aux: Switch's alpha, or loss_free's sequence-wise weight (DeepSeek-V3)."""
+    return args.seq_aux_weight if args.router == "loss_free" else args.aux_weight
+
+
 class Watch:
     """What the summary prints, watched from outside the technique: a forward hook on every MoE layer keeps,
     per step, each expert's choices and served assignments and the tokens no expert served (device tensors,

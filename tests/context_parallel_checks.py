@@ -26,6 +26,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))  # section.py
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
@@ -35,6 +36,7 @@ from einops import rearrange  # noqa: E402
 
 import context_parallel as cpm  # noqa: E402
 import harness  # noqa: E402
+import section  # noqa: E402
 from common import close_dist, init_dist  # noqa: E402
 from harness import CommCounter  # noqa: E402
 
@@ -190,6 +192,9 @@ class Mixer(nn.Module):
 
 
 def copy_out_checks(d, group, members):
+    """The attentions and shard_sequence of context_parallel.py's technique section executed alone (torch and
+    einops only, tests/section.py), in a group whose ranks need not be the global ones ([2, 3] at cp 2)."""
+    core = section.load("context_parallel.py")
     cp, r = len(members), members.index(d.rank)
     B, T, D, heads = 3, 6 * cp, 12, 4 if cp == 4 else 6  # E = 3 or 2
     g = torch.Generator().manual_seed(11)
@@ -210,9 +215,9 @@ def copy_out_checks(d, group, members):
             model = Mixer(D, heads).double().to(d.device)
             model.load_state_dict(base.state_dict())
             opt = torch.optim.Adam(model.parameters(), lr=1e-2)
-            attend = lambda q, k, v: cpm.ATTENTIONS[attention](q, k, v, group, zigzag)  # noqa: E731
+            attend = lambda q, k, v: core["ATTENTIONS"][attention](q, k, v, group, zigzag)  # noqa: E731
             for x, y in zip(xs, ys):  # my tokens only; gradients summed over the cp group
-                mine = lambda a: cpm.shard_sequence(a, r, cp, zigzag)  # noqa: E731
+                mine = lambda a: core["shard_sequence"](a, r, cp, zigzag)  # noqa: E731
                 loss = ((model(mine(x), attend) - mine(y)) ** 2).sum() / y.numel()
                 opt.zero_grad()
                 loss.backward()

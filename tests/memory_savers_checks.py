@@ -14,6 +14,10 @@
    equals torch.optim.Adafactor on the whole batch in one process (float64); its state bytes equal the
    closed form e (R + C) per matrix + e per vector element, against AdamW's 2 e Psi; a second-moment
    estimate without its row factor is caught.
+4. Bad input to dp_step, from memory_savers.py's technique section alone: a parameter the forward does not use,
+   or no micro-batch at all: a ValueError before any collective (harness.CommCounter saw none; without the
+   unused parameter it sees one all-reduce per parameter). The mutant (the check a no-op) fails with torch's
+   own error, not the clear one. (recompute, Gist and Adafactor refuse theirs in tests/test_memory_savers.py.)
 Every tensor and model lives on the process group's device (gloo + CPU here, NCCL + GPU elsewhere).
 Prints ALL CHECKS PASSED and exits 0, or names each failed check and exits 1.
 """
@@ -23,12 +27,15 @@ from unittest import mock
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "tests"))
 
 import torch
 import torch.distributed as dist
+import torch.nn as nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint
 
 import memory_savers as M
+import section  # noqa: E402  (tests/section.py)
 from common import GPTConfig, MarkovData, build_gpt, close_dist, count_tokens, init_dist, lm_loss, make_optimizer
 
 FAILED = []
@@ -187,6 +194,45 @@ def check_adafactor(d, args):
     dist.barrier()
 
 
+# ----------------------------------------------------------------------------- 4. bad input
+class Spare(nn.Module):
+    """A model with a parameter its forward never uses."""
+
+    def __init__(self, spare=True):
+        super().__init__()
+        self.used, self.spare = nn.Linear(4, 3), nn.Linear(4, 3) if spare else None
+
+    def forward(self, x):
+        return self.used(x)
+
+
+def check_bad_input(d):
+    from harness import CommCounter
+    text = open(os.path.join(ROOT, "memory_savers.py")).read()
+    cores = {"": section.load("memory_savers.py"),
+             "mutant ": section.load("memory_savers.py", text.replace("raise ValueError(", "str("))}
+    x = torch.randn(2, 4, dtype=torch.float64, device=d.device)
+    for tag, core in cores.items():
+        for what, spare, batches in (("an unused parameter", True, [(x, None)]), ("no micro-batch", False, []),
+                                     ("control: every parameter used", False, [(x, None)])):
+            model = Spare(spare).double().to(d.device)
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            with CommCounter() as comm:
+                try:
+                    core["dp_step"](model, opt, batches, lambda out, y: out.square().sum())
+                    msg = None
+                except Exception as e:  # noqa: BLE001
+                    msg = f"{type(e).__name__}: {e}"
+            calls = sum(comm.calls.values())
+            if what.startswith("control"):
+                ok = msg is None and calls == 2  # one all-reduce per parameter (weight, bias)
+            elif tag:
+                ok = msg is not None and not msg.startswith("ValueError")  # torch's error, not the clear one
+            else:
+                ok = msg is not None and msg.startswith("ValueError") and "no gradient" in msg and not calls
+            check(d, f"bad input {tag}dp_step: {what}", ok, f"({msg}; collectives {calls})")
+
+
 def main():
     d = init_dist(60)
     base = M.Args(vocab=32, seq_len=8, d_model=16, n_heads=2, n_layers=3, batch_size=12, steps=3,
@@ -194,6 +240,7 @@ def main():
     check_recompute(d, base)
     check_compression(d, base)
     check_adafactor(d, base)
+    check_bad_input(d)
     bad = torch.tensor([float(len(FAILED))], device=d.device)
     dist.all_reduce(bad)
     d.log("ALL CHECKS PASSED" if bad.item() == 0 else f"FAILED: {FAILED}")

@@ -22,6 +22,13 @@ Every model and every tensor of a collective lives on the run's device (cuda:LOC
    bias lowers MaxVio against --bias-rate 0, and training lowers the LM loss toward the Markov floor; a
    loss-free model saved after 2 steps and loaded into a fresh one resumes bit for bit.
 6. The copy-out check of tests/test_moe.py (moe.MoE in a model that is not the GPT, at EP 2 x 2 replicas).
+7. Bad input, at EP 2 (groups [0, 1] and [2, 3]), with the cores of moe.py's technique section alone: MoE built
+   with what it cannot do (experts not divisible by EP, an unknown router or score, a top-k its router does not
+   take or past E, a negative capacity factor, expert choice dropless), a forward given sequences that do not
+   cut into whole routing groups, an all-to-all of rows that do not split: a ValueError naming what would work,
+   and harness.CommCounter saw no collective (the same calls given good input show it would have). Mutants:
+   the section with its checks turned into no-ops builds such a layer silently (an unknown router: a
+   TypeError), and the forward fails with einops' error instead of the clear one.
 Negative checks: random numbers keyed by a rank's local position, other routing groups, a bias updated from
 one rank's counts (caught by --check's own verdict), a copied-out model without gradient sync: all differ.
 """
@@ -29,8 +36,10 @@ import copy
 import math
 import os
 import sys
+from pathlib import Path
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT_PATH = Path(ROOT)
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "tests"))
 
@@ -520,6 +529,69 @@ def resume_bias(d, data):
           ok, detail)
 
 
+def refusal(call, axes):
+    """The message of the ValueError `call()` raises (None: none raised) and the collectives seen meanwhile."""
+    with CommCounter(axes=axes) as comm:
+        try:
+            call()
+            msg = None
+        except ValueError as e:
+            msg = str(e)
+        except Exception as e:  # noqa: BLE001 (another error is a failure, reported)
+            msg = f"not a ValueError: {type(e).__name__}: {e}"
+    return msg, dict(comm.calls)
+
+
+def bad_input(d, lay):
+    """7 of the docstring: each bad input refused before any collective, at EP 2."""
+    import section
+    text = (ROOT_PATH / "moe.py").read_text()
+    core = section.load("moe.py")
+    mutant = section.load("moe.py", text.replace("raise ValueError(", "str("))  # every check a no-op
+    g, axes = lay.ep_group, {"ep": lay.ep_group}
+    x = lambda b: torch.randn(b, 3, 6, dtype=torch.float64, device=d.device)  # noqa: E731  (b, n, D)
+
+    def layer(MoE, **kw):
+        return MoE(6, kw.pop("experts", 4), ep_group=g, group_rows=2, generator=torch.Generator().manual_seed(0),
+                   **kw).to(d.device)
+    builds = {"3 experts at EP 2": (dict(experts=3), ["3 experts over EP 2", "multiple of 2"]),
+              "router 'top2'": (dict(router="top2"), ["'top2'", "noisy_topk, gshard"]),
+              "loss_free, score 'tanh'": (dict(router="loss_free", score="tanh"), ["'tanh'", "sigmoid or softmax"]),
+              "switch, top_k 2": (dict(router="switch", top_k=2), ["top-k 2", "switch top-1"]),
+              "noisy_topk, top_k 5 of 4 experts": (dict(router="noisy_topk", top_k=5), ["top-k 5", "1..4"]),
+              "expert_choice, top_k 1": (dict(router="expert_choice", top_k=1), ["expert_choice none"]),
+              "capacity_factor -1": (dict(capacity_factor=-1.0), ["capacity_factor -1.0", "use > 0"]),
+              "expert_choice dropless": (dict(router="expert_choice", capacity_factor=0.0), ["or 0 (dropless)"])}
+    for name, (kw, words) in builds.items():
+        msg, calls = refusal(lambda: layer(core["MoE"], **kw), axes)
+        check(d, f"bad input: MoE({name}) refused before any collective", msg is not None
+              and all(w in msg for w in words) and not calls, f"{msg}; collectives {calls}")
+        msg, _ = refusal(lambda: layer(mutant["MoE"], **kw), axes)  # built silently, or another error
+        check(d, f"bad input mutant: without its check, MoE({name}) is not refused clearly",
+              msg is None or msg.startswith("not a ValueError"), "built silently" if msg is None else msg)
+    good = layer(core["MoE"])
+    msg, calls = refusal(lambda: good(x(3)), axes)  # 3 sequences, routing groups of 2
+    check(d, "bad input: a forward of 3 sequences in groups of 2 refused before the all-to-all", msg is not None
+          and "3 sequences" in msg and "group_rows = 2" in msg and not calls, f"{msg}; collectives {calls}")
+    msg, calls = refusal(lambda: good(x(4)), axes)
+    check(d, "bad input control: 4 sequences go through, and the counter sees their all-to-alls",
+          msg is None and calls.get("all_to_all/ep/fwd") == 2, f"{msg}; collectives {calls}")
+    msg, _ = refusal(lambda: layer(mutant["MoE"])(x(3)), axes)
+    check(d, "bad input mutant: without the check, einops' error, not the clear one", msg is not None
+          and msg.startswith("not a ValueError"), str(msg))
+    A = core["AllToAll"].apply
+    rows = torch.randn(4, 2, dtype=torch.float64, device=d.device)
+    for name, call, words in [("3 rows, even split", lambda: A(rows[:3], g), ["3 rows, 2 ranks", "divisible by 2"]),
+                              ("splits summing to 3 of 4 rows", lambda: A(rows, g, [2, 2], [1, 2]), ["(in: sum 4)"]),
+                              ("3 splits for 2 ranks", lambda: A(rows, g, [2, 1, 1], [2, 1, 1]), ["2 in/out splits"])]:
+        msg, calls = refusal(call, axes)
+        check(d, f"bad input: AllToAll of {name} refused before the collective", msg is not None
+              and all(w in msg for w in words) and not calls, f"{msg}; collectives {calls}")
+    msg, calls = refusal(lambda: A(rows, g), axes)
+    check(d, "bad input control: an AllToAll of 4 rows goes through, seen by the counter",
+          msg is None and calls.get("all_to_all/ep/fwd") == 1, f"{msg}; collectives {calls}")
+
+
 def main():
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     d = init_dist(120)
@@ -539,6 +611,8 @@ def main():
         import test_moe  # the copy-out check is written in the test module; it runs here, at EP 2 x 2 replicas
         for name, ok, detail in test_moe.copy_out(d, layouts[2]):
             check(d, name, ok, detail)
+    if 2 in layouts:
+        bad_input(d, layouts[2])
     passed = all(results)
     d.log("ALL CHECKS PASSED" if passed else f"{results.count(False)} CHECKS FAILED")
     close_dist(ok=passed)

@@ -5,8 +5,9 @@ counted beside their closed form; a run killed and restarted by torchrun, with d
 Adafactor's state, equals the uninterrupted run without recomputation bit for bit; bad input exits 2; and
 the savers, copied out of memory_savers.py with nothing but torch, work on a model that is not the GPT.
 tests/memory_savers_checks.py (one launch at world 3) holds the gradient-level checks and their mutants."""
-import ast, sys
+import sys
 
+import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -28,6 +29,8 @@ def test_layer_checks_world3():
     for words in (("recompute full", "bit for bit"), ("selective", "mutant", "caught"), ("compress int8", "mutant"),
                   ("adafactor: world 3",), ("optimizer state bytes",)):
         assert passed(lines, *words), words
+    # dp_step refuses a parameter without a gradient before its all-reduces (issue 30, deliver 2); the mutant does not
+    assert len(passed(lines, "bad input dp_step")) == len(passed(lines, "bad input mutant dp_step")) == 3, lines
 
 
 def assert_activations(s, b):
@@ -118,15 +121,10 @@ class Tower(nn.Module):
 
 
 def copied_out():
-    """memory_savers.py's technique section (from its first heading to check_args) with its imports minus
-    common.py and harness.py: what a reader copies."""
-    text = (ROOT / "memory_savers.py").read_text()
-    imports = [ast.get_source_segment(text, n) for n in ast.parse(text).body
-               if isinstance(n, (ast.Import, ast.ImportFrom)) and getattr(n, "module", None) not in ("common", "harness")]
-    core = text[text.index("# ====="):text.index("\ndef check_args")]
-    namespace = {}
-    exec(compile("\n".join(imports) + "\n" + core, "memory_savers.py (technique section)", "exec"), namespace)
-    return namespace
+    """memory_savers.py's technique section (from its first heading to check_args) executed alone with its
+    imports minus common.py and harness.py (tests/section.py): what a reader copies."""
+    import section
+    return section.load("memory_savers.py")
 
 
 def test_copy_out_savers_on_another_model():
@@ -166,3 +164,36 @@ def test_copy_out_savers_on_another_model():
     moved = max((p - q).abs().max().item() for p, q in zip(theirs.parameters(), tower().parameters()))
     diff = max((p - q).abs().max().item() for p, q in zip(mine.parameters(), theirs.parameters()))
     assert moved > 1e-3 and diff < 1e-12, (moved, diff)
+
+
+def test_cores_refuse_what_they_cannot_do():
+    """Issue 30, deliver 2, with the section alone: recompute given a mode it does not know, Gist an encoding it
+    does not know, Adafactor a parameter it cannot factor raise a ValueError that names what would work, and
+    hand nothing to a collective (none of them communicates; dp_step's refusal, which precedes its collectives,
+    is checked in tests/memory_savers_checks.py). The mutant (the checks made no-ops) goes silently wrong: the
+    unknown mode recomputes as 'full', the unknown encoding encodes as int8, and a 3-D parameter gets a whole
+    second moment where torch.optim.Adafactor factors it, so the two differ."""
+    from harness import CommCounter
+    import section
+    text = (ROOT / "memory_savers.py").read_text()
+    core = section.load("memory_savers.py")
+    mutant = section.load("memory_savers.py", text.replace("raise ValueError(", "str("))  # every check a no-op
+    cube = lambda: nn.Parameter(torch.linspace(-1, 1, 24, dtype=torch.float64).view(2, 3, 4))  # noqa: E731
+    bad = {"recompute 'half'": (lambda c: c["recompute"]([nn.Linear(2, 2)], "half"), ["'half'", "'selective'"]),
+           "Gist 'fp8'": (lambda c: c["Gist"]("fp8"), ["'fp8'", "'bf16' or 'int8'"]),
+           "Adafactor, a (2, 3, 4) parameter": (lambda c: c["Adafactor"]([cube(), nn.Parameter(torch.ones(3, 2))],
+                                                                         1e-2), ["(2, 3, 4)", "torch.optim.Adafactor"])}
+    for what, (call, words) in bad.items():
+        with CommCounter() as comm, pytest.raises(ValueError) as e:
+            call(core)
+        assert all(w in str(e.value) for w in words) and not comm.calls, (what, str(e.value), comm.calls)
+        call(mutant)  # without the check: no error
+    mine, theirs = cube(), cube()
+    opts = mutant["Adafactor"]([mine], 1e-2), torch.optim.Adafactor([theirs], lr=1e-2, foreach=False)
+    for step in range(3):
+        for p, opt in zip((mine, theirs), opts):
+            p.grad = torch.cos(torch.arange(24.0, dtype=torch.float64) * (step + 1)).view(2, 3, 4)
+            opt.step()
+    assert (mine - theirs).abs().max() > 1e-3  # the silent difference the check prevents
+    g = mutant["Gist"]("fp8")
+    assert mutant["encode"](torch.ones(2, 2), g.how).data.dtype == torch.int8  # 'fp8' silently became int8
