@@ -25,11 +25,18 @@ holds the whole model state, yet only 1/N of the update work needs to happen on 
   rank's backward did not reach takes its turn with zeros. A weight tied inside a unit is one flat slot
   that each of its names reads; a tie across units is refused (it would be cut in two).
   The core (Zero) is complete in one dtype, on the device; two variants follow it, each a subclass:
-  --mixed-precision MixedPrecisionZero: fp32 master shard, bf16/fp16 compute copy, gradients reduced in fp32
-                    (Micikevicius et al. 2018); fp16 adds dynamic loss scaling, one skip decision everywhere.
+  --mixed-precision MixedPrecisionZero (Micikevicius et al. 2018): forward and backward on a bf16/fp16 copy
+                    of the parameters; the master shard (--dtype, fp32), the gradient accumulators, their
+                    reductions and AdamW stay in full precision. fp16 adds dynamic loss scaling (Sec. 3.2):
+                    the loss times a scale, so that small gradients survive in fp16, the gradients divided
+                    by it before the norm; an overflow (a non-finite norm, all-reduced: one decision on every
+                    rank) skips the step and halves the scale, --scale-window clean steps in a row double it.
   --offload         OffloadZero: ZeRO-Offload (Ren et al. 2021), the GeePS idea (Cui et al. 2016) of keeping
-                    off the GPU what is not in use: the master shard and Adam moments live in CPU memory and
-                    the optimizer step runs there. On a CPU-only machine the same code path runs.
+                    off the GPU what is not in use. On mixed precision (or in full precision): the master
+                    shard and the Adam moments live in CPU memory, and so does a buffer for the gradient
+                    shard; each step the device's gradient shard is copied into it, clipping and AdamW run
+                    on the host, and the new parameters are copied back into the device's compute copy.
+                    On a CPU-only machine the same code path runs.
 
 Flat shards: each unit's parameters are flattened into one vector, padded to N*S elements, S = ceil(P/N),
 and rank r owns elements [r*S, (r+1)*S), so any parameter count works at any world size:
@@ -268,18 +275,16 @@ class Zero:
 
     # --- what autograd saves: stage-3 parameter views kept as positions only --------------------------------
     def _pack(self, t):  # (one pair of saved_tensors_hooks around the whole forward; all else kept as it is)
-        for u in self.units:
-            if self.stage == 3 and t.untyped_storage().data_ptr() == u.in_forward:
-                # the view would keep the gathered unit alive until backward: keep where it lies, gather again
-                return (u, t.storage_offset(), t.shape, t.stride())
+        for u in self.units:  # stage 3: a view of the gathered unit would keep it alive until backward ...
+            if t.untyped_storage().data_ptr() == u.in_forward:
+                return (u, t.storage_offset(), t.shape, t.stride())  # ... so keep where it lies, gather again
         return t
 
-    def _unpack(self, x):
+    def _unpack(self, x):  # stage 3: a position in a unit, all-gathered again for its backward (prefetched)
         if not isinstance(x, tuple):
             return x
         u, offset, shape, stride = x
-        if u.gathered is None:
-            u.gathered = self.acquire(u)  # stage 3: all-gathered again for its backward (prefetched)
+        u.gathered = self.acquire(u) if u.gathered is None else u.gathered
         return u.gathered.as_strided(shape, stride, offset)
 
     # --- training ---------------------------------------------------------------------------------------
@@ -349,7 +354,9 @@ def to_device(t, device):  # one host-to-device copy (a GPU: from pinned memory,
 def train_step(zero, x, y, n_tok, accum, loss_fn):
     """One optimizer step on this rank's rows of (x, y), copied to the device once, in `accum` micro-batches;
     returns this rank's loss (on the device) and zero.step()'s. loss_fn(out, y, n_tok): sum / global count."""
-    rows = x.shape[0] // zero.world
+    rows, rest = divmod(x.shape[0], zero.world)
+    if rest:  # (checked before any collective: a remainder would be dropped, the loss silently wrong)
+        raise ValueError(f"{x.shape[0]} rows do not split over {zero.world} ranks: pass a multiple of it")
     x, y = (to_device(t[zero.rank * rows:(zero.rank + 1) * rows], zero.device) for t in (x, y))  # (B/N, ...)
     local = torch.zeros((), dtype=torch.float64, device=zero.device)
     for i, (xm, ym) in enumerate(zip(x.chunk(accum), y.chunk(accum))):  # (B/(N*accum), ...) each

@@ -311,6 +311,19 @@ def copy_out_worker(json_path, steps=3, accum=2, clip=0.2):
                 diff[f"mutant {name}"] = trained(plain, group, default_backward_step, stage=stage, **kw)[1]
             finally:
                 setattr(core[cls], attr, real)
+        # bad input: a batch whose rows do not split over the ranks (11 at worlds 3 and 2) is refused with a
+        # ValueError before any collective; the same step on 12 rows (the control) hands its collectives over
+        zero, x, y = core["Zero"](tower(), UNITS, optimizer=adamw, group=group, stage=1), *plain[0]
+        with CommCounter() as comm:
+            try:
+                core["train_step"](zero, x[:11], y[:11], 33, accum, huber)
+                out[f"uneven rows, world {world}"] = ["accepted", comm.calls]
+            except ValueError as e:
+                out[f"uneven rows, world {world}"] = [str(e), comm.calls]
+        with CommCounter() as comm:
+            core["train_step"](zero, x, y, y.numel(), accum, huber)
+        zero.wait_published()  # (stage 1's all-gathers of the update, still in flight)
+        out[f"uneven rows, world {world}, control"] = comm.total(what="calls")
 
     # the order of the collectives each rank issues, each on a group of its own (nothing is matched across
     # ranks, so a mismatch cannot hang): one step of world 3's pieces, body.side on rank 0 only
@@ -369,7 +382,8 @@ def test_copy_out_zero_on_another_model(tmp_path):
     - a unit run by one rank only (data-dependent graph): stages 0-2 are exact, and every rank issues the
       same collectives in the same order (each recorded on a group of its own, then compared);
     - a tie across two units is refused with a ValueError naming both parameters;
-    - stage 3 with every parameter inside a unit (a root unit without parameters) trains exactly.
+    - stage 3 with every parameter inside a unit (a root unit without parameters) trains exactly;
+    - a batch whose rows do not split over the ranks is refused (ValueError) before any collective.
     Mutants caught: a stage 2 whose gradients are never reduced across ranks, stage 0 without waiting for the
     reduction before the next micro-batch writes into it, a MixedPrecisionZero whose compute copy is never
     refreshed from its master, reductions launched in the order autograd finishes the units (the ranks'
@@ -384,6 +398,10 @@ def test_copy_out_zero_on_another_model(tmp_path):
     assert all(s["same order"].values()) and len(s["same order"]) == 3, s["same order"]
     assert not any(s["same order, arrival-order mutant"].values()), s["same order, arrival-order mutant"]
     assert "1.weight is 0.weight" in s["tie across units"] and "one unit" in s["tie across units"], s
+    for world in (3, 2):
+        msg, calls = s[f"uneven rows, world {world}"]
+        assert f"11 rows do not split over {world} ranks" in msg and calls == {}, (msg, calls)
+        assert s[f"uneven rows, world {world}, control"] > 0, s
 
 
 if __name__ == "__main__" and sys.argv[1:2] == ["copy-out"]:
