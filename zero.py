@@ -276,7 +276,7 @@ class Zero:
     # --- what autograd saves: stage-3 parameter views kept as positions only --------------------------------
     def _pack(self, t):  # (one pair of saved_tensors_hooks around the whole forward; all else kept as it is)
         for u in self.units:  # stage 3: a view of the gathered unit would keep it alive until backward ...
-            if t.untyped_storage().data_ptr() == u.in_forward:
+            if self.stage == 3 and t.untyped_storage().data_ptr() == u.in_forward:
                 return (u, t.storage_offset(), t.shape, t.stride())  # ... so keep where it lies, gather again
         return t
 
