@@ -24,11 +24,19 @@ holds the whole model state, yet only 1/N of the update work needs to happen on 
   by order, so a graph that depends on the data (a unit one rank skips) must not reorder them; a unit this
   rank's backward did not reach takes its turn with zeros. A weight tied inside a unit is one flat slot
   that each of its names reads; a tie across units is refused (it would be cut in two).
-  --offload         ZeRO-Offload (Ren et al. 2021), the GeePS idea (Cui et al. 2016) of keeping off the GPU
-                    what is not in use: the fp32 master shard and Adam moments live in CPU memory and the
-                    optimizer step runs there. On a CPU-only machine the same code path runs.
-  --mixed-precision fp32 master shard, bf16/fp16 compute copy, gradients reduced in fp32 (Micikevicius et
-                    al. 2018); fp16 adds dynamic loss scaling, with one skip decision for every rank.
+  The core (Zero) is complete in one dtype, on the device; two variants follow it, each a subclass:
+  --mixed-precision MixedPrecisionZero (Micikevicius et al. 2018): forward and backward on a bf16/fp16 copy
+                    of the parameters; the master shard (--dtype, fp32), the gradient accumulators, their
+                    reductions and AdamW stay in full precision. fp16 adds dynamic loss scaling (Sec. 3.2):
+                    the loss times a scale, so that small gradients survive in fp16, the gradients divided
+                    by it before the norm; an overflow (a non-finite norm, all-reduced: one decision on every
+                    rank) skips the step and halves the scale, --scale-window clean steps in a row double it.
+  --offload         OffloadZero: ZeRO-Offload (Ren et al. 2021), the GeePS idea (Cui et al. 2016) of keeping
+                    off the GPU what is not in use. On mixed precision (or in full precision): the master
+                    shard and the Adam moments live in CPU memory, and so does a buffer for the gradient
+                    shard; each step the device's gradient shard is copied into it, clipping and AdamW run
+                    on the host, and the new parameters are copied back into the device's compute copy.
+                    On a CPU-only machine the same code path runs.
 
 Flat shards: each unit's parameters are flattened into one vector, padded to N*S elements, S = ceil(P/N),
 and rank r owns elements [r*S, (r+1)*S), so any parameter count works at any world size:
@@ -57,10 +65,8 @@ fp16 Adam: p = g = 2, K = 12 = fp32 master + m + v):
 
 In production, use torch.distributed.fsdp.fully_shard (FSDP2) or DeepSpeed ZeRO.
 """
-import os
-import sys
+import os, sys
 from dataclasses import dataclass
-from itertools import accumulate
 from typing import Literal
 
 import torch
@@ -101,8 +107,7 @@ def all_gather_(full, shard, group):  # (S,) local -> (N*S,) global, into `full`
 
 
 class GatherParams(torch.autograd.Function):
-    """Stage 3 (FSDP). Forward: the unit's flat parameters all-gathered (Zero.acquire). Backward: the flat
-    gradient reduce-scattered (async, master dtype) into this rank's shard (Zero.reduce_grad)."""
+    """Stage 3 (FSDP): forward all-gathers a unit (Zero.acquire), backward reduce-scatters its gradient."""
 
     @staticmethod
     def forward(ctx, shard, unit):  # shard (S,) local -> (N*S,) global
@@ -134,16 +139,14 @@ class FlatUnit(nn.Module):
         named = [(n, p) for n, p in named if self.tied[n] == n]  # each tensor once: one slot, however tied
         self.names = [prefix + n for n in self.tied]  # every name in the original model
         self.local, self.shapes = [n for n, _ in named], [p.shape for _, p in named]  # names inside `module`
-        self.offsets = [0, *accumulate(p.numel() for _, p in named)]  # param k: flat [offsets[k], [k+1])
-        self.numel = self.offsets[-1]
+        self.numel = sum(p.numel() for _, p in named)  # P, laid out in `named`'s order
         self.S = -(-self.numel // z.world)  # shard length ceil(P / N); the last shards hold the padding
         self.padded, self.lo = self.S * z.world, z.rank * self.S  # this rank owns flat elements [lo, lo + S)
         self.valid = max(0, min(self.S, self.numel - self.lo))  # real (not padding) elements in my shard
         flat = torch.cat([p.detach().cpu().flatten() for _, p in named]  # (N*S,) global, on the CPU
                          + [torch.zeros(self.padded - self.numel, dtype=z.master_dtype)])
-        for n in self.tied:  # from here on the parameters exist only as (slices of) the flat vector
-            owner, _, attr = n.rpartition(".")
-            del module.get_submodule(owner)._parameters[attr]
+        for owner, _, attr in (n.rpartition(".") for n in self.tied):  # from here on the parameters exist
+            del module.get_submodule(owner)._parameters[attr]  # only as (slices of) the flat vector
         mine = flat if z.stage == 0 else flat[self.lo:self.lo + self.S]  # what this rank's optimizer updates
         if z.stage < 3:  # the whole vector, a leaf: autograd accumulates each micro-batch's gradient into it
             self.full = flat.to(z.device, z.compute_dtype, copy=True).requires_grad_()  # (N*S,) global
@@ -152,11 +155,7 @@ class FlatUnit(nn.Module):
         else:  # (S,) local. requires_grad only so that autograd runs GatherParams.backward.
             self.full, self.shard = None, mine.to(z.device, z.compute_dtype, copy=True).requires_grad_()
             self.compute = self.shard.detach()
-        # the optimizer's copy, master dtype (offload: on the CPU, stepped from a host copy of the gradient
-        # shard), or the compute copy itself (AdamW updates it in place)
-        self.master = mine.to(z.master_device, copy=True) if z.separate_master else self.compute
-        if z.offload:
-            self.master.grad = torch.zeros_like(self.master)
+        self.master = z.new_master(self, mine)  # what the optimizer updates
         # the gradient accumulator, in the master dtype: whole (N*S,) in stages 0-1, this rank's (S,) in 2-3
         self.grad = torch.zeros(self.padded if z.stage < 2 else self.S, dtype=z.master_dtype, device=z.device)
         self.has_grad, self.reduced = False, None  # grad holds this step's (else stale); 0-1: the reduced sum
@@ -164,8 +163,8 @@ class FlatUnit(nn.Module):
 
     def views(self, full):  # {name inside module: view of the flat vector with the parameter's shape}
         # one split, padding last (a slice per parameter: each slice's backward zero-fills the unit: 5x)
-        sizes = [hi - lo for lo, hi in zip(self.offsets, self.offsets[1:])] + [self.padded - self.numel]
-        views = {n: p.view(s) for n, p, s in zip(self.local, full.split(sizes), self.shapes)}
+        parts = full.split([s.numel() for s in self.shapes] + [self.padded - self.numel])
+        views = {n: p.view(s) for n, p, s in zip(self.local, parts, self.shapes)}
         return {n: views[first] for n, first in self.tied.items()}  # a tied weight: one view, each name
 
     def forward(self, *args):
@@ -193,32 +192,25 @@ class FlatUnit(nn.Module):
             mine = (self.reduced[self.lo:self.lo + self.S] if self.zero.stage == 0 else self.reduced).clone()
             self.grad.zero_()[self.lo:self.lo + self.S] = mine  # that the next reduction adds it once
             self.reduced, self.has_grad = None, True
-        if self.has_grad:
-            self.grad += g
-        else:
-            self.grad.copy_(g)
+        (self.grad.add_ if self.has_grad else self.grad.copy_)(g)
         self.has_grad = True
         return self.grad
 
 
 class Zero:
-    """ZeRO around any nn.Module built on the CPU. `units`: submodules, in forward's order, that become
-    FlatUnits; what is left is the root unit. Per step: zero(x), zero.backward(loss) per micro-batch
-    (last=False on all but the last: stages 0-1 then reduce once), zero.step(). `optimizer(flat masters)`;
-    `clip`: the global norm (0: off); `mixed_precision`: compute dtype (float16: loss scaling)."""
+    """ZeRO around any nn.Module built on the CPU, in the model's one dtype. `units`: submodules, in forward's
+    order, that become FlatUnits; what is left is the root unit. Per step: zero(x) and zero.backward(loss)
+    per micro-batch, zero.step(). `optimizer(flat masters)`; `clip`: the global norm (0: off)."""
+    compute_dtype = None  # None: the model's dtype (MixedPrecisionZero sets a lower one)
 
     def __init__(self, model, units=(), stage=0, optimizer=torch.optim.AdamW, clip=0.0, group=None,
-                 device=None, offload=False, mixed_precision=None, loss_scale=65536.0, scale_window=1000):
+                 device=None):
         self.group = group or dist.group.WORLD
         self.rank, self.world = dist.get_rank(self.group), dist.get_world_size(self.group)
-        self.stage, self.clip, self.offload = stage, clip, offload
-        p0 = next(model.parameters())
-        self.device, self.master_dtype = torch.device(device or p0.device), p0.dtype
-        self.compute_dtype = mixed_precision or self.master_dtype
-        self.master_device = torch.device("cpu") if offload else self.device
-        self.separate_master = offload or self.compute_dtype != self.master_dtype
-        self.scaler = LossScaler(loss_scale, scale_window) if self.compute_dtype == torch.float16 else None
-        self.model, self.units, self.taken = model, [], {}  # taken: id of each parameter -> its name
+        self.stage, self.clip, p0 = stage, clip, next(model.parameters())
+        self.device, self.master_dtype = torch.device(device or p0.device), p0.dtype  # the optimizer's dtype
+        self.compute_dtype = self.compute_dtype or self.master_dtype
+        self.units, self.taken = [], {}  # taken: id of each parameter -> its name
         for path in units:  # each named submodule becomes a unit, in its parent's place
             self.units.append(FlatUnit(self, model.get_submodule(path), path + "."))
             parent, _, child = path.rpartition(".")
@@ -228,17 +220,14 @@ class Zero:
         model.to(self.device)  # the buffers (no parameters are left in the modules)
         self.opt = optimizer([u.master for u in self.units])  # on the flat master shards
         # stage 3: the order units are first needed in, forward and backward (the root is in use at both ends)
-        blocks = [u for u in self.units[:-1] if u.numel]
-        self.forward_order = [self.root] * bool(self.root.numel) + blocks
-        self.backward_order = [self.root] * bool(self.root.numel) + blocks[::-1]
+        root, blocks = [self.root] * bool(self.root.numel), [u for u in self.units[:-1] if u.numel]
+        self.forward_order, self.backward_order = root + blocks, root + blocks[::-1]
         self.order, self.prefetched, self.pending, self.last_microbatch = self.forward_order, {}, [], False
         self.reduce_order, self.next, self.ready = [*self.units[-2::-1], self.root], 0, {}  # (reduce_grad)
         self.publishing = {}  # stages 1-2: unit -> (all-gather in flight, its input)
 
     # --- stage 3: prefetching all-gathers (FSDP's forward and backward prefetch) ---------------------------
-    def acquire(self, u):
-        """Stage 3: u's whole flat vector (N*S,). Wait for its all-gather (launched with the previous unit's),
-        launch the next unit's, which travels while u computes: one ahead, no more (FSDP's rate limiter)."""
+    def acquire(self, u):  # stage 3: wait for u's all-gather (N*S,), launch the next unit's (one ahead)
         work, buf = self.prefetched.pop(u, None) or self._launch_gather(u)
         work.wait()
         later = self.order[self.order.index(u) + 1:]
@@ -266,22 +255,18 @@ class Zero:
             if self.stage >= 2:
                 self.finish_reductions()
                 g = g.to(self.master_dtype).contiguous()
-            if self.stage == 0:
-                out, work = g, dist.all_reduce(g, group=self.group, async_op=True)
-            else:
-                work, out = reduce_scatter_(g, self.group)
+            work, out = ((dist.all_reduce(g, group=self.group, async_op=True), g) if self.stage == 0
+                         else reduce_scatter_(g, self.group))
             self.pending.append((u, work, out, g))  # g referenced until done
             u.reduced = out if self.stage <= 1 else None  # stages 0-1: the step's sum, once work is done
 
-    def end_round(self):
-        """Backward ended (stages 0-1: the step's last): units it did not reach take their turn, zeros."""
+    def end_round(self):  # backward ended (stages 0-1: the step's last): units it did not reach, zeros
         while self.next < len(self.units):  # (each call launches its unit and the ready ones after it)
             u = self.reduce_order[self.next]
             zeros = torch.zeros(u.padded, dtype=self.compute_dtype, device=self.device)
             self.reduce_grad(u, zeros if self.stage >= 2 else u.accumulate(zeros))  # 0-1: what it has
 
-    def finish_reductions(self):
-        """Wait for the reductions in flight; stages 2-3 add the shard into u.grad (0-1: u.reduced)."""
+    def finish_reductions(self):  # wait for the reductions in flight; stages 2-3 add each shard into u.grad
         for u, work, out, _ in self.pending:
             work.wait()
             if self.stage >= 2:
@@ -290,18 +275,16 @@ class Zero:
 
     # --- what autograd saves: stage-3 parameter views kept as positions only --------------------------------
     def _pack(self, t):  # (one pair of saved_tensors_hooks around the whole forward; all else kept as it is)
-        for u in self.units:
+        for u in self.units:  # stage 3: a view of the gathered unit would keep it alive until backward ...
             if self.stage == 3 and t.untyped_storage().data_ptr() == u.in_forward:
-                # the view would keep the gathered unit alive until backward: keep where it lies, gather again
-                return (u, t.storage_offset(), t.shape, t.stride())
+                return (u, t.storage_offset(), t.shape, t.stride())  # ... so keep where it lies, gather again
         return t
 
-    def _unpack(self, x):
+    def _unpack(self, x):  # stage 3: a position in a unit, all-gathered again for its backward (prefetched)
         if not isinstance(x, tuple):
             return x
         u, offset, shape, stride = x
-        if u.gathered is None:
-            u.gathered = self.acquire(u)  # stage 3: all-gathered again for its backward (prefetched)
+        u.gathered = self.acquire(u) if u.gathered is None else u.gathered
         return u.gathered.as_strided(shape, stride, offset)
 
     # --- training ---------------------------------------------------------------------------------------
@@ -315,55 +298,47 @@ class Zero:
         (DDP's no_sync); any other pattern is right too, with more reductions."""
         self._new_pass(self.backward_order)
         self.last_microbatch, self.next = last, 0  # a new round of reductions (stages 0-1: if last)
-        (loss * self.scaler.scale if self.scaler else loss).backward()
+        loss.backward()
         if last or self.stage >= 2:
             self.end_round()
             self.finish_reductions()  # (stages 2-3: the last unit's reduce-scatter; 0-1: for step to read)
 
-    def global_norm(self, parts):
-        """The L2 norm of the whole gradient from each rank's slices (each element in one slice, padding
-        excluded). An inf or nan anywhere makes it non-finite on every rank: one skip decision everywhere."""
+    def step(self):  # 1. the reduced gradients 2. their global norm 3. clip, AdamW, publish. Returns {norm}.
+        grads = self.gradients()
+        norm = self.global_norm(grads)
+        self.update(grads, norm)
+        return dict(norm=norm)
+
+    def gradients(self):  # wait for every reduction; returns what AdamW reads (stages 1-3: my shards)
+        self.wait_published()  # (a unit the forward did not use: its shard is about to change)
+        self.end_round()  # (stages 0-1 when no backward said last=True, or none ran: reduce now)
+        self.finish_reductions()
+        grads = [u.reduced if self.stage <= 1 else u.grad for u in self.units]
+        self.next = 0
+        for u in self.units:  # the next step's backward starts a new sum
+            u.has_grad, u.reduced = False, None
+        return grads
+
+    def global_norm(self, grads):  # the L2 norm of the whole gradient: each element in one rank's slice
+        parts = [g[u.lo:u.lo + u.valid] if self.stage == 0 else g[:u.valid]  # padding excluded
+                 for u, g in zip(self.units, grads)]
         # each slice's norm in its own dtype, as clip_grad_norm_ (a float64 norm: 18x slower on CPU)
         sq = torch.stack([torch.linalg.vector_norm(p).double() for p in parts]).square().sum().view(1)
         dist.all_reduce(sq, group=self.group)
         return sq.sqrt()
 
-    def step(self):
-        """1. finish the reduction 2. fp16: unscale 3. the global norm, clip 4. AdamW on the master shard
-        (on the CPU with offload) 5. publish the new parameters. Returns {norm, skipped}."""
-        self.wait_published()  # (a unit the forward did not use: its shard is about to change)
-        self.end_round()  # (stages 0-1 when no backward said last=True, or none ran: reduce now)
-        self.finish_reductions()
-        grads = [u.reduced if self.stage <= 1 else u.grad for u in self.units]  # what the optimizer reads
-        parts = [g[u.lo:u.lo + u.valid] if self.stage == 0 else g[:u.valid]  # padding excluded
-                 for u, g in zip(self.units, grads)]
-        for g in grads if self.scaler else ():
-            g.mul_(1.0 / self.scaler.scale)
-        norm = self.global_norm(parts)
-        skipped = self.scaler is not None and not self.scaler.update(bool(torch.isfinite(norm)))
-        if not skipped:
-            coef = torch.clamp(self.clip / (norm + 1e-6), max=1.0) if self.clip > 0 else None  # torch's rule
-            for u, g in zip(self.units, grads):
-                if coef is not None:
-                    g.mul_(coef.to(g.dtype))
-                if self.offload:
-                    u.master.grad.copy_(g)  # device -> host
-                else:
-                    u.master.grad = g
-            self.opt.step()
-            self.publish()
-        self.next = 0
-        for u in self.units:
-            u.has_grad, u.reduced = False, None
-            if not self.offload:
-                u.master.grad = None
-        return dict(norm=norm, skipped=skipped)
+    def update(self, grads, norm):  # clip (torch's clip_grad_norm_ rule), AdamW on the masters, publish
+        coef = torch.clamp(self.clip / (norm + 1e-6), max=1.0) if self.clip > 0 else None
+        for u, g in zip(self.units, grads):
+            u.master.grad = g if coef is None else g.mul_(coef.to(g))
+        self.opt.step()
+        self.opt.zero_grad()  # (set to None: stage 1's reduced shards are freed)
+        self.publish()
 
-    def publish(self):
-        """Master -> compute copy (host fp32 -> device bf16). Stages 1-2 then all-gather each unit from the
-        updated shards, async, in forward's order: waited for just before the unit's next forward."""
-        for u in self.units if self.separate_master else ():
-            u.compute.copy_(u.master)
+    def new_master(self, u, mine):  # what AdamW updates: the compute copy itself, in place
+        return u.compute
+
+    def publish(self):  # stages 1-2: all-gather each unit's updated shards, async, waited for at its forward
         for u in self.forward_order if self.stage in (1, 2) else ():
             self.publishing[u] = all_gather_(u.full.detach(), u.compute, self.group)
 
@@ -372,15 +347,16 @@ class Zero:
             self.publishing.pop(v)[0].wait()
 
 
-def to_device(t, device):
-    """One host-to-device copy; on a GPU from pinned memory and non-blocking, so the host goes on."""
+def to_device(t, device):  # one host-to-device copy (a GPU: from pinned memory, async: the host goes on)
     return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t.to(device)
 
 
 def train_step(zero, x, y, n_tok, accum, loss_fn):
     """One optimizer step on this rank's rows of (x, y), copied to the device once, in `accum` micro-batches;
     returns this rank's loss (on the device) and zero.step()'s. loss_fn(out, y, n_tok): sum / global count."""
-    rows = x.shape[0] // zero.world
+    rows, rest = divmod(x.shape[0], zero.world)
+    if rest:  # (checked before any collective: a remainder would be dropped, the loss silently wrong)
+        raise ValueError(f"{x.shape[0]} rows do not split over {zero.world} ranks: pass a multiple of it")
     x, y = (to_device(t[zero.rank * rows:(zero.rank + 1) * rows], zero.device) for t in (x, y))  # (B/N, ...)
     local = torch.zeros((), dtype=torch.float64, device=zero.device)
     for i, (xm, ym) in enumerate(zip(x.chunk(accum), y.chunk(accum))):  # (B/(N*accum), ...) each
@@ -390,21 +366,53 @@ def train_step(zero, x, y, n_tok, accum, loss_fn):
     return local, zero.step()
 
 
-# ============================================================================= mixed precision: loss scaling
-class LossScaler:
-    """Dynamic loss scaling for fp16 (Micikevicius et al. 2018, Sec. 3.2): the loss times `scale`, so small
-    gradients survive in fp16; an overflow skips the step and halves it, `window` clean steps double it."""
+# ============================================================================= mixed precision
+class MixedPrecisionZero(Zero):
+    """Zero with forward and backward on a `compute_dtype` copy (--mixed-precision, see the top): master
+    shards, gradients, reductions and AdamW in the model's dtype. float16: dynamic loss scaling."""
 
-    def __init__(self, scale, window):
-        self.scale, self.window, self.clean = scale, window, 0
+    def __init__(self, *args, compute_dtype=torch.bfloat16, loss_scale=65536.0, scale_window=1000, **kw):
+        self.compute_dtype, self.scaling = compute_dtype, compute_dtype == torch.float16  # (read by Zero)
+        self.scale, self.window, self.clean = loss_scale if self.scaling else 1.0, scale_window, 0
+        super().__init__(*args, **kw)
 
-    def update(self, finite):  # returns whether the step may run
-        self.clean = self.clean + 1 if finite else 0
-        if not finite:
-            self.scale /= 2  # back off; the step is skipped
-        elif self.clean == self.window:  # a run of clean steps: try a larger scale
-            self.scale, self.clean = self.scale * 2, 0
-        return finite
+    def new_master(self, u, mine):  # a copy of its own, in the model's dtype
+        return mine.to(self.device, copy=True)
+
+    def backward(self, loss, last=True):
+        super().backward(loss * self.scale if self.scaling else loss, last)
+
+    def step(self):  # Zero.step, unscaled; an overflow (a non-finite norm, on every rank alike) skips it
+        grads = self.gradients()
+        for g in grads if self.scaling else ():
+            g.mul_(1.0 / self.scale)
+        norm = self.global_norm(grads)
+        finite = not self.scaling or bool(torch.isfinite(norm))  # (fp16: one host sync per step)
+        if finite:
+            self.update(grads, norm)
+        if self.scaling:  # an overflow halves the scale, `window` clean steps in a row double it
+            self.clean = self.clean + 1 if finite else 0
+            if not finite or self.clean == self.window:
+                self.scale, self.clean = self.scale * (2.0 if finite else 0.5), 0
+        return dict(norm=norm, skipped=not finite)
+
+    def publish(self):  # master -> compute copy (fp32 -> bf16), then Zero's all-gather of stages 1-2
+        for u in self.units:
+            u.compute.copy_(u.master)
+        super().publish()
+
+
+# ============================================================================= CPU offload
+class OffloadZero(MixedPrecisionZero):
+    """ZeRO-Offload (--offload, see the top) on mixed precision (compute_dtype=None: full precision): master
+    shards, Adam moments and AdamW's step on the host; the device hands over the gradient shards each step."""
+
+    def new_master(self, u, mine):  # on the host, with a host buffer for u's gradient shard
+        u.host_grad = torch.zeros_like(mine, device="cpu")
+        return mine.to("cpu", copy=True)
+
+    def update(self, grads, norm):  # device -> host: clipping and AdamW run there
+        super().update([u.host_grad.copy_(g) for u, g in zip(self.units, grads)], norm)
 
 
 # ----------------------------------------------------------------------------- main
@@ -423,15 +431,15 @@ def check_args(args, world):
         fail(f"--scale-window must be >= 1, got {args.scale_window}")
 
 
-def train_zero(d, args):
-    """Build, train, report, check; returns the --json summary."""
+def train_zero(d, args):  # build, train, report, check; returns the --json summary
     data = MarkovData(args.vocab, args.seed)
     d.log(f"ZeRO stage {args.stage} on {d.world} ranks ({d.backend}); entropy floor {data.entropy:.4f}")
     model = build_gpt(GPTConfig.from_args(args), args.seed, DTYPES[args.dtype])  # whole, one seed, on the CPU
-    zero = Zero(model, [f"blocks.{i}" for i in range(args.n_layers)], stage=args.stage, clip=args.clip,
-                optimizer=lambda params: make_optimizer(params, args), device=d.device, offload=args.offload,
-                mixed_precision=LOW[args.mixed_precision], loss_scale=args.loss_scale,
-                scale_window=args.scale_window)
+    kind = OffloadZero if args.offload else Zero if args.mixed_precision == "none" else MixedPrecisionZero
+    low = {} if kind is Zero else dict(compute_dtype=LOW[args.mixed_precision], loss_scale=args.loss_scale,
+                                       scale_window=args.scale_window)
+    zero = kind(model, [f"blocks.{i}" for i in range(args.n_layers)], stage=args.stage, clip=args.clip,
+                optimizer=lambda ps: make_optimizer(ps, args), device=d.device, **low)
     torch.manual_seed(args.seed + d.rank)  # dropout masks (if any) differ per rank; a resume restores them
     ckpt = FlatShardCheckpoint(d, args.ckpt_dir, args.save_every, args.steps, [u.numel for u in zero.units])
     run, comm, watch = Run(d, args, ZeroShards(zero), ckpt=ckpt), CommCounter(), Watch(zero)  # Watch: memory
@@ -440,7 +448,7 @@ def train_zero(d, args):
         with run.watching(step, comm):  # the bytes of the last step, seen at the dispatcher
             local, info = train_step(zero, x, y, count_tokens(y), args.accum, lm_loss)
         dist.all_reduce(local, group=zero.group)  # the global batch's loss, for the log line
-        watch.end_step(d, step, info["skipped"])  # fp16: the loss scale; a skipped step, logged
+        watch.end_step(d, step, info.get("skipped", False))  # fp16: the loss scale; a skipped step, logged
         run.end_step(step, local.item())  # the timer, the log line, the checkpoint
     top, figures = report(d, args, zero, watch, comm, run.start)  # the peak read first: before --check trains
     check = check_run(d, args, run.losses, full_state_dict(zero)) if args.check else None
@@ -474,7 +482,7 @@ class Watch:
         zero.root.register_forward_hook(self._end_forward)
 
     def end_step(self, d, step, skipped):
-        self.scales.append(self.zero.scaler.scale if self.zero.scaler else 1.0)
+        self.scales.append(getattr(self.zero, "scale", 1.0))  # (MixedPrecisionZero's; fp16 changes it)
         if skipped:
             self.skipped.append(step)
             d.log(f"step {step:4d} | overflow: step skipped on every rank, loss scale -> {self.scales[-1]:g}")
@@ -506,10 +514,15 @@ def memory(zero):
     """Model-state bytes of this rank, counted from the tensors themselves."""
     moments = [v for u in zero.units for v in zero.opt.state.get(u.master, {}).values()
                if torch.is_tensor(v) and v.dim() > 0]
-    masters = [u.master for u in zero.units] if zero.separate_master else []
+    masters = [u.master for u in zero.units] if separate_master(zero) else []
+    host_grads = [u.host_grad for u in zero.units] if isinstance(zero, OffloadZero) else []
     return dict(params=tensor_bytes([u.full if zero.stage < 3 else u.shard for u in zero.units]),
                 grads=tensor_bytes([u.grad for u in zero.units]), optim=tensor_bytes(moments + masters),
-                host_grad_copy=tensor_bytes([u.master.grad for u in zero.units]) if zero.offload else 0)
+                host_grad_copy=tensor_bytes(host_grads))
+
+
+def separate_master(zero):  # MixedPrecisionZero and OffloadZero keep one; Zero steps the compute copy
+    return isinstance(zero, MixedPrecisionZero)
 
 
 def theory(zero, padded=False):
@@ -517,7 +530,7 @@ def theory(zero, padded=False):
     master dtype), K = 2 Adam moments (+ the master copy when separate)."""
     psi = sum(u.padded if padded else u.numel for u in zero.units)
     p, m = torch.finfo(zero.compute_dtype).bits // 8, torch.finfo(zero.master_dtype).bits // 8
-    N, s, K = zero.world, zero.stage, 2 * m + (m if zero.separate_master else 0)
+    N, s, K = zero.world, zero.stage, 2 * m + (m if separate_master(zero) else 0)
     return dict(params=p * psi / (N if s == 3 else 1), grads=m * psi / (N if s >= 2 else 1),
                 optim=K * psi / (N if s >= 1 else 1), psi=psi, p=p, g=m, K=K)
 
@@ -697,7 +710,7 @@ class ZeroShards:
             st, first = z.opt.state.get(u.master, {}), u.lo if z.stage == 0 else 0  # {}: all skipped (fp16)
             held = dict(master=u.master, **{k: st.get(k, torch.zeros_like(u.master)) for k in self.MOMENTS})
             pieces.append({k: v[first:first + u.valid] for k, v in held.items()})
-        scale, clean = (z.scaler.scale, z.scaler.clean) if z.scaler else (1.0, 0)
+        scale, clean = getattr(z, "scale", 1.0), getattr(z, "clean", 0)  # (MixedPrecisionZero's loss scale)
         return pieces, dict(adam_step=adam_step(z), scale=scale, clean=clean)
 
     def reshard(self, whole, scalars):  # whole: per unit {name: (P,) unpadded vector}
@@ -709,8 +722,8 @@ class ZeroShards:
                 for k, v in (("master", u.master), *moments.items()):
                     v.zero_()[:hi - lo] = w[k][lo:hi]
             z.opt.state[u.master] = dict(step=torch.tensor(scalars["adam_step"]), **moments)
-        if z.scaler:
-            z.scaler.scale, z.scaler.clean = scalars["scale"], scalars["clean"]
+        if isinstance(z, MixedPrecisionZero):
+            z.scale, z.clean = scalars["scale"], scalars["clean"]
         z.publish()  # master -> compute copy (and the all-gather of stages 1-2)
 
 

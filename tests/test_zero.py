@@ -5,17 +5,18 @@ form from the model's parameter counts; offload and bf16 train correctly (bf16 a
 reference with the same precision recipe); fp16 skips an injected overflow on every rank
 (tests/zero_checks.py); a checkpoint saved at world 4 resumes at world 2; a run killed and restarted by
 torchrun at each stage, with dropout, equals the uninterrupted run bit for bit; bad input exits 2; and the
-technique, copied out of zero.py with nothing but torch, trains a model that is not the GPT exactly as plain
+technique section, run alone with nothing but torch, trains a model that is not the GPT exactly as plain
 one-process training does, at worlds 3 and 2, with a weight tied inside a unit, a copier's loop that never
 passes last=, and a unit only one rank runs (its reductions in the same order on every rank)
 (test_copy_out_zero_on_another_model: the way to check your own trainer)."""
-import ast, json, sys
+import json, sys
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+import section
 from helpers import (ROOT, TINY, assert_bad_input, assert_matches_reference, run_python, torchrun,
                      torchrun_bad_input)
 
@@ -193,15 +194,10 @@ def huber(out, y, n):  # not cross-entropy; summed over the piece, divided by th
 
 
 def copied_out():
-    """zero.py's technique section (the ZeRO core, loss scaling, the gloo note: from its first heading to
-    check_args) run with zero.py's imports minus common.py and harness.py: what a reader copies."""
-    text = (ROOT / "zero.py").read_text()
-    imports = [ast.get_source_segment(text, n) for n in ast.parse(text).body
-               if isinstance(n, (ast.Import, ast.ImportFrom)) and getattr(n, "module", None) not in ("common", "harness")]
-    core = text[text.index("# ====="):text.index("\ndef check_args")]
-    namespace = {}
-    exec(compile("\n".join(imports) + "\n" + core, "zero.py (technique section)", "exec"), namespace)
-    return namespace
+    """zero.py's technique section, from its first heading to check_args (the ZeRO core, then the mixed
+    precision and offload variants), executed with zero.py's imports minus common.py and harness.py and
+    nothing else (tests/section.py): what a reader copies."""
+    return section.load("zero.py")
 
 
 def batches(world, steps, branch_on=None):
@@ -273,8 +269,8 @@ def copy_out_worker(json_path, steps=3, accum=2, clip=0.2):
     want, top_norm = plain_training(plain, clip)
     out = dict(clipped=top_norm > clip, moved=max((want[n] - p).abs().max().item() for n, p in tower().named_parameters()))
 
-    def trained(data, group, loop=None, make=tower, units=UNITS, **kw):  # the params, the largest difference
-        zero = core["Zero"](make(), units, optimizer=adamw, clip=clip, group=group, **kw)
+    def trained(data, group, loop=None, make=tower, units=UNITS, kind="Zero", **kw):  # params, largest difference
+        zero = core[kind](make(), units, optimizer=adamw, clip=clip, group=group, **kw)
         for x, y in data:  # every rank passes the global batch; train_step takes its own rows
             loop(zero, x, y, accum) if loop else core["train_step"](zero, x, y, y.numel(), accum, huber)
         got = Z.full_state_dict(zero)
@@ -291,7 +287,10 @@ def copy_out_worker(json_path, steps=3, accum=2, clip=0.2):
             diff[f"stage {s}: tied names differ"] = tied.abs().max().item()
             _, diff[f"stage {s}, backward(loss) on every micro-batch"] = trained(plain, group, default_backward_step,
                                                                                  stage=s)
-        _, diff["stage 3 offload"] = trained(plain, group, stage=3, offload=True)
+        # the variants in the model's own dtype (float64): a master copy of its own, on the device or the host
+        _, diff["stage 2 MixedPrecisionZero"] = trained(plain, group, stage=2, kind="MixedPrecisionZero",
+                                                        compute_dtype=None)
+        _, diff["stage 3 OffloadZero"] = trained(plain, group, stage=3, kind="OffloadZero", compute_dtype=None)
         want_now, _ = plain_training(plain, clip, bare)
         _, diff["stage 3, a root without parameters"] = trained(plain, group, make=bare, units=["0", "2"], stage=3)
         branchy = batches(world, steps, branch_on=world)  # body.side runs on group rank 0 only
@@ -300,15 +299,31 @@ def copy_out_worker(json_path, steps=3, accum=2, clip=0.2):
             _, diff[f"stage {s}, body.side on rank 0 only"] = trained(branchy, group, stage=s)
         out[f"world {world}"] = diff
         want_now = want  # mutants: each must be caught
-        broken = {"local_gradients": ("Zero", "reduce_grad", 2, keep_local),  # a stage 2 that never reduces
-                  "accumulate_during_reduction": ("FlatUnit", "accumulate", 0, accumulate_in_flight)}
-        for name, (cls, attr, stage, fake) in broken.items():
+        mixed = dict(kind="MixedPrecisionZero", compute_dtype=None)
+        broken = {"local_gradients": ("Zero", "reduce_grad", 2, keep_local, {}),  # a stage 2 that never reduces
+                  "accumulate_during_reduction": ("FlatUnit", "accumulate", 0, accumulate_in_flight, {}),
+                  # a MixedPrecisionZero whose compute copy never takes the master's update (Zero's publish only)
+                  "stale_compute_copy": ("MixedPrecisionZero", "publish", 2, core["Zero"].publish, mixed)}
+        for name, (cls, attr, stage, fake, kw) in broken.items():
             real = getattr(core[cls], attr)
             setattr(core[cls], attr, fake)
             try:
-                diff[f"mutant {name}"] = trained(plain, group, default_backward_step, stage=stage)[1]
+                diff[f"mutant {name}"] = trained(plain, group, default_backward_step, stage=stage, **kw)[1]
             finally:
                 setattr(core[cls], attr, real)
+        # bad input: a batch whose rows do not split over the ranks (11 at worlds 3 and 2) is refused with a
+        # ValueError before any collective; the same step on 12 rows (the control) hands its collectives over
+        zero, x, y = core["Zero"](tower(), UNITS, optimizer=adamw, group=group, stage=1), *plain[0]
+        with CommCounter() as comm:
+            try:
+                core["train_step"](zero, x[:11], y[:11], 33, accum, huber)
+                out[f"uneven rows, world {world}"] = ["accepted", comm.calls]
+            except ValueError as e:
+                out[f"uneven rows, world {world}"] = [str(e), comm.calls]
+        with CommCounter() as comm:
+            core["train_step"](zero, x, y, y.numel(), accum, huber)
+        zero.wait_published()  # (stage 1's all-gathers of the update, still in flight)
+        out[f"uneven rows, world {world}, control"] = comm.total(what="calls")
 
     # the order of the collectives each rank issues, each on a group of its own (nothing is matched across
     # ranks, so a mismatch cannot hang): one step of world 3's pieces, body.side on rank 0 only
@@ -357,28 +372,36 @@ def copy_out_worker(json_path, steps=3, accum=2, clip=0.2):
 
 def test_copy_out_zero_on_another_model(tmp_path):
     """Check your own implementation: Zero and train_step, copied out of zero.py with nothing but torch, on a
-    model that is not the GPT, at worlds 3 and 2 (a group of two ranks), stages 0-3 (and 3 with offload),
-    accumulation 2 and clipping, equal plain one-process AdamW training written above (float64):
+    model that is not the GPT, at worlds 3 and 2 (a group of two ranks), stages 0-3, and the variants in the
+    model's dtype (MixedPrecisionZero at stage 2, OffloadZero at stage 3: a master copy of their own),
+    accumulation 2 and clipping, equal plain one-process AdamW training written above (float64). The
+    section runs alone (tests/section.py: its source executed with torch and the standard library only):
     - a weight tied inside a unit trains as one tensor (both names equal the plain model's one);
     - a copier's loop calling zero.backward(loss) on every micro-batch (the default last=True) is exact too
       (no reduction is read while the next micro-batch writes its buffer, none counts a sum N times);
     - a unit run by one rank only (data-dependent graph): stages 0-2 are exact, and every rank issues the
       same collectives in the same order (each recorded on a group of its own, then compared);
     - a tie across two units is refused with a ValueError naming both parameters;
-    - stage 3 with every parameter inside a unit (a root unit without parameters) trains exactly.
+    - stage 3 with every parameter inside a unit (a root unit without parameters) trains exactly;
+    - a batch whose rows do not split over the ranks is refused (ValueError) before any collective.
     Mutants caught: a stage 2 whose gradients are never reduced across ranks, stage 0 without waiting for the
-    reduction before the next micro-batch writes into it, reductions launched in the order autograd finishes
-    the units (the ranks' orders differ)."""
+    reduction before the next micro-batch writes into it, a MixedPrecisionZero whose compute copy is never
+    refreshed from its master, reductions launched in the order autograd finishes the units (the ranks'
+    orders differ)."""
     s, _ = torchrun("tests/test_zero.py", 3, "copy-out", tmp_path=tmp_path, name="copy_out")
     assert s["moved"] > 1e-3 and s["clipped"], s  # parity is not vacuous, and clipping was active
     for world in (3, 2):
         d = s[f"world {world}"]
         mutants = {k: d.pop(k) for k in list(d) if k.startswith("mutant")}
-        assert len(d) == 4 * 3 + 1 + 1 + 3 and all(diff < 1e-12 for diff in d.values()), (world, d)
-        assert all(diff > 1e-3 for diff in mutants.values()) and len(mutants) == 2, (world, mutants)
+        assert len(d) == 4 * 3 + 2 + 1 + 3 and all(diff < 1e-12 for diff in d.values()), (world, d)
+        assert all(diff > 1e-3 for diff in mutants.values()) and len(mutants) == 3, (world, mutants)
     assert all(s["same order"].values()) and len(s["same order"]) == 3, s["same order"]
     assert not any(s["same order, arrival-order mutant"].values()), s["same order, arrival-order mutant"]
     assert "1.weight is 0.weight" in s["tie across units"] and "one unit" in s["tie across units"], s
+    for world in (3, 2):
+        msg, calls = s[f"uneven rows, world {world}"]
+        assert f"11 rows do not split over {world} ranks" in msg and calls == {}, (msg, calls)
+        assert s[f"uneven rows, world {world}, control"] > 0, s
 
 
 if __name__ == "__main__" and sys.argv[1:2] == ["copy-out"]:

@@ -61,9 +61,12 @@ def max_diff(a, b):
 
 
 def make_zero(model, a, units, device, group=None):
-    """Zero built from an Args as zero.train_zero builds it."""
-    return Z.Zero(model, units, stage=a.stage, optimizer=lambda ps: make_optimizer(ps, a), clip=a.clip, group=group,
-                  device=device, offload=a.offload, mixed_precision=Z.LOW[a.mixed_precision])
+    """The class an Args asks for, built as zero.train_zero builds it: Zero, or (--offload) OffloadZero."""
+    kw = dict(stage=a.stage, optimizer=lambda ps: make_optimizer(ps, a), clip=a.clip, group=group, device=device)
+    if a.offload or a.mixed_precision != "none":
+        kind = Z.OffloadZero if a.offload else Z.MixedPrecisionZero
+        return kind(model, units, compute_dtype=Z.LOW[a.mixed_precision], **kw)
+    return Z.Zero(model, units, **kw)
 
 
 def step_loss(zero, x, y, n_tok, accum, loss_fn, comm=None):
@@ -354,13 +357,15 @@ def check_gpt(d, args):
 
 
 def offload_problems(zero, device):
-    """What is wrong with --offload's placement (empty: nothing): the master shard and both Adam moments live
-    in CPU memory, the compute copy on the model's device, and none of them shares the compute copy's
-    storage (on a CPU-only machine the placement is trivially right; the storages are still checked)."""
+    """What is wrong with --offload's placement (empty: nothing): the master shard, both Adam moments and the
+    gradient's host buffer live in CPU memory, the compute copy on the model's device, and none of them shares
+    the compute copy's storage (on a CPU-only machine the placement is trivially right; the storages are still
+    checked)."""
     problems = []
     for i, u in enumerate(zero.units):
         st = zero.opt.state[u.master]
-        host = {"master": u.master, "exp_avg": st["exp_avg"], "exp_avg_sq": st["exp_avg_sq"]}
+        host = {"master": u.master, "exp_avg": st["exp_avg"], "exp_avg_sq": st["exp_avg_sq"],
+                **({"gradient buffer": u.host_grad} if hasattr(u, "host_grad") else {})}
         problems += [f"unit {i}: {k} on {t.device}" for k, t in host.items() if t.device.type != "cpu"]
         if u.compute.device != torch.device(device):
             problems.append(f"unit {i}: compute copy on {u.compute.device}")
@@ -547,11 +552,12 @@ def inject_overflow(step, rank):
     norm, reference = Z.Zero.global_norm, Z.reference
     calls = []
 
-    def global_norm(self, parts):
-        if len(calls) == step and self.rank == rank:
-            next(p for p in parts if p.numel())[0] = float("inf")
+    def global_norm(self, grads):
+        if len(calls) == step and self.rank == rank:  # the first real element of this rank's slice
+            u, g = next((u, g) for u, g in zip(self.units, grads) if u.valid)
+            g[u.lo if self.stage == 0 else 0] = float("inf")
         calls.append(step)
-        return norm(self, parts)
+        return norm(self, grads)
 
     def reference_with_inf(args, world, device="cpu"):
         n, loss = [], Z.lm_loss
