@@ -3,8 +3,10 @@
 keeps its graph by mistake is caught); the executed schedule (the measured events) obeys the pipeline's rules;
 with --stage-ms (simulated compute) the measured bubble is near (p-1)/(m+p-1); the Chrome trace holds one event
 per F and B; no object collectives; bad input exits 2 with one line. The core, gpipe_step, copied out onto a
-model that is not the GPT equals plain one-process training written here (and a broken schedule is caught);
-the transfers it posts complete under NCCL's strict pairing; the gradient norm takes no float64 copy.
+model that is not the GPT (the technique section alone, tests/section.py) equals plain one-process training
+written here, also in a group whose ranks are the world's reversed (and a broken schedule is caught); the
+transfers it posts complete under NCCL's strict pairing; each core refuses what it cannot do with a
+ValueError before any transfer; the gradient norm takes no float64 copy.
 Launches: 9 torchrun (one restarts once, one is a bad input, one runs tests/gpipe_checks.py: the copy-out and
 a file broken on purpose), 5 plain python."""
 import json

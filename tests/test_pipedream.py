@@ -7,7 +7,8 @@ weights fails this and --check); it keeps at most p - s versions and equals its 
 2bw equals the delayed-update reference with two versions, at m = p too, and with the m >= p guard lifted its
 invariant stops the run; both differ from synchronous training; killed and restarted from checkpoints (a drain
 at each save), stash and 2bw end with the uninterrupted run's losses and final parameters, bit for bit. The runner,
-copied onto a model that is not the GPT, equals plain one-process training. Every received tag holds what the
+copied onto a model that is not the GPT (the technique section alone, also in the group [2, 0]), equals plain
+one-process training; each core refuses what it cannot do with a ValueError before any transfer. Every received tag holds what the
 schedule says (watched launches); the messages pair under NCCL's rules (simulated); no object collectives; bad
 input exits 2 with one line, before any collective. (ZB-H1, once --mode zb here: tests/test_zero_bubble.py.)
 Launches: 14 torchrun (three break the file on purpose, one runs its core outside it, four restart once; seven run

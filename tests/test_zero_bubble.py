@@ -10,7 +10,8 @@ communication plans cannot deadlock under NCCL's semantics (simulated) and hand 
 --stage-ms the measured bubble is near theory, ZB-H1 idles under 0.6 of 1F1B's (p-1)(T_F+T_B+T_W) and ZB-V
 less than ZB-H1; micro-batches alive p (ZB-H1) and 2p chunks (ZB-V), counted and recounted from the events;
 bytes and messages sent = m (b, T, D) per neighbour and way; B then W is one backward bit for bit; the core
-copied onto another model equals one-process training (W never run, or on the wrong micro-batch: caught); a
+copied onto another model (the section alone, in the group [1, 0]) equals one-process training (W never run,
+or on the wrong micro-batch: caught); each core refuses what it cannot do before any transfer; a
 killed and restarted run continues to the same losses; bad input exits 2 with one line on every rank.
 Launches: 6 torchrun (one restarts once, one also runs the copy-out check), 3 plain python, and 4 bad-input
 cases of 2-4 plain python ranks each."""
