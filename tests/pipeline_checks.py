@@ -244,7 +244,8 @@ def bad_inputs(core, pair):
              "to_device, 7 rows into 2": lambda: core["to_device"](2, torch.device("cpu"), torch.zeros(7, 3)),
              "TwoBW, m 2 < p 3": lambda: core["TwoBW"](stage, opt, 2, 0.0),
              "StageRunner, a rank outside the group":
-                 lambda: core["StageRunner"](None, None, None, (1,), (1,), torch.float64, "cpu", group=pair)}
+                 lambda: core["StageRunner"](None, None, None, (1,), (1,), torch.float64, "cpu", group=pair),
+             "control: TwoBW, m 3 = p, drained": lambda: core["TwoBW"](stage, opt, 3, 0.0).drain(-1)}  # broadcasts
     out = {}
     for what, call in cases.items():
         if "outside" in what and dist.get_rank(pair) >= 0:
@@ -403,6 +404,7 @@ def zb_bad_inputs(zb, pp, r):
     from harness import CommCounter
     plan = zb.comm_plan([zb.zbh1(2, 4, q) for q in range(2)], 2, r)  # a valid ZB-H1 plan, p 2, m 4
     net, split = ZBNet(), zb.SplitBackward(nn.Linear(2, 2))
+    net.temp.grad = torch.ones_like(net.temp)  # for the control
     chunks = {r: ZBChunk(net, r, 2)}
     x = torch.zeros(4, 3, ZB["n_in"], dtype=torch.float64)
 
@@ -418,7 +420,9 @@ def zb_bad_inputs(zb, pp, r):
              "PipelineRank, a rank outside the group": lambda: runner(group=outside),
              "PipelineRank.run, 3 micro-batches for a plan of 4": lambda: runner().run(list(x[:3]), [None] * 3, None),
              "PipelineRank.run, unequal micro-batches":
-                 lambda: runner().run([x[0], x[1], x[2], x[3, :2]], [None] * 4, None)}
+                 lambda: runner().run([x[0], x[1], x[2], x[3, :2]], [None] * 4, None),
+             "control: finish_batch":  # valid: two all-reduces
+                 lambda: zb.finish_batch([net.temp], torch.zeros((), dtype=torch.float64), pp, pp, 0.0)}
     out = {}
     for what, call in cases.items():
         if "outside" in what and dist.get_rank(outside) >= 0:
