@@ -63,6 +63,8 @@ class Args(CommonArgs):
 def split_layers(n_layers, p):
     """Blocks [start, end) of each of p stages, as even as possible; when p does not divide n_layers the
     earlier stages take one block more (the last stage already carries the head and the loss)."""
+    if not 1 <= p <= n_layers:
+        raise ValueError(f"{p} stages of {n_layers} blocks: each needs a block; use 1 to {n_layers} stages")
     base, extra = divmod(n_layers, p)
     bounds, start = [], 0
     for s in range(p):
@@ -98,17 +100,20 @@ class Stage(nn.Module):
 def micro_batches(batch, m, device):
     """The step's (B, T) batch on the device in one copy (on CUDA from pinned memory, non-blocking: the host
     goes on), cut into m micro-batches (B/m, T), each in its own storage like a received input."""
+    if m < 1 or len(batch) % m:
+        raise ValueError(f"a batch of {len(batch)} does not cut into m = {m} equal micro-batches: use an m "
+                         f"that divides {len(batch)}")
     if device.type == "cuda":
         batch = batch.pin_memory()
     return [mb.clone() for mb in batch.to(device, non_blocking=True).chunk(m)]
 
 
 # ----------------------------------------------------------------------------- the GPipe schedule
-def post(op, tensor, peer):
-    """Start one transfer (op: dist.isend or dist.irecv) and return its request, through batch_isend_irecv
-    even alone: on NCCL every transfer then runs on the group's one communicator, in the order posted. A
-    request's wait() makes the host wait on gloo; on NCCL it makes the current stream wait, never the host."""
-    return dist.batch_isend_irecv([dist.P2POp(op, tensor, peer)])[0]
+def post(op, tensor, peer, group):
+    """Start one transfer (op: dist.isend or dist.irecv) with peer, a rank within group; return its request,
+    through batch_isend_irecv even alone: on NCCL every transfer then runs on the group's one communicator,
+    in the order posted. A request's wait() makes the host wait on gloo; on NCCL the stream, not the host."""
+    return dist.batch_isend_irecv([dist.P2POp(op, tensor, group=group, group_peer=peer)])[0]
 
 
 def rng_state(device):
@@ -116,7 +121,7 @@ def rng_state(device):
     return torch.get_rng_state(), torch.cuda.get_rng_state(device) if device.type == "cuda" else None
 
 
-def gpipe_step(stage, xs, ys, loss_fn, prev, nxt, recv_shape, recompute=False, observe=None):
+def gpipe_step(stage, xs, ys, loss_fn, prev, nxt, recv_shape, recompute=False, observe=None, group=None):
     """One global batch through this rank's stage: F of micro-batches 0..m-1, then B of 0..m-1 (the flush),
     leaving the whole batch's gradient summed in the stage's .grad. Returns the sum of the m micro-batch
     losses (0-dim, float64; 0 except on the last stage).
@@ -125,16 +130,26 @@ def gpipe_step(stage, xs, ys, loss_fn, prev, nxt, recv_shape, recompute=False, o
                   the last ys (the others may pass Nones)
       loss_fn     loss_fn(output, target): the micro-batch's share of the batch loss (a sum over its samples
                   divided by the whole batch's count, so that the m gradients add up to the batch's)
-      prev, nxt   global ranks of the stages before and after this one, None at the ends
+      prev, nxt   ranks within `group` (the pipeline's; None: the default group) of the stages before and
+                  after this one, None at the ends
       recv_shape  shape of the activation received from prev, the same for every micro-batch: (b, T, D) here
       recompute   re-materialisation: F keeps only its input, B reruns F first
       observe     observe(kind, mb): a context manager entered around every F and B, to time or measure it
     Each transfer is posted as soon as its buffer exists and waited only where its data is needed: a receive
     one micro-batch ahead (it arrives while this stage computes), a send when the next is posted (the stage
     computes on while it travels). On NCCL those waits hold the stream: the host queues ahead of the GPU.
-    NCCL wants one collective before the first batch_isend_irecv: the caller runs it (see main)."""
+    NCCL wants one collective on the group before its first batch_isend_irecv: the caller runs it (see main).
+    What the schedule relies on is checked before any transfer (ValueError)."""
     observe = observe or (lambda kind, mb: contextlib.nullcontext())
     m, first, last = len(xs), prev is None, nxt is None
+    size, me = dist.get_world_size(group), dist.get_rank(group)
+    if m < 1 or len(ys) != m:
+        raise ValueError(f"{m} micro-batch inputs, {len(ys)} targets: give m >= 1 of each (None: unread)")
+    if me < 0 or any(q is not None and (q == me or not 0 <= q < size) for q in (prev, nxt)):
+        raise ValueError(f"prev {prev}, nxt {nxt}: give other ranks within the group (0..{size - 1}; this is "
+                         f"{me}), not global ranks, on a rank of the group")
+    if first and len({x.shape for x in xs}) > 1:  # the next stage receives every micro-batch into one shape
+        raise ValueError(f"micro-batches of shapes {sorted({tuple(x.shape) for x in xs})}: cut equal ones")
     like = next(stage.parameters())  # dtype and device of what is received
     inputs, outputs, rng = [None] * m, [None] * m, [None] * m
     loss_sum = torch.zeros((), dtype=torch.float64, device=like.device)
@@ -142,7 +157,7 @@ def gpipe_step(stage, xs, ys, loss_fn, prev, nxt, recv_shape, recompute=False, o
 
     def recv(shape, peer):  # an empty buffer and the posted receive that fills it
         buf = torch.empty(shape, dtype=like.dtype, device=like.device)
-        return buf, post(dist.irecv, buf, peer)
+        return buf, post(dist.irecv, buf, peer, group)
 
     def finish_sends():
         while sending:
@@ -150,7 +165,7 @@ def gpipe_step(stage, xs, ys, loss_fn, prev, nxt, recv_shape, recompute=False, o
 
     def send(t, peer):
         finish_sends()
-        sending.append((post(dist.isend, t, peer), t))
+        sending.append((post(dist.isend, t, peer, group), t))
 
     def forward(i):  # the stage's forward of micro-batch i; on the last stage, its loss
         out = stage(inputs[i])

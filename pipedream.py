@@ -53,7 +53,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from einops import rearrange
 
-from common import (build_gpt, clip_grads_, count_tokens, DTYPES, fail, GPTConfig, init_dist, lm_loss,
+from common import (build_gpt, count_tokens, DTYPES, fail, GPTConfig, init_dist, lm_loss,
                     make_optimizer, MarkovData)
 from harness import (assemble_full, busy_ms, check_against_reference, check_common_args, CommCounter,
                      CommonArgs, draw_timeline, env_world_size, gather_rows, LiveStorages, parse_args,
@@ -71,8 +71,9 @@ class Args(CommonArgs):
 
 # ----------------------------------------------------------------------------- the stages
 def split_layers(n_layers, p):
-    """Blocks [start, end) of each of p stages, as even as possible; the earlier stages take the extra block
-    (the last stage carries the head and the loss already)."""
+    """Blocks [start, end) of each of p stages, as even as possible; the earlier ones take the extras."""
+    if not 1 <= p <= n_layers:
+        raise ValueError(f"{p} stages of {n_layers} blocks: each needs a block; use 1 to {n_layers} stages")
     base, extra = divmod(n_layers, p)
     return [(s * base + min(s, extra), (s + 1) * base + min(s + 1, extra)) for s in range(p)]
 
@@ -101,6 +102,8 @@ class Stage(nn.Module):
 # ----------------------------------------------------------------------------- the schedules
 def one_f_one_b(n, p, s):
     """Stage s's ops for a stream of n micro-batches: p-s-1 warm-up Fs, then F and B in turn, then Bs."""
+    if not 0 <= s < p or n < 1:
+        raise ValueError(f"stage {s} of {p}, {n} micro-batches: give a stage 0..p-1 and n >= 1")
     warm = min(p - s - 1, n)
     ops = [("F", k) for k in range(warm)]
     for i in range(n - warm):
@@ -115,11 +118,11 @@ def split_at_step_ends(ops, m):
     return [ops[a:z] for a, z in zip([0] + ends, ends)]
 
 
-def p2p(sends, recvs):
-    """One batch_isend_irecv of [(tensor, peer)] sends and receives, then wait. Two blocking sends facing each
-    other deadlock under NCCL; sends and receives in one batch cannot."""
-    ops = [dist.P2POp(dist.isend, t, peer) for t, peer in sends]
-    ops += [dist.P2POp(dist.irecv, t, peer) for t, peer in recvs]
+def p2p(sends, recvs, group):
+    """One batch_isend_irecv of [(tensor, peer: a rank within group)] sends and receives, then wait. Two
+    blocking sends facing each other deadlock under NCCL; sends and receives in one batch cannot."""
+    ops = [dist.P2POp(dist.isend, t, group=group, group_peer=peer) for t, peer in sends]
+    ops += [dist.P2POp(dist.irecv, t, group=group, group_peer=peer) for t, peer in recvs]
     for req in dist.batch_isend_irecv(ops) if ops else []:
         req.wait()
 
@@ -127,6 +130,8 @@ def p2p(sends, recvs):
 def to_device(m, device, *batch):
     """A step's global (B, ...) tensors as m micro-batches (m, B/m, ...), copied to the device once per step
     (pinned and non-blocking on a GPU), never once per micro-batch in the middle of the schedule."""
+    if m < 1 or any(len(t) % m for t in batch):
+        raise ValueError(f"batches of {[len(t) for t in batch]} do not cut into m = {m} equal micro-batches")
     batch = [rearrange(t, "(m b) ... -> m b ...", m=m) for t in batch]
     if device.type == "cuda":
         batch = [t.pin_memory() for t in batch]
@@ -144,17 +149,19 @@ TAG = 4
 class StageRunner:
     """One pipeline stage running its ops ("F", k), ("B", k) in order, for any stage module; when the weights
     change is the policy's (Flush, Stash, TwoBW). source(k): (stage 0's input, the last stage's target) of
-    micro-batch k, for loss_fn(output, target); in_shape / out_shape: what arrives from prev / leaves for next
-    (ranks, None at the ends); observe(kind, k, **tags): a context around every op, to watch it. NCCL wants
-    one collective before the first batch_isend_irecv: the caller runs it (see main)."""
+    micro-batch k, for loss_fn(output, target); in_shape / out_shape: what arrives from prev / leaves for
+    next, its neighbours in `group` (the pipeline's ranks in stage order; None: the default group);
+    observe(kind, k, **tags): a context around every op. NCCL wants a collective on the group first."""
 
-    def __init__(self, policy, source, loss_fn, in_shape, out_shape, dtype, device, prev=None, next=None,
+    def __init__(self, policy, source, loss_fn, in_shape, out_shape, dtype, device, group=None,
                  observe=lambda kind, k, **tags: contextlib.nullcontext()):
         self.policy, self.source, self.loss_fn = policy, source, loss_fn
         self.shape, self.dtype, self.device = {"F": in_shape, "B": out_shape}, dtype, device
-        self.prev, self.next, self.observe = prev, next, observe
-        self.alive = {}  # k -> (input, output, version), F to B
-        self.outbox, self.losses = [], {}
+        s, p, self.group, self.observe = dist.get_rank(group), dist.get_world_size(group), group, observe
+        if s < 0:
+            raise ValueError("this rank is not in the pipeline's group: make StageRunners on its ranks only")
+        self.prev, self.next = s - 1 if s > 0 else None, s + 1 if s < p - 1 else None  # ranks in the group
+        self.alive, self.outbox, self.losses = {}, [], {}  # alive: k -> (input, output, version), F to B
 
     def tag(self, *xs):  # (TAG,) on the device, from numbers or 0-d device tensors: no host round trip
         t = torch.zeros(TAG, dtype=torch.float64, device=self.device)
@@ -173,7 +180,7 @@ class StageRunner:
         peer, x, tag = {"F": self.prev, "B": self.next}.get(kind), None, None
         if peer is not None:  # (none: stage 0 reads tokens, the last stage starts B from its loss)
             x, tag = torch.empty(self.shape[kind], dtype=self.dtype, device=self.device), self.tag()
-        p2p(self.outbox, [] if peer is None else [(x, peer), (tag, peer)])
+        p2p(self.outbox, [] if peer is None else [(x, peer), (tag, peer)], self.group)
         self.outbox = []
         return x, tag
 
@@ -235,11 +242,11 @@ class Flush:
         grads = [q.grad for q in self.stage.parameters() if q.grad is not None]
         sq = squared_norm(grads)  # () this stage's squared norm; a (1,) norm could not scale a 0-dim grad
         dist.all_reduce(sq, group=self.group)  # () summed over stages: the whole model's
-        self.step(grads, sq)
+        self.step(sq)
 
-    def step(self, grads, sq):  # one update of the live weights, clipped by the whole model's norm^2 (or not)
-        if sq is not None:
-            clip_grads_(grads, sq.sqrt(), self.clip)
+    def step(self, sq):  # one update of the live weights, clipped by the whole model's norm^2 (or not)
+        if sq is not None and self.clip > 0:  # torch's clip_grad_norm_ rule, by the whole model's norm
+            torch.nn.utils.clip_grads_with_norm_(self.stage.parameters(), self.clip, sq.sqrt())
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
         self.version += 1
@@ -254,8 +261,7 @@ class Stash(Flush):
     def __init__(self, stage, opt, lag):
         super().__init__(stage, opt, clip=0)
         self.lag, self.versions = lag, {0: copy.deepcopy(stage)}  # version -> frozen copy of the stage
-        self.in_flight = collections.Counter()  # version -> micro-batches between their F and their B
-        self.next_f = 0  # the next micro-batch to run forward here
+        self.in_flight, self.next_f = collections.Counter(), 0  # version -> micro-batches F to B; the next F
 
     def version_for(self, k):  # the rule of one uninterrupted stream: a drain changes timing, never versions
         return max(0, k - self.lag)
@@ -278,7 +284,7 @@ class Stash(Flush):
     def update(self, grads, sq):  # one step of the live weights with these gradients, frozen as a new version
         for q, g in zip(self.stage.parameters(), grads):
             q.grad = g
-        self.step(grads, sq)
+        self.step(sq)
         self.drop_unused()  # first, so that a real system could reuse a dropped version's buffer
         self.versions[self.version] = copy.deepcopy(self.stage)  # 2bw: the double buffer's other half
         self.drop_unused()
@@ -297,9 +303,12 @@ class TwoBW(Stash):
     autograd must never see a tensor it saved change in place). Batch t's whole-model norm: each stage adds
     its squared norm to the partial sum riding up with the gradients; stage 0 has the total."""
 
-    def __init__(self, stage, opt, m, p, clip, first, src=0, group=None):
+    def __init__(self, stage, opt, m, clip, group=None):  # group: the pipeline's, in stage order
         super().__init__(stage, opt, lag=None)
-        self.m, self.p, self.clip, self.first, self.src, self.group = m, p, clip, first, src, group
+        self.m, self.p, self.clip, self.group = m, dist.get_world_size(group), clip, group
+        if m < self.p:  # learn_norm's invariant
+            raise ValueError(f"2bw needs m >= p ({m} micro-batches, {self.p} stages): use m >= {self.p}")
+        self.first = dist.get_rank(group) == 0
         self.batch_grads = {}  # batch -> its summed gradient, until the whole-model norm arrives
         zero = torch.zeros((), dtype=torch.float64, device=next(stage.parameters()).device)
         self.known = (-1, zero)  # (newest batch whose whole-model norm^2 is known here, that norm^2)
@@ -326,8 +335,7 @@ class TwoBW(Stash):
     def learn_norm(self, t, sq):
         """Batch t's whole-model squared norm (on the device) is known here now: its update is made, first
         needed by batch t+2, which starts here after the norm passes with micro-batch (t+1)m + p-1. A message
-        carries only the newest norm its sender knows: every norm a stage learns must be the next it expects,
-        or an update would be skipped (m < p breaks this: see check_args)."""
+        carries its sender's newest norm only, so each norm learnt must be the next expected (m >= p)."""
         if t == self.known[0]:
             return  # nothing new
         if t != self.known[0] + 1 or t not in self.batch_grads:
@@ -338,7 +346,7 @@ class TwoBW(Stash):
 
     def drain(self, t):
         sq = self.known[1].clone()  # () the last batch's norm has no activation left to ride on
-        dist.broadcast(sq, src=self.src, group=self.group)
+        dist.broadcast(sq, group=self.group, group_src=0)
         self.learn_norm(t, sq)
         self.drained_norm = t  # the next segment's tags carry it until stage 0 knows a newer one
 
@@ -377,9 +385,8 @@ def main():
     # --- setup (same in every file) ---
     d = init_dist(args.timeout)
     s, data, bounds = d.rank, MarkovData(args.vocab, args.seed), split_layers(args.n_layers, p)
-    d.log(f"pipedream.py --mode {args.mode}{' --vertical-sync' if args.vertical_sync else ''}: {p} stages x "
-          f"{m} micro-batches of {args.batch_size // m} sequences on {d.backend}; entropy floor "
-          f"{data.entropy:.4f} nats/token")
+    d.log(f"pipedream.py --mode {args.mode}{' --vertical-sync' * args.vertical_sync}: {p} stages x {m} "
+          f"micro-batches of {args.batch_size // m} on {d.backend}; entropy floor {data.entropy:.4f} nats")
     d.log("split: " + " | ".join(f"stage {r}: {'embedding + ' if r == 0 else ''}blocks {a}..{z - 1}"
                                  f"{' + norm + head + loss' if r == p - 1 else ''}"
                                  for r, (a, z) in enumerate(bounds)))
@@ -389,12 +396,8 @@ def main():
     shapes, stage = {n: q.shape for n, q in gpt.named_parameters()}, Stage(gpt, s, bounds).to(d.device)
     opt = make_optimizer(stage.parameters(), args)
     sync = args.mode == "flush"  # one schedule per step, drained; stash, 2bw: one stream for the run
-    if sync:
-        policy = Flush(stage, opt, args.clip)
-    elif args.mode == "stash":  # lag: the stage's warm-up p-s-1 (vertical sync: stage 0's, p-1)
-        policy = Stash(stage, opt, lag=p - 1 if args.vertical_sync else p - s - 1)
-    else:
-        policy = TwoBW(stage, opt, m, p, args.clip, first=s == 0)
+    policy = (Flush(stage, opt, args.clip) if sync else TwoBW(stage, opt, m, args.clip) if args.mode == "2bw"
+              else Stash(stage, opt, lag=p - 1 if args.vertical_sync else p - s - 1))  # lag: warm-up p-s-1
     batches = {}  # step -> (m, b, T) tokens and targets on the device, the global token count
 
     def source(k):  # micro-batch k: stage 0's tokens (b, T); the last stage's targets (b, T) and token count
@@ -404,11 +407,10 @@ def main():
     act = (args.batch_size // m, args.seq_len, args.d_model)  # (b, T, D): what crosses a stage boundary
     observer, comm = Observer(d, args), CommCounter()
     runner = StageRunner(policy, source, lambda logits, y: lm_loss(logits, *y), act, act, dtype, d.device,
-                         s - 1 if s > 0 else None, s + 1 if s < p - 1 else None, observer)
+                         observe=observer)  # the stages in the default group: stage s on rank s
     observer.runner = runner
     run = Run(d, args, {"model": stage, "optim": opt, "pipe": PolicyState(policy)})
-    # flush: every step its own schedule, drained before the optimizer step. stash, 2bw: one schedule for
-    # the run, drained only where a checkpoint is saved (--ckpt-dir), so that the checkpoint is consistent.
+    # flush: a schedule per step, drained before the update. stash, 2bw: one, drained only at a checkpoint
     ends = [t for t in range(run.start + 1, args.steps + 1)
             if sync or t == args.steps or (args.save_every and t % args.save_every == 0)]
     stream = [(kind, a * m + k) for a, z in zip([run.start] + ends, ends)

@@ -50,7 +50,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from einops import rearrange
 
-from common import (build_gpt, clip_grads_, count_tokens, DTYPES, fail, GPTConfig, init_dist, lm_loss,
+from common import (build_gpt, count_tokens, DTYPES, fail, GPTConfig, init_dist, lm_loss,
                     make_optimizer, MarkovData)
 from harness import (assemble_full, busy_ms, check_against_reference, check_common_args, CommCounter,
                      CommonArgs, draw_timeline, env_world_size, gather_rows, LiveStorages, parse_args,
@@ -87,10 +87,9 @@ class _LinearDeferringW(torch.autograd.Function):
 
 class SplitBackward:
     """Zero Bubble's B and W for `module` (Qi et al. 2024, Sec. 2): every nn.Linear inside defers its weight
-    gradient. backward_input(out, grad), B: one autograd backward, giving the input and every parameter not a
-    Linear's (LayerNorm, embeddings: elementwise or scatter work, small beside the products) its gradient;
-    returns what W needs. backward_weight(that), W: dW = dy^T x and db = sum(dy) per Linear, the very
-    products autograd forms, added to .grad as autograd adds: B then W equals one backward bit for bit."""
+    gradient. backward_input(out, grad), B: one autograd backward, the input's gradient and every non-Linear
+    parameter's (LayerNorm, embeddings: small beside the products); returns what W needs. backward_weight
+    (that), W: dW = dy^T x, db = sum(dy) per Linear, autograd's products: B then W is one backward bitwise."""
 
     def __init__(self, module):
         self.saved = []  # (layer, x, dy), appended by the B in progress
@@ -119,13 +118,14 @@ class SplitBackward:
 # ----------------------------------------------------------------------------- the chunks of the model
 def split_layers(n_layers, n):
     """Blocks [start, end) of each of n chunks, as even as possible; the earlier chunks take the extras."""
+    if not 1 <= n <= n_layers:
+        raise ValueError(f"{n} chunks of {n_layers} blocks: each needs a block; use 1 to {n_layers} chunks")
     base, extra = divmod(n_layers, n)
     return [(c * base + min(c, extra), (c + 1) * base + min(c + 1, extra)) for c in range(n)]
 
 
 class Chunk(nn.Module):
-    """Blocks [start, end) of the seeded GPT, plus the embedding on the first chunk and ln_f + head on the
-    last. The GPT's parameter names are kept ("blocks.2.attn.q.weight"): together the chunks are the GPT."""
+    """Blocks [start, end) of the GPT (names kept); the first chunk adds the embedding, the last ln_f+head."""
 
     def __init__(self, gpt, c, bounds):
         super().__init__()
@@ -148,8 +148,7 @@ class Chunk(nn.Module):
 def zbh1(p, m, r):
     """ZB-H1 on rank r (chunk r of p): ops (kind, chunk, micro-batch). 1F1B's F and B: p-r-1 warm-up
     forwards, then one F and one B in turn, then the cool-down B's; each B followed by the oldest W still to
-    run, except the first r B's: their W's end the schedule (the order of torch's
-    ScheduleInterleavedZeroBubble with one stage per rank)."""
+    run, but the first r B's: their W's end it (torch's ScheduleInterleavedZeroBubble, one stage per rank)."""
     warm = min(p - r - 1, m)
     fb = [("F", k) for k in range(warm)]
     for i in range(m - warm):
@@ -167,15 +166,13 @@ def zbh1(p, m, r):
 
 # ----------------------------------------------------------------------------- messages, placed in time
 def needs(op, n):
-    """The message op (kind, c, k) waits for: ("F", c, k), its input, from chunk c-1; ("B", c, k), its
-    output's gradient, from chunk c+1; None from tokens (chunk 0's F), its loss (the last B), its B (a W)."""
+    """The message op (kind, c, k) waits for, from chunk c-1 (F) or c+1 (B); None: tokens, a loss, a B (W)."""
     kind, c, _ = op
     return None if kind == "W" or (kind, c) in (("F", 0), ("B", n - 1)) else op
 
 
-def producer(msg):
-    kind, c, k = msg
-    return ("F", c - 1, k) if kind == "F" else ("B", c + 1, k)
+def producer(msg):  # the op that makes message (kind, c, k)
+    return ("F", msg[1] - 1, msg[2]) if msg[0] == "F" else ("B", msg[1] + 1, msg[2])
 
 
 def ideal_timeline(orders, n):
@@ -192,20 +189,18 @@ def ideal_timeline(orders, n):
                 if any(dep not in at for dep in deps):
                     break
                 start = max([free[r]] + [at[dep][2] for dep in deps])
-                free[r] = start + 1
-                at[op], nxt[r], moved = (r, start, free[r]), nxt[r] + 1, True
+                at[op], free[r], nxt[r], moved = (r, start, start + 1), start + 1, nxt[r] + 1, True
         if not moved:
-            raise RuntimeError("the schedule waits on itself")
+            raise ValueError("the schedule waits on itself: give every rank's ops of one schedule, in order")
     return at
 
 
 def comm_plan(orders, n, r):
     """Rank r's steps for one batch: ("op", op) and ("p2p", sends, recvs) with [(peer pp rank, message)].
-    Each message travels at one moment G of the ideal timeline, between the op that makes it and the op that
-    uses it: the first at which both ranks are between ops (else when it is made). Both ranks post it in
-    their batch of G, so all ranks post batches in order of G and none waits for a later one: no cycle (NCCL
-    deadlocks on a send whose receive is posted behind a wait on the sender). Messages are sorted alike on
-    both sides (one FIFO order per pair of ranks). A message within one rank (the V's turn) is none."""
+    Each message travels at one moment G of the ideal timeline between the op that makes it and the one that
+    uses it: the first at which both ranks are between ops (else when made). Both post it in their batch of
+    G, so all post batches in order of G, none waiting for a later one: no cycle (NCCL deadlocks on a send
+    whose receive is posted behind a wait on the sender). Sorted alike on both sides; none within a rank."""
     at, items = ideal_timeline(orders, n), collections.defaultdict(lambda: ([], []))
     spans = collections.defaultdict(list)  # pp rank -> (start, end) of its ops
     for q, start, end in at.values():
@@ -234,19 +229,25 @@ class PipelineRank:
     """One rank of one pipeline: runs `plan` (comm_plan's steps) over its chunks for one batch, to the flush.
         chunks   {global chunk index: module} of n; chunk 0 reads inputs[k], chunk n-1 loss_fn(., targets[k])
         split    a SplitBackward over this rank's chunks: B keeps what W needs, W adds the weight gradients
-        peers    pp rank -> global rank; every message is one tensor of msg_shape and dtype, on device
+        group    the pipeline's ranks in pp rank order; every message is one tensor of msg_shape and dtype
         observe  a context around every F, B, W (observe(kind, mb, chunk=c)) and p2p (observe("p2p", None,
-                 recvs=[message, ...])), for the measurement to watch through
-    NCCL wants one collective before the first batch_isend_irecv: the caller runs it (see main)."""
+                 recvs=[message, ...])). NCCL wants a collective on the group first: the caller runs it."""
 
-    def __init__(self, chunks, n, plan, split, peers, msg_shape, dtype, device, observe=None):
-        self.chunks, self.n, self.plan, self.split, self.peers = chunks, n, plan, split, peers
+    def __init__(self, chunks, n, plan, split, group, msg_shape, dtype, device, observe=None):
+        self.chunks, self.n, self.plan, self.split, self.group = chunks, n, plan, split, group
         self.msg_shape, self.dtype, self.device = msg_shape, dtype, device
         self.observe = observe or (lambda *a, **k: contextlib.nullcontext())
         self.inbox, self.outbox, self.alive, self.waiting = {}, {}, {}, {}
+        peers = {q for step, *what in plan if step == "p2p" for q, _ in what[0] + what[1]}  # pp ranks
+        if dist.get_rank(group) < 0 or not peers <= set(range(dist.get_world_size(group))):
+            raise ValueError(f"the plan's peers {sorted(peers)} are not in the group: plan for p = its size")
+        self.m = 1 + max(op[2] for step, op, *_ in plan if step == "op")  # micro-batches the plan runs
 
     def run(self, inputs, targets, loss_fn):
         """inputs, targets: m micro-batches each. Returns the summed loss of those scored here (0-dim)."""
+        if len(inputs) != self.m or len(targets) != self.m or len({x.shape for x in inputs}) > 1:
+            raise ValueError(f"the plan runs m = {self.m} micro-batches of one shape: got {len(inputs)} "
+                             f"inputs {sorted({tuple(x.shape) for x in inputs})}, {len(targets)} targets")
         self.loss = torch.zeros((), dtype=torch.float64, device=self.device)
         for step, *what in self.plan:
             if step == "p2p":
@@ -266,12 +267,11 @@ class PipelineRank:
     def exchange(self, sends, recvs):
         """One batch_isend_irecv: sends [(pp rank, message)] from the outbox, receives into the inbox."""
         into = {msg: torch.empty(self.msg_shape, dtype=self.dtype, device=self.device) for _, msg in recvs}
-        ops = [dist.P2POp(dist.isend, self.outbox.pop(msg).contiguous(), self.peers[q], tag=TAG[msg[0]])
-               for q, msg in sends]
-        ops += [dist.P2POp(dist.irecv, into[msg], self.peers[q], tag=TAG[msg[0]]) for q, msg in recvs]
-        if ops:
-            for req in dist.batch_isend_irecv(ops):
-                req.wait()
+        out = [(dist.isend, self.outbox.pop(msg).contiguous(), q, msg) for q, msg in sends]
+        ops = [dist.P2POp(op, t, group=self.group, group_peer=q, tag=TAG[msg[0]])  # q: a pp rank
+               for op, t, q, msg in out + [(dist.irecv, into[msg], q, msg) for q, msg in recvs]]
+        for req in dist.batch_isend_irecv(ops) if ops else []:
+            req.wait()
         self.inbox.update(into)
 
     def hand_on(self, msg, t):
@@ -297,10 +297,10 @@ class PipelineRank:
 
 
 # ----------------------------------------------------------------------------- after the flush: DP, clipping
-def finish_batch(params, loss, dp_group, dp_rank, max_norm):
+def finish_batch(params, loss, dp_group, group, max_norm):
     """1. Data parallel: every gradient summed over the replicas in one all-reduce (micro-batch losses are
-    divided by the global token count: the sum is the batch's gradient). 2. The model's squared norm and the
-    loss in one all-reduce over the world (the norm counted on dp rank 0). 3. Clip. Returns (loss, norm)."""
+    divided by the global token count: the sum is the batch's gradient). 2. The squared norm and the loss in
+    one all-reduce over `group`, all pipelines (norm from dp rank 0). 3. Clip (0: none). -> (loss, norm)"""
     if dist.get_world_size(dp_group) > 1:
         flat = torch.cat([q.grad.reshape(-1) for q in params])  # (this rank's elements,)
         dist.all_reduce(flat, group=dp_group)
@@ -308,11 +308,11 @@ def finish_batch(params, loss, dp_group, dp_rank, max_norm):
             q.grad.copy_(part.view_as(q))
     acc = torch.promote_types(params[0].dtype, torch.float32)
     sq = torch.stack([torch.linalg.vector_norm(q.grad, dtype=acc) for q in params]).square().sum().double()
-    total = torch.stack([loss, sq if dp_rank == 0 else torch.zeros_like(sq)])  # (2,) loss piece, norm^2 piece
-    dist.all_reduce(total)
-    norm = total[1].sqrt()
-    clip_grads_([q.grad for q in params], norm, max_norm)
-    return total[0].item(), norm.item()
+    total = torch.stack([loss, sq if dist.get_rank(dp_group) == 0 else torch.zeros_like(sq)])  # (2,) pieces
+    dist.all_reduce(total, group=group)  # (2,) the batch loss, the whole model's squared norm
+    if max_norm > 0:
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total[1].sqrt())
+    return total[0].item(), total[1].sqrt().item()
 
 
 # ----------------------------------------------------------------------------- ZB-V: two chunks in a V
@@ -321,6 +321,8 @@ def zbv(p, m, r):
     1. warm-up: 2(p-r)-1 F down; then r times F up, F down; then p-r times F up, B up, W up
     2. steady: F down (while micro-batches remain), B down, W down, F up, B up, W up, until every F ran
     3. cool-down: r times B down, B up; p-r times B down, W down (the oldest); then the W's left, up first."""
+    if m < 2 * p - 1:  # rank 0's warm-up alone runs 2p-1 forwards
+        raise ValueError(f"zbv needs m >= 2p-1 = {2 * p - 1} micro-batches at p = {p}, got {m}")
     down, up = r, 2 * p - 1 - r
     ops, done = [], collections.Counter()
 
@@ -348,9 +350,7 @@ def zbv(p, m, r):
 
 
 SCHEDULES = {  # name -> (rank r's ops, chunks in all, the pp rank holding chunk c)
-    "zbh1": (zbh1, lambda p: p, lambda c, p: c),
-    "zbv": (zbv, lambda p: 2 * p, lambda c, p: min(c, 2 * p - 1 - c)),
-}
+    "zbh1": (zbh1, lambda p: p, lambda c, p: c), "zbv": (zbv, lambda p: 2 * p, lambda c, p: min(c, 2*p-1-c))}
 
 
 # ----------------------------------------------------------------------------- argument checks, main
@@ -385,7 +385,7 @@ def check_args(args):
 def main():
     args = parse_args(Args)
     world, p = check_args(args)
-    dp, m = args.dp, args.microbatches
+    dp, m, b = args.dp, args.microbatches, args.batch_size // (args.dp * args.microbatches)  # b: micro-batch
     order, n_chunks, holder = SCHEDULES[args.schedule]
 
     # --- setup (same in every file) ---
@@ -393,8 +393,8 @@ def main():
     data, bounds = MarkovData(args.vocab, args.seed), split_layers(args.n_layers, n_chunks(p))
     grid = torch.arange(world).view(p, dp)  # data parallel outermost: a pipeline is a column, grid[:, j]
     pp_rank, dp_rank = [int(i) for i in (grid == d.rank).nonzero()[0]]
-    dp_groups = [dist.new_group(grid[i, :].tolist()) for i in range(p)]  # every rank creates every group
-    peers, b = grid[:, dp_rank].tolist(), args.batch_size // (dp * m)  # pp rank -> global rank
+    dp_group = [dist.new_group(grid[i, :].tolist()) for i in range(p)][pp_rank]  # every rank makes each group
+    pp_group = [dist.new_group(grid[:, j].tolist()) for j in range(dp)][dp_rank]  # a pipeline, pp rank order
     d.log(f"zero_bubble.py --schedule {args.schedule}: pp {p} x dp {dp}, {len(bounds)} chunks, m = {m} "
           f"micro-batches of {b} per replica, on {d.backend}; entropy floor {data.entropy:.4f} nats/token")
     torch.manual_seed(args.seed + d.rank)  # dropout masks (if any) differ per rank
@@ -409,10 +409,10 @@ def main():
     run = Run(d, args, {"model": chunks, "optim": opt})
     orders = [order(p, m, r) for r in range(p)]
     plan = comm_plan(orders, len(bounds), pp_rank)
-    # NCCL sets up its communicator at the first collective; batched point-to-point must not come first
-    dist.all_reduce(torch.zeros(1, device=d.device))
+    # NCCL sets up a group's communicator at its first collective; batched point-to-point must not come first
+    dist.all_reduce(torch.zeros(1, device=d.device), group=pp_group)
     watch, comm = Watch(d, args, (pp_rank, dp_rank)), CommCounter(log=True)
-    runner = PipelineRank({c: chunks[str(c)] for c in mine}, len(bounds), plan, split, peers,
+    runner = PipelineRank({c: chunks[str(c)] for c in mine}, len(bounds), plan, split, pp_group,
                           (b, args.seq_len, args.d_model), dtype, d.device, observe=watch)
     watch.runner, watch.state = runner, lambda: state_bytes(chunks, opt)
     for step in run.steps():
@@ -424,7 +424,7 @@ def main():
         # count the sends of the step before last (counting slows ops; the last step's bubble is reported)
         with run.watching(step, comm, at=max(run.start, args.steps - 2)):
             loss = runner.run(*mbs, lambda logits, tgt: lm_loss(logits, tgt, n_tok))
-            loss, _ = finish_batch(params, loss, dp_groups[pp_rank], dp_rank, args.clip)
+            loss, _ = finish_batch(params, loss, dp_group, dist.group.WORLD, args.clip)
         opt.step()
         opt.zero_grad(set_to_none=True)
         run.end_step(step, loss)

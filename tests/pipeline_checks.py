@@ -11,16 +11,20 @@ own main()), and run its core (and zero_bubble.py's) on a model that is not the 
     2bw-fewer       --mode 2bw with its m >= p guard lifted, so the drain would skip a norm
     resume-newest   resumed from a checkpoint with every stashed version replaced by the live weights (the
                     checkpoint's versions ignored): the run goes on, on the wrong weights
-    copy-out OUT    StageRunner + Flush under 1F1B, clipped, on three toy stages that are not the GPT (nested
-                    modules, parameters on root modules, a 0-dim one, odd widths, 2-D and 3-D inputs to Linears,
-                    a smooth-L1 loss), plain torch.distributed on gloo; once more with the optimizer's zero_grad
-                    dropped; then on two stages (the first two toy stages as one) on ranks 0-1 of the three,
-                    with the norm's group= [0, 1]. Writes OUT/{1f1b,1f1b-no-zero-grad,1f1b-2-stages}-rank{r}.pt
-                    (the stage's parameters, stage 0's losses); tests/test_pipedream.py trains the same model
-                    in one process.
-    zb-copy-out OUT zero_bubble.py's SplitBackward + comm_plan + PipelineRank + finish_batch (clipped) on a ZBNet
-                    (not the GPT; a 0-dim parameter) over 2 ranks, ZB-H1 and ZB-V, against one-process training
-                    (and two broken W's), OUT as JSON; then
+    copy-out OUT    pipedream.py's technique section alone (tests/section.py: executed with torch and einops
+                    only, as a copier takes it): StageRunner + Flush under 1F1B, clipped, on three toy stages
+                    that are not the GPT (nested modules, parameters on root modules, a 0-dim one, odd widths,
+                    2-D and 3-D inputs to Linears, a smooth-L1 loss), plain torch.distributed on gloo; once more
+                    with the optimizer's zero_grad dropped; then on two stages (the first two toy stages as one)
+                    in the group of global ranks [2, 0] (stage 0 on rank 2, stage 1 on rank 0; rank 1 sits
+                    out), the runner's and the norm's group. Writes OUT/{1f1b,1f1b-no-zero-grad,1f1b-2-stages}-
+                    stage{s}.pt (the stage's parameters, stage 0's losses); tests/test_pipedream.py trains the
+                    same model in one process. Then each core given what it cannot do (issue 30, deliver 2):
+                    OUT/bad-rank{r}.pt, {case: (the error, the collectives a CommCounter saw before it)}.
+    zb-copy-out OUT zero_bubble.py's technique section alone (tests/section.py): SplitBackward + comm_plan +
+                    PipelineRank + finish_batch (clipped) on a ZBNet (not the GPT; a 0-dim parameter) over 2
+                    ranks in the group [1, 0] (pp rank 0 on global rank 1), ZB-H1 and ZB-V, against one-process
+                    training (and two broken W's), then each core given what it cannot do; OUT as JSON; then
                     zero_bubble.py's own main in the same processes (tests/test_zero_bubble.py).
 
 Run: torchrun --standalone --nproc_per_node=P tests/pipeline_checks.py CASE [the file's flags]"""
@@ -28,12 +32,14 @@ import copy
 import os
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # tests/section.py
 
 
 # ----------------------------------------------------------------------------- the tags, from the schedule
@@ -183,12 +189,14 @@ def toy_optimizer(params):
     return torch.optim.AdamW(params, lr=TOY["lr"], weight_decay=0.1, foreach=False)
 
 
-def copy_out(pipedream, out_dir):
+def copy_out(out_dir):
     """The runner needs only torch: a process group, a stage module, an optimizer, a micro-batch source."""
+    import section
     import torch.distributed as dist
+    core = section.load("pipedream.py")  # the technique section alone, as a copier takes it
     dist.init_process_group("gloo")
-    r, p, m, b, T, w = dist.get_rank(), dist.get_world_size(), TOY["m"], TOY["b"], TOY["T"], TOY["widths"]
-    assert p == 3, "copy-out runs three stages"
+    m, b, T, w = TOY["m"], TOY["b"], TOY["T"], TOY["widths"]
+    assert dist.get_world_size() == 3, "copy-out runs three stages"
     data = toy_data()
 
     def source(k):  # micro-batch k: (b, T, 5) inputs for stage 0; (b, 3) targets and the global count for the last
@@ -196,32 +204,60 @@ def copy_out(pipedream, out_dir):
         j = slice(k % m * b, (k % m + 1) * b)
         return x[j], (y[j], y.numel())
 
-    dist.all_reduce(torch.zeros(1))  # the collective NCCL wants before the first batched point-to-point
-    pair = dist.new_group([0, 1])  # the two-stage pipeline's ranks (every rank takes part in making it)
+    pair = dist.new_group([2, 0], sort_ranks=False)  # the two-stage pipeline: stage 0 on rank 2, 1 on rank 0
     for name in ("1f1b", "1f1b-no-zero-grad", "1f1b-2-stages"):
-        n, group, cuts = (2, pair, [0, 2, 3]) if "2-stages" in name else (p, None, [0, 1, 2, 3])
-        if r >= n:  # rank 2 sits out the two-stage pipeline
+        group, cuts = (pair, [0, 2, 3]) if "2-stages" in name else (None, [0, 1, 2, 3])
+        r, n = dist.get_rank(group), dist.get_world_size(group)  # this rank's stage, the stages
+        if r < 0:  # rank 1 sits out the two-stage pipeline
             continue
+        dist.all_reduce(torch.zeros(1), group=group)  # the collective NCCL wants before batched point-to-point
         whole = nn.Sequential(*toy_stages())
         stage, ins, outs = whole[cuts[r]:cuts[r + 1]], w[cuts[r]], w[cuts[r + 1]]  # toy stages [cut, next cut)
-        policy = pipedream.Flush(stage, toy_optimizer(stage.parameters()), TOY["clip"], group=group)
+        policy = core["Flush"](stage, toy_optimizer(stage.parameters()), TOY["clip"], group=group)
         if name == "1f1b-no-zero-grad":  # broken on purpose: each step's gradient adds to the last one's
             policy.opt.zero_grad = lambda set_to_none=True: None
-        runner = pipedream.StageRunner(policy, source, lambda out, target: toy_loss(out, *target),
-                                       (b, T, ins), (b, T, outs), torch.float64, torch.device("cpu"),
-                                       r - 1 if r > 0 else None, r + 1 if r < n - 1 else None)
+        runner = core["StageRunner"](policy, source, lambda out, target: toy_loss(out, *target), (b, T, ins),
+                                     (b, T, outs), torch.float64, torch.device("cpu"), group=group)
         losses = []
         for step in range(TOY["steps"]):
-            runner.run([(kind, step * m + k) for kind, k in pipedream.one_f_one_b(m, n, r)])
+            runner.run([(kind, step * m + k) for kind, k in core["one_f_one_b"](m, n, r)])
             runner.drain(step)
             assert not runner.alive, "a micro-batch left over"
             if r == 0:
                 losses.append(sum(runner.losses.pop(step * m + j) for j in range(m)).item())
         names = {id(q): nm for nm, q in whole.named_parameters()}  # the whole model's names ("2.temp")
         torch.save(dict(params={names[id(q)]: q.detach() for q in stage.parameters()}, losses=losses),
-                   Path(out_dir) / f"{name}-rank{r}.pt")
+                   Path(out_dir) / f"{name}-stage{r}.pt")
+    torch.save(bad_inputs(core, pair), Path(out_dir) / f"bad-rank{dist.get_rank()}.pt")
     dist.barrier()
     dist.destroy_process_group()
+
+
+def bad_inputs(core, pair):
+    """Each core given what it cannot do: {case: (error, collectives the counter saw)}; pair: ranks [2, 0]."""
+    import torch.distributed as dist
+    from harness import CommCounter
+    stage = nn.Sequential(*toy_stages())
+    opt = toy_optimizer(stage.parameters())
+    cases = {"split_layers, 3 stages of 2 blocks": lambda: core["split_layers"](2, 3),
+             "one_f_one_b, stage 2 of 2": lambda: core["one_f_one_b"](4, 2, 2),
+             "to_device, 7 rows into 2": lambda: core["to_device"](2, torch.device("cpu"), torch.zeros(7, 3)),
+             "TwoBW, m 2 < p 3": lambda: core["TwoBW"](stage, opt, 2, 0.0),
+             "StageRunner, a rank outside the group":
+                 lambda: core["StageRunner"](None, None, None, (1,), (1,), torch.float64, "cpu", group=pair),
+             "control: TwoBW, m 3 = p, drained": lambda: core["TwoBW"](stage, opt, 3, 0.0).drain(-1)}  # broadcasts
+    out = {}
+    for what, call in cases.items():
+        if "outside" in what and dist.get_rank(pair) >= 0:
+            continue  # rank 1 only
+        with CommCounter() as comm:
+            try:
+                call()
+                error = "no error"
+            except Exception as e:  # noqa: BLE001 (any other error is reported, and fails the test)
+                error = f"{type(e).__name__}: {e}"
+        out[what] = (error, dict(comm.calls))
+    return out
 
 
 # ----------------------------------------------------------------------------- zero_bubble.py's core, copied out
@@ -291,14 +327,18 @@ def zb_loss(out, y):  # squared error summed, over the whole batch's elements: m
     return ((out - y) ** 2).sum() / (ZB["b"] * ZB["n_out"])
 
 
-def zb_copy_out(zero_bubble, d, out_path):
+def zb_copy_out(d, out_path):
     """SplitBackward + comm_plan + PipelineRank + finish_batch (clipping by the whole model's norm), as a reader
-    copies them, on a ZBNet over 2 ranks (ZB-H1: 2 chunks; ZB-V: 4, two per rank in a V), plain SGD, against
-    one-process training of the same net with torch's clip_grad_norm_: the first step's clipped gradients, the
-    losses and the final parameters. Then the negatives: W never run; W of micro-batch k on micro-batch k-1's
-    saved inputs. Writes {case: {max_diff, losses}} and the reference's losses and norms."""
+    copies them (the technique section alone), on a ZBNet over 2 ranks in the group [1, 0] (pp rank r on global
+    rank 1 - r; ZB-H1: 2 chunks; ZB-V: 4, two per rank in a V), plain SGD, against one-process training of the
+    same net with torch's clip_grad_norm_: the first step's clipped gradients, the losses and the final
+    parameters. Then the negatives: W never run; W of micro-batch k on micro-batch k-1's saved inputs. Writes
+    {case: {max_diff, losses}}, the reference's losses and norms, and the bad inputs' errors."""
+    import section
     import torch.distributed as dist
-    p, m, steps = dist.get_world_size(), ZB["m"], ZB["steps"]
+    zero_bubble = SimpleNamespace(**section.load("zero_bubble.py"))  # the section alone, as a copier takes it
+    pp = dist.new_group([1, 0], sort_ranks=False)  # the pipeline: pp rank 0 on global rank 1
+    p, m, steps, r = dist.get_world_size(pp), ZB["m"], ZB["steps"], dist.get_rank(pp)
     ref, losses_ref, norms_ref, grads0 = ZBNet(), [], [], None
     opt = torch.optim.SGD(ref.parameters(), lr=ZB["lr"])
     for step in range(steps):
@@ -310,7 +350,7 @@ def zb_copy_out(zero_bubble, d, out_path):
         grads0 = grads0 or {n: q.grad.clone() for n, q in ref.named_parameters()}
         opt.step()
         losses_ref.append(loss.item())
-    alone = [dist.new_group([r]) for r in range(p)]  # no data parallelism: each rank its own replica group
+    alone = [dist.new_group([q]) for q in range(p)][d.rank]  # no data parallelism: each rank its own replica
     final = {n: q.detach() for n, q in ref.named_parameters()}
     results, real_w = {}, zero_bubble.SplitBackward.backward_weight
     for case in ("zbh1", "zbv", "zbh1, W never run", "zbv, W on the previous micro-batch"):
@@ -318,12 +358,12 @@ def zb_copy_out(zero_bubble, d, out_path):
         order, n_chunks, holder = zero_bubble.SCHEDULES[schedule]
         n = n_chunks(p)
         net = ZBNet()
-        mine = [c for c in range(n) if holder(c, p) == d.rank]
+        mine = [c for c in range(n) if holder(c, p) == r]  # by pp rank
         chunks = {c: ZBChunk(net, c, n) for c in mine}
         split = zero_bubble.SplitBackward(nn.ModuleList(chunks.values()))
-        plan = zero_bubble.comm_plan([order(p, m, r) for r in range(p)], n, d.rank)
-        runner = zero_bubble.PipelineRank(chunks, n, plan, split, list(range(p)), (ZB["b"] // m, ZB["width"]),
-                                          torch.float64, d.device)
+        plan = zero_bubble.comm_plan([order(p, m, q) for q in range(p)], n, r)
+        runner = zero_bubble.PipelineRank(chunks, n, plan, split, pp, (ZB["b"] // m, ZB["width"]), torch.float64,
+                                          d.device)
         if "never" in case:
             split.backward_weight = lambda saved: None
         if "previous" in case:  # W of micro-batch k on k-1's saved (x, dy): k-1's weight gradient twice, k's never
@@ -341,7 +381,7 @@ def zb_copy_out(zero_bubble, d, out_path):
             missing = [q for q in params if q.grad is None]  # a W never run leaves its Linears without one:
             for q in missing:  # zeros, so that finish_batch runs and the comparison sees them
                 q.grad = torch.zeros_like(q)
-            loss, _ = zero_bubble.finish_batch(params, loss, alone[d.rank], 0, ZB["clip"])  # summed loss; clipped
+            loss, _ = zero_bubble.finish_batch(params, loss, alone, pp, ZB["clip"])  # summed loss; clipped
             losses.append(loss)
             if step == 0:
                 err = max([err, float("inf") if missing else 0.0] +
@@ -352,9 +392,49 @@ def zb_copy_out(zero_bubble, d, out_path):
         err = torch.tensor([err, max(abs(a - b) for a, b in zip(losses, losses_ref))], dtype=torch.float64)
         dist.all_reduce(err, op=dist.ReduceOp.MAX)
         results[case] = dict(max_diff=err[0].item(), max_loss_diff=err[1].item(), losses=losses)
+    import json
+    Path(f"{out_path}.bad-rank{d.rank}").write_text(json.dumps(zb_bad_inputs(zero_bubble, pp, r)))
     if d.rank == 0:
-        import json
         Path(out_path).write_text(json.dumps(dict(results, reference_losses=losses_ref, reference_norms=norms_ref)))
+
+
+def zb_bad_inputs(zb, pp, r):
+    """Each zero_bubble core given what it cannot do: {case: [error, collectives the counter saw]}."""
+    import torch.distributed as dist
+    from harness import CommCounter
+    plan = zb.comm_plan([zb.zbh1(2, 4, q) for q in range(2)], 2, r)  # a valid ZB-H1 plan, p 2, m 4
+    net, split = ZBNet(), zb.SplitBackward(nn.Linear(2, 2))
+    net.temp.grad = torch.ones_like(net.temp)  # for the control
+    chunks = {r: ZBChunk(net, r, 2)}
+    x = torch.zeros(4, 3, ZB["n_in"], dtype=torch.float64)
+
+    def runner(plan=plan, group=pp):
+        return zb.PipelineRank(chunks, 2, plan, split, group, (3, ZB["width"]), torch.float64, "cpu")
+    outside = dist.new_group([0])  # rank 1 is not in it
+    cases = {"split_layers, 5 chunks of 4 blocks": lambda: zb.split_layers(4, 5),
+             "zbv, m 2 at p 2": lambda: zb.zbv(2, 2, 0),
+             "ideal_timeline, ranks' orders of two schedules": lambda: zb.ideal_timeline([zb.zbh1(2, 4, 0),
+                                                                                          zb.zbh1(2, 3, 1)], 2),
+             "PipelineRank, a plan for p 3 in a group of 2":
+                 lambda: runner(zb.comm_plan([zb.zbh1(3, 4, q) for q in range(3)], 3, 1)),
+             "PipelineRank, a rank outside the group": lambda: runner(group=outside),
+             "PipelineRank.run, 3 micro-batches for a plan of 4": lambda: runner().run(list(x[:3]), [None] * 3, None),
+             "PipelineRank.run, unequal micro-batches":
+                 lambda: runner().run([x[0], x[1], x[2], x[3, :2]], [None] * 4, None),
+             "control: finish_batch":  # valid: two all-reduces
+                 lambda: zb.finish_batch([net.temp], torch.zeros((), dtype=torch.float64), pp, pp, 0.0)}
+    out = {}
+    for what, call in cases.items():
+        if "outside" in what and dist.get_rank(outside) >= 0:
+            continue  # rank 1 only
+        with CommCounter() as comm:
+            try:
+                call()
+                error = "no error"
+            except Exception as e:  # noqa: BLE001 (any other error is reported, and fails the test)
+                error = f"{type(e).__name__}: {e}"
+        out[what] = [error, dict(comm.calls)]
+    return out
 
 
 if __name__ == "__main__":
@@ -363,7 +443,7 @@ if __name__ == "__main__":
         import zero_bubble
         from common import init_dist
         d = init_dist()
-        zb_copy_out(zero_bubble, d, sys.argv.pop(1))
+        zb_copy_out(d, sys.argv.pop(1))
         zero_bubble.init_dist = lambda timeout: d
         zero_bubble.main()
         sys.exit(0)
@@ -371,7 +451,7 @@ if __name__ == "__main__":
     import pipedream
 
     if case == "copy-out":
-        copy_out(pipedream, sys.argv.pop(1))
+        copy_out(sys.argv.pop(1))
         sys.exit(0)
     watch(pipedream, harness)
     if case == "stash-newest":
@@ -387,9 +467,14 @@ if __name__ == "__main__":
             self.alive[k] = (inp, out, v)
             stashed_backward(self, k, grad, tag)
         pipedream.StageRunner.backward = backward_on_newest
-    elif case == "2bw-fewer":
-        real_fail = pipedream.fail
+    elif case == "2bw-fewer":  # both guards lifted: check_args's and TwoBW's own ValueError
+        real_fail, real_init = pipedream.fail, pipedream.TwoBW.__init__
         pipedream.fail = lambda msg: None if msg.startswith("--mode 2bw needs --microbatches") else real_fail(msg)
+
+        def unguarded(self, stage, opt, m, clip, group=None):
+            real_init(self, stage, opt, max(m, int(os.environ["WORLD_SIZE"])), clip, group)  # passes the guard
+            self.m = m  # ... and then runs with m < p
+        pipedream.TwoBW.__init__ = unguarded
     elif case == "resume-newest":
         load_with_versions = pipedream.PolicyState.load_state_dict
 

@@ -3,8 +3,10 @@
 keeps its graph by mistake is caught); the executed schedule (the measured events) obeys the pipeline's rules;
 with --stage-ms (simulated compute) the measured bubble is near (p-1)/(m+p-1); the Chrome trace holds one event
 per F and B; no object collectives; bad input exits 2 with one line. The core, gpipe_step, copied out onto a
-model that is not the GPT equals plain one-process training written here (and a broken schedule is caught);
-the transfers it posts complete under NCCL's strict pairing; the gradient norm takes no float64 copy.
+model that is not the GPT (the technique section alone, tests/section.py) equals plain one-process training
+written here, also in a group whose ranks are the world's reversed (and a broken schedule is caught); the
+transfers it posts complete under NCCL's strict pairing; each core refuses what it cannot do with a
+ValueError before any transfer; the gradient norm takes no float64 copy.
 Launches: 9 torchrun (one restarts once, one is a bad input, one runs tests/gpipe_checks.py: the copy-out and
 a file broken on purpose), 5 plain python."""
 import json
@@ -189,16 +191,18 @@ def plain_training():
 
 
 def test_copy_out_matches_plain_training(checks):
-    """gpipe_step alone over 3 stages of a model that is not the GPT (nested blocks of odd widths, parameters
-    on the root module, one 0-dim, MSE, 3 micro-batches), clipped by the whole model's norm as gpipe.main does,
-    with and without recompute, equals plain training; the same run with the stage's gradients zeroed before
-    each B (the broken schedule) does not. Issue 30, defect 4: the 0-dim parameter in the clip path."""
+    """gpipe.py's technique section alone (tests/section.py, as a copier takes it): gpipe_step over 3 stages
+    of a model that is not the GPT (nested blocks of odd widths, parameters on the root module, one 0-dim, MSE,
+    3 micro-batches), clipped by the whole model's norm as gpipe.main does, with and without recompute, and in
+    a pipeline group whose ranks are the global ones reversed (prev, nxt: ranks within the group), equals plain
+    training; the same run with the stage's gradients zeroed before each B (the broken schedule) does not.
+    Issue 30, defect 4: the 0-dim parameter in the clip path."""
     ranks, (ref_losses, ref) = checks[1], plain_training()
-    for how in ("plain", "recompute", "broken"):
+    for how in ("plain", "recompute", "reversed", "broken"):
         params = {n: t for r in ranks for n, t in r[how]["params"].items()}
         assert sorted(params) == sorted(ref) and sum(len(r[how]["params"]) for r in ranks) == len(ref)
         diff = max((params[n] - ref[n]).abs().max().item() for n in ref)
-        losses = ranks[-1][how]["losses"]
+        losses = ranks[0 if how == "reversed" else -1][how]["losses"]  # the last stage's: global rank 0 reversed
         if how == "broken":
             assert diff > 1e-3 and losses[1:] != pytest.approx(ref_losses[1:], rel=1e-6), (diff, losses)
         else:
@@ -237,6 +241,46 @@ def test_posted_transfers_complete_under_nccl_pairing(checks):
                 assert posted[rank][:at].count(("recv", peer)) == min(i + 2, m), (rank, kind, i, posted[rank])
     assert nccl_stuck([[("recv", 1)] + posted[0], posted[1], posted[2]])  # 0 waits for 1, and 1 for 0
     assert nccl_stuck([posted[0][:-1], posted[1], posted[2]])
+
+
+def test_pipeline_runs_along_its_group(checks):
+    """In the reversed group (stage s on global rank 2 - s) the transfers go where the group's ranks say: the
+    first stage, global rank 2, talks only to global rank 1, and global rank 0 is the last stage (it receives
+    activations first, then sends gradients); they still pair under NCCL's rule. The world's run (plain) is the
+    other order, so the check tells the two apart."""
+    posted = {how: [[tuple(x) for x in r[how]["posted"]] for r in checks[1]] for how in ("plain", "reversed")}
+    rev, m = posted["reversed"], gpipe_checks.M
+    assert [len(q) for q in rev] == [2 * m, 4 * m, 2 * m] and nccl_stuck(rev) == []
+    assert {peer for _, peer in rev[2]} == {1} == {peer for _, peer in rev[0]}  # the ends talk to the middle
+    assert rev[2][0] == ("send", 1) and rev[0][0] == ("recv", 1)  # rank 2 sends first: it is stage 0
+    assert posted["plain"][0][0] == ("send", 1) and posted["plain"][2][0] == ("recv", 1)  # and not in the world
+
+
+BAD = {  # what a core is given -> words its ValueError must say
+    "split_layers, 3 stages of 2 blocks": ["3 stages of 2 blocks", "use 1 to 2 stages"],
+    "micro_batches, 7 rows into 2": ["a batch of 7", "m = 2", "divides 7"],
+    "gpipe_step, no micro-batch": ["0 micro-batch inputs", "m >= 1"],
+    "gpipe_step, 3 inputs, 2 targets": ["3 micro-batch inputs, 2 targets"],
+    "gpipe_step, nxt a global rank past the group": ["nxt 2", "within the group (0..1", "not global ranks"],
+    "gpipe_step, nxt this rank": ["other ranks within the group"],
+    "gpipe_step, unequal micro-batches": ["micro-batches of shapes", "(1, 5), (2, 5), (3, 5)", "equal"],
+    "gpipe_step, a rank outside the group": ["this is -1", "on a rank of the group"],
+}
+
+
+def test_cores_refuse_what_they_cannot_do(checks):
+    """Issue 30, deliver 2: each core of the section, given what it cannot do, raises a ValueError saying what
+    is wrong and what would work, before any transfer (harness.CommCounter saw no collective and no send or
+    receive; the same counter sees the plain run's first step post 2m to 4m transfers per rank). Ranks 0 and 1
+    form the group [1, 0]; rank 2, outside it, meets the last case."""
+    seen = {}
+    for rank, r in enumerate(checks[1]):
+        assert r["plain"]["posted"], "the counter sees a valid step's transfers"
+        for what, (error, calls) in r["bad"].items():
+            seen.setdefault(what, []).append(rank)
+            assert error.startswith("ValueError") and all(w in error for w in BAD[what]), (rank, what, error)
+            assert calls == {}, (rank, what, calls)
+    assert seen == {what: [2] if "outside" in what else [0, 1] for what in BAD}
 
 
 def biggest_allocation(fn):

@@ -7,7 +7,8 @@ weights fails this and --check); it keeps at most p - s versions and equals its 
 2bw equals the delayed-update reference with two versions, at m = p too, and with the m >= p guard lifted its
 invariant stops the run; both differ from synchronous training; killed and restarted from checkpoints (a drain
 at each save), stash and 2bw end with the uninterrupted run's losses and final parameters, bit for bit. The runner,
-copied onto a model that is not the GPT, equals plain one-process training. Every received tag holds what the
+copied onto a model that is not the GPT (the technique section alone, also in the group [2, 0]), equals plain
+one-process training; each core refuses what it cannot do with a ValueError before any transfer. Every received tag holds what the
 schedule says (watched launches); the messages pair under NCCL's rules (simulated); no object collectives; bad
 input exits 2 with one line, before any collective. (ZB-H1, once --mode zb here: tests/test_zero_bubble.py.)
 Launches: 14 torchrun (three break the file on purpose, one runs its core outside it, four restart once; seven run
@@ -235,15 +236,25 @@ def test_chrome_trace(launch):
     assert {e["args"]["name"] for e in trace["traceEvents"] if e["ph"] == "M"} == {"stage 0", "stage 1"}
 
 
-def test_copy_out_runner_on_a_model_that_is_not_the_gpt(tmp_path):
-    """StageRunner + Flush under 1F1B, copied onto three toy stages (nested modules, parameters on root modules,
-    a 0-dim one, widths 5 -> 7 -> 11 -> 3, 2-D and 3-D inputs to Linears, a smooth-L1 loss; tests/pipeline_checks.py
-    copy-out) on plain torch.distributed, clipped, equal plain one-process training written here: the whole model,
-    one backward per step, torch's clip_grad_norm_ (clipping every step: the norm is above the threshold), AdamW.
-    Again on two stages (ranks 0-1, the norm's group= those two). Issue 30, defect 4: the 0-dim parameter crashed
-    Flush's clipping ("output with shape [] doesn't match the broadcast shape [1]") at 2 and 3 stages. The negative:
-    the three-stage run with the optimizer's zero_grad dropped (each step's gradient added to the last's)."""
-    torchrun("tests/pipeline_checks.py", 3, "copy-out", tmp_path, tmp_path=tmp_path, name="copy-out")
+@pytest.fixture(scope="module")
+def copied_out(tmp_path_factory):
+    """One launch of tests/pipeline_checks.py copy-out at 3 ranks: the section's runs, then its bad inputs."""
+    tmp = tmp_path_factory.mktemp("copy_out")
+    torchrun("tests/pipeline_checks.py", 3, "copy-out", tmp, tmp_path=tmp, name="copy-out")
+    return tmp
+
+
+def test_copy_out_runner_on_a_model_that_is_not_the_gpt(copied_out):
+    """pipedream.py's technique section alone (tests/section.py, as a copier takes it): StageRunner + Flush under
+    1F1B on three toy stages (nested modules, parameters on root modules, a 0-dim one, widths 5 -> 7 -> 11 -> 3,
+    2-D and 3-D inputs to Linears, a smooth-L1 loss; tests/pipeline_checks.py copy-out) on plain
+    torch.distributed, clipped, equal plain one-process training written here: the whole model, one backward per
+    step, torch's clip_grad_norm_ (clipping every step: the norm is above the threshold), AdamW. Again on two
+    stages in the group of global ranks [2, 0] (stage 0 on rank 2: the runner's peers and the norm's group are
+    that group's). Issue 30, defect 4: the 0-dim parameter crashed Flush's clipping ("output with shape []
+    doesn't match the broadcast shape [1]") at 2 and 3 stages. The negative: the three-stage run with the
+    optimizer's zero_grad dropped (each step's gradient added to the last's)."""
+    tmp_path = copied_out
     toy = pipeline_checks.TOY
     model = torch.nn.Sequential(*pipeline_checks.toy_stages())
     assert model[2].temp.dim() == 0
@@ -258,13 +269,39 @@ def test_copy_out_runner_on_a_model_that_is_not_the_gpt(tmp_path):
         losses.append(loss.item())
     assert min(norms) > toy["clip"], norms  # the clip scales every step's gradients, the 0-dim one among them
     for name, ranks in (("1f1b", 3), ("1f1b-no-zero-grad", 3), ("1f1b-2-stages", 2)):
-        runs = [torch.load(tmp_path / f"{name}-rank{r}.pt", weights_only=False) for r in range(ranks)]
+        runs = [torch.load(tmp_path / f"{name}-stage{r}.pt", weights_only=False) for r in range(ranks)]
         got = {n: q for run in runs for n, q in run["params"].items()}
         assert sorted(got) == sorted(dict(model.named_parameters())), (name, sorted(got))
         diff = max((got[n] - q).abs().max().item() for n, q in model.named_parameters())
         loss_diff = max(abs(a - b) / abs(b) for a, b in zip(runs[0]["losses"], losses))
         assert len(runs[0]["losses"]) == len(losses)
         assert (diff < 1e-12 and loss_diff < 1e-12) == (name != "1f1b-no-zero-grad"), (name, diff, loss_diff)
+
+
+BAD = {  # what a core of the section is given -> words its ValueError must say
+    "split_layers, 3 stages of 2 blocks": ["3 stages of 2 blocks", "use 1 to 2 stages"],
+    "one_f_one_b, stage 2 of 2": ["stage 2 of 2", "a stage 0..p-1"],
+    "to_device, 7 rows into 2": ["[7]", "m = 2 equal micro-batches"],
+    "TwoBW, m 2 < p 3": ["2bw needs m >= p (2 micro-batches, 3 stages)", "m >= 3"],
+    "StageRunner, a rank outside the group": ["not in the pipeline's group"],
+}
+
+
+def test_cores_refuse_what_they_cannot_do(copied_out):
+    """Issue 30, deliver 2: each core of the section, given what it cannot do, raises a ValueError saying what is
+    wrong and what would work, before any collective or transfer (a harness.CommCounter saw none); rank 1, outside
+    the group [2, 0], meets the runner's case."""
+    seen = {}
+    for rank in range(3):
+        for what, (error, calls) in torch.load(copied_out / f"bad-rank{rank}.pt", weights_only=False).items():
+            seen.setdefault(what, []).append(rank)
+            if what.startswith("control"):  # a valid call: the same counter sees the broadcast it makes
+                assert error == "no error" and sum(calls.values()) == 1, (rank, what, error, calls)
+                continue
+            assert error.startswith("ValueError") and all(w in error for w in BAD[what]), (rank, what, error)
+            assert calls == {}, (rank, what, calls)
+    cases = [*BAD, "control: TwoBW, m 3 = p, drained"]
+    assert seen == {what: [1] if "outside" in what else [0, 1, 2] for what in cases}
 
 
 # ----------------------------------------------------------------------------- stash: PipeDream 2019

@@ -10,7 +10,8 @@ communication plans cannot deadlock under NCCL's semantics (simulated) and hand 
 --stage-ms the measured bubble is near theory, ZB-H1 idles under 0.6 of 1F1B's (p-1)(T_F+T_B+T_W) and ZB-V
 less than ZB-H1; micro-batches alive p (ZB-H1) and 2p chunks (ZB-V), counted and recounted from the events;
 bytes and messages sent = m (b, T, D) per neighbour and way; B then W is one backward bit for bit; the core
-copied onto another model equals one-process training (W never run, or on the wrong micro-batch: caught); a
+copied onto another model (the section alone, in the group [1, 0]) equals one-process training (W never run,
+or on the wrong micro-batch: caught); each core refuses what it cannot do before any transfer; a
 killed and restarted run continues to the same losses; bad input exits 2 with one line on every rank.
 Launches: 6 torchrun (one restarts once, one also runs the copy-out check), 3 plain python, and 4 bad-input
 cases of 2-4 plain python ranks each."""
@@ -56,9 +57,11 @@ def launch(tmp_path_factory):
                 else ["zero_bubble.py", nproc]
             summary, out = torchrun(*head, *CFG, *flags, "--check", "--trace", tmp / "trace.json", tmp_path=tmp,
                                     timeout=300)
-            copy_out = tmp / "copy_out.json"
-            runs[name] = (summary, out, json.loads((tmp / "trace.json").read_text()),
-                          json.loads(copy_out.read_text()) if copy_out.exists() else None)
+            copy_out = None
+            if (tmp / "copy_out.json").exists():  # and each rank's bad inputs beside it
+                copy_out = dict(json.loads((tmp / "copy_out.json").read_text()), bad=[
+                    json.loads((tmp / f"copy_out.json.bad-rank{r}").read_text()) for r in range(nproc)])
+            runs[name] = (summary, out, json.loads((tmp / "trace.json").read_text()), copy_out)
         return runs[name]
     return get
 
@@ -387,12 +390,13 @@ def test_rule_checks_catch_broken_schedules(launch):
 
 
 def test_copy_out_core_on_another_model(launch):
-    """SplitBackward, comm_plan, PipelineRank and finish_batch as a reader copies them, on a model that is not
-    the GPT (tests/pipeline_checks.py zb-copy-out: nested modules, root parameters, one 0-dim, 2-D inputs,
-    squared error, clipping by the whole model's norm, SGD) over 2 ranks, both schedules: the first step's
-    clipped gradients and the final parameters equal one-process training's (torch's clip_grad_norm_, which
-    clips every step: the norm is above the threshold) within 1e-12; with W never run, or W on the previous
-    micro-batch, the comparison fails. Issue 30, defect 4: the 0-dim parameter in the clip path."""
+    """SplitBackward, comm_plan, PipelineRank and finish_batch as a reader copies them (zero_bubble.py's
+    technique section alone, tests/section.py), on a model that is not the GPT (tests/pipeline_checks.py
+    zb-copy-out: nested modules, root parameters, one 0-dim, 2-D inputs, squared error, clipping by the whole
+    model's norm, SGD) over 2 ranks in the group [1, 0] (pp rank 0 on global rank 1), both schedules: the first
+    step's clipped gradients and the final parameters equal one-process training's (torch's clip_grad_norm_,
+    which clips every step: the norm is above the threshold) within 1e-12; with W never run, or W on the
+    previous micro-batch, the comparison fails. Issue 30, defect 4: the 0-dim parameter in the clip path."""
     got = launch("zbh1 p2")[3]
     assert min(got["reference_norms"]) > pipeline_checks.ZB["clip"], got["reference_norms"]
     for case in ("zbh1", "zbv"):
@@ -400,6 +404,31 @@ def test_copy_out_core_on_another_model(launch):
         assert got[case]["losses"] == pytest.approx(got["reference_losses"], rel=1e-12)
     assert got["zbh1, W never run"]["max_diff"] > 1e-3
     assert got["zbv, W on the previous micro-batch"]["max_diff"] > 1e-3
+
+
+BAD = {  # what a core of the section is given -> words its ValueError must say
+    "split_layers, 5 chunks of 4 blocks": ["5 chunks of 4 blocks", "use 1 to 4 chunks"],
+    "zbv, m 2 at p 2": ["zbv needs m >= 2p-1 = 3", "got 2"],
+    "ideal_timeline, ranks' orders of two schedules": ["waits on itself"],
+    "PipelineRank, a plan for p 3 in a group of 2": ["peers [0, 2] are not in the group", "p = its size"],
+    "PipelineRank, a rank outside the group": ["are not in the group"],
+    "PipelineRank.run, 3 micro-batches for a plan of 4": ["m = 4 micro-batches", "got 3 inputs"],
+    "PipelineRank.run, unequal micro-batches": ["of one shape", "(2, 5), (3, 5)"],
+}
+
+
+def test_cores_refuse_what_they_cannot_do(launch):
+    """Issue 30, deliver 2: each core of the section, given what it cannot do, raises a ValueError saying what is
+    wrong and what would work, before any collective or transfer (a harness.CommCounter saw none). Rank 1, outside
+    the group [0], meets the outsider's case; the PipelineRank cases are on the copy-out's own pipeline group."""
+    bad = launch("zbh1 p2")[3]["bad"]
+    for rank, cases in enumerate(bad):
+        control = cases.pop("control: finish_batch")  # a valid call: the same counter sees its two all-reduces
+        assert control[0] == "no error" and sum(control[1].values()) == 2, (rank, control)
+        assert sorted(cases) == sorted(w for w in BAD if rank == 1 or "outside" not in w), (rank, sorted(cases))
+        for what, (error, calls) in cases.items():
+            assert error.startswith("ValueError") and all(w in error for w in BAD[what]), (rank, what, error)
+            assert calls == {}, (rank, what, calls)
 
 
 def test_stage_ms_bubbles(launch):
