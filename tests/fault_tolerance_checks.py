@@ -26,9 +26,9 @@ import fault_tolerance as ft
 local_grads, vote, apply_update, load_full = ft.local_grads, ft.vote, ft.apply_update, ft.Replica.load_full
 
 
-def old_membership(model, x, y, members, me, replicas, loss_scale=1.0):
+def old_membership(model, x, y, members, me, replicas, *loss_and_scale):
     everyone = [ft.Member(r, 0, 0, 0, -1, 0) for r in range(replicas)]
-    return local_grads(model, x, y, everyone, me, replicas, loss_scale)
+    return local_grads(model, x, y, everyone, me, replicas, *loss_and_scale)
 
 
 def commit_anyway(store, k, members, me, ok, timeout_s):
