@@ -633,7 +633,9 @@ def recovery_figures(s, a, rounds):
     t = {k: s.get(f"t/{k}").decode().split() for k in range(max(rounds) + 1) if s.check([f"t/{k}"])}
     t = {k: (float(v[0]), float(v[1]), int(v[2]), v[3]) for k, v in t.items()}
     wall = max(v[1] for v in t.values()) - min(v[0] for v in t.values())
-    useful = sum(t[k][1] - t[k][0] for k in rounds)
+    useful, until = 0.0, -math.inf  # the union of the committed rounds' spans: each is timed by its own lowest
+    for t0, t1 in sorted(t[k][:2] for k in rounds):  # member from before its check-in, so two can overlap
+        useful, until = useful + max(0.0, t1 - max(t0, until)), max(until, t1)
     out = dict(goodput=useful / wall, wall_s=wall, useful_s=useful, failures=[])
     for r in range(a.replicas):
         if not s.check([f"killed/{r}"]):

@@ -333,6 +333,20 @@ def test_cores_refuse_what_they_cannot_do_before_communicating():
     assert pg.calls == ["allreduce"]
 
 
+# ----------------------------------------------------------------------------- goodput, from the records
+def test_goodput_counts_overlapping_rounds_once():
+    """recovery_figures: each committed round's span is timed by its own lowest member, from before its
+    check-in, so when the lowest member changes (a replica left out, or recovering) two spans can overlap;
+    the useful time is their union, and goodput can never pass 1 (it once read 1.014). Closed form: committed
+    rounds 0, 1, 3 spanning [0, 2], [1, 3], [4, 5] s (round 2, [3, 4], discarded): 4 s useful of 5 s wall."""
+    import fault_tolerance as ft
+    s = dist.HashStore()
+    for k, (t0, t1) in enumerate([(0, 2), (1, 3), (3, 4), (4, 5)]):
+        s.set(f"t/{k}", f"{100.0 + t0!r} {100.0 + t1!r} {min(k, 2)} update")
+    f = ft.recovery_figures(s, SimpleNamespace(replicas=2, phase="during", recipe="live"), [0, 1, 3])
+    assert f["wall_s"] == 5.0 and f["useful_s"] == 4.0 and f["goodput"] == 0.8, f
+
+
 # ----------------------------------------------------------------------------- bad input
 @pytest.mark.parametrize("flags, words", [
     (["--replicas", 5], ["--batch-size 12 must be divisible by --replicas 5"]),
