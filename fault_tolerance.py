@@ -422,8 +422,8 @@ def train_replica(args):
         except (RuntimeError, TimeoutError, dist.DistError) as e:
             log.failed(k - 1, e)
         if not vote(store, k - 1, members, me, ok, args.timeout):
-            held = None  # its group may hold a dead member: dropped (NCCL: pg.abort()), rebuilt next round
-            continue
+            held = pg = None  # may hold a dead member: dropped now (NCCL: pg.abort()), which frees a member
+            continue  # still waiting in it for us (it joins the next round in time); rebuilt next round
         what = apply_update(rep, loss, spike, norm, args.clip, args.max_skips, args.snapshot_every)
         started = True
         log.committed(k - 1, members, t_start, step, batch, what, loss)  # (--recipe restart: and saves)
@@ -633,8 +633,8 @@ def recovery_figures(s, a, rounds):
     t = {k: s.get(f"t/{k}").decode().split() for k in range(max(rounds) + 1) if s.check([f"t/{k}"])}
     t = {k: (float(v[0]), float(v[1]), int(v[2]), v[3]) for k, v in t.items()}
     wall = max(v[1] for v in t.values()) - min(v[0] for v in t.values())
-    useful, until = 0.0, -math.inf  # the union of the committed rounds' spans: each is timed by its own lowest
-    for t0, t1 in sorted(t[k][:2] for k in rounds):  # member from before its check-in, so two can overlap
+    useful, until = 0.0, -math.inf  # the union of the committed rounds' spans: each is timed by its own
+    for t0, t1 in sorted(t[k][:2] for k in rounds):  # lowest member from before its check-in: they overlap
         useful, until = useful + max(0.0, t1 - max(t0, until)), max(until, t1)
     out = dict(goodput=useful / wall, wall_s=wall, useful_s=useful, failures=[])
     for r in range(a.replicas):

@@ -206,14 +206,11 @@ def test_plain_kill_in_each_phase_at_each_r(tmp_path, replicas, phase, victim):
     everyone, rest = list(range(replicas)), [r for r in range(replicas) if r != victim]
     m = s["figures"]["members"]
     assert m[0] == everyone and m[2] == rest and set(m[1]) <= set(rest), m
-    # During at R 4, a healthy replica can sit out step 1: its all-reduce waits on a healthy peer that has
-    # left it, and is freed only when that peer drops the old group (the next round's group replaces it),
-    # so the next round closes on --join-ms without it; it recovers live at step 2 (exact too). Any other
-    # (phase, R): everyone healthy takes part in step 1. (The fix, reported: `held = pg = None` on abort.)
-    left_out = [r for r in rest if r not in m[1]]
-    assert left_out == [] or (replicas, phase) == (4, "during"), m
-    recovered = [r.split()[1] for r in s["figures"]["recoveries"]]  # "round receivers bytes"
-    assert recovered == ([",".join(map(str, left_out))] if left_out else []), (recovered, m)
+    # Everyone healthy takes part in step 1. (During at R 4, a healthy replica's all-reduce can wait on a
+    # healthy peer that the dead one's error freed: it was freed only when that peer dropped the old group,
+    # once the next round had closed on --join-ms without it. A voted-down round's group is dropped at once.)
+    assert m[1] == rest, m
+    assert s["figures"]["recoveries"] == [], s["figures"]["recoveries"]  # nobody fell behind
     assert s["figures"]["batches"] == [0, 1, 2] and s["launcher"]["restarts"] == 0
     assert all(len(ps) == 1 for ps in pids(s).values()), pids(s)  # the healthy keep their one pid
     assert s["launcher"]["exit_codes"][str(victim)] == -9 and f"SIGKILL at step 1 ({phase}" in p.output
