@@ -143,6 +143,14 @@ def join_round(store, k, me, expected, window_s, timeout_s):
     return sorted(members.values(), key=lambda m: m.rid)
 
 
+def rank_in(members, me):
+    """me's rank in the quorum's group: its place among the members (sorted by id, as join_round's)."""
+    rids = [m.rid for m in members]
+    if me.rid not in rids or rids != sorted(set(rids)):
+        raise ValueError(f"replica {me.rid} must be one of the members {rids}, each once, sorted by id")
+    return rids.index(me.rid)
+
+
 def quorum_group(store, k, members, me, held, timeout_s):
     """The quorum's process group: the one all members still hold when they hold the same one and nobody
     left (unchanged membership), else a new gloo group under the fresh prefix g{k}. `held`: (gid, pg)."""
@@ -157,7 +165,8 @@ def vote(store, k, members, me, ok, timeout_s):
     """Two-phase commit on the coordinator: each member says whether its collectives succeeded; the first
     to see every "yes", any "no", a member the coordinator marked dead, or the deadline, proposes the
     decision, and compare_set keeps only the first proposal: every member reads the same one."""
-    if rank_in(members, me) >= 0 and timeout_s <= 0:  # (rank_in refuses a `me` outside the members)
+    rank_in(members, me)  # (refuses a `me` outside the members)
+    if timeout_s <= 0:
         raise ValueError(f"vote needs timeout_s > 0 (else it aborts before the others vote), got {timeout_s}")
     store.set(f"q{k}/vote{me.rid}", "yes" if ok else "no")
     keys, dead = [f"q{k}/vote{m.rid}" for m in members], [f"dead/{m.rid}.{m.life}" for m in members]
@@ -169,14 +178,6 @@ def vote(store, k, members, me, ok, timeout_s):
             store.compare_set(f"q{k}/decision", "", "commit" if votes.count(b"yes") == len(keys) else "abort")
         time.sleep(0.001)
     return store.get(f"q{k}/decision") == b"commit"
-
-
-def rank_in(members, me):
-    """me's rank in the quorum's group: its place among the members (sorted by id, as join_round's)."""
-    rids = [m.rid for m in members]
-    if me.rid not in rids or rids != sorted(set(rids)):
-        raise ValueError(f"replica {me.rid} must be one of the members {rids}, each once, sorted by id")
-    return rids.index(me.rid)
 
 
 # ----------------------------------------------------------------------------- 2. the state and its recovery
@@ -236,7 +237,7 @@ def sync_state(pg, members, me, rep, verify):
     if pg.size() != len(members):
         raise ValueError(f"sync_state needs the quorum's group, of {len(members)} members: got {pg.size()}")
     if newest < 0:
-        raise RuntimeError("no member of the quorum holds a state to recover from")
+        raise RuntimeError("no member of the quorum holds a state to recover from")  # (a later quorum may)
     up = [i for i, m in enumerate(members) if m.version == newest]
     sums = torch.zeros(len(members), dtype=torch.long, device=rep.params[0].device)
     if verify:
@@ -326,6 +327,7 @@ def apply_update(rep, loss, spike, norm, clip, max_skips, snapshot_every):
     rep.load_core(rep.snapshot)  # weights, AdamW, step and loss history of the snapshot's step
     rep.version, rep.batch, rep.skips = version, batch, 0  # but the data goes on: the bad batches are skipped
     return "rollback"
+
 
 def check_args(args):
     check_common_args(args)
