@@ -120,6 +120,8 @@ class Member:
 def join_round(store, k, me, expected, window_s, timeout_s):
     """Check in to round k. Returns its members (sorted by replica id), or None when the round had closed
     before this check-in (try k + 1). `expected()`: how many check-ins to wait for before closing."""
+    if k < 0 or window_s <= 0 or timeout_s <= 0:
+        raise ValueError(f"join_round needs k >= 0, window_s, timeout_s > 0, got {k, window_s, timeout_s}")
     slot = store.add(f"q{k}/n", 1)
     if slot > CLOSED:
         return None
@@ -141,12 +143,20 @@ def join_round(store, k, me, expected, window_s, timeout_s):
     return sorted(members.values(), key=lambda m: m.rid)
 
 
+def rank_in(members, me):
+    """me's rank in the quorum's group: its place among the members (sorted by id, as join_round's)."""
+    rids = [m.rid for m in members]
+    if me.rid not in rids or rids != sorted(set(rids)):
+        raise ValueError(f"replica {me.rid} must be one of the members {rids}, each once, sorted by id")
+    return rids.index(me.rid)
+
+
 def quorum_group(store, k, members, me, held, timeout_s):
     """The quorum's process group: the one all members still hold when they hold the same one and nobody
     left (unchanged membership), else a new gloo group under the fresh prefix g{k}. `held`: (gid, pg)."""
     if held and {m.gid for m in members} == {held[0]} and members[0].gsize == len(members):
         return held
-    rank = [m.rid for m in members].index(me.rid)
+    rank = rank_in(members, me)
     return k, dist.ProcessGroupGloo(dist.PrefixStore(f"g{k}", store), rank, len(members),
                                     timedelta(seconds=timeout_s))
 
@@ -155,6 +165,9 @@ def vote(store, k, members, me, ok, timeout_s):
     """Two-phase commit on the coordinator: each member says whether its collectives succeeded; the first
     to see every "yes", any "no", a member the coordinator marked dead, or the deadline, proposes the
     decision, and compare_set keeps only the first proposal: every member reads the same one."""
+    rank_in(members, me)  # (refuses a `me` outside the members)
+    if timeout_s <= 0:
+        raise ValueError(f"vote needs timeout_s > 0 (else it aborts before the others vote), got {timeout_s}")
     store.set(f"q{k}/vote{me.rid}", "yes" if ok else "no")
     keys, dead = [f"q{k}/vote{m.rid}" for m in members], [f"dead/{m.rid}.{m.life}" for m in members]
     t0 = time.monotonic()
@@ -172,6 +185,9 @@ class Replica:
     """One replica's state; its flat float64 form (exact for float32/bfloat16 too) is what recovery sends."""
 
     def __init__(self, model, opt, steps):
+        if type(opt).__name__ not in ("Adam", "AdamW") or any(g["amsgrad"] for g in opt.param_groups):
+            raise ValueError(f"Replica sends Adam(W)'s exp_avg, exp_avg_sq, step, not {type(opt).__name__}'s "
+                             "or amsgrad's: give it torch.optim.AdamW, or Adam without amsgrad")
         self.model, self.opt, self.steps = model, opt, steps
         self.params = [p for p in model.parameters() if p.requires_grad]
         for p in self.params:  # AdamW's state, made now as its first step() would: one form at every step
@@ -217,9 +233,11 @@ def sync_state(pg, members, me, rep, verify):
     their checksums (one slot each): one that differs from the majority is corrupt. 2. The lowest newest
     member with the majority checksum broadcasts its whole state to the members behind (a restarted replica
     recovers live) and the corrupt (repaired). Returns (corrupt ids, receiving ids, bytes broadcast)."""
-    i_me, newest = [m.rid for m in members].index(me.rid), max(m.version for m in members)
+    i_me, newest = rank_in(members, me), max(m.version for m in members)
+    if pg.size() != len(members):
+        raise ValueError(f"sync_state needs the quorum's group, of {len(members)} members: got {pg.size()}")
     if newest < 0:
-        raise RuntimeError("no member of the quorum holds a state to recover from")
+        raise RuntimeError("no member of the quorum holds a state to recover from")  # (a later quorum may)
     up = [i for i, m in enumerate(members) if m.version == newest]
     sums = torch.zeros(len(members), dtype=torch.long, device=rep.params[0].device)
     if verify:
@@ -243,23 +261,28 @@ def sync_state(pg, members, me, rep, verify):
 
 # ----------------------------------------------------------------------------- 3. the step
 def shard(x, y, rid, replicas):
+    if x.shape[0] % replicas or not 0 <= rid < replicas:
+        raise ValueError(f"replica {rid} of {replicas} needs an id in 0..{replicas - 1} and a batch of rows "
+                         f"divisible by {replicas}, got {x.shape[0]}")
     rows = x.shape[0] // replicas  # replica rid always owns these rows of the global batch
     return x[rid * rows:(rid + 1) * rows], y[rid * rows:(rid + 1) * rows]  # (B/R, T) each
 
 
-def local_grads(model, x, y, members, me, replicas, loss_scale=1.0):
-    """Forward + backward on this replica's shard; the loss divides by the tokens of *all participants'*
-    shards, so the all-reduced sum is the mean over the tokens that took part."""
-    n_tok = sum(count_tokens(shard(x, y, m.rid, replicas)[1]) for m in members)
+def local_grads(model, x, y, members, me, replicas, loss_fn, count, loss_scale=1.0):
+    """Forward + backward on this replica's shard; `loss_fn(out, y, n)` sums over its shard and divides by
+    n = `count` of *all participants'* shards, so the all-reduced sum is the mean over who took part."""
+    n_tok = sum(count(shard(x, y, m.rid, replicas)[1]) for m in members)
     xs, ys = shard(x, y, me.rid, replicas)
     model.zero_grad(set_to_none=True)
-    loss = lm_loss(model(xs), ys, n_tok) * loss_scale
+    loss = loss_fn(model(xs), ys, n_tok) * loss_scale
     loss.backward()
     return loss.detach()
 
 
 def allreduce_grads(pg, params, loss):
     """One all-reduce of the flat gradient and the loss over the quorum; returns the participants' loss."""
+    if any(p.grad is None for p in params):
+        raise ValueError("a parameter has no gradient: every replica's loss must reach every parameter")
     flat = torch.cat([p.grad.reshape(-1) for p in params] + [loss.reshape(1).to(params[0].grad.dtype)])
     pg.allreduce([flat]).wait()  # (P + 1,) SUM over the members
     for p, g in zip(params, flat[:-1].split([p.numel() for p in params])):
@@ -285,6 +308,8 @@ def agree(pg, flag, device):
 def apply_update(rep, loss, spike, norm, clip, max_skips, snapshot_every):
     """The committed step: the optimizer step, or a skip (the batch is consumed, the weights stay), or after
     `max_skips` skips in a row a rollback to the snapshot, going on from the next batch. Returns which."""
+    if max_skips < 1 or snapshot_every < 1:
+        raise ValueError(f"max_skips and snapshot_every must be >= 1, got {max_skips} and {snapshot_every}")
     rep.version, rep.batch = rep.version + 1, rep.batch + 1
     if not spike:
         if clip > 0:
@@ -304,7 +329,46 @@ def apply_update(rep, loss, spike, norm, clip, max_skips, snapshot_every):
     return "rollback"
 
 
-# ----------------------------------------------------------------------------- 4. a replica, and the launcher
+def check_args(args):
+    check_common_args(args)
+    R = args.replicas
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        fail("start it with python fault_tolerance.py --replicas R, not torchrun: it starts its own replicas")
+    if R < 1 or args.batch_size % R:
+        fail(f"--batch-size {args.batch_size} must be divisible by --replicas {R} (each owns a shard); "
+             f"try --batch-size {R * max(1, args.batch_size // max(R, 1))}")
+    for name in ("kill_replica", "corrupt_replica"):
+        v = getattr(args, name)
+        if v >= 0 and not (v < R and 0 <= args.at_step < args.steps):
+            fail(f"--{name.replace('_', '-')} {v} needs a replica in 0..{R - 1} and --at-step in "
+                 f"0..{args.steps - 1}, got --at-step {args.at_step}")
+    if args.kill_replica >= 0 and R < 2:
+        fail("--kill-replica needs --replicas 2 or more: someone must go on")
+    if args.dropout:
+        fail("--dropout must be 0: the replayed reference draws no dropout masks")
+    if args.fail_at_step >= 0:
+        fail("--fail-at-step is torchrun's restart test: here use --kill-replica R --at-step S")
+    if args.recipe == "restart" and not (args.ckpt_dir and args.save_every > 0):
+        fail("--recipe restart needs --ckpt-dir DIR and --save-every N (it restarts from disk)")
+    if args.recipe == "live" and args.ckpt_dir:
+        fail("--ckpt-dir is for --recipe restart: live recovery reads no disk")
+    if not all(b.strip().isdigit() for b in args.inject_spike.split(",") if b):
+        fail(f"--inject-spike takes comma-separated batch ids, got {args.inject_spike!r}")
+    for name in ("max_skips", "snapshot_every", "join_ms", "spike_sigma"):
+        if getattr(args, name) <= 0:
+            fail(f"--{name.replace('_', '-')} must be > 0, got {getattr(args, name)}")
+    if not 1 <= args.min_replicas <= R:
+        fail(f"--min-replicas must be in 1..--replicas {R}, got {args.min_replicas}")
+    if args.max_restarts < 0 or args.verify_every < 0:
+        fail("--max-restarts and --verify-every must be >= 0")
+    if args.replica >= R or (args.replica >= 0 and ":" not in args.coordinator):
+        fail("--replica and --coordinator are the launcher's: run python fault_tolerance.py --replicas N")
+
+
+# ----------------------------------------------------------------------------- 4. this repo's run of it
+# One replica: the GPT and its data on the cores above, the faults the tests inject, the log. The launcher
+# (below the measurement fence) starts it, and on its death marks it on the coordinator (dead/{rid}.{life})
+# and counts it out ("alive"): what a vote and the next quorum see.
 def train_replica(args):
     host, port = args.coordinator.rsplit(":", 1)
     store = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=args.timeout))
@@ -349,7 +413,8 @@ def train_replica(args):
             log.synced(k - 1, members, newest.step, *sync_state(pg, members, me, rep, verify))
             step, batch = rep.step, rep.batch
             x, y = data.batch(batch, B, args.seq_len, args.ragged)  # (B, T) the global batch, CPU
-            mine = local_grads(model, x, y, members, me, R, 1e4 if batch in inject else 1.0)
+            scale = 1e4 if batch in inject else 1.0  # (--inject-spike: a spike, for the tests)
+            mine = local_grads(model, x, y, members, me, R, lm_loss, count_tokens, scale)
             inject_faults(args, store, rep, "during")
             loss = allreduce_grads(pg, rep.params, mine)
             norm = torch.nn.utils.get_total_norm([p.grad for p in rep.params])  # of the whole gradient
@@ -359,8 +424,8 @@ def train_replica(args):
         except (RuntimeError, TimeoutError, dist.DistError) as e:
             log.failed(k - 1, e)
         if not vote(store, k - 1, members, me, ok, args.timeout):
-            held = None  # its group may hold a dead member: dropped (NCCL: pg.abort()), rebuilt next round
-            continue
+            held = pg = None  # may hold a dead member: dropped now (NCCL: pg.abort()), which frees a member
+            continue  # still waiting in it for us (it joins the next round in time); rebuilt next round
         what = apply_update(rep, loss, spike, norm, args.clip, args.max_skips, args.snapshot_every)
         started = True
         log.committed(k - 1, members, t_start, step, batch, what, loss)  # (--recipe restart: and saves)
@@ -369,80 +434,6 @@ def train_replica(args):
     code = log.finish(members, held[1])  # (the members compare their weights by one all-reduce; the --check)
     store.set("finished", "1")  # a replica restarted now exits at once
     return code
-
-
-def launch(args):
-    """The coordinator (a TCPStore server: the single point of the design) and R replica processes. A
-    replica killed by a signal is restarted (--recipe restart: all are); on any exit, all are killed."""
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                          timeout=timedelta(seconds=args.timeout))
-    cmd = [sys.executable, sys.argv[0], *sys.argv[1:], "--coordinator", f"127.0.0.1:{store.port}"]
-    spawn = lambda r, life: subprocess.Popen(cmd + ["--replica", str(r), "--life", str(life)])  # noqa: E731
-    lives = {r: [spawn(r, 0)] for r in range(args.replicas)}
-    codes, restarts, t0, R = {}, 0, time.time(), args.replicas
-    limit_s = 300 + args.timeout * (args.steps + 10)  # (every wait of a replica is bounded: a safety net)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so that `finally` kills the children
-    try:
-        while len(codes) < R and time.time() - t0 < limit_s:
-            for r, procs in lives.items():
-                code = procs[-1].poll()
-                if code is None or r in codes:
-                    continue
-                store.set(f"dead/{r}.{len(procs) - 1}", "1")  # a vote waiting for it ends now
-                store.add("alive", -1)
-                if code < 0 and restarts < args.max_restarts and not store.check(["finished"]):
-                    restarts += 1
-                    for q in [r] if args.recipe == "live" else stop_all(store, lives, r):
-                        lives[q].append(spawn(q, len(lives[q])))
-                else:
-                    codes[r] = code
-            time.sleep(0.01)
-    finally:
-        for p in [p for procs in lives.values() for p in procs if p.poll() is None]:
-            p.kill()
-            p.wait()
-    if len(codes) < R:
-        print(f"fault_tolerance.py: error: over {limit_s} s; every replica stopped", file=sys.stderr)
-    finished = store.check(["finished"])  # (a replica killed and not restarted is no failure of the run)
-    rc = max([c for c in codes.values() if c > 0], default=0) or (0 if finished and len(codes) == R else 1)
-    add_launcher_figures(args, lives, codes, restarts, time.time() - t0)
-    return rc
-
-
-def check_args(args):
-    check_common_args(args)
-    R = args.replicas
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        fail("start it with python fault_tolerance.py --replicas R, not torchrun: it starts its own replicas")
-    if R < 1 or args.batch_size % R:
-        fail(f"--batch-size {args.batch_size} must be divisible by --replicas {R} (each owns a shard); "
-             f"try --batch-size {R * max(1, args.batch_size // max(R, 1))}")
-    for name in ("kill_replica", "corrupt_replica"):
-        v = getattr(args, name)
-        if v >= 0 and not (v < R and 0 <= args.at_step < args.steps):
-            fail(f"--{name.replace('_', '-')} {v} needs a replica in 0..{R - 1} and --at-step in "
-                 f"0..{args.steps - 1}, got --at-step {args.at_step}")
-    if args.kill_replica >= 0 and R < 2:
-        fail("--kill-replica needs --replicas 2 or more: someone must go on")
-    if args.dropout:
-        fail("--dropout must be 0: the replayed reference draws no dropout masks")
-    if args.fail_at_step >= 0:
-        fail("--fail-at-step is torchrun's restart test: here use --kill-replica R --at-step S")
-    if args.recipe == "restart" and not (args.ckpt_dir and args.save_every > 0):
-        fail("--recipe restart needs --ckpt-dir DIR and --save-every N (it restarts from disk)")
-    if args.recipe == "live" and args.ckpt_dir:
-        fail("--ckpt-dir is for --recipe restart: live recovery reads no disk")
-    if not all(b.strip().isdigit() for b in args.inject_spike.split(",") if b):
-        fail(f"--inject-spike takes comma-separated batch ids, got {args.inject_spike!r}")
-    for name in ("max_skips", "snapshot_every", "join_ms", "spike_sigma"):
-        if getattr(args, name) <= 0:
-            fail(f"--{name.replace('_', '-')} must be > 0, got {getattr(args, name)}")
-    if not 1 <= args.min_replicas <= R:
-        fail(f"--min-replicas must be in 1..--replicas {R}, got {args.min_replicas}")
-    if args.max_restarts < 0 or args.verify_every < 0:
-        fail("--max-restarts and --verify-every must be >= 0")
-    if args.replica >= R or (args.replica >= 0 and ":" not in args.coordinator):
-        fail("--replica and --coordinator are the launcher's: run python fault_tolerance.py --replicas N")
 
 
 def main():
@@ -513,6 +504,46 @@ def stop_all(store, lives, r):
             store.set(f"dead/{q}.{len(procs) - 1}", "1")
             store.add("alive", -1)
     return list(lives)
+
+
+# The launcher: torchrun's part (start the processes, watch them, restart a dead one), which a cluster's
+# scheduler plays in production. It holds the coordinator and marks a death on it for the quorum and the vote.
+def launch(args):
+    """The coordinator (a TCPStore server: the single point of the design) and R replica processes. A
+    replica killed by a signal is restarted (--recipe restart: all are); on any exit, all are killed."""
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                          timeout=timedelta(seconds=args.timeout))
+    cmd = [sys.executable, sys.argv[0], *sys.argv[1:], "--coordinator", f"127.0.0.1:{store.port}"]
+    spawn = lambda r, life: subprocess.Popen(cmd + ["--replica", str(r), "--life", str(life)])  # noqa: E731
+    lives = {r: [spawn(r, 0)] for r in range(args.replicas)}
+    codes, restarts, t0, R = {}, 0, time.time(), args.replicas
+    limit_s = 300 + args.timeout * (args.steps + 10)  # (every wait of a replica is bounded: a safety net)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so that `finally` kills the children
+    try:
+        while len(codes) < R and time.time() - t0 < limit_s:
+            for r, procs in lives.items():
+                code = procs[-1].poll()
+                if code is None or r in codes:
+                    continue
+                store.set(f"dead/{r}.{len(procs) - 1}", "1")  # a vote waiting for it ends now
+                store.add("alive", -1)
+                if code < 0 and restarts < args.max_restarts and not store.check(["finished"]):
+                    restarts += 1
+                    for q in [r] if args.recipe == "live" else stop_all(store, lives, r):
+                        lives[q].append(spawn(q, len(lives[q])))
+                else:
+                    codes[r] = code
+            time.sleep(0.01)
+    finally:
+        for p in [p for procs in lives.values() for p in procs if p.poll() is None]:
+            p.kill()
+            p.wait()
+    if len(codes) < R:
+        print(f"fault_tolerance.py: error: over {limit_s} s; every replica stopped", file=sys.stderr)
+    finished = store.check(["finished"])  # (a replica killed and not restarted is no failure of the run)
+    rc = max([c for c in codes.values() if c > 0], default=0) or (0 if finished and len(codes) == R else 1)
+    add_launcher_figures(args, lives, codes, restarts, time.time() - t0)
+    return rc
 
 
 class Log:
@@ -604,7 +635,9 @@ def recovery_figures(s, a, rounds):
     t = {k: s.get(f"t/{k}").decode().split() for k in range(max(rounds) + 1) if s.check([f"t/{k}"])}
     t = {k: (float(v[0]), float(v[1]), int(v[2]), v[3]) for k, v in t.items()}
     wall = max(v[1] for v in t.values()) - min(v[0] for v in t.values())
-    useful = sum(t[k][1] - t[k][0] for k in rounds)
+    useful, until = 0.0, -math.inf  # the union of the committed rounds' spans: each is timed by its own
+    for t0, t1 in sorted(t[k][:2] for k in rounds):  # lowest member from before its check-in: they overlap
+        useful, until = useful + max(0.0, t1 - max(t0, until)), max(until, t1)
     out = dict(goodput=useful / wall, wall_s=wall, useful_s=useful, failures=[])
     for r in range(a.replicas):
         if not s.check([f"killed/{r}"]):
