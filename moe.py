@@ -342,13 +342,13 @@ def split_params(model):
     return [p for p in params if id(p) not in expert], [p for p in params if id(p) in expert]
 
 
-def sync_grads(model, ep_group, replica_group):
+def sync_grads(model, ep_group, replica_group, dense_group):
     """Make every gradient the gradient of the global loss; return the global gradient norm. Each rank's loss
     is already its share (token sums / global token count, aux / total groups), so all reductions are SUMs."""
     dense, expert = split_params(model)
-    # 1. Dense parameters: data parallel over the whole world (one flat bucket; ddp_bucketed.py overlaps it).
+    # 1. Dense parameters: data parallel over every rank (dense_group; one flat bucket, as ddp_bucketed.py).
     flat = torch.cat([p.grad.flatten() for p in dense])  # (n_dense,)
-    dist.all_reduce(flat, group=dist.group.WORLD)
+    dist.all_reduce(flat, group=dense_group)
     for p, g in zip(dense, flat.split([p.numel() for p in dense])):
         p.grad.copy_(g.view_as(p))
     # 2. Expert parameters: the all-to-all backward already brought the gradient of every token of my EP
@@ -496,7 +496,7 @@ def train_step(args, lay, model, opt, x, y, n_tok, step, row0, groups):
     lm = lm_loss(model(x), y, n_tok)  # common.GPT's forward, unchanged: the MoE layers sit in its blocks
     aux = aux_share(model, groups)  # my share of the mean over groups and layers
     (lm + (args.seq_aux_weight if args.router == "loss_free" else args.aux_weight) * aux).backward()
-    norm = sync_grads(model, lay.ep_group, lay.replica_group)
+    norm = sync_grads(model, lay.ep_group, lay.replica_group, dist.group.WORLD)
     clip_grads_([p.grad for p in model.parameters()], norm, args.clip)
     opt.step()
     if args.router == "loss_free":  # after the step: the next one routes with the new bias

@@ -109,7 +109,7 @@ def first_step(d, args, data, groups, lay=None, row_key_offset=True):
     (lm_loss(logits, y[row0:row0 + rows], n_tok) + moe.aux_weight(args) * aux).backward()
     if lay is None:
         return logits.detach(), aux.item(), {n: p.grad for n, p in model.named_parameters()}
-    moe.sync_grads(model, lay.ep_group, lay.replica_group)
+    moe.sync_grads(model, lay.ep_group, lay.replica_group, dist.group.WORLD)
     aux_t = aux.detach().clone().view(1)
     dist.all_reduce(aux_t)
     return logits.detach(), aux_t.item(), gather_grads(lay, model), row0, rows

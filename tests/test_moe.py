@@ -529,7 +529,7 @@ def copy_out(d, lay, steps=3, aux_weight=0.1, bias_rate=0.05):
                 opt.zero_grad()
                 loss.backward()
                 if synced:
-                    core["sync_grads"](model, lay.ep_group, lay.replica_group)
+                    core["sync_grads"](model, lay.ep_group, lay.replica_group, dist.group.WORLD)
                 opt.step()
                 if free:
                     core["update_biases"](core["moe_layers"](model), bias_rate, dist.group.WORLD)
