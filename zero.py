@@ -205,6 +205,8 @@ class Zero:
 
     def __init__(self, model, units=(), stage=0, optimizer=torch.optim.AdamW, clip=0.0, group=None,
                  device=None):
+        if stage not in (0, 1, 2, 3):
+            raise ValueError(f"stage {stage}: ZeRO has stages 0 (DDP), 1, 2 and 3 (FSDP)")
         self.group = group or dist.group.WORLD
         self.rank, self.world = dist.get_rank(self.group), dist.get_world_size(self.group)
         self.stage, self.clip, p0 = stage, clip, next(model.parameters())
@@ -219,9 +221,8 @@ class Zero:
         self.units.append(self.root)
         model.to(self.device)  # the buffers (no parameters are left in the modules)
         self.opt = optimizer([u.master for u in self.units])  # on the flat master shards
-        # stage 3: the order units are first needed in, forward and backward (the root is in use at both ends)
         root, blocks = [self.root] * bool(self.root.numel), [u for u in self.units[:-1] if u.numel]
-        self.forward_order, self.backward_order = root + blocks, root + blocks[::-1]
+        self.forward_order, self.backward_order = root + blocks, root + blocks[::-1]  # stage 3's order of use
         self.order, self.prefetched, self.pending, self.last_microbatch = self.forward_order, {}, [], False
         self.reduce_order, self.next, self.ready = [*self.units[-2::-1], self.root], 0, {}  # (reduce_grad)
         self.publishing = {}  # stages 1-2: unit -> (all-gather in flight, its input)
@@ -246,8 +247,7 @@ class Zero:
 
     # --- the gradient reductions, launched during backward -----------------------------------------------
     def reduce_grad(self, u, g):
-        """g (N*S,), u's gradient, is ready: launch each reduction whose turn in `reduce_order` came (see the
-        top). Stage 0 all-reduces in place, 1-3 reduce-scatter to my (S,) shard, master dtype."""
+        """u's gradient g (N*S,) is ready: launch each reduction whose turn in `reduce_order` came (top)."""
         self.ready[u] = g
         while self.next < len(self.units) and self.reduce_order[self.next] in self.ready:
             u = self.reduce_order[self.next]
@@ -743,6 +743,8 @@ class FlatShardCheckpoint:
 
     def __init__(self, d, ckpt_dir, save_every, steps, numels, group=None):
         self.d, self.root, self.save_every, self.steps, self.numels = d, ckpt_dir, save_every, steps, numels
+        if stage not in (0, 1, 2, 3):
+            raise ValueError(f"stage {stage}: ZeRO has stages 0 (DDP), 1, 2 and 3 (FSDP)")
         self.group = group or dist.group.WORLD
         self.rank, self.world = dist.get_rank(self.group), dist.get_world_size(self.group)
 

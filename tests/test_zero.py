@@ -364,6 +364,12 @@ def copy_out_worker(json_path, steps=3, accum=2, clip=0.2):
         out["tie across units"] = "accepted"
     except ValueError as e:
         out["tie across units"] = str(e)
+    with CommCounter() as comm:  # a stage ZeRO does not have: refused before any collective
+        try:
+            core["Zero"](tower(), UNITS, optimizer=adamw, group=singles[rank], stage=4)
+            out["stage 4"] = ["accepted", comm.calls]
+        except ValueError as e:
+            out["stage 4"] = [str(e), comm.calls]
     if rank == 0:
         with open(json_path, "w") as f:
             json.dump(out, f)
@@ -381,7 +387,8 @@ def test_copy_out_zero_on_another_model(tmp_path):
       (no reduction is read while the next micro-batch writes its buffer, none counts a sum N times);
     - a unit run by one rank only (data-dependent graph): stages 0-2 are exact, and every rank issues the
       same collectives in the same order (each recorded on a group of its own, then compared);
-    - a tie across two units is refused with a ValueError naming both parameters;
+    - a tie across two units is refused with a ValueError naming both parameters, a stage 4 with one naming
+      ZeRO's stages (before any collective);
     - stage 3 with every parameter inside a unit (a root unit without parameters) trains exactly;
     - a batch whose rows do not split over the ranks is refused (ValueError) before any collective.
     Mutants caught: a stage 2 whose gradients are never reduced across ranks, stage 0 without waiting for the
@@ -398,6 +405,7 @@ def test_copy_out_zero_on_another_model(tmp_path):
     assert all(s["same order"].values()) and len(s["same order"]) == 3, s["same order"]
     assert not any(s["same order, arrival-order mutant"].values()), s["same order, arrival-order mutant"]
     assert "1.weight is 0.weight" in s["tie across units"] and "one unit" in s["tie across units"], s
+    assert "stage 4" in s["stage 4"][0] and "0 (DDP), 1, 2 and 3" in s["stage 4"][0] and s["stage 4"][1] == {}, s
     for world in (3, 2):
         msg, calls = s[f"uneven rows, world {world}"]
         assert f"11 rows do not split over {world} ranks" in msg and calls == {}, (msg, calls)
