@@ -743,8 +743,6 @@ class FlatShardCheckpoint:
 
     def __init__(self, d, ckpt_dir, save_every, steps, numels, group=None):
         self.d, self.root, self.save_every, self.steps, self.numels = d, ckpt_dir, save_every, steps, numels
-        if stage not in (0, 1, 2, 3):
-            raise ValueError(f"stage {stage}: ZeRO has stages 0 (DDP), 1, 2 and 3 (FSDP)")
         self.group = group or dist.group.WORLD
         self.rank, self.world = dist.get_rank(self.group), dist.get_world_size(self.group)
 
