@@ -47,8 +47,9 @@ import torch.nn as nn
 from common import (DTYPES, build_gpt, clip_grads_, count_tokens, fail, GPTConfig, init_dist, lm_loss,
                     make_optimizer, MarkovData)
 from harness import (assemble_full, busy_ms, check_against_reference, check_common_args, CommCounter,
-                     CommonArgs, draw_timeline, env_world_size, gather_rows, HeldForB,
-                     parse_args, peak_memory_bytes, Run, state_bytes, Timeline, write_trace)
+                     CommonArgs, draw_timeline, env_world_size, gather_rows, is_parameter, LiveStorages,
+                     parse_args, peak_memory_bytes, PipelineWatch, Run, state_bytes, tensor_bytes,
+                     write_trace)
 
 
 @dataclass
@@ -273,7 +274,7 @@ def main():
     run = Run(d, args, {"model": stage, "optim": opt})
     prev, nxt = (d.rank - 1 if d.rank > 0 else None), (d.rank + 1 if d.rank < p - 1 else None)
     act_shape = (args.batch_size // m, args.seq_len, args.d_model)  # (b, T, D): what crosses a stage boundary
-    comm, held, count_at = CommCounter(), None, max(run.start, args.steps - 2)  # see "measurement"
+    comm, held, count_at = CommCounter(), HeldForB(d, args, stage), max(run.start, args.steps - 2)
     # NCCL sets up its communicator at the first collective; batched point-to-point must not come first
     dist.all_reduce(torch.zeros(1, device=d.device))
     for step in run.steps():
@@ -282,13 +283,11 @@ def main():
         xs = micro_batches(x, m, d.device) if prev is None else [None] * m  # m x (b, T), b = B/m: first stage
         ys = micro_batches(y, m, d.device) if nxt is None else [None] * m  # their targets: last stage
         opt.zero_grad(set_to_none=True)
-        timeline = Timeline(d, simulate={"F": args.stage_ms, "B": 2 * args.stage_ms})
-        held = HeldForB(stage, timeline) if step == args.steps - 1 else None
-        with run.watching(step, comm, at=count_at), held or contextlib.nullcontext():
+        watched = step == args.steps - 1  # the last step is timed and its bytes held for B measured
+        with run.watching(step, comm, at=count_at):
             loss_fn = lambda logits, targets: lm_loss(logits, targets, n_tok)  # noqa: E731
-            loss_fn = held.holding(loss_fn) if held else loss_fn
-            loss = gpipe_step(stage, xs, ys, loss_fn, prev, nxt, act_shape, args.recompute,
-                              observe=held or timeline.span)
+            loss = gpipe_step(stage, xs, ys, held.holding(loss_fn) if watched else loss_fn, prev, nxt,
+                              act_shape, args.recompute, observe=held if watched else None)
         # 3. after the flush, one optimizer step: the norm of the whole model from every stage's squared norm,
         # and the batch loss that only the last stage knows, in one all-reduce of two numbers
         grads = [q.grad for q in stage.parameters()]
@@ -302,7 +301,7 @@ def main():
     counted = state_bytes(stage, opt)
     figures, sent = report(d, args, bounds, act_shape, dtype, held, comm.total(op="send"), counted)
     figures.update(split=bounds, stages=p, microbatches=m, recompute=args.recompute)
-    peak = peak_memory_bytes(d, counted + (held.live.peak if held else 0))
+    peak = peak_memory_bytes(d, counted + held.live.peak)
     check = None
     if args.check:  # the full model, by name, from every stage's parameters (one all-reduce)
         full = assemble_full(d, dict(stage.named_parameters()), shapes, dtype)
@@ -311,19 +310,83 @@ def main():
 
 
 # --- measurement ---
-# The last step is the one reported: timed (Timeline) and its bytes held for B measured (HeldForB). The bytes
-# sent are counted by harness.CommCounter, which sends every op through Python: one step earlier when there is
-# one, to keep that cost out of the timed step (every step sends the same).
+# The last step is the one reported: timed and its bytes held for B measured (HeldForB, the schedule's observe
+# callback in it only). The bytes sent are counted by harness.CommCounter, which sends every op through
+# Python: one step earlier when there is one, to keep that cost out of the timed step (every step sends the
+# same).
+class HeldForB(PipelineWatch):
+    """harness.PipelineWatch (--stage-ms: each F waits that, each B twice) that also measures the activation
+    bytes held for B: saved-tensor hooks around every op register what autograd saves (parameters excluded),
+    module hooks each stage input and output (what the schedule holds itself), weakly, per micro-batch
+    (LiveStorages): a graph freed by its B, or never built (a recomputing F), drops out by itself. Sampled as
+    each F ends and as each B first unpacks a saved tensor, when its whole graph is alive: .live.peak (bytes),
+    .full_bytes (the most one op registered: one micro-batch's input, saved tensors and output),
+    .input_bytes (the largest stage input), .alive (micro-batches whose F's storages are alive)."""
+
+    def __init__(self, d, args, stage):
+        super().__init__(d, {"F": args.stage_ms, "B": 2 * args.stage_ms})
+        self.of_mb, self.mine = {}, LiveStorages()  # what each micro-batch's F registered; what the op did
+        self.input_bytes, self.full_bytes, self.in_b = 0, 0, False
+
+        def pre(_, args):  # a stage input: (b, T) token ids or (b, T, D)
+            self.input_bytes = max(self.input_bytes, tensor_bytes(args[:1]))
+            self.hold(args[0])
+        stage.register_forward_pre_hook(pre)
+        stage.register_forward_hook(lambda _, args, out: self.hold(out))
+
+    def hold(self, t):
+        self.live.add(t)
+        self.mine.add(t)
+
+    def holding(self, loss_fn):
+        """loss_fn, its output registered too: a schedule holds the last stage's loss, not the stage's
+        output, until B."""
+        def held_loss(*args):
+            out = loss_fn(*args)
+            self.hold(out)
+            return out
+        return held_loss
+
+    def saving(self, kind):
+        return torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
+
+    def pack(self, t):
+        if not is_parameter(t):
+            self.hold(t)
+        return t
+
+    def unpack(self, t):
+        if self.in_b:  # this B's first
+            self.sample()
+        return t
+
+    def sample(self):  # the peak (kept in self.live.peak), one op's full set, the micro-batches alive
+        self.live.alive()
+        self.full_bytes, self.in_b = max(self.full_bytes, self.mine.alive()), False
+        self.alive = max(self.alive, sum(s.alive() > 0 for s in self.of_mb.values()))
+
+    def before(self, kind, mb):
+        self.mine, self.in_b = LiveStorages(), kind == "B"
+        if kind == "F":
+            self.of_mb[mb] = self.mine
+
+    def after(self, kind, mb):
+        if kind == "F":
+            self.sample()
+
+
 def report(d, args, bounds, act_shape, dtype, held, sent, counted):
     """Every rank's last-step figures and events on every rank (rows of numbers: no object collective); rank 0
     prints them beside their theory. Returns (figures, bytes sent per rank)."""
     p, m = d.world, args.microbatches
-    mine = [held.peak_alive, held.live.peak, held.input_bytes, held.full_bytes] if held else [0] * 4
+    mine = [held.alive, held.live.peak, held.input_bytes, held.full_bytes]
     rows = gather_rows(d, [mine + [sent, counted]])
     alive, peak, inp, full, sent, state = (list(c) for c in zip(*(map(int, r[0].tolist()) for r in rows)))
-    events = held.timeline.gather() if held else []
+    events = held.timeline.gather()
     if not events:  # a resumed run that had no step left to run
         return {}, sent
+    lo = min(e["start"] for e in events)  # the step's first F: its time 0
+    events = [dict(e, start=e["start"] - lo, end=e["end"] - lo) for e in events]
     end = max(e["end"] for e in events)  # the flush: the last B anywhere
     busy = [busy_ms(events, r, 0, end) for r in range(p)]
     bubble, theory = [1 - b / end for b in busy], (p - 1) / (m + p - 1)

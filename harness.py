@@ -15,7 +15,7 @@ their technique:
                    SavedActivations bytes autograd saves for backward (saved-tensor hooks)
                    LiveStorages     bytes of given storages still alive, and their peak (weak references)
                    Timeline         every F / B / W a pipeline runs: one `span` per op, bubble, picture, trace
-                   HeldForB         a pipeline's observe callback that also measures the bytes held for B
+                   PipelineWatch    a pipeline schedule's observe callback: Timeline spans, bytes held
 Only tensors cross the wire here too: no object collectives.
 """
 import argparse, contextlib, inspect, json, os, re, statistics, sys, time
@@ -735,69 +735,44 @@ def write_trace(path, events, label, row_key="rank", row_name="stage"):
         json.dump(dict(traceEvents=trace, displayTimeUnit="ms"), f)
 
 
-class HeldForB:
-    """A pipeline schedule's `observe` callback that also measures the activation bytes held for B: enter it
-    around the step and pass it as `observe`. Timeline.span times each op; saved-tensor hooks register what
-    autograd saves (parameters excluded), module hooks each stage input and output (what the schedule holds
-    itself), weakly, per micro-batch (LiveStorages): a graph freed by its B, or never built (a recomputing F),
-    drops out by itself. Sampled as each F ends and as each B first unpacks a saved tensor, when its whole
-    graph is alive: .live.peak (bytes), .full_bytes (the most one op registered: one micro-batch's input,
-    saved tensors and output), .input_bytes (the largest stage input), .peak_alive (micro-batches whose F's
-    storages are alive)."""
+class PipelineWatch:
+    """A pipeline schedule's `observe(kind, mb, chunk=None, recvs=(), **tags)` callback, the one every
+    pipeline file builds before its loop. Timeline.span times each F, B (and W), tagged with those of
+    these that the Timeline names: the schedule's **tags, `chunk`, `.step` (the loop sets it), the grid
+    `coords`, and `recv` (when the op's input arrived: a "p2p" op, not timed, stamps its `recvs` messages).
+    Measured the same way for all: F runs under SavedActivations (`saving`), so what forwards save for
+    backward is registered weakly in `.live`, and `.saved[chunk]` keeps one micro-batch's bytes. `.alive`
+    and `.bytes` are peaks that a file fills from its runner's attributes in `before(kind, mb)`, as an op
+    begins (`.last`: the kind of the op before), and `after(kind, mb)`; a file may replace `saving(kind)`,
+    what runs inside the span."""
 
-    def __init__(self, stage, timeline):
-        self.stage, self.timeline, self.live = stage, timeline, LiveStorages()
-        self.of_mb, self.mine = {}, None  # what each micro-batch's F registered; what the current op did
-        self.peak_alive, self.input_bytes, self.full_bytes, self.in_b = 0, 0, 0, False
+    def __init__(self, d, simulate, tags=(), coords=None):
+        self.timeline, self.coords = Timeline(d, simulate, tags=tags), dict(coords or {})
+        self.live, self.saved, self.arrived, self.step = LiveStorages(), {}, {}, 0
+        self.alive, self.bytes, self.last = 0, 0, None  # peaks: micro-batches alive, bytes; the op before
 
-    def __enter__(self):
-        def pre(_, args):  # a stage input: (b, T) token ids or (b, T, D)
-            self.input_bytes = max(self.input_bytes, tensor_bytes(args[:1]))
-            self.hold(args[0])
-        self.hooks = [self.stage.register_forward_pre_hook(pre),
-                      self.stage.register_forward_hook(lambda _, args, out: self.hold(out))]
-        self.saving = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
-        self.saving.__enter__()
+    def saving(self, kind):
+        return SavedActivations(self.live) if kind == "F" else contextlib.nullcontext()
 
-    def __exit__(self, *exc):
-        self.saving.__exit__(*exc)
-        for h in self.hooks:
-            h.remove()
+    def before(self, kind, mb):
+        pass
 
-    def hold(self, t):
-        self.live.add(t)
-        self.mine.add(t)
-
-    def holding(self, loss_fn):
-        """loss_fn, its output registered too: a schedule holds the last stage's loss, not the stage's
-        output, until B."""
-        def held_loss(*args):
-            out = loss_fn(*args)
-            self.hold(out)
-            return out
-        return held_loss
-
-    def pack(self, t):
-        if not is_parameter(t):
-            self.hold(t)
-        return t
-
-    def unpack(self, t):
-        if self.in_b:  # this B's first
-            self.sample()
-        return t
-
-    def sample(self):  # the peak (kept in self.live.peak), one op's full set, the micro-batches alive
-        self.live.alive()
-        self.full_bytes, self.in_b = max(self.full_bytes, self.mine.alive()), False
-        self.peak_alive = max(self.peak_alive, sum(s.alive() > 0 for s in self.of_mb.values()))
+    def after(self, kind, mb):
+        pass
 
     @contextlib.contextmanager
-    def __call__(self, kind, mb):
-        self.mine, self.in_b = LiveStorages(), kind == "B"
-        if kind == "F":
-            self.of_mb[mb] = self.mine
-        with self.timeline.span(kind, mb):
+    def __call__(self, kind, mb, chunk=None, recvs=(), **tags):
+        if kind == "p2p":
             yield
-        if kind == "F":
-            self.sample()
+            self.arrived.update((msg, self.timeline.now()) for msg in recvs)
+            return
+        self.before(kind, mb)
+        recv = self.arrived.pop((kind, chunk, mb), None)
+        known = dict(chunk=chunk, step=self.step, recv=recv, **self.coords)
+        tags.update((k, v) for k, v in known.items() if k in self.timeline.tags)
+        with self.timeline.span(kind, mb, **tags), self.saving(kind) as saving:
+            yield
+        if kind == "F" and isinstance(saving, SavedActivations):
+            self.saved.setdefault(chunk, saving.bytes)
+        self.after(kind, mb)
+        self.last = kind

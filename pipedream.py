@@ -56,8 +56,8 @@ from einops import rearrange
 from common import (build_gpt, count_tokens, DTYPES, fail, GPTConfig, init_dist, lm_loss,
                     make_optimizer, MarkovData)
 from harness import (assemble_full, busy_ms, check_against_reference, check_common_args, CommCounter,
-                     CommonArgs, draw_timeline, env_world_size, gather_rows, LiveStorages, parse_args,
-                     peak_memory_bytes, Run, SavedActivations, state_bytes, Timeline, write_trace)
+                     CommonArgs, draw_timeline, env_world_size, gather_rows, parse_args,
+                     peak_memory_bytes, PipelineWatch, Run, state_bytes, write_trace)
 
 
 @dataclass
@@ -470,33 +470,26 @@ class PolicyState:
             pol.known = (t, sq.to(pol.known[1].device))
 
 
-class Observer:
-    """The schedule's observe callback: Timeline.span (times the op; --stage-ms: each op also waits), and, as
-    each op begins, this stage's peaks in the state the ops before it left, read from the runner's and the
-    policy's attributes: micro-batches alive (F to B), weight versions kept, bytes alive after a
-    forward (what forwards saved for backward, seen by LiveStorages, plus inputs and outputs, and
-    parameters, gradients and optimizer state of the live and the stashed versions)."""
+class Observer(PipelineWatch):
+    """harness.PipelineWatch (--stage-ms: each F waits that, each B twice), reading as each op begins this
+    stage's peaks in the state the ops before it left, from the runner's and the policy's attributes:
+    micro-batches alive (F to B), weight versions kept, bytes alive after a forward (what forwards saved for
+    backward, plus inputs and outputs, and parameters, gradients and optimizer state of the live and the
+    stashed versions)."""
 
     def __init__(self, d, args):
-        ms = args.stage_ms
-        simulate = {"F": ms, "B": 2 * ms}
-        self.timeline, self.live = Timeline(d, simulate, tags=("version",)), LiveStorages()
-        self.runner, self.after_f, self.alive, self.versions, self.bytes = None, False, 0, 0, 0
+        super().__init__(d, {"F": args.stage_ms, "B": 2 * args.stage_ms}, tags=("version",))
+        self.runner, self.versions = None, 0
 
-    @contextlib.contextmanager
-    def __call__(self, kind, mb, **tags):
+    def before(self, kind, mb):
         r, pol = self.runner, self.runner.policy
         self.alive = max(self.alive, len(r.alive))
         self.versions = max(self.versions, len(getattr(pol, "versions", [pol.stage])))
-        if self.after_f:  # activations peak after a forward
+        if self.last == "F":  # activations peak after a forward
             held = [t for a in r.alive.values() for t in a[:2]]  # inputs and outputs until B
             versions = getattr(pol, "versions", {}).values()
             model = state_bytes(pol.stage, pol.opt) + sum(state_bytes(w) for w in versions)
             self.bytes = max(self.bytes, self.live.alive(*held) + model)
-        saving = SavedActivations(self.live) if kind == "F" else contextlib.nullcontext()
-        with self.timeline.span(kind, mb, **tags), saving:
-            yield
-        self.after_f = kind == "F"
 
 
 def report(d, args, observer, comm, bounds, steps_run, segments):

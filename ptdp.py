@@ -65,8 +65,8 @@ from einops import rearrange
 from common import (build_gpt, count_tokens, DTYPES, fail, GPTConfig, init_dist, lm_loss, make_optimizer,
                     MarkovData)
 from harness import (assemble_full, busy_ms, check_against_reference, check_common_args, CommCounter,
-                     CommonArgs, draw_timeline, env_world_size, gather_rows, LiveStorages, parse_args,
-                     peak_memory_bytes, Run, SavedActivations, state_bytes, Timeline, write_trace)
+                     CommonArgs, draw_timeline, env_world_size, gather_rows, parse_args,
+                     peak_memory_bytes, PipelineWatch, Run, state_bytes, write_trace)
 
 
 @dataclass
@@ -472,35 +472,24 @@ def main():
 
 
 # --- measurement ---
-class Watch:
-    """The schedule's `observe` callback: harness.Timeline.span times every F and B (--stage-ms waits in it),
-    tagged with the step, the rank's grid coordinates and when its input arrived; it counts the micro-batch
-    chunks between F and B; saved-tensor hooks count what F saves, live storages what still is."""
+class Watch(PipelineWatch):
+    """harness.PipelineWatch (--stage-ms: the stage's F time split over its v chunks, B twice F), tagged with
+    the step, the rank's grid coordinates and when its input arrived; it counts the micro-batch chunks between
+    F and B, and after each op the saved activations alive plus the outputs the runner holds to B."""
 
     def __init__(self, d, args, coords):
-        f_ms = args.stage_ms / args.virtual_stages
-        self.timeline = Timeline(d, dict(F=f_ms, B=2 * f_ms), tags=("chunk", "step", "pp", "dp", "tp",
-                                                                      "recv"))
-        self.coords, self.step, self.held, self.arrived, self.saved = coords, 0, 0, {}, {}
-        self.live, self.inflight = LiveStorages(), [0, 0]  # in flight: now, peak
+        f_ms, (pp, dp, tp) = args.stage_ms / args.virtual_stages, coords
+        super().__init__(d, dict(F=f_ms, B=2 * f_ms), ("chunk", "step", "pp", "dp", "tp", "recv"),
+                         dict(pp=pp, dp=dp, tp=tp))
+        self.held, self.inflight = 0, [0, 0]  # state bytes (main sets it); in flight: now, peak
         self.runner, self.held_peak = None, 0  # + what the runner holds to B: outputs (the last: losses)
 
-    @contextlib.contextmanager
-    def __call__(self, kind, mb, chunk=None, recvs=()):
-        if kind == "p2p":
-            yield
-            self.arrived.update((msg, self.timeline.now()) for msg in recvs)
-            return
+    def before(self, kind, mb):
         self.inflight[0] += kind == "F"
         self.inflight[1] = max(self.inflight)
-        pp, dp, tp = self.coords
-        with self.timeline.span(kind, mb, chunk=chunk, step=self.step, pp=pp, dp=dp, tp=tp,
-                                recv=self.arrived.pop((kind, chunk, mb), None)):
-            with SavedActivations(self.live) if kind == "F" else contextlib.nullcontext() as saved:
-                yield
+
+    def after(self, kind, mb):
         self.inflight[0] -= kind == "B"
-        if kind == "F":
-            self.saved.setdefault(chunk, saved.bytes)  # what one micro-batch saves on this chunk
         from torch.multiprocessing.reductions import StorageWeakRef  # (measurement only)
         now = self.live.alive()  # the peak of saved activations alive
         outs = {StorageWeakRef(o.untyped_storage()): o.untyped_storage().nbytes()
@@ -532,7 +521,7 @@ def report(d, args, dp, watch, comm):
                 "world"), comm_bytes=ar(), inflight=watch.inflight[1], act_peak=watch.live.peak,
                 act_per_microbatch=sum(watch.saved.values()))
     events = watch.timeline.gather()
-    rows = gather_rows(d, [[*watch.coords, *mine.values()]])
+    rows = gather_rows(d, [[*watch.coords.values(), *mine.values()]])
     per_rank = {tuple(int(x) for x in r[0, :3]): dict(zip(mine, (int(x) for x in r[0, 3:]))) for r in rows}
     comm_bytes = max(c["comm_bytes"] for c in per_rank.values())  # bytes handed per step, the busiest rank
     if d.rank != 0 or not events:

@@ -53,8 +53,8 @@ from einops import rearrange
 from common import (build_gpt, count_tokens, DTYPES, fail, GPTConfig, init_dist, lm_loss,
                     make_optimizer, MarkovData)
 from harness import (assemble_full, busy_ms, check_against_reference, check_common_args, CommCounter,
-                     CommonArgs, draw_timeline, env_world_size, gather_rows, LiveStorages, parse_args,
-                     peak_memory_bytes, Run, SavedActivations, state_bytes, Timeline, write_trace)
+                     CommonArgs, draw_timeline, env_world_size, gather_rows, parse_args,
+                     peak_memory_bytes, PipelineWatch, Run, state_bytes, write_trace)
 
 
 @dataclass
@@ -440,36 +440,24 @@ def main():
 
 
 # --- measurement --- (from outside the schedule: its observe callback, the collective counter, the report) --
-class Watch:
-    """The schedule's `observe` callback: Timeline.span times every F, B, W (--stage-ms waits in it), tagged
-    with the step, the rank's grid coordinates and when its input arrived. As each op begins, it reads the
-    runner's attributes: micro-batch chunks alive (F to W); after a forward, the bytes alive: what forwards
-    saved for backward (LiveStorages), the inputs and outputs held to B, what B left for W, and the state."""
+class Watch(PipelineWatch):
+    """harness.PipelineWatch (--stage-ms: each F, B, W waits that), tagged with the step, the rank's grid
+    coordinates and when its input arrived, reading the runner's attributes as each op begins: micro-batch
+    chunks alive (F to W); after a forward, the bytes alive: what forwards saved for backward, the inputs and
+    outputs held to B, what B left for W, and the state."""
 
     def __init__(self, d, args, coords):
-        ms = args.stage_ms
-        self.timeline = Timeline(d, dict(F=ms, B=ms, W=ms), tags=("chunk", "step", "pp", "dp", "recv"))
-        self.coords, self.step, self.arrived, self.live = coords, 0, {}, LiveStorages()
-        self.runner, self.state, self.after_f, self.alive, self.bytes = None, None, False, 0, 0
+        ms, (pp, dp) = args.stage_ms, coords
+        super().__init__(d, dict(F=ms, B=ms, W=ms), ("chunk", "step", "pp", "dp", "recv"), dict(pp=pp, dp=dp))
+        self.runner, self.state = None, None
 
-    @contextlib.contextmanager
-    def __call__(self, kind, mb, chunk=None, recvs=()):
-        if kind == "p2p":
-            yield
-            self.arrived.update((msg, self.timeline.now()) for msg in recvs)
-            return
+    def before(self, kind, mb):
         r = self.runner
         self.alive = max(self.alive, len(set(r.alive) | set(r.waiting)))
-        if self.after_f:  # activations peak after a forward
+        if self.last == "F":  # activations peak after a forward
             held = [t for a in r.alive.values() for t in a]  # inputs and outputs until B
             held += [t for w in r.waiting.values() for _, x, dy in w for t in (x, dy)]  # what W needs
             self.bytes = max(self.bytes, self.live.alive(*held) + self.state())
-        saving = SavedActivations(self.live) if kind == "F" else contextlib.nullcontext()
-        pp, dp = self.coords
-        with self.timeline.span(kind, mb, chunk=chunk, step=self.step, pp=pp, dp=dp,
-                                recv=self.arrived.pop((kind, chunk, mb), None)), saving:
-            yield
-        self.after_f = kind == "F"
 
 
 def theory(p, m, schedule):
@@ -491,7 +479,7 @@ def report(d, args, p, watch, comm, bounds, holder):
     m, schedule, v = args.microbatches, args.schedule, len(bounds) // p
     tags = [c["tag"] for c in comm.calls_log if c["op"] == "send"]  # one tag per direction
     events = watch.timeline.gather()
-    rows = gather_rows(d, [[*watch.coords, watch.alive, comm.total(op="send"), watch.bytes,
+    rows = gather_rows(d, [[*watch.coords.values(), watch.alive, comm.total(op="send"), watch.bytes,
                             tags.count(TAG["F"]), tags.count(TAG["B"])]])
     per_rank = {(int(r[0, 0]), int(r[0, 1])): [int(x) for x in r[0, 2:]] for r in rows}
     counts = [per_rank[r, 0] for r in range(p)]  # the pipeline of dp replica 0

@@ -81,7 +81,7 @@ def watch(pipedream, harness):
             super().__init__(d, simulate, tags=(*tags, "grad_version", "live_grad"))
             timelines.append(self)
 
-    pipedream.Timeline = WatchedTimeline
+    harness.Timeline = WatchedTimeline  # the one harness.PipelineWatch (pipedream.Observer) builds
 
     def landing(cls):
         on_backward = cls.on_backward
