@@ -5,8 +5,8 @@
 Rank 0 writes {"table": CommCounter's table, "log": its per-call log, "naive": the table of a counter that
 counts every tensor argument (outputs and receive buffers included: the usual mistake), "events": a Timeline's
 gathered events, "rest" and "rest_log": the table and log of every other form of op (coalesced, functional,
-any source)}. tests/test_harness.py computes what the table must be from the shapes alone."""
-import json, sys
+any source), "watch": a PipelineWatch's (saved, events, last), and a mutant's}. tests/test_harness.py computes what the table must be from the shapes alone."""
+import contextlib, json, sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -118,8 +118,30 @@ for i in range(2):
     with tl.span("B", i, chunk=r, note=None):
         pass
 events = tl.gather()
+
+
+def watched(watch):
+    """One F and its B of a tanh(Linear) under a PipelineWatch, its input stamped as arrived by a p2p op:
+    (.saved, the gathered events, .last)."""
+    watch.step, w = 3, torch.nn.Linear(4, 4, **f64)
+    with watch("p2p", None, recvs=[("F", 1, 0)]):
+        x = torch.ones(2, 4, **f64)
+    with watch("F", 0, chunk=1):
+        y = torch.tanh(w(x))  # saves x (2 x 4 float64, the weight excluded) and its output (2 x 4)
+    with watch("B", 0, chunk=1):
+        y.sum().backward()
+    return {str(k): v for k, v in watch.saved.items()}, watch.timeline.gather(), watch.last
+
+
+class Unsaving(harness.PipelineWatch):  # a mutant: F not under SavedActivations
+    def saving(self, kind):
+        return contextlib.nullcontext()
+
+
+pw = [watched(cls(d, {"F": 1}, tags=("chunk", "step", "pp", "recv"), coords=dict(pp=r)))
+      for cls in (harness.PipelineWatch, Unsaving)]
 if r == 0:
     Path(sys.argv[1]).write_text(json.dumps(dict(table=comm.table(), log=comm.calls_log, events=events,
                                                  naive=naive.bytes, world=W, rest=rest.table(),
-                                                 rest_log=rest.calls_log)))
+                                                 rest_log=rest.calls_log, watch=pw)))
 close_dist()

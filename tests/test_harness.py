@@ -78,6 +78,14 @@ def test_comm_counter_sees_what_each_collective_hands_over(tmp_path, world):
     assert all(e["end"] - e["start"] >= (30 if e["kind"] == "F" else 60) * 0.99 for e in ev), ev
     assert all(e["chunk"] == e["rank"] for e in ev) and all(e["note"] == -1 for e in ev if e["kind"] == "B")
     assert all(a["end"] <= b["start"] + 1e-6 for a, b in zip(ev, ev[1:]) if a["rank"] == b["rank"])
+    # harness.PipelineWatch, the four pipeline files' observe callback: F's saved bytes per chunk (x and
+    # tanh's output, 2 x 4 float64 each; the weight excluded), its tags (step, grid coordinates, when the
+    # input arrived, stamped by the p2p op before F; none for B); a watcher without SavedActivations is caught
+    (saved, ev, last), (unsaved, _, _) = got["watch"]
+    assert saved == {"1": 2 * 2 * 4 * 8} and unsaved == {} and last == "B", (saved, unsaved)
+    assert sorted((e["rank"], e["kind"], e["chunk"], e["step"], e["pp"]) for e in ev) == sorted(
+        (q, k, 1, 3, q) for q in range(world) for k in "FB"), ev
+    assert all((e["recv"] >= 0 and e["recv"] <= e["start"]) == (e["kind"] == "F") for e in ev), ev
 
 
 def test_comm_counter_knows_every_communication_op_of_this_torch():
