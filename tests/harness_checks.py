@@ -5,7 +5,8 @@
 Rank 0 writes {"table": CommCounter's table, "log": its per-call log, "naive": the table of a counter that
 counts every tensor argument (outputs and receive buffers included: the usual mistake), "events": a Timeline's
 gathered events, "rest" and "rest_log": the table and log of every other form of op (coalesced, functional,
-any source), "watch": a PipelineWatch's (saved, events, last), and a mutant's}. tests/test_harness.py computes what the table must be from the shapes alone."""
+any source), "watch": a PipelineWatch's (saved, events, last), and a mutant's}. tests/test_harness.py
+computes what the table must be from the shapes alone."""
 import contextlib, json, sys
 from pathlib import Path
 
