@@ -325,7 +325,7 @@ class HeldForB(PipelineWatch):
 
     def __init__(self, d, args, stage):
         super().__init__(d, {"F": args.stage_ms, "B": 2 * args.stage_ms})
-        self.of_mb, self.mine = {}, LiveStorages()  # what each micro-batch's F registered; what the op did
+        self.of_mb, self.mine = {}, None  # what each micro-batch's F registered; the observed op's (or None)
         self.input_bytes, self.full_bytes, self.in_b = 0, 0, False
 
         def pre(_, args):  # a stage input: (b, T) token ids or (b, T, D)
@@ -334,9 +334,10 @@ class HeldForB(PipelineWatch):
         stage.register_forward_pre_hook(pre)
         stage.register_forward_hook(lambda _, args, out: self.hold(out))
 
-    def hold(self, t):
-        self.live.add(t)
-        self.mine.add(t)
+    def hold(self, t):  # inside an observed op only: the hooks stay on the stage for every step
+        if self.mine is not None:
+            self.live.add(t)
+            self.mine.add(t)
 
     def holding(self, loss_fn):
         """loss_fn, its output registered too: a schedule holds the last stage's loss, not the stage's
@@ -373,6 +374,7 @@ class HeldForB(PipelineWatch):
     def after(self, kind, mb):
         if kind == "F":
             self.sample()
+        self.mine = None  # (between ops, and in the steps not observed, nothing is registered)
 
 
 def report(d, args, bounds, act_shape, dtype, held, sent, counted):

@@ -23,6 +23,7 @@ Run: torchrun --standalone --nproc_per_node=P tests/gpipe_checks.py copy-out:DIR
 import contextlib
 import os
 import sys
+import types
 from pathlib import Path
 
 import torch
@@ -165,6 +166,23 @@ def bad_inputs():
     return out
 
 
+def unwatched_registers():
+    """gpipe.HeldForB is built once, before the loop, and observes only the last step: the forwards of the
+    steps before it must register nothing (an entry for a storage freed long ago could stand in for a watched
+    step's storage at the same address, which the allocator hands out again, and the entries would grow with
+    the run). Returns (entries after 3 unobserved forwards, entries after one observed F)."""
+    d = types.SimpleNamespace(device=torch.device("cpu"), rank=dist.get_rank(), world=dist.get_world_size())
+    args = types.SimpleNamespace(stage_ms=0)
+    net = nn.Sequential(nn.Linear(4, 4), nn.Tanh()).double()
+    held = gpipe.HeldForB(d, args, net)
+    for _ in range(3):
+        net(torch.randn(2, 4, dtype=torch.float64))
+    before, x = len(held.live.refs), torch.randn(2, 4, dtype=torch.float64)
+    with held("F", 0):
+        out = net(x)
+    return before, len(held.live.refs), out.shape
+
+
 def copy_out(out_dir):
     dist.init_process_group("gloo")
     rank = dist.get_rank()
@@ -172,6 +190,7 @@ def copy_out(out_dir):
     runs = {how: train_copied_out(how, backwards if how == "reversed" else None)
             for how in ("plain", "recompute", "reversed", "broken")}
     runs["bad"] = bad_inputs()
+    runs["unwatched"] = unwatched_registers()[:2]
     torch.save(runs, os.path.join(out_dir, f"rank{rank}.pt"))
     dist.barrier()
     dist.destroy_process_group()

@@ -364,3 +364,13 @@ def test_bad_input():
     assert p.returncode == 1 and "2" in codes and set(codes) <= {"2", "-15"}, out
     assert "error (rank" in out and "2 stages but --n-layers 1" in out
     assert "Traceback" not in out.split("torch/distributed/elastic")[0], out
+
+
+def test_the_watcher_registers_only_what_it_observes(checks):
+    """gpipe.HeldForB is built once before the loop and observes the last step only: forwards it does not
+    observe register nothing (stale entries of earlier steps' storages, at addresses the allocator reuses,
+    would hide a watched step's storage and grow with the run); an observed F registers its input, what it
+    saves and its output."""
+    for r in checks[1]:
+        before, after = r["unwatched"]
+        assert before == 0 and after >= 2, r["unwatched"]  # x and the output tanh saves
