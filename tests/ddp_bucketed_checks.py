@@ -31,7 +31,7 @@ import harness
 import section
 from common import (GPTConfig, MarkovData, build_gpt, close_dist, count_tokens, init_dist, lm_loss,
                     make_optimizer)
-from harness import CommCounter, CommonArgs, gather_rows
+from harness import CommonArgs, gather_rows
 from ddp_bucketed import MiB, BucketedDDP, Overlap
 
 CFG = GPTConfig(vocab=32, seq_len=8, d_model=16, n_heads=2, n_layers=2)
@@ -524,15 +524,7 @@ for model, distributed in ((plain, False), (Net(), True), (Net(), None)):
 # BucketedDDP under the same counter broadcasts; the section with its checks taken out lets every one through.
 # Parameters that differ between ranks in number or shape cannot be seen without communicating (torch DDP
 # spends a collective on it, _verify_param_shape_across_processes): not checked here.
-def refused(call, words):
-    with CommCounter() as comm:
-        try:
-            call()
-            msg = "no error"
-        except Exception as e:  # noqa: BLE001 (any other error is a failure, reported)
-            msg = f"{type(e).__name__}: {e}"
-    return msg.startswith("ValueError") and all(w in msg for w in words) and not comm.calls, \
-        f"{msg[:100]}; collectives: {comm.calls}"
+refused = section.refused  # (call, words) -> (refused before any collective, what happened)
 
 
 def frozen():

@@ -43,7 +43,6 @@ import diloco
 import harness
 import section
 from common import GPT, GPTConfig, MarkovData, build_gpt, close_dist, count_tokens, init_dist, lm_loss
-from harness import CommCounter
 
 core = types.SimpleNamespace(**section.load("diloco.py"))  # the technique section alone, as a copier takes it
 
@@ -312,16 +311,7 @@ for name, cls, attr, mutant, flags in (
           f"params {c['max_param_diff']:.1e})")
 
 # ----------------------------------------------------------------------------- 5. the cores refuse bad input
-def refused(call, words):
-    """(refused, what happened): call() raised a ValueError naming every word, and no collective was sent."""
-    with CommCounter() as comm:
-        try:
-            call()
-            msg = "no error"
-        except Exception as e:  # noqa: BLE001 (any other error is a failure, reported)
-            msg = f"{type(e).__name__}: {e}"
-    return msg.startswith("ValueError") and all(w in msg for w in words) and not comm.calls, \
-        f"{msg[:100]}; collectives: {comm.calls}"
+refused = section.refused  # (call, words) -> (refused before any collective, what happened)
 
 
 def bad_calls(c):

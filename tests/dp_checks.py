@@ -37,7 +37,6 @@ import dp
 import harness
 import section
 from common import GPT, GPTConfig, close_dist, count_tokens, init_dist, lm_loss
-from harness import CommCounter
 
 core = types.SimpleNamespace(**section.load("dp.py"))  # the technique section alone, as a copier takes it
 
@@ -166,16 +165,7 @@ for name, policy, delay in (("BoundedStaleness(0)", core.BoundedStaleness(0), 0)
         check(far > 1e-6, f"copy-out {name}: negative: differs from plain training ({far:.1e})")
 
 # ----------------------------------------------------------------------------- 5. the cores refuse bad input
-def refused(call, words):
-    """(refused, what happened): call() raised a ValueError naming every word, and no collective was sent."""
-    with CommCounter() as comm:
-        try:
-            call()
-            msg = "no error"
-        except Exception as e:  # noqa: BLE001 (any other error is a failure, reported)
-            msg = f"{type(e).__name__}: {e}"
-    return msg.startswith("ValueError") and all(w in msg for w in words) and not comm.calls, \
-        f"{msg[:90]}; collectives: {comm.calls}"
+refused = section.refused  # (call, words) -> (refused before any collective, what happened)
 
 
 def unused_param_net():

@@ -156,13 +156,7 @@ def bad_inputs():
     for what, call in cases.items():
         if "outside" in what and me >= 0 or "outside" not in what and me < 0:
             continue  # the group's two ranks meet every case but the last; rank 2 only the last
-        with CommCounter() as comm:
-            try:
-                call()
-                error = "no error"
-            except Exception as e:  # noqa: BLE001 (any other error is reported, and fails the test)
-                error = f"{type(e).__name__}: {e}"
-        out[what] = (error, dict(comm.calls))
+        out[what] = section.attempt(call)  # (error, collectives counted)
     return out
 
 

@@ -235,8 +235,8 @@ def copy_out(out_dir):
 
 def bad_inputs(core, pair):
     """Each core given what it cannot do: {case: (error, collectives the counter saw)}; pair: ranks [2, 0]."""
+    import section
     import torch.distributed as dist
-    from harness import CommCounter
     stage = nn.Sequential(*toy_stages())
     opt = toy_optimizer(stage.parameters())
     cases = {"split_layers, 3 stages of 2 blocks": lambda: core["split_layers"](2, 3),
@@ -250,13 +250,7 @@ def bad_inputs(core, pair):
     for what, call in cases.items():
         if "outside" in what and dist.get_rank(pair) >= 0:
             continue  # rank 1 only
-        with CommCounter() as comm:
-            try:
-                call()
-                error = "no error"
-            except Exception as e:  # noqa: BLE001 (any other error is reported, and fails the test)
-                error = f"{type(e).__name__}: {e}"
-        out[what] = (error, dict(comm.calls))
+        out[what] = section.attempt(call)  # (error, collectives counted)
     return out
 
 
@@ -400,8 +394,8 @@ def zb_copy_out(d, out_path):
 
 def zb_bad_inputs(zb, pp, r):
     """Each zero_bubble core given what it cannot do: {case: [error, collectives the counter saw]}."""
+    import section
     import torch.distributed as dist
-    from harness import CommCounter
     plan = zb.comm_plan([zb.zbh1(2, 4, q) for q in range(2)], 2, r)  # a valid ZB-H1 plan, p 2, m 4
     net, split = ZBNet(), zb.SplitBackward(nn.Linear(2, 2))
     net.temp.grad = torch.ones_like(net.temp)  # for the control
@@ -427,13 +421,7 @@ def zb_bad_inputs(zb, pp, r):
     for what, call in cases.items():
         if "outside" in what and dist.get_rank(outside) >= 0:
             continue  # rank 1 only
-        with CommCounter() as comm:
-            try:
-                call()
-                error = "no error"
-            except Exception as e:  # noqa: BLE001 (any other error is reported, and fails the test)
-                error = f"{type(e).__name__}: {e}"
-        out[what] = [error, dict(comm.calls)]
+        out[what] = section.attempt(call)  # (error, collectives counted)
     return out
 
 

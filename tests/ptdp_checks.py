@@ -156,13 +156,7 @@ def refusals(pp_group, tp_group, alone, pp_rank):
     }
     out, mutants = {}, {}
     for case, call in cases.items():
-        with CommCounter() as comm:
-            try:
-                call()
-                got = "no error"
-            except Exception as e:  # noqa: BLE001 (any other error is reported, and fails the test)
-                got = f"{type(e).__name__}: {e}"
-        out[case] = (got, dict(comm.calls))
+        out[case] = section.attempt(call)  # (error, collectives counted)
     for case, text in (("TPBlock, 3 heads over t 2", "if full.attn.n_heads % t:"),
                        ("Chunk, 2 layers in 4 chunks", "if full.cfg.n_layers % n or not 0 <= c < n:")):
         mutant = section.load("ptdp.py", (section.ROOT / "ptdp.py").read_text().replace(text, "if False:"))

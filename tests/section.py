@@ -85,3 +85,23 @@ def ungrouped(name, text=None):
             continue
         out.append(f"{node.lineno + offset}: {ast.unparse(node)[:80]}")
     return out
+
+
+def attempt(call):
+    """(what call() raised, as "Type: message", or "no error"; {op: calls} it handed to collectives, counted at
+    the dispatcher by harness.CommCounter): how a copy-out test calls a core with an input it cannot take."""
+    from harness import CommCounter  # (the repo's counter; the section never needs it)
+    with CommCounter() as comm:
+        try:
+            call()
+            error = "no error"
+        except Exception as e:  # noqa: BLE001 (any other error is reported, and fails the test)
+            error = f"{type(e).__name__}: {e}"
+    return error, dict(comm.calls)
+
+
+def refused(call, words):
+    """(refused, what happened): call() raised a ValueError naming every word, and no collective was sent."""
+    error, calls = attempt(call)
+    ok = error.startswith("ValueError") and all(w in error for w in words) and not calls
+    return ok, f"{error[:100]}; collectives: {calls}"
