@@ -11,7 +11,8 @@ ALLOWED = {"torch", "einops"}  # and the standard library
 GROUP_ARG = {"all_reduce": 2, "all_gather": 2, "all_gather_into_tensor": 2, "reduce_scatter": 3,
              "reduce_scatter_tensor": 3, "broadcast": 2, "reduce": 3, "gather": 3, "scatter": 3, "all_to_all": 2,
              "all_to_all_single": 4, "barrier": 0, "monitored_barrier": 0, "send": 2, "recv": 2, "isend": 2,
-             "irecv": 2, "P2POp": 3, "get_rank": 0, "get_world_size": 0}
+             "irecv": 2, "P2POp": 3, "get_rank": 0, "get_world_size": 0, "get_backend": 0,
+             "all_gather_single": 2, "reduce_scatter_single": 3}  # (the last two: this torch's flat forms)
 
 
 def source(name, text=None):

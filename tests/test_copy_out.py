@@ -45,7 +45,8 @@ def test_the_checks_catch_what_they_are_for():
     assert "IGNORE" in section.free_names("x.py", with_("# " + "-" * 20 + "\ndef loss(y):\n    return y != IGNORE"))
     assert section.imported_roots("x.py", "import numpy as np\n" + text) == {"numpy"}
     for bad in ["dist.all_reduce(x)", "dist.P2POp(dist.isend, t, peer)", "dist.get_rank()",
-                "torch.distributed.broadcast(t, 0)", "dist.all_to_all_single(out, x, None, None)"]:
+                "torch.distributed.broadcast(t, 0)", "dist.all_to_all_single(out, x, None, None)",
+                "dist.all_gather_single(out, x)", "dist.get_backend()"]:
         broken = with_("# " + "-" * 20 + f"\ndef f(x, t, peer, out):\n    {bad}")
         assert section.ungrouped("x.py", broken), bad
     for good in ["dist.all_reduce(x, group=g)", "dist.P2POp(dist.isend, t, peer, g)", "dist.get_rank(g)",
