@@ -80,10 +80,13 @@ def init_dist(timeout_s=120):
                               is_master=rank == 0 and not agent_hosts, timeout=timeout, multi_tenant=True)
         attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
         store = dist.PrefixStore(f"{os.environ.get('TORCHELASTIC_RUN_ID', 'run')}/attempt{attempt}", store)
+        # device_id binds the group to this rank's GPU: NCCL's communicator is created now (eager), not
+        # at the first collective, and nothing has to guess the device "under current context".
         dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout,
                                 device_id=device if cuda else None)
     else:  # plain `python file.py`: one process, an in-memory store, no port
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout,
+                                device_id=device if cuda else None)
     return Dist(dist.get_rank(), dist.get_world_size(), local_rank, device, backend)
 
 
