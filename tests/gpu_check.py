@@ -45,8 +45,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 STEP = re.compile(r"^step\s+(\d+) \| loss ([\d.naninf]+) \|\s+([\d.]+) ms", re.M)
-FILES = ("dp.py", "ddp_bucketed.py", "gpipe.py", "pipedream.py", "zero_bubble.py", "megatron_tp.py",
-         "ptdp.py", "moe.py", "zero.py", "memory_savers.py", "context_parallel.py", "bench.py")
+FILES = ("dp.py", "ddp_bucketed.py", "diloco.py", "fault_tolerance.py", "gpipe.py", "pipedream.py",
+         "zero_bubble.py", "megatron_tp.py", "ptdp.py", "moe.py", "zero.py", "memory_savers.py",
+         "context_parallel.py", "bench.py")
 # Seconds per launch on a GPU machine (an estimate: interpreter + torch import, CUDA context, NCCL
 # communicators, the tiny model and its --check reference, teardown); --cpu: measured on 2 shared cores
 # under load, the workers forked from a warm interpreter, except bench.py's (its own torchrun launches).
@@ -128,6 +129,25 @@ def extra_plan(w):
     return [(name, f, [*model_flags(w), *flags, "--check"]) for name, f, flags in runs]
 
 
+# Streaming DiLoCo with two fragments and an exchange in flight for one step: its own group, the async
+# exchange, the wire's rounding (bf16; float8 with the scale beside the payload) on CUDA.
+DILOCO = ["--inner-steps", 2, "--fragments", 2, "--overlap", 1]
+
+
+def ft_plan(w):
+    """fault_tolerance.py starts its own replicas (`python fault_tolerance.py --replicas R`, one GPU each):
+    [(name, flags)] with --check. One GPU: R = 1 (the quorum, the per-step group on NCCL) and the restart
+    recipe (a replica killed, every replica reloaded from disk with map_location); N GPUs: R = N, a replica
+    killed during a step and recovered live from a peer."""
+    runs = [(f"fault_tolerance R {w}", ["--replicas", w]),
+            (f"fault_tolerance R {w} restart recipe", ["--replicas", w, "--kill-replica", 0, "--at-step", 3,
+                                                      "--recipe", "restart", "--save-every", 2])]
+    if w >= 2:
+        runs.append((f"fault_tolerance R {w} kill, live recovery", ["--replicas", w, "--kill-replica", w - 1,
+                                                                    "--at-step", 3, "--min-replicas", w - 1]))
+    return [(name, [*model_flags(w), "--steps", 6, *flags, "--check"]) for name, flags in runs]
+
+
 def one_gpu_plan():
     """World 1: the CUDA-only paths, [(name, file, flags)] with --check (jobs() adds the pairs compared bit
     for bit and bench.py)."""
@@ -139,6 +159,8 @@ def one_gpu_plan():
             ("savers compress int8", "memory_savers.py", ["--compress-activations", "int8"]),
             ("savers adafactor", "memory_savers.py", ["--optimizer", "adafactor"]),
             ("cp 1 ring zigzag", "context_parallel.py", ["--cp", 1]),
+            *[(f"diloco streaming overlap {wire}", "diloco.py", DILOCO + ["--outer-dtype", wire])
+              for wire in ("bfloat16", "float8_e4m3fn")],
             *[(f"moe {r}", "moe.py", ["--router", r, "--ep", 1, "--experts", 4])
               for r in ("switch", "gshard", "noisy_topk", "expert_choice", "loss_free")],
             ("moe loss_free dropless shared", "moe.py",
@@ -160,6 +182,13 @@ def jobs(w, cpu, gpus):
             a=drop, b=[[*drop, "--recompute", "full"], [*drop, "--recompute", "selective"]], restart=False)
         kill = [*drop, "--optimizer", "adafactor", "--recompute", "full"]
         add("same", "savers dropout adafactor restart", "memory_savers.py", 2, a=kill, b=[kill], restart=True)
+        # the CUDA generator's state in a checkpoint: megatron's RNG tracker, zero.py's sharded checkpoint
+        add("same", "megatron tp 1 dropout 0.1 restart", "megatron_tp.py", 2, a=[*drop, "--tp", 1],
+            b=[[*drop, "--tp", 1]], restart=True)
+        add("same", "zero 3 dropout 0.1 restart", "zero.py", 2, a=[*drop, "--stage", 3], b=[[*drop, "--stage", 3]],
+            restart=True)
+        for name, flags in ft_plan(1):
+            add("ft", name, "fault_tolerance.py", 1 + ("restart" in name), argv=flags)
         add("bench", "bench world 1", "bench.py", 11, pairs="ddp,dp_sync,zero1,zero2,zero3,tp")
         return out
     for name, f, flags in plan(w) + extra_plan(w):
@@ -173,6 +202,8 @@ def jobs(w, cpu, gpus):
         b=[[*drop, "--tp", w]], restart=True)
     for name, f, flags in restart_plan(w):
         add("same", name, f, 2, a=flags, b=[flags], restart=True)
+    for name, flags in ft_plan(w):
+        add("ft", name, "fault_tolerance.py", 1 + ("restart" in name), argv=flags)
     if w >= 3:
         add("stragglers", "dp async stragglers overlap", "dp.py", 2)
     add("bench", f"bench world {w}", "bench.py", 22, pairs="all")
@@ -301,6 +332,21 @@ def stragglers(w, cpu, delay=40, steps=24, timeout=300):
          "ideal about 0.5)", out)
 
 
+def run_ft(job, cpu, tmp, timeout):
+    """`python fault_tolerance.py --replicas R ...`: the file's own launcher starts the replicas (each on
+    cuda:(replica % GPUs)); --check replays who took part in which step in one process."""
+    ckpt = tmp / re.sub(r"\W+", "_", job["name"])
+    argv = [*job["argv"], *(["--ckpt-dir", ckpt] if "restart" in job["argv"] else [])]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **({"CUDA_VISIBLE_DEVICES": ""} if cpu else {}))
+    try:
+        p = subprocess.run([sys.executable, str(ROOT / job["file"]), *map(str, argv)], cwd=ROOT, env=env,
+                           capture_output=True, text=True, timeout=timeout)
+        rc, out = p.returncode, p.stdout + p.stderr
+    except subprocess.TimeoutExpired as e:
+        rc, out = -1, f"{e.stdout or ''}{e.stderr or ''}\nstopped after {timeout:.0f} s"
+    line(job["name"], rc == 0 and "PASSED" in out, check_line(out), out)
+
+
 def bench_flags(w):
     """The plan's model; 2w micro-batches (ZB-V needs m >= 2p - 1) of 2 sequences per rank."""
     return [*model_flags(w), "--batch-size", 4 * w * w, "--microbatches", 2 * w, "--warmup", 2]
@@ -415,7 +461,7 @@ def main(argv=None):
                   f"the {args.minutes:g} min budget", flush=True)
             continue
         if args.dry_run:
-            flags = " ".join(map(str, j.get("flags", j.get("a", []))))
+            flags = " ".join(map(str, j.get("flags", j.get("a", j.get("argv", [])))))
             print(f"{j['name']:52s} {j['launches']:2d} launch(es), ~{est:.0f} s  {j['file']} {flags}")
             ran_est += est
             continue
@@ -425,6 +471,8 @@ def main(argv=None):
             run_check(j, args.cpu, tmp, min(timeout, 300))
         elif j["kind"] == "same":
             run_same(j, args.cpu, tmp, deadline)
+        elif j["kind"] == "ft":
+            run_ft(j, args.cpu, tmp, min(timeout, 300))
         elif j["kind"] == "stragglers":
             stragglers(j["world"], args.cpu, timeout=min(timeout, 300))
         else:
