@@ -138,13 +138,17 @@ def members_of(store, k):
     return sorted(members.values(), key=lambda m: m.rid)
 
 
+def check_round(k, window_s, timeout_s):
+    if k < 0 or window_s <= 0 or timeout_s <= 0:
+        raise ValueError(f"join_round needs k >= 0, window_s, timeout_s > 0, got {k, window_s, timeout_s}")
+
+
 def join_round(store, k, me, expected, window_s, timeout_s):
     """Check in to round k. Returns its members, or None when the round had closed before this check-in
     (try k + 1). `expected()`: the replicas alive. The round closes when all of them checked in, or once the
     window passed with a strict majority of them (torchft's lighthouse: more than half the known alive): a
     replica that missed a round waits in the next one for the others, it never opens a quorum of its own."""
-    if k < 0 or window_s <= 0 or timeout_s <= 0:
-        raise ValueError(f"join_round needs k >= 0, window_s, timeout_s > 0, got {k, window_s, timeout_s}")
+    check_round(k, window_s, timeout_s)
     slot = store.add(f"q{k}/n", 1)
     if slot > CLOSED:
         return None
@@ -210,6 +214,9 @@ def vote(store, k, members, me, ok, timeout_s):
 
 
 # ----------------------------------------------------------------------------- 2. the group, with a deadline
+ABORTED = []  # the groups given up on: gloo's destructor (as NCCL's destroy) waits on the hung peer's work
+
+
 class Bounded:
     """The quorum's group, every collective of it waited for on the host with a deadline (torchft's
     _WorkCUDATimeout). On NCCL a dead or frozen peer raises nothing (wait() only orders the stream); past
@@ -232,6 +239,7 @@ class Bounded:
         if not self.aborted:
             self.aborted = True
             self.pg.abort()
+            ABORTED.append(self.pg)  # kept, never destroyed: the destructor would wait for the pending work
 
 
 @dataclass
@@ -300,7 +308,7 @@ class Replica:
                                       for p in self.params]  # everything that a step changes in place
         self.version, self.step, self.batch, self.skips = 0, 0, 0, 0
         self.losses = []  # the loss of every applied update: the spike detector's history
-        self.snapshot = self.core()  # what a rollback restores (a copy of a recent step's core)
+        self.snapshot = self.core().cpu()  # what a rollback restores (a recent step's core, on the host)
 
     def core(self):
         """(3P + n_params + 5 + steps,) weights | exp_avg | exp_avg_sq | AdamW steps | counters, losses."""
@@ -318,11 +326,12 @@ class Replica:
         self.losses = meta[5:5 + n_losses]
 
     def full(self):  # core | snapshot: everything a recovering replica needs
-        return torch.cat([self.core(), self.snapshot])
+        core = self.core()
+        return torch.cat([core, self.snapshot.to(core.device)])
 
     def load_full(self, flat):
         self.load_core(flat[:flat.numel() // 2])
-        self.snapshot = flat[flat.numel() // 2:].clone()
+        self.snapshot = flat[flat.numel() // 2:].cpu().clone()
 
 
 def checksum(params, chunk=1 << 20):
@@ -368,10 +377,14 @@ def sync_state(pg, members, me, rep, verify):
 
 
 # ----------------------------------------------------------------------------- 4. the step
-def shard(x, y, rid, replicas):
-    if x.shape[0] % replicas or not 0 <= rid < replicas:
+def check_shard(rows, rid, replicas):
+    if replicas < 1 or rows % replicas or not 0 <= rid < replicas:
         raise ValueError(f"replica {rid} of {replicas} needs an id in 0..{replicas - 1} and a batch of rows "
-                         f"divisible by {replicas}, got {x.shape[0]}")
+                         f"divisible by {replicas} (each owns a shard), got {rows}")
+
+
+def shard(x, y, rid, replicas):
+    check_shard(x.shape[0], rid, replicas)
     rows = x.shape[0] // replicas  # replica rid always owns these rows of the global batch
     return x[rid * rows:(rid + 1) * rows], y[rid * rows:(rid + 1) * rows]  # (B/R, T) each
 
@@ -413,11 +426,15 @@ def agree(pg, flag, device):
     return t.item() > 0
 
 
+def check_update(max_skips, snapshot_every):
+    if max_skips < 1 or snapshot_every < 1:
+        raise ValueError(f"max_skips and snapshot_every must be >= 1, got {max_skips} and {snapshot_every}")
+
+
 def apply_update(rep, loss, spike, norm, clip, max_skips, snapshot_every):
     """The committed step: the optimizer step, or a skip (the batch is consumed, the weights stay), or after
     `max_skips` skips in a row a rollback to the snapshot, going on from the next batch. Returns which."""
-    if max_skips < 1 or snapshot_every < 1:
-        raise ValueError(f"max_skips and snapshot_every must be >= 1, got {max_skips} and {snapshot_every}")
+    check_update(max_skips, snapshot_every)
     rep.version, rep.batch = rep.version + 1, rep.batch + 1
     if not spike:
         if clip > 0:
@@ -426,7 +443,7 @@ def apply_update(rep, loss, spike, norm, clip, max_skips, snapshot_every):
         rep.step, rep.skips = rep.step + 1, 0
         rep.losses.append(loss)
         if rep.step % snapshot_every == 0:
-            rep.snapshot = rep.core()
+            rep.snapshot = rep.core().cpu()
         return "update"
     rep.skips += 1
     if rep.skips < max_skips:
@@ -442,9 +459,12 @@ def check_args(args):
     R = args.replicas
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         fail("start it with python fault_tolerance.py --replicas R, not torchrun: it starts its own replicas")
-    if R < 1 or args.batch_size % R:
-        fail(f"--batch-size {args.batch_size} must be divisible by --replicas {R} (each owns a shard); "
-             f"try --batch-size {R * max(1, args.batch_size // max(R, 1))}")
+    for core_check in (lambda: check_shard(args.batch_size, 0, R), lambda: check_round(0, args.join_ms / 1e3,
+                       args.timeout), lambda: check_update(args.max_skips, args.snapshot_every)):
+        try:  # (the cores' own checks: --batch-size and --replicas, --join-ms, --max-skips, --snapshot-every)
+            core_check()
+        except ValueError as e:
+            fail(str(e))
     for name in ("kill_replica", "corrupt_replica", "freeze_replica"):
         v = getattr(args, name)
         if v >= 0 and not (v < R and 0 <= args.at_step < args.steps):
@@ -465,9 +485,8 @@ def check_args(args):
         fail("--ckpt-dir is for --recipe restart: live recovery reads no disk")
     if not all(b.strip().isdigit() for b in args.inject_spike.split(",") if b):
         fail(f"--inject-spike takes comma-separated batch ids, got {args.inject_spike!r}")
-    for name in ("max_skips", "snapshot_every", "join_ms", "spike_sigma"):
-        if getattr(args, name) <= 0:
-            fail(f"--{name.replace('_', '-')} must be > 0, got {getattr(args, name)}")
+    if args.spike_sigma <= 0:
+        fail(f"--spike-sigma must be > 0, got {args.spike_sigma}")
     if not 1 <= args.min_replicas <= R:
         fail(f"--min-replicas must be in 1..--replicas {R}, got {args.min_replicas}")
     if args.max_restarts < 0 or args.verify_every < 0:
