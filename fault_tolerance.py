@@ -90,6 +90,9 @@ from common import DTYPES, Dist, GPTConfig, MarkovData, build_gpt, count_tokens,
 from harness import CommonArgs, check_common_args, log_step, parse_args, tolerance, write_summary
 
 
+PHASES = Literal["before", "join", "group", "during", "after"]  # where --kill/--freeze-replica strike
+
+
 @dataclass
 class Args(CommonArgs):
     batch_size: int = 12  # global batch, in sequences: R shards of B/R (divisible by 2, 3, 4)
@@ -99,8 +102,7 @@ class Args(CommonArgs):
     kill_replica: int = -1  # SIGKILL this replica (first life only) at --at-step, in --phase
     at_step: int = -1  # the step of --kill-replica and of --corrupt-replica
     freeze_replica: int = -1  # SIGSTOP this replica (first life only) at --at-step, in --phase
-    phase: Literal["before", "join", "group", "during", "after"] = "during"  # before check-in / just after
-    # its round closed / before the group is made / before the all-reduce / before the vote
+    phase: PHASES = "during"  # before its check-in, after its round closed, before group/all-reduce/vote
     max_restarts: int = 1  # the launcher restarts a killed replica (or, --recipe restart, the job) this often
     recipe: Literal["live", "restart"] = "live"  # live recovery, or the whole job restarts from --ckpt-dir
     spike_sigma: float = 6.0  # a loss above the mean of the last 16 by this many standard deviations
@@ -110,6 +112,10 @@ class Args(CommonArgs):
     verify_every: int = 0  # compare the replicas' weight checksums every N steps (0: never)
     corrupt_replica: int = -1  # perturb this replica's weights at the start of --at-step (first life only)
     host: str = "127.0.0.1"  # the coordinator binds here (an address the replicas' nodes reach)
+    ckpt_dir: str = ""  # --recipe restart only: the job's one state.pt (live recovery reads no disk)
+    save_every: int = 0  # --recipe restart: write the state every N steps
+    timeout: int = 120  # seconds, every wait's deadline: a collective, a round, a vote (a hung peer is left)
+    fail_at_step: int = -1  # (refused: torchrun's restart test; here --kill-replica)
     coordinator: str = ""  # (set by the launcher) host:port of the coordinator's store
     replica: int = -1  # (set by the launcher) this process's replica id; -1: be the launcher
     life: int = 0  # (set by the launcher) how many times this replica was started before

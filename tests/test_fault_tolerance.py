@@ -18,6 +18,7 @@ cores, let a round of one through), and a replica hung by SIGSTOP (NCCL's way: n
 all-reduce, the group's creation or the vote is left behind within --timeout (a wait without a deadline is
 caught)."""
 import json, math, os, re, signal, subprocess, sys
+from datetime import timedelta
 from types import SimpleNamespace
 
 import pytest
@@ -611,3 +612,47 @@ def test_a_wait_without_deadline_is_caught(tmp_path):
     commit within BOUND_S. The test ends at its own bound, and leaves nothing running."""
     took, live = frozen_run(tmp_path, "during", 2, mutant="no-deadline")
     assert took is None, live.lines[-20:]
+
+
+def test_the_cuda_branch_runs_here_with_the_backend_stubbed(monkeypatch):
+    """Issue 39 deliver 1, the code a GPU would run, run without one (so a typo in it cannot wait for a GPU):
+    the device choice (cuda:(replica % GPUs), made current), the group's construction (ProcessGroupNCCL under
+    the round's prefix, the member's rank, non-blocking, its own timeout 10 x ours), and the deadline (a wait
+    past it aborts the group once, keeps it, and raises), on the section's cores with NCCL and CUDA stubbed."""
+    ft, made, current = section.load("fault_tolerance.py"), [], []
+    class NCCL:  # records what it was built with; its one collective never finishes in time
+        Options = dist.ProcessGroupNCCL.Options
+
+        def __init__(self, store, rank, size, opts):
+            self.store, self.rank, self.n, self.opts, self.aborts, self.waits = store, rank, size, opts, 0, []
+            made.append(self)
+
+        def size(self):
+            return self.n
+
+        def allreduce(self, tensors):
+            return SimpleNamespace(wait=lambda timeout: self.waits.append(timeout) or (_ for _ in ()).throw(
+                RuntimeError("timed out")))
+
+        def abort(self):
+            self.aborts += 1
+
+    monkeypatch.setattr(dist, "ProcessGroupNCCL", NCCL)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "set_device", current.append)
+    device = ft["replica_device"](3)
+    assert device == torch.device("cuda", 1) and current == [device]
+    store, M = dist.HashStore(), ft["Member"]
+    store.set("g5/here0", "1")  # replica 0 is there already
+    k, group = ft["quorum_group"](store, 5, [M(0, 0, 0, 0, -1, 0), M(1, 0, 0, 0, -1, 0)], M(1, 0, 0, 0, -1, 0),
+                                  None, 2.0, device)
+    (pg,) = made
+    assert k == 5 and (pg.rank, pg.n) == (1, 2) and not pg.opts.config.blocking, (pg.rank, pg.n)
+    assert pg.opts._timeout.total_seconds() == 20.0
+    pg.store.set("probe", "1")
+    assert store.check(["g5/probe"])  # the round's prefix
+    for _ in range(2):
+        with pytest.raises(RuntimeError, match="timed out"):
+            group.allreduce([torch.zeros(1)]).wait()
+    assert pg.waits == [timedelta(seconds=2.0)] * 2 and pg.aborts == 1 and ft["ABORTED"] == [pg]
