@@ -315,7 +315,7 @@ def test_cores_refuse_what_they_cannot_do_before_communicating():
         (lambda: ft["vote"](store, 0, [m0, m1], m0, True, 0.0), "timeout_s > 0"),
         (lambda: ft["sync_state"](pg, [m0, m1], m3, rep, True), "must be one of the members"),
         (lambda: ft["sync_state"](pg, [m0, m1, m2], m0, rep, True), "of 3 members: got 2"),
-        (lambda: ft["shard"](x[:5], y[:5], 0, 3), "divisible by 3, got 5"),
+        (lambda: ft["shard"](x[:5], y[:5], 0, 3), "divisible by 3 (each owns a shard), got 5"),
         (lambda: ft["shard"](x, y, 3, 3), "id in 0..2"),
         (lambda: ft["shard"](x, y, -1, 3), "id in 0..2"),
         (lambda: ft["local_grads"](model, x, y, [m0, m3], m3, 3, sq, len), "replica 3 of 3"),
