@@ -167,7 +167,8 @@ def join_round(store, k, me, expected, window_s, timeout_s):
             if n < 2 * CLOSED:
                 store.set(f"q{k}/size", str(n - CLOSED))
                 store.set("round", str(k))  # where a newly started replica begins to look
-        elif waited > window_s + timeout_s:
+        elif waited > window_s + 4 * timeout_s:  # (the others may still be ending a round, whose group,
+            # collectives and vote each wait up to timeout_s)
             raise TimeoutError(f"round {k}: {n} of {alive} live replicas checked in, no majority")
         time.sleep(0.001)
     return members_of(store, k)
