@@ -77,7 +77,7 @@ least at Young/Daly's tau = sqrt(2 C M): C = 1 min gives tau = 19 min, and with 
 restarts: ~ (t + T_r/R) / M per failure: t = 10 s, T_r = 10 min, R = 8 replicas is 85 s / 3.1 h = 0.8%.
 In production, use torchft (its Manager, ProcessGroupBabyNCCL and lighthouse) with torchtitan.
 """
-import math, os, signal, statistics, subprocess, sys, time
+import math, os, signal, statistics, subprocess, sys, threading, time
 from collections import Counter
 from dataclasses import astuple, dataclass
 from datetime import timedelta
@@ -221,9 +221,6 @@ def vote(store, k, members, me, ok, timeout_s):
 
 
 # ----------------------------------------------------------------------------- 2. the group, with a deadline
-ABORTED = []  # the groups given up on: gloo's destructor (as NCCL's destroy) waits on the hung peer's work
-
-
 class Bounded:
     """The quorum's group, every collective of it waited for on the host with a deadline (torchft's
     _WorkCUDATimeout). On NCCL a dead or frozen peer raises nothing (wait() only orders the stream); past
@@ -231,10 +228,10 @@ class Bounded:
     shutdown() or destroy_process_group(), which wait for them) and raises: it votes no."""
 
     def __init__(self, pg, timeout_s):
-        self.pg, self.deadline, self.aborted = pg, timedelta(seconds=timeout_s), False
+        self.pg, self.n, self.deadline = pg, pg.size(), timedelta(seconds=timeout_s)
 
     def size(self):
-        return self.pg.size()
+        return self.n
 
     def allreduce(self, tensors):  # (SUM)
         return Deadline(self, self.pg.allreduce(tensors))
@@ -243,10 +240,10 @@ class Bounded:
         return Deadline(self, self.pg.broadcast(tensor, src))
 
     def abort(self):
-        if not self.aborted:
-            self.aborted = True
-            self.pg.abort()
-            ABORTED.append(self.pg)  # kept, never destroyed: the destructor would wait for the pending work
+        if self.pg is not None:  # NCCL: abort() ends the kernels. gloo: only freeing the group closes its
+            self.pg.abort()  # connections (a peer waiting on this member is let go), and that waits for the
+            dropped, self.pg = [self.pg], None  # hung work: so the group is freed on a thread of its own
+            threading.Thread(target=dropped.clear, daemon=True).start()
 
 
 @dataclass

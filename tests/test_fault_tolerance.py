@@ -518,13 +518,13 @@ def every_replica_equals_the_replay(marker, s, args):
 STRAGGLER = ["--replicas", 3, "--steps", 10, "--join-ms", 50, "--timeout", 20, "--check"]
 
 
-@pytest.mark.parametrize("run", range(2))  # (two in the suite, for its time; four runs passed by hand)
+@pytest.mark.parametrize("run", range(1))  # (one in the suite, for its time; six runs passed by hand)
 def test_a_straggler_in_bursts_never_forks_the_replicas(tmp_path, run):
     """Issue 39's fork, sent from outside: replica 2 paused and resumed in short bursts (SIGSTOP 60-150 ms,
     SIGCONT 30 ms, by pid) so that it misses --join-ms 50 windows by a little, round after round, for the
     first steps. It may be left out of rounds and come back (recovered from a peer), but it never trains a
     step alone: every replica ends with the same weights, equal to the one-process replay of what was
-    committed (checked here from each replica's own file), and the run's --check passes. Two runs."""
+    committed (checked here from each replica's own file), and the run's --check passes."""
     import random, time
     live, rng = Live(tmp_path, *STRAGGLER), random.Random(run)
     try:
@@ -565,10 +565,10 @@ def test_a_kill_at_the_moment_of_the_join_never_forks(tmp_path, restarts):
 
 
 # ----------------------------------------------------------------------------- a hung replica (NCCL's way)
-FREEZE = ["--replicas", 3, "--steps", 5, "--freeze-replica", 1, "--join-ms", 300, "--timeout", 3, "--check"]
-# The others must commit the frozen step within BOUND_S (--timeout 3 plus rounds, on a loaded machine); the
-# group's own timeout, the backstop a wait without deadline would sit in, is 10 x --timeout = 30 s.
-BOUND_S = 24
+FREEZE = ["--replicas", 3, "--steps", 5, "--freeze-replica", 1, "--join-ms", 300, "--timeout", 2, "--check"]
+# The others must commit the frozen step within BOUND_S (--timeout 2 plus rounds: 3.6-4.3 s seen at load 30
+# with --timeout 3); the group's own timeout, the backstop a wait without deadline sits in, is 10 x 2 = 20 s.
+BOUND_S = 16
 
 
 def frozen_run(tmp_path, phase, step, mutant=""):
@@ -591,7 +591,7 @@ def frozen_run(tmp_path, phase, step, mutant=""):
 def test_a_frozen_replica_is_left_behind_within_the_deadline(tmp_path, phase, step):
     """Issue 39 deliver 1: a replica hung (SIGSTOP) just before the step's all-reduce (its peers wait in it),
     while its round's group is being made (step 0, the first group), or before its vote: the others give up
-    on it at --timeout 3 (the host's deadline on the collective, the group's arrival, the vote), abort, vote
+    on it at --timeout 2 (the host's deadline on the collective, the group's arrival, the vote), abort, vote
     the round down and commit the step as a majority of two within BOUND_S, their pids unchanged; resumed,
     the frozen one rejoins live (recovered from a peer) or exits with one line. Exact against the replay,
     every replica that ended equal to it (checked here); nothing left running."""
@@ -618,7 +618,7 @@ def test_the_cuda_branch_runs_here_with_the_backend_stubbed(monkeypatch):
     """Issue 39 deliver 1, the code a GPU would run, run without one (so a typo in it cannot wait for a GPU):
     the device choice (cuda:(replica % GPUs), made current), the group's construction (ProcessGroupNCCL under
     the round's prefix, the member's rank, non-blocking, its own timeout 10 x ours), and the deadline (a wait
-    past it aborts the group once, keeps it, and raises), on the section's cores, NCCL and CUDA stubbed."""
+    past it aborts the group once, lets it go, and raises), on the section's cores, NCCL and CUDA stubbed."""
     ft, made, current = section.load("fault_tolerance.py"), [], []
     class NCCL:  # records what it was built with; its one collective never finishes in time
         Options = dist.ProcessGroupNCCL.Options
@@ -652,7 +652,7 @@ def test_the_cuda_branch_runs_here_with_the_backend_stubbed(monkeypatch):
     assert pg.opts._timeout.total_seconds() == 20.0
     pg.store.set("probe", "1")
     assert store.check(["g5/probe"])  # the round's prefix
-    for _ in range(2):
+    for work in [group.allreduce([torch.zeros(1)]) for _ in range(2)]:  # (two in flight)
         with pytest.raises(RuntimeError, match="timed out"):
-            group.allreduce([torch.zeros(1)]).wait()
-    assert pg.waits == [timedelta(seconds=2.0)] * 2 and pg.aborts == 1 and ft["ABORTED"] == [pg]
+            work.wait()
+    assert pg.waits == [timedelta(seconds=2.0)] * 2 and pg.aborts == 1 and group.pg is None
