@@ -270,6 +270,8 @@ def quorum_group(store, k, members, me, held, timeout_s, device=torch.device("cp
     rank, prefix, t0 = rank_in(members, me), dist.PrefixStore(f"g{k}", store), time.monotonic()
     prefix.set(f"here{me.rid}", "1")
     while not prefix.check([f"here{m.rid}" for m in members]):
+        if any(store.check([f"dead/{m.rid}.{m.life}"]) for m in members):  # (checked in, then died)
+            raise RuntimeError(f"group g{k}: a member is gone")
         if time.monotonic() - t0 > timeout_s:
             raise TimeoutError(f"group g{k}: a member did not come within {timeout_s} s")
         time.sleep(0.001)
