@@ -1,5 +1,6 @@
-"""fault_tolerance.py: data parallel training that goes on when a replica is lost (per-step fault tolerance
-with a quorum per step, live recovery from a peer, loss-spike skip and rollback, silent-corruption checks).
+"""fault_tolerance.py: data parallel training that goes on when a replica is lost, hangs or is corrupted.
+Per-step fault tolerance: a quorum per step, live recovery from a peer, loss-spike skip and rollback,
+silent-corruption checks.
 
 The 2020 way to survive a failure is to stop: torchrun kills every worker, restarts them all, they reload the
 last checkpoint from disk and train the steps since it again. On 16K GPUs that is the dominant loss (Llama 3
@@ -11,23 +12,29 @@ replicated dimension (torchft, PyTorch Conference 2024; used in torchtitan) lets
    own process, started by the launcher (`python fault_tolerance.py --replicas R`), which restarts a dead one
    (as that replica's own `torchrun --max-restarts` would). They meet at a coordinator: a torch TCPStore
    server held by the launcher process (torchft's lighthouse; the one single point of the design: if it
-   goes, every replica says so in one line and exits). Before each step every live replica checks in to
-   round k with its state version; the first to see every live replica checked in, or its --join-ms
-   window pass, closes the round by one atomic add (a later check-in sees it closed and tries round k+1).
-   The members are who checked in before the close; with fewer than --min-replicas (torchft's
-   min_replica_size) nobody trains, and they wait (bounded) for a restarted replica.
-2. A group per quorum. The step's collectives run on the group the members still share when the membership
-   is unchanged, else on a new gloo group under the fresh store prefix `g{k}`: never on a group with a dead
-   member. On NCCL: ProcessGroupNCCL(PrefixStore(f"g{k}", store), rank, size, opts) the same way; a failed
-   or timed-out communicator is aborted (pg.abort(), which ends its pending kernels so the stream does not
-   hang) and dropped, and the next quorum builds a new one (ncclCommInitRank under the new prefix).
+   goes, every replica says so in one line and exits; --host binds it where other nodes reach it). Before
+   each step every live replica checks in to round k with its state version; the first to see every live
+   replica checked in, or its --join-ms window pass with a strict majority of them (torchft's rule: no
+   split brain), closes the round by one atomic add (a later check-in sees it closed and tries round k+1,
+   where it waits for the others). The members are who checked in before the close; with fewer than
+   --min-replicas (torchft's min_replica_size) nobody trains, and they wait (bounded) for a restarted one.
+2. A group per quorum, every wait with a deadline. The step's collectives run on the group the members
+   still share when the membership is unchanged, else on a new one under the fresh store prefix `g{k}`:
+   never on a group with a dead member. On CPU gloo; with CUDA each replica on cuda:(id % GPUs) and a
+   non-blocking ProcessGroupNCCL. NCCL reports no dead or frozen peer, it waits: so the host waits for
+   every collective with the --timeout deadline, and past it aborts the group (pg.abort() ends its pending
+   kernels; destroy_process_group would wait for them) and votes no (torchft's ProcessGroupNCCL). The
+   launcher sets TORCH_NCCL_ASYNC_ERROR_HANDLING=0 and TORCH_NCCL_ENABLE_MONITORING=0 for the replicas:
+   the watchdog, which by default takes the *healthy* process down at the group's timeout, must not decide.
 3. The batch rule. Replica r always owns shard r of every global batch (rows r*B/R..(r+1)*B/R), as
    torchft's replica groups own their data. A step's loss is the sum over the participants' tokens divided
    by the participants' token count, so the gradient is the mean over the tokens that took part: with all
    R it is plain one-process training; with fewer, one-process training on the participants' shards.
 4. Commit or discard. After its all-reduce each member votes on the coordinator; the first to see every
    "yes", or a "no", or a member the coordinator knows is dead, or the --timeout pass, writes the decision
-   (compare_set: there is exactly one). Only on "commit" does anyone take the optimizer step. Otherwise the
+   (compare_set: there is exactly one). Rounds decide in order, each decision carrying the committed version,
+   and a round commits only from the newest one: at most one quorum commits each step, whatever the timing.
+   Only on "commit" does anyone take the optimizer step. Otherwise the
    gradient (maybe holding a dead replica's partial work) is thrown away and the same step is retried with
    the next quorum: no restart of the healthy processes, no checkpoint read.
 5. Live recovery. A restarted replica checks in with version -1; the quorum's lowest member with the newest
@@ -38,8 +45,9 @@ replicated dimension (torchft, PyTorch Conference 2024; used in torchtitan) lets
    all-reduce of the flag makes every member agree; the step is skipped (its batch consumed). After
    --max-skips in a row all roll back to the in-memory snapshot (taken every --snapshot-every steps) and go
    on from the next batch, so the batches that caused it are skipped.
-7. Silent data corruption. Every --verify-every steps the members all-reduce an exact checksum of their
-   weights' bytes; a member that differs from the majority is reported and repaired by the same broadcast.
+7. Silent data corruption, forks. Every --verify-every steps, and whenever the membership changed, the
+   members all-reduce an exact checksum of their weights' bytes; one that differs from the majority (same
+   version, other weights) is reported and repaired by the same broadcast before it trains.
 
        launcher: TCPStore (coordinator)   restarts replica 1 ---------------.
        replica 0  [join k][fwd|bwd|AR  X  vote: no ][join k+1][fwd|bwd|AR][commit]   [join k+2] [recv state]..
@@ -51,6 +59,7 @@ Run (one command starts the coordinator and the replicas; R in one place, no tor
     python fault_tolerance.py --replicas 3 --check
     python fault_tolerance.py --replicas 3 --kill-replica 1 --at-step 5 --check  # the others go on without it
     python fault_tolerance.py --replicas 3 --kill-replica 1 --at-step 5 --min-replicas 3 --check  # it rejoins
+    python fault_tolerance.py --replicas 3 --freeze-replica 1 --at-step 5 --timeout 5 --check  # hung: left
     python fault_tolerance.py --replicas 3 --inject-spike 4,8,9 --max-skips 2 --check  # skip; roll back
     python fault_tolerance.py --replicas 3 --verify-every 2 --corrupt-replica 2 --at-step 6 --check
     python fault_tolerance.py --replicas 3 --kill-replica 1 --at-step 5 --recipe restart --ckpt-dir D \
@@ -68,7 +77,7 @@ least at Young/Daly's tau = sqrt(2 C M): C = 1 min gives tau = 19 min, and with 
 restarts: ~ (t + T_r/R) / M per failure: t = 10 s, T_r = 10 min, R = 8 replicas is 85 s / 3.1 h = 0.8%.
 In production, use torchft (its Manager, ProcessGroupBabyNCCL and lighthouse) with torchtitan.
 """
-import math, os, signal, statistics, subprocess, sys, time
+import math, os, signal, statistics, subprocess, sys, threading, time
 from collections import Counter
 from dataclasses import astuple, dataclass
 from datetime import timedelta
@@ -81,6 +90,9 @@ from common import DTYPES, Dist, GPTConfig, MarkovData, build_gpt, count_tokens,
 from harness import CommonArgs, check_common_args, log_step, parse_args, tolerance, write_summary
 
 
+PHASES = Literal["before", "join", "group", "during", "after"]  # where --kill/--freeze-replica strike
+
+
 @dataclass
 class Args(CommonArgs):
     batch_size: int = 12  # global batch, in sequences: R shards of B/R (divisible by 2, 3, 4)
@@ -89,7 +101,8 @@ class Args(CommonArgs):
     min_replicas: int = 1  # a smaller quorum does not train: its members wait for replicas to come back
     kill_replica: int = -1  # SIGKILL this replica (first life only) at --at-step, in --phase
     at_step: int = -1  # the step of --kill-replica and of --corrupt-replica
-    phase: Literal["before", "during", "after"] = "during"  # before check-in / the all-reduce / the vote
+    freeze_replica: int = -1  # SIGSTOP this replica (first life only) at --at-step, in --phase
+    phase: PHASES = "during"  # before its check-in, after its round closed, before group/all-reduce/vote
     max_restarts: int = 1  # the launcher restarts a killed replica (or, --recipe restart, the job) this often
     recipe: Literal["live", "restart"] = "live"  # live recovery, or the whole job restarts from --ckpt-dir
     spike_sigma: float = 6.0  # a loss above the mean of the last 16 by this many standard deviations
@@ -98,6 +111,11 @@ class Args(CommonArgs):
     inject_spike: str = ""  # comma-separated batch ids whose loss is multiplied by 1e4 (a spike, for tests)
     verify_every: int = 0  # compare the replicas' weight checksums every N steps (0: never)
     corrupt_replica: int = -1  # perturb this replica's weights at the start of --at-step (first life only)
+    host: str = "127.0.0.1"  # the coordinator binds here (an address the replicas' nodes reach)
+    ckpt_dir: str = ""  # --recipe restart only: the job's one state.pt (live recovery reads no disk)
+    save_every: int = 0  # --recipe restart: write the state every N steps
+    timeout: int = 120  # seconds, every wait's deadline: a collective, a round, a vote (a hung peer is left)
+    fail_at_step: int = -1  # (refused: torchrun's restart test; here --kill-replica)
     coordinator: str = ""  # (set by the launcher) host:port of the coordinator's store
     replica: int = -1  # (set by the launcher) this process's replica id; -1: be the launcher
     life: int = 0  # (set by the launcher) how many times this replica was started before
@@ -117,30 +135,43 @@ class Member:
     gsize: int  # that group's size
 
 
-def join_round(store, k, me, expected, window_s, timeout_s):
-    """Check in to round k. Returns its members (sorted by replica id), or None when the round had closed
-    before this check-in (try k + 1). `expected()`: how many check-ins to wait for before closing."""
+def members_of(store, k):
+    """Round k's members, sorted by replica id (get() waits for a slot written late)."""
+    members = {}
+    for i in range(1, int(store.get(f"q{k}/size")) + 1):
+        m = Member(*map(int, store.get(f"q{k}/slot{i}").split()))
+        members[m.rid] = m  # a replica restarted after checking in: its newer life replaces the dead one
+    return sorted(members.values(), key=lambda m: m.rid)
+
+
+def check_round(k, window_s, timeout_s):
     if k < 0 or window_s <= 0 or timeout_s <= 0:
         raise ValueError(f"join_round needs k >= 0, window_s, timeout_s > 0, got {k, window_s, timeout_s}")
+
+
+def join_round(store, k, me, expected, window_s, timeout_s):
+    """Check in to round k. Returns its members, or None when the round had closed before this check-in
+    (try k + 1). `expected()`: the replicas alive. The round closes when all of them checked in, or once the
+    window passed with a strict majority of them (torchft's lighthouse: more than half the known alive): a
+    replica that missed a round waits in the next one for the others, it never opens a quorum of its own."""
+    check_round(k, window_s, timeout_s)
     slot = store.add(f"q{k}/n", 1)
     if slot > CLOSED:
         return None
     store.set(f"q{k}/slot{slot}", " ".join(map(str, astuple(me))))
     t0 = time.monotonic()
     while not store.check([f"q{k}/size"]):
-        if store.add(f"q{k}/n", 0) >= expected() or time.monotonic() - t0 > window_s:
+        n, alive, waited = store.add(f"q{k}/n", 0), expected(), time.monotonic() - t0
+        if n >= alive or (waited > window_s and 2 * n > alive):
             n = store.add(f"q{k}/n", CLOSED)  # atomic: whoever gets n < 2 * CLOSED closed it, at n - CLOSED
             if n < 2 * CLOSED:
                 store.set(f"q{k}/size", str(n - CLOSED))
                 store.set("round", str(k))  # where a newly started replica begins to look
-        elif time.monotonic() - t0 > window_s + timeout_s:
-            raise TimeoutError(f"round {k} never closed")
+        elif waited > window_s + 4 * timeout_s:  # (the others may still be ending a round, whose group,
+            # collectives and vote each wait up to timeout_s)
+            raise TimeoutError(f"round {k}: {n} of {alive} live replicas checked in, no majority")
         time.sleep(0.001)
-    members = {}
-    for i in range(1, int(store.get(f"q{k}/size")) + 1):  # get() waits for a slot written late
-        m = Member(*map(int, store.get(f"q{k}/slot{i}").split()))
-        members[m.rid] = m  # a replica restarted after checking in: its newer life replaces the dead one
-    return sorted(members.values(), key=lambda m: m.rid)
+    return members_of(store, k)
 
 
 def rank_in(members, me):
@@ -151,36 +182,122 @@ def rank_in(members, me):
     return rids.index(me.rid)
 
 
-def quorum_group(store, k, members, me, held, timeout_s):
-    """The quorum's process group: the one all members still hold when they hold the same one and nobody
-    left (unchanged membership), else a new gloo group under the fresh prefix g{k}. `held`: (gid, pg)."""
-    if held and {m.gid for m in members} == {held[0]} and members[0].gsize == len(members):
-        return held
-    rank = rank_in(members, me)
-    return k, dist.ProcessGroupGloo(dist.PrefixStore(f"g{k}", store), rank, len(members),
-                                    timedelta(seconds=timeout_s))
+def decided_before(store, k, timeout_s):
+    """Rounds decide in order: wait until round k - 1 has its decision, and return the version committed
+    before round k (each decision carries the one after it: "commit 7", "abort 6"). A round whose members
+    are all marked dead, or undecided past the deadline, is decided "abort" here (the same compare_set)."""
+    if k == 0:
+        return 0
+    key, t0 = f"q{k - 1}/decision", time.monotonic()
+    while not store.check([key]):
+        gone = all(store.check([f"dead/{m.rid}.{m.life}"]) for m in members_of(store, k - 1))
+        if gone or time.monotonic() - t0 > timeout_s:
+            store.compare_set(key, "", f"abort {decided_before(store, k - 1, timeout_s)}")
+        time.sleep(0.001)
+    return int(store.get(key).split()[1])
 
 
 def vote(store, k, members, me, ok, timeout_s):
     """Two-phase commit on the coordinator: each member says whether its collectives succeeded; the first
     to see every "yes", any "no", a member the coordinator marked dead, or the deadline, proposes the
-    decision, and compare_set keeps only the first proposal: every member reads the same one."""
+    decision, and compare_set keeps only the first proposal: every member reads the same one. A round
+    commits only with every vote "yes" and a member holding the version committed before it (one commit
+    per version: a quorum holding an older state, or open beside another, can never commit)."""
     rank_in(members, me)  # (refuses a `me` outside the members)
     if timeout_s <= 0:
         raise ValueError(f"vote needs timeout_s > 0 (else it aborts before the others vote), got {timeout_s}")
+    base = decided_before(store, k, timeout_s)  # the rounds before k are decided: at most one in flight
     store.set(f"q{k}/vote{me.rid}", "yes" if ok else "no")
     keys, dead = [f"q{k}/vote{m.rid}" for m in members], [f"dead/{m.rid}.{m.life}" for m in members]
-    t0 = time.monotonic()
+    current, t0 = max(m.version for m in members) >= base, time.monotonic()
     while not store.check([f"q{k}/decision"]):
         votes = [store.get(key) for key in keys if store.check([key])]
         if (len(votes) == len(keys) or b"no" in votes or any(store.check([d]) for d in dead)
                 or time.monotonic() - t0 > timeout_s):
-            store.compare_set(f"q{k}/decision", "", "commit" if votes.count(b"yes") == len(keys) else "abort")
+            yes = votes.count(b"yes") == len(keys) and current
+            store.compare_set(f"q{k}/decision", "", f"commit {base + 1}" if yes else f"abort {base}")
         time.sleep(0.001)
-    return store.get(f"q{k}/decision") == b"commit"
+    return store.get(f"q{k}/decision").startswith(b"commit")
 
 
-# ----------------------------------------------------------------------------- 2. the state and its recovery
+# ----------------------------------------------------------------------------- 2. the group, with a deadline
+class Bounded:
+    """The quorum's group, every collective of it waited for on the host with a deadline (torchft's
+    _WorkCUDATimeout). On NCCL a dead or frozen peer raises nothing (wait() only orders the stream); past
+    the deadline this member aborts the group itself (pg.abort(): ends its pending kernels; never
+    shutdown() or destroy_process_group(), which wait for them) and raises: it votes no."""
+
+    def __init__(self, pg, timeout_s):
+        self.pg, self.n, self.deadline = pg, pg.size(), timedelta(seconds=timeout_s)
+
+    def size(self):
+        return self.n
+
+    def allreduce(self, tensors):  # (SUM)
+        return Deadline(self, self.pg.allreduce(tensors))
+
+    def broadcast(self, tensor, src):
+        return Deadline(self, self.pg.broadcast(tensor, src))
+
+    def abort(self):
+        if self.pg is not None:  # NCCL: abort() ends the kernels. gloo: only freeing the group closes its
+            self.pg.abort()  # connections (a peer waiting on this member is let go), and that waits for the
+            dropped, self.pg = [self.pg], None  # hung work: so the group is freed on a thread of its own
+            threading.Thread(target=dropped.clear, daemon=True).start()
+
+
+@dataclass
+class Deadline:
+    group: Bounded
+    work: object
+
+    def wait(self):
+        try:
+            self.work.wait(self.group.deadline)  # the host waits until done or the deadline, then raises
+        except Exception:
+            self.group.abort()
+            raise
+
+
+def quorum_group(store, k, members, me, held, timeout_s, device=torch.device("cpu")):
+    """The quorum's process group: the one all members still hold when they hold the same one and nobody
+    left (unchanged membership), else a new one under the fresh prefix g{k}, made once every member said it
+    is there (a member lost before that is found by the deadline, not by a hung rendezvous). `held`: (gid,
+    group). On CUDA: ProcessGroupNCCL, non-blocking (its init returns at once: the first collective's
+    deadline bounds it); its own timeout is a backstop past ours: the watchdog must not decide."""
+    if held and {m.gid for m in members} == {held[0]} and members[0].gsize == len(members):
+        return held
+    rank, prefix, t0 = rank_in(members, me), dist.PrefixStore(f"g{k}", store), time.monotonic()
+    prefix.set(f"here{me.rid}", "1")
+    while not prefix.check([f"here{m.rid}" for m in members]):
+        if any(store.check([f"dead/{m.rid}.{m.life}"]) for m in members):  # (checked in, then died)
+            raise RuntimeError(f"group g{k}: a member is gone")
+        if time.monotonic() - t0 > timeout_s:
+            raise TimeoutError(f"group g{k}: a member did not come within {timeout_s} s")
+        time.sleep(0.001)
+    if store.check([f"q{k}/decision"]):  # this member came late: the others gave up on the group
+        raise RuntimeError(f"round {k} was decided without this member")
+    backstop = timedelta(seconds=10 * timeout_s)
+    if device.type == "cuda":
+        opts = dist.ProcessGroupNCCL.Options()
+        opts.config.blocking, opts._timeout = False, backstop
+        pg = dist.ProcessGroupNCCL(prefix, rank, len(members), opts)
+    else:
+        pg = dist.ProcessGroupGloo(prefix, rank, len(members), backstop)
+    return k, Bounded(pg, timeout_s)
+
+
+def replica_device(rid):
+    """cuda:(rid % device_count), made current before any CUDA work (the launcher starts the replicas, not
+    torchrun: there is no LOCAL_RANK, and NCCL refuses two ranks of one communicator on one GPU); else CPU."""
+    if not torch.cuda.is_available():
+        return torch.device("cpu")
+    device = torch.device("cuda", rid % torch.cuda.device_count())
+    torch.cuda.set_device(device)
+    return device
+
+
+# ----------------------------------------------------------------------------- 3. the state and its recovery
 class Replica:
     """One replica's state; its flat float64 form (exact for float32/bfloat16 too) is what recovery sends."""
 
@@ -197,7 +314,7 @@ class Replica:
                                       for p in self.params]  # everything that a step changes in place
         self.version, self.step, self.batch, self.skips = 0, 0, 0, 0
         self.losses = []  # the loss of every applied update: the spike detector's history
-        self.snapshot = self.core()  # what a rollback restores (a copy of a recent step's core)
+        self.snapshot = self.core().cpu()  # what a rollback restores (a recent step's core, on the host)
 
     def core(self):
         """(3P + n_params + 5 + steps,) weights | exp_avg | exp_avg_sq | AdamW steps | counters, losses."""
@@ -215,17 +332,23 @@ class Replica:
         self.losses = meta[5:5 + n_losses]
 
     def full(self):  # core | snapshot: everything a recovering replica needs
-        return torch.cat([self.core(), self.snapshot])
+        core = self.core()
+        return torch.cat([core, self.snapshot.to(core.device)])
 
     def load_full(self, flat):
         self.load_core(flat[:flat.numel() // 2])
-        self.snapshot = flat[flat.numel() // 2:].clone()
+        self.snapshot = flat[flat.numel() // 2:].cpu().clone()
 
 
-def checksum(params):
-    """An exact fingerprint of the weights' bytes (a position-weighted byte sum: any changed byte shows)."""
-    b = torch.cat([p.detach().reshape(-1).view(torch.uint8) for p in params]).long()  # (bytes,)
-    return (b * (torch.arange(b.numel(), device=b.device) % 251 + 1)).sum()
+def checksum(params, chunk=1 << 20):
+    """An exact fingerprint of the weights' bytes (a position-weighted byte sum: any changed byte shows),
+    `chunk` bytes at a time (an int64 per byte of the whole model at once would be 8x its size)."""
+    total, at = torch.zeros((), dtype=torch.long, device=params[0].device), 0
+    for p in params:
+        for b in p.detach().reshape(-1).view(torch.uint8).split(chunk):  # (<= chunk,) bytes
+            total += (b.long() * (torch.arange(at, at + b.numel(), device=b.device) % 251 + 1)).sum()
+            at += b.numel()
+    return total
 
 
 def sync_state(pg, members, me, rep, verify):
@@ -259,22 +382,26 @@ def sync_state(pg, members, me, rep, verify):
     return [members[i].rid for i in bad], [members[i].rid for i in receivers], nbytes
 
 
-# ----------------------------------------------------------------------------- 3. the step
-def shard(x, y, rid, replicas):
-    if x.shape[0] % replicas or not 0 <= rid < replicas:
+# ----------------------------------------------------------------------------- 4. the step
+def check_shard(rows, rid, replicas):
+    if replicas < 1 or rows % replicas or not 0 <= rid < replicas:
         raise ValueError(f"replica {rid} of {replicas} needs an id in 0..{replicas - 1} and a batch of rows "
-                         f"divisible by {replicas}, got {x.shape[0]}")
+                         f"divisible by {replicas} (each owns a shard), got {rows}")
+
+
+def shard(x, y, rid, replicas):
+    check_shard(x.shape[0], rid, replicas)
     rows = x.shape[0] // replicas  # replica rid always owns these rows of the global batch
     return x[rid * rows:(rid + 1) * rows], y[rid * rows:(rid + 1) * rows]  # (B/R, T) each
 
 
-def local_grads(model, x, y, members, me, replicas, loss_fn, count, loss_scale=1.0):
+def local_grads(model, x, y, members, me, replicas, loss_fn, count):
     """Forward + backward on this replica's shard; `loss_fn(out, y, n)` sums over its shard and divides by
     n = `count` of *all participants'* shards, so the all-reduced sum is the mean over who took part."""
     n_tok = sum(count(shard(x, y, m.rid, replicas)[1]) for m in members)
     xs, ys = shard(x, y, me.rid, replicas)
     model.zero_grad(set_to_none=True)
-    loss = loss_fn(model(xs), ys, n_tok) * loss_scale
+    loss = loss_fn(model(xs), ys, n_tok)
     loss.backward()
     return loss.detach()
 
@@ -305,11 +432,15 @@ def agree(pg, flag, device):
     return t.item() > 0
 
 
+def check_update(max_skips, snapshot_every):
+    if max_skips < 1 or snapshot_every < 1:
+        raise ValueError(f"max_skips and snapshot_every must be >= 1, got {max_skips} and {snapshot_every}")
+
+
 def apply_update(rep, loss, spike, norm, clip, max_skips, snapshot_every):
     """The committed step: the optimizer step, or a skip (the batch is consumed, the weights stay), or after
     `max_skips` skips in a row a rollback to the snapshot, going on from the next batch. Returns which."""
-    if max_skips < 1 or snapshot_every < 1:
-        raise ValueError(f"max_skips and snapshot_every must be >= 1, got {max_skips} and {snapshot_every}")
+    check_update(max_skips, snapshot_every)
     rep.version, rep.batch = rep.version + 1, rep.batch + 1
     if not spike:
         if clip > 0:
@@ -318,7 +449,7 @@ def apply_update(rep, loss, spike, norm, clip, max_skips, snapshot_every):
         rep.step, rep.skips = rep.step + 1, 0
         rep.losses.append(loss)
         if rep.step % snapshot_every == 0:
-            rep.snapshot = rep.core()
+            rep.snapshot = rep.core().cpu()
         return "update"
     rep.skips += 1
     if rep.skips < max_skips:
@@ -334,16 +465,22 @@ def check_args(args):
     R = args.replicas
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         fail("start it with python fault_tolerance.py --replicas R, not torchrun: it starts its own replicas")
-    if R < 1 or args.batch_size % R:
-        fail(f"--batch-size {args.batch_size} must be divisible by --replicas {R} (each owns a shard); "
-             f"try --batch-size {R * max(1, args.batch_size // max(R, 1))}")
-    for name in ("kill_replica", "corrupt_replica"):
+    for core_check in (lambda: check_shard(args.batch_size, 0, R), lambda: check_round(0, args.join_ms / 1e3,
+                       args.timeout), lambda: check_update(args.max_skips, args.snapshot_every)):
+        try:  # (the cores' own checks: --batch-size and --replicas, --join-ms, --max-skips, --snapshot-every)
+            core_check()
+        except ValueError as e:
+            fail(str(e))
+    for name in ("kill_replica", "corrupt_replica", "freeze_replica"):
         v = getattr(args, name)
         if v >= 0 and not (v < R and 0 <= args.at_step < args.steps):
             fail(f"--{name.replace('_', '-')} {v} needs a replica in 0..{R - 1} and --at-step in "
                  f"0..{args.steps - 1}, got --at-step {args.at_step}")
-    if args.kill_replica >= 0 and R < 2:
-        fail("--kill-replica needs --replicas 2 or more: someone must go on")
+    if (args.kill_replica >= 0 or args.freeze_replica >= 0) and R < 2:
+        fail("--kill-replica and --freeze-replica need --replicas 2 or more: someone must go on")
+    if torch.cuda.is_available() and R > torch.cuda.device_count():
+        fail(f"--replicas {R} needs a GPU each ({torch.cuda.device_count()} here): NCCL refuses two ranks of "
+             "one group on one GPU")
     if args.dropout:
         fail("--dropout must be 0: the replayed reference draws no dropout masks")
     if args.fail_at_step >= 0:
@@ -354,9 +491,8 @@ def check_args(args):
         fail("--ckpt-dir is for --recipe restart: live recovery reads no disk")
     if not all(b.strip().isdigit() for b in args.inject_spike.split(",") if b):
         fail(f"--inject-spike takes comma-separated batch ids, got {args.inject_spike!r}")
-    for name in ("max_skips", "snapshot_every", "join_ms", "spike_sigma"):
-        if getattr(args, name) <= 0:
-            fail(f"--{name.replace('_', '-')} must be > 0, got {getattr(args, name)}")
+    if args.spike_sigma <= 0:
+        fail(f"--spike-sigma must be > 0, got {args.spike_sigma}")
     if not 1 <= args.min_replicas <= R:
         fail(f"--min-replicas must be in 1..--replicas {R}, got {args.min_replicas}")
     if args.max_restarts < 0 or args.verify_every < 0:
@@ -365,75 +501,159 @@ def check_args(args):
         fail("--replica and --coordinator are the launcher's: run python fault_tolerance.py --replicas N")
 
 
-# ----------------------------------------------------------------------------- 4. this repo's run of it
-# One replica: the GPT and its data on the cores above, the faults the tests inject, the log. The launcher
-# (below the measurement fence) starts it, and on its death marks it on the coordinator (dead/{rid}.{life})
-# and counts it out ("alive"): what a vote and the next quorum see.
+# ----------------------------------------------------------------------------- 5. this repo's run of it
+# One replica: the GPT and its data on the cores above, its log, and one hook for the faults the tests inject
+# (`fault`, below the fence). The launcher starts the replicas and marks a death on the coordinator
+# (dead/{rid}.{life}) and counts it out ("alive"): what a vote, a round's close and the next quorum read.
+# Every replica's environment (the launcher sets it). On NCCL our deadline decides, not the watchdog: with the
+# default error handling (3) it takes the *healthy* process down at the group's timeout, and its heartbeat
+# monitor kills one whose watchdog hangs in an abort. Torch's C++ warnings (a peer gone: a 14-line stack each)
+# are quieted, so that each replica's failure is the one line it prints.
+ENVIRONMENT = dict(TORCH_NCCL_ASYNC_ERROR_HANDLING="0", TORCH_NCCL_ENABLE_MONITORING="0",
+                   TORCH_CPP_LOG_LEVEL="ERROR")
+
+
 def train_replica(args):
     host, port = args.coordinator.rsplit(":", 1)
     store = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=args.timeout))
-    device = torch.device("cpu")  # gloo; on GPUs: cuda:LOCAL_RANK and ProcessGroupNCCL (see the docstring)
+    device = replica_device(args.replica)
     data, R, B = MarkovData(args.vocab, args.seed), args.replicas, args.batch_size
     model = build_gpt(GPTConfig.from_args(args), args.seed, DTYPES[args.dtype], device)
     rep = Replica(model, make_optimizer(model.parameters(), args), args.steps)
     rep.version = -1 if args.life > 0 else 0  # restarted: no state until a peer gives it
-    load_checkpoint(args, rep)  # (--recipe restart only: the 2020 way, from disk)
+    load_checkpoint(args, rep, store)  # (--recipe restart only: the 2020 way, from disk)
     me, started = Member(args.replica, args.life, rep.version, 0, -1, 0), False
     store.add("alive", 1)
-    # Until its first commit a replica waits for all R (a run starts, or the whole job restarts, together);
+    # Until its first round a replica waits for all R (a run starts, or the whole job restarts, together);
     # afterwards only for the replicas alive now, as the launcher counts them (torchft's heartbeats).
     expected = lambda: int(store.add("alive", 0)) if started else R  # noqa: E731
-    held, k = None, int(store.get("round")) if store.check(["round"]) else 0
-    inject = {int(b) for b in args.inject_spike.split(",") if b}
-    log, short_since = Log(store, args, me, rep), None
-    while rep.step < args.steps and not store.check(["finished"]):
-        inject_faults(args, store, rep, "before")
+    held, k, short_since = None, int(store.get("round")) if store.check(["round"]) else 0, None
+    log = Log(store, args, me, rep)
+    while not store.check(["finished"]):
+        fault(args, store, rep, "before")
         me.version, me.step = rep.version, rep.step
         me.gid, me.gsize = (held[0], held[1].size()) if held else (-1, 0)
-        t_start = time.time()
-        window = args.join_ms / 1e3 if started else max(60, args.timeout)  # (a start waits for everyone)
+        t_start, ending = time.time(), rep.step >= args.steps or store.check(["ending"])
+        # a start waits for everyone; so does the end (every live replica ends with the final state)
+        window = args.join_ms / 1e3 if started and not ending else max(60, args.timeout)
         members = join_round(store, k, me, expected, window, args.timeout)
         k += 1
         if members is None:
             continue
-        if len(members) < args.min_replicas:  # too few: wait (bounded) for a restarted replica to join
+        started = True
+        fault(args, store, rep, "join")
+        if len(members) < args.min_replicas:  # too few: voted down; wait (bounded) for a restarted replica
             short_since = short_since or time.monotonic()
             if time.monotonic() - short_since > max(60, args.timeout):
                 raise TimeoutError(f"fewer than --min-replicas {args.min_replicas} replicas for too long")
+            vote(store, k - 1, members, me, False, args.timeout)
             time.sleep(args.join_ms / 1e3)
             continue
         if rep.batch > 4 * args.steps + 16:  # every loop is bounded, a spike that never ends too
             raise TimeoutError(f"{rep.batch} batches used for {rep.step} steps: the loss keeps spiking")
-        ok, spike, loss, norm, short_since = False, False, math.nan, torch.tensor(math.nan), None
+        ok, spike, last, loss, norm, short_since = False, False, False, math.nan, torch.tensor(math.nan), None
         step, batch = rep.step, rep.batch
         try:
-            held = quorum_group(store, k - 1, members, me, held, args.timeout)
+            fault(args, store, rep, "group")
+            held = quorum_group(store, k - 1, members, me, held, args.timeout, device)
             pg, newest = held[1], max(members, key=lambda m: m.version)
-            verify = args.verify_every > 0 and newest.step % args.verify_every == 0
+            # compare weights when due, and whenever the membership changed (a fork shows there)
+            verify = held[0] == k - 1 or args.verify_every > 0 and newest.step % args.verify_every == 0
             log.synced(k - 1, members, newest.step, *sync_state(pg, members, me, rep, verify))
-            step, batch = rep.step, rep.batch
-            x, y = data.batch(batch, B, args.seq_len, args.ragged)  # (B, T) the global batch, CPU
-            scale = 1e4 if batch in inject else 1.0  # (--inject-spike: a spike, for the tests)
-            mine = local_grads(model, x, y, members, me, R, lm_loss, count_tokens, scale)
-            inject_faults(args, store, rep, "during")
-            loss = allreduce_grads(pg, rep.params, mine)
-            norm = torch.nn.utils.get_total_norm([p.grad for p in rep.params])  # of the whole gradient
-            spike = agree(pg, is_spike(loss, norm.item(), rep.losses, args.spike_sigma), device)
-            inject_faults(args, store, rep, "after")
+            step, batch, last = rep.step, rep.batch, rep.step >= args.steps
+            if not last:  # (the last round: every member now holds the final state)
+                x, y = data.batch(batch, B, args.seq_len, args.ragged)  # (B, T) the global batch
+                mine = local_grads(model, x.to(device), y.to(device), members, me, R, lm_loss, count_tokens)
+                fault(args, store, rep, "during", mine)  # (--inject-spike scales the loss here)
+                loss = allreduce_grads(pg, rep.params, mine)
+                norm = torch.nn.utils.get_total_norm([p.grad for p in rep.params])  # of the whole gradient
+                spike = agree(pg, is_spike(loss, norm.item(), rep.losses, args.spike_sigma), device)
+                fault(args, store, rep, "after")
             ok = True
         except (RuntimeError, TimeoutError, dist.DistError) as e:
             log.failed(k - 1, e)
         if not vote(store, k - 1, members, me, ok, args.timeout):
-            held = pg = None  # may hold a dead member: dropped now (NCCL: pg.abort()), which frees a member
-            continue  # still waiting in it for us (it joins the next round in time); rebuilt next round
+            if held:
+                held[1].abort()  # may hold a dead or frozen member: its pending work ends, never waited for
+            held = None
+            continue
+        if last:
+            break
         what = apply_update(rep, loss, spike, norm, args.clip, args.max_skips, args.snapshot_every)
-        started = True
+        if what == "update" and me.rid == members[0].rid:
+            log_step(Dist(0, 1, 0, device, "gloo"), step, loss, 1e3 * (time.time() - t_start),
+                     B * args.seq_len * len(members) // R)
         log.committed(k - 1, members, t_start, step, batch, what, loss)  # (--recipe restart: and saves)
-    if rep.step < args.steps:
-        return 0  # the run ended without this replica (it came back after the last step)
+        if rep.step >= args.steps:
+            store.set("ending", "1")
+    else:
+        print(f"replica {me.rid}: the run finished without it (it was in no quorum since step {rep.step})",
+              flush=True)
+        return 0
     code = log.finish(members, held[1])  # (the members compare their weights by one all-reduce; the --check)
     store.set("finished", "1")  # a replica restarted now exits at once
     return code
+
+
+def stop_all(store, lives, r):
+    """--recipe restart: replica r died; the launcher kills every other one too. Returns whom to restart."""
+    for q, procs in lives.items():
+        if q != r and procs[-1].poll() is None:
+            procs[-1].kill()
+            procs[-1].wait()
+            store.set(f"dead/{q}.{len(procs) - 1}", "1")
+            store.add("alive", -1)
+    return list(lives)
+
+
+def launch(args):
+    """The coordinator (a TCPStore server: the single point of the design) and R replica processes: what
+    torchrun's agent (a cluster's scheduler in production) does. It marks each death on the coordinator for
+    the quorum and the vote, and restarts a replica killed by a signal (--recipe restart: all of them)."""
+    store = dist.TCPStore(args.host, 0, is_master=True, wait_for_workers=False,
+                          timeout=timedelta(seconds=args.timeout))
+    cmd = [sys.executable, sys.argv[0], *sys.argv[1:], "--coordinator", f"{args.host}:{store.port}"]
+    env = dict(os.environ, **ENVIRONMENT)
+    spawn = lambda r, life: subprocess.Popen(  # noqa: E731
+        cmd + ["--replica", str(r), "--life", str(life)], env=env)
+    lives = {r: [spawn(r, 0)] for r in range(args.replicas)}
+    codes, restarts, t0, R, done_at = {}, 0, time.time(), args.replicas, None
+    limit_s = 300 + args.timeout * (args.steps + 10)  # (every wait of a replica is bounded: a safety net)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so that `finally` kills the children
+    try:
+        while len(codes) < R and (done_at or time.time() - t0 < limit_s):
+            for r, procs in lives.items():
+                code = procs[-1].poll()
+                if code is None or r in codes:
+                    continue
+                store.set(f"dead/{r}.{len(procs) - 1}", "1")  # a vote or a round waiting for it ends now
+                store.add("alive", -1)
+                if code != 0 and not store.check(["finished"]):  # every death seen, for the figures
+                    store.set(f"died/{store.add('died', 1)}", f"{r} {time.time()!r}")
+                if code < 0 and restarts < args.max_restarts and not store.check(["finished"]):
+                    restarts += 1
+                    for q in [r] if args.recipe == "live" else stop_all(store, lives, r):
+                        lives[q].append(spawn(q, len(lives[q])))
+                else:
+                    codes[r] = code
+            done_at = done_at or (time.time() if store.check(["finished"]) else None)
+            if done_at and time.time() - done_at > args.timeout:  # a frozen replica: the run is over
+                for r in [r for r in lives if r not in codes]:
+                    print(f"fault_tolerance.py: replica {r} still running {args.timeout:g} s after the run "
+                          f"finished (frozen?): stopped", flush=True)
+                    lives[r][-1].kill()
+                    codes[r] = lives[r][-1].wait()
+            time.sleep(0.01)
+    finally:
+        for p in [p for procs in lives.values() for p in procs if p.poll() is None]:
+            p.kill()
+            p.wait()
+    if len(codes) < R:
+        print(f"fault_tolerance.py: error: over {limit_s} s; every replica stopped", file=sys.stderr)
+    finished = store.check(["finished"])  # (a replica killed and not restarted is no failure of the run)
+    rc = max([c for c in codes.values() if c > 0], default=0) or (0 if finished and len(codes) == R else 1)
+    add_launcher_figures(args, lives, codes, restarts, time.time() - t0)
+    return rc
 
 
 def main():
@@ -441,7 +661,7 @@ def main():
     check_args(args)
     if args.replica < 0:
         print(f"fault_tolerance.py: {args.replicas} replicas, recipe {args.recipe}, coordinator in this "
-              f"process (pid {os.getpid()})", flush=True)
+              f"process (pid {os.getpid()}) on {args.host}", flush=True)
         sys.exit(launch(args))
     try:
         code = train_replica(args)
@@ -458,10 +678,14 @@ def main():
 
 
 # --- measurement ---
-# The faults the tests inject (--kill-replica, --corrupt-replica), and the checkpoint of the recipe measured
-# beside live recovery (--recipe restart).
-def inject_faults(args, store, rep, phase):
-    """--kill-replica / --corrupt-replica, on the replica's first life only: the faults the tests inject."""
+# The faults the tests inject (one hook on the technique path), the log and the figures, and the checkpoint
+# of the recipe measured beside live recovery (--recipe restart).
+def fault(args, store, rep, phase, loss=None):
+    """The tests' faults: --inject-spike multiplies a listed batch's loss by 1e4 (in place); on a replica's
+    first life at --at-step, --corrupt-replica perturbs one weight (before its check-in), and in --phase
+    --kill-replica sends it SIGKILL, --freeze-replica SIGSTOP (hung: a peer as NCCL sees one that hangs)."""
+    if loss is not None and str(rep.batch) in args.inject_spike.split(","):
+        loss.mul_(1e4)
     if args.life > 0 or rep.step != args.at_step:
         return
     if args.replica == args.corrupt_replica and phase == "before" and rep.version >= 0 \
@@ -469,22 +693,24 @@ def inject_faults(args, store, rep, phase):
         with torch.no_grad():  # a silent flip of one weight: nothing fails, the numbers are just wrong
             rep.params[0].view(-1)[0] += 1e-3
         rep.corrupted = True  # once (a discarded step comes back to this point)
-    if args.replica == args.kill_replica and phase == args.phase:
-        store.set(f"killed/{args.replica}", f"{time.time()!r} {rep.step}")  # when, for the recovery figures
-        print(f"replica {args.replica}: SIGKILL at step {rep.step} ({phase} its all-reduce)", flush=True)
-        os.kill(os.getpid(), signal.SIGKILL)
+    for victim, sig, what in [(args.kill_replica, signal.SIGKILL, "killed"),
+                              (args.freeze_replica, signal.SIGSTOP, "frozen")]:
+        if args.replica == victim and phase == args.phase and not store.check([f"{what}/{victim}"]):
+            store.set(f"{what}/{victim}", f"{time.time()!r} {rep.step}")  # when, for the recovery figures
+            print(f"replica {victim}: {signal.Signals(sig).name} at step {rep.step} ({phase})", flush=True)
+            os.kill(os.getpid(), sig)
 
 
-# The recipe measured beside live recovery (--recipe restart): the launcher stops every replica when one dies
-# and restarts them all; they reload the newest checkpoint from disk and train the steps since it again.
 def ckpt_path(args):
     return os.path.join(args.ckpt_dir, "state.pt")
 
 
-def load_checkpoint(args, rep):
-    """--recipe restart: a restarted replica reads the whole state from disk (live recovery reads none)."""
+def load_checkpoint(args, rep, store):
+    """--recipe restart: a restarted replica reads the whole state from disk (live recovery reads none).
+    The whole job restarted from it: it is the current state, whatever was committed since."""
     if args.recipe == "restart" and args.life > 0 and os.path.exists(ckpt_path(args)):
-        rep.load_full(torch.load(ckpt_path(args)))
+        rep.load_full(torch.load(ckpt_path(args), map_location=rep.params[0].device))
+        rep.version = decided_before(store, int(store.get("round")) + 1, args.timeout)
 
 
 def save_checkpoint(args, rep, writer):
@@ -493,57 +719,6 @@ def save_checkpoint(args, rep, writer):
         os.makedirs(args.ckpt_dir, exist_ok=True)
         torch.save(rep.full(), ckpt_path(args) + ".tmp")
         os.replace(ckpt_path(args) + ".tmp", ckpt_path(args))
-
-
-def stop_all(store, lives, r):
-    """--recipe restart: replica r died; the launcher kills every other one too. Returns whom to restart."""
-    for q, procs in lives.items():
-        if q != r and procs[-1].poll() is None:
-            procs[-1].kill()
-            procs[-1].wait()
-            store.set(f"dead/{q}.{len(procs) - 1}", "1")
-            store.add("alive", -1)
-    return list(lives)
-
-
-# The launcher: torchrun's part (start the processes, watch them, restart a dead one), which a cluster's
-# scheduler plays in production. It holds the coordinator and marks a death on it for the quorum and the vote.
-def launch(args):
-    """The coordinator (a TCPStore server: the single point of the design) and R replica processes. A
-    replica killed by a signal is restarted (--recipe restart: all are); on any exit, all are killed."""
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                          timeout=timedelta(seconds=args.timeout))
-    cmd = [sys.executable, sys.argv[0], *sys.argv[1:], "--coordinator", f"127.0.0.1:{store.port}"]
-    spawn = lambda r, life: subprocess.Popen(cmd + ["--replica", str(r), "--life", str(life)])  # noqa: E731
-    lives = {r: [spawn(r, 0)] for r in range(args.replicas)}
-    codes, restarts, t0, R = {}, 0, time.time(), args.replicas
-    limit_s = 300 + args.timeout * (args.steps + 10)  # (every wait of a replica is bounded: a safety net)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so that `finally` kills the children
-    try:
-        while len(codes) < R and time.time() - t0 < limit_s:
-            for r, procs in lives.items():
-                code = procs[-1].poll()
-                if code is None or r in codes:
-                    continue
-                store.set(f"dead/{r}.{len(procs) - 1}", "1")  # a vote waiting for it ends now
-                store.add("alive", -1)
-                if code < 0 and restarts < args.max_restarts and not store.check(["finished"]):
-                    restarts += 1
-                    for q in [r] if args.recipe == "live" else stop_all(store, lives, r):
-                        lives[q].append(spawn(q, len(lives[q])))
-                else:
-                    codes[r] = code
-            time.sleep(0.01)
-    finally:
-        for p in [p for procs in lives.values() for p in procs if p.poll() is None]:
-            p.kill()
-            p.wait()
-    if len(codes) < R:
-        print(f"fault_tolerance.py: error: over {limit_s} s; every replica stopped", file=sys.stderr)
-    finished = store.check(["finished"])  # (a replica killed and not restarted is no failure of the run)
-    rc = max([c for c in codes.values() if c > 0], default=0) or (0 if finished and len(codes) == R else 1)
-    add_launcher_figures(args, lives, codes, restarts, time.time() - t0)
-    return rc
 
 
 class Log:
@@ -581,8 +756,6 @@ class Log:
         self.step_ms.append(1e3 * (t_end - t_start))
         if what == "update":
             s.set(f"upd/{step}", f"{k} {batch} {rids} {loss!r}")
-            log_step(Dist(0, 1, 0, torch.device("cpu"), "gloo"), step, loss, 1e3 * (t_end - t_start),
-                     a.batch_size * a.seq_len * len(members) // a.replicas)
         else:
             print(f"step {step:4d} | {what}: batch {batch} loss {loss:.4g} flagged as a spike "
                   f"(replicas {rids})", flush=True)
@@ -595,6 +768,9 @@ class Log:
         sums = torch.zeros(len(members), dtype=torch.long, device=rep.params[0].device)
         sums[[m.rid for m in members].index(self.me.rid)] = checksum(rep.params)
         pg.allreduce([sums]).wait()
+        if a.json:  # every replica's final weights, for a test to compare them itself
+            torch.save({n: p.detach().cpu() for n, p in rep.model.named_parameters()},
+                       f"{a.json}.replica{self.me.rid}.pt")
         if self.me.rid != members[0].rid:
             return 0
         identical, model, device = bool((sums == sums[0]).all()), rep.model, rep.params[0].device
@@ -604,7 +780,8 @@ class Log:
             [float(r[3]) for r in recs]
         figures = recovery_figures(s, a, rounds)
         listed = lambda key: [s.get(f"{key}/{i}").decode() for i in range(1, s.add(key, 0) + 1)]  # noqa: E731
-        figures.update(batches=batches, members=masks, replicas_identical=identical,
+        figures.update(batches=batches, members=masks, replicas_identical=identical, final_members=[
+                           m.rid for m in members],
                        corruptions=listed("sdc"), skips=listed("skip"), rollbacks=listed("rollback"),
                        recoveries=listed("recv"))
         print(f"summary: replicas identical at the end: {identical}; members per step {masks}", flush=True)
@@ -639,10 +816,15 @@ def recovery_figures(s, a, rounds):
     for t0, t1 in sorted(t[k][:2] for k in rounds):  # lowest member from before its check-in: they overlap
         useful, until = useful + max(0.0, t1 - max(t0, until)), max(until, t1)
     out = dict(goodput=useful / wall, wall_s=wall, useful_s=useful, failures=[])
-    for r in range(a.replicas):
-        if not s.check([f"killed/{r}"]):
-            continue
-        t_kill, step = (f(x) for f, x in zip((float, int), s.get(f"killed/{r}").decode().split()))
+    seen = set()
+    for i in range(1, s.add("died", 0) + 1):  # every death the launcher saw, injected or not
+        r, t_kill = s.get(f"died/{i}").decode().split()
+        r, t_kill, injected = int(r), float(t_kill), s.check([f"killed/{r}"]) and int(r) not in seen
+        seen.add(r)
+        if injected:  # the replica's own timestamp and step, taken just before its SIGKILL
+            t_kill, step = (f(x) for f, x in zip((float, int), s.get(f"killed/{r}").decode().split()))
+        else:  # seen by the launcher: the first step not committed by then
+            step = 1 + max((v[2] for v in t.values() if v[1] <= t_kill and v[3] == "update"), default=-1)
         after = sorted((v[1], k) for k, v in t.items() if v[1] > t_kill and v[2] >= step and v[3] == "update")
         if not after:
             continue
@@ -653,9 +835,10 @@ def recovery_figures(s, a, rounds):
                      if v[0] > t_kill and v[2] < step and k < k_next and v[3] == "update")
         rejoin = min((v[1] for k, v in t.items() if v[1] > t_kill and k in rounds
                       and r in member_ids(s, k)), default=math.nan)
-        out["failures"].append(dict(replica=r, step=step, ms_to_next_commit=1e3 * (t_next - t_kill),
-                                    steps_redone=redone, ms_to_rejoin=1e3 * (rejoin - t_kill)))
-        print(f"summary: replica {r} killed at step {step} ({a.phase} its all-reduce, recipe {a.recipe}): "
+        out["failures"].append(dict(replica=r, step=step, injected=injected, ms_to_next_commit=1e3 * (
+            t_next - t_kill), steps_redone=redone, ms_to_rejoin=1e3 * (rejoin - t_kill)))
+        how = f"killed ({a.phase}" if injected else "died (seen by the launcher"
+        print(f"summary: replica {r} {how}) at step {step}, recipe {a.recipe}: "
               f"{1e3 * (t_next - t_kill):.0f} ms to the next commit of step >= {step} (measured), "
               f"{redone} steps redone, back in a quorum after {1e3 * (rejoin - t_kill):.0f} ms", flush=True)
     print(f"summary: goodput {out['goodput']:.3f} (committed steps' time {useful:.2f} s / wall {wall:.2f} s, "

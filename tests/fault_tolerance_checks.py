@@ -29,6 +29,8 @@ environment, so the launcher and every replica run the mutant. NAME is one of
     no-checksum         every checksum is 0: a corrupted replica is never found
     recover-weights-only  a replica repaired or recovering from a peer loads its weights but starts AdamW
                         from scratch
+    no-deadline         a collective is waited for without the host's deadline (as NCCL's wait() would):
+                        only the group's own timeout, the backstop, ends it
 """
 import os, sys
 from datetime import timedelta
@@ -110,7 +112,9 @@ def story(ns, store, rid):
         bad, receivers, _ = ns["sync_state"](pg, members, me, rep, newest % 3 == 0)  # verify at 0, 3, 6
         step, b = rep.step, rep.batch
         x, y = batch(b)
-        mine = ns["local_grads"](rep.model, x, y, members, me, R, sq_loss, len, 1e4 if b in SPIKES else 1.0)
+        mine = ns["local_grads"](rep.model, x, y, members, me, R, sq_loss, len)
+        if b in SPIKES:  # (a spike: the loss the detector sees, times 1e4)
+            mine.mul_(1e4)
         loss = ns["allreduce_grads"](pg, rep.params, mine)
         norm = torch.nn.utils.get_total_norm([p.grad for p in rep.params])
         spike = ns["agree"](pg, ns["is_spike"](loss, norm.item(), rep.losses, 6.0), torch.device("cpu"))
@@ -263,6 +267,7 @@ MUTANTS = {
     "rollback-keeps-adam": lambda: setattr(ft, "apply_update", rollback_keeps_adam),
     "no-checksum": lambda: setattr(ft, "checksum", lambda params: torch.zeros((), dtype=torch.long)),
     "recover-weights-only": lambda: setattr(ft.Replica, "load_full", weights_only),
+    "no-deadline": lambda: setattr(ft.Deadline, "wait", lambda self: self.work.wait()),
 }
 if len(sys.argv) > 1 and not sys.argv[1].startswith("-"):  # the launcher: NAME ARGS...
     os.environ["FT_MUTANT"] = sys.argv.pop(1)
