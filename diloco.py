@@ -32,8 +32,9 @@ model for H inner steps with its own AdamW, and only then do they talk.
       mix * (its own, TAU steps further) + (1 - mix) * (the new global one) (--mix; torchft's
       fragment_update_alpha; 0 drops the TAU local steps of that fragment). The exchange runs on a group of
       its own: on NCCL its own communicator and stream, so the loss's all-reduce (on WORLD) does not queue
-      behind it, and the step timer waits for the compute stream only, not the device. The run prints the
-      time the host blocked on each exchange (exposed) beside the exchange's own (launch to completion).
+      behind it, and the step is timed on the host after the loss's .item() (its compute stream), not with a
+      device-wide synchronize that would wait for the exchange. The run prints the time the host blocked on
+      each exchange (exposed) beside the exchange's own (launch to completion).
       Where the schedule differs from torchft's Streaming DiLoCo:
       - launched at the sync point, landed TAU steps later; torchft launches TAU steps early and lands on it;
       - TAU may be up to H - 1 (exchanges of several fragments then overlap); torchft requires TAU < H/F;
@@ -122,8 +123,8 @@ def check_outer(inner_steps, outer_lr, outer_momentum, nesterov):
     if inner_steps < 1:
         raise ValueError(f"DiLoCo: inner_steps must be >= 1, got {inner_steps}")
     if not outer_lr > 0 or nesterov and not 0 < outer_momentum < 1:  # written so that nan fails too
-        raise ValueError(f"DiLoCo: the outer step needs outer_lr > 0 and, with nesterov, 0 < outer_momentum < 1 "
-                         f"(the paper: 0.7, 0.9; none: plain SGD), not {outer_lr} and {outer_momentum}")
+        raise ValueError(f"DiLoCo: the outer step needs outer_lr > 0 and, with nesterov, 0 < outer_momentum "
+                         f"< 1 (the paper: 0.7, 0.9; none: plain SGD), not {outer_lr} and {outer_momentum}")
 
 
 class DiLoCo:
@@ -201,8 +202,8 @@ def check_schedule(inner_steps, n_fragments, overlap, mix):
     """What Streaming DiLoCo's schedule relies on (check_args calls it too)."""
     H, F = inner_steps, n_fragments
     if H % F:
-        raise ValueError(f"StreamingDiLoCo: need inner_steps % fragments == 0 (got {H} % {F}): fragments sync "
-                         "H/F steps apart")
+        raise ValueError(f"StreamingDiLoCo: need inner_steps % fragments == 0 (got {H} % {F}): fragments "
+                         "sync H/F steps apart")
     if not 0 <= overlap < H:
         raise ValueError(f"StreamingDiLoCo: need 0 <= overlap < inner_steps = {H} (got {overlap}): an update "
                          "lands before its fragment's next sync")
@@ -394,7 +395,9 @@ def train_diloco(d, args, data, model):
         diloco = StreamingDiLoCo(gpt_fragments(model, args.fragments), args.inner_steps, *outer, args.overlap,
                                  args.mix, wire_dtype(args), group=exchange)
     run = Run(d, args, {"model": model, "inner": inner, "diloco": diloco})
-    run.timer, watch = StreamTimer(d.device), ExchangeWatch(diloco)  # measurement, below
+    # A host timer: loss.item() below has waited for the step's compute stream; StepTimer's device-wide
+    # synchronize would also wait for the exchange on its own stream, exposing it.
+    run.timer, watch = StepTimer(torch.device("cpu")), ExchangeWatch(diloco)  # watch: measurement, below
     comm, rows = CommCounter({"exchange": exchange}, log=True), args.batch_size // d.world
     counted = range(max(run.start, args.steps - args.inner_steps), args.steps)  # measurement: one period
     for step in run.steps():
@@ -434,22 +437,6 @@ def main():
 
 
 # --- measurement ---
-class StreamTimer(StepTimer):
-    """A step's wall time, synchronising only the current (compute) stream on a GPU: harness's StepTimer
-    synchronises the whole device, which would wait for the exchange on its own stream and expose it."""
-
-    def start(self):
-        if self.device.type == "cuda":
-            torch.cuda.current_stream(self.device).synchronize()
-        self.t0 = time.perf_counter()
-
-    def stop(self):
-        if self.device.type == "cuda":
-            torch.cuda.current_stream(self.device).synchronize()
-        self.ms.append(1e3 * (time.perf_counter() - self.t0))
-        return self.ms[-1]
-
-
 class ExchangeWatch:
     """Streaming DiLoCo's exchanges, watched from outside through this instance's send and wait (wrapped
     here): when each was launched (after which inner step), when its work completed (a thread polls
