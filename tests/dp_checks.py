@@ -139,13 +139,14 @@ for group, what in ((None, "all ranks"), (singletons[d.rank], "negative: this ra
 
 # ---------------------------------------------------------------------------- 2. copy-out: a parameter server
 groups = {w: dist.new_group([0, w]) for w in range(1, d.world)}
+side = dist.new_group(backend="gloo")  # the reports' group
 for name, policy, delay in (("BoundedStaleness(0)", core.BoundedStaleness(0), 0),
                             ("Lockstep(1)", core.Lockstep(1), 1)):
     model = Net()
     if d.rank > 0:
-        core.worker_loop(model, lambda m, b: huber(m, *batch(b)), groups[d.rank])
+        core.worker_loop(model, lambda m, b: huber(m, *batch(b)), groups[d.rank], side)
         continue
-    server = core.Server(model, adamw(model), groups, policy, STEPS, CLIP)
+    server = core.Server(model, adamw(model), groups, side, policy, STEPS, CLIP)
     server.hand_out()
     reports = []
     for _ in range(STEPS):
@@ -185,10 +186,10 @@ def bad_calls(c):
             "Lockstep(-1)": (lambda: c.Lockstep(-1), ["D must be >= 0", "got -1"]),
             "BoundedStaleness(-1)": (lambda: c.BoundedStaleness(-1), ["S must be >= 0", "got -1"]),
             "Server, no workers (a world of 1)": (
-                lambda: c.Server(Net(), adamw(Net()), {}, c.BoundedStaleness(0), STEPS),
+                lambda: c.Server(Net(), adamw(Net()), {}, side, c.BoundedStaleness(0), STEPS),
                 ["at least 1 worker(s), got 0", "at least 2 ranks"]),
             f"Server, Lockstep({d.world - 1}) on {d.world - 1} workers": (
-                lambda: c.Server(Net(), adamw(Net()), groups, c.Lockstep(d.world - 1), STEPS),
+                lambda: c.Server(Net(), adamw(Net()), groups, side, c.Lockstep(d.world - 1), STEPS),
                 [f"at least {d.world} worker(s), got {d.world - 1}"])}
 
 
@@ -196,7 +197,7 @@ for what, (call, words) in bad_calls(core).items():
     ok, seen = refused(call, words)
     check(ok, f"bad input: {what}: refused before any collective ({seen})")
 for what, group in (("the whole world", None), ("a one-rank group", singletons[d.rank]))[d.world == 2:]:
-    ok, seen = refused(lambda: core.worker_loop(Net(), huber, group), ["two-rank group", "new_group"])
+    ok, seen = refused(lambda: core.worker_loop(Net(), huber, group, side), ["two-rank group", "new_group"])
     check(ok, f"bad input: worker_loop on {what}: refused before any collective ({seen})")
 ok, seen = refused(lambda: core.sync_step(Net(), adamw(Net()), [batch(0)], huber, group=singletons[d.rank]), [])
 check(not ok and seen.startswith("no error") and "'all_reduce/" in seen,
