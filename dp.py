@@ -205,6 +205,15 @@ class BoundedStaleness:
         return None
 
 
+def check_workers(policy, n_workers):
+    """Lockstep at staleness D keeps D + 1 workers busy at once (one pull each); any policy needs one."""
+    need = policy.D + 1 if isinstance(policy, Lockstep) else 1
+    if n_workers < need:
+        raise ValueError(f"Server: {policy} needs at least {need} worker(s), got {n_workers}: a world of at "
+                         f"least {need + 1} ranks (torchrun --nproc_per_node={need + 1}), a two-rank group "
+                         "per worker")
+
+
 class Server:
     """The parameter server: holds the weights and the optimizer, hands out pulls (weights, and the batch to
     compute on them) and applies the workers' gradients in the order `policy` allows. `groups`: a worker's
@@ -213,10 +222,7 @@ class Server:
     that the pulls in flight at a resume were sent."""
 
     def __init__(self, model, opt, groups, side, policy, updates, clip=0.0, version=0, old=None):
-        need = policy.D + 1 if isinstance(policy, Lockstep) else 1  # workers busy at once (one pull each)
-        if len(groups) < need:
-            raise ValueError(f"Server: {policy} needs at least {need} worker(s), got {len(groups)}: a world "
-                             f"of at least {need + 1} ranks, a two-rank group per worker")
+        check_workers(policy, len(groups))
         self.model, self.opt, self.groups, self.side, self.policy = model, opt, groups, side, policy
         self.workers, self.updates, self.version, self.handed = sorted(groups), updates, version, version
         self.clip, self.old = clip, old or {}
@@ -280,20 +286,21 @@ def check_args(args):
             fail(f"--batch-size {args.batch_size} must be divisible by world size x --accum = {world} x "
                  f"{args.accum}; try --batch-size {k * max(1, args.batch_size // k)}")
         return
-    if world < 2:
-        fail("--mode async needs a server and at least one worker: torchrun --nproc_per_node=2 (or more)")
     if args.accum != 1:
         fail("--mode async does not support --accum (each worker computes a whole batch)")
     if args.ckpt_dir and args.staleness < 0:
         fail("--mode async --ckpt-dir needs --staleness D (lockstep): free-running, the order in which "
              "gradients arrive is a race, so no resumed run can repeat the uninterrupted one")
-    if args.staleness > world - 2:
-        fail(f"--staleness {args.staleness} needs at least {args.staleness + 1} workers, so that no worker "
-             f"is sent new weights while it still computes: torchrun --nproc_per_node={args.staleness + 2}")
-    if args.max_staleness < 0:
-        fail(f"--max-staleness must be >= 0, got {args.max_staleness}")
     if args.staleness < -1:
         fail(f"--staleness must be -1 (free-running) or >= 0, got {args.staleness}")
+    try:  # the cores' own checks: the policy's bound, and the workers it keeps busy
+        check_workers(make_policy(args), world - 1)
+    except ValueError as e:
+        fail(f"--mode async --staleness {args.staleness} --max-staleness {args.max_staleness}: {e}")
+
+
+def make_policy(args):
+    return Lockstep(args.staleness) if args.staleness >= 0 else BoundedStaleness(args.max_staleness)
 
 
 def to_device(device, *tensors):
@@ -363,7 +370,7 @@ def main():
     # A host timer: the report's .tolist() below has waited for this update on the server's own stream,
     # while StepTimer's device-wide synchronize would also wait for the receives posted for other workers.
     run.timer = StepTimer(torch.device("cpu"))
-    policy = Lockstep(args.staleness) if args.staleness >= 0 else BoundedStaleness(args.max_staleness)
+    policy = make_policy(args)  # lockstep at staleness D, or free-running within --max-staleness
     old = resumed_versions(d, args, run)  # a resume: the weights the pulls then in flight were sent
     server = Server(model, opt, groups, side, policy, args.steps, args.clip, run.start, old)
     sent = watch_sends(server)  # measurement: the bytes handed to its sends, the sent copies alive

@@ -140,6 +140,29 @@ for group, what in ((None, "all ranks"), (singletons[d.rank], "negative: this ra
 # ---------------------------------------------------------------------------- 2. copy-out: a parameter server
 groups = {w: dist.new_group([0, w]) for w in range(1, d.world)}
 side = dist.new_group(backend="gloo")  # the reports' group
+real_recv, received = dist.recv, []
+
+
+def logged_recv(tensor, src=None, group=None, **k):
+    """The server's receives in order: ("report", from whom) on the side group, ("gradient", w) on w's."""
+    who = real_recv(tensor, src=src, group=group, **k)
+    received.append(("report" if src is None else "gradient", who if src is None else src))
+    return who
+
+
+def receive_order_errors(log):
+    """R3: a gradient's receive posted only after its worker's report arrived, one report per gradient."""
+    reported, errors = [], []
+    for kind, w in log:
+        if kind == "report":
+            reported.append(w)
+        elif w in reported:
+            reported.remove(w)
+        else:
+            errors.append(f"gradient of {w} received before its report")
+    return errors
+
+
 for name, policy, delay in (("BoundedStaleness(0)", core.BoundedStaleness(0), 0),
                             ("Lockstep(1)", core.Lockstep(1), 1)):
     model = Net()
@@ -148,11 +171,20 @@ for name, policy, delay in (("BoundedStaleness(0)", core.BoundedStaleness(0), 0)
         continue
     server = core.Server(model, adamw(model), groups, side, policy, STEPS, CLIP)
     server.hand_out()
-    reports = []
+    reports, received[:] = [], []
+    dist.recv = logged_recv
     for _ in range(STEPS):
         reports.append(server.apply(server.next_to_apply()).tolist())
         server.hand_out()
+    dist.recv = real_recv
     server.stop()
+    errors = receive_order_errors(received)
+    check(not errors and sum(k == "gradient" for k, _ in received) == STEPS,
+          f"copy-out Server, {name}: each of the {STEPS} gradient receives posted after its worker's report "
+          f"({errors}): one live receive at a time")
+    check(receive_order_errors([("gradient", 1), ("report", 1)]) != [],
+          "negative: a gradient received before its report (the old server's receives posted at the pull) "
+          "is caught")
     losses, used, ids = ([r[k] for r in reports] for k in range(3))
     ref_l, ref_p = plain_training(lambda t: int(ids[t]), lambda t: max(t - delay, 0))  # what the rule says
     diff, loss_diff = max_diff(model.parameters(), ref_p), max(abs(a - b) / b for a, b in zip(losses, ref_l))
