@@ -9,8 +9,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from helpers import (ROOT, TINY, assert_bad_input, assert_each_rank_fails, assert_matches_reference, check_lines,
-                     passed, run_python, run_ranks, torchrun, torchrun_bad_input)
+from helpers import (ROOT, TINY, assert_bad_input, assert_each_rank_fails, assert_matches_reference,
+                     check_lines, passed, run_python, run_ranks, torchrun, torchrun_bad_input)
 
 sys.path.insert(0, str(ROOT))
 from common import GPT, GPTConfig, MarkovData, build_gpt  # noqa: E402  (the model and data, not dp.py)
@@ -186,13 +186,15 @@ def test_async_free_running_holds_a_staleness_bound_below_workers(tmp_path):
 def test_bad_input_exits_2_with_one_line():
     for args, words in [(["--accum", "0"], ["--accum"]), (["--mode", "nope"], ["--mode", "nope"]),
                         (["--mode", "async"], ["async", "nproc_per_node"])]:
-        p = run_python("dp.py", *args, timeout=30)
+        p = run_python("dp.py", *args, timeout=120)  # a bound against a hang; 30 s timed out at load 25
         assert_bad_input(p, 1, words)
-    p = torchrun_bad_input("dp.py", 2, "--batch-size", "7")
+    p = torchrun_bad_input("dp.py", 2, "--batch-size", "7", timeout=120)
     assert_bad_input(p, 2, ["--batch-size 7", "divisible"])
-    p = torchrun_bad_input("dp.py", 2, "--mode", "async", "--ckpt-dir", "unused")  # free-running cannot resume exactly
+    # free-running cannot resume exactly
+    p = torchrun_bad_input("dp.py", 2, "--mode", "async", "--ckpt-dir", "unused", timeout=120)
     assert_bad_input(p, 2, ["--ckpt-dir", "--staleness", "race"])
     # the cores' own messages (check_args calls check_workers and the policy's constructor), on every rank
-    for args, words in [(["--staleness", "2"], ["Lockstep(D=2) needs at least 3 worker(s)", "nproc_per_node=4"]),
+    for args, words in [(["--staleness", "2"], ["Lockstep(D=2) needs at least 3 worker(s)",
+                                                "nproc_per_node=4"]),
                         (["--max-staleness", "-1"], ["BoundedStaleness: S must be >= 0", "got -1"])]:
-        assert_each_rank_fails(run_ranks("dp.py", 3, "--mode", "async", *args), words)
+        assert_each_rank_fails(run_ranks("dp.py", 3, "--mode", "async", *args, timeout=120), words)
