@@ -11,9 +11,10 @@ model for H inner steps with its own AdamW, and only then do they talk.
    change, sign flipped, so that it points uphill like a gradient) is the only thing exchanged, with one
    all-reduce; an *outer* optimizer steps theta with it, and every worker restarts from the new theta:
        theta <- OuterOpt(theta, Delta)        Nesterov momentum, lr 0.7, momentum 0.9 (the paper's)
-   Each worker keeps its inner AdamW state across rounds. --outer sgd --outer-lr 1 is theta <- mean(theta_m):
-   local SGD / federated averaging (McMahan et al. 2017). With plain SGD inside, H = 1 and that outer step,
-   it is synchronous data parallel SGD exactly (a test): the averaged weights are the averaged gradient step.
+   Each worker keeps its inner AdamW state across rounds; all start from rank 0's weights (a broadcast).
+   --outer sgd --outer-lr 1 is theta <- mean(theta_m): local SGD / federated averaging (McMahan et al. 2017).
+   With plain SGD inside, H = 1 and that outer step, it is synchronous data parallel SGD exactly (a test): the
+   averaged weights are the averaged gradient step.
 
        worker 0   theta --[H AdamW steps on its slice]--> theta_0   --+
        worker 1   theta --[H AdamW steps on its slice]--> theta_1   --+-- all-reduce theta - theta_m: the
@@ -29,7 +30,15 @@ model for H inner steps with its own AdamW, and only then do they talk.
    b. --overlap TAU: a fragment's exchange is launched asynchronously and its outer update lands TAU inner
       steps later; meanwhile the workers keep training. On landing the worker's fragment becomes
       mix * (its own, TAU steps further) + (1 - mix) * (the new global one) (--mix; torchft's
-      fragment_update_alpha; 0 drops the TAU local steps of that fragment).
+      fragment_update_alpha; 0 drops the TAU local steps of that fragment). The exchange runs on a group of
+      its own: on NCCL its own communicator and stream, so the loss's all-reduce (on WORLD) does not queue
+      behind it, and the step is timed on the host after the loss's .item() (its compute stream), not with a
+      device-wide synchronize that would wait for the exchange. The run prints the time the host blocked on
+      each exchange (exposed) beside the exchange's own (launch to completion).
+      Where the schedule differs from torchft's Streaming DiLoCo:
+      - launched at the sync point, landed TAU steps later; torchft launches TAU steps early and lands on it;
+      - TAU may be up to H - 1 (exchanges of several fragments then overlap); torchft requires TAU < H/F;
+      - the average is over the fixed world; torchft's is over the live quorum of replicas.
    c. --outer-dtype bfloat16 (float16, float8_e4m3fn; float32 under float64): pseudo-gradients travel in
       low precision. An all-reduce in bfloat16 would round every partial sum in an order only the backend
       knows; here each worker's rounded pseudo-gradient is all-gathered and summed in rank order in the
@@ -81,7 +90,7 @@ Run:
         --ckpt-dir D --save-every 3 --fail-at-step 5               # a worker dies; the rerun ends as if not
 In production: torchft's DiLoCo / LocalSGD, or OpenDiLoCo (Prime Intellect).
 """
-import contextlib, json
+import contextlib, json, statistics, threading, time
 from dataclasses import dataclass
 from typing import Literal
 
@@ -90,7 +99,7 @@ import torch.distributed as dist
 
 from common import (DTYPES, GPTConfig, MarkovData, build_gpt, count_tokens, fail, init_dist, lm_loss,
                     make_optimizer)
-from harness import (CommCounter, CommonArgs, Run, check_against_reference, check_common_args,
+from harness import (CommCounter, CommonArgs, Run, StepTimer, check_against_reference, check_common_args,
                      env_world_size, parse_args, peak_memory_bytes, state_bytes)
 
 
@@ -109,6 +118,15 @@ class Args(CommonArgs):
 
 
 # ----------------------------------------------------------------------------- 1: DiLoCo (and local SGD)
+def check_outer(inner_steps, outer_lr, outer_momentum, nesterov):
+    """What DiLoCo relies on (check_args calls it too): a ValueError naming what would work."""
+    if inner_steps < 1:
+        raise ValueError(f"DiLoCo: inner_steps must be >= 1, got {inner_steps}")
+    if not outer_lr > 0 or nesterov and not 0 < outer_momentum < 1:  # written so that nan fails too
+        raise ValueError(f"DiLoCo: the outer step needs outer_lr > 0 and, with nesterov, 0 < outer_momentum "
+                         f"< 1 (the paper: 0.7, 0.9; none: plain SGD), not {outer_lr} and {outer_momentum}")
+
+
 class DiLoCo:
     """The outer loop of DiLoCo around any model and inner optimizer: call after_inner_step(t) after each
     inner step t (0-based) on every worker (every rank of `group`); every H-th one syncs. This holds the
@@ -116,13 +134,12 @@ class DiLoCo:
     Outer SGD with lr 1 and no momentum (nesterov=False, outer_momentum=0) is local SGD."""
 
     def __init__(self, params, inner_steps, outer_lr=0.7, outer_momentum=0.9, nesterov=True, group=None):
-        if inner_steps < 1:
-            raise ValueError(f"DiLoCo: inner_steps must be >= 1, got {inner_steps}")
-        if not outer_lr > 0 or nesterov and not 0 < outer_momentum < 1:  # written so that nan fails too
-            raise ValueError(f"DiLoCo: the outer step needs outer_lr > 0 and, with nesterov, 0 < "
-                             f"outer_momentum < 1 (the paper: 0.7, 0.9), not {outer_lr} and {outer_momentum}")
+        check_outer(inner_steps, outer_lr, outer_momentum, nesterov)
         self.H, self.group, self.M = inner_steps, group, dist.get_world_size(group)
         self.local = [list(params)]  # one fragment: the whole model (Streaming DiLoCo has several)
+        with torch.no_grad():  # every worker starts from the group's rank 0's theta, as DDP and torchft do:
+            for p in self.local[0]:  # workers built from other seeds would otherwise train apart, silently
+                dist.broadcast(p, group_src=0, group=group)
         self.glob = [[p.detach().clone() for p in frag] for frag in self.local]  # theta
         self.outer = torch.optim.SGD([g for frag in self.glob for g in frag], lr=outer_lr, foreach=False,
                                      momentum=outer_momentum if nesterov else 0.0, nesterov=nesterov)
@@ -181,6 +198,19 @@ class Exchange:
     work: object = None  # the asynchronous collective; None once waited
 
 
+def check_schedule(inner_steps, n_fragments, overlap, mix):
+    """What Streaming DiLoCo's schedule relies on (check_args calls it too)."""
+    H, F = inner_steps, n_fragments
+    if H % F:
+        raise ValueError(f"StreamingDiLoCo: need inner_steps % fragments == 0 (got {H} % {F}): fragments "
+                         "sync H/F steps apart")
+    if not 0 <= overlap < H:
+        raise ValueError(f"StreamingDiLoCo: need 0 <= overlap < inner_steps = {H} (got {overlap}): an update "
+                         "lands before its fragment's next sync")
+    if not 0 <= mix < 1:
+        raise ValueError(f"StreamingDiLoCo: need 0 <= mix < 1 (got {mix})")
+
+
 class StreamingDiLoCo(DiLoCo):
     """DiLoCo with the model in `fragments` (lists of the worker's parameters, disjoint, covering it),
     fragment f synced after the inner steps t with t + 1 = (f + 1) H / F (mod H); each exchange launched
@@ -200,9 +230,7 @@ class StreamingDiLoCo(DiLoCo):
         if wire_dtype is not None and not wire_dtype.is_floating_point:
             raise ValueError(f"StreamingDiLoCo: wire_dtype must be a float dtype (torch.bfloat16, ...), "
                              f"not {wire_dtype}")
-        if H % F or not 0 <= overlap < H or not 0 <= mix < 1:
-            raise ValueError(f"StreamingDiLoCo: need inner_steps % fragments == 0 (got {H} % {F}), 0 <= "
-                             f"overlap < inner_steps (got {overlap}) and 0 <= mix < 1 (got {mix})")
+        check_schedule(H, F, overlap, mix)
         super().__init__(every, H, outer_lr, outer_momentum, nesterov, group)
         theta = iter(self.glob[0])  # the same copies, the outer optimizer's, dealt into the fragments
         self.local, self.glob = fragments, [[next(theta) for _ in frag] for frag in fragments]
@@ -244,8 +272,9 @@ class StreamingDiLoCo(DiLoCo):
         """One worker's wire row -> (n,) in the parameters' dtype."""
         if self.wire.itemsize > 1:
             return row.to(dtype)
-        k = torch.finfo(dtype).bits // 8  # the scale's bytes, at the end
-        return row[:-k].view(self.wire).to(dtype) * row[-k:].view(dtype)
+        k = torch.finfo(dtype).bits // 8  # the scale's bytes, at the end: copied out before the view, since
+        scale = row[-k:].clone().view(dtype)  # a row of n + k bytes puts them at an offset k need not divide
+        return row[:-k].view(self.wire).to(dtype) * scale
 
     @torch.no_grad()
     def land(self, ex):
@@ -290,13 +319,17 @@ class StreamingDiLoCo(DiLoCo):
         self.pending = [Exchange(f, lands, out.to(dev)) for f, lands, out in state["pending"]]
 
 
+def check_fragment_count(n, n_blocks):
+    if not 1 <= n <= n_blocks:
+        raise ValueError(f"gpt_fragments: {n} fragments of {n_blocks} blocks: a fragment holds whole blocks, "
+                         f"so 1 <= n <= {n_blocks}")
+
+
 def gpt_fragments(model, n):
     """Streaming DiLoCo's fragments of the repo's GPT: block i in fragment i mod n (strided, which the paper
     found a little better than contiguous); the embeddings join fragment 0, ln_f and the head the fragment
     of the last block."""
-    if not 1 <= n <= len(model.blocks):
-        raise ValueError(f"gpt_fragments: {n} fragments of {len(model.blocks)} blocks: a fragment holds "
-                         f"whole blocks, so 1 <= n <= {len(model.blocks)}")
+    check_fragment_count(n, len(model.blocks))
     frags = [list(b.parameters()) for b in model.blocks[:n]]
     for i, b in enumerate(model.blocks[n:], n):
         frags[i % n] += list(b.parameters())
@@ -308,26 +341,16 @@ def gpt_fragments(model, n):
 # ----------------------------------------------------------------------------- argument checks, main
 def check_args(args):
     check_common_args(args)
-    world, H, F = env_world_size(), args.inner_steps, args.fragments
+    world = env_world_size()
     if args.batch_size % world:
         fail(f"--batch-size {args.batch_size} is not divisible by the {world} workers; try --batch-size "
              f"{world * max(1, args.batch_size // world)}")
-    if H < 1:
-        fail(f"--inner-steps must be >= 1, got {H}")
-    if not 1 <= F <= args.n_layers:
-        fail(f"--fragments {F} must be between 1 and --n-layers {args.n_layers} (a fragment holds blocks)")
-    if H % F:
-        fail(f"--inner-steps {H} is not divisible by --fragments {F} (fragments sync H/F steps apart)")
-    if not 0 <= args.overlap < H:
-        fail(f"--overlap {args.overlap} must be in [0, --inner-steps {H}): an update lands before the "
-             "fragment's next sync")
-    if not 0 <= args.mix < 1:
-        fail(f"--mix must be in [0, 1), got {args.mix}")
-    if not args.outer_lr > 0 or not 0 <= args.outer_momentum < 1:
-        fail(f"--outer-lr must be > 0 and --outer-momentum in [0, 1), got {args.outer_lr} and "
-             f"{args.outer_momentum}")
-    if args.outer == "nesterov" and args.outer_momentum == 0:
-        fail("--outer nesterov needs --outer-momentum > 0 (the paper's 0.9); without momentum: --outer sgd")
+    try:  # the cores' own checks, before any process group exists (--inner-steps, --fragments, ...)
+        check_outer(args.inner_steps, args.outer_lr, args.outer_momentum, args.outer == "nesterov")
+        check_fragment_count(args.fragments, args.n_layers)
+        check_schedule(args.inner_steps, args.fragments, args.overlap, args.mix)
+    except ValueError as e:
+        fail(str(e))
     if args.check and args.dropout > 0:
         fail(f"--check needs --dropout 0 (got {args.dropout}): the reference cannot replay every worker's "
              "dropout stream")
@@ -362,13 +385,20 @@ def wire_dtype(args):
 def train_diloco(d, args, data, model):
     inner = make_inner(model, args)
     outer = (args.outer_lr, args.outer_momentum, args.outer == "nesterov")
+    # The exchange on a group of its own: on NCCL its own communicator, hence its own stream, so that the
+    # loss's all-reduce on WORLD below is not queued behind an exchange in flight (work on one communicator
+    # runs in issue order) and the exchange overlaps the next inner steps for real.
+    exchange = dist.new_group(list(range(d.world)))
     if args.fragments == 1 and args.overlap == 0 and args.mix == 0 and wire_dtype(args) is None:
-        diloco = DiLoCo(model.parameters(), args.inner_steps, *outer)
+        diloco = DiLoCo(model.parameters(), args.inner_steps, *outer, group=exchange)
     else:
         diloco = StreamingDiLoCo(gpt_fragments(model, args.fragments), args.inner_steps, *outer, args.overlap,
-                                 args.mix, wire_dtype(args))
+                                 args.mix, wire_dtype(args), group=exchange)
     run = Run(d, args, {"model": model, "inner": inner, "diloco": diloco})
-    comm, rows = CommCounter(log=True), args.batch_size // d.world
+    # A host timer: loss.item() below has waited for the step's compute stream; StepTimer's device-wide
+    # synchronize would also wait for the exchange on its own stream, exposing it.
+    run.timer, watch = StepTimer(torch.device("cpu")), ExchangeWatch(diloco)  # watch: measurement, below
+    comm, rows = CommCounter({"exchange": exchange}, log=True), args.batch_size // d.world
     counted = range(max(run.start, args.steps - args.inner_steps), args.steps)  # measurement: one period
     for step in run.steps():
         x, y = data.batch(step, args.batch_size, args.seq_len, args.ragged)  # (B, T) global batch, CPU
@@ -376,11 +406,13 @@ def train_diloco(d, args, data, model):
         with comm if step in counted else contextlib.nullcontext():
             loss = inner_step(model, inner, x, y, args.clip)
             diloco.after_inner_step(step)
-        dist.all_reduce(loss)  # the workers' mean loss, for the log line only (a real run logs locally)
+        # the workers' mean loss, for the log line only, on WORLD: not behind the exchange's stream
+        dist.all_reduce(loss, group=dist.group.WORLD)
         run.end_step(step, loss.item() / d.world)
     diloco.finish()
     peak = peak_memory_bytes(d, state_bytes(model, inner) + state_bytes_of(diloco))  # before anything else
     figures = figures_of(d, args, model, diloco, comm, len(counted), data)
+    figures.update(watch.figures(d, run.start, run.timer.ms))
     check = None
     if args.check:  # theta and every worker's own weights, against the one-process simulation of M workers
         mine = final_params(d, model, diloco)
@@ -405,6 +437,75 @@ def main():
 
 
 # --- measurement ---
+class ExchangeWatch:
+    """Streaming DiLoCo's exchanges, watched from outside through this instance's send and wait (wrapped
+    here): when each was launched (after which inner step), when its work completed (a thread polls
+    is_completed(), which waits for nothing), and how long the host blocked in wait() for it: the exposed
+    communication. DiLoCo's all-reduce is blocking: all of it is exposed, and nothing is recorded here."""
+
+    def __init__(self, diloco):
+        self.done = {}  # id(Exchange) -> perf_counter when its work was seen complete
+        self.rows = []  # [launched after step, landed in step, launch time, blocked s, Exchange]
+        self.poll, self.step = [], None
+        if isinstance(diloco, StreamingDiLoCo):
+            send, wait, after = diloco.send, diloco.wait, diloco.after_inner_step
+            diloco.send = lambda f, lands: self._sent(send(f, lands))
+            diloco.wait = lambda ex: self._waited(wait, ex)
+            diloco.after_inner_step = lambda t: self._step(after, t)
+
+    def _step(self, after, t):
+        self.step = t
+        after(t)
+
+    def _sent(self, ex):
+        self.rows.append([self.step, None, time.perf_counter(), 0.0, ex])
+        if ex.work is not None:
+            self.poll.append((ex, ex.work))
+            if len(self.poll) == 1:
+                threading.Thread(target=self._poller, daemon=True).start()
+        return ex
+
+    def _poller(self):
+        while self.poll:
+            for ex, work in list(self.poll):
+                if work.is_completed():
+                    self.done[id(ex)] = time.perf_counter()
+                    self.poll.remove((ex, work))
+            time.sleep(5e-4)
+
+    def _waited(self, wait, ex):
+        t0 = time.perf_counter()
+        wait(ex)
+        t1 = time.perf_counter()
+        for row in self.rows:
+            if row[4] is ex and row[1] is None:
+                row[1], row[3] = self.step, t1 - t0
+                self.done.setdefault(id(ex), t1)
+
+    def figures(self, d, start, step_ms):
+        """Per exchange: its own time (launch to completion) and the host's time blocked on it; per step:
+        blocked time over the run; and the median step time while an exchange is in flight (strictly
+        between its launch and its landing step) beside the other steps'."""
+        rows = [r for r in self.rows if r[1] is not None and id(r[4]) in self.done]
+        if not rows:
+            return {}
+        own = [1e3 * (self.done[id(r[4])] - r[2]) for r in rows]
+        blocked = [1e3 * r[3] for r in rows]
+        flying = {t for r in rows for t in range(r[0] + 1, r[1])}
+        ms = {start + i: m for i, m in enumerate(step_ms)}
+        med = lambda xs: statistics.median(xs) if xs else float("nan")
+        in_flight = med([m for t, m in ms.items() if t in flying])
+        other = med([m for t, m in ms.items() if t not in flying])
+        per_step = sum(blocked) / max(len(step_ms), 1)
+        d.log(f"summary: exchange time {sum(own) / len(own):.1f} ms (measured, launch to completion, mean of "
+              f"{len(own)}); exposed {sum(blocked) / len(blocked):.1f} ms per exchange, {per_step:.2f} ms "
+              f"per inner step (measured: the host blocked in wait()); median step {in_flight:.1f} ms with "
+              f"an exchange in flight, {other:.1f} ms otherwise")
+        return dict(exchange_ms=own, exchange_exposed_ms=blocked, exposed_ms_per_step=per_step,
+                    exchange_steps=[[r[0], r[1]] for r in rows], step_ms_in_flight=in_flight,
+                    step_ms_other=other)
+
+
 def state_bytes_of(diloco):
     """The global copy and the outer momentum: DiLoCo's memory on top of plain training (2 models more)."""
     held = diloco.global_params() + [v for s in diloco.outer.state.values() for v in s.values()
@@ -456,7 +557,7 @@ def final_params(d, model, diloco):
     out = {f"global.{n}": g for n, g in theta_by_name(model, diloco).items()}
     flat = torch.cat([p.detach().flatten() for p in model.parameters()])  # (P,)
     every = flat.new_empty(d.world * flat.numel())
-    dist.all_gather_single(every, flat)
+    dist.all_gather_single(every, flat, group=dist.group.WORLD)
     out.update({f"worker{m}": w for m, w in enumerate(every.view(d.world, -1))})
     return out
 

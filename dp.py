@@ -36,6 +36,10 @@ Every rank holds the whole model and a slice of the data. They differ in *when* 
    W_{max(t-D, 0)} exactly; --check then equals the one-process delayed-update reference in this file, and
    --ckpt-dir resumes it exactly (the server saves the last D weight versions too; workers hold no state).
    Free-running, the arrival order is a race, so --ckpt-dir is refused there.
+   On NCCL a receive posted for a worker still computing would spin on the GPU, one per pull in flight on as
+   many communicators, with no progress guarantee: each worker first reports on a gloo side group (host
+   memory), received from any source, and the server posts that worker's gradient receive only then, so at
+   most one short receive is live at a time (and the server needs no thread or polling).
 
        server  W0 W0 ... apply g(W0) -> W1 -> send W1 | apply g(W0) -> W2 -> send W2 | apply g(W1) ...
        worker1   pull W0 ...compute... push ----------^                 pull W1 ...
@@ -52,9 +56,8 @@ Run:
 In production, use torch.nn.parallel.DistributedDataParallel (or ddp_bucketed.py to see how it works).
 """
 import os
-import queue
-import threading
 import time
+from datetime import timedelta
 from dataclasses import dataclass
 from typing import Literal
 
@@ -112,12 +115,16 @@ def sync_step(model, opt, micro_batches, loss_fn, clip=0.0, group=None):
 
 
 # ----------------------------------------------------------------------------- 3: a parameter server
-# Messages, all tensors on the device. Server -> worker: a header (version of the weights, batch id; batch id
-# -1 = stop) and the flat weights. Worker -> server: the flat gradient, then (loss, version it computed on,
-# batch id) in float64. Every server <-> worker pair talks on its own two-rank group (`groups[w]`): under
-# NCCL with eager init, point-to-point ops on one group are issued in order on one communicator, so the
-# server's posted receive from a slow worker would block its sends to every other worker (round robin,
-# not asynchrony). One communicator per worker lets each pair's traffic proceed independently.
+# Messages. Server -> worker, on the device: a header (version of the weights, batch id; batch id -1 = stop)
+# and the flat weights. Worker -> server: a report (loss, version it computed on, batch id) in float64, then
+# the flat gradient on the device. Every server <-> worker pair talks on its own two-rank group (`groups[w]`):
+# under NCCL, point-to-point ops on one group run in order on one communicator, so one slow worker would hold
+# up the server's traffic with every other (round robin, not asynchrony). The report travels first, on a
+# gloo group of every rank (`side`, host memory: no GPU kernel), received from any source: NCCL has no
+# receive from any source, and a receive posted on the GPU for every worker still computing would leave up
+# to S + 1 kernels spinning on as many communicators at once, for which NCCL guarantees no progress (and
+# which take SMs from the server's step). So the server posts a gradient's receive only once its report is
+# in, the gradient then already sent: one short receive at a time, and no thread or polling.
 def flat_params(model):
     return torch.cat([p.detach().flatten() for p in model.parameters()])  # (P,) a copy
 
@@ -127,9 +134,10 @@ def load_flat_(model, flat):
         p.data.copy_(piece.view_as(p))
 
 
-def worker_loop(model, loss_of_batch, group, server=0):
+def worker_loop(model, loss_of_batch, group, side, server=0):
     """A worker: pull weights and a batch id from the server (global rank `server`), push the gradient of
-    loss_of_batch(model, batch id) on those weights, until told to stop. It holds no state."""
+    loss_of_batch(model, batch id) on those weights, until told to stop. It holds no state. `group`: its
+    two-rank group with the server; `side`: the gloo group of every rank that the reports travel on."""
     if dist.get_world_size(group) != 2:
         raise ValueError(f"worker_loop: `group` must be this worker's two-rank group with the server, not "
                          f"{dist.get_world_size(group)} rank(s): new_group([server, worker]) on every rank")
@@ -145,9 +153,9 @@ def worker_loop(model, loss_of_batch, group, server=0):
         model.zero_grad(set_to_none=True)
         loss = loss_of_batch(model, batch_id)
         loss.backward()
-        dist.send(torch.cat([p.grad.flatten() for p in model.parameters()]), dst=server, group=group)  # (P,)
         meta = torch.cat([loss.detach().double().reshape(1), header.double()])  # (loss, version, batch id)
-        dist.send(meta, dst=server, group=group)  # what this gradient is: said where it was computed
+        dist.send(meta.cpu(), dst=server, group=side)  # what this gradient is, said first, on the host
+        dist.send(torch.cat([p.grad.flatten() for p in model.parameters()]), dst=server, group=group)  # (P,)
 
 
 def within_bound(version, pulled, bound):
@@ -197,76 +205,68 @@ class BoundedStaleness:
         return None
 
 
+def check_workers(policy, n_workers):
+    """Lockstep at staleness D keeps D + 1 workers busy at once (one pull each); any policy needs one."""
+    need = policy.D + 1 if isinstance(policy, Lockstep) else 1
+    if n_workers < need:
+        raise ValueError(f"Server: {policy} needs at least {need} worker(s), got {n_workers}: a world of at "
+                         f"least {need + 1} ranks (torchrun --nproc_per_node={need + 1}), a two-rank group "
+                         "per worker")
+
+
 class Server:
     """The parameter server: holds the weights and the optimizer, hands out pulls (weights, and the batch to
     compute on them) and applies the workers' gradients in the order `policy` allows. `groups`: a worker's
-    global rank -> its two-rank group with this rank. `version`: updates applied so far (a resumed run);
-    `old`: {version: flat weights} of earlier versions that the pulls in flight at a resume were sent."""
+    global rank -> its two-rank group with this rank; `side`: the gloo group of every rank (the reports).
+    `version`: updates applied so far (a resumed run); `old`: {version: flat weights} of earlier versions
+    that the pulls in flight at a resume were sent."""
 
-    def __init__(self, model, opt, groups, policy, updates, clip=0.0, version=0, old=None, timeout=120):
-        need = policy.D + 1 if isinstance(policy, Lockstep) else 1  # workers busy at once (one pull each)
-        if len(groups) < need:
-            raise ValueError(f"Server: {policy} needs at least {need} worker(s), got {len(groups)}: a world "
-                             f"of at least {need + 1} ranks, a two-rank group per worker")
-        self.model, self.opt, self.groups, self.policy, self.clip = model, opt, groups, policy, clip
+    def __init__(self, model, opt, groups, side, policy, updates, clip=0.0, version=0, old=None):
+        check_workers(policy, len(groups))
+        self.model, self.opt, self.groups, self.side, self.policy = model, opt, groups, side, policy
         self.workers, self.updates, self.version, self.handed = sorted(groups), updates, version, version
-        self.old, self.timeout = old or {}, timeout
-        self.pending = {}  # worker -> (weights version, batch id, gradient buffer, meta buffer, recv works)
+        self.clip, self.old = clip, old or {}
+        self.pending = {}  # worker -> (weights version, batch id) of its pull in flight
         self.sends = {}  # worker -> the works of its pull in flight: nothing older is kept alive
-        self.idle, self.arrived, self.arrivals = list(self.workers), set(), queue.Queue()
+        self.idle, self.arrived = list(self.workers), {}  # arrived: worker -> its report, gradient not read
         self.flat = flat_params(model)  # (P,) the layout of a flat gradient
-        self.gloo = dist.get_backend(groups[self.workers[0]]) == "gloo"
 
     def hand_out(self):
-        """Send every pull the policy allows now, and post the receives of their gradients."""
+        """Send every pull the policy allows now."""
         while self.handed < self.updates and (pull := self.policy.next_pull(self)) is not None:
             w, v = pull
             header = torch.tensor([v, self.handed], device=self.flat.device)
             self._send(w, header, flat_params(self.model) if v == self.version else self.old[v])
-            grad, meta = torch.empty_like(self.flat), self.flat.new_empty(3, dtype=torch.float64)
-            works = [dist.irecv(t, src=w, group=self.groups[w]) for t in (grad, meta)]
-            self.pending[w] = (v, self.handed, grad, meta, works)
+            self.pending[w] = (v, self.handed)
             self.idle.remove(w)
-            threading.Thread(target=self._report_arrival, args=(w, works), daemon=True).start()
             self.handed += 1
 
     def _send(self, w, *tensors):
         self.sends[w] = [dist.isend(t, dst=w, group=self.groups[w]) for t in tensors]
 
-    def _report_arrival(self, w, works):
-        """A thread per pending gradient puts w on `arrivals` once it is here: NCCL has no receive from any
-        source, and gloo completes a receive only inside wait(). On NCCL the thread only polls: a wait()
-        here would make the stream it shares with the server wait for this receive, and so every later
-        kernel and send of the server wait for every worker in flight (one worker computing at a time)."""
-        for work in works:
-            if self.gloo:
-                work.wait()
-            while not work.is_completed():
-                time.sleep(1e-4)
-        self.arrivals.put(w)
-
     def next_to_apply(self):
-        """The worker whose gradient the policy applies next; blocks until it has arrived."""
+        """The worker whose gradient the policy applies next; blocks until its report has arrived (the
+        side group's timeout bounds the wait)."""
         while (w := self.policy.pick(self)) is None:
-            self.arrived.add(self.arrivals.get(timeout=self.timeout))
+            report = torch.empty(3, dtype=torch.float64)  # (loss, version, batch id), on the host
+            self.arrived[dist.recv(report, group=self.side)] = report  # from any source: returns who
         return w
 
     def apply(self, w):
         """W_{version+1} = AdamW(W_version, clip(g_w)). Returns w's report (loss, the version it computed on,
-        batch id), float64 on the device."""
-        _, _, grad, meta, works = self.pending.pop(w)
-        for work in works if not self.gloo else []:  # (gloo: waited in the thread; a second wait() hangs)
-            work.wait()  # NCCL: the server's stream waits for this receive, and only for it
+        batch id), float64 on the host."""
+        self.pending.pop(w)
+        grad = torch.empty_like(self.flat)  # (P,) posted now: w sent it after its report
+        dist.recv(grad, src=w, group=self.groups[w])  # NCCL: the server's stream waits for it, host does not
         for work in self.sends.pop(w):  # w answered its pull, so the send is complete: let the copy go
             work.wait()
-        self.arrived.discard(w)
         self.idle.append(w)
         params = list(self.model.parameters())
         for p, g in zip(params, grad.split([p.numel() for p in params])):
             p.grad = g.view_as(p)  # views into the received buffer: no copy
         clip_and_step(params, self.opt, self.clip)
         self.version += 1
-        return meta
+        return self.arrived.pop(w)
 
     def stop(self):
         """Every gradient handed out has been applied: tell every worker to stop."""
@@ -286,20 +286,21 @@ def check_args(args):
             fail(f"--batch-size {args.batch_size} must be divisible by world size x --accum = {world} x "
                  f"{args.accum}; try --batch-size {k * max(1, args.batch_size // k)}")
         return
-    if world < 2:
-        fail("--mode async needs a server and at least one worker: torchrun --nproc_per_node=2 (or more)")
     if args.accum != 1:
         fail("--mode async does not support --accum (each worker computes a whole batch)")
     if args.ckpt_dir and args.staleness < 0:
         fail("--mode async --ckpt-dir needs --staleness D (lockstep): free-running, the order in which "
              "gradients arrive is a race, so no resumed run can repeat the uninterrupted one")
-    if args.staleness > world - 2:
-        fail(f"--staleness {args.staleness} needs at least {args.staleness + 1} workers, so that no worker "
-             f"is sent new weights while it still computes: torchrun --nproc_per_node={args.staleness + 2}")
-    if args.max_staleness < 0:
-        fail(f"--max-staleness must be >= 0, got {args.max_staleness}")
     if args.staleness < -1:
         fail(f"--staleness must be -1 (free-running) or >= 0, got {args.staleness}")
+    try:  # the cores' own checks: the policy's bound, and the workers it keeps busy
+        check_workers(make_policy(args), world - 1)
+    except ValueError as e:
+        fail(f"--mode async --staleness {args.staleness} --max-staleness {args.max_staleness}: {e}")
+
+
+def make_policy(args):
+    return Lockstep(args.staleness) if args.staleness >= 0 else BoundedStaleness(args.max_staleness)
 
 
 def to_device(device, *tensors):
@@ -308,6 +309,11 @@ def to_device(device, *tensors):
     if device.type != "cuda":
         return tensors
     return tuple(t.pin_memory().to(device, non_blocking=True) for t in tensors)
+
+
+def batch_seed(args, batch_id):
+    """Dropout on a worker depends only on (seed, batch): workers hold no state a restart could lose."""
+    return 7_919 * args.seed + batch_id
 
 
 def global_batch_loss(model, batch_id, data, args, device):
@@ -331,163 +337,138 @@ def main():
     model = build_gpt(GPTConfig.from_args(args), args.seed, DTYPES[args.dtype], d.device)
     if args.mode == "sync":  # 1 + 2: everyone starts from rank 0's weights (they agree already: one seed)
         for p in model.parameters():
-            dist.broadcast(p.data, src=0)
+            dist.broadcast(p.data, src=0, group=dist.group.WORLD)
         opt = make_optimizer(model.parameters(), args)
-        run, rows = SyncRun(d, args, model, opt), args.batch_size // d.world  # resume, log, counters: below
+        run, rows = Run(d, args, {"model": model, "optim": opt}), args.batch_size // d.world  # resume, log
+        refuse_checkpoint(args, run.start and "used" in run.history, "async", "sync")
+        comm, at = CommCounter(), min(max(run.start, 1), args.steps - 1)  # measured: a step bench.py skips
         for step in run.steps():
             x, y = data.batch(step, args.batch_size, args.seq_len, args.ragged)  # (B, T) global batch, CPU
             n_tok = count_tokens(y)  # tokens of the whole global batch: every micro-batch loss divides by it
             x, y = to_device(d.device, *(t[d.rank * rows:(d.rank + 1) * rows] for t in (x, y)))  # (B/N, T)
             micro = zip(x.chunk(args.accum), y.chunk(args.accum))  # K micro-batches of (B/(N*K), T)
-            loss_fn = run.watched(step, lambda m, xm, ym: lm_loss(m(xm), ym, n_tok))
-            with run.watching(step):
-                loss, _ = sync_step(model, opt, micro, loss_fn, args.clip)
-            run.end_step(step, loss)
-        return run.finish(model, opt)
+            with run.watching(step, comm, at=at):
+                loss, _ = sync_step(model, opt, micro, lambda m, xm, ym: lm_loss(m(xm), ym, n_tok), args.clip)
+            dist.all_reduce(loss, group=dist.group.WORLD)  # the global batch's loss, for the log line only
+            run.end_step(step, loss.item())
+        return sync_summary(d, args, run, model, opt, comm, data, at)
     # 3: a parameter server on rank 0, a worker on every other rank, each pair on its own group (see above)
     groups = {w: dist.new_group([0, w]) for w in range(1, d.world)}  # every rank makes them, in one order
+    side = dist.new_group(backend="gloo", timeout=timedelta(seconds=args.timeout))  # the reports (see above)
     if d.rank > 0:  # a worker holds no state: it only agrees with the server on the step it resumes from
-        worker = WorkerRun(d, args)
-        worker_loop(model, worker.watched(lambda m, b: global_batch_loss(m, b, data, args, d.device)),
-                    groups[d.rank])
-        return worker.finish(model)
+        agree_on_resume(d, args)
+
+        def loss_of_batch(m, batch_id):
+            if batch_id >= args.fail_at_step >= 0:  # --fail-at-step: the last worker dies at this batch
+                maybe_fail(d, args, args.fail_at_step)
+            time.sleep(d.rank * args.delay_ms / 1e3)  # --delay-ms: a straggler, if asked for
+            return global_batch_loss(m, batch_id, data, args, d.device)
+        worker_loop(model, loss_of_batch, groups[d.rank], side)
+        return worker_summary(d, args, model)
     opt = make_optimizer(model.parameters(), args)
-    run = ServerRun(d, args, model, opt)  # resume (the version, the weights of pulls in flight), log: below
-    policy = Lockstep(args.staleness) if args.staleness >= 0 else BoundedStaleness(args.max_staleness)
-    server = Server(model, opt, groups, policy, args.steps, args.clip, run.start, run.old, args.timeout)
-    run.watch(server)  # measurement: the bytes handed to its sends, the sent copies alive
+    run = Run(d, args, {"model": model, "optim": opt})  # resumes: the version, the history
+    # A host timer: the report's .tolist() below has waited for this update on the server's own stream,
+    # while StepTimer's device-wide synchronize would also wait for the receives posted for other workers.
+    run.timer = StepTimer(torch.device("cpu"))
+    policy = make_policy(args)  # lockstep at staleness D, or free-running within --max-staleness
+    old = resumed_versions(d, args, run)  # a resume: the weights the pulls then in flight were sent
+    server = Server(model, opt, groups, side, policy, args.steps, args.clip, run.start, old)
+    sent = watch_sends(server)  # measurement: the bytes handed to its sends, the sent copies alive
     server.hand_out()
     for step in run.steps():
+        keep_versions(args, run, model)  # --ckpt-dir in lockstep: the weights the pulls in flight were sent
         report = server.apply(server.next_to_apply())
         server.hand_out()  # the next pulls leave before the host reads anything back
-        run.end_step(step, report)  # (loss, version it computed on, batch id), as the worker reports it
+        loss, version, batch_id = report.tolist()  # as the worker reports it
+        record(run, int(version), int(batch_id))  # the versions used and batch ids: figures, --check, resume
+        run.end_step(step, loss)
     server.stop()
-    run.finish(model, opt)
+    server_summary(d, args, run, model, opt, sent)
 
 
 # --- measurement ---
-# The loops' edges, watched from outside: harness.Run (resume from --ckpt-dir, --fail-at-step, the step's
-# timer and log line, checkpoints), the counters, the summary and --check.
+# What main's loops are watched with (harness.Run does the resume, --fail-at-step, the step's timer and log
+# line, checkpoints): the resume's extra history, the counters, the summaries and --check.
 def refuse_checkpoint(args, refuse, theirs, ours):
     if refuse:
         fail(f"--ckpt-dir {args.ckpt_dir} holds a --mode {theirs} checkpoint, this run is --mode {ours}: use "
              "another --ckpt-dir")
 
 
-class SyncRun(Run):
-    """The sync loop's Run. The dispatcher counter sends every op through Python: it watches one step, the
-    second (bench.py times the steps after its warm-up, and torch's side counts in its last warm-up step
-    too); the figures are per step. On that step each micro-batch's saved activations are counted too."""
-
-    def __init__(self, d, args, model, opt):
-        super().__init__(d, args, {"model": model, "optim": opt})
-        refuse_checkpoint(args, self.start and "used" in self.history, "async", "sync")
-        self.comm, self.saved = CommCounter(), []
-        self.at = min(max(self.start, 1), args.steps - 1)  # a step bench.py leaves untimed
-
-    def watched(self, step, loss_fn):
-        return saving(loss_fn, self.saved) if step == self.at else loss_fn
-
-    def watching(self, step):
-        return super().watching(step, self.comm, at=self.at)
-
-    def end_step(self, step, loss):
-        dist.all_reduce(loss)  # the global batch's loss, for the log line only (not training traffic)
-        super().end_step(step, loss.item())
-
-    def finish(self, model, opt):
-        saved = max(self.saved, default=0)
-        figures = sync_figures(self.d, self.comm, saved)
-        peak = peak_memory_bytes(self.d, state_bytes(model, opt) + saved)  # before --check trains
-        full = dict(model.named_parameters())
-        check = check_against_reference(self.d, self.args, self.losses, full) if self.args.check else None
-        super().finish("dp-sync", peak, figures["allreduce_payload_bytes"], check, figures)
+def sync_summary(d, args, run, model, opt, comm, data, at):
+    """The sync run's summary: the all-reduces counted on step `at`; the activations one micro-batch saves
+    for backward, measured after training on a forward of step `at`'s first micro-batch (no backward, no
+    step: nothing of training changes); the peak before --check trains the reference."""
+    rows = args.batch_size // d.world
+    x, y = data.batch(at, args.batch_size, args.seq_len, args.ragged)
+    x, y = (t[d.rank * rows:(d.rank + 1) * rows].chunk(args.accum)[0].to(d.device) for t in (x, y))
+    with SavedActivations() as acts:
+        lm_loss(model(x), y, count_tokens(y))
+    figures = sync_figures(d, comm, acts.bytes)
+    peak = peak_memory_bytes(d, state_bytes(model, opt) + acts.bytes)
+    full = dict(model.named_parameters())
+    check = check_against_reference(d, args, run.losses, full) if args.check else None
+    run.finish("dp-sync", peak, figures["allreduce_payload_bytes"], check, figures)
 
 
-class ServerRun(Run):
-    """The server's Run: the history a resume needs (the versions used, the batch ids, and in lockstep the
-    weights the pulls in flight were sent), a host timer, and SentCopies wrapped around the server's sends."""
-
-    def __init__(self, d, args, model, opt):
-        super().__init__(d, args, {"model": model, "optim": opt})
-        refuse_checkpoint(args, self.start and "used" not in self.history, "sync", "async")
-        self.model, self.D = model, args.staleness
-        h = self.history
-        self.used, self.batches, self.recent = h.get("used", []), h.get("batches", []), h.get("recent", [])
-        self.old = {self.start - len(self.recent) + i: t.to(d.device) for i, t in enumerate(self.recent)}
-        # A host timer: the report's .tolist() in end_step has waited for this update on the server's own
-        # stream, while StepTimer's device-wide synchronize would also wait for the receives posted for every
-        # other worker.
-        self.timer, self.sent = StepTimer(torch.device("cpu")), SentCopies()
-
-    def watch(self, server):
-        """Count what server.hand_out and server.stop hand to their sends, and the sent copies still alive."""
-        def counted(method):
-            def call(*a):
-                with self.sent:
-                    return method(*a)
-            return call
-        server.hand_out, server.stop = counted(server.hand_out), counted(server.stop)
-
-    def steps(self):
-        for step in super().steps():
-            if self.D > 0 and self.args.ckpt_dir:  # a restart needs the weights the pulls in flight were sent
-                self.recent = (self.recent + [flat_params(self.model)])[-self.D:]
-            yield step
-
-    def end_step(self, step, report):
-        loss, v, b = report.tolist()  # as the worker reports it
-        self.used, self.batches = self.used + [int(v)], self.batches + [int(b)]
-        super().end_step(step, loss, used=self.used, batches=self.batches, recent=self.recent)
-
-    def finish(self, model, opt):
-        d, args, D = self.d, self.args, self.D
-        figures = async_figures(d, args, self, self.sent, self.used, self.batches, model)
-        peak = peak_memory_bytes(d, state_bytes(model, opt))  # before --check trains the reference
-        check = None
-        if args.check:  # replay the versions the run used; in lockstep, the ones the rule prescribes
-            ref = delayed_reference(args, [max(t - D, 0) for t in range(args.steps)] if D >= 0 else self.used,
-                                    list(range(args.steps)) if D >= 0 else self.batches, d.device)
-            check = check_against_reference(d, args, self.losses, dict(model.named_parameters()), ref=ref)
-        super().finish("dp-async", peak, figures["server_bytes_sent_per_update"], check, figures)
+def agree_on_resume(d, args):
+    """A worker agrees with the server on the step it resumes from (reading the server's rank0 files, so the
+    --ckpt-dir must be shared): the newest step is all-reduced over every rank, as the server's Run does."""
+    ckpt = Checkpointer(d, args.ckpt_dir, args.save_every, args.steps)
+    ckpt.dir = ckpt.dir and os.path.join(args.ckpt_dir, "rank0")
+    start, history = ckpt.load({})
+    refuse_checkpoint(args, start and "used" not in history, "sync", "async")
 
 
-class WorkerRun:
-    """A worker's edges: it agrees with the server on the step it resumes from (so the --ckpt-dir must be
-    shared), fails at --fail-at-step (the last worker, at its first batch >= the step), sleeps r x --delay-ms
-    per batch (a straggler, if asked for), and joins the collectives of the server's summary and --check."""
-
-    def __init__(self, d, args):
-        self.d, self.args = d, args
-        ckpt = Checkpointer(d, args.ckpt_dir, args.save_every, args.steps)
-        ckpt.dir = ckpt.dir and os.path.join(args.ckpt_dir, "rank0")
-        start, history = ckpt.load({})
-        refuse_checkpoint(args, start and "used" not in history, "sync", "async")
-
-    def watched(self, loss_of_batch):
-        d, args = self.d, self.args
-
-        def loss(m, batch_id):
-            if batch_id >= args.fail_at_step >= 0:
-                maybe_fail(d, args, args.fail_at_step)
-            time.sleep(d.rank * args.delay_ms / 1e3)
-            return loss_of_batch(m, batch_id)
-        return loss
-
-    def finish(self, model):
-        peak_memory_bytes(self.d, state_bytes(model))  # joins the collectives of the server's summary
-        check = check_against_reference(self.d, self.args, [], {}) if self.args.check else None
-        close_dist(ok=check is None or check["passed"])
+def resumed_versions(d, args, run):
+    """The server's resume: {version: flat weights} that the pulls in flight at the checkpoint were sent."""
+    refuse_checkpoint(args, run.start and "used" not in run.history, "sync", "async")
+    recent = run.history.setdefault("recent", [])
+    return {run.start - len(recent) + i: t.to(d.device) for i, t in enumerate(recent)}
 
 
-def saving(loss_fn, saved):
-    """loss_fn, appending to `saved` the bytes each call saves for backward (a micro-batch's activations)."""
-    def measured(*a):
-        with SavedActivations() as acts:
-            loss = loss_fn(*a)
-        saved.append(acts.bytes)
-        return loss
-    return measured
+def keep_versions(args, run, model):
+    """In lockstep with --ckpt-dir, a restart needs the weights the last D pulls in flight were sent."""
+    if args.staleness > 0 and args.ckpt_dir:
+        run.history["recent"] = (run.history.get("recent", []) + [flat_params(model)])[-args.staleness:]
+
+
+def record(run, version, batch_id):
+    """The version each applied gradient was computed on and its batch id, kept in the run's history."""
+    run.history["used"] = run.history.get("used", []) + [version]
+    run.history["batches"] = run.history.get("batches", []) + [batch_id]
+
+
+def watch_sends(server):
+    """Count what server.hand_out and server.stop hand to their sends, and the sent copies still alive."""
+    sent = SentCopies()
+
+    def counted(method):
+        def call(*a):
+            with sent:
+                return method(*a)
+        return call
+    server.hand_out, server.stop = counted(server.hand_out), counted(server.stop)
+    return sent
+
+
+def server_summary(d, args, run, model, opt, sent):
+    D, used, batches = args.staleness, run.history.get("used", []), run.history.get("batches", [])
+    figures = async_figures(d, args, run, sent, used, batches, model)
+    peak = peak_memory_bytes(d, state_bytes(model, opt))  # before --check trains the reference
+    check = None
+    if args.check:  # replay the versions the run used; in lockstep, the ones the rule prescribes
+        ref = delayed_reference(args, [max(t - D, 0) for t in range(args.steps)] if D >= 0 else used,
+                                list(range(args.steps)) if D >= 0 else batches, d.device)
+        check = check_against_reference(d, args, run.losses, dict(model.named_parameters()), ref=ref)
+    run.finish("dp-async", peak, figures["server_bytes_sent_per_update"], check, figures)
+
+
+def worker_summary(d, args, model):
+    """A worker joins the collectives of the server's summary and --check."""
+    peak_memory_bytes(d, state_bytes(model))
+    check = check_against_reference(d, args, [], {}) if args.check else None
+    close_dist(ok=check is None or check["passed"])
 
 
 class SentCopies(CommCounter):
@@ -535,11 +516,6 @@ def async_figures(d, args, run, sent, used, batches, model):
 
 
 # --- reference for --check ---
-def batch_seed(args, batch_id):
-    """Dropout on a worker depends only on (seed, batch): workers hold no state a restart could lose."""
-    return 7_919 * args.seed + batch_id
-
-
 def delayed_reference(args, used_versions, batch_ids, device="cpu"):
     """One process, no communication: update t applies the gradient of batch `batch_ids[t]` computed on the
     weights of version `used_versions[t]` (W_{t-D} in lockstep): W_{t+1} = AdamW(W_t, clip(g(W_used)))."""

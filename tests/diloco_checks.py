@@ -29,7 +29,7 @@ takes, run with torch and nothing of this repo); parts 2-4 run diloco.py's main.
    valid sync under the same counter all-reduces; the section with its checks taken out lets them through.
 A failed check is recorded and the script goes on; it prints ALL CHECKS PASSED or exits 1 at the end.
 """
-import os, sys, types
+import os, sys, time, types
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -121,6 +121,26 @@ for H, outer_lr, mu, what in ((1, 1.0, 0.0, "outer SGD lr 1 == plain SGD"),
               f"(params {diff:.1e}); the workers restart from theta")
     else:
         check(diff > 1e-6, f"copy-out DiLoCo: {what} ({diff:.1e})")
+
+# ------------------------------------------------------------------------- 1c. every worker starts from theta
+def starts_agree(c):
+    """Workers whose weights differ (rank r adds r to each) wrap them in c.DiLoCo: do all hold rank 0's?"""
+    net = Net()
+    with torch.no_grad():
+        for p in net.parameters():
+            p.add_(d.rank)
+    c.DiLoCo(net.parameters(), 2)
+    every = torch.empty(d.world * flat(net).numel(), dtype=F64, device=d.device)
+    dist.all_gather_single(every, flat(net), group=dist.group.WORLD)
+    return all(torch.equal(w, flat(Net())) for w in every.view(d.world, -1))
+
+
+check(starts_agree(core), f"copy-out DiLoCo: {d.world} workers built with different weights all start from "
+      f"rank 0's (broadcast in the constructor)")
+no_broadcast = types.SimpleNamespace(**section.load("diloco.py", (section.ROOT / "diloco.py").read_text()
+                                                   .replace("dist.broadcast(p, group_src=0, group=group)", "pass")))
+check(not starts_agree(no_broadcast),
+      "copy-out DiLoCo: negative: without the broadcast the workers' starts differ")
 
 # ----------------------------------------------------------------------------- 1b. copy-out: Streaming DiLoCo
 def fragments_of(net):  # fragment 0: the encoder; fragment 1: the root gain and the head
@@ -225,7 +245,7 @@ def passed(s):
 
 s = run_main("--inner-steps", "3", "--check")
 f = s["figures"]
-only_all_reduce = list(f["comm_table"]) == ["all_reduce/world/fwd"]
+only_all_reduce = list(f["comm_table"]) == ["all_reduce/exchange/fwd"]  # on its own group
 check(passed(s) and f["bytes_per_inner_step"] == P * 8 / 3 and only_all_reduce,
       f"diloco.py --inner-steps 3 --check (AdamW in, Nesterov out): PASSED "
       f"({s['check']['max_loss_diff']:.1e}, params {s['check']['max_param_diff']:.1e}); "
@@ -236,7 +256,7 @@ STREAM = ["--inner-steps", "4", "--fragments", "2", "--overlap", "1", "--mix", "
 s = run_main(*STREAM, "--check")
 f = s["figures"]
 check(passed(s) and f["bytes_per_inner_step"] == P * 2 / 4 and f["bytes_per_sync_max"] == max(frag_sizes) * 2
-      and list(f["comm_table"]) == ["all_gather/world/fwd"],
+      and list(f["comm_table"]) == ["all_gather/exchange/fwd"],
       f"diloco.py streaming (F 2, overlap 1, mix 0.5, bfloat16 wire) --check: PASSED "
       f"({s['check']['max_loss_diff']:.1e}, params {s['check']['max_param_diff']:.1e}); "
       f"{f['bytes_per_inner_step']:.1f} B all-gathered per inner step (measured) == P x 2 / H = "
@@ -309,6 +329,115 @@ for name, cls, attr, mutant, flags in (
     check(not c["passed"] and max(c["max_loss_diff"], c["max_param_diff"]) > 1e-6,
           f"mutant: {name}: FAILS --check (losses {c['max_loss_diff']:.1e}, "
           f"params {c['max_param_diff']:.1e})")
+
+# ------------------------------------------------------------------------- 6. the overlap, slowed on purpose
+class InOrder:
+    """NCCL's semantics stood in for on gloo: an asynchronous collective (the exchange) is slowed by `delay`
+    s, a slow network, and holds its group's communicator until it is waited for; a blocking collective
+    issued on that group meanwhile would queue behind it on NCCL's one stream per communicator: it is
+    recorded as a stall and made to wait. `events` is the order of what happened, which load cannot move:
+    ("inner", k) as inner step k starts, ("launch", n), ("wait", n) for exchange n, ("stall", op)."""
+
+    def __init__(self, delay):
+        self.delay, self.events, self.busy, self.steps = delay, [], {}, 0  # busy: id(group) -> [done times]
+        self.real = {name: getattr(dist, name) for name in ("all_reduce", "all_gather_single")}
+        self.inner = diloco.inner_step
+
+    def __enter__(self):
+        for name, fn in self.real.items():
+            setattr(dist, name, self.wrap(name, fn))
+        diloco.inner_step = self.step
+        return self
+
+    def __exit__(self, *exc):
+        for name, fn in self.real.items():
+            setattr(dist, name, fn)
+        diloco.inner_step = self.inner
+
+    def step(self, *a):
+        self.events.append(("inner", self.steps))
+        self.steps += 1
+        return self.inner(*a)
+
+    def wrap(self, name, fn):
+        def call(*a, group=None, async_op=False, **k):
+            key = id(group if group is not None else dist.group.WORLD)
+            if not async_op:
+                if self.busy.get(key):
+                    self.events.append(("stall", name))
+                    time.sleep(max(0.0, max(self.busy[key]) - time.perf_counter()))
+                return fn(*a, group=group, **k)
+            n, done = sum(e[0] == "launch" for e in self.events), time.perf_counter() + self.delay
+            self.events.append(("launch", n))
+            self.busy.setdefault(key, []).append(done)
+            return Slowed(self, n, fn(*a, group=group, async_op=True, **k), done, key)
+        return call
+
+
+class Slowed:
+    """The exchange's work: complete `delay` s after its launch (and once the real collective is)."""
+
+    def __init__(self, stream, n, work, done, key):
+        self.stream, self.n, self.work, self.done, self.key = stream, n, work, done, key
+
+    def is_completed(self):
+        return self.work.is_completed() and time.perf_counter() >= self.done
+
+    def wait(self):
+        self.stream.events.append(("wait", self.n))
+        self.work.wait()
+        time.sleep(max(0.0, self.done - time.perf_counter()))
+        self.stream.busy[self.key].remove(self.done)
+        return True
+
+
+def steps_in_flight(events):
+    """For each exchange: the inner steps that started between its launch and its wait."""
+    at = {("launch", e[1]) if e[0] == "launch" else ("wait", e[1]): i for i, e in enumerate(events)
+          if e[0] in ("launch", "wait")}
+    return [sum(e[0] == "inner" for e in events[at["launch", n]:at["wait", n]])
+            for n in range(sum(e[0] == "launch" for e in events))]
+
+
+OVERLAP = ["--inner-steps", "4", "--fragments", "2", "--overlap", "2", "--outer-dtype", "bfloat16",
+           "--steps", "8", "--check"]
+with InOrder(0.3) as slow:
+    s = run_main(*OVERLAP)
+f, flying = s["figures"], steps_in_flight(slow.events)
+stalls = [e for e in slow.events if e[0] == "stall"]
+# exchanges after steps 1, 3, 5 land TAU = 2 steps later; the one after step 7 is drained by finish()
+check(passed(s) and flying == [2, 2, 2, 0] and not stalls and len(f["exchange_ms"]) == 4,
+      f"overlap 2, each exchange slowed to 300 ms: the inner steps between launch and landing per exchange "
+      f"{flying} (TAU, the last drained at the end), no collective queued behind an exchange "
+      f"({len(stalls)}); "
+      f"--check PASSED; exposed {f['exposed_ms_per_step']:.1f} ms per inner step, per exchange "
+      f"{[round(x) for x in f['exchange_exposed_ms']]} ms of its own "
+      f"{[round(x) for x in f['exchange_ms']]} ms "
+      f"(measured); median step {f['step_ms_in_flight']:.1f} ms in flight, {f['step_ms_other']:.1f} ms "
+      f"otherwise (reported, not asserted)")
+real_send = diloco.StreamingDiLoCo.send
+
+
+def send_and_wait(self, f, lands):
+    """The bug: the exchange is waited for where it is launched."""
+    ex = real_send(self, f, lands)
+    self.wait(ex)
+    return ex
+
+
+real_new_group = dist.new_group
+for what, cls, attr, mutant in (
+        ("waits for the exchange at launch", diloco.StreamingDiLoCo, "send", send_and_wait),
+        ("the exchange on WORLD, with the loss's all-reduce", dist, "new_group",
+         lambda *a, **k: dist.group.WORLD)):
+    real = getattr(cls, attr)
+    setattr(cls, attr, mutant)
+    with InOrder(0.3) as slow:
+        s = run_main(*OVERLAP)
+    setattr(cls, attr, real)
+    flying, stalls = steps_in_flight(slow.events), [e for e in slow.events if e[0] == "stall"]
+    check(flying != [2, 2, 2, 0] or stalls, f"mutant: {what}: caught (inner steps in flight {flying}, "
+          f"{len(stalls)} collective(s) queued behind an exchange)")
 
 # ----------------------------------------------------------------------------- 5. the cores refuse bad input
 refused = section.refused  # (call, words) -> (refused before any collective, what happened)

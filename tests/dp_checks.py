@@ -139,19 +139,52 @@ for group, what in ((None, "all ranks"), (singletons[d.rank], "negative: this ra
 
 # ---------------------------------------------------------------------------- 2. copy-out: a parameter server
 groups = {w: dist.new_group([0, w]) for w in range(1, d.world)}
+side = dist.new_group(backend="gloo")  # the reports' group
+real_recv, received = dist.recv, []
+
+
+def logged_recv(tensor, src=None, group=None, **k):
+    """The server's receives in order: ("report", from whom) on the side group, ("gradient", w) on w's."""
+    who = real_recv(tensor, src=src, group=group, **k)
+    received.append(("report" if src is None else "gradient", who if src is None else src))
+    return who
+
+
+def receive_order_errors(log):
+    """R3: a gradient's receive posted only after its worker's report arrived, one report per gradient."""
+    reported, errors = [], []
+    for kind, w in log:
+        if kind == "report":
+            reported.append(w)
+        elif w in reported:
+            reported.remove(w)
+        else:
+            errors.append(f"gradient of {w} received before its report")
+    return errors
+
+
 for name, policy, delay in (("BoundedStaleness(0)", core.BoundedStaleness(0), 0),
                             ("Lockstep(1)", core.Lockstep(1), 1)):
     model = Net()
     if d.rank > 0:
-        core.worker_loop(model, lambda m, b: huber(m, *batch(b)), groups[d.rank])
+        core.worker_loop(model, lambda m, b: huber(m, *batch(b)), groups[d.rank], side)
         continue
-    server = core.Server(model, adamw(model), groups, policy, STEPS, CLIP)
+    server = core.Server(model, adamw(model), groups, side, policy, STEPS, CLIP)
     server.hand_out()
-    reports = []
+    reports, received[:] = [], []
+    dist.recv = logged_recv
     for _ in range(STEPS):
         reports.append(server.apply(server.next_to_apply()).tolist())
         server.hand_out()
+    dist.recv = real_recv
     server.stop()
+    errors = receive_order_errors(received)
+    check(not errors and sum(k == "gradient" for k, _ in received) == STEPS,
+          f"copy-out Server, {name}: each of the {STEPS} gradient receives posted after its worker's report "
+          f"({errors}): one live receive at a time")
+    check(receive_order_errors([("gradient", 1), ("report", 1)]) != [],
+          "negative: a gradient received before its report (the old server's receives posted at the pull) "
+          "is caught")
     losses, used, ids = ([r[k] for r in reports] for k in range(3))
     ref_l, ref_p = plain_training(lambda t: int(ids[t]), lambda t: max(t - delay, 0))  # what the rule says
     diff, loss_diff = max_diff(model.parameters(), ref_p), max(abs(a - b) / b for a, b in zip(losses, ref_l))
@@ -185,10 +218,10 @@ def bad_calls(c):
             "Lockstep(-1)": (lambda: c.Lockstep(-1), ["D must be >= 0", "got -1"]),
             "BoundedStaleness(-1)": (lambda: c.BoundedStaleness(-1), ["S must be >= 0", "got -1"]),
             "Server, no workers (a world of 1)": (
-                lambda: c.Server(Net(), adamw(Net()), {}, c.BoundedStaleness(0), STEPS),
+                lambda: c.Server(Net(), adamw(Net()), {}, side, c.BoundedStaleness(0), STEPS),
                 ["at least 1 worker(s), got 0", "at least 2 ranks"]),
             f"Server, Lockstep({d.world - 1}) on {d.world - 1} workers": (
-                lambda: c.Server(Net(), adamw(Net()), groups, c.Lockstep(d.world - 1), STEPS),
+                lambda: c.Server(Net(), adamw(Net()), groups, side, c.Lockstep(d.world - 1), STEPS),
                 [f"at least {d.world} worker(s), got {d.world - 1}"])}
 
 
@@ -196,7 +229,7 @@ for what, (call, words) in bad_calls(core).items():
     ok, seen = refused(call, words)
     check(ok, f"bad input: {what}: refused before any collective ({seen})")
 for what, group in (("the whole world", None), ("a one-rank group", singletons[d.rank]))[d.world == 2:]:
-    ok, seen = refused(lambda: core.worker_loop(Net(), huber, group), ["two-rank group", "new_group"])
+    ok, seen = refused(lambda: core.worker_loop(Net(), huber, group, side), ["two-rank group", "new_group"])
     check(ok, f"bad input: worker_loop on {what}: refused before any collective ({seen})")
 ok, seen = refused(lambda: core.sync_step(Net(), adamw(Net()), [batch(0)], huber, group=singletons[d.rank]), [])
 check(not ok and seen.startswith("no error") and "'all_reduce/" in seen,

@@ -51,6 +51,25 @@ def test_copy_out_streaming_on_another_model(checks):
     assert passed(checks, "copy-out StreamingDiLoCo: negative: the simulation without the wire's rounding"), checks
 
 
+def test_workers_start_from_rank_0s_theta(checks):
+    """DiLoCo (the section alone) on workers whose weights differ: every rank holds rank 0's after the
+    constructor (its broadcast); without the broadcast they differ (the check can fail)."""
+    assert passed(checks, "copy-out DiLoCo", "all start from rank 0's"), checks
+    assert passed(checks, "copy-out DiLoCo: negative: without the broadcast the workers' starts differ"), checks
+
+
+def test_overlap_is_real_with_the_exchange_slowed(checks):
+    """diloco.py --overlap 2 with every exchange slowed to 300 ms by a stand-in for NCCL on gloo (a collective
+    on the exchange's group waits behind it, as on NCCL's one stream per communicator): by the recorded order,
+    TAU inner steps start between each exchange's launch and its wait and nothing queues behind it; --check
+    passes; the run prints the exposed time beside the exchange's own (measured, reported). Mutants caught: the
+    exchange waited for at launch; the exchange on WORLD, where the loss's all-reduce queues behind it. The
+    exchange's bytes are counted on its own group ("exchange"), in the checks' byte tests."""
+    assert passed(checks, "overlap 2, each exchange slowed", "[2, 2, 2, 0]", "--check PASSED"), checks
+    assert passed(checks, "mutant: waits for the exchange at launch: caught"), checks
+    assert passed(checks, "mutant: the exchange on WORLD, with the loss's all-reduce: caught"), checks
+
+
 def test_cores_refuse_bad_input_before_any_collective(checks):
     """Each core of the section alone, given what it cannot do: a ValueError that says what would work, no
     collective seen by harness.CommCounter; a valid sync under the same counter is seen, and the section with
@@ -80,14 +99,20 @@ def test_world_1():
     assert p.returncode == 0 and "-> PASSED" in p.stdout, p.stdout + p.stderr
 
 
-def test_world_4_streaming_float8(tmp_path):
+def test_world_4_streaming_float8_odd_sizes(tmp_path):
     """H 10, 2 fragments, overlap 3, float8 with a scale per fragment: fragment 1's exchange lands after the
-    last step (drained). Bytes: the last 10 steps hold each fragment's exchange once, 1 B per element and
-    8 B of scale per fragment."""
-    s, _ = torchrun("diloco.py", 4, *TINY, "--steps", "12", "--inner-steps", "10", "--fragments", "2",
-                    "--overlap", "3", "--outer-dtype", "float8_e4m3fn", "--check", tmp_path=tmp_path)
+    last step (drained). d_model 30: no fragment's element count is a multiple of 8, so the float64 scale's
+    bytes sit at an offset 8 does not divide in each worker's row (viewing them in place raised before).
+    Bytes: the last 10 steps hold each fragment's exchange once, 1 B per element and 8 B of scale each."""
+    cfg = GPTConfig(vocab=32, seq_len=8, d_model=30, n_heads=2, n_layers=2)
+    gpt = GPT(cfg)
+    frag0 = [gpt.tok_emb.weight, gpt.pos_emb.weight, *gpt.blocks[0].parameters()]
+    assert sum(p.numel() for p in frag0) % 8 == 4  # 12300 B of float8, then the scale
+    s, _ = torchrun("diloco.py", 4, *TINY, "--d-model", "30", "--steps", "12", "--inner-steps", "10",
+                    "--fragments", "2", "--overlap", "3", "--outer-dtype", "float8_e4m3fn", "--check",
+                    tmp_path=tmp_path)
     assert_matches_reference(s)
-    assert s["figures"]["bytes_per_inner_step"] == (P * 1 + 2 * 8) / 10
+    assert s["figures"]["bytes_per_inner_step"] == (sum(p.numel() for p in gpt.parameters()) * 1 + 2 * 8) / 10
 
 
 def test_world_2_restart_with_exchanges_in_flight(tmp_path):
@@ -129,14 +154,16 @@ def assert_identical(a, b):
         assert a == b
 
 
-BAD = [  # (world, flags, words): each on every rank, in one process (tests/bad_input_matrix.py)
-    (1, ["--inner-steps", "0"], ["--inner-steps must be >= 1"]),
-    (1, ["--fragments", "3"], ["--fragments 3 must be between 1 and --n-layers 2"]),
-    (1, ["--inner-steps", "3", "--fragments", "2"], ["not divisible by --fragments 2"]),
-    (1, ["--inner-steps", "4", "--overlap", "4"], ["--overlap 4 must be in [0, --inner-steps 4)"]),
-    (1, ["--mix", "1"], ["--mix must be in [0, 1)"]),
-    (1, ["--outer-momentum", "1"], ["--outer-momentum in [0, 1)"]),
-    (1, ["--outer-momentum", "0"], ["--outer nesterov needs --outer-momentum > 0"]),
+BAD = [  # (world, flags, words): each on every rank, in one process (tests/bad_input_matrix.py); the messages
+    # are the cores' own (check_args calls their checks), the last three check_args's alone
+    (1, ["--inner-steps", "0"], ["DiLoCo: inner_steps must be >= 1, got 0"]),
+    (1, ["--fragments", "3"], ["3 fragments of 2 blocks", "1 <= n <= 2"]),
+    (1, ["--inner-steps", "3", "--fragments", "2"], ["inner_steps % fragments == 0 (got 3 % 2)"]),
+    (1, ["--inner-steps", "4", "--overlap", "4"], ["0 <= overlap < inner_steps = 4 (got 4)"]),
+    (1, ["--mix", "1"], ["0 <= mix < 1 (got 1.0)"]),
+    (1, ["--outer-momentum", "1"], ["0 < outer_momentum < 1", "not 0.7 and 1.0"]),
+    (1, ["--outer-momentum", "0"], ["0 < outer_momentum < 1", "none: plain SGD"]),
+    (1, ["--outer-lr", "0"], ["outer_lr > 0", "not 0.0 and 0.9"]),
     (1, ["--check", "--dropout", "0.1"], ["--check needs --dropout 0"]),
     (1, ["--dtype", "bfloat16", "--outer-dtype", "float32"], ["wider than --dtype bfloat16"]),
     (3, ["--batch-size", "8"], ["--batch-size 8 is not divisible by the 3 workers"]),

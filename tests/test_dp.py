@@ -9,8 +9,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from helpers import (ROOT, TINY, assert_bad_input, assert_matches_reference, check_lines, passed,
-                     run_python, torchrun, torchrun_bad_input)
+from helpers import (ROOT, TINY, assert_bad_input, assert_each_rank_fails, assert_matches_reference,
+                     check_lines, passed, run_python, run_ranks, torchrun, torchrun_bad_input)
 
 sys.path.insert(0, str(ROOT))
 from common import GPT, GPTConfig, MarkovData, build_gpt  # noqa: E402  (the model and data, not dp.py)
@@ -72,7 +72,13 @@ def test_copy_out_sync_step(checks):
 
 def test_copy_out_parameter_server(checks):
     """Server + worker_loop (the section alone) on that model: bound 0 == plain training, lockstep 1 == the
-    one-step-delayed update, both written in the checks (1e-12); lockstep 1 differs from plain training."""
+    one-step-delayed update, both written in the checks (1e-12); lockstep 1 differs from plain training.
+    Review R3: the server's receives, logged in order, post each gradient's receive only after that worker's
+    report arrived on the side group (so on NCCL at most one receive is live); the order check rejects a
+    gradient received before its report."""
+    assert passed(checks, "BoundedStaleness(0): each of the", "after its worker's report ([])"), checks
+    assert passed(checks, "Lockstep(1): each of the", "after its worker's report ([])"), checks
+    assert passed(checks, "negative: a gradient received before its report"), checks
     assert passed(checks, "BoundedStaleness(0)", "[0.0, 1.0, 2.0, 3.0, 4.0]", "== plain one-process training"), checks
     assert passed(checks, "Lockstep(1)", "[0.0, 0.0, 1.0, 2.0, 3.0]", "== the one-step-delayed update"), checks
     assert passed(checks, "Lockstep(1)", "negative", "differs"), checks
@@ -180,9 +186,15 @@ def test_async_free_running_holds_a_staleness_bound_below_workers(tmp_path):
 def test_bad_input_exits_2_with_one_line():
     for args, words in [(["--accum", "0"], ["--accum"]), (["--mode", "nope"], ["--mode", "nope"]),
                         (["--mode", "async"], ["async", "nproc_per_node"])]:
-        p = run_python("dp.py", *args, timeout=30)
+        p = run_python("dp.py", *args, timeout=120)  # a bound against a hang; 30 s timed out at load 25
         assert_bad_input(p, 1, words)
-    p = torchrun_bad_input("dp.py", 2, "--batch-size", "7")
+    p = torchrun_bad_input("dp.py", 2, "--batch-size", "7", timeout=120)
     assert_bad_input(p, 2, ["--batch-size 7", "divisible"])
-    p = torchrun_bad_input("dp.py", 2, "--mode", "async", "--ckpt-dir", "unused")  # free-running cannot resume exactly
+    # free-running cannot resume exactly
+    p = torchrun_bad_input("dp.py", 2, "--mode", "async", "--ckpt-dir", "unused", timeout=120)
     assert_bad_input(p, 2, ["--ckpt-dir", "--staleness", "race"])
+    # the cores' own messages (check_args calls check_workers and the policy's constructor), on every rank
+    for args, words in [(["--staleness", "2"], ["Lockstep(D=2) needs at least 3 worker(s)",
+                                                "nproc_per_node=4"]),
+                        (["--max-staleness", "-1"], ["BoundedStaleness: S must be >= 0", "got -1"])]:
+        assert_each_rank_fails(run_ranks("dp.py", 3, "--mode", "async", *args, timeout=120), words)
