@@ -26,7 +26,7 @@ for at once, the peak read after the reference), and must catch it.
 Every tensor and model lives on the process group's device (gloo + CPU here, NCCL + GPU elsewhere).
 Prints ALL CHECKS PASSED and exits 0, or names each failed check and exits 1.
 """
-import contextlib, os, sys, time
+import contextlib, os, shutil, sys, tempfile, time
 from dataclasses import replace
 from unittest import mock
 
@@ -177,6 +177,31 @@ def check_awkward(d, args, steps=3):
     got = run(3, clip=0.0)  # negative: the same run without clipping must differ
     check(d, "awkward: without clipping it differs (negative)", max_diff(got, want) > 1e-6,
           f"({max_diff(got, want):.1e})")
+
+
+def check_node_local_ckpt(d, args):
+    """FlatShardCheckpoint on two nodes with node-local disks (nccl-review-3 N3-7): rank 0 writes meta.pt on
+    its node only, so the last rank (on the other node) sees no complete step. Every rank refuses the resume
+    (exit 2), where the old MIN over the ranks' newest steps restarted every rank from step 0; the same save
+    in one shared directory resumes at its step."""
+    zero = make_zero(awkward(), replace(args, stage=1), ["a", "b"], d.device)
+    x, y = batch(d, 0)
+    Z.train_step(zero, x, y, y.numel(), args.accum, mse)
+    tmp = os.path.join(tempfile.gettempdir(), f"zero_checks_{os.environ['MASTER_PORT']}")  # the same on every rank
+    shared, node = os.path.join(tmp, "shared"), os.path.join(tmp, "node1" if d.rank == d.world - 1 else "node0")
+    got = []
+    for root in (shared, node):
+        Z.FlatShardCheckpoint(d, root, 1, 1, [u.numel for u in zero.units]).maybe_save(1, Z.ZeroShards(zero), {})
+        dist.barrier()  # (rank 0 writes meta.pt last: in a real restart the saving job has ended)
+        try:
+            got.append(Z.FlatShardCheckpoint(d, root, 1, 1, [u.numel for u in zero.units]).load(Z.ZeroShards(zero))[0])
+        except SystemExit as e:
+            got.append(f"exit {e.code}")
+    dist.barrier()
+    if d.rank == 0:
+        shutil.rmtree(tmp)
+    check(d, "checkpoint: shared dir resumes at step 1; node-local disks (meta.pt on rank 0's node) refused",
+          got == [1, "exit 2"], f"{got}")
 
 
 # ----------------------------------------------------------------------------- 2. the GPT, stages 0-3
@@ -598,6 +623,7 @@ def main():
     base = Z.Args(vocab=32, seq_len=8, d_model=16, n_heads=2, n_layers=3, batch_size=12, steps=3,
                   dtype="float64", accum=2, clip=0.5, lr=1e-2)
     check_awkward(d, base)
+    check_node_local_ckpt(d, base)
     check_gpt(d, base)
     check_mixed(d, base)
     check_gpu_defects(d, base)
