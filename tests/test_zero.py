@@ -3,12 +3,14 @@
 formulas say; stage 3 prefetches and frees its gathered storages; bytes handed to collectives equal a closed
 form from the model's parameter counts; offload and bf16 train correctly (bf16 against a one-process
 reference with the same precision recipe); fp16 skips an injected overflow on every rank
-(tests/zero_checks.py); a checkpoint saved at world 4 resumes at world 2; a run killed and restarted by
+(tests/zero_checks.py); a checkpoint saved at world 4 resumes at world 2, and the same directory as a node
+without rank 0's meta.pt sees it (node-local disks) is refused in one line; a run killed and restarted by
 torchrun at each stage, with dropout, equals the uninterrupted run bit for bit; bad input exits 2; and the
 technique section, run alone with nothing but torch, trains a model that is not the GPT exactly as plain
 one-process training does, at worlds 3 and 2, with a weight tied inside a unit, a copier's loop that never
-passes last=, and a unit only one rank runs (its reductions in the same order on every rank)
-(test_copy_out_zero_on_another_model: the way to check your own trainer)."""
+passes last=, and a unit only one rank runs (stages 0-2: its reductions in the same order on every rank;
+stage 3: refused before the all-gather) (test_copy_out_zero_on_another_model: the way to check your own
+trainer, read back with the section's own full_state_dict)."""
 import json, shutil, sys
 
 import torch
@@ -413,7 +415,10 @@ def test_copy_out_zero_on_another_model(tmp_path):
     - a copier's loop calling zero.backward(loss) on every micro-batch (the default last=True) is exact too
       (no reduction is read while the next micro-batch writes its buffer, none counts a sum N times);
     - a unit run by one rank only (data-dependent graph): stages 0-2 are exact, and every rank issues the
-      same collectives in the same order (each recorded on a group of its own, then compared);
+      same collectives in the same order (each recorded on a group of its own, then compared); stage 3
+      refuses it with a ValueError before the all-gather of the unit that ran out of turn (a unit skipped
+      in the middle: gathered root, stem, side and not mix; the last unit skipped: at the end of forward),
+      where a piece that runs every unit trains (nccl-review-3 N3-5; today's code accepted both);
     - a tie across two units is refused with a ValueError naming both parameters, a stage 4 with one naming
       ZeRO's stages (before any collective);
     - stage 3 with every parameter inside a unit (a root unit without parameters) trains exactly;

@@ -19,6 +19,8 @@
    update only at its next forward.
 5. fp16: an overflow injected into one rank's gradient (a monkeypatch, the test hook the file no longer
    has) is skipped on every rank, with the loss scale's back-off and growth, and --check passes.
+6. FlatShardCheckpoint on node-local disks (rank 0's meta.pt on its node only): every rank refuses the
+   resume (exit 2, one line) where the old code restarted from step 0; one shared directory resumes.
 (Recomputation, activation compression and Adafactor: tests/memory_savers_checks.py.)
 Each check is also run against code broken on purpose (a gathered unit kept alive, prefetch off, offload
 aliasing the compute copy, a dropped reduction, a copy per micro-batch, reductions or all-gathers waited
