@@ -9,7 +9,8 @@
    3 bit for bit equal to Zero without it (a rerun without the replay is caught); applied before Zero,
    refused with a ValueError before any collective; the bytes the blocks keep equal L b T D e (full) and
    10 L b T D e (selective), counted from the storages alive after forward (a selective policy that keeps
-   every op is caught); without savers, those storages plus the token ids' are exactly what harness.SavedActivations sees autograd save.
+   every op is caught); without savers, those storages plus the token ids' are exactly what
+   harness.SavedActivations sees autograd save.
 2. Gist, float32: bf16 / int8 keep about 1/2 / 1/4 of the bytes; the gradients lie within a few units of
    the encoding's rounding of the exact ones (a decoder returning zeros is caught); the loss after 3
    steps of data parallel training within 1e-2 of plain training, and not equal to it (lossy).
