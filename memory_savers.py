@@ -21,10 +21,10 @@ the literature cut those, and any of them composes with any data-parallel layout
 
 What one block keeps for backward (b sequences of T tokens, width D, e bytes per element; measured in the
 summary, theory beside it):
-    plain                 [ln1 | q k v | scores, softmax | proj | ln2 | fc | gelu | proj]   everything
-    --recompute full      [x]                                                               1 b T D e
-    --recompute selective [x | q k v | proj | fc (4D) | proj]                               10 b T D e
-    --compress int8       [every saved tensor at 1 byte per element (+ one scale per row)]  ~ 1/e of plain
+    plain                        [ln1 | q k v | scores, softmax | proj | ln2 | fc | gelu | proj]  everything
+    --recompute full             [x]                                                          1 b T D e
+    --recompute selective        [x | q k v | proj | fc (4D) | proj]                          10 b T D e
+    --compress-activations int8  [every saved tensor at 1 byte per element (+ a scale per row)]  ~ 1/e plain
 
     python memory_savers.py --recompute full --check                             # world 1
     torchrun --nproc_per_node=4 memory_savers.py --recompute selective --accum 2 --check
@@ -44,8 +44,7 @@ import torch.distributed as dist
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
-from torch.utils.checkpoint import (CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts,
-                                    noop_context_fn)
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from common import (DTYPES, GPTConfig, MarkovData, build_gpt, count_tokens, fail, init_dist, lm_loss,
                     make_optimizer)
@@ -89,8 +88,50 @@ def dp_step(model, opt, micro_batches, loss_fn, clip=0.0, group=None, saver=None
 
 
 # ============================================================================= 1. activation recomputation
-# Selective: the outputs of the linear layers are kept (MUST_SAVE); every other op of the block is run again
-# in backward (PREFER_RECOMPUTE). On a GPU the attention core is one fused op; it is recomputed too.
+def rng_state(device):  # where the RNG stands (the CPU's, and the GPU's on one): dropout draws from it
+    return torch.get_rng_state(), torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+
+
+@contextlib.contextmanager
+def replayed(rng, device):  # run the block under the RNG state `rng` saved; the RNG is left as it was
+    cpu, gpu = rng
+    with torch.random.fork_rng(devices=[device] if gpu is not None else []):
+        torch.set_rng_state(cpu)
+        if gpu is not None:
+            torch.cuda.set_rng_state(gpu, device)
+        yield
+
+
+class Recompute(torch.autograd.Function):
+    """Full recomputation (Chen et al. 2016, Sec. 3), as gpipe.py's --recompute: forward runs the block
+    under no_grad, keeping only its input x (b, T, D) and the RNG state; backward reruns it from them with
+    the graph (the same dropout masks) and backpropagates through it. Its parameters' gradients accumulate
+    into their .grad there (a backward inside backward); x's is returned. The parameters are inputs too, only
+    so that autograd calls backward when x needs no gradient (a first block fed the data itself)."""
+
+    @staticmethod
+    def forward(ctx, run, x, *params):
+        ctx.run, ctx.rng = run, rng_state(x.device)
+        ctx.save_for_backward(x)
+        with torch.no_grad():
+            return run(x)
+
+    @staticmethod
+    def backward(ctx, grad):  # grad: d loss / d block output (b, T, D)
+        x = ctx.saved_tensors[0].detach().requires_grad_(ctx.needs_input_grad[1])
+        with replayed(ctx.rng, x.device), torch.enable_grad():
+            out = ctx.run(x)
+        torch.autograd.backward(out, grad)
+        return None, x.grad, *[None] * (len(ctx.needs_input_grad) - 2)
+
+    @staticmethod
+    def wrap(run, params, x):  # block.forward under full recomputation
+        return Recompute.apply(run, x, *params)
+
+
+# Selective: torch's selective activation checkpointing (SAC) policy keeps the outputs of the linear layers
+# (MUST_SAVE); every other op of the block is run again in backward (PREFER_RECOMPUTE). On a GPU the attention
+# core is one fused op; it is recomputed too.
 KEEP = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default}
 
 
@@ -99,19 +140,19 @@ def keep_matmuls(ctx, op, *args, **kwargs):
 
 
 def recompute(blocks, how):
-    """Each block's forward runs inside torch.utils.checkpoint (non-reentrant): forward keeps the block's
-    input only (full) or also the matmul outputs (selective); backward re-runs the block from there, with
-    the RNG state forward started from (preserve_rng_state: the same dropout masks). Parameter names and
-    state_dict stay the model's own."""
+    """Each block's forward (one input, one output) runs inside Recompute (full), or inside torch's
+    checkpoint with its selective policy (selective: torch's mechanism, replaying the RNG as Recompute does).
+    Parameter names and state_dict stay the model's own. With zero.py's Zero, apply it after Zero, to its
+    units (full: any stage; selective: 0-2); before, Zero refuses it (the rerun would miss the parameters)."""
     if how not in ("none", "full", "selective"):
         raise ValueError(f"recompute {how!r}: use 'none', 'full' or 'selective'")
-    if how == "none":
-        return
-    ctx = functools.partial(create_selective_checkpoint_contexts, keep_matmuls) if how == "selective" \
-        else noop_context_fn
-    for block in blocks:
-        block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False, context_fn=ctx,
-                                          respect_saved_tensors_hooks=False)  # (an outer pair: not for us)
+    sac = functools.partial(create_selective_checkpoint_contexts, keep_matmuls)
+    for block in blocks if how != "none" else ():
+        if how == "full":
+            block.forward = functools.partial(Recompute.wrap, block.forward, tuple(block.parameters()))
+        else:  # (respect_saved_tensors_hooks=False: an outer pair of hooks is not the recomputation's)
+            block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False, context_fn=sac,
+                                              respect_saved_tensors_hooks=False)
 
 
 # ============================================================================= 2. activation compression
@@ -216,6 +257,9 @@ def check_args(args, world):
         fail("--recompute and --compress-activations: pick one (a recomputed block keeps little to compress)")
     if args.compress_activations == "bf16" and args.dtype == "bfloat16":
         fail("--compress-activations bf16 with --dtype bfloat16 saves nothing: use int8, or --dtype float32")
+    if args.check and args.dropout > 0:  # (recomputation's exactness with dropout: memory_savers_checks.py)
+        fail(f"--check needs --dropout 0 (got {args.dropout}): the one-process reference cannot replay the "
+             "ranks' dropout streams")
 
 
 def main():

@@ -10,7 +10,9 @@ holds the whole model state, yet only 1/N of the update work needs to happen on 
            parameters with its shard of the Adam moments, then all-gather the parameters. Both overlap
            with compute: each unit's reduce-scatter starts as soon as the last micro-batch's backward has
            produced its gradient (as DDP's buckets do), each unit's all-gather is waited for only just
-           before the unit's next forward.
+           before the unit's next forward. (main's loop does not show that overlap on a GPU: its loss
+           all-reduce for the log line queues behind the all-gathers on the group's one stream, and the
+           .item() and the step timer's synchronize wait for it. Log without a collective to keep it.)
   stage 2  P_os+g: gradients sharded too: each unit's gradient is reduce-scattered as soon as backward has
            produced it (every micro-batch, asynchronously) and only this rank's shard of it is kept.
   stage 3  P_os+g+p: parameters sharded too (FSDP, Zhao et al. 2023). A unit (a transformer block; what is
@@ -22,7 +24,10 @@ holds the whole model state, yet only 1/N of the update work needs to happen on 
   Reductions are launched in one fixed unit order on every rank (the reverse of forward's, the root last),
   each once it and the units before it are ready, as ddp_bucketed.py's buckets: NCCL matches collectives
   by order, so a graph that depends on the data (a unit one rank skips) must not reorder them; a unit this
-  rank's backward did not reach takes its turn with zeros. A weight tied inside a unit is one flat slot
+  rank's backward did not reach takes its turn with zeros. That holds for stages 0-2. Stage 3 interleaves
+  its gathers with the reductions in the order the units run, so every rank must run every unit once per
+  forward, in `units` order (as FSDP assumes): a unit run out of turn, or one skipped, is refused with a
+  ValueError before its all-gather is issued. A weight tied inside a unit is one flat slot
   that each of its names reads; a tie across units is refused (it would be cut in two).
   The core (Zero) is complete in one dtype, on the device; two variants follow it, each a subclass:
   --mixed-precision MixedPrecisionZero (Micikevicius et al. 2018): forward and backward on a bf16/fp16 copy
@@ -35,8 +40,11 @@ holds the whole model state, yet only 1/N of the update work needs to happen on 
                     off the GPU what is not in use. On mixed precision (or in full precision): the master
                     shard and the Adam moments live in CPU memory, and so does a buffer for the gradient
                     shard; each step the device's gradient shard is copied into it, clipping and AdamW run
-                    on the host, and the new parameters are copied back into the device's compute copy.
-                    On a CPU-only machine the same code path runs.
+                    on the host, and the new parameters are copied back into the device's compute copy. On a
+                    GPU the host buffers are page-locked (pinned), so both copies are asynchronous: the
+                    gradients' copies are queued and waited for once, before AdamW reads them; the copies
+                    back are not waited for (the host writes the master again only after the next step's
+                    wait). On a CPU-only machine the same code path runs.
 
 Flat shards: each unit's parameters are flattened into one vector, padded to N*S elements, S = ceil(P/N),
 and rank r owns elements [r*S, (r+1)*S), so any parameter count works at any world size:
@@ -94,13 +102,31 @@ class Args(CommonArgs):
 
 # ============================================================================= the ZeRO core
 # ZeRO's two collectives, on flat vectors, asynchronous: a ring reduce-scatter or all-gather (NCCL) moves
-# (N-1)/N of the vector over each link. (On gloo they are replaced at the end of the file: a note.)
+# (N-1)/N of the vector over each link. torch's gloo runs reduce_scatter_single as an all-reduce of a copy of
+# the whole vector and all_gather_single through flat copies of every shard; N reduces to the owners and N
+# broadcasts from them, in place (as torch's ZeroRedundancyOptimizer broadcasts), hand over the same bytes.
+class Works(list):  # gloo: the works of several collectives, waited for as one
+    def wait(self):
+        for w in self:
+            w.wait()
+
+
 def reduce_scatter_(full, group):  # (N*S,) global -> (work, (S,) local: my shard of the sum, once done)
-    out = full.new_empty(full.numel() // dist.get_world_size(group))
+    N, me = dist.get_world_size(group), dist.get_rank(group)
+    S = full.numel() // N
+    if dist.get_backend(group) == "gloo":
+        return Works(dist.reduce(full[q * S:(q + 1) * S], group_dst=q, group=group, async_op=True)
+                     for q in range(N)), full[me * S:(me + 1) * S]
+    out = full.new_empty(S)
     return dist.reduce_scatter_single(out, full, group=group, async_op=True), out
 
 
 def all_gather_(full, shard, group):  # (S,) local -> (N*S,) global, into `full`; returns (work, its input)
+    N, me, S = dist.get_world_size(group), dist.get_rank(group), shard.numel()
+    if dist.get_backend(group) == "gloo":
+        full[me * S:(me + 1) * S].copy_(shard)  # (a no-op when it is that slice already)
+        return Works(dist.broadcast(full[q * S:(q + 1) * S], group_src=q, group=group, async_op=True)
+                     for q in range(N)), shard
     if shard.untyped_storage().data_ptr() == full.untyped_storage().data_ptr():
         shard = shard.clone()  # stages 1-2 publish a slice of `full`: the input may not alias it
     return dist.all_gather_single(full, shard, group=group, async_op=True), shard
@@ -129,12 +155,16 @@ class FlatUnit(nn.Module):
 
     def __init__(self, zero, module, prefix):
         super().__init__()
-        self.zero, self.module, z = zero, module, zero
+        self.zero, self.module, self.path, z = zero, module, prefix[:-1] or "(root)", zero
         named = list(module.named_parameters(remove_duplicate=False))  # its own (units inside: replaced)
         for tie in [f"{prefix + n} is {z.taken[id(p)]}" for n, p in named if id(p) in z.taken]:
             raise ValueError(f"{tie} of another unit: a tie across units would be cut in two; put both in "
                              "one unit (inside a unit a tie is shared) or untie them")
         z.taken.update({id(p): prefix + n for n, p in named})
+        for n in [(prefix + n).rstrip(".") for n, m in module.named_modules() if "forward" in vars(m)]:
+            raise ValueError(f"{n or 'the model'}.forward was replaced before Zero (recomputation?): rerun "
+                             "in backward it would miss the parameters Zero moves into the flat vector; wrap "
+                             "the unit after Zero")
         self.tied = {n: next(m for m, q in named if q is p) for n, p in named}  # name -> its tensor's first
         named = [(n, p) for n, p in named if self.tied[n] == n]  # each tensor once: one slot, however tied
         self.names = [prefix + n for n in self.tied]  # every name in the original model
@@ -171,6 +201,7 @@ class FlatUnit(nn.Module):
         if self.zero.stage < 3 or not self.numel:  # (a root unit may have no parameters of its own)
             self.zero.wait_published(self)  # stages 1-2: the all-gather of the last step's update
             return functional_call(self.module, self.views(self.full if self.numel else self.compute), args)
+        self.zero.check_order(self)  # the unit next in order, or refused before its all-gather
         full = GatherParams.apply(self.shard, self)  # (N*S,) global: all-gathered just before use
         self.in_forward = full.untyped_storage().data_ptr()  # where it lies, for Zero._pack (not a reference)
         try:
@@ -197,6 +228,17 @@ class FlatUnit(nn.Module):
         return self.grad
 
 
+def check_stage(stage):  # the core's checks, pure: before any collective (check_args calls them too)
+    if stage not in (0, 1, 2, 3):
+        raise ValueError(f"stage must be 0, 1, 2 or 3 (ZeRO's stages: 0 is DDP, 3 is FSDP), got {stage}")
+
+
+def check_split(rows, world, accum):  # a remainder would be dropped, the loss silently wrong
+    if accum < 1 or rows % (world * accum):
+        raise ValueError(f"{rows} rows must split into {world} ranks x {accum} micro-batches (accum >= 1): "
+                         f"pass a multiple of {world * max(accum, 1)}")
+
+
 class Zero:
     """ZeRO around any nn.Module built on the CPU, in the model's one dtype. `units`: submodules, in forward's
     order, that become FlatUnits; what is left is the root unit. Per step: zero(x) and zero.backward(loss)
@@ -205,8 +247,7 @@ class Zero:
 
     def __init__(self, model, units=(), stage=0, optimizer=torch.optim.AdamW, clip=0.0, group=None,
                  device=None):
-        if stage not in (0, 1, 2, 3):
-            raise ValueError(f"stage {stage}: ZeRO has stages 0 (DDP), 1, 2 and 3 (FSDP)")
+        check_stage(stage)
         self.group = group or dist.group.WORLD
         self.rank, self.world = dist.get_rank(self.group), dist.get_world_size(self.group)
         self.stage, self.clip, p0 = stage, clip, next(model.parameters())
@@ -240,10 +281,19 @@ class Zero:
         buf = torch.empty(u.padded, dtype=self.compute_dtype, device=self.device)
         return all_gather_(buf, u.shard.detach(), self.group)[0], buf
 
+    def check_order(self, u=None):  # u: the unit forward runs now (None: forward ended). The top says why
+        want = self.forward_order[self.ran] if self.ran < len(self.forward_order) else None
+        if u is not want and self.order is self.forward_order:  # (backward may rerun a unit: recomputation)
+            raise ValueError(f"stage 3: {f'unit {u.path} ran' if u else 'forward ended'} where unit "
+                             f"{getattr(want, 'path', 'none')} was next: every rank must run every unit once "
+                             "per forward, in `units` order (collectives pair by order); stages 0-2 take any "
+                             "graph")
+        self.ran += 1
+
     def _new_pass(self, order):  # a prefetch the last pass did not use (a forward without its units) ends
         for work, _ in self.prefetched.values():
             work.wait()
-        self.order, self.prefetched = order, {}
+        self.order, self.prefetched, self.ran = order, {}, 0
 
     # --- the gradient reductions, launched during backward -----------------------------------------------
     def reduce_grad(self, u, g):
@@ -291,7 +341,10 @@ class Zero:
     def __call__(self, *args):
         self._new_pass(self.forward_order)
         with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
-            return self.root(*args)
+            out = self.root(*args)
+        if self.stage == 3 and self.ran < len(self.forward_order):  # a unit skipped last: before backward
+            self.check_order()
+        return out
 
     def backward(self, loss, last=True):
         """One micro-batch's backward. last=False on all but the step's last: stages 0-1 reduce once per step
@@ -347,6 +400,20 @@ class Zero:
             self.publishing.pop(v)[0].wait()
 
 
+def full_state_dict(zero):
+    """The whole unsharded model on every rank, {name in the original model: tensor (CPU)}, master dtype:
+    what a copier saves for inference or compares with plain training. Collective: every rank calls it."""
+    zero.wait_published()
+    out = {}
+    for u in zero.units:
+        flat = u.master.to(zero.device)
+        if zero.stage > 0 and u.numel:
+            flat = torch.empty(u.padded, dtype=u.master.dtype, device=zero.device)
+            all_gather_(flat, u.master.to(zero.device), zero.group)[0].wait()
+        out.update({n: v.detach().cpu().clone() for n, v in zip(u.names, u.views(flat).values())})
+    return out
+
+
 def to_device(t, device):  # one host-to-device copy (a GPU: from pinned memory, async: the host goes on)
     return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t.to(device)
 
@@ -354,9 +421,8 @@ def to_device(t, device):  # one host-to-device copy (a GPU: from pinned memory,
 def train_step(zero, x, y, n_tok, accum, loss_fn):
     """One optimizer step on this rank's rows of (x, y), copied to the device once, in `accum` micro-batches;
     returns this rank's loss (on the device) and zero.step()'s. loss_fn(out, y, n_tok): sum / global count."""
-    rows, rest = divmod(x.shape[0], zero.world)
-    if rest:  # (checked before any collective: a remainder would be dropped, the loss silently wrong)
-        raise ValueError(f"{x.shape[0]} rows do not split over {zero.world} ranks: pass a multiple of it")
+    check_split(x.shape[0], zero.world, accum)  # before any collective
+    rows = x.shape[0] // zero.world
     x, y = (to_device(t[zero.rank * rows:(zero.rank + 1) * rows], zero.device) for t in (x, y))  # (B/N, ...)
     local = torch.zeros((), dtype=torch.float64, device=zero.device)
     for i, (xm, ym) in enumerate(zip(x.chunk(accum), y.chunk(accum))):  # (B/(N*accum), ...) each
@@ -398,7 +464,7 @@ class MixedPrecisionZero(Zero):
 
     def publish(self):  # master -> compute copy (fp32 -> bf16), then Zero's all-gather of stages 1-2
         for u in self.units:
-            u.compute.copy_(u.master)
+            u.compute.copy_(u.master, non_blocking=True)  # (OffloadZero on a GPU: from pinned host memory)
         super().publish()
 
 
@@ -407,24 +473,31 @@ class OffloadZero(MixedPrecisionZero):
     """ZeRO-Offload (--offload, see the top) on mixed precision (compute_dtype=None: full precision): master
     shards, Adam moments and AdamW's step on the host; the device hands over the gradient shards each step."""
 
-    def new_master(self, u, mine):  # on the host, with a host buffer for u's gradient shard
-        u.host_grad = torch.zeros_like(mine, device="cpu")
-        return mine.to("cpu", copy=True)
+    def new_master(self, u, mine):  # on the host, with a host buffer for u's gradient shard; on a GPU both
+        pin = self.device.type == "cuda"  # page-locked, so that the copies to and from the device are async
+        u.host_grad = torch.zeros(mine.shape, dtype=mine.dtype, pin_memory=pin)
+        return mine.to("cpu", copy=True).pin_memory() if pin else mine.to("cpu", copy=True)
 
-    def update(self, grads, norm):  # device -> host: clipping and AdamW run there
-        super().update([u.host_grad.copy_(g) for u, g in zip(self.units, grads)], norm)
+    def update(self, grads, norm):  # device -> host (every shard's copy queued, then one wait): AdamW there
+        host = [u.host_grad.copy_(g, non_blocking=True) for u, g in zip(self.units, grads)]
+        if self.device.type == "cuda":  # AdamW on the host reads them next (publish's copies back are not
+            torch.cuda.current_stream(self.device).synchronize()  # waited for: the top says why)
+        super().update(host, norm)
 
 
 # ----------------------------------------------------------------------------- main
 def check_args(args, world):
     check_common_args(args)
-    if args.stage not in (0, 1, 2, 3):
-        fail(f"--stage must be 0, 1, 2 or 3 (ZeRO stages; 3 is FSDP), got {args.stage}")
+    try:  # the core's own checks, each message as one line (its argument named as the flag)
+        check_stage(args.stage)
+    except ValueError as e:
+        fail(f"--{e}")
+    try:
+        check_split(args.batch_size, world, args.accum)
+    except ValueError as e:
+        fail(f"--batch-size, --accum: {e}")
     if args.offload and args.stage == 0:
         fail("--offload moves the sharded optimizer state to the CPU: use it with --stage 1, 2 or 3")
-    if args.accum < 1 or args.batch_size % (world * args.accum):
-        fail(f"--batch-size {args.batch_size} must split into {world} ranks x --accum {args.accum} "
-             f"micro-batches (--accum >= 1; e.g. --batch-size {world * max(args.accum, 1)})")
     if args.mixed_precision != "none" and args.dtype == "bfloat16":
         fail("--mixed-precision keeps the master weights in --dtype: use --dtype float32 (or float64)")
     if args.scale_window < 1:
@@ -606,19 +679,6 @@ def check_run(d, args, losses, full):
     return check_against_reference(d, args, losses, full)  # common.reference_train
 
 
-def full_state_dict(zero):
-    """The whole unsharded model on every rank, {name in the original model: tensor}, master dtype."""
-    zero.wait_published()
-    out = {}
-    for u in zero.units:
-        flat = u.master.to(zero.device)
-        if zero.stage > 0 and u.numel:
-            flat = torch.empty(u.padded, dtype=u.master.dtype, device=zero.device)
-            all_gather_(flat, u.master.to(zero.device), zero.group)[0].wait()
-        out.update({n: v.detach().cpu().clone() for n, v in zip(u.names, u.views(flat).values())})
-    return out
-
-
 def reference(args, world, device="cpu"):
     """What --check compares a --mixed-precision run with: one process, the same recipe, written plainly
     with nn.Module parameters. A low-precision copy of the model (none: the model
@@ -747,10 +807,13 @@ class FlatShardCheckpoint:
         self.rank, self.world = dist.get_rank(self.group), dist.get_world_size(self.group)
 
     def _complete_steps(self):
+        return self._steps_with("meta.pt")
+
+    def _steps_with(self, name):  # the steps whose directory holds file `name`, in order
         if not self.root or not os.path.isdir(self.root):
             return []
         return sorted(int(f[4:]) for f in os.listdir(self.root) if f.startswith("step") and f[4:].isdigit()
-                      and os.path.exists(os.path.join(self.root, f, "meta.pt")))
+                      and os.path.exists(os.path.join(self.root, f, name)))
 
     def _read_meta(self, path):
         """A step's meta.pt, checked against this run (another world size is fine: load reshards)."""
@@ -776,9 +839,17 @@ class FlatShardCheckpoint:
         steps = self._complete_steps()
         if steps:  # checked before the collective
             self._read_meta(os.path.join(self.root, f"step{steps[-1]}"))
-        t = torch.tensor([steps[-1] if steps else 0], device=self.d.device)
-        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)  # every rank sees the same directory
-        step = int(t.item())
+        # Only rank 0 writes meta.pt: on node-local disks the other nodes' ranks hold their pieces without it.
+        # Only the newest step may lack it (a save cut short); ranks that disagree see different directories.
+        mine = [s for s in self._steps_with(f"rank{self.rank}.pt")[:-1] if s not in steps]  # older, no meta
+        newest = steps[-1] if steps else 0
+        t = torch.tensor([newest, -newest, len(mine)], device=self.d.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)  # (the largest, -(the smallest), orphans)
+        hi, lo, orphans = int(t[0]), -int(t[1]), int(t[2])
+        if hi != lo or orphans:
+            fail(f"--ckpt-dir {self.root}: the ranks see different checkpoints (newest complete step {lo} to "
+                 f"{hi}; {orphans} older steps with a piece but no meta.pt): it must be shared by every node")
+        step = hi
         if not step:
             return 0, {}
         path = os.path.join(self.root, f"step{step}")
@@ -821,38 +892,6 @@ class FlatShardCheckpoint:
     def _atomic_save(obj, path):
         torch.save(obj, path + ".tmp")
         os.replace(path + ".tmp", path)
-
-
-# --- backend note: gloo --- (neither measurement nor reference: ZeRO's two collectives, faster on gloo) ---
-# torch's gloo backend runs reduce_scatter_single as an all-reduce of a copy of the whole vector, and
-# all_gather_single through flat copies of every shard (ProcessGroupGloo). On gloo, N reduces to the owners
-# and N broadcasts from them, in place (as torch's ZeroRedundancyOptimizer broadcasts), hand over the same
-# bytes without the copies. These two replace the core's collectives; on NCCL they are the core's.
-class Works(list):  # the works of several collectives, waited for as one
-    def wait(self):
-        for w in self:
-            w.wait()
-
-
-_ring_reduce_scatter, _ring_all_gather = reduce_scatter_, all_gather_
-
-
-def reduce_scatter_(full, group):  # noqa: F811  (N*S,) global -> (work, (S,) local), as above
-    if dist.get_backend(group) != "gloo":
-        return _ring_reduce_scatter(full, group)
-    N, me = dist.get_world_size(group), dist.get_rank(group)
-    S = full.numel() // N
-    return Works(dist.reduce(full[q * S:(q + 1) * S], group_dst=q, group=group, async_op=True)
-                 for q in range(N)), full[me * S:(me + 1) * S]
-
-
-def all_gather_(full, shard, group):  # noqa: F811  (S,) local -> (N*S,) global, into `full`, as above
-    if dist.get_backend(group) != "gloo":
-        return _ring_all_gather(full, shard, group)
-    N, me, S = dist.get_world_size(group), dist.get_rank(group), shard.numel()
-    full[me * S:(me + 1) * S].copy_(shard)  # (a no-op when it is that slice already)
-    return Works(dist.broadcast(full[q * S:(q + 1) * S], group_src=q, group=group, async_op=True)
-                 for q in range(N)), shard
 
 
 if __name__ == "__main__":

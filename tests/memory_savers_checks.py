@@ -2,11 +2,15 @@
 
     torchrun --nproc_per_node=3 tests/memory_savers_checks.py
 
-1. Recomputation, full and selective, with dropout 0.1: one micro-batch's gradients equal plain autograd's
-   bit for bit (backward replays forward's RNG state: the same masks; a recomputation that does not is
-   caught); the bytes the blocks keep equal L b T D e (full) and 10 L b T D e (selective), counted from the
-   storages alive after forward (a selective policy that keeps every op is caught); without savers, those
-   storages plus the token ids' are exactly what harness.SavedActivations sees autograd save.
+1. Recomputation, full (Recompute, the file's own) and selective (torch's policy), with dropout 0.1: one
+   micro-batch's gradients equal plain autograd's bit for bit (backward replays forward's RNG state: the
+   same masks; a recomputation that does not is caught); composed with zero.py's Zero (both technique
+   sections loaded alone) after Zero, on its units: full at stages 0-3, selective at 1, two steps at world
+   3 bit for bit equal to Zero without it (a rerun without the replay is caught); applied before Zero,
+   refused with a ValueError before any collective; the bytes the blocks keep equal L b T D e (full) and
+   10 L b T D e (selective), counted from the storages alive after forward (a selective policy that keeps
+   every op is caught); without savers, those storages plus the token ids' are exactly what
+   harness.SavedActivations sees autograd save.
 2. Gist, float32: bf16 / int8 keep about 1/2 / 1/4 of the bytes; the gradients lie within a few units of
    the encoding's rounding of the exact ones (a decoder returning zeros is caught); the loss after 3
    steps of data parallel training within 1e-2 of plain training, and not equal to it (lossy).
@@ -37,6 +41,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint
 import memory_savers as M
 import section  # noqa: E402  (tests/section.py)
 from common import GPTConfig, MarkovData, build_gpt, close_dist, count_tokens, init_dist, lm_loss, make_optimizer
+from harness import CommCounter
 
 FAILED = []
 
@@ -74,6 +79,10 @@ def grads(d, a, x, y, how="none", gist=None, dtype=torch.float64, seed=5):
 
 
 # ----------------------------------------------------------------------------- 1. recomputation
+def no_replay(rng, device):  # mutant: the rerun draws fresh dropout masks
+    return contextlib.nullcontext()
+
+
 def check_recompute(d, args):
     a = replace(args, dropout=0.1)
     x, y = micro_batch(d, a)
@@ -82,7 +91,7 @@ def check_recompute(d, args):
         diff = max_diff(grads(d, a, x, y, how), plain)
         check(d, f"recompute {how}, dropout 0.1: gradients == plain autograd, bit for bit", diff == 0, f"({diff:.1e})")
         forgetful = lambda *p, **k: checkpoint(*p, **{**k, "preserve_rng_state": False})  # noqa: E731
-        with mock.patch.object(M, "checkpoint", forgetful):
+        with mock.patch.object(M, "checkpoint", forgetful), mock.patch.object(M, "replayed", no_replay):
             diff = max_diff(grads(d, a, x, y, how), plain)
         check(d, f"recompute {how} mutant (dropout masks not replayed) is caught", diff > 1e-6, f"({diff:.1e})")
 
@@ -105,6 +114,52 @@ def check_recompute(d, args):
     got = M.activations(model, x)
     check(d, "recompute selective mutant (keeps every op) is caught", got["blocks"] != 10 * L * b * T * D * e,
           f"({got['blocks']} B)")
+
+
+def check_with_zero(d, args):
+    """Recomputation composed with zero.py's Zero, both technique sections loaded alone (tests/section.py):
+    full recomputation applied after Zero, to its units, with dropout 0.1 at world 3, trains as Zero without
+    it at every stage, bit for bit (the masks replayed; a rerun that draws fresh ones is caught); selective
+    (torch's policy) too, at stage 1 (it works at 0-2; at 3 torch's replay meets the unit's all-gather);
+    applied before Zero it is refused with a ValueError naming the block, before any collective."""
+    ms, zs, a = section.load("memory_savers.py"), section.load("zero.py"), replace(args, dropout=0.1)
+    data, units = MarkovData(a.vocab, a.seed), [f"blocks.{i}" for i in range(a.n_layers)]
+
+    def train(stage, how, before=False):  # (losses, the whole trained model)
+        model = build_gpt(GPTConfig.from_args(a), a.seed, torch.float64)
+        if before:
+            ms["recompute"](model.blocks, how)
+        zero = zs["Zero"](model, units, stage=stage, optimizer=lambda ps: make_optimizer(ps, a), clip=a.clip,
+                          device=d.device)
+        ms["recompute"](model.blocks, how)  # on the units now
+        torch.manual_seed(a.seed + d.rank)  # the dropout masks
+        losses = []
+        for step in range(2):
+            x, y = data.batch(step, a.batch_size, a.seq_len)
+            local, _ = zs["train_step"](zero, x, y, count_tokens(y), a.accum, lm_loss)
+            dist.all_reduce(local)
+            losses.append(local.item())
+        return losses, zs["full_state_dict"](zero)
+
+    for stage in range(4):
+        want = train(stage, "none")
+        for how in ("full", "selective") if stage == 1 else ("full",):  # (selective: torch's; not at stage 3)
+            got = train(stage, how)
+            diff = max_diff(got[1], want[1])
+            check(d, f"recompute {how} on Zero's units, stage {stage}, dropout 0.1: == Zero alone, bit for bit",
+                  diff == 0 and got[0] == want[0], f"({diff:.1e}; losses equal: {got[0] == want[0]})")
+    ms["replayed"] = no_replay  # (the section's own global: Recompute.backward reads it there)
+    diff = max_diff(train(3, "full")[1], want[1])
+    check(d, "recompute full on Zero's units mutant (dropout masks not replayed) is caught", diff > 1e-6,
+          f"({diff:.1e})")
+    with CommCounter() as comm:
+        try:
+            train(3, "full", before=True)
+            msg = "accepted"
+        except ValueError as e:
+            msg = str(e)
+    check(d, "recompute before Zero: refused with a ValueError naming the block, before any collective",
+          "blocks.0.forward was replaced before Zero" in msg and not comm.calls, f"({msg}; {comm.calls})")
 
 
 # ----------------------------------------------------------------------------- 2. Gist
@@ -207,7 +262,6 @@ class Spare(nn.Module):
 
 
 def check_bad_input(d):
-    from harness import CommCounter
     text = open(os.path.join(ROOT, "memory_savers.py")).read()
     cores = {"": section.load("memory_savers.py"),
              "mutant ": section.load("memory_savers.py", text.replace("raise ValueError(", "str("))}
@@ -238,6 +292,7 @@ def main():
     base = M.Args(vocab=32, seq_len=8, d_model=16, n_heads=2, n_layers=3, batch_size=12, steps=3,
                   dtype="float64", accum=2, clip=0.5, lr=1e-2)
     check_recompute(d, base)
+    check_with_zero(d, base)
     check_compression(d, base)
     check_adafactor(d, base)
     check_bad_input(d)

@@ -2,7 +2,8 @@
 and Adafactor exactly, against plain training and torch.optim.Adafactor; Gist against a forward whose saved
 tensors are rounded as the encoding rounds them) at worlds 2, 3 and 4; the bytes each saver keeps are
 counted beside their closed form; a run killed and restarted by torchrun, with dropout, recomputation and
-Adafactor's state, equals the uninterrupted run without recomputation bit for bit; bad input exits 2; and
+Adafactor's state, equals the uninterrupted run without recomputation bit for bit; bad input exits 2 (and
+--check with dropout, which no one-process reference can replay, is refused up front on every rank); and
 the savers, copied out of memory_savers.py with nothing but torch, work on a model that is not the GPT.
 tests/memory_savers_checks.py (one launch at world 3) holds the gradient-level checks and their mutants."""
 import sys
@@ -12,8 +13,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from helpers import (ROOT, TINY, assert_bad_input, assert_matches_reference, check_lines, passed, run_python,
-                     torchrun, torchrun_bad_input)
+from helpers import (ROOT, TINY, assert_bad_input, assert_each_rank_fails, assert_matches_reference, check_lines,
+                     passed, run_python, run_ranks, torchrun, torchrun_bad_input)
 
 sys.path.insert(0, str(ROOT))
 from common import GPT, GPTConfig, reference_train  # noqa: E402
@@ -101,6 +102,9 @@ def test_bad_input():
     assert p.returncode == 2 and "pick one" in p.stderr and len(p.stderr.strip().splitlines()) == 1, p.stderr
     assert_bad_input(torchrun_bad_input("memory_savers.py", 2, "--batch-size", "12", "--accum", "5"), 2,
                      ["--accum 5", "must split"])
+    # --check with dropout: refused up front on every rank (it reported FAILED after training, at any world)
+    assert_each_rank_fails(run_ranks("memory_savers.py", 2, *TINY, "--dropout", "0.1", "--check"),
+                           ["--check needs --dropout 0 (got 0.1)", "dropout streams"])
 
 
 # ----------------------------------------------------------------------------- copy-out: check your own trainer

@@ -3,13 +3,15 @@
 formulas say; stage 3 prefetches and frees its gathered storages; bytes handed to collectives equal a closed
 form from the model's parameter counts; offload and bf16 train correctly (bf16 against a one-process
 reference with the same precision recipe); fp16 skips an injected overflow on every rank
-(tests/zero_checks.py); a checkpoint saved at world 4 resumes at world 2; a run killed and restarted by
+(tests/zero_checks.py); a checkpoint saved at world 4 resumes at world 2, and the same directory as a node
+without rank 0's meta.pt sees it (node-local disks) is refused in one line; a run killed and restarted by
 torchrun at each stage, with dropout, equals the uninterrupted run bit for bit; bad input exits 2; and the
 technique section, run alone with nothing but torch, trains a model that is not the GPT exactly as plain
 one-process training does, at worlds 3 and 2, with a weight tied inside a unit, a copier's loop that never
-passes last=, and a unit only one rank runs (its reductions in the same order on every rank)
-(test_copy_out_zero_on_another_model: the way to check your own trainer)."""
-import json, sys
+passes last=, and a unit only one rank runs (stages 0-2: its reductions in the same order on every rank;
+stage 3: refused before the all-gather) (test_copy_out_zero_on_another_model: the way to check your own
+trainer, read back with the section's own full_state_dict)."""
+import json, shutil, sys
 
 import torch
 import torch.distributed as dist
@@ -90,6 +92,15 @@ def test_checkpoint_world4_resumes_at_world2(tmp_path):
     assert b["figures"]["resumed_from_step"] == 4 and b["losses"][:4] == a["losses"]
     assert_matches_reference(b)  # all 6 losses and the final parameters == one uninterrupted run
     assert_figures(b)
+    # two nodes with node-local disks, as rank 1..3's node sees it: its pieces of steps 2 and 4, no meta.pt
+    # (rank 0 writes it on its own node). Refused in one line, not a silent restart from step 0 (N3-7).
+    local = tmp_path / "node_local"
+    shutil.copytree(ckpt, local)
+    for meta in local.glob("step*/meta.pt"):
+        meta.unlink()
+    p = run_python("zero.py", *TINY, "--ckpt-dir", local)
+    assert p.returncode == 2 and len(p.stderr.strip().splitlines()) == 1, (p.returncode, p.stderr, p.stdout[-2000:])
+    assert "the ranks see different checkpoints" in p.stderr and "shared by every node" in p.stderr, p.stderr
 
 
 def shards(ckpt, step, world):
@@ -143,7 +154,8 @@ def test_bad_input():
     assert p.returncode == 2 and "--stage must be 0, 1, 2 or 3" in p.stderr, p.stderr
     assert len(p.stderr.strip().splitlines()) == 1, p.stderr
     p = run_python("zero.py", "--batch-size", "12", "--accum", "5")
-    assert p.returncode == 2 and "--accum 5" in p.stderr and len(p.stderr.strip().splitlines()) == 1, p.stderr
+    assert p.returncode == 2 and len(p.stderr.strip().splitlines()) == 1, p.stderr
+    assert "--batch-size, --accum: 12 rows must split into 1 ranks x 5 micro-batches" in p.stderr, p.stderr
     assert_bad_input(torchrun_bad_input("zero.py", 2, "--offload", "--stage", "0"), 2, ["offload", "stage 1, 2 or 3"])
 
 
@@ -273,7 +285,7 @@ def copy_out_worker(json_path, steps=3, accum=2, clip=0.2):
         zero = core[kind](make(), units, optimizer=adamw, clip=clip, group=group, **kw)
         for x, y in data:  # every rank passes the global batch; train_step takes its own rows
             loop(zero, x, y, accum) if loop else core["train_step"](zero, x, y, y.numel(), accum, huber)
-        got = Z.full_state_dict(zero)
+        got = core["full_state_dict"](zero)
         return got, max((got[n] - p).abs().max().item() for n, p in want_now.items())
 
     for world, group in ((3, None), (2, pair)):
@@ -357,6 +369,23 @@ def copy_out_worker(json_path, steps=3, accum=2, clip=0.2):
     out["same order, arrival-order mutant"] = {s: same_everywhere(s) for s in range(3)}
     core["Zero"].reduce_grad = reduce_grad
 
+    # stage 3 with a unit one rank skips: refused (ValueError) before the all-gather of the unit that ran out
+    # of turn (nccl-review-3 N3-5), each rank on a group of its own; here rank 0's rows skip body.side
+    def stage3(x, units):
+        zero, comm = core["Zero"](tower(), units, optimizer=adamw, group=singles[rank], stage=3), CommCounter(log=True)
+        try:
+            with comm:
+                core["train_step"](zero, x, y[mine], y[mine].numel(), 1, huber)
+            return ["accepted", [c["elems"] for c in comm.calls_log]]
+        except ValueError as e:
+            return [str(e), [c["elems"] for c in comm.calls_log]]
+
+    skips = x[mine].clone()
+    skips[:, 0] = -skips[:, 0].abs()  # x[:, 0] <= 0 on every row: body.side does not run
+    out["stage 3, every unit runs"] = stage3(x[mine].abs(), UNITS)
+    out["stage 3, body.side skipped"] = stage3(skips, UNITS)
+    out["stage 3, the last unit skipped"] = stage3(skips, UNITS[:2])  # (body.mix in the root unit)
+
     tied = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 3))  # a tie across units: refused, naming both
     tied[1].weight = tied[0].weight
     try:
@@ -386,7 +415,10 @@ def test_copy_out_zero_on_another_model(tmp_path):
     - a copier's loop calling zero.backward(loss) on every micro-batch (the default last=True) is exact too
       (no reduction is read while the next micro-batch writes its buffer, none counts a sum N times);
     - a unit run by one rank only (data-dependent graph): stages 0-2 are exact, and every rank issues the
-      same collectives in the same order (each recorded on a group of its own, then compared);
+      same collectives in the same order (each recorded on a group of its own, then compared); stage 3
+      refuses it with a ValueError before the all-gather of the unit that ran out of turn (a unit skipped
+      in the middle: gathered root, stem, side and not mix; the last unit skipped: at the end of forward),
+      where a piece that runs every unit trains (nccl-review-3 N3-5; today's code accepted both);
     - a tie across two units is refused with a ValueError naming both parameters, a stage 4 with one naming
       ZeRO's stages (before any collective);
     - stage 3 with every parameter inside a unit (a root unit without parameters) trains exactly;
@@ -405,11 +437,17 @@ def test_copy_out_zero_on_another_model(tmp_path):
     assert all(s["same order"].values()) and len(s["same order"]) == 3, s["same order"]
     assert not any(s["same order, arrival-order mutant"].values()), s["same order, arrival-order mutant"]
     assert "1.weight is 0.weight" in s["tie across units"] and "one unit" in s["tie across units"], s
-    assert "stage 4" in s["stage 4"][0] and "0 (DDP), 1, 2 and 3" in s["stage 4"][0] and s["stage 4"][1] == {}, s
+    assert "stage must be 0, 1, 2 or 3" in s["stage 4"][0] and "got 4" in s["stage 4"][0] and s["stage 4"][1] == {}, s
     for world in (3, 2):
         msg, calls = s[f"uneven rows, world {world}"]
-        assert f"11 rows do not split over {world} ranks" in msg and calls == {}, (msg, calls)
+        assert f"11 rows must split into {world} ranks x 2 micro-batches" in msg and calls == {}, (msg, calls)
         assert s[f"uneven rows, world {world}, control"] > 0, s
+    # stage 3, a unit skipped: refused before the gather of the unit out of turn (mix, 235 elements) is issued
+    assert s["stage 3, every unit runs"][0] == "accepted", s["stage 3, every unit runs"]
+    msg, sizes = s["stage 3, body.side skipped"]
+    assert "stage 3: unit body.mix ran where unit body.side was next" in msg and sizes == [25, 35, 56], (msg, sizes)
+    msg, sizes = s["stage 3, the last unit skipped"]  # the root (25 + mix's 235) and stem gathered, side prefetched
+    assert "stage 3: forward ended where unit body.side was next" in msg and sizes == [260, 35, 56], (msg, sizes)
 
 
 if __name__ == "__main__" and sys.argv[1:2] == ["copy-out"]:

@@ -19,6 +19,8 @@
    update only at its next forward.
 5. fp16: an overflow injected into one rank's gradient (a monkeypatch, the test hook the file no longer
    has) is skipped on every rank, with the loss scale's back-off and growth, and --check passes.
+6. FlatShardCheckpoint on node-local disks (rank 0's meta.pt on its node only): every rank refuses the
+   resume (exit 2, one line) where the old code restarted from step 0; one shared directory resumes.
 (Recomputation, activation compression and Adafactor: tests/memory_savers_checks.py.)
 Each check is also run against code broken on purpose (a gathered unit kept alive, prefetch off, offload
 aliasing the compute copy, a dropped reduction, a copy per micro-batch, reductions or all-gathers waited
@@ -26,7 +28,7 @@ for at once, the peak read after the reference), and must catch it.
 Every tensor and model lives on the process group's device (gloo + CPU here, NCCL + GPU elsewhere).
 Prints ALL CHECKS PASSED and exits 0, or names each failed check and exits 1.
 """
-import contextlib, os, sys, time
+import contextlib, os, shutil, sys, tempfile, time
 from dataclasses import replace
 from unittest import mock
 
@@ -177,6 +179,31 @@ def check_awkward(d, args, steps=3):
     got = run(3, clip=0.0)  # negative: the same run without clipping must differ
     check(d, "awkward: without clipping it differs (negative)", max_diff(got, want) > 1e-6,
           f"({max_diff(got, want):.1e})")
+
+
+def check_node_local_ckpt(d, args):
+    """FlatShardCheckpoint on two nodes with node-local disks (nccl-review-3 N3-7): rank 0 writes meta.pt on
+    its node only, so the last rank (on the other node) sees no complete step. Every rank refuses the resume
+    (exit 2), where the old MIN over the ranks' newest steps restarted every rank from step 0; the same save
+    in one shared directory resumes at its step."""
+    zero = make_zero(awkward(), replace(args, stage=1), ["a", "b"], d.device)
+    x, y = batch(d, 0)
+    Z.train_step(zero, x, y, y.numel(), args.accum, mse)
+    tmp = os.path.join(tempfile.gettempdir(), f"zero_checks_{os.environ['MASTER_PORT']}")  # the same on every rank
+    shared, node = os.path.join(tmp, "shared"), os.path.join(tmp, "node1" if d.rank == d.world - 1 else "node0")
+    got = []
+    for root in (shared, node):
+        Z.FlatShardCheckpoint(d, root, 1, 1, [u.numel for u in zero.units]).maybe_save(1, Z.ZeroShards(zero), {})
+        dist.barrier()  # (rank 0 writes meta.pt last: in a real restart the saving job has ended)
+        try:
+            got.append(Z.FlatShardCheckpoint(d, root, 1, 1, [u.numel for u in zero.units]).load(Z.ZeroShards(zero))[0])
+        except SystemExit as e:
+            got.append(f"exit {e.code}")
+    dist.barrier()
+    if d.rank == 0:
+        shutil.rmtree(tmp)
+    check(d, "checkpoint: shared dir resumes at step 1; node-local disks (meta.pt on rank 0's node) refused",
+          got == [1, "exit 2"], f"{got}")
 
 
 # ----------------------------------------------------------------------------- 2. the GPT, stages 0-3
@@ -598,6 +625,7 @@ def main():
     base = Z.Args(vocab=32, seq_len=8, d_model=16, n_heads=2, n_layers=3, batch_size=12, steps=3,
                   dtype="float64", accum=2, clip=0.5, lr=1e-2)
     check_awkward(d, base)
+    check_node_local_ckpt(d, base)
     check_gpt(d, base)
     check_mixed(d, base)
     check_gpu_defects(d, base)
