@@ -44,7 +44,7 @@ def test_ep3_restart(tmp_path):
     bias lost in the restart would move the routing and the losses); each step's loads add up to every token's
     k choices (nothing dropped), and the uneven all-to-all's bytes per rank equal their value expected from
     the routed counts."""
-    s, out = torchrun("moe_deepseek.py", 3, *TINY, "--experts", "6", "--shared-experts", "1", "--bias-rate", "0.02",
+    s, out = torchrun("moe_deepseek.py", 3, *TINY, "--experts", "6", "--shared-experts", "1", "--bias-rate", "0.005",
                       "--seq-aux-weight", "0.01", "--check", "--ckpt-dir", tmp_path / "ckpt", "--save-every", "1",
                       "--fail-at-step", "2", tmp_path=tmp_path, max_restarts=1, name="ep3")
     assert "simulated failure at step 2" in out and "resumed from" in out, out[-3000:]
@@ -53,11 +53,13 @@ def test_ep3_restart(tmp_path):
     tokens = cfg["batch_size"] * cfg["seq_len"]
     assert [[sum(l) for l in step] for step in f["expert_load_per_step"]] == [[2 * tokens] * 2] * 2, f  # steps 2, 3
     assert len(f["maxvio_per_step"]) == 2 and all(v >= 0 for v in f["maxvio_per_step"])
-    assert any(b != 0 for bias in f["expert_bias"] for b in bias) and len(f["expert_bias"]) == 2, f
+    assert any(b != 0 for bias in f["expert_bias"] for b in bias) and len(f["expert_bias"]) == 2, f  # (at 0.02 it
+    # oscillates back to 0 in 4 steps: the tiny gates' score gaps are smaller than the rate)
     sent, expected = f["alltoall_bytes_per_rank"], f["alltoall_bytes_expected_per_rank"]
     assert sent == expected and min(sent) > 0 and len(set(sent)) > 1, (sent, expected)  # uneven across ranks
     assert s["comm_bytes"] == sent[0] and f["counts_bytes_per_step"] == 2 * 6 * 8, f
-    for total, lm, aux in zip(s["losses"][2:], f["lm_losses"], f["aux_losses"]):
+    assert len(s["losses"]) == len(f["lm_losses"]) == len(f["aux_losses"]) == 4  # the history resumes too
+    for total, lm, aux in zip(s["losses"], f["lm_losses"], f["aux_losses"]):
         assert abs(total - (lm + 0.01 * aux)) < 1e-12 and aux > 0
 
 
