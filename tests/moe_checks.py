@@ -125,9 +125,8 @@ def train(d, args, lay, data, groups):
     return losses, moe.full_params(lay, model)
 
 
-# (router, extra flags): the four routers; noisy top-3 over 4 experts (the k-th largest of the others in its load)
-PARITY = [("noisy_topk", dict(top_k=2)), ("gshard", {}), ("switch", {}), ("expert_choice", {}),
-          ("noisy_topk", dict(top_k=3, capacity_factor=0.5))]
+# (router, extra flags): the four routers
+PARITY = [("noisy_topk", dict(top_k=2)), ("gshard", {}), ("switch", {}), ("expert_choice", {})]
 
 
 def parity(d, data, layouts):
