@@ -31,6 +31,7 @@ ROOT = Path(__file__).resolve().parent.parent
 FILES = ["dp.py", "ddp_bucketed.py", "diloco.py", "fault_tolerance.py", "zero.py", "memory_savers.py",
          "gpipe.py", "pipedream.py", "zero_bubble.py", "megatron_tp.py", "ptdp.py", "moe.py",
          "context_parallel.py"]
+FILES.append("moe_deepseek.py")  # issue 43: the 2024 MoE line, split from moe.py
 CATEGORIES = ("technique", "measure", "checkpoint", "validation", "check", "docstring", "boilerplate")
 # Sorting a statement by its text: the first category whose pattern matches (in this order) wins.
 PATTERNS = {

@@ -47,10 +47,16 @@ def test_no_object_collectives():
 TECHNIQUES = ["dp.py", "ddp_bucketed.py", "diloco.py", "fault_tolerance.py", "zero.py", "memory_savers.py",
               "gpipe.py", "pipedream.py", "zero_bubble.py", "megatron_tp.py", "ptdp.py", "moe.py",
               "context_parallel.py"]
+TECHNIQUES.append("moe_deepseek.py")  # issue 43: the 2024 MoE line, split from moe.py
 # Read path: the lines from the end of the module docstring to the `# --- measurement ---` fence, what a
 # learner reads (issue 29: <= 400, <= 460 for the three files that teach the most).
 READ_PATH = {**{name: 400 for name in TECHNIQUES}, "megatron_tp.py": 460, "ptdp.py": 460, "moe.py": 460}
-READ_PATH["fault_tolerance.py"] = 610  # issues 39, 43: launcher above the fence, NCCL path, no split brain
+READ_PATH["moe_deepseek.py"] = 460
+# Over the design budget (DESIGN.md: 400; 520 ptdp), recorded so that growth stays a decision: nothing was moved
+# below the fence to meet them (issue 43). fault_tolerance: the launcher above the fence, the NCCL path with
+# deadlines, the quorum rules (issue 39); zero: the gloo collectives above the fence, full_state_dict, the
+# stage-3 order check; ptdp: the context axis and ZeRO-1 (issue 41).
+READ_PATH.update({"fault_tolerance.py": 610, "zero.py": 470, "ptdp.py": 550})
 # Whole-file ceilings against drift for the shared modules and tools (about today's size + room; plan.py grows
 # with issue 32).
 TOTAL = {"common.py": 300, "harness.py": 900, "bench.py": 700, "plan.py": 1100}
