@@ -285,9 +285,8 @@ def main():
         opt.zero_grad(set_to_none=True)
         watched = step == args.steps - 1  # the last step is timed and its bytes held for B measured
         with run.watching(step, comm, at=count_at):
-            loss_fn = lambda logits, targets: lm_loss(logits, targets, n_tok)  # noqa: E731
-            loss = gpipe_step(stage, xs, ys, held.holding(loss_fn) if watched else loss_fn, prev, nxt,
-                              act_shape, args.recompute, observe=held if watched else None)
+            loss = gpipe_step(stage, xs, ys, lambda logits, targets: lm_loss(logits, targets, n_tok), prev,
+                              nxt, act_shape, args.recompute, observe=held if watched else None)
         # 3. after the flush, one optimizer step: the norm of the whole model from every stage's squared norm,
         # and the batch loss that only the last stage knows, in one all-reduce of two numbers
         grads = [q.grad for q in stage.parameters()]
@@ -317,8 +316,9 @@ def main():
 class HeldForB(PipelineWatch):
     """harness.PipelineWatch (--stage-ms: each F waits that, each B twice) that also measures the activation
     bytes held for B: saved-tensor hooks around every op register what autograd saves (parameters excluded),
-    module hooks each stage input and output (what the schedule holds itself), weakly, per micro-batch
-    (LiveStorages): a graph freed by its B, or never built (a recomputing F), drops out by itself. Sampled as
+    module hooks each stage input and output (what the schedule holds itself; the last stage's 0-dim loss,
+    one number, is not seen), weakly, per micro-batch (LiveStorages): a graph freed by its B, or never built
+    (a recomputing F), drops out by itself. Sampled as
     each F ends and as each B first unpacks a saved tensor, when its whole graph is alive: .live.peak (bytes),
     .full_bytes (the most one op registered: one micro-batch's input, saved tensors and output),
     .input_bytes (the largest stage input), .alive (micro-batches whose F's storages are alive)."""
@@ -338,15 +338,6 @@ class HeldForB(PipelineWatch):
         if self.mine is not None:
             self.live.add(t)
             self.mine.add(t)
-
-    def holding(self, loss_fn):
-        """loss_fn, its output registered too: a schedule holds the last stage's loss, not the stage's
-        output, until B."""
-        def held_loss(*args):
-            out = loss_fn(*args)
-            self.hold(out)
-            return out
-        return held_loss
 
     def saving(self, kind):
         return torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
