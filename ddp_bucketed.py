@@ -310,7 +310,9 @@ def main():
     opt = make_optimizer(model.parameters(), args)
     run = Run(d, args, {"model": model, "buckets": BucketLayout(ddp), "optim": opt})  # resumes: --ckpt-dir
     comm, overlap, acts, b = CommCounter(), Overlap(ddp), SavedActivations(), args.batch_size // d.world
-    count_at = min(max(run.start, 1), args.steps - 1)  # measurement: a step bench.py leaves untimed (below)
+    # measurement: the dispatcher counter sends every op through Python, so it watches one step, the second
+    # (after the rebuild; bench.py times the steps after its warm-up, and counts torch's in its last warm-up)
+    count_at = min(max(run.start, 1), args.steps - 1)
     for step in run.steps():
         x, y = data.batch(step, args.batch_size, args.seq_len, args.ragged)  # (B, T) global batch, CPU
         n_tok = count_tokens(y)  # tokens of the whole global batch: the loss divisor on every rank
@@ -369,8 +371,6 @@ class BucketLayout:
         self.ddp._arrival, self.ddp._rebuild_pending = state["arrival"], state["pending"]
 
 
-# The dispatcher counter sends every op through Python: it watches one step, the second (after the rebuild;
-# bench.py times the steps after its warm-up, and torch's side counts in its last warm-up step too).
 class Overlap:
     """Watches a BucketedDDP, per synced backward: the buckets launched while gradients were still to come
     (fewer had arrived than at the end), and the all-reduces complete when backward ended. CPU: the works'
