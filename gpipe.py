@@ -65,7 +65,8 @@ def split_layers(n_layers, p):
     """Blocks [start, end) of each of p stages, as even as possible; when p does not divide n_layers the
     earlier stages take one block more (the last stage already carries the head and the loss)."""
     if not 1 <= p <= n_layers:
-        raise ValueError(f"{p} stages of {n_layers} blocks: each needs a block; use 1 to {n_layers} stages")
+        raise ValueError(f"{p} stages but --n-layers {n_layers}: {p} stages of {n_layers} blocks leave a "
+                         f"stage without one; use 1 to {n_layers} stages, or --n-layers {p} or more")
     base, extra = divmod(n_layers, p)
     bounds, start = [], 0
     for s in range(p):
@@ -98,12 +99,21 @@ class Stage(nn.Module):
         return self.head(self.ln_f(h)) if self.last else h  # last: logits (b, T, V); others: (b, T, D)
 
 
+def check_microbatches(rows, m):
+    """What cutting a batch of `rows` sequences into m micro-batches relies on (ValueError: what works)."""
+    if m < 1:
+        raise ValueError(f"--microbatches must be >= 1, got {m}")
+    if rows % m:
+        fit = max(k for k in range(1, m) if rows % k == 0)
+        raise ValueError(f"--batch-size {rows} is not divisible by --microbatches {m}: a batch of {rows} "
+                         f"does not cut into m = {m} equal micro-batches; use --microbatches {fit} (an m "
+                         f"that divides {rows}) or --batch-size {(rows // m + 1) * m}")
+
+
 def micro_batches(batch, m, device):
     """The step's (B, T) batch on the device in one copy (on CUDA from pinned memory, non-blocking: the host
     goes on), cut into m micro-batches (B/m, T), each in its own storage like a received input."""
-    if m < 1 or len(batch) % m:
-        raise ValueError(f"a batch of {len(batch)} does not cut into m = {m} equal micro-batches: use an m "
-                         f"that divides {len(batch)}")
+    check_microbatches(len(batch), m)
     if device.type == "cuda":
         batch = batch.pin_memory()
     return [mb.clone() for mb in batch.to(device, non_blocking=True).chunk(m)]
@@ -232,22 +242,16 @@ def squared_norm(grads):
 
 
 def check_args(args, p):
+    """The cores' own checks (check_microbatches, split_layers), their ValueError as fail's one line."""
     check_common_args(args)
-    m = args.microbatches
-    if m < 1:
-        fail(f"--microbatches must be >= 1, got {m}")
-    if args.batch_size % m:
-        fit = max(k for k in range(1, m) if args.batch_size % k == 0)
-        fail(f"--batch-size {args.batch_size} is not divisible by --microbatches {m}: use --microbatches "
-             f"{fit} or --batch-size {(args.batch_size // m + 1) * m}")
-    if p == 1:
-        nproc = max(2, min(4, args.n_layers))
-        fail(f"gpipe.py needs one process per stage, at least 2: torchrun --nproc_per_node={nproc} gpipe.py "
-             f"{' '.join(sys.argv[1:])}".rstrip())
-    if p > args.n_layers:
-        fewer = f", or torchrun --nproc_per_node={args.n_layers}" if args.n_layers >= 2 else ""
-        fail(f"{p} stages but --n-layers {args.n_layers}: every stage needs at least one block; use "
-             f"--n-layers {p} or more{fewer}")
+    try:
+        check_microbatches(args.batch_size, args.microbatches)
+        if p == 1:
+            fail(f"gpipe.py needs one process per stage, at least 2: torchrun --nproc_per_node="
+                 f"{max(2, min(4, args.n_layers))} gpipe.py {' '.join(sys.argv[1:])}".rstrip())
+        split_layers(args.n_layers, p)
+    except ValueError as e:
+        fail(str(e))
 
 
 # ----------------------------------------------------------------------------- main

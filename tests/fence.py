@@ -9,11 +9,11 @@ it replaced by a no-op trains the same. Used by tests/test_fence.py:
 Run as a script (what test_fence.py launches through tests/helpers.forked, in place of the file), it runs
 the technique file given in the environment (FENCE_FILE; FENCE_MODE "normal" or "stubbed"; FENCE_MOVE, a
 definition to move below the fence first) as `__main__` with this process's argv, and records from outside,
-after every optimizer step and every step's log line, the training result so far into FENCE_OUT/<process>.pt:
-the losses handed to harness.log_step (every Run.end_step goes through it) and, after every step of a torch
-optimizer, its parameters (the trajectory: which optimizer, its parameters then). A crash after training (a stubbed summary) leaves that record complete;
-the process then exits 0, so that its peers, whose collectives fail once it is gone, record theirs too. A
-process the file starts itself (fault_tolerance.py's replicas: `sys.executable sys.argv[0]`) runs this script
+after every optimizer step and every step's log line, the training result so far into
+FENCE_OUT/<process>.pt: the losses handed to harness.log_step (every Run.end_step goes through it) and, after
+every step of a torch optimizer, its parameters (the trajectory: which optimizer, its parameters then). A
+crash after training (a stubbed summary) leaves that record complete; the process then exits 0, so that
+its peers, whose collectives fail once it is gone, record theirs too. A process the file starts itself (fault_tolerance.py's replicas: `sys.executable sys.argv[0]`) runs this script
 again with the same environment, and records under its own command line."""
 import ast, hashlib, os, re, sys, traceback, types
 from pathlib import Path
@@ -34,7 +34,8 @@ def _definitions(tree):
         node = todo.pop(0)
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
             out.append(node)
-        elif isinstance(node, ast.Try) or isinstance(node, ast.If) and "__name__" not in ast.unparse(node.test):
+        elif isinstance(node, ast.Try) or isinstance(node, ast.If) and "__name__" not in ast.unparse(
+                node.test):
             for part in ("body", "orelse", "finalbody"):
                 todo += getattr(node, part, [])
             for h in getattr(node, "handlers", []):
@@ -47,7 +48,8 @@ def _span(node):
 
 
 def stub_below_fence(text):
-    """`text` with every function and class defined below the fence replaced by `NAME = __fence_stub__("NAME")`
+    """`text` with every function and class defined below the fence replaced by
+    `NAME = __fence_stub__("NAME")`
     (blank lines keep the numbering, so a traceback still points into the file)."""
     lines, fence = text.splitlines(), fence_line(text)
     for node in _definitions(ast.parse(text)):
@@ -139,7 +141,7 @@ def rebindings(text):
     return [f"line {line}: {name}" for line, name in below if name in above]
 
 
-# ----------------------------------------------------------------------------- the runner (a launched process)
+# ------------------------------------------------------------------------- the runner (a launched process)
 class Stub:
     """What stands for a definition below the fence: it accepts any call, attribute, item, `with`, iteration
     (none), arithmetic and comparison, and is false and empty; each returns another stub (a comparison:
@@ -212,7 +214,8 @@ def _run():
     sys.path.insert(0, str(ROOT))
     import harness
 
-    path, mode, out = ROOT / os.environ["FENCE_FILE"], os.environ["FENCE_MODE"], Path(os.environ["FENCE_OUT"])
+    path, mode = ROOT / os.environ["FENCE_FILE"], os.environ["FENCE_MODE"]
+    out = Path(os.environ["FENCE_OUT"])
     text = path.read_text()
     if os.environ.get("FENCE_MOVE"):
         text = move_below_fence(text, os.environ["FENCE_MOVE"])

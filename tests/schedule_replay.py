@@ -10,7 +10,7 @@ stage s ran its F. Its idle fraction is the recorded schedule's bubble: exactly 
 
 
 def orders_of(events, p):
-    """Each stage's ops (kind, mb) in the order it ran them (by measured start; a stage runs one at a time)."""
+    """Each stage's ops (kind, mb) in the order it ran them (by measured start: one op at a time)."""
     return [[(e["kind"], e["mb"]) for e in sorted(events, key=lambda e: e["start"]) if e["rank"] == r]
             for r in range(p)]
 
@@ -36,7 +36,7 @@ def replay(orders, op_time):
 
 
 def replayed_bubble(events, p, op_time=None):
-    """Per stage, the idle fraction of the replayed step [0, end]: the bubble of the order the run recorded."""
+    """Per stage, the idle fraction of the replayed step [0, end]: the bubble of the recorded order."""
     at = replay(orders_of(events, p), op_time or {"F": 1.0, "B": 2.0})
     end = max(e for _, e in at.values())
     return [1 - sum(e - s for (q, _, _), (s, e) in at.items() if q == r) / end for r in range(p)]

@@ -2,7 +2,8 @@
 file's `# --- measurement ---` fence. Tried as a copier would: a few steps at world 2 without --check/--json,
 once as written and once with every function and class defined below the fence replaced by a no-op
 (tests/fence.py's Stub); the losses and final parameters, recorded from outside the file, must be equal (a
-crash in the summary after training is the summary's business). And statically: nothing below the fence
+crash in the summary after training is the summary's business). And statically: nothing below the
+fence
 binds again a name defined above it (the way zero.py's gloo collectives replaced the core's at import)."""
 import pytest
 import torch
@@ -23,7 +24,8 @@ OWNED_ELSEWHERE = {
     "dp.py": "dp.py's owner: the step loop iterates SyncRun (WorkerRun/ServerRun in async) defined below the "
              "fence and takes its loss function from it",
     "zero.py": "zero.py's owner: the gloo reduce_scatter_/all_gather_ below the fence replace the core's",
-    "fault_tolerance.py": "fault_tolerance.py's owner: launch (which starts the replicas) and the death marks "
+    "fault_tolerance.py": "fault_tolerance.py's owner: launch (which starts the replicas) and the death "
+                          "marks "
                           "that vote/expected read are below the fence",
 }
 STATIC_OWNED_ELSEWHERE = {"zero.py": OWNED_ELSEWHERE["zero.py"]}
@@ -54,7 +56,8 @@ def differences(normal, stubbed):
     logs no loss stubbed: then the parameters before each step, the same, stand for its loss."""
     found = []
     if set(normal) != set(stubbed):
-        found.append(f"processes that recorded a result: {sorted(normal)} as written, {sorted(stubbed)} stubbed")
+        found.append(f"processes that recorded a result: {sorted(normal)} as written, "
+                     f"{sorted(stubbed)} stubbed")
     for key in sorted(set(normal) & set(stubbed)):
         a, b = normal[key], stubbed[key]
         if b["losses"] and repr(a["losses"]) != repr(b["losses"]):  # repr: nan (a stage without the loss) too

@@ -374,11 +374,12 @@ def test_bad_input():
     # more stages than layers: what each rank checks (world size from torchrun's environment) ...
     env = dict(ENV, WORLD_SIZE="3", RANK="2")
     one_error_line(subprocess.run([sys.executable, str(ROOT / "gpipe.py"), *CFG, "--n-layers", "2"], env=env,
-                                  cwd=ROOT, capture_output=True, text=True, timeout=60),
+                                  cwd=ROOT, capture_output=True, text=True, timeout=300),
                    ["3 stages but --n-layers 2", "--n-layers 3"])
     # ... and under torchrun. Its report lists each worker: 2 for a rank that failed first, SIGTERM (-15) for
     # one that torchrun stopped before it could exit itself.
-    p = torchrun_bad_input("gpipe.py", 2, *CFG, "--n-layers", "1")
+    # (a timeout guards against a hang, not a speed: 300 s, as a fresh torchrun on 2 loaded cores can take 60)
+    p = torchrun_bad_input("gpipe.py", 2, *CFG, "--n-layers", "1", timeout=300)
     out = p.stdout + p.stderr
     codes = re.findall(r"exitcode\s*:\s*(-?\d+) ", out)
     assert p.returncode == 1 and "2" in codes and set(codes) <= {"2", "-15"}, out
