@@ -71,8 +71,8 @@ def check_split(T, cp, zigzag, heads=None):
     many tokens (as shard_sequence cuts them), no rank can see alone."""
     n = 2 * cp if zigzag else cp
     if T % n:
-        raise ValueError(f"--seq-len {T} is not divisible by {'2 x ' * zigzag}cp = {n}: {T} tokens do not cut "
-                         f"into {n} equal chunks; use --seq-len {(T // n + 1) * n}, or one divisible by {n}")
+        raise ValueError(f"--seq-len {T} is not divisible by {'2 x ' * zigzag}cp = {n}: {T} tokens do not "
+                         f"cut into {n} equal chunks; use --seq-len {(T // n + 1) * n} (divisible by {n})")
     if heads is not None and heads % cp:
         raise ValueError(f"--n-heads {heads} is not divisible by --cp {cp}: ulysses gives each of cp = {cp} "
                          f"ranks whole heads, {heads} heads do not split; use a multiple of {cp} heads, or "
