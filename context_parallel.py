@@ -71,11 +71,12 @@ def check_split(T, cp, zigzag, heads=None):
     many tokens (as shard_sequence cuts them), no rank can see alone."""
     n = 2 * cp if zigzag else cp
     if T % n:
-        raise ValueError(f"{T} tokens do not cut into {n} equal chunks ({'2 x ' * zigzag}cp, cp = {cp}): "
-                         f"use a sequence length divisible by {n}, e.g. {(T // n + 1) * n}")
+        raise ValueError(f"--seq-len {T} is not divisible by {'2 x ' * zigzag}cp = {n}: {T} tokens do not "
+                         f"cut into {n} equal chunks; use --seq-len {(T // n + 1) * n} (divisible by {n})")
     if heads is not None and heads % cp:
-        raise ValueError(f"ulysses gives each of cp = {cp} ranks whole heads: {heads} heads do not split; "
-                         f"use a multiple of {cp} heads, or ring / allgather attention")
+        raise ValueError(f"--n-heads {heads} is not divisible by --cp {cp}: ulysses gives each of cp = {cp} "
+                         f"ranks whole heads, {heads} heads do not split; use a multiple of {cp} heads, or "
+                         "ring / allgather attention")
 
 
 def shard_sequence(x, rank, cp, zigzag, dim=1):
@@ -366,14 +367,11 @@ def check_args(args, world):
     if dp * cp != world or cp < 1:
         fail(f"world size {world} != dp {dp} x cp {cp}: launch dp x cp processes, or give --cp / --dp that "
              "divide the world")
-    chunks = 2 * cp if args.layout == "zigzag" else cp
-    if args.seq_len % chunks:
-        fail(f"--seq-len {args.seq_len} is not divisible by {'2 x cp' if chunks > cp else 'cp'} = {chunks} "
-             f"(--layout {args.layout} cuts each sequence into {chunks} chunks): use --seq-len "
-             f"{(args.seq_len // chunks + 1) * chunks}")
-    if args.attention == "ulysses" and args.n_heads % cp:
-        fail(f"--n-heads {args.n_heads} is not divisible by --cp {cp}: ulysses gives each rank whole heads; "
-             f"use --attention ring or allgather, or a multiple of {cp} heads")
+    try:  # the cores' own check, their ValueError as fail's one line
+        heads = args.n_heads if args.attention == "ulysses" else None  # only ulysses splits the heads
+        check_split(args.seq_len, cp, args.layout == "zigzag", heads)
+    except ValueError as e:
+        fail(str(e))
     if args.batch_size % dp:
         fail(f"--batch-size {args.batch_size} is not divisible by --dp {dp}: use --batch-size "
              f"{(args.batch_size // dp + 1) * dp}")

@@ -84,6 +84,14 @@ class Args(CommonArgs):
 MiB = 1024 * 1024  # bucket caps are given in MiB, as torch DDP's bucket_cap_mb
 
 
+def check_caps(bucket_cap_mb, first_bucket_mb):
+    """What the buckets rely on: positive caps, in MiB (fractions allowed). Written so that nan fails too."""
+    for name, mb in (("bucket_cap_mb", bucket_cap_mb), ("first_bucket_mb", first_bucket_mb)):
+        if not mb * MiB >= 1:
+            raise ValueError(f"BucketedDDP: bucket caps must be positive sizes in MiB, fractions too (0.05), "
+                             f"not {name}={mb} (--{name.replace('_', '-')})")
+
+
 class BucketedDDP(nn.Module):
     """Drop-in for torch.nn.parallel.DistributedDataParallel(gradient_as_bucket_view=True): when
     loss.backward() returns, every .grad holds the average over the ranks of `group`, as a view into its
@@ -103,9 +111,7 @@ class BucketedDDP(nn.Module):
     def __init__(self, module, bucket_cap_mb=25, first_bucket_mb=1, group=None, find_unused_parameters=False,
                  compress=None):
         super().__init__()
-        if not (bucket_cap_mb * MiB >= 1 and first_bucket_mb * MiB >= 1):  # written so that nan fails too
-            raise ValueError(f"BucketedDDP: bucket caps must be positive sizes in MiB, fractions too (0.05), "
-                             f"not bucket_cap_mb={bucket_cap_mb}, first_bucket_mb={first_bucket_mb}")
+        check_caps(bucket_cap_mb, first_bucket_mb)
         if compress is not None and not compress.is_floating_point:
             raise ValueError(f"BucketedDDP: compress must be a float dtype (torch.bfloat16, torch.float16), "
                              f"got {compress}")
@@ -291,10 +297,10 @@ def check_args(args):
     if args.batch_size % world:
         fail(f"--batch-size {args.batch_size} is not divisible by the world size {world}: each rank takes an "
              f"equal slice; use a multiple of {world}, e.g. {world * max(1, args.batch_size // world)}")
-    for flag in ("bucket_cap_mb", "first_bucket_mb"):
-        if not getattr(args, flag) * MiB >= 1:  # also catches nan
-            fail(f"--{flag.replace('_', '-')} must be a positive size in MiB (fractions allowed, e.g. 0.05), "
-                 f"got {getattr(args, flag)}")
+    try:  # the core's own check, its ValueError as fail's one line
+        check_caps(args.bucket_cap_mb, args.first_bucket_mb)
+    except ValueError as e:
+        fail(str(e))
 
 
 # ----------------------------------------------------------------------------- main
@@ -310,7 +316,9 @@ def main():
     opt = make_optimizer(model.parameters(), args)
     run = Run(d, args, {"model": model, "buckets": BucketLayout(ddp), "optim": opt})  # resumes: --ckpt-dir
     comm, overlap, acts, b = CommCounter(), Overlap(ddp), SavedActivations(), args.batch_size // d.world
-    count_at = min(max(run.start, 1), args.steps - 1)  # measurement: a step bench.py leaves untimed (below)
+    # measurement: the dispatcher counter sends every op through Python, so it watches one step, the second
+    # (after the rebuild; bench.py times the steps after its warm-up, and counts torch's in its last warm-up)
+    count_at = min(max(run.start, 1), args.steps - 1)
     for step in run.steps():
         x, y = data.batch(step, args.batch_size, args.seq_len, args.ragged)  # (B, T) global batch, CPU
         n_tok = count_tokens(y)  # tokens of the whole global batch: the loss divisor on every rank
@@ -369,8 +377,6 @@ class BucketLayout:
         self.ddp._arrival, self.ddp._rebuild_pending = state["arrival"], state["pending"]
 
 
-# The dispatcher counter sends every op through Python: it watches one step, the second (after the rebuild;
-# bench.py times the steps after its warm-up, and torch's side counts in its last warm-up step too).
 class Overlap:
     """Watches a BucketedDDP, per synced backward: the buckets launched while gradients were still to come
     (fewer had arrived than at the end), and the all-reduces complete when backward ended. CPU: the works'

@@ -65,7 +65,8 @@ def split_layers(n_layers, p):
     """Blocks [start, end) of each of p stages, as even as possible; when p does not divide n_layers the
     earlier stages take one block more (the last stage already carries the head and the loss)."""
     if not 1 <= p <= n_layers:
-        raise ValueError(f"{p} stages of {n_layers} blocks: each needs a block; use 1 to {n_layers} stages")
+        raise ValueError(f"{p} stages but --n-layers {n_layers}: {p} stages of {n_layers} blocks leave a "
+                         f"stage without one; use 1 to {n_layers} stages, or --n-layers {p} or more")
     base, extra = divmod(n_layers, p)
     bounds, start = [], 0
     for s in range(p):
@@ -98,12 +99,21 @@ class Stage(nn.Module):
         return self.head(self.ln_f(h)) if self.last else h  # last: logits (b, T, V); others: (b, T, D)
 
 
+def check_microbatches(rows, m):
+    """What cutting a batch of `rows` sequences into m micro-batches relies on (ValueError: what works)."""
+    if m < 1:
+        raise ValueError(f"--microbatches must be >= 1, got {m}")
+    if rows % m:
+        fit = max(k for k in range(1, m) if rows % k == 0)
+        raise ValueError(f"--batch-size {rows} is not divisible by --microbatches {m}: a batch of {rows} "
+                         f"does not cut into m = {m} equal micro-batches; use --microbatches {fit} (an m "
+                         f"that divides {rows}) or --batch-size {(rows // m + 1) * m}")
+
+
 def micro_batches(batch, m, device):
     """The step's (B, T) batch on the device in one copy (on CUDA from pinned memory, non-blocking: the host
     goes on), cut into m micro-batches (B/m, T), each in its own storage like a received input."""
-    if m < 1 or len(batch) % m:
-        raise ValueError(f"a batch of {len(batch)} does not cut into m = {m} equal micro-batches: use an m "
-                         f"that divides {len(batch)}")
+    check_microbatches(len(batch), m)
     if device.type == "cuda":
         batch = batch.pin_memory()
     return [mb.clone() for mb in batch.to(device, non_blocking=True).chunk(m)]
@@ -232,22 +242,16 @@ def squared_norm(grads):
 
 
 def check_args(args, p):
+    """The cores' own checks (check_microbatches, split_layers), their ValueError as fail's one line."""
     check_common_args(args)
-    m = args.microbatches
-    if m < 1:
-        fail(f"--microbatches must be >= 1, got {m}")
-    if args.batch_size % m:
-        fit = max(k for k in range(1, m) if args.batch_size % k == 0)
-        fail(f"--batch-size {args.batch_size} is not divisible by --microbatches {m}: use --microbatches "
-             f"{fit} or --batch-size {(args.batch_size // m + 1) * m}")
-    if p == 1:
-        nproc = max(2, min(4, args.n_layers))
-        fail(f"gpipe.py needs one process per stage, at least 2: torchrun --nproc_per_node={nproc} gpipe.py "
-             f"{' '.join(sys.argv[1:])}".rstrip())
-    if p > args.n_layers:
-        fewer = f", or torchrun --nproc_per_node={args.n_layers}" if args.n_layers >= 2 else ""
-        fail(f"{p} stages but --n-layers {args.n_layers}: every stage needs at least one block; use "
-             f"--n-layers {p} or more{fewer}")
+    try:
+        check_microbatches(args.batch_size, args.microbatches)
+        if p == 1:
+            fail(f"gpipe.py needs one process per stage, at least 2: torchrun --nproc_per_node="
+                 f"{max(2, min(4, args.n_layers))} gpipe.py {' '.join(sys.argv[1:])}".rstrip())
+        split_layers(args.n_layers, p)
+    except ValueError as e:
+        fail(str(e))
 
 
 # ----------------------------------------------------------------------------- main
@@ -285,9 +289,8 @@ def main():
         opt.zero_grad(set_to_none=True)
         watched = step == args.steps - 1  # the last step is timed and its bytes held for B measured
         with run.watching(step, comm, at=count_at):
-            loss_fn = lambda logits, targets: lm_loss(logits, targets, n_tok)  # noqa: E731
-            loss = gpipe_step(stage, xs, ys, held.holding(loss_fn) if watched else loss_fn, prev, nxt,
-                              act_shape, args.recompute, observe=held if watched else None)
+            loss = gpipe_step(stage, xs, ys, lambda logits, targets: lm_loss(logits, targets, n_tok), prev,
+                              nxt, act_shape, args.recompute, observe=held if watched else None)
         # 3. after the flush, one optimizer step: the norm of the whole model from every stage's squared norm,
         # and the batch loss that only the last stage knows, in one all-reduce of two numbers
         grads = [q.grad for q in stage.parameters()]
@@ -317,8 +320,9 @@ def main():
 class HeldForB(PipelineWatch):
     """harness.PipelineWatch (--stage-ms: each F waits that, each B twice) that also measures the activation
     bytes held for B: saved-tensor hooks around every op register what autograd saves (parameters excluded),
-    module hooks each stage input and output (what the schedule holds itself), weakly, per micro-batch
-    (LiveStorages): a graph freed by its B, or never built (a recomputing F), drops out by itself. Sampled as
+    module hooks each stage input and output (what the schedule holds itself; the last stage's 0-dim loss,
+    one number, is not seen), weakly, per micro-batch (LiveStorages): a graph freed by its B, or never built
+    (a recomputing F), drops out by itself. Sampled as
     each F ends and as each B first unpacks a saved tensor, when its whole graph is alive: .live.peak (bytes),
     .full_bytes (the most one op registered: one micro-batch's input, saved tensors and output),
     .input_bytes (the largest stage input), .alive (micro-batches whose F's storages are alive)."""
@@ -338,15 +342,6 @@ class HeldForB(PipelineWatch):
         if self.mine is not None:
             self.live.add(t)
             self.mine.add(t)
-
-    def holding(self, loss_fn):
-        """loss_fn, its output registered too: a schedule holds the last stage's loss, not the stage's
-        output, until B."""
-        def held_loss(*args):
-            out = loss_fn(*args)
-            self.hold(out)
-            return out
-        return held_loss
 
     def saving(self, kind):
         return torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)

@@ -626,9 +626,10 @@ class Timeline:
 
         with observe("F", i):          # the schedule's side: one line per op, nothing else
             out = stage(x)
-    CPU: the wall clock, zeroed by `zero()` at the wall time the last rank arrived (an all-reduce: it lines
-    the ranks up, and is the collective NCCL wants before any batched point-to-point; per-process perf_counter
-    zeros after a barrier would differ by its exit skew). CUDA: events recorded on the stream, so timing stops
+    CPU: the wall clock, zeroed by `zero()` at the wall time the last rank arrived (an all-reduce of each
+    rank's clock, its maximum: per-process perf_counter zeros after a barrier would differ by its exit skew).
+    (The collective NCCL wants before a group's first batched point-to-point is the schedule's caller's: each
+    pipeline file runs its own, before its loop.) CUDA: events recorded on the stream, so timing stops
     neither the host nor the stream; `resolve()` turns them into ms, one synchronize per step, none per op.
     `simulate` ({"F": ms, "B": ms, "W": ms}, --stage-ms): each span also waits that long before its end, so
     that on a few shared cores the schedule, not the operating system, sets the measured bubble (on a GPU

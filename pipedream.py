@@ -73,7 +73,8 @@ class Args(CommonArgs):
 def split_layers(n_layers, p):
     """Blocks [start, end) of each of p stages, as even as possible; the earlier ones take the extras."""
     if not 1 <= p <= n_layers:
-        raise ValueError(f"{p} stages of {n_layers} blocks: each needs a block; use 1 to {n_layers} stages")
+        raise ValueError(f"{p} stages but --n-layers {n_layers}: {p} stages of {n_layers} blocks leave a "
+                         f"stage without one; use 1 to {n_layers} stages, or --n-layers {p} or more")
     base, extra = divmod(n_layers, p)
     return [(s * base + min(s, extra), (s + 1) * base + min(s + 1, extra)) for s in range(p)]
 
@@ -130,8 +131,11 @@ def p2p(sends, recvs, group):
 def to_device(m, device, *batch):
     """A step's global (B, ...) tensors as m micro-batches (m, B/m, ...), copied to the device once per step
     (pinned and non-blocking on a GPU), never once per micro-batch in the middle of the schedule."""
-    if m < 1 or any(len(t) % m for t in batch):
-        raise ValueError(f"batches of {[len(t) for t in batch]} do not cut into m = {m} equal micro-batches")
+    for rows in (len(t) for t in batch if m < 1 or len(t) % m):
+        fit = max(k for k in range(1, max(m, 2)) if rows % k == 0)
+        raise ValueError(f"--microbatches must be >= 1, got {m}" if m < 1 else f"--batch-size {rows} is not "
+                         f"divisible by --microbatches {m}: a batch of {rows} does not cut into m = {m} "
+                         f"equal micro-batches; use --microbatches {fit}")
     batch = [rearrange(t, "(m b) ... -> m b ...", m=m) for t in batch]
     if device.type == "cuda":
         batch = [t.pin_memory() for t in batch]
@@ -353,24 +357,20 @@ class TwoBW(Stash):
 
 def check_args(args, p, m):
     check_common_args(args)
-    if m < 1:
-        fail(f"--microbatches must be >= 1, got {m}")
-    if args.batch_size % m:
-        fit = max(k for k in range(1, m) if args.batch_size % k == 0)
-        fail(f"--batch-size {args.batch_size} is not divisible by --microbatches {m}: use --microbatches "
-             f"{fit} or --batch-size {(args.batch_size // m + 1) * m}")
-    if args.vertical_sync and args.mode != "stash":
-        fail(f"--vertical-sync belongs to --mode stash (--mode {args.mode} has no per-micro-batch versions)")
-    if args.mode == "stash" and args.clip > 0:
-        fail("--mode stash updates each stage right after its backward, before the whole-model gradient norm "
-             "of that micro-batch exists (stage 0 finishes it last): pass --clip 0")
-    if p == 1:
-        fail(f"pipedream.py needs one process per stage, at least 2: torchrun --nproc_per_node="
-             f"{max(2, min(4, args.n_layers))} pipedream.py {' '.join(sys.argv[1:])}".rstrip())
-    if p > args.n_layers:
-        other = f", or torchrun --nproc_per_node={args.n_layers}" if args.n_layers >= 2 else ""
-        fail(f"{p} stages but --n-layers {args.n_layers}: every stage needs at least one block; use "
-             f"--n-layers {p} or more{other}")
+    try:  # the cores' own checks (to_device on a batch of no data, split_layers): ValueError, fail's line
+        to_device(m, torch.device("cpu"), torch.empty(args.batch_size, 0))
+        if args.vertical_sync and args.mode != "stash":
+            fail(f"--vertical-sync belongs to --mode stash (--mode {args.mode} has no per-micro-batch "
+                 "versions)")
+        if args.mode == "stash" and args.clip > 0:
+            fail("--mode stash updates each stage right after its backward, before the whole-model gradient "
+                 "norm of that micro-batch exists (stage 0 finishes it last): pass --clip 0")
+        if p == 1:
+            fail(f"pipedream.py needs one process per stage, at least 2: torchrun --nproc_per_node="
+                 f"{max(2, min(4, args.n_layers))} pipedream.py {' '.join(sys.argv[1:])}".rstrip())
+        split_layers(args.n_layers, p)
+    except ValueError as e:
+        fail(str(e))
     if args.mode == "2bw" and m < p:  # see TwoBW.learn_norm
         fail(f"--mode 2bw needs --microbatches >= stages ({p}), got {m}: batch t's norm reaches the later "
              "stages with micro-batch (t+1)m+p-1's forward, after batch t+2 starts if m < p-1, and after the "

@@ -119,7 +119,8 @@ class SplitBackward:
 def split_layers(n_layers, n):
     """Blocks [start, end) of each of n chunks, as even as possible; the earlier chunks take the extras."""
     if not 1 <= n <= n_layers:
-        raise ValueError(f"{n} chunks of {n_layers} blocks: each needs a block; use 1 to {n_layers} chunks")
+        raise ValueError(f"{n} chunks of {n_layers} blocks: this cuts the model into {n} chunks but "
+                         f"--n-layers is {n_layers}; use 1 to {n_layers} chunks, or --n-layers {n} or more")
     base, extra = divmod(n_layers, n)
     return [(c * base + min(c, extra), (c + 1) * base + min(c + 1, extra)) for c in range(n)]
 
@@ -322,7 +323,8 @@ def zbv(p, m, r):
     2. steady: F down (while micro-batches remain), B down, W down, F up, B up, W up, until every F ran
     3. cool-down: r times B down, B up; p-r times B down, W down (the oldest); then the W's left, up first."""
     if m < 2 * p - 1:  # rank 0's warm-up alone runs 2p-1 forwards
-        raise ValueError(f"zbv needs m >= 2p-1 = {2 * p - 1} micro-batches at p = {p}, got {m}")
+        raise ValueError(f"--microbatches {m} is too few for --schedule zbv at pp {p}: zbv needs m >= 2p-1 = "
+                         f"{2 * p - 1} micro-batches, got {m}; use --microbatches {2 * p - 1} or more")
     down, up = r, 2 * p - 1 - r
     ops, done = [], collections.Counter()
 
@@ -367,13 +369,11 @@ def check_args(args):
     if p < 2:
         fail(f"zero_bubble.py needs one process per pipeline stage, at least 2: torchrun --nproc_per_node="
              f"{2 * args.dp} zero_bubble.py {' '.join(sys.argv[1:])}".rstrip())
-    n = SCHEDULES[args.schedule][1](p)
-    if n > args.n_layers:
-        fail(f"--schedule {args.schedule} at pp {p} cuts the model into {n} chunks but --n-layers is "
-             f"{args.n_layers}: every chunk needs at least one block; use --n-layers {n} or more")
-    if args.schedule == "zbv" and m < 2 * p - 1:
-        fail(f"--microbatches {m} is too few for --schedule zbv at pp {p}: rank 0 runs 2p-1 = {2 * p - 1} "
-             f"forwards before its first backward; use --microbatches {2 * p - 1} or more")
+    try:  # the cores' own checks, the model's cut and the schedule's order: their ValueError as fail's line
+        split_layers(args.n_layers, SCHEDULES[args.schedule][1](p))
+        SCHEDULES[args.schedule][0](p, m, 0)
+    except ValueError as e:
+        fail(str(e))
     if args.batch_size % (args.dp * m):
         fail(f"--batch-size {args.batch_size} is not divisible by dp x microbatches = {args.dp * m}: use "
              f"--batch-size {(args.batch_size // (args.dp * m) + 1) * args.dp * m}")

@@ -156,9 +156,9 @@ def bad_input_checks(d, group, r):
         return torch.randn(*shape, dtype=torch.float64, device=d.device)
     odd = [rand(2, 4, 3, 2) for _ in range(3)]  # t = 3 tokens a rank: T = 6, not 2cp = 4 chunks
     bad = {"shard_sequence, T = 7, contiguous": (lambda: cpm.shard_sequence(rand(2, 7, 4), r, 2, False),
-                                                 ["7 tokens", "divisible by 2", "e.g. 8"]),
+                                                 ["7 tokens", "divisible by 2", "--seq-len 8"]),
            "shard_sequence, T = 6, zig-zag": (lambda: cpm.shard_sequence(rand(2, 6, 4), r, 2, True),
-                                              ["6 tokens", "4 equal chunks", "e.g. 8"]),
+                                              ["6 tokens", "4 equal chunks", "--seq-len 8"]),
            "ulysses, 3 heads": (lambda: cpm.ulysses_attention(*[rand(2, 3, 4, 2) for _ in range(3)], group, False),
                                 ["3 heads", "multiple of 2"])}
     for attention in ("allgather", "ring", "ulysses"):

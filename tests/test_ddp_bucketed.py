@@ -125,7 +125,7 @@ def test_bad_batch_split():
     assert_each_rank_fails(run_ranks("ddp_bucketed.py", 2, *TINY, "--batch-size", "7"), ["--batch-size 7", "world size 2"])
     # the same through torchrun: its agent stops the slower workers once one exits (-15), so every rank's
     # own exit code is not always observable there; the first one is, and nothing prints a traceback
-    p = torchrun_bad_input("ddp_bucketed.py", 2, *TINY, "--batch-size", "5")
+    p = torchrun_bad_input("ddp_bucketed.py", 2, *TINY, "--batch-size", "5", timeout=300)
     out = p.stdout + p.stderr
     codes = re.findall(r"exitcode\s*:\s*(-?\d+) ", out)
     assert p.returncode == 1 and "2" in codes and set(codes) <= {"2", "-15"}, out

@@ -31,6 +31,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 import pipedream  # noqa: E402  (importing must not run main())
 import pipedream_sim  # noqa: E402
 import pipeline_checks  # noqa: E402
+from schedule_replay import orders_of, replayed_bubble  # noqa: E402
 from common import build_gpt, GPTConfig, lm_loss, reference_train  # noqa: E402
 
 STEPS = 4  # TINY's --steps
@@ -199,12 +200,21 @@ def test_flush_matches_reference_and_obeys_1f1b(launch, key):
 
 
 def test_stage_ms_bubble_near_theory(launch):
-    """--stage-ms 50 (F waits 50 ms, B 100 ms): the measured bubble of the last step comes within 0.05 of 1F1B's
-    (p-1)/(m+p-1) = 3/11, GPipe's; parity is unchanged (the same launch passes --check above)."""
+    """--stage-ms 50 (F waits 50 ms, B 100 ms), p 4, m 8, the last step: what load cannot move is asserted, the
+    wall-time bubble is reported (issue 43: 0.328 against 3/11 on a loaded laptop). Every op lasted at least its
+    simulated time; the order each stage ran its ops in, replayed with F one unit, B two and free messages
+    (tests/schedule_replay.py), has exactly 1F1B's bubble (p-1)/(m+p-1) = 3/11, GPipe's; parity is unchanged
+    (the same launch passes --check above)."""
     summary, out, _ = launch(4, 8, *STAGE_MS)
     f = summary["figures"]
     assert f["stage_ms"] == 50 and f["bubble_theory"] == pytest.approx(3 / 11)
-    assert abs(f["bubble_mean"] - 3 / 11) < 0.05, f["bubble"]
+    last = [dict(e, mb=e["mb"] % 8) for e in f["events"] if e["mb"] // 8 == STEPS - 1]
+    assert pipeline_schedule_errors(last, 4, 8) == []
+    assert all(e["end"] - e["start"] >= (50 if e["kind"] == "F" else 100) for e in last)
+    assert replayed_bubble(last, 4) == pytest.approx([3 / 11] * 4, abs=1e-12)
+    one_f_one_b = [o for o in orders_of(last, 4)]  # each stage: p - s warm-up forwards, then B and F in turn
+    for s, order in enumerate(one_f_one_b):
+        assert [k for k, _ in order[:4 - s]] == ["F"] * (4 - s) and order[4 - s][0] == "B", (s, order)
     assert "compute time simulated" in out and re.search(r"bubble, mean over stages: measured [\d.]+, theory", out)
     assert "simulate compute time" in run_python("pipedream.py", "--help").stdout
 
@@ -281,7 +291,7 @@ def test_copy_out_runner_on_a_model_that_is_not_the_gpt(copied_out):
 BAD = {  # what a core of the section is given -> words its ValueError must say
     "split_layers, 3 stages of 2 blocks": ["3 stages of 2 blocks", "use 1 to 2 stages"],
     "one_f_one_b, stage 2 of 2": ["stage 2 of 2", "a stage 0..p-1"],
-    "to_device, 7 rows into 2": ["[7]", "m = 2 equal micro-batches"],
+    "to_device, 7 rows into 2": ["a batch of 7", "m = 2 equal micro-batches"],
     "TwoBW, m 2 < p 3": ["2bw needs m >= p (2 micro-batches, 3 stages)", "m >= 3"],
     "StageRunner, a rank outside the group": ["not in the pipeline's group"],
 }
@@ -416,7 +426,7 @@ def as_rank(world, *args):
     """What rank world-1 of a torchrun job checks before any collective (world size from the environment)."""
     env = dict(ENV, WORLD_SIZE=str(world), RANK=str(world - 1))
     return subprocess.run([sys.executable, str(ROOT / "pipedream.py"), *CFG, *args], env=env, cwd=ROOT,
-                          capture_output=True, text=True, timeout=60)
+                          capture_output=True, text=True, timeout=300)
 
 
 def test_bad_input():

@@ -432,33 +432,44 @@ def test_cores_refuse_what_they_cannot_do(launch):
 
 
 def test_stage_ms_bubbles(launch):
-    """p 4, m 8, --stage-ms 50: every F, B, W of a chunk waits 50 ms (ZB-V's chunks are half a stage, so the
-    same per-op time stands for half the work: compare idle relative to busy). ZB-H1: the theory printed is
-    (p-1)(T_F+T_B-T_W) at the measured op times; measured, ZB-H1 idles under 0.6 of 1F1B's (p-1)(T_F+T_B+T_W)
-    at the same op times, and its bubble is within 0.1 of (p-1)/(3m) = 1/8 (1F1B's: 3/8). (That the theory is
-    a third of 1F1B's at T_F = T_B = T_W is exact in test_ideal_bubble_messages_and_no_deadlock; here real
-    compute on top of the simulated 50 ms makes F and B longer than W on loaded cores.) ZB-V:
-    theory (p-1)/(6m) = 1/16, and its best step's measured bubble is below ZB-H1's best. On a few shared cores
-    a stalled process only ever adds idle time, so the best of the run's steps is compared."""
+    """p 4, m 8, --stage-ms 50: every F, B, W of a chunk waits 50 ms. Asserted is what load cannot move (issue
+    43: on a few shared cores a stalled process only adds idle time, so wall-time bubbles are reported, beside
+    their theory, not asserted): every op lasted at least its simulated time; the printed ZB-H1 theory is
+    (p-1)(T_F+T_B-T_W) at the measured op times; and the order each rank ran its ops in, in the last step,
+    replayed with one slot per op and free messages (zb.ideal_timeline), idles p-1 slots of its 3m (ZB-H1: a
+    third of 1F1B's 3(p-1)) or of its 6m (ZB-V): the bubbles (p-1)/(3m) = 1/8 and (p-1)/(6m) = 1/16 of the
+    theory, ZB-V's below ZB-H1's."""
     h1, v = (launch(name)[0]["figures"] for name in ("zbh1 p4 stage-ms", "zbv p4 stage-ms"))
     for f in (h1, v):
         assert f["stage_ms"] == 50 and min(f["op_ms"].values()) >= 50 and f["bubble_mean"] > 0
+        assert all(e["end"] - e["start"] >= 50 for e in f["events"])
     assert h1["bubble_theory"] == pytest.approx(3 / 24) and v["bubble_theory"] == pytest.approx(3 / 48)
     ops = h1["op_ms"]
     assert h1["idle_ms_theory"] == pytest.approx(3 * (ops["F"] + ops["B"] - ops["W"]))
-    one_f_one_b_idle = 3 * (ops["F"] + ops["B"] + ops["W"])  # 1F1B at the same measured op times
-    assert sum(h1["idle_ms"]) / 4 < 0.6 * one_f_one_b_idle, h1["idle_ms"]
-    assert abs(h1["bubble_mean"] - 1 / 8) < 0.1, h1["bubble"]
 
-    def best(f):  # per step, the mean over ranks of idle / busy in the step's span
-        out = []
-        for step in sorted({e["step"] for e in f["events"]}):
-            mine = [e for e in f["events"] if e["step"] == step]
-            span = max(e["end"] for e in mine) - min(e["start"] for e in mine)
-            busy = [sum(e["end"] - e["start"] for e in mine if e["pp"] == r) for r in range(4)]
-            out.append(sum((span - b) / b for b in busy) / 4)
-        return min(out)
-    assert 0 < best(v) < best(h1), (best(v), best(h1))
+    def replayed(f, n):  # per rank: (idle slots, busy slots) of the last step's recorded order, replayed
+        last = max(e["step"] for e in f["events"])
+        at = zb.ideal_timeline([executed(f["events"], last, r) for r in range(4)], n)
+        end = max(e for _, _, e in at.values())
+        busy = [sum(e - s for q, s, e in at.values() if q == r) for r in range(4)]
+        return [end - b for b in busy], busy
+    assert replayed(h1, 4) == ([3] * 4, [24] * 4)  # 1F1B at one slot per F, B, W: 3(p-1) = 9 idle
+    assert replayed(v, 8) == ([3] * 4, [48] * 4)
+    assert [i / b for i, b in zip(*replayed(h1, 4))] == [h1["bubble_theory"]] * 4
+    assert [i / b for i, b in zip(*replayed(v, 8))] == [v["bubble_theory"]] * 4
+
+
+def test_replayed_order_catches_a_wasteful_one():
+    """The negative for the replay above: ZB-H1's stage 0 with its W's all moved to the end of the step (1F1B
+    with a separate W: nothing fills the drain) idles more than p-1 slots."""
+    p, m = 4, 8
+    orders = [zb.zbh1(p, m, r) for r in range(p)]
+    lazy = [[o for o in order if o[0] != "W"] + [o for o in order if o[0] == "W"] for order in orders]
+    at = zb.ideal_timeline(lazy, p)
+    end = max(e for _, _, e in at.values())
+    assert end - 3 * m > p - 1
+    ideal = zb.ideal_timeline(orders, p)
+    assert max(e for _, _, e in ideal.values()) - 3 * m == p - 1  # the control
 
 
 # ----------------------------------------------------------------------------- restarts, bad input
