@@ -234,14 +234,18 @@ def gathered(units, d, p):
 def layer_items(M, e, attention="flash", dropout=False, stats=True):
     """Bytes one block saves per token: (what, bytes, split by TP, kept by selective recomputation).
     Korthikanti's row is attention="eager", dropout=True, stats=False, e=2: norm inputs and outputs 8, q, k,
-    v 6, proj input 2, fc and GeLU outputs 16, two dropout masks 2 = 34 per h; softmax, mask, output 5as/h."""
+    v 6, proj input 2, fc and GeLU outputs 16, two dropout masks 2 = 34 per h; softmax, mask, output 5as/h.
+    Llama (tests/test_plan.py holds each term to the tensors a block saves): fused RMSNorm (input, 1/rms),
+    RoPE, grouped-query K/V, fused SwiGLU."""
     h, f, a, se, kvh = M.d, M.f, M.heads, max(e, 4), M.kv * (M.d // M.heads)  # statistics: fp32 at least
     items = [("norm inputs", 2 * h * e, False, True), ("norm outputs", 2 * h * e, False, True),
              ("q, k, v", (h + 2 * kvh) * e, True, True), ("attention output", h * e, True, True)]
     if M.arch == "gpt":
         items += [("fc output, GeLU output", 2 * f * e, True, True)]
-    else:  # RoPE keeps q and k before the rotation; SwiGLU keeps gate, up, silu(gate) and their product
-        items += [("q, k before RoPE", (h + kvh) * e, True, True), ("SwiGLU", 4 * f * e, True, True)]
+    else:  # k, v of the kv heads only (GQA); RoPE's backward rotates the gradient back: it keeps none of its
+        # inputs (only the rotated q, k the attention saves); a fused SwiGLU keeps gate and up (silu
+        # recomputed in its backward), the down projection its input silu(gate) x up: 3 of width f
+        items += [("SwiGLU gate, up, product", 3 * f * e, True, True)]
     items += [("dropout masks", 2 * h, False, True)] * dropout
     items += [("norm statistics", (4 if M.arch == "gpt" else 2) * se, False, True)] * stats
     if attention == "flash":

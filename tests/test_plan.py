@@ -880,6 +880,181 @@ def test_moe_under_full_recomputation_keeps_block_inputs():
     assert dense + M.layers * extra > 80e9
 
 
+# ----------------------------------------------------------------------------- a Llama block's saved bytes
+# No technique file trains a Llama block, so the test builds one (float64) and counts, with saved-tensor hooks,
+# the storages autograd keeps for backward (each once, however many views of it are saved; parameters and
+# RoPE's cos/sin tables left out: they do not grow with the tokens). The norm and the SwiGLU are written as
+# the fused kernels a 2024 stack runs save (Apex/TE RMSNorm: input and 1/rms; a fused SwiGLU: gate and up),
+# each checked against torch's own unfused ops (same loss and gradients); the attention is torch's
+# scaled_dot_product_attention with grouped K/V (enable_gqa), RoPE plain torch ops.
+LLAMA_BLOCK = plan.Model(layers=1, d=16, heads=4, vocab=32, seq=8, kv_heads=2, ffn=40, arch="llama")
+
+
+def llama_block(M, b, fused=True, seed=0):
+    """(block(x) -> y, parameters) of one pre-norm Llama block: x + o(attn(rope(q), rope(k), v)) then
+    x + down(silu(gate) up), each under an RMSNorm; fused=False: torch's F.rms_norm and F.silu, unfused."""
+    import torch
+    import torch.nn.functional as F
+    h, a, kv, f, s, dh = M.d, M.heads, M.kv, M.f, M.seq, M.d // M.heads
+    g = torch.Generator().manual_seed(seed)
+    W = {k: torch.randn(*shape, generator=g, dtype=torch.float64).div(shape[-1] ** 0.5).requires_grad_()
+         for k, shape in dict(q=(h, h), k=(kv * dh, h), v=(kv * dh, h), o=(h, h), gate=(f, h), up=(f, h),
+                              down=(h, f), n1=(h,), n2=(h,)).items()}
+    pos = torch.arange(s, dtype=torch.float64)[:, None] / 10000 ** (torch.arange(0, dh, 2) / dh)
+    cos, sin = torch.cat([pos.cos()] * 2, -1)[:, None], torch.cat([pos.sin()] * 2, -1)[:, None]  # (s, 1, dh)
+
+    class RMSNorm(torch.autograd.Function):  # keeps its input and 1/rms (fp32 at least)
+        @staticmethod
+        def forward(ctx, x, w):
+            r = (x * x).mean(-1, keepdim=True).add(1e-6).rsqrt()
+            ctx.save_for_backward(x, w, r)
+            return x * r * w
+
+        @staticmethod
+        def backward(ctx, dy):
+            x, w, r = ctx.saved_tensors
+            n, dn = x * r, dy * w
+            return r * (dn - n * (dn * n).mean(-1, keepdim=True)), (dy * n).flatten(0, -2).sum(0)
+
+    class SwiGLU(torch.autograd.Function):  # keeps gate and up; silu(gate) recomputed in backward
+        @staticmethod
+        def forward(ctx, gate, up):
+            ctx.save_for_backward(gate, up)
+            return F.silu(gate) * up
+
+        @staticmethod
+        def backward(ctx, dy):
+            gate, up = ctx.saved_tensors
+            sg = torch.sigmoid(gate)
+            return dy * up * sg * (1 + gate * (1 - sg)), dy * gate * sg
+
+    norm = RMSNorm.apply if fused else lambda x, w: F.rms_norm(x, (h,), w, 1e-6)
+    swiglu = SwiGLU.apply if fused else lambda gate, up: F.silu(gate) * up
+
+    def rope(x):  # (b, s, heads, dh): rotate pairs (i, i + dh/2) by the position's angles
+        x1, x2 = x.chunk(2, -1)
+        return x * cos + torch.cat((-x2, x1), -1) * sin
+
+    def block(x, seen=None):
+        mark = seen or (lambda name, t=None: t)
+        mark("norm 1")
+        n1 = mark("norm output", norm(mark("norm input", x), W["n1"]))
+        mark("projections")
+        q, k, v = (F.linear(n1, W[c]).view(b, s, -1, dh) for c in "qkv")
+        mark("rope")
+        q, k = mark("q, k, v", rope(q)), mark("q, k, v", rope(k))
+        mark("attention")
+        o = F.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (q, k, mark("q, k, v", v))),
+                                           is_causal=True, enable_gqa=True)
+        o = mark("attention output", o.transpose(1, 2).reshape(b, s, h))  # flash's (b, s, a, dh): a view
+        mark("projections")
+        x = x + F.linear(o, W["o"])
+        mark("norm 2")
+        n2 = mark("norm output", norm(mark("norm input", x), W["n2"]))
+        mark("projections")
+        gate, up = F.linear(n2, W["gate"]), F.linear(n2, W["up"])
+        mark("swiglu")
+        prod = mark("swiglu", swiglu(mark("swiglu", gate), mark("swiglu", up)))
+        mark("projections")
+        return x + F.linear(prod, W["down"])
+    return block, list(W.values()), (cos, sin)
+
+
+ITEM_OF = {"norm input": "norm inputs", "norm output": "norm outputs", "q, k, v": "q, k, v",
+           "attention output": "attention output", "swiglu": "SwiGLU gate, up, product",
+           "norm 1": "norm statistics", "norm 2": "norm statistics", "attention": "logsumexp"}
+
+
+def llama_saved(M, b, fused=True):
+    """Bytes per token the block saves for backward, by plan's item: each saved storage once, named by the
+    tensor it is (norm input, q, k, v, ...) or, when the block never sees it (1/rms, logsumexp), by the part
+    that saved it."""
+    import torch
+    block, params, tables = llama_block(M, b, fused)
+    skip = {t.untyped_storage().data_ptr() for t in [*params, *tables]}
+    names, phase, kept = {}, ["input"], {}
+
+    def mark(name, t=None):  # a named tensor, or (t None) the part of the block now running
+        if t is None:
+            phase[0] = name
+        else:
+            names.setdefault(t.untyped_storage().data_ptr(), name)
+        return t
+
+    def pack(t):
+        st = t.untyped_storage()
+        if st.data_ptr() not in skip:
+            kept.setdefault(st.data_ptr(), (st.nbytes(), phase[0]))
+        return t
+    x = torch.randn(b, M.seq, M.d, dtype=torch.float64, requires_grad=True)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        block(x, mark)
+    out = {}
+    for ptr, (nbytes, where) in kept.items():
+        item = ITEM_OF.get(names.get(ptr, where), f"unnamed, saved in {where}")
+        out[item] = out.get(item, 0) + nbytes // (b * M.seq)
+    return out
+
+
+def test_llama_fused_ops_are_torchs():
+    """The fused RMSNorm and SwiGLU give the loss and gradients of torch's F.rms_norm and F.silu (1e-12)."""
+    import torch
+    M, b = LLAMA_BLOCK, 2
+    x = torch.randn(b, M.seq, M.d, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    grads = []
+    for fused in (True, False):
+        block, params, _ = llama_block(M, b, fused)
+        loss = block(x).square().sum()
+        grads.append([loss.detach()] + list(torch.autograd.grad(loss, params)))
+    assert all(torch.allclose(p, q, rtol=1e-12, atol=1e-12) for p, q in zip(*grads))
+
+
+def llama_mismatches(M, b=2):
+    want = {k: n for k, n, _, _ in plan.layer_items(M, 8)}
+    got = llama_saved(M, b)
+    total = plan.layer_bytes(M, plan.Layout(precision="fp64"), b, 8)
+    bad = [(k, got.get(k), want.get(k)) for k in sorted(set(got) | set(want)) if got.get(k) != want.get(k)]
+    return bad + ([("total", sum(got.values()) * b * M.seq, total)]
+                  if sum(got.values()) * b * M.seq != total else []), got
+
+
+def old_swiglu(mp):  # silu(gate) kept as well: torch's unfused F.silu(gate) * up
+    real = plan.layer_items
+    mp.setattr(plan, "layer_items", lambda M, e, **k: [
+        (w, n * 4 // 3 if w.startswith("SwiGLU") else n, *r) for w, n, *r in real(M, e, **k)])
+
+
+def pre_rope_qk(mp):  # q and k kept before the rotation too
+    real = plan.layer_items
+    mp.setattr(plan, "layer_items", lambda M, e, **k: real(M, e, **k) + [
+        ("q, k before RoPE", (M.d + M.kv * M.d // M.heads) * e, True, True)])
+
+
+def no_gqa(mp):  # K and V of every head
+    real = plan.layer_items
+    mp.setattr(plan, "layer_items", lambda M, e, **k: real(M._replace(kv_heads=0), e, **k))
+
+
+LLAMA_MUTANTS = {"unfused SwiGLU": old_swiglu, "q, k kept before RoPE": pre_rope_qk, "no GQA": no_gqa}
+
+
+def test_llama_block_memory_equals_what_torch_saves(monkeypatch):
+    """Each of plan's Llama items (norm inputs, outputs, statistics, q k v with kv heads, attention output,
+    SwiGLU, logsumexp) equals the bytes per token torch saves for the block, and nothing unnamed is saved;
+    each mutant (the old plan's unfused SwiGLU, q and k kept before RoPE; K/V of every head) fails."""
+    bad, got = llama_mismatches(LLAMA_BLOCK)
+    TABLE.append(("llama block", "bytes saved per token, by item (float64)", got, "equal" if not bad else bad))
+    TABLE.append(("llama block", "the same with torch's unfused rms_norm and silu (reported)",
+                  sum(llama_saved(LLAMA_BLOCK, 2, fused=False).values()), sum(got.values())))
+    assert not bad and len(got) == 7, bad
+    for name, mutant in LLAMA_MUTANTS.items():
+        with monkeypatch.context() as mp:
+            clear_caches()
+            mutant(mp)
+            assert llama_mismatches(LLAMA_BLOCK)[0], name
+    clear_caches()
+
+
 # ----------------------------------------------------------------------------- uneven stages, every pp and v
 def test_blocks_per_stage_as_the_files_split_them():
     """plan's cut of L blocks into p stages is gpipe.py's and pipedream.py's (imported here, in the test only)
