@@ -134,7 +134,17 @@ class Layout:
         ep = f" ep {self.ep}" * (self.ep > 1)
         return (f"dp {self.dp}{cp} tp {self.tp}{' sp' if self.sp else ''}{pipe}{ep}"
                 f" zero {self.zero} m {self.m} recompute {self.recompute}"
-                + (f" blocks {'/'.join(map(str, self.split))}" if self.split else ""))
+                + (f" blocks {'/'.join(runs(self.split))}" if self.split else ""))
+
+
+def runs(split):  # 7/8/8/8/8/7 as 7/8x4/7 where a count repeats more than 3 times
+    out = []
+    for x in split:
+        if out and out[-1][0] == x:
+            out[-1][1] += 1
+        else:
+            out.append([x, 1])
+    return [f"{x}x{k}" if k > 3 else "/".join([str(x)] * k) for x, k in out]
 
 
 PRECISION = {"bf16": (2, 2, 12, 2), "fp32": (4, 4, 8, 4), "fp64": (8, 8, 16, 8)}  # p, g, K (AdamW), e
@@ -588,7 +598,8 @@ def predict(M, C, lay, B, eff=EFFICIENCY, headroom=0.1, attention="flash", dropo
     exchanges behind the GEMMs with SP (its --tp-comm-overlap; without SP, 2021's all-reduces, exposed), the
     ring's blocks behind attention, the gradients' reduction behind the backward unless overlap_dp=False
     (2021's Megatron reduced after the flush)."""
-    ranks, b, n = sorted({0, lay.pp - 1}), B // (lay.dp * lay.m), lay.pp * lay.v
+    ranks = range(lay.pp) if lay.split else sorted({0, lay.pp - 1})  # a hand-made cut: any rank the worst
+    b, n = B // (lay.dp * lay.m), lay.pp * lay.v
     mem, comm = {r: memory(M, lay, B, r) for r in ranks}, {r: collectives(M, lay, B, r) for r in ranks}
     worst = max(ranks, key=lambda r: sum(mem[r].values()))
     bw = {"nvlink": C.intra_gbs * GB, "ib": C.inter_gbs * GB}
@@ -642,14 +653,15 @@ def legal(M, C, lay, B):
              and M.kv % (lay.tp * lay.cp) == 0,
              f"--cp-attention ulysses gives each of tp x cp = {lay.tp * lay.cp} ranks whole heads: --n-heads "
              f"{M.heads} and kv heads {M.kv} must divide by it"),
-            (lay.pp * lay.v <= M.layers and (lay.schedule != "interleaved" or lay.split
-                                              or M.layers % (lay.pp * lay.v) == 0),
+            (lay.split or lay.pp * lay.v <= M.layers and (lay.schedule != "interleaved"
+                                                           or M.layers % (lay.pp * lay.v) == 0),
              f"--n-layers {M.layers} does not split into pp x virtual stages = {lay.pp * lay.v} chunks (of a "
              f"block at least; equal ones when interleaved, unless --stage-layers cuts them)"),
             (not lay.split or len(lay.split) == lay.pp * lay.v and sum(lay.split) == M.layers
-             and min(lay.split) >= 1, f"--stage-layers {','.join(map(str, lay.split))}: pp x virtual stages ="
-                                      f" "
-                                      f"{lay.pp * lay.v} numbers >= 1 summing to --n-layers {M.layers}"),
+             and min(lay.split[1:-1], default=1) >= 1,  # the ends may hold the embedding, the head alone
+             f"--stage-layers {','.join(map(str, lay.split))}: pp x virtual stages = {lay.pp * lay.v} "
+             f"numbers summing to --n-layers {M.layers}, >= 1 but for the first and last (0: the embedding, "
+             f"the head and loss alone)"),
             (B % (lay.dp * lay.m) == 0,
              f"--batch-size {B} is not divisible by dp x microbatches = {lay.dp} x {lay.m}"),
             (lay.schedule != "interleaved" or lay.pp > 1 and lay.m % lay.pp == 0,
@@ -802,7 +814,7 @@ def report(C, B, got):
     lay, mem, bw = got["layout"], got["memory"], {"nvlink": C.intra_gbs, "ib": C.inter_gbs}
     print(f"layout: {lay}, {lay.precision}, {B // (lay.dp * lay.m)} sequences per micro-batch")
     print("memory per rank, GB    params    grads    optim  activations  gathered     total")
-    for r, x in mem.items():
+    for r, x in [(r, x) for r, x in mem.items() if r in (0, got["worst"], lay.pp - 1)]:
         print(f"  pipeline rank {r:<5d}" + "".join(f"{x[k] / GB:9.2f}" for k in ("params", "grads", "optim"))
               + f"{x['activations'] / GB:13.2f}{x['gathered'] / GB:10.2f}{sum(x.values()) / GB:10.2f}")
     print(f"  {'fits' if got['fits'] else 'does NOT fit'} in {C.mem_gb:g} GB less the headroom")
@@ -858,7 +870,8 @@ class Args:
     precision: Literal["bf16", "fp32", "fp64"] = "bf16"  # bf16: mixed-precision Adam, 2 + 2 + 12 bytes
     schedule: Literal["1f1b", "gpipe", "interleaved", "zb-h1", "zb-v"] = "1f1b"  # pipeline schedule
     vocab_parallel: bool = True  # split embedding and head over the vocabulary (else replicated over tp)
-    stage_layers: str = ""  # blocks per chunk in pipeline order, e.g. 7,8,...,8,7 (fewer on first and last)
+    stage_layers: str = ""  # blocks per chunk in pipeline order, e.g. 7,8,...,8,7 or 0,9,...,9,0 (fewer on
+    # the first and last; 0: a chunk of the embedding or the head and loss alone, as Llama 3's)
     search: bool = False  # rank every legal layout that fits by predicted tokens/s
     top: int = 10  # layouts --search prints
     tokens: float = 0  # the whole run: train on this many tokens (wall time, GPU-hours, cost)

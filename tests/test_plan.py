@@ -752,7 +752,7 @@ def bad_values():
         (["--stage", "4"], ["--stage must be 0, 1, 2 or 3"]),
         (["--pp", "2", "--dp", "4", "--stage-layers", "1,2"], ["--stage-layers 1,2: pp x virtual stages = 2",
                                                                "summing to --n-layers 32"]),
-        (["--pp", "2", "--dp", "4", "--stage-layers", "32,0"], ["numbers >= 1"]),
+        (["--pp", "4", "--dp", "2", "--stage-layers", "16,0,8,8"], [">= 1 but for the first and last"]),
         (["--cp", "3", "--nodes", "3", "--gpus-per-node", "1", "--dp", "1"],
          ["--seq-len 2048 is not divisible by", "2 x --cp = 6"]),
         (["--model", "llama3-8b", "--nodes", "2", "--tp", "8", "--cp", "2", "--dp", "1", "--cp-attention",
@@ -881,10 +881,10 @@ def test_moe_under_full_recomputation_keeps_block_inputs():
 
 
 # ----------------------------------------------------------------------------- a Llama block's saved bytes
-# No technique file trains a Llama block, so the test builds one (float64) and counts, with saved-tensor hooks,
-# the storages autograd keeps for backward (each once, however many views of it are saved; parameters and
-# RoPE's cos/sin tables left out: they do not grow with the tokens). The norm and the SwiGLU are written as
-# the fused kernels a 2024 stack runs save (Apex/TE RMSNorm: input and 1/rms; a fused SwiGLU: gate and up),
+# No technique file trains a Llama block, so the test builds one (float64) and counts, with saved-tensor
+# hooks, the storages autograd keeps for backward (each once, however many views of it are saved; parameters
+# and RoPE's cos/sin tables left out: they do not grow with the tokens). The norm and the SwiGLU are written
+# as the fused kernels of a 2024 stack save (Apex/TE RMSNorm: input and 1/rms; a fused SwiGLU: gate and up),
 # each checked against torch's own unfused ops (same loss and gradients); the attention is torch's
 # scaled_dot_product_attention with grouped K/V (enable_gqa), RoPE plain torch ops.
 LLAMA_BLOCK = plan.Model(layers=1, d=16, heads=4, vocab=32, seq=8, kv_heads=2, ffn=40, arch="llama")
@@ -1043,7 +1043,7 @@ def test_llama_block_memory_equals_what_torch_saves(monkeypatch):
     SwiGLU, logsumexp) equals the bytes per token torch saves for the block, and nothing unnamed is saved;
     each mutant (the old plan's unfused SwiGLU, q and k kept before RoPE; K/V of every head) fails."""
     bad, got = llama_mismatches(LLAMA_BLOCK)
-    TABLE.append(("llama block", "bytes saved per token, by item (float64)", got, "equal" if not bad else bad))
+    TABLE.append(("llama block", "bytes saved per token, by item (float64)", got, bad or "equal"))
     TABLE.append(("llama block", "the same with torch's unfused rms_norm and silu (reported)",
                   sum(llama_saved(LLAMA_BLOCK, 2, fused=False).values()), sum(got.values())))
     assert not bad and len(got) == 7, bad
@@ -1087,6 +1087,32 @@ def test_stage_layers_a_hand_made_cut():
     C = plan.CLUSTERS["h100-80g"]._replace(nodes=256)
     assert {lay.pp for lay in plan.layouts(M, C, 2048)} == {1, 2, 4, 8, 16, 32, 64}
     assert plan.legal(M, C, replace(lay, split=(8,) * 16), 2048) and plan.legal(M, C, lay, 2048) is None
+
+
+def test_stage_layers_empty_end_chunks(monkeypatch, capsys):
+    """Llama 3's cut (Sec. 3.3.2): the first chunk the embedding alone, the last the head and loss alone,
+    through the CLI (1F1B, 0/9x14/0; interleaved v 8, 0/1x126/0). Ranks 0 and 15 then hold no block, so the
+    worst rank is one plan used not to look at: rank 1, 9 blocks x 15 micro-batches."""
+    M, t = plan.PRESETS["llama3-405b"], 8
+    h, V = M.d, M.vocab
+    lay = plan.Layout(dp=64, tp=t, pp=16, m=32, zero=2, sp=True, split=(0,) + (9,) * 14 + (0,))
+    C = plan.CLUSTERS["h100-80g"]._replace(nodes=1024)
+    assert plan.legal(M, C, lay, 2048) is None
+    assert plan.rank_units(M, lay, 0) == [V * h // t] and plan.rank_units(M, lay, 15) == [V * h // t + h]
+    assert plan.chunk_s(M, C, lay, 1, 0, plan.EFFICIENCY) == (0.0, 0.0)
+    got = plan.predict(M, C, lay, 2048)
+    mem = {r: sum(plan.memory(M, lay, 2048, r).values()) for r in range(16)}
+    assert got["worst"] == max(mem, key=mem.get) == 1 and mem[1] > 10 * mem[0]
+    assert sum(got["memory"][got["worst"]].values()) == mem[1]
+    base = ["plan.py", "--model", "llama3-405b", "--nodes", "1024", "--tp", "8", "--pp", "16", "--batch-size",
+            "2048", "--microbatches", "32", "--sequence-parallel", "--stage", "2"]
+    for extra, blocks in [(["--stage-layers", ",".join(map(str, lay.split))], "blocks 0/9x14/0"),
+                          (["--virtual-stages", "8", "--stage-layers", ",".join(["0"] + ["1"] * 126 + ["0"])],
+                           "interleaved v 8 zero 2 m 32 recompute none blocks 0/1x126/0")]:
+        monkeypatch.setattr(sys, "argv", base + extra)
+        plan.main()
+        out = capsys.readouterr().out
+        assert blocks in out and "pipeline rank 1 " in out, out
 
 
 def test_search_tries_every_v():
