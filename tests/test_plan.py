@@ -729,6 +729,36 @@ def test_ptdp_table_1_through_the_cli(monkeypatch, capsys, source_once):
     assert max(map(abs, wrong)) > HELD_OUT_TOL or spearman(got["2024"], [r[-1] for r in PTDP_TABLE_1]) < 0.8
 
 
+def overlap_checks(mode):
+    """TP at 8 without SP, 4 micro-batches: the seconds its all-reduces spend on NVLink, written here (4 of
+    bsh per layer and micro-batch, the embedding's and head's, the vocab-parallel loss's 3 of bs fp32; ring
+    2(t-1)/t), against predict's exposed["tp"] and the step, for each --tp-overlap mode."""
+    M, C, (t, m, B) = plan.PRESETS["gpt3-6.7b"], plan.CLUSTERS["h100-80g"], (8, 4, 32)
+    lay, b, L = plan.Layout(tp=t, m=m), B // m, M.layers
+    handed = m * ((4 * L + 2) * b * M.seq * M.d * 2 + 3 * b * M.seq * 4)
+    total = handed * 2 * (t - 1) / t / (C.intra_gbs * 1e9)
+    none = plan.predict(M, C, lay, B, tp_overlap="none")
+    got = plan.predict(M, C, lay, B, tp_overlap=mode)
+    compute = got["compute_s"]
+    want = {"none": total, "partial": total / 2, "0.25": total / 4, "full": max(0.0, total - compute)}[mode]
+    return [math.isclose(none["exposed"]["tp"][0], total, rel_tol=1e-12),
+            math.isclose(got["exposed"]["tp"][1], want, rel_tol=1e-12),
+            math.isclose(none["step_s"] - got["step_s"], total - want, rel_tol=1e-9, abs_tol=1e-12)]
+
+
+def test_overlap_flags_state_the_exposed_communication(monkeypatch, capsys, source_once):
+    """--tp-overlap none, partial, full, or a measured share: TP's exposed seconds and the step follow
+    (overlap_checks); the CLI prints per axis the seconds on the links and exposed, with the overlap assumed.
+    A plan that hides TP behind the GEMMs whatever the flag says (the old one, with SP) fails."""
+    for mode in ("none", "partial", "0.25", "full"):
+        assert all(overlap_checks(mode)), mode
+    out = cli(["--model", "gpt3-6.7b", "--tp", "8", "--dp", "1", "--batch-size", "32", "--microbatches", "4",
+               "--tp-overlap", "0.25"], monkeypatch, capsys)
+    assert re.search(r"tp [0-9.]+ / [0-9.]+ \(--tp-overlap 0.25\)", out), out
+    monkeypatch.setattr(plan, "exposed_s", lambda comm, window, overlap: max(0.0, comm - window))
+    assert not all(overlap_checks("0.25"))
+
+
 # Dubey et al. 2024 (Llama 3), Table 4: 405B on H100s, TP 8, PP 16, bf16, 16M tokens per step: GPUs, CP, DP,
 # sequence, sequences per DP rank, MFU %. The layout beyond the table (Sec. 3.3.2): no activation
 # recomputation at 8K, one block fewer on the first and last stages (7/8x14/7: plan finds the interleaved
