@@ -726,15 +726,19 @@ def legal(M, C, lay, B):
     return None
 
 
+CP_FROM = 32768  # tokens per sequence from which --search also shares each sequence over cp ranks
+
+
 def layouts(M, C, B, precision="bf16"):
     """Every legal layout on all the cluster's GPUs: tp dividing a node, every pp up to L (the files' cut when
-    it does not divide L), b in 1, 2, 4, 8, each schedule and every v (interleaved: each v > 1 cutting L into
-    equal chunks, as Megatron asks; ZB-V 2), ZeRO stage, SP, recomputation (GPipe left out: 1F1B's time, more
-    memory)."""
+    it does not divide L), from CP_FROM tokens every cp of 2^k (the ring, zig-zag), b in 1, 2, 4, 8, each
+    schedule and every v (interleaved: each v > 1 cutting L into equal chunks, as Megatron asks; ZB-V 2),
+    ZeRO stage, SP, recomputation (GPipe left out: 1F1B's time, more memory)."""
     gpus = C.nodes * C.gpus_per_node
-    for tp, pp in [(t, p) for t in range(1, C.gpus_per_node + 1) for p in range(1, M.layers + 1)
-                   if C.gpus_per_node % t == 0 and gpus % (t * p) == 0]:
-        dp = gpus // (tp * pp)
+    cps = [2 ** k for k in range(gpus.bit_length()) if M.seq >= CP_FROM or k == 0]
+    for tp, pp, cp in [(t, p, c) for t in range(1, C.gpus_per_node + 1) for p in range(1, M.layers + 1)
+                       for c in cps if C.gpus_per_node % t == 0 and gpus % (t * p * c) == 0]:
+        dp = gpus // (tp * pp * cp)
         scheds = [("1f1b", 1), ("zb-h1", 1), ("zb-v", 2)] + [
             ("interleaved", v) for v in range(2, M.layers // pp + 1) if M.layers % (pp * v) == 0]
         scheds = scheds if pp > 1 else [("1f1b", 1)]
@@ -743,14 +747,14 @@ def layouts(M, C, B, precision="bf16"):
         for b, (sched, v), ep, zero, sp, rc in [(b, s, ep, z, sp, rc) for b in bs for s in scheds
                                                 for ep in eps for z in range(4) for sp in (0, 1)
                                                 for rc in ("none", "selective", "full")]:
-            lay = Layout(dp, tp, pp, v, ep, zero, B // (dp * b), bool(sp), rc, precision, sched)
+            lay = Layout(dp, tp, pp, v, ep, zero, B // (dp * b), bool(sp), rc, precision, sched, cp=cp)
             if legal(M, C, lay, B) is None:
                 yield lay
 
 
 def search(M, C, B, eff=EFFICIENCY, headroom=0.1, precision="bf16", keep=lambda lay: True, attention="flash",
            dropout=False, **overlaps):
-    """The fastest layout that fits, of each grid (dp, tp, pp, ep), ranked by predicted tokens/s; with the
+    """The fastest layout that fits, of each grid (dp, cp, tp, pp, ep), ranked by predicted tokens/s; with the
     counts of legal and fitting layouts. `keep` limits the options (a paper's, say); attention, dropout and
     overlaps (tp_overlap, dp_overlap) as the stack's."""
     best, n_legal, n_fit = {}, 0, 0
@@ -760,7 +764,7 @@ def search(M, C, B, eff=EFFICIENCY, headroom=0.1, precision="bf16", keep=lambda 
         n_legal += 1
         if max(sum(memory(M, lay, B, r).values()) for r in {0, lay.pp - 1}) > C.mem_gb * GB * (1 - headroom):
             continue
-        n_fit, key = n_fit + 1, (lay.dp, lay.tp, lay.pp, lay.ep)
+        n_fit, key = n_fit + 1, (lay.dp, lay.cp, lay.tp, lay.pp, lay.ep)
         got = predict(M, C, lay, B, eff, headroom, **overlaps)
         if key not in best or got["tokens_per_s"] > best[key]["tokens_per_s"]:
             best[key] = got

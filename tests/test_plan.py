@@ -1243,6 +1243,25 @@ def test_stage_layers_empty_end_chunks(monkeypatch, capsys, source_once):
         assert blocks in out and "pipeline rank 1 " in out, out
 
 
+def test_search_shares_long_sequences_over_cp(monkeypatch):
+    """From plan.CP_FROM tokens --search tries cp of 2^k (the ring): Llama 3 8B at 128K tokens on 4 nodes,
+    TP 8 without pipeline (keep, to stay small): its first layout shares the sequence over cp ranks and is within
+    10% of the fastest of the layouts written here by hand (cp 2 and 4, each ZeRO stage and recomputation);
+    the old search, without cp, offers nothing within 10%."""
+    M, C = plan.PRESETS["llama3-8b"]._replace(seq=131072), plan.CLUSTERS["h100-80g"]._replace(nodes=4)
+    eff, keep = plan.ceiling("2024", "h100-80g")[0], lambda lay: lay.tp == 8 and lay.pp == 1
+    hand = [plan.predict(M, C, lay, 8, eff) for lay in (
+        plan.Layout(dp=4 // cp, tp=8, cp=cp, m=cp * 2, zero=z, sp=True, recompute=rc)
+        for cp in (2, 4) for z in range(4) for rc in ("none", "selective", "full"))]
+    best = max(x["tokens_per_s"] for x in hand if x["fits"])
+    first = plan.search(M, C, 8, eff, keep=keep)[0][0]
+    TABLE.append(("search over cp", "Llama 3 8B, 128K, 32 H100s: --search's first, tok/s; best by hand",
+                  f"{first['tokens_per_s']:,.0f} ({first['layout']})", f"{best:,.0f}"))
+    assert first["layout"].cp > 1 and first["tokens_per_s"] >= 0.9 * best
+    monkeypatch.setattr(plan, "CP_FROM", math.inf)
+    assert plan.search(M, C, 8, eff, keep=keep)[0][0]["tokens_per_s"] < 0.9 * best
+
+
 def test_search_tries_every_v():
     """Interleaved: every v > 1 cutting L into equal chunks (Megatron's condition), not only 2, 4, 8."""
     M, C = plan.PRESETS["gpt3-6.7b"], plan.CLUSTERS["h100-80g"]
