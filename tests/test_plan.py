@@ -1246,8 +1246,8 @@ def test_stage_layers_empty_end_chunks(monkeypatch, capsys, source_once):
 def test_search_shares_long_sequences_over_cp(monkeypatch):
     """From plan.CP_FROM tokens --search tries cp of 2^k (the ring): Llama 3 8B at 128K tokens on 4 nodes,
     TP 8 without pipeline (keep, to stay small): its first layout shares the sequence over cp ranks and is
-    within 10% of the fastest of the layouts written here by hand (cp 2 and 4, each ZeRO stage and recomputation);
-    the old search, without cp, offers nothing within 10%."""
+    within 10% of the fastest of the layouts written here by hand (cp 2 and 4, each ZeRO stage and
+    recomputation); the old search, without cp, offers nothing within 10%."""
     M, C = plan.PRESETS["llama3-8b"]._replace(seq=131072), plan.CLUSTERS["h100-80g"]._replace(nodes=4)
     eff, keep = plan.ceiling("2024", "h100-80g")[0], lambda lay: lay.tp == 8 and lay.pp == 1
     hand = [plan.predict(M, C, lay, 8, eff) for lay in (
