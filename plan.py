@@ -67,7 +67,7 @@ activation element, Psi parameters of one rank (its pipeline stage, its 1/t).
         --batch-size 64
     python -m pytest -q -s tests/test_plan.py -k "paper_rows or zz"  # each paper's figure beside plan's
 """
-import math, re
+import itertools, math, re
 from collections import namedtuple
 from dataclasses import dataclass, replace
 from functools import lru_cache
@@ -106,10 +106,9 @@ CLUSTERS = {"a100-80g": Cluster(1, 8, 80, 312, 300, 25, 2039),  # NVSwitch 600 G
 EFFICIENCY = 0.745  # the GEMMs' ceiling, fitted on three rows of PTD-P's Table 1 (tests/test_plan.py, docs)
 
 
-# The software stack a published run used, as flags: attention, dropout, the TP and DP overlaps (exposed_s),
-# and per GPU the GEMM ceiling fitted on rows of that stack with its error on the rows it was not fitted on
-# (points of MFU, the largest; tests/test_plan.py refits both and docs/plan.md lists the rows).
-# ceilings: {cluster: (ceiling, held-out error, what it was fitted on and tested on)}
+# The software stack of published runs, as flags: attention, dropout, the TP and DP overlaps (exposed_s); per
+# GPU {cluster: (GEMM ceiling fitted on rows of that stack, its largest error in points of MFU on the rows
+# it was not fitted on, which)}: tests/test_plan.py refits both, docs/plan.md lists the rows.
 Stack = namedtuple("Stack", "attention dropout tp_overlap dp_overlap ceilings")
 STACKS = {
     "megatron-2021": Stack("eager", True, "none", "none", {  # Megatron-LM of PTD-P: reduce after the flush
@@ -121,11 +120,8 @@ STACKS = {
 def ceiling(stack, cluster):
     """(GEMM ceiling, held-out error or None, source) of a stack on a cluster preset; where the stack has no
     rows on that GPU, its ceiling from the GPU it has, with no error to print."""
-    got = STACKS[stack].ceilings
-    if cluster in got:
-        return got[cluster]
-    other, (eff, _, _) = next(iter(got.items()))
-    return eff, None, f"no {stack} rows on {cluster}: the {other} ceiling, error unknown"
+    got, (other, (eff, _, _)) = STACKS[stack].ceilings, next(iter(STACKS[stack].ceilings.items()))
+    return got.get(cluster) or (eff, None, f"no {stack} rows on {cluster}: the {other} ceiling, no error")
 
 
 @dataclass(frozen=True)
@@ -163,13 +159,8 @@ class Layout:
 
 
 def runs(split):  # 7/8/8/8/8/7 as 7/8x4/7 where a count repeats more than 3 times
-    out = []
-    for x in split:
-        if out and out[-1][0] == x:
-            out[-1][1] += 1
-        else:
-            out.append([x, 1])
-    return [f"{x}x{k}" if k > 3 else "/".join([str(x)] * k) for x, k in out]
+    groups = [(x, len(list(g))) for x, g in itertools.groupby(split)]
+    return [f"{x}x{k}" if k > 3 else "/".join([str(x)] * k) for x, k in groups]
 
 
 PRECISION = {"bf16": (2, 2, 12, 2), "fp32": (4, 4, 8, 4), "fp64": (8, 8, 16, 8)}  # p, g, K (AdamW), e
@@ -620,10 +611,8 @@ def chunk_s(M, C, lay, b, c, eff, attention="flash", dropout=False):
 def exposed_s(comm_s, window_s, overlap):
     """Seconds of comm_s left on the critical path by an overlap: "full" hides it behind window_s (what is
     longer shows), "none" nothing, "partial" half of it; a number is the exposed share, as measured."""
-    if overlap == "full":
-        return max(0.0, comm_s - window_s)
-    return comm_s * {"none": 1.0, "partial": 0.5}.get(overlap) if overlap in ("none", "partial") else (
-        comm_s * float(overlap))
+    share = {"none": 1.0, "partial": 0.5, "full": None}.get(overlap, overlap)
+    return max(0.0, comm_s - window_s) if share is None else comm_s * float(share)
 
 
 def predict(M, C, lay, B, eff=EFFICIENCY, headroom=0.1, attention=None, dropout=None, overlap_dp=True,
@@ -636,8 +625,8 @@ def predict(M, C, lay, B, eff=EFFICIENCY, headroom=0.1, attention=None, dropout=
     reduced after the flush). Attention and dropout: the layout's unless given. exposed: per axis, (seconds
     on its links per step, of which exposed)."""
     attention, dropout = attention or lay.attention, lay.dropout if dropout is None else dropout
-    tp_overlap = tp_overlap or ("full" if lay.sp else "none")
-    dp_overlap = dp_overlap or ("full" if overlap_dp else "none")
+    tp_overlap, dp_overlap = (tp_overlap or "full" * lay.sp or "none",
+                              dp_overlap or "full" * overlap_dp or "none")
     ranks = range(lay.pp) if lay.split else sorted({0, lay.pp - 1})  # a hand-made cut: any rank the worst
     b, n = B // (lay.dp * lay.m), lay.pp * lay.v
     mem, comm = {r: memory(M, lay, B, r) for r in ranks}, {r: collectives(M, lay, B, r) for r in ranks}
