@@ -856,7 +856,7 @@ def diloco(M, C, got, H, outer_bytes=4, fragments=1, overlap=0):
 
 # ----------------------------------------------------------------------------- report
 def band(error):  # the held-out error printed beside a prediction
-    return f" +- {error:.1f}" if error is not None else " (no held-out error: see the ceiling line)"
+    return f" +- {error:.1f} points" if error is not None else " (no held-out error: see the stack line)"
 
 
 def report(C, B, got, error=None):
@@ -880,7 +880,7 @@ def report(C, B, got, error=None):
                cp="behind attention" if lay.cp_attention == "ring" else "none hidden")
     print("communication per step, s on its links / exposed (the overlap assumed): " + ", ".join(
         f"{a} {x:.3f} / {e:.3f} ({how[a]})" for a, (x, e) in got["exposed"].items()))
-    print(f"predicted {got['tokens_per_s']:,.0f} tokens/s, MFU {got['mfu']:.1%}{band(error)} points (model "
+    print(f"predicted {got['tokens_per_s']:,.0f} tokens/s, MFU {got['mfu']:.1%}{band(error)} (model "
           f"FLOPs {got['model_flops']:.3e}), HFU {got['hfu']:.1%} (with recomputation, as PTD-P counts)")
 
 
@@ -1065,9 +1065,9 @@ def main():
         if not ranked:
             fail(f"no layout of {a.model} fits {gpus} GPUs of {C.mem_gb:g} GB at --batch-size {B}")
         print(f"--search: {n_legal} legal layouts on {gpus} GPUs, {n_fit} fit; the fastest of each grid:")
-        for i, x in enumerate(ranked[:a.top]):
-            print(f"  {i + 1:2d}. {x['tokens_per_s']:11,.0f} tok/s  MFU {x['mfu']:5.1%}{band(error)[:7]}  "
-                  f"step {x['step_s']:8.3f} s  {x['layout']}")
+        for i, x in enumerate(ranked[:a.top]):  # each MFU with its band (+- x.x), where there is one
+            print(f"  {i + 1:2d}. {x['tokens_per_s']:11,.0f} tok/s  MFU {x['mfu']:5.1%}"
+                  f"{band(error)[:7] * (error is not None)}  step {x['step_s']:8.3f} s  {x['layout']}")
         print("why 1 beats 2: " + (why_faster(*ranked[:2]) if ranked[1:] else "it is the only one that fits"))
         got = ranked[0]
     else:
