@@ -67,7 +67,7 @@ activation element, Psi parameters of one rank (its pipeline stage, its 1/t).
         --batch-size 64
     python -m pytest -q -s tests/test_plan.py -k "paper_rows or zz"  # each paper's figure beside plan's
 """
-import math, re
+import itertools, math, re
 from collections import namedtuple
 from dataclasses import dataclass, replace
 from functools import lru_cache
@@ -106,6 +106,24 @@ CLUSTERS = {"a100-80g": Cluster(1, 8, 80, 312, 300, 25, 2039),  # NVSwitch 600 G
 EFFICIENCY = 0.745  # the GEMMs' ceiling, fitted on three rows of PTD-P's Table 1 (tests/test_plan.py, docs)
 
 
+# The software stack of published runs, as flags: attention, dropout, the TP and DP overlaps (exposed_s); per
+# GPU {cluster: (GEMM ceiling fitted on rows of that stack, its largest error in points of MFU on the rows
+# it was not fitted on, which)}: tests/test_plan.py refits both, docs/plan.md lists the rows.
+Stack = namedtuple("Stack", "attention dropout tp_overlap dp_overlap ceilings")
+STACKS = {
+    "megatron-2021": Stack("eager", True, "none", "none", {  # Megatron-LM of PTD-P: reduce after the flush
+        "a100-80g": (EFFICIENCY, 3.7, "PTD-P Table 1: fitted on 1.7B, 18.4B, 1T, held out on its 7 others")}),
+    "2024": Stack("flash", False, "", "full", {  # Llama 3's: TP overlapped with SP ("": full with SP)
+        "h100-80g": (0.795, 5.5, "Llama 3 Table 4: fitted on the 128K row, held out on the two 8K rows")})}
+
+
+def ceiling(stack, cluster):
+    """(GEMM ceiling, held-out error or None, source) of a stack on a cluster preset; where the stack has no
+    rows on that GPU, its ceiling from the GPU it has, with no error to print."""
+    got, (other, (eff, _, _)) = STACKS[stack].ceilings, next(iter(STACKS[stack].ceilings.items()))
+    return got.get(cluster) or (eff, None, f"no {stack} rows on {cluster}: the {other} ceiling, no error")
+
+
 @dataclass(frozen=True)
 class Layout:
     dp: int = 1
@@ -125,6 +143,8 @@ class Layout:
     split: tuple = ()  # blocks per chunk in pipeline order (--stage-layers); () the files' cut
     cp: int = 1  # context-parallel ranks sharing each sequence (context_parallel.py), between tp and dp
     cp_attention: str = "ring"  # allgather, ring, ulysses: how a sequence's cp ranks exchange K and V
+    attention: str = "flash"  # eager: s x s scores saved, through HBM (2021's Megatron); flash: one pass
+    dropout: bool = False  # dropout after attention and MLP (its masks saved), as in PTD-P's GPT
     gpus = property(lambda lay: lay.dp * lay.cp * lay.tp * lay.pp)
     grad_group = property(lambda lay: lay.dp * lay.cp)  # gradients are summed (ZeRO: sharded) over dp x cp
 
@@ -134,7 +154,13 @@ class Layout:
         ep = f" ep {self.ep}" * (self.ep > 1)
         return (f"dp {self.dp}{cp} tp {self.tp}{' sp' if self.sp else ''}{pipe}{ep}"
                 f" zero {self.zero} m {self.m} recompute {self.recompute}"
-                + (f" blocks {'/'.join(map(str, self.split))}" if self.split else ""))
+                + (f" blocks {'/'.join(runs(self.split))}" if self.split else "")
+                + f" attention {self.attention}" * (self.attention != "flash") + " dropout" * self.dropout)
+
+
+def runs(split):  # 7/8/8/8/8/7 as 7/8x4/7 where a count repeats more than 3 times
+    groups = [(x, len(list(g))) for x, g in itertools.groupby(split)]
+    return [f"{x}x{k}" if k > 3 else "/".join([str(x)] * k) for x, k in groups]
 
 
 PRECISION = {"bf16": (2, 2, 12, 2), "fp32": (4, 4, 8, 4), "fp64": (8, 8, 16, 8)}  # p, g, K (AdamW), e
@@ -234,14 +260,18 @@ def gathered(units, d, p):
 def layer_items(M, e, attention="flash", dropout=False, stats=True):
     """Bytes one block saves per token: (what, bytes, split by TP, kept by selective recomputation).
     Korthikanti's row is attention="eager", dropout=True, stats=False, e=2: norm inputs and outputs 8, q, k,
-    v 6, proj input 2, fc and GeLU outputs 16, two dropout masks 2 = 34 per h; softmax, mask, output 5as/h."""
+    v 6, proj input 2, fc and GeLU outputs 16, two dropout masks 2 = 34 per h; softmax, mask, output 5as/h.
+    Llama (tests/test_plan.py holds each term to the tensors a block saves): fused RMSNorm (input, 1/rms),
+    RoPE, grouped-query K/V, fused SwiGLU."""
     h, f, a, se, kvh = M.d, M.f, M.heads, max(e, 4), M.kv * (M.d // M.heads)  # statistics: fp32 at least
     items = [("norm inputs", 2 * h * e, False, True), ("norm outputs", 2 * h * e, False, True),
              ("q, k, v", (h + 2 * kvh) * e, True, True), ("attention output", h * e, True, True)]
     if M.arch == "gpt":
         items += [("fc output, GeLU output", 2 * f * e, True, True)]
-    else:  # RoPE keeps q and k before the rotation; SwiGLU keeps gate, up, silu(gate) and their product
-        items += [("q, k before RoPE", (h + kvh) * e, True, True), ("SwiGLU", 4 * f * e, True, True)]
+    else:  # k, v of the kv heads only (GQA); RoPE's backward rotates the gradient back: it keeps none of its
+        # inputs (only the rotated q, k the attention saves); a fused SwiGLU keeps gate and up (silu
+        # recomputed in its backward), the down projection its input silu(gate) x up: 3 of width f
+        items += [("SwiGLU gate, up, product", 3 * f * e, True, True)]
     items += [("dropout masks", 2 * h, False, True)] * dropout
     items += [("norm statistics", (4 if M.arch == "gpt" else 2) * se, False, True)] * stats
     if attention == "flash":
@@ -252,8 +282,8 @@ def layer_items(M, e, attention="flash", dropout=False, stats=True):
 def layer_bytes(M, lay, b, e, **kw):
     """One block, one micro-batch: the items x bs, / t where split by TP or SP; full: its input only. Under
     context parallelism s is the rank's s/cp, and the attention core keeps what its exchange adds
-    (cp_extra)."""
-    s = M.seq // lay.cp
+    (cp_extra). The layout's attention and dropout unless kw names them."""
+    s, kw = M.seq // lay.cp, dict(dict(attention=lay.attention, dropout=lay.dropout), **kw)
     if lay.recompute == "full":
         return b * s * M.d * e // (lay.tp if lay.sp else 1)
     return cp_extra(M, lay, b, e) + sum(b * s * n // (lay.tp if split or lay.sp else 1) for _, n, split, keep
@@ -578,13 +608,27 @@ def chunk_s(M, C, lay, b, c, eff, attention="flash", dropout=False):
     return total, cores
 
 
-def predict(M, C, lay, B, eff=EFFICIENCY, headroom=0.1, attention="flash", dropout=False, overlap_dp=True):
-    """Memory of the first and last pipeline rank (the most micro-batches; the head and loss), bytes per
-    collective, bubble, and the predicted step, as the docstring composes it. Megatron's overlaps: TP's
-    exchanges behind the GEMMs with SP (its --tp-comm-overlap; without SP, 2021's all-reduces, exposed), the
-    ring's blocks behind attention, the gradients' reduction behind the backward unless overlap_dp=False
-    (2021's Megatron reduced after the flush)."""
-    ranks, b, n = sorted({0, lay.pp - 1}), B // (lay.dp * lay.m), lay.pp * lay.v
+def exposed_s(comm_s, window_s, overlap):
+    """Seconds of comm_s left on the critical path by an overlap: "full" hides it behind window_s (what is
+    longer shows), "none" nothing, "partial" half of it; a number is the exposed share, as measured."""
+    share = {"none": 1.0, "partial": 0.5, "full": None}.get(overlap, overlap)
+    return max(0.0, comm_s - window_s) if share is None else comm_s * float(share)
+
+
+def predict(M, C, lay, B, eff=EFFICIENCY, headroom=0.1, attention=None, dropout=None, overlap_dp=True,
+            tp_overlap=None, dp_overlap=None):
+    """Memory of the first and last pipeline rank (the most micro-batches; the head and loss; every rank
+    under a hand-made cut), bytes per collective, bubble, and the predicted step, as the docstring composes
+    it. The overlaps, stated (exposed_s): TP's exchanges (default: behind the GEMMs with SP, as Megatron's
+    --tp-comm-overlap; without SP, 2021's all-reduces, exposed), the ring's blocks behind attention, the
+    gradients' reduction behind the backward (dp_overlap; overlap_dp=False: "none", as 2021's Megatron
+    reduced after the flush). Attention and dropout: the layout's unless given. exposed: per axis, (seconds
+    on its links per step, of which exposed)."""
+    attention, dropout = attention or lay.attention, lay.dropout if dropout is None else dropout
+    tp_overlap, dp_overlap = (tp_overlap or "full" * lay.sp or "none",
+                              dp_overlap or "full" * overlap_dp or "none")
+    ranks = range(lay.pp) if lay.split else sorted({0, lay.pp - 1})  # a hand-made cut: any rank the worst
+    b, n = B // (lay.dp * lay.m), lay.pp * lay.v
     mem, comm = {r: memory(M, lay, B, r) for r in ranks}, {r: collectives(M, lay, B, r) for r in ranks}
     worst = max(ranks, key=lambda r: sum(mem[r].values()))
     bw = {"nvlink": C.intra_gbs * GB, "ib": C.inter_gbs * GB}
@@ -593,33 +637,40 @@ def predict(M, C, lay, B, eff=EFFICIENCY, headroom=0.1, attention="flash", dropo
     work = {r: [sum(x) for x in zip(*(chunk_s(M, C, lay, b, c, eff, attention, dropout)
                                       for c in mine(lay, r)))] for r in ranks}  # (s, of it attention) per mb
 
-    def exposed_mb(r):  # per micro-batch, on its critical path: TP (hidden with SP), CP (the ring's hidden
-        # behind attention), all-to-all
+    def per_axis_mb(r):  # per micro-batch: (on the links, exposed on its critical path) of TP, CP, all-to-all
         x = {a: sum(v for k, v in secs[r].items() if f"/{a}/" in k and "step" not in k) / lay.m
              for a in ("tp", "cp", "ep")}
-        tp = max(0.0, x["tp"] - work[r][0]) if lay.sp else x["tp"]
-        cp = max(0.0, x["cp"] - work[r][1]) if lay.cp_attention == "ring" else x["cp"]
-        return tp + cp + x["ep"]
-    slow = max(ranks, key=lambda r: work[r][0] + exposed_mb(r))
-    compute, comm_mb = work[slow][0], exposed_mb(slow)
+        return dict(tp=(x["tp"], exposed_s(x["tp"], work[r][0], tp_overlap)),
+                    cp=(x["cp"], exposed_s(x["cp"], work[r][1], "full" if lay.cp_attention == "ring"
+                                              else "none")), ep=(x["ep"], x["ep"]))
+    slow = max(ranks, key=lambda r: work[r][0] + sum(x for _, x in per_axis_mb(r).values()))
+    axes = per_axis_mb(slow)
+    compute, comm_mb = work[slow][0], sum(x for _, x in axes.values())
     per_mb = compute + comm_mb
     dp = {k: x for k, x in secs[slow].items() if k.endswith("step") or "/dp/" in k}
     gathers = sum(x for k, x in dp.items() if "all_gather" in k)
     reduce = sum(dp.values()) - gathers
-    behind = 2 / 3 * compute if overlap_dp else 0.0  # one micro-batch's backward
+    behind = 2 / 3 * compute  # one micro-batch's backward
     if lay.zero == 3:  # prefetched one unit ahead: hides behind each micro-batch
-        exposed = lay.m * max(0.0, (gathers + reduce) / lay.m - per_mb * overlap_dp)
+        exposed = lay.m * exposed_s((gathers + reduce) / lay.m, per_mb, dp_overlap)
     elif lay.zero == 2:  # each micro-batch's reduce-scatter behind its backward, the all-gather after
-        exposed = lay.m * max(0.0, reduce / lay.m - behind) + gathers
+        exposed = lay.m * exposed_s(reduce / lay.m, behind, dp_overlap) + gathers
     else:  # the reduction behind the last micro-batch's backward (DDP's buckets); ZeRO-1's all-gather after
-        exposed = max(0.0, reduce - behind) + gathers
+        exposed = exposed_s(reduce, behind, dp_overlap) + gathers
     one = secs[0]["send/pp/fwd"] / comm[0]["send/pp/fwd"][0] if lay.pp > 1 else 0.0  # one message's time
     parts = dict(compute_s=compute * lay.m, tp_ep_s=comm_mb * lay.m, dp_s=exposed,
                  bubble_s=per_mb * bubble_slots(lay), pp_s=2 * (n - 1) * one)
     step, model = sum(parts.values()), chunk_flops(M, Layout(), B, 0, "none")
+    hardware = chunk_flops(M, Layout(recompute=lay.recompute), B, 0)
+    pp = sum(x for k, x in secs[slow].items() if "/pp/" in k)  # the steady state's behind the compute
+    axes = {a: (x * lay.m, e * lay.m) for a, (x, e) in axes.items()}
+    axes.update(dp=(sum(dp.values()), exposed), pp=(pp, parts["pp_s"]))
     return dict(parts, layout=lay, memory=mem, worst=worst, comm=comm[0], bubble=bubble(lay), step_s=step,
                 fits=sum(mem[worst].values()) <= C.mem_gb * GB * (1 - headroom), model_flops=model,
-                tokens_per_s=B * M.seq / step, mfu=model / (step * lay.gpus * C.tflops * 1e12))
+                tokens_per_s=B * M.seq / step, mfu=model / (step * lay.gpus * C.tflops * 1e12),
+                hfu=hardware / (step * lay.gpus * C.tflops * 1e12),
+                exposed={a: x for a, x in axes.items() if x[0]},
+                overlaps=dict(tp=tp_overlap, dp=dp_overlap))
 
 
 # ----------------------------------------------------------------------------- the search
@@ -638,14 +689,15 @@ def legal(M, C, lay, B):
              and M.kv % (lay.tp * lay.cp) == 0,
              f"--cp-attention ulysses gives each of tp x cp = {lay.tp * lay.cp} ranks whole heads: --n-heads "
              f"{M.heads} and kv heads {M.kv} must divide by it"),
-            (lay.pp * lay.v <= M.layers and (lay.schedule != "interleaved" or lay.split
-                                              or M.layers % (lay.pp * lay.v) == 0),
+            (lay.split or lay.pp * lay.v <= M.layers and (lay.schedule != "interleaved"
+                                                           or M.layers % (lay.pp * lay.v) == 0),
              f"--n-layers {M.layers} does not split into pp x virtual stages = {lay.pp * lay.v} chunks (of a "
              f"block at least; equal ones when interleaved, unless --stage-layers cuts them)"),
             (not lay.split or len(lay.split) == lay.pp * lay.v and sum(lay.split) == M.layers
-             and min(lay.split) >= 1, f"--stage-layers {','.join(map(str, lay.split))}: pp x virtual stages ="
-                                      f" "
-                                      f"{lay.pp * lay.v} numbers >= 1 summing to --n-layers {M.layers}"),
+             and min(lay.split[1:-1], default=1) >= 1,  # the ends may hold the embedding, the head alone
+             f"--stage-layers {','.join(map(str, lay.split))}: pp x virtual stages = {lay.pp * lay.v} "
+             f"numbers summing to --n-layers {M.layers}, >= 1 but for the first and last (0: the embedding, "
+             f"the head and loss alone)"),
             (B % (lay.dp * lay.m) == 0,
              f"--batch-size {B} is not divisible by dp x microbatches = {lay.dp} x {lay.m}"),
             (lay.schedule != "interleaved" or lay.pp > 1 and lay.m % lay.pp == 0,
@@ -663,15 +715,19 @@ def legal(M, C, lay, B):
     return None
 
 
+CP_FROM = 32768  # tokens per sequence from which --search also shares each sequence over cp ranks
+
+
 def layouts(M, C, B, precision="bf16"):
     """Every legal layout on all the cluster's GPUs: tp dividing a node, every pp up to L (the files' cut when
-    it does not divide L), b in 1, 2, 4, 8, each schedule and every v (interleaved: each v > 1 cutting L into
-    equal chunks, as Megatron asks; ZB-V 2), ZeRO stage, SP, recomputation (GPipe left out: 1F1B's time, more
-    memory)."""
+    it does not divide L), from CP_FROM tokens every cp of 2^k (the ring, zig-zag), b in 1, 2, 4, 8, each
+    schedule and every v (interleaved: each v > 1 cutting L into equal chunks, as Megatron asks; ZB-V 2),
+    ZeRO stage, SP, recomputation (GPipe left out: 1F1B's time, more memory)."""
     gpus = C.nodes * C.gpus_per_node
-    for tp, pp in [(t, p) for t in range(1, C.gpus_per_node + 1) for p in range(1, M.layers + 1)
-                   if C.gpus_per_node % t == 0 and gpus % (t * p) == 0]:
-        dp = gpus // (tp * pp)
+    cps = [2 ** k for k in range(gpus.bit_length()) if M.seq >= CP_FROM or k == 0]
+    for tp, pp, cp in [(t, p, c) for t in range(1, C.gpus_per_node + 1) for p in range(1, M.layers + 1)
+                       for c in cps if C.gpus_per_node % t == 0 and gpus % (t * p * c) == 0]:
+        dp = gpus // (tp * pp * cp)
         scheds = [("1f1b", 1), ("zb-h1", 1), ("zb-v", 2)] + [
             ("interleaved", v) for v in range(2, M.layers // pp + 1) if M.layers % (pp * v) == 0]
         scheds = scheds if pp > 1 else [("1f1b", 1)]
@@ -680,20 +736,25 @@ def layouts(M, C, B, precision="bf16"):
         for b, (sched, v), ep, zero, sp, rc in [(b, s, ep, z, sp, rc) for b in bs for s in scheds
                                                 for ep in eps for z in range(4) for sp in (0, 1)
                                                 for rc in ("none", "selective", "full")]:
-            lay = Layout(dp, tp, pp, v, ep, zero, B // (dp * b), bool(sp), rc, precision, sched)
+            lay = Layout(dp, tp, pp, v, ep, zero, B // (dp * b), bool(sp), rc, precision, sched, cp=cp)
             if legal(M, C, lay, B) is None:
                 yield lay
 
 
-def search(M, C, B, eff=EFFICIENCY, headroom=0.1, precision="bf16", keep=lambda lay: True):
-    """The fastest layout that fits, of each grid (dp, tp, pp, ep), ranked by predicted tokens/s; with the
-    counts of legal and fitting layouts. `keep` limits the options (a paper's, say)."""
+def search(M, C, B, eff=EFFICIENCY, headroom=0.1, precision="bf16", keep=lambda lay: True, attention="flash",
+           dropout=False, **overlaps):
+    """The fastest layout that fits, of each grid (dp, cp, tp, pp, ep), ranked by predicted tokens/s; with the
+    counts of legal and fitting layouts. `keep` limits the options (a paper's, say); attention, dropout and
+    overlaps (tp_overlap, dp_overlap) as the stack's."""
     best, n_legal, n_fit = {}, 0, 0
-    for lay in filter(keep, layouts(M, C, B, precision)):
+    stack = (attention, dropout) != ("flash", False)
+    for lay in filter(keep, (replace(x, attention=attention, dropout=dropout) if stack else x
+                             for x in layouts(M, C, B, precision))):
         n_legal += 1
         if max(sum(memory(M, lay, B, r).values()) for r in {0, lay.pp - 1}) > C.mem_gb * GB * (1 - headroom):
             continue
-        n_fit, got, key = n_fit + 1, predict(M, C, lay, B, eff, headroom), (lay.dp, lay.tp, lay.pp, lay.ep)
+        n_fit, key = n_fit + 1, (lay.dp, lay.cp, lay.tp, lay.pp, lay.ep)
+        got = predict(M, C, lay, B, eff, headroom, **overlaps)
         if key not in best or got["tokens_per_s"] > best[key]["tokens_per_s"]:
             best[key] = got
     return sorted(best.values(), key=lambda x: -x["tokens_per_s"]), n_legal, n_fit
@@ -794,11 +855,15 @@ def diloco(M, C, got, H, outer_bytes=4, fragments=1, overlap=0):
 
 
 # ----------------------------------------------------------------------------- report
-def report(C, B, got):
+def band(error):  # the held-out error printed beside a prediction
+    return f" +- {error:.1f} points" if error is not None else " (no held-out error: see the stack line)"
+
+
+def report(C, B, got, error=None):
     lay, mem, bw = got["layout"], got["memory"], {"nvlink": C.intra_gbs, "ib": C.inter_gbs}
     print(f"layout: {lay}, {lay.precision}, {B // (lay.dp * lay.m)} sequences per micro-batch")
     print("memory per rank, GB    params    grads    optim  activations  gathered     total")
-    for r, x in mem.items():
+    for r, x in [(r, x) for r, x in mem.items() if r in (0, got["worst"], lay.pp - 1)]:
         print(f"  pipeline rank {r:<5d}" + "".join(f"{x[k] / GB:9.2f}" for k in ("params", "grads", "optim"))
               + f"{x['activations'] / GB:13.2f}{x['gathered'] / GB:10.2f}{sum(x.values()) / GB:10.2f}")
     print(f"  {'fits' if got['fits'] else 'does NOT fit'} in {C.mem_gb:g} GB less the headroom")
@@ -810,8 +875,13 @@ def report(C, B, got):
     print(f"bubble: {got['bubble'][0]:.3f} of the step, {got['bubble'][1]:.3f} of ideal compute")
     print(f"predicted step {got['step_s']:.3f} s = " + " + ".join(f"{w} {got[k]:.3f}" for k, w in
                                                                   PARTS.items()))
-    print(f"predicted {got['tokens_per_s']:,.0f} tokens/s, MFU {got['mfu']:.1%} (model FLOPs "
-          f"{got['model_flops']:.3e})")
+    how = dict(tp=f"--tp-overlap {got['overlaps']['tp']}", dp=f"--dp-overlap {got['overlaps']['dp']}",
+               pp="warm-up and drain messages", ep="none hidden",
+               cp="behind attention" if lay.cp_attention == "ring" else "none hidden")
+    print("communication per step, s on its links / exposed (the overlap assumed): " + ", ".join(
+        f"{a} {x:.3f} / {e:.3f} ({how[a]})" for a, (x, e) in got["exposed"].items()))
+    print(f"predicted {got['tokens_per_s']:,.0f} tokens/s, MFU {got['mfu']:.1%}{band(error)} (model "
+          f"FLOPs {got['model_flops']:.3e}), HFU {got['hfu']:.1%} (with recomputation, as PTD-P counts)")
 
 
 # ----------------------------------------------------------------------------- main
@@ -838,7 +908,12 @@ class Args:
     intra_gbs: float = 0  # GB/s per GPU and direction inside a node
     inter_gbs: float = 0  # GB/s per GPU and direction across nodes
     hbm_gbs: float = 0  # GB/s of each GPU's memory (memory-bound work, each GEMM's operands)
-    efficiency: float = EFFICIENCY  # the GEMMs' ceiling share of peak (fitted on PTD-P's Table 1)
+    efficiency: float = 0  # the GEMMs' ceiling share of peak (0: the stack's, fitted on its published rows)
+    stack: Literal[tuple(STACKS)] = "2024"  # a published stack: the next 4 flags' defaults, a ceiling
+    attention: Literal["", "eager", "flash"] = ""  # eager: the s x s scores (2021's); "": the stack's
+    dropout: bool = None  # dropout after attention and MLP (--no-dropout: off); unset: the stack's
+    tp_overlap: str = ""  # TP's exchanges behind the GEMMs: none, partial, full, or the exposed share
+    dp_overlap: str = ""  # gradients' reduction behind the backward: none (after the flush) ... as above
     headroom: float = 0.1  # share of GPU memory kept free for what is not counted (workspace, fragmentation)
     dp: int = 0  # data-parallel degree d (0: GPUs / (tp x pp))
     tp: int = 1  # tensor-parallel degree t
@@ -854,7 +929,8 @@ class Args:
     precision: Literal["bf16", "fp32", "fp64"] = "bf16"  # bf16: mixed-precision Adam, 2 + 2 + 12 bytes
     schedule: Literal["1f1b", "gpipe", "interleaved", "zb-h1", "zb-v"] = "1f1b"  # pipeline schedule
     vocab_parallel: bool = True  # split embedding and head over the vocabulary (else replicated over tp)
-    stage_layers: str = ""  # blocks per chunk in pipeline order, e.g. 7,8,...,8,7 (fewer on first and last)
+    stage_layers: str = ""  # blocks per chunk in pipeline order, e.g. 7,8,...,8,7 or 0,9,...,9,0 (fewer on
+    # the first and last; 0: a chunk of the embedding or the head and loss alone, as Llama 3's)
     search: bool = False  # rank every legal layout that fits by predicted tokens/s
     top: int = 10  # layouts --search prints
     tokens: float = 0  # the whole run: train on this many tokens (wall time, GPU-hours, cost)
@@ -885,8 +961,15 @@ def check_args(a):
     for name, low in [(n, 1) for n in ones] + [(n, 0) for n in zeros]:
         if getattr(a, name) < low:
             fail(f"--{name.replace('_', '-')} must be >= {low}, got {getattr(a, name)}")
-    if not 0 < a.efficiency <= 1 or not 0 <= a.headroom < 1:
-        fail(f"--efficiency must be in (0, 1] and --headroom in [0, 1), got {a.efficiency}, {a.headroom}")
+    if not 0 <= a.efficiency <= 1 or not 0 <= a.headroom < 1:
+        fail(f"--efficiency must be in (0, 1] (0: the stack's) and --headroom in [0, 1), got {a.efficiency}, "
+             f"{a.headroom}")
+    for name in ("tp_overlap", "dp_overlap"):
+        x = getattr(a, name)
+        if x not in ("", "none", "partial", "full") and not (re.fullmatch(r"[0-9.]+", x) and x.count(".") < 2
+                                                              and 0 <= float(x) <= 1):
+            fail(f"--{name.replace('_', '-')} must be none, partial, full or an exposed share in [0, 1], "
+                 f"got {x!r}")
     if not a.capacity_factor > 0:
         fail(f"--capacity-factor must be > 0 (slots: cf x k x tokens / E), got {a.capacity_factor}")
     if a.experts and a.top_k > a.experts:
@@ -923,7 +1006,7 @@ def run_report(M, C, got, D, a, optimal=None):
     return dict(wall_s=wall, work_s=work, tau_s=tau, failures=fails, N=N, D=D, loss=final_loss(N, D))
 
 
-def budget_model(P, C, B, a):
+def budget_model(P, C, B, a, stack):
     """The compute-optimal model for the budget: C from the budget's training seconds x GPUs x peak x MFU, the
     MFU of the best layout found for the model of the step before (twice, from --efficiency)."""
     gpus, mfu = C.nodes * C.gpus_per_node, a.efficiency
@@ -934,7 +1017,7 @@ def budget_model(P, C, B, a):
         flops = a.flops or work * gpus * C.tflops * 1e12 * mfu
         N, D = compute_optimal(flops)
         M = shaped(P, N)
-        ranked = search(M, C, B, a.efficiency, a.headroom, a.precision)[0]
+        ranked = search(M, C, B, a.efficiency, a.headroom, a.precision, **stack)[0]
         if not ranked:
             fail(f"no layout of the compute-optimal {n_params(M) / 1e9:.1f}B model fits {gpus} GPUs of "
                  f"{C.mem_gb:g} GB at --batch-size {B}")
@@ -955,23 +1038,36 @@ def main():
         fail(f"--d-model {M.d} must be divisible by --n-heads {M.heads}, and that by --kv-heads {M.kv}")
     C = Cluster(a.nodes, a.gpus_per_node or K.gpus_per_node, a.gpu_mem_gb or K.mem_gb, a.tflops or K.tflops,
                 a.intra_gbs or K.intra_gbs, a.inter_gbs or K.inter_gbs, a.hbm_gbs or K.hbm_gbs)
-    gpus, B = C.nodes * C.gpus_per_node, a.batch_size
+    gpus, B, st = C.nodes * C.gpus_per_node, a.batch_size, STACKS[a.stack]
+    eff, error, source = ceiling(a.stack, a.cluster)
+    if a.efficiency:
+        error, source = None, "--efficiency given: no held-out error"
+    a.efficiency = a.efficiency or eff
+    attention, dropout = a.attention or st.attention, st.dropout if a.dropout is None else a.dropout
+    overlaps = dict(tp_overlap=a.tp_overlap or st.tp_overlap or None,
+                    dp_overlap=a.dp_overlap or st.dp_overlap)
+    if (attention, dropout, a.tp_overlap or st.tp_overlap, overlaps["dp_overlap"]) != st[:4] and error:
+        source += f"; measured on {a.stack}'s own attention, dropout and overlaps, not these"
+    stack = dict(attention=attention, dropout=dropout, **overlaps)
     print(f"plan (predictions): {a.model}, {n_params(M) / 1e9:.2f}B parameters, "
           f"L {M.layers} h {M.d} a {M.heads} V {M.vocab} s {M.seq}; batch {B} x {M.seq} tokens; {C.nodes} x "
           f"{C.gpus_per_node} GPUs of {C.mem_gb:g} GB, {C.tflops:g} TFLOP/s, {C.intra_gbs:g} / "
-          f"{C.inter_gbs:g} GB/s in / across nodes, {C.hbm_gbs:g} GB/s memory; GEMM ceiling {a.efficiency:g}")
+          f"{C.inter_gbs:g} GB/s in / across nodes, {C.hbm_gbs:g} GB/s memory")
+    print(f"  stack {a.stack}: {attention} attention, dropout {'on' if dropout else 'off'}, overlaps tp "
+          f"{overlaps['tp_overlap'] or 'full with SP'}, dp {overlaps['dp_overlap']}; GEMM ceiling "
+          f"{a.efficiency:g} ({source})")
     if a.gpu_hours or a.days or a.flops:
-        M, ranked, tokens, optimal = budget_model(P, C, B, a)
-        report(C, B, ranked[0])
+        M, ranked, tokens, optimal = budget_model(P, C, B, a, stack)
+        report(C, B, ranked[0], error)
         return run_report(M, C, ranked[0], tokens, a, optimal)
     if a.search:
-        ranked, n_legal, n_fit = search(M, C, B, a.efficiency, a.headroom, a.precision)
+        ranked, n_legal, n_fit = search(M, C, B, a.efficiency, a.headroom, a.precision, **stack)
         if not ranked:
             fail(f"no layout of {a.model} fits {gpus} GPUs of {C.mem_gb:g} GB at --batch-size {B}")
         print(f"--search: {n_legal} legal layouts on {gpus} GPUs, {n_fit} fit; the fastest of each grid:")
-        for i, x in enumerate(ranked[:a.top]):
-            print(f"  {i + 1:2d}. {x['tokens_per_s']:11,.0f} tok/s  MFU {x['mfu']:5.1%}  "
-                  f"step {x['step_s']:8.3f} s  {x['layout']}")
+        for i, x in enumerate(ranked[:a.top]):  # each MFU with its band (+- x.x), where there is one
+            print(f"  {i + 1:2d}. {x['tokens_per_s']:11,.0f} tok/s  MFU {x['mfu']:5.1%}"
+                  f"{band(error)[:7] * (error is not None)}  step {x['step_s']:8.3f} s  {x['layout']}")
         print("why 1 beats 2: " + (why_faster(*ranked[:2]) if ranked[1:] else "it is the only one that fits"))
         got = ranked[0]
     else:
@@ -980,14 +1076,14 @@ def main():
                      a.microbatches,
                      a.sequence_parallel, a.recompute, a.precision,
                      "interleaved" if v > 1 and a.schedule == "1f1b" else a.schedule, a.vocab_parallel,
-                     cp=a.cp, cp_attention=a.cp_attention)
+                     cp=a.cp, cp_attention=a.cp_attention, attention=attention, dropout=dropout)
         if a.stage_layers:
             lay = replace(lay, split=tuple(map(int, a.stage_layers.split(","))))
         why = legal(M, C, lay, B)
         if why:
             fail(why)
-        got = predict(M, C, lay, B, a.efficiency, a.headroom)
-    report(C, B, got)
+        got = predict(M, C, lay, B, a.efficiency, a.headroom, **overlaps)
+    report(C, B, got, error)
     if a.inner_steps:
         outer = {"float32": 4, "bfloat16": 2}[a.outer_dtype]
         x = diloco(M, C, got, a.inner_steps, outer, a.fragments, a.overlap)
