@@ -53,7 +53,7 @@ Run (2 processes at least: a pipeline of 2; --dp 0 = world / (pp * tp)):
 The zero-bubble schedules (ZB-H1, ZB-V) are zero_bubble.py. In production, use Megatron-Core, or
 torch.distributed.pipelining (ScheduleInterleaved1F1B) with DTensor TP.
 """
-import collections, contextlib
+import collections, contextlib, math
 from dataclasses import dataclass
 
 import torch
@@ -66,14 +66,16 @@ from common import (build_gpt, count_tokens, DTYPES, fail, GPTConfig, init_dist,
                     MarkovData)
 from harness import (assemble_full, busy_ms, check_against_reference, check_common_args, CommCounter,
                      CommonArgs, draw_timeline, env_world_size, gather_rows, parse_args,
-                     peak_memory_bytes, PipelineWatch, Run, state_bytes, write_trace)
+                     peak_memory_bytes, PipelineWatch, Run, tensor_bytes, write_trace)
 
 
 @dataclass
 class Args(CommonArgs):
     pp: int = 2  # pipeline-parallel degree p (ranks per pipeline)
     tp: int = 1  # tensor-parallel degree t (innermost: adjacent ranks)
-    dp: int = 0  # data-parallel degree (0 = world / (pp * tp))
+    dp: int = 0  # data-parallel degree (0 = world / (pp * cp * tp))
+    cp: int = 1  # context-parallel degree: each sequence split over cp ranks (zig-zag), K/V round a ring
+    zero: int = 0  # 1: ZeRO-1, AdamW's state and update sharded over the dp x cp ranks of a chunk shard
     virtual_stages: int = 1  # v: model chunks per pipeline rank (1 = plain 1F1B)
     microbatches: int = 4  # m: micro-batches per replica and batch (a multiple of --pp when v > 1)
     trace: str = ""  # write the measured F/B events as a Chrome trace (JSON) to this path
@@ -115,6 +117,11 @@ class g(torch.autograd.Function):
         return grad, None
 
 
+def check_heads(heads, t):
+    if heads % t:
+        raise ValueError(f"{heads} heads do not split over t = {t}: use heads divisible by t")
+
+
 def tp_dim(name):
     """The dimension of GPT parameter `name` split over the TP group (None: replicated). Column-parallel
     weights (out, in) split dim 0, with their biases; row-parallel ones split dim 1, their bias is whole."""
@@ -130,11 +137,10 @@ class TPBlock(nn.Module):
         q, k, v, fc  (out, in) = [W_0; W_1; ..]  rows: rank k computes its heads / its 4D/t hidden features
         proj         (out, in) = [W_0 | W_1 ..]  columns: rank k's partial product; g sums, then the bias"""
 
-    def __init__(self, full, group):
+    def __init__(self, full, group, cp_group=None):
         super().__init__()
         t, r = dist.get_world_size(group), dist.get_rank(group)
-        if full.attn.n_heads % t:
-            raise ValueError(f"{full.attn.n_heads} heads do not split over t = {t}: use heads divisible by t")
+        check_heads(full.attn.n_heads, t)
         self.ln1, self.attn, self.ln2, self.mlp = full.ln1, full.attn, full.ln2, full.mlp
         for name, w in list(self.named_parameters()):
             if tp_dim(name) is not None:
@@ -142,39 +148,148 @@ class TPBlock(nn.Module):
                 shard = nn.Parameter(w.detach().chunk(t, tp_dim(name))[r].clone())
                 shard.tp_split = True
                 setattr(self.get_submodule(owner), leaf, shard)
-        self.group, self.heads = group, full.attn.n_heads // t
+        self.group, self.heads, self.cp_group = group, full.attn.n_heads // t, cp_group
 
     def forward(self, x):  # (b, T, D) replicated on the TP group
         a, mlp, grp = self.attn, self.mlp, self.group
         h = f.apply(self.ln1(x), grp)
         q, k, v = (rearrange(F.linear(h, lin.weight), "b t (h e) -> b h t e", h=self.heads)
                    for lin in (a.q, a.k, a.v))  # (b, H/t, T, E) each: this rank's heads
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (b, H/t, T, E)
+        if self.cp_group is None or dist.get_world_size(self.cp_group) == 1:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (b, H/t, T, E)
+        else:  # T is this rank's T/cp tokens; K/V of the others come round the CP ring, this rank's heads only
+            y = ring_attention(q, k, v, self.cp_group)  # (b, H/t, T/cp, E)
         y = rearrange(y, "b h t e -> b t (h e)")  # (b, T, D/t)
         x = x + g.apply(F.linear(y, a.proj.weight), grp) + a.proj.bias  # bias after g: added once
         h = F.gelu(F.linear(f.apply(self.ln2(x), grp), mlp.fc.weight, mlp.fc.bias))  # (b, T, 4D/t) local
         return x + g.apply(F.linear(h, mlp.proj.weight), grp) + mlp.proj.bias  # (b, T, D) replicated
 
 
+# ------------------------------------------------------------------------- context parallel: the zig-zag ring
+def check_zigzag(T, cp):
+    """What the zig-zag split relies on, raised before anything is sent: T tokens in 2cp equal chunks."""
+    if T % (2 * cp):
+        raise ValueError(f"{T} tokens do not cut into 2 x cp = {2 * cp} equal chunks: use a sequence length "
+                         f"divisible by {2 * cp}, e.g. {(T // (2 * cp) + 1) * 2 * cp}")
+
+
+def zigzag(x, cp, r, dim=1):
+    """(.., T, ..) whole sequences -> (.., T/cp, ..) CP rank r's tokens: chunks r and 2cp-1-r of 2cp, an early
+    one and a late one, so that under the causal mask every rank does the same work (Llama 3, Sec. 3.3.2)."""
+    check_zigzag(x.shape[dim], cp)
+    pieces = x.chunk(2 * cp, dim)
+    return torch.cat([pieces[r], pieces[2 * cp - 1 - r]], dim)
+
+
+def hop(x, group, step):
+    """Send x to rank r+step of `group`, receive rank r-step's: one paired batch_isend_irecv (NCCL-safe)."""
+    cp, r = dist.get_world_size(group), dist.get_rank(group)
+    got = torch.empty_like(x)
+    ops = [dist.P2POp(dist.isend, x.contiguous(), group=group, group_peer=(r + step) % cp),
+           dist.P2POp(dist.irecv, got, group=group, group_peer=(r - step) % cp)]
+    for req in dist.batch_isend_irecv(ops):
+        req.wait()
+    return got
+
+
+class Pass(torch.autograd.Function):
+    """One step of the ring: K/V on to rank r+1, rank r-1's in. Its adjoint runs the ring backwards: the
+    gradient of the block that came from r-1 goes back to r-1."""
+
+    @staticmethod
+    def forward(ctx, kv, group):  # (2, b, H/t, T/cp, E): a block of keys and values
+        ctx.group = group
+        return hop(kv, group, +1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return hop(grad, ctx.group, -1), None
+
+
+def attend(q, k, v, causal):
+    """Attention of q (b, h, tq, E) over one block k, v (b, h, tk, E): (output, log-sum-exp (b, h, tq, 1))."""
+    s = q @ k.transpose(-2, -1) * q.shape[-1] ** -0.5  # (b, h, tq, tk)
+    if causal:  # the diagonal block: my two chunks are in sequence order, so a causal mask over T/cp is right
+        s = s.masked_fill(torch.ones_like(s[0, 0], dtype=torch.bool).triu(1), float("-inf"))
+    lse = s.logsumexp(-1, keepdim=True)
+    return torch.exp(s - lse) @ v, lse
+
+
+def ring(q, k, v, group):
+    """Causal attention of CP rank r's queries (b, h, T/cp, E) over the whole sequence (Liu et al. 2023, "Ring
+    Attention"): cp - 1 steps pass the K/V block on, each block's partial result merged by its log-sum-exp
+    (online softmax, Milakov & Gimelshein 2018). Zig-zag: from src < r every query sees src's early chunk (its
+    late one follows both of mine); from src > r only my late chunk sees src's, both of them."""
+    cp, r, half = dist.get_world_size(group), dist.get_rank(group), q.shape[2] // 2
+    acc = torch.promote_types(q.dtype, torch.float32)  # softmax in float32 at least, as flash attention
+    q, kv = q.to(acc), torch.stack([k, v]).to(acc)  # kv (2, b, h, T/cp, E): the block that travels
+    out, lse = attend(q, kv[0], kv[1], causal=True)
+    for i in range(1, cp):
+        kv, src = Pass.apply(kv, group), (r - i) % cp
+        rows = slice(0, None) if src < r else slice(half, None)
+        o, l = attend(q, kv[0, ..., :half, :], kv[1, ..., :half, :], False) if src < r else attend(
+            q[:, :, half:], kv[0], kv[1], False)
+        new = torch.logaddexp(lse[:, :, rows], l)  # (b, h, rows, 1): the union's exp-sum
+        o = out[:, :, rows] * torch.exp(lse[:, :, rows] - new) + o * torch.exp(l - new)
+        out, lse = (o, new) if src < r else (torch.cat([out[:, :, :half], o], 2), torch.cat([lse[:, :, :half],
+                                                                                            new], 2))
+    return out
+
+
+class RingAttention(torch.autograd.Function):
+    """ring() saving only q, k, v (b, h, T/cp, E): backward runs the ring again under autograd and back through
+    it (so K/V go round twice and each dK/dV block returns one hop per step): recomputation, exact."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, group):
+        ctx.save_for_backward(q, k, v)
+        ctx.group = group
+        return ring(q, k, v, group).to(q.dtype)
+
+    @staticmethod
+    def backward(ctx, dout):  # (b, h, T/cp, E)
+        q, k, v = (x.detach().requires_grad_() for x in ctx.saved_tensors)
+        with torch.enable_grad():
+            out = ring(q, k, v, ctx.group).to(q.dtype)
+        return *torch.autograd.grad(out, (q, k, v), dout), None
+
+
+def ring_attention(q, k, v, group):
+    """q, k, v (b, h, T/cp, E): CP rank r's tokens, its chunks r and 2cp-1-r; refused before sending if they do
+    not cut in two."""
+    check_zigzag(dist.get_world_size(group) * q.shape[2], dist.get_world_size(group))
+    return RingAttention.apply(q, k, v, group)
+
+
+def check_chunk(layers, c, n):
+    if layers % n or not 0 <= c < n:
+        raise ValueError(f"chunk {c} of {n}: need 0 <= c < n, n dividing the {layers} layers")
+
+
 class Chunk(nn.Module):
     """Model chunk c of n: blocks [c*L/n, (c+1)*L/n), plus the embedding on chunk 0 and ln_f + head on chunk
-    n-1. Parameter names are common.GPT's, so the chunks together name the whole GPT."""
+    n-1. Parameter names are common.GPT's, so the chunks together name the whole GPT. With a CP group of cp
+    ranks, every tensor holds the rank's T/cp tokens (zigzag()), and the position embedding their positions."""
 
-    def __init__(self, full, c, n, group):
+    def __init__(self, full, c, n, group, cp_group=None):
         super().__init__()
         per, self.first, self.last = full.cfg.n_layers // n, c == 0, c == n - 1
-        if full.cfg.n_layers % n or not 0 <= c < n:
-            raise ValueError(f"chunk {c} of {n}: need 0 <= c < n, n dividing the {full.cfg.n_layers} layers")
+        check_chunk(full.cfg.n_layers, c, n)
         if self.first:
             self.tok_emb, self.pos_emb = full.tok_emb, full.pos_emb
-        self.blocks = nn.ModuleDict({str(i): TPBlock(full.blocks[i], group)
+        self.blocks = nn.ModuleDict({str(i): TPBlock(full.blocks[i], group, cp_group)
                                      for i in range(c * per, (c + 1) * per)})
+        self.cp_group = cp_group
         if self.last:
             self.ln_f, self.head = full.ln_f, full.head
 
-    def forward(self, h):  # chunk 0: (b, T) token ids; others: (b, T, D) from the chunk before
+    def forward(self, h):  # chunk 0: (b, T/cp) token ids; others: (b, T/cp, D) from the chunk before
         if self.first:
-            h = self.tok_emb(h) + self.pos_emb(torch.arange(h.shape[1], device=h.device))
+            pos, g = torch.arange(h.shape[1], device=h.device), self.cp_group  # (T/cp,) this rank's positions
+            if g is not None and dist.get_world_size(g) > 1:
+                pos = zigzag(torch.arange(h.shape[1] * dist.get_world_size(g), device=h.device),
+                             dist.get_world_size(g), dist.get_rank(g), 0)
+            h = self.tok_emb(h) + self.pos_emb(pos)
         for block in self.blocks.values():
             h = block(h)
         return self.head(self.ln_f(h)) if self.last else h  # last: logits (b, T, V)
@@ -204,14 +319,18 @@ def schedule(p, v, m, r):
     def bwd(k):
         c, mb = fwd(k)
         return (v - 1 - c // p) * p + r, mb
-    if min(p, v, m) < 1 or not 0 <= r < p or v > 1 and m % p:
-        raise ValueError(f"schedule of p = {p}, v = {v}, m = {m}, r = {r}: need p, v, m >= 1, 0 <= r < p, "
-                         f"and with v > 1 m a multiple of p (interleaving runs groups of p micro-batches)")
+    check_schedule(p, v, m, r)
     w, n = warmup(p, v, m, r), v * m
     ops = [("F", *fwd(k)) for k in range(w)]
     for i in range(n - w):
         ops += [("F", *fwd(w + i)), ("B", *bwd(i))]
     return ops + [("B", *bwd(i)) for i in range(n - w, n)]
+
+
+def check_schedule(p, v, m, r):
+    if min(p, v, m) < 1 or not 0 <= r < p or v > 1 and m % p:
+        raise ValueError(f"schedule of p = {p}, v = {v}, m = {m}, r = {r}: need p, v, m >= 1, 0 <= r < p, "
+                         f"and with v > 1 m a multiple of p (interleaving runs groups of p micro-batches)")
 
 
 def needs(op, n):
@@ -344,10 +463,11 @@ class PipelineRank:
             self.outbox["B", c - 1, k] = inp.grad  # (b, T, D) to chunk c-1, on the rank before
 
 
-# ------------------------------------------------------------------------- after the flush: DP, clipping
+# ------------------------------------------------------------------------- after the flush: DP x CP, ZeRO-1, clipping
 def sum_gradients(params, group):
-    """Data parallel: every gradient summed over the replicas in one all-reduce (each replica's loss is
-    already divided by the global token count, so the sum is the full-batch gradient)."""
+    """Data parallel: every gradient summed over the ranks of `group` in one all-reduce: the dp x cp ranks
+    holding the same parameters (a CP rank's weights are its DP peers'; only its tokens differ). Each rank's
+    loss is already divided by the global token count, so the sum is the full-batch gradient."""
     if dist.get_world_size(group) > 1:
         flat = torch.cat([q.grad.reshape(-1) for q in params])  # (this rank's elements,)
         dist.all_reduce(flat, group=group)
@@ -355,51 +475,104 @@ def sum_gradients(params, group):
             q.grad.copy_(part.view_as(q))
 
 
-def squared_norm_piece(params, tp_rank):
-    """This rank's share of the whole model's squared gradient norm: its TP shards always, the tensors every
-    TP rank holds a copy of (LayerNorms, row-parallel biases, embedding, head) on TP rank 0 only. Summed in
-    float32 at least (float64 for a float64 model) by the norm's dtype=, not by a float64 copy of each one."""
-    acc = torch.promote_types(params[0].dtype, torch.float32)
-    norms = [torch.linalg.vector_norm(q.grad, dtype=acc) for q in params
-             if getattr(q, "tp_split", False) or tp_rank == 0]
-    return torch.stack(norms).square().sum().double()
+class ShardedOptimizer:
+    """ZeRO-1 (Rajbhandari et al. 2020; Megatron's distributed optimizer): the R ranks of `group` hold the same
+    parameters; rank i keeps the optimizer state of shard i of their flat vector (padded to R equal shards), in
+    its own copy `shard`, which make_opt([shard]) updates (elementwise, as AdamW, so exactly as the whole would):
+      reduce_scatter()  (R*S,) every gradient, flat -> (S,) my shard of their sum over the group: shard.grad
+      step()            update my shard, all-gather the R shards -> (R*S,), every parameter written back"""
+
+    def __init__(self, params, group, make_opt):
+        self.params, self.group, R = list(params), group, dist.get_world_size(group)
+        self.size = -(-sum(q.numel() for q in self.params) // R)  # S: elements per shard
+        i = dist.get_rank(group)
+        self.mine = slice(i * self.size, (i + 1) * self.size)
+        self.shard = nn.Parameter(self.flat([q.detach() for q in self.params])[self.mine].clone())
+        self.opt = make_opt([self.shard])
+
+    def flat(self, tensors):  # -> (R*S,): the tensors in order, zero-padded
+        flat = torch.cat([x.reshape(-1) for x in tensors])
+        return F.pad(flat, (0, self.size * dist.get_world_size(self.group) - flat.numel()))
+
+    def reduce_scatter(self):
+        self.shard.grad = torch.empty_like(self.shard)
+        dist.reduce_scatter_tensor(self.shard.grad, self.flat([q.grad for q in self.params]), group=self.group)
+
+    def step(self):
+        self.opt.step()
+        full = self.shard.new_empty(self.size * dist.get_world_size(self.group))  # (R*S,)
+        dist.all_gather_into_tensor(full, self.shard.detach(), group=self.group)
+        with torch.no_grad():
+            for q, part in zip(self.params, full.split([q.numel() for q in self.params])):
+                q.copy_(part.view_as(q))
+
+    def state_dict(self):  # rank-local checkpoints: my shard and its state
+        return dict(shard=self.shard.detach(), opt=self.opt.state_dict())
+
+    def load_state_dict(self, state):
+        with torch.no_grad():
+            self.shard.copy_(state["shard"])
+        self.opt.load_state_dict(state["opt"])
 
 
-def finish_batch(params, loss, dp_group, tp_rank, dp_rank, max_norm, group):
-    """After the flush: 1. the DP sum of gradients; 2. the whole model's squared norm and the batch loss in
-    one all-reduce over `group`, all the model's ranks (main: the world), each piece counted once (a replica's
-    loss on TP rank 0, the norm on DP rank 0); 3. clip as torch does. Returns (loss, norm) as floats."""
-    sum_gradients(params, dp_group)
-    total = torch.stack([loss * (tp_rank == 0), squared_norm_piece(params, tp_rank) * (dp_rank == 0)])
-    dist.all_reduce(total, group=group)  # (2,): this rank's piece of the loss, of the squared norm -> sums
+def squared_norm(grads):
+    """The squared norm of these gradients, summed in float32 at least (float64 for a float64 model) by the
+    norm's dtype=, not by a float64 copy of each one."""
+    acc = torch.promote_types(grads[0].dtype, torch.float32)
+    return torch.stack([torch.linalg.vector_norm(x, dtype=acc) for x in grads]).square().sum().double()
+
+
+def finish_batch(params, loss, group, tp_rank, max_norm, world, zero=None):
+    """After the flush: 1. the gradients summed over `group`, the dp x cp ranks holding the same parameters:
+    whole on every rank (all-reduce), or with ZeRO-1 only each rank's shard (reduce-scatter); 2. the whole
+    model's squared norm and the batch loss in one all-reduce over `world` (all the model's ranks), each piece
+    counted once: the loss on TP rank 0 (a CP rank's covers its tokens); a TP-split gradient on every TP rank,
+    a replicated one on TP rank 0, and of those a whole gradient on rank 0 of `group`, a shard where it lives;
+    3. clip as torch does. Returns (loss, norm) as floats."""
+    counted = [float(getattr(q, "tp_split", False) or tp_rank == 0) for q in params]
+    if zero is None:
+        sum_gradients(params, group)
+        grads = [q.grad for q in params]
+        sq = squared_norm([q.grad for q, c in zip(params, counted) if c]) * (dist.get_rank(group) == 0)
+    else:
+        zero.reduce_scatter()
+        grads = [zero.shard.grad]  # (S,): my shard of the summed gradient; the others' are theirs to count
+        weights = zero.flat([q.grad.new_full((q.numel(),), c) for q, c in zip(params, counted)])[zero.mine]
+        sq = squared_norm([zero.shard.grad * weights])
+    total = torch.stack([loss * (tp_rank == 0), sq])
+    dist.all_reduce(total, group=world)  # (2,): this rank's piece of the loss, of the squared norm -> sums
     norm = total[1].sqrt()
-    for q in params if max_norm > 0 else []:  # clip_grad_norm_'s rule, in each grad's dtype (0-dim ones too)
-        q.grad.mul_(torch.clamp(max_norm / (norm + 1e-6), max=1.0).to(q.grad.dtype))
+    for x in grads if max_norm > 0 else []:  # clip_grad_norm_'s rule, in each grad's dtype (0-dim ones too)
+        x.mul_(torch.clamp(max_norm / (norm + 1e-6), max=1.0).to(x.dtype))
     return total[0].item(), norm.item()
 
 
 # ------------------------------------------------------------------------- argument checks, main
 def check_args(args):
-    world, p, t, v, m = env_world_size(), args.pp, args.tp, args.virtual_stages, args.microbatches
+    world, p, t, cp, v, m = env_world_size(), args.pp, args.tp, args.cp, args.virtual_stages, args.microbatches
     check_common_args(args)
-    for name in ("pp", "tp", "virtual_stages", "microbatches"):
+    for name in ("pp", "tp", "cp", "virtual_stages", "microbatches"):
         if getattr(args, name) < 1:
             fail(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.dropout > 0:
         fail("ptdp.py runs without dropout (TP regions would need Megatron's RNG tracker: megatron_tp.py)")
-    if args.n_heads % t:
-        fail(f"--n-heads {args.n_heads} is not divisible by --tp {t}: each TP rank needs whole heads")
     if p < 2:
         fail("--pp must be >= 2: ptdp.py is a pipeline (tensor x data parallel alone: megatron_tp.py)")
-    dp = args.dp or world // (p * t)
-    if args.dp < 0 or dp < 1 or p * t * dp != world:
-        fail(f"world size {world} != pp {p} x tp {t} x dp {args.dp or '(world / pp / tp)'}: launch torchrun "
-             f"--nproc_per_node={p * t * max(args.dp, 1)} or change --pp / --tp / --dp")
-    if v > 1 and m % p:
-        fail(f"--microbatches {m} is not a multiple of --pp {p}, as the interleaved schedule (v = {v}) "
-             f"needs: use --microbatches {(m // p + 1) * p}")
-    if args.n_layers % (p * v):
-        fail(f"--n-layers {args.n_layers} is not divisible by pp x virtual stages = {p * v} chunks")
+    if args.zero not in (0, 1):
+        fail(f"--zero {args.zero}: ptdp.py shards the optimizer state (ZeRO-1) or nothing: use --zero 0 or 1")
+    dp = args.dp or world // (p * cp * t)
+    if args.dp < 0 or dp < 1 or p * cp * t * dp != world:
+        fail(f"world size {world} != pp {p} x cp {cp} x tp {t} x dp {args.dp or '(world / pp / cp / tp)'}: "
+             f"launch torchrun --nproc_per_node={p * cp * t * max(args.dp, 1)} or change --pp/--cp/--tp/--dp")
+    try:  # validation once: the cores' own checks, their message as fail's one line
+        check_heads(args.n_heads, t)
+        check_chunk(args.n_layers, 0, p * v)
+        check_schedule(p, v, m, 0)
+        if cp > 1:
+            check_zigzag(args.seq_len, cp)
+    except ValueError as e:
+        fail(f"{e} (--n-heads {args.n_heads}, --n-layers {args.n_layers}, --microbatches {m}, --seq-len "
+             f"{args.seq_len}; --pp {p}, --tp {t}, --cp {cp}, --virtual-stages {v})")
     if args.batch_size % (dp * m):
         fail(f"--batch-size {args.batch_size} is not divisible by dp x microbatches = {dp * m}")
     if args.stage_ms < 0:
@@ -407,64 +580,77 @@ def check_args(args):
     return world, dp
 
 
+def my_group(grid, rank, axes):
+    """The process group of the ranks that differ from `rank` only along `axes` of the grid. Every rank creates
+    every such group, in the same order (new_group is a collective over the world); a group numbers its ranks
+    in global order, the grid's order along `axes` (so a pipeline's group rank is its pp rank)."""
+    rest = [a for a in range(grid.dim()) if a not in axes]
+    rows = grid.permute(*rest, *axes).reshape(-1, math.prod(grid.shape[a] for a in axes)).tolist()
+    groups = [dist.new_group(ranks) for ranks in rows]
+    return next(g for ranks, g in zip(rows, groups) if rank in ranks)
+
+
 def main():
     args = parse_args(Args)
     world, dp = check_args(args)
-    p, t, v, m = args.pp, args.tp, args.virtual_stages, args.microbatches
+    p, t, cp, v, m = args.pp, args.tp, args.cp, args.virtual_stages, args.microbatches
 
     # --- setup (same in every file) ---
     d = init_dist(args.timeout)
     data = MarkovData(args.vocab, args.seed)
-    grid = torch.arange(world).view(p, dp, t)  # tp innermost: a TP group is adjacent ranks, one node
-    coords = pp_rank, dp_rank, tp_rank = [int(i) for i in (grid == d.rank).nonzero()[0]]
-    # every rank creates every group, in the same order (new_group is a collective over the world)
-    tp_groups = {(i, j): dist.new_group(grid[i, j, :].tolist()) for i in range(p) for j in range(dp)}
-    dp_groups = {(i, k): dist.new_group(grid[i, :, k].tolist()) for i in range(p) for k in range(t)}
-    pp_groups = {(j, k): dist.new_group(grid[:, j, k].tolist()) for j in range(dp) for k in range(t)}
-    tp_group, dp_group = tp_groups[pp_rank, dp_rank], dp_groups[pp_rank, tp_rank]
-    pp_group = pp_groups[dp_rank, tp_rank]  # its rank = pp_rank: new_group orders by global rank, as the grid
+    grid = torch.arange(world).view(p, dp, cp, t)  # tp innermost, then cp: see the docstring
+    coords = pp_rank, dp_rank, cp_rank, tp_rank = [int(i) for i in (grid == d.rank).nonzero()[0]]
+    tp_group, cp_group, pp_group = (my_group(grid, d.rank, [a]) for a in (3, 2, 0))
+    grad_group = my_group(grid, d.rank, [1, 2])  # dp x cp: the ranks holding the same parameters
     b = args.batch_size // (dp * m)
-    d.log(f"ptdp.py: world {world} = pp {p} x dp {dp} x tp {t}, interleaved 1F1B, v = {v} chunks per rank, "
-          f"m = {m} micro-batches of {b} per replica, on {d.backend}; entropy floor {data.entropy:.4f} nats")
+    d.log(f"ptdp.py: world {world} = pp {p} x dp {dp} x cp {cp} x tp {t}, interleaved 1F1B, v = {v} chunks per "
+          f"rank, m = {m} micro-batches of {b} sequences of {args.seq_len // cp} tokens per rank, ZeRO-"
+          f"{args.zero}, on {d.backend}; entropy floor {data.entropy:.4f} nats")
 
     # --- the model: the full GPT on CPU from one seed, then this rank's chunks, TP-sliced, to the device ---
     dtype = DTYPES[args.dtype]
     full = build_gpt(GPTConfig.from_args(args), args.seed, dtype)
     shapes = {n: list(q.shape) for n, q in full.named_parameters()}
     mine = list(range(pp_rank, p * v, p))  # chunk c on pp rank c % p: a loop
-    chunks = nn.ModuleDict({str(c): Chunk(full, c, p * v, tp_group) for c in mine}).to(d.device)
+    chunks = nn.ModuleDict({str(c): Chunk(full, c, p * v, tp_group, cp_group) for c in mine}).to(d.device)
     del full
-    opt = make_optimizer(chunks.parameters(), args)
-    run = Run(d, args, {"model": chunks, "optim": opt})
-    norms, params = run.history.get("norms", []), list(chunks.parameters())
+    params = list(chunks.parameters())
+    zero = ShardedOptimizer(params, grad_group, lambda ps: make_optimizer(ps, args)) if args.zero else None
+    opt = zero.opt if zero else make_optimizer(params, args)
+    run = Run(d, args, {"model": chunks, "optim": zero or opt})
+    norms = run.history.get("norms", [])
     watch = Watch(d, args, coords)  # times every F and B
-    comm = CommCounter(axes={"tp": tp_group, "dp": dp_group, "pp": pp_group}, log=True)
-    msg_shape = (b, args.seq_len, args.d_model)  # every activation and gradient between chunks
+    comm = CommCounter(axes={"tp": tp_group, "cp": cp_group, "dp": grad_group, "pp": pp_group}, log=True)
+    msg_shape = (b, args.seq_len // cp, args.d_model)  # every activation and gradient between chunks
     runner = PipelineRank({c: chunks[str(c)] for c in mine}, pp_group, m, msg_shape, dtype, d.device,
                           observe=watch)
     watch.runner = runner  # what it holds to B, for the counted peak
     # NCCL sets up a group's communicator at its first collective; batched point-to-point must not come first
-    dist.all_reduce(torch.zeros(1, device=d.device), group=pp_group)
+    for group in (pp_group, cp_group):
+        dist.all_reduce(torch.zeros(1, device=d.device), group=group)
+
+    def split(z):  # (B, T) global batch -> (m, b, T/cp): this replica's rows, this CP rank's tokens
+        z = z[dp_rank * b * m:(dp_rank + 1) * b * m]
+        return rearrange(zigzag(z, cp, cp_rank) if cp > 1 else z, "(m b) n -> m b n", m=m).to(d.device)
     for step in run.steps():
         x, y = data.batch(step, args.batch_size, args.seq_len, args.ragged)  # (B, T) global batch, CPU
         n_tok = count_tokens(y)  # the whole global batch's: every micro-batch loss divides by it
-        rows = slice(dp_rank * b * m, (dp_rank + 1) * b * m)  # this replica's rows
-        split = lambda z: rearrange(z[rows], "(m b) n -> m b n", m=m).to(d.device)  # noqa: E731  (m, b, T)
         watch.step = step
         # the first step's collectives and sends counted at the dispatcher (slower; the last step is timed)
         with run.watching(step, comm, at=run.start):
             loss = runner.run(split(x), split(y), lambda logits, tgt: lm_loss(logits, tgt, n_tok))
-            loss, norm = finish_batch(params, loss, dp_group, tp_rank, dp_rank, args.clip, dist.group.WORLD)
-        opt.step()
-        watch.held = max(watch.held, state_bytes(chunks, opt))  # parameters, gradients, AdamW state
+            loss, norm = finish_batch(params, loss, grad_group, tp_rank, args.clip, dist.group.WORLD, zero)
+            (zero or opt).step()
+        watch.state = held_bytes(chunks, opt, zero)  # parameters, gradients, optimizer state (the same each step)
+        chunks.zero_grad(set_to_none=True)
         opt.zero_grad(set_to_none=True)
         norms.append(norm)
         run.end_step(step, loss, norms=norms)
 
     figures, comm_bytes = report(d, args, dp, watch, comm)
-    figures.update(pp=p, tp=t, dp=dp, virtual_stages=v, microbatches=m, schedule="interleaved",
-                   grad_norms=norms)
-    peak = peak_memory_bytes(d, watch.held + watch.held_peak)  # counted; CUDA's own peak on a GPU
+    figures.update(pp=p, tp=t, dp=dp, cp=cp, zero=args.zero, virtual_stages=v, microbatches=m,
+                   schedule="interleaved", grad_norms=norms)
+    peak = peak_memory_bytes(d, sum(watch.state.values()) + watch.held_peak)  # counted; CUDA's peak on a GPU
     check = None
     if args.check:
         check = check_against_reference(d, args, run.losses, full_model(d, chunks, shapes, coords, t, dtype))
@@ -478,10 +664,10 @@ class Watch(PipelineWatch):
     F and B, and after each op the saved activations alive plus the outputs the runner holds to B."""
 
     def __init__(self, d, args, coords):
-        f_ms, (pp, dp, tp) = args.stage_ms / args.virtual_stages, coords
-        super().__init__(d, dict(F=f_ms, B=2 * f_ms), ("chunk", "step", "pp", "dp", "tp", "recv"),
-                         dict(pp=pp, dp=dp, tp=tp))
-        self.held, self.inflight = 0, [0, 0]  # state bytes (main sets it); in flight: now, peak
+        f_ms, (pp, dp, cp, tp) = args.stage_ms / args.virtual_stages, coords
+        super().__init__(d, dict(F=f_ms, B=2 * f_ms), ("chunk", "step", "pp", "dp", "cp", "tp", "recv"),
+                         dict(pp=pp, dp=dp, cp=cp, tp=tp))
+        self.state, self.inflight = {}, [0, 0]  # state bytes by kind (main sets it); in flight: now, peak
         self.runner, self.held_peak = None, 0  # + what the runner holds to B: outputs (the last: losses)
 
     def before(self, kind, mb):
@@ -495,6 +681,16 @@ class Watch(PipelineWatch):
         outs = {StorageWeakRef(o.untyped_storage()): o.untyped_storage().nbytes()
                 for _, o in self.runner.alive.values()} if self.runner else {}
         self.held_peak = max(self.held_peak, now + sum(n for w, n in outs.items() if w not in self.live.refs))
+
+
+def held_bytes(chunks, opt, zero):
+    """This rank's model state, counted from the tensors: parameters; gradients (ZeRO-1: + the reduced shard);
+    optimizer state: AdamW's moments (ZeRO-1: of the shard, + the shard's own copy of its parameters)."""
+    params = list(chunks.parameters())
+    moments = [x for st in opt.state.values() for x in st.values() if torch.is_tensor(x) and x.dim() > 0]
+    return dict(param_bytes=tensor_bytes(params), grad_bytes=tensor_bytes(
+        [q.grad for q in params] + ([zero.shard.grad] if zero else [])), optim_bytes=tensor_bytes(
+        moments + ([zero.shard] if zero else [])))
 
 
 def theory(p, v, m):
@@ -512,27 +708,29 @@ def inflight_bound(p, v, m, r):
 def report(d, args, dp, watch, comm):
     """All ranks: gather events and this rank's counts of the counted step, its sends told apart by their tag
     (one per way); tensors only. Rank 0: each figure beside its theory."""
-    p, v, m, ar = args.pp, args.virtual_stages, args.microbatches, comm.total
-    tags = [c["tag"] for c in comm.calls_log if c["op"] == "send"]
-    mine = dict(fwd_msgs=tags.count(TAG["F"]), bwd_msgs=tags.count(TAG["B"]), p2p_bytes=ar("send"),
+    p, v, m, ar, cp = args.pp, args.virtual_stages, args.microbatches, comm.total, args.cp
+    tags = [c["tag"] for c in comm.calls_log if c["op"] == "send" and c["axis"] == "pp"]
+    mine = dict(fwd_msgs=tags.count(TAG["F"]), bwd_msgs=tags.count(TAG["B"]), p2p_bytes=ar("send", "pp"),
                 tp_calls=ar("all_reduce", "tp", what="calls"), tp_fwd=ar("all_reduce", "tp", "fwd", "calls"),
-                tp_bwd=ar("all_reduce", "tp", "bwd", "calls"), dp_calls=ar("all_reduce", "dp", what="calls"),
-                tp_bytes=ar("all_reduce", "tp"), dp_bytes=ar("all_reduce", "dp"), world_bytes=ar("all_reduce",
-                "world"), comm_bytes=ar(), inflight=watch.inflight[1], act_peak=watch.live.peak,
-                act_per_microbatch=sum(watch.saved.values()))
+                tp_bwd=ar("all_reduce", "tp", "bwd", "calls"), dp_calls=ar(None, "dp", what="calls"),
+                tp_bytes=ar("all_reduce", "tp"), dp_bytes=ar(None, "dp"), cp_bytes=ar("send", "cp"),
+                cp_fwd_bytes=ar("send", "cp", "fwd"), cp_calls=ar("send", "cp", what="calls"),
+                world_bytes=ar("all_reduce", "world"), comm_bytes=ar(), inflight=watch.inflight[1],
+                act_peak=watch.live.peak, act_per_microbatch=sum(watch.saved.values()),
+                held_peak=watch.held_peak, **watch.state)
     events = watch.timeline.gather()
     rows = gather_rows(d, [[*watch.coords.values(), *mine.values()]])
-    per_rank = {tuple(int(x) for x in r[0, :3]): dict(zip(mine, (int(x) for x in r[0, 3:]))) for r in rows}
+    per_rank = {tuple(int(x) for x in r[0, :4]): dict(zip(mine, (int(x) for x in r[0, 4:]))) for r in rows}
     comm_bytes = max(c["comm_bytes"] for c in per_rank.values())  # bytes handed per step, the busiest rank
     if d.rank != 0 or not events:
         return {}, comm_bytes
     for e in events:
         e["recv"] = None if e["recv"] < 0 else e["recv"]  # -1: the op started from tokens, its loss or its B
-    last = [e for e in events if e["step"] == events[-1]["step"] and e["dp"] == 0 and e["tp"] == 0]
+    last = [e for e in events if e["step"] == events[-1]["step"] and e["dp"] == e["cp"] == e["tp"] == 0]
     lo, hi = min(e["start"] for e in last), max(e["end"] for e in last)
     bub = [(hi - lo - x) / x for x in (busy_ms(last, r, lo, hi, key="pp") for r in range(p))]
     bub_theory, bound, f_theory, b_theory = theory(p, v, m)
-    pipe = [per_rank[r, 0, 0] for r in range(p)]  # the pipeline of dp 0, tp 0
+    pipe = [per_rank[r, 0, 0, 0] for r in range(p)]  # the pipeline of dp 0, cp 0, tp 0
     f_msgs, b_msgs, sent, inflight = ([c[k] for c in pipe] for k in ("fwd_msgs", "bwd_msgs", "p2p_bytes",
                                                                       "inflight"))
     alive = [c["act_peak"] / max(c["act_per_microbatch"], 1) for c in pipe]
@@ -548,7 +746,7 @@ def report(d, args, dp, watch, comm):
               f"{alive[r]:5.2f} | {bound[r] / v:6.2f} | {f_msgs[r]:8d} | {f_theory[r]:6d} | {b_msgs[r]:8d} | "
               f"{b_theory[r]:6d} | {sent[r]}")
     mean, c0, tp_theory = sum(bub) / p, pipe[0], 4 * m * args.n_layers // p if args.tp > 1 else 0
-    formula, per_pipe = "(p-1)/(v*m)", "(v*p-1)*m"
+    formula, per_pipe, dp_theory = "(p-1)/(v*m)", "(v*p-1)*m", (1 + args.zero) * (dp * cp > 1)
     waits = ", ".join(f"{k} waits {x:g} ms" for k, x in watch.timeline.simulate.items())
     d.log(f"bubble mean {mean:.3f} vs theory {formula} = {bub_theory:.3f} ({mean - bub_theory:+.3f}); " +
           (f"--stage-ms {args.stage_ms:g}: compute simulated, a chunk's {waits}" if args.stage_ms else
@@ -557,7 +755,7 @@ def report(d, args, dp, watch, comm):
           f"{sent[0] // (f_msgs[0] + b_msgs[0])} B = (b, T, D); rank 0 collectives per batch: TP all-reduces "
           f"{c0['tp_calls']} ({c0['tp_fwd']} forward, {c0['tp_bwd']} backward), theory {tp_theory} (g twice "
           f"forward, f twice backward, per layer and micro-batch); DP all-reduces {c0['dp_calls']}, theory "
-          f"{int(dp > 1)}")
+          f"{dp_theory}")
     label = lambda e: (e["kind"] if e["chunk"] < p else e["kind"].lower()) + str(e["mb"])  # noqa: E731
     d.log("\ntimeline of the last step, measured (Fk Bk: chunk < p, fk bk: the later chunks):\n" +
           draw_timeline(last, p, lo, hi, label, row_key="pp", row_name="rank"))
@@ -571,18 +769,19 @@ def report(d, args, dp, watch, comm):
                 fwd_msgs_per_pipeline_theory=sum(f_theory), p2p_bytes_per_rank=sent, inflight=inflight,
                 inflight_theory=bound, microbatches_alive=alive, tp_calls_per_batch=c0["tp_calls"],
                 microbatches_alive_theory=[x / v for x in bound], tp_calls_theory=tp_theory,
-                dp_calls_per_batch=c0["dp_calls"], dp_calls_theory=int(dp > 1),
-                counts_per_rank={f"pp{a} dp{b} tp{c}": x for (a, b, c), x in per_rank.items()}), comm_bytes
+                dp_calls_per_batch=c0["dp_calls"], dp_calls_theory=dp_theory,
+                counts_per_rank={f"pp{a} dp{b}{f' cp{c}' * (cp > 1)} tp{k}": x for (a, b, c, k), x
+                                 in per_rank.items()}), comm_bytes
 
 
 # --- reference for --check ---
 def full_model(d, chunks, shapes, coords, t, dtype):
     """The whole GPT by name on every rank (for --check), exactly: TP shard k of `name` travels as `name#k`,
     a replicated tensor once (from TP rank 0), all from DP rank 0; harness.assemble_full adds them up."""
-    _, dp_rank, tp_rank = coords
+    _, dp_rank, cp_rank, tp_rank = coords
     owned, pieces = {}, {}
     for n, q in chunks.named_parameters():
-        if dp_rank == 0 and (getattr(q, "tp_split", False) or tp_rank == 0):
+        if dp_rank == cp_rank == 0 and (getattr(q, "tp_split", False) or tp_rank == 0):
             owned[n.split(".", 1)[1] + (f"#{tp_rank}" if tp_dim(n) is not None else "")] = q  # "3.blocks.."
     for n, shape in shapes.items():
         k = tp_dim(n)
