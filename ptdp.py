@@ -1,17 +1,23 @@
-"""ptdp.py: PTD-P, pipeline x tensor x data parallelism, with the interleaved 1F1B schedule.
+"""ptdp.py: PTD-P, pipeline x tensor x data parallelism with the interleaved 1F1B schedule, plus context
+parallelism and a sharded optimizer: the four axes Llama 3 405B trained on (Dubey et al. 2024, Sec. 3.3).
 
 Narayanan et al., "Efficient Large-Scale Language Model Training on GPU Clusters Using Megatron-LM" (SC 2021).
-Three ways to split one GPT, composed on one grid of ranks:
+Four ways to split one GPT, composed on one grid of ranks:
 
-    grid = torch.arange(world).view(pp, dp, tp)     e.g. pp 2 x dp 2 x tp 2 = 8 ranks:
-                    tp 0  tp 1
-      pp 0   dp 0 [   0     1  ]   chunks 0 and 2 (v = 2): embedding + blocks 0, 2; ...
-             dp 1 [   2     3  ]
-      pp 1   dp 0 [   4     5  ]   chunks 1 and 3: ... blocks 1, 3 + final norm + head + loss
-             dp 1 [   6     7  ]
-    a TP group is a row, grid[i, j, :]  adjacent ranks, one node: two all-reduces per layer and pass
-    a DP group is grid[i, :, k]         the same shard of the same chunks: one gradient all-reduce per batch
-    a pipeline is grid[:, j, k]         point-to-point activations forward, gradients backward
+    grid = torch.arange(world).view(pp, dp, cp, tp)     e.g. pp 2 x dp 1 x cp 2 x tp 2 = 8 ranks:
+                         tp 0  tp 1
+      pp 0  dp 0  cp 0 [   0     1  ]   chunks 0 and 2 (v = 2): embedding + blocks 0, 2; tokens of
+                  cp 1 [   2     3  ]     zig-zag chunks {0, 3} on cp 0, {1, 2} on cp 1
+      pp 1  dp 0  cp 0 [   4     5  ]   chunks 1 and 3: ... blocks 1, 3 + final norm + head + loss
+                  cp 1 [   6     7  ]
+    a TP group is a row, grid[i, j, c, :]  adjacent ranks, one node: two all-reduces per layer and pass
+    a CP group is grid[i, j, :, k]         one sequence's tokens: K/V round a ring, per layer and pass
+    a DP x CP group is grid[i, :, :, k]    the same shard of the same chunks: its gradients summed (ZeRO-1:
+                                           reduce-scattered, optimizer state sharded) once per batch
+    a pipeline is grid[:, j, c, k]         point-to-point activations forward, gradients backward
+Why this order (Megatron-Core's, tp-cp-dp-pp): TP sends the most, two all-reduces of every activation per
+layer that nothing overlaps, so it gets the fastest links; CP next, a K/V block per layer that can overlap the
+block's attention; DP once per batch; PP least, one activation per micro-batch and chunk: it may cross nodes.
 
 1. Tensor parallel (Megatron-LM, Shoeybi et al. 2019, Sec. 3), innermost, so a TP group sits inside a node
    where links are fastest (the PTD-P paper's Takeaway #1): q, k, v and the MLP's fc are split by output
@@ -19,7 +25,14 @@ Three ways to split one GPT, composed on one grid of ranks:
    features (row-parallel). f (identity forward, all-reduce backward) opens each split region and g
    (all-reduce forward, identity backward) closes it. LayerNorms, the row-parallel biases, the embedding and
    the head are replicated over the TP group (megatron_tp.py shows the vocab-parallel head).
-2. Pipeline parallel: the n_layers blocks are cut into p*v chunks of equal size. Rank i of a pipeline holds
+2. Context parallel (--cp; Liu et al. 2023, "Ring Attention"; Llama 3 Sec. 3.3.2): every sequence is cut into
+   2cp chunks and CP rank r holds chunks r and 2cp-1-r (zig-zag: an early and a late one, so under the causal
+   mask every rank does equal work) through the whole model: every tensor between layers is (b, T/cp, D), the
+   positions are the rank's own. Only attention looks across tokens: inside each TP rank's heads, K/V blocks
+   go round the CP group's ring, cp - 1 hops, each block's partial attention merged by its log-sum-exp; the
+   backward recomputes the ring and sends each dK/dV block back the way it came. A CP rank holds the same
+   weights as its DP peers; its loss covers its tokens, divided by the global token count as everywhere.
+3. Pipeline parallel: the n_layers blocks are cut into p*v chunks of equal size. Rank i of a pipeline holds
    the v non-contiguous chunks i, i+p, i+2p, ... (the paper's "virtual stages"), so a micro-batch visits
    every rank v times and the bubble shrinks v-fold: (p-1)/(v*m) of the ideal compute time. The schedule is
    Megatron's interleaved 1F1B: warm-up forwards, then one forward and one backward in turn, then the
@@ -34,20 +47,25 @@ Three ways to split one GPT, composed on one grid of ranks:
       rank 0  F0F0F1F1........B0B0B0B0F2F2B1B1B1B1F3F3B2B2B2B2....B3B3B3B3  idle 6 per 24 busy
       rank 1  ....F0F0B0B0B0B0F1F1B1B1B1B1F2F2B2B2B2B2F3F3B3B3B3B3........  = (p-1)/m = 1/4
    The price: (v*p-1)*m messages per direction instead of (p-1)*m, and more chunks in flight on early ranks.
-3. Data parallel outermost: each replica runs its pipelines on its slice of the global batch and, after the
-   flush, all-reduces the summed micro-batch gradients once per batch. Then the gradients are clipped by the
-   norm of the whole model: TP-split pieces are counted where they live, TP-replicated tensors once (TP rank
-   0), the pp ranks hold disjoint chunks, the dp replicas identical copies (counted on dp rank 0): one
-   all-reduce of two numbers over the world, which also sums the loss.
+4. Data parallel: each replica runs its pipelines on its slice of the global batch; after the flush the
+   gradients are summed over the dp x cp ranks holding the same chunk shard, once per batch: all-reduced, or
+   with --zero 1 (ZeRO-1, Rajbhandari et al. 2020; Megatron's distributed optimizer) reduce-scattered, each
+   rank updating only its 1/(dp cp) of the flat parameters with its share of AdamW's state, then all-gathering
+   them. The gradients are clipped by the norm of the whole model, every piece counted once: TP-split pieces
+   where they live, TP-replicated ones on TP rank 0, the pp ranks' disjoint chunks, of the dp x cp copies one
+   (rank 0 of the group), or each shard where it lives: one all-reduce of two numbers over the world, which
+   also sums the loss.
 
 Messages: each activation and gradient is one tensor in a batch_isend_irecv, posted at the moment of the ideal
 timeline that comm_plan() gives it, so that no batch waits on a later one (NCCL deadlocks otherwise; the tests
 simulate it). Measured from outside, each beside its theory: every F and B, the bubble, chunks in flight and
-saved activations alive, messages and bytes sent, TP and DP collectives; an ASCII timeline.
+saved activations alive, messages and bytes sent, bytes per axis (tp, cp, pp, dp), model state and
+optimizer-state bytes per rank; an ASCII timeline.
 
-Run (2 processes at least: a pipeline of 2; --dp 0 = world / (pp * tp)):
+Run (--dp 0 = world / (pp * cp * tp); --pp 1 runs the other three axes, its "pipeline" one rank):
     torchrun --nproc_per_node=2 ptdp.py --pp 2 --virtual-stages 2 --dtype float64 --check
     torchrun --nproc_per_node=8 ptdp.py --pp 2 --tp 2 --dp 2 --virtual-stages 2 --dtype float64 --check
+    torchrun --nproc_per_node=8 ptdp.py --pp 2 --dp 2 --cp 2 --zero 1 --dtype float64 --check
     torchrun --nproc_per_node=4 ptdp.py --pp 4 --n-layers 8 --microbatches 8 --virtual-stages 2 \\
         --stage-ms 50 --steps 2
 The zero-bubble schedules (ZB-H1, ZB-V) are zero_bubble.py. In production, use Megatron-Core, or
@@ -157,7 +175,7 @@ class TPBlock(nn.Module):
                    for lin in (a.q, a.k, a.v))  # (b, H/t, T, E) each: this rank's heads
         if self.cp_group is None or dist.get_world_size(self.cp_group) == 1:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (b, H/t, T, E)
-        else:  # T is this rank's T/cp tokens; K/V of the others come round the CP ring, this rank's heads only
+        else:  # T is this rank's T/cp tokens; the others' K/V come round the CP ring, this rank's heads only
             y = ring_attention(q, k, v, self.cp_group)  # (b, H/t, T/cp, E)
         y = rearrange(y, "b h t e -> b t (h e)")  # (b, T, D/t)
         x = x + g.apply(F.linear(y, a.proj.weight), grp) + a.proj.bias  # bias after g: added once
@@ -237,8 +255,8 @@ def ring(q, k, v, group):
 
 
 class RingAttention(torch.autograd.Function):
-    """ring() saving only q, k, v (b, h, T/cp, E): backward runs the ring again under autograd and back through
-    it (so K/V go round twice and each dK/dV block returns one hop per step): recomputation, exact."""
+    """ring() saving only q, k, v (b, h, T/cp, E): backward runs the ring again under autograd and back
+    through it (K/V go round twice, each dK/dV block returns one hop per step): recomputation, exact."""
 
     @staticmethod
     def forward(ctx, q, k, v, group):
@@ -255,8 +273,8 @@ class RingAttention(torch.autograd.Function):
 
 
 def ring_attention(q, k, v, group):
-    """q, k, v (b, h, T/cp, E): CP rank r's tokens, its chunks r and 2cp-1-r; refused before sending if they do
-    not cut in two."""
+    """q, k, v (b, h, T/cp, E): CP rank r's tokens, its chunks r and 2cp-1-r; refused before sending if they
+    do not cut in two."""
     check_zigzag(dist.get_world_size(group) * q.shape[2], dist.get_world_size(group))
     return RingAttention.apply(q, k, v, group)
 
@@ -269,7 +287,7 @@ def check_chunk(layers, c, n):
 class Chunk(nn.Module):
     """Model chunk c of n: blocks [c*L/n, (c+1)*L/n), plus the embedding on chunk 0 and ln_f + head on chunk
     n-1. Parameter names are common.GPT's, so the chunks together name the whole GPT. With a CP group of cp
-    ranks, every tensor holds the rank's T/cp tokens (zigzag()), and the position embedding their positions."""
+    ranks every tensor holds the rank's T/cp tokens (zigzag()), the position embedding their positions."""
 
     def __init__(self, full, c, n, group, cp_group=None):
         super().__init__()
@@ -463,7 +481,7 @@ class PipelineRank:
             self.outbox["B", c - 1, k] = inp.grad  # (b, T, D) to chunk c-1, on the rank before
 
 
-# ------------------------------------------------------------------------- after the flush: DP x CP, ZeRO-1, clipping
+# ------------------------------------------------------------- after the flush: DP x CP, ZeRO-1, clipping
 def sum_gradients(params, group):
     """Data parallel: every gradient summed over the ranks of `group` in one all-reduce: the dp x cp ranks
     holding the same parameters (a CP rank's weights are its DP peers'; only its tokens differ). Each rank's
@@ -476,9 +494,10 @@ def sum_gradients(params, group):
 
 
 class ShardedOptimizer:
-    """ZeRO-1 (Rajbhandari et al. 2020; Megatron's distributed optimizer): the R ranks of `group` hold the same
-    parameters; rank i keeps the optimizer state of shard i of their flat vector (padded to R equal shards), in
-    its own copy `shard`, which make_opt([shard]) updates (elementwise, as AdamW, so exactly as the whole would):
+    """ZeRO-1 (Rajbhandari et al. 2020; Megatron's distributed optimizer): the R ranks of `group` hold the
+    same parameters; rank i keeps the optimizer state of shard i of their flat vector (padded to R equal
+    shards), in its own copy `shard`, which make_opt([shard]) updates (elementwise as AdamW: exactly as the
+    whole would):
       reduce_scatter()  (R*S,) every gradient, flat -> (S,) my shard of their sum over the group: shard.grad
       step()            update my shard, all-gather the R shards -> (R*S,), every parameter written back"""
 
@@ -496,7 +515,8 @@ class ShardedOptimizer:
 
     def reduce_scatter(self):
         self.shard.grad = torch.empty_like(self.shard)
-        dist.reduce_scatter_tensor(self.shard.grad, self.flat([q.grad for q in self.params]), group=self.group)
+        grads = self.flat([q.grad for q in self.params])  # (R*S,) this rank's gradients
+        dist.reduce_scatter_tensor(self.shard.grad, grads, group=self.group)  # -> (S,) my shard of the sum
 
     def step(self):
         self.opt.step()
@@ -549,15 +569,14 @@ def finish_batch(params, loss, group, tp_rank, max_norm, world, zero=None):
 
 # ------------------------------------------------------------------------- argument checks, main
 def check_args(args):
-    world, p, t, cp, v, m = env_world_size(), args.pp, args.tp, args.cp, args.virtual_stages, args.microbatches
+    world, p, t, cp = env_world_size(), args.pp, args.tp, args.cp
+    v, m = args.virtual_stages, args.microbatches
     check_common_args(args)
     for name in ("pp", "tp", "cp", "virtual_stages", "microbatches"):
         if getattr(args, name) < 1:
             fail(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.dropout > 0:
         fail("ptdp.py runs without dropout (TP regions would need Megatron's RNG tracker: megatron_tp.py)")
-    if p < 2:
-        fail("--pp must be >= 2: ptdp.py is a pipeline (tensor x data parallel alone: megatron_tp.py)")
     if args.zero not in (0, 1):
         fail(f"--zero {args.zero}: ptdp.py shards the optimizer state (ZeRO-1) or nothing: use --zero 0 or 1")
     dp = args.dp or world // (p * cp * t)
@@ -581,9 +600,9 @@ def check_args(args):
 
 
 def my_group(grid, rank, axes):
-    """The process group of the ranks that differ from `rank` only along `axes` of the grid. Every rank creates
-    every such group, in the same order (new_group is a collective over the world); a group numbers its ranks
-    in global order, the grid's order along `axes` (so a pipeline's group rank is its pp rank)."""
+    """The process group of the ranks that differ from `rank` only along `axes` of the grid. Every rank
+    creates every such group, in the same order (new_group is a collective over the world); a group numbers
+    its ranks in global order, the grid's order along `axes` (so a pipeline's group rank is its pp rank)."""
     rest = [a for a in range(grid.dim()) if a not in axes]
     rows = grid.permute(*rest, *axes).reshape(-1, math.prod(grid.shape[a] for a in axes)).tolist()
     groups = [dist.new_group(ranks) for ranks in rows]
@@ -603,8 +622,8 @@ def main():
     tp_group, cp_group, pp_group = (my_group(grid, d.rank, [a]) for a in (3, 2, 0))
     grad_group = my_group(grid, d.rank, [1, 2])  # dp x cp: the ranks holding the same parameters
     b = args.batch_size // (dp * m)
-    d.log(f"ptdp.py: world {world} = pp {p} x dp {dp} x cp {cp} x tp {t}, interleaved 1F1B, v = {v} chunks per "
-          f"rank, m = {m} micro-batches of {b} sequences of {args.seq_len // cp} tokens per rank, ZeRO-"
+    d.log(f"ptdp.py: world {world} = pp {p} x dp {dp} x cp {cp} x tp {t}, interleaved 1F1B, v = {v} chunks "
+          f"per rank, m = {m} micro-batches of {b} sequences of {args.seq_len // cp} tokens per rank, ZeRO-"
           f"{args.zero}, on {d.backend}; entropy floor {data.entropy:.4f} nats")
 
     # --- the model: the full GPT on CPU from one seed, then this rank's chunks, TP-sliced, to the device ---
@@ -641,7 +660,7 @@ def main():
             loss = runner.run(split(x), split(y), lambda logits, tgt: lm_loss(logits, tgt, n_tok))
             loss, norm = finish_batch(params, loss, grad_group, tp_rank, args.clip, dist.group.WORLD, zero)
             (zero or opt).step()
-        watch.state = held_bytes(chunks, opt, zero)  # parameters, gradients, optimizer state (the same each step)
+        watch.state = held_bytes(chunks, opt, zero)  # parameters, gradients, optimizer state
         chunks.zero_grad(set_to_none=True)
         opt.zero_grad(set_to_none=True)
         norms.append(norm)
@@ -650,7 +669,7 @@ def main():
     figures, comm_bytes = report(d, args, dp, watch, comm)
     figures.update(pp=p, tp=t, dp=dp, cp=cp, zero=args.zero, virtual_stages=v, microbatches=m,
                    schedule="interleaved", grad_norms=norms)
-    peak = peak_memory_bytes(d, sum(watch.state.values()) + watch.held_peak)  # counted; CUDA's peak on a GPU
+    peak = peak_memory_bytes(d, sum(watch.state.values()) + watch.held_peak)  # counted; CUDA's own on a GPU
     check = None
     if args.check:
         check = check_against_reference(d, args, run.losses, full_model(d, chunks, shapes, coords, t, dtype))
@@ -752,9 +771,9 @@ def report(d, args, dp, watch, comm):
           (f"--stage-ms {args.stage_ms:g}: compute simulated, a chunk's {waits}" if args.stage_ms else
            "real compute only: on shared cores this times the OS scheduler; try --stage-ms"))
     d.log(f"forward messages per batch and pipeline {sum(f_msgs)} = {per_pipe} = {sum(f_theory)}, each "
-          f"{sent[0] // (f_msgs[0] + b_msgs[0])} B = (b, T, D); rank 0 collectives per batch: TP all-reduces "
-          f"{c0['tp_calls']} ({c0['tp_fwd']} forward, {c0['tp_bwd']} backward), theory {tp_theory} (g twice "
-          f"forward, f twice backward, per layer and micro-batch); DP all-reduces {c0['dp_calls']}, theory "
+          f"{sent[0] // max(f_msgs[0] + b_msgs[0], 1)} B = (b, T/cp, D); rank 0 collectives per batch: TP "
+          f"all-reduces {c0['tp_calls']} ({c0['tp_fwd']} forward, {c0['tp_bwd']} backward), theory {tp_theory} (g twice "
+          f"forward, f twice backward, per layer and micro-batch); DP x CP collectives {c0['dp_calls']}, theory "
           f"{dp_theory}")
     label = lambda e: (e["kind"] if e["chunk"] < p else e["kind"].lower()) + str(e["mb"])  # noqa: E731
     d.log("\ntimeline of the last step, measured (Fk Bk: chunk < p, fk bk: the later chunks):\n" +
