@@ -176,7 +176,7 @@ class TPBlock(nn.Module):
         if self.cp_group is None or dist.get_world_size(self.cp_group) == 1:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (b, H/t, T, E)
         else:  # T is this rank's T/cp tokens; the others' K/V come round the CP ring, this rank's heads only
-            y = ring_attention(q, k, v, self.cp_group)  # (b, H/t, T/cp, E)
+            y = RingAttention.apply(q, k, v, self.cp_group)  # (b, H/t, T/cp, E)
         y = rearrange(y, "b h t e -> b t (h e)")  # (b, T, D/t)
         x = x + g.apply(F.linear(y, a.proj.weight), grp) + a.proj.bias  # bias after g: added once
         h = F.gelu(F.linear(f.apply(self.ln2(x), grp), mlp.fc.weight, mlp.fc.bias))  # (b, T, 4D/t) local
@@ -185,10 +185,9 @@ class TPBlock(nn.Module):
 
 # ------------------------------------------------------------------------- context parallel: the zig-zag ring
 def check_zigzag(T, cp):
-    """What the zig-zag split relies on, raised before anything is sent: T tokens in 2cp equal chunks."""
     if T % (2 * cp):
         raise ValueError(f"{T} tokens do not cut into 2 x cp = {2 * cp} equal chunks: use a sequence length "
-                         f"divisible by {2 * cp}, e.g. {(T // (2 * cp) + 1) * 2 * cp}")
+                         f"divisible by {2 * cp}")
 
 
 def zigzag(x, cp, r, dim=1):
@@ -199,32 +198,25 @@ def zigzag(x, cp, r, dim=1):
     return torch.cat([pieces[r], pieces[2 * cp - 1 - r]], dim)
 
 
-def hop(x, group, step):
-    """Send x to rank r+step of `group`, receive rank r-step's: one paired batch_isend_irecv (NCCL-safe)."""
-    cp, r = dist.get_world_size(group), dist.get_rank(group)
-    got = torch.empty_like(x)
-    ops = [dist.P2POp(dist.isend, x.contiguous(), group=group, group_peer=(r + step) % cp),
-           dist.P2POp(dist.irecv, got, group=group, group_peer=(r - step) % cp)]
-    for req in dist.batch_isend_irecv(ops):
-        req.wait()
-    return got
-
-
 class Pass(torch.autograd.Function):
-    """One step of the ring: K/V on to rank r+1, rank r-1's in. Its adjoint runs the ring backwards: the
-    gradient of the block that came from r-1 goes back to r-1."""
+    """One step of the ring: x to rank r+1 of the group, rank r-1's in, paired in one batch_isend_irecv (NCCL
+    safe). Its adjoint runs the ring backwards: the gradient of what came from r-1 goes back to r-1."""
 
     @staticmethod
-    def forward(ctx, kv, group):  # (2, b, H/t, T/cp, E): a block of keys and values
-        ctx.group = group
-        return hop(kv, group, +1)
+    def forward(ctx, x, group, step=1):  # x (2, b, H/t, T/cp, E): a block of keys and values
+        cp, r, got, ctx.group = dist.get_world_size(group), dist.get_rank(group), torch.empty_like(x), group
+        to, frm = (r + step) % cp, (r - step) % cp
+        for req in dist.batch_isend_irecv([dist.P2POp(dist.isend, x.contiguous(), group=group, group_peer=to),
+                                           dist.P2POp(dist.irecv, got, group=group, group_peer=frm)]):
+            req.wait()
+        return got
 
     @staticmethod
     def backward(ctx, grad):
-        return hop(grad, ctx.group, -1), None
+        return Pass.forward(ctx, grad, ctx.group, -1), None, None
 
 
-def attend(q, k, v, causal):
+def attend(q, k, v, causal=False):
     """Attention of q (b, h, tq, E) over one block k, v (b, h, tk, E): (output, log-sum-exp (b, h, tq, 1))."""
     s = q @ k.transpose(-2, -1) * q.shape[-1] ** -0.5  # (b, h, tq, tk)
     if causal:  # the diagonal block: my two chunks are in sequence order, so a causal mask over T/cp is right
@@ -243,23 +235,23 @@ def ring(q, k, v, group):
     q, kv = q.to(acc), torch.stack([k, v]).to(acc)  # kv (2, b, h, T/cp, E): the block that travels
     out, lse = attend(q, kv[0], kv[1], causal=True)
     for i in range(1, cp):
-        kv, src = Pass.apply(kv, group), (r - i) % cp
-        rows = slice(0, None) if src < r else slice(half, None)
-        o, l = attend(q, kv[0, ..., :half, :], kv[1, ..., :half, :], False) if src < r else attend(
-            q[:, :, half:], kv[0], kv[1], False)
+        kv, early = Pass.apply(kv, group), (r - i) % cp < r  # now holding rank r-i's block
+        rows = slice(0 if early else half, None)
+        o, l = attend(q, *kv[:, :, :, :half]) if early else attend(q[:, :, half:], *kv)
         new = torch.logaddexp(lse[:, :, rows], l)  # (b, h, rows, 1): the union's exp-sum
         o = out[:, :, rows] * torch.exp(lse[:, :, rows] - new) + o * torch.exp(l - new)
-        out, lse = (o, new) if src < r else (torch.cat([out[:, :, :half], o], 2), torch.cat([lse[:, :, :half],
-                                                                                            new], 2))
+        out, lse = (o, new) if early else (torch.cat([out[:, :, :half], o], 2), torch.cat([lse[:, :, :half],
+                                                                                         new], 2))
     return out
 
 
 class RingAttention(torch.autograd.Function):
-    """ring() saving only q, k, v (b, h, T/cp, E): backward runs the ring again under autograd and back
-    through it (K/V go round twice, each dK/dV block returns one hop per step): recomputation, exact."""
+    """ring() saving only q, k, v (b, h, T/cp, E); backward runs it again under autograd and back through it
+    (K/V go round twice, each dK/dV block returns one hop per step): recomputation, exact."""
 
     @staticmethod
     def forward(ctx, q, k, v, group):
+        check_zigzag(dist.get_world_size(group) * q.shape[2], dist.get_world_size(group))
         ctx.save_for_backward(q, k, v)
         ctx.group = group
         return ring(q, k, v, group).to(q.dtype)
@@ -270,13 +262,6 @@ class RingAttention(torch.autograd.Function):
         with torch.enable_grad():
             out = ring(q, k, v, ctx.group).to(q.dtype)
         return *torch.autograd.grad(out, (q, k, v), dout), None
-
-
-def ring_attention(q, k, v, group):
-    """q, k, v (b, h, T/cp, E): CP rank r's tokens, its chunks r and 2cp-1-r; refused before sending if they
-    do not cut in two."""
-    check_zigzag(dist.get_world_size(group) * q.shape[2], dist.get_world_size(group))
-    return RingAttention.apply(q, k, v, group)
 
 
 def check_chunk(layers, c, n):
@@ -337,18 +322,14 @@ def schedule(p, v, m, r):
     def bwd(k):
         c, mb = fwd(k)
         return (v - 1 - c // p) * p + r, mb
-    check_schedule(p, v, m, r)
+    if min(p, v, m) < 1 or not 0 <= r < p or v > 1 and m % p:
+        raise ValueError(f"schedule of p = {p}, v = {v}, m = {m}, r = {r}: need p, v, m >= 1, 0 <= r < p, "
+                         f"and with v > 1 m a multiple of p (interleaving runs groups of p micro-batches)")
     w, n = warmup(p, v, m, r), v * m
     ops = [("F", *fwd(k)) for k in range(w)]
     for i in range(n - w):
         ops += [("F", *fwd(w + i)), ("B", *bwd(i))]
     return ops + [("B", *bwd(i)) for i in range(n - w, n)]
-
-
-def check_schedule(p, v, m, r):
-    if min(p, v, m) < 1 or not 0 <= r < p or v > 1 and m % p:
-        raise ValueError(f"schedule of p = {p}, v = {v}, m = {m}, r = {r}: need p, v, m >= 1, 0 <= r < p, "
-                         f"and with v > 1 m a multiple of p (interleaving runs groups of p micro-batches)")
 
 
 def needs(op, n):
@@ -482,15 +463,13 @@ class PipelineRank:
 
 
 # ------------------------------------------------------------- after the flush: DP x CP, ZeRO-1, clipping
-def sum_gradients(params, group):
-    """Data parallel: every gradient summed over the ranks of `group` in one all-reduce: the dp x cp ranks
-    holding the same parameters (a CP rank's weights are its DP peers'; only its tokens differ). Each rank's
-    loss is already divided by the global token count, so the sum is the full-batch gradient."""
-    if dist.get_world_size(group) > 1:
-        flat = torch.cat([q.grad.reshape(-1) for q in params])  # (this rank's elements,)
-        dist.all_reduce(flat, group=group)
-        for q, part in zip(params, flat.split([q.numel() for q in params])):
-            q.grad.copy_(part.view_as(q))
+def sum_gradients(params, group):  # one all-reduce: each rank's loss is already / the global token count
+    if dist.get_world_size(group) == 1:
+        return
+    flat = torch.cat([q.grad.reshape(-1) for q in params])  # (this rank's elements,)
+    dist.all_reduce(flat, group=group)
+    for q, part in zip(params, flat.split([q.numel() for q in params])):
+        q.grad.copy_(part.view_as(q))
 
 
 class ShardedOptimizer:
@@ -526,14 +505,6 @@ class ShardedOptimizer:
             for q, part in zip(self.params, full.split([q.numel() for q in self.params])):
                 q.copy_(part.view_as(q))
 
-    def state_dict(self):  # rank-local checkpoints: my shard and its state
-        return dict(shard=self.shard.detach(), opt=self.opt.state_dict())
-
-    def load_state_dict(self, state):
-        with torch.no_grad():
-            self.shard.copy_(state["shard"])
-        self.opt.load_state_dict(state["opt"])
-
 
 def squared_norm(grads):
     """The squared norm of these gradients, summed in float32 at least (float64 for a float64 model) by the
@@ -543,11 +514,9 @@ def squared_norm(grads):
 
 
 def finish_batch(params, loss, group, tp_rank, max_norm, world, zero=None):
-    """After the flush: 1. the gradients summed over `group`, the dp x cp ranks holding the same parameters:
-    whole on every rank (all-reduce), or with ZeRO-1 only each rank's shard (reduce-scatter); 2. the whole
-    model's squared norm and the batch loss in one all-reduce over `world` (all the model's ranks), each piece
-    counted once: the loss on TP rank 0 (a CP rank's covers its tokens); a TP-split gradient on every TP rank,
-    a replicated one on TP rank 0, and of those a whole gradient on rank 0 of `group`, a shard where it lives;
+    """After the flush: 1. gradients summed over `group`, the dp x cp ranks holding the same parameters (a CP
+    rank's weights are its DP peers'): whole on each (all-reduce), or with ZeRO-1 each rank's shard; 2. the
+    squared norm and the loss in one all-reduce over `world`, each piece counted once (see the docstring);
     3. clip as torch does. Returns (loss, norm) as floats."""
     counted = [float(getattr(q, "tp_split", False) or tp_rank == 0) for q in params]
     if zero is None:
@@ -586,12 +555,11 @@ def check_args(args):
     try:  # validation once: the cores' own checks, their message as fail's one line
         check_heads(args.n_heads, t)
         check_chunk(args.n_layers, 0, p * v)
-        check_schedule(p, v, m, 0)
+        schedule(p, v, m, 0)  # pure: its check, nothing sent
         if cp > 1:
             check_zigzag(args.seq_len, cp)
     except ValueError as e:
-        fail(f"{e} (--n-heads {args.n_heads}, --n-layers {args.n_layers}, --microbatches {m}, --seq-len "
-             f"{args.seq_len}; --pp {p}, --tp {t}, --cp {cp}, --virtual-stages {v})")
+        fail(f"{e} (--n-heads, --n-layers, --microbatches, --seq-len vs --pp/--tp/--cp/--virtual-stages)")
     if args.batch_size % (dp * m):
         fail(f"--batch-size {args.batch_size} is not divisible by dp x microbatches = {dp * m}")
     if args.stage_ms < 0:
@@ -636,7 +604,8 @@ def main():
     params = list(chunks.parameters())
     zero = ShardedOptimizer(params, grad_group, lambda ps: make_optimizer(ps, args)) if args.zero else None
     opt = zero.opt if zero else make_optimizer(params, args)
-    run = Run(d, args, {"model": chunks, "optim": zero or opt})
+    shard = nn.ParameterList([zero.shard] if zero else [])  # ZeRO-1's copy of its shard, checkpointed too
+    run = Run(d, args, {"model": chunks, "optim": opt, "zero": shard})
     norms = run.history.get("norms", [])
     watch = Watch(d, args, coords)  # times every F and B
     comm = CommCounter(axes={"tp": tp_group, "cp": cp_group, "dp": grad_group, "pp": pp_group}, log=True)
@@ -772,9 +741,9 @@ def report(d, args, dp, watch, comm):
            "real compute only: on shared cores this times the OS scheduler; try --stage-ms"))
     d.log(f"forward messages per batch and pipeline {sum(f_msgs)} = {per_pipe} = {sum(f_theory)}, each "
           f"{sent[0] // max(f_msgs[0] + b_msgs[0], 1)} B = (b, T/cp, D); rank 0 collectives per batch: TP "
-          f"all-reduces {c0['tp_calls']} ({c0['tp_fwd']} forward, {c0['tp_bwd']} backward), theory {tp_theory} (g twice "
-          f"forward, f twice backward, per layer and micro-batch); DP x CP collectives {c0['dp_calls']}, theory "
-          f"{dp_theory}")
+          f"all-reduces {c0['tp_calls']} ({c0['tp_fwd']} forward, {c0['tp_bwd']} backward), theory "
+          f"{tp_theory} (g twice forward, f twice backward, per layer and micro-batch); DP x CP collectives "
+          f"{c0['dp_calls']}, theory {dp_theory}")
     label = lambda e: (e["kind"] if e["chunk"] < p else e["kind"].lower()) + str(e["mb"])  # noqa: E731
     d.log("\ntimeline of the last step, measured (Fk Bk: chunk < p, fk bk: the later chunks):\n" +
           draw_timeline(last, p, lo, hi, label, row_key="pp", row_name="rank"))
