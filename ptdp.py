@@ -47,6 +47,12 @@ block's attention; DP once per batch; PP least, one activation per micro-batch a
       rank 0  F0F0F1F1........B0B0B0B0F2F2B1B1B1B1F3F3B2B2B2B2....B3B3B3B3  idle 6 per 24 busy
       rank 1  ....F0F0B0B0B0B0F1F1B1B1B1B1F2F2B2B2B2B2F3F3B3B3B3B3........  = (p-1)/m = 1/4
    The price: (v*p-1)*m messages per direction instead of (p-1)*m, and more chunks in flight on early ranks.
+   schedule() for r = 0, p = 2, v = 2, m = 4 (warm-up 4), chunk = global index l*p + r of local chunk l:
+        k                              0  1  2  3  4  5  6  7
+        forward chunk  (k%pv)//p*p+r   0  0  2  2  0  0  2  2
+        micro-batch    k//pv*p + k%p   0  1  0  1  2  3  2  3
+        backward chunk (v-1-l)*p+r     2  2  0  0  2  2  0  0     (l = k%pv//p, the forward's local chunk)
+        ops  F0 F1 f0 f1 | F2 b0 F3 b1 f2 B0 f3 B1 | b2 b3 B2 B3   (capitals chunk 0, lower case chunk 2)
 4. Data parallel: each replica runs its pipelines on its slice of the global batch; after the flush the
    gradients are summed over the dp x cp ranks holding the same chunk shard, once per batch: all-reduced, or
    with --zero 1 (ZeRO-1, Rajbhandari et al. 2020; Megatron's distributed optimizer) reduce-scattered, each
@@ -166,17 +172,17 @@ class TPBlock(nn.Module):
                 shard = nn.Parameter(w.detach().chunk(t, tp_dim(name))[r].clone())
                 shard.tp_split = True
                 setattr(self.get_submodule(owner), leaf, shard)
-        self.group, self.heads, self.cp_group = group, full.attn.n_heads // t, cp_group
+        self.group, self.heads = group, full.attn.n_heads // t
+        self.cp_group = cp_group if cp_group and dist.get_world_size(cp_group) > 1 else None
 
     def forward(self, x):  # (b, T, D) replicated on the TP group
         a, mlp, grp = self.attn, self.mlp, self.group
         h = f.apply(self.ln1(x), grp)
         q, k, v = (rearrange(F.linear(h, lin.weight), "b t (h e) -> b h t e", h=self.heads)
                    for lin in (a.q, a.k, a.v))  # (b, H/t, T, E) each: this rank's heads
-        if self.cp_group is None or dist.get_world_size(self.cp_group) == 1:
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (b, H/t, T, E)
-        else:  # T is this rank's T/cp tokens; the others' K/V come round the CP ring, this rank's heads only
-            y = RingAttention.apply(q, k, v, self.cp_group)  # (b, H/t, T/cp, E)
+        # CP: T is this rank's T/cp tokens, and the others' K/V come round the CP ring (this rank's heads)
+        y = RingAttention.apply(q, k, v, self.cp_group) if self.cp_group else F.scaled_dot_product_attention(
+            q, k, v, is_causal=True)  # (b, H/t, T, E)
         y = rearrange(y, "b h t e -> b t (h e)")  # (b, T, D/t)
         x = x + g.apply(F.linear(y, a.proj.weight), grp) + a.proj.bias  # bias after g: added once
         h = F.gelu(F.linear(f.apply(self.ln2(x), grp), mlp.fc.weight, mlp.fc.bias))  # (b, T, 4D/t) local
@@ -184,16 +190,12 @@ class TPBlock(nn.Module):
 
 
 # ------------------------------------------------------------------------- context parallel: the zig-zag ring
-def check_zigzag(T, cp):
-    if T % (2 * cp):
-        raise ValueError(f"{T} tokens do not cut into 2 x cp = {2 * cp} equal chunks: use a sequence length "
-                         f"divisible by {2 * cp}")
-
-
 def zigzag(x, cp, r, dim=1):
     """(.., T, ..) whole sequences -> (.., T/cp, ..) CP rank r's tokens: chunks r and 2cp-1-r of 2cp, an early
     one and a late one, so that under the causal mask every rank does the same work (Llama 3, Sec. 3.3.2)."""
-    check_zigzag(x.shape[dim], cp)
+    if x.shape[dim] % (2 * cp):
+        raise ValueError(f"{x.shape[dim]} tokens do not cut into 2 x cp = {2 * cp} equal chunks: use a "
+                         f"sequence length divisible by {2 * cp}")
     pieces = x.chunk(2 * cp, dim)
     return torch.cat([pieces[r], pieces[2 * cp - 1 - r]], dim)
 
@@ -226,10 +228,9 @@ def attend(q, k, v, causal=False):
 
 
 def ring(q, k, v, group):
-    """Causal attention of CP rank r's queries (b, h, T/cp, E) over the whole sequence (Liu et al. 2023, "Ring
-    Attention"): cp - 1 steps pass the K/V block on, each block's partial result merged by its log-sum-exp
-    (online softmax, Milakov & Gimelshein 2018). Zig-zag: from src < r every query sees src's early chunk (its
-    late one follows both of mine); from src > r only my late chunk sees src's, both of them."""
+    """CP rank r's queries (b, h, T/cp, E) over the whole sequence (Liu et al. 2023, "Ring Attention"): cp - 1
+    steps pass the K/V block on, each block's result merged by its log-sum-exp (online softmax). Zig-zag:
+    all my queries see src < r's early chunk (not its late one); only my late chunk sees src > r's two."""
     cp, r, half = dist.get_world_size(group), dist.get_rank(group), q.shape[2] // 2
     acc = torch.promote_types(q.dtype, torch.float32)  # softmax in float32 at least, as flash attention
     q, kv = q.to(acc), torch.stack([k, v]).to(acc)  # kv (2, b, h, T/cp, E): the block that travels
@@ -251,7 +252,8 @@ class RingAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, group):
-        check_zigzag(dist.get_world_size(group) * q.shape[2], dist.get_world_size(group))
+        cp = dist.get_world_size(group)
+        zigzag(torch.arange(cp * q.shape[2]), cp, 0, 0)  # its check, before anything is sent
         ctx.save_for_backward(q, k, v)
         ctx.group = group
         return ring(q, k, v, group).to(q.dtype)
@@ -282,17 +284,14 @@ class Chunk(nn.Module):
             self.tok_emb, self.pos_emb = full.tok_emb, full.pos_emb
         self.blocks = nn.ModuleDict({str(i): TPBlock(full.blocks[i], group, cp_group)
                                      for i in range(c * per, (c + 1) * per)})
-        self.cp_group = cp_group
+        self.cp = (dist.get_world_size(cp_group), dist.get_rank(cp_group)) if cp_group else (1, 0)
         if self.last:
             self.ln_f, self.head = full.ln_f, full.head
 
     def forward(self, h):  # chunk 0: (b, T/cp) token ids; others: (b, T/cp, D) from the chunk before
         if self.first:
-            pos, g = torch.arange(h.shape[1], device=h.device), self.cp_group  # (T/cp,) this rank's positions
-            if g is not None and dist.get_world_size(g) > 1:
-                pos = zigzag(torch.arange(h.shape[1] * dist.get_world_size(g), device=h.device),
-                             dist.get_world_size(g), dist.get_rank(g), 0)
-            h = self.tok_emb(h) + self.pos_emb(pos)
+            pos = torch.arange(h.shape[1] * self.cp[0], device=h.device)  # (T,) -> this rank's (T/cp,)
+            h = self.tok_emb(h) + self.pos_emb(zigzag(pos, *self.cp, 0) if self.cp[0] > 1 else pos)
         for block in self.blocks.values():
             h = block(h)
         return self.head(self.ln_f(h)) if self.last else h  # last: logits (b, T, V)
@@ -300,22 +299,15 @@ class Chunk(nn.Module):
 
 # ------------------------------------------------------------------------- the schedules
 def warmup(p, v, m, r):
-    """Forwards pipeline rank r runs before its first backward. v = 1: plain 1F1B fills the p-r-1 ranks after
-    it. v > 1 (Megatron's interleaved schedule): (v-1)*p to get the first micro-batch group through the rank's
-    earlier chunks, plus 2 per rank downstream, so that neighbours alternate F and B in step."""
+    """Forwards rank r runs before its first backward. v = 1: 1F1B fills the p-r-1 ranks after it. v > 1:
+    (v-1)*p to get the first micro-batch group through its earlier chunks, + 2 per rank downstream."""
     return min(p - r - 1, m) if v == 1 else min(2 * (p - r - 1) + (v - 1) * p, v * m)
 
 
 def schedule(p, v, m, r):
-    """Interleaved 1F1B: rank r's ops in order, (kind, chunk, micro-batch), chunk = global index l*p + r of
-    local chunk l. The k-th forward runs micro-batch (k // pv)*p + k % p on local chunk (k % pv) // p: groups
-    of p micro-batches sweep the rank's chunks in order; backwards sweep them in reverse. For r = 0, p = 2,
-    v = 2, m = 4 (warm-up 4):
-        k                              0  1  2  3  4  5  6  7
-        forward chunk  (k%pv)//p*p+r   0  0  2  2  0  0  2  2
-        micro-batch    k//pv*p + k%p   0  1  0  1  2  3  2  3
-        backward chunk (v-1-l)*p+r     2  2  0  0  2  2  0  0     (l = k%pv//p, the forward's local chunk)
-        ops  F0 F1 f0 f1 | F2 b0 F3 b1 f2 B0 f3 B1 | b2 b3 B2 B3   (capitals chunk 0, lower case chunk 2)"""
+    """Interleaved 1F1B: rank r's ops in order, (kind, chunk, micro-batch). The k-th forward runs micro-batch
+    (k // pv)*p + k % p on local chunk (k % pv) // p: groups of p micro-batches sweep the rank's chunks in
+    order; backwards sweep them in reverse (the table in the docstring)."""
     def fwd(k):
         return ((k % (p * v)) // p) * p + r, (k // (p * v)) * p + k % p
 
@@ -333,8 +325,7 @@ def schedule(p, v, m, r):
 
 
 def needs(op, n):
-    """The message op (kind, c, k) waits for: F's input activation from chunk c-1, B's output gradient from
-    chunk c+1; None when it starts from tokens (chunk 0's F) or from its own loss (the last chunk's B)."""
+    """The message op (kind, c, k) waits for (from chunk c-1 for F, c+1 for B); None: tokens or its loss."""
     kind, c, _ = op
     return None if (kind, c) in (("F", 0), ("B", n - 1)) else op
 
@@ -368,12 +359,10 @@ def ideal_timeline(p, v, m):
 
 def comm_plan(p, v, m, r):
     """Rank r's steps for one batch: ("op", op) and ("p2p", sends, recvs) with [(peer pp rank, message)].
-    Each message travels at one moment G of the ideal timeline, between the end of the op that makes it and
-    the start of the op that uses it: the first such moment at which both ranks are between ops (else right
-    after it is made, when the sender is). Both post it in their batch of G, after their ops that start
-    before G and before those that start at or after it. So all ranks post their batches in order of G, a
-    batch's partners are batches of the same G, none can wait for a later one: no cycle (NCCL deadlocks on a
-    send whose receive is posted behind a wait on the sender). Both sides sort a batch's messages alike."""
+    Each message travels at one moment G of the ideal timeline, the first between its making and its use at
+    which both ranks are between ops (else right after it is made); both post it in their batch of G. So all
+    ranks post their batches in order of G and none waits for a later one: no cycle (NCCL deadlocks on a
+    send whose receive is posted behind a wait on the sender)."""
     at, n, items = ideal_timeline(p, v, m), p * v, collections.defaultdict(lambda: ([], []))
     spans = collections.defaultdict(list)  # pp rank -> (start, end) of its ops
     for q, start, end in at.values():
@@ -398,13 +387,11 @@ TAG = {"F": 0, "B": 1}  # a point-to-point tag per direction: activations 0, gra
 
 
 class PipelineRank:
-    """Rank r of the p in a pipeline's `group` (peers are ranks in it): runs comm_plan's steps over its
-    chunks for one batch of m micro-batches, to the flush; every message one tensor of msg_shape and dtype.
-        chunks   {global chunk index: module}: chunks r, r + p, ... of n = p * v (v = len(chunks)); chunk 0
-                 takes inputs[k], chunk n-1's output goes to loss_fn(output, targets[k]) (a scalar)
-        observe  a context manager around every F and B (observe(kind, mb, chunk=c)) and exchange
-                 (observe("p2p", None, recvs=[message, ...])), for the measurement to watch through
-    NCCL wants one collective in `group` before its first batch_isend_irecv: the caller runs it (see main)."""
+    """Rank r of the p in a pipeline's `group`: runs comm_plan's steps over its chunks {global index: module}
+    (r, r + p, ... of n = p * v) for one batch of m micro-batches, to the flush; every message one tensor of
+    msg_shape. Chunk 0 takes inputs[k], chunk n-1's output goes to loss_fn(output, targets[k]). `observe`: a
+    context manager around every F, B and exchange, for the measurement. NCCL wants one collective in `group`
+    before its first batch_isend_irecv: the caller runs it (see main)."""
 
     def __init__(self, chunks, group, m, msg_shape, dtype, device, observe=None):
         p, r, v = dist.get_world_size(group), dist.get_rank(group), len(chunks)
@@ -473,12 +460,9 @@ def sum_gradients(params, group):  # one all-reduce: each rank's loss is already
 
 
 class ShardedOptimizer:
-    """ZeRO-1 (Rajbhandari et al. 2020; Megatron's distributed optimizer): the R ranks of `group` hold the
-    same parameters; rank i keeps the optimizer state of shard i of their flat vector (padded to R equal
-    shards), in its own copy `shard`, which make_opt([shard]) updates (elementwise as AdamW: exactly as the
-    whole would):
-      reduce_scatter()  (R*S,) every gradient, flat -> (S,) my shard of their sum over the group: shard.grad
-      step()            update my shard, all-gather the R shards -> (R*S,), every parameter written back"""
+    """ZeRO-1 (Rajbhandari et al. 2020; Megatron's distributed optimizer) over `group`, R ranks holding the
+    same parameters: rank i keeps a copy `shard` of shard i of their flat vector (padded to R shards of S)
+    and its optimizer, make_opt([shard]) (elementwise, as AdamW: exact)."""
 
     def __init__(self, params, group, make_opt):
         self.params, self.group, R = list(params), group, dist.get_world_size(group)
@@ -492,12 +476,12 @@ class ShardedOptimizer:
         flat = torch.cat([x.reshape(-1) for x in tensors])
         return F.pad(flat, (0, self.size * dist.get_world_size(self.group) - flat.numel()))
 
-    def reduce_scatter(self):
+    def reduce_scatter(self):  # flat gradients (R*S,) -> shard.grad (S,): my shard of their sum
         self.shard.grad = torch.empty_like(self.shard)
         grads = self.flat([q.grad for q in self.params])  # (R*S,) this rank's gradients
         dist.reduce_scatter_tensor(self.shard.grad, grads, group=self.group)  # -> (S,) my shard of the sum
 
-    def step(self):
+    def step(self):  # update my shard, all-gather the R shards (R*S,), every parameter written back
         self.opt.step()
         full = self.shard.new_empty(self.size * dist.get_world_size(self.group))  # (R*S,)
         dist.all_gather_into_tensor(full, self.shard.detach(), group=self.group)
@@ -507,8 +491,7 @@ class ShardedOptimizer:
 
 
 def squared_norm(grads):
-    """The squared norm of these gradients, summed in float32 at least (float64 for a float64 model) by the
-    norm's dtype=, not by a float64 copy of each one."""
+    """Summed in float32 at least (float64 for a float64 model) by the norm's dtype=, not float64 copies."""
     acc = torch.promote_types(grads[0].dtype, torch.float32)
     return torch.stack([torch.linalg.vector_norm(x, dtype=acc) for x in grads]).square().sum().double()
 
@@ -550,31 +533,24 @@ def check_args(args):
         fail(f"--zero {args.zero}: ptdp.py shards the optimizer state (ZeRO-1) or nothing: use --zero 0 or 1")
     dp = args.dp or world // (p * cp * t)
     if args.dp < 0 or dp < 1 or p * cp * t * dp != world:
-        fail(f"world size {world} != pp {p} x cp {cp} x tp {t} x dp {args.dp or '(world / pp / cp / tp)'}: "
-             f"launch torchrun --nproc_per_node={p * cp * t * max(args.dp, 1)} or change --pp/--cp/--tp/--dp")
-    try:  # validation once: the cores' own checks, their message as fail's one line
-        check_heads(args.n_heads, t)
-        check_chunk(args.n_layers, 0, p * v)
-        schedule(p, v, m, 0)  # pure: its check, nothing sent
-        if cp > 1:
-            check_zigzag(args.seq_len, cp)
-    except ValueError as e:
-        fail(f"{e} (--n-heads, --n-layers, --microbatches, --seq-len vs --pp/--tp/--cp/--virtual-stages)")
+        fail(f"world size {world} != pp {p} x tp {t} x dp {args.dp or '(world / pp / tp / cp)'} x cp {cp}: "
+             f"launch torchrun --nproc_per_node={p * cp * t * max(args.dp, 1)} or change --pp/--tp/--dp/--cp")
+    for flags, check, at in (  # validation once: the cores' own checks; fail's line names the flags first
+            (f"--n-heads {args.n_heads} is not divisible by --tp {t}", check_heads, (args.n_heads, t)),
+            (f"--microbatches {m} is not a multiple of --pp {p}", schedule, (p, v, m, 0)),
+            (f"--n-layers {args.n_layers} is not divisible by pp x virtual stages = {p * v}", check_chunk,
+             (args.n_layers, 0, p * v)),
+            (f"--seq-len {args.seq_len} is not divisible by 2 x cp = {2 * cp}", zigzag,
+             (torch.arange(args.seq_len), cp, 0, 0))):
+        try:
+            check(*at)
+        except ValueError as e:
+            fail(f"{flags}: {e}")
     if args.batch_size % (dp * m):
         fail(f"--batch-size {args.batch_size} is not divisible by dp x microbatches = {dp * m}")
     if args.stage_ms < 0:
         fail(f"--stage-ms must be >= 0, got {args.stage_ms}")
     return world, dp
-
-
-def my_group(grid, rank, axes):
-    """The process group of the ranks that differ from `rank` only along `axes` of the grid. Every rank
-    creates every such group, in the same order (new_group is a collective over the world); a group numbers
-    its ranks in global order, the grid's order along `axes` (so a pipeline's group rank is its pp rank)."""
-    rest = [a for a in range(grid.dim()) if a not in axes]
-    rows = grid.permute(*rest, *axes).reshape(-1, math.prod(grid.shape[a] for a in axes)).tolist()
-    groups = [dist.new_group(ranks) for ranks in rows]
-    return next(g for ranks, g in zip(rows, groups) if rank in ranks)
 
 
 def main():
@@ -587,12 +563,16 @@ def main():
     data = MarkovData(args.vocab, args.seed)
     grid = torch.arange(world).view(p, dp, cp, t)  # tp innermost, then cp: see the docstring
     coords = pp_rank, dp_rank, cp_rank, tp_rank = [int(i) for i in (grid == d.rank).nonzero()[0]]
-    tp_group, cp_group, pp_group = (my_group(grid, d.rank, [a]) for a in (3, 2, 0))
-    grad_group = my_group(grid, d.rank, [1, 2])  # dp x cp: the ranks holding the same parameters
+    groups = {}  # every rank creates every group, in the same order (new_group: a collective over the world)
+    for axis, dims in (("tp", [3]), ("cp", [2]), ("pp", [0]), ("dp", [1, 2])):  # dp x cp: the same parameters
+        rest = [a for a in range(4) if a not in dims]  # a group: the ranks that differ only along `dims`
+        for ranks in grid.permute(*rest, *dims).reshape(-1, math.prod(grid.shape[a] for a in dims)).tolist():
+            group = dist.new_group(ranks)  # its ranks in global order: a pipeline's group rank is its pp rank
+            groups[axis] = group if d.rank in ranks else groups.get(axis)
+    tp_group, cp_group, pp_group, grad_group = groups.values()
     b = args.batch_size // (dp * m)
-    d.log(f"ptdp.py: world {world} = pp {p} x dp {dp} x cp {cp} x tp {t}, interleaved 1F1B, v = {v} chunks "
-          f"per rank, m = {m} micro-batches of {b} sequences of {args.seq_len // cp} tokens per rank, ZeRO-"
-          f"{args.zero}, on {d.backend}; entropy floor {data.entropy:.4f} nats")
+    d.log(f"ptdp.py: world {world} = pp {p} x dp {dp} x cp {cp} x tp {t}, interleaved 1F1B, v = {v}, m = {m} "
+          f"micro-batches of {b} x {args.seq_len // cp} tokens, ZeRO-{args.zero}, on {d.backend}")
 
     # --- the model: the full GPT on CPU from one seed, then this rank's chunks, TP-sliced, to the device ---
     dtype = DTYPES[args.dtype]
@@ -639,9 +619,8 @@ def main():
     figures.update(pp=p, tp=t, dp=dp, cp=cp, zero=args.zero, virtual_stages=v, microbatches=m,
                    schedule="interleaved", grad_norms=norms)
     peak = peak_memory_bytes(d, sum(watch.state.values()) + watch.held_peak)  # counted; CUDA's own on a GPU
-    check = None
-    if args.check:
-        check = check_against_reference(d, args, run.losses, full_model(d, chunks, shapes, coords, t, dtype))
+    check = check_against_reference(d, args, run.losses, full_model(d, chunks, shapes, coords, t, dtype)) \
+        if args.check else None
     run.finish("ptdp", peak, comm_bytes, check, figures)
 
 

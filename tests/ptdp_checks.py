@@ -164,8 +164,8 @@ def refusals(pp_group, tp_group, alone, pp_rank):
     out, mutants = {}, {}
     for case, call in cases.items():
         out[case] = section.attempt(call)  # (error, collectives counted)
-    for case, text in (("TPBlock, 3 heads over t 2", "if full.attn.n_heads % t:"),
-                       ("Chunk, 2 layers in 4 chunks", "if full.cfg.n_layers % n or not 0 <= c < n:")):
+    for case, text in (("TPBlock, 3 heads over t 2", "if heads % t:"),
+                       ("Chunk, 2 layers in 4 chunks", "if layers % n or not 0 <= c < n:")):
         mutant = section.load("ptdp.py", (section.ROOT / "ptdp.py").read_text().replace(text, "if False:"))
         try:  # the negative: without its check the core takes the bad size silently (no error at all)
             (mutant["TPBlock"](tiny.blocks[0], tp_group) if "TPBlock" in case else mutant["Chunk"](tiny, 0, 4,
@@ -388,7 +388,7 @@ MUTANTS = {  # name: (a line of ptdp.py, what the mutant has instead)
                          "    if True:\n        return\n"),  # the gradients never summed over dp x cp
     "kv-to-tp-peer": ("y = RingAttention.apply(q, k, v, self.cp_group)",  # K/V round the wrong ring: the TP
                       "y = RingAttention.apply(q, k, v, self.group)"),  # peer's (its other heads, my tokens)
-    "grads-over-dp-not-cp": ("grad_group = my_group(grid, d.rank, [1, 2])", "grad_group = my_group(grid, d.rank, [1])"),
+    "grads-over-dp-not-cp": ('("dp", [1, 2])', '("dp", [1])'),  # the gradient group: dp alone
     "shard-wrong-slice": ("        i = dist.get_rank(group)\n",  # ZeRO-1: my shard's state and update taken
                           "        i = (dist.get_rank(group) + 1) % R\n"),  # from the next rank's slice
 }
