@@ -1,16 +1,18 @@
-"""ptdp.py: pipeline x tensor x data parallel with the interleaved 1F1B schedule (ZB-V: test_zero_bubble.py).
+"""ptdp.py: pipeline x tensor x context x data parallel, interleaved 1F1B, ZeRO-1 (ZB-V: test_zero_bubble.py).
 
 Parity with the one-process reference (float64, 1e-9) at (pp, tp, dp) = (2, 1, 1) v 1 and v 2, (2, 2, 1) v 2,
-(2, 1, 2) v 2 ragged, (2, 2, 2) v 2 ragged with a small --clip, and at pp 4, m 8, v 1 and v 2 with --stage-ms;
-the executed schedule (measured events) obeys the pipeline's rules and is the schedule's order; the
-schedules' ideal timelines have the paper's bubble and message counts, they equal torch's
-ScheduleInterleaved1F1B order, and their communication plans cannot deadlock under NCCL's semantics
-(simulated); the pieces, copied out (the technique section alone) onto another model and a layout unlike
-main's grid, train it as one process does, and each core refuses what it cannot run before sending anything;
-clipping clips and
-counts replicated tensors once; a dropped DP all-reduce fails --check; a restarted run continues to
-bit-identical losses; bad input exits 2 on every rank. Launches: 10 torchrun (one restarts once, one also runs
-the copy-out check), 8 plain python."""
+(2, 1, 2) v 2 ragged, (2, 2, 2) v 2 ragged with a small --clip, at pp 4, m 8, v 1 and v 2 with --stage-ms, and
+on four axes (issue 41): cp 2 x tp 2 (pp 1), pp 2 x cp 2 ragged, pp 2 x cp 2 x tp 2 v 2, pp 2 x dp 2 x cp 2
+with ZeRO-1 and --clip, dp 2 x cp 2 x tp 2 with ZeRO-1 (pp 1); the executed schedule (measured events) obeys
+the pipeline's rules and is the schedule's order; messages, the CP ring's sends and the DP x CP collectives
+counted at the dispatcher equal the theory on every rank; the schedules' ideal timelines have the paper's
+bubble and message counts, they equal torch's ScheduleInterleaved1F1B order, and their communication plans
+cannot deadlock under NCCL's semantics (simulated); the pieces, copied out (the technique section alone) onto
+other models and layouts unlike main's grid, train them as one process does, and each core refuses what it
+cannot run before sending anything; clipping clips and counts replicated tensors once; five mutants fail
+--check; a restarted run continues to bit-identical losses; bad input exits 2 on every rank. Launches: 4 of
+tests/ptdp_checks.py (worlds 2, 4, 4, 8; ptdp's main once per run inside, 19 runs; one also runs the copy-out
+checks), 1 torchrun that restarts once, 8 plain python."""
 import collections
 import json
 import sys
