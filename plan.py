@@ -505,6 +505,50 @@ def collectives(M, lay, B, r=0):
     return dict(sorted(out.items()))
 
 
+def ptdp_4d_figures(M, lay, B, r):
+    """ptdp.py's --json figures of pipeline rank r (figures.counts_per_rank, any dp, cp, tp coordinate) on its
+    four axes, lay = Layout(pp, dp, cp, tp, v, m, zero 0 or 1, schedule="interleaved", precision="fp64",
+    vocab_parallel=False, cp_attention="ring"), not ragged. Bytes handed per step, per axis: collectives()'s
+    (its ring: K/V forward, K/V again and dK/dV backward, as ptdp's recomputing ring sends them), but the
+    dp x cp gradients as ptdp.py flattens them, the rank's parameters in one vector padded to a multiple of
+    dp x cp (collectives() pads each unit). Model state counted from ptdp's tensors: parameters; gradients
+    (ZeRO-1: + the reduced shard); optimizer state, AdamW's two moments (ZeRO-1: of the shard, + the shard's
+    own copy of its parameters, Megatron's main parameters). Saved for backward at the peak (act_peak) and
+    with each chunk's output held to its B (held_peak): microbatch_bytes() of the alive patterns, less the
+    log-sum-exp per block under CP (ptdp's ring saves q, k, v only and recomputes), plus the micro-batches'
+    token ids and targets, views of one storage per step (cp 1: the global batch, (B, s+1) and (B, s); cp > 1:
+    the replica's zig-zag copy, (m b, s/cp) each), counted whole however few micro-batches are alive."""
+    p, g, K, e = PRECISION[lay.precision]
+    d, b, s, n = lay.grad_group, B // (lay.dp * lay.m), M.seq // lay.cp, lay.pp * lay.v
+    comm = collectives(M, lay, B, r)  # its dp keys left out: below, from ptdp's flat vector
+    axis = {a: sum(x for key, (_, x, _) in comm.items() if f"/{a}/" in key) for a in ("tp", "cp", "pp")}
+    N = sum(rank_units(M, lay, r))
+    S = -(-N // d)  # elements per ZeRO-1 shard
+    dp_bytes = (g * N if lay.zero == 0 else g * S * d + p * S) if d > 1 else 0
+    state = dict(param_bytes=p * N, grad_bytes=g * N + g * S * (lay.zero > 0),
+                 optim_bytes=K * N if lay.zero == 0 else (K + p) * S)
+    mine_c = mine(lay, r)
+    first, last = (mine_c.index(c) if c in mine_c else None for c in (0, n - 1))
+    lse = ptdp_ring_unsaved(M, lay, b, e)
+
+    def peak(held):
+        per = [sum(microbatch_bytes(M, held, b, e, c).values()) - sum(kinds(M, lay, c)) * lse for c in mine_c]
+
+        def batch(k):  # the storages behind the token ids (chunk 0) and targets (the last chunk), whole
+            whole = (B * (M.seq + 1), B * M.seq) if lay.cp == 1 else (lay.m * b * s, lay.m * b * s)
+            return sum(8 * (w - k[i] * b * s) for i, w in zip((first, last), whole) if i is not None)
+        return max(sum(map(int.__mul__, k, per)) + batch(k) for k in alive_patterns(lay.pp, lay.v, lay.m, r,
+                                                                                     lay.schedule))
+    return dict(p2p_bytes=axis["pp"], tp_bytes=axis["tp"], cp_bytes=axis["cp"], dp_bytes=dp_bytes,
+                world_bytes=16, act_peak=peak(replace(lay, outputs=False)),
+                held_peak=peak(replace(lay, outputs=True)), **state)
+
+def ptdp_ring_unsaved(M, lay, b, e):
+    """Per block and micro-batch, what ptdp.py's CP ring does not save of flash attention's set: the
+    log-sum-exp (its backward recomputes the ring)."""
+    return M.heads * max(e, 4) * b * (M.seq // lay.cp) // lay.tp * (lay.cp > 1)
+
+
 def on_the_wire(key, calls, handed, n):
     return handed * WIRE[key.split("/")[0]](n)
 

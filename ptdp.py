@@ -1,17 +1,23 @@
-"""ptdp.py: PTD-P, pipeline x tensor x data parallelism, with the interleaved 1F1B schedule.
+"""ptdp.py: PTD-P, pipeline x tensor x data parallelism with the interleaved 1F1B schedule, plus context
+parallelism and a sharded optimizer: the four axes Llama 3 405B trained on (Dubey et al. 2024, Sec. 3.3).
 
 Narayanan et al., "Efficient Large-Scale Language Model Training on GPU Clusters Using Megatron-LM" (SC 2021).
-Three ways to split one GPT, composed on one grid of ranks:
+Four ways to split one GPT, composed on one grid of ranks:
 
-    grid = torch.arange(world).view(pp, dp, tp)     e.g. pp 2 x dp 2 x tp 2 = 8 ranks:
-                    tp 0  tp 1
-      pp 0   dp 0 [   0     1  ]   chunks 0 and 2 (v = 2): embedding + blocks 0, 2; ...
-             dp 1 [   2     3  ]
-      pp 1   dp 0 [   4     5  ]   chunks 1 and 3: ... blocks 1, 3 + final norm + head + loss
-             dp 1 [   6     7  ]
-    a TP group is a row, grid[i, j, :]  adjacent ranks, one node: two all-reduces per layer and pass
-    a DP group is grid[i, :, k]         the same shard of the same chunks: one gradient all-reduce per batch
-    a pipeline is grid[:, j, k]         point-to-point activations forward, gradients backward
+    grid = torch.arange(world).view(pp, dp, cp, tp)     e.g. pp 2 x dp 1 x cp 2 x tp 2 = 8 ranks:
+                         tp 0  tp 1
+      pp 0  dp 0  cp 0 [   0     1  ]   chunks 0 and 2 (v = 2): embedding + blocks 0, 2; tokens of
+                  cp 1 [   2     3  ]     zig-zag chunks {0, 3} on cp 0, {1, 2} on cp 1
+      pp 1  dp 0  cp 0 [   4     5  ]   chunks 1 and 3: ... blocks 1, 3 + final norm + head + loss
+                  cp 1 [   6     7  ]
+    a TP group is a row, grid[i, j, c, :]  adjacent ranks, one node: two all-reduces per layer and pass
+    a CP group is grid[i, j, :, k]         one sequence's tokens: K/V round a ring, per layer and pass
+    a DP x CP group is grid[i, :, :, k]    the same shard of the same chunks: its gradients summed (ZeRO-1:
+                                           reduce-scattered, optimizer state sharded) once per batch
+    a pipeline is grid[:, j, c, k]         point-to-point activations forward, gradients backward
+Why this order (Megatron-Core's, tp-cp-dp-pp): TP sends the most, two all-reduces of every activation per
+layer that nothing overlaps, so it gets the fastest links; CP next, a K/V block per layer that can overlap the
+block's attention; DP once per batch; PP least, one activation per micro-batch and chunk: it may cross nodes.
 
 1. Tensor parallel (Megatron-LM, Shoeybi et al. 2019, Sec. 3), innermost, so a TP group sits inside a node
    where links are fastest (the PTD-P paper's Takeaway #1): q, k, v and the MLP's fc are split by output
@@ -19,7 +25,14 @@ Three ways to split one GPT, composed on one grid of ranks:
    features (row-parallel). f (identity forward, all-reduce backward) opens each split region and g
    (all-reduce forward, identity backward) closes it. LayerNorms, the row-parallel biases, the embedding and
    the head are replicated over the TP group (megatron_tp.py shows the vocab-parallel head).
-2. Pipeline parallel: the n_layers blocks are cut into p*v chunks of equal size. Rank i of a pipeline holds
+2. Context parallel (--cp; Liu et al. 2023, "Ring Attention"; Llama 3 Sec. 3.3.2): every sequence is cut into
+   2cp chunks and CP rank r holds chunks r and 2cp-1-r (zig-zag: an early and a late one, so under the causal
+   mask every rank does equal work) through the whole model: every tensor between layers is (b, T/cp, D), the
+   positions are the rank's own. Only attention looks across tokens: inside each TP rank's heads, K/V blocks
+   go round the CP group's ring, cp - 1 hops, each block's partial attention merged by its log-sum-exp; the
+   backward recomputes the ring and sends each dK/dV block back the way it came. A CP rank holds the same
+   weights as its DP peers; its loss covers its tokens, divided by the global token count as everywhere.
+3. Pipeline parallel: the n_layers blocks are cut into p*v chunks of equal size. Rank i of a pipeline holds
    the v non-contiguous chunks i, i+p, i+2p, ... (the paper's "virtual stages"), so a micro-batch visits
    every rank v times and the bubble shrinks v-fold: (p-1)/(v*m) of the ideal compute time. The schedule is
    Megatron's interleaved 1F1B: warm-up forwards, then one forward and one backward in turn, then the
@@ -34,26 +47,37 @@ Three ways to split one GPT, composed on one grid of ranks:
       rank 0  F0F0F1F1........B0B0B0B0F2F2B1B1B1B1F3F3B2B2B2B2....B3B3B3B3  idle 6 per 24 busy
       rank 1  ....F0F0B0B0B0B0F1F1B1B1B1B1F2F2B2B2B2B2F3F3B3B3B3B3........  = (p-1)/m = 1/4
    The price: (v*p-1)*m messages per direction instead of (p-1)*m, and more chunks in flight on early ranks.
-3. Data parallel outermost: each replica runs its pipelines on its slice of the global batch and, after the
-   flush, all-reduces the summed micro-batch gradients once per batch. Then the gradients are clipped by the
-   norm of the whole model: TP-split pieces are counted where they live, TP-replicated tensors once (TP rank
-   0), the pp ranks hold disjoint chunks, the dp replicas identical copies (counted on dp rank 0): one
-   all-reduce of two numbers over the world, which also sums the loss.
+   schedule() for r = 0, p = 2, v = 2, m = 4 (warm-up 4), chunk = global index l*p + r of local chunk l:
+        k                              0  1  2  3  4  5  6  7
+        forward chunk  (k%pv)//p*p+r   0  0  2  2  0  0  2  2
+        micro-batch    k//pv*p + k%p   0  1  0  1  2  3  2  3
+        backward chunk (v-1-l)*p+r     2  2  0  0  2  2  0  0     (l = k%pv//p, the forward's local chunk)
+        ops  F0 F1 f0 f1 | F2 b0 F3 b1 f2 B0 f3 B1 | b2 b3 B2 B3   (capitals chunk 0, lower case chunk 2)
+4. Data parallel: each replica runs its pipelines on its slice of the global batch; after the flush the
+   gradients are summed over the dp x cp ranks holding the same chunk shard, once per batch: all-reduced, or
+   with --zero 1 (ZeRO-1, Rajbhandari et al. 2020; Megatron's distributed optimizer) reduce-scattered, each
+   rank updating only its 1/(dp cp) of the flat parameters with its share of AdamW's state, then all-gathering
+   them. The gradients are clipped by the norm of the whole model, every piece counted once: TP-split pieces
+   where they live, TP-replicated ones on TP rank 0, the pp ranks' disjoint chunks, of the dp x cp copies one
+   (rank 0 of the group), or each shard where it lives: one all-reduce of two numbers over the world, which
+   also sums the loss.
 
 Messages: each activation and gradient is one tensor in a batch_isend_irecv, posted at the moment of the ideal
 timeline that comm_plan() gives it, so that no batch waits on a later one (NCCL deadlocks otherwise; the tests
 simulate it). Measured from outside, each beside its theory: every F and B, the bubble, chunks in flight and
-saved activations alive, messages and bytes sent, TP and DP collectives; an ASCII timeline.
+saved activations alive, messages and bytes sent, bytes per axis (tp, cp, pp, dp), model state and
+optimizer-state bytes per rank; an ASCII timeline.
 
-Run (2 processes at least: a pipeline of 2; --dp 0 = world / (pp * tp)):
+Run (--dp 0 = world / (pp * cp * tp); --pp 1 runs the other three axes, its "pipeline" one rank):
     torchrun --nproc_per_node=2 ptdp.py --pp 2 --virtual-stages 2 --dtype float64 --check
     torchrun --nproc_per_node=8 ptdp.py --pp 2 --tp 2 --dp 2 --virtual-stages 2 --dtype float64 --check
+    torchrun --nproc_per_node=8 ptdp.py --pp 2 --dp 2 --cp 2 --zero 1 --dtype float64 --check
     torchrun --nproc_per_node=4 ptdp.py --pp 4 --n-layers 8 --microbatches 8 --virtual-stages 2 \\
         --stage-ms 50 --steps 2
 The zero-bubble schedules (ZB-H1, ZB-V) are zero_bubble.py. In production, use Megatron-Core, or
 torch.distributed.pipelining (ScheduleInterleaved1F1B) with DTensor TP.
 """
-import collections, contextlib
+import collections, contextlib, math
 from dataclasses import dataclass
 
 import torch
@@ -66,14 +90,16 @@ from common import (build_gpt, count_tokens, DTYPES, fail, GPTConfig, init_dist,
                     MarkovData)
 from harness import (assemble_full, busy_ms, check_against_reference, check_common_args, CommCounter,
                      CommonArgs, draw_timeline, env_world_size, gather_rows, parse_args,
-                     peak_memory_bytes, PipelineWatch, Run, state_bytes, write_trace)
+                     peak_memory_bytes, PipelineWatch, Run, tensor_bytes, write_trace)
 
 
 @dataclass
 class Args(CommonArgs):
     pp: int = 2  # pipeline-parallel degree p (ranks per pipeline)
     tp: int = 1  # tensor-parallel degree t (innermost: adjacent ranks)
-    dp: int = 0  # data-parallel degree (0 = world / (pp * tp))
+    dp: int = 0  # data-parallel degree (0 = world / (pp * cp * tp))
+    cp: int = 1  # context-parallel degree: each sequence split over cp ranks (zig-zag), K/V round a ring
+    zero: int = 0  # 1: ZeRO-1, AdamW's state and update sharded over the dp x cp ranks of a chunk shard
     virtual_stages: int = 1  # v: model chunks per pipeline rank (1 = plain 1F1B)
     microbatches: int = 4  # m: micro-batches per replica and batch (a multiple of --pp when v > 1)
     trace: str = ""  # write the measured F/B events as a Chrome trace (JSON) to this path
@@ -115,6 +141,11 @@ class g(torch.autograd.Function):
         return grad, None
 
 
+def check_heads(heads, t):
+    if heads % t:
+        raise ValueError(f"{heads} heads do not split over t = {t}: use heads divisible by t")
+
+
 def tp_dim(name):
     """The dimension of GPT parameter `name` split over the TP group (None: replicated). Column-parallel
     weights (out, in) split dim 0, with their biases; row-parallel ones split dim 1, their bias is whole."""
@@ -130,11 +161,10 @@ class TPBlock(nn.Module):
         q, k, v, fc  (out, in) = [W_0; W_1; ..]  rows: rank k computes its heads / its 4D/t hidden features
         proj         (out, in) = [W_0 | W_1 ..]  columns: rank k's partial product; g sums, then the bias"""
 
-    def __init__(self, full, group):
+    def __init__(self, full, group, cp_group=None):
         super().__init__()
         t, r = dist.get_world_size(group), dist.get_rank(group)
-        if full.attn.n_heads % t:
-            raise ValueError(f"{full.attn.n_heads} heads do not split over t = {t}: use heads divisible by t")
+        check_heads(full.attn.n_heads, t)
         self.ln1, self.attn, self.ln2, self.mlp = full.ln1, full.attn, full.ln2, full.mlp
         for name, w in list(self.named_parameters()):
             if tp_dim(name) is not None:
@@ -143,38 +173,125 @@ class TPBlock(nn.Module):
                 shard.tp_split = True
                 setattr(self.get_submodule(owner), leaf, shard)
         self.group, self.heads = group, full.attn.n_heads // t
+        self.cp_group = cp_group if cp_group and dist.get_world_size(cp_group) > 1 else None
 
     def forward(self, x):  # (b, T, D) replicated on the TP group
         a, mlp, grp = self.attn, self.mlp, self.group
         h = f.apply(self.ln1(x), grp)
         q, k, v = (rearrange(F.linear(h, lin.weight), "b t (h e) -> b h t e", h=self.heads)
                    for lin in (a.q, a.k, a.v))  # (b, H/t, T, E) each: this rank's heads
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (b, H/t, T, E)
+        # CP: T is this rank's T/cp tokens, and the others' K/V come round the CP ring (this rank's heads)
+        y = RingAttention.apply(q, k, v, self.cp_group) if self.cp_group else F.scaled_dot_product_attention(
+            q, k, v, is_causal=True)  # (b, H/t, T, E)
         y = rearrange(y, "b h t e -> b t (h e)")  # (b, T, D/t)
         x = x + g.apply(F.linear(y, a.proj.weight), grp) + a.proj.bias  # bias after g: added once
         h = F.gelu(F.linear(f.apply(self.ln2(x), grp), mlp.fc.weight, mlp.fc.bias))  # (b, T, 4D/t) local
         return x + g.apply(F.linear(h, mlp.proj.weight), grp) + mlp.proj.bias  # (b, T, D) replicated
 
 
+# ------------------------------------------------------------------------- context parallel: the zig-zag ring
+def zigzag(x, cp, r, dim=1):
+    """(.., T, ..) whole sequences -> (.., T/cp, ..) CP rank r's tokens: chunks r and 2cp-1-r of 2cp, an early
+    one and a late one, so that under the causal mask every rank does the same work (Llama 3, Sec. 3.3.2)."""
+    if x.shape[dim] % (2 * cp):
+        raise ValueError(f"{x.shape[dim]} tokens do not cut into 2 x cp = {2 * cp} equal chunks: use a "
+                         f"sequence length divisible by {2 * cp}")
+    pieces = x.chunk(2 * cp, dim)
+    return torch.cat([pieces[r], pieces[2 * cp - 1 - r]], dim)
+
+
+class Pass(torch.autograd.Function):
+    """One step of the ring: x to rank r+1 of the group, rank r-1's in, paired in one batch_isend_irecv (NCCL
+    safe). Its adjoint runs the ring backwards: the gradient of what came from r-1 goes back to r-1."""
+
+    @staticmethod
+    def forward(ctx, x, group, step=1):  # x (2, b, H/t, T/cp, E): a block of keys and values
+        cp, r, got, ctx.group = dist.get_world_size(group), dist.get_rank(group), torch.empty_like(x), group
+        to, frm = (r + step) % cp, (r - step) % cp
+        for req in dist.batch_isend_irecv([dist.P2POp(dist.isend, x.contiguous(), group=group, group_peer=to),
+                                           dist.P2POp(dist.irecv, got, group=group, group_peer=frm)]):
+            req.wait()
+        return got
+
+    @staticmethod
+    def backward(ctx, grad):
+        return Pass.forward(ctx, grad, ctx.group, -1), None, None
+
+
+def attend(q, k, v, causal=False):
+    """Attention of q (b, h, tq, E) over one block k, v (b, h, tk, E): (output, log-sum-exp (b, h, tq, 1))."""
+    s = q @ k.transpose(-2, -1) * q.shape[-1] ** -0.5  # (b, h, tq, tk)
+    if causal:  # the diagonal block: my two chunks are in sequence order, so a causal mask over T/cp is right
+        s = s.masked_fill(torch.ones_like(s[0, 0], dtype=torch.bool).triu(1), float("-inf"))
+    lse = s.logsumexp(-1, keepdim=True)
+    return torch.exp(s - lse) @ v, lse
+
+
+def ring(q, k, v, group):
+    """CP rank r's queries (b, h, T/cp, E) over the whole sequence (Liu et al. 2023, "Ring Attention"): cp - 1
+    steps pass the K/V block on, each block's result merged by its log-sum-exp (online softmax). Zig-zag:
+    all my queries see src < r's early chunk (not its late one); only my late chunk sees src > r's two."""
+    cp, r, half = dist.get_world_size(group), dist.get_rank(group), q.shape[2] // 2
+    acc = torch.promote_types(q.dtype, torch.float32)  # softmax in float32 at least, as flash attention
+    q, kv = q.to(acc), torch.stack([k, v]).to(acc)  # kv (2, b, h, T/cp, E): the block that travels
+    out, lse = attend(q, kv[0], kv[1], causal=True)
+    for i in range(1, cp):
+        kv, early = Pass.apply(kv, group), (r - i) % cp < r  # now holding rank r-i's block
+        rows = slice(0 if early else half, None)
+        o, l = attend(q, *kv[:, :, :, :half]) if early else attend(q[:, :, half:], *kv)
+        new = torch.logaddexp(lse[:, :, rows], l)  # (b, h, rows, 1): the union's exp-sum
+        o = out[:, :, rows] * torch.exp(lse[:, :, rows] - new) + o * torch.exp(l - new)
+        out, lse = (o, new) if early else (torch.cat([out[:, :, :half], o], 2), torch.cat([lse[:, :, :half],
+                                                                                         new], 2))
+    return out
+
+
+class RingAttention(torch.autograd.Function):
+    """ring() saving only q, k, v (b, h, T/cp, E); backward runs it again under autograd and back through it
+    (K/V go round twice, each dK/dV block returns one hop per step): recomputation, exact."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, group):
+        cp = dist.get_world_size(group)
+        zigzag(torch.arange(cp * q.shape[2]), cp, 0, 0)  # its check, before anything is sent
+        ctx.save_for_backward(q, k, v)
+        ctx.group = group
+        return ring(q, k, v, group).to(q.dtype)
+
+    @staticmethod
+    def backward(ctx, dout):  # (b, h, T/cp, E)
+        q, k, v = (x.detach().requires_grad_() for x in ctx.saved_tensors)
+        with torch.enable_grad():
+            out = ring(q, k, v, ctx.group).to(q.dtype)
+        return *torch.autograd.grad(out, (q, k, v), dout), None
+
+
+def check_chunk(layers, c, n):
+    if layers % n or not 0 <= c < n:
+        raise ValueError(f"chunk {c} of {n}: need 0 <= c < n, n dividing the {layers} layers")
+
+
 class Chunk(nn.Module):
     """Model chunk c of n: blocks [c*L/n, (c+1)*L/n), plus the embedding on chunk 0 and ln_f + head on chunk
-    n-1. Parameter names are common.GPT's, so the chunks together name the whole GPT."""
+    n-1. Parameter names are common.GPT's, so the chunks together name the whole GPT. With a CP group of cp
+    ranks every tensor holds the rank's T/cp tokens (zigzag()), the position embedding their positions."""
 
-    def __init__(self, full, c, n, group):
+    def __init__(self, full, c, n, group, cp_group=None):
         super().__init__()
         per, self.first, self.last = full.cfg.n_layers // n, c == 0, c == n - 1
-        if full.cfg.n_layers % n or not 0 <= c < n:
-            raise ValueError(f"chunk {c} of {n}: need 0 <= c < n, n dividing the {full.cfg.n_layers} layers")
+        check_chunk(full.cfg.n_layers, c, n)
         if self.first:
             self.tok_emb, self.pos_emb = full.tok_emb, full.pos_emb
-        self.blocks = nn.ModuleDict({str(i): TPBlock(full.blocks[i], group)
+        self.blocks = nn.ModuleDict({str(i): TPBlock(full.blocks[i], group, cp_group)
                                      for i in range(c * per, (c + 1) * per)})
+        self.cp = (dist.get_world_size(cp_group), dist.get_rank(cp_group)) if cp_group else (1, 0)
         if self.last:
             self.ln_f, self.head = full.ln_f, full.head
 
-    def forward(self, h):  # chunk 0: (b, T) token ids; others: (b, T, D) from the chunk before
+    def forward(self, h):  # chunk 0: (b, T/cp) token ids; others: (b, T/cp, D) from the chunk before
         if self.first:
-            h = self.tok_emb(h) + self.pos_emb(torch.arange(h.shape[1], device=h.device))
+            pos = torch.arange(h.shape[1] * self.cp[0], device=h.device)  # (T,) -> this rank's (T/cp,)
+            h = self.tok_emb(h) + self.pos_emb(zigzag(pos, *self.cp, 0) if self.cp[0] > 1 else pos)
         for block in self.blocks.values():
             h = block(h)
         return self.head(self.ln_f(h)) if self.last else h  # last: logits (b, T, V)
@@ -182,22 +299,15 @@ class Chunk(nn.Module):
 
 # ------------------------------------------------------------------------- the schedules
 def warmup(p, v, m, r):
-    """Forwards pipeline rank r runs before its first backward. v = 1: plain 1F1B fills the p-r-1 ranks after
-    it. v > 1 (Megatron's interleaved schedule): (v-1)*p to get the first micro-batch group through the rank's
-    earlier chunks, plus 2 per rank downstream, so that neighbours alternate F and B in step."""
+    """Forwards rank r runs before its first backward. v = 1: 1F1B fills the p-r-1 ranks after it. v > 1:
+    (v-1)*p to get the first micro-batch group through its earlier chunks, + 2 per rank downstream."""
     return min(p - r - 1, m) if v == 1 else min(2 * (p - r - 1) + (v - 1) * p, v * m)
 
 
 def schedule(p, v, m, r):
-    """Interleaved 1F1B: rank r's ops in order, (kind, chunk, micro-batch), chunk = global index l*p + r of
-    local chunk l. The k-th forward runs micro-batch (k // pv)*p + k % p on local chunk (k % pv) // p: groups
-    of p micro-batches sweep the rank's chunks in order; backwards sweep them in reverse. For r = 0, p = 2,
-    v = 2, m = 4 (warm-up 4):
-        k                              0  1  2  3  4  5  6  7
-        forward chunk  (k%pv)//p*p+r   0  0  2  2  0  0  2  2
-        micro-batch    k//pv*p + k%p   0  1  0  1  2  3  2  3
-        backward chunk (v-1-l)*p+r     2  2  0  0  2  2  0  0     (l = k%pv//p, the forward's local chunk)
-        ops  F0 F1 f0 f1 | F2 b0 F3 b1 f2 B0 f3 B1 | b2 b3 B2 B3   (capitals chunk 0, lower case chunk 2)"""
+    """Interleaved 1F1B: rank r's ops in order, (kind, chunk, micro-batch). The k-th forward runs micro-batch
+    (k // pv)*p + k % p on local chunk (k % pv) // p: groups of p micro-batches sweep the rank's chunks in
+    order; backwards sweep them in reverse (the table in the docstring)."""
     def fwd(k):
         return ((k % (p * v)) // p) * p + r, (k // (p * v)) * p + k % p
 
@@ -215,8 +325,7 @@ def schedule(p, v, m, r):
 
 
 def needs(op, n):
-    """The message op (kind, c, k) waits for: F's input activation from chunk c-1, B's output gradient from
-    chunk c+1; None when it starts from tokens (chunk 0's F) or from its own loss (the last chunk's B)."""
+    """The message op (kind, c, k) waits for (from chunk c-1 for F, c+1 for B); None: tokens or its loss."""
     kind, c, _ = op
     return None if (kind, c) in (("F", 0), ("B", n - 1)) else op
 
@@ -250,12 +359,10 @@ def ideal_timeline(p, v, m):
 
 def comm_plan(p, v, m, r):
     """Rank r's steps for one batch: ("op", op) and ("p2p", sends, recvs) with [(peer pp rank, message)].
-    Each message travels at one moment G of the ideal timeline, between the end of the op that makes it and
-    the start of the op that uses it: the first such moment at which both ranks are between ops (else right
-    after it is made, when the sender is). Both post it in their batch of G, after their ops that start
-    before G and before those that start at or after it. So all ranks post their batches in order of G, a
-    batch's partners are batches of the same G, none can wait for a later one: no cycle (NCCL deadlocks on a
-    send whose receive is posted behind a wait on the sender). Both sides sort a batch's messages alike."""
+    Each message travels at one moment G of the ideal timeline, the first between its making and its use at
+    which both ranks are between ops (else right after it is made); both post it in their batch of G. So all
+    ranks post their batches in order of G and none waits for a later one: no cycle (NCCL deadlocks on a
+    send whose receive is posted behind a wait on the sender)."""
     at, n, items = ideal_timeline(p, v, m), p * v, collections.defaultdict(lambda: ([], []))
     spans = collections.defaultdict(list)  # pp rank -> (start, end) of its ops
     for q, start, end in at.values():
@@ -280,13 +387,11 @@ TAG = {"F": 0, "B": 1}  # a point-to-point tag per direction: activations 0, gra
 
 
 class PipelineRank:
-    """Rank r of the p in a pipeline's `group` (peers are ranks in it): runs comm_plan's steps over its
-    chunks for one batch of m micro-batches, to the flush; every message one tensor of msg_shape and dtype.
-        chunks   {global chunk index: module}: chunks r, r + p, ... of n = p * v (v = len(chunks)); chunk 0
-                 takes inputs[k], chunk n-1's output goes to loss_fn(output, targets[k]) (a scalar)
-        observe  a context manager around every F and B (observe(kind, mb, chunk=c)) and exchange
-                 (observe("p2p", None, recvs=[message, ...])), for the measurement to watch through
-    NCCL wants one collective in `group` before its first batch_isend_irecv: the caller runs it (see main)."""
+    """Rank r of the p in a pipeline's `group`: runs comm_plan's steps over its chunks {global index: module}
+    (r, r + p, ... of n = p * v) for one batch of m micro-batches, to the flush; every message one tensor of
+    msg_shape. Chunk 0 takes inputs[k], chunk n-1's output goes to loss_fn(output, targets[k]). `observe`: a
+    context manager around every F, B and exchange, for the measurement. NCCL wants one collective in `group`
+    before its first batch_isend_irecv: the caller runs it (see main)."""
 
     def __init__(self, chunks, group, m, msg_shape, dtype, device, observe=None):
         p, r, v = dist.get_world_size(group), dist.get_rank(group), len(chunks)
@@ -344,62 +449,103 @@ class PipelineRank:
             self.outbox["B", c - 1, k] = inp.grad  # (b, T, D) to chunk c-1, on the rank before
 
 
-# ------------------------------------------------------------------------- after the flush: DP, clipping
-def sum_gradients(params, group):
-    """Data parallel: every gradient summed over the replicas in one all-reduce (each replica's loss is
-    already divided by the global token count, so the sum is the full-batch gradient)."""
-    if dist.get_world_size(group) > 1:
-        flat = torch.cat([q.grad.reshape(-1) for q in params])  # (this rank's elements,)
-        dist.all_reduce(flat, group=group)
-        for q, part in zip(params, flat.split([q.numel() for q in params])):
-            q.grad.copy_(part.view_as(q))
+# ------------------------------------------------------------- after the flush: DP x CP, ZeRO-1, clipping
+def sum_gradients(params, group):  # one all-reduce: each rank's loss is already / the global token count
+    if dist.get_world_size(group) == 1:
+        return
+    flat = torch.cat([q.grad.reshape(-1) for q in params])  # (this rank's elements,)
+    dist.all_reduce(flat, group=group)
+    for q, part in zip(params, flat.split([q.numel() for q in params])):
+        q.grad.copy_(part.view_as(q))
 
 
-def squared_norm_piece(params, tp_rank):
-    """This rank's share of the whole model's squared gradient norm: its TP shards always, the tensors every
-    TP rank holds a copy of (LayerNorms, row-parallel biases, embedding, head) on TP rank 0 only. Summed in
-    float32 at least (float64 for a float64 model) by the norm's dtype=, not by a float64 copy of each one."""
-    acc = torch.promote_types(params[0].dtype, torch.float32)
-    norms = [torch.linalg.vector_norm(q.grad, dtype=acc) for q in params
-             if getattr(q, "tp_split", False) or tp_rank == 0]
-    return torch.stack(norms).square().sum().double()
+class ShardedOptimizer:
+    """ZeRO-1 (Rajbhandari et al. 2020; Megatron's distributed optimizer) over `group`, R ranks holding the
+    same parameters: rank i keeps a copy `shard` of shard i of their flat vector (padded to R shards of S)
+    and its optimizer, make_opt([shard]) (elementwise, as AdamW: exact)."""
+
+    def __init__(self, params, group, make_opt):
+        self.params, self.group, R = list(params), group, dist.get_world_size(group)
+        self.size = -(-sum(q.numel() for q in self.params) // R)  # S: elements per shard
+        i = dist.get_rank(group)
+        self.mine = slice(i * self.size, (i + 1) * self.size)
+        self.shard = nn.Parameter(self.flat([q.detach() for q in self.params])[self.mine].clone())
+        self.opt = make_opt([self.shard])
+
+    def flat(self, tensors):  # -> (R*S,): the tensors in order, zero-padded
+        flat = torch.cat([x.reshape(-1) for x in tensors])
+        return F.pad(flat, (0, self.size * dist.get_world_size(self.group) - flat.numel()))
+
+    def reduce_scatter(self):  # flat gradients (R*S,) -> shard.grad (S,): my shard of their sum
+        self.shard.grad = torch.empty_like(self.shard)
+        grads = self.flat([q.grad for q in self.params])  # (R*S,) this rank's gradients
+        dist.reduce_scatter_tensor(self.shard.grad, grads, group=self.group)  # -> (S,) my shard of the sum
+
+    def step(self):  # update my shard, all-gather the R shards (R*S,), every parameter written back
+        self.opt.step()
+        full = self.shard.new_empty(self.size * dist.get_world_size(self.group))  # (R*S,)
+        dist.all_gather_into_tensor(full, self.shard.detach(), group=self.group)
+        with torch.no_grad():
+            for q, part in zip(self.params, full.split([q.numel() for q in self.params])):
+                q.copy_(part.view_as(q))
 
 
-def finish_batch(params, loss, dp_group, tp_rank, dp_rank, max_norm, group):
-    """After the flush: 1. the DP sum of gradients; 2. the whole model's squared norm and the batch loss in
-    one all-reduce over `group`, all the model's ranks (main: the world), each piece counted once (a replica's
-    loss on TP rank 0, the norm on DP rank 0); 3. clip as torch does. Returns (loss, norm) as floats."""
-    sum_gradients(params, dp_group)
-    total = torch.stack([loss * (tp_rank == 0), squared_norm_piece(params, tp_rank) * (dp_rank == 0)])
-    dist.all_reduce(total, group=group)  # (2,): this rank's piece of the loss, of the squared norm -> sums
+def squared_norm(grads):
+    """Summed in float32 at least (float64 for a float64 model) by the norm's dtype=, not float64 copies."""
+    acc = torch.promote_types(grads[0].dtype, torch.float32)
+    return torch.stack([torch.linalg.vector_norm(x, dtype=acc) for x in grads]).square().sum().double()
+
+
+def finish_batch(params, loss, group, tp_rank, max_norm, world, zero=None):
+    """After the flush: 1. gradients summed over `group`, the dp x cp ranks holding the same parameters (a CP
+    rank's weights are its DP peers'): whole on each (all-reduce), or with ZeRO-1 each rank's shard; 2. the
+    squared norm and the loss in one all-reduce over `world`, each piece counted once (see the docstring);
+    3. clip as torch does. Returns (loss, norm) as floats."""
+    counted = [float(getattr(q, "tp_split", False) or tp_rank == 0) for q in params]
+    if zero is None:
+        sum_gradients(params, group)
+        grads = [q.grad for q in params]
+        sq = squared_norm([q.grad for q, c in zip(params, counted) if c]) * (dist.get_rank(group) == 0)
+    else:
+        zero.reduce_scatter()
+        grads = [zero.shard.grad]  # (S,): my shard of the summed gradient; the others' are theirs to count
+        weights = zero.flat([q.grad.new_full((q.numel(),), c) for q, c in zip(params, counted)])[zero.mine]
+        sq = squared_norm([zero.shard.grad * weights])
+    total = torch.stack([loss * (tp_rank == 0), sq])
+    dist.all_reduce(total, group=world)  # (2,): this rank's piece of the loss, of the squared norm -> sums
     norm = total[1].sqrt()
-    for q in params if max_norm > 0 else []:  # clip_grad_norm_'s rule, in each grad's dtype (0-dim ones too)
-        q.grad.mul_(torch.clamp(max_norm / (norm + 1e-6), max=1.0).to(q.grad.dtype))
+    for x in grads if max_norm > 0 else []:  # clip_grad_norm_'s rule, in each grad's dtype (0-dim ones too)
+        x.mul_(torch.clamp(max_norm / (norm + 1e-6), max=1.0).to(x.dtype))
     return total[0].item(), norm.item()
 
 
 # ------------------------------------------------------------------------- argument checks, main
 def check_args(args):
-    world, p, t, v, m = env_world_size(), args.pp, args.tp, args.virtual_stages, args.microbatches
+    world, p, t, cp = env_world_size(), args.pp, args.tp, args.cp
+    v, m = args.virtual_stages, args.microbatches
     check_common_args(args)
-    for name in ("pp", "tp", "virtual_stages", "microbatches"):
+    for name in ("pp", "tp", "cp", "virtual_stages", "microbatches"):
         if getattr(args, name) < 1:
             fail(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.dropout > 0:
         fail("ptdp.py runs without dropout (TP regions would need Megatron's RNG tracker: megatron_tp.py)")
-    if args.n_heads % t:
-        fail(f"--n-heads {args.n_heads} is not divisible by --tp {t}: each TP rank needs whole heads")
-    if p < 2:
-        fail("--pp must be >= 2: ptdp.py is a pipeline (tensor x data parallel alone: megatron_tp.py)")
-    dp = args.dp or world // (p * t)
-    if args.dp < 0 or dp < 1 or p * t * dp != world:
-        fail(f"world size {world} != pp {p} x tp {t} x dp {args.dp or '(world / pp / tp)'}: launch torchrun "
-             f"--nproc_per_node={p * t * max(args.dp, 1)} or change --pp / --tp / --dp")
-    if v > 1 and m % p:
-        fail(f"--microbatches {m} is not a multiple of --pp {p}, as the interleaved schedule (v = {v}) "
-             f"needs: use --microbatches {(m // p + 1) * p}")
-    if args.n_layers % (p * v):
-        fail(f"--n-layers {args.n_layers} is not divisible by pp x virtual stages = {p * v} chunks")
+    if args.zero not in (0, 1):
+        fail(f"--zero {args.zero}: ptdp.py shards the optimizer state (ZeRO-1) or nothing: use --zero 0 or 1")
+    dp = args.dp or world // (p * cp * t)
+    if args.dp < 0 or dp < 1 or p * cp * t * dp != world:
+        fail(f"world size {world} != pp {p} x tp {t} x dp {args.dp or '(world / pp / tp / cp)'} x cp {cp}: "
+             f"launch torchrun --nproc_per_node={p * cp * t * max(args.dp, 1)} or change --pp/--tp/--dp/--cp")
+    for flags, check, at in (  # validation once: the cores' own checks; fail's line names the flags first
+            (f"--n-heads {args.n_heads} is not divisible by --tp {t}", check_heads, (args.n_heads, t)),
+            (f"--microbatches {m} is not a multiple of --pp {p}", schedule, (p, v, m, 0)),
+            (f"--n-layers {args.n_layers} is not divisible by pp x virtual stages = {p * v}", check_chunk,
+             (args.n_layers, 0, p * v)),
+            (f"--seq-len {args.seq_len} is not divisible by 2 x cp = {2 * cp}", zigzag,
+             (torch.arange(args.seq_len), cp, 0, 0))):
+        try:
+            check(*at)
+        except ValueError as e:
+            fail(f"{flags}: {e}")
     if args.batch_size % (dp * m):
         fail(f"--batch-size {args.batch_size} is not divisible by dp x microbatches = {dp * m}")
     if args.stage_ms < 0:
@@ -410,64 +556,71 @@ def check_args(args):
 def main():
     args = parse_args(Args)
     world, dp = check_args(args)
-    p, t, v, m = args.pp, args.tp, args.virtual_stages, args.microbatches
+    p, t, cp, v, m = args.pp, args.tp, args.cp, args.virtual_stages, args.microbatches
 
     # --- setup (same in every file) ---
     d = init_dist(args.timeout)
     data = MarkovData(args.vocab, args.seed)
-    grid = torch.arange(world).view(p, dp, t)  # tp innermost: a TP group is adjacent ranks, one node
-    coords = pp_rank, dp_rank, tp_rank = [int(i) for i in (grid == d.rank).nonzero()[0]]
-    # every rank creates every group, in the same order (new_group is a collective over the world)
-    tp_groups = {(i, j): dist.new_group(grid[i, j, :].tolist()) for i in range(p) for j in range(dp)}
-    dp_groups = {(i, k): dist.new_group(grid[i, :, k].tolist()) for i in range(p) for k in range(t)}
-    pp_groups = {(j, k): dist.new_group(grid[:, j, k].tolist()) for j in range(dp) for k in range(t)}
-    tp_group, dp_group = tp_groups[pp_rank, dp_rank], dp_groups[pp_rank, tp_rank]
-    pp_group = pp_groups[dp_rank, tp_rank]  # its rank = pp_rank: new_group orders by global rank, as the grid
+    grid = torch.arange(world).view(p, dp, cp, t)  # tp innermost, then cp: see the docstring
+    coords = pp_rank, dp_rank, cp_rank, tp_rank = [int(i) for i in (grid == d.rank).nonzero()[0]]
+    groups = {}  # every rank creates every group, in the same order (new_group: a collective over the world)
+    for axis, dims in (("tp", [3]), ("cp", [2]), ("pp", [0]), ("dp", [1, 2])):  # dp x cp: the same parameters
+        rest = [a for a in range(4) if a not in dims]  # a group: the ranks that differ only along `dims`
+        for ranks in grid.permute(*rest, *dims).reshape(-1, math.prod(grid.shape[a] for a in dims)).tolist():
+            group = dist.new_group(ranks)  # its ranks in global order: a pipeline's group rank is its pp rank
+            groups[axis] = group if d.rank in ranks else groups.get(axis)
+    tp_group, cp_group, pp_group, grad_group = groups.values()
     b = args.batch_size // (dp * m)
-    d.log(f"ptdp.py: world {world} = pp {p} x dp {dp} x tp {t}, interleaved 1F1B, v = {v} chunks per rank, "
-          f"m = {m} micro-batches of {b} per replica, on {d.backend}; entropy floor {data.entropy:.4f} nats")
+    d.log(f"ptdp.py: world {world} = pp {p} x dp {dp} x cp {cp} x tp {t}, interleaved 1F1B, v = {v}, m = {m} "
+          f"micro-batches of {b} x {args.seq_len // cp} tokens, ZeRO-{args.zero}, on {d.backend}")
 
     # --- the model: the full GPT on CPU from one seed, then this rank's chunks, TP-sliced, to the device ---
     dtype = DTYPES[args.dtype]
     full = build_gpt(GPTConfig.from_args(args), args.seed, dtype)
     shapes = {n: list(q.shape) for n, q in full.named_parameters()}
     mine = list(range(pp_rank, p * v, p))  # chunk c on pp rank c % p: a loop
-    chunks = nn.ModuleDict({str(c): Chunk(full, c, p * v, tp_group) for c in mine}).to(d.device)
+    chunks = nn.ModuleDict({str(c): Chunk(full, c, p * v, tp_group, cp_group) for c in mine}).to(d.device)
     del full
-    opt = make_optimizer(chunks.parameters(), args)
-    run = Run(d, args, {"model": chunks, "optim": opt})
-    norms, params = run.history.get("norms", []), list(chunks.parameters())
+    params = list(chunks.parameters())
+    zero = ShardedOptimizer(params, grad_group, lambda ps: make_optimizer(ps, args)) if args.zero else None
+    opt = zero.opt if zero else make_optimizer(params, args)
+    shard = nn.ParameterList([zero.shard] if zero else [])  # ZeRO-1's copy of its shard, checkpointed too
+    run = Run(d, args, {"model": chunks, "optim": opt, "zero": shard})
+    norms = run.history.get("norms", [])
     watch = Watch(d, args, coords)  # times every F and B
-    comm = CommCounter(axes={"tp": tp_group, "dp": dp_group, "pp": pp_group}, log=True)
-    msg_shape = (b, args.seq_len, args.d_model)  # every activation and gradient between chunks
+    comm = CommCounter(axes={"tp": tp_group, "cp": cp_group, "dp": grad_group, "pp": pp_group}, log=True)
+    msg_shape = (b, args.seq_len // cp, args.d_model)  # every activation and gradient between chunks
     runner = PipelineRank({c: chunks[str(c)] for c in mine}, pp_group, m, msg_shape, dtype, d.device,
                           observe=watch)
     watch.runner = runner  # what it holds to B, for the counted peak
     # NCCL sets up a group's communicator at its first collective; batched point-to-point must not come first
-    dist.all_reduce(torch.zeros(1, device=d.device), group=pp_group)
+    for group in (pp_group, cp_group):
+        dist.all_reduce(torch.zeros(1, device=d.device), group=group)
+
+    def split(z):  # (B, T) global batch -> (m, b, T/cp): this replica's rows, this CP rank's tokens
+        z = z[dp_rank * b * m:(dp_rank + 1) * b * m]
+        return rearrange(zigzag(z, cp, cp_rank) if cp > 1 else z, "(m b) n -> m b n", m=m).to(d.device)
     for step in run.steps():
         x, y = data.batch(step, args.batch_size, args.seq_len, args.ragged)  # (B, T) global batch, CPU
         n_tok = count_tokens(y)  # the whole global batch's: every micro-batch loss divides by it
-        rows = slice(dp_rank * b * m, (dp_rank + 1) * b * m)  # this replica's rows
-        split = lambda z: rearrange(z[rows], "(m b) n -> m b n", m=m).to(d.device)  # noqa: E731  (m, b, T)
         watch.step = step
         # the first step's collectives and sends counted at the dispatcher (slower; the last step is timed)
         with run.watching(step, comm, at=run.start):
             loss = runner.run(split(x), split(y), lambda logits, tgt: lm_loss(logits, tgt, n_tok))
-            loss, norm = finish_batch(params, loss, dp_group, tp_rank, dp_rank, args.clip, dist.group.WORLD)
-        opt.step()
-        watch.held = max(watch.held, state_bytes(chunks, opt))  # parameters, gradients, AdamW state
+            loss, norm = finish_batch(params, loss, grad_group, tp_rank, args.clip, dist.group.WORLD, zero)
+            (zero or opt).step()
+        watch.state = held_bytes(chunks, opt, zero)  # parameters, gradients, optimizer state
+        chunks.zero_grad(set_to_none=True)
         opt.zero_grad(set_to_none=True)
         norms.append(norm)
         run.end_step(step, loss, norms=norms)
 
     figures, comm_bytes = report(d, args, dp, watch, comm)
-    figures.update(pp=p, tp=t, dp=dp, virtual_stages=v, microbatches=m, schedule="interleaved",
-                   grad_norms=norms)
-    peak = peak_memory_bytes(d, watch.held + watch.held_peak)  # counted; CUDA's own peak on a GPU
-    check = None
-    if args.check:
-        check = check_against_reference(d, args, run.losses, full_model(d, chunks, shapes, coords, t, dtype))
+    figures.update(pp=p, tp=t, dp=dp, cp=cp, zero=args.zero, virtual_stages=v, microbatches=m,
+                   schedule="interleaved", grad_norms=norms)
+    peak = peak_memory_bytes(d, sum(watch.state.values()) + watch.held_peak)  # counted; CUDA's own on a GPU
+    check = check_against_reference(d, args, run.losses, full_model(d, chunks, shapes, coords, t, dtype)) \
+        if args.check else None
     run.finish("ptdp", peak, comm_bytes, check, figures)
 
 
@@ -478,10 +631,10 @@ class Watch(PipelineWatch):
     F and B, and after each op the saved activations alive plus the outputs the runner holds to B."""
 
     def __init__(self, d, args, coords):
-        f_ms, (pp, dp, tp) = args.stage_ms / args.virtual_stages, coords
-        super().__init__(d, dict(F=f_ms, B=2 * f_ms), ("chunk", "step", "pp", "dp", "tp", "recv"),
-                         dict(pp=pp, dp=dp, tp=tp))
-        self.held, self.inflight = 0, [0, 0]  # state bytes (main sets it); in flight: now, peak
+        f_ms, (pp, dp, cp, tp) = args.stage_ms / args.virtual_stages, coords
+        super().__init__(d, dict(F=f_ms, B=2 * f_ms), ("chunk", "step", "pp", "dp", "cp", "tp", "recv"),
+                         dict(pp=pp, dp=dp, cp=cp, tp=tp))
+        self.state, self.inflight = {}, [0, 0]  # state bytes by kind (main sets it); in flight: now, peak
         self.runner, self.held_peak = None, 0  # + what the runner holds to B: outputs (the last: losses)
 
     def before(self, kind, mb):
@@ -495,6 +648,16 @@ class Watch(PipelineWatch):
         outs = {StorageWeakRef(o.untyped_storage()): o.untyped_storage().nbytes()
                 for _, o in self.runner.alive.values()} if self.runner else {}
         self.held_peak = max(self.held_peak, now + sum(n for w, n in outs.items() if w not in self.live.refs))
+
+
+def held_bytes(chunks, opt, zero):
+    """This rank's model state, counted from the tensors: parameters; gradients (ZeRO-1: + the reduced shard);
+    optimizer state: AdamW's moments (ZeRO-1: of the shard, + the shard's own copy of its parameters)."""
+    params = list(chunks.parameters())
+    moments = [x for st in opt.state.values() for x in st.values() if torch.is_tensor(x) and x.dim() > 0]
+    return dict(param_bytes=tensor_bytes(params), grad_bytes=tensor_bytes(
+        [q.grad for q in params] + ([zero.shard.grad] if zero else [])), optim_bytes=tensor_bytes(
+        moments + ([zero.shard] if zero else [])))
 
 
 def theory(p, v, m):
@@ -512,27 +675,29 @@ def inflight_bound(p, v, m, r):
 def report(d, args, dp, watch, comm):
     """All ranks: gather events and this rank's counts of the counted step, its sends told apart by their tag
     (one per way); tensors only. Rank 0: each figure beside its theory."""
-    p, v, m, ar = args.pp, args.virtual_stages, args.microbatches, comm.total
-    tags = [c["tag"] for c in comm.calls_log if c["op"] == "send"]
-    mine = dict(fwd_msgs=tags.count(TAG["F"]), bwd_msgs=tags.count(TAG["B"]), p2p_bytes=ar("send"),
+    p, v, m, ar, cp = args.pp, args.virtual_stages, args.microbatches, comm.total, args.cp
+    tags = [c["tag"] for c in comm.calls_log if c["op"] == "send" and c["axis"] == "pp"]
+    mine = dict(fwd_msgs=tags.count(TAG["F"]), bwd_msgs=tags.count(TAG["B"]), p2p_bytes=ar("send", "pp"),
                 tp_calls=ar("all_reduce", "tp", what="calls"), tp_fwd=ar("all_reduce", "tp", "fwd", "calls"),
-                tp_bwd=ar("all_reduce", "tp", "bwd", "calls"), dp_calls=ar("all_reduce", "dp", what="calls"),
-                tp_bytes=ar("all_reduce", "tp"), dp_bytes=ar("all_reduce", "dp"), world_bytes=ar("all_reduce",
-                "world"), comm_bytes=ar(), inflight=watch.inflight[1], act_peak=watch.live.peak,
-                act_per_microbatch=sum(watch.saved.values()))
+                tp_bwd=ar("all_reduce", "tp", "bwd", "calls"), dp_calls=ar(None, "dp", what="calls"),
+                tp_bytes=ar("all_reduce", "tp"), dp_bytes=ar(None, "dp"), cp_bytes=ar("send", "cp"),
+                cp_fwd_bytes=ar("send", "cp", "fwd"), cp_calls=ar("send", "cp", what="calls"),
+                world_bytes=ar("all_reduce", "world"), comm_bytes=ar(), inflight=watch.inflight[1],
+                act_peak=watch.live.peak, act_per_microbatch=sum(watch.saved.values()),
+                held_peak=watch.held_peak, **watch.state)
     events = watch.timeline.gather()
     rows = gather_rows(d, [[*watch.coords.values(), *mine.values()]])
-    per_rank = {tuple(int(x) for x in r[0, :3]): dict(zip(mine, (int(x) for x in r[0, 3:]))) for r in rows}
+    per_rank = {tuple(int(x) for x in r[0, :4]): dict(zip(mine, (int(x) for x in r[0, 4:]))) for r in rows}
     comm_bytes = max(c["comm_bytes"] for c in per_rank.values())  # bytes handed per step, the busiest rank
     if d.rank != 0 or not events:
         return {}, comm_bytes
     for e in events:
         e["recv"] = None if e["recv"] < 0 else e["recv"]  # -1: the op started from tokens, its loss or its B
-    last = [e for e in events if e["step"] == events[-1]["step"] and e["dp"] == 0 and e["tp"] == 0]
+    last = [e for e in events if e["step"] == events[-1]["step"] and e["dp"] == e["cp"] == e["tp"] == 0]
     lo, hi = min(e["start"] for e in last), max(e["end"] for e in last)
     bub = [(hi - lo - x) / x for x in (busy_ms(last, r, lo, hi, key="pp") for r in range(p))]
     bub_theory, bound, f_theory, b_theory = theory(p, v, m)
-    pipe = [per_rank[r, 0, 0] for r in range(p)]  # the pipeline of dp 0, tp 0
+    pipe = [per_rank[r, 0, 0, 0] for r in range(p)]  # the pipeline of dp 0, cp 0, tp 0
     f_msgs, b_msgs, sent, inflight = ([c[k] for c in pipe] for k in ("fwd_msgs", "bwd_msgs", "p2p_bytes",
                                                                       "inflight"))
     alive = [c["act_peak"] / max(c["act_per_microbatch"], 1) for c in pipe]
@@ -548,16 +713,16 @@ def report(d, args, dp, watch, comm):
               f"{alive[r]:5.2f} | {bound[r] / v:6.2f} | {f_msgs[r]:8d} | {f_theory[r]:6d} | {b_msgs[r]:8d} | "
               f"{b_theory[r]:6d} | {sent[r]}")
     mean, c0, tp_theory = sum(bub) / p, pipe[0], 4 * m * args.n_layers // p if args.tp > 1 else 0
-    formula, per_pipe = "(p-1)/(v*m)", "(v*p-1)*m"
+    formula, per_pipe, dp_theory = "(p-1)/(v*m)", "(v*p-1)*m", (1 + args.zero) * (dp * cp > 1)
     waits = ", ".join(f"{k} waits {x:g} ms" for k, x in watch.timeline.simulate.items())
     d.log(f"bubble mean {mean:.3f} vs theory {formula} = {bub_theory:.3f} ({mean - bub_theory:+.3f}); " +
           (f"--stage-ms {args.stage_ms:g}: compute simulated, a chunk's {waits}" if args.stage_ms else
            "real compute only: on shared cores this times the OS scheduler; try --stage-ms"))
     d.log(f"forward messages per batch and pipeline {sum(f_msgs)} = {per_pipe} = {sum(f_theory)}, each "
-          f"{sent[0] // (f_msgs[0] + b_msgs[0])} B = (b, T, D); rank 0 collectives per batch: TP all-reduces "
-          f"{c0['tp_calls']} ({c0['tp_fwd']} forward, {c0['tp_bwd']} backward), theory {tp_theory} (g twice "
-          f"forward, f twice backward, per layer and micro-batch); DP all-reduces {c0['dp_calls']}, theory "
-          f"{int(dp > 1)}")
+          f"{sent[0] // max(f_msgs[0] + b_msgs[0], 1)} B = (b, T/cp, D); rank 0 collectives per batch: TP "
+          f"all-reduces {c0['tp_calls']} ({c0['tp_fwd']} forward, {c0['tp_bwd']} backward), theory "
+          f"{tp_theory} (g twice forward, f twice backward, per layer and micro-batch); DP x CP collectives "
+          f"{c0['dp_calls']}, theory {dp_theory}")
     label = lambda e: (e["kind"] if e["chunk"] < p else e["kind"].lower()) + str(e["mb"])  # noqa: E731
     d.log("\ntimeline of the last step, measured (Fk Bk: chunk < p, fk bk: the later chunks):\n" +
           draw_timeline(last, p, lo, hi, label, row_key="pp", row_name="rank"))
@@ -571,18 +736,19 @@ def report(d, args, dp, watch, comm):
                 fwd_msgs_per_pipeline_theory=sum(f_theory), p2p_bytes_per_rank=sent, inflight=inflight,
                 inflight_theory=bound, microbatches_alive=alive, tp_calls_per_batch=c0["tp_calls"],
                 microbatches_alive_theory=[x / v for x in bound], tp_calls_theory=tp_theory,
-                dp_calls_per_batch=c0["dp_calls"], dp_calls_theory=int(dp > 1),
-                counts_per_rank={f"pp{a} dp{b} tp{c}": x for (a, b, c), x in per_rank.items()}), comm_bytes
+                dp_calls_per_batch=c0["dp_calls"], dp_calls_theory=dp_theory,
+                counts_per_rank={f"pp{a} dp{b}{f' cp{c}' * (cp > 1)} tp{k}": x for (a, b, c, k), x
+                                 in per_rank.items()}), comm_bytes
 
 
 # --- reference for --check ---
 def full_model(d, chunks, shapes, coords, t, dtype):
     """The whole GPT by name on every rank (for --check), exactly: TP shard k of `name` travels as `name#k`,
     a replicated tensor once (from TP rank 0), all from DP rank 0; harness.assemble_full adds them up."""
-    _, dp_rank, tp_rank = coords
+    _, dp_rank, cp_rank, tp_rank = coords
     owned, pieces = {}, {}
     for n, q in chunks.named_parameters():
-        if dp_rank == 0 and (getattr(q, "tp_split", False) or tp_rank == 0):
+        if dp_rank == cp_rank == 0 and (getattr(q, "tp_split", False) or tp_rank == 0):
             owned[n.split(".", 1)[1] + (f"#{tp_rank}" if tp_dim(n) is not None else "")] = q  # "3.blocks.."
     for n, shape in shapes.items():
         k = tp_dim(n)

@@ -1,11 +1,9 @@
 """Break ptdp.py on purpose, or apply its core to another model, under torchrun:
 
     torchrun --nproc_per_node=4 tests/ptdp_checks.py BREAK [ptdp.py flags]
-    torchrun --nproc_per_node=4 tests/ptdp_checks.py copy-out OUT.json [ptdp.py flags]
+    torchrun --nproc_per_node=4 tests/ptdp_checks.py [copy-out OUT.json] runs RUNS.json OUTDIR
 
-BREAK is one of
-    norm-counts-replicas  every TP rank adds its copy of the replicated tensors to the clipping norm (t times)
-    no-dp-all-reduce      the data-parallel gradient all-reduce after the flush is skipped
+BREAK is a mutant name of MUTANTS (below): ptdp.py's text with one line changed, run once.
 copy-out first calls each core of ptdp.py's technique section, loaded alone as a copier takes it
 (section.load("ptdp.py"): torch and einops only), with each input it cannot run, under harness.CommCounter:
 a ValueError and nothing sent. Then it trains a model that is not the GPT (nested modules, parameters on the
@@ -13,22 +11,31 @@ root module, one 0-dim, odd sizes, a squared-error loss) with the section's piec
 MLP, PipelineRank and its comm_plan, finish_batch's clipping by the whole model's norm), pp 2 x tp 2, v = 2,
 on a layout unlike main's grid: TP groups {0, 1} and {2, 3}, pipelines {0, 3} and {1, 2} (so a pipeline's
 ranks are not 0..p-1 and its two stages' TP ranks differ), against plain one-process training written here
-(torch's clip_grad_norm_); it writes the errors to OUT.json and then runs ptdp.py's own main (the same
-processes, so the check costs no launch).
+(torch's clip_grad_norm_). Then the four-axis pieces (issue 41): TPBlock with its zig-zag ring attention and
+ShardedOptimizer (ZeRO-1) on a foreign attention model (continuous inputs, width 6, 2 heads of 3, MLP width
+10, a 0-dim parameter, squared error), tp 2 x cp 2 on groups unlike main's: TP {0, 2} and {1, 3}, CP {0, 1}
+and {2, 3} (cp innermost), optimizer state sharded over the CP group, against one-process AdamW with torch's
+clip_grad_norm_; and the same with the optimizer shard updated from its neighbour's slice (must fail).
+It writes the errors to OUT.json.
+runs: ptdp.py's own main() once per entry of RUNS.json ({"name", "argv", "mutant"}), in these processes
+and this process group, each writing OUTDIR/NAME.json (a launch costs no new processes per run).
 """
 import json
 import sys
+import types
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from einops import rearrange
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import ptdp  # noqa: E402  (its main, run after the copy-out check)
 import section  # noqa: E402
+import harness  # noqa: E402
 from common import build_gpt, GPTConfig, init_dist  # noqa: E402
 from harness import CommCounter  # noqa: E402
 
@@ -157,8 +164,8 @@ def refusals(pp_group, tp_group, alone, pp_rank):
     out, mutants = {}, {}
     for case, call in cases.items():
         out[case] = section.attempt(call)  # (error, collectives counted)
-    for case, text in (("TPBlock, 3 heads over t 2", "if full.attn.n_heads % t:"),
-                       ("Chunk, 2 layers in 4 chunks", "if full.cfg.n_layers % n or not 0 <= c < n:")):
+    for case, text in (("TPBlock, 3 heads over t 2", "if heads % t:"),
+                       ("Chunk, 2 layers in 4 chunks", "if layers % n or not 0 <= c < n:")):
         mutant = section.load("ptdp.py", (section.ROOT / "ptdp.py").read_text().replace(text, "if False:"))
         try:  # the negative: without its check the core takes the bad size silently (no error at all)
             (mutant["TPBlock"](tiny.blocks[0], tp_group) if "TPBlock" in case else mutant["Chunk"](tiny, 0, 4,
@@ -182,6 +189,7 @@ def copy_out(out_path):
     dist.all_reduce(torch.zeros(1, device=d.device), group=pp_group)
     alone = [dist.new_group([r]) for r in range(4)][d.rank]  # no data parallelism: each rank its own replica
     bad, mutants = refusals(pp_group, tp_group, alone, pp_rank)
+    four_axes = cp_copy_out(d)
     net, ref_losses, ref_norms, ref_grads0 = reference()
     errors, counted = {}, {}
     real_f = vars(core["f"])["backward"]  # the staticmethod itself
@@ -198,7 +206,7 @@ def copy_out(out_path):
             x, y = batch(step)
             with CommCounter(axes={"pp": pp_group, "tp": tp_group}) as comm:
                 loss = runner.run(list(x.view(M, -1, IN)), list(y.view(M, -1, OUT)), loss_of)
-                loss, _ = core["finish_batch"](params, loss, alone, tp_rank, 0, CLIP, dist.group.WORLD)  # clipped
+                loss, _ = core["finish_batch"](params, loss, alone, tp_rank, CLIP, dist.group.WORLD)  # clipped
             counted = counted or dict(comm.calls)  # the positive control: the counter sees this code's traffic
             losses.append(loss)
             if step == 0:  # every local gradient against the same slice of the one-process gradient
@@ -224,8 +232,131 @@ def copy_out(out_path):
         Path(out_path).write_text(json.dumps(dict(
             errors, reference_losses=ref_losses, reference_norms=ref_norms, clip=CLIP, refusals=bad, mutants=mutants,
             refused_on_every_rank={case: all(r[4 + i] == 1 for r in rows) for i, case in enumerate(bad)},
-            counted_step=counted, layout=[dict(pp=r[0], tp=r[1], pipeline=r[2:4]) for r in rows])))  # by rank
+            four_axes=four_axes, counted_step=counted, layout=[dict(pp=r[0], tp=r[1], pipeline=r[2:4]) for r in rows])))  # by rank
     return d
+
+
+# ----------------------------------------------------------------------------- four axes: CP in TP, ZeRO-1
+H4, T4, B4, HID4, LR4, CLIP4 = 2, 8, 3, 10, 0.05, 0.5  # 2 heads of 3 over tp 2, 8 tokens over cp 2 (4 each)
+
+
+class Attn(nn.Module):  # the attribute names TPBlock reads (common.Block's), in a model that is not the GPT
+    def __init__(self):
+        super().__init__()
+        self.q, self.k, self.v = (nn.Linear(D, D, bias=False) for _ in range(3))
+        self.proj, self.n_heads = nn.Linear(D, D), H4
+
+
+class Mlp(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc, self.proj = nn.Linear(D, HID4), nn.Linear(HID4, D)
+
+
+class AttnBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.ln1, self.attn, self.ln2, self.mlp = nn.LayerNorm(D), Attn(), nn.LayerNorm(D), Mlp()
+
+    def forward(self, x):  # (b, T, D), the whole sequence: the one-process reference
+        a = self.attn
+        q, k, v = (rearrange(lin(self.ln1(x)), "b t (h e) -> b h t e", h=H4) for lin in (a.q, a.k, a.v))
+        x = x + a.proj(rearrange(F.scaled_dot_product_attention(q, k, v, is_causal=True), "b h t e -> b t (h e)"))
+        return x + self.mlp.proj(F.gelu(self.mlp.fc(self.ln2(x))))
+
+
+class SeqNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inp, self.out = nn.Linear(IN, D), nn.Linear(D, OUT)
+        self.blocks = nn.ModuleList(AttnBlock() for _ in range(2))
+        self.temp = nn.Parameter(torch.tensor(1.5))  # 0-dim
+
+    def forward(self, x):  # (b, T, IN) -> (b, T, OUT)
+        h = self.inp(x)
+        for block in self.blocks:
+            h = block(h)
+        return self.out(h) * self.temp
+
+
+def seq_batch(step):
+    g = torch.Generator().manual_seed(200 + step)
+    x = torch.randn(B4, T4, IN, generator=g, dtype=torch.float64)
+    return x, torch.sin(x[..., :OUT] * 3).cumsum(1) / 4  # targets that need the tokens before
+
+
+def seq_loss(out, y):  # summed over this rank's elements / the whole batch's count: the ranks' losses add up
+    return ((out - y) ** 2).sum() / (B4 * T4 * OUT)
+
+
+def cp_copy_out(d):
+    """TPBlock (its ring attention) + ShardedOptimizer + finish_batch from the section alone, tp 2 x cp 2 on
+    TP groups {0, 2}, {1, 3} and CP groups {0, 1}, {2, 3}, against one-process AdamW + clip_grad_norm_."""
+    tp_groups = [dist.new_group(r) for r in ([0, 2], [1, 3])]
+    cp_groups = [dist.new_group(r) for r in ([0, 1], [2, 3])]
+    tp_group, cp_group = tp_groups[d.rank % 2], cp_groups[d.rank // 2]
+    tp_rank, cp_rank, t, cp = dist.get_rank(tp_group), dist.get_rank(cp_group), 2, 2
+    for group in (cp_group,):  # NCCL: a collective before the first point-to-point
+        dist.all_reduce(torch.zeros(1, device=d.device), group=group)
+    torch.manual_seed(1)
+    ref = SeqNet().double()
+    ref_state = {n: q.detach().clone() for n, q in ref.named_parameters()}
+    opt, ref_losses = torch.optim.AdamW(ref.parameters(), lr=LR4, foreach=False), []
+    for step in range(STEPS):
+        x, y = seq_batch(step)
+        loss = seq_loss(ref(x), y)
+        opt.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), CLIP4)
+        opt.step()
+        ref_losses.append(loss.item())
+    out = {}
+    for name, mod in (("zero-1", core), ("zero-1, shard from the wrong slice", section.load("ptdp.py", TEXT.replace(
+            *MUTANTS["shard-wrong-slice"])))):
+        torch.manual_seed(1)
+        net = SeqNet().double()
+        net.load_state_dict(ref_state)
+        blocks = [mod["TPBlock"](b, tp_group, cp_group) for b in net.blocks]
+        params = [*net.inp.parameters(), *(q for b in blocks for q in b.parameters()), *net.out.parameters(),
+                  net.temp]
+        zero = mod["ShardedOptimizer"](params, cp_group, lambda ps: torch.optim.AdamW(ps, lr=LR4, foreach=False))
+        losses = []
+        for step in range(STEPS):
+            x, y = (mod["zigzag"](z, cp, cp_rank) for z in seq_batch(step))  # (b, T/cp, ..) my tokens
+            with CommCounter(axes={"tp": tp_group, "cp": cp_group}) as comm:
+                h = net.inp(x)
+                for b in blocks:
+                    h = b(h)
+                loss = seq_loss(net.out(h) * net.temp, y)
+                loss.backward()
+                loss, _ = mod["finish_batch"](params, loss.detach(), cp_group, tp_rank, CLIP4, dist.group.WORLD,
+                                              zero)
+                zero.step()
+            for q in params:
+                q.grad = None
+            losses.append(loss)
+        err = max(_block_diff(n, q, ref, i, tp_rank, t) for i, b in enumerate(blocks) for n, q in b.named_parameters())
+        err = max([err] + [(q - ref.get_parameter(n)).abs().max().item() for n, q in net.named_parameters()
+                           if not n.startswith("blocks")])
+        e = torch.tensor([err, max(abs(a - b) for a, b in zip(losses, ref_losses))], dtype=torch.float64)
+        dist.all_reduce(e, op=dist.ReduceOp.MAX)
+        out[name] = dict(max_param_diff=e[0].item(), max_loss_diff=e[1].item(), losses=losses,
+                         counted=dict(comm.calls))
+    out["reference_losses"] = ref_losses
+    tiny = AttnBlock().double()
+    tiny.attn.n_heads = 3  # 3 heads of 2 over tp 2
+    cases = {"TPBlock, 3 heads over t 2": lambda: core["TPBlock"](tiny, tp_group, cp_group),
+             "zigzag, 6 tokens over cp 2": lambda: core["zigzag"](torch.zeros(B4, 6, IN), cp, cp_rank),
+             "RingAttention, 3 tokens per rank": lambda: core["RingAttention"].apply(
+                 *torch.zeros(3, B4, 1, 3, 3, dtype=torch.float64), cp_group)}
+    out["refusals"] = {case: section.attempt(call) for case, call in cases.items()}
+    return out
+
+
+def _block_diff(name, q, ref, i, tp_rank, t):
+    want = ref.get_parameter(f"blocks.{i}.{name}")
+    k = core["tp_dim"](name)
+    return (q - (want if k is None else want.chunk(t, k)[tp_rank])).abs().max().item()
 
 
 def diff(name, mine, ref, c, tp_rank, t):
@@ -249,14 +380,64 @@ def diff(name, mine, ref, c, tp_rank, t):
     return (mine - want).abs().max().item()
 
 
-BREAK = sys.argv.pop(1)
-if BREAK == "copy-out":
-    d = copy_out(sys.argv.pop(1))
-    ptdp.init_dist = lambda timeout: d  # ptdp.main runs in the same processes and process group
-elif BREAK == "norm-counts-replicas":
-    ptdp.squared_norm_piece = lambda params, tp_rank: sum((q.grad.double() ** 2).sum() for q in params)
-elif BREAK == "no-dp-all-reduce":
-    ptdp.sum_gradients = lambda params, group: None
-else:
-    sys.exit(f"unknown break {BREAK!r}")
-ptdp.main()
+TEXT = (section.ROOT / "ptdp.py").read_text()
+MUTANTS = {  # name: (a line of ptdp.py, what the mutant has instead)
+    "norm-counts-replicas": ('counted = [float(getattr(q, "tp_split", False) or tp_rank == 0) for q in params]',
+                             'counted = [1.0 for q in params]'),  # every TP rank adds its replicated copies
+    "no-dp-all-reduce": ("    if dist.get_world_size(group) == 1:\n        return\n",
+                         "    if True:\n        return\n"),  # the gradients never summed over dp x cp
+    "kv-to-tp-peer": ("y = RingAttention.apply(q, k, v, self.cp_group)",  # K/V round the wrong ring: the TP
+                      "y = RingAttention.apply(q, k, v, self.group)"),  # peer's (its other heads, my tokens)
+    "grads-over-dp-not-cp": ('("dp", [1, 2])', '("dp", [1])'),  # the gradient group: dp alone
+    "shard-wrong-slice": ("        i = dist.get_rank(group)\n",  # ZeRO-1: my shard's state and update taken
+                          "        i = (dist.get_rank(group) + 1) % R\n"),  # from the next rank's slice
+}
+
+
+def mutated(name):
+    """ptdp.py as a fresh module, with mutant `name` (None: as it is)."""
+    text = TEXT
+    if name:
+        old, new = MUTANTS[name]
+        assert text.count(old) == 1, name
+        text = text.replace(old, new)
+    mod = types.ModuleType(f"ptdp_{(name or 'run').replace('-', '_')}")
+    sys.modules[mod.__name__] = mod
+    exec(compile(text, str(section.ROOT / "ptdp.py"), "exec"), mod.__dict__)
+    return mod
+
+
+class Finished(Exception):
+    pass
+
+
+def runs(d, spec, outdir):
+    def no_exit(ok=True):  # Run.finish ends a run through harness.close_dist: here the next run follows
+        raise Finished(ok)
+    real_close, harness.close_dist = harness.close_dist, no_exit
+    for run in json.loads(Path(spec).read_text()):
+        mod = mutated(run.get("mutant"))
+        mod.init_dist = lambda timeout=None: d
+        sys.argv = [str(section.ROOT / "ptdp.py"), *run["argv"], "--json", str(Path(outdir) / f"{run['name']}.json")]
+        try:
+            mod.main()
+        except Finished:
+            pass
+        dist.barrier()
+        d.log(f"run {run['name']} done")
+    harness.close_dist = real_close
+
+
+if __name__ == "__main__":
+    args = sys.argv[1:]
+    if args[0] in MUTANTS:
+        sys.argv.pop(1)
+        mutated(args[0]).main()
+    d = None
+    if args[0] == "copy-out":
+        d = copy_out(args[1])
+        args = args[2:]
+    if args and args[0] == "runs":
+        d = d or init_dist()
+        runs(d, args[1], args[2])
+    harness.close_dist()

@@ -1,16 +1,18 @@
-"""ptdp.py: pipeline x tensor x data parallel with the interleaved 1F1B schedule (ZB-V: test_zero_bubble.py).
+"""ptdp.py: pipeline x tensor x context x data parallel, interleaved 1F1B, ZeRO-1 (ZB-V: test_zero_bubble.py).
 
 Parity with the one-process reference (float64, 1e-9) at (pp, tp, dp) = (2, 1, 1) v 1 and v 2, (2, 2, 1) v 2,
-(2, 1, 2) v 2 ragged, (2, 2, 2) v 2 ragged with a small --clip, and at pp 4, m 8, v 1 and v 2 with --stage-ms;
-the executed schedule (measured events) obeys the pipeline's rules and is the schedule's order; the
-schedules' ideal timelines have the paper's bubble and message counts, they equal torch's
-ScheduleInterleaved1F1B order, and their communication plans cannot deadlock under NCCL's semantics
-(simulated); the pieces, copied out (the technique section alone) onto another model and a layout unlike
-main's grid, train it as one process does, and each core refuses what it cannot run before sending anything;
-clipping clips and
-counts replicated tensors once; a dropped DP all-reduce fails --check; a restarted run continues to
-bit-identical losses; bad input exits 2 on every rank. Launches: 10 torchrun (one restarts once, one also runs
-the copy-out check), 8 plain python."""
+(2, 1, 2) v 2 ragged, (2, 2, 2) v 2 ragged with a small --clip, at pp 4, m 8, v 1 and v 2 with --stage-ms, and
+on four axes (issue 41): cp 2 x tp 2 (pp 1), pp 2 x cp 2 ragged, pp 2 x cp 2 x tp 2 v 2, pp 2 x dp 2 x cp 2
+with ZeRO-1 and --clip, dp 2 x cp 2 x tp 2 with ZeRO-1 (pp 1); the executed schedule (measured events) obeys
+the pipeline's rules and is the schedule's order; messages, the CP ring's sends and the DP x CP collectives
+counted at the dispatcher equal the theory on every rank; the schedules' ideal timelines have the paper's
+bubble and message counts, they equal torch's ScheduleInterleaved1F1B order, and their communication plans
+cannot deadlock under NCCL's semantics (simulated); the pieces, copied out (the technique section alone) onto
+other models and layouts unlike main's grid, train them as one process does, and each core refuses what it
+cannot run before sending anything; clipping clips and counts replicated tensors once; five mutants fail
+--check; a restarted run continues to bit-identical losses; bad input exits 2 on every rank. Launches: 4 of
+tests/ptdp_checks.py (worlds 2, 4, 4, 8; ptdp's main once per run inside, 19 runs; one also runs the copy-out
+checks), 1 torchrun that restarts once, 8 plain python."""
 import collections
 import json
 import sys
@@ -31,37 +33,66 @@ from common import reference_train  # noqa: E402
 
 CFG = [*TINY, "--n-layers", "4", "--batch-size", "16"]  # 4 blocks = 2 pp x 2 chunks; 16 = dp 2 x m 4 x 2
 P4 = [*TINY, "--n-layers", "8", "--batch-size", "16", "--steps", "3", "--pp", "4", "--microbatches", "8"]
-LAYOUTS = {  # name: (nproc, flags)
+LAYOUTS = {  # name: (nproc, flags); each world's layouts run in one launch (tests/ptdp_checks.py runs)
     "pp2 v1": (2, ["--pp", "2"]),
     "pp2 v2": (2, ["--pp", "2", "--virtual-stages", "2"]),
-    "pp2 tp2 v2": (4, ["--pp", "2", "--tp", "2", "--virtual-stages", "2"]),  # through the copy-out check
+    "pp2 tp2 v2": (4, ["--pp", "2", "--tp", "2", "--virtual-stages", "2"]),  # the launch with the copy-out check
     "pp2 dp2 v2 ragged": (4, ["--pp", "2", "--dp", "2", "--virtual-stages", "2", "--ragged"]),
+    "cp2 tp2": (4, ["--pp", "1", "--cp", "2", "--tp", "2"]),  # issue 41: the world-4 cases
+    "pp2 cp2": (4, ["--pp", "2", "--cp", "2", "--ragged"]),
     "pp2 tp2 dp2 v2 ragged clip": (8, ["--pp", "2", "--tp", "2", "--dp", "2", "--virtual-stages", "2", "--ragged",
                                        "--clip", "0.05", "--steps", "3"]),
+    "pp2 cp2 tp2 v2": (8, ["--pp", "2", "--cp", "2", "--tp", "2", "--virtual-stages", "2"]),  # issue 41, world 8
+    "pp2 dp2 cp2 zero1 clip": (8, ["--pp", "2", "--dp", "2", "--cp", "2", "--zero", "1", "--clip", "0.05"]),
+    "dp2 cp2 tp2": (8, ["--pp", "1", "--dp", "2", "--cp", "2", "--tp", "2", "--zero", "1"]),
+}
+MUTANT_RUNS = {  # name: (nproc, flags, the mutant of tests/ptdp_checks.py's MUTANTS): each must fail --check
+    "norm-counts-replicas": (4, ["--pp", "2", "--tp", "2", "--clip", "0.05", "--steps", "3"]),
+    "no-dp-all-reduce": (4, ["--pp", "2", "--dp", "2", "--virtual-stages", "2"]),
+    "kv-to-tp-peer": (4, ["--pp", "1", "--cp", "2", "--tp", "2"]),
+    "grads-over-dp-not-cp": (4, ["--pp", "1", "--dp", "2", "--cp", "2"]),  # world 4: half a world-8 run's work
+    "shard-wrong-slice": (4, ["--pp", "1", "--dp", "2", "--cp", "2", "--zero", "1"]),
 }
 STAGE_MS = {f"stage-ms {s}": (4, [*P4, *flags, "--stage-ms", "50"]) for s, flags in [
     ("v1", []), ("v2", ["--virtual-stages", "2"])]}
+RUNS = {**{k: (n, [*CFG, *f, "--check"]) for k, (n, f) in LAYOUTS.items()},
+        **{k: (n, [*CFG, "--steps", "2", *f, "--check"]) for k, (n, f) in MUTANT_RUNS.items()},
+        **{k: (n, [*f, "--check"]) for k, (n, f) in STAGE_MS.items()}}
+LAUNCHES = [[k for k in RUNS if RUNS[k][0] == 2], [k for k in RUNS if RUNS[k][0] == 4 and k not in STAGE_MS],
+            list(STAGE_MS), [k for k in RUNS if RUNS[k][0] == 8]]
+
+
+_RUNS = {}  # name -> its results, for the session: tests/test_plan_4d.py reads the world-8 runs too
+
+
+def shared_launch(tmp_path_factory):
+    """Each world's runs in one launch of tests/ptdp_checks.py (ptdp.py's main once per run, in the same
+    processes), with --check and --trace; tests share the runs. The world-4 launch first checks the
+    copied-out pieces. Returns (summary, output of the launch, trace, copy-out results or None)."""
+    runs = _RUNS
+
+    def get(name):
+        if name not in runs:
+            names = next(group for group in LAUNCHES if name in group)
+            tmp = tmp_path_factory.mktemp("ptdp")
+            spec = [dict(name=k, argv=[*map(str, RUNS[k][1]), "--trace", str(tmp / f"{k}.trace.json")],
+                         mutant=k if k in MUTANT_RUNS else None) for k in names]
+            (tmp / "runs.json").write_text(json.dumps(spec))
+            head = ["copy-out", tmp / "copy_out.json"] if "pp2 tp2 v2" in names else []
+            _, out = torchrun("tests/ptdp_checks.py", RUNS[name][0], *head, "runs", tmp / "runs.json", tmp,
+                              tmp_path=tmp, timeout=900)
+            copy_out = tmp / "copy_out.json"
+            for k in names:
+                runs[k] = (json.loads((tmp / f"{k}.json").read_text()), out,
+                           json.loads((tmp / f"{k}.trace.json").read_text()),
+                           json.loads(copy_out.read_text()) if copy_out.exists() else None)
+        return runs[name]
+    return get
 
 
 @pytest.fixture(scope="module")
 def launch(tmp_path_factory):
-    """torchrun ptdp.py once per layout, with --check and --trace; tests share the runs. The pp 2 x tp 2
-    layout runs through tests/ptdp_checks.py, which first checks the copied-out pieces (same processes)."""
-    runs = {}
-
-    def get(name):
-        if name not in runs:
-            nproc, flags = LAYOUTS[name] if name in LAYOUTS else STAGE_MS[name]
-            tmp = tmp_path_factory.mktemp("ptdp")
-            head = ["tests/ptdp_checks.py", nproc, "copy-out", tmp / "copy_out.json"] if name == "pp2 tp2 v2" \
-                else ["ptdp.py", nproc]
-            summary, out = torchrun(*head, *(CFG if name in LAYOUTS else []), *flags, "--check", "--trace",
-                                    tmp / "trace.json", tmp_path=tmp, timeout=300)
-            copy_out = tmp / "copy_out.json"
-            runs[name] = (summary, out, json.loads((tmp / "trace.json").read_text()),
-                          json.loads(copy_out.read_text()) if copy_out.exists() else None)
-        return runs[name]
-    return get
+    return shared_launch(tmp_path_factory)
 
 
 # ----------------------------------------------------------------------------- the rules, from measured events
@@ -71,7 +102,7 @@ def holder(c, p):
 
 
 def rule_errors(events, p, v, m):
-    """Each pipeline (step, dp, tp) of the measured events against the rules: one F and one B per (chunk,
+    """Each pipeline (step, dp, cp, tp) of the measured events against the rules: one F and one B per (chunk,
     micro-batch), chunk c on its pp rank; a micro-batch's F runs its chunks in order and B in reverse (each
     starts after the chunk before ended it); F before its B; an input received from another rank arrived
     after its producer ended and before its op started; no two ops at once on a rank; at most the
@@ -80,7 +111,7 @@ def rule_errors(events, p, v, m):
     n, kinds, errors = p * v, "FB", []
     pipes = collections.defaultdict(dict)
     for e in events:
-        pipes[e["step"], e["dp"], e["tp"]][e["kind"], e["chunk"], e["mb"]] = e
+        pipes[e["step"], e["dp"], e.get("cp", 0), e["tp"]][e["kind"], e["chunk"], e["mb"]] = e
     for key, ev in pipes.items():
         if len(ev) != len(kinds) * n * m or set(ev) != {(k, c, j) for k in kinds for c in range(n) for j in range(m)}:
             errors.append(f"{key}: not one {'/'.join(kinds)} per chunk and micro-batch")
@@ -123,9 +154,9 @@ def inflight(events):
     return peak
 
 
-def executed(events, step, r, dp=0, tp=0):
+def executed(events, step, r, dp=0, tp=0, cp=0):
     return [(e["kind"], e["chunk"], e["mb"]) for e in events
-            if (e["step"], e["pp"], e["dp"], e["tp"]) == (step, r, dp, tp)]  # list order = execution order
+            if (e["step"], e["pp"], e["dp"], e.get("cp", 0), e["tp"]) == (step, r, dp, cp, tp)]  # execution order
 
 
 # ----------------------------------------------------------------------------- schedule level (no processes)
@@ -258,7 +289,7 @@ def test_norm_of_bf16_gradients_sums_in_float32():
     for q in params:
         q.grad = (torch.rand(4096) + 0.5).to(torch.bfloat16)
     exact = sum((q.grad.double() ** 2).sum() for q in params)
-    got = ptdp.squared_norm_piece(params, tp_rank=0)
+    got = ptdp.squared_norm([q.grad for q in params])
     assert got.dtype == torch.float64 and abs(got / exact - 1) < 1e-5
     in_bf16 = sum(q.grad.pow(2).sum() for q in params)  # the negative: what a bf16 sum gives
     assert abs(in_bf16.double() / exact - 1) > 1e-3
@@ -267,39 +298,62 @@ def test_norm_of_bf16_gradients_sums_in_float32():
 # ----------------------------------------------------------------------------- parity and the measured schedule
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_matches_reference_and_obeys_schedule(launch, name):
+    """Parity with one-process training (float64, 1e-9) in every layout, the four-axis ones of issue 41 among
+    them (pp 1 runs dp x cp x tp alone); the measured schedule obeys the rules and is schedule()'s order in
+    every pipeline; messages, their bytes (b, T/cp, D) and the TP, CP and DP x CP collectives are the theory's
+    on every rank: the CP ring's sends per layer and micro-batch cp - 1 forward (K/V), 2 (cp - 1) backward (the
+    recomputed ring's K/V, then each dK/dV back), of 2 b (H/t) (T/cp) E elements each."""
     summary, out, trace, _ = launch(name)
     assert_matches_reference(summary)
     f, cfg = summary["figures"], summary["config"]
     p, v, m, steps, schedule = f["pp"], f["virtual_stages"], f["microbatches"], cfg["steps"], f["schedule"]
-    assert summary["world_size"] == p * f["tp"] * f["dp"] == LAYOUTS[name][0]
+    cp, zero = f["cp"], f["zero"]
+    assert summary["world_size"] == p * f["tp"] * f["dp"] * cp == LAYOUTS[name][0]
     assert schedule == "interleaved"
     events = f["events"]
     assert rule_errors(events, p, v, m) == []
     for s in range(steps):
         for r in range(p):
             for dp in range(f["dp"]):
-                for tp in range(f["tp"]):
-                    assert executed(events, s, r, dp, tp) == ptdp.schedule(p, v, m, r)
-    assert f["inflight"] == f["inflight_theory"] == [inflight([e for e in events if e["step"] == 0 and e["pp"] == r
-                                                               and e["dp"] == 0 and e["tp"] == 0]) for r in range(p)]
+                for c in range(cp):
+                    for tp in range(f["tp"]):
+                        assert executed(events, s, r, dp, tp, c) == ptdp.schedule(p, v, m, r)
+    first = [e for e in events if e["step"] == 0 and e["dp"] == e["cp"] == e["tp"] == 0]
+    assert f["inflight"] == f["inflight_theory"] == [inflight([e for e in first if e["pp"] == r]) for r in range(p)]
     # messages handed to the sends of the counted step = theory, on every rank of every pipeline, by tag
     assert f["fwd_msgs_per_rank"] == f["fwd_msgs_theory"] and f["bwd_msgs_per_rank"] == f["bwd_msgs_theory"]
     assert f["fwd_msgs_per_pipeline"] == (v * p - 1) * m
     assert f["tp_calls_per_batch"] == f["tp_calls_theory"] and f["dp_calls_per_batch"] == f["dp_calls_theory"]
-    b_bytes = cfg["batch_size"] // (f["dp"] * m) * cfg["seq_len"] * cfg["d_model"] * 8
+    b, s_local = cfg["batch_size"] // (f["dp"] * m), cfg["seq_len"] // cp
+    b_bytes = b * s_local * cfg["d_model"] * 8
     per_layer = 4 * m * (cfg["n_layers"] // p) if f["tp"] > 1 else 0  # f, g: 2 + 2 per layer and micro-batch
+    kv = 2 * b * (cfg["n_heads"] // f["tp"]) * s_local * (cfg["d_model"] // cfg["n_heads"]) * 8
+    assert len(f["counts_per_rank"]) == summary["world_size"]
     for key, row in f["counts_per_rank"].items():
         r = int(key[2])
         msgs = (m * (v - (r == p - 1)), m * (v - (r == 0)))
         assert (row["fwd_msgs"], row["bwd_msgs"]) == msgs, key
         assert row["p2p_bytes"] == (row["fwd_msgs"] + row["bwd_msgs"]) * b_bytes
         assert row["tp_calls"] == per_layer and row["tp_fwd"] == row["tp_bwd"] == per_layer // 2
-        assert row["dp_calls"] == (1 if f["dp"] > 1 else 0)  # one DP all-reduce per batch, after the flush
+        assert row["dp_calls"] == (1 + zero) * (f["dp"] * cp > 1)  # after the flush: all-reduce, or RS + AG
+        hops = m * cfg["n_layers"] // p * (cp - 1)  # per rank: its layers x micro-batches x (cp - 1) hops
+        assert row["cp_calls"] == 3 * hops and row["cp_fwd_bytes"] == hops * kv and row["cp_bytes"] == 3 * hops * kv
     assert f["microbatches_alive_theory"] == [x / v for x in f["inflight_theory"]]
     xs = [e for e in trace["traceEvents"] if e["ph"] == "X"]
     ops = 2 * v * m
     assert len(xs) == len(events) == ops * steps * summary["world_size"] and f"wrote {len(xs)} events" in out
     assert "timeline of the last step, measured" in out and f"rank {p - 1} |" in out
+
+
+@pytest.mark.parametrize("name", list(MUTANT_RUNS))
+def test_check_catches_a_broken_run(launch, name):
+    """The negatives, each in its layout's launch: counting the TP-replicated tensors t times in the norm;
+    skipping the DP all-reduce; K/V sent round the TP group's ring instead of the CP group's (the TP peer's
+    heads for my tokens: the wrong neighbour); gradients summed over dp but not cp; ZeRO-1's shard taking its
+    state and update from the next rank's slice. Each trains something else, and --check says so."""
+    summary = launch(name)[0]
+    c = summary["check"]
+    assert not c["passed"] and max(c["max_loss_diff"], c["max_param_diff"]) > 1e-6, c
 
 
 def test_copy_out_pipeline_and_tp_match_one_process(launch):
@@ -342,6 +396,31 @@ def test_copy_out_pipeline_and_tp_match_one_process(launch):
     assert got["mutants"] == {"TPBlock, 3 heads over t 2": "no error", "Chunk, 2 layers in 4 chunks": "no error"}
 
 
+def test_copy_out_cp_attention_in_tp_and_zero1_match_one_process(launch):
+    """Issue 41, deliver 4: TPBlock with its zig-zag ring attention, zigzag(), ShardedOptimizer (ZeRO-1) and
+    finish_batch from the technique section alone, on a foreign attention model (continuous inputs, width 6,
+    2 heads of 3, MLP width 10, a 0-dim parameter, squared error, AdamW), tp 2 x cp 2 on groups unlike main's
+    (TP {0, 2}, {1, 3}; CP {0, 1}, {2, 3}: a TP group's rank 1 is global rank 2 or 3), the optimizer state
+    sharded over the CP group, clipped: every loss and final parameter equal one-process AdamW with torch's
+    clip_grad_norm_ within 1e-12; the counter saw the ring's sends and ZeRO-1's reduce-scatter and all-gather
+    (the positive control). With the shard taking its state and update from the next rank's slice, the same
+    comparison fails. Each core refuses what it cannot split, before sending: heads that t does not divide, a
+    sequence that 2 x cp chunks do not cut, a rank's T/cp tokens that do not cut in two."""
+    got = launch("pp2 tp2 v2")[3]["four_axes"]
+    ok, bad = got["zero-1"], got["zero-1, shard from the wrong slice"]
+    assert ok["max_param_diff"] < 1e-12 and ok["max_loss_diff"] < 1e-12, ok
+    assert ok["losses"] == pytest.approx(got["reference_losses"], rel=1e-12)
+    assert bad["max_param_diff"] > 1e-6, bad
+    assert ok["counted"]["send/cp/fwd"] > 0 and ok["counted"]["send/cp/bwd"] == 2 * ok["counted"]["send/cp/fwd"]
+    assert ok["counted"]["reduce_scatter/cp/fwd"] == ok["counted"]["all_gather/cp/fwd"] == 1
+    words = {"TPBlock, 3 heads over t 2": "3 heads do not split over t = 2",
+             "zigzag, 6 tokens over cp 2": "6 tokens do not cut into 2 x cp = 4 equal chunks",
+             "RingAttention, 3 tokens per rank": "6 tokens do not cut into 2 x cp = 4 equal chunks"}
+    assert set(got["refusals"]) == set(words)
+    for case, (error, calls) in got["refusals"].items():
+        assert error.startswith("ValueError: ") and words[case] in error and calls == {}, (case, error, calls)
+
+
 def test_schedule_refuses_what_it_cannot_run():
     """comm_plan from the section alone, m = 3 with p = 2 and v = 2: a ValueError naming the rule; with the check
     cut out of the text it fails later and obscurely (the ideal timeline waits on itself), or worse."""
@@ -361,20 +440,6 @@ def test_clipping_clips_and_equals_reference(launch):
     assert norms == pytest.approx(ref["grad_norms"], rel=1e-9) and min(norms) > 0.05  # every step clipped
     unclipped = reference_train(Namespace(**{**summary["config"], "clip": 0.0}))["losses"]
     assert all(abs(a - b) > 1e-6 for a, b in zip(summary["losses"][1:], unclipped[1:]))
-
-
-@pytest.mark.parametrize("broken, nproc, flags", [
-    ("norm-counts-replicas", 4, ["--pp", "2", "--tp", "2", "--clip", "0.05", "--steps", "3"]),
-    ("no-dp-all-reduce", 4, ["--pp", "2", "--dp", "2", "--virtual-stages", "2"]),
-])
-def test_check_catches_a_broken_run(tmp_path, broken, nproc, flags):
-    """The negatives: counting the TP-replicated tensors t times in the norm, or skipping the DP all-reduce,
-    trains something else, and --check says so (exit 1)."""
-    summary, out = torchrun("tests/ptdp_checks.py", nproc, broken, *CFG, "--steps", "2", *flags, "--check",
-                            tmp_path=tmp_path, expect_rc=1)
-    c = summary["check"]
-    assert not c["passed"] and max(c["max_loss_diff"], c["max_param_diff"]) > 1e-6, c
-    assert "-> FAILED" in out
 
 
 def test_rule_checks_catch_broken_schedules(launch):
@@ -405,21 +470,56 @@ def step_bubbles(events, p):
     return out
 
 
+def replayed_bubble(events, p, step):
+    """The bubble of the schedule the run recorded, free of its timing: each pp rank's ops of `step` (pipeline
+    dp 0, cp 0, tp 0) in the order they ran, replayed with F 1 slot and B 2 and every message free; each op
+    starts when its rank is free and its input's producer (the op of the chunk before, or after for B) and,
+    for B, its own F have ended. Mean over ranks of idle / busy in the replay's span."""
+    ops = [[(e["kind"], e["chunk"], e["mb"]) for e in sorted(
+        (e for e in events if e["step"] == step and e["pp"] == r and e["dp"] == e["cp"] == e["tp"] == 0),
+        key=lambda e: e["start"])] for r in range(p)]
+    n = max(c for r in ops for _, c, _ in r) + 1
+    at, nxt, free = {}, [0] * p, [0] * p
+    while any(nxt[r] < len(ops[r]) for r in range(p)):
+        moved = False
+        for r in range(p):
+            while nxt[r] < len(ops[r]):
+                kind, c, k = ops[r][nxt[r]]
+                deps = [("F", c - 1, k)] if kind == "F" and c > 0 else []
+                deps += [("B", c + 1, k)] * (kind == "B" and c < n - 1) + [("F", c, k)] * (kind == "B")
+                if any(x not in at for x in deps):
+                    break
+                start = max([free[r]] + [at[x] for x in deps])
+                free[r] = at[kind, c, k] = start + (1 if kind == "F" else 2)
+                nxt[r], moved = nxt[r] + 1, True
+        assert moved, "the recorded order waits on itself"
+    busy = [sum(1 if kind == "F" else 2 for kind, _, _ in r) for r in ops]
+    return sum((max(free) - b) / b for b in busy) / p
+
+
 def test_stage_ms_bubbles_shrink_as_the_theory_says(launch):
     """p = 4, m = 8, the same simulated work per micro-batch and rank (F 50 ms, B 100 ms, split over the v
-    chunks): the measured bubble shrinks from v = 1 to v = 2 (theory 0.375, 0.1875); parity unchanged. The
-    bubbles compared are each run's best of its 3 steps, from the measured events: on a few shared cores a
-    stalled process only ever adds idle time. (ZB-V's, smaller again: tests/test_zero_bubble.py.)"""
+    chunks): parity unchanged, and the bubble shrinks from v = 1 to v = 2 exactly as the theory says (0.375,
+    0.1875) in what load cannot move (issue 43, item 6): the order each rank ran its ops in, every step,
+    replayed with ideal op times (replayed_bubble). The wall-clock bubble is reported beside it, not asserted:
+    on shared cores a stalled process adds idle time anywhere. Negative: the same events with rank 0's first
+    two forwards swapped (F1 before F0) replay to a larger bubble. (ZB-V's, smaller again: tests/test_zero_bubble.py.)"""
     one, two = (launch(f"stage-ms {s}") for s in ("v1", "v2"))
     for summary, out, _, _ in (one, two):
         f = summary["figures"]
         assert_matches_reference(summary)
         assert rule_errors(f["events"], 4, f["virtual_stages"], 8) == []
-        assert "compute simulated" in out and f["stage_ms"] == 50 and f["bubble_mean"] > 0
+        assert "compute simulated" in out and f["stage_ms"] == 50 and f["bubble_mean"] > 0  # reported
     b1, b2 = one[0]["figures"], two[0]["figures"]
     assert b1["bubble_theory"] == 3 / 8 and b2["bubble_theory"] == 3 / 16
-    best = [min(step_bubbles(b["events"], 4)) for b in (b1, b2)]
-    assert 0 < best[1] < best[0], best
+    for b in (b1, b2):
+        replayed = [replayed_bubble(b["events"], 4, s) for s in range(3)]
+        assert replayed == pytest.approx([b["bubble_theory"]] * 3, abs=1e-12), replayed
+    f0, f1 = sorted((e for e in b2["events"] if e["step"] == 0 and e["pp"] == e["dp"] == e["cp"] == e["tp"] == 0),
+                    key=lambda e: e["start"])[:2]  # rank 0's first two forwards, F0 and F1
+    swapped = [dict(e, start=f1["start"]) if e is f0 else dict(e, start=f0["start"]) if e is f1 else e
+               for e in b2["events"]]
+    assert replayed_bubble(swapped, 4, 0) > b2["bubble_theory"] + 0.01  # 0.208: all wait one slot for F0
 
 
 # ----------------------------------------------------------------------------- checkpoints, bad input
@@ -433,12 +533,17 @@ def test_restart_continues_bit_identically(launch, tmp_path):
     assert summary["losses"] == launch("pp2 v2")[0]["losses"]
 
 
-@pytest.mark.parametrize("nproc, flags, words", [
+@pytest.mark.parametrize("nproc, flags, words", [  # the flags, then the cores' own messages (validation once)
     (2, ["--pp", "2", "--tp", "2"], ["world size 2 != pp 2 x tp 2", "--nproc_per_node=4"]),
-    (2, ["--virtual-stages", "2", "--microbatches", "3", "--batch-size", "12"],
-     ["--microbatches 3 is not a multiple of --pp 2", "--microbatches 4"]),
-    (2, ["--n-layers", "3"], ["--n-layers 3 is not divisible by pp x virtual stages = 2"]),
-    (2, ["--tp", "2", "--n-heads", "1"], ["--n-heads 1 is not divisible by --tp 2"]),
+    (2, ["--virtual-stages", "2", "--microbatches", "3", "--batch-size", "12", "--n-layers", "4"],
+     ["--microbatches 3 is not a multiple of --pp 2", "v = 2, m = 3", "with v > 1 m a multiple of p"]),
+    (2, ["--n-layers", "3"], ["--n-layers 3 is not divisible by pp x virtual stages = 2",
+                              "chunk 0 of 2: need 0 <= c < n, n dividing the 3 layers"]),
+    (2, ["--tp", "2", "--n-heads", "1", "--pp", "1"], ["--n-heads 1 is not divisible by --tp 2",
+                                                        "1 heads do not split over t = 2"]),
+    (4, ["--cp", "2", "--seq-len", "6"], ["--seq-len 6 is not divisible by 2 x cp = 4",
+                                          "6 tokens do not cut into 2 x cp = 4 equal chunks"]),
+    (2, ["--zero", "2"], ["--zero 2", "use --zero 0 or 1"]),
 ])
 def test_bad_input_exits_2_on_every_rank(nproc, flags, words):
     assert_each_rank_fails(run_ranks("ptdp.py", nproc, *TINY, *flags), words)
