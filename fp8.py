@@ -77,10 +77,8 @@ def check_format(fmt):
 
 
 def scale_of(amax, fmt):
-    """The scale s = amax / fp8_max, rounded up to a power of two (DeepSeek's UE8M0 scales, torchao's
-    round_scales_to_power_of_2): dividing by it is exact, so the scaling itself adds no rounding, and a
-    roundoff-sized change of the amax almost never changes it."""
-    return torch.exp2(torch.ceil(torch.log2(amax.float().clamp_min(1e-30) / torch.finfo(fmt).max)))
+    """s = amax / fp8_max: the largest element lands on the format's largest value."""
+    return amax.float().clamp_min(1e-12) / torch.finfo(fmt).max
 
 
 def quantize(t, s, fmt):
@@ -191,14 +189,16 @@ class FineGrained:
 # ============================================================================= the FP8 linear, ZeRO-3-sharded
 def check_fp8_linear(recipe, in_features, out_features, world=1, tokens=None):
     """What an Fp8Linear of this shape can do at this world size (and with `tokens` rows per rank): every GEMM
-    dimension a multiple of 16 (cuBLASLt's FP8 rule), of 128 where fine-grained tiles run; the rows of W
-    split evenly (and into whole 128x128 blocks) over the ranks."""
-    tile = getattr(recipe, "tile", None) or 16
-    shard = out_features // world if out_features % world == 0 else 0
-    for what, n in (("in_features", in_features), ("out_features / world", shard), ("tokens per rank", tokens)):
-        if n is not None and (n < 1 or n % tile or n % 16):
-            raise ValueError(f"Fp8Linear({in_features}, {out_features}) at world {world}: {what} = {n} must "
-                             f"be a positive multiple of {max(tile, 16)} for the {type(recipe).__name__} recipe")
+    dimension a multiple of 16 (cuBLASLt's FP8 rule), of 128 where fine-grained tiles run; W's rows split
+    evenly over the ranks, into whole 128x128 blocks when the recipe has them."""
+    tile, name = getattr(recipe, "tile", None) or 16, type(recipe).__name__
+    where = f"Fp8Linear({in_features}, {out_features}) at world {world}, {name} recipe"
+    for what, n in (("in_features", in_features), ("out_features", out_features), ("tokens per rank", tokens)):
+        if n is not None and (n < 1 or n % tile):
+            raise ValueError(f"{where}: {what} = {n} must be a positive multiple of {tile}")
+    if out_features % world or tile > 16 and out_features // world % tile:
+        raise ValueError(f"{where}: out_features must split into {world} shards of whole "
+                         f"{'128-row blocks' if tile > 16 else 'rows'}: use a multiple of {world * tile}")
 
 
 class Fp8Matmul(torch.autograd.Function):
@@ -424,69 +424,76 @@ TOL = {"float32": (1e-4, 1e-3), "float64": (1e-9, 1e-8), "bfloat16": (5e-2, 5e-2
 REF_E4M3, REF_E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 
 
-def ref_qdq(t, fmt, tile=None, block=False, amax=None):
-    """t (R, C) quantized to `fmt` and back to t's dtype: one scale (from `amax`, else |t|'s max), or one per
-    1 x tile (tile x tile with `block`) along the last dim."""
+def ref_quant(t, fmt, tile=None, block=False, amax=None):
+    """t (R, C) -> (its FP8 values as floats, scale): one scale (from `amax`, else |t|'s max), or one per
+    1 x tile (tile x tile with `block`) along the last dim, given per row: (R, C/tile)."""
     fmax = torch.finfo(fmt).max
-    pow2 = lambda a: 2.0 ** torch.ceil(torch.log2(a.clamp_min(1e-30) / fmax))  # noqa: E731
     if tile is None:
-        s = pow2(t.abs().max().float() if amax is None else amax)
-        return (t / s).clamp(-fmax, fmax).to(fmt).to(t.dtype) * s
+        s = (t.abs().max().float() if amax is None else amax).clamp_min(1e-12) / fmax
+        return (t / s).clamp(-fmax, fmax).to(fmt).float(), s
     r, c = t.shape
     v = t.reshape(r // (tile if block else 1), tile if block else 1, c // tile, tile)
-    s = pow2(v.abs().amax(dim=(1, 3), keepdim=True).float())
-    return ((v / s).clamp(-fmax, fmax).to(fmt).to(t.dtype) * s).reshape(r, c)
+    s = v.abs().amax(dim=(1, 3), keepdim=True).float().clamp_min(1e-12) / fmax  # (R', 1, C/tile, 1)
+    q = (v / s).clamp(-fmax, fmax).to(fmt).float().reshape(r, c)
+    return q, s[:, 0, :, 0].repeat_interleave(tile if block else 1, 0)  # (R, C/tile)
+
+
+def ref_mm(a, sa, b, sb, world, tile):
+    """(a, sa) @ (b, sb)^T as the ranks compute it: a's rows split into the ranks' rows, each a float32 GEMM:
+    per tensor, of the dequantized operands; with tiles, per 128 of K, each partial sum scaled and added."""
+    out = []
+    for rows, srows in zip(a.chunk(world), sa.chunk(world) if tile else [sa] * world):
+        if not tile:
+            out.append((rows * sa) @ (b * sb).t())
+            continue
+        out.append(sum((rows[:, k * tile:(k + 1) * tile] @ b[:, k * tile:(k + 1) * tile].t())
+                       * srows[:, k, None] * sb[None, :, k] for k in range(a.shape[1] // tile)))
+    return torch.cat(out)
 
 
 class RefQuant:
     """The recipe, as the reference applies it to whole tensors: delayed keeps its own amax history."""
 
     def __init__(self, args, world):
-        self.recipe, self.hist, self.n, self.bf16_gather = args.recipe, {}, args.amax_history, not args.fp8_all_gather
-        self.world = world
+        self.recipe, self.hist, self.n, self.world = args.recipe, {}, args.amax_history, world
+        self.bf16_gather = not args.fp8_all_gather
         self.tile = 128 if args.recipe == "fine-grained" else None
         self.fmt = dict(fwd=REF_E4M3, bwd=REF_E4M3 if self.tile else REF_E5M2)
 
     def __call__(self, t, role, key, block=False):
         if self.tile:
-            return ref_qdq(t, self.fmt[role], self.tile, block)
+            return ref_quant(t, self.fmt[role], self.tile, block)
         amax = t.abs().max().float()
         if self.recipe == "delayed":
             past = self.hist.get(key, [])
             self.hist[key] = ([amax] + past)[:self.n]
             amax = max(past) if past else amax  # the scale the history gave before this amax joined it
-        return ref_qdq(t, self.fmt[role], amax=amax)
-
-
-def ref_mm(a, b, world, tile):
-    """a (M, K) @ b (N, K)^T as the ranks compute it: M split into the ranks' rows, each a float32 GEMM (per
-    128 of K with fine-grained tiles, summed in float32)."""
-    a, b, out = a.float(), b.float(), []
-    for rows in a.chunk(world):
-        ks = range(0, a.shape[1], tile or a.shape[1])
-        out.append(sum(rows[:, k:k + (tile or a.shape[1])] @ b[:, k:k + (tile or a.shape[1])].t() for k in ks))
-    return torch.cat(out)
+        return ref_quant(t, self.fmt[role], amax=amax)
 
 
 class RefFp8(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, w, q, key):  # x (M, K) the global batch's tokens, w (N, K) whole
+    def forward(ctx, x, w, q, key):  # x (M, K): the global batch's tokens; w (N, K) whole
         w_in = w.to(torch.bfloat16).to(w.dtype) if q.bf16_gather else w  # the run's bf16 all-gather
-        xq, wq = q(x, "fwd", key + ".x"), q(w_in, "fwd", key + ".w", block=True)
-        ctx.save_for_backward(x, xq, wq)
+        (xq, sx), (wq, sw) = q(x, "fwd", key + ".x"), q(w_in, "fwd", key + ".w", block=True)
+        ctx.save_for_backward(x, xq, sx, wq, sw)
         ctx.q, ctx.key = q, key
-        return ref_mm(xq, wq, q.world, q.tile).to(x.dtype)
+        return ref_mm(xq, sx, wq, sw, q.world, q.tile).to(x.dtype)
 
     @staticmethod
     def backward(ctx, dy):  # dy (M, N)
-        x, xq, wq = ctx.saved_tensors
-        q, key = ctx.q, ctx.key
-        gq = q(dy, "bwd", key + ".dy")
-        dx = ref_mm(gq, wq.t(), q.world, q.tile).to(x.dtype)
-        if q.tile:  # the weight gradient's tiles run along the tokens
-            gq, xq = ref_qdq(dy.t(), q.fmt["bwd"], q.tile).t(), ref_qdq(x.t(), q.fmt["fwd"], q.tile).t()
+        x, xq, sx, wq, sw = ctx.saved_tensors
+        q, key, t = ctx.q, ctx.key, ctx.q.tile
+        gq, sg = q(dy, "bwd", key + ".dy")
+        swt = sw[::t].t().repeat_interleave(t, 0) if t else sw  # W^T's rows are K: (K, N/128) block scales
+        dx = ref_mm(gq, sg, wq.t(), swt, q.world, t).to(x.dtype)
+        if t:  # the weight gradient's tiles run along the tokens
+            (gq, sg), (xq, sx) = ref_quant(dy.t(), q.fmt["bwd"], t), ref_quant(x.t(), q.fmt["fwd"], t)
+            gq, xq = gq.t(), xq.t()
         # each rank's tokens: a float32 GEMM; their sum in the master dtype
-        dw = sum(ref_mm(g.t(), xs.t(), 1, q.tile).to(x.dtype) for g, xs in zip(gq.chunk(q.world), xq.chunk(q.world)))
+        parts = zip(gq.chunk(q.world), xq.chunk(q.world), (sg.chunk(q.world, 1) if t else [sg] * q.world),
+                    (sx.chunk(q.world, 1) if t else [sx] * q.world))
+        dw = sum(ref_mm(g.t(), sgr, xs.t(), sxr, 1, t).to(x.dtype) for g, xs, sgr, sxr in parts)
         return dx, dw, None, None
 
 
