@@ -30,7 +30,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 FILES = ["dp.py", "ddp_bucketed.py", "diloco.py", "fault_tolerance.py", "zero.py", "memory_savers.py",
          "gpipe.py", "pipedream.py", "zero_bubble.py", "megatron_tp.py", "ptdp.py", "moe.py",
-         "context_parallel.py"]
+         "context_parallel.py", "fp8.py"]
 CATEGORIES = ("technique", "measure", "checkpoint", "validation", "check", "docstring", "boilerplate")
 # Sorting a statement by its text: the first category whose pattern matches (in this order) wins.
 PATTERNS = {

@@ -46,7 +46,7 @@ def test_no_object_collectives():
 # ------------------------------------------------------------------------- the shape of the files (DESIGN.md)
 TECHNIQUES = ["dp.py", "ddp_bucketed.py", "diloco.py", "fault_tolerance.py", "zero.py", "memory_savers.py",
               "gpipe.py", "pipedream.py", "zero_bubble.py", "megatron_tp.py", "ptdp.py", "moe.py",
-              "context_parallel.py"]
+              "context_parallel.py", "fp8.py"]
 # Read path: the lines from the end of the module docstring to the `# --- measurement ---` fence, what a
 # learner reads (issue 29: <= 400, <= 460 for the three files that teach the most).
 READ_PATH = {**{name: 400 for name in TECHNIQUES}, "megatron_tp.py": 460, "ptdp.py": 460, "moe.py": 460}
