@@ -190,6 +190,8 @@ BAD = [  # (world, flags, words): each on every rank, in one process (tests/bad_
     (1, ["--seq-len", "7"], ["tokens per rank = 84", "multiple of 16"]),
     (1, ["--recipe", "delayed", "--amax-history", "0"], ["amax history of at least 1"]),
     (1, ["--dtype", "bfloat16"], ["master weights in --dtype"]),
+    (1, ["--check", "--dtype", "float32"], ["--check compares", "use --dtype float64"]),
+    (1, ["--recipe", "bf16"], ["casts float32 only"]),
     (2, ["--batch-size", "5"], ["--batch-size 5 is not divisible by the world size 2"]),
 ]
 TINY = ["--vocab", "32", "--seq-len", "8", "--d-model", "16", "--n-heads", "2", "--n-layers", "2",
