@@ -293,7 +293,7 @@ class Fp8Linear(nn.Module):
 def all_gather_rows(shard, group):  # (R, C) on each rank -> (n R, C), rank 0's rows first
     out = torch.empty(shard.shape[0] * dist.get_world_size(group), *shard.shape[1:], dtype=shard.dtype,
                       device=shard.device)
-    dist.all_gather_into_tensor(out, shard.contiguous(), group=group)
+    dist.all_gather_single(out, shard.contiguous(), group=group)
     return out
 
 
