@@ -113,14 +113,16 @@ for recipe in ("current", "delayed", "fine-grained"):
         theory = sum(2 * n * (1 if gather else 2) for n in shards) + scales
         got = comm.total("all_gather")
         gathered[recipe, gather] = got
+        plus = " + block scales" if scales else ""
         check(got == theory, f"{recipe}, {how} all-gather: {got} bytes per rank and step counted == {theory} "
-                             f"(2 x shard elements x {1 if gather else 2}{' + block scales' if scales else ''})")
+                             f"(2 x shard elements x {1 if gather else 2}{plus})")
     if d.world == 2:
         ratio = gathered[recipe, True] / gathered[recipe, False]
         check(0.5 <= ratio < 0.51, f"{recipe}: FP8 all-gather bytes / bf16's = {ratio:.4f}")
 
 # 2. mutants: each must be caught by the same comparison
-mutants = {"each rank's own amax": ("current", lambda: setattr(fp8, "global_amax", lambda t, g: own(t, None))),
+mutants = {"each rank's own amax": ("current",
+                                    lambda: setattr(fp8, "global_amax", lambda t, g: own(t, None))),
            "the E5M2 gradient format forgotten": ("delayed", lambda: setattr(fp8.Current, "bwd", fp8.E4M3))}
 own, bwd = fp8.global_amax, fp8.Current.bwd
 for what, (recipe, mutate) in mutants.items() if d.world == 2 else ():

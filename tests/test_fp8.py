@@ -1,5 +1,5 @@
-"""fp8.py: the FP8 GEMM against a closed form, the FP8 linear and recipes copied out onto a model that is not the
-GPT, parity of every recipe at world 2 and 3 with its mutants caught (tests/fp8_checks.py), the file's own
+"""fp8.py: the FP8 GEMM against a closed form, the FP8 linear and recipes copied out onto a model that is not
+the GPT, parity of every recipe at world 2 and 3 with its mutants caught (tests/fp8_checks.py), the file's own
 --check with --fp8-all-gather at world 3, the all-gather bytes, bad input, and the fence contract."""
 import json, re, subprocess, sys
 
@@ -35,7 +35,8 @@ def test_scaled_mm_is_the_dequantized_product(tile):
     accumulation (1e-6 relative); per-tensor scales go through one torch._scaled_mm, tile scales through the
     blocked GEMM (one FP8 GEMM per 128 of K, scaled in FP32). Mutant: the tile scales ignored fails."""
     g = torch.Generator().manual_seed(0)
-    a = torch.randn(64, 384, dtype=torch.float64, generator=g) * torch.logspace(-2, 2, 384, dtype=torch.float64)
+    spread = torch.logspace(-2, 2, 384, dtype=torch.float64)  # columns of very different sizes
+    a = torch.randn(64, 384, dtype=torch.float64, generator=g) * spread
     b = torch.randn(128, 384, dtype=torch.float64, generator=g)
     r = core["FineGrained"]() if tile else core["Current"]()
     sa, sb = r.scale(a, E4M3, "a", None), r.scale(b, E4M3, "b", None, block=True)
@@ -52,7 +53,7 @@ def test_scaled_mm_is_the_dequantized_product(tile):
 
 
 class Foreign(nn.Module):
-    """Not the GPT: a residual MLP on vectors, a bias-free projection, a tanh, a scalar head kept in float64."""
+    """Not the GPT: a residual MLP on vectors, a bias-free projection, a tanh, a scalar head (kept as is)."""
 
     def __init__(self, d, h):
         super().__init__()
@@ -64,7 +65,7 @@ class Foreign(nn.Module):
 
 @pytest.mark.parametrize("recipe", ["current", "delayed", "fine-grained"])
 def test_copy_out_fp8_linear_on_a_foreign_model(recipe):
-    """The section's to_fp8 turns the foreign model's linears (not its head) into Fp8Linear, world 1, no group.
+    """The section's to_fp8 turns the foreign model's linears (not its head) into Fp8Linear, no group.
     Each layer's weight gradient and input gradient, from the input and output gradient it saw (module hooks),
     == the test's own closed form (float64 operands quantized as the recipe says: E4M3 forward, E5M2 gradients
     but fine-grained's E4M3, tiles along each GEMM's inner dimension, 128x128 weight blocks), to float32
@@ -72,7 +73,8 @@ def test_copy_out_fp8_linear_on_a_foreign_model(recipe):
     lower the loss."""
     d, h, m = (128, 256, 256) if recipe == "fine-grained" else (48, 80, 64)
     g = torch.Generator().manual_seed(1)
-    x, target = torch.randn(m, d, dtype=torch.float64, generator=g), torch.randn(m, dtype=torch.float64, generator=g)
+    x = torch.randn(m, d, dtype=torch.float64, generator=g)
+    target = torch.randn(m, dtype=torch.float64, generator=g)
     torch.manual_seed(2)
     model = Foreign(d, h).double()
     weights = {n: getattr(model, n).weight.detach().clone() for n in ("up", "down")}
@@ -83,7 +85,8 @@ def test_copy_out_fp8_linear_on_a_foreign_model(recipe):
         layer = getattr(model, n)
         assert type(layer).__name__ == "Fp8Linear" and layer.weight.dtype == torch.float64
         layer.register_forward_hook(lambda mod, i, o, n=n: seen.__setitem__(n + ".x", i[0].detach()))
-        layer.register_full_backward_hook(lambda mod, gi, go, n=n: seen.update({n + ".dy": go[0], n + ".dx": gi[0]}))
+        layer.register_full_backward_hook(
+            lambda mod, gi, go, n=n: seen.update({n + ".dy": go[0], n + ".dx": gi[0]}))
     loss = (model(x) - target).pow(2).mean()
     loss.backward()
     t, bwd = (128, E4M3) if recipe == "fine-grained" else (None, E5M2)
@@ -119,8 +122,10 @@ def test_core_refuses_what_it_cannot_do_before_any_collective():
     cases = {"in_features 100": (lambda: core["Fp8Linear"](w, None, fg), ["in_features = 100", "128"]),
              "shard of 64 rows at world 2": (lambda: core["check_fp8_linear"](fg, 128, 128, 2),
                                              ["128-row blocks", "multiple of 256"]),
-             "48 rows over 5 ranks": (lambda: core["check_fp8_linear"](cur, 48, 48, 5), ["5 shards", "multiple of 80"]),
-             "tokens 100": (lambda: core["check_fp8_linear"](fg, 128, 128, 1, 100), ["tokens per rank = 100"]),
+             "48 rows over 5 ranks": (lambda: core["check_fp8_linear"](cur, 48, 48, 5),
+                                      ["5 shards", "multiple of 80"]),
+             "tokens 100": (lambda: core["check_fp8_linear"](fg, 128, 128, 1, 100),
+                            ["tokens per rank = 100"]),
              "bf16 format": (lambda: core["Current"](fwd=torch.bfloat16), ["float8_e4m3fn", "bfloat16"]),
              "int8 format": (lambda: core["FineGrained"](bwd=torch.int8), ["FP8 format", "int8"]),
              "history 0": (lambda: core["Delayed"](0), ["history of at least 1"])}
@@ -185,7 +190,8 @@ def test_file_check_with_fp8_all_gather_at_world_3(tmp_path):
 
 BAD = [  # (world, flags, words): each on every rank, in one process (tests/bad_input_matrix.py)
     (1, ["--recipe", "fine-grained"], ["--recipe fine-grained", "in_features = 16", "multiple of 128"]),
-    (2, ["--recipe", "fine-grained", "--d-model", "128", "--seq-len", "64"], ["128-row blocks", "multiple of 256"]),
+    (2, ["--recipe", "fine-grained", "--d-model", "128", "--seq-len", "64"],
+     ["128-row blocks", "multiple of 256"]),
     (3, ["--d-model", "32", "--batch-size", "6", "--seq-len", "16"], ["3 shards", "multiple of 48"]),
     (1, ["--seq-len", "7"], ["tokens per rank = 84", "multiple of 16"]),
     (1, ["--recipe", "delayed", "--amax-history", "0"], ["amax history of at least 1"]),
