@@ -47,7 +47,7 @@ def test_no_object_collectives():
 TECHNIQUES = ["dp.py", "ddp_bucketed.py", "diloco.py", "fault_tolerance.py", "zero.py", "memory_savers.py",
               "gpipe.py", "pipedream.py", "zero_bubble.py", "megatron_tp.py", "ptdp.py", "moe.py",
               "context_parallel.py"]
-TECHNIQUES.append("moe_deepseek.py")  # issue 43: the 2024 MoE line, split from moe.py
+TECHNIQUES += ["moe_deepseek.py", "fp8.py"]  # issues 43 (the 2024 MoE line) and 42
 # Read path: the lines from the end of the module docstring to the `# --- measurement ---` fence, what a
 # learner reads (issue 29: <= 400, <= 460 for the three files that teach the most).
 READ_PATH = {**{name: 400 for name in TECHNIQUES}, "megatron_tp.py": 460, "ptdp.py": 460, "moe.py": 460}

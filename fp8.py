@@ -1,0 +1,552 @@
+"""fp8.py: training in 8-bit floats as the large runs of 2024-26 do it: the GEMMs of every transformer block
+(forward, and both GEMMs of backward) run through torch._scaled_mm on float8 operands, while the master
+weights, their gradients and AdamW stay in --dtype (float32). torch 2.14's _scaled_mm runs on CPU too, so
+everything here is real FP8 arithmetic, not an emulation, on a laptop as on an H100.
+
+An FP8 number has 8 bits: E4M3 (4 exponent bits, 3 mantissa: max 448, ~2 significant digits) or E5M2
+(max 57344, 1.5 digits, more range). A tensor fits in FP8 only after it is scaled: q = fp8(t / s), with
+s = amax / fp8_max chosen so that the largest element lands on the format's largest value; a GEMM of
+two quantized operands is (q_a @ q_b^T) * s_a * s_b. Where the amax comes from is the recipe:
+  current       per-tensor current scaling: the amax of the tensor as it is now (torchao's default).
+  delayed       TransformerEngine's delayed scaling (Micikevicius et al., "FP8 Formats for Deep Learning",
+                2022): the scale comes from the max of the last --amax-history amaxes, so it is known before
+                the tensor is (no extra pass over it); E4M3 forward, E5M2 for the gradients (their range).
+  fine-grained  DeepSeek-V3 (Tech. Report 2024, Sec. 3.3): one scale per 1x128 tile of an activation or
+                gradient and per 128x128 block of a weight, E4M3 everywhere, so an outlier spoils 128
+                numbers, not the tensor; and "promotion": the tensor cores' partial sums are moved to FP32
+                every 128 elements of K, where the tile scales are applied (Sec. 3.3.2). _scaled_mm takes
+                per-tensor or per-row scales, not tile scales, so the blocked GEMM is written out: one FP8
+                GEMM per 128 of K, scaled and accumulated in FP32.
+The GEMMs of y = x W^T (x: M tokens x K, W: N x K) and the formats of their operands:
+    forward   y  (M, N) = x (M, K)  @ W^T          x, W: E4M3                inner dim K
+    dgrad     dx (M, K) = dy (M, N) @ W            dy: E5M2 (fine-grained E4M3)   inner dim N
+    wgrad     dW (N, K) = dy^T (N, M) @ x          dy, x as above            inner dim M (tokens)
+On the data-parallel axis (the other files' group of N ranks, each with its own M tokens):
+  1. amax all-reduced (MAX) over the group: every rank then scales as one process seeing the whole
+     batch would (TransformerEngine's amax reduction), so the quantized numbers are the same as on one
+     GPU. Fine-grained tiles never cross a rank (tokens per rank: a multiple of 128), so need none.
+  2. ZeRO-3 sharding of the FP8 layers' weights (rows of W, rank r owns N/world of them): gathered before
+     forward and again for backward, the weight gradient reduce-scattered. By default the gather moves
+     bf16 (FSDP2's mixed precision), then each rank quantizes the whole weight; --fp8-all-gather
+     quantizes the shard first (amax all-reduced) and gathers FP8 bytes and the block scales: half of
+     bf16's bytes (torchao's float8 all-gather for FSDP2).
+
+        rank r:  W shard (N/world, K) fp32 --quantize--> fp8 shard --all-gather (uint8)--> W fp8 (N, K)
+                 backward: dW (N, K) from my tokens --reduce-scatter (sum)--> dW shard (N/world, K) fp32
+
+Embeddings, LayerNorms, attention, the LM head and the biases stay in --dtype and replicated (DeepSeek-V3
+keeps these in high precision too); their gradients are all-reduced. --recipe none and --recipe bf16 (torch
+autocast, --dtype float32) are the baselines. docs/fp8.md: what FP8 costs in loss (600 steps) and saves in
+bytes. The masters default to float64 here: --check then holds at 1e-9 (float32's roundoff, moved across an
+FP8 rounding boundary, grows chaotically; docs/fp8.md says how far).
+
+    python fp8.py --recipe current --check
+    torchrun --nproc_per_node=2 fp8.py --recipe current --check
+    torchrun --nproc_per_node=2 fp8.py --recipe delayed --amax-history 16 --check
+    torchrun --nproc_per_node=2 fp8.py --recipe fine-grained --d-model 256 --seq-len 64 --check
+    torchrun --nproc_per_node=3 fp8.py --recipe current --fp8-all-gather --d-model 48 --batch-size 6 --check
+
+In production, use torchao.float8 (with FSDP2) or NVIDIA TransformerEngine.
+"""
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from common import (DTYPES, GPTConfig, MarkovData, build_gpt, count_tokens, fail, init_dist, lm_loss,
+                    make_optimizer)
+from harness import (CommCounter, CommonArgs, Run, check_against_reference, check_common_args,
+                     env_world_size, parse_args, peak_memory_bytes, state_bytes)
+
+
+@dataclass
+class Args(CommonArgs):
+    recipe: Literal["current", "delayed", "fine-grained", "bf16", "none"] = "current"  # bf16, none: baselines
+    amax_history: int = 16  # delayed: amaxes kept per tensor; the scale comes from their max
+    fp8_all_gather: bool = False  # all-gather the sharded weights as FP8 + scales (default: as bf16)
+    dtype: Literal["float32", "float64", "bfloat16"] = "float64"  # master weights (--check: float64 only)
+
+
+# ============================================================================= FP8 numbers and the GEMM
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+TILE = 128  # DeepSeek-V3's tile: 1x128 of activations and gradients, 128x128 of weights, promotion every 128
+
+
+def check_format(fmt):
+    if fmt not in (E4M3, E5M2):
+        raise ValueError(f"FP8 format must be torch.float8_e4m3fn or torch.float8_e5m2, got {fmt}")
+
+
+def scale_of(amax, fmt):
+    """s = amax / fp8_max: the largest element lands on the format's largest value."""
+    return amax.float().clamp_min(1e-12) / torch.finfo(fmt).max
+
+
+def quantize(t, s, fmt):
+    """t (R, C) high precision -> FP8 (R, C): t / s, saturated at the format's largest value (delayed scaling
+    can meet an amax above its history's). `s`: a scalar, or one per tile, (R, C/T) or (R/T, C/T)."""
+    if s.dim():  # one scale per tile: (R', C') -> (R, C)
+        s = s.repeat_interleave(t.shape[0] // s.shape[0], 0).repeat_interleave(t.shape[1] // s.shape[1], 1)
+    fmax = torch.finfo(fmt).max
+    return (t / s).clamp(-fmax, fmax).to(fmt)
+
+
+def per_row(s, rows):
+    """Scales of an operand (rows, K) as one per row and K-tile, (rows, K/T): a block's scale for each of its
+    rows. A scalar stays a scalar."""
+    return s.repeat_interleave(rows // s.shape[0], 0) if s.dim() else s
+
+
+def scaled_mm(a, sa, b, sb):
+    """a (M, K) and b (N, K) in FP8 with their scales -> a @ b^T (M, N) in float32. Per-tensor scales: one
+    _scaled_mm. Tile scales, sa (M, K/T) and sb (N, K/T): the blocked GEMM of DeepSeek-V3 Sec. 3.3.2, one
+    FP8 GEMM per 128 of K, its partial sum promoted to FP32 where the two tiles' scales multiply it."""
+    one = torch.ones((), device=a.device)
+    mm = lambda a, b, sa, sb: torch._scaled_mm(  # noqa: E731  cuBLASLt's layout: a row-major, b column-major
+        a.contiguous(), b.contiguous().t(), scale_a=sa, scale_b=sb, out_dtype=torch.float32)
+    if not sa.dim():
+        return mm(a, b, sa, sb)
+    acc = torch.zeros(a.shape[0], b.shape[0], dtype=torch.float32, device=a.device)  # (M, N) FP32
+    for k in range(a.shape[1] // TILE):
+        cols = slice(k * TILE, (k + 1) * TILE)
+        acc += mm(a[:, cols], b[:, cols], one, one) * sa[:, k, None] * sb[None, :, k]
+    return acc
+
+
+# ============================================================================= the scaling recipes
+def global_amax(t, group):
+    """max |t| over the tensor's pieces on every rank of `group` (None: t is whole here): one all-reduce
+    (MAX) of one number, so each rank scales as one process with the whole batch would."""
+    amax = t.detach().abs().amax().float().reshape(1)  # (1,)
+    if group is not None:
+        dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
+    return amax[0]
+
+
+class Current:
+    """Per-tensor current scaling: s = amax(t) / fp8_max, the amax of the tensor now, reduced over `group`.
+    E4M3 for the forward operands, E5M2 for the gradients (TransformerEngine's HYBRID formats)."""
+    fwd, bwd, tile = E4M3, E5M2, None
+
+    def __init__(self, fwd=None, bwd=None):
+        self.fwd, self.bwd = fwd or self.fwd, bwd or self.bwd
+        check_format(self.fwd), check_format(self.bwd)
+
+    def scale(self, t, fmt, key, group, block=False):
+        return scale_of(global_amax(t, group), fmt)
+
+    def state_dict(self):
+        return {}
+
+    def load_state_dict(self, state):
+        pass
+
+
+class Delayed(Current):
+    """TransformerEngine's delayed scaling: s = max(the last `history` amaxes of this tensor) / fp8_max,
+    known before the tensor is; the amax of the tensor now (reduced over the group) joins the history for
+    the steps after. The first step has no history and scales by its own amax (TE starts from s = 1)."""
+
+    def __init__(self, history=16, fwd=None, bwd=None):
+        super().__init__(fwd, bwd)
+        if history < 1:
+            raise ValueError(f"delayed scaling needs an amax history of at least 1, got {history}")
+        self.history, self.amaxes = history, {}  # key -> (<= history,) amaxes, newest first
+
+    def scale(self, t, fmt, key, group, block=False):
+        amax, past = global_amax(t, group), self.amaxes.get(key)
+        s = scale_of(amax if past is None else past.max(), fmt)
+        now = amax.reshape(1)
+        self.amaxes[key] = now if past is None else torch.cat([now, past])[:self.history]
+        return s
+
+    def state_dict(self):
+        return dict(self.amaxes)
+
+    def load_state_dict(self, state):
+        self.amaxes = dict(state)
+
+
+class FineGrained:
+    """DeepSeek-V3's fine-grained scaling: one scale per 1x128 tile along the GEMM's inner dimension (per
+    128x128 block for a weight: `block`), E4M3 for all. A tile lies within a rank's rows, so no reduction."""
+    tile = TILE
+
+    def __init__(self, fwd=E4M3, bwd=E4M3):
+        self.fwd, self.bwd = fwd, bwd
+        check_format(fwd), check_format(bwd)
+
+    def scale(self, t, fmt, key, group, block=False):  # t (R, C) -> (R, C/128), or (R/128, C/128) blocks
+        if t.shape[1] % TILE or block and t.shape[0] % TILE:
+            raise ValueError(f"fine-grained scaling: a {tuple(t.shape)} tensor does not split into "
+                             f"{'128x128 blocks' if block else '1x128 tiles'}: use multiples of {TILE}")
+        amax = t.detach().abs().unflatten(1, (-1, TILE)).amax(2).float()  # (R, C/128)
+        if block:
+            amax = amax.unflatten(0, (-1, TILE)).amax(1)  # (R/128, C/128)
+        return scale_of(amax, fmt)
+
+    state_dict, load_state_dict = Current.state_dict, Current.load_state_dict
+
+
+# ============================================================================= the FP8 linear, ZeRO-3-sharded
+def check_fp8_linear(recipe, in_features, out_features, world=1, tokens=None):
+    """What an Fp8Linear of this shape can do at this world size (and with `tokens` rows per rank): every GEMM
+    dimension a multiple of 16 (cuBLASLt's FP8 rule), of 128 where fine-grained tiles run; W's rows split
+    evenly over the ranks, into whole 128x128 blocks when the recipe has them."""
+    tile, name = getattr(recipe, "tile", None) or 16, type(recipe).__name__
+    where = f"Fp8Linear({in_features}, {out_features}) at world {world}, {name} recipe"
+    for what, n in (("in_features", in_features), ("out_features", out_features),
+                    ("tokens per rank", tokens)):
+        if n is not None and (n < 1 or n % tile):
+            raise ValueError(f"{where}: {what} = {n} must be a positive multiple of {tile}")
+    if out_features % world or tile > 16 and out_features // world % tile:
+        raise ValueError(f"{where}: out_features must split into {world} shards of whole "
+                         f"{'128-row blocks' if tile > 16 else 'rows'}: use a multiple of {world * tile}")
+
+
+class Fp8Matmul(torch.autograd.Function):
+    """x (M, K) @ W^T -> (M, N), the three GEMMs in FP8; W is gathered from its shards for forward and again
+    for backward (ZeRO-3: it is not kept in between), its gradient reduce-scattered back to the shards."""
+
+    @staticmethod
+    def forward(ctx, x, w_shard, layer):
+        r, (m, n) = layer.recipe, (x.shape[0], layer.out_features)
+        check_fp8_linear(r, layer.in_features, n, layer.world, m)  # before the first collective
+        w, sw = layer.gather_weight(w_shard)  # (N, K) FP8, its scale(s)
+        sx = r.scale(x, r.fwd, layer.key + ".x", layer.group)  # () or (M, K/128)
+        y = scaled_mm(quantize(x, sx, r.fwd), sx, w, per_row(sw, n))  # (M, N)
+        ctx.save_for_backward(x, w_shard, sx, sw)
+        ctx.layer = layer
+        return y.to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, dy):  # dy (M, N)
+        x, w_shard, sx, sw = ctx.saved_tensors
+        layer, r, k = ctx.layer, ctx.layer.recipe, ctx.layer.in_features
+        w, _ = layer.gather_weight(w_shard, sw)  # (N, K) FP8, quantized with forward's scale(s)
+        # dgrad: dx (M, K) = dy (M, N) @ W (N, K); inner dim N, so W enters as W^T (K, N)
+        sg = r.scale(dy, r.bwd, layer.key + ".dy", layer.group)  # () or (M, N/128)
+        dx = scaled_mm(quantize(dy, sg, r.bwd), sg, w.t(), per_row(sw.t() if sw.dim() else sw, k))
+        # wgrad: dW (N, K) = dy^T (N, M) @ x (M, K); inner dim M. Per-tensor scales are the same as above;
+        # tiles now run along the tokens (DeepSeek-V3's 128x1 tiles of dy and x): quantized again.
+        sgt, sxt = sg, sx
+        if r.tile:
+            sgt, sxt = r.scale(dy.t(), r.bwd, "", None), r.scale(x.t(), r.fwd, "", None)  # (N|K, M/128)
+        dw = scaled_mm(quantize(dy.t(), sgt, r.bwd), sgt, quantize(x.t(), sxt, r.fwd), sxt)  # (N, K)
+        # summed over ranks in the master dtype (exact in float64 for float32 partials: any order, one answer)
+        return dx.to(x.dtype), layer.reduce_scatter(dw.to(w_shard.dtype)), None
+
+
+class Fp8Linear(nn.Module):
+    """nn.Linear's y = x W^T + b with the GEMMs in FP8 (Fp8Matmul). `weight`, `bias`: the whole layer's;
+    with a `group` this rank keeps rows [r N/n, (r+1) N/n) of W (ZeRO-3) and a replica of b. The recipe
+    scales every operand; `key` names this layer's tensors in a delayed recipe's history."""
+
+    def __init__(self, weight, bias, recipe, key="", group=None, fp8_all_gather=False):
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self.world, self.rank = (1, 0) if group is None else (dist.get_world_size(group),
+                                                                dist.get_rank(group))
+        check_fp8_linear(recipe, self.in_features, self.out_features, self.world)
+        self.recipe, self.key, self.group, self.fp8_all_gather = recipe, key, group, fp8_all_gather
+        rows = self.out_features // self.world
+        mine = weight.detach()[self.rank * rows:(self.rank + 1) * rows]  # (N/n, K) my rows of W
+        self.weight = nn.Parameter(mine.clone())
+        self.bias = None if bias is None else nn.Parameter(bias.detach().clone())  # (N,) replicated
+
+    def forward(self, x):  # (..., K) -> (..., N)
+        y = Fp8Matmul.apply(x.reshape(-1, self.in_features), self.weight, self)  # (M, N)
+        y = y.view(*x.shape[:-1], self.out_features)
+        return y if self.bias is None else y + self.bias
+
+    def gather_weight(self, shard, s=None):
+        """The whole W (N, K) in FP8, its scale: () or (N/128, K/128) blocks. `s`: forward's, for backward."""
+        r, key, given = self.recipe, self.key + ".w", s
+        if self.group is None:  # not sharded: quantize W as it is
+            s = r.scale(shard, r.fwd, key, None, block=True) if s is None else s
+            return quantize(shard, s, r.fwd), s
+        if not self.fp8_all_gather:  # FSDP2's mixed precision: gather bf16, then quantize the whole W
+            full = all_gather_rows(shard.detach().to(torch.bfloat16), self.group).to(shard.dtype)  # (N, K)
+            s = r.scale(full, r.fwd, key, None, block=True) if s is None else s
+            return quantize(full, s, r.fwd), s
+        # torchao's float8 all-gather: per tensor, the amax is reduced over the shards first; fine-grained,
+        # a shard holds whole 128x128 blocks. Either way the quantized shard is my rows of the quantized W.
+        s = r.scale(shard, r.fwd, key, self.group, block=True) if s is None else s  # () or blocks
+        mine = s.chunk(self.world)[self.rank] if s.dim() and given is not None else s  # my rows' blocks
+        q = quantize(shard, mine, r.fwd)  # (N/n, K) FP8
+        # gloo has no float8 type: the bytes travel as uint8 (NCCL's FP8 all-gather moves the same bytes)
+        w = all_gather_rows(q.view(torch.uint8), self.group).view(r.fwd)  # (N, K) FP8
+        if s.dim() and given is None:  # the block scales travel with their rows: (N/n/128, K/128) each
+            s = all_gather_rows(s, self.group)  # (N/128, K/128)
+        return w, s
+
+    def reduce_scatter(self, dw):  # (N, K) float32, this rank's tokens -> (N/n, K): my rows of the sum
+        if self.group is None:
+            return dw
+        out = torch.empty(self.out_features // self.world, self.in_features, dtype=dw.dtype, device=dw.device)
+        dist.reduce_scatter_single(out, dw, op=dist.ReduceOp.SUM, group=self.group)
+        return out
+
+
+def all_gather_rows(shard, group):  # (R, C) on each rank -> (n R, C), rank 0's rows first
+    out = torch.empty(shard.shape[0] * dist.get_world_size(group), *shard.shape[1:], dtype=shard.dtype,
+                      device=shard.device)
+    dist.all_gather_single(out, shard.contiguous(), group=group)
+    return out
+
+
+def to_fp8(model, recipe, group=None, fp8_all_gather=False, skip=("head",)):
+    """Every nn.Linear of `model` but those named in `skip` becomes an Fp8Linear (sharded over `group`).
+    Returns the names of the FP8 layers."""
+    names = [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and n.split(".")[-1] not in skip]
+    for name in names:
+        parent, _, attr = name.rpartition(".")
+        lin = model.get_submodule(name)
+        setattr(model.get_submodule(parent), attr,
+                Fp8Linear(lin.weight, lin.bias, recipe, name, group, fp8_all_gather))
+    return names
+
+
+def make_recipe(name, amax_history=16):
+    return {"current": Current, "fine-grained": FineGrained}[name]() if name != "delayed" \
+        else Delayed(amax_history)
+
+
+# ============================================================================= data parallel training step
+def train_step(model, opt, x, y, loss_fn, group, clip, autocast=False):
+    """One step on this rank's rows of the global batch. Sharded weights got their gradient (the sum over
+    ranks) from Fp8Matmul's reduce-scatter; the replicated rest is all-reduced (sum) here. Clipping by the
+    norm of the whole model: the shards' squares summed over ranks, the replicas' counted once."""
+    opt.zero_grad(set_to_none=True)
+    with torch.autocast(x.device.type, torch.bfloat16, enabled=autocast):  # --recipe bf16's baseline
+        loss = loss_fn(model(x), y)  # this rank's share L_r of the global loss L = sum_r L_r
+    loss.backward()
+    fp8 = [m.weight for m in model.modules() if isinstance(m, Fp8Linear)]
+    rest = [p for p in model.parameters() if all(p is not w for w in fp8)]
+    flat = torch.cat([p.grad.reshape(-1) for p in rest])  # (P_rest,) one all-reduce for all of them
+    dist.all_reduce(flat, group=group)
+    for p, g in zip(rest, flat.split([p.numel() for p in rest])):
+        p.grad.copy_(g.view_as(p))
+    sq = torch.stack([(w.grad ** 2).sum() for w in fp8] or [flat.new_zeros(())]).sum()  # () my shards
+    dist.all_reduce(sq, group=group)
+    norm = (sq + sum((p.grad ** 2).sum() for p in rest)).sqrt()
+    if clip > 0:  # torch.nn.utils.clip_grad_norm_'s rule, with the whole model's norm
+        coef = torch.clamp(clip / (norm + 1e-6), max=1.0)
+        for p in model.parameters():
+            p.grad.mul_(coef.to(p.grad.dtype))
+    opt.step()
+    return loss.detach()
+
+
+def check_args(args):
+    world = env_world_size()
+    check_common_args(args)
+    if args.batch_size % world:
+        fail(f"--batch-size {args.batch_size} is not divisible by the world size {world}: each rank takes an "
+             f"equal slice; use a multiple of {world}")
+    if args.check and args.dtype != "float64":
+        fail(f"--check compares with the reference at 1e-9 in float64 masters; in {args.dtype} FP8 rounding "
+             f"turns roundoff chaotic (docs/fp8.md): use --dtype float64 (the default) or drop --check")
+    if args.recipe == "bf16" and args.dtype != "float32":
+        fail("--recipe bf16 (autocast) casts float32 only: use --dtype float32")
+    if args.recipe in ("bf16", "none"):
+        return
+    if args.dtype == "bfloat16":
+        fail("FP8 training keeps the master weights in --dtype: use --dtype float32 (or float64)")
+    try:
+        recipe = make_recipe(args.recipe, args.amax_history)
+        tokens = args.batch_size // world * args.seq_len
+        d = args.d_model
+        for n, k in ((d, d), (4 * d, d), (d, 4 * d)):  # q, k, v, attn.proj; mlp.fc; mlp.proj
+            check_fp8_linear(recipe, k, n, world, tokens)
+    except ValueError as e:
+        fail(f"--recipe {args.recipe}: {e}")
+
+
+# ----------------------------------------------------------------------------- main
+def main():
+    args = parse_args(Args)
+    check_args(args)
+    d = init_dist(args.timeout)  # --- setup (same in every file) ---
+    group, data, b = dist.group.WORLD, MarkovData(args.vocab, args.seed), args.batch_size // d.world
+    d.log(f"fp8: recipe {args.recipe}, world {d.world}, {b} sequences per rank, "
+          f"entropy floor {data.entropy:.4f} nats/token")
+    model = build_gpt(GPTConfig.from_args(args), args.seed, DTYPES[args.dtype], d.device)
+    state = {"model": model}
+    if args.recipe not in ("bf16", "none"):
+        state["recipe"] = make_recipe(args.recipe, args.amax_history)
+        to_fp8(model, state["recipe"], group, args.fp8_all_gather)
+    state["optim"] = opt = make_optimizer(model.parameters(), args)
+    run, comm = Run(d, args, state), CommCounter()  # resumes from --ckpt-dir
+    for step in run.steps():
+        x, y = data.batch(step, args.batch_size, args.seq_len, args.ragged)  # (B, T) global batch, CPU
+        n_tok = count_tokens(y)  # tokens of the whole global batch: the loss divisor on every rank
+        x, y = (t[d.rank * b:(d.rank + 1) * b].to(d.device) for t in (x, y))  # (B/N, T) mine
+        with run.watching(step, comm):
+            loss = train_step(model, opt, x, y, lambda logits, y: lm_loss(logits, y, n_tok), group, args.clip,
+                              autocast=args.recipe == "bf16")
+        dist.all_reduce(loss, group=group)  # (,) logging only, after the counted step
+        run.end_step(step, loss.item())
+    figures = summary(d, args, model, comm)
+    peak = peak_memory_bytes(d, state_bytes(model, opt))
+    full, check = full_params(model, group), None
+    if args.check:
+        ref = reference(args, d.world, d.device) if d.rank == 0 else None
+        check = check_against_reference(d, args, run.losses, full, ref=ref, tol=1e-9, ptol=1e-9)
+    run.finish("fp8", peak, figures["all_gather_bytes_per_step"], check, figures)
+
+
+# --- measurement ---
+def summary(d, args, model, comm):
+    """Bytes per rank and step handed to each collective (counted at the dispatcher), the all-gather beside
+    theory: every sharded weight gathered twice (forward, backward), 1 byte an element in FP8, 2 in bf16,
+    and with --fp8-all-gather fine-grained, its fp32 block scales once (backward reuses forward's)."""
+    layers = [m for m in model.modules() if isinstance(m, Fp8Linear)]
+    elem, tiles = (1, args.recipe == "fine-grained") if args.fp8_all_gather else (2, False)
+    theory = sum(2 * m.weight.numel() * elem + (4 * m.weight.numel() // TILE ** 2 if tiles else 0)
+                 for m in layers)
+    f = dict(all_gather_bytes_per_step=comm.total("all_gather"), all_gather_bytes_theory=theory,
+             reduce_scatter_bytes_per_step=comm.total("reduce_scatter"),
+             all_reduce_bytes_per_step=comm.total("all_reduce"),
+             all_reduce_calls_per_step=comm.total("all_reduce", what="calls"), fp8_layers=len(layers),
+             shard_elements=sum(m.weight.numel() for m in layers), comm=comm.table())
+    d.log(f"--- summary (rank 0 of {d.world}) ---\n"
+          f"FP8 layers                       {len(layers)} ({args.recipe}), {f['shard_elements']} weight "
+          f"elements in this rank's shards\n"
+          f"all-gather per rank/step         {f['all_gather_bytes_per_step']} bytes (counted), {theory} "
+          f"(theory: 2 x shard elements x {elem}{' + block scales' if tiles else ''})\n"
+          f"reduce-scatter per rank/step     {f['reduce_scatter_bytes_per_step']} bytes (counted)\n"
+          f"all-reduce per rank/step         {f['all_reduce_bytes_per_step']} bytes in "
+          f"{f['all_reduce_calls_per_step']} calls (counted: amaxes, replicated gradients, the norm)")
+    return f
+
+
+def full_params(model, group):
+    """The whole model by name (the Fp8Linear shards gathered in their dtype), as the reference names it."""
+    shards = {m.key + ".weight" for m in model.modules() if isinstance(m, Fp8Linear)}
+    return {n: all_gather_rows(p.detach(), group) if n in shards else p.detach()
+            for n, p in model.named_parameters()}
+
+
+# --- reference for --check ---
+# One process on the whole global batch, written apart from the technique: its own quantizer, formats and amax
+# history, and each GEMM a plain float32 matmul computed as the ranks compute it (rows cut into the ranks'
+# rows; fine-grained: per 128 of K, each partial sum scaled; the weight gradient per rank's tokens, summed in
+# the master dtype). The amaxes are the whole batch's, as the run's all-reduced ones. With float64 masters
+# everything outside the FP8 GEMMs is float64, the FP8 numbers are then the same, and the check holds at
+# 1e-9 (measured 1e-16). With float32 masters, float32 sums in another order (the all-reduces, torch's own
+# kernels on fewer rows) move values by a roundoff, a value a roundoff from an FP8 rounding boundary lands on
+# the other side (1/16 of it), and roundoff grows chaotically (2e-2 in 20 steps): check_args refuses that.
+REF_E4M3, REF_E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+
+
+def ref_quant(t, fmt, tile=None, block=False, amax=None):
+    """t (R, C) -> (its FP8 values as floats, scale): one scale (from `amax`, else |t|'s max), or one per
+    1 x tile (tile x tile with `block`) along the last dim, given per row: (R, C/tile)."""
+    fmax = torch.finfo(fmt).max
+    if tile is None:
+        s = (t.abs().max().float() if amax is None else amax).clamp_min(1e-12) / fmax
+        return (t / s).clamp(-fmax, fmax).to(fmt).float(), s
+    r, c = t.shape
+    v = t.reshape(r // (tile if block else 1), tile if block else 1, c // tile, tile)
+    s = v.abs().amax(dim=(1, 3), keepdim=True).float().clamp_min(1e-12) / fmax  # (R', 1, C/tile, 1)
+    q = (v / s).clamp(-fmax, fmax).to(fmt).float().reshape(r, c)
+    return q, s[:, 0, :, 0].repeat_interleave(tile if block else 1, 0)  # (R, C/tile)
+
+
+def ref_mm(a, sa, b, sb, world, tile):
+    """(a, sa) @ (b, sb)^T as the ranks compute it: a's rows split into the ranks' rows, each a float32 GEMM:
+    per tensor, of the dequantized operands; with tiles, per 128 of K, each partial sum scaled and added."""
+    out = []
+    for rows, srows in zip(a.chunk(world), sa.chunk(world) if tile else [sa] * world):
+        if not tile:
+            out.append((rows * sa) @ (b * sb).t())
+            continue
+        out.append(sum((rows[:, k * tile:(k + 1) * tile] @ b[:, k * tile:(k + 1) * tile].t())
+                       * srows[:, k, None] * sb[None, :, k] for k in range(a.shape[1] // tile)))
+    return torch.cat(out)
+
+
+class RefQuant:
+    """The recipe, as the reference applies it to whole tensors: delayed keeps its own amax history."""
+
+    def __init__(self, args, world):
+        self.recipe, self.hist, self.n, self.world = args.recipe, {}, args.amax_history, world
+        self.bf16_gather = not args.fp8_all_gather
+        self.tile = 128 if args.recipe == "fine-grained" else None
+        self.fmt = dict(fwd=REF_E4M3, bwd=REF_E4M3 if self.tile else REF_E5M2)
+
+    def __call__(self, t, role, key, block=False):
+        if self.tile:
+            return ref_quant(t, self.fmt[role], self.tile, block)
+        amax = t.abs().max().float()
+        if self.recipe == "delayed":
+            past = self.hist.get(key, [])
+            self.hist[key] = ([amax] + past)[:self.n]
+            amax = max(past) if past else amax  # the scale the history gave before this amax joined it
+        return ref_quant(t, self.fmt[role], amax=amax)
+
+
+class RefFp8(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, w, q, key):  # x (M, K): the global batch's tokens; w (N, K) whole
+        w_in = w.to(torch.bfloat16).to(w.dtype) if q.bf16_gather else w  # the run's bf16 all-gather
+        (xq, sx), (wq, sw) = q(x, "fwd", key + ".x"), q(w_in, "fwd", key + ".w", block=True)
+        ctx.save_for_backward(x, xq, sx, wq, sw)
+        ctx.q, ctx.key = q, key
+        return ref_mm(xq, sx, wq, sw, q.world, q.tile).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, dy):  # dy (M, N)
+        x, xq, sx, wq, sw = ctx.saved_tensors
+        q, key, t = ctx.q, ctx.key, ctx.q.tile
+        gq, sg = q(dy, "bwd", key + ".dy")
+        swt = sw[::t].t().repeat_interleave(t, 0) if t else sw  # W^T's rows are K: (K, N/128) block scales
+        dx = ref_mm(gq, sg, wq.t(), swt, q.world, t).to(x.dtype)
+        if t:  # the weight gradient's tiles run along the tokens
+            (gq, sg), (xq, sx) = ref_quant(dy.t(), q.fmt["bwd"], t), ref_quant(x.t(), q.fmt["fwd"], t)
+            gq, xq = gq.t(), xq.t()
+        # each rank's tokens: a float32 GEMM; their sum in the master dtype
+        parts = zip(gq.chunk(q.world), xq.chunk(q.world), (sg.chunk(q.world, 1) if t else [sg] * q.world),
+                    (sx.chunk(q.world, 1) if t else [sx] * q.world))
+        dw = sum(ref_mm(g.t(), sgr, xs.t(), sxr, 1, t).to(x.dtype) for g, xs, sgr, sxr in parts)
+        return dx, dw, None, None
+
+
+class RefLinear(nn.Module):
+    def __init__(self, lin, q, key):
+        super().__init__()
+        self.weight, self.bias, self.q, self.key = lin.weight, lin.bias, q, key
+
+    def forward(self, x):  # (..., K) -> (..., N)
+        y = RefFp8.apply(x.reshape(-1, x.shape[-1]), self.weight, self.q, self.key)
+        return y.view(*x.shape[:-1], -1) + (0 if self.bias is None else self.bias)
+
+
+def reference(args, world, device):
+    """One-process training on the global batch; the block linears quantized as the recipe says."""
+    data = MarkovData(args.vocab, args.seed)
+    model = build_gpt(GPTConfig.from_args(args), args.seed, DTYPES[args.dtype], device)
+    if args.recipe not in ("bf16", "none"):
+        q = RefQuant(args, world)
+        lins = [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and not n.endswith("head")]
+        for name in lins:
+            parent, _, attr = name.rpartition(".")
+            setattr(model.get_submodule(parent), attr, RefLinear(model.get_submodule(name), q, name))
+    opt, losses = make_optimizer(model.parameters(), args), []
+    for step in range(args.steps):
+        x, y = (t.to(device) for t in data.batch(step, args.batch_size, args.seq_len, args.ragged))
+        loss = lm_loss(model(x), y, count_tokens(y))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        if args.clip > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
+        opt.step()
+        losses.append(loss.item())
+    return dict(losses=losses, params={n: p.detach().clone() for n, p in model.named_parameters()})
+
+
+if __name__ == "__main__":
+    main()
