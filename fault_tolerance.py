@@ -476,8 +476,8 @@ def check_args(args):
         if v >= 0 and not (v < R and 0 <= args.at_step < args.steps):
             fail(f"--{name.replace('_', '-')} {v} needs a replica in 0..{R - 1} and --at-step in "
                  f"0..{args.steps - 1}, got --at-step {args.at_step}")
-    if (args.kill_replica >= 0 or args.freeze_replica >= 0) and R < 2:
-        fail("--kill-replica and --freeze-replica need --replicas 2 or more: someone must go on")
+    if (args.kill_replica >= 0 and args.recipe == "live" or args.freeze_replica >= 0) and R < 2:
+        fail("--kill-replica (live) and --freeze-replica need --replicas 2 or more: someone must go on")
     if torch.cuda.is_available() and R > torch.cuda.device_count():
         fail(f"--replicas {R} needs a GPU each ({torch.cuda.device_count()} here): NCCL refuses two ranks of "
              "one group on one GPU")

@@ -1,7 +1,7 @@
 """The check for a machine with GPUs (the pytest suite always runs on CPU): each file's modes with --check,
 one line per run, sized to the GPUs and the minutes at hand; exit 1 if any run fails, 2 on a bad flag.
 
-    bash tests/gpu_check.sh --one-gpu           # one GPU: the CUDA-only paths, world 1 (29 launches, ~5 min)
+    bash tests/gpu_check.sh --one-gpu           # one GPU: the CUDA-only paths, world 1 (38 launches, 6-8 min)
     bash tests/gpu_check.sh                     # N = every visible GPU: world N's plan, then the one-GPU plan
     bash tests/gpu_check.sh --world 4 --only zero.py,moe.py --minutes 10   # a slice, within a budget
     bash tests/gpu_check.sh --cpu --one-gpu     # the same plan on gloo + CPU (to try the script itself)
@@ -38,6 +38,10 @@ Restarts and recompute's RNG replay compare losses bit for bit, with cuBLAS's wo
 (CUBLAS_WORKSPACE_CONFIG=:4096:8) and torch.use_deterministic_algorithms(True, warn_only=True). If a pair
 differs, a second uninterrupted run measures CUDA's run-to-run spread: a pair that differs while the two
 uninterrupted runs agree bit for bit fails; otherwise it must lie within 10 x the measured spread.
+The one-GPU plan also runs diloco.py's bf16 and float8 wire with an exchange in flight, megatron_tp's and
+zero.py's restarts with dropout (the CUDA generator in their checkpoints), the 2024 MoE (moe_deepseek.py) and
+fault_tolerance.py through its own launcher (R = 1, and the restart recipe). Its time: 6-8 min on a freshly
+started GPU, assuming 10 s per warm launch and 20-30 s of cold imports and CUDA context on the first ones.
 Estimated time: launches x 10 s at world 1, 15 s at world >= 2 (see docs/gpus.md); --minutes rescales the
 estimates of what is left by the measured time of what ran."""
 import argparse, json, os, re, shutil, subprocess, sys, tempfile, time
@@ -46,8 +50,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 STEP = re.compile(r"^step\s+(\d+) \| loss ([\d.naninf]+) \|\s+([\d.]+) ms", re.M)
 FILES = ("dp.py", "ddp_bucketed.py", "diloco.py", "fault_tolerance.py", "gpipe.py", "pipedream.py",
-         "zero_bubble.py", "megatron_tp.py", "ptdp.py", "moe.py", "zero.py", "memory_savers.py",
-         "context_parallel.py", "bench.py")
+         "zero_bubble.py", "megatron_tp.py", "ptdp.py", "moe.py", "moe_deepseek.py", "zero.py",
+         "memory_savers.py", "context_parallel.py", "bench.py")
 # Seconds per launch on a GPU machine (an estimate: interpreter + torch import, CUDA context, NCCL
 # communicators, the tiny model and its --check reference, teardown); --cpu: measured on 2 shared cores
 # under load, the workers forked from a warm interpreter, except bench.py's (its own torchrun launches).
@@ -70,10 +74,9 @@ def plan(w):
             ("megatron tp", "megatron_tp.py", ["--tp", w]),
             ("megatron tp sequence parallel", "megatron_tp.py", ["--tp", w, "--sequence-parallel"]),
             *[(f"moe {r}", "moe.py", ["--router", r, "--ep", w, "--experts", 2 * w])
-              for r in ("switch", "gshard", "noisy_topk", "expert_choice", "loss_free")],
-            ("moe loss_free dropless shared", "moe.py",
-             ["--router", "loss_free", "--ep", w, "--experts", 2 * w, "--capacity-factor", 0,
-              "--shared-experts", 1]),
+              for r in ("switch", "gshard", "noisy_topk", "expert_choice")],
+            ("moe loss_free", "moe_deepseek.py", ["--ep", w, "--experts", 2 * w, "--shared-experts", 0]),
+            ("moe loss_free dropless shared", "moe_deepseek.py", ["--ep", w, "--experts", 2 * w]),
             *[(f"zero stage {s}", "zero.py", ["--stage", s, "--accum", 2]) for s in range(4)],
             ("zero 2 offload bf16", "zero.py", ["--stage", 2, "--offload", "--mixed-precision", "bf16"]),
             ("zero 3 fp16 loss scaling", "zero.py", ["--stage", 3, "--mixed-precision", "fp16"]),
@@ -162,10 +165,9 @@ def one_gpu_plan():
             *[(f"diloco streaming overlap {wire}", "diloco.py", DILOCO + ["--outer-dtype", wire])
               for wire in ("bfloat16", "float8_e4m3fn")],
             *[(f"moe {r}", "moe.py", ["--router", r, "--ep", 1, "--experts", 4])
-              for r in ("switch", "gshard", "noisy_topk", "expert_choice", "loss_free")],
-            ("moe loss_free dropless shared", "moe.py",
-             ["--router", "loss_free", "--ep", 1, "--experts", 4, "--capacity-factor", 0,
-              "--shared-experts", 1])]
+              for r in ("switch", "gshard", "noisy_topk", "expert_choice")],
+            ("moe loss_free", "moe_deepseek.py", ["--ep", 1, "--experts", 4, "--shared-experts", 0]),
+            ("moe loss_free dropless shared", "moe_deepseek.py", ["--ep", 1, "--experts", 4])]
     return [(name, f, [*model_flags(1), *flags, "--check"]) for name, f, flags in runs]
 
 
@@ -185,8 +187,8 @@ def jobs(w, cpu, gpus):
         # the CUDA generator's state in a checkpoint: megatron's RNG tracker, zero.py's sharded checkpoint
         add("same", "megatron tp 1 dropout 0.1 restart", "megatron_tp.py", 2, a=[*drop, "--tp", 1],
             b=[[*drop, "--tp", 1]], restart=True)
-        add("same", "zero 3 dropout 0.1 restart", "zero.py", 2, a=[*drop, "--stage", 3], b=[[*drop, "--stage", 3]],
-            restart=True)
+        add("same", "zero 3 dropout 0.1 restart", "zero.py", 2, a=[*drop, "--stage", 3],
+            b=[[*drop, "--stage", 3]], restart=True)
         for name, flags in ft_plan(1):
             add("ft", name, "fault_tolerance.py", 1 + ("restart" in name), argv=flags)
         add("bench", "bench world 1", "bench.py", 11, pairs="ddp,dp_sync,zero1,zero2,zero3,tp")
@@ -337,7 +339,8 @@ def run_ft(job, cpu, tmp, timeout):
     cuda:(replica % GPUs)); --check replays who took part in which step in one process."""
     ckpt = tmp / re.sub(r"\W+", "_", job["name"])
     argv = [*job["argv"], *(["--ckpt-dir", ckpt] if "restart" in job["argv"] else [])]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **({"CUDA_VISIBLE_DEVICES": ""} if cpu else {}))
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
+               **({"CUDA_VISIBLE_DEVICES": ""} if cpu else {}))
     try:
         p = subprocess.run([sys.executable, str(ROOT / job["file"]), *map(str, argv)], cwd=ROOT, env=env,
                            capture_output=True, text=True, timeout=timeout)

@@ -150,7 +150,7 @@ def test_gpu_check_one_gpu_plan_only_world_and_minutes(capsys):
                      "switch", "gshard", "noisy_topk", "expert_choice", "loss_free"))):
         assert any(path in n for n in runs), (path, out)  # every CUDA-only path of issue 31 is planned
     n = sum(runs.values())  # the launch count printed is the sum of the runs' launches; 10 s each: < 6 min
-    assert f"{len(runs)} runs ({n} launches)" in out and 10 * n < 6 * 60, out
+    assert f"{len(runs)} runs ({n} launches)" in out and 10 * n < 7 * 60, out  # issue 39.4 added 9 launches
     # --only: just those files' runs; a file that is not in the plan is one line and exit 2
     rc, out = gpu_check_main(capsys, "--dry-run", "--for-gpus", "4", "--only", "zero.py,moe.py")
     files = set(re.findall(r"launch\(es\), ~\d+ s  (\S+)", out))

@@ -153,7 +153,7 @@ def test_gpu_check_plans_a_legal_run_for_any_gpu_count(tmp_path):
     kinds = {name.split(" (")[0] for name, _, _ in gpu_check.plan(8) + gpu_check.extra_plan(8)}
     assert len(kinds) >= 40 and {f for _, f, _ in gpu_check.plan(8)} == {
         "dp.py", "ddp_bucketed.py", "gpipe.py", "pipedream.py", "zero_bubble.py", "megatron_tp.py", "ptdp.py",
-        "moe.py", "zero.py", "memory_savers.py", "context_parallel.py"}, kinds
+        "moe.py", "moe_deepseek.py", "zero.py", "memory_savers.py", "context_parallel.py"}, kinds
     wrong_world = [dict(file=f, world=4, rank=0, argv=list(map(str, flags)), torchrun=True, name=name)
                    for name, f, flags in gpu_check.plan(6) if f in ("ptdp.py", "megatron_tp.py", "moe.py")]
     (tmp_path / "cases.json").write_text(json.dumps(cases + wrong_world))
