@@ -186,9 +186,13 @@ def test_gpu_check_budget_and_rerun_verdicts(capsys, monkeypatch):
     monkeypatch.setattr(gpu_check, "launch", lambda w, f, flags, cpu, env=None, restarts=0, timeout=300: (
         timeouts.append(timeout), (0, "check vs one-process reference: max rel loss diff 0 -> PASSED"))[1])
     monkeypatch.setattr(gpu_check, "run_bench", lambda *a: timeouts.append("bench"))
+    run_same = gpu_check.run_same  # zero.py's restart pair: recorded here, its verdict is checked below
+    monkeypatch.setattr(gpu_check, "run_same", lambda job, cpu, tmp, deadline: timeouts.append("same"))
     rc, out = gpu_check_main(capsys, "--cpu", "--one-gpu", "--only", "zero.py,bench.py", "--minutes", "0.4")
+    monkeypatch.setattr(gpu_check, "run_same", run_same)
     assert rc == 0 and "bench world 1 (world 1)" in out and "skipped" in out and "bench" not in timeouts, out
-    assert len(timeouts) == 2 and all(t <= 24 for t in timeouts), timeouts  # 2 zero.py runs, each <= 0.4 min
+    checks = [t for t in timeouts if t != "same"]
+    assert len(checks) == 2 and all(t <= 24 for t in checks), timeouts  # 2 zero.py runs, each <= 0.4 min
     job = dict(name="x", world=1, file="dp.py", a=[], b=[[]], restart=True)
 
     def verdict(a, b, again, killed=True):

@@ -206,7 +206,11 @@ def pipeline_rows(s, name):
         sends = sum(c for k, (c, _, _) in comm.items() if k.startswith("send"))
         sent = sum(x for k, (_, x, _) in comm.items() if k.startswith("send"))
         if gpipe:  # gpipe.py copies each micro-batch's tokens and targets: its own storage
-            rows += [(f"stage {r} held for backward", f["saved_activation_bytes"][r], mem["activations"]),
+            # (its watcher takes the schedule's loss function from main() and so does not see the last
+            # stage's 0-dim loss, 8 bytes per micro-batch, which plan counts as that stage's output)
+            loss_seen = 8 * m if r == p - 1 else 0
+            rows += [(f"stage {r} held for backward", f["saved_activation_bytes"][r],
+                      mem["activations"] - loss_seen),
                      (f"stage {r} model state", f["state_bytes"][r], state(mem)),
                      (f"stage {r} bytes sent", f["sent_bytes_per_rank"][r], sent)]
         else:  # pipedream.py's micro-batches are views of the step's batch, alive through the step (its
