@@ -1,7 +1,8 @@
 """The check for a machine with GPUs (the pytest suite always runs on CPU): each file's modes with --check,
 one line per run, sized to the GPUs and the minutes at hand; exit 1 if any run fails, 2 on a bad flag.
 
-    bash tests/gpu_check.sh --one-gpu           # one GPU: the CUDA-only paths, world 1 (38 launches, 6-8 min)
+    bash tests/gpu_check.sh --one-gpu           # one GPU: the CUDA-only paths, world 1 (41 launches,
+                                                # 6.5-8.5 min)
     bash tests/gpu_check.sh                     # N = every visible GPU: world N's plan, then the one-GPU plan
     bash tests/gpu_check.sh --world 4 --only zero.py,moe.py --minutes 10   # a slice, within a budget
     bash tests/gpu_check.sh --cpu --one-gpu     # the same plan on gloo + CPU (to try the script itself)
@@ -39,9 +40,11 @@ Restarts and recompute's RNG replay compare losses bit for bit, with cuBLAS's wo
 differs, a second uninterrupted run measures CUDA's run-to-run spread: a pair that differs while the two
 uninterrupted runs agree bit for bit fails; otherwise it must lie within 10 x the measured spread.
 The one-GPU plan also runs diloco.py's bf16 and float8 wire with an exchange in flight, megatron_tp's and
-zero.py's restarts with dropout (the CUDA generator in their checkpoints), the 2024 MoE (moe_deepseek.py) and
-fault_tolerance.py through its own launcher (R = 1, and the restart recipe). Its time: 6-8 min on a freshly
-started GPU, assuming 10 s per warm launch and 20-30 s of cold imports and CUDA context on the first ones.
+zero.py's restarts with dropout (the CUDA generator in their checkpoints), the 2024 MoE (moe_deepseek.py),
+fault_tolerance.py through its own launcher (R = 1, and the restart recipe) and fp8.py's three recipes (the
+loss falls, finite: its --check reference is FP32 arithmetic, not the tensor cores' FP8 GEMM). Its time:
+6.5-8.5 min on a freshly started GPU, assuming 10 s per warm launch and 20-30 s of cold imports and CUDA
+context on the first ones.
 Estimated time: launches x 10 s at world 1, 15 s at world >= 2 (see docs/gpus.md); --minutes rescales the
 estimates of what is left by the measured time of what ran."""
 import argparse, json, os, re, shutil, subprocess, sys, tempfile, time
@@ -51,7 +54,7 @@ ROOT = Path(__file__).resolve().parent.parent
 STEP = re.compile(r"^step\s+(\d+) \| loss ([\d.naninf]+) \|\s+([\d.]+) ms", re.M)
 FILES = ("dp.py", "ddp_bucketed.py", "diloco.py", "fault_tolerance.py", "gpipe.py", "pipedream.py",
          "zero_bubble.py", "megatron_tp.py", "ptdp.py", "moe.py", "moe_deepseek.py", "zero.py",
-         "memory_savers.py", "context_parallel.py", "bench.py")
+         "memory_savers.py", "fp8.py", "context_parallel.py", "bench.py")
 # Seconds per launch on a GPU machine (an estimate: interpreter + torch import, CUDA context, NCCL
 # communicators, the tiny model and its --check reference, teardown); --cpu: measured on 2 shared cores
 # under load, the workers forked from a warm interpreter, except bench.py's (its own torchrun launches).
@@ -151,6 +154,19 @@ def ft_plan(w):
     return [(name, [*model_flags(w), "--steps", 6, *flags, "--check"]) for name, flags in runs]
 
 
+def fp8_plan(w):
+    """fp8.py on CUDA: [(name, flags)] of runs whose loss must fall, finite (no --check: the reference
+    multiplies the dequantized operands in FP32, while the tensor cores' FP8 GEMM accumulates in its own
+    order, and an FP8 rounding boundary crossed turns that roundoff chaotic; docs/fp8.md). Fine-grained
+    needs K and the tokens per rank in whole 128-tiles."""
+    steps = ["--steps", 20]
+    if w > 1:
+        return [("fp8 current fp8-all-gather loss falls", [*model_flags(w), *steps, "--recipe", "current",
+                                                            "--fp8-all-gather"])]
+    return [(f"fp8 {r} loss falls", [*model_flags(1), *steps, "--recipe", r, *extra]) for r, extra in (
+        ("current", []), ("delayed", ["--amax-history", 4]), ("fine-grained", ["--d-model", 128]))]
+
+
 def one_gpu_plan():
     """World 1: the CUDA-only paths, [(name, file, flags)] with --check (jobs() adds the pairs compared bit
     for bit and bench.py)."""
@@ -191,6 +207,8 @@ def jobs(w, cpu, gpus):
             b=[[*drop, "--stage", 3]], restart=True)
         for name, flags in ft_plan(1):
             add("ft", name, "fault_tolerance.py", 1 + ("restart" in name), argv=flags)
+        for name, flags in fp8_plan(1):
+            add("falls", name, "fp8.py", 1, flags=flags)
         add("bench", "bench world 1", "bench.py", 11, pairs="ddp,dp_sync,zero1,zero2,zero3,tp")
         return out
     for name, f, flags in plan(w) + extra_plan(w):
@@ -206,6 +224,8 @@ def jobs(w, cpu, gpus):
         add("same", name, f, 2, a=flags, b=[flags], restart=True)
     for name, flags in ft_plan(w):
         add("ft", name, "fault_tolerance.py", 1 + ("restart" in name), argv=flags)
+    for name, flags in fp8_plan(w):
+        add("falls", name, "fp8.py", 1, flags=flags)
     if w >= 3:
         add("stragglers", "dp async stragglers overlap", "dp.py", 2)
     add("bench", f"bench world {w}", "bench.py", 22, pairs="all")
@@ -350,6 +370,15 @@ def run_ft(job, cpu, tmp, timeout):
     line(job["name"], rc == 0 and "PASSED" in out, check_line(out), out)
 
 
+def run_falls(job, cpu, tmp, timeout):
+    """A run without a reference on CUDA: every loss finite, and the last three below the first."""
+    rc, out = launch(job["world"], job["file"], job["flags"], cpu, timeout=timeout)
+    loss = [float(x[1]) for x in STEP.findall(out)]
+    ok = rc == 0 and len(loss) > 3 and all(x == x and abs(x) != float("inf") for x in loss)
+    ok = ok and max(loss[-3:]) < loss[0]
+    line(job["name"], ok, f"loss {loss[0]:.3f} -> {loss[-1]:.3f} over {len(loss)} steps" if loss else "", out)
+
+
 def bench_flags(w):
     """The plan's model; 2w micro-batches (ZB-V needs m >= 2p - 1) of 2 sequences per rank."""
     return [*model_flags(w), "--batch-size", 4 * w * w, "--microbatches", 2 * w, "--warmup", 2]
@@ -476,6 +505,8 @@ def main(argv=None):
             run_same(j, args.cpu, tmp, deadline)
         elif j["kind"] == "ft":
             run_ft(j, args.cpu, tmp, min(timeout, 300))
+        elif j["kind"] == "falls":
+            run_falls(j, args.cpu, tmp, min(timeout, 300))
         elif j["kind"] == "stragglers":
             stragglers(j["world"], args.cpu, timeout=min(timeout, 300))
         else:

@@ -218,3 +218,23 @@ def test_docstring_command_runs_as_printed(script, cmd):
     """The same check for the commands a file's docstring prints: the reader meets them first."""
     why = runs_as_printed(cmd)
     assert why is None, f"{script} docstring: `{cmd}`: {why}"
+
+
+def test_gpu_plan_sizes_in_the_docs_are_the_plans():
+    """docs/gpus.md's table and the README's figures are what `gpu_check.py --dry-run` plans (they drifted
+    once: 121 launches printed where the plan had 135)."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    import gpu_check
+    table = re.findall(r"^\| (`--one-gpu`|(\d) GPUs \(world \d, then world 1\)) \| (\d+) \| (\d+) \| ([\d.]+) min",
+                       (ROOT / "docs/gpus.md").read_text(), re.M)
+    assert len(table) == 3, table
+    for _, gpus, runs, launches, minutes in table:
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            gpu_check.main(["--dry-run", *(["--for-gpus", gpus] if gpus else ["--one-gpu"])])
+        planned = re.search(r"planned: (\d+) runs \((\d+) launches\).*estimated ([\d.]+) min", out.getvalue())
+        assert planned.groups()[:2] == (runs, launches), (gpus, planned.group(0))
+        assert abs(float(planned.group(3)) - float(minutes)) <= 0.5, (gpus, planned.group(0))
+    readme = (ROOT / "README.md").read_text()
+    one, eight = re.search(r"--one-gpu` runs .*?\((\d+) launches.*?\((\d+) launches", readme, re.S).groups()
+    assert (one, eight) == (table[0][3], table[2][3]), (one, eight)
