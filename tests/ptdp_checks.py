@@ -384,8 +384,8 @@ TEXT = (section.ROOT / "ptdp.py").read_text()
 MUTANTS = {  # name: (a line of ptdp.py, what the mutant has instead)
     "norm-counts-replicas": ('counted = [float(getattr(q, "tp_split", False) or tp_rank == 0) for q in params]',
                              'counted = [1.0 for q in params]'),  # every TP rank adds its replicated copies
-    "no-dp-all-reduce": ("    if dist.get_world_size(group) == 1:\n        return\n",
-                         "    if True:\n        return\n"),  # the gradients never summed over dp x cp
+    "no-dp-all-reduce": ("            dist.all_reduce(flat, group=group)\n",
+                         "            pass\n"),  # the gradients never summed over dp x cp
     "kv-to-tp-peer": ("y = RingAttention.apply(q, k, v, self.cp_group)",  # K/V round the wrong ring: the TP
                       "y = RingAttention.apply(q, k, v, self.group)"),  # peer's (its other heads, my tokens)
     "grads-over-dp-not-cp": ('("dp", [1, 2])', '("dp", [1])'),  # the gradient group: dp alone
