@@ -86,7 +86,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from einops import rearrange
 
-from common import (build_gpt, count_tokens, DTYPES, fail, GPTConfig, init_dist, lm_loss, make_optimizer,
+from common import (build_gpt, count_tokens, DTYPES, fail, GPT, GPTConfig, init_dist, lm_loss, make_optimizer,
                     MarkovData)
 from harness import (assemble_full, busy_ms, check_against_reference, check_common_args, CommCounter,
                      CommonArgs, draw_timeline, env_world_size, gather_rows, parse_args,
@@ -107,14 +107,6 @@ class Args(CommonArgs):
 
 
 # ------------------------------------------------------------------------- tensor parallel: f, g, the layers
-def summed(x, group):
-    """x summed over `group`, in a new tensor (autograd's tensors are not ours to change in place)."""
-    x = x.clone()
-    if dist.get_world_size(group) > 1:  # a group of one (t = 1): nothing to add
-        dist.all_reduce(x, group=group)
-    return x
-
-
 class f(torch.autograd.Function):
     """Megatron's f: identity forward, all-reduce backward. It opens a TP region: every rank multiplies the
     same X by its own shard, so each rank's dL/dX is a partial sum, completed here."""
@@ -125,8 +117,8 @@ class f(torch.autograd.Function):
         return x.view_as(x)
 
     @staticmethod
-    def backward(ctx, grad):  # (b, T, D) partial -> summed over the TP group
-        return summed(grad, ctx.group), None
+    def backward(ctx, grad):  # (b, T, D) partial -> summed over the TP group: f's backward is g's forward
+        return g.forward(None, grad, ctx.group), None
 
 
 class g(torch.autograd.Function):
@@ -134,7 +126,10 @@ class g(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, group):  # (b, T, D) partial -> summed, replicated
-        return summed(x, group)
+        x = x.clone()  # a new tensor: autograd's tensors are not ours to change in place
+        if dist.get_world_size(group) > 1:  # a group of one (t = 1): nothing to add
+            dist.all_reduce(x, group=group)
+        return x
 
     @staticmethod
     def backward(ctx, grad):
@@ -143,7 +138,8 @@ class g(torch.autograd.Function):
 
 def check_heads(heads, t):
     if heads % t:
-        raise ValueError(f"{heads} heads do not split over t = {t}: use heads divisible by t")
+        raise ValueError(f"--n-heads {heads} is not divisible by --tp {t}: {heads} heads do not split over "
+                         f"t = {t}: use heads divisible by t")
 
 
 def tp_dim(name):
@@ -194,8 +190,8 @@ def zigzag(x, cp, r, dim=1):
     """(.., T, ..) whole sequences -> (.., T/cp, ..) CP rank r's tokens: chunks r and 2cp-1-r of 2cp, an early
     one and a late one, so that under the causal mask every rank does the same work (Llama 3, Sec. 3.3.2)."""
     if x.shape[dim] % (2 * cp):
-        raise ValueError(f"{x.shape[dim]} tokens do not cut into 2 x cp = {2 * cp} equal chunks: use a "
-                         f"sequence length divisible by {2 * cp}")
+        raise ValueError(f"--seq-len {x.shape[dim]} is not divisible by 2 x cp = {2 * cp}: {x.shape[dim]} "
+                         f"tokens do not cut into 2 x cp = {2 * cp} equal chunks: use a multiple of {2 * cp}")
     pieces = x.chunk(2 * cp, dim)
     return torch.cat([pieces[r], pieces[2 * cp - 1 - r]], dim)
 
@@ -237,12 +233,11 @@ def ring(q, k, v, group):
     out, lse = attend(q, kv[0], kv[1], causal=True)
     for i in range(1, cp):
         kv, early = Pass.apply(kv, group), (r - i) % cp < r  # now holding rank r-i's block
-        rows = slice(0 if early else half, None)
+        lo = 0 if early else half  # my rows lo.. see it; those before keep what they have
         o, l = attend(q, *kv[:, :, :, :half]) if early else attend(q[:, :, half:], *kv)
-        new = torch.logaddexp(lse[:, :, rows], l)  # (b, h, rows, 1): the union's exp-sum
-        o = out[:, :, rows] * torch.exp(lse[:, :, rows] - new) + o * torch.exp(l - new)
-        out, lse = (o, new) if early else (torch.cat([out[:, :, :half], o], 2), torch.cat([lse[:, :, :half],
-                                                                                         new], 2))
+        new = torch.logaddexp(lse[:, :, lo:], l)  # (b, h, T/cp - lo, 1): the union's exp-sum
+        o = out[:, :, lo:] * torch.exp(lse[:, :, lo:] - new) + o * torch.exp(l - new)
+        out, lse = torch.cat([out[:, :, :lo], o], 2), torch.cat([lse[:, :, :lo], new], 2)
     return out
 
 
@@ -252,10 +247,9 @@ class RingAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, group):
-        cp = dist.get_world_size(group)
+        cp, ctx.group = dist.get_world_size(group), group
         zigzag(torch.arange(cp * q.shape[2]), cp, 0, 0)  # its check, before anything is sent
         ctx.save_for_backward(q, k, v)
-        ctx.group = group
         return ring(q, k, v, group).to(q.dtype)
 
     @staticmethod
@@ -268,7 +262,8 @@ class RingAttention(torch.autograd.Function):
 
 def check_chunk(layers, c, n):
     if layers % n or not 0 <= c < n:
-        raise ValueError(f"chunk {c} of {n}: need 0 <= c < n, n dividing the {layers} layers")
+        cut = f"--n-layers {layers} is not divisible by pp x virtual stages = {n}: " if layers % n else ""
+        raise ValueError(f"{cut}chunk {c} of {n}: need 0 <= c < n, n dividing the {layers} layers")
 
 
 class Chunk(nn.Module):
@@ -305,18 +300,19 @@ def warmup(p, v, m, r):
 
 
 def schedule(p, v, m, r):
-    """Interleaved 1F1B: rank r's ops in order, (kind, chunk, micro-batch). The k-th forward runs micro-batch
-    (k // pv)*p + k % p on local chunk (k % pv) // p: groups of p micro-batches sweep the rank's chunks in
-    order; backwards sweep them in reverse (the table in the docstring)."""
+    """Interleaved 1F1B: rank r's ops in order, (kind, chunk, micro-batch). Groups of p micro-batches sweep
+    the rank's chunks in order forwards (fwd), in reverse backwards (bwd), as the docstring's table shows."""
     def fwd(k):
         return ((k % (p * v)) // p) * p + r, (k // (p * v)) * p + k % p
 
     def bwd(k):
         c, mb = fwd(k)
         return (v - 1 - c // p) * p + r, mb
-    if min(p, v, m) < 1 or not 0 <= r < p or v > 1 and m % p:
-        raise ValueError(f"schedule of p = {p}, v = {v}, m = {m}, r = {r}: need p, v, m >= 1, 0 <= r < p, "
-                         f"and with v > 1 m a multiple of p (interleaving runs groups of p micro-batches)")
+    if min(p, v, m) < 1 or not 0 <= r < p:
+        raise ValueError(f"schedule of p = {p}, v = {v}, m = {m}, r = {r}: need p, v, m >= 1 and 0 <= r < p")
+    if v > 1 and m % p:
+        raise ValueError(f"--microbatches {m} is not a multiple of --pp {p}: schedule of v = {v}, m = {m}: "
+                         "with v > 1 m a multiple of p (interleaving runs groups of p micro-batches)")
     w, n = warmup(p, v, m, r), v * m
     ops = [("F", *fwd(k)) for k in range(w)]
     for i in range(n - w):
@@ -364,9 +360,7 @@ def comm_plan(p, v, m, r):
     ranks post their batches in order of G and none waits for a later one: no cycle (NCCL deadlocks on a
     send whose receive is posted behind a wait on the sender)."""
     at, n, items = ideal_timeline(p, v, m), p * v, collections.defaultdict(lambda: ([], []))
-    spans = collections.defaultdict(list)  # pp rank -> (start, end) of its ops
-    for q, start, end in at.values():
-        spans[q].append((start, end))
+    spans = {q: [(a, z) for x, a, z in at.values() if x == q] for q in range(p)}  # q's ops: (start, end)
     for msg in (needs(op, n) for op in at):
         if msg is not None and at[producer(msg)][0] != at[msg][0]:
             (src, _, made), (dst, used, _) = at[producer(msg)], at[msg]
@@ -383,15 +377,12 @@ def comm_plan(p, v, m, r):
     return [step for _, step in sorted(steps, key=lambda x: x[0])]
 
 
-TAG = {"F": 0, "B": 1}  # a point-to-point tag per direction: activations 0, gradients 1 (NCCL ignores tags)
-
-
 class PipelineRank:
-    """Rank r of the p in a pipeline's `group`: runs comm_plan's steps over its chunks {global index: module}
-    (r, r + p, ... of n = p * v) for one batch of m micro-batches, to the flush; every message one tensor of
-    msg_shape. Chunk 0 takes inputs[k], chunk n-1's output goes to loss_fn(output, targets[k]). `observe`: a
-    context manager around every F, B and exchange, for the measurement. NCCL wants one collective in `group`
-    before its first batch_isend_irecv: the caller runs it (see main)."""
+    """Rank r of the p in a pipeline's `group`: runs comm_plan's steps over its chunks {global index: module},
+    r, r + p, ... of n = p * v, for a batch of m micro-batches to the flush; each message: a msg_shape tensor.
+    Chunk 0 takes inputs[k]; chunk n-1's output goes to loss_fn(output, targets[k]). `observe`: a context
+    manager around each F, B and exchange. NCCL: the caller runs one collective in `group` first (main)."""
+    TAG = {"F": 0, "B": 1}  # a point-to-point tag per direction (NCCL ignores tags)
 
     def __init__(self, chunks, group, m, msg_shape, dtype, device, observe=None):
         p, r, v = dist.get_world_size(group), dist.get_rank(group), len(chunks)
@@ -424,12 +415,11 @@ class PipelineRank:
         """One batch_isend_irecv: sends [(peer, message)] from the outbox, receives into the inbox."""
         into = {msg: torch.empty(self.msg_shape, dtype=self.dtype, device=self.device) for _, msg in recvs}
         ops = [dist.P2POp(dist.isend, self.outbox.pop(msg).contiguous(), group=self.group, group_peer=q,
-                          tag=TAG[msg[0]]) for q, msg in sends]
-        ops += [dist.P2POp(dist.irecv, into[msg], group=self.group, group_peer=q, tag=TAG[msg[0]])
+                          tag=self.TAG[msg[0]]) for q, msg in sends]
+        ops += [dist.P2POp(dist.irecv, into[msg], group=self.group, group_peer=q, tag=self.TAG[msg[0]])
                 for q, msg in recvs]
-        if ops:
-            for req in dist.batch_isend_irecv(ops):
-                req.wait()
+        for req in dist.batch_isend_irecv(ops):  # never empty: comm_plan makes a step only for a message
+            req.wait()
         self.inbox.update(into)
 
     def forward(self, c, k, inputs, targets, loss_fn):
@@ -450,15 +440,6 @@ class PipelineRank:
 
 
 # ------------------------------------------------------------- after the flush: DP x CP, ZeRO-1, clipping
-def sum_gradients(params, group):  # one all-reduce: each rank's loss is already / the global token count
-    if dist.get_world_size(group) == 1:
-        return
-    flat = torch.cat([q.grad.reshape(-1) for q in params])  # (this rank's elements,)
-    dist.all_reduce(flat, group=group)
-    for q, part in zip(params, flat.split([q.numel() for q in params])):
-        q.grad.copy_(part.view_as(q))
-
-
 class ShardedOptimizer:
     """ZeRO-1 (Rajbhandari et al. 2020; Megatron's distributed optimizer) over `group`, R ranks holding the
     same parameters: rank i keeps a copy `shard` of shard i of their flat vector (padded to R shards of S)
@@ -498,15 +479,18 @@ def squared_norm(grads):
 
 def finish_batch(params, loss, group, tp_rank, max_norm, world, zero=None):
     """After the flush: 1. gradients summed over `group`, the dp x cp ranks holding the same parameters (a CP
-    rank's weights are its DP peers'): whole on each (all-reduce), or with ZeRO-1 each rank's shard; 2. the
-    squared norm and the loss in one all-reduce over `world`, each piece counted once (see the docstring);
-    3. clip as torch does. Returns (loss, norm) as floats."""
+    rank's weights are its DP peers'), all-reduced whole or reduce-scattered (ZeRO-1); 2. the squared norm and
+    loss in one all-reduce over `world`, each piece counted once; 3. clip as torch does. -> (loss, norm)"""
     counted = [float(getattr(q, "tp_split", False) or tp_rank == 0) for q in params]
-    if zero is None:
-        sum_gradients(params, group)
+    if zero is None:  # one all-reduce, flat: each rank's loss is already / the global token count
         grads = [q.grad for q in params]
-        sq = squared_norm([q.grad for q, c in zip(params, counted) if c]) * (dist.get_rank(group) == 0)
-    else:
+        if dist.get_world_size(group) > 1:  # (a group of one: nothing to add)
+            flat = torch.cat([x.reshape(-1) for x in grads])  # (this rank's elements,)
+            dist.all_reduce(flat, group=group)
+            for x, part in zip(grads, flat.split([x.numel() for x in grads])):
+                x.copy_(part.view_as(x))
+        sq = squared_norm([x for x, c in zip(grads, counted) if c]) * (dist.get_rank(group) == 0)
+    else:  # ZeRO-1: reduce-scattered
         zero.reduce_scatter()
         grads = [zero.shard.grad]  # (S,): my shard of the summed gradient; the others' are theirs to count
         weights = zero.flat([q.grad.new_full((q.numel(),), c) for q, c in zip(params, counted)])[zero.mine]
@@ -535,17 +519,13 @@ def check_args(args):
     if args.dp < 0 or dp < 1 or p * cp * t * dp != world:
         fail(f"world size {world} != pp {p} x tp {t} x dp {args.dp or '(world / pp / tp / cp)'} x cp {cp}: "
              f"launch torchrun --nproc_per_node={p * cp * t * max(args.dp, 1)} or change --pp/--tp/--dp/--cp")
-    for flags, check, at in (  # validation once: the cores' own checks; fail's line names the flags first
-            (f"--n-heads {args.n_heads} is not divisible by --tp {t}", check_heads, (args.n_heads, t)),
-            (f"--microbatches {m} is not a multiple of --pp {p}", schedule, (p, v, m, 0)),
-            (f"--n-layers {args.n_layers} is not divisible by pp x virtual stages = {p * v}", check_chunk,
-             (args.n_layers, 0, p * v)),
-            (f"--seq-len {args.seq_len} is not divisible by 2 x cp = {2 * cp}", zigzag,
-             (torch.arange(args.seq_len), cp, 0, 0))):
-        try:
-            check(*at)
-        except ValueError as e:
-            fail(f"{flags}: {e}")
+    try:  # validation once: the cores' own checks, their ValueError as fail's one line
+        check_heads(args.n_heads, t)
+        schedule(p, v, m, 0)
+        check_chunk(args.n_layers, 0, p * v)
+        zigzag(torch.arange(args.seq_len), cp, 0, 0)
+    except ValueError as e:
+        fail(str(e))
     if args.batch_size % (dp * m):
         fail(f"--batch-size {args.batch_size} is not divisible by dp x microbatches = {dp * m}")
     if args.stage_ms < 0:
@@ -577,7 +557,6 @@ def main():
     # --- the model: the full GPT on CPU from one seed, then this rank's chunks, TP-sliced, to the device ---
     dtype = DTYPES[args.dtype]
     full = build_gpt(GPTConfig.from_args(args), args.seed, dtype)
-    shapes = {n: list(q.shape) for n, q in full.named_parameters()}
     mine = list(range(pp_rank, p * v, p))  # chunk c on pp rank c % p: a loop
     chunks = nn.ModuleDict({str(c): Chunk(full, c, p * v, tp_group, cp_group) for c in mine}).to(d.device)
     del full
@@ -593,8 +572,7 @@ def main():
     runner = PipelineRank({c: chunks[str(c)] for c in mine}, pp_group, m, msg_shape, dtype, d.device,
                           observe=watch)
     watch.runner = runner  # what it holds to B, for the counted peak
-    # NCCL sets up a group's communicator at its first collective; batched point-to-point must not come first
-    for group in (pp_group, cp_group):
+    for group in (pp_group, cp_group):  # NCCL: a group's first collective (its set-up) must not be p2p
         dist.all_reduce(torch.zeros(1, device=d.device), group=group)
 
     def split(z):  # (B, T) global batch -> (m, b, T/cp): this replica's rows, this CP rank's tokens
@@ -604,8 +582,7 @@ def main():
         x, y = data.batch(step, args.batch_size, args.seq_len, args.ragged)  # (B, T) global batch, CPU
         n_tok = count_tokens(y)  # the whole global batch's: every micro-batch loss divides by it
         watch.step = step
-        # the first step's collectives and sends counted at the dispatcher (slower; the last step is timed)
-        with run.watching(step, comm, at=run.start):
+        with run.watching(step, comm, at=run.start):  # the first step counted (slower), the last one timed
             loss = runner.run(split(x), split(y), lambda logits, tgt: lm_loss(logits, tgt, n_tok))
             loss, norm = finish_batch(params, loss, grad_group, tp_rank, args.clip, dist.group.WORLD, zero)
             (zero or opt).step()
@@ -615,13 +592,7 @@ def main():
         norms.append(norm)
         run.end_step(step, loss, norms=norms)
 
-    figures, comm_bytes = report(d, args, dp, watch, comm)
-    figures.update(pp=p, tp=t, dp=dp, cp=cp, zero=args.zero, virtual_stages=v, microbatches=m,
-                   schedule="interleaved", grad_norms=norms)
-    peak = peak_memory_bytes(d, sum(watch.state.values()) + watch.held_peak)  # counted; CUDA's own on a GPU
-    check = check_against_reference(d, args, run.losses, full_model(d, chunks, shapes, coords, t, dtype)) \
-        if args.check else None
-    run.finish("ptdp", peak, comm_bytes, check, figures)
+    summarize(d, args, run, dp, watch, comm, norms, chunks, coords)  # the summary, then --check
 
 
 # --- measurement ---
@@ -648,6 +619,18 @@ class Watch(PipelineWatch):
         outs = {StorageWeakRef(o.untyped_storage()): o.untyped_storage().nbytes()
                 for _, o in self.runner.alive.values()} if self.runner else {}
         self.held_peak = max(self.held_peak, now + sum(n for w, n in outs.items() if w not in self.live.refs))
+
+
+def summarize(d, args, run, dp, watch, comm, norms, chunks, coords):
+    """Each measured figure beside its theory, the peak (counted; CUDA's own on a GPU) read before --check
+    trains the reference, then the verdict."""
+    figures, comm_bytes = report(d, args, dp, watch, comm)
+    figures.update(pp=args.pp, tp=args.tp, dp=dp, cp=args.cp, zero=args.zero, schedule="interleaved",
+                   virtual_stages=args.virtual_stages, microbatches=args.microbatches, grad_norms=norms)
+    peak = peak_memory_bytes(d, sum(watch.state.values()) + watch.held_peak)
+    check = check_against_reference(d, args, run.losses, full_model(d, args, chunks, coords)) \
+        if args.check else None
+    run.finish("ptdp", peak, comm_bytes, check, figures)
 
 
 def held_bytes(chunks, opt, zero):
@@ -677,7 +660,8 @@ def report(d, args, dp, watch, comm):
     (one per way); tensors only. Rank 0: each figure beside its theory."""
     p, v, m, ar, cp = args.pp, args.virtual_stages, args.microbatches, comm.total, args.cp
     tags = [c["tag"] for c in comm.calls_log if c["op"] == "send" and c["axis"] == "pp"]
-    mine = dict(fwd_msgs=tags.count(TAG["F"]), bwd_msgs=tags.count(TAG["B"]), p2p_bytes=ar("send", "pp"),
+    tag = PipelineRank.TAG  # one per direction
+    mine = dict(fwd_msgs=tags.count(tag["F"]), bwd_msgs=tags.count(tag["B"]), p2p_bytes=ar("send", "pp"),
                 tp_calls=ar("all_reduce", "tp", what="calls"), tp_fwd=ar("all_reduce", "tp", "fwd", "calls"),
                 tp_bwd=ar("all_reduce", "tp", "bwd", "calls"), dp_calls=ar(None, "dp", what="calls"),
                 tp_bytes=ar("all_reduce", "tp"), dp_bytes=ar(None, "dp"), cp_bytes=ar("send", "cp"),
@@ -742,10 +726,12 @@ def report(d, args, dp, watch, comm):
 
 
 # --- reference for --check ---
-def full_model(d, chunks, shapes, coords, t, dtype):
+def full_model(d, args, chunks, coords):
     """The whole GPT by name on every rank (for --check), exactly: TP shard k of `name` travels as `name#k`,
     a replicated tensor once (from TP rank 0), all from DP rank 0; harness.assemble_full adds them up."""
-    _, dp_rank, cp_rank, tp_rank = coords
+    (_, dp_rank, cp_rank, tp_rank), t, dtype = coords, args.tp, DTYPES[args.dtype]
+    with torch.device("meta"):  # the names and shapes of the whole GPT, no storage
+        shapes = {n: list(q.shape) for n, q in GPT(GPTConfig.from_args(args)).named_parameters()}
     owned, pieces = {}, {}
     for n, q in chunks.named_parameters():
         if dp_rank == cp_rank == 0 and (getattr(q, "tp_split", False) or tp_rank == 0):

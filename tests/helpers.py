@@ -165,3 +165,59 @@ def pipeline_schedule_errors(events, p, n):
             if r < p - 1 and b["start"] < ev[r + 1, "B", i]["end"]:
                 errors.append(f"stage {r}: B{i} starts before stage {r + 1} ends it")
     return errors
+
+
+def simulate_p2p_plans(plans, needs, producer, slots, local=lambda msg: False):
+    """Run every rank's communication plan (steps ("op", op) and ("p2p", sends, recvs), each a list of (peer,
+    message)) under NCCL's strictest semantics: a batch completes only once every send and receive in it meets
+    its partner in a batch the peer has posted; each directed pair is one FIFO channel (messages received in
+    the order sent). An op takes slots[kind]; `needs(op)` is the message it waits for (None: none), made by
+    the op `producer(msg)`; an input made on the same rank (`local(msg)`, the turn of a V) must have been made
+    earlier by that rank. Returns (idle slots per rank, forward messages sent per rank), or raises
+    AssertionError on a deadlock or a mismatched message (ptdp.py's and zero_bubble.py's plans)."""
+    p, sends, recvs = len(plans), {}, {}
+    for r, plan in enumerate(plans):
+        for i, (kind, *what) in enumerate(plan):
+            if kind == "p2p":
+                for q, msg in what[0]:
+                    sends.setdefault((r, q), []).append((msg, i))
+                for q, msg in what[1]:
+                    recvs.setdefault((q, r), []).append((msg, i))
+    partner = {}
+    for (a, b), out in sends.items():
+        if [msg for msg, _ in out] != [msg for msg, _ in recvs.get((a, b), [])]:
+            raise AssertionError(f"channel {a}->{b}: sent {out} but received {recvs.get((a, b), [])}")
+        for (msg, i), (_, j) in zip(out, recvs[a, b]):
+            partner[a, i, msg], partner[b, j, msg] = (b, j), (a, i)
+    posted, pos, busy, done, ran = [{0: 0} for _ in range(p)], [0] * p, [0] * p, set(), set()
+    while True:
+        moved = False
+        for r in range(p):
+            if pos[r] == len(plans[r]):
+                continue
+            kind, *what = plans[r][pos[r]]
+            t = posted[r][pos[r]]
+            if kind == "p2p":
+                peers = [partner[r, pos[r], msg] for _, msg in what[0] + what[1]]
+                if any(j not in posted[q] for q, j in peers):
+                    continue
+                t = max([t] + [posted[q][j] for q, j in peers])
+                done.update(msg for _, msg in what[1])
+            else:
+                op = what[0]
+                need = needs(op)
+                if need is not None and local(need):
+                    assert (r, producer(need)) in ran, f"rank {r}: {op} runs before its own producer"
+                else:
+                    assert need is None or need in done, f"rank {r}: {op} runs before its input arrived"
+                t += slots[op[0]]
+                busy[r] += slots[op[0]]
+                ran.add((r, op))
+            posted[r][pos[r] + 1], pos[r], moved = t, pos[r] + 1, True
+        if not moved:
+            break
+    if pos != [len(plan) for plan in plans]:
+        raise AssertionError(f"deadlock: ranks stopped at steps {pos} of {[len(x) for x in plans]}")
+    end = max(posted[r][len(plans[r])] for r in range(p))
+    fwd = [sum(1 for k, *w in plans[r] if k == "p2p" for _, msg in w[0] if msg[0] == "F") for r in range(p)]
+    return [end - b for b in busy], fwd

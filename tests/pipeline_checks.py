@@ -291,7 +291,26 @@ class ZBNet(nn.Module):
         return self.out(h) * self.temp
 
 
-class ZBChunk(nn.Module):
+class ToyChunk(nn.Module):
+    """A chunk of a toy net: on the first, inp(x) * scale; its blocks; on the last, out(h) * temp. Its
+    subclasses here and in tests/ptdp_checks.py set first, last, blocks and those modules."""
+
+    def forward(self, h):
+        if self.first:
+            h = self.inp(h) * self.scale
+        for block in self.blocks:
+            h = block(h)
+        return self.out(h) * self.temp if self.last else h
+
+
+def toy_batch(step, b, n_in, n_out):
+    """(b, n_in) inputs and (b, n_out) regression targets of step `step`, float64, from one seed per step."""
+    g = torch.Generator().manual_seed(100 + step)
+    x = torch.randn(b, n_in, generator=g, dtype=torch.float64)
+    return x, torch.sin(x[:, :n_out] * 3) + 0.1 * torch.randn(b, n_out, generator=g, dtype=torch.float64)
+
+
+class ZBChunk(ToyChunk):
     """Chunk c of n of a ZBNet (4 blocks cut evenly), sharing its modules."""
 
     def __init__(self, net, c, n):
@@ -303,18 +322,9 @@ class ZBChunk(nn.Module):
         if self.last:
             self.out, self.temp = net.out, net.temp
 
-    def forward(self, h):
-        if self.first:
-            h = self.inp(h) * self.scale
-        for block in self.blocks:
-            h = block(h)
-        return self.out(h) * self.temp if self.last else h
-
 
 def zb_batch(step):
-    g = torch.Generator().manual_seed(100 + step)
-    x = torch.randn(ZB["b"], ZB["n_in"], generator=g, dtype=torch.float64)
-    return x, torch.sin(x[:, :ZB["n_out"]] * 3) + 0.1 * torch.randn(ZB["b"], ZB["n_out"], generator=g, dtype=torch.float64)
+    return toy_batch(step, ZB["b"], ZB["n_in"], ZB["n_out"])
 
 
 def zb_loss(out, y):  # squared error summed, over the whole batch's elements: micro-batch losses add up

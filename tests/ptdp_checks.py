@@ -38,6 +38,7 @@ import section  # noqa: E402
 import harness  # noqa: E402
 from common import build_gpt, GPTConfig, init_dist  # noqa: E402
 from harness import CommCounter  # noqa: E402
+from pipeline_checks import toy_batch, ToyChunk  # noqa: E402  (the toy model zero_bubble.py's check uses)
 
 core = section.load("ptdp.py")  # the technique section alone: what the copy-out check runs
 
@@ -93,7 +94,7 @@ class TPResidual(nn.Module):
         return x + core["g"].apply(F.linear(h, self.w2), self.group) + self.b2
 
 
-class NetChunk(nn.Module):
+class NetChunk(ToyChunk):  # its forward: inp * scale on the first chunk, the blocks, out * temp on the last
     def __init__(self, full, c, n, group):
         super().__init__()
         self.first, self.last = c == 0, c == n - 1
@@ -103,18 +104,9 @@ class NetChunk(nn.Module):
         if self.last:
             self.out, self.temp = full.out, full.temp
 
-    def forward(self, h):
-        if self.first:
-            h = self.inp(h) * self.scale
-        for block in self.blocks:
-            h = block(h)
-        return self.out(h) * self.temp if self.last else h
-
 
 def batch(step):
-    g = torch.Generator().manual_seed(100 + step)
-    x = torch.randn(B, IN, generator=g, dtype=torch.float64)
-    return x, torch.sin(x[:, :OUT] * 3) + 0.1 * torch.randn(B, OUT, generator=g, dtype=torch.float64)
+    return toy_batch(step, B, IN, OUT)
 
 
 def loss_of(out, y):  # squared error summed, over the whole batch's elements: micro-batch losses add up
@@ -384,8 +376,8 @@ TEXT = (section.ROOT / "ptdp.py").read_text()
 MUTANTS = {  # name: (a line of ptdp.py, what the mutant has instead)
     "norm-counts-replicas": ('counted = [float(getattr(q, "tp_split", False) or tp_rank == 0) for q in params]',
                              'counted = [1.0 for q in params]'),  # every TP rank adds its replicated copies
-    "no-dp-all-reduce": ("    if dist.get_world_size(group) == 1:\n        return\n",
-                         "    if True:\n        return\n"),  # the gradients never summed over dp x cp
+    "no-dp-all-reduce": ("            dist.all_reduce(flat, group=group)\n",
+                         "            pass\n"),  # the gradients never summed over dp x cp
     "kv-to-tp-peer": ("y = RingAttention.apply(q, k, v, self.cp_group)",  # K/V round the wrong ring: the TP
                       "y = RingAttention.apply(q, k, v, self.group)"),  # peer's (its other heads, my tokens)
     "grads-over-dp-not-cp": ('("dp", [1, 2])', '("dp", [1])'),  # the gradient group: dp alone

@@ -24,8 +24,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from helpers import (assert_each_rank_fails, assert_matches_reference, ROOT, run_python, run_ranks, TINY,
-                     torchrun)
+from helpers import (assert_each_rank_fails, assert_matches_reference, ROOT, run_python, run_ranks,
+                     simulate_p2p_plans, TINY, torchrun)
 
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
@@ -194,58 +194,9 @@ def test_zbv_is_torchs_order(p, m):
 
 
 def simulate_plan(plans, n, local):
-    """Run every rank's plan under NCCL's strictest semantics: a batch completes only once every send and
-    receive in it meets its partner in a batch the peer has posted; each directed pair is one FIFO channel
-    (messages received in the order sent). F, B, W take one slot each. An input made on the same rank
-    (`local(msg)`, the turn of the V) must have been made earlier by that rank. Returns (idle slots per rank,
-    forward messages sent per rank) or raises on a deadlock or a mismatched message."""
-    p = len(plans)
-    sends, recvs = collections.defaultdict(list), collections.defaultdict(list)
-    for r, plan in enumerate(plans):
-        for i, (kind, *what) in enumerate(plan):
-            if kind == "p2p":
-                for q, msg in what[0]:
-                    sends[r, q].append((msg, i))
-                for q, msg in what[1]:
-                    recvs[q, r].append((msg, i))
-    partner = {}
-    for (a, b), out in sends.items():
-        if [msg for msg, _ in out] != [msg for msg, _ in recvs[a, b]]:
-            raise AssertionError(f"channel {a}->{b}: sent {out} but received {recvs[a, b]}")
-        for (msg, i), (_, j) in zip(out, recvs[a, b]):
-            partner[a, i, msg], partner[b, j, msg] = (b, j), (a, i)
-    posted, pos, busy, done, ran = [{0: 0} for _ in range(p)], [0] * p, [0] * p, set(), set()
-    while True:
-        moved = False
-        for r in range(p):
-            if pos[r] == len(plans[r]):
-                continue
-            kind, *what = plans[r][pos[r]]
-            t = posted[r][pos[r]]
-            if kind == "p2p":
-                peers = [partner[r, pos[r], msg] for _, msg in what[0] + what[1]]
-                if any(j not in posted[q] for q, j in peers):
-                    continue
-                t = max([t] + [posted[q][j] for q, j in peers])
-                done.update(msg for _, msg in what[1])
-            else:
-                op = what[0]
-                need = zb.needs(op, n)
-                if need is not None and local(need):
-                    assert (r, zb.producer(need)) in ran, f"rank {r}: {op} runs before its own producer"
-                else:
-                    assert need is None or need in done, f"rank {r}: {op} runs before its input arrived"
-                t += 1
-                busy[r] += 1
-                ran.add((r, op))
-            posted[r][pos[r] + 1], pos[r], moved = t, pos[r] + 1, True
-        if not moved:
-            break
-    if pos != [len(plan) for plan in plans]:
-        raise AssertionError(f"deadlock: ranks stopped at steps {pos} of {[len(x) for x in plans]}")
-    end = max(posted[r][len(plans[r])] for r in range(p))
-    fwd = [sum(1 for k, *w in plans[r] if k == "p2p" for _, msg in w[0] if msg[0] == "F") for r in range(p)]
-    return [end - b for b in busy], fwd
+    """zero_bubble.py's plans under NCCL's strictest semantics (helpers.simulate_p2p_plans), F, B and W one slot
+    each: (idle slots per rank, forward messages sent per rank), or AssertionError on a deadlock or mismatch."""
+    return simulate_p2p_plans(plans, lambda op: zb.needs(op, n), zb.producer, {"F": 1, "B": 1, "W": 1}, local)
 
 
 def plans_of(schedule, p, m):
