@@ -137,16 +137,25 @@ def test_core_refuses_what_it_cannot_do_before_any_collective():
     assert section.refused(lambda: lin(tokens), ["tokens per rank = 100"])[0]
 
 
+_CHECKS = {}  # world -> the launch's "ok" lines, for the session: tests/test_plan.py reads the bytes too
+
+
+def shared_checks(world):
+    if world not in _CHECKS:
+        _CHECKS[world] = check_lines("tests/fp8_checks.py", world, timeout=400)
+    return _CHECKS[world]
+
+
 @pytest.fixture(scope="module")
 def checks2():
     """tests/fp8_checks.py at world 2: parity of all six (recipe x gather dtype), bytes, mutants."""
-    return check_lines("tests/fp8_checks.py", 2, timeout=400)
+    return shared_checks(2)
 
 
 @pytest.fixture(scope="module")
 def checks3():
-    """tests/fp8_checks.py at world 3: parity of the three recipes, weights gathered in FP8."""
-    return check_lines("tests/fp8_checks.py", 3, timeout=400)
+    """tests/fp8_checks.py at world 3: parity of the three recipes and bytes, the weights gathered in FP8."""
+    return shared_checks(3)
 
 
 def test_every_recipe_matches_its_one_process_reference(checks2, checks3):
