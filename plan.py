@@ -22,16 +22,17 @@ activation element, Psi parameters of one rank (its pipeline stage, its 1/t).
                on every rank); with Layout.outputs also each stage's output, which this repo's pipelines hold
                to its backward. Chunks: the files' cut (earlier ones one block more) or --stage-layers; ZB-V
                puts chunks r and 2p-1-r on rank r.
-  bytes        handed to collectives per rank and step, as harness.CommCounter counts (an all-reduce's
-               tensor, an all-gather's local input, a reduce-scatter's or all-to-all's whole input, a send):
-               TP (Shoeybi et al. 2019, Sec. 3) 2 all-reduces of bsh forward, 2 backward per layer; SP
+  bytes        handed to collectives per rank and step, as harness.CommCounter counts (an all-reduce's tensor,
+               an all-gather's local input, a reduce-scatter's or all-to-all's whole input, a send): TP
+               (Shoeybi et al. 2019, Sec. 3) 2 all-reduces of bsh forward, 2 backward per layer; SP
                (Korthikanti Sec. 4.2.2) each an all-gather + reduce-scatter, + 1 re-gather per column layer;
                PP a bsh message per chunk boundary, micro-batch and direction; ZeRO 0 all-reduce g Psi, 1
                reduce-scatter g Psi + all-gather p Psi/d, 2 the reduce-scatter per micro-batch, 3 per
-               micro-batch 2 all-gathers p Psi/d + a reduce-scatter; MoE (Lepikhin et al. 2020) 4 all-to-alls
-               of E C h e per MoE layer and micro-batch, C = ceil(cf k bs / E). On the wire (ring):
-               all-reduce 2(n-1)/n, others (n-1)/n of the whole; NVLink when the group fits in a node of the
-               grid arange(world).view(pp, dp, cp, tp) (tp innermost, ep inside dp), else InfiniBand.
+               micro-batch 2 all-gathers p Psi/d (fp8: its GEMM weights at 1 byte, forward's + 4 per 128x128
+               block) + a reduce-scatter; MoE (Lepikhin et al. 2020) 4 all-to-alls of E C h e per MoE layer
+               and micro-batch, C = ceil(cf k bs / E). On the wire (ring): all-reduce 2(n-1)/n, others (n-1)/n
+               of the whole; NVLink when the group fits in a node of the grid arange(world).view(pp, dp, cp,
+               tp) (tp innermost, ep inside dp), else InfiniBand.
   bubble       idle share of the step (Narayanan et al. 2021, PTD-P, Sec. 2.2): GPipe, 1F1B (p-1)/(m+p-1);
                interleaved (p-1)/(vm) of ideal compute; with backward split into B and W of a forward's time
                each (Qi et al. 2023, Zero Bubble): ZB-H1 (p-1)(T_F + T_B - T_W), a third of 1F1B's; ZB-V 0.
@@ -42,27 +43,29 @@ activation element, Psi parameters of one rank (its pipeline stage, its 1/t).
                Ulysses 2 all-to-alls each way; gradients summed (ZeRO: sharded) over dp x cp.
   time         forward FLOPs per layer 24bsh^2 + 4bs^2h, head 2bshV; training 3x, full recomputation 4x the
                blocks: PTD-P's 96Bslh^2(1 + s/(6h) + V/(16lh)). Seconds per micro-batch: each GEMM's FLOPs at
-               --efficiency of peak + its operands and result at HBM speed (so a GEMM reaches eff / (1 + eff
-               peak / (HBM x FLOPs per byte)): thin ones less), attention per head (eager: s x s scores
-               through HBM; flash: one pass), norms, residuals and activations at HBM speed. A step: (m +
-               bubble slots) micro-batch times of the slowest stage, + TP (hidden behind the GEMMs with SP, as
+               --efficiency of peak (fp8: the blocks' projections at the FP8 peak, 2x bf16's on an H100; MFU
+               still of bf16's) + its operands and result at HBM speed (so a GEMM reaches eff / (1 + eff peak
+               / (HBM x FLOPs per byte)): thin ones less), attention per head (eager: s x s scores through
+               HBM; flash: one pass), norms, residuals and activations at HBM speed. A step: (m + bubble
+               slots) micro-batch times of the slowest stage, + TP (hidden behind the GEMMs with SP, as
                Megatron's --tp-comm-overlap; exposed without), CP (the ring behind attention) and all-to-all
                time, + what cannot hide: the data-parallel reduction beyond the last micro-batch's backward
                (ZeRO-2: each one's; ZeRO-3: all its traffic beyond each micro-batch), the all-gather of stages
                1-2, a pipeline message per chunk boundary in and out. EFFICIENCY 0.745, fitted on three rows
                of PTD-P's Table 1, predicts the other seven within 4 points (docs/plan.md). MFU: model FLOPs
                (3x) / (step x GPUs x peak).
-
-  the run       --tokens: wall time = tokens / tokens/s, with failures (rate per GPU-hour, a checkpoint every
+  the run      --tokens: wall time = tokens / tokens/s, with failures (rate per GPU-hour, a checkpoint every
                tau, Young/Daly's sqrt(2 delta M) by default) to first order; a budget (--gpu-hours, --days,
-               --flops) gives Chinchilla's compute-optimal N and D (Hoffmann et al. 2022, Approach 3, the
-               constants of Besiroglu et al. 2024's refit) and the fit's final loss. DiLoCo (--inner-steps):
-               the pseudo-gradient's all-reduce every H steps beside DDP's every step. docs/plan.md: examples.
+               --flops) gives N and D by --law: Chinchilla's compute-optimal (Hoffmann et al. 2022, Approach
+               3, Besiroglu et al. 2024's refit), Llama 3's D = A C^alpha (Dubey et al. 2024, Sec. 3.2.1), or
+               D = R N (--tokens-per-param); Chinchilla's final loss. DiLoCo (--inner-steps): the
+               pseudo-gradient's all-reduce every H steps beside DDP's every step. docs/plan.md: examples.
 
     python plan.py --model gpt3-6.7b --nodes 1 --search             # a 7B model on one node of 8 H100s
     python plan.py --model llama3-70b --nodes 8 --batch-size 256 --search
     python plan.py --model llama3-70b --nodes 8 --tp 8 --pp 4 --virtual-stages 2 --microbatches 256
     python plan.py --model llama3-70b --days 30 --nodes 64 --failures-per-gpu-hour 2e-5  # the whole run
+    python plan.py --model llama3-405b --flops 3.8e25 --law llama3 --nodes 2048 --precision fp8
     python plan.py --model llama3-8b --nodes 2 --tp 8 --cp 2 --sequence-parallel --stage 1 --microbatches 64 \
         --batch-size 64
     python -m pytest -q -s tests/test_plan.py -k "paper_rows or zz"  # each paper's figure beside plan's

@@ -392,7 +392,7 @@ def test_plan_equals_what_the_files_count(run, family):
 
 # ----------------------------------------------------------------------------- a dropped term is caught
 def drop_gathered(mp):
-    mp.setattr(plan, "gathered", lambda units, d, p: 0)
+    mp.setattr(plan, "gathered", lambda units, d, p, gemms=None: 0)
 
 
 def drop_padding(mp):
