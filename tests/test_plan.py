@@ -1097,18 +1097,22 @@ def test_budget_with_llama3s_law_through_the_cli(monkeypatch, capsys, source_onc
 
 
 # ----------------------------------------------------------------------------- --precision fp8
-def fp8_counted():
-    """fp8.py's all-gather bytes per rank and step, counted (harness.CommCounter) in tests/fp8_checks.py's
-    runs at world 2 (each recipe, weights gathered in bf16 and in FP8) and 3 (in FP8): {(recipe, how, world):
-    (bytes, plan.Model of the run's shape)}. The launches are tests/test_fp8.py's (shared in one session)."""
+def fp8_counted(tmp_path_factory):
+    """fp8.py's all-gather bytes per rank and step, counted (harness.CommCounter): its training step in
+    tests/fp8_checks.py's runs at world 2 (each recipe, weights gathered in bf16 and in FP8) and 3 (in FP8),
+    and fp8.py's own --json at world 3 (current, FP8): {(recipe, how, world, source): (bytes, plan.Model of
+    the run's shape)}. The launches are tests/test_fp8.py's (shared in one session)."""
     import test_fp8
-    got = {}
+    summary, _ = test_fp8.shared_file_run(tmp_path_factory)
+    cfg, f = summary["config"], summary["figures"]
+    M = plan.Model(cfg["n_layers"], cfg["d_model"], cfg["n_heads"], cfg["vocab"], cfg["seq_len"])
+    got = {("current", "FP8", 3, "fp8.py --json"): (f["all_gather_bytes_per_step"], M)}
     for line in test_fp8.shared_checks(2) + test_fp8.shared_checks(3):
         x = re.search(r"\) (\S+), (FP8|bf16) all-gather: (\d+) bytes .* d_model (\d+), (\d+) layers, "
                       r"world (\d+)", line)
         if x:
             M = plan.Model(layers=int(x[5]), d=int(x[4]), heads=2, vocab=32, seq=8)
-            got[x[1], x[2], int(x[6])] = int(x[3]), M
+            got[x[1], x[2], int(x[6]), "fp8_checks"] = int(x[3]), M
     return got
 
 
@@ -1118,29 +1122,29 @@ def fp8_mismatches(got):
     (per-tensor recipes send their one scale by a 4-byte all-reduce: none in the gather). And plan's own
     ZeRO-3 step (collectives, the CLI's) changes by what fp8.py's does: FP8 less bf16, one model, world 2."""
     bad = []
-    for (recipe, how, world), (counted, M) in got.items():
+    for (recipe, how, world, _), (counted, M) in got.items():
         lay = plan.Layout(dp=world, zero=3, precision="fp8" if how == "FP8" else "bf16")
         g = sum(plan.gemm_units(M, lay, 0))  # fp8.py's psi: its GEMM weights, in FP8 with --fp8-all-gather
-        fp8 = g * (how == "FP8")
-        want = sum(plan.weight_gather(g, fp8, world, 2, s) for s in (recipe == "fine-grained", False))
+        g8 = g * (how == "FP8")
+        want = sum(plan.weight_gather(g, g8, world, 2, s) for s in (recipe == "fine-grained", False))
         bad += [(recipe, how, world, counted, want)] * (counted != want)
-    M = got["fine-grained", "FP8", 2][1]
+    (fp8, M), (bf16, _) = (got["fine-grained", how, 2, "fp8_checks"] for how in ("FP8", "bf16"))
     step = {p: sum(x[1] for k, x in plan.collectives(M, plan.Layout(dp=2, zero=3, precision=p), 4).items()
                    if k.startswith("all_gather/dp")) for p in ("fp8", "bf16")}
-    fp8_less = got["fine-grained", "FP8", 2][0] - got["fine-grained", "bf16", 2][0]
-    return bad + [("ZeRO-3 step", step, fp8_less)] * (step["fp8"] - step["bf16"] != fp8_less)
+    return bad + [("ZeRO-3 step", step, fp8 - bf16)] * (step["fp8"] - step["bf16"] != fp8 - bf16)
 
 
-def test_fp8_gather_bytes_equal_fp8s_counts(monkeypatch):
+def test_fp8_gather_bytes_equal_fp8s_counts(monkeypatch, tmp_path_factory):
     """--precision fp8's all-gather bytes == fp8.py's counted, byte for byte, at world 2 (bf16 and FP8
-    gathers of every recipe) and world 3 (FP8), both with fine-grained block scales; the ZeRO-3 step of
-    the CLI changes by what fp8.py's counts change. Mutants caught: the block scales forgotten, the FP8
-    weights at bf16's 2 bytes."""
-    got = fp8_counted()
-    assert {("fine-grained", "FP8", 2), ("fine-grained", "FP8", 3), ("current", "bf16", 2)} <= set(got), got
+    gathers of every recipe) and world 3 (FP8; and fp8.py's own --json), both with fine-grained block scales;
+    the ZeRO-3 step of the CLI changes by what fp8.py's counts change. Mutants caught: the block scales
+    forgotten, the FP8 weights at bf16's 2 bytes."""
+    got = fp8_counted(tmp_path_factory)
+    assert {(r, h, w) for r, h, w, _ in got} >= {("fine-grained", "FP8", 2), ("fine-grained", "FP8", 3),
+                                                 ("current", "bf16", 2), ("current", "FP8", 3)}, got
     assert not fp8_mismatches(got), fp8_mismatches(got)
     TABLE.append(("fp8", "all-gather bytes per rank and step, plan == fp8.py counted", "",
-                  ", ".join(f"{r} {h} w{w}: {b}" for (r, h, w), (b, _) in sorted(got.items()))))
+                  ", ".join(f"{r} {h} w{w} ({s}): {b}" for (r, h, w, s), (b, _) in sorted(got.items()))))
     real = plan.weight_gather
     for mutant in (lambda psi, g, d, p, scales=True: real(psi, g, d, p, False),  # scales forgotten
                    lambda psi, g, d, p, scales=True: real(psi, 0, d, p, scales)):  # 2 bytes an FP8 element
