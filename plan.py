@@ -1018,7 +1018,7 @@ class Args:
     search: bool = False  # rank every legal layout that fits by predicted tokens/s
     top: int = 10  # layouts --search prints
     tokens: float = 0  # the whole run: train on this many tokens (wall time, GPU-hours, cost)
-    gpu_hours: float = 0  # a budget in GPU-hours: the compute-optimal model and tokens for it (Chinchilla)
+    gpu_hours: float = 0  # a budget in GPU-hours: the compute-optimal model and tokens for it (--law)
     days: float = 0  # a budget in days on this cluster, failures and checkpoints included
     flops: float = 0  # a budget in training FLOPs, C = 6ND
     law: Literal["chinchilla", "llama3"] = "chinchilla"  # a budget's N and D: Chinchilla's Approach 3 or
@@ -1072,6 +1072,8 @@ def check_args(a):
         why = ("must be > 0" if R <= 0 else "sets a budget's D = R N, but --tokens gives D" if a.tokens else
                "needs a budget: --gpu-hours, --days or --flops" if not budget else "replaces --law llama3")
         fail(f"--tokens-per-param {why}, got {R:g}")
+    if a.law != "chinchilla" and not budget:
+        fail(f"--law {a.law} splits a budget into N and D: give --gpu-hours, --days or --flops")
 
 
 def run_report(M, C, got, D, a, optimal=None):

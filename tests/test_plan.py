@@ -939,6 +939,7 @@ def bad_values():
         (["--tokens", "1e9", "--tokens-per-param", "20"], ["--tokens-per-param", "--tokens gives D"]),
         (["--tokens-per-param", "20"], ["--tokens-per-param needs a budget"]),
         (["--flops", "1e22", "--law", "llama3", "--tokens-per-param", "20"], ["replaces --law llama3"]),
+        (["--tokens", "1e12", "--law", "llama3"], ["--law llama3 splits a budget", "--gpu-hours, --days"]),
         (["--cluster", "a100-80g", "--precision", "fp8"], ["--precision fp8 needs FP8 tensor cores"]),
         (["--cluster", "a100-80g", "--precision", "fp8", "--search"], ["FP8 tensor cores"]),
     ]
