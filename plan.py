@@ -22,16 +22,17 @@ activation element, Psi parameters of one rank (its pipeline stage, its 1/t).
                on every rank); with Layout.outputs also each stage's output, which this repo's pipelines hold
                to its backward. Chunks: the files' cut (earlier ones one block more) or --stage-layers; ZB-V
                puts chunks r and 2p-1-r on rank r.
-  bytes        handed to collectives per rank and step, as harness.CommCounter counts (an all-reduce's
-               tensor, an all-gather's local input, a reduce-scatter's or all-to-all's whole input, a send):
-               TP (Shoeybi et al. 2019, Sec. 3) 2 all-reduces of bsh forward, 2 backward per layer; SP
+  bytes        handed to collectives per rank and step, as harness.CommCounter counts (an all-reduce's tensor,
+               an all-gather's local input, a reduce-scatter's or all-to-all's whole input, a send): TP
+               (Shoeybi et al. 2019, Sec. 3) 2 all-reduces of bsh forward, 2 backward per layer; SP
                (Korthikanti Sec. 4.2.2) each an all-gather + reduce-scatter, + 1 re-gather per column layer;
                PP a bsh message per chunk boundary, micro-batch and direction; ZeRO 0 all-reduce g Psi, 1
                reduce-scatter g Psi + all-gather p Psi/d, 2 the reduce-scatter per micro-batch, 3 per
-               micro-batch 2 all-gathers p Psi/d + a reduce-scatter; MoE (Lepikhin et al. 2020) 4 all-to-alls
-               of E C h e per MoE layer and micro-batch, C = ceil(cf k bs / E). On the wire (ring):
-               all-reduce 2(n-1)/n, others (n-1)/n of the whole; NVLink when the group fits in a node of the
-               grid arange(world).view(pp, dp, cp, tp) (tp innermost, ep inside dp), else InfiniBand.
+               micro-batch 2 all-gathers p Psi/d (fp8: its GEMM weights at 1 byte, forward's + 4 per 128x128
+               block) + a reduce-scatter; MoE (Lepikhin et al. 2020) 4 all-to-alls of E C h e per MoE layer
+               and micro-batch, C = ceil(cf k bs / E). On the wire (ring): all-reduce 2(n-1)/n, others (n-1)/n
+               of the whole; NVLink when the group fits in a node of the grid arange(world).view(pp, dp, cp,
+               tp) (tp innermost, ep inside dp), else InfiniBand.
   bubble       idle share of the step (Narayanan et al. 2021, PTD-P, Sec. 2.2): GPipe, 1F1B (p-1)/(m+p-1);
                interleaved (p-1)/(vm) of ideal compute; with backward split into B and W of a forward's time
                each (Qi et al. 2023, Zero Bubble): ZB-H1 (p-1)(T_F + T_B - T_W), a third of 1F1B's; ZB-V 0.
@@ -42,27 +43,29 @@ activation element, Psi parameters of one rank (its pipeline stage, its 1/t).
                Ulysses 2 all-to-alls each way; gradients summed (ZeRO: sharded) over dp x cp.
   time         forward FLOPs per layer 24bsh^2 + 4bs^2h, head 2bshV; training 3x, full recomputation 4x the
                blocks: PTD-P's 96Bslh^2(1 + s/(6h) + V/(16lh)). Seconds per micro-batch: each GEMM's FLOPs at
-               --efficiency of peak + its operands and result at HBM speed (so a GEMM reaches eff / (1 + eff
-               peak / (HBM x FLOPs per byte)): thin ones less), attention per head (eager: s x s scores
-               through HBM; flash: one pass), norms, residuals and activations at HBM speed. A step: (m +
-               bubble slots) micro-batch times of the slowest stage, + TP (hidden behind the GEMMs with SP, as
+               --efficiency of peak (fp8: the blocks' projections at the FP8 peak, 2x bf16's on an H100; MFU
+               still of bf16's) + its operands and result at HBM speed (so a GEMM reaches eff / (1 + eff peak
+               / (HBM x FLOPs per byte)): thin ones less), attention per head (eager: s x s scores through
+               HBM; flash: one pass), norms, residuals and activations at HBM speed. A step: (m + bubble
+               slots) micro-batch times of the slowest stage, + TP (hidden behind the GEMMs with SP, as
                Megatron's --tp-comm-overlap; exposed without), CP (the ring behind attention) and all-to-all
                time, + what cannot hide: the data-parallel reduction beyond the last micro-batch's backward
                (ZeRO-2: each one's; ZeRO-3: all its traffic beyond each micro-batch), the all-gather of stages
                1-2, a pipeline message per chunk boundary in and out. EFFICIENCY 0.745, fitted on three rows
                of PTD-P's Table 1, predicts the other seven within 4 points (docs/plan.md). MFU: model FLOPs
                (3x) / (step x GPUs x peak).
-
-  the run       --tokens: wall time = tokens / tokens/s, with failures (rate per GPU-hour, a checkpoint every
+  the run      --tokens: wall time = tokens / tokens/s, with failures (rate per GPU-hour, a checkpoint every
                tau, Young/Daly's sqrt(2 delta M) by default) to first order; a budget (--gpu-hours, --days,
-               --flops) gives Chinchilla's compute-optimal N and D (Hoffmann et al. 2022, Approach 3, the
-               constants of Besiroglu et al. 2024's refit) and the fit's final loss. DiLoCo (--inner-steps):
-               the pseudo-gradient's all-reduce every H steps beside DDP's every step. docs/plan.md: examples.
+               --flops) gives N and D by --law: Chinchilla's compute-optimal (Hoffmann et al. 2022, Approach
+               3, Besiroglu et al. 2024's refit), Llama 3's D = A C^alpha (Dubey et al. 2024, Sec. 3.2.1), or
+               D = R N (--tokens-per-param); Chinchilla's final loss. DiLoCo (--inner-steps): the
+               pseudo-gradient's all-reduce every H steps beside DDP's every step. docs/plan.md: examples.
 
     python plan.py --model gpt3-6.7b --nodes 1 --search             # a 7B model on one node of 8 H100s
     python plan.py --model llama3-70b --nodes 8 --batch-size 256 --search
     python plan.py --model llama3-70b --nodes 8 --tp 8 --pp 4 --virtual-stages 2 --microbatches 256
     python plan.py --model llama3-70b --days 30 --nodes 64 --failures-per-gpu-hour 2e-5  # the whole run
+    python plan.py --model llama3-405b --flops 3.8e25 --law llama3 --nodes 2048 --precision fp8
     python plan.py --model llama3-8b --nodes 2 --tp 8 --cp 2 --sequence-parallel --stage 1 --microbatches 64 \
         --batch-size 64
     python -m pytest -q -s tests/test_plan.py -k "paper_rows or zz"  # each paper's figure beside plan's
@@ -99,10 +102,12 @@ PRESETS = {  # GPT-3 Table 2.1, Llama 3 Table 3, PTD-P Table 1; harness.CommonAr
 
 
 # per GPU: memory GB, peak dense bf16 TFLOP/s, GB/s per direction inside a node (NVLink) and across nodes
-# (its share of the node's InfiniBand), GB/s of its memory (HBM)
-Cluster = namedtuple("Cluster", "nodes gpus_per_node mem_gb tflops intra_gbs inter_gbs hbm_gbs")
+# (its share of the node's InfiniBand), GB/s of its memory (HBM), dense FP8 peak / bf16's (0: no FP8)
+Cluster = namedtuple("Cluster", "nodes gpus_per_node mem_gb tflops intra_gbs inter_gbs hbm_gbs fp8",
+                     defaults=(0,))
 CLUSTERS = {"a100-80g": Cluster(1, 8, 80, 312, 300, 25, 2039),  # NVSwitch 600 GB/s both ways, 8 x 200 Gb/s
-            "h100-80g": Cluster(1, 8, 80, 989, 450, 50, 3350)}  # 900 GB/s, 8 x 400 Gb/s
+            "h100-80g": Cluster(1, 8, 80, 989, 450, 50, 3350, 2)}  # 900 GB/s, 8 x 400 Gb/s; FP8 1979 TFLOP/s
+NO_FP8 = "--precision fp8 needs FP8 tensor cores (H100 and later); this cluster's GPUs have none: use bf16"
 EFFICIENCY = 0.745  # the GEMMs' ceiling, fitted on three rows of PTD-P's Table 1 (tests/test_plan.py, docs)
 
 
@@ -163,7 +168,10 @@ def runs(split):  # 7/8/8/8/8/7 as 7/8x4/7 where a count repeats more than 3 tim
     return [f"{x}x{k}" if k > 3 else "/".join([str(x)] * k) for x, k in groups]
 
 
-PRECISION = {"bf16": (2, 2, 12, 2), "fp32": (4, 4, 8, 4), "fp64": (8, 8, 16, 8)}  # p, g, K (AdamW), e
+# p, g, K (AdamW), e. fp8: the blocks' GEMMs in FP8 (fp8.py, DeepSeek-V3 Sec. 3.3), all else as bf16's:
+# weights, gradients, fp32 master and moments, what backward saves (the bf16 inputs, as fp8.py keeps them)
+PRECISION = {"bf16": (2, 2, 12, 2), "fp32": (4, 4, 8, 4), "fp64": (8, 8, 16, 8), "fp8": (2, 2, 12, 2)}
+TILE = 128  # FP8 weights: one fp32 scale per 128x128 block (DeepSeek-V3; fp8.py --recipe fine-grained)
 
 
 def capacity(M, tokens):
@@ -239,8 +247,24 @@ def rank_units(M, lay, r):
     return units + [(vh + M.seq * M.d * gpt) * (r == 0) + (vh + M.d * (1 + gpt)) * (r == owner(lay, n - 1))]
 
 
+def gemm_units(M, lay, r):
+    """The GEMM weights in each of rank_units' units, what --precision fp8 runs in FP8: attention's
+    projections, the MLP's or the experts' weights (not biases, norms, gate, embedding, head: fp8.py keeps
+    them as they are, as DeepSeek-V3 does); the root's 0."""
+    attn, mlp = layer_params(M, True)[0], (2 if M.arch == "gpt" else 3) * M.d * M.f
+    return [attn // lay.tp + (M.experts * mlp // lay.ep if moe else mlp // lay.tp) for c in mine(lay, r)
+            for moe, k in zip((False, True), kinds(M, lay, c)) for _ in range(k)] + [0]
+
+
 def padded(units, d):
     return sum(-(-u // d) * d for u in units)
+
+
+def weight_gather(psi, gemm, d, p, scales=True):
+    """Bytes a rank hands to one ZeRO-3 all-gather of psi elements (padded), `gemm` of them FP8 GEMM weights:
+    p bytes an element; the FP8 ones 1 byte, and with `scales` their fp32 scale per TILE x TILE block (fp8.py
+    --fp8-all-gather --recipe fine-grained: forward gathers them, backward reuses them)."""
+    return p * (psi - gemm) // d + gemm // d + 4 * (gemm // (d * TILE ** 2)) * scales
 
 
 def model_state(units, d, stage, p, g, K):
@@ -251,9 +275,11 @@ def model_state(units, d, stage, p, g, K):
                 optim=K * psi // (d if stage >= 1 else 1))
 
 
-def gathered(units, d, p):
-    """ZeRO-3: the root and the two largest units gathered at once (zero.py's bound, FSDP's rate limiter)."""
-    return p * (padded(units[-1:], d) + padded(sorted(units[:-1])[-2:], d))
+def gathered(units, d, p, gemms=None):
+    """ZeRO-3: the root and the two largest units gathered at once (zero.py's bound, FSDP's rate limiter);
+    with `gemms` (fp8) their GEMM weights gathered as FP8 and block scales."""
+    gemms, top = gemms or [0] * len(units), sorted(range(len(units) - 1), key=units.__getitem__)[-2:]
+    return sum(d * weight_gather(padded(units[i:i + 1], d), gemms[i], d, p) for i in [len(units) - 1, *top])
 
 
 # ----------------------------------------------------------------------------- activations
@@ -435,7 +461,8 @@ def memory(M, lay, B, r):
     units = rank_units(M, lay, r)
     return dict(model_state(units, lay.grad_group, lay.zero, p, g, K),
                 activations=peak_activations(M, lay, B // (lay.dp * lay.m), e, r),
-                gathered=gathered(units, lay.grad_group, p) if lay.zero == 3 else 0)
+                gathered=gathered(units, lay.grad_group, p, lay.precision == "fp8" and gemm_units(M, lay, r))
+                if lay.zero == 3 else 0)
 
 
 # ----------------------------------------------------------------------------- bytes handed to collectives
@@ -499,9 +526,10 @@ def collectives(M, lay, B, r=0):
     psi = padded(units, d) if z else sum(units)
     reduce = {0: "all_reduce/dp/step", 1: "reduce_scatter/dp/step"}.get(z, "reduce_scatter/dp/bwd")
     add(reduce, m if z > 1 else 1, g * psi, d)
-    for key, calls in (("all_gather/dp/step", z in (1, 2)), ("all_gather/dp/fwd", m * (z == 3)),
-                       ("all_gather/dp/bwd", m * (z == 3))):
-        add(key, calls, p * psi // d, d)
+    fp8 = sum(gemm_units(M, lay, r)) if lay.precision == "fp8" else 0  # its GEMM weights gathered as FP8
+    add("all_gather/dp/step", z in (1, 2), p * psi // d, d)
+    add("all_gather/dp/fwd", m * (z == 3), weight_gather(psi, fp8, d, p), d)
+    add("all_gather/dp/bwd", m * (z == 3), weight_gather(psi, fp8, d, p, scales=False), d)
     return dict(sorted(out.items()))
 
 
@@ -611,18 +639,19 @@ def block_s(M, C, lay, b, eff, moe=False, attention="flash", dropout=False):
     at HBM speed: two norms and two residual adds (read and write h; whole unless SP), the activation
     (GeLU 2f, SwiGLU 3f, / t)."""
     return _block_s(M, C, lay.tp, lay.sp, lay.cp, lay.ep, PRECISION[lay.precision][3], b, eff, moe, attention,
-                    dropout)
+                    dropout, C.fp8 if lay.precision == "fp8" else 1)
 
 
 @lru_cache(maxsize=None)
-def _block_s(M, C, t, sp, cp, ep, e, b, eff, moe, attention, dropout):
+def _block_s(M, C, t, sp, cp, ep, e, b, eff, moe, attention, dropout, fp8=1):  # fp8: the GEMMs' peak x
     sq, h, f = M.seq // cp, M.d, M.f
     n, kvh, tsp, heads = b * sq, M.kv * (h // M.heads), (t if sp else 1), b * M.heads // t
-    mlp = [(n, h, f // t * (1 if M.arch == "gpt" else 2)), (n, f // t, h)]
+    mlp, gate = [(n, h, f // t * (1 if M.arch == "gpt" else 2)), (n, f // t, h)], 0
     if moe:  # this rank's E/ep experts, each on C ep slots; the gate
         slots, k = capacity(M, n) * ep, M.experts // ep
-        mlp = [(slots, h, f // t, k), (slots, f // t, h, k), (n, h, M.experts)]
-    gemms = sum(gemm_s(C, eff, e, *x) for x in [(n, h, (h + 2 * kvh) // t), (n, h // t, h), *mlp])
+        mlp, gate = [(slots, h, f // t, k), (slots, f // t, h, k)], gemm_s(C, eff, e, n, h, M.experts)
+    G = C._replace(tflops=C.tflops * fp8)  # FP8: gemm_units' GEMMs at its peak; attention, gate, head bf16
+    gemms = gate + sum(gemm_s(G, eff, e, *x) for x in [(n, h, (h + 2 * kvh) // t), (n, h // t, h), *mlp])
     dh = h // M.heads
     if attention == "eager":
         core = gemm_s(C, eff, e, sq, dh, M.seq, heads) + gemm_s(C, eff, e, sq, M.seq, dh, heads)
@@ -753,7 +782,8 @@ def legal(M, C, lay, B):
              f"--schedule zb-v needs --pp > 1 and --microbatches >= 2p-1 = {2 * lay.pp - 1}, got {lay.m}"),
             (lay.ep == 1 or M.experts % lay.ep == lay.dp % lay.ep == 0,
              f"--ep {lay.ep} must divide the experts and dp"),
-            (lay.zero in (0, 1, 2, 3), f"--stage must be 0, 1, 2 or 3, got {lay.zero}")]:
+            (lay.zero in (0, 1, 2, 3), f"--stage must be 0, 1, 2 or 3, got {lay.zero}"),
+            (lay.precision != "fp8" or C.fp8, NO_FP8)]:
         if not ok:
             return why
     return None
@@ -824,13 +854,21 @@ def why_faster(a, b):
 # and its Table 3, which the refit matches within 15% up to 1T parameters (tests/test_plan.py checks it).
 CHINCHILLA = dict(E=1.82, A=482.01, B=2085.43, alpha=0.3478, beta=0.3658)
 HOFFMANN = dict(E=1.69, A=406.4, B=410.7, alpha=0.34, beta=0.28)
+# Llama 3 (Dubey et al. 2024, Sec. 3.2.1): the compute-optimal TOKENS D*(C) = A C^alpha, fitted on IsoFLOP
+# minima of 6e18 to 1e22 FLOPs; N = C / 6D. Figure 3's legend; the text rounds it to (0.53, 0.29), which gives
+# 10.5T tokens at 3.8e25 FLOPs, not the text's 16.55T (a 0.007 in alpha is 10^(0.007 x 25.6) = 1.5x): the
+# legend's give 16.3T and 389B, and the text's 402B x 16.55T is 6ND = 3.99e25 (tests/test_plan.py).
+LAWS = {"chinchilla": CHINCHILLA, "llama3": dict(A=0.299, alpha=0.537)}
 
 
-def compute_optimal(C, law=CHINCHILLA):
-    """(N, D) minimising L(N, D) at 6ND = C: N = G (C/6)^(beta/(alpha+beta)), D = C / (6N), with G =
-    (alpha A / (beta B))^(1/(alpha+beta)) (Hoffmann et al. Eq. 4)."""
-    a, b = law["alpha"], law["beta"]
-    N = (a * law["A"] / (b * law["B"])) ** (1 / (a + b)) * (C / 6) ** (b / (a + b))
+def compute_optimal(C, law=CHINCHILLA, ratio=0):
+    """(N, D) at 6ND = C. Chinchilla: minimising L(N, D), N = G (C/6)^(beta/(alpha+beta)), G = (alpha A /
+    (beta B))^(1/(alpha+beta)) (Hoffmann et al. Eq. 4); Llama 3: D = A C^alpha; `ratio` R: D = R N."""
+    a, b = law["alpha"], law.get("beta")
+    if ratio or not b:
+        N = math.sqrt(C / (6 * ratio)) if ratio else C / (6 * law["A"] * C ** a)
+    else:
+        N = (a * law["A"] / (b * law["B"])) ** (1 / (a + b)) * (C / 6) ** (b / (a + b))
     return N, C / (6 * N)
 
 
@@ -924,8 +962,9 @@ def report(C, B, got, error=None):
                cp="behind attention" if lay.cp_attention == "ring" else "none hidden")
     print("communication per step, s on its links / exposed (the overlap assumed): " + ", ".join(
         f"{a} {x:.3f} / {e:.3f} ({how[a]})" for a, (x, e) in got["exposed"].items()))
-    print(f"predicted {got['tokens_per_s']:,.0f} tokens/s, MFU {got['mfu']:.1%}{band(error)} (model "
-          f"FLOPs {got['model_flops']:.3e}), HFU {got['hfu']:.1%} (with recomputation, as PTD-P counts)")
+    print(f"predicted {got['tokens_per_s']:,.0f} tokens/s, MFU {got['mfu']:.1%}{band(error)} (model FLOPs "
+          f"{got['model_flops']:.3e} / the bf16 peak), HFU {got['hfu']:.1%} (with recomputation, as PTD-P "
+          "counts)")
 
 
 # ----------------------------------------------------------------------------- main
@@ -970,7 +1009,8 @@ class Args:
     microbatches: int = 1  # m per step and replica
     sequence_parallel: bool = False  # split norm and dropout regions along the sequence (--tp > 1)
     recompute: Literal["none", "selective", "full"] = "none"  # activation recomputation
-    precision: Literal["bf16", "fp32", "fp64"] = "bf16"  # bf16: mixed-precision Adam, 2 + 2 + 12 bytes
+    precision: Literal["bf16", "fp32", "fp64", "fp8"] = "bf16"  # bf16: mixed-precision Adam, 2 + 2 + 12
+    # bytes; fp8: as bf16, the blocks' GEMMs at the FP8 peak, ZeRO-3 gathering their weights in FP8 + scales
     schedule: Literal["1f1b", "gpipe", "interleaved", "zb-h1", "zb-v"] = "1f1b"  # pipeline schedule
     vocab_parallel: bool = True  # split embedding and head over the vocabulary (else replicated over tp)
     stage_layers: str = ""  # blocks per chunk in pipeline order, e.g. 7,8,...,8,7 or 0,9,...,9,0 (fewer on
@@ -978,9 +1018,12 @@ class Args:
     search: bool = False  # rank every legal layout that fits by predicted tokens/s
     top: int = 10  # layouts --search prints
     tokens: float = 0  # the whole run: train on this many tokens (wall time, GPU-hours, cost)
-    gpu_hours: float = 0  # a budget in GPU-hours: the compute-optimal model and tokens for it (Chinchilla)
+    gpu_hours: float = 0  # a budget in GPU-hours: the compute-optimal model and tokens for it (--law)
     days: float = 0  # a budget in days on this cluster, failures and checkpoints included
     flops: float = 0  # a budget in training FLOPs, C = 6ND
+    law: Literal["chinchilla", "llama3"] = "chinchilla"  # a budget's N and D: Chinchilla's Approach 3 or
+    # Llama 3's fit of the optimal tokens (D = 0.299 C^0.537: more tokens per parameter as C grows)
+    tokens_per_param: float = None  # a budget's N and D at D = R N in place of --law (Llama 3 405B: 38.5)
     usd_per_gpu_hour: float = 0  # price per GPU-hour, for the cost
     failures_per_gpu_hour: float = 0  # interruptions per GPU-hour (Llama 3: 419 in 54 days on 16384: 2e-5)
     ckpt_minutes: float = 0  # checkpoint interval (0: Young/Daly's optimum for the failure rate)
@@ -1024,6 +1067,13 @@ def check_args(a):
     if len(budget) + (a.tokens > 0) > 1:
         given = budget + ["--tokens"] * (a.tokens > 0)
         fail(f"give one of --tokens, --gpu-hours, --days, --flops, got {', '.join(given)}")
+    R = a.tokens_per_param
+    if R is not None and (R <= 0 or not budget or a.law != "chinchilla"):
+        why = ("must be > 0" if R <= 0 else "sets a budget's D = R N, but --tokens gives D" if a.tokens else
+               "needs a budget: --gpu-hours, --days or --flops" if not budget else "replaces --law llama3")
+        fail(f"--tokens-per-param {why}, got {R:g}")
+    if a.law != "chinchilla" and not budget:
+        fail(f"--law {a.law} splits a budget into N and D: give --gpu-hours, --days or --flops")
 
 
 def run_report(M, C, got, D, a, optimal=None):
@@ -1032,12 +1082,13 @@ def run_report(M, C, got, D, a, optimal=None):
     gpus, work = got["layout"].gpus, D / got["tokens_per_s"]
     wall, tau, fails = with_failures(work, gpus, a.failures_per_gpu_hour, a.ckpt_write_s,
                                      60 * a.restart_minutes, 60 * a.ckpt_minutes)
-    N, day = n_params(M), 86400
+    N, day, law = n_params(M), 86400, ", ".join(f"{k} {x:g}" for k, x in LAWS[a.law].items())
+    law = f"D = {a.tokens_per_param:g} N" if a.tokens_per_param else (
+        f"Chinchilla Approach 3, L = E + A/N^alpha + B/D^beta, {law}" if a.law == "chinchilla" else
+        f"Llama 3's fit, D = A C^alpha, {law}")
     print("the whole run (theory):")
     if optimal:
-        print(f"  compute-optimal for C = {optimal[0]:.3e} FLOPs (Chinchilla Approach 3, "
-              f"L = E + A/N^alpha + B/D^beta"
-              f", {', '.join(f'{k} {x:g}' for k, x in CHINCHILLA.items())}): N {optimal[1] / 1e9:,.1f}B, "
+        print(f"  compute-optimal for C = {optimal[0]:.3e} FLOPs ({law}): N {optimal[1] / 1e9:,.1f}B, "
               f"D {optimal[2] / 1e9:,.0f}B tokens")
     print(f"  model {N / 1e9:,.2f}B parameters: L {M.layers} h {M.d} a {M.heads} kv {M.kv} ffn {M.f} "
           f"V {M.vocab} "
@@ -1046,7 +1097,7 @@ def run_report(M, C, got, D, a, optimal=None):
     lost = f", {fails:,.1f} failures expected, a checkpoint every {tau / 60:,.1f} min" if fails else ""
     print(f"  wall time {wall / day:,.2f} days (training {work / day:,.2f}{lost}); {gpus * wall / 3600:,.0f} "
           f"GPU-hours" + (f", ${a.usd_per_gpu_hour * gpus * wall / 3600:,.0f}" if a.usd_per_gpu_hour else ""))
-    print(f"  predicted final loss {final_loss(N, D):.3f} nats/token (the law's, on its data: MassiveText)")
+    print(f"  predicted final loss {final_loss(N, D):.3f} nats/token (Chinchilla's fit, on its MassiveText)")
     return dict(wall_s=wall, work_s=work, tau_s=tau, failures=fails, N=N, D=D, loss=final_loss(N, D))
 
 
@@ -1059,7 +1110,7 @@ def budget_model(P, C, B, a, stack):
                    60 * a.ckpt_minutes) if wall else 0
     for _ in range(2):
         flops = a.flops or work * gpus * C.tflops * 1e12 * mfu
-        N, D = compute_optimal(flops)
+        N, D = compute_optimal(flops, LAWS[a.law], a.tokens_per_param or 0)
         M = shaped(P, N)
         ranked = search(M, C, B, a.efficiency, a.headroom, a.precision, **stack)[0]
         if not ranked:
@@ -1081,11 +1132,14 @@ def main():
     if M.d % M.heads or M.heads % M.kv:
         fail(f"--d-model {M.d} must be divisible by --n-heads {M.heads}, and that by --kv-heads {M.kv}")
     C = Cluster(a.nodes, a.gpus_per_node or K.gpus_per_node, a.gpu_mem_gb or K.mem_gb, a.tflops or K.tflops,
-                a.intra_gbs or K.intra_gbs, a.inter_gbs or K.inter_gbs, a.hbm_gbs or K.hbm_gbs)
+                a.intra_gbs or K.intra_gbs, a.inter_gbs or K.inter_gbs, a.hbm_gbs or K.hbm_gbs, K.fp8)
     gpus, B, st = C.nodes * C.gpus_per_node, a.batch_size, STACKS[a.stack]
+    if a.precision == "fp8" and not C.fp8:
+        fail(NO_FP8)
     eff, error, source = ceiling(a.stack, a.cluster)
-    if a.efficiency:
-        error, source = None, "--efficiency given: no held-out error"
+    if a.efficiency or a.precision == "fp8":
+        error, source = None, ("--efficiency given" if a.efficiency else
+                               f"{source}; at the FP8 peak, fitted on no FP8 run") + ": no held-out error"
     a.efficiency = a.efficiency or eff
     attention, dropout = a.attention or st.attention, st.dropout if a.dropout is None else a.dropout
     overlaps = dict(tp_overlap=a.tp_overlap or st.tp_overlap or None,

@@ -7,9 +7,10 @@
    quantizer; float64 masters, so the only roundoff left is float64's: 1e-9).
 2. Mutants (world 2), each against the same reference: every rank scaling by its own amax (no MAX
    all-reduce), and the E5M2 gradient format forgotten (E4M3 gradients). Both must fail the 1e-9 check by far.
-3. Bytes (world 2): all-gather bytes handed per rank in one step (harness.CommCounter, at the dispatcher) ==
-   the closed form computed here from the layer shapes: 2 gathers x shard elements x 2 bytes (bf16) or 1 byte
-   (FP8) (+ 4 bytes per 128x128 block scale, once, fine-grained); FP8 about half of bf16.
+3. Bytes (world 2; at world 3 the FP8 gathers): all-gather bytes handed per rank in one step
+   (harness.CommCounter, at the dispatcher) == the closed form computed here from the layer shapes: 2 gathers
+   x shard elements x 2 bytes (bf16) or 1 byte (FP8) (+ 4 bytes per 128x128 block scale, once, fine-grained);
+   FP8 about half of bf16. Each line names the model's shape (tests/test_plan.py reads them).
 `python tests/fp8_checks.py fence [noop] ARGS` instead runs fp8.py's main() with ARGS, with every function and
 class below its measurement fence replaced by a no-op when `noop` is given (tests/test_fp8.py compares the
 losses of the two).
@@ -106,8 +107,6 @@ for recipe in ("current", "delayed", "fine-grained"):
         how = "FP8" if gather else "bf16"
         check(loss <= 1e-9 and par <= 1e-9, f"{recipe}, weights gathered in {how}, world {d.world}: == "
                                              f"one-process reference (loss {loss:.1e}, params {par:.1e})")
-        if d.world != 2:
-            continue
         shards = [m.weight.numel() for m in model.modules() if isinstance(m, fp8.Fp8Linear)]
         scales = sum(n // 128 ** 2 * 4 for n in shards) if gather and recipe == "fine-grained" else 0
         theory = sum(2 * n * (1 if gather else 2) for n in shards) + scales
@@ -115,7 +114,8 @@ for recipe in ("current", "delayed", "fine-grained"):
         gathered[recipe, gather] = got
         plus = " + block scales" if scales else ""
         check(got == theory, f"{recipe}, {how} all-gather: {got} bytes per rank and step counted == {theory} "
-                             f"(2 x shard elements x {1 if gather else 2}{plus})")
+                             f"(2 x shard elements x {1 if gather else 2}{plus}), d_model {args.d_model}, "
+                             f"{args.n_layers} layers, world {d.world}")
     if d.world == 2:
         ratio = gathered[recipe, True] / gathered[recipe, False]
         check(0.5 <= ratio < 0.51, f"{recipe}: FP8 all-gather bytes / bf16's = {ratio:.4f}")

@@ -137,16 +137,25 @@ def test_core_refuses_what_it_cannot_do_before_any_collective():
     assert section.refused(lambda: lin(tokens), ["tokens per rank = 100"])[0]
 
 
+_CHECKS = {}  # world: the launch's "ok" lines; "run": the file's run; for the session (tests/test_plan.py)
+
+
+def shared_checks(world):
+    if world not in _CHECKS:
+        _CHECKS[world] = check_lines("tests/fp8_checks.py", world, timeout=400)
+    return _CHECKS[world]
+
+
 @pytest.fixture(scope="module")
 def checks2():
     """tests/fp8_checks.py at world 2: parity of all six (recipe x gather dtype), bytes, mutants."""
-    return check_lines("tests/fp8_checks.py", 2, timeout=400)
+    return shared_checks(2)
 
 
 @pytest.fixture(scope="module")
 def checks3():
-    """tests/fp8_checks.py at world 3: parity of the three recipes, weights gathered in FP8."""
-    return check_lines("tests/fp8_checks.py", 3, timeout=400)
+    """tests/fp8_checks.py at world 3: parity of the three recipes and bytes, the weights gathered in FP8."""
+    return shared_checks(3)
 
 
 def test_every_recipe_matches_its_one_process_reference(checks2, checks3):
@@ -173,13 +182,21 @@ def test_fp8_all_gather_moves_half_of_bf16s_bytes(checks2):
         assert passed(checks2, f"{recipe}: FP8 all-gather bytes / bf16's"), checks2
 
 
-def test_file_check_with_fp8_all_gather_at_world_3(tmp_path):
+def shared_file_run(tmp_path_factory):
+    """torchrun --nproc_per_node=3 fp8.py --recipe current --fp8-all-gather --check (float64), once a session:
+    (summary, output); tests/test_plan.py reads its counted bytes too."""
+    if "run" not in _CHECKS:
+        args = ["--recipe", "current", "--fp8-all-gather", "--check", "--dtype", "float64", "--vocab", "32",
+                "--seq-len", "8", "--d-model", "48", "--n-heads", "2", "--n-layers", "2", "--batch-size",
+                "12", "--steps", "3"]
+        _CHECKS["run"] = torchrun("fp8.py", 3, *args, tmp_path=tmp_path_factory.mktemp("fp8"))
+    return _CHECKS["run"]
+
+
+def test_file_check_with_fp8_all_gather_at_world_3(tmp_path_factory):
     """The file itself: torchrun --nproc_per_node=3 fp8.py --recipe current --fp8-all-gather --check, float64:
     its --check passes at 1e-9, and its summary's counted all-gather bytes equal the closed form here."""
-    args = ["--recipe", "current", "--fp8-all-gather", "--check", "--dtype", "float64", "--vocab", "32",
-            "--seq-len", "8", "--d-model", "48", "--n-heads", "2", "--n-layers", "2", "--batch-size", "12",
-            "--steps", "3"]
-    summary, out = torchrun("fp8.py", 3, *args, tmp_path=tmp_path)
+    summary, out = shared_file_run(tmp_path_factory)
     c = summary["check"]
     assert c["passed"] and c["max_loss_diff"] <= 1e-9 and c["max_param_diff"] <= 1e-9, c
     shard_elements = 2 * (4 * 48 * 48 + 2 * 4 * 48 * 48) // 3  # per block: q, k, v, proj; fc, proj (4x)

@@ -392,7 +392,7 @@ def test_plan_equals_what_the_files_count(run, family):
 
 # ----------------------------------------------------------------------------- a dropped term is caught
 def drop_gathered(mp):
-    mp.setattr(plan, "gathered", lambda units, d, p: 0)
+    mp.setattr(plan, "gathered", lambda units, d, p, gemms=None: 0)
 
 
 def drop_padding(mp):
@@ -935,6 +935,13 @@ def bad_values():
           "ulysses"], ["--cp-attention ulysses", "tp x cp = 16", "kv heads 8"]),
         (["--days", "1", "--flops", "1e20"], ["give one of", "--days, --flops"]),
         (["--tokens", "1e9", "--gpu-hours", "10"], ["give one of"]),
+        (["--flops", "1e22", "--tokens-per-param", "0"], ["--tokens-per-param must be > 0, got 0"]),
+        (["--tokens", "1e9", "--tokens-per-param", "20"], ["--tokens-per-param", "--tokens gives D"]),
+        (["--tokens-per-param", "20"], ["--tokens-per-param needs a budget"]),
+        (["--flops", "1e22", "--law", "llama3", "--tokens-per-param", "20"], ["replaces --law llama3"]),
+        (["--tokens", "1e12", "--law", "llama3"], ["--law llama3 splits a budget", "--gpu-hours, --days"]),
+        (["--cluster", "a100-80g", "--precision", "fp8"], ["--precision fp8 needs FP8 tensor cores"]),
+        (["--cluster", "a100-80g", "--precision", "fp8", "--search"], ["FP8 tensor cores"]),
     ]
 
 
@@ -1039,6 +1046,133 @@ def test_whole_run_from_a_budget(monkeypatch, capsys):
                   "predicted final loss"):
         assert words in out, (words, out)
     assert f"{got['loss']:.3f}" in out and 0.5 < got["N"] / 70e9 < 2
+    C, law, N, D = law_line(out)  # the default law, Chinchilla's, as before --law
+    assert law.startswith("Chinchilla Approach 3") and printed_as(N, D, *plan.compute_optimal(C)), (N, D)
+
+
+def law_line(out):
+    """(C, the law, N, D) of a budget's line `compute-optimal for C = ... FLOPs (law): N ...B, D ...B`."""
+    x = re.search(r"compute-optimal for C = ([0-9.e+]+) FLOPs \((.*)\): N ([0-9.,]+)B, D ([0-9,]+)B", out)
+    return float(x[1]), x[2], float(x[3].replace(",", "")) * 1e9, float(x[4].replace(",", "")) * 1e9
+
+
+def printed_as(N, D, n, d):  # N to 0.1B and D to 1B, as printed
+    return abs(N - n) <= 0.05e9 and abs(D - d) <= 0.5e9
+
+
+LLAMA3 = (3.8e25, 402e9, 16.55e12)  # Dubey et al. 2024, Sec. 3.2.1: C, the N and D its law chose
+
+
+def llama3_misses(N, D):
+    """Where a budget's (N, D) at 3.8e25 FLOPs leaves Llama 3's own choice: D beyond 3% of 16.55T (the
+    law's alpha 0.537 to its last digit moves D by 10^(0.0005 x 25.6) = 1.03x), N beyond 5% of 402B (the
+    paper's pair is 6ND = 3.99e25, 5% above its C: no N, D with 6ND = C meets both exactly)."""
+    C, n, d = LLAMA3
+    return [w for w, ok in (("D", abs(D / d - 1) <= 0.03), ("N", abs(N / n - 1) <= 0.05)) if not ok]
+
+
+def test_budget_with_llama3s_law_through_the_cli(monkeypatch, capsys, source_once):
+    """`--flops 3.8e25 --law llama3`: Llama 3's law (its Figure 3's fit, D = 0.299 C^0.537) gives 389B on
+    16.3T tokens, its paper's choice (402B, 16.55T) within what the paper's figures allow (llama3_misses).
+    Mutants, each through the CLI: the law with Chinchilla's exponent of D (alpha / (alpha + beta) = 0.487),
+    and the text's rounding (0.53, 0.29), which gives 10.5T. `--tokens-per-param 38.5` (Llama 3 405B as
+    trained, 15.6T / 405B) gives N = sqrt(C / 6R), D = R N: 406B on 15.6T. The layout search, the same for
+    every run here, runs once."""
+    real, ranked = plan.search, []
+    monkeypatch.setattr(plan, "search", lambda *a, **k: ranked or ranked.extend(real(*a, **k)) or ranked)
+    argv = ["--model", "llama3-405b", "--flops", "3.8e25", "--nodes", "256"]
+    C, law, N, D = law_line(cli([*argv, "--law", "llama3"], monkeypatch, capsys))
+    TABLE.append(("budget", "Llama 3's law at 3.8e25 FLOPs: N, D (the paper: 402B, 16.55T)",
+                  f"{N / 1e9:.0f}B", f"{D / 1e12:.2f}T"))
+    assert C == LLAMA3[0] and law.startswith("Llama 3's fit") and not llama3_misses(N, D), (law, N, D)
+    assert printed_as(N, D, *plan.compute_optimal(C, plan.LAWS["llama3"]))
+    ch = plan.CHINCHILLA
+    for wrong in (dict(A=0.299, alpha=ch["alpha"] / (ch["alpha"] + ch["beta"])), dict(A=0.29, alpha=0.53)):
+        monkeypatch.setitem(plan.LAWS, "llama3", wrong)
+        mutant = law_line(cli([*argv, "--law", "llama3"], monkeypatch, capsys))
+        assert llama3_misses(*mutant[2:]), (wrong, mutant)
+    assert abs(mutant[3] / 10.46e12 - 1) < 1e-3  # the text's constants: 10.5T, 605B
+    C, law, N, D = law_line(cli([*argv, "--tokens-per-param", "38.5"], monkeypatch, capsys))
+    assert law == "D = 38.5 N" and printed_as(N, D, math.sqrt(C / (6 * 38.5)), 38.5 * math.sqrt(C / 231))
+    assert abs(N / 405e9 - 1) < 0.01 and abs(D / 15.6e12 - 1) < 0.01, (N, D)
+
+
+# ----------------------------------------------------------------------------- --precision fp8
+def fp8_counted(tmp_path_factory):
+    """fp8.py's all-gather bytes per rank and step, counted (harness.CommCounter): its training step in
+    tests/fp8_checks.py's runs at world 2 (each recipe, weights gathered in bf16 and in FP8) and 3 (in FP8),
+    and fp8.py's own --json at world 3 (current, FP8): {(recipe, how, world, source): (bytes, plan.Model of
+    the run's shape)}. The launches are tests/test_fp8.py's (shared in one session)."""
+    import test_fp8
+    summary, _ = test_fp8.shared_file_run(tmp_path_factory)
+    cfg, f = summary["config"], summary["figures"]
+    M = plan.Model(cfg["n_layers"], cfg["d_model"], cfg["n_heads"], cfg["vocab"], cfg["seq_len"])
+    got = {("current", "FP8", 3, "fp8.py --json"): (f["all_gather_bytes_per_step"], M)}
+    for line in test_fp8.shared_checks(2) + test_fp8.shared_checks(3):
+        x = re.search(r"\) (\S+), (FP8|bf16) all-gather: (\d+) bytes .* d_model (\d+), (\d+) layers, "
+                      r"world (\d+)", line)
+        if x:
+            M = plan.Model(layers=int(x[5]), d=int(x[4]), heads=2, vocab=32, seq=8)
+            got[x[1], x[2], int(x[6]), "fp8_checks"] = int(x[3]), M
+    return got
+
+
+def fp8_mismatches(got):
+    """plan against fp8.py's counts: fp8.py shards only the blocks' GEMM weights (plan.gemm_units), gathered
+    for forward and for backward: each == plan.weight_gather twice, forward's with the block scales
+    (per-tensor recipes send their one scale by a 4-byte all-reduce: none in the gather). And plan's own
+    ZeRO-3 step (collectives, the CLI's) changes by what fp8.py's does: FP8 less bf16, one model, world 2."""
+    bad = []
+    for (recipe, how, world, _), (counted, M) in got.items():
+        lay = plan.Layout(dp=world, zero=3, precision="fp8" if how == "FP8" else "bf16")
+        g = sum(plan.gemm_units(M, lay, 0))  # fp8.py's psi: its GEMM weights, in FP8 with --fp8-all-gather
+        g8 = g * (how == "FP8")
+        want = sum(plan.weight_gather(g, g8, world, 2, s) for s in (recipe == "fine-grained", False))
+        bad += [(recipe, how, world, counted, want)] * (counted != want)
+    (fp8, M), (bf16, _) = (got["fine-grained", how, 2, "fp8_checks"] for how in ("FP8", "bf16"))
+    step = {p: sum(x[1] for k, x in plan.collectives(M, plan.Layout(dp=2, zero=3, precision=p), 4).items()
+                   if k.startswith("all_gather/dp")) for p in ("fp8", "bf16")}
+    return bad + [("ZeRO-3 step", step, fp8 - bf16)] * (step["fp8"] - step["bf16"] != fp8 - bf16)
+
+
+def test_fp8_gather_bytes_equal_fp8s_counts(monkeypatch, tmp_path_factory):
+    """--precision fp8's all-gather bytes == fp8.py's counted, byte for byte, at world 2 (bf16 and FP8
+    gathers of every recipe) and world 3 (FP8; and fp8.py's own --json), both with fine-grained block scales;
+    the ZeRO-3 step of the CLI changes by what fp8.py's counts change. Mutants caught: the block scales
+    forgotten, the FP8 weights at bf16's 2 bytes."""
+    got = fp8_counted(tmp_path_factory)
+    assert {(r, h, w) for r, h, w, _ in got} >= {("fine-grained", "FP8", 2), ("fine-grained", "FP8", 3),
+                                                 ("current", "bf16", 2), ("current", "FP8", 3)}, got
+    assert not fp8_mismatches(got), fp8_mismatches(got)
+    TABLE.append(("fp8", "all-gather bytes per rank and step, plan == fp8.py counted", "",
+                  ", ".join(f"{r} {h} w{w} ({s}): {b}" for (r, h, w, s), (b, _) in sorted(got.items()))))
+    real = plan.weight_gather
+    for mutant in (lambda psi, g, d, p, scales=True: real(psi, g, d, p, False),  # scales forgotten
+                   lambda psi, g, d, p, scales=True: real(psi, 0, d, p, scales)):  # 2 bytes an FP8 element
+        monkeypatch.setattr(plan, "weight_gather", mutant)
+        assert fp8_mismatches(got)
+    monkeypatch.setattr(plan, "weight_gather", real)
+
+
+def test_fp8_time_and_memory_closed_form():
+    """--precision fp8 against bf16 on one layout (HBM taken as infinite, so a GEMM is its FLOPs at eff x
+    peak): a block's forward is shorter by half its projections' GEMM time, 2 bs x 12h^2 FLOPs at eff x 989
+    TFLOP/s, at FP8's 2x peak (the attention core stays bf16); model state and activations unchanged; ZeRO-3's
+    gathered units smaller by a byte per GEMM weight, + 4 bytes a 128x128 block. Mutant: the FP8 peak
+    ignored (the a100's factor 0 refused; 1 here) fails."""
+    M, h, b, eff = plan.Model(layers=4, d=1024, heads=8, vocab=512, seq=256), 1024, 2, 0.7
+    C = plan.CLUSTERS["h100-80g"]._replace(hbm_gbs=math.inf)
+    lay = {p: plan.Layout(dp=4, zero=3, precision=p) for p in ("bf16", "fp8")}
+    half = 0.5 * 2 * b * M.seq * 12 * h * h / (eff * C.tflops * 1e12)
+    fwd = {p: plan.block_s(M, C, x, b, eff)[0] for p, x in lay.items()}
+    assert math.isclose(fwd["bf16"] - fwd["fp8"], half, rel_tol=1e-12), (fwd, half)
+    assert not math.isclose(plan.block_s(M, C._replace(fp8=1), lay["fp8"], b, eff)[0] + half, fwd["bf16"],
+                            rel_tol=1e-6)
+    mem = {p: plan.memory(M, x, 16, 0) for p, x in lay.items()}
+    g = 12 * h * h  # a block's GEMM weights; the two largest units gathered beside the root are blocks
+    assert {k: v for k, v in mem["fp8"].items() if k != "gathered"} == {
+        k: v for k, v in mem["bf16"].items() if k != "gathered"}
+    assert mem["bf16"]["gathered"] - mem["fp8"]["gathered"] == 2 * (g - 4 * g // 128 ** 2), mem
 
 
 def test_moe_under_full_recomputation_keeps_block_inputs():
