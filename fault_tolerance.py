@@ -38,8 +38,9 @@ replicated dimension (torchft, PyTorch Conference 2024; used in torchtitan) lets
    gradient (maybe holding a dead replica's partial work) is thrown away and the same step is retried with
    the next quorum: no restart of the healthy processes, no checkpoint read.
 5. Live recovery. A restarted replica checks in with version -1; the quorum's lowest member with the newest
-   version broadcasts its whole state (weights, AdamW moments and steps, step, data cursor, loss history,
-   rollback snapshot: one flat float64 tensor, exact for float32/bfloat16 too) and it takes part at once.
+   version broadcasts its whole state (weights, AdamW moments and steps, rollback snapshot: one broadcast per
+   tensor, in its own dtype; step, data cursor and loss history in one small float64 tensor) and it takes
+   part at once.
 6. Loss spikes (PaLM's rollback-and-skip, Chowdhery et al. 2022, Sec. 5.1). A non-finite loss or gradient
    norm, or a loss above the mean of the last 16 by --spike-sigma standard deviations, is flagged; one
    all-reduce of the flag makes every member agree; the step is skipped (its batch consumed). After
@@ -299,7 +300,8 @@ def replica_device(rid):
 
 # ----------------------------------------------------------------------------- 3. the state and its recovery
 class Replica:
-    """One replica's state; its flat float64 form (exact for float32/bfloat16 too) is what recovery sends."""
+    """One replica's state. Recovery sends it tensor by tensor, each in its own dtype and shape (a receiver
+    allocates them from its own model and optimizer: same shapes, same dtypes, same order on every member)."""
 
     def __init__(self, model, opt, steps):
         if type(opt).__name__ not in ("Adam", "AdamW") or any(g["amsgrad"] for g in opt.param_groups):
@@ -314,30 +316,31 @@ class Replica:
                                       for p in self.params]  # everything that a step changes in place
         self.version, self.step, self.batch, self.skips = 0, 0, 0, 0
         self.losses = []  # the loss of every applied update: the spike detector's history
-        self.snapshot = self.core().cpu()  # what a rollback restores (a recent step's core, on the host)
+        self.snapshot = self.on_host()  # what a rollback restores (a recent step's core, on the host)
 
     def core(self):
-        """(3P + n_params + 5 + steps,) weights | exp_avg | exp_avg_sq | AdamW steps | counters, losses."""
+        """weights, exp_avg, exp_avg_sq, AdamW steps (the live tensors), then the counters and the losses as
+        one (5 + steps,) float64 tensor (the losses are Python floats: float64 holds them exactly)."""
         meta = [self.version, self.step, self.batch, self.skips, len(self.losses)]
         meta += self.losses + [math.nan] * (self.steps - len(self.losses))
-        flat = [t.detach().double().reshape(-1) for t in self.tensors]
-        return torch.cat(flat + [torch.tensor(meta, dtype=torch.float64, device=flat[0].device)])
+        return [t.detach() for t in self.tensors] + [torch.tensor(meta, dtype=torch.float64)]
 
-    def load_core(self, flat):
-        sizes = [t.numel() for t in self.tensors]
-        for t, v in zip(self.tensors, flat[:sum(sizes)].split(sizes)):
-            t.detach().copy_(v.view_as(t))
-        meta = flat[sum(sizes):].tolist()
+    def on_host(self):
+        return [t.to("cpu", copy=True) for t in self.core()]
+
+    def load_core(self, core):
+        for t, v in zip(self.tensors, core):
+            t.detach().copy_(v)
+        meta = core[-1].tolist()
         self.version, self.step, self.batch, self.skips, n_losses = map(int, meta[:5])
         self.losses = meta[5:5 + n_losses]
 
-    def full(self):  # core | snapshot: everything a recovering replica needs
-        core = self.core()
-        return torch.cat([core, self.snapshot.to(core.device)])
+    def full(self):  # core + snapshot: everything a recovering replica needs
+        return self.core() + self.snapshot
 
-    def load_full(self, flat):
-        self.load_core(flat[:flat.numel() // 2])
-        self.snapshot = flat[flat.numel() // 2:].cpu().clone()
+    def load_full(self, tensors):
+        self.load_core(tensors[:len(tensors) // 2])
+        self.snapshot = [t.to("cpu", copy=True) for t in tensors[len(tensors) // 2:]]
 
 
 def checksum(params, chunk=1 << 20):
@@ -374,11 +377,15 @@ def sync_state(pg, members, me, rep, verify):
     receivers = [i for i, m in enumerate(members) if m.version < newest or i in bad]
     if not receivers:
         return [], [], 0
-    flat = rep.full() if i_me == src else torch.empty_like(rep.full())
-    pg.broadcast(flat, src).wait()  # (state,) the source's whole state
+    # one broadcast per tensor, all in flight, in its dtype and on the device (NCCL's: the snapshot and
+    # AdamW's step counts live on the host); a receiver's own state gives the shapes
+    device = rep.params[0].device
+    state = [t.to(device) if i_me == src else torch.empty_like(t, device=device) for t in rep.full()]
+    for work in [pg.broadcast(t, src) for t in state]:
+        work.wait()
     if i_me in receivers:
-        rep.load_full(flat)
-    nbytes = flat.numel() * flat.element_size()
+        rep.load_full(state)
+    nbytes = sum(t.numel() * t.element_size() for t in state)
     return [members[i].rid for i in bad], [members[i].rid for i in receivers], nbytes
 
 
@@ -449,7 +456,7 @@ def apply_update(rep, loss, spike, norm, clip, max_skips, snapshot_every):
         rep.step, rep.skips = rep.step + 1, 0
         rep.losses.append(loss)
         if rep.step % snapshot_every == 0:
-            rep.snapshot = rep.core().cpu()
+            rep.snapshot = rep.on_host()
         return "update"
     rep.skips += 1
     if rep.skips < max_skips:
@@ -800,7 +807,7 @@ class Log:
             check = dict(max_loss_diff=loss_diff, max_param_diff=param_diff, passed=passed)
         ms = sorted(self.step_ms)[len(self.step_ms) // 2] if self.step_ms else 0.0
         d = Dist(0, a.replicas, 0, device, "gloo")
-        state = sum(t.numel() * t.element_size() for t in [rep.core()])
+        state = sum(t.numel() * t.element_size() for t in rep.core())
         write_summary(d, a, "fault-tolerance", losses, ms, a.batch_size * a.seq_len / max(ms, 1e-9) * 1e3,
                       state, 0, check, figures)
         return 0 if check is None or check["passed"] else 1
