@@ -1,8 +1,7 @@
 """fault_tolerance.py: data parallel training that goes on when a replica is lost, hangs or is corrupted.
-Per-step fault tolerance: a quorum per step, live recovery from a peer, loss-spike skip and rollback,
-silent-corruption checks.
 
-The 2020 way to survive a failure is to stop: torchrun kills every worker, restarts them all, they reload the
+Per-step fault tolerance: a quorum per step, live recovery from a peer, loss-spike skip and rollback,
+silent-corruption checks. The 2020 way to survive a failure is to stop: torchrun kills every worker, restarts them all, they reload the
 last checkpoint from disk and train the steps since it again. On 16K GPUs that is the dominant loss (Llama 3
 405B: 419 unexpected interruptions in 54 days, Dubey et al. 2024, Sec. 3.3.4). Per-step fault tolerance on the
 replicated dimension (torchft, PyTorch Conference 2024; used in torchtitan) lets the healthy replicas go on:
@@ -116,10 +115,11 @@ class Args(CommonArgs):
     ckpt_dir: str = ""  # --recipe restart only: the job's one state.pt (live recovery reads no disk)
     save_every: int = 0  # --recipe restart: write the state every N steps
     timeout: int = 120  # seconds, every wait's deadline: a collective, a round, a vote (a hung peer is left)
-    fail_at_step: int = -1  # (refused: torchrun's restart test; here --kill-replica)
-    coordinator: str = ""  # (set by the launcher) host:port of the coordinator's store
-    replica: int = -1  # (set by the launcher) this process's replica id; -1: be the launcher
-    life: int = 0  # (set by the launcher) how many times this replica was started before
+    coordinator: str = ""  # host:port of the coordinator's store
+    replica: int = -1  # this process's replica id; -1: be the launcher
+    life: int = 0  # how many times this replica was started before
+    # not in --help: the launcher sets the last three; the file refuses --fail-at-step and a --dropout but 0
+    HIDDEN = ("coordinator", "replica", "life", "fail_at_step", "dropout")
 
 
 # ----------------------------------------------------------------------------- 1. the quorum

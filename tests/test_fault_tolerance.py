@@ -460,6 +460,54 @@ def test_bad_input_is_one_line_and_exit_2(flags, words):
     assert p.returncode == 2 and len(lines) == 1 and all(w in lines[0] for w in words), p.stdout + p.stderr
 
 
+# One use of every flag `--help` lists (with the companions it needs), each accepted by check_args.
+USES = """--steps 5|--batch-size 6|--seq-len 9|--vocab 40|--d-model 32|--n-layers 3|--n-heads 4|--lr 0.01
+|--weight-decay 0|--clip 0|--seed 1|--dtype float32|--ragged|--no-ragged|--check|--no-check|--json x.json
+|--ckpt-dir D --recipe restart --save-every 2|--save-every 2 --ckpt-dir D --recipe restart|--timeout 30
+|--replicas 2|--join-ms 50|--min-replicas 2|--kill-replica 1 --at-step 2|--at-step 2 --corrupt-replica 0
+|--freeze-replica 1 --at-step 1|--phase join|--max-restarts 0|--recipe restart --ckpt-dir D --save-every 2
+|--spike-sigma 3|--max-skips 1|--snapshot-every 2|--inject-spike 3,5|--verify-every 2
+|--corrupt-replica 2 --at-step 1|--host 0.0.0.0"""
+HIDDEN = ["--coordinator", "--replica", "--life", "--fail-at-step", "--dropout"]
+
+
+def test_help_lists_only_what_the_file_accepts(tmp_path, capsys):
+    """Issue 43 deliver 5: `python fault_tolerance.py --help` lists no launcher-internal flag (--coordinator,
+    --replica, --life) and none the file refuses (--fail-at-step; --dropout, which must be 0): they still
+    parse, so a user who types one gets the file's own refusal. Every flag it lists is accepted (one use of
+    each, checked by check_args here; the table must name exactly the listed flags), and the description is
+    the docstring's whole first paragraph."""
+    import fault_tolerance as ft
+    p = run_python("fault_tolerance.py", "--help")
+    assert p.returncode == 0, p.stderr
+    uses = [u.split() for u in USES.replace("\n", "").split("|")]
+    as_used = lambda text: sorted(listed(text)) == sorted(u[0] for u in uses) and not [  # noqa: E731
+        f for f in HIDDEN if re.search(f"{f}\\b(?!-)", text)]
+    assert as_used(p.stdout), sorted(set(listed(p.stdout)) ^ {u[0] for u in uses})
+    class Unhidden(ft.Args):  # the mutant: no HIDDEN (this file before issue 43)
+        HIDDEN = ()
+    with pytest.raises(SystemExit):
+        ft.parse_args(Unhidden, ["--help"])
+    assert not as_used(capsys.readouterr().out)  # caught
+    for use in uses:
+        a = ft.parse_args(ft.Args, [*TINY, *[str(tmp_path / w) if w == "D" else w for w in use]])
+        ft.check_args(a)  # (a refusal would exit 2 here)
+    for flag, value, words in [("--fail-at-step", 2, "torchrun's restart test"), ("--dropout", 0.1, "must be 0"),
+                               ("--replica", 1, "the launcher's")]:
+        with pytest.raises(SystemExit) as refused:
+            ft.check_args(ft.parse_args(ft.Args, [*TINY, flag, str(value)]))
+        assert refused.value.code == 2 and words in capsys.readouterr().err, flag
+    description = p.stdout.split("\n\n")[1]  # (between the usage and the options)
+    assert " ".join(description.split()) == ft.__doc__.split("\n\n")[0], description
+
+
+def listed(help_text):
+    """The flags an argparse --help lists in its options (both forms of a boolean; not -h/--help)."""
+    return [o.split()[0] for line in help_text.split("options:")[1].splitlines()
+            if re.match(r"  --", line) and "--help" not in line
+            for o in re.split(r"\s{2,}", line.strip())[0].split(", ")]
+
+
 def tiny(steps):
     """TINY as the args reference_train takes."""
     it = iter(TINY)
