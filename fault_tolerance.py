@@ -1,10 +1,11 @@
 """fault_tolerance.py: data parallel training that goes on when a replica is lost, hangs or is corrupted.
 
 Per-step fault tolerance: a quorum per step, live recovery from a peer, loss-spike skip and rollback,
-silent-corruption checks. The 2020 way to survive a failure is to stop: torchrun kills every worker, restarts them all, they reload the
-last checkpoint from disk and train the steps since it again. On 16K GPUs that is the dominant loss (Llama 3
-405B: 419 unexpected interruptions in 54 days, Dubey et al. 2024, Sec. 3.3.4). Per-step fault tolerance on the
-replicated dimension (torchft, PyTorch Conference 2024; used in torchtitan) lets the healthy replicas go on:
+silent-corruption checks. The 2020 way to survive a failure is to stop: torchrun kills every worker,
+restarts them all, they reload the last checkpoint from disk and train the steps since it again. On 16K GPUs
+that is the dominant loss (Llama 3 405B: 419 unexpected interruptions in 54 days, Dubey et al. 2024, Sec.
+3.3.4). Per-step fault tolerance on the replicated dimension (torchft, PyTorch Conference 2024; used in
+torchtitan) lets the healthy replicas go on:
 
 1. Replicas, a coordinator, a quorum per step. R replicas each hold the whole model (each would be an FSDP/TP
    group in production). torchrun's agent stops every worker of a job when one dies, so each replica is its

@@ -129,8 +129,9 @@ R3 = ["--replicas", 3, "--steps", 6, "--kill-replica", 1, "--at-step", 3, "--pha
 def test_r3_kill_during_step_discards_it_and_the_replica_rejoins_live(tmp_path):
     """Replica 1 dies after its backward, before the all-reduce: the others' all-reduce fails, step 3 is
     discarded (a "no" vote), the launcher restarts replica 1, and (--min-replicas 3) it rejoins at step 3 with
-    the weights, AdamW state and step broadcast by replica 0: the whole state, its bytes (each tensor in its
-    own dtype) a closed form. The healthy processes never restart; every step has all three replicas; exact."""
+    the weights, AdamW state and step broadcast by replica 0: the whole state, its bytes (each tensor in
+    its own dtype) a closed form. The healthy processes never restart; every step has all three replicas;
+    exact."""
     p, s = launch(tmp_path, *R3)
     exact(p, s)
     f = s["figures"]
@@ -352,7 +353,8 @@ def float64_flattening(ft):
 
     def load64(self, state):
         mine = full(self)
-        load_full(self, [v.view_as(t).to(t.dtype) for t, v in zip(mine, state[0].split([t.numel() for t in mine]))])
+        flat = state[0].split([t.numel() for t in mine])  # (numel of the whole state,) float64
+        load_full(self, [v.view_as(t).to(t.dtype) for t, v in zip(mine, flat)])
     Replica.full, Replica.load_full = full64, load64
 
 
@@ -388,8 +390,8 @@ def recovery_wire(ft, steps=5):
             rep.snapshot = rep.on_host()
             rep.opt.step()
             rep.version, rep.step, rep.batch, rep.losses = 3, 1, 2, [0.25]
-        pg = ft["Bounded"](dist.ProcessGroupGloo(dist.PrefixStore("g", store), rank, 2, timedelta(seconds=60)),
-                           60.0)
+        gloo = dist.ProcessGroupGloo(dist.PrefixStore("g", store), rank, 2, timedelta(seconds=60))
+        pg = ft["Bounded"](gloo, 60.0)
         out[rank] = ft["sync_state"](Seen(pg, rank), members, members[rank], rep, False)
         reps[rank] = rep
 
@@ -492,8 +494,9 @@ def test_help_lists_only_what_the_file_accepts(tmp_path, capsys):
     for use in uses:
         a = ft.parse_args(ft.Args, [*TINY, *[str(tmp_path / w) if w == "D" else w for w in use]])
         ft.check_args(a)  # (a refusal would exit 2 here)
-    for flag, value, words in [("--fail-at-step", 2, "torchrun's restart test"), ("--dropout", 0.1, "must be 0"),
-                               ("--replica", 1, "the launcher's")]:
+    refusals = [("--fail-at-step", 2, "torchrun's restart test"), ("--dropout", 0.1, "must be 0"),
+                ("--replica", 1, "the launcher's")]
+    for flag, value, words in refusals:
         with pytest.raises(SystemExit) as refused:
             ft.check_args(ft.parse_args(ft.Args, [*TINY, flag, str(value)]))
         assert refused.value.code == 2 and words in capsys.readouterr().err, flag

@@ -243,7 +243,8 @@ def test_hidden_flags_parse_but_are_not_listed(capsys):
     assert "set by a launcher" in port and "--width" in hidden
     assert hidden == shown.replace(" [--port PORT]", "").replace(port, ""), hidden
     assert harness.parse_args(Hidden, ["--port", "5"]) == Hidden(3, 5)
-    with_hidden = [f.name for f in sorted(ROOT.glob("*.py")) if re.search(r"^    HIDDEN = ", f.read_text(), re.M)]
+    with_hidden = [f.name for f in sorted(ROOT.glob("*.py"))
+                   if re.search(r"^    HIDDEN = ", f.read_text(), re.M)]
     assert with_hidden == ["fault_tolerance.py"], with_hidden
     src = inspect.getsource(harness.parse_args)
     assert src.count(HIDE) == 1
