@@ -116,11 +116,10 @@ class Args(CommonArgs):
     ckpt_dir: str = ""  # --recipe restart only: the job's one state.pt (live recovery reads no disk)
     save_every: int = 0  # --recipe restart: write the state every N steps
     timeout: int = 120  # seconds, every wait's deadline: a collective, a round, a vote (a hung peer is left)
-    coordinator: str = ""  # host:port of the coordinator's store
-    replica: int = -1  # this process's replica id; -1: be the launcher
-    life: int = 0  # how many times this replica was started before
-    # not in --help: the launcher sets the last three; the file refuses --fail-at-step and a --dropout but 0
-    HIDDEN = ("coordinator", "replica", "life", "fail_at_step", "dropout")
+    coordinator: str = ""  # (set by the launcher) host:port of the coordinator's store
+    replica: int = -1  # (set by the launcher) this process's replica id; -1: be the launcher
+    life: int = 0  # (set by the launcher) how many times this replica was started before
+    HIDDEN = ("coordinator", "replica", "life", "fail_at_step", "dropout")  # out of --help (and refused)
 
 
 # ----------------------------------------------------------------------------- 1. the quorum
@@ -360,13 +359,13 @@ def sync_state(pg, members, me, rep, verify):
     their checksums (one slot each): one that differs from the majority is corrupt. 2. The lowest newest
     member with the majority checksum broadcasts its whole state to the members behind (a restarted replica
     recovers live) and the corrupt (repaired). Returns (corrupt ids, receiving ids, bytes broadcast)."""
-    i_me, newest = rank_in(members, me), max(m.version for m in members)
+    i_me, newest, device = rank_in(members, me), max(m.version for m in members), rep.params[0].device
     if pg.size() != len(members):
         raise ValueError(f"sync_state needs the quorum's group, of {len(members)} members: got {pg.size()}")
     if newest < 0:
         raise RuntimeError("no member of the quorum holds a state to recover from")  # (a later quorum may)
     up = [i for i, m in enumerate(members) if m.version == newest]
-    sums = torch.zeros(len(members), dtype=torch.long, device=rep.params[0].device)
+    sums = torch.zeros(len(members), dtype=torch.long, device=device)
     if verify:
         if i_me in up:
             sums[i_me] = checksum(rep.params)
@@ -380,7 +379,6 @@ def sync_state(pg, members, me, rep, verify):
         return [], [], 0
     # one broadcast per tensor, all in flight, in its dtype and on the device (NCCL's: the snapshot and
     # AdamW's step counts live on the host); a receiver's own state gives the shapes
-    device = rep.params[0].device
     state = [t.to(device) if i_me == src else torch.empty_like(t, device=device) for t in rep.full()]
     for work in [pg.broadcast(t, src) for t in state]:
         work.wait()
@@ -473,12 +471,11 @@ def check_args(args):
     R = args.replicas
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         fail("start it with python fault_tolerance.py --replicas R, not torchrun: it starts its own replicas")
-    for core_check in (lambda: check_shard(args.batch_size, 0, R), lambda: check_round(0, args.join_ms / 1e3,
-                       args.timeout), lambda: check_update(args.max_skips, args.snapshot_every)):
-        try:  # (the cores' own checks: --batch-size and --replicas, --join-ms, --max-skips, --snapshot-every)
-            core_check()
-        except ValueError as e:
-            fail(str(e))
+    try:  # the cores' own checks: --batch-size and --replicas, --join-ms, --max-skips, --snapshot-every
+        check_shard(args.batch_size, 0, R), check_round(0, args.join_ms / 1e3, args.timeout)
+        check_update(args.max_skips, args.snapshot_every)
+    except ValueError as e:
+        fail(str(e))
     for name in ("kill_replica", "corrupt_replica", "freeze_replica"):
         v = getattr(args, name)
         if v >= 0 and not (v < R and 0 <= args.at_step < args.steps):
@@ -513,10 +510,8 @@ def check_args(args):
 # One replica: the GPT and its data on the cores above, its log, and one hook for the faults the tests inject
 # (`fault`, below the fence). The launcher starts the replicas and marks a death on the coordinator
 # (dead/{rid}.{life}) and counts it out ("alive"): what a vote, a round's close and the next quorum read.
-# Every replica's environment (the launcher sets it). On NCCL our deadline decides, not the watchdog: with the
-# default error handling (3) it takes the *healthy* process down at the group's timeout, and its heartbeat
-# monitor kills one whose watchdog hangs in an abort. Torch's C++ warnings (a peer gone: a 14-line stack each)
-# are quieted, so that each replica's failure is the one line it prints.
+# The replicas' environment (docstring, 2.: the heartbeat monitor too would kill one whose watchdog hangs in
+# an abort); torch's C++ warnings (a 14-line stack per peer gone) quieted: a failure is the one line printed.
 ENVIRONMENT = dict(TORCH_NCCL_ASYNC_ERROR_HANDLING="0", TORCH_NCCL_ENABLE_MONITORING="0",
                    TORCH_CPP_LOG_LEVEL="ERROR")
 
@@ -588,9 +583,6 @@ def train_replica(args):
         if last:
             break
         what = apply_update(rep, loss, spike, norm, args.clip, args.max_skips, args.snapshot_every)
-        if what == "update" and me.rid == members[0].rid:
-            log_step(Dist(0, 1, 0, device, "gloo"), step, loss, 1e3 * (time.time() - t_start),
-                     B * args.seq_len * len(members) // R)
         log.committed(k - 1, members, t_start, step, batch, what, loss)  # (--recipe restart: and saves)
         if rep.step >= args.steps:
             store.set("ending", "1")
@@ -763,6 +755,8 @@ class Log:
         s.set(f"t/{k}", f"{t_start!r} {t_end!r} {step} {what}")
         self.step_ms.append(1e3 * (t_end - t_start))
         if what == "update":
+            log_step(Dist(0, 1, 0, self.rep.params[0].device, "gloo"), step, loss, self.step_ms[-1],
+                     a.batch_size * a.seq_len * len(members) // a.replicas)
             s.set(f"upd/{step}", f"{k} {batch} {rids} {loss!r}")
         else:
             print(f"step {step:4d} | {what}: batch {batch} loss {loss:.4g} flagged as a spike "
