@@ -1,11 +1,11 @@
 """fault_tolerance.py: data parallel training that goes on when a replica is lost, hangs or is corrupted.
-Per-step fault tolerance: a quorum per step, live recovery from a peer, loss-spike skip and rollback,
-silent-corruption checks.
 
-The 2020 way to survive a failure is to stop: torchrun kills every worker, restarts them all, they reload the
-last checkpoint from disk and train the steps since it again. On 16K GPUs that is the dominant loss (Llama 3
-405B: 419 unexpected interruptions in 54 days, Dubey et al. 2024, Sec. 3.3.4). Per-step fault tolerance on the
-replicated dimension (torchft, PyTorch Conference 2024; used in torchtitan) lets the healthy replicas go on:
+Per-step fault tolerance: a quorum per step, live recovery from a peer, loss-spike skip and rollback,
+silent-corruption checks. The 2020 way to survive a failure is to stop: torchrun kills every worker,
+restarts them all, they reload the last checkpoint from disk and train the steps since it again. On 16K GPUs
+that is the dominant loss (Llama 3 405B: 419 unexpected interruptions in 54 days, Dubey et al. 2024, Sec.
+3.3.4). Per-step fault tolerance on the replicated dimension (torchft, PyTorch Conference 2024; used in
+torchtitan) lets the healthy replicas go on:
 
 1. Replicas, a coordinator, a quorum per step. R replicas each hold the whole model (each would be an FSDP/TP
    group in production). torchrun's agent stops every worker of a job when one dies, so each replica is its
@@ -38,8 +38,9 @@ replicated dimension (torchft, PyTorch Conference 2024; used in torchtitan) lets
    gradient (maybe holding a dead replica's partial work) is thrown away and the same step is retried with
    the next quorum: no restart of the healthy processes, no checkpoint read.
 5. Live recovery. A restarted replica checks in with version -1; the quorum's lowest member with the newest
-   version broadcasts its whole state (weights, AdamW moments and steps, step, data cursor, loss history,
-   rollback snapshot: one flat float64 tensor, exact for float32/bfloat16 too) and it takes part at once.
+   version broadcasts its whole state (weights, AdamW moments and steps, rollback snapshot: one broadcast per
+   tensor, in its own dtype; step, data cursor and loss history in one small float64 tensor) and it takes
+   part at once.
 6. Loss spikes (PaLM's rollback-and-skip, Chowdhery et al. 2022, Sec. 5.1). A non-finite loss or gradient
    norm, or a loss above the mean of the last 16 by --spike-sigma standard deviations, is flagged; one
    all-reduce of the flag makes every member agree; the step is skipped (its batch consumed). After
@@ -115,10 +116,10 @@ class Args(CommonArgs):
     ckpt_dir: str = ""  # --recipe restart only: the job's one state.pt (live recovery reads no disk)
     save_every: int = 0  # --recipe restart: write the state every N steps
     timeout: int = 120  # seconds, every wait's deadline: a collective, a round, a vote (a hung peer is left)
-    fail_at_step: int = -1  # (refused: torchrun's restart test; here --kill-replica)
     coordinator: str = ""  # (set by the launcher) host:port of the coordinator's store
     replica: int = -1  # (set by the launcher) this process's replica id; -1: be the launcher
     life: int = 0  # (set by the launcher) how many times this replica was started before
+    HIDDEN = ("coordinator", "replica", "life", "fail_at_step", "dropout")  # out of --help (and refused)
 
 
 # ----------------------------------------------------------------------------- 1. the quorum
@@ -299,7 +300,8 @@ def replica_device(rid):
 
 # ----------------------------------------------------------------------------- 3. the state and its recovery
 class Replica:
-    """One replica's state; its flat float64 form (exact for float32/bfloat16 too) is what recovery sends."""
+    """One replica's state. Recovery sends it tensor by tensor, each in its own dtype and shape (a receiver
+    allocates them from its own model and optimizer: same shapes, same dtypes, same order on every member)."""
 
     def __init__(self, model, opt, steps):
         if type(opt).__name__ not in ("Adam", "AdamW") or any(g["amsgrad"] for g in opt.param_groups):
@@ -314,30 +316,31 @@ class Replica:
                                       for p in self.params]  # everything that a step changes in place
         self.version, self.step, self.batch, self.skips = 0, 0, 0, 0
         self.losses = []  # the loss of every applied update: the spike detector's history
-        self.snapshot = self.core().cpu()  # what a rollback restores (a recent step's core, on the host)
+        self.snapshot = self.on_host()  # what a rollback restores (a recent step's core, on the host)
 
     def core(self):
-        """(3P + n_params + 5 + steps,) weights | exp_avg | exp_avg_sq | AdamW steps | counters, losses."""
+        """weights, exp_avg, exp_avg_sq, AdamW steps (the live tensors), then the counters and the losses as
+        one (5 + steps,) float64 tensor (the losses are Python floats: float64 holds them exactly)."""
         meta = [self.version, self.step, self.batch, self.skips, len(self.losses)]
         meta += self.losses + [math.nan] * (self.steps - len(self.losses))
-        flat = [t.detach().double().reshape(-1) for t in self.tensors]
-        return torch.cat(flat + [torch.tensor(meta, dtype=torch.float64, device=flat[0].device)])
+        return [t.detach() for t in self.tensors] + [torch.tensor(meta, dtype=torch.float64)]
 
-    def load_core(self, flat):
-        sizes = [t.numel() for t in self.tensors]
-        for t, v in zip(self.tensors, flat[:sum(sizes)].split(sizes)):
-            t.detach().copy_(v.view_as(t))
-        meta = flat[sum(sizes):].tolist()
+    def on_host(self):
+        return [t.to("cpu", copy=True) for t in self.core()]
+
+    def load_core(self, core):
+        for t, v in zip(self.tensors, core):
+            t.detach().copy_(v)
+        meta = core[-1].tolist()
         self.version, self.step, self.batch, self.skips, n_losses = map(int, meta[:5])
         self.losses = meta[5:5 + n_losses]
 
-    def full(self):  # core | snapshot: everything a recovering replica needs
-        core = self.core()
-        return torch.cat([core, self.snapshot.to(core.device)])
+    def full(self):  # core + snapshot: everything a recovering replica needs
+        return self.core() + self.snapshot
 
-    def load_full(self, flat):
-        self.load_core(flat[:flat.numel() // 2])
-        self.snapshot = flat[flat.numel() // 2:].cpu().clone()
+    def load_full(self, tensors):
+        self.load_core(tensors[:len(tensors) // 2])
+        self.snapshot = [t.to("cpu", copy=True) for t in tensors[len(tensors) // 2:]]
 
 
 def checksum(params, chunk=1 << 20):
@@ -356,13 +359,13 @@ def sync_state(pg, members, me, rep, verify):
     their checksums (one slot each): one that differs from the majority is corrupt. 2. The lowest newest
     member with the majority checksum broadcasts its whole state to the members behind (a restarted replica
     recovers live) and the corrupt (repaired). Returns (corrupt ids, receiving ids, bytes broadcast)."""
-    i_me, newest = rank_in(members, me), max(m.version for m in members)
+    i_me, newest, device = rank_in(members, me), max(m.version for m in members), rep.params[0].device
     if pg.size() != len(members):
         raise ValueError(f"sync_state needs the quorum's group, of {len(members)} members: got {pg.size()}")
     if newest < 0:
         raise RuntimeError("no member of the quorum holds a state to recover from")  # (a later quorum may)
     up = [i for i, m in enumerate(members) if m.version == newest]
-    sums = torch.zeros(len(members), dtype=torch.long, device=rep.params[0].device)
+    sums = torch.zeros(len(members), dtype=torch.long, device=device)
     if verify:
         if i_me in up:
             sums[i_me] = checksum(rep.params)
@@ -374,11 +377,14 @@ def sync_state(pg, members, me, rep, verify):
     receivers = [i for i, m in enumerate(members) if m.version < newest or i in bad]
     if not receivers:
         return [], [], 0
-    flat = rep.full() if i_me == src else torch.empty_like(rep.full())
-    pg.broadcast(flat, src).wait()  # (state,) the source's whole state
+    # one broadcast per tensor, all in flight, in its dtype and on the device (NCCL's: the snapshot and
+    # AdamW's step counts live on the host); a receiver's own state gives the shapes
+    state = [t.to(device) if i_me == src else torch.empty_like(t, device=device) for t in rep.full()]
+    for work in [pg.broadcast(t, src) for t in state]:
+        work.wait()
     if i_me in receivers:
-        rep.load_full(flat)
-    nbytes = flat.numel() * flat.element_size()
+        rep.load_full(state)
+    nbytes = sum(t.numel() * t.element_size() for t in state)
     return [members[i].rid for i in bad], [members[i].rid for i in receivers], nbytes
 
 
@@ -449,7 +455,7 @@ def apply_update(rep, loss, spike, norm, clip, max_skips, snapshot_every):
         rep.step, rep.skips = rep.step + 1, 0
         rep.losses.append(loss)
         if rep.step % snapshot_every == 0:
-            rep.snapshot = rep.core().cpu()
+            rep.snapshot = rep.on_host()
         return "update"
     rep.skips += 1
     if rep.skips < max_skips:
@@ -465,12 +471,11 @@ def check_args(args):
     R = args.replicas
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         fail("start it with python fault_tolerance.py --replicas R, not torchrun: it starts its own replicas")
-    for core_check in (lambda: check_shard(args.batch_size, 0, R), lambda: check_round(0, args.join_ms / 1e3,
-                       args.timeout), lambda: check_update(args.max_skips, args.snapshot_every)):
-        try:  # (the cores' own checks: --batch-size and --replicas, --join-ms, --max-skips, --snapshot-every)
-            core_check()
-        except ValueError as e:
-            fail(str(e))
+    try:  # the cores' own checks: --batch-size and --replicas, --join-ms, --max-skips, --snapshot-every
+        check_shard(args.batch_size, 0, R), check_round(0, args.join_ms / 1e3, args.timeout)
+        check_update(args.max_skips, args.snapshot_every)
+    except ValueError as e:
+        fail(str(e))
     for name in ("kill_replica", "corrupt_replica", "freeze_replica"):
         v = getattr(args, name)
         if v >= 0 and not (v < R and 0 <= args.at_step < args.steps):
@@ -505,10 +510,8 @@ def check_args(args):
 # One replica: the GPT and its data on the cores above, its log, and one hook for the faults the tests inject
 # (`fault`, below the fence). The launcher starts the replicas and marks a death on the coordinator
 # (dead/{rid}.{life}) and counts it out ("alive"): what a vote, a round's close and the next quorum read.
-# Every replica's environment (the launcher sets it). On NCCL our deadline decides, not the watchdog: with the
-# default error handling (3) it takes the *healthy* process down at the group's timeout, and its heartbeat
-# monitor kills one whose watchdog hangs in an abort. Torch's C++ warnings (a peer gone: a 14-line stack each)
-# are quieted, so that each replica's failure is the one line it prints.
+# The replicas' environment (docstring, 2.: the heartbeat monitor too would kill one whose watchdog hangs in
+# an abort); torch's C++ warnings (a 14-line stack per peer gone) quieted: a failure is the one line printed.
 ENVIRONMENT = dict(TORCH_NCCL_ASYNC_ERROR_HANDLING="0", TORCH_NCCL_ENABLE_MONITORING="0",
                    TORCH_CPP_LOG_LEVEL="ERROR")
 
@@ -580,9 +583,6 @@ def train_replica(args):
         if last:
             break
         what = apply_update(rep, loss, spike, norm, args.clip, args.max_skips, args.snapshot_every)
-        if what == "update" and me.rid == members[0].rid:
-            log_step(Dist(0, 1, 0, device, "gloo"), step, loss, 1e3 * (time.time() - t_start),
-                     B * args.seq_len * len(members) // R)
         log.committed(k - 1, members, t_start, step, batch, what, loss)  # (--recipe restart: and saves)
         if rep.step >= args.steps:
             store.set("ending", "1")
@@ -755,6 +755,8 @@ class Log:
         s.set(f"t/{k}", f"{t_start!r} {t_end!r} {step} {what}")
         self.step_ms.append(1e3 * (t_end - t_start))
         if what == "update":
+            log_step(Dist(0, 1, 0, self.rep.params[0].device, "gloo"), step, loss, self.step_ms[-1],
+                     a.batch_size * a.seq_len * len(members) // a.replicas)
             s.set(f"upd/{step}", f"{k} {batch} {rids} {loss!r}")
         else:
             print(f"step {step:4d} | {what}: batch {batch} loss {loss:.4g} flagged as a spike "
@@ -800,7 +802,7 @@ class Log:
             check = dict(max_loss_diff=loss_diff, max_param_diff=param_diff, passed=passed)
         ms = sorted(self.step_ms)[len(self.step_ms) // 2] if self.step_ms else 0.0
         d = Dist(0, a.replicas, 0, device, "gloo")
-        state = sum(t.numel() * t.element_size() for t in [rep.core()])
+        state = sum(t.numel() * t.element_size() for t in rep.core())
         write_summary(d, a, "fault-tolerance", losses, ms, a.batch_size * a.seq_len / max(ms, 1e-9) * 1e3,
                       state, 0, check, figures)
         return 0 if check is None or check["passed"] else 1

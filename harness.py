@@ -62,7 +62,8 @@ class _Parser(argparse.ArgumentParser):
 
 
 def parse_args(cls, argv=None):
-    """Turn an Args dataclass into flags: `n_layers: int = 4  # help` becomes `--n-layers 4`."""
+    """Turn an Args dataclass into flags: `n_layers: int = 4  # help` becomes `--n-layers 4`. The fields
+    named in the class attribute HIDDEN (a launcher's own, or flags the file refuses) parse, unlisted."""
     helps = {}
     for klass in reversed(cls.__mro__):
         try:
@@ -74,6 +75,7 @@ def parse_args(cls, argv=None):
     hints = get_type_hints(cls)
     for f in fields(cls):
         flag, typ, h = "--" + f.name.replace("_", "-"), hints[f.name], helps.get(f.name, "")
+        h = argparse.SUPPRESS if f.name in getattr(cls, "HIDDEN", ()) else h
         if typ is bool:
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=h)
         elif get_origin(typ) is Literal:

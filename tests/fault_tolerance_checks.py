@@ -171,8 +171,8 @@ def old_membership(ns):
 def weights_only(ns):
     real = ns["Replica"].load_full
 
-    def load_full(self, flat):
-        real(self, flat)
+    def load_full(self, state):  # (state: the list of tensors recovery broadcast)
+        real(self, state)
         for t in self.tensors[len(self.params):]:
             t.zero_()
     ns["Replica"].load_full = load_full
@@ -254,8 +254,8 @@ def rollback_keeps_adam(rep, loss, spike, norm, clip, max_skips, snapshot_every)
     return what
 
 
-def weights_only(self, flat):
-    load_full(self, flat)
+def weights_only(self, state):  # (state: the list of tensors recovery broadcast)
+    load_full(self, state)
     for t in self.tensors[len(self.params):]:  # AdamW from scratch: zero moments, step 0
         t.zero_()
 

@@ -129,8 +129,9 @@ R3 = ["--replicas", 3, "--steps", 6, "--kill-replica", 1, "--at-step", 3, "--pha
 def test_r3_kill_during_step_discards_it_and_the_replica_rejoins_live(tmp_path):
     """Replica 1 dies after its backward, before the all-reduce: the others' all-reduce fails, step 3 is
     discarded (a "no" vote), the launcher restarts replica 1, and (--min-replicas 3) it rejoins at step 3 with
-    the weights, AdamW state and step broadcast by replica 0: the whole state, measured at the broadcast. The
-    healthy processes never restart; every step has all three replicas; exact."""
+    the weights, AdamW state and step broadcast by replica 0: the whole state, its bytes (each tensor in
+    its own dtype) a closed form. The healthy processes never restart; every step has all three replicas;
+    exact."""
     p, s = launch(tmp_path, *R3)
     exact(p, s)
     f = s["figures"]
@@ -139,8 +140,11 @@ def test_r3_kill_during_step_discards_it_and_the_replica_rejoins_live(tmp_path):
     assert "round" in p.output and "failed" in p.output and "discarded" in p.output
     (rec,) = f["recoveries"]  # "round receivers bytes"
     _, receivers, nbytes = rec.split()
-    P = sum(t.numel() for t in reference_train(tiny(steps=1))["params"].values())
-    assert receivers == "1" and int(nbytes) >= 2 * 8 * (3 * P)  # weights + 2 AdamW moments (+ the snapshot)
+    params = reference_train(tiny(steps=1))["params"].values()
+    P, n = sum(t.numel() for t in params), len(params)
+    # weights and 2 AdamW moments (float64), n step counts (float32), 5 + 6 counters and losses (float64), and
+    # the snapshot the same again: each in its own dtype (one float64 copy would be 2 x 8 (3P + n + 11))
+    assert receivers == "1" and int(nbytes) == 2 * (8 * 3 * P + 4 * n + 8 * (5 + 6)), (nbytes, P, n)
     fail = measured_failure(s, 1, 3)
     assert fail["steps_redone"] == 0 and math.isfinite(fail["ms_to_rejoin"])
     pytest.r3_ms = fail["ms_to_next_commit"]
@@ -338,6 +342,97 @@ def test_cores_refuse_what_they_cannot_do_before_communicating():
     assert pg.calls == ["allreduce"]
 
 
+# ----------------------------------------------------------------------------- what recovery sends
+def float64_flattening(ft):
+    """The mutant: the state sent as one flat float64 tensor (this file before issue 39), still exact."""
+    Replica = ft["Replica"]
+    full, load_full = Replica.full, Replica.load_full
+
+    def full64(self):
+        return [torch.cat([t.double().reshape(-1) for t in full(self)])]
+
+    def load64(self, state):
+        mine = full(self)
+        flat = state[0].split([t.numel() for t in mine])  # (numel of the whole state,) float64
+        load_full(self, [v.view_as(t).to(t.dtype) for t, v in zip(mine, flat)])
+    Replica.full, Replica.load_full = full64, load64
+
+
+def recovery_wire(ft, steps=5):
+    """Replica 0 (version 3, after an AdamW step; float32 weights and a bfloat16 gain) recovers replica 1
+    (version -1, other weights) through sync_state on a real gloo group of two (one thread each, in this
+    process). Returns (every broadcast's (dtype, shape) as each member handed it, the bytes sync_state
+    reports, the source's and the receiver's Replica after)."""
+    import threading
+    store, M, sent, reps = dist.HashStore(), ft["Member"], {0: [], 1: []}, {}
+    members = [M(0, 0, 3, 1, -1, 0), M(1, 1, -1, 0, -1, 0)]
+
+    class Seen:  # the group, recording every tensor handed to its broadcast
+        def __init__(self, pg, rank):
+            self.pg, self.rank = pg, rank
+
+        def size(self):
+            return self.pg.size()
+
+        def broadcast(self, tensor, src):
+            sent[self.rank].append((tensor.dtype, tuple(tensor.shape)))
+            return self.pg.broadcast(tensor, src)
+
+    def member(rank, out):
+        torch.manual_seed(rank)
+        model = torch.nn.Linear(3, 2)
+        model.gain = torch.nn.Parameter(torch.tensor(1.5, dtype=torch.bfloat16))
+        rep = ft["Replica"](model, torch.optim.AdamW(model.parameters(), foreach=False), steps)
+        if rank == 0:  # a state with moments, a step count, a loss history and its own snapshot
+            for p in rep.params:
+                p.grad = torch.randn_like(p)
+            rep.opt.step()
+            rep.snapshot = rep.on_host()
+            rep.opt.step()
+            rep.version, rep.step, rep.batch, rep.losses = 3, 1, 2, [0.25]
+        gloo = dist.ProcessGroupGloo(dist.PrefixStore("g", store), rank, 2, timedelta(seconds=60))
+        pg = ft["Bounded"](gloo, 60.0)
+        out[rank] = ft["sync_state"](Seen(pg, rank), members, members[rank], rep, False)
+        reps[rank] = rep
+
+    out = {}
+    threads = [threading.Thread(target=member, args=(r, out)) for r in (0, 1)]
+    [t.start() for t in threads]
+    [t.join(120) for t in threads]
+    assert out[0][1] == out[1][1] == [1], out
+    return sent, out[0][2], reps[0], reps[1]
+
+
+def test_recovery_sends_each_tensor_in_its_own_dtype():
+    """Issue 39: what sync_state hands to the recovery broadcast, observed at the group: one tensor per state
+    tensor, in its own dtype and shape, on both members (the receiver's from its own model and optimizer):
+    weights, exp_avg, exp_avg_sq (float32 and bfloat16 here, as the parameters), AdamW's step counts
+    (float32, 0-dim), the counters and losses (float64, 5 + steps), then the snapshot's the same again. The
+    bytes are the state's own (closed form from the shapes), and the receiver ends bit for bit equal to the
+    source. The mutant sending one float64 copy (the file before) is as exact, and is caught by the wire."""
+    import itertools
+    steps = 5
+    params = [((2, 3), torch.float32), ((2,), torch.float32), ((), torch.bfloat16)]  # weight, bias, gain
+    one = [(d, s) for s, d in params] * 3 + [(torch.float32, ())] * 3 + [(torch.float64, (5 + steps,))]
+    size = {torch.float32: 4, torch.bfloat16: 2, torch.float64: 8}
+    state_bytes = 2 * sum(size[d] * math.prod(s) for d, s in one)  # 2 x (3 x 34 + 12 + 80) = 388
+    wire_ok = lambda sent, nbytes: sent[0] == sent[1] == one * 2 and nbytes == state_bytes  # noqa: E731
+    sent, nbytes, src, dst = recovery_wire(section.load("fault_tolerance.py"), steps)
+    assert wire_ok(sent, nbytes) and state_bytes == 388, (sent, nbytes)
+    for a, b in itertools.zip_longest(src.full(), dst.full()):  # (bit for bit, dtype too; the NaN padding)
+        torch.testing.assert_close(b, a, rtol=0, atol=0, equal_nan=True)
+    assert (dst.version, dst.step, dst.batch, dst.losses) == (3, 1, 2, [0.25])
+    assert all(t.device.type == "cpu" for t in dst.snapshot)  # (the rollback snapshot stays on the host)
+    mutant = section.load("fault_tolerance.py")
+    float64_flattening(mutant)
+    sent64, nbytes64, src, dst = recovery_wire(mutant, steps)
+    for a, b in zip(src.full(), dst.full()):  # exact too: parity cannot see it
+        torch.testing.assert_close(b, a, rtol=0, atol=0, equal_nan=True)
+    assert not wire_ok(sent64, nbytes64) and nbytes64 == 8 * 80, (sent64, nbytes64)  # 80 elements, 8 B each
+    print(f"\nrecovery wire: {len(sent[0])} tensors, {nbytes} B (float32, bfloat16, float64 as the state); "
+          f"the mutant's one float64 copy: {nbytes64} B")
+
+
 # ----------------------------------------------------------------------------- goodput, from the records
 def test_goodput_counts_overlapping_rounds_once():
     """recovery_figures: each committed round's span is timed by its own lowest member, from before its
@@ -365,6 +460,55 @@ def test_bad_input_is_one_line_and_exit_2(flags, words):
     p = run_python("fault_tolerance.py", *TINY, *flags)
     lines = (p.stdout + p.stderr).strip().splitlines()
     assert p.returncode == 2 and len(lines) == 1 and all(w in lines[0] for w in words), p.stdout + p.stderr
+
+
+# One use of every flag `--help` lists (with the companions it needs), each accepted by check_args.
+USES = """--steps 5|--batch-size 6|--seq-len 9|--vocab 40|--d-model 32|--n-layers 3|--n-heads 4|--lr 0.01
+|--weight-decay 0|--clip 0|--seed 1|--dtype float32|--ragged|--no-ragged|--check|--no-check|--json x.json
+|--ckpt-dir D --recipe restart --save-every 2|--save-every 2 --ckpt-dir D --recipe restart|--timeout 30
+|--replicas 2|--join-ms 50|--min-replicas 2|--kill-replica 1 --at-step 2|--at-step 2 --corrupt-replica 0
+|--freeze-replica 1 --at-step 1|--phase join|--max-restarts 0|--recipe restart --ckpt-dir D --save-every 2
+|--spike-sigma 3|--max-skips 1|--snapshot-every 2|--inject-spike 3,5|--verify-every 2
+|--corrupt-replica 2 --at-step 1|--host 0.0.0.0"""
+HIDDEN = ["--coordinator", "--replica", "--life", "--fail-at-step", "--dropout"]
+
+
+def test_help_lists_only_what_the_file_accepts(tmp_path, capsys):
+    """Issue 43 deliver 5: `python fault_tolerance.py --help` lists no launcher-internal flag (--coordinator,
+    --replica, --life) and none the file refuses (--fail-at-step; --dropout, which must be 0): they still
+    parse, so a user who types one gets the file's own refusal. Every flag it lists is accepted (one use of
+    each, checked by check_args here; the table must name exactly the listed flags), and the description is
+    the docstring's whole first paragraph."""
+    import fault_tolerance as ft
+    p = run_python("fault_tolerance.py", "--help")
+    assert p.returncode == 0, p.stderr
+    uses = [u.split() for u in USES.replace("\n", "").split("|")]
+    as_used = lambda text: sorted(listed(text)) == sorted(u[0] for u in uses) and not [  # noqa: E731
+        f for f in HIDDEN if re.search(f"{f}\\b(?!-)", text)]
+    assert as_used(p.stdout), sorted(set(listed(p.stdout)) ^ {u[0] for u in uses})
+    class Unhidden(ft.Args):  # the mutant: no HIDDEN (this file before issue 43)
+        HIDDEN = ()
+    with pytest.raises(SystemExit):
+        ft.parse_args(Unhidden, ["--help"])
+    assert not as_used(capsys.readouterr().out)  # caught
+    for use in uses:
+        a = ft.parse_args(ft.Args, [*TINY, *[str(tmp_path / w) if w == "D" else w for w in use]])
+        ft.check_args(a)  # (a refusal would exit 2 here)
+    refusals = [("--fail-at-step", 2, "torchrun's restart test"), ("--dropout", 0.1, "must be 0"),
+                ("--replica", 1, "the launcher's")]
+    for flag, value, words in refusals:
+        with pytest.raises(SystemExit) as refused:
+            ft.check_args(ft.parse_args(ft.Args, [*TINY, flag, str(value)]))
+        assert refused.value.code == 2 and words in capsys.readouterr().err, flag
+    description = p.stdout.split("\n\n")[1]  # (between the usage and the options)
+    assert " ".join(description.split()) == ft.__doc__.split("\n\n")[0], description
+
+
+def listed(help_text):
+    """The flags an argparse --help lists in its options (both forms of a boolean; not -h/--help)."""
+    return [o.split()[0] for line in help_text.split("options:")[1].splitlines()
+            if re.match(r"  --", line) and "--help" not in line
+            for o in re.split(r"\s{2,}", line.strip())[0].split(", ")]
 
 
 def tiny(steps):

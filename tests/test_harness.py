@@ -1,7 +1,8 @@
 """The counters every technique file measures with (harness.py), against closed forms computed here from the
 shapes alone: CommCounter on a real gloo group at worlds 2 and 3, SavedActivations and LiveStorages in one
 process, the Timeline's gathered events. Each check is shown to fail on a broken counter."""
-import json, re, sys
+import inspect, json, re, sys
+from dataclasses import dataclass
 
 import pytest
 import torch
@@ -210,3 +211,43 @@ def test_gpu_check_budget_and_rerun_verdicts(capsys, monkeypatch):
     assert not verdict([4.0, 3.0], [4.0, 3.1], [4.0, 3.0 + 3e-8])  # far outside it
     assert not verdict([4.0, 3.0], None, [4.0, 3.0])  # a restart that failed
     assert not verdict([4.0, 3.0], [4.0, 3.0], None, killed=False)  # equal, but nothing was killed
+
+
+# ----------------------------------------------------------------------------- flags: HIDDEN
+@dataclass
+class Shown:
+    width: int = 3  # a flag every file lists
+    port: int = -1  # set by a launcher
+
+
+class Hidden(Shown):
+    HIDDEN = ("port",)
+
+
+def help_of(parse_args, cls, capsys):
+    with pytest.raises(SystemExit):
+        parse_args(cls, ["--help"])
+    return capsys.readouterr().out
+
+
+HIDE = '        h = argparse.SUPPRESS if f.name in getattr(cls, "HIDDEN", ()) else h\n'
+
+
+def test_hidden_flags_parse_but_are_not_listed(capsys):
+    """parse_args leaves out of --help the fields a class names in HIDDEN (fault_tolerance.py's launcher-
+    internal flags, and those it refuses) and still parses them. A class without HIDDEN lists every field as
+    before, and only fault_tolerance.py's Args has one: every other file's --help is unchanged. The mutant
+    without the HIDDEN line (parse_args before issue 43) lists the hidden flag: caught."""
+    shown, hidden = help_of(harness.parse_args, Shown, capsys), help_of(harness.parse_args, Hidden, capsys)
+    port = next(line + "\n" for line in shown.splitlines() if line.startswith("  --port PORT"))
+    assert "set by a launcher" in port and "--width" in hidden
+    assert hidden == shown.replace(" [--port PORT]", "").replace(port, ""), hidden
+    assert harness.parse_args(Hidden, ["--port", "5"]) == Hidden(3, 5)
+    with_hidden = [f.name for f in sorted(ROOT.glob("*.py"))
+                   if re.search(r"^    HIDDEN = ", f.read_text(), re.M)]
+    assert with_hidden == ["fault_tolerance.py"], with_hidden
+    src = inspect.getsource(harness.parse_args)
+    assert src.count(HIDE) == 1
+    before = dict(vars(harness))
+    exec(src.replace(HIDE, ""), before)
+    assert "--port" in help_of(before["parse_args"], Hidden, capsys)  # caught
