@@ -11,8 +11,9 @@ holds the whole model state, yet only 1/N of the update work needs to happen on 
            with compute: each unit's reduce-scatter starts as soon as the last micro-batch's backward has
            produced its gradient (as DDP's buckets do), each unit's all-gather is waited for only just
            before the unit's next forward. (main's loop does not show that overlap on a GPU: its loss
-           all-reduce for the log line queues behind the all-gathers on the group's one stream, and the
-           .item() and the step timer's synchronize wait for it. Log without a collective to keep it.)
+           all-reduce for the log line queues behind the all-gathers on the group's one stream, .item()
+           waits for it, and the step timer's torch.cuda.synchronize waits for every stream, the
+           all-gathers' too. A loop that logs without a collective and never synchronizes keeps it.)
   stage 2  P_os+g: gradients sharded too: each unit's gradient is reduce-scattered as soon as backward has
            produced it (every micro-batch, asynchronously) and only this rank's shard of it is kept.
   stage 3  P_os+g+p: parameters sharded too (FSDP, Zhao et al. 2023). A unit (a transformer block; what is
