@@ -774,7 +774,7 @@ class ZeroCheckpoint:
         self.d, self.root, self.save_every, self.steps = d, ckpt_dir, save_every, steps
         self.group = group or dist.group.WORLD
         self.world = dist.get_world_size(self.group)
-        self.mesh = DeviceMesh.from_group(self.group, "cpu")  # a layout for DCP: CPU copies, no collective
+        self.mesh = DeviceMesh.from_group(self.group, "cpu")  # lays out CPU copies; DCP talks on `group`
 
     def _state(self, zero, loading):
         """What DCP saves or loads into: {key: DTensor}, this rank's shards (CPU copies) and RNG rows; and
@@ -849,8 +849,8 @@ class ZeroCheckpoint:
         saved_world = sizes["rng_cpu"][0]
         if saved_world != self.world:  # at another world size the ranks' RNG streams cannot continue
             state = {k: v for k, v in state.items() if not k.startswith("rng")}
-        state.update(scalars=torch.zeros(3, dtype=torch.float64),
-                     losses=torch.zeros(sizes["losses"], dtype=torch.float64))
+        state.update(scalars=torch.zeros(3, dtype=torch.float64),  # tensors: dcp.load fills tensors in
+                     losses=torch.zeros(sizes["losses"], dtype=torch.float64))  # place, not plain values
         dcp.load(state, checkpoint_id=path, process_group=self.group)  # every rank reads what it owns now
         for t, part in copies:
             part.copy_(t.to_local())  # (the CPU copy DCP filled -> the device's shard; on a CPU: itself)
