@@ -11,8 +11,9 @@ holds the whole model state, yet only 1/N of the update work needs to happen on 
            with compute: each unit's reduce-scatter starts as soon as the last micro-batch's backward has
            produced its gradient (as DDP's buckets do), each unit's all-gather is waited for only just
            before the unit's next forward. (main's loop does not show that overlap on a GPU: its loss
-           all-reduce for the log line queues behind the all-gathers on the group's one stream, and the
-           .item() and the step timer's synchronize wait for it. Log without a collective to keep it.)
+           all-reduce for the log line queues behind the all-gathers on the group's one stream, .item()
+           waits for it, and the step timer's torch.cuda.synchronize waits for every stream, the
+           all-gathers' too. A loop that logs without a collective and never synchronizes keeps it.)
   stage 2  P_os+g: gradients sharded too: each unit's gradient is reduce-scattered as soon as backward has
            produced it (every micro-batch, asynchronously) and only this rank's shard of it is kept.
   stage 3  P_os+g+p: parameters sharded too (FSDP, Zhao et al. 2023). A unit (a transformer block; what is
@@ -73,13 +74,15 @@ fp16 Adam: p = g = 2, K = 12 = fp32 master + m + v):
 
 In production, use torch.distributed.fsdp.fully_shard (FSDP2) or DeepSpeed ZeRO.
 """
-import os, sys
+import os, shutil, sys
 from dataclasses import dataclass
 from typing import Literal
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 import torch.nn as nn
+from torch.distributed.tensor import DeviceMesh, DTensor, Replicate, Shard
 from torch.func import functional_call
 
 from common import (DTYPES, GPTConfig, MarkovData, build_gpt, clip_grads_, close_dist, count_tokens, fail,
@@ -514,8 +517,8 @@ def train_zero(d, args):  # build, train, report, check; returns the --json summ
     zero = kind(model, [f"blocks.{i}" for i in range(args.n_layers)], stage=args.stage, clip=args.clip,
                 optimizer=lambda ps: make_optimizer(ps, args), device=d.device, **low)
     torch.manual_seed(args.seed + d.rank)  # dropout masks (if any) differ per rank; a resume restores them
-    ckpt = FlatShardCheckpoint(d, args.ckpt_dir, args.save_every, args.steps, [u.numel for u in zero.units])
-    run, comm, watch = Run(d, args, ZeroShards(zero), ckpt=ckpt), CommCounter(), Watch(zero)  # Watch: memory
+    ckpt = ZeroCheckpoint(d, args.ckpt_dir, args.save_every, args.steps, zero.group)
+    run, comm, watch = Run(d, args, zero, ckpt=ckpt), CommCounter(), Watch(zero)  # Watch: memory
     for step in run.steps():
         x, y = data.batch(step, args.batch_size, args.seq_len, args.ragged)  # (B, T) global, on the CPU
         with run.watching(step, comm):  # the bytes of the last step, seen at the dispatcher
@@ -752,146 +755,132 @@ def check_mixed(d, args, losses, params):
     return dict(max_loss_diff=t[0].item(), max_param_diff=t[1].item(), passed=bool(t[2].item()))
 
 
-# --- checkpoint state --- (what FlatShardCheckpoint saves of a Zero, and how it reshards) ------------------
-class ZeroShards:
-    """Per unit, the real elements this rank owns of the master and the Adam moments (stage 0: its slice
-    [lo, lo + valid) of the whole vector it holds), AdamW's step and the fp16 loss scale. A resume at any
-    world size takes the elements each rank owns now from the whole vectors; padding stays zero."""
+# --- checkpoint --- (torch.distributed.checkpoint of a Zero: any world size resumes it) ---------------------
+class ZeroCheckpoint:
+    """DIR/step{s}/ is a torch.distributed.checkpoint (DCP): per unit, the master and the Adam moments as
+    DTensors sharded Shard(0) over `group`. DCP cuts a (P,) vector as torch.chunk does, ceil(P/N) elements
+    per rank, the last ranks' short or empty: zero.py's flat shards without their padding, so a resume at
+    another world size is DCP's own resharding (stage 0 saves its slice [lo, lo + valid) and loads the whole
+    vector, Replicate). Beside them AdamW's step, the fp16 loss scale, the losses, and each rank's RNG states
+    as its row of a (world, L) tensor, restored at the same world size only. Every rank writes its file, then
+    rank 0 DCP's .metadata (temporary file + rename): the step is complete; the last two are kept. A resume
+    takes the newest complete step, checked by every rank before any collective: rank-local checkpoints
+    (Checkpointer's rank*/), a damaged .metadata or another model are refused with one line (exit 2), and so
+    are ranks that see different steps (node-local disks: .metadata on rank 0's node only). Run passes the
+    Zero as `state`."""
     MOMENTS = ("exp_avg", "exp_avg_sq")
 
-    def __init__(self, zero):
-        self.zero = zero
-
-    def shards(self):
-        z = self.zero
-        z.wait_published()  # (stages 1-2, no separate master: the master is a view of the gathered vector)
-        pieces = []
-        for u in z.units:
-            st, first = z.opt.state.get(u.master, {}), u.lo if z.stage == 0 else 0  # {}: all skipped (fp16)
-            held = dict(master=u.master, **{k: st.get(k, torch.zeros_like(u.master)) for k in self.MOMENTS})
-            pieces.append({k: v[first:first + u.valid] for k, v in held.items()})
-        scale, clean = getattr(z, "scale", 1.0), getattr(z, "clean", 0)  # (MixedPrecisionZero's loss scale)
-        return pieces, dict(adam_step=adam_step(z), scale=scale, clean=clean)
-
-    def reshard(self, whole, scalars):  # whole: per unit {name: (P,) unpadded vector}
-        z = self.zero
-        for u, w in zip(z.units, whole):
-            lo, hi = (0, u.numel) if z.stage == 0 else (u.lo, u.lo + u.valid)  # the flat elements I own
-            moments = {k: torch.zeros_like(u.master) for k in self.MOMENTS}
-            with torch.no_grad():
-                for k, v in (("master", u.master), *moments.items()):
-                    v.zero_()[:hi - lo] = w[k][lo:hi]
-            z.opt.state[u.master] = dict(step=torch.tensor(scalars["adam_step"]), **moments)
-        if isinstance(z, MixedPrecisionZero):
-            z.scale, z.clean = scalars["scale"], scalars["clean"]
-        z.publish()  # master -> compute copy (and the all-gather of stages 1-2)
-
-
-class FlatShardCheckpoint:
-    """Checkpoints of named flat vectors sharded over `group`, that any world size resumes. Each
-    rank owns elements [lo, lo + valid) of each vector: the ranks' pieces, in rank order, are the whole,
-    unpadded vector (`numels` long). DIR/step{s}/rank{r}.pt holds this rank's pieces and its RNG states;
-    then rank 0 writes meta.pt (world size, sizes, the state's scalars, history), which marks the step
-    complete. Temporary file + rename: never a half-written file; the last two steps are kept. A resume
-    takes the newest step complete for every rank, whatever world size wrote it, and hands the state the
-    whole vectors to take the elements it owns now from (at scale one would read only the files that
-    overlap them); at the same world size each rank also continues its RNG streams. A directory of
-    rank-local checkpoints (Checkpointer's rank*/), a damaged meta.pt or other sizes (another model) are
-    refused with one line (exit 2), before any collective. `state`, as Run passes it, has
-        shards()                 -> ([{name: this rank's piece (valid,)}, one dict per vector], {scalars})
-        reshard(whole, scalars)  <- ([{name: the whole vector (numel,)}, ...], the scalars saved)"""
-
-    def __init__(self, d, ckpt_dir, save_every, steps, numels, group=None):
-        self.d, self.root, self.save_every, self.steps, self.numels = d, ckpt_dir, save_every, steps, numels
+    def __init__(self, d, ckpt_dir, save_every, steps, group=None):
+        self.d, self.root, self.save_every, self.steps = d, ckpt_dir, save_every, steps
         self.group = group or dist.group.WORLD
-        self.rank, self.world = dist.get_rank(self.group), dist.get_world_size(self.group)
+        self.world = dist.get_world_size(self.group)
+        self.mesh = DeviceMesh.from_group(self.group, "cpu")  # lays out CPU copies; DCP talks on `group`
 
-    def _complete_steps(self):
-        return self._steps_with("meta.pt")
+    def _state(self, zero, loading):
+        """What DCP saves or loads into: {key: DTensor}, this rank's shards (CPU copies) and RNG rows; and
+        [(DTensor, the slice of the Zero's tensor it copies)] to copy a load back."""
+        state, copies = {}, []
+        rng = dict(rng_cpu=torch.get_rng_state())
+        if self.d.device.type == "cuda":
+            rng["rng_cuda"] = torch.cuda.get_rng_state(self.d.device)
+        for k, v in rng.items():  # (world, L): row r is rank r's
+            state[k] = DTensor.from_local(v.view(1, -1), self.mesh, [Shard(0)], run_check=False)
+        for i, u in enumerate(zero.units):
+            st = zero.opt.state.get(u.master) or {k: torch.zeros_like(u.master) for k in self.MOMENTS}
+            whole = zero.stage == 0 and loading
+            lo, n = (0, u.numel) if whole else (u.lo if zero.stage == 0 else 0, u.valid)
+            for k, v in (("master", u.master), *((k, st[k]) for k in self.MOMENTS)):
+                part, place = v.detach()[lo:lo + n], Replicate() if whole else Shard(0)
+                state[f"unit{i}.{k}"] = DTensor.from_local(part.cpu(), self.mesh, [place], run_check=False,
+                                                           shape=(u.numel,), stride=(1,))
+                copies.append((state[f"unit{i}.{k}"], part))
+        return state, copies
 
-    def _steps_with(self, name):  # the steps whose directory holds file `name`, in order
+    def _steps(self, name=""):  # the steps whose directory holds `name` (""; every step directory), in order
         if not self.root or not os.path.isdir(self.root):
             return []
         return sorted(int(f[4:]) for f in os.listdir(self.root) if f.startswith("step") and f[4:].isdigit()
                       and os.path.exists(os.path.join(self.root, f, name)))
 
-    def _read_meta(self, path):
-        """A step's meta.pt, checked against this run (another world size is fine: load reshards)."""
+    def _sizes(self, path, zero):  # DCP's .metadata, checked against this run: {key: global shape}
         try:
-            meta = torch.load(os.path.join(path, "meta.pt"), map_location="cpu", weights_only=False)
-            numels = meta["numels"]
+            sizes = {k: tuple(m.size) for k, m in dcp.FileSystemReader(path).read_metadata()
+                     .state_dict_metadata.items()}
         except Exception as e:
-            fail(f"cannot read checkpoint {path}/meta.pt ({type(e).__name__}): delete it or use another "
+            fail(f"cannot read checkpoint {path}/.metadata ({type(e).__name__}): delete it or use another "
                  "--ckpt-dir")
-        if numels != list(self.numels):
-            fail(f"checkpoint {path} holds another model (flat sizes {numels}, this run "
-                 f"{list(self.numels)}): use another --ckpt-dir")
-        return meta
+        want = {f"unit{i}.master": (u.numel,) for i, u in enumerate(zero.units)}
+        got = {k: s for k, s in sizes.items() if k.endswith(".master")}
+        if got != want:
+            fail(f"checkpoint {path} holds another model (flat sizes {[s for s, in got.values()]}, this "
+                 f"run {[s for s, in want.values()]}): use another --ckpt-dir")
+        return sizes
 
-    def load(self, state):
-        """Restore `state` and the RNG from the newest complete step; return (step, history), (0, {}) when
+    def load(self, zero):
+        """Restore `zero` and the RNG from the newest complete step; return (step, history), (0, {}) when
         there is nothing to resume."""
         if not self.root:
             return 0, {}
         if os.path.isdir(self.root) and any(f.startswith("rank") for f in os.listdir(self.root)):
             fail(f"--ckpt-dir {self.root} holds another file's rank-local checkpoints (rank*/), not "
                  f"{os.path.basename(sys.argv[0])}'s sharded steps (step*/): use another --ckpt-dir")
-        steps = self._complete_steps()
+        steps = self._steps(".metadata")
         if steps:  # checked before the collective
-            self._read_meta(os.path.join(self.root, f"step{steps[-1]}"))
-        # Only rank 0 writes meta.pt: on node-local disks the other nodes' ranks hold their pieces without it.
+            self._sizes(os.path.join(self.root, f"step{steps[-1]}"), zero)
+        # Only rank 0 writes .metadata: on node-local disks the other nodes' ranks hold their files without it
         # Only the newest step may lack it (a save cut short); ranks that disagree see different directories.
-        mine = [s for s in self._steps_with(f"rank{self.rank}.pt")[:-1] if s not in steps]  # older, no meta
+        orphans = [s for s in self._steps()[:-1] if s not in steps]
         newest = steps[-1] if steps else 0
-        t = torch.tensor([newest, -newest, len(mine)], device=self.d.device)
+        t = torch.tensor([newest, -newest, len(orphans)], device=self.d.device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)  # (the largest, -(the smallest), orphans)
         hi, lo, orphans = int(t[0]), -int(t[1]), int(t[2])
         if hi != lo or orphans:
             fail(f"--ckpt-dir {self.root}: the ranks see different checkpoints (newest complete step {lo} to "
-                 f"{hi}; {orphans} older steps with a piece but no meta.pt): it must be shared by every node")
-        step = hi
-        if not step:
+                 f"{hi}; {orphans} older steps with a piece but no .metadata): it must be shared by every "
+                 "node")
+        if not hi:
             return 0, {}
-        path = os.path.join(self.root, f"step{step}")
-        meta = self._read_meta(path)
-        files = [torch.load(os.path.join(path, f"rank{q}.pt"), map_location="cpu", weights_only=True)
-                 for q in range(meta["world"])]
-        state.reshard([{k: torch.cat([f["vectors"][i][k] for f in files]) for k in piece}  # (numel,) each
-                       for i, piece in enumerate(files[0]["vectors"])], meta["scalars"])
-        if meta["world"] == self.world:  # at another world size the ranks' RNG streams cannot continue
-            torch.set_rng_state(files[self.rank]["rng_cpu"])
+        path = os.path.join(self.root, f"step{hi}")
+        sizes = self._sizes(path, zero)
+        for u in zero.units:  # AdamW's state for DCP to load into
+            zero.opt.state[u.master] = dict(step=torch.tensor(0.0), **{k: torch.zeros_like(u.master)
+                                                                     for k in self.MOMENTS})
+        state, copies = self._state(zero, loading=True)
+        saved_world = sizes["rng_cpu"][0]
+        if saved_world != self.world:  # at another world size the ranks' RNG streams cannot continue
+            state = {k: v for k, v in state.items() if not k.startswith("rng")}
+        state.update(scalars=torch.zeros(3, dtype=torch.float64),  # tensors: dcp.load fills tensors in
+                     losses=torch.zeros(sizes["losses"], dtype=torch.float64))  # place, not plain values
+        dcp.load(state, checkpoint_id=path, process_group=self.group)  # every rank reads what it owns now
+        for t, part in copies:
+            part.copy_(t.to_local())  # (the CPU copy DCP filled -> the device's shard; on a CPU: itself)
+        adam_step, scale, clean = state["scalars"].tolist()
+        for u in zero.units:
+            zero.opt.state[u.master]["step"].fill_(adam_step)
+        if isinstance(zero, MixedPrecisionZero):
+            zero.scale, zero.clean = scale, int(clean)
+        zero.publish()  # master -> compute copy (and the all-gather of stages 1-2)
+        if saved_world == self.world:
+            torch.set_rng_state(state["rng_cpu"].to_local()[0])
             if self.d.device.type == "cuda":
-                torch.cuda.set_rng_state(files[self.rank]["rng_cuda"], self.d.device)
-        dist.barrier(group=self.group)
-        self.d.log(f"resumed from {self.root} at step {step} (saved at world size {meta['world']}"
-                   f"{'' if meta['world'] == self.world else '; RNG streams start afresh'})")
-        return step, meta["history"]
+                torch.cuda.set_rng_state(state["rng_cuda"].to_local()[0], self.d.device)
+        self.d.log(f"resumed from {self.root} at step {hi} (saved at world size {saved_world}"
+                   f"{'' if saved_world == self.world else '; RNG streams start afresh'})")
+        return hi, dict(losses=state["losses"].tolist())
 
-    def maybe_save(self, step, state, history):
+    def maybe_save(self, step, zero, history):
         """`step` = steps completed. Saves every `save_every` steps and after the last one."""
         if not self.root or not (step == self.steps or (self.save_every and step % self.save_every == 0)):
             return
-        path = os.path.join(self.root, f"step{step}")
-        os.makedirs(path, exist_ok=True)
-        pieces, scalars = state.shards()
-        mine = dict(vectors=[{k: v.detach().cpu().clone() for k, v in p.items()} for p in pieces],
-                    rng_cpu=torch.get_rng_state())  # CPU byte tensors, as torch.set_rng_state wants them
-        if self.d.device.type == "cuda":
-            mine["rng_cuda"] = torch.cuda.get_rng_state(self.d.device)
-        self._atomic_save(mine, os.path.join(path, f"rank{self.rank}.pt"))
-        dist.barrier(group=self.group)  # every piece is on disk before the step is marked complete
-        if self.rank == 0:
-            meta = dict(world=self.world, numels=list(self.numels), scalars=scalars, history=history)
-            self._atomic_save(meta, os.path.join(path, "meta.pt"))
-            for old in self._complete_steps()[:-2]:  # keep the last two
-                for f in os.listdir(os.path.join(self.root, f"step{old}")):
-                    os.remove(os.path.join(self.root, f"step{old}", f))
-                os.rmdir(os.path.join(self.root, f"step{old}"))
-
-    @staticmethod
-    def _atomic_save(obj, path):
-        torch.save(obj, path + ".tmp")
-        os.replace(path + ".tmp", path)
+        zero.wait_published()  # (stages 1-2, no separate master: the master is a view of the gathered vector)
+        state, _ = self._state(zero, loading=False)
+        scalars = [adam_step(zero), getattr(zero, "scale", 1.0), getattr(zero, "clean", 0)]  # (fp16's scale)
+        state.update(scalars=torch.tensor(scalars, dtype=torch.float64),
+                     losses=torch.tensor(history.get("losses", []), dtype=torch.float64))
+        dcp.save(state, checkpoint_id=os.path.join(self.root, f"step{step}"), process_group=self.group)
+        if dist.get_rank(self.group) == 0:  # .metadata is written: the step is complete
+            for old in self._steps(".metadata")[:-2]:  # keep the last two
+                shutil.rmtree(os.path.join(self.root, f"step{old}"))
 
 
 if __name__ == "__main__":

@@ -92,7 +92,7 @@ def test_bad_input_matrix(tmp_path):
     Z = tmp_path / "Z"  # a zero.py (sharded) checkpoint at world 1, step 2
     p = subprocess.run([sys.executable, str(ROOT / "zero.py"), *T, "--steps", "2", "--ckpt-dir", str(Z),
                         "--save-every", "2"], env=ENV, cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert p.returncode == 0 and (Z / "step2" / "meta.pt").exists(), p.stdout + p.stderr
+    assert p.returncode == 0 and (Z / "step2" / ".metadata").exists(), p.stdout + p.stderr
     dirs = dict(A=A, Z=Z, damaged=tmp_path / "damaged", world2=tmp_path / "world2", file=tmp_path / "file")
     shutil.copytree(A, dirs["damaged"])
     (dirs["damaged"] / "rank0" / "step2.pt").write_bytes(b"not a checkpoint")

@@ -3,8 +3,9 @@
 formulas say; stage 3 prefetches and frees its gathered storages; bytes handed to collectives equal a closed
 form from the model's parameter counts; offload and bf16 train correctly (bf16 against a one-process
 reference with the same precision recipe); fp16 skips an injected overflow on every rank
-(tests/zero_checks.py); a checkpoint saved at world 4 resumes at world 2, and the same directory as a node
-without rank 0's meta.pt sees it (node-local disks) is refused in one line; a run killed and restarted by
+(tests/zero_checks.py); a checkpoint (torch.distributed.checkpoint) saved at world 4 resumes at worlds 2 and
+3, and the same directory as a node without rank 0's .metadata sees it (node-local disks) is refused in one
+line; a run killed and restarted by
 torchrun at each stage, with dropout, equals the uninterrupted run bit for bit; bad input exits 2; and the
 technique section, run alone with nothing but torch, trains a model that is not the GPT exactly as plain
 one-process training does, at worlds 3 and 2, with a weight tied inside a unit, a copier's loop that never
@@ -17,6 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 import section
 from helpers import (ROOT, TINY, assert_bad_input, assert_matches_reference, run_python, torchrun,
@@ -79,58 +81,58 @@ def test_stage2_world3_offload(tmp_path):
     assert f["host_grad_copy_bytes"] == f["memory"]["grads"]["counted"] > 0, f
 
 
-def test_checkpoint_world4_resumes_at_world2(tmp_path):
+def test_checkpoint_world4_resumes_at_world2_and_3(tmp_path):
     ckpt = tmp_path / "ckpt"
     a, _ = torchrun("zero.py", 4, *TINY, "--stage", "1", "--accum", "3", "--clip", "0.5", "--check",
                     "--ckpt-dir", ckpt, "--save-every", "2", tmp_path=tmp_path, name="w4")
     assert_matches_reference(a)  # stage 1 at world 4
-    assert sorted(p.name for p in (ckpt / "step4").iterdir()) == ["meta.pt"] + [f"rank{r}.pt" for r in range(4)]
-    # resume at world 2 (and stage 3: the shard layout on disk is the same for every stage)
-    b, out = torchrun("zero.py", 2, *TINY, "--steps", "6", "--stage", "3", "--accum", "2", "--clip", "0.5",
-                      "--check", "--ckpt-dir", ckpt, tmp_path=tmp_path, name="w2")
-    assert "at step 4 (saved at world size 4; RNG streams start afresh)" in out, out[-3000:]
-    assert b["figures"]["resumed_from_step"] == 4 and b["losses"][:4] == a["losses"]
-    assert_matches_reference(b)  # all 6 losses and the final parameters == one uninterrupted run
+    # a torch.distributed.checkpoint: one file per rank, rank 0's .metadata last (the step is complete)
+    assert sorted(p.name for p in (ckpt / "step4").iterdir()) == [".metadata"] + [f"__{r}_0.distcp" for r in range(4)]
+    shutil.copytree(ckpt, tmp_path / "ckpt3")
+    # resume at world 2 at stage 3 (DCP reshards the same saved shards for every stage), and at world 3 at
+    # stage 0 (each rank loads the whole vectors): 6 steps each, equal to one uninterrupted run
+    for world, stage, root in ((2, "3", ckpt), (3, "0", tmp_path / "ckpt3")):
+        b, out = torchrun("zero.py", world, *TINY, "--steps", "6", "--stage", stage, "--accum", "2", "--clip",
+                          "0.5", "--check", "--ckpt-dir", root, tmp_path=tmp_path, name=f"w{world}")
+        assert "at step 4 (saved at world size 4; RNG streams start afresh)" in out, out[-3000:]
+        assert b["figures"]["resumed_from_step"] == 4 and b["losses"][:4] == a["losses"]
+        assert_matches_reference(b)  # all 6 losses and the final parameters == one uninterrupted run
     assert_figures(b)
-    # two nodes with node-local disks, as rank 1..3's node sees it: its pieces of steps 2 and 4, no meta.pt
+    # two nodes with node-local disks, as rank 1..3's node sees it: its files of steps 2 and 4, no .metadata
     # (rank 0 writes it on its own node). Refused in one line, not a silent restart from step 0 (N3-7).
     local = tmp_path / "node_local"
     shutil.copytree(ckpt, local)
-    for meta in local.glob("step*/meta.pt"):
+    for meta in local.glob("step*/.metadata"):
         meta.unlink()
     p = run_python("zero.py", *TINY, "--ckpt-dir", local)
     assert p.returncode == 2 and len(p.stderr.strip().splitlines()) == 1, (p.returncode, p.stderr, p.stdout[-2000:])
     assert "the ranks see different checkpoints" in p.stderr and "shared by every node" in p.stderr, p.stderr
 
 
-def shards(ckpt, step, world):
-    """Every tensor of a step's checkpoint, by (rank, unit, name): master, Adam moments, RNG state."""
-    out = {}
-    for r in range(world):
-        state = torch.load(ckpt / f"step{step}" / f"rank{r}.pt", weights_only=True)
-        out[r, "rng"] = state["rng_cpu"]
-        for i, u in enumerate(state["vectors"]):
-            out.update({(r, i, k): v for k, v in u.items()})
-    return out
+def shards(ckpt, step):
+    """Every tensor of a step's checkpoint, whole (torch.distributed.checkpoint's own converter): each unit's
+    master and Adam moments, every rank's RNG row, AdamW's step and the loss scale, the losses."""
+    dcp_to_torch_save(ckpt / f"step{step}", ckpt / "whole.pt")
+    return torch.load(ckpt / "whole.pt", weights_only=True)
 
 
 def test_restart_each_stage_dropout_bitwise(tmp_path):
     """--dropout 0.1, killed at step 3 and restarted by torchrun from the step-2 checkpoint, at each stage:
-    the losses, the final sharded state (master, Adam moments) and the RNG state equal the uninterrupted
+    the losses, the final sharded state (master, Adam moments, AdamW's step) and the RNG states equal the uninterrupted
     run bit for bit. At world 2 without accumulation every stage does the same arithmetic (a sum of two
     terms does not depend on its order), so one uninterrupted run is the answer for all four; its
     dropout masks depend on the RNG, so a resume that lost the RNG state would differ."""
     args = [*TINY, "--dropout", "0.1", "--clip", "0.5"]
     base, _ = torchrun("zero.py", 2, *args, "--stage", "0", "--ckpt-dir", tmp_path / "base",
                        tmp_path=tmp_path, name="base")
-    want = shards(tmp_path / "base", 4, 2)
+    want = shards(tmp_path / "base", 4)
     for stage in (0, 1, 2, 3):
         ckpt = tmp_path / f"s{stage}"
         s, out = torchrun("zero.py", 2, *args, "--stage", stage, "--ckpt-dir", ckpt, "--save-every", "2",
                           "--fail-at-step", "3", max_restarts=1, tmp_path=tmp_path, name=f"s{stage}")
         assert "simulated failure at step 3" in out and f"resumed from {ckpt} at step 2" in out, out[-3000:]
         assert s["figures"]["resumed_from_step"] == 2 and s["losses"] == base["losses"], (stage, s["losses"])
-        got = shards(ckpt, 4, 2)
+        got = shards(ckpt, 4)
         assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want), stage
 
 

@@ -19,7 +19,7 @@
    update only at its next forward.
 5. fp16: an overflow injected into one rank's gradient (a monkeypatch, the test hook the file no longer
    has) is skipped on every rank, with the loss scale's back-off and growth, and --check passes.
-6. FlatShardCheckpoint on node-local disks (rank 0's meta.pt on its node only): every rank refuses the
+6. ZeroCheckpoint on node-local disks (rank 0's .metadata on its node only): every rank refuses the
    resume (exit 2, one line) where the old code restarted from step 0; one shared directory resumes.
 (Recomputation, activation compression and Adafactor: tests/memory_savers_checks.py.)
 Each check is also run against code broken on purpose (a gathered unit kept alive, prefetch off, offload
@@ -182,7 +182,7 @@ def check_awkward(d, args, steps=3):
 
 
 def check_node_local_ckpt(d, args):
-    """FlatShardCheckpoint on two nodes with node-local disks (nccl-review-3 N3-7): rank 0 writes meta.pt on
+    """ZeroCheckpoint on two nodes with node-local disks (nccl-review-3 N3-7): rank 0 writes .metadata on
     its node only, so the last rank (on the other node) sees no complete step. Every rank refuses the resume
     (exit 2), where the old MIN over the ranks' newest steps restarted every rank from step 0; the same save
     in one shared directory resumes at its step."""
@@ -193,16 +193,16 @@ def check_node_local_ckpt(d, args):
     shared, node = os.path.join(tmp, "shared"), os.path.join(tmp, "node1" if d.rank == d.world - 1 else "node0")
     got = []
     for root in (shared, node):
-        Z.FlatShardCheckpoint(d, root, 1, 1, [u.numel for u in zero.units]).maybe_save(1, Z.ZeroShards(zero), {})
-        dist.barrier()  # (rank 0 writes meta.pt last: in a real restart the saving job has ended)
+        Z.ZeroCheckpoint(d, root, 1, 1).maybe_save(1, zero, {})
+        dist.barrier()  # (rank 0 writes .metadata last: in a real restart the saving job has ended)
         try:
-            got.append(Z.FlatShardCheckpoint(d, root, 1, 1, [u.numel for u in zero.units]).load(Z.ZeroShards(zero))[0])
+            got.append(Z.ZeroCheckpoint(d, root, 1, 1).load(zero)[0])
         except SystemExit as e:
             got.append(f"exit {e.code}")
     dist.barrier()
     if d.rank == 0:
         shutil.rmtree(tmp)
-    check(d, "checkpoint: shared dir resumes at step 1; node-local disks (meta.pt on rank 0's node) refused",
+    check(d, "checkpoint: shared dir resumes at step 1; node-local disks (.metadata on rank 0's node) refused",
           got == [1, "exit 2"], f"{got}")
 
 
