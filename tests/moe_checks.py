@@ -26,7 +26,6 @@ Every model and every tensor of a collective lives on the run's device (cuda:LOC
 Negative checks: random numbers keyed by a rank's local position, other routing groups, a copied-out model
 without gradient sync: all differ.
 """
-import copy
 import math
 import os
 import sys
@@ -42,11 +41,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import moe
-from common import MarkovData, close_dist, count_tokens, init_dist, lm_loss, make_optimizer
-from harness import check_against_reference, CommCounter
-
-TOL = 1e-9
-results = []
+from common import MarkovData, count_tokens, init_dist, lm_loss, make_optimizer
+from moe_common import check, check_parity, finish, gmax, refusal, rel
 
 
 def tiny(router, **kw):
@@ -54,23 +50,6 @@ def tiny(router, **kw):
                 experts=4, capacity_factor=1.0, router=router, aux_weight=0.1)
     base.update(kw)
     return moe.Args(**base)
-
-
-def gmax(d, x):
-    """The largest value over ranks (every rank gets it), through a tensor on the device (NCCL needs it)."""
-    t = torch.tensor([float(x)], dtype=torch.float64, device=d.device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.item()
-
-
-def check(d, name, ok, detail=""):
-    ok = gmax(d, 0.0 if ok else 1.0) == 0.0  # passed on every rank
-    results.append(ok)
-    d.log(f"{'PASS' if ok else 'FAIL'}  {name}  {detail}")
-
-
-def rel(a, b):
-    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-300)).item()
 
 
 def gather_grads(lay, model):
@@ -133,22 +112,13 @@ def parity(d, data, layouts):
     groups = 4
     for router, kw in PARITY:
         args = tiny(router, **kw)
-        ref_logits, ref_aux, ref_grads = first_step(d, args, data, groups)
+        ref_first = first_step(d, args, data, groups)
         ref = moe.moe_reference(args, groups, d.device)
         for ep, lay in layouts.items():
-            logits, aux, grads, row0, rows = first_step(d, args, data, groups, lay)
-            out_diff = rel(logits, ref_logits[row0:row0 + rows])
-            grad_diff = max(rel(grads[n], g) for n, g in ref_grads.items())
-            losses, full = train(d, args, lay, data, groups)
-            loss_diff = max(abs(a - b) / abs(b) for a, b in zip(losses, ref["losses"]))
-            param_diff = max((full[n] - p).abs().max().item() for n, p in ref["params"].items())
-            aux_diff = abs(aux - ref_aux) / max(abs(ref_aux), 1e-300)
-            diffs = [gmax(d, v) for v in (out_diff, aux_diff, grad_diff, loss_diff, param_diff)]
             flags = " ".join(f"{k}={v}" for k, v in kw.items())
-            check(d, f"parity {router:13s} {flags} EP {ep} ({d.world // ep} replicas) vs one process, 4 groups",
-                  max(diffs) <= TOL and set(full) == set(ref["params"]),
-                  "rel diff: outputs {:.1e}, aux {:.1e}, grads {:.1e}, losses after 3 steps {:.1e}; params {:.1e}"
-                  .format(*diffs))
+            name = f"parity {router:13s} {flags} EP {ep} ({d.world // ep} replicas) vs one process, 4 groups"
+            check_parity(d, name, ref_first, ref, first_step(d, args, data, groups, lay),
+                         train(d, args, lay, data, groups))
     # Negative: the noise keyed by a rank's *local* group (as a per-rank RNG would do) changes the answer.
     if d.world > 1:  # at world 1 local and global groups coincide
         args = tiny("noisy_topk")
@@ -355,19 +325,6 @@ def balance(d):
               gap1 < 0.4 * gap0, f"{first:.3f} -> {last:.3f} (gap {gap0:.3f} -> {gap1:.3f})")
 
 
-def refusal(call, axes):
-    """The message of the ValueError `call()` raises (None: none raised) and the collectives seen meanwhile."""
-    with CommCounter(axes=axes) as comm:
-        try:
-            call()
-            msg = None
-        except ValueError as e:
-            msg = str(e)
-        except Exception as e:  # noqa: BLE001 (another error is a failure, reported)
-            msg = f"not a ValueError: {type(e).__name__}: {e}"
-    return msg, dict(comm.calls)
-
-
 def bad_input(d, lay):
     """7 of the docstring: each bad input refused before any collective, at EP 2."""
     import section
@@ -439,9 +396,7 @@ def main():
             check(d, name, ok, detail)
     if 2 in layouts:
         bad_input(d, layouts[2])
-    passed = all(results)
-    d.log("ALL CHECKS PASSED" if passed else f"{results.count(False)} CHECKS FAILED")
-    close_dist(ok=passed)
+    finish(d)
 
 
 if __name__ == "__main__":

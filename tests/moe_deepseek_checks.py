@@ -39,11 +39,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import moe_deepseek as ds
-from common import MarkovData, close_dist, count_tokens, init_dist, lm_loss, make_optimizer
+from common import MarkovData, count_tokens, init_dist, lm_loss, make_optimizer
 from harness import check_against_reference, CommCounter
-
-TOL = 1e-9
-results = []
+from moe_common import check, check_parity, finish, refusal, rel
 
 
 def tiny(**kw):
@@ -51,23 +49,6 @@ def tiny(**kw):
                 experts=8, top_k=2, granularity=2, shared_experts=1, bias_rate=0.02, seq_aux_weight=0.0)
     base.update(kw)
     return ds.Args(**base)
-
-
-def gmax(d, x):
-    """The largest value over ranks (every rank gets it), through a tensor on the device (NCCL needs it)."""
-    t = torch.tensor([float(x)], dtype=torch.float64, device=d.device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.item()
-
-
-def check(d, name, ok, detail=""):
-    ok = gmax(d, 0.0 if ok else 1.0) == 0.0  # passed on every rank
-    results.append(ok)
-    d.log(f"{'PASS' if ok else 'FAIL'}  {name}  {detail}")
-
-
-def rel(a, b):
-    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-300)).item()
 
 
 def gathered(p, lay):
@@ -121,22 +102,13 @@ PARITY = [dict(granularity=4, top_k=4, shared_experts=2, seq_aux_weight=0.01),
 def parity(d, data, layouts):
     for kw in PARITY:
         args = tiny(**kw)
-        ref_logits, ref_aux, ref_grads = first_step(d, args, data)
+        ref_first = first_step(d, args, data)
         ref = ds.moe_reference(args, d.device)
         for ep, lay in layouts.items():
-            logits, aux, grads, row0, rows = first_step(d, args, data, lay)
-            out_diff = rel(logits, ref_logits[row0:row0 + rows])
-            grad_diff = max(rel(grads[n], g) for n, g in ref_grads.items())
-            losses, full = train(d, args, lay, data)
-            loss_diff = max(abs(a - b) / abs(b) for a, b in zip(losses, ref["losses"]))
-            param_diff = max((full[n] - p).abs().max().item() for n, p in ref["params"].items())
-            aux_diff = abs(aux - ref_aux) / max(abs(ref_aux), 1e-300)
-            diffs = [gmax(d, v) for v in (out_diff, aux_diff, grad_diff, loss_diff, param_diff)]
             flags = " ".join(f"{k}={v}" for k, v in kw.items())
-            check(d, f"parity {flags} EP {ep} ({d.world // ep} replicas) vs one process",
-                  max(diffs) <= TOL and set(full) == set(ref["params"]),
-                  "rel diff: outputs {:.1e}, aux {:.1e}, grads {:.1e}, losses after 3 steps {:.1e}; params {:.1e}"
-                  .format(*diffs))
+            name = f"parity {flags} EP {ep} ({d.world // ep} replicas) vs one process"
+            first = first_step(d, args, data, lay)
+            full = check_parity(d, name, ref_first, ref, first, train(d, args, lay, data))
             bias = torch.cat([v.flatten() for n, v in full.items() if n.endswith("expert_bias")])
             top = bias.clone()
             dist.all_reduce(top, op=dist.ReduceOp.MAX)
@@ -314,19 +286,6 @@ def resume_bias(d, data):
           ok, detail)
 
 
-def refusal(call, axes):
-    """The message of the ValueError `call()` raises (None: none raised) and the collectives seen meanwhile."""
-    with CommCounter(axes=axes) as comm:
-        try:
-            call()
-            msg = None
-        except ValueError as e:
-            msg = str(e)
-        except Exception as e:  # noqa: BLE001 (another error is a failure, reported)
-            msg = f"not a ValueError: {type(e).__name__}: {e}"
-    return msg, dict(comm.calls)
-
-
 def bad_input(d, lay):
     """5 of the docstring: each bad input refused before any collective, at EP 2."""
     import section
@@ -383,9 +342,7 @@ def main():
             check(d, name, ok, detail)
     if 2 in layouts:
         bad_input(d, layouts[2])
-    passed = all(results)
-    d.log("ALL CHECKS PASSED" if passed else f"{results.count(False)} CHECKS FAILED")
-    close_dist(ok=passed)
+    finish(d)
 
 
 if __name__ == "__main__":
