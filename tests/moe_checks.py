@@ -29,10 +29,8 @@ without gradient sync: all differ.
 import math
 import os
 import sys
-from pathlib import Path
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-ROOT_PATH = Path(ROOT)
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "tests"))
 
@@ -41,8 +39,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import moe
-from common import MarkovData, count_tokens, init_dist, lm_loss, make_optimizer
-from moe_common import check, check_parity, finish, gmax, refusal, rel
+from common import MarkovData, count_tokens, lm_loss, make_optimizer
+from moe_common import (check, check_all_to_all, check_builds, check_parity, finish, gmax, refusal, rel,
+                        sections, start)
 
 
 def tiny(router, **kw):
@@ -327,10 +326,7 @@ def balance(d):
 
 def bad_input(d, lay):
     """7 of the docstring: each bad input refused before any collective, at EP 2."""
-    import section
-    text = (ROOT_PATH / "moe.py").read_text()
-    core = section.load("moe.py")
-    mutant = section.load("moe.py", text.replace("raise ValueError(", "str("))  # every check a no-op
+    core, mutant = sections("moe.py")  # the mutant: every check a no-op
     g, axes = lay.ep_group, {"ep": lay.ep_group}
     x = lambda b: torch.randn(b, 3, 6, dtype=torch.float64, device=d.device)  # noqa: E731  (b, n, D)
 
@@ -347,13 +343,7 @@ def bad_input(d, lay):
               "capacity_factor 0": (dict(capacity_factor=0.0), ["--capacity-factor must be > 0, got 0.0",
                                                                 "moe_deepseek.py"]),
               "capacity_factor -1": (dict(capacity_factor=-1.0), ["--capacity-factor must be > 0, got -1.0"])}
-    for name, (kw, words) in builds.items():
-        msg, calls = refusal(lambda: layer(core, **kw), axes)
-        check(d, f"bad input: MoE({name}) refused before any collective", msg is not None
-              and all(w in msg for w in words) and not calls, f"{msg}; collectives {calls}")
-        msg, _ = refusal(lambda: layer(mutant, **kw), axes)  # built silently, or another error
-        check(d, f"bad input mutant: without its check, MoE({name}) is not refused clearly",
-              msg is None or msg.startswith("not a ValueError"), "built silently" if msg is None else msg)
+    check_builds(d, "MoE", builds, layer, core, mutant, axes)
     good = layer(core)
     msg, calls = refusal(lambda: good(x(3)), axes)  # 3 sequences, routing groups of 2
     check(d, "bad input: a forward of 3 sequences in groups of 2 refused before the all-to-all", msg is not None
@@ -366,37 +356,19 @@ def bad_input(d, lay):
           and msg.startswith("not a ValueError"), str(msg))
     A = core["AllToAll"].apply
     rows = torch.randn(4, 2, dtype=torch.float64, device=d.device)
-    for name, call, words in [("3 rows, even split", lambda: A(rows[:3], g), ["3 rows, 2 ranks", "divisible by 2"]),
-                              ("splits summing to 3 of 4 rows", lambda: A(rows, g, [2, 2], [1, 2]), ["(in: sum 4)"]),
-                              ("3 splits for 2 ranks", lambda: A(rows, g, [2, 1, 1], [2, 1, 1]), ["2 in/out splits"])]:
-        msg, calls = refusal(call, axes)
-        check(d, f"bad input: AllToAll of {name} refused before the collective", msg is not None
-              and all(w in msg for w in words) and not calls, f"{msg}; collectives {calls}")
-    msg, calls = refusal(lambda: A(rows, g), axes)
-    check(d, "bad input control: an AllToAll of 4 rows goes through, seen by the counter",
-          msg is None and calls.get("all_to_all/ep/fwd") == 1, f"{msg}; collectives {calls}")
+    cases = [("3 rows, even split", lambda: A(rows[:3], g), ["3 rows, 2 ranks", "divisible by 2"]),
+             ("splits summing to 3 of 4 rows", lambda: A(rows, g, [2, 2], [1, 2]), ["(in: sum 4)"]),
+             ("3 splits for 2 ranks", lambda: A(rows, g, [2, 1, 1], [2, 1, 1]), ["2 in/out splits"])]
+    check_all_to_all(d, cases, lambda: A(rows, g), "an AllToAll of 4 rows", axes)
 
 
 def main():
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    d = init_dist(120)
-    if d.world not in (1, 2, 4):  # 4 checks every EP degree; 1 and 2 (one GPU, two) check what fits
-        print("run me as: torchrun --nproc_per_node=4 tests/moe_checks.py", file=sys.stderr)
-        sys.exit(2)
-    torch.manual_seed(d.rank)
-    data = MarkovData(32, 0)
-    layouts = {ep: moe.make_layout(d, ep) for ep in (1, 2, 4) if d.world % ep == 0}
+    d, data, layouts = start("tests/moe_checks.py", moe.make_layout)
     parity(d, data, layouts)
     dispatch_combine(d, data, layouts)
     hand_written(d)
     balance(d)
-    if 2 in layouts and d.world == 4:
-        import test_moe  # the copy-out check is written in the test module; it runs here, at EP 2 x 2 replicas
-        for name, ok, detail in test_moe.copy_out(d, layouts[2]):
-            check(d, name, ok, detail)
-    if 2 in layouts:
-        bad_input(d, layouts[2])
-    finish(d)
+    finish(d, layouts, "test_moe", bad_input)  # the copy-out check is written in the test module
 
 
 if __name__ == "__main__":

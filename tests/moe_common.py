@@ -7,16 +7,30 @@
   their PASS lines, and the copy-out check: a technique section's MoE layer in a residual stack that is not
   the GPT, trained expert parallel against the same stack trained by plain torch in one process.
 """
+import importlib, os, sys
+
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from common import close_dist
+from common import close_dist, init_dist, MarkovData
 from harness import CommCounter
 
 TOL = 1e-9
 results = []  # every check's verdict, agreed over the ranks
+
+
+def start(script, make_layout):
+    """The checks' process group (world 1, 2 or 4; else the command that runs them), the rank's seed, the
+    data, and the layouts: EP 1, 2 and 4 wherever they divide the world."""
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    d = init_dist(120)
+    if d.world not in (1, 2, 4):  # 4 checks every EP degree; 1 and 2 (one GPU, two) check what fits
+        print(f"run me as: torchrun --nproc_per_node=4 {script}", file=sys.stderr)
+        sys.exit(2)
+    torch.manual_seed(d.rank)
+    return d, MarkovData(32, 0), {ep: make_layout(d, ep) for ep in (1, 2, 4) if d.world % ep == 0}
 
 
 def gmax(d, x):
@@ -68,7 +82,46 @@ def refusal(call, axes):
     return msg, dict(comm.calls)
 
 
-def finish(d):
+def sections(file):
+    """`file`'s technique section run alone (tests/section.py), and the same with every check a no-op."""
+    import section
+    mutant = (section.ROOT / file).read_text().replace("raise ValueError(", "str(")
+    return section.load(file), section.load(file, mutant)
+
+
+def check_builds(d, what, builds, layer, core, mutant, axes):
+    """builds: name -> (keywords, words). layer(ns, **keywords) built from the section `core` must raise a
+    ValueError containing the words before any collective; from the `mutant` (its checks turned into no-ops)
+    it is built silently, or fails otherwise: never with the clear message."""
+    for name, (kw, words) in builds.items():
+        msg, calls = refusal(lambda: layer(core, **kw), axes)
+        check(d, f"bad input: {what}({name}) refused before any collective", msg is not None
+              and all(w in msg for w in words) and not calls, f"{msg}; collectives {calls}")
+        msg, _ = refusal(lambda: layer(mutant, **kw), axes)  # built silently, or another error
+        check(d, f"bad input mutant: without its check, {what}({name}) is not refused clearly",
+              msg is None or msg.startswith("not a ValueError"), "built silently" if msg is None else msg)
+
+
+def check_all_to_all(d, cases, good, control, axes):
+    """cases: [(name, call, words)], AllToAll calls refused before the collective; good(): one that goes
+    through, its one forward all-to-all seen by the same counter (`control` says which)."""
+    for name, call, words in cases:
+        msg, calls = refusal(call, axes)
+        check(d, f"bad input: AllToAll of {name} refused before the collective", msg is not None
+              and all(w in msg for w in words) and not calls, f"{msg}; collectives {calls}")
+    msg, calls = refusal(good, axes)
+    check(d, f"bad input control: {control} goes through, seen by the counter",
+          msg is None and calls.get("all_to_all/ep/fwd") == 1, f"{msg}; collectives {calls}")
+
+
+def finish(d, layouts, test_module, bad_input):
+    """At EP 2: the copy-out check written in `test_module` (in a world of 4: EP 2 x 2 replicas), then the
+    cores' refusals (bad_input); then the verdict of every check: ALL CHECKS PASSED, or exit 1."""
+    if 2 in layouts and d.world == 4:
+        for name, ok, detail in importlib.import_module(test_module).copy_out(d, layouts[2]):
+            check(d, name, ok, detail)
+    if 2 in layouts:
+        bad_input(d, layouts[2])
     passed = all(results)
     d.log("ALL CHECKS PASSED" if passed else f"{results.count(False)} CHECKS FAILED")
     close_dist(ok=passed)
