@@ -366,8 +366,7 @@ def check_args(args, p, m):
     try:  # the cores' own checks (to_device on a batch of no data, split_layers, check_2bw): fail's line
         to_device(m, torch.device("cpu"), torch.empty(args.batch_size, 0))
         if args.vertical_sync and args.mode != "stash":
-            fail(f"--vertical-sync belongs to --mode stash (--mode {args.mode} has no per-micro-batch "
-                 "versions)")
+            fail(f"--vertical-sync belongs to --mode stash (--mode {args.mode}: no per-micro-batch versions)")
         if args.mode == "stash" and args.clip > 0:
             fail("--mode stash updates each stage right after its backward, before the whole-model gradient "
                  "norm of that micro-batch exists (stage 0 finishes it last): pass --clip 0")
