@@ -31,7 +31,7 @@ import dp_common
 import harness
 import section
 from common import GPTConfig, MarkovData, build_gpt, count_tokens, init_dist, lm_loss, make_optimizer
-from dp_common import Checks, SmallNet
+from dp_common import Checks, check_refused, check_unchecked_lets_through, SmallNet
 from harness import CommonArgs, gather_rows
 from ddp_bucketed import MiB, BucketedDDP, Overlap
 
@@ -520,16 +520,10 @@ def bad_calls(c):
             "no trainable parameter": (lambda: c.BucketedDDP(frozen()), ["no parameter", "requires grad"])}
 
 
-for what, (call, words) in bad_calls(core).items():
-    ok, seen = refused(call, words)
-    check(ok, f"bad input: BucketedDDP, {what}: refused before any collective ({seen})")
+check_refused(check, bad_calls, core, "BucketedDDP, ")
 ok, seen = refused(lambda: core.BucketedDDP(Net()), [])
 check(seen.startswith("no error") and "'broadcast/" in seen,
       f"bad input: negative: a valid BucketedDDP under the same counter broadcasts ({seen})")
-unchecked = types.SimpleNamespace(**section.load(
-    "ddp_bucketed.py", (section.ROOT / "ddp_bucketed.py").read_text().replace("raise ValueError(", "(")))
-through = [what for what, (call, words) in bad_calls(unchecked).items() if not refused(call, words)[0]]
-check(len(through) == len(bad_calls(core)), f"bad input: negative: the section without its checks lets "
-      f"{len(through)}/{len(bad_calls(core))} of them through")
+check_unchecked_lets_through(check, "ddp_bucketed.py", bad_calls, core)
 
 check.finish()

@@ -42,7 +42,7 @@ import diloco
 import harness
 import section
 from common import GPT, GPTConfig, MarkovData, build_gpt, count_tokens, init_dist, lm_loss
-from dp_common import Checks, net_batch, SmallNet
+from dp_common import Checks, check_refused, check_unchecked_lets_through, net_batch, SmallNet
 
 core = types.SimpleNamespace(**section.load("diloco.py"))  # the technique section alone, as a copier takes it
 
@@ -435,16 +435,10 @@ def bad_calls(c):
             "gpt_fragments, 0": (lambda: c.gpt_fragments(GPT(CFG), 0), ["0 fragments of 2 blocks"])}
 
 
-for what, (call, words) in bad_calls(core).items():
-    ok, seen = refused(call, words)
-    check(ok, f"bad input: {what}: refused before any collective ({seen})")
+check_refused(check, bad_calls, core)
 ok, seen = refused(lambda: core.DiLoCo(Net().parameters(), 1).after_inner_step(0), [])
 check(seen.startswith("no error") and "'all_reduce/" in seen,
       f"bad input: negative: a valid DiLoCo's sync under the same counter all-reduces ({seen})")
-unchecked = types.SimpleNamespace(**section.load(
-    "diloco.py", (section.ROOT / "diloco.py").read_text().replace("raise ValueError(", "(")))
-through = [what for what, (call, words) in bad_calls(unchecked).items() if not refused(call, words)[0]]
-check(len(through) == len(bad_calls(core)), f"bad input: negative: the section without its checks lets "
-      f"{len(through)}/{len(bad_calls(core))} of them through")
+check_unchecked_lets_through(check, "diloco.py", bad_calls, core)
 
 check.finish()

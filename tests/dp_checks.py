@@ -37,7 +37,7 @@ import dp
 import harness
 import section
 from common import GPT, GPTConfig, count_tokens, init_dist, lm_loss
-from dp_common import Checks, net_batch, SmallNet
+from dp_common import Checks, check_refused, check_unchecked_lets_through, net_batch, SmallNet
 
 core = types.SimpleNamespace(**section.load("dp.py"))  # the technique section alone, as a copier takes it
 
@@ -201,20 +201,14 @@ def bad_calls(c):
                 [f"at least {d.world} worker(s), got {d.world - 1}"])}
 
 
-for what, (call, words) in bad_calls(core).items():
-    ok, seen = refused(call, words)
-    check(ok, f"bad input: {what}: refused before any collective ({seen})")
+check_refused(check, bad_calls, core)
 for what, group in (("the whole world", None), ("a one-rank group", singletons[d.rank]))[d.world == 2:]:
     ok, seen = refused(lambda: core.worker_loop(Net(), huber, group, side), ["two-rank group", "new_group"])
     check(ok, f"bad input: worker_loop on {what}: refused before any collective ({seen})")
 ok, seen = refused(lambda: core.sync_step(Net(), adamw(Net()), [batch(0)], huber, group=singletons[d.rank]), [])
 check(not ok and seen.startswith("no error") and "'all_reduce/" in seen,
       f"bad input: negative: a valid sync_step under the same counter sends ({seen})")
-unchecked = section.load("dp.py", (section.ROOT / "dp.py").read_text().replace("raise ValueError(", "("))
-let_through = [what for what, (call, words) in bad_calls(types.SimpleNamespace(**unchecked)).items()
-               if not refused(call, words)[0]]
-check(len(let_through) == len(bad_calls(core)), f"bad input: negative: the section without its checks lets "
-      f"{len(let_through)}/{len(bad_calls(core))} of them through")
+check_unchecked_lets_through(check, "dp.py", bad_calls, core)
 
 # ----------------------------------------------------------------------------- 3 + 4: dp.py's main, patched
 summaries = []

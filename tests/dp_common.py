@@ -1,11 +1,14 @@
 """What tests/dp_checks.py, tests/diloco_checks.py and tests/ddp_bucketed_checks.py share, written once: a
 check recorded on the rank that saw it (the script goes on, so every rank keeps issuing the same collectives)
 and the verdict agreed over the ranks at the end; the small net that is not the GPT, on which each file's core
-is copied out, and its batches."""
+is copied out, and its batches; the bad-input round of a technique section's cores."""
+import types
+
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+import section
 from common import close_dist
 
 F64 = torch.float64
@@ -53,3 +56,22 @@ def net_batch(step, rows, seed, device):
     g = torch.Generator().manual_seed(seed + step)
     x, y = torch.randn(rows, 7, generator=g, dtype=F64), torch.randn(rows, 3, generator=g, dtype=F64)
     return x.to(device), y.to(device)
+
+
+def check_refused(check, bad_calls, core, label=""):
+    """bad_calls(ns): name -> (call, words). Each call on the section `core` raises a ValueError with the
+    words before any collective (section.refused)."""
+    for what, (call, words) in bad_calls(core).items():
+        ok, seen = section.refused(call, words)
+        check(ok, f"bad input: {label}{what}: refused before any collective ({seen})")
+
+
+def check_unchecked_lets_through(check, file, bad_calls, core):
+    """The negative: `file`'s section with its checks taken out (each raise ValueError a no-op) lets every one
+    of bad_calls through."""
+    unchecked = types.SimpleNamespace(**section.load(
+        file, (section.ROOT / file).read_text().replace("raise ValueError(", "(")))
+    through = [what for what, (call, words) in bad_calls(unchecked).items()
+               if not section.refused(call, words)[0]]
+    check(len(through) == len(bad_calls(core)), f"bad input: negative: the section without its checks lets "
+          f"{len(through)}/{len(bad_calls(core))} of them through")
