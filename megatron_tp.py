@@ -114,6 +114,11 @@ class g(torch.autograd.Function):
 
 
 # ----------------------------------------------------------------------------- parallel layers
+def check_tp_split(n, t, what):  # the layers' check, and check_args's with the flag's name for `what`
+    if n % t:
+        raise ValueError(f"{what} {n} is not divisible by the TP degree {t}: use a multiple of {t}")
+
+
 def shard(full, dim, group):
     """This rank's slice along `dim` of a full tensor (or of several, their slices stacked), as one Parameter
     marked tp_dim (split along it) and tp_full (the unpadded size), so that clipping and gathering know.
@@ -271,8 +276,7 @@ class ParallelAttention(nn.Module):
     def __init__(self, full, group, tracker, Column=ColumnParallelLinear, Row=RowParallelLinear):
         super().__init__()
         t = dist.get_world_size(group)
-        if full.n_heads % t:  # checked: a head cut across ranks would be silently wrong
-            raise ValueError(f"{full.n_heads} heads do not split over t = {t}: use heads divisible by t")
+        check_tp_split(full.n_heads, t, "n_heads")  # a head cut across ranks would be silently wrong
         self.qkv, self.proj = Column([full.q, full.k, full.v], group), Row(full.proj, group)
         self.heads, self.p, self.tracker = full.n_heads // t, full.p, tracker
 
@@ -323,10 +327,6 @@ class ParallelGPT(nn.Module):
 
 
 # ----------------------------------------------------------------------------- gradients and clipping
-def is_split(p):
-    return hasattr(p, "tp_dim")
-
-
 def flat_all_reduce(tensors, group):
     """One all-reduce of many tensors through a flat buffer (a single bucket)."""
     if dist.get_world_size(group) == 1 or not tensors:
@@ -343,7 +343,7 @@ def global_grad_norm(model, tp_group):
     params = list(model.parameters())
     acc = torch.promote_types(params[0].dtype, torch.float32)
     zero = torch.zeros((), dtype=acc, device=params[0].device)  # each sum's start: a tensor even if empty
-    squares = [(is_split(p), torch.linalg.vector_norm(p.grad, dtype=acc) ** 2) for p in params]
+    squares = [(hasattr(p, "tp_dim"), torch.linalg.vector_norm(p.grad, dtype=acc) ** 2) for p in params]
     split = all_reduce(sum((s for held, s in squares if held), zero), tp_group)
     return (split + sum((s for held, s in squares if not held), zero)).sqrt()
 
@@ -362,8 +362,7 @@ def all_gather(x, dim, group):  # (.., n, ..) this rank's chunk -> (.., t*n, ..)
 
 def reduce_scatter(x, dim, group):  # (.., t*n, ..) partial sums -> (.., n, ..) summed, chunk r
     t = dist.get_world_size(group)
-    if x.shape[dim] % t:  # checked before communicating: uneven chunks would abort inside the collective
-        raise ValueError(f"sequence parallelism splits T = {x.shape[dim]} over t = {t}: use T divisible by t")
+    check_tp_split(x.shape[dim], t, "sequence parallelism's T =")  # uneven chunks would abort the collective
     if t == 1:
         return x
     whole = torch.stack(x.chunk(t, dim)).contiguous()  # (t, .., n, ..): slot r goes to rank r
@@ -445,11 +444,10 @@ class SPGPT(ParallelGPT):
 
 def sum_replicated_grads(model, tp_group):
     """Replicated parameters (LN, row biases, positions) saw only my T/t positions: sum over the TP group."""
-    flat_all_reduce([p.grad for p in model.parameters() if not is_split(p)], tp_group)
+    flat_all_reduce([p.grad for p in model.parameters() if not hasattr(p, "tp_dim")], tp_group)
 
 
-def check_args(args):
-    """Bad input: one line and exit 2, on every rank, before any collective. Returns (t, dp)."""
+def check_args(args):  # bad input: one line and exit 2, on every rank, before any collective
     check_common_args(args)
     world = env_world_size()
     if args.tp < 0:
@@ -457,10 +455,12 @@ def check_args(args):
     t = args.tp or world
     if world % t:
         fail(f"world size {world} is not divisible by --tp {args.tp}: use a --tp dividing {world} (0 = all)")
-    if args.n_heads % t:
-        fail(f"--n-heads {args.n_heads} is not divisible by the TP degree {t}: each rank needs whole heads")
-    if args.sequence_parallel and args.seq_len % t:
-        fail(f"--sequence-parallel needs --seq-len {args.seq_len} divisible by the TP degree {t}")
+    try:  # the layers' own check (ParallelAttention's heads, SP's reduce_scatter), as fail's one line
+        check_tp_split(args.n_heads, t, "--n-heads")
+        if args.sequence_parallel:
+            check_tp_split(args.seq_len, t, "--sequence-parallel: --seq-len")
+    except ValueError as e:
+        fail(str(e))
     if args.batch_size % (world // t):
         fail(f"--batch-size {args.batch_size} is not divisible by the data-parallel degree {world // t}")
     return t, world // t
@@ -590,7 +590,7 @@ def report(d, args, model, tp_group, counted, full_bytes, acts, t, dp):
     """Print each measured figure beside its theory; returns the summary's figures."""
     theory, (split, repl) = theory_collectives(args, t, dp), params_per_rank(args, t)
     param_bytes, es, dtype = tensor_bytes(model.parameters()), DTYPES[args.dtype].itemsize, DTYPES[args.dtype]
-    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters() if not is_split(p)])
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters() if not hasattr(p, "tp_dim")])
     hi, lo = (all_reduce(flat.clone(), tp_group, op) for op in (dist.ReduceOp.MAX, dist.ReduceOp.MIN))
     spread = (hi - lo).abs().max().item()  # of replicated parameters across TP ranks: 0 if they stayed equal
     d.log(f"{'collective per step (op/axis/phase)':36s} {'calls':>5s} {'theory':>6s} {'elements':>9s} "
@@ -637,7 +637,7 @@ def gather_full(model, group):
     t, out = dist.get_world_size(group), {}
     for name, p in model.named_parameters():
         w = p.detach()
-        if is_split(p):
+        if hasattr(p, "tp_dim"):
             w = all_gather(w, p.tp_dim, group).narrow(p.tp_dim, 0, p.tp_full)  # padding cut off
         if ".qkv." in name:  # (t * 3 * D/t, ..) -> 3 x (D, ..)
             for part, w_i in zip("qkv", rearrange(w, "(t n o) ... -> n (t o) ...", t=t, n=3)):

@@ -302,6 +302,13 @@ class Stash(Flush):
         pass
 
 
+def check_2bw(m, p):  # TwoBW's invariant (learn_norm), which check_args checks too
+    if m < p:
+        raise ValueError(f"--mode 2bw needs --microbatches >= stages ({p}), got {m}: batch t's norm rides "
+                         "on micro-batch (t+1)m+p-1's forward, after batch t+2 starts if m < p-1; at m = p-1 "
+                         f"the second-to-last norm has no forward left to ride on; use --microbatches {p}")
+
+
 class TwoBW(Stash):
     """PipeDream-2BW: two versions, ever (the newest also lives in the master weights the optimizer steps:
     autograd must never see a tensor it saved change in place). Batch t's whole-model norm: each stage adds
@@ -310,8 +317,7 @@ class TwoBW(Stash):
     def __init__(self, stage, opt, m, clip, group=None):  # group: the pipeline's, in stage order
         super().__init__(stage, opt, lag=None)
         self.m, self.p, self.clip, self.group = m, dist.get_world_size(group), clip, group
-        if m < self.p:  # learn_norm's invariant
-            raise ValueError(f"2bw needs m >= p ({m} micro-batches, {self.p} stages): use m >= {self.p}")
+        check_2bw(m, self.p)
         self.first = dist.get_rank(group) == 0
         self.batch_grads = {}  # batch -> its summed gradient, until the whole-model norm arrives
         zero = torch.zeros((), dtype=torch.float64, device=next(stage.parameters()).device)
@@ -357,11 +363,10 @@ class TwoBW(Stash):
 
 def check_args(args, p, m):
     check_common_args(args)
-    try:  # the cores' own checks (to_device on a batch of no data, split_layers): ValueError, fail's line
+    try:  # the cores' own checks (to_device on a batch of no data, split_layers, check_2bw): fail's line
         to_device(m, torch.device("cpu"), torch.empty(args.batch_size, 0))
         if args.vertical_sync and args.mode != "stash":
-            fail(f"--vertical-sync belongs to --mode stash (--mode {args.mode} has no per-micro-batch "
-                 "versions)")
+            fail(f"--vertical-sync belongs to --mode stash (--mode {args.mode}: no per-micro-batch versions)")
         if args.mode == "stash" and args.clip > 0:
             fail("--mode stash updates each stage right after its backward, before the whole-model gradient "
                  "norm of that micro-batch exists (stage 0 finishes it last): pass --clip 0")
@@ -369,12 +374,10 @@ def check_args(args, p, m):
             fail(f"pipedream.py needs one process per stage, at least 2: torchrun --nproc_per_node="
                  f"{max(2, min(4, args.n_layers))} pipedream.py {' '.join(sys.argv[1:])}".rstrip())
         split_layers(args.n_layers, p)
+        if args.mode == "2bw":
+            check_2bw(m, p)
     except ValueError as e:
         fail(str(e))
-    if args.mode == "2bw" and m < p:  # see TwoBW.learn_norm
-        fail(f"--mode 2bw needs --microbatches >= stages ({p}), got {m}: batch t's norm reaches the later "
-             "stages with micro-batch (t+1)m+p-1's forward, after batch t+2 starts if m < p-1, and after the "
-             f"last batch's forwards for the second-to-last norm if m = p-1; use --microbatches {p}")
 
 
 def main():

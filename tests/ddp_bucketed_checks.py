@@ -13,7 +13,7 @@ script goes on (so every rank keeps issuing the same collectives); it exits 1 at
 Prints ALL CHECKS PASSED on success. Device-correct: models and inputs live on the rank's device, so the
 same checks run on NCCL (torchrun on a GPU machine) as on gloo; only tensors cross the wire.
 """
-import contextlib, os, sys, time, types
+import contextlib, functools, os, sys, time, types
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -27,10 +27,11 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import ddp_bucketed
+import dp_common
 import harness
 import section
-from common import (GPTConfig, MarkovData, build_gpt, close_dist, count_tokens, init_dist, lm_loss,
-                    make_optimizer)
+from common import GPTConfig, MarkovData, build_gpt, count_tokens, init_dist, lm_loss, make_optimizer
+from dp_common import Checks, check_refused, check_unchecked_lets_through, SmallNet
 from harness import CommonArgs, gather_rows
 from ddp_bucketed import MiB, BucketedDDP, Overlap
 
@@ -39,14 +40,7 @@ B, SEED, F64 = 12, 0, torch.float64
 CAP, FIRST = 0.01, 0.002  # MiB: several buckets for this ~60 KB model
 d = init_dist(60)
 data = MarkovData(CFG.vocab, SEED)
-failures = []
-
-
-def check(ok, what):
-    if not ok:
-        failures.append(what)
-    if d.rank == 0 or not ok:  # a failure is printed by the rank that saw it
-        print(f"{'ok  ' if ok else 'FAIL'} (rank {d.rank}) {what}", flush=True)
+check = Checks(d)  # check(ok, what); check.finish() at the end
 
 
 def gpt():
@@ -473,23 +467,8 @@ for cls in (BucketedDDP, CopyOut):
 
 # 10. copy-out: BucketedDDP on a model that is not the GPT (nested modules, a parameter on the root module,
 # odd sizes, a Huber loss, gradient accumulation under no_sync, clipping) == plain one-process training
-class Net(nn.Module):
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(3)  # the same weights on every rank
-        inner = nn.Sequential(nn.Linear(13, 5), nn.LayerNorm(5))
-        self.enc = nn.Sequential(nn.Linear(7, 13), nn.Tanh(), inner)
-        self.gain = nn.Parameter(torch.linspace(0.5, 1.5, 5))
-        self.head = nn.Linear(5, 3)
-        self.to(device=d.device, dtype=F64)
-
-    def forward(self, x):  # (b, 7) -> (b, 3)
-        return self.head(self.enc(x) * self.gain)
-
-
-def net_batch(step):  # (B, 7) inputs, (B, 3) targets, the same on every rank
-    g = torch.Generator().manual_seed(200 + step)
-    return (torch.randn(B, k, generator=g, dtype=F64).to(d.device) for k in (7, 3))
+Net = functools.partial(SmallNet, 3, d.device)  # the same weights on every rank
+net_batch = functools.partial(dp_common.net_batch, rows=B, seed=200, device=d.device)  # (B, 7), (B, 3)
 
 
 def huber(model, x, y):  # a sum over the rows given / the rows of the whole batch
@@ -541,19 +520,10 @@ def bad_calls(c):
             "no trainable parameter": (lambda: c.BucketedDDP(frozen()), ["no parameter", "requires grad"])}
 
 
-for what, (call, words) in bad_calls(core).items():
-    ok, seen = refused(call, words)
-    check(ok, f"bad input: BucketedDDP, {what}: refused before any collective ({seen})")
+check_refused(check, bad_calls, core, "BucketedDDP, ")
 ok, seen = refused(lambda: core.BucketedDDP(Net()), [])
 check(seen.startswith("no error") and "'broadcast/" in seen,
       f"bad input: negative: a valid BucketedDDP under the same counter broadcasts ({seen})")
-unchecked = types.SimpleNamespace(**section.load(
-    "ddp_bucketed.py", (section.ROOT / "ddp_bucketed.py").read_text().replace("raise ValueError(", "(")))
-through = [what for what, (call, words) in bad_calls(unchecked).items() if not refused(call, words)[0]]
-check(len(through) == len(bad_calls(core)), f"bad input: negative: the section without its checks lets "
-      f"{len(through)}/{len(bad_calls(core))} of them through")
+check_unchecked_lets_through(check, "ddp_bucketed.py", bad_calls, core)
 
-n_failed = torch.tensor([len(failures)], device=d.device)  # each rank printed its own failures above
-dist.all_reduce(n_failed)
-d.log(f"{int(n_failed)} CHECK(S) FAILED" if int(n_failed) else "ALL CHECKS PASSED")
-close_dist(ok=int(n_failed) == 0)
+check.finish()

@@ -29,56 +29,31 @@ takes, run with torch and nothing of this repo); parts 2-4 run diloco.py's main.
    valid sync under the same counter all-reduces; the section with its checks taken out lets them through.
 A failed check is recorded and the script goes on; it prints ALL CHECKS PASSED or exits 1 at the end.
 """
-import os, sys, time, types
+import functools, os, sys, time, types
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 import torch
 import torch.distributed as dist
-import torch.nn as nn
 import torch.nn.functional as F
 
 import diloco
 import harness
 import section
-from common import GPT, GPTConfig, MarkovData, build_gpt, close_dist, count_tokens, init_dist, lm_loss
+from common import GPT, GPTConfig, MarkovData, build_gpt, count_tokens, init_dist, lm_loss
+from dp_common import Checks, check_refused, check_unchecked_lets_through, net_batch, SmallNet
 
 core = types.SimpleNamespace(**section.load("diloco.py"))  # the technique section alone, as a copier takes it
 
 d = init_dist(60)
 F64, B, STEPS = torch.float64, 12, 5
-failures = []
-
-
-def check(ok, what):
-    if not ok:
-        failures.append(what)
-    if d.rank == 0 or not ok:  # a failure is printed by the rank that saw it
-        print(f"{'ok  ' if ok else 'FAIL'} (rank {d.rank}) {what}", flush=True)
+check = Checks(d)  # check(ok, what); check.finish() at the end
 
 
 # ----------------------------------------------------------------------------- 1. copy-out on another model
-class Net(nn.Module):
-    """Nested modules, a parameter on the root module, odd sizes."""
-
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(5)  # the same weights on every rank
-        inner = nn.Sequential(nn.Linear(13, 5), nn.LayerNorm(5))
-        self.enc = nn.Sequential(nn.Linear(7, 13), nn.Tanh(), inner)
-        self.gain = nn.Parameter(torch.linspace(0.5, 1.5, 5))
-        self.head = nn.Linear(5, 3)
-        self.to(device=d.device, dtype=F64)
-
-    def forward(self, x):  # (b, 7) -> (b, 3)
-        return self.head(self.enc(x) * self.gain)
-
-
-def batch(step):
-    g = torch.Generator().manual_seed(100 + step)
-    x, y = torch.randn(B, 7, generator=g, dtype=F64), torch.randn(B, 3, generator=g, dtype=F64)
-    return x.to(d.device), y.to(d.device)
+Net = functools.partial(SmallNet, 5, d.device)  # nested modules, a root parameter, odd sizes
+batch = functools.partial(net_batch, rows=B, seed=100, device=d.device)  # batch(step): (B, 7), (B, 3)
 
 
 def huber(m, x, y):  # the mean over the rows given
@@ -99,6 +74,18 @@ def plain_sgd(lr, momentum=0.0):
     return flat(model)
 
 
+def train_workers(model, inner, outer, steps):
+    """This worker's inner steps on its rows of each batch, the outer step's after each: the final theta."""
+    for step in range(steps):
+        x, y = batch(step)
+        inner.zero_grad()
+        huber(model, x[d.rank * rows:(d.rank + 1) * rows], y[d.rank * rows:(d.rank + 1) * rows]).backward()
+        inner.step()
+        outer.after_inner_step(step)
+    outer.finish()
+    return torch.cat([g.flatten() for g in outer.global_params()])
+
+
 rows, LR = B // d.world, 0.1
 for H, outer_lr, mu, what in ((1, 1.0, 0.0, "outer SGD lr 1 == plain SGD"),
                               (1, 0.7, 0.9, "outer Nesterov 0.7/0.9 == one-process Nesterov SGD, lr 0.07"),
@@ -106,14 +93,7 @@ for H, outer_lr, mu, what in ((1, 1.0, 0.0, "outer SGD lr 1 == plain SGD"),
     model = Net()
     inner = torch.optim.SGD(model.parameters(), lr=LR)
     outer = core.DiLoCo(model.parameters(), H, outer_lr, mu, nesterov=mu > 0)
-    for step in range(STEPS):
-        x, y = batch(step)
-        inner.zero_grad()
-        huber(model, x[d.rank * rows:(d.rank + 1) * rows], y[d.rank * rows:(d.rank + 1) * rows]).backward()
-        inner.step()
-        outer.after_inner_step(step)
-    outer.finish()
-    theta = torch.cat([g.flatten() for g in outer.global_params()])
+    theta = train_workers(model, inner, outer, STEPS)
     diff = (theta - plain_sgd(LR * outer_lr, mu)).abs().max().item()
     if H == 1:
         check(diff <= 1e-12 and (flat(model) - theta).abs().max().item() == 0,
@@ -195,14 +175,7 @@ def streaming_by_hand(rounding=True):
 model = Net()
 inner = adamw(model)
 stream = core.StreamingDiLoCo(fragments_of(model), SH, OLR, MU, True, TAU, MIX, WIRE)
-for step in range(SSTEPS):
-    x, y = batch(step)
-    inner.zero_grad()
-    huber(model, x[d.rank * rows:(d.rank + 1) * rows], y[d.rank * rows:(d.rank + 1) * rows]).backward()
-    inner.step()
-    stream.after_inner_step(step)
-stream.finish()
-theta = torch.cat([g.flatten() for g in stream.global_params()])
+theta = train_workers(model, inner, stream, SSTEPS)
 for rounding in (True, False):
     ref_theta, ref_workers = streaming_by_hand(rounding)
     diff = max((theta - ref_theta).abs().max().item(), (flat(model) - ref_workers[d.rank]).abs().max().item())
@@ -462,19 +435,10 @@ def bad_calls(c):
             "gpt_fragments, 0": (lambda: c.gpt_fragments(GPT(CFG), 0), ["0 fragments of 2 blocks"])}
 
 
-for what, (call, words) in bad_calls(core).items():
-    ok, seen = refused(call, words)
-    check(ok, f"bad input: {what}: refused before any collective ({seen})")
+check_refused(check, bad_calls, core)
 ok, seen = refused(lambda: core.DiLoCo(Net().parameters(), 1).after_inner_step(0), [])
 check(seen.startswith("no error") and "'all_reduce/" in seen,
       f"bad input: negative: a valid DiLoCo's sync under the same counter all-reduces ({seen})")
-unchecked = types.SimpleNamespace(**section.load(
-    "diloco.py", (section.ROOT / "diloco.py").read_text().replace("raise ValueError(", "(")))
-through = [what for what, (call, words) in bad_calls(unchecked).items() if not refused(call, words)[0]]
-check(len(through) == len(bad_calls(core)), f"bad input: negative: the section without its checks lets "
-      f"{len(through)}/{len(bad_calls(core))} of them through")
+check_unchecked_lets_through(check, "diloco.py", bad_calls, core)
 
-n_failed = torch.tensor([len(failures)], device=d.device)  # each rank printed its own failures above
-dist.all_reduce(n_failed)
-d.log(f"{int(n_failed)} CHECK(S) FAILED" if int(n_failed) else "ALL CHECKS PASSED")
-close_dist(ok=int(n_failed) == 0)
+check.finish()

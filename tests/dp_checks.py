@@ -23,7 +23,7 @@ run with torch and nothing of this repo); parts 3 and 4 run dp.py's main.
    the section with its checks taken out lets the bad input through.
 A failed check is recorded and the script goes on; it prints ALL CHECKS PASSED or exits 1 at the end.
 """
-import os, sys, types
+import functools, os, sys, types
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -36,43 +36,19 @@ import torch.nn.functional as F
 import dp
 import harness
 import section
-from common import GPT, GPTConfig, close_dist, count_tokens, init_dist, lm_loss
+from common import GPT, GPTConfig, count_tokens, init_dist, lm_loss
+from dp_common import Checks, check_refused, check_unchecked_lets_through, net_batch, SmallNet
 
 core = types.SimpleNamespace(**section.load("dp.py"))  # the technique section alone, as a copier takes it
 
 d = init_dist(60)
 F64, B, STEPS, CLIP = torch.float64, 12, 5, 0.05  # clip low enough that every step clips
-failures = []
-
-
-def check(ok, what):
-    if not ok:
-        failures.append(what)
-    if d.rank == 0 or not ok:  # a failure is printed by the rank that saw it
-        print(f"{'ok  ' if ok else 'FAIL'} (rank {d.rank}) {what}", flush=True)
+check = Checks(d)  # check(ok, what); check.finish() at the end
 
 
 # ----------------------------------------------------------------------------- a model that is not the GPT
-class Net(nn.Module):
-    """Nested modules, a parameter on the root module, odd sizes."""
-
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(5)  # the same weights on every rank
-        inner = nn.Sequential(nn.Linear(13, 5), nn.LayerNorm(5))
-        self.enc = nn.Sequential(nn.Linear(7, 13), nn.Tanh(), inner)
-        self.gain = nn.Parameter(torch.linspace(0.5, 1.5, 5))
-        self.head = nn.Linear(5, 3)
-        self.to(device=d.device, dtype=F64)
-
-    def forward(self, x):  # (b, 7) -> (b, 3)
-        return self.head(self.enc(x) * self.gain)
-
-
-def batch(step):
-    g = torch.Generator().manual_seed(100 + step)
-    x, y = torch.randn(B, 7, generator=g, dtype=F64), torch.randn(B, 3, generator=g, dtype=F64)
-    return x.to(d.device), y.to(d.device)
+Net = functools.partial(SmallNet, 5, d.device)  # nested modules, a root parameter, odd sizes
+batch = functools.partial(net_batch, rows=B, seed=100, device=d.device)  # batch(step): (B, 7), (B, 3)
 
 
 def huber(m, x, y):  # a sum over the rows given, divided by the rows of the whole batch
@@ -225,20 +201,14 @@ def bad_calls(c):
                 [f"at least {d.world} worker(s), got {d.world - 1}"])}
 
 
-for what, (call, words) in bad_calls(core).items():
-    ok, seen = refused(call, words)
-    check(ok, f"bad input: {what}: refused before any collective ({seen})")
+check_refused(check, bad_calls, core)
 for what, group in (("the whole world", None), ("a one-rank group", singletons[d.rank]))[d.world == 2:]:
     ok, seen = refused(lambda: core.worker_loop(Net(), huber, group, side), ["two-rank group", "new_group"])
     check(ok, f"bad input: worker_loop on {what}: refused before any collective ({seen})")
 ok, seen = refused(lambda: core.sync_step(Net(), adamw(Net()), [batch(0)], huber, group=singletons[d.rank]), [])
 check(not ok and seen.startswith("no error") and "'all_reduce/" in seen,
       f"bad input: negative: a valid sync_step under the same counter sends ({seen})")
-unchecked = section.load("dp.py", (section.ROOT / "dp.py").read_text().replace("raise ValueError(", "("))
-let_through = [what for what, (call, words) in bad_calls(types.SimpleNamespace(**unchecked)).items()
-               if not refused(call, words)[0]]
-check(len(let_through) == len(bad_calls(core)), f"bad input: negative: the section without its checks lets "
-      f"{len(let_through)}/{len(bad_calls(core))} of them through")
+check_unchecked_lets_through(check, "dp.py", bad_calls, core)
 
 # ----------------------------------------------------------------------------- 3 + 4: dp.py's main, patched
 summaries = []
@@ -309,7 +279,4 @@ check(d.rank > 0 or f["sent_weight_copies_alive_max"] == steps > workers,
       f"negative: a server that keeps every send is caught: {f.get('sent_weight_copies_alive_max')} weight "
       f"copies alive (one per update: {steps})")
 
-n_failed = torch.tensor([len(failures)], device=d.device)  # each rank printed its own failures above
-dist.all_reduce(n_failed)
-d.log(f"{int(n_failed)} CHECK(S) FAILED" if int(n_failed) else "ALL CHECKS PASSED")
-close_dist(ok=int(n_failed) == 0)
+check.finish()

@@ -295,7 +295,7 @@ def main():
                 failures.append(f"{n}: no gradient")
                 continue
             grads[n] = p.grad.clone()
-            if sp and not mt.is_split(p):  # a replicated bias saw only this rank's positions
+            if sp and not hasattr(p, "tp_dim"):  # a replicated bias saw only this rank's positions
                 mt.all_reduce(grads[n], group)
         return y, x2.grad, grads, comm
 
@@ -309,7 +309,7 @@ def main():
             if n.startswith("qkv."):  # one fused column layer: rank r holds [q_r; k_r; v_r]
                 grads[n] = torch.cat([shard_of(full[f"{c}.{n[4:]}"], 0) for c in "qkv"])
             else:
-                grads[n] = shard_of(full[n], p.tp_dim) if mt.is_split(p) else full[n]
+                grads[n] = shard_of(full[n], p.tp_dim) if hasattr(p, "tp_dim") else full[n]
         return (shard_of(y, 1) if sp else y), (shard_of(x.grad, 1) if sp else x.grad), grads
 
     def mine(x):  # this rank's T/t positions of a (B, T, D) partial sum, without the sum
@@ -445,8 +445,8 @@ def main():
 
     def bf16_sum(model, tp_group):  # the defect, put back: squares summed in the gradients' own dtype
         params = list(model.parameters())
-        split = mt.all_reduce(sum(p.grad.pow(2).sum() for p in params if mt.is_split(p)), tp_group)
-        return (split + sum(p.grad.pow(2).sum() for p in params if not mt.is_split(p))).sqrt()
+        split = mt.all_reduce(sum(p.grad.pow(2).sum() for p in params if hasattr(p, "tp_dim")), tp_group)
+        return (split + sum(p.grad.pow(2).sum() for p in params if not hasattr(p, "tp_dim"))).sqrt()
     differs("bfloat16 gradient norm summed in bfloat16 vs sqrt(300 + 64 t)",
             bf16_sum(bf, group).float().cpu(), want, 0.5)
 
@@ -571,14 +571,14 @@ def main():
         "attention with t + 1 heads": (
             lambda: mt.ParallelAttention(Attention(GPTConfig(vocab=12, seq_len=T, d_model=2 * n, n_heads=n,
                                                              n_layers=1)), group, tracker),
-            [f"{n} heads", "divisible by t"]),
+            [f"n_heads {n}", f"divisible by the TP degree {t}"]),
         "row layer under SP, T = t + 1 positions": (
             lambda: mt.SPRowParallelLinear(nn.Linear(4 * t, D), group)(torch.randn(B, n, 4, device=dev)),
-            [f"T = {n}", "divisible by t"]),
+            [f"T = {n}", f"divisible by the TP degree {t}"]),
         "embedding under SP, T = t + 1 positions": (
             lambda: mt.SPVocabParallelEmbedding(nn.Embedding(12, D), group)(torch.zeros(B, n, dtype=torch.long,
                                                                                         device=dev)),
-            [f"T = {n}", "divisible by t"]),
+            [f"T = {n}", f"divisible by the TP degree {t}"]),
         "cross-entropy, a rank's logits not ceil(V / t)": (
             lambda: mt.VocabParallelCrossEntropy.apply(torch.randn(5, 12 // t - 1, device=dev),
                                                        torch.zeros(5, dtype=torch.long, device=dev), 12, group),

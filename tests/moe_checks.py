@@ -26,14 +26,11 @@ Every model and every tensor of a collective lives on the run's device (cuda:LOC
 Negative checks: random numbers keyed by a rank's local position, other routing groups, a copied-out model
 without gradient sync: all differ.
 """
-import copy
 import math
 import os
 import sys
-from pathlib import Path
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-ROOT_PATH = Path(ROOT)
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "tests"))
 
@@ -42,11 +39,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import moe
-from common import MarkovData, close_dist, count_tokens, init_dist, lm_loss, make_optimizer
-from harness import check_against_reference, CommCounter
-
-TOL = 1e-9
-results = []
+from common import MarkovData, count_tokens, lm_loss, make_optimizer
+from moe_common import (check, check_all_to_all, check_builds, check_parity, finish, gmax, refusal, rel,
+                        sections, start)
 
 
 def tiny(router, **kw):
@@ -54,23 +49,6 @@ def tiny(router, **kw):
                 experts=4, capacity_factor=1.0, router=router, aux_weight=0.1)
     base.update(kw)
     return moe.Args(**base)
-
-
-def gmax(d, x):
-    """The largest value over ranks (every rank gets it), through a tensor on the device (NCCL needs it)."""
-    t = torch.tensor([float(x)], dtype=torch.float64, device=d.device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.item()
-
-
-def check(d, name, ok, detail=""):
-    ok = gmax(d, 0.0 if ok else 1.0) == 0.0  # passed on every rank
-    results.append(ok)
-    d.log(f"{'PASS' if ok else 'FAIL'}  {name}  {detail}")
-
-
-def rel(a, b):
-    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-300)).item()
 
 
 def gather_grads(lay, model):
@@ -133,22 +111,13 @@ def parity(d, data, layouts):
     groups = 4
     for router, kw in PARITY:
         args = tiny(router, **kw)
-        ref_logits, ref_aux, ref_grads = first_step(d, args, data, groups)
+        ref_first = first_step(d, args, data, groups)
         ref = moe.moe_reference(args, groups, d.device)
         for ep, lay in layouts.items():
-            logits, aux, grads, row0, rows = first_step(d, args, data, groups, lay)
-            out_diff = rel(logits, ref_logits[row0:row0 + rows])
-            grad_diff = max(rel(grads[n], g) for n, g in ref_grads.items())
-            losses, full = train(d, args, lay, data, groups)
-            loss_diff = max(abs(a - b) / abs(b) for a, b in zip(losses, ref["losses"]))
-            param_diff = max((full[n] - p).abs().max().item() for n, p in ref["params"].items())
-            aux_diff = abs(aux - ref_aux) / max(abs(ref_aux), 1e-300)
-            diffs = [gmax(d, v) for v in (out_diff, aux_diff, grad_diff, loss_diff, param_diff)]
             flags = " ".join(f"{k}={v}" for k, v in kw.items())
-            check(d, f"parity {router:13s} {flags} EP {ep} ({d.world // ep} replicas) vs one process, 4 groups",
-                  max(diffs) <= TOL and set(full) == set(ref["params"]),
-                  "rel diff: outputs {:.1e}, aux {:.1e}, grads {:.1e}, losses after 3 steps {:.1e}; params {:.1e}"
-                  .format(*diffs))
+            name = f"parity {router:13s} {flags} EP {ep} ({d.world // ep} replicas) vs one process, 4 groups"
+            check_parity(d, name, ref_first, ref, first_step(d, args, data, groups, lay),
+                         train(d, args, lay, data, groups))
     # Negative: the noise keyed by a rank's *local* group (as a per-rank RNG would do) changes the answer.
     if d.world > 1:  # at world 1 local and global groups coincide
         args = tiny("noisy_topk")
@@ -355,25 +324,9 @@ def balance(d):
               gap1 < 0.4 * gap0, f"{first:.3f} -> {last:.3f} (gap {gap0:.3f} -> {gap1:.3f})")
 
 
-def refusal(call, axes):
-    """The message of the ValueError `call()` raises (None: none raised) and the collectives seen meanwhile."""
-    with CommCounter(axes=axes) as comm:
-        try:
-            call()
-            msg = None
-        except ValueError as e:
-            msg = str(e)
-        except Exception as e:  # noqa: BLE001 (another error is a failure, reported)
-            msg = f"not a ValueError: {type(e).__name__}: {e}"
-    return msg, dict(comm.calls)
-
-
 def bad_input(d, lay):
     """7 of the docstring: each bad input refused before any collective, at EP 2."""
-    import section
-    text = (ROOT_PATH / "moe.py").read_text()
-    core = section.load("moe.py")
-    mutant = section.load("moe.py", text.replace("raise ValueError(", "str("))  # every check a no-op
+    core, mutant = sections("moe.py")  # the mutant: every check a no-op
     g, axes = lay.ep_group, {"ep": lay.ep_group}
     x = lambda b: torch.randn(b, 3, 6, dtype=torch.float64, device=d.device)  # noqa: E731  (b, n, D)
 
@@ -390,13 +343,7 @@ def bad_input(d, lay):
               "capacity_factor 0": (dict(capacity_factor=0.0), ["--capacity-factor must be > 0, got 0.0",
                                                                 "moe_deepseek.py"]),
               "capacity_factor -1": (dict(capacity_factor=-1.0), ["--capacity-factor must be > 0, got -1.0"])}
-    for name, (kw, words) in builds.items():
-        msg, calls = refusal(lambda: layer(core, **kw), axes)
-        check(d, f"bad input: MoE({name}) refused before any collective", msg is not None
-              and all(w in msg for w in words) and not calls, f"{msg}; collectives {calls}")
-        msg, _ = refusal(lambda: layer(mutant, **kw), axes)  # built silently, or another error
-        check(d, f"bad input mutant: without its check, MoE({name}) is not refused clearly",
-              msg is None or msg.startswith("not a ValueError"), "built silently" if msg is None else msg)
+    check_builds(d, "MoE", builds, layer, core, mutant, axes)
     good = layer(core)
     msg, calls = refusal(lambda: good(x(3)), axes)  # 3 sequences, routing groups of 2
     check(d, "bad input: a forward of 3 sequences in groups of 2 refused before the all-to-all", msg is not None
@@ -409,39 +356,19 @@ def bad_input(d, lay):
           and msg.startswith("not a ValueError"), str(msg))
     A = core["AllToAll"].apply
     rows = torch.randn(4, 2, dtype=torch.float64, device=d.device)
-    for name, call, words in [("3 rows, even split", lambda: A(rows[:3], g), ["3 rows, 2 ranks", "divisible by 2"]),
-                              ("splits summing to 3 of 4 rows", lambda: A(rows, g, [2, 2], [1, 2]), ["(in: sum 4)"]),
-                              ("3 splits for 2 ranks", lambda: A(rows, g, [2, 1, 1], [2, 1, 1]), ["2 in/out splits"])]:
-        msg, calls = refusal(call, axes)
-        check(d, f"bad input: AllToAll of {name} refused before the collective", msg is not None
-              and all(w in msg for w in words) and not calls, f"{msg}; collectives {calls}")
-    msg, calls = refusal(lambda: A(rows, g), axes)
-    check(d, "bad input control: an AllToAll of 4 rows goes through, seen by the counter",
-          msg is None and calls.get("all_to_all/ep/fwd") == 1, f"{msg}; collectives {calls}")
+    cases = [("3 rows, even split", lambda: A(rows[:3], g), ["3 rows, 2 ranks", "divisible by 2"]),
+             ("splits summing to 3 of 4 rows", lambda: A(rows, g, [2, 2], [1, 2]), ["(in: sum 4)"]),
+             ("3 splits for 2 ranks", lambda: A(rows, g, [2, 1, 1], [2, 1, 1]), ["2 in/out splits"])]
+    check_all_to_all(d, cases, lambda: A(rows, g), "an AllToAll of 4 rows", axes)
 
 
 def main():
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    d = init_dist(120)
-    if d.world not in (1, 2, 4):  # 4 checks every EP degree; 1 and 2 (one GPU, two) check what fits
-        print("run me as: torchrun --nproc_per_node=4 tests/moe_checks.py", file=sys.stderr)
-        sys.exit(2)
-    torch.manual_seed(d.rank)
-    data = MarkovData(32, 0)
-    layouts = {ep: moe.make_layout(d, ep) for ep in (1, 2, 4) if d.world % ep == 0}
+    d, data, layouts = start("tests/moe_checks.py", moe.make_layout)
     parity(d, data, layouts)
     dispatch_combine(d, data, layouts)
     hand_written(d)
     balance(d)
-    if 2 in layouts and d.world == 4:
-        import test_moe  # the copy-out check is written in the test module; it runs here, at EP 2 x 2 replicas
-        for name, ok, detail in test_moe.copy_out(d, layouts[2]):
-            check(d, name, ok, detail)
-    if 2 in layouts:
-        bad_input(d, layouts[2])
-    passed = all(results)
-    d.log("ALL CHECKS PASSED" if passed else f"{results.count(False)} CHECKS FAILED")
-    close_dist(ok=passed)
+    finish(d, layouts, "test_moe", bad_input)  # the copy-out check is written in the test module
 
 
 if __name__ == "__main__":

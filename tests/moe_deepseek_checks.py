@@ -28,7 +28,6 @@ without gradient sync: both differ.
 import copy
 import os
 import sys
-from pathlib import Path
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -39,11 +38,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import moe_deepseek as ds
-from common import MarkovData, close_dist, count_tokens, init_dist, lm_loss, make_optimizer
+from common import MarkovData, count_tokens, lm_loss, make_optimizer
 from harness import check_against_reference, CommCounter
-
-TOL = 1e-9
-results = []
+from moe_common import (check, check_all_to_all, check_builds, check_parity, finish, refusal, rel,
+                        sections, start)
 
 
 def tiny(**kw):
@@ -51,23 +49,6 @@ def tiny(**kw):
                 experts=8, top_k=2, granularity=2, shared_experts=1, bias_rate=0.02, seq_aux_weight=0.0)
     base.update(kw)
     return ds.Args(**base)
-
-
-def gmax(d, x):
-    """The largest value over ranks (every rank gets it), through a tensor on the device (NCCL needs it)."""
-    t = torch.tensor([float(x)], dtype=torch.float64, device=d.device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.item()
-
-
-def check(d, name, ok, detail=""):
-    ok = gmax(d, 0.0 if ok else 1.0) == 0.0  # passed on every rank
-    results.append(ok)
-    d.log(f"{'PASS' if ok else 'FAIL'}  {name}  {detail}")
-
-
-def rel(a, b):
-    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-300)).item()
 
 
 def gathered(p, lay):
@@ -121,22 +102,13 @@ PARITY = [dict(granularity=4, top_k=4, shared_experts=2, seq_aux_weight=0.01),
 def parity(d, data, layouts):
     for kw in PARITY:
         args = tiny(**kw)
-        ref_logits, ref_aux, ref_grads = first_step(d, args, data)
+        ref_first = first_step(d, args, data)
         ref = ds.moe_reference(args, d.device)
         for ep, lay in layouts.items():
-            logits, aux, grads, row0, rows = first_step(d, args, data, lay)
-            out_diff = rel(logits, ref_logits[row0:row0 + rows])
-            grad_diff = max(rel(grads[n], g) for n, g in ref_grads.items())
-            losses, full = train(d, args, lay, data)
-            loss_diff = max(abs(a - b) / abs(b) for a, b in zip(losses, ref["losses"]))
-            param_diff = max((full[n] - p).abs().max().item() for n, p in ref["params"].items())
-            aux_diff = abs(aux - ref_aux) / max(abs(ref_aux), 1e-300)
-            diffs = [gmax(d, v) for v in (out_diff, aux_diff, grad_diff, loss_diff, param_diff)]
             flags = " ".join(f"{k}={v}" for k, v in kw.items())
-            check(d, f"parity {flags} EP {ep} ({d.world // ep} replicas) vs one process",
-                  max(diffs) <= TOL and set(full) == set(ref["params"]),
-                  "rel diff: outputs {:.1e}, aux {:.1e}, grads {:.1e}, losses after 3 steps {:.1e}; params {:.1e}"
-                  .format(*diffs))
+            name = f"parity {flags} EP {ep} ({d.world // ep} replicas) vs one process"
+            first = first_step(d, args, data, lay)
+            full = check_parity(d, name, ref_first, ref, first, train(d, args, lay, data))
             bias = torch.cat([v.flatten() for n, v in full.items() if n.endswith("expert_bias")])
             top = bias.clone()
             dist.all_reduce(top, op=dist.ReduceOp.MAX)
@@ -314,25 +286,9 @@ def resume_bias(d, data):
           ok, detail)
 
 
-def refusal(call, axes):
-    """The message of the ValueError `call()` raises (None: none raised) and the collectives seen meanwhile."""
-    with CommCounter(axes=axes) as comm:
-        try:
-            call()
-            msg = None
-        except ValueError as e:
-            msg = str(e)
-        except Exception as e:  # noqa: BLE001 (another error is a failure, reported)
-            msg = f"not a ValueError: {type(e).__name__}: {e}"
-    return msg, dict(comm.calls)
-
-
 def bad_input(d, lay):
     """5 of the docstring: each bad input refused before any collective, at EP 2."""
-    import section
-    text = (Path(ROOT) / "moe_deepseek.py").read_text()
-    core = section.load("moe_deepseek.py")
-    mutant = section.load("moe_deepseek.py", text.replace("raise ValueError(", "str("))  # every check a no-op
+    core, mutant = sections("moe_deepseek.py")  # the mutant: every check a no-op
     g, axes = lay.ep_group, {"ep": lay.ep_group}
 
     def layer(ns, experts=4, **kw):
@@ -341,51 +297,26 @@ def bad_input(d, lay):
               "top_k 5 of 4 experts": (dict(top_k=5), ["--top-k 5 with --experts 4", "1..4"]),
               "top_k 0": (dict(top_k=0), ["--top-k 0", "1..4"]),
               "score 'tanh'": (dict(score="tanh"), ["'tanh'", "sigmoid (DeepSeek-V3) or softmax"])}
-    for name, (kw, words) in builds.items():
-        msg, calls = refusal(lambda: layer(core, **kw), axes)
-        check(d, f"bad input: DeepSeekMoE({name}) refused before any collective", msg is not None
-              and all(w in msg for w in words) and not calls, f"{msg}; collectives {calls}")
-        msg, _ = refusal(lambda: layer(mutant, **kw), axes)  # built silently, or another error
-        check(d, f"bad input mutant: without its check, DeepSeekMoE({name}) is not refused clearly",
-              msg is None or msg.startswith("not a ValueError"), "built silently" if msg is None else msg)
+    check_builds(d, "DeepSeekMoE", builds, layer, core, mutant, axes)
     good = layer(core)
     msg, calls = refusal(lambda: good(torch.randn(2, 3, 6, dtype=torch.float64, device=d.device)), axes)
     check(d, "bad input control: a forward goes through, and the counter sees its all-to-alls",
           msg is None and calls.get("all_to_all/ep/fwd") == 2, f"{msg}; collectives {calls}")
     A = core["AllToAll"].apply
     rows = torch.randn(4, 2, dtype=torch.float64, device=d.device)
-    for name, call, words in [("splits summing to 3 of 4 rows", lambda: A(rows, g, [2, 2], [1, 2]), ["summing to 4"]),
-                              ("3 splits for 2 ranks", lambda: A(rows, g, [2, 1, 1], [2, 1, 1]), ["2 in and 2 out"])]:
-        msg, calls = refusal(call, axes)
-        check(d, f"bad input: AllToAll of {name} refused before the collective", msg is not None
-              and all(w in msg for w in words) and not calls, f"{msg}; collectives {calls}")
-    msg, calls = refusal(lambda: A(rows, g, [2, 2], [2, 2]), axes)
-    check(d, "bad input control: an AllToAll of 4 rows in splits of 2 goes through, seen by the counter",
-          msg is None and calls.get("all_to_all/ep/fwd") == 1, f"{msg}; collectives {calls}")
+    cases = [("splits summing to 3 of 4 rows", lambda: A(rows, g, [2, 2], [1, 2]), ["summing to 4"]),
+             ("3 splits for 2 ranks", lambda: A(rows, g, [2, 1, 1], [2, 1, 1]), ["2 in and 2 out"])]
+    fitting = lambda: A(rows, g, [2, 2], [2, 2])  # noqa: E731
+    check_all_to_all(d, cases, fitting, "an AllToAll of 4 rows in splits of 2", axes)
 
 
 def main():
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    d = init_dist(120)
-    if d.world not in (1, 2, 4):  # 4 checks every EP degree; 1 and 2 (one GPU, two) check what fits
-        print("run me as: torchrun --nproc_per_node=4 tests/moe_deepseek_checks.py", file=sys.stderr)
-        sys.exit(2)
-    torch.manual_seed(d.rank)
-    data = MarkovData(32, 0)
-    layouts = {ep: ds.make_layout(d, ep) for ep in (1, 2, 4) if d.world % ep == 0}
+    d, data, layouts = start("tests/moe_deepseek_checks.py", ds.make_layout)
     parity(d, data, layouts)
     dropless(d, layouts)
     balance(d)
     resume_bias(d, data)
-    if 2 in layouts and d.world == 4:
-        import test_moe_deepseek  # the copy-out check is written in the test module; it runs here, at EP 2 x 2
-        for name, ok, detail in test_moe_deepseek.copy_out(d, layouts[2]):
-            check(d, name, ok, detail)
-    if 2 in layouts:
-        bad_input(d, layouts[2])
-    passed = all(results)
-    d.log("ALL CHECKS PASSED" if passed else f"{results.count(False)} CHECKS FAILED")
-    close_dist(ok=passed)
+    finish(d, layouts, "test_moe_deepseek", bad_input)  # the copy-out check is written in the test module
 
 
 if __name__ == "__main__":

@@ -12,11 +12,12 @@ import sys
 import pytest
 import torch
 import torch.distributed as dist
-import torch.nn as nn
 import torch.nn.functional as F
 
 from helpers import (ROOT, TINY, assert_bad_input, assert_each_rank_fails, assert_matches_reference, run_python,
                      run_ranks, torchrun)
+from moe_common import (D, EXPERTS, HIDDEN, ROWS, ResidualMoEStack, assert_all_pass, copy_out_case,
+                        launch_checks, rel_diff)
 
 sys.path.insert(0, str(ROOT))
 import harness  # noqa: E402
@@ -26,9 +27,7 @@ import moe  # noqa: E402  (importing must not run main())
 @pytest.fixture(scope="module")
 def checks(tmp_path_factory):
     """tests/moe_checks.py at world 4, once for the module: its output."""
-    _, out = torchrun("tests/moe_checks.py", 4, tmp_path=tmp_path_factory.mktemp("checks"), name="checks",
-                      timeout=600)
-    return out
+    return launch_checks("tests/moe_checks.py", tmp_path_factory)
 
 
 def test_layer_checks(checks):
@@ -143,11 +142,6 @@ def cv2(v):  # squared coefficient of variation, population variance (Shazeer et
 
 def group(rows):  # a list of T rows of E numbers -> one routing group (1, T, E)
     return torch.tensor([rows], dtype=torch.float64)
-
-
-def rel_diff(got, want):
-    want = torch.as_tensor(want, dtype=torch.float64)
-    return ((got.detach().reshape(want.shape) - want).abs().max() / want.abs().max()).item()
 
 
 CLEAN = [[0.3, -0.2, 0.8, 0.1], [1.0, 0.4, -0.5, 0.2], [-0.3, 0.6, 0.0, 0.9]]  # x W_g: T = 3 tokens, E = 4
@@ -393,40 +387,10 @@ def test_bad_input_new_flags(flags, words, capsys):
 # MoE with its routers, taken from moe.py's technique section alone (tests/section.py: torch and einops only, as
 # a copier takes it), in a model that is not the GPT (a parameter on the root module, nested modules, odd
 # sizes: width 6, expert width 10, 6 experts, 5 positions, 3 input features; an MSE loss), expert parallel at
-# EP 2 x 2 replicas, against the same model with every expert local trained by plain torch in one process,
-# written here. tests/moe_checks.py runs copy_out() in its 4-rank launch; test_copy_out_moe reads the verdicts.
-D, EXPERTS, HIDDEN, FEATURES, SEQ, ROWS, GROUP_ROWS = 6, 6, 10, 3, 5, 8, 2
-
-
-class ResidualMoEStack(nn.Module):
-    def __init__(self, MoE, router, ep_group, **moe_flags):
-        super().__init__()
-        self.gain = nn.Parameter(torch.ones(D))  # on the root module
-        self.inp = nn.Linear(FEATURES, D)
-        gen = torch.Generator().manual_seed(5)  # the experts' initial weights: the same whatever the layout
-        self.blocks = nn.ModuleList(
-            nn.Sequential(nn.LayerNorm(D), MoE(D, EXPERTS, router(D, EXPERTS, generator=gen), hidden=HIDDEN,
-                                               group_rows=GROUP_ROWS, ep_group=ep_group, seed=3, layer=i,
-                                               generator=gen, **moe_flags)) for i in range(2))
-
-    def forward(self, x):  # (b, SEQ, FEATURES) -> (b, SEQ, D)
-        h = self.inp(x)
-        for block in self.blocks:
-            h = h + block(h)
-        return h * self.gain
-
-
-def full_state(model, MoE, ep_group):
-    """Parameters and buffers by name, each MoE layer's expert shards all-gathered over the EP group (written
-    here: moe.full_params knows only moe.py's own MoE class)."""
-    out = dict(model.named_parameters()) | dict(model.named_buffers())
-    ep = dist.get_world_size(ep_group)
-    for prefix, m in ((n, m) for n, m in model.named_modules() if isinstance(m, MoE)):
-        for w in ("w1", "b1", "w2", "b2"):
-            parts = [torch.empty_like(getattr(m, w)) for _ in range(ep)]
-            dist.all_gather(parts, getattr(m, w).detach().contiguous(), group=ep_group)
-            out[f"{prefix}.{w}"] = torch.cat(parts)  # (E, ...): EP rank j holds experts j E/ep ..
-    return out
+# EP 2 x 2 replicas, against the same model with every expert local trained by plain torch in one process
+# (tests/moe_common.py: the stack and both trainings, shared with the 2024 file's test). tests/moe_checks.py
+# runs copy_out() in its 4-rank launch; test_copy_out_moe reads the verdicts.
+GROUP_ROWS = 2  # rows per routing group: ROWS // GROUP_ROWS groups
 
 
 def copy_out(d, lay, steps=3, aux_weight=0.1):
@@ -435,60 +399,21 @@ def copy_out(d, lay, steps=3, aux_weight=0.1):
     import section
     core = section.load("moe.py")
     MoE, set_step, aux_share = core["MoE"], core["set_step"], core["aux_share"]
-    results = []
-    groups, rows = ROWS // GROUP_ROWS, ROWS // d.world
-    row0 = d.rank * rows
+    verdicts = []
     for router, flags in (("GShard", dict(capacity_factor=1.0)), ("NoisyTopK", dict(capacity_factor=0.75))):
-        g = torch.Generator().manual_seed(11)
-        data = [(torch.randn(ROWS, SEQ, FEATURES, generator=g, dtype=torch.float64).to(d.device),
-                 torch.randn(ROWS, SEQ, D, generator=g, dtype=torch.float64).to(d.device)) for _ in range(steps)]
-
         def build(ep_group):
             torch.manual_seed(0)
-            model = ResidualMoEStack(MoE, core[router], ep_group, **flags).double().to(d.device)
+            def layer(i, gen):  # block i's MoE, its router drawn from the same generator first
+                return MoE(D, EXPERTS, core[router](D, EXPERTS, generator=gen), hidden=HIDDEN,
+                           group_rows=GROUP_ROWS, ep_group=ep_group, seed=3, layer=i, generator=gen, **flags)
+            model = ResidualMoEStack(layer)
+            model = model.double().to(d.device)
             return model, torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=False)
-
-        # 1. the reference: plain torch, one process, the whole batch, every expert local
-        ref, opt = build(None)
-        ref_losses, layers = [], [m for m in ref.modules() if isinstance(m, MoE)]
-        assert len(layers) == 2  # the section's own class
-        for step, (x, t) in enumerate(data):
-            set_step(ref, step, 0)
-            mse = F.mse_loss(ref(x), t, reduction="sum") / t.numel()
-            loss = mse + aux_weight * sum(m.aux.mean() for m in layers) / len(layers)
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            ref_losses.append(loss.item())
-        want = dict(ref.named_parameters()) | dict(ref.named_buffers())
-        # 2. expert parallel: my rows, my experts; gradients synced by sync_grads (or not: the negative)
-        for synced in (True, False):
-            model, opt = build(lay.ep_group)
-            losses = []
-            for step, (x, t) in enumerate(data):
-                set_step(model, step, row0)
-                mse = F.mse_loss(model(x[row0:row0 + rows]), t[row0:row0 + rows], reduction="sum") / t.numel()
-                loss = mse + aux_weight * aux_share(model, groups)
-                opt.zero_grad()
-                loss.backward()
-                if synced:
-                    core["sync_grads"](model, lay.ep_group, lay.replica_group, dist.group.WORLD)
-                opt.step()
-                total = loss.detach().clone()
-                dist.all_reduce(total)
-                losses.append(total.item())
-            got = full_state(model, MoE, lay.ep_group)
-            loss_diff = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses))
-            param_diff = max((got[n] - p).abs().max().item() for n, p in want.items())
-            name = f"copy-out {router} capacity factor {flags['capacity_factor']}"
-            detail = f"rel loss diff {loss_diff:.1e}, param diff {param_diff:.1e}"
-            if synced:
-                results.append((f"{name}: EP 2 x 2 replicas = one-process torch training of a residual MoE stack",
-                                got.keys() == want.keys() and max(loss_diff, param_diff) < 1e-9, detail))
-            else:
-                results.append((f"{name}: negative: without sync_grads the parameters differ",
-                                param_diff > 1e-6, detail))
-    return results
+        name = f"copy-out {router} capacity factor {flags['capacity_factor']}"
+        verdicts += copy_out_case(d, lay, name, build, MoE, core["sync_grads"],
+                                  lambda model: aux_share(model, ROWS // GROUP_ROWS), steps, aux_weight,
+                                  on_step=set_step)
+    return verdicts
 
 
 def test_cores_refuse_bad_input_before_any_collective(checks):
@@ -496,13 +421,10 @@ def test_cores_refuse_bad_input_before_any_collective(checks):
     it cannot do at EP 2, raise a ValueError naming what would work before any collective (harness.CommCounter
     saw none; given good input it sees the all-to-alls); with the checks made no-ops (the mutant), the layers
     are built silently and the forward fails inside einops (tests/moe_checks.py, 7)."""
-    lines = [l for l in checks.splitlines() if "  bad input" in l]
-    assert len(lines) == 2 * 6 + 3 + 4 and all(l.startswith("PASS") for l in lines), \
-        "\n".join(lines) or checks[-3000:]
+    assert_all_pass(checks, "  bad input", 2 * 6 + 3 + 4)
 
 
 def test_copy_out_moe(checks):
     """Check your own MoE the same way: the layer inside your model, expert parallel, against the model with
     every expert local trained in one process (copy_out above, run in tests/moe_checks.py's launch)."""
-    lines = [l for l in checks.splitlines() if "copy-out" in l]
-    assert len(lines) == 4 and all(l.startswith("PASS") for l in lines), "\n".join(lines) or checks[-3000:]
+    assert_all_pass(checks, "copy-out", 4)

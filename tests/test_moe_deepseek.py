@@ -12,11 +12,11 @@ import sys
 import pytest
 import torch
 import torch.distributed as dist
-import torch.nn as nn
-import torch.nn.functional as F
 
 from helpers import (ROOT, TINY, assert_bad_input, assert_each_rank_fails, assert_matches_reference, run_python,
                      run_ranks, torchrun)
+from moe_common import (D, EXPERTS, HIDDEN, ROWS, ResidualMoEStack, assert_all_pass, copy_out_case,
+                        launch_checks, rel_diff)
 
 sys.path.insert(0, str(ROOT))
 import moe_deepseek as ds  # noqa: E402  (importing must not run main())
@@ -25,9 +25,7 @@ import moe_deepseek as ds  # noqa: E402  (importing must not run main())
 @pytest.fixture(scope="module")
 def checks(tmp_path_factory):
     """tests/moe_deepseek_checks.py at world 4, once for the module: its output."""
-    _, out = torchrun("tests/moe_deepseek_checks.py", 4, tmp_path=tmp_path_factory.mktemp("checks"), name="checks",
-                      timeout=600)
-    return out
+    return launch_checks("tests/moe_deepseek_checks.py", tmp_path_factory)
 
 
 def test_layer_checks(checks):
@@ -98,11 +96,6 @@ def test_bad_input_flags(flags, words, capsys):
 # ----------------------------------------------------------------------------- the gates and the balancing, by hand
 LF_LOGITS = [[0.2, -0.1, 0.4, 0.0], [1.0, 0.9, -0.3, 0.2], [-0.5, 0.3, 0.1, 0.35], [0.0, 0.1, 0.2, 0.3]]
 LF_BIAS = [0.3, 0.0, -0.4, 0.1]  # token 0: e2, e0 by score; e0, e3 once the bias is added
-
-
-def rel_diff(got, want):
-    want = torch.as_tensor(want, dtype=torch.float64)
-    return ((got.detach().reshape(want.shape) - want).abs().max() / want.abs().max()).item()
 
 
 def loss_free_diff(k=2, n=2):
@@ -189,103 +182,36 @@ def test_ties_go_to_the_lower_expert_index(monkeypatch):
 # DeepSeekMoE and its balancing, taken from moe_deepseek.py's technique section alone (tests/section.py: torch
 # and einops only), in a model that is not the GPT (a parameter on the root module, nested modules, odd sizes:
 # width 6, expert width 10, 6 experts, 5 positions, 3 input features; an MSE loss), expert parallel at EP 2 x 2
-# replicas, against the same model with every expert local trained by plain torch in one process, written here.
-# tests/moe_deepseek_checks.py runs copy_out() in its 4-rank launch; test_copy_out_moe_deepseek reads the verdicts.
-D, EXPERTS, HIDDEN, FEATURES, SEQ, ROWS = 6, 6, 10, 3, 5, 8
-
-
-class ResidualMoEStack(nn.Module):
-    def __init__(self, MoE, ep_group, **moe_flags):
-        super().__init__()
-        self.gain = nn.Parameter(torch.ones(D))  # on the root module
-        self.inp = nn.Linear(FEATURES, D)
-        gen = torch.Generator().manual_seed(5)  # the experts' initial weights: the same whatever the layout
-        self.blocks = nn.ModuleList(
-            nn.Sequential(nn.LayerNorm(D), MoE(D, EXPERTS, hidden=HIDDEN, ep_group=ep_group, generator=gen,
-                                               **moe_flags)) for _ in range(2))
-
-    def forward(self, x):  # (b, SEQ, FEATURES) -> (b, SEQ, D)
-        h = self.inp(x)
-        for block in self.blocks:
-            h = h + block(h)
-        return h * self.gain
-
-
-def full_state(model, MoE, ep_group):
-    """Parameters and buffers by name, each MoE layer's expert shards all-gathered over the EP group (written
-    here: ds.full_params knows only the GPT's layers)."""
-    out = dict(model.named_parameters()) | dict(model.named_buffers())
-    ep = dist.get_world_size(ep_group)
-    for prefix, m in ((n, m) for n, m in model.named_modules() if isinstance(m, MoE)):
-        for w in ("w1", "b1", "w2", "b2"):
-            parts = [torch.empty_like(getattr(m, w)) for _ in range(ep)]
-            dist.all_gather(parts, getattr(m, w).detach().contiguous(), group=ep_group)
-            out[f"{prefix}.{w}"] = torch.cat(parts)  # (E, ...): EP rank j holds experts j E/ep ..
-    return out
-
-
+# replicas, against the same model with every expert local trained by plain torch in one process
+# (tests/moe_common.py: the stack and both trainings, shared with moe.py's test). tests/moe_deepseek_checks.py
+# runs copy_out() in its 4-rank launch; test_copy_out_moe_deepseek reads the verdicts.
 def copy_out(d, lay, steps=3, aux_weight=0.1, bias_rate=0.05):
     """[(name, ok, detail)] for a sigmoid-gated layer with a shared expert and the sequence-wise loss, and a
     softmax-gated top-3 one without shared experts, with the cores of the technique section executed alone."""
     import section
     core = section.load("moe_deepseek.py")
     MoE, aux_share = core["DeepSeekMoE"], core["aux_share"]
-    results = []
-    rows = ROWS // d.world
-    row0 = d.rank * rows
-    for flags in (dict(top_k=2, shared=1), dict(top_k=3, shared=0, score="softmax")):
-        g = torch.Generator().manual_seed(11)
-        data = [(torch.randn(ROWS, SEQ, FEATURES, generator=g, dtype=torch.float64).to(d.device),
-                 torch.randn(ROWS, SEQ, D, generator=g, dtype=torch.float64).to(d.device)) for _ in range(steps)]
 
+    def loss_free_by_hand(layers):  # the reference's loss-free update from the batch's counts
+        for m in layers:
+            c = m.wanted.double()
+            m.expert_bias += bias_rate * torch.sign(c.mean() - c)
+
+    def loss_free_by_section(model):  # the EP run's: the section's update, its counts summed over every rank
+        core["update_biases"](core["moe_layers"](model), bias_rate, dist.group.WORLD)
+    verdicts = []
+    for flags in (dict(top_k=2, shared=1), dict(top_k=3, shared=0, score="softmax")):
         def build(ep_group):
             torch.manual_seed(0)
-            model = ResidualMoEStack(MoE, ep_group, **flags).double().to(d.device)
+            model = ResidualMoEStack(lambda i, gen: MoE(D, EXPERTS, hidden=HIDDEN, ep_group=ep_group,
+                                                        generator=gen, **flags))
+            model = model.double().to(d.device)
             return model, torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=False)
-
-        # 1. the reference: plain torch, one process, the whole batch, every expert local
-        ref, opt = build(None)
-        ref_losses, layers = [], [m for m in ref.modules() if isinstance(m, MoE)]
-        assert len(layers) == 2  # the section's own class
-        for x, t in data:
-            mse = F.mse_loss(ref(x), t, reduction="sum") / t.numel()
-            loss = mse + aux_weight * sum(m.aux.mean() for m in layers) / len(layers)
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            for m in layers:  # the loss-free update from the batch's counts
-                c = m.wanted.double()
-                m.expert_bias += bias_rate * torch.sign(c.mean() - c)
-            ref_losses.append(loss.item())
-        want = dict(ref.named_parameters()) | dict(ref.named_buffers())
-        # 2. expert parallel: my rows, my experts; gradients synced by sync_grads (or not: the negative)
-        for synced in (True, False):
-            model, opt = build(lay.ep_group)
-            losses = []
-            for x, t in data:
-                mse = F.mse_loss(model(x[row0:row0 + rows]), t[row0:row0 + rows], reduction="sum") / t.numel()
-                loss = mse + aux_weight * aux_share(model, ROWS)
-                opt.zero_grad()
-                loss.backward()
-                if synced:
-                    core["sync_grads"](model, lay.ep_group, lay.replica_group, dist.group.WORLD)
-                opt.step()
-                core["update_biases"](core["moe_layers"](model), bias_rate, dist.group.WORLD)
-                total = loss.detach().clone()
-                dist.all_reduce(total)
-                losses.append(total.item())
-            got = full_state(model, MoE, lay.ep_group)
-            loss_diff = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses))
-            param_diff = max((got[n] - p).abs().max().item() for n, p in want.items())
-            name = "copy-out " + " ".join(f"{k}={v}" for k, v in flags.items())
-            detail = f"rel loss diff {loss_diff:.1e}, param diff {param_diff:.1e}"
-            if synced:
-                results.append((f"{name}: EP 2 x 2 replicas = one-process torch training of a residual MoE stack",
-                                got.keys() == want.keys() and max(loss_diff, param_diff) < 1e-9, detail))
-            else:
-                results.append((f"{name}: negative: without sync_grads the parameters differ",
-                                param_diff > 1e-6, detail))
-    return results
+        name = "copy-out " + " ".join(f"{k}={v}" for k, v in flags.items())
+        verdicts += copy_out_case(d, lay, name, build, MoE, core["sync_grads"],
+                                  lambda model: aux_share(model, ROWS), steps, aux_weight,
+                                  ref_update=loss_free_by_hand, ep_update=loss_free_by_section)
+    return verdicts
 
 
 def test_cores_refuse_bad_input_before_any_collective(checks):
@@ -293,13 +219,10 @@ def test_cores_refuse_bad_input_before_any_collective(checks):
     a ValueError naming what would work before any collective (harness.CommCounter saw none; given good input
     it sees the all-to-alls); with the checks made no-ops (the mutant), the layers are built silently
     (tests/moe_deepseek_checks.py, 5)."""
-    lines = [l for l in checks.splitlines() if "  bad input" in l]
-    assert len(lines) == 2 * 4 + 1 + 3 and all(l.startswith("PASS") for l in lines), \
-        "\n".join(lines) or checks[-3000:]
+    assert_all_pass(checks, "  bad input", 2 * 4 + 1 + 3)
 
 
 def test_copy_out_moe_deepseek(checks):
     """Check your own DeepSeek-style MoE the same way: the layer inside your model, expert parallel, against the
     model with every expert local trained in one process (copy_out above, run in the checks' launch)."""
-    lines = [l for l in checks.splitlines() if "copy-out" in l]
-    assert len(lines) == 4 and all(l.startswith("PASS") for l in lines), "\n".join(lines) or checks[-3000:]
+    assert_all_pass(checks, "copy-out", 4)

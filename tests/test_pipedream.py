@@ -292,7 +292,7 @@ BAD = {  # what a core of the section is given -> words its ValueError must say
     "split_layers, 3 stages of 2 blocks": ["3 stages of 2 blocks", "use 1 to 2 stages"],
     "one_f_one_b, stage 2 of 2": ["stage 2 of 2", "a stage 0..p-1"],
     "to_device, 7 rows into 2": ["a batch of 7", "m = 2 equal micro-batches"],
-    "TwoBW, m 2 < p 3": ["2bw needs m >= p (2 micro-batches, 3 stages)", "m >= 3"],
+    "TwoBW, m 2 < p 3": ["2bw needs --microbatches >= stages (3), got 2", "--microbatches 3"],
     "StageRunner, a rank outside the group": ["not in the pipeline's group"],
 }
 
