@@ -55,7 +55,7 @@ def compare(name, losses, expect_equal=True):
         bad.append(name)
 
 m, p, comms = args.microbatches, d.world, {}
-for name in [w for w in bench.WORKERS if w != "single"]:
+for name in [w for w in bench.WORKERS if w not in ("single", "float8")]:  # float8 differs by design: below
     losses, comms[name], train = run(name)
     compare(name, losses)
     if name in bench.SCHEDULES:  # every F, B and W each rank's stages ran in the last step, seen from outside
@@ -103,7 +103,8 @@ sys.exit(1 if bad else 0)
 
 
 def test_torch_sides_match_reference_and_counts(tmp_path):
-    """Every torch side (zero-bubble ZB1P and ZB-V included) reproduces one-process training in float64
+    """Every torch side (zero-bubble ZB1P and ZB-V included; not torchao's FP8, held to fp8.py by
+    test_fp8_pair_against_torchao where torchao is installed) reproduces one-process training in float64
     (1e-9); ScheduleGPipe's default scale_grads=True, or a ZB-V whose W never runs, would not, and the check
     sees it; CommCounter equals the closed forms, and misses DDP's bytes with all-reduce dropped from its op
     table; the stage hooks see m F, m B (and m W when split) per stage."""
