@@ -25,7 +25,11 @@ same GPT from one seed on one global batch (float32, AdamW, clipping at the glob
     tp        megatron_tp.py                     DTensor ColwiseParallel / RowwiseParallel, parallelize_module
     ptdp      ptdp.py --virtual-stages 2         ScheduleInterleaved1F1B, 2 stages per rank, looped
     zbv       zero_bubble.py --schedule zbv      ScheduleZBVZeroBubble, 2 stages per rank in a V
-A pair whose file does not offer the mode it needs yet (its Args, as its --help shows) is skipped, one line.
+    fp8       fp8.py --recipe current            torchao's float8 training (convert_to_float8_training, its
+              --fp8-all-gather                   default: tensorwise current scaling) on fully_shard, weights
+                                                 all-gathered in FP8 (torchao, if installed; not required)
+A pair whose file does not offer the mode it needs yet (its Args, as its --help shows), or whose torch side
+needs a package not installed here (torchao), is skipped, one line.
 
 Per pair (OUT.json, OUT.md): the verdict and interval, the ratio per round, step time, tokens/s, peak memory
 and bytes handed to collectives per rank and step (torch's side counted at the dispatcher by
@@ -60,7 +64,7 @@ class Args(CommonArgs):
     d_model: int = 448  # model width (with the defaults: 10.6 M parameters)
     n_layers: int = 4  # transformer blocks (a multiple of world x 2 for the ptdp and zbv pairs)
     n_heads: int = 8  # attention heads
-    pairs: str = "all"  # comma-separated: ddp,dp_sync,zero1,zero2,zero3,gpipe,1f1b,zb,tp,ptdp,zbv (or all)
+    pairs: str = "all"  # comma-separated: ddp,dp_sync,zero1,zero2,zero3,gpipe,1f1b,zb,tp,ptdp,zbv,fp8, or all
     world: int = 2  # processes per run (on GPUs: GPUs)
     rounds: int = 3  # at least this many alternations A B per pair (2 or more give an interval)
     budget_min: float = 20.0  # whole bench: go on alternating while an interval is wide, until this is spent
@@ -89,8 +93,10 @@ PAIRS = {  # pair -> (our file, its flags, torch's worker, kind)
     "tp": ("megatron_tp.py", "", "tp", "tp"),
     "ptdp": ("ptdp.py", PTDP, "interleaved", "pp"),
     "zbv": ("zero_bubble.py", "--schedule zbv --microbatches {m}", "zbv", "pp"),
+    "fp8": ("fp8.py", "--recipe current --fp8-all-gather", "float8", "fp8"),
 }
 NEEDS = {"zb": ("--schedule", "zbh1"), "zbv": ("--schedule", "zbv")}  # pair -> a choice its file must offer
+IMPORTS = {"fp8": "torchao"}  # pair -> a package its torch side needs beyond requirements.txt
 MODEL = "steps batch_size seq_len vocab d_model n_layers n_heads lr weight_decay clip seed dtype timeout"
 
 
@@ -99,16 +105,21 @@ MODEL = "steps batch_size seq_len vocab d_model n_layers n_heads lr weight_decay
 # and clipping and returns the global batch's loss and the bytes it held beyond parameters, grads, state.
 def data_parallel_side(d, args, name, comm):
     """DDP (+ ZeroRedundancyOptimizer) or FSDP2 over the whole world, each used as torch documents it; or
-    ("single") plain one-process training on the whole batch, the baseline of the scaling efficiency."""
+    ("single") plain one-process training on the whole batch, the baseline of the scaling efficiency; or
+    ("float8") torchao's float8 training on FSDP2, as torchao's README sets it up."""
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.optim import ZeroRedundancyOptimizer
     from torch.nn.parallel import DistributedDataParallel as DDP
-    fsdp, cfg = name.startswith("fsdp"), GPTConfig.from_args(args)  # FSDP2 moves its units to the device
-    model = net = build_gpt(cfg, args.seed, DTYPES[args.dtype], "cpu" if fsdp else d.device)
+    fsdp, cfg = name.startswith("fsdp") or name == "float8", GPTConfig.from_args(args)  # FSDP2 moves its
+    model = net = build_gpt(cfg, args.seed, DTYPES[args.dtype], "cpu" if fsdp else d.device)  # units there
+    if name == "float8":  # torchao's default config: tensorwise current scaling, E4M3 input and weight, E5M2
+        ao = importlib.import_module("torchao.float8")  # grad_output; the head kept in --dtype, as in fp8.py
+        config = ao.Float8LinearConfig(enable_fsdp_float8_all_gather=True)  # shards quantized, gathered
+        ao.convert_to_float8_training(model, config=config, module_filter_fn=lambda m, fqn: fqn != "head")
     if fsdp:  # each block its own unit, then the root, as torch's docs do
         mesh = dist.device_mesh.init_device_mesh(d.device.type, (d.world,))
         for unit in [*model.blocks, model]:
-            net = fully_shard(unit, mesh=mesh, reshard_after_forward=name == "fsdp")
+            net = fully_shard(unit, mesh=mesh, reshard_after_forward=name != "fsdp_noreshard")
         gathered = gathered_bytes(model)
     elif name != "single":
         net = DDP(model, device_ids=[d.local_rank] if d.device.type == "cuda" else None,
@@ -122,7 +133,9 @@ def data_parallel_side(d, args, name, comm):
     def train(i):
         x, y = data.batch(i, args.batch_size, args.seq_len)  # (B, T) global batch, CPU
         n_tok, rows = count_tokens(y), slice(d.rank * b, (d.rank + 1) * b)
-        with SavedActivations() as acts:  # this rank's (B/N, T) to the device: one copy per step
+        if name == "float8":  # after the last update: every FP8 weight's amax over the shards, one all-reduce
+            ao.precompute_float8_dynamic_scale_for_fsdp(model)
+        with LocalSaved() as acts:  # this rank's (B/N, T) to the device: one copy per step
             loss = lm_loss(net(x[rows].to(d.device)), y[rows].to(d.device), n_tok)  # its share of the loss
         (loss * d.world).backward()  # DDP and FSDP average over ranks: N x share, averaged = the global grad
         torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)  # FSDP: DTensor grads, a global norm
@@ -149,8 +162,9 @@ def gathered_bytes(model):
 
     def sample(*_):
         groups = [getattr(m._get_fsdp_state(), "_fsdp_param_group", None) for m in units]
-        live.alive(*[w._unsharded_param for g in groups for w in getattr(g, "fsdp_params", [])
-                     if hasattr(w, "_unsharded_param")])
+        params = [w._unsharded_param for g in groups for w in getattr(g, "fsdp_params", [])
+                  if hasattr(w, "_unsharded_param")]
+        live.alive(*[t for w in params for t in unwrapped(w)])  # torchao's FP8 weights: their FP8 data
 
     for m in units:
         for hook in (m.register_forward_pre_hook, m.register_forward_hook, m.register_full_backward_pre_hook):
@@ -290,12 +304,22 @@ def tensor_parallel_side(d, args, name, comm):
 
 
 class LocalSaved(SavedActivations):
-    """harness.SavedActivations, counting a DTensor's local shard (the wrapper itself has no storage)."""
+    """harness.SavedActivations, counting the tensors inside a wrapper subclass, which itself has no storage:
+    a DTensor's local shard, torchao's Float8TrainingTensor's FP8 data and scale."""
 
     def _pack(self, t):
         if not isinstance(t, nn.Parameter):
-            super()._pack(getattr(t, "_local_tensor", t))
+            for inner in unwrapped(t):
+                super()._pack(inner)
         return t
+
+
+def unwrapped(t):
+    """The plain tensors inside a traceable wrapper subclass (its __tensor_flatten__), or [t]."""
+    if not hasattr(t, "__tensor_flatten__"):
+        return [t]
+    inner = [getattr(t, name) for name in t.__tensor_flatten__()[0]]  # DTensor's: its mesh too
+    return [x for i in inner if torch.is_tensor(i) for x in unwrapped(i)]
 
 
 # ----------------------------------------------------------------------------- the workers (under torchrun)
@@ -306,7 +330,8 @@ WORKERS = {  # worker -> (torch's side, its name in the table)
         ("fsdp_noreshard", "fully_shard(reshard_after_forward=False)"))},
     **{w: (pipeline_side, f"pipelining {cls}" + " (1 stage/rank)" * (w == "zb")) for w, (cls, *_) in
        SCHEDULES.items()},
-    "tp": (tensor_parallel_side, "DTensor Colwise/RowwiseParallel")}
+    "tp": (tensor_parallel_side, "DTensor Colwise/RowwiseParallel"),
+    "float8": (data_parallel_side, "torchao float8 + fully_shard (FP8 all-gather)")}
 
 
 def run_worker(args):
@@ -315,7 +340,7 @@ def run_worker(args):
     d, comm = init_dist(args.timeout), CommCounter()
     torch.set_num_threads(args.threads)
     params, opt, train = WORKERS[args.worker][0](d, args, args.worker, comm)
-    timer, losses, counted, local = StepTimer(d.device), [], 0, lambda t: getattr(t, "_local_tensor", t)
+    timer, losses, counted = StepTimer(d.device), [], 0
     with profiled(args.profile, Path(args.json).stem):
         for i in range(args.steps):
             timer.start()
@@ -325,8 +350,8 @@ def run_worker(args):
                 opt.step()
             ms = timer.stop()  # then, untimed: parameters, gradients and optimizer state (ZeRO's in .optim)
             state = [v for s in getattr(opt, "optim", opt).state.values() for v in s.values()]
-            state = [local(t) for t in [*params, *(w.grad for w in params), *state]
-                     if torch.is_tensor(t) and t.dim()]
+            state = [x for t in [*params, *(w.grad for w in params), *state]  # DTensor: its local shard
+                     if torch.is_tensor(t) and t.dim() for x in unwrapped(t)]
             counted = max(counted, held + tensor_bytes(state))
             losses.append(loss)
             log_step(d, i, loss, ms, args.batch_size * args.seq_len)
@@ -529,11 +554,13 @@ def side_row(args, pair, side, runs, one_ms):
     if not ok:
         return dict(name=None, error=(runs[-1]["cmd"] if runs else "not run"))
     s, tokens = ok[-1]["summary"] or {}, args.batch_size * args.seq_len
-    med = statistics.median(t for r in ok for t in r["ms"][args.warmup:])
+    med, f = statistics.median(t for r in ok for t in r["ms"][args.warmup:]), s.get("figures", {})
+    sent = s.get("comm_bytes")  # a file that reports one collective's bytes (fp8.py: its all-gather) and
+    if isinstance(f.get("comm"), dict):  # CommCounter's table of all: the sum of the table
+        sent = sum(handed for _, _, handed in f["comm"].values())
     row = dict(name=PAIRS[pair][0] if side == "ours" else WORKERS[PAIRS[pair][2]][1], step_ms=med,
                tokens_per_s=tokens / med * 1e3, peak_mem_bytes=s.get("peak_mem_bytes"),
-               sent_bytes_per_rank=s.get("comm_bytes"), losses=s.get("losses"), command=ok[-1]["cmd"])
-    f = s.get("figures", {})
+               sent_bytes_per_rank=sent, losses=s.get("losses"), command=ok[-1]["cmd"])
     if "bubble_mean" in f:  # the idle share of the step; ptdp.py and zero_bubble.py report idle / busy
         share = (lambda b: b / (1 + b)) if "idle / busy" in f.get("bubble_definition", "") else (lambda b: b)
         row.update(bubble=statistics.mean(map(share, f["bubble"])), bubble_theory=share(f["bubble_theory"]))
@@ -623,8 +650,14 @@ def markdown(args, rows, wall_s, one_ms):
 
 
 def why_skipped(pair):
-    """'' when our file offers the choice `pair` needs (NEEDS); else why not (a mode still being written in
-    another branch). Read from the file's Args, which its --help shows."""
+    """'' when torch's side can import what it needs (IMPORTS) and our file offers the choice `pair` needs
+    (NEEDS); else why not (a package outside requirements.txt, or a mode still being written in another
+    branch). The choice is read from the file's Args, which its --help shows."""
+    if pair in IMPORTS:
+        try:
+            importlib.import_module(IMPORTS[pair])
+        except ImportError:
+            return f"{IMPORTS[pair]} not installed: pip install {IMPORTS[pair]} to run this pair"
     if pair not in NEEDS:
         return ""
     (flag, choice), file = NEEDS[pair], PAIRS[pair][0]
@@ -669,15 +702,15 @@ def main():
     names = check_bench_args(args)
     t0, rows, one_ms, groups = time.time(), [], None, {}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    if args.scaling and any(PAIRS[p][3] == "dp" for p in names):  # plain one-process training: the baseline
-        ms = launch(args, names[0], "one_process", "single")["ms"][args.warmup:]
-        one_ms = statistics.median(ms) if ms else None
     for p in names:
         if why := why_skipped(p):
             print(f"{p}: pair skipped, {why}", flush=True)
             rows.append(dict(pair=p, ours=None, torch=None, ratio=None, skipped=why))
         else:
             groups.setdefault(PAIRS[p][2], []).append(p)
+    if args.scaling and any(PAIRS[p][3] == "dp" for ps in groups.values() for p in ps):  # the baseline:
+        ms = launch(args, names[0], "one_process", "single")["ms"][args.warmup:]  # one-process training
+        one_ms = statistics.median(ms) if ms else None
     for i, pairs in enumerate([*groups.values(), []]):  # after each group what is done so far, then all
         share = (t0 + 60 * args.budget_min - time.time()) / max(len(groups) - i, 1)  # the budget left, shared
         rows = sorted(rows + (bench_group(args, pairs, one_ms, share) if pairs else []),

@@ -59,7 +59,7 @@ READ_PATH["moe_deepseek.py"] = 460
 READ_PATH.update({"fault_tolerance.py": 600, "zero.py": 470, "pipedream.py": 403})
 # Whole-file ceilings against drift for the shared modules and tools (about today's size + room; plan.py grows
 # with issue 32).
-TOTAL = {"common.py": 300, "harness.py": 900, "bench.py": 700, "plan.py": 1200}
+TOTAL = {"common.py": 300, "harness.py": 900, "bench.py": 750, "plan.py": 1200}
 README_LINES = 200
 # What may not stand above a technique file's measurement fence outside main(): name -> (pattern, a line it
 # must catch, a near miss it must let through). Bookkeeping is measurement, logging, checkpointing and the
