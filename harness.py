@@ -71,7 +71,8 @@ def parse_args(cls, argv=None):
         except (OSError, TypeError):
             continue
         helps.update(re.findall(r"^\s+(\w+):[^#\n]*#\s*(.*)$", src, re.M))
-    parser = _Parser(description=(sys.modules[cls.__module__].__doc__ or "").split("\n")[0])
+    doc = sys.modules[cls.__module__].__doc__ or ""
+    parser = _Parser(description=doc.split("\n\n")[0])  # the docstring's first paragraph, whole
     hints = get_type_hints(cls)
     for f in fields(cls):
         flag, typ, h = "--" + f.name.replace("_", "-"), hints[f.name], helps.get(f.name, "")
@@ -151,7 +152,7 @@ class Run:
         run.finish("name", peak, comm_bytes, check, figures)   # summary; exits (1 if --check failed)
     `state` maps names to objects with state_dict / load_state_dict (saved every --save-every steps). `ckpt`:
     another checkpointer, with load(state) -> (step, history) and maybe_save(step, state, history), e.g.
-    zero.py's FlatShardCheckpoint; `state` is then what it takes."""
+    zero.py's ZeroCheckpoint; `state` is then what it takes (the Zero)."""
 
     def __init__(self, d, args, state, ckpt=None):
         self.d, self.args, self.state = d, args, state
