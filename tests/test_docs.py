@@ -225,8 +225,8 @@ def test_gpu_plan_sizes_in_the_docs_are_the_plans():
     once: 121 launches printed where the plan had 135)."""
     sys.path.insert(0, str(ROOT / "tests"))
     import gpu_check
-    table = re.findall(r"^\| (`--one-gpu`|(\d) GPUs \(world \d, then world 1\)) \| (\d+) \| (\d+) \| ([\d.]+) min",
-                       (ROOT / "docs/gpus.md").read_text(), re.M)
+    row = r"^\| (`--one-gpu`|(\d) GPUs \(world \d, then world 1\)) \| (\d+) \| (\d+) \| ([\d.]+) min"
+    table = re.findall(row, (ROOT / "docs/gpus.md").read_text(), re.M)
     assert len(table) == 3, table
     for _, gpus, runs, launches, minutes in table:
         out = io.StringIO()
