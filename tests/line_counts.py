@@ -20,21 +20,28 @@ Categories (non-blank lines; a comment line takes the category of the code line 
 A line is sorted by its statement's text, wherever it stands: a log line inside a technique class is
 measurement, a checkpoint call inside main() is checkpoint. Compound statements are sorted by their header,
 their bodies line by line; an `if` guarding only a failure is validation, an `if args.check:` block is check.
-read path = lines from the end of the module docstring to the measurement fence, beside its budget (BUDGET:
-reported, never met by moving what the technique runs below the fence; tests/test_fence.py holds the fence);
+read path = the source from the end of the module docstring to the measurement fence, weighed in code tokens
+(comments and layout left out, a string one token) beside its budget (BUDGET: never met by moving what the
+technique runs below the fence, tests/test_fence.py holds the fence), its lines, characters per non-blank line and
+the share of its lines past 100 columns beside them as information;
 share = technique / (non-blank lines - docstring); path share = technique / non-blank lines of the read path.
 The classifier reads text, so it cannot see intent: an attribute kept only for a watcher (a list of
 events, a layout method) counts as technique unless its line names a counter; the review's hand count is the arbiter."""
-import ast, re, sys
+import ast, io, re, sys, tokenize
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 FILES = ["dp.py", "ddp_bucketed.py", "diloco.py", "fault_tolerance.py", "zero.py", "memory_savers.py", "fp8.py",
          "gpipe.py", "pipedream.py", "zero_bubble.py", "megatron_tp.py", "ptdp.py", "moe.py", "moe_deepseek.py",
          "context_parallel.py"]
-# Read-path budgets (DESIGN.md): 400 lines; the files that teach the most get more (ptdp.py: the four-axis grid).
-BUDGET = {"megatron_tp.py": 460, "moe.py": 460, "moe_deepseek.py": 460, "ptdp.py": 520}
-DEFAULT_BUDGET = 400
+# Read-path budgets in code tokens (DESIGN.md): 3,400; the files with several variants 3,800, fault_tolerance.py
+# 4,200, ptdp.py (four axes) 4,800. Lines are reported beside them as information, no longer a budget: a line
+# budget rewards packing lines.
+BUDGET = {"megatron_tp.py": 3800, "moe.py": 3800, "context_parallel.py": 3800, "zero.py": 3800,
+          "zero_bubble.py": 3800, "fault_tolerance.py": 4200, "ptdp.py": 4800}
+DEFAULT_BUDGET = 3400
+# What a reader parses: Python tokens without comments and layout (a string, a docstring too, is one token).
+NOT_CODE = {tokenize.COMMENT, tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT, tokenize.ENDMARKER}
 CATEGORIES = ("technique", "measure", "checkpoint", "validation", "check", "docstring", "boilerplate")
 # Sorting a statement by its text: the first category whose pattern matches (in this order) wins.
 PATTERNS = {
@@ -159,14 +166,37 @@ def read_path(text):
     return last + 1 - first
 
 
+def code_tokens(text):
+    """Python tokens in `text` that are code: comments, newlines and indentation left out; a string is one."""
+    tokens = tokenize.generate_tokens(io.StringIO(text).readline)
+    return sum(1 for t in tokens if t.type not in NOT_CODE)
+
+
+def read_path_text(text):
+    """The read path's source: the lines after the module docstring, up to (not including) the fence."""
+    first, last = read_path_lines(text)
+    return "\n".join(text.splitlines()[first:last]) + "\n"
+
+
+def texture(text):
+    """(characters per non-blank line, share of non-blank lines past 100 columns) of `text`."""
+    lines = [l for l in text.splitlines() if l.strip()]
+    chars = sum(len(l) for l in lines) / max(len(lines), 1)
+    wide = sum(len(l) > 100 for l in lines) / max(len(lines), 1)
+    return chars, wide
+
+
 def row_of_text(text, name=""):
     labels = classify(text)
     counts = {c: labels.count(c) for c in CATEGORIES}
     body = sum(counts.values()) - counts["docstring"]
     first, last = read_path_lines(text)
     on_path = [c for c in labels[first:last + 1] if c is not None]
-    return dict(file=name, lines=len(text.splitlines()), read_path=read_path(text),
-                budget=BUDGET.get(name, DEFAULT_BUDGET), **counts, share=counts["technique"] / max(body, 1),
+    path = read_path_text(text)
+    chars, wide = texture(path)
+    return dict(file=name, lines=len(text.splitlines()), read_path=read_path(text), tokens=code_tokens(path),
+                budget=BUDGET.get(name, DEFAULT_BUDGET), chars_per_line=chars, past_100=wide, **counts,
+                share=counts["technique"] / max(body, 1),
                 path_share=on_path.count("technique") / max(len(on_path), 1))
 
 
@@ -182,9 +212,11 @@ if __name__ == "__main__":
             text = (ROOT / f).read_text()
             for n, (l, cat) in enumerate(zip(text.splitlines(), classify(text)), 1):
                 print(f"{n:4} {cat or '':11} {l}")
-    cols = ("lines", "read_path", "budget", *CATEGORIES)
-    print("| file | lines | read path | budget | " + " | ".join(CATEGORIES) + " | share | path share |")
-    print("|---|" + "---:|" * (len(cols) + 2))
+    cols = ("tokens", "budget", "read_path", "lines", *CATEGORIES)
+    print("| file | read path tokens | token budget | read path lines | chars / line | past 100 cols | lines | "
+          + " | ".join(CATEGORIES) + " | share | path share |")
+    print("|---|" + "---:|" * (len(cols) + 4))
     for r in table(files):
-        print(f"| {r['file']} | " + " | ".join(str(r[c]) for c in cols) + f" | {r['share']:.0%} | "
-              f"{r['path_share']:.0%} |")
+        head = [str(r[c]) for c in cols[:3]] + [f"{r['chars_per_line']:.1f}", f"{r['past_100']:.0%}"]
+        rest = [str(r[c]) for c in cols[3:]]
+        print(f"| {r['file']} | " + " | ".join(head + rest) + f" | {r['share']:.0%} | {r['path_share']:.0%} |")
