@@ -37,6 +37,7 @@ harness.CommCounter), the pipelines' bubble beside theory, data parallel's scali
 loss difference, and for ddp the share of all-reduce hidden behind backward. --profile DIR: a Chrome trace
 of every run and rank, and each run's biggest top-level ops printed.
 """
+
 import collections, contextlib, functools, importlib, itertools, json, math, os, re, statistics, subprocess
 import sys, time, typing
 from dataclasses import dataclass
@@ -47,10 +48,33 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import harness
-from common import (DTYPES, build_gpt, clip_grads_, count_tokens, fail, GPTConfig, init_dist, lm_loss,
-                    make_optimizer, MarkovData)
-from harness import (busy_ms, check_common_args, CommCounter, CommonArgs, LiveStorages, log_step, parse_args,
-                     peak_memory_bytes, SavedActivations, StepTimer, tensor_bytes, Timeline, write_summary)
+from common import (
+    DTYPES,
+    build_gpt,
+    clip_grads_,
+    count_tokens,
+    fail,
+    GPTConfig,
+    init_dist,
+    lm_loss,
+    make_optimizer,
+    MarkovData,
+)
+from harness import (
+    busy_ms,
+    check_common_args,
+    CommCounter,
+    CommonArgs,
+    LiveStorages,
+    log_step,
+    parse_args,
+    peak_memory_bytes,
+    SavedActivations,
+    StepTimer,
+    tensor_bytes,
+    Timeline,
+    write_summary,
+)
 
 ROOT, MiB = Path(__file__).resolve().parent, 1024 * 1024
 
@@ -60,27 +84,37 @@ class Args(CommonArgs):
     steps: int = 6  # optimizer steps per run (the first --warmup are not timed)
     batch_size: int = 8  # global batch, in sequences
     seq_len: int = 64  # tokens per sequence
-    vocab: int = 1024  # vocabulary size (every launch computes the chain's stationary law: eig of V x V)
+    vocab: int = (
+        1024  # vocabulary size (every launch computes the chain's stationary law: eig of V x V)
+    )
     d_model: int = 448  # model width (with the defaults: 10.6 M parameters)
     n_layers: int = 4  # transformer blocks (a multiple of world x 2 for the ptdp and zbv pairs)
     n_heads: int = 8  # attention heads
     pairs: str = "all"  # comma-separated: ddp,dp_sync,zero1,zero2,zero3,gpipe,1f1b,zb,tp,ptdp,zbv,fp8, or all
     world: int = 2  # processes per run (on GPUs: GPUs)
     rounds: int = 3  # at least this many alternations A B per pair (2 or more give an interval)
-    budget_min: float = 20.0  # whole bench: go on alternating while an interval is wide, until this is spent
+    budget_min: float = (
+        20.0  # whole bench: go on alternating while an interval is wide, until this is spent
+    )
     precision: float = 0.05  # an interval is narrow enough within ratio x (1 +- this)
     warmup: int = 2  # steps per run left out of the step time
     microbatches: int = 4  # pipelines: micro-batches per step
     bucket_cap_mb: float = 4.0  # ddp, dp_sync, zero1: bucket cap in MiB on both sides
     threads: int = 1  # OMP_NUM_THREADS of every rank
-    scaling: bool = True  # data-parallel pairs: also time one-process training, for the scaling efficiency
+    scaling: bool = (
+        True  # data-parallel pairs: also time one-process training, for the scaling efficiency
+    )
     out: str = "bench"  # writes OUT.json and OUT.md
-    profile: str = ""  # write a torch.profiler Chrome trace of every run and rank into this directory
+    profile: str = (
+        ""  # write a torch.profiler Chrome trace of every run and rank into this directory
+    )
     launch_timeout: int = 600  # seconds one torchrun launch may take
     worker: str = ""  # (internal) run torch's side of a pair under torchrun
 
 
-PTDP = "--pp {world} --tp 1 --dp 1 --virtual-stages 2 --microbatches {m}"  # ptdp.py as a pure pipeline
+PTDP = (
+    "--pp {world} --tp 1 --dp 1 --virtual-stages 2 --microbatches {m}"  # ptdp.py as a pure pipeline
+)
 PAIRS = {  # pair -> (our file, its flags, torch's worker, kind)
     "ddp": ("ddp_bucketed.py", "--bucket-cap-mb {cap} --first-bucket-mb {cap}", "ddp", "dp"),
     "dp_sync": ("dp.py", "--mode sync", "ddp", "dp"),
@@ -95,7 +129,10 @@ PAIRS = {  # pair -> (our file, its flags, torch's worker, kind)
     "zbv": ("zero_bubble.py", "--schedule zbv --microbatches {m}", "zbv", "pp"),
     "fp8": ("fp8.py", "--recipe current --fp8-all-gather", "float8", "fp8"),
 }
-NEEDS = {"zb": ("--schedule", "zbh1"), "zbv": ("--schedule", "zbv")}  # pair -> a choice its file must offer
+NEEDS = {
+    "zb": ("--schedule", "zbh1"),
+    "zbv": ("--schedule", "zbv"),
+}  # pair -> a choice its file must offer
 IMPORTS = {"fp8": "torchao"}  # pair -> a package its torch side needs beyond requirements.txt
 MODEL = "steps batch_size seq_len vocab d_model n_layers n_heads lr weight_decay clip seed dtype timeout"
 
@@ -110,38 +147,71 @@ def data_parallel_side(d, args, name, comm):
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.optim import ZeroRedundancyOptimizer
     from torch.nn.parallel import DistributedDataParallel as DDP
-    fsdp, cfg = name.startswith("fsdp") or name == "float8", GPTConfig.from_args(args)  # FSDP2 moves its
-    model = net = build_gpt(cfg, args.seed, DTYPES[args.dtype], "cpu" if fsdp else d.device)  # units there
-    if name == "float8":  # torchao's default config: tensorwise current scaling, E4M3 input and weight, E5M2
-        ao = importlib.import_module("torchao.float8")  # grad_output; the head kept in --dtype, as in fp8.py
-        config = ao.Float8LinearConfig(enable_fsdp_float8_all_gather=True)  # shards quantized, gathered
-        ao.convert_to_float8_training(model, config=config, module_filter_fn=lambda m, fqn: fqn != "head")
+
+    fsdp, cfg = (
+        name.startswith("fsdp") or name == "float8",
+        GPTConfig.from_args(args),
+    )  # FSDP2 moves its
+    model = net = build_gpt(
+        cfg, args.seed, DTYPES[args.dtype], "cpu" if fsdp else d.device
+    )  # units there
+    if (
+        name == "float8"
+    ):  # torchao's default config: tensorwise current scaling, E4M3 input and weight, E5M2
+        ao = importlib.import_module(
+            "torchao.float8"
+        )  # grad_output; the head kept in --dtype, as in fp8.py
+        config = ao.Float8LinearConfig(
+            enable_fsdp_float8_all_gather=True
+        )  # shards quantized, gathered
+        ao.convert_to_float8_training(
+            model, config=config, module_filter_fn=lambda m, fqn: fqn != "head"
+        )
     if fsdp:  # each block its own unit, then the root, as torch's docs do
         mesh = dist.device_mesh.init_device_mesh(d.device.type, (d.world,))
         for unit in [*model.blocks, model]:
             net = fully_shard(unit, mesh=mesh, reshard_after_forward=name != "fsdp_noreshard")
         gathered = gathered_bytes(model)
     elif name != "single":
-        net = DDP(model, device_ids=[d.local_rank] if d.device.type == "cuda" else None,
-                  bucket_cap_mb=args.bucket_cap_mb)
+        net = DDP(
+            model,
+            device_ids=[d.local_rank] if d.device.type == "cuda" else None,
+            bucket_cap_mb=args.bucket_cap_mb,
+        )
     opt = make_optimizer(model.parameters(), args)
     if name == "zero1":  # AdamW's state sharded over ranks; every rank broadcasts its updated shard
-        opt = ZeroRedundancyOptimizer(model.parameters(), torch.optim.AdamW, lr=args.lr, betas=(0.9, 0.95),
-                                      weight_decay=args.weight_decay, foreach=False)
+        opt = ZeroRedundancyOptimizer(
+            model.parameters(),
+            torch.optim.AdamW,
+            lr=args.lr,
+            betas=(0.9, 0.95),
+            weight_decay=args.weight_decay,
+            foreach=False,
+        )
     data, b = MarkovData(args.vocab, args.seed), args.batch_size // d.world
 
     def train(i):
         x, y = data.batch(i, args.batch_size, args.seq_len)  # (B, T) global batch, CPU
         n_tok, rows = count_tokens(y), slice(d.rank * b, (d.rank + 1) * b)
-        if name == "float8":  # after the last update: every FP8 weight's amax over the shards, one all-reduce
+        if (
+            name == "float8"
+        ):  # after the last update: every FP8 weight's amax over the shards, one all-reduce
             ao.precompute_float8_dynamic_scale_for_fsdp(model)
         with LocalSaved() as acts:  # this rank's (B/N, T) to the device: one copy per step
-            loss = lm_loss(net(x[rows].to(d.device)), y[rows].to(d.device), n_tok)  # its share of the loss
-        (loss * d.world).backward()  # DDP and FSDP average over ranks: N x share, averaged = the global grad
-        torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)  # FSDP: DTensor grads, a global norm
+            loss = lm_loss(
+                net(x[rows].to(d.device)), y[rows].to(d.device), n_tok
+            )  # its share of the loss
+        (
+            loss * d.world
+        ).backward()  # DDP and FSDP average over ranks: N x share, averaged = the global grad
+        torch.nn.utils.clip_grad_norm_(
+            model.parameters(), args.clip
+        )  # FSDP: DTensor grads, a global norm
         total = loss.detach().reshape(1)
         with comm.paused():
-            dist.all_reduce(total)  # logging only (the technique files leave it out of their count too)
+            dist.all_reduce(
+                total
+            )  # logging only (the technique files leave it out of their count too)
         held = gathered.peak if fsdp else sum(ddp_bucket_sizes(net)) if name != "single" else 0
         return total.item(), acts.bytes + held
 
@@ -151,7 +221,10 @@ def data_parallel_side(d, args, name, comm):
 def ddp_bucket_sizes(net):
     """The bytes of each of DDP's gradient buckets, as its C++ reducer reports them (rebuilt after step 1)."""
     data = net._get_ddp_logging_data()
-    return [int(s) for s in re.findall(r"\d+", str(data.get("rebuilt_bucket_sizes") or data["bucket_sizes"]))]
+    return [
+        int(s)
+        for s in re.findall(r"\d+", str(data.get("rebuilt_bucket_sizes") or data["bucket_sizes"]))
+    ]
 
 
 def gathered_bytes(model):
@@ -162,12 +235,22 @@ def gathered_bytes(model):
 
     def sample(*_):
         groups = [getattr(m._get_fsdp_state(), "_fsdp_param_group", None) for m in units]
-        params = [w._unsharded_param for g in groups for w in getattr(g, "fsdp_params", [])
-                  if hasattr(w, "_unsharded_param")]
-        live.alive(*[t for w in params for t in unwrapped(w)])  # torchao's FP8 weights: their FP8 data
+        params = [
+            w._unsharded_param
+            for g in groups
+            for w in getattr(g, "fsdp_params", [])
+            if hasattr(w, "_unsharded_param")
+        ]
+        live.alive(
+            *[t for w in params for t in unwrapped(w)]
+        )  # torchao's FP8 weights: their FP8 data
 
     for m in units:
-        for hook in (m.register_forward_pre_hook, m.register_forward_hook, m.register_full_backward_pre_hook):
+        for hook in (
+            m.register_forward_pre_hook,
+            m.register_forward_hook,
+            m.register_full_backward_pre_hook,
+        ):
             hook(sample)
     return live
 
@@ -191,9 +274,18 @@ class PipeStage(nn.Module):
 
 # worker -> (torch's schedule, stages of a rank, k: bubble theory (p-1)/(k*m+p-1) when T_F = T_B = T_W)
 SCHEDULES = {
-    "gpipe": ("ScheduleGPipe", "one", 1), "1f1b": ("Schedule1F1B", "one", 1),
-    "zb": ("ScheduleInterleavedZeroBubble", "one", 3),  # each W in a slot 1F1B leaves idle: ZB-H1's theory
-    "interleaved": ("ScheduleInterleaved1F1B", "looped", 2),  # stages r and r + p: (p-1)/(v*m+p-1), v = 2
+    "gpipe": ("ScheduleGPipe", "one", 1),
+    "1f1b": ("Schedule1F1B", "one", 1),
+    "zb": (
+        "ScheduleInterleavedZeroBubble",
+        "one",
+        3,
+    ),  # each W in a slot 1F1B leaves idle: ZB-H1's theory
+    "interleaved": (
+        "ScheduleInterleaved1F1B",
+        "looped",
+        2,
+    ),  # stages r and r + p: (p-1)/(v*m+p-1), v = 2
     "zbv": ("ScheduleZBVZeroBubble", "v", 0),  # stages r and 2p-1-r; ZB-V's bubble: about 0
 }
 
@@ -202,12 +294,18 @@ def pipeline_side(d, args, name, comm):
     """torch.distributed.pipelining: a PipelineStage per stage, the blocks split as gpipe.py splits them
     (evenly, the earlier stages take the extra block)."""
     from torch.distributed import pipelining
+
     cls, placement, k = SCHEDULES[name]
     r, p, m = d.rank, d.world, args.microbatches
     ids = {"one": [r], "looped": [r, r + p], "v": [r, 2 * p - 1 - r]}[placement]
     n = len(ids) * p  # stages in all
-    ends = [0, *itertools.accumulate(args.n_layers // n + (s < args.n_layers % n) for s in range(n))]
-    full = build_gpt(GPTConfig.from_args(args), args.seed, DTYPES[args.dtype])  # CPU; a rank moves its stages
+    ends = [
+        0,
+        *itertools.accumulate(args.n_layers // n + (s < args.n_layers % n) for s in range(n)),
+    ]
+    full = build_gpt(
+        GPTConfig.from_args(args), args.seed, DTYPES[args.dtype]
+    )  # CPU; a rank moves its stages
     mods = [PipeStage(full, ends[s], ends[s + 1], s == 0, s == n - 1).to(d.device) for s in ids]
     stages = [pipelining.PipelineStage(mod, s, n, d.device) for mod, s in zip(mods, ids)]
     timeline, live, n_tok = Timeline(d), LiveStorages(), [1]
@@ -215,8 +313,12 @@ def pipeline_side(d, args, name, comm):
     schedule = getattr(pipelining, cls)
     multi = issubclass(schedule, pipelining.schedules.PipelineScheduleMulti)
     # scale_grads=False: each micro-batch loss is already divided by the global token count (common.lm_loss)
-    sched = schedule(stages if multi else stages[0], m, loss_fn=lambda out, y: lm_loss(out, y, n_tok[0]),
-                     scale_grads=False)
+    sched = schedule(
+        stages if multi else stages[0],
+        m,
+        loss_fn=lambda out, y: lm_loss(out, y, n_tok[0]),
+        scale_grads=False,
+    )
     params, data = [w for mod in mods for w in mod.parameters()], MarkovData(args.vocab, args.seed)
 
     def train(i):
@@ -226,9 +328,13 @@ def pipeline_side(d, args, name, comm):
         with comm.paused():
             timeline.zero()  # one zero for every rank: the wall time the last rank arrived
         kwargs = dict(target=y.to(d.device), losses=losses) if n - 1 in ids else {}
-        sched.step(*([x.to(d.device)] if 0 in ids else []), **kwargs)  # the schedule splits the batch into m
+        sched.step(
+            *([x.to(d.device)] if 0 in ids else []), **kwargs
+        )  # the schedule splits the batch into m
         grads = [w.grad for w in params if w.grad is not None]
-        zero = torch.zeros((), dtype=torch.float64, device=d.device)  # this rank's part of the squared norm:
+        zero = torch.zeros(
+            (), dtype=torch.float64, device=d.device
+        )  # this rank's part of the squared norm:
         sq = sum((torch.linalg.vector_norm(g, dtype=torch.float64) ** 2 for g in grads), zero)
         both = torch.stack([sq, sum(losses, zero).double()])  # (2,)
         dist.all_reduce(both)  # squared norm of the whole model, batch loss (as gpipe.py does)
@@ -239,9 +345,13 @@ def pipeline_side(d, args, name, comm):
         events = timeline.gather()
         end = max(e["end"] for e in events)
         bubble = [1 - busy_ms(events, rank, 0.0, end) / end for rank in range(p)]
-        return dict(bubble=bubble, bubble_mean=sum(bubble) / p, bubble_theory=k and (p - 1) / (k * m + p - 1),
-                    bubble_theory_formula=f"(p-1)/({k}m+p-1)".replace("1m", "m") if k else "about 0",
-                    ops={kind: sum(e["kind"] == kind for e in events) for kind in "FBW"})  # on all ranks
+        return dict(
+            bubble=bubble,
+            bubble_mean=sum(bubble) / p,
+            bubble_theory=k and (p - 1) / (k * m + p - 1),
+            bubble_theory_formula=f"(p-1)/({k}m+p-1)".replace("1m", "m") if k else "about 0",
+            ops={kind: sum(e["kind"] == kind for e in events) for kind in "FBW"},
+        )  # on all ranks
 
     train.figures = figures
     return params, make_optimizer(params, args), train
@@ -252,6 +362,7 @@ def watch_stages(stages, timeline, live):
     zero-bubble schedule the input gradient only) and backward_weight_one_chunk (W) of a stage runs in
     Timeline.span, one micro-batch's compute (sends and receives run outside). What each F saves for backward
     is held weakly in `live`, sampled after every op: its peak is the saved activations' peak."""
+
     def observed(fn, kind):
         def run(chunk, *a, **kw):
             saved = SavedActivations(live) if kind == "F" else contextlib.nullcontext()
@@ -259,10 +370,13 @@ def watch_stages(stages, timeline, live):
                 out = fn(chunk, *a, **kw)
             live.alive()
             return out
+
         return run
 
     for st in stages:
-        for kind, op in zip("FBW", ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk")):
+        for kind, op in zip(
+            "FBW", ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk")
+        ):
             setattr(st, op, observed(getattr(st, op), kind))
 
 
@@ -271,12 +385,21 @@ def tensor_parallel_side(d, args, name, comm):
     q, k, v and fc column-wise, the projections row-wise, the embedding split over the vocabulary, the head
     column-wise into loss_parallel's vocabulary-parallel cross-entropy."""
     from torch.distributed.tensor import DTensor, Replicate, Shard
-    from torch.distributed.tensor.parallel import ColwiseParallel as Col, loss_parallel, parallelize_module
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel as Col,
+        loss_parallel,
+        parallelize_module,
+    )
     from torch.distributed.tensor.parallel import RowwiseParallel as Row
+
     mesh = dist.device_mesh.init_device_mesh(d.device.type, (d.world,))
-    model = build_gpt(GPTConfig.from_args(args), args.seed, DTYPES[args.dtype], d.device)  # as megatron_tp.py
-    plan = dict(tok_emb=Row(input_layouts=Replicate()),
-                head=Col(output_layouts=Shard(-1), use_local_output=False))  # into loss_parallel
+    model = build_gpt(
+        GPTConfig.from_args(args), args.seed, DTYPES[args.dtype], d.device
+    )  # as megatron_tp.py
+    plan = dict(
+        tok_emb=Row(input_layouts=Replicate()),
+        head=Col(output_layouts=Shard(-1), use_local_output=False),
+    )  # into loss_parallel
     for i, block in enumerate(model.blocks):
         block.attn.n_heads //= d.world  # a rank's q, k, v hold n_heads / tp whole heads
         plan.update({f"blocks.{i}.{w}": Col() for w in ("attn.q", "attn.k", "attn.v", "mlp.fc")})
@@ -286,7 +409,9 @@ def tensor_parallel_side(d, args, name, comm):
     local = lambda g: g.to_local() if isinstance(g, DTensor) else g  # noqa: E731
 
     def train(i):
-        x, y = (t.to(d.device) for t in data.batch(i, args.batch_size, args.seq_len))  # (B, T) on every rank
+        x, y = (
+            t.to(d.device) for t in data.batch(i, args.batch_size, args.seq_len)
+        )  # (B, T) on every rank
         with LocalSaved() as acts, loss_parallel():
             loss = lm_loss(model(x), y, count_tokens(y))  # logits (B, T, V/tp) never gathered
             loss.backward()
@@ -295,7 +420,9 @@ def tensor_parallel_side(d, args, name, comm):
         sq = torch.zeros(2, dtype=torch.float64, device=d.device)
         for w in params:
             sharded = isinstance(w.grad, DTensor) and w.grad.placements[0].is_shard()
-            sq[0 if sharded else 1] += torch.linalg.vector_norm(local(w.grad), dtype=torch.float64) ** 2
+            sq[0 if sharded else 1] += (
+                torch.linalg.vector_norm(local(w.grad), dtype=torch.float64) ** 2
+            )
         dist.all_reduce(sq[:1])
         clip_grads_([local(w.grad) for w in params], sq.sum().sqrt(), args.clip)
         return float(local(loss.detach())), acts.bytes
@@ -324,14 +451,23 @@ def unwrapped(t):
 
 # ----------------------------------------------------------------------------- the workers (under torchrun)
 WORKERS = {  # worker -> (torch's side, its name in the table)
-    **{w: (data_parallel_side, name) for w, name in (
-        ("single", "one process"), ("ddp", "DistributedDataParallel"), ("fsdp", "fully_shard"),
-        ("zero1", "DDP + ZeroRedundancyOptimizer"),
-        ("fsdp_noreshard", "fully_shard(reshard_after_forward=False)"))},
-    **{w: (pipeline_side, f"pipelining {cls}" + " (1 stage/rank)" * (w == "zb")) for w, (cls, *_) in
-       SCHEDULES.items()},
+    **{
+        w: (data_parallel_side, name)
+        for w, name in (
+            ("single", "one process"),
+            ("ddp", "DistributedDataParallel"),
+            ("fsdp", "fully_shard"),
+            ("zero1", "DDP + ZeroRedundancyOptimizer"),
+            ("fsdp_noreshard", "fully_shard(reshard_after_forward=False)"),
+        )
+    },
+    **{
+        w: (pipeline_side, f"pipelining {cls}" + " (1 stage/rank)" * (w == "zb"))
+        for w, (cls, *_) in SCHEDULES.items()
+    },
     "tp": (tensor_parallel_side, "DTensor Colwise/RowwiseParallel"),
-    "float8": (data_parallel_side, "torchao float8 + fully_shard (FP8 all-gather)")}
+    "float8": (data_parallel_side, "torchao float8 + fully_shard (FP8 all-gather)"),
+}
 
 
 def run_worker(args):
@@ -348,19 +484,36 @@ def run_worker(args):
                 opt.zero_grad(set_to_none=True)
                 loss, held = train(i)
                 opt.step()
-            ms = timer.stop()  # then, untimed: parameters, gradients and optimizer state (ZeRO's in .optim)
+            ms = (
+                timer.stop()
+            )  # then, untimed: parameters, gradients and optimizer state (ZeRO's in .optim)
             state = [v for s in getattr(opt, "optim", opt).state.values() for v in s.values()]
-            state = [x for t in [*params, *(w.grad for w in params), *state]  # DTensor: its local shard
-                     if torch.is_tensor(t) and t.dim() for x in unwrapped(t)]
+            state = [
+                x
+                for t in [*params, *(w.grad for w in params), *state]  # DTensor: its local shard
+                if torch.is_tensor(t) and t.dim()
+                for x in unwrapped(t)
+            ]
             counted = max(counted, held + tensor_bytes(state))
             losses.append(loss)
             log_step(d, i, loss, ms, args.batch_size * args.seq_len)
     sent = torch.tensor([comm.total()], dtype=torch.float64, device=d.device)
     dist.all_reduce(sent, op=dist.ReduceOp.MAX)  # the busiest rank, as the technique files report
-    figures = dict(comm_ops_rank0=comm.table(), step_ms_all=timer.ms, **getattr(train, "figures", dict)())
-    write_summary(d, args, f"torch-{args.worker}", losses, timer.median(),
-                  args.batch_size * args.seq_len / max(timer.median(), 1e-9) * 1e3,
-                  peak_memory_bytes(d, counted), sent.item(), None, figures)
+    figures = dict(
+        comm_ops_rank0=comm.table(), step_ms_all=timer.ms, **getattr(train, "figures", dict)()
+    )
+    write_summary(
+        d,
+        args,
+        f"torch-{args.worker}",
+        losses,
+        timer.median(),
+        args.batch_size * args.seq_len / max(timer.median(), 1e-9) * 1e3,
+        peak_memory_bytes(d, counted),
+        sent.item(),
+        None,
+        figures,
+    )
     harness.close_dist()
 
 
@@ -372,17 +525,23 @@ def overlap_worker(d, args):
     / t3: 1 if the all-reduce cost nothing extra, 0 if overlapping saved nothing. No optimizer step needed."""
     from torch.nn.parallel import DistributedDataParallel as DDP
     from ddp_bucketed import BucketedDDP, bucket_layout
+
     torch.set_num_threads(args.threads)
     data, b, out = MarkovData(args.vocab, args.seed), args.batch_size // d.world, {}
     timer = StepTimer(d.device)
     for impl in ("ours", "torch"):
         model = build_gpt(GPTConfig.from_args(args), args.seed, DTYPES[args.dtype], d.device)
         if impl == "ours":
-            net = BucketedDDP(model, bucket_cap_mb=args.bucket_cap_mb, first_bucket_mb=args.bucket_cap_mb)
+            net = BucketedDDP(
+                model, bucket_cap_mb=args.bucket_cap_mb, first_bucket_mb=args.bucket_cap_mb
+            )
             sizes = lambda: [wire for *_, wire in bucket_layout(net)]  # noqa: E731
         else:
-            net = DDP(model, device_ids=[d.local_rank] if d.device.type == "cuda" else None,
-                      bucket_cap_mb=args.bucket_cap_mb)
+            net = DDP(
+                model,
+                device_ids=[d.local_rank] if d.device.type == "cuda" else None,
+                bucket_cap_mb=args.bucket_cap_mb,
+            )
             sizes = lambda: ddp_bucket_sizes(net)  # noqa: E731
         t = collections.defaultdict(list)
 
@@ -393,21 +552,34 @@ def overlap_worker(d, args):
             t[key].append(timer.stop())
 
         def all_reduce_buckets():
-            flat = torch.cat([w.grad.reshape(-1) for w in model.parameters()])  # the gradients, into buckets
+            flat = torch.cat(
+                [w.grad.reshape(-1) for w in model.parameters()]
+            )  # the gradients, into buckets
             bufs = flat.split([s // flat.element_size() for s in sizes()])
             for work in [dist.all_reduce(buf, async_op=True) for buf in bufs]:
                 work.wait()
 
-        for i in range(2 * args.steps):  # twice the steps: three short timings each, noisier than a step
+        for i in range(
+            2 * args.steps
+        ):  # twice the steps: three short timings each, noisier than a step
             x, y = data.batch(i, args.batch_size, args.seq_len)  # (B, T) global batch
-            n_tok, x, y = count_tokens(y), x[d.rank * b:(d.rank + 1) * b], y[d.rank * b:(d.rank + 1) * b]
+            n_tok, x, y = (
+                count_tokens(y),
+                x[d.rank * b : (d.rank + 1) * b],
+                y[d.rank * b : (d.rank + 1) * b],
+            )
             for key, sync in (("overlapped", contextlib.nullcontext), ("backward", net.no_sync)):
                 model.zero_grad(set_to_none=True)
                 with sync():  # the forward untimed, then its backward timed
-                    timed(key, (lm_loss(net(x.to(d.device)), y.to(d.device), n_tok) * d.world).backward)
+                    timed(
+                        key,
+                        (lm_loss(net(x.to(d.device)), y.to(d.device), n_tok) * d.world).backward,
+                    )
             timed("allreduce", all_reduce_buckets)
-        med = {key: statistics.median(v[args.warmup:]) for key, v in t.items()}
-        hidden = (med["backward"] + med["allreduce"] - med["overlapped"]) / max(med["allreduce"], 1e-9)
+        med = {key: statistics.median(v[args.warmup :]) for key, v in t.items()}
+        hidden = (med["backward"] + med["allreduce"] - med["overlapped"]) / max(
+            med["allreduce"], 1e-9
+        )
         out[impl] = dict(med, hidden_share=hidden, buckets=len(sizes()))
         d.log(f"overlap {impl}: {out[impl]}")
     write_summary(d, args, "overlap", [], 0.0, 0.0, 0, 0, None, out)
@@ -422,19 +594,24 @@ def profiled(out_dir, stem):
         yield
         return
     kinds = torch.profiler.ProfilerActivity
-    with torch.profiler.profile(activities=[kinds.CPU] + [kinds.CUDA] * torch.cuda.is_available(),
-                                record_shapes=True) as p:
+    with torch.profiler.profile(
+        activities=[kinds.CPU] + [kinds.CUDA] * torch.cuda.is_available(), record_shapes=True
+    ) as p:
         yield
     rank, top = os.environ.get("RANK", "0"), [e for e in p.events() if e.cpu_parent is None]
     os.makedirs(out_dir, exist_ok=True)
     p.export_chrome_trace(os.path.join(out_dir, f"{stem}.rank{rank}.json"))
     main = statistics.mode(e.thread for e in top)
-    t0 = min((e.time_range.start for e in top if e.name == "aten::multinomial"), default=0)  # the first batch
+    t0 = min(
+        (e.time_range.start for e in top if e.name == "aten::multinomial"), default=0
+    )  # the first batch
     ms, calls = collections.Counter(), collections.Counter()
     for e in (e for e in top if e.thread == main and e.time_range.start >= t0):
         ms[e.name], calls[e.name] = ms[e.name] + e.cpu_time_total / 1e3, calls[e.name] + 1
     if rank == "0":
-        print("".join(f"profile {v:9.1f} ms {calls[k]:5d} x {k[:80]}\n" for k, v in ms.most_common(8)))
+        print(
+            "".join(f"profile {v:9.1f} ms {calls[k]:5d} x {k[:80]}\n" for k, v in ms.most_common(8))
+        )
 
 
 def profile_run(argv):
@@ -443,6 +620,7 @@ def profile_run(argv):
     harness's close_dist (imported from common): both names are patched."""
     import runpy
     import common
+
     out_dir, script, rest = argv[0], argv[1], argv[2:]
     session, close = profiled(out_dir, Path(rest[rest.index("--json") + 1]).stem), common.close_dist
 
@@ -469,7 +647,11 @@ LEVEL = 0.95
 @functools.lru_cache(maxsize=None)
 def t_quantile(p, df):
     """Student's t quantile, p > 1/2 (none in torch): bisection on 1/2 + Simpson's integral from 0."""
-    c, lo, hi = math.exp(math.lgamma((df + 1) / 2) - math.lgamma(df / 2)) / math.sqrt(df * math.pi), 0.0, 1e3
+    c, lo, hi = (
+        math.exp(math.lgamma((df + 1) / 2) - math.lgamma(df / 2)) / math.sqrt(df * math.pi),
+        0.0,
+        1e3,
+    )
     for _ in range(50):
         u = torch.linspace(0, (lo + hi) / 2, 4001, dtype=torch.float64)
         f = c * (1 + u * u / df) ** (-(df + 1) / 2)
@@ -483,35 +665,59 @@ def ratio_interval(ratios, first=None, level=LEVEL):
     logs, k = [math.log(r) for r in ratios], min(max(first or len(ratios), 2), len(ratios))
     if k < 2:
         return None
-    mean, sd = statistics.fmean(logs), math.dist(logs[:k], [statistics.fmean(logs[:k])] * k) / (k - 1) ** 0.5
+    mean, sd = (
+        statistics.fmean(logs),
+        math.dist(logs[:k], [statistics.fmean(logs[:k])] * k) / (k - 1) ** 0.5,
+    )
     half = t_quantile((1 + level) / 2, k - 1) * sd / len(logs) ** 0.5
     return math.exp(mean), math.exp(mean - half), math.exp(mean + half)
 
 
 def verdict(iv):  # ours "faster" / "slower" only where the whole interval is below / above 1
-    return "faster" if iv and iv[2] < 1 else "slower" if iv and iv[1] > 1 else "no difference measurable"
+    return (
+        "faster"
+        if iv and iv[2] < 1
+        else "slower"
+        if iv and iv[1] > 1
+        else "no difference measurable"
+    )
 
 
 def judge(ratios, precision, first=None):
     """A pair's row from its rounds' ratios; noisy: a log half-width over log(1 + precision)."""
     iv = ratio_interval(ratios, first)
     noisy = iv is None or math.log(iv[2] / iv[1]) / 2 > math.log1p(precision)
-    return dict(ratio=iv and iv[0], interval=iv and list(iv[1:]), rounds=len(ratios), verdict=verdict(iv),
-                noisy=noisy, ratio_per_round=ratios)
+    return dict(
+        ratio=iv and iv[0],
+        interval=iv and list(iv[1:]),
+        rounds=len(ratios),
+        verdict=verdict(iv),
+        noisy=noisy,
+        ratio_per_round=ratios,
+    )
 
 
 def say(row):
     """A pair's judgement in words: a ratio only beside a verdict the interval supports."""
-    (lo, hi), n, ratio = row["interval"] or (0, 0), row["rounds"], "" if row["verdict"][0] == "n" else "%.2f "
+    (lo, hi), n, ratio = (
+        row["interval"] or (0, 0),
+        row["rounds"],
+        "" if row["verdict"][0] == "n" else "%.2f ",
+    )
     noise = f", noisy (+-{100 * (math.sqrt(hi / lo) - 1):.0f}%)" if row["noisy"] and lo else ""
     span = f"[{lo:.2f}, {hi:.2f}]" if lo else "no interval"
     return f"{row['verdict']}: {ratio and ratio % row['ratio']}{span}, {n} round{'s' * (n != 1)}{noise}"
 
 
-def paired(args, ours, torch_runs):  # per round where both sides ran: median step ms of ours / of torch's
-    ok = lambda r: r["rc"] == 0 and statistics.median(r["ms"][args.warmup:] or [0]) > 0  # noqa: E731
-    return [statistics.median(a["ms"][args.warmup:]) / statistics.median(b["ms"][args.warmup:])
-            for a, b in zip(ours, torch_runs) if ok(a) and ok(b)]
+def paired(
+    args, ours, torch_runs
+):  # per round where both sides ran: median step ms of ours / of torch's
+    ok = lambda r: r["rc"] == 0 and statistics.median(r["ms"][args.warmup :] or [0]) > 0  # noqa: E731
+    return [
+        statistics.median(a["ms"][args.warmup :]) / statistics.median(b["ms"][args.warmup :])
+        for a, b in zip(ours, torch_runs)
+        if ok(a) and ok(b)
+    ]
 
 
 # ----------------------------------------------------------------------------- the driver: A B A B
@@ -520,31 +726,62 @@ STEP_LINE = re.compile(r"^step\s+(\d+) \| loss .*?\|\s+([\d.]+) ms", re.M)
 
 def launch(args, pair, tag, worker=None):
     """One torchrun launch of our file of `pair`, or of bench.py's `worker`: summary, step ms, command."""
-    opts = lambda names: [str(x) for n in names.split() for x in ("--" + n.replace("_", "-"), vars(args)[n])]
+    opts = lambda names: [
+        str(x) for n in names.split() for x in ("--" + n.replace("_", "-"), vars(args)[n])
+    ]
     if worker:
-        tail = ["bench.py", "--worker", worker, *opts(MODEL + " microbatches bucket_cap_mb threads warmup")]
+        tail = [
+            "bench.py",
+            "--worker",
+            worker,
+            *opts(MODEL + " microbatches bucket_cap_mb threads warmup"),
+        ]
         tail += ["--profile", args.profile]
     else:
-        flags = PAIRS[pair][1].format(m=args.microbatches, world=args.world, cap=args.bucket_cap_mb).split()
+        flags = (
+            PAIRS[pair][1]
+            .format(m=args.microbatches, world=args.world, cap=args.bucket_cap_mb)
+            .split()
+        )
         profile = ["bench.py", "--profile-run", args.profile] if args.profile else []
         tail = [*profile, PAIRS[pair][0], *flags, *opts(MODEL)]
     out_json = Path(args.out).with_name(f"{Path(args.out).name}_runs") / f"{tag}.json"
     out_json.parent.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc_per_node={1 if worker == 'single' else args.world}", *tail, "--json", str(out_json)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={1 if worker == 'single' else args.world}",
+        *tail,
+        "--json",
+        str(out_json),
+    ]
     env, t0 = dict(os.environ, OMP_NUM_THREADS=str(args.threads), PYTHONUNBUFFERED="1"), time.time()
     try:
-        p = subprocess.run(cmd, cwd=ROOT, env=env, text=True, capture_output=True,
-                           timeout=args.launch_timeout)
+        p = subprocess.run(
+            cmd, cwd=ROOT, env=env, text=True, capture_output=True, timeout=args.launch_timeout
+        )
         output, rc = p.stdout + p.stderr, p.returncode
     except subprocess.TimeoutExpired as e:
-        output, rc = f"{e.stdout or ''}{e.stderr or ''}\ntimed out after {args.launch_timeout} s", -1
+        output, rc = (
+            f"{e.stdout or ''}{e.stderr or ''}\ntimed out after {args.launch_timeout} s",
+            -1,
+        )
     steps = {int(s): float(v) for s, v in STEP_LINE.findall(output)}
     ms = [steps[k] for k in sorted(steps)]
-    timed = f"  median step {statistics.median(ms[args.warmup:]):8.1f} ms" if ms[args.warmup:] else ""
+    timed = (
+        f"  median step {statistics.median(ms[args.warmup :]):8.1f} ms" if ms[args.warmup :] else ""
+    )
     print(f"  {tag:28s} rc {rc}  {time.time() - t0:5.1f} s wall{timed}", flush=True)
-    shown = output.splitlines()[-15:] if rc else [x for x in output.splitlines() if x.startswith("profile ")]
-    print("".join(f"    | {line}\n" for line in shown), end="", flush=True)  # why it failed, or its profile
+    shown = (
+        output.splitlines()[-15:]
+        if rc
+        else [x for x in output.splitlines() if x.startswith("profile ")]
+    )
+    print(
+        "".join(f"    | {line}\n" for line in shown), end="", flush=True
+    )  # why it failed, or its profile
     summary = json.loads(out_json.read_text()) if rc == 0 and out_json.exists() else None
     return dict(rc=rc, summary=summary, ms=ms, cmd=" ".join(cmd[3:]))
 
@@ -554,16 +791,32 @@ def side_row(args, pair, side, runs, one_ms):
     if not ok:
         return dict(name=None, error=(runs[-1]["cmd"] if runs else "not run"))
     s, tokens = ok[-1]["summary"] or {}, args.batch_size * args.seq_len
-    med, f = statistics.median(t for r in ok for t in r["ms"][args.warmup:]), s.get("figures", {})
-    sent = s.get("comm_bytes")  # a file that reports one collective's bytes (fp8.py: its all-gather) and
+    med, f = statistics.median(t for r in ok for t in r["ms"][args.warmup :]), s.get("figures", {})
+    sent = s.get(
+        "comm_bytes"
+    )  # a file that reports one collective's bytes (fp8.py: its all-gather) and
     if isinstance(f.get("comm"), dict):  # CommCounter's table of all: the sum of the table
         sent = sum(handed for _, _, handed in f["comm"].values())
-    row = dict(name=PAIRS[pair][0] if side == "ours" else WORKERS[PAIRS[pair][2]][1], step_ms=med,
-               tokens_per_s=tokens / med * 1e3, peak_mem_bytes=s.get("peak_mem_bytes"),
-               sent_bytes_per_rank=sent, losses=s.get("losses"), command=ok[-1]["cmd"])
-    if "bubble_mean" in f:  # the idle share of the step; ptdp.py and zero_bubble.py report idle / busy
-        share = (lambda b: b / (1 + b)) if "idle / busy" in f.get("bubble_definition", "") else (lambda b: b)
-        row.update(bubble=statistics.mean(map(share, f["bubble"])), bubble_theory=share(f["bubble_theory"]))
+    row = dict(
+        name=PAIRS[pair][0] if side == "ours" else WORKERS[PAIRS[pair][2]][1],
+        step_ms=med,
+        tokens_per_s=tokens / med * 1e3,
+        peak_mem_bytes=s.get("peak_mem_bytes"),
+        sent_bytes_per_rank=sent,
+        losses=s.get("losses"),
+        command=ok[-1]["cmd"],
+    )
+    if (
+        "bubble_mean" in f
+    ):  # the idle share of the step; ptdp.py and zero_bubble.py report idle / busy
+        share = (
+            (lambda b: b / (1 + b))
+            if "idle / busy" in f.get("bubble_definition", "")
+            else (lambda b: b)
+        )
+        row.update(
+            bubble=statistics.mean(map(share, f["bubble"])), bubble_theory=share(f["bubble_theory"])
+        )
     if one_ms and PAIRS[pair][3] == "dp":  # tokens/s at world N / (N x tokens/s of one process)
         row.update(scaling_efficiency=(tokens / med) / (args.world * tokens / one_ms))
     return row
@@ -577,20 +830,39 @@ def bench_group(args, pairs, one_ms, share_s):
     print(f"{', '.join(PAIRS[p][0] for p in pairs)} vs {WORKERS[worker][1]}", flush=True)
     t0, judged = time.time(), {}
     for r in itertools.count():  # alternating: drift on the machine hits every side alike
-        if r >= args.rounds and (not any(j["noisy"] for j in judged.values()) or any(
-                x[-1]["rc"] for x in runs.values()) or (time.time() - t0) * (r + 1) / r > share_s):
+        if r >= args.rounds and (
+            not any(j["noisy"] for j in judged.values())
+            or any(x[-1]["rc"] for x in runs.values())
+            or (time.time() - t0) * (r + 1) / r > share_s
+        ):
             break
         for p in pairs:
             runs[p].append(launch(args, p, f"{p}_ours_w{args.world}_r{r}"))
         runs["torch"].append(launch(args, pairs[0], f"{worker}_torch_w{args.world}_r{r}", worker))
-        judged = {p: judge(paired(args, runs[p], runs["torch"]), args.precision, args.rounds) for p in pairs}
-        print(f"  after round {r + 1}: " + "; ".join(f"{p} {say(judged[p])}" for p in pairs), flush=True)
+        judged = {
+            p: judge(paired(args, runs[p], runs["torch"]), args.precision, args.rounds)
+            for p in pairs
+        }
+        print(
+            f"  after round {r + 1}: " + "; ".join(f"{p} {say(judged[p])}" for p in pairs),
+            flush=True,
+        )
     rows = []
     for p in pairs:
-        o, t = side_row(args, p, "ours", runs[p], one_ms), side_row(args, p, "torch", runs["torch"], one_ms)
+        o, t = (
+            side_row(args, p, "ours", runs[p], one_ms),
+            side_row(args, p, "torch", runs["torch"], one_ms),
+        )
         lo, lt = o.get("losses") or [], t.get("losses") or []
-        rows.append(dict(pair=p, ours=o, torch=t, **judged[p],
-                         max_loss_diff=max((abs(x - y) / abs(y) for x, y in zip(lo, lt)), default=None)))
+        rows.append(
+            dict(
+                pair=p,
+                ours=o,
+                torch=t,
+                **judged[p],
+                max_loss_diff=max((abs(x - y) / abs(y) for x, y in zip(lo, lt)), default=None),
+            )
+        )
     if "ddp" in pairs and args.world > 1:
         r = launch(args, "ddp", "ddp_overlap", "overlap")
         if r["summary"]:
@@ -601,51 +873,74 @@ def bench_group(args, pairs, one_ms, share_s):
 def markdown(args, rows, wall_s, one_ms):
     fmt = lambda x, f="%.0f", s=1: (f % (x / s)) if x is not None else "-"  # noqa: E731
     two = lambda o, t, k, *f: f"{fmt(o.get(k), *f)} / {fmt(t.get(k), *f)}"  # noqa: E731
-    a, n = args, sum(w.numel() for w in build_gpt(GPTConfig.from_args(args), args.seed).parameters())
-    lines = [f"`python bench.py {' '.join(sys.argv[1:])}`".replace(" `", "`"), "",
-             f"world {a.world} on {'NCCL' if torch.cuda.is_available() else 'gloo, CPU'}, {a.threads} "
-             f"thread(s) per rank, {os.cpu_count()} CPU cores; GPT {n / 1e6:.1f} M parameters (vocab "
-             f"{a.vocab}, width {a.d_model}, {a.n_layers} blocks, {a.seq_len} tokens x {a.batch_size} "
-             f"sequences), {a.dtype}; {a.steps} steps per run, the first {a.warmup} untimed; at least "
-             f"{a.rounds} rounds A B, more while an interval was wider than +-{a.precision:.0%}, within "
-             f"--budget-min {a.budget_min:g}; whole bench {wall_s / 60:.1f} min.", "",
-             f"| pair | ours | torch | ours ms | torch ms | verdict: ours / torch [{LEVEL:.0%}] | tok/s "
-             "ours / torch | peak MiB/rank ours / torch | sent MiB/rank/step ours / torch | bubble ours / "
-             "torch (theory) | scaling eff. ours / torch | loss diff |", "|---|---|---|---:|---:|---|---|"
-             "---|---|---|---|---:|"]
+    a, n = (
+        args,
+        sum(w.numel() for w in build_gpt(GPTConfig.from_args(args), args.seed).parameters()),
+    )
+    lines = [
+        f"`python bench.py {' '.join(sys.argv[1:])}`".replace(" `", "`"),
+        "",
+        f"world {a.world} on {'NCCL' if torch.cuda.is_available() else 'gloo, CPU'}, {a.threads} "
+        f"thread(s) per rank, {os.cpu_count()} CPU cores; GPT {n / 1e6:.1f} M parameters (vocab "
+        f"{a.vocab}, width {a.d_model}, {a.n_layers} blocks, {a.seq_len} tokens x {a.batch_size} "
+        f"sequences), {a.dtype}; {a.steps} steps per run, the first {a.warmup} untimed; at least "
+        f"{a.rounds} rounds A B, more while an interval was wider than +-{a.precision:.0%}, within "
+        f"--budget-min {a.budget_min:g}; whole bench {wall_s / 60:.1f} min.",
+        "",
+        f"| pair | ours | torch | ours ms | torch ms | verdict: ours / torch [{LEVEL:.0%}] | tok/s "
+        "ours / torch | peak MiB/rank ours / torch | sent MiB/rank/step ours / torch | bubble ours / "
+        "torch (theory) | scaling eff. ours / torch | loss diff |",
+        "|---|---|---|---:|---:|---|---|---|---|---|---|---:|",
+    ]
     for r in rows:
         if r.get("skipped"):
             lines.append(f"| {r['pair']} | skipped: {r['skipped']} |" + " |" * 10)
             continue
         o, t = r["ours"], r["torch"]
         theory = o.get("bubble_theory", t.get("bubble_theory"))
-        cells = [r["pair"], f"`{o['name'] or 'failed'}`", t["name"] or "failed", fmt(o.get("step_ms")),
-                 fmt(t.get("step_ms")), say(r), two(o, t, "tokens_per_s"),
-                 two(o, t, "peak_mem_bytes", "%.1f", MiB), two(o, t, "sent_bytes_per_rank", "%.1f", MiB),
-                 f"{two(o, t, 'bubble', '%.2f')} ({theory:.2f})" if theory is not None else "",
-                 two(o, t, "scaling_efficiency", "%.2f") if "scaling_efficiency" in {**o, **t} else "",
-                 fmt(r["max_loss_diff"], "%.0e")]
+        cells = [
+            r["pair"],
+            f"`{o['name'] or 'failed'}`",
+            t["name"] or "failed",
+            fmt(o.get("step_ms")),
+            fmt(t.get("step_ms")),
+            say(r),
+            two(o, t, "tokens_per_s"),
+            two(o, t, "peak_mem_bytes", "%.1f", MiB),
+            two(o, t, "sent_bytes_per_rank", "%.1f", MiB),
+            f"{two(o, t, 'bubble', '%.2f')} ({theory:.2f})" if theory is not None else "",
+            two(o, t, "scaling_efficiency", "%.2f") if "scaling_efficiency" in {**o, **t} else "",
+            fmt(r["max_loss_diff"], "%.0e"),
+        ]
         lines.append("| " + " | ".join(cells) + " |")
-    hid = lambda x: (f"{x['overlapped']:.0f} / {x['backward']:.0f} + {x['allreduce']:.0f} ms = "  # noqa: E731
-                     f"{100 * x['hidden_share']:.0f}% hidden ({x['buckets']} buckets)")
-    lines += [f"\nAll-reduce hidden behind backward ({a.bucket_cap_mb} MiB buckets; median ms of backward "
-              f"overlapped / backward alone + the same buckets reduced after it): ddp_bucketed "
-              f"{hid(r['overlap']['ours'])}; torch DDP {hid(r['overlap']['torch'])}."
-              for r in rows if "overlap" in r]
-    lines += ["", "Verdict: each round's ratio of median step times ours / torch (< 1: ours faster); their "
-              f"geometric mean and {LEVEL:.0%} interval (Student's t on the logs, the first {a.rounds} "
-              "rounds' spread). faster / slower: the whole interval below / above 1; no difference "
-              f"measurable (no ratio printed): it holds 1; noisy: wider than +-{a.precision:.0%} when the "
-              "budget ran out. ms: median over all rounds' timed steps. Loss diff: the largest relative "
-              "difference of a step's loss between the sides. Peak memory: CUDA's peak on GPUs, on CPU "
-              "counted from tensors (parameters, gradients, optimizer state, saved activations, DDP "
-              "buckets / FSDP gathered parameters). Sent: bytes the busiest rank hands to collectives and "
-              "sends in a step (ours counted by the file, torch's at the dispatcher by "
-              "harness.CommCounter): an all-gather's shard, a reduce-scatter's whole input, a broadcast at "
-              "its root. Bubble: idle share of the last step; theory with equal F, B (and W) times. "
-              f"Scaling efficiency: tokens/s at world {a.world} / ({a.world} x tokens/s "
-              "of one-process training on the whole batch"
-              + (f", {a.batch_size * a.seq_len / one_ms * 1e3:.0f} tok/s here)." if one_ms else ").")]
+    hid = lambda x: (
+        f"{x['overlapped']:.0f} / {x['backward']:.0f} + {x['allreduce']:.0f} ms = "  # noqa: E731
+        f"{100 * x['hidden_share']:.0f}% hidden ({x['buckets']} buckets)"
+    )
+    lines += [
+        f"\nAll-reduce hidden behind backward ({a.bucket_cap_mb} MiB buckets; median ms of backward "
+        f"overlapped / backward alone + the same buckets reduced after it): ddp_bucketed "
+        f"{hid(r['overlap']['ours'])}; torch DDP {hid(r['overlap']['torch'])}."
+        for r in rows
+        if "overlap" in r
+    ]
+    lines += [
+        "",
+        "Verdict: each round's ratio of median step times ours / torch (< 1: ours faster); their "
+        f"geometric mean and {LEVEL:.0%} interval (Student's t on the logs, the first {a.rounds} "
+        "rounds' spread). faster / slower: the whole interval below / above 1; no difference "
+        f"measurable (no ratio printed): it holds 1; noisy: wider than +-{a.precision:.0%} when the "
+        "budget ran out. ms: median over all rounds' timed steps. Loss diff: the largest relative "
+        "difference of a step's loss between the sides. Peak memory: CUDA's peak on GPUs, on CPU "
+        "counted from tensors (parameters, gradients, optimizer state, saved activations, DDP "
+        "buckets / FSDP gathered parameters). Sent: bytes the busiest rank hands to collectives and "
+        "sends in a step (ours counted by the file, torch's at the dispatcher by "
+        "harness.CommCounter): an all-gather's shard, a reduce-scatter's whole input, a broadcast at "
+        "its root. Bubble: idle share of the last step; theory with equal F, B (and W) times. "
+        f"Scaling efficiency: tokens/s at world {a.world} / ({a.world} x tokens/s "
+        "of one-process training on the whole batch"
+        + (f", {a.batch_size * a.seq_len / one_ms * 1e3:.0f} tok/s here)." if one_ms else ")."),
+    ]
     return "\n".join(lines) + "\n"
 
 
@@ -663,31 +958,55 @@ def why_skipped(pair):
     (flag, choice), file = NEEDS[pair], PAIRS[pair][0]
     hints = typing.get_type_hints(importlib.import_module(file.removesuffix(".py")).Args)
     offered = typing.get_args(hints.get(flag[2:].replace("-", "_")))
-    return "" if choice in offered else f"{file} has no {flag} {choice} yet ({flag} offers {list(offered)})"
+    return (
+        ""
+        if choice in offered
+        else f"{file} has no {flag} {choice} yet ({flag} offers {list(offered)})"
+    )
 
 
 def check_bench_args(args):
     check_common_args(args)
-    names = list(PAIRS) if args.pairs == "all" else [p.strip() for p in args.pairs.split(",") if p.strip()]
+    names = (
+        list(PAIRS)
+        if args.pairs == "all"
+        else [p.strip() for p in args.pairs.split(",") if p.strip()]
+    )
     if not names or set(names) - set(PAIRS):
-        fail(f"--pairs: unknown {sorted(set(names) - set(PAIRS)) or repr(args.pairs)}; choose from "
-             f"{','.join(PAIRS)} or all")
+        fail(
+            f"--pairs: unknown {sorted(set(names) - set(PAIRS)) or repr(args.pairs)}; choose from "
+            f"{','.join(PAIRS)} or all"
+        )
     if not (0 < args.precision <= 1 and 0 <= args.budget_min <= 1e4):  # NaN fails both
-        fail(f"need 0 < --precision <= 1, 0 <= --budget-min <= 1e4: got {args.precision}, {args.budget_min}")
+        fail(
+            f"need 0 < --precision <= 1, 0 <= --budget-min <= 1e4: got {args.precision}, {args.budget_min}"
+        )
     for flag in ("world", "rounds", "microbatches", "threads", "launch_timeout"):
         if getattr(args, flag) < 1:
             fail(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
     if not 1 <= args.warmup < args.steps:  # the last warm-up step counts the bytes sent, slowly
-        fail(f"--warmup {args.warmup} must be >= 1 and leave a timed step: 1 <= --warmup < --steps "
-             f"{args.steps}")
+        fail(
+            f"--warmup {args.warmup} must be >= 1 and leave a timed step: 1 <= --warmup < --steps "
+            f"{args.steps}"
+        )
     if args.batch_size % (args.world * args.microbatches):
-        fail(f"--batch-size {args.batch_size} must divide by --world x --microbatches = "
-             f"{args.world * args.microbatches}")
-    if {"ptdp", "zbv"} & set(names) and args.n_layers % (2 * args.world) or args.n_layers < args.world:
-        fail(f"--n-layers {args.n_layers} must be >= --world {args.world} (a block per stage) and, for ptdp "
-             f"and zbv, divide by 2 x --world = {2 * args.world} (two stages per rank)")
+        fail(
+            f"--batch-size {args.batch_size} must divide by --world x --microbatches = "
+            f"{args.world * args.microbatches}"
+        )
+    if (
+        {"ptdp", "zbv"} & set(names)
+        and args.n_layers % (2 * args.world)
+        or args.n_layers < args.world
+    ):
+        fail(
+            f"--n-layers {args.n_layers} must be >= --world {args.world} (a block per stage) and, for ptdp "
+            f"and zbv, divide by 2 x --world = {2 * args.world} (two stages per rank)"
+        )
     if args.n_heads % args.world:
-        fail(f"--n-heads {args.n_heads} must divide by --world {args.world} (the tp pair splits heads)")
+        fail(
+            f"--n-heads {args.n_heads} must divide by --world {args.world} (the tp pair splits heads)"
+        )
     if not args.bucket_cap_mb * MiB >= 1:
         fail(f"--bucket-cap-mb must be positive, got {args.bucket_cap_mb}")
     return names
@@ -698,7 +1017,11 @@ def main():
         return profile_run(sys.argv[2:])
     args = parse_args(Args)
     if args.worker:
-        return overlap_worker(init_dist(args.timeout), args) if args.worker == "overlap" else run_worker(args)
+        return (
+            overlap_worker(init_dist(args.timeout), args)
+            if args.worker == "overlap"
+            else run_worker(args)
+        )
     names = check_bench_args(args)
     t0, rows, one_ms, groups = time.time(), [], None, {}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
@@ -708,22 +1031,42 @@ def main():
             rows.append(dict(pair=p, ours=None, torch=None, ratio=None, skipped=why))
         else:
             groups.setdefault(PAIRS[p][2], []).append(p)
-    if args.scaling and any(PAIRS[p][3] == "dp" for ps in groups.values() for p in ps):  # the baseline:
-        ms = launch(args, names[0], "one_process", "single")["ms"][args.warmup:]  # one-process training
+    if args.scaling and any(
+        PAIRS[p][3] == "dp" for ps in groups.values() for p in ps
+    ):  # the baseline:
+        ms = launch(args, names[0], "one_process", "single")["ms"][
+            args.warmup :
+        ]  # one-process training
         one_ms = statistics.median(ms) if ms else None
-    for i, pairs in enumerate([*groups.values(), []]):  # after each group what is done so far, then all
-        share = (t0 + 60 * args.budget_min - time.time()) / max(len(groups) - i, 1)  # the budget left, shared
-        rows = sorted(rows + (bench_group(args, pairs, one_ms, share) if pairs else []),
-                      key=lambda r: names.index(r["pair"]))
+    for i, pairs in enumerate(
+        [*groups.values(), []]
+    ):  # after each group what is done so far, then all
+        share = (t0 + 60 * args.budget_min - time.time()) / max(
+            len(groups) - i, 1
+        )  # the budget left, shared
+        rows = sorted(
+            rows + (bench_group(args, pairs, one_ms, share) if pairs else []),
+            key=lambda r: names.index(r["pair"]),
+        )
         Path(args.out + ".json").write_text(json.dumps(rows, indent=1))
         Path(args.out + ".md").write_text(md := markdown(args, rows, time.time() - t0, one_ms))
     print("\n" + md + f"\nwrote {args.out}.json and {args.out}.md\n", flush=True)
     judged = [r for r in rows if not r.get("skipped")]
-    print("".join(f"{r['pair']}: {PAIRS[r['pair']][0]} vs {r['torch']['name']}: {say(r)}\n" for r in judged))
+    print(
+        "".join(
+            f"{r['pair']}: {PAIRS[r['pair']][0]} vs {r['torch']['name']}: {say(r)}\n"
+            for r in judged
+        )
+    )
     if noisy := sum(r["noisy"] for r in judged):
-        print(f"noisy machine: {noisy} interval(s) wider than +-{args.precision:.0%} when the budget ran out")
-    failed = [r["pair"] for r in rows if not r.get("skipped") and
-              None in (r["ours"]["name"], r["torch"]["name"])]
+        print(
+            f"noisy machine: {noisy} interval(s) wider than +-{args.precision:.0%} when the budget ran out"
+        )
+    failed = [
+        r["pair"]
+        for r in rows
+        if not r.get("skipped") and None in (r["ours"]["name"], r["torch"]["name"])
+    ]
     if failed:
         print(f"failed runs: {failed}", file=sys.stderr)
     sys.exit(1 if failed else 0)

@@ -11,6 +11,7 @@
 The bookkeeping around a lesson (flags, --check's verdict, checkpoints, counters, timelines, the summary)
 is in harness.py, which no reader needs in order to learn a technique.
 """
+
 import os, sys
 from dataclasses import dataclass
 from datetime import timedelta
@@ -50,9 +51,11 @@ class Dist:
 def gpu_layout_error(n_gpus, local_world):
     """Why `local_world` processes per node cannot each take their own GPU, or None when they can."""
     if local_world > n_gpus:
-        return (f"{local_world} processes on this node but {n_gpus} GPU(s) found (NCCL cannot put two ranks "
-                f"on one GPU): launch torchrun --nproc_per_node={n_gpus}, or run on CPU with gloo by hiding "
-                f"the GPUs (CUDA_VISIBLE_DEVICES=)")
+        return (
+            f"{local_world} processes on this node but {n_gpus} GPU(s) found (NCCL cannot put two ranks "
+            f"on one GPU): launch torchrun --nproc_per_node={n_gpus}, or run on CPU with gloo by hiding "
+            f"the GPUs (CUDA_VISIBLE_DEVICES=)"
+        )
     return None
 
 
@@ -69,24 +72,46 @@ def init_dist(timeout_s=120):
         torch.cuda.set_device(device)
         torch.cuda.reset_peak_memory_stats(device)  # the peak a summary reports is this run's own
     timeout = timedelta(seconds=timeout_s)
-    if "RANK" in os.environ:  # launched by torchrun: rendezvous through the store at MASTER_ADDR:MASTER_PORT
+    if (
+        "RANK" in os.environ
+    ):  # launched by torchrun: rendezvous through the store at MASTER_ADDR:MASTER_PORT
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         # torchrun's agent hosts that store and keeps it across restarts (--max-restarts), so the keys a
         # dead attempt wrote (gloo's and NCCL's addresses) are still there and a restarted worker may
         # connect to a dead peer (pytorch/pytorch#135712). Each attempt therefore rendezvous under its own
         # prefix; the attempt number is the same for every worker, since the agents restart all of them.
         agent_hosts = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
-                              is_master=rank == 0 and not agent_hosts, timeout=timeout, multi_tenant=True)
+        store = dist.TCPStore(
+            os.environ["MASTER_ADDR"],
+            int(os.environ["MASTER_PORT"]),
+            world,
+            is_master=rank == 0 and not agent_hosts,
+            timeout=timeout,
+            multi_tenant=True,
+        )
         attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-        store = dist.PrefixStore(f"{os.environ.get('TORCHELASTIC_RUN_ID', 'run')}/attempt{attempt}", store)
+        store = dist.PrefixStore(
+            f"{os.environ.get('TORCHELASTIC_RUN_ID', 'run')}/attempt{attempt}", store
+        )
         # device_id binds the group to this rank's GPU: NCCL's communicator is created now (eager), not
         # at the first collective, and nothing has to guess the device "under current context".
-        dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout,
-                                device_id=device if cuda else None)
+        dist.init_process_group(
+            backend,
+            store=store,
+            rank=rank,
+            world_size=world,
+            timeout=timeout,
+            device_id=device if cuda else None,
+        )
     else:  # plain `python file.py`: one process, an in-memory store, no port
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout,
-                                device_id=device if cuda else None)
+        dist.init_process_group(
+            backend,
+            store=dist.HashStore(),
+            rank=0,
+            world_size=1,
+            timeout=timeout,
+            device_id=device if cuda else None,
+        )
     return Dist(dist.get_rank(), dist.get_world_size(), local_rank, device, backend)
 
 
@@ -113,7 +138,9 @@ class GPTConfig:
 
     @classmethod
     def from_args(cls, args):
-        return cls(args.vocab, args.seq_len, args.d_model, args.n_heads, args.n_layers, args.dropout)
+        return cls(
+            args.vocab, args.seq_len, args.d_model, args.n_heads, args.n_layers, args.dropout
+        )
 
 
 class Attention(nn.Module):
@@ -127,8 +154,10 @@ class Attention(nn.Module):
         self.drop = nn.Dropout(cfg.dropout)
 
     def forward(self, x):  # (B, T, D)
-        q, k, v = (rearrange(lin(x), "b t (h e) -> b h t e", h=self.n_heads)
-                   for lin in (self.q, self.k, self.v))  # (B, H, T, E) each
+        q, k, v = (
+            rearrange(lin(x), "b t (h e) -> b h t e", h=self.n_heads)
+            for lin in (self.q, self.k, self.v)
+        )  # (B, H, T, E) each
         p = self.p if self.training else 0.0
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=p)  # (B, H, T, E)
         return self.drop(self.proj(rearrange(y, "b h t e -> b t (h e)")))  # (B, T, D)
@@ -137,7 +166,10 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, cfg):
         super().__init__()
-        self.fc, self.proj = nn.Linear(cfg.d_model, 4 * cfg.d_model), nn.Linear(4 * cfg.d_model, cfg.d_model)
+        self.fc, self.proj = (
+            nn.Linear(cfg.d_model, 4 * cfg.d_model),
+            nn.Linear(4 * cfg.d_model, cfg.d_model),
+        )
         self.drop = nn.Dropout(cfg.dropout)
 
     def forward(self, x):  # (B, T, D) -> (B, T, 4D) -> (B, T, D)
@@ -167,10 +199,15 @@ class GPT(nn.Module):
         self.pos_emb = nn.Embedding(cfg.seq_len, cfg.d_model)
         self.drop = nn.Dropout(cfg.dropout)
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
-        self.ln_f, self.head = nn.LayerNorm(cfg.d_model), nn.Linear(cfg.d_model, cfg.vocab, bias=False)
+        self.ln_f, self.head = (
+            nn.LayerNorm(cfg.d_model),
+            nn.Linear(cfg.d_model, cfg.vocab, bias=False),
+        )
 
     def embed(self, idx):  # (B, T) token ids -> (B, T, D)
-        return self.drop(self.tok_emb(idx) + self.pos_emb(torch.arange(idx.shape[1], device=idx.device)))
+        return self.drop(
+            self.tok_emb(idx) + self.pos_emb(torch.arange(idx.shape[1], device=idx.device))
+        )
 
     def forward(self, idx):  # (B, T) -> logits (B, T, V)
         h = self.embed(idx)
@@ -184,7 +221,10 @@ def build_gpt(cfg, seed, dtype=torch.float32, device="cpu"):
     starts from identical numbers; sharded layouts slice these tensors, they never seed a shard."""
     g = torch.Generator().manual_seed(seed)
     model = GPT(cfg)
-    for name, p in model.named_parameters():  # nanoGPT's init: N(0, 0.02), zero biases, unit LayerNorm
+    for (
+        name,
+        p,
+    ) in model.named_parameters():  # nanoGPT's init: N(0, 0.02), zero biases, unit LayerNorm
         if name.startswith("ln") or ".ln" in name:
             nn.init.ones_(p) if name.endswith("weight") else nn.init.zeros_(p)
         elif name.endswith("bias"):
@@ -206,7 +246,9 @@ class MarkovData:
         for s in range(vocab):
             nxt = torch.randperm(vocab, generator=g)[:branching]
             nxt[0] = (s + 1) % vocab  # a ring through every state keeps the chain irreducible
-            P[s, nxt] = -torch.rand(branching, generator=g, dtype=torch.float64).log()  # Dirichlet(1)
+            P[s, nxt] = -torch.rand(
+                branching, generator=g, dtype=torch.float64
+            ).log()  # Dirichlet(1)
         self.P = P / P.sum(1, keepdim=True)
         evals, evecs = torch.linalg.eig(self.P.T)  # pi P = pi: the left eigenvector of eigenvalue 1
         pi = evecs[:, (evals - 1).abs().argmin()].real
@@ -240,22 +282,27 @@ def lm_loss(logits, targets, n_tokens):
     per-rank losses (and gradients) simply add up to the full-batch ones, whatever the split."""
     if logits.dtype in (torch.float16, torch.bfloat16):
         logits = logits.float()  # softmax in low precision loses the small probabilities
-    total = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE, reduction="sum")
+    total = F.cross_entropy(
+        logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE, reduction="sum"
+    )
     return total / n_tokens
 
 
 def make_optimizer(params, args):
     # foreach=False: the per-tensor code path, elementwise, so a shard of a tensor updates exactly as
     # the same elements of the whole tensor would.
-    return torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay,
-                             foreach=False)
+    return torch.optim.AdamW(
+        params, lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay, foreach=False
+    )
 
 
 def clip_grads_(grads, total_norm, max_norm):
     """torch.nn.utils.clip_grad_norm_'s rule, given the norm of the *whole* model (all shards)."""
     if max_norm > 0:
         coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
-        for g in grads:  # in the gradient's dtype, as torch does (a float64 coef would take a slow path)
+        for g in (
+            grads
+        ):  # in the gradient's dtype, as torch does (a float64 coef would take a slow path)
             g.mul_(coef.to(device=g.device, dtype=g.dtype))
     return total_norm
 

@@ -35,6 +35,7 @@ a column a data-parallel group.
     torchrun --nproc_per_node=4 context_parallel.py --cp 2 --dp 2 --layout contiguous --dtype float64 --check
 In production, use torch.distributed.tensor.experimental.context_parallel, or Megatron-Core's.
 """
+
 from dataclasses import dataclass
 from typing import Literal
 
@@ -44,18 +45,42 @@ import torch.nn as nn
 import torch.nn.functional as F
 from einops import rearrange
 
-from common import (DTYPES, build_gpt, count_tokens, fail, GPTConfig, init_dist, lm_loss, make_optimizer,
-                    MarkovData)
-from harness import (check_against_reference, check_common_args, CommCounter, CommonArgs, env_world_size,
-                     gather_rows, parse_args, peak_memory_bytes, Run, SavedActivations, state_bytes)
+from common import (
+    DTYPES,
+    build_gpt,
+    count_tokens,
+    fail,
+    GPTConfig,
+    init_dist,
+    lm_loss,
+    make_optimizer,
+    MarkovData,
+)
+from harness import (
+    check_against_reference,
+    check_common_args,
+    CommCounter,
+    CommonArgs,
+    env_world_size,
+    gather_rows,
+    parse_args,
+    peak_memory_bytes,
+    Run,
+    SavedActivations,
+    state_bytes,
+)
 
 
 @dataclass
 class Args(CommonArgs):
     cp: int = 0  # context-parallel degree: ranks that share each sequence (0 = world / dp)
     dp: int = 0  # data-parallel degree: replicas, each with batch / dp sequences (0 = world / cp)
-    attention: Literal["allgather", "ring", "ulysses"] = "ring"  # how a sequence's ranks exchange K and V
-    layout: Literal["contiguous", "zigzag"] = "zigzag"  # rank r holds chunk r of cp, or r and 2cp-1-r of 2cp
+    attention: Literal["allgather", "ring", "ulysses"] = (
+        "ring"  # how a sequence's ranks exchange K and V
+    )
+    layout: Literal["contiguous", "zigzag"] = (
+        "zigzag"  # rank r holds chunk r of cp, or r and 2cp-1-r of 2cp
+    )
 
 
 # ----------------------------------------------------------------------------- the split of every sequence
@@ -71,12 +96,16 @@ def check_split(T, cp, zigzag, heads=None):
     many tokens (as shard_sequence cuts them), no rank can see alone."""
     n = 2 * cp if zigzag else cp
     if T % n:
-        raise ValueError(f"--seq-len {T} is not divisible by {'2 x ' * zigzag}cp = {n}: {T} tokens do not "
-                         f"cut into {n} equal chunks; use --seq-len {(T // n + 1) * n} (divisible by {n})")
+        raise ValueError(
+            f"--seq-len {T} is not divisible by {'2 x ' * zigzag}cp = {n}: {T} tokens do not "
+            f"cut into {n} equal chunks; use --seq-len {(T // n + 1) * n} (divisible by {n})"
+        )
     if heads is not None and heads % cp:
-        raise ValueError(f"--n-heads {heads} is not divisible by --cp {cp}: ulysses gives each of cp = {cp} "
-                         f"ranks whole heads, {heads} heads do not split; use a multiple of {cp} heads, or "
-                         "ring / allgather attention")
+        raise ValueError(
+            f"--n-heads {heads} is not divisible by --cp {cp}: ulysses gives each of cp = {cp} "
+            f"ranks whole heads, {heads} heads do not split; use a multiple of {cp} heads, or "
+            "ring / allgather attention"
+        )
 
 
 def shard_sequence(x, rank, cp, zigzag, dim=1):
@@ -109,11 +138,15 @@ class GatherSequence(torch.autograd.Function):
     def forward(ctx, x, group):  # (..) this rank's -> (cp, ..) every rank's, rank j's at [j]
         ctx.group = group
         out = x.new_empty(dist.get_world_size(group), *x.shape)
-        dist.all_gather_single(out.view(-1), x.contiguous().view(-1), group=group)  # flat: any backend
+        dist.all_gather_single(
+            out.view(-1), x.contiguous().view(-1), group=group
+        )  # flat: any backend
         return out
 
     @staticmethod
-    def backward(ctx, grad):  # (cp, ..) every rank's share of the gradient -> (..) their sum, for my tokens
+    def backward(
+        ctx, grad
+    ):  # (cp, ..) every rank's share of the gradient -> (..) their sum, for my tokens
         out = grad.new_empty(grad.shape[1:])
         dist.reduce_scatter_single(out.view(-1), grad.contiguous().view(-1), group=ctx.group)
         return out, None
@@ -126,10 +159,16 @@ def allgather_attention(q, k, v, group, zigzag):
     check_split(cp * q.shape[2], cp, zigzag)
     if cp == 1:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True)
-    kv = GatherSequence.apply(torch.stack([k, v]), group)  # (cp, 2, B, H, t, E): every rank's tokens
-    kv = reorder(rearrange(kv, "n s b h t e -> s b h (n t) e"), cp, zigzag, 3)  # (2, B, H, T, E) in order
+    kv = GatherSequence.apply(
+        torch.stack([k, v]), group
+    )  # (cp, 2, B, H, t, E): every rank's tokens
+    kv = reorder(
+        rearrange(kv, "n s b h t e -> s b h (n t) e"), cp, zigzag, 3
+    )  # (2, B, H, T, E) in order
     T = kv.shape[3]
-    sees = positions(r, cp, zigzag, T, q.device)[:, None] >= torch.arange(T, device=q.device)  # (t, T) causal
+    sees = positions(r, cp, zigzag, T, q.device)[:, None] >= torch.arange(
+        T, device=q.device
+    )  # (t, T) causal
     return F.scaled_dot_product_attention(q, kv[0], kv[1], attn_mask=sees)  # (B, H, t, E)
 
 
@@ -151,7 +190,9 @@ def merge(out, lse, block_out, block_lse):
     disjoint sets of keys, each normalised over its own set -> the attention over their union, each weighted
     by its share exp(lse_i - lse) of the total exp-sum. (B, H, tq, E) and (B, H, tq) each."""
     new = torch.logaddexp(lse, block_lse)
-    return out * torch.exp(lse - new)[..., None] + block_out * torch.exp(block_lse - new)[..., None], new
+    return out * torch.exp(lse - new)[..., None] + block_out * torch.exp(block_lse - new)[
+        ..., None
+    ], new
 
 
 def attend_backward(q, k, v, dout, lse, delta, causal):
@@ -174,7 +215,9 @@ def ring_block(rank, src, cp, zigzag, t):
     2cp-1-r): src < rank, every query against src's early chunk (its late one follows both of mine); src >
     rank, only my late chunk, against both of src's. Half a block each: cp blocks on every rank."""
     whole, half = slice(None), t // 2
-    if src == rank:  # zig-zag too: my two chunks are in sequence order, so a causal mask over t is right
+    if (
+        src == rank
+    ):  # zig-zag too: my two chunks are in sequence order, so a causal mask over t is right
         return whole, whole, True
     if not zigzag:
         return (whole, whole, False) if src < rank else None
@@ -206,7 +249,9 @@ class RingAttention(torch.autograd.Function):
             if step < cp - 1:  # 1. pass them on to r+1, and take r-1's, while we compute
                 got, wait = ring_exchange({"kv": kv}, group, to=(r + 1) % cp, frm=(r - 1) % cp)
             block = ring_block(r, src, cp, zigzag, q.shape[2])
-            if block is not None:  # 2. attend to this block, merge (step 0 is the diagonal: every row has it)
+            if (
+                block is not None
+            ):  # 2. attend to this block, merge (step 0 is the diagonal: every row has it)
                 rows, cols, causal = block
                 k_b, v_b = kv[:, :, :, cols]  # (B, H, tk, E) each
                 o, l = attend(q[:, :, rows], k_b, v_b, causal)
@@ -220,7 +265,9 @@ class RingAttention(torch.autograd.Function):
         # (B, H, t, E) stored as (B, t, H, E), as flash attention stores it: the output projection's b t (h e)
         # is then a view of it, not a copy that would be saved a second time
         out = out.to(q.dtype).transpose(1, 2).contiguous().transpose(1, 2)
-        ctx.save_for_backward(q, k, v, out, lse)  # (B, H, t, E) x 4 and (B, H, t): 1/cp of the sequence's
+        ctx.save_for_backward(
+            q, k, v, out, lse
+        )  # (B, H, t, E) x 4 and (B, H, t): 1/cp of the sequence's
         ctx.group, ctx.zigzag = group, zigzag
         return out
 
@@ -232,14 +279,23 @@ class RingAttention(torch.autograd.Function):
         delta = (dout.to(lse.dtype) * out.to(lse.dtype)).sum(-1)  # (B, H, t)
         dq = torch.zeros_like(q, dtype=lse.dtype)
 
-        def grads_from(src, kv):  # adds my queries' part to dq; returns their dK/dV (2, B, H, t, E) for src
+        def grads_from(
+            src, kv
+        ):  # adds my queries' part to dq; returns their dK/dV (2, B, H, t, E) for src
             dkv = torch.zeros_like(kv, dtype=lse.dtype)
             block = ring_block(r, src, cp, zigzag, q.shape[2])
             if block is not None:  # the forward's blocks: the hidden ones cost nothing here either
                 rows, cols, causal = block
                 k_b, v_b = kv[:, :, :, cols]
-                dq_b, dk_b, dv_b = attend_backward(q[:, :, rows], k_b, v_b, dout[:, :, rows], lse[:, :, rows],
-                                                   delta[:, :, rows], causal)
+                dq_b, dk_b, dv_b = attend_backward(
+                    q[:, :, rows],
+                    k_b,
+                    v_b,
+                    dout[:, :, rows],
+                    lse[:, :, rows],
+                    delta[:, :, rows],
+                    causal,
+                )
                 dq[:, :, rows] += dq_b
                 dkv[:, :, :, cols] += torch.stack([dk_b, dv_b])  # (2, B, H, tk, E)
             return dkv
@@ -250,14 +306,18 @@ class RingAttention(torch.autograd.Function):
         kv, own, acc = torch.stack([k, v]), None, None
         for step in range(cp):
             src = (r + step) % cp
-            send = {"kv": kv} if step < cp - 1 else {}  # 1. the block, to r-1, who needs it next step
+            send = (
+                {"kv": kv} if step < cp - 1 else {}
+            )  # 1. the block, to r-1, who needs it next step
             if acc is not None:
                 send["dkv"] = acc  # block src-1's accumulator (done last step), to its next visitor
             got, wait = ring_exchange(send, group, to=(r - 1) % cp, frm=(r + 1) % cp)
             dkv = grads_from(src, kv)  # 2. while they travel
             wait()
             if step == 0:
-                own = dkv  # my queries' share of my own block's gradient: kept here, added at the end
+                own = (
+                    dkv  # my queries' share of my own block's gradient: kept here, added at the end
+                )
             else:  # 3. src's accumulator came from r+1 (none yet at step 1): add my share
                 acc = dkv + got["dkv"] if "dkv" in got else dkv
             kv = got.get("kv")
@@ -298,16 +358,28 @@ def ulysses_attention(q, k, v, group, zigzag):
     check_split(cp * q.shape[2], cp, zigzag, heads=q.shape[1])
     if cp == 1:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True)
-    qkv = rearrange(torch.stack([q, k, v]), "s b (n h) t e -> n s b h t e", n=cp)  # chunk j: rank j's heads
-    qkv = AllToAll.apply(qkv, group)  # (cp, 3, B, H/cp, t, E): chunk j = rank j's tokens of my heads
-    qkv = reorder(rearrange(qkv, "n s b h t e -> s b h (n t) e"), cp, zigzag, 3)  # (3, B, H/cp, T, E)
+    qkv = rearrange(
+        torch.stack([q, k, v]), "s b (n h) t e -> n s b h t e", n=cp
+    )  # chunk j: rank j's heads
+    qkv = AllToAll.apply(
+        qkv, group
+    )  # (cp, 3, B, H/cp, t, E): chunk j = rank j's tokens of my heads
+    qkv = reorder(
+        rearrange(qkv, "n s b h t e -> s b h (n t) e"), cp, zigzag, 3
+    )  # (3, B, H/cp, T, E)
     y = F.scaled_dot_product_attention(qkv[0], qkv[1], qkv[2], is_causal=True)  # (B, H/cp, T, E)
-    y = rearrange(reorder(y, cp, zigzag, 2, False), "b h (n t) e -> n b h t e", n=cp)  # j: rank j's tokens
+    y = rearrange(
+        reorder(y, cp, zigzag, 2, False), "b h (n t) e -> n b h t e", n=cp
+    )  # j: rank j's tokens
     y = AllToAll.apply(y, group)  # (cp, B, H/cp, t, E): chunk j = my tokens of rank j's heads
     return rearrange(y, "n b h t e -> b (n h) t e")  # (B, H, t, E)
 
 
-ATTENTIONS = {"allgather": allgather_attention, "ring": ring_attention, "ulysses": ulysses_attention}
+ATTENTIONS = {
+    "allgather": allgather_attention,
+    "ring": ring_attention,
+    "ulysses": ulysses_attention,
+}
 
 
 # ----------------------------------------------------------------------------- the GPT on T/cp tokens
@@ -318,10 +390,18 @@ class ContextParallelAttention(nn.Module):
     def __init__(self, attn, group, attention, zigzag):
         super().__init__()
         self.q, self.k, self.v, self.proj, self.drop = attn.q, attn.k, attn.v, attn.proj, attn.drop
-        self.n_heads, self.group, self.attention, self.zigzag = attn.n_heads, group, attention, zigzag
+        self.n_heads, self.group, self.attention, self.zigzag = (
+            attn.n_heads,
+            group,
+            attention,
+            zigzag,
+        )
 
     def forward(self, x):  # (B, t, D) this rank's tokens
-        q, k, v = (rearrange(f(x), "b t (h e) -> b h t e", h=self.n_heads) for f in (self.q, self.k, self.v))
+        q, k, v = (
+            rearrange(f(x), "b t (h e) -> b h t e", h=self.n_heads)
+            for f in (self.q, self.k, self.v)
+        )
         y = ATTENTIONS[self.attention](q, k, v, self.group, self.zigzag)  # (B, H, t, E)
         return self.drop(self.proj(rearrange(y, "b h t e -> b t (h e)")))  # (B, t, D)
 
@@ -333,7 +413,12 @@ class ContextParallelGPT(nn.Module):
     def __init__(self, gpt, group, attention, zigzag):
         super().__init__()
         self.group, self.zigzag = group, zigzag
-        self.tok_emb, self.pos_emb, self.drop, self.blocks = gpt.tok_emb, gpt.pos_emb, gpt.drop, gpt.blocks
+        self.tok_emb, self.pos_emb, self.drop, self.blocks = (
+            gpt.tok_emb,
+            gpt.pos_emb,
+            gpt.drop,
+            gpt.blocks,
+        )
         self.ln_f, self.head = gpt.ln_f, gpt.head
         for block in self.blocks:
             block.attn = ContextParallelAttention(block.attn, group, attention, zigzag)
@@ -361,23 +446,33 @@ def check_args(args, world):
     """Bad input: one line and exit 2, on every rank, before any collective. Returns (dp, cp)."""
     check_common_args(args)
     if args.cp < 0 or args.dp < 0:
-        fail(f"--cp and --dp must be >= 0 (0 = the rest of the world), got --cp {args.cp} --dp {args.dp}")
+        fail(
+            f"--cp and --dp must be >= 0 (0 = the rest of the world), got --cp {args.cp} --dp {args.dp}"
+        )
     cp = args.cp or world // max(args.dp, 1)
     dp = args.dp or world // max(cp, 1)
     if dp * cp != world or cp < 1:
-        fail(f"world size {world} != dp {dp} x cp {cp}: launch dp x cp processes, or give --cp / --dp that "
-             "divide the world")
+        fail(
+            f"world size {world} != dp {dp} x cp {cp}: launch dp x cp processes, or give --cp / --dp that "
+            "divide the world"
+        )
     try:  # the cores' own check, their ValueError as fail's one line
-        heads = args.n_heads if args.attention == "ulysses" else None  # only ulysses splits the heads
+        heads = (
+            args.n_heads if args.attention == "ulysses" else None
+        )  # only ulysses splits the heads
         check_split(args.seq_len, cp, args.layout == "zigzag", heads)
     except ValueError as e:
         fail(str(e))
     if args.batch_size % dp:
-        fail(f"--batch-size {args.batch_size} is not divisible by --dp {dp}: use --batch-size "
-             f"{(args.batch_size // dp + 1) * dp}")
+        fail(
+            f"--batch-size {args.batch_size} is not divisible by --dp {dp}: use --batch-size "
+            f"{(args.batch_size // dp + 1) * dp}"
+        )
     if args.dropout:
-        fail(f"--dropout {args.dropout}: context_parallel.py trains without dropout (one query's attention "
-             "probabilities are spread over cp ranks); use --dropout 0")
+        fail(
+            f"--dropout {args.dropout}: context_parallel.py trains without dropout (one query's attention "
+            "probabilities are spread over cp ranks); use --dropout 0"
+        )
     return dp, cp
 
 
@@ -386,25 +481,39 @@ def main():
     dp, cp = check_args(args, env_world_size())
     # --- setup (same in every file) ---
     d = init_dist(args.timeout)
-    grid = torch.arange(d.world).view(dp, cp)  # cp innermost: a sequence's ranks are neighbours (one node)
-    cp_groups = [dist.new_group(row.tolist()) for row in grid]  # every rank makes every group, in one order
+    grid = torch.arange(d.world).view(
+        dp, cp
+    )  # cp innermost: a sequence's ranks are neighbours (one node)
+    cp_groups = [
+        dist.new_group(row.tolist()) for row in grid
+    ]  # every rank makes every group, in one order
     dp_rank, cp_rank = divmod(d.rank, cp)  # my row and column of the grid
     cp_group, b, zigzag = cp_groups[dp_rank], args.batch_size // dp, args.layout == "zigzag"
     data = MarkovData(args.vocab, args.seed)
-    d.log(f"context_parallel.py --attention {args.attention} --layout {args.layout}: world {d.world} = dp "
-          f"{dp} x cp {cp} on {d.backend}, a rank holds {args.seq_len // cp} of the {args.seq_len} tokens of "
-          f"{b} sequences; entropy floor {data.entropy:.4f} nats/token")
-    gpt = build_gpt(GPTConfig.from_args(args), args.seed, DTYPES[args.dtype])  # the full model, one seed
+    d.log(
+        f"context_parallel.py --attention {args.attention} --layout {args.layout}: world {d.world} = dp "
+        f"{dp} x cp {cp} on {d.backend}, a rank holds {args.seq_len // cp} of the {args.seq_len} tokens of "
+        f"{b} sequences; entropy floor {data.entropy:.4f} nats/token"
+    )
+    gpt = build_gpt(
+        GPTConfig.from_args(args), args.seed, DTYPES[args.dtype]
+    )  # the full model, one seed
     model = ContextParallelGPT(gpt, cp_group, args.attention, zigzag).to(d.device)
     opt = make_optimizer(model.parameters(), args)
     run, comm = Run(d, args, {"model": model, "optim": opt}), CommCounter(axes={"cp": cp_group})
     saved = SavedActivations()  # what the last step saves for backward, for the peak
 
     for step in run.steps():
-        x, y = data.batch(step, args.batch_size, args.seq_len, args.ragged)  # (B, T) the global batch, on CPU
+        x, y = data.batch(
+            step, args.batch_size, args.seq_len, args.ragged
+        )  # (B, T) the global batch, on CPU
         n_tok = count_tokens(y)  # of the whole global batch: every rank's loss divides by it
-        mine = slice(dp_rank * b, (dp_rank + 1) * b)  # my replica's sequences, then my tokens of each
-        x, y = (shard_sequence(t[mine], cp_rank, cp, zigzag).to(d.device) for t in (x, y))  # (b, T/cp)
+        mine = slice(
+            dp_rank * b, (dp_rank + 1) * b
+        )  # my replica's sequences, then my tokens of each
+        x, y = (
+            shard_sequence(t[mine], cp_rank, cp, zigzag).to(d.device) for t in (x, y)
+        )  # (b, T/cp)
         with run.watching(step, comm, saved):
             loss = lm_loss(model(x), y, n_tok)  # my tokens' share of the global batch's loss
             opt.zero_grad(set_to_none=True)
@@ -414,22 +523,33 @@ def main():
             torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
         opt.step()
         loss = loss.detach()
-        dist.all_reduce(loss)  # the global batch's loss, for the log line only (not training traffic)
+        dist.all_reduce(
+            loss
+        )  # the global batch's loss, for the log line only (not training traffic)
         run.end_step(step, loss.item())
 
-    peak = peak_memory_bytes(d, state_bytes(model, opt) + saved.bytes)  # before report's unsplit GPT runs
+    peak = peak_memory_bytes(
+        d, state_bytes(model, opt) + saved.bytes
+    )  # before report's unsplit GPT runs
     figures, comm_bytes = report(d, args, model, comm, dp_rank, cp_rank, dp, cp)
-    full = dict(model.named_parameters())  # every rank holds the whole model, under the GPT's own names
+    full = dict(
+        model.named_parameters()
+    )  # every rank holds the whole model, under the GPT's own names
     check = check_against_reference(d, args, run.losses, full) if args.check else None
     run.finish("context_parallel", peak, comm_bytes, check, figures)
 
 
 # --- measurement ---
-THEORY = {"ring": "2(cp-1) K/V blocks of (b, T/cp, d) forward; as many and 2(cp-1) dK/dV blocks backward",
-          "allgather": "K, V of T/cp tokens to the all-gather forward; dK, dV of all T to the reduce-scatter",
-          "ulysses": "Q, K, V and the output, 4 (b, T/cp, d) blocks, to the all-to-all each way"}
-EXTRA = {"ring": "", "ulysses": " + per layer one (b, T/cp, d): the heads' output beside the tokens'",
-         "allgather": " + per layer the other ranks' K, V and the (T/cp, T) mask"}
+THEORY = {
+    "ring": "2(cp-1) K/V blocks of (b, T/cp, d) forward; as many and 2(cp-1) dK/dV blocks backward",
+    "allgather": "K, V of T/cp tokens to the all-gather forward; dK, dV of all T to the reduce-scatter",
+    "ulysses": "Q, K, V and the output, 4 (b, T/cp, d) blocks, to the all-to-all each way",
+}
+EXTRA = {
+    "ring": "",
+    "ulysses": " + per layer one (b, T/cp, d): the heads' output beside the tokens'",
+    "allgather": " + per layer the other ranks' K, V and the (T/cp, T) mask",
+}
 
 
 class CountBlocks:
@@ -442,6 +562,7 @@ class CountBlocks:
         def counted(q, k, v, causal):
             self.blocks.append((q.shape[2], k.shape[2]))
             return self.real(q, k, v, causal)
+
         globals()["attend"] = counted
         return self
 
@@ -454,42 +575,94 @@ def report(d, args, model, comm, dp_rank, cp_rank, dp, cp):
     forward of the last batch: the activation bytes it saves for backward, beside the unsplit GPT's on the
     same sequences, and the ring's blocks (layer 0's calls of `attend`, which only the ring makes;
     CountBlocks)."""
-    L, T, D, b, t = args.n_layers, args.seq_len, args.d_model, args.batch_size // dp, args.seq_len // cp
-    es, zigzag, ring = DTYPES[args.dtype].itemsize, args.layout == "zigzag", args.attention == "ring"
+    L, T, D, b, t = (
+        args.n_layers,
+        args.seq_len,
+        args.d_model,
+        args.batch_size // dp,
+        args.seq_len // cp,
+    )
+    es, zigzag, ring = (
+        DTYPES[args.dtype].itemsize,
+        args.layout == "zigzag",
+        args.attention == "ring",
+    )
     x = MarkovData(args.vocab, args.seed).batch(args.steps - 1, args.batch_size, T, args.ragged)[0]
-    x = x[dp_rank * b:(dp_rank + 1) * b].contiguous().to(d.device)  # (b, T) my replica's sequences
+    x = (
+        x[dp_rank * b : (dp_rank + 1) * b].contiguous().to(d.device)
+    )  # (b, T) my replica's sequences
     with SavedActivations() as split, CountBlocks() as counted:
         model(shard_sequence(x, cp_rank, cp, zigzag))
-    computed = counted.blocks[:len(counted.blocks) // L]  # layer 0's
-    with SavedActivations() as whole:  # common's GPT on the same b whole sequences: 1/cp of it is the goal
+    computed = counted.blocks[: len(counted.blocks) // L]  # layer 0's
+    with (
+        SavedActivations() as whole
+    ):  # common's GPT on the same b whole sequences: 1/cp of it is the goal
         build_gpt(GPTConfig.from_args(args), args.seed, DTYPES[args.dtype], d.device)(x)
-    mine = [comm.total(axis="cp", phase="fwd") // L, comm.total(axis="cp", phase="bwd") // L, len(computed),
-            sum(q * k for q, k in computed), split.bytes, whole.bytes, sum(comm.bytes.values())]
+    mine = [
+        comm.total(axis="cp", phase="fwd") // L,
+        comm.total(axis="cp", phase="bwd") // L,
+        len(computed),
+        sum(q * k for q, k in computed),
+        split.bytes,
+        whole.bytes,
+        sum(comm.bytes.values()),
+    ]
     rows = [r[0].tolist() for r in gather_rows(d, [mine])]  # one row per rank
     fwd, bwd, blocks, scores, saved, unsplit, total = ([int(v) for v in col] for col in zip(*rows))
-    blk, acc_es = b * t * D, max(es, 4)  # elements of a (b, T/cp, d) block; the ring's dK/dV: >= float32
-    theory = {"ring": (2 * (cp - 1) * blk * es, 2 * (cp - 1) * blk * (es + acc_es)),
-              "allgather": (2 * blk * es, 2 * cp * blk * es), "ulysses": (4 * blk * es, 4 * blk * es)}
+    blk, acc_es = (
+        b * t * D,
+        max(es, 4),
+    )  # elements of a (b, T/cp, d) block; the ring's dK/dV: >= float32
+    theory = {
+        "ring": (2 * (cp - 1) * blk * es, 2 * (cp - 1) * blk * (es + acc_es)),
+        "allgather": (2 * blk * es, 2 * cp * blk * es),
+        "ulysses": (4 * blk * es, 4 * blk * es),
+    }
     theory = theory[args.attention] if cp > 1 else (0, 0)
-    extra = {"ring": 0, "ulysses": blk, "allgather": 2 * b * (T - t) * D + t * T}[args.attention] * L * es
+    extra = (
+        {"ring": 0, "ulysses": blk, "allgather": 2 * b * (T - t) * D + t * T}[args.attention]
+        * L
+        * es
+    )
     saved_th = [u // cp + (extra if cp > 1 else 0) for u in unsplit]
     blocks_th = [cp if zigzag else c + 1 for c in range(cp)] if ring else []
-    scores_th = [t * t * (cp + 1) // 2 if zigzag else t * t * (c + 1) for c in range(cp)] if ring else []
-    d.log(f"\nlast step, per rank and layer: bytes handed to the cp group (theory: {THEORY[args.attention]}),"
-          f" the ring's blocks and query-key scores computed (theory: contiguous r + 1 blocks, zigzag cp),"
-          f" the activation bytes saved for backward (theory: the unsplit GPT's / cp{EXTRA[args.attention]})")
-    d.log("rank | dp cp | fwd bytes | theory | bwd bytes | theory | blocks | theory | scores | theory | "
-          "saved, all layers | theory")
+    scores_th = (
+        [t * t * (cp + 1) // 2 if zigzag else t * t * (c + 1) for c in range(cp)] if ring else []
+    )
+    d.log(
+        f"\nlast step, per rank and layer: bytes handed to the cp group (theory: {THEORY[args.attention]}),"
+        f" the ring's blocks and query-key scores computed (theory: contiguous r + 1 blocks, zigzag cp),"
+        f" the activation bytes saved for backward (theory: the unsplit GPT's / cp{EXTRA[args.attention]})"
+    )
+    d.log(
+        "rank | dp cp | fwd bytes | theory | bwd bytes | theory | blocks | theory | scores | theory | "
+        "saved, all layers | theory"
+    )
     for r in range(d.world):
         c = r % cp
         ring_cols = [blocks[r], blocks_th[c], scores[r], scores_th[c]] if ring else ["-"] * 4
-        d.log(f"{r:4d} | {r // cp:2d} {c:2d} | {fwd[r]:9d} | {theory[0]:6d} | {bwd[r]:9d} | {theory[1]:6d} | "
-              + " | ".join(f"{v:>6}" for v in ring_cols) + f" | {saved[r]:17d} | {saved_th[r]:d}")
-    figures = dict(cp=cp, dp=dp, attention=args.attention, layout=args.layout, collectives=comm.table(),
-                   bytes_per_layer_fwd=fwd, bytes_per_layer_bwd=bwd, bytes_per_layer_theory=list(theory),
-                   blocks=blocks, blocks_theory=blocks_th, scores=scores, scores_theory=scores_th,
-                   saved_activation_bytes=saved, saved_activation_bytes_theory=saved_th,
-                   saved_activation_bytes_unsplit=unsplit)
+        d.log(
+            f"{r:4d} | {r // cp:2d} {c:2d} | {fwd[r]:9d} | {theory[0]:6d} | {bwd[r]:9d} | {theory[1]:6d} | "
+            + " | ".join(f"{v:>6}" for v in ring_cols)
+            + f" | {saved[r]:17d} | {saved_th[r]:d}"
+        )
+    figures = dict(
+        cp=cp,
+        dp=dp,
+        attention=args.attention,
+        layout=args.layout,
+        collectives=comm.table(),
+        bytes_per_layer_fwd=fwd,
+        bytes_per_layer_bwd=bwd,
+        bytes_per_layer_theory=list(theory),
+        blocks=blocks,
+        blocks_theory=blocks_th,
+        scores=scores,
+        scores_theory=scores_th,
+        saved_activation_bytes=saved,
+        saved_activation_bytes_theory=saved_th,
+        saved_activation_bytes_unsplit=unsplit,
+    )
     return figures, max(total)
 
 

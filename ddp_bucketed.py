@@ -57,6 +57,7 @@ payload per rank, whatever N: adding ranks does not add bytes per rank.
 In production, use torch.nn.parallel.DistributedDataParallel (or FSDP's fully_shard when the model does not
 fit).
 """
+
 import contextlib
 from dataclasses import dataclass
 from typing import Literal
@@ -65,18 +66,42 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from common import (DTYPES, build_gpt, count_tokens, fail, GPTConfig, init_dist, lm_loss, make_optimizer,
-                    MarkovData)
-from harness import (check_against_reference, check_common_args, CommCounter, CommonArgs, env_world_size,
-                     parse_args, peak_memory_bytes, Run, SavedActivations, tensor_bytes, tolerance)
+from common import (
+    DTYPES,
+    build_gpt,
+    count_tokens,
+    fail,
+    GPTConfig,
+    init_dist,
+    lm_loss,
+    make_optimizer,
+    MarkovData,
+)
+from harness import (
+    check_against_reference,
+    check_common_args,
+    CommCounter,
+    CommonArgs,
+    env_world_size,
+    parse_args,
+    peak_memory_bytes,
+    Run,
+    SavedActivations,
+    tensor_bytes,
+    tolerance,
+)
 
 WIRE = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 @dataclass
 class Args(CommonArgs):
-    bucket_cap_mb: float = 0.1  # bucket capacity in MiB (torch: 25, which would be one bucket for this model)
-    first_bucket_mb: float = 0.02  # capacity of bucket 0, the first to launch (torch: 1): small starts early
+    bucket_cap_mb: float = (
+        0.1  # bucket capacity in MiB (torch: 25, which would be one bucket for this model)
+    )
+    first_bucket_mb: float = (
+        0.02  # capacity of bucket 0, the first to launch (torch: 1): small starts early
+    )
     compress: Literal["none", "bf16", "fp16"] = "none"  # dtype the gradients travel in
 
 
@@ -88,8 +113,10 @@ def check_caps(bucket_cap_mb, first_bucket_mb):
     """What the buckets rely on: positive caps, in MiB (fractions allowed). Written so that nan fails too."""
     for name, mb in (("bucket_cap_mb", bucket_cap_mb), ("first_bucket_mb", first_bucket_mb)):
         if not mb * MiB >= 1:
-            raise ValueError(f"BucketedDDP: bucket caps must be positive sizes in MiB, fractions too (0.05), "
-                             f"not {name}={mb} (--{name.replace('_', '-')})")
+            raise ValueError(
+                f"BucketedDDP: bucket caps must be positive sizes in MiB, fractions too (0.05), "
+                f"not {name}={mb} (--{name.replace('_', '-')})"
+            )
 
 
 class BucketedDDP(nn.Module):
@@ -108,36 +135,61 @@ class BucketedDDP(nn.Module):
     Left out of torch DDP: re-broadcasting buffers every forward (the GPT has none), static_graph, general
     comm hooks."""
 
-    def __init__(self, module, bucket_cap_mb=25, first_bucket_mb=1, group=None, find_unused_parameters=False,
-                 compress=None):
+    def __init__(
+        self,
+        module,
+        bucket_cap_mb=25,
+        first_bucket_mb=1,
+        group=None,
+        find_unused_parameters=False,
+        compress=None,
+    ):
         super().__init__()
         check_caps(bucket_cap_mb, first_bucket_mb)
         if compress is not None and not compress.is_floating_point:
-            raise ValueError(f"BucketedDDP: compress must be a float dtype (torch.bfloat16, torch.float16), "
-                             f"got {compress}")
+            raise ValueError(
+                f"BucketedDDP: compress must be a float dtype (torch.bfloat16, torch.float16), "
+                f"got {compress}"
+            )
         self.module, self.group, self.find_unused = module, group, find_unused_parameters
         self.wire_dtype, self.world = compress, dist.get_world_size(group)
         self.src = dist.get_global_rank(group, 0) if group is not None else 0
-        self.caps = (int(first_bucket_mb * MiB), int(bucket_cap_mb * MiB))  # bytes of bucket 0, of the others
+        self.caps = (
+            int(first_bucket_mb * MiB),
+            int(bucket_cap_mb * MiB),
+        )  # bytes of bucket 0, of the others
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         self.names, self.params = [n for n, _ in named], [p for _, p in named]
         if not self.params:
-            raise ValueError("BucketedDDP: no parameter of the module requires grad: nothing to average")
+            raise ValueError(
+                "BucketedDDP: no parameter of the module requires grad: nothing to average"
+            )
         self.device = self.params[0].device
-        with torch.no_grad():  # 1. one starting point: rank 0's weights (torch DDP broadcasts them too)
+        with (
+            torch.no_grad()
+        ):  # 1. one starting point: rank 0's weights (torch DDP broadcasts them too)
             for t in list(module.parameters()) + list(module.buffers()):
                 dist.broadcast(t, src=self.src, group=group)
-        self._build_buckets(list(reversed(range(len(self.params)))))  # 2. first guess: reverse registration
+        self._build_buckets(
+            list(reversed(range(len(self.params))))
+        )  # 2. first guess: reverse registration
         for i, p in enumerate(self.params):
             p.register_post_accumulate_grad_hook(lambda p, i=i: self._grad_ready(i))
         self.require_sync = True  # no_sync() turns it off
-        self._sync = False  # decided at forward, as torch DDP does: a backward syncs if its forward did
-        self._used = [False] * len(self.params)  # got a gradient since the last synced backward (no_sync too)
+        self._sync = (
+            False  # decided at forward, as torch DDP does: a backward syncs if its forward did
+        )
+        self._used = [False] * len(
+            self.params
+        )  # got a gradient since the last synced backward (no_sync too)
         # order gradients arrive in the first synced backward (None: never rebuild, or rebuilt already);
         # torch rebuilds only without find_unused_parameters, and so does this file
         self._arrival = None if find_unused_parameters else []
         self._rebuild_pending = False
-        self.works, self._wires = [], []  # this backward's all-reduces (and 16-bit copies), bucket by bucket
+        self.works, self._wires = (
+            [],
+            [],
+        )  # this backward's all-reduces (and 16-bit copies), bucket by bucket
 
     def _assign(self, order):
         """DDP's cut rule (compute_bucket_assignment_by_size in its reducer): walk `order`, add each parameter
@@ -159,8 +211,11 @@ class BucketedDDP(nn.Module):
         shaped like the parameter tensor."""
         self.buckets, self.bucket_of, self.views, self.buffers = self._assign(order), {}, {}, []
         for b, idx in enumerate(self.buckets):
-            buf = torch.zeros(sum(self.params[i].numel() for i in idx), dtype=self.params[idx[0]].dtype,
-                              device=self.device)  # (n_b,)
+            buf = torch.zeros(
+                sum(self.params[i].numel() for i in idx),
+                dtype=self.params[idx[0]].dtype,
+                device=self.device,
+            )  # (n_b,)
             for i, view in zip(idx, buf.split([self.params[i].numel() for i in idx])):
                 self.views[i], self.bucket_of[i] = view.view_as(self.params[i]), b
             self.buffers.append(buf)
@@ -180,9 +235,13 @@ class BucketedDDP(nn.Module):
             self._rebuild()
         self._sync = self.require_sync and torch.is_grad_enabled()
         if self._sync:  # fresh per-backward state
-            if self._arrival is not None:  # (re)start recording: the first backward that completes counts
+            if (
+                self._arrival is not None
+            ):  # (re)start recording: the first backward that completes counts
                 self._arrival = []
-            self._pending = [len(idx) for idx in self.buckets]  # gradients each bucket still waits for
+            self._pending = [
+                len(idx) for idx in self.buckets
+            ]  # gradients each bucket still waits for
             self.arrived = [False] * len(self.params)  # got its gradient in this backward
             self.works, self._wires, self._next, self._queued = [], [], 0, False
         return self.module(*args, **kwargs)
@@ -220,7 +279,9 @@ class BucketedDDP(nn.Module):
         """Launch every full bucket, in index order only (a full bucket waits for the earlier ones)."""
         while self._next < len(self.buckets) and self._pending[self._next] == 0:
             buf = self.buffers[self._next]  # (n_b,) this rank's gradients / N
-            if self.wire_dtype is not None:  # a 16-bit copy travels: rounded, then divided (torch's hook)
+            if (
+                self.wire_dtype is not None
+            ):  # a 16-bit copy travels: rounded, then divided (torch's hook)
                 buf = buf.to(self.wire_dtype).div_(self.world)
                 self._wires.append(buf)
             self.works.append(self._reduce(self._next, buf))
@@ -234,15 +295,21 @@ class BucketedDDP(nn.Module):
         """Autograd-engine callback, after the whole graph ran and before backward() returns."""
         missing = self._fill_missing()
         if missing and not self.find_unused:
-            for work in self.works:  # the group stays consistent: this rank took part in every collective
+            for (
+                work
+            ) in self.works:  # the group stays consistent: this rank took part in every collective
                 work.wait()
             self._sync, self._used = False, [False] * len(self.params)
-            raise RuntimeError(f"BucketedDDP: {len(missing)} parameter(s) got no gradient in this backward: "
-                               f"{', '.join(self.names[i] for i in missing)}. Make them part of the loss, "
-                               f"set requires_grad=False, or pass find_unused_parameters=True")
+            raise RuntimeError(
+                f"BucketedDDP: {len(missing)} parameter(s) got no gradient in this backward: "
+                f"{', '.join(self.names[i] for i in missing)}. Make them part of the loss, "
+                f"set requires_grad=False, or pass find_unused_parameters=True"
+            )
         self._wait(self._unused_everywhere() if self.find_unused else set())
         if self._arrival is not None:
-            self._rebuild_pending = True  # the next forward rebuilds the buckets from this arrival order
+            self._rebuild_pending = (
+                True  # the next forward rebuilds the buckets from this arrival order
+            )
         self._sync, self._used = False, [False] * len(self.params)
 
     def _fill_missing(self):
@@ -258,7 +325,9 @@ class BucketedDDP(nn.Module):
 
     def _unused_everywhere(self):
         """The parameters no rank used since the last sync: unused here is not unused everywhere."""
-        used = torch.tensor(self._used, dtype=torch.int32, device=self.device)  # (P,) 1 = got a gradient
+        used = torch.tensor(
+            self._used, dtype=torch.int32, device=self.device
+        )  # (P,) 1 = got a gradient
         dist.all_reduce(used, group=self.group)  # (P,) ranks that used each parameter
         return {i for i, u in enumerate(used.tolist()) if u == 0}
 
@@ -295,8 +364,10 @@ def check_args(args):
     world = env_world_size()
     check_common_args(args)  # every rank checks, before any collective
     if args.batch_size % world:
-        fail(f"--batch-size {args.batch_size} is not divisible by the world size {world}: each rank takes an "
-             f"equal slice; use a multiple of {world}, e.g. {world * max(1, args.batch_size // world)}")
+        fail(
+            f"--batch-size {args.batch_size} is not divisible by the world size {world}: each rank takes an "
+            f"equal slice; use a multiple of {world}, e.g. {world * max(1, args.batch_size // world)}"
+        )
     try:  # the core's own check, its ValueError as fail's one line
         check_caps(args.bucket_cap_mb, args.first_bucket_mb)
     except ValueError as e:
@@ -309,23 +380,40 @@ def main():
     check_args(args)
     d = init_dist(args.timeout)  # --- setup (same in every file) ---
     data = MarkovData(args.vocab, args.seed)
-    d.log(f"ddp_bucketed: world {d.world}, {args.batch_size // d.world} sequences per rank, "
-          f"entropy floor {data.entropy:.4f} nats/token")
+    d.log(
+        f"ddp_bucketed: world {d.world}, {args.batch_size // d.world} sequences per rank, "
+        f"entropy floor {data.entropy:.4f} nats/token"
+    )
     model = build_gpt(GPTConfig.from_args(args), args.seed, DTYPES[args.dtype], d.device)
     ddp = BucketedDDP(model, args.bucket_cap_mb, args.first_bucket_mb, compress=WIRE[args.compress])
     opt = make_optimizer(model.parameters(), args)
-    run = Run(d, args, {"model": model, "buckets": BucketLayout(ddp), "optim": opt})  # resumes: --ckpt-dir
-    comm, overlap, acts, b = CommCounter(), Overlap(ddp), SavedActivations(), args.batch_size // d.world
+    run = Run(
+        d, args, {"model": model, "buckets": BucketLayout(ddp), "optim": opt}
+    )  # resumes: --ckpt-dir
+    comm, overlap, acts, b = (
+        CommCounter(),
+        Overlap(ddp),
+        SavedActivations(),
+        args.batch_size // d.world,
+    )
     # measurement: the dispatcher counter sends every op through Python, so it watches one step, the second
     # (after the rebuild; bench.py times the steps after its warm-up, and counts torch's in its last warm-up)
     count_at = min(max(run.start, 1), args.steps - 1)
     for step in run.steps():
-        x, y = data.batch(step, args.batch_size, args.seq_len, args.ragged)  # (B, T) global batch, CPU
+        x, y = data.batch(
+            step, args.batch_size, args.seq_len, args.ragged
+        )  # (B, T) global batch, CPU
         n_tok = count_tokens(y)  # tokens of the whole global batch: the loss divisor on every rank
-        x, y = to_device(d.device, x[d.rank * b:(d.rank + 1) * b], y[d.rank * b:(d.rank + 1) * b])  # (B/N, T)
+        x, y = to_device(
+            d.device, x[d.rank * b : (d.rank + 1) * b], y[d.rank * b : (d.rank + 1) * b]
+        )  # (B/N, T)
         with run.watching(step, comm, acts, at=count_at):
-            opt.zero_grad(set_to_none=True)  # backward's hooks copy each gradient into its bucket once
-            loss = lm_loss(ddp(x), y, n_tok)  # this rank's share L_r of the global loss L = sum_r L_r
+            opt.zero_grad(
+                set_to_none=True
+            )  # backward's hooks copy each gradient into its bucket once
+            loss = lm_loss(
+                ddp(x), y, n_tok
+            )  # this rank's share L_r of the global loss L = sum_r L_r
             # DDP *averages*: backpropagate N * L_r, so mean_r grad(N L_r) = grad L exactly, ragged or not
             (loss * d.world).backward()  # returns with every .grad averaged over ranks
             if args.clip > 0:  # grads are now replicated, so this local norm is the global norm
@@ -335,17 +423,29 @@ def main():
         dist.all_reduce(total)
         run.end_step(step, total.item())
     figures = summary_figures(d, ddp, comm, overlap)
-    held = [*model.parameters(), *(p.grad for p in model.parameters()), *ddp.buffers, *ddp._wires,
-            *(v for s in opt.state.values() for v in s.values() if torch.is_tensor(v) and v.dim() > 0)]
-    peak = peak_memory_bytes(d, tensor_bytes(held) + acts.bytes)  # read before --check trains a reference
+    held = [
+        *model.parameters(),
+        *(p.grad for p in model.parameters()),
+        *ddp.buffers,
+        *ddp._wires,
+        *(v for s in opt.state.values() for v in s.values() if torch.is_tensor(v) and v.dim() > 0),
+    ]
+    peak = peak_memory_bytes(
+        d, tensor_bytes(held) + acts.bytes
+    )  # read before --check trains a reference
     check = None
     if args.check:
         ref, (tol, ptol) = None, (None, None)  # None: common's float reference and tolerances
         if args.compress != "none":
             tol, ptol = compress_tolerance(args, d.world)
-            ref = compressed_reference(args, d.world, WIRE[args.compress], d.device) if d.rank == 0 else None
-        check = check_against_reference(d, args, run.losses, dict(model.named_parameters()), ref=ref, tol=tol,
-                                        ptol=ptol)
+            ref = (
+                compressed_reference(args, d.world, WIRE[args.compress], d.device)
+                if d.rank == 0
+                else None
+            )
+        check = check_against_reference(
+            d, args, run.losses, dict(model.named_parameters()), ref=ref, tol=tol, ptol=ptol
+        )
     run.finish("ddp_bucketed", peak, figures["allreduce_payload_bytes_per_step"], check, figures)
 
 
@@ -355,7 +455,9 @@ def bucket_layout(ddp):
     out = []
     for idx, buf in zip(ddp.buckets, ddp.buffers):
         wire = torch.finfo(ddp.wire_dtype).bits // 8 if ddp.wire_dtype else buf.element_size()
-        out.append(([ddp.names[i] for i in idx], buf.numel() * buf.element_size(), buf.numel() * wire))
+        out.append(
+            ([ddp.names[i] for i in idx], buf.numel() * buf.element_size(), buf.numel() * wire)
+        )
     return out
 
 
@@ -369,8 +471,11 @@ class BucketLayout:
 
     def state_dict(self):
         ddp = self.ddp
-        return dict(order=[i for idx in ddp.buckets for i in idx], arrival=ddp._arrival,
-                    pending=ddp._rebuild_pending)
+        return dict(
+            order=[i for idx in ddp.buckets for i in idx],
+            arrival=ddp._arrival,
+            pending=ddp._rebuild_pending,
+        )
 
     def load_state_dict(self, state):
         self.ddp._build_buckets(state["order"])
@@ -405,9 +510,13 @@ class Overlap:
         arrived, works = sum(self.ddp.arrived), self.ddp.works
         ended = self._event() if self.cuda else [w.is_completed() for w in works]
         self.finish()
-        self.steps.append(dict(self.now, arrived=arrived, ended=ended, order=sum(self.ddp.buckets, [])))
+        self.steps.append(
+            dict(self.now, arrived=arrived, ended=ended, order=sum(self.ddp.buckets, []))
+        )
 
-    def _begin(self):  # the first launch of a backward starts its record (on a GPU with an event: its zero)
+    def _begin(
+        self,
+    ):  # the first launch of a backward starts its record (on a GPU with an event: its zero)
         if not self.ddp.works:
             self.now = dict(launched=[], zero=self._event() if self.cuda else None)
 
@@ -424,37 +533,55 @@ class Overlap:
         for s in self.steps:
             early = [n for arrived, n, _ in s["launched"] if arrived < s["arrived"]]
             ms = s["zero"].elapsed_time if self.cuda else None
-            hidden = sum(ms(done) <= ms(s["ended"]) for *_, done in s["launched"]) if ms else sum(s["ended"])
-            out.append(dict(buckets=len(s["launched"]), launched_early=len(early), bytes_early=sum(early),
-                            hidden=hidden, payload_bytes=sum(n for _, n, _ in s["launched"]),
-                            order=s["order"]))
+            hidden = (
+                sum(ms(done) <= ms(s["ended"]) for *_, done in s["launched"])
+                if ms
+                else sum(s["ended"])
+            )
+            out.append(
+                dict(
+                    buckets=len(s["launched"]),
+                    launched_early=len(early),
+                    bytes_early=sum(early),
+                    hidden=hidden,
+                    payload_bytes=sum(n for _, n, _ in s["launched"]),
+                    order=s["order"],
+                )
+            )
         return out
 
 
 def summary_figures(d, ddp, comm, overlap):
     """Measured numbers beside their theory values."""
     steps, payload, layout = overlap.per_step(), comm.total("all_reduce"), bucket_layout(ddp)
-    last, first = (steps[-1], steps[0]) if steps else (dict(launched_early=0, bytes_early=0, hidden=0),) * 2
-    f = dict(buckets=len(layout), bucket_bytes=[wire for *_, wire in layout],
-             bucket_params=[len(names) for names, *_ in layout],
-             allreduce_payload_bytes_per_step=payload,  # counted at the dispatcher: what each rank hands over
-             ring_bytes_sent_per_rank_theory=2 * (d.world - 1) / d.world * payload,  # theory
-             launched_before_backward_end=last["launched_early"],
-             bytes_launched_before_backward_end=last["bytes_early"],
-             launched_before_backward_end_first_step=first["launched_early"],  # before the rebuild
-             completed_before_backward_end=last["hidden"],  # fully hidden all-reduces
-             bucket_order_per_step=[s["order"] for s in steps])  # parameter indices, bucket by bucket
-    d.log(f"--- summary (rank 0 of {d.world}) ---\n"
-          f"buckets                          {f['buckets']}: {f['bucket_bytes']} bytes on the wire, "
-          f"{f['bucket_params']} parameters\n"
-          f"all-reduce payload per rank/step {payload} bytes (counted)\n"
-          f"ring all-reduce sent per rank    {f['ring_bytes_sent_per_rank_theory']:.0f} bytes (theory: "
-          f"2(N-1)/N * payload)\n"
-          f"overlap, last step               {last['launched_early']}/{f['buckets']} buckets "
-          f"({last['bytes_early']} bytes) launched before backward finished; {last['hidden']} had "
-          f"completed when it did (measured)\n"
-          f"overlap, first step              {first['launched_early']}/{f['buckets']} buckets launched early "
-          f"(registration-order buckets, before the rebuild)")
+    last, first = (
+        (steps[-1], steps[0]) if steps else (dict(launched_early=0, bytes_early=0, hidden=0),) * 2
+    )
+    f = dict(
+        buckets=len(layout),
+        bucket_bytes=[wire for *_, wire in layout],
+        bucket_params=[len(names) for names, *_ in layout],
+        allreduce_payload_bytes_per_step=payload,  # counted at the dispatcher: what each rank hands over
+        ring_bytes_sent_per_rank_theory=2 * (d.world - 1) / d.world * payload,  # theory
+        launched_before_backward_end=last["launched_early"],
+        bytes_launched_before_backward_end=last["bytes_early"],
+        launched_before_backward_end_first_step=first["launched_early"],  # before the rebuild
+        completed_before_backward_end=last["hidden"],  # fully hidden all-reduces
+        bucket_order_per_step=[s["order"] for s in steps],
+    )  # parameter indices, bucket by bucket
+    d.log(
+        f"--- summary (rank 0 of {d.world}) ---\n"
+        f"buckets                          {f['buckets']}: {f['bucket_bytes']} bytes on the wire, "
+        f"{f['bucket_params']} parameters\n"
+        f"all-reduce payload per rank/step {payload} bytes (counted)\n"
+        f"ring all-reduce sent per rank    {f['ring_bytes_sent_per_rank_theory']:.0f} bytes (theory: "
+        f"2(N-1)/N * payload)\n"
+        f"overlap, last step               {last['launched_early']}/{f['buckets']} buckets "
+        f"({last['bytes_early']} bytes) launched before backward finished; {last['hidden']} had "
+        f"completed when it did (measured)\n"
+        f"overlap, first step              {first['launched_early']}/{f['buckets']} buckets launched early "
+        f"(registration-order buckets, before the rebuild)"
+    )
     return f
 
 
@@ -472,7 +599,9 @@ def compressed_reference(args, world, wire, device):
         x, y = (t.to(device) for t in data.batch(step, args.batch_size, args.seq_len, args.ragged))
         n_tok, total, summed = count_tokens(y), 0.0, None
         for r in range(world):
-            loss = lm_loss(model(x[r * b:(r + 1) * b]), y[r * b:(r + 1) * b], n_tok)  # L_r on rank r's slice
+            loss = lm_loss(
+                model(x[r * b : (r + 1) * b]), y[r * b : (r + 1) * b], n_tok
+            )  # L_r on rank r's slice
             g = [t.to(wire).div_(world) for t in torch.autograd.grad(loss * world, params)]
             summed = g if summed is None else [s + t for s, t in zip(summed, g)]
             total += loss.item()
@@ -493,7 +622,9 @@ def compress_tolerance(args, world):
     if world <= 2:
         return tolerance(args.dtype), tolerance(args.dtype)
     u = torch.finfo(WIRE[args.compress]).eps / 2
-    return max(tolerance(args.dtype), args.steps * args.lr * (world - 2) * u), 2 * args.lr * args.steps
+    return max(
+        tolerance(args.dtype), args.steps * args.lr * (world - 2) * u
+    ), 2 * args.lr * args.steps
 
 
 if __name__ == "__main__":

@@ -90,6 +90,7 @@ Run:
         --ckpt-dir D --save-every 3 --fail-at-step 5               # a worker dies; the rerun ends as if not
 In production: torchft's DiLoCo / LocalSGD, or OpenDiLoCo (Prime Intellect).
 """
+
 import contextlib, json, statistics, threading, time
 from dataclasses import dataclass
 from typing import Literal
@@ -97,24 +98,51 @@ from typing import Literal
 import torch
 import torch.distributed as dist
 
-from common import (DTYPES, GPTConfig, MarkovData, build_gpt, count_tokens, fail, init_dist, lm_loss,
-                    make_optimizer)
-from harness import (CommCounter, CommonArgs, Run, StepTimer, check_against_reference, check_common_args,
-                     env_world_size, parse_args, peak_memory_bytes, state_bytes)
+from common import (
+    DTYPES,
+    GPTConfig,
+    MarkovData,
+    build_gpt,
+    count_tokens,
+    fail,
+    init_dist,
+    lm_loss,
+    make_optimizer,
+)
+from harness import (
+    CommCounter,
+    CommonArgs,
+    Run,
+    StepTimer,
+    check_against_reference,
+    check_common_args,
+    env_world_size,
+    parse_args,
+    peak_memory_bytes,
+    state_bytes,
+)
 
 
 @dataclass
 class Args(CommonArgs):
     inner_steps: int = 10  # H: inner steps per worker between two syncs of a fragment
-    inner: Literal["adamw", "sgd"] = "adamw"  # inner optimizer, one per worker (sgd: plain, no momentum)
+    inner: Literal["adamw", "sgd"] = (
+        "adamw"  # inner optimizer, one per worker (sgd: plain, no momentum)
+    )
     outer: Literal["nesterov", "sgd"] = "nesterov"  # outer optimizer on the global weights
-    outer_lr: float = 0.7  # outer learning rate (the paper's 0.7; sgd with 1.0 = federated averaging)
+    outer_lr: float = (
+        0.7  # outer learning rate (the paper's 0.7; sgd with 1.0 = federated averaging)
+    )
     outer_momentum: float = 0.9  # Nesterov momentum of the outer optimizer (the paper's 0.9)
     fragments: int = 1  # F: Streaming DiLoCo's fragments, synced at staggered steps (1: DiLoCo)
     overlap: int = 0  # TAU: inner steps between a fragment's exchange starting and its outer update
     mix: float = 0.0  # on landing, worker fragment = mix * local + (1 - mix) * new global
-    outer_dtype: Literal["same", "float32", "bfloat16", "float16", "float8_e4m3fn"] = "same"  # on the wire
-    table: str = ""  # A.json,B.json,...: print the docstring's table from these --json files, and exit
+    outer_dtype: Literal["same", "float32", "bfloat16", "float16", "float8_e4m3fn"] = (
+        "same"  # on the wire
+    )
+    table: str = (
+        ""  # A.json,B.json,...: print the docstring's table from these --json files, and exit
+    )
 
 
 # ----------------------------------------------------------------------------- 1: DiLoCo (and local SGD)
@@ -123,8 +151,10 @@ def check_outer(inner_steps, outer_lr, outer_momentum, nesterov):
     if inner_steps < 1:
         raise ValueError(f"DiLoCo: inner_steps must be >= 1, got {inner_steps}")
     if not outer_lr > 0 or nesterov and not 0 < outer_momentum < 1:  # written so that nan fails too
-        raise ValueError(f"DiLoCo: the outer step needs outer_lr > 0 and, with nesterov, 0 < outer_momentum "
-                         f"< 1 (the paper: 0.7, 0.9; none: plain SGD), not {outer_lr} and {outer_momentum}")
+        raise ValueError(
+            f"DiLoCo: the outer step needs outer_lr > 0 and, with nesterov, 0 < outer_momentum "
+            f"< 1 (the paper: 0.7, 0.9; none: plain SGD), not {outer_lr} and {outer_momentum}"
+        )
 
 
 class DiLoCo:
@@ -133,16 +163,27 @@ class DiLoCo:
     global weights theta (a copy of `params`, the worker's own parameters) and the outer optimizer's state.
     Outer SGD with lr 1 and no momentum (nesterov=False, outer_momentum=0) is local SGD."""
 
-    def __init__(self, params, inner_steps, outer_lr=0.7, outer_momentum=0.9, nesterov=True, group=None):
+    def __init__(
+        self, params, inner_steps, outer_lr=0.7, outer_momentum=0.9, nesterov=True, group=None
+    ):
         check_outer(inner_steps, outer_lr, outer_momentum, nesterov)
         self.H, self.group, self.M = inner_steps, group, dist.get_world_size(group)
         self.local = [list(params)]  # one fragment: the whole model (Streaming DiLoCo has several)
-        with torch.no_grad():  # every worker starts from the group's rank 0's theta, as DDP and torchft do:
-            for p in self.local[0]:  # workers built from other seeds would otherwise train apart, silently
+        with (
+            torch.no_grad()
+        ):  # every worker starts from the group's rank 0's theta, as DDP and torchft do:
+            for p in self.local[
+                0
+            ]:  # workers built from other seeds would otherwise train apart, silently
                 dist.broadcast(p, group_src=0, group=group)
         self.glob = [[p.detach().clone() for p in frag] for frag in self.local]  # theta
-        self.outer = torch.optim.SGD([g for frag in self.glob for g in frag], lr=outer_lr, foreach=False,
-                                     momentum=outer_momentum if nesterov else 0.0, nesterov=nesterov)
+        self.outer = torch.optim.SGD(
+            [g for frag in self.glob for g in frag],
+            lr=outer_lr,
+            foreach=False,
+            momentum=outer_momentum if nesterov else 0.0,
+            nesterov=nesterov,
+        )
 
     def after_inner_step(self, t):
         if (t + 1) % self.H == 0:
@@ -177,8 +218,10 @@ class DiLoCo:
 
     # For a restart, besides the worker's model and inner optimizer: theta and the outer momentum.
     def state_dict(self):
-        return dict(glob=[[g.detach().clone() for g in frag] for frag in self.glob],
-                    outer=self.outer.state_dict())
+        return dict(
+            glob=[[g.detach().clone() for g in frag] for frag in self.glob],
+            outer=self.outer.state_dict(),
+        )
 
     @torch.no_grad()
     def load_state_dict(self, state):
@@ -192,9 +235,12 @@ class DiLoCo:
 @dataclass
 class Exchange:
     """One fragment's pseudo-gradient in flight."""
+
     fragment: int
     lands: int  # the inner step after which its outer update is applied
-    out: torch.Tensor  # (n,) the sum over workers (all-reduce), or (M, n) every worker's (all-gather)
+    out: (
+        torch.Tensor
+    )  # (n,) the sum over workers (all-reduce), or (M, n) every worker's (all-gather)
     work: object = None  # the asynchronous collective; None once waited
 
 
@@ -202,11 +248,15 @@ def check_schedule(inner_steps, n_fragments, overlap, mix):
     """What Streaming DiLoCo's schedule relies on (check_args calls it too)."""
     H, F = inner_steps, n_fragments
     if H % F:
-        raise ValueError(f"StreamingDiLoCo: need inner_steps % fragments == 0 (got {H} % {F}): fragments "
-                         "sync H/F steps apart")
+        raise ValueError(
+            f"StreamingDiLoCo: need inner_steps % fragments == 0 (got {H} % {F}): fragments "
+            "sync H/F steps apart"
+        )
     if not 0 <= overlap < H:
-        raise ValueError(f"StreamingDiLoCo: need 0 <= overlap < inner_steps = {H} (got {overlap}): an update "
-                         "lands before its fragment's next sync")
+        raise ValueError(
+            f"StreamingDiLoCo: need 0 <= overlap < inner_steps = {H} (got {overlap}): an update "
+            "lands before its fragment's next sync"
+        )
     if not 0 <= mix < 1:
         raise ValueError(f"StreamingDiLoCo: need 0 <= mix < 1 (got {mix})")
 
@@ -219,20 +269,38 @@ class StreamingDiLoCo(DiLoCo):
     and sum in rank order in the parameters' dtype (exact). Every rank makes the same calls in the same
     order, so the same collectives are issued in the same order, as NCCL requires."""
 
-    def __init__(self, fragments, inner_steps, outer_lr=0.7, outer_momentum=0.9, nesterov=True, overlap=0,
-                 mix=0.0, wire_dtype=None, group=None):
+    def __init__(
+        self,
+        fragments,
+        inner_steps,
+        outer_lr=0.7,
+        outer_momentum=0.9,
+        nesterov=True,
+        overlap=0,
+        mix=0.0,
+        wire_dtype=None,
+        group=None,
+    ):
         H, F, every = inner_steps, len(fragments), [p for frag in fragments for p in frag]
         if not fragments or not all(fragments):
-            raise ValueError(f"StreamingDiLoCo: need at least one fragment and a parameter in each, got "
-                             f"fragment sizes {[len(f) for f in fragments]}: non-empty lists of parameters")
+            raise ValueError(
+                f"StreamingDiLoCo: need at least one fragment and a parameter in each, got "
+                f"fragment sizes {[len(f) for f in fragments]}: non-empty lists of parameters"
+            )
         if len({id(p) for p in every}) < len(every):
-            raise ValueError("StreamingDiLoCo: a parameter is in two fragments: deal each to exactly one")
+            raise ValueError(
+                "StreamingDiLoCo: a parameter is in two fragments: deal each to exactly one"
+            )
         if wire_dtype is not None and not wire_dtype.is_floating_point:
-            raise ValueError(f"StreamingDiLoCo: wire_dtype must be a float dtype (torch.bfloat16, ...), "
-                             f"not {wire_dtype}")
+            raise ValueError(
+                f"StreamingDiLoCo: wire_dtype must be a float dtype (torch.bfloat16, ...), "
+                f"not {wire_dtype}"
+            )
         check_schedule(H, F, overlap, mix)
         super().__init__(every, H, outer_lr, outer_momentum, nesterov, group)
-        theta = iter(self.glob[0])  # the same copies, the outer optimizer's, dealt into the fragments
+        theta = iter(
+            self.glob[0]
+        )  # the same copies, the outer optimizer's, dealt into the fragments
         self.local, self.glob = fragments, [[next(theta) for _ in frag] for frag in fragments]
         self.overlap, self.mix, self.wire = overlap, mix, wire_dtype
         self.offsets = [(f + 1) * H // F % H for f in range(F)]  # t + 1 = offset (mod H): a sync
@@ -245,15 +313,21 @@ class StreamingDiLoCo(DiLoCo):
     def after_inner_step(self, t):
         for f in self.syncs_after(t):
             self.pending.append(self.send(f, t + self.overlap))
-        while self.pending and self.pending[0].lands <= t:  # TAU = 0: the one just sent lands at once
+        while (
+            self.pending and self.pending[0].lands <= t
+        ):  # TAU = 0: the one just sent lands at once
             self.land(self.pending.pop(0))
 
     @torch.no_grad()
     def send(self, f, lands):
         """1. Delta_m for fragment f, flat; start its exchange; do not wait for it."""
-        delta = torch.cat([(g - p).flatten() for g, p in zip(self.glob[f], self.local[f])])  # (n,) mine
+        delta = torch.cat(
+            [(g - p).flatten() for g, p in zip(self.glob[f], self.local[f])]
+        )  # (n,) mine
         if self.wire is None:  # the sum over workers, in place, in an order that is the backend's
-            return Exchange(f, lands, delta, dist.all_reduce(delta, group=self.group, async_op=True))
+            return Exchange(
+                f, lands, delta, dist.all_reduce(delta, group=self.group, async_op=True)
+            )
         low = self.encode(delta)  # (k,) rounded once, here, by this worker
         out = low.new_empty(self.M * low.numel())  # (M k,) every worker's, in rank order
         work = dist.all_gather_single(out, low, group=self.group, async_op=True)
@@ -264,16 +338,24 @@ class StreamingDiLoCo(DiLoCo):
         pseudo-gradient of ~1e-3 would flush to 0), as bytes, with the scale's bytes appended."""
         if self.wire.itemsize > 1:
             return delta.to(self.wire)  # (n,)
-        scale = delta.abs().max().clamp_min(1e-30) / torch.finfo(self.wire).max  # () parameter dtype
+        scale = (
+            delta.abs().max().clamp_min(1e-30) / torch.finfo(self.wire).max
+        )  # () parameter dtype
         q = (delta / scale).to(self.wire)  # (n,) float8
-        return torch.cat([q.view(torch.uint8), scale.reshape(1).view(torch.uint8)])  # (n + 8,) for float64
+        return torch.cat(
+            [q.view(torch.uint8), scale.reshape(1).view(torch.uint8)]
+        )  # (n + 8,) for float64
 
     def decode(self, row, dtype):
         """One worker's wire row -> (n,) in the parameters' dtype."""
         if self.wire.itemsize > 1:
             return row.to(dtype)
-        k = torch.finfo(dtype).bits // 8  # the scale's bytes, at the end: copied out before the view, since
-        scale = row[-k:].clone().view(dtype)  # a row of n + k bytes puts them at an offset k need not divide
+        k = (
+            torch.finfo(dtype).bits // 8
+        )  # the scale's bytes, at the end: copied out before the view, since
+        scale = (
+            row[-k:].clone().view(dtype)
+        )  # a row of n + k bytes puts them at an offset k need not divide
         return row[:-k].view(self.wire).to(dtype) * scale
 
     @torch.no_grad()
@@ -321,8 +403,10 @@ class StreamingDiLoCo(DiLoCo):
 
 def check_fragment_count(n, n_blocks):
     if not 1 <= n <= n_blocks:
-        raise ValueError(f"gpt_fragments: {n} fragments of {n_blocks} blocks: a fragment holds whole blocks, "
-                         f"so 1 <= n <= {n_blocks}")
+        raise ValueError(
+            f"gpt_fragments: {n} fragments of {n_blocks} blocks: a fragment holds whole blocks, "
+            f"so 1 <= n <= {n_blocks}"
+        )
 
 
 def gpt_fragments(model, n):
@@ -334,7 +418,9 @@ def gpt_fragments(model, n):
     for i, b in enumerate(model.blocks[n:], n):
         frags[i % n] += list(b.parameters())
     frags[0] = [model.tok_emb.weight, model.pos_emb.weight] + frags[0]
-    frags[(len(model.blocks) - 1) % n] += list(model.ln_f.parameters()) + list(model.head.parameters())
+    frags[(len(model.blocks) - 1) % n] += list(model.ln_f.parameters()) + list(
+        model.head.parameters()
+    )
     return frags
 
 
@@ -343,8 +429,10 @@ def check_args(args):
     check_common_args(args)
     world = env_world_size()
     if args.batch_size % world:
-        fail(f"--batch-size {args.batch_size} is not divisible by the {world} workers; try --batch-size "
-             f"{world * max(1, args.batch_size // world)}")
+        fail(
+            f"--batch-size {args.batch_size} is not divisible by the {world} workers; try --batch-size "
+            f"{world * max(1, args.batch_size // world)}"
+        )
     try:  # the cores' own checks, before any process group exists (--inner-steps, --fragments, ...)
         check_outer(args.inner_steps, args.outer_lr, args.outer_momentum, args.outer == "nesterov")
         check_fragment_count(args.fragments, args.n_layers)
@@ -352,11 +440,18 @@ def check_args(args):
     except ValueError as e:
         fail(str(e))
     if args.check and args.dropout > 0:
-        fail(f"--check needs --dropout 0 (got {args.dropout}): the reference cannot replay every worker's "
-             "dropout stream")
-    if args.outer_dtype != "same" and torch.finfo(getattr(torch, args.outer_dtype)).bits > \
-            torch.finfo(DTYPES[args.dtype]).bits:
-        fail(f"--outer-dtype {args.outer_dtype} is wider than --dtype {args.dtype}: use --outer-dtype same")
+        fail(
+            f"--check needs --dropout 0 (got {args.dropout}): the reference cannot replay every worker's "
+            "dropout stream"
+        )
+    if (
+        args.outer_dtype != "same"
+        and torch.finfo(getattr(torch, args.outer_dtype)).bits
+        > torch.finfo(DTYPES[args.dtype]).bits
+    ):
+        fail(
+            f"--outer-dtype {args.outer_dtype} is wider than --dtype {args.dtype}: use --outer-dtype same"
+        )
 
 
 def make_inner(model, args):
@@ -392,17 +487,33 @@ def train_diloco(d, args, data, model):
     if args.fragments == 1 and args.overlap == 0 and args.mix == 0 and wire_dtype(args) is None:
         diloco = DiLoCo(model.parameters(), args.inner_steps, *outer, group=exchange)
     else:
-        diloco = StreamingDiLoCo(gpt_fragments(model, args.fragments), args.inner_steps, *outer, args.overlap,
-                                 args.mix, wire_dtype(args), group=exchange)
+        diloco = StreamingDiLoCo(
+            gpt_fragments(model, args.fragments),
+            args.inner_steps,
+            *outer,
+            args.overlap,
+            args.mix,
+            wire_dtype(args),
+            group=exchange,
+        )
     run = Run(d, args, {"model": model, "inner": inner, "diloco": diloco})
     # A host timer: loss.item() below has waited for the step's compute stream; StepTimer's device-wide
     # synchronize would also wait for the exchange on its own stream, exposing it.
-    run.timer, watch = StepTimer(torch.device("cpu")), ExchangeWatch(diloco)  # watch: measurement, below
+    run.timer, watch = (
+        StepTimer(torch.device("cpu")),
+        ExchangeWatch(diloco),
+    )  # watch: measurement, below
     comm, rows = CommCounter({"exchange": exchange}, log=True), args.batch_size // d.world
-    counted = range(max(run.start, args.steps - args.inner_steps), args.steps)  # measurement: one period
+    counted = range(
+        max(run.start, args.steps - args.inner_steps), args.steps
+    )  # measurement: one period
     for step in run.steps():
-        x, y = data.batch(step, args.batch_size, args.seq_len, args.ragged)  # (B, T) global batch, CPU
-        x, y = (t[d.rank * rows:(d.rank + 1) * rows].to(d.device) for t in (x, y))  # (B/M, T) this worker's
+        x, y = data.batch(
+            step, args.batch_size, args.seq_len, args.ragged
+        )  # (B, T) global batch, CPU
+        x, y = (
+            t[d.rank * rows : (d.rank + 1) * rows].to(d.device) for t in (x, y)
+        )  # (B/M, T) this worker's
         with comm if step in counted else contextlib.nullcontext():
             loss = inner_step(model, inner, x, y, args.clip)
             diloco.after_inner_step(step)
@@ -410,11 +521,15 @@ def train_diloco(d, args, data, model):
         dist.all_reduce(loss, group=dist.group.WORLD)
         run.end_step(step, loss.item() / d.world)
     diloco.finish()
-    peak = peak_memory_bytes(d, state_bytes(model, inner) + state_bytes_of(diloco))  # before anything else
+    peak = peak_memory_bytes(
+        d, state_bytes(model, inner) + state_bytes_of(diloco)
+    )  # before anything else
     figures = figures_of(d, args, model, diloco, comm, len(counted), data)
     figures.update(watch.figures(d, run.start, run.timer.ms))
     check = None
-    if args.check:  # theta and every worker's own weights, against the one-process simulation of M workers
+    if (
+        args.check
+    ):  # theta and every worker's own weights, against the one-process simulation of M workers
         mine = final_params(d, model, diloco)
         ref = reference(args, d.world, d.device) if d.rank == 0 else None
         check = check_against_reference(d, args, run.losses, mine, ref=ref)
@@ -428,10 +543,14 @@ def main():
         return print_table(args.table.split(","))
     d = init_dist(args.timeout)  # --- setup (same in every file) ---
     data = MarkovData(args.vocab, args.seed)
-    d.log(f"diloco.py: {d.world} workers, H {args.inner_steps}, {args.fragments} fragment(s), overlap "
-          f"{args.overlap}, outer {args.outer} lr {args.outer_lr}, wire {args.outer_dtype}; entropy floor "
-          f"{data.entropy:.4f} nats/token")
-    torch.manual_seed(args.seed + d.rank)  # dropout differs across workers, as it would on other data
+    d.log(
+        f"diloco.py: {d.world} workers, H {args.inner_steps}, {args.fragments} fragment(s), overlap "
+        f"{args.overlap}, outer {args.outer} lr {args.outer_lr}, wire {args.outer_dtype}; entropy floor "
+        f"{data.entropy:.4f} nats/token"
+    )
+    torch.manual_seed(
+        args.seed + d.rank
+    )  # dropout differs across workers, as it would on other data
     model = build_gpt(GPTConfig.from_args(args), args.seed, DTYPES[args.dtype], d.device)
     train_diloco(d, args, data, model)
 
@@ -497,19 +616,27 @@ class ExchangeWatch:
         in_flight = med([m for t, m in ms.items() if t in flying])
         other = med([m for t, m in ms.items() if t not in flying])
         per_step = sum(blocked) / max(len(step_ms), 1)
-        d.log(f"summary: exchange time {sum(own) / len(own):.1f} ms (measured, launch to completion, mean of "
-              f"{len(own)}); exposed {sum(blocked) / len(blocked):.1f} ms per exchange, {per_step:.2f} ms "
-              f"per inner step (measured: the host blocked in wait()); median step {in_flight:.1f} ms with "
-              f"an exchange in flight, {other:.1f} ms otherwise")
-        return dict(exchange_ms=own, exchange_exposed_ms=blocked, exposed_ms_per_step=per_step,
-                    exchange_steps=[[r[0], r[1]] for r in rows], step_ms_in_flight=in_flight,
-                    step_ms_other=other)
+        d.log(
+            f"summary: exchange time {sum(own) / len(own):.1f} ms (measured, launch to completion, mean of "
+            f"{len(own)}); exposed {sum(blocked) / len(blocked):.1f} ms per exchange, {per_step:.2f} ms "
+            f"per inner step (measured: the host blocked in wait()); median step {in_flight:.1f} ms with "
+            f"an exchange in flight, {other:.1f} ms otherwise"
+        )
+        return dict(
+            exchange_ms=own,
+            exchange_exposed_ms=blocked,
+            exposed_ms_per_step=per_step,
+            exchange_steps=[[r[0], r[1]] for r in rows],
+            step_ms_in_flight=in_flight,
+            step_ms_other=other,
+        )
 
 
 def state_bytes_of(diloco):
     """The global copy and the outer momentum: DiLoCo's memory on top of plain training (2 models more)."""
-    held = diloco.global_params() + [v for s in diloco.outer.state.values() for v in s.values()
-                                     if torch.is_tensor(v)]
+    held = diloco.global_params() + [
+        v for s in diloco.outer.state.values() for v in s.values() if torch.is_tensor(v)
+    ]
     return sum(t.numel() * t.element_size() for t in held)
 
 
@@ -523,27 +650,42 @@ def figures_of(d, args, model, diloco, comm, counted_steps, data):
     scales = args.fragments * elem if wire == 1 else 0  # float8: one scale per fragment
     theory = (n_params * wire + scales) / args.inner_steps
     ddp = n_params * elem
-    peak_sync = max((c["bytes"] for c in comm.calls_log), default=0)  # measured: the largest one call
-    peak_theory = max(sum(p.numel() for p in f) for f in diloco.local) * wire + (elem if wire == 1 else 0)
+    peak_sync = max(
+        (c["bytes"] for c in comm.calls_log), default=0
+    )  # measured: the largest one call
+    peak_theory = max(sum(p.numel() for p in f) for f in diloco.local) * wire + (
+        elem if wire == 1 else 0
+    )
     op = "all_gather" if wire_dtype(args) else "all_reduce"
     ring = (d.world - 1) * per_step if wire_dtype(args) else 2 * (d.world - 1) / d.world * per_step
     glob = build_gpt(GPTConfig.from_args(args), args.seed, DTYPES[args.dtype], d.device)
     with torch.no_grad():
         for n, p in glob.named_parameters():
             p.copy_(theta_by_name(model, diloco)[n])
-        x, y = (t.to(d.device) for t in data.batch(10**6, args.batch_size, args.seq_len))  # held out
+        x, y = (
+            t.to(d.device) for t in data.batch(10**6, args.batch_size, args.seq_len)
+        )  # held out
         held_out = lm_loss(glob(x), y, count_tokens(y)).item()
-    d.log(f"summary: {per_step:.0f} B handed to {op} per inner step (measured over {counted_steps} steps); "
-          f"theory P x {wire} B / H = {theory:.0f}; DDP all-reduces P x {elem} B = {ddp} B per step "
-          f"(theory): {ddp / max(per_step, 1e-9):.1f}x more; one exchange hands over at most {peak_sync} B "
-          f"(measured; the largest fragment, theory {peak_theory} B); ring bytes sent per inner step "
-          f"{ring:.0f} (theory); the final global weights' loss on a held-out batch {held_out:.4f} (floor "
-          f"{data.entropy:.4f})")
-    return dict(bytes_per_inner_step=per_step, bytes_per_inner_step_theory=theory,
-                ddp_bytes_per_step_theory=ddp, ratio_vs_ddp=ddp / max(per_step, 1e-9),
-                bytes_per_sync_max=peak_sync, bytes_per_sync_max_theory=peak_theory,
-                ring_bytes_sent_per_inner_step_theory=ring,
-                comm_table=comm.table(), held_out_loss=held_out, entropy_floor=data.entropy)
+    d.log(
+        f"summary: {per_step:.0f} B handed to {op} per inner step (measured over {counted_steps} steps); "
+        f"theory P x {wire} B / H = {theory:.0f}; DDP all-reduces P x {elem} B = {ddp} B per step "
+        f"(theory): {ddp / max(per_step, 1e-9):.1f}x more; one exchange hands over at most {peak_sync} B "
+        f"(measured; the largest fragment, theory {peak_theory} B); ring bytes sent per inner step "
+        f"{ring:.0f} (theory); the final global weights' loss on a held-out batch {held_out:.4f} (floor "
+        f"{data.entropy:.4f})"
+    )
+    return dict(
+        bytes_per_inner_step=per_step,
+        bytes_per_inner_step_theory=theory,
+        ddp_bytes_per_step_theory=ddp,
+        ratio_vs_ddp=ddp / max(per_step, 1e-9),
+        bytes_per_sync_max=peak_sync,
+        bytes_per_sync_max_theory=peak_theory,
+        ring_bytes_sent_per_inner_step_theory=ring,
+        comm_table=comm.table(),
+        held_out_loss=held_out,
+        entropy_floor=data.entropy,
+    )
 
 
 def theta_by_name(model, diloco):
@@ -564,7 +706,9 @@ def final_params(d, model, diloco):
 
 def print_table(paths):
     """The docstring's table from the --json files of dp.py (DDP) and diloco.py runs."""
-    print("| run | bytes handed per rank, whole run | loss - floor: last 100 steps | held out, final |")
+    print(
+        "| run | bytes handed per rank, whole run | loss - floor: last 100 steps | held out, final |"
+    )
     print("|---|---|---|---|")
     for path in paths:
         with open(path) as f:
@@ -572,7 +716,11 @@ def print_table(paths):
         floor = MarkovData(s["config"]["vocab"], s["config"]["seed"]).entropy
         n = len(s["losses"])
         gap = sum(s["losses"][-100:]) / len(s["losses"][-100:]) - floor
-        name = "DDP (dp.py)" if s["technique"].startswith("dp") else f"DiLoCo H={s['config']['inner_steps']}"
+        name = (
+            "DDP (dp.py)"
+            if s["technique"].startswith("dp")
+            else f"DiLoCo H={s['config']['inner_steps']}"
+        )
         held = s["figures"].get("held_out_loss")
         held = "-" if held is None else f"{held - floor:.4f}"
         print(f"| {name} | {s['comm_bytes'] * n / 1e6:.2f} MB | {gap:.4f} | {held} |")
@@ -602,7 +750,7 @@ def reference(args, M, device="cpu"):
         x, y = data.batch(t, args.batch_size, args.seq_len, args.ragged)
         rows, step_loss = args.batch_size // M, 0.0
         for m in range(M):
-            xm, ym = (v[m * rows:(m + 1) * rows].to(device) for v in (x, y))
+            xm, ym = (v[m * rows : (m + 1) * rows].to(device) for v in (x, y))
             loss = lm_loss(workers[m](xm), ym, count_tokens(ym))
             opts[m].zero_grad(set_to_none=True)
             loss.backward()
@@ -612,10 +760,14 @@ def reference(args, M, device="cpu"):
             step_loss += loss.item()
         losses.append(step_loss / M)
         for f in range(F):
-            if (t + 1) % H == (f + 1) * H // F % H:  # fragment f syncs: every worker's Delta, summed
+            if (t + 1) % H == (
+                f + 1
+            ) * H // F % H:  # fragment f syncs: every worker's Delta, summed
                 mine = [n for n in names if frag_of[n] == f]
-                deltas = [{n: theta[n] - p.detach() for n, p in w.named_parameters() if n in mine}
-                          for w in workers]
+                deltas = [
+                    {n: theta[n] - p.detach() for n, p in w.named_parameters() if n in mine}
+                    for w in workers
+                ]
                 if wire is not None:
                     deltas = [rounded(dm, wire) for dm in deltas]
                 mean = {}
@@ -630,8 +782,12 @@ def reference(args, M, device="cpu"):
     while in_flight:
         outer_update(args, theta, buf, workers, *in_flight.pop(0)[1:])
     params = {f"global.{n}": v for n, v in theta.items()}
-    params.update({f"worker{m}": torch.cat([p.detach().flatten() for p in w.parameters()])
-                   for m, w in enumerate(workers)})
+    params.update(
+        {
+            f"worker{m}": torch.cat([p.detach().flatten() for p in w.parameters()])
+            for m, w in enumerate(workers)
+        }
+    )
     return dict(losses=losses, params=params)
 
 

@@ -55,6 +55,7 @@ Run:
         --save-every 2 --fail-at-step 5                     # a worker dies; the rerun ends as if it had not
 In production, use torch.nn.parallel.DistributedDataParallel (or ddp_bucketed.py to see how it works).
 """
+
 import os
 import time
 from datetime import timedelta
@@ -64,11 +65,34 @@ from typing import Literal
 import torch
 import torch.distributed as dist
 
-from common import (DTYPES, build_gpt, close_dist, count_tokens, fail, GPTConfig, init_dist, lm_loss,
-                    make_optimizer, MarkovData)
-from harness import (check_against_reference, check_common_args, Checkpointer, CommCounter, CommonArgs,
-                     env_world_size, LiveStorages, maybe_fail, parse_args, peak_memory_bytes, Run,
-                     SavedActivations, state_bytes, StepTimer)
+from common import (
+    DTYPES,
+    build_gpt,
+    close_dist,
+    count_tokens,
+    fail,
+    GPTConfig,
+    init_dist,
+    lm_loss,
+    make_optimizer,
+    MarkovData,
+)
+from harness import (
+    check_against_reference,
+    check_common_args,
+    Checkpointer,
+    CommCounter,
+    CommonArgs,
+    env_world_size,
+    LiveStorages,
+    maybe_fail,
+    parse_args,
+    peak_memory_bytes,
+    Run,
+    SavedActivations,
+    state_bytes,
+    StepTimer,
+)
 
 
 @dataclass
@@ -77,7 +101,9 @@ class Args(CommonArgs):
     accum: int = 1  # sync: micro-batches per rank per step, one all-reduce after the last
     staleness: int = -1  # async: run in lockstep with exactly this staleness D (-1: free-running)
     max_staleness: int = 4  # async, free-running: bound on versions a gradient may lag (SSP)
-    delay_ms: float = 0.0  # async: extra compute time of worker r is r * delay_ms (makes stragglers)
+    delay_ms: float = (
+        0.0  # async: extra compute time of worker r is r * delay_ms (makes stragglers)
+    )
 
 
 # ----------------------------------------------------------------------------- 1 + 2: bulk synchronous
@@ -104,14 +130,22 @@ def sync_step(model, opt, micro_batches, loss_fn, clip=0.0, group=None):
         loss.backward()  # gradients add up in .grad across micro-batches: no communication yet
         total = total + loss.detach().double()  # on the device: no host sync per micro-batch
     params = [p for p in model.parameters() if p.requires_grad]
-    if not torch.is_tensor(total) or any(p.grad is None for p in params):  # its all-reduce would fail here
-        raise ValueError("sync_step: no micro-batches, or a parameter they gave no gradient: pass at least "
-                         "one (x, y) pair and make every trainable parameter part of the loss (or freeze it)")
+    if not torch.is_tensor(total) or any(
+        p.grad is None for p in params
+    ):  # its all-reduce would fail here
+        raise ValueError(
+            "sync_step: no micro-batches, or a parameter they gave no gradient: pass at least "
+            "one (x, y) pair and make every trainable parameter part of the loss (or freeze it)"
+        )
     # The one synchronisation of the step: SUM (not average) over ranks, because each rank's loss was
     # already divided by the global count. One all-reduce per parameter: the naive version.
     for p in params:
-        dist.all_reduce(p.grad, op=dist.ReduceOp.SUM, group=group)  # (param shape) full gradient, replicated
-    return total, clip_and_step(params, opt, clip)  # the gradients agree everywhere: the local norm is global
+        dist.all_reduce(
+            p.grad, op=dist.ReduceOp.SUM, group=group
+        )  # (param shape) full gradient, replicated
+    return total, clip_and_step(
+        params, opt, clip
+    )  # the gradients agree everywhere: the local norm is global
 
 
 # ----------------------------------------------------------------------------- 3: a parameter server
@@ -139,13 +173,19 @@ def worker_loop(model, loss_of_batch, group, side, server=0):
     loss_of_batch(model, batch id) on those weights, until told to stop. It holds no state. `group`: its
     two-rank group with the server; `side`: the gloo group of every rank that the reports travel on."""
     if dist.get_world_size(group) != 2:
-        raise ValueError(f"worker_loop: `group` must be this worker's two-rank group with the server, not "
-                         f"{dist.get_world_size(group)} rank(s): new_group([server, worker]) on every rank")
-    header = torch.zeros(2, dtype=torch.long, device=next(model.parameters()).device)  # (version, batch id)
+        raise ValueError(
+            f"worker_loop: `group` must be this worker's two-rank group with the server, not "
+            f"{dist.get_world_size(group)} rank(s): new_group([server, worker]) on every rank"
+        )
+    header = torch.zeros(
+        2, dtype=torch.long, device=next(model.parameters()).device
+    )  # (version, batch id)
     weights = flat_params(model)
     while True:
         dist.recv(header, src=server, group=group)
-        batch_id = int(header[1])  # the worker must know its batch: a host sync, off the server's path
+        batch_id = int(
+            header[1]
+        )  # the worker must know its batch: a host sync, off the server's path
         if batch_id < 0:
             return
         dist.recv(weights, src=server, group=group)
@@ -153,9 +193,15 @@ def worker_loop(model, loss_of_batch, group, side, server=0):
         model.zero_grad(set_to_none=True)
         loss = loss_of_batch(model, batch_id)
         loss.backward()
-        meta = torch.cat([loss.detach().double().reshape(1), header.double()])  # (loss, version, batch id)
-        dist.send(meta.cpu(), dst=server, group=side)  # what this gradient is, said first, on the host
-        dist.send(torch.cat([p.grad.flatten() for p in model.parameters()]), dst=server, group=group)  # (P,)
+        meta = torch.cat(
+            [loss.detach().double().reshape(1), header.double()]
+        )  # (loss, version, batch id)
+        dist.send(
+            meta.cpu(), dst=server, group=side
+        )  # what this gradient is, said first, on the host
+        dist.send(
+            torch.cat([p.grad.flatten() for p in model.parameters()]), dst=server, group=group
+        )  # (P,)
 
 
 def within_bound(version, pulled, bound):
@@ -168,15 +214,20 @@ def within_bound(version, pulled, bound):
 class Lockstep:
     """Update u applies the gradient of batch u, computed by worker u mod W on W_{max(u-D, 0)}: exactly D
     versions stale, D + 1 pulls in flight (so at least D + 1 workers)."""
+
     D: int
 
     def __post_init__(self):
         if self.D < 0:
-            raise ValueError(f"Lockstep: staleness D must be >= 0 (0: the newest weights), got {self.D}")
+            raise ValueError(
+                f"Lockstep: staleness D must be >= 0 (0: the newest weights), got {self.D}"
+            )
 
     def next_pull(self, s):  # (worker, weights version) for batch u = s.handed, once W_{u-D} exists
         u = s.handed
-        return (s.workers[u % len(s.workers)], max(u - self.D, 0)) if u <= s.version + self.D else None
+        return (
+            (s.workers[u % len(s.workers)], max(u - self.D, 0)) if u <= s.version + self.D else None
+        )
 
     def pick(self, s):  # only the gradient of batch s.version may land now
         w = s.workers[s.version % len(s.workers)]
@@ -188,19 +239,28 @@ class BoundedStaleness:
     """Stale-synchronous parallel on versions: hand the newest weights to an idle worker only while every
     gradient in flight can still land within S versions; apply an arrived gradient, oldest first, only if
     the others still can. Otherwise wait for the slowest."""
+
     S: int
 
     def __post_init__(self):
         if self.S < 0:
-            raise ValueError(f"BoundedStaleness: S must be >= 0 (0: one gradient in flight), got {self.S}")
+            raise ValueError(
+                f"BoundedStaleness: S must be >= 0 (0: one gradient in flight), got {self.S}"
+            )
 
     def next_pull(self, s):
         in_flight = [v for v, *_ in s.pending.values()] + [s.version]
-        return (s.idle[0], s.version) if s.idle and within_bound(s.version, in_flight, self.S) else None
+        return (
+            (s.idle[0], s.version)
+            if s.idle and within_bound(s.version, in_flight, self.S)
+            else None
+        )
 
     def pick(self, s):
         for w in sorted(s.arrived, key=lambda k: s.pending[k][0]):
-            if within_bound(s.version + 1, [v for k, (v, *_) in s.pending.items() if k != w], self.S):
+            if within_bound(
+                s.version + 1, [v for k, (v, *_) in s.pending.items() if k != w], self.S
+            ):
                 return w
         return None
 
@@ -209,9 +269,11 @@ def check_workers(policy, n_workers):
     """Lockstep at staleness D keeps D + 1 workers busy at once (one pull each); any policy needs one."""
     need = policy.D + 1 if isinstance(policy, Lockstep) else 1
     if n_workers < need:
-        raise ValueError(f"Server: {policy} needs at least {need} worker(s), got {n_workers}: a world of at "
-                         f"least {need + 1} ranks (torchrun --nproc_per_node={need + 1}), a two-rank group "
-                         "per worker")
+        raise ValueError(
+            f"Server: {policy} needs at least {need} worker(s), got {n_workers}: a world of at "
+            f"least {need + 1} ranks (torchrun --nproc_per_node={need + 1}), a two-rank group "
+            "per worker"
+        )
 
 
 class Server:
@@ -224,11 +286,19 @@ class Server:
     def __init__(self, model, opt, groups, side, policy, updates, clip=0.0, version=0, old=None):
         check_workers(policy, len(groups))
         self.model, self.opt, self.groups, self.side, self.policy = model, opt, groups, side, policy
-        self.workers, self.updates, self.version, self.handed = sorted(groups), updates, version, version
+        self.workers, self.updates, self.version, self.handed = (
+            sorted(groups),
+            updates,
+            version,
+            version,
+        )
         self.clip, self.old = clip, old or {}
         self.pending = {}  # worker -> (weights version, batch id) of its pull in flight
         self.sends = {}  # worker -> the works of its pull in flight: nothing older is kept alive
-        self.idle, self.arrived = list(self.workers), {}  # arrived: worker -> its report, gradient not read
+        self.idle, self.arrived = (
+            list(self.workers),
+            {},
+        )  # arrived: worker -> its report, gradient not read
         self.flat = flat_params(model)  # (P,) the layout of a flat gradient
 
     def hand_out(self):
@@ -249,7 +319,9 @@ class Server:
         side group's timeout bounds the wait)."""
         while (w := self.policy.pick(self)) is None:
             report = torch.empty(3, dtype=torch.float64)  # (loss, version, batch id), on the host
-            self.arrived[dist.recv(report, group=self.side)] = report  # from any source: returns who
+            self.arrived[dist.recv(report, group=self.side)] = (
+                report  # from any source: returns who
+            )
         return w
 
     def apply(self, w):
@@ -257,8 +329,12 @@ class Server:
         batch id), float64 on the host."""
         self.pending.pop(w)
         grad = torch.empty_like(self.flat)  # (P,) posted now: w sent it after its report
-        dist.recv(grad, src=w, group=self.groups[w])  # NCCL: the server's stream waits for it, host does not
-        for work in self.sends.pop(w):  # w answered its pull, so the send is complete: let the copy go
+        dist.recv(
+            grad, src=w, group=self.groups[w]
+        )  # NCCL: the server's stream waits for it, host does not
+        for work in self.sends.pop(
+            w
+        ):  # w answered its pull, so the send is complete: let the copy go
             work.wait()
         self.idle.append(w)
         params = list(self.model.parameters())
@@ -283,14 +359,18 @@ def check_args(args):
         if args.accum < 1:
             fail(f"--accum must be >= 1, got {args.accum}")
         if args.batch_size % k:
-            fail(f"--batch-size {args.batch_size} must be divisible by world size x --accum = {world} x "
-                 f"{args.accum}; try --batch-size {k * max(1, args.batch_size // k)}")
+            fail(
+                f"--batch-size {args.batch_size} must be divisible by world size x --accum = {world} x "
+                f"{args.accum}; try --batch-size {k * max(1, args.batch_size // k)}"
+            )
         return
     if args.accum != 1:
         fail("--mode async does not support --accum (each worker computes a whole batch)")
     if args.ckpt_dir and args.staleness < 0:
-        fail("--mode async --ckpt-dir needs --staleness D (lockstep): free-running, the order in which "
-             "gradients arrive is a race, so no resumed run can repeat the uninterrupted one")
+        fail(
+            "--mode async --ckpt-dir needs --staleness D (lockstep): free-running, the order in which "
+            "gradients arrive is a race, so no resumed run can repeat the uninterrupted one"
+        )
     if args.staleness < -1:
         fail(f"--staleness must be -1 (free-running) or >= 0, got {args.staleness}")
     try:  # the cores' own checks: the policy's bound, and the workers it keeps busy
@@ -319,7 +399,9 @@ def batch_seed(args, batch_id):
 def global_batch_loss(model, batch_id, data, args, device):
     """What a worker computes for a batch id: the loss of that whole global batch (B, T); its dropout a
     function of (seed, batch) only, so that no worker holds state a restart could lose."""
-    x, y = data.batch(batch_id, args.batch_size, args.seq_len, args.ragged)  # (B, T) a whole batch, CPU
+    x, y = data.batch(
+        batch_id, args.batch_size, args.seq_len, args.ragged
+    )  # (B, T) a whole batch, CPU
     n_tok = count_tokens(y)
     x, y = to_device(device, x, y)
     torch.manual_seed(batch_seed(args, batch_id))
@@ -331,38 +413,69 @@ def main():
     check_args(args)
     d = init_dist(args.timeout)
     data = MarkovData(args.vocab, args.seed)
-    d.log(f"dp.py --mode {args.mode}: world {d.world} on {d.backend}, "
-          f"entropy floor {data.entropy:.4f} nats/token")
-    torch.manual_seed(args.seed + d.rank)  # dropout differs across ranks, as it would on different data
+    d.log(
+        f"dp.py --mode {args.mode}: world {d.world} on {d.backend}, "
+        f"entropy floor {data.entropy:.4f} nats/token"
+    )
+    torch.manual_seed(
+        args.seed + d.rank
+    )  # dropout differs across ranks, as it would on different data
     model = build_gpt(GPTConfig.from_args(args), args.seed, DTYPES[args.dtype], d.device)
-    if args.mode == "sync":  # 1 + 2: everyone starts from rank 0's weights (they agree already: one seed)
+    if (
+        args.mode == "sync"
+    ):  # 1 + 2: everyone starts from rank 0's weights (they agree already: one seed)
         for p in model.parameters():
             dist.broadcast(p.data, src=0, group=dist.group.WORLD)
         opt = make_optimizer(model.parameters(), args)
-        run, rows = Run(d, args, {"model": model, "optim": opt}), args.batch_size // d.world  # resume, log
+        run, rows = (
+            Run(d, args, {"model": model, "optim": opt}),
+            args.batch_size // d.world,
+        )  # resume, log
         refuse_checkpoint(args, run.start and "used" in run.history, "async", "sync")
-        comm, at = CommCounter(), min(max(run.start, 1), args.steps - 1)  # measured: a step bench.py skips
+        comm, at = (
+            CommCounter(),
+            min(max(run.start, 1), args.steps - 1),
+        )  # measured: a step bench.py skips
         for step in run.steps():
-            x, y = data.batch(step, args.batch_size, args.seq_len, args.ragged)  # (B, T) global batch, CPU
-            n_tok = count_tokens(y)  # tokens of the whole global batch: every micro-batch loss divides by it
-            x, y = to_device(d.device, *(t[d.rank * rows:(d.rank + 1) * rows] for t in (x, y)))  # (B/N, T)
+            x, y = data.batch(
+                step, args.batch_size, args.seq_len, args.ragged
+            )  # (B, T) global batch, CPU
+            n_tok = count_tokens(
+                y
+            )  # tokens of the whole global batch: every micro-batch loss divides by it
+            x, y = to_device(
+                d.device, *(t[d.rank * rows : (d.rank + 1) * rows] for t in (x, y))
+            )  # (B/N, T)
             micro = zip(x.chunk(args.accum), y.chunk(args.accum))  # K micro-batches of (B/(N*K), T)
             with run.watching(step, comm, at=at):
-                loss, _ = sync_step(model, opt, micro, lambda m, xm, ym: lm_loss(m(xm), ym, n_tok), args.clip)
-            dist.all_reduce(loss, group=dist.group.WORLD)  # the global batch's loss, for the log line only
+                loss, _ = sync_step(
+                    model, opt, micro, lambda m, xm, ym: lm_loss(m(xm), ym, n_tok), args.clip
+                )
+            dist.all_reduce(
+                loss, group=dist.group.WORLD
+            )  # the global batch's loss, for the log line only
             run.end_step(step, loss.item())
         return sync_summary(d, args, run, model, opt, comm, data, at)
     # 3: a parameter server on rank 0, a worker on every other rank, each pair on its own group (see above)
-    groups = {w: dist.new_group([0, w]) for w in range(1, d.world)}  # every rank makes them, in one order
-    side = dist.new_group(backend="gloo", timeout=timedelta(seconds=args.timeout))  # the reports (see above)
-    if d.rank > 0:  # a worker holds no state: it only agrees with the server on the step it resumes from
+    groups = {
+        w: dist.new_group([0, w]) for w in range(1, d.world)
+    }  # every rank makes them, in one order
+    side = dist.new_group(
+        backend="gloo", timeout=timedelta(seconds=args.timeout)
+    )  # the reports (see above)
+    if (
+        d.rank > 0
+    ):  # a worker holds no state: it only agrees with the server on the step it resumes from
         agree_on_resume(d, args)
 
         def loss_of_batch(m, batch_id):
-            if batch_id >= args.fail_at_step >= 0:  # --fail-at-step: the last worker dies at this batch
+            if (
+                batch_id >= args.fail_at_step >= 0
+            ):  # --fail-at-step: the last worker dies at this batch
                 maybe_fail(d, args, args.fail_at_step)
             time.sleep(d.rank * args.delay_ms / 1e3)  # --delay-ms: a straggler, if asked for
             return global_batch_loss(m, batch_id, data, args, d.device)
+
         worker_loop(model, loss_of_batch, groups[d.rank], side)
         return worker_summary(d, args, model)
     opt = make_optimizer(model.parameters(), args)
@@ -376,11 +489,15 @@ def main():
     sent = watch_sends(server)  # measurement: the bytes handed to its sends, the sent copies alive
     server.hand_out()
     for step in run.steps():
-        keep_versions(args, run, model)  # --ckpt-dir in lockstep: the weights the pulls in flight were sent
+        keep_versions(
+            args, run, model
+        )  # --ckpt-dir in lockstep: the weights the pulls in flight were sent
         report = server.apply(server.next_to_apply())
         server.hand_out()  # the next pulls leave before the host reads anything back
         loss, version, batch_id = report.tolist()  # as the worker reports it
-        record(run, int(version), int(batch_id))  # the versions used and batch ids: figures, --check, resume
+        record(
+            run, int(version), int(batch_id)
+        )  # the versions used and batch ids: figures, --check, resume
         run.end_step(step, loss)
     server.stop()
     server_summary(d, args, run, model, opt, sent)
@@ -391,8 +508,10 @@ def main():
 # line, checkpoints): the resume's extra history, the counters, the summaries and --check.
 def refuse_checkpoint(args, refuse, theirs, ours):
     if refuse:
-        fail(f"--ckpt-dir {args.ckpt_dir} holds a --mode {theirs} checkpoint, this run is --mode {ours}: use "
-             "another --ckpt-dir")
+        fail(
+            f"--ckpt-dir {args.ckpt_dir} holds a --mode {theirs} checkpoint, this run is --mode {ours}: use "
+            "another --ckpt-dir"
+        )
 
 
 def sync_summary(d, args, run, model, opt, comm, data, at):
@@ -401,7 +520,9 @@ def sync_summary(d, args, run, model, opt, comm, data, at):
     step: nothing of training changes); the peak before --check trains the reference."""
     rows = args.batch_size // d.world
     x, y = data.batch(at, args.batch_size, args.seq_len, args.ragged)
-    x, y = (t[d.rank * rows:(d.rank + 1) * rows].chunk(args.accum)[0].to(d.device) for t in (x, y))
+    x, y = (
+        t[d.rank * rows : (d.rank + 1) * rows].chunk(args.accum)[0].to(d.device) for t in (x, y)
+    )
     with SavedActivations() as acts:
         lm_loss(model(x), y, count_tokens(y))
     figures = sync_figures(d, comm, acts.bytes)
@@ -430,7 +551,9 @@ def resumed_versions(d, args, run):
 def keep_versions(args, run, model):
     """In lockstep with --ckpt-dir, a restart needs the weights the last D pulls in flight were sent."""
     if args.staleness > 0 and args.ckpt_dir:
-        run.history["recent"] = (run.history.get("recent", []) + [flat_params(model)])[-args.staleness:]
+        run.history["recent"] = (run.history.get("recent", []) + [flat_params(model)])[
+            -args.staleness :
+        ]
 
 
 def record(run, version, batch_id):
@@ -447,7 +570,9 @@ def watch_sends(server):
         def call(*a):
             with sent:
                 return method(*a)
+
         return call
+
     server.hand_out, server.stop = counted(server.hand_out), counted(server.stop)
     return sent
 
@@ -458,9 +583,15 @@ def server_summary(d, args, run, model, opt, sent):
     peak = peak_memory_bytes(d, state_bytes(model, opt))  # before --check trains the reference
     check = None
     if args.check:  # replay the versions the run used; in lockstep, the ones the rule prescribes
-        ref = delayed_reference(args, [max(t - D, 0) for t in range(args.steps)] if D >= 0 else used,
-                                list(range(args.steps)) if D >= 0 else batches, d.device)
-        check = check_against_reference(d, args, run.losses, dict(model.named_parameters()), ref=ref)
+        ref = delayed_reference(
+            args,
+            [max(t - D, 0) for t in range(args.steps)] if D >= 0 else used,
+            list(range(args.steps)) if D >= 0 else batches,
+            d.device,
+        )
+        check = check_against_reference(
+            d, args, run.losses, dict(model.named_parameters()), ref=ref
+        )
     run.finish("dp-async", peak, figures["server_bytes_sent_per_update"], check, figures)
 
 
@@ -492,27 +623,44 @@ class SentCopies(CommCounter):
 def sync_figures(d, comm, saved):
     sent, calls = comm.total("all_reduce"), comm.total("all_reduce", what="calls")
     ring = 2 * (d.world - 1) / d.world * sent
-    d.log(f"summary: all-reduce payload {sent} B/step/rank (measured) in {calls} all-reduces; bytes a rank "
-          f"sends in a ring all-reduce, theory 2(N-1)/N x payload = {ring:.0f} B; saved activations per "
-          f"micro-batch {saved} B (measured)")
-    return dict(all_reduces_per_step=calls, allreduce_payload_bytes=sent, ring_bytes_sent_theory=ring,
-                activation_bytes_saved_per_microbatch=saved)
+    d.log(
+        f"summary: all-reduce payload {sent} B/step/rank (measured) in {calls} all-reduces; bytes a rank "
+        f"sends in a ring all-reduce, theory 2(N-1)/N x payload = {ring:.0f} B; saved activations per "
+        f"micro-batch {saved} B (measured)"
+    )
+    return dict(
+        all_reduces_per_step=calls,
+        allreduce_payload_bytes=sent,
+        ring_bytes_sent_theory=ring,
+        activation_bytes_saved_per_microbatch=saved,
+    )
 
 
 def async_figures(d, args, run, sent, used, batches, model):
-    stale = [t - v for t, v in enumerate(used)]  # versions reported by the workers that computed them
+    stale = [
+        t - v for t, v in enumerate(used)
+    ]  # versions reported by the workers that computed them
     bound = args.staleness if args.staleness >= 0 else args.max_staleness
     per_update = sent.total("send") // max(args.steps - run.start, 1)  # measured at the sends
     model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     copies = sent.peak // model_bytes  # weight copies (a header is 16 bytes)
-    d.log(f"summary: staleness min {min(stale)} / mean {sum(stale) / len(stale):.2f} / max {max(stale)} "
-          f"(bound {bound}); the server sent {per_update} B per update (measured; weights {model_bytes} B + "
-          f"header); sent weight copies alive at most {copies} (measured; theory: one per pull in flight, "
-          f"min(workers, bound + 1) = {min(d.world - 1, bound + 1)})")
-    return dict(staleness_min=min(stale), staleness_mean=sum(stale) / len(stale), staleness_max=max(stale),
-                staleness_bound=bound, used_versions=used, batch_ids=batches,
-                server_bytes_sent_per_update=per_update, sent_weight_copies_alive_max=copies,
-                sent_bytes_alive_max=sent.peak)
+    d.log(
+        f"summary: staleness min {min(stale)} / mean {sum(stale) / len(stale):.2f} / max {max(stale)} "
+        f"(bound {bound}); the server sent {per_update} B per update (measured; weights {model_bytes} B + "
+        f"header); sent weight copies alive at most {copies} (measured; theory: one per pull in flight, "
+        f"min(workers, bound + 1) = {min(d.world - 1, bound + 1)})"
+    )
+    return dict(
+        staleness_min=min(stale),
+        staleness_mean=sum(stale) / len(stale),
+        staleness_max=max(stale),
+        staleness_bound=bound,
+        used_versions=used,
+        batch_ids=batches,
+        server_bytes_sent_per_update=per_update,
+        sent_weight_copies_alive_max=copies,
+        sent_bytes_alive_max=sent.peak,
+    )
 
 
 # --- reference for --check ---
@@ -521,19 +669,26 @@ def delayed_reference(args, used_versions, batch_ids, device="cpu"):
     weights of version `used_versions[t]` (W_{t-D} in lockstep): W_{t+1} = AdamW(W_t, clip(g(W_used)))."""
     data = MarkovData(args.vocab, args.seed)
     model = build_gpt(GPTConfig.from_args(args), args.seed, DTYPES[args.dtype], device)
-    stale = build_gpt(GPTConfig.from_args(args), args.seed, DTYPES[args.dtype], device)  # holds W_used
+    stale = build_gpt(
+        GPTConfig.from_args(args), args.seed, DTYPES[args.dtype], device
+    )  # holds W_used
     opt = make_optimizer(model.parameters(), args)
     history, losses = [flat_params(model).clone()], []
     for t in range(args.steps):
         load_flat_(stale, history[used_versions[t]])
-        x, y = (v.to(device) for v in data.batch(batch_ids[t], args.batch_size, args.seq_len, args.ragged))
+        x, y = (
+            v.to(device)
+            for v in data.batch(batch_ids[t], args.batch_size, args.seq_len, args.ragged)
+        )
         torch.manual_seed(batch_seed(args, batch_ids[t]))  # the worker's dropout
         loss = lm_loss(stale(x), y, count_tokens(y))
         grads = torch.autograd.grad(loss, list(stale.parameters()))
         for p, g in zip(model.parameters(), grads):
             p.grad = g
         if args.clip > 0:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)  # torch's clipping, independently
+            torch.nn.utils.clip_grad_norm_(
+                model.parameters(), args.clip
+            )  # torch's clipping, independently
         opt.step()
         history.append(flat_params(model).clone())
         losses.append(loss.item())

@@ -78,6 +78,7 @@ least at Young/Daly's tau = sqrt(2 C M): C = 1 min gives tau = 19 min, and with 
 restarts: ~ (t + T_r/R) / M per failure: t = 10 s, T_r = 10 min, R = 8 replicas is 85 s / 3.1 h = 0.8%.
 In production, use torchft (its Manager, ProcessGroupBabyNCCL and lighthouse) with torchtitan.
 """
+
 import math, os, signal, statistics, subprocess, sys, threading, time
 from collections import Counter
 from dataclasses import astuple, dataclass
@@ -87,43 +88,83 @@ from typing import Literal
 import torch
 import torch.distributed as dist
 
-from common import DTYPES, Dist, GPTConfig, MarkovData, build_gpt, count_tokens, fail, lm_loss, make_optimizer
+from common import (
+    DTYPES,
+    Dist,
+    GPTConfig,
+    MarkovData,
+    build_gpt,
+    count_tokens,
+    fail,
+    lm_loss,
+    make_optimizer,
+)
 from harness import CommonArgs, check_common_args, log_step, parse_args, tolerance, write_summary
 
 
-PHASES = Literal["before", "join", "group", "during", "after"]  # where --kill/--freeze-replica strike
+PHASES = Literal[
+    "before", "join", "group", "during", "after"
+]  # where --kill/--freeze-replica strike
 
 
 @dataclass
 class Args(CommonArgs):
     batch_size: int = 12  # global batch, in sequences: R shards of B/R (divisible by 2, 3, 4)
     replicas: int = 3  # R replica processes, each holding the whole model
-    join_ms: float = 300.0  # a quorum closes when every live replica checked in, or this long after one did
-    min_replicas: int = 1  # a smaller quorum does not train: its members wait for replicas to come back
+    join_ms: float = (
+        300.0  # a quorum closes when every live replica checked in, or this long after one did
+    )
+    min_replicas: int = (
+        1  # a smaller quorum does not train: its members wait for replicas to come back
+    )
     kill_replica: int = -1  # SIGKILL this replica (first life only) at --at-step, in --phase
     at_step: int = -1  # the step of --kill-replica and of --corrupt-replica
     freeze_replica: int = -1  # SIGSTOP this replica (first life only) at --at-step, in --phase
-    phase: PHASES = "during"  # before its check-in, after its round closed, before group/all-reduce/vote
-    max_restarts: int = 1  # the launcher restarts a killed replica (or, --recipe restart, the job) this often
-    recipe: Literal["live", "restart"] = "live"  # live recovery, or the whole job restarts from --ckpt-dir
-    spike_sigma: float = 6.0  # a loss above the mean of the last 16 by this many standard deviations
+    phase: PHASES = (
+        "during"  # before its check-in, after its round closed, before group/all-reduce/vote
+    )
+    max_restarts: int = (
+        1  # the launcher restarts a killed replica (or, --recipe restart, the job) this often
+    )
+    recipe: Literal["live", "restart"] = (
+        "live"  # live recovery, or the whole job restarts from --ckpt-dir
+    )
+    spike_sigma: float = (
+        6.0  # a loss above the mean of the last 16 by this many standard deviations
+    )
     max_skips: int = 2  # after this many skipped steps in a row, roll back to the snapshot
     snapshot_every: int = 4  # take the in-memory rollback snapshot every N steps
-    inject_spike: str = ""  # comma-separated batch ids whose loss is multiplied by 1e4 (a spike, for tests)
+    inject_spike: str = (
+        ""  # comma-separated batch ids whose loss is multiplied by 1e4 (a spike, for tests)
+    )
     verify_every: int = 0  # compare the replicas' weight checksums every N steps (0: never)
-    corrupt_replica: int = -1  # perturb this replica's weights at the start of --at-step (first life only)
+    corrupt_replica: int = (
+        -1
+    )  # perturb this replica's weights at the start of --at-step (first life only)
     host: str = "127.0.0.1"  # the coordinator binds here (an address the replicas' nodes reach)
-    ckpt_dir: str = ""  # --recipe restart only: the job's one state.pt (live recovery reads no disk)
+    ckpt_dir: str = (
+        ""  # --recipe restart only: the job's one state.pt (live recovery reads no disk)
+    )
     save_every: int = 0  # --recipe restart: write the state every N steps
-    timeout: int = 120  # seconds, every wait's deadline: a collective, a round, a vote (a hung peer is left)
+    timeout: int = (
+        120  # seconds, every wait's deadline: a collective, a round, a vote (a hung peer is left)
+    )
     coordinator: str = ""  # (set by the launcher) host:port of the coordinator's store
     replica: int = -1  # (set by the launcher) this process's replica id; -1: be the launcher
     life: int = 0  # (set by the launcher) how many times this replica was started before
-    HIDDEN = ("coordinator", "replica", "life", "fail_at_step", "dropout")  # out of --help (and refused)
+    HIDDEN = (
+        "coordinator",
+        "replica",
+        "life",
+        "fail_at_step",
+        "dropout",
+    )  # out of --help (and refused)
 
 
 # ----------------------------------------------------------------------------- 1. the quorum
-CLOSED = 1 << 20  # added to a round's check-in count to close it: a later check-in sees a count above it
+CLOSED = (
+    1 << 20
+)  # added to a round's check-in count to close it: a later check-in sees a count above it
 
 
 @dataclass
@@ -141,13 +182,17 @@ def members_of(store, k):
     members = {}
     for i in range(1, int(store.get(f"q{k}/size")) + 1):
         m = Member(*map(int, store.get(f"q{k}/slot{i}").split()))
-        members[m.rid] = m  # a replica restarted after checking in: its newer life replaces the dead one
+        members[m.rid] = (
+            m  # a replica restarted after checking in: its newer life replaces the dead one
+        )
     return sorted(members.values(), key=lambda m: m.rid)
 
 
 def check_round(k, window_s, timeout_s):
     if k < 0 or window_s <= 0 or timeout_s <= 0:
-        raise ValueError(f"join_round needs k >= 0, window_s, timeout_s > 0, got {k, window_s, timeout_s}")
+        raise ValueError(
+            f"join_round needs k >= 0, window_s, timeout_s > 0, got {k, window_s, timeout_s}"
+        )
 
 
 def join_round(store, k, me, expected, window_s, timeout_s):
@@ -164,11 +209,15 @@ def join_round(store, k, me, expected, window_s, timeout_s):
     while not store.check([f"q{k}/size"]):
         n, alive, waited = store.add(f"q{k}/n", 0), expected(), time.monotonic() - t0
         if n >= alive or (waited > window_s and 2 * n > alive):
-            n = store.add(f"q{k}/n", CLOSED)  # atomic: whoever gets n < 2 * CLOSED closed it, at n - CLOSED
+            n = store.add(
+                f"q{k}/n", CLOSED
+            )  # atomic: whoever gets n < 2 * CLOSED closed it, at n - CLOSED
             if n < 2 * CLOSED:
                 store.set(f"q{k}/size", str(n - CLOSED))
                 store.set("round", str(k))  # where a newly started replica begins to look
-        elif waited > window_s + 4 * timeout_s:  # (the others may still be ending a round, whose group,
+        elif (
+            waited > window_s + 4 * timeout_s
+        ):  # (the others may still be ending a round, whose group,
             # collectives and vote each wait up to timeout_s)
             raise TimeoutError(f"round {k}: {n} of {alive} live replicas checked in, no majority")
         time.sleep(0.001)
@@ -179,7 +228,9 @@ def rank_in(members, me):
     """me's rank in the quorum's group: its place among the members (sorted by id, as join_round's)."""
     rids = [m.rid for m in members]
     if me.rid not in rids or rids != sorted(set(rids)):
-        raise ValueError(f"replica {me.rid} must be one of the members {rids}, each once, sorted by id")
+        raise ValueError(
+            f"replica {me.rid} must be one of the members {rids}, each once, sorted by id"
+        )
     return rids.index(me.rid)
 
 
@@ -206,17 +257,27 @@ def vote(store, k, members, me, ok, timeout_s):
     per version: a quorum holding an older state, or open beside another, can never commit)."""
     rank_in(members, me)  # (refuses a `me` outside the members)
     if timeout_s <= 0:
-        raise ValueError(f"vote needs timeout_s > 0 (else it aborts before the others vote), got {timeout_s}")
-    base = decided_before(store, k, timeout_s)  # the rounds before k are decided: at most one in flight
+        raise ValueError(
+            f"vote needs timeout_s > 0 (else it aborts before the others vote), got {timeout_s}"
+        )
+    base = decided_before(
+        store, k, timeout_s
+    )  # the rounds before k are decided: at most one in flight
     store.set(f"q{k}/vote{me.rid}", "yes" if ok else "no")
     keys, dead = [f"q{k}/vote{m.rid}" for m in members], [f"dead/{m.rid}.{m.life}" for m in members]
     current, t0 = max(m.version for m in members) >= base, time.monotonic()
     while not store.check([f"q{k}/decision"]):
         votes = [store.get(key) for key in keys if store.check([key])]
-        if (len(votes) == len(keys) or b"no" in votes or any(store.check([d]) for d in dead)
-                or time.monotonic() - t0 > timeout_s):
+        if (
+            len(votes) == len(keys)
+            or b"no" in votes
+            or any(store.check([d]) for d in dead)
+            or time.monotonic() - t0 > timeout_s
+        ):
             yes = votes.count(b"yes") == len(keys) and current
-            store.compare_set(f"q{k}/decision", "", f"commit {base + 1}" if yes else f"abort {base}")
+            store.compare_set(
+                f"q{k}/decision", "", f"commit {base + 1}" if yes else f"abort {base}"
+            )
         time.sleep(0.001)
     return store.get(f"q{k}/decision").startswith(b"commit")
 
@@ -241,9 +302,14 @@ class Bounded:
         return Deadline(self, self.pg.broadcast(tensor, src))
 
     def abort(self):
-        if self.pg is not None:  # NCCL: abort() ends the kernels. gloo: only freeing the group closes its
+        if (
+            self.pg is not None
+        ):  # NCCL: abort() ends the kernels. gloo: only freeing the group closes its
             self.pg.abort()  # connections (a peer waiting on this member is let go), and that waits for the
-            dropped, self.pg = [self.pg], None  # hung work: so the group is freed on a thread of its own
+            dropped, self.pg = (
+                [self.pg],
+                None,
+            )  # hung work: so the group is freed on a thread of its own
             threading.Thread(target=dropped.clear, daemon=True).start()
 
 
@@ -254,7 +320,9 @@ class Deadline:
 
     def wait(self):
         try:
-            self.work.wait(self.group.deadline)  # the host waits until done or the deadline, then raises
+            self.work.wait(
+                self.group.deadline
+            )  # the host waits until done or the deadline, then raises
         except Exception:
             self.group.abort()
             raise
@@ -304,19 +372,29 @@ class Replica:
     allocates them from its own model and optimizer: same shapes, same dtypes, same order on every member)."""
 
     def __init__(self, model, opt, steps):
-        if type(opt).__name__ not in ("Adam", "AdamW") or any(g["amsgrad"] for g in opt.param_groups):
-            raise ValueError(f"Replica sends Adam(W)'s exp_avg, exp_avg_sq, step, not {type(opt).__name__}'s "
-                             "or amsgrad's: give it torch.optim.AdamW, or Adam without amsgrad")
+        if type(opt).__name__ not in ("Adam", "AdamW") or any(
+            g["amsgrad"] for g in opt.param_groups
+        ):
+            raise ValueError(
+                f"Replica sends Adam(W)'s exp_avg, exp_avg_sq, step, not {type(opt).__name__}'s "
+                "or amsgrad's: give it torch.optim.AdamW, or Adam without amsgrad"
+            )
         self.model, self.opt, self.steps = model, opt, steps
         self.params = [p for p in model.parameters() if p.requires_grad]
-        for p in self.params:  # AdamW's state, made now as its first step() would: one form at every step
-            opt.state[p] = dict(step=torch.tensor(0.0), exp_avg=torch.zeros_like(p),
-                                exp_avg_sq=torch.zeros_like(p))
-        self.tensors = self.params + [opt.state[p][key] for key in ("exp_avg", "exp_avg_sq", "step")
-                                      for p in self.params]  # everything that a step changes in place
+        for p in (
+            self.params
+        ):  # AdamW's state, made now as its first step() would: one form at every step
+            opt.state[p] = dict(
+                step=torch.tensor(0.0), exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p)
+            )
+        self.tensors = self.params + [
+            opt.state[p][key] for key in ("exp_avg", "exp_avg_sq", "step") for p in self.params
+        ]  # everything that a step changes in place
         self.version, self.step, self.batch, self.skips = 0, 0, 0, 0
         self.losses = []  # the loss of every applied update: the spike detector's history
-        self.snapshot = self.on_host()  # what a rollback restores (a recent step's core, on the host)
+        self.snapshot = (
+            self.on_host()
+        )  # what a rollback restores (a recent step's core, on the host)
 
     def core(self):
         """weights, exp_avg, exp_avg_sq, AdamW steps (the live tensors), then the counters and the losses as
@@ -333,14 +411,14 @@ class Replica:
             t.detach().copy_(v)
         meta = core[-1].tolist()
         self.version, self.step, self.batch, self.skips, n_losses = map(int, meta[:5])
-        self.losses = meta[5:5 + n_losses]
+        self.losses = meta[5 : 5 + n_losses]
 
     def full(self):  # core + snapshot: everything a recovering replica needs
         return self.core() + self.snapshot
 
     def load_full(self, tensors):
-        self.load_core(tensors[:len(tensors) // 2])
-        self.snapshot = [t.to("cpu", copy=True) for t in tensors[len(tensors) // 2:]]
+        self.load_core(tensors[: len(tensors) // 2])
+        self.snapshot = [t.to("cpu", copy=True) for t in tensors[len(tensors) // 2 :]]
 
 
 def checksum(params, chunk=1 << 20):
@@ -349,7 +427,9 @@ def checksum(params, chunk=1 << 20):
     total, at = torch.zeros((), dtype=torch.long, device=params[0].device), 0
     for p in params:
         for b in p.detach().reshape(-1).view(torch.uint8).split(chunk):  # (<= chunk,) bytes
-            total += (b.long() * (torch.arange(at, at + b.numel(), device=b.device) % 251 + 1)).sum()
+            total += (
+                b.long() * (torch.arange(at, at + b.numel(), device=b.device) % 251 + 1)
+            ).sum()
             at += b.numel()
     return total
 
@@ -359,11 +439,19 @@ def sync_state(pg, members, me, rep, verify):
     their checksums (one slot each): one that differs from the majority is corrupt. 2. The lowest newest
     member with the majority checksum broadcasts its whole state to the members behind (a restarted replica
     recovers live) and the corrupt (repaired). Returns (corrupt ids, receiving ids, bytes broadcast)."""
-    i_me, newest, device = rank_in(members, me), max(m.version for m in members), rep.params[0].device
+    i_me, newest, device = (
+        rank_in(members, me),
+        max(m.version for m in members),
+        rep.params[0].device,
+    )
     if pg.size() != len(members):
-        raise ValueError(f"sync_state needs the quorum's group, of {len(members)} members: got {pg.size()}")
+        raise ValueError(
+            f"sync_state needs the quorum's group, of {len(members)} members: got {pg.size()}"
+        )
     if newest < 0:
-        raise RuntimeError("no member of the quorum holds a state to recover from")  # (a later quorum may)
+        raise RuntimeError(
+            "no member of the quorum holds a state to recover from"
+        )  # (a later quorum may)
     up = [i for i, m in enumerate(members) if m.version == newest]
     sums = torch.zeros(len(members), dtype=torch.long, device=device)
     if verify:
@@ -371,7 +459,9 @@ def sync_state(pg, members, me, rep, verify):
             sums[i_me] = checksum(rep.params)
         pg.allreduce([sums]).wait()  # (members,) every member's checksum, everywhere
     votes = Counter(sums[i].item() for i in up)
-    best = max(votes, key=lambda c: (votes[c], -min(i for i in up if sums[i] == c)))  # majority, then lowest
+    best = max(
+        votes, key=lambda c: (votes[c], -min(i for i in up if sums[i] == c))
+    )  # majority, then lowest
     bad = [i for i in up if sums[i] != best]
     src = min(i for i in up if sums[i] == best)
     receivers = [i for i, m in enumerate(members) if m.version < newest or i in bad]
@@ -379,7 +469,9 @@ def sync_state(pg, members, me, rep, verify):
         return [], [], 0
     # one broadcast per tensor, all in flight, in its dtype and on the device (NCCL's: the snapshot and
     # AdamW's step counts live on the host); a receiver's own state gives the shapes
-    state = [t.to(device) if i_me == src else torch.empty_like(t, device=device) for t in rep.full()]
+    state = [
+        t.to(device) if i_me == src else torch.empty_like(t, device=device) for t in rep.full()
+    ]
     for work in [pg.broadcast(t, src) for t in state]:
         work.wait()
     if i_me in receivers:
@@ -391,14 +483,16 @@ def sync_state(pg, members, me, rep, verify):
 # ----------------------------------------------------------------------------- 4. the step
 def check_shard(rows, rid, replicas):
     if replicas < 1 or rows % replicas or not 0 <= rid < replicas:
-        raise ValueError(f"replica {rid} of {replicas} needs an id in 0..{replicas - 1} and a batch of rows "
-                         f"divisible by {replicas} (each owns a shard), got {rows}")
+        raise ValueError(
+            f"replica {rid} of {replicas} needs an id in 0..{replicas - 1} and a batch of rows "
+            f"divisible by {replicas} (each owns a shard), got {rows}"
+        )
 
 
 def shard(x, y, rid, replicas):
     check_shard(x.shape[0], rid, replicas)
     rows = x.shape[0] // replicas  # replica rid always owns these rows of the global batch
-    return x[rid * rows:(rid + 1) * rows], y[rid * rows:(rid + 1) * rows]  # (B/R, T) each
+    return x[rid * rows : (rid + 1) * rows], y[rid * rows : (rid + 1) * rows]  # (B/R, T) each
 
 
 def local_grads(model, x, y, members, me, replicas, loss_fn, count):
@@ -415,8 +509,12 @@ def local_grads(model, x, y, members, me, replicas, loss_fn, count):
 def allreduce_grads(pg, params, loss):
     """One all-reduce of the flat gradient and the loss over the quorum; returns the participants' loss."""
     if any(p.grad is None for p in params):
-        raise ValueError("a parameter has no gradient: every replica's loss must reach every parameter")
-    flat = torch.cat([p.grad.reshape(-1) for p in params] + [loss.reshape(1).to(params[0].grad.dtype)])
+        raise ValueError(
+            "a parameter has no gradient: every replica's loss must reach every parameter"
+        )
+    flat = torch.cat(
+        [p.grad.reshape(-1) for p in params] + [loss.reshape(1).to(params[0].grad.dtype)]
+    )
     pg.allreduce([flat]).wait()  # (P + 1,) SUM over the members
     for p, g in zip(params, flat[:-1].split([p.numel() for p in params])):
         p.grad.copy_(g.view_as(p))
@@ -440,7 +538,9 @@ def agree(pg, flag, device):
 
 def check_update(max_skips, snapshot_every):
     if max_skips < 1 or snapshot_every < 1:
-        raise ValueError(f"max_skips and snapshot_every must be >= 1, got {max_skips} and {snapshot_every}")
+        raise ValueError(
+            f"max_skips and snapshot_every must be >= 1, got {max_skips} and {snapshot_every}"
+        )
 
 
 def apply_update(rep, loss, spike, norm, clip, max_skips, snapshot_every):
@@ -462,7 +562,11 @@ def apply_update(rep, loss, spike, norm, clip, max_skips, snapshot_every):
         return "skip"
     version, batch = rep.version, rep.batch
     rep.load_core(rep.snapshot)  # weights, AdamW, step and loss history of the snapshot's step
-    rep.version, rep.batch, rep.skips = version, batch, 0  # but the data goes on: the bad batches are skipped
+    rep.version, rep.batch, rep.skips = (
+        version,
+        batch,
+        0,
+    )  # but the data goes on: the bad batches are skipped
     return "rollback"
 
 
@@ -470,7 +574,9 @@ def check_args(args):
     check_common_args(args)
     R = args.replicas
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        fail("start it with python fault_tolerance.py --replicas R, not torchrun: it starts its own replicas")
+        fail(
+            "start it with python fault_tolerance.py --replicas R, not torchrun: it starts its own replicas"
+        )
     try:  # the cores' own checks: --batch-size and --replicas, --join-ms, --max-skips, --snapshot-every
         check_shard(args.batch_size, 0, R), check_round(0, args.join_ms / 1e3, args.timeout)
         check_update(args.max_skips, args.snapshot_every)
@@ -479,13 +585,19 @@ def check_args(args):
     for name in ("kill_replica", "corrupt_replica", "freeze_replica"):
         v = getattr(args, name)
         if v >= 0 and not (v < R and 0 <= args.at_step < args.steps):
-            fail(f"--{name.replace('_', '-')} {v} needs a replica in 0..{R - 1} and --at-step in "
-                 f"0..{args.steps - 1}, got --at-step {args.at_step}")
+            fail(
+                f"--{name.replace('_', '-')} {v} needs a replica in 0..{R - 1} and --at-step in "
+                f"0..{args.steps - 1}, got --at-step {args.at_step}"
+            )
     if (args.kill_replica >= 0 and args.recipe == "live" or args.freeze_replica >= 0) and R < 2:
-        fail("--kill-replica (live) and --freeze-replica need --replicas 2 or more: someone must go on")
+        fail(
+            "--kill-replica (live) and --freeze-replica need --replicas 2 or more: someone must go on"
+        )
     if torch.cuda.is_available() and R > torch.cuda.device_count():
-        fail(f"--replicas {R} needs a GPU each ({torch.cuda.device_count()} here): NCCL refuses two ranks of "
-             "one group on one GPU")
+        fail(
+            f"--replicas {R} needs a GPU each ({torch.cuda.device_count()} here): NCCL refuses two ranks of "
+            "one group on one GPU"
+        )
     if args.dropout:
         fail("--dropout must be 0: the replayed reference draws no dropout masks")
     if args.fail_at_step >= 0:
@@ -503,7 +615,9 @@ def check_args(args):
     if args.max_restarts < 0 or args.verify_every < 0:
         fail("--max-restarts and --verify-every must be >= 0")
     if args.replica >= R or (args.replica >= 0 and ":" not in args.coordinator):
-        fail("--replica and --coordinator are the launcher's: run python fault_tolerance.py --replicas N")
+        fail(
+            "--replica and --coordinator are the launcher's: run python fault_tolerance.py --replicas N"
+        )
 
 
 # ----------------------------------------------------------------------------- 5. this repo's run of it
@@ -512,8 +626,11 @@ def check_args(args):
 # (dead/{rid}.{life}) and counts it out ("alive"): what a vote, a round's close and the next quorum read.
 # The replicas' environment (docstring, 2.: the heartbeat monitor too would kill one whose watchdog hangs in
 # an abort); torch's C++ warnings (a 14-line stack per peer gone) quieted: a failure is the one line printed.
-ENVIRONMENT = dict(TORCH_NCCL_ASYNC_ERROR_HANDLING="0", TORCH_NCCL_ENABLE_MONITORING="0",
-                   TORCH_CPP_LOG_LEVEL="ERROR")
+ENVIRONMENT = dict(
+    TORCH_NCCL_ASYNC_ERROR_HANDLING="0",
+    TORCH_NCCL_ENABLE_MONITORING="0",
+    TORCH_CPP_LOG_LEVEL="ERROR",
+)
 
 
 def train_replica(args):
@@ -545,31 +662,50 @@ def train_replica(args):
             continue
         started = True
         fault(args, store, rep, "join")
-        if len(members) < args.min_replicas:  # too few: voted down; wait (bounded) for a restarted replica
+        if (
+            len(members) < args.min_replicas
+        ):  # too few: voted down; wait (bounded) for a restarted replica
             short_since = short_since or time.monotonic()
             if time.monotonic() - short_since > max(60, args.timeout):
-                raise TimeoutError(f"fewer than --min-replicas {args.min_replicas} replicas for too long")
+                raise TimeoutError(
+                    f"fewer than --min-replicas {args.min_replicas} replicas for too long"
+                )
             vote(store, k - 1, members, me, False, args.timeout)
             time.sleep(args.join_ms / 1e3)
             continue
         if rep.batch > 4 * args.steps + 16:  # every loop is bounded, a spike that never ends too
-            raise TimeoutError(f"{rep.batch} batches used for {rep.step} steps: the loss keeps spiking")
-        ok, spike, last, loss, norm, short_since = False, False, False, math.nan, torch.tensor(math.nan), None
+            raise TimeoutError(
+                f"{rep.batch} batches used for {rep.step} steps: the loss keeps spiking"
+            )
+        ok, spike, last, loss, norm, short_since = (
+            False,
+            False,
+            False,
+            math.nan,
+            torch.tensor(math.nan),
+            None,
+        )
         step, batch = rep.step, rep.batch
         try:
             fault(args, store, rep, "group")
             held = quorum_group(store, k - 1, members, me, held, args.timeout, device)
             pg, newest = held[1], max(members, key=lambda m: m.version)
             # compare weights when due, and whenever the membership changed (a fork shows there)
-            verify = held[0] == k - 1 or args.verify_every > 0 and newest.step % args.verify_every == 0
+            verify = (
+                held[0] == k - 1 or args.verify_every > 0 and newest.step % args.verify_every == 0
+            )
             log.synced(k - 1, members, newest.step, *sync_state(pg, members, me, rep, verify))
             step, batch, last = rep.step, rep.batch, rep.step >= args.steps
             if not last:  # (the last round: every member now holds the final state)
                 x, y = data.batch(batch, B, args.seq_len, args.ragged)  # (B, T) the global batch
-                mine = local_grads(model, x.to(device), y.to(device), members, me, R, lm_loss, count_tokens)
+                mine = local_grads(
+                    model, x.to(device), y.to(device), members, me, R, lm_loss, count_tokens
+                )
                 fault(args, store, rep, "during", mine)  # (--inject-spike scales the loss here)
                 loss = allreduce_grads(pg, rep.params, mine)
-                norm = torch.nn.utils.get_total_norm([p.grad for p in rep.params])  # of the whole gradient
+                norm = torch.nn.utils.get_total_norm(
+                    [p.grad for p in rep.params]
+                )  # of the whole gradient
                 spike = agree(pg, is_spike(loss, norm.item(), rep.losses, args.spike_sigma), device)
                 fault(args, store, rep, "after")
             ok = True
@@ -577,20 +713,28 @@ def train_replica(args):
             log.failed(k - 1, e)
         if not vote(store, k - 1, members, me, ok, args.timeout):
             if held:
-                held[1].abort()  # may hold a dead or frozen member: its pending work ends, never waited for
+                held[
+                    1
+                ].abort()  # may hold a dead or frozen member: its pending work ends, never waited for
             held = None
             continue
         if last:
             break
         what = apply_update(rep, loss, spike, norm, args.clip, args.max_skips, args.snapshot_every)
-        log.committed(k - 1, members, t_start, step, batch, what, loss)  # (--recipe restart: and saves)
+        log.committed(
+            k - 1, members, t_start, step, batch, what, loss
+        )  # (--recipe restart: and saves)
         if rep.step >= args.steps:
             store.set("ending", "1")
     else:
-        print(f"replica {me.rid}: the run finished without it (it was in no quorum since step {rep.step})",
-              flush=True)
+        print(
+            f"replica {me.rid}: the run finished without it (it was in no quorum since step {rep.step})",
+            flush=True,
+        )
         return 0
-    code = log.finish(members, held[1])  # (the members compare their weights by one all-reduce; the --check)
+    code = log.finish(
+        members, held[1]
+    )  # (the members compare their weights by one all-reduce; the --check)
     store.set("finished", "1")  # a replica restarted now exits at once
     return code
 
@@ -610,15 +754,23 @@ def launch(args):
     """The coordinator (a TCPStore server: the single point of the design) and R replica processes: what
     torchrun's agent (a cluster's scheduler in production) does. It marks each death on the coordinator for
     the quorum and the vote, and restarts a replica killed by a signal (--recipe restart: all of them)."""
-    store = dist.TCPStore(args.host, 0, is_master=True, wait_for_workers=False,
-                          timeout=timedelta(seconds=args.timeout))
+    store = dist.TCPStore(
+        args.host,
+        0,
+        is_master=True,
+        wait_for_workers=False,
+        timeout=timedelta(seconds=args.timeout),
+    )
     cmd = [sys.executable, sys.argv[0], *sys.argv[1:], "--coordinator", f"{args.host}:{store.port}"]
     env = dict(os.environ, **ENVIRONMENT)
     spawn = lambda r, life: subprocess.Popen(  # noqa: E731
-        cmd + ["--replica", str(r), "--life", str(life)], env=env)
+        cmd + ["--replica", str(r), "--life", str(life)], env=env
+    )
     lives = {r: [spawn(r, 0)] for r in range(args.replicas)}
     codes, restarts, t0, R, done_at = {}, 0, time.time(), args.replicas, None
-    limit_s = 300 + args.timeout * (args.steps + 10)  # (every wait of a replica is bounded: a safety net)
+    limit_s = 300 + args.timeout * (
+        args.steps + 10
+    )  # (every wait of a replica is bounded: a safety net)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so that `finally` kills the children
     try:
         while len(codes) < R and (done_at or time.time() - t0 < limit_s):
@@ -626,7 +778,9 @@ def launch(args):
                 code = procs[-1].poll()
                 if code is None or r in codes:
                     continue
-                store.set(f"dead/{r}.{len(procs) - 1}", "1")  # a vote or a round waiting for it ends now
+                store.set(
+                    f"dead/{r}.{len(procs) - 1}", "1"
+                )  # a vote or a round waiting for it ends now
                 store.add("alive", -1)
                 if code != 0 and not store.check(["finished"]):  # every death seen, for the figures
                     store.set(f"died/{store.add('died', 1)}", f"{r} {time.time()!r}")
@@ -637,10 +791,15 @@ def launch(args):
                 else:
                     codes[r] = code
             done_at = done_at or (time.time() if store.check(["finished"]) else None)
-            if done_at and time.time() - done_at > args.timeout:  # a frozen replica: the run is over
+            if (
+                done_at and time.time() - done_at > args.timeout
+            ):  # a frozen replica: the run is over
                 for r in [r for r in lives if r not in codes]:
-                    print(f"fault_tolerance.py: replica {r} still running {args.timeout:g} s after the run "
-                          f"finished (frozen?): stopped", flush=True)
+                    print(
+                        f"fault_tolerance.py: replica {r} still running {args.timeout:g} s after the run "
+                        f"finished (frozen?): stopped",
+                        flush=True,
+                    )
                     lives[r][-1].kill()
                     codes[r] = lives[r][-1].wait()
             time.sleep(0.01)
@@ -649,9 +808,15 @@ def launch(args):
             p.kill()
             p.wait()
     if len(codes) < R:
-        print(f"fault_tolerance.py: error: over {limit_s} s; every replica stopped", file=sys.stderr)
-    finished = store.check(["finished"])  # (a replica killed and not restarted is no failure of the run)
-    rc = max([c for c in codes.values() if c > 0], default=0) or (0 if finished and len(codes) == R else 1)
+        print(
+            f"fault_tolerance.py: error: over {limit_s} s; every replica stopped", file=sys.stderr
+        )
+    finished = store.check(
+        ["finished"]
+    )  # (a replica killed and not restarted is no failure of the run)
+    rc = max([c for c in codes.values() if c > 0], default=0) or (
+        0 if finished and len(codes) == R else 1
+    )
     add_launcher_figures(args, lives, codes, restarts, time.time() - t0)
     return rc
 
@@ -660,8 +825,11 @@ def main():
     args = parse_args(Args)
     check_args(args)
     if args.replica < 0:
-        print(f"fault_tolerance.py: {args.replicas} replicas, recipe {args.recipe}, coordinator in this "
-              f"process (pid {os.getpid()}) on {args.host}", flush=True)
+        print(
+            f"fault_tolerance.py: {args.replicas} replicas, recipe {args.recipe}, coordinator in this "
+            f"process (pid {os.getpid()}) on {args.host}",
+            flush=True,
+        )
         sys.exit(launch(args))
     try:
         code = train_replica(args)
@@ -669,12 +837,16 @@ def main():
         sys.stderr.write(f"fault_tolerance.py: error (replica {args.replica}): {e}\n")
         code = 1
     except (dist.DistStoreError, dist.DistNetworkError, ConnectionError) as e:
-        sys.stderr.write(f"fault_tolerance.py: error (replica {args.replica}): the coordinator at "
-                         f"{args.coordinator} is gone ({type(e).__name__}); it is the single point of this "
-                         "design, as torchft's lighthouse is: restart the run\n")
+        sys.stderr.write(
+            f"fault_tolerance.py: error (replica {args.replica}): the coordinator at "
+            f"{args.coordinator} is gone ({type(e).__name__}); it is the single point of this "
+            "design, as torchft's lighthouse is: restart the run\n"
+        )
         code = 3
     sys.stdout.flush(), sys.stderr.flush()
-    os._exit(code)  # skip the interpreter's teardown, in which gloo's threads may still hold tensors
+    os._exit(
+        code
+    )  # skip the interpreter's teardown, in which gloo's threads may still hold tensors
 
 
 # --- measurement ---
@@ -688,16 +860,29 @@ def fault(args, store, rep, phase, loss=None):
         loss.mul_(1e4)
     if args.life > 0 or rep.step != args.at_step:
         return
-    if args.replica == args.corrupt_replica and phase == "before" and rep.version >= 0 \
-            and not getattr(rep, "corrupted", False):
-        with torch.no_grad():  # a silent flip of one weight: nothing fails, the numbers are just wrong
+    if (
+        args.replica == args.corrupt_replica
+        and phase == "before"
+        and rep.version >= 0
+        and not getattr(rep, "corrupted", False)
+    ):
+        with (
+            torch.no_grad()
+        ):  # a silent flip of one weight: nothing fails, the numbers are just wrong
             rep.params[0].view(-1)[0] += 1e-3
         rep.corrupted = True  # once (a discarded step comes back to this point)
-    for victim, sig, what in [(args.kill_replica, signal.SIGKILL, "killed"),
-                              (args.freeze_replica, signal.SIGSTOP, "frozen")]:
+    for victim, sig, what in [
+        (args.kill_replica, signal.SIGKILL, "killed"),
+        (args.freeze_replica, signal.SIGSTOP, "frozen"),
+    ]:
         if args.replica == victim and phase == args.phase and not store.check([f"{what}/{victim}"]):
-            store.set(f"{what}/{victim}", f"{time.time()!r} {rep.step}")  # when, for the recovery figures
-            print(f"replica {victim}: {signal.Signals(sig).name} at step {rep.step} ({phase})", flush=True)
+            store.set(
+                f"{what}/{victim}", f"{time.time()!r} {rep.step}"
+            )  # when, for the recovery figures
+            print(
+                f"replica {victim}: {signal.Signals(sig).name} at step {rep.step} ({phase})",
+                flush=True,
+            )
             os.kill(os.getpid(), sig)
 
 
@@ -730,15 +915,21 @@ class Log:
         self.step_ms = []
 
     def failed(self, k, e):
-        print(f"replica {self.me.rid}: round {k} failed ({type(e).__name__}: {str(e).splitlines()[0][:90]}); "
-              "the step is discarded", flush=True)
+        print(
+            f"replica {self.me.rid}: round {k} failed ({type(e).__name__}: {str(e).splitlines()[0][:90]}); "
+            "the step is discarded",
+            flush=True,
+        )
 
     def synced(self, k, members, step, bad, receivers, nbytes):
         if self.me.rid != members[0].rid:
             return
         for rid in bad:
-            print(f"silent corruption: replica {rid}'s weights differ from the majority at step {step}; "
-                  f"repaired from a peer", flush=True)
+            print(
+                f"silent corruption: replica {rid}'s weights differ from the majority at step {step}; "
+                f"repaired from a peer",
+                flush=True,
+            )
             self.store.set(f"sdc/{self.store.add('sdc', 1)}", f"{rid} {step}")
         if receivers:
             who = ",".join(map(str, receivers))
@@ -755,12 +946,20 @@ class Log:
         s.set(f"t/{k}", f"{t_start!r} {t_end!r} {step} {what}")
         self.step_ms.append(1e3 * (t_end - t_start))
         if what == "update":
-            log_step(Dist(0, 1, 0, self.rep.params[0].device, "gloo"), step, loss, self.step_ms[-1],
-                     a.batch_size * a.seq_len * len(members) // a.replicas)
+            log_step(
+                Dist(0, 1, 0, self.rep.params[0].device, "gloo"),
+                step,
+                loss,
+                self.step_ms[-1],
+                a.batch_size * a.seq_len * len(members) // a.replicas,
+            )
             s.set(f"upd/{step}", f"{k} {batch} {rids} {loss!r}")
         else:
-            print(f"step {step:4d} | {what}: batch {batch} loss {loss:.4g} flagged as a spike "
-                  f"(replicas {rids})", flush=True)
+            print(
+                f"step {step:4d} | {what}: batch {batch} loss {loss:.4g} flagged as a spike "
+                f"(replicas {rids})",
+                flush=True,
+            )
             s.set(f"{what}/{s.add(what, 1)}", f"{step} {batch}")
 
     def finish(self, members, pg):
@@ -771,40 +970,69 @@ class Log:
         sums[[m.rid for m in members].index(self.me.rid)] = checksum(rep.params)
         pg.allreduce([sums]).wait()
         if a.json:  # every replica's final weights, for a test to compare them itself
-            torch.save({n: p.detach().cpu() for n, p in rep.model.named_parameters()},
-                       f"{a.json}.replica{self.me.rid}.pt")
+            torch.save(
+                {n: p.detach().cpu() for n, p in rep.model.named_parameters()},
+                f"{a.json}.replica{self.me.rid}.pt",
+            )
         if self.me.rid != members[0].rid:
             return 0
         identical, model, device = bool((sums == sums[0]).all()), rep.model, rep.params[0].device
         recs = [s.get(f"upd/{i}").decode().split() for i in range(a.steps)]
         rounds = [int(r[0]) for r in recs]
-        batches, masks, losses = [int(r[1]) for r in recs], [list(map(int, r[2].split(","))) for r in recs], \
-            [float(r[3]) for r in recs]
+        batches, masks, losses = (
+            [int(r[1]) for r in recs],
+            [list(map(int, r[2].split(","))) for r in recs],
+            [float(r[3]) for r in recs],
+        )
         figures = recovery_figures(s, a, rounds)
         listed = lambda key: [s.get(f"{key}/{i}").decode() for i in range(1, s.add(key, 0) + 1)]  # noqa: E731
-        figures.update(batches=batches, members=masks, replicas_identical=identical, final_members=[
-                           m.rid for m in members],
-                       corruptions=listed("sdc"), skips=listed("skip"), rollbacks=listed("rollback"),
-                       recoveries=listed("recv"))
-        print(f"summary: replicas identical at the end: {identical}; members per step {masks}", flush=True)
+        figures.update(
+            batches=batches,
+            members=masks,
+            replicas_identical=identical,
+            final_members=[m.rid for m in members],
+            corruptions=listed("sdc"),
+            skips=listed("skip"),
+            rollbacks=listed("rollback"),
+            recoveries=listed("recv"),
+        )
+        print(
+            f"summary: replicas identical at the end: {identical}; members per step {masks}",
+            flush=True,
+        )
         check = None
         if a.check:
             ref = replay_reference(a, batches, masks, device)
             params = {n: p.detach() for n, p in model.named_parameters()}
             loss_diff = max(abs(x - r) / max(abs(r), 1e-12) for x, r in zip(losses, ref["losses"]))
             param_diff = max((params[n] - p).abs().max().item() for n, p in ref["params"].items())
-            tol = tolerance(a.dtype)  # the repo's: 1e-9 in float64 (parameters: 10x in float32, as harness)
+            tol = tolerance(
+                a.dtype
+            )  # the repo's: 1e-9 in float64 (parameters: 10x in float32, as harness)
             ptol = (10 if a.dtype == "float32" else 1) * tol
             passed = identical and loss_diff <= tol and param_diff <= ptol
-            print(f"check vs the one-process reference replaying the membership: max rel loss diff "
-                  f"{loss_diff:.3e} (tolerance {tol:.0e}), max param diff {param_diff:.3e} ({ptol:.0e}), "
-                  f"replicas identical {identical} -> {'PASSED' if passed else 'FAILED'}", flush=True)
+            print(
+                f"check vs the one-process reference replaying the membership: max rel loss diff "
+                f"{loss_diff:.3e} (tolerance {tol:.0e}), max param diff {param_diff:.3e} ({ptol:.0e}), "
+                f"replicas identical {identical} -> {'PASSED' if passed else 'FAILED'}",
+                flush=True,
+            )
             check = dict(max_loss_diff=loss_diff, max_param_diff=param_diff, passed=passed)
         ms = sorted(self.step_ms)[len(self.step_ms) // 2] if self.step_ms else 0.0
         d = Dist(0, a.replicas, 0, device, "gloo")
         state = sum(t.numel() * t.element_size() for t in rep.core())
-        write_summary(d, a, "fault-tolerance", losses, ms, a.batch_size * a.seq_len / max(ms, 1e-9) * 1e3,
-                      state, 0, check, figures)
+        write_summary(
+            d,
+            a,
+            "fault-tolerance",
+            losses,
+            ms,
+            a.batch_size * a.seq_len / max(ms, 1e-9) * 1e3,
+            state,
+            0,
+            check,
+            figures,
+        )
         return 0 if check is None or check["passed"] else 1
 
 
@@ -814,8 +1042,13 @@ def recovery_figures(s, a, rounds):
     t = {k: s.get(f"t/{k}").decode().split() for k in range(max(rounds) + 1) if s.check([f"t/{k}"])}
     t = {k: (float(v[0]), float(v[1]), int(v[2]), v[3]) for k, v in t.items()}
     wall = max(v[1] for v in t.values()) - min(v[0] for v in t.values())
-    useful, until = 0.0, -math.inf  # the union of the committed rounds' spans: each is timed by its own
-    for t0, t1 in sorted(t[k][:2] for k in rounds):  # lowest member from before its check-in: they overlap
+    useful, until = (
+        0.0,
+        -math.inf,
+    )  # the union of the committed rounds' spans: each is timed by its own
+    for t0, t1 in sorted(
+        t[k][:2] for k in rounds
+    ):  # lowest member from before its check-in: they overlap
         useful, until = useful + max(0.0, t1 - max(t0, until)), max(until, t1)
     out = dict(goodput=useful / wall, wall_s=wall, useful_s=useful, failures=[])
     seen = set()
@@ -824,27 +1057,52 @@ def recovery_figures(s, a, rounds):
         r, t_kill, injected = int(r), float(t_kill), s.check([f"killed/{r}"]) and int(r) not in seen
         seen.add(r)
         if injected:  # the replica's own timestamp and step, taken just before its SIGKILL
-            t_kill, step = (f(x) for f, x in zip((float, int), s.get(f"killed/{r}").decode().split()))
+            t_kill, step = (
+                f(x) for f, x in zip((float, int), s.get(f"killed/{r}").decode().split())
+            )
         else:  # seen by the launcher: the first step not committed by then
-            step = 1 + max((v[2] for v in t.values() if v[1] <= t_kill and v[3] == "update"), default=-1)
-        after = sorted((v[1], k) for k, v in t.items() if v[1] > t_kill and v[2] >= step and v[3] == "update")
+            step = 1 + max(
+                (v[2] for v in t.values() if v[1] <= t_kill and v[3] == "update"), default=-1
+            )
+        after = sorted(
+            (v[1], k) for k, v in t.items() if v[1] > t_kill and v[2] >= step and v[3] == "update"
+        )
         if not after:
             continue
         t_next, k_next = after[0]
         # redone: an update begun after the kill for a step the run had passed (a restart's rollback); a
         # round of an earlier step that was still ending when the kill came is not one
-        redone = sum(1 for k, v in t.items()
-                     if v[0] > t_kill and v[2] < step and k < k_next and v[3] == "update")
-        rejoin = min((v[1] for k, v in t.items() if v[1] > t_kill and k in rounds
-                      and r in member_ids(s, k)), default=math.nan)
-        out["failures"].append(dict(replica=r, step=step, injected=injected, ms_to_next_commit=1e3 * (
-            t_next - t_kill), steps_redone=redone, ms_to_rejoin=1e3 * (rejoin - t_kill)))
+        redone = sum(
+            1
+            for k, v in t.items()
+            if v[0] > t_kill and v[2] < step and k < k_next and v[3] == "update"
+        )
+        rejoin = min(
+            (v[1] for k, v in t.items() if v[1] > t_kill and k in rounds and r in member_ids(s, k)),
+            default=math.nan,
+        )
+        out["failures"].append(
+            dict(
+                replica=r,
+                step=step,
+                injected=injected,
+                ms_to_next_commit=1e3 * (t_next - t_kill),
+                steps_redone=redone,
+                ms_to_rejoin=1e3 * (rejoin - t_kill),
+            )
+        )
         how = f"killed ({a.phase}" if injected else "died (seen by the launcher"
-        print(f"summary: replica {r} {how}) at step {step}, recipe {a.recipe}: "
-              f"{1e3 * (t_next - t_kill):.0f} ms to the next commit of step >= {step} (measured), "
-              f"{redone} steps redone, back in a quorum after {1e3 * (rejoin - t_kill):.0f} ms", flush=True)
-    print(f"summary: goodput {out['goodput']:.3f} (committed steps' time {useful:.2f} s / wall {wall:.2f} s, "
-          "measured); theory at scale: see the docstring (Young/Daly)", flush=True)
+        print(
+            f"summary: replica {r} {how}) at step {step}, recipe {a.recipe}: "
+            f"{1e3 * (t_next - t_kill):.0f} ms to the next commit of step >= {step} (measured), "
+            f"{redone} steps redone, back in a quorum after {1e3 * (rejoin - t_kill):.0f} ms",
+            flush=True,
+        )
+    print(
+        f"summary: goodput {out['goodput']:.3f} (committed steps' time {useful:.2f} s / wall {wall:.2f} s, "
+        "measured); theory at scale: see the docstring (Young/Daly)",
+        flush=True,
+    )
     return out
 
 
@@ -856,12 +1114,18 @@ def member_ids(s, k):
 def add_launcher_figures(args, lives, codes, restarts, wall_s):
     """The launcher's own record in --json: every process it started (the healthy ones keep one pid)."""
     import json
+
     if not args.json or not os.path.exists(args.json):
         return
     with open(args.json) as f:
         summary = json.load(f)
-    summary["launcher"] = dict(pid=os.getpid(), pids={r: [p.pid for p in ps] for r, ps in lives.items()},
-                               restarts=restarts, exit_codes=codes, wall_s=wall_s)
+    summary["launcher"] = dict(
+        pid=os.getpid(),
+        pids={r: [p.pid for p in ps] for r, ps in lives.items()},
+        restarts=restarts,
+        exit_codes=codes,
+        wall_s=wall_s,
+    )
     with open(args.json + ".tmp", "w") as f:
         json.dump(summary, f, indent=1)
     os.replace(args.json + ".tmp", args.json)
@@ -873,10 +1137,16 @@ def replay_reference(args, batches, members, device="cpu"):
     of batch batches[s] (a skipped or rolled-back batch is simply absent), AdamW, torch's clipping."""
     data = MarkovData(args.vocab, args.seed)
     model = build_gpt(GPTConfig.from_args(args), args.seed, DTYPES[args.dtype], device)
-    opt, losses, rows = make_optimizer(model.parameters(), args), [], args.batch_size // args.replicas
+    opt, losses, rows = (
+        make_optimizer(model.parameters(), args),
+        [],
+        args.batch_size // args.replicas,
+    )
     for b, ids in zip(batches, members):
         x, y = data.batch(b, args.batch_size, args.seq_len, args.ragged)
-        keep = torch.cat([torch.arange(r * rows, (r + 1) * rows) for r in ids])  # the participants' rows
+        keep = torch.cat(
+            [torch.arange(r * rows, (r + 1) * rows) for r in ids]
+        )  # the participants' rows
         x, y = x[keep].to(device), y[keep].to(device)
         loss = lm_loss(model(x), y, count_tokens(y))
         opt.zero_grad(set_to_none=True)

@@ -48,6 +48,7 @@ FP8 rounding boundary, grows chaotically; docs/fp8.md says how far).
 
 In production, use torchao.float8 (with FSDP2) or NVIDIA TransformerEngine.
 """
+
 from dataclasses import dataclass
 from typing import Literal
 
@@ -55,18 +56,42 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from common import (DTYPES, GPTConfig, MarkovData, build_gpt, count_tokens, fail, init_dist, lm_loss,
-                    make_optimizer)
-from harness import (CommCounter, CommonArgs, Run, check_against_reference, check_common_args,
-                     env_world_size, parse_args, peak_memory_bytes, state_bytes)
+from common import (
+    DTYPES,
+    GPTConfig,
+    MarkovData,
+    build_gpt,
+    count_tokens,
+    fail,
+    init_dist,
+    lm_loss,
+    make_optimizer,
+)
+from harness import (
+    CommCounter,
+    CommonArgs,
+    Run,
+    check_against_reference,
+    check_common_args,
+    env_world_size,
+    parse_args,
+    peak_memory_bytes,
+    state_bytes,
+)
 
 
 @dataclass
 class Args(CommonArgs):
-    recipe: Literal["current", "delayed", "fine-grained", "bf16", "none"] = "current"  # bf16, none: baselines
+    recipe: Literal["current", "delayed", "fine-grained", "bf16", "none"] = (
+        "current"  # bf16, none: baselines
+    )
     amax_history: int = 16  # delayed: amaxes kept per tensor; the scale comes from their max
-    fp8_all_gather: bool = False  # all-gather the sharded weights as FP8 + scales (default: as bf16)
-    dtype: Literal["float32", "float64", "bfloat16"] = "float64"  # master weights (--check: float64 only)
+    fp8_all_gather: bool = (
+        False  # all-gather the sharded weights as FP8 + scales (default: as bf16)
+    )
+    dtype: Literal["float32", "float64", "bfloat16"] = (
+        "float64"  # master weights (--check: float64 only)
+    )
 
 
 # ============================================================================= FP8 numbers and the GEMM
@@ -88,7 +113,9 @@ def quantize(t, s, fmt):
     """t (R, C) high precision -> FP8 (R, C): t / s, saturated at the format's largest value (delayed scaling
     can meet an amax above its history's). `s`: a scalar, or one per tile, (R, C/T) or (R/T, C/T)."""
     if s.dim():  # one scale per tile: (R', C') -> (R, C)
-        s = s.repeat_interleave(t.shape[0] // s.shape[0], 0).repeat_interleave(t.shape[1] // s.shape[1], 1)
+        s = s.repeat_interleave(t.shape[0] // s.shape[0], 0).repeat_interleave(
+            t.shape[1] // s.shape[1], 1
+        )
     fmax = torch.finfo(fmt).max
     return (t / s).clamp(-fmax, fmax).to(fmt)
 
@@ -105,7 +132,8 @@ def scaled_mm(a, sa, b, sb):
     FP8 GEMM per 128 of K, its partial sum promoted to FP32 where the two tiles' scales multiply it."""
     one = torch.ones((), device=a.device)
     mm = lambda a, b, sa, sb: torch._scaled_mm(  # noqa: E731  cuBLASLt's layout: a row-major, b column-major
-        a.contiguous(), b.contiguous().t(), scale_a=sa, scale_b=sb, out_dtype=torch.float32)
+        a.contiguous(), b.contiguous().t(), scale_a=sa, scale_b=sb, out_dtype=torch.float32
+    )
     if not sa.dim():
         return mm(a, b, sa, sb)
     acc = torch.zeros(a.shape[0], b.shape[0], dtype=torch.float32, device=a.device)  # (M, N) FP32
@@ -128,6 +156,7 @@ def global_amax(t, group):
 class Current:
     """Per-tensor current scaling: s = amax(t) / fp8_max, the amax of the tensor now, reduced over `group`.
     E4M3 for the forward operands, E5M2 for the gradients (TransformerEngine's HYBRID formats)."""
+
     fwd, bwd, tile = E4M3, E5M2, None
 
     def __init__(self, fwd=None, bwd=None):
@@ -159,7 +188,7 @@ class Delayed(Current):
         amax, past = global_amax(t, group), self.amaxes.get(key)
         s = scale_of(amax if past is None else past.max(), fmt)
         now = amax.reshape(1)
-        self.amaxes[key] = now if past is None else torch.cat([now, past])[:self.history]
+        self.amaxes[key] = now if past is None else torch.cat([now, past])[: self.history]
         return s
 
     def state_dict(self):
@@ -172,16 +201,21 @@ class Delayed(Current):
 class FineGrained:
     """DeepSeek-V3's fine-grained scaling: one scale per 1x128 tile along the GEMM's inner dimension (per
     128x128 block for a weight: `block`), E4M3 for all. A tile lies within a rank's rows, so no reduction."""
+
     tile = TILE
 
     def __init__(self, fwd=E4M3, bwd=E4M3):
         self.fwd, self.bwd = fwd, bwd
         check_format(fwd), check_format(bwd)
 
-    def scale(self, t, fmt, key, group, block=False):  # t (R, C) -> (R, C/128), or (R/128, C/128) blocks
+    def scale(
+        self, t, fmt, key, group, block=False
+    ):  # t (R, C) -> (R, C/128), or (R/128, C/128) blocks
         if t.shape[1] % TILE or block and t.shape[0] % TILE:
-            raise ValueError(f"fine-grained scaling: a {tuple(t.shape)} tensor does not split into "
-                             f"{'128x128 blocks' if block else '1x128 tiles'}: use multiples of {TILE}")
+            raise ValueError(
+                f"fine-grained scaling: a {tuple(t.shape)} tensor does not split into "
+                f"{'128x128 blocks' if block else '1x128 tiles'}: use multiples of {TILE}"
+            )
         amax = t.detach().abs().unflatten(1, (-1, TILE)).amax(2).float()  # (R, C/128)
         if block:
             amax = amax.unflatten(0, (-1, TILE)).amax(1)  # (R/128, C/128)
@@ -197,13 +231,18 @@ def check_fp8_linear(recipe, in_features, out_features, world=1, tokens=None):
     evenly over the ranks, into whole 128x128 blocks when the recipe has them."""
     tile, name = getattr(recipe, "tile", None) or 16, type(recipe).__name__
     where = f"Fp8Linear({in_features}, {out_features}) at world {world}, {name} recipe"
-    for what, n in (("in_features", in_features), ("out_features", out_features),
-                    ("tokens per rank", tokens)):
+    for what, n in (
+        ("in_features", in_features),
+        ("out_features", out_features),
+        ("tokens per rank", tokens),
+    ):
         if n is not None and (n < 1 or n % tile):
             raise ValueError(f"{where}: {what} = {n} must be a positive multiple of {tile}")
     if out_features % world or tile > 16 and out_features // world % tile:
-        raise ValueError(f"{where}: out_features must split into {world} shards of whole "
-                         f"{'128-row blocks' if tile > 16 else 'rows'}: use a multiple of {world * tile}")
+        raise ValueError(
+            f"{where}: out_features must split into {world} shards of whole "
+            f"{'128-row blocks' if tile > 16 else 'rows'}: use a multiple of {world * tile}"
+        )
 
 
 class Fp8Matmul(torch.autograd.Function):
@@ -233,8 +272,13 @@ class Fp8Matmul(torch.autograd.Function):
         # tiles now run along the tokens (DeepSeek-V3's 128x1 tiles of dy and x): quantized again.
         sgt, sxt = sg, sx
         if r.tile:
-            sgt, sxt = r.scale(dy.t(), r.bwd, "", None), r.scale(x.t(), r.fwd, "", None)  # (N|K, M/128)
-        dw = scaled_mm(quantize(dy.t(), sgt, r.bwd), sgt, quantize(x.t(), sxt, r.fwd), sxt)  # (N, K)
+            sgt, sxt = (
+                r.scale(dy.t(), r.bwd, "", None),
+                r.scale(x.t(), r.fwd, "", None),
+            )  # (N|K, M/128)
+        dw = scaled_mm(
+            quantize(dy.t(), sgt, r.bwd), sgt, quantize(x.t(), sxt, r.fwd), sxt
+        )  # (N, K)
         # summed over ranks in the master dtype (exact in float64 for float32 partials: any order, one answer)
         return dx.to(x.dtype), layer.reduce_scatter(dw.to(w_shard.dtype)), None
 
@@ -247,12 +291,13 @@ class Fp8Linear(nn.Module):
     def __init__(self, weight, bias, recipe, key="", group=None, fp8_all_gather=False):
         super().__init__()
         self.out_features, self.in_features = weight.shape
-        self.world, self.rank = (1, 0) if group is None else (dist.get_world_size(group),
-                                                                dist.get_rank(group))
+        self.world, self.rank = (
+            (1, 0) if group is None else (dist.get_world_size(group), dist.get_rank(group))
+        )
         check_fp8_linear(recipe, self.in_features, self.out_features, self.world)
         self.recipe, self.key, self.group, self.fp8_all_gather = recipe, key, group, fp8_all_gather
         rows = self.out_features // self.world
-        mine = weight.detach()[self.rank * rows:(self.rank + 1) * rows]  # (N/n, K) my rows of W
+        mine = weight.detach()[self.rank * rows : (self.rank + 1) * rows]  # (N/n, K) my rows of W
         self.weight = nn.Parameter(mine.clone())
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone())  # (N,) replicated
 
@@ -267,32 +312,48 @@ class Fp8Linear(nn.Module):
         if self.group is None:  # not sharded: quantize W as it is
             s = r.scale(shard, r.fwd, key, None, block=True) if s is None else s
             return quantize(shard, s, r.fwd), s
-        if not self.fp8_all_gather:  # FSDP2's mixed precision: gather bf16, then quantize the whole W
-            full = all_gather_rows(shard.detach().to(torch.bfloat16), self.group).to(shard.dtype)  # (N, K)
+        if (
+            not self.fp8_all_gather
+        ):  # FSDP2's mixed precision: gather bf16, then quantize the whole W
+            full = all_gather_rows(shard.detach().to(torch.bfloat16), self.group).to(
+                shard.dtype
+            )  # (N, K)
             s = r.scale(full, r.fwd, key, None, block=True) if s is None else s
             return quantize(full, s, r.fwd), s
         # torchao's float8 all-gather: per tensor, the amax is reduced over the shards first; fine-grained,
         # a shard holds whole 128x128 blocks. Either way the quantized shard is my rows of the quantized W.
         s = r.scale(shard, r.fwd, key, self.group, block=True) if s is None else s  # () or blocks
-        mine = s.chunk(self.world)[self.rank] if s.dim() and given is not None else s  # my rows' blocks
+        mine = (
+            s.chunk(self.world)[self.rank] if s.dim() and given is not None else s
+        )  # my rows' blocks
         q = quantize(shard, mine, r.fwd)  # (N/n, K) FP8
         # gloo has no float8 type: the bytes travel as uint8 (NCCL's FP8 all-gather moves the same bytes)
         w = all_gather_rows(q.view(torch.uint8), self.group).view(r.fwd)  # (N, K) FP8
-        if s.dim() and given is None:  # the block scales travel with their rows: (N/n/128, K/128) each
+        if (
+            s.dim() and given is None
+        ):  # the block scales travel with their rows: (N/n/128, K/128) each
             s = all_gather_rows(s, self.group)  # (N/128, K/128)
         return w, s
 
-    def reduce_scatter(self, dw):  # (N, K) float32, this rank's tokens -> (N/n, K): my rows of the sum
+    def reduce_scatter(
+        self, dw
+    ):  # (N, K) float32, this rank's tokens -> (N/n, K): my rows of the sum
         if self.group is None:
             return dw
-        out = torch.empty(self.out_features // self.world, self.in_features, dtype=dw.dtype, device=dw.device)
+        out = torch.empty(
+            self.out_features // self.world, self.in_features, dtype=dw.dtype, device=dw.device
+        )
         dist.reduce_scatter_single(out, dw, op=dist.ReduceOp.SUM, group=self.group)
         return out
 
 
 def all_gather_rows(shard, group):  # (R, C) on each rank -> (n R, C), rank 0's rows first
-    out = torch.empty(shard.shape[0] * dist.get_world_size(group), *shard.shape[1:], dtype=shard.dtype,
-                      device=shard.device)
+    out = torch.empty(
+        shard.shape[0] * dist.get_world_size(group),
+        *shard.shape[1:],
+        dtype=shard.dtype,
+        device=shard.device,
+    )
     dist.all_gather_single(out, shard.contiguous(), group=group)
     return out
 
@@ -300,18 +361,28 @@ def all_gather_rows(shard, group):  # (R, C) on each rank -> (n R, C), rank 0's 
 def to_fp8(model, recipe, group=None, fp8_all_gather=False, skip=("head",)):
     """Every nn.Linear of `model` but those named in `skip` becomes an Fp8Linear (sharded over `group`).
     Returns the names of the FP8 layers."""
-    names = [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and n.split(".")[-1] not in skip]
+    names = [
+        n
+        for n, m in model.named_modules()
+        if isinstance(m, nn.Linear) and n.split(".")[-1] not in skip
+    ]
     for name in names:
         parent, _, attr = name.rpartition(".")
         lin = model.get_submodule(name)
-        setattr(model.get_submodule(parent), attr,
-                Fp8Linear(lin.weight, lin.bias, recipe, name, group, fp8_all_gather))
+        setattr(
+            model.get_submodule(parent),
+            attr,
+            Fp8Linear(lin.weight, lin.bias, recipe, name, group, fp8_all_gather),
+        )
     return names
 
 
 def make_recipe(name, amax_history=16):
-    return {"current": Current, "fine-grained": FineGrained}[name]() if name != "delayed" \
+    return (
+        {"current": Current, "fine-grained": FineGrained}[name]()
+        if name != "delayed"
         else Delayed(amax_history)
+    )
 
 
 # ============================================================================= data parallel training step
@@ -320,7 +391,9 @@ def train_step(model, opt, x, y, loss_fn, group, clip, autocast=False):
     ranks) from Fp8Matmul's reduce-scatter; the replicated rest is all-reduced (sum) here. Clipping by the
     norm of the whole model: the shards' squares summed over ranks, the replicas' counted once."""
     opt.zero_grad(set_to_none=True)
-    with torch.autocast(x.device.type, torch.bfloat16, enabled=autocast):  # --recipe bf16's baseline
+    with torch.autocast(
+        x.device.type, torch.bfloat16, enabled=autocast
+    ):  # --recipe bf16's baseline
         loss = loss_fn(model(x), y)  # this rank's share L_r of the global loss L = sum_r L_r
     loss.backward()
     fp8 = [m.weight for m in model.modules() if isinstance(m, Fp8Linear)]
@@ -329,9 +402,9 @@ def train_step(model, opt, x, y, loss_fn, group, clip, autocast=False):
     dist.all_reduce(flat, group=group)
     for p, g in zip(rest, flat.split([p.numel() for p in rest])):
         p.grad.copy_(g.view_as(p))
-    sq = torch.stack([(w.grad ** 2).sum() for w in fp8] or [flat.new_zeros(())]).sum()  # () my shards
+    sq = torch.stack([(w.grad**2).sum() for w in fp8] or [flat.new_zeros(())]).sum()  # () my shards
     dist.all_reduce(sq, group=group)
-    norm = (sq + sum((p.grad ** 2).sum() for p in rest)).sqrt()
+    norm = (sq + sum((p.grad**2).sum() for p in rest)).sqrt()
     if clip > 0:  # torch.nn.utils.clip_grad_norm_'s rule, with the whole model's norm
         coef = torch.clamp(clip / (norm + 1e-6), max=1.0)
         for p in model.parameters():
@@ -344,11 +417,15 @@ def check_args(args):
     world = env_world_size()
     check_common_args(args)
     if args.batch_size % world:
-        fail(f"--batch-size {args.batch_size} is not divisible by the world size {world}: each rank takes an "
-             f"equal slice; use a multiple of {world}")
+        fail(
+            f"--batch-size {args.batch_size} is not divisible by the world size {world}: each rank takes an "
+            f"equal slice; use a multiple of {world}"
+        )
     if args.check and args.dtype != "float64":
-        fail(f"--check compares with the reference at 1e-9 in float64 masters; in {args.dtype} FP8 rounding "
-             f"turns roundoff chaotic (docs/fp8.md): use --dtype float64 (the default) or drop --check")
+        fail(
+            f"--check compares with the reference at 1e-9 in float64 masters; in {args.dtype} FP8 rounding "
+            f"turns roundoff chaotic (docs/fp8.md): use --dtype float64 (the default) or drop --check"
+        )
     if args.recipe == "bf16" and args.dtype != "float32":
         fail("--recipe bf16 (autocast) casts float32 only: use --dtype float32")
     if args.recipe in ("bf16", "none"):
@@ -371,8 +448,10 @@ def main():
     check_args(args)
     d = init_dist(args.timeout)  # --- setup (same in every file) ---
     group, data, b = dist.group.WORLD, MarkovData(args.vocab, args.seed), args.batch_size // d.world
-    d.log(f"fp8: recipe {args.recipe}, world {d.world}, {b} sequences per rank, "
-          f"entropy floor {data.entropy:.4f} nats/token")
+    d.log(
+        f"fp8: recipe {args.recipe}, world {d.world}, {b} sequences per rank, "
+        f"entropy floor {data.entropy:.4f} nats/token"
+    )
     model = build_gpt(GPTConfig.from_args(args), args.seed, DTYPES[args.dtype], d.device)
     state = {"model": model}
     if args.recipe not in ("bf16", "none"):
@@ -381,12 +460,22 @@ def main():
     state["optim"] = opt = make_optimizer(model.parameters(), args)
     run, comm = Run(d, args, state), CommCounter()  # resumes from --ckpt-dir
     for step in run.steps():
-        x, y = data.batch(step, args.batch_size, args.seq_len, args.ragged)  # (B, T) global batch, CPU
+        x, y = data.batch(
+            step, args.batch_size, args.seq_len, args.ragged
+        )  # (B, T) global batch, CPU
         n_tok = count_tokens(y)  # tokens of the whole global batch: the loss divisor on every rank
-        x, y = (t[d.rank * b:(d.rank + 1) * b].to(d.device) for t in (x, y))  # (B/N, T) mine
+        x, y = (t[d.rank * b : (d.rank + 1) * b].to(d.device) for t in (x, y))  # (B/N, T) mine
         with run.watching(step, comm):
-            loss = train_step(model, opt, x, y, lambda logits, y: lm_loss(logits, y, n_tok), group, args.clip,
-                              autocast=args.recipe == "bf16")
+            loss = train_step(
+                model,
+                opt,
+                x,
+                y,
+                lambda logits, y: lm_loss(logits, y, n_tok),
+                group,
+                args.clip,
+                autocast=args.recipe == "bf16",
+            )
         dist.all_reduce(loss, group=group)  # (,) logging only, after the counted step
         run.end_step(step, loss.item())
     figures = summary(d, args, model, comm)
@@ -405,29 +494,40 @@ def summary(d, args, model, comm):
     and with --fp8-all-gather fine-grained, its fp32 block scales once (backward reuses forward's)."""
     layers = [m for m in model.modules() if isinstance(m, Fp8Linear)]
     elem, tiles = (1, args.recipe == "fine-grained") if args.fp8_all_gather else (2, False)
-    theory = sum(2 * m.weight.numel() * elem + (4 * m.weight.numel() // TILE ** 2 if tiles else 0)
-                 for m in layers)
-    f = dict(all_gather_bytes_per_step=comm.total("all_gather"), all_gather_bytes_theory=theory,
-             reduce_scatter_bytes_per_step=comm.total("reduce_scatter"),
-             all_reduce_bytes_per_step=comm.total("all_reduce"),
-             all_reduce_calls_per_step=comm.total("all_reduce", what="calls"), fp8_layers=len(layers),
-             shard_elements=sum(m.weight.numel() for m in layers), comm=comm.table())
-    d.log(f"--- summary (rank 0 of {d.world}) ---\n"
-          f"FP8 layers                       {len(layers)} ({args.recipe}), {f['shard_elements']} weight "
-          f"elements in this rank's shards\n"
-          f"all-gather per rank/step         {f['all_gather_bytes_per_step']} bytes (counted), {theory} "
-          f"(theory: 2 x shard elements x {elem}{' + block scales' if tiles else ''})\n"
-          f"reduce-scatter per rank/step     {f['reduce_scatter_bytes_per_step']} bytes (counted)\n"
-          f"all-reduce per rank/step         {f['all_reduce_bytes_per_step']} bytes in "
-          f"{f['all_reduce_calls_per_step']} calls (counted: amaxes, replicated gradients, the norm)")
+    theory = sum(
+        2 * m.weight.numel() * elem + (4 * m.weight.numel() // TILE**2 if tiles else 0)
+        for m in layers
+    )
+    f = dict(
+        all_gather_bytes_per_step=comm.total("all_gather"),
+        all_gather_bytes_theory=theory,
+        reduce_scatter_bytes_per_step=comm.total("reduce_scatter"),
+        all_reduce_bytes_per_step=comm.total("all_reduce"),
+        all_reduce_calls_per_step=comm.total("all_reduce", what="calls"),
+        fp8_layers=len(layers),
+        shard_elements=sum(m.weight.numel() for m in layers),
+        comm=comm.table(),
+    )
+    d.log(
+        f"--- summary (rank 0 of {d.world}) ---\n"
+        f"FP8 layers                       {len(layers)} ({args.recipe}), {f['shard_elements']} weight "
+        f"elements in this rank's shards\n"
+        f"all-gather per rank/step         {f['all_gather_bytes_per_step']} bytes (counted), {theory} "
+        f"(theory: 2 x shard elements x {elem}{' + block scales' if tiles else ''})\n"
+        f"reduce-scatter per rank/step     {f['reduce_scatter_bytes_per_step']} bytes (counted)\n"
+        f"all-reduce per rank/step         {f['all_reduce_bytes_per_step']} bytes in "
+        f"{f['all_reduce_calls_per_step']} calls (counted: amaxes, replicated gradients, the norm)"
+    )
     return f
 
 
 def full_params(model, group):
     """The whole model by name (the Fp8Linear shards gathered in their dtype), as the reference names it."""
     shards = {m.key + ".weight" for m in model.modules() if isinstance(m, Fp8Linear)}
-    return {n: all_gather_rows(p.detach(), group) if n in shards else p.detach()
-            for n, p in model.named_parameters()}
+    return {
+        n: all_gather_rows(p.detach(), group) if n in shards else p.detach()
+        for n, p in model.named_parameters()
+    }
 
 
 # --- reference for --check ---
@@ -464,8 +564,14 @@ def ref_mm(a, sa, b, sb, world, tile):
         if not tile:
             out.append((rows * sa) @ (b * sb).t())
             continue
-        out.append(sum((rows[:, k * tile:(k + 1) * tile] @ b[:, k * tile:(k + 1) * tile].t())
-                       * srows[:, k, None] * sb[None, :, k] for k in range(a.shape[1] // tile)))
+        out.append(
+            sum(
+                (rows[:, k * tile : (k + 1) * tile] @ b[:, k * tile : (k + 1) * tile].t())
+                * srows[:, k, None]
+                * sb[None, :, k]
+                for k in range(a.shape[1] // tile)
+            )
+        )
     return torch.cat(out)
 
 
@@ -484,8 +590,10 @@ class RefQuant:
         amax = t.abs().max().float()
         if self.recipe == "delayed":
             past = self.hist.get(key, [])
-            self.hist[key] = ([amax] + past)[:self.n]
-            amax = max(past) if past else amax  # the scale the history gave before this amax joined it
+            self.hist[key] = ([amax] + past)[: self.n]
+            amax = (
+                max(past) if past else amax
+            )  # the scale the history gave before this amax joined it
         return ref_quant(t, self.fmt[role], amax=amax)
 
 
@@ -503,14 +611,23 @@ class RefFp8(torch.autograd.Function):
         x, xq, sx, wq, sw = ctx.saved_tensors
         q, key, t = ctx.q, ctx.key, ctx.q.tile
         gq, sg = q(dy, "bwd", key + ".dy")
-        swt = sw[::t].t().repeat_interleave(t, 0) if t else sw  # W^T's rows are K: (K, N/128) block scales
+        swt = (
+            sw[::t].t().repeat_interleave(t, 0) if t else sw
+        )  # W^T's rows are K: (K, N/128) block scales
         dx = ref_mm(gq, sg, wq.t(), swt, q.world, t).to(x.dtype)
         if t:  # the weight gradient's tiles run along the tokens
-            (gq, sg), (xq, sx) = ref_quant(dy.t(), q.fmt["bwd"], t), ref_quant(x.t(), q.fmt["fwd"], t)
+            (gq, sg), (xq, sx) = (
+                ref_quant(dy.t(), q.fmt["bwd"], t),
+                ref_quant(x.t(), q.fmt["fwd"], t),
+            )
             gq, xq = gq.t(), xq.t()
         # each rank's tokens: a float32 GEMM; their sum in the master dtype
-        parts = zip(gq.chunk(q.world), xq.chunk(q.world), (sg.chunk(q.world, 1) if t else [sg] * q.world),
-                    (sx.chunk(q.world, 1) if t else [sx] * q.world))
+        parts = zip(
+            gq.chunk(q.world),
+            xq.chunk(q.world),
+            (sg.chunk(q.world, 1) if t else [sg] * q.world),
+            (sx.chunk(q.world, 1) if t else [sx] * q.world),
+        )
         dw = sum(ref_mm(g.t(), sgr, xs.t(), sxr, 1, t).to(x.dtype) for g, xs, sgr, sxr in parts)
         return dx, dw, None, None
 
@@ -531,10 +648,16 @@ def reference(args, world, device):
     model = build_gpt(GPTConfig.from_args(args), args.seed, DTYPES[args.dtype], device)
     if args.recipe not in ("bf16", "none"):
         q = RefQuant(args, world)
-        lins = [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and not n.endswith("head")]
+        lins = [
+            n
+            for n, m in model.named_modules()
+            if isinstance(m, nn.Linear) and not n.endswith("head")
+        ]
         for name in lins:
             parent, _, attr = name.rpartition(".")
-            setattr(model.get_submodule(parent), attr, RefLinear(model.get_submodule(name), q, name))
+            setattr(
+                model.get_submodule(parent), attr, RefLinear(model.get_submodule(name), q, name)
+            )
     opt, losses = make_optimizer(model.parameters(), args), []
     for step in range(args.steps):
         x, y = (t.to(device) for t in data.batch(step, args.batch_size, args.seq_len, args.ragged))

@@ -36,6 +36,7 @@ Run (one process per stage; a world of 1 is not a pipeline):
     torchrun --nproc_per_node=3 gpipe.py --n-layers 4 --dtype float64 --check   # uneven split: 2 + 1 + 1
 In production, use torch.distributed.pipelining (ScheduleGPipe), or DeepSpeed's / Megatron-LM's pipelines.
 """
+
 import contextlib
 import sys
 from dataclasses import dataclass
@@ -44,20 +45,54 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from common import (DTYPES, build_gpt, clip_grads_, count_tokens, fail, GPTConfig, init_dist, lm_loss,
-                    make_optimizer, MarkovData)
-from harness import (assemble_full, busy_ms, check_against_reference, check_common_args, CommCounter,
-                     CommonArgs, draw_timeline, env_world_size, gather_rows, is_parameter, LiveStorages,
-                     parse_args, peak_memory_bytes, PipelineWatch, Run, state_bytes, tensor_bytes,
-                     write_trace)
+from common import (
+    DTYPES,
+    build_gpt,
+    clip_grads_,
+    count_tokens,
+    fail,
+    GPTConfig,
+    init_dist,
+    lm_loss,
+    make_optimizer,
+    MarkovData,
+)
+from harness import (
+    assemble_full,
+    busy_ms,
+    check_against_reference,
+    check_common_args,
+    CommCounter,
+    CommonArgs,
+    draw_timeline,
+    env_world_size,
+    gather_rows,
+    is_parameter,
+    LiveStorages,
+    parse_args,
+    peak_memory_bytes,
+    PipelineWatch,
+    Run,
+    state_bytes,
+    tensor_bytes,
+    write_trace,
+)
 
 
 @dataclass
 class Args(CommonArgs):
-    microbatches: int = 4  # m: micro-batches per global batch (--batch-size must be divisible by it)
-    recompute: bool = False  # re-materialisation: keep each micro-batch's stage input only, rerun F during B
-    trace: str = ""  # write the last step's measured F/B events as a Chrome trace (JSON) to this path
-    stage_ms: float = 0.0  # simulate compute time: each F of a micro-batch also waits this many ms, each B 2x
+    microbatches: int = (
+        4  # m: micro-batches per global batch (--batch-size must be divisible by it)
+    )
+    recompute: bool = (
+        False  # re-materialisation: keep each micro-batch's stage input only, rerun F during B
+    )
+    trace: str = (
+        ""  # write the last step's measured F/B events as a Chrome trace (JSON) to this path
+    )
+    stage_ms: float = (
+        0.0  # simulate compute time: each F of a micro-batch also waits this many ms, each B 2x
+    )
 
 
 # ----------------------------------------------------------------------------- the stages
@@ -65,8 +100,10 @@ def split_layers(n_layers, p):
     """Blocks [start, end) of each of p stages, as even as possible; when p does not divide n_layers the
     earlier stages take one block more (the last stage already carries the head and the loss)."""
     if not 1 <= p <= n_layers:
-        raise ValueError(f"{p} stages but --n-layers {n_layers}: {p} stages of {n_layers} blocks leave a "
-                         f"stage without one; use 1 to {n_layers} stages, or --n-layers {p} or more")
+        raise ValueError(
+            f"{p} stages but --n-layers {n_layers}: {p} stages of {n_layers} blocks leave a "
+            f"stage without one; use 1 to {n_layers} stages, or --n-layers {p} or more"
+        )
     base, extra = divmod(n_layers, p)
     bounds, start = [], 0
     for s in range(p):
@@ -96,7 +133,9 @@ class Stage(nn.Module):
             h = self.drop(self.tok_emb(h) + self.pos_emb(torch.arange(h.shape[1], device=h.device)))
         for block in self.blocks.values():
             h = block(h)  # (b, T, D)
-        return self.head(self.ln_f(h)) if self.last else h  # last: logits (b, T, V); others: (b, T, D)
+        return (
+            self.head(self.ln_f(h)) if self.last else h
+        )  # last: logits (b, T, V); others: (b, T, D)
 
 
 def check_microbatches(rows, m):
@@ -105,9 +144,11 @@ def check_microbatches(rows, m):
         raise ValueError(f"--microbatches must be >= 1, got {m}")
     if rows % m:
         fit = max(k for k in range(1, m) if rows % k == 0)
-        raise ValueError(f"--batch-size {rows} is not divisible by --microbatches {m}: a batch of {rows} "
-                         f"does not cut into m = {m} equal micro-batches; use --microbatches {fit} (an m "
-                         f"that divides {rows}) or --batch-size {(rows // m + 1) * m}")
+        raise ValueError(
+            f"--batch-size {rows} is not divisible by --microbatches {m}: a batch of {rows} "
+            f"does not cut into m = {m} equal micro-batches; use --microbatches {fit} (an m "
+            f"that divides {rows}) or --batch-size {(rows // m + 1) * m}"
+        )
 
 
 def micro_batches(batch, m, device):
@@ -129,10 +170,14 @@ def post(op, tensor, peer, group):
 
 def rng_state(device):
     """Where the random generators stand (the CPU's, and the device's on CUDA): what dropout draws from."""
-    return torch.get_rng_state(), torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+    return torch.get_rng_state(), torch.cuda.get_rng_state(
+        device
+    ) if device.type == "cuda" else None
 
 
-def gpipe_step(stage, xs, ys, loss_fn, prev, nxt, recv_shape, recompute=False, observe=None, group=None):
+def gpipe_step(
+    stage, xs, ys, loss_fn, prev, nxt, recv_shape, recompute=False, observe=None, group=None
+):
     """One global batch through this rank's stage: F of micro-batches 0..m-1, then B of 0..m-1 (the flush),
     leaving the whole batch's gradient summed in the stage's .grad. Returns the sum of the m micro-batch
     losses (0-dim, float64; 0 except on the last stage).
@@ -155,12 +200,20 @@ def gpipe_step(stage, xs, ys, loss_fn, prev, nxt, recv_shape, recompute=False, o
     m, first, last = len(xs), prev is None, nxt is None
     size, me = dist.get_world_size(group), dist.get_rank(group)
     if m < 1 or len(ys) != m:
-        raise ValueError(f"{m} micro-batch inputs, {len(ys)} targets: give m >= 1 of each (None: unread)")
+        raise ValueError(
+            f"{m} micro-batch inputs, {len(ys)} targets: give m >= 1 of each (None: unread)"
+        )
     if me < 0 or any(q is not None and (q == me or not 0 <= q < size) for q in (prev, nxt)):
-        raise ValueError(f"prev {prev}, nxt {nxt}: give other ranks within the group (0..{size - 1}; this is "
-                         f"{me}), not global ranks, on a rank of the group")
-    if first and len({x.shape for x in xs}) > 1:  # the next stage receives every micro-batch into one shape
-        raise ValueError(f"micro-batches of shapes {sorted({tuple(x.shape) for x in xs})}: cut equal ones")
+        raise ValueError(
+            f"prev {prev}, nxt {nxt}: give other ranks within the group (0..{size - 1}; this is "
+            f"{me}), not global ranks, on a rank of the group"
+        )
+    if (
+        first and len({x.shape for x in xs}) > 1
+    ):  # the next stage receives every micro-batch into one shape
+        raise ValueError(
+            f"micro-batches of shapes {sorted({tuple(x.shape) for x in xs})}: cut equal ones"
+        )
     like = next(stage.parameters())  # dtype and device of what is received
     inputs, outputs, rng = [None] * m, [None] * m, [None] * m
     loss_sum = torch.zeros((), dtype=torch.float64, device=like.device)
@@ -202,7 +255,9 @@ def gpipe_step(stage, xs, ys, loss_fn, prev, nxt, recv_shape, recompute=False, o
         else:
             send(out.detach(), nxt)  # (b, T, D) to stage s+1
             out_shape = out.shape
-        outputs[i] = None if recompute else out  # micro-batch i keeps its graph until B, or only its input
+        outputs[i] = (
+            None if recompute else out
+        )  # micro-batch i keeps its graph until B, or only its input
     finish_sends()  # under --recompute, then, only the m inputs are left
 
     # 2. all backwards, in the same order. B of micro-batch i starts when d loss / d output has arrived.
@@ -216,18 +271,26 @@ def gpipe_step(stage, xs, ys, loss_fn, prev, nxt, recv_shape, recompute=False, o
             req.wait()
         with observe("B", i):
             out = outputs[i]
-            if recompute:  # Sec. 2.3: rerun F from the kept input, this time keeping the graph, with the same
+            if (
+                recompute
+            ):  # Sec. 2.3: rerun F from the kept input, this time keeping the graph, with the same
                 # dropout masks: replay the RNG state F started from (as torch.utils.checkpoint does)
                 cpu_state, device_state = rng[i]
-                with torch.random.fork_rng(devices=[like.device] if device_state is not None else []):
+                with torch.random.fork_rng(
+                    devices=[like.device] if device_state is not None else []
+                ):
                     torch.set_rng_state(cpu_state)
                     if device_state is not None:
                         torch.cuda.set_rng_state(device_state, like.device)
                     out = forward(i)
-            torch.autograd.backward(out, grad)  # adds micro-batch i's gradient into every .grad of the stage
+            torch.autograd.backward(
+                out, grad
+            )  # adds micro-batch i's gradient into every .grad of the stage
         if not first:
             send(inputs[i].grad, prev)  # (b, T, D) d loss / d input, to stage s-1
-        inputs[i] = outputs[i] = rng[i] = out = None  # the graph and micro-batch i's activations go now
+        inputs[i] = outputs[i] = rng[i] = out = (
+            None  # the graph and micro-batch i's activations go now
+        )
     finish_sends()
     return loss_sum
 
@@ -237,8 +300,10 @@ def squared_norm(grads):
     gradient (the norm's dtype=float64 would cast its input first): each tensor's norm in its own dtype
     (bf16 / fp16 accumulated as float32, which CUDA reads in place), the few norms squared in float64."""
     low = (torch.float16, torch.bfloat16)
-    return sum(torch.linalg.vector_norm(g, dtype=torch.float32 if g.dtype in low else None).double() ** 2
-               for g in grads)
+    return sum(
+        torch.linalg.vector_norm(g, dtype=torch.float32 if g.dtype in low else None).double() ** 2
+        for g in grads
+    )
 
 
 def check_args(args, p):
@@ -247,8 +312,10 @@ def check_args(args, p):
     try:
         check_microbatches(args.batch_size, args.microbatches)
         if p == 1:
-            fail(f"gpipe.py needs one process per stage, at least 2: torchrun --nproc_per_node="
-                 f"{max(2, min(4, args.n_layers))} gpipe.py {' '.join(sys.argv[1:])}".rstrip())
+            fail(
+                f"gpipe.py needs one process per stage, at least 2: torchrun --nproc_per_node="
+                f"{max(2, min(4, args.n_layers))} gpipe.py {' '.join(sys.argv[1:])}".rstrip()
+            )
         split_layers(args.n_layers, p)
     except ValueError as e:
         fail(str(e))
@@ -264,33 +331,63 @@ def main():
     d = init_dist(args.timeout)
     data = MarkovData(args.vocab, args.seed)
     bounds = split_layers(args.n_layers, p)
-    d.log(f"gpipe.py: {p} stages x {m} micro-batches of {args.batch_size // m} sequences on {d.backend}"
-          f"{', --recompute' if args.recompute else ''}; entropy floor {data.entropy:.4f} nats/token")
-    d.log("split: " + " | ".join(f"stage {s}: {'embedding + ' if s == 0 else ''}blocks {a}..{b - 1}"
-                                 f"{' + norm + head + loss' if s == p - 1 else ''}"
-                                 for s, (a, b) in enumerate(bounds)))
+    d.log(
+        f"gpipe.py: {p} stages x {m} micro-batches of {args.batch_size // m} sequences on {d.backend}"
+        f"{', --recompute' if args.recompute else ''}; entropy floor {data.entropy:.4f} nats/token"
+    )
+    d.log(
+        "split: "
+        + " | ".join(
+            f"stage {s}: {'embedding + ' if s == 0 else ''}blocks {a}..{b - 1}"
+            f"{' + norm + head + loss' if s == p - 1 else ''}"
+            for s, (a, b) in enumerate(bounds)
+        )
+    )
     torch.manual_seed(args.seed + d.rank)  # dropout masks (if any) differ per stage
     dtype = DTYPES[args.dtype]
-    gpt = build_gpt(GPTConfig.from_args(args), args.seed, dtype)  # the whole model on CPU; a stage takes part
+    gpt = build_gpt(
+        GPTConfig.from_args(args), args.seed, dtype
+    )  # the whole model on CPU; a stage takes part
     shapes = {n: q.shape for n, q in gpt.named_parameters()}
     stage = Stage(gpt, d.rank, bounds).to(d.device)
     opt = make_optimizer(stage.parameters(), args)
     run = Run(d, args, {"model": stage, "optim": opt})
     prev, nxt = (d.rank - 1 if d.rank > 0 else None), (d.rank + 1 if d.rank < p - 1 else None)
-    act_shape = (args.batch_size // m, args.seq_len, args.d_model)  # (b, T, D): what crosses a stage boundary
+    act_shape = (
+        args.batch_size // m,
+        args.seq_len,
+        args.d_model,
+    )  # (b, T, D): what crosses a stage boundary
     comm, held, count_at = CommCounter(), HeldForB(d, args, stage), max(run.start, args.steps - 2)
     # NCCL sets up its communicator at the first collective; batched point-to-point must not come first
     dist.all_reduce(torch.zeros(1, device=d.device))
     for step in run.steps():
-        x, y = data.batch(step, args.batch_size, args.seq_len, args.ragged)  # (B, T) global batch, on CPU
-        n_tok = count_tokens(y)  # tokens of the global batch (on CPU): every micro-batch loss divides by it
-        xs = micro_batches(x, m, d.device) if prev is None else [None] * m  # m x (b, T), b = B/m: first stage
-        ys = micro_batches(y, m, d.device) if nxt is None else [None] * m  # their targets: last stage
+        x, y = data.batch(
+            step, args.batch_size, args.seq_len, args.ragged
+        )  # (B, T) global batch, on CPU
+        n_tok = count_tokens(
+            y
+        )  # tokens of the global batch (on CPU): every micro-batch loss divides by it
+        xs = (
+            micro_batches(x, m, d.device) if prev is None else [None] * m
+        )  # m x (b, T), b = B/m: first stage
+        ys = (
+            micro_batches(y, m, d.device) if nxt is None else [None] * m
+        )  # their targets: last stage
         opt.zero_grad(set_to_none=True)
         watched = step == args.steps - 1  # the last step is timed and its bytes held for B measured
         with run.watching(step, comm, at=count_at):
-            loss = gpipe_step(stage, xs, ys, lambda logits, targets: lm_loss(logits, targets, n_tok), prev,
-                              nxt, act_shape, args.recompute, observe=held if watched else None)
+            loss = gpipe_step(
+                stage,
+                xs,
+                ys,
+                lambda logits, targets: lm_loss(logits, targets, n_tok),
+                prev,
+                nxt,
+                act_shape,
+                args.recompute,
+                observe=held if watched else None,
+            )
         # 3. after the flush, one optimizer step: the norm of the whole model from every stage's squared norm,
         # and the batch loss that only the last stage knows, in one all-reduce of two numbers
         grads = [q.grad for q in stage.parameters()]
@@ -329,12 +426,16 @@ class HeldForB(PipelineWatch):
 
     def __init__(self, d, args, stage):
         super().__init__(d, {"F": args.stage_ms, "B": 2 * args.stage_ms})
-        self.of_mb, self.mine = {}, None  # what each micro-batch's F registered; the observed op's (or None)
+        self.of_mb, self.mine = (
+            {},
+            None,
+        )  # what each micro-batch's F registered; the observed op's (or None)
         self.input_bytes, self.full_bytes, self.in_b = 0, 0, False
 
         def pre(_, args):  # a stage input: (b, T) token ids or (b, T, D)
             self.input_bytes = max(self.input_bytes, tensor_bytes(args[:1]))
             self.hold(args[0])
+
         stage.register_forward_pre_hook(pre)
         stage.register_forward_hook(lambda _, args, out: self.hold(out))
 
@@ -356,7 +457,9 @@ class HeldForB(PipelineWatch):
             self.sample()
         return t
 
-    def sample(self):  # the peak (kept in self.live.peak), one op's full set, the micro-batches alive
+    def sample(
+        self,
+    ):  # the peak (kept in self.live.peak), one op's full set, the micro-batches alive
         self.live.alive()
         self.full_bytes, self.in_b = max(self.full_bytes, self.mine.alive()), False
         self.alive = max(self.alive, sum(s.alive() > 0 for s in self.of_mb.values()))
@@ -378,7 +481,9 @@ def report(d, args, bounds, act_shape, dtype, held, sent, counted):
     p, m = d.world, args.microbatches
     mine = [held.alive, held.live.peak, held.input_bytes, held.full_bytes]
     rows = gather_rows(d, [mine + [sent, counted]])
-    alive, peak, inp, full, sent, state = (list(c) for c in zip(*(map(int, r[0].tolist()) for r in rows)))
+    alive, peak, inp, full, sent, state = (
+        list(c) for c in zip(*(map(int, r[0].tolist()) for r in rows))
+    )
     events = held.timeline.gather()
     if not events:  # a resumed run that had no step left to run
         return {}, sent
@@ -393,32 +498,58 @@ def report(d, args, bounds, act_shape, dtype, held, sent, counted):
     one = torch.Size(act_shape).numel() * dtype.itemsize
     sent_theory = [m * one * ((r > 0) + (r < p - 1)) for r in range(p)]
     mean = sum(bubble) / p
-    figures = dict(events=events, bubble=bubble, bubble_mean=mean, bubble_theory=theory,
-                   bubble_theory_formula="(p-1)/(m+p-1)", stage_ms=args.stage_ms,
-                   peak_alive_microbatches=alive, peak_alive_theory=m, saved_activation_bytes=peak,
-                   saved_activation_bytes_without_recompute=without,
-                   saved_activation_bytes_with_recompute=with_rc, sent_bytes_per_rank=sent,
-                   sent_bytes_theory=sent_theory, busy_ms=busy, step_ms_last=end, state_bytes=state)
-    d.log("\nlast step, measured per stage (theory: bubble (p-1)/(m+p-1), alive m, sent m x (b, T, D) a way)"
-          "\nstage | blocks | busy ms | bubble | theory | alive | theory | held for B | sent bytes | theory")
+    figures = dict(
+        events=events,
+        bubble=bubble,
+        bubble_mean=mean,
+        bubble_theory=theory,
+        bubble_theory_formula="(p-1)/(m+p-1)",
+        stage_ms=args.stage_ms,
+        peak_alive_microbatches=alive,
+        peak_alive_theory=m,
+        saved_activation_bytes=peak,
+        saved_activation_bytes_without_recompute=without,
+        saved_activation_bytes_with_recompute=with_rc,
+        sent_bytes_per_rank=sent,
+        sent_bytes_theory=sent_theory,
+        busy_ms=busy,
+        step_ms_last=end,
+        state_bytes=state,
+    )
+    d.log(
+        "\nlast step, measured per stage (theory: bubble (p-1)/(m+p-1), alive m, sent m x (b, T, D) a way)"
+        "\nstage | blocks | busy ms | bubble | theory | alive | theory | held for B | sent bytes | theory"
+    )
     for r, (a, z) in enumerate(bounds):
-        d.log(f"{r:5d} | {a:2d}..{z - 1:<2d} | {busy[r]:7.2f} | {bubble[r]:6.3f} | {theory:6.3f} | "
-              f"{alive[r]:5d} | {m:6d} | {peak[r]:10d} | {sent[r]:10d} | {sent_theory[r]:6d}")
+        d.log(
+            f"{r:5d} | {a:2d}..{z - 1:<2d} | {busy[r]:7.2f} | {bubble[r]:6.3f} | {theory:6.3f} | "
+            f"{alive[r]:5d} | {m:6d} | {peak[r]:10d} | {sent[r]:10d} | {sent_theory[r]:6d}"
+        )
     ms = args.stage_ms
-    why = (f"--stage-ms {ms:g}: compute time simulated, each F waits {ms:g} ms, each B {2 * ms:g} ms" if ms
-           else "real compute only: on shared cores this times the OS scheduler; try --stage-ms")
-    d.log(f"bubble, mean over stages: measured {mean:.3f}, theory (p-1)/(m+p-1) = {theory:.3f}, "
-          f"difference {mean - theory:+.3f} ({why})")
-    d.log(f"activation bytes held for B per stage, peak, measured from the live storages: {peak}; theory "
-          f"from the measured parts: without --recompute m x full set = {without}, with it m x input + one "
-          f"full set = {with_rc}")
+    why = (
+        f"--stage-ms {ms:g}: compute time simulated, each F waits {ms:g} ms, each B {2 * ms:g} ms"
+        if ms
+        else "real compute only: on shared cores this times the OS scheduler; try --stage-ms"
+    )
+    d.log(
+        f"bubble, mean over stages: measured {mean:.3f}, theory (p-1)/(m+p-1) = {theory:.3f}, "
+        f"difference {mean - theory:+.3f} ({why})"
+    )
+    d.log(
+        f"activation bytes held for B per stage, peak, measured from the live storages: {peak}; theory "
+        f"from the measured parts: without --recompute m x full set = {without}, with it m x input + one "
+        f"full set = {with_rc}"
+    )
     label = lambda e: f"{e['kind']}{e['mb']}"  # noqa: E731
-    d.log(f"\ntimeline of the last step, measured ({m} micro-batches, {p} stages):\n"
-          + draw_timeline(events, p, 0, end, label))
+    d.log(
+        f"\ntimeline of the last step, measured ({m} micro-batches, {p} stages):\n"
+        + draw_timeline(events, p, 0, end, label)
+    )
     if args.trace and d.rank == 0:
         write_trace(args.trace, events, label)
         d.log(f"wrote {len(events)} events to {args.trace} (open in https://ui.perfetto.dev)")
     return figures, sent
+
 
 if __name__ == "__main__":
     main()

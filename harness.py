@@ -18,6 +18,7 @@ their technique:
                    PipelineWatch    a pipeline schedule's observe callback: Timeline spans, bytes held
 Only tensors cross the wire here too: no object collectives.
 """
+
 import argparse, contextlib, inspect, json, os, re, statistics, sys, time
 from dataclasses import asdict, dataclass, fields
 from typing import Literal, get_args, get_origin, get_type_hints
@@ -78,7 +79,9 @@ def parse_args(cls, argv=None):
         flag, typ, h = "--" + f.name.replace("_", "-"), hints[f.name], helps.get(f.name, "")
         h = argparse.SUPPRESS if f.name in getattr(cls, "HIDDEN", ()) else h
         if typ is bool:
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=h)
+            parser.add_argument(
+                flag, action=argparse.BooleanOptionalAction, default=f.default, help=h
+            )
         elif get_origin(typ) is Literal:
             parser.add_argument(flag, choices=get_args(typ), default=f.default, help=h)
         else:
@@ -93,7 +96,16 @@ def env_world_size():
 
 def check_common_args(args):
     """The checks every file needs; each technique file adds its own before init_dist()."""
-    positive = ("steps", "batch_size", "seq_len", "vocab", "d_model", "n_layers", "n_heads", "timeout")
+    positive = (
+        "steps",
+        "batch_size",
+        "seq_len",
+        "vocab",
+        "d_model",
+        "n_layers",
+        "n_heads",
+        "timeout",
+    )
     for name in positive:
         if getattr(args, name) < 1:
             fail(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
@@ -130,7 +142,9 @@ class StepTimer:
 
 
 def log_step(d, step, loss, ms, tokens):
-    d.log(f"step {step:4d} | loss {loss:.6f} | {ms:8.1f} ms | {tokens / max(ms, 1e-9) * 1e3:10.0f} tok/s")
+    d.log(
+        f"step {step:4d} | loss {loss:.6f} | {ms:8.1f} ms | {tokens / max(ms, 1e-9) * 1e3:10.0f} tok/s"
+    )
 
 
 def maybe_fail(d, args, step):
@@ -190,18 +204,49 @@ class Run:
         return self.tokens / max(self.timer.median(), 1e-9) * 1e3
 
     def finish(self, technique, peak_mem_bytes, comm_bytes, check=None, figures=None):
-        write_summary(self.d, self.args, technique, self.losses, self.timer.median(), self.tokens_per_s(),
-                      peak_mem_bytes, comm_bytes, check, figures)
+        write_summary(
+            self.d,
+            self.args,
+            technique,
+            self.losses,
+            self.timer.median(),
+            self.tokens_per_s(),
+            peak_mem_bytes,
+            comm_bytes,
+            check,
+            figures,
+        )
         close_dist(ok=check is None or check["passed"])
 
 
-def write_summary(d, args, technique, losses, step_ms, tokens_per_s, peak_mem_bytes, comm_bytes,
-                  check=None, figures=None):
+def write_summary(
+    d,
+    args,
+    technique,
+    losses,
+    step_ms,
+    tokens_per_s,
+    peak_mem_bytes,
+    comm_bytes,
+    check=None,
+    figures=None,
+):
     """The --json summary (rank 0). Every figure in it was measured in this run."""
-    summary = dict(technique=technique, world_size=d.world, config=asdict(args), losses=losses,
-                   step_ms=step_ms, tokens_per_s=tokens_per_s, peak_mem_bytes=peak_mem_bytes,
-                   comm_bytes=comm_bytes, check=check, figures=figures or {})
-    if d.device.type == "cuda" and _counted:  # CUDA's peak above, the bytes the file counted beside it
+    summary = dict(
+        technique=technique,
+        world_size=d.world,
+        config=asdict(args),
+        losses=losses,
+        step_ms=step_ms,
+        tokens_per_s=tokens_per_s,
+        peak_mem_bytes=peak_mem_bytes,
+        comm_bytes=comm_bytes,
+        check=check,
+        figures=figures or {},
+    )
+    if (
+        d.device.type == "cuda" and _counted
+    ):  # CUDA's peak above, the bytes the file counted beside it
         summary["counted_mem_bytes"] = _counted["bytes"]
     if d.rank == 0 and args.json:
         tmp = args.json + ".tmp"
@@ -235,12 +280,16 @@ class Checkpointer:
         try:  # on CPU: the RNG states must be CPU byte tensors; load_state_dict moves the rest
             state = torch.load(path, map_location="cpu", weights_only=False)
         except Exception as e:
-            fail(f"cannot read checkpoint {path} ({type(e).__name__}): delete it or use another --ckpt-dir")
+            fail(
+                f"cannot read checkpoint {path} ({type(e).__name__}): delete it or use another --ckpt-dir"
+            )
         meta = state.get("meta") if isinstance(state, dict) else None
         if meta != self.meta:
             what = lambda m: f"{m['file']} at world {m['world']}" if m else "an unknown writer"  # noqa: E731
-            fail(f"checkpoint {path} was written by {what(meta)}, this run is {what(self.meta)}: use another "
-                 "--ckpt-dir")
+            fail(
+                f"checkpoint {path} was written by {what(meta)}, this run is {what(self.meta)}: use another "
+                "--ckpt-dir"
+            )
         return state
 
     def load(self, objects):
@@ -248,12 +297,17 @@ class Checkpointer:
         if not self.dir:
             return 0, {}
         # 1. checks that need no other rank, before any collective
-        ranks = [int(m.group(1)) for f in (os.listdir(self.root) if os.path.isdir(self.root) else [])
-                 if (m := re.fullmatch(r"rank(\d+)", f))]
+        ranks = [
+            int(m.group(1))
+            for f in (os.listdir(self.root) if os.path.isdir(self.root) else [])
+            if (m := re.fullmatch(r"rank(\d+)", f))
+        ]
         if ranks and max(ranks) >= self.d.world:
-            fail(f"--ckpt-dir {self.root} holds checkpoints of {max(ranks) + 1} ranks, this run has "
-                 f"{self.d.world}: "
-                 f"resume at the same world size, or use another --ckpt-dir")
+            fail(
+                f"--ckpt-dir {self.root} holds checkpoints of {max(ranks) + 1} ranks, this run has "
+                f"{self.d.world}: "
+                f"resume at the same world size, or use another --ckpt-dir"
+            )
         mine = self._steps_on_disk()
         if mine:
             self._read(mine[-1])
@@ -269,8 +323,10 @@ class Checkpointer:
                 obj.load_state_dict(state[name])
         except Exception as e:  # another model size or layout: shapes or names differ
             why = " ".join(str(e).replace("Error(s) in loading state_dict for", "").split())[:160]
-            fail(f"checkpoint in {self.dir} does not fit this model or layout ({why}...): use another "
-                 "--ckpt-dir")
+            fail(
+                f"checkpoint in {self.dir} does not fit this model or layout ({why}...): use another "
+                "--ckpt-dir"
+            )
         torch.set_rng_state(state["rng_cpu"])
         if self.d.device.type == "cuda":
             torch.cuda.set_rng_state(state["rng_cuda"], self.d.device)
@@ -279,7 +335,9 @@ class Checkpointer:
 
     def maybe_save(self, step, objects, history):
         """`step` = steps completed. Saves every `save_every` steps and after the last one."""
-        if not self.dir or not (step == self.steps or (self.save_every and step % self.save_every == 0)):
+        if not self.dir or not (
+            step == self.steps or (self.save_every and step % self.save_every == 0)
+        ):
             return
         os.makedirs(self.dir, exist_ok=True)
         state = {name: obj.state_dict() for name, obj in objects.items()}
@@ -288,7 +346,9 @@ class Checkpointer:
             state["rng_cuda"] = torch.cuda.get_rng_state(self.d.device)
         tmp = os.path.join(self.dir, f".step{step}.pt.tmp")
         torch.save(state, tmp)
-        os.replace(tmp, os.path.join(self.dir, f"step{step}.pt"))  # atomic: never a half-written file
+        os.replace(
+            tmp, os.path.join(self.dir, f"step{step}.pt")
+        )  # atomic: never a half-written file
         for old in self._steps_on_disk()[:-2]:
             os.remove(os.path.join(self.dir, f"step{old}.pt"))
 
@@ -312,12 +372,22 @@ def check_against_reference(d, args, losses, params, ref=None, tol=None, ptol=No
         tol = tol or tolerance(args.dtype)
         loss_diff = max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(losses, ref["losses"]))
         missing = sorted(set(ref["params"]) ^ set(params))
-        param_diff = max((params[n].to(p) - p).abs().max().item()
-                         for n, p in ref["params"].items() if n in params)
-        passed = len(losses) == len(ref["losses"]) and not missing and loss_diff <= tol and param_diff <= ptol
-        d.log(f"check vs one-process reference: max rel loss diff {loss_diff:.3e} (tolerance {tol:.0e}), "
-              f"max param diff {param_diff:.3e} ({ptol:.0e}){', missing ' + str(missing) if missing else ''}"
-              f" -> {'PASSED' if passed else 'FAILED'}")
+        param_diff = max(
+            (params[n].to(p) - p).abs().max().item()
+            for n, p in ref["params"].items()
+            if n in params
+        )
+        passed = (
+            len(losses) == len(ref["losses"])
+            and not missing
+            and loss_diff <= tol
+            and param_diff <= ptol
+        )
+        d.log(
+            f"check vs one-process reference: max rel loss diff {loss_diff:.3e} (tolerance {tol:.0e}), "
+            f"max param diff {param_diff:.3e} ({ptol:.0e}){', missing ' + str(missing) if missing else ''}"
+            f" -> {'PASSED' if passed else 'FAILED'}"
+        )
         result = [loss_diff, param_diff, float(passed)]
     # Rank 0's verdict for every rank, as three numbers in a tensor (no object collective: those pickle
     # through numpy and, on NCCL, take a host round trip through the GPU).
@@ -378,7 +448,12 @@ def state_bytes(model, optimizer=None):
     """Parameters + gradients + optimizer state of this rank, counted from the tensors themselves."""
     ts = [p for p in model.parameters()] + [p.grad for p in model.parameters()]
     if optimizer is not None:
-        ts += [v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v) and v.dim() > 0]
+        ts += [
+            v
+            for s in optimizer.state.values()
+            for v in s.values()
+            if torch.is_tensor(v) and v.dim() > 0
+        ]
     return tensor_bytes(ts)
 
 
@@ -416,8 +491,11 @@ class LiveStorages:
     def alive(self, *held):
         """Bytes alive now: the registered storages not yet freed, plus `held` tensors (each storage once)."""
         self.refs = {w: n for w, n in self.refs.items() if not w.expired()}
-        extra = {StorageWeakRef(t.untyped_storage()): t.untyped_storage().nbytes()
-                 for t in held if t is not None}
+        extra = {
+            StorageWeakRef(t.untyped_storage()): t.untyped_storage().nbytes()
+            for t in held
+            if t is not None
+        }
         now = sum({**extra, **self.refs}.values())
         self.peak = max(self.peak, now)
         return now
@@ -455,28 +533,66 @@ class SavedActivations:
 # Every communication op of c10d (torch.distributed's process-group ops) and of _c10d_functional (DTensor's,
 # returning its output) by name: the kind it is counted as. tests/test_harness.py checks that the installed
 # torch has no other op in these two namespaces that moves data.
-_OPS = {"allreduce_": "all_reduce", "allreduce_coalesced_": "all_reduce", "all_reduce": "all_reduce",
-        "all_reduce_": "all_reduce", "all_reduce_coalesced": "all_reduce",
-        "all_reduce_coalesced_": "all_reduce",
-        "_allgather_base_": "all_gather", "allgather_": "all_gather", "allgather_coalesced_": "all_gather",
-        "allgather_into_tensor_coalesced_": "all_gather", "all_gather_into_tensor": "all_gather",
-        "all_gather_into_tensor_out": "all_gather", "all_gather_into_tensor_coalesced": "all_gather",
-        "_reduce_scatter_base_": "reduce_scatter", "reduce_scatter_": "reduce_scatter",
-        "reduce_scatter_tensor_coalesced_": "reduce_scatter", "reduce_scatter_tensor": "reduce_scatter",
-        "reduce_scatter_tensor_out": "reduce_scatter", "reduce_scatter_tensor_coalesced": "reduce_scatter",
-        "alltoall_base_": "all_to_all", "alltoall_": "all_to_all", "all_to_all_single": "all_to_all",
-        "broadcast_": "broadcast", "broadcast": "broadcast", "send": "send", "isend": "send", "recv_": "recv",
-        "recv_any_source_": "recv", "irecv": "recv", "batch_p2p_ops": "send/recv", "reduce_": "reduce",
-        "gather_": "gather", "gather_into_tensor_": "gather", "scatter_": "scatter"}
+_OPS = {
+    "allreduce_": "all_reduce",
+    "allreduce_coalesced_": "all_reduce",
+    "all_reduce": "all_reduce",
+    "all_reduce_": "all_reduce",
+    "all_reduce_coalesced": "all_reduce",
+    "all_reduce_coalesced_": "all_reduce",
+    "_allgather_base_": "all_gather",
+    "allgather_": "all_gather",
+    "allgather_coalesced_": "all_gather",
+    "allgather_into_tensor_coalesced_": "all_gather",
+    "all_gather_into_tensor": "all_gather",
+    "all_gather_into_tensor_out": "all_gather",
+    "all_gather_into_tensor_coalesced": "all_gather",
+    "_reduce_scatter_base_": "reduce_scatter",
+    "reduce_scatter_": "reduce_scatter",
+    "reduce_scatter_tensor_coalesced_": "reduce_scatter",
+    "reduce_scatter_tensor": "reduce_scatter",
+    "reduce_scatter_tensor_out": "reduce_scatter",
+    "reduce_scatter_tensor_coalesced": "reduce_scatter",
+    "alltoall_base_": "all_to_all",
+    "alltoall_": "all_to_all",
+    "all_to_all_single": "all_to_all",
+    "broadcast_": "broadcast",
+    "broadcast": "broadcast",
+    "send": "send",
+    "isend": "send",
+    "recv_": "recv",
+    "recv_any_source_": "recv",
+    "irecv": "recv",
+    "batch_p2p_ops": "send/recv",
+    "reduce_": "reduce",
+    "gather_": "gather",
+    "gather_into_tensor_": "gather",
+    "scatter_": "scatter",
+}
 # seen, moves no data (_wrap_tensor_autograd: registered when torch.distributed._functional_collectives loads)
-_NOT_TRAFFIC = {"barrier", "monitored_barrier_", "wait_tensor", "check_for_nan", "_wrap_tensor_autograd"}
+_NOT_TRAFFIC = {
+    "barrier",
+    "monitored_barrier_",
+    "wait_tensor",
+    "check_for_nan",
+    "_wrap_tensor_autograd",
+}
 # c10d ops' arguments: (tensors, pg, ...) but for these, (outputs, inputs, pg, ...): what is handed is inputs
 _OUT_IN = ("all_gather", "reduce_scatter", "all_to_all", "gather", "scatter")
 # where the peer (a rank in the op's group) and the tag are, and the root of a broadcast or scatter
-_PEER_TAG = {("c10d", "send"): (2, 3), ("c10d", "recv_"): (2, 3), ("c10d", "recv_any_source_"): (None, 2),
-             ("_c10d_functional", "isend"): (1, 2), ("_c10d_functional", "irecv"): (1, 2)}
-_ROOT = {("c10d", "broadcast_"): 2, ("c10d", "scatter_"): 3, ("_c10d_functional", "broadcast"): 1,
-         ("_c10d_functional", "broadcast_"): 1}
+_PEER_TAG = {
+    ("c10d", "send"): (2, 3),
+    ("c10d", "recv_"): (2, 3),
+    ("c10d", "recv_any_source_"): (None, 2),
+    ("_c10d_functional", "isend"): (1, 2),
+    ("_c10d_functional", "irecv"): (1, 2),
+}
+_ROOT = {
+    ("c10d", "broadcast_"): 2,
+    ("c10d", "scatter_"): 3,
+    ("_c10d_functional", "broadcast"): 1,
+    ("_c10d_functional", "broadcast_"): 1,
+}
 
 
 def _flat(xs):
@@ -559,26 +675,38 @@ class CommCounter(TorchDispatchMode):
 
     def _count(self, op, name, ns, args):
         pg = self._group(ns, args)
-        if name == "batch_p2p_ops":  # (["isend" | "irecv", ...], peers, tags, tensors, group): one call each
+        if (
+            name == "batch_p2p_ops"
+        ):  # (["isend" | "irecv", ...], peers, tags, tensors, group): one call each
             for kind, peer, tag, t in zip(*args[:4]):
-                self._add("send" if kind == "isend" else "recv", pg, [t], t.numel(), peer, tag, args)
+                self._add(
+                    "send" if kind == "isend" else "recv", pg, [t], t.numel(), peer, tag, args
+                )
             return
         size = pg.size() if pg is not None else dist.get_world_size()
-        if ns == "_c10d_functional":  # (input or inputs, ...): the output is returned, not passed in
+        if (
+            ns == "_c10d_functional"
+        ):  # (input or inputs, ...): the output is returned, not passed in
             handed = whole = _tensors(args[0])
-        elif op in _OUT_IN:  # (outputs, inputs, pg, ...): a list per rank, or one tensor (the *_base_ forms)
+        elif (
+            op in _OUT_IN
+        ):  # (outputs, inputs, pg, ...): a list per rank, or one tensor (the *_base_ forms)
             handed = _tensors(args[1])
             whole = _tensors(args[0] if op in ("all_gather", "scatter") else args[1])
         else:  # (tensors, pg, ...): all-reduce, broadcast, reduce, send, recv
             handed = whole = _tensors(args[0])
         elems = sum(t.numel() for t in whole)
         if op in ("gather", "scatter") or ns == "_c10d_functional" and op == "all_gather":
-            elems *= size  # the whole is not an argument (or is at the root only): my piece x the group
+            elems *= (
+                size  # the whole is not an argument (or is at the root only): my piece x the group
+            )
         peer_at, tag_at = _PEER_TAG.get((ns, name), (None, None))
         peer = args[peer_at] if peer_at is not None else None  # None: a receive from any source
         tag = args[tag_at] if tag_at is not None else None
         root_at = _ROOT.get((ns, name))
-        if root_at is not None and args[root_at] != (pg.rank() if pg is not None else dist.get_rank()):
+        if root_at is not None and args[root_at] != (
+            pg.rank() if pg is not None else dist.get_rank()
+        ):
             handed = []  # a broadcast or a scatter hands its tensors over at its root only
         self._add(op, pg, handed, elems, peer, tag, args)
 
@@ -602,13 +730,30 @@ class CommCounter(TorchDispatchMode):
                 if len(handed) == n and n > 1:  # alltoall_: one input tensor per rank
                     mine = _nbytes([handed[r]])
                 else:  # one input, split by input_split_sizes (the last list of ints), else equally
-                    splits = [a for a in args if isinstance(a, (list, tuple)) and all(type(i) is int
-                                                                                        for i in a)]
+                    splits = [
+                        a
+                        for a in args
+                        if isinstance(a, (list, tuple)) and all(type(i) is int for i in a)
+                    ]
                     rows = handed[0].shape[0]
-                    mine = nbytes * (splits[-1][r] if splits and splits[-1] else rows // n) // max(rows, 1)
+                    mine = (
+                        nbytes
+                        * (splits[-1][r] if splits and splits[-1] else rows // n)
+                        // max(rows, 1)
+                    )
                 to_others = nbytes - mine
-            self.calls_log.append(dict(op=op, axis=axis, phase=phase, bytes=nbytes, elems=elems, peer=peer,
-                                       tag=tag, to_others=to_others))
+            self.calls_log.append(
+                dict(
+                    op=op,
+                    axis=axis,
+                    phase=phase,
+                    bytes=nbytes,
+                    elems=elems,
+                    peer=peer,
+                    tag=tag,
+                    to_others=to_others,
+                )
+            )
 
     def table(self):
         """{"op/axis/phase": [calls, elements, bytes handed]}, sorted by key."""
@@ -618,8 +763,11 @@ class CommCounter(TorchDispatchMode):
         """Sum of bytes (or "calls", "elems") over the keys that match the given parts."""
         counts = {"bytes": self.bytes, "calls": self.calls, "elems": self.elems}[what]
         want = (op, axis, phase)
-        return sum(v for k, v in counts.items()
-                   if all(w is None or w == x for w, x in zip(want, k.split("/"))))
+        return sum(
+            v
+            for k, v in counts.items()
+            if all(w is None or w == x for w, x in zip(want, k.split("/")))
+        )
 
 
 # ----------------------------------------------------------------------------- pipeline timelines
@@ -642,8 +790,15 @@ class Timeline:
     KINDS = "FBW"
 
     def __init__(self, d, simulate=None, tags=()):
-        self.d, self.cuda, self.simulate, self.events = d, d.device.type == "cuda", simulate or {}, []
-        self.tags = tuple(tags)  # the names of the numbers an event may carry besides rank, kind, mb, times
+        self.d, self.cuda, self.simulate, self.events = (
+            d,
+            d.device.type == "cuda",
+            simulate or {},
+            [],
+        )
+        self.tags = tuple(
+            tags
+        )  # the names of the numbers an event may carry besides rank, kind, mb, times
         self.zero()
 
     def zero(self):
@@ -670,7 +825,9 @@ class Timeline:
         yield
         if self.simulate.get(kind, 0) > 0:
             time.sleep(self.simulate[kind] / 1e3)
-        self.events.append(dict(rank=self.d.rank, kind=kind, mb=mb, start=start, end=self.now(), **tags))
+        self.events.append(
+            dict(rank=self.d.rank, kind=kind, mb=mb, start=start, end=self.now(), **tags)
+        )
 
     def resolve(self):
         """CUDA events into ms since the zero (one synchronize); nothing to do on CPU."""
@@ -686,14 +843,21 @@ class Timeline:
         """Every rank's events (default: all of this rank's) on every rank, as dicts sorted by (rank, start),
         with the tags named in the constructor (a tag an event lacks, or None, travels as -1)."""
         events = self.resolve() if events is None else events
-        rows = [[e["rank"], self.KINDS.index(e["kind"]), e["mb"], e["start"], e["end"]]
-                + [-1 if e.get(k) is None else e[k] for k in self.tags] for e in events]
+        rows = [
+            [e["rank"], self.KINDS.index(e["kind"]), e["mb"], e["start"], e["end"]]
+            + [-1 if e.get(k) is None else e[k] for k in self.tags]
+            for e in events
+        ]
         got = gather_rows(self.d, rows if rows else torch.zeros(0, 5 + len(self.tags)))
         out = []
         for rank_rows in got:
             for r in rank_rows.tolist():
-                e = dict(rank=int(r[0]), kind=self.KINDS[int(r[1])], mb=int(r[2]), start=r[3], end=r[4])
-                e.update({k: (int(x) if float(x).is_integer() else x) for k, x in zip(self.tags, r[5:])})
+                e = dict(
+                    rank=int(r[0]), kind=self.KINDS[int(r[1])], mb=int(r[2]), start=r[3], end=r[4]
+                )
+                e.update(
+                    {k: (int(x) if float(x).is_integer() else x) for k, x in zip(self.tags, r[5:])}
+                )
                 out.append(e)
         return sorted(out, key=lambda e: (e["rank"], e["start"]))
 
@@ -710,14 +874,16 @@ def draw_timeline(events, rows, lo, hi, label, row_key="rank", row_name="stage",
     if not shown:
         return "(no events)"
     typical = sorted(e["end"] - e["start"] for e in shown)[len(shown) // 2]
-    cols = int(min(max_cols, max(60, 3 * (hi - lo) / max(typical, 1e-6))))  # a typical op gets ~3 columns
+    cols = int(
+        min(max_cols, max(60, 3 * (hi - lo) / max(typical, 1e-6)))
+    )  # a typical op gets ~3 columns
     per_col, lines = (hi - lo) / cols, []
     for r in range(rows):
         line = ["."] * cols
         for e in sorted((e for e in shown if e[row_key] == r), key=lambda e: e["start"]):
             a = min(max(int((e["start"] - lo) / per_col), 0), cols - 1)
             z = max(a + 1, min(cols, round((e["end"] - lo) / per_col)))
-            line[a:z] = list(label(e).ljust(z - a)[:z - a])
+            line[a:z] = list(label(e).ljust(z - a)[: z - a])
         lines.append(f"{row_name} {r} |{''.join(line)}|")
     left, pad = f"{lo:.1f} ms", len(row_name) + len(str(rows - 1)) + 3
     lines.append(f"{'':{pad}}{left}{f'{hi:.1f} ms':>{cols + 2 - len(left)}}")
@@ -727,14 +893,28 @@ def draw_timeline(events, rows, lo, hi, label, row_key="rank", row_name="stage",
 def write_trace(path, events, label, row_key="rank", row_name="stage"):
     """Chrome trace format: one complete event ("ph": "X", microseconds) per op, one process per row. Open in
     https://ui.perfetto.dev or chrome://tracing."""
-    names = {"F": "forward", "B": "backward (input)" if any(e["kind"] == "W" for e in events) else "backward",
-             "W": "backward (weights)"}
-    trace = [dict(name=label(e), cat=names[e["kind"]], ph="X", ts=1e3 * e["start"],
-                  dur=1e3 * (e["end"] - e["start"]), pid=e[row_key], tid=0,
-                  args={k: v for k, v in e.items() if k not in ("start", "end")})
-             for e in events]
-    trace += [dict(name="process_name", ph="M", pid=r, tid=0, args=dict(name=f"{row_name} {r}"))
-              for r in sorted({e[row_key] for e in events})]
+    names = {
+        "F": "forward",
+        "B": "backward (input)" if any(e["kind"] == "W" for e in events) else "backward",
+        "W": "backward (weights)",
+    }
+    trace = [
+        dict(
+            name=label(e),
+            cat=names[e["kind"]],
+            ph="X",
+            ts=1e3 * e["start"],
+            dur=1e3 * (e["end"] - e["start"]),
+            pid=e[row_key],
+            tid=0,
+            args={k: v for k, v in e.items() if k not in ("start", "end")},
+        )
+        for e in events
+    ]
+    trace += [
+        dict(name="process_name", ph="M", pid=r, tid=0, args=dict(name=f"{row_name} {r}"))
+        for r in sorted({e[row_key] for e in events})
+    ]
     with open(path, "w") as f:
         json.dump(dict(traceEvents=trace, displayTimeUnit="ms"), f)
 
@@ -753,7 +933,11 @@ class PipelineWatch:
     def __init__(self, d, simulate, tags=(), coords=None):
         self.timeline, self.coords = Timeline(d, simulate, tags=tags), dict(coords or {})
         self.live, self.saved, self.arrived, self.step = LiveStorages(), {}, {}, 0
-        self.alive, self.bytes, self.last = 0, 0, None  # peaks: micro-batches alive, bytes; the op before
+        self.alive, self.bytes, self.last = (
+            0,
+            0,
+            None,
+        )  # peaks: micro-batches alive, bytes; the op before
 
     def saving(self, kind):
         return SavedActivations(self.live) if kind == "F" else contextlib.nullcontext()

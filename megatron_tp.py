@@ -59,6 +59,7 @@ Groups come from one grid, arange(world).view(dp, tp): a row is a TP group (adja
 column a data-parallel group.
 In production, use Megatron-Core (megatron.core.tensor_parallel) or torch.distributed.tensor.parallel.
 """
+
 import math
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -69,16 +70,40 @@ import torch.nn as nn
 import torch.nn.functional as F
 from einops import rearrange
 
-from common import (DTYPES, IGNORE, Block, build_gpt, clip_grads_, count_tokens, fail, GPTConfig, init_dist,
-                    make_optimizer, MarkovData)
-from harness import (check_against_reference, check_common_args, CommCounter, CommonArgs, env_world_size,
-                     parse_args, peak_memory_bytes, Run, SavedActivations, state_bytes, tensor_bytes)
+from common import (
+    DTYPES,
+    IGNORE,
+    Block,
+    build_gpt,
+    clip_grads_,
+    count_tokens,
+    fail,
+    GPTConfig,
+    init_dist,
+    make_optimizer,
+    MarkovData,
+)
+from harness import (
+    check_against_reference,
+    check_common_args,
+    CommCounter,
+    CommonArgs,
+    env_world_size,
+    parse_args,
+    peak_memory_bytes,
+    Run,
+    SavedActivations,
+    state_bytes,
+    tensor_bytes,
+)
 
 
 @dataclass
 class Args(CommonArgs):
     tp: int = 0  # tensor-parallel degree t (0 = the whole world); data parallel over world / t
-    sequence_parallel: bool = False  # split LayerNorm / dropout regions along the sequence (Korthikanti)
+    sequence_parallel: bool = (
+        False  # split LayerNorm / dropout regions along the sequence (Korthikanti)
+    )
 
 
 # ----------------------------------------------------------------------------- f and g, the conjugate pair
@@ -97,7 +122,9 @@ class f(torch.autograd.Function):
         return x
 
     @staticmethod
-    def backward(ctx, grad):  # (B, T, D) partial -> summed; a copy: autograd may hold on to its own buffer
+    def backward(
+        ctx, grad
+    ):  # (B, T, D) partial -> summed; a copy: autograd may hold on to its own buffer
         return all_reduce(grad.clone(), ctx.group), None
 
 
@@ -105,7 +132,9 @@ class g(torch.autograd.Function):
     """The row-parallel partial products are summed; a sum's gradient reaches every term unchanged."""
 
     @staticmethod
-    def forward(ctx, x, group):  # (B, T, D) partial -> summed, replicated (not in place on the graph's input)
+    def forward(
+        ctx, x, group
+    ):  # (B, T, D) partial -> summed, replicated (not in place on the graph's input)
         return all_reduce(x.clone(), group)
 
     @staticmethod
@@ -114,7 +143,9 @@ class g(torch.autograd.Function):
 
 
 # ----------------------------------------------------------------------------- parallel layers
-def check_tp_split(n, t, what):  # the layers' check, and check_args's with the flag's name for `what`
+def check_tp_split(
+    n, t, what
+):  # the layers' check, and check_args's with the flag's name for `what`
     if n % t:
         raise ValueError(f"{what} {n} is not divisible by the TP degree {t}: use a multiple of {t}")
 
@@ -125,13 +156,17 @@ def shard(full, dim, group):
     A size that t does not divide is zero-padded to a multiple of t (only the vocabulary ever needs it)."""
     parts, t = (full if isinstance(full, (list, tuple)) else [full]), dist.get_world_size(group)
     if len(parts) > 1 and any(x.shape[dim] % t for x in parts):
-        raise ValueError(f"fused parts of sizes {[x.shape[dim] for x in parts]} must each split evenly over "
-                         f"t = {t} (only a single layer is zero-padded): use sizes divisible by {t}")
+        raise ValueError(
+            f"fused parts of sizes {[x.shape[dim] for x in parts]} must each split evenly over "
+            f"t = {t} (only a single layer is zero-padded): use sizes divisible by {t}"
+        )
     slices = []
     for x in parts:
         pad = list(x.shape)
         pad[dim] = -x.shape[dim] % t
-        slices.append(torch.cat([x.detach(), x.new_zeros(pad)], dim).chunk(t, dim)[dist.get_rank(group)])
+        slices.append(
+            torch.cat([x.detach(), x.new_zeros(pad)], dim).chunk(t, dim)[dist.get_rank(group)]
+        )
     p = nn.Parameter(torch.cat(slices, dim).clone())
     p.tp_dim, p.tp_full = dim, sum(x.shape[dim] for x in parts)
     return p
@@ -154,14 +189,24 @@ class ColumnParallelLinear(nn.Module):
         super().__init__()
         linears = linears if isinstance(linears, (list, tuple)) else [linears]
         self.weight, self.group = shard([lin.weight for lin in linears], 0, group), group
-        has = [lin.bias is not None for lin in linears]  # may differ by part (SwiGLU: gate without, up with)
-        bias = [lin.bias if h else lin.weight.new_zeros(len(lin.weight)) for lin, h in zip(linears, has)]
+        has = [
+            lin.bias is not None for lin in linears
+        ]  # may differ by part (SwiGLU: gate without, up with)
+        bias = [
+            lin.bias if h else lin.weight.new_zeros(len(lin.weight)) for lin, h in zip(linears, has)
+        ]
         self.bias = shard(bias, 0, group) if any(has) else None
-        mask = shard([torch.full_like(b, h) for b, h in zip(bias, has)], 0, group).detach()  # 1: a real bias
-        self.register_buffer("bias_mask", None if all(has) or not any(has) else mask, persistent=False)
+        mask = shard(
+            [torch.full_like(b, h) for b, h in zip(bias, has)], 0, group
+        ).detach()  # 1: a real bias
+        self.register_buffer(
+            "bias_mask", None if all(has) or not any(has) else mask, persistent=False
+        )
 
     def forward(self, x):  # (B, T, in) replicated
-        b = self.bias if self.bias_mask is None else self.bias * self.bias_mask  # a missing bias stays zero
+        b = (
+            self.bias if self.bias_mask is None else self.bias * self.bias_mask
+        )  # a missing bias stays zero
         return F.linear(f.apply(x, self.group), self.weight, b)  # (B, T, out/t) local
 
 
@@ -174,12 +219,15 @@ class RowParallelLinear(nn.Module):
         +---------+---------+     Y = g(X_0 W_0^T + X_1 W_1^T) + b : one all-reduce sums the partial
         X = [ X_0 | X_1 ]         products; the bias is added once, after it (else it would count t times)
     X_r is (B, T, in/t): a column layer's output, this rank's features."""
+
     leave = g  # the operator that closes the region (sequence parallelism, below, swaps in its own)
 
     def __init__(self, linear, group):
         super().__init__()
         self.weight, self.group = shard(linear.weight, 1, group), group
-        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone())  # replicated
+        self.bias = (
+            None if linear.bias is None else nn.Parameter(linear.bias.detach().clone())
+        )  # replicated
 
     def forward(self, x):  # (B, T, in/t) local
         y = self.leave.apply(F.linear(x, self.weight), self.group)  # (B, T, out) summed
@@ -190,6 +238,7 @@ class VocabParallelEmbedding(nn.Module):
     """The token table E (V_pad, D) split over the vocabulary: rank r holds E_r (V_pad/t, D), the rows of ids
     [r V_pad/t, (r+1) V_pad/t) (V_pad: V rounded up to a multiple of t, rows no id reaches). Each rank looks
     up the ids it owns, writes zeros for the others; one rank holds each row, so g's sum is the lookup."""
+
     leave = g
 
     def __init__(self, embedding, group):
@@ -201,7 +250,9 @@ class VocabParallelEmbedding(nn.Module):
         local = idx - self.start
         mine = (local >= 0) & (local < self.weight.shape[0])  # (B, T): ids this rank owns
         e = F.embedding(torch.where(mine, local, 0), self.weight)  # (B, T, D) local rows
-        e = e.masked_fill(~mine[..., None], 0.0)  # others' ids: zero output and zero gradient to row 0
+        e = e.masked_fill(
+            ~mine[..., None], 0.0
+        )  # others' ids: zero output and zero gradient to row 0
         return self.leave.apply(e, self.group)  # (B, T, D) replicated
 
 
@@ -212,21 +263,37 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
     instead of an all-gather of N * V logits. Backward is local: dL/dz = softmax(z) - onehot(target)."""
 
     @staticmethod
-    def forward(ctx, logits, target, vocab, group, ignore_index=-100):  # (N, V_pad/t) local, (N,) global ids
+    def forward(
+        ctx, logits, target, vocab, group, ignore_index=-100
+    ):  # (N, V_pad/t) local, (N,) global ids
         n_local, t = logits.shape[-1], dist.get_world_size(group)
-        if n_local != math.ceil(vocab / t):  # VocabParallelEmbedding's split; else some targets go unseen
-            raise ValueError(f"vocab {vocab} over t = {t}: give each rank ceil(V/t) logits, not {n_local}")
+        if n_local != math.ceil(
+            vocab / t
+        ):  # VocabParallelEmbedding's split; else some targets go unseen
+            raise ValueError(
+                f"vocab {vocab} over t = {t}: give each rank ceil(V/t) logits, not {n_local}"
+            )
         start = dist.get_rank(group) * n_local
         padded = torch.arange(start, start + n_local, device=logits.device) >= vocab  # (V_pad/t,)
-        z = logits.masked_fill(padded, float("-inf"))  # padded entries get probability 0: never predicted
-        m = all_reduce(z.max(-1).values, group, op=dist.ReduceOp.MAX)  # (N,) 1. global max, for a stable exp
+        z = logits.masked_fill(
+            padded, float("-inf")
+        )  # padded entries get probability 0: never predicted
+        m = all_reduce(
+            z.max(-1).values, group, op=dist.ReduceOp.MAX
+        )  # (N,) 1. global max, for a stable exp
         z = z - m[:, None]
-        mine = (target >= start) & (target < start + n_local)  # (N,) this rank holds the target's logit
+        mine = (target >= start) & (
+            target < start + n_local
+        )  # (N,) this rank holds the target's logit
         local_t = torch.where(mine, target - start, 0)
-        picked = all_reduce(torch.where(mine, z.gather(1, local_t[:, None])[:, 0], 0.0), group)  # 2. z_t - m
+        picked = all_reduce(
+            torch.where(mine, z.gather(1, local_t[:, None])[:, 0], 0.0), group
+        )  # 2. z_t - m
         e = z.exp()  # (N, V_pad/t)
         sum_e = all_reduce(e.sum(-1), group)  # 3. sum of exp over the whole vocabulary
-        valid = target != ignore_index  # as F.cross_entropy: such a target (padding) carries no loss
+        valid = (
+            target != ignore_index
+        )  # as F.cross_entropy: such a target (padding) carries no loss
         ctx.save_for_backward(e / sum_e[:, None], local_t, mine & valid, valid)
         return torch.where(valid, sum_e.log() - picked, 0.0)  # (N,), identical on every TP rank
 
@@ -248,15 +315,22 @@ class RNGTracker:
     def __init__(self, device, seed, dp_rank, tp_rank):
         base = 100_003 * seed + 7_919 * dp_rank + 1
         torch.manual_seed(base)  # the default stream: the same across TP ranks
-        self.gen, self.forked = torch.default_generator, False  # the generator dropout draws from on the CPU
+        self.gen, self.forked = (
+            torch.default_generator,
+            False,
+        )  # the generator dropout draws from on the CPU
         if device.type == "cuda":  # or on cuda:i (init fills torch.cuda.default_generators)
             torch.cuda.init()
             self.gen = torch.cuda.default_generators[device.index]
-        self.tp_state = torch.Generator(device=device).manual_seed(base + 2_719 + tp_rank).get_state()
+        self.tp_state = (
+            torch.Generator(device=device).manual_seed(base + 2_719 + tp_rank).get_state()
+        )
 
     @contextmanager
     def fork(self):
-        if self.forked:  # a fork inside a fork stays on this stream (SP runs a whole forward forked)
+        if (
+            self.forked
+        ):  # a fork inside a fork stays on this stream (SP runs a whole forward forked)
             yield
             return
         outside, self.forked = self.gen.get_state(), True
@@ -276,16 +350,26 @@ class ParallelAttention(nn.Module):
     def __init__(self, full, group, tracker, Column=ColumnParallelLinear, Row=RowParallelLinear):
         super().__init__()
         t = dist.get_world_size(group)
-        check_tp_split(full.n_heads, t, "n_heads")  # a head cut across ranks would be silently wrong
+        check_tp_split(
+            full.n_heads, t, "n_heads"
+        )  # a head cut across ranks would be silently wrong
         self.qkv, self.proj = Column([full.q, full.k, full.v], group), Row(full.proj, group)
         self.heads, self.p, self.tracker = full.n_heads // t, full.p, tracker
 
     def forward(self, x):  # (B, T, D) replicated
-        q, k, v = rearrange(self.qkv(x), "b t (n h e) -> n b h t e", n=3, h=self.heads)  # each (B, H/t, T, E)
-        with self.tracker.fork():  # attention dropout: inside the TP region, on this rank's own stream
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.p * self.training)
+        q, k, v = rearrange(
+            self.qkv(x), "b t (n h e) -> n b h t e", n=3, h=self.heads
+        )  # each (B, H/t, T, E)
+        with (
+            self.tracker.fork()
+        ):  # attention dropout: inside the TP region, on this rank's own stream
+            y = F.scaled_dot_product_attention(
+                q, k, v, is_causal=True, dropout_p=self.p * self.training
+            )
         y = self.proj(rearrange(y, "b h t e -> b t (h e)"))  # (B, T, D/t) local -> (B, T, D) summed
-        return F.dropout(y, self.p, self.training)  # replicated region: the default stream, one mask for all
+        return F.dropout(
+            y, self.p, self.training
+        )  # replicated region: the default stream, one mask for all
 
 
 class ParallelMLP(nn.Module):
@@ -303,11 +387,18 @@ class ParallelMLP(nn.Module):
 class ParallelGPT(nn.Module):
     """common.GPT sharded by the docstring's table, from the full model (one seed: any t starts from the same
     numbers), which it consumes. Names stay common.GPT's, but for the fused attn.qkv (attn.q, .k, .v)."""
-    Column, Row, Embedding = ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding  # SPGPT: its own
+
+    Column, Row, Embedding = (
+        ColumnParallelLinear,
+        RowParallelLinear,
+        VocabParallelEmbedding,
+    )  # SPGPT: its own
 
     def __init__(self, full, group, tracker):
         super().__init__()
-        for block in full.blocks:  # keeps its forward and LayerNorms: x + attn(ln1(x)), then + mlp(ln2(x))
+        for (
+            block
+        ) in full.blocks:  # keeps its forward and LayerNorms: x + attn(ln1(x)), then + mlp(ln2(x))
             block.attn = ParallelAttention(block.attn, group, tracker, self.Column, self.Row)
             block.mlp = ParallelMLP(block.mlp, group, self.Column, self.Row)
         self.tok_emb = self.Embedding(full.tok_emb, group)
@@ -315,7 +406,9 @@ class ParallelGPT(nn.Module):
         self.head = self.Column(full.head, group)  # untied, no bias
         self.p, self.group, self.tracker = full.cfg.dropout, group, tracker
 
-    def forward(self, idx):  # (B, T) global ids -> (B, T, V_pad/t) logits, this rank's vocabulary slice
+    def forward(
+        self, idx
+    ):  # (B, T) global ids -> (B, T, V_pad/t) logits, this rank's vocabulary slice
         h = self.tok_emb(idx)  # (B, T, D) replicated
         h = F.dropout(h + self.pos_emb(self.positions(h)), self.p, self.training)
         for block in self.blocks:
@@ -342,8 +435,12 @@ def global_grad_norm(model, tp_group):
     in float32 at least: in bfloat16 (8 significant bits) a sum stops growing once it is 256 times a term."""
     params = list(model.parameters())
     acc = torch.promote_types(params[0].dtype, torch.float32)
-    zero = torch.zeros((), dtype=acc, device=params[0].device)  # each sum's start: a tensor even if empty
-    squares = [(hasattr(p, "tp_dim"), torch.linalg.vector_norm(p.grad, dtype=acc) ** 2) for p in params]
+    zero = torch.zeros(
+        (), dtype=acc, device=params[0].device
+    )  # each sum's start: a tensor even if empty
+    squares = [
+        (hasattr(p, "tp_dim"), torch.linalg.vector_norm(p.grad, dtype=acc) ** 2) for p in params
+    ]
     split = all_reduce(sum((s for held, s in squares if held), zero), tp_group)
     return (split + sum((s for held, s in squares if not held), zero)).sqrt()
 
@@ -351,18 +448,24 @@ def global_grad_norm(model, tp_group):
 # ============================================================================= sequence parallelism
 # Korthikanti et al. 2022 Sec. 4.2.2: the regions replicated above (LayerNorm, dropout, residual) are split
 # along T; f and g become f_sp and g_sp (the paper's g and g-bar), as the docstring draws.
-def all_gather(x, dim, group):  # (.., n, ..) this rank's chunk -> (.., t*n, ..), rank r's chunk r-th
+def all_gather(
+    x, dim, group
+):  # (.., n, ..) this rank's chunk -> (.., t*n, ..), rank r's chunk r-th
     t = dist.get_world_size(group)
     if t == 1:
         return x
-    out = torch.empty(t * x.numel(), dtype=x.dtype, device=x.device)  # flat: every backend takes 1-D
+    out = torch.empty(
+        t * x.numel(), dtype=x.dtype, device=x.device
+    )  # flat: every backend takes 1-D
     dist.all_gather_single(out, x.contiguous().view(-1), group=group)
     return torch.cat(out.view(t, *x.shape).unbind(0), dim)
 
 
 def reduce_scatter(x, dim, group):  # (.., t*n, ..) partial sums -> (.., n, ..) summed, chunk r
     t = dist.get_world_size(group)
-    check_tp_split(x.shape[dim], t, "sequence parallelism's T =")  # uneven chunks would abort the collective
+    check_tp_split(
+        x.shape[dim], t, "sequence parallelism's T ="
+    )  # uneven chunks would abort the collective
     if t == 1:
         return x
     whole = torch.stack(x.chunk(t, dim)).contiguous()  # (t, .., n, ..): slot r goes to rank r
@@ -402,7 +505,9 @@ class ColumnParallelGEMM(torch.autograd.Function):
     whole X) and gathering it again for dL/dW, first (Megatron-Core overlaps that with the dL/dX GEMM)."""
 
     @staticmethod
-    def forward(ctx, full, chunk, weight, bias, group):  # full (B, T, D) = f_sp(chunk); chunk (B, T/t, D)
+    def forward(
+        ctx, full, chunk, weight, bias, group
+    ):  # full (B, T, D) = f_sp(chunk); chunk (B, T/t, D)
         ctx.save_for_backward(chunk, weight)
         ctx.group, ctx.has_bias = group, bias is not None
         return F.linear(full, weight, bias)  # (B, T, out/t) local
@@ -413,7 +518,13 @@ class ColumnParallelGEMM(torch.autograd.Function):
         full = all_gather(chunk, 1, ctx.group).flatten(0, -2)  # (B*T, D): the re-gather
         dw = dy.flatten(0, -2).T @ full  # (out/t, D)
         db = dy.flatten(0, -2).sum(0) if ctx.has_bias else None
-        return dy @ weight, None, dw, db, None  # dL/d(full) (B, T, D) partial: f_sp's backward sums it
+        return (
+            dy @ weight,
+            None,
+            dw,
+            db,
+            None,
+        )  # dL/d(full) (B, T, D) partial: f_sp's backward sums it
 
 
 class SPColumnParallelLinear(ColumnParallelLinear):
@@ -432,9 +543,12 @@ class SPVocabParallelEmbedding(VocabParallelEmbedding):
 
 class SPGPT(ParallelGPT):
     """ParallelGPT with LayerNorm, dropout, residual on (B, T/t, D): every dropout on the per-rank stream."""
+
     Column, Row, Embedding = SPColumnParallelLinear, SPRowParallelLinear, SPVocabParallelEmbedding
 
-    def forward(self, idx):  # (B, T) global ids -> (B, T, V_pad/t) logits, this rank's vocabulary slice
+    def forward(
+        self, idx
+    ):  # (B, T) global ids -> (B, T, V_pad/t) logits, this rank's vocabulary slice
         with self.tracker.fork():
             return super().forward(idx)
 
@@ -454,7 +568,9 @@ def check_args(args):  # bad input: one line and exit 2, on every rank, before a
         fail(f"--tp must be >= 0 (0 = the whole world), got {args.tp}")
     t = args.tp or world
     if world % t:
-        fail(f"world size {world} is not divisible by --tp {args.tp}: use a --tp dividing {world} (0 = all)")
+        fail(
+            f"world size {world} is not divisible by --tp {args.tp}: use a --tp dividing {world} (0 = all)"
+        )
     try:  # the layers' own check (ParallelAttention's heads, SP's reduce_scatter), as fail's one line
         check_tp_split(args.n_heads, t, "--n-heads")
         if args.sequence_parallel:
@@ -462,7 +578,9 @@ def check_args(args):  # bad input: one line and exit 2, on every rank, before a
     except ValueError as e:
         fail(str(e))
     if args.batch_size % (world // t):
-        fail(f"--batch-size {args.batch_size} is not divisible by the data-parallel degree {world // t}")
+        fail(
+            f"--batch-size {args.batch_size} is not divisible by the data-parallel degree {world // t}"
+        )
     return t, world // t
 
 
@@ -474,32 +592,51 @@ def main():
     d = init_dist(args.timeout)
     data = MarkovData(args.vocab, args.seed)
     grid = torch.arange(d.world).view(dp, t)  # rows: TP groups (adjacent ranks); columns: DP groups
-    tp_groups = [dist.new_group(row) for row in grid.tolist()]  # every rank creates every group, same order
+    tp_groups = [
+        dist.new_group(row) for row in grid.tolist()
+    ]  # every rank creates every group, same order
     dp_groups = [dist.new_group(col) for col in grid.T.tolist()]
     dp_rank, tp_rank = divmod(d.rank, t)
     tp_group, dp_group = tp_groups[dp_rank], dp_groups[tp_rank]
-    d.log(f"megatron_tp.py: world {d.world} = dp {dp} x tp {t} on {d.backend}, sequence parallel "
-          f"{args.sequence_parallel}, entropy floor {data.entropy:.4f} nats/token")
+    d.log(
+        f"megatron_tp.py: world {d.world} = dp {dp} x tp {t} on {d.backend}, sequence parallel "
+        f"{args.sequence_parallel}, entropy floor {data.entropy:.4f} nats/token"
+    )
 
     # --- the model: the full GPT from one seed on the CPU, sliced there; only the slices go to the device ---
     tracker = RNGTracker(d.device, args.seed, dp_rank, tp_rank)
     full = build_gpt(GPTConfig.from_args(args), args.seed, DTYPES[args.dtype])  # CPU
     full_bytes = tensor_bytes(full.parameters())
-    model = (SPGPT if args.sequence_parallel else ParallelGPT)(full, tp_group, tracker).to(d.device)  # shards
+    model = (SPGPT if args.sequence_parallel else ParallelGPT)(full, tp_group, tracker).to(
+        d.device
+    )  # shards
     del full
     opt = make_optimizer(model.parameters(), args)
-    run = Run(d, args, {"model": model, "optim": opt, "rng": TrackerState(tracker)})  # resumes: --ckpt-dir
-    comm, saved = CommCounter(axes={"tp": tp_group, "dp": dp_group}), SavedActivations()  # for the last step
+    run = Run(
+        d, args, {"model": model, "optim": opt, "rng": TrackerState(tracker)}
+    )  # resumes: --ckpt-dir
+    comm, saved = (
+        CommCounter(axes={"tp": tp_group, "dp": dp_group}),
+        SavedActivations(),
+    )  # for the last step
     for step in run.steps():
-        x, y = data.batch(step, args.batch_size, args.seq_len, args.ragged)  # (B, T) global batch, CPU
+        x, y = data.batch(
+            step, args.batch_size, args.seq_len, args.ragged
+        )  # (B, T) global batch, CPU
         n_tok = count_tokens(y)  # tokens of the whole global batch: the loss divisor on every rank
-        x, y = x.chunk(dp)[dp_rank].to(d.device), y.chunk(dp)[dp_rank].to(d.device)  # (b, T): my replica's
+        x, y = (
+            x.chunk(dp)[dp_rank].to(d.device),
+            y.chunk(dp)[dp_rank].to(d.device),
+        )  # (b, T): my replica's
         with run.watching(step, comm, saved):
             logits = model(x)  # (b, T, V_pad/t), b = B/dp: this rank's vocabulary slice
             if logits.dtype == torch.bfloat16:
-                logits = logits.float()  # as common.lm_loss: a bf16 softmax loses small probabilities
-            per_tok = VocabParallelCrossEntropy.apply(logits.flatten(0, 1), y.flatten(), args.vocab, tp_group,
-                                                      IGNORE)  # (b*T,), identical on every TP rank
+                logits = (
+                    logits.float()
+                )  # as common.lm_loss: a bf16 softmax loses small probabilities
+            per_tok = VocabParallelCrossEntropy.apply(
+                logits.flatten(0, 1), y.flatten(), args.vocab, tp_group, IGNORE
+            )  # (b*T,), identical on every TP rank
             loss = per_tok.sum() / n_tok  # this replica's piece of the global batch's loss
             opt.zero_grad(set_to_none=True)
             loss.backward()
@@ -512,19 +649,29 @@ def main():
                     norm = global_grad_norm(model, tp_group)
                     clip_grads_([p.grad for p in model.parameters()], norm, args.clip)
                 opt.step()
-                global_loss = all_reduce(loss.detach().clone(), dp_group)  # sum of the replicas' pieces
+                global_loss = all_reduce(
+                    loss.detach().clone(), dp_group
+                )  # sum of the replicas' pieces
         run.end_step(step, global_loss.item())
 
-    summarize(d, args, run, model, opt, tp_group, comm, saved, full_bytes, t, dp)  # the summary and --check
+    summarize(
+        d, args, run, model, opt, tp_group, comm, saved, full_bytes, t, dp
+    )  # the summary and --check
 
 
 # --- measurement ---
 # Closed forms and the summary, apart so that the technique above reads without them. The collectives were
 # counted by harness.CommCounter at the dispatcher, per "op/axis/phase", during the last step.
-FORMULA = ("per layer 2 all-reduce fwd + 2 bwd of b*s*h (SP: AG+RS pairs + 1 AG re-gather per column "
-           "layer); + embedding g, head f, 3 loss all-reduces of b*s, norm; bytes handed: AR tensor, AG "
-           "chunk, RS input; ring sends AR 2(n-1)/n, AG/RS (n-1)/n")
-RING = {"all_reduce": 2, "all_gather": 1, "reduce_scatter": 1}  # ring sends = RING * (n-1)/n * whole
+FORMULA = (
+    "per layer 2 all-reduce fwd + 2 bwd of b*s*h (SP: AG+RS pairs + 1 AG re-gather per column "
+    "layer); + embedding g, head f, 3 loss all-reduces of b*s, norm; bytes handed: AR tensor, AG "
+    "chunk, RS input; ring sends AR 2(n-1)/n, AG/RS (n-1)/n"
+)
+RING = {
+    "all_reduce": 2,
+    "all_gather": 1,
+    "reduce_scatter": 1,
+}  # ring sends = RING * (n-1)/n * whole
 
 
 class TrackerState:
@@ -546,7 +693,9 @@ def params_per_rank(args, t):
     D, L, V_pad = args.d_model, args.n_layers, math.ceil(args.vocab / t) * t
     # q, k, v; attention proj; fc weight + bias; MLP proj; token embedding and LM head
     split = L * (3 * D * D + D * D + 4 * D * D + 4 * D + 4 * D * D) + 2 * V_pad * D
-    repl = L * (2 * 2 * D + D + D) + args.seq_len * D + 2 * D  # ln1, ln2, two row biases; positions; ln_f
+    repl = (
+        L * (2 * 2 * D + D + D) + args.seq_len * D + 2 * D
+    )  # ln1, ln2, two row biases; positions; ln_f
     return split // t, repl
 
 
@@ -560,7 +709,9 @@ def theory_collectives(args, t, dp):
     split, repl = params_per_rank(args, t)
     table = {}
 
-    def add(op, axis, phase, calls, n, size):  # `calls` collectives of n elements of `size` bytes each
+    def add(
+        op, axis, phase, calls, n, size
+    ):  # `calls` collectives of n elements of `size` bytes each
         group = t if axis == "tp" else dp
         c = table.setdefault(f"{op}/{axis}/{phase}", [0, 0, 0, 0])
         c[0], c[1] = c[0] + calls, c[1] + calls * n
@@ -569,10 +720,16 @@ def theory_collectives(args, t, dp):
 
     if t > 1:
         if args.sequence_parallel:
-            for op, phase in [("all_gather", "fwd"), ("reduce_scatter", "fwd"), ("reduce_scatter", "bwd"),
-                              ("all_gather", "bwd")]:
+            for op, phase in [
+                ("all_gather", "fwd"),
+                ("reduce_scatter", "fwd"),
+                ("reduce_scatter", "bwd"),
+                ("all_gather", "bwd"),
+            ]:
                 add(op, "tp", phase, 2 * L + 1, b * s * h, es)  # per layer 2; + LM head / embedding
-            add("all_gather", "tp", "bwd", 2 * L + 1, b * s * h, es)  # the re-gathers: qkv, fc, LM head
+            add(
+                "all_gather", "tp", "bwd", 2 * L + 1, b * s * h, es
+            )  # the re-gathers: qkv, fc, LM head
             add("all_reduce", "tp", "step", 1, repl, es)  # replicated grads, partial over positions
         else:
             add("all_reduce", "tp", "fwd", 2 * L + 1, b * s * h, es)  # per layer 2 g; + embedding g
@@ -589,15 +746,29 @@ def theory_collectives(args, t, dp):
 def report(d, args, model, tp_group, counted, full_bytes, acts, t, dp):
     """Print each measured figure beside its theory; returns the summary's figures."""
     theory, (split, repl) = theory_collectives(args, t, dp), params_per_rank(args, t)
-    param_bytes, es, dtype = tensor_bytes(model.parameters()), DTYPES[args.dtype].itemsize, DTYPES[args.dtype]
-    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters() if not hasattr(p, "tp_dim")])
-    hi, lo = (all_reduce(flat.clone(), tp_group, op) for op in (dist.ReduceOp.MAX, dist.ReduceOp.MIN))
-    spread = (hi - lo).abs().max().item()  # of replicated parameters across TP ranks: 0 if they stayed equal
-    d.log(f"{'collective per step (op/axis/phase)':36s} {'calls':>5s} {'theory':>6s} {'elements':>9s} "
-          f"{'theory':>9s} {'bytes handed':>12s} {'theory':>9s} {'ring sends (theory)':>19s}")
+    param_bytes, es, dtype = (
+        tensor_bytes(model.parameters()),
+        DTYPES[args.dtype].itemsize,
+        DTYPES[args.dtype],
+    )
+    flat = torch.cat(
+        [p.detach().reshape(-1) for p in model.parameters() if not hasattr(p, "tp_dim")]
+    )
+    hi, lo = (
+        all_reduce(flat.clone(), tp_group, op) for op in (dist.ReduceOp.MAX, dist.ReduceOp.MIN)
+    )
+    spread = (
+        (hi - lo).abs().max().item()
+    )  # of replicated parameters across TP ranks: 0 if they stayed equal
+    d.log(
+        f"{'collective per step (op/axis/phase)':36s} {'calls':>5s} {'theory':>6s} {'elements':>9s} "
+        f"{'theory':>9s} {'bytes handed':>12s} {'theory':>9s} {'ring sends (theory)':>19s}"
+    )
     for k in sorted(set(counted) | set(theory)):
         m, th = counted.get(k, [0, 0, 0]), theory.get(k, [0, 0, 0, 0])
-        d.log(f"{k:36s} {m[0]:5d} {th[0]:6d} {m[1]:9d} {th[1]:9d} {m[2]:12d} {th[2]:9d} {th[3]:19d}")
+        d.log(
+            f"{k:36s} {m[0]:5d} {th[0]:6d} {m[1]:9d} {th[1]:9d} {m[2]:12d} {th[2]:9d} {th[3]:19d}"
+        )
     b, T, D = args.batch_size // dp, args.seq_len, args.d_model
     d.log(f"theory: {FORMULA}; b*s*h = {b}*{T}*{D} elements")
 
@@ -605,29 +776,51 @@ def report(d, args, model, tp_group, counted, full_bytes, acts, t, dp):
         with SavedActivations() as saved:
             block(x.detach().requires_grad_())
         return saved.bytes
+
     # one block's saved activations, sharded vs an unsharded common.Block on the same (b, T, D) batch
     x = torch.randn(b, T, D, dtype=dtype, device=d.device)
-    mine = x.chunk(t, 1)[dist.get_rank(tp_group)].contiguous() if args.sequence_parallel else x  # (b, T/t, D)
+    mine = (
+        x.chunk(t, 1)[dist.get_rank(tp_group)].contiguous() if args.sequence_parallel else x
+    )  # (b, T/t, D)
     block_saved = saved_by(model.blocks[0], mine)
-    block_full = saved_by(Block(GPTConfig.from_args(args)).to(d.device, dtype).train(model.training), x)
-    d.log(f"activations saved per block {block_saved} B, unsharded block {block_full} B, ratio "
-          f"{block_saved / block_full:.3f} (1/t = {1 / t:.3f}: every saved tensor sharded, as with SP)")
-    d.log(f"parameters per rank {param_bytes} B (theory split/t + replicated = {(split + repl) * es} B), "
-          f"full model {full_bytes} B, ratio {param_bytes / full_bytes:.3f} (1/t = {1 / t:.3f}); replicated "
-          f"params spread across TP ranks {spread:.1e}")
-    return dict(tp=t, dp=dp, sequence_parallel=args.sequence_parallel, collectives_per_step=counted,
-                collectives_per_step_theory=theory, param_bytes_per_rank=param_bytes,
-                param_bytes_per_rank_theory=(split + repl) * es, param_bytes_full_model=full_bytes,
-                replicated_param_spread_across_tp=spread, activation_bytes_saved=acts,
-                activation_bytes_per_block=block_saved, activation_bytes_per_block_unsharded=block_full,
-                theory_formula=FORMULA)
+    block_full = saved_by(
+        Block(GPTConfig.from_args(args)).to(d.device, dtype).train(model.training), x
+    )
+    d.log(
+        f"activations saved per block {block_saved} B, unsharded block {block_full} B, ratio "
+        f"{block_saved / block_full:.3f} (1/t = {1 / t:.3f}: every saved tensor sharded, as with SP)"
+    )
+    d.log(
+        f"parameters per rank {param_bytes} B (theory split/t + replicated = {(split + repl) * es} B), "
+        f"full model {full_bytes} B, ratio {param_bytes / full_bytes:.3f} (1/t = {1 / t:.3f}); replicated "
+        f"params spread across TP ranks {spread:.1e}"
+    )
+    return dict(
+        tp=t,
+        dp=dp,
+        sequence_parallel=args.sequence_parallel,
+        collectives_per_step=counted,
+        collectives_per_step_theory=theory,
+        param_bytes_per_rank=param_bytes,
+        param_bytes_per_rank_theory=(split + repl) * es,
+        param_bytes_full_model=full_bytes,
+        replicated_param_spread_across_tp=spread,
+        activation_bytes_saved=acts,
+        activation_bytes_per_block=block_saved,
+        activation_bytes_per_block_unsharded=block_full,
+        theory_formula=FORMULA,
+    )
 
 
 def summarize(d, args, run, model, opt, tp_group, comm, saved, full_bytes, t, dp):
     """The technique's own peak first, each measured figure beside its theory, then --check."""
     peak = peak_memory_bytes(d, state_bytes(model, opt) + saved.bytes)
     figures = report(d, args, model, tp_group, comm.table(), full_bytes, saved.bytes, t, dp)
-    check = check_against_reference(d, args, run.losses, gather_full(model, tp_group)) if args.check else None
+    check = (
+        check_against_reference(d, args, run.losses, gather_full(model, tp_group))
+        if args.check
+        else None
+    )
     run.finish("megatron_tp", peak, comm.total(), check, figures)
 
 

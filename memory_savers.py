@@ -34,6 +34,7 @@ summary, theory beside it):
 
 In production: torch.utils.checkpoint (and its selective policies), torch.optim.Adafactor.
 """
+
 import contextlib
 import functools
 from dataclasses import dataclass
@@ -44,21 +45,49 @@ import torch.distributed as dist
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
-from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import (
+    CheckpointPolicy,
+    checkpoint,
+    create_selective_checkpoint_contexts,
+)
 
-from common import (DTYPES, GPTConfig, MarkovData, build_gpt, count_tokens, fail, init_dist, lm_loss,
-                    make_optimizer)
-from harness import (CommCounter, CommonArgs, LiveStorages, Run, SavedActivations, check_against_reference,
-                     check_common_args, env_world_size, parse_args, peak_memory_bytes, state_bytes,
-                     tensor_bytes)
+from common import (
+    DTYPES,
+    GPTConfig,
+    MarkovData,
+    build_gpt,
+    count_tokens,
+    fail,
+    init_dist,
+    lm_loss,
+    make_optimizer,
+)
+from harness import (
+    CommCounter,
+    CommonArgs,
+    LiveStorages,
+    Run,
+    SavedActivations,
+    check_against_reference,
+    check_common_args,
+    env_world_size,
+    parse_args,
+    peak_memory_bytes,
+    state_bytes,
+    tensor_bytes,
+)
 
 
 @dataclass
 class Args(CommonArgs):
     accum: int = 1  # micro-batches per rank per optimizer step (gradient accumulation)
     recompute: Literal["none", "full", "selective"] = "none"  # recompute activations in backward
-    compress_activations: Literal["none", "bf16", "int8"] = "none"  # encode activations saved for backward
-    optimizer: Literal["adamw", "adafactor"] = "adamw"  # adafactor: factored second moments, no first moment
+    compress_activations: Literal["none", "bf16", "int8"] = (
+        "none"  # encode activations saved for backward
+    )
+    optimizer: Literal["adamw", "adafactor"] = (
+        "adamw"  # adafactor: factored second moments, no first moment
+    )
 
 
 # ============================================================================= the base: data parallel
@@ -77,23 +106,35 @@ def dp_step(model, opt, micro_batches, loss_fn, clip=0.0, group=None, saver=None
         loss.backward()
         total = total + loss.detach().double()
     params = list(model.parameters())
-    if any(p.grad is None for p in params):  # checked before the collectives: a None cannot be all-reduced
-        raise ValueError("a parameter got no gradient: give each rank micro-batches; freeze what is unused")
+    if any(
+        p.grad is None for p in params
+    ):  # checked before the collectives: a None cannot be all-reduced
+        raise ValueError(
+            "a parameter got no gradient: give each rank micro-batches; freeze what is unused"
+        )
     for p in params:  # SUM: each rank's loss is already divided by the global token count
         dist.all_reduce(p.grad, group=group)
     if clip > 0:
-        torch.nn.utils.clip_grad_norm_(params, clip)  # the gradients agree everywhere: local norm = global
+        torch.nn.utils.clip_grad_norm_(
+            params, clip
+        )  # the gradients agree everywhere: local norm = global
     opt.step()
     return total
 
 
 # ============================================================================= 1. activation recomputation
-def rng_state(device):  # where the RNG stands (the CPU's, and the GPU's on one): dropout draws from it
-    return torch.get_rng_state(), torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+def rng_state(
+    device,
+):  # where the RNG stands (the CPU's, and the GPU's on one): dropout draws from it
+    return torch.get_rng_state(), torch.cuda.get_rng_state(
+        device
+    ) if device.type == "cuda" else None
 
 
 @contextlib.contextmanager
-def replayed(rng, device):  # run the block under the RNG state `rng` saved; the RNG is left as it was
+def replayed(
+    rng, device
+):  # run the block under the RNG state `rng` saved; the RNG is left as it was
     cpu, gpu = rng
     with torch.random.fork_rng(devices=[device] if gpu is not None else []):
         torch.set_rng_state(cpu)
@@ -149,15 +190,23 @@ def recompute(blocks, how):
     sac = functools.partial(create_selective_checkpoint_contexts, keep_matmuls)
     for block in blocks if how != "none" else ():
         if how == "full":
-            block.forward = functools.partial(Recompute.wrap, block.forward, tuple(block.parameters()))
+            block.forward = functools.partial(
+                Recompute.wrap, block.forward, tuple(block.parameters())
+            )
         else:  # (respect_saved_tensors_hooks=False: an outer pair of hooks is not the recomputation's)
-            block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False, context_fn=sac,
-                                              respect_saved_tensors_hooks=False)
+            block.forward = functools.partial(
+                checkpoint,
+                block.forward,
+                use_reentrant=False,
+                context_fn=sac,
+                respect_saved_tensors_hooks=False,
+            )
 
 
 # ============================================================================= 2. activation compression
 class Encoded(NamedTuple):
     """An activation as kept for backward: bf16 (scale None), or int8 with one scale per row (last dim)."""
+
     data: torch.Tensor
     scale: Optional[torch.Tensor]
     dtype: torch.dtype
@@ -167,11 +216,15 @@ def encode(t, how):  # (..., C) -> bf16 (..., C), or int8 (..., C) and scales (.
     t = t.detach()
     if how == "bf16":
         return Encoded(t.to(torch.bfloat16), None, t.dtype)
-    scale = t.abs().amax(-1, keepdim=True).clamp_min(torch.finfo(t.dtype).tiny) / 127  # row absmax -> 127
+    scale = (
+        t.abs().amax(-1, keepdim=True).clamp_min(torch.finfo(t.dtype).tiny) / 127
+    )  # row absmax -> 127
     return Encoded(torch.round(t / scale).to(torch.int8), scale, t.dtype)
 
 
-def decode(e):  # back to the dtype forward saved it in; error <= half a step: |x| u, u = 2^-9 or absmax/254
+def decode(
+    e,
+):  # back to the dtype forward saved it in; error <= half a step: |x| u, u = 2^-9 or absmax/254
     x = e.data.to(e.dtype)
     return x if e.scale is None else x * e.scale
 
@@ -220,9 +273,15 @@ class Adafactor(torch.optim.Optimizer):
 
     def __init__(self, params, lr, weight_decay=0.0):
         super().__init__(params, dict(lr=lr, weight_decay=weight_decay))
-        big = [tuple(p.shape) for group in self.param_groups for p in group["params"] if p.dim() > 2]
-        if big:  # torch factors their last two dims; this one would keep a whole second moment instead
-            raise ValueError(f"shapes {big}: this Adafactor factors 2-D only; use torch.optim.Adafactor")
+        big = [
+            tuple(p.shape) for group in self.param_groups for p in group["params"] if p.dim() > 2
+        ]
+        if (
+            big
+        ):  # torch factors their last two dims; this one would keep a whole second moment instead
+            raise ValueError(
+                f"shapes {big}: this Adafactor factors 2-D only; use torch.optim.Adafactor"
+            )
 
     @torch.no_grad()
     def step(self):
@@ -232,15 +291,18 @@ class Adafactor(torch.optim.Optimizer):
                 g, st, eps1 = x.grad, self.state[x], torch.finfo(x.dtype).eps
                 if not st:  # a plain number for the step: no host sync to read it
                     st["step"] = 0
-                    st.update(row=x.new_zeros(x.shape[0]), col=x.new_zeros(x.shape[1])) if g.dim() == 2 else \
-                        st.update(var=torch.zeros_like(x))
+                    st.update(
+                        row=x.new_zeros(x.shape[0]), col=x.new_zeros(x.shape[1])
+                    ) if g.dim() == 2 else st.update(var=torch.zeros_like(x))
                 st["step"] = t = st["step"] + 1
-                beta, rho = t ** -0.8, min(lr, t ** -0.5)
+                beta, rho = t**-0.8, min(lr, t**-0.5)
                 alpha = x.square().mean().sqrt().clamp(min=1e-3) * rho  # (), on the device
                 if g.dim() == 2:
                     st["row"].lerp_(g.square().mean(1), beta)  # (R,)
                     st["col"].lerp_(g.square().mean(0), beta)  # (C,)
-                    v = torch.outer(st["row"], st["col"]) / st["row"].mean().clamp(min=eps1)  # (R, C)
+                    v = torch.outer(st["row"], st["col"]) / st["row"].mean().clamp(
+                        min=eps1
+                    )  # (R, C)
                 else:
                     v = st["var"].lerp_(g.square(), beta).clone()
                 u = v.clamp_(min=eps1 * eps1).rsqrt_() * g
@@ -251,15 +313,25 @@ class Adafactor(torch.optim.Optimizer):
 def check_args(args, world):
     check_common_args(args)
     if args.accum < 1 or args.batch_size % (world * args.accum):
-        fail(f"--batch-size {args.batch_size} must split into {world} ranks x --accum {args.accum} "
-             f"micro-batches (--accum >= 1; e.g. --batch-size {world * max(args.accum, 1)})")
+        fail(
+            f"--batch-size {args.batch_size} must split into {world} ranks x --accum {args.accum} "
+            f"micro-batches (--accum >= 1; e.g. --batch-size {world * max(args.accum, 1)})"
+        )
     if args.recompute != "none" and args.compress_activations != "none":
-        fail("--recompute and --compress-activations: pick one (a recomputed block keeps little to compress)")
+        fail(
+            "--recompute and --compress-activations: pick one (a recomputed block keeps little to compress)"
+        )
     if args.compress_activations == "bf16" and args.dtype == "bfloat16":
-        fail("--compress-activations bf16 with --dtype bfloat16 saves nothing: use int8, or --dtype float32")
-    if args.check and args.dropout > 0:  # (recomputation's exactness with dropout: memory_savers_checks.py)
-        fail(f"--check needs --dropout 0 (got {args.dropout}): the one-process reference cannot replay the "
-             "ranks' dropout streams")
+        fail(
+            "--compress-activations bf16 with --dtype bfloat16 saves nothing: use int8, or --dtype float32"
+        )
+    if (
+        args.check and args.dropout > 0
+    ):  # (recomputation's exactness with dropout: memory_savers_checks.py)
+        fail(
+            f"--check needs --dropout 0 (got {args.dropout}): the one-process reference cannot replay the "
+            "ranks' dropout streams"
+        )
 
 
 def main():
@@ -267,27 +339,48 @@ def main():
     check_args(args, env_world_size())
     d = init_dist(args.timeout)
     data = MarkovData(args.vocab, args.seed)
-    d.log(f"memory_savers.py on {d.world} ranks ({d.backend}): recompute {args.recompute}, compress "
-          f"{args.compress_activations}, {args.optimizer}; entropy floor {data.entropy:.4f} nats/token")
-    model = build_gpt(GPTConfig.from_args(args), args.seed, DTYPES[args.dtype], d.device)  # whole, one seed
+    d.log(
+        f"memory_savers.py on {d.world} ranks ({d.backend}): recompute {args.recompute}, compress "
+        f"{args.compress_activations}, {args.optimizer}; entropy floor {data.entropy:.4f} nats/token"
+    )
+    model = build_gpt(
+        GPTConfig.from_args(args), args.seed, DTYPES[args.dtype], d.device
+    )  # whole, one seed
     rows, mb = args.batch_size // d.world, args.batch_size // (d.world * args.accum)
-    x0 = data.batch(0, args.batch_size, args.seq_len)[0][:mb].to(d.device)  # measurement: one micro-batch
+    x0 = data.batch(0, args.batch_size, args.seq_len)[0][:mb].to(
+        d.device
+    )  # measurement: one micro-batch
     plain = activations(model, x0)  # (measurement: what it keeps without the savers)
     recompute(model.blocks, args.recompute)
     how = args.compress_activations
-    gist = Gist(how, model.parameters()) if how != "none" else None  # Gist's hooks go around each forward
+    gist = (
+        Gist(how, model.parameters()) if how != "none" else None
+    )  # Gist's hooks go around each forward
     saved = activations(model, x0, gist)  # (measurement: ... and with them)
-    opt = make_optimizer(model.parameters(), args) if args.optimizer == "adamw" else \
-        Adafactor(model.parameters(), args.lr, args.weight_decay)
+    opt = (
+        make_optimizer(model.parameters(), args)
+        if args.optimizer == "adamw"
+        else Adafactor(model.parameters(), args.lr, args.weight_decay)
+    )
     torch.manual_seed(args.seed + d.rank)  # dropout masks differ per rank; a resume restores them
     run, comm = Run(d, args, {"model": model, "optim": opt}), CommCounter()
     for step in run.steps():
-        x, y = data.batch(step, args.batch_size, args.seq_len, args.ragged)  # (B, T) global, on the CPU
+        x, y = data.batch(
+            step, args.batch_size, args.seq_len, args.ragged
+        )  # (B, T) global, on the CPU
         n_tok = count_tokens(y)
-        x, y = (t[d.rank * rows:(d.rank + 1) * rows].to(d.device) for t in (x, y))  # (B/N, T) mine
+        x, y = (
+            t[d.rank * rows : (d.rank + 1) * rows].to(d.device) for t in (x, y)
+        )  # (B/N, T) mine
         with run.watching(step, comm):  # the bytes of the last step, seen at the dispatcher
-            loss = dp_step(model, opt, zip(x.chunk(args.accum), y.chunk(args.accum)),
-                           lambda out, ym: lm_loss(out, ym, n_tok), args.clip, saver=gist)
+            loss = dp_step(
+                model,
+                opt,
+                zip(x.chunk(args.accum), y.chunk(args.accum)),
+                lambda out, ym: lm_loss(out, ym, n_tok),
+                args.clip,
+                saver=gist,
+            )
         dist.all_reduce(loss)  # the global batch's loss, for the log line only
         run.end_step(step, loss.item())
     figures = report(d, args, model, opt, plain, saved, comm)
@@ -307,10 +400,18 @@ class MadeStorages(TorchDispatchMode):
         super().__init__()
         self.before = {t.untyped_storage().data_ptr() for t in [x, *model.parameters()]}
         self.blocks, self.rest, self.depth = LiveStorages(), LiveStorages(), 0
-        self.hooks = [h for b in model.blocks for h in (b.register_forward_pre_hook(lambda *_: self._in(1)),
-                                                         b.register_forward_hook(lambda *_: self._in(-1)))]
+        self.hooks = [
+            h
+            for b in model.blocks
+            for h in (
+                b.register_forward_pre_hook(lambda *_: self._in(1)),
+                b.register_forward_hook(lambda *_: self._in(-1)),
+            )
+        ]
 
-    def _in(self, k):  # (returns None: a hook's return value would replace the inputs or the output)
+    def _in(
+        self, k
+    ):  # (returns None: a hook's return value would replace the inputs or the output)
         self.depth += k
 
     def __exit__(self, *exc):
@@ -346,41 +447,71 @@ def optimizer_state(model, opt):
     """Bytes of the optimizer's state tensors, counted, and the closed forms of AdamW and Adafactor."""
     e, shapes = next(model.parameters()).element_size(), [p.shape for p in model.parameters()]
     psi = sum(s.numel() for s in shapes)
-    counted = tensor_bytes([v for s in opt.state.values() for v in s.values()
-                            if torch.is_tensor(v) and v.dim()])
+    counted = tensor_bytes(
+        [v for s in opt.state.values() for v in s.values() if torch.is_tensor(v) and v.dim()]
+    )
     factored = e * sum(s[0] + s[1] if len(s) == 2 else s.numel() for s in shapes)
     return dict(counted=counted, adamw_theory=2 * e * psi, adafactor_theory=factored, psi=psi)
 
 
 def report(d, args, model, opt, plain, saved, comm):
     """Rank 0's closing table: each figure counted in this run beside its theory value."""
-    b, T, D, L = args.batch_size // (d.world * args.accum), args.seq_len, args.d_model, args.n_layers
+    b, T, D, L = (
+        args.batch_size // (d.world * args.accum),
+        args.seq_len,
+        args.d_model,
+        args.n_layers,
+    )
     e = next(model.parameters()).element_size()
-    per_block = {"none": None, "full": 1, "selective": 10}[args.recompute]  # b T D elements kept per block
+    per_block = {"none": None, "full": 1, "selective": 10}[
+        args.recompute
+    ]  # b T D elements kept per block
     theory = per_block and L * per_block * b * T * D * e
     ratio = {"none": None, "bf16": 2 / e, "int8": 1 / e}[args.compress_activations]
     st = optimizer_state(model, opt)
-    d.log(f"\nactivations one micro-batch's forward keeps for backward (b={b}, T={T}, D={D}, L={L}, e={e})")
+    d.log(
+        f"\nactivations one micro-batch's forward keeps for backward (b={b}, T={T}, D={D}, L={L}, e={e})"
+    )
     d.log(f"  saved, plain (harness.SavedActivations)    {plain['saved']:>10,d} B")
-    d.log(f"  alive after forward, plain: blocks {plain['blocks']:>10,d} B + rest {plain['rest']:,d} B")
-    d.log(f"  alive after forward, with savers: blocks {saved['blocks']:>10,d} B + rest {saved['rest']:,d} B")
+    d.log(
+        f"  alive after forward, plain: blocks {plain['blocks']:>10,d} B + rest {plain['rest']:,d} B"
+    )
+    d.log(
+        f"  alive after forward, with savers: blocks {saved['blocks']:>10,d} B + rest {saved['rest']:,d} B"
+    )
     if theory:
-        d.log(f"  --recompute {args.recompute}: blocks keep {saved['blocks']:,d} B | theory {theory:,d} B = "
-              f"L x {per_block} b T D e")
+        d.log(
+            f"  --recompute {args.recompute}: blocks keep {saved['blocks']:,d} B | theory {theory:,d} B = "
+            f"L x {per_block} b T D e"
+        )
     if ratio:
-        d.log(f"  --compress-activations {args.compress_activations}: with / plain "
-              f"{saved['alive'] / plain['alive']:.3f} | theory {ratio:.3f} = {args.compress_activations} "
-              f"bytes / {e} (+ int8's scales per row, + integer tensors kept as they are)")
-    d.log(f"optimizer state: counted {st['counted']:,d} B | theory {args.optimizer} "
-          f"{st[args.optimizer + '_theory']:,d} B (AdamW 2 e Psi = {st['adamw_theory']:,d} B; Adafactor "
-          f"e (R + C) per matrix + e per vector element = {st['adafactor_theory']:,d} B)")
+        d.log(
+            f"  --compress-activations {args.compress_activations}: with / plain "
+            f"{saved['alive'] / plain['alive']:.3f} | theory {ratio:.3f} = {args.compress_activations} "
+            f"bytes / {e} (+ int8's scales per row, + integer tensors kept as they are)"
+        )
+    d.log(
+        f"optimizer state: counted {st['counted']:,d} B | theory {args.optimizer} "
+        f"{st[args.optimizer + '_theory']:,d} B (AdamW 2 e Psi = {st['adamw_theory']:,d} B; Adafactor "
+        f"e (R + C) per matrix + e per vector element = {st['adafactor_theory']:,d} B)"
+    )
     psi_bytes = st["psi"] * e
-    d.log(f"bytes handed to collectives per rank per step: counted {comm.total():,d} B | theory "
-          f"{psi_bytes:,d} B = e Psi: one all-reduce of every gradient")
-    return dict(activations=dict(plain=plain, with_savers=saved, recompute_theory_bytes=theory,
-                                 compress_theory_ratio=ratio),
-                saved_activation_bytes=saved["alive"], saved_activation_bytes_without_savers=plain["alive"],
-                optimizer_state=st, comm_theory_bytes=psi_bytes)
+    d.log(
+        f"bytes handed to collectives per rank per step: counted {comm.total():,d} B | theory "
+        f"{psi_bytes:,d} B = e Psi: one all-reduce of every gradient"
+    )
+    return dict(
+        activations=dict(
+            plain=plain,
+            with_savers=saved,
+            recompute_theory_bytes=theory,
+            compress_theory_ratio=ratio,
+        ),
+        saved_activation_bytes=saved["alive"],
+        saved_activation_bytes_without_savers=plain["alive"],
+        optimizer_state=st,
+        comm_theory_bytes=psi_bytes,
+    )
 
 
 # --- reference for --check --- (one process, the same recipe) ---------------------------------------------
@@ -400,8 +531,13 @@ def reference(args, device="cpu"):
     written as a quantise-dequantise at save time: the same numbers, none of the memory saved."""
     data = MarkovData(args.vocab, args.seed)
     model = build_gpt(GPTConfig.from_args(args), args.seed, DTYPES[args.dtype], device)
-    opt = make_optimizer(model.parameters(), args) if args.optimizer == "adamw" else torch.optim.Adafactor(
-        model.parameters(), lr=args.lr, weight_decay=args.weight_decay, foreach=False)
+    opt = (
+        make_optimizer(model.parameters(), args)
+        if args.optimizer == "adamw"
+        else torch.optim.Adafactor(
+            model.parameters(), lr=args.lr, weight_decay=args.weight_decay, foreach=False
+        )
+    )
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
 
     def rounded(t):
@@ -412,8 +548,11 @@ def reference(args, device="cpu"):
         step = t.detach().abs().amax(-1, keepdim=True).clamp_min(torch.finfo(t.dtype).tiny) / 127
         return torch.round(t.detach() / step) * step
 
-    hooks = torch.autograd.graph.saved_tensors_hooks(rounded, lambda t: t) \
-        if args.compress_activations != "none" else contextlib.nullcontext()
+    hooks = (
+        torch.autograd.graph.saved_tensors_hooks(rounded, lambda t: t)
+        if args.compress_activations != "none"
+        else contextlib.nullcontext()
+    )
     losses = []
     for step in range(args.steps):
         x, y = (t.to(device) for t in data.batch(step, args.batch_size, args.seq_len, args.ragged))

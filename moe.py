@@ -58,6 +58,7 @@ choice, its gate weight, and 1 if it is wanted (0: gshard's dropped 2nd choice);
 dispatch and combine (G, T, E, C): token t sits in slot c of expert e, and comes back with that gate weight.
 Expert choice returns dispatch and combine itself.
 """
+
 import math
 from dataclasses import dataclass
 from types import SimpleNamespace
@@ -69,10 +70,32 @@ import torch.nn as nn
 import torch.nn.functional as F
 from einops import rearrange
 
-from common import (DTYPES, build_gpt, clip_grads_, count_tokens, fail, GPTConfig, init_dist, lm_loss,
-                    make_optimizer, MarkovData, reference_train)
-from harness import (check_against_reference, check_common_args, CommCounter, CommonArgs, env_world_size,
-                     gather_rows, parse_args, peak_memory_bytes, Run, SavedActivations, state_bytes)
+from common import (
+    DTYPES,
+    build_gpt,
+    clip_grads_,
+    count_tokens,
+    fail,
+    GPTConfig,
+    init_dist,
+    lm_loss,
+    make_optimizer,
+    MarkovData,
+    reference_train,
+)
+from harness import (
+    check_against_reference,
+    check_common_args,
+    CommCounter,
+    CommonArgs,
+    env_world_size,
+    gather_rows,
+    parse_args,
+    peak_memory_bytes,
+    Run,
+    SavedActivations,
+    state_bytes,
+)
 
 
 @dataclass
@@ -81,8 +104,12 @@ class Args(CommonArgs):
     experts: int = 4  # experts per MoE layer (E)
     top_k: int = 0  # noisy_topk: experts per token (0 = 2); gshard is top-2, switch top-1, expert choice none
     capacity_factor: float = 1.25  # slots/expert: cf x k x group tokens / E (expert_choice: k = 1)
-    aux_weight: float = 1e-2  # total loss = LM loss + aux_weight x load-balancing loss (Switch's alpha)
-    moe_every: int = 1  # an MoE layer in every n-th block (2: every other one, as GShard), dense MLPs between
+    aux_weight: float = (
+        1e-2  # total loss = LM loss + aux_weight x load-balancing loss (Switch's alpha)
+    )
+    moe_every: int = (
+        1  # an MoE layer in every n-th block (2: every other one, as GShard), dense MLPs between
+    )
     ep: int = 0  # expert-parallel degree: ranks that split one set of experts (0 = world size)
     groups: int = 0  # routing groups in the global batch; capacity is per group (0 = world size)
 
@@ -91,11 +118,15 @@ class Args(CommonArgs):
 def check_layer(experts, ep, capacity_factor):
     """What the layer relies on (MoE and check_args both call it, before any collective)."""
     if experts < 1 or experts % ep:
-        raise ValueError(f"--experts {experts} is not divisible by --ep {ep} (each rank holds experts/ep "
-                         f">= 1); try --experts {ep * max(1, -(-experts // ep))}")
+        raise ValueError(
+            f"--experts {experts} is not divisible by --ep {ep} (each rank holds experts/ep "
+            f">= 1); try --experts {ep * max(1, -(-experts // ep))}"
+        )
     if not capacity_factor > 0:
-        raise ValueError(f"--capacity-factor must be > 0, got {capacity_factor} (1: each expert's fair share "
-                         "of slots); dropless routing is moe_deepseek.py's")
+        raise ValueError(
+            f"--capacity-factor must be > 0, got {capacity_factor} (1: each expert's fair share "
+            "of slots); dropless routing is moe_deepseek.py's"
+        )
 
 
 def check_top_k(k, experts):
@@ -111,7 +142,9 @@ def init(generator, dtype, *shape):
 def capacity(capacity_factor, k, tokens_per_group, experts):
     """Slots per expert per group (expert choice, k = 0: cf T / E, Zhou et al. Sec. 3.1), from the command
     line only: every rank gets the same C, so the (E, G, C, D) all-to-all buffers match (else it hangs)."""
-    return max(1, min(tokens_per_group, math.ceil(capacity_factor * (k or 1) * tokens_per_group / experts)))
+    return max(
+        1, min(tokens_per_group, math.ceil(capacity_factor * (k or 1) * tokens_per_group / experts))
+    )
 
 
 def top_k(scores, k):
@@ -127,11 +160,17 @@ def fill_slots(expert, gate, keep, C, E):
     K = expert.shape[-1]
     want = F.one_hot(expert, E) * keep[..., None].long()  # (G, T, K, E) requested assignments
     order = rearrange(want, "g t k e -> g (k t) e")  # priority order: choice-major, then token
-    ahead = rearrange(order.cumsum(1) - order, "g (k t) e -> g t k e", k=K)  # earlier requests, same expert
+    ahead = rearrange(
+        order.cumsum(1) - order, "g (k t) e -> g t k e", k=K
+    )  # earlier requests, same expert
     slot = (ahead * want).sum(-1)  # (G, T, K): the slot this assignment gets in its expert
-    e_hot = (want * (slot < C)[..., None]).to(gate.dtype)  # (G, T, K, E): the wanted ones that got a slot
+    e_hot = (want * (slot < C)[..., None]).to(
+        gate.dtype
+    )  # (G, T, K, E): the wanted ones that got a slot
     c_hot = F.one_hot(slot.clamp(max=C - 1), C).to(gate.dtype)  # (G, T, K, C)
-    dispatch = torch.einsum("gtke,gtkc->gtec", e_hot, c_hot)  # (G, T, E, C); a token's K experts are distinct
+    dispatch = torch.einsum(
+        "gtke,gtkc->gtec", e_hot, c_hot
+    )  # (G, T, E, C); a token's K experts are distinct
     return dispatch, torch.einsum("gtke,gtkc,gtk->gtec", e_hot, c_hot, gate)
 
 
@@ -157,10 +196,12 @@ def smooth_load(clean, noise_std, H, k):
     """Shazeer et al. 2017, Appendix A: P(x, i) = Phi((clean_i - kth_excluding(H, k, i)) / noise_std_i), the
     chance that expert i is in the top k if only its own noise were drawn again: a differentiable load. For
     an expert inside the top k, the k-th largest of the others is the (k+1)-th overall; outside, the k-th."""
-    if k >= H.shape[-1]:  # k = E: every expert always chosen, a load of 1 (a margin of inf has no gradient)
+    if (
+        k >= H.shape[-1]
+    ):  # k = E: every expert always chosen, a load of 1 (a margin of inf has no gradient)
         return torch.ones_like(clean)
     top = H.topk(k + 1, dim=-1).values  # (G, T, k+1): values only, so ties cannot reorder anything
-    kth, k1th = top[..., k - 1:k], top[..., k:k + 1]
+    kth, k1th = top[..., k - 1 : k], top[..., k : k + 1]
     return torch.special.ndtr((clean - torch.where(H >= kth, k1th, kth)) / noise_std)  # (G, T, E)
 
 
@@ -190,7 +231,9 @@ class NoisyTopK(nn.Module):
     def forward(self, xg, C, noise):
         logits, x = router_logits(xg, self.w_gate)
         eps = noise(torch.randn, logits) if self.training else torch.zeros_like(logits)
-        std = F.softplus(x @ self.w_noise.to(x.dtype)) + 1e-2  # the floor keeps Phi's argument finite
+        std = (
+            F.softplus(x @ self.w_noise.to(x.dtype)) + 1e-2
+        )  # the floor keeps Phi's argument finite
         return token_choice(*route_noisy_topk(logits, std, eps, self.k), C, self.E)
 
 
@@ -200,9 +243,18 @@ class AllToAll(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, group, out_splits=None, in_splits=None):
-        r, n = dist.get_world_size(group), x.shape[0]  # checked: rows that do not split abort the collective
-        if n % r if in_splits is None else (sum(in_splits), len(in_splits), len(out_splits)) != (n, r, r):
-            raise ValueError(f"{n} rows, {r} ranks: {r} in/out splits (in: sum {n}) or rows divisible by {r}")
+        r, n = (
+            dist.get_world_size(group),
+            x.shape[0],
+        )  # checked: rows that do not split abort the collective
+        if (
+            n % r
+            if in_splits is None
+            else (sum(in_splits), len(in_splits), len(out_splits)) != (n, r, r)
+        ):
+            raise ValueError(
+                f"{n} rows, {r} ranks: {r} in/out splits (in: sum {n}) or rows divisible by {r}"
+            )
         ctx.group, ctx.swapped = group, (in_splits, out_splits)
         out = x.new_empty((x.shape[0] if out_splits is None else sum(out_splits), *x.shape[1:]))
         dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
@@ -226,17 +278,40 @@ class MoE(nn.Module):
     all local). A forward leaves `aux` (G,), the balancing loss per group, and for the summary `wanted` (E,),
     this rank's choices per expert before capacity, and `dispatch`, the slots taken."""
 
-    def __init__(self, d_model, experts, router, capacity_factor=1.25, group_rows=1, ep_group=None,
-                 hidden=None, dropout=0.0, seed=0, layer=0, generator=None, dtype=torch.float64):
+    def __init__(
+        self,
+        d_model,
+        experts,
+        router,
+        capacity_factor=1.25,
+        group_rows=1,
+        ep_group=None,
+        hidden=None,
+        dropout=0.0,
+        seed=0,
+        layer=0,
+        generator=None,
+        dtype=torch.float64,
+    ):
         super().__init__()
         D, H, E = d_model, hidden or 4 * d_model, experts
         self.router, self.cf, self.E, self.group_rows = router, capacity_factor, E, group_rows
-        self.seed, self.layer, self.step, self.row0 = seed, layer, 0, 0  # the noise's key (set_step)
+        self.seed, self.layer, self.step, self.row0 = (
+            seed,
+            layer,
+            0,
+            0,
+        )  # the noise's key (set_step)
         self.ep_group, self.ep = ep_group, 1 if ep_group is None else dist.get_world_size(ep_group)
-        self.ep_rank, self.El = 0 if ep_group is None else dist.get_rank(ep_group), E // max(1, self.ep)
+        self.ep_rank, self.El = (
+            0 if ep_group is None else dist.get_rank(ep_group),
+            E // max(1, self.ep),
+        )
         check_layer(E, self.ep, capacity_factor)  # what it cannot do, before any collective
         if router.E != E:
-            raise ValueError(f"a router for {router.E} experts in a layer of {E}: build both for the same E")
+            raise ValueError(
+                f"a router for {router.E} experts in a layer of {E}: build both for the same E"
+            )
         # All E experts drawn from one generator, my slice kept: every EP degree starts from the same numbers.
         mine = slice(self.ep_rank * self.El, (self.ep_rank + 1) * self.El)
         self.w1 = nn.Parameter(init(generator, dtype, E, D, H)[mine].clone())
@@ -250,7 +325,9 @@ class MoE(nn.Module):
         (seed, step, layer, global group): the same numbers whatever the EP degree or the data split."""
         group0, out = self.row0 // self.group_rows, []
         for g in range(group0, group0 + like.shape[0]):
-            seed = (((self.seed * 1_000_003 + self.step) * 1_009 + self.layer) * 1_000_000_007 + g) % 2 ** 63
+            seed = (
+                ((self.seed * 1_000_003 + self.step) * 1_009 + self.layer) * 1_000_000_007 + g
+            ) % 2**63
             gen = torch.Generator(like.device).manual_seed(seed)
             out.append(sample(like.shape[1:], generator=gen, device=like.device, dtype=like.dtype))
         return torch.stack(out)
@@ -258,25 +335,49 @@ class MoE(nn.Module):
     def exchange(self, xg, dispatch, combine):
         """Tokens to their experts' slots and back: xg (G, T, D), this rank's groups -> (G, T, D)."""
         G = xg.shape[0]
-        buf = torch.einsum("gtec,gtd->egcd", dispatch.to(xg.dtype), xg)  # (E, G, C, D): all E experts' slots
-        if self.ep > 1:  # block j (EP rank j's experts) -> rank j; I get every rank's slots for my experts
+        buf = torch.einsum(
+            "gtec,gtd->egcd", dispatch.to(xg.dtype), xg
+        )  # (E, G, C, D): all E experts' slots
+        if (
+            self.ep > 1
+        ):  # block j (EP rank j's experts) -> rank j; I get every rank's slots for my experts
             buf = AllToAll.apply(buf, self.ep_group)  # (r * El, G, C, D), block i from rank i
-        h = mlps(rearrange(buf, "(r e) g c d -> e (r g c) d", r=self.ep), self.w1, self.b1, self.w2, self.b2)
-        out = rearrange(h, "e (r g c) d -> (r e) g c d", r=self.ep, g=G)  # (r * El, G, C, D): block j for j
+        h = mlps(
+            rearrange(buf, "(r e) g c d -> e (r g c) d", r=self.ep),
+            self.w1,
+            self.b1,
+            self.w2,
+            self.b2,
+        )
+        out = rearrange(
+            h, "e (r g c) d -> (r e) g c d", r=self.ep, g=G
+        )  # (r * El, G, C, D): block j for j
         if self.ep > 1:
-            out = AllToAll.apply(out, self.ep_group)  # (E, G, C, D): all experts' outputs, my tokens
-        return torch.einsum("gtec,egcd->gtd", combine.to(xg.dtype), out)  # empty / dropped slots weigh 0
+            out = AllToAll.apply(
+                out, self.ep_group
+            )  # (E, G, C, D): all experts' outputs, my tokens
+        return torch.einsum(
+            "gtec,egcd->gtd", combine.to(xg.dtype), out
+        )  # empty / dropped slots weigh 0
 
     def forward(self, x):
         """x (b, n, D): this rank's b sequences of n positions, global rows self.row0 .. -> (b, n, D)."""
         n = x.shape[1]
-        if x.shape[0] % self.group_rows:  # every EP rank must also route as many groups of as many tokens
-            raise ValueError(f"{x.shape[0]} sequences: use a multiple of group_rows = {self.group_rows}")
-        xg = rearrange(x, "(g b) n d -> g (b n) d", b=self.group_rows)  # (G, T, D), T = group_rows * n
+        if (
+            x.shape[0] % self.group_rows
+        ):  # every EP rank must also route as many groups of as many tokens
+            raise ValueError(
+                f"{x.shape[0]} sequences: use a multiple of group_rows = {self.group_rows}"
+            )
+        xg = rearrange(
+            x, "(g b) n d -> g (b n) d", b=self.group_rows
+        )  # (G, T, D), T = group_rows * n
         C = capacity(self.cf, self.router.k, xg.shape[1], self.E)
         dispatch, combine, self.aux, self.wanted = self.router(xg, C, self.noise)
         self.dispatch = dispatch.detach()
-        return self.drop(rearrange(self.exchange(xg, dispatch, combine), "g (b n) d -> (g b) n d", n=n))
+        return self.drop(
+            rearrange(self.exchange(xg, dispatch, combine), "g (b n) d -> (g b) n d", n=n)
+        )
 
 
 def moe_layers(model):
@@ -310,7 +411,9 @@ def route_gshard(logits, uniform):
     probs = logits.softmax(-1)  # (G, T, E)
     values, expert = top_k(probs, 2)  # (G, T, 2)
     gate = values / values.sum(-1, keepdim=True)  # g1, g2 with g1 + g2 = 1
-    keep = torch.stack([torch.ones_like(uniform), (2 * gate[..., 1] > uniform).to(uniform.dtype)], -1)
+    keep = torch.stack(
+        [torch.ones_like(uniform), (2 * gate[..., 1] > uniform).to(uniform.dtype)], -1
+    )
     return expert, gate, keep, balance_loss(probs, expert[..., 0])
 
 
@@ -327,13 +430,16 @@ def route_expert_choice(logits, C):
     experts), then each expert takes its C highest-affinity tokens of the group, later ones included."""
     T = logits.shape[1]
     probs = logits.softmax(-1)  # (G, T, E)
-    gate, picked = top_k(rearrange(probs, "g t e -> g e t"), C)  # (G, E, C): the token in expert e's slot c
+    gate, picked = top_k(
+        rearrange(probs, "g t e -> g e t"), C
+    )  # (G, E, C): the token in expert e's slot c
     dispatch = rearrange(F.one_hot(picked, T).to(probs.dtype), "g e c t -> g t e c")  # (G, T, E, C)
     return dispatch, dispatch * rearrange(gate, "g e c -> g 1 e c")
 
 
 class GShard(nn.Module):
     """GShard's top-2 with random routing (uniforms from the layer's noise), plugged in like NoisyTopK."""
+
     k = 2
 
     def __init__(self, d_model, experts, generator=None, dtype=torch.float64):
@@ -348,6 +454,7 @@ class GShard(nn.Module):
 
 class Switch(GShard):
     """Switch's top-1 (no noise): the same gate W_g, the same balancing loss."""
+
     k = 1
 
     def forward(self, xg, C, noise):
@@ -356,6 +463,7 @@ class Switch(GShard):
 
 class ExpertChoice(GShard):
     """Expert choice: the experts pick (C = cf T / E each, k = 0 in capacity); no balancing loss."""
+
     k = 0
 
     def forward(self, xg, C, noise):
@@ -370,11 +478,18 @@ ROUTERS = dict(noisy_topk=NoisyTopK, gshard=GShard, switch=Switch, expert_choice
 def make_layout(d, ep):
     """The grid of the module docstring: my row is my EP group, my column my expert replicas."""
     grid = torch.arange(d.world).view(d.world // ep, ep)
-    ep_groups = [dist.new_group(row) for row in grid.tolist()]  # every rank creates every group, in one order
+    ep_groups = [
+        dist.new_group(row) for row in grid.tolist()
+    ]  # every rank creates every group, in one order
     replica_groups = [dist.new_group(col) for col in grid.T.tolist()]
     replica, ep_rank = divmod(d.rank, ep)
-    return SimpleNamespace(ep=ep, ep_rank=ep_rank, ep_group=ep_groups[replica],
-                           replica_group=replica_groups[ep_rank], replicas=d.world // ep)
+    return SimpleNamespace(
+        ep=ep,
+        ep_rank=ep_rank,
+        ep_group=ep_groups[replica],
+        replica_group=replica_groups[ep_rank],
+        replicas=d.world // ep,
+    )
 
 
 def split_params(model):
@@ -400,8 +515,16 @@ def sync_grads(model, ep_group, replica_group, dense_group):
             dist.all_reduce(p.grad, group=replica_group)
     # 3. Global norm for clipping: dense gradients are identical everywhere (count once); expert shards are
     #    distinct within an EP group (sum their squares over it), identical over replicas. bf16: float32 sums.
-    sq_dense, sq_expert = (sum(torch.linalg.vector_norm(p.grad, dtype=torch.promote_types(p.grad.dtype,
-                           torch.float32)).double() ** 2 for p in ps) for ps in (dense, expert))
+    sq_dense, sq_expert = (
+        sum(
+            torch.linalg.vector_norm(
+                p.grad, dtype=torch.promote_types(p.grad.dtype, torch.float32)
+            ).double()
+            ** 2
+            for p in ps
+        )
+        for ps in (dense, expert)
+    )
     if dist.get_world_size(ep_group) > 1:
         dist.all_reduce(sq_expert, group=ep_group)
     return (sq_dense + sq_expert).sqrt()
@@ -411,8 +534,10 @@ def sync_grads(model, ep_group, replica_group, dense_group):
 def check_args(args, world):
     ep, groups, E, k = args.ep or world, args.groups or world, args.experts, args.top_k
     if k and args.router != "noisy_topk":
-        fail(f"--top-k {k} with --router {args.router}: gshard is top-2, switch top-1, expert_choice has no "
-             "k; only noisy_topk takes --top-k")
+        fail(
+            f"--top-k {k} with --router {args.router}: gshard is top-2, switch top-1, expert_choice has no "
+            "k; only noisy_topk takes --top-k"
+        )
     try:  # the cores' own checks, as one line
         check_layer(E, max(ep, 1), args.capacity_factor)
         if args.router == "noisy_topk":
@@ -426,23 +551,42 @@ def check_args(args, world):
     if ep < 1 or world % ep:
         fail(f"world size {world} must be a multiple of --ep {ep} (world = replicas x ep)")
     if groups < 1 or groups % world:
-        fail(f"--groups {groups} must be a multiple of the world size {world}: each rank routes whole groups")
+        fail(
+            f"--groups {groups} must be a multiple of the world size {world}: each rank routes whole groups"
+        )
     if args.batch_size % groups:
-        fail(f"--batch-size {args.batch_size} must be divisible by --groups {groups} (whole sequences each)")
+        fail(
+            f"--batch-size {args.batch_size} must be divisible by --groups {groups} (whole sequences each)"
+        )
     return ep, groups
 
 
 def build_moe_gpt(args, groups, ep_group=None, device="cpu"):
     """common's GPT (same seed, same dense weights) with the MLP of every moe_every-th block replaced."""
     model = build_gpt(GPTConfig.from_args(args), args.seed, DTYPES[args.dtype])
-    gen, dtype = torch.Generator().manual_seed(args.seed + 7919), DTYPES[args.dtype]  # MoE weights' stream
+    gen, dtype = (
+        torch.Generator().manual_seed(args.seed + 7919),
+        DTYPES[args.dtype],
+    )  # MoE weights' stream
     for i, block in enumerate(model.blocks):
         if i % args.moe_every == args.moe_every - 1:
             k = dict(k=args.top_k or 2) if args.router == "noisy_topk" else {}
-            router = ROUTERS[args.router](args.d_model, args.experts, **k, generator=gen, dtype=dtype)
-            block.mlp = MoE(args.d_model, args.experts, router, args.capacity_factor,
-                            args.batch_size // groups, ep_group, dropout=args.dropout, seed=args.seed,
-                            layer=i, generator=gen, dtype=dtype)
+            router = ROUTERS[args.router](
+                args.d_model, args.experts, **k, generator=gen, dtype=dtype
+            )
+            block.mlp = MoE(
+                args.d_model,
+                args.experts,
+                router,
+                args.capacity_factor,
+                args.batch_size // groups,
+                ep_group,
+                dropout=args.dropout,
+                seed=args.seed,
+                layer=i,
+                generator=gen,
+                dtype=dtype,
+            )
     return model.to(device)
 
 
@@ -451,7 +595,9 @@ def train_step(args, lay, model, opt, x, y, n_tok, step, row0, groups):
     the global batch's token count. Returns this rank's shares of the LM and aux losses (device scalars)."""
     set_step(model, step, row0)
     opt.zero_grad(set_to_none=True)
-    lm = lm_loss(model(x), y, n_tok)  # common.GPT's forward, unchanged: the MoE layers sit in its blocks
+    lm = lm_loss(
+        model(x), y, n_tok
+    )  # common.GPT's forward, unchanged: the MoE layers sit in its blocks
     aux = aux_share(model, groups)  # my share of the mean over groups and layers
     (lm + args.aux_weight * aux).backward()
     norm = sync_grads(model, lay.ep_group, lay.replica_group, dist.group.WORLD)
@@ -470,14 +616,22 @@ def main():
     model = build_moe_gpt(args, groups, lay.ep_group, d.device)
     opt = make_optimizer(model.parameters(), args)
     run = Run(d, args, {"model": model, "optim": opt})  # resumes from --ckpt-dir
-    watch = Watch(d, args, lay, groups, model, run, data)  # measurement: the banner, hooks, counters
+    watch = Watch(
+        d, args, lay, groups, model, run, data
+    )  # measurement: the banner, hooks, counters
     rows = args.batch_size // d.world
-    row0 = d.rank * rows  # my slice (B/W, n): routing groups row0 / rows_per_group ... of the global batch
+    row0 = (
+        d.rank * rows
+    )  # my slice (B/W, n): routing groups row0 / rows_per_group ... of the global batch
     for step in run.steps():
-        x, y = data.batch(step, args.batch_size, args.seq_len, args.ragged)  # (B, n) global batch, CPU
+        x, y = data.batch(
+            step, args.batch_size, args.seq_len, args.ragged
+        )  # (B, n) global batch, CPU
         n_tok = count_tokens(y)  # counted on the CPU: no device sync
-        x, y = x[row0:row0 + rows], y[row0:row0 + rows]
-        if d.device.type == "cuda":  # the one host-to-device copy, pinned: not waited for (pageable would be)
+        x, y = x[row0 : row0 + rows], y[row0 : row0 + rows]
+        if (
+            d.device.type == "cuda"
+        ):  # the one host-to-device copy, pinned: not waited for (pageable would be)
             x, y = (t.pin_memory().to(d.device, non_blocking=True) for t in (x, y))
         with run.watching(step, watch.comm, watch.acts):
             lm, aux = train_step(args, lay, model, opt, x, y, n_tok, step, row0, groups)
@@ -502,9 +656,11 @@ class Watch:
             m.register_forward_hook(self.hook)
         E, T, ep = args.experts, args.batch_size // groups * args.seq_len, lay.ep
         C = capacity(args.capacity_factor, self.layers[0].router.k, T, E)
-        d.log(f"moe.py --router {args.router}: world {d.world} = {lay.replicas} replicas x ep {ep} on "
-              f"{d.backend}; {E} experts ({E // ep} per rank), {groups} routing groups of T={T} tokens, "
-              f"capacity C={C}; entropy floor {data.entropy:.4f} nats/token")
+        d.log(
+            f"moe.py --router {args.router}: world {d.world} = {lay.replicas} replicas x ep {ep} on "
+            f"{d.backend}; {E} experts ({E // ep} per rank), {groups} routing groups of T={T} tokens, "
+            f"capacity C={C}; entropy floor {data.entropy:.4f} nats/token"
+        )
 
     def end_step(self, step, lm, aux):
         """The global batch's LM and aux losses for the log line (one all-reduce, one host sync per step)."""
@@ -531,44 +687,73 @@ class Watch:
 
     def summarize(self, d, args, lay, groups, lms, auxes):
         """Every step's routing summed over all ranks (one all-reduce), the last step's bytes; and theory."""
-        E, L, ep, D, k = args.experts, len(self.layers), lay.ep, args.d_model, self.layers[0].router.k
-        T, tokens, nbytes = args.batch_size // groups * args.seq_len, args.batch_size * args.seq_len, \
-            torch.finfo(DTYPES[args.dtype]).bits // 8
+        E, L, ep, D, k = (
+            args.experts,
+            len(self.layers),
+            lay.ep,
+            args.d_model,
+            self.layers[0].router.k,
+        )
+        T, tokens, nbytes = (
+            args.batch_size // groups * args.seq_len,
+            args.batch_size * args.seq_len,
+            torch.finfo(DTYPES[args.dtype]).bits // 8,
+        )
         C = capacity(args.capacity_factor, k, T, E)
-        rows = self.rows or [torch.zeros(L * (2 * E + 1), device=d.device)]  # none: resumed at the end
+        rows = self.rows or [
+            torch.zeros(L * (2 * E + 1), device=d.device)
+        ]  # none: resumed at the end
         every = torch.stack(rows).view(-1, L, 2 * E + 1)  # (steps, L, 2E + 1): my tokens
         dist.all_reduce(every)  # the global batch's routing, every step of this run
-        wanted, load, idle = every[..., :E], every[..., E:2 * E], every[..., 2 * E]
-        fair = tokens * k / E if k else groups * C  # tokens per expert per layer when perfectly balanced
+        wanted, load, idle = every[..., :E], every[..., E : 2 * E], every[..., 2 * E]
+        fair = (
+            tokens * k / E if k else groups * C
+        )  # tokens per expert per layer when perfectly balanced
         drop_theory = max(0.0, 1 - C / (k * T / E)) if k else 0.0
         # All-to-all bytes handed to other ranks in the last step, 4 exchanges per layer (dispatch, combine
         # and their backward): the (E, G/W, C, D) buffers less the block that stays home.
         sent = sum(c["to_others"] for c in self.comm.calls_log if c["op"] == "all_to_all")
         expected = 4 * L * (ep - 1) * (E // ep) * (groups // d.world) * C * D * nbytes
         per_rank = [r[0].long().tolist() for r in gather_rows(d, [[sent, expected]])]
-        f = dict(capacity=C, tokens_per_group=T, groups=groups, ep=ep, replicas=lay.replicas,
-                 expert_load=load[-1].tolist(), expert_load_theory_balanced=fair,
-                 load_cv=(load[-1].std(-1, correction=0) / load[-1].mean(-1)).mean().item(),
-                 dropped_frac=(1 - load[-1].sum() / wanted[-1].sum()).item(),
-                 dropped_frac_theory_balanced=drop_theory,
-                 tokens_without_expert_frac=(idle[-1].sum() / (tokens * L)).item(),
-                 lm_loss=lms[-1], aux_loss=auxes[-1], lm_losses=lms, aux_losses=auxes,
-                 alltoall_bytes_per_step=sent, alltoall_bytes_theory=expected,
-                 alltoall_bytes_per_rank=[r[0] for r in per_rank],
-                 alltoall_bytes_expected_per_rank=[r[1] for r in per_rank],
-                 expert_load_per_step=load.tolist(),
-                 maxvio_per_step=(load.amax(-1) / load.mean(-1) - 1).mean(-1).tolist())
-        d.log("summary (last step, all ranks)          measured   | theory\n"
-              f"  capacity C per expert per group      {C:<10} | ceil(cf x {k or 1} x T / E), <= T = {T}\n"
-              + "".join(f"  expert load, MoE layer {i}           {[int(v) for v in l]} | {fair:g} each if "
-                        "balanced\n" for i, l in enumerate(f["expert_load"]))
-              + f"  dropped assignments                  {f['dropped_frac']:<10.2%} | {drop_theory:.2%} if "
-              f"balanced (max(0, 1 - C E / (k T)))\n"
-              f"  tokens with no expert                {f['tokens_without_expert_frac']:<10.2%} |\n"
-              f"  MaxVio per step (max/mean load - 1)  {' '.join(f'{v:.3f}' for v in f['maxvio_per_step'])}\n"
-              f"  LM loss, aux loss (x {args.aux_weight:g})  {lms[-1]:.6f}, {auxes[-1]:.6f}\n"
-              f"  all-to-all bytes sent / step / rank  {f['alltoall_bytes_per_rank']} | "
-              f"{f['alltoall_bytes_expected_per_rank']} = 4 x layers x (ep-1)/ep x E x G/W x C x D x bytes")
+        f = dict(
+            capacity=C,
+            tokens_per_group=T,
+            groups=groups,
+            ep=ep,
+            replicas=lay.replicas,
+            expert_load=load[-1].tolist(),
+            expert_load_theory_balanced=fair,
+            load_cv=(load[-1].std(-1, correction=0) / load[-1].mean(-1)).mean().item(),
+            dropped_frac=(1 - load[-1].sum() / wanted[-1].sum()).item(),
+            dropped_frac_theory_balanced=drop_theory,
+            tokens_without_expert_frac=(idle[-1].sum() / (tokens * L)).item(),
+            lm_loss=lms[-1],
+            aux_loss=auxes[-1],
+            lm_losses=lms,
+            aux_losses=auxes,
+            alltoall_bytes_per_step=sent,
+            alltoall_bytes_theory=expected,
+            alltoall_bytes_per_rank=[r[0] for r in per_rank],
+            alltoall_bytes_expected_per_rank=[r[1] for r in per_rank],
+            expert_load_per_step=load.tolist(),
+            maxvio_per_step=(load.amax(-1) / load.mean(-1) - 1).mean(-1).tolist(),
+        )
+        d.log(
+            "summary (last step, all ranks)          measured   | theory\n"
+            f"  capacity C per expert per group      {C:<10} | ceil(cf x {k or 1} x T / E), <= T = {T}\n"
+            + "".join(
+                f"  expert load, MoE layer {i}           {[int(v) for v in l]} | {fair:g} each if "
+                "balanced\n"
+                for i, l in enumerate(f["expert_load"])
+            )
+            + f"  dropped assignments                  {f['dropped_frac']:<10.2%} | {drop_theory:.2%} if "
+            f"balanced (max(0, 1 - C E / (k T)))\n"
+            f"  tokens with no expert                {f['tokens_without_expert_frac']:<10.2%} |\n"
+            f"  MaxVio per step (max/mean load - 1)  {' '.join(f'{v:.3f}' for v in f['maxvio_per_step'])}\n"
+            f"  LM loss, aux loss (x {args.aux_weight:g})  {lms[-1]:.6f}, {auxes[-1]:.6f}\n"
+            f"  all-to-all bytes sent / step / rank  {f['alltoall_bytes_per_rank']} | "
+            f"{f['alltoall_bytes_expected_per_rank']} = 4 x layers x (ep-1)/ep x E x G/W x C x D x bytes"
+        )
         return f
 
 

@@ -44,6 +44,7 @@ tokens instead of the loop over experts written out here for clarity, and DeepEP
 Legend (shape comments): N tokens on this rank (b sequences of n), E routed experts, El = E/ep of them on this
 rank, K choices per token, S shared experts, D model width, H expert width (4D/m), r ranks of the EP group.
 """
+
 from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Literal
@@ -54,20 +55,48 @@ import torch.nn as nn
 import torch.nn.functional as F
 from einops import rearrange
 
-from common import (DTYPES, build_gpt, clip_grads_, count_tokens, fail, GPTConfig, init_dist, lm_loss,
-                    make_optimizer, MarkovData, reference_train)
-from harness import (check_against_reference, check_common_args, CommCounter, CommonArgs, env_world_size,
-                     gather_rows, parse_args, peak_memory_bytes, Run, SavedActivations, state_bytes)
+from common import (
+    DTYPES,
+    build_gpt,
+    clip_grads_,
+    count_tokens,
+    fail,
+    GPTConfig,
+    init_dist,
+    lm_loss,
+    make_optimizer,
+    MarkovData,
+    reference_train,
+)
+from harness import (
+    check_against_reference,
+    check_common_args,
+    CommCounter,
+    CommonArgs,
+    env_world_size,
+    gather_rows,
+    parse_args,
+    peak_memory_bytes,
+    Run,
+    SavedActivations,
+    state_bytes,
+)
 
 
 @dataclass
 class Args(CommonArgs):
-    experts: int = 8  # routed experts per MoE layer (E), fine-grained: each 4 x d_model / granularity wide
+    experts: int = (
+        8  # routed experts per MoE layer (E), fine-grained: each 4 x d_model / granularity wide
+    )
     top_k: int = 2  # routed experts per token (K)
     granularity: int = 2  # DeepSeekMoE's m: an expert's hidden width is 4 x d_model / m
-    shared_experts: int = 1  # always-on experts per MoE layer beside the routed ones, as wide (DeepSeekMoE)
+    shared_experts: int = (
+        1  # always-on experts per MoE layer beside the routed ones, as wide (DeepSeekMoE)
+    )
     score: Literal["sigmoid", "softmax"] = "sigmoid"  # the affinity function (sigmoid: DeepSeek-V3)
-    bias_rate: float = 1e-3  # loss-free balancing: the bias moves by this much a step (Wang et al.'s u)
+    bias_rate: float = (
+        1e-3  # loss-free balancing: the bias moves by this much a step (Wang et al.'s u)
+    )
     seq_aux_weight: float = 0.0  # weight of DeepSeek-V3's sequence-wise balance loss (0 = off)
     moe_every: int = 1  # an MoE layer in every n-th block, dense MLPs between
     ep: int = 0  # expert-parallel degree: ranks that split one set of experts (0 = world size)
@@ -77,11 +106,14 @@ class Args(CommonArgs):
 def check_layer(experts, ep, top_k, score):
     """What the layer relies on (DeepSeekMoE and check_args both call it, before any collective)."""
     if experts < 1 or experts % ep:
-        raise ValueError(f"--experts {experts} is not divisible by --ep {ep} (each rank holds experts/ep "
-                         f">= 1); try --experts {ep * max(1, -(-experts // ep))}")
+        raise ValueError(
+            f"--experts {experts} is not divisible by --ep {ep} (each rank holds experts/ep "
+            f">= 1); try --experts {ep * max(1, -(-experts // ep))}"
+        )
     if not 1 <= top_k <= experts:
-        raise ValueError(f"--top-k {top_k} with --experts {experts}: a token takes 1..{experts} routed "
-                         "experts")
+        raise ValueError(
+            f"--top-k {top_k} with --experts {experts}: a token takes 1..{experts} routed experts"
+        )
     if score not in ("sigmoid", "softmax"):
         raise ValueError(f"--score {score!r}: use sigmoid (DeepSeek-V3) or softmax (DeepSeek-V2)")
 
@@ -113,9 +145,14 @@ class AllToAll(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, group, out_splits, in_splits):
-        r, n = dist.get_world_size(group), x.shape[0]  # checked: splits that do not fit abort the collective
+        r, n = (
+            dist.get_world_size(group),
+            x.shape[0],
+        )  # checked: splits that do not fit abort the collective
         if (sum(in_splits), len(in_splits), len(out_splits)) != (n, r, r):
-            raise ValueError(f"{n} rows, {r} ranks: {r} in and {r} out splits, the in splits summing to {n}")
+            raise ValueError(
+                f"{n} rows, {r} ranks: {r} in and {r} out splits, the in splits summing to {n}"
+            )
         ctx.group, ctx.swapped = group, (in_splits, out_splits)
         out = x.new_empty((sum(out_splits), *x.shape[1:]))
         dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
@@ -138,18 +175,34 @@ class DeepSeekMoE(nn.Module):
     (None: all local). A forward leaves `aux` (b,), the sequence-wise balance loss per sequence, and `wanted`
     (E,), this rank's choices per expert (update_biases reads it)."""
 
-    def __init__(self, d_model, experts, top_k=2, hidden=None, shared=1, score="sigmoid", ep_group=None,
-                 dropout=0.0, generator=None, dtype=torch.float64):
+    def __init__(
+        self,
+        d_model,
+        experts,
+        top_k=2,
+        hidden=None,
+        shared=1,
+        score="sigmoid",
+        ep_group=None,
+        dropout=0.0,
+        generator=None,
+        dtype=torch.float64,
+    ):
         super().__init__()
         D, H, E = d_model, hidden or 4 * d_model, experts
         self.E, self.k, self.score, self.n_shared = E, top_k, score, shared
         self.ep_group, self.ep = ep_group, 1 if ep_group is None else dist.get_world_size(ep_group)
-        self.ep_rank, self.El = 0 if ep_group is None else dist.get_rank(ep_group), E // max(1, self.ep)
+        self.ep_rank, self.El = (
+            0 if ep_group is None else dist.get_rank(ep_group),
+            E // max(1, self.ep),
+        )
         check_layer(E, self.ep, top_k, score)  # what it cannot do, before any collective
         self.w_gate = nn.Parameter(init(generator, dtype, D, E))  # W_g: replicated, data parallel
         # b: a buffer (so checkpointed), moved by update_biases, never by autograd; float32 at least (bf16
         # would round its --bias-rate steps away)
-        self.register_buffer("expert_bias", torch.zeros(E, dtype=torch.promote_types(dtype, torch.float32)))
+        self.register_buffer(
+            "expert_bias", torch.zeros(E, dtype=torch.promote_types(dtype, torch.float32))
+        )
         # All E experts drawn from one generator, my slice kept: every EP degree starts from the same numbers.
         mine = slice(self.ep_rank * self.El, (self.ep_rank + 1) * self.El)
         self.w1 = nn.Parameter(init(generator, dtype, E, D, H)[mine].clone())
@@ -157,10 +210,14 @@ class DeepSeekMoE(nn.Module):
         self.w2 = nn.Parameter(init(generator, dtype, E, H, D)[mine].clone())
         self.b2 = nn.Parameter(torch.zeros(self.El, D, dtype=dtype))
         if shared:  # S always-on experts: replicated, data parallel like the router
-            self.shared_w1, self.shared_b1 = nn.Parameter(init(generator, dtype, shared, D, H)), \
-                nn.Parameter(torch.zeros(shared, H, dtype=dtype))
-            self.shared_w2, self.shared_b2 = nn.Parameter(init(generator, dtype, shared, H, D)), \
-                nn.Parameter(torch.zeros(shared, D, dtype=dtype))
+            self.shared_w1, self.shared_b1 = (
+                nn.Parameter(init(generator, dtype, shared, D, H)),
+                nn.Parameter(torch.zeros(shared, H, dtype=dtype)),
+            )
+            self.shared_w2, self.shared_b2 = (
+                nn.Parameter(init(generator, dtype, shared, H, D)),
+                nn.Parameter(torch.zeros(shared, D, dtype=dtype)),
+            )
         self.drop, self.wanted, self.aux = nn.Dropout(dropout), None, None
 
     def affinities(self, xt):
@@ -174,24 +231,38 @@ class DeepSeekMoE(nn.Module):
         """Every choice served: xt (N, D), expert and gate (N, K) -> (N, D), gate-weighted sums per token."""
         (N, K), D, E, El, r, me = expert.shape, xt.shape[-1], self.E, self.El, self.ep, self.ep_rank
         dest = expert.flatten()  # (N K,): each (token, choice) pair's expert
-        counts = dest.new_zeros(E).scatter_add_(0, dest, torch.ones_like(dest))  # (E,): pairs per expert
+        counts = dest.new_zeros(E).scatter_add_(
+            0, dest, torch.ones_like(dest)
+        )  # (E,): pairs per expert
         if r > 1:  # every rank's counts, so that each knows what it gets from whom
             every = counts.new_empty(r * E)
             dist.all_gather_single(every, counts, group=self.ep_group)
             counts = every
-        sizes = rearrange(counts, "(r e) -> r e", r=r).tolist()  # (r, E): the one host sync (see top)
-        mine = [row[me * El:(me + 1) * El] for row in sizes]  # (r, El): rank i's pairs for each of my experts
-        send = [sum(sizes[me][j * El:(j + 1) * El]) for j in range(r)]  # pairs I send to rank j
+        sizes = rearrange(
+            counts, "(r e) -> r e", r=r
+        ).tolist()  # (r, E): the one host sync (see top)
+        mine = [
+            row[me * El : (me + 1) * El] for row in sizes
+        ]  # (r, El): rank i's pairs for each of my experts
+        send = [sum(sizes[me][j * El : (j + 1) * El]) for j in range(r)]  # pairs I send to rank j
         recv = [sum(row) for row in mine]  # pairs I get from rank i
         pairs = torch.argsort(dest, stable=True)  # (N K,): by expert, then token
         h = xt[pairs // K]  # (N K, D): each pair's token, rank j's block j-th
         if r > 1:
-            h = AllToAll.apply(h, self.ep_group, recv, send)  # (sum recv, D): from each rank, by my expert
-        pieces = h.split([c for row in mine for c in row])  # piece (i, e): rank i's tokens for my expert e
+            h = AllToAll.apply(
+                h, self.ep_group, recv, send
+            )  # (sum recv, D): from each rank, by my expert
+        pieces = h.split(
+            [c for row in mine for c in row]
+        )  # piece (i, e): rank i's tokens for my expert e
         ws = self.w1, self.b1, self.w2, self.b2
-        outs = [mlps(torch.cat(pieces[e::El]), *(w[e] for w in ws)) for e in range(El)]  # e on all its tokens
+        outs = [
+            mlps(torch.cat(pieces[e::El]), *(w[e] for w in ws)) for e in range(El)
+        ]  # e on all its tokens
         back = [o.split([mine[i][e] for i in range(r)]) for e, o in enumerate(outs)]
-        h = torch.cat([back[e][i] for i in range(r) for e in range(El)])  # back in (rank i, expert e) order
+        h = torch.cat(
+            [back[e][i] for i in range(r) for e in range(El)]
+        )  # back in (rank i, expert e) order
         if r > 1:
             h = AllToAll.apply(h, self.ep_group, send, recv)  # (N K, D): my pairs' outputs, sorted
         w = gate.flatten()[pairs].to(xt.dtype)  # (N K,): each pair's gate weight
@@ -206,7 +277,9 @@ class DeepSeekMoE(nn.Module):
         self.aux = seq_balance_loss(scores, expert, n)  # (b,): the balancing section below
         self.wanted = F.one_hot(expert, self.E).detach().sum((0, 1))  # (E,)
         y = self.dropless(xt, expert, gate)
-        if self.n_shared:  # every token through each of the S shared experts: (S, N, D), summed over S
+        if (
+            self.n_shared
+        ):  # every token through each of the S shared experts: (S, N, D), summed over S
             ws = self.shared_w1, self.shared_b1, self.shared_w2, self.shared_b2
             y = y + mlps(xt, *ws).sum(0)
         return self.drop(rearrange(y, "(b n) d -> b n d", n=n))
@@ -238,7 +311,11 @@ def seq_balance_loss(scores, expert, n):
     sequence of n tokens: sum_e f_e P_e, f_e = E / (K n) x (tokens choosing e: top k of s + b), P_e = mean
     over the sequence of s_e / sum_j s_j; 1 under uniform routing. -> (N / n,)."""
     E, K = scores.shape[-1], expert.shape[-1]
-    f = rearrange(F.one_hot(expert, E).sum(1).to(scores.dtype), "(b n) e -> b n e", n=n).sum(1) * E / (K * n)
+    f = (
+        rearrange(F.one_hot(expert, E).sum(1).to(scores.dtype), "(b n) e -> b n e", n=n).sum(1)
+        * E
+        / (K * n)
+    )
     P = rearrange(scores / scores.sum(-1, keepdim=True), "(b n) e -> b n e", n=n).mean(1)  # (b, E)
     return (f * P).sum(-1)
 
@@ -247,11 +324,18 @@ def seq_balance_loss(scores, expert, n):
 def make_layout(d, ep):
     """The grid of the module docstring: my row is my EP group, my column my expert replicas."""
     grid = torch.arange(d.world).view(d.world // ep, ep)
-    ep_groups = [dist.new_group(row) for row in grid.tolist()]  # every rank creates every group, in one order
+    ep_groups = [
+        dist.new_group(row) for row in grid.tolist()
+    ]  # every rank creates every group, in one order
     replica_groups = [dist.new_group(col) for col in grid.T.tolist()]
     replica, ep_rank = divmod(d.rank, ep)
-    return SimpleNamespace(ep=ep, ep_rank=ep_rank, ep_group=ep_groups[replica],
-                           replica_group=replica_groups[ep_rank], replicas=d.world // ep)
+    return SimpleNamespace(
+        ep=ep,
+        ep_rank=ep_rank,
+        ep_group=ep_groups[replica],
+        replica_group=replica_groups[ep_rank],
+        replicas=d.world // ep,
+    )
 
 
 def split_params(model):
@@ -278,8 +362,16 @@ def sync_grads(model, ep_group, replica_group, dense_group):
             dist.all_reduce(p.grad, group=replica_group)
     # 3. Global norm for clipping: dense gradients are identical everywhere (count once); expert shards are
     #    distinct within an EP group (sum their squares over it), identical over replicas. bf16: float32 sums.
-    sq_dense, sq_expert = (sum(torch.linalg.vector_norm(p.grad, dtype=torch.promote_types(p.grad.dtype,
-                           torch.float32)).double() ** 2 for p in ps) for ps in (dense, expert))
+    sq_dense, sq_expert = (
+        sum(
+            torch.linalg.vector_norm(
+                p.grad, dtype=torch.promote_types(p.grad.dtype, torch.float32)
+            ).double()
+            ** 2
+            for p in ps
+        )
+        for ps in (dense, expert)
+    )
     if dist.get_world_size(ep_group) > 1:
         dist.all_reduce(sq_expert, group=ep_group)
     return (sq_dense + sq_expert).sqrt()
@@ -296,25 +388,43 @@ def check_args(args, world):
         if getattr(args, name) < 0:
             fail(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
     if args.granularity < 1 or 4 * args.d_model % args.granularity:
-        fail(f"--granularity {args.granularity} must divide 4 x --d-model = {4 * args.d_model} (the width)")
+        fail(
+            f"--granularity {args.granularity} must divide 4 x --d-model = {4 * args.d_model} (the width)"
+        )
     if not 1 <= args.moe_every <= args.n_layers:
         fail(f"--moe-every must be in 1..--n-layers {args.n_layers}, got {args.moe_every}")
     if ep < 1 or world % ep:
         fail(f"world size {world} must be a multiple of --ep {ep} (world = replicas x ep)")
     if args.batch_size % world:
-        fail(f"--batch-size {args.batch_size} must be divisible by the world size {world} (whole sequences)")
+        fail(
+            f"--batch-size {args.batch_size} must be divisible by the world size {world} (whole sequences)"
+        )
     return ep
 
 
 def build_moe_gpt(args, ep_group=None, device="cpu"):
     """common's GPT (same seed, same dense weights) with the MLP of every moe_every-th block replaced."""
     model = build_gpt(GPTConfig.from_args(args), args.seed, DTYPES[args.dtype])
-    gen = torch.Generator().manual_seed(args.seed + 7919)  # the MoE weights: one stream, same on every rank
+    gen = torch.Generator().manual_seed(
+        args.seed + 7919
+    )  # the MoE weights: one stream, same on every rank
     for i, block in enumerate(model.blocks):
         if i % args.moe_every == args.moe_every - 1:
-            hidden = 4 * args.d_model // args.granularity  # fine-grained: m experts in one MLP's width
-            block.mlp = DeepSeekMoE(args.d_model, args.experts, args.top_k, hidden, args.shared_experts,
-                                    args.score, ep_group, args.dropout, gen, DTYPES[args.dtype])
+            hidden = (
+                4 * args.d_model // args.granularity
+            )  # fine-grained: m experts in one MLP's width
+            block.mlp = DeepSeekMoE(
+                args.d_model,
+                args.experts,
+                args.top_k,
+                hidden,
+                args.shared_experts,
+                args.score,
+                ep_group,
+                args.dropout,
+                gen,
+                DTYPES[args.dtype],
+            )
     return model.to(device)
 
 
@@ -322,13 +432,17 @@ def train_step(args, lay, model, opt, x, y, n_tok):
     """One optimizer step. x, y (b, n): this rank's rows of the global batch, on the device; n_tok: the global
     batch's token count. Returns this rank's shares of the LM and sequence-wise losses (device scalars)."""
     opt.zero_grad(set_to_none=True)
-    lm = lm_loss(model(x), y, n_tok)  # common.GPT's forward, unchanged: the MoE layers sit in its blocks
+    lm = lm_loss(
+        model(x), y, n_tok
+    )  # common.GPT's forward, unchanged: the MoE layers sit in its blocks
     aux = aux_share(model, args.batch_size)  # my share of the mean over sequences and layers
     (lm + args.seq_aux_weight * aux).backward()
     norm = sync_grads(model, lay.ep_group, lay.replica_group, dist.group.WORLD)
     clip_grads_([p.grad for p in model.parameters()], norm, args.clip)
     opt.step()
-    update_biases(moe_layers(model), args.bias_rate, dist.group.WORLD)  # the next step routes with the new b
+    update_biases(
+        moe_layers(model), args.bias_rate, dist.group.WORLD
+    )  # the next step routes with the new b
     return lm.detach(), aux.detach()
 
 
@@ -341,15 +455,21 @@ def main():
     torch.manual_seed(args.seed + d.rank)  # dropout only; the routing has no randomness
     model = build_moe_gpt(args, lay.ep_group, d.device)
     opt = make_optimizer(model.parameters(), args)
-    run = Run(d, args, {"model": model, "optim": opt})  # resumes from --ckpt-dir (the bias too: a buffer)
+    run = Run(
+        d, args, {"model": model, "optim": opt}
+    )  # resumes from --ckpt-dir (the bias too: a buffer)
     watch = Watch(d, args, lay, model, run, data)  # measurement: the banner, hooks, counters
     rows = args.batch_size // d.world
     row0 = d.rank * rows  # my slice (B/W, n) of the global batch
     for step in run.steps():
-        x, y = data.batch(step, args.batch_size, args.seq_len, args.ragged)  # (B, n) global batch, CPU
+        x, y = data.batch(
+            step, args.batch_size, args.seq_len, args.ragged
+        )  # (B, n) global batch, CPU
         n_tok = count_tokens(y)  # counted on the CPU: no device sync
-        x, y = x[row0:row0 + rows], y[row0:row0 + rows]
-        if d.device.type == "cuda":  # the one host-to-device copy, pinned: not waited for (pageable would be)
+        x, y = x[row0 : row0 + rows], y[row0 : row0 + rows]
+        if (
+            d.device.type == "cuda"
+        ):  # the one host-to-device copy, pinned: not waited for (pageable would be)
             x, y = (t.pin_memory().to(d.device, non_blocking=True) for t in (x, y))
         with run.watching(step, watch.comm, watch.acts):
             lm, aux = train_step(args, lay, model, opt, x, y, n_tok)
@@ -373,11 +493,13 @@ class Watch:
         for m in self.layers:
             m.register_forward_hook(lambda m, i, o: self.rows.append(m.wanted.double()))
         E, ep = args.experts, lay.ep
-        d.log(f"moe_deepseek.py: world {d.world} = {lay.replicas} replicas x ep {ep} on {d.backend}; {E} "
-              f"routed experts ({E // ep} per rank, width {4 * args.d_model // args.granularity}), "
-              f"top-{args.top_k}, "
-              f"{args.shared_experts} shared, {args.score} gates, bias rate {args.bias_rate:g}, dropless; "
-              f"entropy floor {data.entropy:.4f} nats/token")
+        d.log(
+            f"moe_deepseek.py: world {d.world} = {lay.replicas} replicas x ep {ep} on {d.backend}; {E} "
+            f"routed experts ({E // ep} per rank, width {4 * args.d_model // args.granularity}), "
+            f"top-{args.top_k}, "
+            f"{args.shared_experts} shared, {args.score} gates, bias rate {args.bias_rate:g}, dropless; "
+            f"entropy floor {data.entropy:.4f} nats/token"
+        )
 
     def end_step(self, step, lm, aux):
         """The global batch's LM and aux losses for the log line (one all-reduce, one host sync per step)."""
@@ -413,30 +535,55 @@ class Watch:
         got = torch.empty(ep * L * E, dtype=pairs.dtype, device=d.device)
         dist.all_gather_single(got, pairs.flatten(), group=lay.ep_group)
         got, me = got.view(ep, L, E), slice(lay.ep_rank * (E // ep), (lay.ep_rank + 1) * (E // ep))
-        out, into = pairs.sum() - pairs[:, me].sum(), got[:, :, me].sum() - got[lay.ep_rank, :, me].sum()
+        out, into = (
+            pairs.sum() - pairs[:, me].sum(),
+            got[:, :, me].sum() - got[lay.ep_rank, :, me].sum(),
+        )
         expected = int(2 * (out + into).item() * D * nbytes)
         per_rank = [r[0].long().tolist() for r in gather_rows(d, [[sent, expected]])]
         biases = [m.expert_bias.tolist() for m in self.layers]
-        f = dict(ep=ep, replicas=lay.replicas, capacity=None, expert_load=load[-1].tolist(),
-                 expert_load_theory_balanced=tokens * k / E, expert_load_per_step=load.tolist(),
-                 maxvio_per_step=(load.amax(-1) / load.mean(-1) - 1).mean(-1).tolist(), expert_bias=biases,
-                 lm_loss=lms[-1], aux_loss=auxes[-1], lm_losses=lms, aux_losses=auxes,
-                 alltoall_bytes_per_step=sent, alltoall_bytes_theory=expected,
-                 alltoall_bytes_per_rank=[r[0] for r in per_rank],
-                 alltoall_bytes_expected_per_rank=[r[1] for r in per_rank],
-                 counts_bytes_per_step=self.comm.total("all_gather", "ep"))
-        d.log("summary (last step, all ranks)          measured   | theory\n"
-              + "".join(f"  expert load, MoE layer {i}           {[int(v) for v in l]} | {tokens * k / E:g} "
-                        "each if balanced (nothing dropped)\n" for i, l in enumerate(f["expert_load"]))
-              + f"  MaxVio per step (max/mean load - 1)  {' '.join(f'{v:.3f}' for v in f['maxvio_per_step'])}"
-              + "\n"
-              + "".join(f"  expert bias, MoE layer {i}           {[round(v, 4) for v in b]}\n"
-                        for i, b in enumerate(biases))
-              + f"  LM loss, seq aux loss (x {args.seq_aux_weight:g})  {lms[-1]:.6f}, {auxes[-1]:.6f}\n"
-              f"  all-to-all bytes sent / step / rank  {f['alltoall_bytes_per_rank']} | "
-              f"{f['alltoall_bytes_expected_per_rank']} = 2 x (pairs to others + pairs from them) x D x bytes"
-              + (f"\n  counts all-gathered / step / rank    {f['counts_bytes_per_step']:<10} | "
-                 f"{L * E * 8} = layers x E x 8" if ep > 1 else ""))
+        f = dict(
+            ep=ep,
+            replicas=lay.replicas,
+            capacity=None,
+            expert_load=load[-1].tolist(),
+            expert_load_theory_balanced=tokens * k / E,
+            expert_load_per_step=load.tolist(),
+            maxvio_per_step=(load.amax(-1) / load.mean(-1) - 1).mean(-1).tolist(),
+            expert_bias=biases,
+            lm_loss=lms[-1],
+            aux_loss=auxes[-1],
+            lm_losses=lms,
+            aux_losses=auxes,
+            alltoall_bytes_per_step=sent,
+            alltoall_bytes_theory=expected,
+            alltoall_bytes_per_rank=[r[0] for r in per_rank],
+            alltoall_bytes_expected_per_rank=[r[1] for r in per_rank],
+            counts_bytes_per_step=self.comm.total("all_gather", "ep"),
+        )
+        d.log(
+            "summary (last step, all ranks)          measured   | theory\n"
+            + "".join(
+                f"  expert load, MoE layer {i}           {[int(v) for v in l]} | {tokens * k / E:g} "
+                "each if balanced (nothing dropped)\n"
+                for i, l in enumerate(f["expert_load"])
+            )
+            + f"  MaxVio per step (max/mean load - 1)  {' '.join(f'{v:.3f}' for v in f['maxvio_per_step'])}"
+            + "\n"
+            + "".join(
+                f"  expert bias, MoE layer {i}           {[round(v, 4) for v in b]}\n"
+                for i, b in enumerate(biases)
+            )
+            + f"  LM loss, seq aux loss (x {args.seq_aux_weight:g})  {lms[-1]:.6f}, {auxes[-1]:.6f}\n"
+            f"  all-to-all bytes sent / step / rank  {f['alltoall_bytes_per_rank']} | "
+            f"{f['alltoall_bytes_expected_per_rank']} = 2 x (pairs to others + pairs from them) x D x bytes"
+            + (
+                f"\n  counts all-gathered / step / rank    {f['counts_bytes_per_step']:<10} | "
+                f"{L * E * 8} = layers x E x 8"
+                if ep > 1
+                else ""
+            )
+        )
         return f
 
 
@@ -460,11 +607,16 @@ def moe_reference(args, device):
     """The one-process answer: every expert local, the bias moved by the whole batch's counts (one process
     routes them all: nothing to all-reduce)."""
     model = build_moe_gpt(args, device=device)
-    layers, steps = moe_layers(model), iter(range(args.steps))  # reference_train calls loss_of once per step
+    layers, steps = (
+        moe_layers(model),
+        iter(range(args.steps)),
+    )  # reference_train calls loss_of once per step
 
     def loss_of(m, x, y, n_tok):
         if next(steps) > 0:
-            update_biases(layers, args.bias_rate, None)  # the update after step - 1, before this step routes
+            update_biases(
+                layers, args.bias_rate, None
+            )  # the update after step - 1, before this step routes
         return lm_loss(m(x), y, n_tok) + args.seq_aux_weight * aux_share(m, args.batch_size)
 
     ref = reference_train(args, device, model=model, loss_of=loss_of)

@@ -44,6 +44,7 @@ Run (one process per stage; a world of 1 is not a pipeline):
 Zero-bubble pipelines (the backward cut in two, ZB-H1, ZB-V) are zero_bubble.py. In production, use
 torch.distributed.pipelining (Schedule1F1B) or the pipelines of Megatron-LM or DeepSpeed.
 """
+
 import collections, contextlib, copy, sys
 from dataclasses import dataclass
 from typing import Literal
@@ -53,18 +54,47 @@ import torch.distributed as dist
 import torch.nn as nn
 from einops import rearrange
 
-from common import (build_gpt, count_tokens, DTYPES, fail, GPTConfig, init_dist, lm_loss,
-                    make_optimizer, MarkovData)
-from harness import (assemble_full, busy_ms, check_against_reference, check_common_args, CommCounter,
-                     CommonArgs, draw_timeline, env_world_size, gather_rows, parse_args,
-                     peak_memory_bytes, PipelineWatch, Run, state_bytes, write_trace)
+from common import (
+    build_gpt,
+    count_tokens,
+    DTYPES,
+    fail,
+    GPTConfig,
+    init_dist,
+    lm_loss,
+    make_optimizer,
+    MarkovData,
+)
+from harness import (
+    assemble_full,
+    busy_ms,
+    check_against_reference,
+    check_common_args,
+    CommCounter,
+    CommonArgs,
+    draw_timeline,
+    env_world_size,
+    gather_rows,
+    parse_args,
+    peak_memory_bytes,
+    PipelineWatch,
+    Run,
+    state_bytes,
+    write_trace,
+)
 
 
 @dataclass
 class Args(CommonArgs):
-    microbatches: int = 4  # m: micro-batches per global batch (--batch-size must be divisible by it)
-    mode: Literal["flush", "stash", "2bw"] = "flush"  # flush: 1F1B (PipeDream-flush); stash: PipeDream; 2bw
-    vertical_sync: bool = False  # stash: every stage uses the weight version stage 0 used for the micro-batch
+    microbatches: int = (
+        4  # m: micro-batches per global batch (--batch-size must be divisible by it)
+    )
+    mode: Literal["flush", "stash", "2bw"] = (
+        "flush"  # flush: 1F1B (PipeDream-flush); stash: PipeDream; 2bw
+    )
+    vertical_sync: bool = (
+        False  # stash: every stage uses the weight version stage 0 used for the micro-batch
+    )
     trace: str = ""  # write the measured F/B events as a Chrome trace (JSON) to this path
     stage_ms: float = 0.0  # simulate compute time: each F also waits this many ms, each B twice
 
@@ -73,8 +103,10 @@ class Args(CommonArgs):
 def split_layers(n_layers, p):
     """Blocks [start, end) of each of p stages, as even as possible; the earlier ones take the extras."""
     if not 1 <= p <= n_layers:
-        raise ValueError(f"{p} stages but --n-layers {n_layers}: {p} stages of {n_layers} blocks leave a "
-                         f"stage without one; use 1 to {n_layers} stages, or --n-layers {p} or more")
+        raise ValueError(
+            f"{p} stages but --n-layers {n_layers}: {p} stages of {n_layers} blocks leave a "
+            f"stage without one; use 1 to {n_layers} stages, or --n-layers {p} or more"
+        )
     base, extra = divmod(n_layers, p)
     return [(s * base + min(s, extra), (s + 1) * base + min(s + 1, extra)) for s in range(p)]
 
@@ -133,9 +165,13 @@ def to_device(m, device, *batch):
     (pinned and non-blocking on a GPU), never once per micro-batch in the middle of the schedule."""
     for rows in (len(t) for t in batch if m < 1 or len(t) % m):
         fit = max(k for k in range(1, max(m, 2)) if rows % k == 0)
-        raise ValueError(f"--microbatches must be >= 1, got {m}" if m < 1 else f"--batch-size {rows} is not "
-                         f"divisible by --microbatches {m}: a batch of {rows} does not cut into m = {m} "
-                         f"equal micro-batches; use --microbatches {fit}")
+        raise ValueError(
+            f"--microbatches must be >= 1, got {m}"
+            if m < 1
+            else f"--batch-size {rows} is not "
+            f"divisible by --microbatches {m}: a batch of {rows} does not cut into m = {m} "
+            f"equal micro-batches; use --microbatches {fit}"
+        )
     batch = [rearrange(t, "(m b) ... -> m b ...", m=m) for t in batch]
     if device.type == "cuda":
         batch = [t.pin_memory() for t in batch]
@@ -157,17 +193,43 @@ class StageRunner:
     next, its neighbours in `group` (the pipeline's ranks in stage order; None: the default group);
     observe(kind, k, **tags): a context around every op. NCCL wants a collective on the group first."""
 
-    def __init__(self, policy, source, loss_fn, in_shape, out_shape, dtype, device, group=None,
-                 observe=lambda kind, k, **tags: contextlib.nullcontext()):
+    def __init__(
+        self,
+        policy,
+        source,
+        loss_fn,
+        in_shape,
+        out_shape,
+        dtype,
+        device,
+        group=None,
+        observe=lambda kind, k, **tags: contextlib.nullcontext(),
+    ):
         self.policy, self.source, self.loss_fn = policy, source, loss_fn
         self.shape, self.dtype, self.device = {"F": in_shape, "B": out_shape}, dtype, device
-        s, p, self.group, self.observe = dist.get_rank(group), dist.get_world_size(group), group, observe
+        s, p, self.group, self.observe = (
+            dist.get_rank(group),
+            dist.get_world_size(group),
+            group,
+            observe,
+        )
         if s < 0:
-            raise ValueError("this rank is not in the pipeline's group: make StageRunners on its ranks only")
-        self.prev, self.next = s - 1 if s > 0 else None, s + 1 if s < p - 1 else None  # ranks in the group
-        self.alive, self.outbox, self.losses = {}, [], {}  # alive: k -> (input, output, version), F to B
+            raise ValueError(
+                "this rank is not in the pipeline's group: make StageRunners on its ranks only"
+            )
+        self.prev, self.next = (
+            s - 1 if s > 0 else None,
+            s + 1 if s < p - 1 else None,
+        )  # ranks in the group
+        self.alive, self.outbox, self.losses = (
+            {},
+            [],
+            {},
+        )  # alive: k -> (input, output, version), F to B
 
-    def tag(self, *xs):  # (TAG,) on the device, from numbers or 0-d device tensors: no host round trip
+    def tag(
+        self, *xs
+    ):  # (TAG,) on the device, from numbers or 0-d device tensors: no host round trip
         t = torch.zeros(TAG, dtype=torch.float64, device=self.device)
         for i, x in enumerate(xs):
             t[i] = x
@@ -192,11 +254,15 @@ class StageRunner:
         riding = self.policy.pass_on(k, tag)  # 2bw: the whole-model norm rides on the activations
         weights, v = self.policy.weights(k)  # the version micro-batch k reads on this stage
         inp, target = self.source(k)
-        inp = inp if self.prev is None else x.requires_grad_()  # a leaf: its .grad is what B sends back
+        inp = (
+            inp if self.prev is None else x.requires_grad_()
+        )  # a leaf: its .grad is what B sends back
         with self.observe("F", k, version=v):
             out = weights(inp)  # GPT: (b, T, D); last stage: logits (b, T, V) ...
             if self.next is None:
-                out = self.loss_fn(out, target)  # ... and the loss: sum over tokens / global token count
+                out = self.loss_fn(
+                    out, target
+                )  # ... and the loss: sum over tokens / global token count
         self.alive[k] = (inp, out, v)
         if self.next is None:
             self.losses[k] = out.detach()
@@ -208,12 +274,17 @@ class StageRunner:
         with self.observe("B", k, version=v):
             torch.autograd.backward(out, grad)  # last stage: from the loss itself
         del self.alive[k]
-        loss, partial = (self.losses.pop(k), 0.0) if self.next is None else (tag[2], tag[3])  # on the device
+        loss, partial = (
+            (self.losses.pop(k), 0.0) if self.next is None else (tag[2], tag[3])
+        )  # on the device
         if self.prev is None:
             self.losses[k] = loss  # stage 0 holds k's loss once k's gradient is back
         partial = self.policy.on_backward(k, v, partial)
         if self.prev is not None:
-            self.outbox = [(inp.grad, self.prev), (self.tag(k, v, loss, partial), self.prev)]  # (b, T, D)
+            self.outbox = [
+                (inp.grad, self.prev),
+                (self.tag(k, v, loss, partial), self.prev),
+            ]  # (b, T, D)
 
     def drain(self, t):
         """The end of step t (flush) or of a stream's segment: send what the last op left, then the policy's
@@ -224,7 +295,11 @@ class StageRunner:
 
 # ----------------------------------------------------------------------------- policies: when weights change
 def squared_norm(grads):  # in float64, without a float64 copy of each gradient (the norm's dtype=)
-    return torch.stack([torch.linalg.vector_norm(g, dtype=torch.float64) for g in grads]).square().sum()
+    return (
+        torch.stack([torch.linalg.vector_norm(g, dtype=torch.float64) for g in grads])
+        .square()
+        .sum()
+    )
 
 
 class Flush:
@@ -236,20 +311,30 @@ class Flush:
     def weights(self, k):  # -> (the module micro-batch k runs on, its version)
         return self.stage, self.version
 
-    def pass_on(self, k, tag):  # 2bw: learns from F's tag (None on stage 0); returns what rides on with F
+    def pass_on(
+        self, k, tag
+    ):  # 2bw: learns from F's tag (None on stage 0); returns what rides on with F
         return ()
 
-    def on_backward(self, k, v, partial):  # after B of k on version v; returns the partial norm^2 going up
+    def on_backward(
+        self, k, v, partial
+    ):  # after B of k on version v; returns the partial norm^2 going up
         return partial
 
     def drain(self, t):
         grads = [q.grad for q in self.stage.parameters() if q.grad is not None]
-        sq = squared_norm(grads)  # () this stage's squared norm; a (1,) norm could not scale a 0-dim grad
+        sq = squared_norm(
+            grads
+        )  # () this stage's squared norm; a (1,) norm could not scale a 0-dim grad
         dist.all_reduce(sq, group=self.group)  # () summed over stages: the whole model's
         self.step(sq)
 
-    def step(self, sq):  # one update of the live weights, clipped by the whole model's norm^2 (or not)
-        if sq is not None and self.clip > 0:  # torch's clip_grad_norm_ rule, by the whole model's norm
+    def step(
+        self, sq
+    ):  # one update of the live weights, clipped by the whole model's norm^2 (or not)
+        if (
+            sq is not None and self.clip > 0
+        ):  # torch's clip_grad_norm_ rule, by the whole model's norm
             torch.nn.utils.clip_grads_with_norm_(self.stage.parameters(), self.clip, sq.sqrt())
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
@@ -264,10 +349,18 @@ class Stash(Flush):
 
     def __init__(self, stage, opt, lag):
         super().__init__(stage, opt, clip=0)
-        self.lag, self.versions = lag, {0: copy.deepcopy(stage)}  # version -> frozen copy of the stage
-        self.in_flight, self.next_f = collections.Counter(), 0  # version -> micro-batches F to B; the next F
+        self.lag, self.versions = (
+            lag,
+            {0: copy.deepcopy(stage)},
+        )  # version -> frozen copy of the stage
+        self.in_flight, self.next_f = (
+            collections.Counter(),
+            0,
+        )  # version -> micro-batches F to B; the next F
 
-    def version_for(self, k):  # the rule of one uninterrupted stream: a drain changes timing, never versions
+    def version_for(
+        self, k
+    ):  # the rule of one uninterrupted stream: a drain changes timing, never versions
         return max(0, k - self.lag)
 
     def weights(self, k):
@@ -280,17 +373,23 @@ class Stash(Flush):
         self.update(self.take_grads(v), None)
         return partial
 
-    def take_grads(self, v):  # move the gradient out of version v: the next micro-batch on v starts from 0
+    def take_grads(
+        self, v
+    ):  # move the gradient out of version v: the next micro-batch on v starts from 0
         grads = [q.grad for q in self.versions[v].parameters()]
         self.versions[v].zero_grad(set_to_none=True)
         return grads
 
-    def update(self, grads, sq):  # one step of the live weights with these gradients, frozen as a new version
+    def update(
+        self, grads, sq
+    ):  # one step of the live weights with these gradients, frozen as a new version
         for q, g in zip(self.stage.parameters(), grads):
             q.grad = g
         self.step(sq)
         self.drop_unused()  # first, so that a real system could reuse a dropped version's buffer
-        self.versions[self.version] = copy.deepcopy(self.stage)  # 2bw: the double buffer's other half
+        self.versions[self.version] = copy.deepcopy(
+            self.stage
+        )  # 2bw: the double buffer's other half
         self.drop_unused()
 
     def drop_unused(self):  # versions older than the floor serve no forward still to come
@@ -304,9 +403,11 @@ class Stash(Flush):
 
 def check_2bw(m, p):  # TwoBW's invariant (learn_norm), which check_args checks too
     if m < p:
-        raise ValueError(f"--mode 2bw needs --microbatches >= stages ({p}), got {m}: batch t's norm rides "
-                         "on micro-batch (t+1)m+p-1's forward, after batch t+2 starts if m < p-1; at m = p-1 "
-                         f"the second-to-last norm has no forward left to ride on; use --microbatches {p}")
+        raise ValueError(
+            f"--mode 2bw needs --microbatches >= stages ({p}), got {m}: batch t's norm rides "
+            "on micro-batch (t+1)m+p-1's forward, after batch t+2 starts if m < p-1; at m = p-1 "
+            f"the second-to-last norm has no forward left to ride on; use --microbatches {p}"
+        )
 
 
 class TwoBW(Stash):
@@ -321,13 +422,18 @@ class TwoBW(Stash):
         self.first = dist.get_rank(group) == 0
         self.batch_grads = {}  # batch -> its summed gradient, until the whole-model norm arrives
         zero = torch.zeros((), dtype=torch.float64, device=next(stage.parameters()).device)
-        self.known = (-1, zero)  # (newest batch whose whole-model norm^2 is known here, that norm^2)
+        self.known = (
+            -1,
+            zero,
+        )  # (newest batch whose whole-model norm^2 is known here, that norm^2)
         self.drained_norm = -1  # the norm every stage knew at the last drain
 
     def version_for(self, k):
         return max(k // self.m - 1, 0)  # batch t reads the weights of update t-1
 
-    def pass_on(self, k, tag):  # stage 0 had run B up to k-p when it sent F_k: it knew the norms that far
+    def pass_on(
+        self, k, tag
+    ):  # stage 0 had run B up to k-p when it sent F_k: it knew the norms that far
         if tag is not None:
             self.learn_norm(max((k - self.p + 1) // self.m - 1, self.drained_norm), tag[3])
         return self.known
@@ -349,8 +455,10 @@ class TwoBW(Stash):
         if t == self.known[0]:
             return  # nothing new
         if t != self.known[0] + 1 or t not in self.batch_grads:
-            raise RuntimeError(f"2bw learns the norm of batch {t}, but the next it expects is batch "
-                               f"{self.known[0] + 1}'s: the schedule needs --microbatches >= stages")
+            raise RuntimeError(
+                f"2bw learns the norm of batch {t}, but the next it expects is batch "
+                f"{self.known[0] + 1}'s: the schedule needs --microbatches >= stages"
+            )
         self.known = (t, sq)
         self.update(self.batch_grads.pop(t), sq)
 
@@ -366,13 +474,19 @@ def check_args(args, p, m):
     try:  # the cores' own checks (to_device on a batch of no data, split_layers, check_2bw): fail's line
         to_device(m, torch.device("cpu"), torch.empty(args.batch_size, 0))
         if args.vertical_sync and args.mode != "stash":
-            fail(f"--vertical-sync belongs to --mode stash (--mode {args.mode}: no per-micro-batch versions)")
+            fail(
+                f"--vertical-sync belongs to --mode stash (--mode {args.mode}: no per-micro-batch versions)"
+            )
         if args.mode == "stash" and args.clip > 0:
-            fail("--mode stash updates each stage right after its backward, before the whole-model gradient "
-                 "norm of that micro-batch exists (stage 0 finishes it last): pass --clip 0")
+            fail(
+                "--mode stash updates each stage right after its backward, before the whole-model gradient "
+                "norm of that micro-batch exists (stage 0 finishes it last): pass --clip 0"
+            )
         if p == 1:
-            fail(f"pipedream.py needs one process per stage, at least 2: torchrun --nproc_per_node="
-                 f"{max(2, min(4, args.n_layers))} pipedream.py {' '.join(sys.argv[1:])}".rstrip())
+            fail(
+                f"pipedream.py needs one process per stage, at least 2: torchrun --nproc_per_node="
+                f"{max(2, min(4, args.n_layers))} pipedream.py {' '.join(sys.argv[1:])}".rstrip()
+            )
         split_layers(args.n_layers, p)
         if args.mode == "2bw":
             check_2bw(m, p)
@@ -388,44 +502,90 @@ def main():
     # --- setup (same in every file) ---
     d = init_dist(args.timeout)
     s, data, bounds = d.rank, MarkovData(args.vocab, args.seed), split_layers(args.n_layers, p)
-    d.log(f"pipedream.py --mode {args.mode}{' --vertical-sync' * args.vertical_sync}: {p} stages x {m} "
-          f"micro-batches of {args.batch_size // m} on {d.backend}; entropy floor {data.entropy:.4f} nats")
-    d.log("split: " + " | ".join(f"stage {r}: {'embedding + ' if r == 0 else ''}blocks {a}..{z - 1}"
-                                 f"{' + norm + head + loss' if r == p - 1 else ''}"
-                                 for r, (a, z) in enumerate(bounds)))
+    d.log(
+        f"pipedream.py --mode {args.mode}{' --vertical-sync' * args.vertical_sync}: {p} stages x {m} "
+        f"micro-batches of {args.batch_size // m} on {d.backend}; entropy floor {data.entropy:.4f} nats"
+    )
+    d.log(
+        "split: "
+        + " | ".join(
+            f"stage {r}: {'embedding + ' if r == 0 else ''}blocks {a}..{z - 1}"
+            f"{' + norm + head + loss' if r == p - 1 else ''}"
+            for r, (a, z) in enumerate(bounds)
+        )
+    )
     torch.manual_seed(args.seed + s)  # dropout masks (if any) differ per stage
     dtype = DTYPES[args.dtype]
-    gpt = build_gpt(GPTConfig.from_args(args), args.seed, dtype)  # whole, on CPU; a stage takes its part
-    shapes, stage = {n: q.shape for n, q in gpt.named_parameters()}, Stage(gpt, s, bounds).to(d.device)
+    gpt = build_gpt(
+        GPTConfig.from_args(args), args.seed, dtype
+    )  # whole, on CPU; a stage takes its part
+    shapes, stage = (
+        {n: q.shape for n, q in gpt.named_parameters()},
+        Stage(gpt, s, bounds).to(d.device),
+    )
     opt = make_optimizer(stage.parameters(), args)
-    sync = args.mode == "flush"  # one schedule per step, drained; stash, 2bw: one stream for the run
-    policy = (Flush(stage, opt, args.clip) if sync else TwoBW(stage, opt, m, args.clip) if args.mode == "2bw"
-              else Stash(stage, opt, lag=p - 1 if args.vertical_sync else p - s - 1))  # lag: warm-up p-s-1
+    sync = (
+        args.mode == "flush"
+    )  # one schedule per step, drained; stash, 2bw: one stream for the run
+    policy = (
+        Flush(stage, opt, args.clip)
+        if sync
+        else TwoBW(stage, opt, m, args.clip)
+        if args.mode == "2bw"
+        else Stash(stage, opt, lag=p - 1 if args.vertical_sync else p - s - 1)
+    )  # lag: warm-up p-s-1
     batches = {}  # step -> (m, b, T) tokens and targets on the device, the global token count
 
-    def source(k):  # micro-batch k: stage 0's tokens (b, T); the last stage's targets (b, T) and token count
+    def source(
+        k,
+    ):  # micro-batch k: stage 0's tokens (b, T); the last stage's targets (b, T) and token count
         x, y, n_tok = batches[k // m]
         return x[k % m], (y[k % m], n_tok)
 
-    act = (args.batch_size // m, args.seq_len, args.d_model)  # (b, T, D): what crosses a stage boundary
+    act = (
+        args.batch_size // m,
+        args.seq_len,
+        args.d_model,
+    )  # (b, T, D): what crosses a stage boundary
     observer, comm = Observer(d, args), CommCounter()
-    runner = StageRunner(policy, source, lambda logits, y: lm_loss(logits, *y), act, act, dtype, d.device,
-                         observe=observer)  # the stages in the default group: stage s on rank s
+    runner = StageRunner(
+        policy,
+        source,
+        lambda logits, y: lm_loss(logits, *y),
+        act,
+        act,
+        dtype,
+        d.device,
+        observe=observer,
+    )  # the stages in the default group: stage s on rank s
     observer.runner = runner
     run = Run(d, args, {"model": stage, "optim": opt, "pipe": PolicyState(policy)})
     # flush: a schedule per step, drained before the update. stash, 2bw: one, drained only at a checkpoint
-    ends = [t for t in range(run.start + 1, args.steps + 1)
-            if sync or t == args.steps or (args.save_every and t % args.save_every == 0)]
-    stream = [(kind, a * m + k) for a, z in zip([run.start] + ends, ends)
-              for kind, k in one_f_one_b((z - a) * m, p, s)]
+    ends = [
+        t
+        for t in range(run.start + 1, args.steps + 1)
+        if sync or t == args.steps or (args.save_every and t % args.save_every == 0)
+    ]
+    stream = [
+        (kind, a * m + k)
+        for a, z in zip([run.start] + ends, ends)
+        for kind, k in one_f_one_b((z - a) * m, p, s)
+    ]
     chunks = split_at_step_ends(stream, m)  # chunks[i]: what this stage runs in step start + i
     # NCCL sets up its communicator at the first collective; batched point-to-point must not come first
     dist.all_reduce(torch.zeros(1, device=d.device))
     for step in run.steps():
         chunk = chunks[step - run.start]
-        for t in sorted({k // m for _, k in chunk} - set(batches)):  # a stream reads ahead into later steps
-            x, y = data.batch(t, args.batch_size, args.seq_len, args.ragged)  # (B, T) global, on CPU
-            batches[t] = (*to_device(m, d.device, x, y), count_tokens(y))  # (m, b, T) each; count: on CPU
+        for t in sorted(
+            {k // m for _, k in chunk} - set(batches)
+        ):  # a stream reads ahead into later steps
+            x, y = data.batch(
+                t, args.batch_size, args.seq_len, args.ragged
+            )  # (B, T) global, on CPU
+            batches[t] = (
+                *to_device(m, d.device, x, y),
+                count_tokens(y),
+            )  # (m, b, T) each; count: on CPU
         # bytes sent, counted at the slow dispatcher: flush, in the step before the timed last; a stream, all
         with run.watching(step, comm, at=max(run.start, args.steps - 2) if sync else step):
             runner.run(chunk)
@@ -433,7 +593,11 @@ def main():
                 runner.drain(step)
         del batches[step]
         # stage 0 has every loss of the step now (they came back with the gradients); other ranks log nothing
-        loss = sum(runner.losses.pop(step * m + j) for j in range(m)).item() if s == 0 else float("nan")
+        loss = (
+            sum(runner.losses.pop(step * m + j) for j in range(m)).item()
+            if s == 0
+            else float("nan")
+        )
         run.end_step(step, loss)
 
     figures = report(d, args, observer, comm, bounds, args.steps - run.start, len(ends))
@@ -441,9 +605,13 @@ def main():
     check = None
     if args.check:  # the full model, by name, from every stage's parameters (one all-reduce)
         full = assemble_full(d, dict(stage.named_parameters()), shapes, dtype)
-        ref = simulate_rule(args, p, d.device, d.log) if d.rank == 0 and not sync else None  # stash, 2bw
+        ref = (
+            simulate_rule(args, p, d.device, d.log) if d.rank == 0 and not sync else None
+        )  # stash, 2bw
         check = check_against_reference(d, args, run.losses, full, ref=ref)
-    run.finish(f"pipedream-{args.mode}", peak, max(figures.get("sent_bytes_per_rank", [0])), check, figures)
+    run.finish(
+        f"pipedream-{args.mode}", peak, max(figures.get("sent_bytes_per_rank", [0])), check, figures
+    )
 
 
 # --- measurement --- (from outside the schedule: its observe callback, the collective counter, the report) --
@@ -457,9 +625,14 @@ class PolicyState:
 
     def state_dict(self):
         pol = self.policy
-        norm = (pol.known[0], pol.known[1].cpu(), pol.drained_norm) if isinstance(pol, TwoBW) else None
-        return dict(version=pol.version, norm=norm,
-                    versions={v: w.state_dict() for v, w in getattr(pol, "versions", {}).items()})
+        norm = (
+            (pol.known[0], pol.known[1].cpu(), pol.drained_norm) if isinstance(pol, TwoBW) else None
+        )
+        return dict(
+            version=pol.version,
+            norm=norm,
+            versions={v: w.state_dict() for v, w in getattr(pol, "versions", {}).items()},
+        )
 
     def load_state_dict(self, state):
         pol = self.policy
@@ -499,56 +672,107 @@ def report(d, args, observer, comm, bounds, steps_run, segments):
     """Every rank's events and counts, gathered (tensors only); rank 0: the summary's figures, each beside its
     theory, the table, the timeline, --trace. segments: the schedules between drains in this run."""
     events = observer.timeline.gather()
-    every = [r[0].tolist() for r in gather_rows(d, [[observer.alive, observer.versions, comm.total(op="send"),
-                                                     observer.bytes]])]
+    every = [
+        r[0].tolist()
+        for r in gather_rows(
+            d, [[observer.alive, observer.versions, comm.total(op="send"), observer.bytes]]
+        )
+    ]
     p, m, mode, ms = len(bounds), args.microbatches, args.mode, args.stage_ms
     figures = dict(split=bounds, stages=p, microbatches=m, mode=mode)
     if d.rank != 0 or not steps_run:
         return figures
     sync = mode == "flush"
-    shown = [e for e in events if e["mb"] // m == args.steps - 1] if sync else events  # the last step, or all
+    shown = (
+        [e for e in events if e["mb"] // m == args.steps - 1] if sync else events
+    )  # the last step, or all
     lo, hi = min(e["start"] for e in shown), max(e["end"] for e in shown)
-    n, drains = (m, 1) if sync else (args.steps * m, segments)  # micro-batches between drains; drains shown
+    n, drains = (
+        (m, 1) if sync else (args.steps * m, segments)
+    )  # micro-batches between drains; drains shown
     theory = drains * (p - 1) / ((m if sync else steps_run * m) + drains * (p - 1))
-    formula = "(p-1)/(m+p-1)" if sync else "S(p-1)/(steps*m+S(p-1)), S drains in the run (-> 0 steady)"
+    formula = (
+        "(p-1)/(m+p-1)" if sync else "S(p-1)/(steps*m+S(p-1)), S drains in the run (-> 0 steady)"
+    )
     busy = [busy_ms(events, r, lo, hi) for r in range(p)]
     bub, idle = [1 - b / (hi - lo) for b in busy], [hi - lo - b for b in busy]
-    op_ms = {k: sum(e["end"] - e["start"] for e in es) / len(es) for k in "FB"
-             if (es := [e for e in shown if e["kind"] == k])}  # mean measured T_F, T_B
-    idle_theory = drains * (p - 1) * (op_ms["F"] + op_ms["B"])  # each stage waits p-1 F's and p-1 B's
+    op_ms = {
+        k: sum(e["end"] - e["start"] for e in es) / len(es)
+        for k in "FB"
+        if (es := [e for e in shown if e["kind"] == k])
+    }  # mean measured T_F, T_B
+    idle_theory = (
+        drains * (p - 1) * (op_ms["F"] + op_ms["B"])
+    )  # each stage waits p-1 F's and p-1 B's
     alive = [min(p - s, n) for s in range(p)]
     sent = [r[2] / (1 if sync else steps_run) for r in every]
-    b_bytes = args.batch_size // m * args.seq_len * args.d_model * DTYPES[args.dtype].itemsize  # (b, T, D)
+    b_bytes = (
+        args.batch_size // m * args.seq_len * args.d_model * DTYPES[args.dtype].itemsize
+    )  # (b, T, D)
     sent_theory = [m * (b_bytes + 8 * TAG) * ((s > 0) + (s < p - 1)) for s in range(p)]
-    kept = {"2bw": [2] * p, "stash": [min(p, n)] * p if args.vertical_sync else alive}.get(mode, [1] * p)
-    d.log(f"\nsummary ({mode}, {p} stages, m = {m}) over {'the last step' if sync else 'the run'}, theory "
-          f"beside each measurement: bubble {formula}; idle ms (p-1)(T_F+T_B) per drain at the measured "
-          + ", ".join(f"T_{k} {v:.1f}" for k, v in op_ms.items()) + " ms; alive p - s; "
-          f"weight versions kept; bytes sent per step m x ((b, T, D) + {8 * TAG} B tag) each way")
-    d.log("stage | blocks | bubble | theory | idle ms | theory | alive | theory | versions | theory | "
-          "sent B/step | theory | mem B")
+    kept = {"2bw": [2] * p, "stash": [min(p, n)] * p if args.vertical_sync else alive}.get(
+        mode, [1] * p
+    )
+    d.log(
+        f"\nsummary ({mode}, {p} stages, m = {m}) over {'the last step' if sync else 'the run'}, theory "
+        f"beside each measurement: bubble {formula}; idle ms (p-1)(T_F+T_B) per drain at the measured "
+        + ", ".join(f"T_{k} {v:.1f}" for k, v in op_ms.items())
+        + " ms; alive p - s; "
+        f"weight versions kept; bytes sent per step m x ((b, T, D) + {8 * TAG} B tag) each way"
+    )
+    d.log(
+        "stage | blocks | bubble | theory | idle ms | theory | alive | theory | versions | theory | "
+        "sent B/step | theory | mem B"
+    )
     for s, (a, z) in enumerate(bounds):
-        d.log(f"{s:5d} | {a:2d}..{z - 1:<2d} | {bub[s]:6.3f} | {theory:6.3f} | {idle[s]:7.1f} | "
-              f"{idle_theory:6.1f} | {int(every[s][0]):5d} | {alive[s]:6d} | {int(every[s][1]):8d} | "
-              f"{kept[s]:6d} | {sent[s]:11.0f} | {sent_theory[s]:6d} | {int(every[s][3])}")
+        d.log(
+            f"{s:5d} | {a:2d}..{z - 1:<2d} | {bub[s]:6.3f} | {theory:6.3f} | {idle[s]:7.1f} | "
+            f"{idle_theory:6.1f} | {int(every[s][0]):5d} | {alive[s]:6d} | {int(every[s][1]):8d} | "
+            f"{kept[s]:6d} | {sent[s]:11.0f} | {sent_theory[s]:6d} | {int(every[s][3])}"
+        )
     mean = sum(bub) / p
     waits = ", ".join(f"each {k} waits {x:g} ms" for k, x in observer.timeline.simulate.items())
-    d.log(f"bubble, mean over stages: measured {mean:.3f}, theory {theory:.3f}, difference "
-          f"{mean - theory:+.3f}" + (f" (--stage-ms {ms:g}: compute time simulated, {waits})" if ms else
-             " (real compute only: on shared cores this times the OS scheduler; try --stage-ms)"))
-    d.log("\ntimeline of the last step, measured (micro-batch numbers within the step):" if sync else
-          "\ntimeline of the last two steps, measured (micro-batches numbered from the start; no drain "
-          "between but at a checkpoint):")
+    d.log(
+        f"bubble, mean over stages: measured {mean:.3f}, theory {theory:.3f}, difference "
+        f"{mean - theory:+.3f}"
+        + (
+            f" (--stage-ms {ms:g}: compute time simulated, {waits})"
+            if ms
+            else " (real compute only: on shared cores this times the OS scheduler; try --stage-ms)"
+        )
+    )
+    d.log(
+        "\ntimeline of the last step, measured (micro-batch numbers within the step):"
+        if sync
+        else "\ntimeline of the last two steps, measured (micro-batches numbered from the start; no drain "
+        "between but at a checkpoint):"
+    )
     lo = lo if sync else min(e["start"] for e in events if e["mb"] >= max(args.steps - 2, 0) * m)
-    d.log(draw_timeline(events, p, lo, hi, lambda e: f"{e['kind']}{e['mb'] % m if sync else e['mb']}"))
+    d.log(
+        draw_timeline(events, p, lo, hi, lambda e: f"{e['kind']}{e['mb'] % m if sync else e['mb']}")
+    )
     if args.trace:
         write_trace(args.trace, events, lambda e: f"{e['kind']}{e['mb']}")
         d.log(f"wrote {len(events)} events to {args.trace} (open in https://ui.perfetto.dev)")
-    return dict(figures, events=events, bubble=bub, bubble_mean=mean, bubble_theory=theory,
-                bubble_theory_formula=formula, stage_ms=ms, idle_ms=idle, idle_ms_theory=idle_theory,
-                op_ms=op_ms, peak_alive_microbatches=[int(r[0]) for r in every], peak_alive_theory=alive,
-                versions_kept=[int(r[1]) for r in every], versions_kept_theory=kept, sent_bytes_per_rank=sent,
-                sent_bytes_theory=sent_theory, mem_bytes_per_rank=[int(r[3]) for r in every])
+    return dict(
+        figures,
+        events=events,
+        bubble=bub,
+        bubble_mean=mean,
+        bubble_theory=theory,
+        bubble_theory_formula=formula,
+        stage_ms=ms,
+        idle_ms=idle,
+        idle_ms_theory=idle_theory,
+        op_ms=op_ms,
+        peak_alive_microbatches=[int(r[0]) for r in every],
+        peak_alive_theory=alive,
+        versions_kept=[int(r[1]) for r in every],
+        versions_kept_theory=kept,
+        sent_bytes_per_rank=sent,
+        sent_bytes_theory=sent_theory,
+        mem_bytes_per_rank=[int(r[3]) for r in every],
+    )
 
 
 # --- reference for --check --- (the stash and 2bw rules in one process) -------------------------------------
@@ -558,12 +782,16 @@ def simulate_rule(args, p, device="cpu", log=lambda line: None):
     lag_s = p-s-1 (p-1 everywhere with --vertical-sync); then one AdamW step with k's gradient. 2bw: whole
     batches t, reading W_{max(t-1, 0)}: W_{t+1} = AdamW(W_t, clip(grad at W_{t-1})), torch's clip_grad_norm_.
     One AdamW over the whole model equals one per stage: with foreach=False it updates each tensor alone."""
-    log(f"--check: against the one-process simulation of the {args.mode} rule, not synchronous training")
+    log(
+        f"--check: against the one-process simulation of the {args.mode} rule, not synchronous training"
+    )
     stash, bounds = args.mode == "stash", split_layers(args.n_layers, p)
     m = args.microbatches if stash else 1  # updates per step
     model = build_gpt(GPTConfig.from_args(args), args.seed, DTYPES[args.dtype], device)
     opt, data = make_optimizer(model.parameters(), args), MarkovData(args.vocab, args.seed)
-    owner = {n: s for s in range(p) for n, _ in Stage(model, s, bounds).named_parameters()}  # name -> stage
+    owner = {
+        n: s for s in range(p) for n, _ in Stage(model, s, bounds).named_parameters()
+    }  # name -> stage
     names = [n for n, _ in model.named_parameters()]
     lag = {n: (p - 1 if args.vertical_sync else p - owner[n] - 1) if stash else 1 for n in names}
     frozen = lambda: {n: q.detach().clone().requires_grad_() for n, q in model.named_parameters()}  # noqa
@@ -571,10 +799,14 @@ def simulate_rule(args, p, device="cpu", log=lambda line: None):
     for step in range(args.steps):
         x, y = data.batch(step, args.batch_size, args.seq_len, args.ragged)
         n_tok, step_loss = count_tokens(y), 0.0
-        for j, (xj, yj) in enumerate(zip(x.chunk(m), y.chunk(m))):  # (b, T) micro-batches; 2bw: one (B, T)
+        for j, (xj, yj) in enumerate(
+            zip(x.chunk(m), y.chunk(m))
+        ):  # (b, T) micro-batches; 2bw: one (B, T)
             k = step * m + j
             w = {n: history[max(0, k - lag[n])][n] for n in names}
-            loss = lm_loss(torch.func.functional_call(model, w, (xj.to(device),)), yj.to(device), n_tok)
+            loss = lm_loss(
+                torch.func.functional_call(model, w, (xj.to(device),)), yj.to(device), n_tok
+            )
             for q, g in zip(model.parameters(), torch.autograd.grad(loss, [w[n] for n in names])):
                 q.grad = g
             if args.clip > 0:  # 2bw only (stash refuses --clip)

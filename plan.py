@@ -70,6 +70,7 @@ activation element, Psi parameters of one rank (its pipeline stage, its 1/t).
         --batch-size 64
     python -m pytest -q -s tests/test_plan.py -k "paper_rows or zz"  # each paper's figure beside plan's
 """
+
 import itertools, math, re
 from collections import namedtuple
 from dataclasses import dataclass, replace
@@ -83,32 +84,46 @@ GB = 1e9
 
 
 # ----------------------------------------------------------------------------- model, cluster, layout
-class Model(namedtuple("Model", "layers d heads vocab seq kv_heads ffn arch experts top_k capacity moe_every",
-                       defaults=(0, 0, "gpt", 0, 1, 1.25, 1))):
+class Model(
+    namedtuple(
+        "Model",
+        "layers d heads vocab seq kv_heads ffn arch experts top_k capacity moe_every",
+        defaults=(0, 0, "gpt", 0, 1, 1.25, 1),
+    )
+):
     """L, h, a, V, s; kv_heads (grouped-query attention, 0: a), ffn (MLP width, 0: 4h), arch (gpt: common.GPT,
     LayerNorm, learned positions, biases; llama: RMSNorm, RoPE, SwiGLU); MoE: experts in every moe_every-th
     block (0: dense), top_k per token, capacity factor."""
+
     kv = property(lambda M: M.kv_heads or M.heads)
     f = property(lambda M: M.ffn or 4 * M.d)
 
 
 PRESETS = {  # GPT-3 Table 2.1, Llama 3 Table 3, PTD-P Table 1; harness.CommonArgs, tests/helpers.TINY
-    "repo": Model(4, 64, 4, 64, 32), "tiny": Model(2, 16, 2, 32, 8),
-    "gpt3-6.7b": Model(32, 4096, 32, 50257, 2048), "gpt3-175b": Model(96, 12288, 96, 50257, 2048),
+    "repo": Model(4, 64, 4, 64, 32),
+    "tiny": Model(2, 16, 2, 32, 8),
+    "gpt3-6.7b": Model(32, 4096, 32, 50257, 2048),
+    "gpt3-175b": Model(96, 12288, 96, 50257, 2048),
     "llama3-8b": Model(32, 4096, 32, 128256, 8192, 8, 14336, "llama"),
     "llama3-70b": Model(80, 8192, 64, 128256, 8192, 8, 28672, "llama"),
     "llama3-405b": Model(126, 16384, 128, 128256, 8192, 8, 53248, "llama"),
-    "ptdp-1t": Model(128, 25600, 160, 51200, 2048)}
+    "ptdp-1t": Model(128, 25600, 160, 51200, 2048),
+}
 
 
 # per GPU: memory GB, peak dense bf16 TFLOP/s, GB/s per direction inside a node (NVLink) and across nodes
 # (its share of the node's InfiniBand), GB/s of its memory (HBM), dense FP8 peak / bf16's (0: no FP8)
-Cluster = namedtuple("Cluster", "nodes gpus_per_node mem_gb tflops intra_gbs inter_gbs hbm_gbs fp8",
-                     defaults=(0,))
-CLUSTERS = {"a100-80g": Cluster(1, 8, 80, 312, 300, 25, 2039),  # NVSwitch 600 GB/s both ways, 8 x 200 Gb/s
-            "h100-80g": Cluster(1, 8, 80, 989, 450, 50, 3350, 2)}  # 900 GB/s, 8 x 400 Gb/s; FP8 1979 TFLOP/s
+Cluster = namedtuple(
+    "Cluster", "nodes gpus_per_node mem_gb tflops intra_gbs inter_gbs hbm_gbs fp8", defaults=(0,)
+)
+CLUSTERS = {
+    "a100-80g": Cluster(1, 8, 80, 312, 300, 25, 2039),  # NVSwitch 600 GB/s both ways, 8 x 200 Gb/s
+    "h100-80g": Cluster(1, 8, 80, 989, 450, 50, 3350, 2),
+}  # 900 GB/s, 8 x 400 Gb/s; FP8 1979 TFLOP/s
 NO_FP8 = "--precision fp8 needs FP8 tensor cores (H100 and later); this cluster's GPUs have none: use bf16"
-EFFICIENCY = 0.745  # the GEMMs' ceiling, fitted on three rows of PTD-P's Table 1 (tests/test_plan.py, docs)
+EFFICIENCY = (
+    0.745  # the GEMMs' ceiling, fitted on three rows of PTD-P's Table 1 (tests/test_plan.py, docs)
+)
 
 
 # The software stack of published runs, as flags: attention, dropout, the TP and DP overlaps (exposed_s); per
@@ -116,17 +131,44 @@ EFFICIENCY = 0.745  # the GEMMs' ceiling, fitted on three rows of PTD-P's Table 
 # it was not fitted on, which)}: tests/test_plan.py refits both, docs/plan.md lists the rows.
 Stack = namedtuple("Stack", "attention dropout tp_overlap dp_overlap ceilings")
 STACKS = {
-    "megatron-2021": Stack("eager", True, "none", "none", {  # Megatron-LM of PTD-P: reduce after the flush
-        "a100-80g": (EFFICIENCY, 3.7, "PTD-P Table 1: fitted on 1.7B, 18.4B, 1T, held out on its 7 others")}),
-    "2024": Stack("flash", False, "", "full", {  # Llama 3's: TP overlapped with SP ("": full with SP)
-        "h100-80g": (0.795, 5.5, "Llama 3 Table 4: fitted on the 128K row, held out on the two 8K rows")})}
+    "megatron-2021": Stack(
+        "eager",
+        True,
+        "none",
+        "none",
+        {  # Megatron-LM of PTD-P: reduce after the flush
+            "a100-80g": (
+                EFFICIENCY,
+                3.7,
+                "PTD-P Table 1: fitted on 1.7B, 18.4B, 1T, held out on its 7 others",
+            )
+        },
+    ),
+    "2024": Stack(
+        "flash",
+        False,
+        "",
+        "full",
+        {  # Llama 3's: TP overlapped with SP ("": full with SP)
+            "h100-80g": (
+                0.795,
+                5.5,
+                "Llama 3 Table 4: fitted on the 128K row, held out on the two 8K rows",
+            )
+        },
+    ),
+}
 
 
 def ceiling(stack, cluster):
     """(GEMM ceiling, held-out error or None, source) of a stack on a cluster preset; where the stack has no
     rows on that GPU, its ceiling from the GPU it has, with no error to print."""
     got, (other, (eff, _, _)) = STACKS[stack].ceilings, next(iter(STACKS[stack].ceilings.items()))
-    return got.get(cluster) or (eff, None, f"no {stack} rows on {cluster}: the {other} ceiling, no error")
+    return got.get(cluster) or (
+        eff,
+        None,
+        f"no {stack} rows on {cluster}: the {other} ceiling, no error",
+    )
 
 
 @dataclass(frozen=True)
@@ -142,25 +184,42 @@ class Layout:
     recompute: str = "none"  # none, selective (the attention core), full (keep each layer's input)
     precision: str = "bf16"
     schedule: str = "1f1b"  # gpipe, 1f1b, interleaved, zb-h1, zb-v
-    vocab_parallel: bool = True  # embedding and head split over V (megatron_tp.py), else replicated (ptdp.py)
-    outputs: bool = False  # also each stage's output, held to its backward as this repo's pipelines hold it
+    vocab_parallel: bool = (
+        True  # embedding and head split over V (megatron_tp.py), else replicated (ptdp.py)
+    )
+    outputs: bool = (
+        False  # also each stage's output, held to its backward as this repo's pipelines hold it
+    )
     # (Megatron frees its data once sent)
     split: tuple = ()  # blocks per chunk in pipeline order (--stage-layers); () the files' cut
-    cp: int = 1  # context-parallel ranks sharing each sequence (context_parallel.py), between tp and dp
-    cp_attention: str = "ring"  # allgather, ring, ulysses: how a sequence's cp ranks exchange K and V
-    attention: str = "flash"  # eager: s x s scores saved, through HBM (2021's Megatron); flash: one pass
+    cp: int = (
+        1  # context-parallel ranks sharing each sequence (context_parallel.py), between tp and dp
+    )
+    cp_attention: str = (
+        "ring"  # allgather, ring, ulysses: how a sequence's cp ranks exchange K and V
+    )
+    attention: str = (
+        "flash"  # eager: s x s scores saved, through HBM (2021's Megatron); flash: one pass
+    )
     dropout: bool = False  # dropout after attention and MLP (its masks saved), as in PTD-P's GPT
     gpus = property(lambda lay: lay.dp * lay.cp * lay.tp * lay.pp)
-    grad_group = property(lambda lay: lay.dp * lay.cp)  # gradients are summed (ZeRO: sharded) over dp x cp
+    grad_group = property(
+        lambda lay: lay.dp * lay.cp
+    )  # gradients are summed (ZeRO: sharded) over dp x cp
 
     def __str__(self):
-        pipe = f" pp {self.pp} {self.schedule}" + f" v {self.v}" * (self.v > 1) if self.pp > 1 else ""
+        pipe = (
+            f" pp {self.pp} {self.schedule}" + f" v {self.v}" * (self.v > 1) if self.pp > 1 else ""
+        )
         cp = f" cp {self.cp} {self.cp_attention}" if self.cp > 1 else ""
         ep = f" ep {self.ep}" * (self.ep > 1)
-        return (f"dp {self.dp}{cp} tp {self.tp}{' sp' if self.sp else ''}{pipe}{ep}"
-                f" zero {self.zero} m {self.m} recompute {self.recompute}"
-                + (f" blocks {'/'.join(runs(self.split))}" if self.split else "")
-                + f" attention {self.attention}" * (self.attention != "flash") + " dropout" * self.dropout)
+        return (
+            f"dp {self.dp}{cp} tp {self.tp}{' sp' if self.sp else ''}{pipe}{ep}"
+            f" zero {self.zero} m {self.m} recompute {self.recompute}"
+            + (f" blocks {'/'.join(runs(self.split))}" if self.split else "")
+            + f" attention {self.attention}" * (self.attention != "flash")
+            + " dropout" * self.dropout
+        )
 
 
 def runs(split):  # 7/8/8/8/8/7 as 7/8x4/7 where a count repeats more than 3 times
@@ -170,8 +229,15 @@ def runs(split):  # 7/8/8/8/8/7 as 7/8x4/7 where a count repeats more than 3 tim
 
 # p, g, K (AdamW), e. fp8: the blocks' GEMMs in FP8 (fp8.py, DeepSeek-V3 Sec. 3.3), all else as bf16's:
 # weights, gradients, fp32 master and moments, what backward saves (the bf16 inputs, as fp8.py keeps them)
-PRECISION = {"bf16": (2, 2, 12, 2), "fp32": (4, 4, 8, 4), "fp64": (8, 8, 16, 8), "fp8": (2, 2, 12, 2)}
-TILE = 128  # FP8 weights: one fp32 scale per 128x128 block (DeepSeek-V3; fp8.py --recipe fine-grained)
+PRECISION = {
+    "bf16": (2, 2, 12, 2),
+    "fp32": (4, 4, 8, 4),
+    "fp64": (8, 8, 16, 8),
+    "fp8": (2, 2, 12, 2),
+}
+TILE = (
+    128  # FP8 weights: one fp32 scale per 128x128 block (DeepSeek-V3; fp8.py --recipe fine-grained)
+)
 
 
 def capacity(M, tokens):
@@ -244,7 +310,9 @@ def rank_units(M, lay, r):
             split, repl, expert = layer_params(M, moe)
             units += [split // lay.tp + repl + expert // lay.ep] * k
     vh = vocab_padded(M, lay) * M.d // (lay.tp if lay.vocab_parallel else 1)
-    return units + [(vh + M.seq * M.d * gpt) * (r == 0) + (vh + M.d * (1 + gpt)) * (r == owner(lay, n - 1))]
+    return units + [
+        (vh + M.seq * M.d * gpt) * (r == 0) + (vh + M.d * (1 + gpt)) * (r == owner(lay, n - 1))
+    ]
 
 
 def gemm_units(M, lay, r):
@@ -252,8 +320,12 @@ def gemm_units(M, lay, r):
     projections, the MLP's or the experts' weights (not biases, norms, gate, embedding, head: fp8.py keeps
     them as they are, as DeepSeek-V3 does); the root's 0."""
     attn, mlp = layer_params(M, True)[0], (2 if M.arch == "gpt" else 3) * M.d * M.f
-    return [attn // lay.tp + (M.experts * mlp // lay.ep if moe else mlp // lay.tp) for c in mine(lay, r)
-            for moe, k in zip((False, True), kinds(M, lay, c)) for _ in range(k)] + [0]
+    return [
+        attn // lay.tp + (M.experts * mlp // lay.ep if moe else mlp // lay.tp)
+        for c in mine(lay, r)
+        for moe, k in zip((False, True), kinds(M, lay, c))
+        for _ in range(k)
+    ] + [0]
 
 
 def padded(units, d):
@@ -264,22 +336,31 @@ def weight_gather(psi, gemm, d, p, scales=True):
     """Bytes a rank hands to one ZeRO-3 all-gather of psi elements (padded), `gemm` of them FP8 GEMM weights:
     p bytes an element; the FP8 ones 1 byte, and with `scales` their fp32 scale per TILE x TILE block (fp8.py
     --fp8-all-gather --recipe fine-grained: forward gathers them, backward reuses them)."""
-    return p * (psi - gemm) // d + gemm // d + 4 * (gemm // (d * TILE ** 2)) * scales
+    return p * (psi - gemm) // d + gemm // d + 4 * (gemm // (d * TILE**2)) * scales
 
 
 def model_state(units, d, stage, p, g, K):
     """ZeRO per rank: parameters p Psi (/d at stage 3), gradients g Psi (/d from 2), optimizer K Psi (/d from
     1); sharded stages pad each unit to d ceil(P/d) (zero.py pads at stage 0 too; DDP does not)."""
     psi = padded(units, d) if stage else sum(units)
-    return dict(params=p * psi // (d if stage >= 3 else 1), grads=g * psi // (d if stage >= 2 else 1),
-                optim=K * psi // (d if stage >= 1 else 1))
+    return dict(
+        params=p * psi // (d if stage >= 3 else 1),
+        grads=g * psi // (d if stage >= 2 else 1),
+        optim=K * psi // (d if stage >= 1 else 1),
+    )
 
 
 def gathered(units, d, p, gemms=None):
     """ZeRO-3: the root and the two largest units gathered at once (zero.py's bound, FSDP's rate limiter);
     with `gemms` (fp8) their GEMM weights gathered as FP8 and block scales."""
-    gemms, top = gemms or [0] * len(units), sorted(range(len(units) - 1), key=units.__getitem__)[-2:]
-    return sum(d * weight_gather(padded(units[i:i + 1], d), gemms[i], d, p) for i in [len(units) - 1, *top])
+    gemms, top = (
+        gemms or [0] * len(units),
+        sorted(range(len(units) - 1), key=units.__getitem__)[-2:],
+    )
+    return sum(
+        d * weight_gather(padded(units[i : i + 1], d), gemms[i], d, p)
+        for i in [len(units) - 1, *top]
+    )
 
 
 # ----------------------------------------------------------------------------- activations
@@ -289,9 +370,19 @@ def layer_items(M, e, attention="flash", dropout=False, stats=True):
     v 6, proj input 2, fc and GeLU outputs 16, two dropout masks 2 = 34 per h; softmax, mask, output 5as/h.
     Llama (tests/test_plan.py holds each term to the tensors a block saves): fused RMSNorm (input, 1/rms),
     RoPE, grouped-query K/V, fused SwiGLU."""
-    h, f, a, se, kvh = M.d, M.f, M.heads, max(e, 4), M.kv * (M.d // M.heads)  # statistics: fp32 at least
-    items = [("norm inputs", 2 * h * e, False, True), ("norm outputs", 2 * h * e, False, True),
-             ("q, k, v", (h + 2 * kvh) * e, True, True), ("attention output", h * e, True, True)]
+    h, f, a, se, kvh = (
+        M.d,
+        M.f,
+        M.heads,
+        max(e, 4),
+        M.kv * (M.d // M.heads),
+    )  # statistics: fp32 at least
+    items = [
+        ("norm inputs", 2 * h * e, False, True),
+        ("norm outputs", 2 * h * e, False, True),
+        ("q, k, v", (h + 2 * kvh) * e, True, True),
+        ("attention output", h * e, True, True),
+    ]
     if M.arch == "gpt":
         items += [("fc output, GeLU output", 2 * f * e, True, True)]
     else:  # k, v of the kv heads only (GQA); RoPE's backward rotates the gradient back: it keeps none of its
@@ -302,7 +393,9 @@ def layer_items(M, e, attention="flash", dropout=False, stats=True):
     items += [("norm statistics", (4 if M.arch == "gpt" else 2) * se, False, True)] * stats
     if attention == "flash":
         return items + [("logsumexp", a * se, True, False)]
-    return items + [("softmax", a * M.seq * (2 * e + dropout), True, False)]  # + its mask, dropped output
+    return items + [
+        ("softmax", a * M.seq * (2 * e + dropout), True, False)
+    ]  # + its mask, dropped output
 
 
 def layer_bytes(M, lay, b, e, **kw):
@@ -312,8 +405,11 @@ def layer_bytes(M, lay, b, e, **kw):
     s, kw = M.seq // lay.cp, dict(dict(attention=lay.attention, dropout=lay.dropout), **kw)
     if lay.recompute == "full":
         return b * s * M.d * e // (lay.tp if lay.sp else 1)
-    return cp_extra(M, lay, b, e) + sum(b * s * n // (lay.tp if split or lay.sp else 1) for _, n, split, keep
-                                        in layer_items(M, e, **kw) if keep or lay.recompute == "none")
+    return cp_extra(M, lay, b, e) + sum(
+        b * s * n // (lay.tp if split or lay.sp else 1)
+        for _, n, split, keep in layer_items(M, e, **kw)
+        if keep or lay.recompute == "none"
+    )
 
 
 def cp_extra(M, lay, b, e):
@@ -324,8 +420,11 @@ def cp_extra(M, lay, b, e):
     s, t, kvh = M.seq // lay.cp, lay.tp, M.kv * (M.d // M.heads)
     if lay.cp == 1 or lay.recompute != "none":
         return 0
-    return {"ring": 0, "ulysses": b * s * M.d // t,
-            "allgather": 2 * b * (M.seq - s) * kvh // t + s * M.seq}[lay.cp_attention] * e
+    return {
+        "ring": 0,
+        "ulysses": b * s * M.d // t,
+        "allgather": 2 * b * (M.seq - s) * kvh // t + s * M.seq,
+    }[lay.cp_attention] * e
 
 
 def moe_extra(M, bs, e):
@@ -336,7 +435,9 @@ def microbatch_bytes(M, lay, b, e, c):
     """What chunk c holds per micro-batch, by part: embedding (int64 token and position ids, the
     vocab-parallel mask), blocks, final norm and head input, loss (log-softmax or vocab-parallel softmax,
     int64 targets), and with lay.outputs its output, held until its backward (the last chunk's: the loss)."""
-    return dict(_microbatch_bytes(M, replace(lay, dp=1, zero=0, m=1, ep=1), b, e, c))  # (for --search)
+    return dict(
+        _microbatch_bytes(M, replace(lay, dp=1, zero=0, m=1, ep=1), b, e, c)
+    )  # (for --search)
 
 
 @lru_cache(maxsize=None)
@@ -344,14 +445,24 @@ def _microbatch_bytes(M, lay, b, e, c):
     t, n, bs, ce, gpt = lay.tp, lay.pp * lay.v, b * M.seq // lay.cp, max(e, 4), M.arch == "gpt"
     t_sp, vp = (t if lay.sp else 1), lay.vocab_parallel
     dense, moe = kinds(M, lay, c)
-    out = dict(embedding=(8 * bs + bs * vp + 8 * M.seq // lay.cp // t_sp * gpt) * (c == 0),
-               blocks=(dense + moe) * layer_bytes(M, lay, b, e), final=0, loss=0,
-               out=(bs * M.d * e if c < n - 1 else ce) * lay.outputs)
-    if moe and lay.recompute != "full":  # E C slots (dispatched input, fc and GeLU outputs, expert output)
-        out["blocks"] += moe * moe_extra(M, bs, e)  # for the MLP's 2f: not measured; full: the inputs only
+    out = dict(
+        embedding=(8 * bs + bs * vp + 8 * M.seq // lay.cp // t_sp * gpt) * (c == 0),
+        blocks=(dense + moe) * layer_bytes(M, lay, b, e),
+        final=0,
+        loss=0,
+        out=(bs * M.d * e if c < n - 1 else ce) * lay.outputs,
+    )
+    if (
+        moe and lay.recompute != "full"
+    ):  # E C slots (dispatched input, fc and GeLU outputs, expert output)
+        out["blocks"] += moe * moe_extra(
+            M, bs, e
+        )  # for the MLP's 2f: not measured; full: the inputs only
     if c == n - 1:
         out["final"] = bs * (M.d * e + 2 * ce) // t_sp + bs * M.d * e // (t_sp if vp else 1)
-        out["loss"] = bs * (vocab_padded(M, lay) // t * ce + 10) if vp else bs * (M.vocab * ce + 8) + ce
+        out["loss"] = (
+            bs * (vocab_padded(M, lay) // t * ce + 10) if vp else bs * (M.vocab * ce + 8) + ce
+        )
     return out
 
 
@@ -388,7 +499,11 @@ def zero_bubble_ops(p, m, r, schedule):
                     ops.append(("W", 0))
                     held -= 1
         return ops + [("W", 0)] * held
-    ops = [("F", 0)] * (2 * (p - r) - 1) + [("F", 1), ("F", 0)] * r + [("F", 1), ("B", 1), ("W", 1)] * (p - r)
+    ops = (
+        [("F", 0)] * (2 * (p - r) - 1)
+        + [("F", 1), ("F", 0)] * r
+        + [("F", 1), ("B", 1), ("W", 1)] * (p - r)
+    )
     forwards = [2 * (p - r) - 1 + r, p]
     while forwards[1] < m:
         if forwards[0] < m:
@@ -446,7 +561,9 @@ def peak_activations(M, lay, b, e, r):
     per = [sum(microbatch_bytes(M, lay, b, e, c).values()) for c in mine(lay, r)]
     if lay.schedule in ("zb-h1", "zb-v"):
         per += [sum(pending_bytes(M, lay, b, e, c)) for c in mine(lay, r)]
-    peak = max(sum(map(int.__mul__, k, per)) for k in alive_patterns(lay.pp, lay.v, lay.m, r, lay.schedule))
+    peak = max(
+        sum(map(int.__mul__, k, per)) for k in alive_patterns(lay.pp, lay.v, lay.m, r, lay.schedule)
+    )
     if lay.recompute != "full":
         return peak
     moe = any(kinds(M, lay, c)[1] for c in mine(lay, r))  # the largest layer rebuilt
@@ -459,15 +576,25 @@ def memory(M, lay, B, r):
     """Bytes on pipeline rank r: parameters, gradients, optimizer state, activations, gathered (ZeRO-3)."""
     p, g, K, e = PRECISION[lay.precision]
     units = rank_units(M, lay, r)
-    return dict(model_state(units, lay.grad_group, lay.zero, p, g, K),
-                activations=peak_activations(M, lay, B // (lay.dp * lay.m), e, r),
-                gathered=gathered(units, lay.grad_group, p, lay.precision == "fp8" and gemm_units(M, lay, r))
-                if lay.zero == 3 else 0)
+    return dict(
+        model_state(units, lay.grad_group, lay.zero, p, g, K),
+        activations=peak_activations(M, lay, B // (lay.dp * lay.m), e, r),
+        gathered=gathered(
+            units, lay.grad_group, p, lay.precision == "fp8" and gemm_units(M, lay, r)
+        )
+        if lay.zero == 3
+        else 0,
+    )
 
 
 # ----------------------------------------------------------------------------- bytes handed to collectives
-WIRE = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: n - 1, "send": lambda n: 1,
-        "reduce_scatter": lambda n: (n - 1) / n, "all_to_all": lambda n: (n - 1) / n}  # x bytes handed
+WIRE = {
+    "all_reduce": lambda n: 2 * (n - 1) / n,
+    "all_gather": lambda n: n - 1,
+    "send": lambda n: 1,
+    "reduce_scatter": lambda n: (n - 1) / n,
+    "all_to_all": lambda n: (n - 1) / n,
+}  # x bytes handed
 
 
 def collectives(M, lay, B, r=0):
@@ -485,35 +612,66 @@ def collectives(M, lay, B, r=0):
             x[0], x[1] = x[0] + calls, x[1] + calls * nbytes
 
     chunks_r = mine(lay, r)
-    layers, first, last = sum(sum(kinds(M, lay, c)) for c in chunks_r), r == 0, r == owner(lay, n - 1)
-    emb, head, again = first and lay.vocab_parallel, last and lay.vocab_parallel, lay.recompute == "full"
-    if lay.sp:  # all-gather before each column layer, reduce-scatter after each row layer; backward mirrors
+    layers, first, last = (
+        sum(sum(kinds(M, lay, c)) for c in chunks_r),
+        r == 0,
+        r == owner(lay, n - 1),
+    )
+    emb, head, again = (
+        first and lay.vocab_parallel,
+        last and lay.vocab_parallel,
+        lay.recompute == "full",
+    )
+    if (
+        lay.sp
+    ):  # all-gather before each column layer, reduce-scatter after each row layer; backward mirrors
         k = 2 * layers
         add("all_gather/tp/fwd", m * (k + head), bsh // t, t)
         add("reduce_scatter/tp/fwd", m * (k + emb), bsh, t)
         add("reduce_scatter/tp/bwd", m * (k * (1 + again) + head), bsh, t)
-        add("all_gather/tp/bwd", m * (k * (2 + again) + emb + head), bsh // t, t)  # + each column's re-gather
-        repl = sum(layer_params(M, moe)[1] * k for c in chunks_r for moe, k in zip((0, 1), kinds(M, lay, c)))
-        repl += M.seq * M.d * (first and gpt) + M.d * (1 + gpt) * last  # their gradients saw T/t positions
+        add(
+            "all_gather/tp/bwd", m * (k * (2 + again) + emb + head), bsh // t, t
+        )  # + each column's re-gather
+        repl = sum(
+            layer_params(M, moe)[1] * k
+            for c in chunks_r
+            for moe, k in zip((0, 1), kinds(M, lay, c))
+        )
+        repl += (
+            M.seq * M.d * (first and gpt) + M.d * (1 + gpt) * last
+        )  # their gradients saw T/t positions
         add("all_reduce/tp/step", 1, e * repl, t)
     else:  # g forward, f backward, twice per layer; the vocab-parallel embedding's g and head's f
         add("all_reduce/tp/fwd", m * (2 * layers + emb), bsh, t)
         add("all_reduce/tp/bwd", m * (2 * layers * (1 + again) + head), bsh, t)
-    add("all_reduce/tp/fwd", 3 * m * head, b * s * max(e, 4), t)  # vocab-parallel loss: max, target, sum
-    for c in chunks_r:  # an activation to chunk c+1, a gradient to chunk c-1, per micro-batch, off the rank
+    add(
+        "all_reduce/tp/fwd", 3 * m * head, b * s * max(e, 4), t
+    )  # vocab-parallel loss: max, target, sum
+    for c in (
+        chunks_r
+    ):  # an activation to chunk c+1, a gradient to chunk c-1, per micro-batch, off the rank
         add("send/pp/fwd", m * (c < n - 1 and owner(lay, c + 1) != r), bsh, lay.pp)
         add("send/pp/bwd", m * (c > 0 and owner(lay, c - 1) != r), bsh, lay.pp)
     if M.experts:  # dispatch and combine, forward and backward: (E, C, h) slots each
         calls = 2 * m * sum(kinds(M, lay, c)[1] for c in chunks_r)
         add("all_to_all/ep/fwd", calls, M.experts * capacity(M, b * s) * M.d * e, lay.ep)
         add("all_to_all/ep/bwd", calls, M.experts * capacity(M, b * s) * M.d * e, lay.ep)
-    if cp > 1:  # per layer and micro-batch (context_parallel.py); full recomputation runs the forward's again
-        kv, k = 2 * b * s * (M.kv * (M.d // M.heads)) // t * e, m * layers  # K and V of my tokens, stacked
-        if lay.cp_attention == "ring":  # each block on to the next rank; backward: blocks and dK/dV (fp32+)
+    if (
+        cp > 1
+    ):  # per layer and micro-batch (context_parallel.py); full recomputation runs the forward's again
+        kv, k = (
+            2 * b * s * (M.kv * (M.d // M.heads)) // t * e,
+            m * layers,
+        )  # K and V of my tokens, stacked
+        if (
+            lay.cp_attention == "ring"
+        ):  # each block on to the next rank; backward: blocks and dK/dV (fp32+)
             add("send/cp/fwd", k * (cp - 1), kv, cp)
             add("send/cp/bwd", k * (cp - 1) * (1 + again), kv, cp)
             add("send/cp/bwd", k * (cp - 1), kv // e * max(e, 4), cp)
-        elif lay.cp_attention == "allgather":  # my K, V to the gather; everyone's dK, dV to the scatter
+        elif (
+            lay.cp_attention == "allgather"
+        ):  # my K, V to the gather; everyone's dK, dV to the scatter
             add("all_gather/cp/fwd", k, kv, cp)
             add("all_gather/cp/bwd", k * again, kv, cp)
             add("reduce_scatter/cp/bwd", k, kv * cp, cp)
@@ -526,7 +684,9 @@ def collectives(M, lay, B, r=0):
     psi = padded(units, d) if z else sum(units)
     reduce = {0: "all_reduce/dp/step", 1: "reduce_scatter/dp/step"}.get(z, "reduce_scatter/dp/bwd")
     add(reduce, m if z > 1 else 1, g * psi, d)
-    fp8 = sum(gemm_units(M, lay, r)) if lay.precision == "fp8" else 0  # its GEMM weights gathered as FP8
+    fp8 = (
+        sum(gemm_units(M, lay, r)) if lay.precision == "fp8" else 0
+    )  # its GEMM weights gathered as FP8
     add("all_gather/dp/step", z in (1, 2), p * psi // d, d)
     add("all_gather/dp/fwd", m * (z == 3), weight_gather(psi, fp8, d, p), d)
     add("all_gather/dp/bwd", m * (z == 3), weight_gather(psi, fp8, d, p, scales=False), d)
@@ -549,27 +709,51 @@ def ptdp_4d_figures(M, lay, B, r):
     p, g, K, e = PRECISION[lay.precision]
     d, b, s, n = lay.grad_group, B // (lay.dp * lay.m), M.seq // lay.cp, lay.pp * lay.v
     comm = collectives(M, lay, B, r)  # its dp keys left out: below, from ptdp's flat vector
-    axis = {a: sum(x for key, (_, x, _) in comm.items() if f"/{a}/" in key) for a in ("tp", "cp", "pp")}
+    axis = {
+        a: sum(x for key, (_, x, _) in comm.items() if f"/{a}/" in key) for a in ("tp", "cp", "pp")
+    }
     N = sum(rank_units(M, lay, r))
     S = -(-N // d)  # elements per ZeRO-1 shard
     dp_bytes = (g * N if lay.zero == 0 else g * S * d + p * S) if d > 1 else 0
-    state = dict(param_bytes=p * N, grad_bytes=g * N + g * S * (lay.zero > 0),
-                 optim_bytes=K * N if lay.zero == 0 else (K + p) * S)
+    state = dict(
+        param_bytes=p * N,
+        grad_bytes=g * N + g * S * (lay.zero > 0),
+        optim_bytes=K * N if lay.zero == 0 else (K + p) * S,
+    )
     mine_c = mine(lay, r)
     first, last = (mine_c.index(c) if c in mine_c else None for c in (0, n - 1))
     lse = ptdp_ring_unsaved(M, lay, b, e)
 
     def peak(held):
-        per = [sum(microbatch_bytes(M, held, b, e, c).values()) - sum(kinds(M, lay, c)) * lse for c in mine_c]
+        per = [
+            sum(microbatch_bytes(M, held, b, e, c).values()) - sum(kinds(M, lay, c)) * lse
+            for c in mine_c
+        ]
 
-        def batch(k):  # the storages behind the token ids (chunk 0) and targets (the last chunk), whole
+        def batch(
+            k,
+        ):  # the storages behind the token ids (chunk 0) and targets (the last chunk), whole
             whole = (B * (M.seq + 1), B * M.seq) if lay.cp == 1 else (lay.m * b * s, lay.m * b * s)
-            return sum(8 * (w - k[i] * b * s) for i, w in zip((first, last), whole) if i is not None)
-        return max(sum(map(int.__mul__, k, per)) + batch(k) for k in alive_patterns(lay.pp, lay.v, lay.m, r,
-                                                                                     lay.schedule))
-    return dict(p2p_bytes=axis["pp"], tp_bytes=axis["tp"], cp_bytes=axis["cp"], dp_bytes=dp_bytes,
-                world_bytes=16, act_peak=peak(replace(lay, outputs=False)),
-                held_peak=peak(replace(lay, outputs=True)), **state)
+            return sum(
+                8 * (w - k[i] * b * s) for i, w in zip((first, last), whole) if i is not None
+            )
+
+        return max(
+            sum(map(int.__mul__, k, per)) + batch(k)
+            for k in alive_patterns(lay.pp, lay.v, lay.m, r, lay.schedule)
+        )
+
+    return dict(
+        p2p_bytes=axis["pp"],
+        tp_bytes=axis["tp"],
+        cp_bytes=axis["cp"],
+        dp_bytes=dp_bytes,
+        world_bytes=16,
+        act_peak=peak(replace(lay, outputs=False)),
+        held_peak=peak(replace(lay, outputs=True)),
+        **state,
+    )
+
 
 def ptdp_ring_unsaved(M, lay, b, e):
     """Per block and micro-batch, what ptdp.py's CP ring does not save of flash attention's set: the
@@ -593,7 +777,13 @@ def link(C, lay, axis):
 def bubble_slots(lay):
     """Idle micro-batch times per step: GPipe, 1F1B p-1; interleaved (p-1)/v; ZB-H1 (p-1)/3; ZB-V 0."""
     p = lay.pp
-    slots = {"gpipe": p - 1, "1f1b": p - 1, "interleaved": (p - 1) / lay.v, "zb-h1": (p - 1) / 3, "zb-v": 0}
+    slots = {
+        "gpipe": p - 1,
+        "1f1b": p - 1,
+        "interleaved": (p - 1) / lay.v,
+        "zb-h1": (p - 1) / 3,
+        "zb-v": 0,
+    }
     return slots[lay.schedule] if p > 1 else 0
 
 
@@ -617,11 +807,15 @@ def chunk_flops(M, lay, b, c, recompute=None):
     full recomputation or the attention core's (4bs^2h) under selective, / t; head 3 x 2bshV (/ t when
     vocab-parallel: a replicated head runs whole on every TP rank)."""
     rc = lay.recompute if recompute is None else recompute
-    core = 4 * b * M.seq ** 2 * M.d * (rc == "selective")
-    blocks = sum(k * ((3 + (rc == "full")) * layer_flops(M, b, moe) + core)
-                 for moe, k in zip((False, True), kinds(M, lay, c)))
+    core = 4 * b * M.seq**2 * M.d * (rc == "selective")
+    blocks = sum(
+        k * ((3 + (rc == "full")) * layer_flops(M, b, moe) + core)
+        for moe, k in zip((False, True), kinds(M, lay, c))
+    )
     head = 6 * b * M.seq * M.d * M.vocab * (c == lay.pp * lay.v - 1)
-    return (blocks / lay.tp + head / (lay.tp if lay.vocab_parallel else 1)) / lay.cp  # cp: s/cp queries
+    return (
+        blocks / lay.tp + head / (lay.tp if lay.vocab_parallel else 1)
+    ) / lay.cp  # cp: s/cp queries
 
 
 def gemm_s(C, eff, e, m, k, n, batch=1):
@@ -629,7 +823,9 @@ def gemm_s(C, eff, e, m, k, n, batch=1):
     result written once at memory speed (a roofline taken as a sum): a GEMM reaches eff / (1 + eff x peak /
     (HBM x its FLOPs per byte)) of peak, so small and thin ones (attention's per head, a micro-batch's
     against a wide weight) less than large square ones."""
-    return batch * (2 * m * k * n / (eff * C.tflops * 1e12) + e * (m * k + k * n + m * n) / (C.hbm_gbs * GB))
+    return batch * (
+        2 * m * k * n / (eff * C.tflops * 1e12) + e * (m * k + k * n + m * n) / (C.hbm_gbs * GB)
+    )
 
 
 def block_s(M, C, lay, b, eff, moe=False, attention="flash", dropout=False):
@@ -638,27 +834,50 @@ def block_s(M, C, lay, b, eff, moe=False, attention="flash", dropout=False):
     HBM with a softmax, and dropout; flash: one pass, q, k, v, o read and written), and the memory-bound rest
     at HBM speed: two norms and two residual adds (read and write h; whole unless SP), the activation
     (GeLU 2f, SwiGLU 3f, / t)."""
-    return _block_s(M, C, lay.tp, lay.sp, lay.cp, lay.ep, PRECISION[lay.precision][3], b, eff, moe, attention,
-                    dropout, C.fp8 if lay.precision == "fp8" else 1)
+    return _block_s(
+        M,
+        C,
+        lay.tp,
+        lay.sp,
+        lay.cp,
+        lay.ep,
+        PRECISION[lay.precision][3],
+        b,
+        eff,
+        moe,
+        attention,
+        dropout,
+        C.fp8 if lay.precision == "fp8" else 1,
+    )
 
 
 @lru_cache(maxsize=None)
-def _block_s(M, C, t, sp, cp, ep, e, b, eff, moe, attention, dropout, fp8=1):  # fp8: the GEMMs' peak x
+def _block_s(
+    M, C, t, sp, cp, ep, e, b, eff, moe, attention, dropout, fp8=1
+):  # fp8: the GEMMs' peak x
     sq, h, f = M.seq // cp, M.d, M.f
     n, kvh, tsp, heads = b * sq, M.kv * (h // M.heads), (t if sp else 1), b * M.heads // t
     mlp, gate = [(n, h, f // t * (1 if M.arch == "gpt" else 2)), (n, f // t, h)], 0
     if moe:  # this rank's E/ep experts, each on C ep slots; the gate
         slots, k = capacity(M, n) * ep, M.experts // ep
-        mlp, gate = [(slots, h, f // t, k), (slots, f // t, h, k)], gemm_s(C, eff, e, n, h, M.experts)
-    G = C._replace(tflops=C.tflops * fp8)  # FP8: gemm_units' GEMMs at its peak; attention, gate, head bf16
-    gemms = gate + sum(gemm_s(G, eff, e, *x) for x in [(n, h, (h + 2 * kvh) // t), (n, h // t, h), *mlp])
+        mlp, gate = (
+            [(slots, h, f // t, k), (slots, f // t, h, k)],
+            gemm_s(C, eff, e, n, h, M.experts),
+        )
+    G = C._replace(
+        tflops=C.tflops * fp8
+    )  # FP8: gemm_units' GEMMs at its peak; attention, gate, head bf16
+    gemms = gate + sum(
+        gemm_s(G, eff, e, *x) for x in [(n, h, (h + 2 * kvh) // t), (n, h // t, h), *mlp]
+    )
     dh = h // M.heads
     if attention == "eager":
         core = gemm_s(C, eff, e, sq, dh, M.seq, heads) + gemm_s(C, eff, e, sq, M.seq, dh, heads)
         core += heads * sq * M.seq * (2 * e + (2 * e + 1) * dropout) / (C.hbm_gbs * GB)
     else:
-        core = (4 * n * M.seq * h / t / (eff * C.tflops * 1e12)
-                + e * n * (2 * h + 2 * kvh) / t / (C.hbm_gbs * GB))
+        core = 4 * n * M.seq * h / t / (eff * C.tflops * 1e12) + e * n * (2 * h + 2 * kvh) / t / (
+            C.hbm_gbs * GB
+        )
     rest = n * e * (10 * h / tsp + f / t * (2 if M.arch == "gpt" else 3)) / (C.hbm_gbs * GB)
     return gemms + core + rest, core
 
@@ -688,8 +907,19 @@ def exposed_s(comm_s, window_s, overlap):
     return max(0.0, comm_s - window_s) if share is None else comm_s * float(share)
 
 
-def predict(M, C, lay, B, eff=EFFICIENCY, headroom=0.1, attention=None, dropout=None, overlap_dp=True,
-            tp_overlap=None, dp_overlap=None):
+def predict(
+    M,
+    C,
+    lay,
+    B,
+    eff=EFFICIENCY,
+    headroom=0.1,
+    attention=None,
+    dropout=None,
+    overlap_dp=True,
+    tp_overlap=None,
+    dp_overlap=None,
+):
     """Memory of the first and last pipeline rank (the most micro-batches; the head and loss; every rank
     under a hand-made cut), bytes per collective, bubble, and the predicted step, as the docstring composes
     it. The overlaps, stated (exposed_s): TP's exchanges (default: behind the GEMMs with SP, as Megatron's
@@ -698,24 +928,48 @@ def predict(M, C, lay, B, eff=EFFICIENCY, headroom=0.1, attention=None, dropout=
     reduced after the flush). Attention and dropout: the layout's unless given. exposed: per axis, (seconds
     on its links per step, of which exposed)."""
     attention, dropout = attention or lay.attention, lay.dropout if dropout is None else dropout
-    tp_overlap, dp_overlap = (tp_overlap or "full" * lay.sp or "none",
-                              dp_overlap or "full" * overlap_dp or "none")
-    ranks = range(lay.pp) if lay.split else sorted({0, lay.pp - 1})  # a hand-made cut: any rank the worst
+    tp_overlap, dp_overlap = (
+        tp_overlap or "full" * lay.sp or "none",
+        dp_overlap or "full" * overlap_dp or "none",
+    )
+    ranks = (
+        range(lay.pp) if lay.split else sorted({0, lay.pp - 1})
+    )  # a hand-made cut: any rank the worst
     b, n = B // (lay.dp * lay.m), lay.pp * lay.v
-    mem, comm = {r: memory(M, lay, B, r) for r in ranks}, {r: collectives(M, lay, B, r) for r in ranks}
+    mem, comm = (
+        {r: memory(M, lay, B, r) for r in ranks},
+        {r: collectives(M, lay, B, r) for r in ranks},
+    )
     worst = max(ranks, key=lambda r: sum(mem[r].values()))
     bw = {"nvlink": C.intra_gbs * GB, "ib": C.inter_gbs * GB}
-    secs = {r: {k: on_the_wire(k, *x) / bw[link(C, lay, k.split("/")[1])] for k, x in comm[r].items()}
-            for r in ranks}
-    work = {r: [sum(x) for x in zip(*(chunk_s(M, C, lay, b, c, eff, attention, dropout)
-                                      for c in mine(lay, r)))] for r in ranks}  # (s, of it attention) per mb
+    secs = {
+        r: {k: on_the_wire(k, *x) / bw[link(C, lay, k.split("/")[1])] for k, x in comm[r].items()}
+        for r in ranks
+    }
+    work = {
+        r: [
+            sum(x)
+            for x in zip(*(chunk_s(M, C, lay, b, c, eff, attention, dropout) for c in mine(lay, r)))
+        ]
+        for r in ranks
+    }  # (s, of it attention) per mb
 
-    def per_axis_mb(r):  # per micro-batch: (on the links, exposed on its critical path) of TP, CP, all-to-all
-        x = {a: sum(v for k, v in secs[r].items() if f"/{a}/" in k and "step" not in k) / lay.m
-             for a in ("tp", "cp", "ep")}
-        return dict(tp=(x["tp"], exposed_s(x["tp"], work[r][0], tp_overlap)),
-                    cp=(x["cp"], exposed_s(x["cp"], work[r][1], "full" if lay.cp_attention == "ring"
-                                              else "none")), ep=(x["ep"], x["ep"]))
+    def per_axis_mb(
+        r,
+    ):  # per micro-batch: (on the links, exposed on its critical path) of TP, CP, all-to-all
+        x = {
+            a: sum(v for k, v in secs[r].items() if f"/{a}/" in k and "step" not in k) / lay.m
+            for a in ("tp", "cp", "ep")
+        }
+        return dict(
+            tp=(x["tp"], exposed_s(x["tp"], work[r][0], tp_overlap)),
+            cp=(
+                x["cp"],
+                exposed_s(x["cp"], work[r][1], "full" if lay.cp_attention == "ring" else "none"),
+            ),
+            ep=(x["ep"], x["ep"]),
+        )
+
     slow = max(ranks, key=lambda r: work[r][0] + sum(x for _, x in per_axis_mb(r).values()))
     axes = per_axis_mb(slow)
     compute, comm_mb = work[slow][0], sum(x for _, x in axes.values())
@@ -726,64 +980,116 @@ def predict(M, C, lay, B, eff=EFFICIENCY, headroom=0.1, attention=None, dropout=
     behind = 2 / 3 * compute  # one micro-batch's backward
     if lay.zero == 3:  # prefetched one unit ahead: hides behind each micro-batch
         exposed = lay.m * exposed_s((gathers + reduce) / lay.m, per_mb, dp_overlap)
-    elif lay.zero == 2:  # each micro-batch's reduce-scatter behind its backward, the all-gather after
+    elif (
+        lay.zero == 2
+    ):  # each micro-batch's reduce-scatter behind its backward, the all-gather after
         exposed = lay.m * exposed_s(reduce / lay.m, behind, dp_overlap) + gathers
     else:  # the reduction behind the last micro-batch's backward (DDP's buckets); ZeRO-1's all-gather after
         exposed = exposed_s(reduce, behind, dp_overlap) + gathers
-    one = secs[0]["send/pp/fwd"] / comm[0]["send/pp/fwd"][0] if lay.pp > 1 else 0.0  # one message's time
-    parts = dict(compute_s=compute * lay.m, tp_ep_s=comm_mb * lay.m, dp_s=exposed,
-                 bubble_s=per_mb * bubble_slots(lay), pp_s=2 * (n - 1) * one)
+    one = (
+        secs[0]["send/pp/fwd"] / comm[0]["send/pp/fwd"][0] if lay.pp > 1 else 0.0
+    )  # one message's time
+    parts = dict(
+        compute_s=compute * lay.m,
+        tp_ep_s=comm_mb * lay.m,
+        dp_s=exposed,
+        bubble_s=per_mb * bubble_slots(lay),
+        pp_s=2 * (n - 1) * one,
+    )
     step, model = sum(parts.values()), chunk_flops(M, Layout(), B, 0, "none")
     hardware = chunk_flops(M, Layout(recompute=lay.recompute), B, 0)
-    pp = sum(x for k, x in secs[slow].items() if "/pp/" in k)  # the steady state's behind the compute
+    pp = sum(
+        x for k, x in secs[slow].items() if "/pp/" in k
+    )  # the steady state's behind the compute
     axes = {a: (x * lay.m, e * lay.m) for a, (x, e) in axes.items()}
     axes.update(dp=(sum(dp.values()), exposed), pp=(pp, parts["pp_s"]))
-    return dict(parts, layout=lay, memory=mem, worst=worst, comm=comm[0], bubble=bubble(lay), step_s=step,
-                fits=sum(mem[worst].values()) <= C.mem_gb * GB * (1 - headroom), model_flops=model,
-                tokens_per_s=B * M.seq / step, mfu=model / (step * lay.gpus * C.tflops * 1e12),
-                hfu=hardware / (step * lay.gpus * C.tflops * 1e12),
-                exposed={a: x for a, x in axes.items() if x[0]},
-                overlaps=dict(tp=tp_overlap, dp=dp_overlap))
+    return dict(
+        parts,
+        layout=lay,
+        memory=mem,
+        worst=worst,
+        comm=comm[0],
+        bubble=bubble(lay),
+        step_s=step,
+        fits=sum(mem[worst].values()) <= C.mem_gb * GB * (1 - headroom),
+        model_flops=model,
+        tokens_per_s=B * M.seq / step,
+        mfu=model / (step * lay.gpus * C.tflops * 1e12),
+        hfu=hardware / (step * lay.gpus * C.tflops * 1e12),
+        exposed={a: x for a, x in axes.items() if x[0]},
+        overlaps=dict(tp=tp_overlap, dp=dp_overlap),
+    )
 
 
 # ----------------------------------------------------------------------------- the search
 def legal(M, C, lay, B):
     """Why this layout cannot run this model and batch on this cluster, or None."""
     for ok, why in [
-            (lay.gpus <= C.nodes * C.gpus_per_node, f"dp x cp x tp x pp = {lay.gpus} GPUs, the cluster has "
-                                                     f"{C.nodes * C.gpus_per_node}"),
-            (M.heads % lay.tp == M.kv % lay.tp == M.f % lay.tp == 0,
-             f"--n-heads {M.heads}, kv heads {M.kv} or MLP width {M.f} not divisible by --tp {lay.tp}"),
-            (not lay.sp or lay.tp > 1 and M.seq // lay.cp % lay.tp == 0,
-             "--sequence-parallel needs --tp > 1 dividing --seq-len / --cp"),
-            (lay.cp == 1 or M.seq % (2 * lay.cp) == 0,
-             f"--seq-len {M.seq} is not divisible by 2 x --cp = {2 * lay.cp} (zig-zag: 2cp chunks)"),
-            (lay.cp == 1 or lay.cp_attention != "ulysses" or M.heads % (lay.tp * lay.cp) == 0
-             and M.kv % (lay.tp * lay.cp) == 0,
-             f"--cp-attention ulysses gives each of tp x cp = {lay.tp * lay.cp} ranks whole heads: --n-heads "
-             f"{M.heads} and kv heads {M.kv} must divide by it"),
-            (lay.split or lay.pp * lay.v <= M.layers and (lay.schedule != "interleaved"
-                                                           or M.layers % (lay.pp * lay.v) == 0),
-             f"--n-layers {M.layers} does not split into pp x virtual stages = {lay.pp * lay.v} chunks (of a "
-             f"block at least; equal ones when interleaved, unless --stage-layers cuts them)"),
-            (not lay.split or len(lay.split) == lay.pp * lay.v and sum(lay.split) == M.layers
-             and min(lay.split[1:-1], default=1) >= 1,  # the ends may hold the embedding, the head alone
-             f"--stage-layers {','.join(map(str, lay.split))}: pp x virtual stages = {lay.pp * lay.v} "
-             f"numbers summing to --n-layers {M.layers}, >= 1 but for the first and last (0: the embedding, "
-             f"the head and loss alone)"),
-            (B % (lay.dp * lay.m) == 0,
-             f"--batch-size {B} is not divisible by dp x microbatches = {lay.dp} x {lay.m}"),
-            (lay.schedule != "interleaved" or lay.pp > 1 and lay.m % lay.pp == 0,
-             "interleaving needs --pp > 1 dividing --microbatches"),
-            (lay.v == {"interleaved": max(lay.v, 2), "zb-v": 2}.get(lay.schedule, 1),
-             f"--schedule {lay.schedule} with --virtual-stages {lay.v}: interleaved needs v > 1, zb-v 2, "
-             "the others 1"),
-            (lay.schedule != "zb-v" or lay.pp > 1 and lay.m >= 2 * lay.pp - 1,
-             f"--schedule zb-v needs --pp > 1 and --microbatches >= 2p-1 = {2 * lay.pp - 1}, got {lay.m}"),
-            (lay.ep == 1 or M.experts % lay.ep == lay.dp % lay.ep == 0,
-             f"--ep {lay.ep} must divide the experts and dp"),
-            (lay.zero in (0, 1, 2, 3), f"--stage must be 0, 1, 2 or 3, got {lay.zero}"),
-            (lay.precision != "fp8" or C.fp8, NO_FP8)]:
+        (
+            lay.gpus <= C.nodes * C.gpus_per_node,
+            f"dp x cp x tp x pp = {lay.gpus} GPUs, the cluster has {C.nodes * C.gpus_per_node}",
+        ),
+        (
+            M.heads % lay.tp == M.kv % lay.tp == M.f % lay.tp == 0,
+            f"--n-heads {M.heads}, kv heads {M.kv} or MLP width {M.f} not divisible by --tp {lay.tp}",
+        ),
+        (
+            not lay.sp or lay.tp > 1 and M.seq // lay.cp % lay.tp == 0,
+            "--sequence-parallel needs --tp > 1 dividing --seq-len / --cp",
+        ),
+        (
+            lay.cp == 1 or M.seq % (2 * lay.cp) == 0,
+            f"--seq-len {M.seq} is not divisible by 2 x --cp = {2 * lay.cp} (zig-zag: 2cp chunks)",
+        ),
+        (
+            lay.cp == 1
+            or lay.cp_attention != "ulysses"
+            or M.heads % (lay.tp * lay.cp) == 0
+            and M.kv % (lay.tp * lay.cp) == 0,
+            f"--cp-attention ulysses gives each of tp x cp = {lay.tp * lay.cp} ranks whole heads: --n-heads "
+            f"{M.heads} and kv heads {M.kv} must divide by it",
+        ),
+        (
+            lay.split
+            or lay.pp * lay.v <= M.layers
+            and (lay.schedule != "interleaved" or M.layers % (lay.pp * lay.v) == 0),
+            f"--n-layers {M.layers} does not split into pp x virtual stages = {lay.pp * lay.v} chunks (of a "
+            f"block at least; equal ones when interleaved, unless --stage-layers cuts them)",
+        ),
+        (
+            not lay.split
+            or len(lay.split) == lay.pp * lay.v
+            and sum(lay.split) == M.layers
+            and min(lay.split[1:-1], default=1)
+            >= 1,  # the ends may hold the embedding, the head alone
+            f"--stage-layers {','.join(map(str, lay.split))}: pp x virtual stages = {lay.pp * lay.v} "
+            f"numbers summing to --n-layers {M.layers}, >= 1 but for the first and last (0: the embedding, "
+            f"the head and loss alone)",
+        ),
+        (
+            B % (lay.dp * lay.m) == 0,
+            f"--batch-size {B} is not divisible by dp x microbatches = {lay.dp} x {lay.m}",
+        ),
+        (
+            lay.schedule != "interleaved" or lay.pp > 1 and lay.m % lay.pp == 0,
+            "interleaving needs --pp > 1 dividing --microbatches",
+        ),
+        (
+            lay.v == {"interleaved": max(lay.v, 2), "zb-v": 2}.get(lay.schedule, 1),
+            f"--schedule {lay.schedule} with --virtual-stages {lay.v}: interleaved needs v > 1, zb-v 2, "
+            "the others 1",
+        ),
+        (
+            lay.schedule != "zb-v" or lay.pp > 1 and lay.m >= 2 * lay.pp - 1,
+            f"--schedule zb-v needs --pp > 1 and --microbatches >= 2p-1 = {2 * lay.pp - 1}, got {lay.m}",
+        ),
+        (
+            lay.ep == 1 or M.experts % lay.ep == lay.dp % lay.ep == 0,
+            f"--ep {lay.ep} must divide the experts and dp",
+        ),
+        (lay.zero in (0, 1, 2, 3), f"--stage must be 0, 1, 2 or 3, got {lay.zero}"),
+        (lay.precision != "fp8" or C.fp8, NO_FP8),
+    ]:
         if not ok:
             return why
     return None
@@ -798,34 +1104,65 @@ def layouts(M, C, B, precision="bf16"):
     schedule and every v (interleaved: each v > 1 cutting L into equal chunks, as Megatron asks; ZB-V 2),
     ZeRO stage, SP, recomputation (GPipe left out: 1F1B's time, more memory)."""
     gpus = C.nodes * C.gpus_per_node
-    cps = [2 ** k for k in range(gpus.bit_length()) if M.seq >= CP_FROM or k == 0]
-    for tp, pp, cp in [(t, p, c) for t in range(1, C.gpus_per_node + 1) for p in range(1, M.layers + 1)
-                       for c in cps if C.gpus_per_node % t == 0 and gpus % (t * p * c) == 0]:
+    cps = [2**k for k in range(gpus.bit_length()) if M.seq >= CP_FROM or k == 0]
+    for tp, pp, cp in [
+        (t, p, c)
+        for t in range(1, C.gpus_per_node + 1)
+        for p in range(1, M.layers + 1)
+        for c in cps
+        if C.gpus_per_node % t == 0 and gpus % (t * p * c) == 0
+    ]:
         dp = gpus // (tp * pp * cp)
         scheds = [("1f1b", 1), ("zb-h1", 1), ("zb-v", 2)] + [
-            ("interleaved", v) for v in range(2, M.layers // pp + 1) if M.layers % (pp * v) == 0]
+            ("interleaved", v) for v in range(2, M.layers // pp + 1) if M.layers % (pp * v) == 0
+        ]
         scheds = scheds if pp > 1 else [("1f1b", 1)]
         eps = [k for k in range(1, dp + 1) if k == 1 or M.experts and dp % k == 0]
         bs = [b for b in (1, 2, 4, 8) if B % (dp * b) == 0]
-        for b, (sched, v), ep, zero, sp, rc in [(b, s, ep, z, sp, rc) for b in bs for s in scheds
-                                                for ep in eps for z in range(4) for sp in (0, 1)
-                                                for rc in ("none", "selective", "full")]:
-            lay = Layout(dp, tp, pp, v, ep, zero, B // (dp * b), bool(sp), rc, precision, sched, cp=cp)
+        for b, (sched, v), ep, zero, sp, rc in [
+            (b, s, ep, z, sp, rc)
+            for b in bs
+            for s in scheds
+            for ep in eps
+            for z in range(4)
+            for sp in (0, 1)
+            for rc in ("none", "selective", "full")
+        ]:
+            lay = Layout(
+                dp, tp, pp, v, ep, zero, B // (dp * b), bool(sp), rc, precision, sched, cp=cp
+            )
             if legal(M, C, lay, B) is None:
                 yield lay
 
 
-def search(M, C, B, eff=EFFICIENCY, headroom=0.1, precision="bf16", keep=lambda lay: True, attention="flash",
-           dropout=False, **overlaps):
+def search(
+    M,
+    C,
+    B,
+    eff=EFFICIENCY,
+    headroom=0.1,
+    precision="bf16",
+    keep=lambda lay: True,
+    attention="flash",
+    dropout=False,
+    **overlaps,
+):
     """The fastest layout that fits, of each grid (dp, cp, tp, pp, ep), ranked by predicted tokens/s; with the
     counts of legal and fitting layouts. `keep` limits the options (a paper's, say); attention, dropout and
     overlaps (tp_overlap, dp_overlap) as the stack's."""
     best, n_legal, n_fit = {}, 0, 0
     stack = (attention, dropout) != ("flash", False)
-    for lay in filter(keep, (replace(x, attention=attention, dropout=dropout) if stack else x
-                             for x in layouts(M, C, B, precision))):
+    for lay in filter(
+        keep,
+        (
+            replace(x, attention=attention, dropout=dropout) if stack else x
+            for x in layouts(M, C, B, precision)
+        ),
+    ):
         n_legal += 1
-        if max(sum(memory(M, lay, B, r).values()) for r in {0, lay.pp - 1}) > C.mem_gb * GB * (1 - headroom):
+        if max(sum(memory(M, lay, B, r).values()) for r in {0, lay.pp - 1}) > C.mem_gb * GB * (
+            1 - headroom
+        ):
             continue
         n_fit, key = n_fit + 1, (lay.dp, lay.cp, lay.tp, lay.pp, lay.ep)
         got = predict(M, C, lay, B, eff, headroom, **overlaps)
@@ -834,8 +1171,13 @@ def search(M, C, B, eff=EFFICIENCY, headroom=0.1, precision="bf16", keep=lambda 
     return sorted(best.values(), key=lambda x: -x["tokens_per_s"]), n_legal, n_fit
 
 
-PARTS = dict(compute_s="compute", tp_ep_s="TP, CP and all-to-all", bubble_s="bubble",
-             dp_s="exposed data-parallel", pp_s="pipeline messages")
+PARTS = dict(
+    compute_s="compute",
+    tp_ep_s="TP, CP and all-to-all",
+    bubble_s="bubble",
+    dp_s="exposed data-parallel",
+    pp_s="pipeline messages",
+)
 
 
 def why_faster(a, b):
@@ -843,8 +1185,10 @@ def why_faster(a, b):
     d = sorted(((b[k] - a[k]) * 1e3, w) for k, w in PARTS.items() if abs(b[k] - a[k]) >= 5e-4)
     less = ", ".join(f"{w} {x:,.0f} ms" for x, w in d[::-1] if x > 0) or "nothing"
     more = ", ".join(f"{w} {-x:,.0f} ms" for x, w in d if x < 0)
-    return (f"{a['tokens_per_s'] / b['tokens_per_s']:.3f}x the tokens/s of {b['layout']}: its step spends "
-            f"less on {less}" + (f"; more on {more}" if more else ""))
+    return (
+        f"{a['tokens_per_s'] / b['tokens_per_s']:.3f}x the tokens/s of {b['layout']}: its step spends "
+        f"less on {less}" + (f"; more on {more}" if more else "")
+    )
 
 
 # ----------------------------------------------------------------------------- the whole run
@@ -866,7 +1210,7 @@ def compute_optimal(C, law=CHINCHILLA, ratio=0):
     (beta B))^(1/(alpha+beta)) (Hoffmann et al. Eq. 4); Llama 3: D = A C^alpha; `ratio` R: D = R N."""
     a, b = law["alpha"], law.get("beta")
     if ratio or not b:
-        N = math.sqrt(C / (6 * ratio)) if ratio else C / (6 * law["A"] * C ** a)
+        N = math.sqrt(C / (6 * ratio)) if ratio else C / (6 * law["A"] * C**a)
     else:
         N = (a * law["A"] / (b * law["B"])) ** (1 / (a + b)) * (C / 6) ** (b / (a + b))
     return N, C / (6 * N)
@@ -888,7 +1232,9 @@ def shaped(P, N):
         d = heads * hd
         kv = math.gcd(P.kv_heads, heads) if P.kv_heads else 0
         ffn = -(-round(P.f / P.d * d) // 256) * 256 if P.ffn else 0
-        M = P._replace(layers=max(1, round(P.layers / P.d * d)), d=d, heads=heads, kv_heads=kv, ffn=ffn)
+        M = P._replace(
+            layers=max(1, round(P.layers / P.d * d)), d=d, heads=heads, kv_heads=kv, ffn=ffn
+        )
         n = n_params(M)
         if best is None or abs(math.log(n / N)) < abs(math.log(best[0] / N)):
             best = (n, M)
@@ -926,19 +1272,32 @@ def diloco(M, C, got, H, outer_bytes=4, fragments=1, overlap=0):
     step: bytes handed, bytes on the wire (ring: 2(d-1)/d), and the exposed communication time; DDP's exposed
     time is what predict found beyond the backward. Theory: diloco.py measures its own bytes."""
     lay, d = got["layout"], got["layout"].dp
-    g, psi = PRECISION[lay.precision][1], sum(rank_units(M, lay, 0))  # pipeline rank 0's parameters (its 1/t)
+    g, psi = (
+        PRECISION[lay.precision][1],
+        sum(rank_units(M, lay, 0)),
+    )  # pipeline rank 0's parameters (its 1/t)
     bw = (C.intra_gbs if link(C, lay, "dp") == "nvlink" else C.inter_gbs) * GB
     wire = WIRE["all_reduce"](d) * psi * outer_bytes
     per_sync = wire / fragments / bw  # one fragment's all-reduce, seconds
     exposed = fragments * max(0.0, per_sync - overlap * got["step_s"]) / H
-    return dict(bytes=psi * outer_bytes / H, wire=wire / H, exposed_s=exposed, ddp_bytes=psi * g,
-                ddp_wire=WIRE["all_reduce"](d) * psi * g, ddp_exposed_s=got["dp_s"],
-                step_s=got["step_s"] - got["dp_s"] + exposed)
+    return dict(
+        bytes=psi * outer_bytes / H,
+        wire=wire / H,
+        exposed_s=exposed,
+        ddp_bytes=psi * g,
+        ddp_wire=WIRE["all_reduce"](d) * psi * g,
+        ddp_exposed_s=got["dp_s"],
+        step_s=got["step_s"] - got["dp_s"] + exposed,
+    )
 
 
 # ----------------------------------------------------------------------------- report
 def band(error):  # the held-out error printed beside a prediction
-    return f" +- {error:.1f} points" if error is not None else " (no held-out error: see the stack line)"
+    return (
+        f" +- {error:.1f} points"
+        if error is not None
+        else " (no held-out error: see the stack line)"
+    )
 
 
 def report(C, B, got, error=None):
@@ -946,31 +1305,48 @@ def report(C, B, got, error=None):
     print(f"layout: {lay}, {lay.precision}, {B // (lay.dp * lay.m)} sequences per micro-batch")
     print("memory per rank, GB    params    grads    optim  activations  gathered     total")
     for r, x in [(r, x) for r, x in mem.items() if r in (0, got["worst"], lay.pp - 1)]:
-        print(f"  pipeline rank {r:<5d}" + "".join(f"{x[k] / GB:9.2f}" for k in ("params", "grads", "optim"))
-              + f"{x['activations'] / GB:13.2f}{x['gathered'] / GB:10.2f}{sum(x.values()) / GB:10.2f}")
+        print(
+            f"  pipeline rank {r:<5d}"
+            + "".join(f"{x[k] / GB:9.2f}" for k in ("params", "grads", "optim"))
+            + f"{x['activations'] / GB:13.2f}{x['gathered'] / GB:10.2f}{sum(x.values()) / GB:10.2f}"
+        )
     print(f"  {'fits' if got['fits'] else 'does NOT fit'} in {C.mem_gb:g} GB less the headroom")
     print("bytes per step, pipeline rank 0     calls  handed GB  on the wire GB  link       ms")
     for k, (calls, handed, n) in got["comm"].items():
         wire, where = on_the_wire(k, calls, handed, n), link(C, lay, k.split("/")[1])
-        print(f"  {k:30s} {calls:7d} {handed / GB:10.3f} {wire / GB:15.3f}  {where:6s} "
-              f"{wire / GB / bw[where] * 1e3:8.1f}")
+        print(
+            f"  {k:30s} {calls:7d} {handed / GB:10.3f} {wire / GB:15.3f}  {where:6s} "
+            f"{wire / GB / bw[where] * 1e3:8.1f}"
+        )
     print(f"bubble: {got['bubble'][0]:.3f} of the step, {got['bubble'][1]:.3f} of ideal compute")
-    print(f"predicted step {got['step_s']:.3f} s = " + " + ".join(f"{w} {got[k]:.3f}" for k, w in
-                                                                  PARTS.items()))
-    how = dict(tp=f"--tp-overlap {got['overlaps']['tp']}", dp=f"--dp-overlap {got['overlaps']['dp']}",
-               pp="warm-up and drain messages", ep="none hidden",
-               cp="behind attention" if lay.cp_attention == "ring" else "none hidden")
-    print("communication per step, s on its links / exposed (the overlap assumed): " + ", ".join(
-        f"{a} {x:.3f} / {e:.3f} ({how[a]})" for a, (x, e) in got["exposed"].items()))
-    print(f"predicted {got['tokens_per_s']:,.0f} tokens/s, MFU {got['mfu']:.1%}{band(error)} (model FLOPs "
-          f"{got['model_flops']:.3e} / the bf16 peak), HFU {got['hfu']:.1%} (with recomputation, as PTD-P "
-          "counts)")
+    print(
+        f"predicted step {got['step_s']:.3f} s = "
+        + " + ".join(f"{w} {got[k]:.3f}" for k, w in PARTS.items())
+    )
+    how = dict(
+        tp=f"--tp-overlap {got['overlaps']['tp']}",
+        dp=f"--dp-overlap {got['overlaps']['dp']}",
+        pp="warm-up and drain messages",
+        ep="none hidden",
+        cp="behind attention" if lay.cp_attention == "ring" else "none hidden",
+    )
+    print(
+        "communication per step, s on its links / exposed (the overlap assumed): "
+        + ", ".join(f"{a} {x:.3f} / {e:.3f} ({how[a]})" for a, (x, e) in got["exposed"].items())
+    )
+    print(
+        f"predicted {got['tokens_per_s']:,.0f} tokens/s, MFU {got['mfu']:.1%}{band(error)} (model FLOPs "
+        f"{got['model_flops']:.3e} / the bf16 peak), HFU {got['hfu']:.1%} (with recomputation, as PTD-P "
+        "counts)"
+    )
 
 
 # ----------------------------------------------------------------------------- main
 @dataclass
 class Args:
-    model: Literal[tuple(PRESETS)] = "gpt3-6.7b"  # a preset shape (the model flags below override it)
+    model: Literal[tuple(PRESETS)] = (
+        "gpt3-6.7b"  # a preset shape (the model flags below override it)
+    )
     n_layers: int = 0  # transformer blocks L (0: the preset's, as for every model flag)
     d_model: int = 0  # width h
     n_heads: int = 0  # attention heads a
@@ -983,7 +1359,9 @@ class Args:
     capacity_factor: float = 1.25  # MoE: slots per expert = cf x k x tokens / experts
     moe_every: int = 1  # MoE: an MoE layer every n-th block
     batch_size: int = 512  # global batch, in sequences
-    cluster: Literal[tuple(CLUSTERS)] = "h100-80g"  # per-GPU figures (the cluster flags below override them)
+    cluster: Literal[tuple(CLUSTERS)] = (
+        "h100-80g"  # per-GPU figures (the cluster flags below override them)
+    )
     nodes: int = 1  # nodes
     gpus_per_node: int = 0  # GPUs per node (0: the preset's, as for every cluster flag)
     gpu_mem_gb: float = 0  # memory per GPU, GB
@@ -991,17 +1369,31 @@ class Args:
     intra_gbs: float = 0  # GB/s per GPU and direction inside a node
     inter_gbs: float = 0  # GB/s per GPU and direction across nodes
     hbm_gbs: float = 0  # GB/s of each GPU's memory (memory-bound work, each GEMM's operands)
-    efficiency: float = 0  # the GEMMs' ceiling share of peak (0: the stack's, fitted on its published rows)
-    stack: Literal[tuple(STACKS)] = "2024"  # a published stack: the next 4 flags' defaults, a ceiling
-    attention: Literal["", "eager", "flash"] = ""  # eager: the s x s scores (2021's); "": the stack's
+    efficiency: float = (
+        0  # the GEMMs' ceiling share of peak (0: the stack's, fitted on its published rows)
+    )
+    stack: Literal[tuple(STACKS)] = (
+        "2024"  # a published stack: the next 4 flags' defaults, a ceiling
+    )
+    attention: Literal["", "eager", "flash"] = (
+        ""  # eager: the s x s scores (2021's); "": the stack's
+    )
     dropout: bool = None  # dropout after attention and MLP (--no-dropout: off); unset: the stack's
-    tp_overlap: str = ""  # TP's exchanges behind the GEMMs: none, partial, full, or the exposed share
-    dp_overlap: str = ""  # gradients' reduction behind the backward: none (after the flush) ... as above
-    headroom: float = 0.1  # share of GPU memory kept free for what is not counted (workspace, fragmentation)
+    tp_overlap: str = (
+        ""  # TP's exchanges behind the GEMMs: none, partial, full, or the exposed share
+    )
+    dp_overlap: str = (
+        ""  # gradients' reduction behind the backward: none (after the flush) ... as above
+    )
+    headroom: float = (
+        0.1  # share of GPU memory kept free for what is not counted (workspace, fragmentation)
+    )
     dp: int = 0  # data-parallel degree d (0: GPUs / (tp x pp))
     tp: int = 1  # tensor-parallel degree t
     cp: int = 1  # context-parallel degree: ranks sharing each sequence (context_parallel.py)
-    cp_attention: Literal["ring", "allgather", "ulysses"] = "ring"  # how they exchange keys and values
+    cp_attention: Literal["ring", "allgather", "ulysses"] = (
+        "ring"  # how they exchange keys and values
+    )
     pp: int = 1  # pipeline stages p
     virtual_stages: int = 1  # model chunks per pipeline rank v
     ep: int = 1  # expert-parallel degree, inside dp
@@ -1009,30 +1401,50 @@ class Args:
     microbatches: int = 1  # m per step and replica
     sequence_parallel: bool = False  # split norm and dropout regions along the sequence (--tp > 1)
     recompute: Literal["none", "selective", "full"] = "none"  # activation recomputation
-    precision: Literal["bf16", "fp32", "fp64", "fp8"] = "bf16"  # bf16: mixed-precision Adam, 2 + 2 + 12
+    precision: Literal["bf16", "fp32", "fp64", "fp8"] = (
+        "bf16"  # bf16: mixed-precision Adam, 2 + 2 + 12
+    )
     # bytes; fp8: as bf16, the blocks' GEMMs at the FP8 peak, ZeRO-3 gathering their weights in FP8 + scales
     schedule: Literal["1f1b", "gpipe", "interleaved", "zb-h1", "zb-v"] = "1f1b"  # pipeline schedule
-    vocab_parallel: bool = True  # split embedding and head over the vocabulary (else replicated over tp)
-    stage_layers: str = ""  # blocks per chunk in pipeline order, e.g. 7,8,...,8,7 or 0,9,...,9,0 (fewer on
+    vocab_parallel: bool = (
+        True  # split embedding and head over the vocabulary (else replicated over tp)
+    )
+    stage_layers: str = (
+        ""  # blocks per chunk in pipeline order, e.g. 7,8,...,8,7 or 0,9,...,9,0 (fewer on
+    )
     # the first and last; 0: a chunk of the embedding or the head and loss alone, as Llama 3's)
     search: bool = False  # rank every legal layout that fits by predicted tokens/s
     top: int = 10  # layouts --search prints
     tokens: float = 0  # the whole run: train on this many tokens (wall time, GPU-hours, cost)
-    gpu_hours: float = 0  # a budget in GPU-hours: the compute-optimal model and tokens for it (--law)
+    gpu_hours: float = (
+        0  # a budget in GPU-hours: the compute-optimal model and tokens for it (--law)
+    )
     days: float = 0  # a budget in days on this cluster, failures and checkpoints included
     flops: float = 0  # a budget in training FLOPs, C = 6ND
-    law: Literal["chinchilla", "llama3"] = "chinchilla"  # a budget's N and D: Chinchilla's Approach 3 or
+    law: Literal["chinchilla", "llama3"] = (
+        "chinchilla"  # a budget's N and D: Chinchilla's Approach 3 or
+    )
     # Llama 3's fit of the optimal tokens (D = 0.299 C^0.537: more tokens per parameter as C grows)
-    tokens_per_param: float = None  # a budget's N and D at D = R N in place of --law (Llama 3 405B: 38.5)
+    tokens_per_param: float = (
+        None  # a budget's N and D at D = R N in place of --law (Llama 3 405B: 38.5)
+    )
     usd_per_gpu_hour: float = 0  # price per GPU-hour, for the cost
-    failures_per_gpu_hour: float = 0  # interruptions per GPU-hour (Llama 3: 419 in 54 days on 16384: 2e-5)
+    failures_per_gpu_hour: float = (
+        0  # interruptions per GPU-hour (Llama 3: 419 in 54 days on 16384: 2e-5)
+    )
     ckpt_minutes: float = 0  # checkpoint interval (0: Young/Daly's optimum for the failure rate)
     ckpt_write_s: float = 30  # seconds each checkpoint stops training
-    restart_minutes: float = 10  # minutes from a failure to training again (detect, replace, reload)
-    inner_steps: int = 0  # DiLoCo beside DDP: H inner steps per outer sync (0: off), dp across --inter-gbs
+    restart_minutes: float = (
+        10  # minutes from a failure to training again (detect, replace, reload)
+    )
+    inner_steps: int = (
+        0  # DiLoCo beside DDP: H inner steps per outer sync (0: off), dp across --inter-gbs
+    )
     fragments: int = 1  # Streaming DiLoCo: fragments synced in turn
     overlap: int = 0  # Streaming DiLoCo: inner steps each fragment's exchange overlaps
-    outer_dtype: Literal["float32", "bfloat16"] = "float32"  # DiLoCo: the pseudo-gradient's type on the wire
+    outer_dtype: Literal["float32", "bfloat16"] = (
+        "float32"  # DiLoCo: the pseudo-gradient's type on the wire
+    )
 
 
 def check_args(a):
@@ -1041,22 +1453,29 @@ def check_args(a):
         if isinstance(x, float) and not math.isfinite(x):
             fail(f"--{name.replace('_', '-')} must be a finite number, got {x}")
     ones = "batch_size nodes tp cp pp virtual_stages ep microbatches top top_k moe_every fragments".split()
-    zeros = ("n_layers d_model n_heads kv_heads vocab seq_len ffn experts dp gpus_per_node gpu_mem_gb tflops "
-             "intra_gbs inter_gbs hbm_gbs stage tokens gpu_hours days flops usd_per_gpu_hour "
-             "failures_per_gpu_hour "
-             "ckpt_minutes ckpt_write_s restart_minutes inner_steps overlap").split()
+    zeros = (
+        "n_layers d_model n_heads kv_heads vocab seq_len ffn experts dp gpus_per_node gpu_mem_gb tflops "
+        "intra_gbs inter_gbs hbm_gbs stage tokens gpu_hours days flops usd_per_gpu_hour "
+        "failures_per_gpu_hour "
+        "ckpt_minutes ckpt_write_s restart_minutes inner_steps overlap"
+    ).split()
     for name, low in [(n, 1) for n in ones] + [(n, 0) for n in zeros]:
         if getattr(a, name) < low:
             fail(f"--{name.replace('_', '-')} must be >= {low}, got {getattr(a, name)}")
     if not 0 <= a.efficiency <= 1 or not 0 <= a.headroom < 1:
-        fail(f"--efficiency must be in (0, 1] (0: the stack's) and --headroom in [0, 1), got {a.efficiency}, "
-             f"{a.headroom}")
+        fail(
+            f"--efficiency must be in (0, 1] (0: the stack's) and --headroom in [0, 1), got {a.efficiency}, "
+            f"{a.headroom}"
+        )
     for name in ("tp_overlap", "dp_overlap"):
         x = getattr(a, name)
-        if x not in ("", "none", "partial", "full") and not (re.fullmatch(r"[0-9.]+", x) and x.count(".") < 2
-                                                              and 0 <= float(x) <= 1):
-            fail(f"--{name.replace('_', '-')} must be none, partial, full or an exposed share in [0, 1], "
-                 f"got {x!r}")
+        if x not in ("", "none", "partial", "full") and not (
+            re.fullmatch(r"[0-9.]+", x) and x.count(".") < 2 and 0 <= float(x) <= 1
+        ):
+            fail(
+                f"--{name.replace('_', '-')} must be none, partial, full or an exposed share in [0, 1], "
+                f"got {x!r}"
+            )
     if not a.capacity_factor > 0:
         fail(f"--capacity-factor must be > 0 (slots: cf x k x tokens / E), got {a.capacity_factor}")
     if a.experts and a.top_k > a.experts:
@@ -1069,8 +1488,15 @@ def check_args(a):
         fail(f"give one of --tokens, --gpu-hours, --days, --flops, got {', '.join(given)}")
     R = a.tokens_per_param
     if R is not None and (R <= 0 or not budget or a.law != "chinchilla"):
-        why = ("must be > 0" if R <= 0 else "sets a budget's D = R N, but --tokens gives D" if a.tokens else
-               "needs a budget: --gpu-hours, --days or --flops" if not budget else "replaces --law llama3")
+        why = (
+            "must be > 0"
+            if R <= 0
+            else "sets a budget's D = R N, but --tokens gives D"
+            if a.tokens
+            else "needs a budget: --gpu-hours, --days or --flops"
+            if not budget
+            else "replaces --law llama3"
+        )
         fail(f"--tokens-per-param {why}, got {R:g}")
     if a.law != "chinchilla" and not budget:
         fail(f"--law {a.law} splits a budget into N and D: give --gpu-hours, --days or --flops")
@@ -1080,25 +1506,50 @@ def run_report(M, C, got, D, a, optimal=None):
     """The whole run at the chosen layout: training D tokens, its checkpoints and failures, GPU-hours, cost,
     the fitted law's final loss (and the compute-optimal N, D the budget asked for)."""
     gpus, work = got["layout"].gpus, D / got["tokens_per_s"]
-    wall, tau, fails = with_failures(work, gpus, a.failures_per_gpu_hour, a.ckpt_write_s,
-                                     60 * a.restart_minutes, 60 * a.ckpt_minutes)
+    wall, tau, fails = with_failures(
+        work,
+        gpus,
+        a.failures_per_gpu_hour,
+        a.ckpt_write_s,
+        60 * a.restart_minutes,
+        60 * a.ckpt_minutes,
+    )
     N, day, law = n_params(M), 86400, ", ".join(f"{k} {x:g}" for k, x in LAWS[a.law].items())
-    law = f"D = {a.tokens_per_param:g} N" if a.tokens_per_param else (
-        f"Chinchilla Approach 3, L = E + A/N^alpha + B/D^beta, {law}" if a.law == "chinchilla" else
-        f"Llama 3's fit, D = A C^alpha, {law}")
+    law = (
+        f"D = {a.tokens_per_param:g} N"
+        if a.tokens_per_param
+        else (
+            f"Chinchilla Approach 3, L = E + A/N^alpha + B/D^beta, {law}"
+            if a.law == "chinchilla"
+            else f"Llama 3's fit, D = A C^alpha, {law}"
+        )
+    )
     print("the whole run (theory):")
     if optimal:
-        print(f"  compute-optimal for C = {optimal[0]:.3e} FLOPs ({law}): N {optimal[1] / 1e9:,.1f}B, "
-              f"D {optimal[2] / 1e9:,.0f}B tokens")
-    print(f"  model {N / 1e9:,.2f}B parameters: L {M.layers} h {M.d} a {M.heads} kv {M.kv} ffn {M.f} "
-          f"V {M.vocab} "
-          f"s {M.seq}; {D / 1e9:,.0f}B tokens ({D / N:.1f} per parameter), 6ND = {6 * N * D:.3e} FLOPs")
+        print(
+            f"  compute-optimal for C = {optimal[0]:.3e} FLOPs ({law}): N {optimal[1] / 1e9:,.1f}B, "
+            f"D {optimal[2] / 1e9:,.0f}B tokens"
+        )
+    print(
+        f"  model {N / 1e9:,.2f}B parameters: L {M.layers} h {M.d} a {M.heads} kv {M.kv} ffn {M.f} "
+        f"V {M.vocab} "
+        f"s {M.seq}; {D / 1e9:,.0f}B tokens ({D / N:.1f} per parameter), 6ND = {6 * N * D:.3e} FLOPs"
+    )
     print(f"  layout {got['layout']}: {got['tokens_per_s']:,.0f} tokens/s, MFU {got['mfu']:.1%}")
-    lost = f", {fails:,.1f} failures expected, a checkpoint every {tau / 60:,.1f} min" if fails else ""
-    print(f"  wall time {wall / day:,.2f} days (training {work / day:,.2f}{lost}); {gpus * wall / 3600:,.0f} "
-          f"GPU-hours" + (f", ${a.usd_per_gpu_hour * gpus * wall / 3600:,.0f}" if a.usd_per_gpu_hour else ""))
-    print(f"  predicted final loss {final_loss(N, D):.3f} nats/token (Chinchilla's fit, on its MassiveText)")
-    return dict(wall_s=wall, work_s=work, tau_s=tau, failures=fails, N=N, D=D, loss=final_loss(N, D))
+    lost = (
+        f", {fails:,.1f} failures expected, a checkpoint every {tau / 60:,.1f} min" if fails else ""
+    )
+    print(
+        f"  wall time {wall / day:,.2f} days (training {work / day:,.2f}{lost}); {gpus * wall / 3600:,.0f} "
+        f"GPU-hours"
+        + (f", ${a.usd_per_gpu_hour * gpus * wall / 3600:,.0f}" if a.usd_per_gpu_hour else "")
+    )
+    print(
+        f"  predicted final loss {final_loss(N, D):.3f} nats/token (Chinchilla's fit, on its MassiveText)"
+    )
+    return dict(
+        wall_s=wall, work_s=work, tau_s=tau, failures=fails, N=N, D=D, loss=final_loss(N, D)
+    )
 
 
 def budget_model(P, C, B, a, stack):
@@ -1106,16 +1557,28 @@ def budget_model(P, C, B, a, stack):
     MFU of the best layout found for the model of the step before (twice, from --efficiency)."""
     gpus, mfu = C.nodes * C.gpus_per_node, a.efficiency
     wall = a.days * 86400 or a.gpu_hours * 3600 / gpus
-    work = work_in(wall, gpus, a.failures_per_gpu_hour, a.ckpt_write_s, 60 * a.restart_minutes,
-                   60 * a.ckpt_minutes) if wall else 0
+    work = (
+        work_in(
+            wall,
+            gpus,
+            a.failures_per_gpu_hour,
+            a.ckpt_write_s,
+            60 * a.restart_minutes,
+            60 * a.ckpt_minutes,
+        )
+        if wall
+        else 0
+    )
     for _ in range(2):
         flops = a.flops or work * gpus * C.tflops * 1e12 * mfu
         N, D = compute_optimal(flops, LAWS[a.law], a.tokens_per_param or 0)
         M = shaped(P, N)
         ranked = search(M, C, B, a.efficiency, a.headroom, a.precision, **stack)[0]
         if not ranked:
-            fail(f"no layout of the compute-optimal {n_params(M) / 1e9:.1f}B model fits {gpus} GPUs of "
-                 f"{C.mem_gb:g} GB at --batch-size {B}")
+            fail(
+                f"no layout of the compute-optimal {n_params(M) / 1e9:.1f}B model fits {gpus} GPUs of "
+                f"{C.mem_gb:g} GB at --batch-size {B}"
+            )
         mfu = ranked[0]["mfu"]
     tokens = flops / (6 * n_params(M)) if a.flops else work * ranked[0]["tokens_per_s"]
     return M, ranked, tokens, (flops, N, D)
@@ -1125,35 +1588,68 @@ def main():
     a = parse_args(Args)
     check_args(a)
     P, K = PRESETS[a.model], CLUSTERS[a.cluster]
-    M = P._replace(layers=a.n_layers or P.layers, d=a.d_model or P.d, heads=a.n_heads or P.heads,
-                   kv_heads=a.kv_heads or P.kv_heads, vocab=a.vocab or P.vocab, seq=a.seq_len or P.seq,
-                   ffn=a.ffn or P.ffn, experts=a.experts or P.experts, top_k=a.top_k,
-                   capacity=a.capacity_factor, moe_every=a.moe_every)
+    M = P._replace(
+        layers=a.n_layers or P.layers,
+        d=a.d_model or P.d,
+        heads=a.n_heads or P.heads,
+        kv_heads=a.kv_heads or P.kv_heads,
+        vocab=a.vocab or P.vocab,
+        seq=a.seq_len or P.seq,
+        ffn=a.ffn or P.ffn,
+        experts=a.experts or P.experts,
+        top_k=a.top_k,
+        capacity=a.capacity_factor,
+        moe_every=a.moe_every,
+    )
     if M.d % M.heads or M.heads % M.kv:
-        fail(f"--d-model {M.d} must be divisible by --n-heads {M.heads}, and that by --kv-heads {M.kv}")
-    C = Cluster(a.nodes, a.gpus_per_node or K.gpus_per_node, a.gpu_mem_gb or K.mem_gb, a.tflops or K.tflops,
-                a.intra_gbs or K.intra_gbs, a.inter_gbs or K.inter_gbs, a.hbm_gbs or K.hbm_gbs, K.fp8)
+        fail(
+            f"--d-model {M.d} must be divisible by --n-heads {M.heads}, and that by --kv-heads {M.kv}"
+        )
+    C = Cluster(
+        a.nodes,
+        a.gpus_per_node or K.gpus_per_node,
+        a.gpu_mem_gb or K.mem_gb,
+        a.tflops or K.tflops,
+        a.intra_gbs or K.intra_gbs,
+        a.inter_gbs or K.inter_gbs,
+        a.hbm_gbs or K.hbm_gbs,
+        K.fp8,
+    )
     gpus, B, st = C.nodes * C.gpus_per_node, a.batch_size, STACKS[a.stack]
     if a.precision == "fp8" and not C.fp8:
         fail(NO_FP8)
     eff, error, source = ceiling(a.stack, a.cluster)
     if a.efficiency or a.precision == "fp8":
-        error, source = None, ("--efficiency given" if a.efficiency else
-                               f"{source}; at the FP8 peak, fitted on no FP8 run") + ": no held-out error"
+        error, source = (
+            None,
+            (
+                "--efficiency given"
+                if a.efficiency
+                else f"{source}; at the FP8 peak, fitted on no FP8 run"
+            )
+            + ": no held-out error",
+        )
     a.efficiency = a.efficiency or eff
     attention, dropout = a.attention or st.attention, st.dropout if a.dropout is None else a.dropout
-    overlaps = dict(tp_overlap=a.tp_overlap or st.tp_overlap or None,
-                    dp_overlap=a.dp_overlap or st.dp_overlap)
-    if (attention, dropout, a.tp_overlap or st.tp_overlap, overlaps["dp_overlap"]) != st[:4] and error:
+    overlaps = dict(
+        tp_overlap=a.tp_overlap or st.tp_overlap or None, dp_overlap=a.dp_overlap or st.dp_overlap
+    )
+    if (attention, dropout, a.tp_overlap or st.tp_overlap, overlaps["dp_overlap"]) != st[
+        :4
+    ] and error:
         source += f"; measured on {a.stack}'s own attention, dropout and overlaps, not these"
     stack = dict(attention=attention, dropout=dropout, **overlaps)
-    print(f"plan (predictions): {a.model}, {n_params(M) / 1e9:.2f}B parameters, "
-          f"L {M.layers} h {M.d} a {M.heads} V {M.vocab} s {M.seq}; batch {B} x {M.seq} tokens; {C.nodes} x "
-          f"{C.gpus_per_node} GPUs of {C.mem_gb:g} GB, {C.tflops:g} TFLOP/s, {C.intra_gbs:g} / "
-          f"{C.inter_gbs:g} GB/s in / across nodes, {C.hbm_gbs:g} GB/s memory")
-    print(f"  stack {a.stack}: {attention} attention, dropout {'on' if dropout else 'off'}, overlaps tp "
-          f"{overlaps['tp_overlap'] or 'full with SP'}, dp {overlaps['dp_overlap']}; GEMM ceiling "
-          f"{a.efficiency:g} ({source})")
+    print(
+        f"plan (predictions): {a.model}, {n_params(M) / 1e9:.2f}B parameters, "
+        f"L {M.layers} h {M.d} a {M.heads} V {M.vocab} s {M.seq}; batch {B} x {M.seq} tokens; {C.nodes} x "
+        f"{C.gpus_per_node} GPUs of {C.mem_gb:g} GB, {C.tflops:g} TFLOP/s, {C.intra_gbs:g} / "
+        f"{C.inter_gbs:g} GB/s in / across nodes, {C.hbm_gbs:g} GB/s memory"
+    )
+    print(
+        f"  stack {a.stack}: {attention} attention, dropout {'on' if dropout else 'off'}, overlaps tp "
+        f"{overlaps['tp_overlap'] or 'full with SP'}, dp {overlaps['dp_overlap']}; GEMM ceiling "
+        f"{a.efficiency:g} ({source})"
+    )
     if a.gpu_hours or a.days or a.flops:
         M, ranked, tokens, optimal = budget_model(P, C, B, a, stack)
         report(C, B, ranked[0], error)
@@ -1162,19 +1658,41 @@ def main():
         ranked, n_legal, n_fit = search(M, C, B, a.efficiency, a.headroom, a.precision, **stack)
         if not ranked:
             fail(f"no layout of {a.model} fits {gpus} GPUs of {C.mem_gb:g} GB at --batch-size {B}")
-        print(f"--search: {n_legal} legal layouts on {gpus} GPUs, {n_fit} fit; the fastest of each grid:")
-        for i, x in enumerate(ranked[:a.top]):  # each MFU with its band (+- x.x), where there is one
-            print(f"  {i + 1:2d}. {x['tokens_per_s']:11,.0f} tok/s  MFU {x['mfu']:5.1%}"
-                  f"{band(error)[:7] * (error is not None)}  step {x['step_s']:8.3f} s  {x['layout']}")
-        print("why 1 beats 2: " + (why_faster(*ranked[:2]) if ranked[1:] else "it is the only one that fits"))
+        print(
+            f"--search: {n_legal} legal layouts on {gpus} GPUs, {n_fit} fit; the fastest of each grid:"
+        )
+        for i, x in enumerate(
+            ranked[: a.top]
+        ):  # each MFU with its band (+- x.x), where there is one
+            print(
+                f"  {i + 1:2d}. {x['tokens_per_s']:11,.0f} tok/s  MFU {x['mfu']:5.1%}"
+                f"{band(error)[:7] * (error is not None)}  step {x['step_s']:8.3f} s  {x['layout']}"
+            )
+        print(
+            "why 1 beats 2: "
+            + (why_faster(*ranked[:2]) if ranked[1:] else "it is the only one that fits")
+        )
         got = ranked[0]
     else:
         v = a.virtual_stages
-        lay = Layout(a.dp or max(1, gpus // (a.tp * a.pp * a.cp)), a.tp, a.pp, v, a.ep, a.stage,
-                     a.microbatches,
-                     a.sequence_parallel, a.recompute, a.precision,
-                     "interleaved" if v > 1 and a.schedule == "1f1b" else a.schedule, a.vocab_parallel,
-                     cp=a.cp, cp_attention=a.cp_attention, attention=attention, dropout=dropout)
+        lay = Layout(
+            a.dp or max(1, gpus // (a.tp * a.pp * a.cp)),
+            a.tp,
+            a.pp,
+            v,
+            a.ep,
+            a.stage,
+            a.microbatches,
+            a.sequence_parallel,
+            a.recompute,
+            a.precision,
+            "interleaved" if v > 1 and a.schedule == "1f1b" else a.schedule,
+            a.vocab_parallel,
+            cp=a.cp,
+            cp_attention=a.cp_attention,
+            attention=attention,
+            dropout=dropout,
+        )
         if a.stage_layers:
             lay = replace(lay, split=tuple(map(int, a.stage_layers.split(","))))
         why = legal(M, C, lay, B)
@@ -1185,11 +1703,13 @@ def main():
     if a.inner_steps:
         outer = {"float32": 4, "bfloat16": 2}[a.outer_dtype]
         x = diloco(M, C, got, a.inner_steps, outer, a.fragments, a.overlap)
-        print(f"DiLoCo (theory), H {a.inner_steps}, {a.fragments} fragment(s), overlap {a.overlap}, "
-              f"{a.outer_dtype}: per inner step {x['bytes'] / GB:.3f} GB handed ({x['wire'] / GB:.3f} on the "
-              f"wire), exposed {x['exposed_s'] * 1e3:.1f} ms; DDP {x['ddp_bytes'] / GB:.3f} GB "
-              f"({x['ddp_wire'] / GB:.3f}), exposed {x['ddp_exposed_s'] * 1e3:.1f} ms: "
-              f"{x['ddp_bytes'] / x['bytes']:.0f}x fewer bytes")
+        print(
+            f"DiLoCo (theory), H {a.inner_steps}, {a.fragments} fragment(s), overlap {a.overlap}, "
+            f"{a.outer_dtype}: per inner step {x['bytes'] / GB:.3f} GB handed ({x['wire'] / GB:.3f} on the "
+            f"wire), exposed {x['exposed_s'] * 1e3:.1f} ms; DDP {x['ddp_bytes'] / GB:.3f} GB "
+            f"({x['ddp_wire'] / GB:.3f}), exposed {x['ddp_exposed_s'] * 1e3:.1f} ms: "
+            f"{x['ddp_bytes'] / x['bytes']:.0f}x fewer bytes"
+        )
     if a.tokens:
         run_report(M, C, got, a.tokens, a)
 

@@ -77,6 +77,7 @@ Run (--dp 0 = world / (pp * cp * tp); --pp 1 runs the other three axes, its "pip
 The zero-bubble schedules (ZB-H1, ZB-V) are zero_bubble.py. In production, use Megatron-Core, or
 torch.distributed.pipelining (ScheduleInterleaved1F1B) with DTensor TP.
 """
+
 import collections, contextlib, math
 from dataclasses import dataclass
 
@@ -86,11 +87,35 @@ import torch.nn as nn
 import torch.nn.functional as F
 from einops import rearrange
 
-from common import (build_gpt, count_tokens, DTYPES, fail, GPT, GPTConfig, init_dist, lm_loss, make_optimizer,
-                    MarkovData)
-from harness import (assemble_full, busy_ms, check_against_reference, check_common_args, CommCounter,
-                     CommonArgs, draw_timeline, env_world_size, gather_rows, parse_args,
-                     peak_memory_bytes, PipelineWatch, Run, tensor_bytes, write_trace)
+from common import (
+    build_gpt,
+    count_tokens,
+    DTYPES,
+    fail,
+    GPT,
+    GPTConfig,
+    init_dist,
+    lm_loss,
+    make_optimizer,
+    MarkovData,
+)
+from harness import (
+    assemble_full,
+    busy_ms,
+    check_against_reference,
+    check_common_args,
+    CommCounter,
+    CommonArgs,
+    draw_timeline,
+    env_world_size,
+    gather_rows,
+    parse_args,
+    peak_memory_bytes,
+    PipelineWatch,
+    Run,
+    tensor_bytes,
+    write_trace,
+)
 
 
 @dataclass
@@ -98,8 +123,12 @@ class Args(CommonArgs):
     pp: int = 2  # pipeline-parallel degree p (ranks per pipeline)
     tp: int = 1  # tensor-parallel degree t (innermost: adjacent ranks)
     dp: int = 0  # data-parallel degree (0 = world / (pp * cp * tp))
-    cp: int = 1  # context-parallel degree: each sequence split over cp ranks (zig-zag), K/V round a ring
-    zero: int = 0  # 1: ZeRO-1, AdamW's state and update sharded over the dp x cp ranks of a chunk shard
+    cp: int = (
+        1  # context-parallel degree: each sequence split over cp ranks (zig-zag), K/V round a ring
+    )
+    zero: int = (
+        0  # 1: ZeRO-1, AdamW's state and update sharded over the dp x cp ranks of a chunk shard
+    )
     virtual_stages: int = 1  # v: model chunks per pipeline rank (1 = plain 1F1B)
     microbatches: int = 4  # m: micro-batches per replica and batch (a multiple of --pp when v > 1)
     trace: str = ""  # write the measured F/B events as a Chrome trace (JSON) to this path
@@ -117,7 +146,9 @@ class f(torch.autograd.Function):
         return x.view_as(x)
 
     @staticmethod
-    def backward(ctx, grad):  # (b, T, D) partial -> summed over the TP group: f's backward is g's forward
+    def backward(
+        ctx, grad
+    ):  # (b, T, D) partial -> summed over the TP group: f's backward is g's forward
         return g.forward(None, grad, ctx.group), None
 
 
@@ -138,14 +169,18 @@ class g(torch.autograd.Function):
 
 def check_heads(heads, t):
     if heads % t:
-        raise ValueError(f"--n-heads {heads} is not divisible by --tp {t}: {heads} heads do not split over "
-                         f"t = {t}: use heads divisible by t")
+        raise ValueError(
+            f"--n-heads {heads} is not divisible by --tp {t}: {heads} heads do not split over "
+            f"t = {t}: use heads divisible by t"
+        )
 
 
 def tp_dim(name):
     """The dimension of GPT parameter `name` split over the TP group (None: replicated). Column-parallel
     weights (out, in) split dim 0, with their biases; row-parallel ones split dim 1, their bias is whole."""
-    if name.endswith(("attn.q.weight", "attn.k.weight", "attn.v.weight", "mlp.fc.weight", "mlp.fc.bias")):
+    if name.endswith(
+        ("attn.q.weight", "attn.k.weight", "attn.v.weight", "mlp.fc.weight", "mlp.fc.bias")
+    ):
         return 0
     return 1 if name.endswith(("attn.proj.weight", "mlp.proj.weight")) else None
 
@@ -174,15 +209,24 @@ class TPBlock(nn.Module):
     def forward(self, x):  # (b, T, D) replicated on the TP group
         a, mlp, grp = self.attn, self.mlp, self.group
         h = f.apply(self.ln1(x), grp)
-        q, k, v = (rearrange(F.linear(h, lin.weight), "b t (h e) -> b h t e", h=self.heads)
-                   for lin in (a.q, a.k, a.v))  # (b, H/t, T, E) each: this rank's heads
+        q, k, v = (
+            rearrange(F.linear(h, lin.weight), "b t (h e) -> b h t e", h=self.heads)
+            for lin in (a.q, a.k, a.v)
+        )  # (b, H/t, T, E) each: this rank's heads
         # CP: T is this rank's T/cp tokens, and the others' K/V come round the CP ring (this rank's heads)
-        y = RingAttention.apply(q, k, v, self.cp_group) if self.cp_group else F.scaled_dot_product_attention(
-            q, k, v, is_causal=True)  # (b, H/t, T, E)
+        y = (
+            RingAttention.apply(q, k, v, self.cp_group)
+            if self.cp_group
+            else F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        )  # (b, H/t, T, E)
         y = rearrange(y, "b h t e -> b t (h e)")  # (b, T, D/t)
         x = x + g.apply(F.linear(y, a.proj.weight), grp) + a.proj.bias  # bias after g: added once
-        h = F.gelu(F.linear(f.apply(self.ln2(x), grp), mlp.fc.weight, mlp.fc.bias))  # (b, T, 4D/t) local
-        return x + g.apply(F.linear(h, mlp.proj.weight), grp) + mlp.proj.bias  # (b, T, D) replicated
+        h = F.gelu(
+            F.linear(f.apply(self.ln2(x), grp), mlp.fc.weight, mlp.fc.bias)
+        )  # (b, T, 4D/t) local
+        return (
+            x + g.apply(F.linear(h, mlp.proj.weight), grp) + mlp.proj.bias
+        )  # (b, T, D) replicated
 
 
 # ------------------------------------------------------------------------- context parallel: the zig-zag ring
@@ -190,8 +234,10 @@ def zigzag(x, cp, r, dim=1):
     """(.., T, ..) whole sequences -> (.., T/cp, ..) CP rank r's tokens: chunks r and 2cp-1-r of 2cp, an early
     one and a late one, so that under the causal mask every rank does the same work (Llama 3, Sec. 3.3.2)."""
     if x.shape[dim] % (2 * cp):
-        raise ValueError(f"--seq-len {x.shape[dim]} is not divisible by 2 x cp = {2 * cp}: {x.shape[dim]} "
-                         f"tokens do not cut into 2 x cp = {2 * cp} equal chunks: use a multiple of {2 * cp}")
+        raise ValueError(
+            f"--seq-len {x.shape[dim]} is not divisible by 2 x cp = {2 * cp}: {x.shape[dim]} "
+            f"tokens do not cut into 2 x cp = {2 * cp} equal chunks: use a multiple of {2 * cp}"
+        )
     pieces = x.chunk(2 * cp, dim)
     return torch.cat([pieces[r], pieces[2 * cp - 1 - r]], dim)
 
@@ -202,10 +248,19 @@ class Pass(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, group, step=1):  # x (2, b, H/t, T/cp, E): a block of keys and values
-        cp, r, got, ctx.group = dist.get_world_size(group), dist.get_rank(group), torch.empty_like(x), group
+        cp, r, got, ctx.group = (
+            dist.get_world_size(group),
+            dist.get_rank(group),
+            torch.empty_like(x),
+            group,
+        )
         to, frm = (r + step) % cp, (r - step) % cp
-        for req in dist.batch_isend_irecv([dist.P2POp(dist.isend, x.contiguous(), group=group, group_peer=to),
-                                           dist.P2POp(dist.irecv, got, group=group, group_peer=frm)]):
+        for req in dist.batch_isend_irecv(
+            [
+                dist.P2POp(dist.isend, x.contiguous(), group=group, group_peer=to),
+                dist.P2POp(dist.irecv, got, group=group, group_peer=frm),
+            ]
+        ):
             req.wait()
         return got
 
@@ -228,7 +283,9 @@ def ring(q, k, v, group):
     steps pass the K/V block on, each block's result merged by its log-sum-exp (online softmax). Zig-zag:
     all my queries see src < r's early chunk (not its late one); only my late chunk sees src > r's two."""
     cp, r, half = dist.get_world_size(group), dist.get_rank(group), q.shape[2] // 2
-    acc = torch.promote_types(q.dtype, torch.float32)  # softmax in float32 at least, as flash attention
+    acc = torch.promote_types(
+        q.dtype, torch.float32
+    )  # softmax in float32 at least, as flash attention
     q, kv = q.to(acc), torch.stack([k, v]).to(acc)  # kv (2, b, h, T/cp, E): the block that travels
     out, lse = attend(q, kv[0], kv[1], causal=True)
     for i in range(1, cp):
@@ -262,7 +319,11 @@ class RingAttention(torch.autograd.Function):
 
 def check_chunk(layers, c, n):
     if layers % n or not 0 <= c < n:
-        cut = f"--n-layers {layers} is not divisible by pp x virtual stages = {n}: " if layers % n else ""
+        cut = (
+            f"--n-layers {layers} is not divisible by pp x virtual stages = {n}: "
+            if layers % n
+            else ""
+        )
         raise ValueError(f"{cut}chunk {c} of {n}: need 0 <= c < n, n dividing the {layers} layers")
 
 
@@ -277,15 +338,23 @@ class Chunk(nn.Module):
         check_chunk(full.cfg.n_layers, c, n)
         if self.first:
             self.tok_emb, self.pos_emb = full.tok_emb, full.pos_emb
-        self.blocks = nn.ModuleDict({str(i): TPBlock(full.blocks[i], group, cp_group)
-                                     for i in range(c * per, (c + 1) * per)})
+        self.blocks = nn.ModuleDict(
+            {
+                str(i): TPBlock(full.blocks[i], group, cp_group)
+                for i in range(c * per, (c + 1) * per)
+            }
+        )
         self.cp = (dist.get_world_size(cp_group), dist.get_rank(cp_group)) if cp_group else (1, 0)
         if self.last:
             self.ln_f, self.head = full.ln_f, full.head
 
-    def forward(self, h):  # chunk 0: (b, T/cp) token ids; others: (b, T/cp, D) from the chunk before
+    def forward(
+        self, h
+    ):  # chunk 0: (b, T/cp) token ids; others: (b, T/cp, D) from the chunk before
         if self.first:
-            pos = torch.arange(h.shape[1] * self.cp[0], device=h.device)  # (T,) -> this rank's (T/cp,)
+            pos = torch.arange(
+                h.shape[1] * self.cp[0], device=h.device
+            )  # (T,) -> this rank's (T/cp,)
             h = self.tok_emb(h) + self.pos_emb(zigzag(pos, *self.cp, 0) if self.cp[0] > 1 else pos)
         for block in self.blocks.values():
             h = block(h)
@@ -302,17 +371,23 @@ def warmup(p, v, m, r):
 def schedule(p, v, m, r):
     """Interleaved 1F1B: rank r's ops in order, (kind, chunk, micro-batch). Groups of p micro-batches sweep
     the rank's chunks in order forwards (fwd), in reverse backwards (bwd), as the docstring's table shows."""
+
     def fwd(k):
         return ((k % (p * v)) // p) * p + r, (k // (p * v)) * p + k % p
 
     def bwd(k):
         c, mb = fwd(k)
         return (v - 1 - c // p) * p + r, mb
+
     if min(p, v, m) < 1 or not 0 <= r < p:
-        raise ValueError(f"schedule of p = {p}, v = {v}, m = {m}, r = {r}: need p, v, m >= 1 and 0 <= r < p")
+        raise ValueError(
+            f"schedule of p = {p}, v = {v}, m = {m}, r = {r}: need p, v, m >= 1 and 0 <= r < p"
+        )
     if v > 1 and m % p:
-        raise ValueError(f"--microbatches {m} is not a multiple of --pp {p}: schedule of v = {v}, m = {m}: "
-                         "with v > 1 m a multiple of p (interleaving runs groups of p micro-batches)")
+        raise ValueError(
+            f"--microbatches {m} is not a multiple of --pp {p}: schedule of v = {v}, m = {m}: "
+            "with v > 1 m a multiple of p (interleaving runs groups of p micro-batches)"
+        )
     w, n = warmup(p, v, m, r), v * m
     ops = [("F", *fwd(k)) for k in range(w)]
     for i in range(n - w):
@@ -360,13 +435,17 @@ def comm_plan(p, v, m, r):
     ranks post their batches in order of G and none waits for a later one: no cycle (NCCL deadlocks on a
     send whose receive is posted behind a wait on the sender)."""
     at, n, items = ideal_timeline(p, v, m), p * v, collections.defaultdict(lambda: ([], []))
-    spans = {q: [(a, z) for x, a, z in at.values() if x == q] for q in range(p)}  # q's ops: (start, end)
+    spans = {
+        q: [(a, z) for x, a, z in at.values() if x == q] for q in range(p)
+    }  # q's ops: (start, end)
     for msg in (needs(op, n) for op in at):
         if msg is not None and at[producer(msg)][0] != at[msg][0]:
             (src, _, made), (dst, used, _) = at[producer(msg)], at[msg]
             edges = {x for q in (src, dst) for span in spans[q] for x in span if made <= x <= used}
             times = sorted(edges | {made, used})
-            between = [x for x in times if all(not a < x < z for q in (src, dst) for a, z in spans[q])]
+            between = [
+                x for x in times if all(not a < x < z for q in (src, dst) for a, z in spans[q])
+            ]
             when = between[0] if between else made
             if src == r:
                 items[when][0].append((dst, msg))
@@ -382,13 +461,24 @@ class PipelineRank:
     r, r + p, ... of n = p * v, for a batch of m micro-batches to the flush; each message: a msg_shape tensor.
     Chunk 0 takes inputs[k]; chunk n-1's output goes to loss_fn(output, targets[k]). `observe`: a context
     manager around each F, B and exchange. NCCL: the caller runs one collective in `group` first (main)."""
+
     TAG = {"F": 0, "B": 1}  # a point-to-point tag per direction (NCCL ignores tags)
 
     def __init__(self, chunks, group, m, msg_shape, dtype, device, observe=None):
         p, r, v = dist.get_world_size(group), dist.get_rank(group), len(chunks)
-        if sorted(chunks) != list(range(r, p * v, p)):  # also: the chunks' count p * v, the group's size p
-            raise ValueError(f"rank {r} of {p} holds chunks {list(range(r, p * v, p))}, not {sorted(chunks)}")
-        self.chunks, self.n, self.group, self.m, self.plan = chunks, p * v, group, m, comm_plan(p, v, m, r)
+        if sorted(chunks) != list(
+            range(r, p * v, p)
+        ):  # also: the chunks' count p * v, the group's size p
+            raise ValueError(
+                f"rank {r} of {p} holds chunks {list(range(r, p * v, p))}, not {sorted(chunks)}"
+            )
+        self.chunks, self.n, self.group, self.m, self.plan = (
+            chunks,
+            p * v,
+            group,
+            m,
+            comm_plan(p, v, m, r),
+        )
         self.msg_shape, self.dtype, self.device = msg_shape, dtype, device
         self.observe = observe or (lambda *a, **k: contextlib.nullcontext())
         self.inbox, self.outbox, self.alive = {}, {}, {}
@@ -396,7 +486,9 @@ class PipelineRank:
     def run(self, inputs, targets, loss_fn):
         """inputs, targets: m micro-batches each. Returns the summed loss of those scored here (0-dim)."""
         if len(inputs) != self.m or len(targets) != self.m:
-            raise ValueError(f"m = {self.m} micro-batches, got {len(inputs)} inputs, {len(targets)} targets")
+            raise ValueError(
+                f"m = {self.m} micro-batches, got {len(inputs)} inputs, {len(targets)} targets"
+            )
         self.loss = torch.zeros((), dtype=torch.float64, device=self.device)
         for step, *what in self.plan:
             if step == "p2p":
@@ -413,17 +505,34 @@ class PipelineRank:
 
     def exchange(self, sends, recvs):
         """One batch_isend_irecv: sends [(peer, message)] from the outbox, receives into the inbox."""
-        into = {msg: torch.empty(self.msg_shape, dtype=self.dtype, device=self.device) for _, msg in recvs}
-        ops = [dist.P2POp(dist.isend, self.outbox.pop(msg).contiguous(), group=self.group, group_peer=q,
-                          tag=self.TAG[msg[0]]) for q, msg in sends]
-        ops += [dist.P2POp(dist.irecv, into[msg], group=self.group, group_peer=q, tag=self.TAG[msg[0]])
-                for q, msg in recvs]
-        for req in dist.batch_isend_irecv(ops):  # never empty: comm_plan makes a step only for a message
+        into = {
+            msg: torch.empty(self.msg_shape, dtype=self.dtype, device=self.device)
+            for _, msg in recvs
+        }
+        ops = [
+            dist.P2POp(
+                dist.isend,
+                self.outbox.pop(msg).contiguous(),
+                group=self.group,
+                group_peer=q,
+                tag=self.TAG[msg[0]],
+            )
+            for q, msg in sends
+        ]
+        ops += [
+            dist.P2POp(dist.irecv, into[msg], group=self.group, group_peer=q, tag=self.TAG[msg[0]])
+            for q, msg in recvs
+        ]
+        for req in dist.batch_isend_irecv(
+            ops
+        ):  # never empty: comm_plan makes a step only for a message
             req.wait()
         self.inbox.update(into)
 
     def forward(self, c, k, inputs, targets, loss_fn):
-        inp = inputs[k] if c == 0 else self.inbox.pop(("F", c, k)).requires_grad_()  # (b, T) ids or (b, T, D)
+        inp = (
+            inputs[k] if c == 0 else self.inbox.pop(("F", c, k)).requires_grad_()
+        )  # (b, T) ids or (b, T, D)
         out = self.chunks[c](inp)  # (b, T, D); last chunk: logits (b, T, V) ...
         if c == self.n - 1:
             out = loss_fn(out, targets[k])  # ... and its loss
@@ -434,7 +543,9 @@ class PipelineRank:
 
     def backward(self, c, k):
         inp, out = self.alive.pop((c, k))
-        torch.autograd.backward(out, None if c == self.n - 1 else self.inbox.pop(("B", c, k)))  # grads add up
+        torch.autograd.backward(
+            out, None if c == self.n - 1 else self.inbox.pop(("B", c, k))
+        )  # grads add up
         if c > 0:
             self.outbox["B", c - 1, k] = inp.grad  # (b, T, D) to chunk c-1, on the rank before
 
@@ -460,7 +571,9 @@ class ShardedOptimizer:
     def reduce_scatter(self):  # flat gradients (R*S,) -> shard.grad (S,): my shard of their sum
         self.shard.grad = torch.empty_like(self.shard)
         grads = self.flat([q.grad for q in self.params])  # (R*S,) this rank's gradients
-        dist.reduce_scatter_tensor(self.shard.grad, grads, group=self.group)  # -> (S,) my shard of the sum
+        dist.reduce_scatter_tensor(
+            self.shard.grad, grads, group=self.group
+        )  # -> (S,) my shard of the sum
 
     def step(self):  # update my shard, all-gather the R shards (R*S,), every parameter written back
         self.opt.step()
@@ -474,7 +587,9 @@ class ShardedOptimizer:
 def squared_norm(grads):
     """Summed in float32 at least (float64 for a float64 model) by the norm's dtype=, not float64 copies."""
     acc = torch.promote_types(grads[0].dtype, torch.float32)
-    return torch.stack([torch.linalg.vector_norm(x, dtype=acc) for x in grads]).square().sum().double()
+    return (
+        torch.stack([torch.linalg.vector_norm(x, dtype=acc) for x in grads]).square().sum().double()
+    )
 
 
 def finish_batch(params, loss, group, tp_rank, max_norm, world, zero=None):
@@ -492,13 +607,21 @@ def finish_batch(params, loss, group, tp_rank, max_norm, world, zero=None):
         sq = squared_norm([x for x, c in zip(grads, counted) if c]) * (dist.get_rank(group) == 0)
     else:  # ZeRO-1: reduce-scattered
         zero.reduce_scatter()
-        grads = [zero.shard.grad]  # (S,): my shard of the summed gradient; the others' are theirs to count
-        weights = zero.flat([q.grad.new_full((q.numel(),), c) for q, c in zip(params, counted)])[zero.mine]
+        grads = [
+            zero.shard.grad
+        ]  # (S,): my shard of the summed gradient; the others' are theirs to count
+        weights = zero.flat([q.grad.new_full((q.numel(),), c) for q, c in zip(params, counted)])[
+            zero.mine
+        ]
         sq = squared_norm([zero.shard.grad * weights])
     total = torch.stack([loss * (tp_rank == 0), sq])
-    dist.all_reduce(total, group=world)  # (2,): this rank's piece of the loss, of the squared norm -> sums
+    dist.all_reduce(
+        total, group=world
+    )  # (2,): this rank's piece of the loss, of the squared norm -> sums
     norm = total[1].sqrt()
-    for x in grads if max_norm > 0 else []:  # clip_grad_norm_'s rule, in each grad's dtype (0-dim ones too)
+    for x in (
+        grads if max_norm > 0 else []
+    ):  # clip_grad_norm_'s rule, in each grad's dtype (0-dim ones too)
         x.mul_(torch.clamp(max_norm / (norm + 1e-6), max=1.0).to(x.dtype))
     return total[0].item(), norm.item()
 
@@ -512,13 +635,19 @@ def check_args(args):
         if getattr(args, name) < 1:
             fail(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.dropout > 0:
-        fail("ptdp.py runs without dropout (TP regions would need Megatron's RNG tracker: megatron_tp.py)")
+        fail(
+            "ptdp.py runs without dropout (TP regions would need Megatron's RNG tracker: megatron_tp.py)"
+        )
     if args.zero not in (0, 1):
-        fail(f"--zero {args.zero}: ptdp.py shards the optimizer state (ZeRO-1) or nothing: use --zero 0 or 1")
+        fail(
+            f"--zero {args.zero}: ptdp.py shards the optimizer state (ZeRO-1) or nothing: use --zero 0 or 1"
+        )
     dp = args.dp or world // (p * cp * t)
     if args.dp < 0 or dp < 1 or p * cp * t * dp != world:
-        fail(f"world size {world} != pp {p} x tp {t} x dp {args.dp or '(world / pp / tp / cp)'} x cp {cp}: "
-             f"launch torchrun --nproc_per_node={p * cp * t * max(args.dp, 1)} or change --pp/--tp/--dp/--cp")
+        fail(
+            f"world size {world} != pp {p} x tp {t} x dp {args.dp or '(world / pp / tp / cp)'} x cp {cp}: "
+            f"launch torchrun --nproc_per_node={p * cp * t * max(args.dp, 1)} or change --pp/--tp/--dp/--cp"
+        )
     try:  # validation once: the cores' own checks, their ValueError as fail's one line
         check_heads(args.n_heads, t)
         schedule(p, v, m, 0)
@@ -544,47 +673,87 @@ def main():
     grid = torch.arange(world).view(p, dp, cp, t)  # tp innermost, then cp: see the docstring
     coords = pp_rank, dp_rank, cp_rank, tp_rank = [int(i) for i in (grid == d.rank).nonzero()[0]]
     groups = {}  # every rank creates every group, in the same order (new_group: a collective over the world)
-    for axis, dims in (("tp", [3]), ("cp", [2]), ("pp", [0]), ("dp", [1, 2])):  # dp x cp: the same parameters
-        rest = [a for a in range(4) if a not in dims]  # a group: the ranks that differ only along `dims`
-        for ranks in grid.permute(*rest, *dims).reshape(-1, math.prod(grid.shape[a] for a in dims)).tolist():
-            group = dist.new_group(ranks)  # its ranks in global order: a pipeline's group rank is its pp rank
+    for axis, dims in (
+        ("tp", [3]),
+        ("cp", [2]),
+        ("pp", [0]),
+        ("dp", [1, 2]),
+    ):  # dp x cp: the same parameters
+        rest = [
+            a for a in range(4) if a not in dims
+        ]  # a group: the ranks that differ only along `dims`
+        for ranks in (
+            grid.permute(*rest, *dims).reshape(-1, math.prod(grid.shape[a] for a in dims)).tolist()
+        ):
+            group = dist.new_group(
+                ranks
+            )  # its ranks in global order: a pipeline's group rank is its pp rank
             groups[axis] = group if d.rank in ranks else groups.get(axis)
     tp_group, cp_group, pp_group, grad_group = groups.values()
     b = args.batch_size // (dp * m)
-    d.log(f"ptdp.py: world {world} = pp {p} x dp {dp} x cp {cp} x tp {t}, interleaved 1F1B, v = {v}, m = {m} "
-          f"micro-batches of {b} x {args.seq_len // cp} tokens, ZeRO-{args.zero}, on {d.backend}")
+    d.log(
+        f"ptdp.py: world {world} = pp {p} x dp {dp} x cp {cp} x tp {t}, interleaved 1F1B, v = {v}, m = {m} "
+        f"micro-batches of {b} x {args.seq_len // cp} tokens, ZeRO-{args.zero}, on {d.backend}"
+    )
 
     # --- the model: the full GPT on CPU from one seed, then this rank's chunks, TP-sliced, to the device ---
     dtype = DTYPES[args.dtype]
     full = build_gpt(GPTConfig.from_args(args), args.seed, dtype)
     mine = list(range(pp_rank, p * v, p))  # chunk c on pp rank c % p: a loop
-    chunks = nn.ModuleDict({str(c): Chunk(full, c, p * v, tp_group, cp_group) for c in mine}).to(d.device)
+    chunks = nn.ModuleDict({str(c): Chunk(full, c, p * v, tp_group, cp_group) for c in mine}).to(
+        d.device
+    )
     del full
     params = list(chunks.parameters())
-    zero = ShardedOptimizer(params, grad_group, lambda ps: make_optimizer(ps, args)) if args.zero else None
+    zero = (
+        ShardedOptimizer(params, grad_group, lambda ps: make_optimizer(ps, args))
+        if args.zero
+        else None
+    )
     opt = zero.opt if zero else make_optimizer(params, args)
-    shard = nn.ParameterList([zero.shard] if zero else [])  # ZeRO-1's copy of its shard, checkpointed too
+    shard = nn.ParameterList(
+        [zero.shard] if zero else []
+    )  # ZeRO-1's copy of its shard, checkpointed too
     run = Run(d, args, {"model": chunks, "optim": opt, "zero": shard})
     norms = run.history.get("norms", [])
     watch = Watch(d, args, coords)  # times every F and B
-    comm = CommCounter(axes={"tp": tp_group, "cp": cp_group, "dp": grad_group, "pp": pp_group}, log=True)
-    msg_shape = (b, args.seq_len // cp, args.d_model)  # every activation and gradient between chunks
-    runner = PipelineRank({c: chunks[str(c)] for c in mine}, pp_group, m, msg_shape, dtype, d.device,
-                          observe=watch)
+    comm = CommCounter(
+        axes={"tp": tp_group, "cp": cp_group, "dp": grad_group, "pp": pp_group}, log=True
+    )
+    msg_shape = (
+        b,
+        args.seq_len // cp,
+        args.d_model,
+    )  # every activation and gradient between chunks
+    runner = PipelineRank(
+        {c: chunks[str(c)] for c in mine}, pp_group, m, msg_shape, dtype, d.device, observe=watch
+    )
     watch.runner = runner  # what it holds to B, for the counted peak
-    for group in (pp_group, cp_group):  # NCCL: a group's first collective (its set-up) must not be p2p
+    for group in (
+        pp_group,
+        cp_group,
+    ):  # NCCL: a group's first collective (its set-up) must not be p2p
         dist.all_reduce(torch.zeros(1, device=d.device), group=group)
 
     def split(z):  # (B, T) global batch -> (m, b, T/cp): this replica's rows, this CP rank's tokens
-        z = z[dp_rank * b * m:(dp_rank + 1) * b * m]
-        return rearrange(zigzag(z, cp, cp_rank) if cp > 1 else z, "(m b) n -> m b n", m=m).to(d.device)
+        z = z[dp_rank * b * m : (dp_rank + 1) * b * m]
+        return rearrange(zigzag(z, cp, cp_rank) if cp > 1 else z, "(m b) n -> m b n", m=m).to(
+            d.device
+        )
+
     for step in run.steps():
-        x, y = data.batch(step, args.batch_size, args.seq_len, args.ragged)  # (B, T) global batch, CPU
+        x, y = data.batch(
+            step, args.batch_size, args.seq_len, args.ragged
+        )  # (B, T) global batch, CPU
         n_tok = count_tokens(y)  # the whole global batch's: every micro-batch loss divides by it
         watch.step = step
-        with run.watching(step, comm, at=run.start):  # the first step counted (slower), the last one timed
+        with run.watching(
+            step, comm, at=run.start
+        ):  # the first step counted (slower), the last one timed
             loss = runner.run(split(x), split(y), lambda logits, tgt: lm_loss(logits, tgt, n_tok))
-            loss, norm = finish_batch(params, loss, grad_group, tp_rank, args.clip, dist.group.WORLD, zero)
+            loss, norm = finish_batch(
+                params, loss, grad_group, tp_rank, args.clip, dist.group.WORLD, zero
+            )
             (zero or opt).step()
         watch.state = held_bytes(chunks, opt, zero)  # parameters, gradients, optimizer state
         chunks.zero_grad(set_to_none=True)
@@ -603,10 +772,20 @@ class Watch(PipelineWatch):
 
     def __init__(self, d, args, coords):
         f_ms, (pp, dp, cp, tp) = args.stage_ms / args.virtual_stages, coords
-        super().__init__(d, dict(F=f_ms, B=2 * f_ms), ("chunk", "step", "pp", "dp", "cp", "tp", "recv"),
-                         dict(pp=pp, dp=dp, cp=cp, tp=tp))
-        self.state, self.inflight = {}, [0, 0]  # state bytes by kind (main sets it); in flight: now, peak
-        self.runner, self.held_peak = None, 0  # + what the runner holds to B: outputs (the last: losses)
+        super().__init__(
+            d,
+            dict(F=f_ms, B=2 * f_ms),
+            ("chunk", "step", "pp", "dp", "cp", "tp", "recv"),
+            dict(pp=pp, dp=dp, cp=cp, tp=tp),
+        )
+        self.state, self.inflight = (
+            {},
+            [0, 0],
+        )  # state bytes by kind (main sets it); in flight: now, peak
+        self.runner, self.held_peak = (
+            None,
+            0,
+        )  # + what the runner holds to B: outputs (the last: losses)
 
     def before(self, kind, mb):
         self.inflight[0] += kind == "F"
@@ -615,21 +794,42 @@ class Watch(PipelineWatch):
     def after(self, kind, mb):
         self.inflight[0] -= kind == "B"
         from torch.multiprocessing.reductions import StorageWeakRef  # (measurement only)
+
         now = self.live.alive()  # the peak of saved activations alive
-        outs = {StorageWeakRef(o.untyped_storage()): o.untyped_storage().nbytes()
-                for _, o in self.runner.alive.values()} if self.runner else {}
-        self.held_peak = max(self.held_peak, now + sum(n for w, n in outs.items() if w not in self.live.refs))
+        outs = (
+            {
+                StorageWeakRef(o.untyped_storage()): o.untyped_storage().nbytes()
+                for _, o in self.runner.alive.values()
+            }
+            if self.runner
+            else {}
+        )
+        self.held_peak = max(
+            self.held_peak, now + sum(n for w, n in outs.items() if w not in self.live.refs)
+        )
 
 
 def summarize(d, args, run, dp, watch, comm, norms, chunks, coords):
     """Each measured figure beside its theory, the peak (counted; CUDA's own on a GPU) read before --check
     trains the reference, then the verdict."""
     figures, comm_bytes = report(d, args, dp, watch, comm)
-    figures.update(pp=args.pp, tp=args.tp, dp=dp, cp=args.cp, zero=args.zero, schedule="interleaved",
-                   virtual_stages=args.virtual_stages, microbatches=args.microbatches, grad_norms=norms)
+    figures.update(
+        pp=args.pp,
+        tp=args.tp,
+        dp=dp,
+        cp=args.cp,
+        zero=args.zero,
+        schedule="interleaved",
+        virtual_stages=args.virtual_stages,
+        microbatches=args.microbatches,
+        grad_norms=norms,
+    )
     peak = peak_memory_bytes(d, sum(watch.state.values()) + watch.held_peak)
-    check = check_against_reference(d, args, run.losses, full_model(d, args, chunks, coords)) \
-        if args.check else None
+    check = (
+        check_against_reference(d, args, run.losses, full_model(d, args, chunks, coords))
+        if args.check
+        else None
+    )
     run.finish("ptdp", peak, comm_bytes, check, figures)
 
 
@@ -637,18 +837,26 @@ def held_bytes(chunks, opt, zero):
     """This rank's model state, counted from the tensors: parameters; gradients (ZeRO-1: + the reduced shard);
     optimizer state: AdamW's moments (ZeRO-1: of the shard, + the shard's own copy of its parameters)."""
     params = list(chunks.parameters())
-    moments = [x for st in opt.state.values() for x in st.values() if torch.is_tensor(x) and x.dim() > 0]
-    return dict(param_bytes=tensor_bytes(params), grad_bytes=tensor_bytes(
-        [q.grad for q in params] + ([zero.shard.grad] if zero else [])), optim_bytes=tensor_bytes(
-        moments + ([zero.shard] if zero else [])))
+    moments = [
+        x for st in opt.state.values() for x in st.values() if torch.is_tensor(x) and x.dim() > 0
+    ]
+    return dict(
+        param_bytes=tensor_bytes(params),
+        grad_bytes=tensor_bytes([q.grad for q in params] + ([zero.shard.grad] if zero else [])),
+        optim_bytes=tensor_bytes(moments + ([zero.shard] if zero else [])),
+    )
 
 
 def theory(p, v, m):
     """Per pp rank: the bubble (idle / busy of the ideal timeline), (p-1)/(v*m); the most micro-batch chunks
     between F and B, warm-up + 1; the forward and backward messages per batch, m(v - 1 if the last rank) and
     m(v - 1 if rank 0)."""
-    return ((p - 1) / (v * m), [min(warmup(p, v, m, r) + 1, v * m) for r in range(p)],
-            [m * (v - (r == p - 1)) for r in range(p)], [m * (v - (r == 0)) for r in range(p)])
+    return (
+        (p - 1) / (v * m),
+        [min(warmup(p, v, m, r) + 1, v * m) for r in range(p)],
+        [m * (v - (r == p - 1)) for r in range(p)],
+        [m * (v - (r == 0)) for r in range(p)],
+    )
 
 
 def inflight_bound(p, v, m, r):
@@ -661,68 +869,125 @@ def report(d, args, dp, watch, comm):
     p, v, m, ar, cp = args.pp, args.virtual_stages, args.microbatches, comm.total, args.cp
     tags = [c["tag"] for c in comm.calls_log if c["op"] == "send" and c["axis"] == "pp"]
     tag = PipelineRank.TAG  # one per direction
-    mine = dict(fwd_msgs=tags.count(tag["F"]), bwd_msgs=tags.count(tag["B"]), p2p_bytes=ar("send", "pp"),
-                tp_calls=ar("all_reduce", "tp", what="calls"), tp_fwd=ar("all_reduce", "tp", "fwd", "calls"),
-                tp_bwd=ar("all_reduce", "tp", "bwd", "calls"), dp_calls=ar(None, "dp", what="calls"),
-                tp_bytes=ar("all_reduce", "tp"), dp_bytes=ar(None, "dp"), cp_bytes=ar("send", "cp"),
-                cp_fwd_bytes=ar("send", "cp", "fwd"), cp_calls=ar("send", "cp", what="calls"),
-                world_bytes=ar("all_reduce", "world"), comm_bytes=ar(), inflight=watch.inflight[1],
-                act_peak=watch.live.peak, act_per_microbatch=sum(watch.saved.values()),
-                held_peak=watch.held_peak, **watch.state)
+    mine = dict(
+        fwd_msgs=tags.count(tag["F"]),
+        bwd_msgs=tags.count(tag["B"]),
+        p2p_bytes=ar("send", "pp"),
+        tp_calls=ar("all_reduce", "tp", what="calls"),
+        tp_fwd=ar("all_reduce", "tp", "fwd", "calls"),
+        tp_bwd=ar("all_reduce", "tp", "bwd", "calls"),
+        dp_calls=ar(None, "dp", what="calls"),
+        tp_bytes=ar("all_reduce", "tp"),
+        dp_bytes=ar(None, "dp"),
+        cp_bytes=ar("send", "cp"),
+        cp_fwd_bytes=ar("send", "cp", "fwd"),
+        cp_calls=ar("send", "cp", what="calls"),
+        world_bytes=ar("all_reduce", "world"),
+        comm_bytes=ar(),
+        inflight=watch.inflight[1],
+        act_peak=watch.live.peak,
+        act_per_microbatch=sum(watch.saved.values()),
+        held_peak=watch.held_peak,
+        **watch.state,
+    )
     events = watch.timeline.gather()
     rows = gather_rows(d, [[*watch.coords.values(), *mine.values()]])
-    per_rank = {tuple(int(x) for x in r[0, :4]): dict(zip(mine, (int(x) for x in r[0, 4:]))) for r in rows}
-    comm_bytes = max(c["comm_bytes"] for c in per_rank.values())  # bytes handed per step, the busiest rank
+    per_rank = {
+        tuple(int(x) for x in r[0, :4]): dict(zip(mine, (int(x) for x in r[0, 4:]))) for r in rows
+    }
+    comm_bytes = max(
+        c["comm_bytes"] for c in per_rank.values()
+    )  # bytes handed per step, the busiest rank
     if d.rank != 0 or not events:
         return {}, comm_bytes
     for e in events:
-        e["recv"] = None if e["recv"] < 0 else e["recv"]  # -1: the op started from tokens, its loss or its B
-    last = [e for e in events if e["step"] == events[-1]["step"] and e["dp"] == e["cp"] == e["tp"] == 0]
+        e["recv"] = (
+            None if e["recv"] < 0 else e["recv"]
+        )  # -1: the op started from tokens, its loss or its B
+    last = [
+        e for e in events if e["step"] == events[-1]["step"] and e["dp"] == e["cp"] == e["tp"] == 0
+    ]
     lo, hi = min(e["start"] for e in last), max(e["end"] for e in last)
     bub = [(hi - lo - x) / x for x in (busy_ms(last, r, lo, hi, key="pp") for r in range(p))]
     bub_theory, bound, f_theory, b_theory = theory(p, v, m)
     pipe = [per_rank[r, 0, 0, 0] for r in range(p)]  # the pipeline of dp 0, cp 0, tp 0
-    f_msgs, b_msgs, sent, inflight = ([c[k] for c in pipe] for k in ("fwd_msgs", "bwd_msgs", "p2p_bytes",
-                                                                      "inflight"))
+    f_msgs, b_msgs, sent, inflight = (
+        [c[k] for c in pipe] for k in ("fwd_msgs", "bwd_msgs", "p2p_bytes", "inflight")
+    )
     alive = [c["act_peak"] / max(c["act_per_microbatch"], 1) for c in pipe]
-    d.log(f"\nsummary, pipeline dp 0 tp 0 (interleaved, p {p}, v {v}, m {m}): bubble = idle / busy in the "
-          "last "
-          "step, in flight = micro-batch chunks between F and their last op, alive = saved activations at "
-          "their peak in micro-batches of the rank's chunks, messages and bytes handed to the sends; each "
-          "measured | theory\nrank | chunks | bubble | theory | in flight | bound | alive | theory | "
-          "fwd msgs | theory | bwd msgs | theory | bytes sent")
+    d.log(
+        f"\nsummary, pipeline dp 0 tp 0 (interleaved, p {p}, v {v}, m {m}): bubble = idle / busy in the "
+        "last "
+        "step, in flight = micro-batch chunks between F and their last op, alive = saved activations at "
+        "their peak in micro-batches of the rank's chunks, messages and bytes handed to the sends; each "
+        "measured | theory\nrank | chunks | bubble | theory | in flight | bound | alive | theory | "
+        "fwd msgs | theory | bwd msgs | theory | bytes sent"
+    )
     for r in range(p):
         held = ",".join(str(c) for c in range(r, p * v, p))
-        d.log(f"{r:4d} | {held:6s} | {bub[r]:6.3f} | {bub_theory:6.3f} | {inflight[r]:9d} | {bound[r]:5d} | "
-              f"{alive[r]:5.2f} | {bound[r] / v:6.2f} | {f_msgs[r]:8d} | {f_theory[r]:6d} | {b_msgs[r]:8d} | "
-              f"{b_theory[r]:6d} | {sent[r]}")
+        d.log(
+            f"{r:4d} | {held:6s} | {bub[r]:6.3f} | {bub_theory:6.3f} | {inflight[r]:9d} | {bound[r]:5d} | "
+            f"{alive[r]:5.2f} | {bound[r] / v:6.2f} | {f_msgs[r]:8d} | {f_theory[r]:6d} | {b_msgs[r]:8d} | "
+            f"{b_theory[r]:6d} | {sent[r]}"
+        )
     mean, c0, tp_theory = sum(bub) / p, pipe[0], 4 * m * args.n_layers // p if args.tp > 1 else 0
     formula, per_pipe, dp_theory = "(p-1)/(v*m)", "(v*p-1)*m", (1 + args.zero) * (dp * cp > 1)
     waits = ", ".join(f"{k} waits {x:g} ms" for k, x in watch.timeline.simulate.items())
-    d.log(f"bubble mean {mean:.3f} vs theory {formula} = {bub_theory:.3f} ({mean - bub_theory:+.3f}); " +
-          (f"--stage-ms {args.stage_ms:g}: compute simulated, a chunk's {waits}" if args.stage_ms else
-           "real compute only: on shared cores this times the OS scheduler; try --stage-ms"))
-    d.log(f"forward messages per batch and pipeline {sum(f_msgs)} = {per_pipe} = {sum(f_theory)}, each "
-          f"{sent[0] // max(f_msgs[0] + b_msgs[0], 1)} B = (b, T/cp, D); rank 0 collectives per batch: TP "
-          f"all-reduces {c0['tp_calls']} ({c0['tp_fwd']} forward, {c0['tp_bwd']} backward), theory "
-          f"{tp_theory} (g twice forward, f twice backward, per layer and micro-batch); DP x CP collectives "
-          f"{c0['dp_calls']}, theory {dp_theory}")
+    d.log(
+        f"bubble mean {mean:.3f} vs theory {formula} = {bub_theory:.3f} ({mean - bub_theory:+.3f}); "
+        + (
+            f"--stage-ms {args.stage_ms:g}: compute simulated, a chunk's {waits}"
+            if args.stage_ms
+            else "real compute only: on shared cores this times the OS scheduler; try --stage-ms"
+        )
+    )
+    d.log(
+        f"forward messages per batch and pipeline {sum(f_msgs)} = {per_pipe} = {sum(f_theory)}, each "
+        f"{sent[0] // max(f_msgs[0] + b_msgs[0], 1)} B = (b, T/cp, D); rank 0 collectives per batch: TP "
+        f"all-reduces {c0['tp_calls']} ({c0['tp_fwd']} forward, {c0['tp_bwd']} backward), theory "
+        f"{tp_theory} (g twice forward, f twice backward, per layer and micro-batch); DP x CP collectives "
+        f"{c0['dp_calls']}, theory {dp_theory}"
+    )
     label = lambda e: (e["kind"] if e["chunk"] < p else e["kind"].lower()) + str(e["mb"])  # noqa: E731
-    d.log("\ntimeline of the last step, measured (Fk Bk: chunk < p, fk bk: the later chunks):\n" +
-          draw_timeline(last, p, lo, hi, label, row_key="pp", row_name="rank"))
+    d.log(
+        "\ntimeline of the last step, measured (Fk Bk: chunk < p, fk bk: the later chunks):\n"
+        + draw_timeline(last, p, lo, hi, label, row_key="pp", row_name="rank")
+    )
     if args.trace:
-        write_trace(args.trace, events, lambda e: f"{e['kind']}{e['mb']} chunk {e['chunk']}", row_name="rank")
+        write_trace(
+            args.trace,
+            events,
+            lambda e: f"{e['kind']}{e['mb']} chunk {e['chunk']}",
+            row_name="rank",
+        )
         d.log(f"wrote {len(events)} events to {args.trace} (open in https://ui.perfetto.dev)")
-    return dict(events=events, bubble=bub, bubble_mean=mean, bubble_theory=bub_theory, stage_ms=args.stage_ms,
-                bubble_definition="idle / busy per rank over the last step (relative to ideal compute)",
-                bubble_minus_theory=mean - bub_theory, fwd_msgs_per_rank=f_msgs, fwd_msgs_theory=f_theory,
-                bwd_msgs_per_rank=b_msgs, bwd_msgs_theory=b_theory, fwd_msgs_per_pipeline=sum(f_msgs),
-                fwd_msgs_per_pipeline_theory=sum(f_theory), p2p_bytes_per_rank=sent, inflight=inflight,
-                inflight_theory=bound, microbatches_alive=alive, tp_calls_per_batch=c0["tp_calls"],
-                microbatches_alive_theory=[x / v for x in bound], tp_calls_theory=tp_theory,
-                dp_calls_per_batch=c0["dp_calls"], dp_calls_theory=dp_theory,
-                counts_per_rank={f"pp{a} dp{b}{f' cp{c}' * (cp > 1)} tp{k}": x for (a, b, c, k), x
-                                 in per_rank.items()}), comm_bytes
+    return dict(
+        events=events,
+        bubble=bub,
+        bubble_mean=mean,
+        bubble_theory=bub_theory,
+        stage_ms=args.stage_ms,
+        bubble_definition="idle / busy per rank over the last step (relative to ideal compute)",
+        bubble_minus_theory=mean - bub_theory,
+        fwd_msgs_per_rank=f_msgs,
+        fwd_msgs_theory=f_theory,
+        bwd_msgs_per_rank=b_msgs,
+        bwd_msgs_theory=b_theory,
+        fwd_msgs_per_pipeline=sum(f_msgs),
+        fwd_msgs_per_pipeline_theory=sum(f_theory),
+        p2p_bytes_per_rank=sent,
+        inflight=inflight,
+        inflight_theory=bound,
+        microbatches_alive=alive,
+        tp_calls_per_batch=c0["tp_calls"],
+        microbatches_alive_theory=[x / v for x in bound],
+        tp_calls_theory=tp_theory,
+        dp_calls_per_batch=c0["dp_calls"],
+        dp_calls_theory=dp_theory,
+        counts_per_rank={
+            f"pp{a} dp{b}{f' cp{c}' * (cp > 1)} tp{k}": x for (a, b, c, k), x in per_rank.items()
+        },
+    ), comm_bytes
 
 
 # --- reference for --check ---
@@ -735,14 +1000,25 @@ def full_model(d, args, chunks, coords):
     owned, pieces = {}, {}
     for n, q in chunks.named_parameters():
         if dp_rank == cp_rank == 0 and (getattr(q, "tp_split", False) or tp_rank == 0):
-            owned[n.split(".", 1)[1] + (f"#{tp_rank}" if tp_dim(n) is not None else "")] = q  # "3.blocks.."
+            owned[n.split(".", 1)[1] + (f"#{tp_rank}" if tp_dim(n) is not None else "")] = (
+                q  # "3.blocks.."
+            )
     for n, shape in shapes.items():
         k = tp_dim(n)
-        pieces.update({n: shape} if k is None else {f"{n}#{j}": [z // t if i == k else z for i, z in
-                                                                 enumerate(shape)] for j in range(t)})
+        pieces.update(
+            {n: shape}
+            if k is None
+            else {
+                f"{n}#{j}": [z // t if i == k else z for i, z in enumerate(shape)] for j in range(t)
+            }
+        )
     got = assemble_full(d, owned, pieces, dtype)
-    return {n: got[n] if tp_dim(n) is None else torch.cat([got[f"{n}#{j}"] for j in range(t)], tp_dim(n))
-            for n in shapes}
+    return {
+        n: got[n]
+        if tp_dim(n) is None
+        else torch.cat([got[f"{n}#{j}"] for j in range(t)], tp_dim(n))
+        for n in shapes
+    }
 
 
 if __name__ == "__main__":

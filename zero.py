@@ -74,6 +74,7 @@ fp16 Adam: p = g = 2, K = 12 = fp32 master + m + v):
 
 In production, use torch.distributed.fsdp.fully_shard (FSDP2) or DeepSpeed ZeRO.
 """
+
 import os, shutil, sys
 from dataclasses import dataclass
 from typing import Literal
@@ -85,10 +86,33 @@ import torch.nn as nn
 from torch.distributed.tensor import DeviceMesh, DTensor, Replicate, Shard
 from torch.func import functional_call
 
-from common import (DTYPES, GPTConfig, MarkovData, build_gpt, clip_grads_, close_dist, count_tokens, fail,
-                    init_dist, lm_loss, make_optimizer)
-from harness import (CommCounter, CommonArgs, LiveStorages, Run, check_against_reference, check_common_args,
-                     env_world_size, gather_rows, parse_args, peak_memory_bytes, tensor_bytes, write_summary)
+from common import (
+    DTYPES,
+    GPTConfig,
+    MarkovData,
+    build_gpt,
+    clip_grads_,
+    close_dist,
+    count_tokens,
+    fail,
+    init_dist,
+    lm_loss,
+    make_optimizer,
+)
+from harness import (
+    CommCounter,
+    CommonArgs,
+    LiveStorages,
+    Run,
+    check_against_reference,
+    check_common_args,
+    env_world_size,
+    gather_rows,
+    parse_args,
+    peak_memory_bytes,
+    tensor_bytes,
+    write_summary,
+)
 
 LOW = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -97,8 +121,12 @@ LOW = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 class Args(CommonArgs):
     stage: int = 0  # ZeRO stage: 0 data parallel, 1 shard optimizer state, 2 +gradients, 3 +parameters (FSDP)
     accum: int = 1  # micro-batches per rank per optimizer step (gradient accumulation)
-    offload: bool = False  # master shard and Adam moments in CPU memory, the step there (ZeRO-Offload)
-    mixed_precision: Literal["none", "bf16", "fp16"] = "none"  # low-precision compute copy; master: --dtype
+    offload: bool = (
+        False  # master shard and Adam moments in CPU memory, the step there (ZeRO-Offload)
+    )
+    mixed_precision: Literal["none", "bf16", "fp16"] = (
+        "none"  # low-precision compute copy; master: --dtype
+    )
     loss_scale: float = 65536.0  # fp16: initial dynamic loss scale
     scale_window: int = 1000  # fp16: double the loss scale after this many clean steps in a row
 
@@ -114,22 +142,30 @@ class Works(list):  # gloo: the works of several collectives, waited for as one
             w.wait()
 
 
-def reduce_scatter_(full, group):  # (N*S,) global -> (work, (S,) local: my shard of the sum, once done)
+def reduce_scatter_(
+    full, group
+):  # (N*S,) global -> (work, (S,) local: my shard of the sum, once done)
     N, me = dist.get_world_size(group), dist.get_rank(group)
     S = full.numel() // N
     if dist.get_backend(group) == "gloo":
-        return Works(dist.reduce(full[q * S:(q + 1) * S], group_dst=q, group=group, async_op=True)
-                     for q in range(N)), full[me * S:(me + 1) * S]
+        return Works(
+            dist.reduce(full[q * S : (q + 1) * S], group_dst=q, group=group, async_op=True)
+            for q in range(N)
+        ), full[me * S : (me + 1) * S]
     out = full.new_empty(S)
     return dist.reduce_scatter_single(out, full, group=group, async_op=True), out
 
 
-def all_gather_(full, shard, group):  # (S,) local -> (N*S,) global, into `full`; returns (work, its input)
+def all_gather_(
+    full, shard, group
+):  # (S,) local -> (N*S,) global, into `full`; returns (work, its input)
     N, me, S = dist.get_world_size(group), dist.get_rank(group), shard.numel()
     if dist.get_backend(group) == "gloo":
-        full[me * S:(me + 1) * S].copy_(shard)  # (a no-op when it is that slice already)
-        return Works(dist.broadcast(full[q * S:(q + 1) * S], group_src=q, group=group, async_op=True)
-                     for q in range(N)), shard
+        full[me * S : (me + 1) * S].copy_(shard)  # (a no-op when it is that slice already)
+        return Works(
+            dist.broadcast(full[q * S : (q + 1) * S], group_src=q, group=group, async_op=True)
+            for q in range(N)
+        ), shard
     if shard.untyped_storage().data_ptr() == full.untyped_storage().data_ptr():
         shard = shard.clone()  # stages 1-2 publish a slice of `full`: the input may not alias it
     return dist.all_gather_single(full, shard, group=group, async_op=True), shard
@@ -144,9 +180,13 @@ class GatherParams(torch.autograd.Function):
         return unit.zero.acquire(unit)
 
     @staticmethod
-    def backward(ctx, grad_full):  # (N*S,) global, this rank's micro-batch gradient of the whole unit
+    def backward(
+        ctx, grad_full
+    ):  # (N*S,) global, this rank's micro-batch gradient of the whole unit
         ctx.unit.zero.reduce_grad(ctx.unit, grad_full)
-        ctx.unit.gathered = None  # the copy gathered again for backward is no longer needed: free it
+        ctx.unit.gathered = (
+            None  # the copy gathered again for backward is no longer needed: free it
+        )
         return None, None
 
 
@@ -159,54 +199,106 @@ class FlatUnit(nn.Module):
     def __init__(self, zero, module, prefix):
         super().__init__()
         self.zero, self.module, self.path, z = zero, module, prefix[:-1] or "(root)", zero
-        named = list(module.named_parameters(remove_duplicate=False))  # its own (units inside: replaced)
+        named = list(
+            module.named_parameters(remove_duplicate=False)
+        )  # its own (units inside: replaced)
         for tie in [f"{prefix + n} is {z.taken[id(p)]}" for n, p in named if id(p) in z.taken]:
-            raise ValueError(f"{tie} of another unit: a tie across units would be cut in two; put both in "
-                             "one unit (inside a unit a tie is shared) or untie them")
+            raise ValueError(
+                f"{tie} of another unit: a tie across units would be cut in two; put both in "
+                "one unit (inside a unit a tie is shared) or untie them"
+            )
         z.taken.update({id(p): prefix + n for n, p in named})
-        for n in [(prefix + n).rstrip(".") for n, m in module.named_modules() if "forward" in vars(m)]:
-            raise ValueError(f"{n or 'the model'}.forward was replaced before Zero (recomputation?): rerun "
-                             "in backward it would miss the parameters Zero moves into the flat vector; wrap "
-                             "the unit after Zero")
-        self.tied = {n: next(m for m, q in named if q is p) for n, p in named}  # name -> its tensor's first
-        named = [(n, p) for n, p in named if self.tied[n] == n]  # each tensor once: one slot, however tied
+        for n in [
+            (prefix + n).rstrip(".") for n, m in module.named_modules() if "forward" in vars(m)
+        ]:
+            raise ValueError(
+                f"{n or 'the model'}.forward was replaced before Zero (recomputation?): rerun "
+                "in backward it would miss the parameters Zero moves into the flat vector; wrap "
+                "the unit after Zero"
+            )
+        self.tied = {
+            n: next(m for m, q in named if q is p) for n, p in named
+        }  # name -> its tensor's first
+        named = [
+            (n, p) for n, p in named if self.tied[n] == n
+        ]  # each tensor once: one slot, however tied
         self.names = [prefix + n for n in self.tied]  # every name in the original model
-        self.local, self.shapes = [n for n, _ in named], [p.shape for _, p in named]  # names inside `module`
+        self.local, self.shapes = (
+            [n for n, _ in named],
+            [p.shape for _, p in named],
+        )  # names inside `module`
         self.numel = sum(p.numel() for _, p in named)  # P, laid out in `named`'s order
-        self.S = -(-self.numel // z.world)  # shard length ceil(P / N); the last shards hold the padding
-        self.padded, self.lo = self.S * z.world, z.rank * self.S  # this rank owns flat elements [lo, lo + S)
-        self.valid = max(0, min(self.S, self.numel - self.lo))  # real (not padding) elements in my shard
-        flat = torch.cat([p.detach().cpu().flatten() for _, p in named]  # (N*S,) global, on the CPU
-                         + [torch.zeros(self.padded - self.numel, dtype=z.master_dtype)])
-        for owner, _, attr in (n.rpartition(".") for n in self.tied):  # from here on the parameters exist
+        self.S = -(
+            -self.numel // z.world
+        )  # shard length ceil(P / N); the last shards hold the padding
+        self.padded, self.lo = (
+            self.S * z.world,
+            z.rank * self.S,
+        )  # this rank owns flat elements [lo, lo + S)
+        self.valid = max(
+            0, min(self.S, self.numel - self.lo)
+        )  # real (not padding) elements in my shard
+        flat = torch.cat(
+            [p.detach().cpu().flatten() for _, p in named]  # (N*S,) global, on the CPU
+            + [torch.zeros(self.padded - self.numel, dtype=z.master_dtype)]
+        )
+        for owner, _, attr in (
+            n.rpartition(".") for n in self.tied
+        ):  # from here on the parameters exist
             del module.get_submodule(owner)._parameters[attr]  # only as (slices of) the flat vector
-        mine = flat if z.stage == 0 else flat[self.lo:self.lo + self.S]  # what this rank's optimizer updates
-        if z.stage < 3:  # the whole vector, a leaf: autograd accumulates each micro-batch's gradient into it
-            self.full = flat.to(z.device, z.compute_dtype, copy=True).requires_grad_()  # (N*S,) global
+        mine = (
+            flat if z.stage == 0 else flat[self.lo : self.lo + self.S]
+        )  # what this rank's optimizer updates
+        if (
+            z.stage < 3
+        ):  # the whole vector, a leaf: autograd accumulates each micro-batch's gradient into it
+            self.full = flat.to(
+                z.device, z.compute_dtype, copy=True
+            ).requires_grad_()  # (N*S,) global
             self.full.register_post_accumulate_grad_hook(self._grad_ready)
-            self.compute = self.full.detach()[self.lo:self.lo + self.S] if z.stage else self.full.detach()
+            self.compute = (
+                self.full.detach()[self.lo : self.lo + self.S] if z.stage else self.full.detach()
+            )
         else:  # (S,) local. requires_grad only so that autograd runs GatherParams.backward.
-            self.full, self.shard = None, mine.to(z.device, z.compute_dtype, copy=True).requires_grad_()
+            self.full, self.shard = (
+                None,
+                mine.to(z.device, z.compute_dtype, copy=True).requires_grad_(),
+            )
             self.compute = self.shard.detach()
         self.master = z.new_master(self, mine)  # what the optimizer updates
         # the gradient accumulator, in the master dtype: whole (N*S,) in stages 0-1, this rank's (S,) in 2-3
-        self.grad = torch.zeros(self.padded if z.stage < 2 else self.S, dtype=z.master_dtype, device=z.device)
-        self.has_grad, self.reduced = False, None  # grad holds this step's (else stale); 0-1: the reduced sum
-        self.in_forward = self.gathered = None  # stage 3: where the gathered vector lies; backward's copy
+        self.grad = torch.zeros(
+            self.padded if z.stage < 2 else self.S, dtype=z.master_dtype, device=z.device
+        )
+        self.has_grad, self.reduced = (
+            False,
+            None,
+        )  # grad holds this step's (else stale); 0-1: the reduced sum
+        self.in_forward = self.gathered = (
+            None  # stage 3: where the gathered vector lies; backward's copy
+        )
 
-    def views(self, full):  # {name inside module: view of the flat vector with the parameter's shape}
+    def views(
+        self, full
+    ):  # {name inside module: view of the flat vector with the parameter's shape}
         # one split, padding last (a slice per parameter: each slice's backward zero-fills the unit: 5x)
         parts = full.split([s.numel() for s in self.shapes] + [self.padded - self.numel])
         views = {n: p.view(s) for n, p, s in zip(self.local, parts, self.shapes)}
-        return {n: views[first] for n, first in self.tied.items()}  # a tied weight: one view, each name
+        return {
+            n: views[first] for n, first in self.tied.items()
+        }  # a tied weight: one view, each name
 
     def forward(self, *args):
         if self.zero.stage < 3 or not self.numel:  # (a root unit may have no parameters of its own)
             self.zero.wait_published(self)  # stages 1-2: the all-gather of the last step's update
-            return functional_call(self.module, self.views(self.full if self.numel else self.compute), args)
+            return functional_call(
+                self.module, self.views(self.full if self.numel else self.compute), args
+            )
         self.zero.check_order(self)  # the unit next in order, or refused before its all-gather
         full = GatherParams.apply(self.shard, self)  # (N*S,) global: all-gathered just before use
-        self.in_forward = full.untyped_storage().data_ptr()  # where it lies, for Zero._pack (not a reference)
+        self.in_forward = (
+            full.untyped_storage().data_ptr()
+        )  # where it lies, for Zero._pack (not a reference)
         try:
             return functional_call(self.module, self.views(full), args)
         finally:
@@ -216,45 +308,75 @@ class FlatUnit(nn.Module):
         g, full.grad = full.grad, None
         if self.zero.stage == 2:  # reduce-scatter every micro-batch's (async), keep only my shard
             return self.zero.reduce_grad(self, g)
-        self.accumulate(g)  # stages 0-1 keep the whole gradient, summed over micro-batches (no_sync) ...
-        if self.zero.last_microbatch:  # ... and reduce it once per step, as soon as the last backward made it
+        self.accumulate(
+            g
+        )  # stages 0-1 keep the whole gradient, summed over micro-batches (no_sync) ...
+        if (
+            self.zero.last_microbatch
+        ):  # ... and reduce it once per step, as soon as the last backward made it
             self.zero.reduce_grad(self, self.grad)
 
-    def accumulate(self, g):  # into the step's gradient; the first micro-batch copies: nothing to zero
-        if self.reduced is not None:  # stages 0-1, reduced already (last=True before the last micro-batch):
+    def accumulate(
+        self, g
+    ):  # into the step's gradient; the first micro-batch copies: nothing to zero
+        if (
+            self.reduced is not None
+        ):  # stages 0-1, reduced already (last=True before the last micro-batch):
             self.zero.finish_reductions()  # wait, then keep of the sum only my shard, zeros elsewhere, so
-            mine = (self.reduced[self.lo:self.lo + self.S] if self.zero.stage == 0 else self.reduced).clone()
-            self.grad.zero_()[self.lo:self.lo + self.S] = mine  # that the next reduction adds it once
+            mine = (
+                self.reduced[self.lo : self.lo + self.S] if self.zero.stage == 0 else self.reduced
+            ).clone()
+            self.grad.zero_()[self.lo : self.lo + self.S] = (
+                mine  # that the next reduction adds it once
+            )
             self.reduced, self.has_grad = None, True
         (self.grad.add_ if self.has_grad else self.grad.copy_)(g)
         self.has_grad = True
         return self.grad
 
 
-def check_stage(stage):  # the core's checks, pure: before any collective (check_args calls them too)
+def check_stage(
+    stage,
+):  # the core's checks, pure: before any collective (check_args calls them too)
     if stage not in (0, 1, 2, 3):
-        raise ValueError(f"stage must be 0, 1, 2 or 3 (ZeRO's stages: 0 is DDP, 3 is FSDP), got {stage}")
+        raise ValueError(
+            f"stage must be 0, 1, 2 or 3 (ZeRO's stages: 0 is DDP, 3 is FSDP), got {stage}"
+        )
 
 
 def check_split(rows, world, accum):  # a remainder would be dropped, the loss silently wrong
     if accum < 1 or rows % (world * accum):
-        raise ValueError(f"{rows} rows must split into {world} ranks x {accum} micro-batches (accum >= 1): "
-                         f"pass a multiple of {world * max(accum, 1)}")
+        raise ValueError(
+            f"{rows} rows must split into {world} ranks x {accum} micro-batches (accum >= 1): "
+            f"pass a multiple of {world * max(accum, 1)}"
+        )
 
 
 class Zero:
     """ZeRO around any nn.Module built on the CPU, in the model's one dtype. `units`: submodules, in forward's
     order, that become FlatUnits; what is left is the root unit. Per step: zero(x) and zero.backward(loss)
     per micro-batch, zero.step(). `optimizer(flat masters)`; `clip`: the global norm (0: off)."""
+
     compute_dtype = None  # None: the model's dtype (MixedPrecisionZero sets a lower one)
 
-    def __init__(self, model, units=(), stage=0, optimizer=torch.optim.AdamW, clip=0.0, group=None,
-                 device=None):
+    def __init__(
+        self,
+        model,
+        units=(),
+        stage=0,
+        optimizer=torch.optim.AdamW,
+        clip=0.0,
+        group=None,
+        device=None,
+    ):
         check_stage(stage)
         self.group = group or dist.group.WORLD
         self.rank, self.world = dist.get_rank(self.group), dist.get_world_size(self.group)
         self.stage, self.clip, p0 = stage, clip, next(model.parameters())
-        self.device, self.master_dtype = torch.device(device or p0.device), p0.dtype  # the optimizer's dtype
+        self.device, self.master_dtype = (
+            torch.device(device or p0.device),
+            p0.dtype,
+        )  # the optimizer's dtype
         self.compute_dtype = self.compute_dtype or self.master_dtype
         self.units, self.taken = [], {}  # taken: id of each parameter -> its name
         for path in units:  # each named submodule becomes a unit, in its parent's place
@@ -266,16 +388,30 @@ class Zero:
         model.to(self.device)  # the buffers (no parameters are left in the modules)
         self.opt = optimizer([u.master for u in self.units])  # on the flat master shards
         root, blocks = [self.root] * bool(self.root.numel), [u for u in self.units[:-1] if u.numel]
-        self.forward_order, self.backward_order = root + blocks, root + blocks[::-1]  # stage 3's order of use
-        self.order, self.prefetched, self.pending, self.last_microbatch = self.forward_order, {}, [], False
-        self.reduce_order, self.next, self.ready = [*self.units[-2::-1], self.root], 0, {}  # (reduce_grad)
+        self.forward_order, self.backward_order = (
+            root + blocks,
+            root + blocks[::-1],
+        )  # stage 3's order of use
+        self.order, self.prefetched, self.pending, self.last_microbatch = (
+            self.forward_order,
+            {},
+            [],
+            False,
+        )
+        self.reduce_order, self.next, self.ready = (
+            [*self.units[-2::-1], self.root],
+            0,
+            {},
+        )  # (reduce_grad)
         self.publishing = {}  # stages 1-2: unit -> (all-gather in flight, its input)
 
     # --- stage 3: prefetching all-gathers (FSDP's forward and backward prefetch) ---------------------------
-    def acquire(self, u):  # stage 3: wait for u's all-gather (N*S,), launch the next unit's (one ahead)
+    def acquire(
+        self, u
+    ):  # stage 3: wait for u's all-gather (N*S,), launch the next unit's (one ahead)
         work, buf = self.prefetched.pop(u, None) or self._launch_gather(u)
         work.wait()
-        later = self.order[self.order.index(u) + 1:]
+        later = self.order[self.order.index(u) + 1 :]
         if later and later[0] not in self.prefetched:
             self.prefetched[later[0]] = self._launch_gather(later[0])
         return buf
@@ -284,16 +420,24 @@ class Zero:
         buf = torch.empty(u.padded, dtype=self.compute_dtype, device=self.device)
         return all_gather_(buf, u.shard.detach(), self.group)[0], buf
 
-    def check_order(self, u=None):  # u: the unit forward runs now (None: forward ended). The top says why
+    def check_order(
+        self, u=None
+    ):  # u: the unit forward runs now (None: forward ended). The top says why
         want = self.forward_order[self.ran] if self.ran < len(self.forward_order) else None
-        if u is not want and self.order is self.forward_order:  # (backward may rerun a unit: recomputation)
-            raise ValueError(f"stage 3: {f'unit {u.path} ran' if u else 'forward ended'} where unit "
-                             f"{getattr(want, 'path', 'none')} was next: every rank must run every unit once "
-                             "per forward, in `units` order (collectives pair by order); stages 0-2 take any "
-                             "graph")
+        if (
+            u is not want and self.order is self.forward_order
+        ):  # (backward may rerun a unit: recomputation)
+            raise ValueError(
+                f"stage 3: {f'unit {u.path} ran' if u else 'forward ended'} where unit "
+                f"{getattr(want, 'path', 'none')} was next: every rank must run every unit once "
+                "per forward, in `units` order (collectives pair by order); stages 0-2 take any "
+                "graph"
+            )
         self.ran += 1
 
-    def _new_pass(self, order):  # a prefetch the last pass did not use (a forward without its units) ends
+    def _new_pass(
+        self, order
+    ):  # a prefetch the last pass did not use (a forward without its units) ends
         for work, _ in self.prefetched.values():
             work.wait()
         self.order, self.prefetched, self.ran = order, {}, 0
@@ -308,18 +452,31 @@ class Zero:
             if self.stage >= 2:
                 self.finish_reductions()
                 g = g.to(self.master_dtype).contiguous()
-            work, out = ((dist.all_reduce(g, group=self.group, async_op=True), g) if self.stage == 0
-                         else reduce_scatter_(g, self.group))
+            work, out = (
+                (dist.all_reduce(g, group=self.group, async_op=True), g)
+                if self.stage == 0
+                else reduce_scatter_(g, self.group)
+            )
             self.pending.append((u, work, out, g))  # g referenced until done
-            u.reduced = out if self.stage <= 1 else None  # stages 0-1: the step's sum, once work is done
+            u.reduced = (
+                out if self.stage <= 1 else None
+            )  # stages 0-1: the step's sum, once work is done
 
-    def end_round(self):  # backward ended (stages 0-1: the step's last): units it did not reach, zeros
-        while self.next < len(self.units):  # (each call launches its unit and the ready ones after it)
+    def end_round(
+        self,
+    ):  # backward ended (stages 0-1: the step's last): units it did not reach, zeros
+        while self.next < len(
+            self.units
+        ):  # (each call launches its unit and the ready ones after it)
             u = self.reduce_order[self.next]
             zeros = torch.zeros(u.padded, dtype=self.compute_dtype, device=self.device)
-            self.reduce_grad(u, zeros if self.stage >= 2 else u.accumulate(zeros))  # 0-1: what it has
+            self.reduce_grad(
+                u, zeros if self.stage >= 2 else u.accumulate(zeros)
+            )  # 0-1: what it has
 
-    def finish_reductions(self):  # wait for the reductions in flight; stages 2-3 add each shard into u.grad
+    def finish_reductions(
+        self,
+    ):  # wait for the reductions in flight; stages 2-3 add each shard into u.grad
         for u, work, out, _ in self.pending:
             work.wait()
             if self.stage >= 2:
@@ -327,13 +484,24 @@ class Zero:
         self.pending = []
 
     # --- what autograd saves: stage-3 parameter views kept as positions only --------------------------------
-    def _pack(self, t):  # (one pair of saved_tensors_hooks around the whole forward; all else kept as it is)
-        for u in self.units:  # stage 3: a view of the gathered unit would keep it alive until backward ...
+    def _pack(
+        self, t
+    ):  # (one pair of saved_tensors_hooks around the whole forward; all else kept as it is)
+        for u in (
+            self.units
+        ):  # stage 3: a view of the gathered unit would keep it alive until backward ...
             if self.stage == 3 and t.untyped_storage().data_ptr() == u.in_forward:
-                return (u, t.storage_offset(), t.shape, t.stride())  # ... so keep where it lies, gather again
+                return (
+                    u,
+                    t.storage_offset(),
+                    t.shape,
+                    t.stride(),
+                )  # ... so keep where it lies, gather again
         return t
 
-    def _unpack(self, x):  # stage 3: a position in a unit, all-gathered again for its backward (prefetched)
+    def _unpack(
+        self, x
+    ):  # stage 3: a position in a unit, all-gathered again for its backward (prefetched)
         if not isinstance(x, tuple):
             return x
         u, offset, shape, stride = x
@@ -345,7 +513,9 @@ class Zero:
         self._new_pass(self.forward_order)
         with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
             out = self.root(*args)
-        if self.stage == 3 and self.ran < len(self.forward_order):  # a unit skipped last: before backward
+        if self.stage == 3 and self.ran < len(
+            self.forward_order
+        ):  # a unit skipped last: before backward
             self.check_order()
         return out
 
@@ -359,13 +529,17 @@ class Zero:
             self.end_round()
             self.finish_reductions()  # (stages 2-3: the last unit's reduce-scatter; 0-1: for step to read)
 
-    def step(self):  # 1. the reduced gradients 2. their global norm 3. clip, AdamW, publish. Returns {norm}.
+    def step(
+        self,
+    ):  # 1. the reduced gradients 2. their global norm 3. clip, AdamW, publish. Returns {norm}.
         grads = self.gradients()
         norm = self.global_norm(grads)
         self.update(grads, norm)
         return dict(norm=norm)
 
-    def gradients(self):  # wait for every reduction; returns what AdamW reads (stages 1-3: my shards)
+    def gradients(
+        self,
+    ):  # wait for every reduction; returns what AdamW reads (stages 1-3: my shards)
         self.wait_published()  # (a unit the forward did not use: its shard is about to change)
         self.end_round()  # (stages 0-1 when no backward said last=True, or none ran: reduce now)
         self.finish_reductions()
@@ -375,15 +549,26 @@ class Zero:
             u.has_grad, u.reduced = False, None
         return grads
 
-    def global_norm(self, grads):  # the L2 norm of the whole gradient: each element in one rank's slice
-        parts = [g[u.lo:u.lo + u.valid] if self.stage == 0 else g[:u.valid]  # padding excluded
-                 for u, g in zip(self.units, grads)]
+    def global_norm(
+        self, grads
+    ):  # the L2 norm of the whole gradient: each element in one rank's slice
+        parts = [
+            g[u.lo : u.lo + u.valid] if self.stage == 0 else g[: u.valid]  # padding excluded
+            for u, g in zip(self.units, grads)
+        ]
         # each slice's norm in its own dtype, as clip_grad_norm_ (a float64 norm: 18x slower on CPU)
-        sq = torch.stack([torch.linalg.vector_norm(p).double() for p in parts]).square().sum().view(1)
+        sq = (
+            torch.stack([torch.linalg.vector_norm(p).double() for p in parts])
+            .square()
+            .sum()
+            .view(1)
+        )
         dist.all_reduce(sq, group=self.group)
         return sq.sqrt()
 
-    def update(self, grads, norm):  # clip (torch's clip_grad_norm_ rule), AdamW on the masters, publish
+    def update(
+        self, grads, norm
+    ):  # clip (torch's clip_grad_norm_ rule), AdamW on the masters, publish
         coef = torch.clamp(self.clip / (norm + 1e-6), max=1.0) if self.clip > 0 else None
         for u, g in zip(self.units, grads):
             u.master.grad = g if coef is None else g.mul_(coef.to(g))
@@ -394,11 +579,15 @@ class Zero:
     def new_master(self, u, mine):  # what AdamW updates: the compute copy itself, in place
         return u.compute
 
-    def publish(self):  # stages 1-2: all-gather each unit's updated shards, async, waited for at its forward
+    def publish(
+        self,
+    ):  # stages 1-2: all-gather each unit's updated shards, async, waited for at its forward
         for u in self.forward_order if self.stage in (1, 2) else ():
             self.publishing[u] = all_gather_(u.full.detach(), u.compute, self.group)
 
-    def wait_published(self, u=None):  # stages 1-2: unit u's all-gather from publish() (None: every unit's)
+    def wait_published(
+        self, u=None
+    ):  # stages 1-2: unit u's all-gather from publish() (None: every unit's)
         for v in [v for v in list(self.publishing) if u in (None, v)]:
             self.publishing.pop(v)[0].wait()
 
@@ -417,7 +606,9 @@ def full_state_dict(zero):
     return out
 
 
-def to_device(t, device):  # one host-to-device copy (a GPU: from pinned memory, async: the host goes on)
+def to_device(
+    t, device
+):  # one host-to-device copy (a GPU: from pinned memory, async: the host goes on)
     return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t.to(device)
 
 
@@ -426,7 +617,9 @@ def train_step(zero, x, y, n_tok, accum, loss_fn):
     returns this rank's loss (on the device) and zero.step()'s. loss_fn(out, y, n_tok): sum / global count."""
     check_split(x.shape[0], zero.world, accum)  # before any collective
     rows = x.shape[0] // zero.world
-    x, y = (to_device(t[zero.rank * rows:(zero.rank + 1) * rows], zero.device) for t in (x, y))  # (B/N, ...)
+    x, y = (
+        to_device(t[zero.rank * rows : (zero.rank + 1) * rows], zero.device) for t in (x, y)
+    )  # (B/N, ...)
     local = torch.zeros((), dtype=torch.float64, device=zero.device)
     for i, (xm, ym) in enumerate(zip(x.chunk(accum), y.chunk(accum))):  # (B/(N*accum), ...) each
         loss = loss_fn(zero(xm), ym, n_tok)
@@ -440,8 +633,13 @@ class MixedPrecisionZero(Zero):
     """Zero with forward and backward on a `compute_dtype` copy (--mixed-precision, see the top): master
     shards, gradients, reductions and AdamW in the model's dtype. float16: dynamic loss scaling."""
 
-    def __init__(self, *args, compute_dtype=torch.bfloat16, loss_scale=65536.0, scale_window=1000, **kw):
-        self.compute_dtype, self.scaling = compute_dtype, compute_dtype == torch.float16  # (read by Zero)
+    def __init__(
+        self, *args, compute_dtype=torch.bfloat16, loss_scale=65536.0, scale_window=1000, **kw
+    ):
+        self.compute_dtype, self.scaling = (
+            compute_dtype,
+            compute_dtype == torch.float16,
+        )  # (read by Zero)
         self.scale, self.window, self.clean = loss_scale if self.scaling else 1.0, scale_window, 0
         super().__init__(*args, **kw)
 
@@ -451,7 +649,9 @@ class MixedPrecisionZero(Zero):
     def backward(self, loss, last=True):
         super().backward(loss * self.scale if self.scaling else loss, last)
 
-    def step(self):  # Zero.step, unscaled; an overflow (a non-finite norm, on every rank alike) skips it
+    def step(
+        self,
+    ):  # Zero.step, unscaled; an overflow (a non-finite norm, on every rank alike) skips it
         grads = self.gradients()
         for g in grads if self.scaling else ():
             g.mul_(1.0 / self.scale)
@@ -465,9 +665,13 @@ class MixedPrecisionZero(Zero):
                 self.scale, self.clean = self.scale * (2.0 if finite else 0.5), 0
         return dict(norm=norm, skipped=not finite)
 
-    def publish(self):  # master -> compute copy (fp32 -> bf16), then Zero's all-gather of stages 1-2
+    def publish(
+        self,
+    ):  # master -> compute copy (fp32 -> bf16), then Zero's all-gather of stages 1-2
         for u in self.units:
-            u.compute.copy_(u.master, non_blocking=True)  # (OffloadZero on a GPU: from pinned host memory)
+            u.compute.copy_(
+                u.master, non_blocking=True
+            )  # (OffloadZero on a GPU: from pinned host memory)
         super().publish()
 
 
@@ -476,14 +680,22 @@ class OffloadZero(MixedPrecisionZero):
     """ZeRO-Offload (--offload, see the top) on mixed precision (compute_dtype=None: full precision): master
     shards, Adam moments and AdamW's step on the host; the device hands over the gradient shards each step."""
 
-    def new_master(self, u, mine):  # on the host, with a host buffer for u's gradient shard; on a GPU both
-        pin = self.device.type == "cuda"  # page-locked, so that the copies to and from the device are async
+    def new_master(
+        self, u, mine
+    ):  # on the host, with a host buffer for u's gradient shard; on a GPU both
+        pin = (
+            self.device.type == "cuda"
+        )  # page-locked, so that the copies to and from the device are async
         u.host_grad = torch.zeros(mine.shape, dtype=mine.dtype, pin_memory=pin)
         return mine.to("cpu", copy=True).pin_memory() if pin else mine.to("cpu", copy=True)
 
-    def update(self, grads, norm):  # device -> host (every shard's copy queued, then one wait): AdamW there
+    def update(
+        self, grads, norm
+    ):  # device -> host (every shard's copy queued, then one wait): AdamW there
         host = [u.host_grad.copy_(g, non_blocking=True) for u, g in zip(self.units, grads)]
-        if self.device.type == "cuda":  # AdamW on the host reads them next (publish's copies back are not
+        if (
+            self.device.type == "cuda"
+        ):  # AdamW on the host reads them next (publish's copies back are not
             torch.cuda.current_stream(self.device).synchronize()  # waited for: the top says why)
         super().update(host, norm)
 
@@ -500,36 +712,82 @@ def check_args(args, world):
     except ValueError as e:
         fail(f"--batch-size, --accum: {e}")
     if args.offload and args.stage == 0:
-        fail("--offload moves the sharded optimizer state to the CPU: use it with --stage 1, 2 or 3")
+        fail(
+            "--offload moves the sharded optimizer state to the CPU: use it with --stage 1, 2 or 3"
+        )
     if args.mixed_precision != "none" and args.dtype == "bfloat16":
-        fail("--mixed-precision keeps the master weights in --dtype: use --dtype float32 (or float64)")
+        fail(
+            "--mixed-precision keeps the master weights in --dtype: use --dtype float32 (or float64)"
+        )
     if args.scale_window < 1:
         fail(f"--scale-window must be >= 1, got {args.scale_window}")
 
 
 def train_zero(d, args):  # build, train, report, check; returns the --json summary
     data = MarkovData(args.vocab, args.seed)
-    d.log(f"ZeRO stage {args.stage} on {d.world} ranks ({d.backend}); entropy floor {data.entropy:.4f}")
-    model = build_gpt(GPTConfig.from_args(args), args.seed, DTYPES[args.dtype])  # whole, one seed, on the CPU
-    kind = OffloadZero if args.offload else Zero if args.mixed_precision == "none" else MixedPrecisionZero
-    low = {} if kind is Zero else dict(compute_dtype=LOW[args.mixed_precision], loss_scale=args.loss_scale,
-                                       scale_window=args.scale_window)
-    zero = kind(model, [f"blocks.{i}" for i in range(args.n_layers)], stage=args.stage, clip=args.clip,
-                optimizer=lambda ps: make_optimizer(ps, args), device=d.device, **low)
-    torch.manual_seed(args.seed + d.rank)  # dropout masks (if any) differ per rank; a resume restores them
+    d.log(
+        f"ZeRO stage {args.stage} on {d.world} ranks ({d.backend}); entropy floor {data.entropy:.4f}"
+    )
+    model = build_gpt(
+        GPTConfig.from_args(args), args.seed, DTYPES[args.dtype]
+    )  # whole, one seed, on the CPU
+    kind = (
+        OffloadZero
+        if args.offload
+        else Zero
+        if args.mixed_precision == "none"
+        else MixedPrecisionZero
+    )
+    low = (
+        {}
+        if kind is Zero
+        else dict(
+            compute_dtype=LOW[args.mixed_precision],
+            loss_scale=args.loss_scale,
+            scale_window=args.scale_window,
+        )
+    )
+    zero = kind(
+        model,
+        [f"blocks.{i}" for i in range(args.n_layers)],
+        stage=args.stage,
+        clip=args.clip,
+        optimizer=lambda ps: make_optimizer(ps, args),
+        device=d.device,
+        **low,
+    )
+    torch.manual_seed(
+        args.seed + d.rank
+    )  # dropout masks (if any) differ per rank; a resume restores them
     ckpt = ZeroCheckpoint(d, args.ckpt_dir, args.save_every, args.steps, zero.group)
     run, comm, watch = Run(d, args, zero, ckpt=ckpt), CommCounter(), Watch(zero)  # Watch: memory
     for step in run.steps():
-        x, y = data.batch(step, args.batch_size, args.seq_len, args.ragged)  # (B, T) global, on the CPU
+        x, y = data.batch(
+            step, args.batch_size, args.seq_len, args.ragged
+        )  # (B, T) global, on the CPU
         with run.watching(step, comm):  # the bytes of the last step, seen at the dispatcher
             local, info = train_step(zero, x, y, count_tokens(y), args.accum, lm_loss)
         dist.all_reduce(local, group=zero.group)  # the global batch's loss, for the log line
-        watch.end_step(d, step, info.get("skipped", False))  # fp16: the loss scale; a skipped step, logged
+        watch.end_step(
+            d, step, info.get("skipped", False)
+        )  # fp16: the loss scale; a skipped step, logged
         run.end_step(step, local.item())  # the timer, the log line, the checkpoint
-    top, figures = report(d, args, zero, watch, comm, run.start)  # the peak read first: before --check trains
+    top, figures = report(
+        d, args, zero, watch, comm, run.start
+    )  # the peak read first: before --check trains
     check = check_run(d, args, run.losses, full_state_dict(zero)) if args.check else None
-    return write_summary(d, args, "zero", run.losses, run.timer.median(), run.tokens_per_s(), top,
-                         comm.total(), check, figures)
+    return write_summary(
+        d,
+        args,
+        "zero",
+        run.losses,
+        run.timer.median(),
+        run.tokens_per_s(),
+        top,
+        comm.total(),
+        check,
+        figures,
+    )
 
 
 def main():
@@ -543,14 +801,23 @@ def main():
 # --- measurement --- (what the summary prints, watching Zero from outside) --------------------------------
 class Watch:
     """What zero.py measures, through Zero's plain attributes and methods; Zero itself counts nothing.
-      saved activations  a wrapper around Zero's own pack hook (the innermost pair of saved-tensor hooks,
-                         which would hide an outer harness.SavedActivations): the bytes of what it keeps per
-                         micro-batch forward, each storage once (not parameter views, not stage-3 positions)
-      gathered buffers   each stage-3 all-gather's output, held weakly (harness.LiveStorages); their peak"""
+    saved activations  a wrapper around Zero's own pack hook (the innermost pair of saved-tensor hooks,
+                       which would hide an outer harness.SavedActivations): the bytes of what it keeps per
+                       micro-batch forward, each storage once (not parameter views, not stage-3 positions)
+    gathered buffers   each stage-3 all-gather's output, held weakly (harness.LiveStorages); their peak"""
 
     def __init__(self, zero):
-        self.zero, self.gathered, self.saved, self.saved_peak, self._seen = zero, LiveStorages(), 0, 0, set()
-        self.scales, self.skipped = [], []  # fp16: the loss scale after each step, the steps skipped
+        self.zero, self.gathered, self.saved, self.saved_peak, self._seen = (
+            zero,
+            LiveStorages(),
+            0,
+            0,
+            set(),
+        )
+        self.scales, self.skipped = (
+            [],
+            [],
+        )  # fp16: the loss scale after each step, the steps skipped
         pack, launch = zero._pack, zero._launch_gather
         zero._pack = lambda t: self._kept(pack(t))
         zero._launch_gather = lambda u: self._gathered(*launch(u))
@@ -558,10 +825,14 @@ class Watch:
         zero.root.register_forward_hook(self._end_forward)
 
     def end_step(self, d, step, skipped):
-        self.scales.append(getattr(self.zero, "scale", 1.0))  # (MixedPrecisionZero's; fp16 changes it)
+        self.scales.append(
+            getattr(self.zero, "scale", 1.0)
+        )  # (MixedPrecisionZero's; fp16 changes it)
         if skipped:
             self.skipped.append(step)
-            d.log(f"step {step:4d} | overflow: step skipped on every rank, loss scale -> {self.scales[-1]:g}")
+            d.log(
+                f"step {step:4d} | overflow: step skipped on every rank, loss scale -> {self.scales[-1]:g}"
+            )
 
     def _new_forward(self, *_):
         self.saved, self._seen = 0, set()
@@ -575,7 +846,11 @@ class Watch:
             self.saved += t.untyped_storage().nbytes()
 
     def _kept(self, kept):  # what _pack kept: a tensor, or a stage-3 position (not a tensor)
-        params = {u.full.untyped_storage().data_ptr() for u in self.zero.units} if self.zero.stage < 3 else ()
+        params = (
+            {u.full.untyped_storage().data_ptr() for u in self.zero.units}
+            if self.zero.stage < 3
+            else ()
+        )
         if torch.is_tensor(kept) and kept.untyped_storage().data_ptr() not in params:
             self._add(kept)
         return kept
@@ -588,16 +863,25 @@ class Watch:
 
 def memory(zero):
     """Model-state bytes of this rank, counted from the tensors themselves."""
-    moments = [v for u in zero.units for v in zero.opt.state.get(u.master, {}).values()
-               if torch.is_tensor(v) and v.dim() > 0]
+    moments = [
+        v
+        for u in zero.units
+        for v in zero.opt.state.get(u.master, {}).values()
+        if torch.is_tensor(v) and v.dim() > 0
+    ]
     masters = [u.master for u in zero.units] if separate_master(zero) else []
     host_grads = [u.host_grad for u in zero.units] if isinstance(zero, OffloadZero) else []
-    return dict(params=tensor_bytes([u.full if zero.stage < 3 else u.shard for u in zero.units]),
-                grads=tensor_bytes([u.grad for u in zero.units]), optim=tensor_bytes(moments + masters),
-                host_grad_copy=tensor_bytes(host_grads))
+    return dict(
+        params=tensor_bytes([u.full if zero.stage < 3 else u.shard for u in zero.units]),
+        grads=tensor_bytes([u.grad for u in zero.units]),
+        optim=tensor_bytes(moments + masters),
+        host_grad_copy=tensor_bytes(host_grads),
+    )
 
 
-def separate_master(zero):  # MixedPrecisionZero and OffloadZero keep one; Zero steps the compute copy
+def separate_master(
+    zero,
+):  # MixedPrecisionZero and OffloadZero keep one; Zero steps the compute copy
     return isinstance(zero, MixedPrecisionZero)
 
 
@@ -607,8 +891,15 @@ def theory(zero, padded=False):
     psi = sum(u.padded if padded else u.numel for u in zero.units)
     p, m = torch.finfo(zero.compute_dtype).bits // 8, torch.finfo(zero.master_dtype).bits // 8
     N, s, K = zero.world, zero.stage, 2 * m + (m if separate_master(zero) else 0)
-    return dict(params=p * psi / (N if s == 3 else 1), grads=m * psi / (N if s >= 2 else 1),
-                optim=K * psi / (N if s >= 1 else 1), psi=psi, p=p, g=m, K=K)
+    return dict(
+        params=p * psi / (N if s == 3 else 1),
+        grads=m * psi / (N if s >= 2 else 1),
+        optim=K * psi / (N if s >= 1 else 1),
+        psi=psi,
+        p=p,
+        g=m,
+        K=K,
+    )
 
 
 def report(d, args, zero, watch, comm, resumed_from):
@@ -619,39 +910,74 @@ def report(d, args, zero, watch, comm, resumed_from):
     mem, th, thp = memory(zero), theory(zero), theory(zero, padded=True)
     N, s, psi, p, g, K, A = d.world, args.stage, th["psi"], th["p"], th["g"], th["K"], args.accum
     keys, saved, sent = ("params", "grads", "optim"), watch.saved_peak, comm.total()
-    formula = {0: "(p+g+K) Psi", 1: "(p+g) Psi + K Psi/N", 2: "p Psi + (g+K) Psi/N", 3: "(p+g+K) Psi/N"}[s]
-    paper = {0: 16, 1: 4 + 12 / N, 2: 2 + 14 / N, 3: 16 / N}[s] * psi  # fp16 Adam: p = g = 2, K = 12
+    formula = {
+        0: "(p+g+K) Psi",
+        1: "(p+g) Psi + K Psi/N",
+        2: "p Psi + (g+K) Psi/N",
+        3: "(p+g+K) Psi/N",
+    }[s]
+    paper = {0: 16, 1: 4 + 12 / N, 2: 2 + 14 / N, 3: 16 / N}[
+        s
+    ] * psi  # fp16 Adam: p = g = 2, K = 12
     # bytes handed to collectives per step: an all-reduce or reduce-scatter takes the whole vector, an
     # all-gather this rank's 1/N of it; a ring then puts (N-1)/N of the first (twice for an all-reduce)
     # and N-1 times the second on this rank's link
     comm_, comm_formula = {
         0: (g * psi, "g Psi: all-reduce"),
         1: (psi * (g + p / N), "Psi (g + p/N): reduce-scatter + all-gather"),
-        2: (psi * (A * g + p / N), "Psi (accum g + p/N): reduce-scatter per micro-batch + all-gather"),
-        3: (A * psi * (2 * p / N + g), "accum Psi (2p/N + g): 2 all-gathers + reduce-scatter per "
-                                       "micro-batch")}[s]
-    gathered = p * (zero.root.padded + sum(sorted((u.padded for u in zero.units[:-1]), reverse=True)[:2]))
+        2: (
+            psi * (A * g + p / N),
+            "Psi (accum g + p/N): reduce-scatter per micro-batch + all-gather",
+        ),
+        3: (
+            A * psi * (2 * p / N + g),
+            "accum Psi (2p/N + g): 2 all-gathers + reduce-scatter per micro-batch",
+        ),
+    }[s]
+    gathered = p * (
+        zero.root.padded + sum(sorted((u.padded for u in zero.units[:-1]), reverse=True)[:2])
+    )
     on_cpu = " (= the device here: trivially true on CPU)" if zero.device.type == "cpu" else ""
-    d.log(f"\nmemory per rank, counted from the tensors | ZeRO theory, Psi={psi}, N={N}, p={p} g={g} K={K} "
-          "bytes")
-    for k, label in (("params", "parameters (compute copy)"), ("grads", "gradients (accumulator)"),
-                     ("optim", "optimizer (master, m, v)" + (" on host" + on_cpu if args.offload else ""))):
+    d.log(
+        f"\nmemory per rank, counted from the tensors | ZeRO theory, Psi={psi}, N={N}, p={p} g={g} K={K} "
+        "bytes"
+    )
+    for k, label in (
+        ("params", "parameters (compute copy)"),
+        ("grads", "gradients (accumulator)"),
+        ("optim", "optimizer (master, m, v)" + (" on host" + on_cpu if args.offload else "")),
+    ):
         d.log(f"  {label:32s} {mem[k]:>10,d} B | theory {th[k]:>12,.0f} B")
-    d.log(f"  {'model states':32s} {sum(mem[k] for k in keys):>10,d} B | theory "
-          f"{sum(th[k] for k in keys):>12,.0f} B = {formula}  (paper, fp16 Adam: {paper:,.0f} B)")
+    d.log(
+        f"  {'model states':32s} {sum(mem[k] for k in keys):>10,d} B | theory "
+        f"{sum(th[k] for k in keys):>12,.0f} B = {formula}  (paper, fp16 Adam: {paper:,.0f} B)"
+    )
     if s == 3:
-        d.log(f"  {'peak gathered parameters':32s} {watch.gathered.peak:>10,d} B | bound {gathered:>12,.0f} B"
-              " = p (root + 2 largest units: the one running, the one prefetched)")
+        d.log(
+            f"  {'peak gathered parameters':32s} {watch.gathered.peak:>10,d} B | bound {gathered:>12,.0f} B"
+            " = p (root + 2 largest units: the one running, the one prefetched)"
+        )
     d.log(f"  {'saved activations/micro-batch':32s} {saved:>10,d} B (memory_savers.py cuts these)")
-    d.log(f"bytes handed to collectives per rank per step: counted {sent:,.0f} B | theory {comm_:,.0f} B = "
-          f"{comm_formula} (counted: padded vectors + the 8-byte norm all-reduce)")
-    return top, dict(memory={k: dict(counted=mem[k], theory=th[k], theory_padded=thp[k]) for k in keys},
-                     host_grad_copy_bytes=mem["host_grad_copy"], psi=psi, psi_padded=thp["psi"],
-                     bytes_per_elem=dict(p=p, g=g, K=K), model_state_formula=formula,
-                     gathered_peak_bytes=watch.gathered.peak, gathered_bound_bytes=gathered,
-                     saved_activation_bytes=saved, comm_theory_bytes=comm_, comm_formula=comm_formula,
-                     loss_scale=watch.scales, per_rank=per_rank(d, zero, watch.skipped),
-                     resumed_from_step=resumed_from)
+    d.log(
+        f"bytes handed to collectives per rank per step: counted {sent:,.0f} B | theory {comm_:,.0f} B = "
+        f"{comm_formula} (counted: padded vectors + the 8-byte norm all-reduce)"
+    )
+    return top, dict(
+        memory={k: dict(counted=mem[k], theory=th[k], theory_padded=thp[k]) for k in keys},
+        host_grad_copy_bytes=mem["host_grad_copy"],
+        psi=psi,
+        psi_padded=thp["psi"],
+        bytes_per_elem=dict(p=p, g=g, K=K),
+        model_state_formula=formula,
+        gathered_peak_bytes=watch.gathered.peak,
+        gathered_bound_bytes=gathered,
+        saved_activation_bytes=saved,
+        comm_theory_bytes=comm_,
+        comm_formula=comm_formula,
+        loss_scale=watch.scales,
+        per_rank=per_rank(d, zero, watch.skipped),
+        resumed_from_step=resumed_from,
+    )
 
 
 def peak(d, args, zero, watch):
@@ -670,8 +996,10 @@ def per_rank(d, zero, skipped):
     """What each rank decided on its own: the steps it skipped, its optimizer's step count (as tensors)."""
     every_skipped = gather_rows(d, torch.tensor(skipped, dtype=torch.float64).view(-1, 1))
     every_adam = gather_rows(d, [[adam_step(zero)]])
-    return [dict(skipped=[int(s) for s in sk[:, 0].tolist()], adam_step=a[0, 0].item())
-            for sk, a in zip(every_skipped, every_adam)]
+    return [
+        dict(skipped=[int(s) for s in sk[:, 0].tolist()], adam_step=a[0, 0].item())
+        for sk, a in zip(every_skipped, every_adam)
+    ]
 
 
 # --- reference for --check --- (mixed precision: one process, the same recipe) ---------------------------
@@ -691,8 +1019,11 @@ def reference(args, world, device="cpu"):
     loss and skips a non-finite step."""
     data, rows = MarkovData(args.vocab, args.seed), args.batch_size // world
     master = build_gpt(GPTConfig.from_args(args), args.seed, DTYPES[args.dtype], device)
-    low = master if LOW[args.mixed_precision] is None else build_gpt(GPTConfig.from_args(args), args.seed,
-                                                                     LOW[args.mixed_precision], device)
+    low = (
+        master
+        if LOW[args.mixed_precision] is None
+        else build_gpt(GPTConfig.from_args(args), args.seed, LOW[args.mixed_precision], device)
+    )
     opt = make_optimizer(master.parameters(), args)
     scale, clean, losses = (args.loss_scale if args.mixed_precision == "fp16" else 1.0), 0, []
     for step in range(args.steps):
@@ -741,16 +1072,26 @@ def check_mixed(d, args, losses, params):
     t = torch.zeros(3, dtype=torch.float64, device=d.device)
     if d.rank == 0:
         ref = reference(args, d.world, d.device)
-        init = dict(build_gpt(GPTConfig.from_args(args), args.seed, DTYPES[args.dtype]).named_parameters())
+        init = dict(
+            build_gpt(GPTConfig.from_args(args), args.seed, DTYPES[args.dtype]).named_parameters()
+        )
         u = torch.finfo(LOW[args.mixed_precision]).eps / 2  # unit roundoff: half the spacing at 1
         loss_diff = max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(losses, ref["losses"]))
-        path_diff = max(((params[n] - r.cpu()).norm() / (init[n].detach() - r.cpu()).norm().clamp_min(1e-30))
-                        .item() for n, r in ref["params"].items())
+        path_diff = max(
+            (
+                (params[n] - r.cpu()).norm() / (init[n].detach() - r.cpu()).norm().clamp_min(1e-30)
+            ).item()
+            for n, r in ref["params"].items()
+        )
         passed = len(losses) == len(ref["losses"]) and loss_diff <= u and path_diff <= 0.1
-        d.log(f"check vs one-process reference, same precision recipe: max rel loss diff {loss_diff:.3e} "
-              f"(tolerance {u:.0e} = u), max param diff relative to training's move {path_diff:.3e} (0.1) -> "
-              f"{'PASSED' if passed else 'FAILED'}")
-        t = torch.tensor([loss_diff, path_diff, float(passed)], dtype=torch.float64, device=d.device)
+        d.log(
+            f"check vs one-process reference, same precision recipe: max rel loss diff {loss_diff:.3e} "
+            f"(tolerance {u:.0e} = u), max param diff relative to training's move {path_diff:.3e} (0.1) -> "
+            f"{'PASSED' if passed else 'FAILED'}"
+        )
+        t = torch.tensor(
+            [loss_diff, path_diff, float(passed)], dtype=torch.float64, device=d.device
+        )
     dist.broadcast(t, src=0)  # rank 0's verdict for every rank, as numbers in a tensor
     return dict(max_loss_diff=t[0].item(), max_param_diff=t[1].item(), passed=bool(t[2].item()))
 
@@ -768,13 +1109,16 @@ class ZeroCheckpoint:
     (Checkpointer's rank*/), a damaged .metadata or another model are refused with one line (exit 2), and so
     are ranks that see different steps (node-local disks: .metadata on rank 0's node only). Run passes the
     Zero as `state`."""
+
     MOMENTS = ("exp_avg", "exp_avg_sq")
 
     def __init__(self, d, ckpt_dir, save_every, steps, group=None):
         self.d, self.root, self.save_every, self.steps = d, ckpt_dir, save_every, steps
         self.group = group or dist.group.WORLD
         self.world = dist.get_world_size(self.group)
-        self.mesh = DeviceMesh.from_group(self.group, "cpu")  # lays out CPU copies; DCP talks on `group`
+        self.mesh = DeviceMesh.from_group(
+            self.group, "cpu"
+        )  # lays out CPU copies; DCP talks on `group`
 
     def _state(self, zero, loading):
         """What DCP saves or loads into: {key: DTensor}, this rank's shards (CPU copies) and RNG rows; and
@@ -786,34 +1130,50 @@ class ZeroCheckpoint:
         for k, v in rng.items():  # (world, L): row r is rank r's
             state[k] = DTensor.from_local(v.view(1, -1), self.mesh, [Shard(0)], run_check=False)
         for i, u in enumerate(zero.units):
-            st = zero.opt.state.get(u.master) or {k: torch.zeros_like(u.master) for k in self.MOMENTS}
+            st = zero.opt.state.get(u.master) or {
+                k: torch.zeros_like(u.master) for k in self.MOMENTS
+            }
             whole = zero.stage == 0 and loading
             lo, n = (0, u.numel) if whole else (u.lo if zero.stage == 0 else 0, u.valid)
             for k, v in (("master", u.master), *((k, st[k]) for k in self.MOMENTS)):
-                part, place = v.detach()[lo:lo + n], Replicate() if whole else Shard(0)
-                state[f"unit{i}.{k}"] = DTensor.from_local(part.cpu(), self.mesh, [place], run_check=False,
-                                                           shape=(u.numel,), stride=(1,))
+                part, place = v.detach()[lo : lo + n], Replicate() if whole else Shard(0)
+                state[f"unit{i}.{k}"] = DTensor.from_local(
+                    part.cpu(), self.mesh, [place], run_check=False, shape=(u.numel,), stride=(1,)
+                )
                 copies.append((state[f"unit{i}.{k}"], part))
         return state, copies
 
-    def _steps(self, name=""):  # the steps whose directory holds `name` (""; every step directory), in order
+    def _steps(
+        self, name=""
+    ):  # the steps whose directory holds `name` (""; every step directory), in order
         if not self.root or not os.path.isdir(self.root):
             return []
-        return sorted(int(f[4:]) for f in os.listdir(self.root) if f.startswith("step") and f[4:].isdigit()
-                      and os.path.exists(os.path.join(self.root, f, name)))
+        return sorted(
+            int(f[4:])
+            for f in os.listdir(self.root)
+            if f.startswith("step")
+            and f[4:].isdigit()
+            and os.path.exists(os.path.join(self.root, f, name))
+        )
 
     def _sizes(self, path, zero):  # DCP's .metadata, checked against this run: {key: global shape}
         try:
-            sizes = {k: tuple(m.size) for k, m in dcp.FileSystemReader(path).read_metadata()
-                     .state_dict_metadata.items()}
+            sizes = {
+                k: tuple(m.size)
+                for k, m in dcp.FileSystemReader(path).read_metadata().state_dict_metadata.items()
+            }
         except Exception as e:
-            fail(f"cannot read checkpoint {path}/.metadata ({type(e).__name__}): delete it or use another "
-                 "--ckpt-dir")
+            fail(
+                f"cannot read checkpoint {path}/.metadata ({type(e).__name__}): delete it or use another "
+                "--ckpt-dir"
+            )
         want = {f"unit{i}.master": (u.numel,) for i, u in enumerate(zero.units)}
         got = {k: s for k, s in sizes.items() if k.endswith(".master")}
         if got != want:
-            fail(f"checkpoint {path} holds another model (flat sizes {[s for s, in got.values()]}, this "
-                 f"run {[s for s, in want.values()]}): use another --ckpt-dir")
+            fail(
+                f"checkpoint {path} holds another model (flat sizes {[s for (s,) in got.values()]}, this "
+                f"run {[s for (s,) in want.values()]}): use another --ckpt-dir"
+            )
         return sizes
 
     def load(self, zero):
@@ -822,8 +1182,10 @@ class ZeroCheckpoint:
         if not self.root:
             return 0, {}
         if os.path.isdir(self.root) and any(f.startswith("rank") for f in os.listdir(self.root)):
-            fail(f"--ckpt-dir {self.root} holds another file's rank-local checkpoints (rank*/), not "
-                 f"{os.path.basename(sys.argv[0])}'s sharded steps (step*/): use another --ckpt-dir")
+            fail(
+                f"--ckpt-dir {self.root} holds another file's rank-local checkpoints (rank*/), not "
+                f"{os.path.basename(sys.argv[0])}'s sharded steps (step*/): use another --ckpt-dir"
+            )
         steps = self._steps(".metadata")
         if steps:  # checked before the collective
             self._sizes(os.path.join(self.root, f"step{steps[-1]}"), zero)
@@ -832,28 +1194,41 @@ class ZeroCheckpoint:
         orphans = [s for s in self._steps()[:-1] if s not in steps]
         newest = steps[-1] if steps else 0
         t = torch.tensor([newest, -newest, len(orphans)], device=self.d.device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)  # (the largest, -(the smallest), orphans)
+        dist.all_reduce(
+            t, op=dist.ReduceOp.MAX, group=self.group
+        )  # (the largest, -(the smallest), orphans)
         hi, lo, orphans = int(t[0]), -int(t[1]), int(t[2])
         if hi != lo or orphans:
-            fail(f"--ckpt-dir {self.root}: the ranks see different checkpoints (newest complete step {lo} to "
-                 f"{hi}; {orphans} older steps with a piece but no .metadata): it must be shared by every "
-                 "node")
+            fail(
+                f"--ckpt-dir {self.root}: the ranks see different checkpoints (newest complete step {lo} to "
+                f"{hi}; {orphans} older steps with a piece but no .metadata): it must be shared by every "
+                "node"
+            )
         if not hi:
             return 0, {}
         path = os.path.join(self.root, f"step{hi}")
         sizes = self._sizes(path, zero)
         for u in zero.units:  # AdamW's state for DCP to load into
-            zero.opt.state[u.master] = dict(step=torch.tensor(0.0), **{k: torch.zeros_like(u.master)
-                                                                     for k in self.MOMENTS})
+            zero.opt.state[u.master] = dict(
+                step=torch.tensor(0.0), **{k: torch.zeros_like(u.master) for k in self.MOMENTS}
+            )
         state, copies = self._state(zero, loading=True)
         saved_world = sizes["rng_cpu"][0]
-        if saved_world != self.world:  # at another world size the ranks' RNG streams cannot continue
+        if (
+            saved_world != self.world
+        ):  # at another world size the ranks' RNG streams cannot continue
             state = {k: v for k, v in state.items() if not k.startswith("rng")}
-        state.update(scalars=torch.zeros(3, dtype=torch.float64),  # tensors: dcp.load fills tensors in
-                     losses=torch.zeros(sizes["losses"], dtype=torch.float64))  # place, not plain values
-        dcp.load(state, checkpoint_id=path, process_group=self.group)  # every rank reads what it owns now
+        state.update(
+            scalars=torch.zeros(3, dtype=torch.float64),  # tensors: dcp.load fills tensors in
+            losses=torch.zeros(sizes["losses"], dtype=torch.float64),
+        )  # place, not plain values
+        dcp.load(
+            state, checkpoint_id=path, process_group=self.group
+        )  # every rank reads what it owns now
         for t, part in copies:
-            part.copy_(t.to_local())  # (the CPU copy DCP filled -> the device's shard; on a CPU: itself)
+            part.copy_(
+                t.to_local()
+            )  # (the CPU copy DCP filled -> the device's shard; on a CPU: itself)
         adam_step, scale, clean = state["scalars"].tolist()
         for u in zero.units:
             zero.opt.state[u.master]["step"].fill_(adam_step)
@@ -864,20 +1239,32 @@ class ZeroCheckpoint:
             torch.set_rng_state(state["rng_cpu"].to_local()[0])
             if self.d.device.type == "cuda":
                 torch.cuda.set_rng_state(state["rng_cuda"].to_local()[0], self.d.device)
-        self.d.log(f"resumed from {self.root} at step {hi} (saved at world size {saved_world}"
-                   f"{'' if saved_world == self.world else '; RNG streams start afresh'})")
+        self.d.log(
+            f"resumed from {self.root} at step {hi} (saved at world size {saved_world}"
+            f"{'' if saved_world == self.world else '; RNG streams start afresh'})"
+        )
         return hi, dict(losses=state["losses"].tolist())
 
     def maybe_save(self, step, zero, history):
         """`step` = steps completed. Saves every `save_every` steps and after the last one."""
-        if not self.root or not (step == self.steps or (self.save_every and step % self.save_every == 0)):
+        if not self.root or not (
+            step == self.steps or (self.save_every and step % self.save_every == 0)
+        ):
             return
         zero.wait_published()  # (stages 1-2, no separate master: the master is a view of the gathered vector)
         state, _ = self._state(zero, loading=False)
-        scalars = [adam_step(zero), getattr(zero, "scale", 1.0), getattr(zero, "clean", 0)]  # (fp16's scale)
-        state.update(scalars=torch.tensor(scalars, dtype=torch.float64),
-                     losses=torch.tensor(history.get("losses", []), dtype=torch.float64))
-        dcp.save(state, checkpoint_id=os.path.join(self.root, f"step{step}"), process_group=self.group)
+        scalars = [
+            adam_step(zero),
+            getattr(zero, "scale", 1.0),
+            getattr(zero, "clean", 0),
+        ]  # (fp16's scale)
+        state.update(
+            scalars=torch.tensor(scalars, dtype=torch.float64),
+            losses=torch.tensor(history.get("losses", []), dtype=torch.float64),
+        )
+        dcp.save(
+            state, checkpoint_id=os.path.join(self.root, f"step{step}"), process_group=self.group
+        )
         if dist.get_rank(self.group) == 0:  # .metadata is written: the step is complete
             for old in self._steps(".metadata")[:-2]:  # keep the last two
                 shutil.rmtree(os.path.join(self.root, f"step{old}"))

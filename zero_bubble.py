@@ -40,6 +40,7 @@ Run (one process per stage; a world of 1 is not a pipeline):
     torchrun --nproc_per_node=4 zero_bubble.py --pp 2 --dp 2 --schedule zbv --dtype float64 --check
 In production, use torch.distributed.pipelining (ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble).
 """
+
 import collections, contextlib, sys
 from dataclasses import dataclass
 from typing import Literal
@@ -50,16 +51,41 @@ import torch.nn as nn
 import torch.nn.functional as F
 from einops import rearrange
 
-from common import (build_gpt, count_tokens, DTYPES, fail, GPTConfig, init_dist, lm_loss,
-                    make_optimizer, MarkovData)
-from harness import (assemble_full, busy_ms, check_against_reference, check_common_args, CommCounter,
-                     CommonArgs, draw_timeline, env_world_size, gather_rows, parse_args,
-                     peak_memory_bytes, PipelineWatch, Run, state_bytes, write_trace)
+from common import (
+    build_gpt,
+    count_tokens,
+    DTYPES,
+    fail,
+    GPTConfig,
+    init_dist,
+    lm_loss,
+    make_optimizer,
+    MarkovData,
+)
+from harness import (
+    assemble_full,
+    busy_ms,
+    check_against_reference,
+    check_common_args,
+    CommCounter,
+    CommonArgs,
+    draw_timeline,
+    env_world_size,
+    gather_rows,
+    parse_args,
+    peak_memory_bytes,
+    PipelineWatch,
+    Run,
+    state_bytes,
+    write_trace,
+)
 
 
 @dataclass
 class Args(CommonArgs):
-    schedule: Literal["zbh1", "zbv"] = "zbh1"  # zbh1: one stage per rank; zbv: two chunks per rank in a V
+    schedule: Literal["zbh1", "zbv"] = (
+        "zbh1"  # zbh1: one stage per rank; zbv: two chunks per rank in a V
+    )
     pp: int = 0  # pipeline ranks p (0 = world / dp)
     dp: int = 1  # data-parallel replicas, outermost
     microbatches: int = 4  # m: micro-batches per replica and step (zbv: at least 2p-1)
@@ -73,7 +99,9 @@ class _LinearDeferringW(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, layer, split):
-        ctx.save_for_backward(x, weight)  # x for W, the weight for dx: what nn.Linear's own backward keeps
+        ctx.save_for_backward(
+            x, weight
+        )  # x for W, the weight for dx: what nn.Linear's own backward keeps
         ctx.layer, ctx.split = layer, split
         return F.linear(x, weight, bias)
 
@@ -81,7 +109,11 @@ class _LinearDeferringW(torch.autograd.Function):
     def backward(ctx, dy):  # dy: (..., out)
         x, weight = ctx.saved_tensors  # x: (..., in)
         ctx.split.saved.append((ctx.layer, x, dy))
-        dx = dy.reshape(-1, dy.shape[-1]).mm(weight).view(x.shape) if ctx.needs_input_grad[0] else None
+        dx = (
+            dy.reshape(-1, dy.shape[-1]).mm(weight).view(x.shape)
+            if ctx.needs_input_grad[0]
+            else None
+        )
         return dx, None, None, None, None  # no weight or bias gradient now: W adds it
 
 
@@ -95,8 +127,9 @@ class SplitBackward:
         self.saved = []  # (layer, x, dy), appended by the B in progress
         for layer in module.modules():
             if isinstance(layer, nn.Linear):
-                layer.forward = lambda x, layer=layer: _LinearDeferringW.apply(x, layer.weight, layer.bias,
-                                                                               layer, self)
+                layer.forward = lambda x, layer=layer: _LinearDeferringW.apply(
+                    x, layer.weight, layer.bias, layer, self
+                )
 
     def backward_input(self, out, grad=None):
         torch.autograd.backward(out, grad)
@@ -106,7 +139,10 @@ class SplitBackward:
     @staticmethod
     def backward_weight(saved):
         for layer, x, dy in saved:
-            x2, dy2 = x.detach().reshape(-1, x.shape[-1]), dy.reshape(-1, dy.shape[-1])  # (N, in), (N, out)
+            x2, dy2 = (
+                x.detach().reshape(-1, x.shape[-1]),
+                dy.reshape(-1, dy.shape[-1]),
+            )  # (N, in), (N, out)
             # autograd's addmm / mm backward products, same layout and bits; x detached: W builds no graph
             grads = [(layer.weight, dy2.t().mm(x2))]  # (out, in)
             if layer.bias is not None:
@@ -119,8 +155,10 @@ class SplitBackward:
 def split_layers(n_layers, n):
     """Blocks [start, end) of each of n chunks, as even as possible; the earlier chunks take the extras."""
     if not 1 <= n <= n_layers:
-        raise ValueError(f"{n} chunks of {n_layers} blocks: this cuts the model into {n} chunks but "
-                         f"--n-layers is {n_layers}; use 1 to {n_layers} chunks, or --n-layers {n} or more")
+        raise ValueError(
+            f"{n} chunks of {n_layers} blocks: this cuts the model into {n} chunks but "
+            f"--n-layers is {n_layers}; use 1 to {n_layers} chunks, or --n-layers {n} or more"
+        )
     base, extra = divmod(n_layers, n)
     return [(c * base + min(c, extra), (c + 1) * base + min(c + 1, extra)) for c in range(n)]
 
@@ -186,13 +224,17 @@ def ideal_timeline(orders, n):
             while nxt[r] < len(orders[r]):
                 op = orders[r][nxt[r]]
                 deps = [producer(op)] if needs(op, n) else []
-                deps += [("F", *op[1:])] if op[0] == "B" else [("B", *op[1:])] if op[0] == "W" else []
+                deps += (
+                    [("F", *op[1:])] if op[0] == "B" else [("B", *op[1:])] if op[0] == "W" else []
+                )
                 if any(dep not in at for dep in deps):
                     break
                 start = max([free[r]] + [at[dep][2] for dep in deps])
                 at[op], free[r], nxt[r], moved = (r, start, start + 1), start + 1, nxt[r] + 1, True
         if not moved:
-            raise ValueError("the schedule waits on itself: give every rank's ops of one schedule, in order")
+            raise ValueError(
+                "the schedule waits on itself: give every rank's ops of one schedule, in order"
+            )
     return at
 
 
@@ -210,8 +252,11 @@ def comm_plan(orders, n, r):
         if msg is not None and at[producer(msg)][0] != at[msg][0]:
             (src, _, made), (dst, used, _) = at[producer(msg)], at[msg]
             edges = {x for q in (src, dst) for span in spans[q] for x in span if made <= x <= used}
-            between = [x for x in sorted(edges | {made, used})
-                       if all(not a < x < z for q in (src, dst) for a, z in spans[q])]
+            between = [
+                x
+                for x in sorted(edges | {made, used})
+                if all(not a < x < z for q in (src, dst) for a, z in spans[q])
+            ]
             when = between[0] if between else made
             if src == r:
                 items[when][0].append((dst, msg))
@@ -223,32 +268,43 @@ def comm_plan(orders, n, r):
 
 
 # ----------------------------------------------------------------------------- one rank running its plan
-TAG = {"F": 0, "B": 1}  # a point-to-point tag per direction: activations 0, gradients 1 (NCCL ignores tags)
+TAG = {
+    "F": 0,
+    "B": 1,
+}  # a point-to-point tag per direction: activations 0, gradients 1 (NCCL ignores tags)
 
 
 class PipelineRank:
     """One rank of one pipeline: runs `plan` (comm_plan's steps) over its chunks for one batch, to the flush.
-        chunks   {global chunk index: module} of n; chunk 0 reads inputs[k], chunk n-1 loss_fn(., targets[k])
-        split    a SplitBackward over this rank's chunks: B keeps what W needs, W adds the weight gradients
-        group    the pipeline's ranks in pp rank order; every message is one tensor of msg_shape and dtype
-        observe  a context around every F, B, W (observe(kind, mb, chunk=c)) and p2p (observe("p2p", None,
-                 recvs=[message, ...])). NCCL wants a collective on the group first: the caller runs it."""
+    chunks   {global chunk index: module} of n; chunk 0 reads inputs[k], chunk n-1 loss_fn(., targets[k])
+    split    a SplitBackward over this rank's chunks: B keeps what W needs, W adds the weight gradients
+    group    the pipeline's ranks in pp rank order; every message is one tensor of msg_shape and dtype
+    observe  a context around every F, B, W (observe(kind, mb, chunk=c)) and p2p (observe("p2p", None,
+             recvs=[message, ...])). NCCL wants a collective on the group first: the caller runs it."""
 
     def __init__(self, chunks, n, plan, split, group, msg_shape, dtype, device, observe=None):
         self.chunks, self.n, self.plan, self.split, self.group = chunks, n, plan, split, group
         self.msg_shape, self.dtype, self.device = msg_shape, dtype, device
         self.observe = observe or (lambda *a, **k: contextlib.nullcontext())
         self.inbox, self.outbox, self.alive, self.waiting = {}, {}, {}, {}
-        peers = {q for step, *what in plan if step == "p2p" for q, _ in what[0] + what[1]}  # pp ranks
+        peers = {
+            q for step, *what in plan if step == "p2p" for q, _ in what[0] + what[1]
+        }  # pp ranks
         if dist.get_rank(group) < 0 or not peers <= set(range(dist.get_world_size(group))):
-            raise ValueError(f"the plan's peers {sorted(peers)} are not in the group: plan for p = its size")
-        self.m = 1 + max(op[2] for step, op, *_ in plan if step == "op")  # micro-batches the plan runs
+            raise ValueError(
+                f"the plan's peers {sorted(peers)} are not in the group: plan for p = its size"
+            )
+        self.m = 1 + max(
+            op[2] for step, op, *_ in plan if step == "op"
+        )  # micro-batches the plan runs
 
     def run(self, inputs, targets, loss_fn):
         """inputs, targets: m micro-batches each. Returns the summed loss of those scored here (0-dim)."""
         if len(inputs) != self.m or len(targets) != self.m or len({x.shape for x in inputs}) > 1:
-            raise ValueError(f"the plan runs m = {self.m} micro-batches of one shape: got {len(inputs)} "
-                             f"inputs {sorted({tuple(x.shape) for x in inputs})}, {len(targets)} targets")
+            raise ValueError(
+                f"the plan runs m = {self.m} micro-batches of one shape: got {len(inputs)} "
+                f"inputs {sorted({tuple(x.shape) for x in inputs})}, {len(targets)} targets"
+            )
         self.loss = torch.zeros((), dtype=torch.float64, device=self.device)
         for step, *what in self.plan:
             if step == "p2p":
@@ -267,10 +323,15 @@ class PipelineRank:
 
     def exchange(self, sends, recvs):
         """One batch_isend_irecv: sends [(pp rank, message)] from the outbox, receives into the inbox."""
-        into = {msg: torch.empty(self.msg_shape, dtype=self.dtype, device=self.device) for _, msg in recvs}
+        into = {
+            msg: torch.empty(self.msg_shape, dtype=self.dtype, device=self.device)
+            for _, msg in recvs
+        }
         out = [(dist.isend, self.outbox.pop(msg).contiguous(), q, msg) for q, msg in sends]
-        ops = [dist.P2POp(op, t, group=self.group, group_peer=q, tag=TAG[msg[0]])  # q: a pp rank
-               for op, t, q, msg in out + [(dist.irecv, into[msg], q, msg) for q, msg in recvs]]
+        ops = [
+            dist.P2POp(op, t, group=self.group, group_peer=q, tag=TAG[msg[0]])  # q: a pp rank
+            for op, t, q, msg in out + [(dist.irecv, into[msg], q, msg) for q, msg in recvs]
+        ]
         for req in dist.batch_isend_irecv(ops) if ops else []:
             req.wait()
         self.inbox.update(into)
@@ -280,7 +341,9 @@ class PipelineRank:
         (self.inbox if msg[1] in self.chunks else self.outbox)[msg] = t
 
     def forward(self, c, k, inputs, targets, loss_fn):
-        inp = inputs[k] if c == 0 else self.inbox.pop(("F", c, k)).requires_grad_()  # (b, T) ids or (b, T, D)
+        inp = (
+            inputs[k] if c == 0 else self.inbox.pop(("F", c, k)).requires_grad_()
+        )  # (b, T) ids or (b, T, D)
         out = self.chunks[c](inp)  # (b, T, D); last chunk: logits (b, T, V) ...
         if c == self.n - 1:
             out = loss_fn(out, targets[k])  # ... and its loss
@@ -289,7 +352,9 @@ class PipelineRank:
             self.hand_on(("F", c + 1, k), out.detach())  # (b, T, D) to chunk c+1
         self.alive[c, k] = inp, out
 
-    def backward(self, c, k):  # B: the input's gradient now; the Linears' weight gradients wait for W
+    def backward(
+        self, c, k
+    ):  # B: the input's gradient now; the Linears' weight gradients wait for W
         inp, out = self.alive.pop((c, k))
         grad = None if c == self.n - 1 else self.inbox.pop(("B", c, k))  # last chunk: from its loss
         self.waiting[c, k] = self.split.backward_input(out, grad)
@@ -308,8 +373,15 @@ def finish_batch(params, loss, dp_group, group, max_norm):
         for q, part in zip(params, flat.split([q.numel() for q in params])):
             q.grad.copy_(part.view_as(q))
     acc = torch.promote_types(params[0].dtype, torch.float32)
-    sq = torch.stack([torch.linalg.vector_norm(q.grad, dtype=acc) for q in params]).square().sum().double()
-    total = torch.stack([loss, sq if dist.get_rank(dp_group) == 0 else torch.zeros_like(sq)])  # (2,) pieces
+    sq = (
+        torch.stack([torch.linalg.vector_norm(q.grad, dtype=acc) for q in params])
+        .square()
+        .sum()
+        .double()
+    )
+    total = torch.stack(
+        [loss, sq if dist.get_rank(dp_group) == 0 else torch.zeros_like(sq)]
+    )  # (2,) pieces
     dist.all_reduce(total, group=group)  # (2,) the batch loss, the whole model's squared norm
     if max_norm > 0:
         torch.nn.utils.clip_grads_with_norm_(params, max_norm, total[1].sqrt())
@@ -323,14 +395,17 @@ def zbv(p, m, r):
     2. steady: F down (while micro-batches remain), B down, W down, F up, B up, W up, until every F ran
     3. cool-down: r times B down, B up; p-r times B down, W down (the oldest); then the W's left, up first."""
     if m < 2 * p - 1:  # rank 0's warm-up alone runs 2p-1 forwards
-        raise ValueError(f"--microbatches {m} is too few for --schedule zbv at pp {p}: zbv needs m >= 2p-1 = "
-                         f"{2 * p - 1} micro-batches, got {m}; use --microbatches {2 * p - 1} or more")
+        raise ValueError(
+            f"--microbatches {m} is too few for --schedule zbv at pp {p}: zbv needs m >= 2p-1 = "
+            f"{2 * p - 1} micro-batches, got {m}; use --microbatches {2 * p - 1} or more"
+        )
     down, up = r, 2 * p - 1 - r
     ops, done = [], collections.Counter()
 
     def run(kind, c):
         ops.append((kind, c, done[kind, c]))
         done[kind, c] += 1
+
     for _ in range(2 * (p - r) - 1):
         run("F", down)
     for _ in range(r):
@@ -352,7 +427,9 @@ def zbv(p, m, r):
 
 
 SCHEDULES = {  # name -> (rank r's ops, chunks in all, the pp rank holding chunk c)
-    "zbh1": (zbh1, lambda p: p, lambda c, p: c), "zbv": (zbv, lambda p: 2 * p, lambda c, p: min(c, 2*p-1-c))}
+    "zbh1": (zbh1, lambda p: p, lambda c, p: c),
+    "zbv": (zbv, lambda p: 2 * p, lambda c, p: min(c, 2 * p - 1 - c)),
+}
 
 
 # ----------------------------------------------------------------------------- argument checks, main
@@ -364,19 +441,25 @@ def check_args(args):
             fail(f"--{name} must be >= 1, got {getattr(args, name)}")
     p = args.pp or world // args.dp
     if args.pp < 0 or p * args.dp != world:
-        fail(f"world size {world} != pp {args.pp or '(world / dp)'} x dp {args.dp}: launch torchrun "
-             f"--nproc_per_node={max(p, 2) * args.dp} or change --pp / --dp")
+        fail(
+            f"world size {world} != pp {args.pp or '(world / dp)'} x dp {args.dp}: launch torchrun "
+            f"--nproc_per_node={max(p, 2) * args.dp} or change --pp / --dp"
+        )
     if p < 2:
-        fail(f"zero_bubble.py needs one process per pipeline stage, at least 2: torchrun --nproc_per_node="
-             f"{2 * args.dp} zero_bubble.py {' '.join(sys.argv[1:])}".rstrip())
+        fail(
+            f"zero_bubble.py needs one process per pipeline stage, at least 2: torchrun --nproc_per_node="
+            f"{2 * args.dp} zero_bubble.py {' '.join(sys.argv[1:])}".rstrip()
+        )
     try:  # the cores' own checks, the model's cut and the schedule's order: their ValueError as fail's line
         split_layers(args.n_layers, SCHEDULES[args.schedule][1](p))
         SCHEDULES[args.schedule][0](p, m, 0)
     except ValueError as e:
         fail(str(e))
     if args.batch_size % (args.dp * m):
-        fail(f"--batch-size {args.batch_size} is not divisible by dp x microbatches = {args.dp * m}: use "
-             f"--batch-size {(args.batch_size // (args.dp * m) + 1) * args.dp * m}")
+        fail(
+            f"--batch-size {args.batch_size} is not divisible by dp x microbatches = {args.dp * m}: use "
+            f"--batch-size {(args.batch_size // (args.dp * m) + 1) * args.dp * m}"
+        )
     if args.stage_ms < 0:
         fail(f"--stage-ms must be >= 0, got {args.stage_ms}")
     return world, p
@@ -385,26 +468,42 @@ def check_args(args):
 def main():
     args = parse_args(Args)
     world, p = check_args(args)
-    dp, m, b = args.dp, args.microbatches, args.batch_size // (args.dp * args.microbatches)  # b: micro-batch
+    dp, m, b = (
+        args.dp,
+        args.microbatches,
+        args.batch_size // (args.dp * args.microbatches),
+    )  # b: micro-batch
     order, n_chunks, holder = SCHEDULES[args.schedule]
 
     # --- setup (same in every file) ---
     d = init_dist(args.timeout)
     data, bounds = MarkovData(args.vocab, args.seed), split_layers(args.n_layers, n_chunks(p))
-    grid = torch.arange(world).view(p, dp)  # data parallel outermost: a pipeline is a column, grid[:, j]
+    grid = torch.arange(world).view(
+        p, dp
+    )  # data parallel outermost: a pipeline is a column, grid[:, j]
     pp_rank, dp_rank = [int(i) for i in (grid == d.rank).nonzero()[0]]
-    dp_group = [dist.new_group(grid[i, :].tolist()) for i in range(p)][pp_rank]  # every rank makes each group
-    pp_group = [dist.new_group(grid[:, j].tolist()) for j in range(dp)][dp_rank]  # a pipeline, pp rank order
-    d.log(f"zero_bubble.py --schedule {args.schedule}: pp {p} x dp {dp}, {len(bounds)} chunks, m = {m} "
-          f"micro-batches of {b} per replica, on {d.backend}; entropy floor {data.entropy:.4f} nats/token")
+    dp_group = [dist.new_group(grid[i, :].tolist()) for i in range(p)][
+        pp_rank
+    ]  # every rank makes each group
+    pp_group = [dist.new_group(grid[:, j].tolist()) for j in range(dp)][
+        dp_rank
+    ]  # a pipeline, pp rank order
+    d.log(
+        f"zero_bubble.py --schedule {args.schedule}: pp {p} x dp {dp}, {len(bounds)} chunks, m = {m} "
+        f"micro-batches of {b} per replica, on {d.backend}; entropy floor {data.entropy:.4f} nats/token"
+    )
     torch.manual_seed(args.seed + d.rank)  # dropout masks (if any) differ per rank
     dtype = DTYPES[args.dtype]
-    gpt = build_gpt(GPTConfig.from_args(args), args.seed, dtype)  # whole, on CPU; a rank takes its chunks
+    gpt = build_gpt(
+        GPTConfig.from_args(args), args.seed, dtype
+    )  # whole, on CPU; a rank takes its chunks
     shapes = {n: q.shape for n, q in gpt.named_parameters()}
     mine = [c for c in range(len(bounds)) if holder(c, p) == pp_rank]
     chunks = nn.ModuleDict({str(c): Chunk(gpt, c, bounds) for c in mine}).to(d.device)
     del gpt
-    split = SplitBackward(chunks)  # every Linear of this rank's chunks defers its weight gradient to W
+    split = SplitBackward(
+        chunks
+    )  # every Linear of this rank's chunks defers its weight gradient to W
     opt, params = make_optimizer(chunks.parameters(), args), list(chunks.parameters())
     run = Run(d, args, {"model": chunks, "optim": opt})
     orders = [order(p, m, r) for r in range(p)]
@@ -412,14 +511,27 @@ def main():
     # NCCL sets up a group's communicator at its first collective; batched point-to-point must not come first
     dist.all_reduce(torch.zeros(1, device=d.device), group=pp_group)
     watch, comm = Watch(d, args, (pp_rank, dp_rank)), CommCounter(log=True)
-    runner = PipelineRank({c: chunks[str(c)] for c in mine}, len(bounds), plan, split, pp_group,
-                          (b, args.seq_len, args.d_model), dtype, d.device, observe=watch)
+    runner = PipelineRank(
+        {c: chunks[str(c)] for c in mine},
+        len(bounds),
+        plan,
+        split,
+        pp_group,
+        (b, args.seq_len, args.d_model),
+        dtype,
+        d.device,
+        observe=watch,
+    )
     watch.runner, watch.state = runner, lambda: state_bytes(chunks, opt)
     for step in run.steps():
-        x, y = data.batch(step, args.batch_size, args.seq_len, args.ragged)  # (B, T) global batch, CPU
+        x, y = data.batch(
+            step, args.batch_size, args.seq_len, args.ragged
+        )  # (B, T) global batch, CPU
         n_tok = count_tokens(y)  # the whole global batch's: every micro-batch loss divides by it
         rows = slice(dp_rank * b * m, (dp_rank + 1) * b * m)  # this replica's rows
-        mbs = [rearrange(z[rows], "(m b) t -> m b t", m=m).to(d.device) for z in (x, y)]  # (m, b, T) each
+        mbs = [
+            rearrange(z[rows], "(m b) t -> m b t", m=m).to(d.device) for z in (x, y)
+        ]  # (m, b, T) each
         watch.step = step
         # count the sends of the step before last (counting slows ops; the last step's bubble is reported)
         with run.watching(step, comm, at=max(run.start, args.steps - 2)):
@@ -433,10 +545,17 @@ def main():
     peak = peak_memory_bytes(d, watch.bytes)  # counted; CUDA's own peak on a GPU
     check = None
     if args.check:  # the full model, by name, from the chunks of dp replica 0 (one all-reduce)
-        owned = {n.split(".", 1)[1]: q for n, q in chunks.named_parameters()} if dp_rank == 0 else {}
+        owned = (
+            {n.split(".", 1)[1]: q for n, q in chunks.named_parameters()} if dp_rank == 0 else {}
+        )
         check = check_against_reference(d, args, run.losses, assemble_full(d, owned, shapes, dtype))
-    run.finish(f"zero-bubble-{args.schedule}", peak, max(figures.get("sent_bytes_per_rank", [0])), check,
-               figures)
+    run.finish(
+        f"zero-bubble-{args.schedule}",
+        peak,
+        max(figures.get("sent_bytes_per_rank", [0])),
+        check,
+        figures,
+    )
 
 
 # --- measurement --- (from outside the schedule: its observe callback, the collective counter, the report) --
@@ -448,7 +567,9 @@ class Watch(PipelineWatch):
 
     def __init__(self, d, args, coords):
         ms, (pp, dp) = args.stage_ms, coords
-        super().__init__(d, dict(F=ms, B=ms, W=ms), ("chunk", "step", "pp", "dp", "recv"), dict(pp=pp, dp=dp))
+        super().__init__(
+            d, dict(F=ms, B=ms, W=ms), ("chunk", "step", "pp", "dp", "recv"), dict(pp=pp, dp=dp)
+        )
         self.runner, self.state = None, None
 
     def before(self, kind, mb):
@@ -456,7 +577,9 @@ class Watch(PipelineWatch):
         self.alive = max(self.alive, len(set(r.alive) | set(r.waiting)))
         if self.last == "F":  # activations peak after a forward
             held = [t for a in r.alive.values() for t in a]  # inputs and outputs until B
-            held += [t for w in r.waiting.values() for _, x, dy in w for t in (x, dy)]  # what W needs
+            held += [
+                t for w in r.waiting.values() for _, x, dy in w for t in (x, dy)
+            ]  # what W needs
             self.bytes = max(self.bytes, self.live.alive(*held) + self.state())
 
 
@@ -467,8 +590,12 @@ def theory(p, m, schedule):
         zbv   (p-1)/(6m): p-1 chunk ops of 6m idle (the paper: about 0); 2p, p micro-batches of a whole
               stage as in 1F1B; m(2 - 1 if rank 0 - 1 if rank p-1) each way (the V's turn is local)"""
     if schedule == "zbh1":
-        return (p - 1) / (3 * m), [min(p, m)] * p, [m * (r < p - 1) for r in range(p)], [m * (r > 0)
-                                                                                       for r in range(p)]
+        return (
+            (p - 1) / (3 * m),
+            [min(p, m)] * p,
+            [m * (r < p - 1) for r in range(p)],
+            [m * (r > 0) for r in range(p)],
+        )
     msgs = [m * (2 - (r == 0) - (r == p - 1)) for r in range(p)]
     return (p - 1) / (6 * m), [2 * p] * p, msgs, msgs
 
@@ -479,62 +606,121 @@ def report(d, args, p, watch, comm, bounds, holder):
     m, schedule, v = args.microbatches, args.schedule, len(bounds) // p
     tags = [c["tag"] for c in comm.calls_log if c["op"] == "send"]  # one tag per direction
     events = watch.timeline.gather()
-    rows = gather_rows(d, [[*watch.coords.values(), watch.alive, comm.total(op="send"), watch.bytes,
-                            tags.count(TAG["F"]), tags.count(TAG["B"])]])
+    rows = gather_rows(
+        d,
+        [
+            [
+                *watch.coords.values(),
+                watch.alive,
+                comm.total(op="send"),
+                watch.bytes,
+                tags.count(TAG["F"]),
+                tags.count(TAG["B"]),
+            ]
+        ],
+    )
     per_rank = {(int(r[0, 0]), int(r[0, 1])): [int(x) for x in r[0, 2:]] for r in rows}
     counts = [per_rank[r, 0] for r in range(p)]  # the pipeline of dp replica 0
     sent, f_msgs, b_msgs = ([c[i] for c in counts] for i in (1, 3, 4))
-    figures = dict(split=bounds, pp=p, dp=args.dp, microbatches=m, schedule=schedule,
-                   sent_bytes_per_rank=sent, fwd_msgs_per_rank=f_msgs, bwd_msgs_per_rank=b_msgs)
+    figures = dict(
+        split=bounds,
+        pp=p,
+        dp=args.dp,
+        microbatches=m,
+        schedule=schedule,
+        sent_bytes_per_rank=sent,
+        fwd_msgs_per_rank=f_msgs,
+        bwd_msgs_per_rank=b_msgs,
+    )
     if d.rank != 0 or not events:
         return figures
     for e in events:
-        e["recv"] = None if e["recv"] < 0 else e["recv"]  # -1: the op started from tokens, its loss or its B
+        e["recv"] = (
+            None if e["recv"] < 0 else e["recv"]
+        )  # -1: the op started from tokens, its loss or its B
     last = [e for e in events if e["step"] == events[-1]["step"] and e["dp"] == 0]
     lo, hi = min(e["start"] for e in last), max(e["end"] for e in last)
     busy = [busy_ms(last, r, lo, hi, key="pp") for r in range(p)]
     bub, idle = [(hi - lo - x) / x for x in busy], [hi - lo - x for x in busy]
     bub_theory, alive_theory, f_theory, b_theory = theory(p, m, schedule)
-    op_ms = {k: sum(e["end"] - e["start"] for e in es) / len(es) for k in "FBW"
-             if (es := [e for e in last if e["kind"] == k])}  # mean measured T_F, T_B, T_W of a chunk
+    op_ms = {
+        k: sum(e["end"] - e["start"] for e in es) / len(es)
+        for k in "FBW"
+        if (es := [e for e in last if e["kind"] == k])
+    }  # mean measured T_F, T_B, T_W of a chunk
     idle_theory = (p - 1) * (op_ms["F"] + op_ms["B"] - op_ms["W"])  # Table 2 of ZB; zbv: of a chunk
-    b_bytes = (args.batch_size // (args.dp * m) * args.seq_len * args.d_model * DTYPES[args.dtype].itemsize)
+    b_bytes = (
+        args.batch_size // (args.dp * m) * args.seq_len * args.d_model * DTYPES[args.dtype].itemsize
+    )
     sent_theory = [(f + g) * b_bytes for f, g in zip(f_theory, b_theory)]
     formula = "(p-1)/(3m)" if schedule == "zbh1" else "(p-1)/(6m)"
-    d.log(f"\nsummary ({schedule}, pp {p}, dp {args.dp}, m {m}), pipeline of dp 0: bubble = idle / busy "
-          f"over the last step, theory {formula}; idle ms, theory (p-1)(T_F+T_B-T_W) at the measured "
-          + ", ".join(f"T_{k} {x:.1f}" for k, x in op_ms.items()) + " ms; alive = micro-batch chunks between "
-          "F and W; bytes sent per step (b, T, D) per message; mem B: state + held, after a forward")
-    d.log("rank | chunks | bubble | theory | idle ms | theory | alive | theory | sent B/step | theory | "
-          "mem B")
+    d.log(
+        f"\nsummary ({schedule}, pp {p}, dp {args.dp}, m {m}), pipeline of dp 0: bubble = idle / busy "
+        f"over the last step, theory {formula}; idle ms, theory (p-1)(T_F+T_B-T_W) at the measured "
+        + ", ".join(f"T_{k} {x:.1f}" for k, x in op_ms.items())
+        + " ms; alive = micro-batch chunks between "
+        "F and W; bytes sent per step (b, T, D) per message; mem B: state + held, after a forward"
+    )
+    d.log(
+        "rank | chunks | bubble | theory | idle ms | theory | alive | theory | sent B/step | theory | "
+        "mem B"
+    )
     for r in range(p):
         held = ",".join(str(c) for c in range(len(bounds)) if holder(c, p) == r)
-        d.log(f"{r:4d} | {held:6s} | {bub[r]:6.3f} | {bub_theory:6.3f} | {idle[r]:7.1f} | {idle_theory:6.1f} "
-              f"| {counts[r][0]:5d} | {alive_theory[r]:6d} | {sent[r]:11d} | {sent_theory[r]:6d} | "
-              f"{counts[r][2]}")
+        d.log(
+            f"{r:4d} | {held:6s} | {bub[r]:6.3f} | {bub_theory:6.3f} | {idle[r]:7.1f} | {idle_theory:6.1f} "
+            f"| {counts[r][0]:5d} | {alive_theory[r]:6d} | {sent[r]:11d} | {sent_theory[r]:6d} | "
+            f"{counts[r][2]}"
+        )
     mean = sum(bub) / p
-    d.log(f"bubble, mean over ranks: measured {mean:.3f}, theory {bub_theory:.3f}, difference "
-          f"{mean - bub_theory:+.3f}" + (f" (--stage-ms {args.stage_ms:g}: compute simulated, each F, B, W "
-                                         "waits that long)" if args.stage_ms else
-                                         " (real compute only: on shared cores this times the OS scheduler; "
-                                         "try --stage-ms)"))
+    d.log(
+        f"bubble, mean over ranks: measured {mean:.3f}, theory {bub_theory:.3f}, difference "
+        f"{mean - bub_theory:+.3f}"
+        + (
+            f" (--stage-ms {args.stage_ms:g}: compute simulated, each F, B, W waits that long)"
+            if args.stage_ms
+            else " (real compute only: on shared cores this times the OS scheduler; try --stage-ms)"
+        )
+    )
     label = lambda e: (e["kind"] if e["chunk"] < p else e["kind"].lower()) + str(e["mb"])  # noqa: E731
-    d.log("\ntimeline of the last step, measured (Fk Bk Wk: chunk < p, fk bk wk: the later chunks):\n" +
-          draw_timeline(last, p, lo, hi, label, row_key="pp", row_name="rank"))
+    d.log(
+        "\ntimeline of the last step, measured (Fk Bk Wk: chunk < p, fk bk wk: the later chunks):\n"
+        + draw_timeline(last, p, lo, hi, label, row_key="pp", row_name="rank")
+    )
     if args.trace:
-        write_trace(args.trace, events, lambda e: f"{e['kind']}{e['mb']} chunk {e['chunk']}", row_key="pp",
-                    row_name="rank")
+        write_trace(
+            args.trace,
+            events,
+            lambda e: f"{e['kind']}{e['mb']} chunk {e['chunk']}",
+            row_key="pp",
+            row_name="rank",
+        )
         d.log(f"wrote {len(events)} events to {args.trace} (open in https://ui.perfetto.dev)")
-    return dict(figures, events=events, bubble=bub, bubble_mean=mean, bubble_theory=bub_theory,
-                bubble_definition="idle / busy per rank over the last step (relative to ideal compute)",
-                bubble_theory_formula=formula, stage_ms=args.stage_ms, idle_ms=idle,
-                idle_ms_theory=idle_theory,
-                op_ms=op_ms, peak_alive_microbatches=[c[0] for c in counts], peak_alive_theory=alive_theory,
-                fwd_msgs_theory=f_theory, bwd_msgs_theory=b_theory, sent_bytes_theory=sent_theory,
-                mem_bytes_per_rank=[c[2] for c in counts],
-                counts_per_rank={f"pp{a} dp{b}": dict(zip(("alive", "sent_bytes", "mem_bytes", "fwd_msgs",
-                                                                     "bwd_msgs"), c))
-                                 for (a, b), c in per_rank.items()})
+    return dict(
+        figures,
+        events=events,
+        bubble=bub,
+        bubble_mean=mean,
+        bubble_theory=bub_theory,
+        bubble_definition="idle / busy per rank over the last step (relative to ideal compute)",
+        bubble_theory_formula=formula,
+        stage_ms=args.stage_ms,
+        idle_ms=idle,
+        idle_ms_theory=idle_theory,
+        op_ms=op_ms,
+        peak_alive_microbatches=[c[0] for c in counts],
+        peak_alive_theory=alive_theory,
+        fwd_msgs_theory=f_theory,
+        bwd_msgs_theory=b_theory,
+        sent_bytes_theory=sent_theory,
+        mem_bytes_per_rank=[c[2] for c in counts],
+        counts_per_rank={
+            f"pp{a} dp{b}": dict(
+                zip(("alive", "sent_bytes", "mem_bytes", "fwd_msgs", "bwd_msgs"), c)
+            )
+            for (a, b), c in per_rank.items()
+        },
+    )
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ A case is {"file", "world", "rank", "argv"} (and "torchrun": true to set RANK et
 no rendezvous (no MASTER_ADDR): a rank that reached a collective, or init_dist, would crash instead of
 exiting 2, so exit code 2 with one line proves the check came first. With world 1 there is no RANK, so a
 case may get as far as init_dist (a one-process group) and the checkpoint checks behind it."""
+
 import contextlib, importlib.util, io, json, os, sys
 from pathlib import Path
 
@@ -21,7 +22,9 @@ def load(file):
         name = "matrix_" + Path(file).stem
         spec = importlib.util.spec_from_file_location(name, ROOT / file)
         mod = importlib.util.module_from_spec(spec)
-        sys.modules[name] = mod  # parse_args reads the module's docstring and its Args source through it
+        sys.modules[name] = (
+            mod  # parse_args reads the module's docstring and its Args source through it
+        )
         spec.loader.exec_module(mod)
 
         def no_exit(ok=True):  # a case that passed every check must not os._exit this runner
@@ -36,8 +39,12 @@ def load(file):
 for case in json.load(open(sys.argv[1])):
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
         os.environ.pop(k, None)
-    if case["world"] > 1 or case.get("torchrun"):  # as torchrun starts it (torchrun sets them at world 1 too)
-        os.environ.update(RANK=str(case["rank"]), LOCAL_RANK=str(case["rank"]), WORLD_SIZE=str(case["world"]))
+    if case["world"] > 1 or case.get(
+        "torchrun"
+    ):  # as torchrun starts it (torchrun sets them at world 1 too)
+        os.environ.update(
+            RANK=str(case["rank"]), LOCAL_RANK=str(case["rank"]), WORLD_SIZE=str(case["world"])
+        )
     mod = load(case["file"])
     sys.argv = [str(ROOT / case["file"]), *case["argv"]]
     out, err, code = io.StringIO(), io.StringIO(), None

@@ -19,6 +19,7 @@
              stale-kv    the ring's backward keeps computing on the K/V block it holds, ignoring the new one
              dkv-kept    the ring's backward never sends dK/dV on: each rank keeps only its own queries' share
 """
+
 import json
 import os
 import sys
@@ -50,7 +51,11 @@ def record(kind, name, ok, what):
 
 
 def close(kind, name, got, want, tol=TOL):
-    diff = (got.detach() - want.detach()).abs().max().item() if got.shape == want.shape else float("inf")
+    diff = (
+        (got.detach() - want.detach()).abs().max().item()
+        if got.shape == want.shape
+        else float("inf")
+    )
     record(kind, name, diff <= tol, f"max diff {diff:.2e} (tolerance {tol:.0e})")
 
 
@@ -73,7 +78,9 @@ def plain_sum(out, lse, block_out, block_lse):
 
 
 def stale_kv(send, group, to, frm):
-    got, wait = real_exchange(send, group, to, frm)  # the exchange still happens (the pairing holds) ...
+    got, wait = real_exchange(
+        send, group, to, frm
+    )  # the exchange still happens (the pairing holds) ...
     if in_backward() and "kv" in got:
         got["kv"] = send["kv"]  # ... but the block received is never used
     return got, wait
@@ -86,8 +93,11 @@ def dkv_kept(send, group, to, frm):
     return got, wait
 
 
-MUTANTS = {"plain-sum": ("merge", plain_sum), "stale-kv": ("ring_exchange", stale_kv),
-           "dkv-kept": ("ring_exchange", dkv_kept)}
+MUTANTS = {
+    "plain-sum": ("merge", plain_sum),
+    "stale-kv": ("ring_exchange", stale_kv),
+    "dkv-kept": ("ring_exchange", dkv_kept),
+}
 
 
 def mutate(name):
@@ -99,10 +109,17 @@ def mutate(name):
 # ----------------------------------------------------------------------------- attention on its own
 def attention_checks(d, group, members):
     cp, r = len(members), members.index(d.rank)
-    B, H, E, T = 2, 12, 3, 6 * cp  # 12 heads: ulysses at cp 2, 3, 4; chunks of 3 tokens under zig-zag
+    B, H, E, T = (
+        2,
+        12,
+        3,
+        6 * cp,
+    )  # 12 heads: ulysses at cp 2, 3, 4; chunks of 3 tokens under zig-zag
     t, blk = T // cp, B * H * T // cp * E  # elements of one (B, H, t, E) block
     g = torch.Generator().manual_seed(7)  # the same full tensors on every rank
-    q, k, v, dout = (torch.randn(B, H, T, E, generator=g, dtype=torch.float64).to(d.device) for _ in range(4))
+    q, k, v, dout = (
+        torch.randn(B, H, T, E, generator=g, dtype=torch.float64).to(d.device) for _ in range(4)
+    )
     leaves = [x.clone().requires_grad_() for x in (q, k, v)]
     ref = F.scaled_dot_product_attention(*leaves, is_causal=True)
     ref.backward(dout)
@@ -113,57 +130,98 @@ def attention_checks(d, group, members):
             mine = lambda x: cpm.shard_sequence(x, r, cp, zigzag, dim=2)  # noqa: E731
             local = [mine(x).detach().clone().requires_grad_() for x in (q, k, v)]
             comm = CommCounter(axes={"cp": group}, log=True)
-            with comm, cpm.CountBlocks() as counted:  # the blocks: every call of cpm.attend (the ring's)
+            with (
+                comm,
+                cpm.CountBlocks() as counted,
+            ):  # the blocks: every call of cpm.attend (the ring's)
                 out = cpm.ATTENTIONS[attention](*local, group, zigzag)
                 out.backward(mine(dout))
             computed = counted.blocks
             close("attention", f"{tag}: output", out, mine(ref))
             for name, x, full in zip("qkv", local, leaves):
                 close("attention", f"{tag}: d{name}", x.grad, mine(full.grad))
-            want = {"ring": {"send/cp/fwd": 2 * (cp - 1) * blk * ES, "send/cp/bwd": 4 * (cp - 1) * blk * ES},
-                    "allgather": {"all_gather/cp/fwd": 2 * blk * ES,
-                                  "reduce_scatter/cp/bwd": 2 * cp * blk * ES},
-                    "ulysses": {"all_to_all/cp/fwd": 4 * blk * ES,
-                                "all_to_all/cp/bwd": 4 * blk * ES}}[attention]
+            want = {
+                "ring": {
+                    "send/cp/fwd": 2 * (cp - 1) * blk * ES,
+                    "send/cp/bwd": 4 * (cp - 1) * blk * ES,
+                },
+                "allgather": {
+                    "all_gather/cp/fwd": 2 * blk * ES,
+                    "reduce_scatter/cp/bwd": 2 * cp * blk * ES,
+                },
+                "ulysses": {"all_to_all/cp/fwd": 4 * blk * ES, "all_to_all/cp/bwd": 4 * blk * ES},
+            }[attention]
             got = {k_: b_ for k_, b_ in comm.bytes.items() if b_}
             equal("attention", f"{tag}: bytes handed", got, want)
-            if attention == "ring":  # forward to r+1, backward the other way; blocks as the mask allows
+            if (
+                attention == "ring"
+            ):  # forward to r+1, backward the other way; blocks as the mask allows
                 peers = {(c["phase"], c["peer"]) for c in comm.calls_log if c["op"] == "send"}
-                equal("attention", f"{tag}: ring sends (phase, peer)", peers, {("fwd", nxt), ("bwd", prv)})
-                equal("attention", f"{tag}: blocks computed", len(computed), cp if zigzag else r + 1)
-                equal("attention", f"{tag}: scores computed", sum(a * b for a, b in computed),
-                      t * t + (cp - 1) * t * t // 2 if zigzag else (r + 1) * t * t)
+                equal(
+                    "attention",
+                    f"{tag}: ring sends (phase, peer)",
+                    peers,
+                    {("fwd", nxt), ("bwd", prv)},
+                )
+                equal(
+                    "attention", f"{tag}: blocks computed", len(computed), cp if zigzag else r + 1
+                )
+                equal(
+                    "attention",
+                    f"{tag}: scores computed",
+                    sum(a * b for a, b in computed),
+                    t * t + (cp - 1) * t * t // 2 if zigzag else (r + 1) * t * t,
+                )
     if cp == 2:
         bad_input_checks(d, group, r)
     # negatives: each broken piece changes what the checks above compare (on the ranks it can reach)
     for mutant, part in (("plain-sum", "output"), ("stale-kv", "dk"), ("dkv-kept", "dk")):
         mutate(mutant)
-        local = [cpm.shard_sequence(x, r, cp, True, 2).detach().clone().requires_grad_() for x in (q, k, v)]
+        local = [
+            cpm.shard_sequence(x, r, cp, True, 2).detach().clone().requires_grad_()
+            for x in (q, k, v)
+        ]
         out = cpm.ring_attention(*local, group, True)
         out.backward(cpm.shard_sequence(dout, r, cp, True, dim=2))
         mutate(None)
         got = out if part == "output" else local[1].grad
         want = cpm.shard_sequence(ref if part == "output" else leaves[1].grad, r, cp, True, dim=2)
         err = torch.stack([(got - want).abs().max()])
-        dist.all_reduce(err, op=dist.ReduceOp.MAX, group=group)  # some ranks may be untouched: the worst one
-        differs("mutant", f"cp {cp} rank {r} ring zigzag, {mutant}: {part}", err, torch.zeros_like(err))
+        dist.all_reduce(
+            err, op=dist.ReduceOp.MAX, group=group
+        )  # some ranks may be untouched: the worst one
+        differs(
+            "mutant", f"cp {cp} rank {r} ring zigzag, {mutant}: {part}", err, torch.zeros_like(err)
+        )
 
 
 def bad_input_checks(d, group, r):
     """Each core given a shape it cannot split, at cp 2: a ValueError that names what would work, raised
     before any collective (the counter saw none). Today's code aborted inside gloo or raised einops' error."""
+
     def rand(*shape):
         return torch.randn(*shape, dtype=torch.float64, device=d.device)
+
     odd = [rand(2, 4, 3, 2) for _ in range(3)]  # t = 3 tokens a rank: T = 6, not 2cp = 4 chunks
-    bad = {"shard_sequence, T = 7, contiguous": (lambda: cpm.shard_sequence(rand(2, 7, 4), r, 2, False),
-                                                 ["7 tokens", "divisible by 2", "--seq-len 8"]),
-           "shard_sequence, T = 6, zig-zag": (lambda: cpm.shard_sequence(rand(2, 6, 4), r, 2, True),
-                                              ["6 tokens", "4 equal chunks", "--seq-len 8"]),
-           "ulysses, 3 heads": (lambda: cpm.ulysses_attention(*[rand(2, 3, 4, 2) for _ in range(3)], group, False),
-                                ["3 heads", "multiple of 2"])}
+    bad = {
+        "shard_sequence, T = 7, contiguous": (
+            lambda: cpm.shard_sequence(rand(2, 7, 4), r, 2, False),
+            ["7 tokens", "divisible by 2", "--seq-len 8"],
+        ),
+        "shard_sequence, T = 6, zig-zag": (
+            lambda: cpm.shard_sequence(rand(2, 6, 4), r, 2, True),
+            ["6 tokens", "4 equal chunks", "--seq-len 8"],
+        ),
+        "ulysses, 3 heads": (
+            lambda: cpm.ulysses_attention(*[rand(2, 3, 4, 2) for _ in range(3)], group, False),
+            ["3 heads", "multiple of 2"],
+        ),
+    }
     for attention in ("allgather", "ring", "ulysses"):
-        bad[f"{attention}, zig-zag, t = 3"] = (lambda a=attention: cpm.ATTENTIONS[a](*odd, group, True),
-                                               ["6 tokens", "4 equal chunks"])
+        bad[f"{attention}, zig-zag, t = 3"] = (
+            lambda a=attention: cpm.ATTENTIONS[a](*odd, group, True),
+            ["6 tokens", "4 equal chunks"],
+        )
     for what, (call, words) in bad.items():
         with CommCounter(axes={"cp": group}) as comm:
             try:
@@ -182,8 +240,12 @@ class Mixer(nn.Module):
     def __init__(self, d, heads):
         super().__init__()
         self.heads, self.gain = heads, nn.Parameter(torch.linspace(0.5, 1.5, d))
-        self.inner = nn.ModuleDict({"qkv": nn.Linear(d, 3 * d),
-                                    "mix": nn.Sequential(nn.Linear(d, 5), nn.Tanh(), nn.Linear(5, d))})
+        self.inner = nn.ModuleDict(
+            {
+                "qkv": nn.Linear(d, 3 * d),
+                "mix": nn.Sequential(nn.Linear(d, 5), nn.Tanh(), nn.Linear(5, d)),
+            }
+        )
 
     def forward(self, x, attend):  # (B, t, d) -> (B, t, d)
         q, k, v = rearrange(self.inner["qkv"](x), "b t (s h e) -> s b h t e", s=3, h=self.heads)
@@ -198,7 +260,9 @@ def copy_out_checks(d, group, members):
     cp, r = len(members), members.index(d.rank)
     B, T, D, heads = 3, 6 * cp, 12, 4 if cp == 4 else 6  # E = 3 or 2
     g = torch.Generator().manual_seed(11)
-    xs, ys = (torch.randn(3, B, T, D, generator=g, dtype=torch.float64).to(d.device) for _ in range(2))
+    xs, ys = (
+        torch.randn(3, B, T, D, generator=g, dtype=torch.float64).to(d.device) for _ in range(2)
+    )
     torch.manual_seed(3)
     base = Mixer(D, heads).double().to(d.device)
     ref = Mixer(D, heads).double().to(d.device)
@@ -226,7 +290,13 @@ def copy_out_checks(d, group, members):
                 opt.step()
             tag = f"copy-out cp {cp} rank {r} {attention} {'zigzag' if zigzag else 'contiguous'}"
             flat = lambda m: torch.cat([p.reshape(-1) for p in m.parameters()])  # noqa: E731
-            close("copy-out", f"{tag}: parameters after 3 Adam steps", flat(model), flat(ref), tol=1e-10)
+            close(
+                "copy-out",
+                f"{tag}: parameters after 3 Adam steps",
+                flat(model),
+                flat(ref),
+                tol=1e-10,
+            )
 
 
 def layer_checks(d):
@@ -247,7 +317,9 @@ class Finished(Exception):
 
 
 def runs(d, spec, outdir):
-    def no_exit(ok=True):  # Run.finish ends a run through harness.close_dist: here the next run follows
+    def no_exit(
+        ok=True,
+    ):  # Run.finish ends a run through harness.close_dist: here the next run follows
         raise Finished(ok)
 
     harness.close_dist, cpm.init_dist = no_exit, lambda timeout=120: d
@@ -257,10 +329,13 @@ def runs(d, spec, outdir):
         events.append("peak read")
         return real_peak(*a)
 
-    def build(*a, **k):  # main's GPT lends its modules and never runs forward; report's unsplit one does
+    def build(
+        *a, **k
+    ):  # main's GPT lends its modules and never runs forward; report's unsplit one does
         gpt = real_build(*a, **k)
         gpt.register_forward_pre_hook(lambda *_: events.append("unsplit GPT forward"))
         return gpt
+
     cpm.peak_memory_bytes, cpm.build_gpt = peak, build
     for run in json.loads(Path(spec).read_text()):
         events.clear()
@@ -298,7 +373,10 @@ def main():
     dist.all_reduce(bad)
     for c in results:
         if not c["ok"] or os.environ.get("CP_VERBOSE"):
-            print(f"rank {d.rank} {'ok' if c['ok'] else 'FAILED'} {c['name']}: {c['what']}", flush=True)
+            print(
+                f"rank {d.rank} {'ok' if c['ok'] else 'FAILED'} {c['name']}: {c['what']}",
+                flush=True,
+            )
     d.log(f"{len(results)} checks on rank 0" + ("; ALL CHECKS PASSED" if not bad.item() else ""))
     close_dist(ok=bool(outdir) or not bad.item())
 

@@ -29,6 +29,7 @@ takes, run with torch and nothing of this repo); parts 2-4 run diloco.py's main.
    valid sync under the same counter all-reduces; the section with its checks taken out lets them through.
 A failed check is recorded and the script goes on; it prints ALL CHECKS PASSED or exits 1 at the end.
 """
+
 import functools, os, sys, time, types
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -44,7 +45,9 @@ import section
 from common import GPT, GPTConfig, MarkovData, build_gpt, count_tokens, init_dist, lm_loss
 from dp_common import Checks, check_refused, check_unchecked_lets_through, net_batch, SmallNet
 
-core = types.SimpleNamespace(**section.load("diloco.py"))  # the technique section alone, as a copier takes it
+core = types.SimpleNamespace(
+    **section.load("diloco.py")
+)  # the technique section alone, as a copier takes it
 
 d = init_dist(60)
 F64, B, STEPS = torch.float64, 12, 5
@@ -53,7 +56,9 @@ check = Checks(d)  # check(ok, what); check.finish() at the end
 
 # ----------------------------------------------------------------------------- 1. copy-out on another model
 Net = functools.partial(SmallNet, 5, d.device)  # nested modules, a root parameter, odd sizes
-batch = functools.partial(net_batch, rows=B, seed=100, device=d.device)  # batch(step): (B, 7), (B, 3)
+batch = functools.partial(
+    net_batch, rows=B, seed=100, device=d.device
+)  # batch(step): (B, 7), (B, 3)
 
 
 def huber(m, x, y):  # the mean over the rows given
@@ -79,7 +84,9 @@ def train_workers(model, inner, outer, steps):
     for step in range(steps):
         x, y = batch(step)
         inner.zero_grad()
-        huber(model, x[d.rank * rows:(d.rank + 1) * rows], y[d.rank * rows:(d.rank + 1) * rows]).backward()
+        huber(
+            model, x[d.rank * rows : (d.rank + 1) * rows], y[d.rank * rows : (d.rank + 1) * rows]
+        ).backward()
         inner.step()
         outer.after_inner_step(step)
     outer.finish()
@@ -87,20 +94,25 @@ def train_workers(model, inner, outer, steps):
 
 
 rows, LR = B // d.world, 0.1
-for H, outer_lr, mu, what in ((1, 1.0, 0.0, "outer SGD lr 1 == plain SGD"),
-                              (1, 0.7, 0.9, "outer Nesterov 0.7/0.9 == one-process Nesterov SGD, lr 0.07"),
-                              (2, 1.0, 0.0, "negative: H = 2 differs from plain SGD")):
+for H, outer_lr, mu, what in (
+    (1, 1.0, 0.0, "outer SGD lr 1 == plain SGD"),
+    (1, 0.7, 0.9, "outer Nesterov 0.7/0.9 == one-process Nesterov SGD, lr 0.07"),
+    (2, 1.0, 0.0, "negative: H = 2 differs from plain SGD"),
+):
     model = Net()
     inner = torch.optim.SGD(model.parameters(), lr=LR)
     outer = core.DiLoCo(model.parameters(), H, outer_lr, mu, nesterov=mu > 0)
     theta = train_workers(model, inner, outer, STEPS)
     diff = (theta - plain_sgd(LR * outer_lr, mu)).abs().max().item()
     if H == 1:
-        check(diff <= 1e-12 and (flat(model) - theta).abs().max().item() == 0,
-              f"copy-out DiLoCo, {d.world} workers, Huber loss, a root parameter, inner SGD, H 1: {what} "
-              f"(params {diff:.1e}); the workers restart from theta")
+        check(
+            diff <= 1e-12 and (flat(model) - theta).abs().max().item() == 0,
+            f"copy-out DiLoCo, {d.world} workers, Huber loss, a root parameter, inner SGD, H 1: {what} "
+            f"(params {diff:.1e}); the workers restart from theta",
+        )
     else:
         check(diff > 1e-6, f"copy-out DiLoCo: {what} ({diff:.1e})")
+
 
 # ------------------------------------------------------------------------- 1c. every worker starts from theta
 def starts_agree(c):
@@ -115,12 +127,24 @@ def starts_agree(c):
     return all(torch.equal(w, flat(Net())) for w in every.view(d.world, -1))
 
 
-check(starts_agree(core), f"copy-out DiLoCo: {d.world} workers built with different weights all start from "
-      f"rank 0's (broadcast in the constructor)")
-no_broadcast = types.SimpleNamespace(**section.load("diloco.py", (section.ROOT / "diloco.py").read_text()
-                                                   .replace("dist.broadcast(p, group_src=0, group=group)", "pass")))
-check(not starts_agree(no_broadcast),
-      "copy-out DiLoCo: negative: without the broadcast the workers' starts differ")
+check(
+    starts_agree(core),
+    f"copy-out DiLoCo: {d.world} workers built with different weights all start from "
+    f"rank 0's (broadcast in the constructor)",
+)
+no_broadcast = types.SimpleNamespace(
+    **section.load(
+        "diloco.py",
+        (section.ROOT / "diloco.py")
+        .read_text()
+        .replace("dist.broadcast(p, group_src=0, group=group)", "pass"),
+    )
+)
+check(
+    not starts_agree(no_broadcast),
+    "copy-out DiLoCo: negative: without the broadcast the workers' starts differ",
+)
+
 
 # ----------------------------------------------------------------------------- 1b. copy-out: Streaming DiLoCo
 def fragments_of(net):  # fragment 0: the encoder; fragment 1: the root gain and the head
@@ -131,7 +155,15 @@ def adamw(net):
     return torch.optim.AdamW(net.parameters(), lr=1e-2, weight_decay=0.1, foreach=False)
 
 
-SH, TAU, MIX, OLR, MU, WIRE, SSTEPS = 4, 1, 0.5, 0.7, 0.9, torch.bfloat16, 8  # fragment 1's last: drained
+SH, TAU, MIX, OLR, MU, WIRE, SSTEPS = (
+    4,
+    1,
+    0.5,
+    0.7,
+    0.9,
+    torch.bfloat16,
+    8,
+)  # fragment 1's last: drained
 
 
 def streaming_by_hand(rounding=True):
@@ -148,7 +180,7 @@ def streaming_by_hand(rounding=True):
         x, y = batch(t)
         for m, (w, opt) in enumerate(zip(workers, opts)):
             opt.zero_grad()
-            huber(w, x[m * rows:(m + 1) * rows], y[m * rows:(m + 1) * rows]).backward()
+            huber(w, x[m * rows : (m + 1) * rows], y[m * rows : (m + 1) * rows]).backward()
             opt.step()
         for f in range(2):
             if (t + 1) % SH == (f + 1) * SH // 2 % SH:
@@ -178,14 +210,23 @@ stream = core.StreamingDiLoCo(fragments_of(model), SH, OLR, MU, True, TAU, MIX, 
 theta = train_workers(model, inner, stream, SSTEPS)
 for rounding in (True, False):
     ref_theta, ref_workers = streaming_by_hand(rounding)
-    diff = max((theta - ref_theta).abs().max().item(), (flat(model) - ref_workers[d.rank]).abs().max().item())
+    diff = max(
+        (theta - ref_theta).abs().max().item(),
+        (flat(model) - ref_workers[d.rank]).abs().max().item(),
+    )
     if rounding:
-        check(diff <= 1e-12, f"copy-out StreamingDiLoCo, {d.world} workers, 2 fragments, H {SH}, overlap {TAU}, "
-              f"mix {MIX}, bfloat16 wire, AdamW in, Nesterov out, Huber loss: theta and this worker == the "
-              f"workers simulated by hand ({diff:.1e})")
+        check(
+            diff <= 1e-12,
+            f"copy-out StreamingDiLoCo, {d.world} workers, 2 fragments, H {SH}, overlap {TAU}, "
+            f"mix {MIX}, bfloat16 wire, AdamW in, Nesterov out, Huber loss: theta and this worker == the "
+            f"workers simulated by hand ({diff:.1e})",
+        )
     else:
-        check(diff > 1e-6, f"copy-out StreamingDiLoCo: negative: the simulation without the wire's rounding "
-              f"differs ({diff:.1e})")
+        check(
+            diff > 1e-6,
+            f"copy-out StreamingDiLoCo: negative: the simulation without the wire's rounding "
+            f"differs ({diff:.1e})",
+        )
 
 # ----------------------------------------------------------------------------- 2-4: diloco.py's main, patched
 summaries = []
@@ -193,15 +234,34 @@ write_summary = harness.write_summary
 harness.write_summary = lambda *a, **k: summaries.append(write_summary(*a, **k)) or summaries[-1]
 harness.close_dist = lambda ok=True: None  # main() returns instead of ending the process
 diloco.init_dist = lambda timeout=120: d
-TINY = ["--vocab", "32", "--seq-len", "8", "--d-model", "16", "--n-heads", "2", "--n-layers", "2",
-        "--batch-size", "12", "--steps", "6", "--dtype", "float64"]
+TINY = [
+    "--vocab",
+    "32",
+    "--seq-len",
+    "8",
+    "--d-model",
+    "16",
+    "--n-heads",
+    "2",
+    "--n-layers",
+    "2",
+    "--batch-size",
+    "12",
+    "--steps",
+    "6",
+    "--dtype",
+    "float64",
+]
 CFG = GPTConfig(vocab=32, seq_len=8, d_model=16, n_heads=2, n_layers=2)
 P = sum(p.numel() for p in GPT(CFG).parameters())
 gpt = GPT(CFG)
-frag_sizes = [sum(p.numel() for p in f) for f in ([gpt.tok_emb.weight, gpt.pos_emb.weight,
-                                                   *gpt.blocks[0].parameters()],
-                                                  [*gpt.blocks[1].parameters(), *gpt.ln_f.parameters(),
-                                                   gpt.head.weight])]
+frag_sizes = [
+    sum(p.numel() for p in f)
+    for f in (
+        [gpt.tok_emb.weight, gpt.pos_emb.weight, *gpt.blocks[0].parameters()],
+        [*gpt.blocks[1].parameters(), *gpt.ln_f.parameters(), gpt.head.weight],
+    )
+]
 
 
 def run_main(*flags):
@@ -219,31 +279,53 @@ def passed(s):
 s = run_main("--inner-steps", "3", "--check")
 f = s["figures"]
 only_all_reduce = list(f["comm_table"]) == ["all_reduce/exchange/fwd"]  # on its own group
-check(passed(s) and f["bytes_per_inner_step"] == P * 8 / 3 and only_all_reduce,
-      f"diloco.py --inner-steps 3 --check (AdamW in, Nesterov out): PASSED "
-      f"({s['check']['max_loss_diff']:.1e}, params {s['check']['max_param_diff']:.1e}); "
-      f"{f['bytes_per_inner_step']:.1f} B all-reduced per inner "
-      f"step (measured) == P x 8 / H = {P * 8 / 3:.1f}")
-STREAM = ["--inner-steps", "4", "--fragments", "2", "--overlap", "1", "--mix", "0.5", "--outer-dtype",
-          "bfloat16", "--steps", "9"]
+check(
+    passed(s) and f["bytes_per_inner_step"] == P * 8 / 3 and only_all_reduce,
+    f"diloco.py --inner-steps 3 --check (AdamW in, Nesterov out): PASSED "
+    f"({s['check']['max_loss_diff']:.1e}, params {s['check']['max_param_diff']:.1e}); "
+    f"{f['bytes_per_inner_step']:.1f} B all-reduced per inner "
+    f"step (measured) == P x 8 / H = {P * 8 / 3:.1f}",
+)
+STREAM = [
+    "--inner-steps",
+    "4",
+    "--fragments",
+    "2",
+    "--overlap",
+    "1",
+    "--mix",
+    "0.5",
+    "--outer-dtype",
+    "bfloat16",
+    "--steps",
+    "9",
+]
 s = run_main(*STREAM, "--check")
 f = s["figures"]
-check(passed(s) and f["bytes_per_inner_step"] == P * 2 / 4 and f["bytes_per_sync_max"] == max(frag_sizes) * 2
-      and list(f["comm_table"]) == ["all_gather/exchange/fwd"],
-      f"diloco.py streaming (F 2, overlap 1, mix 0.5, bfloat16 wire) --check: PASSED "
-      f"({s['check']['max_loss_diff']:.1e}, params {s['check']['max_param_diff']:.1e}); "
-      f"{f['bytes_per_inner_step']:.1f} B all-gathered per inner step (measured) == P x 2 / H = "
-      f"{P * 2 / 4:.1f}; "
-      f"one exchange hands over at most {f['bytes_per_sync_max']} B (measured) == the largest fragment x 2 = "
-      f"{max(frag_sizes) * 2}")
+check(
+    passed(s)
+    and f["bytes_per_inner_step"] == P * 2 / 4
+    and f["bytes_per_sync_max"] == max(frag_sizes) * 2
+    and list(f["comm_table"]) == ["all_gather/exchange/fwd"],
+    f"diloco.py streaming (F 2, overlap 1, mix 0.5, bfloat16 wire) --check: PASSED "
+    f"({s['check']['max_loss_diff']:.1e}, params {s['check']['max_param_diff']:.1e}); "
+    f"{f['bytes_per_inner_step']:.1f} B all-gathered per inner step (measured) == P x 2 / H = "
+    f"{P * 2 / 4:.1f}; "
+    f"one exchange hands over at most {f['bytes_per_sync_max']} B (measured) == the largest fragment x 2 = "
+    f"{max(frag_sizes) * 2}",
+)
 
 real_rounded = diloco.rounded
-diloco.rounded = lambda delta, wire: delta  # negative: a reference that does not round as the wire does
+diloco.rounded = lambda delta, wire: (
+    delta
+)  # negative: a reference that does not round as the wire does
 s = run_main(*STREAM, "--check")
 diloco.rounded = real_rounded
-check(not s["check"]["passed"] and s["check"]["max_param_diff"] > 1e-6,
-      f"negative: against a reference that skips the bfloat16 rounding, --check FAILS (params "
-      f"{s['check']['max_param_diff']:.1e}): the exactness is the rounding's, not a loose tolerance's")
+check(
+    not s["check"]["passed"] and s["check"]["max_param_diff"] > 1e-6,
+    f"negative: against a reference that skips the bfloat16 rounding, --check FAILS (params "
+    f"{s['check']['max_param_diff']:.1e}): the exactness is the rounding's, not a loose tolerance's",
+)
 
 
 def sgd_trainer(args, M, device="cpu"):
@@ -265,13 +347,30 @@ def sgd_trainer(args, M, device="cpu"):
 
 real_reference = diloco.reference
 diloco.reference = sgd_trainer
-EQUIV = ["--inner", "sgd", "--outer", "sgd", "--outer-lr", "1", "--clip", "0", "--lr", "0.5", "--check"]
+EQUIV = [
+    "--inner",
+    "sgd",
+    "--outer",
+    "sgd",
+    "--outer-lr",
+    "1",
+    "--clip",
+    "0",
+    "--lr",
+    "0.5",
+    "--check",
+]
 s = run_main("--inner-steps", "1", *EQUIV)
-check(passed(s), f"inner SGD, H 1, outer SGD lr 1 == synchronous data parallel SGD (one-process trainer "
-      f"written here): PASSED ({s['check']['max_loss_diff']:.1e}, params {s['check']['max_param_diff']:.1e})")
+check(
+    passed(s),
+    f"inner SGD, H 1, outer SGD lr 1 == synchronous data parallel SGD (one-process trainer "
+    f"written here): PASSED ({s['check']['max_loss_diff']:.1e}, params {s['check']['max_param_diff']:.1e})",
+)
 s = run_main("--inner-steps", "2", *EQUIV)
-check(not s["check"]["passed"] and s["check"]["max_param_diff"] > 1e-6,
-      f"negative: H 2 against synchronous SGD FAILS (params {s['check']['max_param_diff']:.1e})")
+check(
+    not s["check"]["passed"] and s["check"]["max_param_diff"] > 1e-6,
+    f"negative: H 2 against synchronous SGD FAILS (params {s['check']['max_param_diff']:.1e})",
+)
 diloco.reference = real_reference
 
 real_outer = diloco.DiLoCo.outer_step
@@ -291,17 +390,32 @@ def fragment_1_late(self, t):
 
 
 for name, cls, attr, mutant, flags in (
-        ("the outer step applied to the workers' weights", diloco.DiLoCo, "outer_step", outer_on_workers,
-         ["--inner-steps", "3"]),
-        ("fragment 1 synced one step late", diloco.StreamingDiLoCo, "syncs_after", fragment_1_late, STREAM)):
+    (
+        "the outer step applied to the workers' weights",
+        diloco.DiLoCo,
+        "outer_step",
+        outer_on_workers,
+        ["--inner-steps", "3"],
+    ),
+    (
+        "fragment 1 synced one step late",
+        diloco.StreamingDiLoCo,
+        "syncs_after",
+        fragment_1_late,
+        STREAM,
+    ),
+):
     real = getattr(cls, attr)
     setattr(cls, attr, mutant)
     s = run_main(*flags, "--check")
     setattr(cls, attr, real)
     c = s["check"]
-    check(not c["passed"] and max(c["max_loss_diff"], c["max_param_diff"]) > 1e-6,
-          f"mutant: {name}: FAILS --check (losses {c['max_loss_diff']:.1e}, "
-          f"params {c['max_param_diff']:.1e})")
+    check(
+        not c["passed"] and max(c["max_loss_diff"], c["max_param_diff"]) > 1e-6,
+        f"mutant: {name}: FAILS --check (losses {c['max_loss_diff']:.1e}, "
+        f"params {c['max_param_diff']:.1e})",
+    )
+
 
 # ------------------------------------------------------------------------- 6. the overlap, slowed on purpose
 class InOrder:
@@ -312,7 +426,12 @@ class InOrder:
     ("inner", k) as inner step k starts, ("launch", n), ("wait", n) for exchange n, ("stall", op)."""
 
     def __init__(self, delay):
-        self.delay, self.events, self.busy, self.steps = delay, [], {}, 0  # busy: id(group) -> [done times]
+        self.delay, self.events, self.busy, self.steps = (
+            delay,
+            [],
+            {},
+            0,
+        )  # busy: id(group) -> [done times]
         self.real = {name: getattr(dist, name) for name in ("all_reduce", "all_gather_single")}
         self.inner = diloco.inner_step
 
@@ -344,6 +463,7 @@ class InOrder:
             self.events.append(("launch", n))
             self.busy.setdefault(key, []).append(done)
             return Slowed(self, n, fn(*a, group=group, async_op=True, **k), done, key)
+
         return call
 
 
@@ -366,28 +486,46 @@ class Slowed:
 
 def steps_in_flight(events):
     """For each exchange: the inner steps that started between its launch and its wait."""
-    at = {("launch", e[1]) if e[0] == "launch" else ("wait", e[1]): i for i, e in enumerate(events)
-          if e[0] in ("launch", "wait")}
-    return [sum(e[0] == "inner" for e in events[at["launch", n]:at["wait", n]])
-            for n in range(sum(e[0] == "launch" for e in events))]
+    at = {
+        ("launch", e[1]) if e[0] == "launch" else ("wait", e[1]): i
+        for i, e in enumerate(events)
+        if e[0] in ("launch", "wait")
+    }
+    return [
+        sum(e[0] == "inner" for e in events[at["launch", n] : at["wait", n]])
+        for n in range(sum(e[0] == "launch" for e in events))
+    ]
 
 
-OVERLAP = ["--inner-steps", "4", "--fragments", "2", "--overlap", "2", "--outer-dtype", "bfloat16",
-           "--steps", "8", "--check"]
+OVERLAP = [
+    "--inner-steps",
+    "4",
+    "--fragments",
+    "2",
+    "--overlap",
+    "2",
+    "--outer-dtype",
+    "bfloat16",
+    "--steps",
+    "8",
+    "--check",
+]
 with InOrder(0.3) as slow:
     s = run_main(*OVERLAP)
 f, flying = s["figures"], steps_in_flight(slow.events)
 stalls = [e for e in slow.events if e[0] == "stall"]
 # exchanges after steps 1, 3, 5 land TAU = 2 steps later; the one after step 7 is drained by finish()
-check(passed(s) and flying == [2, 2, 2, 0] and not stalls and len(f["exchange_ms"]) == 4,
-      f"overlap 2, each exchange slowed to 300 ms: the inner steps between launch and landing per exchange "
-      f"{flying} (TAU, the last drained at the end), no collective queued behind an exchange "
-      f"({len(stalls)}); "
-      f"--check PASSED; exposed {f['exposed_ms_per_step']:.1f} ms per inner step, per exchange "
-      f"{[round(x) for x in f['exchange_exposed_ms']]} ms of its own "
-      f"{[round(x) for x in f['exchange_ms']]} ms "
-      f"(measured); median step {f['step_ms_in_flight']:.1f} ms in flight, {f['step_ms_other']:.1f} ms "
-      f"otherwise (reported, not asserted)")
+check(
+    passed(s) and flying == [2, 2, 2, 0] and not stalls and len(f["exchange_ms"]) == 4,
+    f"overlap 2, each exchange slowed to 300 ms: the inner steps between launch and landing per exchange "
+    f"{flying} (TAU, the last drained at the end), no collective queued behind an exchange "
+    f"({len(stalls)}); "
+    f"--check PASSED; exposed {f['exposed_ms_per_step']:.1f} ms per inner step, per exchange "
+    f"{[round(x) for x in f['exchange_exposed_ms']]} ms of its own "
+    f"{[round(x) for x in f['exchange_ms']]} ms "
+    f"(measured); median step {f['step_ms_in_flight']:.1f} ms in flight, {f['step_ms_other']:.1f} ms "
+    f"otherwise (reported, not asserted)",
+)
 real_send = diloco.StreamingDiLoCo.send
 
 
@@ -400,17 +538,25 @@ def send_and_wait(self, f, lands):
 
 real_new_group = dist.new_group
 for what, cls, attr, mutant in (
-        ("waits for the exchange at launch", diloco.StreamingDiLoCo, "send", send_and_wait),
-        ("the exchange on WORLD, with the loss's all-reduce", dist, "new_group",
-         lambda *a, **k: dist.group.WORLD)):
+    ("waits for the exchange at launch", diloco.StreamingDiLoCo, "send", send_and_wait),
+    (
+        "the exchange on WORLD, with the loss's all-reduce",
+        dist,
+        "new_group",
+        lambda *a, **k: dist.group.WORLD,
+    ),
+):
     real = getattr(cls, attr)
     setattr(cls, attr, mutant)
     with InOrder(0.3) as slow:
         s = run_main(*OVERLAP)
     setattr(cls, attr, real)
     flying, stalls = steps_in_flight(slow.events), [e for e in slow.events if e[0] == "stall"]
-    check(flying != [2, 2, 2, 0] or stalls, f"mutant: {what}: caught (inner steps in flight {flying}, "
-          f"{len(stalls)} collective(s) queued behind an exchange)")
+    check(
+        flying != [2, 2, 2, 0] or stalls,
+        f"mutant: {what}: caught (inner steps in flight {flying}, "
+        f"{len(stalls)} collective(s) queued behind an exchange)",
+    )
 
 # ----------------------------------------------------------------------------- 5. the cores refuse bad input
 refused = section.refused  # (call, words) -> (refused before any collective, what happened)
@@ -419,26 +565,62 @@ refused = section.refused  # (call, words) -> (refused before any collective, wh
 def bad_calls(c):
     """name -> (call, words), each on a fresh model."""
     ps, fr = lambda: Net().parameters(), lambda: fragments_of(Net())
-    return {"DiLoCo, H 0": (lambda: c.DiLoCo(ps(), 0), ["inner_steps must be >= 1", "got 0"]),
-            "DiLoCo, outer lr 0": (lambda: c.DiLoCo(ps(), 2, outer_lr=0.0), ["outer_lr > 0", "not 0.0"]),
-            "DiLoCo, Nesterov momentum 1": (lambda: c.DiLoCo(ps(), 2, outer_momentum=1.0), ["0 < outer_momentum < 1"]),
-            "DiLoCo, Nesterov momentum 0": (lambda: c.DiLoCo(ps(), 2, outer_momentum=0.0), ["0 < outer_momentum < 1"]),
-            "StreamingDiLoCo, no fragments": (lambda: c.StreamingDiLoCo([], 2), ["at least one fragment"]),
-            "StreamingDiLoCo, an empty fragment": (lambda: c.StreamingDiLoCo([fr()[0], []], 2), ["a parameter in each"]),
-            "StreamingDiLoCo, a shared parameter": (lambda: c.StreamingDiLoCo([(f := fr()[0]), f[:1]], 2),
-                                                    ["in two fragments"]),
-            "StreamingDiLoCo, int8 wire": (lambda: c.StreamingDiLoCo(fr(), 2, wire_dtype=torch.int8), ["float dtype"]),
-            "StreamingDiLoCo, H 3, F 2": (lambda: c.StreamingDiLoCo(fr(), 3), ["inner_steps % fragments", "3 % 2"]),
-            "StreamingDiLoCo, overlap 4 = H": (lambda: c.StreamingDiLoCo(fr(), 4, overlap=4), ["(got 4)"]),
-            "StreamingDiLoCo, mix 1": (lambda: c.StreamingDiLoCo(fr(), 4, mix=1.0), ["0 <= mix < 1 (got 1.0)"]),
-            "gpt_fragments, 3 of 2 blocks": (lambda: c.gpt_fragments(GPT(CFG), 3), ["3 fragments of 2 blocks"]),
-            "gpt_fragments, 0": (lambda: c.gpt_fragments(GPT(CFG), 0), ["0 fragments of 2 blocks"])}
+    return {
+        "DiLoCo, H 0": (lambda: c.DiLoCo(ps(), 0), ["inner_steps must be >= 1", "got 0"]),
+        "DiLoCo, outer lr 0": (
+            lambda: c.DiLoCo(ps(), 2, outer_lr=0.0),
+            ["outer_lr > 0", "not 0.0"],
+        ),
+        "DiLoCo, Nesterov momentum 1": (
+            lambda: c.DiLoCo(ps(), 2, outer_momentum=1.0),
+            ["0 < outer_momentum < 1"],
+        ),
+        "DiLoCo, Nesterov momentum 0": (
+            lambda: c.DiLoCo(ps(), 2, outer_momentum=0.0),
+            ["0 < outer_momentum < 1"],
+        ),
+        "StreamingDiLoCo, no fragments": (
+            lambda: c.StreamingDiLoCo([], 2),
+            ["at least one fragment"],
+        ),
+        "StreamingDiLoCo, an empty fragment": (
+            lambda: c.StreamingDiLoCo([fr()[0], []], 2),
+            ["a parameter in each"],
+        ),
+        "StreamingDiLoCo, a shared parameter": (
+            lambda: c.StreamingDiLoCo([(f := fr()[0]), f[:1]], 2),
+            ["in two fragments"],
+        ),
+        "StreamingDiLoCo, int8 wire": (
+            lambda: c.StreamingDiLoCo(fr(), 2, wire_dtype=torch.int8),
+            ["float dtype"],
+        ),
+        "StreamingDiLoCo, H 3, F 2": (
+            lambda: c.StreamingDiLoCo(fr(), 3),
+            ["inner_steps % fragments", "3 % 2"],
+        ),
+        "StreamingDiLoCo, overlap 4 = H": (
+            lambda: c.StreamingDiLoCo(fr(), 4, overlap=4),
+            ["(got 4)"],
+        ),
+        "StreamingDiLoCo, mix 1": (
+            lambda: c.StreamingDiLoCo(fr(), 4, mix=1.0),
+            ["0 <= mix < 1 (got 1.0)"],
+        ),
+        "gpt_fragments, 3 of 2 blocks": (
+            lambda: c.gpt_fragments(GPT(CFG), 3),
+            ["3 fragments of 2 blocks"],
+        ),
+        "gpt_fragments, 0": (lambda: c.gpt_fragments(GPT(CFG), 0), ["0 fragments of 2 blocks"]),
+    }
 
 
 check_refused(check, bad_calls, core)
 ok, seen = refused(lambda: core.DiLoCo(Net().parameters(), 1).after_inner_step(0), [])
-check(seen.startswith("no error") and "'all_reduce/" in seen,
-      f"bad input: negative: a valid DiLoCo's sync under the same counter all-reduces ({seen})")
+check(
+    seen.startswith("no error") and "'all_reduce/" in seen,
+    f"bad input: negative: a valid DiLoCo's sync under the same counter all-reduces ({seen})",
+)
 check_unchecked_lets_through(check, "diloco.py", bad_calls, core)
 
 check.finish()

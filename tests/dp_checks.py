@@ -23,6 +23,7 @@ run with torch and nothing of this repo); parts 3 and 4 run dp.py's main.
    the section with its checks taken out lets the bad input through.
 A failed check is recorded and the script goes on; it prints ALL CHECKS PASSED or exits 1 at the end.
 """
+
 import functools, os, sys, types
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -39,7 +40,9 @@ import section
 from common import GPT, GPTConfig, count_tokens, init_dist, lm_loss
 from dp_common import Checks, check_refused, check_unchecked_lets_through, net_batch, SmallNet
 
-core = types.SimpleNamespace(**section.load("dp.py"))  # the technique section alone, as a copier takes it
+core = types.SimpleNamespace(
+    **section.load("dp.py")
+)  # the technique section alone, as a copier takes it
 
 d = init_dist(60)
 F64, B, STEPS, CLIP = torch.float64, 12, 5, 0.05  # clip low enough that every step clips
@@ -48,7 +51,9 @@ check = Checks(d)  # check(ok, what); check.finish() at the end
 
 # ----------------------------------------------------------------------------- a model that is not the GPT
 Net = functools.partial(SmallNet, 5, d.device)  # nested modules, a root parameter, odd sizes
-batch = functools.partial(net_batch, rows=B, seed=100, device=d.device)  # batch(step): (B, 7), (B, 3)
+batch = functools.partial(
+    net_batch, rows=B, seed=100, device=d.device
+)  # batch(step): (B, 7), (B, 3)
 
 
 def huber(m, x, y):  # a sum over the rows given, divided by the rows of the whole batch
@@ -92,13 +97,18 @@ def spread(t):
 
 # ----------------------------------------------------------------------------- 1. copy-out: sync_step
 ref_losses, ref_params = plain_training(lambda t: t, lambda t: t)
-singletons = [dist.new_group([r]) for r in range(d.world)]  # every rank makes every group, in one order
+singletons = [
+    dist.new_group([r]) for r in range(d.world)
+]  # every rank makes every group, in one order
 for group, what in ((None, "all ranks"), (singletons[d.rank], "negative: this rank alone")):
     model = Net()
     opt, rows, losses = adamw(model), B // d.world, []
     for step in range(STEPS):
         x, y = batch(step)
-        x, y = x[d.rank * rows:(d.rank + 1) * rows], y[d.rank * rows:(d.rank + 1) * rows]  # this rank's slice
+        x, y = (
+            x[d.rank * rows : (d.rank + 1) * rows],
+            y[d.rank * rows : (d.rank + 1) * rows],
+        )  # this rank's slice
         loss, norm = core.sync_step(model, opt, zip(x.chunk(2), y.chunk(2)), huber, CLIP, group)
         dist.all_reduce(loss)
         losses.append(loss.item())
@@ -106,12 +116,16 @@ for group, what in ((None, "all ranks"), (singletons[d.rank], "negative: this ra
     loss_diff = max(abs(a - b) / b for a, b in zip(losses, ref_losses))
     flat = torch.cat([p.detach().flatten() for p in model.parameters()])
     if group is None:
-        check(diff <= 1e-12 and loss_diff <= 1e-12 and spread(flat) == 0.0,
-              f"copy-out sync_step, world {d.world} x 2 micro-batches, Huber loss, a root parameter: == "
-              f"plain one-process training (params {diff:.1e}, losses {loss_diff:.1e}), replicas identical")
+        check(
+            diff <= 1e-12 and loss_diff <= 1e-12 and spread(flat) == 0.0,
+            f"copy-out sync_step, world {d.world} x 2 micro-batches, Huber loss, a root parameter: == "
+            f"plain one-process training (params {diff:.1e}, losses {loss_diff:.1e}), replicas identical",
+        )
     else:
-        check(d.world == 1 or diff > 1e-6, f"copy-out sync_step, {what}: differs from plain training "
-              f"({diff:.1e})")
+        check(
+            d.world == 1 or diff > 1e-6,
+            f"copy-out sync_step, {what}: differs from plain training ({diff:.1e})",
+        )
 
 # ---------------------------------------------------------------------------- 2. copy-out: a parameter server
 groups = {w: dist.new_group([0, w]) for w in range(1, d.world)}
@@ -139,8 +153,10 @@ def receive_order_errors(log):
     return errors
 
 
-for name, policy, delay in (("BoundedStaleness(0)", core.BoundedStaleness(0), 0),
-                            ("Lockstep(1)", core.Lockstep(1), 1)):
+for name, policy, delay in (
+    ("BoundedStaleness(0)", core.BoundedStaleness(0), 0),
+    ("Lockstep(1)", core.Lockstep(1), 1),
+):
     model = Net()
     if d.rank > 0:
         core.worker_loop(model, lambda m, b: huber(m, *batch(b)), groups[d.rank], side)
@@ -155,20 +171,31 @@ for name, policy, delay in (("BoundedStaleness(0)", core.BoundedStaleness(0), 0)
     dist.recv = real_recv
     server.stop()
     errors = receive_order_errors(received)
-    check(not errors and sum(k == "gradient" for k, _ in received) == STEPS,
-          f"copy-out Server, {name}: each of the {STEPS} gradient receives posted after its worker's report "
-          f"({errors}): one live receive at a time")
-    check(receive_order_errors([("gradient", 1), ("report", 1)]) != [],
-          "negative: a gradient received before its report (the old server's receives posted at the pull) "
-          "is caught")
+    check(
+        not errors and sum(k == "gradient" for k, _ in received) == STEPS,
+        f"copy-out Server, {name}: each of the {STEPS} gradient receives posted after its worker's report "
+        f"({errors}): one live receive at a time",
+    )
+    check(
+        receive_order_errors([("gradient", 1), ("report", 1)]) != [],
+        "negative: a gradient received before its report (the old server's receives posted at the pull) "
+        "is caught",
+    )
     losses, used, ids = ([r[k] for r in reports] for k in range(3))
-    ref_l, ref_p = plain_training(lambda t: int(ids[t]), lambda t: max(t - delay, 0))  # what the rule says
-    diff, loss_diff = max_diff(model.parameters(), ref_p), max(abs(a - b) / b for a, b in zip(losses, ref_l))
+    ref_l, ref_p = plain_training(
+        lambda t: int(ids[t]), lambda t: max(t - delay, 0)
+    )  # what the rule says
+    diff, loss_diff = (
+        max_diff(model.parameters(), ref_p),
+        max(abs(a - b) / b for a, b in zip(losses, ref_l)),
+    )
     rule = used == [max(t - delay, 0) for t in range(STEPS)] and ids == list(range(STEPS))
-    check(rule and diff <= 1e-12 and loss_diff <= 1e-12,
-          f"copy-out Server + worker_loop, {name}: versions used {used}, == "
-          f"{'plain one-process training' if delay == 0 else 'the one-step-delayed update'} written here "
-          f"(params {diff:.1e}, losses {loss_diff:.1e})")
+    check(
+        rule and diff <= 1e-12 and loss_diff <= 1e-12,
+        f"copy-out Server + worker_loop, {name}: versions used {used}, == "
+        f"{'plain one-process training' if delay == 0 else 'the one-step-delayed update'} written here "
+        f"(params {diff:.1e}, losses {loss_diff:.1e})",
+    )
     if delay:
         far = max_diff(model.parameters(), ref_params)
         check(far > 1e-6, f"copy-out {name}: negative: differs from plain training ({far:.1e})")
@@ -179,45 +206,80 @@ refused = section.refused  # (call, words) -> (refused before any collective, wh
 
 def unused_param_net():
     net = Net()
-    net.spare = nn.Parameter(torch.zeros(2, dtype=F64, device=d.device))  # trainable, never in the loss
+    net.spare = nn.Parameter(
+        torch.zeros(2, dtype=F64, device=d.device)
+    )  # trainable, never in the loss
     return net
 
 
 def bad_calls(c):
     """name -> (call, words), each on a fresh model; none communicates before its check."""
     x, y = batch(0)
-    return {"sync_step, no micro-batches": (lambda: c.sync_step(Net(), adamw(Net()), [], huber),
-                                            ["no micro-batches", "at least one (x, y) pair"]),
-            "sync_step, a parameter the loss does not reach": (
-                lambda: (m := unused_param_net()) and c.sync_step(m, adamw(m), [(x, y)], huber),
-                ["no gradient", "freeze it"]),
-            "Lockstep(-1)": (lambda: c.Lockstep(-1), ["D must be >= 0", "got -1"]),
-            "BoundedStaleness(-1)": (lambda: c.BoundedStaleness(-1), ["S must be >= 0", "got -1"]),
-            "Server, no workers (a world of 1)": (
-                lambda: c.Server(Net(), adamw(Net()), {}, side, c.BoundedStaleness(0), STEPS),
-                ["at least 1 worker(s), got 0", "at least 2 ranks"]),
-            f"Server, Lockstep({d.world - 1}) on {d.world - 1} workers": (
-                lambda: c.Server(Net(), adamw(Net()), groups, side, c.Lockstep(d.world - 1), STEPS),
-                [f"at least {d.world} worker(s), got {d.world - 1}"])}
+    return {
+        "sync_step, no micro-batches": (
+            lambda: c.sync_step(Net(), adamw(Net()), [], huber),
+            ["no micro-batches", "at least one (x, y) pair"],
+        ),
+        "sync_step, a parameter the loss does not reach": (
+            lambda: (m := unused_param_net()) and c.sync_step(m, adamw(m), [(x, y)], huber),
+            ["no gradient", "freeze it"],
+        ),
+        "Lockstep(-1)": (lambda: c.Lockstep(-1), ["D must be >= 0", "got -1"]),
+        "BoundedStaleness(-1)": (lambda: c.BoundedStaleness(-1), ["S must be >= 0", "got -1"]),
+        "Server, no workers (a world of 1)": (
+            lambda: c.Server(Net(), adamw(Net()), {}, side, c.BoundedStaleness(0), STEPS),
+            ["at least 1 worker(s), got 0", "at least 2 ranks"],
+        ),
+        f"Server, Lockstep({d.world - 1}) on {d.world - 1} workers": (
+            lambda: c.Server(Net(), adamw(Net()), groups, side, c.Lockstep(d.world - 1), STEPS),
+            [f"at least {d.world} worker(s), got {d.world - 1}"],
+        ),
+    }
 
 
 check_refused(check, bad_calls, core)
-for what, group in (("the whole world", None), ("a one-rank group", singletons[d.rank]))[d.world == 2:]:
-    ok, seen = refused(lambda: core.worker_loop(Net(), huber, group, side), ["two-rank group", "new_group"])
+for what, group in (("the whole world", None), ("a one-rank group", singletons[d.rank]))[
+    d.world == 2 :
+]:
+    ok, seen = refused(
+        lambda: core.worker_loop(Net(), huber, group, side), ["two-rank group", "new_group"]
+    )
     check(ok, f"bad input: worker_loop on {what}: refused before any collective ({seen})")
-ok, seen = refused(lambda: core.sync_step(Net(), adamw(Net()), [batch(0)], huber, group=singletons[d.rank]), [])
-check(not ok and seen.startswith("no error") and "'all_reduce/" in seen,
-      f"bad input: negative: a valid sync_step under the same counter sends ({seen})")
+ok, seen = refused(
+    lambda: core.sync_step(Net(), adamw(Net()), [batch(0)], huber, group=singletons[d.rank]), []
+)
+check(
+    not ok and seen.startswith("no error") and "'all_reduce/" in seen,
+    f"bad input: negative: a valid sync_step under the same counter sends ({seen})",
+)
 check_unchecked_lets_through(check, "dp.py", bad_calls, core)
 
 # ----------------------------------------------------------------------------- 3 + 4: dp.py's main, patched
 summaries = []
 write_summary = harness.write_summary
 harness.write_summary = lambda *a, **k: summaries.append(write_summary(*a, **k)) or summaries[-1]
-harness.close_dist = dp.close_dist = lambda ok=True: None  # main() returns instead of ending the process
+harness.close_dist = dp.close_dist = lambda ok=True: (
+    None
+)  # main() returns instead of ending the process
 dp.init_dist = lambda timeout=120: d
-TINY = ["--vocab", "32", "--seq-len", "8", "--d-model", "16", "--n-heads", "2", "--n-layers", "2",
-        "--batch-size", "12", "--steps", "4", "--dtype", "float64"]
+TINY = [
+    "--vocab",
+    "32",
+    "--seq-len",
+    "8",
+    "--d-model",
+    "16",
+    "--n-heads",
+    "2",
+    "--n-layers",
+    "2",
+    "--batch-size",
+    "12",
+    "--steps",
+    "4",
+    "--dtype",
+    "float64",
+]
 
 
 def run_main(*flags):
@@ -240,43 +302,57 @@ def per_microbatch_mean(model, opt, micro_batches, loss_fn, clip=0.0, group=None
 
 
 s = run_main("--accum", "2", "--ragged", "--check")
-n_tensors = len(list(GPT(GPTConfig(vocab=32, seq_len=8, d_model=16, n_heads=2, n_layers=2)).parameters()))
+n_tensors = len(
+    list(GPT(GPTConfig(vocab=32, seq_len=8, d_model=16, n_heads=2, n_layers=2)).parameters())
+)
 calls = s["figures"]["all_reduces_per_step"]
-check(s["check"]["passed"] and s["check"]["max_loss_diff"] <= 1e-9 and calls == n_tensors,
-      f"dp.py --accum 2 --ragged --check: PASSED ({s['check']['max_loss_diff']:.1e}), "
-      f"{calls} all-reduces per step (one per tensor: {n_tensors})")
+check(
+    s["check"]["passed"] and s["check"]["max_loss_diff"] <= 1e-9 and calls == n_tensors,
+    f"dp.py --accum 2 --ragged --check: PASSED ({s['check']['max_loss_diff']:.1e}), "
+    f"{calls} all-reduces per step (one per tensor: {n_tensors})",
+)
 dp.sync_step = per_microbatch_mean
 s = run_main("--accum", "2", "--ragged", "--check")
-check(not s["check"]["passed"] and s["check"]["max_loss_diff"] > 1e-3,
-      f"negative: the per-micro-batch mean on ragged data FAILS --check (loss diff "
-      f"{s['check']['max_loss_diff']:.1e})")
+check(
+    not s["check"]["passed"] and s["check"]["max_loss_diff"] > 1e-3,
+    f"negative: the per-micro-batch mean on ragged data FAILS --check (loss diff "
+    f"{s['check']['max_loss_diff']:.1e})",
+)
 s = run_main("--accum", "2", "--check")
-check(s["check"]["passed"] and s["check"]["max_loss_diff"] <= 1e-9,
-      f"the per-micro-batch mean without padding passes --check ({s['check']['max_loss_diff']:.1e}): "
-      f"equal counts")
+check(
+    s["check"]["passed"] and s["check"]["max_loss_diff"] <= 1e-9,
+    f"the per-micro-batch mean without padding passes --check ({s['check']['max_loss_diff']:.1e}): "
+    f"equal counts",
+)
 dp.sync_step = real_step
 
 workers, steps = d.world - 1, 8
 s = run_main("--mode", "async", "--staleness", "1", "--steps", str(steps), "--check")
 f = (s or {}).get("figures", {})
-check(d.rank > 0 or s["check"]["passed"] and f["sent_weight_copies_alive_max"] == workers,
-      f"dp.py --mode async --staleness 1: sent weight copies alive at most "
-      f"{f.get('sent_weight_copies_alive_max')} "
-      f"(one per pull in flight: {workers}), --check PASSED")
+check(
+    d.rank > 0 or s["check"]["passed"] and f["sent_weight_copies_alive_max"] == workers,
+    f"dp.py --mode async --staleness 1: sent weight copies alive at most "
+    f"{f.get('sent_weight_copies_alive_max')} "
+    f"(one per pull in flight: {workers}), --check PASSED",
+)
 kept, real_send = [], dp.Server._send
 
 
 def keep_every_send(self, w, *tensors):
     real_send(self, w, *tensors)
-    kept.extend(self.sends[w])  # the bug: every send's work (and so its tensor) stays alive to the end
+    kept.extend(
+        self.sends[w]
+    )  # the bug: every send's work (and so its tensor) stays alive to the end
 
 
 dp.Server._send = keep_every_send
 s = run_main("--mode", "async", "--staleness", "1", "--steps", str(steps))
 dp.Server._send = real_send
 f = (s or {}).get("figures", {})
-check(d.rank > 0 or f["sent_weight_copies_alive_max"] == steps > workers,
-      f"negative: a server that keeps every send is caught: {f.get('sent_weight_copies_alive_max')} weight "
-      f"copies alive (one per update: {steps})")
+check(
+    d.rank > 0 or f["sent_weight_copies_alive_max"] == steps > workers,
+    f"negative: a server that keeps every send is caught: {f.get('sent_weight_copies_alive_max')} weight "
+    f"copies alive (one per update: {steps})",
+)
 
 check.finish()

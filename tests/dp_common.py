@@ -2,6 +2,7 @@
 check recorded on the rank that saw it (the script goes on, so every rank keeps issuing the same collectives)
 and the verdict agreed over the ranks at the end; the small net that is not the GPT, on which each file's core
 is copied out, and its batches; the bad-input round of a technique section's cores."""
+
 import types
 
 import torch
@@ -28,7 +29,9 @@ class Checks:
             print(f"{'ok  ' if ok else 'FAIL'} (rank {self.d.rank}) {what}", flush=True)
 
     def finish(self):
-        n_failed = torch.tensor([len(self.failures)], device=self.d.device)  # each rank printed its own above
+        n_failed = torch.tensor(
+            [len(self.failures)], device=self.d.device
+        )  # each rank printed its own above
         dist.all_reduce(n_failed)
         self.d.log(f"{int(n_failed)} CHECK(S) FAILED" if int(n_failed) else "ALL CHECKS PASSED")
         close_dist(ok=int(n_failed) == 0)
@@ -54,7 +57,10 @@ class SmallNet(nn.Module):
 def net_batch(step, rows, seed, device):
     """Step `step`'s (rows, 7) inputs and (rows, 3) targets, drawn from seed + step: alike on every rank."""
     g = torch.Generator().manual_seed(seed + step)
-    x, y = torch.randn(rows, 7, generator=g, dtype=F64), torch.randn(rows, 3, generator=g, dtype=F64)
+    x, y = (
+        torch.randn(rows, 7, generator=g, dtype=F64),
+        torch.randn(rows, 3, generator=g, dtype=F64),
+    )
     return x.to(device), y.to(device)
 
 
@@ -69,9 +75,16 @@ def check_refused(check, bad_calls, core, label=""):
 def check_unchecked_lets_through(check, file, bad_calls, core):
     """The negative: `file`'s section with its checks taken out (each raise ValueError a no-op) lets every one
     of bad_calls through."""
-    unchecked = types.SimpleNamespace(**section.load(
-        file, (section.ROOT / file).read_text().replace("raise ValueError(", "(")))
-    through = [what for what, (call, words) in bad_calls(unchecked).items()
-               if not section.refused(call, words)[0]]
-    check(len(through) == len(bad_calls(core)), f"bad input: negative: the section without its checks lets "
-          f"{len(through)}/{len(bad_calls(core))} of them through")
+    unchecked = types.SimpleNamespace(
+        **section.load(file, (section.ROOT / file).read_text().replace("raise ValueError(", "("))
+    )
+    through = [
+        what
+        for what, (call, words) in bad_calls(unchecked).items()
+        if not section.refused(call, words)[0]
+    ]
+    check(
+        len(through) == len(bad_calls(core)),
+        f"bad input: negative: the section without its checks lets "
+        f"{len(through)}/{len(bad_calls(core))} of them through",
+    )

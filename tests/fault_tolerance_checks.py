@@ -32,6 +32,7 @@ environment, so the launcher and every replica run the mutant. NAME is one of
     no-deadline         a collective is waited for without the host's deadline (as NCCL's wait() would):
                         only the group's own timeout, the backstop, ends it
 """
+
 import os, sys
 from datetime import timedelta
 
@@ -48,7 +49,9 @@ class Net(torch.nn.Module):
 
     def __init__(self):
         super().__init__()
-        self.body = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Tanh(), torch.nn.Linear(7, 3))
+        self.body = torch.nn.Sequential(
+            torch.nn.Linear(5, 7), torch.nn.Tanh(), torch.nn.Linear(7, 3)
+        )
         self.gain = torch.nn.Parameter(torch.tensor(1.5))
 
     def forward(self, x):
@@ -63,8 +66,10 @@ def make(seed):
 
 def batch(b, rows=6):
     g = torch.Generator().manual_seed(1000 + b)
-    return (torch.randn(rows, 5, generator=g, dtype=torch.float64),
-            torch.randn(rows, 3, generator=g, dtype=torch.float64))
+    return (
+        torch.randn(rows, 5, generator=g, dtype=torch.float64),
+        torch.randn(rows, 3, generator=g, dtype=torch.float64),
+    )
 
 
 def sq_loss(out, y, n):  # a sum over this replica's rows over n, the rows of every participant
@@ -82,7 +87,9 @@ def story(ns, store, rid):
     store.add("alive", 1)
     expected = lambda: int(store.add("alive", 0))  # noqa: E731  (as the launcher counts the live ones)
     store.set(f"up/{rid}", "1")
-    for r in range(R):  # all three start together (fault_tolerance.py: a first round waits for all R)
+    for r in range(
+        R
+    ):  # all three start together (fault_tolerance.py: a first round waits for all R)
         store_wait(f"up/{r}")
     held, k, waited, corrupted = None, 0, False, False
     while rep.step < STEPS:
@@ -94,10 +101,14 @@ def story(ns, store, rid):
             rep.version, k = -1, int(store.get("round"))  # where the rounds are now
             store.add("alive", 1)
             store.set("back", "1")
-        if rid != 2 and rep.step == 4 and not waited:  # (so that step 4 has it back: the story is fixed)
+        if (
+            rid != 2 and rep.step == 4 and not waited
+        ):  # (so that step 4 has it back: the story is fixed)
             store_wait("back")
             waited = True
-        if rid == 1 and rep.step == 6 and not corrupted:  # silent corruption: one weight, nothing fails
+        if (
+            rid == 1 and rep.step == 6 and not corrupted
+        ):  # silent corruption: one weight, nothing fails
             with torch.no_grad():
                 rep.params[0].view(-1)[0] += 1e-3
             corrupted = True
@@ -109,7 +120,9 @@ def story(ns, store, rid):
             continue
         held = ns["quorum_group"](store, k - 1, members, me, held, WAIT)
         pg, newest = held[1], max(m.step for m in members)
-        bad, receivers, _ = ns["sync_state"](pg, members, me, rep, newest % 3 == 0)  # verify at 0, 3, 6
+        bad, receivers, _ = ns["sync_state"](
+            pg, members, me, rep, newest % 3 == 0
+        )  # verify at 0, 3, 6
         step, b = rep.step, rep.batch
         x, y = batch(b)
         mine = ns["local_grads"](rep.model, x, y, members, me, R, sq_loss, len)
@@ -117,17 +130,24 @@ def story(ns, store, rid):
             mine.mul_(1e4)
         loss = ns["allreduce_grads"](pg, rep.params, mine)
         norm = torch.nn.utils.get_total_norm([p.grad for p in rep.params])
-        spike = ns["agree"](pg, ns["is_spike"](loss, norm.item(), rep.losses, 6.0), torch.device("cpu"))
+        spike = ns["agree"](
+            pg, ns["is_spike"](loss, norm.item(), rep.losses, 6.0), torch.device("cpu")
+        )
         if not ns["vote"](store, k - 1, members, me, True, WAIT):
             held = None
             continue
         what = ns["apply_update"](rep, loss, spike, norm, CLIP, 2, 4)
-        if rid == members[0].rid:  # the record the reference replays (the test's, as fault_tolerance's Log)
+        if (
+            rid == members[0].rid
+        ):  # the record the reference replays (the test's, as fault_tolerance's Log)
             rids = ",".join(str(m.rid) for m in members)
             if what == "update":
                 store.set(f"upd/{step}", f"{b} {rids} {loss!r}")
-            store.set(f"event/{store.add('events', 1)}", f"{step} {b} {what} {rids} "
-                      f"{','.join(map(str, bad)) or '-'} {','.join(map(str, receivers)) or '-'}")
+            store.set(
+                f"event/{store.add('events', 1)}",
+                f"{step} {b} {what} {rids} "
+                f"{','.join(map(str, bad)) or '-'} {','.join(map(str, receivers)) or '-'}",
+            )
     store.add("alive", -1)
     return rep
 
@@ -157,7 +177,9 @@ def run_story(ns, store, rid):
     loss_diff = max(abs(float(r[2]) - x) / abs(x) for r, x in zip(recs, ref_losses))
     param_diff = max((p.detach() - q).abs().max().item() for p, q in zip(rep.params, ref_params))
     store.set(f"diff/{rid}", repr(param_diff))
-    param_diff = max(float(store.get(f"diff/{r}")) for r in range(R))  # (get waits for each replica's)
+    param_diff = max(
+        float(store.get(f"diff/{r}")) for r in range(R)
+    )  # (get waits for each replica's)
     events = [store.get(f"event/{i}").decode() for i in range(1, store.add("events", 0) + 1)]
     return dict(batches=batches, members=members, events=events), loss_diff, param_diff
 
@@ -165,7 +187,9 @@ def run_story(ns, store, rid):
 def old_membership(ns):
     real = ns["local_grads"]
     everyone = [ns["Member"](r, 0, 0, 0, -1, 0) for r in range(R)]
-    ns["local_grads"] = lambda model, x, y, members, me, *rest: real(model, x, y, everyone, me, *rest)
+    ns["local_grads"] = lambda model, x, y, members, me, *rest: real(
+        model, x, y, everyone, me, *rest
+    )
 
 
 def weights_only(ns):
@@ -173,42 +197,63 @@ def weights_only(ns):
 
     def load_full(self, state):  # (state: the list of tensors recovery broadcast)
         real(self, state)
-        for t in self.tensors[len(self.params):]:
+        for t in self.tensors[len(self.params) :]:
             t.zero_()
+
     ns["Replica"].load_full = load_full
 
 
 MUTANTS_OF_THE_SECTION = {
     "gradient over all R shards": old_membership,
     "recovery without AdamW's state": weights_only,
-    "a checksum that is always 0": lambda ns: ns.update(checksum=lambda _: torch.zeros((), dtype=torch.long)),
+    "a checksum that is always 0": lambda ns: ns.update(
+        checksum=lambda _: torch.zeros((), dtype=torch.long)
+    ),
 }
 
 
 def copy_out():
     import section
+
     rid = int(os.environ["RANK"])
     assert int(os.environ["WORLD_SIZE"]) == R
-    coordinator = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), R, rid == 0,
-                                timedelta(seconds=60))
+    coordinator = dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        R,
+        rid == 0,
+        timedelta(seconds=60),
+    )
     say = print if rid == 0 else (lambda *a, **k: None)
-    recs, loss_diff, param_diff = run_story(section.load("fault_tolerance.py"),
-                                            dist.PrefixStore("honest", coordinator), rid)
+    recs, loss_diff, param_diff = run_story(
+        section.load("fault_tolerance.py"), dist.PrefixStore("honest", coordinator), rid
+    )
     everyone, kept = [0, 1, 2], [0, 1]
-    story_ok = (recs["members"] == [everyone] * 2 + [kept] * 2 + [everyone] * 4
-                and recs["batches"] == [0, 1, 2, 3, 7, 8, 9, 10])
+    story_ok = recs["members"] == [everyone] * 2 + [kept] * 2 + [everyone] * 4 and recs[
+        "batches"
+    ] == [0, 1, 2, 3, 7, 8, 9, 10]
     events = [e.split() for e in recs["events"]]
     recovered = [(e[0], e[4], e[5]) for e in events if e[5] != "-"]  # (step, corrupt, receivers)
     whats = [e[2] for e in events]
-    story_ok = story_ok and recovered == [("4", "-", "2"), ("6", "1", "1")] \
-        and whats.count("skip") == 1 and whats.count("rollback") == 1
+    story_ok = (
+        story_ok
+        and recovered == [("4", "-", "2"), ("6", "1", "1")]
+        and whats.count("skip") == 1
+        and whats.count("rollback") == 1
+    )
     exact = loss_diff <= 1e-12 and param_diff <= 1e-12
-    say(f"{'ok' if story_ok else 'FAIL'} copy-out story: members {recs['members']}, "
+    say(
+        f"{'ok' if story_ok else 'FAIL'} copy-out story: members {recs['members']}, "
         f"batches {recs['batches']}, recovered (step, corrupt, receivers) {recovered}, "
-        f"{whats.count('skip')} skip, {whats.count('rollback')} rollback", flush=True)
-    say(f"{'ok' if exact else 'FAIL'} copy-out section alone on another model: every replica vs one-process "
+        f"{whats.count('skip')} skip, {whats.count('rollback')} rollback",
+        flush=True,
+    )
+    say(
+        f"{'ok' if exact else 'FAIL'} copy-out section alone on another model: every replica vs one-process "
         f"torch training replaying the membership: max rel loss diff {loss_diff:.1e}, "
-        f"max param diff {param_diff:.1e}", flush=True)
+        f"max param diff {param_diff:.1e}",
+        flush=True,
+    )
     all_ok = story_ok and exact
     for i, (name, mutate) in enumerate(MUTANTS_OF_THE_SECTION.items()):
         ns = section.load("fault_tolerance.py")
@@ -216,8 +261,11 @@ def copy_out():
         _, ld, pd = run_story(ns, dist.PrefixStore(f"mutant{i}", coordinator), rid)
         caught = ld > 1e-6 or pd > 1e-6
         all_ok = all_ok and caught
-        say(f"{'ok' if caught else 'FAIL'} copy-out mutant caught: {name}: loss diff {ld:.1e}, "
-            f"param diff {pd:.1e}", flush=True)
+        say(
+            f"{'ok' if caught else 'FAIL'} copy-out mutant caught: {name}: loss diff {ld:.1e}, "
+            f"param diff {pd:.1e}",
+            flush=True,
+        )
     say("ALL CHECKS PASSED" if all_ok else "SOME CHECKS FAILED", flush=True)
     coordinator.set(f"done/{rid}", "1")
     if rid == 0:  # the coordinator's host stays until every replica has read what it needs
@@ -232,7 +280,12 @@ if len(sys.argv) == 1 and "FT_MUTANT" not in os.environ:  # (no NAME: the copy-o
 # ----------------------------------------------------------------------------- 2. mutants of the whole file
 import fault_tolerance as ft
 
-local_grads, vote, apply_update, load_full = ft.local_grads, ft.vote, ft.apply_update, ft.Replica.load_full
+local_grads, vote, apply_update, load_full = (
+    ft.local_grads,
+    ft.vote,
+    ft.apply_update,
+    ft.Replica.load_full,
+)
 
 
 def old_membership(model, x, y, members, me, replicas, *loss_and_scale):
@@ -246,17 +299,19 @@ def commit_anyway(store, k, members, me, ok, timeout_s):
 
 
 def rollback_keeps_adam(rep, loss, spike, norm, clip, max_skips, snapshot_every):
-    moments = [t.clone() for t in rep.tensors[len(rep.params):]]  # AdamW's moments and steps before it
+    moments = [
+        t.clone() for t in rep.tensors[len(rep.params) :]
+    ]  # AdamW's moments and steps before it
     what = apply_update(rep, loss, spike, norm, clip, max_skips, snapshot_every)
     if what == "rollback":
-        for t, m in zip(rep.tensors[len(rep.params):], moments):
+        for t, m in zip(rep.tensors[len(rep.params) :], moments):
             t.copy_(m)
     return what
 
 
 def weights_only(self, state):  # (state: the list of tensors recovery broadcast)
     load_full(self, state)
-    for t in self.tensors[len(self.params):]:  # AdamW from scratch: zero moments, step 0
+    for t in self.tensors[len(self.params) :]:  # AdamW from scratch: zero moments, step 0
         t.zero_()
 
 
@@ -265,7 +320,9 @@ MUTANTS = {
     "commit-anyway": lambda: setattr(ft, "vote", commit_anyway),
     "no-detector": lambda: setattr(ft, "is_spike", lambda *a, **k: False),
     "rollback-keeps-adam": lambda: setattr(ft, "apply_update", rollback_keeps_adam),
-    "no-checksum": lambda: setattr(ft, "checksum", lambda params: torch.zeros((), dtype=torch.long)),
+    "no-checksum": lambda: setattr(
+        ft, "checksum", lambda params: torch.zeros((), dtype=torch.long)
+    ),
     "recover-weights-only": lambda: setattr(ft.Replica, "load_full", weights_only),
     "no-deadline": lambda: setattr(ft.Deadline, "wait", lambda self: self.work.wait()),
 }

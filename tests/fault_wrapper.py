@@ -9,6 +9,7 @@ FAULT is one of
     raise-collective:K    the rank raises on entering its K-th all_reduce
     kill-p2p:K            the rank SIGKILLs itself on entering its K-th batch_isend_irecv
 The file itself runs unchanged (runpy), so what is tested is the file's own checkpointing and shutdown."""
+
 import os, runpy, signal, sys
 from pathlib import Path
 
@@ -18,15 +19,21 @@ ROOT = Path(__file__).resolve().parent.parent
 fault, script, args = sys.argv[1], sys.argv[2], sys.argv[3:]
 kind, n = fault.split(":")
 n = int(n)
-victim = (int(os.environ.get("RANK", "0")) == int(os.environ.get("WORLD_SIZE", "1")) - 1
-          and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0")
+victim = (
+    int(os.environ.get("RANK", "0")) == int(os.environ.get("WORLD_SIZE", "1")) - 1
+    and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+)
 
 if victim and kind == "die-mid-save":
     real_replace = os.replace
 
     def replace(src, dst):
         if os.path.basename(str(dst)) == f"step{n}.pt":
-            print(f"fault_wrapper: rank dies after writing {src}, before renaming it", file=sys.stderr, flush=True)
+            print(
+                f"fault_wrapper: rank dies after writing {src}, before renaming it",
+                file=sys.stderr,
+                flush=True,
+            )
             os._exit(13)
         return real_replace(src, dst)
 

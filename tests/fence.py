@@ -15,6 +15,7 @@ every step of a torch optimizer, its parameters (the trajectory: which optimizer
 crash after training (a stubbed summary) leaves that record complete; the process then exits 0, so that
 its peers, whose collectives fail once it is gone, record theirs too. A process the file starts itself (fault_tolerance.py's replicas: `sys.executable sys.argv[0]`) runs this script
 again with the same environment, and records under its own command line."""
+
 import ast, hashlib, os, re, sys, traceback, types
 from pathlib import Path
 
@@ -34,8 +35,11 @@ def _definitions(tree):
         node = todo.pop(0)
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
             out.append(node)
-        elif isinstance(node, ast.Try) or isinstance(node, ast.If) and "__name__" not in ast.unparse(
-                node.test):
+        elif (
+            isinstance(node, ast.Try)
+            or isinstance(node, ast.If)
+            and "__name__" not in ast.unparse(node.test)
+        ):
             for part in ("body", "orelse", "finalbody"):
                 todo += getattr(node, part, [])
             for h in getattr(node, "handlers", []):
@@ -56,7 +60,9 @@ def stub_below_fence(text):
         a, z = _span(node)
         if a > fence:
             indent = re.match(r"\s*", lines[a - 1]).group(0)
-            lines[a - 1:z] = [f"{indent}{node.name} = __fence_stub__({node.name!r})"] + [""] * (z - a)
+            lines[a - 1 : z] = [f"{indent}{node.name} = __fence_stub__({node.name!r})"] + [""] * (
+                z - a
+            )
     return "\n".join(lines) + "\n"
 
 
@@ -66,8 +72,8 @@ def move_below_fence(text, name):
     node = next(n for n in _definitions(ast.parse(text)) if n.name == name)
     a, z = _span(node)
     assert z < fence, f"{name} is not above the fence"
-    moved = lines[a - 1:z]
-    return "\n".join(lines[:a - 1] + lines[z:fence] + moved + lines[fence:]) + "\n"
+    moved = lines[a - 1 : z]
+    return "\n".join(lines[: a - 1] + lines[z:fence] + moved + lines[fence:]) + "\n"
 
 
 def _bound(nodes):
@@ -84,7 +90,9 @@ def _bound(nodes):
                 targets(e, line)
         elif isinstance(t, ast.Starred):
             targets(t.value, line)
-        elif isinstance(t, (ast.Attribute, ast.Subscript)):  # X.y = / X[k] = : binds into X, at module level
+        elif isinstance(
+            t, (ast.Attribute, ast.Subscript)
+        ):  # X.y = / X[k] = : binds into X, at module level
             root = t.value
             while isinstance(root, (ast.Attribute, ast.Subscript)):
                 root = root.value
@@ -119,8 +127,13 @@ def _bound(nodes):
 
     def calls(node):  # setattr(X, ...), globals()[...] = ..., anywhere in the statement
         for n in ast.walk(node):
-            if isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id == "setattr" \
-                    and n.args and isinstance(n.args[0], ast.Name):
+            if (
+                isinstance(n, ast.Call)
+                and isinstance(n.func, ast.Name)
+                and n.func.id == "setattr"
+                and n.args
+                and isinstance(n.args[0], ast.Name)
+            ):
                 out.append((n.lineno, n.args[0].id))
 
     def inside(fn):  # a function below the fence may rebind a module name through `global`
@@ -187,7 +200,9 @@ class Stub:
     def _arith(self, *other):
         return Stub(f"{self._name}+")
 
-    __add__ = __radd__ = __sub__ = __rsub__ = __mul__ = __rmul__ = __truediv__ = __rtruediv__ = _arith
+    __add__ = __radd__ = __sub__ = __rsub__ = __mul__ = __rmul__ = __truediv__ = __rtruediv__ = (
+        _arith
+    )
     __floordiv__ = __rfloordiv__ = __mod__ = __pow__ = __neg__ = __or__ = __ror__ = __and__ = _arith
 
     def _compare(self, other):
@@ -211,6 +226,7 @@ def _process_key():
 def _run():
     import torch
     from torch.optim.optimizer import register_optimizer_step_post_hook
+
     sys.path.insert(0, str(ROOT))
     import harness
 
@@ -233,7 +249,9 @@ def _run():
             optimizers.append(opt)
         index = next(i for i, o in enumerate(optimizers) if o is opt)
         params = [p.detach().cpu().clone() for g in opt.param_groups for p in g["params"]]
-        record["trajectory"].append((index, params))  # tiny models, a few steps: every step's parameters
+        record["trajectory"].append(
+            (index, params)
+        )  # tiny models, a few steps: every step's parameters
         save()
 
     register_optimizer_step_post_hook(stepped)
@@ -241,10 +259,15 @@ def _run():
 
     def logged(d, step, loss, *args, **kwargs):
         as_float = lambda v: v.item() if isinstance(v, torch.Tensor) else v  # noqa: E731
-        record["losses"].append((step, [as_float(v) for v in loss] if isinstance(loss, (tuple, list))
-                                 else as_float(loss)))
+        record["losses"].append(
+            (
+                step,
+                [as_float(v) for v in loss] if isinstance(loss, (tuple, list)) else as_float(loss),
+            )
+        )
         save()
         return log_step(d, step, loss, *args, **kwargs)
+
     harness.log_step = logged
 
     module = types.ModuleType("__main__")

@@ -16,6 +16,7 @@ max_restarts}; one JSON reply per line on stdout {rc, codes, timed_out}. Mode "t
 workers writing to the files `out` and `err` (appended, as torchrun's workers share its terminal); "plain" is
 `python script args` (nproc 1, no torchrun variables); "ranks" sets the variables for nproc workers but
 stops none when one fails, and each writes to `out.RANK` / `err.RANK`."""
+
 import json, os, signal, socket, sys, time
 
 import einops, numpy, torch, torch.distributed  # noqa: F401  (the imports every worker would repeat)
@@ -40,7 +41,9 @@ def start_worker(req, rank, attempt, port):
         os.setpgid(0, 0)
         os.close(REPLY_FD)
         null = os.open(os.devnull, os.O_RDONLY)
-        suffix = f".{rank}" if req["mode"] == "ranks" else ""  # each rank's own output, or one shared
+        suffix = (
+            f".{rank}" if req["mode"] == "ranks" else ""
+        )  # each rank's own output, or one shared
         out = os.open(req["out"] + suffix, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         err = os.open(req["err"] + suffix, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         os.dup2(null, 0)
@@ -48,10 +51,20 @@ def start_worker(req, rank, attempt, port):
         os.dup2(err, 2)
         os.environ.clear()
         os.environ.update(req["env"])
-        if req["mode"] != "plain":  # what torchrun's agent sets ("ranks": the same, with no rendezvous behind it)
-            os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), GROUP_RANK="0", WORLD_SIZE=str(req["nproc"]),
-                              LOCAL_WORLD_SIZE=str(req["nproc"]), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                              TORCHELASTIC_RESTART_COUNT=str(attempt), TORCHELASTIC_RUN_ID=f"forkserver{port}")
+        if (
+            req["mode"] != "plain"
+        ):  # what torchrun's agent sets ("ranks": the same, with no rendezvous behind it)
+            os.environ.update(
+                RANK=str(rank),
+                LOCAL_RANK=str(rank),
+                GROUP_RANK="0",
+                WORLD_SIZE=str(req["nproc"]),
+                LOCAL_WORLD_SIZE=str(req["nproc"]),
+                MASTER_ADDR="127.0.0.1",
+                MASTER_PORT=str(port),
+                TORCHELASTIC_RESTART_COUNT=str(attempt),
+                TORCHELASTIC_RUN_ID=f"forkserver{port}",
+            )
         os.chdir(req["cwd"])
         script = os.path.abspath(req["script"])
         sys.argv = [script, *req["args"]]
@@ -60,6 +73,7 @@ def start_worker(req, rank, attempt, port):
         sys.stdout = open(1, "w", buffering=1, closefd=False)
         sys.stderr = open(2, "w", buffering=1, closefd=False)
         import runpy
+
         code = 0
         try:
             runpy.run_path(script, run_name="__main__")
@@ -69,6 +83,7 @@ def start_worker(req, rank, attempt, port):
                 print(e.code, file=sys.stderr)
         except BaseException:
             import traceback
+
             traceback.print_exc()
             code = 1
         sys.stdout.flush()

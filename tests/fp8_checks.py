@@ -16,6 +16,7 @@ class below its measurement fence replaced by a no-op when `noop` is given (test
 losses of the two).
 Prints "ok ..." / "FAIL ..." lines and ALL CHECKS PASSED; exits 1 if any check failed.
 """
+
 import os, sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -23,13 +24,17 @@ sys.path.insert(0, ROOT)
 
 if sys.argv[1:2] == ["fence"]:  # the fence contract's two runs (see the docstring)
     import ast, types
+
     noop, argv = sys.argv[2:3] == ["noop"], [a for a in sys.argv[2:] if a != "noop"]
     sys.argv = [os.path.join(ROOT, "fp8.py"), *argv]
     text = open(os.path.join(ROOT, "fp8.py")).read()
-    below = ast.parse(text[text.index("# --- measurement ---"):]).body
+    below = ast.parse(text[text.index("# --- measurement ---") :]).body
     mod = types.ModuleType("fp8_fenced")
     sys.modules["fp8_fenced"] = mod
-    exec(compile(text.replace('if __name__ == "__main__":', "if False:"), "fp8.py", "exec"), mod.__dict__)
+    exec(
+        compile(text.replace('if __name__ == "__main__":', "if False:"), "fp8.py", "exec"),
+        mod.__dict__,
+    )
     for node in below if noop else []:
         if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
             setattr(mod, node.name, lambda *a, **k: None)
@@ -43,8 +48,16 @@ import torch
 import torch.distributed as dist
 
 import fp8
-from common import (GPTConfig, MarkovData, build_gpt, close_dist, count_tokens, init_dist, lm_loss,
-                    make_optimizer)
+from common import (
+    GPTConfig,
+    MarkovData,
+    build_gpt,
+    close_dist,
+    count_tokens,
+    init_dist,
+    lm_loss,
+    make_optimizer,
+)
 from harness import CommCounter, parse_args
 
 d = init_dist(60)
@@ -61,10 +74,40 @@ def check(ok, what):
 def config(recipe, gather):
     """Tiny, but every GEMM dimension legal: tokens per rank 32 (16s), or 128 and 128-row shards (tiles)."""
     if recipe == "fine-grained":
-        shape = ["--d-model", 128 * d.world, "--n-layers", 1, "--seq-len", 64, "--batch-size", 2 * d.world]
+        shape = [
+            "--d-model",
+            128 * d.world,
+            "--n-layers",
+            1,
+            "--seq-len",
+            64,
+            "--batch-size",
+            2 * d.world,
+        ]
     else:
-        shape = ["--d-model", 16 * d.world, "--n-layers", 2, "--seq-len", 8, "--batch-size", 4 * d.world]
-    argv = ["--recipe", recipe, "--vocab", 32, "--n-heads", 2, "--steps", 2, "--dtype", "float64", *shape]
+        shape = [
+            "--d-model",
+            16 * d.world,
+            "--n-layers",
+            2,
+            "--seq-len",
+            8,
+            "--batch-size",
+            4 * d.world,
+        ]
+    argv = [
+        "--recipe",
+        recipe,
+        "--vocab",
+        32,
+        "--n-heads",
+        2,
+        "--steps",
+        2,
+        "--dtype",
+        "float64",
+        *shape,
+    ]
     return parse_args(fp8.Args, [str(a) for a in argv + (["--fp8-all-gather"] if gather else [])])
 
 
@@ -77,7 +120,7 @@ def train(args, comm=None):
     for step in range(args.steps):
         x, y = data.batch(step, args.batch_size, args.seq_len)
         n_tok = count_tokens(y)
-        x, y = (t[d.rank * b:(d.rank + 1) * b].to(d.device) for t in (x, y))
+        x, y = (t[d.rank * b : (d.rank + 1) * b].to(d.device) for t in (x, y))
         loss_fn = lambda logits, y: lm_loss(logits, y, n_tok)  # noqa: E731
         if comm is not None and step == 1:
             with comm:
@@ -105,33 +148,49 @@ for recipe in ("current", "delayed", "fine-grained"):
         losses, params, model = train(args, comm)
         loss, par = diff(args, losses, params)
         how = "FP8" if gather else "bf16"
-        check(loss <= 1e-9 and par <= 1e-9, f"{recipe}, weights gathered in {how}, world {d.world}: == "
-                                             f"one-process reference (loss {loss:.1e}, params {par:.1e})")
+        check(
+            loss <= 1e-9 and par <= 1e-9,
+            f"{recipe}, weights gathered in {how}, world {d.world}: == "
+            f"one-process reference (loss {loss:.1e}, params {par:.1e})",
+        )
         shards = [m.weight.numel() for m in model.modules() if isinstance(m, fp8.Fp8Linear)]
-        scales = sum(n // 128 ** 2 * 4 for n in shards) if gather and recipe == "fine-grained" else 0
+        scales = sum(n // 128**2 * 4 for n in shards) if gather and recipe == "fine-grained" else 0
         theory = sum(2 * n * (1 if gather else 2) for n in shards) + scales
         got = comm.total("all_gather")
         gathered[recipe, gather] = got
         plus = " + block scales" if scales else ""
-        check(got == theory, f"{recipe}, {how} all-gather: {got} bytes per rank and step counted == {theory} "
-                             f"(2 x shard elements x {1 if gather else 2}{plus}), d_model {args.d_model}, "
-                             f"{args.n_layers} layers, world {d.world}")
+        check(
+            got == theory,
+            f"{recipe}, {how} all-gather: {got} bytes per rank and step counted == {theory} "
+            f"(2 x shard elements x {1 if gather else 2}{plus}), d_model {args.d_model}, "
+            f"{args.n_layers} layers, world {d.world}",
+        )
     if d.world == 2:
         ratio = gathered[recipe, True] / gathered[recipe, False]
         check(0.5 <= ratio < 0.51, f"{recipe}: FP8 all-gather bytes / bf16's = {ratio:.4f}")
 
 # 2. mutants: each must be caught by the same comparison
-mutants = {"each rank's own amax": ("current",
-                                    lambda: setattr(fp8, "global_amax", lambda t, g: own(t, None))),
-           "the E5M2 gradient format forgotten": ("delayed", lambda: setattr(fp8.Current, "bwd", fp8.E4M3))}
+mutants = {
+    "each rank's own amax": (
+        "current",
+        lambda: setattr(fp8, "global_amax", lambda t, g: own(t, None)),
+    ),
+    "the E5M2 gradient format forgotten": (
+        "delayed",
+        lambda: setattr(fp8.Current, "bwd", fp8.E4M3),
+    ),
+}
 own, bwd = fp8.global_amax, fp8.Current.bwd
 for what, (recipe, mutate) in mutants.items() if d.world == 2 else ():
     mutate()
     args = config(recipe, True)
     loss, par = diff(args, *train(args)[:2])
     fp8.global_amax, fp8.Current.bwd = own, bwd  # undone
-    check(loss > 1e-6, f"negative: {recipe} with {what}: differs from the reference (loss {loss:.1e}, "
-                       f"params {par:.1e}), caught by the 1e-9 check")
+    check(
+        loss > 1e-6,
+        f"negative: {recipe} with {what}: differs from the reference (loss {loss:.1e}, "
+        f"params {par:.1e}), caught by the 1e-9 check",
+    )
 
 n_failed = torch.tensor([len(failures)], device=d.device)
 dist.all_reduce(n_failed, group=group)

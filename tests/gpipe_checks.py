@@ -20,6 +20,7 @@ tests/test_gpipe.py checks under torchrun. The cases run in the order given, in 
                    gpipe.main().
 
 Run: torchrun --standalone --nproc_per_node=P tests/gpipe_checks.py copy-out:DIR,leak [gpipe.py's flags]"""
+
 import contextlib
 import os
 import sys
@@ -56,8 +57,12 @@ class Net(nn.Module):
     def __init__(self):
         super().__init__()
         self.blocks = nn.ModuleList(Block(a, b) for a, b in zip(WIDTHS, WIDTHS[1:]))
-        self.gain = nn.Parameter(torch.linspace(0.5, 1.5, WIDTHS[-1]))  # a parameter on the root module
-        self.temp = nn.Parameter(torch.tensor(1.5))  # shape (): a 0-dim gradient to clip (issue 30, defect 4)
+        self.gain = nn.Parameter(
+            torch.linspace(0.5, 1.5, WIDTHS[-1])
+        )  # a parameter on the root module
+        self.temp = nn.Parameter(
+            torch.tensor(1.5)
+        )  # shape (): a 0-dim gradient to clip (issue 30, defect 4)
 
     def forward(self, x):
         for block in self.blocks:
@@ -73,8 +78,10 @@ def build_net():
 def batch(step):
     """(BATCH, 5) inputs and (BATCH, 2) targets of `step`, float64."""
     g = torch.Generator().manual_seed(100 + step)
-    return (torch.randn(BATCH, WIDTHS[0], generator=g, dtype=torch.float64),
-            torch.randn(BATCH, WIDTHS[-1], generator=g, dtype=torch.float64))
+    return (
+        torch.randn(BATCH, WIDTHS[0], generator=g, dtype=torch.float64),
+        torch.randn(BATCH, WIDTHS[-1], generator=g, dtype=torch.float64),
+    )
 
 
 class StageOf(nn.Module):
@@ -98,7 +105,10 @@ def train_copied_out(how, group=None):
     a, b = CORE["split_layers"](len(net.blocks), world)[rank]
     stage = StageOf(net, a, b)
     opt = torch.optim.AdamW(stage.parameters(), lr=LR, foreach=False)
-    prev, nxt = (rank - 1 if rank > 0 else None), (rank + 1 if rank < world - 1 else None)  # within the group
+    prev, nxt = (
+        (rank - 1 if rank > 0 else None),
+        (rank + 1 if rank < world - 1 else None),
+    )  # within the group
 
     @contextlib.contextmanager
     def forgetful(kind, mb):  # the bug: .grad zeroed before every B
@@ -106,7 +116,10 @@ def train_copied_out(how, group=None):
             stage.zero_grad(set_to_none=True)
         yield
 
-    comm, starts = CommCounter(log=True), []  # what "plain" posts in its first step, and where each op starts
+    comm, starts = (
+        CommCounter(log=True),
+        [],
+    )  # what "plain" posts in its first step, and where each op starts
 
     @contextlib.contextmanager
     def marking(kind, mb):
@@ -117,12 +130,29 @@ def train_copied_out(how, group=None):
     for step in range(STEPS):
         x, y = batch(step)
         loss_fn = lambda out, target: ((out - target) ** 2).sum() / y.numel()  # noqa: E731  (the batch's MSE)
-        observe = forgetful if how == "broken" else marking if how in ("plain", "reversed") and step == 0 else None
+        observe = (
+            forgetful
+            if how == "broken"
+            else marking
+            if how in ("plain", "reversed") and step == 0
+            else None
+        )
         with comm if observe is marking else contextlib.nullcontext():
-            loss = CORE["gpipe_step"](stage, list(x.chunk(M)), list(y.chunk(M)), loss_fn, prev, nxt,
-                                      (BATCH // M, WIDTHS[a]), recompute=how == "recompute", observe=observe,
-                                      group=group)
-        grads = [q.grad for q in stage.parameters()]  # then gpipe.main's clipping: a () norm of the whole model
+            loss = CORE["gpipe_step"](
+                stage,
+                list(x.chunk(M)),
+                list(y.chunk(M)),
+                loss_fn,
+                prev,
+                nxt,
+                (BATCH // M, WIDTHS[a]),
+                recompute=how == "recompute",
+                observe=observe,
+                group=group,
+            )
+        grads = [
+            q.grad for q in stage.parameters()
+        ]  # then gpipe.main's clipping: a () norm of the whole model
         sq = CORE["squared_norm"](grads)
         dist.all_reduce(sq, group=group)
         torch.nn.utils.clip_grads_with_norm_(stage.parameters(), CLIP, sq.sqrt())
@@ -130,8 +160,12 @@ def train_copied_out(how, group=None):
         opt.zero_grad(set_to_none=True)
         losses.append(float(loss))
     names = {id(q): n for n, q in net.named_parameters()}
-    return dict(params={names[id(q)]: q.detach().clone() for q in stage.parameters()}, losses=losses,
-                posted=[(c["op"], c["peer"]) for c in comm.calls_log], starts=starts)
+    return dict(
+        params={names[id(q)]: q.detach().clone() for q in stage.parameters()},
+        losses=losses,
+        posted=[(c["op"], c["peer"]) for c in comm.calls_log],
+        starts=starts,
+    )
 
 
 def bad_inputs():
@@ -143,15 +177,22 @@ def bad_inputs():
 
     def step(xs, ys=None, prev=None, nxt="peer", group=g):
         nxt = 1 - me if nxt == "peer" else nxt
-        return CORE["gpipe_step"](stage, xs, ys or [None] * len(xs), None, prev, nxt, (2, 7), group=group)
-    cases = {"split_layers, 3 stages of 2 blocks": lambda: CORE["split_layers"](2, 3),
-             "micro_batches, 7 rows into 2": lambda: CORE["micro_batches"](x.new_zeros(7, 4), 2, x.device),
-             "gpipe_step, no micro-batch": lambda: step([]),
-             "gpipe_step, 3 inputs, 2 targets": lambda: step(list(x.chunk(3)), [None, None]),
-             "gpipe_step, nxt a global rank past the group": lambda: step(list(x.chunk(3)), nxt=2),
-             "gpipe_step, nxt this rank": lambda: step(list(x.chunk(3)), nxt=me),
-             "gpipe_step, unequal micro-batches": lambda: step([x[:2], x[2:5], x[5:]]),
-             "gpipe_step, a rank outside the group": lambda: step(list(x.chunk(3)), nxt=0)}
+        return CORE["gpipe_step"](
+            stage, xs, ys or [None] * len(xs), None, prev, nxt, (2, 7), group=group
+        )
+
+    cases = {
+        "split_layers, 3 stages of 2 blocks": lambda: CORE["split_layers"](2, 3),
+        "micro_batches, 7 rows into 2": lambda: CORE["micro_batches"](
+            x.new_zeros(7, 4), 2, x.device
+        ),
+        "gpipe_step, no micro-batch": lambda: step([]),
+        "gpipe_step, 3 inputs, 2 targets": lambda: step(list(x.chunk(3)), [None, None]),
+        "gpipe_step, nxt a global rank past the group": lambda: step(list(x.chunk(3)), nxt=2),
+        "gpipe_step, nxt this rank": lambda: step(list(x.chunk(3)), nxt=me),
+        "gpipe_step, unequal micro-batches": lambda: step([x[:2], x[2:5], x[5:]]),
+        "gpipe_step, a rank outside the group": lambda: step(list(x.chunk(3)), nxt=0),
+    }
     out = {}
     for what, call in cases.items():
         if "outside" in what and me >= 0 or "outside" not in what and me < 0:
@@ -165,7 +206,9 @@ def unwatched_registers():
     steps before it must register nothing (an entry for a storage freed long ago could stand in for a watched
     step's storage at the same address, which the allocator hands out again, and the entries would grow with
     the run). Returns (entries after 3 unobserved forwards, entries after one observed F)."""
-    d = types.SimpleNamespace(device=torch.device("cpu"), rank=dist.get_rank(), world=dist.get_world_size())
+    d = types.SimpleNamespace(
+        device=torch.device("cpu"), rank=dist.get_rank(), world=dist.get_world_size()
+    )
     args = types.SimpleNamespace(stage_ms=0)
     net = nn.Sequential(nn.Linear(4, 4), nn.Tanh()).double()
     held = gpipe.HeldForB(d, args, net)
@@ -180,9 +223,13 @@ def unwatched_registers():
 def copy_out(out_dir):
     dist.init_process_group("gloo")
     rank = dist.get_rank()
-    backwards = dist.new_group(list(range(dist.get_world_size()))[::-1], sort_ranks=False)  # stage s: 2 - s
-    runs = {how: train_copied_out(how, backwards if how == "reversed" else None)
-            for how in ("plain", "recompute", "reversed", "broken")}
+    backwards = dist.new_group(
+        list(range(dist.get_world_size()))[::-1], sort_ranks=False
+    )  # stage s: 2 - s
+    runs = {
+        how: train_copied_out(how, backwards if how == "reversed" else None)
+        for how in ("plain", "recompute", "reversed", "broken")
+    }
     runs["bad"] = bad_inputs()
     runs["unwatched"] = unwatched_registers()[:2]
     torch.save(runs, os.path.join(out_dir, f"rank{rank}.pt"))

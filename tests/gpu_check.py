@@ -47,14 +47,30 @@ loss falls, finite: its --check reference is FP32 arithmetic, not the tensor cor
 context on the first ones.
 Estimated time: launches x 10 s at world 1, 15 s at world >= 2 (see docs/gpus.md); --minutes rescales the
 estimates of what is left by the measured time of what ran."""
+
 import argparse, json, os, re, shutil, subprocess, sys, tempfile, time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 STEP = re.compile(r"^step\s+(\d+) \| loss ([\d.naninf]+) \|\s+([\d.]+) ms", re.M)
-FILES = ("dp.py", "ddp_bucketed.py", "diloco.py", "fault_tolerance.py", "gpipe.py", "pipedream.py",
-         "zero_bubble.py", "megatron_tp.py", "ptdp.py", "moe.py", "moe_deepseek.py", "zero.py",
-         "memory_savers.py", "fp8.py", "context_parallel.py", "bench.py")
+FILES = (
+    "dp.py",
+    "ddp_bucketed.py",
+    "diloco.py",
+    "fault_tolerance.py",
+    "gpipe.py",
+    "pipedream.py",
+    "zero_bubble.py",
+    "megatron_tp.py",
+    "ptdp.py",
+    "moe.py",
+    "moe_deepseek.py",
+    "zero.py",
+    "memory_savers.py",
+    "fp8.py",
+    "context_parallel.py",
+    "bench.py",
+)
 # Seconds per launch on a GPU machine (an estimate: interpreter + torch import, CUDA context, NCCL
 # communicators, the tiny model and its --check reference, teardown); --cpu: measured on 2 shared cores
 # under load, the workers forked from a warm interpreter, except bench.py's (its own torchrun launches).
@@ -65,44 +81,89 @@ DETERMINISTIC = {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
 def model_flags(w):
     heads = 2 * max(2, w)
     seq = 32 if 32 % (2 * w) == 0 else 16 * w  # context parallel's zig-zag needs 2w | T
-    return ["--steps", 4, "--vocab", 64, "--n-heads", heads, "--d-model", 16 * heads, "--n-layers", 2 * w,
-            "--batch-size", 16 * w, "--seq-len", seq]
+    return [
+        "--steps",
+        4,
+        "--vocab",
+        64,
+        "--n-heads",
+        heads,
+        "--d-model",
+        16 * heads,
+        "--n-layers",
+        2 * w,
+        "--batch-size",
+        16 * w,
+        "--seq-len",
+        seq,
+    ]
 
 
 def plan(w):
     """[(name, file, flags)] for world w: every run checks itself (--check), in float32."""
     m = ["--microbatches", 2 * w]
-    runs = [("dp sync", "dp.py", []), ("dp accum 2 ragged", "dp.py", ["--accum", 2, "--ragged"]),
-            ("ddp", "ddp_bucketed.py", []), ("ddp compress bf16", "ddp_bucketed.py", ["--compress", "bf16"]),
-            ("megatron tp", "megatron_tp.py", ["--tp", w]),
-            ("megatron tp sequence parallel", "megatron_tp.py", ["--tp", w, "--sequence-parallel"]),
-            *[(f"moe {r}", "moe.py", ["--router", r, "--ep", w, "--experts", 2 * w])
-              for r in ("switch", "gshard", "noisy_topk", "expert_choice")],
-            ("moe loss_free", "moe_deepseek.py", ["--ep", w, "--experts", 2 * w, "--shared-experts", 0]),
-            ("moe loss_free dropless shared", "moe_deepseek.py", ["--ep", w, "--experts", 2 * w]),
-            *[(f"zero stage {s}", "zero.py", ["--stage", s, "--accum", 2]) for s in range(4)],
-            ("zero 2 offload bf16", "zero.py", ["--stage", 2, "--offload", "--mixed-precision", "bf16"]),
-            ("zero 3 fp16 loss scaling", "zero.py", ["--stage", 3, "--mixed-precision", "fp16"]),
-            ("savers recompute full", "memory_savers.py", ["--recompute", "full", "--accum", 2]),
-            ("savers recompute selective", "memory_savers.py", ["--recompute", "selective"]),
-            ("savers compress int8", "memory_savers.py", ["--compress-activations", "int8"]),
-            ("savers adafactor", "memory_savers.py", ["--optimizer", "adafactor"]),
-            *[(f"cp {a} {lay}", "context_parallel.py", ["--cp", w, "--attention", a, "--layout", lay])
-              for a, lay in (("ring", "zigzag"), ("ring", "contiguous"), ("allgather", "zigzag"),
-                             ("ulysses", "contiguous"))]]
+    runs = [
+        ("dp sync", "dp.py", []),
+        ("dp accum 2 ragged", "dp.py", ["--accum", 2, "--ragged"]),
+        ("ddp", "ddp_bucketed.py", []),
+        ("ddp compress bf16", "ddp_bucketed.py", ["--compress", "bf16"]),
+        ("megatron tp", "megatron_tp.py", ["--tp", w]),
+        ("megatron tp sequence parallel", "megatron_tp.py", ["--tp", w, "--sequence-parallel"]),
+        *[
+            (f"moe {r}", "moe.py", ["--router", r, "--ep", w, "--experts", 2 * w])
+            for r in ("switch", "gshard", "noisy_topk", "expert_choice")
+        ],
+        (
+            "moe loss_free",
+            "moe_deepseek.py",
+            ["--ep", w, "--experts", 2 * w, "--shared-experts", 0],
+        ),
+        ("moe loss_free dropless shared", "moe_deepseek.py", ["--ep", w, "--experts", 2 * w]),
+        *[(f"zero stage {s}", "zero.py", ["--stage", s, "--accum", 2]) for s in range(4)],
+        (
+            "zero 2 offload bf16",
+            "zero.py",
+            ["--stage", 2, "--offload", "--mixed-precision", "bf16"],
+        ),
+        ("zero 3 fp16 loss scaling", "zero.py", ["--stage", 3, "--mixed-precision", "fp16"]),
+        ("savers recompute full", "memory_savers.py", ["--recompute", "full", "--accum", 2]),
+        ("savers recompute selective", "memory_savers.py", ["--recompute", "selective"]),
+        ("savers compress int8", "memory_savers.py", ["--compress-activations", "int8"]),
+        ("savers adafactor", "memory_savers.py", ["--optimizer", "adafactor"]),
+        *[
+            (f"cp {a} {lay}", "context_parallel.py", ["--cp", w, "--attention", a, "--layout", lay])
+            for a, lay in (
+                ("ring", "zigzag"),
+                ("ring", "contiguous"),
+                ("allgather", "zigzag"),
+                ("ulysses", "contiguous"),
+            )
+        ],
+    ]
     if w % 2 == 0 and w >= 4:
-        runs += [("megatron tp x dp 2", "megatron_tp.py", ["--tp", w // 2]),
-                 ("ptdp pp 2 x tp v 2", "ptdp.py", ["--pp", 2, "--tp", w // 2, "--virtual-stages", 2, *m])]
+        runs += [
+            ("megatron tp x dp 2", "megatron_tp.py", ["--tp", w // 2]),
+            (
+                "ptdp pp 2 x tp v 2",
+                "ptdp.py",
+                ["--pp", 2, "--tp", w // 2, "--virtual-stages", 2, *m],
+            ),
+        ]
     if w >= 2:  # a pipeline needs one GPU per stage; a parameter server a worker beside it
         D = min(1, w - 2)  # staleness D needs D + 1 workers
-        runs += [(f"dp async lockstep D={D}", "dp.py", ["--mode", "async", "--staleness", D]),
-                 ("gpipe", "gpipe.py", m), ("gpipe recompute", "gpipe.py", [*m, "--recompute"]),
-                 *[(f"pipedream {mode}", "pipedream.py", ["--mode", mode, *m, *clip])
-                   for mode, clip in (("flush", []), ("stash", ["--clip", 0]), ("2bw", []))],
-                 ("zero_bubble zbh1", "zero_bubble.py", m),
-                 ("zero_bubble zbv", "zero_bubble.py", ["--schedule", "zbv", *m]),
-                 ("ptdp 1f1b", "ptdp.py", ["--pp", w, *m]),
-                 ("ptdp interleaved v 2", "ptdp.py", ["--pp", w, "--virtual-stages", 2, *m])]
+        runs += [
+            (f"dp async lockstep D={D}", "dp.py", ["--mode", "async", "--staleness", D]),
+            ("gpipe", "gpipe.py", m),
+            ("gpipe recompute", "gpipe.py", [*m, "--recompute"]),
+            *[
+                (f"pipedream {mode}", "pipedream.py", ["--mode", mode, *m, *clip])
+                for mode, clip in (("flush", []), ("stash", ["--clip", 0]), ("2bw", []))
+            ],
+            ("zero_bubble zbh1", "zero_bubble.py", m),
+            ("zero_bubble zbv", "zero_bubble.py", ["--schedule", "zbv", *m]),
+            ("ptdp 1f1b", "ptdp.py", ["--pp", w, *m]),
+            ("ptdp interleaved v 2", "ptdp.py", ["--pp", w, "--virtual-stages", 2, *m]),
+        ]
     return [(name, f, [*model_flags(w), *flags, "--check"]) for name, f, flags in runs]
 
 
@@ -116,22 +177,43 @@ def bf16_plan(w):
 
 def restart_plan(w):
     """Files killed at step 3 and restarted (--max-restarts=1), each against its uninterrupted run."""
-    keep = {"dp sync", "zero stage 3", "moe loss_free", "megatron tp",
-            "pipedream stash" if w >= 2 else "cp ring zigzag"}
-    return [(f"{name} restart", f, [x for x in flags if x != "--check"] + ["--steps", 6])
-            for name, f, flags in plan(w) if name in keep]
+    keep = {
+        "dp sync",
+        "zero stage 3",
+        "moe loss_free",
+        "megatron tp",
+        "pipedream stash" if w >= 2 else "cp ring zigzag",
+    }
+    return [
+        (f"{name} restart", f, [x for x in flags if x != "--check"] + ["--steps", 6])
+        for name, f, flags in plan(w)
+        if name in keep
+    ]
 
 
 def extra_plan(w):
     """The modes review 2 (issue 31) found never run on a GPU, at world w >= 2: [(name, file, flags)]."""
-    half = max(q for q in range(1, w) if w % q == 0)  # the largest proper divisor: w / 2 when w is even
-    runs = [("dp async free-running", "dp.py", ["--mode", "async"]),
-            (f"moe ep {half} of {w}", "moe.py", ["--router", "gshard", "--ep", half, "--experts", 2 * half]),
-            (f"cp {half} x dp {w // half}", "context_parallel.py", ["--cp", half, "--dp", w // half])]
+    half = max(
+        q for q in range(1, w) if w % q == 0
+    )  # the largest proper divisor: w / 2 when w is even
+    runs = [
+        ("dp async free-running", "dp.py", ["--mode", "async"]),
+        (
+            f"moe ep {half} of {w}",
+            "moe.py",
+            ["--router", "gshard", "--ep", half, "--experts", 2 * half],
+        ),
+        (f"cp {half} x dp {w // half}", "context_parallel.py", ["--cp", half, "--dp", w // half]),
+    ]
     if w >= 4 and w % 2 == 0:
-        runs += [(f"ptdp pp 2 x dp {half}", "ptdp.py", ["--pp", 2, "--dp", half, "--microbatches", 4]),
-                 (f"zero_bubble zbv pp {half} x dp 2", "zero_bubble.py",
-                  ["--schedule", "zbv", "--pp", half, "--dp", 2, "--microbatches", 2 * half])]
+        runs += [
+            (f"ptdp pp 2 x dp {half}", "ptdp.py", ["--pp", 2, "--dp", half, "--microbatches", 4]),
+            (
+                f"zero_bubble zbv pp {half} x dp 2",
+                "zero_bubble.py",
+                ["--schedule", "zbv", "--pp", half, "--dp", 2, "--microbatches", 2 * half],
+            ),
+        ]
     return [(name, f, [*model_flags(w), *flags, "--check"]) for name, f, flags in runs]
 
 
@@ -145,12 +227,31 @@ def ft_plan(w):
     [(name, flags)] with --check. One GPU: R = 1 (the quorum, the per-step group on NCCL) and the restart
     recipe (a replica killed, every replica reloaded from disk with map_location); N GPUs: R = N, a replica
     killed during a step and recovered live from a peer."""
-    runs = [(f"fault_tolerance R {w}", ["--replicas", w]),
-            (f"fault_tolerance R {w} restart recipe", ["--replicas", w, "--kill-replica", 0, "--at-step", 3,
-                                                      "--recipe", "restart", "--save-every", 2])]
+    runs = [
+        (f"fault_tolerance R {w}", ["--replicas", w]),
+        (
+            f"fault_tolerance R {w} restart recipe",
+            [
+                "--replicas",
+                w,
+                "--kill-replica",
+                0,
+                "--at-step",
+                3,
+                "--recipe",
+                "restart",
+                "--save-every",
+                2,
+            ],
+        ),
+    ]
     if w >= 2:
-        runs.append((f"fault_tolerance R {w} kill, live recovery", ["--replicas", w, "--kill-replica", w - 1,
-                                                                    "--at-step", 3, "--min-replicas", w - 1]))
+        runs.append(
+            (
+                f"fault_tolerance R {w} kill, live recovery",
+                ["--replicas", w, "--kill-replica", w - 1, "--at-step", 3, "--min-replicas", w - 1],
+            )
+        )
     return [(name, [*model_flags(w), "--steps", 6, *flags, "--check"]) for name, flags in runs]
 
 
@@ -161,29 +262,49 @@ def fp8_plan(w):
     needs K and the tokens per rank in whole 128-tiles."""
     steps = ["--steps", 20]
     if w > 1:
-        return [("fp8 current fp8-all-gather loss falls", [*model_flags(w), *steps, "--recipe", "current",
-                                                            "--fp8-all-gather"])]
-    return [(f"fp8 {r} loss falls", [*model_flags(1), *steps, "--recipe", r, *extra]) for r, extra in (
-        ("current", []), ("delayed", ["--amax-history", 4]), ("fine-grained", ["--d-model", 128]))]
+        return [
+            (
+                "fp8 current fp8-all-gather loss falls",
+                [*model_flags(w), *steps, "--recipe", "current", "--fp8-all-gather"],
+            )
+        ]
+    return [
+        (f"fp8 {r} loss falls", [*model_flags(1), *steps, "--recipe", r, *extra])
+        for r, extra in (
+            ("current", []),
+            ("delayed", ["--amax-history", 4]),
+            ("fine-grained", ["--d-model", 128]),
+        )
+    ]
 
 
 def one_gpu_plan():
     """World 1: the CUDA-only paths, [(name, file, flags)] with --check (jobs() adds the pairs compared bit
     for bit and bench.py)."""
     fp16 = ["--stage", 3, "--mixed-precision", "fp16", "--accum", 2]
-    runs = [("zero 2 offload bf16", "zero.py", ["--stage", 2, "--offload", "--mixed-precision", "bf16"]),
-            ("zero 3 fp16 loss scaling", "zero.py", fp16),
-            ("ddp overlap (CUDA events)", "ddp_bucketed.py", []),
-            ("ddp bfloat16", "ddp_bucketed.py", ["--dtype", "bfloat16"]),
-            ("savers compress int8", "memory_savers.py", ["--compress-activations", "int8"]),
-            ("savers adafactor", "memory_savers.py", ["--optimizer", "adafactor"]),
-            ("cp 1 ring zigzag", "context_parallel.py", ["--cp", 1]),
-            *[(f"diloco streaming overlap {wire}", "diloco.py", DILOCO + ["--outer-dtype", wire])
-              for wire in ("bfloat16", "float8_e4m3fn")],
-            *[(f"moe {r}", "moe.py", ["--router", r, "--ep", 1, "--experts", 4])
-              for r in ("switch", "gshard", "noisy_topk", "expert_choice")],
-            ("moe loss_free", "moe_deepseek.py", ["--ep", 1, "--experts", 4, "--shared-experts", 0]),
-            ("moe loss_free dropless shared", "moe_deepseek.py", ["--ep", 1, "--experts", 4])]
+    runs = [
+        (
+            "zero 2 offload bf16",
+            "zero.py",
+            ["--stage", 2, "--offload", "--mixed-precision", "bf16"],
+        ),
+        ("zero 3 fp16 loss scaling", "zero.py", fp16),
+        ("ddp overlap (CUDA events)", "ddp_bucketed.py", []),
+        ("ddp bfloat16", "ddp_bucketed.py", ["--dtype", "bfloat16"]),
+        ("savers compress int8", "memory_savers.py", ["--compress-activations", "int8"]),
+        ("savers adafactor", "memory_savers.py", ["--optimizer", "adafactor"]),
+        ("cp 1 ring zigzag", "context_parallel.py", ["--cp", 1]),
+        *[
+            (f"diloco streaming overlap {wire}", "diloco.py", DILOCO + ["--outer-dtype", wire])
+            for wire in ("bfloat16", "float8_e4m3fn")
+        ],
+        *[
+            (f"moe {r}", "moe.py", ["--router", r, "--ep", 1, "--experts", 4])
+            for r in ("switch", "gshard", "noisy_topk", "expert_choice")
+        ],
+        ("moe loss_free", "moe_deepseek.py", ["--ep", 1, "--experts", 4, "--shared-experts", 0]),
+        ("moe loss_free dropless shared", "moe_deepseek.py", ["--ep", 1, "--experts", 4]),
+    ]
     return [(name, f, [*model_flags(1), *flags, "--check"]) for name, f, flags in runs]
 
 
@@ -191,20 +312,50 @@ def jobs(w, cpu, gpus):
     """Every job of world w's plan: dicts with name, kind, file, world, launches, and what the kind needs."""
     out = []
     add = lambda kind, name, f, launches, **kw: out.append(  # noqa: E731
-        dict(kind=kind, name=f"{name} (world {w})", file=f, world=w, launches=launches, **kw))
+        dict(kind=kind, name=f"{name} (world {w})", file=f, world=w, launches=launches, **kw)
+    )
     if w == 1:
         for name, f, flags in one_gpu_plan():
             add("check", name, f, 1, flags=flags)
         drop = [*model_flags(1), "--dropout", 0.1, "--steps", 6]
-        add("same", "savers recompute full / selective, dropout 0.1, vs none", "memory_savers.py", 3,
-            a=drop, b=[[*drop, "--recompute", "full"], [*drop, "--recompute", "selective"]], restart=False)
+        add(
+            "same",
+            "savers recompute full / selective, dropout 0.1, vs none",
+            "memory_savers.py",
+            3,
+            a=drop,
+            b=[[*drop, "--recompute", "full"], [*drop, "--recompute", "selective"]],
+            restart=False,
+        )
         kill = [*drop, "--optimizer", "adafactor", "--recompute", "full"]
-        add("same", "savers dropout adafactor restart", "memory_savers.py", 2, a=kill, b=[kill], restart=True)
+        add(
+            "same",
+            "savers dropout adafactor restart",
+            "memory_savers.py",
+            2,
+            a=kill,
+            b=[kill],
+            restart=True,
+        )
         # the CUDA generator's state in a checkpoint: megatron's RNG tracker, zero.py's sharded checkpoint
-        add("same", "megatron tp 1 dropout 0.1 restart", "megatron_tp.py", 2, a=[*drop, "--tp", 1],
-            b=[[*drop, "--tp", 1]], restart=True)
-        add("same", "zero 3 dropout 0.1 restart", "zero.py", 2, a=[*drop, "--stage", 3],
-            b=[[*drop, "--stage", 3]], restart=True)
+        add(
+            "same",
+            "megatron tp 1 dropout 0.1 restart",
+            "megatron_tp.py",
+            2,
+            a=[*drop, "--tp", 1],
+            b=[[*drop, "--tp", 1]],
+            restart=True,
+        )
+        add(
+            "same",
+            "zero 3 dropout 0.1 restart",
+            "zero.py",
+            2,
+            a=[*drop, "--stage", 3],
+            b=[[*drop, "--stage", 3]],
+            restart=True,
+        )
         for name, flags in ft_plan(1):
             add("ft", name, "fault_tolerance.py", 1 + ("restart" in name), argv=flags)
         for name, flags in fp8_plan(1):
@@ -216,10 +367,24 @@ def jobs(w, cpu, gpus):
     for name, f, flags in bf16_plan(w):
         add("check", name, f, 1, flags=flags, env={"TORCH_DISTRIBUTED_DEBUG": "DETAIL"})
     drop = [*model_flags(w), "--dropout", 0.1, "--steps", 6]
-    add("same", "savers recompute full, dropout 0.1, vs none", "memory_savers.py", 2,
-        a=drop, b=[[*drop, "--recompute", "full"]], restart=False)
-    add("same", "megatron tp dropout 0.1 restart", "megatron_tp.py", 2, a=[*drop, "--tp", w],
-        b=[[*drop, "--tp", w]], restart=True)
+    add(
+        "same",
+        "savers recompute full, dropout 0.1, vs none",
+        "memory_savers.py",
+        2,
+        a=drop,
+        b=[[*drop, "--recompute", "full"]],
+        restart=False,
+    )
+    add(
+        "same",
+        "megatron tp dropout 0.1 restart",
+        "megatron_tp.py",
+        2,
+        a=[*drop, "--tp", w],
+        b=[[*drop, "--tp", w]],
+        restart=True,
+    )
     for name, f, flags in restart_plan(w):
         add("same", name, f, 2, a=flags, b=[flags], restart=True)
     for name, flags in ft_plan(w):
@@ -242,19 +407,35 @@ def estimate(job, where):
 def launch(w, f, flags, cpu, env=None, restarts=0, timeout=300):
     """torchrun --standalone (on --cpu: forked from tests/forkserver.py's warm interpreter, which starts the
     workers with torchrun's environment; the import of torch is most of a tiny launch on a few cores)."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **(env or {}),
-               **({"CUDA_VISIBLE_DEVICES": ""} if cpu else {}))
+    env = dict(
+        os.environ,
+        OMP_NUM_THREADS="1",
+        PYTHONUNBUFFERED="1",
+        **(env or {}),
+        **({"CUDA_VISIBLE_DEVICES": ""} if cpu else {}),
+    )
     flags = list(map(str, flags))
     if cpu:
         sys.path.insert(0, str(ROOT / "tests"))
         import helpers
-        helpers.ENV = env  # the environment of this request (the server keeps the one it started with)
+
+        helpers.ENV = (
+            env  # the environment of this request (the server keeps the one it started with)
+        )
         try:
             return helpers.forked(f, w, *flags, timeout=timeout, max_restarts=restarts)
         except subprocess.TimeoutExpired as e:
             return -1, f"{e.output or ''}\nstopped after {timeout:.0f} s"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={w}",
-           f"--max-restarts={restarts}", str(ROOT / f), *flags]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={w}",
+        f"--max-restarts={restarts}",
+        str(ROOT / f),
+        *flags,
+    ]
     try:
         p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
         return p.returncode, p.stdout + p.stderr
@@ -266,7 +447,10 @@ FAILED, STARTED = [], [time.time()]  # the runs that failed; when the current ru
 
 
 def line(name, ok, detail, out=""):
-    print(f"{name:52s} {'ok' if ok else 'FAILED'}  [{time.time() - STARTED[0]:.0f} s] {detail}", flush=True)
+    print(
+        f"{name:52s} {'ok' if ok else 'FAILED'}  [{time.time() - STARTED[0]:.0f} s] {detail}",
+        flush=True,
+    )
     if not ok:
         FAILED.append(name)
         print("\n".join("    | " + l for l in out.strip().splitlines()[-15:]), flush=True)
@@ -289,20 +473,36 @@ def memory(path):
 def run_check(job, cpu, tmp, timeout):
     out_json = tmp / "run.json"
     out_json.unlink(missing_ok=True)
-    rc, out = launch(job["world"], job["file"], [*job["flags"], "--json", out_json], cpu, job.get("env"),
-                     timeout=timeout)
+    rc, out = launch(
+        job["world"],
+        job["file"],
+        [*job["flags"], "--json", out_json],
+        cpu,
+        job.get("env"),
+        timeout=timeout,
+    )
     line(job["name"], rc == 0 and "PASSED" in out, check_line(out) + memory(out_json), out)
 
 
 def losses(job, flags, cpu, tmp, tag, timeout, restart=False):
     """One run under the deterministic settings; its per-step losses (None if it failed)."""
-    tmp = tmp / re.sub(r"\W+", "_", job["name"])  # each job its own checkpoints: never another job's resumed
+    tmp = tmp / re.sub(
+        r"\W+", "_", job["name"]
+    )  # each job its own checkpoints: never another job's resumed
     tmp.mkdir(parents=True, exist_ok=True)
     path = tmp / f"{tag}.json"
-    extra = ["--ckpt-dir", tmp / f"ck-{tag}", "--save-every", 2, "--fail-at-step", 3] if restart else []
-    rc, out = launch(job["world"], "tests/gpu_check.py", ["--deterministic-run", job["file"], *flags,
-                                                          *extra, "--json", path],
-                     cpu, DETERMINISTIC, restarts=1 if restart else 0, timeout=timeout)
+    extra = (
+        ["--ckpt-dir", tmp / f"ck-{tag}", "--save-every", 2, "--fail-at-step", 3] if restart else []
+    )
+    rc, out = launch(
+        job["world"],
+        "tests/gpu_check.py",
+        ["--deterministic-run", job["file"], *flags, *extra, "--json", path],
+        cpu,
+        DETERMINISTIC,
+        restarts=1 if restart else 0,
+        timeout=timeout,
+    )
     return (json.loads(path.read_text())["losses"] if rc == 0 and path.exists() else None), out
 
 
@@ -333,8 +533,13 @@ def run_same(job, cpu, tmp, deadline):
         return line(job["name"], False, "the second uninterrupted run failed", out)
     spread = rel(a, again)
     ok = spread > 0 and max(diffs) <= 10 * spread
-    line(job["name"], ok, f"max rel loss diff {max(diffs):.3e} vs uninterrupted; two uninterrupted runs "
-         f"differ by {spread:.3e} (tolerance 10 x that)", outs + out)
+    line(
+        job["name"],
+        ok,
+        f"max rel loss diff {max(diffs):.3e} vs uninterrupted; two uninterrupted runs "
+        f"differ by {spread:.3e} (tolerance 10 x that)",
+        outs + out,
+    )
 
 
 def stragglers(w, cpu, delay=40, steps=24, timeout=300):
@@ -349,9 +554,14 @@ def stragglers(w, cpu, delay=40, steps=24, timeout=300):
         ms = [float(x[2]) for x in STEP.findall(out)]
         loop[mode] = sum(ms) if rc == 0 and len(ms) == steps else float("nan")
     ratio = loop["free"] / loop["lockstep"]
-    line(f"dp async stragglers overlap (world {w})", ratio < 0.75, f"update loop free-running "
-         f"{loop['free']:.0f} ms vs lockstep D=0 {loop['lockstep']:.0f} ms: {ratio:.2f} (must be < 0.75; "
-         "ideal about 0.5)", out)
+    line(
+        f"dp async stragglers overlap (world {w})",
+        ratio < 0.75,
+        f"update loop free-running "
+        f"{loop['free']:.0f} ms vs lockstep D=0 {loop['lockstep']:.0f} ms: {ratio:.2f} (must be < 0.75; "
+        "ideal about 0.5)",
+        out,
+    )
 
 
 def run_ft(job, cpu, tmp, timeout):
@@ -359,11 +569,21 @@ def run_ft(job, cpu, tmp, timeout):
     cuda:(replica % GPUs)); --check replays who took part in which step in one process."""
     ckpt = tmp / re.sub(r"\W+", "_", job["name"])
     argv = [*job["argv"], *(["--ckpt-dir", ckpt] if "restart" in job["argv"] else [])]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
-               **({"CUDA_VISIBLE_DEVICES": ""} if cpu else {}))
+    env = dict(
+        os.environ,
+        OMP_NUM_THREADS="1",
+        PYTHONUNBUFFERED="1",
+        **({"CUDA_VISIBLE_DEVICES": ""} if cpu else {}),
+    )
     try:
-        p = subprocess.run([sys.executable, str(ROOT / job["file"]), *map(str, argv)], cwd=ROOT, env=env,
-                           capture_output=True, text=True, timeout=timeout)
+        p = subprocess.run(
+            [sys.executable, str(ROOT / job["file"]), *map(str, argv)],
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
         rc, out = p.returncode, p.stdout + p.stderr
     except subprocess.TimeoutExpired as e:
         rc, out = -1, f"{e.stdout or ''}{e.stderr or ''}\nstopped after {timeout:.0f} s"
@@ -376,7 +596,12 @@ def run_falls(job, cpu, tmp, timeout):
     loss = [float(x[1]) for x in STEP.findall(out)]
     ok = rc == 0 and len(loss) > 3 and all(x == x and abs(x) != float("inf") for x in loss)
     ok = ok and max(loss[-3:]) < loss[0]
-    line(job["name"], ok, f"loss {loss[0]:.3f} -> {loss[-1]:.3f} over {len(loss)} steps" if loss else "", out)
+    line(
+        job["name"],
+        ok,
+        f"loss {loss[0]:.3f} -> {loss[-1]:.3f} over {len(loss)} steps" if loss else "",
+        out,
+    )
 
 
 def bench_flags(w):
@@ -386,8 +611,22 @@ def bench_flags(w):
 
 def bench_command(w, pairs, out_prefix):
     """bench.py's pairs at world w, one round each (--budget-min 0: no alternating for an interval)."""
-    return [sys.executable, str(ROOT / "bench.py"), "--world", str(w), "--pairs", pairs, "--rounds", "1",
-            "--budget-min", "0", "--no-scaling", "--out", str(out_prefix), *map(str, bench_flags(w))]
+    return [
+        sys.executable,
+        str(ROOT / "bench.py"),
+        "--world",
+        str(w),
+        "--pairs",
+        pairs,
+        "--rounds",
+        "1",
+        "--budget-min",
+        "0",
+        "--no-scaling",
+        "--out",
+        str(out_prefix),
+        *map(str, bench_flags(w)),
+    ]
 
 
 def run_bench(job, cpu, tmp, timeout):
@@ -402,21 +641,38 @@ def run_bench(job, cpu, tmp, timeout):
         rc, out = -1, f"{e.stdout or ''}{e.stderr or ''}\nstopped after {timeout:.0f} s"
     path = Path(f"{out_prefix}.json")
     rows = json.loads(path.read_text()) if rc == 0 and path.exists() else []
-    rows = [r for r in rows if not r.get("skipped")]  # a pair bench.py cannot run here (torchao absent)
+    rows = [
+        r for r in rows if not r.get("skipped")
+    ]  # a pair bench.py cannot run here (torchao absent)
     diffs = {r["pair"]: r.get("max_loss_diff") for r in rows}
     ok = bool(rows) and all(d is not None and d <= 1e-3 for d in diffs.values())
-    line(job["name"], ok, f"{len(rows)} pairs, ours vs torch max rel loss diff "
-         f"{max((d for d in diffs.values() if d is not None), default=float('nan')):.1e} (sanity bound 1e-3)",
-         out)
+    line(
+        job["name"],
+        ok,
+        f"{len(rows)} pairs, ours vs torch max rel loss diff "
+        f"{max((d for d in diffs.values() if d is not None), default=float('nan')):.1e} (sanity bound 1e-3)",
+        out,
+    )
 
 
 # ----------------------------------------------------------------------------- the plan, the budget
 def build(args, gpus):
-    worlds = [args.world] if args.world else ([1] if args.one_gpu else sorted({gpus, 1}, reverse=True))
+    worlds = (
+        [args.world] if args.world else ([1] if args.one_gpu else sorted({gpus, 1}, reverse=True))
+    )
     todo = [j for w in worlds for j in jobs(w, args.cpu, gpus)]
-    if args.cpu and not args.world and not args.one_gpu and gpus < 3:  # the straggler check tried on CPU too
-        todo.append(dict(kind="stragglers", name="dp async stragglers overlap (world 3)", file="dp.py",
-                         world=3, launches=2))
+    if (
+        args.cpu and not args.world and not args.one_gpu and gpus < 3
+    ):  # the straggler check tried on CPU too
+        todo.append(
+            dict(
+                kind="stragglers",
+                name="dp async stragglers overlap (world 3)",
+                file="dp.py",
+                world=3,
+                launches=2,
+            )
+        )
     if args.only:
         todo = [j for j in todo if j["file"] in args.only]
     return todo
@@ -432,10 +688,14 @@ def parse(argv):
     p.add_argument("--cpu", action="store_true", help="gloo + CPU, GPUs hidden")
     p.add_argument("--one-gpu", action="store_true", help="the one-GPU plan (world 1)")
     p.add_argument("--world", type=int, default=0, help="only this world's plan")
-    p.add_argument("--for-gpus", type=int, default=0, help="with --dry-run or --cpu: plan for this many GPUs")
+    p.add_argument(
+        "--for-gpus", type=int, default=0, help="with --dry-run or --cpu: plan for this many GPUs"
+    )
     p.add_argument("--only", default="", help="FILE[,FILE]: only these files' runs")
     p.add_argument("--minutes", type=float, default=0, help="time budget (0: none)")
-    p.add_argument("--dry-run", action="store_true", help="print the plan and its estimate; launch nothing")
+    p.add_argument(
+        "--dry-run", action="store_true", help="print the plan and its estimate; launch nothing"
+    )
     args = p.parse_args(argv)
     args.only = [f for f in args.only.split(",") if f]
     return args
@@ -448,7 +708,9 @@ def bad(why):
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["--deterministic-run"]:  # (internal) a file under torch's deterministic algorithms
+    if argv[:1] == [
+        "--deterministic-run"
+    ]:  # (internal) a file under torch's deterministic algorithms
         return deterministic_run(argv[1], argv[2:])
     if argv[:1] == ["--list"]:  # the earlier spelling: the plan for N GPUs
         argv = ["--dry-run", "--for-gpus", *argv[1:2]]
@@ -465,37 +727,55 @@ def main(argv=None):
         gpus = args.for_gpus or args.world or (1 if args.one_gpu else 2)
     else:
         gpus = 0
-        if os.environ.get("CUDA_VISIBLE_DEVICES") != "":  # set and empty: every GPU hidden, no import needed
+        if (
+            os.environ.get("CUDA_VISIBLE_DEVICES") != ""
+        ):  # set and empty: every GPU hidden, no import needed
             import torch
+
             gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if gpus == 0:
             print("gpu_check: no CUDA GPU visible to torch: nothing to check (skipped)")
             return 0
-        print(f"gpu_check: {gpus} x {torch.cuda.get_device_name(0)} | torch {torch.__version__}", flush=True)
+        print(
+            f"gpu_check: {gpus} x {torch.cuda.get_device_name(0)} | torch {torch.__version__}",
+            flush=True,
+        )
     if args.world > gpus and not args.cpu:
-        return bad(f"--world {args.world} needs {args.world} GPUs; {gpus} "
-                   f"{'planned' if args.dry_run else 'visible'}")
+        return bad(
+            f"--world {args.world} needs {args.world} GPUs; {gpus} "
+            f"{'planned' if args.dry_run else 'visible'}"
+        )
     todo = build(args, args.world or gpus)
     if not todo:
         return bad(f"no run of {', '.join(args.only)} in this plan (world {args.world or gpus})")
     total = sum(estimate(j, where) for j in todo)
-    print(f"gpu_check: {len(todo)} runs, {sum(j['launches'] for j in todo)} launches, estimated "
-          f"{total / 60:.1f} min on {'CPU' if args.cpu else 'GPUs'}"
-          + (f" (budget {args.minutes:g} min)" if args.minutes else ""), flush=True)
+    print(
+        f"gpu_check: {len(todo)} runs, {sum(j['launches'] for j in todo)} launches, estimated "
+        f"{total / 60:.1f} min on {'CPU' if args.cpu else 'GPUs'}"
+        + (f" (budget {args.minutes:g} min)" if args.minutes else ""),
+        flush=True,
+    )
     budget = args.minutes * 60 if args.minutes else float("inf")
     t0, ran_est, skipped, tmp = time.time(), 0.0, [], Path(tempfile.mkdtemp(prefix="gpu_check"))
     for j in todo:
         spent = ran_est if args.dry_run else time.time() - t0
-        scale = spent / ran_est if ran_est and not args.dry_run else 1.0  # measured / estimated so far
+        scale = (
+            spent / ran_est if ran_est and not args.dry_run else 1.0
+        )  # measured / estimated so far
         est = estimate(j, where) * max(scale, 0.5)
         if spent + est > budget:
             skipped.append(j)
-            print(f"{j['name']:52s} skipped  estimated {est:.0f} s; {max(0, budget - spent):.0f} s left of "
-                  f"the {args.minutes:g} min budget", flush=True)
+            print(
+                f"{j['name']:52s} skipped  estimated {est:.0f} s; {max(0, budget - spent):.0f} s left of "
+                f"the {args.minutes:g} min budget",
+                flush=True,
+            )
             continue
         if args.dry_run:
             flags = " ".join(map(str, j.get("flags", j.get("a", j.get("argv", [])))))
-            print(f"{j['name']:52s} {j['launches']:2d} launch(es), ~{est:.0f} s  {j['file']} {flags}")
+            print(
+                f"{j['name']:52s} {j['launches']:2d} launch(es), ~{est:.0f} s  {j['file']} {flags}"
+            )
             ran_est += est
             continue
         deadline, STARTED[0] = min(t0 + budget, time.time() + 900), time.time()
@@ -515,12 +795,24 @@ def main(argv=None):
         ran_est += estimate(j, where)
     shutil.rmtree(tmp, ignore_errors=True)
     ran = len(todo) - len(skipped)
-    verdict = "planned" if args.dry_run else "all runs passed" if not FAILED else f"{len(FAILED)} RUNS FAILED"
+    verdict = (
+        "planned"
+        if args.dry_run
+        else "all runs passed"
+        if not FAILED
+        else f"{len(FAILED)} RUNS FAILED"
+    )
     launches = sum(j["launches"] for j in todo if j not in skipped)
-    print(f"gpu_check: {verdict}: {ran} runs ({launches} launches), "
-          f"{len(skipped)} skipped for the budget, "
-          + (f"estimated {ran_est / 60:.1f} min" if args.dry_run else f"{(time.time() - t0) / 60:.1f} min"),
-          flush=True)
+    print(
+        f"gpu_check: {verdict}: {ran} runs ({launches} launches), "
+        f"{len(skipped)} skipped for the budget, "
+        + (
+            f"estimated {ran_est / 60:.1f} min"
+            if args.dry_run
+            else f"{(time.time() - t0) / 60:.1f} min"
+        ),
+        flush=True,
+    )
     return 1 if FAILED else 0
 
 
@@ -530,6 +822,7 @@ def deterministic_run(f, argv):
     rest)."""
     import runpy
     import torch
+
     torch.use_deterministic_algorithms(True, warn_only=True)
     sys.argv, sys.path[0] = [str(ROOT / f), *argv], str(ROOT)
     runpy.run_path(str(ROOT / f), run_name="__main__")

@@ -7,6 +7,7 @@ counts every tensor argument (outputs and receive buffers included: the usual mi
 gathered events, "rest" and "rest_log": the table and log of every other form of op (coalesced, functional,
 any source), "watch": a PipelineWatch's (saved, events, last), and a mutant's}. tests/test_harness.py
 computes what the table must be from the shapes alone."""
+
 import contextlib, json, sys
 from pathlib import Path
 
@@ -33,12 +34,17 @@ def traffic():
     rows = [3 + q for q in range(W)]  # uneven all-to-all: this rank sends q+3 rows to rank q
     inp = torch.ones(sum(rows), 2, **f64)
     got = [3 + r] * W
-    dist.all_to_all_single(torch.empty(sum(got), 2, **f64), inp, output_split_sizes=got,
-                           input_split_sizes=rows)
+    dist.all_to_all_single(
+        torch.empty(sum(got), 2, **f64), inp, output_split_sizes=got, input_split_sizes=rows
+    )
     dist.broadcast(x, src=W - 1)  # hands 80 B at the root only
     peer_next, peer_prev = (r + 1) % W, (r - 1) % W
-    reqs = dist.batch_isend_irecv([dist.P2POp(dist.isend, torch.ones(7, **f64), peer_next, tag=1),
-                                   dist.P2POp(dist.irecv, torch.empty(7, **f64), peer_prev, tag=1)])
+    reqs = dist.batch_isend_irecv(
+        [
+            dist.P2POp(dist.isend, torch.ones(7, **f64), peer_next, tag=1),
+            dist.P2POp(dist.irecv, torch.empty(7, **f64), peer_prev, tag=1),
+        ]
+    )
     for q in reqs:
         q.wait()
 
@@ -61,12 +67,18 @@ def the_rest():
     output returned), a batch of functional sends and receives, a receive from any source, the list forms."""
     F, g = torch.ops._c10d_functional, dist.group.WORLD.group_name
     a, b = torch.ones(5, **f64), torch.ones(3, **f64)
-    waits = [*F.all_reduce_coalesced([a, b], "sum", g),  # 8 elements, 64 B
-             *F.all_gather_into_tensor_coalesced([a, b], W, g),  # hands 64 B, 8 W elements gathered
-             *F.reduce_scatter_tensor_coalesced([torch.ones(2 * W, **f64), torch.ones(W, **f64)], "sum", W,
-                                                g),  # hands 24 W B
-             F.all_reduce_(a, "sum", g), F.broadcast(b, 0, g)]  # 40 B; rank 0 is the root: hands 24 B
-    with dist._coalescing_manager(async_ops=True) as cm:  # c10d's own coalesced all-reduce: 8 elements
+    waits = [
+        *F.all_reduce_coalesced([a, b], "sum", g),  # 8 elements, 64 B
+        *F.all_gather_into_tensor_coalesced([a, b], W, g),  # hands 64 B, 8 W elements gathered
+        *F.reduce_scatter_tensor_coalesced(
+            [torch.ones(2 * W, **f64), torch.ones(W, **f64)], "sum", W, g
+        ),  # hands 24 W B
+        F.all_reduce_(a, "sum", g),
+        F.broadcast(b, 0, g),
+    ]  # 40 B; rank 0 is the root: hands 24 B
+    with dist._coalescing_manager(
+        async_ops=True
+    ) as cm:  # c10d's own coalesced all-reduce: 8 elements
         dist.all_reduce(a)
         dist.all_reduce(b)
     cm.wait()
@@ -75,14 +87,25 @@ def the_rest():
             dist.recv(torch.empty(3, **f64), tag=5)
     else:
         dist.send(torch.ones(3, **f64), 0, tag=5)
-    waits += F.batch_p2p_ops(["isend", "irecv"], [(r + 1) % W, (r - 1) % W], [0, 0],
-                             [torch.ones(4, **f64), torch.empty(4, **f64)], g)
+    waits += F.batch_p2p_ops(
+        ["isend", "irecv"],
+        [(r + 1) % W, (r - 1) % W],
+        [0, 0],
+        [torch.ones(4, **f64), torch.empty(4, **f64)],
+        g,
+    )
     for t in waits:
         F.wait_tensor(t)
     dist.all_gather([torch.empty(2, **f64) for _ in range(W)], torch.ones(2, **f64))  # hands 16 B
-    dist.all_to_all([torch.empty(2, **f64) for _ in range(W)], [torch.ones(2, **f64) for _ in range(W)])
-    dist.gather(torch.ones(2, **f64), [torch.empty(2, **f64) for _ in range(W)] if r == 0 else None, dst=0)
-    dist.scatter(torch.empty(2, **f64), [torch.ones(2, **f64) for _ in range(W)] if r == 0 else None, src=0)
+    dist.all_to_all(
+        [torch.empty(2, **f64) for _ in range(W)], [torch.ones(2, **f64) for _ in range(W)]
+    )
+    dist.gather(
+        torch.ones(2, **f64), [torch.empty(2, **f64) for _ in range(W)] if r == 0 else None, dst=0
+    )
+    dist.scatter(
+        torch.empty(2, **f64), [torch.ones(2, **f64) for _ in range(W)] if r == 0 else None, src=0
+    )
     dist.reduce(b, dst=0)
 
 
@@ -139,10 +162,23 @@ class Unsaving(harness.PipelineWatch):  # a mutant: F not under SavedActivations
         return contextlib.nullcontext()
 
 
-pw = [watched(cls(d, {"F": 1}, tags=("chunk", "step", "pp", "recv"), coords=dict(pp=r)))
-      for cls in (harness.PipelineWatch, Unsaving)]
+pw = [
+    watched(cls(d, {"F": 1}, tags=("chunk", "step", "pp", "recv"), coords=dict(pp=r)))
+    for cls in (harness.PipelineWatch, Unsaving)
+]
 if r == 0:
-    Path(sys.argv[1]).write_text(json.dumps(dict(table=comm.table(), log=comm.calls_log, events=events,
-                                                 naive=naive.bytes, world=W, rest=rest.table(),
-                                                 rest_log=rest.calls_log, watch=pw)))
+    Path(sys.argv[1]).write_text(
+        json.dumps(
+            dict(
+                table=comm.table(),
+                log=comm.calls_log,
+                events=events,
+                naive=naive.bytes,
+                world=W,
+                rest=rest.table(),
+                rest_log=rest.calls_log,
+                watch=pw,
+            )
+        )
+    )
 close_dist()

@@ -1,5 +1,6 @@
 """Launch technique files the way a user does (torchrun on gloo + CPU), always with a timeout, and read
 the --json summary they write."""
+
 import json, os, re, shutil, socket, subprocess, sys, tempfile
 from pathlib import Path
 
@@ -9,25 +10,59 @@ ROOT = Path(__file__).resolve().parent.parent
 # processes share a few cores, as the README says.
 ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", CUDA_VISIBLE_DEVICES="")
 # A tiny model: the checks are about exact arithmetic, not about learning.
-TINY = ["--vocab", "32", "--seq-len", "8", "--d-model", "16", "--n-heads", "2", "--n-layers", "2",
-        "--batch-size", "12", "--steps", "4", "--dtype", "float64"]
+TINY = [
+    "--vocab",
+    "32",
+    "--seq-len",
+    "8",
+    "--d-model",
+    "16",
+    "--n-heads",
+    "2",
+    "--n-layers",
+    "2",
+    "--batch-size",
+    "12",
+    "--steps",
+    "4",
+    "--dtype",
+    "float64",
+]
 
 
-def torchrun(script, nproc, *args, tmp_path, timeout=240, max_restarts=0, expect_rc=0, name="run", real=False):
+def torchrun(
+    script, nproc, *args, tmp_path, timeout=240, max_restarts=0, expect_rc=0, name="run", real=False
+):
     """`torchrun --standalone --nproc_per_node=nproc script args --json ...`; returns (summary, output).
     The workers are forked from a warm interpreter (tests/forkserver.py: the same environment, argv and
     rendezvous as torchrun's, without N + 1 imports of torch); `real=True` runs torchrun itself."""
     out_json = Path(tmp_path) / f"{name}.json"
     args = [*map(str, args), "--json", str(out_json)]
     if real:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-               f"--max-restarts={max_restarts}", str(ROOT / script), *args]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc_per_node={nproc}",
+            f"--max-restarts={max_restarts}",
+            str(ROOT / script),
+            *args,
+        ]
         p = subprocess.run(cmd, env=ENV, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
         rc, output = p.returncode, p.stdout + p.stderr
     else:
-        cmd = ["torchrun", f"--nproc_per_node={nproc}", f"--max-restarts={max_restarts}", script, *args]
+        cmd = [
+            "torchrun",
+            f"--nproc_per_node={nproc}",
+            f"--max-restarts={max_restarts}",
+            script,
+            *args,
+        ]
         rc, output = forked(script, nproc, *args, timeout=timeout, max_restarts=max_restarts)
-    assert rc == expect_rc, f"exit {rc} (expected {expect_rc}) from {' '.join(cmd)}\n{output[-6000:]}"
+    assert rc == expect_rc, (
+        f"exit {rc} (expected {expect_rc}) from {' '.join(cmd)}\n{output[-6000:]}"
+    )
     summary = json.loads(out_json.read_text()) if out_json.exists() else None
     return summary, output
 
@@ -37,7 +72,9 @@ def check_lines(script, nproc, timeout=240):
     PASSED") launched as `torchrun --standalone --nproc_per_node=nproc` would (forked, as torchrun() is):
     its "ok" lines, once every check passed."""
     rc, out = forked(script, nproc, timeout=timeout)
-    assert rc == 0 and "ALL CHECKS PASSED" in out and not re.search(r"^FAIL", out, re.M), out[-6000:]
+    assert rc == 0 and "ALL CHECKS PASSED" in out and not re.search(r"^FAIL", out, re.M), out[
+        -6000:
+    ]
     return [l for l in out.splitlines() if l.startswith("ok ")]
 
 
@@ -51,11 +88,28 @@ def forked(script, nproc, *args, timeout=240, max_restarts=0, mode="torchrun"):
     `python script args`, "ranks" run_ranks()'s workers: those return (reply, read: a file name -> its text)."""
     global _server
     if _server is None or _server.poll() is not None:
-        _server = subprocess.Popen([sys.executable, str(ROOT / "tests" / "forkserver.py")], env=ENV, cwd=ROOT,
-                                   stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1)
+        _server = subprocess.Popen(
+            [sys.executable, str(ROOT / "tests" / "forkserver.py")],
+            env=ENV,
+            cwd=ROOT,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            bufsize=1,
+        )
     d = Path(tempfile.mkdtemp())
-    req = dict(mode=mode, script=str(ROOT / script), args=list(map(str, args)), nproc=nproc, env=ENV,
-               cwd=str(ROOT), out=str(d / "out"), err=str(d / "err"), timeout=timeout, max_restarts=max_restarts)
+    req = dict(
+        mode=mode,
+        script=str(ROOT / script),
+        args=list(map(str, args)),
+        nproc=nproc,
+        env=ENV,
+        cwd=str(ROOT),
+        out=str(d / "out"),
+        err=str(d / "err"),
+        timeout=timeout,
+        max_restarts=max_restarts,
+    )
     _server.stdin.write(json.dumps(req) + "\n")
     _server.stdin.flush()
     line = _server.stdout.readline()
@@ -92,8 +146,15 @@ def run_python(script, *args, timeout=60):
 def torchrun_bad_input(script, nproc, *args, timeout=60):
     """A bad-input launch: returns the completed process; each worker must say one line and exit 2
     (torchrun itself reports the failure as exit 1)."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           str(ROOT / script), *map(str, args)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={nproc}",
+        str(ROOT / script),
+        *map(str, args),
+    ]
     return subprocess.run(cmd, env=ENV, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
 
 
@@ -146,13 +207,18 @@ def pipeline_schedule_errors(events, p, n):
     (stage s+1 starts F_k after stage s ended it), B flows back up (stage s starts B_k after stage s+1 ended
     it), and B runs in F's order. Returns the broken rules (empty: all kept)."""
     ev = {(e["rank"], e["kind"], e["mb"]): e for e in events}
-    if len(events) != 2 * p * n or set(ev) != {(r, k, i) for r in range(p) for k in "FB" for i in range(n)}:
+    if len(events) != 2 * p * n or set(ev) != {
+        (r, k, i) for r in range(p) for k in "FB" for i in range(n)
+    }:
         return ["not exactly one F and one B per stage and micro-batch"]
     errors = []
     for r in range(p):
         mine = sorted((e for e in events if e["rank"] == r), key=lambda e: e["start"])
-        errors += [f"stage {r}: {b['kind']}{b['mb']} overlaps {a['kind']}{a['mb']}"
-                   for a, b in zip(mine, mine[1:]) if b["start"] < a["end"]]
+        errors += [
+            f"stage {r}: {b['kind']}{b['mb']} overlaps {a['kind']}{a['mb']}"
+            for a, b in zip(mine, mine[1:])
+            if b["start"] < a["end"]
+        ]
         bs = [e["mb"] for e in mine if e["kind"] == "B"]
         if bs != sorted(bs):
             errors.append(f"stage {r}: backwards out of order")
@@ -186,7 +252,9 @@ def simulate_p2p_plans(plans, needs, producer, slots, local=lambda msg: False):
     partner = {}
     for (a, b), out in sends.items():
         if [msg for msg, _ in out] != [msg for msg, _ in recvs.get((a, b), [])]:
-            raise AssertionError(f"channel {a}->{b}: sent {out} but received {recvs.get((a, b), [])}")
+            raise AssertionError(
+                f"channel {a}->{b}: sent {out} but received {recvs.get((a, b), [])}"
+            )
         for (msg, i), (_, j) in zip(out, recvs[a, b]):
             partner[a, i, msg], partner[b, j, msg] = (b, j), (a, i)
     posted, pos, busy, done, ran = [{0: 0} for _ in range(p)], [0] * p, [0] * p, set(), set()
@@ -207,9 +275,13 @@ def simulate_p2p_plans(plans, needs, producer, slots, local=lambda msg: False):
                 op = what[0]
                 need = needs(op)
                 if need is not None and local(need):
-                    assert (r, producer(need)) in ran, f"rank {r}: {op} runs before its own producer"
+                    assert (r, producer(need)) in ran, (
+                        f"rank {r}: {op} runs before its own producer"
+                    )
                 else:
-                    assert need is None or need in done, f"rank {r}: {op} runs before its input arrived"
+                    assert need is None or need in done, (
+                        f"rank {r}: {op} runs before its input arrived"
+                    )
                 t += slots[op[0]]
                 busy[r] += slots[op[0]]
                 ran.add((r, op))
@@ -219,5 +291,8 @@ def simulate_p2p_plans(plans, needs, producer, slots, local=lambda msg: False):
     if pos != [len(plan) for plan in plans]:
         raise AssertionError(f"deadlock: ranks stopped at steps {pos} of {[len(x) for x in plans]}")
     end = max(posted[r][len(plans[r])] for r in range(p))
-    fwd = [sum(1 for k, *w in plans[r] if k == "p2p" for _, msg in w[0] if msg[0] == "F") for r in range(p)]
+    fwd = [
+        sum(1 for k, *w in plans[r] if k == "p2p" for _, msg in w[0] if msg[0] == "F")
+        for r in range(p)
+    ]
     return [end - b for b in busy], fwd

@@ -27,46 +27,88 @@ the share of its lines past 100 columns beside them as information;
 share = technique / (non-blank lines - docstring); path share = technique / non-blank lines of the read path.
 The classifier reads text, so it cannot see intent: an attribute kept only for a watcher (a list of
 events, a layout method) counts as technique unless its line names a counter; the review's hand count is the arbiter."""
+
 import ast, io, re, sys, tokenize
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-FILES = ["dp.py", "ddp_bucketed.py", "diloco.py", "fault_tolerance.py", "zero.py", "memory_savers.py", "fp8.py",
-         "gpipe.py", "pipedream.py", "zero_bubble.py", "megatron_tp.py", "ptdp.py", "moe.py", "moe_deepseek.py",
-         "context_parallel.py"]
+FILES = [
+    "dp.py",
+    "ddp_bucketed.py",
+    "diloco.py",
+    "fault_tolerance.py",
+    "zero.py",
+    "memory_savers.py",
+    "fp8.py",
+    "gpipe.py",
+    "pipedream.py",
+    "zero_bubble.py",
+    "megatron_tp.py",
+    "ptdp.py",
+    "moe.py",
+    "moe_deepseek.py",
+    "context_parallel.py",
+]
 # Read-path budgets in code tokens (DESIGN.md): 3,400; the files with several variants 3,800, fault_tolerance.py
 # 4,200, ptdp.py (four axes) 4,800. Lines are reported beside them as information, no longer a budget: a line
 # budget rewards packing lines.
-BUDGET = {"megatron_tp.py": 3800, "moe.py": 3800, "context_parallel.py": 3800, "zero.py": 3800,
-          "zero_bubble.py": 3800, "fault_tolerance.py": 4200, "ptdp.py": 4800}
+BUDGET = {
+    "megatron_tp.py": 3800,
+    "moe.py": 3800,
+    "context_parallel.py": 3800,
+    "zero.py": 3800,
+    "zero_bubble.py": 3800,
+    "fault_tolerance.py": 4200,
+    "ptdp.py": 4800,
+}
 DEFAULT_BUDGET = 3400
 # What a reader parses: Python tokens without comments and layout (a string, a docstring too, is one token).
-NOT_CODE = {tokenize.COMMENT, tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT, tokenize.ENDMARKER}
-CATEGORIES = ("technique", "measure", "checkpoint", "validation", "check", "docstring", "boilerplate")
+NOT_CODE = {
+    tokenize.COMMENT,
+    tokenize.NL,
+    tokenize.NEWLINE,
+    tokenize.INDENT,
+    tokenize.DEDENT,
+    tokenize.ENDMARKER,
+}
+CATEGORIES = (
+    "technique",
+    "measure",
+    "checkpoint",
+    "validation",
+    "check",
+    "docstring",
+    "boilerplate",
+)
 # Sorting a statement by its text: the first category whose pattern matches (in this order) wins.
 PATTERNS = {
     "validation": r"\bfail\(|\braise\s+\w*(Error|Exception)\b|\bcheck(_\w+)?_args\(",
     "check": r"check_against_reference\(|\breference_train\(|\bassemble_full\(|\bgather_rows\(|"
-             r"\bargs\.check\b|^\s*check = None$",
+    r"\bargs\.check\b|^\s*check = None$",
     "checkpoint": r"\bRun\(|\bCheckpointer\(|\bmaybe_fail\(|_extra_state\b|\bstate_dict\(|\bckpt\b|"
-                  r"\brefuse_checkpoint\(",
+    r"\brefuse_checkpoint\(",
     "measure": r"\bCommCounter\(|\bmeter\.|\bCOMM\.|\.handed\(|count_saved|\bstats\[|\bperf_counter|"
-               r"\bEvent\(|\bStepTimer\(|\bTimeline\(|\bHeldForB\(|\bLiveStorages\(|\bSavedActivations\(|"
-               r"\bSentCopies\(|\bjson\.|\bwrite_summary\(|\bpeak_memory_bytes\(|\bstate_bytes\(|"
-               r"\bobserve\(|\bobserve\s*=\s*observe\b|\.observe\s*=|\.phase\(|\bd\.log\(|\blog_step\(|"
-               r"\bprint\(|\brun\.(watching|end_step|finish)\b|\breport\(|_figures\(|\bfigures\b|"
-               r"\bwrite_trace\(",
+    r"\bEvent\(|\bStepTimer\(|\bTimeline\(|\bHeldForB\(|\bLiveStorages\(|\bSavedActivations\(|"
+    r"\bSentCopies\(|\bjson\.|\bwrite_summary\(|\bpeak_memory_bytes\(|\bstate_bytes\(|"
+    r"\bobserve\(|\bobserve\s*=\s*observe\b|\.observe\s*=|\.phase\(|\bd\.log\(|\blog_step\(|"
+    r"\bprint\(|\brun\.(watching|end_step|finish)\b|\breport\(|_figures\(|\bfigures\b|"
+    r"\bwrite_trace\(",
     "boilerplate": r"\bparse_args\(|\binit_dist\(|\bMarkovData\(|\bbuild_gpt\(|\bclose_dist\(|"
-                   r"\benv_world_size\(",
+    r"\benv_world_size\(",
 }
-WHOLE_DEF = {"checkpoint": r"^(state_dict|load_state_dict|get_extra_state|set_extra_state)$",
-             "validation": r"^check(_\w+)?_args$", "boilerplate": r"^Args$"}
+WHOLE_DEF = {
+    "checkpoint": r"^(state_dict|load_state_dict|get_extra_state|set_extra_state)$",
+    "validation": r"^check(_\w+)?_args$",
+    "boilerplate": r"^Args$",
+}
 FENCES = {"measurement": "measure", "reference": "check", "checkpoint": "checkpoint"}
 FENCE = re.compile(r"# -+ *(measurement|reference|checkpoint)")
 
 
 def by_text(text, default="technique"):
-    code = "\n".join(re.sub(r"\s#\s.*$|^\s*#.*$", "", l) for l in text.splitlines())  # comments say, not do
+    code = "\n".join(
+        re.sub(r"\s#\s.*$|^\s*#.*$", "", l) for l in text.splitlines()
+    )  # comments say, not do
     return next((cat for cat, pattern in PATTERNS.items() if re.search(pattern, code)), default)
 
 
@@ -76,7 +118,7 @@ def classify(text):
     label = [None] * len(lines)
 
     def src(a, b):  # lines a..b, 1-based inclusive
-        return "\n".join(lines[a - 1:b])
+        return "\n".join(lines[a - 1 : b])
 
     def put(a, b, cat):
         for i in range(a - 1, b):
@@ -91,7 +133,11 @@ def classify(text):
             elif isinstance(getattr(node, "body", None), list):  # if / for / while / with / try
                 compound(node, default)
             else:
-                put(node.lineno, node.end_lineno, by_text(src(node.lineno, node.end_lineno), default))
+                put(
+                    node.lineno,
+                    node.end_lineno,
+                    by_text(src(node.lineno, node.end_lineno), default),
+                )
 
     def compound(node, default):
         first = node.body[0].lineno - 1
@@ -99,7 +145,9 @@ def classify(text):
         guards = all(by_text(src(n.lineno, n.end_lineno)) == "validation" for n in node.body)
         if isinstance(node, ast.If) and guards:
             head = "validation"  # an `if` that guards a failure
-        if isinstance(node, ast.If) and head != default:  # `if args.check:`, a guarded failure: all of it
+        if (
+            isinstance(node, ast.If) and head != default
+        ):  # `if args.check:`, a guarded failure: all of it
             put(node.lineno, node.end_lineno, head)
             return
         put(node.lineno, first, head)
@@ -110,8 +158,10 @@ def classify(text):
             block(handler.body, default)
 
     def definition(node):
-        start, cat = node.lineno - len(node.decorator_list), next(
-            (c for c, pattern in WHOLE_DEF.items() if re.match(pattern, node.name)), None)
+        start, cat = (
+            node.lineno - len(node.decorator_list),
+            next((c for c, pattern in WHOLE_DEF.items() if re.match(pattern, node.name)), None),
+        )
         if cat:  # check_args, Args, a checkpoint method: the whole definition
             put(start, node.end_lineno, cat)
             return
@@ -127,7 +177,8 @@ def classify(text):
         body = body[1:]
     for node in body:
         if isinstance(node, (ast.Import, ast.ImportFrom)) or (
-                isinstance(node, ast.If) and "__name__" in src(node.lineno, node.lineno)):
+            isinstance(node, ast.If) and "__name__" in src(node.lineno, node.lineno)
+        ):
             put(node.lineno, node.end_lineno, "boilerplate")
         elif node.lineno - 1 < fence or node is main:
             block([node], "technique")
@@ -135,7 +186,9 @@ def classify(text):
     for i, l in enumerate(lines):  # the fenced sections, main() and `if __name__` excepted
         if m := FENCE.match(l):
             section = FENCES[m.group(1)]
-        in_main = main is not None and main.lineno - 1 - len(main.decorator_list) <= i < main.end_lineno
+        in_main = (
+            main is not None and main.lineno - 1 - len(main.decorator_list) <= i < main.end_lineno
+        )
         if section and not in_main and label[i] != "boilerplate":
             label[i] = section
     for i in range(len(lines) - 1, -1, -1):  # a comment takes the category of the line below it
@@ -143,11 +196,15 @@ def classify(text):
             label[i] = None
         elif lines[i].lstrip().startswith("#") and label[i] is None:
             header = not lines[i].startswith((" ", "\t")) and re.match(r"# -{3,}", lines[i])
-            below = next((label[j] for j in range(i + 1, len(lines)) if label[j] is not None), "boilerplate")
+            below = next(
+                (label[j] for j in range(i + 1, len(lines)) if label[j] is not None), "boilerplate"
+            )
             label[i] = "boilerplate" if header else below
     for i in range(len(lines)):  # `else:`, `try:` and the like: the category of the line above
         if label[i] is None and lines[i].strip():
-            label[i] = next((label[j] for j in range(i - 1, -1, -1) if label[j] is not None), "boilerplate")
+            label[i] = next(
+                (label[j] for j in range(i - 1, -1, -1) if label[j] is not None), "boilerplate"
+            )
     return label
 
 
@@ -156,7 +213,9 @@ def read_path_lines(text):
     fence (inclusive)."""
     lines, tree = text.splitlines(), ast.parse(text)
     doc = tree.body[0] if tree.body and isinstance(tree.body[0], ast.Expr) else None
-    fence = next((i for i, l in enumerate(lines) if FENCE.match(l) and "measurement" in l), len(lines))
+    fence = next(
+        (i for i, l in enumerate(lines) if FENCE.match(l) and "measurement" in l), len(lines)
+    )
     return (doc.end_lineno if doc else 0), fence
 
 
@@ -191,13 +250,21 @@ def row_of_text(text, name=""):
     counts = {c: labels.count(c) for c in CATEGORIES}
     body = sum(counts.values()) - counts["docstring"]
     first, last = read_path_lines(text)
-    on_path = [c for c in labels[first:last + 1] if c is not None]
+    on_path = [c for c in labels[first : last + 1] if c is not None]
     path = read_path_text(text)
     chars, wide = texture(path)
-    return dict(file=name, lines=len(text.splitlines()), read_path=read_path(text), tokens=code_tokens(path),
-                budget=BUDGET.get(name, DEFAULT_BUDGET), chars_per_line=chars, past_100=wide, **counts,
-                share=counts["technique"] / max(body, 1),
-                path_share=on_path.count("technique") / max(len(on_path), 1))
+    return dict(
+        file=name,
+        lines=len(text.splitlines()),
+        read_path=read_path(text),
+        tokens=code_tokens(path),
+        budget=BUDGET.get(name, DEFAULT_BUDGET),
+        chars_per_line=chars,
+        past_100=wide,
+        **counts,
+        share=counts["technique"] / max(body, 1),
+        path_share=on_path.count("technique") / max(len(on_path), 1),
+    )
 
 
 def table(files=FILES):
@@ -213,10 +280,20 @@ if __name__ == "__main__":
             for n, (l, cat) in enumerate(zip(text.splitlines(), classify(text)), 1):
                 print(f"{n:4} {cat or '':11} {l}")
     cols = ("tokens", "budget", "read_path", "lines", *CATEGORIES)
-    print("| file | read path tokens | token budget | read path lines | chars / line | past 100 cols | lines | "
-          + " | ".join(CATEGORIES) + " | share | path share |")
+    print(
+        "| file | read path tokens | token budget | read path lines | chars / line | past 100 cols | lines | "
+        + " | ".join(CATEGORIES)
+        + " | share | path share |"
+    )
     print("|---|" + "---:|" * (len(cols) + 4))
     for r in table(files):
-        head = [str(r[c]) for c in cols[:3]] + [f"{r['chars_per_line']:.1f}", f"{r['past_100']:.0%}"]
+        head = [str(r[c]) for c in cols[:3]] + [
+            f"{r['chars_per_line']:.1f}",
+            f"{r['past_100']:.0%}",
+        ]
         rest = [str(r[c]) for c in cols[3:]]
-        print(f"| {r['file']} | " + " | ".join(head + rest) + f" | {r['share']:.0%} | {r['path_share']:.0%} |")
+        print(
+            f"| {r['file']} | "
+            + " | ".join(head + rest)
+            + f" | {r['share']:.0%} | {r['path_share']:.0%} |"
+        )

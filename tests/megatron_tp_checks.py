@@ -18,6 +18,7 @@ copier takes it (tests/section.py), applied to a model that is not the GPT, trai
 model in one process, every step's loss and every final parameter compared. Every module and tensor lives on d.device, so the same checks run on NCCL. Prints ALL CHECKS
 PASSED and exits 0, else lists failures and exits 1.
 """
+
 import contextlib
 import copy
 import os
@@ -42,7 +43,11 @@ failures, passed = [], []
 
 
 def close(name, got, want, tol=TOL):
-    diff = (got.detach() - want.detach()).abs().max().item() if got.shape == want.shape else float("inf")
+    diff = (
+        (got.detach() - want.detach()).abs().max().item()
+        if got.shape == want.shape
+        else float("inf")
+    )
     (passed if diff <= tol else failures).append(f"{name}: max diff {diff:.2e}")
 
 
@@ -54,10 +59,13 @@ def differs(name, a, b, at_least=1e-6):
 
 def counts(name, comm, want, handed=None):
     """Collective calls per key (and, given `handed`, the bytes handed to them) against values from here."""
-    (passed if comm.calls == want else failures).append(f"{name}: counted {comm.calls}, theory {want}")
+    (passed if comm.calls == want else failures).append(
+        f"{name}: counted {comm.calls}, theory {want}"
+    )
     if handed is not None:
         (passed if comm.bytes == handed else failures).append(
-            f"{name}: bytes handed {comm.bytes}, from the shapes {handed}")
+            f"{name}: bytes handed {comm.bytes}, from the shapes {handed}"
+        )
 
 
 def equal(name, got, want):
@@ -76,7 +84,9 @@ class GatherLastDim(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return grad.chunk(dist.get_world_size(ctx.group), -1)[dist.get_rank(ctx.group)].contiguous(), None
+        return grad.chunk(dist.get_world_size(ctx.group), -1)[
+            dist.get_rank(ctx.group)
+        ].contiguous(), None
 
 
 class SplitLastDim(torch.autograd.Function):
@@ -95,9 +105,16 @@ class SplitLastDim(torch.autograd.Function):
 
 def build_layer(Layer, full, group, sp, tracker):
     """mt.ParallelAttention or mt.ParallelMLP from `full`, with the TP layers, or the SP ones as mt.SPGPT builds."""
-    layers = (mt.SPColumnParallelLinear, mt.SPRowParallelLinear) if sp else (mt.ColumnParallelLinear,
-                                                                             mt.RowParallelLinear)
-    return Layer(full, group, tracker, *layers) if Layer is mt.ParallelAttention else Layer(full, group, *layers)
+    layers = (
+        (mt.SPColumnParallelLinear, mt.SPRowParallelLinear)
+        if sp
+        else (mt.ColumnParallelLinear, mt.RowParallelLinear)
+    )
+    return (
+        Layer(full, group, tracker, *layers)
+        if Layer is mt.ParallelAttention
+        else Layer(full, group, *layers)
+    )
 
 
 def parallel_block(block, group, sp, tracker):
@@ -118,8 +135,13 @@ class SwiGLUNet(nn.Module):
         super().__init__()
         self.gain = nn.Parameter(torch.tensor(0.5))
         self.stem = nn.Linear(7, 6)
-        self.mlp = nn.ModuleDict(dict(gate=nn.Linear(6, 5 * t, bias=gate_bias), up=nn.Linear(6, 5 * t, bias=up_bias),
-                                      down=nn.Linear(5 * t, 6)))
+        self.mlp = nn.ModuleDict(
+            dict(
+                gate=nn.Linear(6, 5 * t, bias=gate_bias),
+                up=nn.Linear(6, 5 * t, bias=up_bias),
+                down=nn.Linear(5 * t, 6),
+            )
+        )
         self.head = nn.Linear(6, 3, bias=False)
 
     def forward(self, x):  # (N, T, 7) -> (N, T, 3)
@@ -135,7 +157,9 @@ class TPSwiGLUNet(nn.Module):
     def __init__(self, S, net, group, sp):
         super().__init__()
         self.gain, self.stem, self.head = (copy.deepcopy(m) for m in (net.gain, net.stem, net.head))
-        self.gate_up = S["SPColumnParallelLinear" if sp else "ColumnParallelLinear"]([net.mlp.gate, net.mlp.up], group)
+        self.gate_up = S["SPColumnParallelLinear" if sp else "ColumnParallelLinear"](
+            [net.mlp.gate, net.mlp.up], group
+        )
         self.down = S["SPRowParallelLinear" if sp else "RowParallelLinear"](net.mlp.down, group)
 
     def forward(self, x):  # (N, T, 7), or (N, T/t, 7)
@@ -150,8 +174,12 @@ def unsharded(S, tp, group, net):
     linear that `net` built without one is returned apart, under its name: it must still be zero."""
     t, out, absent = dist.get_world_size(group), {}, {}
     for kind in ("weight", "bias"):
-        mine = getattr(tp.gate_up, kind)  # None: the layer dropped every bias (the old defect): count zeros
-        mine = tp.gate_up.weight.new_zeros(len(tp.gate_up.weight)) if mine is None else mine.detach()
+        mine = getattr(
+            tp.gate_up, kind
+        )  # None: the layer dropped every bias (the old defect): count zeros
+        mine = (
+            tp.gate_up.weight.new_zeros(len(tp.gate_up.weight)) if mine is None else mine.detach()
+        )
         both = S["all_gather"](mine, 0, group)
         for part, w in zip(("gate", "up"), rearrange(both, "(t n o) ... -> n (t o) ...", t=t, n=2)):
             has = getattr(net.mlp[part], kind) is not None
@@ -176,7 +204,9 @@ def copy_out(d, group, gate_bias=True, up_bias=True, mutants=True, steps=5, clip
     t, r, dev = dist.get_world_size(group), dist.get_rank(group), d.device
     torch.manual_seed(99)  # the same model and data on every rank
     net = SwiGLUNet(t, gate_bias, up_bias).to(dev)
-    batches = [(torch.randn(3, 6, 7, device=dev), torch.randn(3, 6, 3, device=dev)) for _ in range(steps)]
+    batches = [
+        (torch.randn(3, 6, 7, device=dev), torch.randn(3, 6, 3, device=dev)) for _ in range(steps)
+    ]
     ref = copy.deepcopy(net)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.02, foreach=False)
     ref_losses = []
@@ -198,7 +228,9 @@ def copy_out(d, group, gate_bias=True, up_bias=True, mutants=True, steps=5, clip
         for x, y in batches:
             if sp:  # this rank's positions of every sequence: (N, T/t, ..)
                 x, y = x.chunk(t, 1)[r], y.chunk(t, 1)[r]
-            loss = F.smooth_l1_loss(tp(x), y, reduction="sum") / (y[..., 0].numel() * (t if sp else 1))
+            loss = F.smooth_l1_loss(tp(x), y, reduction="sum") / (
+                y[..., 0].numel() * (t if sp else 1)
+            )
             opt.zero_grad()
             loss.backward()
             if sp and sum_replicated:
@@ -210,12 +242,24 @@ def copy_out(d, group, gate_bias=True, up_bias=True, mutants=True, steps=5, clip
             losses.append(S["all_reduce"](loss.detach().clone(), group) if sp else loss.detach())
         trained, absent = unsharded(S, tp, group, net)
         assert trained.keys() == dict(ref.named_parameters()).keys(), trained.keys()
-        got = torch.cat([torch.stack(losses), *(trained[n].flatten() for n, _ in ref.named_parameters()),
-                         *(w.flatten() for w in absent.values())])  # a missing bias: zeros, still
-        want = torch.cat([torch.stack(ref_losses), *(p.detach().flatten() for p in ref.parameters()),
-                          *(torch.zeros_like(w).flatten() for w in absent.values())])
-        tag = f"copy-out: SwiGLU net at t = {t}{', SP' if sp else ''}, biases gate {gate_bias} up {up_bias}, " \
-              "losses and trained weights vs plain torch"
+        got = torch.cat(
+            [
+                torch.stack(losses),
+                *(trained[n].flatten() for n, _ in ref.named_parameters()),
+                *(w.flatten() for w in absent.values()),
+            ]
+        )  # a missing bias: zeros, still
+        want = torch.cat(
+            [
+                torch.stack(ref_losses),
+                *(p.detach().flatten() for p in ref.parameters()),
+                *(torch.zeros_like(w).flatten() for w in absent.values()),
+            ]
+        )
+        tag = (
+            f"copy-out: SwiGLU net at t = {t}{', SP' if sp else ''}, biases gate {gate_bias} up {up_bias}, "
+            "losses and trained weights vs plain torch"
+        )
         if not sum_replicated:
             differs(f"{tag}, the replicated gradients not summed", got, want)
         elif not masked:
@@ -260,11 +304,19 @@ def main():
             (y * wt).sum().backward()
         close(f"column(gathered={gather}) output", y, want)
         close(f"column(gathered={gather}) input grad", x2.grad, x.grad)
-        close(f"column(gathered={gather}) weight grad", col.weight.grad, shard_of(full.weight.grad, 0))
+        close(
+            f"column(gathered={gather}) weight grad", col.weight.grad, shard_of(full.weight.grad, 0)
+        )
         close(f"column(gathered={gather}) bias grad", col.bias.grad, shard_of(full.bias.grad, 0))
-        counts(f"column(gathered={gather}) collectives", comm,
-               {"all_reduce/tp/bwd": 1, **({"all_gather/tp/fwd": 1} if gather else {})},
-               {"all_reduce/tp/bwd": B * T * D * es, **({"all_gather/tp/fwd": B * T * 12 // t * es} if gather else {})})
+        counts(
+            f"column(gathered={gather}) collectives",
+            comm,
+            {"all_reduce/tp/bwd": 1, **({"all_gather/tp/fwd": 1} if gather else {})},
+            {
+                "all_reduce/tp/bwd": B * T * D * es,
+                **({"all_gather/tp/fwd": B * T * 12 // t * es} if gather else {}),
+            },
+        )
 
     # --- RowParallelLinear, input already parallel or split here from a replicated X ---
     full = nn.Linear(12, D).to(dev)
@@ -276,16 +328,32 @@ def main():
         y = row(x2 if parallel else SplitLastDim.apply(x2, group))
         close(f"row(input parallel={parallel}) output", y, full(x))
         (y * w).sum().backward()
-        close(f"row(input parallel={parallel}) input grad", x2.grad, shard_of(x.grad, -1) if parallel else x.grad)
-        close(f"row(input parallel={parallel}) weight grad", row.weight.grad, shard_of(full.weight.grad, 1))
+        close(
+            f"row(input parallel={parallel}) input grad",
+            x2.grad,
+            shard_of(x.grad, -1) if parallel else x.grad,
+        )
+        close(
+            f"row(input parallel={parallel}) weight grad",
+            row.weight.grad,
+            shard_of(full.weight.grad, 1),
+        )
         close(f"row(input parallel={parallel}) bias grad", row.bias.grad, full.bias.grad)
-    differs("row partial product before g vs full output", F.linear(shard_of(x, -1), row.weight) + row.bias, full(x))
+    differs(
+        "row partial product before g vs full output",
+        F.linear(shard_of(x, -1), row.weight) + row.bias,
+        full(x),
+    )
 
     # --- MLP and attention, plain and sequence parallel; then each conjugate operator broken ---
     cfg = GPTConfig(vocab=12, seq_len=T, d_model=D, n_heads=H, n_layers=1, dropout=0.0)
 
-    def run_layer(par, x, w, sp):  # output, input grad, {name: gradient}, the counter of its collectives
-        x2 = (shard_of(x, 1) if sp else x).detach().clone().requires_grad_()  # (B, T/t, D) chunk under SP
+    def run_layer(
+        par, x, w, sp
+    ):  # output, input grad, {name: gradient}, the counter of its collectives
+        x2 = (
+            (shard_of(x, 1) if sp else x).detach().clone().requires_grad_()
+        )  # (B, T/t, D) chunk under SP
         with counter() as comm:
             y = par(x2)
             (y * (shard_of(w, 1) if sp else w)).sum().backward()
@@ -299,7 +367,9 @@ def main():
                 mt.all_reduce(grads[n], group)
         return y, x2.grad, grads, comm
 
-    def expected(par, ref, x, w, sp):  # the unsharded output, input grad and this rank's slice of its grads
+    def expected(
+        par, ref, x, w, sp
+    ):  # the unsharded output, input grad and this rank's slice of its grads
         ref.zero_grad()
         x = x.detach().clone().requires_grad_()
         y = ref(x)
@@ -327,15 +397,21 @@ def main():
     def g_sp_no_reduce_scatter(ctx, x, group):
         ctx.group = group
         return mine(x)
+
     breaks = {  # each operator broken on purpose: its collective dropped
         "f without its backward all-reduce": (mt.f, "backward", f_no_all_reduce),
         "g without its forward all-reduce": (mt.g, "forward", g_no_all_reduce),
         "f_sp without its backward reduce-scatter": (mt.f_sp, "backward", f_sp_no_reduce_scatter),
         "g_sp without its forward reduce-scatter": (mt.g_sp, "forward", g_sp_no_reduce_scatter),
     }
-    for name, Full, Par in (("mlp", MLP, mt.ParallelMLP), ("attention", Attention, mt.ParallelAttention)):
+    for name, Full, Par in (
+        ("mlp", MLP, mt.ParallelMLP),
+        ("attention", Attention, mt.ParallelAttention),
+    ):
         ref = Full(cfg)
-        if name == "attention":  # biased q, k, v (common.Attention has none): a dropped bias would show
+        if (
+            name == "attention"
+        ):  # biased q, k, v (common.Attention has none): a dropped bias would show
             ref.q, ref.k, ref.v = (nn.Linear(D, D) for _ in range(3))
         for p in ref.parameters():  # nonzero biases, so a bias added t times would show
             nn.init.normal_(p, 0.0, 0.3)
@@ -350,11 +426,29 @@ def main():
             for n in grads:
                 close(f"{tag} grad {n}", grads[n], want_g[n])
             # one all-reduce per direction; under SP one AG + RS pair per direction, + the re-gather backward
-            one = {"all_gather/tp/fwd": 1, "reduce_scatter/tp/fwd": 1, "reduce_scatter/tp/bwd": 1,
-                   "all_gather/tp/bwd": 2} if sp else {"all_reduce/tp/fwd": 1, "all_reduce/tp/bwd": 1}
-            bsd = B * T * D * es  # bytes of one (B, T, D) activation; an all-gather is handed 1/t of it
-            handed = {"all_gather/tp/fwd": bsd // t, "reduce_scatter/tp/fwd": bsd, "reduce_scatter/tp/bwd": bsd,
-                      "all_gather/tp/bwd": 2 * bsd // t} if sp else {"all_reduce/tp/fwd": bsd, "all_reduce/tp/bwd": bsd}
+            one = (
+                {
+                    "all_gather/tp/fwd": 1,
+                    "reduce_scatter/tp/fwd": 1,
+                    "reduce_scatter/tp/bwd": 1,
+                    "all_gather/tp/bwd": 2,
+                }
+                if sp
+                else {"all_reduce/tp/fwd": 1, "all_reduce/tp/bwd": 1}
+            )
+            bsd = (
+                B * T * D * es
+            )  # bytes of one (B, T, D) activation; an all-gather is handed 1/t of it
+            handed = (
+                {
+                    "all_gather/tp/fwd": bsd // t,
+                    "reduce_scatter/tp/fwd": bsd,
+                    "reduce_scatter/tp/bwd": bsd,
+                    "all_gather/tp/bwd": 2 * bsd // t,
+                }
+                if sp
+                else {"all_reduce/tp/fwd": bsd, "all_reduce/tp/bwd": bsd}
+            )
             counts(f"{tag} collectives", comm, one, handed)
             for what, (op, method, broken) in breaks.items():
                 if sp != what.startswith(("f_sp", "g_sp")):
@@ -366,17 +460,28 @@ def main():
                 finally:
                     setattr(op, method, real)
                 worst = max((y - want_y).abs().max(), (dx - want_dx).abs().max())
-                differs(f"{tag} with {what}: output or input grad vs unsharded", worst[None], torch.zeros(1))
-        if name == "attention":  # an old forward, F.linear(x, weight), dropped the q/k/v biases (par: the SP one)
+                differs(
+                    f"{tag} with {what}: output or input grad vs unsharded",
+                    worst[None],
+                    torch.zeros(1),
+                )
+        if (
+            name == "attention"
+        ):  # an old forward, F.linear(x, weight), dropped the q/k/v biases (par: the SP one)
+
             def weights_only(self, x):
                 x = mt.all_gather(x, 1, group)
                 qkv = F.linear(x, self.qkv.weight)  # no bias
                 q, k, v = rearrange(qkv, "b t (n h e) -> n b h t e", n=3, h=self.heads)
                 y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
                 return self.proj(rearrange(y, "b h t e -> b t (h e)"))
+
             with torch.no_grad():
-                differs("attention with q/k/v biases dropped (the old forward) vs unsharded",
-                        weights_only(par, shard_of(x, 1)), shard_of(ref(x), 1))
+                differs(
+                    "attention with q/k/v biases dropped (the old forward) vs unsharded",
+                    weights_only(par, shard_of(x, 1)),
+                    shard_of(ref(x), 1),
+                )
 
     # --- activations one block saves for backward: under SP exactly 1/t of the unsharded block's ---
     def saved_by(block, x):  # contiguous: a chunk view would count the whole storage it views
@@ -389,27 +494,48 @@ def main():
     tp_only = saved_by(parallel_block(blk, group, False, tracker), x)
     with_sp = saved_by(parallel_block(blk, group, True, tracker), shard_of(x, 1))
     equal("block saved bytes under SP, times t, vs the unsharded block's", with_sp * t, whole)
-    equal("block saved bytes with TP alone exceed 1/t (replicated LN / residual)", tp_only * t > whole, True)
+    equal(
+        "block saved bytes with TP alone exceed 1/t (replicated LN / residual)",
+        tp_only * t > whole,
+        True,
+    )
 
-    def saves_gathered(self, x):  # the defect, put back: F.linear on f_sp's output keeps the gathered X
+    def saves_gathered(
+        self, x
+    ):  # the defect, put back: F.linear on f_sp's output keeps the gathered X
         return F.linear(mt.f_sp.apply(x, self.group), self.weight, self.bias)
+
     real, mt.SPColumnParallelLinear.forward = mt.SPColumnParallelLinear.forward, saves_gathered
     try:
         gathered = saved_by(parallel_block(blk, group, True, tracker), shard_of(x, 1))
     finally:
         mt.SPColumnParallelLinear.forward = real
-    equal("the check fails when the column layers save the gathered input", gathered * t != whole, True)
-    d.log(f"saved per block: unsharded {whole} B; TP {tp_only} B ({tp_only / whole:.3f}); TP + SP {with_sp} B "
-          f"({with_sp / whole:.3f}, 1/t = {1 / t:.3f}); SP saving the gathered input {gathered} B "
-          f"({gathered / whole:.3f})")
+    equal(
+        "the check fails when the column layers save the gathered input",
+        gathered * t != whole,
+        True,
+    )
+    d.log(
+        f"saved per block: unsharded {whole} B; TP {tp_only} B ({tp_only / whole:.3f}); TP + SP {with_sp} B "
+        f"({with_sp / whole:.3f}, 1/t = {1 / t:.3f}); SP saving the gathered input {gathered} B "
+        f"({gathered / whole:.3f})"
+    )
 
     # --- torch's DTensor tensor parallel as an independent reference for the MLP ---
     try:
         from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+        from torch.distributed.tensor.parallel import (
+            ColwiseParallel,
+            RowwiseParallel,
+            parallelize_module,
+        )
+
         ref = MLP(cfg).to(dev)
-        dt = parallelize_module(copy.deepcopy(ref), init_device_mesh(d.device.type, (t,)),
-                                {"fc": ColwiseParallel(), "proj": RowwiseParallel()})
+        dt = parallelize_module(
+            copy.deepcopy(ref),
+            init_device_mesh(d.device.type, (t,)),
+            {"fc": ColwiseParallel(), "proj": RowwiseParallel()},
+        )
         par = mt.ParallelMLP(ref, group)
         x, w = torch.randn(B, T, D, device=dev), torch.randn(B, T, D, device=dev)
         xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
@@ -429,26 +555,45 @@ def main():
     gpt = mt.ParallelGPT(build_gpt(cfg, 0, torch.float64), group, tracker)
     marks = [(n, getattr(p, "tp_dim", None)) for n, p in gpt.named_parameters()]
     gpt.to(dev)
-    equal("split marks after .to(device)", [(n, getattr(p, "tp_dim", None)) for n, p in gpt.named_parameters()], marks)
-    equal("every parameter on the device", {p.device for p in gpt.parameters()}, {torch.device(dev)})
+    equal(
+        "split marks after .to(device)",
+        [(n, getattr(p, "tp_dim", None)) for n, p in gpt.named_parameters()],
+        marks,
+    )
+    equal(
+        "every parameter on the device", {p.device for p in gpt.parameters()}, {torch.device(dev)}
+    )
 
     # --- the gradient norm across shards, against its closed form; bfloat16 squares summed in float32 ---
     # 300 replicated scalars with gradient 1 and one split tensor with gradient 1 in each of its 64 elements
     # per rank: norm^2 = 300 + 64 t, exact in float32. Summed in bfloat16, 256 + 1 rounds back to 256.
-    bf = nn.ParameterList(nn.Parameter(torch.zeros((), dtype=torch.bfloat16, device=dev)) for _ in range(300))
+    bf = nn.ParameterList(
+        nn.Parameter(torch.zeros((), dtype=torch.bfloat16, device=dev)) for _ in range(300)
+    )
     bf.append(nn.Parameter(torch.zeros(64, dtype=torch.bfloat16, device=dev)))
     bf[-1].tp_dim, bf[-1].tp_full = 0, 64 * t
     for p in bf:
         p.grad = torch.ones_like(p)
     want = torch.tensor(300.0 + 64 * t).float().sqrt()  # float32, as the norm is taken
-    close("bfloat16 gradient norm vs sqrt(300 + 64 t)", mt.global_grad_norm(bf, group).cpu(), want, 0)
+    close(
+        "bfloat16 gradient norm vs sqrt(300 + 64 t)", mt.global_grad_norm(bf, group).cpu(), want, 0
+    )
 
-    def bf16_sum(model, tp_group):  # the defect, put back: squares summed in the gradients' own dtype
+    def bf16_sum(
+        model, tp_group
+    ):  # the defect, put back: squares summed in the gradients' own dtype
         params = list(model.parameters())
-        split = mt.all_reduce(sum(p.grad.pow(2).sum() for p in params if hasattr(p, "tp_dim")), tp_group)
+        split = mt.all_reduce(
+            sum(p.grad.pow(2).sum() for p in params if hasattr(p, "tp_dim")), tp_group
+        )
         return (split + sum(p.grad.pow(2).sum() for p in params if not hasattr(p, "tp_dim"))).sqrt()
-    differs("bfloat16 gradient norm summed in bfloat16 vs sqrt(300 + 64 t)",
-            bf16_sum(bf, group).float().cpu(), want, 0.5)
+
+    differs(
+        "bfloat16 gradient norm summed in bfloat16 vs sqrt(300 + 64 t)",
+        bf16_sum(bf, group).float().cpu(),
+        want,
+        0.5,
+    )
 
     # --- VocabParallelEmbedding: unpadded and padded vocabularies ---
     for V in (12, 11, 9):
@@ -474,19 +619,25 @@ def main():
         target[::5] = ignore
         want = F.cross_entropy(logits, target, ignore_index=ignore, reduction="none")
         gw = torch.randn(N, device=dev)
-        grad_full, = torch.autograd.grad((want * gw).sum(), logits)
+        (grad_full,) = torch.autograd.grad((want * gw).sum(), logits)
         V_pad = V + (-V % t)
-        junk = torch.cat([logits.detach(), torch.full((N, V_pad - V), 50.0, device=dev)], 1)  # big logits in the padding
+        junk = torch.cat(
+            [logits.detach(), torch.full((N, V_pad - V), 50.0, device=dev)], 1
+        )  # big logits in the padding
         local = junk.chunk(t, 1)[r].clone().requires_grad_()
         got = mt.VocabParallelCrossEntropy.apply(local, target, V, group, *extra)
         tag = f"cross-entropy V={V} (pad {V_pad - V}, ignore {ignore})"
         close(f"{tag} loss", got, want)
         (got * gw).sum().backward()
         close(f"{tag} logits grad", local.grad, shard_of(grad_full, 1))
-        if V_pad > V:  # the padding is predictable if the mask is dropped: it must be what the mask does
+        if (
+            V_pad > V
+        ):  # the padding is predictable if the mask is dropped: it must be what the mask does
             unmasked = mt.VocabParallelCrossEntropy.apply(local, target, V_pad, group, *extra)
             differs(f"{tag} loss without the padding mask", unmasked, want)
-        if extra:  # the argument must be what ignores class 3: the default (-100) counts those targets
+        if (
+            extra
+        ):  # the argument must be what ignores class 3: the default (-100) counts those targets
             default = mt.VocabParallelCrossEntropy.apply(local, target, V, group)
             differs(f"{tag} loss with the default ignore index", default, want)
 
@@ -509,23 +660,34 @@ def main():
                 close(f"{tag} replicated-region mask (same replica)", everyone[other, 0], masks[0])
                 differs(f"{tag} TP-region mask (other TP rank)", everyone[other, 1], masks[1])
             else:
-                differs(f"{tag} replicated-region mask (other replica)", everyone[other, 0], masks[0])
+                differs(
+                    f"{tag} replicated-region mask (other replica)", everyone[other, 0], masks[0]
+                )
                 differs(f"{tag} TP-region mask (other replica)", everyone[other, 1], masks[1])
     # and inside a module: with dropout, a TP MLP's output is still replicated (its dropout is outside the TP
     # region, on the default stream); its attention's probability dropout uses the TP stream
     cfg_p = GPTConfig(vocab=12, seq_len=T, d_model=D, n_heads=H, n_layers=1, dropout=0.5)
     tracker = mt.RNGTracker(dev, 0, 0, r)
-    for name, Full, Par in (("mlp", MLP, mt.ParallelMLP), ("attention", Attention, mt.ParallelAttention)):
+    for name, Full, Par in (
+        ("mlp", MLP, mt.ParallelMLP),
+        ("attention", Attention, mt.ParallelAttention),
+    ):
         par = build_layer(Par, Full(cfg_p).to(dev), group, False, tracker).train()
         x_p = torch.randn(B, T, D, device=dev)
         y = par(x_p)
         ys = mt.all_gather(y.detach()[None], 0, group)
-        close(f"{name} with dropout: output identical on every TP rank", ys.max(0).values, ys.min(0).values)
+        close(
+            f"{name} with dropout: output identical on every TP rank",
+            ys.max(0).values,
+            ys.min(0).values,
+        )
         differs(f"{name} with dropout vs without", y, par.eval()(x_p))
 
     # the fork is re-entrant (SPGPT runs its whole forward forked, and attention forks inside it): a nested fork
     # continues the per-rank stream and leaves the default one as it was; a flat fork (put back) restarts it
-    def draws(tr, nested):  # 64 draws in a fork, 64 in a nested one, then 64 from the default stream
+    def draws(
+        tr, nested
+    ):  # 64 draws in a fork, 64 in a nested one, then 64 from the default stream
         with tr.fork():
             a = torch.rand(64, device=dev)
             with tr.fork() if nested else contextlib.nullcontext():
@@ -541,11 +703,20 @@ def main():
         finally:
             self.tp_state = self.gen.get_state()
             self.gen.set_state(outside)
+
     one_fork = draws(mt.RNGTracker(dev, 0, 0, r), nested=False)
-    close("a fork inside a fork vs one fork: the same draws", draws(mt.RNGTracker(dev, 0, 0, r), nested=True), one_fork)
+    close(
+        "a fork inside a fork vs one fork: the same draws",
+        draws(mt.RNGTracker(dev, 0, 0, r), nested=True),
+        one_fork,
+    )
     real, mt.RNGTracker.fork = mt.RNGTracker.fork, flat_fork
     try:
-        differs("a flat fork inside a fork vs one fork", draws(mt.RNGTracker(dev, 0, 0, r), nested=True), one_fork)
+        differs(
+            "a flat fork inside a fork vs one fork",
+            draws(mt.RNGTracker(dev, 0, 0, r), nested=True),
+            one_fork,
+        )
     finally:
         mt.RNGTracker.fork = real
     # under SP no region is replicated: SPGPT's dropouts all draw from the per-rank stream, none from the default
@@ -553,36 +724,61 @@ def main():
     tr = mt.RNGTracker(dev, 0, 0, r)
     sp_gpt = mt.SPGPT(build_gpt(cfg_p, 0, torch.float64), group, tr).to(dev).train()
 
-    def streams_drawn(forward):  # (default stream advanced, per-rank stream advanced) by one forward
+    def streams_drawn(
+        forward,
+    ):  # (default stream advanced, per-rank stream advanced) by one forward
         default, mine = tr.gen.get_state(), tr.tp_state
         forward(torch.zeros(B, T, dtype=torch.long, device=dev))
         return not torch.equal(tr.gen.get_state(), default), not torch.equal(tr.tp_state, mine)
-    equal("SPGPT with dropout: (default stream advanced, per-rank stream advanced)", streams_drawn(sp_gpt),
-          (False, True))
-    equal("SPGPT with dropout, its forward without the fork (ParallelGPT.forward): the default stream advanced",
-          streams_drawn(lambda idx: mt.ParallelGPT.forward(sp_gpt, idx))[0], True)
+
+    equal(
+        "SPGPT with dropout: (default stream advanced, per-rank stream advanced)",
+        streams_drawn(sp_gpt),
+        (False, True),
+    )
+    equal(
+        "SPGPT with dropout, its forward without the fork (ParallelGPT.forward): the default stream advanced",
+        streams_drawn(lambda idx: mt.ParallelGPT.forward(sp_gpt, idx))[0],
+        True,
+    )
 
     # --- each layer given a size it cannot split: a ValueError naming what would work, before any collective
     # (SP's T, cut across ranks, would abort inside gloo; heads or a vocabulary cut wrongly, silently wrong) ---
     n = t + 1  # divisible by no t > 1
     bad = {
         "fused column layer, parts of t + 1 features": (
-            lambda: mt.ColumnParallelLinear([nn.Linear(D, n), nn.Linear(D, n)], group), [f"divisible by {t}"]),
+            lambda: mt.ColumnParallelLinear([nn.Linear(D, n), nn.Linear(D, n)], group),
+            [f"divisible by {t}"],
+        ),
         "attention with t + 1 heads": (
-            lambda: mt.ParallelAttention(Attention(GPTConfig(vocab=12, seq_len=T, d_model=2 * n, n_heads=n,
-                                                             n_layers=1)), group, tracker),
-            [f"n_heads {n}", f"divisible by the TP degree {t}"]),
+            lambda: mt.ParallelAttention(
+                Attention(GPTConfig(vocab=12, seq_len=T, d_model=2 * n, n_heads=n, n_layers=1)),
+                group,
+                tracker,
+            ),
+            [f"n_heads {n}", f"divisible by the TP degree {t}"],
+        ),
         "row layer under SP, T = t + 1 positions": (
-            lambda: mt.SPRowParallelLinear(nn.Linear(4 * t, D), group)(torch.randn(B, n, 4, device=dev)),
-            [f"T = {n}", f"divisible by the TP degree {t}"]),
+            lambda: mt.SPRowParallelLinear(nn.Linear(4 * t, D), group)(
+                torch.randn(B, n, 4, device=dev)
+            ),
+            [f"T = {n}", f"divisible by the TP degree {t}"],
+        ),
         "embedding under SP, T = t + 1 positions": (
-            lambda: mt.SPVocabParallelEmbedding(nn.Embedding(12, D), group)(torch.zeros(B, n, dtype=torch.long,
-                                                                                        device=dev)),
-            [f"T = {n}", f"divisible by the TP degree {t}"]),
+            lambda: mt.SPVocabParallelEmbedding(nn.Embedding(12, D), group)(
+                torch.zeros(B, n, dtype=torch.long, device=dev)
+            ),
+            [f"T = {n}", f"divisible by the TP degree {t}"],
+        ),
         "cross-entropy, a rank's logits not ceil(V / t)": (
-            lambda: mt.VocabParallelCrossEntropy.apply(torch.randn(5, 12 // t - 1, device=dev),
-                                                       torch.zeros(5, dtype=torch.long, device=dev), 12, group),
-            ["vocab 12", "ceil(V/t)"]),
+            lambda: mt.VocabParallelCrossEntropy.apply(
+                torch.randn(5, 12 // t - 1, device=dev),
+                torch.zeros(5, dtype=torch.long, device=dev),
+                12,
+                group,
+            ),
+            ["vocab 12", "ceil(V/t)"],
+        ),
     }
     for what, (call, words) in bad.items():
         with counter() as comm:
@@ -591,15 +787,20 @@ def main():
                 msg = "no error"
             except Exception as e:  # noqa: BLE001 (any other error is a failure, reported)
                 msg = f"{type(e).__name__}: {e}"
-        equal(f"bad input, {what}: a ValueError naming {words}, before any collective ({msg})",
-              (msg.startswith("ValueError") and all(w in msg for w in words), comm.calls), (True, {}))
+        equal(
+            f"bad input, {what}: a ValueError naming {words}, before any collective ({msg})",
+            (msg.startswith("ValueError") and all(w in msg for w in words), comm.calls),
+            (True, {}),
+        )
 
     # --- the core, copied out: at t = 2, and at t = 3 on global ranks 1-3 of a launch of 4 (rank 0 waits), whose
     # group ranks 0-2 are not their global ranks: there the mixed biases only, without the mutants (both biases
     # and the mutants ran at t = 2) ---
     sub = dist.new_group([1, 2, 3]) if t == 4 else group  # every rank makes every group
     if t == 2 or (t == 4 and r > 0):
-        for gate_bias, up_bias in ((True, True), (False, True), (True, False))[0 if t == 2 else 1:]:
+        for gate_bias, up_bias in ((True, True), (False, True), (True, False))[
+            0 if t == 2 else 1 :
+        ]:
             copy_out(d, sub, gate_bias, up_bias, mutants=t == 2)
 
     for line in failures:
@@ -615,8 +816,12 @@ def main():
 
 
 if __name__ == "__main__":
-    if sys.argv[1:2] == ["--forget-tp-rng"]:  # `... --forget-tp-rng MEGATRON_ARGS`: a broken resume, on purpose
-        del sys.argv[1]  # the tracker's TP-region stream is not restored: a restarted run redraws its masks
+    if sys.argv[1:2] == [
+        "--forget-tp-rng"
+    ]:  # `... --forget-tp-rng MEGATRON_ARGS`: a broken resume, on purpose
+        del sys.argv[
+            1
+        ]  # the tracker's TP-region stream is not restored: a restarted run redraws its masks
         mt.TrackerState.load_state_dict = lambda self, state: None
         mt.main()
     else:

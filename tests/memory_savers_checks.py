@@ -25,6 +25,7 @@
 Every tensor and model lives on the process group's device (gloo + CPU here, NCCL + GPU elsewhere).
 Prints ALL CHECKS PASSED and exits 0, or names each failed check and exits 1.
 """
+
 import contextlib, os, sys
 from dataclasses import replace
 from unittest import mock
@@ -40,7 +41,16 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint
 
 import memory_savers as M
 import section  # noqa: E402  (tests/section.py)
-from common import GPTConfig, MarkovData, build_gpt, close_dist, count_tokens, init_dist, lm_loss, make_optimizer
+from common import (
+    GPTConfig,
+    MarkovData,
+    build_gpt,
+    close_dist,
+    count_tokens,
+    init_dist,
+    lm_loss,
+    make_optimizer,
+)
 from harness import CommCounter
 
 FAILED = []
@@ -62,7 +72,7 @@ def max_diff(a, b):
 def micro_batch(d, a, rank_rows=True):
     x, y = MarkovData(a.vocab, a.seed).batch(0, a.batch_size, a.seq_len)
     rows = a.batch_size // d.world
-    x, y = (t[d.rank * rows:(d.rank + 1) * rows] for t in (x, y))
+    x, y = (t[d.rank * rows : (d.rank + 1) * rows] for t in (x, y))
     return x.to(d.device), y.to(d.device)
 
 
@@ -89,31 +99,58 @@ def check_recompute(d, args):
     plain = grads(d, a, x, y)
     for how in ("full", "selective"):
         diff = max_diff(grads(d, a, x, y, how), plain)
-        check(d, f"recompute {how}, dropout 0.1: gradients == plain autograd, bit for bit", diff == 0, f"({diff:.1e})")
+        check(
+            d,
+            f"recompute {how}, dropout 0.1: gradients == plain autograd, bit for bit",
+            diff == 0,
+            f"({diff:.1e})",
+        )
         forgetful = lambda *p, **k: checkpoint(*p, **{**k, "preserve_rng_state": False})  # noqa: E731
-        with mock.patch.object(M, "checkpoint", forgetful), mock.patch.object(M, "replayed", no_replay):
+        with (
+            mock.patch.object(M, "checkpoint", forgetful),
+            mock.patch.object(M, "replayed", no_replay),
+        ):
             diff = max_diff(grads(d, a, x, y, how), plain)
-        check(d, f"recompute {how} mutant (dropout masks not replayed) is caught", diff > 1e-6, f"({diff:.1e})")
+        check(
+            d,
+            f"recompute {how} mutant (dropout masks not replayed) is caught",
+            diff > 1e-6,
+            f"({diff:.1e})",
+        )
 
     a = replace(args, dropout=0.0)
     b, T, D, L, e = x.shape[0], a.seq_len, a.d_model, a.n_layers, 8
     model = build_gpt(GPTConfig.from_args(a), a.seed, torch.float64, d.device)
     plain = M.activations(model, x)
-    token_ids = x.untyped_storage().nbytes()  # (a view of the step's (B, T+1) tokens: the whole storage)
-    check(d, "plain: storages alive after forward + the token ids == harness.SavedActivations",
-          plain["alive"] + token_ids == plain["saved"], f"({plain['alive']} + {token_ids} vs {plain['saved']} B)")
+    token_ids = (
+        x.untyped_storage().nbytes()
+    )  # (a view of the step's (B, T+1) tokens: the whole storage)
+    check(
+        d,
+        "plain: storages alive after forward + the token ids == harness.SavedActivations",
+        plain["alive"] + token_ids == plain["saved"],
+        f"({plain['alive']} + {token_ids} vs {plain['saved']} B)",
+    )
     for how, k in (("full", 1), ("selective", 10)):
         model = build_gpt(GPTConfig.from_args(a), a.seed, torch.float64, d.device)
         M.recompute(model.blocks, how)
         got = M.activations(model, x)
-        check(d, f"recompute {how}: the blocks keep {k} L b T D e, counted", got["blocks"] == k * L * b * T * D * e
-              and got["rest"] == plain["rest"], f"({got['blocks']} B vs {k * L * b * T * D * e} B; plain {plain['blocks']} B)")
+        check(
+            d,
+            f"recompute {how}: the blocks keep {k} L b T D e, counted",
+            got["blocks"] == k * L * b * T * D * e and got["rest"] == plain["rest"],
+            f"({got['blocks']} B vs {k * L * b * T * D * e} B; plain {plain['blocks']} B)",
+        )
     model = build_gpt(GPTConfig.from_args(a), a.seed, torch.float64, d.device)
     with mock.patch.object(M, "keep_matmuls", lambda *_a, **_k: CheckpointPolicy.MUST_SAVE):
         M.recompute(model.blocks, "selective")
     got = M.activations(model, x)
-    check(d, "recompute selective mutant (keeps every op) is caught", got["blocks"] != 10 * L * b * T * D * e,
-          f"({got['blocks']} B)")
+    check(
+        d,
+        "recompute selective mutant (keeps every op) is caught",
+        got["blocks"] != 10 * L * b * T * D * e,
+        f"({got['blocks']} B)",
+    )
 
 
 def check_with_zero(d, args):
@@ -122,15 +159,25 @@ def check_with_zero(d, args):
     it at every stage, bit for bit (the masks replayed; a rerun that draws fresh ones is caught); selective
     (torch's policy) too, at stage 1 (it works at 0-2; at 3 torch's replay meets the unit's all-gather);
     applied before Zero it is refused with a ValueError naming the block, before any collective."""
-    ms, zs, a = section.load("memory_savers.py"), section.load("zero.py"), replace(args, dropout=0.1)
+    ms, zs, a = (
+        section.load("memory_savers.py"),
+        section.load("zero.py"),
+        replace(args, dropout=0.1),
+    )
     data, units = MarkovData(a.vocab, a.seed), [f"blocks.{i}" for i in range(a.n_layers)]
 
     def train(stage, how, before=False):  # (losses, the whole trained model)
         model = build_gpt(GPTConfig.from_args(a), a.seed, torch.float64)
         if before:
             ms["recompute"](model.blocks, how)
-        zero = zs["Zero"](model, units, stage=stage, optimizer=lambda ps: make_optimizer(ps, a), clip=a.clip,
-                          device=d.device)
+        zero = zs["Zero"](
+            model,
+            units,
+            stage=stage,
+            optimizer=lambda ps: make_optimizer(ps, a),
+            clip=a.clip,
+            device=d.device,
+        )
         ms["recompute"](model.blocks, how)  # on the units now
         torch.manual_seed(a.seed + d.rank)  # the dropout masks
         losses = []
@@ -143,23 +190,37 @@ def check_with_zero(d, args):
 
     for stage in range(4):
         want = train(stage, "none")
-        for how in ("full", "selective") if stage == 1 else ("full",):  # (selective: torch's; not at stage 3)
+        for how in (
+            ("full", "selective") if stage == 1 else ("full",)
+        ):  # (selective: torch's; not at stage 3)
             got = train(stage, how)
             diff = max_diff(got[1], want[1])
-            check(d, f"recompute {how} on Zero's units, stage {stage}, dropout 0.1: == Zero alone, bit for bit",
-                  diff == 0 and got[0] == want[0], f"({diff:.1e}; losses equal: {got[0] == want[0]})")
+            check(
+                d,
+                f"recompute {how} on Zero's units, stage {stage}, dropout 0.1: == Zero alone, bit for bit",
+                diff == 0 and got[0] == want[0],
+                f"({diff:.1e}; losses equal: {got[0] == want[0]})",
+            )
     ms["replayed"] = no_replay  # (the section's own global: Recompute.backward reads it there)
     diff = max_diff(train(3, "full")[1], want[1])
-    check(d, "recompute full on Zero's units mutant (dropout masks not replayed) is caught", diff > 1e-6,
-          f"({diff:.1e})")
+    check(
+        d,
+        "recompute full on Zero's units mutant (dropout masks not replayed) is caught",
+        diff > 1e-6,
+        f"({diff:.1e})",
+    )
     with CommCounter() as comm:
         try:
             train(3, "full", before=True)
             msg = "accepted"
         except ValueError as e:
             msg = str(e)
-    check(d, "recompute before Zero: refused with a ValueError naming the block, before any collective",
-          "blocks.0.forward was replaced before Zero" in msg and not comm.calls, f"({msg}; {comm.calls})")
+    check(
+        d,
+        "recompute before Zero: refused with a ValueError naming the block, before any collective",
+        "blocks.0.forward was replaced before Zero" in msg and not comm.calls,
+        f"({msg}; {comm.calls})",
+    )
 
 
 # ----------------------------------------------------------------------------- 2. Gist
@@ -170,34 +231,67 @@ def check_compression(d, args):
     flat = lambda g: torch.cat([v.flatten() for v in g.values()])  # noqa: E731
     model = build_gpt(GPTConfig.from_args(a), a.seed, torch.float32, d.device)
     plain_bytes = M.activations(model, x)["alive"]
-    bound = {"bf16": 2.0 ** -8, "int8": 1 / 254}
+    bound = {"bf16": 2.0**-8, "int8": 1 / 254}
     for how, lo, hi in (("bf16", 0.5, 0.56), ("int8", 0.25, 0.36)):
         saved = M.activations(model, x, M.Gist(how, model.parameters()))["alive"]
-        check(d, f"compress {how}: saved bytes {lo} to {hi} of plain", lo <= saved / plain_bytes <= hi,
-              f"({saved} / {plain_bytes} = {saved / plain_bytes:.3f})")
-        err = ((flat(grads(d, a, x, y, gist=how, dtype=torch.float32)) - flat(exact)).norm() / flat(exact).norm()).item()
-        check(d, f"compress {how}: gradient within 4 x the encoding's rounding", 0 < err <= 4 * bound[how],
-              f"(relative error {err:.1e}, bound {4 * bound[how]:.1e})")
+        check(
+            d,
+            f"compress {how}: saved bytes {lo} to {hi} of plain",
+            lo <= saved / plain_bytes <= hi,
+            f"({saved} / {plain_bytes} = {saved / plain_bytes:.3f})",
+        )
+        err = (
+            (flat(grads(d, a, x, y, gist=how, dtype=torch.float32)) - flat(exact)).norm()
+            / flat(exact).norm()
+        ).item()
+        check(
+            d,
+            f"compress {how}: gradient within 4 x the encoding's rounding",
+            0 < err <= 4 * bound[how],
+            f"(relative error {err:.1e}, bound {4 * bound[how]:.1e})",
+        )
         zeros = lambda e: torch.zeros(e.data.shape, dtype=e.dtype, device=e.data.device)  # noqa: E731
         with mock.patch.object(M, "decode", zeros):
             g = grads(d, a, x, y, gist=how, dtype=torch.float32)
         err = ((flat(g) - flat(exact)).norm() / flat(exact).norm()).item()
-        check(d, f"compress {how} mutant (decode returns zeros) is caught", err > 4 * bound[how], f"({err:.1e})")
+        check(
+            d,
+            f"compress {how} mutant (decode returns zeros) is caught",
+            err > 4 * bound[how],
+            f"({err:.1e})",
+        )
     losses = {}  # training: the loss after the same steps, compressed against plain (a figure, loosely bounded)
     for how in ("none", "bf16", "int8"):
-        model, data = build_gpt(GPTConfig.from_args(a), a.seed, torch.float32, d.device), MarkovData(a.vocab, a.seed)
-        opt, gist = make_optimizer(model.parameters(), a), how != "none" and M.Gist(how, model.parameters())
+        model, data = (
+            build_gpt(GPTConfig.from_args(a), a.seed, torch.float32, d.device),
+            MarkovData(a.vocab, a.seed),
+        )
+        opt, gist = (
+            make_optimizer(model.parameters(), a),
+            how != "none" and M.Gist(how, model.parameters()),
+        )
         for s in range(a.steps):
             xs, ys = data.batch(s, a.batch_size, a.seq_len)
             n, rows = count_tokens(ys), a.batch_size // d.world
-            xs, ys = (t[d.rank * rows:(d.rank + 1) * rows].to(d.device) for t in (xs, ys))
-            loss = M.dp_step(model, opt, [(xs, ys)], lambda out, ym: lm_loss(out, ym, n), a.clip, saver=gist or None)
+            xs, ys = (t[d.rank * rows : (d.rank + 1) * rows].to(d.device) for t in (xs, ys))
+            loss = M.dp_step(
+                model,
+                opt,
+                [(xs, ys)],
+                lambda out, ym: lm_loss(out, ym, n),
+                a.clip,
+                saver=gist or None,
+            )
         dist.all_reduce(loss)
         losses[how] = loss.item()
     for how in ("bf16", "int8"):
         diff = abs(losses[how] - losses["none"]) / losses["none"]
-        check(d, f"compress {how}: loss after {a.steps} steps within 1e-2 of plain, and not equal (lossy)",
-              0 < diff < 1e-2, f"(relative {diff:.1e})")
+        check(
+            d,
+            f"compress {how}: loss after {a.steps} steps within 1e-2 of plain, and not equal (lossy)",
+            0 < diff < 1e-2,
+            f"(relative {diff:.1e})",
+        )
 
 
 # ----------------------------------------------------------------------------- 3. Adafactor
@@ -205,7 +299,9 @@ def check_adafactor(d, args):
     a = args
     data = MarkovData(a.vocab, a.seed)
     plain = build_gpt(GPTConfig.from_args(a), a.seed, torch.float64, d.device)
-    opt = torch.optim.Adafactor(plain.parameters(), lr=a.lr, weight_decay=a.weight_decay, foreach=False)
+    opt = torch.optim.Adafactor(
+        plain.parameters(), lr=a.lr, weight_decay=a.weight_decay, foreach=False
+    )
     for s in range(a.steps):
         x, y = (t.to(d.device) for t in data.batch(s, a.batch_size, a.seq_len))
         opt.zero_grad()
@@ -213,8 +309,15 @@ def check_adafactor(d, args):
         torch.nn.utils.clip_grad_norm_(plain.parameters(), a.clip)
         opt.step()
     want = {n: p.detach().cpu() for n, p in plain.named_parameters()}
-    init = {n: p.detach() for n, p in build_gpt(GPTConfig.from_args(a), a.seed, torch.float64).named_parameters()}
-    check(d, "adafactor: training moved the parameters (parity is not vacuous)", max_diff(want, init) > 1e-3)
+    init = {
+        n: p.detach()
+        for n, p in build_gpt(GPTConfig.from_args(a), a.seed, torch.float64).named_parameters()
+    }
+    check(
+        d,
+        "adafactor: training moved the parameters (parity is not vacuous)",
+        max_diff(want, init) > 1e-3,
+    )
     shapes = [p.shape for p in plain.parameters()]
     closed = 8 * sum(sh[0] + sh[1] if len(sh) == 2 else sh.numel() for sh in shapes)
 
@@ -225,9 +328,15 @@ def check_adafactor(d, args):
         for s in range(a.steps):
             x, y = data.batch(s, a.batch_size, a.seq_len)
             n_tok = count_tokens(y)
-            x, y = (t[me * rows:(me + 1) * rows].to(d.device) for t in (x, y))
-            M.dp_step(model, opt, zip(x.chunk(a.accum), y.chunk(a.accum)), lambda out, ym: lm_loss(out, ym, n_tok),
-                      a.clip, group=group)
+            x, y = (t[me * rows : (me + 1) * rows].to(d.device) for t in (x, y))
+            M.dp_step(
+                model,
+                opt,
+                zip(x.chunk(a.accum), y.chunk(a.accum)),
+                lambda out, ym: lm_loss(out, ym, n_tok),
+                a.clip,
+                group=group,
+            )
         return model, opt, {n: p.detach() for n, p in model.named_parameters()}
 
     groups = {1: dist.new_group([0]), 2: dist.new_group([0, 1]), d.world: dist.group.WORLD}
@@ -239,13 +348,20 @@ def check_adafactor(d, args):
         check(d, f"adafactor: world {n} == torch.optim.Adafactor", diff < 1e-12, f"({diff:.1e})")
         if n == d.world:
             st = M.optimizer_state(model, opt)
-            check(d, "adafactor: optimizer state bytes == 8 (R + C) per matrix + 8 per vector element",
-                  st["counted"] == closed == st["adafactor_theory"],
-                  f"({st['counted']} B, closed form {closed} B; AdamW's moments {st['adamw_theory']} B)")
+            check(
+                d,
+                "adafactor: optimizer state bytes == 8 (R + C) per matrix + 8 per vector element",
+                st["counted"] == closed == st["adafactor_theory"],
+                f"({st['counted']} B, closed form {closed} B; AdamW's moments {st['adamw_theory']} B)",
+            )
             with mock.patch("torch.outer", lambda r, c: torch.ones_like(r)[:, None] * c):
                 _, _, got = run(group, n)
-            check(d, "adafactor mutant (second moment without its row factor) is caught", max_diff(got, want) > 1e-6,
-                  f"({max_diff(got, want):.1e})")
+            check(
+                d,
+                "adafactor mutant (second moment without its row factor) is caught",
+                max_diff(got, want) > 1e-6,
+                f"({max_diff(got, want):.1e})",
+            )
     dist.barrier()
 
 
@@ -263,12 +379,17 @@ class Spare(nn.Module):
 
 def check_bad_input(d):
     text = open(os.path.join(ROOT, "memory_savers.py")).read()
-    cores = {"": section.load("memory_savers.py"),
-             "mutant ": section.load("memory_savers.py", text.replace("raise ValueError(", "str("))}
+    cores = {
+        "": section.load("memory_savers.py"),
+        "mutant ": section.load("memory_savers.py", text.replace("raise ValueError(", "str(")),
+    }
     x = torch.randn(2, 4, dtype=torch.float64, device=d.device)
     for tag, core in cores.items():
-        for what, spare, batches in (("an unused parameter", True, [(x, None)]), ("no micro-batch", False, []),
-                                     ("control: every parameter used", False, [(x, None)])):
+        for what, spare, batches in (
+            ("an unused parameter", True, [(x, None)]),
+            ("no micro-batch", False, []),
+            ("control: every parameter used", False, [(x, None)]),
+        ):
             model = Spare(spare).double().to(d.device)
             opt = torch.optim.SGD(model.parameters(), lr=0.1)
             with CommCounter() as comm:
@@ -281,16 +402,34 @@ def check_bad_input(d):
             if what.startswith("control"):
                 ok = msg is None and calls == 2  # one all-reduce per parameter (weight, bias)
             elif tag:
-                ok = msg is not None and not msg.startswith("ValueError")  # torch's error, not the clear one
+                ok = msg is not None and not msg.startswith(
+                    "ValueError"
+                )  # torch's error, not the clear one
             else:
-                ok = msg is not None and msg.startswith("ValueError") and "no gradient" in msg and not calls
+                ok = (
+                    msg is not None
+                    and msg.startswith("ValueError")
+                    and "no gradient" in msg
+                    and not calls
+                )
             check(d, f"bad input {tag}dp_step: {what}", ok, f"({msg}; collectives {calls})")
 
 
 def main():
     d = init_dist(60)
-    base = M.Args(vocab=32, seq_len=8, d_model=16, n_heads=2, n_layers=3, batch_size=12, steps=3,
-                  dtype="float64", accum=2, clip=0.5, lr=1e-2)
+    base = M.Args(
+        vocab=32,
+        seq_len=8,
+        d_model=16,
+        n_heads=2,
+        n_layers=3,
+        batch_size=12,
+        steps=3,
+        dtype="float64",
+        accum=2,
+        clip=0.5,
+        lr=1e-2,
+    )
     check_recompute(d, base)
     check_with_zero(d, base)
     check_compression(d, base)

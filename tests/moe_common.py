@@ -7,6 +7,7 @@
   their PASS lines, and the copy-out check: a technique section's MoE layer in a residual stack that is not
   the GPT, trained expert parallel against the same stack trained by plain torch in one process.
 """
+
 import importlib, os, sys
 
 import torch
@@ -57,15 +58,20 @@ def check_parity(d, name, ref_first, ref, first, trained):
     every rank, and the same parameter names. Returns the full parameters."""
     (ref_logits, ref_aux, ref_grads), (logits, aux, grads, row0, rows) = ref_first, first
     losses, full = trained
-    out_diff = rel(logits, ref_logits[row0:row0 + rows])
+    out_diff = rel(logits, ref_logits[row0 : row0 + rows])
     grad_diff = max(rel(grads[n], g) for n, g in ref_grads.items())
     loss_diff = max(abs(a - b) / abs(b) for a, b in zip(losses, ref["losses"]))
     param_diff = max((full[n] - p).abs().max().item() for n, p in ref["params"].items())
     aux_diff = abs(aux - ref_aux) / max(abs(ref_aux), 1e-300)
     diffs = [gmax(d, v) for v in (out_diff, aux_diff, grad_diff, loss_diff, param_diff)]
-    check(d, name, max(diffs) <= TOL and set(full) == set(ref["params"]),
-          "rel diff: outputs {:.1e}, aux {:.1e}, grads {:.1e}, losses after 3 steps {:.1e}; params {:.1e}"
-          .format(*diffs))
+    check(
+        d,
+        name,
+        max(diffs) <= TOL and set(full) == set(ref["params"]),
+        "rel diff: outputs {:.1e}, aux {:.1e}, grads {:.1e}, losses after 3 steps {:.1e}; params {:.1e}".format(
+            *diffs
+        ),
+    )
     return full
 
 
@@ -85,6 +91,7 @@ def refusal(call, axes):
 def sections(file):
     """`file`'s technique section run alone (tests/section.py), and the same with every check a no-op."""
     import section
+
     mutant = (section.ROOT / file).read_text().replace("raise ValueError(", "str(")
     return section.load(file), section.load(file, mutant)
 
@@ -95,11 +102,19 @@ def check_builds(d, what, builds, layer, core, mutant, axes):
     it is built silently, or fails otherwise: never with the clear message."""
     for name, (kw, words) in builds.items():
         msg, calls = refusal(lambda: layer(core, **kw), axes)
-        check(d, f"bad input: {what}({name}) refused before any collective", msg is not None
-              and all(w in msg for w in words) and not calls, f"{msg}; collectives {calls}")
+        check(
+            d,
+            f"bad input: {what}({name}) refused before any collective",
+            msg is not None and all(w in msg for w in words) and not calls,
+            f"{msg}; collectives {calls}",
+        )
         msg, _ = refusal(lambda: layer(mutant, **kw), axes)  # built silently, or another error
-        check(d, f"bad input mutant: without its check, {what}({name}) is not refused clearly",
-              msg is None or msg.startswith("not a ValueError"), "built silently" if msg is None else msg)
+        check(
+            d,
+            f"bad input mutant: without its check, {what}({name}) is not refused clearly",
+            msg is None or msg.startswith("not a ValueError"),
+            "built silently" if msg is None else msg,
+        )
 
 
 def check_all_to_all(d, cases, good, control, axes):
@@ -107,11 +122,19 @@ def check_all_to_all(d, cases, good, control, axes):
     through, its one forward all-to-all seen by the same counter (`control` says which)."""
     for name, call, words in cases:
         msg, calls = refusal(call, axes)
-        check(d, f"bad input: AllToAll of {name} refused before the collective", msg is not None
-              and all(w in msg for w in words) and not calls, f"{msg}; collectives {calls}")
+        check(
+            d,
+            f"bad input: AllToAll of {name} refused before the collective",
+            msg is not None and all(w in msg for w in words) and not calls,
+            f"{msg}; collectives {calls}",
+        )
     msg, calls = refusal(good, axes)
-    check(d, f"bad input control: {control} goes through, seen by the counter",
-          msg is None and calls.get("all_to_all/ep/fwd") == 1, f"{msg}; collectives {calls}")
+    check(
+        d,
+        f"bad input control: {control} goes through, seen by the counter",
+        msg is None and calls.get("all_to_all/ep/fwd") == 1,
+        f"{msg}; collectives {calls}",
+    )
 
 
 def finish(d, layouts, test_module, bad_input):
@@ -131,14 +154,19 @@ def finish(d, layouts, test_module, bad_input):
 def launch_checks(script, tmp_path_factory):
     """`script` (tests/moe_checks.py, tests/moe_deepseek_checks.py) at world 4, once a module: its output."""
     from helpers import torchrun
-    _, out = torchrun(script, 4, tmp_path=tmp_path_factory.mktemp("checks"), name="checks", timeout=600)
+
+    _, out = torchrun(
+        script, 4, tmp_path=tmp_path_factory.mktemp("checks"), name="checks", timeout=600
+    )
     return out
 
 
 def assert_all_pass(out, marker, n):
     """The checks' output has n lines containing `marker`, and every one of them passed."""
     lines = [l for l in out.splitlines() if marker in l]
-    assert len(lines) == n and all(l.startswith("PASS") for l in lines), "\n".join(lines) or out[-3000:]
+    assert len(lines) == n and all(l.startswith("PASS") for l in lines), (
+        "\n".join(lines) or out[-3000:]
+    )
 
 
 def rel_diff(got, want):
@@ -159,7 +187,9 @@ class ResidualMoEStack(nn.Module):
         super().__init__()
         self.gain = nn.Parameter(torch.ones(D))  # on the root module
         self.inp = nn.Linear(FEATURES, D)
-        gen = torch.Generator().manual_seed(5)  # the experts' initial weights: the same whatever the layout
+        gen = torch.Generator().manual_seed(
+            5
+        )  # the experts' initial weights: the same whatever the layout
         self.blocks = nn.ModuleList(nn.Sequential(nn.LayerNorm(D), layer(i, gen)) for i in range(2))
 
     def forward(self, x):  # (b, SEQ, FEATURES) -> (b, SEQ, D)
@@ -182,9 +212,20 @@ def full_state(model, MoE, ep_group):
     return out
 
 
-def copy_out_case(d, lay, name, build, MoE, sync_grads, aux_share, steps=3, aux_weight=0.1,
-                  on_step=lambda model, step, row0: None, ref_update=lambda layers: None,
-                  ep_update=lambda model: None):
+def copy_out_case(
+    d,
+    lay,
+    name,
+    build,
+    MoE,
+    sync_grads,
+    aux_share,
+    steps=3,
+    aux_weight=0.1,
+    on_step=lambda model, step, row0: None,
+    ref_update=lambda layers: None,
+    ep_update=lambda model: None,
+):
     """[(name, ok, detail)] twice: build(ep_group) -> (a ResidualMoEStack of the section's class MoE, its
     AdamW), trained on my rows at EP with sync_grads, equals it trained on the whole batch in one process
     (losses and every parameter and buffer within 1e-9); the negative: without sync_grads the parameters
@@ -194,8 +235,13 @@ def copy_out_case(d, lay, name, build, MoE, sync_grads, aux_share, steps=3, aux_
     rows = ROWS // d.world
     row0 = d.rank * rows
     g = torch.Generator().manual_seed(11)
-    data = [(torch.randn(ROWS, SEQ, FEATURES, generator=g, dtype=torch.float64).to(d.device),
-             torch.randn(ROWS, SEQ, D, generator=g, dtype=torch.float64).to(d.device)) for _ in range(steps)]
+    data = [
+        (
+            torch.randn(ROWS, SEQ, FEATURES, generator=g, dtype=torch.float64).to(d.device),
+            torch.randn(ROWS, SEQ, D, generator=g, dtype=torch.float64).to(d.device),
+        )
+        for _ in range(steps)
+    ]
     # 1. the reference: plain torch, one process, the whole batch, every expert local
     ref, opt = build(None)
     ref_losses, layers = [], [m for m in ref.modules() if isinstance(m, MoE)]
@@ -217,7 +263,10 @@ def copy_out_case(d, lay, name, build, MoE, sync_grads, aux_share, steps=3, aux_
         losses = []
         for step, (x, t) in enumerate(data):
             on_step(model, step, row0)
-            mse = F.mse_loss(model(x[row0:row0 + rows]), t[row0:row0 + rows], reduction="sum") / t.numel()
+            mse = (
+                F.mse_loss(model(x[row0 : row0 + rows]), t[row0 : row0 + rows], reduction="sum")
+                / t.numel()
+            )
             loss = mse + aux_weight * aux_share(model)
             opt.zero_grad()
             loss.backward()
@@ -237,6 +286,11 @@ def copy_out_case(d, lay, name, build, MoE, sync_grads, aux_share, steps=3, aux_
             what = "EP 2 x 2 replicas = one-process torch training of a residual MoE stack"
             verdicts.append((f"{name}: {what}", ok, detail))
         else:
-            verdicts.append((f"{name}: negative: without sync_grads the parameters differ", param_diff > 1e-6,
-                             detail))
+            verdicts.append(
+                (
+                    f"{name}: negative: without sync_grads the parameters differ",
+                    param_diff > 1e-6,
+                    detail,
+                )
+            )
     return verdicts

@@ -25,6 +25,7 @@ Every model and every tensor of a collective lives on the run's device (cuda:LOC
 Negative checks: a bias updated from one rank's counts (caught by --check's own verdict), a copied-out model
 without gradient sync: both differ.
 """
+
 import copy
 import os
 import sys
@@ -40,13 +41,36 @@ import torch.nn.functional as F
 import moe_deepseek as ds
 from common import MarkovData, count_tokens, lm_loss, make_optimizer
 from harness import check_against_reference, CommCounter
-from moe_common import (check, check_all_to_all, check_builds, check_parity, finish, refusal, rel,
-                        sections, start)
+from moe_common import (
+    check,
+    check_all_to_all,
+    check_builds,
+    check_parity,
+    finish,
+    refusal,
+    rel,
+    sections,
+    start,
+)
 
 
 def tiny(**kw):
-    base = dict(vocab=32, seq_len=8, d_model=16, n_heads=2, n_layers=2, batch_size=12, steps=3, dtype="float64",
-                experts=8, top_k=2, granularity=2, shared_experts=1, bias_rate=0.02, seq_aux_weight=0.0)
+    base = dict(
+        vocab=32,
+        seq_len=8,
+        d_model=16,
+        n_heads=2,
+        n_layers=2,
+        batch_size=12,
+        steps=3,
+        dtype="float64",
+        experts=8,
+        top_k=2,
+        granularity=2,
+        shared_experts=1,
+        bias_rate=0.02,
+        seq_aux_weight=0.0,
+    )
     base.update(kw)
     return ds.Args(**base)
 
@@ -65,16 +89,18 @@ def first_step(d, args, data, lay=None):
     model = ds.build_moe_gpt(args, None if lay is None else lay.ep_group, d.device)
     rows = args.batch_size if lay is None else args.batch_size // d.world
     row0 = 0 if lay is None else d.rank * rows
-    logits = model(x[row0:row0 + rows])
+    logits = model(x[row0 : row0 + rows])
     aux = ds.aux_share(model, args.batch_size)
-    (lm_loss(logits, y[row0:row0 + rows], n_tok) + args.seq_aux_weight * aux).backward()
+    (lm_loss(logits, y[row0 : row0 + rows], n_tok) + args.seq_aux_weight * aux).backward()
     if lay is None:
         return logits.detach(), aux.item(), {n: p.grad for n, p in model.named_parameters()}
     ds.sync_grads(model, lay.ep_group, lay.replica_group, dist.group.WORLD)
     _, expert = ds.split_params(model)
     ids = {id(p) for p in expert}
-    grads = {n: torch.cat(gathered(p.grad, lay)) if id(p) in ids and lay.ep > 1 else p.grad
-             for n, p in model.named_parameters()}
+    grads = {
+        n: torch.cat(gathered(p.grad, lay)) if id(p) in ids and lay.ep > 1 else p.grad
+        for n, p in model.named_parameters()
+    }
     aux_t = aux.detach().clone().view(1)
     dist.all_reduce(aux_t)
     return logits.detach(), aux_t.item(), grads, row0, rows
@@ -88,15 +114,26 @@ def train(d, args, lay, data):
     losses = []
     for step in range(args.steps):
         x, y = data.batch(step, args.batch_size, args.seq_len)
-        parts = torch.stack(ds.train_step(args, lay, model, opt, x[d.rank * rows:][:rows].to(d.device),
-                                          y[d.rank * rows:][:rows].to(d.device), count_tokens(y)))
+        parts = torch.stack(
+            ds.train_step(
+                args,
+                lay,
+                model,
+                opt,
+                x[d.rank * rows :][:rows].to(d.device),
+                y[d.rank * rows :][:rows].to(d.device),
+                count_tokens(y),
+            )
+        )
         dist.all_reduce(parts)
         losses.append((parts[0] + args.seq_aux_weight * parts[1]).item())
     return losses, ds.full_params(lay, model)
 
 
-PARITY = [dict(granularity=4, top_k=4, shared_experts=2, seq_aux_weight=0.01),
-          dict(score="softmax", seq_aux_weight=0.1, top_k=3, shared_experts=0, granularity=1, experts=4)]
+PARITY = [
+    dict(granularity=4, top_k=4, shared_experts=2, seq_aux_weight=0.01),
+    dict(score="softmax", seq_aux_weight=0.1, top_k=3, shared_experts=0, granularity=1, experts=4),
+]
 
 
 def parity(d, data, layouts):
@@ -112,8 +149,12 @@ def parity(d, data, layouts):
             bias = torch.cat([v.flatten() for n, v in full.items() if n.endswith("expert_bias")])
             top = bias.clone()
             dist.all_reduce(top, op=dist.ReduceOp.MAX)
-            check(d, f"loss-free bias moved and is the same on every rank, EP {ep}",
-                  bias.abs().max() > 0 and torch.equal(top, bias), str(bias.tolist()))
+            check(
+                d,
+                f"loss-free bias moved and is the same on every rank, EP {ep}",
+                bias.abs().max() > 0 and torch.equal(top, bias),
+                str(bias.tolist()),
+            )
     # Negative: the bias updated from one rank's counts alone (no all-reduce) at EP 2 x 2 replicas, judged by
     # --check's own verdict (harness.check_against_reference), which passes the real update.
     if 2 in layouts and d.world == 4:
@@ -131,8 +172,13 @@ def parity(d, data, layouts):
             finally:
                 ds.update_biases = real
             verdicts.append(check_against_reference(quiet, args, losses, full, ref=ref)["passed"])
-        check(d, "negative: a loss-free bias from one rank's counts (no all-reduce) fails --check at EP 2; "
-                 "the all-reduced one passes", verdicts == [True, False], str(verdicts))
+        check(
+            d,
+            "negative: a loss-free bias from one rank's counts (no all-reduce) fails --check at EP 2; "
+            "the all-reduced one passes",
+            verdicts == [True, False],
+            str(verdicts),
+        )
 
 
 def dropless(d, layouts):
@@ -153,7 +199,7 @@ def dropless(d, layouts):
         scale = torch.arange(1, 9, dtype=torch.float64, device=d.device)
         saved = layer.w1.detach().clone()
         with torch.no_grad():
-            layer.w1[:, 0, 0] = scale[lay.ep_rank * layer.El:(lay.ep_rank + 1) * layer.El]
+            layer.w1[:, 0, 0] = scale[lay.ep_rank * layer.El : (lay.ep_rank + 1) * layer.El]
         try:
             ds.mlps = lambda h, *w: h
             y_id = layer.dropless(xt, expert, torch.ones_like(gate))
@@ -189,24 +235,51 @@ def dropless(d, layouts):
         counts = [torch.empty_like(every) for _ in range(lay.ep)]
         dist.all_gather(counts, every, group=lay.ep_group)
         El, me = 8 // ep, lay.ep_rank
-        send = [sum(pairs[j * El:(j + 1) * El]) for j in range(ep)]
-        recv = [int(c[me * El:(me + 1) * El].sum()) for c in counts]
+        send = [sum(pairs[j * El : (j + 1) * El]) for j in range(ep)]
+        recv = [int(c[me * El : (me + 1) * El].sum()) for c in counts]
         out, into = sum(send) - send[me], sum(recv) - recv[me]
         sent = sum(c["to_others"] for c in comm.calls_log if c["op"] == "all_to_all")
-        ok = (identities and loop_diff < 1e-12 and splits[0] == (recv, send) and splits[1] == (send, recv)
-              and sent == 2 * (out + into) * 16 * 8 and len(set(send + recv)) > 1)
-        check(d, f"dropless EP {ep}: identity experts return x (x choices), x(i+1) experts sum over the choices; "
-                 "= per-token loop over the chosen experts; splits = routed counts, bytes = 2 x (pairs out + in) "
-                 "x D x 8", ok, f"loop {loop_diff:.1e}, send {send} recv {recv}, {sent} B")
+        ok = (
+            identities
+            and loop_diff < 1e-12
+            and splits[0] == (recv, send)
+            and splits[1] == (send, recv)
+            and sent == 2 * (out + into) * 16 * 8
+            and len(set(send + recv)) > 1
+        )
+        check(
+            d,
+            f"dropless EP {ep}: identity experts return x (x choices), x(i+1) experts sum over the choices; "
+            "= per-token loop over the chosen experts; splits = routed counts, bytes = 2 x (pairs out + in) "
+            "x D x 8",
+            ok,
+            f"loop {loop_diff:.1e}, send {send} recv {recv}, {sent} B",
+        )
 
 
 def balance(d):
     """One process each, rank 0 at bias rate 0 and rank 1 (rank 0 at world 1) at 0.01: train from a deliberately
     sharp router (x50); MaxVio over the last 10 of 30 steps. 0.01 moves the bias across the score gaps within
     30 steps, while 0.1 overshoots them every step and oscillates. The LM loss falls toward the Markov floor."""
-    out = torch.zeros(2 + 2 * 30, dtype=torch.float64, device=d.device)  # first, last LMs; MaxVio at 0 and 0.01
-    args = dict(vocab=32, seq_len=16, d_model=32, n_heads=2, n_layers=2, batch_size=8, steps=30, dtype="float32",
-                experts=8, top_k=2, granularity=1, shared_experts=0, lr=1e-2, seed=1)
+    out = torch.zeros(
+        2 + 2 * 30, dtype=torch.float64, device=d.device
+    )  # first, last LMs; MaxVio at 0 and 0.01
+    args = dict(
+        vocab=32,
+        seq_len=16,
+        d_model=32,
+        n_heads=2,
+        n_layers=2,
+        batch_size=8,
+        steps=30,
+        dtype="float32",
+        experts=8,
+        top_k=2,
+        granularity=1,
+        shared_experts=0,
+        lr=1e-2,
+        seed=1,
+    )
     data = MarkovData(args["vocab"], args["seed"])
     mine = [rate for i, rate in enumerate((0.0, 0.01)) if i % d.world == d.rank]
     if mine:
@@ -232,18 +305,29 @@ def balance(d):
                 lms.append(lm.item())
             vios[rate], lms_of[rate] = vio, lms
         lms = lms_of[0.0]
-        out = torch.tensor([lms[0], sum(lms[-5:]) / 5, *vios[0.0], *vios[0.01]], dtype=torch.float64,
-                           device=d.device)
+        out = torch.tensor(
+            [lms[0], sum(lms[-5:]) / 5, *vios[0.0], *vios[0.01]],
+            dtype=torch.float64,
+            device=d.device,
+        )
     dist.all_reduce(out)  # each number comes from one rank, the others add zeros
     first, last, without, with_bias = *out[:2].tolist(), out[2:32].tolist(), out[32:].tolist()
     cv0, cv1 = sum(without[-10:]) / 10, sum(with_bias[-10:]) / 10
-    check(d, "balance: bias rate 0.01 lowers MaxVio vs rate 0 (mean of the last 10 of 30 steps, and the last step)",
-          cv1 < 0.8 * cv0 and with_bias[-1] < without[-1], f"MaxVio {cv0:.3f} -> {cv1:.3f}")
+    check(
+        d,
+        "balance: bias rate 0.01 lowers MaxVio vs rate 0 (mean of the last 10 of 30 steps, and the last step)",
+        cv1 < 0.8 * cv0 and with_bias[-1] < without[-1],
+        f"MaxVio {cv0:.3f} -> {cv1:.3f}",
+    )
     d.log("      MaxVio per step, bias rate 0:    " + " ".join(f"{v:.2f}" for v in without))
     d.log("      MaxVio per step, bias rate 0.01: " + " ".join(f"{v:.2f}" for v in with_bias))
     gap0, gap1 = first - data.entropy, last - data.entropy
-    check(d, f"training lowers the LM loss toward the floor {data.entropy:.3f}", gap1 < 0.4 * gap0,
-          f"{first:.3f} -> {last:.3f} (gap {gap0:.3f} -> {gap1:.3f})")
+    check(
+        d,
+        f"training lowers the LM loss toward the floor {data.entropy:.3f}",
+        gap1 < 0.4 * gap0,
+        f"{first:.3f} -> {last:.3f} (gap {gap0:.3f} -> {gap1:.3f})",
+    )
 
 
 def resume_bias(d, data):
@@ -279,11 +363,21 @@ def resume_bias(d, data):
         o3.load_state_dict(saved["optim"])
         rest = steps(m3, o3, 2, 4)
         a, b = m1.state_dict(), m3.state_dict()
-        ok = (first + rest == whole and a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-              and any(k.endswith("expert_bias") and a[k].abs().max() > 0 for k in a))
-        detail = f"bias {[round(v, 3) for k in a if k.endswith('expert_bias') for v in a[k].tolist()]}"
-    check(d, "loss-free: the bias is in the state_dict; saved after 2 steps and loaded, it resumes bit for bit",
-          ok, detail)
+        ok = (
+            first + rest == whole
+            and a.keys() == b.keys()
+            and all(torch.equal(a[k], b[k]) for k in a)
+            and any(k.endswith("expert_bias") and a[k].abs().max() > 0 for k in a)
+        )
+        detail = (
+            f"bias {[round(v, 3) for k in a if k.endswith('expert_bias') for v in a[k].tolist()]}"
+        )
+    check(
+        d,
+        "loss-free: the bias is in the state_dict; saved after 2 steps and loaded, it resumes bit for bit",
+        ok,
+        detail,
+    )
 
 
 def bad_input(d, lay):
@@ -292,20 +386,36 @@ def bad_input(d, lay):
     g, axes = lay.ep_group, {"ep": lay.ep_group}
 
     def layer(ns, experts=4, **kw):
-        return ns["DeepSeekMoE"](6, experts, ep_group=g, generator=torch.Generator().manual_seed(0), **kw).to(d.device)
-    builds = {"3 experts at EP 2": (dict(experts=3), ["--experts 3 is not divisible by --ep 2", "try --experts 4"]),
-              "top_k 5 of 4 experts": (dict(top_k=5), ["--top-k 5 with --experts 4", "1..4"]),
-              "top_k 0": (dict(top_k=0), ["--top-k 0", "1..4"]),
-              "score 'tanh'": (dict(score="tanh"), ["'tanh'", "sigmoid (DeepSeek-V3) or softmax"])}
+        return ns["DeepSeekMoE"](
+            6, experts, ep_group=g, generator=torch.Generator().manual_seed(0), **kw
+        ).to(d.device)
+
+    builds = {
+        "3 experts at EP 2": (
+            dict(experts=3),
+            ["--experts 3 is not divisible by --ep 2", "try --experts 4"],
+        ),
+        "top_k 5 of 4 experts": (dict(top_k=5), ["--top-k 5 with --experts 4", "1..4"]),
+        "top_k 0": (dict(top_k=0), ["--top-k 0", "1..4"]),
+        "score 'tanh'": (dict(score="tanh"), ["'tanh'", "sigmoid (DeepSeek-V3) or softmax"]),
+    }
     check_builds(d, "DeepSeekMoE", builds, layer, core, mutant, axes)
     good = layer(core)
-    msg, calls = refusal(lambda: good(torch.randn(2, 3, 6, dtype=torch.float64, device=d.device)), axes)
-    check(d, "bad input control: a forward goes through, and the counter sees its all-to-alls",
-          msg is None and calls.get("all_to_all/ep/fwd") == 2, f"{msg}; collectives {calls}")
+    msg, calls = refusal(
+        lambda: good(torch.randn(2, 3, 6, dtype=torch.float64, device=d.device)), axes
+    )
+    check(
+        d,
+        "bad input control: a forward goes through, and the counter sees its all-to-alls",
+        msg is None and calls.get("all_to_all/ep/fwd") == 2,
+        f"{msg}; collectives {calls}",
+    )
     A = core["AllToAll"].apply
     rows = torch.randn(4, 2, dtype=torch.float64, device=d.device)
-    cases = [("splits summing to 3 of 4 rows", lambda: A(rows, g, [2, 2], [1, 2]), ["summing to 4"]),
-             ("3 splits for 2 ranks", lambda: A(rows, g, [2, 1, 1], [2, 1, 1]), ["2 in and 2 out"])]
+    cases = [
+        ("splits summing to 3 of 4 rows", lambda: A(rows, g, [2, 2], [1, 2]), ["summing to 4"]),
+        ("3 splits for 2 ranks", lambda: A(rows, g, [2, 1, 1], [2, 1, 1]), ["2 in and 2 out"]),
+    ]
     fitting = lambda: A(rows, g, [2, 2], [2, 2])  # noqa: E731
     check_all_to_all(d, cases, fitting, "an AllToAll of 4 rows in splits of 2", axes)
 
@@ -316,7 +426,9 @@ def main():
     dropless(d, layouts)
     balance(d)
     resume_bias(d, data)
-    finish(d, layouts, "test_moe_deepseek", bad_input)  # the copy-out check is written in the test module
+    finish(
+        d, layouts, "test_moe_deepseek", bad_input
+    )  # the copy-out check is written in the test module
 
 
 if __name__ == "__main__":

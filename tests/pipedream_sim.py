@@ -9,6 +9,7 @@ split_at_step_ends), checkpoint drains included. (Adapted from the review's nccl
 runner.)
 
     python tests/pipedream_sim.py       # every mode, p = 2..6, m = 1..8, with and without checkpoint drains"""
+
 import collections
 import sys
 from pathlib import Path
@@ -20,15 +21,27 @@ import pipedream  # noqa: E402
 def items_for(mode, p, m, steps, save_every, s, start=0):
     """Stage s's stream of items for a run of `steps` steps, as the runner issues them."""
     sync = mode == "flush"
-    ends = [t for t in range(start + 1, steps + 1) if sync or t == steps or (save_every and t % save_every == 0)]
-    stream = [(kind, a * m + k) for a, z in zip([start] + ends, ends)
-              for kind, k in pipedream.one_f_one_b((z - a) * m, p, s)]
+    ends = [
+        t
+        for t in range(start + 1, steps + 1)
+        if sync or t == steps or (save_every and t % save_every == 0)
+    ]
+    stream = [
+        (kind, a * m + k)
+        for a, z in zip([start] + ends, ends)
+        for kind, k in pipedream.one_f_one_b((z - a) * m, p, s)
+    ]
     chunks = pipedream.split_at_step_ends(stream, m)
     prev, nxt = (s - 1 if s > 0 else None), (s + 1 if s < p - 1 else None)
-    items, outbox = [("coll", "all_reduce")], []  # main's first collective, before any point-to-point
+    items, outbox = (
+        [("coll", "all_reduce")],
+        [],
+    )  # main's first collective, before any point-to-point
 
     def batch(sends, recvs):
-        ops = [("S", peer, what) for what, peer in sends] + [("R", peer, what) for what, peer in recvs]
+        ops = [("S", peer, what) for what, peer in sends] + [
+            ("R", peer, what) for what, peer in recvs
+        ]
         if ops:
             items.append(("batch", ops))
 
@@ -53,7 +66,9 @@ def items_for(mode, p, m, steps, save_every, s, start=0):
 def simulate(queues):
     """'ok', or what went wrong: a deadlock (the items each rank is stuck in), a payload or a count mismatch."""
     seq, qs = collections.Counter(), []
-    for r, q in enumerate(queues):  # number each message per (sender, receiver), as NCCL pairs them in order
+    for r, q in enumerate(
+        queues
+    ):  # number each message per (sender, receiver), as NCCL pairs them in order
         out = []
         for kind, x in q:
             if kind == "batch":
@@ -108,7 +123,11 @@ def configs():
 
 
 if __name__ == "__main__":
-    bad = [(c, r) for c in configs() if (r := simulate([items_for(*c, s) for s in range(c[1])])) != "ok"]
+    bad = [
+        (c, r)
+        for c in configs()
+        if (r := simulate([items_for(*c, s) for s in range(c[1])])) != "ok"
+    ]
     for c, r in bad:
         print(c, r[:300])
     print(f"pipedream configurations with problems: {len(bad)} of {len(list(configs()))}")

@@ -28,6 +28,7 @@ own main()), and run its core (and zero_bubble.py's) on a model that is not the 
                     zero_bubble.py's own main in the same processes (tests/test_zero_bubble.py).
 
 Run: torchrun --standalone --nproc_per_node=P tests/pipeline_checks.py CASE [the file's flags]"""
+
 import copy
 import os
 import sys
@@ -67,8 +68,11 @@ def tag_errors(received):
     if not received:
         return []
     rows = torch.stack([t for _, t in received]).cpu().tolist()
-    return [f"tag {row} is not the schedule's {expect}" for (expect, _), row in zip(received, rows)
-            if any(row[i] != v for i, v in expect.items())]
+    return [
+        f"tag {row} is not the schedule's {expect}"
+        for (expect, _), row in zip(received, rows)
+        if any(row[i] != v for i, v in expect.items())
+    ]
 
 
 def watch(pipedream, harness):
@@ -87,13 +91,20 @@ def watch(pipedream, harness):
         on_backward = cls.on_backward
 
         def watched(self, k, v, partial):
-            holding = [u for u, w in self.versions.items() if any(q.grad is not None for q in w.parameters())]
+            holding = [
+                u
+                for u, w in self.versions.items()
+                if any(q.grad is not None for q in w.parameters())
+            ]
             event = timelines[0].events[-1]
             assert (event["kind"], event["mb"]) == ("B", k), event
-            event.update(grad_version=holding[0] if len(holding) == 1 else -2 if holding else -1,
-                         live_grad=int(any(q.grad is not None for q in self.stage.parameters())))
+            event.update(
+                grad_version=holding[0] if len(holding) == 1 else -2 if holding else -1,
+                live_grad=int(any(q.grad is not None for q in self.stage.parameters())),
+            )
             counts["landings"] += 1
             return on_backward(self, k, v, partial)
+
         cls.on_backward = watched
 
     landing(pipedream.Stash)
@@ -104,7 +115,9 @@ def watch(pipedream, harness):
         drained = getattr(self.policy, "drained_norm", -1)  # read before the message can change it
         x, tag = exchange(self, kind, k)
         if tag is not None:
-            received.append((expected_tag(args.mode, args.vertical_sync, p, m, s, kind, k, drained), tag))
+            received.append(
+                (expected_tag(args.mode, args.vertical_sync, p, m, s, kind, k, drained), tag)
+            )
         return x, tag
 
     def watched_run(self, ops):
@@ -118,15 +131,22 @@ def watch(pipedream, harness):
     to_device = pipedream.to_device
 
     def counted_to_device(m, device, *batch):
-        counts["copies"] += any(t.numel() for t in batch)  # check_args's call, on a batch of no data, copies none
+        counts["copies"] += any(
+            t.numel() for t in batch
+        )  # check_args's call, on a batch of no data, copies none
         return to_device(m, device, *batch)
+
     pipedream.to_device = counted_to_device
     close = harness.close_dist
 
     def close_dist(ok=True):
-        print(f"watch: stage {s} checked {counts['tags']} tags against the schedule and placed "
-              f"{counts['landings']} backwards' gradients; copied {counts['copies']} batches", flush=True)
+        print(
+            f"watch: stage {s} checked {counts['tags']} tags against the schedule and placed "
+            f"{counts['landings']} backwards' gradients; copied {counts['copies']} batches",
+            flush=True,
+        )
         close(ok)
+
     harness.close_dist = close_dist
 
 
@@ -151,25 +171,35 @@ class Residual(nn.Module):
         return x + self.mix(self.norm(x))
 
 
-class Head(nn.Module):  # (b, T, d) -> (b, out): a 2-D input into a Linear, root parameters, one of them 0-dim
+class Head(
+    nn.Module
+):  # (b, T, d) -> (b, out): a 2-D input into a Linear, root parameters, one of them 0-dim
     def __init__(self, d, out):
         super().__init__()
         self.shift = nn.Parameter(torch.full((out,), 0.1))
-        self.temp = nn.Parameter(torch.tensor(1.5))  # shape (): its gradient is 0-dim too (issue 30, defect 4)
+        self.temp = nn.Parameter(
+            torch.tensor(1.5)
+        )  # shape (): its gradient is 0-dim too (issue 30, defect 4)
         self.proj = nn.Linear(d, out, bias=False)
 
     def forward(self, x):
         return (self.proj(x.mean(1)) + self.shift) * self.temp
 
 
-TOY = dict(widths=(5, 7, 11, 3), T=4, b=3, m=4, steps=3, lr=1e-2, clip=0.3)  # 3 stages, batch m * b = 12
+TOY = dict(
+    widths=(5, 7, 11, 3), T=4, b=3, m=4, steps=3, lr=1e-2, clip=0.3
+)  # 3 stages, batch m * b = 12
 
 
 def toy_stages(dtype=torch.float64):
     """Three stages, widths 5 -> 7 -> 11 -> 3, the same numbers on every call."""
     torch.manual_seed(1234)
     w = TOY["widths"]
-    stages = [Scaled(w[0], w[1]), nn.Sequential(nn.Linear(w[1], w[2]), Residual(w[2])), Head(w[2], w[3])]
+    stages = [
+        Scaled(w[0], w[1]),
+        nn.Sequential(nn.Linear(w[1], w[2]), Residual(w[2])),
+        Head(w[2], w[3]),
+    ]
     return [s.to(dtype) for s in stages]
 
 
@@ -177,11 +207,18 @@ def toy_data(dtype=torch.float64):
     """Per step: inputs (m*b, T, 5) and targets (m*b, 3)."""
     g = torch.Generator().manual_seed(99)
     n = TOY["m"] * TOY["b"]
-    return [(torch.randn(n, TOY["T"], TOY["widths"][0], generator=g, dtype=dtype),
-             torch.randn(n, TOY["widths"][-1], generator=g, dtype=dtype)) for _ in range(TOY["steps"])]
+    return [
+        (
+            torch.randn(n, TOY["T"], TOY["widths"][0], generator=g, dtype=dtype),
+            torch.randn(n, TOY["widths"][-1], generator=g, dtype=dtype),
+        )
+        for _ in range(TOY["steps"])
+    ]
 
 
-def toy_loss(out, y, n):  # not a cross-entropy: smooth L1, summed, over the global batch's element count
+def toy_loss(
+    out, y, n
+):  # not a cross-entropy: smooth L1, summed, over the global batch's element count
     return F.smooth_l1_loss(out, y, reduction="sum") / n
 
 
@@ -193,31 +230,52 @@ def copy_out(out_dir):
     """The runner needs only torch: a process group, a stage module, an optimizer, a micro-batch source."""
     import section
     import torch.distributed as dist
+
     core = section.load("pipedream.py")  # the technique section alone, as a copier takes it
     dist.init_process_group("gloo")
     m, b, T, w = TOY["m"], TOY["b"], TOY["T"], TOY["widths"]
     assert dist.get_world_size() == 3, "copy-out runs three stages"
     data = toy_data()
 
-    def source(k):  # micro-batch k: (b, T, 5) inputs for stage 0; (b, 3) targets and the global count for the last
+    def source(
+        k,
+    ):  # micro-batch k: (b, T, 5) inputs for stage 0; (b, 3) targets and the global count for the last
         x, y = data[k // m]
         j = slice(k % m * b, (k % m + 1) * b)
         return x[j], (y[j], y.numel())
 
-    pair = dist.new_group([2, 0], sort_ranks=False)  # the two-stage pipeline: stage 0 on rank 2, 1 on rank 0
+    pair = dist.new_group(
+        [2, 0], sort_ranks=False
+    )  # the two-stage pipeline: stage 0 on rank 2, 1 on rank 0
     for name in ("1f1b", "1f1b-no-zero-grad", "1f1b-2-stages"):
         group, cuts = (pair, [0, 2, 3]) if "2-stages" in name else (None, [0, 1, 2, 3])
         r, n = dist.get_rank(group), dist.get_world_size(group)  # this rank's stage, the stages
         if r < 0:  # rank 1 sits out the two-stage pipeline
             continue
-        dist.all_reduce(torch.zeros(1), group=group)  # the collective NCCL wants before batched point-to-point
+        dist.all_reduce(
+            torch.zeros(1), group=group
+        )  # the collective NCCL wants before batched point-to-point
         whole = nn.Sequential(*toy_stages())
-        stage, ins, outs = whole[cuts[r]:cuts[r + 1]], w[cuts[r]], w[cuts[r + 1]]  # toy stages [cut, next cut)
+        stage, ins, outs = (
+            whole[cuts[r] : cuts[r + 1]],
+            w[cuts[r]],
+            w[cuts[r + 1]],
+        )  # toy stages [cut, next cut)
         policy = core["Flush"](stage, toy_optimizer(stage.parameters()), TOY["clip"], group=group)
-        if name == "1f1b-no-zero-grad":  # broken on purpose: each step's gradient adds to the last one's
+        if (
+            name == "1f1b-no-zero-grad"
+        ):  # broken on purpose: each step's gradient adds to the last one's
             policy.opt.zero_grad = lambda set_to_none=True: None
-        runner = core["StageRunner"](policy, source, lambda out, target: toy_loss(out, *target), (b, T, ins),
-                                     (b, T, outs), torch.float64, torch.device("cpu"), group=group)
+        runner = core["StageRunner"](
+            policy,
+            source,
+            lambda out, target: toy_loss(out, *target),
+            (b, T, ins),
+            (b, T, outs),
+            torch.float64,
+            torch.device("cpu"),
+            group=group,
+        )
         losses = []
         for step in range(TOY["steps"]):
             runner.run([(kind, step * m + k) for kind, k in core["one_f_one_b"](m, n, r)])
@@ -225,9 +283,13 @@ def copy_out(out_dir):
             assert not runner.alive, "a micro-batch left over"
             if r == 0:
                 losses.append(sum(runner.losses.pop(step * m + j) for j in range(m)).item())
-        names = {id(q): nm for nm, q in whole.named_parameters()}  # the whole model's names ("2.temp")
-        torch.save(dict(params={names[id(q)]: q.detach() for q in stage.parameters()}, losses=losses),
-                   Path(out_dir) / f"{name}-stage{r}.pt")
+        names = {
+            id(q): nm for nm, q in whole.named_parameters()
+        }  # the whole model's names ("2.temp")
+        torch.save(
+            dict(params={names[id(q)]: q.detach() for q in stage.parameters()}, losses=losses),
+            Path(out_dir) / f"{name}-stage{r}.pt",
+        )
     torch.save(bad_inputs(core, pair), Path(out_dir) / f"bad-rank{dist.get_rank()}.pt")
     dist.barrier()
     dist.destroy_process_group()
@@ -237,15 +299,21 @@ def bad_inputs(core, pair):
     """Each core given what it cannot do: {case: (error, collectives the counter saw)}; pair: ranks [2, 0]."""
     import section
     import torch.distributed as dist
+
     stage = nn.Sequential(*toy_stages())
     opt = toy_optimizer(stage.parameters())
-    cases = {"split_layers, 3 stages of 2 blocks": lambda: core["split_layers"](2, 3),
-             "one_f_one_b, stage 2 of 2": lambda: core["one_f_one_b"](4, 2, 2),
-             "to_device, 7 rows into 2": lambda: core["to_device"](2, torch.device("cpu"), torch.zeros(7, 3)),
-             "TwoBW, m 2 < p 3": lambda: core["TwoBW"](stage, opt, 2, 0.0),
-             "StageRunner, a rank outside the group":
-                 lambda: core["StageRunner"](None, None, None, (1,), (1,), torch.float64, "cpu", group=pair),
-             "control: TwoBW, m 3 = p, drained": lambda: core["TwoBW"](stage, opt, 3, 0.0).drain(-1)}  # broadcasts
+    cases = {
+        "split_layers, 3 stages of 2 blocks": lambda: core["split_layers"](2, 3),
+        "one_f_one_b, stage 2 of 2": lambda: core["one_f_one_b"](4, 2, 2),
+        "to_device, 7 rows into 2": lambda: core["to_device"](
+            2, torch.device("cpu"), torch.zeros(7, 3)
+        ),
+        "TwoBW, m 2 < p 3": lambda: core["TwoBW"](stage, opt, 2, 0.0),
+        "StageRunner, a rank outside the group": lambda: core["StageRunner"](
+            None, None, None, (1,), (1,), torch.float64, "cpu", group=pair
+        ),
+        "control: TwoBW, m 3 = p, drained": lambda: core["TwoBW"](stage, opt, 3, 0.0).drain(-1),
+    }  # broadcasts
     out = {}
     for what, call in cases.items():
         if "outside" in what and dist.get_rank(pair) >= 0:
@@ -264,7 +332,9 @@ class ZBResidual(nn.Module):
     def __init__(self):
         super().__init__()
         self.norm = nn.LayerNorm(ZB["width"])
-        self.mlp = nn.Sequential(nn.Linear(ZB["width"], ZB["hidden"]), nn.Tanh(), nn.Linear(ZB["hidden"], ZB["width"]))
+        self.mlp = nn.Sequential(
+            nn.Linear(ZB["width"], ZB["hidden"]), nn.Tanh(), nn.Linear(ZB["hidden"], ZB["width"])
+        )
 
     def forward(self, x):
         return x + self.mlp(self.norm(x))
@@ -278,7 +348,9 @@ class ZBNet(nn.Module):
         super().__init__()
         torch.manual_seed(0)
         self.scale = nn.Parameter(torch.linspace(0.5, 1.5, ZB["width"]))
-        self.temp = nn.Parameter(torch.tensor(1.5))  # shape (): a 0-dim gradient to clip (issue 30, defect 4)
+        self.temp = nn.Parameter(
+            torch.tensor(1.5)
+        )  # shape (): a 0-dim gradient to clip (issue 30, defect 4)
         self.inp = nn.Linear(ZB["n_in"], ZB["width"])
         self.blocks = nn.ModuleList(ZBResidual() for _ in range(ZB["blocks"]))
         self.out = nn.Linear(ZB["width"], ZB["n_out"])
@@ -307,7 +379,9 @@ def toy_batch(step, b, n_in, n_out):
     """(b, n_in) inputs and (b, n_out) regression targets of step `step`, float64, from one seed per step."""
     g = torch.Generator().manual_seed(100 + step)
     x = torch.randn(b, n_in, generator=g, dtype=torch.float64)
-    return x, torch.sin(x[:, :n_out] * 3) + 0.1 * torch.randn(b, n_out, generator=g, dtype=torch.float64)
+    return x, torch.sin(x[:, :n_out] * 3) + 0.1 * torch.randn(
+        b, n_out, generator=g, dtype=torch.float64
+    )
 
 
 class ZBChunk(ToyChunk):
@@ -316,7 +390,9 @@ class ZBChunk(ToyChunk):
     def __init__(self, net, c, n):
         super().__init__()
         self.first, self.last = c == 0, c == n - 1
-        self.blocks = nn.ModuleList(net.blocks[i] for i in range(c * ZB["blocks"] // n, (c + 1) * ZB["blocks"] // n))
+        self.blocks = nn.ModuleList(
+            net.blocks[i] for i in range(c * ZB["blocks"] // n, (c + 1) * ZB["blocks"] // n)
+        )
         if self.first:
             self.scale, self.inp = net.scale, net.inp
         if self.last:
@@ -327,7 +403,9 @@ def zb_batch(step):
     return toy_batch(step, ZB["b"], ZB["n_in"], ZB["n_out"])
 
 
-def zb_loss(out, y):  # squared error summed, over the whole batch's elements: micro-batch losses add up
+def zb_loss(
+    out, y
+):  # squared error summed, over the whole batch's elements: micro-batch losses add up
     return ((out - y) ** 2).sum() / (ZB["b"] * ZB["n_out"])
 
 
@@ -340,7 +418,10 @@ def zb_copy_out(d, out_path):
     {case: {max_diff, losses}}, the reference's losses and norms, and the bad inputs' errors."""
     import section
     import torch.distributed as dist
-    zero_bubble = SimpleNamespace(**section.load("zero_bubble.py"))  # the section alone, as a copier takes it
+
+    zero_bubble = SimpleNamespace(
+        **section.load("zero_bubble.py")
+    )  # the section alone, as a copier takes it
     pp = dist.new_group([1, 0], sort_ranks=False)  # the pipeline: pp rank 0 on global rank 1
     p, m, steps, r = dist.get_world_size(pp), ZB["m"], ZB["steps"], dist.get_rank(pp)
     ref, losses_ref, norms_ref, grads0 = ZBNet(), [], [], None
@@ -354,7 +435,9 @@ def zb_copy_out(d, out_path):
         grads0 = grads0 or {n: q.grad.clone() for n, q in ref.named_parameters()}
         opt.step()
         losses_ref.append(loss.item())
-    alone = [dist.new_group([q]) for q in range(p)][d.rank]  # no data parallelism: each rank its own replica
+    alone = [dist.new_group([q]) for q in range(p)][
+        d.rank
+    ]  # no data parallelism: each rank its own replica
     final = {n: q.detach() for n, q in ref.named_parameters()}
     results, real_w = {}, zero_bubble.SplitBackward.backward_weight
     for case in ("zbh1", "zbv", "zbh1, W never run", "zbv, W on the previous micro-batch"):
@@ -366,14 +449,19 @@ def zb_copy_out(d, out_path):
         chunks = {c: ZBChunk(net, c, n) for c in mine}
         split = zero_bubble.SplitBackward(nn.ModuleList(chunks.values()))
         plan = zero_bubble.comm_plan([order(p, m, q) for q in range(p)], n, r)
-        runner = zero_bubble.PipelineRank(chunks, n, plan, split, pp, (ZB["b"] // m, ZB["width"]), torch.float64,
-                                          d.device)
+        runner = zero_bubble.PipelineRank(
+            chunks, n, plan, split, pp, (ZB["b"] // m, ZB["width"]), torch.float64, d.device
+        )
         if "never" in case:
             split.backward_weight = lambda saved: None
-        if "previous" in case:  # W of micro-batch k on k-1's saved (x, dy): k-1's weight gradient twice, k's never
+        if (
+            "previous" in case
+        ):  # W of micro-batch k on k-1's saved (x, dy): k-1's weight gradient twice, k's never
+
             def previous(saved, seen=[]):
                 real_w(seen[-1] if seen else saved)
                 seen.append(saved)
+
             split.backward_weight = previous
         params = list(nn.ModuleList(chunks.values()).parameters())
         params = list({id(q): q for q in params}.values())
@@ -381,31 +469,45 @@ def zb_copy_out(d, out_path):
         names = {id(q): nm for nm, q in net.named_parameters()}
         for step in range(steps):
             x, y = zb_batch(step)
-            loss = runner.run(list(x.view(m, -1, ZB["n_in"])), list(y.view(m, -1, ZB["n_out"])), zb_loss)
-            missing = [q for q in params if q.grad is None]  # a W never run leaves its Linears without one:
+            loss = runner.run(
+                list(x.view(m, -1, ZB["n_in"])), list(y.view(m, -1, ZB["n_out"])), zb_loss
+            )
+            missing = [
+                q for q in params if q.grad is None
+            ]  # a W never run leaves its Linears without one:
             for q in missing:  # zeros, so that finish_batch runs and the comparison sees them
                 q.grad = torch.zeros_like(q)
-            loss, _ = zero_bubble.finish_batch(params, loss, alone, pp, ZB["clip"])  # summed loss; clipped
+            loss, _ = zero_bubble.finish_batch(
+                params, loss, alone, pp, ZB["clip"]
+            )  # summed loss; clipped
             losses.append(loss)
             if step == 0:
-                err = max([err, float("inf") if missing else 0.0] +
-                          [(q.grad - grads0[names[id(q)]]).abs().max().item() for q in params])
+                err = max(
+                    [err, float("inf") if missing else 0.0]
+                    + [(q.grad - grads0[names[id(q)]]).abs().max().item() for q in params]
+                )
             opt.step()
             opt.zero_grad()
         err = max([err] + [(q.detach() - final[names[id(q)]]).abs().max().item() for q in params])
-        err = torch.tensor([err, max(abs(a - b) for a, b in zip(losses, losses_ref))], dtype=torch.float64)
+        err = torch.tensor(
+            [err, max(abs(a - b) for a, b in zip(losses, losses_ref))], dtype=torch.float64
+        )
         dist.all_reduce(err, op=dist.ReduceOp.MAX)
         results[case] = dict(max_diff=err[0].item(), max_loss_diff=err[1].item(), losses=losses)
     import json
+
     Path(f"{out_path}.bad-rank{d.rank}").write_text(json.dumps(zb_bad_inputs(zero_bubble, pp, r)))
     if d.rank == 0:
-        Path(out_path).write_text(json.dumps(dict(results, reference_losses=losses_ref, reference_norms=norms_ref)))
+        Path(out_path).write_text(
+            json.dumps(dict(results, reference_losses=losses_ref, reference_norms=norms_ref))
+        )
 
 
 def zb_bad_inputs(zb, pp, r):
     """Each zero_bubble core given what it cannot do: {case: [error, collectives the counter saw]}."""
     import section
     import torch.distributed as dist
+
     plan = zb.comm_plan([zb.zbh1(2, 4, q) for q in range(2)], 2, r)  # a valid ZB-H1 plan, p 2, m 4
     net, split = ZBNet(), zb.SplitBackward(nn.Linear(2, 2))
     net.temp.grad = torch.ones_like(net.temp)  # for the control
@@ -413,20 +515,30 @@ def zb_bad_inputs(zb, pp, r):
     x = torch.zeros(4, 3, ZB["n_in"], dtype=torch.float64)
 
     def runner(plan=plan, group=pp):
-        return zb.PipelineRank(chunks, 2, plan, split, group, (3, ZB["width"]), torch.float64, "cpu")
+        return zb.PipelineRank(
+            chunks, 2, plan, split, group, (3, ZB["width"]), torch.float64, "cpu"
+        )
+
     outside = dist.new_group([0])  # rank 1 is not in it
-    cases = {"split_layers, 5 chunks of 4 blocks": lambda: zb.split_layers(4, 5),
-             "zbv, m 2 at p 2": lambda: zb.zbv(2, 2, 0),
-             "ideal_timeline, ranks' orders of two schedules": lambda: zb.ideal_timeline([zb.zbh1(2, 4, 0),
-                                                                                          zb.zbh1(2, 3, 1)], 2),
-             "PipelineRank, a plan for p 3 in a group of 2":
-                 lambda: runner(zb.comm_plan([zb.zbh1(3, 4, q) for q in range(3)], 3, 1)),
-             "PipelineRank, a rank outside the group": lambda: runner(group=outside),
-             "PipelineRank.run, 3 micro-batches for a plan of 4": lambda: runner().run(list(x[:3]), [None] * 3, None),
-             "PipelineRank.run, unequal micro-batches":
-                 lambda: runner().run([x[0], x[1], x[2], x[3, :2]], [None] * 4, None),
-             "control: finish_batch":  # valid: two all-reduces
-                 lambda: zb.finish_batch([net.temp], torch.zeros((), dtype=torch.float64), pp, pp, 0.0)}
+    cases = {
+        "split_layers, 5 chunks of 4 blocks": lambda: zb.split_layers(4, 5),
+        "zbv, m 2 at p 2": lambda: zb.zbv(2, 2, 0),
+        "ideal_timeline, ranks' orders of two schedules": lambda: zb.ideal_timeline(
+            [zb.zbh1(2, 4, 0), zb.zbh1(2, 3, 1)], 2
+        ),
+        "PipelineRank, a plan for p 3 in a group of 2": lambda: runner(
+            zb.comm_plan([zb.zbh1(3, 4, q) for q in range(3)], 3, 1)
+        ),
+        "PipelineRank, a rank outside the group": lambda: runner(group=outside),
+        "PipelineRank.run, 3 micro-batches for a plan of 4": lambda: runner().run(
+            list(x[:3]), [None] * 3, None
+        ),
+        "PipelineRank.run, unequal micro-batches": lambda: runner().run(
+            [x[0], x[1], x[2], x[3, :2]], [None] * 4, None
+        ),
+        "control: finish_batch":  # valid: two all-reduces
+        lambda: zb.finish_batch([net.temp], torch.zeros((), dtype=torch.float64), pp, pp, 0.0),
+    }
     out = {}
     for what, call in cases.items():
         if "outside" in what and dist.get_rank(outside) >= 0:
@@ -437,9 +549,12 @@ def zb_bad_inputs(zb, pp, r):
 
 if __name__ == "__main__":
     case = sys.argv.pop(1)
-    if case == "zb-copy-out":  # then zero_bubble.py's own main, in the same processes (no extra launch)
+    if (
+        case == "zb-copy-out"
+    ):  # then zero_bubble.py's own main, in the same processes (no extra launch)
         import zero_bubble
         from common import init_dist
+
         d = init_dist()
         zb_copy_out(d, sys.argv.pop(1))
         zero_bubble.init_dist = lambda timeout: d
@@ -457,21 +572,29 @@ if __name__ == "__main__":
 
         def backward_on_newest(self, k, grad, tag):
             inp, out, v = self.alive[k]
-            newest = self.policy.versions[max(self.policy.versions)]  # the latest update's, not version v
+            newest = self.policy.versions[
+                max(self.policy.versions)
+            ]  # the latest update's, not version v
             x, target = self.source(k)
             out = newest(x if self.prev is None else inp)
             if self.next is None:
                 out = self.loss_fn(out, target)
             self.alive[k] = (inp, out, v)
             stashed_backward(self, k, grad, tag)
+
         pipedream.StageRunner.backward = backward_on_newest
     elif case == "2bw-fewer":  # both guards lifted: check_args's and TwoBW's own ValueError
         real_fail, real_init = pipedream.fail, pipedream.TwoBW.__init__
-        pipedream.fail = lambda msg: None if msg.startswith("--mode 2bw needs --microbatches") else real_fail(msg)
+        pipedream.fail = lambda msg: (
+            None if msg.startswith("--mode 2bw needs --microbatches") else real_fail(msg)
+        )
 
         def unguarded(self, stage, opt, m, clip, group=None):
-            real_init(self, stage, opt, max(m, int(os.environ["WORLD_SIZE"])), clip, group)  # passes the guard
+            real_init(
+                self, stage, opt, max(m, int(os.environ["WORLD_SIZE"])), clip, group
+            )  # passes the guard
             self.m = m  # ... and then runs with m < p
+
         pipedream.TwoBW.__init__ = unguarded
     elif case == "resume-newest":
         load_with_versions = pipedream.PolicyState.load_state_dict
@@ -480,6 +603,7 @@ if __name__ == "__main__":
             load_with_versions(self, state)
             pol = self.policy  # each kept version = the live weights
             pol.versions = {v: copy.deepcopy(pol.stage) for v in pol.versions}
+
         pipedream.PolicyState.load_state_dict = load_live_only
     elif case != "watch":
         sys.exit(f"unknown case {case!r}")

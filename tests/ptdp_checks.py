@@ -20,6 +20,7 @@ It writes the errors to OUT.json.
 runs: ptdp.py's own main() once per entry of RUNS.json ({"name", "argv", "mutant"}), in these processes
 and this process group, each writing OUTDIR/NAME.json (a launch costs no new processes per run).
 """
+
 import json
 import sys
 import types
@@ -61,7 +62,9 @@ class Net(nn.Module):
     def __init__(self):
         super().__init__()
         self.scale = nn.Parameter(torch.linspace(0.5, 1.5, D))  # a parameter on the root module
-        self.temp = nn.Parameter(torch.tensor(1.5))  # shape (): a 0-dim gradient to clip (issue 30, defect 4)
+        self.temp = nn.Parameter(
+            torch.tensor(1.5)
+        )  # shape (): a 0-dim gradient to clip (issue 30, defect 4)
         self.inp = nn.Linear(IN, D)
         self.blocks = nn.ModuleList(Residual() for _ in range(BLOCKS))
         self.out = nn.Linear(D, OUT)
@@ -94,13 +97,17 @@ class TPResidual(nn.Module):
         return x + core["g"].apply(F.linear(h, self.w2), self.group) + self.b2
 
 
-class NetChunk(ToyChunk):  # its forward: inp * scale on the first chunk, the blocks, out * temp on the last
+class NetChunk(
+    ToyChunk
+):  # its forward: inp * scale on the first chunk, the blocks, out * temp on the last
     def __init__(self, full, c, n, group):
         super().__init__()
         self.first, self.last = c == 0, c == n - 1
         if self.first:
             self.scale, self.inp = full.scale, full.inp
-        self.blocks = nn.ModuleList(TPResidual(full.blocks[i], group) for i in (c,))  # one block each
+        self.blocks = nn.ModuleList(
+            TPResidual(full.blocks[i], group) for i in (c,)
+        )  # one block each
         if self.last:
             self.out, self.temp = full.out, full.temp
 
@@ -109,7 +116,9 @@ def batch(step):
     return toy_batch(step, B, IN, OUT)
 
 
-def loss_of(out, y):  # squared error summed, over the whole batch's elements: micro-batch losses add up
+def loss_of(
+    out, y
+):  # squared error summed, over the whole batch's elements: micro-batch losses add up
     return ((out - y) ** 2).sum() / (B * OUT)
 
 
@@ -134,11 +143,16 @@ def refusals(pp_group, tp_group, alone, pp_rank):
     """Each core given what it cannot run: {case: (the error as "Type: message", the counter's calls)}; and the
     negatives: the TP block and the chunk with their checks cut out of the section's text take the bad sizes
     without an error (the heads or the layers silently wrong)."""
-    tiny = build_gpt(GPTConfig(vocab=8, seq_len=4, d_model=6, n_heads=3, n_layers=2), 0, torch.float64)
+    tiny = build_gpt(
+        GPTConfig(vocab=8, seq_len=4, d_model=6, n_heads=3, n_layers=2), 0, torch.float64
+    )
     blocks = {c: NetChunk(Net().double(), c, BLOCKS, tp_group) for c in range(pp_rank, BLOCKS, 2)}
 
     def runner(group=pp_group, m=M):
-        return core["PipelineRank"](blocks, group, m, (B // M, D), torch.float64, torch.device("cpu"))
+        return core["PipelineRank"](
+            blocks, group, m, (B // M, D), torch.float64, torch.device("cpu")
+        )
+
     x, y = batch(0)
     cases = {
         "schedule, v 2, m 3 not a multiple of p 2": lambda: core["comm_plan"](2, 2, 3, pp_rank),
@@ -147,8 +161,9 @@ def refusals(pp_group, tp_group, alone, pp_rank):
         "PipelineRank, m 3 not a multiple of p 2": lambda: runner(m=3),
         "PipelineRank, 2 chunks in a group of 4": lambda: runner(group=dist.group.WORLD),
         "PipelineRank, 2 chunks of a pipeline of 2 in a group of 1": lambda: runner(group=alone),
-        "PipelineRank.run, m - 1 micro-batches": lambda: runner().run(list(x.view(M, -1, IN))[1:],
-                                                                       list(y.view(M, -1, OUT))[1:], loss_of),
+        "PipelineRank.run, m - 1 micro-batches": lambda: runner().run(
+            list(x.view(M, -1, IN))[1:], list(y.view(M, -1, OUT))[1:], loss_of
+        ),
         "TPBlock, 3 heads over t 2": lambda: core["TPBlock"](tiny.blocks[0], tp_group),
         "Chunk, 2 layers in 4 chunks": lambda: core["Chunk"](tiny, 0, 4, tp_group),
         "Chunk, chunk 2 of 2": lambda: core["Chunk"](tiny, 2, 2, tp_group),
@@ -156,12 +171,19 @@ def refusals(pp_group, tp_group, alone, pp_rank):
     out, mutants = {}, {}
     for case, call in cases.items():
         out[case] = section.attempt(call)  # (error, collectives counted)
-    for case, text in (("TPBlock, 3 heads over t 2", "if heads % t:"),
-                       ("Chunk, 2 layers in 4 chunks", "if layers % n or not 0 <= c < n:")):
-        mutant = section.load("ptdp.py", (section.ROOT / "ptdp.py").read_text().replace(text, "if False:"))
+    for case, text in (
+        ("TPBlock, 3 heads over t 2", "if heads % t:"),
+        ("Chunk, 2 layers in 4 chunks", "if layers % n or not 0 <= c < n:"),
+    ):
+        mutant = section.load(
+            "ptdp.py", (section.ROOT / "ptdp.py").read_text().replace(text, "if False:")
+        )
         try:  # the negative: without its check the core takes the bad size silently (no error at all)
-            (mutant["TPBlock"](tiny.blocks[0], tp_group) if "TPBlock" in case else mutant["Chunk"](tiny, 0, 4,
-                                                                                                     tp_group))
+            (
+                mutant["TPBlock"](tiny.blocks[0], tp_group)
+                if "TPBlock" in case
+                else mutant["Chunk"](tiny, 0, 4, tp_group)
+            )
             mutants[case] = "no error"
         except Exception as e:  # noqa: BLE001
             mutants[case] = f"{type(e).__name__}: {e}"
@@ -179,14 +201,18 @@ def copy_out(out_path):
     pp_rank, tp_rank = dist.get_rank(pp_group), dist.get_rank(tp_group)
     # the collective NCCL wants in a group before its first point-to-point
     dist.all_reduce(torch.zeros(1, device=d.device), group=pp_group)
-    alone = [dist.new_group([r]) for r in range(4)][d.rank]  # no data parallelism: each rank its own replica
+    alone = [dist.new_group([r]) for r in range(4)][
+        d.rank
+    ]  # no data parallelism: each rank its own replica
     bad, mutants = refusals(pp_group, tp_group, alone, pp_rank)
     four_axes = cp_copy_out(d)
     net, ref_losses, ref_norms, ref_grads0 = reference()
     errors, counted = {}, {}
     real_f = vars(core["f"])["backward"]  # the staticmethod itself
     for order in ("interleaved", "interleaved, f without its all-reduce"):  # the second must fail
-        core["f"].backward = staticmethod(lambda ctx, grad: (grad, None)) if "f without" in order else real_f
+        core["f"].backward = (
+            staticmethod(lambda ctx, grad: (grad, None)) if "f without" in order else real_f
+        )
         torch.manual_seed(0)
         full = Net().double()
         mine = list(range(pp_rank, BLOCKS, p))
@@ -198,20 +224,36 @@ def copy_out(out_path):
             x, y = batch(step)
             with CommCounter(axes={"pp": pp_group, "tp": tp_group}) as comm:
                 loss = runner.run(list(x.view(M, -1, IN)), list(y.view(M, -1, OUT)), loss_of)
-                loss, _ = core["finish_batch"](params, loss, alone, tp_rank, CLIP, dist.group.WORLD)  # clipped
-            counted = counted or dict(comm.calls)  # the positive control: the counter sees this code's traffic
+                loss, _ = core["finish_batch"](
+                    params, loss, alone, tp_rank, CLIP, dist.group.WORLD
+                )  # clipped
+            counted = counted or dict(
+                comm.calls
+            )  # the positive control: the counter sees this code's traffic
             losses.append(loss)
             if step == 0:  # every local gradient against the same slice of the one-process gradient
-                err = max(err, max(diff(n, q.grad, ref_grads0, c, tp_rank, t) for c in mine
-                                   for n, q in chunks[c].named_parameters()))
+                err = max(
+                    err,
+                    max(
+                        diff(n, q.grad, ref_grads0, c, tp_rank, t)
+                        for c in mine
+                        for n, q in chunks[c].named_parameters()
+                    ),
+                )
             opt.step()
             opt.zero_grad()
         final = {n: q.detach() for n, q in net.named_parameters()}
-        mine_final = [diff(n, q, final, c, tp_rank, t) for c in mine for n, q in chunks[c].named_parameters()]
+        mine_final = [
+            diff(n, q, final, c, tp_rank, t) for c in mine for n, q in chunks[c].named_parameters()
+        ]
         err = max([err] + mine_final)
-        err = torch.tensor([err, max(abs(a - b) for a, b in zip(losses, ref_losses))], dtype=torch.float64)
+        err = torch.tensor(
+            [err, max(abs(a - b) for a, b in zip(losses, ref_losses))], dtype=torch.float64
+        )
         dist.all_reduce(err, op=dist.ReduceOp.MAX)
-        errors[order] = dict(max_grad_or_param_diff=err[0].item(), max_loss_diff=err[1].item(), losses=losses)
+        errors[order] = dict(
+            max_grad_or_param_diff=err[0].item(), max_loss_diff=err[1].item(), losses=losses
+        )
     core["f"].backward = real_f
     # to rank 0, one row per rank: its pp rank, tp rank, the global ranks of its pipeline (pp rank order), and
     # per case 1 if the core raised a ValueError with nothing counted
@@ -221,18 +263,41 @@ def copy_out(out_path):
     dist.all_gather(rows, torch.tensor([row], dtype=torch.float64))
     rows = [[int(x) for x in r[0]] for r in rows]
     if d.rank == 0:
-        Path(out_path).write_text(json.dumps(dict(
-            errors, reference_losses=ref_losses, reference_norms=ref_norms, clip=CLIP, refusals=bad, mutants=mutants,
-            refused_on_every_rank={case: all(r[4 + i] == 1 for r in rows) for i, case in enumerate(bad)},
-            four_axes=four_axes, counted_step=counted, layout=[dict(pp=r[0], tp=r[1], pipeline=r[2:4]) for r in rows])))  # by rank
+        Path(out_path).write_text(
+            json.dumps(
+                dict(
+                    errors,
+                    reference_losses=ref_losses,
+                    reference_norms=ref_norms,
+                    clip=CLIP,
+                    refusals=bad,
+                    mutants=mutants,
+                    refused_on_every_rank={
+                        case: all(r[4 + i] == 1 for r in rows) for i, case in enumerate(bad)
+                    },
+                    four_axes=four_axes,
+                    counted_step=counted,
+                    layout=[dict(pp=r[0], tp=r[1], pipeline=r[2:4]) for r in rows],
+                )
+            )
+        )  # by rank
     return d
 
 
 # ----------------------------------------------------------------------------- four axes: CP in TP, ZeRO-1
-H4, T4, B4, HID4, LR4, CLIP4 = 2, 8, 3, 10, 0.05, 0.5  # 2 heads of 3 over tp 2, 8 tokens over cp 2 (4 each)
+H4, T4, B4, HID4, LR4, CLIP4 = (
+    2,
+    8,
+    3,
+    10,
+    0.05,
+    0.5,
+)  # 2 heads of 3 over tp 2, 8 tokens over cp 2 (4 each)
 
 
-class Attn(nn.Module):  # the attribute names TPBlock reads (common.Block's), in a model that is not the GPT
+class Attn(
+    nn.Module
+):  # the attribute names TPBlock reads (common.Block's), in a model that is not the GPT
     def __init__(self):
         super().__init__()
         self.q, self.k, self.v = (nn.Linear(D, D, bias=False) for _ in range(3))
@@ -252,8 +317,14 @@ class AttnBlock(nn.Module):
 
     def forward(self, x):  # (b, T, D), the whole sequence: the one-process reference
         a = self.attn
-        q, k, v = (rearrange(lin(self.ln1(x)), "b t (h e) -> b h t e", h=H4) for lin in (a.q, a.k, a.v))
-        x = x + a.proj(rearrange(F.scaled_dot_product_attention(q, k, v, is_causal=True), "b h t e -> b t (h e)"))
+        q, k, v = (
+            rearrange(lin(self.ln1(x)), "b t (h e) -> b h t e", h=H4) for lin in (a.q, a.k, a.v)
+        )
+        x = x + a.proj(
+            rearrange(
+                F.scaled_dot_product_attention(q, k, v, is_causal=True), "b h t e -> b t (h e)"
+            )
+        )
         return x + self.mlp.proj(F.gelu(self.mlp.fc(self.ln2(x))))
 
 
@@ -277,7 +348,9 @@ def seq_batch(step):
     return x, torch.sin(x[..., :OUT] * 3).cumsum(1) / 4  # targets that need the tokens before
 
 
-def seq_loss(out, y):  # summed over this rank's elements / the whole batch's count: the ranks' losses add up
+def seq_loss(
+    out, y
+):  # summed over this rank's elements / the whole batch's count: the ranks' losses add up
     return ((out - y) ** 2).sum() / (B4 * T4 * OUT)
 
 
@@ -303,44 +376,77 @@ def cp_copy_out(d):
         opt.step()
         ref_losses.append(loss.item())
     out = {}
-    for name, mod in (("zero-1", core), ("zero-1, shard from the wrong slice", section.load("ptdp.py", TEXT.replace(
-            *MUTANTS["shard-wrong-slice"])))):
+    for name, mod in (
+        ("zero-1", core),
+        (
+            "zero-1, shard from the wrong slice",
+            section.load("ptdp.py", TEXT.replace(*MUTANTS["shard-wrong-slice"])),
+        ),
+    ):
         torch.manual_seed(1)
         net = SeqNet().double()
         net.load_state_dict(ref_state)
         blocks = [mod["TPBlock"](b, tp_group, cp_group) for b in net.blocks]
-        params = [*net.inp.parameters(), *(q for b in blocks for q in b.parameters()), *net.out.parameters(),
-                  net.temp]
-        zero = mod["ShardedOptimizer"](params, cp_group, lambda ps: torch.optim.AdamW(ps, lr=LR4, foreach=False))
+        params = [
+            *net.inp.parameters(),
+            *(q for b in blocks for q in b.parameters()),
+            *net.out.parameters(),
+            net.temp,
+        ]
+        zero = mod["ShardedOptimizer"](
+            params, cp_group, lambda ps: torch.optim.AdamW(ps, lr=LR4, foreach=False)
+        )
         losses = []
         for step in range(STEPS):
-            x, y = (mod["zigzag"](z, cp, cp_rank) for z in seq_batch(step))  # (b, T/cp, ..) my tokens
+            x, y = (
+                mod["zigzag"](z, cp, cp_rank) for z in seq_batch(step)
+            )  # (b, T/cp, ..) my tokens
             with CommCounter(axes={"tp": tp_group, "cp": cp_group}) as comm:
                 h = net.inp(x)
                 for b in blocks:
                     h = b(h)
                 loss = seq_loss(net.out(h) * net.temp, y)
                 loss.backward()
-                loss, _ = mod["finish_batch"](params, loss.detach(), cp_group, tp_rank, CLIP4, dist.group.WORLD,
-                                              zero)
+                loss, _ = mod["finish_batch"](
+                    params, loss.detach(), cp_group, tp_rank, CLIP4, dist.group.WORLD, zero
+                )
                 zero.step()
             for q in params:
                 q.grad = None
             losses.append(loss)
-        err = max(_block_diff(n, q, ref, i, tp_rank, t) for i, b in enumerate(blocks) for n, q in b.named_parameters())
-        err = max([err] + [(q - ref.get_parameter(n)).abs().max().item() for n, q in net.named_parameters()
-                           if not n.startswith("blocks")])
-        e = torch.tensor([err, max(abs(a - b) for a, b in zip(losses, ref_losses))], dtype=torch.float64)
+        err = max(
+            _block_diff(n, q, ref, i, tp_rank, t)
+            for i, b in enumerate(blocks)
+            for n, q in b.named_parameters()
+        )
+        err = max(
+            [err]
+            + [
+                (q - ref.get_parameter(n)).abs().max().item()
+                for n, q in net.named_parameters()
+                if not n.startswith("blocks")
+            ]
+        )
+        e = torch.tensor(
+            [err, max(abs(a - b) for a, b in zip(losses, ref_losses))], dtype=torch.float64
+        )
         dist.all_reduce(e, op=dist.ReduceOp.MAX)
-        out[name] = dict(max_param_diff=e[0].item(), max_loss_diff=e[1].item(), losses=losses,
-                         counted=dict(comm.calls))
+        out[name] = dict(
+            max_param_diff=e[0].item(),
+            max_loss_diff=e[1].item(),
+            losses=losses,
+            counted=dict(comm.calls),
+        )
     out["reference_losses"] = ref_losses
     tiny = AttnBlock().double()
     tiny.attn.n_heads = 3  # 3 heads of 2 over tp 2
-    cases = {"TPBlock, 3 heads over t 2": lambda: core["TPBlock"](tiny, tp_group, cp_group),
-             "zigzag, 6 tokens over cp 2": lambda: core["zigzag"](torch.zeros(B4, 6, IN), cp, cp_rank),
-             "RingAttention, 3 tokens per rank": lambda: core["RingAttention"].apply(
-                 *torch.zeros(3, B4, 1, 3, 3, dtype=torch.float64), cp_group)}
+    cases = {
+        "TPBlock, 3 heads over t 2": lambda: core["TPBlock"](tiny, tp_group, cp_group),
+        "zigzag, 6 tokens over cp 2": lambda: core["zigzag"](torch.zeros(B4, 6, IN), cp, cp_rank),
+        "RingAttention, 3 tokens per rank": lambda: core["RingAttention"].apply(
+            *torch.zeros(3, B4, 1, 3, 3, dtype=torch.float64), cp_group
+        ),
+    }
     out["refusals"] = {case: section.attempt(call) for case, call in cases.items()}
     return out
 
@@ -355,12 +461,24 @@ def diff(name, mine, ref, c, tp_rank, t):
     """|mine - the reference's slice|: a chunk's names map back to Net's (blocks.0 of chunk c is blocks.c)."""
     if mine is None:  # a gradient that never came
         return float("inf")
-    full = {"scale": "scale", "temp": "temp", "inp.weight": "inp.weight", "inp.bias": "inp.bias", "out.weight": "out.weight",
-            "out.bias": "out.bias"}.get(name)
+    full = {
+        "scale": "scale",
+        "temp": "temp",
+        "inp.weight": "inp.weight",
+        "inp.bias": "inp.bias",
+        "out.weight": "out.weight",
+        "out.bias": "out.bias",
+    }.get(name)
     if full is None:
         leaf = name.split(".", 2)[2]  # "blocks.0.w1" -> "w1"
-        full = {"w1": "mlp.0.weight", "b1": "mlp.0.bias", "w2": "mlp.2.weight", "b2": "mlp.2.bias",
-                "norm.weight": "norm.weight", "norm.bias": "norm.bias"}[leaf]
+        full = {
+            "w1": "mlp.0.weight",
+            "b1": "mlp.0.bias",
+            "w2": "mlp.2.weight",
+            "b2": "mlp.2.bias",
+            "norm.weight": "norm.weight",
+            "norm.bias": "norm.bias",
+        }[leaf]
         full = f"blocks.{c}.{full}"
         want = ref[full]
         if leaf in ("w1", "b1"):
@@ -374,15 +492,23 @@ def diff(name, mine, ref, c, tp_rank, t):
 
 TEXT = (section.ROOT / "ptdp.py").read_text()
 MUTANTS = {  # name: (a line of ptdp.py, what the mutant has instead)
-    "norm-counts-replicas": ('counted = [float(getattr(q, "tp_split", False) or tp_rank == 0) for q in params]',
-                             'counted = [1.0 for q in params]'),  # every TP rank adds its replicated copies
-    "no-dp-all-reduce": ("            dist.all_reduce(flat, group=group)\n",
-                         "            pass\n"),  # the gradients never summed over dp x cp
-    "kv-to-tp-peer": ("y = RingAttention.apply(q, k, v, self.cp_group)",  # K/V round the wrong ring: the TP
-                      "y = RingAttention.apply(q, k, v, self.group)"),  # peer's (its other heads, my tokens)
+    "norm-counts-replicas": (
+        'counted = [float(getattr(q, "tp_split", False) or tp_rank == 0) for q in params]',
+        "counted = [1.0 for q in params]",
+    ),  # every TP rank adds its replicated copies
+    "no-dp-all-reduce": (
+        "            dist.all_reduce(flat, group=group)\n",
+        "            pass\n",
+    ),  # the gradients never summed over dp x cp
+    "kv-to-tp-peer": (
+        "y = RingAttention.apply(q, k, v, self.cp_group)",  # K/V round the wrong ring: the TP
+        "y = RingAttention.apply(q, k, v, self.group)",
+    ),  # peer's (its other heads, my tokens)
     "grads-over-dp-not-cp": ('("dp", [1, 2])', '("dp", [1])'),  # the gradient group: dp alone
-    "shard-wrong-slice": ("        i = dist.get_rank(group)\n",  # ZeRO-1: my shard's state and update taken
-                          "        i = (dist.get_rank(group) + 1) % R\n"),  # from the next rank's slice
+    "shard-wrong-slice": (
+        "        i = dist.get_rank(group)\n",  # ZeRO-1: my shard's state and update taken
+        "        i = (dist.get_rank(group) + 1) % R\n",
+    ),  # from the next rank's slice
 }
 
 
@@ -404,13 +530,21 @@ class Finished(Exception):
 
 
 def runs(d, spec, outdir):
-    def no_exit(ok=True):  # Run.finish ends a run through harness.close_dist: here the next run follows
+    def no_exit(
+        ok=True,
+    ):  # Run.finish ends a run through harness.close_dist: here the next run follows
         raise Finished(ok)
+
     real_close, harness.close_dist = harness.close_dist, no_exit
     for run in json.loads(Path(spec).read_text()):
         mod = mutated(run.get("mutant"))
         mod.init_dist = lambda timeout=None: d
-        sys.argv = [str(section.ROOT / "ptdp.py"), *run["argv"], "--json", str(Path(outdir) / f"{run['name']}.json")]
+        sys.argv = [
+            str(section.ROOT / "ptdp.py"),
+            *run["argv"],
+            "--json",
+            str(Path(outdir) / f"{run['name']}.json"),
+        ]
         try:
             mod.main()
         except Finished:

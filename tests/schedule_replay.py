@@ -11,8 +11,10 @@ stage s ran its F. Its idle fraction is the recorded schedule's bubble: exactly 
 
 def orders_of(events, p):
     """Each stage's ops (kind, mb) in the order it ran them (by measured start: one op at a time)."""
-    return [[(e["kind"], e["mb"]) for e in sorted(events, key=lambda e: e["start"]) if e["rank"] == r]
-            for r in range(p)]
+    return [
+        [(e["kind"], e["mb"]) for e in sorted(events, key=lambda e: e["start"]) if e["rank"] == r]
+        for r in range(p)
+    ]
 
 
 def replay(orders, op_time):
@@ -23,8 +25,10 @@ def replay(orders, op_time):
         for r in range(p):
             while nxt[r] < len(orders[r]):
                 kind, mb = orders[r][nxt[r]]
-                deps = {"F": [(r - 1, "F", mb)] if r > 0 else [],
-                        "B": [(r, "F", mb)] + ([(r + 1, "B", mb)] if r < p - 1 else [])}[kind]
+                deps = {
+                    "F": [(r - 1, "F", mb)] if r > 0 else [],
+                    "B": [(r, "F", mb)] + ([(r + 1, "B", mb)] if r < p - 1 else []),
+                }[kind]
                 if any(dep not in at for dep in deps):
                     break
                 start = max([free[r]] + [at[dep][1] for dep in deps])

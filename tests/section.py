@@ -2,28 +2,53 @@
 (a `# ----` or `# ====` line at column 0) to `def check_args`, with the file's imports minus common.py and
 harness.py. `load(name)` executes it with nothing else and returns its namespace; `free_names` and
 `ungrouped` say what it would still need from outside (a name) or from the default group (a collective)."""
+
 import ast, builtins, re, symtable, sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 ALLOWED = {"torch", "einops"}  # and the standard library
 # torch.distributed's calls that communicate or ask a group: name -> the index of `group` among positionals
-GROUP_ARG = {"all_reduce": 2, "all_gather": 2, "all_gather_into_tensor": 2, "reduce_scatter": 3,
-             "reduce_scatter_tensor": 3, "broadcast": 2, "reduce": 3, "gather": 3, "scatter": 3, "all_to_all": 2,
-             "all_to_all_single": 4, "barrier": 0, "monitored_barrier": 0, "send": 2, "recv": 2, "isend": 2,
-             "irecv": 2, "P2POp": 3, "get_rank": 0, "get_world_size": 0, "get_backend": 0,
-             "all_gather_single": 2, "reduce_scatter_single": 3}  # (the last two: this torch's flat forms)
+GROUP_ARG = {
+    "all_reduce": 2,
+    "all_gather": 2,
+    "all_gather_into_tensor": 2,
+    "reduce_scatter": 3,
+    "reduce_scatter_tensor": 3,
+    "broadcast": 2,
+    "reduce": 3,
+    "gather": 3,
+    "scatter": 3,
+    "all_to_all": 2,
+    "all_to_all_single": 4,
+    "barrier": 0,
+    "monitored_barrier": 0,
+    "send": 2,
+    "recv": 2,
+    "isend": 2,
+    "irecv": 2,
+    "P2POp": 3,
+    "get_rank": 0,
+    "get_world_size": 0,
+    "get_backend": 0,
+    "all_gather_single": 2,
+    "reduce_scatter_single": 3,
+}  # (the last two: this torch's flat forms)
 
 
 def source(name, text=None):
     """(imports, section): the file's import lines but common's and harness's, and its technique section."""
     text = (ROOT / name).read_text() if text is None else text
-    imports = [ast.get_source_segment(text, n) for n in ast.parse(text).body
-               if isinstance(n, (ast.Import, ast.ImportFrom)) and getattr(n, "module", None) not in ("common", "harness")]
+    imports = [
+        ast.get_source_segment(text, n)
+        for n in ast.parse(text).body
+        if isinstance(n, (ast.Import, ast.ImportFrom))
+        and getattr(n, "module", None) not in ("common", "harness")
+    ]
     start = re.search(r"^# [-=]{10}", text, re.M)
     end = text.index("\ndef check_args")
     assert start and start.start() < end, f"{name}: no heading before check_args"
-    return "\n".join(imports), text[start.start():end]
+    return "\n".join(imports), text[start.start() : end]
 
 
 def imported_roots(name, text=None):
@@ -56,10 +81,15 @@ def free_names(name, text=None):
 
     def walk(table):
         for s in table.get_symbols():
-            if s.is_referenced() and (table is top or s.is_global()) and s.get_name() not in defined:
+            if (
+                s.is_referenced()
+                and (table is top or s.is_global())
+                and s.get_name() not in defined
+            ):
                 missing.add(s.get_name())
         for child in table.get_children():
             walk(child)
+
     walk(top)
     return missing
 
@@ -69,20 +99,27 @@ def ungrouped(name, text=None):
     rank/size query that does not name its group (keyword `group=` or the positional in its place)."""
     _, core = source(name, text)
     text = (ROOT / name).read_text() if text is None else text
-    offset = text[:text.index(core)].count("\n")
+    offset = text[: text.index(core)].count("\n")
     out = []
     for node in ast.walk(ast.parse(core)):
         if not isinstance(node, ast.Call):
             continue
         f = node.func
         fn = f.attr if isinstance(f, ast.Attribute) else f.id if isinstance(f, ast.Name) else None
-        if isinstance(f, ast.Attribute) and not re.fullmatch(r"(dist|torch\.distributed)", ast.unparse(f.value)):
+        if isinstance(f, ast.Attribute) and not re.fullmatch(
+            r"(dist|torch\.distributed)", ast.unparse(f.value)
+        ):
             continue
-        if isinstance(f, ast.Name) and fn != "P2POp":  # a bare name is the file's own helper (megatron's all_reduce)
+        if (
+            isinstance(f, ast.Name) and fn != "P2POp"
+        ):  # a bare name is the file's own helper (megatron's all_reduce)
             continue
         if fn not in GROUP_ARG:
             continue
-        if any(k.arg == "group" or k.arg is None for k in node.keywords) or len(node.args) > GROUP_ARG[fn]:
+        if (
+            any(k.arg == "group" or k.arg is None for k in node.keywords)
+            or len(node.args) > GROUP_ARG[fn]
+        ):
             continue
         out.append(f"{node.lineno + offset}: {ast.unparse(node)[:80]}")
     return out
@@ -92,6 +129,7 @@ def attempt(call):
     """(what call() raised, as "Type: message", or "no error"; {op: calls} it handed to collectives, counted at
     the dispatcher by harness.CommCounter): how a copy-out test calls a core with an input it cannot take."""
     from harness import CommCounter  # (the repo's counter; the section never needs it)
+
     with CommCounter() as comm:
         try:
             call()

@@ -6,6 +6,7 @@ that ignores the interval, a normal quantile for Student's, a spread re-estimate
 stops before its interval narrows are caught); one pair end to end writes well-formed rows with a verdict, a
 pair whose file lacks the mode it needs is skipped with one line, and bad input exits 2. No real timing is
 asserted."""
+
 import json, math, random, statistics, subprocess, sys, types
 
 import pytest
@@ -15,8 +16,20 @@ from helpers import forked, ROOT, run_python
 sys.path.insert(0, str(ROOT))
 import bench  # noqa: E402
 
-TINY = ["--vocab", "32", "--seq-len", "8", "--d-model", "16", "--n-heads", "2", "--n-layers", "4",
-        "--batch-size", "8"]
+TINY = [
+    "--vocab",
+    "32",
+    "--seq-len",
+    "8",
+    "--d-model",
+    "16",
+    "--n-heads",
+    "2",
+    "--n-layers",
+    "4",
+    "--batch-size",
+    "8",
+]
 
 # Run under torchrun at world 2: every torch-side worker of bench.py, in float64, against common's one-process
 # trainer; the byte counter and the timeline against closed forms; and breakages that the checks must catch.
@@ -123,7 +136,9 @@ def rounds(ratio, noise, n, rng, drift=0.5):
     out = []
     for _ in range(n):
         load = 100 * math.exp(rng.uniform(-drift, drift))
-        out.append((ratio * load * math.exp(rng.gauss(0, noise)), load * math.exp(rng.gauss(0, noise))))
+        out.append(
+            (ratio * load * math.exp(rng.gauss(0, noise)), load * math.exp(rng.gauss(0, noise)))
+        )
     return out
 
 
@@ -135,9 +150,12 @@ def test_interval_against_closed_forms():
     """Student's quantile against its closed forms at 1 and 2 degrees of freedom and the normal's at many; the
     interval at 2 and 3 rounds against exp(mean log +- t s / sqrt n) computed here from those closed forms."""
     p = 0.975
-    t1, t2 = math.tan(math.pi * (p - 0.5)), (2 * p - 1) / math.sqrt(2 * p * (1 - p))  # 12.706, 4.303
+    t1, t2 = (
+        math.tan(math.pi * (p - 0.5)),
+        (2 * p - 1) / math.sqrt(2 * p * (1 - p)),
+    )  # 12.706, 4.303
     assert abs(bench.t_quantile(p, 1) - t1) < 1e-9 and abs(bench.t_quantile(p, 2) - t2) < 1e-9
-    assert abs(bench.t_quantile(p, 10 ** 5) - statistics.NormalDist().inv_cdf(p)) < 1e-3
+    assert abs(bench.t_quantile(p, 10**5) - statistics.NormalDist().inv_cdf(p)) < 1e-3
     a, b = 0.8, 1.1  # two rounds: mean of logs +- t1 x |log a - log b| / 2
     m, half = (math.log(a) + math.log(b)) / 2, t1 * abs(math.log(a / b)) / 2
     got = bench.ratio_interval([a, b])
@@ -148,7 +166,11 @@ def test_interval_against_closed_forms():
     sd = math.sqrt(sum((x - m) ** 2 for x in logs) / 2)
     lo, hi = math.exp(m - t2 * sd / math.sqrt(3)), math.exp(m + t2 * sd / math.sqrt(3))
     got = bench.ratio_interval([0.9, 1.0, 1.2])
-    assert abs(got[1] / lo - 1) < 1e-9 and abs(got[2] / hi - 1) < 1e-9 and bench.ratio_interval([1.3]) is None
+    assert (
+        abs(got[1] / lo - 1) < 1e-9
+        and abs(got[2] / hi - 1) < 1e-9
+        and bench.ratio_interval([1.3]) is None
+    )
 
 
 def test_coverage_over_synthetic_benches(monkeypatch):
@@ -193,22 +215,33 @@ def test_alternation_keeps_the_level(monkeypatch):
 def verdict_errors():
     """What a verdict must say on synthetic timings (a list of the expectations it broke)."""
     rng, bad = random.Random(2), []
-    same = [(100.0 * (1 + i / 7), 100.0 * (1 + i / 7)) for i in range(3)]  # identical streams, drifting
+    same = [
+        (100.0 * (1 + i / 7), 100.0 * (1 + i / 7)) for i in range(3)
+    ]  # identical streams, drifting
     j = judged(same)
     if (j["verdict"], j["interval"], j["noisy"]) != ("no difference measurable", [1.0, 1.0], False):
         bad.append(f"identical streams: {j}")
-    for ratio, word in ((2.0, "slower"), (0.5, "faster")):  # 2x apart, 2% noise, a load swinging 1.6x
+    for ratio, word in (
+        (2.0, "slower"),
+        (0.5, "faster"),
+    ):  # 2x apart, 2% noise, a load swinging 1.6x
         j = judged(rounds(ratio, 0.02, 3, rng))
         if j["verdict"] != word or not j["interval"][0] <= ratio <= j["interval"][1]:
             bad.append(f"{ratio}x: {j}")
         if not bench.say(j).startswith(f"{word}: {j['ratio']:.2f} ["):
             bad.append(f"{ratio}x said {bench.say(j)!r}")
-    claims = 0  # no difference, 10% noise per run: a difference claimed in about 5% of 3-round benches
+    claims = (
+        0  # no difference, 10% noise per run: a difference claimed in about 5% of 3-round benches
+    )
     for _ in range(400):
         j = judged(rounds(1.0, 0.1, 3, rng))
         claims += j["verdict"] != "no difference measurable"
         said = bench.say(j)
-        if j["verdict"][0] == "n" and f"{j['ratio']:.2f} [" in said or j["noisy"] != ("noisy" in said):
+        if (
+            j["verdict"][0] == "n"
+            and f"{j['ratio']:.2f} [" in said
+            or j["noisy"] != ("noisy" in said)
+        ):
             bad.append(f"a ratio beside no difference, or noise unsaid: {said!r}")
     if not claims <= 400 * 0.09:  # binomial(400, 0.05): mean 20, sd 4.4
         bad.append(f"{claims} of 400 equal pairs called faster or slower")
@@ -221,7 +254,9 @@ def test_verdicts_on_synthetic_timings(monkeypatch):
     at most 9% of 400 benches (5% expected), no ratio printed beside "no difference", "noisy" said where the
     interval is over +-5%. A verdict from the ratio alone, ignoring the interval, is caught."""
     assert verdict_errors() == []
-    point = lambda iv: "faster" if iv[0] < 1 else "slower" if iv[0] > 1 else "no difference measurable"
+    point = lambda iv: (
+        "faster" if iv[0] < 1 else "slower" if iv[0] > 1 else "no difference measurable"
+    )
     monkeypatch.setattr(bench, "verdict", point)  # the ratio alone
     assert any("equal pairs called" in e for e in verdict_errors())
 
@@ -229,7 +264,11 @@ def test_verdicts_on_synthetic_timings(monkeypatch):
 def alternate(monkeypatch, ratio, noise, share_s=600.0, seed=3):
     """bench_group on one pair (gpipe) with synthetic launches, each 10 s on a fake clock: (rounds run,
     the row)."""
-    clock, rng, args = [0.0], random.Random(seed), bench.Args(rounds=3, precision=0.05, steps=4, warmup=2)
+    clock, rng, args = (
+        [0.0],
+        random.Random(seed),
+        bench.Args(rounds=3, precision=0.05, steps=4, warmup=2),
+    )
     monkeypatch.setattr(bench, "time", types.SimpleNamespace(time=lambda: clock[0]))
 
     def launch(args, pair, tag, worker=None):
@@ -251,12 +290,24 @@ def test_alternation_stops_when_narrow_or_spent(monkeypatch):
     n, row = alternate(monkeypatch, 2.0, 0.01)
     assert n == 3 and row["verdict"] == "slower" and not row["noisy"], row
     n, row = alternate(monkeypatch, 1.0, 0.3)
-    assert n == 30 and row["noisy"] and bench.verdict([row["ratio"], *row["interval"]]) == row["verdict"], row
+    assert (
+        n == 30
+        and row["noisy"]
+        and bench.verdict([row["ratio"], *row["interval"]]) == row["verdict"]
+    ), row
     n, row = alternate(monkeypatch, 1.0, 0.03)
-    assert 3 < n < 30 and not row["noisy"] and bench.judge(row["ratio_per_round"][:-1], 0.05, 3)["noisy"], row
+    assert (
+        3 < n < 30
+        and not row["noisy"]
+        and bench.judge(row["ratio_per_round"][:-1], 0.05, 3)["noisy"]
+    ), row
     assert row["verdict"] == "no difference measurable" and "+-" not in bench.say(row), row
     per = row["ratio_per_round"]  # the spread of the first 3 rounds, not of all n
-    assert row["interval"] == bench.judge(per, 0.05, 3)["interval"] != bench.judge(per, 0.05)["interval"]
+    assert (
+        row["interval"]
+        == bench.judge(per, 0.05, 3)["interval"]
+        != bench.judge(per, 0.05)["interval"]
+    )
     real = bench.judge
     monkeypatch.setattr(bench, "judge", lambda *a: dict(real(*a), noisy=False))
     assert alternate(monkeypatch, 1.0, 0.3)[0] == 3  # the mutant
@@ -276,14 +327,31 @@ def test_budget_shared_between_groups(tmp_path, monkeypatch, capsys):
         return dict(rc=0, summary=None, ms=[ms] * args.steps, cmd=tag)
 
     monkeypatch.setattr(bench, "launch", launch)
-    monkeypatch.setattr(sys, "argv", ["bench.py", "--pairs", "gpipe,1f1b", *TINY, "--budget-min", "10",
-                                      "--out", str(tmp_path / "b")])
+    monkeypatch.setattr(
+        sys,
+        "argv",
+        [
+            "bench.py",
+            "--pairs",
+            "gpipe,1f1b",
+            *TINY,
+            "--budget-min",
+            "10",
+            "--out",
+            str(tmp_path / "b"),
+        ],
+    )
     with pytest.raises(SystemExit) as e:
         bench.main()
     rows, out = json.loads((tmp_path / "b.json").read_text()), capsys.readouterr().out
     assert e.value.code == 0, out
-    assert [(r["pair"], r["rounds"], r["noisy"]) for r in rows] == [("gpipe", 3, False), ("1f1b", 27, True)]
-    assert out.rstrip().endswith("noisy machine: 1 interval(s) wider than +-5% when the budget ran out"), out
+    assert [(r["pair"], r["rounds"], r["noisy"]) for r in rows] == [
+        ("gpipe", 3, False),
+        ("1f1b", 27, True),
+    ]
+    assert out.rstrip().endswith(
+        "noisy machine: 1 interval(s) wider than +-5% when the budget ran out"
+    ), out
 
 
 def test_one_pair_end_to_end(tmp_path, monkeypatch, capsys):
@@ -292,55 +360,102 @@ def test_one_pair_end_to_end(tmp_path, monkeypatch, capsys):
     the table; zb pointed at a file that will never offer `--schedule zbh1` (gpipe.py) is skipped with one
     line, no launch, and a choice the file does offer (pipedream.py --mode flush) is not. The torchrun
     commands bench.py builds are run by tests/forkserver.py, as torchrun would run them."""
+
     def torchrun(cmd, cwd, env, text, capture_output, timeout):
         nproc = int(next(a for a in cmd if a.startswith("--nproc_per_node=")).split("=")[1])
-        script, *args = cmd[cmd.index("--standalone") + 2:]
+        script, *args = cmd[cmd.index("--standalone") + 2 :]
         rc, out = forked(script, nproc, *args, timeout=timeout)
         return subprocess.CompletedProcess(cmd, rc, out, "")
 
-    monkeypatch.setattr(bench, "subprocess", types.SimpleNamespace(run=torchrun, TimeoutExpired=None))
+    monkeypatch.setattr(
+        bench, "subprocess", types.SimpleNamespace(run=torchrun, TimeoutExpired=None)
+    )
     monkeypatch.setitem(bench.NEEDS, "1f1b", ("--mode", "flush"))  # offered: not skipped
     assert bench.why_skipped("1f1b") == "", bench.why_skipped("1f1b")
     monkeypatch.setitem(bench.PAIRS, "zb", ("gpipe.py", *bench.PAIRS["zb"][1:]))
     out = tmp_path / "b"
-    monkeypatch.setattr(sys, "argv", ["bench.py", "--pairs", "gpipe,zb", *TINY, "--steps", "2", "--warmup",
-                                      "1", "--rounds", "2", "--budget-min", "0.1", "--microbatches", "2",
-                                      "--out", str(out), "--launch-timeout", "150"])
+    monkeypatch.setattr(
+        sys,
+        "argv",
+        [
+            "bench.py",
+            "--pairs",
+            "gpipe,zb",
+            *TINY,
+            "--steps",
+            "2",
+            "--warmup",
+            "1",
+            "--rounds",
+            "2",
+            "--budget-min",
+            "0.1",
+            "--microbatches",
+            "2",
+            "--out",
+            str(out),
+            "--launch-timeout",
+            "150",
+        ],
+    )
     with pytest.raises(SystemExit) as e:
         bench.main()
     stdout = capsys.readouterr().out
     assert e.value.code == 0, stdout
     skip = [line for line in stdout.splitlines() if line.startswith("zb:")]
-    assert skip == ["zb: pair skipped, gpipe.py has no --schedule zbh1 yet (--schedule offers [])"], stdout
+    assert skip == [
+        "zb: pair skipped, gpipe.py has no --schedule zbh1 yet (--schedule offers [])"
+    ], stdout
     rows = json.loads((tmp_path / "b.json").read_text())
-    assert [r["pair"] for r in rows] == ["gpipe", "zb"] and rows[1]["skipped"] and rows[1]["ours"] is None
+    assert (
+        [r["pair"] for r in rows] == ["gpipe", "zb"]
+        and rows[1]["skipped"]
+        and rows[1]["ours"] is None
+    )
     r = rows[0]
     for side in ("ours", "torch"):
         s = r[side]
-        assert s["name"] and s["step_ms"] > 0 and s["tokens_per_s"] > 0 and s["peak_mem_bytes"] > 0, s
-        assert s["sent_bytes_per_rank"] > 0 and 0 <= s["bubble"] <= 1 and s["bubble_theory"] == 1 / 3, s
+        assert (
+            s["name"] and s["step_ms"] > 0 and s["tokens_per_s"] > 0 and s["peak_mem_bytes"] > 0
+        ), s
+        assert (
+            s["sent_bytes_per_rank"] > 0 and 0 <= s["bubble"] <= 1 and s["bubble_theory"] == 1 / 3
+        ), s
     (lo, hi), per = r["interval"], r["ratio_per_round"]
     assert r["rounds"] == len(per) >= 2 and lo <= r["ratio"] <= hi, r
-    assert abs(math.log(r["ratio"]) - sum(map(math.log, per)) / len(per)) < 1e-12, r  # the geometric mean
+    assert abs(math.log(r["ratio"]) - sum(map(math.log, per)) / len(per)) < 1e-12, (
+        r
+    )  # the geometric mean
     word = "faster" if hi < 1 else "slower" if lo > 1 else "no difference measurable"
     assert r["verdict"] == word, r
     line = f"gpipe: gpipe.py vs pipelining ScheduleGPipe: {word}: "
-    assert any(x.startswith(line) and f"[{lo:.2f}, {hi:.2f}], {len(per)} round" in x for x in
-               stdout.splitlines()), stdout
-    assert r["max_loss_diff"] <= 1e-4, r  # both sides trained the same model on the same data (float32)
+    assert any(
+        x.startswith(line) and f"[{lo:.2f}, {hi:.2f}], {len(per)} round" in x
+        for x in stdout.splitlines()
+    ), stdout
+    assert r["max_loss_diff"] <= 1e-4, (
+        r
+    )  # both sides trained the same model on the same data (float32)
     md = (tmp_path / "b.md").read_text()
     assert f"| {word}: " in md and "| zb | skipped: gpipe.py has no --schedule zbh1" in md, md
 
 
 def test_bad_input(capsys):
     """One line and exit 2: three launches, and --precision / --budget-min checked in-process (as fail())."""
-    for argv, words in ((["--pairs", "nope"], "unknown"), (["--warmup", "0"], "--warmup"),
-                        (["--world", "2", "--n-heads", "3", "--d-model", "48"], "--n-heads")):
+    for argv, words in (
+        (["--pairs", "nope"], "unknown"),
+        (["--warmup", "0"], "--warmup"),
+        (["--world", "2", "--n-heads", "3", "--d-model", "48"], "--n-heads"),
+    ):
         p = run_python("bench.py", *argv)
         lines = p.stderr.strip().splitlines()
         assert p.returncode == 2 and len(lines) == 1 and words in lines[0], p.stderr
-    for bad in (dict(precision=0.0), dict(precision=float("nan")), dict(budget_min=-1.0),
-                dict(budget_min=float("inf"))):
+    for bad in (
+        dict(precision=0.0),
+        dict(precision=float("nan")),
+        dict(budget_min=-1.0),
+        dict(budget_min=float("inf")),
+    ):
         with pytest.raises(SystemExit) as e:
             bench.check_bench_args(bench.Args(**bad))
         lines = capsys.readouterr().err.strip().splitlines()
@@ -355,13 +470,18 @@ def test_gpu_check_runs_each_pair_once_without_alternating(monkeypatch, tmp_path
     sys.path.insert(0, str(ROOT / "tests"))
     import gpu_check
     import harness
+
     for w in (1, 2):
         cmd = gpu_check.bench_command(w, "ddp", tmp_path / "b")
         monkeypatch.setattr(sys, "argv", ["bench.py", *cmd[2:]])
         args = harness.parse_args(bench.Args)
-        assert args.rounds == 1 and args.budget_min == 0 and bench.check_bench_args(args) == ["ddp"], cmd
+        assert (
+            args.rounds == 1 and args.budget_min == 0 and bench.check_bench_args(args) == ["ddp"]
+        ), cmd
     # the check can fail: the command as it was, without the budget, keeps bench's default
-    monkeypatch.setattr(sys, "argv", ["bench.py", *[a for a in cmd[2:] if a not in ("--budget-min", "0")]])
+    monkeypatch.setattr(
+        sys, "argv", ["bench.py", *[a for a in cmd[2:] if a not in ("--budget-min", "0")]]
+    )
     assert harness.parse_args(bench.Args).budget_min > 0
 
 
@@ -379,11 +499,15 @@ def test_fp8_pair_skipped_without_torchao(tmp_path, monkeypatch, capsys):
         raise RuntimeError(f"launched {tag}")
 
     monkeypatch.setattr(bench, "launch", launch)
-    monkeypatch.setattr(sys, "argv", ["bench.py", "--pairs", "fp8", *TINY, "--out", str(tmp_path / "b")])
+    monkeypatch.setattr(
+        sys, "argv", ["bench.py", "--pairs", "fp8", *TINY, "--out", str(tmp_path / "b")]
+    )
     with pytest.raises(SystemExit) as e:
         bench.main()
     out = capsys.readouterr().out
-    assert e.value.code == 0 and [x for x in out.splitlines() if x.startswith("fp8")] == [SKIP_LINE], out
+    assert e.value.code == 0 and [x for x in out.splitlines() if x.startswith("fp8")] == [
+        SKIP_LINE
+    ], out
     why = SKIP_LINE.split(", ", 1)[1]
     rows = json.loads((tmp_path / "b.json").read_text())
     assert rows == [dict(pair="fp8", ours=None, torch=None, ratio=None, skipped=why)], rows
@@ -394,16 +518,17 @@ def test_fp8_pair_skipped_without_torchao(tmp_path, monkeypatch, capsys):
 
 
 # Run in place of `bench.py --worker float8`: torchao broken on purpose, then bench.py as torchrun runs it.
-MUTANT = '''import runpy, sys, torch
+MUTANT = """import runpy, sys, torch
 sys.path.insert(0, {root!r})
 import torchao.float8 as ao, torchao.float8.config as config
 {patch}
 runpy.run_path({bench!r}, run_name="__main__")
-'''
+"""
 MUTANTS = {  # torchao reads config.e5m2_dtype when a Float8LinearConfig is made
     "E4M3 gradients": "config.e5m2_dtype = torch.float8_e4m3fn",
     "float32 all-gather": "real = ao.Float8LinearConfig\nao.Float8LinearConfig = "
-                          "lambda **k: real(**dict(k, enable_fsdp_float8_all_gather=False))"}
+    "lambda **k: real(**dict(k, enable_fsdp_float8_all_gather=False))",
+}
 
 
 def fp8_bench(tmp_path, monkeypatch, world):
@@ -414,25 +539,52 @@ def fp8_bench(tmp_path, monkeypatch, world):
 
     def torchrun(cmd, cwd, env, text, capture_output, timeout):
         nproc = int(next(a for a in cmd if a.startswith("--nproc_per_node=")).split("=")[1])
-        script, *args = cmd[cmd.index("--standalone") + 2:]
+        script, *args = cmd[cmd.index("--standalone") + 2 :]
         rc, out = forked(swap.get(script, script), nproc, *args, timeout=timeout)
         return subprocess.CompletedProcess(cmd, rc, out, "")
 
-    monkeypatch.setattr(bench, "subprocess", types.SimpleNamespace(run=torchrun, TimeoutExpired=None))
+    monkeypatch.setattr(
+        bench, "subprocess", types.SimpleNamespace(run=torchrun, TimeoutExpired=None)
+    )
     out = tmp_path / f"w{world}"
-    monkeypatch.setattr(sys, "argv", ["bench.py", "--pairs", "fp8", *TINY, "--world", str(world), "--steps",
-                                      "3", "--warmup", "1", "--rounds", "1", "--budget-min", "0", "--out",
-                                      str(out), "--launch-timeout", "300"])
+    monkeypatch.setattr(
+        sys,
+        "argv",
+        [
+            "bench.py",
+            "--pairs",
+            "fp8",
+            *TINY,
+            "--world",
+            str(world),
+            "--steps",
+            "3",
+            "--warmup",
+            "1",
+            "--rounds",
+            "1",
+            "--budget-min",
+            "0",
+            "--out",
+            str(out),
+            "--launch-timeout",
+            "300",
+        ],
+    )
     with pytest.raises(SystemExit) as e:
         bench.main()
     assert e.value.code == 0
     row = json.loads((tmp_path / f"w{world}.json").read_text())[0]
-    sides = {side: json.loads((tmp_path / f"w{world}_runs" / f"{tag}_w{world}_r0.json").read_text())
-             for side, tag in (("ours", "fp8_ours"), ("torch", "float8_torch"))}
+    sides = {
+        side: json.loads((tmp_path / f"w{world}_runs" / f"{tag}_w{world}_r0.json").read_text())
+        for side, tag in (("ours", "fp8_ours"), ("torch", "float8_torch"))
+    }
 
     def mutant(name):
         wrapper = tmp_path / "mutant.py"
-        wrapper.write_text(MUTANT.format(root=str(ROOT), bench=str(ROOT / "bench.py"), patch=MUTANTS[name]))
+        wrapper.write_text(
+            MUTANT.format(root=str(ROOT), bench=str(ROOT / "bench.py"), patch=MUTANTS[name])
+        )
         swap["bench.py"] = str(wrapper)
         tag = f"mutant_{name.replace(' ', '_')}_w{world}"
         return bench.launch(bench.parse_args(bench.Args), "fp8", tag, "float8")["summary"]
@@ -440,7 +592,9 @@ def fp8_bench(tmp_path, monkeypatch, world):
     return row, sides, mutant
 
 
-def all_gathered(summary):  # bytes handed to all-gathers per rank in the counted step, either side's table
+def all_gathered(
+    summary,
+):  # bytes handed to all-gathers per rank in the counted step, either side's table
     table = summary["figures"].get("comm") or summary["figures"]["comm_ops_rank0"]
     return sum(handed for key, (_, _, handed) in table.items() if key.startswith("all_gather/"))
 
@@ -458,19 +612,26 @@ def test_fp8_pair_against_torchao(tmp_path, monkeypatch):
     row, sides, mutant = fp8_bench(tmp_path, monkeypatch, 1)
     diff = lambda a, b: max(abs(x - y) / abs(y) for x, y in zip(a, b))  # noqa: E731
     e4m3 = diff(sides["ours"]["losses"], mutant("E4M3 gradients")["losses"])
-    print(f"world 1: max rel loss diff {row['max_loss_diff']:.1e}; torchao with E4M3 gradients {e4m3:.1e}")
+    print(
+        f"world 1: max rel loss diff {row['max_loss_diff']:.1e}; torchao with E4M3 gradients {e4m3:.1e}"
+    )
     assert row["max_loss_diff"] <= 1e-6 < e4m3 and len(row["torch"]["losses"]) == 3, row
 
     w = 2
     row, sides, mutant = fp8_bench(tmp_path, monkeypatch, w)
     model = bench.build_gpt(bench.GPTConfig.from_args(bench.parse_args(bench.Args)), 0)
-    fp8 = sum(m.weight.numel() for n, m in model.named_modules() if isinstance(m, bench.nn.Linear)
-              and n != "head")
+    fp8 = sum(
+        m.weight.numel()
+        for n, m in model.named_modules()
+        if isinstance(m, bench.nn.Linear) and n != "head"
+    )
     rest = sum(p.numel() for p in model.parameters()) - fp8  # float32 on torch's side
     ours, theirs = all_gathered(sides["ours"]), all_gathered(sides["torch"])
     f32 = all_gathered(mutant("float32 all-gather"))
-    print(f"world {w}: all-gather bytes per rank and step: fp8.py {ours}, torchao {theirs} (theory "
-          f"{2 * fp8 // w} FP8 + {2 * rest * 4 // w} float32), torchao's weights gathered in float32 {f32}; "
-          f"max rel loss diff {row['max_loss_diff']:.1e}\n" + (tmp_path / f"w{w}.md").read_text())
+    print(
+        f"world {w}: all-gather bytes per rank and step: fp8.py {ours}, torchao {theirs} (theory "
+        f"{2 * fp8 // w} FP8 + {2 * rest * 4 // w} float32), torchao's weights gathered in float32 {f32}; "
+        f"max rel loss diff {row['max_loss_diff']:.1e}\n" + (tmp_path / f"w{w}.md").read_text()
+    )
     assert ours == 2 * fp8 // w and theirs == ours + 2 * rest * 4 // w != f32, (ours, theirs, f32)
     assert row["max_loss_diff"] <= 1e-3 and row["ours"]["name"] == "fp8.py", row

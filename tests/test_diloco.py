@@ -3,13 +3,22 @@ worlds 1-4); inner SGD with H = 1 and outer SGD lr 1 is synchronous data paralle
 caught; the bytes per inner step are P x b / H, counted at the dispatcher; a worker that dies mid-run
 (exchanges in flight) is restarted to the uninterrupted run's losses and state, bit for bit; bad input is
 one line and exit 2. tests/diloco_checks.py (one launch at world 3) holds the checks that patch the code."""
+
 import json, subprocess, sys
 
 import pytest
 import torch
 
-from helpers import (ENV, ROOT, TINY, assert_matches_reference, check_lines, passed, run_python,
-                     torchrun)
+from helpers import (
+    ENV,
+    ROOT,
+    TINY,
+    assert_matches_reference,
+    check_lines,
+    passed,
+    run_python,
+    torchrun,
+)
 
 sys.path.insert(0, str(ROOT))
 from common import GPT, GPTConfig  # noqa: E402  (the model's size, not diloco.py)
@@ -38,8 +47,12 @@ def test_check_passes_and_bytes_are_p_b_over_h(checks):
     against a reference that does not round as the wire does; the bytes handed to the collectives per inner
     step (measured) equal P x b / H, computed from the parameter count."""
     assert passed(checks, "--inner-steps 3 --check", "PASSED", "(measured) == P x 8 / H"), checks
-    assert passed(checks, "streaming", "PASSED", "(measured) == P x 2 / H", "== the largest fragment"), checks
-    assert passed(checks, "negative: against a reference that skips the bfloat16 rounding", "FAILS"), checks
+    assert passed(
+        checks, "streaming", "PASSED", "(measured) == P x 2 / H", "== the largest fragment"
+    ), checks
+    assert passed(
+        checks, "negative: against a reference that skips the bfloat16 rounding", "FAILS"
+    ), checks
 
 
 def test_copy_out_streaming_on_another_model(checks):
@@ -48,14 +61,18 @@ def test_copy_out_streaming_on_another_model(checks):
     weights == the workers simulated by hand in the checks (1e-12); without the rounding that simulation
     differs (the comparison can fail)."""
     assert passed(checks, "copy-out StreamingDiLoCo", "== the workers simulated by hand"), checks
-    assert passed(checks, "copy-out StreamingDiLoCo: negative: the simulation without the wire's rounding"), checks
+    assert passed(
+        checks, "copy-out StreamingDiLoCo: negative: the simulation without the wire's rounding"
+    ), checks
 
 
 def test_workers_start_from_rank_0s_theta(checks):
     """DiLoCo (the section alone) on workers whose weights differ: every rank holds rank 0's after the
     constructor (its broadcast); without the broadcast they differ (the check can fail)."""
     assert passed(checks, "copy-out DiLoCo", "all start from rank 0's"), checks
-    assert passed(checks, "copy-out DiLoCo: negative: without the broadcast the workers' starts differ"), checks
+    assert passed(
+        checks, "copy-out DiLoCo: negative: without the broadcast the workers' starts differ"
+    ), checks
 
 
 def test_overlap_is_real_with_the_exchange_slowed(checks):
@@ -65,23 +82,43 @@ def test_overlap_is_real_with_the_exchange_slowed(checks):
     passes; the run prints the exposed time beside the exchange's own (measured, reported). Mutants caught: the
     exchange waited for at launch; the exchange on WORLD, where the loss's all-reduce queues behind it. The
     exchange's bytes are counted on its own group ("exchange"), in the checks' byte tests."""
-    assert passed(checks, "overlap 2, each exchange slowed", "[2, 2, 2, 0]", "--check PASSED"), checks
+    assert passed(checks, "overlap 2, each exchange slowed", "[2, 2, 2, 0]", "--check PASSED"), (
+        checks
+    )
     assert passed(checks, "mutant: waits for the exchange at launch: caught"), checks
-    assert passed(checks, "mutant: the exchange on WORLD, with the loss's all-reduce: caught"), checks
+    assert passed(checks, "mutant: the exchange on WORLD, with the loss's all-reduce: caught"), (
+        checks
+    )
 
 
 def test_cores_refuse_bad_input_before_any_collective(checks):
     """Each core of the section alone, given what it cannot do: a ValueError that says what would work, no
     collective seen by harness.CommCounter; a valid sync under the same counter is seen, and the section with
     its checks taken out lets all 13 through."""
-    for what in ("DiLoCo, H 0", "DiLoCo, outer lr 0", "DiLoCo, Nesterov momentum 1", "DiLoCo, Nesterov momentum 0",
-                 "StreamingDiLoCo, no fragments", "StreamingDiLoCo, an empty fragment",
-                 "StreamingDiLoCo, a shared parameter", "StreamingDiLoCo, int8 wire", "StreamingDiLoCo, H 3, F 2",
-                 "StreamingDiLoCo, overlap 4 = H", "StreamingDiLoCo, mix 1", "gpt_fragments, 3 of 2 blocks",
-                 "gpt_fragments, 0"):
-        assert passed(checks, f"bad input: {what}: refused before any collective", "collectives: {}"), (what, checks)
-    assert passed(checks, "bad input: negative: a valid DiLoCo's sync under the same counter all-reduces"), checks
-    assert passed(checks, "bad input: negative: the section without its checks lets 13/13 of them through"), checks
+    for what in (
+        "DiLoCo, H 0",
+        "DiLoCo, outer lr 0",
+        "DiLoCo, Nesterov momentum 1",
+        "DiLoCo, Nesterov momentum 0",
+        "StreamingDiLoCo, no fragments",
+        "StreamingDiLoCo, an empty fragment",
+        "StreamingDiLoCo, a shared parameter",
+        "StreamingDiLoCo, int8 wire",
+        "StreamingDiLoCo, H 3, F 2",
+        "StreamingDiLoCo, overlap 4 = H",
+        "StreamingDiLoCo, mix 1",
+        "gpt_fragments, 3 of 2 blocks",
+        "gpt_fragments, 0",
+    ):
+        assert passed(
+            checks, f"bad input: {what}: refused before any collective", "collectives: {}"
+        ), (what, checks)
+    assert passed(
+        checks, "bad input: negative: a valid DiLoCo's sync under the same counter all-reduces"
+    ), checks
+    assert passed(
+        checks, "bad input: negative: the section without its checks lets 13/13 of them through"
+    ), checks
 
 
 def test_sgd_h1_equals_synchronous_data_parallel(checks):
@@ -108,11 +145,30 @@ def test_world_4_streaming_float8_odd_sizes(tmp_path):
     gpt = GPT(cfg)
     frag0 = [gpt.tok_emb.weight, gpt.pos_emb.weight, *gpt.blocks[0].parameters()]
     assert sum(p.numel() for p in frag0) % 8 == 4  # 12300 B of float8, then the scale
-    s, _ = torchrun("diloco.py", 4, *TINY, "--d-model", "30", "--steps", "12", "--inner-steps", "10",
-                    "--fragments", "2", "--overlap", "3", "--outer-dtype", "float8_e4m3fn", "--check",
-                    tmp_path=tmp_path)
+    s, _ = torchrun(
+        "diloco.py",
+        4,
+        *TINY,
+        "--d-model",
+        "30",
+        "--steps",
+        "12",
+        "--inner-steps",
+        "10",
+        "--fragments",
+        "2",
+        "--overlap",
+        "3",
+        "--outer-dtype",
+        "float8_e4m3fn",
+        "--check",
+        tmp_path=tmp_path,
+    )
     assert_matches_reference(s)
-    assert s["figures"]["bytes_per_inner_step"] == (sum(p.numel() for p in gpt.parameters()) * 1 + 2 * 8) / 10
+    assert (
+        s["figures"]["bytes_per_inner_step"]
+        == (sum(p.numel() for p in gpt.parameters()) * 1 + 2 * 8) / 10
+    )
 
 
 def test_world_2_restart_with_exchanges_in_flight(tmp_path):
@@ -120,21 +176,54 @@ def test_world_2_restart_with_exchanges_in_flight(tmp_path):
     exchange in flight (as does step 8's, the same phase, which is kept). A worker dies at step 5; torchrun
     restarts both from step 4; losses, theta, outer
     momentum, every worker's weights and AdamW state end bit for bit as in the uninterrupted run."""
-    args = [*TINY, "--steps", "10", "--inner-steps", "4", "--fragments", "2", "--overlap", "1",
-            "--outer-dtype", "float32"]
-    full, _ = torchrun("diloco.py", 2, *args, "--check", "--ckpt-dir", tmp_path / "full", tmp_path=tmp_path,
-                       name="full")
+    args = [
+        *TINY,
+        "--steps",
+        "10",
+        "--inner-steps",
+        "4",
+        "--fragments",
+        "2",
+        "--overlap",
+        "1",
+        "--outer-dtype",
+        "float32",
+    ]
+    full, _ = torchrun(
+        "diloco.py",
+        2,
+        *args,
+        "--check",
+        "--ckpt-dir",
+        tmp_path / "full",
+        tmp_path=tmp_path,
+        name="full",
+    )
     assert_matches_reference(full)
-    rs, out = torchrun("diloco.py", 2, *args, "--ckpt-dir", tmp_path / "rs", "--save-every", "2",
-                       "--fail-at-step", "5", tmp_path=tmp_path, name="rs", max_restarts=1)
+    rs, out = torchrun(
+        "diloco.py",
+        2,
+        *args,
+        "--ckpt-dir",
+        tmp_path / "rs",
+        "--save-every",
+        "2",
+        "--fail-at-step",
+        "5",
+        tmp_path=tmp_path,
+        name="rs",
+        max_restarts=1,
+    )
     assert "simulated failure at step 5" in out and "at step 4" in out, out[-3000:]
     # step 8 is step 4's phase (H = 4): fragment 1's exchange, sent after step 7, was saved in flight
     saved = torch.load(tmp_path / "rs" / "rank0" / "step8.pt", weights_only=False)
     assert [f for f, *_ in saved["diloco"]["pending"]] == [1]
     assert rs["losses"] == full["losses"]
     for r in range(2):
-        a, b = (torch.load(tmp_path / k / f"rank{r}" / "step10.pt", weights_only=False)
-                for k in ("full", "rs"))
+        a, b = (
+            torch.load(tmp_path / k / f"rank{r}" / "step10.pt", weights_only=False)
+            for k in ("full", "rs")
+        )
         for key in ("model", "inner", "diloco"):
             assert_identical(a[key], b[key])
 
@@ -171,13 +260,20 @@ BAD = [  # (world, flags, words): each on every rank, in one process (tests/bad_
 
 
 def test_bad_input_exits_2_with_one_line(tmp_path):
-    cases = [dict(file="diloco.py", world=w, rank=r, argv=[*TINY, *a], words=words)
-             for w, a, words in BAD for r in range(w)]
+    cases = [
+        dict(file="diloco.py", world=w, rank=r, argv=[*TINY, *a], words=words)
+        for w, a, words in BAD
+        for r in range(w)
+    ]
     # the control: a valid configuration passes every check and crashes at the rendezvous, which this
     # runner does not provide: a case whose check were missing would show up so
     cases.append(dict(file="diloco.py", world=2, rank=1, argv=TINY, words=[]))
     (tmp_path / "cases.json").write_text(json.dumps(cases))
-    runner = [sys.executable, str(ROOT / "tests" / "bad_input_matrix.py"), str(tmp_path / "cases.json")]
+    runner = [
+        sys.executable,
+        str(ROOT / "tests" / "bad_input_matrix.py"),
+        str(tmp_path / "cases.json"),
+    ]
     p = subprocess.run(runner, env=ENV, cwd=ROOT, capture_output=True, text=True, timeout=120)
     results = [json.loads(l) for l in p.stdout.splitlines() if l.startswith("{")]
     assert len(results) == len(cases), p.stdout[-2000:] + p.stderr[-2000:]
@@ -185,5 +281,8 @@ def test_bad_input_exits_2_with_one_line(tmp_path):
     assert control["code"] == "crash" and "MASTER_ADDR" in control["stderr"], control
     for c, r in zip(cases, results):
         lines = r["stderr"].strip().splitlines()
-        assert r["code"] == 2 and len(lines) == 1 and f"error (rank {c['rank']})" in lines[0], (c, r)
+        assert r["code"] == 2 and len(lines) == 1 and f"error (rank {c['rank']})" in lines[0], (
+            c,
+            r,
+        )
         assert all(w in lines[0] for w in c["words"]), (c, lines[0])

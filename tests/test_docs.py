@@ -5,6 +5,7 @@ its Args (harness.parse_args) and its argument checks accept them at the printed
 and WORLD_SIZE set as torchrun would set them, and stops the moment its check_args returns (a refusal is the
 SystemExit(2) of `common.fail`). Training is what the per-file tests launch; the README's first command is
 launched for real in test_repo.py."""
+
 import ast, contextlib, functools, importlib.util, inspect, io, os, re, shlex, subprocess, sys
 from unittest import mock
 from pathlib import Path
@@ -15,7 +16,9 @@ from torch.distributed.run import get_args_parser
 from helpers import ROOT
 
 COMMAND = re.compile(r"^(torchrun|python3?|bash|pip|srun)\b")
-CHECKS = re.compile(r"^check_(\w+_)?args$")  # check_args, check_bench_args; never check_common_args alone
+CHECKS = re.compile(
+    r"^check_(\w+_)?args$"
+)  # check_args, check_bench_args; never check_common_args alone
 
 
 def commands_in(text):
@@ -28,10 +31,14 @@ def commands_in(text):
             continue
         spans = [line] if fenced else re.findall(r"`([^`]+)`", line)
         for span in spans:
-            span = re.sub(r"\s+#\s.*$", "", re.sub(r"^\s*\$\s+", "", span.strip()))  # prompt, comment
+            span = re.sub(
+                r"\s+#\s.*$", "", re.sub(r"^\s*\$\s+", "", span.strip())
+            )  # prompt, comment
             for part in re.split(r"\s*&&\s*(?=(?:[^']*'[^']*')*[^']*$)", span):  # && outside quotes
                 part = re.sub(r"^(\w+=\S*\s+)+", "", part.strip())  # OMP_NUM_THREADS=1 torchrun ...
-                part = re.split(r"\s+\|\s+(?=(?:[^']*'[^']*')*[^']*$)", part)[0]  # not what it is piped into
+                part = re.split(r"\s+\|\s+(?=(?:[^']*'[^']*')*[^']*$)", part)[
+                    0
+                ]  # not what it is piped into
                 if COMMAND.match(part) and part.split()[0] != part:  # a command word alone is prose
                     found.append(part)
     return found
@@ -39,8 +46,11 @@ def commands_in(text):
 
 def printed_commands():
     pages = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
-    return [(page.relative_to(ROOT).as_posix(), cmd) for page in pages
-            for cmd in commands_in(page.read_text())]
+    return [
+        (page.relative_to(ROOT).as_posix(), cmd)
+        for page in pages
+        for cmd in commands_in(page.read_text())
+    ]
 
 
 def docstring_commands():
@@ -48,8 +58,12 @@ def docstring_commands():
     found = []
     for path in sorted(ROOT.glob("*.py")):
         doc = re.sub(r"\\\n\s*", " ", ast.get_docstring(ast.parse(path.read_text())) or "")
-        found += [(path.name, c) for l in doc.splitlines() if re.match(r"\s+(torchrun|python3?|bash)\s", l)
-                  for c in commands_in(f"`{l.strip()}`")]
+        found += [
+            (path.name, c)
+            for l in doc.splitlines()
+            if re.match(r"\s+(torchrun|python3?|bash)\s", l)
+            for c in commands_in(f"`{l.strip()}`")
+        ]
     return found
 
 
@@ -62,19 +76,27 @@ def load(path):
     """Import a repo script once, as a fresh module (its own name, so that parse_args finds its Args' source),
     with its argument checks wrapped to raise Accepted once they return."""
     if str(ROOT) not in sys.path:
-        sys.path.insert(0, str(ROOT))  # the scripts import common and harness, as `python FILE.py` lets them
+        sys.path.insert(
+            0, str(ROOT)
+        )  # the scripts import common and harness, as `python FILE.py` lets them
     name = f"_docs_{path.stem}"
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module
     spec.loader.exec_module(module)
-    checks = [n for n in vars(module) if CHECKS.match(n) and n != "check_common_args" and
-              getattr(getattr(module, n), "__module__", "") == name]
+    checks = [
+        n
+        for n in vars(module)
+        if CHECKS.match(n)
+        and n != "check_common_args"
+        and getattr(getattr(module, n), "__module__", "") == name
+    ]
 
     def stop_after(check):
         def wrapped(*a, **k):
             check(*a, **k)
             raise Accepted
+
         return wrapped
 
     for n in checks:
@@ -94,22 +116,33 @@ def accepts(script, argv, world, local=None):
         return f"{script}: no such file"
     if path.suffix == ".sh":
         words = set(re.findall(r"--[\w-]+", " ".join(argv)))
-        named = [ROOT / f for f in re.findall(r"[\w/]+\.py", path.read_text())]  # what the script runs
+        named = [
+            ROOT / f for f in re.findall(r"[\w/]+\.py", path.read_text())
+        ]  # what the script runs
         text = path.read_text() + "".join(f.read_text() for f in named if f.is_file())
         syntax = subprocess.run(["bash", "-n", str(path)], capture_output=True, text=True)
         missing = [w for w in words if w not in text]
-        return (syntax.returncode and syntax.stderr) or (missing and f"{script}: no flag {missing}") or None
+        return (
+            (syntax.returncode and syntax.stderr)
+            or (missing and f"{script}: no flag {missing}")
+            or None
+        )
     module, checks = load(path)
     if not checks:  # a helper script: its flags must at least appear in it
         missing = [w for w in re.findall(r"--[\w-]+", " ".join(argv)) if w not in path.read_text()]
         return missing and f"{script}: no flag {missing}" or None
-    env = dict(WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(local or world), RANK="0", LOCAL_RANK="0")
+    env = dict(
+        WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(local or world), RANK="0", LOCAL_RANK="0"
+    )
     saved_env, saved_argv, err = {k: os.environ.get(k) for k in env}, sys.argv, io.StringIO()
     os.environ.update(env)
     sys.argv = [str(path), *argv]
     try:
-        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()), \
-                mock.patch.object(inspect, "getsource", getsource):
+        with (
+            contextlib.redirect_stderr(err),
+            contextlib.redirect_stdout(io.StringIO()),
+            mock.patch.object(inspect, "getsource", getsource),
+        ):
             module.main()
         return f"{script}: main() returned without calling {checks}"
     except Accepted:
@@ -125,7 +158,9 @@ def accepts(script, argv, world, local=None):
 
 def runs_as_printed(cmd):
     """None if the command line would start and pass its argument checks, else why not."""
-    words = shlex.split(re.sub(r"\$\([^)]*\)", "HOST", cmd), comments=True)  # $(scontrol ...): a host name
+    words = shlex.split(
+        re.sub(r"\$\([^)]*\)", "HOST", cmd), comments=True
+    )  # $(scontrol ...): a host name
     head, rest = words[0], words[1:]
     if head == "srun":  # srun ... bash -c 'torchrun ...': the command srun starts on each node
         inner = rest[rest.index("-c") + 1] if "-c" in rest else None
@@ -134,7 +169,9 @@ def runs_as_printed(cmd):
         reqs = [rest[i + 1] for i, w in enumerate(rest) if w == "-r"]
         return next((f"no file {r}" for r in reqs if not (ROOT / r).is_file()), None)
     if head == "bash":
-        return accepts(rest[0], rest[1:], 1) if rest and rest[0] != "-c" else runs_as_printed(rest[1])
+        return (
+            accepts(rest[0], rest[1:], 1) if rest and rest[0] != "-c" else runs_as_printed(rest[1])
+        )
     if head == "torchrun":
         err = io.StringIO()
         try:
@@ -146,9 +183,14 @@ def runs_as_printed(cmd):
         return accepts(t.training_script, t.training_script_args, nodes * local, local)
     if rest[:1] == ["-m"]:  # python -m venv DIR / python -m pytest PATHS
         if rest[1] == "pytest":
-            paths = [w for i, w in enumerate(rest[2:]) if not w.startswith("-")
-                     and not (i and rest[1 + i] in ("-k", "-m", "-o", "-p"))]  # not an option's value
-            return next((f"no path {p}" for p in paths if not (ROOT / p.split("::")[0]).exists()), None)
+            paths = [
+                w
+                for i, w in enumerate(rest[2:])
+                if not w.startswith("-") and not (i and rest[1 + i] in ("-k", "-m", "-o", "-p"))
+            ]  # not an option's value
+            return next(
+                (f"no path {p}" for p in paths if not (ROOT / p.split("::")[0]).exists()), None
+            )
         return None if rest[1] == "venv" else f"python -m {rest[1]}: not a command this repo prints"
     return accepts(rest[0], rest[1:], 1)
 
@@ -156,17 +198,24 @@ def runs_as_printed(cmd):
 def test_the_reader_finds_the_commands():
     """The extraction sees fenced, inline, prompted, env-prefixed, continued and srun-wrapped commands, and
     not prose; and the docs print commands for every technique file."""
-    sample = ("Run `torchrun --nproc_per_node=2 dp.py --check` or `python` alone.\n```bash\n"
-              "$ OMP_NUM_THREADS=1 python plan.py --model gpt3-6.7b \\\n  --nodes 1   # a comment\n"
-              "srun -N 2 bash -c 'torchrun --nnodes=2 --nproc_per_node=4 dp.py'\n"
-              "python plan.py --tp 8 | tail -1\nplan (predictions): ...\n```\n")
-    assert commands_in(sample) == ["torchrun --nproc_per_node=2 dp.py --check",
-                                   "python plan.py --model gpt3-6.7b    --nodes 1",
-                                   "srun -N 2 bash -c 'torchrun --nnodes=2 --nproc_per_node=4 dp.py'",
-                                   "python plan.py --tp 8"]
+    sample = (
+        "Run `torchrun --nproc_per_node=2 dp.py --check` or `python` alone.\n```bash\n"
+        "$ OMP_NUM_THREADS=1 python plan.py --model gpt3-6.7b \\\n  --nodes 1   # a comment\n"
+        "srun -N 2 bash -c 'torchrun --nnodes=2 --nproc_per_node=4 dp.py'\n"
+        "python plan.py --tp 8 | tail -1\nplan (predictions): ...\n```\n"
+    )
+    assert commands_in(sample) == [
+        "torchrun --nproc_per_node=2 dp.py --check",
+        "python plan.py --model gpt3-6.7b    --nodes 1",
+        "srun -N 2 bash -c 'torchrun --nnodes=2 --nproc_per_node=4 dp.py'",
+        "python plan.py --tp 8",
+    ]
     printed = " ".join(c for _, c in printed_commands())
     from test_repo import TECHNIQUES
-    assert not [t for t in TECHNIQUES if t not in printed], [t for t in TECHNIQUES if t not in printed]
+
+    assert not [t for t in TECHNIQUES if t not in printed], [
+        t for t in TECHNIQUES if t not in printed
+    ]
 
 
 def test_the_check_catches_what_it_is_for():
@@ -176,20 +225,31 @@ def test_the_check_catches_what_it_is_for():
     assert runs_as_printed("torchrun --nproc_per_node=4 gpipe.py --microbatches 8 --check") is None
     assert runs_as_printed("python plan.py --model gpt3-6.7b --nodes 1") is None
     assert runs_as_printed("bash tests/gpu_check.sh --cpu") is None
-    assert "microbatchs" in runs_as_printed("torchrun --nproc_per_node=4 gpipe.py --microbatchs 8 --check")
+    assert "microbatchs" in runs_as_printed(
+        "torchrun --nproc_per_node=4 gpipe.py --microbatchs 8 --check"
+    )
     assert "no such file" in runs_as_printed("torchrun --nproc_per_node=4 gpipe2.py --check")
     assert "torchrun refuses" in runs_as_printed("torchrun --nproc_per_nodes=4 gpipe.py --check")
-    assert "refused at world 3" in runs_as_printed("torchrun --nproc_per_node=3 gpipe.py --batch-size 8 "
-                                                   "--microbatches 3")  # 8 sequences in 3 micro-batches
-    assert "refused at world 1" in runs_as_printed("python gpipe.py --check")  # needs a process per stage
-    assert "world 8" in runs_as_printed("torchrun --nnodes=2 --nproc_per_node=4 gpipe.py")  # 4 layers only
+    assert "refused at world 3" in runs_as_printed(
+        "torchrun --nproc_per_node=3 gpipe.py --batch-size 8 --microbatches 3"
+    )  # 8 sequences in 3 micro-batches
+    assert "refused at world 1" in runs_as_printed(
+        "python gpipe.py --check"
+    )  # needs a process per stage
+    assert "world 8" in runs_as_printed(
+        "torchrun --nnodes=2 --nproc_per_node=4 gpipe.py"
+    )  # 4 layers only
     assert "no flag" in runs_as_printed("bash tests/gpu_check.sh --gpus")
     assert "no path" in runs_as_printed("python -m pytest -q tests/test_nothing.py")
-    page = "Pipelines:\n```bash\ntorchrun --nproc_per_node=4 gpipe.py --microbatchs 8 --check\n```\n"
+    page = (
+        "Pipelines:\n```bash\ntorchrun --nproc_per_node=4 gpipe.py --microbatchs 8 --check\n```\n"
+    )
     assert [runs_as_printed(c) for c in commands_in(page)] != [None]  # read from a page, as below
 
 
-@pytest.mark.parametrize("page,cmd", printed_commands(), ids=lambda x: x if x.endswith(".md") else x[:60])
+@pytest.mark.parametrize(
+    "page,cmd", printed_commands(), ids=lambda x: x if x.endswith(".md") else x[:60]
+)
 def test_printed_command_runs_as_printed(page, cmd):
     why = runs_as_printed(cmd)
     assert why is None, f"{page}: `{cmd}`: {why}"
@@ -198,7 +258,9 @@ def test_printed_command_runs_as_printed(page, cmd):
 def links_in(page):
     """Relative links of a Markdown page, `[text](path)` and `[text](path#anchor)`, that do not resolve."""
     text = page.read_text()
-    targets = [t.split("#")[0] for t in re.findall(r"\]\(([^)\s]+)\)", text) if not re.match(r"\w+://", t)]
+    targets = [
+        t.split("#")[0] for t in re.findall(r"\]\(([^)\s]+)\)", text) if not re.match(r"\w+://", t)
+    ]
     return [t for t in targets if t and not (page.parent / t).exists()]
 
 
@@ -213,7 +275,9 @@ def test_links_resolve(tmp_path):
     assert not {k: v for k, v in broken.items() if v}, broken
 
 
-@pytest.mark.parametrize("script,cmd", docstring_commands(), ids=lambda x: x if x.endswith(".py") else x[:60])
+@pytest.mark.parametrize(
+    "script,cmd", docstring_commands(), ids=lambda x: x if x.endswith(".py") else x[:60]
+)
 def test_docstring_command_runs_as_printed(script, cmd):
     """The same check for the commands a file's docstring prints: the reader meets them first."""
     why = runs_as_printed(cmd)
@@ -225,16 +289,23 @@ def test_gpu_plan_sizes_in_the_docs_are_the_plans():
     once: 121 launches printed where the plan had 135)."""
     sys.path.insert(0, str(ROOT / "tests"))
     import gpu_check
-    row = r"^\| (`--one-gpu`|(\d) GPUs \(world \d, then world 1\)) \| (\d+) \| (\d+) \| ([\d.]+) min"
+
+    row = (
+        r"^\| (`--one-gpu`|(\d) GPUs \(world \d, then world 1\)) \| (\d+) \| (\d+) \| ([\d.]+) min"
+    )
     table = re.findall(row, (ROOT / "docs/gpus.md").read_text(), re.M)
     assert len(table) == 3, table
     for _, gpus, runs, launches, minutes in table:
         out = io.StringIO()
         with contextlib.redirect_stdout(out):
             gpu_check.main(["--dry-run", *(["--for-gpus", gpus] if gpus else ["--one-gpu"])])
-        planned = re.search(r"planned: (\d+) runs \((\d+) launches\).*estimated ([\d.]+) min", out.getvalue())
+        planned = re.search(
+            r"planned: (\d+) runs \((\d+) launches\).*estimated ([\d.]+) min", out.getvalue()
+        )
         assert planned.groups()[:2] == (runs, launches), (gpus, planned.group(0))
         assert abs(float(planned.group(3)) - float(minutes)) <= 0.5, (gpus, planned.group(0))
     readme = (ROOT / "README.md").read_text()
-    one, eight = re.search(r"--one-gpu` runs .*?\((\d+) launches.*?\((\d+) launches", readme, re.S).groups()
+    one, eight = re.search(
+        r"--one-gpu` runs .*?\((\d+) launches.*?\((\d+) launches", readme, re.S
+    ).groups()
     assert (one, eight) == (table[0][3], table[2][3]), (one, eight)

@@ -17,6 +17,7 @@ replica ends equal to the replay, checked here from each replica's own file; the
 cores, let a round of one through), and a replica hung by SIGSTOP (NCCL's way: nothing raises) during the
 all-reduce, the group's creation or the vote is left behind within --timeout (a wait without a deadline is
 caught)."""
+
 import json, math, os, re, signal, subprocess, sys
 from datetime import timedelta
 from types import SimpleNamespace
@@ -52,13 +53,17 @@ def processes_of(marker):
 def launch(tmp_path, *args, mutant="", name="run", timeout=900):
     """One run (with a mutant: through tests/fault_tolerance_checks.py). Returns (process, summary)."""
     out = tmp_path / f"{name}.json"
-    script, first = ("tests/fault_tolerance_checks.py", [mutant]) if mutant else ("fault_tolerance.py", [])
+    script, first = (
+        ("tests/fault_tolerance_checks.py", [mutant]) if mutant else ("fault_tolerance.py", [])
+    )
     p = run_python(script, *first, *TINY, *args, "--json", out, timeout=timeout)
     p.output = p.stdout + p.stderr
     assert processes_of(str(out)) == [], f"processes left behind\n{p.output[-3000:]}"
     summary = json.loads(out.read_text()) if out.exists() else None
     if summary:  # every process the launcher started is gone too (the pids it recorded)
-        pids = [summary["launcher"]["pid"]] + [q for ps in summary["launcher"]["pids"].values() for q in ps]
+        pids = [summary["launcher"]["pid"]] + [
+            q for ps in summary["launcher"]["pids"].values() for q in ps
+        ]
         assert not [q for q in pids if os.path.exists(f"/proc/{q}")], pids
     return p, summary
 
@@ -69,9 +74,11 @@ def exact(p, s):
     assert c["passed"] and c["max_loss_diff"] <= 1e-9 and c["max_param_diff"] <= 1e-9, c
     assert s["figures"]["replicas_identical"]
     f = s["figures"]
-    print(f"\nR {s['config']['replicas']} {s['config']['recipe']}: loss diff {c['max_loss_diff']:.1e}, "
-          f"param diff {c['max_param_diff']:.1e}, goodput {f['goodput']:.3f}, failures {f['failures']}, "
-          f"recoveries {f['recoveries']}")
+    print(
+        f"\nR {s['config']['replicas']} {s['config']['recipe']}: loss diff {c['max_loss_diff']:.1e}, "
+        f"param diff {c['max_param_diff']:.1e}, goodput {f['goodput']:.3f}, failures {f['failures']}, "
+        f"recoveries {f['recoveries']}"
+    )
 
 
 def caught(p, s):
@@ -87,14 +94,31 @@ def pids(s):
 def measured_failure(s, replica, step):
     (f,) = s["figures"]["failures"]
     assert f["replica"] == replica and f["step"] == step, f
-    assert 0 < f["ms_to_next_commit"] < 600_000, f  # measured from the kill's timestamp to the commit
+    assert 0 < f["ms_to_next_commit"] < 600_000, (
+        f
+    )  # measured from the kill's timestamp to the commit
     return f
 
 
 # ----------------------------------------------------------------------------- R = 2: before its check-in
 SPIKES = ["--inject-spike", "4,7,8", "--max-skips", 2, "--snapshot-every", 4]
-R2 = ["--replicas", 2, "--steps", 9, "--kill-replica", 1, "--at-step", 2, "--phase", "before",
-      "--max-restarts", 0, *SPIKES, *SLOW_OK, "--check"]
+R2 = [
+    "--replicas",
+    2,
+    "--steps",
+    9,
+    "--kill-replica",
+    1,
+    "--at-step",
+    2,
+    "--phase",
+    "before",
+    "--max-restarts",
+    0,
+    *SPIKES,
+    *SLOW_OK,
+    "--check",
+]
 
 
 def test_r2_kill_before_checkin_then_spike_skip_and_rollback(tmp_path):
@@ -121,9 +145,22 @@ def test_r2_mutants_are_caught(tmp_path, mutant):
 
 
 # ----------------------------------------------------------------------------- R = 3: during, rejoin
-R3 = ["--replicas", 3, "--steps", 6, "--kill-replica", 1, "--at-step", 3, "--phase", "during",
-      "--min-replicas", 3,
-      *SLOW_OK, "--check"]
+R3 = [
+    "--replicas",
+    3,
+    "--steps",
+    6,
+    "--kill-replica",
+    1,
+    "--at-step",
+    3,
+    "--phase",
+    "during",
+    "--min-replicas",
+    3,
+    *SLOW_OK,
+    "--check",
+]
 
 
 def test_r3_kill_during_step_discards_it_and_the_replica_rejoins_live(tmp_path):
@@ -159,7 +196,9 @@ def test_restart_recipe_on_the_same_kill_is_measured_and_equals_one_process_trai
     """The same kill under the 2020 recipe: every replica is killed and restarted, all reload the step-2
     checkpoint from disk and train step 2 again (1 step redone, the closed form at-step - last save), and
     with all three in every step the run equals plain one-process training (common.reference_train)."""
-    p, s = launch(tmp_path, *R3, "--recipe", "restart", "--ckpt-dir", tmp_path / "ck", "--save-every", 2)
+    p, s = launch(
+        tmp_path, *R3, "--recipe", "restart", "--ckpt-dir", tmp_path / "ck", "--save-every", 2
+    )
     exact(p, s)
     assert s["figures"]["members"] == [[0, 1, 2]] * 6
     assert all(len(ps) == 2 for ps in pids(s).values())  # every process restarted
@@ -167,14 +206,35 @@ def test_restart_recipe_on_the_same_kill_is_measured_and_equals_one_process_trai
     assert max(abs(a - b) / b for a, b in zip(s["losses"], ref["losses"])) < 1e-12
     fail = measured_failure(s, 1, 3)
     assert fail["steps_redone"] == 1
-    print(f"restart-from-checkpoint: {fail['ms_to_next_commit']:.0f} ms to the next commit of step 3; live "
-          f"recovery on the same kill: {getattr(pytest, 'r3_ms', float('nan')):.0f} ms")
+    print(
+        f"restart-from-checkpoint: {fail['ms_to_next_commit']:.0f} ms to the next commit of step 3; live "
+        f"recovery on the same kill: {getattr(pytest, 'r3_ms', float('nan')):.0f} ms"
+    )
 
 
 # ----------------------------------------------------------------------------- R = 4: after, corruption
-R4 = ["--replicas", 4, "--steps", 6, "--kill-replica", 1, "--at-step", 3, "--phase", "after",
-      "--min-replicas", 3,
-      "--max-restarts", 0, "--verify-every", 3, "--corrupt-replica", 3, *SLOW_OK, "--check"]
+R4 = [
+    "--replicas",
+    4,
+    "--steps",
+    6,
+    "--kill-replica",
+    1,
+    "--at-step",
+    3,
+    "--phase",
+    "after",
+    "--min-replicas",
+    3,
+    "--max-restarts",
+    0,
+    "--verify-every",
+    3,
+    "--corrupt-replica",
+    3,
+    *SLOW_OK,
+    "--check",
+]
 
 
 def test_r4_kill_after_allreduce_and_a_corrupted_replica_repaired(tmp_path):
@@ -200,8 +260,17 @@ def test_r4_mutants_are_caught(tmp_path, mutant):
 
 
 # ----------------------------------------------------------------------------- every phase at every R
-@pytest.mark.parametrize("replicas, phase, victim", [
-    (3, "before", 0), (4, "before", 3), (2, "during", 0), (4, "during", 2), (2, "after", 1), (3, "after", 2)])
+@pytest.mark.parametrize(
+    "replicas, phase, victim",
+    [
+        (3, "before", 0),
+        (4, "before", 3),
+        (2, "during", 0),
+        (4, "during", 2),
+        (2, "after", 1),
+        (3, "after", 2),
+    ],
+)
 def test_plain_kill_in_each_phase_at_each_r(tmp_path, replicas, phase, victim):
     """The (phase, R) pairs the tests above leave out, as plain kills (no restart, no extras; the victim
     varies, replica 0 included, the one that logs and sends state): replica `victim` dies in step 1 of 3, the
@@ -210,8 +279,25 @@ def test_plain_kill_in_each_phase_at_each_r(tmp_path, replicas, phase, victim):
     replica checked in (the launcher counts them), and a healthy replica descheduled for 300 ms on a loaded
     machine is not left out of a round (it would rejoin live, exact too, but the membership asserted here
     would differ)."""
-    p, s = launch(tmp_path, "--replicas", replicas, "--steps", 3, "--kill-replica", victim, "--at-step", 1,
-                  "--phase", phase, "--max-restarts", 0, "--join-ms", 2000, *SLOW_OK, "--check")
+    p, s = launch(
+        tmp_path,
+        "--replicas",
+        replicas,
+        "--steps",
+        3,
+        "--kill-replica",
+        victim,
+        "--at-step",
+        1,
+        "--phase",
+        phase,
+        "--max-restarts",
+        0,
+        "--join-ms",
+        2000,
+        *SLOW_OK,
+        "--check",
+    )
     exact(p, s)
     everyone, rest = list(range(replicas)), [r for r in range(replicas) if r != victim]
     m = s["figures"]["members"]
@@ -223,7 +309,9 @@ def test_plain_kill_in_each_phase_at_each_r(tmp_path, replicas, phase, victim):
     assert s["figures"]["recoveries"] == [], s["figures"]["recoveries"]  # nobody fell behind
     assert s["figures"]["batches"] == [0, 1, 2] and s["launcher"]["restarts"] == 0
     assert all(len(ps) == 1 for ps in pids(s).values()), pids(s)  # the healthy keep their one pid
-    assert s["launcher"]["exit_codes"][str(victim)] == -9 and f"SIGKILL at step 1 ({phase}" in p.output
+    assert (
+        s["launcher"]["exit_codes"][str(victim)] == -9 and f"SIGKILL at step 1 ({phase}" in p.output
+    )
     assert measured_failure(s, victim, 1)["steps_redone"] == 0
     # (after: its all-reduce had succeeded, and still step 1 committed without it: that round was voted down)
     assert ("the step is discarded" in p.output) == (phase == "during"), p.output[-3000:]
@@ -235,22 +323,43 @@ def test_lost_coordinator_ends_every_replica_with_one_line(tmp_path):
     a run, and every replica says so in one line and exits (3) within --timeout; no process is left, and
     nothing else is printed (torch's C++ warnings, 14 lines each, are quieted for the replicas)."""
     marker = str(tmp_path / "gone.json")
-    p = subprocess.Popen([sys.executable, str(ROOT / "fault_tolerance.py"), *TINY, "--replicas", "2",
-                          "--steps", "500", "--timeout", "20", "--json", marker],
-                         env=ENV, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    p = subprocess.Popen(
+        [
+            sys.executable,
+            str(ROOT / "fault_tolerance.py"),
+            *TINY,
+            "--replicas",
+            "2",
+            "--steps",
+            "500",
+            "--timeout",
+            "20",
+            "--json",
+            marker,
+        ],
+        env=ENV,
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         for line in p.stdout:
             if line.startswith("step    1 "):
                 break
         p.kill()  # the launcher, and with it the coordinator's store
-        out, err = p.communicate(timeout=180)  # returns once every replica (holding the pipes) has exited
+        out, err = p.communicate(
+            timeout=180
+        )  # returns once every replica (holding the pipes) has exited
     finally:
         for q in processes_of(marker):
             os.kill(q, 9)
     assert processes_of(marker) == []
     gone = [l for l in err.splitlines() if "is gone" in l]
     assert len(gone) == 2 and all("single point" in l for l in gone), err[-3000:]
-    assert err.strip().splitlines() == gone, err[-3000:]  # one line each: no C++ warning with its frames
+    assert err.strip().splitlines() == gone, err[
+        -3000:
+    ]  # one line each: no C++ warning with its frames
 
 
 # ----------------------------------------------------------------------------- the section alone (issue 30)
@@ -279,6 +388,7 @@ class Counted:
             if name != "size":  # (asking a group's size sends nothing)
                 self.calls.append(name)
             return getattr(self.real, name)(*a, **k)
+
         return call
 
 
@@ -315,7 +425,10 @@ def test_cores_refuse_what_they_cannot_do_before_communicating():
         (lambda: ft["join_round"](store, 0, m0, lambda: 1, 1.0, -1.0), "timeout_s > 0"),
         (lambda: ft["quorum_group"](store, 0, [m0, m1], m2, None, 1.0), "replica 2 must be one of"),
         (lambda: ft["quorum_group"](store, 0, [m1, m0], m0, None, 1.0), "sorted by id"),
-        (lambda: ft["vote"](store, 0, [m0, m1], m2, True, 1.0), "must be one of the members [0, 1]"),
+        (
+            lambda: ft["vote"](store, 0, [m0, m1], m2, True, 1.0),
+            "must be one of the members [0, 1]",
+        ),
         (lambda: ft["vote"](store, 0, [m0, m1], m0, True, 0.0), "timeout_s > 0"),
         (lambda: ft["sync_state"](pg, [m0, m1], m3, rep, True), "must be one of the members"),
         (lambda: ft["sync_state"](pg, [m0, m1, m2], m0, rep, True), "of 3 members: got 2"),
@@ -325,9 +438,15 @@ def test_cores_refuse_what_they_cannot_do_before_communicating():
         (lambda: ft["local_grads"](model, x, y, [m0, m3], m3, 3, sq, len), "replica 3 of 3"),
         (lambda: ft["allreduce_grads"](pg, rep.params, torch.tensor(1.0)), "no gradient"),
         (lambda: ft["apply_update"](rep, 1.0, False, torch.tensor(0.0), 1.0, 0, 4), "max_skips"),
-        (lambda: ft["apply_update"](rep, 1.0, False, torch.tensor(0.0), 1.0, 2, 0), "snapshot_every"),
+        (
+            lambda: ft["apply_update"](rep, 1.0, False, torch.tensor(0.0), 1.0, 2, 0),
+            "snapshot_every",
+        ),
         (lambda: ft["Replica"](model, torch.optim.SGD(model.parameters(), lr=0.1), 4), "not SGD's"),
-        (lambda: ft["Replica"](model, torch.optim.Adam(model.parameters(), amsgrad=True), 4), "amsgrad"),
+        (
+            lambda: ft["Replica"](model, torch.optim.Adam(model.parameters(), amsgrad=True), 4),
+            "amsgrad",
+        ),
     ]
     for call, words in bad:
         with pytest.raises(ValueError, match=re.escape(words)):
@@ -355,6 +474,7 @@ def float64_flattening(ft):
         mine = full(self)
         flat = state[0].split([t.numel() for t in mine])  # (numel of the whole state,) float64
         load_full(self, [v.view_as(t).to(t.dtype) for t, v in zip(mine, flat)])
+
     Replica.full, Replica.load_full = full64, load64
 
 
@@ -364,6 +484,7 @@ def recovery_wire(ft, steps=5):
     process). Returns (every broadcast's (dtype, shape) as each member handed it, the bytes sync_state
     reports, the source's and the receiver's Replica after)."""
     import threading
+
     store, M, sent, reps = dist.HashStore(), ft["Member"], {0: [], 1: []}, {}
     members = [M(0, 0, 3, 1, -1, 0), M(1, 1, -1, 0, -1, 0)]
 
@@ -411,26 +532,44 @@ def test_recovery_sends_each_tensor_in_its_own_dtype():
     bytes are the state's own (closed form from the shapes), and the receiver ends bit for bit equal to the
     source. The mutant sending one float64 copy (the file before) is as exact, and is caught by the wire."""
     import itertools
+
     steps = 5
-    params = [((2, 3), torch.float32), ((2,), torch.float32), ((), torch.bfloat16)]  # weight, bias, gain
-    one = [(d, s) for s, d in params] * 3 + [(torch.float32, ())] * 3 + [(torch.float64, (5 + steps,))]
+    params = [
+        ((2, 3), torch.float32),
+        ((2,), torch.float32),
+        ((), torch.bfloat16),
+    ]  # weight, bias, gain
+    one = (
+        [(d, s) for s, d in params] * 3
+        + [(torch.float32, ())] * 3
+        + [(torch.float64, (5 + steps,))]
+    )
     size = {torch.float32: 4, torch.bfloat16: 2, torch.float64: 8}
     state_bytes = 2 * sum(size[d] * math.prod(s) for d, s in one)  # 2 x (3 x 34 + 12 + 80) = 388
     wire_ok = lambda sent, nbytes: sent[0] == sent[1] == one * 2 and nbytes == state_bytes  # noqa: E731
     sent, nbytes, src, dst = recovery_wire(section.load("fault_tolerance.py"), steps)
     assert wire_ok(sent, nbytes) and state_bytes == 388, (sent, nbytes)
-    for a, b in itertools.zip_longest(src.full(), dst.full()):  # (bit for bit, dtype too; the NaN padding)
+    for a, b in itertools.zip_longest(
+        src.full(), dst.full()
+    ):  # (bit for bit, dtype too; the NaN padding)
         torch.testing.assert_close(b, a, rtol=0, atol=0, equal_nan=True)
     assert (dst.version, dst.step, dst.batch, dst.losses) == (3, 1, 2, [0.25])
-    assert all(t.device.type == "cpu" for t in dst.snapshot)  # (the rollback snapshot stays on the host)
+    assert all(
+        t.device.type == "cpu" for t in dst.snapshot
+    )  # (the rollback snapshot stays on the host)
     mutant = section.load("fault_tolerance.py")
     float64_flattening(mutant)
     sent64, nbytes64, src, dst = recovery_wire(mutant, steps)
     for a, b in zip(src.full(), dst.full()):  # exact too: parity cannot see it
         torch.testing.assert_close(b, a, rtol=0, atol=0, equal_nan=True)
-    assert not wire_ok(sent64, nbytes64) and nbytes64 == 8 * 80, (sent64, nbytes64)  # 80 elements, 8 B each
-    print(f"\nrecovery wire: {len(sent[0])} tensors, {nbytes} B (float32, bfloat16, float64 as the state); "
-          f"the mutant's one float64 copy: {nbytes64} B")
+    assert not wire_ok(sent64, nbytes64) and nbytes64 == 8 * 80, (
+        sent64,
+        nbytes64,
+    )  # 80 elements, 8 B each
+    print(
+        f"\nrecovery wire: {len(sent[0])} tensors, {nbytes} B (float32, bfloat16, float64 as the state); "
+        f"the mutant's one float64 copy: {nbytes64} B"
+    )
 
 
 # ----------------------------------------------------------------------------- goodput, from the records
@@ -440,26 +579,39 @@ def test_goodput_counts_overlapping_rounds_once():
     the useful time is their union, and goodput can never pass 1 (it once read 1.014). Closed form: committed
     rounds 0, 1, 3 spanning [0, 2], [1, 3], [4, 5] s (round 2, [3, 4], discarded): 4 s useful of 5 s wall."""
     import fault_tolerance as ft
+
     s = dist.HashStore()
     for k, (t0, t1) in enumerate([(0, 2), (1, 3), (3, 4), (4, 5)]):
         s.set(f"t/{k}", f"{100.0 + t0!r} {100.0 + t1!r} {min(k, 2)} update")
-    f = ft.recovery_figures(s, SimpleNamespace(replicas=2, phase="during", recipe="live"), [0, 1, 3])
+    f = ft.recovery_figures(
+        s, SimpleNamespace(replicas=2, phase="during", recipe="live"), [0, 1, 3]
+    )
     assert f["wall_s"] == 5.0 and f["useful_s"] == 4.0 and f["goodput"] == 0.8, f
 
 
 # ----------------------------------------------------------------------------- bad input
-@pytest.mark.parametrize("flags, words", [
-    (["--replicas", 5], ["a batch of rows divisible by 5 (each owns a shard), got 12"]),
-    (["--max-skips", 0], ["max_skips and snapshot_every must be >= 1, got 0 and 4"]),
-    (["--kill-replica", 3, "--replicas", 3, "--at-step", 1], ["--kill-replica 3 needs a replica in 0..2"]),
-    (["--recipe", "restart", "--replica", 1, "--coordinator", "127.0.0.1:1"],
-     ["--recipe restart needs --ckpt-dir"]),
-])
+@pytest.mark.parametrize(
+    "flags, words",
+    [
+        (["--replicas", 5], ["a batch of rows divisible by 5 (each owns a shard), got 12"]),
+        (["--max-skips", 0], ["max_skips and snapshot_every must be >= 1, got 0 and 4"]),
+        (
+            ["--kill-replica", 3, "--replicas", 3, "--at-step", 1],
+            ["--kill-replica 3 needs a replica in 0..2"],
+        ),
+        (
+            ["--recipe", "restart", "--replica", 1, "--coordinator", "127.0.0.1:1"],
+            ["--recipe restart needs --ckpt-dir"],
+        ),
+    ],
+)
 def test_bad_input_is_one_line_and_exit_2(flags, words):
     """The launcher, and a replica as the launcher starts it (before it touches the coordinator)."""
     p = run_python("fault_tolerance.py", *TINY, *flags)
     lines = (p.stdout + p.stderr).strip().splitlines()
-    assert p.returncode == 2 and len(lines) == 1 and all(w in lines[0] for w in words), p.stdout + p.stderr
+    assert p.returncode == 2 and len(lines) == 1 and all(w in lines[0] for w in words), (
+        p.stdout + p.stderr
+    )
 
 
 # One use of every flag `--help` lists (with the companions it needs), each accepted by check_args.
@@ -480,22 +632,32 @@ def test_help_lists_only_what_the_file_accepts(tmp_path, capsys):
     each, checked by check_args here; the table must name exactly the listed flags), and the description is
     the docstring's whole first paragraph."""
     import fault_tolerance as ft
+
     p = run_python("fault_tolerance.py", "--help")
     assert p.returncode == 0, p.stderr
     uses = [u.split() for u in USES.replace("\n", "").split("|")]
-    as_used = lambda text: sorted(listed(text)) == sorted(u[0] for u in uses) and not [  # noqa: E731
-        f for f in HIDDEN if re.search(f"{f}\\b(?!-)", text)]
+    as_used = lambda text: (
+        sorted(listed(text)) == sorted(u[0] for u in uses)
+        and not [  # noqa: E731
+            f for f in HIDDEN if re.search(f"{f}\\b(?!-)", text)
+        ]
+    )
     assert as_used(p.stdout), sorted(set(listed(p.stdout)) ^ {u[0] for u in uses})
+
     class Unhidden(ft.Args):  # the mutant: no HIDDEN (this file before issue 43)
         HIDDEN = ()
+
     with pytest.raises(SystemExit):
         ft.parse_args(Unhidden, ["--help"])
     assert not as_used(capsys.readouterr().out)  # caught
     for use in uses:
         a = ft.parse_args(ft.Args, [*TINY, *[str(tmp_path / w) if w == "D" else w for w in use]])
         ft.check_args(a)  # (a refusal would exit 2 here)
-    refusals = [("--fail-at-step", 2, "torchrun's restart test"), ("--dropout", 0.1, "must be 0"),
-                ("--replica", 1, "the launcher's")]
+    refusals = [
+        ("--fail-at-step", 2, "torchrun's restart test"),
+        ("--dropout", 0.1, "must be 0"),
+        ("--replica", 1, "the launcher's"),
+    ]
     for flag, value, words in refusals:
         with pytest.raises(SystemExit) as refused:
             ft.check_args(ft.parse_args(ft.Args, [*TINY, flag, str(value)]))
@@ -506,30 +668,49 @@ def test_help_lists_only_what_the_file_accepts(tmp_path, capsys):
 
 def listed(help_text):
     """The flags an argparse --help lists in its options (both forms of a boolean; not -h/--help)."""
-    return [o.split()[0] for line in help_text.split("options:")[1].splitlines()
-            if re.match(r"  --", line) and "--help" not in line
-            for o in re.split(r"\s{2,}", line.strip())[0].split(", ")]
+    return [
+        o.split()[0]
+        for line in help_text.split("options:")[1].splitlines()
+        if re.match(r"  --", line) and "--help" not in line
+        for o in re.split(r"\s{2,}", line.strip())[0].split(", ")
+    ]
 
 
 def tiny(steps):
     """TINY as the args reference_train takes."""
     it = iter(TINY)
     a = {k.lstrip("-").replace("-", "_"): v for k, v in zip(it, it)}
-    return SimpleNamespace(vocab=int(a["vocab"]), seq_len=int(a["seq_len"]), d_model=int(a["d_model"]),
-                           n_heads=int(a["n_heads"]), n_layers=int(a["n_layers"]), dropout=0.0,
-                           batch_size=int(a["batch_size"]), steps=steps, dtype=a["dtype"], seed=0, lr=3e-3,
-                           weight_decay=0.1, clip=1.0, ragged=False)
+    return SimpleNamespace(
+        vocab=int(a["vocab"]),
+        seq_len=int(a["seq_len"]),
+        d_model=int(a["d_model"]),
+        n_heads=int(a["n_heads"]),
+        n_layers=int(a["n_layers"]),
+        dropout=0.0,
+        batch_size=int(a["batch_size"]),
+        steps=steps,
+        dtype=a["dtype"],
+        seed=0,
+        lr=3e-3,
+        weight_decay=0.1,
+        clip=1.0,
+        ragged=False,
+    )
 
 
 # ----------------------------------------------------------------------------- no split brain (issue 39)
 def in_thread(fn, *args):
     """fn(*args) in a thread; returns a handle whose .result() waits for it (and re-raises)."""
     import concurrent.futures
+
     return concurrent.futures.ThreadPoolExecutor(1).submit(fn, *args)
 
 
-NO_MAJORITY = ("2 * n > alive", "True")  # today's rule before issue 39: the window alone closes a round
-NO_FENCE = ("votes.count(b\"yes\") == len(keys) and current", "votes.count(b\"yes\") == len(keys)")
+NO_MAJORITY = (
+    "2 * n > alive",
+    "True",
+)  # today's rule before issue 39: the window alone closes a round
+NO_FENCE = ('votes.count(b"yes") == len(keys) and current', 'votes.count(b"yes") == len(keys)')
 
 
 def split_brain(ft):
@@ -547,6 +728,7 @@ def split_brain(ft):
     assert ft["join_round"](store, 0, m[2], three, 0.05, 5.0) is None  # late: round 0 had closed
     lone = in_thread(ft["join_round"], store, 1, m[2], three, 0.05, 5.0)
     import time
+
     time.sleep(0.5)  # ten windows: a round of one closes in 0.05 s
     alone = lone.done()
     if not alone:
@@ -557,10 +739,15 @@ def split_brain(ft):
     s2 = dist.HashStore()  # 2. a round of one beside a majority round, both from version 0
     for k, members in [(0, m[:2]), (1, m[2:])]:
         for i, x in enumerate(members, 1):
-            s2.set(f"q{k}/slot{i}", " ".join(map(str, (x.rid, x.life, x.version, x.step, x.gid, x.gsize))))
+            s2.set(
+                f"q{k}/slot{i}",
+                " ".join(map(str, (x.rid, x.life, x.version, x.step, x.gid, x.gsize))),
+            )
         s2.set(f"q{k}/size", str(len(members)))
     lone_vote = in_thread(ft["vote"], s2, 1, m[2:], m[2], True, 5.0)  # waits for round 0's decision
-    assert all(f.result() for f in [in_thread(ft["vote"], s2, 0, m[:2], m[r], True, 5.0) for r in (0, 1)])
+    assert all(
+        f.result() for f in [in_thread(ft["vote"], s2, 0, m[:2], m[r], True, 5.0) for r in (0, 1)]
+    )
     return seen, alone, lone_vote.result()
 
 
@@ -575,8 +762,12 @@ def test_no_minority_round_closes_or_commits():
     text = (ROOT / "fault_tolerance.py").read_text()
     for old, new in (NO_MAJORITY, NO_FENCE):
         assert text.count(old) == 1, old
-        seen, alone, lone_committed = split_brain(section.load("fault_tolerance.py", text.replace(old, new)))
-        assert (alone and [x.rid for x in seen] == [2]) if old == NO_MAJORITY[0] else lone_committed, old
+        seen, alone, lone_committed = split_brain(
+            section.load("fault_tolerance.py", text.replace(old, new))
+        )
+        assert (
+            (alone and [x.rid for x in seen] == [2]) if old == NO_MAJORITY[0] else lone_committed
+        ), old
 
 
 # ----------------------------------------------------------------------------- signals sent from outside
@@ -597,12 +788,25 @@ class Live:
 
     def __init__(self, tmp_path, *args, name="live", script=""):
         import threading
+
         self.marker = str(tmp_path / f"{name}.json")
-        first = list(map(str, args[:1])) if script else []  # (a mutant's NAME comes before the flags)
-        argv = [str(ROOT / (script or "fault_tolerance.py")), *first, *TINY, *map(str, args[len(first):])]
-        self.p = subprocess.Popen([sys.executable, *argv,
-                                   "--json", self.marker], env=ENV, cwd=ROOT, stdout=subprocess.PIPE,
-                                  stderr=subprocess.STDOUT, text=True)
+        first = (
+            list(map(str, args[:1])) if script else []
+        )  # (a mutant's NAME comes before the flags)
+        argv = [
+            str(ROOT / (script or "fault_tolerance.py")),
+            *first,
+            *TINY,
+            *map(str, args[len(first) :]),
+        ]
+        self.p = subprocess.Popen(
+            [sys.executable, *argv, "--json", self.marker],
+            env=ENV,
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
         self.lines, self.seen = [], threading.Condition()
         threading.Thread(target=self._read, daemon=True).start()
 
@@ -615,6 +819,7 @@ class Live:
     def wait_for(self, text, within):
         """Seconds until a line containing `text` came (from now), or None past `within` s."""
         import time
+
         t0 = time.monotonic()
         with self.seen:
             while not any(text in l for l in self.lines):
@@ -651,18 +856,23 @@ def every_replica_equals_the_replay(marker, s, args):
     """Checked here, not by the run's --check: the final weights of every replica that ended the run (each
     writes its own) equal each other and the one-process replay of what was committed, computed here."""
     import fault_tolerance as ft
+
     a = ft.parse_args(ft.Args, [*TINY, *map(str, args)])
     ref = ft.replay_reference(a, s["figures"]["batches"], s["figures"]["members"])["params"]
     finals = [torch.load(f"{marker}.replica{r}.pt") for r in s["figures"]["final_members"]]
     worst = max((f[n] - p).abs().max().item() for f in finals for n, p in ref.items())
-    assert worst <= 1e-12, worst  # (float64: every replica is the replay, so each equals the others)
+    assert worst <= 1e-12, (
+        worst
+    )  # (float64: every replica is the replay, so each equals the others)
     return worst
 
 
 STRAGGLER = ["--replicas", 3, "--steps", 10, "--join-ms", 50, "--timeout", 20, "--check"]
 
 
-@pytest.mark.parametrize("run", range(1))  # (one in the suite, for its time; six runs passed by hand)
+@pytest.mark.parametrize(
+    "run", range(1)
+)  # (one in the suite, for its time; six runs passed by hand)
 def test_a_straggler_in_bursts_never_forks_the_replicas(tmp_path, run):
     """Issue 39's fork, sent from outside: replica 2 paused and resumed in short bursts (SIGSTOP 60-150 ms,
     SIGCONT 30 ms, by pid) so that it misses --join-ms 50 windows by a little, round after round, for the
@@ -670,6 +880,7 @@ def test_a_straggler_in_bursts_never_forks_the_replicas(tmp_path, run):
     step alone: every replica ends with the same weights, equal to the one-process replay of what was
     committed (checked here from each replica's own file), and the run's --check passes."""
     import random, time
+
     live, rng = Live(tmp_path, *STRAGGLER), random.Random(run)
     try:
         assert live.wait_for("step    1 ", 300) is not None, live.lines[-20:]
@@ -685,12 +896,27 @@ def test_a_straggler_in_bursts_never_forks_the_replicas(tmp_path, run):
     exact(SimpleNamespace(returncode=live.p.returncode, output=live.output), s)
     assert sorted(s["figures"]["final_members"]) == [0, 1, 2]
     worst = every_replica_equals_the_replay(live.marker, s, STRAGGLER)
-    print(f"straggler run {run}: members {s['figures']['members']}, recoveries {s['figures']['recoveries']}, "
-          f"replicas vs replay {worst:.1e}")
+    print(
+        f"straggler run {run}: members {s['figures']['members']}, recoveries {s['figures']['recoveries']}, "
+        f"replicas vs replay {worst:.1e}"
+    )
 
 
-JOIN_KILL = ["--replicas", 3, "--steps", 5, "--kill-replica", 1, "--at-step", 2, "--phase", "join",
-             "--timeout", 20, "--check"]
+JOIN_KILL = [
+    "--replicas",
+    3,
+    "--steps",
+    5,
+    "--kill-replica",
+    1,
+    "--at-step",
+    2,
+    "--phase",
+    "join",
+    "--timeout",
+    20,
+    "--check",
+]
 
 
 @pytest.mark.parametrize("restarts", [0])  # (1 passed too: the R 3 test covers a restarted rejoin)
@@ -709,7 +935,19 @@ def test_a_kill_at_the_moment_of_the_join_never_forks(tmp_path, restarts):
 
 
 # ----------------------------------------------------------------------------- a hung replica (NCCL's way)
-FREEZE = ["--replicas", 3, "--steps", 5, "--freeze-replica", 1, "--join-ms", 300, "--timeout", 2, "--check"]
+FREEZE = [
+    "--replicas",
+    3,
+    "--steps",
+    5,
+    "--freeze-replica",
+    1,
+    "--join-ms",
+    300,
+    "--timeout",
+    2,
+    "--check",
+]
 # The others must commit the frozen step within BOUND_S (--timeout 2 plus rounds: 3.6-4.3 s seen at load 30
 # with --timeout 3); the group's own timeout, the backstop a wait without deadline sits in, is 10 x 2 = 20 s.
 BOUND_S = 16
@@ -740,14 +978,21 @@ def test_a_frozen_replica_is_left_behind_within_the_deadline(tmp_path, phase, st
     the frozen one rejoins live (recovered from a peer) or exits with one line. Exact against the replay,
     every replica that ended equal to it (checked here); nothing left running."""
     took, live = frozen_run(tmp_path, phase, step)
-    assert took is not None, f"step {step} not committed within {BOUND_S} s\n" + "\n".join(live.lines[-30:])
+    assert took is not None, f"step {step} not committed within {BOUND_S} s\n" + "\n".join(
+        live.lines[-30:]
+    )
     s = live.summary
     exact(SimpleNamespace(returncode=live.p.returncode, output=live.output), s)
     assert len(pids(s)[0]) == len(pids(s)[2]) == 1, pids(s)
     assert [0, 2] in s["figures"]["members"]
-    assert 1 in s["figures"]["final_members"] or "replica 1: the run finished without it" in live.output
+    assert (
+        1 in s["figures"]["final_members"]
+        or "replica 1: the run finished without it" in live.output
+    )
     every_replica_equals_the_replay(live.marker, s, [*FREEZE, "--at-step", step, "--phase", phase])
-    print(f"frozen {phase} at step {step}: the others committed it {took:.1f} s after the SIGSTOP line")
+    print(
+        f"frozen {phase} at step {step}: the others committed it {took:.1f} s after the SIGSTOP line"
+    )
 
 
 def test_a_wait_without_deadline_is_caught(tmp_path):
@@ -764,19 +1009,30 @@ def test_the_cuda_branch_runs_here_with_the_backend_stubbed(monkeypatch):
     the round's prefix, the member's rank, non-blocking, its own timeout 10 x ours), and the deadline (a wait
     past it aborts the group once, lets it go, and raises), on the section's cores, NCCL and CUDA stubbed."""
     ft, made, current = section.load("fault_tolerance.py"), [], []
+
     class NCCL:  # records what it was built with; its one collective never finishes in time
         Options = dist.ProcessGroupNCCL.Options
 
         def __init__(self, store, rank, size, opts):
-            self.store, self.rank, self.n, self.opts, self.aborts, self.waits = store, rank, size, opts, 0, []
+            self.store, self.rank, self.n, self.opts, self.aborts, self.waits = (
+                store,
+                rank,
+                size,
+                opts,
+                0,
+                [],
+            )
             made.append(self)
 
         def size(self):
             return self.n
 
         def allreduce(self, tensors):
-            return SimpleNamespace(wait=lambda timeout: self.waits.append(timeout) or (_ for _ in ()).throw(
-                RuntimeError("timed out")))
+            return SimpleNamespace(
+                wait=lambda timeout: (
+                    self.waits.append(timeout) or (_ for _ in ()).throw(RuntimeError("timed out"))
+                )
+            )
 
         def abort(self):
             self.aborts += 1

@@ -5,6 +5,7 @@ once as written and once with every function and class defined below the fence r
 crash in the summary after training is the summary's business). And statically: nothing below the
 fence
 binds again a name defined above it (the way zero.py's gloo collectives replaced the core's at import)."""
+
 import pytest
 import torch
 
@@ -14,19 +15,26 @@ from helpers import forked, TINY
 from test_repo import TECHNIQUES
 
 STEPS = 3
-ARGS = [*TINY[:TINY.index("--steps")], "--steps", str(STEPS), "--dtype", "float64"]
+ARGS = [*TINY[: TINY.index("--steps")], "--steps", str(STEPS), "--dtype", "float64"]
 # How each file is started: torchrun at world 2, except the launcher that starts its own replicas.
 # Each run takes the file's path that has most below its fence to stub (zero.py: stage 3, where the gloo
 # collectives below its fence are called).
-LAUNCH = {"fault_tolerance.py": ("plain", ["--replicas", "2"]), "zero.py": ("torchrun", ["--stage", "3"])}
+LAUNCH = {
+    "fault_tolerance.py": ("plain", ["--replicas", "2"]),
+    "zero.py": ("torchrun", ["--stage", "3"]),
+}
 # Files marked as failing the contract (xfail, strict): none since issue 43's round (dp.py, zero.py and
 # fault_tolerance.py failed it before: see the mutant tests for what is caught).
 OWNED_ELSEWHERE, STATIC_OWNED_ELSEWHERE = {}, {}
 
 
 def marked(names, reasons):
-    return [pytest.param(n, marks=pytest.mark.xfail(strict=True, reason=reasons[n])) if n in reasons else n
-            for n in names]
+    return [
+        pytest.param(n, marks=pytest.mark.xfail(strict=True, reason=reasons[n]))
+        if n in reasons
+        else n
+        for n in names
+    ]
 
 
 def launch(name, mode, out, monkeypatch, move=""):
@@ -49,11 +57,15 @@ def differences(normal, stubbed):
     logs no loss stubbed: then the parameters before each step, the same, stand for its loss."""
     found = []
     if set(normal) != set(stubbed):
-        found.append(f"processes that recorded a result: {sorted(normal)} as written, "
-                     f"{sorted(stubbed)} stubbed")
+        found.append(
+            f"processes that recorded a result: {sorted(normal)} as written, "
+            f"{sorted(stubbed)} stubbed"
+        )
     for key in sorted(set(normal) & set(stubbed)):
         a, b = normal[key], stubbed[key]
-        if b["losses"] and repr(a["losses"]) != repr(b["losses"]):  # repr: nan (a stage without the loss) too
+        if b["losses"] and repr(a["losses"]) != repr(
+            b["losses"]
+        ):  # repr: nan (a stage without the loss) too
             found.append(f"{key}: losses {a['losses']} as written, {b['losses']} stubbed")
         ta, tb = a["trajectory"], b["trajectory"]
         if len(ta) != len(tb):
@@ -84,7 +96,9 @@ def test_below_the_fence_decides_nothing(name, tmp_path, tmp_path_factory, monke
     assert not found, "\n".join(found) + "\n" + output[-4000:]
 
 
-def test_the_fence_test_catches_a_training_definition_moved_below(tmp_path, tmp_path_factory, monkeypatch):
+def test_the_fence_test_catches_a_training_definition_moved_below(
+    tmp_path, tmp_path_factory, monkeypatch
+):
     """The mutant a reader's budget invites: ddp_bucketed.py's to_device (each step's batch onto the device)
     moved below the fence. Stubbed, the run no longer trains the same; as written, it still does."""
     name = "ddp_bucketed.py"
@@ -102,14 +116,30 @@ def test_nothing_below_the_fence_rebinds_a_name_from_above(name):
 
 
 def test_the_rebinding_check_catches_each_form():
-    above = "import torch\nfrom x import y as z\ndef f():\n    pass\nclass C:\n    pass\nA, B = 1, 2\n"
-    below = ["def f():\n    pass", "class A:\n    pass", "z = 3", "B += 1", "import torch", "C.g = f",
-             "for A in ():\n    pass", "setattr(C, 'g', 1)", "def h():\n    global A\n    A = 1",
-             "A[0] = 1"]
+    above = (
+        "import torch\nfrom x import y as z\ndef f():\n    pass\nclass C:\n    pass\nA, B = 1, 2\n"
+    )
+    below = [
+        "def f():\n    pass",
+        "class A:\n    pass",
+        "z = 3",
+        "B += 1",
+        "import torch",
+        "C.g = f",
+        "for A in ():\n    pass",
+        "setattr(C, 'g', 1)",
+        "def h():\n    global A\n    A = 1",
+        "A[0] = 1",
+    ]
     fenced = lambda text: above + "\n# --- measurement ---\n" + text + "\n"  # noqa: E731
     for mutant in below:
         assert rebindings(fenced(mutant)), mutant
-    near_misses = ["def g():\n    f = 1\n    return f", "D = A + 1", "class D:\n    A = 1", "print(C.g)"]
+    near_misses = [
+        "def g():\n    f = 1\n    return f",
+        "D = A + 1",
+        "class D:\n    A = 1",
+        "print(C.g)",
+    ]
     for text in near_misses:
         assert not rebindings(fenced(text)), text
 
@@ -120,4 +150,6 @@ def test_stub_and_move_keep_the_file_whole():
     stubbed = stub_below_fence(text)
     assert len(stubbed.splitlines()) == len(text.splitlines())
     compile(stubbed, "ddp_bucketed.py", "exec")
-    assert "to_device = __fence_stub__('to_device')" in stub_below_fence(move_below_fence(text, "to_device"))
+    assert "to_device = __fence_stub__('to_device')" in stub_below_fence(
+        move_below_fence(text, "to_device")
+    )

@@ -1,6 +1,7 @@
 """The suite's launcher (tests/forkserver.py) against torchrun itself: a launch forked from the warm interpreter
 must be indistinguishable, to the file it runs, from `torchrun --standalone`, and must keep torchrun's agent
 behaviour the tests rely on (a failed worker stops the rest, restarts, a bounded wait)."""
+
 import os, subprocess, time
 
 import pytest
@@ -12,8 +13,10 @@ TIMING = {"step_ms", "tokens_per_s"}
 
 def same_run(a, b):
     """Two --json summaries of one configuration, without the wall-clock figures and the path they went to."""
-    strip = lambda s: {k: v for k, v in s.items() if k not in TIMING | {"config"}} | \
-        {"config": {k: v for k, v in s["config"].items() if k != "json"}}
+    strip = lambda s: (
+        {k: v for k, v in s.items() if k not in TIMING | {"config"}}
+        | {"config": {k: v for k, v in s["config"].items() if k != "json"}}
+    )
     return strip(a) == strip(b)
 
 

@@ -1,6 +1,7 @@
 """fp8.py: the FP8 GEMM against a closed form, the FP8 linear and recipes copied out onto a model that is not
 the GPT, parity of every recipe at world 2 and 3 with its mutants caught (tests/fp8_checks.py), the file's own
 --check with --fp8-all-gather at world 3, the all-gather bytes, bad input, and the fence contract."""
+
 import json, re, subprocess, sys
 
 import pytest
@@ -13,7 +14,9 @@ from helpers import ENV, ROOT, check_lines, passed, run_python, torchrun
 sys.path.insert(0, str(ROOT))  # section.refused counts collectives with harness.CommCounter
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
-core = section.load("fp8.py")  # what a copier takes: the technique section alone, torch and einops only
+core = section.load(
+    "fp8.py"
+)  # what a copier takes: the technique section alone, torch and einops only
 
 
 def dequant(t, fmt, tile=None, block=False):
@@ -47,7 +50,9 @@ def test_scaled_mm_is_the_dequantized_product(tile):
     want = dequant(a, E4M3, tile) @ dequant(b, E4M3, tile, block=True).t()
     err = ((got - want).abs().max() / want.abs().max()).item()
     assert err < 1e-6, err
-    if tile:  # the mutant: one scale for the whole tensor in place of the tiles' (the same FP8 numbers)
+    if (
+        tile
+    ):  # the mutant: one scale for the whole tensor in place of the tiles' (the same FP8 numbers)
         wrong = core["scaled_mm"](qa, sa.mean(), qb, sb.mean()).double()
         assert ((wrong - want).abs().max() / want.abs().max()).item() > 1e-2
 
@@ -84,9 +89,12 @@ def test_copy_out_fp8_linear_on_a_foreign_model(recipe):
     for n in ("up", "down"):
         layer = getattr(model, n)
         assert type(layer).__name__ == "Fp8Linear" and layer.weight.dtype == torch.float64
-        layer.register_forward_hook(lambda mod, i, o, n=n: seen.__setitem__(n + ".x", i[0].detach()))
+        layer.register_forward_hook(
+            lambda mod, i, o, n=n: seen.__setitem__(n + ".x", i[0].detach())
+        )
         layer.register_full_backward_hook(
-            lambda mod, gi, go, n=n: seen.update({n + ".dy": go[0], n + ".dx": gi[0]}))
+            lambda mod, gi, go, n=n: seen.update({n + ".dy": go[0], n + ".dx": gi[0]})
+        )
     loss = (model(x) - target).pow(2).mean()
     loss.backward()
     t, bwd = (128, E4M3) if recipe == "fine-grained" else (None, E5M2)
@@ -102,7 +110,9 @@ def test_copy_out_fp8_linear_on_a_foreign_model(recipe):
         assert rel(getattr(model, n).weight.grad, dw) < 1e-5, n
         if seen[n + ".dx"] is not None:  # "up" takes the data, which needs no gradient
             assert rel(seen[n + ".dx"], dx) < 1e-5, n
-        wrong = closed_form(n, E5M2, E5M2 if bwd == E4M3 else E4M3)  # the mutant: the formats swapped
+        wrong = closed_form(
+            n, E5M2, E5M2 if bwd == E4M3 else E4M3
+        )  # the mutant: the formats swapped
         assert rel(getattr(model, n).weight.grad, wrong[0]) > 1e-3, n
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     first = loss.item()
@@ -119,20 +129,30 @@ def test_core_refuses_what_it_cannot_do_before_any_collective():
     128-row blocks, an uneven split of W's rows, a non-float8 format, an empty amax history: each a
     ValueError naming what would work, no collective sent (harness.CommCounter)."""
     w, fg, cur = torch.zeros(256, 100), core["FineGrained"](), core["Current"]()
-    cases = {"in_features 100": (lambda: core["Fp8Linear"](w, None, fg), ["in_features = 100", "128"]),
-             "shard of 64 rows at world 2": (lambda: core["check_fp8_linear"](fg, 128, 128, 2),
-                                             ["128-row blocks", "multiple of 256"]),
-             "48 rows over 5 ranks": (lambda: core["check_fp8_linear"](cur, 48, 48, 5),
-                                      ["5 shards", "multiple of 80"]),
-             "tokens 100": (lambda: core["check_fp8_linear"](fg, 128, 128, 1, 100),
-                            ["tokens per rank = 100"]),
-             "bf16 format": (lambda: core["Current"](fwd=torch.bfloat16), ["float8_e4m3fn", "bfloat16"]),
-             "int8 format": (lambda: core["FineGrained"](bwd=torch.int8), ["FP8 format", "int8"]),
-             "history 0": (lambda: core["Delayed"](0), ["history of at least 1"])}
+    cases = {
+        "in_features 100": (lambda: core["Fp8Linear"](w, None, fg), ["in_features = 100", "128"]),
+        "shard of 64 rows at world 2": (
+            lambda: core["check_fp8_linear"](fg, 128, 128, 2),
+            ["128-row blocks", "multiple of 256"],
+        ),
+        "48 rows over 5 ranks": (
+            lambda: core["check_fp8_linear"](cur, 48, 48, 5),
+            ["5 shards", "multiple of 80"],
+        ),
+        "tokens 100": (
+            lambda: core["check_fp8_linear"](fg, 128, 128, 1, 100),
+            ["tokens per rank = 100"],
+        ),
+        "bf16 format": (lambda: core["Current"](fwd=torch.bfloat16), ["float8_e4m3fn", "bfloat16"]),
+        "int8 format": (lambda: core["FineGrained"](bwd=torch.int8), ["FP8 format", "int8"]),
+        "history 0": (lambda: core["Delayed"](0), ["history of at least 1"]),
+    }
     for what, (call, words) in cases.items():
         ok, seen = section.refused(call, words)
         assert ok, (what, seen)
-    tokens = torch.zeros(100, 128)  # a forward with 100 tokens: refused as it starts, before any all-gather
+    tokens = torch.zeros(
+        100, 128
+    )  # a forward with 100 tokens: refused as it starts, before any all-gather
     lin = core["Fp8Linear"](torch.zeros(128, 128), None, fg)
     assert section.refused(lambda: lin(tokens), ["tokens per rank = 100"])[0]
 
@@ -164,13 +184,17 @@ def test_every_recipe_matches_its_one_process_reference(checks2, checks3):
     for recipe in ("current", "delayed", "fine-grained"):
         for world, checks, hows in ((2, checks2, ("bf16", "FP8")), (3, checks3, ("FP8",))):
             for how in hows:
-                assert passed(checks, f"{recipe}, weights gathered in {how}, world {world}: =="), checks
+                assert passed(checks, f"{recipe}, weights gathered in {how}, world {world}: =="), (
+                    checks
+                )
 
 
 def test_mutants_are_caught(checks2):
     """Each rank scaling by its own amax, and E4M3 in place of E5M2 gradients, fail the same comparison."""
     assert passed(checks2, "negative: current with each rank's own amax: differs"), checks2
-    assert passed(checks2, "negative: delayed with the E5M2 gradient format forgotten: differs"), checks2
+    assert passed(checks2, "negative: delayed with the E5M2 gradient format forgotten: differs"), (
+        checks2
+    )
 
 
 def test_fp8_all_gather_moves_half_of_bf16s_bytes(checks2):
@@ -186,9 +210,28 @@ def shared_file_run(tmp_path_factory):
     """torchrun --nproc_per_node=3 fp8.py --recipe current --fp8-all-gather --check (float64), once a session:
     (summary, output); tests/test_plan.py reads its counted bytes too."""
     if "run" not in _CHECKS:
-        args = ["--recipe", "current", "--fp8-all-gather", "--check", "--dtype", "float64", "--vocab", "32",
-                "--seq-len", "8", "--d-model", "48", "--n-heads", "2", "--n-layers", "2", "--batch-size",
-                "12", "--steps", "3"]
+        args = [
+            "--recipe",
+            "current",
+            "--fp8-all-gather",
+            "--check",
+            "--dtype",
+            "float64",
+            "--vocab",
+            "32",
+            "--seq-len",
+            "8",
+            "--d-model",
+            "48",
+            "--n-heads",
+            "2",
+            "--n-layers",
+            "2",
+            "--batch-size",
+            "12",
+            "--steps",
+            "3",
+        ]
         _CHECKS["run"] = torchrun("fp8.py", 3, *args, tmp_path=tmp_path_factory.mktemp("fp8"))
     return _CHECKS["run"]
 
@@ -199,17 +242,32 @@ def test_file_check_with_fp8_all_gather_at_world_3(tmp_path_factory):
     summary, out = shared_file_run(tmp_path_factory)
     c = summary["check"]
     assert c["passed"] and c["max_loss_diff"] <= 1e-9 and c["max_param_diff"] <= 1e-9, c
-    shard_elements = 2 * (4 * 48 * 48 + 2 * 4 * 48 * 48) // 3  # per block: q, k, v, proj; fc, proj (4x)
+    shard_elements = (
+        2 * (4 * 48 * 48 + 2 * 4 * 48 * 48) // 3
+    )  # per block: q, k, v, proj; fc, proj (4x)
     assert summary["figures"]["shard_elements"] == shard_elements
-    assert summary["comm_bytes"] == summary["figures"]["all_gather_bytes_theory"] == 2 * shard_elements
+    assert (
+        summary["comm_bytes"] == summary["figures"]["all_gather_bytes_theory"] == 2 * shard_elements
+    )
     assert "theory" in out and summary["losses"][-1] < summary["losses"][0]
 
 
 BAD = [  # (world, flags, words): each on every rank, in one process (tests/bad_input_matrix.py)
-    (1, ["--recipe", "fine-grained"], ["--recipe fine-grained", "in_features = 16", "multiple of 128"]),
-    (2, ["--recipe", "fine-grained", "--d-model", "128", "--seq-len", "64"],
-     ["128-row blocks", "multiple of 256"]),
-    (3, ["--d-model", "32", "--batch-size", "6", "--seq-len", "16"], ["3 shards", "multiple of 48"]),
+    (
+        1,
+        ["--recipe", "fine-grained"],
+        ["--recipe fine-grained", "in_features = 16", "multiple of 128"],
+    ),
+    (
+        2,
+        ["--recipe", "fine-grained", "--d-model", "128", "--seq-len", "64"],
+        ["128-row blocks", "multiple of 256"],
+    ),
+    (
+        3,
+        ["--d-model", "32", "--batch-size", "6", "--seq-len", "16"],
+        ["3 shards", "multiple of 48"],
+    ),
     (1, ["--seq-len", "7"], ["tokens per rank = 84", "multiple of 16"]),
     (1, ["--recipe", "delayed", "--amax-history", "0"], ["amax history of at least 1"]),
     (1, ["--dtype", "bfloat16"], ["master weights in --dtype"]),
@@ -217,18 +275,41 @@ BAD = [  # (world, flags, words): each on every rank, in one process (tests/bad_
     (1, ["--recipe", "bf16"], ["casts float32 only"]),
     (2, ["--batch-size", "5"], ["--batch-size 5 is not divisible by the world size 2"]),
 ]
-TINY = ["--vocab", "32", "--seq-len", "8", "--d-model", "16", "--n-heads", "2", "--n-layers", "2",
-        "--batch-size", "12", "--steps", "2"]
+TINY = [
+    "--vocab",
+    "32",
+    "--seq-len",
+    "8",
+    "--d-model",
+    "16",
+    "--n-heads",
+    "2",
+    "--n-layers",
+    "2",
+    "--batch-size",
+    "12",
+    "--steps",
+    "2",
+]
 
 
 def test_bad_input_exits_2_with_one_line(tmp_path):
     """Validation once: check_args calls the core's own check_fp8_linear and recipe constructors and turns
     their ValueError into fail()'s one line, exit 2, on every rank, before any collective."""
-    cases = [dict(file="fp8.py", world=w, rank=r, argv=[*TINY, *a], words=words) for w, a, words in BAD
-             for r in range(w)]
-    cases.append(dict(file="fp8.py", world=2, rank=1, argv=TINY, words=[]))  # the control: reaches rendezvous
+    cases = [
+        dict(file="fp8.py", world=w, rank=r, argv=[*TINY, *a], words=words)
+        for w, a, words in BAD
+        for r in range(w)
+    ]
+    cases.append(
+        dict(file="fp8.py", world=2, rank=1, argv=TINY, words=[])
+    )  # the control: reaches rendezvous
     (tmp_path / "cases.json").write_text(json.dumps(cases))
-    runner = [sys.executable, str(ROOT / "tests" / "bad_input_matrix.py"), str(tmp_path / "cases.json")]
+    runner = [
+        sys.executable,
+        str(ROOT / "tests" / "bad_input_matrix.py"),
+        str(tmp_path / "cases.json"),
+    ]
     p = subprocess.run(runner, env=ENV, cwd=ROOT, capture_output=True, text=True, timeout=120)
     results = [json.loads(line) for line in p.stdout.splitlines() if line.startswith("{")]
     assert len(results) == len(cases), p.stdout[-2000:] + p.stderr[-2000:]
@@ -236,7 +317,10 @@ def test_bad_input_exits_2_with_one_line(tmp_path):
     assert control["code"] == "crash" and "MASTER_ADDR" in control["stderr"], control
     for c, r in zip(cases, results):
         lines = r["stderr"].strip().splitlines()
-        assert r["code"] == 2 and len(lines) == 1 and f"error (rank {c['rank']})" in lines[0], (c, r)
+        assert r["code"] == 2 and len(lines) == 1 and f"error (rank {c['rank']})" in lines[0], (
+            c,
+            r,
+        )
         assert all(w in lines[0] for w in c["words"]), (c, lines[0])
 
 
@@ -245,7 +329,9 @@ def test_fence_contract():
     same (it may crash in the summary, after training). 2 steps of delayed scaling at world 1."""
     runs = []
     for noop in ([], ["noop"]):
-        p = run_python("tests/fp8_checks.py", "fence", *noop, *TINY, "--recipe", "delayed", timeout=120)
+        p = run_python(
+            "tests/fp8_checks.py", "fence", *noop, *TINY, "--recipe", "delayed", timeout=120
+        )
         runs.append(re.findall(r"step +\d+ \| loss ([\d.]+)", p.stdout))
         assert len(runs[-1]) == 2 and p.returncode == 0, p.stdout + p.stderr
     assert "after training" in p.stdout and runs[0] == runs[1], runs

@@ -1,6 +1,7 @@
 """The counters every technique file measures with (harness.py), against closed forms computed here from the
 shapes alone: CommCounter on a real gloo group at worlds 2 and 3, SavedActivations and LiveStorages in one
 process, the Timeline's gathered events. Each check is shown to fail on a broken counter."""
+
 import inspect, json, re, sys
 from dataclasses import dataclass
 
@@ -23,23 +24,51 @@ def expected_table(W):
         "all_gather/pair/fwd": [1, 20, 80],  # hands its 10 elements; the whole output is 20
         "reduce_scatter/pair/fwd": [1, 20, 160],  # hands the whole input
         "all_to_all/world/fwd": [1, 2 * sum(rows), 8 * 2 * sum(rows)],
-        "broadcast/world/fwd": [1, 10, 80 if W == 1 else 0],  # root W-1 hands it; rank 0 only receives
+        "broadcast/world/fwd": [
+            1,
+            10,
+            80 if W == 1 else 0,
+        ],  # root W-1 hands it; rank 0 only receives
         "send/world/fwd": [1, 7, 56],
         "recv/world/fwd": [1, 7, 0],  # a receive hands nothing over
         "all_reduce/world/bwd": [1, 3, 24],  # inside an autograd backward
-        "all_reduce/world/step": [1, 4, 32],  # under comm.phase("step"); the paused one is not counted
+        "all_reduce/world/step": [
+            1,
+            4,
+            32,
+        ],  # under comm.phase("step"); the paused one is not counted
     }
 
 
 def expected_rest(W):
     """The same for tests/harness_checks.py's the_rest(): coalesced, functional and any-source ops."""
     return {
-        "all_reduce/world/fwd": [3, 8 + 5 + 8, 8 * 21],  # functional coalesced (5 + 3), in place (5), c10d's
-        "all_gather/world/fwd": [2, 8 * W + 2 * W, 64 + 16],  # coalesced [5, 3] and a list of W pieces of 2
-        "reduce_scatter/world/fwd": [1, 3 * W, 8 * 3 * W],  # coalesced [2W, W]: hands both whole inputs
+        "all_reduce/world/fwd": [
+            3,
+            8 + 5 + 8,
+            8 * 21,
+        ],  # functional coalesced (5 + 3), in place (5), c10d's
+        "all_gather/world/fwd": [
+            2,
+            8 * W + 2 * W,
+            64 + 16,
+        ],  # coalesced [5, 3] and a list of W pieces of 2
+        "reduce_scatter/world/fwd": [
+            1,
+            3 * W,
+            8 * 3 * W,
+        ],  # coalesced [2W, W]: hands both whole inputs
         "broadcast/world/fwd": [1, 3, 24],  # rank 0 is the root
-        "recv/world/fwd": [W, 3 * (W - 1) + 4, 0],  # W - 1 from any source, one in the functional batch
-        "send/world/fwd": [1, 4, 32],  # the functional batch's send (rank 0 sends nothing to any source)
+        "recv/world/fwd": [
+            W,
+            3 * (W - 1) + 4,
+            0,
+        ],  # W - 1 from any source, one in the functional batch
+        "send/world/fwd": [
+            1,
+            4,
+            32,
+        ],  # the functional batch's send (rank 0 sends nothing to any source)
         "all_to_all/world/fwd": [1, 2 * W, 16 * W],
         "gather/world/fwd": [1, 2 * W, 16],
         "scatter/world/fwd": [1, 2 * W, 16 * W],  # the root hands every piece
@@ -59,13 +88,17 @@ def test_comm_counter_sees_what_each_collective_hands_over(tmp_path, world):
     rest = [(c["op"], c["peer"], c["tag"]) for c in got["rest_log"] if c["op"] in ("send", "recv")]
     ring = [("send", 1, 0), ("recv", world - 1, 0)]  # peers as global ranks; None: from any source
     assert rest == [("recv", None, 5)] * (world - 1) + ring, rest
-    assert [c["to_others"] for c in got["rest_log"] if c["op"] == "all_to_all"] == [16 * (world - 1)]
+    assert [c["to_others"] for c in got["rest_log"] if c["op"] == "all_to_all"] == [
+        16 * (world - 1)
+    ]
     # the per-call log: peers as global ranks, the tag, and the all-to-all bytes that leave the rank
     log = {c["op"] + "/" + c["phase"]: c for c in got["log"]}
     assert log["send/fwd"]["peer"] == 1 and log["send/fwd"]["tag"] == 1
     assert log["recv/fwd"]["peer"] == world - 1
     rows = [3 + q for q in range(world)]
-    assert log["all_to_all/fwd"]["to_others"] == 8 * 2 * (sum(rows) - rows[0])  # the block to itself stays
+    assert log["all_to_all/fwd"]["to_others"] == 8 * 2 * (
+        sum(rows) - rows[0]
+    )  # the block to itself stays
     # the check can fail: a counter that adds up every tensor argument gets other numbers
     real = {k.split("/")[0]: 0 for k in expected_table(world)}
     for k, v in expected_table(world).items():
@@ -75,9 +108,12 @@ def test_comm_counter_sees_what_each_collective_hands_over(tmp_path, world):
     # the timeline: every span on every rank, simulated time inside it, kinds and tags kept
     ev = got["events"]
     assert sorted((e["rank"], e["kind"], e["mb"]) for e in ev) == sorted(
-        (q, k, i) for q in range(world) for k in "FB" for i in range(2))
+        (q, k, i) for q in range(world) for k in "FB" for i in range(2)
+    )
     assert all(e["end"] - e["start"] >= (30 if e["kind"] == "F" else 60) * 0.99 for e in ev), ev
-    assert all(e["chunk"] == e["rank"] for e in ev) and all(e["note"] == -1 for e in ev if e["kind"] == "B")
+    assert all(e["chunk"] == e["rank"] for e in ev) and all(
+        e["note"] == -1 for e in ev if e["kind"] == "B"
+    )
     assert all(a["end"] <= b["start"] + 1e-6 for a, b in zip(ev, ev[1:]) if a["rank"] == b["rank"])
     # harness.PipelineWatch, the four pipeline files' observe callback: F's saved bytes per chunk (x and
     # tanh's output, 2 x 4 float64 each; the weight excluded), its tags (step, grid coordinates, when the
@@ -85,7 +121,8 @@ def test_comm_counter_sees_what_each_collective_hands_over(tmp_path, world):
     (saved, ev, last), (unsaved, _, _) = got["watch"]
     assert saved == {"1": 2 * 2 * 4 * 8} and unsaved == {} and last == "B", (saved, unsaved)
     assert sorted((e["rank"], e["kind"], e["chunk"], e["step"], e["pp"]) for e in ev) == sorted(
-        (q, k, 1, 3, q) for q in range(world) for k in "FB"), ev
+        (q, k, 1, 3, q) for q in range(world) for k in "FB"
+    ), ev
     assert all((e["recv"] >= 0 and e["recv"] <= e["start"]) == (e["kind"] == "F") for e in ev), ev
 
 
@@ -93,10 +130,15 @@ def test_comm_counter_knows_every_communication_op_of_this_torch():
     """Each op torch registers in the two namespaces the counter watches is counted (harness._OPS) or moves
     no data (barriers, waits): an op added by a later torch fails here, not silently uncounted in a run."""
     import torch.distributed._functional_collectives  # noqa: F401  (registers its ops: the same set in any run)
+
     names = [n.split("::") for n in torch._C._dispatch_get_all_op_names()]
     ops = {name for ns, name in names if ns in ("c10d", "_c10d_functional")}
-    assert len(ops) >= 35 and ops <= set(harness._OPS) | harness._NOT_TRAFFIC, ops - set(harness._OPS)
-    assert not ops <= set(harness._OPS) - {"recv_any_source_"} | harness._NOT_TRAFFIC  # the check can fail
+    assert len(ops) >= 35 and ops <= set(harness._OPS) | harness._NOT_TRAFFIC, ops - set(
+        harness._OPS
+    )
+    assert (
+        not ops <= set(harness._OPS) - {"recv_any_source_"} | harness._NOT_TRAFFIC
+    )  # the check can fail
 
 
 def test_saved_activations_and_live_storages():
@@ -131,6 +173,7 @@ def test_saved_activations_and_live_storages():
 def gpu_check_main(capsys, *argv):
     sys.path.insert(0, str(ROOT / "tests"))
     import gpu_check
+
     gpu_check.FAILED.clear()
     rc = gpu_check.main(list(argv))
     return rc, capsys.readouterr().out
@@ -138,7 +181,10 @@ def gpu_check_main(capsys, *argv):
 
 def planned(out):
     """The runs a dry run lists: {name: launches}; and those it skips for the budget."""
-    runs = {m[0].strip(): int(m[1]) for m in re.findall(r"^(.+?\(world \d+\))\s+(\d+) launch", out, re.M)}
+    runs = {
+        m[0].strip(): int(m[1])
+        for m in re.findall(r"^(.+?\(world \d+\))\s+(\d+) launch", out, re.M)
+    }
     return runs, re.findall(r"^(.+?\(world \d+\))\s+skipped", out, re.M)
 
 
@@ -146,12 +192,29 @@ def test_gpu_check_one_gpu_plan_only_world_and_minutes(capsys):
     rc, out = gpu_check_main(capsys, "--dry-run", "--one-gpu")
     runs, skipped = planned(out)
     assert rc == 0 and not skipped and all(n.endswith("(world 1)") for n in runs), out
-    for path in ("offload bf16", "fp16 loss scaling", "CUDA events", "bfloat16", "compress int8", "adafactor",
-                 "cp 1", "dropout 0.1, vs none", "restart", "bench", *(f"moe {r} " for r in (
-                     "switch", "gshard", "noisy_topk", "expert_choice", "loss_free"))):
-        assert any(path in n for n in runs), (path, out)  # every CUDA-only path of issue 31 is planned
-    n = sum(runs.values())  # the launch count printed is the sum of the runs' launches; 10 s each: < 6 min
-    assert f"{len(runs)} runs ({n} launches)" in out and 10 * n < 7 * 60, out  # issue 39.4 added 9 launches
+    for path in (
+        "offload bf16",
+        "fp16 loss scaling",
+        "CUDA events",
+        "bfloat16",
+        "compress int8",
+        "adafactor",
+        "cp 1",
+        "dropout 0.1, vs none",
+        "restart",
+        "bench",
+        *(f"moe {r} " for r in ("switch", "gshard", "noisy_topk", "expert_choice", "loss_free")),
+    ):
+        assert any(path in n for n in runs), (
+            path,
+            out,
+        )  # every CUDA-only path of issue 31 is planned
+    n = sum(
+        runs.values()
+    )  # the launch count printed is the sum of the runs' launches; 10 s each: < 6 min
+    assert f"{len(runs)} runs ({n} launches)" in out and 10 * n < 7 * 60, (
+        out
+    )  # issue 39.4 added 9 launches
     # --only: just those files' runs; a file that is not in the plan is one line and exit 2
     rc, out = gpu_check_main(capsys, "--dry-run", "--for-gpus", "4", "--only", "zero.py,moe.py")
     files = set(re.findall(r"launch\(es\), ~\d+ s  (\S+)", out))
@@ -162,7 +225,9 @@ def test_gpu_check_one_gpu_plan_only_world_and_minutes(capsys):
     rc, out = gpu_check_main(capsys, "--dry-run", "--for-gpus", "8", "--world", "4")
     runs, _ = planned(out)
     assert rc == 0 and runs and all(n.endswith("(world 4)") for n in runs), out
-    assert any("ptdp pp 2 x dp 2" in n for n in runs) and any("moe ep 2 of 4" in n for n in runs), out
+    assert any("ptdp pp 2 x dp 2" in n for n in runs) and any("moe ep 2 of 4" in n for n in runs), (
+        out
+    )
     assert gpu_check_main(capsys, "--dry-run", "--for-gpus", "2", "--world", "4")[0] == 2
     # --minutes: in order, a run is skipped when its estimate does not fit in what is left (10 s per launch
     # at world 1 on a GPU), and every later run that fits still runs
@@ -183,17 +248,37 @@ def test_gpu_check_budget_and_rerun_verdicts(capsys, monkeypatch):
     their measured spread (a restart that differs while the runs are deterministic fails)."""
     sys.path.insert(0, str(ROOT / "tests"))
     import gpu_check
+
     timeouts = []
-    monkeypatch.setattr(gpu_check, "launch", lambda w, f, flags, cpu, env=None, restarts=0, timeout=300: (
-        timeouts.append(timeout), (0, "check vs one-process reference: max rel loss diff 0 -> PASSED"))[1])
+    monkeypatch.setattr(
+        gpu_check,
+        "launch",
+        lambda w, f, flags, cpu, env=None, restarts=0, timeout=300: (
+            timeouts.append(timeout),
+            (0, "check vs one-process reference: max rel loss diff 0 -> PASSED"),
+        )[1],
+    )
     monkeypatch.setattr(gpu_check, "run_bench", lambda *a: timeouts.append("bench"))
-    run_same = gpu_check.run_same  # zero.py's restart pair: recorded here, its verdict is checked below
-    monkeypatch.setattr(gpu_check, "run_same", lambda job, cpu, tmp, deadline: timeouts.append("same"))
-    rc, out = gpu_check_main(capsys, "--cpu", "--one-gpu", "--only", "zero.py,bench.py", "--minutes", "0.4")
+    run_same = (
+        gpu_check.run_same
+    )  # zero.py's restart pair: recorded here, its verdict is checked below
+    monkeypatch.setattr(
+        gpu_check, "run_same", lambda job, cpu, tmp, deadline: timeouts.append("same")
+    )
+    rc, out = gpu_check_main(
+        capsys, "--cpu", "--one-gpu", "--only", "zero.py,bench.py", "--minutes", "0.4"
+    )
     monkeypatch.setattr(gpu_check, "run_same", run_same)
-    assert rc == 0 and "bench world 1 (world 1)" in out and "skipped" in out and "bench" not in timeouts, out
+    assert (
+        rc == 0
+        and "bench world 1 (world 1)" in out
+        and "skipped" in out
+        and "bench" not in timeouts
+    ), out
     checks = [t for t in timeouts if t != "same"]
-    assert len(checks) == 2 and all(t <= 24 for t in checks), timeouts  # 2 zero.py runs, each <= 0.4 min
+    assert len(checks) == 2 and all(t <= 24 for t in checks), (
+        timeouts
+    )  # 2 zero.py runs, each <= 0.4 min
     job = dict(name="x", world=1, file="dp.py", a=[], b=[[]], restart=True)
 
     def verdict(a, b, again, killed=True):
@@ -206,8 +291,12 @@ def test_gpu_check_budget_and_rerun_verdicts(capsys, monkeypatch):
         return not gpu_check.FAILED
 
     assert verdict([4.0, 3.0], [4.0, 3.0], None)  # bit for bit: no third run
-    assert not verdict([4.0, 3.0], [4.0, 3.0 + 1e-9], [4.0, 3.0])  # reruns agree bit for bit: it may not
-    assert verdict([4.0, 3.0], [4.0, 3.0 + 1e-7], [4.0, 3.0 + 3e-8])  # within 10 x a measured spread
+    assert not verdict(
+        [4.0, 3.0], [4.0, 3.0 + 1e-9], [4.0, 3.0]
+    )  # reruns agree bit for bit: it may not
+    assert verdict(
+        [4.0, 3.0], [4.0, 3.0 + 1e-7], [4.0, 3.0 + 3e-8]
+    )  # within 10 x a measured spread
     assert not verdict([4.0, 3.0], [4.0, 3.1], [4.0, 3.0 + 3e-8])  # far outside it
     assert not verdict([4.0, 3.0], None, [4.0, 3.0])  # a restart that failed
     assert not verdict([4.0, 3.0], [4.0, 3.0], None, killed=False)  # equal, but nothing was killed
@@ -238,13 +327,19 @@ def test_hidden_flags_parse_but_are_not_listed(capsys):
     internal flags, and those it refuses) and still parses them. A class without HIDDEN lists every field as
     before, and only fault_tolerance.py's Args has one: every other file's --help is unchanged. The mutant
     without the HIDDEN line (parse_args before issue 43) lists the hidden flag: caught."""
-    shown, hidden = help_of(harness.parse_args, Shown, capsys), help_of(harness.parse_args, Hidden, capsys)
+    shown, hidden = (
+        help_of(harness.parse_args, Shown, capsys),
+        help_of(harness.parse_args, Hidden, capsys),
+    )
     port = next(line + "\n" for line in shown.splitlines() if line.startswith("  --port PORT"))
     assert "set by a launcher" in port and "--width" in hidden
     assert hidden == shown.replace(" [--port PORT]", "").replace(port, ""), hidden
     assert harness.parse_args(Hidden, ["--port", "5"]) == Hidden(3, 5)
-    with_hidden = [f.name for f in sorted(ROOT.glob("*.py"))
-                   if re.search(r"^    HIDDEN = ", f.read_text(), re.M)]
+    with_hidden = [
+        f.name
+        for f in sorted(ROOT.glob("*.py"))
+        if re.search(r"^    HIDDEN = ", f.read_text(), re.M)
+    ]
     assert with_hidden == ["fault_tolerance.py"], with_hidden
     src = inspect.getsource(harness.parse_args)
     assert src.count(HIDE) == 1

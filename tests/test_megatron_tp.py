@@ -3,16 +3,30 @@ launch each, saved activations per block included), model-level parity with the 
 t = 1, 2, 4 with and without sequence parallelism and with 2-way data parallelism, collectives counted at the
 dispatcher against the paper's count, dropout, a restart with dropout, two "nodes" against one launch, and
 bad input."""
+
 import json, subprocess, sys
 
 import pytest
 import torch
 
-from helpers import (ENV, ROOT, TINY, assert_each_rank_fails, assert_matches_reference, free_port, run_python,
-                     run_ranks, torchrun)
+from helpers import (
+    ENV,
+    ROOT,
+    TINY,
+    assert_each_rank_fails,
+    assert_matches_reference,
+    free_port,
+    run_python,
+    run_ranks,
+    torchrun,
+)
 
 SCRIPT = "megatron_tp.py"
-MODEL = [*TINY, "--n-heads", "4"]  # 4 heads so that t = 4 gets whole heads; the same model for every t
+MODEL = [
+    *TINY,
+    "--n-heads",
+    "4",
+]  # 4 heads so that t = 4 gets whole heads; the same model for every t
 L, B, S, H = 2, 12, 8, 16  # TINY's layers, global batch, sequence, width
 
 
@@ -39,8 +53,12 @@ def test_copy_out_and_layer_checks(tmp_path, nproc):
     _, out = torchrun("tests/megatron_tp_checks.py", nproc, tmp_path=tmp_path, timeout=240)
     assert "ALL CHECKS PASSED" in out, out[-6000:]
     assert "DTensor reference skipped" not in out, out[-3000:]
-    t, layouts = (2, 3) if nproc == 2 else (3, 2)  # t = 2: both biases, gate's only, up's only; t = 3: mixed
-    assert out.count(f"copy-out: SwiGLU net at t = {t}") == 2 * layouts, out[-3000:]  # x SP off / on
+    t, layouts = (
+        (2, 3) if nproc == 2 else (3, 2)
+    )  # t = 2: both biases, gate's only, up's only; t = 3: mixed
+    assert out.count(f"copy-out: SwiGLU net at t = {t}") == 2 * layouts, out[
+        -3000:
+    ]  # x SP off / on
     assert out.count("copy-out: SwiGLU net") == 2 * layouts, out[-3000:]
 
 
@@ -52,24 +70,44 @@ def assert_tp_run(s, t, dp, sp):
     f = s["figures"]
     assert (f["tp"], f["dp"], f["sequence_parallel"]) == (t, dp, sp)
     counted, theory = f["collectives_per_step"], f["collectives_per_step_theory"]
-    assert counted == {k: v[:3] for k, v in theory.items()}, (counted, theory)  # measured vs the file's closed form
+    assert counted == {k: v[:3] for k, v in theory.items()}, (
+        counted,
+        theory,
+    )  # measured vs the file's closed form
     assert s["comm_bytes"] == sum(c[2] for c in counted.values())
-    bsh, es, n = B // dp * S * H, 8, 2 * L + 1  # per layer 2 (attention, MLP), + embedding / LM head
-    if t > 1:  # the paper's count, written here independently; bytes handed: an all-gather gets its 1/t chunk
+    bsh, es, n = (
+        B // dp * S * H,
+        8,
+        2 * L + 1,
+    )  # per layer 2 (attention, MLP), + embedding / LM head
+    if (
+        t > 1
+    ):  # the paper's count, written here independently; bytes handed: an all-gather gets its 1/t chunk
         if sp:
             assert counted["all_gather/tp/fwd"] == [n, n * bsh, n * bsh * es // t], counted
-            assert counted["reduce_scatter/tp/fwd"] == counted["reduce_scatter/tp/bwd"] == [n, n * bsh, n * bsh * es]
-            assert counted["all_gather/tp/bwd"] == [2 * n, 2 * n * bsh, 2 * n * bsh * es // t], counted  # + re-gathers
+            assert (
+                counted["reduce_scatter/tp/fwd"]
+                == counted["reduce_scatter/tp/bwd"]
+                == [n, n * bsh, n * bsh * es]
+            )
+            assert counted["all_gather/tp/bwd"] == [2 * n, 2 * n * bsh, 2 * n * bsh * es // t], (
+                counted
+            )  # + re-gathers
             assert "all_reduce/tp/bwd" not in counted
         else:
             assert counted["all_reduce/tp/bwd"] == [n, n * bsh, n * bsh * es], counted
             loss = 3 * B // dp * S  # max, target logit, sum of exp per token
-            assert counted["all_reduce/tp/fwd"] == [n + 3, n * bsh + loss, (n * bsh + loss) * es], counted
+            assert counted["all_reduce/tp/fwd"] == [n + 3, n * bsh + loss, (n * bsh + loss) * es], (
+                counted
+            )
     else:
         assert not any("/tp/" in k for k in counted), counted
     assert f["param_bytes_per_rank"] == f["param_bytes_per_rank_theory"]
     mine, whole = f["param_bytes_per_rank"], f["param_bytes_full_model"]
-    assert mine * t >= whole and (mine < whole if t > 1 else mine == whole), (mine, whole)  # ~1/t, + replicated
+    assert mine * t >= whole and (mine < whole if t > 1 else mine == whole), (
+        mine,
+        whole,
+    )  # ~1/t, + replicated
     assert f["replicated_param_spread_across_tp"] == 0.0
     block, unsharded = f["activation_bytes_per_block"], f["activation_bytes_per_block_unsharded"]
     assert block * t == unsharded if sp or t == 1 else block * t > unsharded, (block, unsharded)
@@ -82,12 +120,16 @@ def test_world1_is_the_reference(tmp_path):
     assert_tp_run(json.loads(out.read_text()), 1, 1, False)
 
 
-@pytest.mark.parametrize("nproc,extra,t,dp,sp", [
-    (2, ["--ragged"], 2, 1, False),
-    (4, ["--vocab", "30"], 4, 1, False),  # 30 is padded to 32 over 4 ranks
-    (2, ["--sequence-parallel"], 2, 1, True),
-    (4, ["--sequence-parallel", "--vocab", "30", "--ragged"], 4, 1, True),
-], ids=["t2", "t4-padded-vocab", "t2-sp", "t4-sp-padded"])
+@pytest.mark.parametrize(
+    "nproc,extra,t,dp,sp",
+    [
+        (2, ["--ragged"], 2, 1, False),
+        (4, ["--vocab", "30"], 4, 1, False),  # 30 is padded to 32 over 4 ranks
+        (2, ["--sequence-parallel"], 2, 1, True),
+        (4, ["--sequence-parallel", "--vocab", "30", "--ragged"], 4, 1, True),
+    ],
+    ids=["t2", "t4-padded-vocab", "t2-sp", "t4-sp-padded"],
+)
 def test_matches_reference(tmp_path, nproc, extra, t, dp, sp):
     s, _ = torchrun(SCRIPT, nproc, *MODEL, *extra, "--check", tmp_path=tmp_path, timeout=240)
     assert_tp_run(s, t, dp, sp)
@@ -97,15 +139,29 @@ def test_dropout(tmp_path):
     """With dropout (replicated regions on the shared RNG stream, TP regions on the per-rank one) the
     replicated LayerNorms / biases / positions stay bit-identical across TP ranks; and dropout did act:
     --check now fails, since the one-process reference draws other masks."""
-    s, _ = torchrun(SCRIPT, 2, *MODEL, "--dropout", "0.2", "--check", tmp_path=tmp_path, timeout=240, expect_rc=1)
+    s, _ = torchrun(
+        SCRIPT,
+        2,
+        *MODEL,
+        "--dropout",
+        "0.2",
+        "--check",
+        tmp_path=tmp_path,
+        timeout=240,
+        expect_rc=1,
+    )
     assert s["figures"]["replicated_param_spread_across_tp"] == 0.0
     assert not s["check"]["passed"] and s["check"]["max_loss_diff"] > 1e-4, s["check"]
 
 
 def final_params(ckpt_dir, world, steps):
     """Each rank's model state dict from the checkpoint written after the last step."""
-    return [torch.load(ckpt_dir / f"rank{r}" / f"step{steps}.pt", map_location="cpu", weights_only=False)["model"]
-            for r in range(world)]
+    return [
+        torch.load(
+            ckpt_dir / f"rank{r}" / f"step{steps}.pt", map_location="cpu", weights_only=False
+        )["model"]
+        for r in range(world)
+    ]
 
 
 def test_restart_with_dropout_is_bit_identical(tmp_path):
@@ -115,16 +171,41 @@ def test_restart_with_dropout_is_bit_identical(tmp_path):
     tracker's per-rank stream): a restart that forgets the tracker's stream (monkeypatched in the check
     script) gives other losses, so the comparison can fail."""
     args = [*MODEL, "--steps", "5", "--dropout", "0.1", "--save-every", "2"]
-    full, _ = torchrun(SCRIPT, 2, *args, "--ckpt-dir", tmp_path / "a", tmp_path=tmp_path, name="full")
-    again, out = torchrun(SCRIPT, 2, *args, "--ckpt-dir", tmp_path / "b", "--fail-at-step", "3",
-                          tmp_path=tmp_path, name="restarted", max_restarts=1)
+    full, _ = torchrun(
+        SCRIPT, 2, *args, "--ckpt-dir", tmp_path / "a", tmp_path=tmp_path, name="full"
+    )
+    again, out = torchrun(
+        SCRIPT,
+        2,
+        *args,
+        "--ckpt-dir",
+        tmp_path / "b",
+        "--fail-at-step",
+        "3",
+        tmp_path=tmp_path,
+        name="restarted",
+        max_restarts=1,
+    )
     assert "simulated failure at step 3" in out and "rank0 at step 2" in out, out[-3000:]
     assert again["losses"] == full["losses"]
     for a, b in zip(final_params(tmp_path / "a", 2, 5), final_params(tmp_path / "b", 2, 5)):
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    forgot, out = torchrun("tests/megatron_tp_checks.py", 2, "--forget-tp-rng", *args, "--ckpt-dir", tmp_path / "c",
-                           "--fail-at-step", "3", tmp_path=tmp_path, name="forgot", max_restarts=1)
-    assert forgot["losses"][:2] == full["losses"][:2] and forgot["losses"][2] != full["losses"][2], out[-3000:]
+    forgot, out = torchrun(
+        "tests/megatron_tp_checks.py",
+        2,
+        "--forget-tp-rng",
+        *args,
+        "--ckpt-dir",
+        tmp_path / "c",
+        "--fail-at-step",
+        "3",
+        tmp_path=tmp_path,
+        name="forgot",
+        max_restarts=1,
+    )
+    assert (
+        forgot["losses"][:2] == full["losses"][:2] and forgot["losses"][2] != full["losses"][2]
+    ), out[-3000:]
 
 
 def test_two_nodes_equal_one(tmp_path):
@@ -134,11 +215,31 @@ def test_two_nodes_equal_one(tmp_path):
     one, _ = torchrun(SCRIPT, 4, *args, "--check", tmp_path=tmp_path, name="one")
     assert_tp_run(one, 2, 2, False)
     port, out_json = free_port(), tmp_path / "two.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=2", "--rdzv-backend=c10d",
-           f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id=tp-two-nodes-{port}", str(ROOT / SCRIPT), *args,
-           "--json", out_json]
-    nodes = [subprocess.Popen([*cmd[:3], f"--node-rank={i}", *cmd[3:]], env=ENV, cwd=ROOT, text=True,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for i in range(2)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes=2",
+        "--nproc_per_node=2",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint=127.0.0.1:{port}",
+        f"--rdzv-id=tp-two-nodes-{port}",
+        str(ROOT / SCRIPT),
+        *args,
+        "--json",
+        out_json,
+    ]
+    nodes = [
+        subprocess.Popen(
+            [*cmd[:3], f"--node-rank={i}", *cmd[3:]],
+            env=ENV,
+            cwd=ROOT,
+            text=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+        )
+        for i in range(2)
+    ]
     try:
         outs = [p.communicate(timeout=240)[0] for p in nodes]
     finally:
@@ -149,12 +250,19 @@ def test_two_nodes_equal_one(tmp_path):
     assert two["world_size"] == 4 and two["losses"] == one["losses"], (two["losses"], one["losses"])
 
 
-@pytest.mark.parametrize("nproc,args,words", [
-    (1, ["--tp", "2"], ["world size 1 is not divisible by --tp 2"]),
-    (2, ["--n-heads", "1"], ["--n-heads 1 is not divisible by the TP degree 2"]),
-    (2, ["--n-heads", "4", "--seq-len", "7", "--sequence-parallel"],
-     ["--sequence-parallel", "--seq-len 7", "divisible"]),
-], ids=["world1-tp2", "heads", "sp-seq-len"])
+@pytest.mark.parametrize(
+    "nproc,args,words",
+    [
+        (1, ["--tp", "2"], ["world size 1 is not divisible by --tp 2"]),
+        (2, ["--n-heads", "1"], ["--n-heads 1 is not divisible by the TP degree 2"]),
+        (
+            2,
+            ["--n-heads", "4", "--seq-len", "7", "--sequence-parallel"],
+            ["--sequence-parallel", "--seq-len 7", "divisible"],
+        ),
+    ],
+    ids=["world1-tp2", "heads", "sp-seq-len"],
+)
 def test_bad_input(nproc, args, words):
     """Each rank says one line naming the problem and exits 2, before any collective."""
     assert_each_rank_fails(run_ranks(SCRIPT, nproc, *TINY, *args, timeout=120), words)

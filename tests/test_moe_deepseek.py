@@ -6,6 +6,7 @@ the GPT); the command line at EP 3 killed and restarted equal to the one-process
 figures beside their theory; the gates and the sequence-wise loss against DeepSeek-V3's formulas computed by
 hand, the bias update against its closed form, each broken and caught; exact ties go to the lower expert
 index; bad input exits 2."""
+
 import math
 import sys
 
@@ -13,10 +14,27 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from helpers import (ROOT, TINY, assert_bad_input, assert_each_rank_fails, assert_matches_reference, run_python,
-                     run_ranks, torchrun)
-from moe_common import (D, EXPERTS, HIDDEN, ROWS, ResidualMoEStack, assert_all_pass, copy_out_case,
-                        launch_checks, rel_diff)
+from helpers import (
+    ROOT,
+    TINY,
+    assert_bad_input,
+    assert_each_rank_fails,
+    assert_matches_reference,
+    run_python,
+    run_ranks,
+    torchrun,
+)
+from moe_common import (
+    D,
+    EXPERTS,
+    HIDDEN,
+    ROWS,
+    ResidualMoEStack,
+    assert_all_pass,
+    copy_out_case,
+    launch_checks,
+    rel_diff,
+)
 
 sys.path.insert(0, str(ROOT))
 import moe_deepseek as ds  # noqa: E402  (importing must not run main())
@@ -31,9 +49,16 @@ def checks(tmp_path_factory):
 def test_layer_checks(checks):
     out = checks
     assert "ALL CHECKS PASSED" in out and "FAIL" not in out, out[-6000:]
-    assert out.count("PASS  parity") == out.count("PASS  loss-free bias moved") == 6, out[-6000:]  # 2 x EP 1, 2, 4
-    assert out.count("PASS  dropless") == 2 and "PASS  negative: a loss-free bias" in out, out[-6000:]
-    assert "PASS  balance: bias rate 0.01 lowers MaxVio" in out and "PASS  loss-free: the bias is in" in out
+    assert out.count("PASS  parity") == out.count("PASS  loss-free bias moved") == 6, out[
+        -6000:
+    ]  # 2 x EP 1, 2, 4
+    assert out.count("PASS  dropless") == 2 and "PASS  negative: a loss-free bias" in out, out[
+        -6000:
+    ]
+    assert (
+        "PASS  balance: bias rate 0.01 lowers MaxVio" in out
+        and "PASS  loss-free: the bias is in" in out
+    )
 
 
 def test_ep3_restart(tmp_path):
@@ -42,30 +67,62 @@ def test_ep3_restart(tmp_path):
     bias lost in the restart would move the routing and the losses); each step's loads add up to every token's
     k choices (nothing dropped), and the uneven all-to-all's bytes per rank equal their value expected from
     the routed counts."""
-    s, out = torchrun("moe_deepseek.py", 3, *TINY, "--experts", "6", "--shared-experts", "1", "--bias-rate", "0.005",
-                      "--seq-aux-weight", "0.01", "--check", "--ckpt-dir", tmp_path / "ckpt", "--save-every", "1",
-                      "--fail-at-step", "2", tmp_path=tmp_path, max_restarts=1, name="ep3")
+    s, out = torchrun(
+        "moe_deepseek.py",
+        3,
+        *TINY,
+        "--experts",
+        "6",
+        "--shared-experts",
+        "1",
+        "--bias-rate",
+        "0.005",
+        "--seq-aux-weight",
+        "0.01",
+        "--check",
+        "--ckpt-dir",
+        tmp_path / "ckpt",
+        "--save-every",
+        "1",
+        "--fail-at-step",
+        "2",
+        tmp_path=tmp_path,
+        max_restarts=1,
+        name="ep3",
+    )
     assert "simulated failure at step 2" in out and "resumed from" in out, out[-3000:]
     assert_matches_reference(s)
     f, cfg = s["figures"], s["config"]
     tokens = cfg["batch_size"] * cfg["seq_len"]
-    assert [[sum(l) for l in step] for step in f["expert_load_per_step"]] == [[2 * tokens] * 2] * 2, f  # steps 2, 3
+    assert [[sum(l) for l in step] for step in f["expert_load_per_step"]] == [
+        [2 * tokens] * 2
+    ] * 2, f  # steps 2, 3
     assert len(f["maxvio_per_step"]) == 2 and all(v >= 0 for v in f["maxvio_per_step"])
-    assert any(b != 0 for bias in f["expert_bias"] for b in bias) and len(f["expert_bias"]) == 2, f  # (at 0.02 it
+    assert any(b != 0 for bias in f["expert_bias"] for b in bias) and len(f["expert_bias"]) == 2, (
+        f
+    )  # (at 0.02 it
     # oscillates back to 0 in 4 steps: the tiny gates' score gaps are smaller than the rate)
     sent, expected = f["alltoall_bytes_per_rank"], f["alltoall_bytes_expected_per_rank"]
-    assert sent == expected and min(sent) > 0 and len(set(sent)) > 1, (sent, expected)  # uneven across ranks
+    assert sent == expected and min(sent) > 0 and len(set(sent)) > 1, (
+        sent,
+        expected,
+    )  # uneven across ranks
     assert s["comm_bytes"] == sent[0] and f["counts_bytes_per_step"] == 2 * 6 * 8, f
-    assert len(s["losses"]) == len(f["lm_losses"]) == len(f["aux_losses"]) == 4  # the history resumes too
+    assert (
+        len(s["losses"]) == len(f["lm_losses"]) == len(f["aux_losses"]) == 4
+    )  # the history resumes too
     for total, lm, aux in zip(s["losses"], f["lm_losses"], f["aux_losses"]):
         assert abs(total - (lm + 0.01 * aux)) < 1e-12 and aux > 0
 
 
-@pytest.mark.parametrize("flags, words", [
-    (["--experts", "6", "--ep", "4"], ["--experts 6 is not divisible by --ep 4"]),
-    (["--top-k", "9"], ["--top-k 9 with --experts 8"]),
-    (["--granularity", "3"], ["--granularity 3", "4 x --d-model"]),
-])
+@pytest.mark.parametrize(
+    "flags, words",
+    [
+        (["--experts", "6", "--ep", "4"], ["--experts 6 is not divisible by --ep 4"]),
+        (["--top-k", "9"], ["--top-k 9 with --experts 8"]),
+        (["--granularity", "3"], ["--granularity 3", "4 x --d-model"]),
+    ],
+)
 def test_bad_input_world1(flags, words):
     p = run_python("moe_deepseek.py", *TINY, *flags)
     assert_bad_input(p, 1, words)
@@ -74,17 +131,23 @@ def test_bad_input_world1(flags, words):
 def test_bad_input_every_rank():
     """Each rank of a world of 2, started alone (torchrun's environment but no rendezvous: a check placed
     after init_dist would crash instead), says the same one line and exits 2."""
-    assert_each_rank_fails(run_ranks("moe_deepseek.py", 2, "--experts", "3"), ["--experts 3 is not divisible by --ep 2"])
+    assert_each_rank_fails(
+        run_ranks("moe_deepseek.py", 2, "--experts", "3"),
+        ["--experts 3 is not divisible by --ep 2"],
+    )
 
 
-@pytest.mark.parametrize("flags, words", [
-    (dict(score="tanh"), ["--score 'tanh'", "sigmoid"]),
-    (dict(top_k=0), ["--top-k 0 with --experts 8"]),
-    (dict(shared_experts=-1), ["--shared-experts must be >= 0"]),
-    (dict(bias_rate=-1.0), ["--bias-rate must be >= 0"]),
-    (dict(seq_aux_weight=-1.0), ["--seq-aux-weight must be >= 0"]),
-    (dict(batch_size=3), ["--batch-size 3", "world size 2"]),
-])
+@pytest.mark.parametrize(
+    "flags, words",
+    [
+        (dict(score="tanh"), ["--score 'tanh'", "sigmoid"]),
+        (dict(top_k=0), ["--top-k 0 with --experts 8"]),
+        (dict(shared_experts=-1), ["--shared-experts must be >= 0"]),
+        (dict(bias_rate=-1.0), ["--bias-rate must be >= 0"]),
+        (dict(seq_aux_weight=-1.0), ["--seq-aux-weight must be >= 0"]),
+        (dict(batch_size=3), ["--batch-size 3", "world size 2"]),
+    ],
+)
 def test_bad_input_flags(flags, words, capsys):
     """The checks main() runs on every rank before init_dist: one line, exit 2 (world 2 given)."""
     with pytest.raises(SystemExit) as e:
@@ -94,7 +157,12 @@ def test_bad_input_flags(flags, words, capsys):
 
 
 # ----------------------------------------------------------------------------- the gates and the balancing, by hand
-LF_LOGITS = [[0.2, -0.1, 0.4, 0.0], [1.0, 0.9, -0.3, 0.2], [-0.5, 0.3, 0.1, 0.35], [0.0, 0.1, 0.2, 0.3]]
+LF_LOGITS = [
+    [0.2, -0.1, 0.4, 0.0],
+    [1.0, 0.9, -0.3, 0.2],
+    [-0.5, 0.3, 0.1, 0.35],
+    [0.0, 0.1, 0.2, 0.3],
+]
 LF_BIAS = [0.3, 0.0, -0.4, 0.1]  # token 0: e2, e0 by score; e0, e3 once the bias is added
 
 
@@ -106,7 +174,10 @@ def loss_free_diff(k=2, n=2):
     E = 4
     s = [[1 / (1 + math.exp(-v)) for v in row] for row in LF_LOGITS]
     chosen = [sorted(range(E), key=lambda e: -(row[e] + LF_BIAS[e]))[:k] for row in s]
-    gates = [[row[e] / sum(row[j] for j in top) if e in top else 0.0 for e in range(E)] for row, top in zip(s, chosen)]
+    gates = [
+        [row[e] / sum(row[j] for j in top) if e in top else 0.0 for e in range(E)]
+        for row, top in zip(s, chosen)
+    ]
     per_seq = []
     for q in range(0, len(s), n):
         f = [E / (k * n) * sum(e in chosen[t] for t in range(q, q + n)) for e in range(E)]
@@ -116,10 +187,13 @@ def loss_free_diff(k=2, n=2):
     scores = torch.tensor(LF_LOGITS, dtype=torch.float64).requires_grad_().sigmoid()
     expert, gate = ds.route(scores, bias, k)
     aux = ds.seq_balance_loss(scores, expert, n)
-    dense = torch.zeros_like(scores).scatter(-1, expert, gate)  # (N, E): each token's gate per expert
+    dense = torch.zeros_like(scores).scatter(
+        -1, expert, gate
+    )  # (N, E): each token's gate per expert
     weights = torch.arange(1.0, 5.0, dtype=torch.float64)  # any loss of the gates and the aux loss
-    grad = torch.autograd.grad((dense.sum(-1) * weights).sum() + (dense * dense).sum() + aux.sum(), bias,
-                               allow_unused=True)[0]
+    grad = torch.autograd.grad(
+        (dense.sum(-1) * weights).sum() + (dense * dense).sum() + aux.sum(), bias, allow_unused=True
+    )[0]
     return max(rel_diff(dense, gates), rel_diff(aux, per_seq)), grad
 
 
@@ -138,7 +212,11 @@ def test_loss_free_by_hand(monkeypatch):
         diff, grad = loss_free_diff()
         assert diff > 1e-2 and grad is not None
     with monkeypatch.context() as m:  # broken: the balance loss over all tokens, not per sequence
-        m.setattr(ds, "seq_balance_loss", lambda scores, expert, n: seq(scores, expert, scores.shape[0]).expand(2))
+        m.setattr(
+            ds,
+            "seq_balance_loss",
+            lambda scores, expert, n: seq(scores, expert, scores.shape[0]).expand(2),
+        )
         assert loss_free_diff()[0] > 1e-2
 
 
@@ -146,19 +224,33 @@ def test_bias_update_closed_form(monkeypatch):
     """b_e + u sign(mean c - c_e) from counts c, in Python, against ds.update_biases (one process: the counts
     are the batch's); under-loaded experts move up, over-loaded down, one at the mean stays."""
     from types import SimpleNamespace
-    counts, bias, u = [[5.0, 1.0, 3.0, 3.0], [0.0, 2.0, 2.0, 8.0]], [[0.1, -0.2, 0.0, 0.05], [0.0] * 4], 0.01
-    layers = [SimpleNamespace(wanted=torch.tensor(c), expert_bias=torch.tensor(b, dtype=torch.float64))
-              for c, b in zip(counts, bias)]
+
+    counts, bias, u = (
+        [[5.0, 1.0, 3.0, 3.0], [0.0, 2.0, 2.0, 8.0]],
+        [[0.1, -0.2, 0.0, 0.05], [0.0] * 4],
+        0.01,
+    )
+    layers = [
+        SimpleNamespace(wanted=torch.tensor(c), expert_bias=torch.tensor(b, dtype=torch.float64))
+        for c, b in zip(counts, bias)
+    ]
 
     def want():
         mean = [sum(c) / len(c) for c in counts]
-        return [[b + u * ((x < m) - (x > m)) for x, b in zip(c, bs)] for c, bs, m in zip(counts, bias, mean)]
+        return [
+            [b + u * ((x < m) - (x > m)) for x, b in zip(c, bs)]
+            for c, bs, m in zip(counts, bias, mean)
+        ]
 
     flat = lambda rows: [v for row in rows for v in row]  # noqa: E731
     ds.update_biases(layers, u, None)
     assert flat(l.expert_bias.tolist() for l in layers) == pytest.approx(flat(want()), abs=1e-15)
-    assert want()[0][2] == bias[0][2] and want()[1][1] == bias[1][1] + u  # at the mean: stays; below: up
-    for l, b in zip(layers, bias):  # broken: the sign reversed (over-loaded experts made more attractive)
+    assert (
+        want()[0][2] == bias[0][2] and want()[1][1] == bias[1][1] + u
+    )  # at the mean: stays; below: up
+    for l, b in zip(
+        layers, bias
+    ):  # broken: the sign reversed (over-loaded experts made more attractive)
         l.expert_bias = torch.tensor(b, dtype=torch.float64)
     monkeypatch.setattr(ds.torch, "sign", lambda t: t.neg().sign_())
     ds.update_biases(layers, u, None)
@@ -168,13 +260,19 @@ def test_bias_update_closed_form(monkeypatch):
 def test_ties_go_to_the_lower_expert_index(monkeypatch):
     """Review 2, R4: a near-tie that rounds to an exact tie on one device must route the same everywhere, so
     the top k of s + b breaks exact ties by index (torch.topk leaves their order to the kernel)."""
-    scores = torch.tensor([[0.5, 0.7, 0.7, 0.7], [0.6, 0.6, 0.6, 0.6], [0.9, 0.1, 0.9, 0.1]], dtype=torch.float64)
-    bias = torch.tensor([0.0, 0.0, 0.0, 0.2], dtype=torch.float64)  # expert 3's 0.7 + 0.2 leads token 0
+    scores = torch.tensor(
+        [[0.5, 0.7, 0.7, 0.7], [0.6, 0.6, 0.6, 0.6], [0.9, 0.1, 0.9, 0.1]], dtype=torch.float64
+    )
+    bias = torch.tensor(
+        [0.0, 0.0, 0.0, 0.2], dtype=torch.float64
+    )  # expert 3's 0.7 + 0.2 leads token 0
     want = [[3, 1, 2], [3, 0, 1], [0, 2, 3]]
     assert ds.route(scores, bias, 3)[0].tolist() == want
     top_k = ds.top_k
     # broken: ties to the higher index (a kernel free to order them could do this on one device)
-    monkeypatch.setattr(ds, "top_k", lambda s, k: (lambda v, i: (v, s.shape[-1] - 1 - i))(*top_k(s.flip(-1), k)))
+    monkeypatch.setattr(
+        ds, "top_k", lambda s, k: (lambda v, i: (v, s.shape[-1] - 1 - i))(*top_k(s.flip(-1), k))
+    )
     assert ds.route(scores, bias, 3)[0].tolist() != want
 
 
@@ -189,6 +287,7 @@ def copy_out(d, lay, steps=3, aux_weight=0.1, bias_rate=0.05):
     """[(name, ok, detail)] for a sigmoid-gated layer with a shared expert and the sequence-wise loss, and a
     softmax-gated top-3 one without shared experts, with the cores of the technique section executed alone."""
     import section
+
     core = section.load("moe_deepseek.py")
     MoE, aux_share = core["DeepSeekMoE"], core["aux_share"]
 
@@ -197,20 +296,38 @@ def copy_out(d, lay, steps=3, aux_weight=0.1, bias_rate=0.05):
             c = m.wanted.double()
             m.expert_bias += bias_rate * torch.sign(c.mean() - c)
 
-    def loss_free_by_section(model):  # the EP run's: the section's update, its counts summed over every rank
+    def loss_free_by_section(
+        model,
+    ):  # the EP run's: the section's update, its counts summed over every rank
         core["update_biases"](core["moe_layers"](model), bias_rate, dist.group.WORLD)
+
     verdicts = []
     for flags in (dict(top_k=2, shared=1), dict(top_k=3, shared=0, score="softmax")):
+
         def build(ep_group):
             torch.manual_seed(0)
-            model = ResidualMoEStack(lambda i, gen: MoE(D, EXPERTS, hidden=HIDDEN, ep_group=ep_group,
-                                                        generator=gen, **flags))
+            model = ResidualMoEStack(
+                lambda i, gen: MoE(
+                    D, EXPERTS, hidden=HIDDEN, ep_group=ep_group, generator=gen, **flags
+                )
+            )
             model = model.double().to(d.device)
             return model, torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=False)
+
         name = "copy-out " + " ".join(f"{k}={v}" for k, v in flags.items())
-        verdicts += copy_out_case(d, lay, name, build, MoE, core["sync_grads"],
-                                  lambda model: aux_share(model, ROWS), steps, aux_weight,
-                                  ref_update=loss_free_by_hand, ep_update=loss_free_by_section)
+        verdicts += copy_out_case(
+            d,
+            lay,
+            name,
+            build,
+            MoE,
+            core["sync_grads"],
+            lambda model: aux_share(model, ROWS),
+            steps,
+            aux_weight,
+            ref_update=loss_free_by_hand,
+            ep_update=loss_free_by_section,
+        )
     return verdicts
 
 

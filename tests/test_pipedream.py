@@ -13,6 +13,7 @@ schedule says (watched launches); the messages pair under NCCL's rules (simulate
 input exits 2 with one line, before any collective. (ZB-H1, once --mode zb here: tests/test_zero_bubble.py.)
 Launches: 14 torchrun (three break the file on purpose, one runs its core outside it, four restart once; seven run
 under the watcher of tests/pipeline_checks.py, which only observes), 10 plain python."""
+
 import json
 import re
 import subprocess
@@ -24,7 +25,15 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from helpers import ENV, ROOT, TINY, assert_matches_reference, pipeline_schedule_errors, run_python, torchrun
+from helpers import (
+    ENV,
+    ROOT,
+    TINY,
+    assert_matches_reference,
+    pipeline_schedule_errors,
+    run_python,
+    torchrun,
+)
 
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
@@ -36,8 +45,16 @@ from common import build_gpt, GPTConfig, lm_loss, reference_train  # noqa: E402
 
 STEPS = 4  # TINY's --steps
 STAGE_MS = ("--stage-ms", "50")  # simulated compute, on the (4, 8) launches only: see test_gpipe.py
-CFG = [*TINY, "--n-layers", "4", "--batch-size", "16"]  # 4 blocks to split; 16 sequences = 4 or 8 micro-batches
-MB_BYTES = 16 * 8 * 16 * 8  # a whole batch's (B, T, D) float64 activations: what crosses a boundary per step
+CFG = [
+    *TINY,
+    "--n-layers",
+    "4",
+    "--batch-size",
+    "16",
+]  # 4 blocks to split; 16 sequences = 4 or 8 micro-batches
+MB_BYTES = (
+    16 * 8 * 16 * 8
+)  # a whole batch's (B, T, D) float64 activations: what crosses a boundary per step
 WATCH = "watch"  # run through tests/pipeline_checks.py watch: where gradients land, tags against the schedule
 
 
@@ -53,22 +70,55 @@ def launch(tmp_path_factory):
             p, m, *extra = key[1:] if watched else key
             tmp = tmp_path_factory.mktemp("pipedream")
             script = ["tests/pipeline_checks.py", WATCH] if watched else ["pipedream.py"]
-            summary, out = torchrun(script[0], p, *script[1:], *CFG, "--microbatches", m, "--check", *extra,
-                                    "--trace", tmp / "trace.json", "--ckpt-dir", tmp / "ck", tmp_path=tmp, name="run")
+            summary, out = torchrun(
+                script[0],
+                p,
+                *script[1:],
+                *CFG,
+                "--microbatches",
+                m,
+                "--check",
+                *extra,
+                "--trace",
+                tmp / "trace.json",
+                "--ckpt-dir",
+                tmp / "ck",
+                tmp_path=tmp,
+                name="run",
+            )
             if watched:  # the watcher ran on every stage and found every tag as the schedule says; each step's
                 # batch went to the device in one copy (not one per micro-batch), before the step's schedule
                 steps = int(extra[extra.index("--steps") + 1]) if "--steps" in extra else STEPS
-                assert all(re.search(rf"watch: stage {r} checked [1-9]\d* tags.* copied {steps} batches", out)
-                           for r in range(p)), out[-3000:]
+                assert all(
+                    re.search(
+                        rf"watch: stage {r} checked [1-9]\d* tags.* copied {steps} batches", out
+                    )
+                    for r in range(p)
+                ), out[-3000:]
             runs[key] = summary, out, json.loads((tmp / "trace.json").read_text())
         return runs[key]
+
     return get
 
 
-FLUSH_CLIP0 = (WATCH, 3, 4, "--clip", "0")  # the uneven split; also synchronous training for the stash comparisons
+FLUSH_CLIP0 = (
+    WATCH,
+    3,
+    4,
+    "--clip",
+    "0",
+)  # the uneven split; also synchronous training for the stash comparisons
 STASH = (WATCH, 3, 4, "--mode", "stash", "--clip", "0")
 VSYNC = (WATCH, 3, 4, "--mode", "stash", "--clip", "0", "--vertical-sync")
-TWO_BW = (WATCH, 3, 4, "--mode", "2bw", "--clip", "0.5")  # 0.5: every update is clipped, so the norm's trip is tested
+TWO_BW = (
+    WATCH,
+    3,
+    4,
+    "--mode",
+    "2bw",
+    "--clip",
+    "0.5",
+)  # 0.5: every update is clipped, so the norm's trip is tested
 
 
 # ----------------------------------------------------------------------------- the rules, from measured events
@@ -77,14 +127,19 @@ def by_key(events):
 
 
 def executed(events, r):
-    return [(e["kind"], e["mb"]) for e in sorted(events, key=lambda e: e["start"]) if e["rank"] == r]
+    return [
+        (e["kind"], e["mb"]) for e in sorted(events, key=lambda e: e["start"]) if e["rank"] == r
+    ]
 
 
 def sweep(events, r, until="B"):
     """(most micro-batches alive at once, most distinct weight versions among them) on stage r, recounted from
     the events: a micro-batch is alive from its F's start to the end of its B (or W: until="W")."""
-    marks = sorted([(e["start"], 1, e) for e in events if e["rank"] == r and e["kind"] == "F"]
-                   + [(e["end"], -1, e) for e in events if e["rank"] == r and e["kind"] == until], key=lambda x: x[:2])
+    marks = sorted(
+        [(e["start"], 1, e) for e in events if e["rank"] == r and e["kind"] == "F"]
+        + [(e["end"], -1, e) for e in events if e["rank"] == r and e["kind"] == until],
+        key=lambda x: x[:2],
+    )
     alive, peak, peak_versions = {}, 0, 0
     for _, step, e in marks:
         if step > 0:
@@ -99,18 +154,28 @@ def drained_between_steps(events, m):
     """True when every event of step t (on any stage) ends before any event of step t+1 starts."""
     steps = max(e["mb"] for e in events) // m + 1
     step_of = [[e for e in events if e["mb"] // m == t] for t in range(steps)]
-    return all(max(e["end"] for e in a) <= min(e["start"] for e in b) for a, b in zip(step_of, step_of[1:]))
+    return all(
+        max(e["end"] for e in a) <= min(e["start"] for e in b) for a, b in zip(step_of, step_of[1:])
+    )
 
 
 # ----------------------------------------------------------------------------- no launch
 def test_split_and_schedule_rules():
-    assert pipedream.split_layers(4, 3) == [(0, 2), (2, 3), (3, 4)]  # uneven: the first stage takes the extra
-    assert pipedream.split_layers(4, 2) == [(0, 2), (2, 4)] and pipedream.split_layers(5, 5)[-1] == (4, 5)
+    assert pipedream.split_layers(4, 3) == [
+        (0, 2),
+        (2, 3),
+        (3, 4),
+    ]  # uneven: the first stage takes the extra
+    assert pipedream.split_layers(4, 2) == [(0, 2), (2, 4)] and pipedream.split_layers(5, 5)[
+        -1
+    ] == (4, 5)
     for p in range(1, 6):
         for s in range(p):
             for n in range(1, 10):
                 ops = pipedream.one_f_one_b(n, p, s)
-                assert sorted(ops) == sorted([("F", k) for k in range(n)] + [("B", k) for k in range(n)])
+                assert sorted(ops) == sorted(
+                    [("F", k) for k in range(n)] + [("B", k) for k in range(n)]
+                )
                 warm = next((i for i, (kind, _) in enumerate(ops) if kind == "B"), n)
                 assert warm == min(p - s, n)  # p-s-1 warm-up forwards, then the first steady F
                 alive = peak = 0
@@ -118,11 +183,15 @@ def test_split_and_schedule_rules():
                     alive += 1 if kind == "F" else -1
                     peak = max(peak, alive)
                 assert peak == min(p - s, n)  # 1F1B: at most p - s alive
-                steady = ops[warm - 1:len(ops) - (min(p - s, n) - 1)]
-                assert all(a[0] != b[0] for a, b in zip(steady, steady[1:]))  # one F, one B, in turn
+                steady = ops[warm - 1 : len(ops) - (min(p - s, n) - 1)]
+                assert all(
+                    a[0] != b[0] for a, b in zip(steady, steady[1:])
+                )  # one F, one B, in turn
     chunks = pipedream.split_at_step_ends(pipedream.one_f_one_b(12, 3, 0), 4)
     assert len(chunks) == 3 and [c[-1] for c in chunks] == [("B", 3), ("B", 7), ("B", 11)]
-    assert ("F", 5) in chunks[0]  # without a flush, step 0's chunk on stage 0 already runs forwards of step 1
+    assert ("F", 5) in chunks[
+        0
+    ]  # without a flush, step 0's chunk on stage 0 already runs forwards of step 1
 
 
 def test_norm_takes_no_float64_copy_of_a_gradient():
@@ -144,7 +213,9 @@ def test_norm_takes_no_float64_copy_of_a_gradient():
         sq = pipedream.squared_norm(grads)
     exact = sum((g.double() ** 2).sum() for g in grads)
     assert sq.dtype == torch.float64 and abs(sq.item() - exact.item()) < 1e-12 * exact.item()
-    assert ops.names.count("linalg_vector_norm.default") == 2 and not any("_to_copy" in n for n in ops.names)
+    assert ops.names.count("linalg_vector_norm.default") == 2 and not any(
+        "_to_copy" in n for n in ops.names
+    )
     with Ops() as old:
         sum((g.double() ** 2).sum() for g in grads)
     assert any("_to_copy" in n for n in old.names)  # the check sees a copy where there is one
@@ -153,23 +224,43 @@ def test_norm_takes_no_float64_copy_of_a_gradient():
 def test_tag_check_catches_a_wrong_tag():
     """The watcher's check of the tags (tests/pipeline_checks.py), shown to fail: a tag whose version is not the
     sender's, or whose 2bw norm is not the one stage 0 knew, is reported; the right ones are not."""
-    expect = pipeline_checks.expected_tag("stash", False, 4, 4, 2, "F", 9, -1)  # from stage 1: lag 2 -> 7
+    expect = pipeline_checks.expected_tag(
+        "stash", False, 4, 4, 2, "F", 9, -1
+    )  # from stage 1: lag 2 -> 7
     assert expect == {0: 9, 1: 7}
-    assert pipeline_checks.tag_errors([(expect, torch.tensor([9.0, 7, 0, 0], dtype=torch.float64))]) == []
+    assert (
+        pipeline_checks.tag_errors([(expect, torch.tensor([9.0, 7, 0, 0], dtype=torch.float64))])
+        == []
+    )
     assert pipeline_checks.tag_errors([(expect, torch.tensor([9.0, 8, 0, 0], dtype=torch.float64))])
-    assert pipeline_checks.expected_tag("stash", True, 4, 4, 2, "B", 9, -1) == {0: 9, 1: 6}  # vertical sync
-    two = pipeline_checks.expected_tag("2bw", False, 3, 4, 1, "F", 10, -1)  # stage 0 had batch 0's norm
-    assert two == {0: 10, 1: 1, 2: 1} and pipeline_checks.tag_errors([(two, torch.tensor([10.0, 1, 0, 5.0]))])
+    assert pipeline_checks.expected_tag("stash", True, 4, 4, 2, "B", 9, -1) == {
+        0: 9,
+        1: 6,
+    }  # vertical sync
+    two = pipeline_checks.expected_tag(
+        "2bw", False, 3, 4, 1, "F", 10, -1
+    )  # stage 0 had batch 0's norm
+    assert two == {0: 10, 1: 1, 2: 1} and pipeline_checks.tag_errors(
+        [(two, torch.tensor([10.0, 1, 0, 5.0]))]
+    )
 
 
 def test_messages_pair_under_nccl_rules():
     """tests/pipedream_sim.py: every mode, p = 2..6, m = 1..8, with checkpoint drains: no deadlock, every send
     paired with its receive; and the simulator does find the deadlock of two blocking sends facing each other."""
-    bad = [(c, r) for c in pipedream_sim.configs()
-           if (r := pipedream_sim.simulate([pipedream_sim.items_for(*c, s) for s in range(c[1])])) != "ok"]
-    assert bad == [] and len(list(pipedream_sim.configs())) == 315  # 3 modes x p 2..6 x m 1..8 x 3 runs
-    facing = [[("batch", [("S", 1, "x")]), ("batch", [("R", 1, "y")])],
-              [("batch", [("S", 0, "y")]), ("batch", [("R", 0, "x")])]]
+    bad = [
+        (c, r)
+        for c in pipedream_sim.configs()
+        if (r := pipedream_sim.simulate([pipedream_sim.items_for(*c, s) for s in range(c[1])]))
+        != "ok"
+    ]
+    assert (
+        bad == [] and len(list(pipedream_sim.configs())) == 315
+    )  # 3 modes x p 2..6 x m 1..8 x 3 runs
+    facing = [
+        [("batch", [("S", 1, "x")]), ("batch", [("R", 1, "y")])],
+        [("batch", [("S", 0, "y")]), ("batch", [("R", 0, "x")])],
+    ]
     assert pipedream_sim.simulate(facing).startswith("DEADLOCK")
 
 
@@ -186,17 +277,31 @@ def test_flush_matches_reference_and_obeys_1f1b(launch, key):
     assert pipeline_schedule_errors(events, p, STEPS * m) == []
     for r in range(p):  # exactly 1F1B, step after step, each step drained before the next
         one_step = pipedream.one_f_one_b(m, p, r)
-        assert executed(events, r) == [(kind, t * m + k) for t in range(STEPS) for kind, k in one_step]
+        assert executed(events, r) == [
+            (kind, t * m + k) for t in range(STEPS) for kind, k in one_step
+        ]
     assert drained_between_steps(events, m)
-    assert all(e["version"] == e["mb"] // m for e in events)  # one optimizer step per step, after the drain
+    assert all(
+        e["version"] == e["mb"] // m for e in events
+    )  # one optimizer step per step, after the drain
     alive = [min(p - r, m) for r in range(p)]
-    assert f["peak_alive_microbatches"] == alive == [sweep(events, r)[0] for r in range(p)]  # p - s, not m
-    assert f["versions_kept"] == [1] * p and f["bubble_theory"] == pytest.approx((p - 1) / (m + p - 1))
+    assert (
+        f["peak_alive_microbatches"] == alive == [sweep(events, r)[0] for r in range(p)]
+    )  # p - s, not m
+    assert f["versions_kept"] == [1] * p and f["bubble_theory"] == pytest.approx(
+        (p - 1) / (m + p - 1)
+    )
     assert all(0 < b < 1 for b in f["bubble"])
     tag = 32 * m  # every message carries a 4-number float64 tag
-    assert f["sent_bytes_per_rank"] == [(MB_BYTES + tag) * ((r > 0) + (r < p - 1)) for r in range(p)]
-    assert f["sent_bytes_per_rank"] == f["sent_bytes_theory"] and summary["comm_bytes"] == max(f["sent_bytes_per_rank"])
-    assert all(re.search(rf"^stage {r} \|[^|]*F[^|]*B[^|]*\|$", out, re.M) for r in range(p))  # ASCII timeline
+    assert f["sent_bytes_per_rank"] == [
+        (MB_BYTES + tag) * ((r > 0) + (r < p - 1)) for r in range(p)
+    ]
+    assert f["sent_bytes_per_rank"] == f["sent_bytes_theory"] and summary["comm_bytes"] == max(
+        f["sent_bytes_per_rank"]
+    )
+    assert all(
+        re.search(rf"^stage {r} \|[^|]*F[^|]*B[^|]*\|$", out, re.M) for r in range(p)
+    )  # ASCII timeline
 
 
 def test_stage_ms_bubble_near_theory(launch):
@@ -212,10 +317,17 @@ def test_stage_ms_bubble_near_theory(launch):
     assert pipeline_schedule_errors(last, 4, 8) == []
     assert all(e["end"] - e["start"] >= (50 if e["kind"] == "F" else 100) for e in last)
     assert replayed_bubble(last, 4) == pytest.approx([3 / 11] * 4, abs=1e-12)
-    one_f_one_b = [o for o in orders_of(last, 4)]  # each stage: p - s warm-up forwards, then B and F in turn
+    one_f_one_b = [
+        o for o in orders_of(last, 4)
+    ]  # each stage: p - s warm-up forwards, then B and F in turn
     for s, order in enumerate(one_f_one_b):
-        assert [k for k, _ in order[:4 - s]] == ["F"] * (4 - s) and order[4 - s][0] == "B", (s, order)
-    assert "compute time simulated" in out and re.search(r"bubble, mean over stages: measured [\d.]+, theory", out)
+        assert [k for k, _ in order[: 4 - s]] == ["F"] * (4 - s) and order[4 - s][0] == "B", (
+            s,
+            order,
+        )
+    assert "compute time simulated" in out and re.search(
+        r"bubble, mean over stages: measured [\d.]+, theory", out
+    )
     assert "simulate compute time" in run_python("pipedream.py", "--help").stdout
 
 
@@ -224,13 +336,23 @@ def test_schedule_checks_catch_broken_schedules(launch):
     events = launch(2, 4)[0]["figures"]["events"]
     shift = lambda e, dt: dict(e, start=e["start"] + dt, end=e["end"] + dt)  # noqa: E731
     f0_1, b0_0 = by_key(events)[1, "F", 0], by_key(events)[0, "B", 0]
-    early_f = [shift(e, -1e4) if e is f0_1 else e for e in events]  # stage 1 runs F0 before stage 0 sent it
-    early_b = [shift(e, -1e4) if e is b0_0 else e for e in events]  # stage 0 runs B0 before F0 and stage 1
+    early_f = [
+        shift(e, -1e4) if e is f0_1 else e for e in events
+    ]  # stage 1 runs F0 before stage 0 sent it
+    early_b = [
+        shift(e, -1e4) if e is b0_0 else e for e in events
+    ]  # stage 0 runs B0 before F0 and stage 1
     assert any("F0 starts before stage 0" in x for x in pipeline_schedule_errors(early_f, 2, 16))
     assert any("B0 starts before F0" in x for x in pipeline_schedule_errors(early_b, 2, 16))
-    assert any("stage 0: B0 starts before stage 1" in x for x in pipeline_schedule_errors(early_b, 2, 16))
-    assert pipeline_schedule_errors(events[1:], 2, 16) and executed(early_b, 0) != executed(events, 0)
-    late = [shift(e, 1e4) if e["mb"] == 3 else e for e in events]  # micro-batch 3 of step 0 runs during step 1
+    assert any(
+        "stage 0: B0 starts before stage 1" in x for x in pipeline_schedule_errors(early_b, 2, 16)
+    )
+    assert pipeline_schedule_errors(events[1:], 2, 16) and executed(early_b, 0) != executed(
+        events, 0
+    )
+    late = [
+        shift(e, 1e4) if e["mb"] == 3 else e for e in events
+    ]  # micro-batch 3 of step 0 runs during step 1
     assert not drained_between_steps(late, 4)
 
 
@@ -238,12 +360,17 @@ def test_chrome_trace(launch):
     summary, out, trace = launch(2, 4)
     xs = [e for e in trace["traceEvents"] if e["ph"] == "X"]
     assert len(xs) == 2 * 2 * 4 * STEPS and f"wrote {len(xs)} events" in out
-    for e, ev in zip(sorted(xs, key=lambda e: (e["pid"], e["ts"])),
-                     sorted(summary["figures"]["events"], key=lambda e: (e["rank"], e["start"]))):
+    for e, ev in zip(
+        sorted(xs, key=lambda e: (e["pid"], e["ts"])),
+        sorted(summary["figures"]["events"], key=lambda e: (e["rank"], e["start"])),
+    ):
         assert e["name"] == f"{ev['kind']}{ev['mb']}" and e["pid"] == ev["rank"]
         assert e["args"]["version"] == ev["version"] and e["ts"] == pytest.approx(1e3 * ev["start"])
         assert e["dur"] == pytest.approx(1e3 * (ev["end"] - ev["start"]))
-    assert {e["args"]["name"] for e in trace["traceEvents"] if e["ph"] == "M"} == {"stage 0", "stage 1"}
+    assert {e["args"]["name"] for e in trace["traceEvents"] if e["ph"] == "M"} == {
+        "stage 0",
+        "stage 1",
+    }
 
 
 @pytest.fixture(scope="module")
@@ -277,15 +404,23 @@ def test_copy_out_runner_on_a_model_that_is_not_the_gpt(copied_out):
         norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), toy["clip"]).item())
         opt.step()
         losses.append(loss.item())
-    assert min(norms) > toy["clip"], norms  # the clip scales every step's gradients, the 0-dim one among them
+    assert min(norms) > toy["clip"], (
+        norms
+    )  # the clip scales every step's gradients, the 0-dim one among them
     for name, ranks in (("1f1b", 3), ("1f1b-no-zero-grad", 3), ("1f1b-2-stages", 2)):
-        runs = [torch.load(tmp_path / f"{name}-stage{r}.pt", weights_only=False) for r in range(ranks)]
+        runs = [
+            torch.load(tmp_path / f"{name}-stage{r}.pt", weights_only=False) for r in range(ranks)
+        ]
         got = {n: q for run in runs for n, q in run["params"].items()}
         assert sorted(got) == sorted(dict(model.named_parameters())), (name, sorted(got))
         diff = max((got[n] - q).abs().max().item() for n, q in model.named_parameters())
         loss_diff = max(abs(a - b) / abs(b) for a, b in zip(runs[0]["losses"], losses))
         assert len(runs[0]["losses"]) == len(losses)
-        assert (diff < 1e-12 and loss_diff < 1e-12) == (name != "1f1b-no-zero-grad"), (name, diff, loss_diff)
+        assert (diff < 1e-12 and loss_diff < 1e-12) == (name != "1f1b-no-zero-grad"), (
+            name,
+            diff,
+            loss_diff,
+        )
 
 
 BAD = {  # what a core of the section is given -> words its ValueError must say
@@ -303,12 +438,20 @@ def test_cores_refuse_what_they_cannot_do(copied_out):
     the group [2, 0], meets the runner's case."""
     seen = {}
     for rank in range(3):
-        for what, (error, calls) in torch.load(copied_out / f"bad-rank{rank}.pt", weights_only=False).items():
+        for what, (error, calls) in torch.load(
+            copied_out / f"bad-rank{rank}.pt", weights_only=False
+        ).items():
             seen.setdefault(what, []).append(rank)
-            if what.startswith("control"):  # a valid call: the same counter sees the broadcast it makes
+            if what.startswith(
+                "control"
+            ):  # a valid call: the same counter sees the broadcast it makes
                 assert error == "no error" and sum(calls.values()) == 1, (rank, what, error, calls)
                 continue
-            assert error.startswith("ValueError") and all(w in error for w in BAD[what]), (rank, what, error)
+            assert error.startswith("ValueError") and all(w in error for w in BAD[what]), (
+                rank,
+                what,
+                error,
+            )
             assert calls == {}, (rank, what, calls)
     cases = [*BAD, "control: TwoBW, m 3 = p, drained"]
     assert seen == {what: [1] if "outside" in what else [0, 1, 2] for what in cases}
@@ -323,9 +466,12 @@ def stashing_errors(events):
     """Weight stashing from its effect, measured right after each backward: the gradient sits on the tensors of
     the version its forward read (and on no other version), and the live weights got none of it."""
     fwd = versions_of(events, "F")
-    return [f"stage {e['rank']}: B{e['mb']} (forward on version {fwd[e['rank'], e['mb']]}) put its gradient on "
-            f"version {e['grad_version']}{' and on the live weights' if e['live_grad'] else ''}"
-            for e in events if e["kind"] == "B" and (e["grad_version"] != fwd[e["rank"], e["mb"]] or e["live_grad"])]
+    return [
+        f"stage {e['rank']}: B{e['mb']} (forward on version {fwd[e['rank'], e['mb']]}) put its gradient on "
+        f"version {e['grad_version']}{' and on the live weights' if e['live_grad'] else ''}"
+        for e in events
+        if e["kind"] == "B" and (e["grad_version"] != fwd[e["rank"], e["mb"]] or e["live_grad"])
+    ]
 
 
 def test_stash_weight_stashing(launch):
@@ -335,15 +481,27 @@ def test_stash_weight_stashing(launch):
     assert "against the one-process simulation of the stash rule" in out
     f, events = summary["figures"], summary["figures"]["events"]
     assert pipeline_schedule_errors(events, p, STEPS * m) == []
-    assert all(executed(events, r) == pipedream.one_f_one_b(STEPS * m, p, r) for r in range(p))  # one stream
-    assert not drained_between_steps(events, m)  # no flush: step t+1's forwards start before step t's backwards end
+    assert all(
+        executed(events, r) == pipedream.one_f_one_b(STEPS * m, p, r) for r in range(p)
+    )  # one stream
+    assert not drained_between_steps(
+        events, m
+    )  # no flush: step t+1's forwards start before step t's backwards end
     fwd = versions_of(events, "F")
-    assert stashing_errors(events) == []  # every backward's gradient on the version its forward read
-    assert all(v == max(0, k - (p - r - 1)) for (r, k), v in fwd.items())  # stage s lags by its warm-up, p-s-1
-    assert len({fwd[0, k] for k in range(STEPS * m)}) > 1 < len({fwd[1, k] for k in range(STEPS * m)})
+    assert (
+        stashing_errors(events) == []
+    )  # every backward's gradient on the version its forward read
+    assert all(
+        v == max(0, k - (p - r - 1)) for (r, k), v in fwd.items()
+    )  # stage s lags by its warm-up, p-s-1
+    assert (
+        len({fwd[0, k] for k in range(STEPS * m)}) > 1 < len({fwd[1, k] for k in range(STEPS * m)})
+    )
     kept = [p - r for r in range(p)]
     assert f["versions_kept"] == kept == f["versions_kept_theory"]
-    assert [sweep(events, r) for r in range(p)] == [(a, a) for a in kept]  # each one in flight: its own version
+    assert [sweep(events, r) for r in range(p)] == [
+        (a, a) for a in kept
+    ]  # each one in flight: its own version
     assert f["peak_alive_microbatches"] == kept
     assert f["sent_bytes_per_rank"] == f["sent_bytes_theory"]  # the stream's bytes over its steps
     # the negative: this is not synchronous training (same config, --mode flush), from the first step on
@@ -354,10 +512,25 @@ def test_stash_weight_stashing(launch):
 def test_stash_backward_on_newest_weights_fails(tmp_path):
     """The negative: a backward that runs on the newest weights, not the stashed version (tests/pipeline_checks.py
     stash-newest). The effect check sees the gradients land elsewhere, and --check fails."""
-    summary, out = torchrun("tests/pipeline_checks.py", 3, "stash-newest", *CFG, "--microbatches", 4, "--mode",
-                            "stash", "--clip", "0", "--check", tmp_path=tmp_path, expect_rc=1)
+    summary, out = torchrun(
+        "tests/pipeline_checks.py",
+        3,
+        "stash-newest",
+        *CFG,
+        "--microbatches",
+        4,
+        "--mode",
+        "stash",
+        "--clip",
+        "0",
+        "--check",
+        tmp_path=tmp_path,
+        expect_rc=1,
+    )
     errors = stashing_errors(summary["figures"]["events"])
-    assert errors and any("stage 0:" in e for e in errors) and not summary["check"]["passed"], errors
+    assert errors and any("stage 0:" in e for e in errors) and not summary["check"]["passed"], (
+        errors
+    )
     assert "-> FAILED" in out
 
 
@@ -378,7 +551,9 @@ def test_stash_vertical_sync(launch):
     assert all(abs(a - b) > 1e-9 for a, b in zip(summary["losses"], plain["losses"]))
     args = Namespace(**summary["config"])
     flipped = pipedream.simulate_rule(Namespace(**{**vars(args), "vertical_sync": False}), p)
-    assert flipped["losses"] == pytest.approx(plain["losses"], rel=1e-12)  # the simulation of the other rule
+    assert flipped["losses"] == pytest.approx(
+        plain["losses"], rel=1e-12
+    )  # the simulation of the other rule
     assert all(abs(a - b) > 1e-9 for a, b in zip(flipped["losses"][1:], summary["losses"][1:]))
 
 
@@ -386,12 +561,18 @@ def test_stash_vertical_sync(launch):
 def test_2bw_delayed_update(launch):
     summary, out, _ = launch(*TWO_BW)
     p, m = 3, 4
-    assert_matches_reference(summary)  # against simulate_rule: W_{t+1} = AdamW(W_t, clip(grad at W_{t-1}))
+    assert_matches_reference(
+        summary
+    )  # against simulate_rule: W_{t+1} = AdamW(W_t, clip(grad at W_{t-1}))
     assert "against the one-process simulation of the 2bw rule" in out
     f, events = summary["figures"], summary["figures"]["events"]
-    assert pipeline_schedule_errors(events, p, STEPS * m) == [] and not drained_between_steps(events, m)
+    assert pipeline_schedule_errors(events, p, STEPS * m) == [] and not drained_between_steps(
+        events, m
+    )
     assert stashing_errors(events) == []  # each batch's gradient summed on the version it read
-    assert all(e["version"] == max(e["mb"] // m - 1, 0) for e in events)  # batch t reads update t-1, everywhere
+    assert all(
+        e["version"] == max(e["mb"] // m - 1, 0) for e in events
+    )  # batch t reads update t-1, everywhere
     assert f["versions_kept"] == [2] * p and all(sweep(events, r)[1] <= 2 for r in range(p))
     # the negative: synchronous training (the common reference, same config) agrees on batch 0, which reads W_0 in
     # both, and differs from batch 1 on, which 2BW still runs on W_0
@@ -410,56 +591,118 @@ def test_2bw_at_the_boundary_m_equals_p(launch):
 def test_2bw_invariant_stops_a_run_below_the_guard(tmp_path):
     """The negative: with the guard lifted (tests/pipeline_checks.py 2bw-fewer), m = p - 1 leaves the drain one norm
     short; the invariant in learn_norm stops the run with its reason instead of ending on an unapplied gradient."""
-    _, out = torchrun("tests/pipeline_checks.py", 3, "2bw-fewer", *CFG, "--microbatches", 2, "--mode", "2bw",
-                      "--steps", 3, tmp_path=tmp_path, expect_rc=1)  # fails on purpose
-    assert "2bw learns the norm of batch 2, but the next it expects is batch 1's" in out, out[-3000:]
+    _, out = torchrun(
+        "tests/pipeline_checks.py",
+        3,
+        "2bw-fewer",
+        *CFG,
+        "--microbatches",
+        2,
+        "--mode",
+        "2bw",
+        "--steps",
+        3,
+        tmp_path=tmp_path,
+        expect_rc=1,
+    )  # fails on purpose
+    assert "2bw learns the norm of batch 2, but the next it expects is batch 1's" in out, out[
+        -3000:
+    ]
 
 
 # ----------------------------------------------------------------------------- bad input
 def one_error_line(p, words):
     lines = p.stderr.strip().splitlines()
-    assert p.returncode == 2 and len(lines) == 1 and "Traceback" not in p.stderr, p.stdout + p.stderr
+    assert p.returncode == 2 and len(lines) == 1 and "Traceback" not in p.stderr, (
+        p.stdout + p.stderr
+    )
     assert all(w in lines[0] for w in words), lines[0]
 
 
 def as_rank(world, *args):
     """What rank world-1 of a torchrun job checks before any collective (world size from the environment)."""
     env = dict(ENV, WORLD_SIZE=str(world), RANK=str(world - 1))
-    return subprocess.run([sys.executable, str(ROOT / "pipedream.py"), *CFG, *args], env=env, cwd=ROOT,
-                          capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, str(ROOT / "pipedream.py"), *CFG, *args],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 def test_bad_input():
-    one_error_line(run_python("pipedream.py", *CFG), ["one process per stage", "torchrun --nproc_per_node=4"])
-    one_error_line(run_python("pipedream.py", *CFG, "--microbatches", "0"), ["--microbatches must be >= 1"])
-    one_error_line(run_python("pipedream.py", *CFG, "--mode", "gpipe"), ["--mode", "invalid choice: 'gpipe'"])
-    one_error_line(run_python("pipedream.py", *CFG, "--mode", "stash"), ["whole-model gradient norm", "--clip 0"])
+    one_error_line(
+        run_python("pipedream.py", *CFG), ["one process per stage", "torchrun --nproc_per_node=4"]
+    )
+    one_error_line(
+        run_python("pipedream.py", *CFG, "--microbatches", "0"), ["--microbatches must be >= 1"]
+    )
+    one_error_line(
+        run_python("pipedream.py", *CFG, "--mode", "gpipe"), ["--mode", "invalid choice: 'gpipe'"]
+    )
+    one_error_line(
+        run_python("pipedream.py", *CFG, "--mode", "stash"),
+        ["whole-model gradient norm", "--clip 0"],
+    )
     one_error_line(as_rank(3, "--n-layers", "2"), ["3 stages but --n-layers 2", "--n-layers 3"])
-    one_error_line(as_rank(4, "--mode", "2bw", "--microbatches", "2"),
-                   ["2bw needs --microbatches >= stages (4)", "second-to-last norm", "--microbatches 4"])
+    one_error_line(
+        as_rank(4, "--mode", "2bw", "--microbatches", "2"),
+        ["2bw needs --microbatches >= stages (4)", "second-to-last norm", "--microbatches 4"],
+    )
     # an m that does not divide the batch, a flag of another mode, a mode that moved to its own file
-    one_error_line(as_rank(4, "--microbatches", "3"),
-                   ["--batch-size 16 is not divisible by --microbatches 3", "--microbatches 2"])
-    one_error_line(as_rank(2, "--mode", "2bw", "--vertical-sync"), ["--vertical-sync belongs to --mode stash"])
-    one_error_line(as_rank(2, "--mode", "zb"), ["--mode", "invalid choice: 'zb'"])  # ZB-H1: zero_bubble.py
+    one_error_line(
+        as_rank(4, "--microbatches", "3"),
+        ["--batch-size 16 is not divisible by --microbatches 3", "--microbatches 2"],
+    )
+    one_error_line(
+        as_rank(2, "--mode", "2bw", "--vertical-sync"), ["--vertical-sync belongs to --mode stash"]
+    )
+    one_error_line(
+        as_rank(2, "--mode", "zb"), ["--mode", "invalid choice: 'zb'"]
+    )  # ZB-H1: zero_bubble.py
 
 
-@pytest.mark.parametrize("mode", [FLUSH_CLIP0[2:], STASH[2:], TWO_BW[2:]], ids=["flush", "stash", "2bw"])
+@pytest.mark.parametrize(
+    "mode", [FLUSH_CLIP0[2:], STASH[2:], TWO_BW[2:]], ids=["flush", "stash", "2bw"]
+)
 def test_resume_exactly(launch, tmp_path, mode):
     """torchrun --max-restarts=1 ... --ckpt-dir D --save-every 2 --fail-at-step 3, as a user types it: stash and 2bw
     drain the pipeline at each checkpoint (timing only: version_for keeps every micro-batch on the stream's
     version), the last stage dies at step 3, every stage resumes at step 2 with its stashed versions. Against an
     uninterrupted run that never drains (it saves only at the end): the same losses and the same final
     parameters, bit for bit."""
-    whole = launch(WATCH, 3, *mode)[0]  # the shared launch; its --ckpt-dir holds the final parameters
-    resumed, out = torchrun("pipedream.py", 3, *CFG, "--microbatches", *mode, "--check", "--ckpt-dir", tmp_path / "r",
-                            "--save-every", 2, "--fail-at-step", 3, tmp_path=tmp_path, max_restarts=1, name="resumed")
+    whole = launch(WATCH, 3, *mode)[
+        0
+    ]  # the shared launch; its --ckpt-dir holds the final parameters
+    resumed, out = torchrun(
+        "pipedream.py",
+        3,
+        *CFG,
+        "--microbatches",
+        *mode,
+        "--check",
+        "--ckpt-dir",
+        tmp_path / "r",
+        "--save-every",
+        2,
+        "--fail-at-step",
+        3,
+        tmp_path=tmp_path,
+        max_restarts=1,
+        name="resumed",
+    )
     assert "simulated failure at step 3" in out and "at step 2" in out
     assert_matches_reference(resumed)  # and its own one-process simulation, which knows no drains
     assert resumed["losses"] == whole["losses"] and len(whole["losses"]) == STEPS
     for r in range(3):
-        a, b = (torch.load(Path(ck) / f"rank{r}" / f"step{STEPS}.pt", weights_only=False, map_location="cpu")
-                for ck in (whole["config"]["ckpt_dir"], tmp_path / "r"))
+        a, b = (
+            torch.load(
+                Path(ck) / f"rank{r}" / f"step{STEPS}.pt", weights_only=False, map_location="cpu"
+            )
+            for ck in (whole["config"]["ckpt_dir"], tmp_path / "r")
+        )
         assert a["model"].keys() == b["model"].keys()
         assert all(torch.equal(a["model"][n], b["model"][n]) for n in a["model"]), f"stage {r}"
 
@@ -468,11 +711,28 @@ def test_resume_without_the_stashed_versions_fails(launch, tmp_path):
     """The negative: a resume that replaces the checkpoint's stashed versions by the live weights
     (tests/pipeline_checks.py resume-newest) runs on, but its losses leave the uninterrupted run's and --check fails."""
     whole = launch(*STASH)[0]
-    resumed, out = torchrun("tests/pipeline_checks.py", 3, "resume-newest", *CFG, "--microbatches", *STASH[2:],
-                            "--check", "--ckpt-dir", tmp_path / "r", "--save-every", 2, "--fail-at-step", 3,
-                            tmp_path=tmp_path, max_restarts=1, expect_rc=1)
+    resumed, out = torchrun(
+        "tests/pipeline_checks.py",
+        3,
+        "resume-newest",
+        *CFG,
+        "--microbatches",
+        *STASH[2:],
+        "--check",
+        "--ckpt-dir",
+        tmp_path / "r",
+        "--save-every",
+        2,
+        "--fail-at-step",
+        3,
+        tmp_path=tmp_path,
+        max_restarts=1,
+        expect_rc=1,
+    )
     assert "at step 2" in out and not resumed["check"]["passed"]
-    assert resumed["losses"][:2] == whole["losses"][:2] and resumed["losses"][2] != whole["losses"][2]
+    assert (
+        resumed["losses"][:2] == whole["losses"][:2] and resumed["losses"][2] != whole["losses"][2]
+    )
 
 
 def test_no_object_collectives():

@@ -13,6 +13,7 @@ cannot run before sending anything; clipping clips and counts replicated tensors
 --check; a restarted run continues to bit-identical losses; bad input exits 2 on every rank. Launches: 4 of
 tests/ptdp_checks.py (worlds 2, 4, 4, 8; ptdp's main once per run inside, 19 runs; one also runs the copy-out
 checks), 1 torchrun that restarts once, 8 plain python."""
+
 import collections
 import json
 import sys
@@ -23,43 +24,105 @@ import pytest
 import torch
 import torch.nn as nn
 
-from helpers import (ROOT, TINY, assert_each_rank_fails, assert_matches_reference, run_python, run_ranks,
-                     simulate_p2p_plans, torchrun)
+from helpers import (
+    ROOT,
+    TINY,
+    assert_each_rank_fails,
+    assert_matches_reference,
+    run_python,
+    run_ranks,
+    simulate_p2p_plans,
+    torchrun,
+)
 
 sys.path.insert(0, str(ROOT))
 import ptdp  # noqa: E402  (importing must not run main())
 import section  # noqa: E402
 from common import reference_train  # noqa: E402
 
-CFG = [*TINY, "--n-layers", "4", "--batch-size", "16"]  # 4 blocks = 2 pp x 2 chunks; 16 = dp 2 x m 4 x 2
-P4 = [*TINY, "--n-layers", "8", "--batch-size", "16", "--steps", "3", "--pp", "4", "--microbatches", "8"]
+CFG = [
+    *TINY,
+    "--n-layers",
+    "4",
+    "--batch-size",
+    "16",
+]  # 4 blocks = 2 pp x 2 chunks; 16 = dp 2 x m 4 x 2
+P4 = [
+    *TINY,
+    "--n-layers",
+    "8",
+    "--batch-size",
+    "16",
+    "--steps",
+    "3",
+    "--pp",
+    "4",
+    "--microbatches",
+    "8",
+]
 LAYOUTS = {  # name: (nproc, flags); each world's layouts run in one launch (tests/ptdp_checks.py runs)
     "pp2 v1": (2, ["--pp", "2"]),
     "pp2 v2": (2, ["--pp", "2", "--virtual-stages", "2"]),
-    "pp2 tp2 v2": (4, ["--pp", "2", "--tp", "2", "--virtual-stages", "2"]),  # the launch with the copy-out check
+    "pp2 tp2 v2": (
+        4,
+        ["--pp", "2", "--tp", "2", "--virtual-stages", "2"],
+    ),  # the launch with the copy-out check
     "pp2 dp2 v2 ragged": (4, ["--pp", "2", "--dp", "2", "--virtual-stages", "2", "--ragged"]),
     "cp2 tp2": (4, ["--pp", "1", "--cp", "2", "--tp", "2"]),  # issue 41: the world-4 cases
     "pp2 cp2": (4, ["--pp", "2", "--cp", "2", "--ragged"]),
-    "pp2 tp2 dp2 v2 ragged clip": (8, ["--pp", "2", "--tp", "2", "--dp", "2", "--virtual-stages", "2", "--ragged",
-                                       "--clip", "0.05", "--steps", "3"]),
-    "pp2 cp2 tp2 v2": (8, ["--pp", "2", "--cp", "2", "--tp", "2", "--virtual-stages", "2"]),  # issue 41, world 8
-    "pp2 dp2 cp2 zero1 clip": (8, ["--pp", "2", "--dp", "2", "--cp", "2", "--zero", "1", "--clip", "0.05"]),
+    "pp2 tp2 dp2 v2 ragged clip": (
+        8,
+        [
+            "--pp",
+            "2",
+            "--tp",
+            "2",
+            "--dp",
+            "2",
+            "--virtual-stages",
+            "2",
+            "--ragged",
+            "--clip",
+            "0.05",
+            "--steps",
+            "3",
+        ],
+    ),
+    "pp2 cp2 tp2 v2": (
+        8,
+        ["--pp", "2", "--cp", "2", "--tp", "2", "--virtual-stages", "2"],
+    ),  # issue 41, world 8
+    "pp2 dp2 cp2 zero1 clip": (
+        8,
+        ["--pp", "2", "--dp", "2", "--cp", "2", "--zero", "1", "--clip", "0.05"],
+    ),
     "dp2 cp2 tp2": (8, ["--pp", "1", "--dp", "2", "--cp", "2", "--tp", "2", "--zero", "1"]),
 }
 MUTANT_RUNS = {  # name: (nproc, flags, the mutant of tests/ptdp_checks.py's MUTANTS): each must fail --check
     "norm-counts-replicas": (4, ["--pp", "2", "--tp", "2", "--clip", "0.05", "--steps", "3"]),
     "no-dp-all-reduce": (4, ["--pp", "2", "--dp", "2", "--virtual-stages", "2"]),
     "kv-to-tp-peer": (4, ["--pp", "1", "--cp", "2", "--tp", "2"]),
-    "grads-over-dp-not-cp": (4, ["--pp", "1", "--dp", "2", "--cp", "2"]),  # world 4: half a world-8 run's work
+    "grads-over-dp-not-cp": (
+        4,
+        ["--pp", "1", "--dp", "2", "--cp", "2"],
+    ),  # world 4: half a world-8 run's work
     "shard-wrong-slice": (4, ["--pp", "1", "--dp", "2", "--cp", "2", "--zero", "1"]),
 }
-STAGE_MS = {f"stage-ms {s}": (4, [*P4, *flags, "--stage-ms", "50"]) for s, flags in [
-    ("v1", []), ("v2", ["--virtual-stages", "2"])]}
-RUNS = {**{k: (n, [*CFG, *f, "--check"]) for k, (n, f) in LAYOUTS.items()},
-        **{k: (n, [*CFG, "--steps", "2", *f, "--check"]) for k, (n, f) in MUTANT_RUNS.items()},
-        **{k: (n, [*f, "--check"]) for k, (n, f) in STAGE_MS.items()}}
-LAUNCHES = [[k for k in RUNS if RUNS[k][0] == 2], [k for k in RUNS if RUNS[k][0] == 4 and k not in STAGE_MS],
-            list(STAGE_MS), [k for k in RUNS if RUNS[k][0] == 8]]
+STAGE_MS = {
+    f"stage-ms {s}": (4, [*P4, *flags, "--stage-ms", "50"])
+    for s, flags in [("v1", []), ("v2", ["--virtual-stages", "2"])]
+}
+RUNS = {
+    **{k: (n, [*CFG, *f, "--check"]) for k, (n, f) in LAYOUTS.items()},
+    **{k: (n, [*CFG, "--steps", "2", *f, "--check"]) for k, (n, f) in MUTANT_RUNS.items()},
+    **{k: (n, [*f, "--check"]) for k, (n, f) in STAGE_MS.items()},
+}
+LAUNCHES = [
+    [k for k in RUNS if RUNS[k][0] == 2],
+    [k for k in RUNS if RUNS[k][0] == 4 and k not in STAGE_MS],
+    list(STAGE_MS),
+    [k for k in RUNS if RUNS[k][0] == 8],
+]
 
 
 _RUNS = {}  # name -> its results, for the session: tests/test_plan_4d.py reads the world-8 runs too
@@ -75,18 +138,36 @@ def shared_launch(tmp_path_factory):
         if name not in runs:
             names = next(group for group in LAUNCHES if name in group)
             tmp = tmp_path_factory.mktemp("ptdp")
-            spec = [dict(name=k, argv=[*map(str, RUNS[k][1]), "--trace", str(tmp / f"{k}.trace.json")],
-                         mutant=k if k in MUTANT_RUNS else None) for k in names]
+            spec = [
+                dict(
+                    name=k,
+                    argv=[*map(str, RUNS[k][1]), "--trace", str(tmp / f"{k}.trace.json")],
+                    mutant=k if k in MUTANT_RUNS else None,
+                )
+                for k in names
+            ]
             (tmp / "runs.json").write_text(json.dumps(spec))
             head = ["copy-out", tmp / "copy_out.json"] if "pp2 tp2 v2" in names else []
-            _, out = torchrun("tests/ptdp_checks.py", RUNS[name][0], *head, "runs", tmp / "runs.json", tmp,
-                              tmp_path=tmp, timeout=900)
+            _, out = torchrun(
+                "tests/ptdp_checks.py",
+                RUNS[name][0],
+                *head,
+                "runs",
+                tmp / "runs.json",
+                tmp,
+                tmp_path=tmp,
+                timeout=900,
+            )
             copy_out = tmp / "copy_out.json"
             for k in names:
-                runs[k] = (json.loads((tmp / f"{k}.json").read_text()), out,
-                           json.loads((tmp / f"{k}.trace.json").read_text()),
-                           json.loads(copy_out.read_text()) if copy_out.exists() else None)
+                runs[k] = (
+                    json.loads((tmp / f"{k}.json").read_text()),
+                    out,
+                    json.loads((tmp / f"{k}.trace.json").read_text()),
+                    json.loads(copy_out.read_text()) if copy_out.exists() else None,
+                )
         return runs[name]
+
     return get
 
 
@@ -113,24 +194,40 @@ def rule_errors(events, p, v, m):
     for e in events:
         pipes[e["step"], e["dp"], e.get("cp", 0), e["tp"]][e["kind"], e["chunk"], e["mb"]] = e
     for key, ev in pipes.items():
-        if len(ev) != len(kinds) * n * m or set(ev) != {(k, c, j) for k in kinds for c in range(n) for j in range(m)}:
+        if len(ev) != len(kinds) * n * m or set(ev) != {
+            (k, c, j) for k in kinds for c in range(n) for j in range(m)
+        }:
             errors.append(f"{key}: not one {'/'.join(kinds)} per chunk and micro-batch")
             continue
         for (kind, c, k), e in ev.items():
             if e["pp"] != holder(c, p):
                 errors.append(f"{key}: chunk {c} ran on pp rank {e['pp']}")
-            src = ("F", c - 1, k) if kind == "F" and c > 0 else ("B", c + 1, k) if kind == "B" and c < n - 1 else None
+            src = (
+                ("F", c - 1, k)
+                if kind == "F" and c > 0
+                else ("B", c + 1, k)
+                if kind == "B" and c < n - 1
+                else None
+            )
             if src and e["start"] < ev[src]["end"]:
                 errors.append(f"{key}: {kind}{k} of chunk {c} starts before chunk {src[1]} ends it")
-            if src and ev[src]["pp"] != e["pp"] and not (e["recv"] is not None and
-                                                         ev[src]["end"] <= e["recv"] <= e["start"]):
-                errors.append(f"{key}: {kind}{k} of chunk {c}: input not received between its producer and its use")
+            if (
+                src
+                and ev[src]["pp"] != e["pp"]
+                and not (e["recv"] is not None and ev[src]["end"] <= e["recv"] <= e["start"])
+            ):
+                errors.append(
+                    f"{key}: {kind}{k} of chunk {c}: input not received between its producer and its use"
+                )
             if kind == "B" and e["start"] < ev["F", c, k]["end"]:
                 errors.append(f"{key}: B{k} of chunk {c} starts before its F ends")
         for r in range(p):
             mine = sorted((e for e in ev.values() if e["pp"] == r), key=lambda e: e["start"])
-            errors += [f"{key} rank {r}: {b['kind']}{b['mb']} overlaps" for a, b in zip(mine, mine[1:])
-                       if b["start"] < a["end"]]
+            errors += [
+                f"{key} rank {r}: {b['kind']}{b['mb']} overlaps"
+                for a, b in zip(mine, mine[1:])
+                if b["start"] < a["end"]
+            ]
             bound = ptdp.inflight_bound(p, v, m, r)
             if inflight(mine) > bound:
                 errors.append(f"{key} rank {r}: {inflight(mine)} in flight > {bound}")
@@ -145,8 +242,10 @@ def rule_errors(events, p, v, m):
 def inflight(events):
     """Most (chunk, micro-batch) pairs between F's start and the end of their B at once, swept over the
     events."""
-    marks = sorted([(e["start"], 1) for e in events if e["kind"] == "F"] + [(e["end"], -1) for e in events
-                                                                            if e["kind"] == "B"])
+    marks = sorted(
+        [(e["start"], 1) for e in events if e["kind"] == "F"]
+        + [(e["end"], -1) for e in events if e["kind"] == "B"]
+    )
     now = peak = 0
     for _, step in marks:
         now += step
@@ -155,8 +254,11 @@ def inflight(events):
 
 
 def executed(events, step, r, dp=0, tp=0, cp=0):
-    return [(e["kind"], e["chunk"], e["mb"]) for e in events
-            if (e["step"], e["pp"], e["dp"], e.get("cp", 0), e["tp"]) == (step, r, dp, cp, tp)]  # execution order
+    return [
+        (e["kind"], e["chunk"], e["mb"])
+        for e in events
+        if (e["step"], e["pp"], e["dp"], e.get("cp", 0), e["tp"]) == (step, r, dp, cp, tp)
+    ]  # execution order
 
 
 # ----------------------------------------------------------------------------- schedule level (no processes)
@@ -164,8 +266,13 @@ def simulate_plan(p, v, m, plan_of, slots=None, local=None):
     """Every rank's plan_of(p, v, m, r) under NCCL's strictest semantics (helpers.simulate_p2p_plans; ops take
     F 1, B 2, W 1 slots): (idle slots per rank, forward messages sent per rank), or AssertionError on a deadlock
     or a mismatched message."""
-    return simulate_p2p_plans([plan_of(p, v, m, r) for r in range(p)], lambda op: ptdp.needs(op, p * v),
-                              ptdp.producer, slots or {"F": 1, "B": 2, "W": 1}, local or (lambda msg: False))
+    return simulate_p2p_plans(
+        [plan_of(p, v, m, r) for r in range(p)],
+        lambda op: ptdp.needs(op, p * v),
+        ptdp.producer,
+        slots or {"F": 1, "B": 2, "W": 1},
+        local or (lambda msg: False),
+    )
 
 
 def pipedream_style_plan(p, v, m, r):
@@ -176,7 +283,13 @@ def pipedream_style_plan(p, v, m, r):
         src = ptdp.producer(need) if need else None
         steps.append(("p2p", out, [(src[1] % p, need)] if need else []))
         kind, c, k = op
-        nxt = ("F", c + 1, k) if kind == "F" and c < n - 1 else ("B", c - 1, k) if kind == "B" and c > 0 else None
+        nxt = (
+            ("F", c + 1, k)
+            if kind == "F" and c < n - 1
+            else ("B", c - 1, k)
+            if kind == "B" and c > 0
+            else None
+        )
         out = [(nxt[1] % p, nxt)] if nxt else []
         steps.append(("op", op))
     return steps + [("p2p", out, [])]
@@ -188,14 +301,24 @@ def test_schedule_counts_equal_theory(p, v, m):
     end = max(e for _, _, e in at.values())
     idle = [end - sum(e - s for q, s, e in at.values() if q == r) for r in range(p)]
     assert idle == [3 * (p - 1)] * p  # F 1 slot, B 2: the bubble is (p-1)(tf+tb) per rank ...
-    assert [i / (3 * v * m) for i in idle] == [pytest.approx((p - 1) / (v * m))] * p  # ... = (p-1)/(v m) of busy
-    idle_sim, fwd = simulate_plan(p, v, m, ptdp.comm_plan)  # the plan, run under rendezvous semantics
-    assert fwd == [m * (v - (r == p - 1)) for r in range(p)] and sum(fwd) == (v * p - 1) * m  # 24 -> 56 at p 4, m 8
+    assert [i / (3 * v * m) for i in idle] == [
+        pytest.approx((p - 1) / (v * m))
+    ] * p  # ... = (p-1)/(v m) of busy
+    idle_sim, fwd = simulate_plan(
+        p, v, m, ptdp.comm_plan
+    )  # the plan, run under rendezvous semantics
+    assert (
+        fwd == [m * (v - (r == p - 1)) for r in range(p)] and sum(fwd) == (v * p - 1) * m
+    )  # 24 -> 56 at p 4, m 8
     if (p, v, m) == (4, 2, 8):
-        assert sum(fwd) == 56 and idle_sim == idle  # no wait beyond the ideal: messages never delay an op
+        assert (
+            sum(fwd) == 56 and idle_sim == idle
+        )  # no wait beyond the ideal: messages never delay an op
     for r in range(p):
         ops = ptdp.schedule(p, v, m, r)
-        assert sorted(ops) == sorted((k, c, j) for k in "FB" for c in range(r, p * v, p) for j in range(m))
+        assert sorted(ops) == sorted(
+            (k, c, j) for k in "FB" for c in range(r, p * v, p) for j in range(m)
+        )
         alive = peak = 0
         for kind, _, _ in ops:
             alive += 1 if kind == "F" else -1
@@ -203,8 +326,11 @@ def test_schedule_counts_equal_theory(p, v, m):
         assert peak == ptdp.inflight_bound(p, v, m, r)
 
 
-@pytest.mark.parametrize("p, v, m", [(p, v, m) for p in (2, 3, 4) for v in (1, 2, 3) for m in (p, 2 * p, 3 * p)]
-                         + [(4, 1, 3), (3, 1, 7), (8, 2, 16)])
+@pytest.mark.parametrize(
+    "p, v, m",
+    [(p, v, m) for p in (2, 3, 4) for v in (1, 2, 3) for m in (p, 2 * p, 3 * p)]
+    + [(4, 1, 3), (3, 1, 7), (8, 2, 16)],
+)
 def test_comm_plan_never_deadlocks(p, v, m):
     idle, fwd = simulate_plan(p, v, m, ptdp.comm_plan)
     assert sum(fwd) == (v * p - 1) * m and all(i >= 0 for i in idle)
@@ -220,17 +346,26 @@ def test_simulator_catches_a_deadlock():
 def torch_order(p, v, m, r):
     """torch's ScheduleInterleaved1F1B order for rank r, from its own per-rank planner (no stages needed)."""
     from torch.distributed.pipelining.schedules import ScheduleInterleaved1F1B
+
     rounds = max(1, m // p)
-    me = SimpleNamespace(n_local_stages=v, pp_group_size=p, _n_microbatches=m, microbatches_per_round=m // rounds)
+    me = SimpleNamespace(
+        n_local_stages=v, pp_group_size=p, _n_microbatches=m, microbatches_per_round=m // rounds
+    )
     acts = ScheduleInterleaved1F1B._calculate_single_rank_operations(me, r)
-    return [("F" if a.computation_type.value == "F" else "B", a.stage_index, a.microbatch_index) for a in acts if a]
+    return [
+        ("F" if a.computation_type.value == "F" else "B", a.stage_index, a.microbatch_index)
+        for a in acts
+        if a
+    ]
 
 
 @pytest.mark.parametrize("p, v, m", [(2, 2, 4), (4, 2, 8), (4, 3, 8), (2, 2, 6), (3, 2, 9)])
 def test_matches_torch_interleaved_1f1b(p, v, m, monkeypatch):
     for r in range(p):
         assert ptdp.schedule(p, v, m, r) == torch_order(p, v, m, r)
-    monkeypatch.setattr(ptdp, "warmup", lambda p, v, m, r: min(p - r - 1, m))  # the negative: 1F1B's warm-up
+    monkeypatch.setattr(
+        ptdp, "warmup", lambda p, v, m, r: min(p - r - 1, m)
+    )  # the negative: 1F1B's warm-up
     assert any(ptdp.schedule(p, v, m, r) != torch_order(p, v, m, r) for r in range(p))
 
 
@@ -258,7 +393,13 @@ def test_matches_reference_and_obeys_schedule(launch, name):
     summary, out, trace, _ = launch(name)
     assert_matches_reference(summary)
     f, cfg = summary["figures"], summary["config"]
-    p, v, m, steps, schedule = f["pp"], f["virtual_stages"], f["microbatches"], cfg["steps"], f["schedule"]
+    p, v, m, steps, schedule = (
+        f["pp"],
+        f["virtual_stages"],
+        f["microbatches"],
+        cfg["steps"],
+        f["schedule"],
+    )
     cp, zero = f["cp"], f["zero"]
     assert summary["world_size"] == p * f["tp"] * f["dp"] * cp == LAYOUTS[name][0]
     assert schedule == "interleaved"
@@ -271,14 +412,26 @@ def test_matches_reference_and_obeys_schedule(launch, name):
                     for tp in range(f["tp"]):
                         assert executed(events, s, r, dp, tp, c) == ptdp.schedule(p, v, m, r)
     first = [e for e in events if e["step"] == 0 and e["dp"] == e["cp"] == e["tp"] == 0]
-    assert f["inflight"] == f["inflight_theory"] == [inflight([e for e in first if e["pp"] == r]) for r in range(p)]
+    assert (
+        f["inflight"]
+        == f["inflight_theory"]
+        == [inflight([e for e in first if e["pp"] == r]) for r in range(p)]
+    )
     # messages handed to the sends of the counted step = theory, on every rank of every pipeline, by tag
-    assert f["fwd_msgs_per_rank"] == f["fwd_msgs_theory"] and f["bwd_msgs_per_rank"] == f["bwd_msgs_theory"]
+    assert (
+        f["fwd_msgs_per_rank"] == f["fwd_msgs_theory"]
+        and f["bwd_msgs_per_rank"] == f["bwd_msgs_theory"]
+    )
     assert f["fwd_msgs_per_pipeline"] == (v * p - 1) * m
-    assert f["tp_calls_per_batch"] == f["tp_calls_theory"] and f["dp_calls_per_batch"] == f["dp_calls_theory"]
+    assert (
+        f["tp_calls_per_batch"] == f["tp_calls_theory"]
+        and f["dp_calls_per_batch"] == f["dp_calls_theory"]
+    )
     b, s_local = cfg["batch_size"] // (f["dp"] * m), cfg["seq_len"] // cp
     b_bytes = b * s_local * cfg["d_model"] * 8
-    per_layer = 4 * m * (cfg["n_layers"] // p) if f["tp"] > 1 else 0  # f, g: 2 + 2 per layer and micro-batch
+    per_layer = (
+        4 * m * (cfg["n_layers"] // p) if f["tp"] > 1 else 0
+    )  # f, g: 2 + 2 per layer and micro-batch
     kv = 2 * b * (cfg["n_heads"] // f["tp"]) * s_local * (cfg["d_model"] // cfg["n_heads"]) * 8
     assert len(f["counts_per_rank"]) == summary["world_size"]
     for key, row in f["counts_per_rank"].items():
@@ -287,13 +440,24 @@ def test_matches_reference_and_obeys_schedule(launch, name):
         assert (row["fwd_msgs"], row["bwd_msgs"]) == msgs, key
         assert row["p2p_bytes"] == (row["fwd_msgs"] + row["bwd_msgs"]) * b_bytes
         assert row["tp_calls"] == per_layer and row["tp_fwd"] == row["tp_bwd"] == per_layer // 2
-        assert row["dp_calls"] == (1 + zero) * (f["dp"] * cp > 1)  # after the flush: all-reduce, or RS + AG
-        hops = m * cfg["n_layers"] // p * (cp - 1)  # per rank: its layers x micro-batches x (cp - 1) hops
-        assert row["cp_calls"] == 3 * hops and row["cp_fwd_bytes"] == hops * kv and row["cp_bytes"] == 3 * hops * kv
+        assert row["dp_calls"] == (1 + zero) * (
+            f["dp"] * cp > 1
+        )  # after the flush: all-reduce, or RS + AG
+        hops = (
+            m * cfg["n_layers"] // p * (cp - 1)
+        )  # per rank: its layers x micro-batches x (cp - 1) hops
+        assert (
+            row["cp_calls"] == 3 * hops
+            and row["cp_fwd_bytes"] == hops * kv
+            and row["cp_bytes"] == 3 * hops * kv
+        )
     assert f["microbatches_alive_theory"] == [x / v for x in f["inflight_theory"]]
     xs = [e for e in trace["traceEvents"] if e["ph"] == "X"]
     ops = 2 * v * m
-    assert len(xs) == len(events) == ops * steps * summary["world_size"] and f"wrote {len(xs)} events" in out
+    assert (
+        len(xs) == len(events) == ops * steps * summary["world_size"]
+        and f"wrote {len(xs)} events" in out
+    )
     assert "timeline of the last step, measured" in out and f"rank {p - 1} |" in out
 
 
@@ -326,26 +490,49 @@ def test_copy_out_pipeline_and_tp_match_one_process(launch):
     positive control); the TP block and the chunk with their check cut out take the bad sizes silently."""
     got = launch("pp2 tp2 v2")[3]
     assert [(x["pp"], x["tp"], x["pipeline"]) for x in got["layout"]] == [
-        (0, 0, [0, 3]), (0, 1, [1, 2]), (1, 0, [1, 2]), (1, 1, [0, 3])]
+        (0, 0, [0, 3]),
+        (0, 1, [1, 2]),
+        (1, 0, [1, 2]),
+        (1, 1, [0, 3]),
+    ]
     assert min(got["reference_norms"]) > got["clip"], got["reference_norms"]
     assert got["interleaved"]["max_grad_or_param_diff"] < 1e-12, got["interleaved"]
     assert got["interleaved"]["max_loss_diff"] < 1e-12, got["interleaved"]
     assert got["interleaved"]["losses"] == pytest.approx(got["reference_losses"], rel=1e-12)
     assert got["interleaved, f without its all-reduce"]["max_grad_or_param_diff"] > 1e-3
-    words = {"schedule, v 2, m 3 not a multiple of p 2": "m a multiple of p", "schedule, rank 2 of p 2": "0 <= r < p",
-             "schedule, m 0": "m >= 1", "PipelineRank, m 3 not a multiple of p 2": "m a multiple of p",
-             "PipelineRank, 2 chunks in a group of 4": "rank 0 of 4 holds chunks [0, 4], not [0, 2]",
-             "PipelineRank, 2 chunks of a pipeline of 2 in a group of 1": "rank 0 of 1 holds chunks [0, 1], not [0, 2]",
-             "PipelineRank.run, m - 1 micro-batches": "m = 4 micro-batches, got 3 inputs, 3 targets",
-             "TPBlock, 3 heads over t 2": "3 heads do not split over t = 2: use heads divisible by t",
-             "Chunk, 2 layers in 4 chunks": "n dividing the 2 layers",
-             "Chunk, chunk 2 of 2": "chunk 2 of 2: need 0 <= c < n"}
-    assert set(got["refusals"]) == set(words) and all(got["refused_on_every_rank"].values()), got["refusals"]
+    words = {
+        "schedule, v 2, m 3 not a multiple of p 2": "m a multiple of p",
+        "schedule, rank 2 of p 2": "0 <= r < p",
+        "schedule, m 0": "m >= 1",
+        "PipelineRank, m 3 not a multiple of p 2": "m a multiple of p",
+        "PipelineRank, 2 chunks in a group of 4": "rank 0 of 4 holds chunks [0, 4], not [0, 2]",
+        "PipelineRank, 2 chunks of a pipeline of 2 in a group of 1": "rank 0 of 1 holds chunks [0, 1], not [0, 2]",
+        "PipelineRank.run, m - 1 micro-batches": "m = 4 micro-batches, got 3 inputs, 3 targets",
+        "TPBlock, 3 heads over t 2": "3 heads do not split over t = 2: use heads divisible by t",
+        "Chunk, 2 layers in 4 chunks": "n dividing the 2 layers",
+        "Chunk, chunk 2 of 2": "chunk 2 of 2: need 0 <= c < n",
+    }
+    assert set(got["refusals"]) == set(words) and all(got["refused_on_every_rank"].values()), got[
+        "refusals"
+    ]
     for case, (error, calls) in got["refusals"].items():  # rank 0's
-        assert error.startswith("ValueError: ") and words[case] in error and calls == {}, (case, error, calls)
-    counted = got["counted_step"]  # the counter sees what this code sends: sends, TP and world all-reduces
-    assert counted["send/pp/fwd"] > 0 and counted["all_reduce/tp/bwd"] > 0 and counted["all_reduce/world/fwd"] == 1
-    assert got["mutants"] == {"TPBlock, 3 heads over t 2": "no error", "Chunk, 2 layers in 4 chunks": "no error"}
+        assert error.startswith("ValueError: ") and words[case] in error and calls == {}, (
+            case,
+            error,
+            calls,
+        )
+    counted = got[
+        "counted_step"
+    ]  # the counter sees what this code sends: sends, TP and world all-reduces
+    assert (
+        counted["send/pp/fwd"] > 0
+        and counted["all_reduce/tp/bwd"] > 0
+        and counted["all_reduce/world/fwd"] == 1
+    )
+    assert got["mutants"] == {
+        "TPBlock, 3 heads over t 2": "no error",
+        "Chunk, 2 layers in 4 chunks": "no error",
+    }
 
 
 def test_copy_out_cp_attention_in_tp_and_zero1_match_one_process(launch):
@@ -363,14 +550,23 @@ def test_copy_out_cp_attention_in_tp_and_zero1_match_one_process(launch):
     assert ok["max_param_diff"] < 1e-12 and ok["max_loss_diff"] < 1e-12, ok
     assert ok["losses"] == pytest.approx(got["reference_losses"], rel=1e-12)
     assert bad["max_param_diff"] > 1e-6, bad
-    assert ok["counted"]["send/cp/fwd"] > 0 and ok["counted"]["send/cp/bwd"] == 2 * ok["counted"]["send/cp/fwd"]
+    assert (
+        ok["counted"]["send/cp/fwd"] > 0
+        and ok["counted"]["send/cp/bwd"] == 2 * ok["counted"]["send/cp/fwd"]
+    )
     assert ok["counted"]["reduce_scatter/cp/fwd"] == ok["counted"]["all_gather/cp/fwd"] == 1
-    words = {"TPBlock, 3 heads over t 2": "3 heads do not split over t = 2",
-             "zigzag, 6 tokens over cp 2": "6 tokens do not cut into 2 x cp = 4 equal chunks",
-             "RingAttention, 3 tokens per rank": "6 tokens do not cut into 2 x cp = 4 equal chunks"}
+    words = {
+        "TPBlock, 3 heads over t 2": "3 heads do not split over t = 2",
+        "zigzag, 6 tokens over cp 2": "6 tokens do not cut into 2 x cp = 4 equal chunks",
+        "RingAttention, 3 tokens per rank": "6 tokens do not cut into 2 x cp = 4 equal chunks",
+    }
     assert set(got["refusals"]) == set(words)
     for case, (error, calls) in got["refusals"].items():
-        assert error.startswith("ValueError: ") and words[case] in error and calls == {}, (case, error, calls)
+        assert error.startswith("ValueError: ") and words[case] in error and calls == {}, (
+            case,
+            error,
+            calls,
+        )
 
 
 def test_schedule_refuses_what_it_cannot_run():
@@ -389,7 +585,9 @@ def test_clipping_clips_and_equals_reference(launch):
     summary = launch("pp2 tp2 dp2 v2 ragged clip")[0]
     norms = summary["figures"]["grad_norms"]
     ref = reference_train(Namespace(**summary["config"]))
-    assert norms == pytest.approx(ref["grad_norms"], rel=1e-9) and min(norms) > 0.05  # every step clipped
+    assert (
+        norms == pytest.approx(ref["grad_norms"], rel=1e-9) and min(norms) > 0.05
+    )  # every step clipped
     unclipped = reference_train(Namespace(**{**summary["config"], "clip": 0.0}))["losses"]
     assert all(abs(a - b) > 1e-6 for a, b in zip(summary["losses"][1:], unclipped[1:]))
 
@@ -398,8 +596,13 @@ def test_rule_checks_catch_broken_schedules(launch):
     events = launch("pp2 v2")[0]["figures"]["events"]
     assert rule_errors(events, 2, 2, 4) == []
     first = [e for e in events if e["step"] == 0]
-    pick = lambda evs, kind, c, k: next(e for e in evs if (e["kind"], e["chunk"], e["mb"]) == (kind, c, k))  # noqa
-    early = [dict(e, start=e["start"] - 1e4, end=e["end"] - 1e4) if e is pick(first, "F", 1, 0) else e for e in first]
+    pick = lambda evs, kind, c, k: next(
+        e for e in evs if (e["kind"], e["chunk"], e["mb"]) == (kind, c, k)
+    )  # noqa
+    early = [
+        dict(e, start=e["start"] - 1e4, end=e["end"] - 1e4) if e is pick(first, "F", 1, 0) else e
+        for e in first
+    ]
     assert any("starts before chunk 0 ends it" in x for x in rule_errors(early, 2, 2, 4))
     late_recv = [dict(e, recv=e["start"] + 1) if e is pick(first, "B", 2, 1) else e for e in first]
     assert any("input not received" in x for x in rule_errors(late_recv, 2, 2, 4))
@@ -427,9 +630,20 @@ def replayed_bubble(events, p, step):
     dp 0, cp 0, tp 0) in the order they ran, replayed with F 1 slot and B 2 and every message free; each op
     starts when its rank is free and its input's producer (the op of the chunk before, or after for B) and,
     for B, its own F have ended. Mean over ranks of idle / busy in the replay's span."""
-    ops = [[(e["kind"], e["chunk"], e["mb"]) for e in sorted(
-        (e for e in events if e["step"] == step and e["pp"] == r and e["dp"] == e["cp"] == e["tp"] == 0),
-        key=lambda e: e["start"])] for r in range(p)]
+    ops = [
+        [
+            (e["kind"], e["chunk"], e["mb"])
+            for e in sorted(
+                (
+                    e
+                    for e in events
+                    if e["step"] == step and e["pp"] == r and e["dp"] == e["cp"] == e["tp"] == 0
+                ),
+                key=lambda e: e["start"],
+            )
+        ]
+        for r in range(p)
+    ]
     n = max(c for r in ops for _, c, _ in r) + 1
     at, nxt, free = {}, [0] * p, [0] * p
     while any(nxt[r] < len(ops[r]) for r in range(p)):
@@ -438,7 +652,9 @@ def replayed_bubble(events, p, step):
             while nxt[r] < len(ops[r]):
                 kind, c, k = ops[r][nxt[r]]
                 deps = [("F", c - 1, k)] if kind == "F" and c > 0 else []
-                deps += [("B", c + 1, k)] * (kind == "B" and c < n - 1) + [("F", c, k)] * (kind == "B")
+                deps += [("B", c + 1, k)] * (kind == "B" and c < n - 1) + [("F", c, k)] * (
+                    kind == "B"
+                )
                 if any(x not in at for x in deps):
                     break
                 start = max([free[r]] + [at[x] for x in deps])
@@ -461,17 +677,29 @@ def test_stage_ms_bubbles_shrink_as_the_theory_says(launch):
         f = summary["figures"]
         assert_matches_reference(summary)
         assert rule_errors(f["events"], 4, f["virtual_stages"], 8) == []
-        assert "compute simulated" in out and f["stage_ms"] == 50 and f["bubble_mean"] > 0  # reported
+        assert (
+            "compute simulated" in out and f["stage_ms"] == 50 and f["bubble_mean"] > 0
+        )  # reported
     b1, b2 = one[0]["figures"], two[0]["figures"]
     assert b1["bubble_theory"] == 3 / 8 and b2["bubble_theory"] == 3 / 16
     for b in (b1, b2):
         replayed = [replayed_bubble(b["events"], 4, s) for s in range(3)]
         assert replayed == pytest.approx([b["bubble_theory"]] * 3, abs=1e-12), replayed
-    f0, f1 = sorted((e for e in b2["events"] if e["step"] == 0 and e["pp"] == e["dp"] == e["cp"] == e["tp"] == 0),
-                    key=lambda e: e["start"])[:2]  # rank 0's first two forwards, F0 and F1
-    swapped = [dict(e, start=f1["start"]) if e is f0 else dict(e, start=f0["start"]) if e is f1 else e
-               for e in b2["events"]]
-    assert replayed_bubble(swapped, 4, 0) > b2["bubble_theory"] + 0.01  # 0.208: all wait one slot for F0
+    f0, f1 = sorted(
+        (
+            e
+            for e in b2["events"]
+            if e["step"] == 0 and e["pp"] == e["dp"] == e["cp"] == e["tp"] == 0
+        ),
+        key=lambda e: e["start"],
+    )[:2]  # rank 0's first two forwards, F0 and F1
+    swapped = [
+        dict(e, start=f1["start"]) if e is f0 else dict(e, start=f0["start"]) if e is f1 else e
+        for e in b2["events"]
+    ]
+    assert (
+        replayed_bubble(swapped, 4, 0) > b2["bubble_theory"] + 0.01
+    )  # 0.208: all wait one slot for F0
 
 
 # ----------------------------------------------------------------------------- checkpoints, bad input
@@ -479,31 +707,82 @@ def test_restart_continues_bit_identically(launch, tmp_path):
     """Killed at step 3 (after the checkpoint of step 2), restarted by torchrun: the same losses, bit for bit,
     as the uninterrupted run of the same layout."""
     nproc, flags = LAYOUTS["pp2 v2"]
-    summary, out = torchrun("ptdp.py", nproc, *CFG, *flags, "--ckpt-dir", tmp_path / "ckpt", "--save-every", "2",
-                            "--fail-at-step", "3", tmp_path=tmp_path, max_restarts=1, timeout=300)
+    summary, out = torchrun(
+        "ptdp.py",
+        nproc,
+        *CFG,
+        *flags,
+        "--ckpt-dir",
+        tmp_path / "ckpt",
+        "--save-every",
+        "2",
+        "--fail-at-step",
+        "3",
+        tmp_path=tmp_path,
+        max_restarts=1,
+        timeout=300,
+    )
     assert "simulated failure at step 3" in out and "resumed from" in out
     assert summary["losses"] == launch("pp2 v2")[0]["losses"]
 
 
-@pytest.mark.parametrize("nproc, flags, words", [  # the flags, then the cores' own messages (validation once)
-    (2, ["--pp", "2", "--tp", "2"], ["world size 2 != pp 2 x tp 2", "--nproc_per_node=4"]),
-    (2, ["--virtual-stages", "2", "--microbatches", "3", "--batch-size", "12", "--n-layers", "4"],
-     ["--microbatches 3 is not a multiple of --pp 2", "v = 2, m = 3", "with v > 1 m a multiple of p"]),
-    (2, ["--n-layers", "3"], ["--n-layers 3 is not divisible by pp x virtual stages = 2",
-                              "chunk 0 of 2: need 0 <= c < n, n dividing the 3 layers"]),
-    (2, ["--tp", "2", "--n-heads", "1", "--pp", "1"], ["--n-heads 1 is not divisible by --tp 2",
-                                                        "1 heads do not split over t = 2"]),
-    (4, ["--cp", "2", "--seq-len", "6"], ["--seq-len 6 is not divisible by 2 x cp = 4",
-                                          "6 tokens do not cut into 2 x cp = 4 equal chunks"]),
-    (2, ["--zero", "2"], ["--zero 2", "use --zero 0 or 1"]),
-])
+@pytest.mark.parametrize(
+    "nproc, flags, words",
+    [  # the flags, then the cores' own messages (validation once)
+        (2, ["--pp", "2", "--tp", "2"], ["world size 2 != pp 2 x tp 2", "--nproc_per_node=4"]),
+        (
+            2,
+            [
+                "--virtual-stages",
+                "2",
+                "--microbatches",
+                "3",
+                "--batch-size",
+                "12",
+                "--n-layers",
+                "4",
+            ],
+            [
+                "--microbatches 3 is not a multiple of --pp 2",
+                "v = 2, m = 3",
+                "with v > 1 m a multiple of p",
+            ],
+        ),
+        (
+            2,
+            ["--n-layers", "3"],
+            [
+                "--n-layers 3 is not divisible by pp x virtual stages = 2",
+                "chunk 0 of 2: need 0 <= c < n, n dividing the 3 layers",
+            ],
+        ),
+        (
+            2,
+            ["--tp", "2", "--n-heads", "1", "--pp", "1"],
+            ["--n-heads 1 is not divisible by --tp 2", "1 heads do not split over t = 2"],
+        ),
+        (
+            4,
+            ["--cp", "2", "--seq-len", "6"],
+            [
+                "--seq-len 6 is not divisible by 2 x cp = 4",
+                "6 tokens do not cut into 2 x cp = 4 equal chunks",
+            ],
+        ),
+        (2, ["--zero", "2"], ["--zero 2", "use --zero 0 or 1"]),
+    ],
+)
 def test_bad_input_exits_2_on_every_rank(nproc, flags, words):
     assert_each_rank_fails(run_ranks("ptdp.py", nproc, *TINY, *flags), words)
 
 
 def test_world_of_one_and_help():
     p = run_python("ptdp.py", *TINY)
-    assert p.returncode == 2 and "world size 1 != pp 2" in p.stderr and "--nproc_per_node=2" in p.stderr, p.stderr
+    assert (
+        p.returncode == 2
+        and "world size 1 != pp 2" in p.stderr
+        and "--nproc_per_node=2" in p.stderr
+    ), p.stderr
     assert "Traceback" not in p.stderr and len(p.stderr.strip().splitlines()) == 1
     help_text = run_python("ptdp.py", "--help").stdout
     assert "simulate compute time" in help_text and "zbv" not in help_text  # ZB-V: zero_bubble.py

@@ -1,5 +1,6 @@
 """The repo's promises to a newcomer: the README's commands are what CI runs, its first command works in
 an environment made from requirements.txt alone, and only tensors cross the wire."""
+
 import ast, re, subprocess, sys
 
 import line_counts
@@ -36,18 +37,38 @@ def test_readme_first_command_passes_silently():
 
 def test_no_object_collectives():
     """Object collectives pickle through numpy and, on NCCL, through the GPU: only tensors may cross."""
-    pattern = re.compile(r"\b(broadcast|all_gather|gather|scatter)_object(_list)?\(|\bsend_object_list\(|recv_object_list\(")
+    pattern = re.compile(
+        r"\b(broadcast|all_gather|gather|scatter)_object(_list)?\(|\bsend_object_list\(|recv_object_list\("
+    )
     # the pattern catches what it is for (samples spelled in two pieces, so that no grep finds them here)
-    assert pattern.search("dist.all_gather" + "_object(out, mine)") and pattern.search("dist.broadcast" + "_object_list(b)")
-    hits = [f"{f.relative_to(ROOT)}:{i + 1}" for f in [*ROOT.glob("*.py"), *ROOT.glob("tests/*.py")]
-            for i, l in enumerate(f.read_text().splitlines()) if pattern.search(l)]
+    assert pattern.search("dist.all_gather" + "_object(out, mine)") and pattern.search(
+        "dist.broadcast" + "_object_list(b)"
+    )
+    hits = [
+        f"{f.relative_to(ROOT)}:{i + 1}"
+        for f in [*ROOT.glob("*.py"), *ROOT.glob("tests/*.py")]
+        for i, l in enumerate(f.read_text().splitlines())
+        if pattern.search(l)
+    ]
     assert not hits, hits
 
 
 # ------------------------------------------------------------------------- the shape of the files (DESIGN.md)
-TECHNIQUES = ["dp.py", "ddp_bucketed.py", "diloco.py", "fault_tolerance.py", "zero.py", "memory_savers.py",
-              "gpipe.py", "pipedream.py", "zero_bubble.py", "megatron_tp.py", "ptdp.py", "moe.py",
-              "context_parallel.py"]
+TECHNIQUES = [
+    "dp.py",
+    "ddp_bucketed.py",
+    "diloco.py",
+    "fault_tolerance.py",
+    "zero.py",
+    "memory_savers.py",
+    "gpipe.py",
+    "pipedream.py",
+    "zero_bubble.py",
+    "megatron_tp.py",
+    "ptdp.py",
+    "moe.py",
+    "context_parallel.py",
+]
 TECHNIQUES += ["moe_deepseek.py", "fp8.py"]  # issues 43 (the 2024 MoE line) and 42
 # Read path: the source from the end of the module docstring to the `# --- measurement ---` fence, weighed in
 # code tokens (tests/line_counts.py: comments and layout left out, a string is one token), what a learner parses.
@@ -55,8 +76,16 @@ READ_PATH = {name: line_counts.BUDGET.get(name, line_counts.DEFAULT_BUDGET) for 
 # Over the design budget, recorded so that growth stays a decision (nothing was moved below the fence to meet
 # a budget). The token budgets are new (they replace the line budgets); these are the weights the files had
 # when the budgets changed, to come down as each file is rewritten, one system per file.
-READ_PATH.update({"fault_tolerance.py": 5160, "zero.py": 4548, "pipedream.py": 3520, "zero_bubble.py": 4081,
-                  "ptdp.py": 5418, "moe.py": 3866})
+READ_PATH.update(
+    {
+        "fault_tolerance.py": 5160,
+        "zero.py": 4548,
+        "pipedream.py": 3520,
+        "zero_bubble.py": 4081,
+        "ptdp.py": 5418,
+        "moe.py": 3866,
+    }
+)
 # Whole-file ceilings in code tokens against drift for the shared modules and tools (about today's + room).
 TOTAL = {"common.py": 2400, "harness.py": 7000, "bench.py": 8000, "plan.py": 13000}
 README_LINES = 200
@@ -64,23 +93,46 @@ README_LINES = 200
 # must catch, a near miss it must let through). Bookkeeping is measurement, logging, checkpointing and the
 # --check verdict; the technique exposes plain attributes or return values and is watched from outside.
 RULES = {
-    "counter": (r"\bCommCounter\(|\bmeter\.|\bCOMM\.|\.handed\(|count_saved|\bstats\[|"
-                r"\b(LiveStorages|SavedActivations|HeldForB)\(", "comm = CommCounter()", "commit = True"),
-    "timer": (r"perf_counter|\bEvent\(|\bStepTimer\(|\bTimeline\(", "t0 = time.perf_counter()",
-              "timeline_len = 3"),
-    "summary": (r"\bjson\.|write_summary\(|peak_memory_bytes\(", "json.dump(x, f)", "args.json_path"),
+    "counter": (
+        r"\bCommCounter\(|\bmeter\.|\bCOMM\.|\.handed\(|count_saved|\bstats\[|"
+        r"\b(LiveStorages|SavedActivations|HeldForB)\(",
+        "comm = CommCounter()",
+        "commit = True",
+    ),
+    "timer": (
+        r"perf_counter|\bEvent\(|\bStepTimer\(|\bTimeline\(",
+        "t0 = time.perf_counter()",
+        "timeline_len = 3",
+    ),
+    "summary": (
+        r"\bjson\.|write_summary\(|peak_memory_bytes\(",
+        "json.dump(x, f)",
+        "args.json_path",
+    ),
     # A schedule may take one observe(kind, mb) callback and enter it around each F / B / W (DESIGN.md: "pipeline
     # events by one callback per forward/backward"); building or driving the watcher is bookkeeping.
-    "watcher": (r"\b(Watch|Observer|PipelineWatch)\(|\bwatch\.\w+\s*=|\.observe\.\w+\(",
-                "watch = Watch(d, args)", 'span = observe("F", i)'),
+    "watcher": (
+        r"\b(Watch|Observer|PipelineWatch)\(|\bwatch\.\w+\s*=|\.observe\.\w+\(",
+        "watch = Watch(d, args)",
+        'span = observe("F", i)',
+    ),
     "phase": (r"\bcomm\.phase\b|\.phase\(", 'phase = comm.phase("step")', "phases = 2"),
     "log line": (r"\bd\.log\(|\blog_step\(", 'd.log(f"step {s}")', "d.logits = y"),
-    "run": (r"\bRun\(|\brun\.(watching|end_step|finish|steps)\b", "run = Run(d, args, state)",
-            "runner.run(ops)"),
-    "checkpoint": (r"\bCheckpointer\(|\bmaybe_fail\(|_extra_state\(", "ckpt = Checkpointer(d, path)",
-                   "checkpoint_every = 2"),
-    "check": (r"check_against_reference\(|\breference_train\(", "check_against_reference(d, args, ls, ps)",
-              "check_args(args)"),
+    "run": (
+        r"\bRun\(|\brun\.(watching|end_step|finish|steps)\b",
+        "run = Run(d, args, state)",
+        "runner.run(ops)",
+    ),
+    "checkpoint": (
+        r"\bCheckpointer\(|\bmaybe_fail\(|_extra_state\(",
+        "ckpt = Checkpointer(d, path)",
+        "checkpoint_every = 2",
+    ),
+    "check": (
+        r"check_against_reference\(|\breference_train\(",
+        "check_against_reference(d, args, ls, ps)",
+        "check_args(args)",
+    ),
 }
 BOOKKEEPING = re.compile("|".join(f"(?:{pattern})" for pattern, _, _ in RULES.values()))
 FENCE = re.compile(r"# -+ *(measurement|reference|checkpoint)")
@@ -92,13 +144,17 @@ def too_wide(text, cols=110):
 
 def measurement_fence(text):
     """Index of the `# --- measurement ---` line, or None: the read path and the fence rule end here."""
-    return next((i for i, l in enumerate(text.splitlines()) if FENCE.match(l) and "measurement" in l), None)
+    return next(
+        (i for i, l in enumerate(text.splitlines()) if FENCE.match(l) and "measurement" in l), None
+    )
 
 
 def read_path(text):
     """Lines from the end of the module docstring to the measurement fence (gpipe.py at d58b272: 297 - 38)."""
     doc = ast.parse(text).body[0]
-    doc_end = doc.end_lineno if isinstance(doc, ast.Expr) and isinstance(doc.value, ast.Constant) else 0
+    doc_end = (
+        doc.end_lineno if isinstance(doc, ast.Expr) and isinstance(doc.value, ast.Constant) else 0
+    )
     return measurement_fence(text) + 1 - doc_end
 
 
@@ -110,12 +166,22 @@ def leaks(text):
     fence = measurement_fence(text)
     defs = [n for n in tree.body if isinstance(n, ast.FunctionDef)]
     after_checks = next((k for k, n in enumerate(defs) if n.name == "check_args"), len(defs))
-    skip = {i for k, n in enumerate(defs) if n.name == "main" or (n.name.startswith("train") and k > after_checks)
-            for i in range(n.lineno - 1 - len(n.decorator_list), n.end_lineno)}  # main() and the loop it runs
-    skip |= {i for n in ast.walk(tree) if isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant)
-             and isinstance(n.value.value, str) for i in range(n.lineno - 1, n.end_lineno)}  # docstrings
+    skip = {
+        i
+        for k, n in enumerate(defs)
+        if n.name == "main" or (n.name.startswith("train") and k > after_checks)
+        for i in range(n.lineno - 1 - len(n.decorator_list), n.end_lineno)
+    }  # main() and the loop it runs
+    skip |= {
+        i
+        for n in ast.walk(tree)
+        if isinstance(n, ast.Expr)
+        and isinstance(n.value, ast.Constant)
+        and isinstance(n.value.value, str)
+        for i in range(n.lineno - 1, n.end_lineno)
+    }  # docstrings
     hits = []
-    for i, line in enumerate(lines[:len(lines) if fence is None else fence]):
+    for i, line in enumerate(lines[: len(lines) if fence is None else fence]):
         code = re.sub(r"\s#\s.*$|^\s*#.*$", "", line)  # a trailing or whole-line comment
         if i not in skip and BOOKKEEPING.search(code):
             rule = next(name for name, (pattern, _, _) in RULES.items() if re.search(pattern, code))
@@ -132,12 +198,18 @@ def test_files_keep_their_shape():
     fence = "# --- measurement ---\n"
     for name, (pattern, hit, miss) in RULES.items():
         assert re.search(pattern, hit) and not re.search(pattern, miss), name
-        assert leaks(f"def step(x):\n    {hit}\n{fence}") == [(2, name, hit)], name  # caught in the lesson
-        assert not leaks(f"def main():\n    {hit}\n{fence}{hit}\n"), name  # main() and below the fence may
+        assert leaks(f"def step(x):\n    {hit}\n{fence}") == [(2, name, hit)], (
+            name
+        )  # caught in the lesson
+        assert not leaks(f"def main():\n    {hit}\n{fence}{hit}\n"), (
+            name
+        )  # main() and below the fence may
         loop = f"def train_x():\n    {hit}\n"  # main's loop: allowed after check_args, caught in the lesson
         assert not leaks(f"def check_args(a):\n    pass\n{loop}{fence}"), name
         assert leaks(f"{loop}def check_args(a):\n    pass\n{fence}") == [(2, name, hit)], name
-        assert not leaks(f'def step(x):\n    """{hit}"""\n    {miss}  # {hit}\n    # {hit}\n{fence}'), name
+        assert not leaks(
+            f'def step(x):\n    """{hit}"""\n    {miss}  # {hit}\n    # {hit}\n{fence}'
+        ), name
     sample = '"""doc\n"""\nimport torch\n\n\ndef f():\n    pass\n# --- measurement ---\nx = 1\n'
     assert read_path(sample) == 6 and measurement_fence("# --- reference ---\n" + fence) == 1
     wide = {f.name: too_wide(f.read_text()) for f in ROOT.glob("*.py")}  # the files a reader reads
@@ -162,7 +234,9 @@ def test_files_keep_their_shape():
         if weight > READ_PATH[name]:
             problems.append(f"{name}: read path {weight} code tokens > {READ_PATH[name]}")
         if leaks(text):
-            problems.append(f"{name}: bookkeeping above the fence outside main(): {leaks(text)[:4]}")
+            problems.append(
+                f"{name}: bookkeeping above the fence outside main(): {leaks(text)[:4]}"
+            )
         others = [t[:-3] for t in TECHNIQUES if t != name]
         imports = re.findall(r"^\s*(?:from|import)\s+(\w+)", text, re.M)
         if set(imports) & set(others):
@@ -176,7 +250,9 @@ def test_read_paths_are_weighed_in_code_tokens():
     test_files_keep_their_shape turns a weight past its recorded budget into a failure."""
     fence = "# --- measurement ---\n"
     packed = '"""doc"""\nimport torch\n\n\ndef f(a, b):  # why\n    x, y, z = a, b, "s t u"\n    return x\n'
-    spread = packed.replace('    x, y, z = a, b, "s t u"\n', '    x = a\n    y = b\n    z = "s t u"\n')
+    spread = packed.replace(
+        '    x, y, z = a, b, "s t u"\n', '    x = a\n    y = b\n    z = "s t u"\n'
+    )
     # import torch: 2; def f ( a , b ) : 8; x , y , z = a , b , "s t u": 11 packed, 9 spread; return x: 2
     assert line_counts.code_tokens(line_counts.read_path_text(packed + fence)) == 23
     assert line_counts.code_tokens(line_counts.read_path_text(spread + fence)) == 21
@@ -195,12 +271,17 @@ LINE_SAMPLE = [  # (expected category, line): each category, and the places the 
     ("docstring", '"""A ring: send right, receive from the left."""'),
     ("boilerplate", "import torch"),
     ("boilerplate", "from harness import CommCounter, Run, fail, parse_args"),
-    (None, ""), (None, ""),
+    (None, ""),
+    (None, ""),
     ("boilerplate", "@dataclass"),
     ("boilerplate", "class Args:"),
     ("boilerplate", "    steps: int = 2  # optimizer steps"),
-    (None, ""), (None, ""),
-    ("boilerplate", "# ----------------------------------------------------------------- the technique"),
+    (None, ""),
+    (None, ""),
+    (
+        "boilerplate",
+        "# ----------------------------------------------------------------- the technique",
+    ),
     ("technique", "class Ring:"),
     ("technique", '    """One shift per step."""'),
     ("technique", "    def __init__(self, n):"),
@@ -217,12 +298,14 @@ LINE_SAMPLE = [  # (expected category, line): each category, and the places the 
     (None, ""),
     ("checkpoint", "    def state_dict(self):"),
     ("checkpoint", '        return {"n": self.n}'),
-    (None, ""), (None, ""),
+    (None, ""),
+    (None, ""),
     ("validation", "def check_args(args):"),
     ("validation", "    need = 1  # a step at least"),
     ("validation", "    if args.steps < 1:"),
     ("validation", '        fail("--steps must be >= 1")'),
-    (None, ""), (None, ""),
+    (None, ""),
+    (None, ""),
     ("boilerplate", "def main():"),
     ("boilerplate", "    args = parse_args(Args)"),
     ("validation", "    check_args(args)"),
@@ -233,19 +316,23 @@ LINE_SAMPLE = [  # (expected category, line): each category, and the places the 
     ("measure", '        d.log(f"step {step}")'),
     ("check", "    if args.check:  # the one-process reference"),
     ("check", "        check_against_reference(None, args, [], {})"),
-    (None, ""), (None, ""),
+    (None, ""),
+    (None, ""),
     ("measure", "# --- measurement ---"),
     ("measure", "def summary(meter):"),
     ("measure", "    return meter.total()"),
-    (None, ""), (None, ""),
+    (None, ""),
+    (None, ""),
     ("check", "# --- reference for --check ---"),
     ("check", "def reference(args):"),
     ("check", "    return 0"),
-    (None, ""), (None, ""),
+    (None, ""),
+    (None, ""),
     ("checkpoint", "# --- checkpoint state ---"),
     ("checkpoint", "def shards(ring):"),
     ("checkpoint", "    return [ring.n]"),
-    (None, ""), (None, ""),
+    (None, ""),
+    (None, ""),
     ("boilerplate", 'if __name__ == "__main__":'),
     ("boilerplate", "    main()"),
 ]
@@ -257,23 +344,36 @@ def test_line_counts_sorts_a_sample_by_what_each_line_does(monkeypatch):
     line, the fenced sections by their fence); with any one of its rules switched off it misplaces a sample
     line (the mutants), so each rule is needed and the sample shows it."""
     import line_counts
+
     fence = "# --- measurement ---"
     text = "\n".join(line for _, line in LINE_SAMPLE) + "\n"
     expected = [cat for cat, _ in LINE_SAMPLE]
     got = line_counts.classify(text)
-    wrong = [(i + 1, e, g, l) for i, (e, g, (_, l)) in enumerate(zip(expected, got, LINE_SAMPLE)) if e != g]
+    wrong = [
+        (i + 1, e, g, l)
+        for i, (e, g, (_, l)) in enumerate(zip(expected, got, LINE_SAMPLE))
+        if e != g
+    ]
     assert not wrong, wrong
     assert set(expected) - {None} == set(line_counts.CATEGORIES)
     counts = line_counts.row_of_text(text)
     assert counts["technique"] == expected.count("technique") and counts["read_path"] == 47
     for table in ("PATTERNS", "WHOLE_DEF", "FENCES"):
         for key in getattr(line_counts, table):
-            off = "(?!)" if table != "FENCES" else "technique"  # a rule that never fires / a fence ignored
+            off = (
+                "(?!)" if table != "FENCES" else "technique"
+            )  # a rule that never fires / a fence ignored
             monkeypatch.setitem(getattr(line_counts, table), key, off)
-            assert line_counts.classify(text) != expected, f"{table}[{key!r}] switched off, still right"
+            assert line_counts.classify(text) != expected, (
+                f"{table}[{key!r}] switched off, still right"
+            )
             monkeypatch.undo()
     # the old count: all of main() and everything between Args and main() as technique
-    lesson = range([l for _, l in LINE_SAMPLE].index("class Ring:"), [l for _, l in LINE_SAMPLE].index(fence))
-    old = ["technique" if e in ("measure", "checkpoint", "check", "validation") and i in lesson else e
-           for i, e in enumerate(expected)]
+    lesson = range(
+        [l for _, l in LINE_SAMPLE].index("class Ring:"), [l for _, l in LINE_SAMPLE].index(fence)
+    )
+    old = [
+        "technique" if e in ("measure", "checkpoint", "check", "validation") and i in lesson else e
+        for i, e in enumerate(expected)
+    ]
     assert old != got

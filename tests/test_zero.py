@@ -12,6 +12,7 @@ one-process training does, at worlds 3 and 2, with a weight tied inside a unit, 
 passes last=, and a unit only one rank runs (stages 0-2: its reductions in the same order on every rank;
 stage 3: refused before the all-gather) (test_copy_out_zero_on_another_model: the way to check your own
 trainer, read back with the section's own full_state_dict)."""
+
 import json, shutil, sys
 
 import torch
@@ -21,8 +22,15 @@ import torch.nn.functional as F
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 import section
-from helpers import (ROOT, TINY, assert_bad_input, assert_matches_reference, run_python, torchrun,
-                     torchrun_bad_input)
+from helpers import (
+    ROOT,
+    TINY,
+    assert_bad_input,
+    assert_matches_reference,
+    run_python,
+    torchrun,
+    torchrun_bad_input,
+)
 
 sys.path.insert(0, str(ROOT))
 from common import GPTConfig, build_gpt, close_dist, reference_train  # noqa: E402
@@ -46,7 +54,12 @@ def handed_bytes(stage, world, accum, n_layers=2, elem=8):
     sizes = [sum(p.numel() for p in b.parameters()) for b in model.blocks]
     sizes.append(sum(p.numel() for p in model.parameters()) - sum(sizes))
     whole, N = sum(-(-n // world) * world for n in sizes) * elem, world
-    return {0: whole, 1: whole + whole / N, 2: accum * whole + whole / N, 3: accum * (2 * whole / N + whole)}[stage] + 8
+    return {
+        0: whole,
+        1: whole + whole / N,
+        2: accum * whole + whole / N,
+        3: accum * (2 * whole / N + whole),
+    }[stage] + 8
 
 
 def assert_figures(s):
@@ -55,26 +68,57 @@ def assert_figures(s):
     f, c = s["figures"], s["config"]
     for k, m in f["memory"].items():
         assert m["theory"] <= m["counted"] == m["theory_padded"], (k, m)
-    assert s["comm_bytes"] == handed_bytes(c["stage"], s["world_size"], c["accum"]), (s["comm_bytes"], f)
+    assert s["comm_bytes"] == handed_bytes(c["stage"], s["world_size"], c["accum"]), (
+        s["comm_bytes"],
+        f,
+    )
 
 
 def test_stage0_world2_accum(tmp_path):
-    s, _ = torchrun("zero.py", 2, *TINY, "--stage", "0", "--accum", "2", "--clip", "0.5", "--check",
-                    tmp_path=tmp_path, name="s0")
+    s, _ = torchrun(
+        "zero.py",
+        2,
+        *TINY,
+        "--stage",
+        "0",
+        "--accum",
+        "2",
+        "--clip",
+        "0.5",
+        "--check",
+        tmp_path=tmp_path,
+        name="s0",
+    )
     assert_matches_reference(s)
     assert_figures(s)
 
 
 def test_stage2_world3_offload(tmp_path):
-    s, out = torchrun("zero.py", 3, *TINY, "--stage", "2", "--accum", "2", "--clip", "0.5", "--offload",
-                      "--check", tmp_path=tmp_path, name="s2")
+    s, out = torchrun(
+        "zero.py",
+        3,
+        *TINY,
+        "--stage",
+        "2",
+        "--accum",
+        "2",
+        "--clip",
+        "0.5",
+        "--offload",
+        "--check",
+        tmp_path=tmp_path,
+        name="s2",
+    )
     assert_matches_reference(s)
     assert_figures(s)
     f = s["figures"]
     assert f["saved_activation_bytes"] > 0, f
     # the peak (counted on CPU): the states on the device (offload: not the optimizer's) + the saved bytes
     m = f["memory"]
-    assert s["peak_mem_bytes"] == m["params"]["counted"] + m["grads"]["counted"] + f["saved_activation_bytes"], s
+    assert (
+        s["peak_mem_bytes"]
+        == m["params"]["counted"] + m["grads"]["counted"] + f["saved_activation_bytes"]
+    ), s
     # offload: the optimizer state is on the host (on a CPU-only machine that is trivially so, and says so;
     # tests/zero_checks.py checks the placement and the storages), and so is a copy of the gradient shard
     assert "optimizer (master, m, v) on host (= the device here: trivially true on CPU)" in out
@@ -83,20 +127,56 @@ def test_stage2_world3_offload(tmp_path):
 
 def test_checkpoint_world4_resumes_at_world2_and_3(tmp_path):
     ckpt = tmp_path / "ckpt"
-    a, _ = torchrun("zero.py", 4, *TINY, "--stage", "1", "--accum", "3", "--clip", "0.5", "--check",
-                    "--ckpt-dir", ckpt, "--save-every", "2", tmp_path=tmp_path, name="w4")
+    a, _ = torchrun(
+        "zero.py",
+        4,
+        *TINY,
+        "--stage",
+        "1",
+        "--accum",
+        "3",
+        "--clip",
+        "0.5",
+        "--check",
+        "--ckpt-dir",
+        ckpt,
+        "--save-every",
+        "2",
+        tmp_path=tmp_path,
+        name="w4",
+    )
     assert_matches_reference(a)  # stage 1 at world 4
     # a torch.distributed.checkpoint: one file per rank, rank 0's .metadata last (the step is complete)
-    assert sorted(p.name for p in (ckpt / "step4").iterdir()) == [".metadata"] + [f"__{r}_0.distcp" for r in range(4)]
+    assert sorted(p.name for p in (ckpt / "step4").iterdir()) == [".metadata"] + [
+        f"__{r}_0.distcp" for r in range(4)
+    ]
     shutil.copytree(ckpt, tmp_path / "ckpt3")
     # resume at world 2 at stage 3 (DCP reshards the same saved shards for every stage), and at world 3 at
     # stage 0 (each rank loads the whole vectors): 6 steps each, equal to one uninterrupted run
     for world, stage, root in ((2, "3", ckpt), (3, "0", tmp_path / "ckpt3")):
-        b, out = torchrun("zero.py", world, *TINY, "--steps", "6", "--stage", stage, "--accum", "2", "--clip",
-                          "0.5", "--check", "--ckpt-dir", root, tmp_path=tmp_path, name=f"w{world}")
+        b, out = torchrun(
+            "zero.py",
+            world,
+            *TINY,
+            "--steps",
+            "6",
+            "--stage",
+            stage,
+            "--accum",
+            "2",
+            "--clip",
+            "0.5",
+            "--check",
+            "--ckpt-dir",
+            root,
+            tmp_path=tmp_path,
+            name=f"w{world}",
+        )
         assert "at step 4 (saved at world size 4; RNG streams start afresh)" in out, out[-3000:]
         assert b["figures"]["resumed_from_step"] == 4 and b["losses"][:4] == a["losses"]
-        assert_matches_reference(b)  # all 6 losses and the final parameters == one uninterrupted run
+        assert_matches_reference(
+            b
+        )  # all 6 losses and the final parameters == one uninterrupted run
     assert_figures(b)
     # two nodes with node-local disks, as rank 1..3's node sees it: its files of steps 2 and 4, no .metadata
     # (rank 0 writes it on its own node). Refused in one line, not a silent restart from step 0 (N3-7).
@@ -105,8 +185,14 @@ def test_checkpoint_world4_resumes_at_world2_and_3(tmp_path):
     for meta in local.glob("step*/.metadata"):
         meta.unlink()
     p = run_python("zero.py", *TINY, "--ckpt-dir", local)
-    assert p.returncode == 2 and len(p.stderr.strip().splitlines()) == 1, (p.returncode, p.stderr, p.stdout[-2000:])
-    assert "the ranks see different checkpoints" in p.stderr and "shared by every node" in p.stderr, p.stderr
+    assert p.returncode == 2 and len(p.stderr.strip().splitlines()) == 1, (
+        p.returncode,
+        p.stderr,
+        p.stdout[-2000:],
+    )
+    assert (
+        "the ranks see different checkpoints" in p.stderr and "shared by every node" in p.stderr
+    ), p.stderr
 
 
 def shards(ckpt, step):
@@ -123,32 +209,79 @@ def test_restart_each_stage_dropout_bitwise(tmp_path):
     terms does not depend on its order), so one uninterrupted run is the answer for all four; its
     dropout masks depend on the RNG, so a resume that lost the RNG state would differ."""
     args = [*TINY, "--dropout", "0.1", "--clip", "0.5"]
-    base, _ = torchrun("zero.py", 2, *args, "--stage", "0", "--ckpt-dir", tmp_path / "base",
-                       tmp_path=tmp_path, name="base")
+    base, _ = torchrun(
+        "zero.py",
+        2,
+        *args,
+        "--stage",
+        "0",
+        "--ckpt-dir",
+        tmp_path / "base",
+        tmp_path=tmp_path,
+        name="base",
+    )
     want = shards(tmp_path / "base", 4)
     for stage in (0, 1, 2, 3):
         ckpt = tmp_path / f"s{stage}"
-        s, out = torchrun("zero.py", 2, *args, "--stage", stage, "--ckpt-dir", ckpt, "--save-every", "2",
-                          "--fail-at-step", "3", max_restarts=1, tmp_path=tmp_path, name=f"s{stage}")
-        assert "simulated failure at step 3" in out and f"resumed from {ckpt} at step 2" in out, out[-3000:]
-        assert s["figures"]["resumed_from_step"] == 2 and s["losses"] == base["losses"], (stage, s["losses"])
+        s, out = torchrun(
+            "zero.py",
+            2,
+            *args,
+            "--stage",
+            stage,
+            "--ckpt-dir",
+            ckpt,
+            "--save-every",
+            "2",
+            "--fail-at-step",
+            "3",
+            max_restarts=1,
+            tmp_path=tmp_path,
+            name=f"s{stage}",
+        )
+        assert "simulated failure at step 3" in out and f"resumed from {ckpt} at step 2" in out, (
+            out[-3000:]
+        )
+        assert s["figures"]["resumed_from_step"] == 2 and s["losses"] == base["losses"], (
+            stage,
+            s["losses"],
+        )
         got = shards(ckpt, 4)
         assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want), stage
 
 
 def test_bf16_stage3(tmp_path):
-    s, out = torchrun("zero.py", 2, *TINY, "--dtype", "float32", "--mixed-precision", "bf16", "--stage", "3",
-                      "--check", tmp_path=tmp_path, name="bf16")
+    s, out = torchrun(
+        "zero.py",
+        2,
+        *TINY,
+        "--dtype",
+        "float32",
+        "--mixed-precision",
+        "bf16",
+        "--stage",
+        "3",
+        "--check",
+        tmp_path=tmp_path,
+        name="bf16",
+    )
     c = s["check"]
     # against the one-process reference with the same recipe: losses within bf16's unit roundoff, each
     # tensor within 10% of how far training moved it (zero.check_mixed; a dropped reduction gives O(1),
     # tests/zero_checks.py)
-    assert c["passed"] and c["max_loss_diff"] <= 2 ** -8 and c["max_param_diff"] <= 0.1, c
+    assert c["passed"] and c["max_loss_diff"] <= 2**-8 and c["max_param_diff"] <= 0.1, c
     assert "same precision recipe" in out and "(tolerance 4e-03 = u)" in out, out[-3000:]
     # yet not the float32 run: the compute really ran in bf16
-    ref = reference_train(Z.Args(vocab=32, seq_len=8, d_model=16, n_heads=2, n_layers=2, batch_size=12, steps=4))
-    assert max(abs(a - b) for a, b in zip(s["losses"], ref["losses"])) > 1e-5, (s["losses"], ref["losses"])
-    assert s["figures"]["bytes_per_elem"] == dict(p=2, g=4, K=12), s["figures"]  # the paper's K for Adam
+    ref = reference_train(
+        Z.Args(vocab=32, seq_len=8, d_model=16, n_heads=2, n_layers=2, batch_size=12, steps=4)
+    )
+    assert max(abs(a - b) for a, b in zip(s["losses"], ref["losses"])) > 1e-5, (
+        s["losses"],
+        ref["losses"],
+    )
+    assert s["figures"]["bytes_per_elem"] == dict(p=2, g=4, K=12), s[
+        "figures"
+    ]  # the paper's K for Adam
 
 
 def test_bad_input():
@@ -157,12 +290,20 @@ def test_bad_input():
     assert len(p.stderr.strip().splitlines()) == 1, p.stderr
     p = run_python("zero.py", "--batch-size", "12", "--accum", "5")
     assert p.returncode == 2 and len(p.stderr.strip().splitlines()) == 1, p.stderr
-    assert "--batch-size, --accum: 12 rows must split into 1 ranks x 5 micro-batches" in p.stderr, p.stderr
-    assert_bad_input(torchrun_bad_input("zero.py", 2, "--offload", "--stage", "0"), 2, ["offload", "stage 1, 2 or 3"])
+    assert "--batch-size, --accum: 12 rows must split into 1 ranks x 5 micro-batches" in p.stderr, (
+        p.stderr
+    )
+    assert_bad_input(
+        torchrun_bad_input("zero.py", 2, "--offload", "--stage", "0"),
+        2,
+        ["offload", "stage 1, 2 or 3"],
+    )
 
 
 # ----------------------------------------------------------------------------- copy-out: check your own trainer
-class Mix(nn.Module):  # a nested unit: a norm without bias, an MLP inside a Sequential, and a tied pair
+class Mix(
+    nn.Module
+):  # a nested unit: a norm without bias, an MLP inside a Sequential, and a tied pair
     def __init__(self, d, hidden):
         super().__init__()
         self.norm = nn.LayerNorm(d, bias=False)
@@ -184,7 +325,9 @@ class Tower(nn.Module):
     def __init__(self):
         super().__init__()
         self.stem = nn.Sequential(nn.Linear(4, 7), nn.Tanh())
-        self.body = nn.ModuleDict(dict(side=nn.Linear(7, 7), mix=Mix(7, 11), out=nn.Linear(7, 3, bias=False)))
+        self.body = nn.ModuleDict(
+            dict(side=nn.Linear(7, 7), mix=Mix(7, 11), out=nn.Linear(7, 3, bias=False))
+        )
         self.temperature = nn.Parameter(torch.tensor([0.5, 1.0, 2.0]))
         self.offset = nn.Parameter(torch.tensor(0.1))
 
@@ -203,7 +346,9 @@ def tower():
     return Tower().double()
 
 
-def huber(out, y, n):  # not cross-entropy; summed over the piece, divided by the global batch's count
+def huber(
+    out, y, n
+):  # not cross-entropy; summed over the piece, divided by the global batch's count
     return F.huber_loss(out, y, reduction="sum", delta=0.5) / n
 
 
@@ -219,10 +364,13 @@ def batches(world, steps, branch_on=None):
     body.side), or, with branch_on=world, only on the rows of group rank 0 (the others never run it)."""
     g, out = torch.Generator().manual_seed(7), []
     for _ in range(steps):
-        x, y = torch.randn(12, 4, generator=g, dtype=torch.float64), torch.randn(12, 3, generator=g, dtype=torch.float64)
+        x, y = (
+            torch.randn(12, 4, generator=g, dtype=torch.float64),
+            torch.randn(12, 3, generator=g, dtype=torch.float64),
+        )
         sign = torch.ones(12, dtype=torch.float64)
         if branch_on:
-            sign[12 // branch_on:] = -1
+            sign[12 // branch_on :] = -1
         x[:, 0] = x[:, 0].abs().clamp_min(0.1) * sign
         out.append((x, y))
     return out
@@ -252,19 +400,26 @@ def plain_training(data, clip, make=tower):
 def default_backward_step(zero, x, y, accum):
     """A copier's own loop, who never heard of last=: zero.backward(loss) after every micro-batch."""
     rows = x.shape[0] // zero.world
-    x, y = x[zero.rank * rows:(zero.rank + 1) * rows], y[zero.rank * rows:(zero.rank + 1) * rows]
+    x, y = (
+        x[zero.rank * rows : (zero.rank + 1) * rows],
+        y[zero.rank * rows : (zero.rank + 1) * rows],
+    )
     for xm, ym in zip(x.chunk(accum), y.chunk(accum)):
         zero.backward(huber(zero(xm), ym, 12 * 3))
     zero.step()
 
 
-def keep_local(self, u, g):  # mutant: this rank's shard of its own gradient, never summed over the ranks
-    u.accumulate(g.to(u.grad.dtype)[u.lo:u.lo + u.S])
+def keep_local(
+    self, u, g
+):  # mutant: this rank's shard of its own gradient, never summed over the ranks
+    u.accumulate(g.to(u.grad.dtype)[u.lo : u.lo + u.S])
     self.next += 1  # (its turn taken)
 
 
-def accumulate_in_flight(self, g):  # mutant: accumulate as before issue 30, into a buffer a reduction may be
-    if self.has_grad:                # reading (stage 1) or has summed over the ranks already (stage 0)
+def accumulate_in_flight(
+    self, g
+):  # mutant: accumulate as before issue 30, into a buffer a reduction may be
+    if self.has_grad:  # reading (stage 1) or has summed over the ranks already (stage 0)
         self.grad += g
     else:
         self.grad.copy_(g)
@@ -276,17 +431,30 @@ def copy_out_worker(json_path, steps=3, accum=2, clip=0.2):
     """torchrun --nproc_per_node=3 tests/test_zero.py copy-out --json PATH: every check at world 3 (the
     default group) and at world 2 (a group of ranks 0 and 1: the core on a group, as a copier passes one)."""
     from datetime import timedelta
-    dist.init_process_group("gloo", timeout=timedelta(seconds=180))  # a collective mismatch fails in bounded time
+
+    dist.init_process_group(
+        "gloo", timeout=timedelta(seconds=180)
+    )  # a collective mismatch fails in bounded time
     core, rank = copied_out(), dist.get_rank()
-    pair, singles = dist.new_group([0, 1]), [dist.new_group([r]) for r in range(3)]  # (every rank makes each)
+    pair, singles = (
+        dist.new_group([0, 1]),
+        [dist.new_group([r]) for r in range(3)],
+    )  # (every rank makes each)
     plain = batches(3, steps)  # every piece runs body.side: the graph is the same on every rank
     want, top_norm = plain_training(plain, clip)
-    out = dict(clipped=top_norm > clip, moved=max((want[n] - p).abs().max().item() for n, p in tower().named_parameters()))
+    out = dict(
+        clipped=top_norm > clip,
+        moved=max((want[n] - p).abs().max().item() for n, p in tower().named_parameters()),
+    )
 
-    def trained(data, group, loop=None, make=tower, units=UNITS, kind="Zero", **kw):  # params, largest difference
+    def trained(
+        data, group, loop=None, make=tower, units=UNITS, kind="Zero", **kw
+    ):  # params, largest difference
         zero = core[kind](make(), units, optimizer=adamw, clip=clip, group=group, **kw)
         for x, y in data:  # every rank passes the global batch; train_step takes its own rows
-            loop(zero, x, y, accum) if loop else core["train_step"](zero, x, y, y.numel(), accum, huber)
+            loop(zero, x, y, accum) if loop else core["train_step"](
+                zero, x, y, y.numel(), accum, huber
+            )
         got = core["full_state_dict"](zero)
         return got, max((got[n] - p).abs().max().item() for n, p in want_now.items())
 
@@ -299,14 +467,20 @@ def copy_out_worker(json_path, steps=3, accum=2, clip=0.2):
             # the tied pair: both names read the one trained tensor
             tied = got["body.mix.proj.weight"] - got["body.mix.gate.weight"]
             diff[f"stage {s}: tied names differ"] = tied.abs().max().item()
-            _, diff[f"stage {s}, backward(loss) on every micro-batch"] = trained(plain, group, default_backward_step,
-                                                                                 stage=s)
+            _, diff[f"stage {s}, backward(loss) on every micro-batch"] = trained(
+                plain, group, default_backward_step, stage=s
+            )
         # the variants in the model's own dtype (float64): a master copy of its own, on the device or the host
-        _, diff["stage 2 MixedPrecisionZero"] = trained(plain, group, stage=2, kind="MixedPrecisionZero",
-                                                        compute_dtype=None)
-        _, diff["stage 3 OffloadZero"] = trained(plain, group, stage=3, kind="OffloadZero", compute_dtype=None)
+        _, diff["stage 2 MixedPrecisionZero"] = trained(
+            plain, group, stage=2, kind="MixedPrecisionZero", compute_dtype=None
+        )
+        _, diff["stage 3 OffloadZero"] = trained(
+            plain, group, stage=3, kind="OffloadZero", compute_dtype=None
+        )
         want_now, _ = plain_training(plain, clip, bare)
-        _, diff["stage 3, a root without parameters"] = trained(plain, group, make=bare, units=["0", "2"], stage=3)
+        _, diff["stage 3, a root without parameters"] = trained(
+            plain, group, make=bare, units=["0", "2"], stage=3
+        )
         branchy = batches(world, steps, branch_on=world)  # body.side runs on group rank 0 only
         want_now, _ = plain_training(branchy, clip)
         for s in range(3):
@@ -314,15 +488,25 @@ def copy_out_worker(json_path, steps=3, accum=2, clip=0.2):
         out[f"world {world}"] = diff
         want_now = want  # mutants: each must be caught
         mixed = dict(kind="MixedPrecisionZero", compute_dtype=None)
-        broken = {"local_gradients": ("Zero", "reduce_grad", 2, keep_local, {}),  # a stage 2 that never reduces
-                  "accumulate_during_reduction": ("FlatUnit", "accumulate", 0, accumulate_in_flight, {}),
-                  # a MixedPrecisionZero whose compute copy never takes the master's update (Zero's publish only)
-                  "stale_compute_copy": ("MixedPrecisionZero", "publish", 2, core["Zero"].publish, mixed)}
+        broken = {
+            "local_gradients": (
+                "Zero",
+                "reduce_grad",
+                2,
+                keep_local,
+                {},
+            ),  # a stage 2 that never reduces
+            "accumulate_during_reduction": ("FlatUnit", "accumulate", 0, accumulate_in_flight, {}),
+            # a MixedPrecisionZero whose compute copy never takes the master's update (Zero's publish only)
+            "stale_compute_copy": ("MixedPrecisionZero", "publish", 2, core["Zero"].publish, mixed),
+        }
         for name, (cls, attr, stage, fake, kw) in broken.items():
             real = getattr(core[cls], attr)
             setattr(core[cls], attr, fake)
             try:
-                diff[f"mutant {name}"] = trained(plain, group, default_backward_step, stage=stage, **kw)[1]
+                diff[f"mutant {name}"] = trained(
+                    plain, group, default_backward_step, stage=stage, **kw
+                )[1]
             finally:
                 setattr(core[cls], attr, real)
         # bad input: a batch whose rows do not split over the ranks (11 at worlds 3 and 2) is refused with a
@@ -344,14 +528,22 @@ def copy_out_worker(json_path, steps=3, accum=2, clip=0.2):
     x, y = batches(3, 1, branch_on=3)[0]
     mine = slice(rank * 4, (rank + 1) * 4)
 
-    def issued(stage):  # [(op, elements)] handed to collectives, in order, as a tensor (3 numbers per call)
-        zero = core["Zero"](tower(), UNITS, optimizer=adamw, clip=clip, group=singles[rank], stage=stage)
+    def issued(
+        stage,
+    ):  # [(op, elements)] handed to collectives, in order, as a tensor (3 numbers per call)
+        zero = core["Zero"](
+            tower(), UNITS, optimizer=adamw, clip=clip, group=singles[rank], stage=stage
+        )
         comm = CommCounter(log=True)
         with comm:
             core["train_step"](zero, x[mine], y[mine], y.numel(), accum, huber)
-        calls = [[float(c["op"] == "all_reduce"), float(c["op"] == "reduce"), float(c["elems"])]
-                 for c in comm.calls_log]
-        return torch.tensor(calls + [[-1.0] * 3] * (40 - len(calls)), dtype=torch.float64)  # padded: 40 calls
+        calls = [
+            [float(c["op"] == "all_reduce"), float(c["op"] == "reduce"), float(c["elems"])]
+            for c in comm.calls_log
+        ]
+        return torch.tensor(
+            calls + [[-1.0] * 3] * (40 - len(calls)), dtype=torch.float64
+        )  # padded: 40 calls
 
     def same_everywhere(stage):
         seq = issued(stage)
@@ -362,11 +554,14 @@ def copy_out_worker(json_path, steps=3, accum=2, clip=0.2):
     out["same order"] = {s: same_everywhere(s) for s in range(3)}
     reduce_grad = core["Zero"].reduce_grad
 
-    def arrival_order(self, u, g):  # the old rule: each unit reduced as soon as autograd finishes it
-        if u not in self.reduce_order[:self.next]:  # (its turn moves up to the next one)
-            rest = [v for v in self.reduce_order[self.next:] if v is not u]
-            self.reduce_order = [*self.reduce_order[:self.next], u, *rest]
+    def arrival_order(
+        self, u, g
+    ):  # the old rule: each unit reduced as soon as autograd finishes it
+        if u not in self.reduce_order[: self.next]:  # (its turn moves up to the next one)
+            rest = [v for v in self.reduce_order[self.next :] if v is not u]
+            self.reduce_order = [*self.reduce_order[: self.next], u, *rest]
         reduce_grad(self, u, g)
+
     core["Zero"].reduce_grad = arrival_order
     out["same order, arrival-order mutant"] = {s: same_everywhere(s) for s in range(3)}
     core["Zero"].reduce_grad = reduce_grad
@@ -374,7 +569,10 @@ def copy_out_worker(json_path, steps=3, accum=2, clip=0.2):
     # stage 3 with a unit one rank skips: refused (ValueError) before the all-gather of the unit that ran out
     # of turn (nccl-review-3 N3-5), each rank on a group of its own; here rank 0's rows skip body.side
     def stage3(x, units):
-        zero, comm = core["Zero"](tower(), units, optimizer=adamw, group=singles[rank], stage=3), CommCounter(log=True)
+        zero, comm = (
+            core["Zero"](tower(), units, optimizer=adamw, group=singles[rank], stage=3),
+            CommCounter(log=True),
+        )
         try:
             with comm:
                 core["train_step"](zero, x, y[mine], y[mine].numel(), 1, huber)
@@ -388,7 +586,9 @@ def copy_out_worker(json_path, steps=3, accum=2, clip=0.2):
     out["stage 3, body.side skipped"] = stage3(skips, UNITS)
     out["stage 3, the last unit skipped"] = stage3(skips, UNITS[:2])  # (body.mix in the root unit)
 
-    tied = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 3))  # a tie across units: refused, naming both
+    tied = nn.Sequential(
+        nn.Linear(3, 3), nn.Linear(3, 3)
+    )  # a tie across units: refused, naming both
     tied[1].weight = tied[0].weight
     try:
         core["Zero"](tied, ["0"])
@@ -437,19 +637,40 @@ def test_copy_out_zero_on_another_model(tmp_path):
         assert len(d) == 4 * 3 + 2 + 1 + 3 and all(diff < 1e-12 for diff in d.values()), (world, d)
         assert all(diff > 1e-3 for diff in mutants.values()) and len(mutants) == 3, (world, mutants)
     assert all(s["same order"].values()) and len(s["same order"]) == 3, s["same order"]
-    assert not any(s["same order, arrival-order mutant"].values()), s["same order, arrival-order mutant"]
-    assert "1.weight is 0.weight" in s["tie across units"] and "one unit" in s["tie across units"], s
-    assert "stage must be 0, 1, 2 or 3" in s["stage 4"][0] and "got 4" in s["stage 4"][0] and s["stage 4"][1] == {}, s
+    assert not any(s["same order, arrival-order mutant"].values()), s[
+        "same order, arrival-order mutant"
+    ]
+    assert (
+        "1.weight is 0.weight" in s["tie across units"] and "one unit" in s["tie across units"]
+    ), s
+    assert (
+        "stage must be 0, 1, 2 or 3" in s["stage 4"][0]
+        and "got 4" in s["stage 4"][0]
+        and s["stage 4"][1] == {}
+    ), s
     for world in (3, 2):
         msg, calls = s[f"uneven rows, world {world}"]
-        assert f"11 rows must split into {world} ranks x 2 micro-batches" in msg and calls == {}, (msg, calls)
+        assert f"11 rows must split into {world} ranks x 2 micro-batches" in msg and calls == {}, (
+            msg,
+            calls,
+        )
         assert s[f"uneven rows, world {world}, control"] > 0, s
     # stage 3, a unit skipped: refused before the gather of the unit out of turn (mix, 235 elements) is issued
     assert s["stage 3, every unit runs"][0] == "accepted", s["stage 3, every unit runs"]
     msg, sizes = s["stage 3, body.side skipped"]
-    assert "stage 3: unit body.mix ran where unit body.side was next" in msg and sizes == [25, 35, 56], (msg, sizes)
-    msg, sizes = s["stage 3, the last unit skipped"]  # the root (25 + mix's 235) and stem gathered, side prefetched
-    assert "stage 3: forward ended where unit body.side was next" in msg and sizes == [260, 35, 56], (msg, sizes)
+    assert "stage 3: unit body.mix ran where unit body.side was next" in msg and sizes == [
+        25,
+        35,
+        56,
+    ], (msg, sizes)
+    msg, sizes = s[
+        "stage 3, the last unit skipped"
+    ]  # the root (25 + mix's 235) and stem gathered, side prefetched
+    assert "stage 3: forward ended where unit body.side was next" in msg and sizes == [
+        260,
+        35,
+        56,
+    ], (msg, sizes)
 
 
 if __name__ == "__main__" and sys.argv[1:2] == ["copy-out"]:

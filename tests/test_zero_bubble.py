@@ -15,6 +15,7 @@ or on the wrong micro-batch: caught); each core refuses what it cannot do before
 killed and restarted run continues to the same losses; bad input exits 2 with one line on every rank.
 Launches: 6 torchrun (one restarts once, one also runs the copy-out check), 3 plain python, and 4 bad-input
 cases of 2-4 plain python ranks each."""
+
 import collections
 import copy
 import json
@@ -24,8 +25,16 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from helpers import (assert_each_rank_fails, assert_matches_reference, ROOT, run_python, run_ranks,
-                     simulate_p2p_plans, TINY, torchrun)
+from helpers import (
+    assert_each_rank_fails,
+    assert_matches_reference,
+    ROOT,
+    run_python,
+    run_ranks,
+    simulate_p2p_plans,
+    TINY,
+    torchrun,
+)
 
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
@@ -53,16 +62,33 @@ def launch(tmp_path_factory):
         if name not in runs:
             nproc, flags = LAUNCHES[name]
             tmp = tmp_path_factory.mktemp("zb")
-            head = ["tests/pipeline_checks.py", nproc, "zb-copy-out", tmp / "copy_out.json"] if name == "zbh1 p2" \
+            head = (
+                ["tests/pipeline_checks.py", nproc, "zb-copy-out", tmp / "copy_out.json"]
+                if name == "zbh1 p2"
                 else ["zero_bubble.py", nproc]
-            summary, out = torchrun(*head, *CFG, *flags, "--check", "--trace", tmp / "trace.json", tmp_path=tmp,
-                                    timeout=300)
+            )
+            summary, out = torchrun(
+                *head,
+                *CFG,
+                *flags,
+                "--check",
+                "--trace",
+                tmp / "trace.json",
+                tmp_path=tmp,
+                timeout=300,
+            )
             copy_out = None
             if (tmp / "copy_out.json").exists():  # and each rank's bad inputs beside it
-                copy_out = dict(json.loads((tmp / "copy_out.json").read_text()), bad=[
-                    json.loads((tmp / f"copy_out.json.bad-rank{r}").read_text()) for r in range(nproc)])
+                copy_out = dict(
+                    json.loads((tmp / "copy_out.json").read_text()),
+                    bad=[
+                        json.loads((tmp / f"copy_out.json.bad-rank{r}").read_text())
+                        for r in range(nproc)
+                    ],
+                )
             runs[name] = (summary, out, json.loads((tmp / "trace.json").read_text()), copy_out)
         return runs[name]
+
     return get
 
 
@@ -74,8 +100,10 @@ def holder(c, p, schedule):
 
 def inflight(events):
     """Most (chunk, micro-batch) pairs between F's start and the end of their W at once, swept over events."""
-    marks = sorted([(e["start"], 1) for e in events if e["kind"] == "F"] +
-                   [(e["end"], -1) for e in events if e["kind"] == "W"])
+    marks = sorted(
+        [(e["start"], 1) for e in events if e["kind"] == "F"]
+        + [(e["end"], -1) for e in events if e["kind"] == "W"]
+    )
     now = peak = 0
     for _, step in marks:
         now += step
@@ -95,59 +123,90 @@ def rule_errors(events, p, m, schedule):
     for e in events:
         pipes[e["step"], e["dp"]][e["kind"], e["chunk"], e["mb"]] = e
     for key, ev in pipes.items():
-        if len(ev) != 3 * n * m or set(ev) != {(k, c, j) for k in "FBW" for c in range(n) for j in range(m)}:
+        if len(ev) != 3 * n * m or set(ev) != {
+            (k, c, j) for k in "FBW" for c in range(n) for j in range(m)
+        }:
             errors.append(f"{key}: not one F/B/W per chunk and micro-batch")
             continue
         for (kind, c, k), e in ev.items():
             if e["pp"] != holder(c, p, schedule):
                 errors.append(f"{key}: chunk {c} ran on pp rank {e['pp']}")
-            src = ("F", c - 1, k) if kind == "F" and c > 0 else ("B", c + 1, k) if kind == "B" and c < n - 1 else None
+            src = (
+                ("F", c - 1, k)
+                if kind == "F" and c > 0
+                else ("B", c + 1, k)
+                if kind == "B" and c < n - 1
+                else None
+            )
             if src and e["start"] < ev[src]["end"]:
                 errors.append(f"{key}: {kind}{k} of chunk {c} starts before chunk {src[1]} ends it")
-            if src and ev[src]["pp"] != e["pp"] and not (e["recv"] is not None and
-                                                         ev[src]["end"] <= e["recv"] <= e["start"]):
-                errors.append(f"{key}: {kind}{k} of chunk {c}: input not received between its producer and its use")
+            if (
+                src
+                and ev[src]["pp"] != e["pp"]
+                and not (e["recv"] is not None and ev[src]["end"] <= e["recv"] <= e["start"])
+            ):
+                errors.append(
+                    f"{key}: {kind}{k} of chunk {c}: input not received between its producer and its use"
+                )
             if kind == "B" and e["start"] < ev["F", c, k]["end"]:
                 errors.append(f"{key}: B{k} of chunk {c} starts before its F ends")
             if kind == "W" and e["start"] < ev["B", c, k]["end"]:
                 errors.append(f"{key}: W{k} of chunk {c} starts before its B ends")
         for r in range(p):
             mine = sorted((e for e in ev.values() if e["pp"] == r), key=lambda e: e["start"])
-            errors += [f"{key} rank {r}: {b['kind']}{b['mb']} overlaps" for a, b in zip(mine, mine[1:])
-                       if b["start"] < a["end"]]
+            errors += [
+                f"{key} rank {r}: {b['kind']}{b['mb']} overlaps"
+                for a, b in zip(mine, mine[1:])
+                if b["start"] < a["end"]
+            ]
             bound = min(p, m) if schedule == "zbh1" else 2 * p
             if inflight(mine) > bound:
                 errors.append(f"{key} rank {r}: {inflight(mine)} in flight > {bound}")
     steps = sorted({e["step"] for e in events})
     for s, nxt in zip(steps, steps[1:]):
-        if max(e["end"] for e in events if e["step"] == s) > min(e["start"] for e in events if e["step"] == nxt):
+        if max(e["end"] for e in events if e["step"] == s) > min(
+            e["start"] for e in events if e["step"] == nxt
+        ):
             errors.append(f"step {s}: an op ends after step {nxt} started")
     return errors
 
 
 def executed(events, step, r, dp=0):
-    return [(e["kind"], e["chunk"], e["mb"]) for e in sorted(events, key=lambda e: e["start"])
-            if (e["step"], e["pp"], e["dp"]) == (step, r, dp)]
+    return [
+        (e["kind"], e["chunk"], e["mb"])
+        for e in sorted(events, key=lambda e: e["start"])
+        if (e["step"], e["pp"], e["dp"]) == (step, r, dp)
+    ]
 
 
 # ----------------------------------------------------------------------------- schedule level (no processes)
 def torch_zbh1_order(p, m, r):
     """torch's ScheduleInterleavedZeroBubble with one stage per rank (F, I = B, W), its own planner."""
     from torch.distributed.pipelining.schedules import ScheduleInterleavedZeroBubble
+
     rounds = max(1, m // p)
-    me = SimpleNamespace(n_local_stages=1, pp_group_size=p, microbatches_per_round=m // rounds, _n_microbatches=m)
+    me = SimpleNamespace(
+        n_local_stages=1, pp_group_size=p, microbatches_per_round=m // rounds, _n_microbatches=m
+    )
     names = {"F": "F", "I": "B", "W": "W"}
-    return [(names[a.computation_type.value], r, a.microbatch_index)
-            for a in ScheduleInterleavedZeroBubble._calculate_single_rank_operations(me, r) if a is not None]
+    return [
+        (names[a.computation_type.value], r, a.microbatch_index)
+        for a in ScheduleInterleavedZeroBubble._calculate_single_rank_operations(me, r)
+        if a is not None
+    ]
 
 
 def torch_zbv_order(p, m, r):
     """torch's ScheduleZBVZeroBubble order for rank r (F, I = B, W), from its own per-rank planner."""
     from torch.distributed.pipelining.schedules import ScheduleZBVZeroBubble
+
     me = SimpleNamespace(pp_group_size=p, _n_microbatches=m, num_stages=2 * p)
     kind = {"FORWARD": "F", "BACKWARD_INPUT": "B", "BACKWARD_WEIGHT": "W"}
-    return [(kind[a.computation_type.name], a.stage_index, a.microbatch_index)
-            for a in ScheduleZBVZeroBubble._calculate_single_rank_operations(me, r) if a]
+    return [
+        (kind[a.computation_type.name], a.stage_index, a.microbatch_index)
+        for a in ScheduleZBVZeroBubble._calculate_single_rank_operations(me, r)
+        if a
+    ]
 
 
 TORCH = {"zbh1": torch_zbh1_order, "zbv": torch_zbv_order}
@@ -169,7 +228,10 @@ def test_zbh1_is_torchs_zero_bubble_order():
                 ops = zb.zbh1(p, m, r)
                 assert ops == torch_zbh1_order(p, m, r), (p, m, r)
                 assert sorted(ops) == sorted((k, r, j) for k in "FBW" for j in range(m))
-                assert all(ops.index(("W", r, j)) > ops.index(("B", r, j)) > ops.index(("F", r, j)) for j in range(m))
+                assert all(
+                    ops.index(("W", r, j)) > ops.index(("B", r, j)) > ops.index(("F", r, j))
+                    for j in range(m)
+                )
                 alive = peak = 0
                 for kind, _, _ in ops:
                     alive += {"F": 1, "B": 0, "W": -1}[kind]
@@ -184,7 +246,9 @@ def test_zbv_is_torchs_order(p, m):
     for r in range(p):
         ops = zb.zbv(p, m, r)
         assert ops == torch_zbv_order(p, m, r)
-        assert sorted(ops) == sorted((k, c, j) for k in "FBW" for c in (r, 2 * p - 1 - r) for j in range(m))
+        assert sorted(ops) == sorted(
+            (k, c, j) for k in "FBW" for c in (r, 2 * p - 1 - r) for j in range(m)
+        )
         alive = peak = 0
         for kind, _, _ in ops:
             alive += {"F": 1, "B": 0, "W": -1}[kind]
@@ -196,19 +260,28 @@ def test_zbv_is_torchs_order(p, m):
 def simulate_plan(plans, n, local):
     """zero_bubble.py's plans under NCCL's strictest semantics (helpers.simulate_p2p_plans), F, B and W one slot
     each: (idle slots per rank, forward messages sent per rank), or AssertionError on a deadlock or mismatch."""
-    return simulate_p2p_plans(plans, lambda op: zb.needs(op, n), zb.producer, {"F": 1, "B": 1, "W": 1}, local)
+    return simulate_p2p_plans(
+        plans, lambda op: zb.needs(op, n), zb.producer, {"F": 1, "B": 1, "W": 1}, local
+    )
 
 
 def plans_of(schedule, p, m):
     order, n_chunks, _ = zb.SCHEDULES[schedule]
     n, orders = n_chunks(p), [order(p, m, r) for r in range(p)]
-    local = (lambda msg: msg[:2] in (("F", p), ("B", p - 1))) if schedule == "zbv" else (lambda msg: False)
+    local = (
+        (lambda msg: msg[:2] in (("F", p), ("B", p - 1)))
+        if schedule == "zbv"
+        else (lambda msg: False)
+    )
     return [zb.comm_plan(orders, n, r) for r in range(p)], n, local, orders
 
 
-@pytest.mark.parametrize("schedule, p, m", [("zbh1", p, m) for p in (2, 3, 4) for m in (p, p + 1, 2 * p + 1)]
-                         + [("zbv", p, m) for p in (2, 3, 4) for m in (2 * p - 1, 2 * p, 3 * p + 1)]
-                         + [("zbh1", 8, 16), ("zbv", 8, 16)])
+@pytest.mark.parametrize(
+    "schedule, p, m",
+    [("zbh1", p, m) for p in (2, 3, 4) for m in (p, p + 1, 2 * p + 1)]
+    + [("zbv", p, m) for p in (2, 3, 4) for m in (2 * p - 1, 2 * p, 3 * p + 1)]
+    + [("zbh1", 8, 16), ("zbv", 8, 16)],
+)
 def test_ideal_bubble_messages_and_no_deadlock(schedule, p, m):
     """F, B, W one slot each. ZB-H1: every rank idles p-1 slots of its 3m, (p-1)(T_F+T_B-T_W) (the paper's
     Table 2; 1F1B: 3(p-1)), bubble (p-1)/(3m), m messages to each neighbour and way. ZB-V: p-1 slots of its 6m,
@@ -222,8 +295,11 @@ def test_ideal_bubble_messages_and_no_deadlock(schedule, p, m):
     assert idle == [p - 1] * p and zb.theory(p, m, schedule)[0] == pytest.approx((p - 1) / slots)
     idle_sim, fwd = simulate_plan(plans, n, local)
     assert idle_sim == idle  # messages never delay an op
-    want = [m * (r < p - 1) for r in range(p)] if schedule == "zbh1" else \
-        [m * (2 - (r == 0) - (r == p - 1)) for r in range(p)]
+    want = (
+        [m * (r < p - 1) for r in range(p)]
+        if schedule == "zbh1"
+        else [m * (2 - (r == 0) - (r == p - 1)) for r in range(p)]
+    )
     assert fwd == want == zb.theory(p, m, schedule)[2] and sum(fwd) == (p - 1) * m * n // p
 
 
@@ -251,12 +327,16 @@ def test_split_backward_is_one_backward_bit_for_bit():
     micro-batches, on a GPT (Linears with and without bias, LayerNorm, embeddings) and on the copy-out's
     ZBNet (root parameters, one 0-dim; 2-D inputs); after B alone only the Linears lack theirs; the input's gradient
     is B's. The negatives: a W never run, or run on the wrong micro-batch, gives other gradients."""
-    gpt = build_gpt(GPTConfig(vocab=32, seq_len=8, d_model=16, n_heads=2, n_layers=2), 0, torch.float64)
+    gpt = build_gpt(
+        GPTConfig(vocab=32, seq_len=8, d_model=16, n_heads=2, n_layers=2), 0, torch.float64
+    )
     g = torch.Generator().manual_seed(0)
     tokens = [torch.randint(0, 32, (3, 8), generator=g) for _ in range(2)]
     xs = [torch.randn(3, 5, dtype=torch.float64, generator=g) for _ in range(2)]
-    cases = [(gpt, [(x, lambda out, x=x: lm_loss(out, x, 48)) for x in tokens]),
-             (pipeline_checks.ZBNet(), [(x, lambda out: (out ** 2).sum()) for x in xs])]
+    cases = [
+        (gpt, [(x, lambda out, x=x: lm_loss(out, x, 48)) for x in tokens]),
+        (pipeline_checks.ZBNet(), [(x, lambda out: (out**2).sum()) for x in xs]),
+    ]
     for model, mbs in cases:
         plain = copy.deepcopy(model)
         for x, loss in mbs:
@@ -267,17 +347,26 @@ def test_split_backward_is_one_backward_bit_for_bit():
             split = zb.SplitBackward(split_model)
             saved = [split.backward_input(loss(split_model(x))) for x, loss in mbs]  # B, B
             linears = [lin for lin in split_model.modules() if isinstance(lin, torch.nn.Linear)]
-            deferred = {n for n, q in split_model.named_parameters()
-                        if any(q is lin.weight or q is lin.bias for lin in linears)}
+            deferred = {
+                n
+                for n, q in split_model.named_parameters()
+                if any(q is lin.weight or q is lin.bias for lin in linears)
+            }
             after_b = gradients(split_model)
-            assert deferred and all(after_b[n] is None for n in deferred)  # B left the Linears' to W
+            assert deferred and all(
+                after_b[n] is None for n in deferred
+            )  # B left the Linears' to W
             assert all(torch.equal(after_b[n], ref[n]) for n in ref if n not in deferred)
             for w in {"right": saved, "never": saved[:1], "wrong": [saved[0], saved[0]]}[variant]:
-                zb.SplitBackward.backward_weight(w)  # W, W (or one W never run, or on the wrong one)
+                zb.SplitBackward.backward_weight(
+                    w
+                )  # W, W (or one W never run, or on the wrong one)
             got = gradients(split_model)
             same = all(got[n] is not None and torch.equal(got[n], ref[n]) for n in ref)
             assert same == (variant == "right"), (type(model).__name__, variant)
-    block = pipeline_checks.ZBResidual().double()  # the input's gradient, through a chunk that receives one
+    block = (
+        pipeline_checks.ZBResidual().double()
+    )  # the input's gradient, through a chunk that receives one
     h = torch.randn(3, 6, dtype=torch.float64, generator=g)
     a, b = h.clone().requires_grad_(), h.clone().requires_grad_()
     split_block = copy.deepcopy(block)
@@ -301,20 +390,38 @@ def test_matches_reference_and_runs_the_schedule(launch, name):
     for s in range(steps):
         for r in range(p):
             for j in range(dp):
-                assert executed(events, s, r, j) == TORCH[schedule](p, m, r)  # exactly torch's order
-    alive = [inflight([e for e in events if e["step"] == steps - 1 and e["pp"] == r and e["dp"] == 0])
-             for r in range(p)]
-    assert f["peak_alive_microbatches"] == f["peak_alive_theory"] == alive == \
-        [min(p, m) if schedule == "zbh1" else 2 * p] * p
-    b_bytes = cfg["batch_size"] // (dp * m) * cfg["seq_len"] * cfg["d_model"] * 8  # one (b, T, D) float64 message
-    msgs = [(m * (r < p - 1), m * (r > 0)) if schedule == "zbh1" else (m * (2 - (r == 0) - (r == p - 1)),) * 2
-            for r in range(p)]
+                assert executed(events, s, r, j) == TORCH[schedule](
+                    p, m, r
+                )  # exactly torch's order
+    alive = [
+        inflight([e for e in events if e["step"] == steps - 1 and e["pp"] == r and e["dp"] == 0])
+        for r in range(p)
+    ]
+    assert (
+        f["peak_alive_microbatches"]
+        == f["peak_alive_theory"]
+        == alive
+        == [min(p, m) if schedule == "zbh1" else 2 * p] * p
+    )
+    b_bytes = (
+        cfg["batch_size"] // (dp * m) * cfg["seq_len"] * cfg["d_model"] * 8
+    )  # one (b, T, D) float64 message
+    msgs = [
+        (m * (r < p - 1), m * (r > 0))
+        if schedule == "zbh1"
+        else (m * (2 - (r == 0) - (r == p - 1)),) * 2
+        for r in range(p)
+    ]
     assert [(f["fwd_msgs_per_rank"][r], f["bwd_msgs_per_rank"][r]) for r in range(p)] == msgs
-    assert f["sent_bytes_per_rank"] == [(a + b) * b_bytes for a, b in msgs] == f["sent_bytes_theory"]
+    assert (
+        f["sent_bytes_per_rank"] == [(a + b) * b_bytes for a, b in msgs] == f["sent_bytes_theory"]
+    )
     assert summary["comm_bytes"] == max(f["sent_bytes_per_rank"])
     for key, row in f["counts_per_rank"].items():  # every pipeline, not only dp 0's
         assert row["sent_bytes"] == f["sent_bytes_per_rank"][int(key[2])], key
-    state = sum(q.numel() for q in build_gpt(GPTConfig.from_args(SimpleNamespace(**cfg)), 0).parameters())
+    state = sum(
+        q.numel() for q in build_gpt(GPTConfig.from_args(SimpleNamespace(**cfg)), 0).parameters()
+    )
     assert sum(f["mem_bytes_per_rank"]) > 3 * 8 * state  # params, 2 AdamW moments, and activations
     xs = [e for e in trace["traceEvents"] if e["ph"] == "X"]
     assert len(xs) == len(events) == 3 * n * m * steps * dp and f"wrote {len(xs)} events" in out
@@ -326,10 +433,14 @@ def test_rule_checks_catch_broken_schedules(launch):
     events = launch("zbv pp2 dp2 ragged")[0]["figures"]["events"]
     assert rule_errors(events, 2, 4, "zbv") == []
     one = [e for e in events if e["step"] == 0 and e["dp"] == 0]
-    pick = lambda kind, c, k: next(e for e in one if (e["kind"], e["chunk"], e["mb"]) == (kind, c, k))  # noqa
+    pick = lambda kind, c, k: next(
+        e for e in one if (e["kind"], e["chunk"], e["mb"]) == (kind, c, k)
+    )  # noqa
     w = pick("W", 3, 2)
     before = [dict(e, start=pick("B", 3, 2)["start"] - 1e-3) if e is w else e for e in one]
-    assert any("W2 of chunk 3 starts before its B ends" in x for x in rule_errors(before, 2, 4, "zbv"))
+    assert any(
+        "W2 of chunk 3 starts before its B ends" in x for x in rule_errors(before, 2, 4, "zbv")
+    )
     assert rule_errors([e for e in one if e is not w], 2, 4, "zbv")
     late_recv = [dict(e, recv=e["start"] + 1) if e is pick("B", 2, 1) else e for e in one]
     assert any("input not received" in x for x in rule_errors(late_recv, 2, 4, "zbv"))
@@ -337,7 +448,9 @@ def test_rule_checks_catch_broken_schedules(launch):
     late = [dict(e, end=step1 + 1) if e is w else e for e in events]
     assert any("ends after step 1 started" in x for x in rule_errors(late, 2, 4, "zbv"))
     h1 = [e for e in launch("zbh1 p2")[0]["figures"]["events"] if e["step"] == 0]
-    assert rule_errors(h1, 2, 4, "zbh1") == [] and rule_errors(h1, 2, 4, "zbv")  # wrong holder, wrong counts
+    assert rule_errors(h1, 2, 4, "zbh1") == [] and rule_errors(
+        h1, 2, 4, "zbv"
+    )  # wrong holder, wrong counts
 
 
 def test_copy_out_core_on_another_model(launch):
@@ -361,7 +474,10 @@ BAD = {  # what a core of the section is given -> words its ValueError must say
     "split_layers, 5 chunks of 4 blocks": ["5 chunks of 4 blocks", "use 1 to 4 chunks"],
     "zbv, m 2 at p 2": ["zbv needs m >= 2p-1 = 3", "got 2"],
     "ideal_timeline, ranks' orders of two schedules": ["waits on itself"],
-    "PipelineRank, a plan for p 3 in a group of 2": ["peers [0, 2] are not in the group", "p = its size"],
+    "PipelineRank, a plan for p 3 in a group of 2": [
+        "peers [0, 2] are not in the group",
+        "p = its size",
+    ],
     "PipelineRank, a rank outside the group": ["are not in the group"],
     "PipelineRank.run, 3 micro-batches for a plan of 4": ["m = 4 micro-batches", "got 3 inputs"],
     "PipelineRank.run, unequal micro-batches": ["of one shape", "(2, 5), (3, 5)"],
@@ -374,11 +490,20 @@ def test_cores_refuse_what_they_cannot_do(launch):
     the group [0], meets the outsider's case; the PipelineRank cases are on the copy-out's own pipeline group."""
     bad = launch("zbh1 p2")[3]["bad"]
     for rank, cases in enumerate(bad):
-        control = cases.pop("control: finish_batch")  # a valid call: the same counter sees its two all-reduces
+        control = cases.pop(
+            "control: finish_batch"
+        )  # a valid call: the same counter sees its two all-reduces
         assert control[0] == "no error" and sum(control[1].values()) == 2, (rank, control)
-        assert sorted(cases) == sorted(w for w in BAD if rank == 1 or "outside" not in w), (rank, sorted(cases))
+        assert sorted(cases) == sorted(w for w in BAD if rank == 1 or "outside" not in w), (
+            rank,
+            sorted(cases),
+        )
         for what, (error, calls) in cases.items():
-            assert error.startswith("ValueError") and all(w in error for w in BAD[what]), (rank, what, error)
+            assert error.startswith("ValueError") and all(w in error for w in BAD[what]), (
+                rank,
+                what,
+                error,
+            )
             assert calls == {}, (rank, what, calls)
 
 
@@ -394,16 +519,21 @@ def test_stage_ms_bubbles(launch):
     for f in (h1, v):
         assert f["stage_ms"] == 50 and min(f["op_ms"].values()) >= 50 and f["bubble_mean"] > 0
         assert all(e["end"] - e["start"] >= 50 for e in f["events"])
-    assert h1["bubble_theory"] == pytest.approx(3 / 24) and v["bubble_theory"] == pytest.approx(3 / 48)
+    assert h1["bubble_theory"] == pytest.approx(3 / 24) and v["bubble_theory"] == pytest.approx(
+        3 / 48
+    )
     ops = h1["op_ms"]
     assert h1["idle_ms_theory"] == pytest.approx(3 * (ops["F"] + ops["B"] - ops["W"]))
 
-    def replayed(f, n):  # per rank: (idle slots, busy slots) of the last step's recorded order, replayed
+    def replayed(
+        f, n
+    ):  # per rank: (idle slots, busy slots) of the last step's recorded order, replayed
         last = max(e["step"] for e in f["events"])
         at = zb.ideal_timeline([executed(f["events"], last, r) for r in range(4)], n)
         end = max(e for _, _, e in at.values())
         busy = [sum(e - s for q, s, e in at.values() if q == r) for r in range(4)]
         return [end - b for b in busy], busy
+
     assert replayed(h1, 4) == ([3] * 4, [24] * 4)  # 1F1B at one slot per F, B, W: 3(p-1) = 9 idle
     assert replayed(v, 8) == ([3] * 4, [48] * 4)
     assert [i / b for i, b in zip(*replayed(h1, 4))] == [h1["bubble_theory"]] * 4
@@ -415,7 +545,9 @@ def test_replayed_order_catches_a_wasteful_one():
     with a separate W: nothing fills the drain) idles more than p-1 slots."""
     p, m = 4, 8
     orders = [zb.zbh1(p, m, r) for r in range(p)]
-    lazy = [[o for o in order if o[0] != "W"] + [o for o in order if o[0] == "W"] for order in orders]
+    lazy = [
+        [o for o in order if o[0] != "W"] + [o for o in order if o[0] == "W"] for order in orders
+    ]
     at = zb.ideal_timeline(lazy, p)
     end = max(e for _, _, e in at.values())
     assert end - 3 * m > p - 1
@@ -427,27 +559,54 @@ def test_replayed_order_catches_a_wasteful_one():
 def test_restart_continues_exactly(launch, tmp_path):
     """Killed at step 2 (after the checkpoint of step 2), restarted by torchrun: the same losses, bit for bit,
     as the uninterrupted run of the same layout."""
-    summary, out = torchrun("zero_bubble.py", 2, *CFG, "--ckpt-dir", tmp_path / "ck", "--save-every", "2",
-                            "--fail-at-step", "2", tmp_path=tmp_path, max_restarts=1, timeout=300)
+    summary, out = torchrun(
+        "zero_bubble.py",
+        2,
+        *CFG,
+        "--ckpt-dir",
+        tmp_path / "ck",
+        "--save-every",
+        "2",
+        "--fail-at-step",
+        "2",
+        tmp_path=tmp_path,
+        max_restarts=1,
+        timeout=300,
+    )
     assert "simulated failure at step 2" in out and "resumed from" in out
     assert summary["losses"] == launch("zbh1 p2")[0]["losses"]
 
 
-@pytest.mark.parametrize("nproc, flags, words", [
-    (2, ["--schedule", "zbv", "--microbatches", "2", "--n-layers", "4"], ["--microbatches 2 is too few for --schedule zbv at pp 2",
-                                                      "--microbatches 3 or more"]),
-    (4, ["--schedule", "zbv", "--n-layers", "4"], ["cuts the model into 8 chunks but --n-layers is 4",
-                                                   "--n-layers 8"]),
-    (4, ["--pp", "3"], ["world size 4 != pp 3 x dp 1", "--nproc_per_node=3"]),
-    (4, ["--microbatches", "4", "--dp", "2"], ["--batch-size 12 is not divisible by dp x microbatches = 8"]),
-])
+@pytest.mark.parametrize(
+    "nproc, flags, words",
+    [
+        (
+            2,
+            ["--schedule", "zbv", "--microbatches", "2", "--n-layers", "4"],
+            ["--microbatches 2 is too few for --schedule zbv at pp 2", "--microbatches 3 or more"],
+        ),
+        (
+            4,
+            ["--schedule", "zbv", "--n-layers", "4"],
+            ["cuts the model into 8 chunks but --n-layers is 4", "--n-layers 8"],
+        ),
+        (4, ["--pp", "3"], ["world size 4 != pp 3 x dp 1", "--nproc_per_node=3"]),
+        (
+            4,
+            ["--microbatches", "4", "--dp", "2"],
+            ["--batch-size 12 is not divisible by dp x microbatches = 8"],
+        ),
+    ],
+)
 def test_bad_input_exits_2_on_every_rank(nproc, flags, words):
     assert_each_rank_fails(run_ranks("zero_bubble.py", nproc, *TINY, *flags), words)
 
 
 def test_world_of_one_and_help():
     p = run_python("zero_bubble.py", *TINY)
-    assert p.returncode == 2 and "at least 2" in p.stderr and "--nproc_per_node=2" in p.stderr, p.stderr
+    assert p.returncode == 2 and "at least 2" in p.stderr and "--nproc_per_node=2" in p.stderr, (
+        p.stderr
+    )
     assert "Traceback" not in p.stderr and len(p.stderr.strip().splitlines()) == 1
     bad = run_python("zero_bubble.py", *TINY, "--schedule", "1f1b")
     assert bad.returncode == 2 and "invalid choice: '1f1b'" in bad.stderr, bad.stderr
@@ -458,4 +617,5 @@ def test_world_of_one_and_help():
 def test_no_object_collectives():
     """Only tensors cross the wire: no pickling collective (broadcast_object_list, gather_object, ...)."""
     import re
+
     assert not re.search(r"_object(_list)?\(", (ROOT / "zero_bubble.py").read_text())

@@ -28,6 +28,7 @@ for at once, the peak read after the reference), and must catch it.
 Every tensor and model lives on the process group's device (gloo + CPU here, NCCL + GPU elsewhere).
 Prints ALL CHECKS PASSED and exits 0, or names each failed check and exits 1.
 """
+
 import contextlib, os, shutil, sys, tempfile, time
 from dataclasses import replace
 from unittest import mock
@@ -42,8 +43,17 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
 import zero as Z
-from common import (GPTConfig, MarkovData, build_gpt, close_dist, count_tokens, init_dist, lm_loss, make_optimizer,
-                    reference_train)
+from common import (
+    GPTConfig,
+    MarkovData,
+    build_gpt,
+    close_dist,
+    count_tokens,
+    init_dist,
+    lm_loss,
+    make_optimizer,
+    reference_train,
+)
 from harness import CommCounter
 
 FAILED = []
@@ -64,7 +74,13 @@ def max_diff(a, b):
 
 def make_zero(model, a, units, device, group=None):
     """The class an Args asks for, built as zero.train_zero builds it: Zero, or (--offload) OffloadZero."""
-    kw = dict(stage=a.stage, optimizer=lambda ps: make_optimizer(ps, a), clip=a.clip, group=group, device=device)
+    kw = dict(
+        stage=a.stage,
+        optimizer=lambda ps: make_optimizer(ps, a),
+        clip=a.clip,
+        group=group,
+        device=device,
+    )
     if a.offload or a.mixed_precision != "none":
         kind = Z.OffloadZero if a.offload else Z.MixedPrecisionZero
         return kind(model, units, compute_dtype=Z.LOW[a.mixed_precision], **kw)
@@ -109,7 +125,10 @@ def mse(out, y, n):  # sum over this piece / elements of the whole global batch,
 
 def local_pieces(d, x, y, accum):  # this rank's rows, in accum micro-batches
     rows = x.shape[0] // d.world
-    return zip(x[d.rank * rows:(d.rank + 1) * rows].chunk(accum), y[d.rank * rows:(d.rank + 1) * rows].chunk(accum))
+    return zip(
+        x[d.rank * rows : (d.rank + 1) * rows].chunk(accum),
+        y[d.rank * rows : (d.rank + 1) * rows].chunk(accum),
+    )
 
 
 def check_awkward(d, args, steps=3):
@@ -125,9 +144,17 @@ def check_awkward(d, args, steps=3):
         opt.step()
     want = {n: p.detach().cpu() for n, p in plain.named_parameters()}
 
-    z1 = awkward(d.device)  # torch's ZeRO-1: gradients summed by hand (our loss is already divided globally)
-    opt = ZeroRedundancyOptimizer(z1.parameters(), optimizer_class=torch.optim.AdamW, lr=args.lr,
-                                  betas=(0.9, 0.95), weight_decay=args.weight_decay, foreach=False)
+    z1 = awkward(
+        d.device
+    )  # torch's ZeRO-1: gradients summed by hand (our loss is already divided globally)
+    opt = ZeroRedundancyOptimizer(
+        z1.parameters(),
+        optimizer_class=torch.optim.AdamW,
+        lr=args.lr,
+        betas=(0.9, 0.95),
+        weight_decay=args.weight_decay,
+        foreach=False,
+    )
     for s in range(steps):
         x, y = batch(d, s)
         opt.zero_grad()
@@ -139,7 +166,9 @@ def check_awkward(d, args, steps=3):
         opt.step()
     torch_zero1 = {n: p.detach().cpu() for n, p in z1.named_parameters()}
 
-    f = awkward(d.device)  # torch's FSDP2, the same units; it averages gradients over ranks, so the loss is x N
+    f = awkward(
+        d.device
+    )  # torch's FSDP2, the same units; it averages gradients over ranks, so the loss is x N
     for unit in (f.a, f.b, f):
         fully_shard(unit)
     opt = make_optimizer(f.parameters(), args)
@@ -153,12 +182,23 @@ def check_awkward(d, args, steps=3):
     torch_fsdp = {n: p.full_tensor().detach().cpu() for n, p in f.named_parameters()}
     check(d, "awkward: torch ZeRO-1 == one process", max_diff(torch_zero1, want) < 1e-12)
     check(d, "awkward: torch FSDP2 == one process", max_diff(torch_fsdp, want) < 1e-12)
-    check(d, "awkward: training moved the parameters (parity is not vacuous)", max_diff(want, init) > 1e-3)
-    check(d, "awkward: clipping was active", max(norms) > args.clip, f"(max norm {max(norms):.3f} > {args.clip})")
+    check(
+        d,
+        "awkward: training moved the parameters (parity is not vacuous)",
+        max_diff(want, init) > 1e-3,
+    )
+    check(
+        d,
+        "awkward: clipping was active",
+        max(norms) > args.clip,
+        f"(max norm {max(norms):.3f} > {args.clip})",
+    )
 
     def run(stage, **kw):
         a = replace(args, stage=stage, **kw)
-        zero = make_zero(awkward(), a, ["a", "b"], d.device)  # built on the CPU, sharded to the device
+        zero = make_zero(
+            awkward(), a, ["a", "b"], d.device
+        )  # built on the CPU, sharded to the device
         for s in range(steps):
             x, y = batch(d, s)
             Z.train_step(zero, x, y, y.numel(), a.accum, mse)
@@ -170,15 +210,28 @@ def check_awkward(d, args, steps=3):
         check(d, f"awkward: Zero stage {stage} == one process", diff < 1e-12, f"({diff:.1e})")
         if stage == 1:
             diff = max_diff(got, torch_zero1)
-            check(d, "awkward: Zero stage 1 == torch ZeroRedundancyOptimizer", diff < 1e-12, f"({diff:.1e})")
+            check(
+                d,
+                "awkward: Zero stage 1 == torch ZeroRedundancyOptimizer",
+                diff < 1e-12,
+                f"({diff:.1e})",
+            )
         if stage == 3:
-            check(d, "awkward: Zero stage 3 == torch fully_shard (FSDP2)", max_diff(got, torch_fsdp) < 1e-12,
-                  f"({max_diff(got, torch_fsdp):.1e})")
+            check(
+                d,
+                "awkward: Zero stage 3 == torch fully_shard (FSDP2)",
+                max_diff(got, torch_fsdp) < 1e-12,
+                f"({max_diff(got, torch_fsdp):.1e})",
+            )
     got = run(3, offload=True)
     check(d, "awkward: stage 3 + offload == FSDP2", max_diff(got, torch_fsdp) < 1e-12)
     got = run(3, clip=0.0)  # negative: the same run without clipping must differ
-    check(d, "awkward: without clipping it differs (negative)", max_diff(got, want) > 1e-6,
-          f"({max_diff(got, want):.1e})")
+    check(
+        d,
+        "awkward: without clipping it differs (negative)",
+        max_diff(got, want) > 1e-6,
+        f"({max_diff(got, want):.1e})",
+    )
 
 
 def check_node_local_ckpt(d, args):
@@ -189,8 +242,13 @@ def check_node_local_ckpt(d, args):
     zero = make_zero(awkward(), replace(args, stage=1), ["a", "b"], d.device)
     x, y = batch(d, 0)
     Z.train_step(zero, x, y, y.numel(), args.accum, mse)
-    tmp = os.path.join(tempfile.gettempdir(), f"zero_checks_{os.environ['MASTER_PORT']}")  # the same on every rank
-    shared, node = os.path.join(tmp, "shared"), os.path.join(tmp, "node1" if d.rank == d.world - 1 else "node0")
+    tmp = os.path.join(
+        tempfile.gettempdir(), f"zero_checks_{os.environ['MASTER_PORT']}"
+    )  # the same on every rank
+    shared, node = (
+        os.path.join(tmp, "shared"),
+        os.path.join(tmp, "node1" if d.rank == d.world - 1 else "node0"),
+    )
     got = []
     for root in (shared, node):
         Z.ZeroCheckpoint(d, root, 1, 1).maybe_save(1, zero, {})
@@ -202,8 +260,12 @@ def check_node_local_ckpt(d, args):
     dist.barrier()
     if d.rank == 0:
         shutil.rmtree(tmp)
-    check(d, "checkpoint: shared dir resumes at step 1; node-local disks (.metadata on rank 0's node) refused",
-          got == [1, "exit 2"], f"{got}")
+    check(
+        d,
+        "checkpoint: shared dir resumes at step 1; node-local disks (.metadata on rank 0's node) refused",
+        got == [1, "exit 2"],
+        f"{got}",
+    )
 
 
 # ----------------------------------------------------------------------------- 2. the GPT, stages 0-3
@@ -229,7 +291,10 @@ def stage3_memory_problems(d, a, data):
     watch = Z.Watch(zero)
     x, y = data.batch(0, a.batch_size, a.seq_len)
     rows = a.batch_size // d.world
-    x, y = x[d.rank * rows:(d.rank + 1) * rows].to(d.device), y[d.rank * rows:(d.rank + 1) * rows].to(d.device)
+    x, y = (
+        x[d.rank * rows : (d.rank + 1) * rows].to(d.device),
+        y[d.rank * rows : (d.rank + 1) * rows].to(d.device),
+    )
     problems = []
     loss = lm_loss(zero(x), y, count_tokens(y))
     if live_after(watch):
@@ -254,6 +319,7 @@ def keep_alive(stash):
         buf = acquire(self, u)
         stash.append(u.views(buf)[u.local[0]])
         return buf
+
     return mock.patch.object(Z.Zero, "acquire", acquire_and_keep)
 
 
@@ -266,7 +332,14 @@ def overlap_events(d, a, data):
     fwd, bwd = {}, {}
 
     def record(events, i):  # (returns None: a pre-hook's return value would replace the inputs)
-        events.setdefault(i, ({index.get(v) for v in zero.prefetched}, index.get(zero.pending[0][0]) if zero.pending else None))
+        events.setdefault(
+            i,
+            (
+                {index.get(v) for v in zero.prefetched},
+                index.get(zero.pending[0][0]) if zero.pending else None,
+            ),
+        )
+
     for u, i in index.items():
         u.module.register_forward_pre_hook(lambda m, args, i=i: record(fwd, i))
         u.module.register_full_backward_pre_hook(lambda m, g, i=i: record(bwd, i))
@@ -278,10 +351,12 @@ def overlap_events(d, a, data):
 
 def no_prefetch():
     """A broken stage 3 without prefetch: each all-gather starts only when its unit is needed."""
+
     def acquire_now(self, u):
         work, buf = self._launch_gather(u)
         work.wait()
         return buf
+
     return mock.patch.object(Z.Zero, "acquire", acquire_now)
 
 
@@ -299,18 +374,36 @@ def check_gpt(d, args):
     data = MarkovData(args.vocab, args.seed)
     results = {}
     for stage in (0, 1, 2, 3, "3+offload"):
-        a = replace(args, stage=3, offload=True) if stage == "3+offload" else replace(args, stage=stage)
+        a = (
+            replace(args, stage=3, offload=True)
+            if stage == "3+offload"
+            else replace(args, stage=stage)
+        )
         zero, comm = gpt_zero(d, a), CommCounter()  # the bytes of the last step, at the dispatcher
         watch, losses = Z.Watch(zero), []
         for s in range(a.steps):
             x, y = data.batch(s, a.batch_size, a.seq_len)
-            losses.append(step_loss(zero, x, y, count_tokens(y), a.accum, lm_loss, comm if s == a.steps - 1 else None))
+            losses.append(
+                step_loss(
+                    zero,
+                    x,
+                    y,
+                    count_tokens(y),
+                    a.accum,
+                    lm_loss,
+                    comm if s == a.steps - 1 else None,
+                )
+            )
         sent, saved = comm.total(), watch.saved  # (saved: the last micro-batch's forward)
         full = Z.full_state_dict(zero)
         pdiff = max_diff(full, ref["params"])
         ldiff = max(abs(p - q) / abs(q) for p, q in zip(losses, ref["losses"]))
-        check(d, f"stage {stage}: losses and params == reference", pdiff < 1e-10 and ldiff < 1e-10,
-              f"(params {pdiff:.1e}, losses {ldiff:.1e})")
+        check(
+            d,
+            f"stage {stage}: losses and params == reference",
+            pdiff < 1e-10 and ldiff < 1e-10,
+            f"(params {pdiff:.1e}, losses {ldiff:.1e})",
+        )
         results[stage] = (zero, full, sent, saved)
 
     for stage in (1, 2, 3):
@@ -322,12 +415,26 @@ def check_gpt(d, args):
         zero = results[stage][0]
         mem, th, thp = Z.memory(zero), Z.theory(zero), Z.theory(zero, padded=True)
         ok = all(th[k] <= mem[k] == thp[k] for k in ("params", "grads", "optim"))
-        check(d, f"stage {stage}: counted memory == ZeRO formula (padded), >= formula (unpadded)", ok,
-              f"({ {k: (mem[k], round(th[k])) for k in ('params', 'grads', 'optim')} })")
+        check(
+            d,
+            f"stage {stage}: counted memory == ZeRO formula (padded), >= formula (unpadded)",
+            ok,
+            f"({ {k: (mem[k], round(th[k])) for k in ('params', 'grads', 'optim')} })",
+        )
         totals.append(mem["params"] + mem["grads"] + mem["optim"])
-    check(d, "model-state bytes fall stage by stage", totals[0] > totals[1] > totals[2] > totals[3], f"{totals}")
+    check(
+        d,
+        "model-state bytes fall stage by stage",
+        totals[0] > totals[1] > totals[2] > totals[3],
+        f"{totals}",
+    )
     N = d.world
-    check(d, "stage 3 holds about 1/N of stage 0", abs(totals[3] * N / totals[0] - 1) < 0.01, f"{totals}")
+    check(
+        d,
+        "stage 3 holds about 1/N of stage 0",
+        abs(totals[3] * N / totals[0] - 1) < 0.01,
+        f"{totals}",
+    )
 
     # bytes handed to collectives per step, against a closed form from a fresh model's own parameter counts:
     # every unit is padded to a multiple of N; an all-reduce / reduce-scatter takes the whole padded vector,
@@ -336,11 +443,20 @@ def check_gpt(d, args):
     sizes = [sum(p.numel() for p in b.parameters()) for b in model.blocks]
     sizes.append(sum(p.numel() for p in model.parameters()) - sum(sizes))
     whole = sum(-(-n // N) * N for n in sizes) * 8  # float64
-    want = {0: whole, 1: whole + whole / N, 2: args.accum * whole + whole / N, 3: args.accum * (2 * whole / N + whole)}
+    want = {
+        0: whole,
+        1: whole + whole / N,
+        2: args.accum * whole + whole / N,
+        3: args.accum * (2 * whole / N + whole),
+    }
     for stage in (0, 1, 2, 3):
         sent = results[stage][2]
-        check(d, f"stage {stage}: bytes handed to collectives per step == closed form", sent == want[stage] + 8,
-              f"({sent:.0f} B, want {want[stage] + 8:.0f} B)")
+        check(
+            d,
+            f"stage {stage}: bytes handed to collectives per step == closed form",
+            sent == want[stage] + 8,
+            f"({sent:.0f} B, want {want[stage] + 8:.0f} B)",
+        )
 
     # stage 3: gathered storages freed and within the bound; a unit kept alive by a view must be caught
     a3 = replace(args, stage=3)
@@ -353,34 +469,72 @@ def check_gpt(d, args):
         dist.all_reduce(good, op=dist.ReduceOp.MIN)
         if good.item():
             break
-    check(d, "stage 3: gathered storages all freed, peak within root + 2 blocks", not problems,
-          f"(peak {peak} B, bound {bound} B) {problems}")
-    check(d, "stage 3: the peak reaches the bound (a unit is prefetched while one runs)", peak == bound,
-          f"({peak} vs {bound} B)")
+    check(
+        d,
+        "stage 3: gathered storages all freed, peak within root + 2 blocks",
+        not problems,
+        f"(peak {peak} B, bound {bound} B) {problems}",
+    )
+    check(
+        d,
+        "stage 3: the peak reaches the bound (a unit is prefetched while one runs)",
+        peak == bound,
+        f"({peak} vs {bound} B)",
+    )
     stash = []
     with keep_alive(stash):
         problems, peak, bound = stage3_memory_problems(d, a3, data)
     stash.clear()
-    check(d, "stage 3 mutant (a view of each gathered unit kept alive) is caught",
-          any("after forward" in p for p in problems) and any("peak" in p for p in problems), f"{problems}")
+    check(
+        d,
+        "stage 3 mutant (a view of each gathered unit kept alive) is caught",
+        any("after forward" in p for p in problems) and any("peak" in p for p in problems),
+        f"{problems}",
+    )
 
     # stage 3 overlap, observed: what is in flight when each block starts its forward and its backward
     L = args.n_layers
     fwd, bwd = overlap_events(d, a3, data)
     f, b = overlap_ok(fwd, bwd, L)
-    check(d, "stage 3 forward: the next block's all-gather is in flight while a block computes", f, f"{fwd}")
-    check(d, "stage 3 backward: all-gather prefetched, the later block's reduce-scatter in flight", b, f"{bwd}")
+    check(
+        d,
+        "stage 3 forward: the next block's all-gather is in flight while a block computes",
+        f,
+        f"{fwd}",
+    )
+    check(
+        d,
+        "stage 3 backward: all-gather prefetched, the later block's reduce-scatter in flight",
+        b,
+        f"{bwd}",
+    )
     with no_prefetch():
         fwd, bwd = overlap_events(d, a3, data)
     f, b = overlap_ok(fwd, bwd, L)
-    check(d, "stage 3 mutant (no prefetch) is caught, forward and backward", not f and not b, f"{fwd} {bwd}")
+    check(
+        d,
+        "stage 3 mutant (no prefetch) is caught, forward and backward",
+        not f and not b,
+        f"{fwd} {bwd}",
+    )
 
     problems = offload_problems(results["3+offload"][0], d.device)
-    check(d, "offload: master and Adam moments on the CPU, compute copy on the device, distinct storages",
-          not problems, f"{problems}" + (" (CPU only here: on/off device is trivially true)" if d.device.type == "cpu" else ""))
-    problems = offload_problems(results[3][0], d.device)  # negative: without offload the master IS the compute copy
-    check(d, "offload check catches a master that shares the compute copy's storage (no offload)",
-          any("shares" in p for p in problems), f"{problems}")
+    check(
+        d,
+        "offload: master and Adam moments on the CPU, compute copy on the device, distinct storages",
+        not problems,
+        f"{problems}"
+        + (" (CPU only here: on/off device is trivially true)" if d.device.type == "cpu" else ""),
+    )
+    problems = offload_problems(
+        results[3][0], d.device
+    )  # negative: without offload the master IS the compute copy
+    check(
+        d,
+        "offload check catches a master that shares the compute copy's storage (no offload)",
+        any("shares" in p for p in problems),
+        f"{problems}",
+    )
 
 
 def offload_problems(zero, device):
@@ -391,14 +545,23 @@ def offload_problems(zero, device):
     problems = []
     for i, u in enumerate(zero.units):
         st = zero.opt.state[u.master]
-        host = {"master": u.master, "exp_avg": st["exp_avg"], "exp_avg_sq": st["exp_avg_sq"],
-                **({"gradient buffer": u.host_grad} if hasattr(u, "host_grad") else {})}
-        problems += [f"unit {i}: {k} on {t.device}" for k, t in host.items() if t.device.type != "cpu"]
+        host = {
+            "master": u.master,
+            "exp_avg": st["exp_avg"],
+            "exp_avg_sq": st["exp_avg_sq"],
+            **({"gradient buffer": u.host_grad} if hasattr(u, "host_grad") else {}),
+        }
+        problems += [
+            f"unit {i}: {k} on {t.device}" for k, t in host.items() if t.device.type != "cpu"
+        ]
         if u.compute.device != torch.device(device):
             problems.append(f"unit {i}: compute copy on {u.compute.device}")
         ptr = u.compute.untyped_storage().data_ptr()
-        problems += [f"unit {i}: {k} shares the compute copy's storage" for k, t in host.items()
-                     if t.untyped_storage().data_ptr() == ptr]
+        problems += [
+            f"unit {i}: {k} shares the compute copy's storage"
+            for k, t in host.items()
+            if t.untyped_storage().data_ptr() == ptr
+        ]
     return problems
 
 
@@ -413,15 +576,24 @@ def check_mixed(d, args):
     for target in range(n_units):
         rs = Z.Zero.reduce_grad
 
-        def dropped(self, u, g, target=target):  # this unit's gradient is never summed over the ranks
+        def dropped(
+            self, u, g, target=target
+        ):  # this unit's gradient is never summed over the ranks
             if u is self.units[target]:
-                u.accumulate(g.to(u.grad.dtype)[u.lo:u.lo + u.S])  # kept local; its turn taken with zeros
+                u.accumulate(
+                    g.to(u.grad.dtype)[u.lo : u.lo + u.S]
+                )  # kept local; its turn taken with zeros
                 g = torch.zeros_like(g)
             rs(self, u, g)
+
         with mock.patch.object(Z.Zero, "reduce_grad", dropped):
             bad = Z.train_zero(d, a)["check"]
-        check(d, f"bf16 --check FAILS with unit {target}'s reduce-scatter dropped", not bad["passed"],
-              f"(param diff {bad['max_param_diff']:.1e}, loss diff {bad['max_loss_diff']:.1e})")
+        check(
+            d,
+            f"bf16 --check FAILS with unit {target}'s reduce-scatter dropped",
+            not bad["passed"],
+            f"(param diff {bad['max_param_diff']:.1e}, loss diff {bad['max_loss_diff']:.1e})",
+        )
 
 
 # ----------------------------------------------------------------------------- 4. what the GPU would show
@@ -433,6 +605,7 @@ def reduction_events(d, a, data):
 
     def record(i):  # (returns None: a backward pre-hook's return value would replace the gradients)
         events.setdefault((mb[0], i), {index[p[0]] for p in zero.pending})
+
     for u, i in index.items():
         if u is not zero.root:
             u.module.register_full_backward_pre_hook(lambda m, g, i=i: record(i))
@@ -440,7 +613,10 @@ def reduction_events(d, a, data):
     rows = a.batch_size // (d.world * a.accum)
     for k in range(a.accum):
         mb[0] = k
-        xm, ym = x[k * rows:(k + 1) * rows].to(d.device), y[k * rows:(k + 1) * rows].to(d.device)
+        xm, ym = (
+            x[k * rows : (k + 1) * rows].to(d.device),
+            y[k * rows : (k + 1) * rows].to(d.device),
+        )
         zero.backward(lm_loss(zero(xm), ym, count_tokens(y)), last=k == a.accum - 1)
     zero.step()
     return events
@@ -459,56 +635,104 @@ def check_gpu_defects(d, args):
         zero = gpt_zero(d, replace(args, stage=1))
         x, y = data.batch(0, args.batch_size, args.seq_len)
         step_loss(zero, x, y, count_tokens(y), args.accum, lm_loss)
-    check(d, f"train_step: one host-to-device copy of the batch per step (inputs, targets) at --accum {args.accum}",
-          len(copies) == 2, f"({len(copies)} copies)")
+    check(
+        d,
+        f"train_step: one host-to-device copy of the batch per step (inputs, targets) at --accum {args.accum}",
+        len(copies) == 2,
+        f"({len(copies)} copies)",
+    )
     copies.clear()
-    with mock.patch.object(Z, "to_device", lambda t, dev: copies.append(t) or t.to(dev)), \
-            mock.patch.object(Z, "train_step", per_microbatch_copies):
+    with (
+        mock.patch.object(Z, "to_device", lambda t, dev: copies.append(t) or t.to(dev)),
+        mock.patch.object(Z, "train_step", per_microbatch_copies),
+    ):
         step_loss(zero, x, y, count_tokens(y), args.accum, lm_loss)
-    check(d, "train_step mutant (a copy per micro-batch) is caught", len(copies) != 2, f"({len(copies)} copies)")
+    check(
+        d,
+        "train_step mutant (a copy per micro-batch) is caught",
+        len(copies) != 2,
+        f"({len(copies)} copies)",
+    )
 
     a = replace(args, stage=3, steps=2, check=True)
     with peak_then_reference() as order:
         s = Z.train_zero(d, a)
-    check(d, "the peak is read after training, before --check trains the reference (issue 31)",
-          order == ["peak", "reference"], f"({order})")
-    with peak_then_reference() as order, mock.patch.object(Z, "write_summary", peak_read_in_summary):
+    check(
+        d,
+        "the peak is read after training, before --check trains the reference (issue 31)",
+        order == ["peak", "reference"],
+        f"({order})",
+    )
+    with (
+        peak_then_reference() as order,
+        mock.patch.object(Z, "write_summary", peak_read_in_summary),
+    ):
         Z.train_zero(d, replace(a, steps=1))
-    check(d, "mutant (the peak read in write_summary's call, after --check) is caught",
-          order != ["peak", "reference"], f"({order})")
+    check(
+        d,
+        "mutant (the peak read in write_summary's call, after --check) is caught",
+        order != ["peak", "reference"],
+        f"({order})",
+    )
     f, m = s["figures"], s["figures"]["memory"]
     states = sum(m[k]["counted"] for k in ("params", "grads", "optim"))
     want = states + f["gathered_peak_bytes"] + f["saved_activation_bytes"]
-    check(d, "the peak comes from the training steps (states + gathered peak + saved)", s["peak_mem_bytes"] == want,
-          f"({s['peak_mem_bytes']} B, want {want} B)")
+    check(
+        d,
+        "the peak comes from the training steps (states + gathered peak + saved)",
+        s["peak_mem_bytes"] == want,
+        f"({s['peak_mem_bytes']} B, want {want} B)",
+    )
 
     for stage in (1, 2):
         a = replace(args, stage=stage)
         ok, ev = publish_deferred(d, a, data)
-        check(d, f"stage {stage}: the all-gather of the update is waited for at each unit's next forward", ok, f"{ev}")
+        check(
+            d,
+            f"stage {stage}: the all-gather of the update is waited for at each unit's next forward",
+            ok,
+            f"{ev}",
+        )
         with mock.patch.object(Z.Zero, "publish", publish_and_wait):
             ok, ev = publish_deferred(d, a, data)
-        check(d, f"stage {stage} mutant (publish waits for its all-gathers) is caught", not ok, f"{ev}")
+        check(
+            d,
+            f"stage {stage} mutant (publish waits for its all-gathers) is caught",
+            not ok,
+            f"{ev}",
+        )
     for stage in (0, 1):
         a = replace(args, stage=stage)
         ev = reduction_events(d, a, data)
         early = all(ev[k, i] == set() for k in range(a.accum - 1) for i in range(L))
         last = all(ev[a.accum - 1, i] == set(range(i + 1, L)) for i in range(L))
-        check(d, f"stage {stage}: each unit's reduction launched during the last backward, none before", early and last,
-              f"{ev}")
+        check(
+            d,
+            f"stage {stage}: each unit's reduction launched during the last backward, none before",
+            early and last,
+            f"{ev}",
+        )
         backward = Z.Zero.backward
-        with mock.patch.object(Z.Zero, "backward", lambda self, loss, last=True: backward(self, loss, last=False)):
+        with mock.patch.object(
+            Z.Zero, "backward", lambda self, loss, last=True: backward(self, loss, last=False)
+        ):
             ev = reduction_events(d, a, data)
-        check(d, f"stage {stage} mutant (reductions deferred to the step) is caught",
-              any(ev[a.accum - 1, i] != set(range(i + 1, L)) for i in range(L - 1)), f"{ev}")
+        check(
+            d,
+            f"stage {stage} mutant (reductions deferred to the step) is caught",
+            any(ev[a.accum - 1, i] != set(range(i + 1, L)) for i in range(L - 1)),
+            f"{ev}",
+        )
 
 
 @contextlib.contextmanager
 def peak_then_reference():
     """The order zero.train_zero reads the peak memory and trains --check's reference in, observed."""
     order, peak, check_run = [], Z.peak_memory_bytes, Z.check_run
-    with mock.patch.object(Z, "peak_memory_bytes", lambda *a: order.append("peak") or peak(*a)), \
-            mock.patch.object(Z, "check_run", lambda *a: order.append("reference") or check_run(*a)):
+    with (
+        mock.patch.object(Z, "peak_memory_bytes", lambda *a: order.append("peak") or peak(*a)),
+        mock.patch.object(Z, "check_run", lambda *a: order.append("reference") or check_run(*a)),
+    ):
         yield order
 
 
@@ -523,7 +747,7 @@ WRITE_SUMMARY = Z.write_summary
 def per_microbatch_copies(zero, x, y, n_tok, accum, loss_fn):
     """A broken train_step that copies each micro-batch to the device on its own (issue 21's defect)."""
     rows = x.shape[0] // zero.world
-    x, y = (t[zero.rank * rows:(zero.rank + 1) * rows] for t in (x, y))
+    x, y = (t[zero.rank * rows : (zero.rank + 1) * rows] for t in (x, y))
     local = torch.zeros((), dtype=torch.float64, device=zero.device)
     for i, (xm, ym) in enumerate(zip(x.chunk(accum), y.chunk(accum))):
         loss = loss_fn(zero(Z.to_device(xm, zero.device)), Z.to_device(ym, zero.device), n_tok)
@@ -543,6 +767,7 @@ def publish_deferred(d, a, data):
 
     def record(i):  # (returns None: a pre-hook's return value would replace the inputs)
         ev.setdefault(i, {index[v] for v in zero.publishing})
+
     for u, i in index.items():
         if u is not zero.root:
             u.module.register_forward_pre_hook(lambda m, args, i=i: record(i))
@@ -591,10 +816,18 @@ def inject_overflow(step, rank):
 
         def lm_loss_inf(logits, targets, n_tokens):
             n.append(1)
-            first = (len(n) - 1) % (world * args.accum) == 0 and (len(n) - 1) // (world * args.accum) == step
-            return InfGrad.apply(loss(logits, targets, n_tokens)) if first else loss(logits, targets, n_tokens)
+            first = (len(n) - 1) % (world * args.accum) == 0 and (len(n) - 1) // (
+                world * args.accum
+            ) == step
+            return (
+                InfGrad.apply(loss(logits, targets, n_tokens))
+                if first
+                else loss(logits, targets, n_tokens)
+            )
+
         with mock.patch.object(Z, "lm_loss", lm_loss_inf):
             return reference(args, world, device)
+
     stack = contextlib.ExitStack()
     stack.enter_context(mock.patch.object(Z.Zero, "global_norm", global_norm))
     stack.enter_context(mock.patch.object(Z, "reference", reference_with_inf))
@@ -606,24 +839,68 @@ def check_fp16_overflow(d, args):
     every rank skips that step (the all-reduced norm makes rank 0 skip it too), AdamW runs 4 of 5 steps,
     the loss scale grows after 2 clean steps, halves on the overflow and grows again, the losses stay finite
     and training, and --check (the same recipe, the skip included, in one process) passes."""
-    a = replace(args, dtype="float32", mixed_precision="fp16", stage=2, accum=1, clip=1.0, lr=3e-3, steps=5,
-                loss_scale=1024, scale_window=2, check=True)
+    a = replace(
+        args,
+        dtype="float32",
+        mixed_precision="fp16",
+        stage=2,
+        accum=1,
+        clip=1.0,
+        lr=3e-3,
+        steps=5,
+        loss_scale=1024,
+        scale_window=2,
+        check=True,
+    )
     with inject_overflow(step=2, rank=d.world - 1):
         s = Z.train_zero(d, a)
     f = s["figures"]
-    check(d, "fp16: the overflow of one rank skipped on every rank", [r["skipped"] for r in f["per_rank"]] ==
-          [[2]] * d.world, f"{f['per_rank']}")
-    check(d, "fp16: AdamW ran 4 of 5 steps on every rank", [r["adam_step"] for r in f["per_rank"]] == [4.0] * d.world)
-    check(d, "fp16: loss scale grows after 2 clean steps, halves on the overflow", f["loss_scale"] ==
-          [1024.0, 2048.0, 1024.0, 1024.0, 2048.0], f"{f['loss_scale']}")
-    check(d, "fp16: losses finite and training", all(l == l and l < 3.6 for l in s["losses"]), f"{s['losses']}")
-    check(d, "fp16: --check (the same recipe and skip in one process) passes", s["check"]["passed"], f"{s['check']}")
+    check(
+        d,
+        "fp16: the overflow of one rank skipped on every rank",
+        [r["skipped"] for r in f["per_rank"]] == [[2]] * d.world,
+        f"{f['per_rank']}",
+    )
+    check(
+        d,
+        "fp16: AdamW ran 4 of 5 steps on every rank",
+        [r["adam_step"] for r in f["per_rank"]] == [4.0] * d.world,
+    )
+    check(
+        d,
+        "fp16: loss scale grows after 2 clean steps, halves on the overflow",
+        f["loss_scale"] == [1024.0, 2048.0, 1024.0, 1024.0, 2048.0],
+        f"{f['loss_scale']}",
+    )
+    check(
+        d,
+        "fp16: losses finite and training",
+        all(l == l and l < 3.6 for l in s["losses"]),
+        f"{s['losses']}",
+    )
+    check(
+        d,
+        "fp16: --check (the same recipe and skip in one process) passes",
+        s["check"]["passed"],
+        f"{s['check']}",
+    )
 
 
 def main():
     d = init_dist(60)
-    base = Z.Args(vocab=32, seq_len=8, d_model=16, n_heads=2, n_layers=3, batch_size=12, steps=3,
-                  dtype="float64", accum=2, clip=0.5, lr=1e-2)
+    base = Z.Args(
+        vocab=32,
+        seq_len=8,
+        d_model=16,
+        n_heads=2,
+        n_layers=3,
+        batch_size=12,
+        steps=3,
+        dtype="float64",
+        accum=2,
+        clip=0.5,
+        lr=1e-2,
+    )
     check_awkward(d, base)
     check_node_local_ckpt(d, base)
     check_gpt(d, base)
