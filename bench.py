@@ -38,8 +38,20 @@ loss difference, and for ddp the share of all-reduce hidden behind backward. --p
 of every run and rank, and each run's biggest top-level ops printed.
 """
 
-import collections, contextlib, functools, importlib, itertools, json, math, os, re, statistics, subprocess
-import sys, time, typing
+import collections
+import contextlib
+import functools
+import importlib
+import itertools
+import json
+import math
+import os
+import re
+import statistics
+import subprocess
+import sys
+import time
+import typing
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -50,29 +62,29 @@ import torch.nn as nn
 import harness
 from common import (
     DTYPES,
+    GPTConfig,
+    MarkovData,
     build_gpt,
     clip_grads_,
     count_tokens,
     fail,
-    GPTConfig,
     init_dist,
     lm_loss,
     make_optimizer,
-    MarkovData,
 )
 from harness import (
-    busy_ms,
-    check_common_args,
     CommCounter,
     CommonArgs,
     LiveStorages,
+    SavedActivations,
+    StepTimer,
+    Timeline,
+    busy_ms,
+    check_common_args,
     log_step,
     parse_args,
     peak_memory_bytes,
-    SavedActivations,
-    StepTimer,
     tensor_bytes,
-    Timeline,
     write_summary,
 )
 
@@ -387,10 +399,12 @@ def tensor_parallel_side(d, args, name, comm):
     from torch.distributed.tensor import DTensor, Replicate, Shard
     from torch.distributed.tensor.parallel import (
         ColwiseParallel as Col,
+    )
+    from torch.distributed.tensor.parallel import RowwiseParallel as Row
+    from torch.distributed.tensor.parallel import (
         loss_parallel,
         parallelize_module,
     )
-    from torch.distributed.tensor.parallel import RowwiseParallel as Row
 
     mesh = dist.device_mesh.init_device_mesh(d.device.type, (d.world,))
     model = build_gpt(
@@ -524,6 +538,7 @@ def overlap_worker(d, args):
     no_sync (compute only), (3) the same bucket sizes all-reduced after it. Hidden share = (t2 + t3 - t1)
     / t3: 1 if the all-reduce cost nothing extra, 0 if overlapping saved nothing. No optimizer step needed."""
     from torch.nn.parallel import DistributedDataParallel as DDP
+
     from ddp_bucketed import BucketedDDP, bucket_layout
 
     torch.set_num_threads(args.threads)
@@ -619,6 +634,7 @@ def profile_run(argv):
     which stops when the file reaches close_dist. The files end through harness.Run.finish, which calls
     harness's close_dist (imported from common): both names are patched."""
     import runpy
+
     import common
 
     out_dir, script, rest = argv[0], argv[1], argv[2:]

@@ -12,7 +12,8 @@ The bookkeeping around a lesson (flags, --check's verdict, checkpoints, counters
 is in harness.py, which no reader needs in order to learn a technique.
 """
 
-import os, sys
+import os
+import sys
 from dataclasses import dataclass
 from datetime import timedelta
 

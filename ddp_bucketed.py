@@ -68,25 +68,25 @@ import torch.nn as nn
 
 from common import (
     DTYPES,
+    GPTConfig,
+    MarkovData,
     build_gpt,
     count_tokens,
     fail,
-    GPTConfig,
     init_dist,
     lm_loss,
     make_optimizer,
-    MarkovData,
 )
 from harness import (
-    check_against_reference,
-    check_common_args,
     CommCounter,
     CommonArgs,
+    Run,
+    SavedActivations,
+    check_against_reference,
+    check_common_args,
     env_world_size,
     parse_args,
     peak_memory_bytes,
-    Run,
-    SavedActivations,
     tensor_bytes,
     tolerance,
 )

@@ -91,7 +91,11 @@ Run:
 In production: torchft's DiLoCo / LocalSGD, or OpenDiLoCo (Prime Intellect).
 """
 
-import contextlib, json, statistics, threading, time
+import contextlib
+import json
+import statistics
+import threading
+import time
 from dataclasses import dataclass
 from typing import Literal
 

@@ -58,8 +58,8 @@ In production, use torch.nn.parallel.DistributedDataParallel (or ddp_bucketed.py
 
 import os
 import time
-from datetime import timedelta
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Literal
 
 import torch
@@ -67,31 +67,31 @@ import torch.distributed as dist
 
 from common import (
     DTYPES,
+    GPTConfig,
+    MarkovData,
     build_gpt,
     close_dist,
     count_tokens,
     fail,
-    GPTConfig,
     init_dist,
     lm_loss,
     make_optimizer,
-    MarkovData,
 )
 from harness import (
-    check_against_reference,
-    check_common_args,
     Checkpointer,
     CommCounter,
     CommonArgs,
-    env_world_size,
     LiveStorages,
+    Run,
+    SavedActivations,
+    StepTimer,
+    check_against_reference,
+    check_common_args,
+    env_world_size,
     maybe_fail,
     parse_args,
     peak_memory_bytes,
-    Run,
-    SavedActivations,
     state_bytes,
-    StepTimer,
 )
 
 

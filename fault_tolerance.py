@@ -79,7 +79,14 @@ restarts: ~ (t + T_r/R) / M per failure: t = 10 s, T_r = 10 min, R = 8 replicas 
 In production, use torchft (its Manager, ProcessGroupBabyNCCL and lighthouse) with torchtitan.
 """
 
-import math, os, signal, statistics, subprocess, sys, threading, time
+import math
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import threading
+import time
 from collections import Counter
 from dataclasses import astuple, dataclass
 from datetime import timedelta
@@ -100,7 +107,6 @@ from common import (
     make_optimizer,
 )
 from harness import CommonArgs, check_common_args, log_step, parse_args, tolerance, write_summary
-
 
 PHASES = Literal[
     "before", "join", "group", "during", "after"

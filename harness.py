@@ -19,7 +19,15 @@ their technique:
 Only tensors cross the wire here too: no object collectives.
 """
 
-import argparse, contextlib, inspect, json, os, re, statistics, sys, time
+import argparse
+import contextlib
+import inspect
+import json
+import os
+import re
+import statistics
+import sys
+import time
 from dataclasses import asdict, dataclass, fields
 from typing import Literal, get_args, get_origin, get_type_hints
 

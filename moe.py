@@ -72,28 +72,28 @@ from einops import rearrange
 
 from common import (
     DTYPES,
+    GPTConfig,
+    MarkovData,
     build_gpt,
     clip_grads_,
     count_tokens,
     fail,
-    GPTConfig,
     init_dist,
     lm_loss,
     make_optimizer,
-    MarkovData,
     reference_train,
 )
 from harness import (
-    check_against_reference,
-    check_common_args,
     CommCounter,
     CommonArgs,
+    Run,
+    SavedActivations,
+    check_against_reference,
+    check_common_args,
     env_world_size,
     gather_rows,
     parse_args,
     peak_memory_bytes,
-    Run,
-    SavedActivations,
     state_bytes,
 )
 

@@ -45,7 +45,10 @@ Zero-bubble pipelines (the backward cut in two, ZB-H1, ZB-V) are zero_bubble.py.
 torch.distributed.pipelining (Schedule1F1B) or the pipelines of Megatron-LM or DeepSpeed.
 """
 
-import collections, contextlib, copy, sys
+import collections
+import contextlib
+import copy
+import sys
 from dataclasses import dataclass
 from typing import Literal
 
@@ -55,30 +58,30 @@ import torch.nn as nn
 from einops import rearrange
 
 from common import (
+    DTYPES,
+    GPTConfig,
+    MarkovData,
     build_gpt,
     count_tokens,
-    DTYPES,
     fail,
-    GPTConfig,
     init_dist,
     lm_loss,
     make_optimizer,
-    MarkovData,
 )
 from harness import (
+    CommCounter,
+    CommonArgs,
+    PipelineWatch,
+    Run,
     assemble_full,
     busy_ms,
     check_against_reference,
     check_common_args,
-    CommCounter,
-    CommonArgs,
     draw_timeline,
     env_world_size,
     gather_rows,
     parse_args,
     peak_memory_bytes,
-    PipelineWatch,
-    Run,
     state_bytes,
     write_trace,
 )

@@ -71,7 +71,9 @@ activation element, Psi parameters of one rank (its pipeline stage, its 1/t).
     python -m pytest -q -s tests/test_plan.py -k "paper_rows or zz"  # each paper's figure beside plan's
 """
 
-import itertools, math, re
+import itertools
+import math
+import re
 from collections import namedtuple
 from dataclasses import dataclass, replace
 from functools import lru_cache

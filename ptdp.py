@@ -78,7 +78,9 @@ The zero-bubble schedules (ZB-H1, ZB-V) are zero_bubble.py. In production, use M
 torch.distributed.pipelining (ScheduleInterleaved1F1B) with DTensor TP.
 """
 
-import collections, contextlib, math
+import collections
+import contextlib
+import math
 from dataclasses import dataclass
 
 import torch
@@ -88,31 +90,31 @@ import torch.nn.functional as F
 from einops import rearrange
 
 from common import (
-    build_gpt,
-    count_tokens,
     DTYPES,
-    fail,
     GPT,
     GPTConfig,
+    MarkovData,
+    build_gpt,
+    count_tokens,
+    fail,
     init_dist,
     lm_loss,
     make_optimizer,
-    MarkovData,
 )
 from harness import (
+    CommCounter,
+    CommonArgs,
+    PipelineWatch,
+    Run,
     assemble_full,
     busy_ms,
     check_against_reference,
     check_common_args,
-    CommCounter,
-    CommonArgs,
     draw_timeline,
     env_world_size,
     gather_rows,
     parse_args,
     peak_memory_bytes,
-    PipelineWatch,
-    Run,
     tensor_bytes,
     write_trace,
 )

@@ -75,7 +75,9 @@ fp16 Adam: p = g = 2, K = 12 = fp32 master + m + v):
 In production, use torch.distributed.fsdp.fully_shard (FSDP2) or DeepSpeed ZeRO.
 """
 
-import os, shutil, sys
+import os
+import shutil
+import sys
 from dataclasses import dataclass
 from typing import Literal
 

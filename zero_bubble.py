@@ -41,7 +41,9 @@ Run (one process per stage; a world of 1 is not a pipeline):
 In production, use torch.distributed.pipelining (ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble).
 """
 
-import collections, contextlib, sys
+import collections
+import contextlib
+import sys
 from dataclasses import dataclass
 from typing import Literal
 
@@ -52,30 +54,30 @@ import torch.nn.functional as F
 from einops import rearrange
 
 from common import (
+    DTYPES,
+    GPTConfig,
+    MarkovData,
     build_gpt,
     count_tokens,
-    DTYPES,
     fail,
-    GPTConfig,
     init_dist,
     lm_loss,
     make_optimizer,
-    MarkovData,
 )
 from harness import (
+    CommCounter,
+    CommonArgs,
+    PipelineWatch,
+    Run,
     assemble_full,
     busy_ms,
     check_against_reference,
     check_common_args,
-    CommCounter,
-    CommonArgs,
     draw_timeline,
     env_world_size,
     gather_rows,
     parse_args,
     peak_memory_bytes,
-    PipelineWatch,
-    Run,
     state_bytes,
     write_trace,
 )
@@ -603,7 +605,7 @@ def theory(p, m, schedule):
 def report(d, args, p, watch, comm, bounds, holder):
     """Every rank's events and counts, gathered (tensors only); rank 0: each figure beside its theory, the
     table, the timeline of the last step of pipeline 0, --trace."""
-    m, schedule, v = args.microbatches, args.schedule, len(bounds) // p
+    m, schedule = args.microbatches, args.schedule
     tags = [c["tag"] for c in comm.calls_log if c["op"] == "send"]  # one tag per direction
     events = watch.timeline.gather()
     rows = gather_rows(

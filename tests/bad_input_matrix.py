@@ -7,7 +7,12 @@ no rendezvous (no MASTER_ADDR): a rank that reached a collective, or init_dist, 
 exiting 2, so exit code 2 with one line proves the check came first. With world 1 there is no RANK, so a
 case may get as far as init_dist (a one-process group) and the checkpoint checks behind it."""
 
-import contextlib, importlib.util, io, json, os, sys
+import contextlib
+import importlib.util
+import io
+import json
+import os
+import sys
 from pathlib import Path
 
 import torch.distributed as dist

@@ -14,7 +14,12 @@ Prints ALL CHECKS PASSED on success. Device-correct: models and inputs live on t
 same checks run on NCCL (torchrun on a GPU machine) as on gloo; only tensors cross the wire.
 """
 
-import contextlib, functools, os, sys, time, types
+import contextlib
+import functools
+import os
+import sys
+import time
+import types
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -40,9 +45,9 @@ from common import (
     lm_loss,
     make_optimizer,
 )
-from dp_common import Checks, check_refused, check_unchecked_lets_through, SmallNet
+from ddp_bucketed import BucketedDDP, MiB, Overlap
+from dp_common import Checks, SmallNet, check_refused, check_unchecked_lets_through
 from harness import CommonArgs, gather_rows
-from ddp_bucketed import MiB, BucketedDDP, Overlap
 
 CFG = GPTConfig(vocab=32, seq_len=8, d_model=16, n_heads=2, n_layers=2)
 B, SEED, F64 = 12, 0, torch.float64

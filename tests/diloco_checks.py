@@ -30,7 +30,11 @@ takes, run with torch and nothing of this repo); parts 2-4 run diloco.py's main.
 A failed check is recorded and the script goes on; it prints ALL CHECKS PASSED or exits 1 at the end.
 """
 
-import functools, os, sys, time, types
+import functools
+import os
+import sys
+import time
+import types
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -43,7 +47,7 @@ import diloco
 import harness
 import section
 from common import GPT, GPTConfig, MarkovData, build_gpt, count_tokens, init_dist, lm_loss
-from dp_common import Checks, check_refused, check_unchecked_lets_through, net_batch, SmallNet
+from dp_common import Checks, SmallNet, check_refused, check_unchecked_lets_through, net_batch
 
 core = types.SimpleNamespace(
     **section.load("diloco.py")

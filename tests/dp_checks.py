@@ -24,7 +24,10 @@ run with torch and nothing of this repo); parts 3 and 4 run dp.py's main.
 A failed check is recorded and the script goes on; it prints ALL CHECKS PASSED or exits 1 at the end.
 """
 
-import functools, os, sys, types
+import functools
+import os
+import sys
+import types
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -38,7 +41,7 @@ import dp
 import harness
 import section
 from common import GPT, GPTConfig, count_tokens, init_dist, lm_loss
-from dp_common import Checks, check_refused, check_unchecked_lets_through, net_batch, SmallNet
+from dp_common import Checks, SmallNet, check_refused, check_unchecked_lets_through, net_batch
 
 core = types.SimpleNamespace(
     **section.load("dp.py")

@@ -33,7 +33,8 @@ environment, so the launcher and every replica run the mutant. NAME is one of
                         only the group's own timeout, the backstop, ends it
 """
 
-import os, sys
+import os
+import sys
 from datetime import timedelta
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

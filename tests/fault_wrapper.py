@@ -10,7 +10,10 @@ FAULT is one of
     kill-p2p:K            the rank SIGKILLs itself on entering its K-th batch_isend_irecv
 The file itself runs unchanged (runpy), so what is tested is the file's own checkpointing and shutdown."""
 
-import os, runpy, signal, sys
+import os
+import runpy
+import signal
+import sys
 from pathlib import Path
 
 import torch.distributed as dist

@@ -16,7 +16,13 @@ crash after training (a stubbed summary) leaves that record complete; the proces
 its peers, whose collectives fail once it is gone, record theirs too. A process the file starts itself (fault_tolerance.py's replicas: `sys.executable sys.argv[0]`) runs this script
 again with the same environment, and records under its own command line."""
 
-import ast, hashlib, os, re, sys, traceback, types
+import ast
+import hashlib
+import os
+import re
+import sys
+import traceback
+import types
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -17,11 +17,20 @@ workers writing to the files `out` and `err` (appended, as torchrun's workers sh
 `python script args` (nproc 1, no torchrun variables); "ranks" sets the variables for nproc workers but
 stops none when one fails, and each writes to `out.RANK` / `err.RANK`."""
 
-import json, os, signal, socket, sys, time
+import json
+import os
+import signal
+import socket
+import sys
+import time
 
-import einops, numpy, torch, torch.distributed  # noqa: F401  (the imports every worker would repeat)
-import torch.distributed.fsdp, torch.distributed.pipelining, torch.distributed.tensor  # noqa: F401
-import torch.nn.parallel, torch.optim  # noqa: F401
+import torch
+import torch.distributed  # noqa: F401  (the imports every worker would repeat)
+import torch.distributed.fsdp
+import torch.distributed.pipelining
+import torch.distributed.tensor  # noqa: F401
+import torch.nn.parallel
+import torch.optim  # noqa: F401
 
 
 def free_port():

@@ -17,13 +17,15 @@ losses of the two).
 Prints "ok ..." / "FAIL ..." lines and ALL CHECKS PASSED; exits 1 if any check failed.
 """
 
-import os, sys
+import os
+import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 if sys.argv[1:2] == ["fence"]:  # the fence contract's two runs (see the docstring)
-    import ast, types
+    import ast
+    import types
 
     noop, argv = sys.argv[2:3] == ["noop"], [a for a in sys.argv[2:] if a != "noop"]
     sys.argv = [os.path.join(ROOT, "fp8.py"), *argv]

@@ -48,7 +48,15 @@ context on the first ones.
 Estimated time: launches x 10 s at world 1, 15 s at world >= 2 (see docs/gpus.md); --minutes rescales the
 estimates of what is left by the measured time of what ran."""
 
-import argparse, json, os, re, shutil, subprocess, sys, tempfile, time
+import argparse
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -170,7 +178,7 @@ def plan(w):
 def bf16_plan(w):
     """Each file's default mode in bfloat16, under TORCH_DISTRIBUTED_DEBUG=DETAIL."""
     firsts = {}
-    for name, f, flags in plan(w):
+    for _name, f, flags in plan(w):
         firsts.setdefault(f, (f"{f[:-3]} bf16 DETAIL", f, [*flags, "--dtype", "bfloat16"]))
     return list(firsts.values())
 
@@ -821,6 +829,7 @@ def deterministic_run(f, argv):
     deterministic CUDA kernel warns instead of stopping the run; the spread measured beside it covers the
     rest)."""
     import runpy
+
     import torch
 
     torch.use_deterministic_algorithms(True, warn_only=True)

@@ -8,7 +8,9 @@ gathered events, "rest" and "rest_log": the table and log of every other form of
 any source), "watch": a PipelineWatch's (saved, events, last), and a mutant's}. tests/test_harness.py
 computes what the table must be from the shapes alone."""
 
-import contextlib, json, sys
+import contextlib
+import json
+import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))

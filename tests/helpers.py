@@ -1,7 +1,14 @@
 """Launch technique files the way a user does (torchrun on gloo + CPU), always with a timeout, and read
 the --json summary they write."""
 
-import json, os, re, shutil, socket, subprocess, sys, tempfile
+import json
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent

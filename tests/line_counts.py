@@ -28,7 +28,11 @@ share = technique / (non-blank lines - docstring); path share = technique / non-
 The classifier reads text, so it cannot see intent: an attribute kept only for a watcher (a list of
 events, a layout method) counts as technique unless its line names a counter; the review's hand count is the arbiter."""
 
-import ast, io, re, sys, tokenize
+import ast
+import io
+import re
+import sys
+import tokenize
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent

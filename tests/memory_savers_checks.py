@@ -26,7 +26,9 @@ Every tensor and model lives on the process group's device (gloo + CPU here, NCC
 Prints ALL CHECKS PASSED and exits 0, or names each failed check and exits 1.
 """
 
-import contextlib, os, sys
+import contextlib
+import os
+import sys
 from dataclasses import replace
 from unittest import mock
 

@@ -8,14 +8,16 @@
   the GPT, trained expert parallel against the same stack trained by plain torch in one process.
 """
 
-import importlib, os, sys
+import importlib
+import os
+import sys
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from common import close_dist, init_dist, MarkovData
+from common import MarkovData, close_dist, init_dist
 from harness import CommCounter
 
 TOL = 1e-9

@@ -40,7 +40,7 @@ import torch.nn.functional as F
 
 import moe_deepseek as ds
 from common import MarkovData, count_tokens, lm_loss, make_optimizer
-from harness import check_against_reference, CommCounter
+from harness import CommCounter, check_against_reference
 from moe_common import (
     check,
     check_all_to_all,

@@ -228,8 +228,9 @@ def toy_optimizer(params):
 
 def copy_out(out_dir):
     """The runner needs only torch: a process group, a stage module, an optimizer, a micro-batch source."""
-    import section
     import torch.distributed as dist
+
+    import section
 
     core = section.load("pipedream.py")  # the technique section alone, as a copier takes it
     dist.init_process_group("gloo")
@@ -297,8 +298,9 @@ def copy_out(out_dir):
 
 def bad_inputs(core, pair):
     """Each core given what it cannot do: {case: (error, collectives the counter saw)}; pair: ranks [2, 0]."""
-    import section
     import torch.distributed as dist
+
+    import section
 
     stage = nn.Sequential(*toy_stages())
     opt = toy_optimizer(stage.parameters())
@@ -416,8 +418,9 @@ def zb_copy_out(d, out_path):
     same net with torch's clip_grad_norm_: the first step's clipped gradients, the losses and the final
     parameters. Then the negatives: W never run; W of micro-batch k on micro-batch k-1's saved inputs. Writes
     {case: {max_diff, losses}}, the reference's losses and norms, and the bad inputs' errors."""
-    import section
     import torch.distributed as dist
+
+    import section
 
     zero_bubble = SimpleNamespace(
         **section.load("zero_bubble.py")
@@ -458,7 +461,7 @@ def zb_copy_out(d, out_path):
             "previous" in case
         ):  # W of micro-batch k on k-1's saved (x, dy): k-1's weight gradient twice, k's never
 
-            def previous(saved, seen=[]):
+            def previous(saved, seen=[]):  # noqa: B006  (a memo kept across calls, on purpose)
                 real_w(seen[-1] if seen else saved)
                 seen.append(saved)
 
@@ -505,8 +508,9 @@ def zb_copy_out(d, out_path):
 
 def zb_bad_inputs(zb, pp, r):
     """Each zero_bubble core given what it cannot do: {case: [error, collectives the counter saw]}."""
-    import section
     import torch.distributed as dist
+
+    import section
 
     plan = zb.comm_plan([zb.zbh1(2, 4, q) for q in range(2)], 2, r)  # a valid ZB-H1 plan, p 2, m 4
     net, split = ZBNet(), zb.SplitBackward(nn.Linear(2, 2))

@@ -34,12 +34,11 @@ from einops import rearrange
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import ptdp  # noqa: E402  (its main, run after the copy-out check)
-import section  # noqa: E402
 import harness  # noqa: E402
-from common import build_gpt, GPTConfig, init_dist  # noqa: E402
+import section  # noqa: E402
+from common import GPTConfig, build_gpt, init_dist  # noqa: E402
 from harness import CommCounter  # noqa: E402
-from pipeline_checks import toy_batch, ToyChunk  # noqa: E402  (the toy model zero_bubble.py's check uses)
+from pipeline_checks import ToyChunk, toy_batch  # noqa: E402  (the toy model zero_bubble.py's check uses)
 
 core = section.load("ptdp.py")  # the technique section alone: what the copy-out check runs
 

@@ -3,7 +3,11 @@
 harness.py. `load(name)` executes it with nothing else and returns its namespace; `free_names` and
 `ungrouped` say what it would still need from outside (a name) or from the default group (a collective)."""
 
-import ast, builtins, re, symtable, sys
+import ast
+import builtins
+import re
+import symtable
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent

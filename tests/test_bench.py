@@ -7,11 +7,17 @@ stops before its interval narrows are caught); one pair end to end writes well-f
 pair whose file lacks the mode it needs is skipped with one line, and bad input exits 2. No real timing is
 asserted."""
 
-import json, math, random, statistics, subprocess, sys, types
+import json
+import math
+import random
+import statistics
+import subprocess
+import sys
+import types
 
 import pytest
 
-from helpers import forked, ROOT, run_python
+from helpers import ROOT, forked, run_python
 
 sys.path.insert(0, str(ROOT))
 import bench  # noqa: E402

@@ -2,7 +2,9 @@
 DDP (tests/ddp_bucketed_checks.py, one launch per world size: gradients, bucket layout, overlap, gradients as
 bucket views, and the core applied to a model that is not the GPT), compression, and bad input."""
 
-import json, re, sys
+import json
+import re
+import sys
 
 import pytest
 import torch

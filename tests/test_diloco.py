@@ -4,7 +4,9 @@ caught; the bytes per inner step are P x b / H, counted at the dispatcher; a wor
 (exchanges in flight) is restarted to the uninterrupted run's losses and state, bit for bit; bad input is
 one line and exit 2. tests/diloco_checks.py (one launch at world 3) holds the checks that patch the code."""
 
-import json, subprocess, sys
+import json
+import subprocess
+import sys
 
 import pytest
 import torch

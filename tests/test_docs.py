@@ -6,9 +6,18 @@ and WORLD_SIZE set as torchrun would set them, and stops the moment its check_ar
 SystemExit(2) of `common.fail`). Training is what the per-file tests launch; the README's first command is
 launched for real in test_repo.py."""
 
-import ast, contextlib, functools, importlib.util, inspect, io, os, re, shlex, subprocess, sys
+import ast
+import contextlib
+import functools
+import importlib.util
+import inspect
+import io
+import os
+import re
+import shlex
+import subprocess
+import sys
 from unittest import mock
-from pathlib import Path
 
 import pytest
 from torch.distributed.run import get_args_parser

@@ -3,7 +3,9 @@ parameter server equals its own delayed-update reference; bad input fails fast; 
 to exactly the losses of an uninterrupted one. tests/dp_checks.py (one launch at world 3) applies the cores
 to a model that is not the GPT, and holds the negatives that need code from tests/."""
 
-import copy, re, sys
+import copy
+import re
+import sys
 
 import pytest
 import torch

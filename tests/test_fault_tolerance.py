@@ -18,7 +18,13 @@ cores, let a round of one through), and a replica hung by SIGSTOP (NCCL's way: n
 all-reduce, the group's creation or the vote is left behind within --timeout (a wait without a deadline is
 caught)."""
 
-import json, math, os, re, signal, subprocess, sys
+import json
+import math
+import os
+import re
+import signal
+import subprocess
+import sys
 from datetime import timedelta
 from types import SimpleNamespace
 
@@ -879,7 +885,8 @@ def test_a_straggler_in_bursts_never_forks_the_replicas(tmp_path, run):
     first steps. It may be left out of rounds and come back (recovered from a peer), but it never trains a
     step alone: every replica ends with the same weights, equal to the one-process replay of what was
     committed (checked here from each replica's own file), and the run's --check passes."""
-    import random, time
+    import random
+    import time
 
     live, rng = Live(tmp_path, *STRAGGLER), random.Random(run)
     try:

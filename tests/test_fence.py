@@ -11,7 +11,7 @@ import torch
 
 import helpers
 from fence import move_below_fence, rebindings, stub_below_fence
-from helpers import forked, TINY
+from helpers import TINY, forked
 from test_repo import TECHNIQUES
 
 STEPS = 3

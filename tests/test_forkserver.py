@@ -2,7 +2,9 @@
 must be indistinguishable, to the file it runs, from `torchrun --standalone`, and must keep torchrun's agent
 behaviour the tests rely on (a failed worker stops the rest, restarts, a bounded wait)."""
 
-import os, subprocess, time
+import os
+import subprocess
+import time
 
 import pytest
 

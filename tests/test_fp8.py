@@ -2,7 +2,10 @@
 the GPT, parity of every recipe at world 2 and 3 with its mutants caught (tests/fp8_checks.py), the file's own
 --check with --fp8-all-gather at world 3, the all-gather bytes, bad input, and the fence contract."""
 
-import json, re, subprocess, sys
+import json
+import re
+import subprocess
+import sys
 
 import pytest
 import torch

@@ -20,7 +20,6 @@ import torch
 import torch.nn.functional as F
 
 import gpipe_checks
-from schedule_replay import replayed_bubble
 from helpers import (
     ENV,
     ROOT,
@@ -31,6 +30,7 @@ from helpers import (
     torchrun,
     torchrun_bad_input,
 )
+from schedule_replay import replayed_bubble
 
 sys.path.insert(0, str(ROOT))
 from gpipe import split_layers, squared_norm  # noqa: E402  (importing must not run main())

@@ -2,7 +2,10 @@
 shapes alone: CommCounter on a real gloo group at worlds 2 and 3, SavedActivations and LiveStorages in one
 process, the Timeline's gathered events. Each check is shown to fail on a broken counter."""
 
-import inspect, json, re, sys
+import inspect
+import json
+import re
+import sys
 from dataclasses import dataclass
 
 import pytest

@@ -4,7 +4,9 @@ t = 1, 2, 4 with and without sequence parallelism and with 2-way data parallelis
 dispatcher against the paper's count, dropout, a restart with dropout, two "nodes" against one launch, and
 bad input."""
 
-import json, subprocess, sys
+import json
+import subprocess
+import sys
 
 import pytest
 import torch

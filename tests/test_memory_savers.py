@@ -29,8 +29,8 @@ from helpers import (
 )
 
 sys.path.insert(0, str(ROOT))
-from common import GPT, GPTConfig, reference_train  # noqa: E402
 import memory_savers as M  # noqa: E402  (importing must not run main())
+from common import GPT, GPTConfig, reference_train  # noqa: E402
 
 TINY_CFG = GPTConfig(vocab=32, seq_len=8, d_model=16, n_heads=2, n_layers=2)
 
@@ -291,8 +291,8 @@ def test_cores_refuse_what_they_cannot_do():
     is checked in tests/memory_savers_checks.py). The mutant (the checks made no-ops) goes silently wrong: the
     unknown mode recomputes as 'full', the unknown encoding encodes as int8, and a 3-D parameter gets a whole
     second moment where torch.optim.Adafactor factors it, so the two differ."""
-    from harness import CommCounter
     import section
+    from harness import CommCounter
 
     text = (ROOT / "memory_savers.py").read_text()
     core = section.load("memory_savers.py")

@@ -26,10 +26,10 @@ from helpers import (
     torchrun,
 )
 from moe_common import (
-    D,
     EXPERTS,
     HIDDEN,
     ROWS,
+    D,
     ResidualMoEStack,
     assert_all_pass,
     copy_out_case,

@@ -20,7 +20,6 @@ import subprocess
 import sys
 from argparse import Namespace
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -40,8 +39,8 @@ sys.path.insert(0, str(ROOT / "tests"))
 import pipedream  # noqa: E402  (importing must not run main())
 import pipedream_sim  # noqa: E402
 import pipeline_checks  # noqa: E402
+from common import reference_train  # noqa: E402
 from schedule_replay import orders_of, replayed_bubble  # noqa: E402
-from common import build_gpt, GPTConfig, lm_loss, reference_train  # noqa: E402
 
 STEPS = 4  # TINY's --steps
 STAGE_MS = ("--stage-ms", "50")  # simulated compute, on the (4, 8) launches only: see test_gpipe.py

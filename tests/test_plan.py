@@ -22,7 +22,10 @@ peak_mem_bytes; zero_bubble.py figures.mem_bytes_per_rank, peak_alive_microbatch
 bubble_mean (idle / busy), peak_mem_bytes; moe.py figures.alltoall_bytes_per_step, capacity.
 """
 
-import json, math, re, sys
+import json
+import math
+import re
+import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -1501,7 +1504,8 @@ BAD = bad_values()
 def source_once():
     """harness.parse_args reads Args' comments with inspect.getsource, which parses plan.py each call (0.3 s
     on a busy machine): read once for the module's many parses."""
-    import functools, inspect
+    import functools
+    import inspect
 
     real = inspect.getsource
     inspect.getsource = functools.lru_cache(maxsize=None)(real)
@@ -1828,7 +1832,7 @@ def test_moe_under_full_recomputation_keeps_block_inputs():
     ZeRO-3 on 8192 GPUs fits; counting the buffers in every layer (the old plan) does not."""
     M = plan.PRESETS["llama3-70b"]._replace(experts=8, top_k=2)
     lay = plan.Layout(dp=1024, tp=8, ep=8, zero=3, recompute="full")
-    b, bs, e = 2, 2 * M.seq, 2
+    bs, e = 2 * M.seq, 2
     extra = (8 * math.ceil(1.25 * 2 * bs / 8) * (2 * M.d + 2 * M.f) - bs * 2 * M.f) * e
     dense = plan.memory(M._replace(experts=0), lay, 2048, 0)["activations"]
     assert plan.memory(M, lay, 2048, 0)["activations"] == dense + extra
@@ -1853,7 +1857,7 @@ def llama_block(M, b, fused=True, seed=0):
     import torch
     import torch.nn.functional as F
 
-    h, a, kv, f, s, dh = M.d, M.heads, M.kv, M.f, M.seq, M.d // M.heads
+    h, kv, f, s, dh = M.d, M.kv, M.f, M.seq, M.d // M.heads
     g = torch.Generator().manual_seed(seed)
     W = {
         k: torch.randn(*shape, generator=g, dtype=torch.float64)
@@ -2076,7 +2080,8 @@ def test_llama_block_memory_equals_what_torch_saves(monkeypatch):
 def test_blocks_per_stage_as_the_files_split_them():
     """plan's cut of L blocks into p stages is gpipe.py's and pipedream.py's (imported here, in the test only)
     for every L up to 24 and p up to L."""
-    import gpipe, pipedream  # noqa: E401
+    import gpipe  # noqa: E401
+    import pipedream
 
     for L in range(1, 25):
         for p in range(1, L + 1):
@@ -2286,9 +2291,11 @@ def fold(spec, outdir):
     own main() in turn on one process group (its init_dist hands it the group; its close_dist ends the run,
     not the process), as tests/context_parallel_checks.py --runs does for context_parallel.py."""
     import importlib
+
+    import torch.distributed as dist
+
     import common
     import harness
-    import torch.distributed as dist
 
     class Finished(Exception):
         pass

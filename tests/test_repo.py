@@ -1,7 +1,10 @@
 """The repo's promises to a newcomer: the README's commands are what CI runs, its first command works in
 an environment made from requirements.txt alone, and only tensors cross the wire."""
 
-import ast, re, subprocess, sys
+import ast
+import re
+import subprocess
+import sys
 
 import line_counts
 from helpers import ENV, ROOT
@@ -75,15 +78,16 @@ TECHNIQUES += ["moe_deepseek.py", "fp8.py"]  # issues 43 (the 2024 MoE line) and
 READ_PATH = {name: line_counts.BUDGET.get(name, line_counts.DEFAULT_BUDGET) for name in TECHNIQUES}
 # Over the design budget, recorded so that growth stays a decision (nothing was moved below the fence to meet
 # a budget). The token budgets are new (they replace the line budgets); these are the weights the files had
-# when the budgets changed, to come down as each file is rewritten, one system per file.
+# when the budgets changed (after `ruff format`, whose trailing commas add a few), to come down as each file
+# is rewritten, one system per file.
 READ_PATH.update(
     {
-        "fault_tolerance.py": 5160,
-        "zero.py": 4548,
-        "pipedream.py": 3520,
-        "zero_bubble.py": 4081,
-        "ptdp.py": 5418,
-        "moe.py": 3866,
+        "fault_tolerance.py": 5219,
+        "zero.py": 4628,
+        "pipedream.py": 3567,
+        "zero_bubble.py": 4105,
+        "ptdp.py": 5451,
+        "moe.py": 3902,
     }
 )
 # Whole-file ceilings in code tokens against drift for the shared modules and tools (about today's + room).

@@ -2,7 +2,11 @@
 crash in the middle of a save loses nothing, two "nodes" equal one, a dead rank never leaves a hang, and
 the CPU suite stays on CPU on a GPU machine."""
 
-import json, shutil, subprocess, sys, time
+import json
+import shutil
+import subprocess
+import sys
+import time
 
 import pytest
 
@@ -272,7 +276,8 @@ def test_gpu_check_plans_a_legal_run_for_any_gpu_count(tmp_path):
     is refused."""
     sys.path.insert(0, str(ROOT / "tests"))
     sys.path.insert(0, str(ROOT))
-    import bench, gpu_check
+    import bench
+    import gpu_check
 
     runs = {}  # (file, world, argv) -> name; the DETAIL pass's runs are the plan's with --dtype bfloat16
     for w in range(1, 9):

@@ -13,7 +13,9 @@ passes last=, and a unit only one rank runs (stages 0-2: its reductions in the s
 stage 3: refused before the all-gather) (test_copy_out_zero_on_another_model: the way to check your own
 trainer, read back with the section's own full_state_dict)."""
 
-import json, shutil, sys
+import json
+import shutil
+import sys
 
 import torch
 import torch.distributed as dist
@@ -33,9 +35,9 @@ from helpers import (
 )
 
 sys.path.insert(0, str(ROOT))
+import zero as Z  # noqa: E402  (importing must not run main())
 from common import GPTConfig, build_gpt, close_dist, reference_train  # noqa: E402
 from harness import CommCounter  # noqa: E402
-import zero as Z  # noqa: E402  (importing must not run main())
 
 
 def test_layer_checks_world3(tmp_path):

@@ -26,13 +26,13 @@ import pytest
 import torch
 
 from helpers import (
+    ROOT,
+    TINY,
     assert_each_rank_fails,
     assert_matches_reference,
-    ROOT,
     run_python,
     run_ranks,
     simulate_p2p_plans,
-    TINY,
     torchrun,
 )
 
@@ -40,7 +40,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 import pipeline_checks  # noqa: E402
 import zero_bubble as zb  # noqa: E402  (importing must not run main())
-from common import build_gpt, GPTConfig, lm_loss  # noqa: E402
+from common import GPTConfig, build_gpt, lm_loss  # noqa: E402
 
 CFG = [*TINY, "--n-layers", "4", "--batch-size", "16", "--steps", "3"]
 STAGE_MS = ["--n-layers", "8", "--microbatches", "8", "--stage-ms", "50"]

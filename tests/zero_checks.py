@@ -29,7 +29,12 @@ Every tensor and model lives on the process group's device (gloo + CPU here, NCC
 Prints ALL CHECKS PASSED and exits 0, or names each failed check and exits 1.
 """
 
-import contextlib, os, shutil, sys, tempfile, time
+import contextlib
+import os
+import shutil
+import sys
+import tempfile
+import time
 from dataclasses import replace
 from unittest import mock
 
@@ -463,7 +468,7 @@ def check_gpt(d, args):
     # gloo's worker thread drops its reference to a finished all-gather's output a moment after the wait
     # returns; on a loaded machine that can show once as a storage still alive. Up to 3 tries, decided
     # together (every rank runs the same collectives); a storage our code keeps shows every time.
-    for attempt in range(3):
+    for _attempt in range(3):
         problems, peak, bound = stage3_memory_problems(d, a3, data)
         good = torch.tensor([float(not problems and peak == bound)], device=d.device)
         dist.all_reduce(good, op=dist.ReduceOp.MIN)
