@@ -272,7 +272,9 @@ class PipeStage(nn.Module):
 
     def __init__(self, gpt, a, z, first, last):
         super().__init__()
-        self.first, self.last, self.blocks = first, last, nn.ModuleList(gpt.blocks[a:z])
+        self.first = first
+        self.last = last
+        self.blocks = nn.ModuleList(gpt.blocks[a:z])
         self.tok_emb, self.pos_emb = (gpt.tok_emb, gpt.pos_emb) if first else (None, None)
         self.ln_f, self.head = (gpt.ln_f, gpt.head) if last else (None, None)
 
@@ -308,7 +310,9 @@ def pipeline_side(d, args, name, comm):
     from torch.distributed import pipelining
 
     cls, placement, k = SCHEDULES[name]
-    r, p, m = d.rank, d.world, args.microbatches
+    r = d.rank
+    p = d.world
+    m = args.microbatches
     ids = {"one": [r], "looped": [r, r + p], "v": [r, 2 * p - 1 - r]}[placement]
     n = len(ids) * p  # stages in all
     ends = [
@@ -320,7 +324,9 @@ def pipeline_side(d, args, name, comm):
     )  # CPU; a rank moves its stages
     mods = [PipeStage(full, ends[s], ends[s + 1], s == 0, s == n - 1).to(d.device) for s in ids]
     stages = [pipelining.PipelineStage(mod, s, n, d.device) for mod, s in zip(mods, ids)]
-    timeline, live, n_tok = Timeline(d), LiveStorages(), [1]
+    timeline = Timeline(d)
+    live = LiveStorages()
+    n_tok = [1]
     watch_stages(stages, timeline, live)
     schedule = getattr(pipelining, cls)
     multi = issubclass(schedule, pipelining.schedules.PipelineScheduleMulti)
@@ -490,7 +496,9 @@ def run_worker(args):
     d, comm = init_dist(args.timeout), CommCounter()
     torch.set_num_threads(args.threads)
     params, opt, train = WORKERS[args.worker][0](d, args, args.worker, comm)
-    timer, losses, counted = StepTimer(d.device), [], 0
+    timer = StepTimer(d.device)
+    losses = []
+    counted = 0
     with profiled(args.profile, Path(args.json).stem):
         for i in range(args.steps):
             timer.start()
@@ -542,7 +550,9 @@ def overlap_worker(d, args):
     from ddp_bucketed import BucketedDDP, bucket_layout
 
     torch.set_num_threads(args.threads)
-    data, b, out = MarkovData(args.vocab, args.seed), args.batch_size // d.world, {}
+    data = MarkovData(args.vocab, args.seed)
+    b = args.batch_size // d.world
+    out = {}
     timer = StepTimer(d.device)
     for impl in ("ours", "torch"):
         model = build_gpt(GPTConfig.from_args(args), args.seed, DTYPES[args.dtype], d.device)
@@ -578,11 +588,9 @@ def overlap_worker(d, args):
             2 * args.steps
         ):  # twice the steps: three short timings each, noisier than a step
             x, y = data.batch(i, args.batch_size, args.seq_len)  # (B, T) global batch
-            n_tok, x, y = (
-                count_tokens(y),
-                x[d.rank * b : (d.rank + 1) * b],
-                y[d.rank * b : (d.rank + 1) * b],
-            )
+            n_tok = count_tokens(y)  # of the global batch
+            x = x[d.rank * b : (d.rank + 1) * b]
+            y = y[d.rank * b : (d.rank + 1) * b]
             for key, sync in (("overlapped", contextlib.nullcontext), ("backward", net.no_sync)):
                 model.zero_grad(set_to_none=True)
                 with sync():  # the forward untimed, then its backward timed
@@ -637,7 +645,9 @@ def profile_run(argv):
 
     import common
 
-    out_dir, script, rest = argv[0], argv[1], argv[2:]
+    out_dir = argv[0]
+    script = argv[1]
+    rest = argv[2:]
     session, close = profiled(out_dir, Path(rest[rest.index("--json") + 1]).stem), common.close_dist
 
     def close_and_export(ok=True):
@@ -663,11 +673,9 @@ LEVEL = 0.95
 @functools.lru_cache(maxsize=None)
 def t_quantile(p, df):
     """Student's t quantile, p > 1/2 (none in torch): bisection on 1/2 + Simpson's integral from 0."""
-    c, lo, hi = (
-        math.exp(math.lgamma((df + 1) / 2) - math.lgamma(df / 2)) / math.sqrt(df * math.pi),
-        0.0,
-        1e3,
-    )
+    c = math.exp(math.lgamma((df + 1) / 2) - math.lgamma(df / 2)) / math.sqrt(df * math.pi)
+    lo = 0.0
+    hi = 1e3
     for _ in range(50):
         u = torch.linspace(0, (lo + hi) / 2, 4001, dtype=torch.float64)
         f = c * (1 + u * u / df) ** (-(df + 1) / 2)
@@ -715,11 +723,9 @@ def judge(ratios, precision, first=None):
 
 def say(row):
     """A pair's judgement in words: a ratio only beside a verdict the interval supports."""
-    (lo, hi), n, ratio = (
-        row["interval"] or (0, 0),
-        row["rounds"],
-        "" if row["verdict"][0] == "n" else "%.2f ",
-    )
+    lo, hi = row["interval"] or (0, 0)
+    n = row["rounds"]
+    ratio = "" if row["verdict"][0] == "n" else "%.2f "
     noise = f", noisy (+-{100 * (math.sqrt(hi / lo) - 1):.0f}%)" if row["noisy"] and lo else ""
     span = f"[{lo:.2f}, {hi:.2f}]" if lo else "no interval"
     return f"{row['verdict']}: {ratio and ratio % row['ratio']}{span}, {n} round{'s' * (n != 1)}{noise}"
@@ -971,7 +977,8 @@ def why_skipped(pair):
             return f"{IMPORTS[pair]} not installed: pip install {IMPORTS[pair]} to run this pair"
     if pair not in NEEDS:
         return ""
-    (flag, choice), file = NEEDS[pair], PAIRS[pair][0]
+    flag, choice = NEEDS[pair]
+    file = PAIRS[pair][0]
     hints = typing.get_type_hints(importlib.import_module(file.removesuffix(".py")).Args)
     offered = typing.get_args(hints.get(flag[2:].replace("-", "_")))
     return (
@@ -1039,7 +1046,10 @@ def main():
             else run_worker(args)
         )
     names = check_bench_args(args)
-    t0, rows, one_ms, groups = time.time(), [], None, {}
+    t0 = time.time()
+    rows = []
+    one_ms = None
+    groups = {}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     for p in names:
         if why := why_skipped(p):

@@ -147,7 +147,9 @@ class GPTConfig:
 class Attention(nn.Module):
     def __init__(self, cfg):
         super().__init__()
-        d, self.n_heads, self.p = cfg.d_model, cfg.n_heads, cfg.dropout
+        d = cfg.d_model
+        self.n_heads = cfg.n_heads
+        self.p = cfg.dropout
         # No bias on q/k/v: a key bias gets an exactly-zero gradient (softmax ignores a per-query shift),
         # and Adam would turn the roundoff in that zero into lr-sized noise that differs between layouts.
         self.q, self.k, self.v = (nn.Linear(d, d, bias=False) for _ in range(3))

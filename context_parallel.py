@@ -243,7 +243,10 @@ class RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, group, zigzag):  # q, k, v (B, H, t, E): this rank's tokens
         cp, r = dist.get_world_size(group), dist.get_rank(group)
-        kv, out, lse = torch.stack([k, v]), None, None  # kv (2, B, H, t, E): the block that travels
+        # kv (2, B, H, t, E): the block that travels
+        kv = torch.stack([k, v])
+        out = None
+        lse = None
         for step in range(cp):
             src = (r - step) % cp  # whose keys and values we hold: our own, then r-1's, r-2's, ...
             if step < cp - 1:  # 1. pass them on to r+1, and take r-1's, while we compute
@@ -303,7 +306,9 @@ class RingAttention(torch.autograd.Function):
         # The forward's ring run the other way (the adjoint of "send to r+1" is "receive from r+1"): blocks go
         # to r-1, so rank r sees its own, then r+1's, ..., r-1's. Block s's dK/dV accumulator starts at rank
         # s-1 and travels with the block, each rank adding its queries' share, back to s on the last hop.
-        kv, own, acc = torch.stack([k, v]), None, None
+        kv = torch.stack([k, v])
+        own = None
+        acc = None
         for step in range(cp):
             src = (r + step) % cp
             send = (
@@ -389,13 +394,15 @@ class ContextParallelAttention(nn.Module):
 
     def __init__(self, attn, group, attention, zigzag):
         super().__init__()
-        self.q, self.k, self.v, self.proj, self.drop = attn.q, attn.k, attn.v, attn.proj, attn.drop
-        self.n_heads, self.group, self.attention, self.zigzag = (
-            attn.n_heads,
-            group,
-            attention,
-            zigzag,
-        )
+        self.q = attn.q
+        self.k = attn.k
+        self.v = attn.v
+        self.proj = attn.proj
+        self.drop = attn.drop
+        self.n_heads = attn.n_heads
+        self.group = group
+        self.attention = attention
+        self.zigzag = zigzag
 
     def forward(self, x):  # (B, t, D) this rank's tokens
         q, k, v = (
@@ -413,12 +420,10 @@ class ContextParallelGPT(nn.Module):
     def __init__(self, gpt, group, attention, zigzag):
         super().__init__()
         self.group, self.zigzag = group, zigzag
-        self.tok_emb, self.pos_emb, self.drop, self.blocks = (
-            gpt.tok_emb,
-            gpt.pos_emb,
-            gpt.drop,
-            gpt.blocks,
-        )
+        self.tok_emb = gpt.tok_emb
+        self.pos_emb = gpt.pos_emb
+        self.drop = gpt.drop
+        self.blocks = gpt.blocks
         self.ln_f, self.head = gpt.ln_f, gpt.head
         for block in self.blocks:
             block.attn = ContextParallelAttention(block.attn, group, attention, zigzag)
@@ -488,7 +493,9 @@ def main():
         dist.new_group(row.tolist()) for row in grid
     ]  # every rank makes every group, in one order
     dp_rank, cp_rank = divmod(d.rank, cp)  # my row and column of the grid
-    cp_group, b, zigzag = cp_groups[dp_rank], args.batch_size // dp, args.layout == "zigzag"
+    cp_group = cp_groups[dp_rank]
+    b = args.batch_size // dp
+    zigzag = args.layout == "zigzag"
     data = MarkovData(args.vocab, args.seed)
     d.log(
         f"context_parallel.py --attention {args.attention} --layout {args.layout}: world {d.world} = dp "
@@ -575,18 +582,14 @@ def report(d, args, model, comm, dp_rank, cp_rank, dp, cp):
     forward of the last batch: the activation bytes it saves for backward, beside the unsplit GPT's on the
     same sequences, and the ring's blocks (layer 0's calls of `attend`, which only the ring makes;
     CountBlocks)."""
-    L, T, D, b, t = (
-        args.n_layers,
-        args.seq_len,
-        args.d_model,
-        args.batch_size // dp,
-        args.seq_len // cp,
-    )
-    es, zigzag, ring = (
-        DTYPES[args.dtype].itemsize,
-        args.layout == "zigzag",
-        args.attention == "ring",
-    )
+    L = args.n_layers
+    T = args.seq_len
+    D = args.d_model
+    b = args.batch_size // dp
+    t = args.seq_len // cp
+    es = DTYPES[args.dtype].itemsize
+    zigzag = args.layout == "zigzag"
+    ring = args.attention == "ring"
     x = MarkovData(args.vocab, args.seed).batch(args.steps - 1, args.batch_size, T, args.ragged)[0]
     x = (
         x[dp_rank * b : (dp_rank + 1) * b].contiguous().to(d.device)

@@ -151,7 +151,9 @@ class BucketedDDP(nn.Module):
                 f"BucketedDDP: compress must be a float dtype (torch.bfloat16, torch.float16), "
                 f"got {compress}"
             )
-        self.module, self.group, self.find_unused = module, group, find_unused_parameters
+        self.module = module
+        self.group = group
+        self.find_unused = find_unused_parameters
         self.wire_dtype, self.world = compress, dist.get_world_size(group)
         self.src = dist.get_global_rank(group, 0) if group is not None else 0
         self.caps = (
@@ -195,7 +197,9 @@ class BucketedDDP(nn.Module):
         """DDP's cut rule (compute_bucket_assignment_by_size in its reducer): walk `order`, add each parameter
         to the open bucket of its dtype, and close that bucket once it holds at least its cap (caps[0] for
         the first bucket of each dtype, caps[1] after). Returns the buckets, as lists of parameter indices."""
-        buckets, open_, closed = [], {}, {}
+        buckets = []
+        open_ = {}
+        closed = {}
         for i in order:
             p = self.params[i]
             idx, size = open_.setdefault(p.dtype, ([], [0]))
@@ -209,7 +213,10 @@ class BucketedDDP(nn.Module):
     def _build_buckets(self, order):
         """One flat buffer per bucket, in the parameter dtype; each parameter's gradient a fixed slice of it,
         shaped like the parameter tensor."""
-        self.buckets, self.bucket_of, self.views, self.buffers = self._assign(order), {}, {}, []
+        self.buckets = self._assign(order)
+        self.bucket_of = {}
+        self.views = {}
+        self.buffers = []
         for b, idx in enumerate(self.buckets):
             buf = torch.zeros(
                 sum(self.params[i].numel() for i in idx),
@@ -243,7 +250,10 @@ class BucketedDDP(nn.Module):
                 len(idx) for idx in self.buckets
             ]  # gradients each bucket still waits for
             self.arrived = [False] * len(self.params)  # got its gradient in this backward
-            self.works, self._wires, self._next, self._queued = [], [], 0, False
+            self.works = []
+            self._wires = []
+            self._next = 0
+            self._queued = False
         return self.module(*args, **kwargs)
 
     def _grad_ready(self, i):
@@ -267,7 +277,9 @@ class BucketedDDP(nn.Module):
         before the sum too; compressed, the 16-bit copy is divided instead, as torch's hook does); zeros for
         no .grad. A .grad that already is the slot (zero_grad(set_to_none=False) kept it, and autograd added
         into it in place): divided where it is, no copy."""
-        g, view, n = self.params[i].grad, self.views[i], 1 if self.wire_dtype else self.world
+        g = self.params[i].grad
+        view = self.views[i]
+        n = 1 if self.wire_dtype else self.world
         if g is None:
             view.zero_()
         elif g.data_ptr() == view.data_ptr():
@@ -390,12 +402,10 @@ def main():
     run = Run(
         d, args, {"model": model, "buckets": BucketLayout(ddp), "optim": opt}
     )  # resumes: --ckpt-dir
-    comm, overlap, acts, b = (
-        CommCounter(),
-        Overlap(ddp),
-        SavedActivations(),
-        args.batch_size // d.world,
-    )
+    comm = CommCounter()
+    overlap = Overlap(ddp)
+    acts = SavedActivations()
+    b = args.batch_size // d.world
     # measurement: the dispatcher counter sends every op through Python, so it watches one step, the second
     # (after the rebuild; bench.py times the steps after its warm-up, and counts torch's in its last warm-up)
     count_at = min(max(run.start, 1), args.steps - 1)
@@ -435,7 +445,9 @@ def main():
     )  # read before --check trains a reference
     check = None
     if args.check:
-        ref, (tol, ptol) = None, (None, None)  # None: common's float reference and tolerances
+        # None: common's float reference and tolerances
+        ref = None
+        tol = ptol = None
         if args.compress != "none":
             tol, ptol = compress_tolerance(args, d.world)
             ref = (
@@ -490,7 +502,9 @@ class Overlap:
     end."""
 
     def __init__(self, ddp):
-        self.ddp, self.steps, self.cuda = ddp, [], ddp.device.type == "cuda"
+        self.ddp = ddp
+        self.steps = []
+        self.cuda = ddp.device.type == "cuda"
         self.side = torch.cuda.Stream(ddp.device) if self.cuda else None
         self.reduce, self.finish = ddp._reduce, ddp._finish_backward
         ddp._reduce, ddp._finish_backward = self._reduce, self._finish
@@ -553,7 +567,9 @@ class Overlap:
 
 def summary_figures(d, ddp, comm, overlap):
     """Measured numbers beside their theory values."""
-    steps, payload, layout = overlap.per_step(), comm.total("all_reduce"), bucket_layout(ddp)
+    steps = overlap.per_step()
+    payload = comm.total("all_reduce")
+    layout = bucket_layout(ddp)
     last, first = (
         (steps[-1], steps[0]) if steps else (dict(launched_early=0, bytes_early=0, hidden=0),) * 2
     )
@@ -597,7 +613,9 @@ def compressed_reference(args, world, wire, device):
     b, losses = args.batch_size // world, []
     for step in range(args.steps):
         x, y = (t.to(device) for t in data.batch(step, args.batch_size, args.seq_len, args.ragged))
-        n_tok, total, summed = count_tokens(y), 0.0, None
+        n_tok = count_tokens(y)
+        total = 0.0
+        summed = None
         for r in range(world):
             loss = lm_loss(
                 model(x[r * b : (r + 1) * b]), y[r * b : (r + 1) * b], n_tok

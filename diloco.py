@@ -171,7 +171,9 @@ class DiLoCo:
         self, params, inner_steps, outer_lr=0.7, outer_momentum=0.9, nesterov=True, group=None
     ):
         check_outer(inner_steps, outer_lr, outer_momentum, nesterov)
-        self.H, self.group, self.M = inner_steps, group, dist.get_world_size(group)
+        self.H = inner_steps
+        self.group = group
+        self.M = dist.get_world_size(group)
         self.local = [list(params)]  # one fragment: the whole model (Streaming DiLoCo has several)
         with (
             torch.no_grad()
@@ -285,7 +287,9 @@ class StreamingDiLoCo(DiLoCo):
         wire_dtype=None,
         group=None,
     ):
-        H, F, every = inner_steps, len(fragments), [p for frag in fragments for p in frag]
+        H = inner_steps
+        F = len(fragments)
+        every = [p for frag in fragments for p in frag]
         if not fragments or not all(fragments):
             raise ValueError(
                 f"StreamingDiLoCo: need at least one fragment and a parameter in each, got "
@@ -306,7 +310,9 @@ class StreamingDiLoCo(DiLoCo):
             self.glob[0]
         )  # the same copies, the outer optimizer's, dealt into the fragments
         self.local, self.glob = fragments, [[next(theta) for _ in frag] for frag in fragments]
-        self.overlap, self.mix, self.wire = overlap, mix, wire_dtype
+        self.overlap = overlap
+        self.mix = mix
+        self.wire = wire_dtype
         self.offsets = [(f + 1) * H // F % H for f in range(F)]  # t + 1 = offset (mod H): a sync
         self.pending = []  # Exchanges in flight, in launch order (= landing order: TAU is one number)
 
@@ -571,7 +577,9 @@ class ExchangeWatch:
         self.rows = []  # [launched after step, landed in step, launch time, blocked s, Exchange]
         self.poll, self.step = [], None
         if isinstance(diloco, StreamingDiLoCo):
-            send, wait, after = diloco.send, diloco.wait, diloco.after_inner_step
+            send = diloco.send
+            wait = diloco.wait
+            after = diloco.after_inner_step
             diloco.send = lambda f, lands: self._sent(send(f, lands))
             diloco.wait = lambda ex: self._waited(wait, ex)
             diloco.after_inner_step = lambda t: self._step(after, t)
@@ -736,7 +744,10 @@ def reference(args, M, device="cpu"):
     the global weights and a Nesterov / SGD outer step written out here, the same fragment schedule and
     delay, and the same rounding and rank-order sum of a low-precision exchange."""
     data, dt = MarkovData(args.vocab, args.seed), DTYPES[args.dtype]
-    cfg, H, F, tau = GPTConfig.from_args(args), args.inner_steps, args.fragments, args.overlap
+    cfg = GPTConfig.from_args(args)
+    H = args.inner_steps
+    F = args.fragments
+    tau = args.overlap
     workers = [build_gpt(cfg, args.seed, dt, device) for _ in range(M)]
     opts = [make_inner(w, args) for w in workers]
     names = [n for n, _ in workers[0].named_parameters()]

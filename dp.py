@@ -285,13 +285,15 @@ class Server:
 
     def __init__(self, model, opt, groups, side, policy, updates, clip=0.0, version=0, old=None):
         check_workers(policy, len(groups))
-        self.model, self.opt, self.groups, self.side, self.policy = model, opt, groups, side, policy
-        self.workers, self.updates, self.version, self.handed = (
-            sorted(groups),
-            updates,
-            version,
-            version,
-        )
+        self.model = model
+        self.opt = opt
+        self.groups = groups
+        self.side = side
+        self.policy = policy
+        self.workers = sorted(groups)
+        self.updates = updates
+        self.version = version
+        self.handed = version
         self.clip, self.old = clip, old or {}
         self.pending = {}  # worker -> (weights version, batch id) of its pull in flight
         self.sends = {}  # worker -> the works of its pull in flight: nothing older is kept alive
@@ -578,7 +580,9 @@ def watch_sends(server):
 
 
 def server_summary(d, args, run, model, opt, sent):
-    D, used, batches = args.staleness, run.history.get("used", []), run.history.get("batches", [])
+    D = args.staleness
+    used = run.history.get("used", [])
+    batches = run.history.get("batches", [])
     figures = async_figures(d, args, run, sent, used, batches, model)
     peak = peak_memory_bytes(d, state_bytes(model, opt))  # before --check trains the reference
     check = None

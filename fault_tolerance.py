@@ -213,7 +213,9 @@ def join_round(store, k, me, expected, window_s, timeout_s):
     store.set(f"q{k}/slot{slot}", " ".join(map(str, astuple(me))))
     t0 = time.monotonic()
     while not store.check([f"q{k}/size"]):
-        n, alive, waited = store.add(f"q{k}/n", 0), expected(), time.monotonic() - t0
+        n = store.add(f"q{k}/n", 0)
+        alive = expected()
+        waited = time.monotonic() - t0
         if n >= alive or (waited > window_s and 2 * n > alive):
             n = store.add(
                 f"q{k}/n", CLOSED
@@ -296,7 +298,9 @@ class Bounded:
     shutdown() or destroy_process_group(), which wait for them) and raises: it votes no."""
 
     def __init__(self, pg, timeout_s):
-        self.pg, self.n, self.deadline = pg, pg.size(), timedelta(seconds=timeout_s)
+        self.pg = pg
+        self.n = pg.size()
+        self.deadline = timedelta(seconds=timeout_s)
 
     def size(self):
         return self.n
@@ -342,7 +346,9 @@ def quorum_group(store, k, members, me, held, timeout_s, device=torch.device("cp
     deadline bounds it); its own timeout is a backstop past ours: the watchdog must not decide."""
     if held and {m.gid for m in members} == {held[0]} and members[0].gsize == len(members):
         return held
-    rank, prefix, t0 = rank_in(members, me), dist.PrefixStore(f"g{k}", store), time.monotonic()
+    rank = rank_in(members, me)
+    prefix = dist.PrefixStore(f"g{k}", store)
+    t0 = time.monotonic()
     prefix.set(f"here{me.rid}", "1")
     while not prefix.check([f"here{m.rid}" for m in members]):
         if any(store.check([f"dead/{m.rid}.{m.life}"]) for m in members):  # (checked in, then died)
@@ -385,7 +391,9 @@ class Replica:
                 f"Replica sends Adam(W)'s exp_avg, exp_avg_sq, step, not {type(opt).__name__}'s "
                 "or amsgrad's: give it torch.optim.AdamW, or Adam without amsgrad"
             )
-        self.model, self.opt, self.steps = model, opt, steps
+        self.model = model
+        self.opt = opt
+        self.steps = steps
         self.params = [p for p in model.parameters() if p.requires_grad]
         for p in (
             self.params
@@ -396,7 +404,10 @@ class Replica:
         self.tensors = self.params + [
             opt.state[p][key] for key in ("exp_avg", "exp_avg_sq", "step") for p in self.params
         ]  # everything that a step changes in place
-        self.version, self.step, self.batch, self.skips = 0, 0, 0, 0
+        self.version = 0
+        self.step = 0
+        self.batch = 0
+        self.skips = 0
         self.losses = []  # the loss of every applied update: the spike detector's history
         self.snapshot = (
             self.on_host()
@@ -445,11 +456,9 @@ def sync_state(pg, members, me, rep, verify):
     their checksums (one slot each): one that differs from the majority is corrupt. 2. The lowest newest
     member with the majority checksum broadcasts its whole state to the members behind (a restarted replica
     recovers live) and the corrupt (repaired). Returns (corrupt ids, receiving ids, bytes broadcast)."""
-    i_me, newest, device = (
-        rank_in(members, me),
-        max(m.version for m in members),
-        rep.params[0].device,
-    )
+    i_me = rank_in(members, me)
+    newest = max(m.version for m in members)
+    device = rep.params[0].device
     if pg.size() != len(members):
         raise ValueError(
             f"sync_state needs the quorum's group, of {len(members)} members: got {pg.size()}"
@@ -568,11 +577,10 @@ def apply_update(rep, loss, spike, norm, clip, max_skips, snapshot_every):
         return "skip"
     version, batch = rep.version, rep.batch
     rep.load_core(rep.snapshot)  # weights, AdamW, step and loss history of the snapshot's step
-    rep.version, rep.batch, rep.skips = (
-        version,
-        batch,
-        0,
-    )  # but the data goes on: the bad batches are skipped
+    # but the data goes on: the bad batches are skipped
+    rep.version = version
+    rep.batch = batch
+    rep.skips = 0
     return "rollback"
 
 
@@ -643,7 +651,9 @@ def train_replica(args):
     host, port = args.coordinator.rsplit(":", 1)
     store = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=args.timeout))
     device = replica_device(args.replica)
-    data, R, B = MarkovData(args.vocab, args.seed), args.replicas, args.batch_size
+    data = MarkovData(args.vocab, args.seed)
+    R = args.replicas
+    B = args.batch_size
     model = build_gpt(GPTConfig.from_args(args), args.seed, DTYPES[args.dtype], device)
     rep = Replica(model, make_optimizer(model.parameters(), args), args.steps)
     rep.version = -1 if args.life > 0 else 0  # restarted: no state until a peer gives it
@@ -653,7 +663,9 @@ def train_replica(args):
     # Until its first round a replica waits for all R (a run starts, or the whole job restarts, together);
     # afterwards only for the replicas alive now, as the launcher counts them (torchft's heartbeats).
     expected = lambda: int(store.add("alive", 0)) if started else R  # noqa: E731
-    held, k, short_since = None, int(store.get("round")) if store.check(["round"]) else 0, None
+    held = None
+    k = int(store.get("round")) if store.check(["round"]) else 0
+    short_since = None
     log = Log(store, args, me, rep)
     while not store.check(["finished"]):
         fault(args, store, rep, "before")
@@ -683,14 +695,12 @@ def train_replica(args):
             raise TimeoutError(
                 f"{rep.batch} batches used for {rep.step} steps: the loss keeps spiking"
             )
-        ok, spike, last, loss, norm, short_since = (
-            False,
-            False,
-            False,
-            math.nan,
-            torch.tensor(math.nan),
-            None,
-        )
+        ok = False
+        spike = False
+        last = False
+        loss = math.nan
+        norm = torch.tensor(math.nan)
+        short_since = None
         step, batch = rep.step, rep.batch
         try:
             fault(args, store, rep, "group")
@@ -701,7 +711,9 @@ def train_replica(args):
                 held[0] == k - 1 or args.verify_every > 0 and newest.step % args.verify_every == 0
             )
             log.synced(k - 1, members, newest.step, *sync_state(pg, members, me, rep, verify))
-            step, batch, last = rep.step, rep.batch, rep.step >= args.steps
+            step = rep.step
+            batch = rep.batch
+            last = rep.step >= args.steps
             if not last:  # (the last round: every member now holds the final state)
                 x, y = data.batch(batch, B, args.seq_len, args.ragged)  # (B, T) the global batch
                 mine = local_grads(
@@ -773,7 +785,11 @@ def launch(args):
         cmd + ["--replica", str(r), "--life", str(life)], env=env
     )
     lives = {r: [spawn(r, 0)] for r in range(args.replicas)}
-    codes, restarts, t0, R, done_at = {}, 0, time.time(), args.replicas, None
+    codes = {}
+    restarts = 0
+    t0 = time.time()
+    R = args.replicas
+    done_at = None
     limit_s = 300 + args.timeout * (
         args.steps + 10
     )  # (every wait of a replica is bounded: a safety net)
@@ -917,7 +933,10 @@ class Log:
     member) and prints; at the end, the figures and the --check. Watches from outside the technique."""
 
     def __init__(self, store, args, me, rep):
-        self.store, self.args, self.me, self.rep = store, args, me, rep
+        self.store = store
+        self.args = args
+        self.me = me
+        self.rep = rep
         self.step_ms = []
 
     def failed(self, k, e):
@@ -971,7 +990,9 @@ class Log:
     def finish(self, members, pg):
         """The members of the last round end together: one all-reduce of their checksums shows whether they
         hold identical weights. The lowest then writes the figures and runs the --check."""
-        s, a, rep = self.store, self.args, self.rep
+        s = self.store
+        a = self.args
+        rep = self.rep
         sums = torch.zeros(len(members), dtype=torch.long, device=rep.params[0].device)
         sums[[m.rid for m in members].index(self.me.rid)] = checksum(rep.params)
         pg.allreduce([sums]).wait()
@@ -982,14 +1003,14 @@ class Log:
             )
         if self.me.rid != members[0].rid:
             return 0
-        identical, model, device = bool((sums == sums[0]).all()), rep.model, rep.params[0].device
+        identical = bool((sums == sums[0]).all())
+        model = rep.model
+        device = rep.params[0].device
         recs = [s.get(f"upd/{i}").decode().split() for i in range(a.steps)]
         rounds = [int(r[0]) for r in recs]
-        batches, masks, losses = (
-            [int(r[1]) for r in recs],
-            [list(map(int, r[2].split(","))) for r in recs],
-            [float(r[3]) for r in recs],
-        )
+        batches = [int(r[1]) for r in recs]
+        masks = [list(map(int, r[2].split(","))) for r in recs]
+        losses = [float(r[3]) for r in recs]
         figures = recovery_figures(s, a, rounds)
         listed = lambda key: [s.get(f"{key}/{i}").decode() for i in range(1, s.add(key, 0) + 1)]  # noqa: E731
         figures.update(
@@ -1060,7 +1081,9 @@ def recovery_figures(s, a, rounds):
     seen = set()
     for i in range(1, s.add("died", 0) + 1):  # every death the launcher saw, injected or not
         r, t_kill = s.get(f"died/{i}").decode().split()
-        r, t_kill, injected = int(r), float(t_kill), s.check([f"killed/{r}"]) and int(r) not in seen
+        injected = s.check([f"killed/{r}"]) and int(r) not in seen
+        r = int(r)
+        t_kill = float(t_kill)
         seen.add(r)
         if injected:  # the replica's own timestamp and step, taken just before its SIGKILL
             t_kill, step = (
@@ -1143,11 +1166,9 @@ def replay_reference(args, batches, members, device="cpu"):
     of batch batches[s] (a skipped or rolled-back batch is simply absent), AdamW, torch's clipping."""
     data = MarkovData(args.vocab, args.seed)
     model = build_gpt(GPTConfig.from_args(args), args.seed, DTYPES[args.dtype], device)
-    opt, losses, rows = (
-        make_optimizer(model.parameters(), args),
-        [],
-        args.batch_size // args.replicas,
-    )
+    opt = make_optimizer(model.parameters(), args)
+    losses = []
+    rows = args.batch_size // args.replicas
     for b, ids in zip(batches, members):
         x, y = data.batch(b, args.batch_size, args.seq_len, args.ragged)
         keep = torch.cat(

@@ -157,7 +157,9 @@ class Current:
     """Per-tensor current scaling: s = amax(t) / fp8_max, the amax of the tensor now, reduced over `group`.
     E4M3 for the forward operands, E5M2 for the gradients (TransformerEngine's HYBRID formats)."""
 
-    fwd, bwd, tile = E4M3, E5M2, None
+    fwd = E4M3
+    bwd = E5M2
+    tile = None
 
     def __init__(self, fwd=None, bwd=None):
         self.fwd, self.bwd = fwd or self.fwd, bwd or self.bwd
@@ -251,7 +253,9 @@ class Fp8Matmul(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, w_shard, layer):
-        r, (m, n) = layer.recipe, (x.shape[0], layer.out_features)
+        r = layer.recipe
+        m = x.shape[0]
+        n = layer.out_features
         check_fp8_linear(r, layer.in_features, n, layer.world, m)  # before the first collective
         w, sw = layer.gather_weight(w_shard)  # (N, K) FP8, its scale(s)
         sx = r.scale(x, r.fwd, layer.key + ".x", layer.group)  # () or (M, K/128)
@@ -263,7 +267,9 @@ class Fp8Matmul(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):  # dy (M, N)
         x, w_shard, sx, sw = ctx.saved_tensors
-        layer, r, k = ctx.layer, ctx.layer.recipe, ctx.layer.in_features
+        layer = ctx.layer
+        r = ctx.layer.recipe
+        k = ctx.layer.in_features
         w, _ = layer.gather_weight(w_shard, sw)  # (N, K) FP8, quantized with forward's scale(s)
         # dgrad: dx (M, K) = dy (M, N) @ W (N, K); inner dim N, so W enters as W^T (K, N)
         sg = r.scale(dy, r.bwd, layer.key + ".dy", layer.group)  # () or (M, N/128)
@@ -295,7 +301,10 @@ class Fp8Linear(nn.Module):
             (1, 0) if group is None else (dist.get_world_size(group), dist.get_rank(group))
         )
         check_fp8_linear(recipe, self.in_features, self.out_features, self.world)
-        self.recipe, self.key, self.group, self.fp8_all_gather = recipe, key, group, fp8_all_gather
+        self.recipe = recipe
+        self.key = key
+        self.group = group
+        self.fp8_all_gather = fp8_all_gather
         rows = self.out_features // self.world
         mine = weight.detach()[self.rank * rows : (self.rank + 1) * rows]  # (N/n, K) my rows of W
         self.weight = nn.Parameter(mine.clone())
@@ -308,7 +317,9 @@ class Fp8Linear(nn.Module):
 
     def gather_weight(self, shard, s=None):
         """The whole W (N, K) in FP8, its scale: () or (N/128, K/128) blocks. `s`: forward's, for backward."""
-        r, key, given = self.recipe, self.key + ".w", s
+        r = self.recipe
+        key = self.key + ".w"
+        given = s
         if self.group is None:  # not sharded: quantize W as it is
             s = r.scale(shard, r.fwd, key, None, block=True) if s is None else s
             return quantize(shard, s, r.fwd), s
@@ -447,7 +458,9 @@ def main():
     args = parse_args(Args)
     check_args(args)
     d = init_dist(args.timeout)  # --- setup (same in every file) ---
-    group, data, b = dist.group.WORLD, MarkovData(args.vocab, args.seed), args.batch_size // d.world
+    group = dist.group.WORLD
+    data = MarkovData(args.vocab, args.seed)
+    b = args.batch_size // d.world
     d.log(
         f"fp8: recipe {args.recipe}, world {d.world}, {b} sequences per rank, "
         f"entropy floor {data.entropy:.4f} nats/token"
@@ -579,7 +592,10 @@ class RefQuant:
     """The recipe, as the reference applies it to whole tensors: delayed keeps its own amax history."""
 
     def __init__(self, args, world):
-        self.recipe, self.hist, self.n, self.world = args.recipe, {}, args.amax_history, world
+        self.recipe = args.recipe
+        self.hist = {}
+        self.n = args.amax_history
+        self.world = world
         self.bf16_gather = not args.fp8_all_gather
         self.tile = 128 if args.recipe == "fine-grained" else None
         self.fmt = dict(fwd=REF_E4M3, bwd=REF_E4M3 if self.tile else REF_E5M2)
@@ -601,7 +617,8 @@ class RefFp8(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w, q, key):  # x (M, K): the global batch's tokens; w (N, K) whole
         w_in = w.to(torch.bfloat16).to(w.dtype) if q.bf16_gather else w  # the run's bf16 all-gather
-        (xq, sx), (wq, sw) = q(x, "fwd", key + ".x"), q(w_in, "fwd", key + ".w", block=True)
+        xq, sx = q(x, "fwd", key + ".x")
+        wq, sw = q(w_in, "fwd", key + ".w", block=True)
         ctx.save_for_backward(x, xq, sx, wq, sw)
         ctx.q, ctx.key = q, key
         return ref_mm(xq, sx, wq, sw, q.world, q.tile).to(x.dtype)
@@ -609,17 +626,17 @@ class RefFp8(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):  # dy (M, N)
         x, xq, sx, wq, sw = ctx.saved_tensors
-        q, key, t = ctx.q, ctx.key, ctx.q.tile
+        q = ctx.q
+        key = ctx.key
+        t = ctx.q.tile
         gq, sg = q(dy, "bwd", key + ".dy")
         swt = (
             sw[::t].t().repeat_interleave(t, 0) if t else sw
         )  # W^T's rows are K: (K, N/128) block scales
         dx = ref_mm(gq, sg, wq.t(), swt, q.world, t).to(x.dtype)
         if t:  # the weight gradient's tiles run along the tokens
-            (gq, sg), (xq, sx) = (
-                ref_quant(dy.t(), q.fmt["bwd"], t),
-                ref_quant(x.t(), q.fmt["fwd"], t),
-            )
+            gq, sg = ref_quant(dy.t(), q.fmt["bwd"], t)
+            xq, sx = ref_quant(x.t(), q.fmt["fwd"], t)
             gq, xq = gq.t(), xq.t()
         # each rank's tokens: a float32 GEMM; their sum in the master dtype
         parts = zip(
@@ -635,7 +652,10 @@ class RefFp8(torch.autograd.Function):
 class RefLinear(nn.Module):
     def __init__(self, lin, q, key):
         super().__init__()
-        self.weight, self.bias, self.q, self.key = lin.weight, lin.bias, q, key
+        self.weight = lin.weight
+        self.bias = lin.bias
+        self.q = q
+        self.key = key
 
     def forward(self, x):  # (..., K) -> (..., N)
         y = RefFp8.apply(x.reshape(-1, x.shape[-1]), self.weight, self.q, self.key)

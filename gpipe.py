@@ -121,9 +121,13 @@ class Stage(nn.Module):
 
     def __init__(self, gpt, s, bounds):
         super().__init__()
-        (start, end), self.first, self.last = bounds[s], s == 0, s == len(bounds) - 1
+        start, end = bounds[s]
+        self.first = s == 0
+        self.last = s == len(bounds) - 1
         if self.first:
-            self.tok_emb, self.pos_emb, self.drop = gpt.tok_emb, gpt.pos_emb, gpt.drop
+            self.tok_emb = gpt.tok_emb
+            self.pos_emb = gpt.pos_emb
+            self.drop = gpt.drop
         self.blocks = nn.ModuleDict({str(i): gpt.blocks[i] for i in range(start, end)})
         if self.last:
             self.ln_f, self.head = gpt.ln_f, gpt.head
@@ -197,7 +201,9 @@ def gpipe_step(
     NCCL wants one collective on the group before its first batch_isend_irecv: the caller runs it (see main).
     What the schedule relies on is checked before any transfer (ValueError)."""
     observe = observe or (lambda kind, mb: contextlib.nullcontext())
-    m, first, last = len(xs), prev is None, nxt is None
+    m = len(xs)
+    first = prev is None
+    last = nxt is None
     size, me = dist.get_world_size(group), dist.get_rank(group)
     if m < 1 or len(ys) != m:
         raise ValueError(
@@ -215,7 +221,9 @@ def gpipe_step(
             f"micro-batches of shapes {sorted({tuple(x.shape) for x in xs})}: cut equal ones"
         )
     like = next(stage.parameters())  # dtype and device of what is received
-    inputs, outputs, rng = [None] * m, [None] * m, [None] * m
+    inputs = [None] * m
+    outputs = [None] * m
+    rng = [None] * m
     loss_sum = torch.zeros((), dtype=torch.float64, device=like.device)
     sending = []  # the send in flight, with its tensor (kept referenced until it is done)
 
@@ -358,7 +366,9 @@ def main():
         args.seq_len,
         args.d_model,
     )  # (b, T, D): what crosses a stage boundary
-    comm, held, count_at = CommCounter(), HeldForB(d, args, stage), max(run.start, args.steps - 2)
+    comm = CommCounter()
+    held = HeldForB(d, args, stage)
+    count_at = max(run.start, args.steps - 2)
     # NCCL sets up its communicator at the first collective; batched point-to-point must not come first
     dist.all_reduce(torch.zeros(1, device=d.device))
     for step in run.steps():
@@ -430,7 +440,9 @@ class HeldForB(PipelineWatch):
             {},
             None,
         )  # what each micro-batch's F registered; the observed op's (or None)
-        self.input_bytes, self.full_bytes, self.in_b = 0, 0, False
+        self.input_bytes = 0
+        self.full_bytes = 0
+        self.in_b = False
 
         def pre(_, args):  # a stage input: (b, T) token ids or (b, T, D)
             self.input_bytes = max(self.input_bytes, tensor_bytes(args[:1]))

@@ -84,7 +84,9 @@ def parse_args(cls, argv=None):
     parser = _Parser(description=doc.split("\n\n")[0])  # the docstring's first paragraph, whole
     hints = get_type_hints(cls)
     for f in fields(cls):
-        flag, typ, h = "--" + f.name.replace("_", "-"), hints[f.name], helps.get(f.name, "")
+        flag = "--" + f.name.replace("_", "-")
+        typ = hints[f.name]
+        h = helps.get(f.name, "")
         h = argparse.SUPPRESS if f.name in getattr(cls, "HIDDEN", ()) else h
         if typ is bool:
             parser.add_argument(
@@ -177,7 +179,9 @@ class Run:
     zero.py's ZeroCheckpoint; `state` is then what it takes (the Zero)."""
 
     def __init__(self, d, args, state, ckpt=None):
-        self.d, self.args, self.state = d, args, state
+        self.d = d
+        self.args = args
+        self.state = state
         self.ckpt = ckpt or Checkpointer(d, args.ckpt_dir, args.save_every, args.steps)
         self.start, self.history = self.ckpt.load(state)
         self.losses = self.history.get("losses", [])
@@ -272,7 +276,10 @@ class Checkpointer:
     size, another model size or layout, or a damaged file is refused with one line (exit 2)."""
 
     def __init__(self, d, ckpt_dir, save_every, steps):
-        self.d, self.save_every, self.steps, self.root = d, save_every, steps, ckpt_dir
+        self.d = d
+        self.save_every = save_every
+        self.steps = steps
+        self.root = ckpt_dir
         self.dir = os.path.join(ckpt_dir, f"rank{d.rank}") if ckpt_dir else ""
         self.meta = dict(file=os.path.basename(sys.argv[0]), world=d.world)
 
@@ -518,7 +525,9 @@ class SavedActivations:
     backward, so no address is reused inside. Nested saved-tensor hooks hide outer ones: wrap outside them."""
 
     def __init__(self, live=None):
-        self.bytes, self._seen, self.live = 0, set(), live if live is not None else LiveStorages()
+        self.bytes = 0
+        self._seen = set()
+        self.live = live if live is not None else LiveStorages()
 
     def _pack(self, t):
         key = t.untyped_storage().data_ptr()
@@ -639,11 +648,16 @@ class CommCounter(TorchDispatchMode):
     def __init__(self, axes=None, log=False):
         super().__init__()
         self.names = {id(g): name for name, g in (axes or {}).items() if g is not None}
-        self.log, self.label, self.off = log, "fwd", False
+        self.log = log
+        self.label = "fwd"
+        self.off = False
         self.reset()
 
     def reset(self):
-        self.calls, self.elems, self.bytes, self.calls_log = {}, {}, {}, []
+        self.calls = {}
+        self.elems = {}
+        self.bytes = {}
+        self.calls_log = []
 
     @contextlib.contextmanager
     def phase(self, name):
@@ -798,12 +812,10 @@ class Timeline:
     KINDS = "FBW"
 
     def __init__(self, d, simulate=None, tags=()):
-        self.d, self.cuda, self.simulate, self.events = (
-            d,
-            d.device.type == "cuda",
-            simulate or {},
-            [],
-        )
+        self.d = d
+        self.cuda = d.device.type == "cuda"
+        self.simulate = simulate or {}
+        self.events = []
         self.tags = tuple(
             tags
         )  # the names of the numbers an event may carry besides rank, kind, mb, times
@@ -940,12 +952,14 @@ class PipelineWatch:
 
     def __init__(self, d, simulate, tags=(), coords=None):
         self.timeline, self.coords = Timeline(d, simulate, tags=tags), dict(coords or {})
-        self.live, self.saved, self.arrived, self.step = LiveStorages(), {}, {}, 0
-        self.alive, self.bytes, self.last = (
-            0,
-            0,
-            None,
-        )  # peaks: micro-batches alive, bytes; the op before
+        self.live = LiveStorages()
+        self.saved = {}
+        self.arrived = {}
+        self.step = 0
+        # peaks: micro-batches alive, bytes; the op before
+        self.alive = 0
+        self.bytes = 0
+        self.last = None
 
     def saving(self, kind):
         return SavedActivations(self.live) if kind == "F" else contextlib.nullcontext()

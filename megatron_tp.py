@@ -354,7 +354,9 @@ class ParallelAttention(nn.Module):
             full.n_heads, t, "n_heads"
         )  # a head cut across ranks would be silently wrong
         self.qkv, self.proj = Column([full.q, full.k, full.v], group), Row(full.proj, group)
-        self.heads, self.p, self.tracker = full.n_heads // t, full.p, tracker
+        self.heads = full.n_heads // t
+        self.p = full.p
+        self.tracker = tracker
 
     def forward(self, x):  # (B, T, D) replicated
         q, k, v = rearrange(
@@ -377,7 +379,9 @@ class ParallelMLP(nn.Module):
 
     def __init__(self, full, group, Column=ColumnParallelLinear, Row=RowParallelLinear):
         super().__init__()
-        self.fc, self.proj, self.p = Column(full.fc, group), Row(full.proj, group), full.drop.p
+        self.fc = Column(full.fc, group)
+        self.proj = Row(full.proj, group)
+        self.p = full.drop.p
 
     def forward(self, x):  # (B, T, D) replicated
         y = self.proj(F.gelu(self.fc(x)))  # fc: (B, T, 4D/t) local; proj: (B, T, D) summed
@@ -388,11 +392,10 @@ class ParallelGPT(nn.Module):
     """common.GPT sharded by the docstring's table, from the full model (one seed: any t starts from the same
     numbers), which it consumes. Names stay common.GPT's, but for the fused attn.qkv (attn.q, .k, .v)."""
 
-    Column, Row, Embedding = (
-        ColumnParallelLinear,
-        RowParallelLinear,
-        VocabParallelEmbedding,
-    )  # SPGPT: its own
+    # SPGPT: its own
+    Column = ColumnParallelLinear
+    Row = RowParallelLinear
+    Embedding = VocabParallelEmbedding
 
     def __init__(self, full, group, tracker):
         super().__init__()
@@ -402,9 +405,14 @@ class ParallelGPT(nn.Module):
             block.attn = ParallelAttention(block.attn, group, tracker, self.Column, self.Row)
             block.mlp = ParallelMLP(block.mlp, group, self.Column, self.Row)
         self.tok_emb = self.Embedding(full.tok_emb, group)
-        self.pos_emb, self.blocks, self.ln_f = full.pos_emb, full.blocks, full.ln_f  # replicated
+        # replicated
+        self.pos_emb = full.pos_emb
+        self.blocks = full.blocks
+        self.ln_f = full.ln_f
         self.head = self.Column(full.head, group)  # untied, no bias
-        self.p, self.group, self.tracker = full.cfg.dropout, group, tracker
+        self.p = full.cfg.dropout
+        self.group = group
+        self.tracker = tracker
 
     def forward(
         self, idx
@@ -544,7 +552,9 @@ class SPVocabParallelEmbedding(VocabParallelEmbedding):
 class SPGPT(ParallelGPT):
     """ParallelGPT with LayerNorm, dropout, residual on (B, T/t, D): every dropout on the per-rank stream."""
 
-    Column, Row, Embedding = SPColumnParallelLinear, SPRowParallelLinear, SPVocabParallelEmbedding
+    Column = SPColumnParallelLinear
+    Row = SPRowParallelLinear
+    Embedding = SPVocabParallelEmbedding
 
     def forward(
         self, idx
@@ -690,7 +700,9 @@ class TrackerState:
 
 def params_per_rank(args, t):
     """Closed form: (split elements on one rank, replicated elements)."""
-    D, L, V_pad = args.d_model, args.n_layers, math.ceil(args.vocab / t) * t
+    D = args.d_model
+    L = args.n_layers
+    V_pad = math.ceil(args.vocab / t) * t
     # q, k, v; attention proj; fc weight + bias; MLP proj; token embedding and LM head
     split = L * (3 * D * D + D * D + 4 * D * D + 4 * D + 4 * D * D) + 2 * V_pad * D
     repl = (
@@ -703,7 +715,10 @@ def theory_collectives(args, t, dp):
     """What one step must hand to collectives, from the shapes alone: {op/axis/phase: [calls, elements,
     bytes handed, ring bytes sent]}, by the rule of FORMULA (Megatron-LM Sec. 3; Korthikanti Sec. 4.2.2);
     SP adds one bucket of replicated grads. Ring bytes sent per rank: the ring algorithm's, never measured."""
-    b, s, h, L = args.batch_size // dp, args.seq_len, args.d_model, args.n_layers
+    b = args.batch_size // dp
+    s = args.seq_len
+    h = args.d_model
+    L = args.n_layers
     es = DTYPES[args.dtype].itemsize
     f32_es = 4 if args.dtype == "bfloat16" else es  # the loss and the norm are float32 for bfloat16
     split, repl = params_per_rank(args, t)
@@ -745,12 +760,11 @@ def theory_collectives(args, t, dp):
 
 def report(d, args, model, tp_group, counted, full_bytes, acts, t, dp):
     """Print each measured figure beside its theory; returns the summary's figures."""
-    theory, (split, repl) = theory_collectives(args, t, dp), params_per_rank(args, t)
-    param_bytes, es, dtype = (
-        tensor_bytes(model.parameters()),
-        DTYPES[args.dtype].itemsize,
-        DTYPES[args.dtype],
-    )
+    theory = theory_collectives(args, t, dp)
+    split, repl = params_per_rank(args, t)
+    param_bytes = tensor_bytes(model.parameters())
+    es = DTYPES[args.dtype].itemsize
+    dtype = DTYPES[args.dtype]
     flat = torch.cat(
         [p.detach().reshape(-1) for p in model.parameters() if not hasattr(p, "tp_dim")]
     )
@@ -769,7 +783,9 @@ def report(d, args, model, tp_group, counted, full_bytes, acts, t, dp):
         d.log(
             f"{k:36s} {m[0]:5d} {th[0]:6d} {m[1]:9d} {th[1]:9d} {m[2]:12d} {th[2]:9d} {th[3]:19d}"
         )
-    b, T, D = args.batch_size // dp, args.seq_len, args.d_model
+    b = args.batch_size // dp
+    T = args.seq_len
+    D = args.d_model
     d.log(f"theory: {FORMULA}; b*s*h = {b}*{T}*{D} elements")
 
     def saved_by(block, x):  # bytes autograd saves for backward in one forward of `block` on x

@@ -288,7 +288,9 @@ class Adafactor(torch.optim.Optimizer):
         for group in self.param_groups:
             lr, wd = group["lr"], group["weight_decay"]
             for x in (p for p in group["params"] if p.grad is not None):
-                g, st, eps1 = x.grad, self.state[x], torch.finfo(x.dtype).eps
+                g = x.grad
+                st = self.state[x]
+                eps1 = torch.finfo(x.dtype).eps
                 if not st:  # a plain number for the step: no host sync to read it
                     st["step"] = 0
                     st.update(
@@ -399,7 +401,9 @@ class MadeStorages(TorchDispatchMode):
     def __init__(self, model, x):
         super().__init__()
         self.before = {t.untyped_storage().data_ptr() for t in [x, *model.parameters()]}
-        self.blocks, self.rest, self.depth = LiveStorages(), LiveStorages(), 0
+        self.blocks = LiveStorages()
+        self.rest = LiveStorages()
+        self.depth = 0
         self.hooks = [
             h
             for b in model.blocks
@@ -456,12 +460,10 @@ def optimizer_state(model, opt):
 
 def report(d, args, model, opt, plain, saved, comm):
     """Rank 0's closing table: each figure counted in this run beside its theory value."""
-    b, T, D, L = (
-        args.batch_size // (d.world * args.accum),
-        args.seq_len,
-        args.d_model,
-        args.n_layers,
-    )
+    b = args.batch_size // (d.world * args.accum)
+    T = args.seq_len
+    D = args.d_model
+    L = args.n_layers
     e = next(model.parameters()).element_size()
     per_block = {"none": None, "full": 1, "selective": 10}[
         args.recompute

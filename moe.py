@@ -294,14 +294,18 @@ class MoE(nn.Module):
         dtype=torch.float64,
     ):
         super().__init__()
-        D, H, E = d_model, hidden or 4 * d_model, experts
-        self.router, self.cf, self.E, self.group_rows = router, capacity_factor, E, group_rows
-        self.seed, self.layer, self.step, self.row0 = (
-            seed,
-            layer,
-            0,
-            0,
-        )  # the noise's key (set_step)
+        D = d_model
+        H = hidden or 4 * d_model
+        E = experts
+        self.router = router
+        self.cf = capacity_factor
+        self.E = E
+        self.group_rows = group_rows
+        # the noise's key (set_step)
+        self.seed = seed
+        self.layer = layer
+        self.step = 0
+        self.row0 = 0
         self.ep_group, self.ep = ep_group, 1 if ep_group is None else dist.get_world_size(ep_group)
         self.ep_rank, self.El = (
             0 if ep_group is None else dist.get_rank(ep_group),
@@ -318,7 +322,10 @@ class MoE(nn.Module):
         self.b1 = nn.Parameter(torch.zeros(self.El, H, dtype=dtype))
         self.w2 = nn.Parameter(init(generator, dtype, E, H, D)[mine].clone())
         self.b2 = nn.Parameter(torch.zeros(self.El, D, dtype=dtype))
-        self.drop, self.dispatch, self.wanted, self.aux = nn.Dropout(dropout), None, None, None
+        self.drop = nn.Dropout(dropout)
+        self.dispatch = None
+        self.wanted = None
+        self.aux = None
 
     def noise(self, sample, like):
         """Normals (noisy_topk) or uniforms (gshard) like `like`, (G, T, E) or (G, T), one generator per
@@ -532,7 +539,10 @@ def sync_grads(model, ep_group, replica_group, dense_group):
 
 # ------------------------------------ main: the checks, the GPT with MoE blocks, one training step
 def check_args(args, world):
-    ep, groups, E, k = args.ep or world, args.groups or world, args.experts, args.top_k
+    ep = args.ep or world
+    groups = args.groups or world
+    E = args.experts
+    k = args.top_k
     if k and args.router != "noisy_topk":
         fail(
             f"--top-k {k} with --router {args.router}: gshard is top-2, switch top-1, expert_choice has no "
@@ -647,14 +657,20 @@ class Watch:
     dispatcher; SavedActivations the bytes autograd saves for backward in that step."""
 
     def __init__(self, d, args, lay, groups, model, run, data):
-        self.d, self.args, self.lay, self.groups, self.run = d, args, lay, groups, run
+        self.d = d
+        self.args = args
+        self.lay = lay
+        self.groups = groups
+        self.run = run
         self.layers, self.rows = moe_layers(model), []
         self.lms, self.auxes = run.history.get("lm", []), run.history.get("aux", [])
         self.comm = CommCounter(axes={"ep": lay.ep_group, "replicas": lay.replica_group}, log=True)
         self.acts = SavedActivations()
         for m in self.layers:
             m.register_forward_hook(self.hook)
-        E, T, ep = args.experts, args.batch_size // groups * args.seq_len, lay.ep
+        E = args.experts
+        T = args.batch_size // groups * args.seq_len
+        ep = lay.ep
         C = capacity(args.capacity_factor, self.layers[0].router.k, T, E)
         d.log(
             f"moe.py --router {args.router}: world {d.world} = {lay.replicas} replicas x ep {ep} on "
@@ -673,7 +689,11 @@ class Watch:
     def finish(self, model, opt):
         """The summary; the technique's own peak, read before --check trains the one-process reference on rank
         0's device; --check; the --json summary. Exits."""
-        d, args, lay, groups, run = self.d, self.args, self.lay, self.groups, self.run
+        d = self.d
+        args = self.args
+        lay = self.lay
+        groups = self.groups
+        run = self.run
         f = self.summarize(d, args, lay, groups, self.lms, self.auxes)
         peak = peak_memory_bytes(d, state_bytes(model, opt) + self.acts.bytes)
         full = full_params(lay, model) if args.check else None  # a collective: every rank
@@ -687,25 +707,23 @@ class Watch:
 
     def summarize(self, d, args, lay, groups, lms, auxes):
         """Every step's routing summed over all ranks (one all-reduce), the last step's bytes; and theory."""
-        E, L, ep, D, k = (
-            args.experts,
-            len(self.layers),
-            lay.ep,
-            args.d_model,
-            self.layers[0].router.k,
-        )
-        T, tokens, nbytes = (
-            args.batch_size // groups * args.seq_len,
-            args.batch_size * args.seq_len,
-            torch.finfo(DTYPES[args.dtype]).bits // 8,
-        )
+        E = args.experts
+        L = len(self.layers)
+        ep = lay.ep
+        D = args.d_model
+        k = self.layers[0].router.k
+        T = args.batch_size // groups * args.seq_len
+        tokens = args.batch_size * args.seq_len
+        nbytes = torch.finfo(DTYPES[args.dtype]).bits // 8
         C = capacity(args.capacity_factor, k, T, E)
         rows = self.rows or [
             torch.zeros(L * (2 * E + 1), device=d.device)
         ]  # none: resumed at the end
         every = torch.stack(rows).view(-1, L, 2 * E + 1)  # (steps, L, 2E + 1): my tokens
         dist.all_reduce(every)  # the global batch's routing, every step of this run
-        wanted, load, idle = every[..., :E], every[..., E : 2 * E], every[..., 2 * E]
+        wanted = every[..., :E]
+        load = every[..., E : 2 * E]
+        idle = every[..., 2 * E]
         fair = (
             tokens * k / E if k else groups * C
         )  # tokens per expert per layer when perfectly balanced

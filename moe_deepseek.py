@@ -189,8 +189,13 @@ class DeepSeekMoE(nn.Module):
         dtype=torch.float64,
     ):
         super().__init__()
-        D, H, E = d_model, hidden or 4 * d_model, experts
-        self.E, self.k, self.score, self.n_shared = E, top_k, score, shared
+        D = d_model
+        H = hidden or 4 * d_model
+        E = experts
+        self.E = E
+        self.k = top_k
+        self.score = score
+        self.n_shared = shared
         self.ep_group, self.ep = ep_group, 1 if ep_group is None else dist.get_world_size(ep_group)
         self.ep_rank, self.El = (
             0 if ep_group is None else dist.get_rank(ep_group),
@@ -218,7 +223,9 @@ class DeepSeekMoE(nn.Module):
                 nn.Parameter(init(generator, dtype, shared, H, D)),
                 nn.Parameter(torch.zeros(shared, D, dtype=dtype)),
             )
-        self.drop, self.wanted, self.aux = nn.Dropout(dropout), None, None
+        self.drop = nn.Dropout(dropout)
+        self.wanted = None
+        self.aux = None
 
     def affinities(self, xt):
         """s (N, E): sigmoid (or softmax) of x W_g in float32 or wider (Switch Sec. 2.4: bf16 routing is
@@ -229,7 +236,12 @@ class DeepSeekMoE(nn.Module):
 
     def dropless(self, xt, expert, gate):
         """Every choice served: xt (N, D), expert and gate (N, K) -> (N, D), gate-weighted sums per token."""
-        (N, K), D, E, El, r, me = expert.shape, xt.shape[-1], self.E, self.El, self.ep, self.ep_rank
+        N, K = expert.shape
+        D = xt.shape[-1]
+        E = self.E
+        El = self.El
+        r = self.ep
+        me = self.ep_rank
         dest = expert.flatten()  # (N K,): each (token, choice) pair's expert
         counts = dest.new_zeros(E).scatter_add_(
             0, dest, torch.ones_like(dest)
@@ -485,7 +497,10 @@ class Watch:
     backward in that step."""
 
     def __init__(self, d, args, lay, model, run, data):
-        self.d, self.args, self.lay, self.run = d, args, lay, run
+        self.d = d
+        self.args = args
+        self.lay = lay
+        self.run = run
         self.layers, self.rows = moe_layers(model), []
         self.lms, self.auxes = run.history.get("lm", []), run.history.get("aux", [])
         self.comm = CommCounter(axes={"ep": lay.ep_group, "replicas": lay.replica_group}, log=True)
@@ -512,7 +527,10 @@ class Watch:
     def finish(self, model, opt):
         """The summary; the technique's own peak, read before --check trains the one-process reference on rank
         0's device; --check; the --json summary. Exits."""
-        d, args, lay, run = self.d, self.args, self.lay, self.run
+        d = self.d
+        args = self.args
+        lay = self.lay
+        run = self.run
         f = self.summarize(d, args, lay, self.lms, self.auxes)
         peak = peak_memory_bytes(d, state_bytes(model, opt) + self.acts.bytes)
         full = full_params(lay, model) if args.check else None  # a collective: every rank
@@ -522,7 +540,11 @@ class Watch:
 
     def summarize(self, d, args, lay, lms, auxes):
         """Every step's routing summed over all ranks (one all-reduce), the last step's bytes; and theory."""
-        E, L, ep, D, k = args.experts, len(self.layers), lay.ep, args.d_model, args.top_k
+        E = args.experts
+        L = len(self.layers)
+        ep = lay.ep
+        D = args.d_model
+        k = args.top_k
         tokens, nbytes = args.batch_size * args.seq_len, torch.finfo(DTYPES[args.dtype]).bits // 8
         rows = self.rows or [torch.zeros(L * E, device=d.device)]  # none: resumed at the end
         mine = torch.stack(rows).view(-1, L, E)  # (steps, L, E): my tokens' choices

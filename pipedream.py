@@ -120,9 +120,13 @@ class Stage(nn.Module):
 
     def __init__(self, gpt, s, bounds):
         super().__init__()
-        (start, end), self.first, self.last = bounds[s], s == 0, s == len(bounds) - 1
+        start, end = bounds[s]
+        self.first = s == 0
+        self.last = s == len(bounds) - 1
         if self.first:
-            self.tok_emb, self.pos_emb, self.drop = gpt.tok_emb, gpt.pos_emb, gpt.drop
+            self.tok_emb = gpt.tok_emb
+            self.pos_emb = gpt.pos_emb
+            self.drop = gpt.drop
         self.blocks = nn.ModuleDict({str(i): gpt.blocks[i] for i in range(start, end)})
         if self.last:
             self.ln_f, self.head = gpt.ln_f, gpt.head
@@ -208,14 +212,16 @@ class StageRunner:
         group=None,
         observe=lambda kind, k, **tags: contextlib.nullcontext(),
     ):
-        self.policy, self.source, self.loss_fn = policy, source, loss_fn
-        self.shape, self.dtype, self.device = {"F": in_shape, "B": out_shape}, dtype, device
-        s, p, self.group, self.observe = (
-            dist.get_rank(group),
-            dist.get_world_size(group),
-            group,
-            observe,
-        )
+        self.policy = policy
+        self.source = source
+        self.loss_fn = loss_fn
+        self.shape = {"F": in_shape, "B": out_shape}
+        self.dtype = dtype
+        self.device = device
+        s = dist.get_rank(group)
+        p = dist.get_world_size(group)
+        self.group = group
+        self.observe = observe
         if s < 0:
             raise ValueError(
                 "this rank is not in the pipeline's group: make StageRunners on its ranks only"
@@ -224,11 +230,10 @@ class StageRunner:
             s - 1 if s > 0 else None,
             s + 1 if s < p - 1 else None,
         )  # ranks in the group
-        self.alive, self.outbox, self.losses = (
-            {},
-            [],
-            {},
-        )  # alive: k -> (input, output, version), F to B
+        # alive: k -> (input, output, version), F to B
+        self.alive = {}
+        self.outbox = []
+        self.losses = {}
 
     def tag(
         self, *xs
@@ -246,7 +251,9 @@ class StageRunner:
     def exchange(self, kind, k):
         """The last op's message and this op's receive in one batch: F's output leaves with the next B's
         gradient receive, B's with the next F's activation receive (Megatron's send_forward_recv_backward)."""
-        peer, x, tag = {"F": self.prev, "B": self.next}.get(kind), None, None
+        peer = {"F": self.prev, "B": self.next}.get(kind)
+        x = None
+        tag = None
         if peer is not None:  # (none: stage 0 reads tokens, the last stage starts B from its loss)
             x, tag = torch.empty(self.shape[kind], dtype=self.dtype, device=self.device), self.tag()
         p2p(self.outbox, [] if peer is None else [(x, peer), (tag, peer)], self.group)
@@ -309,7 +316,11 @@ class Flush:
     """PipeDream-flush: one version of the weights; once the pipeline has drained, one optimizer step."""
 
     def __init__(self, stage, opt, clip, group=None):
-        self.stage, self.opt, self.clip, self.group, self.version = stage, opt, clip, group, 0
+        self.stage = stage
+        self.opt = opt
+        self.clip = clip
+        self.group = group
+        self.version = 0
 
     def weights(self, k):  # -> (the module micro-batch k runs on, its version)
         return self.stage, self.version
@@ -420,7 +431,10 @@ class TwoBW(Stash):
 
     def __init__(self, stage, opt, m, clip, group=None):  # group: the pipeline's, in stage order
         super().__init__(stage, opt, lag=None)
-        self.m, self.p, self.clip, self.group = m, dist.get_world_size(group), clip, group
+        self.m = m
+        self.p = dist.get_world_size(group)
+        self.clip = clip
+        self.group = group
         check_2bw(m, self.p)
         self.first = dist.get_rank(group) == 0
         self.batch_grads = {}  # batch -> its summed gradient, until the whole-model norm arrives
@@ -504,7 +518,9 @@ def main():
 
     # --- setup (same in every file) ---
     d = init_dist(args.timeout)
-    s, data, bounds = d.rank, MarkovData(args.vocab, args.seed), split_layers(args.n_layers, p)
+    s = d.rank
+    data = MarkovData(args.vocab, args.seed)
+    bounds = split_layers(args.n_layers, p)
     d.log(
         f"pipedream.py --mode {args.mode}{' --vertical-sync' * args.vertical_sync}: {p} stages x {m} "
         f"micro-batches of {args.batch_size // m} on {d.backend}; entropy floor {data.entropy:.4f} nats"
@@ -681,7 +697,10 @@ def report(d, args, observer, comm, bounds, steps_run, segments):
             d, [[observer.alive, observer.versions, comm.total(op="send"), observer.bytes]]
         )
     ]
-    p, m, mode, ms = len(bounds), args.microbatches, args.mode, args.stage_ms
+    p = len(bounds)
+    m = args.microbatches
+    mode = args.mode
+    ms = args.stage_ms
     figures = dict(split=bounds, stages=p, microbatches=m, mode=mode)
     if d.rank != 0 or not steps_run:
         return figures

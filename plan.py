@@ -165,7 +165,8 @@ STACKS = {
 def ceiling(stack, cluster):
     """(GEMM ceiling, held-out error or None, source) of a stack on a cluster preset; where the stack has no
     rows on that GPU, its ceiling from the GPU it has, with no error to print."""
-    got, (other, (eff, _, _)) = STACKS[stack].ceilings, next(iter(STACKS[stack].ceilings.items()))
+    got = STACKS[stack].ceilings
+    other, (eff, _, _) = next(iter(got.items()))
     return got.get(cluster) or (
         eff,
         None,
@@ -254,7 +255,9 @@ def layer_params(M, moe=False):
     4h^2 + 4h, proj 4h^2 + h, LayerNorms 4h: 12h^2 + 4h split (column layers, row weights), 6h replicated.
     Llama: GQA q, k, v, o, SwiGLU 3hf, 2 RMSNorms. MoE (moe.py): the MLP becomes E of (2hf + f + h), a gate
     hE."""
-    h, f, gpt = M.d, M.f, M.arch == "gpt"
+    h = M.d
+    f = M.f
+    gpt = M.arch == "gpt"
     attn = 2 * h * h + 2 * h * M.kv * (h // M.heads)
     mlp, bias, repl = (2 * h * f, f, 6 * h) if gpt else (3 * h * f, 0, 2 * h)
     if moe:
@@ -306,7 +309,9 @@ def vocab_padded(M, lay):  # megatron_tp.py rounds V up to a multiple of t
 def rank_units(M, lay, r):
     """Parameter elements pipeline rank r holds, one per ZeRO unit: each block of its chunks (its 1/t, its
     1/ep of the experts), then the root: embedding (+ positions) on chunk 0, final norm, head on the last."""
-    units, n, gpt = [], lay.pp * lay.v, M.arch == "gpt"
+    units = []
+    n = lay.pp * lay.v
+    gpt = M.arch == "gpt"
     for c in mine(lay, r):
         for moe, k in zip((False, True), kinds(M, lay, c)):
             split, repl, expert = layer_params(M, moe)
@@ -372,13 +377,12 @@ def layer_items(M, e, attention="flash", dropout=False, stats=True):
     v 6, proj input 2, fc and GeLU outputs 16, two dropout masks 2 = 34 per h; softmax, mask, output 5as/h.
     Llama (tests/test_plan.py holds each term to the tensors a block saves): fused RMSNorm (input, 1/rms),
     RoPE, grouped-query K/V, fused SwiGLU."""
-    h, f, a, se, kvh = (
-        M.d,
-        M.f,
-        M.heads,
-        max(e, 4),
-        M.kv * (M.d // M.heads),
-    )  # statistics: fp32 at least
+    # statistics: fp32 at least
+    h = M.d
+    f = M.f
+    a = M.heads
+    se = max(e, 4)
+    kvh = M.kv * (M.d // M.heads)
     items = [
         ("norm inputs", 2 * h * e, False, True),
         ("norm outputs", 2 * h * e, False, True),
@@ -419,7 +423,9 @@ def cp_extra(M, lay, b, e):
     the other ranks' K and V and the (s/cp, s) causal mask (as the file's scaled_dot_product_attention saves
     it, e bytes each); Ulysses the heads' output beside the tokens' (b s/cp h/t); the ring nothing (its
     blocks pass through). Selective recomputation drops the core, and this with it."""
-    s, t, kvh = M.seq // lay.cp, lay.tp, M.kv * (M.d // M.heads)
+    s = M.seq // lay.cp
+    t = lay.tp
+    kvh = M.kv * (M.d // M.heads)
     if lay.cp == 1 or lay.recompute != "none":
         return 0
     return {
@@ -444,7 +450,11 @@ def microbatch_bytes(M, lay, b, e, c):
 
 @lru_cache(maxsize=None)
 def _microbatch_bytes(M, lay, b, e, c):
-    t, n, bs, ce, gpt = lay.tp, lay.pp * lay.v, b * M.seq // lay.cp, max(e, 4), M.arch == "gpt"
+    t = lay.tp
+    n = lay.pp * lay.v
+    bs = b * M.seq // lay.cp
+    ce = max(e, 4)
+    gpt = M.arch == "gpt"
     t_sp, vp = (t if lay.sp else 1), lay.vocab_parallel
     dense, moe = kinds(M, lay, c)
     out = dict(
@@ -474,8 +484,14 @@ def pending_bytes(M, lay, b, e, c):
     Per token, a block's x: the two norm outputs (whole over TP), the attention output and the MLP's inner
     activation (/ t); dy: the column layers' outputs (/ t) and the two row layers' (whole); the head's x its
     input h, dy the logits' V (/ t when vocab-parallel). Experts' linears left out. (x bytes, dy bytes)."""
-    h, f, t, bs, kvh = M.d, M.f, lay.tp, b * M.seq // lay.cp, M.kv * (M.d // M.heads)
-    layers, last, gpt = sum(kinds(M, lay, c)), c == lay.pp * lay.v - 1, M.arch == "gpt"
+    h = M.d
+    f = M.f
+    t = lay.tp
+    bs = b * M.seq // lay.cp
+    kvh = M.kv * (M.d // M.heads)
+    layers = sum(kinds(M, lay, c))
+    last = c == lay.pp * lay.v - 1
+    gpt = M.arch == "gpt"
     x = layers * (2 * h + (h + f) // t) + h * last
     dy = layers * ((h + 2 * kvh + (1 if gpt else 2) * f) // t + 2 * h)
     dy += (vocab_padded(M, lay) // t if lay.vocab_parallel else M.vocab) * last
@@ -492,7 +508,9 @@ def zero_bubble_ops(p, m, r, schedule):
         warm = min(p - r - 1, m)
         steady = [x for _ in range(m - warm) for x in (("F", 0), ("B", 0))]
         ones = [("F", 0)] * warm + steady + [("B", 0)] * warm
-        ops, held, backwards = [], 0, 0
+        ops = []
+        held = 0
+        backwards = 0
         for op in ones:
             ops.append(op)
             if op[0] == "B":
@@ -538,7 +556,9 @@ def alive_patterns(p, v, m, r, schedule):
     count twice, (between F and B per local chunk, then between B and W): a micro-batch lives until its W,
     p on every ZB-H1 rank, not 1F1B's p - r."""
     if schedule in ("zb-h1", "zb-v"):
-        full, pend, seen = [0] * v, [0] * v, set()
+        full = [0] * v
+        pend = [0] * v
+        seen = set()
         for kind, c in zero_bubble_ops(p, m, r, schedule):
             full[c] += {"F": 1, "B": -1}.get(kind, 0)
             pend[c] += {"B": 1, "W": -1}.get(kind, 0)
@@ -547,7 +567,9 @@ def alive_patterns(p, v, m, r, schedule):
     if v == 1 or schedule == "gpipe":
         return frozenset({(m if schedule == "gpipe" else min(p - r, m),)})
     m = min(m, 4 * p)
-    warm, alive, seen = min(2 * (p - r - 1) + (v - 1) * p, v * m), [0] * v, set()
+    warm = min(2 * (p - r - 1) + (v - 1) * p, v * m)
+    alive = [0] * v
+    seen = set()
     chunk = [(k % (p * v)) // p for k in range(v * m)]
     for k in range(v * m):
         alive[chunk[k]] += 1
@@ -603,10 +625,16 @@ def collectives(M, lay, B, r=0):
     """{"op/axis/phase": [calls, bytes handed, group size]} per step on pipeline rank r, as the docstring
     counts them; the bookkeeping each file does its own way (the loss for its log line, the clipping norm)
     is left out."""
-    t, d, n, m, cp = lay.tp, lay.grad_group, lay.pp * lay.v, lay.m, lay.cp
+    t = lay.tp
+    d = lay.grad_group
+    n = lay.pp * lay.v
+    m = lay.m
+    cp = lay.cp
     p, g, K, e = PRECISION[lay.precision]
     b, s = B // (lay.dp * m), M.seq // cp  # sequences per micro-batch, tokens of each on this rank
-    bsh, out, gpt = b * s * M.d * e, {}, M.arch == "gpt"
+    bsh = b * s * M.d * e
+    out = {}
+    gpt = M.arch == "gpt"
 
     def add(key, calls, nbytes, size):
         if calls and size > 1:
@@ -614,16 +642,12 @@ def collectives(M, lay, B, r=0):
             x[0], x[1] = x[0] + calls, x[1] + calls * nbytes
 
     chunks_r = mine(lay, r)
-    layers, first, last = (
-        sum(sum(kinds(M, lay, c)) for c in chunks_r),
-        r == 0,
-        r == owner(lay, n - 1),
-    )
-    emb, head, again = (
-        first and lay.vocab_parallel,
-        last and lay.vocab_parallel,
-        lay.recompute == "full",
-    )
+    layers = sum(sum(kinds(M, lay, c)) for c in chunks_r)
+    first = r == 0
+    last = r == owner(lay, n - 1)
+    emb = first and lay.vocab_parallel
+    head = last and lay.vocab_parallel
+    again = lay.recompute == "full"
     if (
         lay.sp
     ):  # all-gather before each column layer, reduce-scatter after each row layer; backward mirrors
@@ -709,7 +733,10 @@ def ptdp_4d_figures(M, lay, B, r):
     token ids and targets, views of one storage per step (cp 1: the global batch, (B, s+1) and (B, s); cp > 1:
     the replica's zig-zag copy, (m b, s/cp) each), counted whole however few micro-batches are alive."""
     p, g, K, e = PRECISION[lay.precision]
-    d, b, s, n = lay.grad_group, B // (lay.dp * lay.m), M.seq // lay.cp, lay.pp * lay.v
+    d = lay.grad_group
+    b = B // (lay.dp * lay.m)
+    s = M.seq // lay.cp
+    n = lay.pp * lay.v
     comm = collectives(M, lay, B, r)  # its dp keys left out: below, from ptdp's flat vector
     axis = {
         a: sum(x for key, (_, x, _) in comm.items() if f"/{a}/" in key) for a in ("tp", "cp", "pp")
@@ -857,8 +884,13 @@ def block_s(M, C, lay, b, eff, moe=False, attention="flash", dropout=False):
 def _block_s(
     M, C, t, sp, cp, ep, e, b, eff, moe, attention, dropout, fp8=1
 ):  # fp8: the GEMMs' peak x
-    sq, h, f = M.seq // cp, M.d, M.f
-    n, kvh, tsp, heads = b * sq, M.kv * (h // M.heads), (t if sp else 1), b * M.heads // t
+    sq = M.seq // cp
+    h = M.d
+    f = M.f
+    n = b * sq
+    kvh = M.kv * (h // M.heads)
+    tsp = t if sp else 1
+    heads = b * M.heads // t
     mlp, gate = [(n, h, f // t * (1 if M.arch == "gpt" else 2)), (n, f // t, h)], 0
     if moe:  # this rank's E/ep experts, each on C ep slots; the gate
         slots, k = capacity(M, n) * ep, M.experts // ep
@@ -889,7 +921,9 @@ def chunk_s(M, C, lay, b, c, eff, attention="flash", dropout=False):
     (block_s) 3 times (a backward does twice a forward's work, both gradients of each product), 4 under full
     recomputation, + the core again under selective; the head 3 x (its GEMM + the softmax's read and
     write)."""
-    rc, total, cores = lay.recompute, 0.0, 0.0
+    rc = lay.recompute
+    total = 0.0
+    cores = 0.0
     for moe, k in zip((False, True), kinds(M, lay, c)):
         if k:
             fwd, core = block_s(M, C, lay, b, eff, moe, attention, dropout)
@@ -1152,7 +1186,9 @@ def search(
     """The fastest layout that fits, of each grid (dp, cp, tp, pp, ep), ranked by predicted tokens/s; with the
     counts of legal and fitting layouts. `keep` limits the options (a paper's, say); attention, dropout and
     overlaps (tp_overlap, dp_overlap) as the stack's."""
-    best, n_legal, n_fit = {}, 0, 0
+    best = {}
+    n_legal = 0
+    n_fit = 0
     stack = (attention, dropout) != ("flash", False)
     for lay in filter(
         keep,
@@ -1303,7 +1339,9 @@ def band(error):  # the held-out error printed beside a prediction
 
 
 def report(C, B, got, error=None):
-    lay, mem, bw = got["layout"], got["memory"], {"nvlink": C.intra_gbs, "ib": C.inter_gbs}
+    lay = got["layout"]
+    mem = got["memory"]
+    bw = {"nvlink": C.intra_gbs, "ib": C.inter_gbs}
     print(f"layout: {lay}, {lay.precision}, {B // (lay.dp * lay.m)} sequences per micro-batch")
     print("memory per rank, GB    params    grads    optim  activations  gathered     total")
     for r, x in [(r, x) for r, x in mem.items() if r in (0, got["worst"], lay.pp - 1)]:
@@ -1516,7 +1554,9 @@ def run_report(M, C, got, D, a, optimal=None):
         60 * a.restart_minutes,
         60 * a.ckpt_minutes,
     )
-    N, day, law = n_params(M), 86400, ", ".join(f"{k} {x:g}" for k, x in LAWS[a.law].items())
+    N = n_params(M)
+    day = 86400
+    law = ", ".join(f"{k} {x:g}" for k, x in LAWS[a.law].items())
     law = (
         f"D = {a.tokens_per_param:g} N"
         if a.tokens_per_param
@@ -1617,7 +1657,9 @@ def main():
         a.hbm_gbs or K.hbm_gbs,
         K.fp8,
     )
-    gpus, B, st = C.nodes * C.gpus_per_node, a.batch_size, STACKS[a.stack]
+    gpus = C.nodes * C.gpus_per_node
+    B = a.batch_size
+    st = STACKS[a.stack]
     if a.precision == "fp8" and not C.fp8:
         fail(NO_FP8)
     eff, error, source = ceiling(a.stack, a.cluster)

@@ -198,7 +198,10 @@ class TPBlock(nn.Module):
         super().__init__()
         t, r = dist.get_world_size(group), dist.get_rank(group)
         check_heads(full.attn.n_heads, t)
-        self.ln1, self.attn, self.ln2, self.mlp = full.ln1, full.attn, full.ln2, full.mlp
+        self.ln1 = full.ln1
+        self.attn = full.attn
+        self.ln2 = full.ln2
+        self.mlp = full.mlp
         for name, w in list(self.named_parameters()):
             if tp_dim(name) is not None:
                 owner, leaf = name.rsplit(".", 1)
@@ -209,7 +212,9 @@ class TPBlock(nn.Module):
         self.cp_group = cp_group if cp_group and dist.get_world_size(cp_group) > 1 else None
 
     def forward(self, x):  # (b, T, D) replicated on the TP group
-        a, mlp, grp = self.attn, self.mlp, self.group
+        a = self.attn
+        mlp = self.mlp
+        grp = self.group
         h = f.apply(self.ln1(x), grp)
         q, k, v = (
             rearrange(F.linear(h, lin.weight), "b t (h e) -> b h t e", h=self.heads)
@@ -250,12 +255,10 @@ class Pass(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, group, step=1):  # x (2, b, H/t, T/cp, E): a block of keys and values
-        cp, r, got, ctx.group = (
-            dist.get_world_size(group),
-            dist.get_rank(group),
-            torch.empty_like(x),
-            group,
-        )
+        cp = dist.get_world_size(group)
+        r = dist.get_rank(group)
+        got = torch.empty_like(x)
+        ctx.group = group
         to, frm = (r + step) % cp, (r - step) % cp
         for req in dist.batch_isend_irecv(
             [
@@ -284,7 +287,9 @@ def ring(q, k, v, group):
     """CP rank r's queries (b, h, T/cp, E) over the whole sequence (Liu et al. 2023, "Ring Attention"): cp - 1
     steps pass the K/V block on, each block's result merged by its log-sum-exp (online softmax). Zig-zag:
     all my queries see src < r's early chunk (not its late one); only my late chunk sees src > r's two."""
-    cp, r, half = dist.get_world_size(group), dist.get_rank(group), q.shape[2] // 2
+    cp = dist.get_world_size(group)
+    r = dist.get_rank(group)
+    half = q.shape[2] // 2
     acc = torch.promote_types(
         q.dtype, torch.float32
     )  # softmax in float32 at least, as flash attention
@@ -336,7 +341,9 @@ class Chunk(nn.Module):
 
     def __init__(self, full, c, n, group, cp_group=None):
         super().__init__()
-        per, self.first, self.last = full.cfg.n_layers // n, c == 0, c == n - 1
+        per = full.cfg.n_layers // n
+        self.first = c == 0
+        self.last = c == n - 1
         check_chunk(full.cfg.n_layers, c, n)
         if self.first:
             self.tok_emb, self.pos_emb = full.tok_emb, full.pos_emb
@@ -411,7 +418,10 @@ def producer(msg):
 def ideal_timeline(p, v, m):
     """Every rank's ops at their earliest start when each takes its slots (F 1, B 2) and messages are free:
     {op: (rank, start, end)}. Its idle slots are the schedule's bubble."""
-    ops, n, at, slots = [schedule(p, v, m, r) for r in range(p)], p * v, {}, {"F": 1, "B": 2}
+    ops = [schedule(p, v, m, r) for r in range(p)]
+    n = p * v
+    at = {}
+    slots = {"F": 1, "B": 2}
     nxt, free = [0] * p, [0] * p
     while any(nxt[r] < len(ops[r]) for r in range(p)):
         moved = False
@@ -424,7 +434,9 @@ def ideal_timeline(p, v, m):
                     break
                 start = max([free[r]] + [at[dep][2] for dep in deps])
                 free[r] = start + slots[op[0]]
-                at[op], nxt[r], moved = (r, start, free[r]), nxt[r] + 1, True
+                at[op] = (r, start, free[r])
+                nxt[r] += 1
+                moved = True
         if not moved:
             raise RuntimeError(f"schedule ({p}, {v}, {m}) waits on itself")
     return at
@@ -436,13 +448,16 @@ def comm_plan(p, v, m, r):
     which both ranks are between ops (else right after it is made); both post it in their batch of G. So all
     ranks post their batches in order of G and none waits for a later one: no cycle (NCCL deadlocks on a
     send whose receive is posted behind a wait on the sender)."""
-    at, n, items = ideal_timeline(p, v, m), p * v, collections.defaultdict(lambda: ([], []))
+    at = ideal_timeline(p, v, m)
+    n = p * v
+    items = collections.defaultdict(lambda: ([], []))
     spans = {
         q: [(a, z) for x, a, z in at.values() if x == q] for q in range(p)
     }  # q's ops: (start, end)
     for msg in (needs(op, n) for op in at):
         if msg is not None and at[producer(msg)][0] != at[msg][0]:
-            (src, _, made), (dst, used, _) = at[producer(msg)], at[msg]
+            src, _, made = at[producer(msg)]
+            dst, used, _ = at[msg]
             edges = {x for q in (src, dst) for span in spans[q] for x in span if made <= x <= used}
             times = sorted(edges | {made, used})
             between = [
@@ -467,23 +482,27 @@ class PipelineRank:
     TAG = {"F": 0, "B": 1}  # a point-to-point tag per direction (NCCL ignores tags)
 
     def __init__(self, chunks, group, m, msg_shape, dtype, device, observe=None):
-        p, r, v = dist.get_world_size(group), dist.get_rank(group), len(chunks)
+        p = dist.get_world_size(group)
+        r = dist.get_rank(group)
+        v = len(chunks)
         if sorted(chunks) != list(
             range(r, p * v, p)
         ):  # also: the chunks' count p * v, the group's size p
             raise ValueError(
                 f"rank {r} of {p} holds chunks {list(range(r, p * v, p))}, not {sorted(chunks)}"
             )
-        self.chunks, self.n, self.group, self.m, self.plan = (
-            chunks,
-            p * v,
-            group,
-            m,
-            comm_plan(p, v, m, r),
-        )
-        self.msg_shape, self.dtype, self.device = msg_shape, dtype, device
+        self.chunks = chunks
+        self.n = p * v
+        self.group = group
+        self.m = m
+        self.plan = comm_plan(p, v, m, r)
+        self.msg_shape = msg_shape
+        self.dtype = dtype
+        self.device = device
         self.observe = observe or (lambda *a, **k: contextlib.nullcontext())
-        self.inbox, self.outbox, self.alive = {}, {}, {}
+        self.inbox = {}
+        self.outbox = {}
+        self.alive = {}
 
     def run(self, inputs, targets, loss_fn):
         """inputs, targets: m micro-batches each. Returns the summed loss of those scored here (0-dim)."""
@@ -559,7 +578,9 @@ class ShardedOptimizer:
     and its optimizer, make_opt([shard]) (elementwise, as AdamW: exact)."""
 
     def __init__(self, params, group, make_opt):
-        self.params, self.group, R = list(params), group, dist.get_world_size(group)
+        self.params = list(params)
+        self.group = group
+        R = dist.get_world_size(group)
         self.size = -(-sum(q.numel() for q in self.params) // R)  # S: elements per shard
         i = dist.get_rank(group)
         self.mine = slice(i * self.size, (i + 1) * self.size)
@@ -630,7 +651,10 @@ def finish_batch(params, loss, group, tp_rank, max_norm, world, zero=None):
 
 # ------------------------------------------------------------------------- argument checks, main
 def check_args(args):
-    world, p, t, cp = env_world_size(), args.pp, args.tp, args.cp
+    world = env_world_size()
+    p = args.pp
+    t = args.tp
+    cp = args.cp
     v, m = args.virtual_stages, args.microbatches
     check_common_args(args)
     for name in ("pp", "tp", "cp", "virtual_stages", "microbatches"):
@@ -667,7 +691,11 @@ def check_args(args):
 def main():
     args = parse_args(Args)
     world, dp = check_args(args)
-    p, t, cp, v, m = args.pp, args.tp, args.cp, args.virtual_stages, args.microbatches
+    p = args.pp
+    t = args.tp
+    cp = args.cp
+    v = args.virtual_stages
+    m = args.microbatches
 
     # --- setup (same in every file) ---
     d = init_dist(args.timeout)
@@ -773,7 +801,8 @@ class Watch(PipelineWatch):
     F and B, and after each op the saved activations alive plus the outputs the runner holds to B."""
 
     def __init__(self, d, args, coords):
-        f_ms, (pp, dp, cp, tp) = args.stage_ms / args.virtual_stages, coords
+        f_ms = args.stage_ms / args.virtual_stages
+        pp, dp, cp, tp = coords
         super().__init__(
             d,
             dict(F=f_ms, B=2 * f_ms),
@@ -868,7 +897,11 @@ def inflight_bound(p, v, m, r):
 def report(d, args, dp, watch, comm):
     """All ranks: gather events and this rank's counts of the counted step, its sends told apart by their tag
     (one per way); tensors only. Rank 0: each figure beside its theory."""
-    p, v, m, ar, cp = args.pp, args.virtual_stages, args.microbatches, comm.total, args.cp
+    p = args.pp
+    v = args.virtual_stages
+    m = args.microbatches
+    ar = comm.total
+    cp = args.cp
     tags = [c["tag"] for c in comm.calls_log if c["op"] == "send" and c["axis"] == "pp"]
     tag = PipelineRank.TAG  # one per direction
     mine = dict(
@@ -932,8 +965,12 @@ def report(d, args, dp, watch, comm):
             f"{alive[r]:5.2f} | {bound[r] / v:6.2f} | {f_msgs[r]:8d} | {f_theory[r]:6d} | {b_msgs[r]:8d} | "
             f"{b_theory[r]:6d} | {sent[r]}"
         )
-    mean, c0, tp_theory = sum(bub) / p, pipe[0], 4 * m * args.n_layers // p if args.tp > 1 else 0
-    formula, per_pipe, dp_theory = "(p-1)/(v*m)", "(v*p-1)*m", (1 + args.zero) * (dp * cp > 1)
+    mean = sum(bub) / p
+    c0 = pipe[0]
+    tp_theory = 4 * m * args.n_layers // p if args.tp > 1 else 0
+    formula = "(p-1)/(v*m)"
+    per_pipe = "(v*p-1)*m"
+    dp_theory = (1 + args.zero) * (dp * cp > 1)
     waits = ", ".join(f"{k} waits {x:g} ms" for k, x in watch.timeline.simulate.items())
     d.log(
         f"bubble mean {mean:.3f} vs theory {formula} = {bub_theory:.3f} ({mean - bub_theory:+.3f}); "
@@ -996,7 +1033,9 @@ def report(d, args, dp, watch, comm):
 def full_model(d, args, chunks, coords):
     """The whole GPT by name on every rank (for --check), exactly: TP shard k of `name` travels as `name#k`,
     a replicated tensor once (from TP rank 0), all from DP rank 0; harness.assemble_full adds them up."""
-    (_, dp_rank, cp_rank, tp_rank), t, dtype = coords, args.tp, DTYPES[args.dtype]
+    _, dp_rank, cp_rank, tp_rank = coords
+    t = args.tp
+    dtype = DTYPES[args.dtype]
     with torch.device("meta"):  # the names and shapes of the whole GPT, no storage
         shapes = {n: list(q.shape) for n, q in GPT(GPTConfig.from_args(args)).named_parameters()}
     owned, pieces = {}, {}

@@ -161,7 +161,9 @@ def reduce_scatter_(
 def all_gather_(
     full, shard, group
 ):  # (S,) local -> (N*S,) global, into `full`; returns (work, its input)
-    N, me, S = dist.get_world_size(group), dist.get_rank(group), shard.numel()
+    N = dist.get_world_size(group)
+    me = dist.get_rank(group)
+    S = shard.numel()
     if dist.get_backend(group) == "gloo":
         full[me * S : (me + 1) * S].copy_(shard)  # (a no-op when it is that slice already)
         return Works(
@@ -200,7 +202,10 @@ class FlatUnit(nn.Module):
 
     def __init__(self, zero, module, prefix):
         super().__init__()
-        self.zero, self.module, self.path, z = zero, module, prefix[:-1] or "(root)", zero
+        self.zero = zero
+        self.module = module
+        self.path = prefix[:-1] or "(root)"
+        z = zero
         named = list(
             module.named_parameters(remove_duplicate=False)
         )  # its own (units inside: replaced)
@@ -374,7 +379,9 @@ class Zero:
         check_stage(stage)
         self.group = group or dist.group.WORLD
         self.rank, self.world = dist.get_rank(self.group), dist.get_world_size(self.group)
-        self.stage, self.clip, p0 = stage, clip, next(model.parameters())
+        self.stage = stage
+        self.clip = clip
+        p0 = next(model.parameters())
         self.device, self.master_dtype = (
             torch.device(device or p0.device),
             p0.dtype,
@@ -394,17 +401,14 @@ class Zero:
             root + blocks,
             root + blocks[::-1],
         )  # stage 3's order of use
-        self.order, self.prefetched, self.pending, self.last_microbatch = (
-            self.forward_order,
-            {},
-            [],
-            False,
-        )
-        self.reduce_order, self.next, self.ready = (
-            [*self.units[-2::-1], self.root],
-            0,
-            {},
-        )  # (reduce_grad)
+        self.order = self.forward_order
+        self.prefetched = {}
+        self.pending = []
+        self.last_microbatch = False
+        # (reduce_grad)
+        self.reduce_order = [*self.units[-2::-1], self.root]
+        self.next = 0
+        self.ready = {}
         self.publishing = {}  # stages 1-2: unit -> (all-gather in flight, its input)
 
     # --- stage 3: prefetching all-gathers (FSDP's forward and backward prefetch) ---------------------------
@@ -442,7 +446,9 @@ class Zero:
     ):  # a prefetch the last pass did not use (a forward without its units) ends
         for work, _ in self.prefetched.values():
             work.wait()
-        self.order, self.prefetched, self.ran = order, {}, 0
+        self.order = order
+        self.prefetched = {}
+        self.ran = 0
 
     # --- the gradient reductions, launched during backward -----------------------------------------------
     def reduce_grad(self, u, g):
@@ -642,7 +648,9 @@ class MixedPrecisionZero(Zero):
             compute_dtype,
             compute_dtype == torch.float16,
         )  # (read by Zero)
-        self.scale, self.window, self.clean = loss_scale if self.scaling else 1.0, scale_window, 0
+        self.scale = loss_scale if self.scaling else 1.0
+        self.window = scale_window
+        self.clean = 0
         super().__init__(*args, **kw)
 
     def new_master(self, u, mine):  # a copy of its own, in the model's dtype
@@ -762,7 +770,10 @@ def train_zero(d, args):  # build, train, report, check; returns the --json summ
         args.seed + d.rank
     )  # dropout masks (if any) differ per rank; a resume restores them
     ckpt = ZeroCheckpoint(d, args.ckpt_dir, args.save_every, args.steps, zero.group)
-    run, comm, watch = Run(d, args, zero, ckpt=ckpt), CommCounter(), Watch(zero)  # Watch: memory
+    # Watch: memory
+    run = Run(d, args, zero, ckpt=ckpt)
+    comm = CommCounter()
+    watch = Watch(zero)
     for step in run.steps():
         x, y = data.batch(
             step, args.batch_size, args.seq_len, args.ragged
@@ -809,13 +820,11 @@ class Watch:
     gathered buffers   each stage-3 all-gather's output, held weakly (harness.LiveStorages); their peak"""
 
     def __init__(self, zero):
-        self.zero, self.gathered, self.saved, self.saved_peak, self._seen = (
-            zero,
-            LiveStorages(),
-            0,
-            0,
-            set(),
-        )
+        self.zero = zero
+        self.gathered = LiveStorages()
+        self.saved = 0
+        self.saved_peak = 0
+        self._seen = set()
         self.scales, self.skipped = (
             [],
             [],
@@ -892,7 +901,9 @@ def theory(zero, padded=False):
     master dtype), K = 2 Adam moments (+ the master copy when separate)."""
     psi = sum(u.padded if padded else u.numel for u in zero.units)
     p, m = torch.finfo(zero.compute_dtype).bits // 8, torch.finfo(zero.master_dtype).bits // 8
-    N, s, K = zero.world, zero.stage, 2 * m + (m if separate_master(zero) else 0)
+    N = zero.world
+    s = zero.stage
+    K = 2 * m + (m if separate_master(zero) else 0)
     return dict(
         params=p * psi / (N if s == 3 else 1),
         grads=m * psi / (N if s >= 2 else 1),
@@ -909,9 +920,19 @@ def report(d, args, zero, watch, comm, resumed_from):
     memory (read first, right after training: on a GPU, --check's reference would be the peak after) and
     the figures."""
     top = peak(d, args, zero, watch)
-    mem, th, thp = memory(zero), theory(zero), theory(zero, padded=True)
-    N, s, psi, p, g, K, A = d.world, args.stage, th["psi"], th["p"], th["g"], th["K"], args.accum
-    keys, saved, sent = ("params", "grads", "optim"), watch.saved_peak, comm.total()
+    mem = memory(zero)
+    th = theory(zero)
+    thp = theory(zero, padded=True)
+    N = d.world
+    s = args.stage
+    psi = th["psi"]
+    p = th["p"]
+    g = th["g"]
+    K = th["K"]
+    A = args.accum
+    keys = ("params", "grads", "optim")
+    saved = watch.saved_peak
+    sent = comm.total()
     formula = {
         0: "(p+g+K) Psi",
         1: "(p+g) Psi + K Psi/N",
@@ -1027,7 +1048,9 @@ def reference(args, world, device="cpu"):
         else build_gpt(GPTConfig.from_args(args), args.seed, LOW[args.mixed_precision], device)
     )
     opt = make_optimizer(master.parameters(), args)
-    scale, clean, losses = (args.loss_scale if args.mixed_precision == "fp16" else 1.0), 0, []
+    scale = args.loss_scale if args.mixed_precision == "fp16" else 1.0
+    clean = 0
+    losses = []
     for step in range(args.steps):
         x, y = (t.to(device) for t in data.batch(step, args.batch_size, args.seq_len, args.ragged))
         n_tok, total = count_tokens(y), 0.0
@@ -1115,7 +1138,10 @@ class ZeroCheckpoint:
     MOMENTS = ("exp_avg", "exp_avg_sq")
 
     def __init__(self, d, ckpt_dir, save_every, steps, group=None):
-        self.d, self.root, self.save_every, self.steps = d, ckpt_dir, save_every, steps
+        self.d = d
+        self.root = ckpt_dir
+        self.save_every = save_every
+        self.steps = steps
         self.group = group or dist.group.WORLD
         self.world = dist.get_world_size(self.group)
         self.mesh = DeviceMesh.from_group(
@@ -1199,7 +1225,9 @@ class ZeroCheckpoint:
         dist.all_reduce(
             t, op=dist.ReduceOp.MAX, group=self.group
         )  # (the largest, -(the smallest), orphans)
-        hi, lo, orphans = int(t[0]), -int(t[1]), int(t[2])
+        hi = int(t[0])
+        lo = -int(t[1])
+        orphans = int(t[2])
         if hi != lo or orphans:
             fail(
                 f"--ckpt-dir {self.root}: the ranks see different checkpoints (newest complete step {lo} to "

@@ -170,9 +170,13 @@ class Chunk(nn.Module):
 
     def __init__(self, gpt, c, bounds):
         super().__init__()
-        (start, end), self.first, self.last = bounds[c], c == 0, c == len(bounds) - 1
+        start, end = bounds[c]
+        self.first = c == 0
+        self.last = c == len(bounds) - 1
         if self.first:
-            self.tok_emb, self.pos_emb, self.drop = gpt.tok_emb, gpt.pos_emb, gpt.drop
+            self.tok_emb = gpt.tok_emb
+            self.pos_emb = gpt.pos_emb
+            self.drop = gpt.drop
         self.blocks = nn.ModuleDict({str(i): gpt.blocks[i] for i in range(start, end)})
         if self.last:
             self.ln_f, self.head = gpt.ln_f, gpt.head
@@ -219,7 +223,10 @@ def producer(msg):  # the op that makes message (kind, c, k)
 def ideal_timeline(orders, n):
     """Every rank's ops (orders[r], n chunks in all) at their earliest start when F, B, W take one slot
     each and messages are free: {op: (rank, start, end)}. Its idle slots are the schedule's bubble."""
-    p, at, nxt, free = len(orders), {}, [0] * len(orders), [0] * len(orders)
+    p = len(orders)
+    at = {}
+    nxt = [0] * len(orders)
+    free = [0] * len(orders)
     while any(nxt[r] < len(orders[r]) for r in range(p)):
         moved = False
         for r in range(p):
@@ -232,7 +239,10 @@ def ideal_timeline(orders, n):
                 if any(dep not in at for dep in deps):
                     break
                 start = max([free[r]] + [at[dep][2] for dep in deps])
-                at[op], free[r], nxt[r], moved = (r, start, start + 1), start + 1, nxt[r] + 1, True
+                at[op] = (r, start, start + 1)
+                free[r] = start + 1
+                nxt[r] += 1
+                moved = True
         if not moved:
             raise ValueError(
                 "the schedule waits on itself: give every rank's ops of one schedule, in order"
@@ -252,7 +262,8 @@ def comm_plan(orders, n, r):
         spans[q].append((start, end))
     for msg in (needs(op, n) for op in at):
         if msg is not None and at[producer(msg)][0] != at[msg][0]:
-            (src, _, made), (dst, used, _) = at[producer(msg)], at[msg]
+            src, _, made = at[producer(msg)]
+            dst, used, _ = at[msg]
             edges = {x for q in (src, dst) for span in spans[q] for x in span if made <= x <= used}
             between = [
                 x
@@ -285,10 +296,19 @@ class PipelineRank:
              recvs=[message, ...])). NCCL wants a collective on the group first: the caller runs it."""
 
     def __init__(self, chunks, n, plan, split, group, msg_shape, dtype, device, observe=None):
-        self.chunks, self.n, self.plan, self.split, self.group = chunks, n, plan, split, group
-        self.msg_shape, self.dtype, self.device = msg_shape, dtype, device
+        self.chunks = chunks
+        self.n = n
+        self.plan = plan
+        self.split = split
+        self.group = group
+        self.msg_shape = msg_shape
+        self.dtype = dtype
+        self.device = device
         self.observe = observe or (lambda *a, **k: contextlib.nullcontext())
-        self.inbox, self.outbox, self.alive, self.waiting = {}, {}, {}, {}
+        self.inbox = {}
+        self.outbox = {}
+        self.alive = {}
+        self.waiting = {}
         peers = {
             q for step, *what in plan if step == "p2p" for q, _ in what[0] + what[1]
         }  # pp ranks
@@ -470,11 +490,10 @@ def check_args(args):
 def main():
     args = parse_args(Args)
     world, p = check_args(args)
-    dp, m, b = (
-        args.dp,
-        args.microbatches,
-        args.batch_size // (args.dp * args.microbatches),
-    )  # b: micro-batch
+    # b: micro-batch
+    dp = args.dp
+    m = args.microbatches
+    b = args.batch_size // (args.dp * args.microbatches)
     order, n_chunks, holder = SCHEDULES[args.schedule]
 
     # --- setup (same in every file) ---
@@ -568,7 +587,8 @@ class Watch(PipelineWatch):
     outputs held to B, what B left for W, and the state."""
 
     def __init__(self, d, args, coords):
-        ms, (pp, dp) = args.stage_ms, coords
+        ms = args.stage_ms
+        pp, dp = coords
         super().__init__(
             d, dict(F=ms, B=ms, W=ms), ("chunk", "step", "pp", "dp", "recv"), dict(pp=pp, dp=dp)
         )

@@ -264,6 +264,33 @@ def test_read_paths_are_weighed_in_code_tokens():
     assert line_counts.texture("x" * 101 + "\n\nab\n") == (51.5, 0.5)
 
 
+def packed_assignments(text):
+    """Line numbers of assignments that pack three or more names from a tuple written out on the right
+    (`a, b, c = x, y, z`); unpacking one returned tuple (`a, b, c = f()`) is one idea and passes."""
+    hits = []
+    for n in ast.walk(ast.parse(text)):
+        if isinstance(n, ast.Assign) and isinstance(n.value, (ast.Tuple, ast.List)):
+            for target in n.targets:
+                if isinstance(target, (ast.Tuple, ast.List)):
+                    flat = [
+                        e
+                        for t in target.elts
+                        for e in (t.elts if isinstance(t, ast.Tuple) else [t])
+                    ]
+                    if len(flat) >= 3:
+                        hits.append(n.lineno)
+    return hits
+
+
+def test_one_idea_per_line():
+    """No file a reader reads packs three or more names into one assignment (STYLE.md 10)."""
+    assert packed_assignments(
+        "a, b, c = 1, 2, 3\n(x, y), z = p, q\nu, v, w = f()\nm, n = 1, 2\n"
+    ) == [1, 2]
+    hits = {f.name: packed_assignments(f.read_text()) for f in ROOT.glob("*.py")}
+    assert not {k: v for k, v in hits.items() if v}, {k: v for k, v in hits.items() if v}
+
+
 def test_readme_is_read_in_five_minutes():
     """The README is the front door (<= 200 lines); the rest lives in docs/ and the files' docstrings."""
     n = len((ROOT / "README.md").read_text().splitlines())
