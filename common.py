@@ -73,9 +73,8 @@ def init_dist(timeout_s=120):
         torch.cuda.set_device(device)
         torch.cuda.reset_peak_memory_stats(device)  # the peak a summary reports is this run's own
     timeout = timedelta(seconds=timeout_s)
-    if (
-        "RANK" in os.environ
-    ):  # launched by torchrun: rendezvous through the store at MASTER_ADDR:MASTER_PORT
+    # launched by torchrun: rendezvous through the store at MASTER_ADDR:MASTER_PORT
+    if "RANK" in os.environ:
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         # torchrun's agent hosts that store and keeps it across restarts (--max-restarts), so the keys a
         # dead attempt wrote (gloo's and NCCL's addresses) are still there and a restarted worker may
@@ -91,11 +90,11 @@ def init_dist(timeout_s=120):
             multi_tenant=True,
         )
         attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        # device_id binds the group to this rank's GPU: NCCL's communicator is created now (eager), not
+        # at the first collective, and nothing has to guess the device "under current context".
         store = dist.PrefixStore(
             f"{os.environ.get('TORCHELASTIC_RUN_ID', 'run')}/attempt{attempt}", store
         )
-        # device_id binds the group to this rank's GPU: NCCL's communicator is created now (eager), not
-        # at the first collective, and nothing has to guess the device "under current context".
         dist.init_process_group(
             backend,
             store=store,
@@ -249,9 +248,8 @@ class MarkovData:
         for s in range(vocab):
             nxt = torch.randperm(vocab, generator=g)[:branching]
             nxt[0] = (s + 1) % vocab  # a ring through every state keeps the chain irreducible
-            P[s, nxt] = -torch.rand(
-                branching, generator=g, dtype=torch.float64
-            ).log()  # Dirichlet(1)
+            # Dirichlet(1)
+            P[s, nxt] = -torch.rand(branching, generator=g, dtype=torch.float64).log()
         self.P = P / P.sum(1, keepdim=True)
         evals, evecs = torch.linalg.eig(self.P.T)  # pi P = pi: the left eigenvector of eigenvalue 1
         pi = evecs[:, (evals - 1).abs().argmin()].real
@@ -303,9 +301,8 @@ def clip_grads_(grads, total_norm, max_norm):
     """torch.nn.utils.clip_grad_norm_'s rule, given the norm of the *whole* model (all shards)."""
     if max_norm > 0:
         coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
-        for g in (
-            grads
-        ):  # in the gradient's dtype, as torch does (a float64 coef would take a slow path)
+        # in the gradient's dtype, as torch does (a float64 coef would take a slow path)
+        for g in grads:
             g.mul_(coef.to(device=g.device, dtype=g.dtype))
     return total_norm
 

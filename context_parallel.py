@@ -75,12 +75,10 @@ from harness import (
 class Args(CommonArgs):
     cp: int = 0  # context-parallel degree: ranks that share each sequence (0 = world / dp)
     dp: int = 0  # data-parallel degree: replicas, each with batch / dp sequences (0 = world / cp)
-    attention: Literal["allgather", "ring", "ulysses"] = (
-        "ring"  # how a sequence's ranks exchange K and V
-    )
-    layout: Literal["contiguous", "zigzag"] = (
-        "zigzag"  # rank r holds chunk r of cp, or r and 2cp-1-r of 2cp
-    )
+    # how a sequence's ranks exchange K and V
+    attention: Literal["allgather", "ring", "ulysses"] = "ring"
+    # rank r holds chunk r of cp, or r and 2cp-1-r of 2cp
+    layout: Literal["contiguous", "zigzag"] = "zigzag"
 
 
 # ----------------------------------------------------------------------------- the split of every sequence
@@ -138,15 +136,13 @@ class GatherSequence(torch.autograd.Function):
     def forward(ctx, x, group):  # (..) this rank's -> (cp, ..) every rank's, rank j's at [j]
         ctx.group = group
         out = x.new_empty(dist.get_world_size(group), *x.shape)
-        dist.all_gather_single(
-            out.view(-1), x.contiguous().view(-1), group=group
-        )  # flat: any backend
+        # flat: any backend
+        dist.all_gather_single(out.view(-1), x.contiguous().view(-1), group=group)
         return out
 
     @staticmethod
-    def backward(
-        ctx, grad
-    ):  # (cp, ..) every rank's share of the gradient -> (..) their sum, for my tokens
+    # (cp, ..) every rank's share of the gradient -> (..) their sum, for my tokens
+    def backward(ctx, grad):
         out = grad.new_empty(grad.shape[1:])
         dist.reduce_scatter_single(out.view(-1), grad.contiguous().view(-1), group=ctx.group)
         return out, None
@@ -159,16 +155,13 @@ def allgather_attention(q, k, v, group, zigzag):
     check_split(cp * q.shape[2], cp, zigzag)
     if cp == 1:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True)
-    kv = GatherSequence.apply(
-        torch.stack([k, v]), group
-    )  # (cp, 2, B, H, t, E): every rank's tokens
-    kv = reorder(
-        rearrange(kv, "n s b h t e -> s b h (n t) e"), cp, zigzag, 3
-    )  # (2, B, H, T, E) in order
+    # (cp, 2, B, H, t, E): every rank's tokens
+    kv = GatherSequence.apply(torch.stack([k, v]), group)
+    # (2, B, H, T, E) in order
+    kv = reorder(rearrange(kv, "n s b h t e -> s b h (n t) e"), cp, zigzag, 3)
     T = kv.shape[3]
-    sees = positions(r, cp, zigzag, T, q.device)[:, None] >= torch.arange(
-        T, device=q.device
-    )  # (t, T) causal
+    # (t, T) causal
+    sees = positions(r, cp, zigzag, T, q.device)[:, None] >= torch.arange(T, device=q.device)
     return F.scaled_dot_product_attention(q, kv[0], kv[1], attn_mask=sees)  # (B, H, t, E)
 
 
@@ -215,9 +208,8 @@ def ring_block(rank, src, cp, zigzag, t):
     2cp-1-r): src < rank, every query against src's early chunk (its late one follows both of mine); src >
     rank, only my late chunk, against both of src's. Half a block each: cp blocks on every rank."""
     whole, half = slice(None), t // 2
-    if (
-        src == rank
-    ):  # zig-zag too: my two chunks are in sequence order, so a causal mask over t is right
+    # zig-zag too: my two chunks are in sequence order, so a causal mask over t is right
+    if src == rank:
         return whole, whole, True
     if not zigzag:
         return (whole, whole, False) if src < rank else None
@@ -252,9 +244,8 @@ class RingAttention(torch.autograd.Function):
             if step < cp - 1:  # 1. pass them on to r+1, and take r-1's, while we compute
                 got, wait = ring_exchange({"kv": kv}, group, to=(r + 1) % cp, frm=(r - 1) % cp)
             block = ring_block(r, src, cp, zigzag, q.shape[2])
-            if (
-                block is not None
-            ):  # 2. attend to this block, merge (step 0 is the diagonal: every row has it)
+            # 2. attend to this block, merge (step 0 is the diagonal: every row has it)
+            if block is not None:
                 rows, cols, causal = block
                 k_b, v_b = kv[:, :, :, cols]  # (B, H, tk, E) each
                 o, l = attend(q[:, :, rows], k_b, v_b, causal)
@@ -268,9 +259,8 @@ class RingAttention(torch.autograd.Function):
         # (B, H, t, E) stored as (B, t, H, E), as flash attention stores it: the output projection's b t (h e)
         # is then a view of it, not a copy that would be saved a second time
         out = out.to(q.dtype).transpose(1, 2).contiguous().transpose(1, 2)
-        ctx.save_for_backward(
-            q, k, v, out, lse
-        )  # (B, H, t, E) x 4 and (B, H, t): 1/cp of the sequence's
+        # (B, H, t, E) x 4 and (B, H, t): 1/cp of the sequence's
+        ctx.save_for_backward(q, k, v, out, lse)
         ctx.group, ctx.zigzag = group, zigzag
         return out
 
@@ -282,9 +272,8 @@ class RingAttention(torch.autograd.Function):
         delta = (dout.to(lse.dtype) * out.to(lse.dtype)).sum(-1)  # (B, H, t)
         dq = torch.zeros_like(q, dtype=lse.dtype)
 
-        def grads_from(
-            src, kv
-        ):  # adds my queries' part to dq; returns their dK/dV (2, B, H, t, E) for src
+        # adds my queries' part to dq; returns their dK/dV (2, B, H, t, E) for src
+        def grads_from(src, kv):
             dkv = torch.zeros_like(kv, dtype=lse.dtype)
             block = ring_block(r, src, cp, zigzag, q.shape[2])
             if block is not None:  # the forward's blocks: the hidden ones cost nothing here either
@@ -311,18 +300,16 @@ class RingAttention(torch.autograd.Function):
         acc = None
         for step in range(cp):
             src = (r + step) % cp
-            send = (
-                {"kv": kv} if step < cp - 1 else {}
-            )  # 1. the block, to r-1, who needs it next step
+            # 1. the block, to r-1, who needs it next step
+            send = {"kv": kv} if step < cp - 1 else {}
             if acc is not None:
                 send["dkv"] = acc  # block src-1's accumulator (done last step), to its next visitor
             got, wait = ring_exchange(send, group, to=(r - 1) % cp, frm=(r + 1) % cp)
             dkv = grads_from(src, kv)  # 2. while they travel
             wait()
             if step == 0:
-                own = (
-                    dkv  # my queries' share of my own block's gradient: kept here, added at the end
-                )
+                # my queries' share of my own block's gradient: kept here, added at the end
+                own = dkv
             else:  # 3. src's accumulator came from r+1 (none yet at step 1): add my share
                 acc = dkv + got["dkv"] if "dkv" in got else dkv
             kv = got.get("kv")
@@ -363,19 +350,15 @@ def ulysses_attention(q, k, v, group, zigzag):
     check_split(cp * q.shape[2], cp, zigzag, heads=q.shape[1])
     if cp == 1:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True)
-    qkv = rearrange(
-        torch.stack([q, k, v]), "s b (n h) t e -> n s b h t e", n=cp
-    )  # chunk j: rank j's heads
-    qkv = AllToAll.apply(
-        qkv, group
-    )  # (cp, 3, B, H/cp, t, E): chunk j = rank j's tokens of my heads
-    qkv = reorder(
-        rearrange(qkv, "n s b h t e -> s b h (n t) e"), cp, zigzag, 3
-    )  # (3, B, H/cp, T, E)
+    # chunk j: rank j's heads
+    qkv = rearrange(torch.stack([q, k, v]), "s b (n h) t e -> n s b h t e", n=cp)
+    # (cp, 3, B, H/cp, t, E): chunk j = rank j's tokens of my heads
+    qkv = AllToAll.apply(qkv, group)
+    # (3, B, H/cp, T, E)
+    qkv = reorder(rearrange(qkv, "n s b h t e -> s b h (n t) e"), cp, zigzag, 3)
     y = F.scaled_dot_product_attention(qkv[0], qkv[1], qkv[2], is_causal=True)  # (B, H/cp, T, E)
-    y = rearrange(
-        reorder(y, cp, zigzag, 2, False), "b h (n t) e -> n b h t e", n=cp
-    )  # j: rank j's tokens
+    # j: rank j's tokens
+    y = rearrange(reorder(y, cp, zigzag, 2, False), "b h (n t) e -> n b h t e", n=cp)
     y = AllToAll.apply(y, group)  # (cp, B, H/cp, t, E): chunk j = my tokens of rank j's heads
     return rearrange(y, "n b h t e -> b (n h) t e")  # (B, H, t, E)
 
@@ -462,9 +445,8 @@ def check_args(args, world):
             "divide the world"
         )
     try:  # the cores' own check, their ValueError as fail's one line
-        heads = (
-            args.n_heads if args.attention == "ulysses" else None
-        )  # only ulysses splits the heads
+        # only ulysses splits the heads
+        heads = args.n_heads if args.attention == "ulysses" else None
         check_split(args.seq_len, cp, args.layout == "zigzag", heads)
     except ValueError as e:
         fail(str(e))
@@ -486,9 +468,8 @@ def main():
     dp, cp = check_args(args, env_world_size())
     # --- setup (same in every file) ---
     d = init_dist(args.timeout)
-    grid = torch.arange(d.world).view(
-        dp, cp
-    )  # cp innermost: a sequence's ranks are neighbours (one node)
+    # cp innermost: a sequence's ranks are neighbours (one node)
+    grid = torch.arange(d.world).view(dp, cp)
     cp_groups = [
         dist.new_group(row.tolist()) for row in grid
     ]  # every rank makes every group, in one order
@@ -502,25 +483,21 @@ def main():
         f"{dp} x cp {cp} on {d.backend}, a rank holds {args.seq_len // cp} of the {args.seq_len} tokens of "
         f"{b} sequences; entropy floor {data.entropy:.4f} nats/token"
     )
-    gpt = build_gpt(
-        GPTConfig.from_args(args), args.seed, DTYPES[args.dtype]
-    )  # the full model, one seed
+    # the full model, one seed
+    gpt = build_gpt(GPTConfig.from_args(args), args.seed, DTYPES[args.dtype])
     model = ContextParallelGPT(gpt, cp_group, args.attention, zigzag).to(d.device)
     opt = make_optimizer(model.parameters(), args)
     run, comm = Run(d, args, {"model": model, "optim": opt}), CommCounter(axes={"cp": cp_group})
     saved = SavedActivations()  # what the last step saves for backward, for the peak
 
     for step in run.steps():
-        x, y = data.batch(
-            step, args.batch_size, args.seq_len, args.ragged
-        )  # (B, T) the global batch, on CPU
+        # (B, T) the global batch, on CPU
+        x, y = data.batch(step, args.batch_size, args.seq_len, args.ragged)
         n_tok = count_tokens(y)  # of the whole global batch: every rank's loss divides by it
-        mine = slice(
-            dp_rank * b, (dp_rank + 1) * b
-        )  # my replica's sequences, then my tokens of each
-        x, y = (
-            shard_sequence(t[mine], cp_rank, cp, zigzag).to(d.device) for t in (x, y)
-        )  # (b, T/cp)
+        # my replica's sequences, then my tokens of each
+        mine = slice(dp_rank * b, (dp_rank + 1) * b)
+        # (b, T/cp)
+        x, y = (shard_sequence(t[mine], cp_rank, cp, zigzag).to(d.device) for t in (x, y))
         with run.watching(step, comm, saved):
             loss = lm_loss(model(x), y, n_tok)  # my tokens' share of the global batch's loss
             opt.zero_grad(set_to_none=True)
@@ -530,18 +507,15 @@ def main():
             torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
         opt.step()
         loss = loss.detach()
-        dist.all_reduce(
-            loss
-        )  # the global batch's loss, for the log line only (not training traffic)
+        # the global batch's loss, for the log line only (not training traffic)
+        dist.all_reduce(loss)
         run.end_step(step, loss.item())
 
-    peak = peak_memory_bytes(
-        d, state_bytes(model, opt) + saved.bytes
-    )  # before report's unsplit GPT runs
+    # before report's unsplit GPT runs
+    peak = peak_memory_bytes(d, state_bytes(model, opt) + saved.bytes)
     figures, comm_bytes = report(d, args, model, comm, dp_rank, cp_rank, dp, cp)
-    full = dict(
-        model.named_parameters()
-    )  # every rank holds the whole model, under the GPT's own names
+    # every rank holds the whole model, under the GPT's own names
+    full = dict(model.named_parameters())
     check = check_against_reference(d, args, run.losses, full) if args.check else None
     run.finish("context_parallel", peak, comm_bytes, check, figures)
 
@@ -591,15 +565,13 @@ def report(d, args, model, comm, dp_rank, cp_rank, dp, cp):
     zigzag = args.layout == "zigzag"
     ring = args.attention == "ring"
     x = MarkovData(args.vocab, args.seed).batch(args.steps - 1, args.batch_size, T, args.ragged)[0]
-    x = (
-        x[dp_rank * b : (dp_rank + 1) * b].contiguous().to(d.device)
-    )  # (b, T) my replica's sequences
+    # (b, T) my replica's sequences
+    x = x[dp_rank * b : (dp_rank + 1) * b].contiguous().to(d.device)
     with SavedActivations() as split, CountBlocks() as counted:
         model(shard_sequence(x, cp_rank, cp, zigzag))
     computed = counted.blocks[: len(counted.blocks) // L]  # layer 0's
-    with (
-        SavedActivations() as whole
-    ):  # common's GPT on the same b whole sequences: 1/cp of it is the goal
+    # common's GPT on the same b whole sequences: 1/cp of it is the goal
+    with SavedActivations() as whole:
         build_gpt(GPTConfig.from_args(args), args.seed, DTYPES[args.dtype], d.device)(x)
     mine = [
         comm.total(axis="cp", phase="fwd") // L,

@@ -96,12 +96,10 @@ WIRE = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 @dataclass
 class Args(CommonArgs):
-    bucket_cap_mb: float = (
-        0.1  # bucket capacity in MiB (torch: 25, which would be one bucket for this model)
-    )
-    first_bucket_mb: float = (
-        0.02  # capacity of bucket 0, the first to launch (torch: 1): small starts early
-    )
+    # bucket capacity in MiB (torch: 25, which would be one bucket for this model)
+    bucket_cap_mb: float = 0.1
+    # capacity of bucket 0, the first to launch (torch: 1): small starts early
+    first_bucket_mb: float = 0.02
     compress: Literal["none", "bf16", "fp16"] = "none"  # dtype the gradients travel in
 
 
@@ -167,23 +165,19 @@ class BucketedDDP(nn.Module):
                 "BucketedDDP: no parameter of the module requires grad: nothing to average"
             )
         self.device = self.params[0].device
-        with (
-            torch.no_grad()
-        ):  # 1. one starting point: rank 0's weights (torch DDP broadcasts them too)
+        # 1. one starting point: rank 0's weights (torch DDP broadcasts them too)
+        with torch.no_grad():
             for t in list(module.parameters()) + list(module.buffers()):
                 dist.broadcast(t, src=self.src, group=group)
-        self._build_buckets(
-            list(reversed(range(len(self.params))))
-        )  # 2. first guess: reverse registration
+        # 2. first guess: reverse registration
+        self._build_buckets(list(reversed(range(len(self.params)))))
         for i, p in enumerate(self.params):
             p.register_post_accumulate_grad_hook(lambda p, i=i: self._grad_ready(i))
         self.require_sync = True  # no_sync() turns it off
-        self._sync = (
-            False  # decided at forward, as torch DDP does: a backward syncs if its forward did
-        )
-        self._used = [False] * len(
-            self.params
-        )  # got a gradient since the last synced backward (no_sync too)
+        # decided at forward, as torch DDP does: a backward syncs if its forward did
+        self._sync = False
+        # got a gradient since the last synced backward (no_sync too)
+        self._used = [False] * len(self.params)
         # order gradients arrive in the first synced backward (None: never rebuild, or rebuilt already);
         # torch rebuilds only without find_unused_parameters, and so does this file
         self._arrival = None if find_unused_parameters else []
@@ -242,9 +236,8 @@ class BucketedDDP(nn.Module):
             self._rebuild()
         self._sync = self.require_sync and torch.is_grad_enabled()
         if self._sync:  # fresh per-backward state
-            if (
-                self._arrival is not None
-            ):  # (re)start recording: the first backward that completes counts
+            # (re)start recording: the first backward that completes counts
+            if self._arrival is not None:
                 self._arrival = []
             self._pending = [
                 len(idx) for idx in self.buckets
@@ -291,9 +284,8 @@ class BucketedDDP(nn.Module):
         """Launch every full bucket, in index order only (a full bucket waits for the earlier ones)."""
         while self._next < len(self.buckets) and self._pending[self._next] == 0:
             buf = self.buffers[self._next]  # (n_b,) this rank's gradients / N
-            if (
-                self.wire_dtype is not None
-            ):  # a 16-bit copy travels: rounded, then divided (torch's hook)
+            # a 16-bit copy travels: rounded, then divided (torch's hook)
+            if self.wire_dtype is not None:
                 buf = buf.to(self.wire_dtype).div_(self.world)
                 self._wires.append(buf)
             self.works.append(self._reduce(self._next, buf))
@@ -307,9 +299,8 @@ class BucketedDDP(nn.Module):
         """Autograd-engine callback, after the whole graph ran and before backward() returns."""
         missing = self._fill_missing()
         if missing and not self.find_unused:
-            for (
-                work
-            ) in self.works:  # the group stays consistent: this rank took part in every collective
+            # the group stays consistent: this rank took part in every collective
+            for work in self.works:
                 work.wait()
             self._sync, self._used = False, [False] * len(self.params)
             raise RuntimeError(
@@ -319,9 +310,8 @@ class BucketedDDP(nn.Module):
             )
         self._wait(self._unused_everywhere() if self.find_unused else set())
         if self._arrival is not None:
-            self._rebuild_pending = (
-                True  # the next forward rebuilds the buckets from this arrival order
-            )
+            # the next forward rebuilds the buckets from this arrival order
+            self._rebuild_pending = True
         self._sync, self._used = False, [False] * len(self.params)
 
     def _fill_missing(self):
@@ -337,9 +327,8 @@ class BucketedDDP(nn.Module):
 
     def _unused_everywhere(self):
         """The parameters no rank used since the last sync: unused here is not unused everywhere."""
-        used = torch.tensor(
-            self._used, dtype=torch.int32, device=self.device
-        )  # (P,) 1 = got a gradient
+        # (P,) 1 = got a gradient
+        used = torch.tensor(self._used, dtype=torch.int32, device=self.device)
         dist.all_reduce(used, group=self.group)  # (P,) ranks that used each parameter
         return {i for i, u in enumerate(used.tolist()) if u == 0}
 
@@ -399,9 +388,8 @@ def main():
     model = build_gpt(GPTConfig.from_args(args), args.seed, DTYPES[args.dtype], d.device)
     ddp = BucketedDDP(model, args.bucket_cap_mb, args.first_bucket_mb, compress=WIRE[args.compress])
     opt = make_optimizer(model.parameters(), args)
-    run = Run(
-        d, args, {"model": model, "buckets": BucketLayout(ddp), "optim": opt}
-    )  # resumes: --ckpt-dir
+    # resumes: --ckpt-dir
+    run = Run(d, args, {"model": model, "buckets": BucketLayout(ddp), "optim": opt})
     comm = CommCounter()
     overlap = Overlap(ddp)
     acts = SavedActivations()
@@ -410,20 +398,18 @@ def main():
     # (after the rebuild; bench.py times the steps after its warm-up, and counts torch's in its last warm-up)
     count_at = min(max(run.start, 1), args.steps - 1)
     for step in run.steps():
-        x, y = data.batch(
-            step, args.batch_size, args.seq_len, args.ragged
-        )  # (B, T) global batch, CPU
+        # (B, T) global batch, CPU
+        x, y = data.batch(step, args.batch_size, args.seq_len, args.ragged)
         n_tok = count_tokens(y)  # tokens of the whole global batch: the loss divisor on every rank
+        # (B/N, T)
         x, y = to_device(
             d.device, x[d.rank * b : (d.rank + 1) * b], y[d.rank * b : (d.rank + 1) * b]
-        )  # (B/N, T)
+        )
         with run.watching(step, comm, acts, at=count_at):
-            opt.zero_grad(
-                set_to_none=True
-            )  # backward's hooks copy each gradient into its bucket once
-            loss = lm_loss(
-                ddp(x), y, n_tok
-            )  # this rank's share L_r of the global loss L = sum_r L_r
+            # backward's hooks copy each gradient into its bucket once
+            opt.zero_grad(set_to_none=True)
+            # this rank's share L_r of the global loss L = sum_r L_r
+            loss = lm_loss(ddp(x), y, n_tok)
             # DDP *averages*: backpropagate N * L_r, so mean_r grad(N L_r) = grad L exactly, ragged or not
             (loss * d.world).backward()  # returns with every .grad averaged over ranks
             if args.clip > 0:  # grads are now replicated, so this local norm is the global norm
@@ -440,9 +426,8 @@ def main():
         *ddp._wires,
         *(v for s in opt.state.values() for v in s.values() if torch.is_tensor(v) and v.dim() > 0),
     ]
-    peak = peak_memory_bytes(
-        d, tensor_bytes(held) + acts.bytes
-    )  # read before --check trains a reference
+    # read before --check trains a reference
+    peak = peak_memory_bytes(d, tensor_bytes(held) + acts.bytes)
     check = None
     if args.check:
         # None: common's float reference and tolerances
@@ -524,13 +509,14 @@ class Overlap:
         arrived, works = sum(self.ddp.arrived), self.ddp.works
         ended = self._event() if self.cuda else [w.is_completed() for w in works]
         self.finish()
+        # the first launch of a backward starts its record (on a GPU with an event: its zero)
         self.steps.append(
             dict(self.now, arrived=arrived, ended=ended, order=sum(self.ddp.buckets, []))
         )
 
     def _begin(
         self,
-    ):  # the first launch of a backward starts its record (on a GPU with an event: its zero)
+    ):
         if not self.ddp.works:
             self.now = dict(launched=[], zero=self._event() if self.cuda else None)
 
@@ -617,9 +603,8 @@ def compressed_reference(args, world, wire, device):
         total = 0.0
         summed = None
         for r in range(world):
-            loss = lm_loss(
-                model(x[r * b : (r + 1) * b]), y[r * b : (r + 1) * b], n_tok
-            )  # L_r on rank r's slice
+            # L_r on rank r's slice
+            loss = lm_loss(model(x[r * b : (r + 1) * b]), y[r * b : (r + 1) * b], n_tok)
             g = [t.to(wire).div_(world) for t in torch.autograd.grad(loss * world, params)]
             summed = g if summed is None else [s + t for s, t in zip(summed, g)]
             total += loss.item()

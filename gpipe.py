@@ -81,18 +81,14 @@ from harness import (
 
 @dataclass
 class Args(CommonArgs):
-    microbatches: int = (
-        4  # m: micro-batches per global batch (--batch-size must be divisible by it)
-    )
-    recompute: bool = (
-        False  # re-materialisation: keep each micro-batch's stage input only, rerun F during B
-    )
-    trace: str = (
-        ""  # write the last step's measured F/B events as a Chrome trace (JSON) to this path
-    )
-    stage_ms: float = (
-        0.0  # simulate compute time: each F of a micro-batch also waits this many ms, each B 2x
-    )
+    # m: micro-batches per global batch (--batch-size must be divisible by it)
+    microbatches: int = 4
+    # re-materialisation: keep each micro-batch's stage input only, rerun F during B
+    recompute: bool = False
+    # write the last step's measured F/B events as a Chrome trace (JSON) to this path
+    trace: str = ""
+    # simulate compute time: each F of a micro-batch also waits this many ms, each B 2x
+    stage_ms: float = 0.0
 
 
 # ----------------------------------------------------------------------------- the stages
@@ -137,9 +133,8 @@ class Stage(nn.Module):
             h = self.drop(self.tok_emb(h) + self.pos_emb(torch.arange(h.shape[1], device=h.device)))
         for block in self.blocks.values():
             h = block(h)  # (b, T, D)
-        return (
-            self.head(self.ln_f(h)) if self.last else h
-        )  # last: logits (b, T, V); others: (b, T, D)
+        # last: logits (b, T, V); others: (b, T, D)
+        return self.head(self.ln_f(h)) if self.last else h
 
 
 def check_microbatches(rows, m):
@@ -214,9 +209,8 @@ def gpipe_step(
             f"prev {prev}, nxt {nxt}: give other ranks within the group (0..{size - 1}; this is "
             f"{me}), not global ranks, on a rank of the group"
         )
-    if (
-        first and len({x.shape for x in xs}) > 1
-    ):  # the next stage receives every micro-batch into one shape
+    # the next stage receives every micro-batch into one shape
+    if first and len({x.shape for x in xs}) > 1:
         raise ValueError(
             f"micro-batches of shapes {sorted({tuple(x.shape) for x in xs})}: cut equal ones"
         )
@@ -263,9 +257,8 @@ def gpipe_step(
         else:
             send(out.detach(), nxt)  # (b, T, D) to stage s+1
             out_shape = out.shape
-        outputs[i] = (
-            None if recompute else out
-        )  # micro-batch i keeps its graph until B, or only its input
+        # micro-batch i keeps its graph until B, or only its input
+        outputs[i] = None if recompute else out
     finish_sends()  # under --recompute, then, only the m inputs are left
 
     # 2. all backwards, in the same order. B of micro-batch i starts when d loss / d output has arrived.
@@ -279,9 +272,8 @@ def gpipe_step(
             req.wait()
         with observe("B", i):
             out = outputs[i]
-            if (
-                recompute
-            ):  # Sec. 2.3: rerun F from the kept input, this time keeping the graph, with the same
+            # Sec. 2.3: rerun F from the kept input, this time keeping the graph, with the same
+            if recompute:
                 # dropout masks: replay the RNG state F started from (as torch.utils.checkpoint does)
                 cpu_state, device_state = rng[i]
                 with torch.random.fork_rng(
@@ -291,14 +283,12 @@ def gpipe_step(
                     if device_state is not None:
                         torch.cuda.set_rng_state(device_state, like.device)
                     out = forward(i)
-            torch.autograd.backward(
-                out, grad
-            )  # adds micro-batch i's gradient into every .grad of the stage
+            # adds micro-batch i's gradient into every .grad of the stage
+            torch.autograd.backward(out, grad)
         if not first:
             send(inputs[i].grad, prev)  # (b, T, D) d loss / d input, to stage s-1
-        inputs[i] = outputs[i] = rng[i] = out = (
-            None  # the graph and micro-batch i's activations go now
-        )
+        # the graph and micro-batch i's activations go now
+        inputs[i] = outputs[i] = rng[i] = out = None
     finish_sends()
     return loss_sum
 
@@ -353,9 +343,8 @@ def main():
     )
     torch.manual_seed(args.seed + d.rank)  # dropout masks (if any) differ per stage
     dtype = DTYPES[args.dtype]
-    gpt = build_gpt(
-        GPTConfig.from_args(args), args.seed, dtype
-    )  # the whole model on CPU; a stage takes part
+    # the whole model on CPU; a stage takes part
+    gpt = build_gpt(GPTConfig.from_args(args), args.seed, dtype)
     shapes = {n: q.shape for n, q in gpt.named_parameters()}
     stage = Stage(gpt, d.rank, bounds).to(d.device)
     opt = make_optimizer(stage.parameters(), args)
@@ -372,18 +361,14 @@ def main():
     # NCCL sets up its communicator at the first collective; batched point-to-point must not come first
     dist.all_reduce(torch.zeros(1, device=d.device))
     for step in run.steps():
-        x, y = data.batch(
-            step, args.batch_size, args.seq_len, args.ragged
-        )  # (B, T) global batch, on CPU
-        n_tok = count_tokens(
-            y
-        )  # tokens of the global batch (on CPU): every micro-batch loss divides by it
-        xs = (
-            micro_batches(x, m, d.device) if prev is None else [None] * m
-        )  # m x (b, T), b = B/m: first stage
-        ys = (
-            micro_batches(y, m, d.device) if nxt is None else [None] * m
-        )  # their targets: last stage
+        # (B, T) global batch, on CPU
+        x, y = data.batch(step, args.batch_size, args.seq_len, args.ragged)
+        # tokens of the global batch (on CPU): every micro-batch loss divides by it
+        n_tok = count_tokens(y)
+        # m x (b, T), b = B/m: first stage
+        xs = micro_batches(x, m, d.device) if prev is None else [None] * m
+        # their targets: last stage
+        ys = micro_batches(y, m, d.device) if nxt is None else [None] * m
         opt.zero_grad(set_to_none=True)
         watched = step == args.steps - 1  # the last step is timed and its bytes held for B measured
         with run.watching(step, comm, at=count_at):
@@ -469,9 +454,10 @@ class HeldForB(PipelineWatch):
             self.sample()
         return t
 
+    # the peak (kept in self.live.peak), one op's full set, the micro-batches alive
     def sample(
         self,
-    ):  # the peak (kept in self.live.peak), one op's full set, the micro-batches alive
+    ):
         self.live.alive()
         self.full_bytes, self.in_b = max(self.full_bytes, self.mine.alive()), False
         self.alive = max(self.alive, sum(s.alive() > 0 for s in self.of_mb.values()))

@@ -71,15 +71,26 @@ class _Parser(argparse.ArgumentParser):
 
 
 def parse_args(cls, argv=None):
-    """Turn an Args dataclass into flags: `n_layers: int = 4  # help` becomes `--n-layers 4`. The fields
-    named in the class attribute HIDDEN (a launcher's own, or flags the file refuses) parse, unlisted."""
+    """Turn an Args dataclass into flags: `n_layers: int = 4  # help` becomes `--n-layers 4`; a help too
+    long for the field's line stands in the comment lines right above it. The fields named in the class
+    attribute HIDDEN (a launcher's own, or flags the file refuses) parse, unlisted."""
     helps = {}
     for klass in reversed(cls.__mro__):
         try:
             src = inspect.getsource(klass)
         except (OSError, TypeError):
             continue
-        helps.update(re.findall(r"^\s+(\w+):[^#\n]*#\s*(.*)$", src, re.M))
+        above = []  # the comment lines since the last field
+        for line in src.splitlines():
+            comment = re.match(r"^\s+#\s*(.*)$", line)
+            field = re.match(r"^\s+(\w+):[^#]*?(?:#\s*(.*))?$", line)
+            if comment:
+                above.append(comment.group(1))
+            elif field:
+                helps[field.group(1)] = field.group(2) or " ".join(above)
+                above = []
+            else:
+                above = []
     doc = sys.modules[cls.__module__].__doc__ or ""
     parser = _Parser(description=doc.split("\n\n")[0])  # the docstring's first paragraph, whole
     hints = get_type_hints(cls)
@@ -256,9 +267,8 @@ def write_summary(
         check=check,
         figures=figures or {},
     )
-    if (
-        d.device.type == "cuda" and _counted
-    ):  # CUDA's peak above, the bytes the file counted beside it
+    # CUDA's peak above, the bytes the file counted beside it
+    if d.device.type == "cuda" and _counted:
         summary["counted_mem_bytes"] = _counted["bytes"]
     if d.rank == 0 and args.json:
         tmp = args.json + ".tmp"
@@ -361,9 +371,8 @@ class Checkpointer:
             state["rng_cuda"] = torch.cuda.get_rng_state(self.d.device)
         tmp = os.path.join(self.dir, f".step{step}.pt.tmp")
         torch.save(state, tmp)
-        os.replace(
-            tmp, os.path.join(self.dir, f"step{step}.pt")
-        )  # atomic: never a half-written file
+        # atomic: never a half-written file
+        os.replace(tmp, os.path.join(self.dir, f"step{step}.pt"))
         for old in self._steps_on_disk()[:-2]:
             os.remove(os.path.join(self.dir, f"step{old}.pt"))
 
@@ -697,31 +706,27 @@ class CommCounter(TorchDispatchMode):
 
     def _count(self, op, name, ns, args):
         pg = self._group(ns, args)
-        if (
-            name == "batch_p2p_ops"
-        ):  # (["isend" | "irecv", ...], peers, tags, tensors, group): one call each
+        # (["isend" | "irecv", ...], peers, tags, tensors, group): one call each
+        if name == "batch_p2p_ops":
             for kind, peer, tag, t in zip(*args[:4]):
                 self._add(
                     "send" if kind == "isend" else "recv", pg, [t], t.numel(), peer, tag, args
                 )
             return
         size = pg.size() if pg is not None else dist.get_world_size()
-        if (
-            ns == "_c10d_functional"
-        ):  # (input or inputs, ...): the output is returned, not passed in
+        # (input or inputs, ...): the output is returned, not passed in
+        if ns == "_c10d_functional":
             handed = whole = _tensors(args[0])
-        elif (
-            op in _OUT_IN
-        ):  # (outputs, inputs, pg, ...): a list per rank, or one tensor (the *_base_ forms)
+        # (outputs, inputs, pg, ...): a list per rank, or one tensor (the *_base_ forms)
+        elif op in _OUT_IN:
             handed = _tensors(args[1])
             whole = _tensors(args[0] if op in ("all_gather", "scatter") else args[1])
         else:  # (tensors, pg, ...): all-reduce, broadcast, reduce, send, recv
             handed = whole = _tensors(args[0])
         elems = sum(t.numel() for t in whole)
         if op in ("gather", "scatter") or ns == "_c10d_functional" and op == "all_gather":
-            elems *= (
-                size  # the whole is not an argument (or is at the root only): my piece x the group
-            )
+            # the whole is not an argument (or is at the root only): my piece x the group
+            elems *= size
         peer_at, tag_at = _PEER_TAG.get((ns, name), (None, None))
         peer = args[peer_at] if peer_at is not None else None  # None: a receive from any source
         tag = args[tag_at] if tag_at is not None else None
@@ -816,9 +821,8 @@ class Timeline:
         self.cuda = d.device.type == "cuda"
         self.simulate = simulate or {}
         self.events = []
-        self.tags = tuple(
-            tags
-        )  # the names of the numbers an event may carry besides rank, kind, mb, times
+        # the names of the numbers an event may carry besides rank, kind, mb, times
+        self.tags = tuple(tags)
         self.zero()
 
     def zero(self):
@@ -894,9 +898,8 @@ def draw_timeline(events, rows, lo, hi, label, row_key="rank", row_name="stage",
     if not shown:
         return "(no events)"
     typical = sorted(e["end"] - e["start"] for e in shown)[len(shown) // 2]
-    cols = int(
-        min(max_cols, max(60, 3 * (hi - lo) / max(typical, 1e-6)))
-    )  # a typical op gets ~3 columns
+    # a typical op gets ~3 columns
+    cols = int(min(max_cols, max(60, 3 * (hi - lo) / max(typical, 1e-6))))
     per_col, lines = (hi - lo) / cols, []
     for r in range(rows):
         line = ["."] * cols

@@ -82,12 +82,10 @@ from harness import (
 class Args(CommonArgs):
     accum: int = 1  # micro-batches per rank per optimizer step (gradient accumulation)
     recompute: Literal["none", "full", "selective"] = "none"  # recompute activations in backward
-    compress_activations: Literal["none", "bf16", "int8"] = (
-        "none"  # encode activations saved for backward
-    )
-    optimizer: Literal["adamw", "adafactor"] = (
-        "adamw"  # adafactor: factored second moments, no first moment
-    )
+    # encode activations saved for backward
+    compress_activations: Literal["none", "bf16", "int8"] = "none"
+    # adafactor: factored second moments, no first moment
+    optimizer: Literal["adamw", "adafactor"] = "adamw"
 
 
 # ============================================================================= the base: data parallel
@@ -106,35 +104,33 @@ def dp_step(model, opt, micro_batches, loss_fn, clip=0.0, group=None, saver=None
         loss.backward()
         total = total + loss.detach().double()
     params = list(model.parameters())
-    if any(
-        p.grad is None for p in params
-    ):  # checked before the collectives: a None cannot be all-reduced
+    # checked before the collectives: a None cannot be all-reduced
+    if any(p.grad is None for p in params):
         raise ValueError(
             "a parameter got no gradient: give each rank micro-batches; freeze what is unused"
         )
     for p in params:  # SUM: each rank's loss is already divided by the global token count
         dist.all_reduce(p.grad, group=group)
     if clip > 0:
-        torch.nn.utils.clip_grad_norm_(
-            params, clip
-        )  # the gradients agree everywhere: local norm = global
+        # the gradients agree everywhere: local norm = global
+        torch.nn.utils.clip_grad_norm_(params, clip)
     opt.step()
     return total
 
 
 # ============================================================================= 1. activation recomputation
+# where the RNG stands (the CPU's, and the GPU's on one): dropout draws from it
 def rng_state(
     device,
-):  # where the RNG stands (the CPU's, and the GPU's on one): dropout draws from it
+):
     return torch.get_rng_state(), torch.cuda.get_rng_state(
         device
     ) if device.type == "cuda" else None
 
 
 @contextlib.contextmanager
-def replayed(
-    rng, device
-):  # run the block under the RNG state `rng` saved; the RNG is left as it was
+# run the block under the RNG state `rng` saved; the RNG is left as it was
+def replayed(rng, device):
     cpu, gpu = rng
     with torch.random.fork_rng(devices=[device] if gpu is not None else []):
         torch.set_rng_state(cpu)
@@ -216,15 +212,15 @@ def encode(t, how):  # (..., C) -> bf16 (..., C), or int8 (..., C) and scales (.
     t = t.detach()
     if how == "bf16":
         return Encoded(t.to(torch.bfloat16), None, t.dtype)
-    scale = (
-        t.abs().amax(-1, keepdim=True).clamp_min(torch.finfo(t.dtype).tiny) / 127
-    )  # row absmax -> 127
+    # row absmax -> 127
+    scale = t.abs().amax(-1, keepdim=True).clamp_min(torch.finfo(t.dtype).tiny) / 127
     return Encoded(torch.round(t / scale).to(torch.int8), scale, t.dtype)
 
 
+# back to the dtype forward saved it in; error <= half a step: |x| u, u = 2^-9 or absmax/254
 def decode(
     e,
-):  # back to the dtype forward saved it in; error <= half a step: |x| u, u = 2^-9 or absmax/254
+):
     x = e.data.to(e.dtype)
     return x if e.scale is None else x * e.scale
 
@@ -276,9 +272,8 @@ class Adafactor(torch.optim.Optimizer):
         big = [
             tuple(p.shape) for group in self.param_groups for p in group["params"] if p.dim() > 2
         ]
-        if (
-            big
-        ):  # torch factors their last two dims; this one would keep a whole second moment instead
+        # torch factors their last two dims; this one would keep a whole second moment instead
+        if big:
             raise ValueError(
                 f"shapes {big}: this Adafactor factors 2-D only; use torch.optim.Adafactor"
             )
@@ -302,9 +297,8 @@ class Adafactor(torch.optim.Optimizer):
                 if g.dim() == 2:
                     st["row"].lerp_(g.square().mean(1), beta)  # (R,)
                     st["col"].lerp_(g.square().mean(0), beta)  # (C,)
-                    v = torch.outer(st["row"], st["col"]) / st["row"].mean().clamp(
-                        min=eps1
-                    )  # (R, C)
+                    # (R, C)
+                    v = torch.outer(st["row"], st["col"]) / st["row"].mean().clamp(min=eps1)
                 else:
                     v = st["var"].lerp_(g.square(), beta).clone()
                 u = v.clamp_(min=eps1 * eps1).rsqrt_() * g
@@ -324,12 +318,11 @@ def check_args(args, world):
             "--recompute and --compress-activations: pick one (a recomputed block keeps little to compress)"
         )
     if args.compress_activations == "bf16" and args.dtype == "bfloat16":
+        # (recomputation's exactness with dropout: memory_savers_checks.py)
         fail(
             "--compress-activations bf16 with --dtype bfloat16 saves nothing: use int8, or --dtype float32"
         )
-    if (
-        args.check and args.dropout > 0
-    ):  # (recomputation's exactness with dropout: memory_savers_checks.py)
+    if args.check and args.dropout > 0:
         fail(
             f"--check needs --dropout 0 (got {args.dropout}): the one-process reference cannot replay the "
             "ranks' dropout streams"
@@ -345,19 +338,16 @@ def main():
         f"memory_savers.py on {d.world} ranks ({d.backend}): recompute {args.recompute}, compress "
         f"{args.compress_activations}, {args.optimizer}; entropy floor {data.entropy:.4f} nats/token"
     )
-    model = build_gpt(
-        GPTConfig.from_args(args), args.seed, DTYPES[args.dtype], d.device
-    )  # whole, one seed
+    # whole, one seed
+    model = build_gpt(GPTConfig.from_args(args), args.seed, DTYPES[args.dtype], d.device)
     rows, mb = args.batch_size // d.world, args.batch_size // (d.world * args.accum)
-    x0 = data.batch(0, args.batch_size, args.seq_len)[0][:mb].to(
-        d.device
-    )  # measurement: one micro-batch
+    # measurement: one micro-batch
+    x0 = data.batch(0, args.batch_size, args.seq_len)[0][:mb].to(d.device)
     plain = activations(model, x0)  # (measurement: what it keeps without the savers)
     recompute(model.blocks, args.recompute)
     how = args.compress_activations
-    gist = (
-        Gist(how, model.parameters()) if how != "none" else None
-    )  # Gist's hooks go around each forward
+    # Gist's hooks go around each forward
+    gist = Gist(how, model.parameters()) if how != "none" else None
     saved = activations(model, x0, gist)  # (measurement: ... and with them)
     opt = (
         make_optimizer(model.parameters(), args)
@@ -367,13 +357,11 @@ def main():
     torch.manual_seed(args.seed + d.rank)  # dropout masks differ per rank; a resume restores them
     run, comm = Run(d, args, {"model": model, "optim": opt}), CommCounter()
     for step in run.steps():
-        x, y = data.batch(
-            step, args.batch_size, args.seq_len, args.ragged
-        )  # (B, T) global, on the CPU
+        # (B, T) global, on the CPU
+        x, y = data.batch(step, args.batch_size, args.seq_len, args.ragged)
         n_tok = count_tokens(y)
-        x, y = (
-            t[d.rank * rows : (d.rank + 1) * rows].to(d.device) for t in (x, y)
-        )  # (B/N, T) mine
+        # (B/N, T) mine
+        x, y = (t[d.rank * rows : (d.rank + 1) * rows].to(d.device) for t in (x, y))
         with run.watching(step, comm):  # the bytes of the last step, seen at the dispatcher
             loss = dp_step(
                 model,
@@ -413,9 +401,8 @@ class MadeStorages(TorchDispatchMode):
             )
         ]
 
-    def _in(
-        self, k
-    ):  # (returns None: a hook's return value would replace the inputs or the output)
+    # (returns None: a hook's return value would replace the inputs or the output)
+    def _in(self, k):
         self.depth += k
 
     def __exit__(self, *exc):

@@ -78,9 +78,8 @@ def plain_sum(out, lse, block_out, block_lse):
 
 
 def stale_kv(send, group, to, frm):
-    got, wait = real_exchange(
-        send, group, to, frm
-    )  # the exchange still happens (the pairing holds) ...
+    # the exchange still happens (the pairing holds) ...
+    got, wait = real_exchange(send, group, to, frm)
     if in_backward() and "kv" in got:
         got["kv"] = send["kv"]  # ... but the block received is never used
     return got, wait
@@ -153,9 +152,8 @@ def attention_checks(d, group, members):
             }[attention]
             got = {k_: b_ for k_, b_ in comm.bytes.items() if b_}
             equal("attention", f"{tag}: bytes handed", got, want)
-            if (
-                attention == "ring"
-            ):  # forward to r+1, backward the other way; blocks as the mask allows
+            # forward to r+1, backward the other way; blocks as the mask allows
+            if attention == "ring":
                 peers = {(c["phase"], c["peer"]) for c in comm.calls_log if c["op"] == "send"}
                 equal(
                     "attention",
@@ -187,9 +185,8 @@ def attention_checks(d, group, members):
         got = out if part == "output" else local[1].grad
         want = cpm.shard_sequence(ref if part == "output" else leaves[1].grad, r, cp, True, dim=2)
         err = torch.stack([(got - want).abs().max()])
-        dist.all_reduce(
-            err, op=dist.ReduceOp.MAX, group=group
-        )  # some ranks may be untouched: the worst one
+        # some ranks may be untouched: the worst one
+        dist.all_reduce(err, op=dist.ReduceOp.MAX, group=group)
         differs(
             "mutant", f"cp {cp} rank {r} ring zigzag, {mutant}: {part}", err, torch.zeros_like(err)
         )
@@ -317,9 +314,10 @@ class Finished(Exception):
 
 
 def runs(d, spec, outdir):
+    # Run.finish ends a run through harness.close_dist: here the next run follows
     def no_exit(
         ok=True,
-    ):  # Run.finish ends a run through harness.close_dist: here the next run follows
+    ):
         raise Finished(ok)
 
     harness.close_dist, cpm.init_dist = no_exit, lambda timeout=120: d
@@ -329,9 +327,8 @@ def runs(d, spec, outdir):
         events.append("peak read")
         return real_peak(*a)
 
-    def build(
-        *a, **k
-    ):  # main's GPT lends its modules and never runs forward; report's unsplit one does
+    # main's GPT lends its modules and never runs forward; report's unsplit one does
+    def build(*a, **k):
         gpt = real_build(*a, **k)
         gpt.register_forward_pre_hook(lambda *_: events.append("unsplit GPT forward"))
         return gpt

@@ -140,9 +140,8 @@ for step in range(3):
     x, y, xl, yl, n_tok = batch(step)
     for model, opt in ((ours, opt_ours), (ref, opt_ref)):
         opt.zero_grad(set_to_none=True)
-        backward(
-            model, xl, yl, n_tok, d.world
-        )  # N * L_r, averaged by DDP = grad of the global loss
+        # N * L_r, averaged by DDP = grad of the global loss
+        backward(model, xl, yl, n_tok, d.world)
     g_ours, g_ref, g_full = grads(m_ours), grads(m_ref), full_batch_grads([step])
     local = gpt()
     local.load_state_dict(m_ours.state_dict())
@@ -279,9 +278,8 @@ class Reversed(nn.Module):
         return self.c(torch.tanh(self.b(torch.tanh(self.a(x)))))
 
 
-rv = BucketedDDP(
-    Reversed(), bucket_cap_mb=0.03, first_bucket_mb=0.03
-)  # 33 KB weight: one layer per bucket
+# 33 KB weight: one layer per bucket
+rv = BucketedDDP(Reversed(), bucket_cap_mb=0.03, first_bucket_mb=0.03)
 rv_watch = Overlap(rv)
 for _ in range(2):
     rv(torch.randn(4, 64, dtype=F64, device=d.device)).square().sum().backward()
@@ -607,9 +605,8 @@ class CopyOut(BucketedDDP):
 for cls in (BucketedDDP, CopyOut):
     m = gpt()
     ddp, opt, copies = cls(m, CAP, FIRST), make_optimizer(m.parameters(), CommonArgs()), []
-    for step, set_to_none in enumerate(
-        (True, True, False, False)
-    ):  # the rebuild comes before step 1
+    # the rebuild comes before step 1
+    for step, set_to_none in enumerate((True, True, False, False)):
         opt.zero_grad(set_to_none=set_to_none)
         _, _, xl, yl, n_tok = batch(50 + step)
         with Copies(ddp) as c:
@@ -632,9 +629,8 @@ for cls in (BucketedDDP, CopyOut):
 # 10. copy-out: BucketedDDP on a model that is not the GPT (nested modules, a parameter on the root module,
 # odd sizes, a Huber loss, gradient accumulation under no_sync, clipping) == plain one-process training
 Net = functools.partial(SmallNet, 3, d.device)  # the same weights on every rank
-net_batch = functools.partial(
-    dp_common.net_batch, rows=B, seed=200, device=d.device
-)  # (B, 7), (B, 3)
+# (B, 7), (B, 3)
+net_batch = functools.partial(dp_common.net_batch, rows=B, seed=200, device=d.device)
 
 
 def huber(model, x, y):  # a sum over the rows given / the rows of the whole batch
@@ -652,18 +648,16 @@ for model, distributed in ((plain, False), (Net(), True), (Net(), None)):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, foreach=False)
     for step in range(4):
         opt.zero_grad(set_to_none=step % 2 == 0)
-        for k, (x, y) in enumerate(
-            zip(*(t.chunk(2) for t in net_batch(step)))
-        ):  # two micro-batches
+        # two micro-batches
+        for k, (x, y) in enumerate(zip(*(t.chunk(2) for t in net_batch(step)))):
             if distributed is not False:  # this rank's rows of each micro-batch
                 x, y = (
                     x[d.rank * rows // 2 : (d.rank + 1) * rows // 2],
                     y[d.rank * rows // 2 : (d.rank + 1) * rows // 2],
                 )
             with net.no_sync() if distributed and k == 0 else contextlib.nullcontext():
-                (
-                    huber(net, x, y) * (d.world if distributed else 1)
-                ).backward()  # DDP averages: N x rank's share
+                # DDP averages: N x rank's share
+                (huber(net, x, y) * (d.world if distributed else 1)).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
         opt.step()
     diff = max((a - b).abs().max().item() for a, b in zip(model.parameters(), plain.parameters()))

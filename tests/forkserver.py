@@ -50,9 +50,8 @@ def start_worker(req, rank, attempt, port):
         os.setpgid(0, 0)
         os.close(REPLY_FD)
         null = os.open(os.devnull, os.O_RDONLY)
-        suffix = (
-            f".{rank}" if req["mode"] == "ranks" else ""
-        )  # each rank's own output, or one shared
+        # each rank's own output, or one shared
+        suffix = f".{rank}" if req["mode"] == "ranks" else ""
         out = os.open(req["out"] + suffix, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         err = os.open(req["err"] + suffix, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         os.dup2(null, 0)
@@ -60,9 +59,8 @@ def start_worker(req, rank, attempt, port):
         os.dup2(err, 2)
         os.environ.clear()
         os.environ.update(req["env"])
-        if (
-            req["mode"] != "plain"
-        ):  # what torchrun's agent sets ("ranks": the same, with no rendezvous behind it)
+        # what torchrun's agent sets ("ranks": the same, with no rendezvous behind it)
+        if req["mode"] != "plain":
             os.environ.update(
                 RANK=str(rank),
                 LOCAL_RANK=str(rank),

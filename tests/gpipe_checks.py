@@ -57,12 +57,10 @@ class Net(nn.Module):
     def __init__(self):
         super().__init__()
         self.blocks = nn.ModuleList(Block(a, b) for a, b in zip(WIDTHS, WIDTHS[1:]))
-        self.gain = nn.Parameter(
-            torch.linspace(0.5, 1.5, WIDTHS[-1])
-        )  # a parameter on the root module
-        self.temp = nn.Parameter(
-            torch.tensor(1.5)
-        )  # shape (): a 0-dim gradient to clip (issue 30, defect 4)
+        # a parameter on the root module
+        self.gain = nn.Parameter(torch.linspace(0.5, 1.5, WIDTHS[-1]))
+        # shape (): a 0-dim gradient to clip (issue 30, defect 4)
+        self.temp = nn.Parameter(torch.tensor(1.5))
 
     def forward(self, x):
         for block in self.blocks:
@@ -223,9 +221,8 @@ def unwatched_registers():
 def copy_out(out_dir):
     dist.init_process_group("gloo")
     rank = dist.get_rank()
-    backwards = dist.new_group(
-        list(range(dist.get_world_size()))[::-1], sort_ranks=False
-    )  # stage s: 2 - s
+    # stage s: 2 - s
+    backwards = dist.new_group(list(range(dist.get_world_size()))[::-1], sort_ranks=False)
     runs = {
         how: train_copied_out(how, backwards if how == "reversed" else None)
         for how in ("plain", "recompute", "reversed", "broken")

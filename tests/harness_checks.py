@@ -72,15 +72,15 @@ def the_rest():
     waits = [
         *F.all_reduce_coalesced([a, b], "sum", g),  # 8 elements, 64 B
         *F.all_gather_into_tensor_coalesced([a, b], W, g),  # hands 64 B, 8 W elements gathered
+        # hands 24 W B
         *F.reduce_scatter_tensor_coalesced(
             [torch.ones(2 * W, **f64), torch.ones(W, **f64)], "sum", W, g
-        ),  # hands 24 W B
+        ),
         F.all_reduce_(a, "sum", g),
         F.broadcast(b, 0, g),
     ]  # 40 B; rank 0 is the root: hands 24 B
-    with dist._coalescing_manager(
-        async_ops=True
-    ) as cm:  # c10d's own coalesced all-reduce: 8 elements
+    # c10d's own coalesced all-reduce: 8 elements
+    with dist._coalescing_manager(async_ops=True) as cm:
         dist.all_reduce(a)
         dist.all_reduce(b)
     cm.wait()

@@ -149,9 +149,8 @@ def classify(text):
         guards = all(by_text(src(n.lineno, n.end_lineno)) == "validation" for n in node.body)
         if isinstance(node, ast.If) and guards:
             head = "validation"  # an `if` that guards a failure
-        if (
-            isinstance(node, ast.If) and head != default
-        ):  # `if args.check:`, a guarded failure: all of it
+        # `if args.check:`, a guarded failure: all of it
+        if isinstance(node, ast.If) and head != default:
             put(node.lineno, node.end_lineno, head)
             return
         put(node.lineno, first, head)

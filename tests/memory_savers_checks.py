@@ -124,9 +124,8 @@ def check_recompute(d, args):
     b, T, D, L, e = x.shape[0], a.seq_len, a.d_model, a.n_layers, 8
     model = build_gpt(GPTConfig.from_args(a), a.seed, torch.float64, d.device)
     plain = M.activations(model, x)
-    token_ids = (
-        x.untyped_storage().nbytes()
-    )  # (a view of the step's (B, T+1) tokens: the whole storage)
+    # (a view of the step's (B, T+1) tokens: the whole storage)
+    token_ids = x.untyped_storage().nbytes()
     check(
         d,
         "plain: storages alive after forward + the token ids == harness.SavedActivations",
@@ -192,9 +191,8 @@ def check_with_zero(d, args):
 
     for stage in range(4):
         want = train(stage, "none")
-        for how in (
-            ("full", "selective") if stage == 1 else ("full",)
-        ):  # (selective: torch's; not at stage 3)
+        # (selective: torch's; not at stage 3)
+        for how in ("full", "selective") if stage == 1 else ("full",):
             got = train(stage, how)
             diff = max_diff(got[1], want[1])
             check(
@@ -404,9 +402,8 @@ def check_bad_input(d):
             if what.startswith("control"):
                 ok = msg is None and calls == 2  # one all-reduce per parameter (weight, bias)
             elif tag:
-                ok = msg is not None and not msg.startswith(
-                    "ValueError"
-                )  # torch's error, not the clear one
+                # torch's error, not the clear one
+                ok = msg is not None and not msg.startswith("ValueError")
             else:
                 ok = (
                     msg is not None

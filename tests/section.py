@@ -114,9 +114,8 @@ def ungrouped(name, text=None):
             r"(dist|torch\.distributed)", ast.unparse(f.value)
         ):
             continue
-        if (
-            isinstance(f, ast.Name) and fn != "P2POp"
-        ):  # a bare name is the file's own helper (megatron's all_reduce)
+        # a bare name is the file's own helper (megatron's all_reduce)
+        if isinstance(f, ast.Name) and fn != "P2POp":
             continue
         if fn not in GROUP_ARG:
             continue

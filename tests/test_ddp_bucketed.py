@@ -50,15 +50,13 @@ def test_matches_reference(tmp_path, nproc, extra):
     f = summary["figures"]
     assert f["buckets"] >= 3 and sum(f["bucket_bytes"]) == PARAM_BYTES, f
     assert summary["comm_bytes"] == f["allreduce_payload_bytes_per_step"] == PARAM_BYTES, f
+    # the last bucket can never overlap
     assert f["ring_bytes_sent_per_rank_theory"] == pytest.approx(
         2 * (nproc - 1) / nproc * PARAM_BYTES
     )
-    assert 1 <= f["launched_before_backward_end"] < f["buckets"], (
-        f
-    )  # the last bucket can never overlap
-    assert 0 <= f["completed_before_backward_end"] <= f["buckets"], (
-        f
-    )  # timing-dependent: see the checks script
+    assert 1 <= f["launched_before_backward_end"] < f["buckets"], f
+    # timing-dependent: see the checks script
+    assert 0 <= f["completed_before_backward_end"] <= f["buckets"], f
     assert summary["losses"][-1] < summary["losses"][0]
     assert "theory" in out and "launched before backward finished" in out
 
@@ -100,18 +98,16 @@ def test_restart_rebuilds_the_same_buckets(tmp_path):
     assert rs["losses"] == full["losses"]
     layouts = full["figures"]["bucket_order_per_step"]
     assert layouts[0] != layouts[1]  # the rebuild after step 0 changed the layout...
-    assert (
-        rs["figures"]["bucket_order_per_step"] == layouts[2:]
-    )  # ...and the restart kept the rebuilt one
+    # ...and the restart kept the rebuilt one
+    assert rs["figures"]["bucket_order_per_step"] == layouts[2:]
     a, b = (
         torch.load(tmp_path / k / "rank0" / "step6.pt", weights_only=False) for k in ("full", "rs")
     )
+    # the bucket layout, checkpointed beside the model
     assert a["model"].keys() == b["model"].keys() and all(
         torch.equal(a["model"][n], b["model"][n]) for n in a["model"]
     )
-    assert (
-        a["buckets"] == b["buckets"] and a["buckets"]["order"]
-    )  # the bucket layout, checkpointed beside the model
+    assert a["buckets"] == b["buckets"] and a["buckets"]["order"]
 
 
 @pytest.fixture(scope="module", params=[2, 3])

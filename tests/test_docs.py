@@ -25,9 +25,8 @@ from torch.distributed.run import get_args_parser
 from helpers import ROOT
 
 COMMAND = re.compile(r"^(torchrun|python3?|bash|pip|srun)\b")
-CHECKS = re.compile(
-    r"^check_(\w+_)?args$"
-)  # check_args, check_bench_args; never check_common_args alone
+# check_args, check_bench_args; never check_common_args alone
+CHECKS = re.compile(r"^check_(\w+_)?args$")
 
 
 def commands_in(text):
@@ -85,9 +84,8 @@ def load(path):
     """Import a repo script once, as a fresh module (its own name, so that parse_args finds its Args' source),
     with its argument checks wrapped to raise Accepted once they return."""
     if str(ROOT) not in sys.path:
-        sys.path.insert(
-            0, str(ROOT)
-        )  # the scripts import common and harness, as `python FILE.py` lets them
+        # the scripts import common and harness, as `python FILE.py` lets them
+        sys.path.insert(0, str(ROOT))
     name = f"_docs_{path.stem}"
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
@@ -167,9 +165,8 @@ def accepts(script, argv, world, local=None):
 
 def runs_as_printed(cmd):
     """None if the command line would start and pass its argument checks, else why not."""
-    words = shlex.split(
-        re.sub(r"\$\([^)]*\)", "HOST", cmd), comments=True
-    )  # $(scontrol ...): a host name
+    # $(scontrol ...): a host name
+    words = shlex.split(re.sub(r"\$\([^)]*\)", "HOST", cmd), comments=True)
     head, rest = words[0], words[1:]
     if head == "srun":  # srun ... bash -c 'torchrun ...': the command srun starts on each node
         inner = rest[rest.index("-c") + 1] if "-c" in rest else None
@@ -239,15 +236,14 @@ def test_the_check_catches_what_it_is_for():
     )
     assert "no such file" in runs_as_printed("torchrun --nproc_per_node=4 gpipe2.py --check")
     assert "torchrun refuses" in runs_as_printed("torchrun --nproc_per_nodes=4 gpipe.py --check")
+    # 8 sequences in 3 micro-batches
+    # needs a process per stage
     assert "refused at world 3" in runs_as_printed(
         "torchrun --nproc_per_node=3 gpipe.py --batch-size 8 --microbatches 3"
-    )  # 8 sequences in 3 micro-batches
-    assert "refused at world 1" in runs_as_printed(
-        "python gpipe.py --check"
-    )  # needs a process per stage
-    assert "world 8" in runs_as_printed(
-        "torchrun --nnodes=2 --nproc_per_node=4 gpipe.py"
-    )  # 4 layers only
+    )
+    assert "refused at world 1" in runs_as_printed("python gpipe.py --check")
+    # 4 layers only
+    assert "world 8" in runs_as_printed("torchrun --nnodes=2 --nproc_per_node=4 gpipe.py")
     assert "no flag" in runs_as_printed("bash tests/gpu_check.sh --gpus")
     assert "no path" in runs_as_printed("python -m pytest -q tests/test_nothing.py")
     page = (

@@ -42,9 +42,8 @@ CFG = [
     "--batch-size",
     "16",
 ]  # 4 blocks to split; 16 sequences = 4 or 8 micro-batches
-ACT_BYTES = (
-    16 * 8 * 16 * 8
-)  # a whole batch's (B, T, D) float64 activations: what crosses a boundary per step
+# a whole batch's (B, T, D) float64 activations: what crosses a boundary per step
+ACT_BYTES = 16 * 8 * 16 * 8
 # Simulated compute at p = 4, m = 8: large enough that 4 processes on 2 busy cores still show the schedule (a
 # wake-up or a transfer costs about a millisecond there), and only on that launch, which parity checks anyway.
 STAGE_MS = ("--stage-ms", "50")
@@ -145,15 +144,13 @@ def test_matches_reference_and_obeys_schedule(launch, p, m):
         f["peak_alive_microbatches"] == [m] * p == [alive_from_events(events, r) for r in range(p)]
     )
     assert f["bubble_theory"] == pytest.approx((p - 1) / (m + p - 1))
-    assert all(
-        0 < b < 1 for b in f["bubble"]
-    )  # causality, not timing: every stage waits for another sometime
+    # causality, not timing: every stage waits for another sometime
+    assert all(0 < b < 1 for b in f["bubble"])
     # counted bytes: a stage sends (B/m, T, D) per micro-batch down (unless last) and up (unless first)
     assert f["sent_bytes_per_rank"] == [ACT_BYTES * ((r > 0) + (r < p - 1)) for r in range(p)]
     assert summary["comm_bytes"] == max(f["sent_bytes_per_rank"])
-    assert all(
-        re.search(rf"^stage {r} \|[^|]*F[^|]*B[^|]*\|$", out, re.M) for r in range(p)
-    )  # ASCII timeline
+    # ASCII timeline
+    assert all(re.search(rf"^stage {r} \|[^|]*F[^|]*B[^|]*\|$", out, re.M) for r in range(p))
 
 
 def test_schedule_checks_catch_broken_schedules(launch):
@@ -365,18 +362,16 @@ def test_posted_transfers_complete_under_nccl_pairing(checks):
     for rank, r in enumerate(checks[1]):
         for kind, i, at in r["plain"]["starts"]:
             peer = rank - 1 if kind == "F" else rank + 1
-            if (
-                0 <= peer < 3
-            ):  # receives from that peer posted before this op starts: its own and the next's
+            # receives from that peer posted before this op starts: its own and the next's
+            if 0 <= peer < 3:
                 assert posted[rank][:at].count(("recv", peer)) == min(i + 2, m), (
                     rank,
                     kind,
                     i,
                     posted[rank],
                 )
-    assert nccl_stuck(
-        [[("recv", 1)] + posted[0], posted[1], posted[2]]
-    )  # 0 waits for 1, and 1 for 0
+    # 0 waits for 1, and 1 for 0
+    assert nccl_stuck([[("recv", 1)] + posted[0], posted[1], posted[2]])
     assert nccl_stuck([posted[0][:-1], posted[1], posted[2]])
 
 
@@ -391,9 +386,8 @@ def test_pipeline_runs_along_its_group(checks):
     }
     rev, m = posted["reversed"], gpipe_checks.M
     assert [len(q) for q in rev] == [2 * m, 4 * m, 2 * m] and nccl_stuck(rev) == []
-    assert (
-        {peer for _, peer in rev[2]} == {1} == {peer for _, peer in rev[0]}
-    )  # the ends talk to the middle
+    # the ends talk to the middle
+    assert {peer for _, peer in rev[2]} == {1} == {peer for _, peer in rev[0]}
     assert rev[2][0] == ("send", 1) and rev[0][0] == (
         "recv",
         1,

@@ -94,9 +94,8 @@ def test_full_recompute_world4(tmp_path):
     )
     assert_matches_reference(s)
     assert_activations(s, b=3)
-    assert (
-        s["comm_bytes"] == sum(p.numel() for p in GPT(TINY_CFG).parameters()) * 8
-    )  # one all-reduce each
+    # one all-reduce each
+    assert s["comm_bytes"] == sum(p.numel() for p in GPT(TINY_CFG).parameters()) * 8
 
 
 def test_selective_recompute_with_adafactor_world3_accum(tmp_path):
@@ -296,9 +295,8 @@ def test_cores_refuse_what_they_cannot_do():
 
     text = (ROOT / "memory_savers.py").read_text()
     core = section.load("memory_savers.py")
-    mutant = section.load(
-        "memory_savers.py", text.replace("raise ValueError(", "str(")
-    )  # every check a no-op
+    # every check a no-op
+    mutant = section.load("memory_savers.py", text.replace("raise ValueError(", "str("))
     cube = lambda: nn.Parameter(torch.linspace(-1, 1, 24, dtype=torch.float64).view(2, 3, 4))  # noqa: E731
     bad = {
         "recompute 'half'": (
@@ -331,6 +329,5 @@ def test_cores_refuse_what_they_cannot_do():
             opt.step()
     assert (mine - theirs).abs().max() > 1e-3  # the silent difference the check prevents
     g = mutant["Gist"]("fp8")
-    assert (
-        mutant["encode"](torch.ones(2, 2), g.how).data.dtype == torch.int8
-    )  # 'fp8' silently became int8
+    # 'fp8' silently became int8
+    assert mutant["encode"](torch.ones(2, 2), g.how).data.dtype == torch.int8

@@ -40,10 +40,10 @@ def test_readme_first_command_passes_silently():
 
 def test_no_object_collectives():
     """Object collectives pickle through numpy and, on NCCL, through the GPU: only tensors may cross."""
+    # the pattern catches what it is for (samples spelled in two pieces, so that no grep finds them here)
     pattern = re.compile(
         r"\b(broadcast|all_gather|gather|scatter)_object(_list)?\(|\bsend_object_list\(|recv_object_list\("
     )
-    # the pattern catches what it is for (samples spelled in two pieces, so that no grep finds them here)
     assert pattern.search("dist.all_gather" + "_object(out, mine)") and pattern.search(
         "dist.broadcast" + "_object_list(b)"
     )
@@ -202,12 +202,10 @@ def test_files_keep_their_shape():
     fence = "# --- measurement ---\n"
     for name, (pattern, hit, miss) in RULES.items():
         assert re.search(pattern, hit) and not re.search(pattern, miss), name
-        assert leaks(f"def step(x):\n    {hit}\n{fence}") == [(2, name, hit)], (
-            name
-        )  # caught in the lesson
-        assert not leaks(f"def main():\n    {hit}\n{fence}{hit}\n"), (
-            name
-        )  # main() and below the fence may
+        # caught in the lesson
+        assert leaks(f"def step(x):\n    {hit}\n{fence}") == [(2, name, hit)], name
+        # main() and below the fence may
+        assert not leaks(f"def main():\n    {hit}\n{fence}{hit}\n"), name
         loop = f"def train_x():\n    {hit}\n"  # main's loop: allowed after check_args, caught in the lesson
         assert not leaks(f"def check_args(a):\n    pass\n{loop}{fence}"), name
         assert leaks(f"{loop}def check_args(a):\n    pass\n{fence}") == [(2, name, hit)], name
@@ -254,10 +252,10 @@ def test_read_paths_are_weighed_in_code_tokens():
     test_files_keep_their_shape turns a weight past its recorded budget into a failure."""
     fence = "# --- measurement ---\n"
     packed = '"""doc"""\nimport torch\n\n\ndef f(a, b):  # why\n    x, y, z = a, b, "s t u"\n    return x\n'
+    # import torch: 2; def f ( a , b ) : 8; x , y , z = a , b , "s t u": 11 packed, 9 spread; return x: 2
     spread = packed.replace(
         '    x, y, z = a, b, "s t u"\n', '    x = a\n    y = b\n    z = "s t u"\n'
     )
-    # import torch: 2; def f ( a , b ) : 8; x , y , z = a , b , "s t u": 11 packed, 9 spread; return x: 2
     assert line_counts.code_tokens(line_counts.read_path_text(packed + fence)) == 23
     assert line_counts.code_tokens(line_counts.read_path_text(spread + fence)) == 21
     assert line_counts.code_tokens("# a comment\n'''a docstring\nof two lines'''\n") == 1
@@ -391,9 +389,8 @@ def test_line_counts_sorts_a_sample_by_what_each_line_does(monkeypatch):
     assert counts["technique"] == expected.count("technique") and counts["read_path"] == 47
     for table in ("PATTERNS", "WHOLE_DEF", "FENCES"):
         for key in getattr(line_counts, table):
-            off = (
-                "(?!)" if table != "FENCES" else "technique"
-            )  # a rule that never fires / a fence ignored
+            # a rule that never fires / a fence ignored
+            off = "(?!)" if table != "FENCES" else "technique"
             monkeypatch.setitem(getattr(line_counts, table), key, off)
             assert line_counts.classify(text) != expected, (
                 f"{table}[{key!r}] switched off, still right"

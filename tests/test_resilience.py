@@ -283,9 +283,8 @@ def test_gpu_check_plans_a_legal_run_for_any_gpu_count(tmp_path):
     for w in range(1, 9):
         for j in gpu_check.jobs(w, False, w):
             sides = [j["flags"]] if "flags" in j else [j["a"], *j["b"]] if "a" in j else []
-            if (
-                j["kind"] == "bench"
-            ):  # our side of each pair, as bench.py launches it with gpu_check's flags
+            # our side of each pair, as bench.py launches it with gpu_check's flags
+            if j["kind"] == "bench":
                 pairs = list(bench.PAIRS) if j["pairs"] == "all" else j["pairs"].split(",")
                 sides = [
                     [
