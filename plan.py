@@ -1128,8 +1128,9 @@ CP_FROM = 32768  # tokens per sequence from which --search also shares each sequ
 def layouts(M, C, B, precision="bf16"):
     """Every legal layout on all the cluster's GPUs: tp dividing a node, every pp up to L (the files' cut when
     it does not divide L), from CP_FROM tokens every cp of 2^k (the ring, zig-zag), b in 1, 2, 4, 8, each
-    schedule and every v (interleaved: each v > 1 cutting L into equal chunks, as Megatron asks; ZB-V 2),
-    ZeRO stage, SP, recomputation (GPipe left out: 1F1B's time, more memory)."""
+    schedule and every v (interleaved: each v > 1 cutting L into equal chunks, as Megatron asks, and where
+    none does, Llama 3's cut: L + 2 in equal chunks, the first and last one block short; ZB-V 2), ZeRO stage,
+    SP, recomputation (GPipe left out: 1F1B's time, more memory)."""
     gpus = C.nodes * C.gpus_per_node
     cps = [2**k for k in range(gpus.bit_length()) if M.seq >= CP_FROM or k == 0]
     for tp, pp, cp in [
@@ -1140,13 +1141,22 @@ def layouts(M, C, B, precision="bf16"):
         if C.gpus_per_node % t == 0 and gpus % (t * p * c) == 0
     ]:
         dp = gpus // (tp * pp * cp)
-        scheds = [("1f1b", 1), ("zb-h1", 1), ("zb-v", 2)] + [
-            ("interleaved", v) for v in range(2, M.layers // pp + 1) if M.layers % (pp * v) == 0
+        scheds = [("1f1b", 1, ()), ("zb-h1", 1, ()), ("zb-v", 2, ())] + [
+            ("interleaved", v, ()) for v in range(2, M.layers // pp + 1) if M.layers % (pp * v) == 0
         ]
-        scheds = scheds if pp > 1 else [("1f1b", 1)]
+        if (
+            len(scheds) == 3
+        ):  # Llama 3's (Dubey et al. 2024, Sec. 3.3.2): k blocks a chunk, k-1 at the ends
+            scheds += [
+                ("interleaved", v, (k - 1,) + (k,) * (pp * v - 2) + (k - 1,))
+                for v in range(2, (M.layers + 2) // pp + 1)
+                for k in [(M.layers + 2) // (pp * v)]
+                if (M.layers + 2) % (pp * v) == 0
+            ]
+        scheds = scheds if pp > 1 else [("1f1b", 1, ())]
         eps = [k for k in range(1, dp + 1) if k == 1 or M.experts and dp % k == 0]
         bs = [b for b in (1, 2, 4, 8) if B % (dp * b) == 0]
-        for b, (sched, v), ep, zero, sp, rc in [
+        for b, (sched, v, cut), ep, zero, sp, rc in [
             (b, s, ep, z, sp, rc)
             for b in bs
             for s in scheds
@@ -1156,7 +1166,19 @@ def layouts(M, C, B, precision="bf16"):
             for rc in ("none", "selective", "full")
         ]:
             lay = Layout(
-                dp, tp, pp, v, ep, zero, B // (dp * b), bool(sp), rc, precision, sched, cp=cp
+                dp,
+                tp,
+                pp,
+                v,
+                ep,
+                zero,
+                B // (dp * b),
+                bool(sp),
+                rc,
+                precision,
+                sched,
+                split=cut,
+                cp=cp,
             )
             if legal(M, C, lay, B) is None:
                 yield lay
@@ -1189,9 +1211,10 @@ def search(
         ),
     ):
         n_legal += 1
-        if max(sum(memory(M, lay, B, r).values()) for r in {0, lay.pp - 1}) > C.mem_gb * GB * (
-            1 - headroom
-        ):
+        ranks = (
+            range(lay.pp) if lay.split else {0, lay.pp - 1}
+        )  # a hand-made cut: any rank the worst
+        if max(sum(memory(M, lay, B, r).values()) for r in ranks) > C.mem_gb * GB * (1 - headroom):
             continue
         n_fit, key = n_fit + 1, (lay.dp, lay.cp, lay.tp, lay.pp, lay.ep)
         got = predict(M, C, lay, B, eff, headroom, **overlaps)

@@ -2292,6 +2292,39 @@ def test_search_shares_long_sequences_over_cp(monkeypatch):
     assert plan.search(M, C, 8, eff, keep=keep)[0][0]["tokens_per_s"] < 0.9 * best
 
 
+def test_search_costs_what_it_exposes(monkeypatch, capsys, source_once):
+    """--search cannot promise what its stack never reached (issue 49 item 4): every layout it ranks for
+    Llama 3 8B at 128K tokens on 4 nodes (pp up to 2, to stay small) is at most the stack's ceiling in MFU,
+    and the CLI prints the band beside each. The ring's exposed seconds are what the attention it hides
+    behind leaves at that sequence length, max(0, ring - attention), recomputed here from chunk_s: hidden at
+    128K on cp 2, shown at 32K on cp 32. Where no v cuts L into equal chunks, Llama 3's cut is offered
+    (the first and last chunks one block short)."""
+    C = plan.CLUSTERS["h100-80g"]._replace(nodes=4)
+    eff, band, _ = plan.ceiling("2024", "h100-80g")
+    M = plan.PRESETS["llama3-8b"]._replace(seq=131072)
+    ranked = plan.search(M, C, 8, eff, keep=lambda lay: lay.pp <= 2)[0]
+    assert ranked and max(x["mfu"] for x in ranked) <= eff, max(x["mfu"] for x in ranked)
+    exposed = []
+    for s, cp in ((131072, 2), (32768, 32)):
+        M = plan.PRESETS["llama3-8b"]._replace(seq=s)
+        lay = plan.Layout(dp=32 // cp, cp=cp, m=2, zero=3, recompute="full")
+        got = plan.predict(M, C, lay, 2 * 32 // cp, eff)
+        ring, shown = got["exposed"]["cp"]
+        attention = lay.m * plan.chunk_s(M, C, lay, 1, 0, eff)[1]
+        assert math.isclose(shown, max(0.0, ring - attention), rel_tol=1e-12, abs_tol=1e-12)
+        exposed.append(shown)
+    assert exposed[0] == 0 < exposed[1], exposed
+    argv = ["--model", "llama3-8b", "--seq-len", "32768", "--nodes", "1", "--batch-size", "8"]
+    out = cli([*argv, "--search", "--top", "5"], monkeypatch, capsys)
+    lines = [x for x in out.splitlines() if " tok/s  MFU " in x]
+    assert len(lines) == 5 and all(f"+- {band:.1f}  step" in x for x in lines), out
+    T = plan.Model(
+        6, 16, 2, 32, 8
+    )  # 6 blocks on 4 stages: no equal cut; Llama 3's: 8 chunks of 0/1x6/0
+    cuts = {lay.split for lay in plan.layouts(T, plan.CLUSTERS["h100-80g"], 16) if lay.pp == 4}
+    assert cuts == {(), (0, 1, 1, 1, 1, 1, 1, 0)}, cuts
+
+
 def test_search_tries_every_v():
     """Interleaved: every v > 1 cutting L into equal chunks (Megatron's condition), not only 2, 4, 8."""
     M, C = plan.PRESETS["gpt3-6.7b"], plan.CLUSTERS["h100-80g"]
