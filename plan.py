@@ -1699,7 +1699,7 @@ def main():
                 if a.efficiency
                 else f"{source}; at the FP8 peak, fitted on no FP8 run"
             )
-            + ": no held-out error",
+            + ": no band",
         )
     a.efficiency = a.efficiency or eff
     attention, dropout = a.attention or st.attention, st.dropout if a.dropout is None else a.dropout
