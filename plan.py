@@ -1141,18 +1141,17 @@ def layouts(M, C, B, precision="bf16"):
         if C.gpus_per_node % t == 0 and gpus % (t * p * c) == 0
     ]:
         dp = gpus // (tp * pp * cp)
-        scheds = [("1f1b", 1, ()), ("zb-h1", 1, ()), ("zb-v", 2, ())] + [
+        even = [
             ("interleaved", v, ()) for v in range(2, M.layers // pp + 1) if M.layers % (pp * v) == 0
         ]
-        if (
-            len(scheds) == 3
-        ):  # Llama 3's (Dubey et al. 2024, Sec. 3.3.2): k blocks a chunk, k-1 at the ends
-            scheds += [
-                ("interleaved", v, (k - 1,) + (k,) * (pp * v - 2) + (k - 1,))
-                for v in range(2, (M.layers + 2) // pp + 1)
-                for k in [(M.layers + 2) // (pp * v)]
-                if (M.layers + 2) % (pp * v) == 0
-            ]
+        # where none is, Llama 3's cut (Dubey et al. 2024, Sec. 3.3.2): k blocks a chunk, k - 1 at the ends
+        llama3 = [
+            ("interleaved", v, (k - 1,) + (k,) * (pp * v - 2) + (k - 1,))
+            for v in range(2, (M.layers + 2) // pp + 1)
+            for k in [(M.layers + 2) // (pp * v)]
+            if (M.layers + 2) % (pp * v) == 0
+        ]
+        scheds = [("1f1b", 1, ()), ("zb-h1", 1, ()), ("zb-v", 2, ())] + (even or llama3)
         scheds = scheds if pp > 1 else [("1f1b", 1, ())]
         eps = [k for k in range(1, dp + 1) if k == 1 or M.experts and dp % k == 0]
         bs = [b for b in (1, 2, 4, 8) if B % (dp * b) == 0]
@@ -1211,9 +1210,8 @@ def search(
         ),
     ):
         n_legal += 1
-        ranks = (
-            range(lay.pp) if lay.split else {0, lay.pp - 1}
-        )  # a hand-made cut: any rank the worst
+        # a hand-made cut: any rank may be the worst
+        ranks = range(lay.pp) if lay.split else {0, lay.pp - 1}
         if max(sum(memory(M, lay, B, r).values()) for r in ranks) > C.mem_gb * GB * (1 - headroom):
             continue
         n_fit, key = n_fit + 1, (lay.dp, lay.cp, lay.tp, lay.pp, lay.ep)
