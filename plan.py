@@ -47,13 +47,13 @@ activation element, Psi parameters of one rank (its pipeline stage, its 1/t).
                still of bf16's) + its operands and result at HBM speed (so a GEMM reaches eff / (1 + eff peak
                / (HBM x FLOPs per byte)): thin ones less), attention per head (eager: s x s scores through
                HBM; flash: one pass), norms, residuals and activations at HBM speed. A step: (m + bubble
-               slots) micro-batch times of the slowest stage, + TP (hidden behind the GEMMs with SP, as
-               Megatron's --tp-comm-overlap; exposed without), CP (the ring behind attention) and all-to-all
-               time, + what cannot hide: the data-parallel reduction beyond the last micro-batch's backward
-               (ZeRO-2: each one's; ZeRO-3: all its traffic beyond each micro-batch), the all-gather of stages
-               1-2, a pipeline message per chunk boundary in and out. EFFICIENCY 0.745, fitted on three rows
-               of PTD-P's Table 1, predicts the other seven within 4 points (docs/plan.md). MFU: model FLOPs
-               (3x) / (step x GPUs x peak).
+               slots) micro-batch times of the slowest stage, + TP (exposed, as Megatron-LM and torchtitan
+               run it unless --tp-overlap says), CP (the ring behind attention) and all-to-all time, + what
+               cannot hide: the data-parallel reduction beyond the last micro-batch's backward (ZeRO-2: each
+               one's; ZeRO-3: all its traffic beyond each micro-batch), the all-gather of stages 1-2, a
+               pipeline message (1/t of it per TP rank) per chunk boundary in and out. The GEMM ceiling is
+               the stack's per GPU, fitted on published runs; the band beside each MFU is its leave-one-out
+               error (STACKS, docs/plan.md). MFU: model FLOPs (3x) / (step x GPUs x peak).
   the run      --tokens: wall time = tokens / tokens/s, with failures (rate per GPU-hour, a checkpoint every
                tau, Young/Daly's sqrt(2 delta M) by default) to first order; a budget (--gpu-hours, --days,
                --flops) gives N and D by --law: Chinchilla's compute-optimal (Hoffmann et al. 2022, Approach
@@ -123,14 +123,14 @@ CLUSTERS = {
     "h100-80g": Cluster(1, 8, 80, 989, 450, 50, 3350, 2),
 }  # 900 GB/s, 8 x 400 Gb/s; FP8 1979 TFLOP/s
 NO_FP8 = "--precision fp8 needs FP8 tensor cores (H100 and later); this cluster's GPUs have none: use bf16"
-EFFICIENCY = (
-    0.745  # the GEMMs' ceiling, fitted on three rows of PTD-P's Table 1 (tests/test_plan.py, docs)
-)
+EFFICIENCY = 0.7333  # the GEMMs' ceiling, fitted on seven rows of PTD-P's Table 1 (STACKS below)
 
 
-# The software stack of published runs, as flags: attention, dropout, the TP and DP overlaps (exposed_s); per
-# GPU {cluster: (GEMM ceiling fitted on rows of that stack, its largest error in points of MFU on the rows
-# it was not fitted on, which)}: tests/test_plan.py refits both, docs/plan.md lists the rows.
+# The software stack of published runs, as flags: attention, dropout, the TP and DP overlaps (exposed_s)
+# its software runs by default (docs/plan.md cites each); per GPU {cluster: (GEMM ceiling, band, which
+# rows)}: the ceiling the mean of the ceilings that put each fitted row at its published figure, the band
+# the largest leave-one-out error over those rows (points of peak); about a third of each GPU's rows never
+# fitted (held out; docs/plan.md counts those inside the band). tests/test_plan.py refits both.
 Stack = namedtuple("Stack", "attention dropout tp_overlap dp_overlap ceilings")
 STACKS = {
     "megatron-2021": Stack(
@@ -138,39 +138,30 @@ STACKS = {
         True,
         "none",
         "none",
-        {  # Megatron-LM of PTD-P: reduce after the flush
-            "a100-80g": (
-                EFFICIENCY,
-                3.7,
-                "PTD-P Table 1: fitted on 1.7B, 18.4B, 1T, held out on its 7 others",
-            )
+        {  # Megatron-LM of PTD-P: TP all-reduces exposed, gradients reduced after the flush
+            "a100-80g": (EFFICIENCY, 3.7, "PTD-P Table 1: 7 rows fitted, 3 held out"),
         },
     ),
     "2024": Stack(
         "flash",
         False,
-        "",
+        "none",
         "full",
-        {  # Llama 3's: TP overlapped with SP ("": full with SP)
-            "h100-80g": (
-                0.795,
-                5.5,
-                "Llama 3 Table 4: fitted on the 128K row, held out on the two 8K rows",
-            )
+        {  # TP overlap opt-in in Megatron-LM and torchtitan; FSDP's and DDP's reduction overlapped
+            "h100-80g": (0.5802, 1.2, "Llama 3 Table 4: 2 rows fitted (8K), 1 held out (128K)"),
+            "a100-80g": (0.6853, 6.1, "torchtitan's A100 table: 2 rows fitted, 1 held out"),
         },
     ),
 }
 
 
 def ceiling(stack, cluster):
-    """(GEMM ceiling, held-out error or None, source) of a stack on a cluster preset; where the stack has no
-    rows on that GPU, its ceiling from the GPU it has, with no error to print."""
-    got = STACKS[stack].ceilings
-    other, (eff, _, _) = next(iter(got.items()))
-    return got.get(cluster) or (
-        eff,
+    """(GEMM ceiling, band or None, source) of a stack on a cluster preset; where the stack has no rows on
+    that GPU, it says so and has no band (the A100 ceiling of 2021 stands in)."""
+    return STACKS[stack].ceilings.get(cluster) or (
+        EFFICIENCY,
         None,
-        f"no {stack} rows on {cluster}: the {other} ceiling, no error",
+        f"no {stack} rows on {cluster}: no ceiling of its own, no band",
     )
 
 
@@ -958,14 +949,14 @@ def predict(
 ):
     """Memory of the first and last pipeline rank (the most micro-batches; the head and loss; every rank
     under a hand-made cut), bytes per collective, bubble, and the predicted step, as the docstring composes
-    it. The overlaps, stated (exposed_s): TP's exchanges (default: behind the GEMMs with SP, as Megatron's
-    --tp-comm-overlap; without SP, 2021's all-reduces, exposed), the ring's blocks behind attention, the
+    it. The overlaps, stated (exposed_s): TP's exchanges (default: exposed, as Megatron-LM and torchtitan run
+    them unless told; "full" only where the caller says), the ring's blocks behind attention, the
     gradients' reduction behind the backward (dp_overlap; overlap_dp=False: "none", as 2021's Megatron
     reduced after the flush). Attention and dropout: the layout's unless given. exposed: per axis, (seconds
     on its links per step, of which exposed)."""
     attention, dropout = attention or lay.attention, lay.dropout if dropout is None else dropout
     tp_overlap, dp_overlap = (
-        tp_overlap or "full" * lay.sp or "none",
+        tp_overlap or "none",
         dp_overlap or "full" * overlap_dp or "none",
     )
     ranks = (
@@ -1022,9 +1013,8 @@ def predict(
         exposed = lay.m * exposed_s(reduce / lay.m, behind, dp_overlap) + gathers
     else:  # the reduction behind the last micro-batch's backward (DDP's buckets); ZeRO-1's all-gather after
         exposed = exposed_s(reduce, behind, dp_overlap) + gathers
-    one = (
-        secs[0]["send/pp/fwd"] / comm[0]["send/pp/fwd"][0] if lay.pp > 1 else 0.0
-    )  # one message's time
+    # one message's time: each TP rank sends 1/t of it across (Megatron's scatter/gather, SP's shard)
+    one = secs[0]["send/pp/fwd"] / comm[0]["send/pp/fwd"][0] / lay.tp if lay.pp > 1 else 0.0
     parts = dict(
         compute_s=compute * lay.m,
         tp_ep_s=comm_mb * lay.m,
@@ -1048,6 +1038,7 @@ def predict(
         bubble=bubble(lay),
         step_s=step,
         fits=sum(mem[worst].values()) <= C.mem_gb * GB * (1 - headroom),
+        over=sum(mem[worst].values()) - C.mem_gb * GB * (1 - headroom),
         model_flops=model,
         tokens_per_s=B * M.seq / step,
         mfu=model / (step * lay.gpus * C.tflops * 1e12),
@@ -1137,8 +1128,9 @@ CP_FROM = 32768  # tokens per sequence from which --search also shares each sequ
 def layouts(M, C, B, precision="bf16"):
     """Every legal layout on all the cluster's GPUs: tp dividing a node, every pp up to L (the files' cut when
     it does not divide L), from CP_FROM tokens every cp of 2^k (the ring, zig-zag), b in 1, 2, 4, 8, each
-    schedule and every v (interleaved: each v > 1 cutting L into equal chunks, as Megatron asks; ZB-V 2),
-    ZeRO stage, SP, recomputation (GPipe left out: 1F1B's time, more memory)."""
+    schedule and every v (interleaved: each v > 1 cutting L into equal chunks, as Megatron asks, and where
+    none does, Llama 3's cut: L + 2 in equal chunks, the first and last one block short; ZB-V 2), ZeRO stage,
+    SP, recomputation (GPipe left out: 1F1B's time, more memory)."""
     gpus = C.nodes * C.gpus_per_node
     cps = [2**k for k in range(gpus.bit_length()) if M.seq >= CP_FROM or k == 0]
     for tp, pp, cp in [
@@ -1149,13 +1141,21 @@ def layouts(M, C, B, precision="bf16"):
         if C.gpus_per_node % t == 0 and gpus % (t * p * c) == 0
     ]:
         dp = gpus // (tp * pp * cp)
-        scheds = [("1f1b", 1), ("zb-h1", 1), ("zb-v", 2)] + [
-            ("interleaved", v) for v in range(2, M.layers // pp + 1) if M.layers % (pp * v) == 0
+        even = [
+            ("interleaved", v, ()) for v in range(2, M.layers // pp + 1) if M.layers % (pp * v) == 0
         ]
-        scheds = scheds if pp > 1 else [("1f1b", 1)]
+        # where none is, Llama 3's cut (Dubey et al. 2024, Sec. 3.3.2): k blocks a chunk, k - 1 at the ends
+        llama3 = [
+            ("interleaved", v, (k - 1,) + (k,) * (pp * v - 2) + (k - 1,))
+            for v in range(2, (M.layers + 2) // pp + 1)
+            for k in [(M.layers + 2) // (pp * v)]
+            if (M.layers + 2) % (pp * v) == 0
+        ]
+        scheds = [("1f1b", 1, ()), ("zb-h1", 1, ()), ("zb-v", 2, ())] + (even or llama3)
+        scheds = scheds if pp > 1 else [("1f1b", 1, ())]
         eps = [k for k in range(1, dp + 1) if k == 1 or M.experts and dp % k == 0]
         bs = [b for b in (1, 2, 4, 8) if B % (dp * b) == 0]
-        for b, (sched, v), ep, zero, sp, rc in [
+        for b, (sched, v, cut), ep, zero, sp, rc in [
             (b, s, ep, z, sp, rc)
             for b in bs
             for s in scheds
@@ -1165,7 +1165,19 @@ def layouts(M, C, B, precision="bf16"):
             for rc in ("none", "selective", "full")
         ]:
             lay = Layout(
-                dp, tp, pp, v, ep, zero, B // (dp * b), bool(sp), rc, precision, sched, cp=cp
+                dp,
+                tp,
+                pp,
+                v,
+                ep,
+                zero,
+                B // (dp * b),
+                bool(sp),
+                rc,
+                precision,
+                sched,
+                split=cut,
+                cp=cp,
             )
             if legal(M, C, lay, B) is None:
                 yield lay
@@ -1198,9 +1210,9 @@ def search(
         ),
     ):
         n_legal += 1
-        if max(sum(memory(M, lay, B, r).values()) for r in {0, lay.pp - 1}) > C.mem_gb * GB * (
-            1 - headroom
-        ):
+        # a hand-made cut: any rank may be the worst
+        ranks = range(lay.pp) if lay.split else {0, lay.pp - 1}
+        if max(sum(memory(M, lay, B, r).values()) for r in ranks) > C.mem_gb * GB * (1 - headroom):
             continue
         n_fit, key = n_fit + 1, (lay.dp, lay.cp, lay.tp, lay.pp, lay.ep)
         got = predict(M, C, lay, B, eff, headroom, **overlaps)
@@ -1330,12 +1342,16 @@ def diloco(M, C, got, H, outer_bytes=4, fragments=1, overlap=0):
 
 
 # ----------------------------------------------------------------------------- report
-def band(error):  # the held-out error printed beside a prediction
-    return (
-        f" +- {error:.1f} points"
-        if error is not None
-        else " (no held-out error: see the stack line)"
-    )
+def band(error, got=None):
+    """The band beside an MFU (its stack's leave-one-out error, points of peak); with got, beside its step:
+    the steps at that MFU less and more the band."""
+    if error is None:
+        return " (no band: see the stack line)"
+    if got is None:
+        return f" +- {error:.1f} points"
+    mfu = 100 * got["mfu"]
+    slow = got["step_s"] * mfu / (mfu - error) if mfu > error else math.inf
+    return f" ({got['step_s'] * mfu / (mfu + error):.3f} to {slow:.3f} s at MFU{band(error)})"
 
 
 def report(C, B, got, error=None):
@@ -1351,6 +1367,16 @@ def report(C, B, got, error=None):
             + f"{x['activations'] / GB:13.2f}{x['gathered'] / GB:10.2f}{sum(x.values()) / GB:10.2f}"
         )
     print(f"  {'fits' if got['fits'] else 'does NOT fit'} in {C.mem_gb:g} GB less the headroom")
+    if not got["fits"]:  # the term to cut: the worst rank's largest
+        w = got["worst"]
+        top = max(mem[w], key=mem[w].get)
+        alive = max(map(sum, alive_patterns(lay.pp, lay.v, lay.m, w, lay.schedule)))
+        print(
+            f"  over by {got['over'] / GB:.1f} GB: the largest term is {top} of pipeline rank {w} "
+            f"({mem[w][top] / GB:.1f} GB"
+            + f", {alive} chunk-micro-batches alive at once)" * (top == "activations")
+            + ")" * (top != "activations")
+        )
     print("bytes per step, pipeline rank 0     calls  handed GB  on the wire GB  link       ms")
     for k, (calls, handed, n) in got["comm"].items():
         wire, where = on_the_wire(k, calls, handed, n), link(C, lay, k.split("/")[1])
@@ -1360,7 +1386,7 @@ def report(C, B, got, error=None):
         )
     print(f"bubble: {got['bubble'][0]:.3f} of the step, {got['bubble'][1]:.3f} of ideal compute")
     print(
-        f"predicted step {got['step_s']:.3f} s = "
+        f"predicted step {got['step_s']:.3f} s{band(error, got)} = "
         + " + ".join(f"{w} {got[k]:.3f}" for k, w in PARTS.items())
     )
     how = dict(
@@ -1671,16 +1697,14 @@ def main():
                 if a.efficiency
                 else f"{source}; at the FP8 peak, fitted on no FP8 run"
             )
-            + ": no held-out error",
+            + ": no band",
         )
     a.efficiency = a.efficiency or eff
     attention, dropout = a.attention or st.attention, st.dropout if a.dropout is None else a.dropout
     overlaps = dict(
-        tp_overlap=a.tp_overlap or st.tp_overlap or None, dp_overlap=a.dp_overlap or st.dp_overlap
+        tp_overlap=a.tp_overlap or st.tp_overlap, dp_overlap=a.dp_overlap or st.dp_overlap
     )
-    if (attention, dropout, a.tp_overlap or st.tp_overlap, overlaps["dp_overlap"]) != st[
-        :4
-    ] and error:
+    if (attention, dropout, *overlaps.values()) != st[:4] and error:
         source += f"; measured on {a.stack}'s own attention, dropout and overlaps, not these"
     stack = dict(attention=attention, dropout=dropout, **overlaps)
     print(
@@ -1691,7 +1715,7 @@ def main():
     )
     print(
         f"  stack {a.stack}: {attention} attention, dropout {'on' if dropout else 'off'}, overlaps tp "
-        f"{overlaps['tp_overlap'] or 'full with SP'}, dp {overlaps['dp_overlap']}; GEMM ceiling "
+        f"{overlaps['tp_overlap']}, dp {overlaps['dp_overlap']}; GEMM ceiling "
         f"{a.efficiency:g} ({source})"
     )
     if a.gpu_hours or a.days or a.flops:
@@ -1756,6 +1780,7 @@ def main():
         )
     if a.tokens:
         run_report(M, C, got, a.tokens, a)
+    return got
 
 
 if __name__ == "__main__":
