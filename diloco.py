@@ -33,8 +33,9 @@ model for H inner steps with its own AdamW, and only then do they talk.
       fragment_update_alpha; 0 drops the TAU local steps of that fragment). The exchange runs on a group of
       its own: on NCCL its own communicator and stream, so the loss's all-reduce (on WORLD) does not queue
       behind it, and the step is timed on the host after the loss's .item() (its compute stream), not with a
-      device-wide synchronize that would wait for the exchange. The run prints the time the host blocked on
-      each exchange (exposed) beside the exchange's own (launch to completion).
+      device-wide synchronize that would wait for the exchange. The run prints how long training stalled on
+      each exchange at its landing (exposed: on CUDA between two events around the wait, since NCCL's
+      wait() returns at once) beside the exchange's own time (launch to completion).
       Where the schedule differs from torchft's Streaming DiLoCo:
       - launched at the sync point, landed TAU steps later; torchft launches TAU steps early and lands on it;
       - TAU may be up to H - 1 (exchanges of several fragments then overlap); torchft requires TAU < H/F;
@@ -162,10 +163,11 @@ def check_outer(inner_steps, outer_lr, outer_momentum, nesterov):
 
 
 class DiLoCo:
-    """The outer loop of DiLoCo around any model and inner optimizer: call after_inner_step(t) after each
-    inner step t (0-based) on every worker (every rank of `group`); every H-th one syncs. This holds the
-    global weights theta (a copy of `params`, the worker's own parameters) and the outer optimizer's state.
-    Outer SGD with lr 1 and no momentum (nesterov=False, outer_momentum=0) is local SGD."""
+    """The outer loop of DiLoCo around any model and inner optimizer: on every worker (every rank of
+    `group`) call before_inner_step() before and after_inner_step(t) after each inner step t (0-based);
+    every H-th one syncs. This holds the global weights theta (a copy of `params`, the worker's own
+    parameters) and the outer optimizer's state. Outer SGD with lr 1 and no momentum (nesterov=False,
+    outer_momentum=0) is local SGD."""
 
     def __init__(
         self, params, inner_steps, outer_lr=0.7, outer_momentum=0.9, nesterov=True, group=None
@@ -175,13 +177,6 @@ class DiLoCo:
         self.group = group
         self.M = dist.get_world_size(group)
         self.local = [list(params)]  # one fragment: the whole model (Streaming DiLoCo has several)
-        with (
-            torch.no_grad()
-        ):  # every worker starts from the group's rank 0's theta, as DDP and torchft do:
-            for p in self.local[
-                0
-            ]:  # workers built from other seeds would otherwise train apart, silently
-                dist.broadcast(p, group_src=0, group=group)
         self.glob = [[p.detach().clone() for p in frag] for frag in self.local]  # theta
         self.outer = torch.optim.SGD(
             [g for frag in self.glob for g in frag],
@@ -190,8 +185,28 @@ class DiLoCo:
             momentum=outer_momentum if nesterov else 0.0,
             nesterov=nesterov,
         )
+        # Not synced here: a worker whose model was loaded before this was built holds its own weights,
+        # which differ from rank 0's mid-round. The first inner step of a fresh run syncs (torchft's
+        # Manager does so too); a resumed run's state says it has started.
+        self.started = False
+
+    def before_inner_step(self):
+        if not self.started:
+            self.start()
+
+    @torch.no_grad()
+    def start(self):
+        """Every worker starts from the group's rank 0's theta, as DDP and torchft do: workers built from
+        other seeds would otherwise train apart, silently."""
+        for frag, glob in zip(self.local, self.glob):
+            for p, g in zip(frag, glob):
+                dist.broadcast(p, group_src=0, group=self.group)
+                g.copy_(p)
+        self.started = True
 
     def after_inner_step(self, t):
+        if not self.started:
+            raise RuntimeError("DiLoCo: call before_inner_step() before each inner step")
         if (t + 1) % self.H == 0:
             self.sync()
 
@@ -227,6 +242,7 @@ class DiLoCo:
         return dict(
             glob=[[g.detach().clone() for g in frag] for frag in self.glob],
             outer=self.outer.state_dict(),
+            started=self.started,
         )
 
     @torch.no_grad()
@@ -235,6 +251,7 @@ class DiLoCo:
             for g, s in zip(frag, saved):
                 g.copy_(s)
         self.outer.load_state_dict(state["outer"])
+        self.started = state["started"]
 
 
 # ----------------------------------------------------------------------------- 2: Streaming DiLoCo
@@ -321,6 +338,8 @@ class StreamingDiLoCo(DiLoCo):
         return [f for f, off in enumerate(self.offsets) if (t + 1) % self.H == off]
 
     def after_inner_step(self, t):
+        if not self.started:
+            raise RuntimeError("StreamingDiLoCo: call before_inner_step() before each inner step")
         for f in self.syncs_after(t):
             self.pending.append(self.send(f, t + self.overlap))
         while (
@@ -524,6 +543,7 @@ def train_diloco(d, args, data, model):
         x, y = (
             t[d.rank * rows : (d.rank + 1) * rows].to(d.device) for t in (x, y)
         )  # (B/M, T) this worker's
+        diloco.before_inner_step()  # a fresh run's first step: every worker from rank 0's weights
         with comm if step in counted else contextlib.nullcontext():
             loss = inner_step(model, inner, x, y, args.clip)
             diloco.after_inner_step(step)
@@ -569,13 +589,18 @@ def main():
 class ExchangeWatch:
     """Streaming DiLoCo's exchanges, watched from outside through this instance's send and wait (wrapped
     here): when each was launched (after which inner step), when its work completed (a thread polls
-    is_completed(), which waits for nothing), and how long the host blocked in wait() for it: the exposed
-    communication. DiLoCo's all-reduce is blocking: all of it is exposed, and nothing is recorded here."""
+    is_completed(), which waits for nothing), and how long training stalled on it at landing: the exposed
+    communication. On NCCL wait() only makes the compute stream wait for the exchange's and returns at
+    once, so the host's time in wait() says nothing there: on CUDA the stall is the time between two events
+    recorded on the current stream around the wait; elsewhere, from the wait's start to the completion the
+    poller saw (gloo's wait() blocks until then). DiLoCo's all-reduce is blocking: all of it is exposed, and
+    nothing is recorded here."""
 
     def __init__(self, diloco):
-        self.done = {}  # id(Exchange) -> perf_counter when its work was seen complete
-        self.rows = []  # [launched after step, landed in step, launch time, blocked s, Exchange]
-        self.poll, self.step = [], None
+        self.done = {}  # id(Exchange) -> perf_counter when its work was first seen complete
+        # [launched after step, landed in step, launch time, wait start, wait end, Exchange, CUDA events]
+        self.rows = []
+        self.poll, self.step, self.thread = [], None, None
         if isinstance(diloco, StreamingDiLoCo):
             send = diloco.send
             wait = diloco.wait
@@ -589,54 +614,78 @@ class ExchangeWatch:
         after(t)
 
     def _sent(self, ex):
-        self.rows.append([self.step, None, time.perf_counter(), 0.0, ex])
+        self.rows.append([self.step, None, time.perf_counter(), None, None, ex, None])
         if ex.work is not None:
             self.poll.append((ex, ex.work))
             if len(self.poll) == 1:
-                threading.Thread(target=self._poller, daemon=True).start()
+                self.thread = threading.Thread(target=self._poller, daemon=True)
+                self.thread.start()
         return ex
 
     def _poller(self):
         while self.poll:
             for ex, work in list(self.poll):
                 if work.is_completed():
-                    self.done[id(ex)] = time.perf_counter()
+                    self.done.setdefault(id(ex), time.perf_counter())
                     self.poll.remove((ex, work))
             time.sleep(5e-4)
 
     def _waited(self, wait, ex):
+        work = ex.work
+        events = None
+        if ex.out.is_cuda:
+            events = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
+            events[0].record()
         t0 = time.perf_counter()
         wait(ex)
         t1 = time.perf_counter()
+        if events:
+            events[1].record()
+        if work is not None and work.is_completed():  # gloo: wait() returned once it completed
+            self.done.setdefault(id(ex), t1)
         for row in self.rows:
-            if row[4] is ex and row[1] is None:
-                row[1], row[3] = self.step, t1 - t0
-                self.done.setdefault(id(ex), t1)
+            if row[5] is ex and row[1] is None:
+                row[1], row[3], row[4], row[6] = self.step, t0, t1, events
+
+    def exposed_ms(self, row):
+        """The stall of one exchange at its landing, in ms (measured)."""
+        if row[6] is not None:
+            row[6][1].synchronize()
+            return row[6][0].elapsed_time(row[6][1])  # the compute stream's, between two events
+        return 1e3 * max(0.0, self.done[id(row[5])] - row[3])  # from the wait to the completion
 
     def figures(self, d, start, step_ms):
-        """Per exchange: its own time (launch to completion) and the host's time blocked on it; per step:
-        blocked time over the run; and the median step time while an exchange is in flight (strictly
-        between its launch and its landing step) beside the other steps'."""
-        rows = [r for r in self.rows if r[1] is not None and id(r[4]) in self.done]
+        """Per exchange: its own time (launch to completion), the stall it caused at landing (exposed) and
+        the host's time in wait(); per step: exposed time over the run; and the median step time while an
+        exchange is in flight (strictly between its launch and its landing step) beside the other steps'."""
+        if self.thread is not None:
+            self.thread.join(
+                timeout=60
+            )  # the poller sees every work complete (all were waited for)
+        rows = [r for r in self.rows if r[1] is not None and id(r[5]) in self.done]
         if not rows:
             return {}
-        own = [1e3 * (self.done[id(r[4])] - r[2]) for r in rows]
-        blocked = [1e3 * r[3] for r in rows]
+        own = [1e3 * (self.done[id(r[5])] - r[2]) for r in rows]
+        exposed = [self.exposed_ms(r) for r in rows]
+        blocked = [1e3 * (r[4] - r[3]) for r in rows]
         flying = {t for r in rows for t in range(r[0] + 1, r[1])}
         ms = {start + i: m for i, m in enumerate(step_ms)}
         med = lambda xs: statistics.median(xs) if xs else float("nan")
         in_flight = med([m for t, m in ms.items() if t in flying])
         other = med([m for t, m in ms.items() if t not in flying])
-        per_step = sum(blocked) / max(len(step_ms), 1)
+        per_step = sum(exposed) / max(len(step_ms), 1)
+        where = "CUDA events around the wait" if rows[0][6] else "from the wait to its completion"
         d.log(
             f"summary: exchange time {sum(own) / len(own):.1f} ms (measured, launch to completion, mean of "
-            f"{len(own)}); exposed {sum(blocked) / len(blocked):.1f} ms per exchange, {per_step:.2f} ms "
-            f"per inner step (measured: the host blocked in wait()); median step {in_flight:.1f} ms with "
-            f"an exchange in flight, {other:.1f} ms otherwise"
+            f"{len(own)}); exposed {sum(exposed) / len(exposed):.1f} ms per exchange, {per_step:.2f} ms "
+            f"per inner step (measured: {where}; the host blocked in wait() "
+            f"{sum(blocked) / len(blocked):.1f} ms); median step {in_flight:.1f} ms with an exchange in "
+            f"flight, {other:.1f} ms otherwise"
         )
         return dict(
             exchange_ms=own,
-            exchange_exposed_ms=blocked,
+            exchange_exposed_ms=exposed,
+            exchange_host_wait_ms=blocked,
             exposed_ms_per_step=per_step,
             exchange_steps=[[r[0], r[1]] for r in rows],
             step_ms_in_flight=in_flight,
