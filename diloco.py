@@ -11,7 +11,8 @@ model for H inner steps with its own AdamW, and only then do they talk.
    change, sign flipped, so that it points uphill like a gradient) is the only thing exchanged, with one
    all-reduce; an *outer* optimizer steps theta with it, and every worker restarts from the new theta:
        theta <- OuterOpt(theta, Delta)        Nesterov momentum, lr 0.7, momentum 0.9 (the paper's)
-   Each worker keeps its inner AdamW state across rounds; all start from rank 0's weights (a broadcast).
+   Each worker keeps its inner AdamW state across rounds; all start from rank 0's weights (a broadcast
+   at a fresh run's first inner step, not at construction: a resumed worker keeps its own, mid-round).
    --outer sgd --outer-lr 1 is theta <- mean(theta_m): local SGD / federated averaging (McMahan et al. 2017).
    With plain SGD inside, H = 1 and that outer step, it is synchronous data parallel SGD exactly (a test): the
    averaged weights are the averaged gradient step.
@@ -58,29 +59,8 @@ model for H inner steps with its own AdamW, and only then do they talk.
 Bytes per inner step: DDP all-reduces every gradient every step (P x 4 B in float32); DiLoCo P x b / H (b:
 bytes per element on the wire), measured at the dispatcher below: the ratio is H (x 4/b).
 
-Loss gap to the entropy floor vs bytes, measured by the commands below (world 4, 600 inner steps, the
-default model: d_model 64, 4 layers, batch 8 x 32 tokens = 2 sequences per worker, float32, the paper's
-outer Nesterov lr 0.7 / momentum 0.9; floor 1.0946 nats/token). "last 100 steps": the mean training loss of
-steps 500-599 (DiLoCo: the workers' own weights, mid-round); "held out": the final global weights on a
-batch no step used (dp.py reports none); bytes: handed to collectives by one rank over the run.
-    torchrun --nproc_per_node=4 dp.py --steps 600 --json ddp.json
-    torchrun --nproc_per_node=4 diloco.py --steps 600 --inner-steps 5 --json h5.json
-    torchrun --nproc_per_node=4 diloco.py --steps 600 --inner-steps 20 --json h20.json
-    torchrun --nproc_per_node=4 diloco.py --steps 600 --inner-steps 50 --json h50.json
-    python diloco.py --table ddp.json,h5.json,h20.json,h50.json
-
-    | run | bytes handed per rank, whole run | loss - floor: last 100 steps | held out, final |
-    |---|---|---|---|
-    | DDP (dp.py) | 502.89 MB | 0.1001 | - |
-    | DiLoCo H=5 | 100.58 MB | 0.2612 | 0.1793 |
-    | DiLoCo H=20 | 25.14 MB | 0.1025 | 0.0223 |
-    | DiLoCo H=50 | 10.06 MB | 0.0996 | 0.0180 |
-One seed, one run each, and "held out" is one batch of 256 tokens: differences near 0.01 are noise. In
-this run H = 20 and 50 reach DDP's training loss with 20x and 50x fewer bytes; H = 5 is worse (the
-paper's outer lr and momentum were tuned for H in the hundreds: a likely cause, not investigated here).
-At scale the paper reports no gap either: on C4, 8 workers with H = 500 match fully synchronous
-training; Streaming DiLoCo (fragments, overlap, 4-bit pseudo-gradients) reports data parallel's quality
-while exchanging about 400x fewer bits.
+Loss gap to the entropy floor against bytes, DDP beside H = 5, 20 and 50 at world 4 (600 steps):
+docs/diloco.md. In that run H = 20 and 50 reach DDP's training loss with 20x and 50x fewer bytes.
 
 Run:
     python diloco.py --check                                      # world 1: one worker
@@ -93,7 +73,6 @@ In production: torchft's DiLoCo / LocalSGD, or OpenDiLoCo (Prime Intellect).
 """
 
 import contextlib
-import json
 import statistics
 import threading
 import time
@@ -127,27 +106,20 @@ from harness import (
     state_bytes,
 )
 
+WIRES = Literal["same", "float32", "bfloat16", "float16", "float8_e4m3fn"]
+
 
 @dataclass
 class Args(CommonArgs):
     inner_steps: int = 10  # H: inner steps per worker between two syncs of a fragment
-    inner: Literal["adamw", "sgd"] = (
-        "adamw"  # inner optimizer, one per worker (sgd: plain, no momentum)
-    )
+    inner: Literal["adamw", "sgd"] = "adamw"  # inner optimizer, one per worker (sgd: no momentum)
     outer: Literal["nesterov", "sgd"] = "nesterov"  # outer optimizer on the global weights
-    outer_lr: float = (
-        0.7  # outer learning rate (the paper's 0.7; sgd with 1.0 = federated averaging)
-    )
+    outer_lr: float = 0.7  # outer learning rate (the paper's 0.7; sgd at 1.0: federated averaging)
     outer_momentum: float = 0.9  # Nesterov momentum of the outer optimizer (the paper's 0.9)
     fragments: int = 1  # F: Streaming DiLoCo's fragments, synced at staggered steps (1: DiLoCo)
     overlap: int = 0  # TAU: inner steps between a fragment's exchange starting and its outer update
     mix: float = 0.0  # on landing, worker fragment = mix * local + (1 - mix) * new global
-    outer_dtype: Literal["same", "float32", "bfloat16", "float16", "float8_e4m3fn"] = (
-        "same"  # on the wire
-    )
-    table: str = (
-        ""  # A.json,B.json,...: print the docstring's table from these --json files, and exit
-    )
+    outer_dtype: WIRES = "same"  # the pseudo-gradients' dtype on the wire
 
 
 # ----------------------------------------------------------------------------- 1: DiLoCo (and local SGD)
@@ -261,9 +233,7 @@ class Exchange:
 
     fragment: int
     lands: int  # the inner step after which its outer update is applied
-    out: (
-        torch.Tensor
-    )  # (n,) the sum over workers (all-reduce), or (M, n) every worker's (all-gather)
+    out: torch.Tensor  # (n,) the sum over workers (all-reduce), or (M, n) every worker's
     work: object = None  # the asynchronous collective; None once waited
 
 
@@ -323,9 +293,7 @@ class StreamingDiLoCo(DiLoCo):
             )
         check_schedule(H, F, overlap, mix)
         super().__init__(every, H, outer_lr, outer_momentum, nesterov, group)
-        theta = iter(
-            self.glob[0]
-        )  # the same copies, the outer optimizer's, dealt into the fragments
+        theta = iter(self.glob[0])  # the same copies, the outer optimizer's, dealt out
         self.local, self.glob = fragments, [[next(theta) for _ in frag] for frag in fragments]
         self.overlap = overlap
         self.mix = mix
@@ -342,17 +310,14 @@ class StreamingDiLoCo(DiLoCo):
             raise RuntimeError("StreamingDiLoCo: call before_inner_step() before each inner step")
         for f in self.syncs_after(t):
             self.pending.append(self.send(f, t + self.overlap))
-        while (
-            self.pending and self.pending[0].lands <= t
-        ):  # TAU = 0: the one just sent lands at once
+        while self.pending and self.pending[0].lands <= t:  # TAU = 0: the one just sent lands now
             self.land(self.pending.pop(0))
 
     @torch.no_grad()
     def send(self, f, lands):
         """1. Delta_m for fragment f, flat; start its exchange; do not wait for it."""
-        delta = torch.cat(
-            [(g - p).flatten() for g, p in zip(self.glob[f], self.local[f])]
-        )  # (n,) mine
+        pairs = zip(self.glob[f], self.local[f])
+        delta = torch.cat([(g - p).flatten() for g, p in pairs])  # (n,) mine
         if self.wire is None:  # the sum over workers, in place, in an order that is the backend's
             return Exchange(
                 f, lands, delta, dist.all_reduce(delta, group=self.group, async_op=True)
@@ -367,24 +332,19 @@ class StreamingDiLoCo(DiLoCo):
         pseudo-gradient of ~1e-3 would flush to 0), as bytes, with the scale's bytes appended."""
         if self.wire.itemsize > 1:
             return delta.to(self.wire)  # (n,)
-        scale = (
-            delta.abs().max().clamp_min(1e-30) / torch.finfo(self.wire).max
-        )  # () parameter dtype
+        scale = delta.abs().max().clamp_min(1e-30) / torch.finfo(self.wire).max  # () param dtype
         q = (delta / scale).to(self.wire)  # (n,) float8
-        return torch.cat(
-            [q.view(torch.uint8), scale.reshape(1).view(torch.uint8)]
-        )  # (n + 8,) for float64
+        # (n + 8,) for float64
+        return torch.cat([q.view(torch.uint8), scale.reshape(1).view(torch.uint8)])
 
     def decode(self, row, dtype):
         """One worker's wire row -> (n,) in the parameters' dtype."""
         if self.wire.itemsize > 1:
             return row.to(dtype)
-        k = (
-            torch.finfo(dtype).bits // 8
-        )  # the scale's bytes, at the end: copied out before the view, since
-        scale = (
-            row[-k:].clone().view(dtype)
-        )  # a row of n + k bytes puts them at an offset k need not divide
+        # the scale's bytes, at the end: copied out before the view, since a row of n + k bytes puts
+        # them at an offset k need not divide
+        k = torch.finfo(dtype).bits // 8
+        scale = row[-k:].clone().view(dtype)
         return row[:-k].view(self.wire).to(dtype) * scale
 
     @torch.no_grad()
@@ -528,21 +488,14 @@ def train_diloco(d, args, data, model):
     run = Run(d, args, {"model": model, "inner": inner, "diloco": diloco})
     # A host timer: loss.item() below has waited for the step's compute stream; StepTimer's device-wide
     # synchronize would also wait for the exchange on its own stream, exposing it.
-    run.timer, watch = (
-        StepTimer(torch.device("cpu")),
-        ExchangeWatch(diloco),
-    )  # watch: measurement, below
-    comm, rows = CommCounter({"exchange": exchange}, log=True), args.batch_size // d.world
-    counted = range(
-        max(run.start, args.steps - args.inner_steps), args.steps
-    )  # measurement: one period
+    run.timer = StepTimer(torch.device("cpu"))
+    watch = ExchangeWatch(diloco)  # measurement, below
+    comm = CommCounter({"exchange": exchange}, log=True)
+    rows = args.batch_size // d.world
+    counted = range(max(run.start, args.steps - args.inner_steps), args.steps)  # one period
     for step in run.steps():
-        x, y = data.batch(
-            step, args.batch_size, args.seq_len, args.ragged
-        )  # (B, T) global batch, CPU
-        x, y = (
-            t[d.rank * rows : (d.rank + 1) * rows].to(d.device) for t in (x, y)
-        )  # (B/M, T) this worker's
+        x, y = data.batch(step, args.batch_size, args.seq_len, args.ragged)  # (B, T) global, CPU
+        x, y = (t[d.rank * rows : (d.rank + 1) * rows].to(d.device) for t in (x, y))  # (B/M, T)
         diloco.before_inner_step()  # a fresh run's first step: every worker from rank 0's weights
         with comm if step in counted else contextlib.nullcontext():
             loss = inner_step(model, inner, x, y, args.clip)
@@ -551,15 +504,12 @@ def train_diloco(d, args, data, model):
         dist.all_reduce(loss, group=dist.group.WORLD)
         run.end_step(step, loss.item() / d.world)
     diloco.finish()
-    peak = peak_memory_bytes(
-        d, state_bytes(model, inner) + state_bytes_of(diloco)
-    )  # before anything else
+    peak = peak_memory_bytes(d, state_bytes(model, inner) + state_bytes_of(diloco))  # first
     figures = figures_of(d, args, model, diloco, comm, len(counted), data)
     figures.update(watch.figures(d, run.start, run.timer.ms))
     check = None
-    if (
-        args.check
-    ):  # theta and every worker's own weights, against the one-process simulation of M workers
+    if args.check:
+        # theta and every worker's own weights, against the one-process simulation of M workers
         mine = final_params(d, model, diloco)
         ref = reference(args, d.world, d.device) if d.rank == 0 else None
         check = check_against_reference(d, args, run.losses, mine, ref=ref)
@@ -569,8 +519,6 @@ def train_diloco(d, args, data, model):
 def main():
     args = parse_args(Args)
     check_args(args)
-    if args.table:
-        return print_table(args.table.split(","))
     d = init_dist(args.timeout)  # --- setup (same in every file) ---
     data = MarkovData(args.vocab, args.seed)
     d.log(
@@ -578,9 +526,7 @@ def main():
         f"{args.overlap}, outer {args.outer} lr {args.outer_lr}, wire {args.outer_dtype}; entropy floor "
         f"{data.entropy:.4f} nats/token"
     )
-    torch.manual_seed(
-        args.seed + d.rank
-    )  # dropout differs across workers, as it would on other data
+    torch.manual_seed(args.seed + d.rank)  # dropout differs across workers, as on other data
     model = build_gpt(GPTConfig.from_args(args), args.seed, DTYPES[args.dtype], d.device)
     train_diloco(d, args, data, model)
 
@@ -600,7 +546,9 @@ class ExchangeWatch:
         self.done = {}  # id(Exchange) -> perf_counter when its work was first seen complete
         # [launched after step, landed in step, launch time, wait start, wait end, Exchange, CUDA events]
         self.rows = []
-        self.poll, self.step, self.thread = [], None, None
+        self.poll = []  # (Exchange, work) not yet seen complete
+        self.step = None
+        self.thread = None
         if isinstance(diloco, StreamingDiLoCo):
             send = diloco.send
             wait = diloco.wait
@@ -645,7 +593,9 @@ class ExchangeWatch:
             self.done.setdefault(id(ex), t1)
         for row in self.rows:
             if row[5] is ex and row[1] is None:
-                row[1], row[3], row[4], row[6] = self.step, t0, t1, events
+                row[1] = self.step
+                row[3:5] = [t0, t1]
+                row[6] = events
 
     def exposed_ms(self, row):
         """The stall of one exchange at its landing, in ms (measured)."""
@@ -763,28 +713,6 @@ def final_params(d, model, diloco):
     dist.all_gather_single(every, flat, group=dist.group.WORLD)
     out.update({f"worker{m}": w for m, w in enumerate(every.view(d.world, -1))})
     return out
-
-
-def print_table(paths):
-    """The docstring's table from the --json files of dp.py (DDP) and diloco.py runs."""
-    print(
-        "| run | bytes handed per rank, whole run | loss - floor: last 100 steps | held out, final |"
-    )
-    print("|---|---|---|---|")
-    for path in paths:
-        with open(path) as f:
-            s = json.load(f)
-        floor = MarkovData(s["config"]["vocab"], s["config"]["seed"]).entropy
-        n = len(s["losses"])
-        gap = sum(s["losses"][-100:]) / len(s["losses"][-100:]) - floor
-        name = (
-            "DDP (dp.py)"
-            if s["technique"].startswith("dp")
-            else f"DiLoCo H={s['config']['inner_steps']}"
-        )
-        held = s["figures"].get("held_out_loss")
-        held = "-" if held is None else f"{held - floor:.4f}"
-        print(f"| {name} | {s['comm_bytes'] * n / 1e6:.2f} MB | {gap:.4f} | {held} |")
 
 
 # --- reference for --check ---

@@ -27,6 +27,15 @@ takes, run with torch and nothing of this repo); parts 2-4 run diloco.py's main.
    StreamingDiLoCo without fragments, with an empty or a shared one, an integer wire dtype, H not a multiple
    of F, overlap >= H, mix 1; gpt_fragments asked for more fragments than blocks, or none. Negatives: a
    valid sync under the same counter all-reduces; the section with its checks taken out lets them through.
+1c. a fresh start from other seeds: every worker holds rank 0's weights after the first inner step's sync;
+   negative: without the broadcast they differ.
+1d. a resume in either order: DiLoCo and StreamingDiLoCo cut after inner step 5 (an exchange in flight) and
+   continued by fresh objects from their state dicts, the model loaded before or after the wrapper is
+   built, at worlds 2 (ranks 0, 1) and 3: bit for bit the uninterrupted run; negative: with the start sync
+   back in the constructor, the model-first order ends elsewhere.
+6. the overlap, slowed on purpose (InOrder): TAU inner steps between each exchange's launch and its wait.
+7. the exposed time where NCCL makes it: exchanges whose wait() returns at once and whose work completes
+   50 ms later are reported >= 50 ms exposed; the host's time in wait() (the rule before) is caught.
 A failed check is recorded and the script goes on; it prints ALL CHECKS PASSED or exits 1 at the end.
 """
 
