@@ -11,7 +11,8 @@ model for H inner steps with its own AdamW, and only then do they talk.
    change, sign flipped, so that it points uphill like a gradient) is the only thing exchanged, with one
    all-reduce; an *outer* optimizer steps theta with it, and every worker restarts from the new theta:
        theta <- OuterOpt(theta, Delta)        Nesterov momentum, lr 0.7, momentum 0.9 (the paper's)
-   Each worker keeps its inner AdamW state across rounds; all start from rank 0's weights (a broadcast).
+   Each worker keeps its inner AdamW state across rounds; all start from rank 0's weights (a broadcast
+   at a fresh run's first inner step, not at construction: a resumed worker keeps its own, mid-round).
    --outer sgd --outer-lr 1 is theta <- mean(theta_m): local SGD / federated averaging (McMahan et al. 2017).
    With plain SGD inside, H = 1 and that outer step, it is synchronous data parallel SGD exactly (a test): the
    averaged weights are the averaged gradient step.
@@ -33,8 +34,9 @@ model for H inner steps with its own AdamW, and only then do they talk.
       fragment_update_alpha; 0 drops the TAU local steps of that fragment). The exchange runs on a group of
       its own: on NCCL its own communicator and stream, so the loss's all-reduce (on WORLD) does not queue
       behind it, and the step is timed on the host after the loss's .item() (its compute stream), not with a
-      device-wide synchronize that would wait for the exchange. The run prints the time the host blocked on
-      each exchange (exposed) beside the exchange's own (launch to completion).
+      device-wide synchronize that would wait for the exchange. The run prints how long training stalled on
+      each exchange at its landing (exposed: on CUDA between two events around the wait, since NCCL's
+      wait() returns at once) beside the exchange's own time (launch to completion).
       Where the schedule differs from torchft's Streaming DiLoCo:
       - launched at the sync point, landed TAU steps later; torchft launches TAU steps early and lands on it;
       - TAU may be up to H - 1 (exchanges of several fragments then overlap); torchft requires TAU < H/F;
@@ -57,29 +59,8 @@ model for H inner steps with its own AdamW, and only then do they talk.
 Bytes per inner step: DDP all-reduces every gradient every step (P x 4 B in float32); DiLoCo P x b / H (b:
 bytes per element on the wire), measured at the dispatcher below: the ratio is H (x 4/b).
 
-Loss gap to the entropy floor vs bytes, measured by the commands below (world 4, 600 inner steps, the
-default model: d_model 64, 4 layers, batch 8 x 32 tokens = 2 sequences per worker, float32, the paper's
-outer Nesterov lr 0.7 / momentum 0.9; floor 1.0946 nats/token). "last 100 steps": the mean training loss of
-steps 500-599 (DiLoCo: the workers' own weights, mid-round); "held out": the final global weights on a
-batch no step used (dp.py reports none); bytes: handed to collectives by one rank over the run.
-    torchrun --nproc_per_node=4 dp.py --steps 600 --json ddp.json
-    torchrun --nproc_per_node=4 diloco.py --steps 600 --inner-steps 5 --json h5.json
-    torchrun --nproc_per_node=4 diloco.py --steps 600 --inner-steps 20 --json h20.json
-    torchrun --nproc_per_node=4 diloco.py --steps 600 --inner-steps 50 --json h50.json
-    python diloco.py --table ddp.json,h5.json,h20.json,h50.json
-
-    | run | bytes handed per rank, whole run | loss - floor: last 100 steps | held out, final |
-    |---|---|---|---|
-    | DDP (dp.py) | 502.89 MB | 0.1001 | - |
-    | DiLoCo H=5 | 100.58 MB | 0.2612 | 0.1793 |
-    | DiLoCo H=20 | 25.14 MB | 0.1025 | 0.0223 |
-    | DiLoCo H=50 | 10.06 MB | 0.0996 | 0.0180 |
-One seed, one run each, and "held out" is one batch of 256 tokens: differences near 0.01 are noise. In
-this run H = 20 and 50 reach DDP's training loss with 20x and 50x fewer bytes; H = 5 is worse (the
-paper's outer lr and momentum were tuned for H in the hundreds: a likely cause, not investigated here).
-At scale the paper reports no gap either: on C4, 8 workers with H = 500 match fully synchronous
-training; Streaming DiLoCo (fragments, overlap, 4-bit pseudo-gradients) reports data parallel's quality
-while exchanging about 400x fewer bits.
+Loss gap to the entropy floor against bytes, DDP beside H = 5, 20 and 50 at world 4 (600 steps):
+docs/diloco.md. In that run H = 20 and 50 reach DDP's training loss with 20x and 50x fewer bytes.
 
 Run:
     python diloco.py --check                                      # world 1: one worker
@@ -92,7 +73,6 @@ In production: torchft's DiLoCo / LocalSGD, or OpenDiLoCo (Prime Intellect).
 """
 
 import contextlib
-import json
 import statistics
 import threading
 import time
@@ -126,27 +106,20 @@ from harness import (
     state_bytes,
 )
 
+WIRES = Literal["same", "float32", "bfloat16", "float16", "float8_e4m3fn"]
+
 
 @dataclass
 class Args(CommonArgs):
     inner_steps: int = 10  # H: inner steps per worker between two syncs of a fragment
-    inner: Literal["adamw", "sgd"] = (
-        "adamw"  # inner optimizer, one per worker (sgd: plain, no momentum)
-    )
+    inner: Literal["adamw", "sgd"] = "adamw"  # inner optimizer, one per worker (sgd: no momentum)
     outer: Literal["nesterov", "sgd"] = "nesterov"  # outer optimizer on the global weights
-    outer_lr: float = (
-        0.7  # outer learning rate (the paper's 0.7; sgd with 1.0 = federated averaging)
-    )
+    outer_lr: float = 0.7  # outer learning rate (the paper's 0.7; sgd at 1.0: federated averaging)
     outer_momentum: float = 0.9  # Nesterov momentum of the outer optimizer (the paper's 0.9)
     fragments: int = 1  # F: Streaming DiLoCo's fragments, synced at staggered steps (1: DiLoCo)
     overlap: int = 0  # TAU: inner steps between a fragment's exchange starting and its outer update
     mix: float = 0.0  # on landing, worker fragment = mix * local + (1 - mix) * new global
-    outer_dtype: Literal["same", "float32", "bfloat16", "float16", "float8_e4m3fn"] = (
-        "same"  # on the wire
-    )
-    table: str = (
-        ""  # A.json,B.json,...: print the docstring's table from these --json files, and exit
-    )
+    outer_dtype: WIRES = "same"  # the pseudo-gradients' dtype on the wire
 
 
 # ----------------------------------------------------------------------------- 1: DiLoCo (and local SGD)
@@ -162,10 +135,11 @@ def check_outer(inner_steps, outer_lr, outer_momentum, nesterov):
 
 
 class DiLoCo:
-    """The outer loop of DiLoCo around any model and inner optimizer: call after_inner_step(t) after each
-    inner step t (0-based) on every worker (every rank of `group`); every H-th one syncs. This holds the
-    global weights theta (a copy of `params`, the worker's own parameters) and the outer optimizer's state.
-    Outer SGD with lr 1 and no momentum (nesterov=False, outer_momentum=0) is local SGD."""
+    """The outer loop of DiLoCo around any model and inner optimizer: on every worker (every rank of
+    `group`) call before_inner_step() before and after_inner_step(t) after each inner step t (0-based);
+    every H-th one syncs. This holds the global weights theta (a copy of `params`, the worker's own
+    parameters) and the outer optimizer's state. Outer SGD with lr 1 and no momentum (nesterov=False,
+    outer_momentum=0) is local SGD."""
 
     def __init__(
         self, params, inner_steps, outer_lr=0.7, outer_momentum=0.9, nesterov=True, group=None
@@ -175,13 +149,6 @@ class DiLoCo:
         self.group = group
         self.M = dist.get_world_size(group)
         self.local = [list(params)]  # one fragment: the whole model (Streaming DiLoCo has several)
-        with (
-            torch.no_grad()
-        ):  # every worker starts from the group's rank 0's theta, as DDP and torchft do:
-            for p in self.local[
-                0
-            ]:  # workers built from other seeds would otherwise train apart, silently
-                dist.broadcast(p, group_src=0, group=group)
         self.glob = [[p.detach().clone() for p in frag] for frag in self.local]  # theta
         self.outer = torch.optim.SGD(
             [g for frag in self.glob for g in frag],
@@ -190,8 +157,28 @@ class DiLoCo:
             momentum=outer_momentum if nesterov else 0.0,
             nesterov=nesterov,
         )
+        # Not synced here: a worker whose model was loaded before this was built holds its own weights,
+        # which differ from rank 0's mid-round. The first inner step of a fresh run syncs (torchft's
+        # Manager does so too); a resumed run's state says it has started.
+        self.started = False
+
+    def before_inner_step(self):
+        if not self.started:
+            self.start()
+
+    @torch.no_grad()
+    def start(self):
+        """Every worker starts from the group's rank 0's theta, as DDP and torchft do: workers built from
+        other seeds would otherwise train apart, silently."""
+        for frag, glob in zip(self.local, self.glob):
+            for p, g in zip(frag, glob):
+                dist.broadcast(p, group_src=0, group=self.group)
+                g.copy_(p)
+        self.started = True
 
     def after_inner_step(self, t):
+        if not self.started:
+            raise RuntimeError("DiLoCo: call before_inner_step() before each inner step")
         if (t + 1) % self.H == 0:
             self.sync()
 
@@ -227,6 +214,7 @@ class DiLoCo:
         return dict(
             glob=[[g.detach().clone() for g in frag] for frag in self.glob],
             outer=self.outer.state_dict(),
+            started=self.started,
         )
 
     @torch.no_grad()
@@ -235,6 +223,7 @@ class DiLoCo:
             for g, s in zip(frag, saved):
                 g.copy_(s)
         self.outer.load_state_dict(state["outer"])
+        self.started = state["started"]
 
 
 # ----------------------------------------------------------------------------- 2: Streaming DiLoCo
@@ -244,9 +233,7 @@ class Exchange:
 
     fragment: int
     lands: int  # the inner step after which its outer update is applied
-    out: (
-        torch.Tensor
-    )  # (n,) the sum over workers (all-reduce), or (M, n) every worker's (all-gather)
+    out: torch.Tensor  # (n,) the sum over workers (all-reduce), or (M, n) every worker's
     work: object = None  # the asynchronous collective; None once waited
 
 
@@ -306,9 +293,7 @@ class StreamingDiLoCo(DiLoCo):
             )
         check_schedule(H, F, overlap, mix)
         super().__init__(every, H, outer_lr, outer_momentum, nesterov, group)
-        theta = iter(
-            self.glob[0]
-        )  # the same copies, the outer optimizer's, dealt into the fragments
+        theta = iter(self.glob[0])  # the same copies, the outer optimizer's, dealt out
         self.local, self.glob = fragments, [[next(theta) for _ in frag] for frag in fragments]
         self.overlap = overlap
         self.mix = mix
@@ -321,19 +306,18 @@ class StreamingDiLoCo(DiLoCo):
         return [f for f, off in enumerate(self.offsets) if (t + 1) % self.H == off]
 
     def after_inner_step(self, t):
+        if not self.started:
+            raise RuntimeError("StreamingDiLoCo: call before_inner_step() before each inner step")
         for f in self.syncs_after(t):
             self.pending.append(self.send(f, t + self.overlap))
-        while (
-            self.pending and self.pending[0].lands <= t
-        ):  # TAU = 0: the one just sent lands at once
+        while self.pending and self.pending[0].lands <= t:  # TAU = 0: the one just sent lands now
             self.land(self.pending.pop(0))
 
     @torch.no_grad()
     def send(self, f, lands):
         """1. Delta_m for fragment f, flat; start its exchange; do not wait for it."""
-        delta = torch.cat(
-            [(g - p).flatten() for g, p in zip(self.glob[f], self.local[f])]
-        )  # (n,) mine
+        pairs = zip(self.glob[f], self.local[f])
+        delta = torch.cat([(g - p).flatten() for g, p in pairs])  # (n,) mine
         if self.wire is None:  # the sum over workers, in place, in an order that is the backend's
             return Exchange(
                 f, lands, delta, dist.all_reduce(delta, group=self.group, async_op=True)
@@ -348,24 +332,19 @@ class StreamingDiLoCo(DiLoCo):
         pseudo-gradient of ~1e-3 would flush to 0), as bytes, with the scale's bytes appended."""
         if self.wire.itemsize > 1:
             return delta.to(self.wire)  # (n,)
-        scale = (
-            delta.abs().max().clamp_min(1e-30) / torch.finfo(self.wire).max
-        )  # () parameter dtype
+        scale = delta.abs().max().clamp_min(1e-30) / torch.finfo(self.wire).max  # () param dtype
         q = (delta / scale).to(self.wire)  # (n,) float8
-        return torch.cat(
-            [q.view(torch.uint8), scale.reshape(1).view(torch.uint8)]
-        )  # (n + 8,) for float64
+        # (n + 8,) for float64
+        return torch.cat([q.view(torch.uint8), scale.reshape(1).view(torch.uint8)])
 
     def decode(self, row, dtype):
         """One worker's wire row -> (n,) in the parameters' dtype."""
         if self.wire.itemsize > 1:
             return row.to(dtype)
-        k = (
-            torch.finfo(dtype).bits // 8
-        )  # the scale's bytes, at the end: copied out before the view, since
-        scale = (
-            row[-k:].clone().view(dtype)
-        )  # a row of n + k bytes puts them at an offset k need not divide
+        # the scale's bytes, at the end: copied out before the view, since a row of n + k bytes puts
+        # them at an offset k need not divide
+        k = torch.finfo(dtype).bits // 8
+        scale = row[-k:].clone().view(dtype)
         return row[:-k].view(self.wire).to(dtype) * scale
 
     @torch.no_grad()
@@ -509,21 +488,15 @@ def train_diloco(d, args, data, model):
     run = Run(d, args, {"model": model, "inner": inner, "diloco": diloco})
     # A host timer: loss.item() below has waited for the step's compute stream; StepTimer's device-wide
     # synchronize would also wait for the exchange on its own stream, exposing it.
-    run.timer, watch = (
-        StepTimer(torch.device("cpu")),
-        ExchangeWatch(diloco),
-    )  # watch: measurement, below
-    comm, rows = CommCounter({"exchange": exchange}, log=True), args.batch_size // d.world
-    counted = range(
-        max(run.start, args.steps - args.inner_steps), args.steps
-    )  # measurement: one period
+    run.timer = StepTimer(torch.device("cpu"))
+    watch = ExchangeWatch(diloco)  # measurement, below
+    comm = CommCounter({"exchange": exchange}, log=True)
+    rows = args.batch_size // d.world
+    counted = range(max(run.start, args.steps - args.inner_steps), args.steps)  # one period
     for step in run.steps():
-        x, y = data.batch(
-            step, args.batch_size, args.seq_len, args.ragged
-        )  # (B, T) global batch, CPU
-        x, y = (
-            t[d.rank * rows : (d.rank + 1) * rows].to(d.device) for t in (x, y)
-        )  # (B/M, T) this worker's
+        x, y = data.batch(step, args.batch_size, args.seq_len, args.ragged)  # (B, T) global, CPU
+        x, y = (t[d.rank * rows : (d.rank + 1) * rows].to(d.device) for t in (x, y))  # (B/M, T)
+        diloco.before_inner_step()  # a fresh run's first step: every worker from rank 0's weights
         with comm if step in counted else contextlib.nullcontext():
             loss = inner_step(model, inner, x, y, args.clip)
             diloco.after_inner_step(step)
@@ -531,15 +504,12 @@ def train_diloco(d, args, data, model):
         dist.all_reduce(loss, group=dist.group.WORLD)
         run.end_step(step, loss.item() / d.world)
     diloco.finish()
-    peak = peak_memory_bytes(
-        d, state_bytes(model, inner) + state_bytes_of(diloco)
-    )  # before anything else
+    peak = peak_memory_bytes(d, state_bytes(model, inner) + state_bytes_of(diloco))  # first
     figures = figures_of(d, args, model, diloco, comm, len(counted), data)
     figures.update(watch.figures(d, run.start, run.timer.ms))
     check = None
-    if (
-        args.check
-    ):  # theta and every worker's own weights, against the one-process simulation of M workers
+    if args.check:
+        # theta and every worker's own weights, against the one-process simulation of M workers
         mine = final_params(d, model, diloco)
         ref = reference(args, d.world, d.device) if d.rank == 0 else None
         check = check_against_reference(d, args, run.losses, mine, ref=ref)
@@ -549,8 +519,6 @@ def train_diloco(d, args, data, model):
 def main():
     args = parse_args(Args)
     check_args(args)
-    if args.table:
-        return print_table(args.table.split(","))
     d = init_dist(args.timeout)  # --- setup (same in every file) ---
     data = MarkovData(args.vocab, args.seed)
     d.log(
@@ -558,9 +526,7 @@ def main():
         f"{args.overlap}, outer {args.outer} lr {args.outer_lr}, wire {args.outer_dtype}; entropy floor "
         f"{data.entropy:.4f} nats/token"
     )
-    torch.manual_seed(
-        args.seed + d.rank
-    )  # dropout differs across workers, as it would on other data
+    torch.manual_seed(args.seed + d.rank)  # dropout differs across workers, as on other data
     model = build_gpt(GPTConfig.from_args(args), args.seed, DTYPES[args.dtype], d.device)
     train_diloco(d, args, data, model)
 
@@ -569,13 +535,20 @@ def main():
 class ExchangeWatch:
     """Streaming DiLoCo's exchanges, watched from outside through this instance's send and wait (wrapped
     here): when each was launched (after which inner step), when its work completed (a thread polls
-    is_completed(), which waits for nothing), and how long the host blocked in wait() for it: the exposed
-    communication. DiLoCo's all-reduce is blocking: all of it is exposed, and nothing is recorded here."""
+    is_completed(), which waits for nothing), and how long training stalled on it at landing: the exposed
+    communication. On NCCL wait() only makes the compute stream wait for the exchange's and returns at
+    once, so the host's time in wait() says nothing there: on CUDA the stall is the time between two events
+    recorded on the current stream around the wait; elsewhere, from the wait's start to the completion the
+    poller saw (gloo's wait() blocks until then). DiLoCo's all-reduce is blocking: all of it is exposed, and
+    nothing is recorded here."""
 
     def __init__(self, diloco):
-        self.done = {}  # id(Exchange) -> perf_counter when its work was seen complete
-        self.rows = []  # [launched after step, landed in step, launch time, blocked s, Exchange]
-        self.poll, self.step = [], None
+        self.done = {}  # id(Exchange) -> perf_counter when its work was first seen complete
+        # [launched after step, landed in step, launch time, wait start, wait end, Exchange, CUDA events]
+        self.rows = []
+        self.poll = []  # (Exchange, work) not yet seen complete
+        self.step = None
+        self.thread = None
         if isinstance(diloco, StreamingDiLoCo):
             send = diloco.send
             wait = diloco.wait
@@ -589,54 +562,80 @@ class ExchangeWatch:
         after(t)
 
     def _sent(self, ex):
-        self.rows.append([self.step, None, time.perf_counter(), 0.0, ex])
+        self.rows.append([self.step, None, time.perf_counter(), None, None, ex, None])
         if ex.work is not None:
             self.poll.append((ex, ex.work))
             if len(self.poll) == 1:
-                threading.Thread(target=self._poller, daemon=True).start()
+                self.thread = threading.Thread(target=self._poller, daemon=True)
+                self.thread.start()
         return ex
 
     def _poller(self):
         while self.poll:
             for ex, work in list(self.poll):
                 if work.is_completed():
-                    self.done[id(ex)] = time.perf_counter()
+                    self.done.setdefault(id(ex), time.perf_counter())
                     self.poll.remove((ex, work))
             time.sleep(5e-4)
 
     def _waited(self, wait, ex):
+        work = ex.work
+        events = None
+        if ex.out.is_cuda:
+            events = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
+            events[0].record()
         t0 = time.perf_counter()
         wait(ex)
         t1 = time.perf_counter()
+        if events:
+            events[1].record()
+        if work is not None and work.is_completed():  # gloo: wait() returned once it completed
+            self.done.setdefault(id(ex), t1)
         for row in self.rows:
-            if row[4] is ex and row[1] is None:
-                row[1], row[3] = self.step, t1 - t0
-                self.done.setdefault(id(ex), t1)
+            if row[5] is ex and row[1] is None:
+                row[1] = self.step
+                row[3:5] = [t0, t1]
+                row[6] = events
+
+    def exposed_ms(self, row):
+        """The stall of one exchange at its landing, in ms (measured)."""
+        if row[6] is not None:
+            row[6][1].synchronize()
+            return row[6][0].elapsed_time(row[6][1])  # the compute stream's, between two events
+        return 1e3 * max(0.0, self.done[id(row[5])] - row[3])  # from the wait to the completion
 
     def figures(self, d, start, step_ms):
-        """Per exchange: its own time (launch to completion) and the host's time blocked on it; per step:
-        blocked time over the run; and the median step time while an exchange is in flight (strictly
-        between its launch and its landing step) beside the other steps'."""
-        rows = [r for r in self.rows if r[1] is not None and id(r[4]) in self.done]
+        """Per exchange: its own time (launch to completion), the stall it caused at landing (exposed) and
+        the host's time in wait(); per step: exposed time over the run; and the median step time while an
+        exchange is in flight (strictly between its launch and its landing step) beside the other steps'."""
+        if self.thread is not None:
+            self.thread.join(
+                timeout=60
+            )  # the poller sees every work complete (all were waited for)
+        rows = [r for r in self.rows if r[1] is not None and id(r[5]) in self.done]
         if not rows:
             return {}
-        own = [1e3 * (self.done[id(r[4])] - r[2]) for r in rows]
-        blocked = [1e3 * r[3] for r in rows]
+        own = [1e3 * (self.done[id(r[5])] - r[2]) for r in rows]
+        exposed = [self.exposed_ms(r) for r in rows]
+        blocked = [1e3 * (r[4] - r[3]) for r in rows]
         flying = {t for r in rows for t in range(r[0] + 1, r[1])}
         ms = {start + i: m for i, m in enumerate(step_ms)}
         med = lambda xs: statistics.median(xs) if xs else float("nan")
         in_flight = med([m for t, m in ms.items() if t in flying])
         other = med([m for t, m in ms.items() if t not in flying])
-        per_step = sum(blocked) / max(len(step_ms), 1)
+        per_step = sum(exposed) / max(len(step_ms), 1)
+        where = "CUDA events around the wait" if rows[0][6] else "from the wait to its completion"
         d.log(
             f"summary: exchange time {sum(own) / len(own):.1f} ms (measured, launch to completion, mean of "
-            f"{len(own)}); exposed {sum(blocked) / len(blocked):.1f} ms per exchange, {per_step:.2f} ms "
-            f"per inner step (measured: the host blocked in wait()); median step {in_flight:.1f} ms with "
-            f"an exchange in flight, {other:.1f} ms otherwise"
+            f"{len(own)}); exposed {sum(exposed) / len(exposed):.1f} ms per exchange, {per_step:.2f} ms "
+            f"per inner step (measured: {where}; the host blocked in wait() "
+            f"{sum(blocked) / len(blocked):.1f} ms); median step {in_flight:.1f} ms with an exchange in "
+            f"flight, {other:.1f} ms otherwise"
         )
         return dict(
             exchange_ms=own,
-            exchange_exposed_ms=blocked,
+            exchange_exposed_ms=exposed,
+            exchange_host_wait_ms=blocked,
             exposed_ms_per_step=per_step,
             exchange_steps=[[r[0], r[1]] for r in rows],
             step_ms_in_flight=in_flight,
@@ -714,28 +713,6 @@ def final_params(d, model, diloco):
     dist.all_gather_single(every, flat, group=dist.group.WORLD)
     out.update({f"worker{m}": w for m, w in enumerate(every.view(d.world, -1))})
     return out
-
-
-def print_table(paths):
-    """The docstring's table from the --json files of dp.py (DDP) and diloco.py runs."""
-    print(
-        "| run | bytes handed per rank, whole run | loss - floor: last 100 steps | held out, final |"
-    )
-    print("|---|---|---|---|")
-    for path in paths:
-        with open(path) as f:
-            s = json.load(f)
-        floor = MarkovData(s["config"]["vocab"], s["config"]["seed"]).entropy
-        n = len(s["losses"])
-        gap = sum(s["losses"][-100:]) / len(s["losses"][-100:]) - floor
-        name = (
-            "DDP (dp.py)"
-            if s["technique"].startswith("dp")
-            else f"DiLoCo H={s['config']['inner_steps']}"
-        )
-        held = s["figures"].get("held_out_loss")
-        held = "-" if held is None else f"{held - floor:.4f}"
-        print(f"| {name} | {s['comm_bytes'] * n / 1e6:.2f} MB | {gap:.4f} | {held} |")
 
 
 # --- reference for --check ---

@@ -101,9 +101,7 @@ class Args(CommonArgs):
     accum: int = 1  # sync: micro-batches per rank per step, one all-reduce after the last
     staleness: int = -1  # async: run in lockstep with exactly this staleness D (-1: free-running)
     max_staleness: int = 4  # async, free-running: bound on versions a gradient may lag (SSP)
-    delay_ms: float = (
-        0.0  # async: extra compute time of worker r is r * delay_ms (makes stragglers)
-    )
+    delay_ms: float = 0.0  # async: worker r computes r * delay_ms ms longer (a straggler)
 
 
 # ----------------------------------------------------------------------------- 1 + 2: bulk synchronous
@@ -130,9 +128,7 @@ def sync_step(model, opt, micro_batches, loss_fn, clip=0.0, group=None):
         loss.backward()  # gradients add up in .grad across micro-batches: no communication yet
         total = total + loss.detach().double()  # on the device: no host sync per micro-batch
     params = [p for p in model.parameters() if p.requires_grad]
-    if not torch.is_tensor(total) or any(
-        p.grad is None for p in params
-    ):  # its all-reduce would fail here
+    if not torch.is_tensor(total) or any(p.grad is None for p in params):  # no all-reduce could run
         raise ValueError(
             "sync_step: no micro-batches, or a parameter they gave no gradient: pass at least "
             "one (x, y) pair and make every trainable parameter part of the loss (or freeze it)"
@@ -140,12 +136,9 @@ def sync_step(model, opt, micro_batches, loss_fn, clip=0.0, group=None):
     # The one synchronisation of the step: SUM (not average) over ranks, because each rank's loss was
     # already divided by the global count. One all-reduce per parameter: the naive version.
     for p in params:
-        dist.all_reduce(
-            p.grad, op=dist.ReduceOp.SUM, group=group
-        )  # (param shape) full gradient, replicated
-    return total, clip_and_step(
-        params, opt, clip
-    )  # the gradients agree everywhere: the local norm is global
+        # (param shape) the full gradient, replicated
+        dist.all_reduce(p.grad, op=dist.ReduceOp.SUM, group=group)
+    return total, clip_and_step(params, opt, clip)  # the gradients agree: the local norm is global
 
 
 # ----------------------------------------------------------------------------- 3: a parameter server
@@ -177,15 +170,13 @@ def worker_loop(model, loss_of_batch, group, side, server=0):
             f"worker_loop: `group` must be this worker's two-rank group with the server, not "
             f"{dist.get_world_size(group)} rank(s): new_group([server, worker]) on every rank"
         )
-    header = torch.zeros(
-        2, dtype=torch.long, device=next(model.parameters()).device
-    )  # (version, batch id)
+    device = next(model.parameters()).device
+    header = torch.zeros(2, dtype=torch.long, device=device)  # (version, batch id)
     weights = flat_params(model)
     while True:
         dist.recv(header, src=server, group=group)
-        batch_id = int(
-            header[1]
-        )  # the worker must know its batch: a host sync, off the server's path
+        # the worker must know its batch: a host sync, off the server's path
+        batch_id = int(header[1])
         if batch_id < 0:
             return
         dist.recv(weights, src=server, group=group)
@@ -193,15 +184,11 @@ def worker_loop(model, loss_of_batch, group, side, server=0):
         model.zero_grad(set_to_none=True)
         loss = loss_of_batch(model, batch_id)
         loss.backward()
-        meta = torch.cat(
-            [loss.detach().double().reshape(1), header.double()]
-        )  # (loss, version, batch id)
-        dist.send(
-            meta.cpu(), dst=server, group=side
-        )  # what this gradient is, said first, on the host
-        dist.send(
-            torch.cat([p.grad.flatten() for p in model.parameters()]), dst=server, group=group
-        )  # (P,)
+        # (loss, version, batch id): what this gradient is, said first, on the host
+        meta = torch.cat([loss.detach().double().reshape(1), header.double()])
+        dist.send(meta.cpu(), dst=server, group=side)
+        grad = torch.cat([p.grad.flatten() for p in model.parameters()])  # (P,)
+        dist.send(grad, dst=server, group=group)
 
 
 def within_bound(version, pulled, bound):
@@ -297,10 +284,8 @@ class Server:
         self.clip, self.old = clip, old or {}
         self.pending = {}  # worker -> (weights version, batch id) of its pull in flight
         self.sends = {}  # worker -> the works of its pull in flight: nothing older is kept alive
-        self.idle, self.arrived = (
-            list(self.workers),
-            {},
-        )  # arrived: worker -> its report, gradient not read
+        self.idle = list(self.workers)
+        self.arrived = {}  # worker -> its report, gradient not read
         self.flat = flat_params(model)  # (P,) the layout of a flat gradient
 
     def hand_out(self):
@@ -321,9 +306,8 @@ class Server:
         side group's timeout bounds the wait)."""
         while (w := self.policy.pick(self)) is None:
             report = torch.empty(3, dtype=torch.float64)  # (loss, version, batch id), on the host
-            self.arrived[dist.recv(report, group=self.side)] = (
-                report  # from any source: returns who
-            )
+            w = dist.recv(report, group=self.side)  # from any source: returns who
+            self.arrived[w] = report
         return w
 
     def apply(self, w):
@@ -331,12 +315,8 @@ class Server:
         batch id), float64 on the host."""
         self.pending.pop(w)
         grad = torch.empty_like(self.flat)  # (P,) posted now: w sent it after its report
-        dist.recv(
-            grad, src=w, group=self.groups[w]
-        )  # NCCL: the server's stream waits for it, host does not
-        for work in self.sends.pop(
-            w
-        ):  # w answered its pull, so the send is complete: let the copy go
+        dist.recv(grad, src=w, group=self.groups[w])  # NCCL: only the server's stream waits
+        for work in self.sends.pop(w):  # w answered its pull: the send is complete, the copy can go
             work.wait()
         self.idle.append(w)
         params = list(self.model.parameters())
@@ -401,9 +381,7 @@ def batch_seed(args, batch_id):
 def global_batch_loss(model, batch_id, data, args, device):
     """What a worker computes for a batch id: the loss of that whole global batch (B, T); its dropout a
     function of (seed, batch) only, so that no worker holds state a restart could lose."""
-    x, y = data.batch(
-        batch_id, args.batch_size, args.seq_len, args.ragged
-    )  # (B, T) a whole batch, CPU
+    x, y = data.batch(batch_id, args.batch_size, args.seq_len, args.ragged)  # (B, T) whole, CPU
     n_tok = count_tokens(y)
     x, y = to_device(device, x, y)
     torch.manual_seed(batch_seed(args, batch_id))
@@ -414,196 +392,182 @@ def main():
     args = parse_args(Args)
     check_args(args)
     d = init_dist(args.timeout)
+    watch = Watch(d, args)  # the resume's history, the counters, the summaries: below the fence
     data = MarkovData(args.vocab, args.seed)
     d.log(
         f"dp.py --mode {args.mode}: world {d.world} on {d.backend}, "
         f"entropy floor {data.entropy:.4f} nats/token"
     )
-    torch.manual_seed(
-        args.seed + d.rank
-    )  # dropout differs across ranks, as it would on different data
+    torch.manual_seed(args.seed + d.rank)  # dropout differs across ranks, as on different data
     model = build_gpt(GPTConfig.from_args(args), args.seed, DTYPES[args.dtype], d.device)
-    if (
-        args.mode == "sync"
-    ):  # 1 + 2: everyone starts from rank 0's weights (they agree already: one seed)
+    if args.mode == "sync":
+        # 1 + 2: everyone starts from rank 0's weights (they agree already: one seed)
         for p in model.parameters():
             dist.broadcast(p.data, src=0, group=dist.group.WORLD)
         opt = make_optimizer(model.parameters(), args)
-        run, rows = (
-            Run(d, args, {"model": model, "optim": opt}),
-            args.batch_size // d.world,
-        )  # resume, log
-        refuse_checkpoint(args, run.start and "used" in run.history, "async", "sync")
-        comm, at = (
-            CommCounter(),
-            min(max(run.start, 1), args.steps - 1),
-        )  # measured: a step bench.py skips
+        run = Run(d, args, {"model": model, "optim": opt})  # resume, log
+        rows = args.batch_size // d.world
+        watch.refuse_checkpoint(run.start and "used" in run.history, "async", "sync")
+        comm = CommCounter()
+        at = min(max(run.start, 1), args.steps - 1)  # measured: a step bench.py skips
+        # The loss for the log line on a group of its own: on NCCL its own communicator, never queued
+        # with the gradients' all-reduces (nanoGPT logs rank 0's own loss instead).
+        log = dist.new_group()
         for step in run.steps():
-            x, y = data.batch(
-                step, args.batch_size, args.seq_len, args.ragged
-            )  # (B, T) global batch, CPU
-            n_tok = count_tokens(
-                y
-            )  # tokens of the whole global batch: every micro-batch loss divides by it
-            x, y = to_device(
-                d.device, *(t[d.rank * rows : (d.rank + 1) * rows] for t in (x, y))
-            )  # (B/N, T)
+            x, y = data.batch(step, args.batch_size, args.seq_len, args.ragged)  # (B, T), CPU
+            # tokens of the whole global batch: every micro-batch loss divides by it
+            n_tok = count_tokens(y)
+            mine = (t[d.rank * rows : (d.rank + 1) * rows] for t in (x, y))
+            x, y = to_device(d.device, *mine)  # (B/N, T)
             micro = zip(x.chunk(args.accum), y.chunk(args.accum))  # K micro-batches of (B/(N*K), T)
             with run.watching(step, comm, at=at):
                 loss, _ = sync_step(
                     model, opt, micro, lambda m, xm, ym: lm_loss(m(xm), ym, n_tok), args.clip
                 )
-            dist.all_reduce(
-                loss, group=dist.group.WORLD
-            )  # the global batch's loss, for the log line only
+            dist.all_reduce(loss, group=log)  # the global batch's loss, for the log line only
             run.end_step(step, loss.item())
-        return sync_summary(d, args, run, model, opt, comm, data, at)
+        return watch.sync_summary(run, model, opt, comm, data, at)
     # 3: a parameter server on rank 0, a worker on every other rank, each pair on its own group (see above)
-    groups = {
-        w: dist.new_group([0, w]) for w in range(1, d.world)
-    }  # every rank makes them, in one order
-    side = dist.new_group(
-        backend="gloo", timeout=timedelta(seconds=args.timeout)
-    )  # the reports (see above)
-    if (
-        d.rank > 0
-    ):  # a worker holds no state: it only agrees with the server on the step it resumes from
-        agree_on_resume(d, args)
+    groups = {w: dist.new_group([0, w]) for w in range(1, d.world)}  # every rank, in one order
+    side = dist.new_group(backend="gloo", timeout=timedelta(seconds=args.timeout))  # the reports
+    if d.rank > 0:
+        # a worker holds no state: it only agrees with the server on the step it resumes from
+        watch.agree_on_resume()
 
         def loss_of_batch(m, batch_id):
-            if (
-                batch_id >= args.fail_at_step >= 0
-            ):  # --fail-at-step: the last worker dies at this batch
+            if batch_id >= args.fail_at_step >= 0:  # --fail-at-step: the last worker dies here
                 maybe_fail(d, args, args.fail_at_step)
             time.sleep(d.rank * args.delay_ms / 1e3)  # --delay-ms: a straggler, if asked for
             return global_batch_loss(m, batch_id, data, args, d.device)
 
         worker_loop(model, loss_of_batch, groups[d.rank], side)
-        return worker_summary(d, args, model)
+        return watch.worker_summary(model)
     opt = make_optimizer(model.parameters(), args)
     run = Run(d, args, {"model": model, "optim": opt})  # resumes: the version, the history
     # A host timer: the report's .tolist() below has waited for this update on the server's own stream,
     # while StepTimer's device-wide synchronize would also wait for the receives posted for other workers.
     run.timer = StepTimer(torch.device("cpu"))
     policy = make_policy(args)  # lockstep at staleness D, or free-running within --max-staleness
-    old = resumed_versions(d, args, run)  # a resume: the weights the pulls then in flight were sent
+    old = watch.resumed_versions(run)  # a resume: the weights the pulls then in flight were sent
     server = Server(model, opt, groups, side, policy, args.steps, args.clip, run.start, old)
-    sent = watch_sends(server)  # measurement: the bytes handed to its sends, the sent copies alive
+    sent = watch.sends(server)  # measurement: the bytes handed to its sends, the sent copies alive
     server.hand_out()
     for step in run.steps():
-        keep_versions(
-            args, run, model
-        )  # --ckpt-dir in lockstep: the weights the pulls in flight were sent
+        watch.keep_versions(run, model)  # --ckpt-dir in lockstep: the weights pulls in flight got
         report = server.apply(server.next_to_apply())
         server.hand_out()  # the next pulls leave before the host reads anything back
         loss, version, batch_id = report.tolist()  # as the worker reports it
-        record(
-            run, int(version), int(batch_id)
-        )  # the versions used and batch ids: figures, --check, resume
+        watch.record(run, int(version), int(batch_id))  # used versions, batch ids: figures, resume
         run.end_step(step, loss)
     server.stop()
-    server_summary(d, args, run, model, opt, sent)
+    watch.server_summary(run, model, opt, sent)
 
 
 # --- measurement ---
-# What main's loops are watched with (harness.Run does the resume, --fail-at-step, the step's timer and log
-# line, checkpoints): the resume's extra history, the counters, the summaries and --check.
-def refuse_checkpoint(args, refuse, theirs, ours):
-    if refuse:
-        fail(
-            f"--ckpt-dir {args.ckpt_dir} holds a --mode {theirs} checkpoint, this run is --mode {ours}: use "
-            "another --ckpt-dir"
+class Watch:
+    """What main's loops are watched with (harness.Run does the resume, --fail-at-step, the step's timer and
+    log line, checkpoints): the resume's extra history, the counters, the summaries and --check."""
+
+    def __init__(self, d, args):
+        self.d = d
+        self.args = args
+
+    def refuse_checkpoint(self, refuse, theirs, ours):
+        if refuse:
+            fail(
+                f"--ckpt-dir {self.args.ckpt_dir} holds a --mode {theirs} checkpoint, this run is --mode "
+                f"{ours}: use another --ckpt-dir"
+            )
+
+    def sync_summary(self, run, model, opt, comm, data, at):
+        """The sync run's summary: the all-reduces counted on step `at`; the activations one micro-batch
+        saves for backward, measured after training on a forward of step `at`'s first micro-batch (no
+        backward, no step: nothing of training changes); the peak before --check trains the reference."""
+        d = self.d
+        args = self.args
+        rows = args.batch_size // d.world
+        x, y = data.batch(at, args.batch_size, args.seq_len, args.ragged)
+        x, y = (
+            t[d.rank * rows : (d.rank + 1) * rows].chunk(args.accum)[0].to(d.device) for t in (x, y)
         )
+        with SavedActivations() as acts:
+            lm_loss(model(x), y, count_tokens(y))
+        figures = sync_figures(d, comm, acts.bytes)
+        peak = peak_memory_bytes(d, state_bytes(model, opt) + acts.bytes)
+        full = dict(model.named_parameters())
+        check = check_against_reference(d, args, run.losses, full) if args.check else None
+        run.finish("dp-sync", peak, figures["allreduce_payload_bytes"], check, figures)
 
+    def agree_on_resume(self):
+        """A worker agrees with the server on the step it resumes from (reading the server's rank0 files, so
+        the --ckpt-dir must be shared): the newest step is all-reduced over every rank, as the server's Run
+        does."""
+        args = self.args
+        ckpt = Checkpointer(self.d, args.ckpt_dir, args.save_every, args.steps)
+        ckpt.dir = ckpt.dir and os.path.join(args.ckpt_dir, "rank0")
+        start, history = ckpt.load({})
+        self.refuse_checkpoint(start and "used" not in history, "sync", "async")
 
-def sync_summary(d, args, run, model, opt, comm, data, at):
-    """The sync run's summary: the all-reduces counted on step `at`; the activations one micro-batch saves
-    for backward, measured after training on a forward of step `at`'s first micro-batch (no backward, no
-    step: nothing of training changes); the peak before --check trains the reference."""
-    rows = args.batch_size // d.world
-    x, y = data.batch(at, args.batch_size, args.seq_len, args.ragged)
-    x, y = (
-        t[d.rank * rows : (d.rank + 1) * rows].chunk(args.accum)[0].to(d.device) for t in (x, y)
-    )
-    with SavedActivations() as acts:
-        lm_loss(model(x), y, count_tokens(y))
-    figures = sync_figures(d, comm, acts.bytes)
-    peak = peak_memory_bytes(d, state_bytes(model, opt) + acts.bytes)
-    full = dict(model.named_parameters())
-    check = check_against_reference(d, args, run.losses, full) if args.check else None
-    run.finish("dp-sync", peak, figures["allreduce_payload_bytes"], check, figures)
+    def resumed_versions(self, run):
+        """The server's resume: {version: flat weights} that the pulls in flight at the checkpoint were
+        sent."""
+        self.refuse_checkpoint(run.start and "used" not in run.history, "sync", "async")
+        recent = run.history.setdefault("recent", [])
+        return {run.start - len(recent) + i: t.to(self.d.device) for i, t in enumerate(recent)}
 
+    def keep_versions(self, run, model):
+        """In lockstep with --ckpt-dir, a restart needs the weights the last D pulls in flight were sent."""
+        D = self.args.staleness
+        if D > 0 and self.args.ckpt_dir:
+            run.history["recent"] = (run.history.get("recent", []) + [flat_params(model)])[-D:]
 
-def agree_on_resume(d, args):
-    """A worker agrees with the server on the step it resumes from (reading the server's rank0 files, so the
-    --ckpt-dir must be shared): the newest step is all-reduced over every rank, as the server's Run does."""
-    ckpt = Checkpointer(d, args.ckpt_dir, args.save_every, args.steps)
-    ckpt.dir = ckpt.dir and os.path.join(args.ckpt_dir, "rank0")
-    start, history = ckpt.load({})
-    refuse_checkpoint(args, start and "used" not in history, "sync", "async")
+    def record(self, run, version, batch_id):
+        """The version each applied gradient was computed on and its batch id, kept in the run's history."""
+        run.history["used"] = run.history.get("used", []) + [version]
+        run.history["batches"] = run.history.get("batches", []) + [batch_id]
 
+    def sends(self, server):
+        """Count what server.hand_out and server.stop hand to their sends, and the sent copies alive."""
+        sent = SentCopies()
 
-def resumed_versions(d, args, run):
-    """The server's resume: {version: flat weights} that the pulls in flight at the checkpoint were sent."""
-    refuse_checkpoint(args, run.start and "used" not in run.history, "sync", "async")
-    recent = run.history.setdefault("recent", [])
-    return {run.start - len(recent) + i: t.to(d.device) for i, t in enumerate(recent)}
+        def counted(method):
+            def call(*a):
+                with sent:
+                    return method(*a)
 
+            return call
 
-def keep_versions(args, run, model):
-    """In lockstep with --ckpt-dir, a restart needs the weights the last D pulls in flight were sent."""
-    if args.staleness > 0 and args.ckpt_dir:
-        run.history["recent"] = (run.history.get("recent", []) + [flat_params(model)])[
-            -args.staleness :
-        ]
+        server.hand_out, server.stop = counted(server.hand_out), counted(server.stop)
+        return sent
 
+    def server_summary(self, run, model, opt, sent):
+        d = self.d
+        args = self.args
+        D = args.staleness
+        used = run.history.get("used", [])
+        batches = run.history.get("batches", [])
+        figures = async_figures(d, args, run, sent, used, batches, model)
+        peak = peak_memory_bytes(d, state_bytes(model, opt))  # before --check trains the reference
+        check = None
+        if (
+            args.check
+        ):  # replay the versions the run used; in lockstep, the ones the rule prescribes
+            ref = delayed_reference(
+                args,
+                [max(t - D, 0) for t in range(args.steps)] if D >= 0 else used,
+                list(range(args.steps)) if D >= 0 else batches,
+                d.device,
+            )
+            check = check_against_reference(
+                d, args, run.losses, dict(model.named_parameters()), ref=ref
+            )
+        run.finish("dp-async", peak, figures["server_bytes_sent_per_update"], check, figures)
 
-def record(run, version, batch_id):
-    """The version each applied gradient was computed on and its batch id, kept in the run's history."""
-    run.history["used"] = run.history.get("used", []) + [version]
-    run.history["batches"] = run.history.get("batches", []) + [batch_id]
-
-
-def watch_sends(server):
-    """Count what server.hand_out and server.stop hand to their sends, and the sent copies still alive."""
-    sent = SentCopies()
-
-    def counted(method):
-        def call(*a):
-            with sent:
-                return method(*a)
-
-        return call
-
-    server.hand_out, server.stop = counted(server.hand_out), counted(server.stop)
-    return sent
-
-
-def server_summary(d, args, run, model, opt, sent):
-    D = args.staleness
-    used = run.history.get("used", [])
-    batches = run.history.get("batches", [])
-    figures = async_figures(d, args, run, sent, used, batches, model)
-    peak = peak_memory_bytes(d, state_bytes(model, opt))  # before --check trains the reference
-    check = None
-    if args.check:  # replay the versions the run used; in lockstep, the ones the rule prescribes
-        ref = delayed_reference(
-            args,
-            [max(t - D, 0) for t in range(args.steps)] if D >= 0 else used,
-            list(range(args.steps)) if D >= 0 else batches,
-            d.device,
-        )
-        check = check_against_reference(
-            d, args, run.losses, dict(model.named_parameters()), ref=ref
-        )
-    run.finish("dp-async", peak, figures["server_bytes_sent_per_update"], check, figures)
-
-
-def worker_summary(d, args, model):
-    """A worker joins the collectives of the server's summary and --check."""
-    peak_memory_bytes(d, state_bytes(model))
-    check = check_against_reference(d, args, [], {}) if args.check else None
-    close_dist(ok=check is None or check["passed"])
+    def worker_summary(self, model):
+        """A worker joins the collectives of the server's summary and --check."""
+        peak_memory_bytes(self.d, state_bytes(model))
+        check = check_against_reference(self.d, self.args, [], {}) if self.args.check else None
+        close_dist(ok=check is None or check["passed"])
 
 
 class SentCopies(CommCounter):

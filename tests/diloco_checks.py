@@ -27,9 +27,19 @@ takes, run with torch and nothing of this repo); parts 2-4 run diloco.py's main.
    StreamingDiLoCo without fragments, with an empty or a shared one, an integer wire dtype, H not a multiple
    of F, overlap >= H, mix 1; gpt_fragments asked for more fragments than blocks, or none. Negatives: a
    valid sync under the same counter all-reduces; the section with its checks taken out lets them through.
+1c. a fresh start from other seeds: every worker holds rank 0's weights after the first inner step's sync;
+   negative: without the broadcast they differ.
+1d. a resume in either order: DiLoCo and StreamingDiLoCo cut after inner step 5 (an exchange in flight) and
+   continued by fresh objects from their state dicts, the model loaded before or after the wrapper is
+   built, at worlds 2 (ranks 0, 1) and 3: bit for bit the uninterrupted run; negative: with the start sync
+   back in the constructor, the model-first order ends elsewhere.
+6. the overlap, slowed on purpose (InOrder): TAU inner steps between each exchange's launch and its wait.
+7. the exposed time where NCCL makes it: exchanges whose wait() returns at once and whose work completes
+   50 ms later are reported >= 50 ms exposed; the host's time in wait() (the rule before) is caught.
 A failed check is recorded and the script goes on; it prints ALL CHECKS PASSED or exits 1 at the end.
 """
 
+import copy
 import functools
 import os
 import sys
@@ -87,6 +97,7 @@ def train_workers(model, inner, outer, steps):
     """This worker's inner steps on its rows of each batch, the outer step's after each: the final theta."""
     for step in range(steps):
         x, y = batch(step)
+        outer.before_inner_step()
         inner.zero_grad()
         huber(
             model, x[d.rank * rows : (d.rank + 1) * rows], y[d.rank * rows : (d.rank + 1) * rows]
@@ -125,7 +136,7 @@ def starts_agree(c):
     with torch.no_grad():
         for p in net.parameters():
             p.add_(d.rank)
-    c.DiLoCo(net.parameters(), 2)
+    c.DiLoCo(net.parameters(), 2).before_inner_step()  # a fresh run's first step
     every = torch.empty(d.world * flat(net).numel(), dtype=F64, device=d.device)
     dist.all_gather_single(every, flat(net), group=dist.group.WORLD)
     return all(torch.equal(w, flat(Net())) for w in every.view(d.world, -1))
@@ -134,20 +145,25 @@ def starts_agree(c):
 check(
     starts_agree(core),
     f"copy-out DiLoCo: {d.world} workers built with different weights all start from "
-    f"rank 0's (broadcast in the constructor)",
+    f"rank 0's (broadcast at the first inner step)",
 )
 no_broadcast = types.SimpleNamespace(
     **section.load(
         "diloco.py",
         (section.ROOT / "diloco.py")
         .read_text()
-        .replace("dist.broadcast(p, group_src=0, group=group)", "pass"),
+        .replace("dist.broadcast(p, group_src=0, group=self.group)", "pass"),
     )
 )
 check(
     not starts_agree(no_broadcast),
     "copy-out DiLoCo: negative: without the broadcast the workers' starts differ",
 )
+
+
+def started(outer):
+    outer.before_inner_step()
+    return outer
 
 
 # ----------------------------------------------------------------------------- 1b. copy-out: Streaming DiLoCo
@@ -231,6 +247,103 @@ for rounding in (True, False):
             f"copy-out StreamingDiLoCo: negative: the simulation without the wire's rounding "
             f"differs ({diff:.1e})",
         )
+
+
+# ------------------------------------------------------------------ 1d. a resume, in either order of loading
+def resumed(c, kind, group, order, stop=None):
+    """Streaming DiLoCo (2 fragments, H 4, overlap 1, mix 0.5, bfloat16 wire) or DiLoCo (H 4) on the net,
+    over `group`, SSTEPS inner steps. With `stop`, the run is cut after inner step stop - 1 (its state
+    dicts kept, as a checkpoint keeps them) and continued by fresh objects, loaded in `order`: "model
+    first" loads the model and the inner optimizer, then builds the wrapper and loads its state (torch's
+    usual recipe); "wrapper first" builds it before. Returns (theta, this worker's weights), flat."""
+    M = dist.get_world_size(group)
+    me = dist.get_rank(group)
+    part = B // M
+
+    def build(net):
+        if kind == "DiLoCo":
+            return c.DiLoCo(net.parameters(), SH, OLR, MU, group=group)
+        return c.StreamingDiLoCo(fragments_of(net), SH, OLR, MU, True, TAU, MIX, WIRE, group)
+
+    def train(net, opt, outer, steps):
+        for t in steps:
+            x, y = batch(t)
+            outer.before_inner_step()
+            opt.zero_grad()
+            huber(net, x[me * part : (me + 1) * part], y[me * part : (me + 1) * part]).backward()
+            opt.step()
+            outer.after_inner_step(t)
+
+    net = Net()
+    opt = adamw(net)
+    outer = build(net)
+    train(net, opt, outer, range(stop or SSTEPS))
+    if stop:
+        saved = copy.deepcopy(
+            dict(model=net.state_dict(), inner=opt.state_dict(), outer=outer.state_dict())
+        )
+        net = Net()  # a new process: fresh objects, the saved state
+        opt = adamw(net)
+        if order == "wrapper first":
+            outer = build(net)
+        net.load_state_dict(saved["model"])
+        opt.load_state_dict(saved["inner"])
+        if order == "model first":
+            outer = build(net)
+        outer.load_state_dict(saved["outer"])
+        train(net, opt, outer, range(stop, SSTEPS))
+    outer.finish()
+    return torch.cat([g.flatten() for g in outer.global_params()]), flat(net)
+
+
+def check_resumes(c, label="", expect=True):
+    """Cut after inner step 5 (Streaming: fragment 0's exchange in flight, every worker mid-round), at
+    worlds 2 (ranks 0, 1) and 3: both orders end where the uninterrupted run ends, bit for bit."""
+    worst = []
+    for M, group in ((2, pair), (3, dist.group.WORLD)):
+        for kind in ("StreamingDiLoCo", "DiLoCo"):
+            for order in ("model first", "wrapper first"):
+                if d.rank >= M:
+                    continue
+                full = resumed(c, kind, group, order)
+                cut = resumed(c, kind, group, order, stop=6)
+                diff = max((a - b).abs().max().item() for a, b in zip(full, cut))
+                worst.append((diff, f"{kind} world {M} {order}"))
+                if expect:
+                    check(
+                        diff == 0,
+                        f"{label}resume: {kind}, world {M}, cut after step 5 "
+                        f"{'with an exchange in flight' if kind != 'DiLoCo' else 'mid-round'}, "
+                        f"{order}: theta and the worker == the uninterrupted run ({diff:.1e})",
+                    )
+    return worst
+
+
+pair = dist.new_group([0, 1])
+check_resumes(core)
+worst = check_resumes(
+    types.SimpleNamespace(
+        **section.load(
+            "diloco.py",
+            (section.ROOT / "diloco.py")
+            .read_text()
+            .replace(
+                "        self.started = False\n",
+                "        self.started = False\n        self.start()\n",
+            ),
+        )
+    ),
+    expect=False,
+)
+if d.rank < 2:
+    caught = [what for diff, what in worst if diff > 1e-6]
+    check(
+        "StreamingDiLoCo world 2 model first" in caught and "DiLoCo world 2 model first" in caught,
+        f"resume: negative: with the start sync in the constructor (as before), the model-first order "
+        f"ends away from the uninterrupted run: {', '.join(caught)} "
+        f"(max {max(diff for diff, _ in worst):.1e})",
+    )
+
 
 # ----------------------------------------------------------------------------- 2-4: diloco.py's main, patched
 summaries = []
@@ -562,6 +675,59 @@ for what, cls, attr, mutant in (
         f"{len(stalls)} collective(s) queued behind an exchange)",
     )
 
+
+# ------------------------------------------------------------- 7. exposed time where NCCL makes it (N4-4)
+class Late:
+    """A Work that behaves as NCCL's: wait() returns at once (on NCCL it only makes the compute stream
+    wait), and is_completed() turns True 50 ms after that wait began. (The real gloo work under it was
+    waited for at launch, so no wait here depends on how busy the machine is.)"""
+
+    def __init__(self):
+        self.waited = None
+
+    def wait(self):
+        self.waited = time.perf_counter()
+        return True
+
+    def is_completed(self):
+        return self.waited is not None and time.perf_counter() >= self.waited + 0.05
+
+
+def exposed_with_late_work(exposed_ms=None):
+    """StreamingDiLoCo (2 fragments, H 2, overlap 0: each exchange lands right after its launch) whose
+    exchanges complete 50 ms after their wait, watched by diloco.ExchangeWatch: its figures."""
+    net = Net()
+    stream = diloco.StreamingDiLoCo(fragments_of(net), 2, OLR, MU, True, 0, 0.0, None)
+    real = stream.send
+
+    def send(f, lands):
+        ex = real(f, lands)
+        ex.work.wait()
+        ex.work = Late()
+        return ex
+
+    stream.send = send
+    watch = diloco.ExchangeWatch(stream)
+    if exposed_ms is not None:
+        watch.exposed_ms = types.MethodType(exposed_ms, watch)
+    train_workers(net, adamw(net), stream, 4)
+    return watch.figures(d, 0, [1.0] * 4)
+
+
+f = exposed_with_late_work()
+check(
+    len(f["exchange_exposed_ms"]) == 4 and min(f["exchange_exposed_ms"]) >= 50,
+    f"exposed time: exchanges whose work completes 50 ms after a wait() that returns at once (NCCL's): "
+    f"exposed {[round(x, 1) for x in f['exchange_exposed_ms']]} ms (>= 50), the host in wait() "
+    f"{[round(x, 2) for x in f['exchange_host_wait_ms']]} ms",
+)
+f = exposed_with_late_work(lambda self, row: 1e3 * (row[4] - row[3]))
+check(
+    min(f["exchange_exposed_ms"]) < 50,
+    f"exposed time: negative: the host's time in wait() as the figure (the rule before) reports "
+    f"{[round(x, 2) for x in f['exchange_exposed_ms']]} ms: caught",
+)
+
 # ----------------------------------------------------------------------------- 5. the cores refuse bad input
 refused = section.refused  # (call, words) -> (refused before any collective, what happened)
 
@@ -620,7 +786,7 @@ def bad_calls(c):
 
 
 check_refused(check, bad_calls, core)
-ok, seen = refused(lambda: core.DiLoCo(Net().parameters(), 1).after_inner_step(0), [])
+ok, seen = refused(lambda: started(core.DiLoCo(Net().parameters(), 1)).after_inner_step(0), [])
 check(
     seen.startswith("no error") and "'all_reduce/" in seen,
     f"bad input: negative: a valid DiLoCo's sync under the same counter all-reduces ({seen})",

@@ -1,9 +1,10 @@
 """The check for a machine with GPUs (the pytest suite always runs on CPU): each file's modes with --check,
 one line per run, sized to the GPUs and the minutes at hand; exit 1 if any run fails, 2 on a bad flag.
 
-    bash tests/gpu_check.sh --one-gpu           # one GPU: the CUDA-only paths, world 1 (41 launches,
-                                                # 6.5-8.5 min)
+    bash tests/gpu_check.sh --one-gpu           # one GPU: the CUDA-only paths, world 1 (43 launches,
+                                                # 7-9 min)
     bash tests/gpu_check.sh                     # N = every visible GPU: world N's plan, then the one-GPU plan
+    bash tests/gpu_check.sh --minutes 14        # N GPUs in a 15-minute lease: the runs covering most first
     bash tests/gpu_check.sh --world 4 --only zero.py,moe.py --minutes 10   # a slice, within a budget
     bash tests/gpu_check.sh --cpu --one-gpu     # the same plan on gloo + CPU (to try the script itself)
     python tests/gpu_check.py --dry-run --for-gpus 8 --minutes 15   # print the plan, its launches and
@@ -12,7 +13,13 @@ one line per run, sized to the GPUs and the minutes at hand; exit 1 if any run f
 --only FILE[,FILE]  only the runs of these files (bench.py included)
 --world N           only world N's plan (N = 1: the one-GPU plan); default: N = the GPUs, then world 1
 --minutes M         launch nothing whose estimate does not fit in what is left of M minutes (each skipped run
-                    is printed, with why); a run still going when the budget is spent is stopped (FAILED)
+                    is printed, with why); a run still going when the budget is spent is stopped (FAILED).
+                    The plan runs in the order a budget should cut from the end of: first the runs the
+                    fourth NCCL review found never run on several GPUs (ptdp's CP ring inside pipeline
+                    stages and its ZeRO-1, diloco's exchange between ranks on both wires, fp8's delayed
+                    and fine-grained recipes at world N and a delayed restart, zero.py's checkpoint
+                    resumed at half the world), then greedily the run adding the most paths not yet
+                    covered (a file at a world, a kind of run, a mode's value, a layout flag)
 --for-gpus N        with --dry-run or --cpu: plan for N GPUs (default: the visible GPUs; --cpu: 2)
 
 The one-GPU plan (world 1; what differs on CUDA from the CPU suite, every group being of one rank):
@@ -41,10 +48,14 @@ differs, a second uninterrupted run measures CUDA's run-to-run spread: a pair th
 uninterrupted runs agree bit for bit fails; otherwise it must lie within 10 x the measured spread.
 The one-GPU plan also runs diloco.py's bf16 and float8 wire with an exchange in flight, megatron_tp's and
 zero.py's restarts with dropout (the CUDA generator in their checkpoints), the 2024 MoE (moe_deepseek.py),
-fault_tolerance.py through its own launcher (R = 1, and the restart recipe) and fp8.py's three recipes (the
-loss falls, finite: its --check reference is FP32 arithmetic, not the tensor cores' FP8 GEMM). Its time:
-6.5-8.5 min on a freshly started GPU, assuming 10 s per warm launch and 20-30 s of cold imports and CUDA
-context on the first ones.
+fault_tolerance.py through its own launcher (R = 1, and the restart recipe), fp8.py's three recipes (the
+loss falls, finite: its --check reference is FP32 arithmetic, not the tensor cores' FP8 GEMM) and a delayed
+restart (the amax history resumed on the device). Its time: 7-9 min on a freshly started GPU, assuming 10 s
+per warm launch and 20-30 s of cold imports and CUDA context on the first ones.
+World N's plan also runs ptdp's context parallel and ZeRO-1, Streaming DiLoCo (bfloat16 and float8 wires),
+fp8.py's delayed and fine-grained recipes (d_model 128 N: whole 128-row blocks per shard) and zero.py's
+stage-2 checkpoint saved at world N and resumed at world N / 2 (--check over every step). The whole plan at
+N GPUs takes about 34 min; --minutes 14 keeps the runs that cover the most.
 Estimated time: launches x 10 s at world 1, 15 s at world >= 2 (see docs/gpus.md); --minutes rescales the
 estimates of what is left by the measured time of what ran."""
 
@@ -105,6 +116,15 @@ def model_flags(w):
         "--seq-len",
         seq,
     ]
+
+
+def routed(f):
+    """Review 2 (R4): a router near a tie (top-k, capacity, gshard's 2 g2 > u) can flip when cuBLAS picks
+    another kernel for a rank's M tokens than the reference's, a discrete change of the loss: a false
+    FAILED. The routers' --check runs in float64, where such a flip needs a tie within ~1e-16, not 1e-7;
+    the bfloat16 DETAIL pass still runs their 16-bit path (its 5e-2 tolerance absorbs roundoff, not a
+    flip)."""
+    return ["--dtype", "float64"] if f in ("moe.py", "moe_deepseek.py") else []
 
 
 def plan(w):
@@ -172,7 +192,7 @@ def plan(w):
             ("ptdp 1f1b", "ptdp.py", ["--pp", w, *m]),
             ("ptdp interleaved v 2", "ptdp.py", ["--pp", w, "--virtual-stages", 2, *m]),
         ]
-    return [(name, f, [*model_flags(w), *flags, "--check"]) for name, f, flags in runs]
+    return [(name, f, [*model_flags(w), *flags, *routed(f), "--check"]) for name, f, flags in runs]
 
 
 def bf16_plan(w):
@@ -199,6 +219,11 @@ def restart_plan(w):
     ]
 
 
+# Streaming DiLoCo with two fragments and an exchange in flight for one step: its own group, the async
+# exchange, the wire's rounding (bf16; float8 with the scale beside the payload) on CUDA.
+DILOCO = ["--inner-steps", 2, "--fragments", 2, "--overlap", 1]
+
+
 def extra_plan(w):
     """The modes review 2 (issue 31) found never run on a GPU, at world w >= 2: [(name, file, flags)]."""
     half = max(
@@ -213,6 +238,29 @@ def extra_plan(w):
         ),
         (f"cp {half} x dp {w // half}", "context_parallel.py", ["--cp", half, "--dp", w // half]),
     ]
+    m = ["--microbatches", 2 * w]
+    if w % 4 == 0:  # review 4 (N4-5): the CP ring on its own communicator inside pipeline stages
+        runs += [
+            (
+                f"ptdp pp 2 x cp 2 x tp {w // 4} v 2",
+                "ptdp.py",
+                ["--pp", 2, "--cp", 2, "--tp", w // 4, "--virtual-stages", 2, *m],
+            ),
+            (
+                f"ptdp pp 2 x dp {w // 4} x cp 2 zero 1",
+                "ptdp.py",
+                ["--pp", 2, "--dp", w // 4, "--cp", 2, "--zero", 1, *m],
+            ),
+        ]
+    else:
+        runs += [
+            (f"ptdp cp {w}", "ptdp.py", ["--pp", 1, "--cp", w]),
+            (f"ptdp dp {w} zero 1", "ptdp.py", ["--pp", 1, "--dp", w, "--zero", 1]),
+        ]
+    runs += [  # the exchange's own communicator between ranks, in flight for a step, both wires
+        (f"diloco streaming overlap {wire}", "diloco.py", DILOCO + ["--outer-dtype", wire])
+        for wire in ("bfloat16", "float8_e4m3fn")
+    ]
     if w >= 4 and w % 2 == 0:
         runs += [
             (f"ptdp pp 2 x dp {half}", "ptdp.py", ["--pp", 2, "--dp", half, "--microbatches", 4]),
@@ -222,12 +270,7 @@ def extra_plan(w):
                 ["--schedule", "zbv", "--pp", half, "--dp", 2, "--microbatches", 2 * half],
             ),
         ]
-    return [(name, f, [*model_flags(w), *flags, "--check"]) for name, f, flags in runs]
-
-
-# Streaming DiLoCo with two fragments and an exchange in flight for one step: its own group, the async
-# exchange, the wire's rounding (bf16; float8 with the scale beside the payload) on CUDA.
-DILOCO = ["--inner-steps", 2, "--fragments", 2, "--overlap", 1]
+    return [(name, f, [*model_flags(w), *flags, *routed(f), "--check"]) for name, f, flags in runs]
 
 
 def ft_plan(w):
@@ -269,12 +312,18 @@ def fp8_plan(w):
     order, and an FP8 rounding boundary crossed turns that roundoff chaotic; docs/fp8.md). Fine-grained
     needs K and the tokens per rank in whole 128-tiles."""
     steps = ["--steps", 20]
-    if w > 1:
+    if w > 1:  # fine-grained: each rank's shard of a weight whole 128-row blocks, so d_model 128 w
+        fine = ["--d-model", 128 * w, "--n-layers", 2]
         return [
             (
                 "fp8 current fp8-all-gather loss falls",
                 [*model_flags(w), *steps, "--recipe", "current", "--fp8-all-gather"],
-            )
+            ),
+            ("fp8 delayed loss falls", [*model_flags(w), *steps, "--recipe", "delayed"]),
+            (
+                "fp8 fine-grained loss falls",
+                [*model_flags(w), *steps, "--recipe", "fine-grained", *fine],
+            ),
         ]
     return [
         (f"fp8 {r} loss falls", [*model_flags(1), *steps, "--recipe", r, *extra])
@@ -313,7 +362,7 @@ def one_gpu_plan():
         ("moe loss_free", "moe_deepseek.py", ["--ep", 1, "--experts", 4, "--shared-experts", 0]),
         ("moe loss_free dropless shared", "moe_deepseek.py", ["--ep", 1, "--experts", 4]),
     ]
-    return [(name, f, [*model_flags(1), *flags, "--check"]) for name, f, flags in runs]
+    return [(name, f, [*model_flags(1), *flags, *routed(f), "--check"]) for name, f, flags in runs]
 
 
 def jobs(w, cpu, gpus):
@@ -368,10 +417,14 @@ def jobs(w, cpu, gpus):
             add("ft", name, "fault_tolerance.py", 1 + ("restart" in name), argv=flags)
         for name, flags in fp8_plan(1):
             add("falls", name, "fp8.py", 1, flags=flags)
+        # delayed scaling's amax history in the checkpoint, resumed on the device (review 4, N4-1)
+        fp8 = [*model_flags(1), "--recipe", "delayed", "--amax-history", 4, "--steps", 6]
+        add("same", "fp8 delayed restart", "fp8.py", 2, a=fp8, b=[fp8], restart=True, first=True)
         add("bench", "bench world 1", "bench.py", 11, pairs="ddp,dp_sync,zero1,zero2,zero3,tp")
         return out
     for name, f, flags in plan(w) + extra_plan(w):
-        add("check", name, f, 1, flags=flags)
+        first = f == "diloco.py" or f == "ptdp.py" and ("--cp" in flags or "--zero" in flags)
+        add("check", name, f, 1, flags=flags, first=first)
     for name, f, flags in bf16_plan(w):
         add("check", name, f, 1, flags=flags, env={"TORCH_DISTRIBUTED_DEBUG": "DETAIL"})
     drop = [*model_flags(w), "--dropout", 0.1, "--steps", 6]
@@ -398,7 +451,19 @@ def jobs(w, cpu, gpus):
     for name, flags in ft_plan(w):
         add("ft", name, "fault_tolerance.py", 1 + ("restart" in name), argv=flags)
     for name, flags in fp8_plan(w):
-        add("falls", name, "fp8.py", 1, flags=flags)
+        add("falls", name, "fp8.py", 1, flags=flags, first="current" not in flags)
+    # zero.py's sharded checkpoint (torch.distributed.checkpoint) saved at world w, resumed at w // 2
+    zero = [*model_flags(w), "--stage", 2, "--check"]
+    add(
+        "reshard",
+        f"zero 2 saved at world {w}, resumed at {w // 2}",
+        "zero.py",
+        2,
+        a=zero,  # run_reshard adds --ckpt-dir and --save-every 2
+        b=[[*zero, "--steps", 6]],
+        to=w // 2,
+        first=True,
+    )
     if w >= 3:
         add("stragglers", "dp async stragglers overlap", "dp.py", 2)
     add("bench", f"bench world {w}", "bench.py", 22, pairs="all")
@@ -598,6 +663,20 @@ def run_ft(job, cpu, tmp, timeout):
     line(job["name"], rc == 0 and "PASSED" in out, check_line(out), out)
 
 
+def run_reshard(job, cpu, tmp, timeout):
+    """A checkpoint saved at the job's world, resumed at world job["to"]: the resumed run's --check covers
+    every step, before and after the resume, against one uninterrupted run."""
+    ckpt = ["--ckpt-dir", tmp / re.sub(r"\W+", "_", job["name"])]
+    rc, out = launch(
+        job["world"], job["file"], [*job["a"], *ckpt, "--save-every", 2], cpu, timeout=timeout
+    )
+    if rc != 0 or "PASSED" not in out:
+        return line(job["name"], False, "the run that saves failed", out)
+    rc, out = launch(job["to"], job["file"], [*job["b"][0], *ckpt], cpu, timeout=timeout)
+    resumed = f"(saved at world size {job['world']}" in out
+    line(job["name"], rc == 0 and "PASSED" in out and resumed, check_line(out), out)
+
+
 def run_falls(job, cpu, tmp, timeout):
     """A run without a reference on CUDA: every loss finite, and the last three below the first."""
     rc, out = launch(job["world"], job["file"], job["flags"], cpu, timeout=timeout)
@@ -683,7 +762,75 @@ def build(args, gpus):
         )
     if args.only:
         todo = [j for j in todo if j["file"] in args.only]
-    return todo
+    return by_coverage(todo)
+
+
+# What a run exercises, for the order under a budget: a mode flag with its value, a layout flag set.
+MODE = {
+    "--mode",
+    "--router",
+    "--attention",
+    "--layout",
+    "--schedule",
+    "--recipe",
+    "--outer-dtype",
+    "--compress",
+    "--compress-activations",
+    "--optimizer",
+    "--mixed-precision",
+    "--stage",
+    "--recompute",
+    "--dtype",
+}
+LAYOUT = {
+    "--tp",
+    "--pp",
+    "--dp",
+    "--cp",
+    "--ep",
+    "--zero",
+    "--virtual-stages",
+    "--overlap",
+    "--fragments",
+    "--sequence-parallel",
+    "--offload",
+    "--fp8-all-gather",
+    "--accum",
+    "--ragged",
+    "--staleness",
+    "--dropout",
+    "--shared-experts",
+}
+
+
+def paths(job):
+    """The paths a job covers: its file at its world (> 1: NCCL between ranks; 1: one-rank groups), its
+    kind there (check, restart, reshard, DETAIL, ...), each mode flag's value and each layout flag."""
+    many = job["world"] > 1
+    flags = list(map(str, job.get("flags") or job.get("a") or job.get("argv") or []))
+    kind = "DETAIL" if job.get("env") else job["kind"]
+    out = {(many, job["file"]), (many, job["file"], kind)}
+    for i, x in enumerate(flags):
+        if x in MODE:
+            out.add((many, job["file"], x, flags[i + 1]))
+        elif x in LAYOUT:
+            out.add((many, job["file"], x))
+    return out
+
+
+def by_coverage(todo):
+    """The order a budget cuts from the end of: first the runs the fourth NCCL review found never run on
+    several GPUs (N4-5), then, greedily, the run that adds the most paths not yet covered (ties: plan
+    order, world N before world 1)."""
+    first = [j for j in todo if j.get("first")]
+    rest = [j for j in todo if not j.get("first")]
+    seen = set().union(*(paths(j) for j in first)) if first else set()
+    ordered = list(first)
+    while rest:
+        best = max(range(len(rest)), key=lambda i: (len(paths(rest[i]) - seen), -i))
+        seen |= paths(rest[best])
+        ordered.append(rest.pop(best))
+    return ordered
 
 
 class Parser(argparse.ArgumentParser):
@@ -796,6 +943,8 @@ def main(argv=None):
             run_ft(j, args.cpu, tmp, min(timeout, 300))
         elif j["kind"] == "falls":
             run_falls(j, args.cpu, tmp, min(timeout, 300))
+        elif j["kind"] == "reshard":
+            run_reshard(j, args.cpu, tmp, min(timeout, 300))
         elif j["kind"] == "stragglers":
             stragglers(j["world"], args.cpu, timeout=min(timeout, 300))
         else:

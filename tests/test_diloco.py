@@ -69,12 +69,27 @@ def test_copy_out_streaming_on_another_model(checks):
 
 
 def test_workers_start_from_rank_0s_theta(checks):
-    """DiLoCo (the section alone) on workers whose weights differ: every rank holds rank 0's after the
-    constructor (its broadcast); without the broadcast they differ (the check can fail)."""
+    """DiLoCo (the section alone) on workers whose weights differ (a fresh start from other seeds): every
+    rank holds rank 0's after the first inner step's start (its broadcast); without the broadcast they
+    differ (the check can fail)."""
     assert passed(checks, "copy-out DiLoCo", "all start from rank 0's"), checks
     assert passed(
         checks, "copy-out DiLoCo: negative: without the broadcast the workers' starts differ"
     ), checks
+
+
+def test_resume_in_either_order(checks):
+    """DiLoCo and StreamingDiLoCo (the section alone) cut after inner step 5 (Streaming: fragment 0's
+    exchange in flight; every worker mid-round) and continued by fresh objects from the state dicts, at
+    worlds 2 and 3: loading the model before building the wrapper, or after, ends bit for bit where the
+    uninterrupted run ends. Negative: with the start sync back in the constructor (the code before), the
+    model-first order ends elsewhere at both worlds."""
+    for kind in ("StreamingDiLoCo, world {},", "DiLoCo, world {},"):
+        for world in (2, 3):
+            for order in ("model first", "wrapper first"):
+                assert passed(checks, "resume: " + kind.format(world), order, "(0.0e+00)"), checks
+    caught = "StreamingDiLoCo world 2 model first, DiLoCo world 2 model first"
+    assert passed(checks, "resume: negative", caught, "DiLoCo world 3 model first"), checks
 
 
 def test_overlap_is_real_with_the_exchange_slowed(checks):
@@ -91,6 +106,16 @@ def test_overlap_is_real_with_the_exchange_slowed(checks):
     assert passed(checks, "mutant: the exchange on WORLD, with the loss's all-reduce: caught"), (
         checks
     )
+
+
+def test_exposed_time_is_the_stall_not_the_hosts_wait(checks):
+    """ExchangeWatch on exchanges whose wait() returns at once and whose work completes 50 ms after it (as
+    NCCL's wait() only makes the stream wait): each exchange, landed right after its launch, is reported
+    >= 50 ms exposed; the rule before (the host's time in wait()) is caught reporting less."""
+    assert passed(checks, "exposed time: exchanges whose work completes 50 ms after", "(>= 50)"), (
+        checks
+    )
+    assert passed(checks, "exposed time: negative: the host's time in wait()", "caught"), checks
 
 
 def test_cores_refuse_bad_input_before_any_collective(checks):
