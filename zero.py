@@ -150,18 +150,10 @@ class Args(CommonArgs):
 
 
 # ============================================================================= the ZeRO core
-# ZeRO's two collectives, on flat vectors, asynchronous: a ring reduce-scatter or all-gather (NCCL) moves
-# (N-1)/N of the vector over each link. `group`: the N ranks that split the vector.
-def reduce_scatter_(
-    full, group
-):  # (N*S,) global -> (work, (S,) local: my shard of the sum, once done)
-    out = full.new_empty(full.numel() // dist.get_world_size(group))
-    return dist.reduce_scatter_single(out, full, group=group, async_op=True), out
-
-
-def all_gather_(
-    full, shard, group
-):  # (S,) local -> (N*S,) global, into `full`; returns (work, input)
+# ZeRO's two collectives, on flat vectors, asynchronous: a ring all-gather or reduce-scatter
+# (Zero.reduce_grad) moves (N-1)/N of the vector over each link. `group`: the N ranks that split it.
+def all_gather_(full, shard, group):
+    # (S,) local -> (N*S,) global, into `full`; returns (work, input)
     # stages 1-2 publish a slice of `full`: the input may not alias the output
     if shard.untyped_storage().data_ptr() == full.untyped_storage().data_ptr():
         shard = shard.clone()
@@ -177,9 +169,8 @@ class GatherParams(torch.autograd.Function):
         return unit.zero.acquire(unit)
 
     @staticmethod
-    def backward(
-        ctx, grad_full
-    ):  # (N*S,) global: this rank's micro-batch gradient of the whole unit
+    def backward(ctx, grad_full):
+        # (N*S,) global: this rank's micro-batch gradient of the whole unit
         ctx.unit.zero.reduce_grad(ctx.unit, grad_full)
         ctx.unit.gathered = (
             None  # the copy gathered again for backward is no longer needed: free it
@@ -221,14 +212,12 @@ class FlatUnit(nn.Module):
         self.local = [n for n, _ in named]  # names inside `module`
         self.shapes = [p.shape for _, p in named]
         self.numel = sum(p.numel() for _, p in named)  # P, laid out in `named`'s order
-        self.S = -(
-            -self.numel // zero.world
-        )  # shard length ceil(P / N); the last shards hold the padding
+        # shard length ceil(P / N); the last shards hold the padding
+        self.S = -(-self.numel // zero.world)
         self.padded = self.S * zero.world
         self.lo = zero.rank * self.S  # this rank owns flat elements [lo, lo + S)
-        self.valid = max(
-            0, min(self.S, self.numel - self.lo)
-        )  # real (not padding) elements in my shard
+        # real (not padding) elements in my shard
+        self.valid = max(0, min(self.S, self.numel - self.lo))
         flat = torch.cat(
             [p.detach().cpu().flatten() for _, p in named]  # (N*S,) global, on the CPU
             + [torch.zeros(self.padded - self.numel, dtype=zero.master_dtype)]
@@ -260,15 +249,13 @@ class FlatUnit(nn.Module):
         self.in_forward = None  # stage 3: where the gathered vector lies
         self.gathered = None  # stage 3: the copy gathered again for backward
 
-    def views(
-        self, full
-    ):  # {name inside module: view of the flat vector with the parameter's shape}
+    def views(self, full):
+        # {name inside module: view of the flat vector with the parameter's shape}
         # one split, padding last (a slice per parameter: each slice's backward zero-fills the unit: 5x)
         parts = full.split([s.numel() for s in self.shapes] + [self.padded - self.numel])
         views = {n: p.view(s) for n, p, s in zip(self.local, parts, self.shapes)}
-        return {
-            n: views[first] for n, first in self.tied.items()
-        }  # a tied weight: one view, each name
+        # a tied weight: one view, under each of its names
+        return {n: views[first] for n, first in self.tied.items()}
 
     def forward(self, *args):
         if self.zero.stage < 3 or not self.numel:  # (a root unit may have no parameters of its own)
@@ -293,17 +280,14 @@ class FlatUnit(nn.Module):
         if self.zero.last_microbatch:
             self.zero.reduce_grad(self, self.grad)
 
-    def accumulate(
-        self, g
-    ):  # into the step's gradient; the first micro-batch copies: nothing to zero
+    def accumulate(self, g):
+        # into the step's gradient; the first micro-batch copies: nothing to zero
         # stages 0-1, reduced already (last=True before the last micro-batch): wait, then keep of the sum
-        # only my shard, zeros elsewhere, so that the next reduction adds it once (HSDP: one replica keeps it)
+        # only my shard, zeros elsewhere, so that the next reduction adds it once (HSDP: on one replica)
         if self.reduced is not None:
             self.zero.finish_reductions()
-            mine = (
-                self.reduced[self.lo : self.lo + self.S] if self.zero.stage == 0 else self.reduced
-            )
-            mine = mine.clone()
+            mine = self.reduced if self.zero.stage else self.reduced[self.lo : self.lo + self.S]
+            mine = mine.clone()  # (stage 0 reduced in place, into grad)
             self.grad.zero_()
             if self.zero.replica == 0:
                 self.grad[self.lo : self.lo + self.S] = mine
@@ -363,9 +347,8 @@ class Zero:
         self.rank = dist.get_rank(self.group)
         self.world = dist.get_world_size(self.group)
         self.replica = dist.get_rank(replicate_group) if replicate_group else 0
-        self.dp_rank = (
-            self.replica * self.world + self.rank
-        )  # which rows of the batch are this rank's
+        # which rows of the batch are this rank's
+        self.dp_rank = self.replica * self.world + self.rank
         self.dp_world = replicas * self.world
         self.stage = stage
         self.clip = clip
@@ -398,9 +381,8 @@ class Zero:
         self.publishing = {}  # stages 1-2: unit -> (all-gather in flight, its input)
 
     # --- stage 3: prefetching all-gathers (FSDP's forward and backward prefetch) ---------------------------
-    def acquire(
-        self, u
-    ):  # stage 3: wait for u's all-gather (N*S,), launch the next unit's (one ahead)
+    def acquire(self, u):
+        # stage 3: wait for u's all-gather (N*S,), launch the next unit's (one ahead)
         work, buf = self.prefetched.pop(u, None) or self._launch_gather(u)
         work.wait()
         later = self.order[self.order.index(u) + 1 :]
@@ -412,9 +394,8 @@ class Zero:
         buf = torch.empty(u.padded, dtype=self.compute_dtype, device=self.device)
         return all_gather_(buf, u.shard.detach(), self.group)[0], buf
 
-    def check_order(
-        self, u=None
-    ):  # u: the unit forward runs now (None: forward ended). The top says why
+    def check_order(self, u=None):
+        # u: the unit forward runs now (None: forward ended). The top says why
         want = self.forward_order[self.ran] if self.ran < len(self.forward_order) else None
         # (backward may rerun a unit: recomputation)
         if u is not want and self.order is self.forward_order:
@@ -426,9 +407,8 @@ class Zero:
             )
         self.ran += 1
 
-    def _new_pass(
-        self, order
-    ):  # a prefetch the last pass did not use (a forward without its units) ends
+    def _new_pass(self, order):
+        # a prefetch the last pass did not use (a forward without its units) ends
         for work, _ in self.prefetched.values():
             work.wait()
         self.order = order
@@ -448,30 +428,27 @@ class Zero:
                 g = g.to(self.master_dtype).contiguous()
             if self.stage == 0:  # (in place)
                 work, out = dist.all_reduce(g, group=self.group, async_op=True), g
-            else:
-                work, out = reduce_scatter_(g, self.group)
+            else:  # (N*S,) global -> (S,) local: my shard of the sum, once work is done
+                out = g.new_empty(u.S)
+                work = dist.reduce_scatter_single(out, g, group=self.group, async_op=True)
             if self.replicate_group:  # HSDP: then sum the shard over the replicas
                 work.wait()  # (on NCCL: the next collective's stream waits, the host does not)
                 work = dist.all_reduce(out, group=self.replicate_group, async_op=True)
             self.pending.append((u, work, out, g))  # g referenced until done
-            u.reduced = (
-                out if self.stage <= 1 else None
-            )  # stages 0-1: the step's sum, once work is done
+            # stages 0-1: the step's sum, once work is done
+            u.reduced = out if self.stage <= 1 else None
 
-    def end_round(
-        self,
-    ):  # backward ended (stages 0-1: the step's last): units it did not reach, zeros
-        while self.next < len(
-            self.units
-        ):  # (each call launches its unit and the ready ones after it)
+    def end_round(self):
+        # backward ended (stages 0-1: the step's last): units it did not reach, zeros
+        # (each call launches its unit and the ready ones after it)
+        while self.next < len(self.units):
             u = self.reduce_order[self.next]
             zeros = torch.zeros(u.padded, dtype=self.compute_dtype, device=self.device)
             # stages 0-1: with what it has
             self.reduce_grad(u, zeros if self.stage >= 2 else u.accumulate(zeros))
 
-    def finish_reductions(
-        self,
-    ):  # wait for the reductions in flight; stages 2-3 add each shard to u.grad
+    def finish_reductions(self):
+        # wait for the reductions in flight; stages 2-3 add each shard to u.grad
         for u, work, out, _ in self.pending:
             work.wait()
             if self.stage >= 2:
@@ -479,9 +456,8 @@ class Zero:
         self.pending = []
 
     # --- what autograd saves: stage-3 parameter views kept as positions only --------------------------------
-    def _pack(
-        self, t
-    ):  # (one pair of saved_tensors_hooks around the whole forward; all else kept as it is)
+    def _pack(self, t):
+        # (one pair of saved_tensors_hooks around the whole forward; all else kept as it is)
         # stage 3: a view of the gathered unit would keep it alive until backward, so keep where it lies
         # and gather it again
         for u in self.units:
@@ -489,9 +465,8 @@ class Zero:
                 return u, t.storage_offset(), t.shape, t.stride()
         return t
 
-    def _unpack(
-        self, x
-    ):  # stage 3: a position in a unit, all-gathered again for its backward (prefetched)
+    def _unpack(self, x):
+        # stage 3: a position in a unit, all-gathered again for its backward (prefetched)
         if not isinstance(x, tuple):
             return x
         u, offset, shape, stride = x
@@ -503,9 +478,8 @@ class Zero:
         self._new_pass(self.forward_order)
         with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
             out = self.root(*args)
-        if self.stage == 3 and self.ran < len(
-            self.forward_order
-        ):  # a unit skipped last: before backward
+        # a unit skipped last: before backward
+        if self.stage == 3 and self.ran < len(self.forward_order):
             self.check_order()
         return out
 
@@ -520,17 +494,15 @@ class Zero:
             self.end_round()
             self.finish_reductions()  # (stages 2-3: the last unit's reduce-scatter; 0-1: for step to read)
 
-    def step(
-        self,
-    ):  # 1. the reduced gradients 2. their global norm 3. clip, AdamW, publish. Returns {norm}.
+    def step(self):
+        # 1. the reduced gradients 2. their global norm 3. clip, AdamW, publish. Returns {norm}.
         grads = self.gradients()
         norm = self.global_norm(grads)
         self.update(grads, norm)
         return dict(norm=norm)
 
-    def gradients(
-        self,
-    ):  # wait for every reduction; returns what AdamW reads (stages 1-3: my shards)
+    def gradients(self):
+        # wait for every reduction; returns what AdamW reads (stages 1-3: my shards)
         self.wait_published()  # (a unit the forward did not use: its shard is about to change)
         self.end_round()  # (stages 0-1 when no backward said last=True, or none ran: reduce now)
         self.finish_reductions()
@@ -540,9 +512,8 @@ class Zero:
             u.has_grad, u.reduced = False, None
         return grads
 
-    def global_norm(
-        self, grads
-    ):  # the L2 norm of the whole gradient: each element in one rank's slice
+    def global_norm(self, grads):
+        # the L2 norm of the whole gradient: each element in one rank's slice
         parts = [
             g[u.lo : u.lo + u.valid] if self.stage == 0 else g[: u.valid]  # padding excluded
             for u, g in zip(self.units, grads)
@@ -557,9 +528,8 @@ class Zero:
         dist.all_reduce(sq, group=self.group)  # (HSDP: each replica holds the same shards)
         return sq.sqrt()
 
-    def update(
-        self, grads, norm
-    ):  # clip (torch's clip_grad_norm_ rule), AdamW on the masters, publish
+    def update(self, grads, norm):
+        # clip (torch's clip_grad_norm_ rule), AdamW on the masters, publish
         coef = torch.clamp(self.clip / (norm + 1e-6), max=1.0) if self.clip > 0 else None
         for u, g in zip(self.units, grads):
             u.master.grad = g if coef is None else g.mul_(coef.to(g))
@@ -570,15 +540,13 @@ class Zero:
     def new_master(self, u, mine):  # what AdamW updates: the compute copy itself, in place
         return u.compute
 
-    def publish(
-        self,
-    ):  # stages 1-2: all-gather each unit's updated shards, async, waited for at its forward
+    def publish(self):
+        # stages 1-2: all-gather each unit's updated shards, async, waited for at its forward
         for u in self.forward_order if self.stage in (1, 2) else ():
             self.publishing[u] = all_gather_(u.full.detach(), u.compute, self.group)
 
-    def wait_published(
-        self, u=None
-    ):  # stages 1-2: unit u's all-gather from publish() (None: every unit's)
+    def wait_published(self, u=None):
+        # stages 1-2: unit u's all-gather from publish() (None: every unit's)
         for v in [v for v in list(self.publishing) if u in (None, v)]:
             self.publishing.pop(v)[0].wait()
 
@@ -597,9 +565,8 @@ def full_state_dict(zero):
     return out
 
 
-def to_device(
-    t, device
-):  # one host-to-device copy (a GPU: from pinned memory, async: the host goes on)
+def to_device(t, device):
+    # one host-to-device copy (a GPU: from pinned memory, async: the host goes on)
     return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t.to(device)
 
 
@@ -639,9 +606,8 @@ class MixedPrecisionZero(Zero):
     def backward(self, loss, last=True):
         super().backward(loss * self.scale if self.scaling else loss, last)
 
-    def step(
-        self,
-    ):  # Zero.step, unscaled; an overflow (a non-finite norm, on every rank alike) skips it
+    def step(self):
+        # Zero.step, unscaled; an overflow (a non-finite norm, on every rank alike) skips it
         grads = self.gradients()
         for g in grads if self.scaling else ():
             g.mul_(1.0 / self.scale)
@@ -655,9 +621,8 @@ class MixedPrecisionZero(Zero):
                 self.scale, self.clean = self.scale * (2.0 if finite else 0.5), 0
         return dict(norm=norm, skipped=not finite)
 
-    def publish(
-        self,
-    ):  # master -> compute copy (fp32 -> bf16), then Zero's all-gather of stages 1-2
+    def publish(self):
+        # master -> compute copy (fp32 -> bf16), then Zero's all-gather of stages 1-2
         for u in self.units:  # (OffloadZero on a GPU: from pinned host memory)
             u.compute.copy_(u.master, non_blocking=True)
         super().publish()
@@ -669,16 +634,14 @@ class OffloadZero(MixedPrecisionZero):
     shards, Adam moments and AdamW's step on the host; the device hands over the gradient shards each step."""
 
     def new_master(self, u, mine):  # on the host, with a host buffer for u's gradient shard
-        pin = (
-            self.device.type == "cuda"
-        )  # on a GPU both page-locked: the copies to and from it are async
+        # on a GPU both page-locked: the copies to and from it are async
+        pin = self.device.type == "cuda"
         u.host_grad = torch.zeros(mine.shape, dtype=mine.dtype, pin_memory=pin)
         host = mine.to("cpu", copy=True)
         return host.pin_memory() if pin else host
 
-    def update(
-        self, grads, norm
-    ):  # device -> host (every shard's copy queued, then one wait): AdamW there
+    def update(self, grads, norm):
+        # device -> host (every shard's copy queued, then one wait): AdamW there
         host = [u.host_grad.copy_(g, non_blocking=True) for u, g in zip(self.units, grads)]
         # AdamW on the host reads them next (publish's copies back are not waited for: the top says why)
         if self.device.type == "cuda":
@@ -746,9 +709,8 @@ def train_zero(d, args):  # build, train, report, check; returns the --json summ
         device=d.device,
         **low,
     )
-    torch.manual_seed(
-        args.seed + d.rank
-    )  # dropout masks (if any) differ per rank; a resume restores them
+    # dropout masks (if any) differ per rank; a resume restores them
+    torch.manual_seed(args.seed + d.rank)
     ckpt = ZeroCheckpoint(
         d, args.ckpt_dir, args.save_every, args.steps, zero.group, replicate_group
     )
@@ -757,15 +719,13 @@ def train_zero(d, args):  # build, train, report, check; returns the --json summ
     watch = Watch(zero)
     log_group = dist.new_group()  # the log line's loss, on a group of its own (the top says why)
     for step in run.steps():
-        x, y = data.batch(
-            step, args.batch_size, args.seq_len, args.ragged
-        )  # (B, T) global, on the CPU
+        # (B, T) global, on the CPU
+        x, y = data.batch(step, args.batch_size, args.seq_len, args.ragged)
         with run.watching(step, comm):  # the bytes of the last step, seen at the dispatcher
             local, info = train_step(zero, x, y, count_tokens(y), args.accum, lm_loss)
         dist.all_reduce(local, group=log_group)  # the global batch's loss
-        watch.end_step(
-            d, step, info.get("skipped", False)
-        )  # fp16: the loss scale; a skipped step, logged
+        # fp16: the loss scale; a skipped step, logged
+        watch.end_step(d, step, info.get("skipped", False))
         run.end_step(step, local.item())  # the timer, the log line, the checkpoint
     return summary(d, args, zero, run, watch, comm)
 
@@ -792,10 +752,11 @@ class Watch:
         self.saved = 0
         self.saved_peak = 0
         self._seen = set()
+        # fp16: the loss scale after each step, the steps skipped
         self.scales, self.skipped = (
             [],
             [],
-        )  # fp16: the loss scale after each step, the steps skipped
+        )
         pack, launch = zero._pack, zero._launch_gather
         zero._pack = lambda t: self._kept(pack(t))
         zero._launch_gather = lambda u: self._gathered(*launch(u))
@@ -803,9 +764,8 @@ class Watch:
         zero.root.register_forward_hook(self._end_forward)
 
     def end_step(self, d, step, skipped):
-        self.scales.append(
-            getattr(self.zero, "scale", 1.0)
-        )  # (MixedPrecisionZero's; fp16 changes it)
+        # (MixedPrecisionZero's; fp16 changes it)
+        self.scales.append(getattr(self.zero, "scale", 1.0))
         if skipped:
             self.skipped.append(step)
             d.log(
@@ -857,9 +817,8 @@ def memory(zero):
     )
 
 
-def separate_master(
-    zero,
-):  # MixedPrecisionZero and OffloadZero keep one; Zero steps the compute copy
+def separate_master(zero):
+    # MixedPrecisionZero and OffloadZero keep one; Zero steps the compute copy
     return isinstance(zero, MixedPrecisionZero)
 
 
@@ -991,9 +950,8 @@ def report(d, args, zero, watch, comm, resumed_from):
 
 def summary(d, args, zero, run, watch, comm):
     """The closing table, then --check, then the --json summary (returned)."""
-    top, figures = report(
-        d, args, zero, watch, comm, run.start
-    )  # the peak first: before --check trains
+    # the peak first: before --check trains
+    top, figures = report(d, args, zero, watch, comm, run.start)
     check = check_run(d, args, run.losses, full_state_dict(zero)) if args.check else None
     steps = (run.losses, run.timer.median(), run.tokens_per_s())
     return write_summary(d, args, "zero", *steps, top, comm.total(), check, figures)
@@ -1179,9 +1137,8 @@ class ZeroCheckpoint:
                 copies.append((state[f"unit{i}.{k}"], part))
         return state, copies
 
-    def _steps(
-        self, name=""
-    ):  # the steps whose directory holds `name` (""; every step directory), in order
+    def _steps(self, name=""):
+        # the steps whose directory holds `name` (""; every step directory), in order
         if not self.root or not os.path.isdir(self.root):
             return []
         return sorted(
@@ -1230,9 +1187,8 @@ class ZeroCheckpoint:
         orphans = [s for s in self._steps()[:-1] if s not in steps]
         newest = steps[-1] if steps else 0
         t = torch.tensor([newest, -newest, len(orphans)], device=self.d.device)
-        dist.all_reduce(
-            t, op=dist.ReduceOp.MAX, group=self.group
-        )  # (the largest, -(the smallest), orphans)
+        # (the largest, -(the smallest), orphans)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
         hi = int(t[0])
         lo = -int(t[1])
         orphans = int(t[2])
@@ -1252,21 +1208,19 @@ class ZeroCheckpoint:
             )
         state, copies = self._state(zero, loading=True)
         saved_world = sizes["rng_cpu"][0]
-        if (
-            saved_world != self.world
-        ):  # at another world size the ranks' RNG streams cannot continue
+        # at another world size the ranks' RNG streams cannot continue
+        if saved_world != self.world:
             state = {k: v for k, v in state.items() if not k.startswith("rng")}
+        # place, not plain values
         state.update(
             scalars=torch.zeros(3, dtype=torch.float64),  # tensors: dcp.load fills tensors in
             losses=torch.zeros(sizes["losses"], dtype=torch.float64),
-        )  # place, not plain values
-        dcp.load(
-            state, checkpoint_id=path, process_group=self.group
-        )  # every rank reads what it owns now
+        )
+        # every rank reads what it owns now
+        dcp.load(state, checkpoint_id=path, process_group=self.group)
         for t, part in copies:
-            part.copy_(
-                t.to_local()
-            )  # (the CPU copy DCP filled -> the device's shard; on a CPU: itself)
+            # (the CPU copy DCP filled -> the device's shard; on a CPU: itself)
+            part.copy_(t.to_local())
         adam_step, scale, clean = state["scalars"].tolist()
         for u in zero.units:
             zero.opt.state[u.master]["step"].fill_(adam_step)

@@ -28,8 +28,10 @@ from helpers import (
     ROOT,
     TINY,
     assert_bad_input,
+    assert_each_rank_fails,
     assert_matches_reference,
     run_python,
+    run_ranks,
     torchrun,
     torchrun_bad_input,
 )
@@ -299,6 +301,147 @@ def test_bad_input():
         torchrun_bad_input("zero.py", 2, "--offload", "--stage", "0"),
         2,
         ["offload", "stage 1, 2 or 3"],
+    )
+
+
+# ----------------------------------------------------------------------------- HSDP (--replicate R)
+def hsdp_bytes(stage, world, R, accum, n_layers=2, elem=8):
+    """Bytes a rank hands per step to each group of an R x N grid, N = world / R: the shard group as ZeRO at
+    world N (handed_bytes, the norm's 8 bytes included); the replicate group an all-reduce of the reduced
+    shard, 1/N of each padded vector, once per step at stage 1 and once per micro-batch at stages 2-3."""
+    N = world // R
+    args = Z.Args(vocab=32, seq_len=8, d_model=16, n_heads=2, n_layers=n_layers)
+    model = build_gpt(GPTConfig.from_args(args), 0)
+    sizes = [sum(p.numel() for p in b.parameters()) for b in model.blocks]
+    sizes.append(sum(p.numel() for p in model.parameters()) - sum(sizes))
+    shard = sum(-(-n // N) for n in sizes) * elem  # S per unit: this rank's shard
+    across = shard * (1 if stage == 1 else accum)
+    return dict(shard=handed_bytes(stage, N, accum, n_layers, elem), replicate=across)
+
+
+def assert_hsdp_bytes(s, R):
+    c = s["config"]
+    want = hsdp_bytes(c["stage"], s["world_size"], R, c["accum"])
+    got = {k: v["counted"] for k, v in s["figures"]["comm_by_group"].items()}
+    assert got == want and s["comm_bytes"] == sum(want.values()), (got, want, s["comm_bytes"])
+    assert s["figures"]["replicate"] == R
+
+
+def hsdp_args(steps=4):  # the tiny GPT, 24 rows: they split over worlds 2, 4 and 6 with accum 2
+    return [*TINY[:-6], "--batch-size", 24, "--steps", steps, "--dtype", "float64", "--clip", 0.5]
+
+
+def test_hsdp_world4_2x2_stage3_resumes_at_world2(tmp_path):
+    """HSDP, R = 2 copies of a stage-3 model sharded over N = 2 ranks each: exact against one-process
+    training (float64), bytes per group equal the closed form, and its checkpoint (each shard saved once)
+    resumes at world 2 without replicas, exact again."""
+    ckpt = tmp_path / "ckpt"
+    a, out = torchrun(
+        "zero.py",
+        4,
+        *hsdp_args(),
+        "--stage",
+        "3",
+        "--replicate",
+        "2",
+        "--accum",
+        "2",
+        "--check",
+        "--ckpt-dir",
+        ckpt,
+        "--save-every",
+        "2",
+        tmp_path=tmp_path,
+        name="hsdp4",
+    )
+    assert_matches_reference(a)
+    assert_hsdp_bytes(a, 2)
+    assert "replicate group (2 ranks: all-reduce of each reduced shard)" in out, out[-3000:]
+    b, out = torchrun(
+        "zero.py",
+        2,
+        *hsdp_args(steps=6),
+        "--stage",
+        "3",
+        "--accum",
+        "2",
+        "--check",
+        "--ckpt-dir",
+        ckpt,
+        tmp_path=tmp_path,
+        name="resume2",
+    )
+    assert "at step 4 (saved at world size 4; RNG streams start afresh)" in out, out[-3000:]
+    assert b["figures"]["resumed_from_step"] == 4 and b["losses"][:4] == a["losses"]
+    assert_matches_reference(b)  # all 6 losses and the final parameters == one uninterrupted run
+
+
+def test_hsdp_world6_3x2_and_2x3(tmp_path):
+    """World 6 as 3 copies of 2 shards (stage 1) and 2 copies of 3 shards (stage 2, uneven shards): exact,
+    bytes per group equal the closed form."""
+    for R, stage in ((3, "1"), (2, "2")):
+        s, _ = torchrun(
+            "zero.py",
+            6,
+            *hsdp_args(),
+            "--stage",
+            stage,
+            "--replicate",
+            R,
+            "--accum",
+            "2",
+            "--check",
+            tmp_path=tmp_path,
+            name=f"hsdp6_{R}",
+        )
+        assert_matches_reference(s)
+        assert_hsdp_bytes(s, R)
+
+
+# Mutants of zero.py's text, run whole by `tests/test_zero.py mutant NAME args` (each old line occurs once)
+MUTANTS = {
+    # HSDP without the all-reduce across the replicate group: each copy of the model trains on its rows only
+    "hsdp_no_replicate_all_reduce": (
+        "                work = dist.all_reduce(out, group=self.replicate_group, async_op=True)\n",
+        "",
+    ),
+}
+
+
+def test_hsdp_mutant_without_cross_group_all_reduce(tmp_path):
+    """The same 2 x 2 stage-3 run with the replicate group's all-reduce dropped: --check fails, and the
+    replicate group's bytes are not the closed form's."""
+    s, out = torchrun(
+        "tests/test_zero.py",
+        4,
+        "mutant",
+        "hsdp_no_replicate_all_reduce",
+        *hsdp_args(steps=2),
+        "--stage",
+        "3",
+        "--replicate",
+        "2",
+        "--check",
+        expect_rc=1,
+        tmp_path=tmp_path,
+        name="mutant",
+    )
+    c = s["check"]
+    assert not c["passed"] and c["max_param_diff"] > 1e-6, c
+    counted = s["figures"]["comm_by_group"]["replicate"]["counted"]
+    assert counted == 0 != hsdp_bytes(3, 4, 2, 1)["replicate"], s["figures"]
+
+
+def test_hsdp_bad_input():
+    """--replicate that does not divide the world, or with stage 0 (nothing sharded to replicate): every
+    rank says one line and exits 2 before any collective (the ranks have no rendezvous)."""
+    assert_each_rank_fails(
+        run_ranks("zero.py", 4, *TINY, "--stage", "3", "--replicate", "3"),
+        ["--replicate 3 must divide the world of 4 ranks"],
+    )
+    assert_each_rank_fails(
+        run_ranks("zero.py", 2, *TINY, "--replicate", "2"),
+        ["--replicate 2 needs --stage 1, 2 or 3", "--stage 0 shards nothing"],
     )
 
 
@@ -677,3 +820,11 @@ def test_copy_out_zero_on_another_model(tmp_path):
 
 if __name__ == "__main__" and sys.argv[1:2] == ["copy-out"]:
     copy_out_worker(sys.argv[sys.argv.index("--json") + 1])
+if __name__ == "__main__" and sys.argv[1:2] == [
+    "mutant"
+]:  # zero.py with one line changed, run whole
+    old, new = MUTANTS[sys.argv[2]]
+    text = (ROOT / "zero.py").read_text()
+    assert text.count(old) == 1, old
+    sys.argv = [str(ROOT / "zero.py"), *sys.argv[3:]]
+    exec(compile(text.replace(old, new), "zero.py (mutant)", "exec"), {"__name__": "__main__"})
