@@ -11,7 +11,10 @@ technique section, run alone with nothing but torch, trains a model that is not 
 one-process training does, at worlds 3 and 2, with a weight tied inside a unit, a copier's loop that never
 passes last=, and a unit only one rank runs (stages 0-2: its reductions in the same order on every rank;
 stage 3: refused before the all-gather) (test_copy_out_zero_on_another_model: the way to check your own
-trainer, read back with the section's own full_state_dict)."""
+trainer, read back with the section's own full_state_dict). HSDP (--replicate R): exact at world 4 (2 x 2,
+stage 3, its checkpoint resumed at world 2) and world 6 (3 x 2, 2 x 3), bytes per group equal to a closed
+form, a mutant without the all-reduce across the replicate group caught, bad input refused on every rank
+before any collective, and the copied core with HSDP on the Tower at world 4 (2 x 2)."""
 
 import json
 import shutil
@@ -544,10 +547,10 @@ def plain_training(data, clip, make=tower):
 
 def default_backward_step(zero, x, y, accum):
     """A copier's own loop, who never heard of last=: zero.backward(loss) after every micro-batch."""
-    rows = x.shape[0] // zero.world
+    rows = x.shape[0] // zero.dp_world  # (all R x N ranks: R = 1 but with HSDP)
     x, y = (
-        x[zero.rank * rows : (zero.rank + 1) * rows],
-        y[zero.rank * rows : (zero.rank + 1) * rows],
+        x[zero.dp_rank * rows : (zero.dp_rank + 1) * rows],
+        y[zero.dp_rank * rows : (zero.dp_rank + 1) * rows],
     )
     for xm, ym in zip(x.chunk(accum), y.chunk(accum)):
         zero.backward(huber(zero(xm), ym, 12 * 3))
@@ -752,6 +755,68 @@ def copy_out_worker(json_path, steps=3, accum=2, clip=0.2):
     close_dist()  # (gloo's threads may abort an interpreter's teardown: common.close_dist says why)
 
 
+def copy_out_hsdp_worker(json_path, steps=3, accum=3, clip=0.2):
+    """torchrun --nproc_per_node=4 tests/test_zero.py copy-out-hsdp --json PATH: the copied section's Zero
+    with HSDP on a 2 x 2 grid a copier builds (rows: shard groups, columns: replicate groups), on Tower."""
+    from datetime import timedelta
+
+    dist.init_process_group("gloo", timeout=timedelta(seconds=180))
+    core, rank = copied_out(), dist.get_rank()
+    grid = torch.arange(4).view(2, 2)
+    shard, _ = dist.new_subgroups_by_enumeration(grid.tolist())
+    replicate, _ = dist.new_subgroups_by_enumeration(grid.T.tolist())
+    plain = batches(4, steps)
+    want, _ = plain_training(plain, clip)
+    out = {}
+
+    def trained(stage, loop, **broken):  # the largest difference from plain training
+        zero = core["Zero"](
+            tower(), UNITS, stage, adamw, clip, group=shard, replicate_group=replicate
+        )
+        for k, v in broken.items():  # a mutant: an attribute of the built Zero overwritten
+            setattr(zero, k, v)
+        for x, y in plain:
+            if loop == "train_step":
+                core["train_step"](zero, x, y, y.numel(), accum, huber)
+            else:
+                default_backward_step(zero, x, y, accum)
+        got = core["full_state_dict"](zero)
+        return max((got[n] - p).abs().max().item() for n, p in want.items())
+
+    for s in (1, 2, 3):
+        for loop in ("train_step", "backward(loss) on every micro-batch"):
+            out[f"stage {s}, {loop}"] = trained(s, loop)
+    # mutants: no all-reduce across the replicate group; at stage 1 with last=True on every micro-batch,
+    # the step's sum so far kept on every replica (each a "replica 0"), so the next all-reduce adds it R times
+    out["mutant: no replicate group"] = trained(3, "train_step", replicate_group=None)
+    every = "backward(loss) on every micro-batch"
+    out["mutant: sum kept on every replica"] = trained(1, every, replica=0)
+    with CommCounter() as comm:  # stage 0 with replicas: refused before any collective
+        try:
+            core["Zero"](tower(), UNITS, 0, adamw, group=shard, replicate_group=replicate)
+            out["stage 0"] = ["accepted", comm.calls]
+        except ValueError as e:
+            out["stage 0"] = [str(e), comm.calls]
+    if rank == 0:
+        with open(json_path, "w") as f:
+            json.dump(out, f)
+    close_dist()
+
+
+def test_copy_out_hsdp_2x2_on_another_model(tmp_path):
+    """The copied core with HSDP (2 copies x 2 shards) on the Tower at stages 1-3, through train_step and
+    through a copier's loop that passes last=True on every micro-batch (at stage 1 the step's sum is then
+    kept on one replica only, else the next all-reduce would count it twice): equal to plain one-process
+    training (float64); stage 0 with a replicate group is refused (ValueError) before any collective.
+    Mutants caught: no all-reduce across the replicate group; the step's sum kept on every replica."""
+    s, _ = torchrun("tests/test_zero.py", 4, "copy-out-hsdp", tmp_path=tmp_path, name="hsdp")
+    msg, calls = s.pop("stage 0")
+    assert "replicas 2 needs stage 1, 2 or 3" in msg and calls == {}, (msg, calls)
+    mutants = {k: s.pop(k) for k in list(s) if k.startswith("mutant")}
+    assert len(s) == 6 and all(diff < 1e-12 for diff in s.values()), s
+    assert len(mutants) == 2 and all(diff > 1e-3 for diff in mutants.values()), mutants
+
+
 def test_copy_out_zero_on_another_model(tmp_path):
     """Check your own implementation: Zero and train_step, copied out of zero.py with nothing but torch, on a
     model that is not the GPT, at worlds 3 and 2 (a group of two ranks), stages 0-3, and the variants in the
@@ -820,9 +885,10 @@ def test_copy_out_zero_on_another_model(tmp_path):
 
 if __name__ == "__main__" and sys.argv[1:2] == ["copy-out"]:
     copy_out_worker(sys.argv[sys.argv.index("--json") + 1])
-if __name__ == "__main__" and sys.argv[1:2] == [
-    "mutant"
-]:  # zero.py with one line changed, run whole
+if __name__ == "__main__" and sys.argv[1:2] == ["copy-out-hsdp"]:
+    copy_out_hsdp_worker(sys.argv[sys.argv.index("--json") + 1])
+# zero.py with one line changed (MUTANTS), run whole
+if __name__ == "__main__" and sys.argv[1:2] == ["mutant"]:
     old, new = MUTANTS[sys.argv[2]]
     text = (ROOT / "zero.py").read_text()
     assert text.count(old) == 1, old
