@@ -379,6 +379,38 @@ def test_hsdp_world4_2x2_stage3_resumes_at_world2(tmp_path):
     assert_matches_reference(b)  # all 6 losses and the final parameters == one uninterrupted run
 
 
+def test_hsdp_restart_dropout_bitwise(tmp_path):
+    """2 x 2 at stage 2 with --dropout 0.1, killed at step 3 and restarted by torchrun from the step-2
+    checkpoint (at the same layout: each rank's RNG row restored from the 2-D mesh): the losses and the
+    final sharded state equal the uninterrupted run bit for bit."""
+    args = [*hsdp_args(), "--dropout", 0.1, "--stage", 2, "--replicate", 2]
+    base, _ = torchrun(
+        "zero.py", 4, *args, "--ckpt-dir", tmp_path / "base", tmp_path=tmp_path, name="base"
+    )
+    ckpt = tmp_path / "restarted"
+    s, out = torchrun(
+        "zero.py",
+        4,
+        *args,
+        "--ckpt-dir",
+        ckpt,
+        "--save-every",
+        "2",
+        "--fail-at-step",
+        "3",
+        max_restarts=1,
+        tmp_path=tmp_path,
+        name="restarted",
+    )
+    assert "simulated failure at step 3" in out and f"resumed from {ckpt} at step 2" in out, out[
+        -3000:
+    ]
+    assert s["losses"] == base["losses"], (s["losses"], base["losses"])
+    want = shards(tmp_path / "base", 4)
+    got = shards(ckpt, 4)
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+
+
 def test_hsdp_world6_3x2_and_2x3(tmp_path):
     """World 6 as 3 copies of 2 shards (stage 1) and 2 copies of 3 shards (stage 2, uneven shards): exact,
     bytes per group equal the closed form."""
