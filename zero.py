@@ -557,10 +557,11 @@ def full_state_dict(zero):
     zero.wait_published()
     out = {}
     for u in zero.units:
-        flat = u.master.to(zero.device)
-        if zero.stage > 0 and u.numel:
-            flat = torch.empty(u.padded, dtype=u.master.dtype, device=zero.device)
-            all_gather_(flat, u.master.to(zero.device), zero.group)[0].wait()
+        flat = u.master.to(zero.device)  # stage 0: the whole vector already
+        if zero.stage > 0 and u.numel:  # stages 1-3: my (S,) shard -> (N*S,)
+            shard = flat
+            flat = shard.new_empty(u.padded)
+            all_gather_(flat, shard, zero.group)[0].wait()
         out.update({n: v.detach().cpu().clone() for n, v in zip(u.names, u.views(flat).values())})
     return out
 
