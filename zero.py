@@ -1,7 +1,8 @@
-"""zero.py: ZeRO stages 0-3 (stage 3 = FSDP) on the data-parallel group, written out, with prefetching
-all-gathers, asynchronous reductions, CPU offload, mixed precision with dynamic loss scaling, and a sharded
-checkpoint that reshards to another world size. (The memory savers beside ZeRO, activation recomputation,
-activation compression and Adafactor, are in memory_savers.py.)
+"""zero.py: ZeRO stages 0-3 (stage 3 = FSDP) on the data-parallel group, written out, and HSDP (ZeRO
+inside groups, replicated across them), with prefetching all-gathers, asynchronous reductions, CPU
+offload, mixed precision with dynamic loss scaling, and a sharded checkpoint that reshards to another
+world size. (The memory savers beside ZeRO, activation recomputation, activation compression and
+Adafactor, are in memory_savers.py.)
 
 ZeRO (Rajbhandari, Rasley, Ruwase, He, 2020) removes the redundancy of data parallelism: each of N ranks
 holds the whole model state, yet only 1/N of the update work needs to happen on it.
@@ -10,10 +11,8 @@ holds the whole model state, yet only 1/N of the update work needs to happen on 
            parameters with its shard of the Adam moments, then all-gather the parameters. Both overlap
            with compute: each unit's reduce-scatter starts as soon as the last micro-batch's backward has
            produced its gradient (as DDP's buckets do), each unit's all-gather is waited for only just
-           before the unit's next forward. (main's loop does not show that overlap on a GPU: its loss
-           all-reduce for the log line queues behind the all-gathers on the group's one stream, .item()
-           waits for it, and the step timer's torch.cuda.synchronize waits for every stream, the
-           all-gathers' too. A loop that logs without a collective and never synchronizes keeps it.)
+           before the unit's next forward. (main's log line sums the loss on a group of its own, so it
+           waits for none of them; its step timer's torch.cuda.synchronize does wait for them on a GPU.)
   stage 2  P_os+g: gradients sharded too: each unit's gradient is reduce-scattered as soon as backward has
            produced it (every micro-batch, asynchronously) and only this rank's shard of it is kept.
   stage 3  P_os+g+p: parameters sharded too (FSDP, Zhao et al. 2023). A unit (a transformer block; what is
@@ -22,6 +21,21 @@ holds the whole model state, yet only 1/N of the update work needs to happen on 
            all-gather of the next unit is launched asynchronously before the current one computes, in
            forward and in backward, at most one ahead (FSDP's rate limiter): besides the root, only the unit
            running and the unit arriving are gathered at any time.
+  HSDP   --replicate R, hybrid sharding (FSDP paper, Sec. 3.2.2; torchtitan's dp_replicate x
+         dp_shard; FSDP2's fully_shard on a 2-D mesh): the world is one grid,
+         torch.arange(world).view(R, N), N = world / R. A row is a shard group, one copy of the
+         model ZeRO-sharded over its N ranks (stage 1, 2 or 3); a column is a replicate group, the R
+         ranks that hold the same shard. A unit's gradient is reduce-scattered inside the shard group,
+         then its shard all-reduced across the replicate group; every all-gather stays inside the
+         shard group. On a cluster a row is a node: the all-gathers and reduce-scatters ride NVLink,
+         and only g Psi/N per reduction crosses nodes. Stage 0 shards nothing and so has nothing to
+         replicate: refused. Per rank and step, the shard group hands over what ZeRO at world N does,
+         the replicate group g Psi/N once (stage 1) or per micro-batch (stages 2-3):
+
+             R = 2, N = 4      shard 0   shard 1   shard 2   shard 3
+               copy 0        [ rank 0 | rank 1  | rank 2  | rank 3 ]  <- shard group: all-gather,
+               copy 1        [ rank 4 | rank 5  | rank 6  | rank 7 ]     reduce-scatter, the norm
+                                 ^ replicate group (0, 4): all-reduce of shard 0's gradient
   Reductions are launched in one fixed unit order on every rank (the reverse of forward's, the root last),
   each once it and the units before it are ready, as ddp_bucketed.py's buckets: NCCL matches collectives
   by order, so a graph that depends on the data (a unit one rank skips) must not reorder them; a unit this
@@ -68,6 +82,7 @@ fp16 Adam: p = g = 2, K = 12 = fp32 master + m + v):
 
     python zero.py --stage 3 --check                                        # world 1: a shard is the whole
     torchrun --nproc_per_node=4 zero.py --stage 3 --accum 2 --check
+    torchrun --nproc_per_node=4 zero.py --stage 3 --replicate 2 --check                 # HSDP, 2 x 2
     torchrun --nproc_per_node=4 zero.py --stage 2 --offload --mixed-precision bf16 --check
     torchrun --nproc_per_node=4 zero.py --stage 1 --ckpt-dir ckpt --save-every 5 --steps 10
     torchrun --nproc_per_node=2 zero.py --stage 3 --ckpt-dir ckpt --steps 20    # resumes at world 2
@@ -121,57 +136,27 @@ LOW = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 @dataclass
 class Args(CommonArgs):
-    stage: int = 0  # ZeRO stage: 0 data parallel, 1 shard optimizer state, 2 +gradients, 3 +parameters (FSDP)
-    accum: int = 1  # micro-batches per rank per optimizer step (gradient accumulation)
-    offload: bool = (
-        False  # master shard and Adam moments in CPU memory, the step there (ZeRO-Offload)
+    stage: int = (
+        0  # ZeRO stage: 0 data parallel, 1 shard optimizer state, 2 +gradients, 3 +parameters
     )
+    replicate: int = 1  # HSDP: R copies of the model, each sharded over world/R ranks (stages 1-3)
+    accum: int = 1  # micro-batches per rank per optimizer step (gradient accumulation)
+    offload: bool = False  # master shard, Adam moments and AdamW in CPU memory (ZeRO-Offload)
     mixed_precision: Literal["none", "bf16", "fp16"] = (
-        "none"  # low-precision compute copy; master: --dtype
+        "none"  # compute copy's dtype; master: --dtype
     )
     loss_scale: float = 65536.0  # fp16: initial dynamic loss scale
     scale_window: int = 1000  # fp16: double the loss scale after this many clean steps in a row
 
 
 # ============================================================================= the ZeRO core
-# ZeRO's two collectives, on flat vectors, asynchronous: a ring reduce-scatter or all-gather (NCCL) moves
-# (N-1)/N of the vector over each link. torch's gloo runs reduce_scatter_single as an all-reduce of a copy of
-# the whole vector and all_gather_single through flat copies of every shard; N reduces to the owners and N
-# broadcasts from them, in place (as torch's ZeroRedundancyOptimizer broadcasts), hand over the same bytes.
-class Works(list):  # gloo: the works of several collectives, waited for as one
-    def wait(self):
-        for w in self:
-            w.wait()
-
-
-def reduce_scatter_(
-    full, group
-):  # (N*S,) global -> (work, (S,) local: my shard of the sum, once done)
-    N, me = dist.get_world_size(group), dist.get_rank(group)
-    S = full.numel() // N
-    if dist.get_backend(group) == "gloo":
-        return Works(
-            dist.reduce(full[q * S : (q + 1) * S], group_dst=q, group=group, async_op=True)
-            for q in range(N)
-        ), full[me * S : (me + 1) * S]
-    out = full.new_empty(S)
-    return dist.reduce_scatter_single(out, full, group=group, async_op=True), out
-
-
-def all_gather_(
-    full, shard, group
-):  # (S,) local -> (N*S,) global, into `full`; returns (work, its input)
-    N = dist.get_world_size(group)
-    me = dist.get_rank(group)
-    S = shard.numel()
-    if dist.get_backend(group) == "gloo":
-        full[me * S : (me + 1) * S].copy_(shard)  # (a no-op when it is that slice already)
-        return Works(
-            dist.broadcast(full[q * S : (q + 1) * S], group_src=q, group=group, async_op=True)
-            for q in range(N)
-        ), shard
+# ZeRO's two collectives, on flat vectors, asynchronous: a ring all-gather or reduce-scatter
+# (Zero.reduce_grad) moves (N-1)/N of the vector over each link. `group`: the N ranks that split it.
+def all_gather_(full, shard, group):
+    # (S,) local -> (N*S,) global, into `full`; returns (work, input)
+    # stages 1-2 publish a slice of `full`: the input may not alias the output
     if shard.untyped_storage().data_ptr() == full.untyped_storage().data_ptr():
-        shard = shard.clone()  # stages 1-2 publish a slice of `full`: the input may not alias it
+        shard = shard.clone()
     return dist.all_gather_single(full, shard, group=group, async_op=True), shard
 
 
@@ -184,9 +169,8 @@ class GatherParams(torch.autograd.Function):
         return unit.zero.acquire(unit)
 
     @staticmethod
-    def backward(
-        ctx, grad_full
-    ):  # (N*S,) global, this rank's micro-batch gradient of the whole unit
+    def backward(ctx, grad_full):
+        # (N*S,) global: this rank's micro-batch gradient of the whole unit
         ctx.unit.zero.reduce_grad(ctx.unit, grad_full)
         ctx.unit.gathered = (
             None  # the copy gathered again for backward is no longer needed: free it
@@ -205,107 +189,82 @@ class FlatUnit(nn.Module):
         self.zero = zero
         self.module = module
         self.path = prefix[:-1] or "(root)"
-        z = zero
-        named = list(
-            module.named_parameters(remove_duplicate=False)
-        )  # its own (units inside: replaced)
-        for tie in [f"{prefix + n} is {z.taken[id(p)]}" for n, p in named if id(p) in z.taken]:
-            raise ValueError(
-                f"{tie} of another unit: a tie across units would be cut in two; put both in "
-                "one unit (inside a unit a tie is shared) or untie them"
-            )
-        z.taken.update({id(p): prefix + n for n, p in named})
-        for n in [
-            (prefix + n).rstrip(".") for n, m in module.named_modules() if "forward" in vars(m)
-        ]:
-            raise ValueError(
-                f"{n or 'the model'}.forward was replaced before Zero (recomputation?): rerun "
-                "in backward it would miss the parameters Zero moves into the flat vector; wrap "
-                "the unit after Zero"
-            )
-        self.tied = {
-            n: next(m for m, q in named if q is p) for n, p in named
-        }  # name -> its tensor's first
-        named = [
-            (n, p) for n, p in named if self.tied[n] == n
-        ]  # each tensor once: one slot, however tied
+        # its own parameters (a unit inside it is replaced already), every name of a tied one
+        named = list(module.named_parameters(remove_duplicate=False))
+        for n, p in named:
+            if id(p) in zero.taken:
+                raise ValueError(
+                    f"{prefix + n} is {zero.taken[id(p)]} of another unit: a tie across units would be "
+                    "cut in two; put both in one unit (inside a unit a tie is shared) or untie them"
+                )
+        zero.taken.update({id(p): prefix + n for n, p in named})
+        for n, m in module.named_modules(prefix=prefix[:-1]):
+            if "forward" in vars(m):
+                raise ValueError(
+                    f"{n or 'the model'}.forward was replaced before Zero (recomputation?): rerun "
+                    "in backward it would miss the parameters Zero moves into the flat vector; wrap "
+                    "the unit after Zero"
+                )
+        # name -> the first name of its tensor: a tied weight is one slot, read by each of its names
+        self.tied = {n: next(m for m, q in named if q is p) for n, p in named}
+        named = [(n, p) for n, p in named if self.tied[n] == n]  # each tensor once
         self.names = [prefix + n for n in self.tied]  # every name in the original model
-        self.local, self.shapes = (
-            [n for n, _ in named],
-            [p.shape for _, p in named],
-        )  # names inside `module`
+        self.local = [n for n, _ in named]  # names inside `module`
+        self.shapes = [p.shape for _, p in named]
         self.numel = sum(p.numel() for _, p in named)  # P, laid out in `named`'s order
-        self.S = -(
-            -self.numel // z.world
-        )  # shard length ceil(P / N); the last shards hold the padding
-        self.padded, self.lo = (
-            self.S * z.world,
-            z.rank * self.S,
-        )  # this rank owns flat elements [lo, lo + S)
-        self.valid = max(
-            0, min(self.S, self.numel - self.lo)
-        )  # real (not padding) elements in my shard
+        # shard length ceil(P / N); the last shards hold the padding
+        self.S = -(-self.numel // zero.world)
+        self.padded = self.S * zero.world
+        self.lo = zero.rank * self.S  # this rank owns flat elements [lo, lo + S)
+        # real (not padding) elements in my shard
+        self.valid = max(0, min(self.S, self.numel - self.lo))
         flat = torch.cat(
             [p.detach().cpu().flatten() for _, p in named]  # (N*S,) global, on the CPU
-            + [torch.zeros(self.padded - self.numel, dtype=z.master_dtype)]
+            + [torch.zeros(self.padded - self.numel, dtype=zero.master_dtype)]
         )
-        for owner, _, attr in (
-            n.rpartition(".") for n in self.tied
-        ):  # from here on the parameters exist
-            del module.get_submodule(owner)._parameters[attr]  # only as (slices of) the flat vector
-        mine = (
-            flat if z.stage == 0 else flat[self.lo : self.lo + self.S]
-        )  # what this rank's optimizer updates
-        if (
-            z.stage < 3
-        ):  # the whole vector, a leaf: autograd accumulates each micro-batch's gradient into it
-            self.full = flat.to(
-                z.device, z.compute_dtype, copy=True
-            ).requires_grad_()  # (N*S,) global
+        # from here on the parameters exist only as (slices of) the flat vector
+        for owner, _, attr in (n.rpartition(".") for n in self.tied):
+            del module.get_submodule(owner)._parameters[attr]
+        # what this rank's optimizer updates
+        mine = flat if zero.stage == 0 else flat[self.lo : self.lo + self.S]
+        if zero.stage < 3:
+            # the whole vector, a leaf: autograd accumulates each micro-batch's gradient into it
+            self.full = flat.to(zero.device, zero.compute_dtype, copy=True).requires_grad_()
             self.full.register_post_accumulate_grad_hook(self._grad_ready)
             self.compute = (
-                self.full.detach()[self.lo : self.lo + self.S] if z.stage else self.full.detach()
+                self.full.detach()[self.lo : self.lo + self.S] if zero.stage else self.full.detach()
             )
-        else:  # (S,) local. requires_grad only so that autograd runs GatherParams.backward.
-            self.full, self.shard = (
-                None,
-                mine.to(z.device, z.compute_dtype, copy=True).requires_grad_(),
-            )
+        else:
+            # (S,) local. requires_grad only so that autograd runs GatherParams.backward.
+            self.full = None
+            self.shard = mine.to(zero.device, zero.compute_dtype, copy=True).requires_grad_()
             self.compute = self.shard.detach()
-        self.master = z.new_master(self, mine)  # what the optimizer updates
+        self.master = zero.new_master(self, mine)  # what the optimizer updates
         # the gradient accumulator, in the master dtype: whole (N*S,) in stages 0-1, this rank's (S,) in 2-3
         self.grad = torch.zeros(
-            self.padded if z.stage < 2 else self.S, dtype=z.master_dtype, device=z.device
+            self.padded if zero.stage < 2 else self.S, dtype=zero.master_dtype, device=zero.device
         )
-        self.has_grad, self.reduced = (
-            False,
-            None,
-        )  # grad holds this step's (else stale); 0-1: the reduced sum
-        self.in_forward = self.gathered = (
-            None  # stage 3: where the gathered vector lies; backward's copy
-        )
+        self.has_grad = False  # grad holds this step's (else a stale one)
+        self.reduced = None  # stages 0-1: the reduced sum
+        self.in_forward = None  # stage 3: where the gathered vector lies
+        self.gathered = None  # stage 3: the copy gathered again for backward
 
-    def views(
-        self, full
-    ):  # {name inside module: view of the flat vector with the parameter's shape}
+    def views(self, full):
+        # {name inside module: view of the flat vector with the parameter's shape}
         # one split, padding last (a slice per parameter: each slice's backward zero-fills the unit: 5x)
         parts = full.split([s.numel() for s in self.shapes] + [self.padded - self.numel])
         views = {n: p.view(s) for n, p, s in zip(self.local, parts, self.shapes)}
-        return {
-            n: views[first] for n, first in self.tied.items()
-        }  # a tied weight: one view, each name
+        # a tied weight: one view, under each of its names
+        return {n: views[first] for n, first in self.tied.items()}
 
     def forward(self, *args):
         if self.zero.stage < 3 or not self.numel:  # (a root unit may have no parameters of its own)
             self.zero.wait_published(self)  # stages 1-2: the all-gather of the last step's update
-            return functional_call(
-                self.module, self.views(self.full if self.numel else self.compute), args
-            )
+            flat = self.full if self.numel else self.compute
+            return functional_call(self.module, self.views(flat), args)
         self.zero.check_order(self)  # the unit next in order, or refused before its all-gather
         full = GatherParams.apply(self.shard, self)  # (N*S,) global: all-gathered just before use
-        self.in_forward = (
-            full.untyped_storage().data_ptr()
-        )  # where it lies, for Zero._pack (not a reference)
+        self.in_forward = full.untyped_storage().data_ptr()  # for Zero._pack (not a reference)
         try:
             return functional_call(self.module, self.views(full), args)
         finally:
@@ -315,39 +274,41 @@ class FlatUnit(nn.Module):
         g, full.grad = full.grad, None
         if self.zero.stage == 2:  # reduce-scatter every micro-batch's (async), keep only my shard
             return self.zero.reduce_grad(self, g)
-        self.accumulate(
-            g
-        )  # stages 0-1 keep the whole gradient, summed over micro-batches (no_sync) ...
-        if (
-            self.zero.last_microbatch
-        ):  # ... and reduce it once per step, as soon as the last backward made it
+        # stages 0-1 keep the whole gradient, summed over micro-batches (no_sync), and reduce it once
+        # per step, as soon as the last backward made it
+        self.accumulate(g)
+        if self.zero.last_microbatch:
             self.zero.reduce_grad(self, self.grad)
 
-    def accumulate(
-        self, g
-    ):  # into the step's gradient; the first micro-batch copies: nothing to zero
-        if (
-            self.reduced is not None
-        ):  # stages 0-1, reduced already (last=True before the last micro-batch):
-            self.zero.finish_reductions()  # wait, then keep of the sum only my shard, zeros elsewhere, so
-            mine = (
-                self.reduced[self.lo : self.lo + self.S] if self.zero.stage == 0 else self.reduced
-            ).clone()
-            self.grad.zero_()[self.lo : self.lo + self.S] = (
-                mine  # that the next reduction adds it once
-            )
-            self.reduced, self.has_grad = None, True
+    def accumulate(self, g):
+        # into the step's gradient; the first micro-batch copies: nothing to zero
+        # stages 0-1, reduced already (last=True before the last micro-batch): wait, then keep of the sum
+        # only my shard, zeros elsewhere, so that the next reduction adds it once (HSDP: on one replica)
+        if self.reduced is not None:
+            self.zero.finish_reductions()
+            mine = self.reduced if self.zero.stage else self.reduced[self.lo : self.lo + self.S]
+            mine = mine.clone()  # (stage 0 reduced in place, into grad)
+            self.grad.zero_()
+            if self.zero.replica == 0:
+                self.grad[self.lo : self.lo + self.S] = mine
+            self.reduced = None
+            self.has_grad = True
         (self.grad.add_ if self.has_grad else self.grad.copy_)(g)
         self.has_grad = True
         return self.grad
 
 
-def check_stage(
-    stage,
-):  # the core's checks, pure: before any collective (check_args calls them too)
+def check_stage(stage, replicas=1, names=("stage", "replicas")):
+    """Zero's checks, pure: before any collective. `names`: what the messages call the two (check_args
+    passes the flags)."""
     if stage not in (0, 1, 2, 3):
         raise ValueError(
-            f"stage must be 0, 1, 2 or 3 (ZeRO's stages: 0 is DDP, 3 is FSDP), got {stage}"
+            f"{names[0]} must be 0, 1, 2 or 3 (ZeRO's stages: 0 is DDP, 3 is FSDP), got {stage}"
+        )
+    if replicas > 1 and stage == 0:
+        raise ValueError(
+            f"{names[1]} {replicas} needs {names[0]} 1, 2 or 3 (HSDP replicates the shards of ZeRO; "
+            f"{names[0]} 0 shards nothing)"
         )
 
 
@@ -362,7 +323,9 @@ def check_split(rows, world, accum):  # a remainder would be dropped, the loss s
 class Zero:
     """ZeRO around any nn.Module built on the CPU, in the model's one dtype. `units`: submodules, in forward's
     order, that become FlatUnits; what is left is the root unit. Per step: zero(x) and zero.backward(loss)
-    per micro-batch, zero.step(). `optimizer(flat masters)`; `clip`: the global norm (0: off)."""
+    per micro-batch, zero.step(). `optimizer(flat masters)`; `clip`: the global norm (0: off). `group`: the
+    N ranks that shard the model. HSDP: `replicate_group`, the R ranks (this one among them) that hold
+    this rank's shard, one in each copy of `group`; the batch splits over all R*N ranks."""
 
     compute_dtype = None  # None: the model's dtype (MixedPrecisionZero sets a lower one)
 
@@ -374,20 +337,27 @@ class Zero:
         optimizer=torch.optim.AdamW,
         clip=0.0,
         group=None,
+        replicate_group=None,
         device=None,
     ):
-        check_stage(stage)
+        replicas = dist.get_world_size(replicate_group) if replicate_group else 1
+        check_stage(stage, replicas)
         self.group = group or dist.group.WORLD
-        self.rank, self.world = dist.get_rank(self.group), dist.get_world_size(self.group)
+        self.replicate_group = replicate_group
+        self.rank = dist.get_rank(self.group)
+        self.world = dist.get_world_size(self.group)
+        self.replica = dist.get_rank(replicate_group) if replicate_group else 0
+        # which rows of the batch are this rank's
+        self.dp_rank = self.replica * self.world + self.rank
+        self.dp_world = replicas * self.world
         self.stage = stage
         self.clip = clip
         p0 = next(model.parameters())
-        self.device, self.master_dtype = (
-            torch.device(device or p0.device),
-            p0.dtype,
-        )  # the optimizer's dtype
+        self.device = torch.device(device or p0.device)
+        self.master_dtype = p0.dtype  # the optimizer's dtype
         self.compute_dtype = self.compute_dtype or self.master_dtype
-        self.units, self.taken = [], {}  # taken: id of each parameter -> its name
+        self.units = []
+        self.taken = {}  # id of each parameter -> its name
         for path in units:  # each named submodule becomes a unit, in its parent's place
             self.units.append(FlatUnit(self, model.get_submodule(path), path + "."))
             parent, _, child = path.rpartition(".")
@@ -396,25 +366,23 @@ class Zero:
         self.units.append(self.root)
         model.to(self.device)  # the buffers (no parameters are left in the modules)
         self.opt = optimizer([u.master for u in self.units])  # on the flat master shards
-        root, blocks = [self.root] * bool(self.root.numel), [u for u in self.units[:-1] if u.numel]
-        self.forward_order, self.backward_order = (
-            root + blocks,
-            root + blocks[::-1],
-        )  # stage 3's order of use
+        # stage 3's order of use: the root around the units; a unit without parameters gathers nothing
+        root = [self.root] if self.root.numel else []
+        blocks = [u for u in self.units[:-1] if u.numel]
+        self.forward_order = root + blocks
+        self.backward_order = root + blocks[::-1]
         self.order = self.forward_order
-        self.prefetched = {}
-        self.pending = []
+        self.prefetched = {}  # stage 3: unit -> (its all-gather in flight, its buffer)
+        self.pending = []  # reductions in flight
         self.last_microbatch = False
-        # (reduce_grad)
-        self.reduce_order = [*self.units[-2::-1], self.root]
+        self.reduce_order = [*self.units[-2::-1], self.root]  # (reduce_grad)
         self.next = 0
         self.ready = {}
         self.publishing = {}  # stages 1-2: unit -> (all-gather in flight, its input)
 
     # --- stage 3: prefetching all-gathers (FSDP's forward and backward prefetch) ---------------------------
-    def acquire(
-        self, u
-    ):  # stage 3: wait for u's all-gather (N*S,), launch the next unit's (one ahead)
+    def acquire(self, u):
+        # stage 3: wait for u's all-gather (N*S,), launch the next unit's (one ahead)
         work, buf = self.prefetched.pop(u, None) or self._launch_gather(u)
         work.wait()
         later = self.order[self.order.index(u) + 1 :]
@@ -426,13 +394,11 @@ class Zero:
         buf = torch.empty(u.padded, dtype=self.compute_dtype, device=self.device)
         return all_gather_(buf, u.shard.detach(), self.group)[0], buf
 
-    def check_order(
-        self, u=None
-    ):  # u: the unit forward runs now (None: forward ended). The top says why
+    def check_order(self, u=None):
+        # u: the unit forward runs now (None: forward ended). The top says why
         want = self.forward_order[self.ran] if self.ran < len(self.forward_order) else None
-        if (
-            u is not want and self.order is self.forward_order
-        ):  # (backward may rerun a unit: recomputation)
+        # (backward may rerun a unit: recomputation)
+        if u is not want and self.order is self.forward_order:
             raise ValueError(
                 f"stage 3: {f'unit {u.path} ran' if u else 'forward ended'} where unit "
                 f"{getattr(want, 'path', 'none')} was next: every rank must run every unit once "
@@ -441,9 +407,8 @@ class Zero:
             )
         self.ran += 1
 
-    def _new_pass(
-        self, order
-    ):  # a prefetch the last pass did not use (a forward without its units) ends
+    def _new_pass(self, order):
+        # a prefetch the last pass did not use (a forward without its units) ends
         for work, _ in self.prefetched.values():
             work.wait()
         self.order = order
@@ -456,35 +421,34 @@ class Zero:
         self.ready[u] = g
         while self.next < len(self.units) and self.reduce_order[self.next] in self.ready:
             u = self.reduce_order[self.next]
-            g, self.next = self.ready.pop(u), self.next + 1
+            g = self.ready.pop(u)
+            self.next += 1
             if self.stage >= 2:
                 self.finish_reductions()
                 g = g.to(self.master_dtype).contiguous()
-            work, out = (
-                (dist.all_reduce(g, group=self.group, async_op=True), g)
-                if self.stage == 0
-                else reduce_scatter_(g, self.group)
-            )
+            if self.stage == 0:  # (in place)
+                work, out = dist.all_reduce(g, group=self.group, async_op=True), g
+            else:  # (N*S,) global -> (S,) local: my shard of the sum, once work is done
+                out = g.new_empty(u.S)
+                work = dist.reduce_scatter_single(out, g, group=self.group, async_op=True)
+            if self.replicate_group:  # HSDP: then sum the shard over the replicas
+                work.wait()  # (on NCCL: the next collective's stream waits, the host does not)
+                work = dist.all_reduce(out, group=self.replicate_group, async_op=True)
             self.pending.append((u, work, out, g))  # g referenced until done
-            u.reduced = (
-                out if self.stage <= 1 else None
-            )  # stages 0-1: the step's sum, once work is done
+            # stages 0-1: the step's sum, once work is done
+            u.reduced = out if self.stage <= 1 else None
 
-    def end_round(
-        self,
-    ):  # backward ended (stages 0-1: the step's last): units it did not reach, zeros
-        while self.next < len(
-            self.units
-        ):  # (each call launches its unit and the ready ones after it)
+    def end_round(self):
+        # backward ended (stages 0-1: the step's last): units it did not reach, zeros
+        # (each call launches its unit and the ready ones after it)
+        while self.next < len(self.units):
             u = self.reduce_order[self.next]
             zeros = torch.zeros(u.padded, dtype=self.compute_dtype, device=self.device)
-            self.reduce_grad(
-                u, zeros if self.stage >= 2 else u.accumulate(zeros)
-            )  # 0-1: what it has
+            # stages 0-1: with what it has
+            self.reduce_grad(u, zeros if self.stage >= 2 else u.accumulate(zeros))
 
-    def finish_reductions(
-        self,
-    ):  # wait for the reductions in flight; stages 2-3 add each shard into u.grad
+    def finish_reductions(self):
+        # wait for the reductions in flight; stages 2-3 add each shard to u.grad
         for u, work, out, _ in self.pending:
             work.wait()
             if self.stage >= 2:
@@ -492,24 +456,17 @@ class Zero:
         self.pending = []
 
     # --- what autograd saves: stage-3 parameter views kept as positions only --------------------------------
-    def _pack(
-        self, t
-    ):  # (one pair of saved_tensors_hooks around the whole forward; all else kept as it is)
-        for u in (
-            self.units
-        ):  # stage 3: a view of the gathered unit would keep it alive until backward ...
+    def _pack(self, t):
+        # (one pair of saved_tensors_hooks around the whole forward; all else kept as it is)
+        # stage 3: a view of the gathered unit would keep it alive until backward, so keep where it lies
+        # and gather it again
+        for u in self.units:
             if self.stage == 3 and t.untyped_storage().data_ptr() == u.in_forward:
-                return (
-                    u,
-                    t.storage_offset(),
-                    t.shape,
-                    t.stride(),
-                )  # ... so keep where it lies, gather again
+                return u, t.storage_offset(), t.shape, t.stride()
         return t
 
-    def _unpack(
-        self, x
-    ):  # stage 3: a position in a unit, all-gathered again for its backward (prefetched)
+    def _unpack(self, x):
+        # stage 3: a position in a unit, all-gathered again for its backward (prefetched)
         if not isinstance(x, tuple):
             return x
         u, offset, shape, stride = x
@@ -521,9 +478,8 @@ class Zero:
         self._new_pass(self.forward_order)
         with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
             out = self.root(*args)
-        if self.stage == 3 and self.ran < len(
-            self.forward_order
-        ):  # a unit skipped last: before backward
+        # a unit skipped last: before backward
+        if self.stage == 3 and self.ran < len(self.forward_order):
             self.check_order()
         return out
 
@@ -531,23 +487,22 @@ class Zero:
         """One micro-batch's backward. last=False on all but the step's last: stages 0-1 reduce once per step
         (DDP's no_sync); any other pattern is right too, with more reductions."""
         self._new_pass(self.backward_order)
-        self.last_microbatch, self.next = last, 0  # a new round of reductions (stages 0-1: if last)
+        self.last_microbatch = last
+        self.next = 0  # a new round of reductions (stages 0-1: if last)
         loss.backward()
         if last or self.stage >= 2:
             self.end_round()
             self.finish_reductions()  # (stages 2-3: the last unit's reduce-scatter; 0-1: for step to read)
 
-    def step(
-        self,
-    ):  # 1. the reduced gradients 2. their global norm 3. clip, AdamW, publish. Returns {norm}.
+    def step(self):
+        # 1. the reduced gradients 2. their global norm 3. clip, AdamW, publish. Returns {norm}.
         grads = self.gradients()
         norm = self.global_norm(grads)
         self.update(grads, norm)
         return dict(norm=norm)
 
-    def gradients(
-        self,
-    ):  # wait for every reduction; returns what AdamW reads (stages 1-3: my shards)
+    def gradients(self):
+        # wait for every reduction; returns what AdamW reads (stages 1-3: my shards)
         self.wait_published()  # (a unit the forward did not use: its shard is about to change)
         self.end_round()  # (stages 0-1 when no backward said last=True, or none ran: reduce now)
         self.finish_reductions()
@@ -557,9 +512,8 @@ class Zero:
             u.has_grad, u.reduced = False, None
         return grads
 
-    def global_norm(
-        self, grads
-    ):  # the L2 norm of the whole gradient: each element in one rank's slice
+    def global_norm(self, grads):
+        # the L2 norm of the whole gradient: each element in one rank's slice
         parts = [
             g[u.lo : u.lo + u.valid] if self.stage == 0 else g[: u.valid]  # padding excluded
             for u, g in zip(self.units, grads)
@@ -571,12 +525,11 @@ class Zero:
             .sum()
             .view(1)
         )
-        dist.all_reduce(sq, group=self.group)
+        dist.all_reduce(sq, group=self.group)  # (HSDP: each replica holds the same shards)
         return sq.sqrt()
 
-    def update(
-        self, grads, norm
-    ):  # clip (torch's clip_grad_norm_ rule), AdamW on the masters, publish
+    def update(self, grads, norm):
+        # clip (torch's clip_grad_norm_ rule), AdamW on the masters, publish
         coef = torch.clamp(self.clip / (norm + 1e-6), max=1.0) if self.clip > 0 else None
         for u, g in zip(self.units, grads):
             u.master.grad = g if coef is None else g.mul_(coef.to(g))
@@ -587,15 +540,13 @@ class Zero:
     def new_master(self, u, mine):  # what AdamW updates: the compute copy itself, in place
         return u.compute
 
-    def publish(
-        self,
-    ):  # stages 1-2: all-gather each unit's updated shards, async, waited for at its forward
+    def publish(self):
+        # stages 1-2: all-gather each unit's updated shards, async, waited for at its forward
         for u in self.forward_order if self.stage in (1, 2) else ():
             self.publishing[u] = all_gather_(u.full.detach(), u.compute, self.group)
 
-    def wait_published(
-        self, u=None
-    ):  # stages 1-2: unit u's all-gather from publish() (None: every unit's)
+    def wait_published(self, u=None):
+        # stages 1-2: unit u's all-gather from publish() (None: every unit's)
         for v in [v for v in list(self.publishing) if u in (None, v)]:
             self.publishing.pop(v)[0].wait()
 
@@ -606,30 +557,29 @@ def full_state_dict(zero):
     zero.wait_published()
     out = {}
     for u in zero.units:
-        flat = u.master.to(zero.device)
-        if zero.stage > 0 and u.numel:
-            flat = torch.empty(u.padded, dtype=u.master.dtype, device=zero.device)
-            all_gather_(flat, u.master.to(zero.device), zero.group)[0].wait()
+        flat = u.master.to(zero.device)  # stage 0: the whole vector already
+        if zero.stage > 0 and u.numel:  # stages 1-3: my (S,) shard -> (N*S,)
+            shard = flat
+            flat = shard.new_empty(u.padded)
+            all_gather_(flat, shard, zero.group)[0].wait()
         out.update({n: v.detach().cpu().clone() for n, v in zip(u.names, u.views(flat).values())})
     return out
 
 
-def to_device(
-    t, device
-):  # one host-to-device copy (a GPU: from pinned memory, async: the host goes on)
+def to_device(t, device):
+    # one host-to-device copy (a GPU: from pinned memory, async: the host goes on)
     return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t.to(device)
 
 
 def train_step(zero, x, y, n_tok, accum, loss_fn):
     """One optimizer step on this rank's rows of (x, y), copied to the device once, in `accum` micro-batches;
     returns this rank's loss (on the device) and zero.step()'s. loss_fn(out, y, n_tok): sum / global count."""
-    check_split(x.shape[0], zero.world, accum)  # before any collective
-    rows = x.shape[0] // zero.world
-    x, y = (
-        to_device(t[zero.rank * rows : (zero.rank + 1) * rows], zero.device) for t in (x, y)
-    )  # (B/N, ...)
+    check_split(x.shape[0], zero.dp_world, accum)  # before any collective
+    rows = x.shape[0] // zero.dp_world
+    mine = slice(zero.dp_rank * rows, (zero.dp_rank + 1) * rows)
+    x, y = (to_device(t[mine], zero.device) for t in (x, y))  # (B/(R*N), ...)
     local = torch.zeros((), dtype=torch.float64, device=zero.device)
-    for i, (xm, ym) in enumerate(zip(x.chunk(accum), y.chunk(accum))):  # (B/(N*accum), ...) each
+    for i, (xm, ym) in enumerate(zip(x.chunk(accum), y.chunk(accum))):  # (B/(R*N*accum), ...) each
         loss = loss_fn(zero(xm), ym, n_tok)
         zero.backward(loss, last=i == accum - 1)
         local += loss.detach()
@@ -644,10 +594,8 @@ class MixedPrecisionZero(Zero):
     def __init__(
         self, *args, compute_dtype=torch.bfloat16, loss_scale=65536.0, scale_window=1000, **kw
     ):
-        self.compute_dtype, self.scaling = (
-            compute_dtype,
-            compute_dtype == torch.float16,
-        )  # (read by Zero)
+        self.compute_dtype = compute_dtype  # (read by Zero)
+        self.scaling = compute_dtype == torch.float16
         self.scale = loss_scale if self.scaling else 1.0
         self.window = scale_window
         self.clean = 0
@@ -659,9 +607,8 @@ class MixedPrecisionZero(Zero):
     def backward(self, loss, last=True):
         super().backward(loss * self.scale if self.scaling else loss, last)
 
-    def step(
-        self,
-    ):  # Zero.step, unscaled; an overflow (a non-finite norm, on every rank alike) skips it
+    def step(self):
+        # Zero.step, unscaled; an overflow (a non-finite norm, on every rank alike) skips it
         grads = self.gradients()
         for g in grads if self.scaling else ():
             g.mul_(1.0 / self.scale)
@@ -675,13 +622,10 @@ class MixedPrecisionZero(Zero):
                 self.scale, self.clean = self.scale * (2.0 if finite else 0.5), 0
         return dict(norm=norm, skipped=not finite)
 
-    def publish(
-        self,
-    ):  # master -> compute copy (fp32 -> bf16), then Zero's all-gather of stages 1-2
-        for u in self.units:
-            u.compute.copy_(
-                u.master, non_blocking=True
-            )  # (OffloadZero on a GPU: from pinned host memory)
+    def publish(self):
+        # master -> compute copy (fp32 -> bf16), then Zero's all-gather of stages 1-2
+        for u in self.units:  # (OffloadZero on a GPU: from pinned host memory)
+            u.compute.copy_(u.master, non_blocking=True)
         super().publish()
 
 
@@ -690,33 +634,34 @@ class OffloadZero(MixedPrecisionZero):
     """ZeRO-Offload (--offload, see the top) on mixed precision (compute_dtype=None: full precision): master
     shards, Adam moments and AdamW's step on the host; the device hands over the gradient shards each step."""
 
-    def new_master(
-        self, u, mine
-    ):  # on the host, with a host buffer for u's gradient shard; on a GPU both
-        pin = (
-            self.device.type == "cuda"
-        )  # page-locked, so that the copies to and from the device are async
+    def new_master(self, u, mine):  # on the host, with a host buffer for u's gradient shard
+        # on a GPU both page-locked: the copies to and from it are async
+        pin = self.device.type == "cuda"
         u.host_grad = torch.zeros(mine.shape, dtype=mine.dtype, pin_memory=pin)
-        return mine.to("cpu", copy=True).pin_memory() if pin else mine.to("cpu", copy=True)
+        host = mine.to("cpu", copy=True)
+        return host.pin_memory() if pin else host
 
-    def update(
-        self, grads, norm
-    ):  # device -> host (every shard's copy queued, then one wait): AdamW there
+    def update(self, grads, norm):
+        # device -> host (every shard's copy queued, then one wait): AdamW there
         host = [u.host_grad.copy_(g, non_blocking=True) for u, g in zip(self.units, grads)]
-        if (
-            self.device.type == "cuda"
-        ):  # AdamW on the host reads them next (publish's copies back are not
-            torch.cuda.current_stream(self.device).synchronize()  # waited for: the top says why)
+        # AdamW on the host reads them next (publish's copies back are not waited for: the top says why)
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
         super().update(host, norm)
 
 
 # ----------------------------------------------------------------------------- main
 def check_args(args, world):
     check_common_args(args)
-    try:  # the core's own checks, each message as one line (its argument named as the flag)
-        check_stage(args.stage)
+    if args.replicate < 1 or world % args.replicate:
+        fail(
+            f"--replicate {args.replicate} must divide the world of {world} ranks (R copies of the model, "
+            "each sharded over world/R ranks)"
+        )
+    try:  # the core's own checks, each message as one line, its parameters named as the flags
+        check_stage(args.stage, args.replicate, ("--stage", "--replicate"))
     except ValueError as e:
-        fail(f"--{e}")
+        fail(str(e))
     try:
         check_split(args.batch_size, world, args.accum)
     except ValueError as e:
@@ -738,69 +683,52 @@ def train_zero(d, args):  # build, train, report, check; returns the --json summ
     d.log(
         f"ZeRO stage {args.stage} on {d.world} ranks ({d.backend}); entropy floor {data.entropy:.4f}"
     )
-    model = build_gpt(
-        GPTConfig.from_args(args), args.seed, DTYPES[args.dtype]
-    )  # whole, one seed, on the CPU
-    kind = (
-        OffloadZero
-        if args.offload
-        else Zero
-        if args.mixed_precision == "none"
-        else MixedPrecisionZero
-    )
-    low = (
-        {}
-        if kind is Zero
-        else dict(
+    model = build_gpt(GPTConfig.from_args(args), args.seed, DTYPES[args.dtype])  # whole, on the CPU
+    shard_group = replicate_group = None  # R = 1: ZeRO over the whole world
+    if args.replicate > 1:
+        # HSDP's grid (the top): row i is copy i of the model, column j the R copies of shard j
+        grid = torch.arange(d.world).view(args.replicate, d.world // args.replicate)
+        shard_group, _ = dist.new_subgroups_by_enumeration(grid.tolist())
+        replicate_group, _ = dist.new_subgroups_by_enumeration(grid.T.tolist())
+    kind = Zero
+    low = {}
+    if args.offload or args.mixed_precision != "none":
+        kind = OffloadZero if args.offload else MixedPrecisionZero
+        low = dict(
             compute_dtype=LOW[args.mixed_precision],
             loss_scale=args.loss_scale,
             scale_window=args.scale_window,
         )
-    )
     zero = kind(
         model,
         [f"blocks.{i}" for i in range(args.n_layers)],
         stage=args.stage,
         clip=args.clip,
         optimizer=lambda ps: make_optimizer(ps, args),
+        group=shard_group,
+        replicate_group=replicate_group,
         device=d.device,
         **low,
     )
-    torch.manual_seed(
-        args.seed + d.rank
-    )  # dropout masks (if any) differ per rank; a resume restores them
-    ckpt = ZeroCheckpoint(d, args.ckpt_dir, args.save_every, args.steps, zero.group)
-    # Watch: memory
+    # dropout masks (if any) differ per rank; a resume restores them
+    torch.manual_seed(args.seed + d.rank)
+    ckpt = ZeroCheckpoint(
+        d, args.ckpt_dir, args.save_every, args.steps, zero.group, replicate_group
+    )
     run = Run(d, args, zero, ckpt=ckpt)
-    comm = CommCounter()
+    comm = CommCounter(dict(shard=zero.group, replicate=replicate_group))
     watch = Watch(zero)
+    log_group = dist.new_group()  # the log line's loss, on a group of its own (the top says why)
     for step in run.steps():
-        x, y = data.batch(
-            step, args.batch_size, args.seq_len, args.ragged
-        )  # (B, T) global, on the CPU
+        # (B, T) global, on the CPU
+        x, y = data.batch(step, args.batch_size, args.seq_len, args.ragged)
         with run.watching(step, comm):  # the bytes of the last step, seen at the dispatcher
             local, info = train_step(zero, x, y, count_tokens(y), args.accum, lm_loss)
-        dist.all_reduce(local, group=zero.group)  # the global batch's loss, for the log line
-        watch.end_step(
-            d, step, info.get("skipped", False)
-        )  # fp16: the loss scale; a skipped step, logged
+        dist.all_reduce(local, group=log_group)  # the global batch's loss
+        # fp16: the loss scale; a skipped step, logged
+        watch.end_step(d, step, info.get("skipped", False))
         run.end_step(step, local.item())  # the timer, the log line, the checkpoint
-    top, figures = report(
-        d, args, zero, watch, comm, run.start
-    )  # the peak read first: before --check trains
-    check = check_run(d, args, run.losses, full_state_dict(zero)) if args.check else None
-    return write_summary(
-        d,
-        args,
-        "zero",
-        run.losses,
-        run.timer.median(),
-        run.tokens_per_s(),
-        top,
-        comm.total(),
-        check,
-        figures,
-    )
+    return summary(d, args, zero, run, watch, comm)
 
 
 def main():
@@ -825,10 +753,11 @@ class Watch:
         self.saved = 0
         self.saved_peak = 0
         self._seen = set()
+        # fp16: the loss scale after each step, the steps skipped
         self.scales, self.skipped = (
             [],
             [],
-        )  # fp16: the loss scale after each step, the steps skipped
+        )
         pack, launch = zero._pack, zero._launch_gather
         zero._pack = lambda t: self._kept(pack(t))
         zero._launch_gather = lambda u: self._gathered(*launch(u))
@@ -836,9 +765,8 @@ class Watch:
         zero.root.register_forward_hook(self._end_forward)
 
     def end_step(self, d, step, skipped):
-        self.scales.append(
-            getattr(self.zero, "scale", 1.0)
-        )  # (MixedPrecisionZero's; fp16 changes it)
+        # (MixedPrecisionZero's; fp16 changes it)
+        self.scales.append(getattr(self.zero, "scale", 1.0))
         if skipped:
             self.skipped.append(step)
             d.log(
@@ -890,9 +818,8 @@ def memory(zero):
     )
 
 
-def separate_master(
-    zero,
-):  # MixedPrecisionZero and OffloadZero keep one; Zero steps the compute copy
+def separate_master(zero):
+    # MixedPrecisionZero and OffloadZero keep one; Zero steps the compute copy
     return isinstance(zero, MixedPrecisionZero)
 
 
@@ -923,7 +850,8 @@ def report(d, args, zero, watch, comm, resumed_from):
     mem = memory(zero)
     th = theory(zero)
     thp = theory(zero, padded=True)
-    N = d.world
+    N = zero.world  # the ranks that shard the model (HSDP: world / R)
+    R = zero.dp_world // N
     s = args.stage
     psi = th["psi"]
     p = th["p"]
@@ -957,6 +885,9 @@ def report(d, args, zero, watch, comm, resumed_from):
             "accum Psi (2p/N + g): 2 all-gathers + reduce-scatter per micro-batch",
         ),
     }[s]
+    # HSDP: each reduction's shard (Psi/N) then all-reduced across the R replicas: once per step at stage 1,
+    # once per micro-batch at stages 2-3 (as each reduce-scatter)
+    across = 0 if R == 1 else g * psi / N * (1 if s == 1 else A)
     gathered = p * (
         zero.root.padded + sum(sorted((u.padded for u in zero.units[:-1]), reverse=True)[:2])
     )
@@ -982,9 +913,22 @@ def report(d, args, zero, watch, comm, resumed_from):
         )
     d.log(f"  {'saved activations/micro-batch':32s} {saved:>10,d} B (memory_savers.py cuts these)")
     d.log(
-        f"bytes handed to collectives per rank per step: counted {sent:,.0f} B | theory {comm_:,.0f} B = "
-        f"{comm_formula} (counted: padded vectors + the 8-byte norm all-reduce)"
+        f"bytes handed to collectives per rank per step: counted {sent:,.0f} B | theory "
+        f"{comm_ + across:,.0f} B = {comm_formula}{' + HSDP' if R > 1 else ''} (counted: padded vectors "
+        "+ the 8-byte norm all-reduce)"
     )
+    groups = dict(
+        shard=dict(counted=comm.total(axis="shard"), theory=comm_),
+        replicate=dict(counted=comm.total(axis="replicate"), theory=across),
+    )
+    if R > 1:
+        d.log(
+            f"  shard group ({N} ranks: all-gathers, reduce-scatters, the norm): counted "
+            f"{groups['shard']['counted']:,.0f} B | theory {comm_:,.0f} B = {comm_formula}\n"
+            f"  replicate group ({R} ranks: all-reduce of each reduced shard): counted "
+            f"{groups['replicate']['counted']:,.0f} B | theory {across:,.0f} B = g Psi/N x "
+            f"{'1' if s == 1 else 'accum'}"
+        )
     return top, dict(
         memory={k: dict(counted=mem[k], theory=th[k], theory_padded=thp[k]) for k in keys},
         host_grad_copy_bytes=mem["host_grad_copy"],
@@ -995,12 +939,23 @@ def report(d, args, zero, watch, comm, resumed_from):
         gathered_peak_bytes=watch.gathered.peak,
         gathered_bound_bytes=gathered,
         saved_activation_bytes=saved,
-        comm_theory_bytes=comm_,
+        comm_theory_bytes=comm_ + across,
+        comm_by_group=groups,
+        replicate=R,
         comm_formula=comm_formula,
         loss_scale=watch.scales,
         per_rank=per_rank(d, zero, watch.skipped),
         resumed_from_step=resumed_from,
     )
+
+
+def summary(d, args, zero, run, watch, comm):
+    """The closing table, then --check, then the --json summary (returned)."""
+    # the peak first: before --check trains
+    top, figures = report(d, args, zero, watch, comm, run.start)
+    check = check_run(d, args, run.losses, full_state_dict(zero)) if args.check else None
+    steps = (run.losses, run.timer.median(), run.tokens_per_s())
+    return write_summary(d, args, "zero", *steps, top, comm.total(), check, figures)
 
 
 def peak(d, args, zero, watch):
@@ -1137,16 +1092,26 @@ class ZeroCheckpoint:
 
     MOMENTS = ("exp_avg", "exp_avg_sq")
 
-    def __init__(self, d, ckpt_dir, save_every, steps, group=None):
+    def __init__(self, d, ckpt_dir, save_every, steps, group=None, replicate_group=None):
         self.d = d
         self.root = ckpt_dir
         self.save_every = save_every
         self.steps = steps
         self.group = group or dist.group.WORLD
+        # the mesh lays out CPU copies; a unit's vector is Shard(0) over `group`, and with HSDP also
+        # Replicate() over `replicate_group` (DCP writes each shard once); DCP then talks to every rank
+        self.mesh = DeviceMesh.from_group(self.group, "cpu")
+        self.place = [Shard(0)]
+        if replicate_group is not None:
+            grid = torch.arange(dist.get_world_size()).view(
+                dist.get_world_size(replicate_group), -1
+            )
+            self.mesh = DeviceMesh.from_group(
+                [replicate_group, self.group], "cpu", grid, mesh_dim_names=("replicate", "shard")
+            )
+            self.place = [Replicate(), Shard(0)]
+            self.group = dist.group.WORLD
         self.world = dist.get_world_size(self.group)
-        self.mesh = DeviceMesh.from_group(
-            self.group, "cpu"
-        )  # lays out CPU copies; DCP talks on `group`
 
     def _state(self, zero, loading):
         """What DCP saves or loads into: {key: DTensor}, this rank's shards (CPU copies) and RNG rows; and
@@ -1156,7 +1121,8 @@ class ZeroCheckpoint:
         if self.d.device.type == "cuda":
             rng["rng_cuda"] = torch.cuda.get_rng_state(self.d.device)
         for k, v in rng.items():  # (world, L): row r is rank r's
-            state[k] = DTensor.from_local(v.view(1, -1), self.mesh, [Shard(0)], run_check=False)
+            rows = [Shard(0)] * self.mesh.ndim  # (HSDP: grid[i, j] = rank i * N + j, row by row)
+            state[k] = DTensor.from_local(v.view(1, -1), self.mesh, rows, run_check=False)
         for i, u in enumerate(zero.units):
             st = zero.opt.state.get(u.master) or {
                 k: torch.zeros_like(u.master) for k in self.MOMENTS
@@ -1164,16 +1130,16 @@ class ZeroCheckpoint:
             whole = zero.stage == 0 and loading
             lo, n = (0, u.numel) if whole else (u.lo if zero.stage == 0 else 0, u.valid)
             for k, v in (("master", u.master), *((k, st[k]) for k in self.MOMENTS)):
-                part, place = v.detach()[lo : lo + n], Replicate() if whole else Shard(0)
+                part = v.detach()[lo : lo + n]
+                place = [Replicate()] if whole else self.place
                 state[f"unit{i}.{k}"] = DTensor.from_local(
-                    part.cpu(), self.mesh, [place], run_check=False, shape=(u.numel,), stride=(1,)
+                    part.cpu(), self.mesh, place, run_check=False, shape=(u.numel,), stride=(1,)
                 )
                 copies.append((state[f"unit{i}.{k}"], part))
         return state, copies
 
-    def _steps(
-        self, name=""
-    ):  # the steps whose directory holds `name` (""; every step directory), in order
+    def _steps(self, name=""):
+        # the steps whose directory holds `name` (""; every step directory), in order
         if not self.root or not os.path.isdir(self.root):
             return []
         return sorted(
@@ -1222,9 +1188,8 @@ class ZeroCheckpoint:
         orphans = [s for s in self._steps()[:-1] if s not in steps]
         newest = steps[-1] if steps else 0
         t = torch.tensor([newest, -newest, len(orphans)], device=self.d.device)
-        dist.all_reduce(
-            t, op=dist.ReduceOp.MAX, group=self.group
-        )  # (the largest, -(the smallest), orphans)
+        # (the largest, -(the smallest), orphans)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
         hi = int(t[0])
         lo = -int(t[1])
         orphans = int(t[2])
@@ -1244,21 +1209,19 @@ class ZeroCheckpoint:
             )
         state, copies = self._state(zero, loading=True)
         saved_world = sizes["rng_cpu"][0]
-        if (
-            saved_world != self.world
-        ):  # at another world size the ranks' RNG streams cannot continue
+        # at another world size the ranks' RNG streams cannot continue
+        if saved_world != self.world:
             state = {k: v for k, v in state.items() if not k.startswith("rng")}
+        # place, not plain values
         state.update(
             scalars=torch.zeros(3, dtype=torch.float64),  # tensors: dcp.load fills tensors in
             losses=torch.zeros(sizes["losses"], dtype=torch.float64),
-        )  # place, not plain values
-        dcp.load(
-            state, checkpoint_id=path, process_group=self.group
-        )  # every rank reads what it owns now
+        )
+        # every rank reads what it owns now
+        dcp.load(state, checkpoint_id=path, process_group=self.group)
         for t, part in copies:
-            part.copy_(
-                t.to_local()
-            )  # (the CPU copy DCP filled -> the device's shard; on a CPU: itself)
+            # (the CPU copy DCP filled -> the device's shard; on a CPU: itself)
+            part.copy_(t.to_local())
         adam_step, scale, clean = state["scalars"].tolist()
         for u in zero.units:
             zero.opt.state[u.master]["step"].fill_(adam_step)

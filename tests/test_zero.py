@@ -11,7 +11,10 @@ technique section, run alone with nothing but torch, trains a model that is not 
 one-process training does, at worlds 3 and 2, with a weight tied inside a unit, a copier's loop that never
 passes last=, and a unit only one rank runs (stages 0-2: its reductions in the same order on every rank;
 stage 3: refused before the all-gather) (test_copy_out_zero_on_another_model: the way to check your own
-trainer, read back with the section's own full_state_dict)."""
+trainer, read back with the section's own full_state_dict). HSDP (--replicate R): exact at world 4 (2 x 2,
+stage 3, its checkpoint resumed at world 2) and world 6 (3 x 2, 2 x 3), bytes per group equal to a closed
+form, a mutant without the all-reduce across the replicate group caught, bad input refused on every rank
+before any collective, and the copied core with HSDP on the Tower at world 4 (2 x 2)."""
 
 import json
 import shutil
@@ -28,8 +31,10 @@ from helpers import (
     ROOT,
     TINY,
     assert_bad_input,
+    assert_each_rank_fails,
     assert_matches_reference,
     run_python,
+    run_ranks,
     torchrun,
     torchrun_bad_input,
 )
@@ -302,6 +307,179 @@ def test_bad_input():
     )
 
 
+# ----------------------------------------------------------------------------- HSDP (--replicate R)
+def hsdp_bytes(stage, world, R, accum, n_layers=2, elem=8):
+    """Bytes a rank hands per step to each group of an R x N grid, N = world / R: the shard group as ZeRO at
+    world N (handed_bytes, the norm's 8 bytes included); the replicate group an all-reduce of the reduced
+    shard, 1/N of each padded vector, once per step at stage 1 and once per micro-batch at stages 2-3."""
+    N = world // R
+    args = Z.Args(vocab=32, seq_len=8, d_model=16, n_heads=2, n_layers=n_layers)
+    model = build_gpt(GPTConfig.from_args(args), 0)
+    sizes = [sum(p.numel() for p in b.parameters()) for b in model.blocks]
+    sizes.append(sum(p.numel() for p in model.parameters()) - sum(sizes))
+    shard = sum(-(-n // N) for n in sizes) * elem  # S per unit: this rank's shard
+    across = shard * (1 if stage == 1 else accum)
+    return dict(shard=handed_bytes(stage, N, accum, n_layers, elem), replicate=across)
+
+
+def assert_hsdp_bytes(s, R):
+    c = s["config"]
+    want = hsdp_bytes(c["stage"], s["world_size"], R, c["accum"])
+    got = {k: v["counted"] for k, v in s["figures"]["comm_by_group"].items()}
+    assert got == want and s["comm_bytes"] == sum(want.values()), (got, want, s["comm_bytes"])
+    assert s["figures"]["replicate"] == R
+
+
+def hsdp_args(steps=4):  # the tiny GPT, 24 rows: they split over worlds 2, 4 and 6 with accum 2
+    return [*TINY[:-6], "--batch-size", 24, "--steps", steps, "--dtype", "float64", "--clip", 0.5]
+
+
+def test_hsdp_world4_2x2_stage3_resumes_at_world2(tmp_path):
+    """HSDP, R = 2 copies of a stage-3 model sharded over N = 2 ranks each: exact against one-process
+    training (float64), bytes per group equal the closed form, and its checkpoint (each shard saved once)
+    resumes at world 2 without replicas, exact again."""
+    ckpt = tmp_path / "ckpt"
+    a, out = torchrun(
+        "zero.py",
+        4,
+        *hsdp_args(),
+        "--stage",
+        "3",
+        "--replicate",
+        "2",
+        "--accum",
+        "2",
+        "--check",
+        "--ckpt-dir",
+        ckpt,
+        "--save-every",
+        "2",
+        tmp_path=tmp_path,
+        name="hsdp4",
+    )
+    assert_matches_reference(a)
+    assert_hsdp_bytes(a, 2)
+    assert "replicate group (2 ranks: all-reduce of each reduced shard)" in out, out[-3000:]
+    b, out = torchrun(
+        "zero.py",
+        2,
+        *hsdp_args(steps=6),
+        "--stage",
+        "3",
+        "--accum",
+        "2",
+        "--check",
+        "--ckpt-dir",
+        ckpt,
+        tmp_path=tmp_path,
+        name="resume2",
+    )
+    assert "at step 4 (saved at world size 4; RNG streams start afresh)" in out, out[-3000:]
+    assert b["figures"]["resumed_from_step"] == 4 and b["losses"][:4] == a["losses"]
+    assert_matches_reference(b)  # all 6 losses and the final parameters == one uninterrupted run
+
+
+def test_hsdp_restart_dropout_bitwise(tmp_path):
+    """2 x 2 at stage 2 with --dropout 0.1, killed at step 3 and restarted by torchrun from the step-2
+    checkpoint (at the same layout: each rank's RNG row restored from the 2-D mesh): the losses and the
+    final sharded state equal the uninterrupted run bit for bit."""
+    args = [*hsdp_args(), "--dropout", 0.1, "--stage", 2, "--replicate", 2]
+    base, _ = torchrun(
+        "zero.py", 4, *args, "--ckpt-dir", tmp_path / "base", tmp_path=tmp_path, name="base"
+    )
+    ckpt = tmp_path / "restarted"
+    s, out = torchrun(
+        "zero.py",
+        4,
+        *args,
+        "--ckpt-dir",
+        ckpt,
+        "--save-every",
+        "2",
+        "--fail-at-step",
+        "3",
+        max_restarts=1,
+        tmp_path=tmp_path,
+        name="restarted",
+    )
+    assert "simulated failure at step 3" in out and f"resumed from {ckpt} at step 2" in out, out[
+        -3000:
+    ]
+    assert s["losses"] == base["losses"], (s["losses"], base["losses"])
+    want = shards(tmp_path / "base", 4)
+    got = shards(ckpt, 4)
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+
+
+def test_hsdp_world6_3x2_and_2x3(tmp_path):
+    """World 6 as 3 copies of 2 shards (stage 1) and 2 copies of 3 shards (stage 2, uneven shards): exact,
+    bytes per group equal the closed form."""
+    for R, stage in ((3, "1"), (2, "2")):
+        s, _ = torchrun(
+            "zero.py",
+            6,
+            *hsdp_args(),
+            "--stage",
+            stage,
+            "--replicate",
+            R,
+            "--accum",
+            "2",
+            "--check",
+            tmp_path=tmp_path,
+            name=f"hsdp6_{R}",
+        )
+        assert_matches_reference(s)
+        assert_hsdp_bytes(s, R)
+
+
+# Mutants of zero.py's text, run whole by `tests/test_zero.py mutant NAME args` (each old line occurs once)
+MUTANTS = {
+    # HSDP without the all-reduce across the replicate group: each copy of the model trains on its rows only
+    "hsdp_no_replicate_all_reduce": (
+        "                work = dist.all_reduce(out, group=self.replicate_group, async_op=True)\n",
+        "",
+    ),
+}
+
+
+def test_hsdp_mutant_without_cross_group_all_reduce(tmp_path):
+    """The same 2 x 2 stage-3 run with the replicate group's all-reduce dropped: --check fails, and the
+    replicate group's bytes are not the closed form's."""
+    s, out = torchrun(
+        "tests/test_zero.py",
+        4,
+        "mutant",
+        "hsdp_no_replicate_all_reduce",
+        *hsdp_args(steps=2),
+        "--stage",
+        "3",
+        "--replicate",
+        "2",
+        "--check",
+        expect_rc=1,
+        tmp_path=tmp_path,
+        name="mutant",
+    )
+    c = s["check"]
+    assert not c["passed"] and c["max_param_diff"] > 1e-6, c
+    counted = s["figures"]["comm_by_group"]["replicate"]["counted"]
+    assert counted == 0 != hsdp_bytes(3, 4, 2, 1)["replicate"], s["figures"]
+
+
+def test_hsdp_bad_input():
+    """--replicate that does not divide the world, or with stage 0 (nothing sharded to replicate): every
+    rank says one line and exits 2 before any collective (the ranks have no rendezvous)."""
+    assert_each_rank_fails(
+        run_ranks("zero.py", 4, *TINY, "--stage", "3", "--replicate", "3"),
+        ["--replicate 3 must divide the world of 4 ranks"],
+    )
+    assert_each_rank_fails(
+        run_ranks("zero.py", 2, *TINY, "--replicate", "2"),
+        ["--replicate 2 needs --stage 1, 2 or 3", "--stage 0 shards nothing"],
+    )
+
+
 # ----------------------------------------------------------------------------- copy-out: check your own trainer
 class Mix(
     nn.Module
@@ -401,10 +579,10 @@ def plain_training(data, clip, make=tower):
 
 def default_backward_step(zero, x, y, accum):
     """A copier's own loop, who never heard of last=: zero.backward(loss) after every micro-batch."""
-    rows = x.shape[0] // zero.world
+    rows = x.shape[0] // zero.dp_world  # (all R x N ranks: R = 1 but with HSDP)
     x, y = (
-        x[zero.rank * rows : (zero.rank + 1) * rows],
-        y[zero.rank * rows : (zero.rank + 1) * rows],
+        x[zero.dp_rank * rows : (zero.dp_rank + 1) * rows],
+        y[zero.dp_rank * rows : (zero.dp_rank + 1) * rows],
     )
     for xm, ym in zip(x.chunk(accum), y.chunk(accum)):
         zero.backward(huber(zero(xm), ym, 12 * 3))
@@ -609,6 +787,68 @@ def copy_out_worker(json_path, steps=3, accum=2, clip=0.2):
     close_dist()  # (gloo's threads may abort an interpreter's teardown: common.close_dist says why)
 
 
+def copy_out_hsdp_worker(json_path, steps=3, accum=3, clip=0.2):
+    """torchrun --nproc_per_node=4 tests/test_zero.py copy-out-hsdp --json PATH: the copied section's Zero
+    with HSDP on a 2 x 2 grid a copier builds (rows: shard groups, columns: replicate groups), on Tower."""
+    from datetime import timedelta
+
+    dist.init_process_group("gloo", timeout=timedelta(seconds=180))
+    core, rank = copied_out(), dist.get_rank()
+    grid = torch.arange(4).view(2, 2)
+    shard, _ = dist.new_subgroups_by_enumeration(grid.tolist())
+    replicate, _ = dist.new_subgroups_by_enumeration(grid.T.tolist())
+    plain = batches(4, steps)
+    want, _ = plain_training(plain, clip)
+    out = {}
+
+    def trained(stage, loop, **broken):  # the largest difference from plain training
+        zero = core["Zero"](
+            tower(), UNITS, stage, adamw, clip, group=shard, replicate_group=replicate
+        )
+        for k, v in broken.items():  # a mutant: an attribute of the built Zero overwritten
+            setattr(zero, k, v)
+        for x, y in plain:
+            if loop == "train_step":
+                core["train_step"](zero, x, y, y.numel(), accum, huber)
+            else:
+                default_backward_step(zero, x, y, accum)
+        got = core["full_state_dict"](zero)
+        return max((got[n] - p).abs().max().item() for n, p in want.items())
+
+    for s in (1, 2, 3):
+        for loop in ("train_step", "backward(loss) on every micro-batch"):
+            out[f"stage {s}, {loop}"] = trained(s, loop)
+    # mutants: no all-reduce across the replicate group; at stage 1 with last=True on every micro-batch,
+    # the step's sum so far kept on every replica (each a "replica 0"), so the next all-reduce adds it R times
+    out["mutant: no replicate group"] = trained(3, "train_step", replicate_group=None)
+    every = "backward(loss) on every micro-batch"
+    out["mutant: sum kept on every replica"] = trained(1, every, replica=0)
+    with CommCounter() as comm:  # stage 0 with replicas: refused before any collective
+        try:
+            core["Zero"](tower(), UNITS, 0, adamw, group=shard, replicate_group=replicate)
+            out["stage 0"] = ["accepted", comm.calls]
+        except ValueError as e:
+            out["stage 0"] = [str(e), comm.calls]
+    if rank == 0:
+        with open(json_path, "w") as f:
+            json.dump(out, f)
+    close_dist()
+
+
+def test_copy_out_hsdp_2x2_on_another_model(tmp_path):
+    """The copied core with HSDP (2 copies x 2 shards) on the Tower at stages 1-3, through train_step and
+    through a copier's loop that passes last=True on every micro-batch (at stage 1 the step's sum is then
+    kept on one replica only, else the next all-reduce would count it twice): equal to plain one-process
+    training (float64); stage 0 with a replicate group is refused (ValueError) before any collective.
+    Mutants caught: no all-reduce across the replicate group; the step's sum kept on every replica."""
+    s, _ = torchrun("tests/test_zero.py", 4, "copy-out-hsdp", tmp_path=tmp_path, name="hsdp")
+    msg, calls = s.pop("stage 0")
+    assert "replicas 2 needs stage 1, 2 or 3" in msg and calls == {}, (msg, calls)
+    mutants = {k: s.pop(k) for k in list(s) if k.startswith("mutant")}
+    assert len(s) == 6 and all(diff < 1e-12 for diff in s.values()), s
+    assert len(mutants) == 2 and all(diff > 1e-3 for diff in mutants.values()), mutants
+
+
 def test_copy_out_zero_on_another_model(tmp_path):
     """Check your own implementation: Zero and train_step, copied out of zero.py with nothing but torch, on a
     model that is not the GPT, at worlds 3 and 2 (a group of two ranks), stages 0-3, and the variants in the
@@ -677,3 +917,12 @@ def test_copy_out_zero_on_another_model(tmp_path):
 
 if __name__ == "__main__" and sys.argv[1:2] == ["copy-out"]:
     copy_out_worker(sys.argv[sys.argv.index("--json") + 1])
+if __name__ == "__main__" and sys.argv[1:2] == ["copy-out-hsdp"]:
+    copy_out_hsdp_worker(sys.argv[sys.argv.index("--json") + 1])
+# zero.py with one line changed (MUTANTS), run whole
+if __name__ == "__main__" and sys.argv[1:2] == ["mutant"]:
+    old, new = MUTANTS[sys.argv[2]]
+    text = (ROOT / "zero.py").read_text()
+    assert text.count(old) == 1, old
+    sys.argv = [str(ROOT / "zero.py"), *sys.argv[3:]]
+    exec(compile(text.replace(old, new), "zero.py (mutant)", "exec"), {"__name__": "__main__"})
