@@ -104,6 +104,9 @@ class Args(CommonArgs):
     sequence_parallel: bool = (
         False  # split LayerNorm / dropout regions along the sequence (Korthikanti)
     )
+    overlap: bool = (
+        False  # with --sequence-parallel: its AG / RS as ring steps under the GEMMs (Wang)
+    )
 
 
 # ----------------------------------------------------------------------------- f and g, the conjugate pair
@@ -203,11 +206,13 @@ class ColumnParallelLinear(nn.Module):
             "bias_mask", None if all(has) or not any(has) else mask, persistent=False
         )
 
+    def masked_bias(self):  # a missing bias stays zero
+        return self.bias if self.bias_mask is None else self.bias * self.bias_mask
+
     def forward(self, x):  # (B, T, in) replicated
-        b = (
-            self.bias if self.bias_mask is None else self.bias * self.bias_mask
-        )  # a missing bias stays zero
-        return F.linear(f.apply(x, self.group), self.weight, b)  # (B, T, out/t) local
+        return F.linear(
+            f.apply(x, self.group), self.weight, self.masked_bias()
+        )  # (B, T, out/t) local
 
 
 class RowParallelLinear(nn.Module):
@@ -537,7 +542,7 @@ class ColumnParallelGEMM(torch.autograd.Function):
 
 class SPColumnParallelLinear(ColumnParallelLinear):
     def forward(self, x):  # (B, T/t, in) this rank's chunk -> (B, T, out/t) local
-        b = self.bias if self.bias_mask is None else self.bias * self.bias_mask
+        b = self.masked_bias()
         return ColumnParallelGEMM.apply(f_sp.apply(x, self.group), x, self.weight, b, self.group)
 
 
@@ -571,6 +576,126 @@ def sum_replicated_grads(model, tp_group):
     flat_all_reduce([p.grad for p in model.parameters() if not hasattr(p, "tp_dim")], tp_group)
 
 
+# ============================================================================= overlapped TP: --overlap
+# Wang et al. 2023, "Overlap Communication with Dependent Computation via Decomposition in Large Deep
+# Learning Models" (ASPLOS '23); torch's _fused_all_gather_matmul / _fused_matmul_reduce_scatter, torchtitan's
+# async TP. Under SP the GEMM waits for f_sp's all-gather and g_sp's reduce-scatter waits for the GEMM. Cut
+# both into t ring steps: each step's partial GEMM, on one chunk of T, runs while the next chunk travels.
+#
+#     all-gather + GEMM, rank r (t = 3)           GEMM + reduce-scatter, rank r
+#     step 0: Y[r]   = X_r W^T   | X_r   -> r-1     step 0: P = X[r+1] W^T          | -
+#     step 1: Y[r+1] = X_r+1 W^T | X_r+1 -> r-1     step 1: P' = X[r+2] W^T         | P -> r-1, P'' <- r+1
+#     step 2: Y[r+2] = X_r+2 W^T |                  step 2: ...                        summed chunk r lands
+#
+# The same bytes travel as in the ring algorithm of the two collectives, as t - 1 sends of one chunk.
+def ring(carry, group, work):
+    """t - 1 steps round the ring of `group`: each rank sends `carry` to the previous rank and receives the
+    next rank's, while work(s, carry) runs: the partial GEMM that the exchange hides behind. What arrives,
+    plus what work returned (None: nothing), is carried on to the next step; the last carry is returned."""
+    t = dist.get_world_size(group)
+    r = dist.get_rank(group)
+    for s in range(t - 1):
+        got = torch.empty_like(carry)
+        exchange = [
+            dist.P2POp(dist.isend, carry, group=group, group_peer=(r - 1) % t),
+            dist.P2POp(dist.irecv, got, group=group, group_peer=(r + 1) % t),
+        ]
+        works = dist.batch_isend_irecv(exchange)
+        partial = work(s, carry)  # the GEMM, while `carry` travels
+        for w in works:
+            w.wait()
+        carry = got if partial is None else got + partial
+    return carry
+
+
+def gather_gemm(x, group, gemm):
+    """f_sp's all-gather fused with the GEMM after it: gemm(c, x_c) for the chunk x_c (B, T/t, ..) of each
+    rank c, computed as it arrives, in rank order. After s steps rank r holds rank r + s's chunk."""
+    t = dist.get_world_size(group)
+    r = dist.get_rank(group)
+    out = [None] * t
+
+    def work(s, x_c):
+        out[(r + s) % t] = gemm((r + s) % t, x_c)
+
+    work(t - 1, ring(x.contiguous(), group, work))  # the last chunk to arrive
+    return out
+
+
+def gemm_scatter(gemm, group):
+    """The GEMM fused with g_sp's reduce-scatter: gemm(c) is this rank's partial sum for chunk c of T; the
+    sum of chunk r + s + 1 travels towards rank r - 1, each rank adding its own, and arrives whole at its
+    owner."""
+    t = dist.get_world_size(group)
+    r = dist.get_rank(group)
+    return ring(gemm((r + 1) % t), group, lambda s, _: gemm((r + s + 2) % t))
+
+
+class GatherGEMM(torch.autograd.Function):
+    """SP's f_sp + column GEMM as ring steps; saves only the chunk X_r, as ColumnParallelGEMM does. Backward
+    is decomposed likewise, two rings: dL/dW = sum_c dY_c^T X_c over the chunks gathered again, and dL/dX the
+    reduce-scatter of dY W, each chunk's product made while the previous sum travels."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, group):  # x (B, T/t, in) chunk -> (B, T, out/t) local
+        ctx.save_for_backward(x, weight)
+        ctx.group = group
+        return torch.cat(gather_gemm(x, group, lambda c, x_c: F.linear(x_c, weight, bias)), 1)
+
+    @staticmethod
+    def backward(ctx, dy):  # (B, T, out/t)
+        x, weight = ctx.saved_tensors
+        dys = dy.chunk(dist.get_world_size(ctx.group), 1)  # (B, T/t, out/t) each
+        dw = sum(
+            gather_gemm(x, ctx.group, lambda c, x_c: dys[c].flatten(0, 1).T @ x_c.flatten(0, 1))
+        )
+        dx = gemm_scatter(lambda c: dys[c] @ weight, ctx.group)  # (B, T/t, in) summed
+        db = dy.flatten(0, 1).sum(0) if ctx.needs_input_grad[2] else None
+        return dx, dw, db, None
+
+
+class GEMMScatter(torch.autograd.Function):
+    """SP's row GEMM + g_sp as ring steps. Backward gathers dY round the ring: for each chunk as it arrives,
+    dL/dX_c = dY_c W and its term dY_c^T X_c of dL/dW."""
+
+    @staticmethod
+    def forward(ctx, x, weight, group):  # (B, T, in/t) local -> (B, T/t, out) summed
+        check_tp_split(x.shape[1], dist.get_world_size(group), "the ring's T =")
+        ctx.save_for_backward(x, weight)
+        ctx.group = group
+        xs = x.chunk(dist.get_world_size(group), 1)
+        return gemm_scatter(lambda c: F.linear(xs[c], weight), group)
+
+    @staticmethod
+    def backward(ctx, dy):  # (B, T/t, out)
+        x, weight = ctx.saved_tensors
+        xs = x.chunk(dist.get_world_size(ctx.group), 1)
+        dx, dw = zip(
+            *gather_gemm(
+                dy, ctx.group, lambda c, d: (d @ weight, d.flatten(0, 1).T @ xs[c].flatten(0, 1))
+            )
+        )
+        return torch.cat(dx, 1), sum(dw), None
+
+
+class RingColumnParallelLinear(SPColumnParallelLinear):
+    def forward(self, x):  # (B, T/t, in) this rank's chunk -> (B, T, out/t) local
+        return GatherGEMM.apply(x, self.weight, self.masked_bias(), self.group)
+
+
+class RingRowParallelLinear(SPRowParallelLinear):
+    def forward(self, x):  # (B, T, in/t) local -> (B, T/t, out) summed
+        y = GEMMScatter.apply(x, self.weight, self.group)
+        return y if self.bias is None else y + self.bias
+
+
+class RingGPT(SPGPT):
+    """SPGPT with every column and row GEMM overlapped (the embedding's g_sp has no GEMM to hide behind)."""
+
+    Column = RingColumnParallelLinear
+    Row = RingRowParallelLinear
+
+
 def check_args(args):  # bad input: one line and exit 2, on every rank, before any collective
     check_common_args(args)
     world = env_world_size()
@@ -587,6 +712,11 @@ def check_args(args):  # bad input: one line and exit 2, on every rank, before a
             check_tp_split(args.seq_len, t, "--sequence-parallel: --seq-len")
     except ValueError as e:
         fail(str(e))
+    if args.overlap and not args.sequence_parallel:
+        fail(
+            "--overlap cuts sequence parallelism's all-gather / reduce-scatter into ring steps: "
+            "add --sequence-parallel"
+        )
     if args.batch_size % (world // t):
         fail(
             f"--batch-size {args.batch_size} is not divisible by the data-parallel degree {world // t}"
@@ -617,9 +747,8 @@ def main():
     tracker = RNGTracker(d.device, args.seed, dp_rank, tp_rank)
     full = build_gpt(GPTConfig.from_args(args), args.seed, DTYPES[args.dtype])  # CPU
     full_bytes = tensor_bytes(full.parameters())
-    model = (SPGPT if args.sequence_parallel else ParallelGPT)(full, tp_group, tracker).to(
-        d.device
-    )  # shards
+    GPT = RingGPT if args.overlap else SPGPT if args.sequence_parallel else ParallelGPT
+    model = GPT(full, tp_group, tracker).to(d.device)  # shards
     del full
     opt = make_optimizer(model.parameters(), args)
     run = Run(
