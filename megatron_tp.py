@@ -579,28 +579,27 @@ def sum_replicated_grads(model, tp_group):
 # ============================================================================= overlapped TP: --overlap
 # Wang et al. 2023, "Overlap Communication with Dependent Computation via Decomposition in Large Deep
 # Learning Models" (ASPLOS '23); torch's _fused_all_gather_matmul / _fused_matmul_reduce_scatter, torchtitan's
-# async TP. Under SP the GEMM waits for f_sp's all-gather and g_sp's reduce-scatter waits for the GEMM. Cut
-# both into t ring steps: each step's partial GEMM, on one chunk of T, runs while the next chunk travels.
+# async TP. Under SP the column GEMM waits for f_sp's all-gather and g_sp's reduce-scatter for the row GEMM.
+# Cut both into ring steps: each step's GEMM on one chunk of T runs while the next chunk travels.
 #
-#     all-gather + GEMM, rank r (t = 3)           GEMM + reduce-scatter, rank r
-#     step 0: Y[r]   = X_r W^T   | X_r   -> r-1     step 0: P = X[r+1] W^T          | -
-#     step 1: Y[r+1] = X_r+1 W^T | X_r+1 -> r-1     step 1: P' = X[r+2] W^T         | P -> r-1, P'' <- r+1
-#     step 2: Y[r+2] = X_r+2 W^T |                  step 2: ...                        summed chunk r lands
+#     all-gather + GEMM on rank r (t = 3)              GEMM + reduce-scatter on rank r
+#     step  computes             meanwhile             step  computes         meanwhile
+#     0     Y_r   = X_r W^T      X_r   -> r-1          0     P = X[r+1] W^T   -
+#     1     Y_r+1 = X_r+1 W^T    X_r+1 -> r-1          1     Q = X[r+2] W^T   P -> r-1, P' <- r+1; P' + Q
+#     2     Y_r+2 = X_r+2 W^T    -                     2     R = X[r] W^T     P'+Q -> r-1, ... + R: chunk r
 #
-# The same bytes travel as in the ring algorithm of the two collectives, as t - 1 sends of one chunk.
+# t - 1 sends of one (B, T/t, D) chunk: the bytes the ring algorithms of both collectives send.
 def ring(carry, group, work):
-    """t - 1 steps round the ring of `group`: each rank sends `carry` to the previous rank and receives the
-    next rank's, while work(s, carry) runs: the partial GEMM that the exchange hides behind. What arrives,
-    plus what work returned (None: nothing), is carried on to the next step; the last carry is returned."""
+    """t - 1 steps round `group`'s ring: each rank sends `carry` to rank r - 1 and receives rank r + 1's,
+    while work(s, carry) runs, the GEMM that the exchange hides behind; what arrives, plus what work returned
+    (None: nothing), is carried on. Returns the last carry. Written once: both directions, both passes."""
     t = dist.get_world_size(group)
     r = dist.get_rank(group)
     for s in range(t - 1):
         got = torch.empty_like(carry)
-        exchange = [
-            dist.P2POp(dist.isend, carry, group=group, group_peer=(r - 1) % t),
-            dist.P2POp(dist.irecv, got, group=group, group_peer=(r + 1) % t),
-        ]
-        works = dist.batch_isend_irecv(exchange)
+        send = dist.P2POp(dist.isend, carry, group=group, group_peer=(r - 1) % t)
+        recv = dist.P2POp(dist.irecv, got, group=group, group_peer=(r + 1) % t)
+        works = dist.batch_isend_irecv([send, recv])
         partial = work(s, carry)  # the GEMM, while `carry` travels
         for w in works:
             w.wait()
@@ -609,8 +608,8 @@ def ring(carry, group, work):
 
 
 def gather_gemm(x, group, gemm):
-    """f_sp's all-gather fused with the GEMM after it: gemm(c, x_c) for the chunk x_c (B, T/t, ..) of each
-    rank c, computed as it arrives, in rank order. After s steps rank r holds rank r + s's chunk."""
+    """f_sp's all-gather fused with the GEMM after it: [gemm(c, x_c) for each rank c's chunk x_c (B, T/t,
+    ..)], each computed as the chunk arrives; after s steps rank r holds rank r + s's."""
     t = dist.get_world_size(group)
     r = dist.get_rank(group)
     out = [None] * t
@@ -623,64 +622,59 @@ def gather_gemm(x, group, gemm):
 
 
 def gemm_scatter(gemm, group):
-    """The GEMM fused with g_sp's reduce-scatter: gemm(c) is this rank's partial sum for chunk c of T; the
-    sum of chunk r + s + 1 travels towards rank r - 1, each rank adding its own, and arrives whole at its
-    owner."""
+    """The GEMM fused with g_sp's reduce-scatter: gemm(c) is this rank's partial sum of chunk c of T. The
+    sum of chunk r + 1 starts here and travels to r - 1, r - 2, ..., each rank adding its own, and arrives
+    whole at rank r + 1."""
     t = dist.get_world_size(group)
     r = dist.get_rank(group)
     return ring(gemm((r + 1) % t), group, lambda s, _: gemm((r + s + 2) % t))
 
 
 class GatherGEMM(torch.autograd.Function):
-    """SP's f_sp + column GEMM as ring steps; saves only the chunk X_r, as ColumnParallelGEMM does. Backward
-    is decomposed likewise, two rings: dL/dW = sum_c dY_c^T X_c over the chunks gathered again, and dL/dX the
-    reduce-scatter of dY W, each chunk's product made while the previous sum travels."""
+    """f_sp + the column GEMM by the ring; saves only X's chunk, as ColumnParallelGEMM. Backward, by the same
+    ring: dL/dW = sum_c dY_c^T X_c over the chunks gathered again, dL/dX the reduce-scatter of dY W."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, group):  # x (B, T/t, in) chunk -> (B, T, out/t) local
+    def forward(ctx, x, weight, group):  # x (B, T/t, in) chunk -> (B, T, out/t) local
         ctx.save_for_backward(x, weight)
         ctx.group = group
-        return torch.cat(gather_gemm(x, group, lambda c, x_c: F.linear(x_c, weight, bias)), 1)
+        return torch.cat(gather_gemm(x, group, lambda c, x_c: x_c @ weight.T), 1)
 
     @staticmethod
     def backward(ctx, dy):  # (B, T, out/t)
         x, weight = ctx.saved_tensors
         dys = dy.chunk(dist.get_world_size(ctx.group), 1)  # (B, T/t, out/t) each
-        dw = sum(
-            gather_gemm(x, ctx.group, lambda c, x_c: dys[c].flatten(0, 1).T @ x_c.flatten(0, 1))
-        )
-        dx = gemm_scatter(lambda c: dys[c] @ weight, ctx.group)  # (B, T/t, in) summed
-        db = dy.flatten(0, 1).sum(0) if ctx.needs_input_grad[2] else None
-        return dx, dw, db, None
+        dw = sum(gather_gemm(x, ctx.group, lambda c, x_c: torch.einsum("bto,bti->oi", dys[c], x_c)))
+        return gemm_scatter(lambda c: dys[c] @ weight, ctx.group), dw, None
 
 
 class GEMMScatter(torch.autograd.Function):
-    """SP's row GEMM + g_sp as ring steps. Backward gathers dY round the ring: for each chunk as it arrives,
+    """The row GEMM + g_sp by the ring. Backward gathers dY by the ring: for each chunk as it arrives,
     dL/dX_c = dY_c W and its term dY_c^T X_c of dL/dW."""
 
     @staticmethod
     def forward(ctx, x, weight, group):  # (B, T, in/t) local -> (B, T/t, out) summed
-        check_tp_split(x.shape[1], dist.get_world_size(group), "the ring's T =")
+        t = dist.get_world_size(group)
+        check_tp_split(x.shape[1], t, "the ring's T =")  # before any exchange
         ctx.save_for_backward(x, weight)
         ctx.group = group
-        xs = x.chunk(dist.get_world_size(group), 1)
-        return gemm_scatter(lambda c: F.linear(xs[c], weight), group)
+        return gemm_scatter(lambda c: x.chunk(t, 1)[c] @ weight.T, group)
 
     @staticmethod
     def backward(ctx, dy):  # (B, T/t, out)
         x, weight = ctx.saved_tensors
         xs = x.chunk(dist.get_world_size(ctx.group), 1)
-        dx, dw = zip(
-            *gather_gemm(
-                dy, ctx.group, lambda c, d: (d @ weight, d.flatten(0, 1).T @ xs[c].flatten(0, 1))
-            )
+        grads = gather_gemm(
+            dy, ctx.group, lambda c, d: (d @ weight, torch.einsum("bto,bti->oi", d, xs[c]))
         )
+        dx, dw = zip(*grads)
         return torch.cat(dx, 1), sum(dw), None
 
 
 class RingColumnParallelLinear(SPColumnParallelLinear):
     def forward(self, x):  # (B, T/t, in) this rank's chunk -> (B, T, out/t) local
-        return GatherGEMM.apply(x, self.weight, self.masked_bias(), self.group)
+        y = GatherGEMM.apply(x, self.weight, self.group)
+        return y if self.bias is None else y + self.masked_bias()
 
 
 class RingRowParallelLinear(SPRowParallelLinear):
