@@ -734,7 +734,7 @@ def main():
     tp_group, dp_group = tp_groups[dp_rank], dp_groups[tp_rank]
     d.log(
         f"megatron_tp.py: world {d.world} = dp {dp} x tp {t} on {d.backend}, sequence parallel "
-        f"{args.sequence_parallel}, entropy floor {data.entropy:.4f} nats/token"
+        f"{args.sequence_parallel}, overlap {args.overlap}, entropy floor {data.entropy:.4f} nats/token"
     )
 
     # --- the model: the full GPT from one seed on the CPU, sliced there; only the slices go to the device ---
@@ -797,8 +797,9 @@ def main():
 # counted by harness.CommCounter at the dispatcher, per "op/axis/phase", during the last step.
 FORMULA = (
     "per layer 2 all-reduce fwd + 2 bwd of b*s*h (SP: AG+RS pairs + 1 AG re-gather per column "
-    "layer); + embedding g, head f, 3 loss all-reduces of b*s, norm; bytes handed: AR tensor, AG "
-    "chunk, RS input; ring sends AR 2(n-1)/n, AG/RS (n-1)/n"
+    "layer; overlap: each as t-1 sends of b*s*h/t); + embedding g, head f, 3 loss all-reduces of "
+    "b*s, norm; bytes handed: AR tensor, AG chunk, RS input, send tensor; ring sends AR 2(n-1)/n, "
+    "AG/RS (n-1)/n"
 )
 RING = {
     "all_reduce": 2,
@@ -853,11 +854,27 @@ def theory_collectives(args, t, dp):
         group = t if axis == "tp" else dp
         c = table.setdefault(f"{op}/{axis}/{phase}", [0, 0, 0, 0])
         c[0], c[1] = c[0] + calls, c[1] + calls * n
-        c[2] += calls * (n // group if op == "all_gather" else n) * size
-        c[3] += calls * (RING[op] * (group - 1) * n * size // group)
+        c[2] += calls * (0 if op == "recv" else n // group if op == "all_gather" else n) * size
+        c[3] += calls * (
+            n * size if op == "send" else RING.get(op, 0) * (group - 1) * n * size // group
+        )
 
     if t > 1:
-        if args.sequence_parallel:
+        if (
+            args.overlap
+        ):  # each column / row GEMM's collective as t - 1 ring steps of one b*s*h/t chunk
+            for phase, rings in [
+                ("fwd", 4 * L + 1),
+                ("bwd", 6 * L + 2),
+            ]:  # fwd 4 per layer + LM head;
+                for op in ("send", "recv"):  # bwd 2 per column layer (dW, dX), 1 per row layer
+                    add(op, "tp", phase, rings * (t - 1), b * s * h // t, es)
+            add(
+                "reduce_scatter", "tp", "fwd", 1, b * s * h, es
+            )  # the embedding's g_sp, no GEMM to hide
+            add("all_gather", "tp", "bwd", 1, b * s * h, es)  # and its backward
+            add("all_reduce", "tp", "step", 1, repl, es)  # replicated grads, partial over positions
+        elif args.sequence_parallel:
             for op, phase in [
                 ("all_gather", "fwd"),
                 ("reduce_scatter", "fwd"),
@@ -881,9 +898,24 @@ def theory_collectives(args, t, dp):
     return dict(sorted(table.items()))
 
 
+def tp_wire_bytes(counted, t):
+    """Per phase, the bytes this rank puts on the TP group's wire for its all-gathers, reduce-scatters and
+    sends, from the bytes counted at the dispatcher: a send's tensor as handed; an all-gather's or a
+    reduce-scatter's by the ring algorithm, (t-1) x the chunk handed and (t-1)/t x the input handed. The same
+    for the plain SP path and --overlap, if the ring steps move what the collectives would."""
+    wire = {}
+    per_op = {"send": (1, 1), "all_gather": (t - 1, 1), "reduce_scatter": (t - 1, t)}
+    for key, (_, _, nbytes) in counted.items():
+        op, axis, phase = key.split("/")
+        if axis == "tp" and op in per_op:
+            wire[phase] = wire.get(phase, 0) + nbytes * per_op[op][0] // per_op[op][1]
+    return dict(sorted(wire.items()))
+
+
 def report(d, args, model, tp_group, counted, full_bytes, acts, t, dp):
     """Print each measured figure beside its theory; returns the summary's figures."""
     theory = theory_collectives(args, t, dp)
+    wire = tp_wire_bytes(counted, t)
     split, repl = params_per_rank(args, t)
     param_bytes = tensor_bytes(model.parameters())
     es = DTYPES[args.dtype].itemsize
@@ -910,6 +942,10 @@ def report(d, args, model, tp_group, counted, full_bytes, acts, t, dp):
     T = args.seq_len
     D = args.d_model
     d.log(f"theory: {FORMULA}; b*s*h = {b}*{T}*{D} elements")
+    d.log(
+        f"TP all-gather / reduce-scatter / send bytes on the wire per phase {wire} (from the bytes handed, "
+        "a collective's by its ring algorithm: --overlap's and the plain SP path's are to be equal)"
+    )
 
     def saved_by(block, x):  # bytes autograd saves for backward in one forward of `block` on x
         with SavedActivations() as saved:
@@ -938,7 +974,9 @@ def report(d, args, model, tp_group, counted, full_bytes, acts, t, dp):
         tp=t,
         dp=dp,
         sequence_parallel=args.sequence_parallel,
+        overlap=args.overlap,
         collectives_per_step=counted,
+        tp_wire_bytes=wire,
         collectives_per_step_theory=theory,
         param_bytes_per_rank=param_bytes,
         param_bytes_per_rank_theory=(split + repl) * es,
