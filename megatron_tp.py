@@ -4,11 +4,17 @@ Shoeybi et al. 2019, "Megatron-LM: Training Multi-Billion Parameter Language Mod
 Parallelism" (Sec. 3): each transformer block's matmuls are split across the t ranks of a TP group, so
 that a block needs only two all-reduces forward and two backward. Plus --sequence-parallel from
 Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models" (Sec. 4.2.2):
-the LayerNorm / dropout / residual regions are split along the sequence instead of being replicated.
+the LayerNorm / dropout / residual regions are split along the sequence instead of being replicated. Plus
+--overlap (with --sequence-parallel) from Wang et al. 2023, "Overlap Communication with Dependent
+Computation via Decomposition in Large Deep Learning Models": each all-gather + GEMM and GEMM +
+reduce-scatter cut into t ring steps of point-to-point exchange, each step's GEMM on one chunk of T while
+the next chunk travels (torchtitan's async TP; torch's _fused_all_gather_matmul and
+_fused_matmul_reduce_scatter).
 
     python megatron_tp.py --check                                     # t = 1: the same code, no communication
     torchrun --nproc_per_node=4 megatron_tp.py --check                # t = 4, the whole world
     torchrun --nproc_per_node=4 megatron_tp.py --sequence-parallel --check
+    torchrun --nproc_per_node=4 megatron_tp.py --sequence-parallel --overlap --check
     torchrun --nproc_per_node=4 megatron_tp.py --tp 2 --check         # t = 2, data parallel over 2 replicas
 
 The MLP, column-then-row, so the GeLU needs no communication (Sec. 3, Fig. 3a), here for t = 2:
@@ -53,7 +59,13 @@ The column layers keep only the (B, T/t, D) chunk for backward and all-gather it
 so every activation a block saves is 1/t of the unsharded block's, at the price of one more all-gather.
 The file reads as Megatron-LM's TP complete first (f and g, the layers, the RNG tracker, the sharded GPT,
 gradients and clipping); the "sequence parallelism" heading then adds f_sp, g_sp, the GEMM that saves the
-chunk, the SP layers and SPGPT as subclasses, and the sum of the replicated gradients.
+chunk, the SP layers and SPGPT as subclasses, and the sum of the replicated gradients; the "overlapped TP"
+heading then replaces f_sp + column GEMM and row GEMM + g_sp by one ring, written once and used forward
+and backward (RingGPT). The ring sends what the collectives' ring algorithms send: t - 1 chunks of
+(B, T/t, D) per rank and operation. Backward is decomposed too: a column layer's dL/dW over its input's
+chunks gathered again by the ring and its dL/dX reduce-scattered by it; a row layer's dL/dY gathered by it.
+On NCCL the GEMM overlaps the transfer only if the exchange runs on its own stream, which NCCL's
+point-to-point does; on gloo (CPU) each exchange is a host thread's work, and the GEMM runs meanwhile.
 
 Groups come from one grid, arange(world).view(dp, tp): a row is a TP group (adjacent ranks, one node), a
 column a data-parallel group.
