@@ -628,6 +628,29 @@ def main():
                     shard_of(ref(x), 1),
                 )
 
+    # --- the ring's fused operations vs torch's own (torch.distributed._symmetric_memory's fallbacks, which run
+    # the same operations as a functional collective + one matmul on any backend; the fused CUDA kernels are
+    # bench.py's) ---
+    from torch.distributed import _symmetric_memory as symm
+
+    x_full, w_col, w_row = (
+        torch.randn(*shape, device=dev) for shape in ((B, T, D), (12, D), (D, 12))
+    )
+    mine_x = x_full.chunk(t, 1)[r].contiguous()  # (B, T/t, D)
+    _, (want,) = symm._fused_all_gather_matmul_fallback(mine_x, [w_col.T], 1, group.group_name)
+    close(
+        "ring all-gather + GEMM vs torch's _fused_all_gather_matmul",
+        mt.GatherGEMM.apply(mine_x, w_col, group),
+        want,
+    )
+    x_local = torch.randn(B, T, 12, device=dev)  # (B, T, in/t): this rank's features
+    want = symm._fused_matmul_reduce_scatter_fallback(x_local, w_row.T, "sum", 1, group.group_name)
+    close(
+        "ring GEMM + reduce-scatter vs torch's _fused_matmul_reduce_scatter",
+        mt.GEMMScatter.apply(x_local, w_row, group),
+        want,
+    )
+
     # --- activations one block saves for backward: under SP exactly 1/t of the unsharded block's ---
     def saved_by(block, x):  # contiguous: a chunk view would count the whole storage it views
         with SavedActivations() as saved:

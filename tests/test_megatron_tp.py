@@ -53,7 +53,8 @@ def test_copy_out_and_layer_checks(tmp_path, nproc):
     saved; biases or the padding mask dropped; a bfloat16 sum; a flat fork; SPGPT without its fork; the
     default ignore index) caught: all asserted in the check script.
     --overlap's ring layers (issue 51): the same layer checks (their sends and receives counted), the block's
-    saved bytes 1/t, the copy-out at t = 2 and 3, a ring step's chunk index off by one caught in each fused
+    saved bytes 1/t, each fused operation's forward vs torch's own (_fused_all_gather_matmul and
+    _fused_matmul_reduce_scatter, their collective fallbacks: gloo), the copy-out at t = 2 and 3, a ring step's chunk index off by one caught in each fused
     operation (t = 2), the ring row layer refusing a T it cannot split before any exchange; and at t = 2 the
     overlap shown with every exchange slowed to 20 ms (diloco's method): by the recorded order a GEMM runs
     between each exchange's launch and its wait, none when the wait is put first (the mutant); exposed vs
