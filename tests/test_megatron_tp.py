@@ -178,24 +178,25 @@ OVERLAP_T3 = ["--seq-len", "12", "--d-model", "24", "--n-heads", "6"]  # T and h
 
 
 @pytest.mark.parametrize(
-    "nproc,extra,S,H",
+    "nproc,extra,t,S,H",
     [
-        (2, ["--ragged"], S, H),
-        (3, [*OVERLAP_T3, "--ragged"], 12, 24),
-        (4, ["--vocab", "30"], S, H),
+        (2, ["--ragged"], 2, S, H),
+        (3, [*OVERLAP_T3, "--ragged"], 3, 12, 24),
+        (4, ["--vocab", "30"], 4, S, H),
+        (4, ["--tp", "2", "--clip", "0.5"], 2, S, H),
     ],
-    ids=["t2", "t3", "t4-padded-vocab"],
+    ids=["t2", "t3", "t4-padded-vocab", "t2-dp2"],
 )
-def test_overlap_matches_reference(tmp_path, nproc, extra, S, H):
+def test_overlap_matches_reference(tmp_path, nproc, extra, t, S, H):
     """--overlap (Wang et al. 2023): sequence parallelism's all-gather + column GEMM and row GEMM + reduce-scatter
     as t - 1 ring steps of batch_isend_irecv. One-process parity in float64 at t = 2, 3, 4; the sends and
     receives counted at the dispatcher against the count written here; the bytes each rank puts on the TP
     wire per phase (sends as handed; the remaining collectives by their ring algorithm) equal to the plain SP
-    path's closed form; saved activations 1/t. At t = 3 the plain SP path runs beside it: the same losses
+    path's closed form; saved activations 1/t; and beside 2-way data parallelism. At t = 3 the plain SP path runs beside it: the same losses
     (1e-9 relative) and the same measured bytes on the wire."""
     args = [*MODEL, *extra, "--sequence-parallel", "--check"]
     s, _ = torchrun(SCRIPT, nproc, *args, "--overlap", tmp_path=tmp_path, name="ring", timeout=240)
-    assert_tp_run(s, nproc, 1, True, overlap=True, S=S, H=H)
+    assert_tp_run(s, t, nproc // t, True, overlap=True, S=S, H=H)
     if nproc == 3:
         plain, _ = torchrun(SCRIPT, nproc, *args, tmp_path=tmp_path, name="plain", timeout=240)
         assert_tp_run(plain, nproc, 1, True, S=S, H=H)
