@@ -5,7 +5,7 @@ Parallelism" (Sec. 3): each transformer block's matmuls are split across the t r
 that a block needs only two all-reduces forward and two backward. Plus --sequence-parallel from
 Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models" (Sec. 4.2.2):
 the LayerNorm / dropout / residual regions are split along the sequence instead of being replicated. Plus
---overlap (with --sequence-parallel) from Wang et al. 2023, "Overlap Communication with Dependent
+--overlap (implies --sequence-parallel) from Wang et al. 2023, "Overlap Communication with Dependent
 Computation via Decomposition in Large Deep Learning Models": each all-gather + GEMM and GEMM +
 reduce-scatter cut into t ring steps of point-to-point exchange, each step's GEMM on one chunk of T while
 the next chunk travels (torchtitan's async TP; torch's _fused_all_gather_matmul and
@@ -14,7 +14,7 @@ _fused_matmul_reduce_scatter).
     python megatron_tp.py --check                                     # t = 1: the same code, no communication
     torchrun --nproc_per_node=4 megatron_tp.py --check                # t = 4, the whole world
     torchrun --nproc_per_node=4 megatron_tp.py --sequence-parallel --check
-    torchrun --nproc_per_node=4 megatron_tp.py --sequence-parallel --overlap --check
+    torchrun --nproc_per_node=4 megatron_tp.py --overlap --check      # SP's collectives as ring steps
     torchrun --nproc_per_node=4 megatron_tp.py --tp 2 --check         # t = 2, data parallel over 2 replicas
 
 The MLP, column-then-row, so the GeLU needs no communication (Sec. 3, Fig. 3a), here for t = 2:
@@ -116,9 +116,7 @@ class Args(CommonArgs):
     sequence_parallel: bool = (
         False  # split LayerNorm / dropout regions along the sequence (Korthikanti)
     )
-    overlap: bool = (
-        False  # with --sequence-parallel: its AG / RS as ring steps under the GEMMs (Wang)
-    )
+    overlap: bool = False  # implies --sequence-parallel: its AG / RS as ring steps under the GEMMs
 
 
 # ----------------------------------------------------------------------------- f and g, the conjugate pair
@@ -712,17 +710,15 @@ def check_args(args):  # bad input: one line and exit 2, on every rank, before a
         fail(
             f"world size {world} is not divisible by --tp {args.tp}: use a --tp dividing {world} (0 = all)"
         )
+    args.sequence_parallel |= (
+        args.overlap
+    )  # --overlap is SP with its collectives cut into ring steps
     try:  # the layers' own check (ParallelAttention's heads, SP's reduce_scatter), as fail's one line
         check_tp_split(args.n_heads, t, "--n-heads")
         if args.sequence_parallel:
-            check_tp_split(args.seq_len, t, "--sequence-parallel: --seq-len")
+            check_tp_split(args.seq_len, t, "--sequence-parallel (or --overlap): --seq-len")
     except ValueError as e:
         fail(str(e))
-    if args.overlap and not args.sequence_parallel:
-        fail(
-            "--overlap cuts sequence parallelism's all-gather / reduce-scatter into ring steps: "
-            "add --sequence-parallel"
-        )
     if args.batch_size % (world // t):
         fail(
             f"--batch-size {args.batch_size} is not divisible by the data-parallel degree {world // t}"

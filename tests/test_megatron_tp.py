@@ -194,11 +194,19 @@ def test_overlap_matches_reference(tmp_path, nproc, extra, t, S, H):
     wire per phase (sends as handed; the remaining collectives by their ring algorithm) equal to the plain SP
     path's closed form; saved activations 1/t; and beside 2-way data parallelism. At t = 3 the plain SP path runs beside it: the same losses
     (1e-9 relative) and the same measured bytes on the wire."""
-    args = [*MODEL, *extra, "--sequence-parallel", "--check"]
+    args = [*MODEL, *extra, "--check"]  # --overlap implies --sequence-parallel
     s, _ = torchrun(SCRIPT, nproc, *args, "--overlap", tmp_path=tmp_path, name="ring", timeout=240)
     assert_tp_run(s, t, nproc // t, True, overlap=True, S=S, H=H)
     if nproc == 3:
-        plain, _ = torchrun(SCRIPT, nproc, *args, tmp_path=tmp_path, name="plain", timeout=240)
+        plain, _ = torchrun(
+            SCRIPT,
+            nproc,
+            *args,
+            "--sequence-parallel",
+            tmp_path=tmp_path,
+            name="plain",
+            timeout=240,
+        )
         assert_tp_run(plain, nproc, 1, True, S=S, H=H)
         assert plain["figures"]["tp_wire_bytes"] == s["figures"]["tp_wire_bytes"]
         for a, b in zip(s["losses"], plain["losses"], strict=True):
@@ -330,9 +338,13 @@ def test_two_nodes_equal_one(tmp_path):
             ["--n-heads", "4", "--seq-len", "7", "--sequence-parallel"],
             ["--sequence-parallel", "--seq-len 7", "divisible"],
         ),
-        (2, ["--n-heads", "4", "--overlap"], ["--overlap", "add --sequence-parallel"]),
+        (
+            2,
+            ["--n-heads", "4", "--seq-len", "7", "--overlap"],
+            ["--overlap", "--seq-len 7", "divisible"],
+        ),
     ],
-    ids=["world1-tp2", "heads", "sp-seq-len", "overlap-without-sp"],
+    ids=["world1-tp2", "heads", "sp-seq-len", "overlap-seq-len"],
 )
 def test_bad_input(nproc, args, words):
     """Each rank says one line naming the problem and exits 2, before any collective."""
