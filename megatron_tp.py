@@ -618,8 +618,8 @@ def ring(carry, group, work):
 
 
 def gather_gemm(x, group, gemm):
-    """f_sp's all-gather fused with the GEMM after it: [gemm(c, x_c) for each rank c's chunk x_c (B, T/t,
-    ..)], each computed as the chunk arrives; after s steps rank r holds rank r + s's."""
+    """f_sp's all-gather fused with the GEMM after it: gemm(c, x_c) for the chunk x_c of every rank c, each
+    computed as it arrives, returned in rank order; after s steps rank r holds rank r + s's chunk."""
     t = dist.get_world_size(group)
     r = dist.get_rank(group)
     out = [None] * t
