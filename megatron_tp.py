@@ -4,11 +4,17 @@ Shoeybi et al. 2019, "Megatron-LM: Training Multi-Billion Parameter Language Mod
 Parallelism" (Sec. 3): each transformer block's matmuls are split across the t ranks of a TP group, so
 that a block needs only two all-reduces forward and two backward. Plus --sequence-parallel from
 Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models" (Sec. 4.2.2):
-the LayerNorm / dropout / residual regions are split along the sequence instead of being replicated.
+the LayerNorm / dropout / residual regions are split along the sequence instead of being replicated. Plus
+--overlap (implies --sequence-parallel) from Wang et al. 2023, "Overlap Communication with Dependent
+Computation via Decomposition in Large Deep Learning Models": each all-gather + GEMM and GEMM +
+reduce-scatter cut into t ring steps of point-to-point exchange, each step's GEMM on one chunk of T while
+the next chunk travels (torchtitan's async TP; torch's _fused_all_gather_matmul and
+_fused_matmul_reduce_scatter).
 
     python megatron_tp.py --check                                     # t = 1: the same code, no communication
     torchrun --nproc_per_node=4 megatron_tp.py --check                # t = 4, the whole world
     torchrun --nproc_per_node=4 megatron_tp.py --sequence-parallel --check
+    torchrun --nproc_per_node=4 megatron_tp.py --overlap --check      # SP's collectives as ring steps
     torchrun --nproc_per_node=4 megatron_tp.py --tp 2 --check         # t = 2, data parallel over 2 replicas
 
 The MLP, column-then-row, so the GeLU needs no communication (Sec. 3, Fig. 3a), here for t = 2:
@@ -53,7 +59,13 @@ The column layers keep only the (B, T/t, D) chunk for backward and all-gather it
 so every activation a block saves is 1/t of the unsharded block's, at the price of one more all-gather.
 The file reads as Megatron-LM's TP complete first (f and g, the layers, the RNG tracker, the sharded GPT,
 gradients and clipping); the "sequence parallelism" heading then adds f_sp, g_sp, the GEMM that saves the
-chunk, the SP layers and SPGPT as subclasses, and the sum of the replicated gradients.
+chunk, the SP layers and SPGPT as subclasses, and the sum of the replicated gradients; the "overlapped TP"
+heading then replaces f_sp + column GEMM and row GEMM + g_sp by one ring, written once and used forward
+and backward (RingGPT). The ring sends what the collectives' ring algorithms send: t - 1 chunks of
+(B, T/t, D) per rank and operation. Backward is decomposed too: a column layer's dL/dW over its input's
+chunks gathered again by the ring and its dL/dX reduce-scattered by it; a row layer's dL/dY gathered by it.
+On NCCL the GEMM overlaps the transfer only if the exchange runs on its own stream, which NCCL's
+point-to-point does; on gloo (CPU) each exchange is a host thread's work, and the GEMM runs meanwhile.
 
 Groups come from one grid, arange(world).view(dp, tp): a row is a TP group (adjacent ranks, one node), a
 column a data-parallel group.
@@ -104,6 +116,7 @@ class Args(CommonArgs):
     sequence_parallel: bool = (
         False  # split LayerNorm / dropout regions along the sequence (Korthikanti)
     )
+    overlap: bool = False  # implies --sequence-parallel: its AG / RS as ring steps under the GEMMs
 
 
 # ----------------------------------------------------------------------------- f and g, the conjugate pair
@@ -203,11 +216,13 @@ class ColumnParallelLinear(nn.Module):
             "bias_mask", None if all(has) or not any(has) else mask, persistent=False
         )
 
+    def masked_bias(self):  # a missing bias stays zero
+        return self.bias if self.bias_mask is None else self.bias * self.bias_mask
+
     def forward(self, x):  # (B, T, in) replicated
-        b = (
-            self.bias if self.bias_mask is None else self.bias * self.bias_mask
-        )  # a missing bias stays zero
-        return F.linear(f.apply(x, self.group), self.weight, b)  # (B, T, out/t) local
+        return F.linear(
+            f.apply(x, self.group), self.weight, self.masked_bias()
+        )  # (B, T, out/t) local
 
 
 class RowParallelLinear(nn.Module):
@@ -537,7 +552,7 @@ class ColumnParallelGEMM(torch.autograd.Function):
 
 class SPColumnParallelLinear(ColumnParallelLinear):
     def forward(self, x):  # (B, T/t, in) this rank's chunk -> (B, T, out/t) local
-        b = self.bias if self.bias_mask is None else self.bias * self.bias_mask
+        b = self.masked_bias()
         return ColumnParallelGEMM.apply(f_sp.apply(x, self.group), x, self.weight, b, self.group)
 
 
@@ -571,6 +586,120 @@ def sum_replicated_grads(model, tp_group):
     flat_all_reduce([p.grad for p in model.parameters() if not hasattr(p, "tp_dim")], tp_group)
 
 
+# ============================================================================= overlapped TP: --overlap
+# Wang et al. 2023, "Overlap Communication with Dependent Computation via Decomposition in Large Deep
+# Learning Models" (ASPLOS '23); torch's _fused_all_gather_matmul / _fused_matmul_reduce_scatter, torchtitan's
+# async TP. Under SP the column GEMM waits for f_sp's all-gather and g_sp's reduce-scatter for the row GEMM.
+# Cut both into ring steps: each step's GEMM on one chunk of T runs while the next chunk travels.
+#
+#     all-gather + GEMM on rank r (t = 3)              GEMM + reduce-scatter on rank r
+#     step  computes             meanwhile             step  computes         meanwhile
+#     0     Y_r   = X_r W^T      X_r   -> r-1          0     P = X[r+1] W^T   -
+#     1     Y_r+1 = X_r+1 W^T    X_r+1 -> r-1          1     Q = X[r+2] W^T   P -> r-1, P' <- r+1; P' + Q
+#     2     Y_r+2 = X_r+2 W^T    -                     2     R = X[r] W^T     P'+Q -> r-1, ... + R: chunk r
+#
+# t - 1 sends of one (B, T/t, D) chunk: the bytes the ring algorithms of both collectives send.
+def ring(carry, group, work):
+    """t - 1 steps round `group`'s ring: each rank sends `carry` to rank r - 1 and receives rank r + 1's,
+    while work(s, carry) runs, the GEMM that the exchange hides behind; what arrives, plus what work returned
+    (None: nothing), is carried on. Returns the last carry. Written once: both directions, both passes."""
+    t = dist.get_world_size(group)
+    r = dist.get_rank(group)
+    for s in range(t - 1):
+        got = torch.empty_like(carry)
+        send = dist.P2POp(dist.isend, carry, group=group, group_peer=(r - 1) % t)
+        recv = dist.P2POp(dist.irecv, got, group=group, group_peer=(r + 1) % t)
+        works = dist.batch_isend_irecv([send, recv])
+        partial = work(s, carry)  # the GEMM, while `carry` travels
+        for w in works:
+            w.wait()
+        carry = got if partial is None else got + partial
+    return carry
+
+
+def gather_gemm(x, group, gemm):
+    """f_sp's all-gather fused with the GEMM after it: gemm(c, x_c) for the chunk x_c of every rank c, each
+    computed as it arrives, returned in rank order; after s steps rank r holds rank r + s's chunk."""
+    t = dist.get_world_size(group)
+    r = dist.get_rank(group)
+    out = [None] * t
+
+    def work(s, x_c):
+        out[(r + s) % t] = gemm((r + s) % t, x_c)
+
+    work(t - 1, ring(x.contiguous(), group, work))  # the last chunk to arrive
+    return out
+
+
+def gemm_scatter(gemm, group):
+    """The GEMM fused with g_sp's reduce-scatter: gemm(c) is this rank's partial sum of chunk c of T. The
+    sum of chunk r + 1 starts here and travels to r - 1, r - 2, ..., each rank adding its own, and arrives
+    whole at rank r + 1."""
+    t = dist.get_world_size(group)
+    r = dist.get_rank(group)
+    return ring(gemm((r + 1) % t), group, lambda s, _: gemm((r + s + 2) % t))
+
+
+class GatherGEMM(torch.autograd.Function):
+    """f_sp + the column GEMM by the ring; saves only X's chunk, as ColumnParallelGEMM. Backward, by the same
+    ring: dL/dW = sum_c dY_c^T X_c over the chunks gathered again, dL/dX the reduce-scatter of dY W."""
+
+    @staticmethod
+    def forward(ctx, x, weight, group):  # x (B, T/t, in) chunk -> (B, T, out/t) local
+        ctx.save_for_backward(x, weight)
+        ctx.group = group
+        return torch.cat(gather_gemm(x, group, lambda c, x_c: x_c @ weight.T), 1)
+
+    @staticmethod
+    def backward(ctx, dy):  # (B, T, out/t)
+        x, weight = ctx.saved_tensors
+        dys = dy.chunk(dist.get_world_size(ctx.group), 1)  # (B, T/t, out/t) each
+        dw = sum(gather_gemm(x, ctx.group, lambda c, x_c: torch.einsum("bto,bti->oi", dys[c], x_c)))
+        return gemm_scatter(lambda c: dys[c] @ weight, ctx.group), dw, None
+
+
+class GEMMScatter(torch.autograd.Function):
+    """The row GEMM + g_sp by the ring. Backward gathers dY by the ring: for each chunk as it arrives,
+    dL/dX_c = dY_c W and its term dY_c^T X_c of dL/dW."""
+
+    @staticmethod
+    def forward(ctx, x, weight, group):  # (B, T, in/t) local -> (B, T/t, out) summed
+        t = dist.get_world_size(group)
+        check_tp_split(x.shape[1], t, "the ring's T =")  # before any exchange
+        ctx.save_for_backward(x, weight)
+        ctx.group = group
+        return gemm_scatter(lambda c: x.chunk(t, 1)[c] @ weight.T, group)
+
+    @staticmethod
+    def backward(ctx, dy):  # (B, T/t, out)
+        x, weight = ctx.saved_tensors
+        xs = x.chunk(dist.get_world_size(ctx.group), 1)
+        grads = gather_gemm(
+            dy, ctx.group, lambda c, d: (d @ weight, torch.einsum("bto,bti->oi", d, xs[c]))
+        )
+        dx, dw = zip(*grads)
+        return torch.cat(dx, 1), sum(dw), None
+
+
+class RingColumnParallelLinear(SPColumnParallelLinear):
+    def forward(self, x):  # (B, T/t, in) this rank's chunk -> (B, T, out/t) local
+        y = GatherGEMM.apply(x, self.weight, self.group)
+        return y if self.bias is None else y + self.masked_bias()
+
+
+class RingRowParallelLinear(SPRowParallelLinear):
+    def forward(self, x):  # (B, T, in/t) local -> (B, T/t, out) summed
+        y = GEMMScatter.apply(x, self.weight, self.group)
+        return y if self.bias is None else y + self.bias
+
+
+class RingGPT(SPGPT):
+    """SPGPT with every column and row GEMM overlapped (the embedding's g_sp has no GEMM to hide behind)."""
+
+    Column = RingColumnParallelLinear
+    Row = RingRowParallelLinear
+
+
 def check_args(args):  # bad input: one line and exit 2, on every rank, before any collective
     check_common_args(args)
     world = env_world_size()
@@ -581,10 +710,13 @@ def check_args(args):  # bad input: one line and exit 2, on every rank, before a
         fail(
             f"world size {world} is not divisible by --tp {args.tp}: use a --tp dividing {world} (0 = all)"
         )
+    args.sequence_parallel |= (
+        args.overlap
+    )  # --overlap is SP with its collectives cut into ring steps
     try:  # the layers' own check (ParallelAttention's heads, SP's reduce_scatter), as fail's one line
         check_tp_split(args.n_heads, t, "--n-heads")
         if args.sequence_parallel:
-            check_tp_split(args.seq_len, t, "--sequence-parallel: --seq-len")
+            check_tp_split(args.seq_len, t, "--sequence-parallel (or --overlap): --seq-len")
     except ValueError as e:
         fail(str(e))
     if args.batch_size % (world // t):
@@ -610,16 +742,15 @@ def main():
     tp_group, dp_group = tp_groups[dp_rank], dp_groups[tp_rank]
     d.log(
         f"megatron_tp.py: world {d.world} = dp {dp} x tp {t} on {d.backend}, sequence parallel "
-        f"{args.sequence_parallel}, entropy floor {data.entropy:.4f} nats/token"
+        f"{args.sequence_parallel}, overlap {args.overlap}, entropy floor {data.entropy:.4f} nats/token"
     )
 
     # --- the model: the full GPT from one seed on the CPU, sliced there; only the slices go to the device ---
     tracker = RNGTracker(d.device, args.seed, dp_rank, tp_rank)
     full = build_gpt(GPTConfig.from_args(args), args.seed, DTYPES[args.dtype])  # CPU
     full_bytes = tensor_bytes(full.parameters())
-    model = (SPGPT if args.sequence_parallel else ParallelGPT)(full, tp_group, tracker).to(
-        d.device
-    )  # shards
+    GPT = RingGPT if args.overlap else SPGPT if args.sequence_parallel else ParallelGPT
+    model = GPT(full, tp_group, tracker).to(d.device)  # shards
     del full
     opt = make_optimizer(model.parameters(), args)
     run = Run(
@@ -674,8 +805,9 @@ def main():
 # counted by harness.CommCounter at the dispatcher, per "op/axis/phase", during the last step.
 FORMULA = (
     "per layer 2 all-reduce fwd + 2 bwd of b*s*h (SP: AG+RS pairs + 1 AG re-gather per column "
-    "layer); + embedding g, head f, 3 loss all-reduces of b*s, norm; bytes handed: AR tensor, AG "
-    "chunk, RS input; ring sends AR 2(n-1)/n, AG/RS (n-1)/n"
+    "layer; overlap: each as t-1 sends of b*s*h/t); + embedding g, head f, 3 loss all-reduces of "
+    "b*s, norm; bytes handed: AR tensor, AG chunk, RS input, send tensor; ring sends AR 2(n-1)/n, "
+    "AG/RS (n-1)/n"
 )
 RING = {
     "all_reduce": 2,
@@ -730,11 +862,27 @@ def theory_collectives(args, t, dp):
         group = t if axis == "tp" else dp
         c = table.setdefault(f"{op}/{axis}/{phase}", [0, 0, 0, 0])
         c[0], c[1] = c[0] + calls, c[1] + calls * n
-        c[2] += calls * (n // group if op == "all_gather" else n) * size
-        c[3] += calls * (RING[op] * (group - 1) * n * size // group)
+        c[2] += calls * (0 if op == "recv" else n // group if op == "all_gather" else n) * size
+        c[3] += calls * (
+            n * size if op == "send" else RING.get(op, 0) * (group - 1) * n * size // group
+        )
 
     if t > 1:
-        if args.sequence_parallel:
+        if (
+            args.overlap
+        ):  # each column / row GEMM's collective as t - 1 ring steps of one b*s*h/t chunk
+            for phase, rings in [
+                ("fwd", 4 * L + 1),
+                ("bwd", 6 * L + 2),
+            ]:  # fwd 4 per layer + LM head;
+                for op in ("send", "recv"):  # bwd 2 per column layer (dW, dX), 1 per row layer
+                    add(op, "tp", phase, rings * (t - 1), b * s * h // t, es)
+            add(
+                "reduce_scatter", "tp", "fwd", 1, b * s * h, es
+            )  # the embedding's g_sp, no GEMM to hide
+            add("all_gather", "tp", "bwd", 1, b * s * h, es)  # and its backward
+            add("all_reduce", "tp", "step", 1, repl, es)  # replicated grads, partial over positions
+        elif args.sequence_parallel:
             for op, phase in [
                 ("all_gather", "fwd"),
                 ("reduce_scatter", "fwd"),
@@ -758,9 +906,24 @@ def theory_collectives(args, t, dp):
     return dict(sorted(table.items()))
 
 
+def tp_wire_bytes(counted, t):
+    """Per phase, the bytes this rank puts on the TP group's wire for its all-gathers, reduce-scatters and
+    sends, from the bytes counted at the dispatcher: a send's tensor as handed; an all-gather's or a
+    reduce-scatter's by the ring algorithm, (t-1) x the chunk handed and (t-1)/t x the input handed. The same
+    for the plain SP path and --overlap, if the ring steps move what the collectives would."""
+    wire = {}
+    per_op = {"send": (1, 1), "all_gather": (t - 1, 1), "reduce_scatter": (t - 1, t)}
+    for key, (_, _, nbytes) in counted.items():
+        op, axis, phase = key.split("/")
+        if axis == "tp" and op in per_op:
+            wire[phase] = wire.get(phase, 0) + nbytes * per_op[op][0] // per_op[op][1]
+    return dict(sorted(wire.items()))
+
+
 def report(d, args, model, tp_group, counted, full_bytes, acts, t, dp):
     """Print each measured figure beside its theory; returns the summary's figures."""
     theory = theory_collectives(args, t, dp)
+    wire = tp_wire_bytes(counted, t)
     split, repl = params_per_rank(args, t)
     param_bytes = tensor_bytes(model.parameters())
     es = DTYPES[args.dtype].itemsize
@@ -787,6 +950,10 @@ def report(d, args, model, tp_group, counted, full_bytes, acts, t, dp):
     T = args.seq_len
     D = args.d_model
     d.log(f"theory: {FORMULA}; b*s*h = {b}*{T}*{D} elements")
+    d.log(
+        f"TP all-gather / reduce-scatter / send bytes on the wire per phase {wire} (from the bytes handed, "
+        "a collective's by its ring algorithm: --overlap's and the plain SP path's are to be equal)"
+    )
 
     def saved_by(block, x):  # bytes autograd saves for backward in one forward of `block` on x
         with SavedActivations() as saved:
@@ -815,7 +982,9 @@ def report(d, args, model, tp_group, counted, full_bytes, acts, t, dp):
         tp=t,
         dp=dp,
         sequence_parallel=args.sequence_parallel,
+        overlap=args.overlap,
         collectives_per_step=counted,
+        tp_wire_bytes=wire,
         collectives_per_step_theory=theory,
         param_bytes_per_rank=param_bytes,
         param_bytes_per_rank_theory=(split + repl) * es,

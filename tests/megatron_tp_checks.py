@@ -23,6 +23,7 @@ import contextlib
 import copy
 import os
 import sys
+import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -32,6 +33,7 @@ import torch.distributed as dist  # noqa: E402
 import torch.nn as nn  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from einops import rearrange  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 import megatron_tp as mt  # noqa: E402
 import section  # noqa: E402  (tests/section.py: a file's technique section alone)
@@ -103,13 +105,17 @@ class SplitLastDim(torch.autograd.Function):
         return mt.all_gather(grad, -1, ctx.group), None
 
 
+LAYERS = {  # sp: False (TP), True (TP + SP), "ring" (TP + SP, --overlap's ring steps)
+    False: (mt.ColumnParallelLinear, mt.RowParallelLinear),
+    True: (mt.SPColumnParallelLinear, mt.SPRowParallelLinear),
+    "ring": (mt.RingColumnParallelLinear, mt.RingRowParallelLinear),
+}
+
+
 def build_layer(Layer, full, group, sp, tracker):
-    """mt.ParallelAttention or mt.ParallelMLP from `full`, with the TP layers, or the SP ones as mt.SPGPT builds."""
-    layers = (
-        (mt.SPColumnParallelLinear, mt.SPRowParallelLinear)
-        if sp
-        else (mt.ColumnParallelLinear, mt.RowParallelLinear)
-    )
+    """mt.ParallelAttention or mt.ParallelMLP from `full`, with the TP layers, or the SP ones as mt.SPGPT builds,
+    or the ring ones as mt.RingGPT builds."""
+    layers = LAYERS[sp]
     return (
         Layer(full, group, tracker, *layers)
         if Layer is mt.ParallelAttention
@@ -157,10 +163,9 @@ class TPSwiGLUNet(nn.Module):
     def __init__(self, S, net, group, sp):
         super().__init__()
         self.gain, self.stem, self.head = (copy.deepcopy(m) for m in (net.gain, net.stem, net.head))
-        self.gate_up = S["SPColumnParallelLinear" if sp else "ColumnParallelLinear"](
-            [net.mlp.gate, net.mlp.up], group
-        )
-        self.down = S["SPRowParallelLinear" if sp else "RowParallelLinear"](net.mlp.down, group)
+        prefix = {False: "", True: "SP", "ring": "Ring"}[sp]
+        self.gate_up = S[f"{prefix}ColumnParallelLinear"]([net.mlp.gate, net.mlp.up], group)
+        self.down = S[f"{prefix}RowParallelLinear"](net.mlp.down, group)
 
     def forward(self, x):  # (N, T, 7), or (N, T/t, 7)
         h = torch.tanh(self.stem(x))
@@ -191,6 +196,26 @@ def unsharded(S, tp, group, net):
     return out, absent
 
 
+RING_MUTANTS = {  # a ring step's chunk index off by one, in each of the two fused operations
+    "gather_gemm's chunk index off by one": (
+        "out[(r + s) % t] = gemm((r + s) % t, x_c)",
+        "out[(r + s + 1) % t] = gemm((r + s + 1) % t, x_c)",
+    ),
+    "gemm_scatter's chunk index off by one": (
+        "lambda s, _: gemm((r + s + 2) % t)",
+        "lambda s, _: gemm((r + s + 1) % t)",
+    ),
+}
+
+
+def ring_mutant(what):
+    """megatron_tp.py's technique section with one ring step's chunk index off by one (tests/section.py)."""
+    old, new = RING_MUTANTS[what]
+    text = open(os.path.join(ROOT, "megatron_tp.py")).read()
+    assert text.count(old) == 1, old
+    return section.load("megatron_tp.py", text.replace(old, new))
+
+
 def copy_out(d, group, gate_bias=True, up_bias=True, mutants=True, steps=5, clip=0.05):
     """TPSwiGLUNet against SwiGLUNet trained in plain torch, one process's way: AdamW, clipping by the
     global norm (torch.nn.utils.clip_grad_norm_), a Huber loss summed over tokens / all tokens. Every core
@@ -219,8 +244,12 @@ def copy_out(d, group, gate_bias=True, up_bias=True, mutants=True, steps=5, clip
         ref_losses.append(loss.detach())
     mixed = gate_bias != up_bias
     broken = [(True, False, True) if not mixed else (False, True, False)] if mutants else []
-    for sp, sum_replicated, masked in [(False, True, True), (True, True, True), *broken]:
-        tp = TPSwiGLUNet(S, net, group, sp)
+    rings = [("ring", True, True, None)]  # --overlap's layers; then each ring mutant
+    if mutants and t > 1:
+        rings += [("ring", True, True, what) for what in RING_MUTANTS]
+    layouts = [(False, True, True, None), (True, True, True, None), *rings]
+    for sp, sum_replicated, masked, mutant in layouts + [(*b, None) for b in broken]:
+        tp = TPSwiGLUNet(ring_mutant(mutant) if mutant else S, net, group, sp)
         if not masked:  # the defect, put back: the bias-free part's zeros train like a bias
             tp.gate_up.bias_mask = None
         opt = torch.optim.AdamW(tp.parameters(), lr=0.02, foreach=False)
@@ -256,11 +285,16 @@ def copy_out(d, group, gate_bias=True, up_bias=True, mutants=True, steps=5, clip
                 *(torch.zeros_like(w).flatten() for w in absent.values()),
             ]
         )
+        layout = {False: "", True: ", SP", "ring": ", SP overlapped (ring)"}[sp]
         tag = (
-            f"copy-out: SwiGLU net at t = {t}{', SP' if sp else ''}, biases gate {gate_bias} up {up_bias}, "
+            f"copy-out: SwiGLU net at t = {t}{layout}, biases gate {gate_bias} up {up_bias}, "
             "losses and trained weights vs plain torch"
         )
-        if not sum_replicated:
+        if mutant:
+            differs(f"{tag}, mutant: {mutant}", got, want)
+            if r == 0 and (got - want).abs().max().item() >= 1e-6:
+                print(f"copy-out mutant caught: {mutant} (t = {t})", flush=True)
+        elif not sum_replicated:
             differs(f"{tag}, the replicated gradients not summed", got, want)
         elif not masked:
             differs(f"{tag}, the bias-free part not masked", got, want)
@@ -268,6 +302,108 @@ def copy_out(d, group, gate_bias=True, up_bias=True, mutants=True, steps=5, clip
             close(tag, got, want)
             if r == 0:  # group rank 0, which need not be global rank 0
                 print(f"{tag}: max diff {(got - want).abs().max().item():.1e}", flush=True)
+
+
+# ----------------------------------------------------------------------------- the overlap, slowed on purpose
+class SlowedRing(TorchDispatchMode):
+    """diloco_checks.py's method for a ring: every batch_isend_irecv exchange is made to complete `delay` s after
+    its launch (a slow link), and the order of what happens is recorded, which load cannot move: ("launch", k)
+    as exchange k is handed over, ("gemm",) for every matrix product at the dispatcher, ("wait", k) as the host
+    waits for it. Per exchange: the time the host blocked in wait(), the exposed communication, of the link's
+    `delay`."""
+
+    GEMMS = {"mm", "addmm", "bmm", "baddbmm"}
+
+    def __init__(self, delay):
+        super().__init__()
+        self.delay = delay
+        self.events = []
+        self.blocked = []
+        self.real = dist.batch_isend_irecv
+
+    def __enter__(self):
+        dist.batch_isend_irecv = self.launch
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        dist.batch_isend_irecv = self.real
+        return super().__exit__(*exc)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.__name__.split(".")[0] in self.GEMMS:
+            self.events.append(("gemm",))
+        return func(*args, **(kwargs or {}))
+
+    def launch(self, ops):
+        k = len(self.blocked)
+        start = time.perf_counter()
+        self.events.append(("launch", k))
+        self.blocked.append(0.0)
+        works = self.real(ops)
+        return [self.Work(self, k, w, start) for w in works]
+
+    class Work:
+        def __init__(self, ring, k, work, start):
+            self.ring = ring
+            self.k = k
+            self.work = work
+            self.start = start
+
+        def wait(self):
+            t0 = time.perf_counter()
+            self.ring.events.append(("wait", self.k))
+            self.work.wait()
+            time.sleep(max(0.0, self.start + self.ring.delay - time.perf_counter()))
+            t1 = time.perf_counter()
+            self.ring.blocked[self.k] += t1 - t0
+            return True
+
+    def gemms_in_flight(self):
+        """For each exchange: the matrix products between its launch and the host's first wait for it."""
+        at = {}
+        for i, e in enumerate(self.events):
+            if e[0] in ("launch", "wait"):
+                at.setdefault(e, i)
+        return [
+            sum(e == ("gemm",) for e in self.events[at["launch", k] : at["wait", k]])
+            for k in range(len(self.blocked))
+        ]
+
+
+def slowed_overlap(d, group, delay=0.02):
+    """--overlap's ring MLP (column, GeLU, row: 2 rings forward, 3 backward), each exchange slowed to `delay` s:
+    every exchange has a GEMM running between its launch and its wait (by the recorded order); the ring with
+    the wait put before the GEMM (the mutant) has none. Exposed vs total communication printed, not asserted."""
+    t = dist.get_world_size(group)
+    torch.manual_seed(5)
+    ref = MLP(GPTConfig(vocab=12, seq_len=64 * t, d_model=192, n_heads=4, n_layers=1)).to(d.device)
+    x = torch.randn(4, 64, 192, device=d.device)  # (B, T/t, D): this rank's chunk
+    text = open(os.path.join(ROOT, "megatron_tp.py")).read()
+    overlapped = "        partial = work(s, carry)  # the GEMM, while `carry` travels\n"
+    waits = "        for w in works:\n            w.wait()\n"
+    assert text.count(overlapped + waits) == 1
+    serial = section.load("megatron_tp.py", text.replace(overlapped + waits, waits + overlapped))
+    for name, S in (
+        ("--overlap's ring", section.load("megatron_tp.py")),
+        ("mutant: wait, then GEMM", serial),
+    ):
+        mlp = S["ParallelMLP"](
+            ref, group, S["RingColumnParallelLinear"], S["RingRowParallelLinear"]
+        )
+        with SlowedRing(delay) as slow:
+            mlp(x.clone().requires_grad_()).square().sum().backward()
+        flying = slow.gemms_in_flight()
+        exposed = 1e3 * sum(slow.blocked)
+        own = 1e3 * delay * len(flying)  # the slowed link's time
+        line = (
+            f"{name}, each exchange slowed to {1e3 * delay:.0f} ms: GEMMs in flight per exchange {flying}; "
+            f"exposed communication {exposed:.0f} ms of {own:.0f} ms (measured, reported)"
+        )
+        if S is serial:
+            equal(f"overlap, {line}: caught", any(flying), False)
+        else:
+            equal(f"overlap, {line}", (len(flying), min(flying)), (5 * (t - 1), 1))
+        d.log(line)
 
 
 def main():
@@ -417,8 +553,9 @@ def main():
             nn.init.normal_(p, 0.0, 0.3)
         ref.to(dev)
         x, w = torch.randn(B, T, D, device=dev), torch.randn(B, T, D, device=dev)
-        for sp in (False, True):
-            par, tag = build_layer(Par, ref, group, sp, tracker), f"{name}{' (SP)' if sp else ''}"
+        for sp in (False, True, "ring"):
+            par = build_layer(Par, ref, group, sp, tracker)
+            tag = f"{name}{({False: '', True: ' (SP)', 'ring': ' (SP, ring)'})[sp]}"
             y, dx, grads, comm = run_layer(par, x, w, sp)
             want_y, want_dx, want_g = expected(par, ref, x, w, sp)
             close(f"{tag} output", y, want_y)
@@ -449,6 +586,14 @@ def main():
                 if sp
                 else {"all_reduce/tp/fwd": bsd, "all_reduce/tp/bwd": bsd}
             )
+            if sp == "ring":  # t - 1 steps per ring: fwd column + row, bwd column dW + dX, row
+                steps = {"fwd": 2 * (t - 1), "bwd": 3 * (t - 1)}
+                one = {f"{op}/tp/{ph}": n for ph, n in steps.items() for op in ("send", "recv")}
+                handed = {
+                    f"{op}/tp/{ph}": n * bsd // t * (op == "send")
+                    for ph, n in steps.items()
+                    for op in ("send", "recv")
+                }
             counts(f"{tag} collectives", comm, one, handed)
             for what, (op, method, broken) in breaks.items():
                 if sp != what.startswith(("f_sp", "g_sp")):
@@ -483,6 +628,29 @@ def main():
                     shard_of(ref(x), 1),
                 )
 
+    # --- the ring's fused operations vs torch's own (torch.distributed._symmetric_memory's fallbacks, which run
+    # the same operations as a functional collective + one matmul on any backend; the fused CUDA kernels are
+    # bench.py's) ---
+    from torch.distributed import _symmetric_memory as symm
+
+    x_full, w_col, w_row = (
+        torch.randn(*shape, device=dev) for shape in ((B, T, D), (12, D), (D, 12))
+    )
+    mine_x = x_full.chunk(t, 1)[r].contiguous()  # (B, T/t, D)
+    _, (want,) = symm._fused_all_gather_matmul_fallback(mine_x, [w_col.T], 1, group.group_name)
+    close(
+        "ring all-gather + GEMM vs torch's _fused_all_gather_matmul",
+        mt.GatherGEMM.apply(mine_x, w_col, group),
+        want,
+    )
+    x_local = torch.randn(B, T, 12, device=dev)  # (B, T, in/t): this rank's features
+    want = symm._fused_matmul_reduce_scatter_fallback(x_local, w_row.T, "sum", 1, group.group_name)
+    close(
+        "ring GEMM + reduce-scatter vs torch's _fused_matmul_reduce_scatter",
+        mt.GEMMScatter.apply(x_local, w_row, group),
+        want,
+    )
+
     # --- activations one block saves for backward: under SP exactly 1/t of the unsharded block's ---
     def saved_by(block, x):  # contiguous: a chunk view would count the whole storage it views
         with SavedActivations() as saved:
@@ -494,6 +662,12 @@ def main():
     tp_only = saved_by(parallel_block(blk, group, False, tracker), x)
     with_sp = saved_by(parallel_block(blk, group, True, tracker), shard_of(x, 1))
     equal("block saved bytes under SP, times t, vs the unsharded block's", with_sp * t, whole)
+    with_ring = saved_by(parallel_block(blk, group, "ring", tracker), shard_of(x, 1))
+    equal(
+        "block saved bytes with --overlap's ring layers, times t, vs the unsharded block's",
+        with_ring * t,
+        whole,
+    )
     equal(
         "block saved bytes with TP alone exceed 1/t (replicated LN / residual)",
         tp_only * t > whole,
@@ -764,6 +938,12 @@ def main():
             ),
             [f"T = {n}", f"divisible by the TP degree {t}"],
         ),
+        "ring row layer, T = t + 1 positions": (
+            lambda: mt.RingRowParallelLinear(nn.Linear(4 * t, D), group)(
+                torch.randn(B, n, 4, device=dev)
+            ),
+            [f"T = {n}", f"divisible by the TP degree {t}"],
+        ),
         "embedding under SP, T = t + 1 positions": (
             lambda: mt.SPVocabParallelEmbedding(nn.Embedding(12, D), group)(
                 torch.zeros(B, n, dtype=torch.long, device=dev)
@@ -802,6 +982,8 @@ def main():
             0 if t == 2 else 1 :
         ]:
             copy_out(d, sub, gate_bias, up_bias, mutants=t == 2)
+    if t == 2:
+        slowed_overlap(d, group)
 
     for line in failures:
         print(f"rank {r} FAILED {line}", flush=True)

@@ -51,26 +51,46 @@ def test_copy_out_and_layer_checks(tmp_path, nproc):
     the per-rank stream, each layer's collectives as harness.CommCounter sees them, the gradient norm of a
     bfloat16 model vs its closed form, and the mutants (each of f, g, f_sp, g_sp broken; the gathered input
     saved; biases or the padding mask dropped; a bfloat16 sum; a flat fork; SPGPT without its fork; the
-    default ignore index) caught: all asserted in the check script."""
+    default ignore index) caught: all asserted in the check script.
+    --overlap's ring layers (issue 51): the same layer checks (their sends and receives counted), the block's
+    saved bytes 1/t, each fused operation's forward vs torch's own (_fused_all_gather_matmul and
+    _fused_matmul_reduce_scatter, their collective fallbacks: gloo), the copy-out at t = 2 and 3, a ring step's chunk index off by one caught in each fused
+    operation (t = 2), the ring row layer refusing a T it cannot split before any exchange; and at t = 2 the
+    overlap shown with every exchange slowed to 20 ms (diloco's method): by the recorded order a GEMM runs
+    between each exchange's launch and its wait, none when the wait is put first (the mutant); exposed vs
+    total communication printed, never asserted (wall time)."""
     _, out = torchrun("tests/megatron_tp_checks.py", nproc, tmp_path=tmp_path, timeout=240)
     assert "ALL CHECKS PASSED" in out, out[-6000:]
     assert "DTensor reference skipped" not in out, out[-3000:]
     t, layouts = (
         (2, 3) if nproc == 2 else (3, 2)
     )  # t = 2: both biases, gate's only, up's only; t = 3: mixed
-    assert out.count(f"copy-out: SwiGLU net at t = {t}") == 2 * layouts, out[
+    assert out.count(f"copy-out: SwiGLU net at t = {t}") == 3 * layouts, out[
         -3000:
-    ]  # x SP off / on
-    assert out.count("copy-out: SwiGLU net") == 2 * layouts, out[-3000:]
+    ]  # x SP off / on / overlapped (ring)
+    assert out.count("copy-out: SwiGLU net") == 3 * layouts, out[-3000:]
+    assert out.count(", SP overlapped (ring), ") == layouts, out[-3000:]
+    if nproc == 2:  # the mutants run at t = 2, each bias layout
+        for what in (
+            "gather_gemm's chunk index off by one",
+            "gemm_scatter's chunk index off by one",
+        ):
+            assert out.count(f"copy-out mutant caught: {what} (t = 2)") == 3, out[-3000:]
+        for name in (
+            "--overlap's ring",
+            "mutant: wait, then GEMM",
+        ):  # the slowed exchange, reported
+            assert f"{name}, each exchange slowed to 20 ms: GEMMs in flight" in out, out[-3000:]
 
 
-def assert_tp_run(s, t, dp, sp):
+def assert_tp_run(s, t, dp, sp, overlap=False, S=S, H=H):
     """Parity; collectives counted at the dispatcher against the closed-form count, and against the paper's count
-    written here (calls, elements, bytes handed per rank); parameters per rank; replicas identical; one
-    block's saved activations vs the unsharded block's."""
+    written here (calls, elements, bytes handed per rank; under SP the bytes on the wire per phase, the same
+    with --overlap); parameters per rank; replicas identical; one block's saved activations vs the unsharded
+    block's."""
     assert_matches_reference(s)
     f = s["figures"]
-    assert (f["tp"], f["dp"], f["sequence_parallel"]) == (t, dp, sp)
+    assert (f["tp"], f["dp"], f["sequence_parallel"], f["overlap"]) == (t, dp, sp, overlap)
     counted, theory = f["collectives_per_step"], f["collectives_per_step_theory"]
     assert counted == {k: v[:3] for k, v in theory.items()}, (
         counted,
@@ -82,7 +102,24 @@ def assert_tp_run(s, t, dp, sp):
         8,
         2 * L + 1,
     )  # per layer 2 (attention, MLP), + embedding / LM head
+    if t > 1 and sp:  # on the wire: AG (t-1) x its chunk, RS (t-1)/t x its input, a send its tensor
+        # per layer 2 AG + 2 RS forward (+ LM head AG, embedding RS); 2 RS + 4 AG backward (+ 3)
+        wire = {
+            "fwd": (4 * L + 2) * (t - 1) * bsh * es // t,
+            "bwd": (6 * L + 3) * (t - 1) * bsh * es // t,
+        }
+        assert f["tp_wire_bytes"] == wire, (f["tp_wire_bytes"], wire)
     if (
+        t > 1 and overlap
+    ):  # each column / row layer's collective as t - 1 sends of a (b, S/t, H) chunk
+        for phase, rings in (("fwd", 4 * L + 1), ("bwd", 6 * L + 2)):  # bwd: column 2, row 1
+            steps = rings * (t - 1)
+            assert counted[f"send/tp/{phase}"] == [steps, steps * bsh // t, steps * bsh // t * es]
+            assert counted[f"recv/tp/{phase}"] == [steps, steps * bsh // t, 0]
+        assert counted["reduce_scatter/tp/fwd"] == [1, bsh, bsh * es]  # the embedding's g_sp
+        assert counted["all_gather/tp/bwd"] == [1, bsh, bsh * es // t]
+        assert not {"all_gather/tp/fwd", "reduce_scatter/tp/bwd"} & counted.keys(), counted
+    elif (
         t > 1
     ):  # the paper's count, written here independently; bytes handed: an all-gather gets its 1/t chunk
         if sp:
@@ -135,6 +172,45 @@ def test_world1_is_the_reference(tmp_path):
 def test_matches_reference(tmp_path, nproc, extra, t, dp, sp):
     s, _ = torchrun(SCRIPT, nproc, *MODEL, *extra, "--check", tmp_path=tmp_path, timeout=240)
     assert_tp_run(s, t, dp, sp)
+
+
+OVERLAP_T3 = ["--seq-len", "12", "--d-model", "24", "--n-heads", "6"]  # T and heads split 3 ways
+
+
+@pytest.mark.parametrize(
+    "nproc,extra,t,S,H",
+    [
+        (2, ["--ragged"], 2, S, H),
+        (3, [*OVERLAP_T3, "--ragged"], 3, 12, 24),
+        (4, ["--vocab", "30"], 4, S, H),
+        (4, ["--tp", "2", "--clip", "0.5"], 2, S, H),
+    ],
+    ids=["t2", "t3", "t4-padded-vocab", "t2-dp2"],
+)
+def test_overlap_matches_reference(tmp_path, nproc, extra, t, S, H):
+    """--overlap (Wang et al. 2023): sequence parallelism's all-gather + column GEMM and row GEMM + reduce-scatter
+    as t - 1 ring steps of batch_isend_irecv. One-process parity in float64 at t = 2, 3, 4; the sends and
+    receives counted at the dispatcher against the count written here; the bytes each rank puts on the TP
+    wire per phase (sends as handed; the remaining collectives by their ring algorithm) equal to the plain SP
+    path's closed form; saved activations 1/t; and beside 2-way data parallelism. At t = 3 the plain SP path runs beside it: the same losses
+    (1e-9 relative) and the same measured bytes on the wire."""
+    args = [*MODEL, *extra, "--check"]  # --overlap implies --sequence-parallel
+    s, _ = torchrun(SCRIPT, nproc, *args, "--overlap", tmp_path=tmp_path, name="ring", timeout=240)
+    assert_tp_run(s, t, nproc // t, True, overlap=True, S=S, H=H)
+    if nproc == 3:
+        plain, _ = torchrun(
+            SCRIPT,
+            nproc,
+            *args,
+            "--sequence-parallel",
+            tmp_path=tmp_path,
+            name="plain",
+            timeout=240,
+        )
+        assert_tp_run(plain, nproc, 1, True, S=S, H=H)
+        assert plain["figures"]["tp_wire_bytes"] == s["figures"]["tp_wire_bytes"]
+        for a, b in zip(s["losses"], plain["losses"], strict=True):
+            assert abs(a - b) <= 1e-9 * abs(b), (s["losses"], plain["losses"])
 
 
 def test_dropout(tmp_path):
@@ -262,8 +338,13 @@ def test_two_nodes_equal_one(tmp_path):
             ["--n-heads", "4", "--seq-len", "7", "--sequence-parallel"],
             ["--sequence-parallel", "--seq-len 7", "divisible"],
         ),
+        (
+            2,
+            ["--n-heads", "4", "--seq-len", "7", "--overlap"],
+            ["--overlap", "--seq-len 7", "divisible"],
+        ),
     ],
-    ids=["world1-tp2", "heads", "sp-seq-len"],
+    ids=["world1-tp2", "heads", "sp-seq-len", "overlap-seq-len"],
 )
 def test_bad_input(nproc, args, words):
     """Each rank says one line naming the problem and exits 2, before any collective."""
