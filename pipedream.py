@@ -145,9 +145,12 @@ def one_f_one_b(n, p, s):
     if not 0 <= s < p or n < 1:
         raise ValueError(f"stage {s} of {p}, {n} micro-batches: give a stage 0..p-1 and n >= 1")
     warm = min(p - s - 1, n)
+    # warm-up: forwards only, enough to fill the stages after this one
     ops = [("F", k) for k in range(warm)]
+    # steady state: one forward, then the backward of the oldest micro-batch still held (1F1B)
     for i in range(n - warm):
         ops += [("F", warm + i), ("B", i)]
+    # cool-down: the backwards of the micro-batches still held, oldest first
     return ops + [("B", k) for k in range(n - warm, n)]
 
 
@@ -226,18 +229,18 @@ class StageRunner:
             raise ValueError(
                 "this rank is not in the pipeline's group: make StageRunners on its ranks only"
             )
+        # ranks in the group
         self.prev, self.next = (
             s - 1 if s > 0 else None,
             s + 1 if s < p - 1 else None,
-        )  # ranks in the group
+        )
         # alive: k -> (input, output, version), F to B
         self.alive = {}
         self.outbox = []
         self.losses = {}
 
-    def tag(
-        self, *xs
-    ):  # (TAG,) on the device, from numbers or 0-d device tensors: no host round trip
+    # (TAG,) on the device, from numbers or 0-d device tensors: no host round trip
+    def tag(self, *xs):
         t = torch.zeros(TAG, dtype=torch.float64, device=self.device)
         for i, x in enumerate(xs):
             t[i] = x
@@ -264,15 +267,13 @@ class StageRunner:
         riding = self.policy.pass_on(k, tag)  # 2bw: the whole-model norm rides on the activations
         weights, v = self.policy.weights(k)  # the version micro-batch k reads on this stage
         inp, target = self.source(k)
-        inp = (
-            inp if self.prev is None else x.requires_grad_()
-        )  # a leaf: its .grad is what B sends back
+        # a leaf: its .grad is what B sends back
+        inp = inp if self.prev is None else x.requires_grad_()
         with self.observe("F", k, version=v):
             out = weights(inp)  # GPT: (b, T, D); last stage: logits (b, T, V) ...
             if self.next is None:
-                out = self.loss_fn(
-                    out, target
-                )  # ... and the loss: sum over tokens / global token count
+                # ... and the loss: sum over tokens / global token count
+                out = self.loss_fn(out, target)
         self.alive[k] = (inp, out, v)
         if self.next is None:
             self.losses[k] = out.detach()
@@ -284,17 +285,17 @@ class StageRunner:
         with self.observe("B", k, version=v):
             torch.autograd.backward(out, grad)  # last stage: from the loss itself
         del self.alive[k]
-        loss, partial = (
-            (self.losses.pop(k), 0.0) if self.next is None else (tag[2], tag[3])
-        )  # on the device
+        # on the device
+        loss, partial = (self.losses.pop(k), 0.0) if self.next is None else (tag[2], tag[3])
         if self.prev is None:
             self.losses[k] = loss  # stage 0 holds k's loss once k's gradient is back
         partial = self.policy.on_backward(k, v, partial)
         if self.prev is not None:
+            # (b, T, D)
             self.outbox = [
                 (inp.grad, self.prev),
                 (self.tag(k, v, loss, partial), self.prev),
-            ]  # (b, T, D)
+            ]
 
     def drain(self, t):
         """The end of step t (flush) or of a stream's segment: send what the last op left, then the policy's
@@ -325,30 +326,25 @@ class Flush:
     def weights(self, k):  # -> (the module micro-batch k runs on, its version)
         return self.stage, self.version
 
-    def pass_on(
-        self, k, tag
-    ):  # 2bw: learns from F's tag (None on stage 0); returns what rides on with F
+    # 2bw: learns from F's tag (None on stage 0); returns what rides on with F
+    def pass_on(self, k, tag):
         return ()
 
-    def on_backward(
-        self, k, v, partial
-    ):  # after B of k on version v; returns the partial norm^2 going up
+    # after B of k on version v; returns the partial norm^2 going up
+    def on_backward(self, k, v, partial):
         return partial
 
     def drain(self, t):
         grads = [q.grad for q in self.stage.parameters() if q.grad is not None]
-        sq = squared_norm(
-            grads
-        )  # () this stage's squared norm; a (1,) norm could not scale a 0-dim grad
+        # () this stage's squared norm; a (1,) norm could not scale a 0-dim grad
+        sq = squared_norm(grads)
         dist.all_reduce(sq, group=self.group)  # () summed over stages: the whole model's
         self.step(sq)
 
-    def step(
-        self, sq
-    ):  # one update of the live weights, clipped by the whole model's norm^2 (or not)
-        if (
-            sq is not None and self.clip > 0
-        ):  # torch's clip_grad_norm_ rule, by the whole model's norm
+    # one update of the live weights, clipped by the whole model's norm^2 (or not)
+    def step(self, sq):
+        # torch's clip_grad_norm_ rule, by the whole model's norm
+        if sq is not None and self.clip > 0:
             torch.nn.utils.clip_grads_with_norm_(self.stage.parameters(), self.clip, sq.sqrt())
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
@@ -363,18 +359,19 @@ class Stash(Flush):
 
     def __init__(self, stage, opt, lag):
         super().__init__(stage, opt, clip=0)
+        # version -> frozen copy of the stage
         self.lag, self.versions = (
             lag,
             {0: copy.deepcopy(stage)},
-        )  # version -> frozen copy of the stage
+        )
+        # version -> micro-batches F to B; the next F
         self.in_flight, self.next_f = (
             collections.Counter(),
             0,
-        )  # version -> micro-batches F to B; the next F
+        )
 
-    def version_for(
-        self, k
-    ):  # the rule of one uninterrupted stream: a drain changes timing, never versions
+    # the rule of one uninterrupted stream: a drain changes timing, never versions
+    def version_for(self, k):
         return max(0, k - self.lag)
 
     def weights(self, k):
@@ -387,23 +384,20 @@ class Stash(Flush):
         self.update(self.take_grads(v), None)
         return partial
 
-    def take_grads(
-        self, v
-    ):  # move the gradient out of version v: the next micro-batch on v starts from 0
+    # move the gradient out of version v: the next micro-batch on v starts from 0
+    def take_grads(self, v):
         grads = [q.grad for q in self.versions[v].parameters()]
         self.versions[v].zero_grad(set_to_none=True)
         return grads
 
-    def update(
-        self, grads, sq
-    ):  # one step of the live weights with these gradients, frozen as a new version
+    # one step of the live weights with these gradients, frozen as a new version
+    def update(self, grads, sq):
         for q, g in zip(self.stage.parameters(), grads):
             q.grad = g
         self.step(sq)
         self.drop_unused()  # first, so that a real system could reuse a dropped version's buffer
-        self.versions[self.version] = copy.deepcopy(
-            self.stage
-        )  # 2bw: the double buffer's other half
+        # 2bw: the double buffer's other half
+        self.versions[self.version] = copy.deepcopy(self.stage)
         self.drop_unused()
 
     def drop_unused(self):  # versions older than the floor serve no forward still to come
@@ -439,18 +433,18 @@ class TwoBW(Stash):
         self.first = dist.get_rank(group) == 0
         self.batch_grads = {}  # batch -> its summed gradient, until the whole-model norm arrives
         zero = torch.zeros((), dtype=torch.float64, device=next(stage.parameters()).device)
+        # (newest batch whose whole-model norm^2 is known here, that norm^2)
         self.known = (
             -1,
             zero,
-        )  # (newest batch whose whole-model norm^2 is known here, that norm^2)
+        )
         self.drained_norm = -1  # the norm every stage knew at the last drain
 
     def version_for(self, k):
         return max(k // self.m - 1, 0)  # batch t reads the weights of update t-1
 
-    def pass_on(
-        self, k, tag
-    ):  # stage 0 had run B up to k-p when it sent F_k: it knew the norms that far
+    # stage 0 had run B up to k-p when it sent F_k: it knew the norms that far
+    def pass_on(self, k, tag):
         if tag is not None:
             self.learn_norm(max((k - self.p + 1) // self.m - 1, self.drained_norm), tag[3])
         return self.known
@@ -535,38 +529,40 @@ def main():
     )
     torch.manual_seed(args.seed + s)  # dropout masks (if any) differ per stage
     dtype = DTYPES[args.dtype]
-    gpt = build_gpt(
-        GPTConfig.from_args(args), args.seed, dtype
-    )  # whole, on CPU; a stage takes its part
+    # whole, on CPU; a stage takes its part
+    gpt = build_gpt(GPTConfig.from_args(args), args.seed, dtype)
     shapes, stage = (
         {n: q.shape for n, q in gpt.named_parameters()},
         Stage(gpt, s, bounds).to(d.device),
     )
     opt = make_optimizer(stage.parameters(), args)
-    sync = (
-        args.mode == "flush"
-    )  # one schedule per step, drained; stash, 2bw: one stream for the run
+    # one schedule per step, drained; stash, 2bw: one stream for the run
+    sync = args.mode == "flush"
+    # lag: warm-up p-s-1
     policy = (
         Flush(stage, opt, args.clip)
         if sync
         else TwoBW(stage, opt, m, args.clip)
         if args.mode == "2bw"
         else Stash(stage, opt, lag=p - 1 if args.vertical_sync else p - s - 1)
-    )  # lag: warm-up p-s-1
+    )
     batches = {}  # step -> (m, b, T) tokens and targets on the device, the global token count
 
+    # micro-batch k: stage 0's tokens (b, T); the last stage's targets (b, T) and token count
     def source(
         k,
-    ):  # micro-batch k: stage 0's tokens (b, T); the last stage's targets (b, T) and token count
+    ):
         x, y, n_tok = batches[k // m]
         return x[k % m], (y[k % m], n_tok)
 
+    # (b, T, D): what crosses a stage boundary
     act = (
         args.batch_size // m,
         args.seq_len,
         args.d_model,
-    )  # (b, T, D): what crosses a stage boundary
+    )
     observer, comm = Observer(d, args), CommCounter()
+    # the stages in the default group: stage s on rank s
     runner = StageRunner(
         policy,
         source,
@@ -576,7 +572,7 @@ def main():
         dtype,
         d.device,
         observe=observer,
-    )  # the stages in the default group: stage s on rank s
+    )
     observer.runner = runner
     run = Run(d, args, {"model": stage, "optim": opt, "pipe": PolicyState(policy)})
     # flush: a schedule per step, drained before the update. stash, 2bw: one, drained only at a checkpoint
@@ -595,16 +591,15 @@ def main():
     dist.all_reduce(torch.zeros(1, device=d.device))
     for step in run.steps():
         chunk = chunks[step - run.start]
-        for t in sorted(
-            {k // m for _, k in chunk} - set(batches)
-        ):  # a stream reads ahead into later steps
-            x, y = data.batch(
-                t, args.batch_size, args.seq_len, args.ragged
-            )  # (B, T) global, on CPU
+        # a stream reads ahead into later steps
+        for t in sorted({k // m for _, k in chunk} - set(batches)):
+            # (B, T) global, on CPU
+            x, y = data.batch(t, args.batch_size, args.seq_len, args.ragged)
+            # (m, b, T) each; count: on CPU
             batches[t] = (
                 *to_device(m, d.device, x, y),
                 count_tokens(y),
-            )  # (m, b, T) each; count: on CPU
+            )
         # bytes sent, counted at the slow dispatcher: flush, in the step before the timed last; a stream, all
         with run.watching(step, comm, at=max(run.start, args.steps - 2) if sync else step):
             runner.run(chunk)
@@ -624,9 +619,8 @@ def main():
     check = None
     if args.check:  # the full model, by name, from every stage's parameters (one all-reduce)
         full = assemble_full(d, dict(stage.named_parameters()), shapes, dtype)
-        ref = (
-            simulate_rule(args, p, d.device, d.log) if d.rank == 0 and not sync else None
-        )  # stash, 2bw
+        # stash, 2bw
+        ref = simulate_rule(args, p, d.device, d.log) if d.rank == 0 and not sync else None
         check = check_against_reference(d, args, run.losses, full, ref=ref)
     run.finish(
         f"pipedream-{args.mode}", peak, max(figures.get("sent_bytes_per_rank", [0])), check, figures
