@@ -124,10 +124,8 @@ class Args(CommonArgs):
     pp: int = 2  # pipeline-parallel degree p (ranks per pipeline)
     tp: int = 1  # tensor-parallel degree t (innermost: adjacent ranks)
     dp: int = 0  # data-parallel degree (0 = world / (pp * cp * tp))
-    # context-parallel degree: each sequence split over cp ranks (zig-zag), K/V round a ring
-    cp: int = 1
-    # 1: ZeRO-1, AdamW's state and update sharded over the dp x cp ranks of a chunk shard
-    zero: int = 0
+    cp: int = 1  # context-parallel degree: sequences split over cp ranks (zig-zag), K/V in a ring
+    zero: int = 0  # 1: ZeRO-1, AdamW's state and update sharded over the dp x cp ranks
     virtual_stages: int = 1  # v: model chunks per pipeline rank (1 = plain 1F1B)
     microbatches: int = 4  # m: micro-batches per replica and batch (a multiple of --pp when v > 1)
     trace: str = ""  # write the measured F/B events as a Chrome trace (JSON) to this path

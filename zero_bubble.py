@@ -88,9 +88,7 @@ from harness import (
 
 @dataclass
 class Args(CommonArgs):
-    schedule: Literal["zbh1", "zbv"] = (
-        "zbh1"  # zbh1: one stage per rank; zbv: two chunks per rank in a V
-    )
+    schedule: Literal["zbh1", "zbv"] = "zbh1"  # zbh1: one stage per rank; zbv: two chunks in a V
     pp: int = 0  # pipeline ranks p (0 = world / dp)
     dp: int = 1  # data-parallel replicas (adjacent ranks: grid = arange(world).view(p, dp))
     microbatches: int = 4  # m: micro-batches per replica and step (zbv: at least 2p-1)
