@@ -496,7 +496,7 @@ def bad_input(d, lay):
     builds = {
         "3 experts at EP 2": (
             dict(experts=3),
-            ["--experts 3 is not divisible by --ep 2", "try --experts 4"],
+            ["experts = 3 is not divisible by ep = 2", "try experts = 4"],
         ),
         "a router for 6 experts in a layer of 4": (
             dict(router=lambda ns, gen: ns["Switch"](6, 6)),
@@ -504,19 +504,19 @@ def bad_input(d, lay):
         ),
         "noisy top-k 5 of 4 experts": (
             dict(router=lambda ns, gen: ns["NoisyTopK"](6, 4, k=5)),
-            ["--top-k 5", "takes 1..4"],
+            ["k = 5 with 4 experts", "takes 1..4"],
         ),
         "noisy top-k 0": (
             dict(router=lambda ns, gen: ns["NoisyTopK"](6, 4, k=0)),
-            ["--top-k 0", "1..4"],
+            ["k = 0 with 4 experts", "1..4"],
         ),
         "capacity_factor 0": (
             dict(capacity_factor=0.0),
-            ["--capacity-factor must be > 0, got 0.0", "moe_deepseek.py"],
+            ["capacity_factor must be > 0, got 0.0", "moe_deepseek.py"],
         ),
         "capacity_factor -1": (
             dict(capacity_factor=-1.0),
-            ["--capacity-factor must be > 0, got -1.0"],
+            ["capacity_factor must be > 0, got -1.0"],
         ),
     }
     check_builds(d, "MoE", builds, layer, core, mutant, axes)
