@@ -164,7 +164,7 @@ class g(torch.autograd.Function):
 
 
 def check_split(n, k, what, by):
-    """The cores' check that `by` = k divides `what` = n; check_args calls it with the flags' names."""
+    """The cores' check that `by` = k divides `what` = n; check_args's too, with the flags' names."""
     if n % k:
         raise ValueError(f"{what} {n} is not divisible by {by} = {k}: use a multiple of {k}")
 
@@ -647,7 +647,7 @@ def check_args(args):
         )
     if args.stage_ms < 0:
         fail(f"--stage-ms must be >= 0, got {args.stage_ms}")
-    try:  # validation once: the cores' own check, with the flags' names; its ValueError as fail's line
+    try:  # validation once: the cores' check with the flags' names, its ValueError as fail's line
         check_split(args.n_heads, t, "--n-heads", "--tp")
         check_split(args.n_layers, p * v, "--n-layers", "--pp x --virtual-stages")
         check_split(args.seq_len, 2 * cp, "--seq-len", "2 x --cp")
@@ -679,15 +679,19 @@ def main():
     grid = torch.arange(world).view(p, dp, cp, t)
     coords = pp_rank, dp_rank, cp_rank, tp_rank = [int(i) for i in (grid == d.rank).nonzero()[0]]
 
-    # a group per row of `rows` (groups, ranks), made by every rank in the same order (new_group is a
+    # a group per row of `rows` (groups, ranks), made by every rank in the same order (new_group is
+    # a
     # collective over the world); each rank keeps its own
     def new_groups(rows):
         groups = [dist.new_group(row) for row in rows.tolist()]
         return groups[int((rows == d.rank).nonzero()[0, 0])]
 
-    # where each axis acts: tp_group in TPBlock (f and g, two all-reduces per layer and pass); cp_group in
-    # RingAttention (K/V round the ring); pp_group in PipelineRank (activations forward, gradients back);
-    # dp_cp_group after the flush, in finish_batch or ShardedOptimizer (the gradients, once per batch)
+    # where each axis acts: tp_group in TPBlock (f and g, two all-reduces per layer and pass);
+    # cp_group in
+    # RingAttention (K/V round the ring); pp_group in PipelineRank (activations forward, gradients
+    # back);
+    # dp_cp_group after the flush, in finish_batch or ShardedOptimizer (the gradients, once per
+    # batch)
     tp_group = new_groups(rearrange(grid, "p d c t -> (p d c) t"))  # grid[i, j, c, :]
     cp_group = new_groups(rearrange(grid, "p d c t -> (p d t) c"))  # grid[i, j, :, k]
     # grid[:, j, c, k], in pp order: a pipeline's group rank is its pp rank

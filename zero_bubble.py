@@ -200,7 +200,8 @@ def zbh1(p, m, r):
         fb += [("F", warm + i), ("B", i)]
     # cool-down: the backwards of the micro-batches still held
     fb += [("B", k) for k in range(m - warm, m)]
-    # then each B is followed by a W (weight gradient), the first r W's held back to fill the cool-down
+    # then each B is followed by a W (weight gradient), the first r W's held back to fill the cool-
+    # down
     ops, waiting = [], collections.deque()
     for kind, k in fb:
         ops.append((kind, r, k))
@@ -415,7 +416,8 @@ def zbv(p, m, r):
         ops.append((kind, c, done[kind, c]))
         done[kind, c] += 1
 
-    # 1. warm-up: forwards down the V, then up and down in turn, then the first backwards at the V's tip
+    # 1. warm-up: forwards down the V, then up and down in turn, then the first backwards at the V's
+    # tip
     for _ in range(2 * (p - r) - 1):
         run("F", down)
     for _ in range(r):
@@ -474,7 +476,8 @@ def check_args(args):
         order(p, m, 0)
     except ValueError as e:  # as fail's one line, with the flags they came from
         fail(
-            f"--n-layers {args.n_layers}, --schedule {args.schedule}, --pp {p}, --microbatches {m}: {e}"
+            f"--n-layers {args.n_layers}, --schedule {args.schedule}, --pp {p}, "
+            f"--microbatches {m}: {e}"
         )
     if args.batch_size % (args.dp * m):
         fail(
@@ -499,7 +502,8 @@ def main():
     d = init_dist(args.timeout)
     data = MarkovData(args.vocab, args.seed)
     bounds = split_layers(args.n_layers, n_chunks(p))
-    # data parallel outermost in the step, innermost in rank order: a replica group is a row grid[i, :] of
+    # data parallel outermost in the step, innermost in rank order: a replica group is a row grid[i,
+    # :] of
     # adjacent ranks, a pipeline a column grid[:, j]
     grid = torch.arange(world).view(p, dp)
     pp_rank, dp_rank = [int(i) for i in (grid == d.rank).nonzero()[0]]
