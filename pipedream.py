@@ -89,15 +89,9 @@ from harness import (
 
 @dataclass
 class Args(CommonArgs):
-    microbatches: int = (
-        4  # m: micro-batches per global batch (--batch-size must be divisible by it)
-    )
-    mode: Literal["flush", "stash", "2bw"] = (
-        "flush"  # flush: 1F1B (PipeDream-flush); stash: PipeDream; 2bw
-    )
-    vertical_sync: bool = (
-        False  # stash: every stage uses the weight version stage 0 used for the micro-batch
-    )
+    microbatches: int = 4  # m: micro-batches per global batch (dividing --batch-size)
+    mode: Literal["flush", "stash", "2bw"] = "flush"  # flush: 1F1B (PipeDream-flush); stash; 2bw
+    vertical_sync: bool = False  # stash: every stage runs a micro-batch on stage 0's version
     trace: str = ""  # write the measured F/B events as a Chrome trace (JSON) to this path
     stage_ms: float = 0.0  # simulate compute time: each F also waits this many ms, each B twice
 
@@ -107,8 +101,8 @@ def split_layers(n_layers, p):
     """Blocks [start, end) of each of p stages, as even as possible; the earlier ones take the extras."""
     if not 1 <= p <= n_layers:
         raise ValueError(
-            f"{p} stages but --n-layers {n_layers}: {p} stages of {n_layers} blocks leave a "
-            f"stage without one; use 1 to {n_layers} stages, or --n-layers {p} or more"
+            f"{p} stages of {n_layers} blocks leave a stage without one: use 1 to {n_layers} stages, "
+            f"or {p} blocks or more"
         )
     base, extra = divmod(n_layers, p)
     return [(s * base + min(s, extra), (s + 1) * base + min(s + 1, extra)) for s in range(p)]
@@ -170,18 +164,22 @@ def p2p(sends, recvs, group):
         req.wait()
 
 
+def check_microbatches(rows, m):
+    """A batch of `rows` cuts into m equal micro-batches (to_device's check, check_args's too)."""
+    if m < 1:
+        raise ValueError(f"m must be >= 1, got {m}")
+    if rows % m:
+        fit = max(k for k in range(1, m) if rows % k == 0)
+        raise ValueError(
+            f"a batch of {rows} does not cut into m = {m} equal micro-batches: use m = {fit}"
+        )
+
+
 def to_device(m, device, *batch):
     """A step's global (B, ...) tensors as m micro-batches (m, B/m, ...), copied to the device once per step
     (pinned and non-blocking on a GPU), never once per micro-batch in the middle of the schedule."""
-    for rows in (len(t) for t in batch if m < 1 or len(t) % m):
-        fit = max(k for k in range(1, max(m, 2)) if rows % k == 0)
-        raise ValueError(
-            f"--microbatches must be >= 1, got {m}"
-            if m < 1
-            else f"--batch-size {rows} is not "
-            f"divisible by --microbatches {m}: a batch of {rows} does not cut into m = {m} "
-            f"equal micro-batches; use --microbatches {fit}"
-        )
+    for t in batch:
+        check_microbatches(len(t), m)
     batch = [rearrange(t, "(m b) ... -> m b ...", m=m) for t in batch]
     if device.type == "cuda":
         batch = [t.pin_memory() for t in batch]
@@ -412,9 +410,9 @@ class Stash(Flush):
 def check_2bw(m, p):  # TwoBW's invariant (learn_norm), which check_args checks too
     if m < p:
         raise ValueError(
-            f"--mode 2bw needs --microbatches >= stages ({p}), got {m}: batch t's norm rides "
+            f"2bw needs m >= p = {p} micro-batches, got {m}: batch t's norm rides "
             "on micro-batch (t+1)m+p-1's forward, after batch t+2 starts if m < p-1; at m = p-1 "
-            f"the second-to-last norm has no forward left to ride on; use --microbatches {p}"
+            f"the second-to-last norm has no forward left to ride on; use m = {p}"
         )
 
 
@@ -482,17 +480,17 @@ class TwoBW(Stash):
 
 def check_args(args, p, m):
     check_common_args(args)
-    try:  # the cores' own checks (to_device on a batch of no data, split_layers, check_2bw): fail's line
-        to_device(m, torch.device("cpu"), torch.empty(args.batch_size, 0))
-        if args.vertical_sync and args.mode != "stash":
-            fail(
-                f"--vertical-sync belongs to --mode stash (--mode {args.mode}: no per-micro-batch versions)"
-            )
-        if args.mode == "stash" and args.clip > 0:
-            fail(
-                "--mode stash updates each stage right after its backward, before the whole-model gradient "
-                "norm of that micro-batch exists (stage 0 finishes it last): pass --clip 0"
-            )
+    if args.vertical_sync and args.mode != "stash":
+        fail(
+            f"--vertical-sync belongs to --mode stash (--mode {args.mode}: no per-micro-batch versions)"
+        )
+    if args.mode == "stash" and args.clip > 0:
+        fail(
+            "--mode stash updates each stage right after its backward, before the whole-model gradient "
+            "norm of that micro-batch exists (stage 0 finishes it last): pass --clip 0"
+        )
+    try:  # the cores' own checks: the micro-batches, the split, 2bw's invariant
+        check_microbatches(args.batch_size, m)
         if p == 1:
             fail(
                 f"pipedream.py needs one process per stage, at least 2: torchrun --nproc_per_node="
@@ -501,8 +499,11 @@ def check_args(args, p, m):
         split_layers(args.n_layers, p)
         if args.mode == "2bw":
             check_2bw(m, p)
-    except ValueError as e:
-        fail(str(e))
+    except ValueError as e:  # as fail's one line, with the flags they were given
+        fail(
+            f"--batch-size {args.batch_size}, --microbatches {m}, --n-layers {args.n_layers}, "
+            f"--mode {args.mode}, {p} stages (processes): {e}"
+        )
 
 
 def main():
