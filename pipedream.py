@@ -59,6 +59,7 @@ from einops import rearrange
 
 from common import (
     DTYPES,
+    GPT,
     GPTConfig,
     MarkovData,
     build_gpt,
@@ -532,10 +533,7 @@ def main():
     dtype = DTYPES[args.dtype]
     # whole, on CPU; a stage takes its part
     gpt = build_gpt(GPTConfig.from_args(args), args.seed, dtype)
-    shapes, stage = (
-        {n: q.shape for n, q in gpt.named_parameters()},
-        Stage(gpt, s, bounds).to(d.device),
-    )
+    stage = Stage(gpt, s, bounds).to(d.device)
     opt = make_optimizer(stage.parameters(), args)
     # one schedule per step, drained; stash, 2bw: one stream for the run
     sync = args.mode == "flush"
@@ -550,19 +548,14 @@ def main():
     batches = {}  # step -> (m, b, T) tokens and targets on the device, the global token count
 
     # micro-batch k: stage 0's tokens (b, T); the last stage's targets (b, T) and token count
-    def source(
-        k,
-    ):
+    def source(k):
         x, y, n_tok = batches[k // m]
         return x[k % m], (y[k % m], n_tok)
 
     # (b, T, D): what crosses a stage boundary
-    act = (
-        args.batch_size // m,
-        args.seq_len,
-        args.d_model,
-    )
-    observer, comm = Observer(d, args), CommCounter()
+    act = (args.batch_size // m, args.seq_len, args.d_model)
+    observer = Observer(d, args)
+    comm = CommCounter()
     # the stages in the default group: stage s on rank s
     runner = StageRunner(
         policy,
@@ -597,10 +590,7 @@ def main():
             # (B, T) global, on CPU
             x, y = data.batch(t, args.batch_size, args.seq_len, args.ragged)
             # (m, b, T) each; count: on CPU
-            batches[t] = (
-                *to_device(m, d.device, x, y),
-                count_tokens(y),
-            )
+            batches[t] = (*to_device(m, d.device, x, y), count_tokens(y))
         # bytes sent, counted at the slow dispatcher: flush, in the step before the timed last; a stream, all
         with run.watching(step, comm, at=max(run.start, args.steps - 2) if sync else step):
             runner.run(chunk)
@@ -615,17 +605,8 @@ def main():
         )
         run.end_step(step, loss)
 
-    figures = report(d, args, observer, comm, bounds, args.steps - run.start, len(ends))
-    peak = peak_memory_bytes(d, observer.bytes)  # read before --check trains
-    check = None
-    if args.check:  # the full model, by name, from every stage's parameters (one all-reduce)
-        full = assemble_full(d, dict(stage.named_parameters()), shapes, dtype)
-        # stash, 2bw
-        ref = simulate_rule(args, p, d.device, d.log) if d.rank == 0 and not sync else None
-        check = check_against_reference(d, args, run.losses, full, ref=ref)
-    run.finish(
-        f"pipedream-{args.mode}", peak, max(figures.get("sent_bytes_per_rank", [0])), check, figures
-    )
+    # the summary, then --check
+    summarize(d, args, p, run, observer, comm, bounds, len(ends), stage)
 
 
 # --- measurement --- (from outside the schedule: its observe callback, the collective counter, the report) --
@@ -680,6 +661,25 @@ class Observer(PipelineWatch):
             versions = getattr(pol, "versions", {}).values()
             model = state_bytes(pol.stage, pol.opt) + sum(state_bytes(w) for w in versions)
             self.bytes = max(self.bytes, self.live.alive(*held) + model)
+
+
+def summarize(d, args, p, run, observer, comm, bounds, segments, stage):
+    """The report, the peak (counted) read before --check trains, then --check: the full model, by name, from
+    every stage's parameters (one all-reduce); stash and 2bw against their own rule (simulate_rule)."""
+    figures = report(d, args, observer, comm, bounds, args.steps - run.start, segments)
+    peak = peak_memory_bytes(d, observer.bytes)
+    check = None
+    if args.check:
+        dtype = DTYPES[args.dtype]
+        with torch.device("meta"):  # the names and shapes of the whole GPT, no storage
+            shapes = {n: q.shape for n, q in GPT(GPTConfig.from_args(args)).named_parameters()}
+        full = assemble_full(d, dict(stage.named_parameters()), shapes, dtype)
+        sync = args.mode == "flush"
+        ref = simulate_rule(args, p, d.device, d.log) if d.rank == 0 and not sync else None
+        check = check_against_reference(d, args, run.losses, full, ref=ref)
+    run.finish(
+        f"pipedream-{args.mode}", peak, max(figures.get("sent_bytes_per_rank", [0])), check, figures
+    )
 
 
 def report(d, args, observer, comm, bounds, steps_run, segments):
