@@ -230,31 +230,25 @@ class NoisyTopK(nn.Module):
 
 
 class AllToAll(torch.autograd.Function):
-    """all_to_all_single over dim 0: in_splits[j] rows to rank j, out_splits[i] rows from rank i (None: even).
-    Its backward is the same exchange, splits swapped: the gradient of the rows I sent to j comes from j."""
+    """all_to_all_single over dim 0, even: block j of the rows to rank j, block i of the output from rank i
+    (every buffer here is (E, G, C, D): equal blocks). Its backward is the same exchange: the gradient of the
+    block I sent to j comes from j. moe_deepseek.py's takes uneven splits."""
 
     @staticmethod
-    def forward(ctx, x, group, out_splits=None, in_splits=None):
-        # checked: rows that do not split abort the collective
+    def forward(ctx, x, group):
         r = dist.get_world_size(group)
-        n = x.shape[0]
-        if (
-            n % r
-            if in_splits is None
-            else (sum(in_splits), len(in_splits), len(out_splits)) != (n, r, r)
-        ):
+        if x.shape[0] % r:  # checked: rows that do not split abort the collective
             raise ValueError(
-                f"{n} rows, {r} ranks: {r} in/out splits (in: sum {n}) or rows divisible by {r}"
+                f"{x.shape[0]} rows do not split over {r} ranks: use a multiple of {r}"
             )
         ctx.group = group
-        ctx.swapped = (in_splits, out_splits)
-        out = x.new_empty((x.shape[0] if out_splits is None else sum(out_splits), *x.shape[1:]))
-        dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
+        out = x.new_empty(x.shape)
+        dist.all_to_all_single(out, x.contiguous(), group=group)
         return out
 
     @staticmethod
     def backward(ctx, grad):
-        return AllToAll.apply(grad, ctx.group, *ctx.swapped), None, None, None
+        return AllToAll.apply(grad, ctx.group), None
 
 
 def mlps(h, w1, b1, w2, b2):

@@ -36,7 +36,7 @@ section (torch and einops only); after check_args, this repo's run of it: the GP
 
 What repeats moe.py, on purpose, so that this file reads alone (each marked "as in moe.py" where it stands):
 the same code in init, top_k, mlps, make_layout, split_params and sync_grads (tests/test_moe_deepseek.py holds
-them identical, and no other function); AllToAll with uneven splits only; moe_layers and aux_share for
+them identical, and no other function); AllToAll, here with uneven splits; moe_layers and aux_share for
 DeepSeekMoE; check_args, build_moe_gpt, train_step and main in moe.py's shape. New here: route,
 DeepSeekMoE (affinities, dropless, the shared experts), update_biases and seq_balance_loss.
 
@@ -141,7 +141,7 @@ def route(scores, bias, k):
     return expert, s / s.sum(-1, keepdim=True)
 
 
-# as in moe.py, with uneven splits only (moe.py's also splits evenly)
+# as in moe.py, with uneven splits (moe.py's exchange is even)
 class AllToAll(torch.autograd.Function):
     """all_to_all_single over dim 0: in_splits[j] rows to rank j, out_splits[i] rows from rank i.
     Its backward is the same exchange, splits swapped: the gradient of the rows I sent to j comes from j."""

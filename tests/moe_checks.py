@@ -544,10 +544,8 @@ def bad_input(d, lay):
     )
     A = core["AllToAll"].apply
     rows = torch.randn(4, 2, dtype=torch.float64, device=d.device)
-    cases = [
-        ("3 rows, even split", lambda: A(rows[:3], g), ["3 rows, 2 ranks", "divisible by 2"]),
-        ("splits summing to 3 of 4 rows", lambda: A(rows, g, [2, 2], [1, 2]), ["(in: sum 4)"]),
-        ("3 splits for 2 ranks", lambda: A(rows, g, [2, 1, 1], [2, 1, 1]), ["2 in/out splits"]),
+    cases = [  # moe.py's exchange is even (the uneven one is moe_deepseek.py's)
+        ("3 rows", lambda: A(rows[:3], g), ["3 rows do not split over 2 ranks", "a multiple of 2"]),
     ]
     check_all_to_all(d, cases, lambda: A(rows, g), "an AllToAll of 4 rows", axes)
 

@@ -637,8 +637,9 @@ def test_cores_refuse_bad_input_before_any_collective(checks):
     """Issue 30, deliver 2: MoE, its forward and AllToAll, from moe.py's technique section alone, each given what
     it cannot do at EP 2, raise a ValueError naming what would work before any collective (harness.CommCounter
     saw none; given good input it sees the all-to-alls); with the checks made no-ops (the mutant), the layers
-    are built silently and the forward fails inside einops (tests/moe_checks.py, 7)."""
-    assert_all_pass(checks, "  bad input", 2 * 6 + 3 + 4)
+    are built silently and the forward fails inside einops (tests/moe_checks.py, 7). AllToAll (even blocks
+    here; the uneven exchange is moe_deepseek.py's): rows that do not split, and the control."""
+    assert_all_pass(checks, "  bad input", 2 * 6 + 3 + 2)
 
 
 def test_copy_out_moe(checks):
