@@ -353,7 +353,8 @@ class PipelineRank:
             dist.P2POp(op, t, group=self.group, group_peer=q, tag=TAG[msg[0]])  # q: a pp rank
             for op, t, q, msg in out + [(dist.irecv, into[msg], q, msg) for q, msg in recvs]
         ]
-        for req in dist.batch_isend_irecv(ops) if ops else []:
+        # never empty: comm_plan makes a step only for a message
+        for req in dist.batch_isend_irecv(ops):
             req.wait()
         self.inbox.update(into)
 
