@@ -516,7 +516,8 @@ class Watch:
         parts = torch.stack([lm.double(), aux.double()])
         dist.all_reduce(parts)
         lm, aux = parts.tolist()
-        self.lms.append(lm), self.auxes.append(aux)
+        self.lms.append(lm)
+        self.auxes.append(aux)
         self.run.end_step(step, lm + self.args.seq_aux_weight * aux, lm=self.lms, aux=self.auxes)
 
     def finish(self, model, opt):

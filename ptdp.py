@@ -868,25 +868,25 @@ def report(d, args, dp, watch, comm):
     p = args.pp
     v = args.virtual_stages
     m = args.microbatches
-    ar = comm.total
+    counted = comm.total
     cp = args.cp
     tags = [c["tag"] for c in comm.calls_log if c["op"] == "send" and c["axis"] == "pp"]
     tag = PipelineRank.TAG  # one per direction
     mine = dict(
         fwd_msgs=tags.count(tag["F"]),
         bwd_msgs=tags.count(tag["B"]),
-        p2p_bytes=ar("send", "pp"),
-        tp_calls=ar("all_reduce", "tp", what="calls"),
-        tp_fwd=ar("all_reduce", "tp", "fwd", "calls"),
-        tp_bwd=ar("all_reduce", "tp", "bwd", "calls"),
-        dp_calls=ar(None, "dp_cp", what="calls"),
-        tp_bytes=ar("all_reduce", "tp"),
-        dp_bytes=ar(None, "dp_cp"),
-        cp_bytes=ar("send", "cp"),
-        cp_fwd_bytes=ar("send", "cp", "fwd"),
-        cp_calls=ar("send", "cp", what="calls"),
-        world_bytes=ar("all_reduce", "world"),
-        comm_bytes=ar(),
+        p2p_bytes=counted("send", "pp"),
+        tp_calls=counted("all_reduce", "tp", what="calls"),
+        tp_fwd=counted("all_reduce", "tp", "fwd", "calls"),
+        tp_bwd=counted("all_reduce", "tp", "bwd", "calls"),
+        dp_calls=counted(None, "dp_cp", what="calls"),
+        tp_bytes=counted("all_reduce", "tp"),
+        dp_bytes=counted(None, "dp_cp"),
+        cp_bytes=counted("send", "cp"),
+        cp_fwd_bytes=counted("send", "cp", "fwd"),
+        cp_calls=counted("send", "cp", what="calls"),
+        world_bytes=counted("all_reduce", "world"),
+        comm_bytes=counted(),
         inflight=watch.inflight[1],
         act_peak=watch.live.peak,
         act_per_microbatch=sum(watch.saved.values()),
