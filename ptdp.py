@@ -380,9 +380,12 @@ def schedule(p, v, m, r):
         )
     w = warmup(p, v, m, r)
     n = v * m
+    # warm-up: w forwards, enough to fill the ranks downstream (and, v > 1, this rank's later chunks)
     ops = [("F", *fwd(k)) for k in range(w)]
+    # steady state: one forward, then the backward of the oldest chunk-micro-batch still held
     for i in range(n - w):
         ops += [("F", *fwd(w + i)), ("B", *bwd(i))]
+    # cool-down: the backwards still held; then the flush
     return ops + [("B", *bwd(i)) for i in range(n - w, n)]
 
 
