@@ -104,12 +104,8 @@ class Args(CommonArgs):
     experts: int = 4  # experts per MoE layer (E)
     top_k: int = 0  # noisy_topk: experts per token (0 = 2); gshard is top-2, switch top-1, expert choice none
     capacity_factor: float = 1.25  # slots/expert: cf x k x group tokens / E (expert_choice: k = 1)
-    aux_weight: float = (
-        1e-2  # total loss = LM loss + aux_weight x load-balancing loss (Switch's alpha)
-    )
-    moe_every: int = (
-        1  # an MoE layer in every n-th block (2: every other one, as GShard), dense MLPs between
-    )
+    aux_weight: float = 1e-2  # loss = LM loss + aux_weight x load-balancing loss (Switch's alpha)
+    moe_every: int = 1  # an MoE layer in every n-th block (2: as GShard), dense MLPs between
     ep: int = 0  # expert-parallel degree: ranks that split one set of experts (0 = world size)
     groups: int = 0  # routing groups in the global batch; capacity is per group (0 = world size)
 
@@ -119,19 +115,19 @@ def check_layer(experts, ep, capacity_factor):
     """What the layer relies on (MoE and check_args both call it, before any collective)."""
     if experts < 1 or experts % ep:
         raise ValueError(
-            f"--experts {experts} is not divisible by --ep {ep} (each rank holds experts/ep "
-            f">= 1); try --experts {ep * max(1, -(-experts // ep))}"
+            f"experts = {experts} is not divisible by ep = {ep} (each rank holds experts/ep "
+            f">= 1): try experts = {ep * max(1, -(-experts // ep))}"
         )
     if not capacity_factor > 0:
         raise ValueError(
-            f"--capacity-factor must be > 0, got {capacity_factor} (1: each expert's fair share "
+            f"capacity_factor must be > 0, got {capacity_factor} (1: each expert's fair share "
             "of slots); dropless routing is moe_deepseek.py's"
         )
 
 
 def check_top_k(k, experts):
     if not 1 <= k <= experts:
-        raise ValueError(f"--top-k {k} with --experts {experts}: noisy_topk takes 1..{experts}")
+        raise ValueError(f"k = {k} with {experts} experts: noisy_topk takes 1..{experts}")
 
 
 def init(generator, dtype, *shape):
@@ -160,17 +156,14 @@ def fill_slots(expert, gate, keep, C, E):
     K = expert.shape[-1]
     want = F.one_hot(expert, E) * keep[..., None].long()  # (G, T, K, E) requested assignments
     order = rearrange(want, "g t k e -> g (k t) e")  # priority order: choice-major, then token
-    ahead = rearrange(
-        order.cumsum(1) - order, "g (k t) e -> g t k e", k=K
-    )  # earlier requests, same expert
+    # earlier requests, same expert
+    ahead = rearrange(order.cumsum(1) - order, "g (k t) e -> g t k e", k=K)
     slot = (ahead * want).sum(-1)  # (G, T, K): the slot this assignment gets in its expert
-    e_hot = (want * (slot < C)[..., None]).to(
-        gate.dtype
-    )  # (G, T, K, E): the wanted ones that got a slot
+    # (G, T, K, E): the wanted ones that got a slot
+    e_hot = (want * (slot < C)[..., None]).to(gate.dtype)
     c_hot = F.one_hot(slot.clamp(max=C - 1), C).to(gate.dtype)  # (G, T, K, C)
-    dispatch = torch.einsum(
-        "gtke,gtkc->gtec", e_hot, c_hot
-    )  # (G, T, E, C); a token's K experts are distinct
+    # (G, T, E, C); a token's K experts are distinct
+    dispatch = torch.einsum("gtke,gtkc->gtec", e_hot, c_hot)
     return dispatch, torch.einsum("gtke,gtkc,gtk->gtec", e_hot, c_hot, gate)
 
 
@@ -196,9 +189,8 @@ def smooth_load(clean, noise_std, H, k):
     """Shazeer et al. 2017, Appendix A: P(x, i) = Phi((clean_i - kth_excluding(H, k, i)) / noise_std_i), the
     chance that expert i is in the top k if only its own noise were drawn again: a differentiable load. For
     an expert inside the top k, the k-th largest of the others is the (k+1)-th overall; outside, the k-th."""
-    if (
-        k >= H.shape[-1]
-    ):  # k = E: every expert always chosen, a load of 1 (a margin of inf has no gradient)
+    # k = E: every expert always chosen, a load of 1 (a margin of inf has no gradient)
+    if k >= H.shape[-1]:
         return torch.ones_like(clean)
     top = H.topk(k + 1, dim=-1).values  # (G, T, k+1): values only, so ties cannot reorder anything
     kth, k1th = top[..., k - 1 : k], top[..., k : k + 1]
@@ -224,45 +216,39 @@ class NoisyTopK(nn.Module):
     def __init__(self, d_model, experts, k=2, generator=None, dtype=torch.float64):
         super().__init__()
         check_top_k(k, experts)
-        self.E, self.k = experts, k
+        self.E = experts
+        self.k = k
         self.w_gate = nn.Parameter(init(generator, dtype, d_model, experts))  # W_g
         self.w_noise = nn.Parameter(init(generator, dtype, d_model, experts))  # W_noise
 
     def forward(self, xg, C, noise):
         logits, x = router_logits(xg, self.w_gate)
         eps = noise(torch.randn, logits) if self.training else torch.zeros_like(logits)
-        std = (
-            F.softplus(x @ self.w_noise.to(x.dtype)) + 1e-2
-        )  # the floor keeps Phi's argument finite
+        # the floor keeps Phi's argument finite
+        std = F.softplus(x @ self.w_noise.to(x.dtype)) + 1e-2
         return token_choice(*route_noisy_topk(logits, std, eps, self.k), C, self.E)
 
 
 class AllToAll(torch.autograd.Function):
-    """all_to_all_single over dim 0: in_splits[j] rows to rank j, out_splits[i] rows from rank i (None: even).
-    Its backward is the same exchange, splits swapped: the gradient of the rows I sent to j comes from j."""
+    """all_to_all_single over dim 0, even: block j of the rows to rank j, block i of the output from rank i
+    (every buffer here is (E, G, C, D): equal blocks). Its backward is the same exchange: the gradient of the
+    block I sent to j comes from j. moe_deepseek.py's takes uneven splits."""
 
     @staticmethod
-    def forward(ctx, x, group, out_splits=None, in_splits=None):
-        r, n = (
-            dist.get_world_size(group),
-            x.shape[0],
-        )  # checked: rows that do not split abort the collective
-        if (
-            n % r
-            if in_splits is None
-            else (sum(in_splits), len(in_splits), len(out_splits)) != (n, r, r)
-        ):
+    def forward(ctx, x, group):
+        r = dist.get_world_size(group)
+        if x.shape[0] % r:  # checked: rows that do not split abort the collective
             raise ValueError(
-                f"{n} rows, {r} ranks: {r} in/out splits (in: sum {n}) or rows divisible by {r}"
+                f"{x.shape[0]} rows do not split over {r} ranks: use a multiple of {r}"
             )
-        ctx.group, ctx.swapped = group, (in_splits, out_splits)
-        out = x.new_empty((x.shape[0] if out_splits is None else sum(out_splits), *x.shape[1:]))
-        dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
+        ctx.group = group
+        out = x.new_empty(x.shape)
+        dist.all_to_all_single(out, x.contiguous(), group=group)
         return out
 
     @staticmethod
     def backward(ctx, grad):
-        return AllToAll.apply(grad, ctx.group, *ctx.swapped), None, None, None
+        return AllToAll.apply(grad, ctx.group), None
 
 
 def mlps(h, w1, b1, w2, b2):
@@ -306,11 +292,10 @@ class MoE(nn.Module):
         self.layer = layer
         self.step = 0
         self.row0 = 0
-        self.ep_group, self.ep = ep_group, 1 if ep_group is None else dist.get_world_size(ep_group)
-        self.ep_rank, self.El = (
-            0 if ep_group is None else dist.get_rank(ep_group),
-            E // max(1, self.ep),
-        )
+        self.ep_group = ep_group
+        self.ep = 1 if ep_group is None else dist.get_world_size(ep_group)
+        self.ep_rank = 0 if ep_group is None else dist.get_rank(ep_group)
+        self.El = E // max(1, self.ep)  # experts on this rank
         check_layer(E, self.ep, capacity_factor)  # what it cannot do, before any collective
         if router.E != E:
             raise ValueError(
@@ -330,7 +315,8 @@ class MoE(nn.Module):
     def noise(self, sample, like):
         """Normals (noisy_topk) or uniforms (gshard) like `like`, (G, T, E) or (G, T), one generator per
         (seed, step, layer, global group): the same numbers whatever the EP degree or the data split."""
-        group0, out = self.row0 // self.group_rows, []
+        group0 = self.row0 // self.group_rows
+        out = []
         for g in range(group0, group0 + like.shape[0]):
             seed = (
                 ((self.seed * 1_000_003 + self.step) * 1_009 + self.layer) * 1_000_000_007 + g
@@ -342,12 +328,10 @@ class MoE(nn.Module):
     def exchange(self, xg, dispatch, combine):
         """Tokens to their experts' slots and back: xg (G, T, D), this rank's groups -> (G, T, D)."""
         G = xg.shape[0]
-        buf = torch.einsum(
-            "gtec,gtd->egcd", dispatch.to(xg.dtype), xg
-        )  # (E, G, C, D): all E experts' slots
-        if (
-            self.ep > 1
-        ):  # block j (EP rank j's experts) -> rank j; I get every rank's slots for my experts
+        # (E, G, C, D): all E experts' slots
+        buf = torch.einsum("gtec,gtd->egcd", dispatch.to(xg.dtype), xg)
+        # block j (EP rank j's experts) -> rank j; I get every rank's slots for my experts
+        if self.ep > 1:
             buf = AllToAll.apply(buf, self.ep_group)  # (r * El, G, C, D), block i from rank i
         h = mlps(
             rearrange(buf, "(r e) g c d -> e (r g c) d", r=self.ep),
@@ -356,29 +340,24 @@ class MoE(nn.Module):
             self.w2,
             self.b2,
         )
-        out = rearrange(
-            h, "e (r g c) d -> (r e) g c d", r=self.ep, g=G
-        )  # (r * El, G, C, D): block j for j
+        # (r * El, G, C, D): block j for j
+        out = rearrange(h, "e (r g c) d -> (r e) g c d", r=self.ep, g=G)
         if self.ep > 1:
-            out = AllToAll.apply(
-                out, self.ep_group
-            )  # (E, G, C, D): all experts' outputs, my tokens
-        return torch.einsum(
-            "gtec,egcd->gtd", combine.to(xg.dtype), out
-        )  # empty / dropped slots weigh 0
+            # (E, G, C, D): all experts' outputs, my tokens
+            out = AllToAll.apply(out, self.ep_group)
+        # empty / dropped slots weigh 0
+        return torch.einsum("gtec,egcd->gtd", combine.to(xg.dtype), out)
 
     def forward(self, x):
         """x (b, n, D): this rank's b sequences of n positions, global rows self.row0 .. -> (b, n, D)."""
         n = x.shape[1]
-        if (
-            x.shape[0] % self.group_rows
-        ):  # every EP rank must also route as many groups of as many tokens
+        # every EP rank must also route as many groups of as many tokens
+        if x.shape[0] % self.group_rows:
             raise ValueError(
                 f"{x.shape[0]} sequences: use a multiple of group_rows = {self.group_rows}"
             )
-        xg = rearrange(
-            x, "(g b) n d -> g (b n) d", b=self.group_rows
-        )  # (G, T, D), T = group_rows * n
+        # (G, T, D), T = group_rows * n
+        xg = rearrange(x, "(g b) n d -> g (b n) d", b=self.group_rows)
         C = capacity(self.cf, self.router.k, xg.shape[1], self.E)
         dispatch, combine, self.aux, self.wanted = self.router(xg, C, self.noise)
         self.dispatch = dispatch.detach()
@@ -394,7 +373,8 @@ def moe_layers(model):
 def set_step(model, step, row0):
     """Before each forward: the step and this rank's first global row (they key the routers' noise)."""
     for m in moe_layers(model):
-        m.step, m.row0 = step, row0
+        m.step = step
+        m.row0 = row0
 
 
 def aux_share(model, groups):
@@ -437,9 +417,8 @@ def route_expert_choice(logits, C):
     experts), then each expert takes its C highest-affinity tokens of the group, later ones included."""
     T = logits.shape[1]
     probs = logits.softmax(-1)  # (G, T, E)
-    gate, picked = top_k(
-        rearrange(probs, "g t e -> g e t"), C
-    )  # (G, E, C): the token in expert e's slot c
+    # (G, E, C): the token in expert e's slot c
+    gate, picked = top_k(rearrange(probs, "g t e -> g e t"), C)
     dispatch = rearrange(F.one_hot(picked, T).to(probs.dtype), "g e c t -> g t e c")  # (G, T, E, C)
     return dispatch, dispatch * rearrange(gate, "g e c -> g 1 e c")
 
@@ -451,7 +430,8 @@ class GShard(nn.Module):
 
     def __init__(self, d_model, experts, generator=None, dtype=torch.float64):
         super().__init__()
-        self.E, self.w_gate = experts, nn.Parameter(init(generator, dtype, d_model, experts))
+        self.E = experts
+        self.w_gate = nn.Parameter(init(generator, dtype, d_model, experts))
 
     def forward(self, xg, C, noise):
         logits = router_logits(xg, self.w_gate)[0]
@@ -485,9 +465,8 @@ ROUTERS = dict(noisy_topk=NoisyTopK, gshard=GShard, switch=Switch, expert_choice
 def make_layout(d, ep):
     """The grid of the module docstring: my row is my EP group, my column my expert replicas."""
     grid = torch.arange(d.world).view(d.world // ep, ep)
-    ep_groups = [
-        dist.new_group(row) for row in grid.tolist()
-    ]  # every rank creates every group, in one order
+    # every rank creates every group, in one order
+    ep_groups = [dist.new_group(row) for row in grid.tolist()]
     replica_groups = [dist.new_group(col) for col in grid.T.tolist()]
     replica, ep_rank = divmod(d.rank, ep)
     return SimpleNamespace(
@@ -520,18 +499,19 @@ def sync_grads(model, ep_group, replica_group, dense_group):
     if dist.get_world_size(replica_group) > 1:
         for p in expert:
             dist.all_reduce(p.grad, group=replica_group)
+
     # 3. Global norm for clipping: dense gradients are identical everywhere (count once); expert shards are
     #    distinct within an EP group (sum their squares over it), identical over replicas. bf16: float32 sums.
-    sq_dense, sq_expert = (
-        sum(
-            torch.linalg.vector_norm(
-                p.grad, dtype=torch.promote_types(p.grad.dtype, torch.float32)
-            ).double()
-            ** 2
+    def squared_norm(ps):  # summed in float32 at least (bf16 gradients)
+        return sum(
+            torch.linalg.vector_norm(p.grad, dtype=torch.promote_types(p.grad.dtype, torch.float32))
+            .double()
+            .square()
             for p in ps
         )
-        for ps in (dense, expert)
-    )
+
+    sq_dense = squared_norm(dense)
+    sq_expert = squared_norm(expert)
     if dist.get_world_size(ep_group) > 1:
         dist.all_reduce(sq_expert, group=ep_group)
     return (sq_dense + sq_expert).sqrt()
@@ -548,12 +528,14 @@ def check_args(args, world):
             f"--top-k {k} with --router {args.router}: gshard is top-2, switch top-1, expert_choice has no "
             "k; only noisy_topk takes --top-k"
         )
-    try:  # the cores' own checks, as one line
+    try:  # the cores' own checks
         check_layer(E, max(ep, 1), args.capacity_factor)
         if args.router == "noisy_topk":
             check_top_k(k or 2, E)
-    except ValueError as e:
-        fail(str(e))
+    except ValueError as e:  # as one line, with the flags they were given
+        fail(
+            f"--experts {E}, --ep {ep}, --capacity-factor {args.capacity_factor}, --top-k {k}: {e}"
+        )
     if args.aux_weight < 0:
         fail(f"--aux-weight must be >= 0, got {args.aux_weight}")
     if not 1 <= args.moe_every <= args.n_layers:
@@ -574,10 +556,8 @@ def check_args(args, world):
 def build_moe_gpt(args, groups, ep_group=None, device="cpu"):
     """common's GPT (same seed, same dense weights) with the MLP of every moe_every-th block replaced."""
     model = build_gpt(GPTConfig.from_args(args), args.seed, DTYPES[args.dtype])
-    gen, dtype = (
-        torch.Generator().manual_seed(args.seed + 7919),
-        DTYPES[args.dtype],
-    )  # MoE weights' stream
+    gen = torch.Generator().manual_seed(args.seed + 7919)  # the MoE weights' stream
+    dtype = DTYPES[args.dtype]
     for i, block in enumerate(model.blocks):
         if i % args.moe_every == args.moe_every - 1:
             k = dict(k=args.top_k or 2) if args.router == "noisy_topk" else {}
@@ -600,17 +580,16 @@ def build_moe_gpt(args, groups, ep_group=None, device="cpu"):
     return model.to(device)
 
 
-def train_step(args, lay, model, opt, x, y, n_tok, step, row0, groups):
+def train_step(args, layout, model, opt, x, y, n_tok, step, row0, groups):
     """One optimizer step. x, y (b, n): this rank's rows row0.. of the global batch, on the device; n_tok:
     the global batch's token count. Returns this rank's shares of the LM and aux losses (device scalars)."""
     set_step(model, step, row0)
     opt.zero_grad(set_to_none=True)
-    lm = lm_loss(
-        model(x), y, n_tok
-    )  # common.GPT's forward, unchanged: the MoE layers sit in its blocks
+    # common.GPT's forward, unchanged: the MoE layers sit in its blocks
+    lm = lm_loss(model(x), y, n_tok)
     aux = aux_share(model, groups)  # my share of the mean over groups and layers
     (lm + args.aux_weight * aux).backward()
-    norm = sync_grads(model, lay.ep_group, lay.replica_group, dist.group.WORLD)
+    norm = sync_grads(model, layout.ep_group, layout.replica_group, dist.group.WORLD)
     clip_grads_([p.grad for p in model.parameters()], norm, args.clip)
     opt.step()
     return lm.detach(), aux.detach()
@@ -621,30 +600,27 @@ def main():
     check_common_args(args)
     ep, groups = check_args(args, env_world_size())  # every rank, before any collective
     d = init_dist(args.timeout)
-    data, lay = MarkovData(args.vocab, args.seed), make_layout(d, ep)
+    data = MarkovData(args.vocab, args.seed)
+    layout = make_layout(d, ep)  # this rank's EP group and expert replicas
     torch.manual_seed(args.seed + d.rank)  # dropout only; routing randomness comes from MoE.noise
-    model = build_moe_gpt(args, groups, lay.ep_group, d.device)
+    model = build_moe_gpt(args, groups, layout.ep_group, d.device)
     opt = make_optimizer(model.parameters(), args)
     run = Run(d, args, {"model": model, "optim": opt})  # resumes from --ckpt-dir
-    watch = Watch(
-        d, args, lay, groups, model, run, data
-    )  # measurement: the banner, hooks, counters
+    # measurement: the banner, hooks, counters
+    watch = Watch(d, args, layout, groups, model, run, data)
     rows = args.batch_size // d.world
-    row0 = (
-        d.rank * rows
-    )  # my slice (B/W, n): routing groups row0 / rows_per_group ... of the global batch
+    # my slice (B/W, n): routing groups row0 / rows_per_group ... of the global batch
+    row0 = d.rank * rows
     for step in run.steps():
-        x, y = data.batch(
-            step, args.batch_size, args.seq_len, args.ragged
-        )  # (B, n) global batch, CPU
+        # (B, n) global batch, CPU
+        x, y = data.batch(step, args.batch_size, args.seq_len, args.ragged)
         n_tok = count_tokens(y)  # counted on the CPU: no device sync
         x, y = x[row0 : row0 + rows], y[row0 : row0 + rows]
-        if (
-            d.device.type == "cuda"
-        ):  # the one host-to-device copy, pinned: not waited for (pageable would be)
+        # the one host-to-device copy, pinned: not waited for (pageable would be)
+        if d.device.type == "cuda":
             x, y = (t.pin_memory().to(d.device, non_blocking=True) for t in (x, y))
         with run.watching(step, watch.comm, watch.acts):
-            lm, aux = train_step(args, lay, model, opt, x, y, n_tok, step, row0, groups)
+            lm, aux = train_step(args, layout, model, opt, x, y, n_tok, step, row0, groups)
         watch.end_step(step, lm, aux)  # the global batch's losses, the log line, the checkpoint
     watch.finish(model, opt)  # the summary and --check
 
@@ -656,24 +632,26 @@ class Watch:
     summed over ranks once, at the end); a CommCounter entered on the last step sees each all-to-all at the
     dispatcher; SavedActivations the bytes autograd saves for backward in that step."""
 
-    def __init__(self, d, args, lay, groups, model, run, data):
+    def __init__(self, d, args, layout, groups, model, run, data):
         self.d = d
         self.args = args
-        self.lay = lay
+        self.layout = layout
         self.groups = groups
         self.run = run
         self.layers, self.rows = moe_layers(model), []
         self.lms, self.auxes = run.history.get("lm", []), run.history.get("aux", [])
-        self.comm = CommCounter(axes={"ep": lay.ep_group, "replicas": lay.replica_group}, log=True)
+        self.comm = CommCounter(
+            axes={"ep": layout.ep_group, "replicas": layout.replica_group}, log=True
+        )
         self.acts = SavedActivations()
         for m in self.layers:
             m.register_forward_hook(self.hook)
         E = args.experts
         T = args.batch_size // groups * args.seq_len
-        ep = lay.ep
+        ep = layout.ep
         C = capacity(args.capacity_factor, self.layers[0].router.k, T, E)
         d.log(
-            f"moe.py --router {args.router}: world {d.world} = {lay.replicas} replicas x ep {ep} on "
+            f"moe.py --router {args.router}: world {d.world} = {layout.replicas} replicas x ep {ep} on "
             f"{d.backend}; {E} experts ({E // ep} per rank), {groups} routing groups of T={T} tokens, "
             f"capacity C={C}; entropy floor {data.entropy:.4f} nats/token"
         )
@@ -683,7 +661,8 @@ class Watch:
         parts = torch.stack([lm.double(), aux.double()])
         dist.all_reduce(parts)
         lm, aux = parts.tolist()
-        self.lms.append(lm), self.auxes.append(aux)
+        self.lms.append(lm)
+        self.auxes.append(aux)
         self.run.end_step(step, lm + self.args.aux_weight * aux, lm=self.lms, aux=self.auxes)
 
     def finish(self, model, opt):
@@ -691,12 +670,12 @@ class Watch:
         0's device; --check; the --json summary. Exits."""
         d = self.d
         args = self.args
-        lay = self.lay
+        layout = self.layout
         groups = self.groups
         run = self.run
-        f = self.summarize(d, args, lay, groups, self.lms, self.auxes)
+        f = self.summarize(d, args, layout, groups, self.lms, self.auxes)
         peak = peak_memory_bytes(d, state_bytes(model, opt) + self.acts.bytes)
-        full = full_params(lay, model) if args.check else None  # a collective: every rank
+        full = full_params(layout, model) if args.check else None  # a collective: every rank
         ref = moe_reference(args, groups, d.device) if args.check and d.rank == 0 else None
         check = check_against_reference(d, args, run.losses, full, ref=ref) if args.check else None
         run.finish(f"moe-{args.router}", peak, f["alltoall_bytes_per_step"], check, f)
@@ -705,11 +684,11 @@ class Watch:
         load, idle = m.dispatch.sum((0, 1, 3)), (m.dispatch.sum((2, 3)) == 0).sum().view(1)
         self.rows.append(torch.cat([m.wanted.double(), load.double(), idle.double()]))  # (2E + 1,)
 
-    def summarize(self, d, args, lay, groups, lms, auxes):
+    def summarize(self, d, args, layout, groups, lms, auxes):
         """Every step's routing summed over all ranks (one all-reduce), the last step's bytes; and theory."""
         E = args.experts
         L = len(self.layers)
-        ep = lay.ep
+        ep = layout.ep
         D = args.d_model
         k = self.layers[0].router.k
         T = args.batch_size // groups * args.seq_len
@@ -738,7 +717,7 @@ class Watch:
             tokens_per_group=T,
             groups=groups,
             ep=ep,
-            replicas=lay.replicas,
+            replicas=layout.replicas,
             expert_load=load[-1].tolist(),
             expert_load_theory_balanced=fair,
             load_cv=(load[-1].std(-1, correction=0) / load[-1].mean(-1)).mean().item(),
@@ -776,14 +755,14 @@ class Watch:
 
 
 # --- reference for --check ---
-def full_params(lay, model):
+def full_params(layout, model):
     """The whole model by name (expert shards all-gathered over the EP group), for --check on rank 0."""
     _, expert = split_params(model)
     ids, out = {id(p) for p in expert}, {}
     for name, p in model.named_parameters():
-        if id(p) in ids and lay.ep > 1:
-            parts = [torch.empty_like(p) for _ in range(lay.ep)]
-            dist.all_gather(parts, p.detach().contiguous(), group=lay.ep_group)
+        if id(p) in ids and layout.ep > 1:
+            parts = [torch.empty_like(p) for _ in range(layout.ep)]
+            dist.all_gather(parts, p.detach().contiguous(), group=layout.ep_group)
             out[name] = torch.cat(parts)  # (E, ...) in expert order: EP rank j holds block j
         else:
             out[name] = p.detach()

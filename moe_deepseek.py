@@ -34,6 +34,12 @@ parallelism's step (the grid, the expert + data parallel gradients, the global n
 section (torch and einops only); after check_args, this repo's run of it: the GPT with DeepSeekMoE blocks
 (build_moe_gpt) and one optimizer step (train_step: LM loss, sync, clipping, the step, the bias update).
 
+What repeats moe.py, on purpose, so that this file reads alone (each marked "as in moe.py" where it stands):
+the same code in init, top_k, mlps, make_layout, split_params and sync_grads (tests/test_moe_deepseek.py holds
+them identical, and no other function); AllToAll, here with uneven splits; moe_layers and aux_share for
+DeepSeekMoE; check_args, build_moe_gpt, train_step and main in moe.py's shape. New here: route,
+DeepSeekMoE (affinities, dropless, the shared experts), update_biases and seq_balance_loss.
+
 Run:
     python moe_deepseek.py --check                                   # world 1: all experts local
     torchrun --nproc_per_node=4 moe_deepseek.py --check              # EP 4
@@ -85,18 +91,12 @@ from harness import (
 
 @dataclass
 class Args(CommonArgs):
-    experts: int = (
-        8  # routed experts per MoE layer (E), fine-grained: each 4 x d_model / granularity wide
-    )
+    experts: int = 8  # routed experts per MoE layer (E), each 4 x d_model / granularity wide
     top_k: int = 2  # routed experts per token (K)
     granularity: int = 2  # DeepSeekMoE's m: an expert's hidden width is 4 x d_model / m
-    shared_experts: int = (
-        1  # always-on experts per MoE layer beside the routed ones, as wide (DeepSeekMoE)
-    )
+    shared_experts: int = 1  # always-on experts per MoE layer beside the routed ones, as wide
     score: Literal["sigmoid", "softmax"] = "sigmoid"  # the affinity function (sigmoid: DeepSeek-V3)
-    bias_rate: float = (
-        1e-3  # loss-free balancing: the bias moves by this much a step (Wang et al.'s u)
-    )
+    bias_rate: float = 1e-3  # loss-free balancing: the bias's step (Wang et al.'s u)
     seq_aux_weight: float = 0.0  # weight of DeepSeek-V3's sequence-wise balance loss (0 = off)
     moe_every: int = 1  # an MoE layer in every n-th block, dense MLPs between
     ep: int = 0  # expert-parallel degree: ranks that split one set of experts (0 = world size)
@@ -107,22 +107,24 @@ def check_layer(experts, ep, top_k, score):
     """What the layer relies on (DeepSeekMoE and check_args both call it, before any collective)."""
     if experts < 1 or experts % ep:
         raise ValueError(
-            f"--experts {experts} is not divisible by --ep {ep} (each rank holds experts/ep "
-            f">= 1); try --experts {ep * max(1, -(-experts // ep))}"
+            f"experts = {experts} is not divisible by ep = {ep} (each rank holds experts/ep "
+            f">= 1): try experts = {ep * max(1, -(-experts // ep))}"
         )
     if not 1 <= top_k <= experts:
         raise ValueError(
-            f"--top-k {top_k} with --experts {experts}: a token takes 1..{experts} routed experts"
+            f"top_k = {top_k} with {experts} experts: a token takes 1..{experts} routed experts"
         )
     if score not in ("sigmoid", "softmax"):
-        raise ValueError(f"--score {score!r}: use sigmoid (DeepSeek-V3) or softmax (DeepSeek-V2)")
+        raise ValueError(f"score = {score!r}: use sigmoid (DeepSeek-V3) or softmax (DeepSeek-V2)")
 
 
+# as in moe.py: the same code
 def init(generator, dtype, *shape):
     """N(0, 0.02) weights drawn in float64 from the MoE weights' one generator (the same at any EP)."""
     return (0.02 * torch.randn(*shape, generator=generator, dtype=torch.float64)).to(dtype)
 
 
+# as in moe.py: the same code
 def top_k(scores, k):
     """torch.topk with exact ties broken by the lower index: a stable descending sort (topk leaves the order
     of equal values to the kernel: a CPU rank and a GPU one could route differently). (.., n) -> (.., k)."""
@@ -139,21 +141,22 @@ def route(scores, bias, k):
     return expert, s / s.sum(-1, keepdim=True)
 
 
+# as in moe.py, with uneven splits (moe.py's exchange is even)
 class AllToAll(torch.autograd.Function):
     """all_to_all_single over dim 0: in_splits[j] rows to rank j, out_splits[i] rows from rank i.
     Its backward is the same exchange, splits swapped: the gradient of the rows I sent to j comes from j."""
 
     @staticmethod
     def forward(ctx, x, group, out_splits, in_splits):
-        r, n = (
-            dist.get_world_size(group),
-            x.shape[0],
-        )  # checked: splits that do not fit abort the collective
+        # checked: splits that do not fit abort the collective
+        r = dist.get_world_size(group)
+        n = x.shape[0]
         if (sum(in_splits), len(in_splits), len(out_splits)) != (n, r, r):
             raise ValueError(
                 f"{n} rows, {r} ranks: {r} in and {r} out splits, the in splits summing to {n}"
             )
-        ctx.group, ctx.swapped = group, (in_splits, out_splits)
+        ctx.group = group
+        ctx.swapped = (in_splits, out_splits)
         out = x.new_empty((sum(out_splits), *x.shape[1:]))
         dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
         return out
@@ -163,6 +166,7 @@ class AllToAll(torch.autograd.Function):
         return AllToAll.apply(grad, ctx.group, *ctx.swapped), None, None, None
 
 
+# as in moe.py: the same code
 def mlps(h, w1, b1, w2, b2):
     """gelu(h w1 + b1) w2 + b2: one expert (h (N, D), w1 (D, H), b1 (H,)), or X experts at once as batched
     matmuls (w1 (X, D, H), b1 (X, H); h (N, D) for all X) -> (X, N, D)."""
@@ -196,11 +200,10 @@ class DeepSeekMoE(nn.Module):
         self.k = top_k
         self.score = score
         self.n_shared = shared
-        self.ep_group, self.ep = ep_group, 1 if ep_group is None else dist.get_world_size(ep_group)
-        self.ep_rank, self.El = (
-            0 if ep_group is None else dist.get_rank(ep_group),
-            E // max(1, self.ep),
-        )
+        self.ep_group = ep_group
+        self.ep = 1 if ep_group is None else dist.get_world_size(ep_group)
+        self.ep_rank = 0 if ep_group is None else dist.get_rank(ep_group)
+        self.El = E // max(1, self.ep)  # experts on this rank
         check_layer(E, self.ep, top_k, score)  # what it cannot do, before any collective
         self.w_gate = nn.Parameter(init(generator, dtype, D, E))  # W_g: replicated, data parallel
         # b: a buffer (so checkpointed), moved by update_biases, never by autograd; float32 at least (bf16
@@ -215,14 +218,10 @@ class DeepSeekMoE(nn.Module):
         self.w2 = nn.Parameter(init(generator, dtype, E, H, D)[mine].clone())
         self.b2 = nn.Parameter(torch.zeros(self.El, D, dtype=dtype))
         if shared:  # S always-on experts: replicated, data parallel like the router
-            self.shared_w1, self.shared_b1 = (
-                nn.Parameter(init(generator, dtype, shared, D, H)),
-                nn.Parameter(torch.zeros(shared, H, dtype=dtype)),
-            )
-            self.shared_w2, self.shared_b2 = (
-                nn.Parameter(init(generator, dtype, shared, H, D)),
-                nn.Parameter(torch.zeros(shared, D, dtype=dtype)),
-            )
+            self.shared_w1 = nn.Parameter(init(generator, dtype, shared, D, H))
+            self.shared_b1 = nn.Parameter(torch.zeros(shared, H, dtype=dtype))
+            self.shared_w2 = nn.Parameter(init(generator, dtype, shared, H, D))
+            self.shared_b2 = nn.Parameter(torch.zeros(shared, D, dtype=dtype))
         self.drop = nn.Dropout(dropout)
         self.wanted = None
         self.aux = None
@@ -243,38 +242,31 @@ class DeepSeekMoE(nn.Module):
         r = self.ep
         me = self.ep_rank
         dest = expert.flatten()  # (N K,): each (token, choice) pair's expert
-        counts = dest.new_zeros(E).scatter_add_(
-            0, dest, torch.ones_like(dest)
-        )  # (E,): pairs per expert
+        # (E,): pairs per expert
+        counts = dest.new_zeros(E).scatter_add_(0, dest, torch.ones_like(dest))
         if r > 1:  # every rank's counts, so that each knows what it gets from whom
             every = counts.new_empty(r * E)
             dist.all_gather_single(every, counts, group=self.ep_group)
             counts = every
-        sizes = rearrange(
-            counts, "(r e) -> r e", r=r
-        ).tolist()  # (r, E): the one host sync (see top)
-        mine = [
-            row[me * El : (me + 1) * El] for row in sizes
-        ]  # (r, El): rank i's pairs for each of my experts
+        # (r, E): the one host sync (see top)
+        sizes = rearrange(counts, "(r e) -> r e", r=r).tolist()
+        # (r, El): rank i's pairs for each of my experts
+        mine = [row[me * El : (me + 1) * El] for row in sizes]
         send = [sum(sizes[me][j * El : (j + 1) * El]) for j in range(r)]  # pairs I send to rank j
         recv = [sum(row) for row in mine]  # pairs I get from rank i
         pairs = torch.argsort(dest, stable=True)  # (N K,): by expert, then token
         h = xt[pairs // K]  # (N K, D): each pair's token, rank j's block j-th
         if r > 1:
-            h = AllToAll.apply(
-                h, self.ep_group, recv, send
-            )  # (sum recv, D): from each rank, by my expert
-        pieces = h.split(
-            [c for row in mine for c in row]
-        )  # piece (i, e): rank i's tokens for my expert e
+            # (sum recv, D): from each rank, by my expert
+            h = AllToAll.apply(h, self.ep_group, recv, send)
+        # piece (i, e): rank i's tokens for my expert e
+        pieces = h.split([c for row in mine for c in row])
         ws = self.w1, self.b1, self.w2, self.b2
-        outs = [
-            mlps(torch.cat(pieces[e::El]), *(w[e] for w in ws)) for e in range(El)
-        ]  # e on all its tokens
+        # e on all its tokens
+        outs = [mlps(torch.cat(pieces[e::El]), *(w[e] for w in ws)) for e in range(El)]
         back = [o.split([mine[i][e] for i in range(r)]) for e, o in enumerate(outs)]
-        h = torch.cat(
-            [back[e][i] for i in range(r) for e in range(El)]
-        )  # back in (rank i, expert e) order
+        # back in (rank i, expert e) order
+        h = torch.cat([back[e][i] for i in range(r) for e in range(El)])
         if r > 1:
             h = AllToAll.apply(h, self.ep_group, send, recv)  # (N K, D): my pairs' outputs, sorted
         w = gate.flatten()[pairs].to(xt.dtype)  # (N K,): each pair's gate weight
@@ -289,18 +281,19 @@ class DeepSeekMoE(nn.Module):
         self.aux = seq_balance_loss(scores, expert, n)  # (b,): the balancing section below
         self.wanted = F.one_hot(expert, self.E).detach().sum((0, 1))  # (E,)
         y = self.dropless(xt, expert, gate)
-        if (
-            self.n_shared
-        ):  # every token through each of the S shared experts: (S, N, D), summed over S
+        # every token through each of the S shared experts: (S, N, D), summed over S
+        if self.n_shared:
             ws = self.shared_w1, self.shared_b1, self.shared_w2, self.shared_b2
             y = y + mlps(xt, *ws).sum(0)
         return self.drop(rearrange(y, "(b n) d -> b n d", n=n))
 
 
+# as in moe.py, for DeepSeekMoE
 def moe_layers(model):
     return [m for m in model.modules() if isinstance(m, DeepSeekMoE)]
 
 
+# as in moe.py, over sequences instead of routing groups
 def aux_share(model, sequences):
     """This rank's share of the sequence-wise loss averaged over the global batch's sequences and layers."""
     layers = moe_layers(model)
@@ -333,12 +326,12 @@ def seq_balance_loss(scores, expert, n):
 
 
 # ----------------------------------------------------------------------------- expert + data parallel step
+# as in moe.py: the same code
 def make_layout(d, ep):
     """The grid of the module docstring: my row is my EP group, my column my expert replicas."""
     grid = torch.arange(d.world).view(d.world // ep, ep)
-    ep_groups = [
-        dist.new_group(row) for row in grid.tolist()
-    ]  # every rank creates every group, in one order
+    # every rank creates every group, in one order
+    ep_groups = [dist.new_group(row) for row in grid.tolist()]
     replica_groups = [dist.new_group(col) for col in grid.T.tolist()]
     replica, ep_rank = divmod(d.rank, ep)
     return SimpleNamespace(
@@ -350,6 +343,7 @@ def make_layout(d, ep):
     )
 
 
+# as in moe.py: the same code
 def split_params(model):
     """(dense, expert) parameters: the routed experts are sharded over the EP group, the rest (the shared
     experts and the gate included) replicated."""
@@ -358,6 +352,7 @@ def split_params(model):
     return [p for p in params if id(p) not in expert], [p for p in params if id(p) in expert]
 
 
+# as in moe.py: the same code
 def sync_grads(model, ep_group, replica_group, dense_group):
     """Make every gradient the gradient of the global loss; return the global gradient norm. Each rank's loss
     is already its share (token sums / global token count, aux / all sequences): all reductions are SUMs."""
@@ -372,18 +367,19 @@ def sync_grads(model, ep_group, replica_group, dense_group):
     if dist.get_world_size(replica_group) > 1:
         for p in expert:
             dist.all_reduce(p.grad, group=replica_group)
+
     # 3. Global norm for clipping: dense gradients are identical everywhere (count once); expert shards are
     #    distinct within an EP group (sum their squares over it), identical over replicas. bf16: float32 sums.
-    sq_dense, sq_expert = (
-        sum(
-            torch.linalg.vector_norm(
-                p.grad, dtype=torch.promote_types(p.grad.dtype, torch.float32)
-            ).double()
-            ** 2
+    def squared_norm(ps):  # summed in float32 at least (bf16 gradients)
+        return sum(
+            torch.linalg.vector_norm(p.grad, dtype=torch.promote_types(p.grad.dtype, torch.float32))
+            .double()
+            .square()
             for p in ps
         )
-        for ps in (dense, expert)
-    )
+
+    sq_dense = squared_norm(dense)
+    sq_expert = squared_norm(expert)
     if dist.get_world_size(ep_group) > 1:
         dist.all_reduce(sq_expert, group=ep_group)
     return (sq_dense + sq_expert).sqrt()
@@ -392,10 +388,12 @@ def sync_grads(model, ep_group, replica_group, dense_group):
 # ------------------------------------ main: the checks, the GPT with DeepSeekMoE blocks, one training step
 def check_args(args, world):
     ep = args.ep or world
-    try:  # the layer's own checks, as one line
+    try:  # the layer's own checks
         check_layer(args.experts, max(ep, 1), args.top_k, args.score)
-    except ValueError as e:
-        fail(str(e))
+    except ValueError as e:  # as one line, with the flags they were given
+        fail(
+            f"--experts {args.experts}, --ep {ep}, --top-k {args.top_k}, --score {args.score}: {e}"
+        )
     for name in ("seq_aux_weight", "bias_rate", "shared_experts"):
         if getattr(args, name) < 0:
             fail(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
@@ -417,14 +415,12 @@ def check_args(args, world):
 def build_moe_gpt(args, ep_group=None, device="cpu"):
     """common's GPT (same seed, same dense weights) with the MLP of every moe_every-th block replaced."""
     model = build_gpt(GPTConfig.from_args(args), args.seed, DTYPES[args.dtype])
-    gen = torch.Generator().manual_seed(
-        args.seed + 7919
-    )  # the MoE weights: one stream, same on every rank
+    # the MoE weights: one stream, same on every rank
+    gen = torch.Generator().manual_seed(args.seed + 7919)
     for i, block in enumerate(model.blocks):
         if i % args.moe_every == args.moe_every - 1:
-            hidden = (
-                4 * args.d_model // args.granularity
-            )  # fine-grained: m experts in one MLP's width
+            # fine-grained: m experts in one MLP's width
+            hidden = 4 * args.d_model // args.granularity
             block.mlp = DeepSeekMoE(
                 args.d_model,
                 args.experts,
@@ -440,51 +436,48 @@ def build_moe_gpt(args, ep_group=None, device="cpu"):
     return model.to(device)
 
 
-def train_step(args, lay, model, opt, x, y, n_tok):
+def train_step(args, layout, model, opt, x, y, n_tok):
     """One optimizer step. x, y (b, n): this rank's rows of the global batch, on the device; n_tok: the global
     batch's token count. Returns this rank's shares of the LM and sequence-wise losses (device scalars)."""
     opt.zero_grad(set_to_none=True)
-    lm = lm_loss(
-        model(x), y, n_tok
-    )  # common.GPT's forward, unchanged: the MoE layers sit in its blocks
+    # common.GPT's forward, unchanged: the MoE layers sit in its blocks
+    lm = lm_loss(model(x), y, n_tok)
     aux = aux_share(model, args.batch_size)  # my share of the mean over sequences and layers
     (lm + args.seq_aux_weight * aux).backward()
-    norm = sync_grads(model, lay.ep_group, lay.replica_group, dist.group.WORLD)
+    norm = sync_grads(model, layout.ep_group, layout.replica_group, dist.group.WORLD)
     clip_grads_([p.grad for p in model.parameters()], norm, args.clip)
     opt.step()
-    update_biases(
-        moe_layers(model), args.bias_rate, dist.group.WORLD
-    )  # the next step routes with the new b
+    # the next step routes with the new b
+    update_biases(moe_layers(model), args.bias_rate, dist.group.WORLD)
     return lm.detach(), aux.detach()
 
 
+# as in moe.py's main, without routing groups or the noise's step
 def main():
     args = parse_args(Args)
     check_common_args(args)
     ep = check_args(args, env_world_size())  # every rank, before any collective
     d = init_dist(args.timeout)
-    data, lay = MarkovData(args.vocab, args.seed), make_layout(d, ep)
+    data = MarkovData(args.vocab, args.seed)
+    layout = make_layout(d, ep)  # this rank's EP group and expert replicas
     torch.manual_seed(args.seed + d.rank)  # dropout only; the routing has no randomness
-    model = build_moe_gpt(args, lay.ep_group, d.device)
+    model = build_moe_gpt(args, layout.ep_group, d.device)
     opt = make_optimizer(model.parameters(), args)
-    run = Run(
-        d, args, {"model": model, "optim": opt}
-    )  # resumes from --ckpt-dir (the bias too: a buffer)
-    watch = Watch(d, args, lay, model, run, data)  # measurement: the banner, hooks, counters
+    # resumes from --ckpt-dir (the bias too: a buffer)
+    run = Run(d, args, {"model": model, "optim": opt})
+    watch = Watch(d, args, layout, model, run, data)  # measurement: the banner, hooks, counters
     rows = args.batch_size // d.world
     row0 = d.rank * rows  # my slice (B/W, n) of the global batch
     for step in run.steps():
-        x, y = data.batch(
-            step, args.batch_size, args.seq_len, args.ragged
-        )  # (B, n) global batch, CPU
+        # (B, n) global batch, CPU
+        x, y = data.batch(step, args.batch_size, args.seq_len, args.ragged)
         n_tok = count_tokens(y)  # counted on the CPU: no device sync
         x, y = x[row0 : row0 + rows], y[row0 : row0 + rows]
-        if (
-            d.device.type == "cuda"
-        ):  # the one host-to-device copy, pinned: not waited for (pageable would be)
+        # the one host-to-device copy, pinned: not waited for (pageable would be)
+        if d.device.type == "cuda":
             x, y = (t.pin_memory().to(d.device, non_blocking=True) for t in (x, y))
         with run.watching(step, watch.comm, watch.acts):
-            lm, aux = train_step(args, lay, model, opt, x, y, n_tok)
+            lm, aux = train_step(args, layout, model, opt, x, y, n_tok)
         watch.end_step(step, lm, aux)  # the global batch's losses, the log line, the checkpoint
     watch.finish(model, opt)  # the summary and --check
 
@@ -496,20 +489,22 @@ class Watch:
     on the last step sees each all-to-all at the dispatcher; SavedActivations the bytes autograd saves for
     backward in that step."""
 
-    def __init__(self, d, args, lay, model, run, data):
+    def __init__(self, d, args, layout, model, run, data):
         self.d = d
         self.args = args
-        self.lay = lay
+        self.layout = layout
         self.run = run
         self.layers, self.rows = moe_layers(model), []
         self.lms, self.auxes = run.history.get("lm", []), run.history.get("aux", [])
-        self.comm = CommCounter(axes={"ep": lay.ep_group, "replicas": lay.replica_group}, log=True)
+        self.comm = CommCounter(
+            axes={"ep": layout.ep_group, "replicas": layout.replica_group}, log=True
+        )
         self.acts = SavedActivations()
         for m in self.layers:
             m.register_forward_hook(lambda m, i, o: self.rows.append(m.wanted.double()))
-        E, ep = args.experts, lay.ep
+        E, ep = args.experts, layout.ep
         d.log(
-            f"moe_deepseek.py: world {d.world} = {lay.replicas} replicas x ep {ep} on {d.backend}; {E} "
+            f"moe_deepseek.py: world {d.world} = {layout.replicas} replicas x ep {ep} on {d.backend}; {E} "
             f"routed experts ({E // ep} per rank, width {4 * args.d_model // args.granularity}), "
             f"top-{args.top_k}, "
             f"{args.shared_experts} shared, {args.score} gates, bias rate {args.bias_rate:g}, dropless; "
@@ -521,7 +516,8 @@ class Watch:
         parts = torch.stack([lm.double(), aux.double()])
         dist.all_reduce(parts)
         lm, aux = parts.tolist()
-        self.lms.append(lm), self.auxes.append(aux)
+        self.lms.append(lm)
+        self.auxes.append(aux)
         self.run.end_step(step, lm + self.args.seq_aux_weight * aux, lm=self.lms, aux=self.auxes)
 
     def finish(self, model, opt):
@@ -529,20 +525,20 @@ class Watch:
         0's device; --check; the --json summary. Exits."""
         d = self.d
         args = self.args
-        lay = self.lay
+        layout = self.layout
         run = self.run
-        f = self.summarize(d, args, lay, self.lms, self.auxes)
+        f = self.summarize(d, args, layout, self.lms, self.auxes)
         peak = peak_memory_bytes(d, state_bytes(model, opt) + self.acts.bytes)
-        full = full_params(lay, model) if args.check else None  # a collective: every rank
+        full = full_params(layout, model) if args.check else None  # a collective: every rank
         ref = moe_reference(args, d.device) if args.check and d.rank == 0 else None
         check = check_against_reference(d, args, run.losses, full, ref=ref) if args.check else None
         run.finish("moe-deepseek", peak, f["alltoall_bytes_per_step"], check, f)
 
-    def summarize(self, d, args, lay, lms, auxes):
+    def summarize(self, d, args, layout, lms, auxes):
         """Every step's routing summed over all ranks (one all-reduce), the last step's bytes; and theory."""
         E = args.experts
         L = len(self.layers)
-        ep = lay.ep
+        ep = layout.ep
         D = args.d_model
         k = args.top_k
         tokens, nbytes = args.batch_size * args.seq_len, torch.finfo(DTYPES[args.dtype]).bits // 8
@@ -555,18 +551,21 @@ class Watch:
         sent = sum(c["to_others"] for c in self.comm.calls_log if c["op"] == "all_to_all")
         pairs = mine[-1].contiguous()  # (L, E): my pairs per expert, last step
         got = torch.empty(ep * L * E, dtype=pairs.dtype, device=d.device)
-        dist.all_gather_single(got, pairs.flatten(), group=lay.ep_group)
-        got, me = got.view(ep, L, E), slice(lay.ep_rank * (E // ep), (lay.ep_rank + 1) * (E // ep))
+        dist.all_gather_single(got, pairs.flatten(), group=layout.ep_group)
+        got, me = (
+            got.view(ep, L, E),
+            slice(layout.ep_rank * (E // ep), (layout.ep_rank + 1) * (E // ep)),
+        )
         out, into = (
             pairs.sum() - pairs[:, me].sum(),
-            got[:, :, me].sum() - got[lay.ep_rank, :, me].sum(),
+            got[:, :, me].sum() - got[layout.ep_rank, :, me].sum(),
         )
         expected = int(2 * (out + into).item() * D * nbytes)
         per_rank = [r[0].long().tolist() for r in gather_rows(d, [[sent, expected]])]
         biases = [m.expert_bias.tolist() for m in self.layers]
         f = dict(
             ep=ep,
-            replicas=lay.replicas,
+            replicas=layout.replicas,
             capacity=None,
             expert_load=load[-1].tolist(),
             expert_load_theory_balanced=tokens * k / E,
@@ -610,15 +609,15 @@ class Watch:
 
 
 # --- reference for --check ---
-def full_params(lay, model):
+def full_params(layout, model):
     """The whole model by name (routed expert shards all-gathered over the EP group) and its buffers (the
     loss-free bias), for --check on rank 0."""
     _, expert = split_params(model)
     ids, out = {id(p) for p in expert}, {}
     for name, p in [*model.named_parameters(), *model.named_buffers()]:
-        if id(p) in ids and lay.ep > 1:
-            parts = [torch.empty_like(p) for _ in range(lay.ep)]
-            dist.all_gather(parts, p.detach().contiguous(), group=lay.ep_group)
+        if id(p) in ids and layout.ep > 1:
+            parts = [torch.empty_like(p) for _ in range(layout.ep)]
+            dist.all_gather(parts, p.detach().contiguous(), group=layout.ep_group)
             out[name] = torch.cat(parts)  # (E, ...) in expert order: EP rank j holds block j
         else:
             out[name] = p.detach()

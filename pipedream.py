@@ -59,6 +59,7 @@ from einops import rearrange
 
 from common import (
     DTYPES,
+    GPT,
     GPTConfig,
     MarkovData,
     build_gpt,
@@ -89,15 +90,9 @@ from harness import (
 
 @dataclass
 class Args(CommonArgs):
-    microbatches: int = (
-        4  # m: micro-batches per global batch (--batch-size must be divisible by it)
-    )
-    mode: Literal["flush", "stash", "2bw"] = (
-        "flush"  # flush: 1F1B (PipeDream-flush); stash: PipeDream; 2bw
-    )
-    vertical_sync: bool = (
-        False  # stash: every stage uses the weight version stage 0 used for the micro-batch
-    )
+    microbatches: int = 4  # m: micro-batches per global batch (dividing --batch-size)
+    mode: Literal["flush", "stash", "2bw"] = "flush"  # flush: 1F1B (PipeDream-flush); stash; 2bw
+    vertical_sync: bool = False  # stash: every stage runs a micro-batch on stage 0's version
     trace: str = ""  # write the measured F/B events as a Chrome trace (JSON) to this path
     stage_ms: float = 0.0  # simulate compute time: each F also waits this many ms, each B twice
 
@@ -107,8 +102,8 @@ def split_layers(n_layers, p):
     """Blocks [start, end) of each of p stages, as even as possible; the earlier ones take the extras."""
     if not 1 <= p <= n_layers:
         raise ValueError(
-            f"{p} stages but --n-layers {n_layers}: {p} stages of {n_layers} blocks leave a "
-            f"stage without one; use 1 to {n_layers} stages, or --n-layers {p} or more"
+            f"{p} stages of {n_layers} blocks leave a stage without one: use 1 to {n_layers} stages, "
+            f"or {p} blocks or more"
         )
     base, extra = divmod(n_layers, p)
     return [(s * base + min(s, extra), (s + 1) * base + min(s + 1, extra)) for s in range(p)]
@@ -145,9 +140,12 @@ def one_f_one_b(n, p, s):
     if not 0 <= s < p or n < 1:
         raise ValueError(f"stage {s} of {p}, {n} micro-batches: give a stage 0..p-1 and n >= 1")
     warm = min(p - s - 1, n)
+    # warm-up: forwards only, enough to fill the stages after this one
     ops = [("F", k) for k in range(warm)]
+    # steady state: one forward, then the backward of the oldest micro-batch still held (1F1B)
     for i in range(n - warm):
         ops += [("F", warm + i), ("B", i)]
+    # cool-down: the backwards of the micro-batches still held, oldest first
     return ops + [("B", k) for k in range(n - warm, n)]
 
 
@@ -167,18 +165,22 @@ def p2p(sends, recvs, group):
         req.wait()
 
 
+def check_microbatches(rows, m):
+    """A batch of `rows` cuts into m equal micro-batches (to_device's check, check_args's too)."""
+    if m < 1:
+        raise ValueError(f"m must be >= 1, got {m}")
+    if rows % m:
+        fit = max(k for k in range(1, m) if rows % k == 0)
+        raise ValueError(
+            f"a batch of {rows} does not cut into m = {m} equal micro-batches: use m = {fit}"
+        )
+
+
 def to_device(m, device, *batch):
     """A step's global (B, ...) tensors as m micro-batches (m, B/m, ...), copied to the device once per step
     (pinned and non-blocking on a GPU), never once per micro-batch in the middle of the schedule."""
-    for rows in (len(t) for t in batch if m < 1 or len(t) % m):
-        fit = max(k for k in range(1, max(m, 2)) if rows % k == 0)
-        raise ValueError(
-            f"--microbatches must be >= 1, got {m}"
-            if m < 1
-            else f"--batch-size {rows} is not "
-            f"divisible by --microbatches {m}: a batch of {rows} does not cut into m = {m} "
-            f"equal micro-batches; use --microbatches {fit}"
-        )
+    for t in batch:
+        check_microbatches(len(t), m)
     batch = [rearrange(t, "(m b) ... -> m b ...", m=m) for t in batch]
     if device.type == "cuda":
         batch = [t.pin_memory() for t in batch]
@@ -226,18 +228,18 @@ class StageRunner:
             raise ValueError(
                 "this rank is not in the pipeline's group: make StageRunners on its ranks only"
             )
+        # ranks in the group
         self.prev, self.next = (
             s - 1 if s > 0 else None,
             s + 1 if s < p - 1 else None,
-        )  # ranks in the group
+        )
         # alive: k -> (input, output, version), F to B
         self.alive = {}
         self.outbox = []
         self.losses = {}
 
-    def tag(
-        self, *xs
-    ):  # (TAG,) on the device, from numbers or 0-d device tensors: no host round trip
+    # (TAG,) on the device, from numbers or 0-d device tensors: no host round trip
+    def tag(self, *xs):
         t = torch.zeros(TAG, dtype=torch.float64, device=self.device)
         for i, x in enumerate(xs):
             t[i] = x
@@ -264,15 +266,13 @@ class StageRunner:
         riding = self.policy.pass_on(k, tag)  # 2bw: the whole-model norm rides on the activations
         weights, v = self.policy.weights(k)  # the version micro-batch k reads on this stage
         inp, target = self.source(k)
-        inp = (
-            inp if self.prev is None else x.requires_grad_()
-        )  # a leaf: its .grad is what B sends back
+        # a leaf: its .grad is what B sends back
+        inp = inp if self.prev is None else x.requires_grad_()
         with self.observe("F", k, version=v):
             out = weights(inp)  # GPT: (b, T, D); last stage: logits (b, T, V) ...
             if self.next is None:
-                out = self.loss_fn(
-                    out, target
-                )  # ... and the loss: sum over tokens / global token count
+                # ... and the loss: sum over tokens / global token count
+                out = self.loss_fn(out, target)
         self.alive[k] = (inp, out, v)
         if self.next is None:
             self.losses[k] = out.detach()
@@ -284,17 +284,17 @@ class StageRunner:
         with self.observe("B", k, version=v):
             torch.autograd.backward(out, grad)  # last stage: from the loss itself
         del self.alive[k]
-        loss, partial = (
-            (self.losses.pop(k), 0.0) if self.next is None else (tag[2], tag[3])
-        )  # on the device
+        # on the device
+        loss, partial = (self.losses.pop(k), 0.0) if self.next is None else (tag[2], tag[3])
         if self.prev is None:
             self.losses[k] = loss  # stage 0 holds k's loss once k's gradient is back
         partial = self.policy.on_backward(k, v, partial)
         if self.prev is not None:
+            # (b, T, D)
             self.outbox = [
                 (inp.grad, self.prev),
                 (self.tag(k, v, loss, partial), self.prev),
-            ]  # (b, T, D)
+            ]
 
     def drain(self, t):
         """The end of step t (flush) or of a stream's segment: send what the last op left, then the policy's
@@ -325,30 +325,25 @@ class Flush:
     def weights(self, k):  # -> (the module micro-batch k runs on, its version)
         return self.stage, self.version
 
-    def pass_on(
-        self, k, tag
-    ):  # 2bw: learns from F's tag (None on stage 0); returns what rides on with F
+    # 2bw: learns from F's tag (None on stage 0); returns what rides on with F
+    def pass_on(self, k, tag):
         return ()
 
-    def on_backward(
-        self, k, v, partial
-    ):  # after B of k on version v; returns the partial norm^2 going up
+    # after B of k on version v; returns the partial norm^2 going up
+    def on_backward(self, k, v, partial):
         return partial
 
     def drain(self, t):
         grads = [q.grad for q in self.stage.parameters() if q.grad is not None]
-        sq = squared_norm(
-            grads
-        )  # () this stage's squared norm; a (1,) norm could not scale a 0-dim grad
+        # () this stage's squared norm; a (1,) norm could not scale a 0-dim grad
+        sq = squared_norm(grads)
         dist.all_reduce(sq, group=self.group)  # () summed over stages: the whole model's
         self.step(sq)
 
-    def step(
-        self, sq
-    ):  # one update of the live weights, clipped by the whole model's norm^2 (or not)
-        if (
-            sq is not None and self.clip > 0
-        ):  # torch's clip_grad_norm_ rule, by the whole model's norm
+    # one update of the live weights, clipped by the whole model's norm^2 (or not)
+    def step(self, sq):
+        # torch's clip_grad_norm_ rule, by the whole model's norm
+        if sq is not None and self.clip > 0:
             torch.nn.utils.clip_grads_with_norm_(self.stage.parameters(), self.clip, sq.sqrt())
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
@@ -363,18 +358,19 @@ class Stash(Flush):
 
     def __init__(self, stage, opt, lag):
         super().__init__(stage, opt, clip=0)
+        # version -> frozen copy of the stage
         self.lag, self.versions = (
             lag,
             {0: copy.deepcopy(stage)},
-        )  # version -> frozen copy of the stage
+        )
+        # version -> micro-batches F to B; the next F
         self.in_flight, self.next_f = (
             collections.Counter(),
             0,
-        )  # version -> micro-batches F to B; the next F
+        )
 
-    def version_for(
-        self, k
-    ):  # the rule of one uninterrupted stream: a drain changes timing, never versions
+    # the rule of one uninterrupted stream: a drain changes timing, never versions
+    def version_for(self, k):
         return max(0, k - self.lag)
 
     def weights(self, k):
@@ -387,23 +383,20 @@ class Stash(Flush):
         self.update(self.take_grads(v), None)
         return partial
 
-    def take_grads(
-        self, v
-    ):  # move the gradient out of version v: the next micro-batch on v starts from 0
+    # move the gradient out of version v: the next micro-batch on v starts from 0
+    def take_grads(self, v):
         grads = [q.grad for q in self.versions[v].parameters()]
         self.versions[v].zero_grad(set_to_none=True)
         return grads
 
-    def update(
-        self, grads, sq
-    ):  # one step of the live weights with these gradients, frozen as a new version
+    # one step of the live weights with these gradients, frozen as a new version
+    def update(self, grads, sq):
         for q, g in zip(self.stage.parameters(), grads):
             q.grad = g
         self.step(sq)
         self.drop_unused()  # first, so that a real system could reuse a dropped version's buffer
-        self.versions[self.version] = copy.deepcopy(
-            self.stage
-        )  # 2bw: the double buffer's other half
+        # 2bw: the double buffer's other half
+        self.versions[self.version] = copy.deepcopy(self.stage)
         self.drop_unused()
 
     def drop_unused(self):  # versions older than the floor serve no forward still to come
@@ -418,9 +411,9 @@ class Stash(Flush):
 def check_2bw(m, p):  # TwoBW's invariant (learn_norm), which check_args checks too
     if m < p:
         raise ValueError(
-            f"--mode 2bw needs --microbatches >= stages ({p}), got {m}: batch t's norm rides "
+            f"2bw needs m >= p = {p} micro-batches, got {m}: batch t's norm rides "
             "on micro-batch (t+1)m+p-1's forward, after batch t+2 starts if m < p-1; at m = p-1 "
-            f"the second-to-last norm has no forward left to ride on; use --microbatches {p}"
+            f"the second-to-last norm has no forward left to ride on; use m = {p}"
         )
 
 
@@ -439,18 +432,18 @@ class TwoBW(Stash):
         self.first = dist.get_rank(group) == 0
         self.batch_grads = {}  # batch -> its summed gradient, until the whole-model norm arrives
         zero = torch.zeros((), dtype=torch.float64, device=next(stage.parameters()).device)
+        # (newest batch whose whole-model norm^2 is known here, that norm^2)
         self.known = (
             -1,
             zero,
-        )  # (newest batch whose whole-model norm^2 is known here, that norm^2)
+        )
         self.drained_norm = -1  # the norm every stage knew at the last drain
 
     def version_for(self, k):
         return max(k // self.m - 1, 0)  # batch t reads the weights of update t-1
 
-    def pass_on(
-        self, k, tag
-    ):  # stage 0 had run B up to k-p when it sent F_k: it knew the norms that far
+    # stage 0 had run B up to k-p when it sent F_k: it knew the norms that far
+    def pass_on(self, k, tag):
         if tag is not None:
             self.learn_norm(max((k - self.p + 1) // self.m - 1, self.drained_norm), tag[3])
         return self.known
@@ -488,17 +481,17 @@ class TwoBW(Stash):
 
 def check_args(args, p, m):
     check_common_args(args)
-    try:  # the cores' own checks (to_device on a batch of no data, split_layers, check_2bw): fail's line
-        to_device(m, torch.device("cpu"), torch.empty(args.batch_size, 0))
-        if args.vertical_sync and args.mode != "stash":
-            fail(
-                f"--vertical-sync belongs to --mode stash (--mode {args.mode}: no per-micro-batch versions)"
-            )
-        if args.mode == "stash" and args.clip > 0:
-            fail(
-                "--mode stash updates each stage right after its backward, before the whole-model gradient "
-                "norm of that micro-batch exists (stage 0 finishes it last): pass --clip 0"
-            )
+    if args.vertical_sync and args.mode != "stash":
+        fail(
+            f"--vertical-sync belongs to --mode stash (--mode {args.mode}: no per-micro-batch versions)"
+        )
+    if args.mode == "stash" and args.clip > 0:
+        fail(
+            "--mode stash updates each stage right after its backward, before the whole-model gradient "
+            "norm of that micro-batch exists (stage 0 finishes it last): pass --clip 0"
+        )
+    try:  # the cores' own checks: the micro-batches, the split, 2bw's invariant
+        check_microbatches(args.batch_size, m)
         if p == 1:
             fail(
                 f"pipedream.py needs one process per stage, at least 2: torchrun --nproc_per_node="
@@ -507,8 +500,11 @@ def check_args(args, p, m):
         split_layers(args.n_layers, p)
         if args.mode == "2bw":
             check_2bw(m, p)
-    except ValueError as e:
-        fail(str(e))
+    except ValueError as e:  # as fail's one line, with the flags they were given
+        fail(
+            f"--batch-size {args.batch_size}, --microbatches {m}, --n-layers {args.n_layers}, "
+            f"--mode {args.mode}, {p} stages (processes): {e}"
+        )
 
 
 def main():
@@ -535,38 +531,32 @@ def main():
     )
     torch.manual_seed(args.seed + s)  # dropout masks (if any) differ per stage
     dtype = DTYPES[args.dtype]
-    gpt = build_gpt(
-        GPTConfig.from_args(args), args.seed, dtype
-    )  # whole, on CPU; a stage takes its part
-    shapes, stage = (
-        {n: q.shape for n, q in gpt.named_parameters()},
-        Stage(gpt, s, bounds).to(d.device),
-    )
+    # whole, on CPU; a stage takes its part
+    gpt = build_gpt(GPTConfig.from_args(args), args.seed, dtype)
+    stage = Stage(gpt, s, bounds).to(d.device)
     opt = make_optimizer(stage.parameters(), args)
-    sync = (
-        args.mode == "flush"
-    )  # one schedule per step, drained; stash, 2bw: one stream for the run
+    # one schedule per step, drained; stash, 2bw: one stream for the run
+    sync = args.mode == "flush"
+    # lag: warm-up p-s-1
     policy = (
         Flush(stage, opt, args.clip)
         if sync
         else TwoBW(stage, opt, m, args.clip)
         if args.mode == "2bw"
         else Stash(stage, opt, lag=p - 1 if args.vertical_sync else p - s - 1)
-    )  # lag: warm-up p-s-1
+    )
     batches = {}  # step -> (m, b, T) tokens and targets on the device, the global token count
 
-    def source(
-        k,
-    ):  # micro-batch k: stage 0's tokens (b, T); the last stage's targets (b, T) and token count
+    # micro-batch k: stage 0's tokens (b, T); the last stage's targets (b, T) and token count
+    def source(k):
         x, y, n_tok = batches[k // m]
         return x[k % m], (y[k % m], n_tok)
 
-    act = (
-        args.batch_size // m,
-        args.seq_len,
-        args.d_model,
-    )  # (b, T, D): what crosses a stage boundary
-    observer, comm = Observer(d, args), CommCounter()
+    # (b, T, D): what crosses a stage boundary
+    act = (args.batch_size // m, args.seq_len, args.d_model)
+    observer = Observer(d, args)
+    comm = CommCounter()
+    # the stages in the default group: stage s on rank s
     runner = StageRunner(
         policy,
         source,
@@ -576,7 +566,7 @@ def main():
         dtype,
         d.device,
         observe=observer,
-    )  # the stages in the default group: stage s on rank s
+    )
     observer.runner = runner
     run = Run(d, args, {"model": stage, "optim": opt, "pipe": PolicyState(policy)})
     # flush: a schedule per step, drained before the update. stash, 2bw: one, drained only at a checkpoint
@@ -595,16 +585,12 @@ def main():
     dist.all_reduce(torch.zeros(1, device=d.device))
     for step in run.steps():
         chunk = chunks[step - run.start]
-        for t in sorted(
-            {k // m for _, k in chunk} - set(batches)
-        ):  # a stream reads ahead into later steps
-            x, y = data.batch(
-                t, args.batch_size, args.seq_len, args.ragged
-            )  # (B, T) global, on CPU
-            batches[t] = (
-                *to_device(m, d.device, x, y),
-                count_tokens(y),
-            )  # (m, b, T) each; count: on CPU
+        # a stream reads ahead into later steps
+        for t in sorted({k // m for _, k in chunk} - set(batches)):
+            # (B, T) global, on CPU
+            x, y = data.batch(t, args.batch_size, args.seq_len, args.ragged)
+            # (m, b, T) each; count: on CPU
+            batches[t] = (*to_device(m, d.device, x, y), count_tokens(y))
         # bytes sent, counted at the slow dispatcher: flush, in the step before the timed last; a stream, all
         with run.watching(step, comm, at=max(run.start, args.steps - 2) if sync else step):
             runner.run(chunk)
@@ -619,18 +605,8 @@ def main():
         )
         run.end_step(step, loss)
 
-    figures = report(d, args, observer, comm, bounds, args.steps - run.start, len(ends))
-    peak = peak_memory_bytes(d, observer.bytes)  # read before --check trains
-    check = None
-    if args.check:  # the full model, by name, from every stage's parameters (one all-reduce)
-        full = assemble_full(d, dict(stage.named_parameters()), shapes, dtype)
-        ref = (
-            simulate_rule(args, p, d.device, d.log) if d.rank == 0 and not sync else None
-        )  # stash, 2bw
-        check = check_against_reference(d, args, run.losses, full, ref=ref)
-    run.finish(
-        f"pipedream-{args.mode}", peak, max(figures.get("sent_bytes_per_rank", [0])), check, figures
-    )
+    # the summary, then --check
+    summarize(d, args, p, run, observer, comm, bounds, len(ends), stage)
 
 
 # --- measurement --- (from outside the schedule: its observe callback, the collective counter, the report) --
@@ -685,6 +661,25 @@ class Observer(PipelineWatch):
             versions = getattr(pol, "versions", {}).values()
             model = state_bytes(pol.stage, pol.opt) + sum(state_bytes(w) for w in versions)
             self.bytes = max(self.bytes, self.live.alive(*held) + model)
+
+
+def summarize(d, args, p, run, observer, comm, bounds, segments, stage):
+    """The report, the peak (counted) read before --check trains, then --check: the full model, by name, from
+    every stage's parameters (one all-reduce); stash and 2bw against their own rule (simulate_rule)."""
+    figures = report(d, args, observer, comm, bounds, args.steps - run.start, segments)
+    peak = peak_memory_bytes(d, observer.bytes)
+    check = None
+    if args.check:
+        dtype = DTYPES[args.dtype]
+        with torch.device("meta"):  # the names and shapes of the whole GPT, no storage
+            shapes = {n: q.shape for n, q in GPT(GPTConfig.from_args(args)).named_parameters()}
+        full = assemble_full(d, dict(stage.named_parameters()), shapes, dtype)
+        sync = args.mode == "flush"
+        ref = simulate_rule(args, p, d.device, d.log) if d.rank == 0 and not sync else None
+        check = check_against_reference(d, args, run.losses, full, ref=ref)
+    run.finish(
+        f"pipedream-{args.mode}", peak, max(figures.get("sent_bytes_per_rank", [0])), check, figures
+    )
 
 
 def report(d, args, observer, comm, bounds, steps_run, segments):

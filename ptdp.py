@@ -80,7 +80,6 @@ torch.distributed.pipelining (ScheduleInterleaved1F1B) with DTensor TP.
 
 import collections
 import contextlib
-import math
 from dataclasses import dataclass
 
 import torch
@@ -125,12 +124,8 @@ class Args(CommonArgs):
     pp: int = 2  # pipeline-parallel degree p (ranks per pipeline)
     tp: int = 1  # tensor-parallel degree t (innermost: adjacent ranks)
     dp: int = 0  # data-parallel degree (0 = world / (pp * cp * tp))
-    cp: int = (
-        1  # context-parallel degree: each sequence split over cp ranks (zig-zag), K/V round a ring
-    )
-    zero: int = (
-        0  # 1: ZeRO-1, AdamW's state and update sharded over the dp x cp ranks of a chunk shard
-    )
+    cp: int = 1  # context-parallel degree: sequences split over cp ranks (zig-zag), K/V in a ring
+    zero: int = 0  # 1: ZeRO-1, AdamW's state and update sharded over the dp x cp ranks
     virtual_stages: int = 1  # v: model chunks per pipeline rank (1 = plain 1F1B)
     microbatches: int = 4  # m: micro-batches per replica and batch (a multiple of --pp when v > 1)
     trace: str = ""  # write the measured F/B events as a Chrome trace (JSON) to this path
@@ -147,10 +142,9 @@ class f(torch.autograd.Function):
         ctx.group = group
         return x.view_as(x)
 
+    # (b, T, D) partial -> summed over the TP group: f's backward is g's forward
     @staticmethod
-    def backward(
-        ctx, grad
-    ):  # (b, T, D) partial -> summed over the TP group: f's backward is g's forward
+    def backward(ctx, grad):
         return g.forward(None, grad, ctx.group), None
 
 
@@ -169,12 +163,10 @@ class g(torch.autograd.Function):
         return grad, None
 
 
-def check_heads(heads, t):
-    if heads % t:
-        raise ValueError(
-            f"--n-heads {heads} is not divisible by --tp {t}: {heads} heads do not split over "
-            f"t = {t}: use heads divisible by t"
-        )
+def check_split(n, k, what, by):
+    """The cores' check that `by` = k divides `what` = n; check_args's too, with the flags' names."""
+    if n % k:
+        raise ValueError(f"{what} {n} is not divisible by {by} = {k}: use a multiple of {k}")
 
 
 def tp_dim(name):
@@ -197,7 +189,7 @@ class TPBlock(nn.Module):
     def __init__(self, full, group, cp_group=None):
         super().__init__()
         t, r = dist.get_world_size(group), dist.get_rank(group)
-        check_heads(full.attn.n_heads, t)
+        check_split(full.attn.n_heads, t, "heads", "t")
         self.ln1 = full.ln1
         self.attn = full.attn
         self.ln2 = full.ln2
@@ -208,7 +200,8 @@ class TPBlock(nn.Module):
                 shard = nn.Parameter(w.detach().chunk(t, tp_dim(name))[r].clone())
                 shard.tp_split = True
                 setattr(self.get_submodule(owner), leaf, shard)
-        self.group, self.heads = group, full.attn.n_heads // t
+        self.group = group
+        self.heads = full.attn.n_heads // t
         self.cp_group = cp_group if cp_group and dist.get_world_size(cp_group) > 1 else None
 
     def forward(self, x):  # (b, T, D) replicated on the TP group
@@ -216,35 +209,29 @@ class TPBlock(nn.Module):
         mlp = self.mlp
         grp = self.group
         h = f.apply(self.ln1(x), grp)
+        # (b, H/t, T, E) each: this rank's heads
         q, k, v = (
             rearrange(F.linear(h, lin.weight), "b t (h e) -> b h t e", h=self.heads)
             for lin in (a.q, a.k, a.v)
-        )  # (b, H/t, T, E) each: this rank's heads
+        )
         # CP: T is this rank's T/cp tokens, and the others' K/V come round the CP ring (this rank's heads)
-        y = (
-            RingAttention.apply(q, k, v, self.cp_group)
-            if self.cp_group
-            else F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        )  # (b, H/t, T, E)
+        if self.cp_group:
+            y = RingAttention.apply(q, k, v, self.cp_group)  # (b, H/t, T, E)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         y = rearrange(y, "b h t e -> b t (h e)")  # (b, T, D/t)
         x = x + g.apply(F.linear(y, a.proj.weight), grp) + a.proj.bias  # bias after g: added once
-        h = F.gelu(
-            F.linear(f.apply(self.ln2(x), grp), mlp.fc.weight, mlp.fc.bias)
-        )  # (b, T, 4D/t) local
-        return (
-            x + g.apply(F.linear(h, mlp.proj.weight), grp) + mlp.proj.bias
-        )  # (b, T, D) replicated
+        # (b, T, 4D/t) local
+        h = F.gelu(F.linear(f.apply(self.ln2(x), grp), mlp.fc.weight, mlp.fc.bias))
+        # (b, T, D) replicated
+        return x + g.apply(F.linear(h, mlp.proj.weight), grp) + mlp.proj.bias
 
 
 # ------------------------------------------------------------------------- context parallel: the zig-zag ring
 def zigzag(x, cp, r, dim=1):
     """(.., T, ..) whole sequences -> (.., T/cp, ..) CP rank r's tokens: chunks r and 2cp-1-r of 2cp, an early
     one and a late one, so that under the causal mask every rank does the same work (Llama 3, Sec. 3.3.2)."""
-    if x.shape[dim] % (2 * cp):
-        raise ValueError(
-            f"--seq-len {x.shape[dim]} is not divisible by 2 x cp = {2 * cp}: {x.shape[dim]} "
-            f"tokens do not cut into 2 x cp = {2 * cp} equal chunks: use a multiple of {2 * cp}"
-        )
+    check_split(x.shape[dim], 2 * cp, "tokens", "2 x cp")
     pieces = x.chunk(2 * cp, dim)
     return torch.cat([pieces[r], pieces[2 * cp - 1 - r]], dim)
 
@@ -290,13 +277,14 @@ def ring(q, k, v, group):
     cp = dist.get_world_size(group)
     r = dist.get_rank(group)
     half = q.shape[2] // 2
-    acc = torch.promote_types(
-        q.dtype, torch.float32
-    )  # softmax in float32 at least, as flash attention
-    q, kv = q.to(acc), torch.stack([k, v]).to(acc)  # kv (2, b, h, T/cp, E): the block that travels
+    # softmax in float32 at least, as flash attention
+    acc = torch.promote_types(q.dtype, torch.float32)
+    q = q.to(acc)
+    kv = torch.stack([k, v]).to(acc)  # (2, b, h, T/cp, E): the block that travels
     out, lse = attend(q, kv[0], kv[1], causal=True)
     for i in range(1, cp):
-        kv, early = Pass.apply(kv, group), (r - i) % cp < r  # now holding rank r-i's block
+        kv = Pass.apply(kv, group)  # now holding rank r-i's block
+        early = (r - i) % cp < r
         lo = 0 if early else half  # my rows lo.. see it; those before keep what they have
         o, l = attend(q, *kv[:, :, :, :half]) if early else attend(q[:, :, half:], *kv)
         new = torch.logaddexp(lse[:, :, lo:], l)  # (b, h, T/cp - lo, 1): the union's exp-sum
@@ -311,8 +299,9 @@ class RingAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, group):
-        cp, ctx.group = dist.get_world_size(group), group
-        zigzag(torch.arange(cp * q.shape[2]), cp, 0, 0)  # its check, before anything is sent
+        cp = dist.get_world_size(group)
+        ctx.group = group
+        check_split(cp * q.shape[2], 2 * cp, "tokens", "2 x cp")  # zigzag's check, before any send
         ctx.save_for_backward(q, k, v)
         return ring(q, k, v, group).to(q.dtype)
 
@@ -322,16 +311,6 @@ class RingAttention(torch.autograd.Function):
         with torch.enable_grad():
             out = ring(q, k, v, ctx.group).to(q.dtype)
         return *torch.autograd.grad(out, (q, k, v), dout), None
-
-
-def check_chunk(layers, c, n):
-    if layers % n or not 0 <= c < n:
-        cut = (
-            f"--n-layers {layers} is not divisible by pp x virtual stages = {n}: "
-            if layers % n
-            else ""
-        )
-        raise ValueError(f"{cut}chunk {c} of {n}: need 0 <= c < n, n dividing the {layers} layers")
 
 
 class Chunk(nn.Module):
@@ -344,9 +323,12 @@ class Chunk(nn.Module):
         per = full.cfg.n_layers // n
         self.first = c == 0
         self.last = c == n - 1
-        check_chunk(full.cfg.n_layers, c, n)
+        check_split(full.cfg.n_layers, n, "layers", "n chunks")
+        if not 0 <= c < n:
+            raise ValueError(f"chunk {c} of {n}: need 0 <= c < n")
         if self.first:
-            self.tok_emb, self.pos_emb = full.tok_emb, full.pos_emb
+            self.tok_emb = full.tok_emb
+            self.pos_emb = full.pos_emb
         self.blocks = nn.ModuleDict(
             {
                 str(i): TPBlock(full.blocks[i], group, cp_group)
@@ -355,16 +337,16 @@ class Chunk(nn.Module):
         )
         self.cp = (dist.get_world_size(cp_group), dist.get_rank(cp_group)) if cp_group else (1, 0)
         if self.last:
-            self.ln_f, self.head = full.ln_f, full.head
+            self.ln_f = full.ln_f
+            self.head = full.head
 
-    def forward(
-        self, h
-    ):  # chunk 0: (b, T/cp) token ids; others: (b, T/cp, D) from the chunk before
+    # chunk 0: (b, T/cp) token ids; others: (b, T/cp, D) from the chunk before
+    def forward(self, h):
         if self.first:
-            pos = torch.arange(
-                h.shape[1] * self.cp[0], device=h.device
-            )  # (T,) -> this rank's (T/cp,)
-            h = self.tok_emb(h) + self.pos_emb(zigzag(pos, *self.cp, 0) if self.cp[0] > 1 else pos)
+            pos = torch.arange(h.shape[1] * self.cp[0], device=h.device)  # (T,)
+            if self.cp[0] > 1:
+                pos = zigzag(pos, *self.cp, 0)  # this rank's (T/cp,)
+            h = self.tok_emb(h) + self.pos_emb(pos)
         for block in self.blocks.values():
             h = block(h)
         return self.head(self.ln_f(h)) if self.last else h  # last: logits (b, T, V)
@@ -392,15 +374,18 @@ def schedule(p, v, m, r):
         raise ValueError(
             f"schedule of p = {p}, v = {v}, m = {m}, r = {r}: need p, v, m >= 1 and 0 <= r < p"
         )
-    if v > 1 and m % p:
+    if v > 1 and m % p:  # interleaving runs groups of p micro-batches
         raise ValueError(
-            f"--microbatches {m} is not a multiple of --pp {p}: schedule of v = {v}, m = {m}: "
-            "with v > 1 m a multiple of p (interleaving runs groups of p micro-batches)"
+            f"interleaved (v > 1): m {m} is not divisible by p = {p}: use a multiple of p"
         )
-    w, n = warmup(p, v, m, r), v * m
+    w = warmup(p, v, m, r)
+    n = v * m
+    # warm-up: w forwards, enough to fill the ranks downstream (and, v > 1, this rank's later chunks)
     ops = [("F", *fwd(k)) for k in range(w)]
+    # steady state: one forward, then the backward of the oldest chunk-micro-batch still held
     for i in range(n - w):
         ops += [("F", *fwd(w + i)), ("B", *bwd(i))]
+    # cool-down: the backwards still held; then the flush
     return ops + [("B", *bwd(i)) for i in range(n - w, n)]
 
 
@@ -422,7 +407,8 @@ def ideal_timeline(p, v, m):
     n = p * v
     at = {}
     slots = {"F": 1, "B": 2}
-    nxt, free = [0] * p, [0] * p
+    nxt = [0] * p
+    free = [0] * p
     while any(nxt[r] < len(ops[r]) for r in range(p)):
         moved = False
         for r in range(p):
@@ -451,9 +437,7 @@ def comm_plan(p, v, m, r):
     at = ideal_timeline(p, v, m)
     n = p * v
     items = collections.defaultdict(lambda: ([], []))
-    spans = {
-        q: [(a, z) for x, a, z in at.values() if x == q] for q in range(p)
-    }  # q's ops: (start, end)
+    spans = {q: [(a, z) for x, a, z in at.values() if x == q] for q in range(p)}  # (start, end)
     for msg in (needs(op, n) for op in at):
         if msg is not None and at[producer(msg)][0] != at[msg][0]:
             src, _, made = at[producer(msg)]
@@ -485,9 +469,8 @@ class PipelineRank:
         p = dist.get_world_size(group)
         r = dist.get_rank(group)
         v = len(chunks)
-        if sorted(chunks) != list(
-            range(r, p * v, p)
-        ):  # also: the chunks' count p * v, the group's size p
+        # also: the chunks' count p * v, the group's size p
+        if sorted(chunks) != list(range(r, p * v, p)):
             raise ValueError(
                 f"rank {r} of {p} holds chunks {list(range(r, p * v, p))}, not {sorted(chunks)}"
             )
@@ -544,16 +527,14 @@ class PipelineRank:
             dist.P2POp(dist.irecv, into[msg], group=self.group, group_peer=q, tag=self.TAG[msg[0]])
             for q, msg in recvs
         ]
-        for req in dist.batch_isend_irecv(
-            ops
-        ):  # never empty: comm_plan makes a step only for a message
+        # never empty: comm_plan makes a step only for a message
+        for req in dist.batch_isend_irecv(ops):
             req.wait()
         self.inbox.update(into)
 
     def forward(self, c, k, inputs, targets, loss_fn):
-        inp = (
-            inputs[k] if c == 0 else self.inbox.pop(("F", c, k)).requires_grad_()
-        )  # (b, T) ids or (b, T, D)
+        # (b, T) ids or (b, T, D)
+        inp = inputs[k] if c == 0 else self.inbox.pop(("F", c, k)).requires_grad_()
         out = self.chunks[c](inp)  # (b, T, D); last chunk: logits (b, T, V) ...
         if c == self.n - 1:
             out = loss_fn(out, targets[k])  # ... and its loss
@@ -564,9 +545,8 @@ class PipelineRank:
 
     def backward(self, c, k):
         inp, out = self.alive.pop((c, k))
-        torch.autograd.backward(
-            out, None if c == self.n - 1 else self.inbox.pop(("B", c, k))
-        )  # grads add up
+        grad = None if c == self.n - 1 else self.inbox.pop(("B", c, k))  # last chunk: from its loss
+        torch.autograd.backward(out, grad)  # grads add up
         if c > 0:
             self.outbox["B", c - 1, k] = inp.grad  # (b, T, D) to chunk c-1, on the rank before
 
@@ -594,9 +574,8 @@ class ShardedOptimizer:
     def reduce_scatter(self):  # flat gradients (R*S,) -> shard.grad (S,): my shard of their sum
         self.shard.grad = torch.empty_like(self.shard)
         grads = self.flat([q.grad for q in self.params])  # (R*S,) this rank's gradients
-        dist.reduce_scatter_tensor(
-            self.shard.grad, grads, group=self.group
-        )  # -> (S,) my shard of the sum
+        # -> (S,) my shard of the sum
+        dist.reduce_scatter_tensor(self.shard.grad, grads, group=self.group)
 
     def step(self):  # update my shard, all-gather the R shards (R*S,), every parameter written back
         self.opt.step()
@@ -610,9 +589,8 @@ class ShardedOptimizer:
 def squared_norm(grads):
     """Summed in float32 at least (float64 for a float64 model) by the norm's dtype=, not float64 copies."""
     acc = torch.promote_types(grads[0].dtype, torch.float32)
-    return (
-        torch.stack([torch.linalg.vector_norm(x, dtype=acc) for x in grads]).square().sum().double()
-    )
+    norms = torch.stack([torch.linalg.vector_norm(x, dtype=acc) for x in grads])
+    return norms.square().sum().double()
 
 
 def finish_batch(params, loss, group, tp_rank, max_norm, world, zero=None):
@@ -630,21 +608,16 @@ def finish_batch(params, loss, group, tp_rank, max_norm, world, zero=None):
         sq = squared_norm([x for x, c in zip(grads, counted) if c]) * (dist.get_rank(group) == 0)
     else:  # ZeRO-1: reduce-scattered
         zero.reduce_scatter()
-        grads = [
-            zero.shard.grad
-        ]  # (S,): my shard of the summed gradient; the others' are theirs to count
-        weights = zero.flat([q.grad.new_full((q.numel(),), c) for q, c in zip(params, counted)])[
-            zero.mine
-        ]
-        sq = squared_norm([zero.shard.grad * weights])
+        # (S,): my shard of the summed gradient; the others' are theirs to count
+        grads = [zero.shard.grad]
+        weights = zero.flat([q.grad.new_full((q.numel(),), c) for q, c in zip(params, counted)])
+        sq = squared_norm([zero.shard.grad * weights[zero.mine]])
     total = torch.stack([loss * (tp_rank == 0), sq])
-    dist.all_reduce(
-        total, group=world
-    )  # (2,): this rank's piece of the loss, of the squared norm -> sums
+    # (2,): this rank's piece of the loss, of the squared norm -> sums
+    dist.all_reduce(total, group=world)
     norm = total[1].sqrt()
-    for x in (
-        grads if max_norm > 0 else []
-    ):  # clip_grad_norm_'s rule, in each grad's dtype (0-dim ones too)
+    # clip_grad_norm_'s rule, in each grad's dtype (0-dim ones too)
+    for x in grads if max_norm > 0 else []:
         x.mul_(torch.clamp(max_norm / (norm + 1e-6), max=1.0).to(x.dtype))
     return total[0].item(), norm.item()
 
@@ -655,7 +628,8 @@ def check_args(args):
     p = args.pp
     t = args.tp
     cp = args.cp
-    v, m = args.virtual_stages, args.microbatches
+    v = args.virtual_stages
+    m = args.microbatches
     check_common_args(args)
     for name in ("pp", "tp", "cp", "virtual_stages", "microbatches"):
         if getattr(args, name) < 1:
@@ -674,17 +648,19 @@ def check_args(args):
             f"world size {world} != pp {p} x tp {t} x dp {args.dp or '(world / pp / tp / cp)'} x cp {cp}: "
             f"launch torchrun --nproc_per_node={p * cp * t * max(args.dp, 1)} or change --pp/--tp/--dp/--cp"
         )
-    try:  # validation once: the cores' own checks, their ValueError as fail's one line
-        check_heads(args.n_heads, t)
-        schedule(p, v, m, 0)
-        check_chunk(args.n_layers, 0, p * v)
-        zigzag(torch.arange(args.seq_len), cp, 0, 0)
-    except ValueError as e:
-        fail(str(e))
-    if args.batch_size % (dp * m):
-        fail(f"--batch-size {args.batch_size} is not divisible by dp x microbatches = {dp * m}")
     if args.stage_ms < 0:
         fail(f"--stage-ms must be >= 0, got {args.stage_ms}")
+    try:  # validation once: the cores' check with the flags' names, its ValueError as fail's line
+        check_split(args.n_heads, t, "--n-heads", "--tp")
+        check_split(args.n_layers, p * v, "--n-layers", "--pp x --virtual-stages")
+        check_split(args.seq_len, 2 * cp, "--seq-len", "2 x --cp")
+        check_split(args.batch_size, dp * m, "--batch-size", "dp x --microbatches")
+    except ValueError as e:
+        fail(str(e))
+    try:  # the schedule's own check (self-contained: copied out alone), with the flags
+        schedule(p, v, m, 0)
+    except ValueError as e:
+        fail(f"--pp {p}, --virtual-stages {v}, --microbatches {m}: {e}")
     return world, dp
 
 
@@ -696,31 +672,34 @@ def main():
     cp = args.cp
     v = args.virtual_stages
     m = args.microbatches
+    b = args.batch_size // (dp * m)  # micro-batch rows
 
     # --- setup (same in every file) ---
     d = init_dist(args.timeout)
     data = MarkovData(args.vocab, args.seed)
-    grid = torch.arange(world).view(p, dp, cp, t)  # tp innermost, then cp: see the docstring
+
+    # --- the grid: tp innermost, then cp, dp, pp (the docstring's picture) ---
+    grid = torch.arange(world).view(p, dp, cp, t)
     coords = pp_rank, dp_rank, cp_rank, tp_rank = [int(i) for i in (grid == d.rank).nonzero()[0]]
-    groups = {}  # every rank creates every group, in the same order (new_group: a collective over the world)
-    for axis, dims in (
-        ("tp", [3]),
-        ("cp", [2]),
-        ("pp", [0]),
-        ("dp", [1, 2]),
-    ):  # dp x cp: the same parameters
-        rest = [
-            a for a in range(4) if a not in dims
-        ]  # a group: the ranks that differ only along `dims`
-        for ranks in (
-            grid.permute(*rest, *dims).reshape(-1, math.prod(grid.shape[a] for a in dims)).tolist()
-        ):
-            group = dist.new_group(
-                ranks
-            )  # its ranks in global order: a pipeline's group rank is its pp rank
-            groups[axis] = group if d.rank in ranks else groups.get(axis)
-    tp_group, cp_group, pp_group, grad_group = groups.values()
-    b = args.batch_size // (dp * m)
+
+    # a group per row of `rows` (groups, ranks), made by every rank in the same order (new_group is
+    # a
+    # collective over the world); each rank keeps its own
+    def new_groups(rows):
+        groups = [dist.new_group(row) for row in rows.tolist()]
+        return groups[int((rows == d.rank).nonzero()[0, 0])]
+
+    # where each axis acts: tp_group in TPBlock (f and g, two all-reduces per layer and pass);
+    # cp_group in
+    # RingAttention (K/V round the ring); pp_group in PipelineRank (activations forward, gradients
+    # back);
+    # dp_cp_group after the flush, in finish_batch or ShardedOptimizer (the gradients, once per
+    # batch)
+    tp_group = new_groups(rearrange(grid, "p d c t -> (p d c) t"))  # grid[i, j, c, :]
+    cp_group = new_groups(rearrange(grid, "p d c t -> (p d t) c"))  # grid[i, j, :, k]
+    # grid[:, j, c, k], in pp order: a pipeline's group rank is its pp rank
+    pp_group = new_groups(rearrange(grid, "p d c t -> (d c t) p"))
+    dp_cp_group = new_groups(rearrange(grid, "p d c t -> (p t) (d c)"))  # grid[i, :, :, k]
     d.log(
         f"ptdp.py: world {world} = pp {p} x dp {dp} x cp {cp} x tp {t}, interleaved 1F1B, v = {v}, m = {m} "
         f"micro-batches of {b} x {args.seq_len // cp} tokens, ZeRO-{args.zero}, on {d.backend}"
@@ -730,59 +709,51 @@ def main():
     dtype = DTYPES[args.dtype]
     full = build_gpt(GPTConfig.from_args(args), args.seed, dtype)
     mine = list(range(pp_rank, p * v, p))  # chunk c on pp rank c % p: a loop
-    chunks = nn.ModuleDict({str(c): Chunk(full, c, p * v, tp_group, cp_group) for c in mine}).to(
-        d.device
-    )
+    chunks = nn.ModuleDict({str(c): Chunk(full, c, p * v, tp_group, cp_group) for c in mine})
+    chunks.to(d.device)
     del full
     params = list(chunks.parameters())
-    zero = (
-        ShardedOptimizer(params, grad_group, lambda ps: make_optimizer(ps, args))
-        if args.zero
-        else None
-    )
+    zero = None
+    if args.zero:
+        zero = ShardedOptimizer(params, dp_cp_group, lambda ps: make_optimizer(ps, args))
     opt = zero.opt if zero else make_optimizer(params, args)
-    shard = nn.ParameterList(
-        [zero.shard] if zero else []
-    )  # ZeRO-1's copy of its shard, checkpointed too
+    # ZeRO-1's copy of its shard, checkpointed too
+    shard = nn.ParameterList([zero.shard] if zero else [])
     run = Run(d, args, {"model": chunks, "optim": opt, "zero": shard})
     norms = run.history.get("norms", [])
     watch = Watch(d, args, coords)  # times every F and B
     comm = CommCounter(
-        axes={"tp": tp_group, "cp": cp_group, "dp": grad_group, "pp": pp_group}, log=True
+        axes={"tp": tp_group, "cp": cp_group, "dp_cp": dp_cp_group, "pp": pp_group}, log=True
     )
+    # every activation and gradient between chunks
     msg_shape = (
         b,
         args.seq_len // cp,
         args.d_model,
-    )  # every activation and gradient between chunks
+    )
     runner = PipelineRank(
         {c: chunks[str(c)] for c in mine}, pp_group, m, msg_shape, dtype, d.device, observe=watch
     )
     watch.runner = runner  # what it holds to B, for the counted peak
-    for group in (
-        pp_group,
-        cp_group,
-    ):  # NCCL: a group's first collective (its set-up) must not be p2p
+    # NCCL: a group's first collective (its set-up) must not be p2p
+    for group in (pp_group, cp_group):
         dist.all_reduce(torch.zeros(1, device=d.device), group=group)
 
     def split(z):  # (B, T) global batch -> (m, b, T/cp): this replica's rows, this CP rank's tokens
         z = z[dp_rank * b * m : (dp_rank + 1) * b * m]
-        return rearrange(zigzag(z, cp, cp_rank) if cp > 1 else z, "(m b) n -> m b n", m=m).to(
-            d.device
-        )
+        if cp > 1:
+            z = zigzag(z, cp, cp_rank)
+        return rearrange(z, "(m b) n -> m b n", m=m).to(d.device)
 
     for step in run.steps():
-        x, y = data.batch(
-            step, args.batch_size, args.seq_len, args.ragged
-        )  # (B, T) global batch, CPU
+        x, y = data.batch(step, args.batch_size, args.seq_len, args.ragged)  # (B, T) global, CPU
         n_tok = count_tokens(y)  # the whole global batch's: every micro-batch loss divides by it
         watch.step = step
-        with run.watching(
-            step, comm, at=run.start
-        ):  # the first step counted (slower), the last one timed
+        # the first step counted (slower), the last one timed
+        with run.watching(step, comm, at=run.start):
             loss = runner.run(split(x), split(y), lambda logits, tgt: lm_loss(logits, tgt, n_tok))
             loss, norm = finish_batch(
-                params, loss, grad_group, tp_rank, args.clip, dist.group.WORLD, zero
+                params, loss, dp_cp_group, tp_rank, args.clip, dist.group.WORLD, zero
             )
             (zero or opt).step()
         watch.state = held_bytes(chunks, opt, zero)  # parameters, gradients, optimizer state
@@ -900,25 +871,25 @@ def report(d, args, dp, watch, comm):
     p = args.pp
     v = args.virtual_stages
     m = args.microbatches
-    ar = comm.total
+    counted = comm.total
     cp = args.cp
     tags = [c["tag"] for c in comm.calls_log if c["op"] == "send" and c["axis"] == "pp"]
     tag = PipelineRank.TAG  # one per direction
     mine = dict(
         fwd_msgs=tags.count(tag["F"]),
         bwd_msgs=tags.count(tag["B"]),
-        p2p_bytes=ar("send", "pp"),
-        tp_calls=ar("all_reduce", "tp", what="calls"),
-        tp_fwd=ar("all_reduce", "tp", "fwd", "calls"),
-        tp_bwd=ar("all_reduce", "tp", "bwd", "calls"),
-        dp_calls=ar(None, "dp", what="calls"),
-        tp_bytes=ar("all_reduce", "tp"),
-        dp_bytes=ar(None, "dp"),
-        cp_bytes=ar("send", "cp"),
-        cp_fwd_bytes=ar("send", "cp", "fwd"),
-        cp_calls=ar("send", "cp", what="calls"),
-        world_bytes=ar("all_reduce", "world"),
-        comm_bytes=ar(),
+        p2p_bytes=counted("send", "pp"),
+        tp_calls=counted("all_reduce", "tp", what="calls"),
+        tp_fwd=counted("all_reduce", "tp", "fwd", "calls"),
+        tp_bwd=counted("all_reduce", "tp", "bwd", "calls"),
+        dp_calls=counted(None, "dp_cp", what="calls"),
+        tp_bytes=counted("all_reduce", "tp"),
+        dp_bytes=counted(None, "dp_cp"),
+        cp_bytes=counted("send", "cp"),
+        cp_fwd_bytes=counted("send", "cp", "fwd"),
+        cp_calls=counted("send", "cp", what="calls"),
+        world_bytes=counted("all_reduce", "world"),
+        comm_bytes=counted(),
         inflight=watch.inflight[1],
         act_peak=watch.live.peak,
         act_per_microbatch=sum(watch.saved.values()),

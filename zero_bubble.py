@@ -25,8 +25,10 @@ which nobody waits for until the optimizer step. Cut apart, W can run wherever a
    At most 2p chunks of micro-batches alive per rank (p micro-batches of a whole stage, as 1F1B), for twice
    1F1B's messages: 2(p-1)m per direction and pipeline.
 Both are synchronous: B then W is one backward bit for bit, every step drains before one optimizer step, so
---check compares with one-process training. Data parallel outermost (--dp): each replica runs its pipeline on
-its slice of the batch, then one gradient all-reduce per step.
+--check compares with one-process training. Data parallel (--dp) wraps the pipelines: each replica runs its
+pipeline on its slice of the batch, then one gradient all-reduce per step. Outermost in the step, it is the
+innermost axis in rank order: grid = arange(world).view(p, dp), a replica group is a row grid[i, :] of
+adjacent ranks, a pipeline a column grid[:, j].
 
 Messages: every activation and gradient is one tensor in a batch_isend_irecv, posted at the moment of the
 ideal timeline that comm_plan() gives it, so that no batch waits on a later one (NCCL deadlocks otherwise;
@@ -55,6 +57,7 @@ from einops import rearrange
 
 from common import (
     DTYPES,
+    GPT,
     GPTConfig,
     MarkovData,
     build_gpt,
@@ -85,11 +88,9 @@ from harness import (
 
 @dataclass
 class Args(CommonArgs):
-    schedule: Literal["zbh1", "zbv"] = (
-        "zbh1"  # zbh1: one stage per rank; zbv: two chunks per rank in a V
-    )
+    schedule: Literal["zbh1", "zbv"] = "zbh1"  # zbh1: one stage per rank; zbv: two chunks in a V
     pp: int = 0  # pipeline ranks p (0 = world / dp)
-    dp: int = 1  # data-parallel replicas, outermost
+    dp: int = 1  # data-parallel replicas (adjacent ranks: grid = arange(world).view(p, dp))
     microbatches: int = 4  # m: micro-batches per replica and step (zbv: at least 2p-1)
     trace: str = ""  # write the measured F/B/W events as a Chrome trace (JSON) to this path
     stage_ms: float = 0.0  # simulate compute: each F, B and W of a chunk also waits this many ms
@@ -101,10 +102,10 @@ class _LinearDeferringW(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, layer, split):
-        ctx.save_for_backward(
-            x, weight
-        )  # x for W, the weight for dx: what nn.Linear's own backward keeps
-        ctx.layer, ctx.split = layer, split
+        # x for W, the weight for dx: what nn.Linear's own backward keeps
+        ctx.save_for_backward(x, weight)
+        ctx.layer = layer
+        ctx.split = split
         return F.linear(x, weight, bias)
 
     @staticmethod
@@ -141,10 +142,8 @@ class SplitBackward:
     @staticmethod
     def backward_weight(saved):
         for layer, x, dy in saved:
-            x2, dy2 = (
-                x.detach().reshape(-1, x.shape[-1]),
-                dy.reshape(-1, dy.shape[-1]),
-            )  # (N, in), (N, out)
+            x2 = x.detach().reshape(-1, x.shape[-1])  # (N, in)
+            dy2 = dy.reshape(-1, dy.shape[-1])  # (N, out)
             # autograd's addmm / mm backward products, same layout and bits; x detached: W builds no graph
             grads = [(layer.weight, dy2.t().mm(x2))]  # (out, in)
             if layer.bias is not None:
@@ -158,8 +157,7 @@ def split_layers(n_layers, n):
     """Blocks [start, end) of each of n chunks, as even as possible; the earlier chunks take the extras."""
     if not 1 <= n <= n_layers:
         raise ValueError(
-            f"{n} chunks of {n_layers} blocks: this cuts the model into {n} chunks but "
-            f"--n-layers is {n_layers}; use 1 to {n_layers} chunks, or --n-layers {n} or more"
+            f"{n} chunks of {n_layers} blocks: use 1 to {n_layers} chunks, or {n} blocks or more"
         )
     base, extra = divmod(n_layers, n)
     return [(c * base + min(c, extra), (c + 1) * base + min(c + 1, extra)) for c in range(n)]
@@ -195,10 +193,15 @@ def zbh1(p, m, r):
     forwards, then one F and one B in turn, then the cool-down B's; each B followed by the oldest W still to
     run, but the first r B's: their W's end it (torch's ScheduleInterleavedZeroBubble, one stage per rank)."""
     warm = min(p - r - 1, m)
+    # warm-up: forwards only, enough to fill the ranks after this one
     fb = [("F", k) for k in range(warm)]
+    # steady state: one forward, then the backward (input gradient) of the oldest micro-batch held
     for i in range(m - warm):
         fb += [("F", warm + i), ("B", i)]
+    # cool-down: the backwards of the micro-batches still held
     fb += [("B", k) for k in range(m - warm, m)]
+    # then each B is followed by a W (weight gradient), the first r W's held back to fill the cool-
+    # down
     ops, waiting = [], collections.deque()
     for kind, k in fb:
         ops.append((kind, r, k))
@@ -225,8 +228,8 @@ def ideal_timeline(orders, n):
     each and messages are free: {op: (rank, start, end)}. Its idle slots are the schedule's bubble."""
     p = len(orders)
     at = {}
-    nxt = [0] * len(orders)
-    free = [0] * len(orders)
+    nxt = [0] * p
+    free = [0] * p
     while any(nxt[r] < len(orders[r]) for r in range(p)):
         moved = False
         for r in range(p):
@@ -256,7 +259,8 @@ def comm_plan(orders, n, r):
     uses it: the first at which both ranks are between ops (else when made). Both post it in their batch of
     G, so all post batches in order of G, none waiting for a later one: no cycle (NCCL deadlocks on a send
     whose receive is posted behind a wait on the sender). Sorted alike on both sides; none within a rank."""
-    at, items = ideal_timeline(orders, n), collections.defaultdict(lambda: ([], []))
+    at = ideal_timeline(orders, n)
+    items = collections.defaultdict(lambda: ([], []))
     spans = collections.defaultdict(list)  # pp rank -> (start, end) of its ops
     for q, start, end in at.values():
         spans[q].append((start, end))
@@ -281,10 +285,8 @@ def comm_plan(orders, n, r):
 
 
 # ----------------------------------------------------------------------------- one rank running its plan
-TAG = {
-    "F": 0,
-    "B": 1,
-}  # a point-to-point tag per direction: activations 0, gradients 1 (NCCL ignores tags)
+# a point-to-point tag per direction: activations 0, gradients 1 (NCCL ignores tags)
+TAG = {"F": 0, "B": 1}
 
 
 class PipelineRank:
@@ -309,16 +311,13 @@ class PipelineRank:
         self.outbox = {}
         self.alive = {}
         self.waiting = {}
-        peers = {
-            q for step, *what in plan if step == "p2p" for q, _ in what[0] + what[1]
-        }  # pp ranks
+        peers = {q for step, *what in plan if step == "p2p" for q, _ in what[0] + what[1]}
         if dist.get_rank(group) < 0 or not peers <= set(range(dist.get_world_size(group))):
             raise ValueError(
                 f"the plan's peers {sorted(peers)} are not in the group: plan for p = its size"
             )
-        self.m = 1 + max(
-            op[2] for step, op, *_ in plan if step == "op"
-        )  # micro-batches the plan runs
+        # micro-batches the plan runs
+        self.m = 1 + max(op[2] for step, op, *_ in plan if step == "op")
 
     def run(self, inputs, targets, loss_fn):
         """inputs, targets: m micro-batches each. Returns the summed loss of those scored here (0-dim)."""
@@ -354,7 +353,8 @@ class PipelineRank:
             dist.P2POp(op, t, group=self.group, group_peer=q, tag=TAG[msg[0]])  # q: a pp rank
             for op, t, q, msg in out + [(dist.irecv, into[msg], q, msg) for q, msg in recvs]
         ]
-        for req in dist.batch_isend_irecv(ops) if ops else []:
+        # never empty: comm_plan makes a step only for a message
+        for req in dist.batch_isend_irecv(ops):
             req.wait()
         self.inbox.update(into)
 
@@ -363,9 +363,8 @@ class PipelineRank:
         (self.inbox if msg[1] in self.chunks else self.outbox)[msg] = t
 
     def forward(self, c, k, inputs, targets, loss_fn):
-        inp = (
-            inputs[k] if c == 0 else self.inbox.pop(("F", c, k)).requires_grad_()
-        )  # (b, T) ids or (b, T, D)
+        # (b, T) ids or (b, T, D)
+        inp = inputs[k] if c == 0 else self.inbox.pop(("F", c, k)).requires_grad_()
         out = self.chunks[c](inp)  # (b, T, D); last chunk: logits (b, T, V) ...
         if c == self.n - 1:
             out = loss_fn(out, targets[k])  # ... and its loss
@@ -374,9 +373,8 @@ class PipelineRank:
             self.hand_on(("F", c + 1, k), out.detach())  # (b, T, D) to chunk c+1
         self.alive[c, k] = inp, out
 
-    def backward(
-        self, c, k
-    ):  # B: the input's gradient now; the Linears' weight gradients wait for W
+    # B: the input's gradient now; the Linears' weight gradients wait for W
+    def backward(self, c, k):
         inp, out = self.alive.pop((c, k))
         grad = None if c == self.n - 1 else self.inbox.pop(("B", c, k))  # last chunk: from its loss
         self.waiting[c, k] = self.split.backward_input(out, grad)
@@ -395,15 +393,9 @@ def finish_batch(params, loss, dp_group, group, max_norm):
         for q, part in zip(params, flat.split([q.numel() for q in params])):
             q.grad.copy_(part.view_as(q))
     acc = torch.promote_types(params[0].dtype, torch.float32)
-    sq = (
-        torch.stack([torch.linalg.vector_norm(q.grad, dtype=acc) for q in params])
-        .square()
-        .sum()
-        .double()
-    )
-    total = torch.stack(
-        [loss, sq if dist.get_rank(dp_group) == 0 else torch.zeros_like(sq)]
-    )  # (2,) pieces
+    norms = torch.stack([torch.linalg.vector_norm(q.grad, dtype=acc) for q in params])
+    sq = norms.square().sum().double() * (dist.get_rank(dp_group) == 0)  # counted on dp rank 0
+    total = torch.stack([loss, sq])
     dist.all_reduce(total, group=group)  # (2,) the batch loss, the whole model's squared norm
     if max_norm > 0:
         torch.nn.utils.clip_grads_with_norm_(params, max_norm, total[1].sqrt())
@@ -417,10 +409,7 @@ def zbv(p, m, r):
     2. steady: F down (while micro-batches remain), B down, W down, F up, B up, W up, until every F ran
     3. cool-down: r times B down, B up; p-r times B down, W down (the oldest); then the W's left, up first."""
     if m < 2 * p - 1:  # rank 0's warm-up alone runs 2p-1 forwards
-        raise ValueError(
-            f"--microbatches {m} is too few for --schedule zbv at pp {p}: zbv needs m >= 2p-1 = "
-            f"{2 * p - 1} micro-batches, got {m}; use --microbatches {2 * p - 1} or more"
-        )
+        raise ValueError(f"zbv at p = {p} needs m >= 2p-1 = {2 * p - 1} micro-batches, got {m}")
     down, up = r, 2 * p - 1 - r
     ops, done = [], collections.Counter()
 
@@ -428,20 +417,29 @@ def zbv(p, m, r):
         ops.append((kind, c, done[kind, c]))
         done[kind, c] += 1
 
+    # 1. warm-up: forwards down the V, then up and down in turn, then the first backwards at the V's
+    # tip
     for _ in range(2 * (p - r) - 1):
         run("F", down)
     for _ in range(r):
-        run("F", up), run("F", down)
+        for c in (up, down):
+            run("F", c)
     for _ in range(p - r):
-        run("F", up), run("B", up), run("W", up)
+        for kind in "FBW":
+            run(kind, up)
+    # 2. steady state: a forward, backward and weight gradient on each leg of the V
     while done["F", up] < m:
         if done["F", down] < m:
             run("F", down)
-        run("B", down), run("W", down), run("F", up), run("B", up), run("W", up)
+        for kind, c in (("B", down), ("W", down), ("F", up), ("B", up), ("W", up)):
+            run(kind, c)
+    # 3. cool-down: the backwards left, then the weight gradients held back, up first
     for _ in range(r):
-        run("B", down), run("B", up)
+        for c in (down, up):
+            run("B", c)
     for _ in range(p - r):
-        run("B", down), run("W", down)
+        for kind in "BW":
+            run(kind, down)
     for c in (up, down):
         while done["W", c] < done["B", c]:
             run("W", c)
@@ -456,7 +454,8 @@ SCHEDULES = {  # name -> (rank r's ops, chunks in all, the pp rank holding chunk
 
 # ----------------------------------------------------------------------------- argument checks, main
 def check_args(args):
-    world, m = env_world_size(), args.microbatches
+    world = env_world_size()
+    m = args.microbatches
     check_common_args(args)
     for name in ("dp", "microbatches"):
         if getattr(args, name) < 1:
@@ -472,11 +471,15 @@ def check_args(args):
             f"zero_bubble.py needs one process per pipeline stage, at least 2: torchrun --nproc_per_node="
             f"{2 * args.dp} zero_bubble.py {' '.join(sys.argv[1:])}".rstrip()
         )
-    try:  # the cores' own checks, the model's cut and the schedule's order: their ValueError as fail's line
-        split_layers(args.n_layers, SCHEDULES[args.schedule][1](p))
-        SCHEDULES[args.schedule][0](p, m, 0)
-    except ValueError as e:
-        fail(str(e))
+    order, n_chunks, _ = SCHEDULES[args.schedule]
+    try:  # the cores' own checks, the model's cut and the schedule's order
+        split_layers(args.n_layers, n_chunks(p))
+        order(p, m, 0)
+    except ValueError as e:  # as fail's one line, with the flags they came from
+        fail(
+            f"--n-layers {args.n_layers}, --schedule {args.schedule}, --pp {p}, "
+            f"--microbatches {m}: {e}"
+        )
     if args.batch_size % (args.dp * m):
         fail(
             f"--batch-size {args.batch_size} is not divisible by dp x microbatches = {args.dp * m}: use "
@@ -493,45 +496,43 @@ def main():
     # b: micro-batch
     dp = args.dp
     m = args.microbatches
-    b = args.batch_size // (args.dp * args.microbatches)
+    b = args.batch_size // (dp * m)
     order, n_chunks, holder = SCHEDULES[args.schedule]
 
     # --- setup (same in every file) ---
     d = init_dist(args.timeout)
-    data, bounds = MarkovData(args.vocab, args.seed), split_layers(args.n_layers, n_chunks(p))
-    grid = torch.arange(world).view(
-        p, dp
-    )  # data parallel outermost: a pipeline is a column, grid[:, j]
+    data = MarkovData(args.vocab, args.seed)
+    bounds = split_layers(args.n_layers, n_chunks(p))
+    # data parallel outermost in the step, innermost in rank order: a replica group is a row grid[i,
+    # :] of
+    # adjacent ranks, a pipeline a column grid[:, j]
+    grid = torch.arange(world).view(p, dp)
     pp_rank, dp_rank = [int(i) for i in (grid == d.rank).nonzero()[0]]
-    dp_group = [dist.new_group(grid[i, :].tolist()) for i in range(p)][
-        pp_rank
-    ]  # every rank makes each group
-    pp_group = [dist.new_group(grid[:, j].tolist()) for j in range(dp)][
-        dp_rank
-    ]  # a pipeline, pp rank order
+    # every rank makes each group (new_group: a collective over the world), keeps its own
+    dp_group = [dist.new_group(grid[i, :].tolist()) for i in range(p)][pp_rank]
+    pp_group = [dist.new_group(grid[:, j].tolist()) for j in range(dp)][dp_rank]  # pp rank order
     d.log(
         f"zero_bubble.py --schedule {args.schedule}: pp {p} x dp {dp}, {len(bounds)} chunks, m = {m} "
         f"micro-batches of {b} per replica, on {d.backend}; entropy floor {data.entropy:.4f} nats/token"
     )
     torch.manual_seed(args.seed + d.rank)  # dropout masks (if any) differ per rank
     dtype = DTYPES[args.dtype]
-    gpt = build_gpt(
-        GPTConfig.from_args(args), args.seed, dtype
-    )  # whole, on CPU; a rank takes its chunks
-    shapes = {n: q.shape for n, q in gpt.named_parameters()}
+    # the whole GPT, on CPU; a rank takes its chunks
+    gpt = build_gpt(GPTConfig.from_args(args), args.seed, dtype)
     mine = [c for c in range(len(bounds)) if holder(c, p) == pp_rank]
     chunks = nn.ModuleDict({str(c): Chunk(gpt, c, bounds) for c in mine}).to(d.device)
     del gpt
-    split = SplitBackward(
-        chunks
-    )  # every Linear of this rank's chunks defers its weight gradient to W
-    opt, params = make_optimizer(chunks.parameters(), args), list(chunks.parameters())
+    # every Linear of this rank's chunks defers its weight gradient to W
+    split = SplitBackward(chunks)
+    params = list(chunks.parameters())
+    opt = make_optimizer(params, args)
     run = Run(d, args, {"model": chunks, "optim": opt})
     orders = [order(p, m, r) for r in range(p)]
     plan = comm_plan(orders, len(bounds), pp_rank)
     # NCCL sets up a group's communicator at its first collective; batched point-to-point must not come first
     dist.all_reduce(torch.zeros(1, device=d.device), group=pp_group)
-    watch, comm = Watch(d, args, (pp_rank, dp_rank)), CommCounter(log=True)
+    watch = Watch(d, args, (pp_rank, dp_rank))
+    comm = CommCounter(log=True)
     runner = PipelineRank(
         {c: chunks[str(c)] for c in mine},
         len(bounds),
@@ -543,16 +544,15 @@ def main():
         d.device,
         observe=watch,
     )
-    watch.runner, watch.state = runner, lambda: state_bytes(chunks, opt)
+    watch.runner = runner
+    watch.state = lambda: state_bytes(chunks, opt)
     for step in run.steps():
-        x, y = data.batch(
-            step, args.batch_size, args.seq_len, args.ragged
-        )  # (B, T) global batch, CPU
+        # (B, T) global batch, CPU
+        x, y = data.batch(step, args.batch_size, args.seq_len, args.ragged)
         n_tok = count_tokens(y)  # the whole global batch's: every micro-batch loss divides by it
         rows = slice(dp_rank * b * m, (dp_rank + 1) * b * m)  # this replica's rows
-        mbs = [
-            rearrange(z[rows], "(m b) t -> m b t", m=m).to(d.device) for z in (x, y)
-        ]  # (m, b, T) each
+        # (m, b, T) each
+        mbs = [rearrange(z[rows], "(m b) t -> m b t", m=m).to(d.device) for z in (x, y)]
         watch.step = step
         # count the sends of the step before last (counting slows ops; the last step's bubble is reported)
         with run.watching(step, comm, at=max(run.start, args.steps - 2)):
@@ -562,21 +562,8 @@ def main():
         opt.zero_grad(set_to_none=True)
         run.end_step(step, loss)
 
-    figures = report(d, args, p, watch, comm, bounds, holder)
-    peak = peak_memory_bytes(d, watch.bytes)  # counted; CUDA's own peak on a GPU
-    check = None
-    if args.check:  # the full model, by name, from the chunks of dp replica 0 (one all-reduce)
-        owned = (
-            {n.split(".", 1)[1]: q for n, q in chunks.named_parameters()} if dp_rank == 0 else {}
-        )
-        check = check_against_reference(d, args, run.losses, assemble_full(d, owned, shapes, dtype))
-    run.finish(
-        f"zero-bubble-{args.schedule}",
-        peak,
-        max(figures.get("sent_bytes_per_rank", [0])),
-        check,
-        figures,
-    )
+    # the summary, then --check
+    summarize(d, args, p, run, watch, comm, bounds, holder, chunks, dp_rank)
 
 
 # --- measurement --- (from outside the schedule: its observe callback, the collective counter, the report) --
@@ -620,6 +607,29 @@ def theory(p, m, schedule):
         )
     msgs = [m * (2 - (r == 0) - (r == p - 1)) for r in range(p)]
     return (p - 1) / (6 * m), [2 * p] * p, msgs, msgs
+
+
+def summarize(d, args, p, run, watch, comm, bounds, holder, chunks, dp_rank):
+    """The report, the peak (counted; CUDA's own on a GPU), then --check: the full model, by name, from the
+    chunks of dp replica 0 (one all-reduce)."""
+    figures = report(d, args, p, watch, comm, bounds, holder)
+    peak = peak_memory_bytes(d, watch.bytes)
+    check = None
+    if args.check:
+        dtype = DTYPES[args.dtype]
+        with torch.device("meta"):  # the names and shapes of the whole GPT, no storage
+            shapes = {n: q.shape for n, q in GPT(GPTConfig.from_args(args)).named_parameters()}
+        owned = (
+            {n.split(".", 1)[1]: q for n, q in chunks.named_parameters()} if dp_rank == 0 else {}
+        )
+        check = check_against_reference(d, args, run.losses, assemble_full(d, owned, shapes, dtype))
+    run.finish(
+        f"zero-bubble-{args.schedule}",
+        peak,
+        max(figures.get("sent_bytes_per_rank", [0])),
+        check,
+        figures,
+    )
 
 
 def report(d, args, p, watch, comm, bounds, holder):

@@ -393,10 +393,10 @@ def bad_input(d, lay):
     builds = {
         "3 experts at EP 2": (
             dict(experts=3),
-            ["--experts 3 is not divisible by --ep 2", "try --experts 4"],
+            ["experts = 3 is not divisible by ep = 2", "try experts = 4"],
         ),
-        "top_k 5 of 4 experts": (dict(top_k=5), ["--top-k 5 with --experts 4", "1..4"]),
-        "top_k 0": (dict(top_k=0), ["--top-k 0", "1..4"]),
+        "top_k 5 of 4 experts": (dict(top_k=5), ["top_k = 5 with 4 experts", "1..4"]),
+        "top_k 0": (dict(top_k=0), ["top_k = 0 with 4 experts", "1..4"]),
         "score 'tanh'": (dict(score="tanh"), ["'tanh'", "sigmoid (DeepSeek-V3) or softmax"]),
     }
     check_builds(d, "DeepSeekMoE", builds, layer, core, mutant, axes)

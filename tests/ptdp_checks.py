@@ -171,8 +171,8 @@ def refusals(pp_group, tp_group, alone, pp_rank):
     for case, call in cases.items():
         out[case] = section.attempt(call)  # (error, collectives counted)
     for case, text in (
-        ("TPBlock, 3 heads over t 2", "if heads % t:"),
-        ("Chunk, 2 layers in 4 chunks", "if layers % n or not 0 <= c < n:"),
+        ("TPBlock, 3 heads over t 2", "if n % k:"),  # check_split's test, cut
+        ("Chunk, 2 layers in 4 chunks", "if n % k:"),
     ):
         mutant = section.load(
             "ptdp.py", (section.ROOT / "ptdp.py").read_text().replace(text, "if False:")
@@ -503,7 +503,10 @@ MUTANTS = {  # name: (a line of ptdp.py, what the mutant has instead)
         "y = RingAttention.apply(q, k, v, self.cp_group)",  # K/V round the wrong ring: the TP
         "y = RingAttention.apply(q, k, v, self.group)",
     ),  # peer's (its other heads, my tokens)
-    "grads-over-dp-not-cp": ('("dp", [1, 2])', '("dp", [1])'),  # the gradient group: dp alone
+    "grads-over-dp-not-cp": (  # the gradient group: dp alone
+        '"p d c t -> (p t) (d c)"',
+        '"p d c t -> (p c t) d"',
+    ),
     "shard-wrong-slice": (
         "        i = dist.get_rank(group)\n",  # ZeRO-1: my shard's state and update taken
         "        i = (dist.get_rank(group) + 1) % R\n",

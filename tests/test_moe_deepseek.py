@@ -7,6 +7,7 @@ figures beside their theory; the gates and the sequence-wise loss against DeepSe
 hand, the bias update against its closed form, each broken and caught; exact ties go to the lower expert
 index; bad input exits 2."""
 
+import ast
 import math
 import sys
 
@@ -118,8 +119,11 @@ def test_ep3_restart(tmp_path):
 @pytest.mark.parametrize(
     "flags, words",
     [
-        (["--experts", "6", "--ep", "4"], ["--experts 6 is not divisible by --ep 4"]),
-        (["--top-k", "9"], ["--top-k 9 with --experts 8"]),
+        (
+            ["--experts", "6", "--ep", "4"],
+            ["--experts 6, --ep 4", "experts = 6 is not divisible by ep = 4", "try experts = 8"],
+        ),
+        (["--top-k", "9"], ["--experts 8", "--top-k 9", "top_k = 9 with 8 experts", "1..8"]),
         (["--granularity", "3"], ["--granularity 3", "4 x --d-model"]),
     ],
 )
@@ -133,15 +137,15 @@ def test_bad_input_every_rank():
     after init_dist would crash instead), says the same one line and exits 2."""
     assert_each_rank_fails(
         run_ranks("moe_deepseek.py", 2, "--experts", "3"),
-        ["--experts 3 is not divisible by --ep 2"],
+        ["--experts 3, --ep 2", "experts = 3 is not divisible by ep = 2"],
     )
 
 
 @pytest.mark.parametrize(
     "flags, words",
     [
-        (dict(score="tanh"), ["--score 'tanh'", "sigmoid"]),
-        (dict(top_k=0), ["--top-k 0 with --experts 8"]),
+        (dict(score="tanh"), ["--score tanh: ", "score = 'tanh': use sigmoid"]),
+        (dict(top_k=0), ["--top-k 0", "top_k = 0 with 8 experts"]),
         (dict(shared_experts=-1), ["--shared-experts must be >= 0"]),
         (dict(bias_rate=-1.0), ["--bias-rate must be >= 0"]),
         (dict(seq_aux_weight=-1.0), ["--seq-aux-weight must be >= 0"]),
@@ -343,3 +347,42 @@ def test_copy_out_moe_deepseek(checks):
     """Check your own DeepSeek-style MoE the same way: the layer inside your model, expert parallel, against the
     model with every expert local trained in one process (copy_out above, run in the checks' launch)."""
     assert_all_pass(checks, "copy-out", 4)
+
+
+# What moe_deepseek.py's docstring says repeats moe.py line for line (docstrings aside), and nothing else.
+SAME_AS_MOE = {"init", "top_k", "mlps", "make_layout", "split_params", "sync_grads"}
+
+
+def code_of(text):
+    """{name: the code of each top-level function or class of `text`, its docstrings left out}."""
+    out = {}
+    for node in ast.parse(text).body:
+        if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+            for f in ast.walk(node):
+                if (
+                    isinstance(f, (ast.FunctionDef, ast.ClassDef))
+                    and ast.get_docstring(f) is not None
+                ):
+                    f.body = f.body[1:] or [ast.Pass()]
+            out[node.name] = ast.dump(node)
+    return out
+
+
+def test_repeats_of_moe_py_are_the_declared_ones():
+    """The functions whose code moe_deepseek.py shares with moe.py are exactly those its docstring declares
+    (SAME_AS_MOE); a declared copy changed in one file is caught, and so is a copy not declared."""
+    moe_code = code_of((ROOT / "moe.py").read_text())
+    text = (ROOT / "moe_deepseek.py").read_text()
+
+    def shared(text):
+        return {k for k, code in code_of(text).items() if moe_code.get(k) == code}
+
+    assert shared(text) == SAME_AS_MOE
+    changed = "    replica, ep_rank = divmod(d.rank, ep)\n"
+    assert text.count(changed) == 1
+    drifted = text.replace(changed, "    replica, ep_rank = divmod(d.rank, ep)\n    replica += 0\n")
+    assert shared(drifted) == SAME_AS_MOE - {"make_layout"}
+    undeclared = text.replace("def moe_layers(", "def moe_layers_renamed(")
+    undeclared += "\n\ndef set_step(model, step, row0):\n    for m in moe_layers(model):\n"
+    undeclared += "        m.step = step\n        m.row0 = row0\n"
+    assert shared(undeclared) != SAME_AS_MOE

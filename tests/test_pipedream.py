@@ -426,7 +426,7 @@ BAD = {  # what a core of the section is given -> words its ValueError must say
     "split_layers, 3 stages of 2 blocks": ["3 stages of 2 blocks", "use 1 to 2 stages"],
     "one_f_one_b, stage 2 of 2": ["stage 2 of 2", "a stage 0..p-1"],
     "to_device, 7 rows into 2": ["a batch of 7", "m = 2 equal micro-batches"],
-    "TwoBW, m 2 < p 3": ["2bw needs --microbatches >= stages (3), got 2", "--microbatches 3"],
+    "TwoBW, m 2 < p 3": ["2bw needs m >= p = 3 micro-batches, got 2", "use m = 3"],
     "StageRunner, a rank outside the group": ["not in the pipeline's group"],
 }
 
@@ -636,7 +636,8 @@ def test_bad_input():
         run_python("pipedream.py", *CFG), ["one process per stage", "torchrun --nproc_per_node=4"]
     )
     one_error_line(
-        run_python("pipedream.py", *CFG, "--microbatches", "0"), ["--microbatches must be >= 1"]
+        run_python("pipedream.py", *CFG, "--microbatches", "0"),
+        ["--microbatches 0, ", "m must be >= 1, got 0"],
     )
     one_error_line(
         run_python("pipedream.py", *CFG, "--mode", "gpipe"), ["--mode", "invalid choice: 'gpipe'"]
@@ -645,15 +646,26 @@ def test_bad_input():
         run_python("pipedream.py", *CFG, "--mode", "stash"),
         ["whole-model gradient norm", "--clip 0"],
     )
-    one_error_line(as_rank(3, "--n-layers", "2"), ["3 stages but --n-layers 2", "--n-layers 3"])
+    one_error_line(
+        as_rank(3, "--n-layers", "2"),
+        ["--n-layers 2, ", "3 stages of 2 blocks leave a stage without one", "3 blocks or more"],
+    )
     one_error_line(
         as_rank(4, "--mode", "2bw", "--microbatches", "2"),
-        ["2bw needs --microbatches >= stages (4)", "second-to-last norm", "--microbatches 4"],
+        [
+            "--microbatches 2, --n-layers 4, --mode 2bw, 4 stages",
+            "2bw needs m >= p = 4 micro-batches, got 2",
+            "second-to-last norm",
+            "use m = 4",
+        ],
     )
     # an m that does not divide the batch, a flag of another mode, a mode that moved to its own file
     one_error_line(
         as_rank(4, "--microbatches", "3"),
-        ["--batch-size 16 is not divisible by --microbatches 3", "--microbatches 2"],
+        [
+            "--batch-size 16, --microbatches 3, ",
+            "a batch of 16 does not cut into m = 3 equal micro-batches: use m = 2",
+        ],
     )
     one_error_line(
         as_rank(2, "--mode", "2bw", "--vertical-sync"), ["--vertical-sync belongs to --mode stash"]

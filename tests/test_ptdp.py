@@ -501,15 +501,15 @@ def test_copy_out_pipeline_and_tp_match_one_process(launch):
     assert got["interleaved"]["losses"] == pytest.approx(got["reference_losses"], rel=1e-12)
     assert got["interleaved, f without its all-reduce"]["max_grad_or_param_diff"] > 1e-3
     words = {
-        "schedule, v 2, m 3 not a multiple of p 2": "m a multiple of p",
+        "schedule, v 2, m 3 not a multiple of p 2": "interleaved (v > 1): m 3 is not divisible by p = 2",
         "schedule, rank 2 of p 2": "0 <= r < p",
         "schedule, m 0": "m >= 1",
-        "PipelineRank, m 3 not a multiple of p 2": "m a multiple of p",
+        "PipelineRank, m 3 not a multiple of p 2": "m 3 is not divisible by p = 2: use a multiple of p",
         "PipelineRank, 2 chunks in a group of 4": "rank 0 of 4 holds chunks [0, 4], not [0, 2]",
         "PipelineRank, 2 chunks of a pipeline of 2 in a group of 1": "rank 0 of 1 holds chunks [0, 1], not [0, 2]",
         "PipelineRank.run, m - 1 micro-batches": "m = 4 micro-batches, got 3 inputs, 3 targets",
-        "TPBlock, 3 heads over t 2": "3 heads do not split over t = 2: use heads divisible by t",
-        "Chunk, 2 layers in 4 chunks": "n dividing the 2 layers",
+        "TPBlock, 3 heads over t 2": "heads 3 is not divisible by t = 2: use a multiple of 2",
+        "Chunk, 2 layers in 4 chunks": "layers 2 is not divisible by n chunks = 4: use a multiple of 4",
         "Chunk, chunk 2 of 2": "chunk 2 of 2: need 0 <= c < n",
     }
     assert set(got["refusals"]) == set(words) and all(got["refused_on_every_rank"].values()), got[
@@ -556,9 +556,9 @@ def test_copy_out_cp_attention_in_tp_and_zero1_match_one_process(launch):
     )
     assert ok["counted"]["reduce_scatter/cp/fwd"] == ok["counted"]["all_gather/cp/fwd"] == 1
     words = {
-        "TPBlock, 3 heads over t 2": "3 heads do not split over t = 2",
-        "zigzag, 6 tokens over cp 2": "6 tokens do not cut into 2 x cp = 4 equal chunks",
-        "RingAttention, 3 tokens per rank": "6 tokens do not cut into 2 x cp = 4 equal chunks",
+        "TPBlock, 3 heads over t 2": "heads 3 is not divisible by t = 2: use a multiple of 2",
+        "zigzag, 6 tokens over cp 2": "tokens 6 is not divisible by 2 x cp = 4: use a multiple of 4",
+        "RingAttention, 3 tokens per rank": "tokens 6 is not divisible by 2 x cp = 4",
     }
     assert set(got["refusals"]) == set(words)
     for case, (error, calls) in got["refusals"].items():
@@ -572,7 +572,7 @@ def test_copy_out_cp_attention_in_tp_and_zero1_match_one_process(launch):
 def test_schedule_refuses_what_it_cannot_run():
     """comm_plan from the section alone, m = 3 with p = 2 and v = 2: a ValueError naming the rule; with the check
     cut out of the text it fails later and obscurely (the ideal timeline waits on itself), or worse."""
-    with pytest.raises(ValueError, match="m a multiple of p"):
+    with pytest.raises(ValueError, match=r"m 3 is not divisible by p = 2"):
         section.load("ptdp.py")["comm_plan"](2, 2, 3, 0)
     text = (ROOT / "ptdp.py").read_text()
     check = "if v > 1 and m % p:"
@@ -743,30 +743,29 @@ def test_restart_continues_bit_identically(launch, tmp_path):
                 "4",
             ],
             [
-                "--microbatches 3 is not a multiple of --pp 2",
-                "v = 2, m = 3",
-                "with v > 1 m a multiple of p",
+                "--pp 2, --virtual-stages 2, --microbatches 3: ",
+                "interleaved (v > 1): m 3 is not divisible by p = 2: use a multiple of p",
             ],
         ),
         (
             2,
             ["--n-layers", "3"],
             [
-                "--n-layers 3 is not divisible by pp x virtual stages = 2",
-                "chunk 0 of 2: need 0 <= c < n, n dividing the 3 layers",
+                "--n-layers 3 is not divisible by --pp x --virtual-stages = 2",
+                "use a multiple of 2",
             ],
         ),
         (
             2,
             ["--tp", "2", "--n-heads", "1", "--pp", "1"],
-            ["--n-heads 1 is not divisible by --tp 2", "1 heads do not split over t = 2"],
+            ["--n-heads 1 is not divisible by --tp = 2: use a multiple of 2"],
         ),
         (
             4,
             ["--cp", "2", "--seq-len", "6"],
             [
-                "--seq-len 6 is not divisible by 2 x cp = 4",
-                "6 tokens do not cut into 2 x cp = 4 equal chunks",
+                "--seq-len 6 is not divisible by 2 x --cp = 4",
+                "use a multiple of 4",
             ],
         ),
         (2, ["--zero", "2"], ["--zero 2", "use --zero 0 or 1"]),

@@ -472,7 +472,7 @@ def test_copy_out_core_on_another_model(launch):
 
 BAD = {  # what a core of the section is given -> words its ValueError must say
     "split_layers, 5 chunks of 4 blocks": ["5 chunks of 4 blocks", "use 1 to 4 chunks"],
-    "zbv, m 2 at p 2": ["zbv needs m >= 2p-1 = 3", "got 2"],
+    "zbv, m 2 at p 2": ["zbv at p = 2 needs m >= 2p-1 = 3 micro-batches, got 2"],
     "ideal_timeline, ranks' orders of two schedules": ["waits on itself"],
     "PipelineRank, a plan for p 3 in a group of 2": [
         "peers [0, 2] are not in the group",
@@ -583,12 +583,18 @@ def test_restart_continues_exactly(launch, tmp_path):
         (
             2,
             ["--schedule", "zbv", "--microbatches", "2", "--n-layers", "4"],
-            ["--microbatches 2 is too few for --schedule zbv at pp 2", "--microbatches 3 or more"],
+            [
+                "--schedule zbv, --pp 2, --microbatches 2: ",
+                "zbv at p = 2 needs m >= 2p-1 = 3 micro-batches, got 2",
+            ],
         ),
         (
             4,
             ["--schedule", "zbv", "--n-layers", "4"],
-            ["cuts the model into 8 chunks but --n-layers is 4", "--n-layers 8"],
+            [
+                "--n-layers 4, --schedule zbv, --pp 4",
+                "8 chunks of 4 blocks: use 1 to 4 chunks, or 8 blocks or more",
+            ],
         ),
         (4, ["--pp", "3"], ["world size 4 != pp 3 x dp 1", "--nproc_per_node=3"]),
         (
