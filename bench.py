@@ -40,6 +40,7 @@ of every run and rank, and each run's biggest top-level ops printed.
 
 import collections
 import contextlib
+import dataclasses
 import functools
 import importlib
 import itertools
@@ -62,6 +63,7 @@ import torch.nn as nn
 import harness
 from common import (
     DTYPES,
+    IGNORE,
     GPTConfig,
     MarkovData,
     build_gpt,
@@ -121,7 +123,10 @@ class Args(CommonArgs):
         ""  # write a torch.profiler Chrome trace of every run and rank into this directory
     )
     launch_timeout: int = 600  # seconds one torchrun launch may take
-    worker: str = ""  # (internal) run torch's side of a pair under torchrun
+    blocks: int = 10  # paired pairs: timed blocks per side in one launch (A B, B A, ...)
+    block_steps: int = 2  # paired pairs: steps per block
+    worker: str = ""  # (internal) run torch's side of a pair, or both (paired), under torchrun
+    flip: int = 0  # (internal) paired: 1 starts the first block with torch's side
 
 
 PTDP = (
@@ -469,6 +474,148 @@ def unwrapped(t):
     return [x for i in inner if torch.is_tensor(i) for x in unwrapped(i)]
 
 
+# ----------------------------------------------------------------------------- our side, from the cores
+# Built as a copier builds it: the core a file teaches (BucketedDDP, sync_step, Zero, the Megatron layers,
+# gpipe_step, StageRunner + Flush) in a loop like its file's main, on the same GPT, data and AdamW. Each
+# returns step(i): trains step i whole (forward, backward, clipping, the update) and returns the global
+# batch's loss. paired_worker runs it beside torch's side in the same processes.
+def our_data_parallel(d, args, pair):
+    """ddp_bucketed.BucketedDDP at --bucket-cap-mb (its first bucket too), dp.sync_step, zero.Zero at the
+    pair's stage with a unit per block (as zero.py builds it, on the CPU first)."""
+    zero = pair.startswith("zero")
+    core = importlib.import_module(PAIRS[pair][0].removesuffix(".py"))
+    model = build_gpt(
+        GPTConfig.from_args(args), args.seed, DTYPES[args.dtype], "cpu" if zero else d.device
+    )
+    data = MarkovData(args.vocab, args.seed)
+    b = args.batch_size // d.world
+    opt = make_optimizer(model.parameters(), args)
+    if zero:
+        units = [f"blocks.{i}" for i in range(args.n_layers)]
+        opt = core.Zero(
+            model,
+            units,
+            stage=int(pair[-1]),
+            optimizer=lambda ps: make_optimizer(ps, args),
+            clip=args.clip,
+            device=d.device,
+        )
+    elif pair == "ddp":
+        net = core.BucketedDDP(model, args.bucket_cap_mb, args.bucket_cap_mb)
+
+    def step(i):
+        x, y = data.batch(i, args.batch_size, args.seq_len)  # (B, T) global batch, CPU
+        n_tok = count_tokens(y)
+        if zero:  # this rank's rows, one micro-batch
+            loss = core.train_step(opt, x, y, n_tok, 1, lm_loss)[0]
+            return reduced(loss)
+        x, y = (t[d.rank * b : (d.rank + 1) * b].to(d.device) for t in (x, y))  # (B/N, T)
+        if pair == "dp_sync":
+            loss_fn = lambda m, xm, ym: lm_loss(m(xm), ym, n_tok)  # noqa: E731
+            loss = core.sync_step(model, opt, [(x, y)], loss_fn, args.clip)[0]
+        else:
+            opt.zero_grad(set_to_none=True)
+            loss = lm_loss(net(x), y, n_tok)
+            (loss * d.world).backward()  # every .grad averaged over ranks
+            torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
+            opt.step()
+        return reduced(loss)
+
+    return step
+
+
+def reduced(loss):  # this rank's share of the loss summed over ranks: the global batch's loss
+    total = loss.detach().double().reshape(1)
+    dist.all_reduce(total)
+    return total.item()
+
+
+def our_tensor_parallel(d, args, pair):
+    """megatron_tp.ParallelGPT over the whole world (tp = world), its vocabulary-parallel cross-entropy and
+    its global norm, as megatron_tp.py's main at --dp 1."""
+    tp = importlib.import_module("megatron_tp")
+    world = dist.group.WORLD
+    tracker = tp.RNGTracker(d.device, args.seed, 0, d.rank)
+    full = build_gpt(GPTConfig.from_args(args), args.seed, DTYPES[args.dtype])  # CPU, sliced there
+    model = tp.ParallelGPT(full, world, tracker).to(d.device)
+    data = MarkovData(args.vocab, args.seed)
+    opt = make_optimizer(model.parameters(), args)
+
+    def step(i):
+        x, y = data.batch(i, args.batch_size, args.seq_len)  # (B, T) on every rank
+        n_tok = count_tokens(y)
+        logits = model(x.to(d.device))  # (B, T, V/tp) this rank's vocabulary slice
+        flat = logits.flatten(0, 1), y.to(d.device).flatten()
+        loss = tp.VocabParallelCrossEntropy.apply(*flat, args.vocab, world, IGNORE).sum() / n_tok
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        grads = [w.grad for w in model.parameters()]
+        clip_grads_(grads, tp.global_grad_norm(model, world), args.clip)
+        opt.step()
+        return loss.item()  # the same on every rank
+
+    return step
+
+
+def our_pipeline(d, args, pair):
+    """gpipe.gpipe_step, or pipedream's StageRunner with the Flush policy (one 1F1B schedule per step, drained
+    before the update), on a Stage per rank at the files' layer bounds."""
+    core = importlib.import_module(PAIRS[pair][0].removesuffix(".py"))
+    p = d.world
+    s = d.rank
+    m = args.microbatches
+    gpt = build_gpt(
+        GPTConfig.from_args(args), args.seed, DTYPES[args.dtype]
+    )  # a stage takes its part
+    stage = core.Stage(gpt, s, core.split_layers(args.n_layers, p)).to(d.device)
+    opt = make_optimizer(stage.parameters(), args)
+    act = (args.batch_size // m, args.seq_len, args.d_model)  # (b, T, D) crossing a boundary
+    prev = s - 1 if s > 0 else None
+    nxt = s + 1 if s < p - 1 else None
+    data = MarkovData(args.vocab, args.seed)
+    batches = {}  # 1f1b: step -> (m, b, T) tokens and targets on the device, the token count
+
+    def source(k):  # micro-batch k: stage 0's tokens, the last stage's targets and token count
+        x, y, n_tok = batches[k // m]
+        return x[k % m], (y[k % m], n_tok)
+
+    if pair == "1f1b":
+        flush = core.Flush(stage, opt, args.clip)
+        loss_fn = lambda logits, y: lm_loss(logits, *y)  # noqa: E731
+        runner = core.StageRunner(flush, source, loss_fn, act, act, DTYPES[args.dtype], d.device)
+
+    def step(i):
+        x, y = data.batch(i, args.batch_size, args.seq_len)  # (B, T) global batch, CPU
+        n_tok = count_tokens(y)
+        if pair == "1f1b":
+            batches[i] = (*core.to_device(m, d.device, x, y), n_tok)
+            runner.run([(kind, i * m + k) for kind, k in core.one_f_one_b(m, p, s)])
+            runner.drain(i)  # the whole model's norm, clipping, the update
+            del batches[i]
+            mine = [runner.losses.pop(i * m + j) for j in range(m)] if s == 0 else []
+            return reduced(sum(mine, torch.zeros((), device=d.device)))  # stage 0's, to every rank
+        xs = core.micro_batches(x, m, d.device) if prev is None else [None] * m
+        ys = core.micro_batches(y, m, d.device) if nxt is None else [None] * m
+        opt.zero_grad(set_to_none=True)
+        loss_fn = lambda logits, t: lm_loss(logits, t, n_tok)  # noqa: E731
+        loss = core.gpipe_step(stage, xs, ys, loss_fn, prev, nxt, act)
+        grads = [w.grad for w in stage.parameters()]
+        both = torch.stack([core.squared_norm(grads), loss])  # (2,) this stage's part
+        dist.all_reduce(both)  # the whole model's squared norm, the batch loss
+        clip_grads_(grads, both[0].sqrt(), args.clip)
+        opt.step()
+        return both[1].item()
+
+    return step
+
+
+OURS = {  # pair -> our side, for the pairs paired in one launch
+    **dict.fromkeys(("ddp", "dp_sync", "zero1", "zero2", "zero3"), our_data_parallel),
+    "tp": our_tensor_parallel,
+    **dict.fromkeys(("gpipe", "1f1b"), our_pipeline),
+}
+
+
 # ----------------------------------------------------------------------------- the workers (under torchrun)
 WORKERS = {  # worker -> (torch's side, its name in the table)
     **{
@@ -537,6 +684,58 @@ def run_worker(args):
         figures,
     )
     harness.close_dist()
+
+
+def paired_worker(args):
+    """`torchrun bench.py --worker paired --pairs NAME`: both sides of one pair in these processes, each its
+    own model, on the same data: --warmup steps of each (untimed), then --blocks blocks of --block-steps steps
+    per side in the order A B, B A, A B, ... (A: ours; --flip 1 starts with torch's), so that whatever the
+    machine does hits two neighbouring blocks alike, and a drift across the launch cancels in the mean of the
+    blocks' log ratios. Each block starts once every rank has arrived and ends at the loss of its last step
+    (.item(): the device is done). Per block and side: wall ms per step (mean over ranks) and process CPU ms
+    per step (user + system, all threads, summed over ranks); the 1-minute load average. Peaks and bytes
+    are not counted here: each side's are from a launch of its own (bench_paired)."""
+    d = init_dist(args.timeout)
+    torch.set_num_threads(args.threads)
+    worker = PAIRS[args.pairs][2]
+    _, opt, train = WORKERS[worker][0](d, args, worker, CommCounter())
+
+    def theirs(i):
+        opt.zero_grad(set_to_none=True)
+        loss = train(i)[0]
+        opt.step()
+        return loss
+
+    sides = (OURS[args.pairs](d, args, args.pairs), theirs)
+    losses = ([], [])
+    blocks = []
+    for j in range(-1, args.blocks):  # j = -1: the warm-up
+        ours_first = (j + args.flip) % 2 == 0
+        clock = torch.zeros(
+            4, dtype=torch.float64, device=d.device
+        )  # wall ours, torch; CPU ours, torch
+        for side in (0, 1) if ours_first else (1, 0):
+            arrived = torch.zeros(1, device=d.device)
+            dist.all_reduce(arrived)
+            arrived.item()  # every rank is here
+            wall = time.perf_counter()
+            cpu = time.process_time()
+            for _ in range(args.warmup if j < 0 else args.block_steps):
+                losses[side].append(sides[side](len(losses[side])))
+            clock[side] = time.perf_counter() - wall
+            clock[2 + side] = time.process_time() - cpu
+        dist.all_reduce(clock)  # summed over ranks
+        ms = (clock * 1e3 / args.block_steps).tolist()
+        wall_ms = [ms[0] / d.world, ms[1] / d.world]
+        if j >= 0:
+            blocks.append(dict(wall_ms=wall_ms, cpu_ms=ms[2:], ours_first=ours_first, load=load()))
+    figures = dict(blocks=blocks, torch_losses=losses[1])
+    write_summary(d, args, "paired", losses[0], None, None, None, None, None, figures)
+    harness.close_dist()
+
+
+def load():  # the machine's 1-minute load average (runnable processes), where the OS reports it
+    return os.getloadavg()[0] if hasattr(os, "getloadavg") else None
 
 
 def overlap_worker(d, args):
@@ -756,7 +955,9 @@ def launch(args, pair, tag, worker=None):
             "bench.py",
             "--worker",
             worker,
-            *opts(MODEL + " microbatches bucket_cap_mb threads warmup"),
+            *opts(MODEL + " microbatches bucket_cap_mb threads warmup blocks block_steps flip"),
+            "--pairs",
+            pair,
         ]
         tail += ["--profile", args.profile]
     else:
@@ -805,15 +1006,17 @@ def launch(args, pair, tag, worker=None):
         "".join(f"    | {line}\n" for line in shown), end="", flush=True
     )  # why it failed, or its profile
     summary = json.loads(out_json.read_text()) if rc == 0 and out_json.exists() else None
-    return dict(rc=rc, summary=summary, ms=ms, cmd=" ".join(cmd[3:]))
+    return dict(rc=rc, summary=summary, ms=ms, cmd=" ".join(cmd[3:]), load=load())
 
 
-def side_row(args, pair, side, runs, one_ms):
+def side_row(args, pair, side, runs, one_ms, med=None):
+    """A side's row from its runs; the step time `med`, else the median over its runs' timed steps."""
     ok = [r for r in runs if r["rc"] == 0 and len(r["ms"]) > args.warmup]
     if not ok:
         return dict(name=None, error=(runs[-1]["cmd"] if runs else "not run"))
     s, tokens = ok[-1]["summary"] or {}, args.batch_size * args.seq_len
-    med, f = statistics.median(t for r in ok for t in r["ms"][args.warmup :]), s.get("figures", {})
+    med = med or statistics.median(t for r in ok for t in r["ms"][args.warmup :])
+    f = s.get("figures", {})
     sent = s.get(
         "comm_bytes"
     )  # a file that reports one collective's bytes (fp8.py: its all-gather) and
@@ -875,21 +1078,81 @@ def bench_group(args, pairs, one_ms, share_s):
             side_row(args, p, "ours", runs[p], one_ms),
             side_row(args, p, "torch", runs["torch"], one_ms),
         )
-        lo, lt = o.get("losses") or [], t.get("losses") or []
-        rows.append(
-            dict(
-                pair=p,
-                ours=o,
-                torch=t,
-                **judged[p],
-                max_loss_diff=max((abs(x - y) / abs(y) for x, y in zip(lo, lt)), default=None),
-            )
-        )
+        loss_diff = rel_diff(o.get("losses"), t.get("losses"))
+        load = [r["load"] for r in runs["torch"]]
+        rows.append(dict(pair=p, ours=o, torch=t, **judged[p], max_loss_diff=loss_diff, load=load))
+    return with_overlap(args, pairs, rows)
+
+
+def with_overlap(args, pairs, rows):  # ddp's row: the share of all-reduce hidden behind backward
     if "ddp" in pairs and args.world > 1:
         r = launch(args, "ddp", "ddp_overlap", "overlap")
         if r["summary"]:
             rows[pairs.index("ddp")]["overlap"] = r["summary"]["figures"]
     return rows
+
+
+def bench_paired(args, pairs, one_ms, share_s):
+    """A pair paired in one launch (paired_worker): a launch, then more (each starting with the other side)
+    while the interval the verdict rests on is wider than --precision and one more launch fits in share_s;
+    the samples are the blocks' ratios, the spread the first launch's blocks'. The verdict rests on wall time,
+    or on CPU time where the load passed the core count at some block (other processes then took time from
+    both sides, which CPU time does not count). Then each side once in a launch of its own (our file, torch's
+    worker): its peak memory, bytes sent, bubble and losses, measured apart."""
+    pair = pairs[0]
+    worker = PAIRS[pair][2]
+    print(f"{PAIRS[pair][0]} vs {WORKERS[worker][1]}, paired in one launch", flush=True)
+    t0 = time.time()
+    runs = []
+    while True:
+        tag = f"{pair}_paired_w{args.world}_l{len(runs)}"
+        runs.append(launch(dataclasses.replace(args, flip=len(runs) % 2), pair, tag, "paired"))
+        done = [r["summary"] for r in runs if r["summary"]]
+        blocks = [b for s in done for b in s["figures"]["blocks"]]
+        first = len(done[0]["figures"]["blocks"]) if done else None
+        wall, cpu = (
+            dict(judge([b[k][0] / b[k][1] for b in blocks], args.precision, first), unit="block")
+            for k in ("wall_ms", "cpu_ms")
+        )
+        loads = [b["load"] for b in blocks if b["load"] is not None] or [0.0]
+        busy = max(loads) > os.cpu_count()
+        row = dict(cpu if busy else wall, rests_on="CPU time" if busy else "wall time")
+        row.update(wall=wall, cpu=cpu, load=loads)
+        row["note"] = f"; on {row['rests_on']}, load {min(loads):.1f}-{max(loads):.1f}" + (
+            f" > {os.cpu_count()} cores" * busy
+        )
+        print(
+            f"  after launch {len(runs)}: wall {say(wall)}; CPU {say(cpu)}{row['note']}", flush=True
+        )
+        n = len(runs)
+        if not row["noisy"] or runs[-1]["rc"] or (time.time() - t0) * (n + 1) / n > share_s:
+            break
+    sides = []
+    for side, tag, w in (("ours", pair, None), ("torch", worker, worker)):
+        ms = statistics.median(b["wall_ms"][side == "torch"] for b in blocks) if blocks else None
+        run = launch(args, pair, f"{tag}_{side}_w{args.world}", w)  # its peak and bytes, apart
+        sides.append(side_row(args, pair, side, [run], one_ms, ms))
+    last = done[-1] if done else {}
+    return with_overlap(
+        args,
+        pairs,
+        [
+            dict(
+                pair=pair,
+                ours=sides[0],
+                torch=sides[1],
+                **row,
+                max_loss_diff=rel_diff(sides[0].get("losses"), sides[1].get("losses")),
+                paired_loss_diff=rel_diff(
+                    last.get("losses"), last.get("figures", {}).get("torch_losses")
+                ),
+            )
+        ],
+    )
+
+
+def rel_diff(ours, theirs):  # the largest relative difference of a step's loss between the sides
+    return max((abs(x - y) / abs(y) for x, y in zip(ours or [], theirs or [])), default=None)
 
 
 def markdown(args, rows, wall_s, one_ms):
@@ -1039,12 +1302,10 @@ def main():
     if sys.argv[1:2] == ["--profile-run"]:
         return profile_run(sys.argv[2:])
     args = parse_args(Args)
+    if args.worker == "overlap":
+        return overlap_worker(init_dist(args.timeout), args)
     if args.worker:
-        return (
-            overlap_worker(init_dist(args.timeout), args)
-            if args.worker == "overlap"
-            else run_worker(args)
-        )
+        return paired_worker(args) if args.worker == "paired" else run_worker(args)
     names = check_bench_args(args)
     t0 = time.time()
     rows = []
@@ -1056,7 +1317,7 @@ def main():
             print(f"{p}: pair skipped, {why}", flush=True)
             rows.append(dict(pair=p, ours=None, torch=None, ratio=None, skipped=why))
         else:
-            groups.setdefault(PAIRS[p][2], []).append(p)
+            groups.setdefault(p if p in OURS else PAIRS[p][2], []).append(p)
     if args.scaling and any(
         PAIRS[p][3] == "dp" for ps in groups.values() for p in ps
     ):  # the baseline:
@@ -1071,7 +1332,12 @@ def main():
             len(groups) - i, 1
         )  # the budget left, shared
         rows = sorted(
-            rows + (bench_group(args, pairs, one_ms, share) if pairs else []),
+            rows
+            + (
+                (bench_paired if pairs[0] in OURS else bench_group)(args, pairs, one_ms, share)
+                if pairs
+                else []
+            ),
             key=lambda r: names.index(r["pair"]),
         )
         Path(args.out + ".json").write_text(json.dumps(rows, indent=1))
