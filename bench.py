@@ -710,7 +710,7 @@ def paired_worker(args):
     losses = ([], [])
     blocks = []
     for j in range(-1, args.blocks):  # j = -1: the warm-up
-        ours_first = (j + args.flip) % 2 == 0
+        ours_first = first_in_block(j, args.flip) == 0
         clock = torch.zeros(
             4, dtype=torch.float64, device=d.device
         )  # wall ours, torch; CPU ours, torch
@@ -732,6 +732,12 @@ def paired_worker(args):
     figures = dict(blocks=blocks, torch_losses=losses[1])
     write_summary(d, args, "paired", losses[0], None, None, None, None, None, figures)
     harness.close_dist()
+
+
+def first_in_block(
+    j, flip
+):  # 0: ours first. A B, B A, ...: a steady drift cancels in pairs of blocks
+    return (j + flip) % 2
 
 
 def load():  # the machine's 1-minute load average (runnable processes), where the OS reports it
@@ -924,10 +930,11 @@ def say(row):
     """A pair's judgement in words: a ratio only beside a verdict the interval supports."""
     lo, hi = row["interval"] or (0, 0)
     n = row["rounds"]
+    unit = row.get("unit", "round")
     ratio = "" if row["verdict"][0] == "n" else "%.2f "
     noise = f", noisy (+-{100 * (math.sqrt(hi / lo) - 1):.0f}%)" if row["noisy"] and lo else ""
     span = f"[{lo:.2f}, {hi:.2f}]" if lo else "no interval"
-    return f"{row['verdict']}: {ratio and ratio % row['ratio']}{span}, {n} round{'s' * (n != 1)}{noise}"
+    return f"{row['verdict']}: {ratio and ratio % row['ratio']}{span}, {n} {unit}{'s' * (n != 1)}{noise}"
 
 
 def paired(
@@ -1079,8 +1086,10 @@ def bench_group(args, pairs, one_ms, share_s):
             side_row(args, p, "torch", runs["torch"], one_ms),
         )
         loss_diff = rel_diff(o.get("losses"), t.get("losses"))
-        load = [r["load"] for r in runs["torch"]]
-        rows.append(dict(pair=p, ours=o, torch=t, **judged[p], max_loss_diff=loss_diff, load=load))
+        load = [r["load"] for r in runs["torch"] if r["load"] is not None] or [0.0]
+        note = f"; on wall time of separate launches, load {min(load):.1f}-{max(load):.1f}"
+        row = dict(pair=p, ours=o, torch=t, **judged[p], max_loss_diff=loss_diff, load=load)
+        rows.append(dict(row, note=note))
     return with_overlap(args, pairs, rows)
 
 
@@ -1168,18 +1177,21 @@ def markdown(args, rows, wall_s, one_ms):
         f"world {a.world} on {'NCCL' if torch.cuda.is_available() else 'gloo, CPU'}, {a.threads} "
         f"thread(s) per rank, {os.cpu_count()} CPU cores; GPT {n / 1e6:.1f} M parameters (vocab "
         f"{a.vocab}, width {a.d_model}, {a.n_layers} blocks, {a.seq_len} tokens x {a.batch_size} "
-        f"sequences), {a.dtype}; {a.steps} steps per run, the first {a.warmup} untimed; at least "
-        f"{a.rounds} rounds A B, more while an interval was wider than +-{a.precision:.0%}, within "
-        f"--budget-min {a.budget_min:g}; whole bench {wall_s / 60:.1f} min.",
+        f"sequences), {a.dtype}; paired pairs: {a.warmup} untimed steps per side, then "
+        f"{a.blocks} blocks of {a.block_steps} steps per side per launch, A B, B A, ...; the others: "
+        f"{a.steps} steps per run, the first {a.warmup} untimed, at least {a.rounds} rounds A B; more "
+        f"while an interval was wider than +-{a.precision:.0%}, within --budget-min "
+        f"{a.budget_min:g}; whole bench {wall_s / 60:.1f} min.",
         "",
-        f"| pair | ours | torch | ours ms | torch ms | verdict: ours / torch [{LEVEL:.0%}] | tok/s "
+        f"| pair | ours | torch | ours ms | torch ms | verdict: ours / torch [{LEVEL:.0%}] | CPU time: "
+        f"ours / torch [{LEVEL:.0%}] | load | tok/s "
         "ours / torch | peak MiB/rank ours / torch | sent MiB/rank/step ours / torch | bubble ours / "
         "torch (theory) | scaling eff. ours / torch | loss diff |",
-        "|---|---|---|---:|---:|---|---|---|---|---|---|---:|",
+        "|---|---|---|---:|---:|---|---|---|---|---|---|---|---|---:|",
     ]
     for r in rows:
         if r.get("skipped"):
-            lines.append(f"| {r['pair']} | skipped: {r['skipped']} |" + " |" * 10)
+            lines.append(f"| {r['pair']} | skipped: {r['skipped']} |" + " |" * 12)
             continue
         o, t = r["ours"], r["torch"]
         theory = o.get("bubble_theory", t.get("bubble_theory"))
@@ -1189,7 +1201,9 @@ def markdown(args, rows, wall_s, one_ms):
             t["name"] or "failed",
             fmt(o.get("step_ms")),
             fmt(t.get("step_ms")),
-            say(r),
+            say(r) + (f" (on {r['rests_on']})" if "rests_on" in r else ""),
+            say(r["cpu"]) if "cpu" in r else "-",
+            f"{min(r['load'], default=0):.1f}-{max(r['load'], default=0):.1f}",
             two(o, t, "tokens_per_s"),
             two(o, t, "peak_mem_bytes", "%.1f", MiB),
             two(o, t, "sent_bytes_per_rank", "%.1f", MiB),
@@ -1211,12 +1225,19 @@ def markdown(args, rows, wall_s, one_ms):
     ]
     lines += [
         "",
-        "Verdict: each round's ratio of median step times ours / torch (< 1: ours faster); their "
-        f"geometric mean and {LEVEL:.0%} interval (Student's t on the logs, the first {a.rounds} "
-        "rounds' spread). faster / slower: the whole interval below / above 1; no difference "
+        "Verdict: paired pairs (both sides in one launch): each block's ratio of wall time (or "
+        "of process CPU time, user + system of all threads, summed over ranks) per step ours / "
+        f"torch (< 1: ours faster); their geometric mean and {LEVEL:.0%} interval (Student's t on "
+        "the logs, the first launch's blocks' spread); the verdict rests on wall time, or on CPU "
+        "time where the 1-minute load average passed the core count at a block (load: its range "
+        "over the blocks). Other pairs: each round's ratio of median step times of separate "
+        f"launches, the first {a.rounds} rounds' spread. faster / slower: the whole interval "
+        "below / above 1; no difference "
         f"measurable (no ratio printed): it holds 1; noisy: wider than +-{a.precision:.0%} when the "
-        "budget ran out. ms: median over all rounds' timed steps. Loss diff: the largest relative "
-        "difference of a step's loss between the sides. Peak memory: CUDA's peak on GPUs, on CPU "
+        "budget ran out. ms: median over all blocks (rounds' timed steps). Loss diff: the largest "
+        "relative difference of a step's loss between the sides, each in a launch of its own "
+        "(paired pairs: that launch also gives the peak, bytes and bubble). Peak memory: CUDA's "
+        "peak on GPUs, on CPU "
         "counted from tensors (parameters, gradients, optimizer state, saved activations, DDP "
         "buckets / FSDP gathered parameters). Sent: bytes the busiest rank hands to collectives and "
         "sends in a step (ours counted by the file, torch's at the dispatcher by "
@@ -1346,7 +1367,7 @@ def main():
     judged = [r for r in rows if not r.get("skipped")]
     print(
         "".join(
-            f"{r['pair']}: {PAIRS[r['pair']][0]} vs {r['torch']['name']}: {say(r)}\n"
+            f"{r['pair']}: {PAIRS[r['pair']][0]} vs {r['torch']['name']}: {say(r)}{r['note']}\n"
             for r in judged
         )
     )
