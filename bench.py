@@ -1,16 +1,22 @@
 """bench.py: every technique of this repo beside PyTorch's own, on the same model, data and machine.
 
     python bench.py                                  # every pair, world 2, one thread per rank, 10.6 M params
-    python bench.py --pairs ddp,zero3 --budget-min 5 # some pairs: 3 rounds, more while 5 minutes last
+    python bench.py --pairs ddp,zero1 --budget-min 3 # some pairs: a paired launch each, more while 3 min last
     python bench.py --world 4 --d-model 1024 --batch-size 16 --n-layers 8   # GPUs: NCCL, cuda:LOCAL_RANK
 
-Each pair runs our file (`torchrun FILE.py ... --json`) and torch's own (`torchrun bench.py --worker NAME`,
-below) alternately, A B A B, so that drift on a busy machine hits both sides alike. A round's ratio ours /
-torch is of the median steps after --warmup; over the rounds, a 95% interval (Student's t on their logs,
-below) says "faster" or "slower" if it excludes 1, else "no difference measurable" (no ratio printed). After
---rounds, it alternates on while an interval is wider than ratio x (1 +- --precision) and a round fits in the
-pair's share of --budget-min; one still wider is "noisy": the machine cannot tell closer. Both sides train the
-same GPT from one seed on one global batch (float32, AdamW, clipping at the global norm), made in the step:
+Paired pairs (ddp, dp_sync, zero1-3, tp, gpipe, 1f1b): one `torchrun bench.py --worker paired` launch builds
+both sides in its processes, ours from the technique file's core (OURS, below), torch's own (WORKERS), and
+runs them in blocks of --block-steps steps, A B, B A, ..., so that whatever the machine does hits neighbouring
+blocks alike. A block's ratio ours / torch, of wall time per step and of process CPU time (user + system, all
+threads, summed over ranks), is a sample; over the blocks a 95% interval (Student's t on their logs, below)
+says "faster" or "slower" if it excludes 1, else "no difference measurable" (no ratio printed). The verdict
+rests on wall time, or on CPU time where the 1-minute load average passed the core count at a block (the
+pair's line says so). Another launch (starting with the other side) while the interval is wider than ratio x
+(1 +- --precision) and one fits in the pair's share of --budget-min; one still wider is "noisy". Then each
+side runs once in a launch of its own for its peak memory, bytes and bubble, measured apart. The other pairs
+alternate whole launches (`torchrun FILE.py`, then `torchrun bench.py --worker NAME`), A B: a round's ratio is
+of the median steps after --warmup, the rounds are the samples (at least --rounds). Both sides train the same
+GPT from one seed on one global batch (float32, AdamW, clipping at the global norm), made in the step:
 
     pair      ours                               torch's own
     ddp       ddp_bucketed.py                    DistributedDataParallel, the same bucket cap
@@ -31,11 +37,12 @@ same GPT from one seed on one global batch (float32, AdamW, clipping at the glob
 A pair whose file does not offer the mode it needs yet (its Args, as its --help shows), or whose torch side
 needs a package not installed here (torchao), is skipped, one line.
 
-Per pair (OUT.json, OUT.md): the verdict and interval, the ratio per round, step time, tokens/s, peak memory
+Per pair (OUT.json, OUT.md): the verdict and interval (paired: wall and CPU time, the one it rests on), the
+ratio per block (`ratio_per_round`) or round, the load at each, step time, tokens/s, peak memory
 and bytes handed to collectives per rank and step (torch's side counted at the dispatcher by
 harness.CommCounter), the pipelines' bubble beside theory, data parallel's scaling efficiency, the two sides'
 loss difference, and for ddp the share of all-reduce hidden behind backward. --profile DIR: a Chrome trace
-of every run and rank, and each run's biggest top-level ops printed.
+of every run and rank (not of the paired launches), and each run's biggest top-level ops printed.
 """
 
 import collections
