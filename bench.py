@@ -1190,10 +1190,10 @@ def markdown(args, rows, wall_s, one_ms):
         f"while an interval was wider than +-{a.precision:.0%}, within --budget-min "
         f"{a.budget_min:g}; whole bench {wall_s / 60:.1f} min.",
         "",
-        f"| pair | ours | torch | ours ms | torch ms | verdict: ours / torch [{LEVEL:.0%}] | CPU time: "
-        f"ours / torch [{LEVEL:.0%}] | load | tok/s "
+        f"| pair | ours | torch | ours ms | torch ms | wall time: ours / torch [{LEVEL:.0%}] | CPU "
+        f"time: ours / torch [{LEVEL:.0%}] | the verdict rests on, at load | tok/s "
         "ours / torch | peak MiB/rank ours / torch | sent MiB/rank/step ours / torch | bubble ours / "
-        "torch (theory) | scaling eff. ours / torch | loss diff |",
+        "torch (theory) | scaling eff. ours / torch | loss diff (apart / paired) |",
         "|---|---|---|---:|---:|---|---|---|---|---|---|---|---|---:|",
     ]
     for r in rows:
@@ -1208,15 +1208,16 @@ def markdown(args, rows, wall_s, one_ms):
             t["name"] or "failed",
             fmt(o.get("step_ms")),
             fmt(t.get("step_ms")),
-            say(r) + (f" (on {r['rests_on']})" if "rests_on" in r else ""),
+            say(r.get("wall", r)),
             say(r["cpu"]) if "cpu" in r else "-",
-            f"{min(r['load'], default=0):.1f}-{max(r['load'], default=0):.1f}",
+            r["note"].removeprefix("; on "),
             two(o, t, "tokens_per_s"),
             two(o, t, "peak_mem_bytes", "%.1f", MiB),
             two(o, t, "sent_bytes_per_rank", "%.1f", MiB),
             f"{two(o, t, 'bubble', '%.2f')} ({theory:.2f})" if theory is not None else "",
             two(o, t, "scaling_efficiency", "%.2f") if "scaling_efficiency" in {**o, **t} else "",
-            fmt(r["max_loss_diff"], "%.0e"),
+            fmt(r["max_loss_diff"], "%.0e")
+            + (f" / {fmt(r['paired_loss_diff'], '%.0e')}" * ("paired_loss_diff" in r)),
         ]
         lines.append("| " + " | ".join(cells) + " |")
     hid = lambda x: (
