@@ -4,19 +4,20 @@
     python bench.py --pairs ddp,zero1 --budget-min 3 # some pairs: a paired launch each, more while 3 min last
     python bench.py --world 4 --d-model 1024 --batch-size 16 --n-layers 8   # GPUs: NCCL, cuda:LOCAL_RANK
 
-Paired pairs (ddp, dp_sync, zero1-3, tp, gpipe, 1f1b): one `torchrun bench.py --worker paired` launch builds
-both sides in its processes, ours from the technique file's core (OURS, below), torch's own (WORKERS), and
-runs them in blocks of --block-steps steps, A B, B A, ..., so that whatever the machine does hits neighbouring
-blocks alike. A block's ratio ours / torch, of wall time per step and of process CPU time (user + system, all
-threads, summed over ranks), is a sample; over the blocks a 95% interval (Student's t on their logs, below)
-says "faster" or "slower" if it excludes 1, else "no difference measurable" (no ratio printed). The verdict
-rests on wall time, or on CPU time where the 1-minute load average passed the core count at a block (the
-pair's line says so). Another launch (starting with the other side) while the interval is wider than ratio x
-(1 +- --precision) and one fits in the pair's share of --budget-min; one still wider is "noisy". Then each
-side runs once in a launch of its own for its peak memory, bytes and bubble, measured apart. The other pairs
-alternate whole launches (`torchrun FILE.py`, then `torchrun bench.py --worker NAME`), A B: a round's ratio is
-of the median steps after --warmup, the rounds are the samples (at least --rounds). Both sides train the same
-GPT from one seed on one global batch (float32, AdamW, clipping at the global norm), made in the step:
+Paired pairs (all but fp8): one `torchrun bench.py --worker paired` launch builds both sides in its
+processes, ours from the technique file's core (OURS, below), torch's own (WORKERS), and runs them in blocks
+of --block-steps steps, A B, B A, ..., so that whatever the machine does hits neighbouring blocks alike. A
+block's ratio ours / torch, of wall time per step and of process CPU time (user + system, all threads, summed
+over ranks), is a sample; over the blocks a 95% interval (Student's t on their logs, below) says "faster" or
+"slower" if it excludes 1, else "no difference measurable" (no ratio printed). The verdict rests on wall
+time, or on CPU time where the 1-minute load average passed the core count at a block (the pair's line says
+so). Another launch (starting with the other side) while the interval is wider than ratio x (1 +-
+--precision) and one fits in the pair's share of --budget-min; one still wider is "noisy". Then each side
+runs once in a launch of its own for its peak memory, bytes and bubble, measured apart. fp8 (torchao's side
+optional, fp8.py's core not driven from here yet) alternates whole launches (`torchrun fp8.py`, then
+`torchrun bench.py --worker float8`), A B: a round's ratio is of the median steps after --warmup, the rounds
+are the samples (at least --rounds). Both sides train the same GPT from one seed on one global batch
+(float32, AdamW, clipping at the global norm), made in the step:
 
     pair      ours                               torch's own
     ddp       ddp_bucketed.py                    DistributedDataParallel, the same bucket cap
@@ -483,9 +484,10 @@ def unwrapped(t):
 
 # ----------------------------------------------------------------------------- our side, from the cores
 # Built as a copier builds it: the core a file teaches (BucketedDDP, sync_step, Zero, the Megatron layers,
-# gpipe_step, StageRunner + Flush) in a loop like its file's main, on the same GPT, data and AdamW. Each
-# returns step(i): trains step i whole (forward, backward, clipping, the update) and returns the global
-# batch's loss. paired_worker runs it beside torch's side in the same processes.
+# gpipe_step, StageRunner + Flush, zero_bubble's and ptdp's PipelineRank) in a loop like its file's main,
+# on the same GPT, data and AdamW. Each returns step(i): trains step i whole (forward, backward, clipping,
+# the update) and returns the global batch's loss. paired_worker runs it beside torch's side in the same
+# processes.
 def our_data_parallel(d, args, pair):
     """ddp_bucketed.BucketedDDP at --bucket-cap-mb (its first bucket too), dp.sync_step, zero.Zero at the
     pair's stage with a unit per block (as zero.py builds it, on the CPU first)."""
@@ -616,10 +618,93 @@ def our_pipeline(d, args, pair):
     return step
 
 
+def our_zero_bubble(d, args, pair):
+    """zero_bubble.PipelineRank running comm_plan's steps for ZB-H1 (zb) or ZB-V (zbv), every Linear's weight
+    gradient deferred to W by SplitBackward, then finish_batch: as zero_bubble.py's main at --dp 1."""
+    zb = importlib.import_module("zero_bubble")
+    order, n_chunks, holder = zb.SCHEDULES[NEEDS[pair][1]]
+    p = d.world
+    m = args.microbatches
+    bounds = zb.split_layers(args.n_layers, n_chunks(p))
+    gpt = build_gpt(
+        GPTConfig.from_args(args), args.seed, DTYPES[args.dtype]
+    )  # a rank takes its chunks
+    mine = [c for c in range(len(bounds)) if holder(c, p) == d.rank]
+    chunks = nn.ModuleDict({str(c): zb.Chunk(gpt, c, bounds) for c in mine}).to(d.device)
+    params = list(chunks.parameters())
+    opt = make_optimizer(params, args)
+    plan = zb.comm_plan([order(p, m, r) for r in range(p)], len(bounds), d.rank)
+    alone = [dist.new_group([r]) for r in range(p)][
+        d.rank
+    ]  # data parallel of 1: every rank makes each
+    runner = zb.PipelineRank(
+        {c: chunks[str(c)] for c in mine},
+        len(bounds),
+        plan,
+        zb.SplitBackward(
+            chunks
+        ),  # every Linear of this rank's chunks defers its weight gradient to W
+        dist.group.WORLD,
+        (args.batch_size // m, args.seq_len, args.d_model),  # (b, T, D): every message
+        DTYPES[args.dtype],
+        d.device,
+    )
+    data = MarkovData(args.vocab, args.seed)
+
+    def step(i):
+        x, y = data.batch(i, args.batch_size, args.seq_len)  # (B, T) global batch, CPU
+        n_tok = count_tokens(y)
+        mbs = [z.reshape(m, -1, args.seq_len).to(d.device) for z in (x, y)]  # (m, b, T) each
+        loss = runner.run(*mbs, lambda logits, t: lm_loss(logits, t, n_tok))
+        loss = zb.finish_batch(params, loss, alone, dist.group.WORLD, args.clip)[0]
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+
+    return step
+
+
+def our_interleaved(d, args, pair):
+    """ptdp.PipelineRank running interleaved 1F1B over 2 chunks per rank (r and r + p, a loop), tp, cp and dp
+    of 1, then finish_batch: as ptdp.py's main at --pp world --tp 1 --dp 1 --virtual-stages 2."""
+    ptdp = importlib.import_module("ptdp")
+    p = d.world
+    m = args.microbatches
+    alone = [dist.new_group([r]) for r in range(p)][d.rank]  # tp and dp of 1: every rank makes each
+    full = build_gpt(GPTConfig.from_args(args), args.seed, DTYPES[args.dtype])  # CPU, one seed
+    mine = [d.rank, d.rank + p]  # chunk c on rank c % p
+    chunks = nn.ModuleDict({str(c): ptdp.Chunk(full, c, 2 * p, alone) for c in mine}).to(d.device)
+    params = list(chunks.parameters())
+    opt = make_optimizer(params, args)
+    runner = ptdp.PipelineRank(
+        {c: chunks[str(c)] for c in mine},
+        dist.group.WORLD,
+        m,
+        (args.batch_size // m, args.seq_len, args.d_model),  # (b, T, D): every message
+        DTYPES[args.dtype],
+        d.device,
+    )
+    data = MarkovData(args.vocab, args.seed)
+
+    def step(i):
+        x, y = data.batch(i, args.batch_size, args.seq_len)  # (B, T) global batch, CPU
+        n_tok = count_tokens(y)
+        mbs = [z.reshape(m, -1, args.seq_len).to(d.device) for z in (x, y)]  # (m, b, T) each
+        loss = runner.run(*mbs, lambda logits, t: lm_loss(logits, t, n_tok))
+        loss = ptdp.finish_batch(params, loss, alone, 0, args.clip, dist.group.WORLD)[0]
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+
+    return step
+
+
 OURS = {  # pair -> our side, for the pairs paired in one launch
     **dict.fromkeys(("ddp", "dp_sync", "zero1", "zero2", "zero3"), our_data_parallel),
     "tp": our_tensor_parallel,
     **dict.fromkeys(("gpipe", "1f1b"), our_pipeline),
+    **dict.fromkeys(("zb", "zbv"), our_zero_bubble),
+    "ptdp": our_interleaved,
 }
 
 
@@ -1217,7 +1302,7 @@ def markdown(args, rows, wall_s, one_ms):
             f"{two(o, t, 'bubble', '%.2f')} ({theory:.2f})" if theory is not None else "",
             two(o, t, "scaling_efficiency", "%.2f") if "scaling_efficiency" in {**o, **t} else "",
             fmt(r["max_loss_diff"], "%.0e")
-            + (f" / {fmt(r['paired_loss_diff'], '%.0e')}" * ("paired_loss_diff" in r)),
+            + (f" / {fmt(r['paired_loss_diff'], '%.0e')}" if "paired_loss_diff" in r else ""),
         ]
         lines.append("| " + " | ".join(cells) + " |")
     hid = lambda x: (

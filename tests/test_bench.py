@@ -86,6 +86,26 @@ for name in [w for w in bench.WORKERS if w not in ("single", "float8")]:  # floa
         if ops != dict(F=p * v * m, B=p * v * m, W=w):
             bad.append(f"ops {name}")
 
+# our side of every paired pair, built by bench.py from the file's core (as the paired launch runs it)
+def run_ours(name, steps=3):
+    step = bench.OURS[name](d, args, name)
+    return [step(i) for i in range(steps)]
+
+for name in bench.OURS:
+    compare(f"ours {name}", run_ours(name))
+import zero_bubble  # a ZB-H1 whose W adds nothing (the Linear weights never learn): ours must differ too
+
+def no_w(saved):
+    for layer, x, dy in saved:
+        for q in (layer.weight, layer.bias):
+            if q is not None and q.grad is None:
+                q.grad = torch.zeros_like(q)
+
+orig_bw = zero_bubble.SplitBackward.backward_weight
+zero_bubble.SplitBackward.backward_weight = staticmethod(no_w)
+compare("ours zb with W adding nothing (must differ)", run_ours("zb", steps=2), expect_equal=False)
+zero_bubble.SplitBackward.backward_weight = orig_bw
+
 # break it on purpose: torch's default scale_grads=True divides every gradient by m once more
 import torch.distributed.pipelining as pl
 orig = pl.ScheduleGPipe.__init__
@@ -125,15 +145,17 @@ sys.exit(1 if bad else 0)
 
 def test_torch_sides_match_reference_and_counts(tmp_path):
     """Every torch side (zero-bubble ZB1P and ZB-V included; not torchao's FP8, held to fp8.py by
-    test_fp8_pair_against_torchao where torchao is installed) reproduces one-process training in float64
-    (1e-9); ScheduleGPipe's default scale_grads=True, or a ZB-V whose W never runs, would not, and the check
-    sees it; CommCounter equals the closed forms, and misses DDP's bytes with all-reduce dropped from its op
+    test_fp8_pair_against_torchao where torchao is installed), and our side of every paired pair as bench.py
+    builds it from the file's core, reproduces one-process training in float64 (1e-9); ScheduleGPipe's
+    default scale_grads=True, a ZB-V whose W never runs (torch's) or adds nothing (ours, ZB-H1) would
+    not, and the check sees it; CommCounter equals the closed forms, and misses DDP's bytes with all-reduce dropped from its op
     table; the stage hooks see m F, m B (and m W when split) per stage."""
     script = tmp_path / "bench_checks.py"
     script.write_text(CHECKS)
     rc, out = forked(script, 2, str(ROOT), timeout=300)
     assert rc == 0 and "ALL CHECKS PASSED" in out, out[-6000:]
-    assert out.count("must differ): max rel loss diff") == 2, out[-6000:]
+    assert out.count("must differ): max rel loss diff") == 3, out[-6000:]
+    assert all(f"ours {name}: max rel loss diff" in out for name in bench.OURS), out[-6000:]
     assert "(a counter blind to all-reduce)" in out, out[-6000:]
 
 
@@ -322,12 +344,14 @@ def test_alternation_stops_when_narrow_or_spent(monkeypatch):
 
 
 def test_budget_shared_between_groups(tmp_path, monkeypatch, capsys):
-    """`--pairs zb,zbv --budget-min 10` (two groups of rounds, no one-process launch for pipelines), each
-    launch 10 s on a fake clock: zb, 1% noise, is narrow at its 3 rounds (60 s), so zbv, 30% noise, gets the
+    """`--pairs zb,zbv --budget-min 10`, both taken out of OURS so that they run in rounds (two groups, no
+    one-process launch for pipelines), each launch 10 s on a fake clock: zb, 1% noise, is narrow at its 3 rounds (60 s), so zbv, 30% noise, gets the
     540 s left, 20 (r + 1) > 540 -> 27 rounds, where halving the budget up front would give it 15; the
     bench's last line says one interval stayed noisy."""
     clock, rng = [0.0], random.Random(5)
     monkeypatch.setattr(bench, "time", types.SimpleNamespace(time=lambda: clock[0]))
+    monkeypatch.delitem(bench.OURS, "zb")
+    monkeypatch.delitem(bench.OURS, "zbv")
 
     def launch(args, pair, tag, worker=None):
         clock[0] += 10.0
