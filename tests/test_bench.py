@@ -148,8 +148,8 @@ def test_torch_sides_match_reference_and_counts(tmp_path):
     test_fp8_pair_against_torchao where torchao is installed), and our side of every paired pair as bench.py
     builds it from the file's core, reproduces one-process training in float64 (1e-9); ScheduleGPipe's
     default scale_grads=True, a ZB-V whose W never runs (torch's) or adds nothing (ours, ZB-H1) would
-    not, and the check sees it; CommCounter equals the closed forms, and misses DDP's bytes with all-reduce dropped from its op
-    table; the stage hooks see m F, m B (and m W when split) per stage."""
+    not, and the check sees it; CommCounter equals the closed forms, and misses DDP's bytes with
+    all-reduce dropped from its op table; the stage hooks see m F, m B (and m W when split) per stage."""
     script = tmp_path / "bench_checks.py"
     script.write_text(CHECKS)
     rc, out = forked(script, 2, str(ROOT), timeout=300)
@@ -345,8 +345,8 @@ def test_alternation_stops_when_narrow_or_spent(monkeypatch):
 
 def test_budget_shared_between_groups(tmp_path, monkeypatch, capsys):
     """`--pairs zb,zbv --budget-min 10`, both taken out of OURS so that they run in rounds (two groups, no
-    one-process launch for pipelines), each launch 10 s on a fake clock: zb, 1% noise, is narrow at its 3 rounds (60 s), so zbv, 30% noise, gets the
-    540 s left, 20 (r + 1) > 540 -> 27 rounds, where halving the budget up front would give it 15; the
+    one-process launch for pipelines), each launch 10 s on a fake clock: zb, 1% noise, is narrow at its
+    3 rounds (60 s), so zbv, 30% noise, gets the 540 s left, 20 (r + 1) > 540 -> 27 rounds, where halving the budget up front would give it 15; the
     bench's last line says one interval stayed noisy."""
     clock, rng = [0.0], random.Random(5)
     monkeypatch.setattr(bench, "time", types.SimpleNamespace(time=lambda: clock[0]))
