@@ -346,8 +346,8 @@ def test_alternation_stops_when_narrow_or_spent(monkeypatch):
 def test_budget_shared_between_groups(tmp_path, monkeypatch, capsys):
     """`--pairs zb,zbv --budget-min 10`, both taken out of OURS so that they run in rounds (two groups, no
     one-process launch for pipelines), each launch 10 s on a fake clock: zb, 1% noise, is narrow at its
-    3 rounds (60 s), so zbv, 30% noise, gets the 540 s left, 20 (r + 1) > 540 -> 27 rounds, where halving the budget up front would give it 15; the
-    bench's last line says one interval stayed noisy."""
+    3 rounds (60 s), so zbv, 30% noise, gets the 540 s left, 20 (r + 1) > 540 -> 27 rounds, where
+    halving the budget up front would give it 15; the bench's last line says one interval stayed noisy."""
     clock, rng = [0.0], random.Random(5)
     monkeypatch.setattr(bench, "time", types.SimpleNamespace(time=lambda: clock[0]))
     monkeypatch.delitem(bench.OURS, "zb")
