@@ -822,7 +822,7 @@ def paired_worker(args):
         if j >= 0:
             blocks.append(dict(wall_ms=wall_ms, cpu_ms=ms[2:], ours_first=ours_first, load=load()))
     figures = dict(blocks=blocks, torch_losses=losses[1])
-    write_summary(d, args, "paired", losses[0], None, None, None, None, None, figures)
+    write_summary(d, args, "paired", losses[0], None, None, None, None, figures=figures)
     harness.close_dist()
 
 
@@ -1471,8 +1471,9 @@ def main():
     failed = [
         r["pair"]
         for r in rows
-        if not r.get("skipped") and None in (r["ours"]["name"], r["torch"]["name"])
-    ]
+        if not r.get("skipped")
+        and (None in (r["ours"]["name"], r["torch"]["name"]) or not r["rounds"])
+    ]  # a side that failed, or no round or block timed (a paired launch that failed)
     if failed:
         print(f"failed runs: {failed}", file=sys.stderr)
     sys.exit(1 if failed else 0)
