@@ -420,8 +420,8 @@ def paired_bench(monkeypatch, ratio, drift, load=1.0, cpu_ratio=None, seed=7):
     monkeypatch.setitem(bench.OURS, "ddp", lambda d, a, pair: side(ratio, cpu_ratio or ratio))
     summary = {}
 
-    def write_summary(d, args, name, losses, *rest):
-        summary.update(losses=losses, figures=rest[-1])
+    def write_summary(d, args, name, losses, *rest, figures):
+        summary.update(losses=losses, figures=figures)
 
     def launch(args, pair, tag, worker=None):
         if worker != "paired":
