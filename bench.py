@@ -1,16 +1,23 @@
 """bench.py: every technique of this repo beside PyTorch's own, on the same model, data and machine.
 
     python bench.py                                  # every pair, world 2, one thread per rank, 10.6 M params
-    python bench.py --pairs ddp,zero3 --budget-min 5 # some pairs: 3 rounds, more while 5 minutes last
+    python bench.py --pairs ddp,zero1 --budget-min 3 # some pairs: a paired launch each, more while 3 min last
     python bench.py --world 4 --d-model 1024 --batch-size 16 --n-layers 8   # GPUs: NCCL, cuda:LOCAL_RANK
 
-Each pair runs our file (`torchrun FILE.py ... --json`) and torch's own (`torchrun bench.py --worker NAME`,
-below) alternately, A B A B, so that drift on a busy machine hits both sides alike. A round's ratio ours /
-torch is of the median steps after --warmup; over the rounds, a 95% interval (Student's t on their logs,
-below) says "faster" or "slower" if it excludes 1, else "no difference measurable" (no ratio printed). After
---rounds, it alternates on while an interval is wider than ratio x (1 +- --precision) and a round fits in the
-pair's share of --budget-min; one still wider is "noisy": the machine cannot tell closer. Both sides train the
-same GPT from one seed on one global batch (float32, AdamW, clipping at the global norm), made in the step:
+Paired pairs (all but fp8): one `torchrun bench.py --worker paired` launch builds both sides in its
+processes, ours from the technique file's core (OURS, below), torch's own (WORKERS), and runs them in blocks
+of --block-steps steps, A B, B A, ..., so that whatever the machine does hits neighbouring blocks alike. A
+block's ratio ours / torch, of wall time per step and of process CPU time (user + system, all threads, summed
+over ranks), is a sample; over the blocks a 95% interval (Student's t on their logs, below) says "faster" or
+"slower" if it excludes 1, else "no difference measurable" (no ratio printed). The verdict rests on wall
+time, or on CPU time where the 1-minute load average passed the core count at a block (the pair's line says
+so). Another launch (starting with the other side) while the interval is wider than ratio x (1 +-
+--precision) and one fits in the pair's share of --budget-min; one still wider is "noisy". Then each side
+runs once in a launch of its own for its peak memory, bytes and bubble, measured apart. fp8 (torchao's side
+optional, fp8.py's core not driven from here yet) alternates whole launches (`torchrun fp8.py`, then
+`torchrun bench.py --worker float8`), A B: a round's ratio is of the median steps after --warmup, the rounds
+are the samples (at least --rounds). Both sides train the same GPT from one seed on one global batch
+(float32, AdamW, clipping at the global norm), made in the step:
 
     pair      ours                               torch's own
     ddp       ddp_bucketed.py                    DistributedDataParallel, the same bucket cap
@@ -31,15 +38,17 @@ same GPT from one seed on one global batch (float32, AdamW, clipping at the glob
 A pair whose file does not offer the mode it needs yet (its Args, as its --help shows), or whose torch side
 needs a package not installed here (torchao), is skipped, one line.
 
-Per pair (OUT.json, OUT.md): the verdict and interval, the ratio per round, step time, tokens/s, peak memory
+Per pair (OUT.json, OUT.md): the verdict and interval (paired: wall and CPU time, the one it rests on), the
+ratio per block (`ratio_per_round`) or round, the load at each, step time, tokens/s, peak memory
 and bytes handed to collectives per rank and step (torch's side counted at the dispatcher by
 harness.CommCounter), the pipelines' bubble beside theory, data parallel's scaling efficiency, the two sides'
 loss difference, and for ddp the share of all-reduce hidden behind backward. --profile DIR: a Chrome trace
-of every run and rank, and each run's biggest top-level ops printed.
+of every run and rank (not of the paired launches), and each run's biggest top-level ops printed.
 """
 
 import collections
 import contextlib
+import dataclasses
 import functools
 import importlib
 import itertools
@@ -62,6 +71,7 @@ import torch.nn as nn
 import harness
 from common import (
     DTYPES,
+    IGNORE,
     GPTConfig,
     MarkovData,
     build_gpt,
@@ -121,7 +131,10 @@ class Args(CommonArgs):
         ""  # write a torch.profiler Chrome trace of every run and rank into this directory
     )
     launch_timeout: int = 600  # seconds one torchrun launch may take
-    worker: str = ""  # (internal) run torch's side of a pair under torchrun
+    blocks: int = 10  # paired pairs: timed blocks per side in one launch (A B, B A, ...)
+    block_steps: int = 2  # paired pairs: steps per block
+    worker: str = ""  # (internal) run torch's side of a pair, or both (paired), under torchrun
+    flip: int = 0  # (internal) paired: 1 starts the first block with torch's side
 
 
 PTDP = (
@@ -469,6 +482,232 @@ def unwrapped(t):
     return [x for i in inner if torch.is_tensor(i) for x in unwrapped(i)]
 
 
+# ----------------------------------------------------------------------------- our side, from the cores
+# Built as a copier builds it: the core a file teaches (BucketedDDP, sync_step, Zero, the Megatron layers,
+# gpipe_step, StageRunner + Flush, zero_bubble's and ptdp's PipelineRank) in a loop like its file's main,
+# on the same GPT, data and AdamW. Each returns step(i): trains step i whole (forward, backward, clipping,
+# the update) and returns the global batch's loss. paired_worker runs it beside torch's side in the same
+# processes.
+def our_data_parallel(d, args, pair):
+    """ddp_bucketed.BucketedDDP at --bucket-cap-mb (its first bucket too), dp.sync_step, zero.Zero at the
+    pair's stage with a unit per block (as zero.py builds it, on the CPU first)."""
+    zero = pair.startswith("zero")
+    core = importlib.import_module(PAIRS[pair][0].removesuffix(".py"))
+    model = build_gpt(
+        GPTConfig.from_args(args), args.seed, DTYPES[args.dtype], "cpu" if zero else d.device
+    )
+    data = MarkovData(args.vocab, args.seed)
+    b = args.batch_size // d.world
+    opt = make_optimizer(model.parameters(), args)
+    if zero:
+        units = [f"blocks.{i}" for i in range(args.n_layers)]
+        opt = core.Zero(
+            model,
+            units,
+            stage=int(pair[-1]),
+            optimizer=lambda ps: make_optimizer(ps, args),
+            clip=args.clip,
+            device=d.device,
+        )
+    elif pair == "ddp":
+        net = core.BucketedDDP(model, args.bucket_cap_mb, args.bucket_cap_mb)
+
+    def step(i):
+        x, y = data.batch(i, args.batch_size, args.seq_len)  # (B, T) global batch, CPU
+        n_tok = count_tokens(y)
+        if zero:  # this rank's rows, one micro-batch
+            loss = core.train_step(opt, x, y, n_tok, 1, lm_loss)[0]
+            return reduced(loss)
+        x, y = (t[d.rank * b : (d.rank + 1) * b].to(d.device) for t in (x, y))  # (B/N, T)
+        if pair == "dp_sync":
+            loss_fn = lambda m, xm, ym: lm_loss(m(xm), ym, n_tok)  # noqa: E731
+            loss = core.sync_step(model, opt, [(x, y)], loss_fn, args.clip)[0]
+        else:
+            opt.zero_grad(set_to_none=True)
+            loss = lm_loss(net(x), y, n_tok)
+            (loss * d.world).backward()  # every .grad averaged over ranks
+            torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
+            opt.step()
+        return reduced(loss)
+
+    return step
+
+
+def reduced(loss):  # this rank's share of the loss summed over ranks: the global batch's loss
+    total = loss.detach().double().reshape(1)
+    dist.all_reduce(total)
+    return total.item()
+
+
+def our_tensor_parallel(d, args, pair):
+    """megatron_tp.ParallelGPT over the whole world (tp = world), its vocabulary-parallel cross-entropy and
+    its global norm, as megatron_tp.py's main at --dp 1."""
+    tp = importlib.import_module("megatron_tp")
+    world = dist.group.WORLD
+    tracker = tp.RNGTracker(d.device, args.seed, 0, d.rank)
+    full = build_gpt(GPTConfig.from_args(args), args.seed, DTYPES[args.dtype])  # CPU, sliced there
+    model = tp.ParallelGPT(full, world, tracker).to(d.device)
+    data = MarkovData(args.vocab, args.seed)
+    opt = make_optimizer(model.parameters(), args)
+
+    def step(i):
+        x, y = data.batch(i, args.batch_size, args.seq_len)  # (B, T) on every rank
+        n_tok = count_tokens(y)
+        logits = model(x.to(d.device))  # (B, T, V/tp) this rank's vocabulary slice
+        flat = logits.flatten(0, 1), y.to(d.device).flatten()
+        loss = tp.VocabParallelCrossEntropy.apply(*flat, args.vocab, world, IGNORE).sum() / n_tok
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        grads = [w.grad for w in model.parameters()]
+        clip_grads_(grads, tp.global_grad_norm(model, world), args.clip)
+        opt.step()
+        return loss.item()  # the same on every rank
+
+    return step
+
+
+def our_pipeline(d, args, pair):
+    """gpipe.gpipe_step, or pipedream's StageRunner with the Flush policy (one 1F1B schedule per step, drained
+    before the update), on a Stage per rank at the files' layer bounds."""
+    core = importlib.import_module(PAIRS[pair][0].removesuffix(".py"))
+    p = d.world
+    s = d.rank
+    m = args.microbatches
+    gpt = build_gpt(
+        GPTConfig.from_args(args), args.seed, DTYPES[args.dtype]
+    )  # a stage takes its part
+    stage = core.Stage(gpt, s, core.split_layers(args.n_layers, p)).to(d.device)
+    opt = make_optimizer(stage.parameters(), args)
+    act = (args.batch_size // m, args.seq_len, args.d_model)  # (b, T, D) crossing a boundary
+    prev = s - 1 if s > 0 else None
+    nxt = s + 1 if s < p - 1 else None
+    data = MarkovData(args.vocab, args.seed)
+    batches = {}  # 1f1b: step -> (m, b, T) tokens and targets on the device, the token count
+
+    def source(k):  # micro-batch k: stage 0's tokens, the last stage's targets and token count
+        x, y, n_tok = batches[k // m]
+        return x[k % m], (y[k % m], n_tok)
+
+    if pair == "1f1b":
+        flush = core.Flush(stage, opt, args.clip)
+        loss_fn = lambda logits, y: lm_loss(logits, *y)  # noqa: E731
+        runner = core.StageRunner(flush, source, loss_fn, act, act, DTYPES[args.dtype], d.device)
+
+    def step(i):
+        x, y = data.batch(i, args.batch_size, args.seq_len)  # (B, T) global batch, CPU
+        n_tok = count_tokens(y)
+        if pair == "1f1b":
+            batches[i] = (*core.to_device(m, d.device, x, y), n_tok)
+            runner.run([(kind, i * m + k) for kind, k in core.one_f_one_b(m, p, s)])
+            runner.drain(i)  # the whole model's norm, clipping, the update
+            del batches[i]
+            mine = [runner.losses.pop(i * m + j) for j in range(m)] if s == 0 else []
+            return reduced(sum(mine, torch.zeros((), device=d.device)))  # stage 0's, to every rank
+        xs = core.micro_batches(x, m, d.device) if prev is None else [None] * m
+        ys = core.micro_batches(y, m, d.device) if nxt is None else [None] * m
+        opt.zero_grad(set_to_none=True)
+        loss_fn = lambda logits, t: lm_loss(logits, t, n_tok)  # noqa: E731
+        loss = core.gpipe_step(stage, xs, ys, loss_fn, prev, nxt, act)
+        grads = [w.grad for w in stage.parameters()]
+        both = torch.stack([core.squared_norm(grads), loss])  # (2,) this stage's part
+        dist.all_reduce(both)  # the whole model's squared norm, the batch loss
+        clip_grads_(grads, both[0].sqrt(), args.clip)
+        opt.step()
+        return both[1].item()
+
+    return step
+
+
+def our_zero_bubble(d, args, pair):
+    """zero_bubble.PipelineRank running comm_plan's steps for ZB-H1 (zb) or ZB-V (zbv), every Linear's weight
+    gradient deferred to W by SplitBackward, then finish_batch: as zero_bubble.py's main at --dp 1."""
+    zb = importlib.import_module("zero_bubble")
+    order, n_chunks, holder = zb.SCHEDULES[NEEDS[pair][1]]
+    p = d.world
+    m = args.microbatches
+    bounds = zb.split_layers(args.n_layers, n_chunks(p))
+    gpt = build_gpt(
+        GPTConfig.from_args(args), args.seed, DTYPES[args.dtype]
+    )  # a rank takes its chunks
+    mine = [c for c in range(len(bounds)) if holder(c, p) == d.rank]
+    chunks = nn.ModuleDict({str(c): zb.Chunk(gpt, c, bounds) for c in mine}).to(d.device)
+    params = list(chunks.parameters())
+    opt = make_optimizer(params, args)
+    plan = zb.comm_plan([order(p, m, r) for r in range(p)], len(bounds), d.rank)
+    alone = [dist.new_group([r]) for r in range(p)][
+        d.rank
+    ]  # data parallel of 1: every rank makes each
+    runner = zb.PipelineRank(
+        {c: chunks[str(c)] for c in mine},
+        len(bounds),
+        plan,
+        zb.SplitBackward(
+            chunks
+        ),  # every Linear of this rank's chunks defers its weight gradient to W
+        dist.group.WORLD,
+        (args.batch_size // m, args.seq_len, args.d_model),  # (b, T, D): every message
+        DTYPES[args.dtype],
+        d.device,
+    )
+    data = MarkovData(args.vocab, args.seed)
+
+    def step(i):
+        x, y = data.batch(i, args.batch_size, args.seq_len)  # (B, T) global batch, CPU
+        n_tok = count_tokens(y)
+        mbs = [z.reshape(m, -1, args.seq_len).to(d.device) for z in (x, y)]  # (m, b, T) each
+        loss = runner.run(*mbs, lambda logits, t: lm_loss(logits, t, n_tok))
+        loss = zb.finish_batch(params, loss, alone, dist.group.WORLD, args.clip)[0]
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+
+    return step
+
+
+def our_interleaved(d, args, pair):
+    """ptdp.PipelineRank running interleaved 1F1B over 2 chunks per rank (r and r + p, a loop), tp, cp and dp
+    of 1, then finish_batch: as ptdp.py's main at --pp world --tp 1 --dp 1 --virtual-stages 2."""
+    ptdp = importlib.import_module("ptdp")
+    p = d.world
+    m = args.microbatches
+    alone = [dist.new_group([r]) for r in range(p)][d.rank]  # tp and dp of 1: every rank makes each
+    full = build_gpt(GPTConfig.from_args(args), args.seed, DTYPES[args.dtype])  # CPU, one seed
+    mine = [d.rank, d.rank + p]  # chunk c on rank c % p
+    chunks = nn.ModuleDict({str(c): ptdp.Chunk(full, c, 2 * p, alone) for c in mine}).to(d.device)
+    params = list(chunks.parameters())
+    opt = make_optimizer(params, args)
+    runner = ptdp.PipelineRank(
+        {c: chunks[str(c)] for c in mine},
+        dist.group.WORLD,
+        m,
+        (args.batch_size // m, args.seq_len, args.d_model),  # (b, T, D): every message
+        DTYPES[args.dtype],
+        d.device,
+    )
+    data = MarkovData(args.vocab, args.seed)
+
+    def step(i):
+        x, y = data.batch(i, args.batch_size, args.seq_len)  # (B, T) global batch, CPU
+        n_tok = count_tokens(y)
+        mbs = [z.reshape(m, -1, args.seq_len).to(d.device) for z in (x, y)]  # (m, b, T) each
+        loss = runner.run(*mbs, lambda logits, t: lm_loss(logits, t, n_tok))
+        loss = ptdp.finish_batch(params, loss, alone, 0, args.clip, dist.group.WORLD)[0]
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+
+    return step
+
+
+OURS = {  # pair -> our side, for the pairs paired in one launch
+    **dict.fromkeys(("ddp", "dp_sync", "zero1", "zero2", "zero3"), our_data_parallel),
+    "tp": our_tensor_parallel,
+    **dict.fromkeys(("gpipe", "1f1b"), our_pipeline),
+    **dict.fromkeys(("zb", "zbv"), our_zero_bubble),
+    "ptdp": our_interleaved,
+}
+
+
 # ----------------------------------------------------------------------------- the workers (under torchrun)
 WORKERS = {  # worker -> (torch's side, its name in the table)
     **{
@@ -537,6 +776,64 @@ def run_worker(args):
         figures,
     )
     harness.close_dist()
+
+
+def paired_worker(args):
+    """`torchrun bench.py --worker paired --pairs NAME`: both sides of one pair in these processes, each its
+    own model, on the same data: --warmup steps of each (untimed), then --blocks blocks of --block-steps steps
+    per side in the order A B, B A, A B, ... (A: ours; --flip 1 starts with torch's), so that whatever the
+    machine does hits two neighbouring blocks alike, and a drift across the launch cancels in the mean of the
+    blocks' log ratios. Each block starts once every rank has arrived and ends at the loss of its last step
+    (.item(): the device is done). Per block and side: wall ms per step (mean over ranks) and process CPU ms
+    per step (user + system, all threads, summed over ranks); the 1-minute load average. Peaks and bytes
+    are not counted here: each side's are from a launch of its own (bench_paired)."""
+    d = init_dist(args.timeout)
+    torch.set_num_threads(args.threads)
+    worker = PAIRS[args.pairs][2]
+    _, opt, train = WORKERS[worker][0](d, args, worker, CommCounter())
+
+    def theirs(i):
+        opt.zero_grad(set_to_none=True)
+        loss = train(i)[0]
+        opt.step()
+        return loss
+
+    sides = (OURS[args.pairs](d, args, args.pairs), theirs)
+    losses = ([], [])
+    blocks = []
+    for j in range(-1, args.blocks):  # j = -1: the warm-up
+        ours_first = first_in_block(j, args.flip) == 0
+        clock = torch.zeros(
+            4, dtype=torch.float64, device=d.device
+        )  # wall ours, torch; CPU ours, torch
+        for side in (0, 1) if ours_first else (1, 0):
+            arrived = torch.zeros(1, device=d.device)
+            dist.all_reduce(arrived)
+            arrived.item()  # every rank is here
+            wall = time.perf_counter()
+            cpu = time.process_time()
+            for _ in range(args.warmup if j < 0 else args.block_steps):
+                losses[side].append(sides[side](len(losses[side])))
+            clock[side] = time.perf_counter() - wall
+            clock[2 + side] = time.process_time() - cpu
+        dist.all_reduce(clock)  # summed over ranks
+        ms = (clock * 1e3 / args.block_steps).tolist()
+        wall_ms = [ms[0] / d.world, ms[1] / d.world]
+        if j >= 0:
+            blocks.append(dict(wall_ms=wall_ms, cpu_ms=ms[2:], ours_first=ours_first, load=load()))
+    figures = dict(blocks=blocks, torch_losses=losses[1])
+    write_summary(d, args, "paired", losses[0], None, None, None, None, figures=figures)
+    harness.close_dist()
+
+
+def first_in_block(
+    j, flip
+):  # 0: ours first. A B, B A, ...: a steady drift cancels in pairs of blocks
+    return (j + flip) % 2
+
+
+def load():  # the machine's 1-minute load average (runnable processes), where the OS reports it
+    return os.getloadavg()[0] if hasattr(os, "getloadavg") else None
 
 
 def overlap_worker(d, args):
@@ -725,10 +1022,11 @@ def say(row):
     """A pair's judgement in words: a ratio only beside a verdict the interval supports."""
     lo, hi = row["interval"] or (0, 0)
     n = row["rounds"]
+    unit = row.get("unit", "round")
     ratio = "" if row["verdict"][0] == "n" else "%.2f "
     noise = f", noisy (+-{100 * (math.sqrt(hi / lo) - 1):.0f}%)" if row["noisy"] and lo else ""
     span = f"[{lo:.2f}, {hi:.2f}]" if lo else "no interval"
-    return f"{row['verdict']}: {ratio and ratio % row['ratio']}{span}, {n} round{'s' * (n != 1)}{noise}"
+    return f"{row['verdict']}: {ratio and ratio % row['ratio']}{span}, {n} {unit}{'s' * (n != 1)}{noise}"
 
 
 def paired(
@@ -756,7 +1054,9 @@ def launch(args, pair, tag, worker=None):
             "bench.py",
             "--worker",
             worker,
-            *opts(MODEL + " microbatches bucket_cap_mb threads warmup"),
+            *opts(MODEL + " microbatches bucket_cap_mb threads warmup blocks block_steps flip"),
+            "--pairs",
+            pair,
         ]
         tail += ["--profile", args.profile]
     else:
@@ -805,15 +1105,17 @@ def launch(args, pair, tag, worker=None):
         "".join(f"    | {line}\n" for line in shown), end="", flush=True
     )  # why it failed, or its profile
     summary = json.loads(out_json.read_text()) if rc == 0 and out_json.exists() else None
-    return dict(rc=rc, summary=summary, ms=ms, cmd=" ".join(cmd[3:]))
+    return dict(rc=rc, summary=summary, ms=ms, cmd=" ".join(cmd[3:]), load=load())
 
 
-def side_row(args, pair, side, runs, one_ms):
+def side_row(args, pair, side, runs, one_ms, med=None):
+    """A side's row from its runs; the step time `med`, else the median over its runs' timed steps."""
     ok = [r for r in runs if r["rc"] == 0 and len(r["ms"]) > args.warmup]
     if not ok:
         return dict(name=None, error=(runs[-1]["cmd"] if runs else "not run"))
     s, tokens = ok[-1]["summary"] or {}, args.batch_size * args.seq_len
-    med, f = statistics.median(t for r in ok for t in r["ms"][args.warmup :]), s.get("figures", {})
+    med = med or statistics.median(t for r in ok for t in r["ms"][args.warmup :])
+    f = s.get("figures", {})
     sent = s.get(
         "comm_bytes"
     )  # a file that reports one collective's bytes (fp8.py: its all-gather) and
@@ -875,21 +1177,83 @@ def bench_group(args, pairs, one_ms, share_s):
             side_row(args, p, "ours", runs[p], one_ms),
             side_row(args, p, "torch", runs["torch"], one_ms),
         )
-        lo, lt = o.get("losses") or [], t.get("losses") or []
-        rows.append(
-            dict(
-                pair=p,
-                ours=o,
-                torch=t,
-                **judged[p],
-                max_loss_diff=max((abs(x - y) / abs(y) for x, y in zip(lo, lt)), default=None),
-            )
-        )
+        loss_diff = rel_diff(o.get("losses"), t.get("losses"))
+        load = [r["load"] for r in runs["torch"] if r["load"] is not None] or [0.0]
+        note = f"; on wall time of separate launches, load {min(load):.1f}-{max(load):.1f}"
+        row = dict(pair=p, ours=o, torch=t, **judged[p], max_loss_diff=loss_diff, load=load)
+        rows.append(dict(row, note=note))
+    return with_overlap(args, pairs, rows)
+
+
+def with_overlap(args, pairs, rows):  # ddp's row: the share of all-reduce hidden behind backward
     if "ddp" in pairs and args.world > 1:
         r = launch(args, "ddp", "ddp_overlap", "overlap")
         if r["summary"]:
             rows[pairs.index("ddp")]["overlap"] = r["summary"]["figures"]
     return rows
+
+
+def bench_paired(args, pairs, one_ms, share_s):
+    """A pair paired in one launch (paired_worker): a launch, then more (each starting with the other side)
+    while the interval the verdict rests on is wider than --precision and one more launch fits in share_s;
+    the samples are the blocks' ratios, the spread the first launch's blocks'. The verdict rests on wall time,
+    or on CPU time where the load passed the core count at some block (other processes then took time from
+    both sides, which CPU time does not count). Then each side once in a launch of its own (our file, torch's
+    worker): its peak memory, bytes sent, bubble and losses, measured apart."""
+    pair = pairs[0]
+    worker = PAIRS[pair][2]
+    print(f"{PAIRS[pair][0]} vs {WORKERS[worker][1]}, paired in one launch", flush=True)
+    t0 = time.time()
+    runs = []
+    while True:
+        tag = f"{pair}_paired_w{args.world}_l{len(runs)}"
+        runs.append(launch(dataclasses.replace(args, flip=len(runs) % 2), pair, tag, "paired"))
+        done = [r["summary"] for r in runs if r["summary"]]
+        blocks = [b for s in done for b in s["figures"]["blocks"]]
+        first = len(done[0]["figures"]["blocks"]) if done else None
+        wall, cpu = (
+            dict(judge([b[k][0] / b[k][1] for b in blocks], args.precision, first), unit="block")
+            for k in ("wall_ms", "cpu_ms")
+        )
+        loads = [b["load"] for b in blocks if b["load"] is not None] or [0.0]
+        busy = max(loads) > os.cpu_count()
+        row = dict(cpu if busy else wall, rests_on="CPU time" if busy else "wall time")
+        row.update(wall=wall, cpu=cpu, load=loads)
+        row["note"] = f"; on {row['rests_on']}, load {min(loads):.1f}-{max(loads):.1f}" + (
+            f" > {os.cpu_count()} cores" * busy
+        )
+        print(
+            f"  after launch {len(runs)}: wall {say(wall)}; CPU {say(cpu)}{row['note']}", flush=True
+        )
+        n = len(runs)
+        if not row["noisy"] or runs[-1]["rc"] or (time.time() - t0) * (n + 1) / n > share_s:
+            break
+    sides = []
+    for side, tag, w in (("ours", pair, None), ("torch", worker, worker)):
+        ms = statistics.median(b["wall_ms"][side == "torch"] for b in blocks) if blocks else None
+        run = launch(args, pair, f"{tag}_{side}_w{args.world}", w)  # its peak and bytes, apart
+        sides.append(side_row(args, pair, side, [run], one_ms, ms))
+    last = done[-1] if done else {}
+    return with_overlap(
+        args,
+        pairs,
+        [
+            dict(
+                pair=pair,
+                ours=sides[0],
+                torch=sides[1],
+                **row,
+                max_loss_diff=rel_diff(sides[0].get("losses"), sides[1].get("losses")),
+                paired_loss_diff=rel_diff(
+                    last.get("losses"), last.get("figures", {}).get("torch_losses")
+                ),
+            )
+        ],
+    )
+
+
+def rel_diff(ours, theirs):  # the largest relative difference of a step's loss between the sides
+    return max((abs(x - y) / abs(y) for x, y in zip(ours or [], theirs or [])), default=None)
 
 
 def markdown(args, rows, wall_s, one_ms):
@@ -905,18 +1269,21 @@ def markdown(args, rows, wall_s, one_ms):
         f"world {a.world} on {'NCCL' if torch.cuda.is_available() else 'gloo, CPU'}, {a.threads} "
         f"thread(s) per rank, {os.cpu_count()} CPU cores; GPT {n / 1e6:.1f} M parameters (vocab "
         f"{a.vocab}, width {a.d_model}, {a.n_layers} blocks, {a.seq_len} tokens x {a.batch_size} "
-        f"sequences), {a.dtype}; {a.steps} steps per run, the first {a.warmup} untimed; at least "
-        f"{a.rounds} rounds A B, more while an interval was wider than +-{a.precision:.0%}, within "
-        f"--budget-min {a.budget_min:g}; whole bench {wall_s / 60:.1f} min.",
+        f"sequences), {a.dtype}; paired pairs: {a.warmup} untimed steps per side, then "
+        f"{a.blocks} blocks of {a.block_steps} steps per side per launch, A B, B A, ...; the others: "
+        f"{a.steps} steps per run, the first {a.warmup} untimed, at least {a.rounds} rounds A B; more "
+        f"while an interval was wider than +-{a.precision:.0%}, within --budget-min "
+        f"{a.budget_min:g}; whole bench {wall_s / 60:.1f} min.",
         "",
-        f"| pair | ours | torch | ours ms | torch ms | verdict: ours / torch [{LEVEL:.0%}] | tok/s "
+        f"| pair | ours | torch | ours ms | torch ms | wall time: ours / torch [{LEVEL:.0%}] | CPU "
+        f"time: ours / torch [{LEVEL:.0%}] | the verdict rests on, at load | tok/s "
         "ours / torch | peak MiB/rank ours / torch | sent MiB/rank/step ours / torch | bubble ours / "
-        "torch (theory) | scaling eff. ours / torch | loss diff |",
-        "|---|---|---|---:|---:|---|---|---|---|---|---|---:|",
+        "torch (theory) | scaling eff. ours / torch | loss diff (apart / paired) |",
+        "|---|---|---|---:|---:|---|---|---|---|---|---|---|---|---:|",
     ]
     for r in rows:
         if r.get("skipped"):
-            lines.append(f"| {r['pair']} | skipped: {r['skipped']} |" + " |" * 10)
+            lines.append(f"| {r['pair']} | skipped: {r['skipped']} |" + " |" * 12)
             continue
         o, t = r["ours"], r["torch"]
         theory = o.get("bubble_theory", t.get("bubble_theory"))
@@ -926,13 +1293,16 @@ def markdown(args, rows, wall_s, one_ms):
             t["name"] or "failed",
             fmt(o.get("step_ms")),
             fmt(t.get("step_ms")),
-            say(r),
+            say(r.get("wall", r)),
+            say(r["cpu"]) if "cpu" in r else "-",
+            r["note"].removeprefix("; on "),
             two(o, t, "tokens_per_s"),
             two(o, t, "peak_mem_bytes", "%.1f", MiB),
             two(o, t, "sent_bytes_per_rank", "%.1f", MiB),
             f"{two(o, t, 'bubble', '%.2f')} ({theory:.2f})" if theory is not None else "",
             two(o, t, "scaling_efficiency", "%.2f") if "scaling_efficiency" in {**o, **t} else "",
-            fmt(r["max_loss_diff"], "%.0e"),
+            fmt(r["max_loss_diff"], "%.0e")
+            + (f" / {fmt(r['paired_loss_diff'], '%.0e')}" if "paired_loss_diff" in r else ""),
         ]
         lines.append("| " + " | ".join(cells) + " |")
     hid = lambda x: (
@@ -948,12 +1318,19 @@ def markdown(args, rows, wall_s, one_ms):
     ]
     lines += [
         "",
-        "Verdict: each round's ratio of median step times ours / torch (< 1: ours faster); their "
-        f"geometric mean and {LEVEL:.0%} interval (Student's t on the logs, the first {a.rounds} "
-        "rounds' spread). faster / slower: the whole interval below / above 1; no difference "
+        "Verdict: paired pairs (both sides in one launch): each block's ratio of wall time (or "
+        "of process CPU time, user + system of all threads, summed over ranks) per step ours / "
+        f"torch (< 1: ours faster); their geometric mean and {LEVEL:.0%} interval (Student's t on "
+        "the logs, the first launch's blocks' spread); the verdict rests on wall time, or on CPU "
+        "time where the 1-minute load average passed the core count at a block (load: its range "
+        "over the blocks). Other pairs: each round's ratio of median step times of separate "
+        f"launches, the first {a.rounds} rounds' spread. faster / slower: the whole interval "
+        "below / above 1; no difference "
         f"measurable (no ratio printed): it holds 1; noisy: wider than +-{a.precision:.0%} when the "
-        "budget ran out. ms: median over all rounds' timed steps. Loss diff: the largest relative "
-        "difference of a step's loss between the sides. Peak memory: CUDA's peak on GPUs, on CPU "
+        "budget ran out. ms: median over all blocks (rounds' timed steps). Loss diff: the largest "
+        "relative difference of a step's loss between the sides, each in a launch of its own "
+        "(paired pairs: that launch also gives the peak, bytes and bubble). Peak memory: CUDA's "
+        "peak on GPUs, on CPU "
         "counted from tensors (parameters, gradients, optimizer state, saved activations, DDP "
         "buckets / FSDP gathered parameters). Sent: bytes the busiest rank hands to collectives and "
         "sends in a step (ours counted by the file, torch's at the dispatcher by "
@@ -1039,12 +1416,10 @@ def main():
     if sys.argv[1:2] == ["--profile-run"]:
         return profile_run(sys.argv[2:])
     args = parse_args(Args)
+    if args.worker == "overlap":
+        return overlap_worker(init_dist(args.timeout), args)
     if args.worker:
-        return (
-            overlap_worker(init_dist(args.timeout), args)
-            if args.worker == "overlap"
-            else run_worker(args)
-        )
+        return paired_worker(args) if args.worker == "paired" else run_worker(args)
     names = check_bench_args(args)
     t0 = time.time()
     rows = []
@@ -1056,7 +1431,7 @@ def main():
             print(f"{p}: pair skipped, {why}", flush=True)
             rows.append(dict(pair=p, ours=None, torch=None, ratio=None, skipped=why))
         else:
-            groups.setdefault(PAIRS[p][2], []).append(p)
+            groups.setdefault(p if p in OURS else PAIRS[p][2], []).append(p)
     if args.scaling and any(
         PAIRS[p][3] == "dp" for ps in groups.values() for p in ps
     ):  # the baseline:
@@ -1071,7 +1446,12 @@ def main():
             len(groups) - i, 1
         )  # the budget left, shared
         rows = sorted(
-            rows + (bench_group(args, pairs, one_ms, share) if pairs else []),
+            rows
+            + (
+                (bench_paired if pairs[0] in OURS else bench_group)(args, pairs, one_ms, share)
+                if pairs
+                else []
+            ),
             key=lambda r: names.index(r["pair"]),
         )
         Path(args.out + ".json").write_text(json.dumps(rows, indent=1))
@@ -1080,7 +1460,7 @@ def main():
     judged = [r for r in rows if not r.get("skipped")]
     print(
         "".join(
-            f"{r['pair']}: {PAIRS[r['pair']][0]} vs {r['torch']['name']}: {say(r)}\n"
+            f"{r['pair']}: {PAIRS[r['pair']][0]} vs {r['torch']['name']}: {say(r)}{r['note']}\n"
             for r in judged
         )
     )
@@ -1091,8 +1471,9 @@ def main():
     failed = [
         r["pair"]
         for r in rows
-        if not r.get("skipped") and None in (r["ours"]["name"], r["torch"]["name"])
-    ]
+        if not r.get("skipped")
+        and (None in (r["ours"]["name"], r["torch"]["name"]) or not r["rounds"])
+    ]  # a side that failed, or no round or block timed (a paired launch that failed)
     if failed:
         print(f"failed runs: {failed}", file=sys.stderr)
     sys.exit(1 if failed else 0)

@@ -7,8 +7,10 @@ stops before its interval narrows are caught); one pair end to end writes well-f
 pair whose file lacks the mode it needs is skipped with one line, and bad input exits 2. No real timing is
 asserted."""
 
+import dataclasses
 import json
 import math
+import os
 import random
 import statistics
 import subprocess
@@ -84,6 +86,26 @@ for name in [w for w in bench.WORKERS if w not in ("single", "float8")]:  # floa
         if ops != dict(F=p * v * m, B=p * v * m, W=w):
             bad.append(f"ops {name}")
 
+# our side of every paired pair, built by bench.py from the file's core (as the paired launch runs it)
+def run_ours(name, steps=3):
+    step = bench.OURS[name](d, args, name)
+    return [step(i) for i in range(steps)]
+
+for name in bench.OURS:
+    compare(f"ours {name}", run_ours(name))
+import zero_bubble  # a ZB-H1 whose W adds nothing (the Linear weights never learn): ours must differ too
+
+def no_w(saved):
+    for layer, x, dy in saved:
+        for q in (layer.weight, layer.bias):
+            if q is not None and q.grad is None:
+                q.grad = torch.zeros_like(q)
+
+orig_bw = zero_bubble.SplitBackward.backward_weight
+zero_bubble.SplitBackward.backward_weight = staticmethod(no_w)
+compare("ours zb with W adding nothing (must differ)", run_ours("zb", steps=2), expect_equal=False)
+zero_bubble.SplitBackward.backward_weight = orig_bw
+
 # break it on purpose: torch's default scale_grads=True divides every gradient by m once more
 import torch.distributed.pipelining as pl
 orig = pl.ScheduleGPipe.__init__
@@ -123,15 +145,17 @@ sys.exit(1 if bad else 0)
 
 def test_torch_sides_match_reference_and_counts(tmp_path):
     """Every torch side (zero-bubble ZB1P and ZB-V included; not torchao's FP8, held to fp8.py by
-    test_fp8_pair_against_torchao where torchao is installed) reproduces one-process training in float64
-    (1e-9); ScheduleGPipe's default scale_grads=True, or a ZB-V whose W never runs, would not, and the check
-    sees it; CommCounter equals the closed forms, and misses DDP's bytes with all-reduce dropped from its op
-    table; the stage hooks see m F, m B (and m W when split) per stage."""
+    test_fp8_pair_against_torchao where torchao is installed), and our side of every paired pair as bench.py
+    builds it from the file's core, reproduces one-process training in float64 (1e-9); ScheduleGPipe's
+    default scale_grads=True, a ZB-V whose W never runs (torch's) or adds nothing (ours, ZB-H1) would
+    not, and the check sees it; CommCounter equals the closed forms, and misses DDP's bytes with
+    all-reduce dropped from its op table; the stage hooks see m F, m B (and m W when split) per stage."""
     script = tmp_path / "bench_checks.py"
     script.write_text(CHECKS)
     rc, out = forked(script, 2, str(ROOT), timeout=300)
     assert rc == 0 and "ALL CHECKS PASSED" in out, out[-6000:]
-    assert out.count("must differ): max rel loss diff") == 2, out[-6000:]
+    assert out.count("must differ): max rel loss diff") == 3, out[-6000:]
+    assert all(f"ours {name}: max rel loss diff" in out for name in bench.OURS), out[-6000:]
     assert "(a counter blind to all-reduce)" in out, out[-6000:]
 
 
@@ -280,7 +304,7 @@ def alternate(monkeypatch, ratio, noise, share_s=600.0, seed=3):
     def launch(args, pair, tag, worker=None):
         clock[0] += 10.0
         base = 100 * math.exp(rng.gauss(0, noise)) * (1 if worker else ratio)
-        return dict(rc=0, summary=None, ms=[base] * args.steps, cmd=tag)
+        return dict(rc=0, summary=None, ms=[base] * args.steps, cmd=tag, load=1.0)
 
     monkeypatch.setattr(bench, "launch", launch)
     row = bench.bench_group(args, ["gpipe"], None, share_s)[0]
@@ -320,17 +344,19 @@ def test_alternation_stops_when_narrow_or_spent(monkeypatch):
 
 
 def test_budget_shared_between_groups(tmp_path, monkeypatch, capsys):
-    """`--pairs gpipe,1f1b --budget-min 10` (two groups, no one-process launch for pipelines), each launch
-    10 s on a fake clock: gpipe, 1% noise, is narrow at its 3 rounds (60 s), so 1f1b, 30% noise, gets the
-    540 s left, 20 (r + 1) > 540 -> 27 rounds, where halving the budget up front would give it 15; the
-    bench's last line says one interval stayed noisy."""
+    """`--pairs zb,zbv --budget-min 10`, both taken out of OURS so that they run in rounds (two groups, no
+    one-process launch for pipelines), each launch 10 s on a fake clock: zb, 1% noise, is narrow at its
+    3 rounds (60 s), so zbv, 30% noise, gets the 540 s left, 20 (r + 1) > 540 -> 27 rounds, where
+    halving the budget up front would give it 15; the bench's last line says one interval stayed noisy."""
     clock, rng = [0.0], random.Random(5)
     monkeypatch.setattr(bench, "time", types.SimpleNamespace(time=lambda: clock[0]))
+    monkeypatch.delitem(bench.OURS, "zb")
+    monkeypatch.delitem(bench.OURS, "zbv")
 
     def launch(args, pair, tag, worker=None):
         clock[0] += 10.0
-        ms = 100 * math.exp(rng.gauss(0, 0.01 if pair == "gpipe" else 0.3))
-        return dict(rc=0, summary=None, ms=[ms] * args.steps, cmd=tag)
+        ms = 100 * math.exp(rng.gauss(0, 0.01 if pair == "zb" else 0.3))
+        return dict(rc=0, summary=None, ms=[ms] * args.steps, cmd=tag, load=1.0)
 
     monkeypatch.setattr(bench, "launch", launch)
     monkeypatch.setattr(
@@ -339,7 +365,7 @@ def test_budget_shared_between_groups(tmp_path, monkeypatch, capsys):
         [
             "bench.py",
             "--pairs",
-            "gpipe,1f1b",
+            "zb,zbv",
             *TINY,
             "--budget-min",
             "10",
@@ -352,20 +378,107 @@ def test_budget_shared_between_groups(tmp_path, monkeypatch, capsys):
     rows, out = json.loads((tmp_path / "b.json").read_text()), capsys.readouterr().out
     assert e.value.code == 0, out
     assert [(r["pair"], r["rounds"], r["noisy"]) for r in rows] == [
-        ("gpipe", 3, False),
-        ("1f1b", 27, True),
+        ("zb", 3, False),
+        ("zbv", 27, True),
     ]
     assert out.rstrip().endswith(
         "noisy machine: 1 interval(s) wider than +-5% when the budget ran out"
     ), out
 
 
+# ----------------------------------------------------------------------------- paired in one launch
+def paired_bench(monkeypatch, ratio, drift, load=1.0, cpu_ratio=None, seed=7):
+    """bench_paired on one pair (ddp) whose launches run paired_worker's loop in this process on synthetic
+    sides, no torchrun: a step advances a fake wall clock by its work (100 ms, ours x ratio, 3% log-normal
+    noise) times the machine's load at that moment, exp(drift x t / 1 s), which slows both sides alike, and
+    a fake CPU clock by the work alone (ours x cpu_ratio: what load cannot take). 10 blocks of 2 steps per
+    launch; more launches while noisy, within 60 s; the separate launches for peaks and bytes return
+    nothing. Returns the pair's row."""
+    wall, cpu, rng = [0.0], [0.0], random.Random(seed)
+
+    def side(r_wall, r_cpu):
+        def step(i):
+            noise = math.exp(rng.gauss(0, 0.03))
+            wall[0] += 0.1 * r_wall * noise * math.exp(drift * wall[0])
+            cpu[0] += 0.1 * r_cpu * noise
+            return 1.0
+
+        return step
+
+    clocks = dict(perf_counter=lambda: wall[0], process_time=lambda: cpu[0], time=lambda: wall[0])
+    monkeypatch.setattr(bench, "time", types.SimpleNamespace(**clocks))
+    one = types.SimpleNamespace(world=1, rank=0, device=bench.torch.device("cpu"))
+    monkeypatch.setattr(bench, "init_dist", lambda timeout: one)
+    monkeypatch.setattr(bench, "dist", types.SimpleNamespace(all_reduce=lambda t, **k: None))
+    monkeypatch.setattr(bench.torch, "set_num_threads", lambda n: None)
+    monkeypatch.setattr(bench, "harness", types.SimpleNamespace(close_dist=lambda: None))
+    monkeypatch.setattr(bench, "load", lambda: load)
+    opt = types.SimpleNamespace(zero_grad=lambda **k: None, step=lambda: None)
+    theirs = side(1.0, 1.0)
+    torch_side = lambda d, a, name, comm: (None, opt, lambda i: (theirs(i), 0))  # noqa: E731
+    monkeypatch.setitem(bench.WORKERS, "ddp", (torch_side, "DDP"))
+    monkeypatch.setitem(bench.OURS, "ddp", lambda d, a, pair: side(ratio, cpu_ratio or ratio))
+    summary = {}
+
+    def write_summary(d, args, name, losses, *rest, figures):
+        summary.update(losses=losses, figures=figures)
+
+    def launch(args, pair, tag, worker=None):
+        if worker != "paired":
+            return dict(rc=1, summary=None, ms=[], cmd=tag, load=load)
+        bench.paired_worker(dataclasses.replace(args, pairs=pair))
+        return dict(rc=0, summary=dict(summary), ms=[], cmd=tag, load=load)
+
+    monkeypatch.setattr(bench, "write_summary", write_summary)
+    monkeypatch.setattr(bench, "launch", launch)
+    args = bench.Args(blocks=10, block_steps=2, warmup=1, world=1)
+    return bench.bench_paired(args, ["ddp"], None, 60.0)[0]
+
+
+def test_block_pairing_cancels_drift(monkeypatch):
+    """Both sides in one launch, blocks A B, B A, ...: a load that rises 15% a second (about 2x over the
+    launch) slows both sides alike and cancels: equal sides are "no difference measurable" within +-5% from
+    one launch; a side truly 10% slower under the same drift is called slower, its interval holding 1.1.
+    Blocks always A B (the mutant) put ours always first, earlier on the rising load: a difference that is
+    not there (faster) is claimed."""
+    row = paired_bench(monkeypatch, 1.0, 0.15)
+    assert row["verdict"] == "no difference measurable" and not row["noisy"], row
+    assert row["rounds"] == 10 and row["rests_on"] == "wall time", row  # one launch was enough
+    row = paired_bench(monkeypatch, 1.1, 0.15)
+    assert row["verdict"] == "slower" and row["interval"][0] <= 1.1 <= row["interval"][1], row
+    monkeypatch.setattr(bench, "first_in_block", lambda j, flip: 0)  # the mutant
+    assert paired_bench(monkeypatch, 1.0, 0.15)["verdict"] == "faster"
+
+
+def test_verdict_rests_on_cpu_time_above_the_core_count(monkeypatch):
+    """A side that spends 10% more CPU time (user + system, all threads) but no more wall time: at a load
+    under the core count the verdict rests on wall time (no difference), above it on CPU time (slower), and
+    the pair's line says the load passed the cores; both ratios are in the row either way."""
+    row = paired_bench(monkeypatch, 1.0, 0.0, load=0.5, cpu_ratio=1.1)
+    assert (row["rests_on"], row["verdict"], row["cpu"]["verdict"]) == (
+        "wall time",
+        "no difference measurable",
+        "slower",
+    ), row
+    busy = os.cpu_count() + 1.0
+    row = paired_bench(monkeypatch, 1.0, 0.0, load=busy, cpu_ratio=1.1)
+    assert (row["rests_on"], row["verdict"], row["wall"]["verdict"]) == (
+        "CPU time",
+        "slower",
+        "no difference measurable",
+    ), row
+    assert row["note"].endswith(f"load {busy:.1f}-{busy:.1f} > {os.cpu_count()} cores"), row
+
+
 def test_one_pair_end_to_end(tmp_path, monkeypatch, capsys):
-    """`python bench.py --pairs gpipe,zb` at tiny size, 2 steps, at least 2 rounds within a 6 s budget:
-    gpipe's row of the documented shape, with an interval and a verdict that agrees with it, printed and in
-    the table; zb pointed at a file that will never offer `--schedule zbh1` (gpipe.py) is skipped with one
-    line, no launch, and a choice the file does offer (pipedream.py --mode flush) is not. The torchrun
-    commands bench.py builds are run by tests/forkserver.py, as torchrun would run them."""
+    """`python bench.py --pairs gpipe,zb` at tiny size within a 6 s budget: gpipe paired in one launch (3
+    blocks of 1 step per side; gpipe.gpipe_step beside ScheduleGPipe in the same processes), then each side
+    in a launch of its own for its peak, bytes and bubble: its row of the documented shape, with a wall and
+    a CPU-time interval over the blocks, a verdict that agrees with the one it rests on, the load, printed and
+    in the table; the two sides' losses equal in the paired launch as in their own (float32). zb pointed at a
+    file that will never offer `--schedule zbh1` (gpipe.py) is skipped with one line, no launch, and a choice
+    the file does offer (pipedream.py --mode flush) is not. The torchrun commands bench.py builds are run by
+    tests/forkserver.py, as torchrun would run them."""
 
     def torchrun(cmd, cwd, env, text, capture_output, timeout):
         nproc = int(next(a for a in cmd if a.startswith("--nproc_per_node=")).split("=")[1])
@@ -392,8 +505,10 @@ def test_one_pair_end_to_end(tmp_path, monkeypatch, capsys):
             "2",
             "--warmup",
             "1",
-            "--rounds",
-            "2",
+            "--blocks",
+            "3",
+            "--block-steps",
+            "1",
             "--budget-min",
             "0.1",
             "--microbatches",
@@ -428,7 +543,9 @@ def test_one_pair_end_to_end(tmp_path, monkeypatch, capsys):
             s["sent_bytes_per_rank"] > 0 and 0 <= s["bubble"] <= 1 and s["bubble_theory"] == 1 / 3
         ), s
     (lo, hi), per = r["interval"], r["ratio_per_round"]
-    assert r["rounds"] == len(per) >= 2 and lo <= r["ratio"] <= hi, r
+    assert r["rounds"] == len(per) >= 3 and lo <= r["ratio"] <= hi and r["unit"] == "block", r
+    assert r[{"wall time": "wall", "CPU time": "cpu"}[r["rests_on"]]]["interval"] == [lo, hi], r
+    assert len(r["cpu"]["ratio_per_round"]) == len(per) == len(r["load"]), r
     assert abs(math.log(r["ratio"]) - sum(map(math.log, per)) / len(per)) < 1e-12, (
         r
     )  # the geometric mean
@@ -436,12 +553,11 @@ def test_one_pair_end_to_end(tmp_path, monkeypatch, capsys):
     assert r["verdict"] == word, r
     line = f"gpipe: gpipe.py vs pipelining ScheduleGPipe: {word}: "
     assert any(
-        x.startswith(line) and f"[{lo:.2f}, {hi:.2f}], {len(per)} round" in x
+        x.startswith(line) and f"[{lo:.2f}, {hi:.2f}], {len(per)} blocks" in x and "load" in x
         for x in stdout.splitlines()
     ), stdout
-    assert r["max_loss_diff"] <= 1e-4, (
-        r
-    )  # both sides trained the same model on the same data (float32)
+    # both sides trained the same model on the same data (float32), in one launch and apart
+    assert r["max_loss_diff"] <= 1e-4 and r["paired_loss_diff"] <= 1e-4, r
     md = (tmp_path / "b.md").read_text()
     assert f"| {word}: " in md and "| zb | skipped: gpipe.py has no --schedule zbh1" in md, md
 
