@@ -90,7 +90,9 @@ READ_PATH.update(
     }
 )
 # Whole-file ceilings in code tokens against drift for the shared modules and tools (about today's + room).
-TOTAL = {"common.py": 2400, "harness.py": 7000, "bench.py": 8000, "plan.py": 13000}
+# bench.py 8,000 -> 11,000: both sides of a pair now run in the same processes, ours built from each file's
+# core (2,041 tokens of builders, the paired worker and its statistics).
+TOTAL = {"common.py": 2400, "harness.py": 7000, "bench.py": 11000, "plan.py": 13000}
 README_LINES = 200
 # What may not stand above a technique file's measurement fence outside main(): name -> (pattern, a line it
 # must catch, a near miss it must let through). Bookkeeping is measurement, logging, checkpointing and the
