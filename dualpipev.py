@@ -1,4 +1,4 @@
-"""dualpipev.py: DualPipeV, DeepSeek-V3's DualPipe folded into a V, the backward cut into B and W.
+r"""dualpipev.py: DualPipeV, DeepSeek-V3's DualPipe folded into a V, the backward cut into B and W.
 
 DeepSeek-AI, "DeepSeek-V3 Technical Report" (2024), Sec. 3.2.1; the schedule as deepseek-ai/DualPipe's
 DualPipeV runs it. The model in 2p chunks, two per rank in a V as in ZB-V (zero_bubble.py): rank r holds
@@ -12,7 +12,7 @@ Backward is split as in Zero Bubble (Qi et al. 2024): B, the input's gradient, w
 waits for; W, the weights' gradient, which nobody waits for, deferred where a rank would otherwise idle.
 
     DualPipeV, p = 3, m = 6 (F, B, W one slot each; capitals: down the V, lower case: back up;
-    \\____/ an F&B slot)                                                                      time ->
+    \____/ an F&B slot)                                                                      time ->
     rank 0  F0F1F2F3F4f0b0w0f1b1w1f2F5b2w2....f3B0W0b3w3..f4B1W1b4w4..f5B2W2b5w5B3W3B4W4B5W5
                                     \____/    \____/      \____/      \____/
     rank 1  ..F0F1F2f0F3f1b0w0f2F4b1w1..f3B0W0F5b2w2f4B1W1b3w3..f5B2W2b4w4B3W3..b5B4w5B5W4W5
