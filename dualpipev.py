@@ -203,33 +203,28 @@ def dualpipev(p, m, r):
     down = r
     up = 2 * p - 1 - r
     slots = []
-    done = collections.Counter()
-    held = collections.deque()  # W's of B's run alone, oldest first
-
-    def op(kind, c):
-        done[kind, c] += 1
-        return (kind, c, done[kind, c] - 1)
+    done = collections.Counter()  # (kind, chunk) -> ops run: the next micro-batch
+    held = collections.deque()  # [W] slots of B's run alone, oldest first
 
     def f(c):
-        return [op("F", c)]
+        done["F", c] += 1
+        return [("F", c, done["F", c] - 1)]
 
     def b(c, w_now):  # B; its W at once (a full backward) or held for later
-        kind, c, k = op("B", c)
+        done["B", c] += 1
+        k = done["B", c] - 1
         if w_now:
-            return [(kind, c, k), ("W", c, k)]
-        held.append(("W", c, k))
-        return [(kind, c, k)]
-
-    def w():
-        return [held.popleft()]
+            return [("B", c, k), ("W", c, k)]
+        held.append([("W", c, k)])
+        return [("B", c, k)]
 
     slots += [f(down) for _ in range(2 * (p - r - 1))]  # 1. warm-up
     for _ in range(r + 1):
         slots += [f(down), f(up)]
     for _ in range(p - r - 1):
-        slots += [b(up, False), w(), f(up)]
+        slots += [b(up, False), held.popleft(), f(up)]
     for i in range(m - 2 * p + r + 1):  # 2. steady: F&B slots
-        if i == 0 and r == p - 1:  # the turn: f0 up waits for F0 down on this rank, so not paired
+        if i == 0 and r == p - 1:  # not paired, to shorten the bubble (DeepSeek's DualPipeV)
             slots += [f(down), b(up, True)]
         else:
             slots.append(f(down) + b(up, True))
@@ -241,9 +236,8 @@ def dualpipev(p, m, r):
         slots.append(b(up, i < half + (r % 2 == 0)))
         slots.append(b(down, i < half))
     for _ in range(p - r - 1):
-        slots += [w(), b(down, False)]
-    slots += [w() for _ in range(len(held))]
-    return slots
+        slots += [held.popleft(), b(down, False)]
+    return slots + list(held)
 
 
 def holder(c, p):  # the pp rank holding chunk c of 2p: the V
@@ -456,9 +450,8 @@ def finish_batch(params, loss, dp_group, group, max_norm):
 def check_args(args):
     world = env_world_size()
     check_common_args(args)
-    for name in ("dp", "microbatches"):
-        if getattr(args, name) < 1:
-            fail(f"--{name} must be >= 1, got {getattr(args, name)}")
+    if args.dp < 1:
+        fail(f"--dp must be >= 1, got {args.dp}")
     p = args.pp or world // args.dp
     if args.pp < 0 or p * args.dp != world:
         fail(
