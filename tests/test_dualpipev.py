@@ -5,11 +5,12 @@ FULL_BACKWARD = B then W in one slot) at 2 <= p <= 6 over several m; a mutant wi
 by that comparison and by the closed forms of DeepSeek-V3's Table 2 for DualPipeV, computed here with an
 independent timeline: idle (PP/2-1)(F&B+B-3W) per rank with PP = 2p stages, activations PP+1 = 2p+1 chunk
 micro-batches alive per rank. The communication plans never deadlock under NCCL's semantics (simulated).
-Parity with one-process training (float64, 1e-9) at pp 2 x dp 2 (the README's command), p 2 (through the
-copy-out check), p 3 and p 4; the executed order (measured events) is torch's; micro-batches alive, counted
-and recounted from the events, are 2p+1; bytes sent m (b, T, D) per neighbour and way as theory says. The core
-copied onto another model (the section alone, group [1, 0]) equals one-process training (W never run: caught);
-each core refuses what it cannot do before any transfer; bad input exits 2 with one line on every rank.
+Parity with one-process training (float64, 1e-9) at pp 2 x dp 2 ragged, p 2 (through the copy-out check),
+p 3 (7 blocks in 6 uneven chunks, m 7) and p 4 (--stage-ms); the executed order (measured events) is
+torch's; micro-batches alive, counted and recounted from the events, are 2p+1; bytes sent m (b, T, D) per
+neighbour and way as theory says. The core copied onto another model (the section alone, group [1, 0])
+equals one-process training (W never run: caught); each core refuses what it cannot do before any
+transfer; bad input exits 2 with one line on every rank.
 Launches: 4 torchrun (one also runs the copy-out check), 1 plain python, 3 bad-input cases."""
 
 import json
@@ -40,7 +41,7 @@ LAUNCHES = {  # name: (nproc, flags)
         ["--n-layers", "4"],
     ),  # through tests/dualpipev_checks.py copy-out: the copied core first
     "pp2 dp2": (4, ["--pp", "2", "--dp", "2", "--n-layers", "4", "--ragged"]),
-    "p3": (3, ["--n-layers", "6", "--microbatches", "6", "--batch-size", "12"]),
+    "p3 uneven": (3, ["--n-layers", "7", "--microbatches", "7", "--batch-size", "14"]),
     "p4 stage-ms": (4, ["--n-layers", "8", "--microbatches", "8", "--stage-ms", "20"]),
 }
 
