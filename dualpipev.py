@@ -288,26 +288,17 @@ def ideal_timeline(orders, n):
 
 def comm_plan(orders, n, r):
     """Rank r's steps for one batch: ("slot", ops) and ("p2p", sends, recvs) with [(peer pp rank, message)].
-    Each message travels at one moment G of the ideal timeline between the slot that makes it and the one
-    that uses it: the first at which both ranks are between slots (else when made). Both post it in their
-    batch of G, so all post batches in order of G, none waiting for a later one: no cycle (NCCL deadlocks
-    on a send whose receive is posted behind a wait on the sender). Sorted alike on both sides."""
+    Each message travels at the moment G of the ideal timeline that the slot making it ends. Both ranks post
+    it in their batch of G, after every slot that starts before G, so all post batches in order of G, none
+    waiting for a later one: no cycle (NCCL deadlocks on a send whose receive is posted behind a wait on the
+    sender). Sorted alike on both sides. (zero_bubble.py waits for a moment both ranks are between ops:
+    fewer batches, more code.)"""
     at = ideal_timeline(orders, n)
     items = collections.defaultdict(lambda: ([], []))
-    spans = collections.defaultdict(set)  # pp rank -> (start, end) of its slots
-    for q, start, end in at.values():
-        spans[q].add((start, end))
     for msg in (needs(op, n) for op in at):
         if msg is not None and at[producer(msg)][0] != at[msg][0]:
-            src, _, made = at[producer(msg)]
-            dst, used, _ = at[msg]
-            edges = {x for q in (src, dst) for span in spans[q] for x in span if made <= x <= used}
-            between = [
-                x
-                for x in sorted(edges | {made, used})
-                if all(not a < x < z for q in (src, dst) for a, z in spans[q])
-            ]
-            when = between[0] if between else made
+            src, _, when = at[producer(msg)]
+            dst = at[msg][0]
             if src == r:
                 items[when][0].append((dst, msg))
             if dst == r:
