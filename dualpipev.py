@@ -28,14 +28,14 @@ DeepSeek-V3's Table 2 (per rank, PP = 2p stages in all, F&B the time of an F&B s
 bubble (PP/2-1)(F&B+B-3W), p-1 times (T_F+2T_B-T_W) here, where the pair runs unoverlapped, = 2(p-1)
 slots of 6m at one slot per F, B, W: bubble (p-1)/(3m), ZB-H1's (ZB-V: (p-1)/(6m)): the gain of DualPipeV
 is the hidden all-to-all, not the bubble. Activations PP+1 = 2p+1 chunk micro-batches alive (F to W) per
-rank, one more than ZB-V; parameters 2x a stage (two chunks per rank: 1x a one-stage-per-rank pipeline; the
-two-way DualPipe keeps two copies of every stage: 2x). m(2 - [r = 0] - [r = p-1]) messages each way.
+rank, one more than ZB-V; parameters per rank 2x a stage of the 2p (the table's 2x): as 1F1B over p ranks,
+where the two-way DualPipe holds every stage twice. m(2 - [r = 0] - [r = p-1]) messages each way.
 Synchronous: every step drains before one optimizer step, so --check compares with one-process training.
 Data parallel outermost (--dp): each replica runs its pipeline on its slice of the batch, then one gradient
 all-reduce per step.
 
-Messages: every activation and gradient is one tensor in a batch_isend_irecv, posted between slots at the
-moment of the ideal timeline that comm_plan() gives it, so that no batch waits on a later one (NCCL
+Messages: every activation and gradient is one tensor in a batch_isend_irecv, posted by both ranks at the
+moment of the ideal timeline its slot ends (comm_plan()), so that no batch waits on a later one (NCCL
 deadlocks otherwise; the tests simulate it). Measured from outside, each beside its theory: the bubble,
 micro-batches alive, bytes held and sent; an ASCII timeline.
 
