@@ -417,3 +417,24 @@ def test_no_object_collectives():
     import re
 
     assert not re.search(r"_object(_list)?\(", (ROOT / "dualpipev.py").read_text())
+
+
+def test_a_swapped_pair_in_the_source_is_caught():
+    """The mutant in dualpipev.py's own text (its technique section loaded alone, tests/section.py): the
+    steady step's two F&B slots written the other way round. Its orders are not torch's, and the Table 2
+    check (or the replay, waiting on itself) fails at every p tested."""
+    import section
+
+    text = (ROOT / "dualpipev.py").read_text()
+    old = "            slots.append(f(down) + b(up, True))\n        slots.append(f(up) + b(down, True))\n"
+    new = "            slots.append(f(up) + b(down, True))\n        slots.append(f(down) + b(up, True))\n"
+    assert text.count(old) == 1
+    mutant = section.load("dualpipev.py", text.replace(old, new))["dualpipev"]
+    for p, m in [(2, 4), (3, 7), (4, 8)]:
+        orders = [mutant(p, m, r) for r in range(p)]
+        assert any(orders[r] != torch_slots(p, m, r) for r in range(p))
+        try:
+            errors = table2_errors(orders, p)
+        except AssertionError:  # waits on itself
+            errors = ["deadlock"]
+        assert errors, (p, m)
