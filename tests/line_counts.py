@@ -47,6 +47,7 @@ FILES = [
     "gpipe.py",
     "pipedream.py",
     "zero_bubble.py",
+    "dualpipev.py",
     "megatron_tp.py",
     "ptdp.py",
     "moe.py",

@@ -72,7 +72,11 @@ TECHNIQUES = [
     "moe.py",
     "context_parallel.py",
 ]
-TECHNIQUES += ["moe_deepseek.py", "fp8.py"]  # issues 43 (the 2024 MoE line) and 42
+TECHNIQUES += [
+    "moe_deepseek.py",
+    "fp8.py",
+    "dualpipev.py",
+]  # issues 43 (the 2024 MoE line), 42 and 51
 # Read path: the source from the end of the module docstring to the `# --- measurement ---` fence, weighed in
 # code tokens (tests/line_counts.py: comments and layout left out, a string is one token), what a learner parses.
 READ_PATH = {name: line_counts.BUDGET.get(name, line_counts.DEFAULT_BUDGET) for name in TECHNIQUES}
@@ -87,6 +91,7 @@ READ_PATH.update(
         "megatron_tp.py": 4368,
         "zero_bubble.py": 3907,
         "ptdp.py": 5323,
+        "dualpipev.py": 3871,
     }
 )
 # Whole-file ceilings in code tokens against drift for the shared modules and tools (about today's + room).
