@@ -442,19 +442,19 @@ def comm_plan(p, v, m, r):
         if msg is not None and at[producer(msg)][0] != at[msg][0]:
             src, _, made = at[producer(msg)]
             dst, used, _ = at[msg]
-            edges = {x for q in (src, dst) for span in spans[q] for x in span if made <= x <= used}
-            times = sorted(edges | {made, used})
-            between = [
-                x for x in times if all(not a < x < z for q in (src, dst) for a, z in spans[q])
-            ]
-            when = between[0] if between else made
+            both = spans[src] + spans[dst]
+            # the ends of both ranks' ops from made to used (made and used among them) ...
+            edges = {x for span in both for x in span if made <= x <= used}
+            # ... the first at which neither rank is inside an op
+            when = next((x for x in sorted(edges) if not any(a < x < z for a, z in both)), made)
             if src == r:
                 items[when][0].append((dst, msg))
             if dst == r:
                 items[when][1].append((src, msg))
     steps = [((at[op][1], 1), ("op", op)) for op in schedule(p, v, m, r)]
     steps += [((when, 0), ("p2p", sorted(s), sorted(rv))) for when, (s, rv) in items.items()]
-    return [step for _, step in sorted(steps, key=lambda x: x[0])]
+    # keys are distinct: a rank's ops start at distinct moments, one batch per moment, batches first
+    return [step for _, step in sorted(steps)]
 
 
 class PipelineRank:
@@ -609,16 +609,17 @@ def finish_batch(params, loss, group, tp_rank, max_norm, world, zero=None):
     else:  # ZeRO-1: reduce-scattered
         zero.reduce_scatter()
         # (S,): my shard of the summed gradient; the others' are theirs to count
-        grads = [zero.shard.grad]
         weights = zero.flat([q.grad.new_full((q.numel(),), c) for q, c in zip(params, counted)])
         sq = squared_norm([zero.shard.grad * weights[zero.mine]])
     total = torch.stack([loss * (tp_rank == 0), sq])
     # (2,): this rank's piece of the loss, of the squared norm -> sums
     dist.all_reduce(total, group=world)
     norm = total[1].sqrt()
-    # clip_grad_norm_'s rule, in each grad's dtype (0-dim ones too)
-    for x in grads if max_norm > 0 else []:
-        x.mul_(torch.clamp(max_norm / (norm + 1e-6), max=1.0).to(x.dtype))
+    # torch's own clipping, given the whole model's norm (ZeRO-1: of my shard's gradient)
+    if max_norm > 0:
+        torch.nn.utils.clip_grads_with_norm_(
+            params if zero is None else [zero.shard], max_norm, norm
+        )
     return total[0].item(), norm.item()
 
 
@@ -708,8 +709,10 @@ def main():
     # --- the model: the full GPT on CPU from one seed, then this rank's chunks, TP-sliced, to the device ---
     dtype = DTYPES[args.dtype]
     full = build_gpt(GPTConfig.from_args(args), args.seed, dtype)
-    mine = list(range(pp_rank, p * v, p))  # chunk c on pp rank c % p: a loop
-    chunks = nn.ModuleDict({str(c): Chunk(full, c, p * v, tp_group, cp_group) for c in mine})
+    # chunk c on pp rank c % p: a loop
+    mine = {c: Chunk(full, c, p * v, tp_group, cp_group) for c in range(pp_rank, p * v, p)}
+    # one module of them all, for the optimizer, the checkpoint and the names
+    chunks = nn.ModuleDict({str(c): chunk for c, chunk in mine.items()})
     chunks.to(d.device)
     del full
     params = list(chunks.parameters())
@@ -726,21 +729,15 @@ def main():
         axes={"tp": tp_group, "cp": cp_group, "dp_cp": dp_cp_group, "pp": pp_group}, log=True
     )
     # every activation and gradient between chunks
-    msg_shape = (
-        b,
-        args.seq_len // cp,
-        args.d_model,
-    )
-    runner = PipelineRank(
-        {c: chunks[str(c)] for c in mine}, pp_group, m, msg_shape, dtype, d.device, observe=watch
-    )
+    msg_shape = (b, args.seq_len // cp, args.d_model)
+    runner = PipelineRank(mine, pp_group, m, msg_shape, dtype, d.device, observe=watch)
     watch.runner = runner  # what it holds to B, for the counted peak
     # NCCL: a group's first collective (its set-up) must not be p2p
     for group in (pp_group, cp_group):
         dist.all_reduce(torch.zeros(1, device=d.device), group=group)
 
     def split(z):  # (B, T) global batch -> (m, b, T/cp): this replica's rows, this CP rank's tokens
-        z = z[dp_rank * b * m : (dp_rank + 1) * b * m]
+        z = z.chunk(dp)[dp_rank]
         if cp > 1:
             z = zigzag(z, cp, cp_rank)
         return rearrange(z, "(m b) n -> m b n", m=m).to(d.device)

@@ -180,8 +180,9 @@ class Chunk(nn.Module):
             self.ln_f, self.head = gpt.ln_f, gpt.head
 
     def forward(self, h):  # first chunk: (b, T) token ids; others: (b, T, D) from the chunk before
-        if self.first:  # = GPT.embed
-            h = self.drop(self.tok_emb(h) + self.pos_emb(torch.arange(h.shape[1], device=h.device)))
+        # the first chunk embeds as the GPT does: GPT.embed reads tok_emb, pos_emb and drop, held here
+        if self.first:
+            h = GPT.embed(self, h)  # (b, T, D)
         for block in self.blocks.values():
             h = block(h)  # (b, T, D)
         return self.head(self.ln_f(h)) if self.last else h  # last: logits (b, T, V)
@@ -194,22 +195,18 @@ def zbh1(p, m, r):
     run, but the first r B's: their W's end it (torch's ScheduleInterleavedZeroBubble, one stage per rank)."""
     warm = min(p - r - 1, m)
     # warm-up: forwards only, enough to fill the ranks after this one
-    fb = [("F", k) for k in range(warm)]
-    # steady state: one forward, then the backward (input gradient) of the oldest micro-batch held
-    for i in range(m - warm):
-        fb += [("F", warm + i), ("B", i)]
-    # cool-down: the backwards of the micro-batches still held
-    fb += [("B", k) for k in range(m - warm, m)]
-    # then each B is followed by a W (weight gradient), the first r W's held back to fill the cool-
-    # down
-    ops, waiting = [], collections.deque()
-    for kind, k in fb:
-        ops.append((kind, r, k))
-        if kind == "B":
-            waiting.append(k)
-            if k >= r:
-                ops.append(("W", r, waiting.popleft()))
-    return ops + [("W", r, k) for k in waiting]
+    ops = [("F", r, k) for k in range(warm)]
+    # steady state: one forward, then the backward B k (input gradient) of the oldest micro-batch held; once
+    # every forward ran, the cool-down: the backwards of the micro-batches still held ...
+    for k in range(m):
+        if warm + k < m:
+            ops.append(("F", r, warm + k))
+        ops.append(("B", r, k))
+        # ... each followed by the oldest weight gradient waiting, r behind: the first r W's are held back
+        if k >= r:
+            ops.append(("W", r, k - r))
+    # the r W's held back fill the cool-down's end, where 1F1B's stage r waits
+    return ops + [("W", r, k) for k in range(max(m - r, 0), m)]
 
 
 # ----------------------------------------------------------------------------- messages, placed in time
@@ -219,8 +216,10 @@ def needs(op, n):
     return None if kind == "W" or (kind, c) in (("F", 0), ("B", n - 1)) else op
 
 
-def producer(msg):  # the op that makes message (kind, c, k)
-    return ("F", msg[1] - 1, msg[2]) if msg[0] == "F" else ("B", msg[1] + 1, msg[2])
+# the op that makes message (kind, c, k): the same kind on the chunk before (F) or after (B)
+def producer(msg):
+    kind, c, k = msg
+    return (kind, c - 1 if kind == "F" else c + 1, k)
 
 
 def ideal_timeline(orders, n):
@@ -236,9 +235,9 @@ def ideal_timeline(orders, n):
             while nxt[r] < len(orders[r]):
                 op = orders[r][nxt[r]]
                 deps = [producer(op)] if needs(op, n) else []
-                deps += (
-                    [("F", *op[1:])] if op[0] == "B" else [("B", *op[1:])] if op[0] == "W" else []
-                )
+                before = {"B": "F", "W": "B"}.get(op[0])  # B waits for its F, W for its B
+                if before:
+                    deps.append((before, *op[1:]))
                 if any(dep not in at for dep in deps):
                     break
                 start = max([free[r]] + [at[dep][2] for dep in deps])
@@ -268,20 +267,19 @@ def comm_plan(orders, n, r):
         if msg is not None and at[producer(msg)][0] != at[msg][0]:
             src, _, made = at[producer(msg)]
             dst, used, _ = at[msg]
-            edges = {x for q in (src, dst) for span in spans[q] for x in span if made <= x <= used}
-            between = [
-                x
-                for x in sorted(edges | {made, used})
-                if all(not a < x < z for q in (src, dst) for a, z in spans[q])
-            ]
-            when = between[0] if between else made
+            both = spans[src] + spans[dst]
+            # the ends of both ranks' ops from made to used (made and used among them) ...
+            edges = {x for span in both for x in span if made <= x <= used}
+            # ... the first at which neither rank is inside an op
+            when = next((x for x in sorted(edges) if not any(a < x < z for a, z in both)), made)
             if src == r:
                 items[when][0].append((dst, msg))
             if dst == r:
                 items[when][1].append((src, msg))
     steps = [((at[op][1], 1), ("op", op)) for op in orders[r]]
     steps += [((when, 0), ("p2p", sorted(s), sorted(rv))) for when, (s, rv) in items.items()]
-    return [step for _, step in sorted(steps, key=lambda x: x[0])]
+    # keys are distinct: a rank's ops start at distinct moments, one batch per moment, batches first
+    return [step for _, step in sorted(steps)]
 
 
 # ----------------------------------------------------------------------------- one rank running its plan
@@ -417,8 +415,7 @@ def zbv(p, m, r):
         ops.append((kind, c, done[kind, c]))
         done[kind, c] += 1
 
-    # 1. warm-up: forwards down the V, then up and down in turn, then the first backwards at the V's
-    # tip
+    # 1. warm-up: forwards down the V, then up and down in turn, then the first backwards at its tip
     for _ in range(2 * (p - r) - 1):
         run("F", down)
     for _ in range(r):
@@ -503,9 +500,8 @@ def main():
     d = init_dist(args.timeout)
     data = MarkovData(args.vocab, args.seed)
     bounds = split_layers(args.n_layers, n_chunks(p))
-    # data parallel outermost in the step, innermost in rank order: a replica group is a row grid[i,
-    # :] of
-    # adjacent ranks, a pipeline a column grid[:, j]
+    # data parallel outermost in the step, innermost in rank order: a replica group is a row
+    # grid[i, :] of adjacent ranks, a pipeline a column grid[:, j]
     grid = torch.arange(world).view(p, dp)
     pp_rank, dp_rank = [int(i) for i in (grid == d.rank).nonzero()[0]]
     # every rank makes each group (new_group: a collective over the world), keeps its own
@@ -519,8 +515,9 @@ def main():
     dtype = DTYPES[args.dtype]
     # the whole GPT, on CPU; a rank takes its chunks
     gpt = build_gpt(GPTConfig.from_args(args), args.seed, dtype)
-    mine = [c for c in range(len(bounds)) if holder(c, p) == pp_rank]
-    chunks = nn.ModuleDict({str(c): Chunk(gpt, c, bounds) for c in mine}).to(d.device)
+    mine = {c: Chunk(gpt, c, bounds) for c in range(len(bounds)) if holder(c, p) == pp_rank}
+    # one module of them all, for the optimizer, the checkpoint and the names; moved in place
+    chunks = nn.ModuleDict({str(c): chunk for c, chunk in mine.items()}).to(d.device)
     del gpt
     # every Linear of this rank's chunks defers its weight gradient to W
     split = SplitBackward(chunks)
@@ -534,7 +531,7 @@ def main():
     watch = Watch(d, args, (pp_rank, dp_rank))
     comm = CommCounter(log=True)
     runner = PipelineRank(
-        {c: chunks[str(c)] for c in mine},
+        mine,
         len(bounds),
         plan,
         split,
@@ -550,9 +547,10 @@ def main():
         # (B, T) global batch, CPU
         x, y = data.batch(step, args.batch_size, args.seq_len, args.ragged)
         n_tok = count_tokens(y)  # the whole global batch's: every micro-batch loss divides by it
-        rows = slice(dp_rank * b * m, (dp_rank + 1) * b * m)  # this replica's rows
-        # (m, b, T) each
-        mbs = [rearrange(z[rows], "(m b) t -> m b t", m=m).to(d.device) for z in (x, y)]
+        # (m, b, T) each: this replica's rows, cut into micro-batches
+        mbs = [
+            rearrange(z, "(dp m b) t -> dp m b t", dp=dp, m=m)[dp_rank].to(d.device) for z in (x, y)
+        ]
         watch.step = step
         # count the sends of the step before last (counting slows ops; the last step's bubble is reported)
         with run.watching(step, comm, at=max(run.start, args.steps - 2)):
