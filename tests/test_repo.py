@@ -89,8 +89,7 @@ READ_PATH.update(
         "fault_tolerance.py": 5180,
         "zero.py": 4464,
         "megatron_tp.py": 4368,
-        "zero_bubble.py": 3907,
-        "ptdp.py": 5323,
+        "ptdp.py": 5255,
         "dualpipev.py": 3871,
     }
 )
