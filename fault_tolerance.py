@@ -83,7 +83,6 @@ import math
 import os
 import signal
 import statistics
-import subprocess
 import sys
 import threading
 import time
@@ -153,7 +152,10 @@ class Args(CommonArgs):
     )
     save_every: int = 0  # --recipe restart: write the state every N steps
     timeout: int = (
-        120  # seconds, every wait's deadline: a collective, a round, a vote (a hung peer is left)
+        120  # seconds, every wait's deadline: a collective, a round, a vote (a stuck peer is left)
+    )
+    lease_ms: float = (
+        5000.0  # a replica whose lease is older is dropped (killed or frozen: left at once)
     )
     coordinator: str = ""  # (set by the launcher) host:port of the coordinator's store
     replica: int = -1  # (set by the launcher) this process's replica id; -1: be the launcher
@@ -171,6 +173,48 @@ class Args(CommonArgs):
 CLOSED = (
     1 << 20
 )  # added to a round's check-in count to close it: a later check-in sees a count above it
+
+
+class Lease:
+    """Each replica owns its failure detection (torchft's heartbeats to its lighthouse): a thread writes
+    `lease/{rid}` = "life time" every lease_s / 5, and a peer whose lease is older than lease_s, or held by
+    another life of its replica (it was restarted), is gone: the round, the vote and the group decide from
+    it at once. A replica killed, or frozen (SIGSTOP stops the thread too), is dropped within lease_s; one
+    alive but stuck in a collective keeps its lease, and the collective's deadline leaves it behind. `store`:
+    a connection of the lease's own (a get that waits on another must not hold up the heartbeat). The
+    replicas' clocks must agree to well within lease_s (one host here; NTP across nodes)."""
+
+    def __init__(self, store, me, lease_s):
+        if lease_s <= 0:
+            raise ValueError(f"Lease needs lease_s > 0, got {lease_s}")
+        self.store = store
+        self.lease_s = lease_s
+        self.beat(me)  # (held before this replica checks in anywhere)
+        threading.Thread(target=self.beat_until_gone, args=(me,), daemon=True).start()
+
+    def beat(self, me):
+        self.store.set(f"lease/{me.rid}", f"{me.life} {time.time()!r}")
+
+    def beat_until_gone(self, me):
+        try:
+            while True:
+                time.sleep(self.lease_s / 5)
+                self.beat(me)
+        except Exception:  # the coordinator is gone: the main thread says so in one line
+            return
+
+    def read(self, rid):  # (life, time of its last heartbeat)
+        if not self.store.check([f"lease/{rid}"]):
+            return -1, -math.inf
+        life, t = self.store.get(f"lease/{rid}").split()
+        return int(life), float(t)
+
+    def live(self, m):
+        life, t = self.read(m.rid)
+        return life == m.life and time.time() - t < self.lease_s
+
+    def count(self, replicas):  # the replicas holding a live lease, whatever their life
+        return sum(time.time() - self.read(r)[1] < self.lease_s for r in range(replicas))
 
 
 @dataclass
@@ -242,24 +286,25 @@ def rank_in(members, me):
     return rids.index(me.rid)
 
 
-def decided_before(store, k, timeout_s):
+def decided_before(store, k, timeout_s, live):
     """Rounds decide in order: wait until round k - 1 has its decision, and return the version committed
     before round k (each decision carries the one after it: "commit 7", "abort 6"). A round whose members
-    are all marked dead, or undecided past the deadline, is decided "abort" here (the same compare_set)."""
+    all lost their lease, or undecided past the deadline, is decided "abort" here (the same compare_set).
+    `live(member)`: whether it holds its lease (Lease.live)."""
     if k == 0:
         return 0
     key, t0 = f"q{k - 1}/decision", time.monotonic()
     while not store.check([key]):
-        gone = all(store.check([f"dead/{m.rid}.{m.life}"]) for m in members_of(store, k - 1))
+        gone = not any(map(live, members_of(store, k - 1)))
         if gone or time.monotonic() - t0 > timeout_s:
-            store.compare_set(key, "", f"abort {decided_before(store, k - 1, timeout_s)}")
+            store.compare_set(key, "", f"abort {decided_before(store, k - 1, timeout_s, live)}")
         time.sleep(0.001)
     return int(store.get(key).split()[1])
 
 
-def vote(store, k, members, me, ok, timeout_s):
+def vote(store, k, members, me, ok, timeout_s, live):
     """Two-phase commit on the coordinator: each member says whether its collectives succeeded; the first
-    to see every "yes", any "no", a member the coordinator marked dead, or the deadline, proposes the
+    to see every "yes", any "no", a member without its lease (`live`), or the deadline, proposes the
     decision, and compare_set keeps only the first proposal: every member reads the same one. A round
     commits only with every vote "yes" and a member holding the version committed before it (one commit
     per version: a quorum holding an older state, or open beside another, can never commit)."""
@@ -269,17 +314,17 @@ def vote(store, k, members, me, ok, timeout_s):
             f"vote needs timeout_s > 0 (else it aborts before the others vote), got {timeout_s}"
         )
     base = decided_before(
-        store, k, timeout_s
-    )  # the rounds before k are decided: at most one in flight
+        store, k, timeout_s, live
+    )  # the rounds before k are decided: one in flight
     store.set(f"q{k}/vote{me.rid}", "yes" if ok else "no")
-    keys, dead = [f"q{k}/vote{m.rid}" for m in members], [f"dead/{m.rid}.{m.life}" for m in members]
+    keys = [f"q{k}/vote{m.rid}" for m in members]
     current, t0 = max(m.version for m in members) >= base, time.monotonic()
     while not store.check([f"q{k}/decision"]):
         votes = [store.get(key) for key in keys if store.check([key])]
         if (
             len(votes) == len(keys)
             or b"no" in votes
-            or any(store.check([d]) for d in dead)
+            or not all(map(live, members))
             or time.monotonic() - t0 > timeout_s
         ):
             yes = votes.count(b"yes") == len(keys) and current
@@ -292,15 +337,17 @@ def vote(store, k, members, me, ok, timeout_s):
 
 # ----------------------------------------------------------------------------- 2. the group, with a deadline
 class Bounded:
-    """The quorum's group, every collective of it waited for on the host with a deadline (torchft's
-    _WorkCUDATimeout). On NCCL a dead or frozen peer raises nothing (wait() only orders the stream); past
-    the deadline this member aborts the group itself (pg.abort(): ends its pending kernels; never
-    shutdown() or destroy_process_group(), which wait for them) and raises: it votes no."""
+    """The quorum's group, every collective of it waited for on the host (torchft's _WorkCUDATimeout): by
+    polling is_completed(), which never blocks, on NCCL either. On NCCL a dead or frozen peer raises
+    nothing (wait() only orders the stream); as soon as a member loses its lease (`lost()`), or past the
+    deadline (a member alive but stuck), this member aborts the group itself (pg.abort(): ends its pending
+    kernels; never shutdown() or destroy_process_group(), which wait for them) and raises: it votes no."""
 
-    def __init__(self, pg, timeout_s):
+    def __init__(self, pg, timeout_s, lost):
         self.pg = pg
         self.n = pg.size()
-        self.deadline = timedelta(seconds=timeout_s)
+        self.timeout_s = timeout_s
+        self.lost = lost
 
     def size(self):
         return self.n
@@ -312,15 +359,14 @@ class Bounded:
         return Deadline(self, self.pg.broadcast(tensor, src))
 
     def abort(self):
-        if (
-            self.pg is not None
-        ):  # NCCL: abort() ends the kernels. gloo: only freeing the group closes its
-            self.pg.abort()  # connections (a peer waiting on this member is let go), and that waits for the
-            dropped, self.pg = (
-                [self.pg],
-                None,
-            )  # hung work: so the group is freed on a thread of its own
-            threading.Thread(target=dropped.clear, daemon=True).start()
+        if self.pg is None:
+            return
+        # NCCL: abort() ends the kernels. gloo: only freeing the group closes its connections (a peer
+        # waiting on this member is let go), and that waits for the hung work: freed on a thread of its own
+        self.pg.abort()
+        dropped = [self.pg]
+        self.pg = None
+        threading.Thread(target=dropped.clear, daemon=True).start()
 
 
 @dataclass
@@ -329,21 +375,30 @@ class Deadline:
     work: object
 
     def wait(self):
+        t0 = time.monotonic()
         try:
-            self.work.wait(
-                self.group.deadline
-            )  # the host waits until done or the deadline, then raises
+            while not self.work.is_completed():
+                if self.group.lost():
+                    raise RuntimeError("a member of the group lost its lease")
+                if time.monotonic() - t0 > self.group.timeout_s:
+                    raise TimeoutError(f"a collective took over {self.group.timeout_s} s")
+                time.sleep(0.001)
+            self.work.wait()  # (gloo: raises a failed collective's error; NCCL: orders the stream)
         except Exception:
             self.group.abort()
             raise
 
 
-def quorum_group(store, k, members, me, held, timeout_s, device=torch.device("cpu")):
+def quorum_group(store, k, members, me, held, timeout_s, live, device=torch.device("cpu")):
     """The quorum's process group: the one all members still hold when they hold the same one and nobody
     left (unchanged membership), else a new one under the fresh prefix g{k}, made once every member said it
-    is there (a member lost before that is found by the deadline, not by a hung rendezvous). `held`: (gid,
-    group). On CUDA: ProcessGroupNCCL, non-blocking (its init returns at once: the first collective's
-    deadline bounds it); its own timeout is a backstop past ours: the watchdog must not decide."""
+    is there (a member lost before that is found by its lease or the deadline, not by a hung rendezvous).
+    `held`: (gid, group). On CUDA: ProcessGroupNCCL, non-blocking, connected at once (a member lost during
+    NCCL's bootstrap raises here, inside the round, bounded by TORCH_NCCL_NONBLOCKING_TIMEOUT, which the
+    launcher sets to timeout_s: torch waits for a non-blocking init by it alone, 30 min by default). Its own
+    timeout, 2 x ours, is a backstop: the watchdog must not decide, and it bounds pg.abort()'s wait for
+    NCCL's abort (an ncclCommAbort that hangs holds the replica that long: torchft's ProcessGroupBabyNCCL
+    runs NCCL in a subprocess it can kill)."""
     if held and {m.gid for m in members} == {held[0]} and members[0].gsize == len(members):
         return held
     rank = rank_in(members, me)
@@ -351,21 +406,23 @@ def quorum_group(store, k, members, me, held, timeout_s, device=torch.device("cp
     t0 = time.monotonic()
     prefix.set(f"here{me.rid}", "1")
     while not prefix.check([f"here{m.rid}" for m in members]):
-        if any(store.check([f"dead/{m.rid}.{m.life}"]) for m in members):  # (checked in, then died)
-            raise RuntimeError(f"group g{k}: a member is gone")
+        if not all(map(live, members)):  # (checked in, then lost)
+            raise RuntimeError(f"group g{k}: a member lost its lease")
         if time.monotonic() - t0 > timeout_s:
             raise TimeoutError(f"group g{k}: a member did not come within {timeout_s} s")
         time.sleep(0.001)
     if store.check([f"q{k}/decision"]):  # this member came late: the others gave up on the group
         raise RuntimeError(f"round {k} was decided without this member")
-    backstop = timedelta(seconds=10 * timeout_s)
+    backstop = timedelta(seconds=2 * timeout_s)
     if device.type == "cuda":
         opts = dist.ProcessGroupNCCL.Options()
-        opts.config.blocking, opts._timeout = False, backstop
+        opts.config.blocking = False
+        opts._timeout = backstop
         pg = dist.ProcessGroupNCCL(prefix, rank, len(members), opts)
+        pg.eager_connect_single_device(device)
     else:
         pg = dist.ProcessGroupGloo(prefix, rank, len(members), backstop)
-    return k, Bounded(pg, timeout_s)
+    return k, Bounded(pg, timeout_s, lambda: not all(map(live, members)))
 
 
 def replica_device(rid):
@@ -435,7 +492,7 @@ class Replica:
 
     def load_full(self, tensors):
         self.load_core(tensors[: len(tensors) // 2])
-        self.snapshot = [t.to("cpu", copy=True) for t in tensors[len(tensors) // 2 :]]
+        self.snapshot = [t.cpu() for t in tensors[len(tensors) // 2 :]]  # (on the host already)
 
 
 def checksum(params, chunk=1 << 20):
@@ -482,16 +539,20 @@ def sync_state(pg, members, me, rep, verify):
     receivers = [i for i, m in enumerate(members) if m.version < newest or i in bad]
     if not receivers:
         return [], [], 0
-    # one broadcast per tensor, all in flight, in its dtype and on the device (NCCL's: the snapshot and
-    # AdamW's step counts live on the host); a receiver's own state gives the shapes
-    state = [
-        t.to(device) if i_me == src else torch.empty_like(t, device=device) for t in rep.full()
-    ]
-    for work in [pg.broadcast(t, src) for t in state]:
-        work.wait()
+    # one broadcast per tensor, in its dtype, on the device (NCCL's: the snapshot and AdamW's step counts
+    # live on the host), one at a time: the extra memory is one tensor, never the whole state (NCCL review
+    # 4, N4-6); a receiver copies each into its own state (its own shapes), then loads the counters
+    state = rep.full()
+    nbytes = 0
+    for t in state:
+        buf = t.to(device) if i_me == src else torch.empty_like(t, device=device)
+        pg.broadcast(buf, src).wait()
+        if i_me in receivers:
+            t.copy_(buf)
+        nbytes += buf.numel() * buf.element_size()
+        del buf  # (before the next is allocated)
     if i_me in receivers:
         rep.load_full(state)
-    nbytes = sum(t.numel() * t.element_size() for t in state)
     return [members[i].rid for i in bad], [members[i].rid for i in receivers], nbytes
 
 
@@ -622,6 +683,8 @@ def check_args(args):
         fail("--ckpt-dir is for --recipe restart: live recovery reads no disk")
     if not all(b.strip().isdigit() for b in args.inject_spike.split(",") if b):
         fail(f"--inject-spike takes comma-separated batch ids, got {args.inject_spike!r}")
+    if args.lease_ms <= 0:
+        fail(f"--lease-ms must be > 0, got {args.lease_ms}")
     if args.spike_sigma <= 0:
         fail(f"--spike-sigma must be > 0, got {args.spike_sigma}")
     if not 1 <= args.min_replicas <= R:
@@ -635,21 +698,11 @@ def check_args(args):
 
 
 # ----------------------------------------------------------------------------- 5. this repo's run of it
-# One replica: the GPT and its data on the cores above, its log, and one hook for the faults the tests inject
-# (`fault`, below the fence). The launcher starts the replicas and marks a death on the coordinator
-# (dead/{rid}.{life}) and counts it out ("alive"): what a vote, a round's close and the next quorum read.
-# The replicas' environment (docstring, 2.: the heartbeat monitor too would kill one whose watchdog hangs in
-# an abort); torch's C++ warnings (a 14-line stack per peer gone) quieted: a failure is the one line printed.
-ENVIRONMENT = dict(
-    TORCH_NCCL_ASYNC_ERROR_HANDLING="0",
-    TORCH_NCCL_ENABLE_MONITORING="0",
-    TORCH_CPP_LOG_LEVEL="ERROR",
-)
-
-
-def train_replica(args):
+# One replica: the GPT and its data on the cores above, its log, and one hook `on(phase, rep)` for the faults
+# the tests inject (built below the fence). ft_launcher.py starts the replicas and restarts a dead one; it
+# decides nothing: each replica's lease is what a round's close, a vote and a group read.
+def train_replica(args, store, on):
     host, port = args.coordinator.rsplit(":", 1)
-    store = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=args.timeout))
     device = replica_device(args.replica)
     data = MarkovData(args.vocab, args.seed)
     R = args.replicas
@@ -657,18 +710,22 @@ def train_replica(args):
     model = build_gpt(GPTConfig.from_args(args), args.seed, DTYPES[args.dtype], device)
     rep = Replica(model, make_optimizer(model.parameters(), args), args.steps)
     rep.version = -1 if args.life > 0 else 0  # restarted: no state until a peer gives it
-    load_checkpoint(args, rep, store)  # (--recipe restart only: the 2020 way, from disk)
-    me, started = Member(args.replica, args.life, rep.version, 0, -1, 0), False
-    store.add("alive", 1)
+    me = Member(args.replica, args.life, rep.version, 0, -1, 0)
+    lease_store = dist.TCPStore(host, int(port), is_master=False, timeout=store.timeout)
+    lease = Lease(lease_store, me, args.lease_ms / 1e3)
+    load_checkpoint(
+        args, rep, store, lease.live
+    )  # (--recipe restart only: the 2020 way, from disk)
+    started = False
     # Until its first round a replica waits for all R (a run starts, or the whole job restarts, together);
-    # afterwards only for the replicas alive now, as the launcher counts them (torchft's heartbeats).
-    expected = lambda: int(store.add("alive", 0)) if started else R  # noqa: E731
+    # afterwards only for the replicas holding a lease now (torchft's lighthouse counts heartbeats).
+    expected = lambda: lease.count(R) if started else R  # noqa: E731
     held = None
     k = int(store.get("round")) if store.check(["round"]) else 0
     short_since = None
     log = Log(store, args, me, rep)
     while not store.check(["finished"]):
-        fault(args, store, rep, "before")
+        on("before", rep)
         me.version, me.step = rep.version, rep.step
         me.gid, me.gsize = (held[0], held[1].size()) if held else (-1, 0)
         t_start, ending = time.time(), rep.step >= args.steps or store.check(["ending"])
@@ -679,16 +736,14 @@ def train_replica(args):
         if members is None:
             continue
         started = True
-        fault(args, store, rep, "join")
-        if (
-            len(members) < args.min_replicas
-        ):  # too few: voted down; wait (bounded) for a restarted replica
+        on("join", rep)
+        if len(members) < args.min_replicas:  # too few: voted down; wait (bounded) for a restart
             short_since = short_since or time.monotonic()
             if time.monotonic() - short_since > max(60, args.timeout):
                 raise TimeoutError(
                     f"fewer than --min-replicas {args.min_replicas} replicas for too long"
                 )
-            vote(store, k - 1, members, me, False, args.timeout)
+            vote(store, k - 1, members, me, False, args.timeout, lease.live)
             time.sleep(args.join_ms / 1e3)
             continue
         if rep.batch > 4 * args.steps + 16:  # every loop is bounded, a spike that never ends too
@@ -703,8 +758,8 @@ def train_replica(args):
         short_since = None
         step, batch = rep.step, rep.batch
         try:
-            fault(args, store, rep, "group")
-            held = quorum_group(store, k - 1, members, me, held, args.timeout, device)
+            on("group", rep)
+            held = quorum_group(store, k - 1, members, me, held, args.timeout, lease.live, device)
             pg, newest = held[1], max(members, key=lambda m: m.version)
             # compare weights when due, and whenever the membership changed (a fork shows there)
             verify = (
@@ -719,29 +774,23 @@ def train_replica(args):
                 mine = local_grads(
                     model, x.to(device), y.to(device), members, me, R, lm_loss, count_tokens
                 )
-                fault(args, store, rep, "during", mine)  # (--inject-spike scales the loss here)
+                on("during", rep, mine)  # (--inject-spike scales the loss here)
                 loss = allreduce_grads(pg, rep.params, mine)
-                norm = torch.nn.utils.get_total_norm(
-                    [p.grad for p in rep.params]
-                )  # of the whole gradient
+                norm = torch.nn.utils.get_total_norm([p.grad for p in rep.params])  # (whole model)
                 spike = agree(pg, is_spike(loss, norm.item(), rep.losses, args.spike_sigma), device)
-                fault(args, store, rep, "after")
+                on("after", rep)
             ok = True
         except (RuntimeError, TimeoutError, dist.DistError) as e:
             log.failed(k - 1, e)
-        if not vote(store, k - 1, members, me, ok, args.timeout):
-            if held:
-                held[
-                    1
-                ].abort()  # may hold a dead or frozen member: its pending work ends, never waited for
+        if not vote(store, k - 1, members, me, ok, args.timeout, lease.live):
+            if held:  # it may hold a lost member: its pending work ends, never waited for
+                held[1].abort()
             held = None
             continue
         if last:
             break
         what = apply_update(rep, loss, spike, norm, args.clip, args.max_skips, args.snapshot_every)
-        log.committed(
-            k - 1, members, t_start, step, batch, what, loss
-        )  # (--recipe restart: and saves)
+        log.committed(k - 1, members, t_start, step, batch, what, loss)  # (restart: and saves)
         if rep.step >= args.steps:
             store.set("ending", "1")
     else:
@@ -750,111 +799,25 @@ def train_replica(args):
             flush=True,
         )
         return 0
-    code = log.finish(
-        members, held[1]
-    )  # (the members compare their weights by one all-reduce; the --check)
+    code = log.finish(members, held[1])  # (the members compare their weights: the --check)
     store.set("finished", "1")  # a replica restarted now exits at once
     return code
-
-
-def stop_all(store, lives, r):
-    """--recipe restart: replica r died; the launcher kills every other one too. Returns whom to restart."""
-    for q, procs in lives.items():
-        if q != r and procs[-1].poll() is None:
-            procs[-1].kill()
-            procs[-1].wait()
-            store.set(f"dead/{q}.{len(procs) - 1}", "1")
-            store.add("alive", -1)
-    return list(lives)
-
-
-def launch(args):
-    """The coordinator (a TCPStore server: the single point of the design) and R replica processes: what
-    torchrun's agent (a cluster's scheduler in production) does. It marks each death on the coordinator for
-    the quorum and the vote, and restarts a replica killed by a signal (--recipe restart: all of them)."""
-    store = dist.TCPStore(
-        args.host,
-        0,
-        is_master=True,
-        wait_for_workers=False,
-        timeout=timedelta(seconds=args.timeout),
-    )
-    cmd = [sys.executable, sys.argv[0], *sys.argv[1:], "--coordinator", f"{args.host}:{store.port}"]
-    env = dict(os.environ, **ENVIRONMENT)
-    spawn = lambda r, life: subprocess.Popen(  # noqa: E731
-        cmd + ["--replica", str(r), "--life", str(life)], env=env
-    )
-    lives = {r: [spawn(r, 0)] for r in range(args.replicas)}
-    codes = {}
-    restarts = 0
-    t0 = time.time()
-    R = args.replicas
-    done_at = None
-    limit_s = 300 + args.timeout * (
-        args.steps + 10
-    )  # (every wait of a replica is bounded: a safety net)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so that `finally` kills the children
-    try:
-        while len(codes) < R and (done_at or time.time() - t0 < limit_s):
-            for r, procs in lives.items():
-                code = procs[-1].poll()
-                if code is None or r in codes:
-                    continue
-                store.set(
-                    f"dead/{r}.{len(procs) - 1}", "1"
-                )  # a vote or a round waiting for it ends now
-                store.add("alive", -1)
-                if code != 0 and not store.check(["finished"]):  # every death seen, for the figures
-                    store.set(f"died/{store.add('died', 1)}", f"{r} {time.time()!r}")
-                if code < 0 and restarts < args.max_restarts and not store.check(["finished"]):
-                    restarts += 1
-                    for q in [r] if args.recipe == "live" else stop_all(store, lives, r):
-                        lives[q].append(spawn(q, len(lives[q])))
-                else:
-                    codes[r] = code
-            done_at = done_at or (time.time() if store.check(["finished"]) else None)
-            if (
-                done_at and time.time() - done_at > args.timeout
-            ):  # a frozen replica: the run is over
-                for r in [r for r in lives if r not in codes]:
-                    print(
-                        f"fault_tolerance.py: replica {r} still running {args.timeout:g} s after the run "
-                        f"finished (frozen?): stopped",
-                        flush=True,
-                    )
-                    lives[r][-1].kill()
-                    codes[r] = lives[r][-1].wait()
-            time.sleep(0.01)
-    finally:
-        for p in [p for procs in lives.values() for p in procs if p.poll() is None]:
-            p.kill()
-            p.wait()
-    if len(codes) < R:
-        print(
-            f"fault_tolerance.py: error: over {limit_s} s; every replica stopped", file=sys.stderr
-        )
-    finished = store.check(
-        ["finished"]
-    )  # (a replica killed and not restarted is no failure of the run)
-    rc = max([c for c in codes.values() if c > 0], default=0) or (
-        0 if finished and len(codes) == R else 1
-    )
-    add_launcher_figures(args, lives, codes, restarts, time.time() - t0)
-    return rc
 
 
 def main():
     args = parse_args(Args)
     check_args(args)
-    if args.replica < 0:
-        print(
-            f"fault_tolerance.py: {args.replicas} replicas, recipe {args.recipe}, coordinator in this "
-            f"process (pid {os.getpid()}) on {args.host}",
-            flush=True,
-        )
-        sys.exit(launch(args))
+    if (
+        args.replica < 0
+    ):  # the command a user types: the launcher, a tool of its own, starts the replicas
+        import ft_launcher
+
+        sys.exit(ft_launcher.launch(args))
     try:
-        code = train_replica(args)
+        host, port = args.coordinator.rsplit(":", 1)
+        timeout = timedelta(seconds=args.timeout)
+        store = dist.TCPStore(host, int(port), is_master=False, timeout=timeout)
+        code = train_replica(args, store, faults(args, store))
     except TimeoutError as e:
         sys.stderr.write(f"fault_tolerance.py: error (replica {args.replica}): {e}\n")
         code = 1
@@ -865,7 +828,8 @@ def main():
             "design, as torchft's lighthouse is: restart the run\n"
         )
         code = 3
-    sys.stdout.flush(), sys.stderr.flush()
+    sys.stdout.flush()
+    sys.stderr.flush()
     os._exit(
         code
     )  # skip the interpreter's teardown, in which gloo's threads may still hold tensors
@@ -874,50 +838,58 @@ def main():
 # --- measurement ---
 # The faults the tests inject (one hook on the technique path), the log and the figures, and the checkpoint
 # of the recipe measured beside live recovery (--recipe restart).
-def fault(args, store, rep, phase, loss=None):
-    """The tests' faults: --inject-spike multiplies a listed batch's loss by 1e4 (in place); on a replica's
-    first life at --at-step, --corrupt-replica perturbs one weight (before its check-in), and in --phase
-    --kill-replica sends it SIGKILL, --freeze-replica SIGSTOP (hung: a peer as NCCL sees one that hangs)."""
-    if loss is not None and str(rep.batch) in args.inject_spike.split(","):
-        loss.mul_(1e4)
-    if args.life > 0 or rep.step != args.at_step:
-        return
-    if (
-        args.replica == args.corrupt_replica
-        and phase == "before"
-        and rep.version >= 0
-        and not getattr(rep, "corrupted", False)
-    ):
-        with (
-            torch.no_grad()
-        ):  # a silent flip of one weight: nothing fails, the numbers are just wrong
-            rep.params[0].view(-1)[0] += 1e-3
-        rep.corrupted = True  # once (a discarded step comes back to this point)
-    for victim, sig, what in [
-        (args.kill_replica, signal.SIGKILL, "killed"),
-        (args.freeze_replica, signal.SIGSTOP, "frozen"),
-    ]:
-        if args.replica == victim and phase == args.phase and not store.check([f"{what}/{victim}"]):
-            store.set(
-                f"{what}/{victim}", f"{time.time()!r} {rep.step}"
-            )  # when, for the recovery figures
-            print(
-                f"replica {victim}: {signal.Signals(sig).name} at step {rep.step} ({phase})",
-                flush=True,
-            )
-            os.kill(os.getpid(), sig)
+def faults(args, store):
+    """The hook `on(phase, rep, loss=None)` for the tests' faults: --inject-spike multiplies a listed
+    batch's loss by 1e4 (in place); on a replica's first life at --at-step, --corrupt-replica perturbs one
+    weight (before its check-in), and in --phase --kill-replica sends it SIGKILL, --freeze-replica SIGSTOP
+    (hung: a peer as NCCL sees one that hangs)."""
+
+    def on(phase, rep, loss=None):
+        if loss is not None and str(rep.batch) in args.inject_spike.split(","):
+            loss.mul_(1e4)
+        if args.life > 0 or rep.step != args.at_step:
+            return
+        if (
+            args.replica == args.corrupt_replica
+            and phase == "before"
+            and rep.version >= 0
+            and not getattr(rep, "corrupted", False)
+        ):
+            with (
+                torch.no_grad()
+            ):  # a silent flip of one weight: nothing fails, the numbers are wrong
+                rep.params[0].view(-1)[0] += 1e-3
+            rep.corrupted = True  # once (a discarded step comes back to this point)
+        for victim, sig, what in [
+            (args.kill_replica, signal.SIGKILL, "killed"),
+            (args.freeze_replica, signal.SIGSTOP, "frozen"),
+        ]:
+            if (
+                args.replica == victim
+                and phase == args.phase
+                and not store.check([f"{what}/{victim}"])
+            ):
+                # when, for the recovery figures
+                store.set(f"{what}/{victim}", f"{time.time()!r} {rep.step}")
+                print(
+                    f"replica {victim}: {signal.Signals(sig).name} at step {rep.step} ({phase})",
+                    flush=True,
+                )
+                os.kill(os.getpid(), sig)
+
+    return on
 
 
 def ckpt_path(args):
     return os.path.join(args.ckpt_dir, "state.pt")
 
 
-def load_checkpoint(args, rep, store):
+def load_checkpoint(args, rep, store, live):
     """--recipe restart: a restarted replica reads the whole state from disk (live recovery reads none).
     The whole job restarted from it: it is the current state, whatever was committed since."""
     if args.recipe == "restart" and args.life > 0 and os.path.exists(ckpt_path(args)):
         rep.load_full(torch.load(ckpt_path(args), map_location=rep.params[0].device))
-        rep.version = decided_before(store, int(store.get("round")) + 1, args.timeout)
+        rep.version = decided_before(store, int(store.get("round")) + 1, args.timeout, live)
 
 
 def save_checkpoint(args, rep, writer):
@@ -1138,26 +1110,6 @@ def recovery_figures(s, a, rounds):
 def member_ids(s, k):
     slots = int(s.get(f"q{k}/size")) if s.check([f"q{k}/size"]) else 0
     return {int(s.get(f"q{k}/slot{i}").split()[0]) for i in range(1, slots + 1)}
-
-
-def add_launcher_figures(args, lives, codes, restarts, wall_s):
-    """The launcher's own record in --json: every process it started (the healthy ones keep one pid)."""
-    import json
-
-    if not args.json or not os.path.exists(args.json):
-        return
-    with open(args.json) as f:
-        summary = json.load(f)
-    summary["launcher"] = dict(
-        pid=os.getpid(),
-        pids={r: [p.pid for p in ps] for r, ps in lives.items()},
-        restarts=restarts,
-        exit_codes=codes,
-        wall_s=wall_s,
-    )
-    with open(args.json + ".tmp", "w") as f:
-        json.dump(summary, f, indent=1)
-    os.replace(args.json + ".tmp", args.json)
 
 
 # --- reference for --check ---
