@@ -438,7 +438,9 @@ def replica_device(rid):
 # ----------------------------------------------------------------------------- 3. the state and its recovery
 class Replica:
     """One replica's state. Recovery sends it tensor by tensor, each in its own dtype and shape (a receiver
-    allocates them from its own model and optimizer: same shapes, same dtypes, same order on every member)."""
+    allocates them from its own model and optimizer: same shapes, same dtypes, same order on every member).
+    The loss history, the skips in a row and the rollback snapshot are the loss-spike guard's (section 5):
+    they travel with the state, so that a recovered replica guards as its peers do."""
 
     def __init__(self, model, opt, steps):
         if type(opt).__name__ not in ("Adam", "AdamW") or any(
@@ -452,9 +454,8 @@ class Replica:
         self.opt = opt
         self.steps = steps
         self.params = [p for p in model.parameters() if p.requires_grad]
-        for p in (
-            self.params
-        ):  # AdamW's state, made now as its first step() would: one form at every step
+        # AdamW's state, made now as its first step() would: one form at every step
+        for p in self.params:
             opt.state[p] = dict(
                 step=torch.tensor(0.0), exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p)
             )
@@ -495,53 +496,29 @@ class Replica:
         self.snapshot = [t.cpu() for t in tensors[len(tensors) // 2 :]]  # (on the host already)
 
 
-def checksum(params, chunk=1 << 20):
-    """An exact fingerprint of the weights' bytes (a position-weighted byte sum: any changed byte shows),
-    `chunk` bytes at a time (an int64 per byte of the whole model at once would be 8x its size)."""
-    total, at = torch.zeros((), dtype=torch.long, device=params[0].device), 0
-    for p in params:
-        for b in p.detach().reshape(-1).view(torch.uint8).split(chunk):  # (<= chunk,) bytes
-            total += (
-                b.long() * (torch.arange(at, at + b.numel(), device=b.device) % 251 + 1)
-            ).sum()
-            at += b.numel()
-    return total
-
-
-def sync_state(pg, members, me, rep, verify):
-    """Before the step every member holds the same state. 1. With `verify`, the newest members all-reduce
-    their checksums (one slot each): one that differs from the majority is corrupt. 2. The lowest newest
-    member with the majority checksum broadcasts its whole state to the members behind (a restarted replica
-    recovers live) and the corrupt (repaired). Returns (corrupt ids, receiving ids, bytes broadcast)."""
-    i_me = rank_in(members, me)
-    newest = max(m.version for m in members)
-    device = rep.params[0].device
+def check_group(pg, members, me):
+    """me's rank in the quorum's group, which must have one rank per member."""
     if pg.size() != len(members):
-        raise ValueError(
-            f"sync_state needs the quorum's group, of {len(members)} members: got {pg.size()}"
-        )
-    if newest < 0:
-        raise RuntimeError(
-            "no member of the quorum holds a state to recover from"
-        )  # (a later quorum may)
-    up = [i for i, m in enumerate(members) if m.version == newest]
-    sums = torch.zeros(len(members), dtype=torch.long, device=device)
-    if verify:
-        if i_me in up:
-            sums[i_me] = checksum(rep.params)
-        pg.allreduce([sums]).wait()  # (members,) every member's checksum, everywhere
-    votes = Counter(sums[i].item() for i in up)
-    best = max(
-        votes, key=lambda c: (votes[c], -min(i for i in up if sums[i] == c))
-    )  # majority, then lowest
-    bad = [i for i in up if sums[i] != best]
-    src = min(i for i in up if sums[i] == best)
-    receivers = [i for i, m in enumerate(members) if m.version < newest or i in bad]
+        raise ValueError(f"needs the quorum's group, of {len(members)} members: got {pg.size()}")
+    return rank_in(members, me)
+
+
+def recover(pg, members, me, rep, bad=()):
+    """Before the step every member holds the same state: the lowest member with the newest version (and
+    not in `bad`, section 6) broadcasts its whole state to the members behind (a restarted replica recovers
+    live) and to `bad` (repaired). Returns (receiving ids, bytes broadcast)."""
+    i_me = check_group(pg, members, me)
+    newest = max(m.version for m in members)
+    if newest < 0:  # (a later quorum may have one)
+        raise RuntimeError("no member of the quorum holds a state to recover from")
+    src = min(i for i, m in enumerate(members) if m.version == newest and m.rid not in bad)
+    receivers = [i for i, m in enumerate(members) if m.version < newest or m.rid in bad]
     if not receivers:
-        return [], [], 0
+        return [], 0
     # one broadcast per tensor, in its dtype, on the device (NCCL's: the snapshot and AdamW's step counts
     # live on the host), one at a time: the extra memory is one tensor, never the whole state (NCCL review
     # 4, N4-6); a receiver copies each into its own state (its own shapes), then loads the counters
+    device = rep.params[0].device
     state = rep.full()
     nbytes = 0
     for t in state:
@@ -553,10 +530,10 @@ def sync_state(pg, members, me, rep, verify):
         del buf  # (before the next is allocated)
     if i_me in receivers:
         rep.load_full(state)
-    return [members[i].rid for i in bad], [members[i].rid for i in receivers], nbytes
+    return [members[i].rid for i in receivers], nbytes
 
 
-# ----------------------------------------------------------------------------- 4. the step
+# ----------------------------------------------------------------------------- 4. the step and its commit
 def check_shard(rows, rid, replicas):
     if replicas < 1 or rows % replicas or not 0 <= rid < replicas:
         raise ValueError(
@@ -597,6 +574,18 @@ def allreduce_grads(pg, params, loss):
     return flat[-1].item()
 
 
+def update(rep, norm, clip):
+    """The committed step (after the vote, section 1): clip by the whole gradient's `norm`, the optimizer
+    step; the state is one version, one step and one batch further."""
+    if clip > 0:
+        torch.nn.utils.clip_grads_with_norm_(rep.params, clip, norm)
+    rep.opt.step()
+    rep.version += 1
+    rep.step += 1
+    rep.batch += 1
+
+
+# ----------------------------------------------------------------------------- 5. loss spikes (added)
 def is_spike(loss, norm, history, sigma, window=16):
     """Non-finite, or above the mean of the last `window` losses by `sigma` standard deviations."""
     if not (math.isfinite(loss) and math.isfinite(norm)):
@@ -620,19 +609,19 @@ def check_update(max_skips, snapshot_every):
 
 
 def apply_update(rep, loss, spike, norm, clip, max_skips, snapshot_every):
-    """The committed step: the optimizer step, or a skip (the batch is consumed, the weights stay), or after
+    """Section 4's update, guarded: without a spike, the update (its loss joins the history, a snapshot
+    every `snapshot_every` steps); with one, a skip (the batch is consumed, the weights stay), or after
     `max_skips` skips in a row a rollback to the snapshot, going on from the next batch. Returns which."""
     check_update(max_skips, snapshot_every)
-    rep.version, rep.batch = rep.version + 1, rep.batch + 1
     if not spike:
-        if clip > 0:
-            torch.nn.utils.clip_grads_with_norm_(rep.params, clip, norm)
-        rep.opt.step()
-        rep.step, rep.skips = rep.step + 1, 0
+        update(rep, norm, clip)
+        rep.skips = 0
         rep.losses.append(loss)
         if rep.step % snapshot_every == 0:
             rep.snapshot = rep.on_host()
         return "update"
+    rep.version += 1
+    rep.batch += 1
     rep.skips += 1
     if rep.skips < max_skips:
         return "skip"
@@ -643,6 +632,40 @@ def apply_update(rep, loss, spike, norm, clip, max_skips, snapshot_every):
     rep.batch = batch
     rep.skips = 0
     return "rollback"
+
+
+# ----------------------------------------------------------------------------- 6. silent corruption (added)
+def checksum(params, chunk=1 << 20):
+    """An exact fingerprint of the weights' bytes (a position-weighted byte sum: any changed byte shows),
+    `chunk` bytes at a time (an int64 per byte of the whole model at once would be 8x its size)."""
+    total, at = torch.zeros((), dtype=torch.long, device=params[0].device), 0
+    for p in params:
+        for b in p.detach().reshape(-1).view(torch.uint8).split(chunk):  # (<= chunk,) bytes
+            total += (
+                b.long() * (torch.arange(at, at + b.numel(), device=b.device) % 251 + 1)
+            ).sum()
+            at += b.numel()
+    return total
+
+
+def sync_state(pg, members, me, rep, verify):
+    """Section 3's recovery, verified: with `verify`, the newest members all-reduce their checksums (one
+    slot each) first, and one that differs from the majority is corrupt: it is repaired by the same
+    broadcast, from the lowest member of the majority. Returns (corrupt ids, receiving ids, bytes)."""
+    i_me = check_group(pg, members, me)
+    newest = max(m.version for m in members)
+    up = [i for i, m in enumerate(members) if m.version == newest]
+    sums = torch.zeros(len(members), dtype=torch.long, device=rep.params[0].device)
+    if verify and newest >= 0:
+        if i_me in up:
+            sums[i_me] = checksum(rep.params)
+        pg.allreduce([sums]).wait()  # (members,) every member's checksum, everywhere
+    votes = Counter(sums[i].item() for i in up)
+    best = max(
+        votes, key=lambda c: (votes[c], -min(i for i in up if sums[i] == c))
+    )  # (then lowest)
+    bad = [members[i].rid for i in up if sums[i] != best]
+    return bad, *recover(pg, members, me, rep, bad)
 
 
 def check_args(args):
@@ -697,7 +720,7 @@ def check_args(args):
         )
 
 
-# ----------------------------------------------------------------------------- 5. this repo's run of it
+# ----------------------------------------------------------------------------- 7. this repo's run of it
 # One replica: the GPT and its data on the cores above, its log, and one hook `on(phase, rep)` for the faults
 # the tests inject (built below the fence). ft_launcher.py starts the replicas and restarts a dead one; it
 # decides nothing: each replica's lease is what a round's close, a vote and a group read.
