@@ -7,31 +7,40 @@ that is the dominant loss (Llama 3 405B: 419 unexpected interruptions in 54 days
 3.3.4). Per-step fault tolerance on the replicated dimension (torchft, PyTorch Conference 2024; used in
 torchtitan) lets the healthy replicas go on:
 
-1. Replicas, a coordinator, a quorum per step. R replicas each hold the whole model (each would be an FSDP/TP
-   group in production). torchrun's agent stops every worker of a job when one dies, so each replica is its
-   own process, started by the launcher (`python fault_tolerance.py --replicas R`), which restarts a dead one
-   (as that replica's own `torchrun --max-restarts` would). They meet at a coordinator: a torch TCPStore
-   server held by the launcher process (torchft's lighthouse; the one single point of the design: if it
-   goes, every replica says so in one line and exits; --host binds it where other nodes reach it). Before
-   each step every live replica checks in to round k with its state version; the first to see every live
-   replica checked in, or its --join-ms window pass with a strict majority of them (torchft's rule: no
-   split brain), closes the round by one atomic add (a later check-in sees it closed and tries round k+1,
-   where it waits for the others). The members are who checked in before the close; with fewer than
+1. Replicas, a coordinator, leases, a quorum per step. R replicas each hold the whole model (each would be
+   an FSDP/TP group in production). torchrun's agent stops every worker of a job when one dies, so each
+   replica is its own process, started by a plain supervisor (ft_launcher.py, which `python
+   fault_tolerance.py --replicas R` starts), which restarts a dead one (as that replica's own `torchrun
+   --max-restarts` would). They meet at a coordinator: a torch TCPStore server held by the supervisor
+   (torchft's lighthouse; the one single point of the design: if it goes, every replica says so in one line
+   and exits; --host binds it where other nodes reach it). Each replica owns its failure detection: a
+   thread keeps its lease on the coordinator fresh (torchft's heartbeats), and a replica whose lease is
+   older than --lease-ms (killed, or frozen) is gone for its peers at once. Before each step every live
+   replica checks in to round k with its state version; the first to see every replica holding a lease
+   checked in, or its --join-ms window pass with a strict majority of them (torchft's rule: no split
+   brain), closes the round by one atomic add (a later check-in sees it closed and tries round k+1, where
+   it waits for the others). The members are who checked in before the close; with fewer than
    --min-replicas (torchft's min_replica_size) nobody trains, and they wait (bounded) for a restarted one.
 2. A group per quorum, every wait with a deadline. The step's collectives run on the group the members
    still share when the membership is unchanged, else on a new one under the fresh store prefix `g{k}`:
    never on a group with a dead member. On CPU gloo; with CUDA each replica on cuda:(id % GPUs) and a
-   non-blocking ProcessGroupNCCL. NCCL reports no dead or frozen peer, it waits: so the host waits for
-   every collective with the --timeout deadline, and past it aborts the group (pg.abort() ends its pending
+   non-blocking ProcessGroupNCCL, connected as soon as it is made, inside the round (a member lost in NCCL's
+   bootstrap fails the round; torch waits for that init by TORCH_NCCL_NONBLOCKING_TIMEOUT alone, which the
+   supervisor sets to --timeout: its default is 30 minutes). NCCL reports no dead or frozen peer, it waits:
+   so the host polls every collective, and as soon as a member's lease lapses, or past the --timeout
+   deadline (a member alive but stuck keeps its lease), it aborts the group (pg.abort() ends its pending
    kernels; destroy_process_group would wait for them) and votes no (torchft's ProcessGroupNCCL). The
-   launcher sets TORCH_NCCL_ASYNC_ERROR_HANDLING=0 and TORCH_NCCL_ENABLE_MONITORING=0 for the replicas:
-   the watchdog, which by default takes the *healthy* process down at the group's timeout, must not decide.
+   supervisor sets TORCH_NCCL_ASYNC_ERROR_HANDLING=0 and TORCH_NCCL_ENABLE_MONITORING=0 for the replicas:
+   the watchdog, which by default takes the *healthy* process down at the group's timeout, must not decide;
+   the group's own timeout, 2 x --timeout, only bounds how long pg.abort() waits for NCCL's abort. An
+   ncclCommAbort that hangs holds the replica that long (torchft's ProcessGroupBabyNCCL runs NCCL in a
+   subprocess it can kill, for this).
 3. The batch rule. Replica r always owns shard r of every global batch (rows r*B/R..(r+1)*B/R), as
    torchft's replica groups own their data. A step's loss is the sum over the participants' tokens divided
    by the participants' token count, so the gradient is the mean over the tokens that took part: with all
    R it is plain one-process training; with fewer, one-process training on the participants' shards.
 4. Commit or discard. After its all-reduce each member votes on the coordinator; the first to see every
-   "yes", or a "no", or a member the coordinator knows is dead, or the --timeout pass, writes the decision
+   "yes", or a "no", or a member whose lease lapsed, or the --timeout pass, writes the decision
    (compare_set: there is exactly one). Rounds decide in order, each decision carrying the committed version,
    and a round commits only from the newest one: at most one quorum commits each step, whatever the timing.
    Only on "commit" does anyone take the optimizer step. Otherwise the
@@ -39,8 +48,8 @@ torchtitan) lets the healthy replicas go on:
    the next quorum: no restart of the healthy processes, no checkpoint read.
 5. Live recovery. A restarted replica checks in with version -1; the quorum's lowest member with the newest
    version broadcasts its whole state (weights, AdamW moments and steps, rollback snapshot: one broadcast per
-   tensor, in its own dtype; step, data cursor and loss history in one small float64 tensor) and it takes
-   part at once.
+   tensor, in its own dtype, one tensor at a time, so that a member holds one extra tensor, never a second
+   state; step, data cursor and loss history in one small float64 tensor) and it takes part at once.
 6. Loss spikes (PaLM's rollback-and-skip, Chowdhery et al. 2022, Sec. 5.1). A non-finite loss or gradient
    norm, or a loss above the mean of the last 16 by --spike-sigma standard deviations, is flagged; one
    all-reduce of the flag makes every member agree; the step is skipped (its batch consumed). After
@@ -49,8 +58,10 @@ torchtitan) lets the healthy replicas go on:
 7. Silent data corruption, forks. Every --verify-every steps, and whenever the membership changed, the
    members all-reduce an exact checksum of their weights' bytes; one that differs from the majority (same
    version, other weights) is reported and repaired by the same broadcast before it trains.
+The code's sections 1-4 are the whole protocol (quorum, group, recovery, step and commit); its sections 5
+and 6 add the loss-spike guard (6. above) and the corruption check (7.), each readable alone.
 
-       launcher: TCPStore (coordinator)   restarts replica 1 ---------------.
+       supervisor: TCPStore (coordinator)   restarts replica 1 -------------.
        replica 0  [join k][fwd|bwd|AR  X  vote: no ][join k+1][fwd|bwd|AR][commit]   [join k+2] [recv state]..
        replica 1  [join k][fwd|bwd|  killed                                          [start][join k+2][recv]..
        replica 2  [join k][fwd|bwd|AR  X  vote: no ][join k+1][fwd|bwd|AR][commit]   [join k+2] [send state]..
@@ -60,7 +71,7 @@ Run (one command starts the coordinator and the replicas; R in one place, no tor
     python fault_tolerance.py --replicas 3 --check
     python fault_tolerance.py --replicas 3 --kill-replica 1 --at-step 5 --check  # the others go on without it
     python fault_tolerance.py --replicas 3 --kill-replica 1 --at-step 5 --min-replicas 3 --check  # it rejoins
-    python fault_tolerance.py --replicas 3 --freeze-replica 1 --at-step 5 --timeout 5 --check  # hung: left
+    python fault_tolerance.py --replicas 3 --freeze-replica 1 --at-step 5 --check  # frozen: its lease lapses
     python fault_tolerance.py --replicas 3 --inject-spike 4,8,9 --max-skips 2 --check  # skip; roll back
     python fault_tolerance.py --replicas 3 --verify-every 2 --corrupt-replica 2 --at-step 6 --check
     python fault_tolerance.py --replicas 3 --kill-replica 1 --at-step 5 --recipe restart --ckpt-dir D \
@@ -107,72 +118,42 @@ from common import (
 )
 from harness import CommonArgs, check_common_args, log_step, parse_args, tolerance, write_summary
 
-PHASES = Literal[
-    "before", "join", "group", "during", "after"
-]  # where --kill/--freeze-replica strike
+PHASES = Literal["before", "join", "group", "during", "after"]  # where a kill or freeze strikes
 
 
 @dataclass
 class Args(CommonArgs):
     batch_size: int = 12  # global batch, in sequences: R shards of B/R (divisible by 2, 3, 4)
     replicas: int = 3  # R replica processes, each holding the whole model
-    join_ms: float = (
-        300.0  # a quorum closes when every live replica checked in, or this long after one did
-    )
-    min_replicas: int = (
-        1  # a smaller quorum does not train: its members wait for replicas to come back
-    )
+    join_ms: float = 300.0  # a round closes when all live replicas are in, or this long after one
+    min_replicas: int = 1  # a smaller quorum does not train: it waits for replicas to come back
     kill_replica: int = -1  # SIGKILL this replica (first life only) at --at-step, in --phase
     at_step: int = -1  # the step of --kill-replica and of --corrupt-replica
     freeze_replica: int = -1  # SIGSTOP this replica (first life only) at --at-step, in --phase
-    phase: PHASES = (
-        "during"  # before its check-in, after its round closed, before group/all-reduce/vote
-    )
-    max_restarts: int = (
-        1  # the launcher restarts a killed replica (or, --recipe restart, the job) this often
-    )
-    recipe: Literal["live", "restart"] = (
-        "live"  # live recovery, or the whole job restarts from --ckpt-dir
-    )
-    spike_sigma: float = (
-        6.0  # a loss above the mean of the last 16 by this many standard deviations
-    )
+    phase: PHASES = "during"  # before check-in, after the round closed, before group/AR/vote
+    max_restarts: int = 1  # restarts of a killed replica (--recipe restart: of the job)
+    recipe: Literal["live", "restart"] = "live"  # live recovery, or a restart from --ckpt-dir
+    spike_sigma: float = 6.0  # a spike: a loss above the mean of the last 16 by this many stdevs
     max_skips: int = 2  # after this many skipped steps in a row, roll back to the snapshot
     snapshot_every: int = 4  # take the in-memory rollback snapshot every N steps
-    inject_spike: str = (
-        ""  # comma-separated batch ids whose loss is multiplied by 1e4 (a spike, for tests)
-    )
+    inject_spike: str = ""  # comma-separated batch ids whose loss is multiplied by 1e4 (for tests)
     verify_every: int = 0  # compare the replicas' weight checksums every N steps (0: never)
-    corrupt_replica: int = (
-        -1
-    )  # perturb this replica's weights at the start of --at-step (first life only)
+    corrupt_replica: int = -1  # perturb this replica's weights at --at-step (first life only)
     host: str = "127.0.0.1"  # the coordinator binds here (an address the replicas' nodes reach)
-    ckpt_dir: str = (
-        ""  # --recipe restart only: the job's one state.pt (live recovery reads no disk)
-    )
+    ckpt_dir: str = ""  # --recipe restart only: the job's one state.pt (live recovery reads none)
     save_every: int = 0  # --recipe restart: write the state every N steps
-    timeout: int = (
-        120  # seconds, every wait's deadline: a collective, a round, a vote (a stuck peer is left)
-    )
-    lease_ms: float = (
-        5000.0  # a replica whose lease is older is dropped (killed or frozen: left at once)
-    )
+    timeout: int = 120  # seconds: every wait's deadline (a collective, a round, a vote)
+    lease_ms: float = 5000.0  # a replica whose lease is older is dropped (killed or frozen)
     coordinator: str = ""  # (set by the launcher) host:port of the coordinator's store
     replica: int = -1  # (set by the launcher) this process's replica id; -1: be the launcher
     life: int = 0  # (set by the launcher) how many times this replica was started before
-    HIDDEN = (
-        "coordinator",
-        "replica",
-        "life",
-        "fail_at_step",
-        "dropout",
-    )  # out of --help (and refused)
+    # out of --help (and refused)
+    HIDDEN = ("coordinator", "replica", "life", "fail_at_step", "dropout")
 
 
 # ----------------------------------------------------------------------------- 1. the quorum
-CLOSED = (
-    1 << 20
-)  # added to a round's check-in count to close it: a later check-in sees a count above it
+# added to a round's check-in count to close it: a later check-in sees a count above it
+CLOSED = 1 << 20
 
 
 class Lease:
@@ -261,16 +242,13 @@ def join_round(store, k, me, expected, window_s, timeout_s):
         alive = expected()
         waited = time.monotonic() - t0
         if n >= alive or (waited > window_s and 2 * n > alive):
-            n = store.add(
-                f"q{k}/n", CLOSED
-            )  # atomic: whoever gets n < 2 * CLOSED closed it, at n - CLOSED
+            # atomic: whoever gets n < 2 * CLOSED closed it, at n - CLOSED
+            n = store.add(f"q{k}/n", CLOSED)
             if n < 2 * CLOSED:
                 store.set(f"q{k}/size", str(n - CLOSED))
                 store.set("round", str(k))  # where a newly started replica begins to look
-        elif (
-            waited > window_s + 4 * timeout_s
-        ):  # (the others may still be ending a round, whose group,
-            # collectives and vote each wait up to timeout_s)
+        elif waited > window_s + 4 * timeout_s:
+            # (the others may still be ending a round: its group, collectives and vote wait timeout_s each)
             raise TimeoutError(f"round {k}: {n} of {alive} live replicas checked in, no majority")
         time.sleep(0.001)
     return members_of(store, k)
@@ -313,9 +291,7 @@ def vote(store, k, members, me, ok, timeout_s, live):
         raise ValueError(
             f"vote needs timeout_s > 0 (else it aborts before the others vote), got {timeout_s}"
         )
-    base = decided_before(
-        store, k, timeout_s, live
-    )  # the rounds before k are decided: one in flight
+    base = decided_before(store, k, timeout_s, live)  # (rounds decide in order: one in flight)
     store.set(f"q{k}/vote{me.rid}", "yes" if ok else "no")
     keys = [f"q{k}/vote{m.rid}" for m in members]
     current, t0 = max(m.version for m in members) >= base, time.monotonic()
@@ -467,9 +443,7 @@ class Replica:
         self.batch = 0
         self.skips = 0
         self.losses = []  # the loss of every applied update: the spike detector's history
-        self.snapshot = (
-            self.on_host()
-        )  # what a rollback restores (a recent step's core, on the host)
+        self.snapshot = self.on_host()  # what a rollback restores (a recent step's core, on host)
 
     def core(self):
         """weights, exp_avg, exp_avg_sq, AdamW steps (the live tensors), then the counters and the losses as
@@ -499,7 +473,9 @@ class Replica:
 def check_group(pg, members, me):
     """me's rank in the quorum's group, which must have one rank per member."""
     if pg.size() != len(members):
-        raise ValueError(f"needs the quorum's group, of {len(members)} members: got {pg.size()}")
+        raise ValueError(
+            f"pg must be the quorum's group, of {len(members)} members: got {pg.size()}"
+        )
     return rank_in(members, me)
 
 
@@ -661,9 +637,8 @@ def sync_state(pg, members, me, rep, verify):
             sums[i_me] = checksum(rep.params)
         pg.allreduce([sums]).wait()  # (members,) every member's checksum, everywhere
     votes = Counter(sums[i].item() for i in up)
-    best = max(
-        votes, key=lambda c: (votes[c], -min(i for i in up if sums[i] == c))
-    )  # (then lowest)
+    # the majority's checksum (a tie: the one of the lowest member)
+    best = max(votes, key=lambda c: (votes[c], -min(i for i in up if sums[i] == c)))
     bad = [members[i].rid for i in up if sums[i] != best]
     return bad, *recover(pg, members, me, rep, bad)
 
@@ -724,8 +699,8 @@ def check_args(args):
 # One replica: the GPT and its data on the cores above, its log, and one hook `on(phase, rep)` for the faults
 # the tests inject (built below the fence). ft_launcher.py starts the replicas and restarts a dead one; it
 # decides nothing: each replica's lease is what a round's close, a vote and a group read.
-def train_replica(args, store, on):
-    host, port = args.coordinator.rsplit(":", 1)
+def train_replica(args, connect, on):
+    store = connect()  # the coordinator
     device = replica_device(args.replica)
     data = MarkovData(args.vocab, args.seed)
     R = args.replicas
@@ -734,11 +709,8 @@ def train_replica(args, store, on):
     rep = Replica(model, make_optimizer(model.parameters(), args), args.steps)
     rep.version = -1 if args.life > 0 else 0  # restarted: no state until a peer gives it
     me = Member(args.replica, args.life, rep.version, 0, -1, 0)
-    lease_store = dist.TCPStore(host, int(port), is_master=False, timeout=store.timeout)
-    lease = Lease(lease_store, me, args.lease_ms / 1e3)
-    load_checkpoint(
-        args, rep, store, lease.live
-    )  # (--recipe restart only: the 2020 way, from disk)
+    lease = Lease(connect(), me, args.lease_ms / 1e3)  # (a connection of its own)
+    load_checkpoint(args, rep, store, lease.live)  # (--recipe restart only: the 2020 way)
     started = False
     # Until its first round a replica waits for all R (a run starts, or the whole job restarts, together);
     # afterwards only for the replicas holding a lease now (torchft's lighthouse counts heartbeats).
@@ -830,17 +802,15 @@ def train_replica(args, store, on):
 def main():
     args = parse_args(Args)
     check_args(args)
-    if (
-        args.replica < 0
-    ):  # the command a user types: the launcher, a tool of its own, starts the replicas
+    if args.replica < 0:  # the command a user types: the launcher, a tool of its own, starts them
         import ft_launcher
 
         sys.exit(ft_launcher.launch(args))
     try:
         host, port = args.coordinator.rsplit(":", 1)
         timeout = timedelta(seconds=args.timeout)
-        store = dist.TCPStore(host, int(port), is_master=False, timeout=timeout)
-        code = train_replica(args, store, faults(args, store))
+        connect = lambda: dist.TCPStore(host, int(port), is_master=False, timeout=timeout)  # noqa: E731
+        code = train_replica(args, connect, faults(args, connect()))
     except TimeoutError as e:
         sys.stderr.write(f"fault_tolerance.py: error (replica {args.replica}): {e}\n")
         code = 1
@@ -853,9 +823,7 @@ def main():
         code = 3
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(
-        code
-    )  # skip the interpreter's teardown, in which gloo's threads may still hold tensors
+    os._exit(code)  # no interpreter teardown, in which gloo's threads may still hold tensors
 
 
 # --- measurement ---
