@@ -151,9 +151,19 @@ class Args(CommonArgs):
     HIDDEN = ("coordinator", "replica", "life", "fail_at_step", "dropout")
 
 
-# ----------------------------------------------------------------------------- 1. the quorum
+# ----------------------------------------------------------------------------- 1. the lease and the quorum
 # added to a round's check-in count to close it: a later check-in sees a count above it
 CLOSED = 1 << 20
+
+
+@dataclass
+class Member:
+    rid: int  # replica id: it owns shard rid of every batch
+    life: int  # restarts so far: a restarted replica is a new member
+    version: int  # committed rounds its state has seen; -1: it has no state and must recover
+    step: int  # its step (the quorum's step is the newest member's)
+    gid: int  # the round whose process group it still holds (-1: none)
+    gsize: int  # that group's size
 
 
 class Lease:
@@ -196,16 +206,6 @@ class Lease:
 
     def count(self, replicas):  # the replicas holding a live lease, whatever their life
         return sum(time.time() - self.read(r)[1] < self.lease_s for r in range(replicas))
-
-
-@dataclass
-class Member:
-    rid: int  # replica id: it owns shard rid of every batch
-    life: int  # restarts so far: a restarted replica is a new member
-    version: int  # committed rounds its state has seen; -1: it has no state and must recover
-    step: int  # its step (the quorum's step is the newest member's)
-    gid: int  # the round whose process group it still holds (-1: none)
-    gsize: int  # that group's size
 
 
 def members_of(store, k):

@@ -282,7 +282,7 @@ def test_plain_kill_in_each_phase_at_each_r(tmp_path, replicas, phase, victim):
     varies, replica 0 included, the one that logs and sends state): replica `victim` dies in step 1 of 3, the
     others never restart and train steps 1 and 2 without it (a round it was in is discarded, redone);
     exact against the one-process replay of that membership. --join-ms 2000: a round closes when every live
-    replica checked in (the launcher counts them), and a healthy replica descheduled for 300 ms on a loaded
+    replica checked in (counted by their leases), and a healthy replica descheduled for 300 ms on a loaded
     machine is not left out of a round (it would rejoin live, exact too, but the membership asserted here
     would differ)."""
     p, s = launch(
@@ -776,7 +776,7 @@ def split_brain(ft):
     saw them once the others came, whether it had closed alone, whether the lone round committed)."""
     M, store = ft["Member"], dist.HashStore()
     m = [M(r, 0, 0, 0, -1, 0) for r in range(3)]
-    three = lambda: 3  # noqa: E731  (three replicas alive, as the launcher counts them)
+    three = lambda: 3  # noqa: E731  (three replicas alive, as their leases count them)
     first = [in_thread(ft["join_round"], store, 0, m[r], three, 0.05, 5.0) for r in (0, 1)]
     assert [f.result() for f in first] == [m[:2]] * 2
     assert ft["join_round"](store, 0, m[2], three, 0.05, 5.0) is None  # late: round 0 had closed
@@ -979,7 +979,7 @@ JOIN_KILL = [
 @pytest.mark.parametrize("restarts", [0])  # (1 passed too: the R 3 test covers a restarted rejoin)
 def test_a_kill_at_the_moment_of_the_join_never_forks(tmp_path, restarts):
     """Replica 1 is killed just after a round closed with it (a member, its group not yet used): the others
-    find it gone (its dead mark, or the broken group), vote the round down and go on as a majority of two;
+    find it gone (its lapsed lease, or the broken group), vote the round down and go on as a majority of two;
     restarted (restarts 1, --min-replicas 3: the others wait for it), it comes back with no state and
     recovers live. Every replica's weights equal the
     replay, checked here; the run's --check passes; the death is in the recovery figures."""
