@@ -1006,7 +1006,7 @@ FREEZE = [
     "--check",
 ]
 # The others must commit the frozen step within BOUND_S (--timeout 2 plus rounds: 3.6-4.3 s seen at load 30
-# with --timeout 3); the group's own timeout, the backstop a wait without deadline sits in, is 10 x 2 = 20 s.
+# with --timeout 3; 2.3-2.5 s with leases at load 14). The lease (5 s by default) is not what ends these.
 BOUND_S = 16
 
 
@@ -1053,10 +1053,14 @@ def test_a_frozen_replica_is_left_behind_within_the_deadline(tmp_path, phase, st
 
 
 def test_a_wait_without_deadline_is_caught(tmp_path):
-    """The mutant whose collectives wait as NCCL's wait() would, with no deadline of ours (gloo's own
-    timeout, 10 x --timeout, stands in for the watchdog): frozen during the all-reduce, the others do not
-    commit within BOUND_S. The test ends at its own bound, and leaves nothing running."""
-    took, live = frozen_run(tmp_path, "during", 2, mutant="no-deadline")
+    """The mutant whose collectives are waited for as NCCL's wait() would, by work.wait() with neither our
+    deadline nor the leases polled (gloo's own timeout, 2 x --timeout = 240 s, stands in for the watchdog):
+    frozen during the all-reduce (the lease test's run), the others do not commit within LEASE_BOUND_S. The
+    test ends at its own bound, and leaves nothing running. (The deadline alone, for a member stuck with its
+    lease held, and its mutant: test_the_cuda_branch_runs_here_with_the_backend_stubbed.)"""
+    took, live = frozen_run(
+        tmp_path, "during", 2, mutant="no-deadline", flags=LEASE, bound_s=LEASE_BOUND_S
+    )
     assert took is None, live.lines[-20:]
 
 
@@ -1125,6 +1129,9 @@ def test_the_replicas_environment_bounds_nccl_init_by_the_timeout():
     assert "deadline bounds it" not in doc and "TORCH_NCCL_NONBLOCKING_TIMEOUT" in doc
 
 
+NO_DEADLINE = ("if time.monotonic() - t0 > self.group.timeout_s:", "if False:")
+
+
 def test_the_cuda_branch_runs_here_with_the_backend_stubbed(monkeypatch):
     """Issue 39 deliver 1, the code a GPU would run, run without one (so a typo in it cannot wait for a GPU):
     the device choice (cuda:(replica % GPUs), made current), the group's construction (ProcessGroupNCCL under
@@ -1132,10 +1139,11 @@ def test_the_cuda_branch_runs_here_with_the_backend_stubbed(monkeypatch):
     (NCCL review 4, N4-2), its own timeout 2 x ours, N4-8), and the wait: by polling is_completed(), which
     never blocks on NCCL; past the deadline it aborts the group once, lets it go, and raises; and as soon as
     a member loses its lease it raises without waiting out the deadline (N4-3: 120 s here), on the section's
-    cores, NCCL and CUDA stubbed."""
+    cores, NCCL and CUDA stubbed. The mutant without the deadline still waits after four deadlines: caught."""
     import time
 
     ft, made, current = section.load("fault_tolerance.py"), [], []
+    released = []  # (once the test appends to it, every collective has completed)
 
     class NCCL:  # records what it was built with; its collectives never finish (a peer frozen)
         Options = dist.ProcessGroupNCCL.Options
@@ -1156,7 +1164,7 @@ def test_the_cuda_branch_runs_here_with_the_backend_stubbed(monkeypatch):
             self.connected.append(device)
 
         def allreduce(self, tensors):
-            return SimpleNamespace(is_completed=lambda: False, wait=lambda: None)
+            return SimpleNamespace(is_completed=lambda: bool(released), wait=lambda: None)
 
         def abort(self):
             self.aborts += 1
@@ -1193,3 +1201,15 @@ def test_the_cuda_branch_runs_here_with_the_backend_stubbed(monkeypatch):
     took = time.monotonic() - t0
     assert made[0].aborts == 1 and took < 60, took  # (not the 120 s deadline)
     print(f"\nlease lost: the wait raised after {1e3 * took:.1f} ms (deadline 120 s)")
+    # the mutant without the deadline: a member alive but stuck (its lease held) is waited for forever
+    text = (ROOT / "fault_tolerance.py").read_text()
+    assert text.count(NO_DEADLINE[0]) == 1
+    mutant = section.load("fault_tolerance.py", text.replace(*NO_DEADLINE))
+    store.set("g7/here0", "1")
+    _, group = mutant["quorum_group"](store, 7, [m0, m1], m1, None, 0.5, lambda m: True, device)
+    waiting = in_thread(group.allreduce([torch.zeros(1)]).wait)
+    time.sleep(2.0)  # four deadlines
+    caught = not waiting.done()
+    released.append(True)
+    waiting.result()  # (it ends once the collective completes)
+    assert caught
