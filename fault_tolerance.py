@@ -7,31 +7,40 @@ that is the dominant loss (Llama 3 405B: 419 unexpected interruptions in 54 days
 3.3.4). Per-step fault tolerance on the replicated dimension (torchft, PyTorch Conference 2024; used in
 torchtitan) lets the healthy replicas go on:
 
-1. Replicas, a coordinator, a quorum per step. R replicas each hold the whole model (each would be an FSDP/TP
-   group in production). torchrun's agent stops every worker of a job when one dies, so each replica is its
-   own process, started by the launcher (`python fault_tolerance.py --replicas R`), which restarts a dead one
-   (as that replica's own `torchrun --max-restarts` would). They meet at a coordinator: a torch TCPStore
-   server held by the launcher process (torchft's lighthouse; the one single point of the design: if it
-   goes, every replica says so in one line and exits; --host binds it where other nodes reach it). Before
-   each step every live replica checks in to round k with its state version; the first to see every live
-   replica checked in, or its --join-ms window pass with a strict majority of them (torchft's rule: no
-   split brain), closes the round by one atomic add (a later check-in sees it closed and tries round k+1,
-   where it waits for the others). The members are who checked in before the close; with fewer than
+1. Replicas, a coordinator, leases, a quorum per step. R replicas each hold the whole model (each would be
+   an FSDP/TP group in production). torchrun's agent stops every worker of a job when one dies, so each
+   replica is its own process, started by a plain supervisor (ft_launcher.py, which `python
+   fault_tolerance.py --replicas R` starts), which restarts a dead one (as that replica's own `torchrun
+   --max-restarts` would). They meet at a coordinator: a torch TCPStore server held by the supervisor
+   (torchft's lighthouse; the one single point of the design: if it goes, every replica says so in one line
+   and exits; --host binds it where other nodes reach it). Each replica owns its failure detection: a
+   thread keeps its lease on the coordinator fresh (torchft's heartbeats), and a replica whose lease is
+   older than --lease-ms (killed, or frozen) is gone for its peers at once. Before each step every live
+   replica checks in to round k with its state version; the first to see every replica holding a lease
+   checked in, or its --join-ms window pass with a strict majority of them (torchft's rule: no split
+   brain), closes the round by one atomic add (a later check-in sees it closed and tries round k+1, where
+   it waits for the others). The members are who checked in before the close; with fewer than
    --min-replicas (torchft's min_replica_size) nobody trains, and they wait (bounded) for a restarted one.
 2. A group per quorum, every wait with a deadline. The step's collectives run on the group the members
    still share when the membership is unchanged, else on a new one under the fresh store prefix `g{k}`:
    never on a group with a dead member. On CPU gloo; with CUDA each replica on cuda:(id % GPUs) and a
-   non-blocking ProcessGroupNCCL. NCCL reports no dead or frozen peer, it waits: so the host waits for
-   every collective with the --timeout deadline, and past it aborts the group (pg.abort() ends its pending
+   non-blocking ProcessGroupNCCL, connected as soon as it is made, inside the round (a member lost in NCCL's
+   bootstrap fails the round; torch waits for that init by TORCH_NCCL_NONBLOCKING_TIMEOUT alone, which the
+   supervisor sets to --timeout: its default is 30 minutes). NCCL reports no dead or frozen peer, it waits:
+   so the host polls every collective, and as soon as a member's lease lapses, or past the --timeout
+   deadline (a member alive but stuck keeps its lease), it aborts the group (pg.abort() ends its pending
    kernels; destroy_process_group would wait for them) and votes no (torchft's ProcessGroupNCCL). The
-   launcher sets TORCH_NCCL_ASYNC_ERROR_HANDLING=0 and TORCH_NCCL_ENABLE_MONITORING=0 for the replicas:
-   the watchdog, which by default takes the *healthy* process down at the group's timeout, must not decide.
+   supervisor sets TORCH_NCCL_ASYNC_ERROR_HANDLING=0 and TORCH_NCCL_ENABLE_MONITORING=0 for the replicas:
+   the watchdog, which by default takes the *healthy* process down at the group's timeout, must not decide;
+   the group's own timeout, 2 x --timeout, only bounds how long pg.abort() waits for NCCL's abort. An
+   ncclCommAbort that hangs holds the replica that long (torchft's ProcessGroupBabyNCCL runs NCCL in a
+   subprocess it can kill, for this).
 3. The batch rule. Replica r always owns shard r of every global batch (rows r*B/R..(r+1)*B/R), as
    torchft's replica groups own their data. A step's loss is the sum over the participants' tokens divided
    by the participants' token count, so the gradient is the mean over the tokens that took part: with all
    R it is plain one-process training; with fewer, one-process training on the participants' shards.
 4. Commit or discard. After its all-reduce each member votes on the coordinator; the first to see every
-   "yes", or a "no", or a member the coordinator knows is dead, or the --timeout pass, writes the decision
+   "yes", or a "no", or a member whose lease lapsed, or the --timeout pass, writes the decision
    (compare_set: there is exactly one). Rounds decide in order, each decision carrying the committed version,
    and a round commits only from the newest one: at most one quorum commits each step, whatever the timing.
    Only on "commit" does anyone take the optimizer step. Otherwise the
@@ -39,8 +48,8 @@ torchtitan) lets the healthy replicas go on:
    the next quorum: no restart of the healthy processes, no checkpoint read.
 5. Live recovery. A restarted replica checks in with version -1; the quorum's lowest member with the newest
    version broadcasts its whole state (weights, AdamW moments and steps, rollback snapshot: one broadcast per
-   tensor, in its own dtype; step, data cursor and loss history in one small float64 tensor) and it takes
-   part at once.
+   tensor, in its own dtype, one tensor at a time, so that a member holds one extra tensor, never a second
+   state; step, data cursor and loss history in one small float64 tensor) and it takes part at once.
 6. Loss spikes (PaLM's rollback-and-skip, Chowdhery et al. 2022, Sec. 5.1). A non-finite loss or gradient
    norm, or a loss above the mean of the last 16 by --spike-sigma standard deviations, is flagged; one
    all-reduce of the flag makes every member agree; the step is skipped (its batch consumed). After
@@ -49,8 +58,10 @@ torchtitan) lets the healthy replicas go on:
 7. Silent data corruption, forks. Every --verify-every steps, and whenever the membership changed, the
    members all-reduce an exact checksum of their weights' bytes; one that differs from the majority (same
    version, other weights) is reported and repaired by the same broadcast before it trains.
+The code's sections 1-4 are the whole protocol (quorum, group, recovery, step and commit); its sections 5
+and 6 add the loss-spike guard (6. above) and the corruption check (7.), each readable alone.
 
-       launcher: TCPStore (coordinator)   restarts replica 1 ---------------.
+       supervisor: TCPStore (coordinator)   restarts replica 1 -------------.
        replica 0  [join k][fwd|bwd|AR  X  vote: no ][join k+1][fwd|bwd|AR][commit]   [join k+2] [recv state]..
        replica 1  [join k][fwd|bwd|  killed                                          [start][join k+2][recv]..
        replica 2  [join k][fwd|bwd|AR  X  vote: no ][join k+1][fwd|bwd|AR][commit]   [join k+2] [send state]..
@@ -60,7 +71,7 @@ Run (one command starts the coordinator and the replicas; R in one place, no tor
     python fault_tolerance.py --replicas 3 --check
     python fault_tolerance.py --replicas 3 --kill-replica 1 --at-step 5 --check  # the others go on without it
     python fault_tolerance.py --replicas 3 --kill-replica 1 --at-step 5 --min-replicas 3 --check  # it rejoins
-    python fault_tolerance.py --replicas 3 --freeze-replica 1 --at-step 5 --timeout 5 --check  # hung: left
+    python fault_tolerance.py --replicas 3 --freeze-replica 1 --at-step 5 --check  # frozen: its lease lapses
     python fault_tolerance.py --replicas 3 --inject-spike 4,8,9 --max-skips 2 --check  # skip; roll back
     python fault_tolerance.py --replicas 3 --verify-every 2 --corrupt-replica 2 --at-step 6 --check
     python fault_tolerance.py --replicas 3 --kill-replica 1 --at-step 5 --recipe restart --ckpt-dir D \
@@ -83,7 +94,6 @@ import math
 import os
 import signal
 import statistics
-import subprocess
 import sys
 import threading
 import time
@@ -108,69 +118,42 @@ from common import (
 )
 from harness import CommonArgs, check_common_args, log_step, parse_args, tolerance, write_summary
 
-PHASES = Literal[
-    "before", "join", "group", "during", "after"
-]  # where --kill/--freeze-replica strike
+PHASES = Literal["before", "join", "group", "during", "after"]  # where a kill or freeze strikes
 
 
 @dataclass
 class Args(CommonArgs):
     batch_size: int = 12  # global batch, in sequences: R shards of B/R (divisible by 2, 3, 4)
     replicas: int = 3  # R replica processes, each holding the whole model
-    join_ms: float = (
-        300.0  # a quorum closes when every live replica checked in, or this long after one did
-    )
-    min_replicas: int = (
-        1  # a smaller quorum does not train: its members wait for replicas to come back
-    )
+    join_ms: float = 300.0  # a round closes when all live replicas are in, or this long after one
+    min_replicas: int = 1  # a smaller quorum does not train: it waits for replicas to come back
     kill_replica: int = -1  # SIGKILL this replica (first life only) at --at-step, in --phase
     at_step: int = -1  # the step of --kill-replica and of --corrupt-replica
     freeze_replica: int = -1  # SIGSTOP this replica (first life only) at --at-step, in --phase
-    phase: PHASES = (
-        "during"  # before its check-in, after its round closed, before group/all-reduce/vote
-    )
-    max_restarts: int = (
-        1  # the launcher restarts a killed replica (or, --recipe restart, the job) this often
-    )
-    recipe: Literal["live", "restart"] = (
-        "live"  # live recovery, or the whole job restarts from --ckpt-dir
-    )
-    spike_sigma: float = (
-        6.0  # a loss above the mean of the last 16 by this many standard deviations
-    )
+    phase: PHASES = "during"  # before check-in, after the round closed, before group/AR/vote
+    max_restarts: int = 1  # restarts of a killed replica (--recipe restart: of the job)
+    recipe: Literal["live", "restart"] = "live"  # live recovery, or a restart from --ckpt-dir
+    spike_sigma: float = 6.0  # a spike: a loss above the mean of the last 16 by this many stdevs
     max_skips: int = 2  # after this many skipped steps in a row, roll back to the snapshot
     snapshot_every: int = 4  # take the in-memory rollback snapshot every N steps
-    inject_spike: str = (
-        ""  # comma-separated batch ids whose loss is multiplied by 1e4 (a spike, for tests)
-    )
+    inject_spike: str = ""  # comma-separated batch ids whose loss is multiplied by 1e4 (for tests)
     verify_every: int = 0  # compare the replicas' weight checksums every N steps (0: never)
-    corrupt_replica: int = (
-        -1
-    )  # perturb this replica's weights at the start of --at-step (first life only)
+    corrupt_replica: int = -1  # perturb this replica's weights at --at-step (first life only)
     host: str = "127.0.0.1"  # the coordinator binds here (an address the replicas' nodes reach)
-    ckpt_dir: str = (
-        ""  # --recipe restart only: the job's one state.pt (live recovery reads no disk)
-    )
+    ckpt_dir: str = ""  # --recipe restart only: the job's one state.pt (live recovery reads none)
     save_every: int = 0  # --recipe restart: write the state every N steps
-    timeout: int = (
-        120  # seconds, every wait's deadline: a collective, a round, a vote (a hung peer is left)
-    )
+    timeout: int = 120  # seconds: every wait's deadline (a collective, a round, a vote)
+    lease_ms: float = 5000.0  # a replica whose lease is older is dropped (killed or frozen)
     coordinator: str = ""  # (set by the launcher) host:port of the coordinator's store
     replica: int = -1  # (set by the launcher) this process's replica id; -1: be the launcher
     life: int = 0  # (set by the launcher) how many times this replica was started before
-    HIDDEN = (
-        "coordinator",
-        "replica",
-        "life",
-        "fail_at_step",
-        "dropout",
-    )  # out of --help (and refused)
+    # out of --help (and refused)
+    HIDDEN = ("coordinator", "replica", "life", "fail_at_step", "dropout")
 
 
-# ----------------------------------------------------------------------------- 1. the quorum
-CLOSED = (
-    1 << 20
-)  # added to a round's check-in count to close it: a later check-in sees a count above it
+# ----------------------------------------------------------------------------- 1. the lease and the quorum
+# added to a round's check-in count to close it: a later check-in sees a count above it
+CLOSED = 1 << 20
 
 
 @dataclass
@@ -181,6 +164,48 @@ class Member:
     step: int  # its step (the quorum's step is the newest member's)
     gid: int  # the round whose process group it still holds (-1: none)
     gsize: int  # that group's size
+
+
+class Lease:
+    """Each replica owns its failure detection (torchft's heartbeats to its lighthouse): a thread writes
+    `lease/{rid}` = "life time" every lease_s / 5, and a peer whose lease is older than lease_s, or held by
+    another life of its replica (it was restarted), is gone: the round, the vote and the group decide from
+    it at once. A replica killed, or frozen (SIGSTOP stops the thread too), is dropped within lease_s; one
+    alive but stuck in a collective keeps its lease, and the collective's deadline leaves it behind. `store`:
+    a connection of the lease's own (a get that waits on another must not hold up the heartbeat). The
+    replicas' clocks must agree to well within lease_s (one host here; NTP across nodes)."""
+
+    def __init__(self, store, me, lease_s):
+        if lease_s <= 0:
+            raise ValueError(f"Lease needs lease_s > 0, got {lease_s}")
+        self.store = store
+        self.lease_s = lease_s
+        self.beat(me)  # (held before this replica checks in anywhere)
+        threading.Thread(target=self.beat_until_gone, args=(me,), daemon=True).start()
+
+    def beat(self, me):
+        self.store.set(f"lease/{me.rid}", f"{me.life} {time.time()!r}")
+
+    def beat_until_gone(self, me):
+        try:
+            while True:
+                time.sleep(self.lease_s / 5)
+                self.beat(me)
+        except Exception:  # the coordinator is gone: the main thread says so in one line
+            return
+
+    def read(self, rid):  # (life, time of its last heartbeat)
+        if not self.store.check([f"lease/{rid}"]):
+            return -1, -math.inf
+        life, t = self.store.get(f"lease/{rid}").split()
+        return int(life), float(t)
+
+    def live(self, m):
+        life, t = self.read(m.rid)
+        return life == m.life and time.time() - t < self.lease_s
+
+    def count(self, replicas):  # the replicas holding a live lease, whatever their life
+        return sum(time.time() - self.read(r)[1] < self.lease_s for r in range(replicas))
 
 
 def members_of(store, k):
@@ -217,16 +242,13 @@ def join_round(store, k, me, expected, window_s, timeout_s):
         alive = expected()
         waited = time.monotonic() - t0
         if n >= alive or (waited > window_s and 2 * n > alive):
-            n = store.add(
-                f"q{k}/n", CLOSED
-            )  # atomic: whoever gets n < 2 * CLOSED closed it, at n - CLOSED
+            # atomic: whoever gets n < 2 * CLOSED closed it, at n - CLOSED
+            n = store.add(f"q{k}/n", CLOSED)
             if n < 2 * CLOSED:
                 store.set(f"q{k}/size", str(n - CLOSED))
                 store.set("round", str(k))  # where a newly started replica begins to look
-        elif (
-            waited > window_s + 4 * timeout_s
-        ):  # (the others may still be ending a round, whose group,
-            # collectives and vote each wait up to timeout_s)
+        elif waited > window_s + 4 * timeout_s:
+            # (the others may still be ending a round: its group, collectives and vote wait timeout_s each)
             raise TimeoutError(f"round {k}: {n} of {alive} live replicas checked in, no majority")
         time.sleep(0.001)
     return members_of(store, k)
@@ -242,24 +264,25 @@ def rank_in(members, me):
     return rids.index(me.rid)
 
 
-def decided_before(store, k, timeout_s):
+def decided_before(store, k, timeout_s, live):
     """Rounds decide in order: wait until round k - 1 has its decision, and return the version committed
     before round k (each decision carries the one after it: "commit 7", "abort 6"). A round whose members
-    are all marked dead, or undecided past the deadline, is decided "abort" here (the same compare_set)."""
+    all lost their lease, or undecided past the deadline, is decided "abort" here (the same compare_set).
+    `live(member)`: whether it holds its lease (Lease.live)."""
     if k == 0:
         return 0
     key, t0 = f"q{k - 1}/decision", time.monotonic()
     while not store.check([key]):
-        gone = all(store.check([f"dead/{m.rid}.{m.life}"]) for m in members_of(store, k - 1))
+        gone = not any(map(live, members_of(store, k - 1)))
         if gone or time.monotonic() - t0 > timeout_s:
-            store.compare_set(key, "", f"abort {decided_before(store, k - 1, timeout_s)}")
+            store.compare_set(key, "", f"abort {decided_before(store, k - 1, timeout_s, live)}")
         time.sleep(0.001)
     return int(store.get(key).split()[1])
 
 
-def vote(store, k, members, me, ok, timeout_s):
+def vote(store, k, members, me, ok, timeout_s, live):
     """Two-phase commit on the coordinator: each member says whether its collectives succeeded; the first
-    to see every "yes", any "no", a member the coordinator marked dead, or the deadline, proposes the
+    to see every "yes", any "no", a member without its lease (`live`), or the deadline, proposes the
     decision, and compare_set keeps only the first proposal: every member reads the same one. A round
     commits only with every vote "yes" and a member holding the version committed before it (one commit
     per version: a quorum holding an older state, or open beside another, can never commit)."""
@@ -268,18 +291,16 @@ def vote(store, k, members, me, ok, timeout_s):
         raise ValueError(
             f"vote needs timeout_s > 0 (else it aborts before the others vote), got {timeout_s}"
         )
-    base = decided_before(
-        store, k, timeout_s
-    )  # the rounds before k are decided: at most one in flight
+    base = decided_before(store, k, timeout_s, live)  # (rounds decide in order: one in flight)
     store.set(f"q{k}/vote{me.rid}", "yes" if ok else "no")
-    keys, dead = [f"q{k}/vote{m.rid}" for m in members], [f"dead/{m.rid}.{m.life}" for m in members]
+    keys = [f"q{k}/vote{m.rid}" for m in members]
     current, t0 = max(m.version for m in members) >= base, time.monotonic()
     while not store.check([f"q{k}/decision"]):
         votes = [store.get(key) for key in keys if store.check([key])]
         if (
             len(votes) == len(keys)
             or b"no" in votes
-            or any(store.check([d]) for d in dead)
+            or not all(map(live, members))
             or time.monotonic() - t0 > timeout_s
         ):
             yes = votes.count(b"yes") == len(keys) and current
@@ -292,15 +313,17 @@ def vote(store, k, members, me, ok, timeout_s):
 
 # ----------------------------------------------------------------------------- 2. the group, with a deadline
 class Bounded:
-    """The quorum's group, every collective of it waited for on the host with a deadline (torchft's
-    _WorkCUDATimeout). On NCCL a dead or frozen peer raises nothing (wait() only orders the stream); past
-    the deadline this member aborts the group itself (pg.abort(): ends its pending kernels; never
-    shutdown() or destroy_process_group(), which wait for them) and raises: it votes no."""
+    """The quorum's group, every collective of it waited for on the host (torchft's _WorkCUDATimeout): by
+    polling is_completed(), which never blocks, on NCCL either. On NCCL a dead or frozen peer raises
+    nothing (wait() only orders the stream); as soon as a member loses its lease (`lost()`), or past the
+    deadline (a member alive but stuck), this member aborts the group itself (pg.abort(): ends its pending
+    kernels; never shutdown() or destroy_process_group(), which wait for them) and raises: it votes no."""
 
-    def __init__(self, pg, timeout_s):
+    def __init__(self, pg, timeout_s, lost):
         self.pg = pg
         self.n = pg.size()
-        self.deadline = timedelta(seconds=timeout_s)
+        self.timeout_s = timeout_s
+        self.lost = lost
 
     def size(self):
         return self.n
@@ -312,15 +335,14 @@ class Bounded:
         return Deadline(self, self.pg.broadcast(tensor, src))
 
     def abort(self):
-        if (
-            self.pg is not None
-        ):  # NCCL: abort() ends the kernels. gloo: only freeing the group closes its
-            self.pg.abort()  # connections (a peer waiting on this member is let go), and that waits for the
-            dropped, self.pg = (
-                [self.pg],
-                None,
-            )  # hung work: so the group is freed on a thread of its own
-            threading.Thread(target=dropped.clear, daemon=True).start()
+        if self.pg is None:
+            return
+        # NCCL: abort() ends the kernels. gloo: only freeing the group closes its connections (a peer
+        # waiting on this member is let go), and that waits for the hung work: freed on a thread of its own
+        self.pg.abort()
+        dropped = [self.pg]
+        self.pg = None
+        threading.Thread(target=dropped.clear, daemon=True).start()
 
 
 @dataclass
@@ -329,21 +351,30 @@ class Deadline:
     work: object
 
     def wait(self):
+        t0 = time.monotonic()
         try:
-            self.work.wait(
-                self.group.deadline
-            )  # the host waits until done or the deadline, then raises
+            while not self.work.is_completed():
+                if self.group.lost():
+                    raise RuntimeError("a member of the group lost its lease")
+                if time.monotonic() - t0 > self.group.timeout_s:
+                    raise TimeoutError(f"a collective took over {self.group.timeout_s} s")
+                time.sleep(0.001)
+            self.work.wait()  # (gloo: raises a failed collective's error; NCCL: orders the stream)
         except Exception:
             self.group.abort()
             raise
 
 
-def quorum_group(store, k, members, me, held, timeout_s, device=torch.device("cpu")):
+def quorum_group(store, k, members, me, held, timeout_s, live, device=torch.device("cpu")):
     """The quorum's process group: the one all members still hold when they hold the same one and nobody
     left (unchanged membership), else a new one under the fresh prefix g{k}, made once every member said it
-    is there (a member lost before that is found by the deadline, not by a hung rendezvous). `held`: (gid,
-    group). On CUDA: ProcessGroupNCCL, non-blocking (its init returns at once: the first collective's
-    deadline bounds it); its own timeout is a backstop past ours: the watchdog must not decide."""
+    is there (a member lost before that is found by its lease or the deadline, not by a hung rendezvous).
+    `held`: (gid, group). On CUDA: ProcessGroupNCCL, non-blocking, connected at once (a member lost during
+    NCCL's bootstrap raises here, inside the round, bounded by TORCH_NCCL_NONBLOCKING_TIMEOUT, which the
+    launcher sets to timeout_s: torch waits for a non-blocking init by it alone, 30 min by default). Its own
+    timeout, 2 x ours, is a backstop: the watchdog must not decide, and it bounds pg.abort()'s wait for
+    NCCL's abort (an ncclCommAbort that hangs holds the replica that long: torchft's ProcessGroupBabyNCCL
+    runs NCCL in a subprocess it can kill)."""
     if held and {m.gid for m in members} == {held[0]} and members[0].gsize == len(members):
         return held
     rank = rank_in(members, me)
@@ -351,21 +382,23 @@ def quorum_group(store, k, members, me, held, timeout_s, device=torch.device("cp
     t0 = time.monotonic()
     prefix.set(f"here{me.rid}", "1")
     while not prefix.check([f"here{m.rid}" for m in members]):
-        if any(store.check([f"dead/{m.rid}.{m.life}"]) for m in members):  # (checked in, then died)
-            raise RuntimeError(f"group g{k}: a member is gone")
+        if not all(map(live, members)):  # (checked in, then lost)
+            raise RuntimeError(f"group g{k}: a member lost its lease")
         if time.monotonic() - t0 > timeout_s:
             raise TimeoutError(f"group g{k}: a member did not come within {timeout_s} s")
         time.sleep(0.001)
     if store.check([f"q{k}/decision"]):  # this member came late: the others gave up on the group
         raise RuntimeError(f"round {k} was decided without this member")
-    backstop = timedelta(seconds=10 * timeout_s)
+    backstop = timedelta(seconds=2 * timeout_s)
     if device.type == "cuda":
         opts = dist.ProcessGroupNCCL.Options()
-        opts.config.blocking, opts._timeout = False, backstop
+        opts.config.blocking = False
+        opts._timeout = backstop
         pg = dist.ProcessGroupNCCL(prefix, rank, len(members), opts)
+        pg.eager_connect_single_device(device)
     else:
         pg = dist.ProcessGroupGloo(prefix, rank, len(members), backstop)
-    return k, Bounded(pg, timeout_s)
+    return k, Bounded(pg, timeout_s, lambda: not all(map(live, members)))
 
 
 def replica_device(rid):
@@ -381,7 +414,9 @@ def replica_device(rid):
 # ----------------------------------------------------------------------------- 3. the state and its recovery
 class Replica:
     """One replica's state. Recovery sends it tensor by tensor, each in its own dtype and shape (a receiver
-    allocates them from its own model and optimizer: same shapes, same dtypes, same order on every member)."""
+    allocates them from its own model and optimizer: same shapes, same dtypes, same order on every member).
+    The loss history, the skips in a row and the rollback snapshot are the loss-spike guard's (section 5):
+    they travel with the state, so that a recovered replica guards as its peers do."""
 
     def __init__(self, model, opt, steps):
         if type(opt).__name__ not in ("Adam", "AdamW") or any(
@@ -395,9 +430,8 @@ class Replica:
         self.opt = opt
         self.steps = steps
         self.params = [p for p in model.parameters() if p.requires_grad]
-        for p in (
-            self.params
-        ):  # AdamW's state, made now as its first step() would: one form at every step
+        # AdamW's state, made now as its first step() would: one form at every step
+        for p in self.params:
             opt.state[p] = dict(
                 step=torch.tensor(0.0), exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p)
             )
@@ -409,9 +443,7 @@ class Replica:
         self.batch = 0
         self.skips = 0
         self.losses = []  # the loss of every applied update: the spike detector's history
-        self.snapshot = (
-            self.on_host()
-        )  # what a rollback restores (a recent step's core, on the host)
+        self.snapshot = self.on_host()  # what a rollback restores (a recent step's core, on host)
 
     def core(self):
         """weights, exp_avg, exp_avg_sq, AdamW steps (the live tensors), then the counters and the losses as
@@ -435,67 +467,49 @@ class Replica:
 
     def load_full(self, tensors):
         self.load_core(tensors[: len(tensors) // 2])
-        self.snapshot = [t.to("cpu", copy=True) for t in tensors[len(tensors) // 2 :]]
+        self.snapshot = [t.cpu() for t in tensors[len(tensors) // 2 :]]  # (on the host already)
 
 
-def checksum(params, chunk=1 << 20):
-    """An exact fingerprint of the weights' bytes (a position-weighted byte sum: any changed byte shows),
-    `chunk` bytes at a time (an int64 per byte of the whole model at once would be 8x its size)."""
-    total, at = torch.zeros((), dtype=torch.long, device=params[0].device), 0
-    for p in params:
-        for b in p.detach().reshape(-1).view(torch.uint8).split(chunk):  # (<= chunk,) bytes
-            total += (
-                b.long() * (torch.arange(at, at + b.numel(), device=b.device) % 251 + 1)
-            ).sum()
-            at += b.numel()
-    return total
-
-
-def sync_state(pg, members, me, rep, verify):
-    """Before the step every member holds the same state. 1. With `verify`, the newest members all-reduce
-    their checksums (one slot each): one that differs from the majority is corrupt. 2. The lowest newest
-    member with the majority checksum broadcasts its whole state to the members behind (a restarted replica
-    recovers live) and the corrupt (repaired). Returns (corrupt ids, receiving ids, bytes broadcast)."""
-    i_me = rank_in(members, me)
-    newest = max(m.version for m in members)
-    device = rep.params[0].device
+def check_group(pg, members, me):
+    """me's rank in the quorum's group, which must have one rank per member."""
     if pg.size() != len(members):
         raise ValueError(
-            f"sync_state needs the quorum's group, of {len(members)} members: got {pg.size()}"
+            f"pg must be the quorum's group, of {len(members)} members: got {pg.size()}"
         )
-    if newest < 0:
-        raise RuntimeError(
-            "no member of the quorum holds a state to recover from"
-        )  # (a later quorum may)
-    up = [i for i, m in enumerate(members) if m.version == newest]
-    sums = torch.zeros(len(members), dtype=torch.long, device=device)
-    if verify:
-        if i_me in up:
-            sums[i_me] = checksum(rep.params)
-        pg.allreduce([sums]).wait()  # (members,) every member's checksum, everywhere
-    votes = Counter(sums[i].item() for i in up)
-    best = max(
-        votes, key=lambda c: (votes[c], -min(i for i in up if sums[i] == c))
-    )  # majority, then lowest
-    bad = [i for i in up if sums[i] != best]
-    src = min(i for i in up if sums[i] == best)
-    receivers = [i for i, m in enumerate(members) if m.version < newest or i in bad]
+    return rank_in(members, me)
+
+
+def recover(pg, members, me, rep, bad=()):
+    """Before the step every member holds the same state: the lowest member with the newest version (and
+    not in `bad`, section 6) broadcasts its whole state to the members behind (a restarted replica recovers
+    live) and to `bad` (repaired). Returns (receiving ids, bytes broadcast)."""
+    i_me = check_group(pg, members, me)
+    newest = max(m.version for m in members)
+    if newest < 0:  # (a later quorum may have one)
+        raise RuntimeError("no member of the quorum holds a state to recover from")
+    src = min(i for i, m in enumerate(members) if m.version == newest and m.rid not in bad)
+    receivers = [i for i, m in enumerate(members) if m.version < newest or m.rid in bad]
     if not receivers:
-        return [], [], 0
-    # one broadcast per tensor, all in flight, in its dtype and on the device (NCCL's: the snapshot and
-    # AdamW's step counts live on the host); a receiver's own state gives the shapes
-    state = [
-        t.to(device) if i_me == src else torch.empty_like(t, device=device) for t in rep.full()
-    ]
-    for work in [pg.broadcast(t, src) for t in state]:
-        work.wait()
+        return [], 0
+    # one broadcast per tensor, in its dtype, on the device (NCCL's: the snapshot and AdamW's step counts
+    # live on the host), one at a time: the extra memory is one tensor, never the whole state (NCCL review
+    # 4, N4-6); a receiver copies each into its own state (its own shapes), then loads the counters
+    device = rep.params[0].device
+    state = rep.full()
+    nbytes = 0
+    for t in state:
+        buf = t.to(device) if i_me == src else torch.empty_like(t, device=device)
+        pg.broadcast(buf, src).wait()
+        if i_me in receivers:
+            t.copy_(buf)
+        nbytes += buf.numel() * buf.element_size()
+        del buf  # (before the next is allocated)
     if i_me in receivers:
         rep.load_full(state)
-    nbytes = sum(t.numel() * t.element_size() for t in state)
-    return [members[i].rid for i in bad], [members[i].rid for i in receivers], nbytes
+    return [members[i].rid for i in receivers], nbytes
 
 
-# ----------------------------------------------------------------------------- 4. the step
+# ----------------------------------------------------------------------------- 4. the step and its commit
 def check_shard(rows, rid, replicas):
     if replicas < 1 or rows % replicas or not 0 <= rid < replicas:
         raise ValueError(
@@ -536,6 +550,18 @@ def allreduce_grads(pg, params, loss):
     return flat[-1].item()
 
 
+def update(rep, norm, clip):
+    """The committed step (after the vote, section 1): clip by the whole gradient's `norm`, the optimizer
+    step; the state is one version, one step and one batch further."""
+    if clip > 0:
+        torch.nn.utils.clip_grads_with_norm_(rep.params, clip, norm)
+    rep.opt.step()
+    rep.version += 1
+    rep.step += 1
+    rep.batch += 1
+
+
+# ----------------------------------------------------------------------------- 5. loss spikes (added)
 def is_spike(loss, norm, history, sigma, window=16):
     """Non-finite, or above the mean of the last `window` losses by `sigma` standard deviations."""
     if not (math.isfinite(loss) and math.isfinite(norm)):
@@ -559,19 +585,19 @@ def check_update(max_skips, snapshot_every):
 
 
 def apply_update(rep, loss, spike, norm, clip, max_skips, snapshot_every):
-    """The committed step: the optimizer step, or a skip (the batch is consumed, the weights stay), or after
+    """Section 4's update, guarded: without a spike, the update (its loss joins the history, a snapshot
+    every `snapshot_every` steps); with one, a skip (the batch is consumed, the weights stay), or after
     `max_skips` skips in a row a rollback to the snapshot, going on from the next batch. Returns which."""
     check_update(max_skips, snapshot_every)
-    rep.version, rep.batch = rep.version + 1, rep.batch + 1
     if not spike:
-        if clip > 0:
-            torch.nn.utils.clip_grads_with_norm_(rep.params, clip, norm)
-        rep.opt.step()
-        rep.step, rep.skips = rep.step + 1, 0
+        update(rep, norm, clip)
+        rep.skips = 0
         rep.losses.append(loss)
         if rep.step % snapshot_every == 0:
             rep.snapshot = rep.on_host()
         return "update"
+    rep.version += 1
+    rep.batch += 1
     rep.skips += 1
     if rep.skips < max_skips:
         return "skip"
@@ -582,6 +608,39 @@ def apply_update(rep, loss, spike, norm, clip, max_skips, snapshot_every):
     rep.batch = batch
     rep.skips = 0
     return "rollback"
+
+
+# ----------------------------------------------------------------------------- 6. silent corruption (added)
+def checksum(params, chunk=1 << 20):
+    """An exact fingerprint of the weights' bytes (a position-weighted byte sum: any changed byte shows),
+    `chunk` bytes at a time (an int64 per byte of the whole model at once would be 8x its size)."""
+    total, at = torch.zeros((), dtype=torch.long, device=params[0].device), 0
+    for p in params:
+        for b in p.detach().reshape(-1).view(torch.uint8).split(chunk):  # (<= chunk,) bytes
+            total += (
+                b.long() * (torch.arange(at, at + b.numel(), device=b.device) % 251 + 1)
+            ).sum()
+            at += b.numel()
+    return total
+
+
+def sync_state(pg, members, me, rep, verify):
+    """Section 3's recovery, verified: with `verify`, the newest members all-reduce their checksums (one
+    slot each) first, and one that differs from the majority is corrupt: it is repaired by the same
+    broadcast, from the lowest member of the majority. Returns (corrupt ids, receiving ids, bytes)."""
+    i_me = check_group(pg, members, me)
+    newest = max(m.version for m in members)
+    up = [i for i, m in enumerate(members) if m.version == newest]
+    sums = torch.zeros(len(members), dtype=torch.long, device=rep.params[0].device)
+    if verify and newest >= 0:
+        if i_me in up:
+            sums[i_me] = checksum(rep.params)
+        pg.allreduce([sums]).wait()  # (members,) every member's checksum, everywhere
+    votes = Counter(sums[i].item() for i in up)
+    # the majority's checksum (a tie: the one of the lowest member)
+    best = max(votes, key=lambda c: (votes[c], -min(i for i in up if sums[i] == c)))
+    bad = [members[i].rid for i in up if sums[i] != best]
+    return bad, *recover(pg, members, me, rep, bad)
 
 
 def check_args(args):
@@ -622,6 +681,8 @@ def check_args(args):
         fail("--ckpt-dir is for --recipe restart: live recovery reads no disk")
     if not all(b.strip().isdigit() for b in args.inject_spike.split(",") if b):
         fail(f"--inject-spike takes comma-separated batch ids, got {args.inject_spike!r}")
+    if args.lease_ms <= 0:
+        fail(f"--lease-ms must be > 0, got {args.lease_ms}")
     if args.spike_sigma <= 0:
         fail(f"--spike-sigma must be > 0, got {args.spike_sigma}")
     if not 1 <= args.min_replicas <= R:
@@ -634,22 +695,12 @@ def check_args(args):
         )
 
 
-# ----------------------------------------------------------------------------- 5. this repo's run of it
-# One replica: the GPT and its data on the cores above, its log, and one hook for the faults the tests inject
-# (`fault`, below the fence). The launcher starts the replicas and marks a death on the coordinator
-# (dead/{rid}.{life}) and counts it out ("alive"): what a vote, a round's close and the next quorum read.
-# The replicas' environment (docstring, 2.: the heartbeat monitor too would kill one whose watchdog hangs in
-# an abort); torch's C++ warnings (a 14-line stack per peer gone) quieted: a failure is the one line printed.
-ENVIRONMENT = dict(
-    TORCH_NCCL_ASYNC_ERROR_HANDLING="0",
-    TORCH_NCCL_ENABLE_MONITORING="0",
-    TORCH_CPP_LOG_LEVEL="ERROR",
-)
-
-
-def train_replica(args):
-    host, port = args.coordinator.rsplit(":", 1)
-    store = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=args.timeout))
+# ----------------------------------------------------------------------------- 7. this repo's run of it
+# One replica: the GPT and its data on the cores above, its log, and one hook `on(phase, rep)` for the faults
+# the tests inject (built below the fence). ft_launcher.py starts the replicas and restarts a dead one; it
+# decides nothing: each replica's lease is what a round's close, a vote and a group read.
+def train_replica(args, connect, on):
+    store = connect()  # the coordinator
     device = replica_device(args.replica)
     data = MarkovData(args.vocab, args.seed)
     R = args.replicas
@@ -657,18 +708,19 @@ def train_replica(args):
     model = build_gpt(GPTConfig.from_args(args), args.seed, DTYPES[args.dtype], device)
     rep = Replica(model, make_optimizer(model.parameters(), args), args.steps)
     rep.version = -1 if args.life > 0 else 0  # restarted: no state until a peer gives it
-    load_checkpoint(args, rep, store)  # (--recipe restart only: the 2020 way, from disk)
-    me, started = Member(args.replica, args.life, rep.version, 0, -1, 0), False
-    store.add("alive", 1)
+    me = Member(args.replica, args.life, rep.version, 0, -1, 0)
+    lease = Lease(connect(), me, args.lease_ms / 1e3)  # (a connection of its own)
+    load_checkpoint(args, rep, store, lease.live)  # (--recipe restart only: the 2020 way)
+    started = False
     # Until its first round a replica waits for all R (a run starts, or the whole job restarts, together);
-    # afterwards only for the replicas alive now, as the launcher counts them (torchft's heartbeats).
-    expected = lambda: int(store.add("alive", 0)) if started else R  # noqa: E731
+    # afterwards only for the replicas holding a lease now (torchft's lighthouse counts heartbeats).
+    expected = lambda: lease.count(R) if started else R  # noqa: E731
     held = None
     k = int(store.get("round")) if store.check(["round"]) else 0
     short_since = None
     log = Log(store, args, me, rep)
     while not store.check(["finished"]):
-        fault(args, store, rep, "before")
+        on("before", rep)
         me.version, me.step = rep.version, rep.step
         me.gid, me.gsize = (held[0], held[1].size()) if held else (-1, 0)
         t_start, ending = time.time(), rep.step >= args.steps or store.check(["ending"])
@@ -679,16 +731,14 @@ def train_replica(args):
         if members is None:
             continue
         started = True
-        fault(args, store, rep, "join")
-        if (
-            len(members) < args.min_replicas
-        ):  # too few: voted down; wait (bounded) for a restarted replica
+        on("join", rep)
+        if len(members) < args.min_replicas:  # too few: voted down; wait (bounded) for a restart
             short_since = short_since or time.monotonic()
             if time.monotonic() - short_since > max(60, args.timeout):
                 raise TimeoutError(
                     f"fewer than --min-replicas {args.min_replicas} replicas for too long"
                 )
-            vote(store, k - 1, members, me, False, args.timeout)
+            vote(store, k - 1, members, me, False, args.timeout, lease.live)
             time.sleep(args.join_ms / 1e3)
             continue
         if rep.batch > 4 * args.steps + 16:  # every loop is bounded, a spike that never ends too
@@ -703,8 +753,8 @@ def train_replica(args):
         short_since = None
         step, batch = rep.step, rep.batch
         try:
-            fault(args, store, rep, "group")
-            held = quorum_group(store, k - 1, members, me, held, args.timeout, device)
+            on("group", rep)
+            held = quorum_group(store, k - 1, members, me, held, args.timeout, lease.live, device)
             pg, newest = held[1], max(members, key=lambda m: m.version)
             # compare weights when due, and whenever the membership changed (a fork shows there)
             verify = (
@@ -719,29 +769,23 @@ def train_replica(args):
                 mine = local_grads(
                     model, x.to(device), y.to(device), members, me, R, lm_loss, count_tokens
                 )
-                fault(args, store, rep, "during", mine)  # (--inject-spike scales the loss here)
+                on("during", rep, mine)  # (--inject-spike scales the loss here)
                 loss = allreduce_grads(pg, rep.params, mine)
-                norm = torch.nn.utils.get_total_norm(
-                    [p.grad for p in rep.params]
-                )  # of the whole gradient
+                norm = torch.nn.utils.get_total_norm([p.grad for p in rep.params])  # (whole model)
                 spike = agree(pg, is_spike(loss, norm.item(), rep.losses, args.spike_sigma), device)
-                fault(args, store, rep, "after")
+                on("after", rep)
             ok = True
         except (RuntimeError, TimeoutError, dist.DistError) as e:
             log.failed(k - 1, e)
-        if not vote(store, k - 1, members, me, ok, args.timeout):
-            if held:
-                held[
-                    1
-                ].abort()  # may hold a dead or frozen member: its pending work ends, never waited for
+        if not vote(store, k - 1, members, me, ok, args.timeout, lease.live):
+            if held:  # it may hold a lost member: its pending work ends, never waited for
+                held[1].abort()
             held = None
             continue
         if last:
             break
         what = apply_update(rep, loss, spike, norm, args.clip, args.max_skips, args.snapshot_every)
-        log.committed(
-            k - 1, members, t_start, step, batch, what, loss
-        )  # (--recipe restart: and saves)
+        log.committed(k - 1, members, t_start, step, batch, what, loss)  # (restart: and saves)
         if rep.step >= args.steps:
             store.set("ending", "1")
     else:
@@ -750,111 +794,23 @@ def train_replica(args):
             flush=True,
         )
         return 0
-    code = log.finish(
-        members, held[1]
-    )  # (the members compare their weights by one all-reduce; the --check)
+    code = log.finish(members, held[1])  # (the members compare their weights: the --check)
     store.set("finished", "1")  # a replica restarted now exits at once
     return code
-
-
-def stop_all(store, lives, r):
-    """--recipe restart: replica r died; the launcher kills every other one too. Returns whom to restart."""
-    for q, procs in lives.items():
-        if q != r and procs[-1].poll() is None:
-            procs[-1].kill()
-            procs[-1].wait()
-            store.set(f"dead/{q}.{len(procs) - 1}", "1")
-            store.add("alive", -1)
-    return list(lives)
-
-
-def launch(args):
-    """The coordinator (a TCPStore server: the single point of the design) and R replica processes: what
-    torchrun's agent (a cluster's scheduler in production) does. It marks each death on the coordinator for
-    the quorum and the vote, and restarts a replica killed by a signal (--recipe restart: all of them)."""
-    store = dist.TCPStore(
-        args.host,
-        0,
-        is_master=True,
-        wait_for_workers=False,
-        timeout=timedelta(seconds=args.timeout),
-    )
-    cmd = [sys.executable, sys.argv[0], *sys.argv[1:], "--coordinator", f"{args.host}:{store.port}"]
-    env = dict(os.environ, **ENVIRONMENT)
-    spawn = lambda r, life: subprocess.Popen(  # noqa: E731
-        cmd + ["--replica", str(r), "--life", str(life)], env=env
-    )
-    lives = {r: [spawn(r, 0)] for r in range(args.replicas)}
-    codes = {}
-    restarts = 0
-    t0 = time.time()
-    R = args.replicas
-    done_at = None
-    limit_s = 300 + args.timeout * (
-        args.steps + 10
-    )  # (every wait of a replica is bounded: a safety net)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so that `finally` kills the children
-    try:
-        while len(codes) < R and (done_at or time.time() - t0 < limit_s):
-            for r, procs in lives.items():
-                code = procs[-1].poll()
-                if code is None or r in codes:
-                    continue
-                store.set(
-                    f"dead/{r}.{len(procs) - 1}", "1"
-                )  # a vote or a round waiting for it ends now
-                store.add("alive", -1)
-                if code != 0 and not store.check(["finished"]):  # every death seen, for the figures
-                    store.set(f"died/{store.add('died', 1)}", f"{r} {time.time()!r}")
-                if code < 0 and restarts < args.max_restarts and not store.check(["finished"]):
-                    restarts += 1
-                    for q in [r] if args.recipe == "live" else stop_all(store, lives, r):
-                        lives[q].append(spawn(q, len(lives[q])))
-                else:
-                    codes[r] = code
-            done_at = done_at or (time.time() if store.check(["finished"]) else None)
-            if (
-                done_at and time.time() - done_at > args.timeout
-            ):  # a frozen replica: the run is over
-                for r in [r for r in lives if r not in codes]:
-                    print(
-                        f"fault_tolerance.py: replica {r} still running {args.timeout:g} s after the run "
-                        f"finished (frozen?): stopped",
-                        flush=True,
-                    )
-                    lives[r][-1].kill()
-                    codes[r] = lives[r][-1].wait()
-            time.sleep(0.01)
-    finally:
-        for p in [p for procs in lives.values() for p in procs if p.poll() is None]:
-            p.kill()
-            p.wait()
-    if len(codes) < R:
-        print(
-            f"fault_tolerance.py: error: over {limit_s} s; every replica stopped", file=sys.stderr
-        )
-    finished = store.check(
-        ["finished"]
-    )  # (a replica killed and not restarted is no failure of the run)
-    rc = max([c for c in codes.values() if c > 0], default=0) or (
-        0 if finished and len(codes) == R else 1
-    )
-    add_launcher_figures(args, lives, codes, restarts, time.time() - t0)
-    return rc
 
 
 def main():
     args = parse_args(Args)
     check_args(args)
-    if args.replica < 0:
-        print(
-            f"fault_tolerance.py: {args.replicas} replicas, recipe {args.recipe}, coordinator in this "
-            f"process (pid {os.getpid()}) on {args.host}",
-            flush=True,
-        )
-        sys.exit(launch(args))
+    if args.replica < 0:  # the command a user types: the launcher, a tool of its own, starts them
+        import ft_launcher
+
+        sys.exit(ft_launcher.launch(args))
     try:
-        code = train_replica(args)
+        host, port = args.coordinator.rsplit(":", 1)
+        timeout = timedelta(seconds=args.timeout)
+        connect = lambda: dist.TCPStore(host, int(port), is_master=False, timeout=timeout)  # noqa: E731
+        code = train_replica(args, connect, faults(args, connect()))
     except TimeoutError as e:
         sys.stderr.write(f"fault_tolerance.py: error (replica {args.replica}): {e}\n")
         code = 1
@@ -865,59 +821,66 @@ def main():
             "design, as torchft's lighthouse is: restart the run\n"
         )
         code = 3
-    sys.stdout.flush(), sys.stderr.flush()
-    os._exit(
-        code
-    )  # skip the interpreter's teardown, in which gloo's threads may still hold tensors
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)  # no interpreter teardown, in which gloo's threads may still hold tensors
 
 
 # --- measurement ---
 # The faults the tests inject (one hook on the technique path), the log and the figures, and the checkpoint
 # of the recipe measured beside live recovery (--recipe restart).
-def fault(args, store, rep, phase, loss=None):
-    """The tests' faults: --inject-spike multiplies a listed batch's loss by 1e4 (in place); on a replica's
-    first life at --at-step, --corrupt-replica perturbs one weight (before its check-in), and in --phase
-    --kill-replica sends it SIGKILL, --freeze-replica SIGSTOP (hung: a peer as NCCL sees one that hangs)."""
-    if loss is not None and str(rep.batch) in args.inject_spike.split(","):
-        loss.mul_(1e4)
-    if args.life > 0 or rep.step != args.at_step:
-        return
-    if (
-        args.replica == args.corrupt_replica
-        and phase == "before"
-        and rep.version >= 0
-        and not getattr(rep, "corrupted", False)
-    ):
-        with (
-            torch.no_grad()
-        ):  # a silent flip of one weight: nothing fails, the numbers are just wrong
-            rep.params[0].view(-1)[0] += 1e-3
-        rep.corrupted = True  # once (a discarded step comes back to this point)
-    for victim, sig, what in [
-        (args.kill_replica, signal.SIGKILL, "killed"),
-        (args.freeze_replica, signal.SIGSTOP, "frozen"),
-    ]:
-        if args.replica == victim and phase == args.phase and not store.check([f"{what}/{victim}"]):
-            store.set(
-                f"{what}/{victim}", f"{time.time()!r} {rep.step}"
-            )  # when, for the recovery figures
-            print(
-                f"replica {victim}: {signal.Signals(sig).name} at step {rep.step} ({phase})",
-                flush=True,
-            )
-            os.kill(os.getpid(), sig)
+def faults(args, store):
+    """The hook `on(phase, rep, loss=None)` for the tests' faults: --inject-spike multiplies a listed
+    batch's loss by 1e4 (in place); on a replica's first life at --at-step, --corrupt-replica perturbs one
+    weight (before its check-in), and in --phase --kill-replica sends it SIGKILL, --freeze-replica SIGSTOP
+    (hung: a peer as NCCL sees one that hangs)."""
+
+    def on(phase, rep, loss=None):
+        if loss is not None and str(rep.batch) in args.inject_spike.split(","):
+            loss.mul_(1e4)
+        if args.life > 0 or rep.step != args.at_step:
+            return
+        if (
+            args.replica == args.corrupt_replica
+            and phase == "before"
+            and rep.version >= 0
+            and not getattr(rep, "corrupted", False)
+        ):
+            with (
+                torch.no_grad()
+            ):  # a silent flip of one weight: nothing fails, the numbers are wrong
+                rep.params[0].view(-1)[0] += 1e-3
+            rep.corrupted = True  # once (a discarded step comes back to this point)
+        for victim, sig, what in [
+            (args.kill_replica, signal.SIGKILL, "killed"),
+            (args.freeze_replica, signal.SIGSTOP, "frozen"),
+        ]:
+            if (
+                args.replica == victim
+                and phase == args.phase
+                and not store.check([f"{what}/{victim}"])
+            ):
+                # when, for the recovery figures
+                store.set(f"{what}/{victim}", f"{time.time()!r} {rep.step}")
+                print(
+                    f"replica {victim}: {signal.Signals(sig).name} at step {rep.step} ({phase})",
+                    flush=True,
+                )
+                os.kill(os.getpid(), sig)
+
+    return on
 
 
 def ckpt_path(args):
     return os.path.join(args.ckpt_dir, "state.pt")
 
 
-def load_checkpoint(args, rep, store):
+def load_checkpoint(args, rep, store, live):
     """--recipe restart: a restarted replica reads the whole state from disk (live recovery reads none).
     The whole job restarted from it: it is the current state, whatever was committed since."""
     if args.recipe == "restart" and args.life > 0 and os.path.exists(ckpt_path(args)):
         rep.load_full(torch.load(ckpt_path(args), map_location=rep.params[0].device))
-        rep.version = decided_before(store, int(store.get("round")) + 1, args.timeout)
+        rep.version = decided_before(store, int(store.get("round")) + 1, args.timeout, live)
 
 
 def save_checkpoint(args, rep, writer):
@@ -1138,26 +1101,6 @@ def recovery_figures(s, a, rounds):
 def member_ids(s, k):
     slots = int(s.get(f"q{k}/size")) if s.check([f"q{k}/size"]) else 0
     return {int(s.get(f"q{k}/slot{i}").split()[0]) for i in range(1, slots + 1)}
-
-
-def add_launcher_figures(args, lives, codes, restarts, wall_s):
-    """The launcher's own record in --json: every process it started (the healthy ones keep one pid)."""
-    import json
-
-    if not args.json or not os.path.exists(args.json):
-        return
-    with open(args.json) as f:
-        summary = json.load(f)
-    summary["launcher"] = dict(
-        pid=os.getpid(),
-        pids={r: [p.pid for p in ps] for r, ps in lives.items()},
-        restarts=restarts,
-        exit_codes=codes,
-        wall_s=wall_s,
-    )
-    with open(args.json + ".tmp", "w") as f:
-        json.dump(summary, f, indent=1)
-    os.replace(args.json + ".tmp", args.json)
 
 
 # --- reference for --check ---

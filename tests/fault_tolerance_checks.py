@@ -3,9 +3,9 @@ takes, run with torch and nothing else of this repo) on a model that is not the 
 
     torchrun --nproc_per_node=3 tests/fault_tolerance_checks.py
 
-A copier's loop over the cores (join_round, quorum_group, sync_state, local_grads, allreduce_grads, is_spike,
-agree, vote, apply_update) runs a scripted 8-step story: replica 2 leaves before step 2 (as a replica the
-launcher reports dead) and comes back as a new life with no state (other weights, fresh AdamW) before step 4,
+A copier's loop over the cores (Lease, join_round, quorum_group, sync_state, local_grads, allreduce_grads,
+is_spike, agree, vote, apply_update) runs a scripted 8-step story: replica 2 leaves before step 2 (its
+lease stops) and comes back as a new life with no state (other weights, fresh AdamW) before step 4,
 recovering the whole state live from replica 0, snapshot included; batches 5 and 6 spike, the second rolls
 everyone back to the step-4 snapshot (the update of batch 4 is undone); replica 1's weights are silently
 perturbed before step 6, and the checksums of step 6 find and repair it. Every replica must end equal to
@@ -31,6 +31,7 @@ environment, so the launcher and every replica run the mutant. NAME is one of
                         from scratch
     no-deadline         a collective is waited for without the host's deadline (as NCCL's wait() would):
                         only the group's own timeout, the backstop, ends it
+    no-lease            a lease never lapses: a replica killed or frozen is found only by the deadline
 """
 
 import os
@@ -80,13 +81,17 @@ def sq_loss(out, y, n):  # a sum over this replica's rows over n, the rows of ev
 STEPS, R, SPIKES, CLIP, WAIT = 8, 3, {5, 6}, 1.0, 20.0
 
 
-def story(ns, store, rid):
-    """The copier's loop (train_replica's shape) with the story's events scripted in. Returns the replica."""
+def story(ns, store, lease_store, rid):
+    """The copier's loop (train_replica's shape) with the story's events scripted in. Returns the replica.
+    Each member holds a Lease (its own connection, `lease_store`); who takes part in a round is scripted
+    (`expected`, counted on the store), so that the story is fixed."""
     Member, store_wait = ns["Member"], lambda key: store.wait([key], timedelta(seconds=60))
     model, opt = make(0)
     rep, me = ns["Replica"](model, opt, STEPS), Member(rid, 0, 0, 0, -1, 0)
+    lease = ns["Lease"](lease_store, me, 10.0)
+    live = lease.live
     store.add("alive", 1)
-    expected = lambda: int(store.add("alive", 0))  # noqa: E731  (as the launcher counts the live ones)
+    expected = lambda: int(store.add("alive", 0))  # noqa: E731  (the replicas the story has in)
     store.set(f"up/{rid}", "1")
     for r in range(
         R
@@ -99,6 +104,8 @@ def story(ns, store, rid):
             store_wait("upd/3")
             model, opt = make(7)  # a new life: other weights, a fresh AdamW, no state (version -1)
             rep, me, held = ns["Replica"](model, opt, STEPS), Member(2, 1, -1, 0, -1, 0), None
+            lease.beat = lambda me: None  # life 0's process is gone: its heartbeat stops
+            live = ns["Lease"](lease_store, me, 10.0).live  # (life 0's lease is no longer live)
             rep.version, k = -1, int(store.get("round"))  # where the rounds are now
             store.add("alive", 1)
             store.set("back", "1")
@@ -119,7 +126,7 @@ def story(ns, store, rid):
         k += 1
         if members is None:
             continue
-        held = ns["quorum_group"](store, k - 1, members, me, held, WAIT)
+        held = ns["quorum_group"](store, k - 1, members, me, held, WAIT, live)
         pg, newest = held[1], max(m.step for m in members)
         bad, receivers, _ = ns["sync_state"](
             pg, members, me, rep, newest % 3 == 0
@@ -134,7 +141,7 @@ def story(ns, store, rid):
         spike = ns["agree"](
             pg, ns["is_spike"](loss, norm.item(), rep.losses, 6.0), torch.device("cpu")
         )
-        if not ns["vote"](store, k - 1, members, me, True, WAIT):
+        if not ns["vote"](store, k - 1, members, me, True, WAIT, live):
             held = None
             continue
         what = ns["apply_update"](rep, loss, spike, norm, CLIP, 2, 4)
@@ -169,9 +176,9 @@ def reference(batches, members):
     return losses, [p.detach() for p in model.parameters()]
 
 
-def run_story(ns, store, rid):
+def run_story(ns, store, lease_store, rid):
     """One run of the story; returns (records, max loss diff, max param diff over every replica)."""
-    rep = story(ns, store, rid)
+    rep = story(ns, store, lease_store, rid)
     recs = [store.get(f"upd/{s}").decode().split() for s in range(STEPS)]
     batches, members = [int(r[0]) for r in recs], [list(map(int, r[1].split(","))) for r in recs]
     ref_losses, ref_params = reference(batches, members)
@@ -226,8 +233,14 @@ def copy_out():
         timedelta(seconds=60),
     )
     say = print if rid == 0 else (lambda *a, **k: None)
+    leases = dist.TCPStore(  # (a connection of the leases' own)
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), R, False, timedelta(seconds=60)
+    )
     recs, loss_diff, param_diff = run_story(
-        section.load("fault_tolerance.py"), dist.PrefixStore("honest", coordinator), rid
+        section.load("fault_tolerance.py"),
+        dist.PrefixStore("honest", coordinator),
+        dist.PrefixStore("honest", leases),
+        rid,
     )
     everyone, kept = [0, 1, 2], [0, 1]
     story_ok = recs["members"] == [everyone] * 2 + [kept] * 2 + [everyone] * 4 and recs[
@@ -259,7 +272,12 @@ def copy_out():
     for i, (name, mutate) in enumerate(MUTANTS_OF_THE_SECTION.items()):
         ns = section.load("fault_tolerance.py")
         mutate(ns)
-        _, ld, pd = run_story(ns, dist.PrefixStore(f"mutant{i}", coordinator), rid)
+        _, ld, pd = run_story(
+            ns,
+            dist.PrefixStore(f"mutant{i}", coordinator),
+            dist.PrefixStore(f"mutant{i}", leases),
+            rid,
+        )
         caught = ld > 1e-6 or pd > 1e-6
         all_ok = all_ok and caught
         say(
@@ -294,8 +312,8 @@ def old_membership(model, x, y, members, me, replicas, *loss_and_scale):
     return local_grads(model, x, y, everyone, me, replicas, *loss_and_scale)
 
 
-def commit_anyway(store, k, members, me, ok, timeout_s):
-    vote(store, k, members, me, ok, timeout_s)
+def commit_anyway(store, k, members, me, ok, timeout_s, live):
+    vote(store, k, members, me, ok, timeout_s, live)
     return True
 
 
@@ -326,6 +344,10 @@ MUTANTS = {
     ),
     "recover-weights-only": lambda: setattr(ft.Replica, "load_full", weights_only),
     "no-deadline": lambda: setattr(ft.Deadline, "wait", lambda self: self.work.wait()),
+    "no-lease": lambda: (
+        setattr(ft.Lease, "live", lambda self, m: True),
+        setattr(ft.Lease, "count", lambda self, replicas: replicas),
+    ),
 }
 if len(sys.argv) > 1 and not sys.argv[1].startswith("-"):  # the launcher: NAME ARGS...
     os.environ["FT_MUTANT"] = sys.argv.pop(1)

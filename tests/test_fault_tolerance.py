@@ -282,7 +282,7 @@ def test_plain_kill_in_each_phase_at_each_r(tmp_path, replicas, phase, victim):
     varies, replica 0 included, the one that logs and sends state): replica `victim` dies in step 1 of 3, the
     others never restart and train steps 1 and 2 without it (a round it was in is discarded, redone);
     exact against the one-process replay of that membership. --join-ms 2000: a round closes when every live
-    replica checked in (the launcher counts them), and a healthy replica descheduled for 300 ms on a loaded
+    replica checked in (counted by their leases), and a healthy replica descheduled for 300 ms on a loaded
     machine is not left out of a round (it would rejoin live, exact too, but the membership asserted here
     would differ)."""
     p, s = launch(
@@ -424,20 +424,27 @@ def test_cores_refuse_what_they_cannot_do_before_communicating():
     rep = ft["Replica"](model, torch.optim.AdamW(model.parameters()), 4)
     x, y = torch.randn(6, 3, dtype=torch.float64), torch.randn(6, 2, dtype=torch.float64)
     sq = lambda out, y, n: ((out - y) ** 2).sum() / n  # noqa: E731
+    up = lambda m: True  # noqa: E731  (every member holds its lease)
     model.weight.grad = torch.zeros_like(model.weight)  # (the bias has none)
     bad = [
         (lambda: ft["join_round"](store, -1, m0, lambda: 1, 1.0, 1.0), "k >= 0"),
         (lambda: ft["join_round"](store, 0, m0, lambda: 1, 0.0, 1.0), "window_s"),
         (lambda: ft["join_round"](store, 0, m0, lambda: 1, 1.0, -1.0), "timeout_s > 0"),
-        (lambda: ft["quorum_group"](store, 0, [m0, m1], m2, None, 1.0), "replica 2 must be one of"),
-        (lambda: ft["quorum_group"](store, 0, [m1, m0], m0, None, 1.0), "sorted by id"),
         (
-            lambda: ft["vote"](store, 0, [m0, m1], m2, True, 1.0),
+            lambda: ft["quorum_group"](store, 0, [m0, m1], m2, None, 1.0, up),
+            "replica 2 must be one",
+        ),
+        (lambda: ft["quorum_group"](store, 0, [m1, m0], m0, None, 1.0, up), "sorted by id"),
+        (
+            lambda: ft["vote"](store, 0, [m0, m1], m2, True, 1.0, up),
             "must be one of the members [0, 1]",
         ),
-        (lambda: ft["vote"](store, 0, [m0, m1], m0, True, 0.0), "timeout_s > 0"),
+        (lambda: ft["vote"](store, 0, [m0, m1], m0, True, 0.0, up), "timeout_s > 0"),
+        (lambda: ft["Lease"](store, m0, 0.0), "lease_s > 0"),
         (lambda: ft["sync_state"](pg, [m0, m1], m3, rep, True), "must be one of the members"),
-        (lambda: ft["sync_state"](pg, [m0, m1, m2], m0, rep, True), "of 3 members: got 2"),
+        (lambda: ft["sync_state"](pg, [m0, m1, m2], m0, rep, True), "group, of 3 members: got 2"),
+        (lambda: ft["recover"](pg, [m0, m1, m2], m0, rep), "group, of 3 members: got 2"),
+        (lambda: ft["recover"](pg, [m0, m1], m3, rep), "must be one of the members"),
         (lambda: ft["shard"](x[:5], y[:5], 0, 3), "divisible by 3 (each owns a shard), got 5"),
         (lambda: ft["shard"](x, y, 3, 3), "id in 0..2"),
         (lambda: ft["shard"](x, y, -1, 3), "id in 0..2"),
@@ -461,7 +468,7 @@ def test_cores_refuse_what_they_cannot_do_before_communicating():
     assert rep.version == 0 and rep.step == 0  # apply_update refused before it changed anything
     # the same cores with good input reach the store and the group: the counts above could see a call
     assert ft["join_round"](store, 0, m0, lambda: 1, 1.0, 1.0) == [m0] and "add" in store.calls
-    assert ft["vote"](store, 0, [m0], m0, True, 1.0) and "compare_set" in store.calls
+    assert ft["vote"](store, 0, [m0], m0, True, 1.0, up) and "compare_set" in store.calls
     model.bias.grad = torch.zeros_like(model.bias)
     ft["allreduce_grads"](pg, rep.params, torch.tensor(1.0, dtype=torch.float64))
     assert pg.calls == ["allreduce"]
@@ -518,7 +525,7 @@ def recovery_wire(ft, steps=5):
             rep.opt.step()
             rep.version, rep.step, rep.batch, rep.losses = 3, 1, 2, [0.25]
         gloo = dist.ProcessGroupGloo(dist.PrefixStore("g", store), rank, 2, timedelta(seconds=60))
-        pg = ft["Bounded"](gloo, 60.0)
+        pg = ft["Bounded"](gloo, 60.0, lambda: False)
         out[rank] = ft["sync_state"](Seen(pg, rank), members, members[rank], rep, False)
         reps[rank] = rep
 
@@ -578,6 +585,47 @@ def test_recovery_sends_each_tensor_in_its_own_dtype():
     )
 
 
+NO_FREE = ("        del buf  # (before the next is allocated)\n", "")
+
+
+def test_recovery_holds_one_extra_tensor_at_a_time(monkeypatch):
+    """NCCL review 4, N4-6: recovery allocates its buffers one tensor at a time (allocate, broadcast, wait,
+    copy into the live tensor or the host snapshot, free), never the whole state at once (24 extra bytes per
+    fp32 parameter on every member's GPU, an OOM for a model that fills it). Observed: every buffer made by
+    torch.empty_like during recovery_wire's sync_state is followed by a weak reference, and at each new one
+    the buffers still alive are counted: at most one, the new one. The mutant keeping the last buffer while
+    the next is allocated (its `del` removed) holds two: caught."""
+    import weakref
+
+    real = torch.empty_like
+    made = []
+    most = [0]
+
+    def counted(*args, **kwargs):
+        t = real(*args, **kwargs)
+        made.append(weakref.ref(t))
+        most[0] = max(most[0], sum(r() is not None for r in made))
+        return t
+
+    monkeypatch.setattr(torch, "empty_like", counted)
+    text = (ROOT / "fault_tolerance.py").read_text()
+    assert text.count(NO_FREE[0]) == 1
+    result = {}
+    for name, ns in [
+        ("file", section.load("fault_tolerance.py")),
+        ("mutant", section.load("fault_tolerance.py", text.replace(*NO_FREE))),
+    ]:
+        made.clear()
+        most[0] = 0
+        _, nbytes, src, dst = recovery_wire(ns)
+        for a, b in zip(src.full(), dst.full()):  # (the recovery itself is exact either way)
+            torch.testing.assert_close(b, a, rtol=0, atol=0, equal_nan=True)
+        result[name] = (len(made), most[0])
+    assert result["file"] == (26, 1), result  # 2 x 13 tensors (as the wire test), one at a time
+    assert result["mutant"][1] == 2, result
+    print(f"\nrecovery buffers (made, most alive at once): {result}")
+
+
 # ----------------------------------------------------------------------------- goodput, from the records
 def test_goodput_counts_overlapping_rounds_once():
     """recovery_figures: each committed round's span is timed by its own lowest member, from before its
@@ -627,7 +675,7 @@ USES = """--steps 5|--batch-size 6|--seq-len 9|--vocab 40|--d-model 32|--n-layer
 |--replicas 2|--join-ms 50|--min-replicas 2|--kill-replica 1 --at-step 2|--at-step 2 --corrupt-replica 0
 |--freeze-replica 1 --at-step 1|--phase join|--max-restarts 0|--recipe restart --ckpt-dir D --save-every 2
 |--spike-sigma 3|--max-skips 1|--snapshot-every 2|--inject-spike 3,5|--verify-every 2
-|--corrupt-replica 2 --at-step 1|--host 0.0.0.0"""
+|--corrupt-replica 2 --at-step 1|--host 0.0.0.0|--lease-ms 3000"""
 HIDDEN = ["--coordinator", "--replica", "--life", "--fail-at-step", "--dropout"]
 
 
@@ -728,7 +776,7 @@ def split_brain(ft):
     saw them once the others came, whether it had closed alone, whether the lone round committed)."""
     M, store = ft["Member"], dist.HashStore()
     m = [M(r, 0, 0, 0, -1, 0) for r in range(3)]
-    three = lambda: 3  # noqa: E731  (three replicas alive, as the launcher counts them)
+    three = lambda: 3  # noqa: E731  (three replicas alive, as their leases count them)
     first = [in_thread(ft["join_round"], store, 0, m[r], three, 0.05, 5.0) for r in (0, 1)]
     assert [f.result() for f in first] == [m[:2]] * 2
     assert ft["join_round"](store, 0, m[2], three, 0.05, 5.0) is None  # late: round 0 had closed
@@ -750,9 +798,11 @@ def split_brain(ft):
                 " ".join(map(str, (x.rid, x.life, x.version, x.step, x.gid, x.gsize))),
             )
         s2.set(f"q{k}/size", str(len(members)))
-    lone_vote = in_thread(ft["vote"], s2, 1, m[2:], m[2], True, 5.0)  # waits for round 0's decision
+    up = lambda m: True  # noqa: E731  (every member holds its lease)
+    lone_vote = in_thread(ft["vote"], s2, 1, m[2:], m[2], True, 5.0, up)  # waits for round 0's
     assert all(
-        f.result() for f in [in_thread(ft["vote"], s2, 0, m[:2], m[r], True, 5.0) for r in (0, 1)]
+        f.result()
+        for f in [in_thread(ft["vote"], s2, 0, m[:2], m[r], True, 5.0, up) for r in (0, 1)]
     )
     return seen, alone, lone_vote.result()
 
@@ -929,7 +979,7 @@ JOIN_KILL = [
 @pytest.mark.parametrize("restarts", [0])  # (1 passed too: the R 3 test covers a restarted rejoin)
 def test_a_kill_at_the_moment_of_the_join_never_forks(tmp_path, restarts):
     """Replica 1 is killed just after a round closed with it (a member, its group not yet used): the others
-    find it gone (its dead mark, or the broken group), vote the round down and go on as a majority of two;
+    find it gone (its lapsed lease, or the broken group), vote the round down and go on as a majority of two;
     restarted (restarts 1, --min-replicas 3: the others wait for it), it comes back with no state and
     recovers live. Every replica's weights equal the
     replay, checked here; the run's --check passes; the death is in the recovery figures."""
@@ -956,19 +1006,19 @@ FREEZE = [
     "--check",
 ]
 # The others must commit the frozen step within BOUND_S (--timeout 2 plus rounds: 3.6-4.3 s seen at load 30
-# with --timeout 3); the group's own timeout, the backstop a wait without deadline sits in, is 10 x 2 = 20 s.
+# with --timeout 3; 2.3-2.5 s with leases at load 14). The lease (5 s by default) is not what ends these.
 BOUND_S = 16
 
 
-def frozen_run(tmp_path, phase, step, mutant=""):
+def frozen_run(tmp_path, phase, step, mutant="", flags=FREEZE, bound_s=BOUND_S):
     """Replica 1 freezes itself (SIGSTOP) at `step` in `phase`; the test waits for the others to commit that
-    step without it (up to BOUND_S), then resumes it (SIGCONT, by pid). Returns (s to commit or None, live)"""
-    args = [*FREEZE, "--at-step", step, "--phase", phase]
+    step without it (up to bound_s), then resumes it (SIGCONT, by pid). Returns (s to commit or None, live)"""
+    args = [*flags, "--at-step", step, "--phase", phase]
     script = "tests/fault_tolerance_checks.py" if mutant else ""
     live = Live(tmp_path, *([mutant] if mutant else []), *args, script=script)
     try:
         assert live.wait_for(f"SIGSTOP at step {step}", 300) is not None, live.lines[-20:]
-        took = live.wait_for(f"step {step:4d} |", BOUND_S)
+        took = live.wait_for(f"step {step:4d} |", bound_s)
         live.signal(1, signal.SIGCONT)
         live.summary = live.finish(300) if took is not None else None
     finally:
@@ -1003,43 +1053,118 @@ def test_a_frozen_replica_is_left_behind_within_the_deadline(tmp_path, phase, st
 
 
 def test_a_wait_without_deadline_is_caught(tmp_path):
-    """The mutant whose collectives wait as NCCL's wait() would, with no deadline of ours (gloo's own
-    timeout, 10 x --timeout, stands in for the watchdog): frozen during the all-reduce, the others do not
-    commit within BOUND_S. The test ends at its own bound, and leaves nothing running."""
-    took, live = frozen_run(tmp_path, "during", 2, mutant="no-deadline")
+    """The mutant whose collectives are waited for as NCCL's wait() would, by work.wait() with neither our
+    deadline nor the leases polled (gloo's own timeout, 2 x --timeout = 240 s, stands in for the watchdog):
+    frozen during the all-reduce (the lease test's run), the others do not commit within LEASE_BOUND_S. The
+    test ends at its own bound, and leaves nothing running. (The deadline alone, for a member stuck with its
+    lease held, and its mutant: test_the_cuda_branch_runs_here_with_the_backend_stubbed.)"""
+    took, live = frozen_run(
+        tmp_path, "during", 2, mutant="no-deadline", flags=LEASE, bound_s=LEASE_BOUND_S
+    )
     assert took is None, live.lines[-20:]
+
+
+# ----------------------------------------------------------------------------- the lease (issue 47 item 4)
+LEASE = [
+    "--replicas",
+    3,
+    "--steps",
+    5,
+    "--freeze-replica",
+    1,
+    "--join-ms",
+    300,
+    "--lease-ms",
+    3000,
+    "--timeout",
+    120,
+    "--check",
+]
+# The others must commit the frozen step within LEASE_BOUND_S: the lease (3 s), then a round and a step (a
+# few seconds on a loaded machine); without leases they would wait out the 120 s deadline.
+LEASE_BOUND_S = 40
+
+
+def test_a_frozen_replica_is_dropped_by_its_lease_not_the_deadline(tmp_path):
+    """Issue 47 item 4 (NCCL review 4, N4-3): each replica owns its failure detection, a lease on the
+    coordinator refreshed by a thread. Replica 1 is frozen (SIGSTOP: its lease thread stops too) just before
+    the step's all-reduce, which its peers enter and where gloo, like NCCL, waits for it; with --timeout 120
+    the others learn of it by its lease (3 s: their failure line says the member lost its lease, not that
+    the collective timed out), abort the group, vote the round down and commit step 2 as a majority of two
+    well within LEASE_BOUND_S, their pids unchanged; exact against the replay. The mutant whose leases never
+    lapse waits out the deadline: caught by the same bound."""
+    took, live = frozen_run(tmp_path, "during", 2, flags=LEASE, bound_s=LEASE_BOUND_S)
+    assert took is not None, f"step 2 not committed within {LEASE_BOUND_S} s\n" + "\n".join(
+        live.lines[-30:]
+    )
+    s = live.summary
+    exact(SimpleNamespace(returncode=live.p.returncode, output=live.output), s)
+    assert len(pids(s)[0]) == len(pids(s)[2]) == 1, pids(s)
+    assert s["figures"]["members"][2] == [0, 2], s["figures"]["members"]
+    lost = [l for l in live.lines if "failed" in l and "lost its lease" in l]
+    assert {l.split(":")[0] for l in lost} == {"replica 0", "replica 2"}, live.lines[-30:]
+    assert not [l for l in live.lines if "took over 120" in l]
+    every_replica_equals_the_replay(live.marker, s, [*LEASE, "--at-step", 2, "--phase", "during"])
+    print(
+        f"lease 3 s, --timeout 120: step 2 committed without replica 1 {took:.1f} s after its SIGSTOP"
+    )
+    took, live = frozen_run(
+        tmp_path, "during", 2, mutant="no-lease", flags=LEASE, bound_s=LEASE_BOUND_S
+    )
+    assert took is None, live.lines[-20:]
+
+
+def test_the_replicas_environment_bounds_nccl_init_by_the_timeout():
+    """NCCL review 4, N4-2: torch waits for a non-blocking NCCL communicator's init by
+    TORCH_NCCL_NONBLOCKING_TIMEOUT alone (30 min by default): the launcher sets it to --timeout for the
+    replicas, beside the two that keep the watchdog from deciding; and the docstring no longer claims that
+    the first collective's deadline bounds the init."""
+    import fault_tolerance as ft
+    import ft_launcher
+
+    env = ft_launcher.environment(37)
+    assert env["TORCH_NCCL_NONBLOCKING_TIMEOUT"] == "37"
+    assert env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == env["TORCH_NCCL_ENABLE_MONITORING"] == "0"
+    doc = " ".join((ft.__doc__ + ft.quorum_group.__doc__).split())
+    assert "deadline bounds it" not in doc and "TORCH_NCCL_NONBLOCKING_TIMEOUT" in doc
+
+
+NO_DEADLINE = ("if time.monotonic() - t0 > self.group.timeout_s:", "if False:")
 
 
 def test_the_cuda_branch_runs_here_with_the_backend_stubbed(monkeypatch):
     """Issue 39 deliver 1, the code a GPU would run, run without one (so a typo in it cannot wait for a GPU):
     the device choice (cuda:(replica % GPUs), made current), the group's construction (ProcessGroupNCCL under
-    the round's prefix, the member's rank, non-blocking, its own timeout 10 x ours), and the deadline (a wait
-    past it aborts the group once, lets it go, and raises), on the section's cores, NCCL and CUDA stubbed."""
-    ft, made, current = section.load("fault_tolerance.py"), [], []
+    the round's prefix, the member's rank, non-blocking, connected at once on the device, inside the round
+    (NCCL review 4, N4-2), its own timeout 2 x ours, N4-8), and the wait: by polling is_completed(), which
+    never blocks on NCCL; past the deadline it aborts the group once, lets it go, and raises; and as soon as
+    a member loses its lease it raises without waiting out the deadline (N4-3: 120 s here), on the section's
+    cores, NCCL and CUDA stubbed. The mutant without the deadline still waits after four deadlines: caught."""
+    import time
 
-    class NCCL:  # records what it was built with; its one collective never finishes in time
+    ft, made, current = section.load("fault_tolerance.py"), [], []
+    released = []  # (once the test appends to it, every collective has completed)
+
+    class NCCL:  # records what it was built with; its collectives never finish (a peer frozen)
         Options = dist.ProcessGroupNCCL.Options
 
         def __init__(self, store, rank, size, opts):
-            self.store, self.rank, self.n, self.opts, self.aborts, self.waits = (
-                store,
-                rank,
-                size,
-                opts,
-                0,
-                [],
-            )
+            self.store = store
+            self.rank = rank
+            self.n = size
+            self.opts = opts
+            self.aborts = 0
+            self.connected = []
             made.append(self)
 
         def size(self):
             return self.n
 
+        def eager_connect_single_device(self, device):
+            self.connected.append(device)
+
         def allreduce(self, tensors):
-            return SimpleNamespace(
-                wait=lambda timeout: (
-                    self.waits.append(timeout) or (_ for _ in ()).throw(RuntimeError("timed out"))
-                )
-            )
+            return SimpleNamespace(is_completed=lambda: bool(released), wait=lambda: None)
 
         def abort(self):
             self.aborts += 1
@@ -1053,13 +1178,38 @@ def test_the_cuda_branch_runs_here_with_the_backend_stubbed(monkeypatch):
     store, M = dist.HashStore(), ft["Member"]
     store.set("g5/here0", "1")  # replica 0 is there already
     m0, m1 = M(0, 0, 0, 0, -1, 0), M(1, 0, 0, 0, -1, 0)
-    k, group = ft["quorum_group"](store, 5, [m0, m1], m1, None, 2.0, device)
+    lost = []  # the members without a lease, as the test says
+    live = lambda m: m.rid not in lost  # noqa: E731
+    k, group = ft["quorum_group"](store, 5, [m0, m1], m1, None, 0.5, live, device)
     (pg,) = made
     assert k == 5 and (pg.rank, pg.n) == (1, 2) and not pg.opts.config.blocking, (pg.rank, pg.n)
-    assert pg.opts._timeout.total_seconds() == 20.0
+    assert pg.opts._timeout.total_seconds() == 1.0 and pg.connected == [device]
     pg.store.set("probe", "1")
     assert store.check(["g5/probe"])  # the round's prefix
     for work in [group.allreduce([torch.zeros(1)]) for _ in range(2)]:  # (two in flight)
-        with pytest.raises(RuntimeError, match="timed out"):
+        with pytest.raises(TimeoutError, match="took over 0.5 s"):
             work.wait()
-    assert pg.waits == [timedelta(seconds=2.0)] * 2 and pg.aborts == 1 and group.pg is None
+    assert pg.aborts == 1 and group.pg is None
+    made.clear()
+    store.set("g6/here0", "1")
+    _, group = ft["quorum_group"](store, 6, [m0, m1], m1, None, 120.0, live, device)
+    work = group.allreduce([torch.zeros(1)])
+    lost.append(0)  # replica 0's lease lapses while the all-reduce waits on it
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match="lost its lease"):
+        work.wait()
+    took = time.monotonic() - t0
+    assert made[0].aborts == 1 and took < 60, took  # (not the 120 s deadline)
+    print(f"\nlease lost: the wait raised after {1e3 * took:.1f} ms (deadline 120 s)")
+    # the mutant without the deadline: a member alive but stuck (its lease held) is waited for forever
+    text = (ROOT / "fault_tolerance.py").read_text()
+    assert text.count(NO_DEADLINE[0]) == 1
+    mutant = section.load("fault_tolerance.py", text.replace(*NO_DEADLINE))
+    store.set("g7/here0", "1")
+    _, group = mutant["quorum_group"](store, 7, [m0, m1], m1, None, 0.5, lambda m: True, device)
+    waiting = in_thread(group.allreduce([torch.zeros(1)]).wait)
+    time.sleep(2.0)  # four deadlines
+    caught = not waiting.done()
+    released.append(True)
+    waiting.result()  # (it ends once the collective completes)
+    assert caught
