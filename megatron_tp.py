@@ -302,9 +302,9 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):  # (N,)
         softmax, local_t, hit, valid = ctx.saved_tensors
-        # (N, V_pad/t): 1 where this rank holds a counted target's logit
-        onehot = F.one_hot(local_t, softmax.shape[1]) * hit[:, None]
-        return (softmax - onehot) * (grad * valid)[:, None], None, None, None, None
+        # (N, V_pad/t): softmax - onehot(target), the 1 subtracted where this rank holds the target's logit
+        d = softmax.scatter_add(1, local_t[:, None], -hit[:, None].to(softmax.dtype))
+        return d * (grad * valid)[:, None], None, None, None, None
 
 
 # ----------------------------------------------------------------------------- dropout RNG
