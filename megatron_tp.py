@@ -451,8 +451,8 @@ def global_grad_norm(model, tp_group):
 # ============================================================================= sequence parallelism
 # Korthikanti et al. 2022 Sec. 4.2.2: the regions replicated above (LayerNorm, dropout, residual) are split
 # along T; f and g become f_sp and g_sp (the paper's g and g-bar), as the docstring draws.
-# (.., n, ..) this rank's chunk -> (.., t*n, ..), rank r's chunk r-th
 def all_gather(x, dim, group):
+    """(.., n, ..) this rank's chunk -> (.., t*n, ..), rank r's chunk r-th."""
     t = dist.get_world_size(group)
     if t == 1:
         return x
@@ -523,11 +523,12 @@ class GatherGEMM(torch.autograd.Function):
         x, weight = ctx.saved_tensors
         # dY's chunks of T, as gather_gemm hands X's over: t with the ring, else one
         dys = dy.chunk(dist.get_world_size(ctx.group) if ctx.overlap else 1, 1)
-        dx = gemm_scatter(lambda c: dys[c] @ weight, ctx.group, ctx.overlap)  # (B, T/t, in) summed
-        # dL/dW (out/t, in): each chunk's term over X gathered again
+        # dL/dW (out/t, in): each chunk's term over X gathered again (first, as Megatron-Core, which runs
+        # the gather under the dL/dX GEMM)
         dws = gather_gemm(
             x, ctx.group, lambda c, x_c: torch.einsum("bto,bti->oi", dys[c], x_c), ctx.overlap
         )
+        dx = gemm_scatter(lambda c: dys[c] @ weight, ctx.group, ctx.overlap)  # (B, T/t, in) summed
         return dx, sum(dws), None, None
 
 

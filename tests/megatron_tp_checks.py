@@ -681,7 +681,7 @@ def main():
 
     def saves_gathered(
         self, x
-    ):  # the defect, put back: F.linear on f_sp's output (the gathered X) keeps the gathered X
+    ):  # the defect, put back: F.linear on the gathered X (f_sp's output) keeps the gathered X
         return F.linear(mt.all_gather(x.detach(), 1, self.group), self.weight, self.bias)
 
     real, mt.SPColumnParallelLinear.forward = mt.SPColumnParallelLinear.forward, saves_gathered
