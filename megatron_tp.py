@@ -56,14 +56,16 @@ reduce-scatter then an all-gather), and LayerNorm, dropout and the residual add 
     g_sp      reduce-scatter along T   all-gather along T        after a row layer, back to T/t positions
 
 The column layers keep only the (B, T/t, D) chunk for backward and all-gather it again there (Sec. 4.2.2),
-so every activation a block saves is 1/t of the unsharded block's, at the price of one more all-gather.
+so every activation a block saves is 1/t of the unsharded block's, at the price of one more all-gather:
+f_sp is therefore written inside the column layer's GEMM (GatherGEMM), as Megatron-Core writes it.
 The file reads as Megatron-LM's TP complete first (f and g, the layers, the RNG tracker, the sharded GPT,
-gradients and clipping); the "sequence parallelism" heading then adds f_sp, g_sp, the GEMM that saves the
-chunk, the SP layers and SPGPT as subclasses, and the sum of the replicated gradients; the "overlapped TP"
-heading then replaces f_sp + column GEMM and row GEMM + g_sp by one ring, written once and used forward
-and backward (RingGPT). The ring sends what the collectives' ring algorithms send: t - 1 chunks of
-(B, T/t, D) per rank and operation. Backward is decomposed too: a column layer's dL/dW over its input's
-chunks gathered again by the ring and its dL/dX reduce-scattered by it; a row layer's dL/dY gathered by it.
+gradients and clipping); the "sequence parallelism" heading then adds g_sp, f_sp inside the GEMM that
+saves the chunk, the SP layers and SPGPT as subclasses, and the sum of the replicated gradients; the
+"overlapped TP" heading then runs f_sp + column GEMM and row GEMM + g_sp as one ring, written once and
+used forward and backward (RingGPT: GatherGEMM's ring mode, and GEMMScatter). The ring sends what the
+collectives' ring algorithms send: t - 1 chunks of (B, T/t, D) per rank and operation. Backward is
+decomposed too: a column layer's dL/dW over its input's chunks gathered again by the ring and its dL/dX
+reduce-scattered by it; a row layer's dL/dY gathered by it.
 On NCCL the GEMM overlaps the transfer only if the exchange runs on its own stream, which NCCL's
 point-to-point does; on gloo (CPU) each exchange is a host thread's work, and the GEMM runs meanwhile.
 
@@ -113,9 +115,8 @@ from harness import (
 @dataclass
 class Args(CommonArgs):
     tp: int = 0  # tensor-parallel degree t (0 = the whole world); data parallel over world / t
-    sequence_parallel: bool = (
-        False  # split LayerNorm / dropout regions along the sequence (Korthikanti)
-    )
+    # split LayerNorm / dropout regions along the sequence (Korthikanti)
+    sequence_parallel: bool = False
     overlap: bool = False  # implies --sequence-parallel: its AG / RS as ring steps under the GEMMs
 
 
@@ -135,9 +136,8 @@ class f(torch.autograd.Function):
         return x
 
     @staticmethod
-    def backward(
-        ctx, grad
-    ):  # (B, T, D) partial -> summed; a copy: autograd may hold on to its own buffer
+    def backward(ctx, grad):
+        # (B, T, D) partial -> summed; a copy: autograd may hold on to its own buffer
         return all_reduce(grad.clone(), ctx.group), None
 
 
@@ -145,9 +145,8 @@ class g(torch.autograd.Function):
     """The row-parallel partial products are summed; a sum's gradient reaches every term unchanged."""
 
     @staticmethod
-    def forward(
-        ctx, x, group
-    ):  # (B, T, D) partial -> summed, replicated (not in place on the graph's input)
+    def forward(ctx, x, group):
+        # (B, T, D) partial -> summed, replicated (not in place on the graph's input)
         return all_reduce(x.clone(), group)
 
     @staticmethod
@@ -156,9 +155,8 @@ class g(torch.autograd.Function):
 
 
 # ----------------------------------------------------------------------------- parallel layers
-def check_tp_split(
-    n, t, what
-):  # the layers' check, and check_args's with the flag's name for `what`
+# the layers' check, and check_args's with the flag's name for `what`
+def check_tp_split(n, t, what):
     if n % t:
         raise ValueError(f"{what} {n} is not divisible by the TP degree {t}: use a multiple of {t}")
 
@@ -202,9 +200,8 @@ class ColumnParallelLinear(nn.Module):
         super().__init__()
         linears = linears if isinstance(linears, (list, tuple)) else [linears]
         self.weight, self.group = shard([lin.weight for lin in linears], 0, group), group
-        has = [
-            lin.bias is not None for lin in linears
-        ]  # may differ by part (SwiGLU: gate without, up with)
+        # may differ by part (SwiGLU: gate without, up with)
+        has = [lin.bias is not None for lin in linears]
         bias = [
             lin.bias if h else lin.weight.new_zeros(len(lin.weight)) for lin, h in zip(linears, has)
         ]
@@ -220,9 +217,8 @@ class ColumnParallelLinear(nn.Module):
         return self.bias if self.bias_mask is None else self.bias * self.bias_mask
 
     def forward(self, x):  # (B, T, in) replicated
-        return F.linear(
-            f.apply(x, self.group), self.weight, self.masked_bias()
-        )  # (B, T, out/t) local
+        # (B, T, out/t) local
+        return F.linear(f.apply(x, self.group), self.weight, self.masked_bias())
 
 
 class RowParallelLinear(nn.Module):
@@ -240,9 +236,8 @@ class RowParallelLinear(nn.Module):
     def __init__(self, linear, group):
         super().__init__()
         self.weight, self.group = shard(linear.weight, 1, group), group
-        self.bias = (
-            None if linear.bias is None else nn.Parameter(linear.bias.detach().clone())
-        )  # replicated
+        # replicated
+        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone())
 
     def forward(self, x):  # (B, T, in/t) local
         y = self.leave.apply(F.linear(x, self.weight), self.group)  # (B, T, out) summed
@@ -265,9 +260,8 @@ class VocabParallelEmbedding(nn.Module):
         local = idx - self.start
         mine = (local >= 0) & (local < self.weight.shape[0])  # (B, T): ids this rank owns
         e = F.embedding(torch.where(mine, local, 0), self.weight)  # (B, T, D) local rows
-        e = e.masked_fill(
-            ~mine[..., None], 0.0
-        )  # others' ids: zero output and zero gradient to row 0
+        # others' ids: zero output and zero gradient to row 0
+        e = e.masked_fill(~mine[..., None], 0.0)
         return self.leave.apply(e, self.group)  # (B, T, D) replicated
 
 
@@ -278,45 +272,38 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
     instead of an all-gather of N * V logits. Backward is local: dL/dz = softmax(z) - onehot(target)."""
 
     @staticmethod
-    def forward(
-        ctx, logits, target, vocab, group, ignore_index=-100
-    ):  # (N, V_pad/t) local, (N,) global ids
+    def forward(ctx, logits, target, vocab, group, ignore_index=-100):
+        # (N, V_pad/t) local, (N,) global ids
         n_local, t = logits.shape[-1], dist.get_world_size(group)
-        if n_local != math.ceil(
-            vocab / t
-        ):  # VocabParallelEmbedding's split; else some targets go unseen
+        # VocabParallelEmbedding's split; else some targets go unseen
+        if n_local != math.ceil(vocab / t):
             raise ValueError(
                 f"vocab {vocab} over t = {t}: give each rank ceil(V/t) logits, not {n_local}"
             )
         start = dist.get_rank(group) * n_local
         padded = torch.arange(start, start + n_local, device=logits.device) >= vocab  # (V_pad/t,)
-        z = logits.masked_fill(
-            padded, float("-inf")
-        )  # padded entries get probability 0: never predicted
-        m = all_reduce(
-            z.max(-1).values, group, op=dist.ReduceOp.MAX
-        )  # (N,) 1. global max, for a stable exp
+        # padded entries get probability 0: never predicted
+        z = logits.masked_fill(padded, float("-inf"))
+        # (N,) 1. global max, for a stable exp
+        m = all_reduce(z.max(-1).values, group, op=dist.ReduceOp.MAX)
         z = z - m[:, None]
-        mine = (target >= start) & (
-            target < start + n_local
-        )  # (N,) this rank holds the target's logit
+        # (N,) this rank holds the target's logit
+        mine = (target >= start) & (target < start + n_local)
         local_t = torch.where(mine, target - start, 0)
-        picked = all_reduce(
-            torch.where(mine, z.gather(1, local_t[:, None])[:, 0], 0.0), group
-        )  # 2. z_t - m
+        # 2. z_t - m
+        picked = all_reduce(torch.where(mine, z.gather(1, local_t[:, None])[:, 0], 0.0), group)
         e = z.exp()  # (N, V_pad/t)
         sum_e = all_reduce(e.sum(-1), group)  # 3. sum of exp over the whole vocabulary
-        valid = (
-            target != ignore_index
-        )  # as F.cross_entropy: such a target (padding) carries no loss
+        # as F.cross_entropy: such a target (padding) carries no loss
+        valid = target != ignore_index
         ctx.save_for_backward(e / sum_e[:, None], local_t, mine & valid, valid)
         return torch.where(valid, sum_e.log() - picked, 0.0)  # (N,), identical on every TP rank
 
     @staticmethod
     def backward(ctx, grad):  # (N,)
         softmax, local_t, hit, valid = ctx.saved_tensors
-        d = softmax.clone()  # (N, V_pad/t) this rank's slice of softmax - onehot
-        d[torch.arange(d.shape[0], device=d.device), local_t] -= hit.to(d.dtype)
+        # (N, V_pad/t): softmax - onehot(target), the 1 subtracted where this rank holds the target's logit
+        d = softmax.scatter_add(1, local_t[:, None], -hit[:, None].to(softmax.dtype))
         return d * (grad * valid)[:, None], None, None, None, None
 
 
@@ -330,22 +317,18 @@ class RNGTracker:
     def __init__(self, device, seed, dp_rank, tp_rank):
         base = 100_003 * seed + 7_919 * dp_rank + 1
         torch.manual_seed(base)  # the default stream: the same across TP ranks
-        self.gen, self.forked = (
-            torch.default_generator,
-            False,
-        )  # the generator dropout draws from on the CPU
+        self.forked = False
+        self.gen = torch.default_generator  # the generator dropout draws from on the CPU
         if device.type == "cuda":  # or on cuda:i (init fills torch.cuda.default_generators)
             torch.cuda.init()
             self.gen = torch.cuda.default_generators[device.index]
-        self.tp_state = (
-            torch.Generator(device=device).manual_seed(base + 2_719 + tp_rank).get_state()
-        )
+        tp_gen = torch.Generator(device=device).manual_seed(base + 2_719 + tp_rank)
+        self.tp_state = tp_gen.get_state()
 
     @contextmanager
     def fork(self):
-        if (
-            self.forked
-        ):  # a fork inside a fork stays on this stream (SP runs a whole forward forked)
+        # a fork inside a fork stays on this stream (SP runs a whole forward forked)
+        if self.forked:
             yield
             return
         outside, self.forked = self.gen.get_state(), True
@@ -365,28 +348,24 @@ class ParallelAttention(nn.Module):
     def __init__(self, full, group, tracker, Column=ColumnParallelLinear, Row=RowParallelLinear):
         super().__init__()
         t = dist.get_world_size(group)
-        check_tp_split(
-            full.n_heads, t, "n_heads"
-        )  # a head cut across ranks would be silently wrong
+        # a head cut across ranks would be silently wrong
+        check_tp_split(full.n_heads, t, "n_heads")
         self.qkv, self.proj = Column([full.q, full.k, full.v], group), Row(full.proj, group)
         self.heads = full.n_heads // t
         self.p = full.p
         self.tracker = tracker
 
     def forward(self, x):  # (B, T, D) replicated
-        q, k, v = rearrange(
-            self.qkv(x), "b t (n h e) -> n b h t e", n=3, h=self.heads
-        )  # each (B, H/t, T, E)
-        with (
-            self.tracker.fork()
-        ):  # attention dropout: inside the TP region, on this rank's own stream
+        # each (B, H/t, T, E)
+        q, k, v = rearrange(self.qkv(x), "b t (n h e) -> n b h t e", n=3, h=self.heads)
+        # attention dropout: inside the TP region, on this rank's own stream
+        with self.tracker.fork():
             y = F.scaled_dot_product_attention(
                 q, k, v, is_causal=True, dropout_p=self.p * self.training
             )
         y = self.proj(rearrange(y, "b h t e -> b t (h e)"))  # (B, T, D/t) local -> (B, T, D) summed
-        return F.dropout(
-            y, self.p, self.training
-        )  # replicated region: the default stream, one mask for all
+        # replicated region: the default stream, one mask for all
+        return F.dropout(y, self.p, self.training)
 
 
 class ParallelMLP(nn.Module):
@@ -429,9 +408,8 @@ class ParallelGPT(nn.Module):
         self.group = group
         self.tracker = tracker
 
-    def forward(
-        self, idx
-    ):  # (B, T) global ids -> (B, T, V_pad/t) logits, this rank's vocabulary slice
+    # (B, T) global ids -> (B, T, V_pad/t) logits, this rank's vocabulary slice
+    def forward(self, idx):
         h = self.tok_emb(idx)  # (B, T, D) replicated
         h = F.dropout(h + self.pos_emb(self.positions(h)), self.p, self.training)
         for block in self.blocks:
@@ -458,56 +436,42 @@ def global_grad_norm(model, tp_group):
     in float32 at least: in bfloat16 (8 significant bits) a sum stops growing once it is 256 times a term."""
     params = list(model.parameters())
     acc = torch.promote_types(params[0].dtype, torch.float32)
-    zero = torch.zeros(
-        (), dtype=acc, device=params[0].device
-    )  # each sum's start: a tensor even if empty
-    squares = [
-        (hasattr(p, "tp_dim"), torch.linalg.vector_norm(p.grad, dtype=acc) ** 2) for p in params
-    ]
-    split = all_reduce(sum((s for held, s in squares if held), zero), tp_group)
-    return (split + sum((s for held, s in squares if not held), zero)).sqrt()
+    # the two sums: tensors, even if nothing is added to one
+    split = torch.zeros((), dtype=acc, device=params[0].device)
+    replicated = torch.zeros_like(split)
+    for p in params:
+        square = torch.linalg.vector_norm(p.grad, dtype=acc) ** 2
+        if hasattr(p, "tp_dim"):
+            split += square
+        else:
+            replicated += square
+    return (all_reduce(split, tp_group) + replicated).sqrt()
 
 
 # ============================================================================= sequence parallelism
 # Korthikanti et al. 2022 Sec. 4.2.2: the regions replicated above (LayerNorm, dropout, residual) are split
 # along T; f and g become f_sp and g_sp (the paper's g and g-bar), as the docstring draws.
-def all_gather(
-    x, dim, group
-):  # (.., n, ..) this rank's chunk -> (.., t*n, ..), rank r's chunk r-th
+def all_gather(x, dim, group):
+    """(.., n, ..) this rank's chunk -> (.., t*n, ..), rank r's chunk r-th."""
     t = dist.get_world_size(group)
     if t == 1:
         return x
-    out = torch.empty(
-        t * x.numel(), dtype=x.dtype, device=x.device
-    )  # flat: every backend takes 1-D
+    # flat: every backend takes 1-D
+    out = x.new_empty(t * x.numel())
     dist.all_gather_single(out, x.contiguous().view(-1), group=group)
     return torch.cat(out.view(t, *x.shape).unbind(0), dim)
 
 
 def reduce_scatter(x, dim, group):  # (.., t*n, ..) partial sums -> (.., n, ..) summed, chunk r
     t = dist.get_world_size(group)
-    check_tp_split(
-        x.shape[dim], t, "sequence parallelism's T ="
-    )  # uneven chunks would abort the collective
+    # uneven chunks would abort the collective
+    check_tp_split(x.shape[dim], t, "sequence parallelism's T =")
     if t == 1:
         return x
     whole = torch.stack(x.chunk(t, dim)).contiguous()  # (t, .., n, ..): slot r goes to rank r
-    out = torch.empty(whole.shape[1:], dtype=x.dtype, device=x.device)
+    out = x.new_empty(whole.shape[1:])
     dist.reduce_scatter_single(out.view(-1), whole.view(-1), group=group)
     return out
-
-
-class f_sp(torch.autograd.Function):
-    """The column layer needs all T positions; backward sums the partial dL/dX, each rank keeping its T/t."""
-
-    @staticmethod
-    def forward(ctx, x, group):  # (B, T/t, D) chunk -> (B, T, D)
-        ctx.group = group
-        return all_gather(x, 1, group)
-
-    @staticmethod
-    def backward(ctx, grad):  # (B, T, D) partial -> (B, T/t, D) summed
-        return reduce_scatter(grad, 1, ctx.group), None
 
 
 class g_sp(torch.autograd.Function):
@@ -523,37 +487,57 @@ class g_sp(torch.autograd.Function):
         return all_gather(grad, 1, ctx.group), None
 
 
-class ColumnParallelGEMM(torch.autograd.Function):
-    """Y = X W^T + b on f_sp's gathered X, saving only this rank's (B, T/t, D) chunk of X (F.linear keeps the
-    whole X) and gathering it again for dL/dW, first (Megatron-Core overlaps that with the dL/dX GEMM)."""
+# f_sp is written inside the column layer's GEMM (GatherGEMM, as Megatron-Core's
+# LinearWithGradAccumulationAndAsyncCommunication does), so that the layer saves only its (B, T/t, D) chunk
+# of X: F.linear on f_sp's output would keep the whole gathered X. The GEMM is handed over as gemm(c, x_c),
+# c the chunk of T that x_c holds; SP runs it once on all T, one chunk (c = 0); --overlap, below, runs it
+# on each rank's chunk as it arrives.
+def gather_gemm(x, group, gemm, overlap):
+    """f_sp's all-gather of X's chunks x along T, then the GEMM after it: [gemm(c, x_c)] in the order of T."""
+    if overlap:
+        return ring_gather_gemm(x, group, gemm)
+    return [gemm(0, all_gather(x, 1, group))]  # (B, T, in): all T, one chunk
+
+
+def gemm_scatter(gemm, group, overlap):
+    """The GEMM, then g_sp's reduce-scatter along T of its partial sums: this rank's (B, T/t, ..) summed."""
+    if overlap:
+        return ring_gemm_scatter(gemm, group)
+    return reduce_scatter(gemm(0), 1, group)
+
+
+class GatherGEMM(torch.autograd.Function):
+    """f_sp + the column GEMM Y = X W^T (the bias is added outside), saving only X's chunk: backward gathers
+    it again for dL/dW = dY^T X (Sec. 4.2.2; Megatron-Core overlaps that with the dL/dX GEMM), and
+    reduce-scatters dL/dX = dY W (f_sp's backward)."""
 
     @staticmethod
-    def forward(
-        ctx, full, chunk, weight, bias, group
-    ):  # full (B, T, D) = f_sp(chunk); chunk (B, T/t, D)
-        ctx.save_for_backward(chunk, weight)
-        ctx.group, ctx.has_bias = group, bias is not None
-        return F.linear(full, weight, bias)  # (B, T, out/t) local
+    def forward(ctx, x, weight, group, overlap):  # x (B, T/t, in) chunk -> (B, T, out/t) local
+        ctx.save_for_backward(x, weight)
+        ctx.group = group
+        ctx.overlap = overlap
+        return torch.cat(gather_gemm(x, group, lambda c, x_c: x_c @ weight.T, overlap), 1)
 
     @staticmethod
     def backward(ctx, dy):  # (B, T, out/t)
-        chunk, weight = ctx.saved_tensors
-        full = all_gather(chunk, 1, ctx.group).flatten(0, -2)  # (B*T, D): the re-gather
-        dw = dy.flatten(0, -2).T @ full  # (out/t, D)
-        db = dy.flatten(0, -2).sum(0) if ctx.has_bias else None
-        return (
-            dy @ weight,
-            None,
-            dw,
-            db,
-            None,
-        )  # dL/d(full) (B, T, D) partial: f_sp's backward sums it
+        x, weight = ctx.saved_tensors
+        # dY's chunks of T, as gather_gemm hands X's over: t with the ring, else one
+        dys = dy.chunk(dist.get_world_size(ctx.group) if ctx.overlap else 1, 1)
+        # dL/dW (out/t, in): each chunk's term over X gathered again (first, as Megatron-Core, which runs
+        # the gather under the dL/dX GEMM)
+        dws = gather_gemm(
+            x, ctx.group, lambda c, x_c: torch.einsum("bto,bti->oi", dys[c], x_c), ctx.overlap
+        )
+        dx = gemm_scatter(lambda c: dys[c] @ weight, ctx.group, ctx.overlap)  # (B, T/t, in) summed
+        return dx, sum(dws), None, None
 
 
 class SPColumnParallelLinear(ColumnParallelLinear):
+    overlap = False  # RingColumnParallelLinear: the ring's steps under the GEMM
+
     def forward(self, x):  # (B, T/t, in) this rank's chunk -> (B, T, out/t) local
-        b = self.masked_bias()
-        return ColumnParallelGEMM.apply(f_sp.apply(x, self.group), x, self.weight, b, self.group)
+        y = GatherGEMM.apply(x, self.weight, self.group, self.overlap)
+        return y if self.bias is None else y + self.masked_bias()
 
 
 class SPRowParallelLinear(RowParallelLinear):
@@ -571,9 +555,8 @@ class SPGPT(ParallelGPT):
     Row = SPRowParallelLinear
     Embedding = SPVocabParallelEmbedding
 
-    def forward(
-        self, idx
-    ):  # (B, T) global ids -> (B, T, V_pad/t) logits, this rank's vocabulary slice
+    # (B, T) global ids -> (B, T, V_pad/t) logits, this rank's vocabulary slice
+    def forward(self, idx):
         with self.tracker.fork():
             return super().forward(idx)
 
@@ -617,9 +600,9 @@ def ring(carry, group, work):
     return carry
 
 
-def gather_gemm(x, group, gemm):
-    """f_sp's all-gather fused with the GEMM after it: gemm(c, x_c) for the chunk x_c of every rank c, each
-    computed as it arrives, returned in rank order; after s steps rank r holds rank r + s's chunk."""
+def ring_gather_gemm(x, group, gemm):
+    """gather_gemm by the ring: gemm(c, x_c) for the chunk x_c of every rank c, each computed as it arrives,
+    returned in rank order; after s steps rank r holds rank r + s's chunk."""
     t = dist.get_world_size(group)
     r = dist.get_rank(group)
     out = [None] * t
@@ -631,31 +614,17 @@ def gather_gemm(x, group, gemm):
     return out
 
 
-def gemm_scatter(gemm, group):
-    """The GEMM fused with g_sp's reduce-scatter: gemm(c) is this rank's partial sum of chunk c of T. The
-    sum of chunk r + 1 starts here and travels to r - 1, r - 2, ..., each rank adding its own, and arrives
-    whole at rank r + 1."""
+def ring_gemm_scatter(gemm, group):
+    """gemm_scatter by the ring: gemm(c) is this rank's partial sum of chunk c of T. The sum of chunk
+    r + 1 starts here and travels to r - 1, r - 2, ..., each rank adding its own, and arrives whole at
+    rank r + 1."""
     t = dist.get_world_size(group)
     r = dist.get_rank(group)
     return ring(gemm((r + 1) % t), group, lambda s, _: gemm((r + s + 2) % t))
 
 
-class GatherGEMM(torch.autograd.Function):
-    """f_sp + the column GEMM by the ring; saves only X's chunk, as ColumnParallelGEMM. Backward, by the same
-    ring: dL/dW = sum_c dY_c^T X_c over the chunks gathered again, dL/dX the reduce-scatter of dY W."""
-
-    @staticmethod
-    def forward(ctx, x, weight, group):  # x (B, T/t, in) chunk -> (B, T, out/t) local
-        ctx.save_for_backward(x, weight)
-        ctx.group = group
-        return torch.cat(gather_gemm(x, group, lambda c, x_c: x_c @ weight.T), 1)
-
-    @staticmethod
-    def backward(ctx, dy):  # (B, T, out/t)
-        x, weight = ctx.saved_tensors
-        dys = dy.chunk(dist.get_world_size(ctx.group), 1)  # (B, T/t, out/t) each
-        dw = sum(gather_gemm(x, ctx.group, lambda c, x_c: torch.einsum("bto,bti->oi", dys[c], x_c)))
-        return gemm_scatter(lambda c: dys[c] @ weight, ctx.group), dw, None
+class RingColumnParallelLinear(SPColumnParallelLinear):
+    overlap = True  # GatherGEMM's all-gathers and its reduce-scatter as the ring's steps
 
 
 class GEMMScatter(torch.autograd.Function):
@@ -668,23 +637,18 @@ class GEMMScatter(torch.autograd.Function):
         check_tp_split(x.shape[1], t, "the ring's T =")  # before any exchange
         ctx.save_for_backward(x, weight)
         ctx.group = group
-        return gemm_scatter(lambda c: x.chunk(t, 1)[c] @ weight.T, group)
+        return ring_gemm_scatter(lambda c: x.chunk(t, 1)[c] @ weight.T, group)
 
     @staticmethod
     def backward(ctx, dy):  # (B, T/t, out)
         x, weight = ctx.saved_tensors
         xs = x.chunk(dist.get_world_size(ctx.group), 1)
-        grads = gather_gemm(
+        # each chunk of dY as it arrives: dL/dX_c = dY_c W (B, T/t, in/t), dY_c^T X_c (out, in/t) of dL/dW
+        grads = ring_gather_gemm(
             dy, ctx.group, lambda c, d: (d @ weight, torch.einsum("bto,bti->oi", d, xs[c]))
         )
         dx, dw = zip(*grads)
         return torch.cat(dx, 1), sum(dw), None
-
-
-class RingColumnParallelLinear(SPColumnParallelLinear):
-    def forward(self, x):  # (B, T/t, in) this rank's chunk -> (B, T, out/t) local
-        y = GatherGEMM.apply(x, self.weight, self.group)
-        return y if self.bias is None else y + self.masked_bias()
 
 
 class RingRowParallelLinear(SPRowParallelLinear):
@@ -710,9 +674,8 @@ def check_args(args):  # bad input: one line and exit 2, on every rank, before a
         fail(
             f"world size {world} is not divisible by --tp {args.tp}: use a --tp dividing {world} (0 = all)"
         )
-    args.sequence_parallel |= (
-        args.overlap
-    )  # --overlap is SP with its collectives cut into ring steps
+    # --overlap is SP with its collectives cut into ring steps
+    args.sequence_parallel |= args.overlap
     try:  # the layers' own check (ParallelAttention's heads, SP's reduce_scatter), as fail's one line
         check_tp_split(args.n_heads, t, "--n-heads")
         if args.sequence_parallel:
@@ -734,12 +697,15 @@ def main():
     d = init_dist(args.timeout)
     data = MarkovData(args.vocab, args.seed)
     grid = torch.arange(d.world).view(dp, t)  # rows: TP groups (adjacent ranks); columns: DP groups
-    tp_groups = [
-        dist.new_group(row) for row in grid.tolist()
-    ]  # every rank creates every group, same order
+    # every rank creates every group, same order
+    tp_groups = [dist.new_group(row) for row in grid.tolist()]
     dp_groups = [dist.new_group(col) for col in grid.T.tolist()]
     dp_rank, tp_rank = divmod(d.rank, t)
     tp_group, dp_group = tp_groups[dp_rank], dp_groups[tp_rank]
+    # the same replicas again, for the log line's loss only: on NCCL its own communicator, so that the
+    # loss's all-reduce and .item() never queue behind the training's collectives (DESIGN.md)
+    log_groups = [dist.new_group(col) for col in grid.T.tolist()]
+    log_group = log_groups[tp_rank]
     d.log(
         f"megatron_tp.py: world {d.world} = dp {dp} x tp {t} on {d.backend}, sequence parallel "
         f"{args.sequence_parallel}, overlap {args.overlap}, entropy floor {data.entropy:.4f} nats/token"
@@ -753,31 +719,26 @@ def main():
     model = GPT(full, tp_group, tracker).to(d.device)  # shards
     del full
     opt = make_optimizer(model.parameters(), args)
-    run = Run(
-        d, args, {"model": model, "optim": opt, "rng": TrackerState(tracker)}
-    )  # resumes: --ckpt-dir
-    comm, saved = (
-        CommCounter(axes={"tp": tp_group, "dp": dp_group}),
-        SavedActivations(),
-    )  # for the last step
+    # resumes: --ckpt-dir
+    run = Run(d, args, {"model": model, "optim": opt, "rng": TrackerState(tracker)})
+    # the last step's collectives and saved activations
+    comm = CommCounter(axes={"tp": tp_group, "dp": dp_group})
+    saved = SavedActivations()
     for step in run.steps():
-        x, y = data.batch(
-            step, args.batch_size, args.seq_len, args.ragged
-        )  # (B, T) global batch, CPU
+        # (B, T) global batch, CPU
+        x, y = data.batch(step, args.batch_size, args.seq_len, args.ragged)
         n_tok = count_tokens(y)  # tokens of the whole global batch: the loss divisor on every rank
-        x, y = (
-            x.chunk(dp)[dp_rank].to(d.device),
-            y.chunk(dp)[dp_rank].to(d.device),
-        )  # (b, T): my replica's
+        x = x.chunk(dp)[dp_rank].to(d.device)  # (b, T): my replica's
+        y = y.chunk(dp)[dp_rank].to(d.device)
         with run.watching(step, comm, saved):
             logits = model(x)  # (b, T, V_pad/t), b = B/dp: this rank's vocabulary slice
             if logits.dtype == torch.bfloat16:
-                logits = (
-                    logits.float()
-                )  # as common.lm_loss: a bf16 softmax loses small probabilities
+                # as common.lm_loss: a bf16 softmax loses small probabilities
+                logits = logits.float()
+            # (b*T,), identical on every TP rank
             per_tok = VocabParallelCrossEntropy.apply(
                 logits.flatten(0, 1), y.flatten(), args.vocab, tp_group, IGNORE
-            )  # (b*T,), identical on every TP rank
+            )
             loss = per_tok.sum() / n_tok  # this replica's piece of the global batch's loss
             opt.zero_grad(set_to_none=True)
             loss.backward()
@@ -790,14 +751,11 @@ def main():
                     norm = global_grad_norm(model, tp_group)
                     clip_grads_([p.grad for p in model.parameters()], norm, args.clip)
                 opt.step()
-                global_loss = all_reduce(
-                    loss.detach().clone(), dp_group
-                )  # sum of the replicas' pieces
-        run.end_step(step, global_loss.item())
+        # the global batch's loss, for the log line: the sum of the replicas' pieces
+        run.end_step(step, all_reduce(loss.detach(), log_group).item())
 
-    summarize(
-        d, args, run, model, opt, tp_group, comm, saved, full_bytes, t, dp
-    )  # the summary and --check
+    # the summary and --check
+    summarize(d, args, run, model, opt, tp_group, comm, saved, full_bytes, t, dp)
 
 
 # --- measurement ---
@@ -902,7 +860,6 @@ def theory_collectives(args, t, dp):
             add("all_reduce", "tp", "step", 1, 1, f32_es)  # the gradient norm's sum of squares
     if dp > 1:
         add("all_reduce", "dp", "step", 1, split + repl, es)  # gradients
-        add("all_reduce", "dp", "step", 1, 1, f32_es)  # the loss, for the log line
     return dict(sorted(table.items()))
 
 

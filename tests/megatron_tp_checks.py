@@ -527,8 +527,8 @@ def main():
     def g_no_all_reduce(ctx, x, group):
         return x.clone()
 
-    def f_sp_no_reduce_scatter(ctx, grad):
-        return mine(grad), None
+    def f_sp_no_reduce_scatter(gemm, group, overlap):  # GatherGEMM's dL/dX: SP's path, not summed
+        return mine(gemm(0))
 
     def g_sp_no_reduce_scatter(ctx, x, group):
         ctx.group = group
@@ -537,7 +537,11 @@ def main():
     breaks = {  # each operator broken on purpose: its collective dropped
         "f without its backward all-reduce": (mt.f, "backward", f_no_all_reduce),
         "g without its forward all-reduce": (mt.g, "forward", g_no_all_reduce),
-        "f_sp without its backward reduce-scatter": (mt.f_sp, "backward", f_sp_no_reduce_scatter),
+        "f_sp without its backward reduce-scatter (GatherGEMM's dL/dX)": (
+            mt,
+            "gemm_scatter",
+            f_sp_no_reduce_scatter,
+        ),
         "g_sp without its forward reduce-scatter": (mt.g_sp, "forward", g_sp_no_reduce_scatter),
     }
     for name, Full, Par in (
@@ -638,11 +642,12 @@ def main():
     )
     mine_x = x_full.chunk(t, 1)[r].contiguous()  # (B, T/t, D)
     _, (want,) = symm._fused_all_gather_matmul_fallback(mine_x, [w_col.T], 1, group.group_name)
-    close(
-        "ring all-gather + GEMM vs torch's _fused_all_gather_matmul",
-        mt.GatherGEMM.apply(mine_x, w_col, group),
-        want,
-    )
+    for overlap in (False, True):  # SP's all-gather then GEMM, and the ring's steps
+        close(
+            f"{'ring ' if overlap else ''}all-gather + GEMM vs torch's _fused_all_gather_matmul",
+            mt.GatherGEMM.apply(mine_x, w_col, group, overlap),
+            want,
+        )
     x_local = torch.randn(B, T, 12, device=dev)  # (B, T, in/t): this rank's features
     want = symm._fused_matmul_reduce_scatter_fallback(x_local, w_row.T, "sum", 1, group.group_name)
     close(
@@ -676,8 +681,8 @@ def main():
 
     def saves_gathered(
         self, x
-    ):  # the defect, put back: F.linear on f_sp's output keeps the gathered X
-        return F.linear(mt.f_sp.apply(x, self.group), self.weight, self.bias)
+    ):  # the defect, put back: F.linear on the gathered X (f_sp's output) keeps the gathered X
+        return F.linear(mt.all_gather(x.detach(), 1, self.group), self.weight, self.bias)
 
     real, mt.SPColumnParallelLinear.forward = mt.SPColumnParallelLinear.forward, saves_gathered
     try:

@@ -49,9 +49,10 @@ def test_copy_out_and_layer_checks(tmp_path, nproc):
     modules, the vocab-parallel loss vs F.cross_entropy (padded and unpadded; ignore_index -100 and 3), the
     MLP vs torch's DTensor TP, dropout masks, the RNG tracker's nested fork and SPGPT drawing every mask from
     the per-rank stream, each layer's collectives as harness.CommCounter sees them, the gradient norm of a
-    bfloat16 model vs its closed form, and the mutants (each of f, g, f_sp, g_sp broken; the gathered input
-    saved; biases or the padding mask dropped; a bfloat16 sum; a flat fork; SPGPT without its fork; the
-    default ignore index) caught: all asserted in the check script.
+    bfloat16 model vs its closed form, SP's GatherGEMM (f_sp inside the column GEMM) vs torch's
+    _fused_all_gather_matmul, and the mutants (each of f, g, f_sp (GatherGEMM's dL/dX reduce-scatter), g_sp
+    broken; the gathered input saved; biases or the padding mask dropped; a bfloat16 sum; a flat fork;
+    SPGPT without its fork; the default ignore index) caught: all asserted in the check script.
     --overlap's ring layers (issue 51): the same layer checks (their sends and receives counted), the block's
     saved bytes 1/t, each fused operation's forward vs torch's own (_fused_all_gather_matmul and
     _fused_matmul_reduce_scatter, their collective fallbacks: gloo), the copy-out at t = 2 and 3, a ring step's chunk index off by one caught in each fused
