@@ -489,7 +489,9 @@ def main():
     opt = make_optimizer(model.parameters(), args)
     run, comm = Run(d, args, {"model": model, "optim": opt}), CommCounter(axes={"cp": cp_group})
     saved = SavedActivations()  # what the last step saves for backward, for the peak
-
+    # The log line's loss on a group of its own: on NCCL its own communicator, never queued behind the
+    # K/V exchanges and the gradients' all-reduces.
+    log_group = dist.new_group()
     for step in run.steps():
         # (B, T) the global batch, on CPU
         x, y = data.batch(step, args.batch_size, args.seq_len, args.ragged)
@@ -507,8 +509,7 @@ def main():
             torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
         opt.step()
         loss = loss.detach()
-        # the global batch's loss, for the log line only (not training traffic)
-        dist.all_reduce(loss)
+        dist.all_reduce(loss, group=log_group)  # the global batch's loss, for the log line only
         run.end_step(step, loss.item())
 
     # before report's unsplit GPT runs

@@ -397,6 +397,9 @@ def main():
     # measurement: the dispatcher counter sends every op through Python, so it watches one step, the second
     # (after the rebuild; bench.py times the steps after its warm-up, and counts torch's in its last warm-up)
     count_at = min(max(run.start, 1), args.steps - 1)
+    # The log line's loss on a group of its own: on NCCL its own communicator, never queued behind the
+    # buckets' all-reduces, and never counted with them (it reduces outside the watched step).
+    log_group = dist.new_group()
     for step in run.steps():
         # (B, T) global batch, CPU
         x, y = data.batch(step, args.batch_size, args.seq_len, args.ragged)
@@ -415,8 +418,8 @@ def main():
             if args.clip > 0:  # grads are now replicated, so this local norm is the global norm
                 torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
             opt.step()
-        total = loss.detach().clone().reshape(1)  # (1,) logging only: not counted in comm_bytes
-        dist.all_reduce(total)
+        total = loss.detach().clone()  # this rank's share L_r
+        dist.all_reduce(total, group=log_group)  # the global batch's loss, for the log line only
         run.end_step(step, total.item())
     figures = summary_figures(d, ddp, comm, overlap)
     held = [

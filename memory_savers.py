@@ -356,6 +356,9 @@ def main():
     )
     torch.manual_seed(args.seed + d.rank)  # dropout masks differ per rank; a resume restores them
     run, comm = Run(d, args, {"model": model, "optim": opt}), CommCounter()
+    # The log line's loss on a group of its own: on NCCL its own communicator, never queued behind the
+    # gradients' all-reduces.
+    log_group = dist.new_group()
     for step in run.steps():
         # (B, T) global, on the CPU
         x, y = data.batch(step, args.batch_size, args.seq_len, args.ragged)
@@ -371,7 +374,7 @@ def main():
                 args.clip,
                 saver=gist,
             )
-        dist.all_reduce(loss)  # the global batch's loss, for the log line only
+        dist.all_reduce(loss, group=log_group)  # the global batch's loss, for the log line only
         run.end_step(step, loss.item())
     figures = report(d, args, model, opt, plain, saved, comm)
     peak = peak_memory_bytes(d, state_bytes(model, opt) + saved["alive"])  # before --check trains
