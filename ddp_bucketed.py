@@ -107,14 +107,14 @@ class Args(CommonArgs):
 MiB = 1024 * 1024  # bucket caps are given in MiB, as torch DDP's bucket_cap_mb
 
 
-def check_caps(bucket_cap_mb, first_bucket_mb):
-    """What the buckets rely on: positive caps, in MiB (fractions allowed). Written so that nan fails too."""
-    for name, mb in (("bucket_cap_mb", bucket_cap_mb), ("first_bucket_mb", first_bucket_mb)):
-        if not mb * MiB >= 1:
-            raise ValueError(
-                f"BucketedDDP: bucket caps must be positive sizes in MiB, fractions too (0.05), "
-                f"not {name}={mb} (--{name.replace('_', '-')})"
-            )
+def check_cap(mb, what):
+    """What the buckets rely on: a positive cap, in MiB (fractions allowed). Written so that nan fails too.
+    `what` names the cap: the parameter's name here, the flag's in check_args."""
+    if not mb * MiB >= 1:
+        raise ValueError(
+            f"BucketedDDP: bucket caps must be positive sizes in MiB, fractions too (0.05), "
+            f"not {what}={mb}"
+        )
 
 
 class BucketedDDP(nn.Module):
@@ -143,7 +143,8 @@ class BucketedDDP(nn.Module):
         compress=None,
     ):
         super().__init__()
-        check_caps(bucket_cap_mb, first_bucket_mb)
+        check_cap(bucket_cap_mb, "bucket_cap_mb")
+        check_cap(first_bucket_mb, "first_bucket_mb")
         if compress is not None and not compress.is_floating_point:
             raise ValueError(
                 f"BucketedDDP: compress must be a float dtype (torch.bfloat16, torch.float16), "
@@ -370,7 +371,8 @@ def check_args(args):
             f"equal slice; use a multiple of {world}, e.g. {world * max(1, args.batch_size // world)}"
         )
     try:  # the core's own check, its ValueError as fail's one line
-        check_caps(args.bucket_cap_mb, args.first_bucket_mb)
+        check_cap(args.bucket_cap_mb, "--bucket-cap-mb")
+        check_cap(args.first_bucket_mb, "--first-bucket-mb")
     except ValueError as e:
         fail(str(e))
 

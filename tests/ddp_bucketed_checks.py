@@ -715,6 +715,9 @@ def bad_calls(c):
 
 
 check_refused(check, bad_calls, core, "BucketedDDP, ")
+# a copier calls the core, not the command line: its refusals name parameters (check_args adds the flags)
+flagged = [w for w, (call, _) in bad_calls(core).items() if "--" in section.attempt(call)[0]]
+check(not flagged, f"bad input: the core's refusals name no command-line flag ({flagged})")
 ok, seen = refused(lambda: core.BucketedDDP(Net()), [])
 check(
     seen.startswith("no error") and "'broadcast/" in seen,
