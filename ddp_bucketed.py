@@ -117,6 +117,20 @@ def check_cap(mb, what):
         )
 
 
+class Bucket:
+    """One bucket (picotron's Bucket): the parameters `idx` (indices into the module's), their gradients in
+    one flat `buffer` in the parameter dtype, each a fixed slice of it shaped like its parameter (`views`),
+    and `pending`, the gradients it still waits for in this backward."""
+
+    def __init__(self, idx, params):
+        self.idx = idx
+        sizes = [params[i].numel() for i in idx]
+        like = params[idx[0]]
+        self.buffer = torch.zeros(sum(sizes), dtype=like.dtype, device=like.device)  # (n_b,)
+        self.views = {i: v.view_as(params[i]) for i, v in zip(idx, self.buffer.split(sizes))}
+        self.pending = len(idx)
+
+
 class BucketedDDP(nn.Module):
     """Drop-in for torch.nn.parallel.DistributedDataParallel(gradient_as_bucket_view=True): when
     loss.backward() returns, every .grad holds the average over the ranks of `group`, as a view into its
@@ -206,21 +220,9 @@ class BucketedDDP(nn.Module):
         return buckets + [idx for idx, _ in open_.values()]
 
     def _build_buckets(self, order):
-        """One flat buffer per bucket, in the parameter dtype; each parameter's gradient a fixed slice of it,
-        shaped like the parameter tensor."""
-        self.buckets = self._assign(order)
-        self.bucket_of = {}
-        self.views = {}
-        self.buffers = []
-        for b, idx in enumerate(self.buckets):
-            buf = torch.zeros(
-                sum(self.params[i].numel() for i in idx),
-                dtype=self.params[idx[0]].dtype,
-                device=self.device,
-            )  # (n_b,)
-            for i, view in zip(idx, buf.split([self.params[i].numel() for i in idx])):
-                self.views[i], self.bucket_of[i] = view.view_as(self.params[i]), b
-            self.buffers.append(buf)
+        """The buckets of `order`, cut by DDP's rule, and each parameter's bucket."""
+        self.buckets = [Bucket(idx, self.params) for idx in self._assign(order)]
+        self.bucket_of = {i: bucket for bucket in self.buckets for i in bucket.idx}
 
     @contextlib.contextmanager
     def no_sync(self):
@@ -240,9 +242,8 @@ class BucketedDDP(nn.Module):
             # (re)start recording: the first backward that completes counts
             if self._arrival is not None:
                 self._arrival = []
-            self._pending = [
-                len(idx) for idx in self.buckets
-            ]  # gradients each bucket still waits for
+            for bucket in self.buckets:
+                bucket.pending = len(bucket.idx)
             self.arrived = [False] * len(self.params)  # got its gradient in this backward
             self.works = []
             self._wires = []
@@ -261,9 +262,10 @@ class BucketedDDP(nn.Module):
         if self._arrival is not None:
             self._arrival.append(i)
         self.arrived[i] = True
+        bucket = self.bucket_of[i]
         self._into_bucket(i)
-        self.params[i].grad = self.views[i]  # .grad lives in its bucket from now on
-        self._pending[self.bucket_of[i]] -= 1
+        self.params[i].grad = bucket.views[i]  # .grad lives in its bucket from now on
+        bucket.pending -= 1
         self._launch_ready()
 
     def _into_bucket(self, i):
@@ -272,7 +274,7 @@ class BucketedDDP(nn.Module):
         no .grad. A .grad that already is the slot (zero_grad(set_to_none=False) kept it, and autograd added
         into it in place): divided where it is, no copy."""
         g = self.params[i].grad
-        view = self.views[i]
+        view = self.bucket_of[i].views[i]
         n = 1 if self.wire_dtype else self.world
         if g is None:
             view.zero_()
@@ -283,8 +285,8 @@ class BucketedDDP(nn.Module):
 
     def _launch_ready(self):
         """Launch every full bucket, in index order only (a full bucket waits for the earlier ones)."""
-        while self._next < len(self.buckets) and self._pending[self._next] == 0:
-            buf = self.buffers[self._next]  # (n_b,) this rank's gradients / N
+        while self._next < len(self.buckets) and self.buckets[self._next].pending == 0:
+            buf = self.buckets[self._next].buffer  # (n_b,) this rank's gradients / N
             # a 16-bit copy travels: rounded, then divided (torch's hook)
             if self.wire_dtype is not None:
                 buf = buf.to(self.wire_dtype).div_(self.world)
@@ -322,7 +324,7 @@ class BucketedDDP(nn.Module):
         missing = [i for i, got in enumerate(self.arrived) if not got]
         for i in missing:
             self._into_bucket(i)
-            self._pending[self.bucket_of[i]] -= 1
+            self.bucket_of[i].pending -= 1
         self._launch_ready()
         return missing
 
@@ -338,11 +340,12 @@ class BucketedDDP(nn.Module):
         .grad is left alone, as torch DDP leaves it."""
         for b, work in enumerate(self.works):
             work.wait()
+            bucket = self.buckets[b]
             if self.wire_dtype is not None:
-                self.buffers[b].copy_(self._wires[b])  # back into the parameter dtype
-            for i in self.buckets[b]:
+                bucket.buffer.copy_(self._wires[b])  # back into the parameter dtype
+            for i in bucket.idx:
                 if i not in unused_everywhere:
-                    self.params[i].grad = self.views[i]
+                    self.params[i].grad = bucket.views[i]
 
     def _rebuild(self):
         """After the first iteration: buckets in the order gradients arrived (torch DDP's rebuild_buckets).
@@ -427,7 +430,7 @@ def main():
     held = [
         *model.parameters(),
         *(p.grad for p in model.parameters()),
-        *ddp.buffers,
+        *(bucket.buffer for bucket in ddp.buckets),
         *ddp._wires,
         *(v for s in opt.state.values() for v in s.values() if torch.is_tensor(v) and v.dim() > 0),
     ]
@@ -455,10 +458,15 @@ def main():
 def bucket_layout(ddp):
     """[(parameter names, bytes in the parameter dtype, bytes on the wire)] per bucket, launch order."""
     out = []
-    for idx, buf in zip(ddp.buckets, ddp.buffers):
+    for bucket in ddp.buckets:
+        buf = bucket.buffer
         wire = torch.finfo(ddp.wire_dtype).bits // 8 if ddp.wire_dtype else buf.element_size()
         out.append(
-            ([ddp.names[i] for i in idx], buf.numel() * buf.element_size(), buf.numel() * wire)
+            (
+                [ddp.names[i] for i in bucket.idx],
+                buf.numel() * buf.element_size(),
+                buf.numel() * wire,
+            )
         )
     return out
 
@@ -474,7 +482,7 @@ class BucketLayout:
     def state_dict(self):
         ddp = self.ddp
         return dict(
-            order=[i for idx in ddp.buckets for i in idx],
+            order=[i for bucket in ddp.buckets for i in bucket.idx],
             arrival=ddp._arrival,
             pending=ddp._rebuild_pending,
         )
@@ -516,7 +524,12 @@ class Overlap:
         self.finish()
         # the first launch of a backward starts its record (on a GPU with an event: its zero)
         self.steps.append(
-            dict(self.now, arrived=arrived, ended=ended, order=sum(self.ddp.buckets, []))
+            dict(
+                self.now,
+                arrived=arrived,
+                ended=ended,
+                order=[i for b in self.ddp.buckets for i in b.idx],
+            )
         )
 
     def _begin(
