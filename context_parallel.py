@@ -88,19 +88,20 @@ def chunk_ids(rank, cp, zigzag):
     return [rank, 2 * cp - 1 - rank] if zigzag else [rank]
 
 
-def check_split(T, cp, zigzag, heads=None):
+def check_split(T, cp, zigzag, heads=None, what=("T =", "heads =", "cp =")):
     """What the split and the attentions rely on, raised before any exchange (else gloo aborts, NCCL hangs):
     T tokens in cp equal chunks (zig-zag: 2cp); for Ulysses, heads that cp divides. That every rank holds as
-    many tokens (as shard_sequence cuts them), no rank can see alone."""
+    many tokens (as shard_sequence cuts them), no rank can see alone. `what` names T, heads and cp in the
+    error: check_args gives the flags' names."""
     n = 2 * cp if zigzag else cp
     if T % n:
         raise ValueError(
-            f"--seq-len {T} is not divisible by {'2 x ' * zigzag}cp = {n}: {T} tokens do not "
-            f"cut into {n} equal chunks; use --seq-len {(T // n + 1) * n} (divisible by {n})"
+            f"{what[0]} {T} is not divisible by {'2 x ' * zigzag}cp = {n}: {T} tokens do not "
+            f"cut into {n} equal chunks; use {what[0]} {(T // n + 1) * n} (divisible by {n})"
         )
     if heads is not None and heads % cp:
         raise ValueError(
-            f"--n-heads {heads} is not divisible by --cp {cp}: ulysses gives each of cp = {cp} "
+            f"{what[1]} {heads} is not divisible by {what[2]} {cp}: ulysses gives each of cp = {cp} "
             f"ranks whole heads, {heads} heads do not split; use a multiple of {cp} heads, or "
             "ring / allgather attention"
         )
@@ -447,7 +448,8 @@ def check_args(args, world):
     try:  # the cores' own check, their ValueError as fail's one line
         # only ulysses splits the heads
         heads = args.n_heads if args.attention == "ulysses" else None
-        check_split(args.seq_len, cp, args.layout == "zigzag", heads)
+        flags = ("--seq-len", "--n-heads", "--cp")
+        check_split(args.seq_len, cp, args.layout == "zigzag", heads, flags)
     except ValueError as e:
         fail(str(e))
     if args.batch_size % dp:
@@ -489,7 +491,9 @@ def main():
     opt = make_optimizer(model.parameters(), args)
     run, comm = Run(d, args, {"model": model, "optim": opt}), CommCounter(axes={"cp": cp_group})
     saved = SavedActivations()  # what the last step saves for backward, for the peak
-
+    # The log line's loss on a group of its own: on NCCL its own communicator, never queued behind the
+    # K/V exchanges and the gradients' all-reduces.
+    log_group = dist.new_group()
     for step in run.steps():
         # (B, T) the global batch, on CPU
         x, y = data.batch(step, args.batch_size, args.seq_len, args.ragged)
@@ -507,8 +511,7 @@ def main():
             torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
         opt.step()
         loss = loss.detach()
-        # the global batch's loss, for the log line only (not training traffic)
-        dist.all_reduce(loss)
+        dist.all_reduce(loss, group=log_group)  # the global batch's loss, for the log line only
         run.end_step(step, loss.item())
 
     # before report's unsplit GPT runs

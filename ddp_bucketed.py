@@ -107,14 +107,28 @@ class Args(CommonArgs):
 MiB = 1024 * 1024  # bucket caps are given in MiB, as torch DDP's bucket_cap_mb
 
 
-def check_caps(bucket_cap_mb, first_bucket_mb):
-    """What the buckets rely on: positive caps, in MiB (fractions allowed). Written so that nan fails too."""
-    for name, mb in (("bucket_cap_mb", bucket_cap_mb), ("first_bucket_mb", first_bucket_mb)):
-        if not mb * MiB >= 1:
-            raise ValueError(
-                f"BucketedDDP: bucket caps must be positive sizes in MiB, fractions too (0.05), "
-                f"not {name}={mb} (--{name.replace('_', '-')})"
-            )
+def check_cap(mb, what):
+    """What the buckets rely on: a positive cap, in MiB (fractions allowed). Written so that nan fails too.
+    `what` names the cap: the parameter's name here, the flag's in check_args."""
+    if not mb * MiB >= 1:
+        raise ValueError(
+            f"BucketedDDP: bucket caps must be positive sizes in MiB, fractions too (0.05), "
+            f"not {what}={mb}"
+        )
+
+
+class Bucket:
+    """One bucket (picotron's Bucket): the parameters `idx` (indices into the module's), their gradients in
+    one flat `buffer` in the parameter dtype, each a fixed slice of it shaped like its parameter (`views`),
+    and `pending`, the gradients it still waits for in this backward."""
+
+    def __init__(self, idx, params):
+        self.idx = idx
+        sizes = [params[i].numel() for i in idx]
+        like = params[idx[0]]
+        self.buffer = torch.zeros(sum(sizes), dtype=like.dtype, device=like.device)  # (n_b,)
+        self.views = {i: v.view_as(params[i]) for i, v in zip(idx, self.buffer.split(sizes))}
+        self.pending = len(idx)
 
 
 class BucketedDDP(nn.Module):
@@ -143,7 +157,8 @@ class BucketedDDP(nn.Module):
         compress=None,
     ):
         super().__init__()
-        check_caps(bucket_cap_mb, first_bucket_mb)
+        check_cap(bucket_cap_mb, "bucket_cap_mb")
+        check_cap(first_bucket_mb, "first_bucket_mb")
         if compress is not None and not compress.is_floating_point:
             raise ValueError(
                 f"BucketedDDP: compress must be a float dtype (torch.bfloat16, torch.float16), "
@@ -205,21 +220,9 @@ class BucketedDDP(nn.Module):
         return buckets + [idx for idx, _ in open_.values()]
 
     def _build_buckets(self, order):
-        """One flat buffer per bucket, in the parameter dtype; each parameter's gradient a fixed slice of it,
-        shaped like the parameter tensor."""
-        self.buckets = self._assign(order)
-        self.bucket_of = {}
-        self.views = {}
-        self.buffers = []
-        for b, idx in enumerate(self.buckets):
-            buf = torch.zeros(
-                sum(self.params[i].numel() for i in idx),
-                dtype=self.params[idx[0]].dtype,
-                device=self.device,
-            )  # (n_b,)
-            for i, view in zip(idx, buf.split([self.params[i].numel() for i in idx])):
-                self.views[i], self.bucket_of[i] = view.view_as(self.params[i]), b
-            self.buffers.append(buf)
+        """The buckets of `order`, cut by DDP's rule, and each parameter's bucket."""
+        self.buckets = [Bucket(idx, self.params) for idx in self._assign(order)]
+        self.bucket_of = {i: bucket for bucket in self.buckets for i in bucket.idx}
 
     @contextlib.contextmanager
     def no_sync(self):
@@ -239,9 +242,8 @@ class BucketedDDP(nn.Module):
             # (re)start recording: the first backward that completes counts
             if self._arrival is not None:
                 self._arrival = []
-            self._pending = [
-                len(idx) for idx in self.buckets
-            ]  # gradients each bucket still waits for
+            for bucket in self.buckets:
+                bucket.pending = len(bucket.idx)
             self.arrived = [False] * len(self.params)  # got its gradient in this backward
             self.works = []
             self._wires = []
@@ -260,9 +262,10 @@ class BucketedDDP(nn.Module):
         if self._arrival is not None:
             self._arrival.append(i)
         self.arrived[i] = True
+        bucket = self.bucket_of[i]
         self._into_bucket(i)
-        self.params[i].grad = self.views[i]  # .grad lives in its bucket from now on
-        self._pending[self.bucket_of[i]] -= 1
+        self.params[i].grad = bucket.views[i]  # .grad lives in its bucket from now on
+        bucket.pending -= 1
         self._launch_ready()
 
     def _into_bucket(self, i):
@@ -271,7 +274,7 @@ class BucketedDDP(nn.Module):
         no .grad. A .grad that already is the slot (zero_grad(set_to_none=False) kept it, and autograd added
         into it in place): divided where it is, no copy."""
         g = self.params[i].grad
-        view = self.views[i]
+        view = self.bucket_of[i].views[i]
         n = 1 if self.wire_dtype else self.world
         if g is None:
             view.zero_()
@@ -282,8 +285,8 @@ class BucketedDDP(nn.Module):
 
     def _launch_ready(self):
         """Launch every full bucket, in index order only (a full bucket waits for the earlier ones)."""
-        while self._next < len(self.buckets) and self._pending[self._next] == 0:
-            buf = self.buffers[self._next]  # (n_b,) this rank's gradients / N
+        while self._next < len(self.buckets) and self.buckets[self._next].pending == 0:
+            buf = self.buckets[self._next].buffer  # (n_b,) this rank's gradients / N
             # a 16-bit copy travels: rounded, then divided (torch's hook)
             if self.wire_dtype is not None:
                 buf = buf.to(self.wire_dtype).div_(self.world)
@@ -321,7 +324,7 @@ class BucketedDDP(nn.Module):
         missing = [i for i, got in enumerate(self.arrived) if not got]
         for i in missing:
             self._into_bucket(i)
-            self._pending[self.bucket_of[i]] -= 1
+            self.bucket_of[i].pending -= 1
         self._launch_ready()
         return missing
 
@@ -337,11 +340,12 @@ class BucketedDDP(nn.Module):
         .grad is left alone, as torch DDP leaves it."""
         for b, work in enumerate(self.works):
             work.wait()
+            bucket = self.buckets[b]
             if self.wire_dtype is not None:
-                self.buffers[b].copy_(self._wires[b])  # back into the parameter dtype
-            for i in self.buckets[b]:
+                bucket.buffer.copy_(self._wires[b])  # back into the parameter dtype
+            for i in bucket.idx:
                 if i not in unused_everywhere:
-                    self.params[i].grad = self.views[i]
+                    self.params[i].grad = bucket.views[i]
 
     def _rebuild(self):
         """After the first iteration: buckets in the order gradients arrived (torch DDP's rebuild_buckets).
@@ -370,7 +374,8 @@ def check_args(args):
             f"equal slice; use a multiple of {world}, e.g. {world * max(1, args.batch_size // world)}"
         )
     try:  # the core's own check, its ValueError as fail's one line
-        check_caps(args.bucket_cap_mb, args.first_bucket_mb)
+        check_cap(args.bucket_cap_mb, "--bucket-cap-mb")
+        check_cap(args.first_bucket_mb, "--first-bucket-mb")
     except ValueError as e:
         fail(str(e))
 
@@ -397,6 +402,9 @@ def main():
     # measurement: the dispatcher counter sends every op through Python, so it watches one step, the second
     # (after the rebuild; bench.py times the steps after its warm-up, and counts torch's in its last warm-up)
     count_at = min(max(run.start, 1), args.steps - 1)
+    # The log line's loss on a group of its own: on NCCL its own communicator, never queued behind the
+    # buckets' all-reduces, and never counted with them (it reduces outside the watched step).
+    log_group = dist.new_group()
     for step in run.steps():
         # (B, T) global batch, CPU
         x, y = data.batch(step, args.batch_size, args.seq_len, args.ragged)
@@ -415,14 +423,14 @@ def main():
             if args.clip > 0:  # grads are now replicated, so this local norm is the global norm
                 torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
             opt.step()
-        total = loss.detach().clone().reshape(1)  # (1,) logging only: not counted in comm_bytes
-        dist.all_reduce(total)
+        total = loss.detach().clone()  # this rank's share L_r
+        dist.all_reduce(total, group=log_group)  # the global batch's loss, for the log line only
         run.end_step(step, total.item())
     figures = summary_figures(d, ddp, comm, overlap)
     held = [
         *model.parameters(),
         *(p.grad for p in model.parameters()),
-        *ddp.buffers,
+        *(bucket.buffer for bucket in ddp.buckets),
         *ddp._wires,
         *(v for s in opt.state.values() for v in s.values() if torch.is_tensor(v) and v.dim() > 0),
     ]
@@ -450,10 +458,15 @@ def main():
 def bucket_layout(ddp):
     """[(parameter names, bytes in the parameter dtype, bytes on the wire)] per bucket, launch order."""
     out = []
-    for idx, buf in zip(ddp.buckets, ddp.buffers):
+    for bucket in ddp.buckets:
+        buf = bucket.buffer
         wire = torch.finfo(ddp.wire_dtype).bits // 8 if ddp.wire_dtype else buf.element_size()
         out.append(
-            ([ddp.names[i] for i in idx], buf.numel() * buf.element_size(), buf.numel() * wire)
+            (
+                [ddp.names[i] for i in bucket.idx],
+                buf.numel() * buf.element_size(),
+                buf.numel() * wire,
+            )
         )
     return out
 
@@ -469,7 +482,7 @@ class BucketLayout:
     def state_dict(self):
         ddp = self.ddp
         return dict(
-            order=[i for idx in ddp.buckets for i in idx],
+            order=[i for bucket in ddp.buckets for i in bucket.idx],
             arrival=ddp._arrival,
             pending=ddp._rebuild_pending,
         )
@@ -511,7 +524,12 @@ class Overlap:
         self.finish()
         # the first launch of a backward starts its record (on a GPU with an event: its zero)
         self.steps.append(
-            dict(self.now, arrived=arrived, ended=ended, order=sum(self.ddp.buckets, []))
+            dict(
+                self.now,
+                arrived=arrived,
+                ended=ended,
+                order=[i for b in self.ddp.buckets for i in b.idx],
+            )
         )
 
     def _begin(

@@ -92,13 +92,14 @@ class Args(CommonArgs):
 
 
 # ----------------------------------------------------------------------------- the stages
-def split_layers(n_layers, p):
+def split_layers(n_layers, p, what="n_layers"):
     """Blocks [start, end) of each of p stages, as even as possible; when p does not divide n_layers the
-    earlier stages take one block more (the last stage already carries the head and the loss)."""
+    earlier stages take one block more (the last stage already carries the head and the loss). `what`
+    names n_layers in the error: check_args gives the flag's name."""
     if not 1 <= p <= n_layers:
         raise ValueError(
-            f"{p} stages but --n-layers {n_layers}: {p} stages of {n_layers} blocks leave a "
-            f"stage without one; use 1 to {n_layers} stages, or --n-layers {p} or more"
+            f"{p} stages but {what} {n_layers}: {p} stages of {n_layers} blocks leave a "
+            f"stage without one; use 1 to {n_layers} stages, or {what} {p} or more"
         )
     base, extra = divmod(n_layers, p)
     bounds, start = [], 0
@@ -137,16 +138,17 @@ class Stage(nn.Module):
         return self.head(self.ln_f(h)) if self.last else h
 
 
-def check_microbatches(rows, m):
-    """What cutting a batch of `rows` sequences into m micro-batches relies on (ValueError: what works)."""
+def check_microbatches(rows, m, what=("rows", "m")):
+    """What cutting a batch of `rows` sequences into m micro-batches relies on (ValueError: what works).
+    `what` names rows and m in the error: check_args gives the flags' names."""
     if m < 1:
-        raise ValueError(f"--microbatches must be >= 1, got {m}")
+        raise ValueError(f"{what[1]} must be >= 1, got {m}")
     if rows % m:
         fit = max(k for k in range(1, m) if rows % k == 0)
         raise ValueError(
-            f"--batch-size {rows} is not divisible by --microbatches {m}: a batch of {rows} "
-            f"does not cut into m = {m} equal micro-batches; use --microbatches {fit} (an m "
-            f"that divides {rows}) or --batch-size {(rows // m + 1) * m}"
+            f"{what[0]} {rows} is not divisible by {what[1]} {m}: a batch of {rows} "
+            f"does not cut into m = {m} equal micro-batches; use {what[1]} {fit} (an m "
+            f"that divides {rows}) or {what[0]} {(rows // m + 1) * m}"
         )
 
 
@@ -308,13 +310,13 @@ def check_args(args, p):
     """The cores' own checks (check_microbatches, split_layers), their ValueError as fail's one line."""
     check_common_args(args)
     try:
-        check_microbatches(args.batch_size, args.microbatches)
+        check_microbatches(args.batch_size, args.microbatches, ("--batch-size", "--microbatches"))
         if p == 1:
             fail(
                 f"gpipe.py needs one process per stage, at least 2: torchrun --nproc_per_node="
                 f"{max(2, min(4, args.n_layers))} gpipe.py {' '.join(sys.argv[1:])}".rstrip()
             )
-        split_layers(args.n_layers, p)
+        split_layers(args.n_layers, p, "--n-layers")
     except ValueError as e:
         fail(str(e))
 

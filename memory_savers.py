@@ -340,22 +340,22 @@ def main():
     )
     # whole, one seed
     model = build_gpt(GPTConfig.from_args(args), args.seed, DTYPES[args.dtype], d.device)
-    rows, mb = args.batch_size // d.world, args.batch_size // (d.world * args.accum)
-    # measurement: one micro-batch
-    x0 = data.batch(0, args.batch_size, args.seq_len)[0][:mb].to(d.device)
-    plain = activations(model, x0)  # (measurement: what it keeps without the savers)
+    rows = args.batch_size // d.world
     recompute(model.blocks, args.recompute)
     how = args.compress_activations
     # Gist's hooks go around each forward
     gist = Gist(how, model.parameters()) if how != "none" else None
-    saved = activations(model, x0, gist)  # (measurement: ... and with them)
     opt = (
         make_optimizer(model.parameters(), args)
         if args.optimizer == "adamw"
         else Adafactor(model.parameters(), args.lr, args.weight_decay)
     )
+    acts = savers_measured(d, args, data, model, gist)  # one forward without the savers, one with
     torch.manual_seed(args.seed + d.rank)  # dropout masks differ per rank; a resume restores them
     run, comm = Run(d, args, {"model": model, "optim": opt}), CommCounter()
+    # The log line's loss on a group of its own: on NCCL its own communicator, never queued behind the
+    # gradients' all-reduces.
+    log_group = dist.new_group()
     for step in run.steps():
         # (B, T) global, on the CPU
         x, y = data.batch(step, args.batch_size, args.seq_len, args.ragged)
@@ -371,15 +371,16 @@ def main():
                 args.clip,
                 saver=gist,
             )
-        dist.all_reduce(loss)  # the global batch's loss, for the log line only
+        dist.all_reduce(loss, group=log_group)  # the global batch's loss, for the log line only
         run.end_step(step, loss.item())
-    figures = report(d, args, model, opt, plain, saved, comm)
-    peak = peak_memory_bytes(d, state_bytes(model, opt) + saved["alive"])  # before --check trains
+    figures = report(d, args, model, opt, acts, comm)
+    # before --check trains
+    peak = peak_memory_bytes(d, state_bytes(model, opt) + acts["saved"]["alive"])
     check = check_run(d, args, run.losses, dict(model.named_parameters())) if args.check else None
     run.finish("memory_savers", peak, comm.total(), check, figures)
 
 
-# --- measurement --- (one extra forward before training, watched from outside) ---------------------------
+# --- measurement --- (two extra forwards before training, watched from outside) ------------------
 class MadeStorages(TorchDispatchMode):
     """Every storage an op makes inside the `with` block, held weakly (harness.LiveStorages), told apart by
     whether a transformer block made it. After a forward, `.alive()` is what is still held for backward,
@@ -434,6 +435,15 @@ def activations(model, x, saver=None):
     return dict(blocks=blocks, rest=rest, alive=blocks + rest, saved=acts.bytes)
 
 
+def savers_measured(d, args, data, model, gist):
+    """What one micro-batch's forward keeps (activations): `plain` on a twin of the model (the same seed,
+    no savers), `saved` on the model with its savers (recompute applied, Gist's hooks around it)."""
+    mb = args.batch_size // (d.world * args.accum)
+    x0 = data.batch(0, args.batch_size, args.seq_len)[0][:mb].to(d.device)  # (b, T)
+    twin = build_gpt(GPTConfig.from_args(args), args.seed, DTYPES[args.dtype], d.device)
+    return dict(plain=activations(twin, x0), saved=activations(model, x0, gist))
+
+
 def optimizer_state(model, opt):
     """Bytes of the optimizer's state tensors, counted, and the closed forms of AdamW and Adafactor."""
     e, shapes = next(model.parameters()).element_size(), [p.shape for p in model.parameters()]
@@ -445,8 +455,9 @@ def optimizer_state(model, opt):
     return dict(counted=counted, adamw_theory=2 * e * psi, adafactor_theory=factored, psi=psi)
 
 
-def report(d, args, model, opt, plain, saved, comm):
+def report(d, args, model, opt, acts, comm):
     """Rank 0's closing table: each figure counted in this run beside its theory value."""
+    plain, saved = acts["plain"], acts["saved"]
     b = args.batch_size // (d.world * args.accum)
     T = args.seq_len
     D = args.d_model

@@ -174,7 +174,7 @@ def in_bucket(ddp):
     return sum(
         p.grad is not None
         and p.grad.untyped_storage().data_ptr()
-        == ddp.buffers[ddp.bucket_of[i]].untyped_storage().data_ptr()
+        == ddp.bucket_of[i].buffer.untyped_storage().data_ptr()
         for i, p in enumerate(ddp.params)
     )
 
@@ -534,7 +534,11 @@ def our_buckets(cls, cap):
         backward(ddp, xl, yl, n_tok, d.world)
         m.zero_grad(set_to_none=True)
     buckets = ddp_bucketed.bucket_layout(ddp)
-    return [names for names, _, _ in buckets], [nb for _, nb, _ in buckets], ddp.buckets
+    return (
+        [names for names, _, _ in buckets],
+        [nb for _, nb, _ in buckets],
+        [b.idx for b in ddp.buckets],
+    )
 
 
 class CloseBefore(BucketedDDP):
@@ -586,7 +590,7 @@ class Copies(TorchDispatchMode):
         name = func._schema.name
         dst, src = (args[0], args[1]) if name == "aten::copy_" else (kwargs.get("out"), args[0])
         if name in ("aten::copy_", "aten::div") and torch.is_tensor(dst) and torch.is_tensor(src):
-            ptrs = {b.untyped_storage().data_ptr() for b in self.ddp.buffers}
+            ptrs = {b.buffer.untyped_storage().data_ptr() for b in self.ddp.buckets}
             self.n += (
                 dst.untyped_storage().data_ptr() in ptrs
                 and src.untyped_storage().data_ptr() not in ptrs
@@ -598,8 +602,8 @@ class CopyOut(BucketedDDP):
     def _wait(self, unused_everywhere=()):
         for b, work in enumerate(self.works):
             work.wait()
-            for i in self.buckets[b]:
-                self.params[i].grad = self.views[i].clone()
+            for i in self.buckets[b].idx:
+                self.params[i].grad = self.buckets[b].views[i].clone()
 
 
 for cls in (BucketedDDP, CopyOut):
@@ -715,6 +719,9 @@ def bad_calls(c):
 
 
 check_refused(check, bad_calls, core, "BucketedDDP, ")
+# a copier calls the core, not the command line: its refusals name parameters (check_args adds the flags)
+flagged = [w for w, (call, _) in bad_calls(core).items() if "--" in section.attempt(call)[0]]
+check(not flagged, f"bad input: the core's refusals name no command-line flag ({flagged})")
 ok, seen = refused(lambda: core.BucketedDDP(Net()), [])
 check(
     seen.startswith("no error") and "'broadcast/" in seen,

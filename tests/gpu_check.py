@@ -34,7 +34,8 @@ World N's plan (N >= 2; flags derived from N, so any count works: heads 2 max(2,
 blocks, 2N micro-batches, 16N sequences of 32 tokens, or 16N tokens when 2N does not divide 32):
   every mode of every file with --check in float32 (dp sync / accumulation / async lockstep, ddp with and
   without compression, gpipe with and without recompute, pipedream flush / stash / 2bw, ZB-H1 / ZB-V, megatron
-  tp and sequence parallel and tp x dp, ptdp 1F1B / interleaved / tp x pp, the routers, zero stages 0-3,
+  tp and sequence parallel and tp x dp (at even N >= 4: the overlapped ring), ptdp 1F1B /
+  interleaved / tp x pp, the routers, zero stages 0-3 (at even N >= 4: HSDP, stage 3 x 2 copies),
   offload + bf16, fp16 loss scaling, memory_savers' four savers, context parallel's attentions and layouts);
   each file's default mode in bfloat16 under TORCH_DISTRIBUTED_DEBUG=DETAIL; the modes review 2 found never
   run on a GPU: free-running dp.py --mode async, ptdp.py with dp > 1, ZB-V with dp > 1 (zero_bubble.py has no
@@ -171,6 +172,9 @@ def plan(w):
     if w % 2 == 0 and w >= 4:
         runs += [
             ("megatron tp x dp 2", "megatron_tp.py", ["--tp", w // 2]),
+            # HSDP (two copies, each ZeRO-3 over w / 2 ranks) and the TP ring under the GEMMs on NCCL
+            ("zero 3 hsdp", "zero.py", ["--stage", 3, "--replicate", 2]),
+            ("megatron tp overlap", "megatron_tp.py", ["--tp", w, "--overlap"]),
             (
                 "ptdp pp 2 x tp v 2",
                 "ptdp.py",

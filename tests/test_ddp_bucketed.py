@@ -180,6 +180,7 @@ def test_core_refuses_bad_input_before_any_collective(checks):
             f"bad input: BucketedDDP, {what}: refused before any collective",
             "collectives: {}",
         ), (what, checks)
+    assert passed(checks, "bad input: the core's refusals name no command-line flag ([])"), checks
     assert passed(
         checks, "bad input: negative: a valid BucketedDDP under the same counter broadcasts"
     ), checks
@@ -208,9 +209,9 @@ def test_bad_batch_split():
 def test_bad_bucket_cap():
     assert_each_rank_fails(
         run_ranks("ddp_bucketed.py", 2, *TINY, "--bucket-cap-mb", "0"),
-        ["--bucket-cap-mb", "positive"],
+        ["--bucket-cap-mb=0", "positive"],
     )
     p = run_python("ddp_bucketed.py", *TINY, "--first-bucket-mb", "nan")
-    assert p.returncode == 2 and "--first-bucket-mb" in p.stderr and "Traceback" not in p.stderr, (
-        p.stderr
-    )
+    assert (
+        p.returncode == 2 and "--first-bucket-mb=nan" in p.stderr and "Traceback" not in p.stderr
+    ), p.stderr
