@@ -1,8 +1,8 @@
 """The check for a machine with GPUs (the pytest suite always runs on CPU): each file's modes with --check,
 one line per run, sized to the GPUs and the minutes at hand; exit 1 if any run fails, 2 on a bad flag.
 
-    bash tests/gpu_check.sh --one-gpu           # one GPU: the CUDA-only paths, world 1 (43 launches,
-                                                # 7-9 min)
+    bash tests/gpu_check.sh --one-gpu           # one GPU: the CUDA-only paths, world 1 (50 launches,
+                                                # 8-10 min)
     bash tests/gpu_check.sh                     # N = every visible GPU: world N's plan, then the one-GPU plan
     bash tests/gpu_check.sh --minutes 14        # N GPUs in a 15-minute lease: the runs covering most first
     bash tests/gpu_check.sh --world 4 --only zero.py,moe.py --minutes 10   # a slice, within a budget
@@ -51,12 +51,13 @@ The one-GPU plan also runs diloco.py's bf16 and float8 wire with an exchange in 
 zero.py's restarts with dropout (the CUDA generator in their checkpoints), the 2024 MoE (moe_deepseek.py),
 fault_tolerance.py through its own launcher (R = 1, and the restart recipe), fp8.py's three recipes (the
 loss falls, finite: its --check reference is FP32 arithmetic, not the tensor cores' FP8 GEMM) and a delayed
-restart (the amax history resumed on the device). Its time: 7-9 min on a freshly started GPU, assuming 10 s
+restart (the amax history resumed on the device). Its time: 8-10 min on a freshly started GPU, assuming 10 s
 per warm launch and 20-30 s of cold imports and CUDA context on the first ones.
 World N's plan also runs ptdp's context parallel and ZeRO-1, Streaming DiLoCo (bfloat16 and float8 wires),
 fp8.py's delayed and fine-grained recipes (d_model 128 N: whole 128-row blocks per shard) and zero.py's
 stage-2 checkpoint saved at world N and resumed at world N / 2 (--check over every step). The whole plan at
-N GPUs takes about 34 min; --minutes 14 keeps the runs that cover the most.
+N GPUs takes about 39 min (bench.py's pairs take three launches each: both sides in one, then each
+side apart for its peak); --minutes 14 keeps the runs that cover the most.
 Estimated time: launches x 10 s at world 1, 15 s at world >= 2 (see docs/gpus.md); --minutes rescales the
 estimates of what is left by the measured time of what ran."""
 
@@ -424,7 +425,7 @@ def jobs(w, cpu, gpus):
         # delayed scaling's amax history in the checkpoint, resumed on the device (review 4, N4-1)
         fp8 = [*model_flags(1), "--recipe", "delayed", "--amax-history", 4, "--steps", 6]
         add("same", "fp8 delayed restart", "fp8.py", 2, a=fp8, b=[fp8], restart=True, first=True)
-        add("bench", "bench world 1", "bench.py", 11, pairs="ddp,dp_sync,zero1,zero2,zero3,tp")
+        add("bench", "bench world 1", "bench.py", 18, pairs="ddp,dp_sync,zero1,zero2,zero3,tp")
         return out
     for name, f, flags in plan(w) + extra_plan(w):
         first = f == "diloco.py" or f == "ptdp.py" and ("--cp" in flags or "--zero" in flags)
@@ -470,7 +471,7 @@ def jobs(w, cpu, gpus):
     )
     if w >= 3:
         add("stragglers", "dp async stragglers overlap", "dp.py", 2)
-    add("bench", f"bench world {w}", "bench.py", 22, pairs="all")
+    add("bench", f"bench world {w}", "bench.py", 36, pairs="all")
     return out
 
 
@@ -701,7 +702,8 @@ def bench_flags(w):
 
 
 def bench_command(w, pairs, out_prefix):
-    """bench.py's pairs at world w, one round each (--budget-min 0: no alternating for an interval)."""
+    """bench.py's pairs at world w, one launch each (--budget-min 0: no more launches for an interval; two
+    blocks of one step per side where a pair runs both sides in one launch)."""
     return [
         sys.executable,
         str(ROOT / "bench.py"),
@@ -714,6 +716,10 @@ def bench_command(w, pairs, out_prefix):
         "--budget-min",
         "0",
         "--no-scaling",
+        "--blocks",
+        "2",
+        "--block-steps",
+        "1",
         "--out",
         str(out_prefix),
         *map(str, bench_flags(w)),
@@ -735,7 +741,11 @@ def run_bench(job, cpu, tmp, timeout):
     rows = [
         r for r in rows if not r.get("skipped")
     ]  # a pair bench.py cannot run here (torchao absent)
-    diffs = {r["pair"]: r.get("max_loss_diff") for r in rows}
+    # each side's own launch, and the two sides inside the paired launch (where bench pairs them)
+    diffs = {
+        r["pair"]: max(r.get("max_loss_diff") or 0, r.get("paired_loss_diff") or 0) for r in rows
+    }
+    diffs.update({r["pair"]: None for r in rows if r.get("max_loss_diff") is None})
     ok = bool(rows) and all(d is not None and d <= 1e-3 for d in diffs.values())
     line(
         job["name"],

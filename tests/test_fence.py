@@ -2,9 +2,9 @@
 file's `# --- measurement ---` fence. Tried as a copier would: a few steps at world 2 without --check/--json,
 once as written and once with every function and class defined below the fence replaced by a no-op
 (tests/fence.py's Stub); the losses and final parameters, recorded from outside the file, must be equal (a
-crash in the summary after training is the summary's business). And statically: nothing below the
-fence
-binds again a name defined above it (the way zero.py's gloo collectives replaced the core's at import)."""
+crash in the summary after training is the summary's business). And statically: nothing below the fence
+binds again a name defined above it (the way zero.py's gloo collectives once replaced the core's at
+import)."""
 
 import pytest
 import torch
@@ -17,11 +17,12 @@ from test_repo import TECHNIQUES
 STEPS = 3
 ARGS = [*TINY[: TINY.index("--steps")], "--steps", str(STEPS), "--dtype", "float64"]
 # How each file is started: torchrun at world 2, except the launcher that starts its own replicas.
-# Each run takes the file's path that has most below its fence to stub (zero.py: stage 3, where the gloo
-# collectives below its fence are called).
+# Each run takes the file's path that has most below its fence to stub (zero.py: stage 3; megatron_tp.py:
+# the overlapped ring, which implies sequence parallelism).
 LAUNCH = {
     "fault_tolerance.py": ("plain", ["--replicas", "2"]),
     "zero.py": ("torchrun", ["--stage", "3"]),
+    "megatron_tp.py": ("torchrun", ["--overlap"]),
     "dualpipev.py": ("torchrun", ["--n-layers", "4"]),  # 2p = 4 chunks at world 2
 }
 # Files marked as failing the contract (xfail, strict): none since issue 43's round (dp.py, zero.py and

@@ -212,10 +212,11 @@ def test_gpu_check_one_gpu_plan_only_world_and_minutes(capsys):
             path,
             out,
         )  # every CUDA-only path of issue 31 is planned
-    # the launch count printed is the sum of the runs' launches; at 10 s each, under 7.5 min (the fp8
-    # delayed restart of the fourth NCCL review added 2 launches to 41)
+    # the launch count printed is the sum of the runs' launches; at 10 s each, under 8.5 min (the fp8
+    # delayed restart of the fourth NCCL review added 2 launches to 41; bench.py's six world-1 pairs take
+    # three launches each since both sides run in one launch and each side apart for its peak: 50)
     n = sum(runs.values())
-    assert f"{len(runs)} runs ({n} launches)" in out and 10 * n <= 7.5 * 60, out
+    assert f"{len(runs)} runs ({n} launches)" in out and 10 * n <= 8.5 * 60, out
     # --only: just those files' runs; a file that is not in the plan is one line and exit 2
     rc, out = gpu_check_main(capsys, "--dry-run", "--for-gpus", "4", "--only", "zero.py,moe.py")
     files = set(re.findall(r"launch\(es\), ~\d+ s  (\S+)", out))

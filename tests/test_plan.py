@@ -277,8 +277,9 @@ def megatron_rows(s, name):
     lay = plan.Layout(dp=n // t, tp=t, sp="--sequence-parallel" in RUNS[name][2], precision="fp64")
     B, f = flag(name, "--batch-size"), s["figures"]
     want = {k: [c, x] for k, (c, x, _) in plan.collectives(M, lay, B).items()}
-    # bookkeeping: the clipping norm all-reduced over tp, the loss of the log line over dp, one value each
-    for key, on in (("all_reduce/tp/step", t > 1), ("all_reduce/dp/step", lay.dp > 1)):
+    # bookkeeping: the clipping norm all-reduced over tp, one value (the log line's loss is summed on a
+    # group of its own after the watched step, so the counter does not see it)
+    for key, on in (("all_reduce/tp/step", t > 1),):
         if on:
             c, x = want.get(key, [0, 0])
             want[key] = [c + 1, x + E]
