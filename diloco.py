@@ -609,9 +609,8 @@ class ExchangeWatch:
         the host's time in wait(); per step: exposed time over the run; and the median step time while an
         exchange is in flight (strictly between its launch and its landing step) beside the other steps'."""
         if self.thread is not None:
-            self.thread.join(
-                timeout=60
-            )  # the poller sees every work complete (all were waited for)
+            # the poller sees every work complete (all were waited for)
+            self.thread.join(timeout=60)
         rows = [r for r in self.rows if r[1] is not None and id(r[5]) in self.done]
         if not rows:
             return {}
@@ -661,9 +660,8 @@ def figures_of(d, args, model, diloco, comm, counted_steps, data):
     scales = args.fragments * elem if wire == 1 else 0  # float8: one scale per fragment
     theory = (n_params * wire + scales) / args.inner_steps
     ddp = n_params * elem
-    peak_sync = max(
-        (c["bytes"] for c in comm.calls_log), default=0
-    )  # measured: the largest one call
+    # measured: the largest one call
+    peak_sync = max((c["bytes"] for c in comm.calls_log), default=0)
     peak_theory = max(sum(p.numel() for p in f) for f in diloco.local) * wire + (
         elem if wire == 1 else 0
     )
@@ -673,9 +671,8 @@ def figures_of(d, args, model, diloco, comm, counted_steps, data):
     with torch.no_grad():
         for n, p in glob.named_parameters():
             p.copy_(theta_by_name(model, diloco)[n])
-        x, y = (
-            t.to(d.device) for t in data.batch(10**6, args.batch_size, args.seq_len)
-        )  # held out
+        # held out
+        x, y = (t.to(d.device) for t in data.batch(10**6, args.batch_size, args.seq_len))
         held_out = lm_loss(glob(x), y, count_tokens(y)).item()
     d.log(
         f"summary: {per_step:.0f} B handed to {op} per inner step (measured over {counted_steps} steps); "
@@ -752,9 +749,8 @@ def reference(args, M, device="cpu"):
             step_loss += loss.item()
         losses.append(step_loss / M)
         for f in range(F):
-            if (t + 1) % H == (
-                f + 1
-            ) * H // F % H:  # fragment f syncs: every worker's Delta, summed
+            # fragment f syncs: every worker's Delta, summed
+            if (t + 1) % H == (f + 1) * H // F % H:
                 mine = [n for n in names if frag_of[n] == f]
                 deltas = [
                     {n: theta[n] - p.detach() for n, p in w.named_parameters() if n in mine}

@@ -549,9 +549,8 @@ class Watch:
         figures = async_figures(d, args, run, sent, used, batches, model)
         peak = peak_memory_bytes(d, state_bytes(model, opt))  # before --check trains the reference
         check = None
-        if (
-            args.check
-        ):  # replay the versions the run used; in lockstep, the ones the rule prescribes
+        # replay the versions the run used; in lockstep, the ones the rule prescribes
+        if args.check:
             ref = delayed_reference(
                 args,
                 [max(t - D, 0) for t in range(args.steps)] if D >= 0 else used,
@@ -637,9 +636,8 @@ def delayed_reference(args, used_versions, batch_ids, device="cpu"):
     weights of version `used_versions[t]` (W_{t-D} in lockstep): W_{t+1} = AdamW(W_t, clip(g(W_used)))."""
     data = MarkovData(args.vocab, args.seed)
     model = build_gpt(GPTConfig.from_args(args), args.seed, DTYPES[args.dtype], device)
-    stale = build_gpt(
-        GPTConfig.from_args(args), args.seed, DTYPES[args.dtype], device
-    )  # holds W_used
+    # holds W_used
+    stale = build_gpt(GPTConfig.from_args(args), args.seed, DTYPES[args.dtype], device)
     opt = make_optimizer(model.parameters(), args)
     history, losses = [flat_params(model).clone()], []
     for t in range(args.steps):
@@ -654,9 +652,8 @@ def delayed_reference(args, used_versions, batch_ids, device="cpu"):
         for p, g in zip(model.parameters(), grads):
             p.grad = g
         if args.clip > 0:
-            torch.nn.utils.clip_grad_norm_(
-                model.parameters(), args.clip
-            )  # torch's clipping, independently
+            # torch's clipping, independently
+            torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
         opt.step()
         history.append(flat_params(model).clone())
         losses.append(loss.item())

@@ -102,9 +102,8 @@ class _LinearDeferringW(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, layer, split):
-        ctx.save_for_backward(
-            x, weight
-        )  # x for W, the weight for dx: what nn.Linear's own backward keeps
+        # x for W, the weight for dx: what nn.Linear's own backward keeps
+        ctx.save_for_backward(x, weight)
         ctx.layer, ctx.split = layer, split
         return F.linear(x, weight, bias)
 
@@ -341,10 +340,10 @@ class PipelineRank:
             q for step, *what in plan if step == "p2p" for q, _ in what[0] + what[1]
         }  # pp ranks
         if dist.get_rank(group) < 0 or not peers <= set(range(dist.get_world_size(group))):
+            # micro-batches the plan runs
             raise ValueError(
                 f"the plan's peers {sorted(peers)} are not in the group: plan for p = its size"
             )
-        # micro-batches the plan runs
         self.m = 1 + max(op[2] for step, slot, *_ in plan if step == "slot" for op in slot)
 
     def run(self, inputs, targets, loss_fn):
@@ -390,9 +389,8 @@ class PipelineRank:
         (self.inbox if msg[1] in self.chunks else self.outbox)[msg] = t
 
     def forward(self, c, k, inputs, targets, loss_fn):
-        inp = (
-            inputs[k] if c == 0 else self.inbox.pop(("F", c, k)).requires_grad_()
-        )  # (b, T) ids or (b, T, D)
+        # (b, T) ids or (b, T, D)
+        inp = inputs[k] if c == 0 else self.inbox.pop(("F", c, k)).requires_grad_()
         out = self.chunks[c](inp)  # (b, T, D); last chunk: logits (b, T, V) ...
         if c == self.n - 1:
             out = loss_fn(out, targets[k])  # ... and its loss
@@ -401,9 +399,8 @@ class PipelineRank:
             self.hand_on(("F", c + 1, k), out.detach())  # (b, T, D) to chunk c+1
         self.alive[c, k] = inp, out
 
-    def backward(
-        self, c, k
-    ):  # B: the input's gradient now; the Linears' weight gradients wait for W
+    # B: the input's gradient now; the Linears' weight gradients wait for W
+    def backward(self, c, k):
         inp, out = self.alive.pop((c, k))
         grad = None if c == self.n - 1 else self.inbox.pop(("B", c, k))  # last chunk: from its loss
         self.waiting[c, k] = self.split.backward_input(out, grad)
@@ -428,9 +425,8 @@ def finish_batch(params, loss, dp_group, group, max_norm):
         .sum()
         .double()
     )
-    total = torch.stack(
-        [loss, sq if dist.get_rank(dp_group) == 0 else torch.zeros_like(sq)]
-    )  # (2,) pieces
+    # (2,) pieces
+    total = torch.stack([loss, sq if dist.get_rank(dp_group) == 0 else torch.zeros_like(sq)])
     dist.all_reduce(total, group=group)  # (2,) the batch loss, the whole model's squared norm
     if max_norm > 0:
         torch.nn.utils.clip_grads_with_norm_(params, max_norm, total[1].sqrt())
@@ -621,9 +617,8 @@ def report(d, args, p, watch, comm, bounds):
     if d.rank != 0 or not events:
         return figures
     for e in events:
-        e["recv"] = (
-            None if e["recv"] < 0 else e["recv"]
-        )  # -1: the op started from tokens, its loss or its B
+        # -1: the op started from tokens, its loss or its B
+        e["recv"] = None if e["recv"] < 0 else e["recv"]
     last = [e for e in events if e["step"] == events[-1]["step"] and e["dp"] == 0]
     lo, hi = min(e["start"] for e in last), max(e["end"] for e in last)
     busy = [busy_ms(last, r, lo, hi, key="pp") for r in range(p)]

@@ -213,9 +213,8 @@ def members_of(store, k):
     members = {}
     for i in range(1, int(store.get(f"q{k}/size")) + 1):
         m = Member(*map(int, store.get(f"q{k}/slot{i}").split()))
-        members[m.rid] = (
-            m  # a replica restarted after checking in: its newer life replaces the dead one
-        )
+        # a replica restarted after checking in: its newer life replaces the dead one
+        members[m.rid] = m
     return sorted(members.values(), key=lambda m: m.rid)
 
 
@@ -690,13 +689,13 @@ def check_args(args):
     if args.max_restarts < 0 or args.verify_every < 0:
         fail("--max-restarts and --verify-every must be >= 0")
     if args.replica >= R or (args.replica >= 0 and ":" not in args.coordinator):
+        # ----------------------------------------------------------------------------- 7. this repo's run of it
+        # One replica: the GPT and its data on the cores above, its log, and one hook `on(phase, rep)` for the faults
         fail(
             "--replica and --coordinator are the launcher's: run python fault_tolerance.py --replicas N"
         )
 
 
-# ----------------------------------------------------------------------------- 7. this repo's run of it
-# One replica: the GPT and its data on the cores above, its log, and one hook `on(phase, rep)` for the faults
 # the tests inject (built below the fence). ft_launcher.py starts the replicas and restarts a dead one; it
 # decides nothing: each replica's lease is what a round's close, a vote and a group read.
 def train_replica(args, connect, on):
@@ -846,9 +845,8 @@ def faults(args, store):
             and rep.version >= 0
             and not getattr(rep, "corrupted", False)
         ):
-            with (
-                torch.no_grad()
-            ):  # a silent flip of one weight: nothing fails, the numbers are wrong
+            # a silent flip of one weight: nothing fails, the numbers are wrong
+            with torch.no_grad():
                 rep.params[0].view(-1)[0] += 1e-3
             rep.corrupted = True  # once (a discarded step comes back to this point)
         for victim, sig, what in [
@@ -996,9 +994,8 @@ class Log:
             params = {n: p.detach() for n, p in model.named_parameters()}
             loss_diff = max(abs(x - r) / max(abs(r), 1e-12) for x, r in zip(losses, ref["losses"]))
             param_diff = max((params[n] - p).abs().max().item() for n, p in ref["params"].items())
-            tol = tolerance(
-                a.dtype
-            )  # the repo's: 1e-9 in float64 (parameters: 10x in float32, as harness)
+            # the repo's: 1e-9 in float64 (parameters: 10x in float32, as harness)
+            tol = tolerance(a.dtype)
             ptol = (10 if a.dtype == "float32" else 1) * tol
             passed = identical and loss_diff <= tol and param_diff <= ptol
             print(
@@ -1036,9 +1033,8 @@ def recovery_figures(s, a, rounds):
         0.0,
         -math.inf,
     )  # the union of the committed rounds' spans: each is timed by its own
-    for t0, t1 in sorted(
-        t[k][:2] for k in rounds
-    ):  # lowest member from before its check-in: they overlap
+    # lowest member from before its check-in: they overlap
+    for t0, t1 in sorted(t[k][:2] for k in rounds):
         useful, until = useful + max(0.0, t1 - max(t0, until)), max(until, t1)
     out = dict(goodput=useful / wall, wall_s=wall, useful_s=useful, failures=[])
     seen = set()
@@ -1114,9 +1110,8 @@ def replay_reference(args, batches, members, device="cpu"):
     rows = args.batch_size // args.replicas
     for b, ids in zip(batches, members):
         x, y = data.batch(b, args.batch_size, args.seq_len, args.ragged)
-        keep = torch.cat(
-            [torch.arange(r * rows, (r + 1) * rows) for r in ids]
-        )  # the participants' rows
+        # the participants' rows
+        keep = torch.cat([torch.arange(r * rows, (r + 1) * rows) for r in ids])
         x, y = x[keep].to(device), y[keep].to(device)
         loss = lm_loss(model(x), y, count_tokens(y))
         opt.zero_grad(set_to_none=True)

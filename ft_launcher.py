@@ -95,9 +95,8 @@ def launch(args, script=None):
                 else:
                     codes[r] = code
             done_at = done_at or (time.time() if store.check(["finished"]) else None)
-            if (
-                done_at and time.time() - done_at > args.timeout
-            ):  # a frozen replica: the run is over
+            # a frozen replica: the run is over
+            if done_at and time.time() - done_at > args.timeout:
                 for r in [r for r in lives if r not in codes]:
                     print(
                         f"fault_tolerance.py: replica {r} still running {args.timeout:g} s after the run "

@@ -206,9 +206,8 @@ class ColumnParallelLinear(nn.Module):
             lin.bias if h else lin.weight.new_zeros(len(lin.weight)) for lin, h in zip(linears, has)
         ]
         self.bias = shard(bias, 0, group) if any(has) else None
-        mask = shard(
-            [torch.full_like(b, h) for b, h in zip(bias, has)], 0, group
-        ).detach()  # 1: a real bias
+        # 1: a real bias
+        mask = shard([torch.full_like(b, h) for b, h in zip(bias, has)], 0, group).detach()
         self.register_buffer(
             "bias_mask", None if all(has) or not any(has) else mask, persistent=False
         )
@@ -393,9 +392,8 @@ class ParallelGPT(nn.Module):
 
     def __init__(self, full, group, tracker):
         super().__init__()
-        for (
-            block
-        ) in full.blocks:  # keeps its forward and LayerNorms: x + attn(ln1(x)), then + mlp(ln2(x))
+        # keeps its forward and LayerNorms: x + attn(ln1(x)), then + mlp(ln2(x))
+        for block in full.blocks:
             block.attn = ParallelAttention(block.attn, group, tracker, self.Column, self.Row)
             block.mlp = ParallelMLP(block.mlp, group, self.Column, self.Row)
         self.tok_emb = self.Embedding(full.tok_emb, group)
@@ -671,10 +669,10 @@ def check_args(args):  # bad input: one line and exit 2, on every rank, before a
         fail(f"--tp must be >= 0 (0 = the whole world), got {args.tp}")
     t = args.tp or world
     if world % t:
+        # --overlap is SP with its collectives cut into ring steps
         fail(
             f"world size {world} is not divisible by --tp {args.tp}: use a --tp dividing {world} (0 = all)"
         )
-    # --overlap is SP with its collectives cut into ring steps
     args.sequence_parallel |= args.overlap
     try:  # the layers' own check (ParallelAttention's heads, SP's reduce_scatter), as fail's one line
         check_tp_split(args.n_heads, t, "--n-heads")
@@ -795,9 +793,8 @@ def params_per_rank(args, t):
     V_pad = math.ceil(args.vocab / t) * t
     # q, k, v; attention proj; fc weight + bias; MLP proj; token embedding and LM head
     split = L * (3 * D * D + D * D + 4 * D * D + 4 * D + 4 * D * D) + 2 * V_pad * D
-    repl = (
-        L * (2 * 2 * D + D + D) + args.seq_len * D + 2 * D
-    )  # ln1, ln2, two row biases; positions; ln_f
+    # ln1, ln2, two row biases; positions; ln_f
+    repl = L * (2 * 2 * D + D + D) + args.seq_len * D + 2 * D
     return split // t, repl
 
 
@@ -814,9 +811,8 @@ def theory_collectives(args, t, dp):
     split, repl = params_per_rank(args, t)
     table = {}
 
-    def add(
-        op, axis, phase, calls, n, size
-    ):  # `calls` collectives of n elements of `size` bytes each
+    # `calls` collectives of n elements of `size` bytes each
+    def add(op, axis, phase, calls, n, size):
         group = t if axis == "tp" else dp
         c = table.setdefault(f"{op}/{axis}/{phase}", [0, 0, 0, 0])
         c[0], c[1] = c[0] + calls, c[1] + calls * n
@@ -826,18 +822,16 @@ def theory_collectives(args, t, dp):
         )
 
     if t > 1:
-        if (
-            args.overlap
-        ):  # each column / row GEMM's collective as t - 1 ring steps of one b*s*h/t chunk
+        # each column / row GEMM's collective as t - 1 ring steps of one b*s*h/t chunk
+        if args.overlap:
             for phase, rings in [
                 ("fwd", 4 * L + 1),
                 ("bwd", 6 * L + 2),
             ]:  # fwd 4 per layer + LM head;
                 for op in ("send", "recv"):  # bwd 2 per column layer (dW, dX), 1 per row layer
                     add(op, "tp", phase, rings * (t - 1), b * s * h // t, es)
-            add(
-                "reduce_scatter", "tp", "fwd", 1, b * s * h, es
-            )  # the embedding's g_sp, no GEMM to hide
+            # the embedding's g_sp, no GEMM to hide
+            add("reduce_scatter", "tp", "fwd", 1, b * s * h, es)
             add("all_gather", "tp", "bwd", 1, b * s * h, es)  # and its backward
             add("all_reduce", "tp", "step", 1, repl, es)  # replicated grads, partial over positions
         elif args.sequence_parallel:
@@ -848,9 +842,8 @@ def theory_collectives(args, t, dp):
                 ("all_gather", "bwd"),
             ]:
                 add(op, "tp", phase, 2 * L + 1, b * s * h, es)  # per layer 2; + LM head / embedding
-            add(
-                "all_gather", "tp", "bwd", 2 * L + 1, b * s * h, es
-            )  # the re-gathers: qkv, fc, LM head
+            # the re-gathers: qkv, fc, LM head
+            add("all_gather", "tp", "bwd", 2 * L + 1, b * s * h, es)
             add("all_reduce", "tp", "step", 1, repl, es)  # replicated grads, partial over positions
         else:
             add("all_reduce", "tp", "fwd", 2 * L + 1, b * s * h, es)  # per layer 2 g; + embedding g
@@ -888,12 +881,11 @@ def report(d, args, model, tp_group, counted, full_bytes, acts, t, dp):
     flat = torch.cat(
         [p.detach().reshape(-1) for p in model.parameters() if not hasattr(p, "tp_dim")]
     )
+    # of replicated parameters across TP ranks: 0 if they stayed equal
     hi, lo = (
         all_reduce(flat.clone(), tp_group, op) for op in (dist.ReduceOp.MAX, dist.ReduceOp.MIN)
     )
-    spread = (
-        (hi - lo).abs().max().item()
-    )  # of replicated parameters across TP ranks: 0 if they stayed equal
+    spread = (hi - lo).abs().max().item()
     d.log(
         f"{'collective per step (op/axis/phase)':36s} {'calls':>5s} {'theory':>6s} {'elements':>9s} "
         f"{'theory':>9s} {'bytes handed':>12s} {'theory':>9s} {'ring sends (theory)':>19s}"
@@ -919,9 +911,8 @@ def report(d, args, model, tp_group, counted, full_bytes, acts, t, dp):
 
     # one block's saved activations, sharded vs an unsharded common.Block on the same (b, T, D) batch
     x = torch.randn(b, T, D, dtype=dtype, device=d.device)
-    mine = (
-        x.chunk(t, 1)[dist.get_rank(tp_group)].contiguous() if args.sequence_parallel else x
-    )  # (b, T/t, D)
+    # (b, T/t, D)
+    mine = x.chunk(t, 1)[dist.get_rank(tp_group)].contiguous() if args.sequence_parallel else x
     block_saved = saved_by(model.blocks[0], mine)
     block_full = saved_by(
         Block(GPTConfig.from_args(args)).to(d.device, dtype).train(model.training), x

@@ -298,10 +298,10 @@ class MoE(nn.Module):
         self.El = E // max(1, self.ep)  # experts on this rank
         check_layer(E, self.ep, capacity_factor)  # what it cannot do, before any collective
         if router.E != E:
+            # All E experts drawn from one generator, my slice kept: every EP degree starts from the same numbers.
             raise ValueError(
                 f"a router for {router.E} experts in a layer of {E}: build both for the same E"
             )
-        # All E experts drawn from one generator, my slice kept: every EP degree starts from the same numbers.
         mine = slice(self.ep_rank * self.El, (self.ep_rank + 1) * self.El)
         self.w1 = nn.Parameter(init(generator, dtype, E, D, H)[mine].clone())
         self.b1 = nn.Parameter(torch.zeros(self.El, H, dtype=dtype))
@@ -353,10 +353,10 @@ class MoE(nn.Module):
         n = x.shape[1]
         # every EP rank must also route as many groups of as many tokens
         if x.shape[0] % self.group_rows:
+            # (G, T, D), T = group_rows * n
             raise ValueError(
                 f"{x.shape[0]} sequences: use a multiple of group_rows = {self.group_rows}"
             )
-        # (G, T, D), T = group_rows * n
         xg = rearrange(x, "(g b) n d -> g (b n) d", b=self.group_rows)
         C = capacity(self.cf, self.router.k, xg.shape[1], self.E)
         dispatch, combine, self.aux, self.wanted = self.router(xg, C, self.noise)
@@ -703,9 +703,8 @@ class Watch:
         wanted = every[..., :E]
         load = every[..., E : 2 * E]
         idle = every[..., 2 * E]
-        fair = (
-            tokens * k / E if k else groups * C
-        )  # tokens per expert per layer when perfectly balanced
+        # tokens per expert per layer when perfectly balanced
+        fair = tokens * k / E if k else groups * C
         drop_theory = max(0.0, 1 - C / (k * T / E)) if k else 0.0
         # All-to-all bytes handed to other ranks in the last step, 4 exchanges per layer (dispatch, combine
         # and their backward): the (E, G/W, C, D) buffers less the block that stays home.

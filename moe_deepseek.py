@@ -208,10 +208,10 @@ class DeepSeekMoE(nn.Module):
         self.w_gate = nn.Parameter(init(generator, dtype, D, E))  # W_g: replicated, data parallel
         # b: a buffer (so checkpointed), moved by update_biases, never by autograd; float32 at least (bf16
         # would round its --bias-rate steps away)
+        # All E experts drawn from one generator, my slice kept: every EP degree starts from the same numbers.
         self.register_buffer(
             "expert_bias", torch.zeros(E, dtype=torch.promote_types(dtype, torch.float32))
         )
-        # All E experts drawn from one generator, my slice kept: every EP degree starts from the same numbers.
         mine = slice(self.ep_rank * self.El, (self.ep_rank + 1) * self.El)
         self.w1 = nn.Parameter(init(generator, dtype, E, D, H)[mine].clone())
         self.b1 = nn.Parameter(torch.zeros(self.El, H, dtype=dtype))
@@ -635,9 +635,8 @@ def moe_reference(args, device):
 
     def loss_of(m, x, y, n_tok):
         if next(steps) > 0:
-            update_biases(
-                layers, args.bias_rate, None
-            )  # the update after step - 1, before this step routes
+            # the update after step - 1, before this step routes
+            update_biases(layers, args.bias_rate, None)
         return lm_loss(m(x), y, n_tok) + args.seq_aux_weight * aux_share(m, args.batch_size)
 
     ref = reference_train(args, device, model=model, loss_of=loss_of)

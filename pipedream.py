@@ -225,10 +225,10 @@ class StageRunner:
         self.group = group
         self.observe = observe
         if s < 0:
+            # ranks in the group
             raise ValueError(
                 "this rank is not in the pipeline's group: make StageRunners on its ranks only"
             )
-        # ranks in the group
         self.prev, self.next = (
             s - 1 if s > 0 else None,
             s + 1 if s < p - 1 else None,
@@ -700,13 +700,11 @@ def report(d, args, observer, comm, bounds, steps_run, segments):
     if d.rank != 0 or not steps_run:
         return figures
     sync = mode == "flush"
-    shown = (
-        [e for e in events if e["mb"] // m == args.steps - 1] if sync else events
-    )  # the last step, or all
+    # the last step, or all
+    shown = [e for e in events if e["mb"] // m == args.steps - 1] if sync else events
     lo, hi = min(e["start"] for e in shown), max(e["end"] for e in shown)
-    n, drains = (
-        (m, 1) if sync else (args.steps * m, segments)
-    )  # micro-batches between drains; drains shown
+    # micro-batches between drains; drains shown
+    n, drains = (m, 1) if sync else (args.steps * m, segments)
     theory = drains * (p - 1) / ((m if sync else steps_run * m) + drains * (p - 1))
     formula = (
         "(p-1)/(m+p-1)" if sync else "S(p-1)/(steps*m+S(p-1)), S drains in the run (-> 0 steady)"
@@ -718,14 +716,12 @@ def report(d, args, observer, comm, bounds, steps_run, segments):
         for k in "FB"
         if (es := [e for e in shown if e["kind"] == k])
     }  # mean measured T_F, T_B
-    idle_theory = (
-        drains * (p - 1) * (op_ms["F"] + op_ms["B"])
-    )  # each stage waits p-1 F's and p-1 B's
+    # each stage waits p-1 F's and p-1 B's
+    idle_theory = drains * (p - 1) * (op_ms["F"] + op_ms["B"])
     alive = [min(p - s, n) for s in range(p)]
     sent = [r[2] / (1 if sync else steps_run) for r in every]
-    b_bytes = (
-        args.batch_size // m * args.seq_len * args.d_model * DTYPES[args.dtype].itemsize
-    )  # (b, T, D)
+    # (b, T, D)
+    b_bytes = args.batch_size // m * args.seq_len * args.d_model * DTYPES[args.dtype].itemsize
     sent_theory = [m * (b_bytes + 8 * TAG) * ((s > 0) + (s < p - 1)) for s in range(p)]
     kept = {"2bw": [2] * p, "stash": [min(p, n)] * p if args.vertical_sync else alive}.get(
         mode, [1] * p
@@ -816,9 +812,8 @@ def simulate_rule(args, p, device="cpu", log=lambda line: None):
     for step in range(args.steps):
         x, y = data.batch(step, args.batch_size, args.seq_len, args.ragged)
         n_tok, step_loss = count_tokens(y), 0.0
-        for j, (xj, yj) in enumerate(
-            zip(x.chunk(m), y.chunk(m))
-        ):  # (b, T) micro-batches; 2bw: one (B, T)
+        # (b, T) micro-batches; 2bw: one (B, T)
+        for j, (xj, yj) in enumerate(zip(x.chunk(m), y.chunk(m))):
             k = step * m + j
             w = {n: history[max(0, k - lag[n])][n] for n in names}
             loss = lm_loss(

@@ -725,10 +725,10 @@ def main():
     run = Run(d, args, {"model": chunks, "optim": opt, "zero": shard})
     norms = run.history.get("norms", [])
     watch = Watch(d, args, coords)  # times every F and B
+    # every activation and gradient between chunks
     comm = CommCounter(
         axes={"tp": tp_group, "cp": cp_group, "dp_cp": dp_cp_group, "pp": pp_group}, log=True
     )
-    # every activation and gradient between chunks
     msg_shape = (b, args.seq_len // cp, args.d_model)
     runner = PipelineRank(mine, pp_group, m, msg_shape, dtype, d.device, observe=watch)
     watch.runner = runner  # what it holds to B, for the counted peak
@@ -898,15 +898,13 @@ def report(d, args, dp, watch, comm):
     per_rank = {
         tuple(int(x) for x in r[0, :4]): dict(zip(mine, (int(x) for x in r[0, 4:]))) for r in rows
     }
-    comm_bytes = max(
-        c["comm_bytes"] for c in per_rank.values()
-    )  # bytes handed per step, the busiest rank
+    # bytes handed per step, the busiest rank
+    comm_bytes = max(c["comm_bytes"] for c in per_rank.values())
     if d.rank != 0 or not events:
         return {}, comm_bytes
     for e in events:
-        e["recv"] = (
-            None if e["recv"] < 0 else e["recv"]
-        )  # -1: the op started from tokens, its loss or its B
+        # -1: the op started from tokens, its loss or its B
+        e["recv"] = None if e["recv"] < 0 else e["recv"]
     last = [
         e for e in events if e["step"] == events[-1]["step"] and e["dp"] == e["cp"] == e["tp"] == 0
     ]
@@ -1009,9 +1007,8 @@ def full_model(d, args, chunks, coords):
     owned, pieces = {}, {}
     for n, q in chunks.named_parameters():
         if dp_rank == cp_rank == 0 and (getattr(q, "tp_split", False) or tp_rank == 0):
-            owned[n.split(".", 1)[1] + (f"#{tp_rank}" if tp_dim(n) is not None else "")] = (
-                q  # "3.blocks.."
-            )
+            # "3.blocks.."
+            owned[n.split(".", 1)[1] + (f"#{tp_rank}" if tp_dim(n) is not None else "")] = q
     for n, shape in shapes.items():
         k = tp_dim(n)
         pieces.update(

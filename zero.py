@@ -136,15 +136,13 @@ LOW = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 @dataclass
 class Args(CommonArgs):
-    stage: int = (
-        0  # ZeRO stage: 0 data parallel, 1 shard optimizer state, 2 +gradients, 3 +parameters
-    )
+    # ZeRO stage: 0 data parallel, 1 shard optimizer state, 2 +gradients, 3 +parameters
+    stage: int = 0
     replicate: int = 1  # HSDP: R copies of the model, each sharded over world/R ranks (stages 1-3)
     accum: int = 1  # micro-batches per rank per optimizer step (gradient accumulation)
     offload: bool = False  # master shard, Adam moments and AdamW in CPU memory (ZeRO-Offload)
-    mixed_precision: Literal["none", "bf16", "fp16"] = (
-        "none"  # compute copy's dtype; master: --dtype
-    )
+    # compute copy's dtype; master: --dtype
+    mixed_precision: Literal["none", "bf16", "fp16"] = "none"
     loss_scale: float = 65536.0  # fp16: initial dynamic loss scale
     scale_window: int = 1000  # fp16: double the loss scale after this many clean steps in a row
 
@@ -172,9 +170,8 @@ class GatherParams(torch.autograd.Function):
     def backward(ctx, grad_full):
         # (N*S,) global: this rank's micro-batch gradient of the whole unit
         ctx.unit.zero.reduce_grad(ctx.unit, grad_full)
-        ctx.unit.gathered = (
-            None  # the copy gathered again for backward is no longer needed: free it
-        )
+        # the copy gathered again for backward is no longer needed: free it
+        ctx.unit.gathered = None
         return None, None
 
 

@@ -311,10 +311,10 @@ class PipelineRank:
         self.waiting = {}
         peers = {q for step, *what in plan if step == "p2p" for q, _ in what[0] + what[1]}
         if dist.get_rank(group) < 0 or not peers <= set(range(dist.get_world_size(group))):
+            # micro-batches the plan runs
             raise ValueError(
                 f"the plan's peers {sorted(peers)} are not in the group: plan for p = its size"
             )
-        # micro-batches the plan runs
         self.m = 1 + max(op[2] for step, op, *_ in plan if step == "op")
 
     def run(self, inputs, targets, loss_fn):
@@ -665,9 +665,8 @@ def report(d, args, p, watch, comm, bounds, holder):
     if d.rank != 0 or not events:
         return figures
     for e in events:
-        e["recv"] = (
-            None if e["recv"] < 0 else e["recv"]
-        )  # -1: the op started from tokens, its loss or its B
+        # -1: the op started from tokens, its loss or its B
+        e["recv"] = None if e["recv"] < 0 else e["recv"]
     last = [e for e in events if e["step"] == events[-1]["step"] and e["dp"] == 0]
     lo, hi = min(e["start"] for e in last), max(e["end"] for e in last)
     busy = [busy_ms(last, r, lo, hi, key="pp") for r in range(p)]

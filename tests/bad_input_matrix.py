@@ -27,9 +27,8 @@ def load(file):
         name = "matrix_" + Path(file).stem
         spec = importlib.util.spec_from_file_location(name, ROOT / file)
         mod = importlib.util.module_from_spec(spec)
-        sys.modules[name] = (
-            mod  # parse_args reads the module's docstring and its Args source through it
-        )
+        # parse_args reads the module's docstring and its Args source through it
+        sys.modules[name] = mod
         spec.loader.exec_module(mod)
 
         def no_exit(ok=True):  # a case that passed every check must not os._exit this runner
@@ -44,9 +43,8 @@ def load(file):
 for case in json.load(open(sys.argv[1])):
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
         os.environ.pop(k, None)
-    if case["world"] > 1 or case.get(
-        "torchrun"
-    ):  # as torchrun starts it (torchrun sets them at world 1 too)
+    # as torchrun starts it (torchrun sets them at world 1 too)
+    if case["world"] > 1 or case.get("torchrun"):
         os.environ.update(
             RANK=str(case["rank"]), LOCAL_RANK=str(case["rank"]), WORLD_SIZE=str(case["world"])
         )

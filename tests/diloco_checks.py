@@ -59,9 +59,8 @@ import section
 from common import GPT, GPTConfig, MarkovData, build_gpt, count_tokens, init_dist, lm_loss
 from dp_common import Checks, SmallNet, check_refused, check_unchecked_lets_through, net_batch
 
-core = types.SimpleNamespace(
-    **section.load("diloco.py")
-)  # the technique section alone, as a copier takes it
+# the technique section alone, as a copier takes it
+core = types.SimpleNamespace(**section.load("diloco.py"))
 
 d = init_dist(60)
 F64, B, STEPS = torch.float64, 12, 5
@@ -70,9 +69,8 @@ check = Checks(d)  # check(ok, what); check.finish() at the end
 
 # ----------------------------------------------------------------------------- 1. copy-out on another model
 Net = functools.partial(SmallNet, 5, d.device)  # nested modules, a root parameter, odd sizes
-batch = functools.partial(
-    net_batch, rows=B, seed=100, device=d.device
-)  # batch(step): (B, 7), (B, 3)
+# batch(step): (B, 7), (B, 3)
+batch = functools.partial(net_batch, rows=B, seed=100, device=d.device)
 
 
 def huber(m, x, y):  # the mean over the rows given
@@ -433,9 +431,8 @@ check(
 )
 
 real_rounded = diloco.rounded
-diloco.rounded = lambda delta, wire: (
-    delta
-)  # negative: a reference that does not round as the wire does
+# negative: a reference that does not round as the wire does
+diloco.rounded = lambda delta, wire: delta
 s = run_main(*STREAM, "--check")
 diloco.rounded = real_rounded
 check(

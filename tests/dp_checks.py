@@ -43,9 +43,8 @@ import section
 from common import GPT, GPTConfig, count_tokens, init_dist, lm_loss
 from dp_common import Checks, SmallNet, check_refused, check_unchecked_lets_through, net_batch
 
-core = types.SimpleNamespace(
-    **section.load("dp.py")
-)  # the technique section alone, as a copier takes it
+# the technique section alone, as a copier takes it
+core = types.SimpleNamespace(**section.load("dp.py"))
 
 d = init_dist(60)
 F64, B, STEPS, CLIP = torch.float64, 12, 5, 0.05  # clip low enough that every step clips
@@ -54,9 +53,8 @@ check = Checks(d)  # check(ok, what); check.finish() at the end
 
 # ----------------------------------------------------------------------------- a model that is not the GPT
 Net = functools.partial(SmallNet, 5, d.device)  # nested modules, a root parameter, odd sizes
-batch = functools.partial(
-    net_batch, rows=B, seed=100, device=d.device
-)  # batch(step): (B, 7), (B, 3)
+# batch(step): (B, 7), (B, 3)
+batch = functools.partial(net_batch, rows=B, seed=100, device=d.device)
 
 
 def huber(m, x, y):  # a sum over the rows given, divided by the rows of the whole batch
@@ -185,9 +183,8 @@ for name, policy, delay in (
         "is caught",
     )
     losses, used, ids = ([r[k] for r in reports] for k in range(3))
-    ref_l, ref_p = plain_training(
-        lambda t: int(ids[t]), lambda t: max(t - delay, 0)
-    )  # what the rule says
+    # what the rule says
+    ref_l, ref_p = plain_training(lambda t: int(ids[t]), lambda t: max(t - delay, 0))
     diff, loss_diff = (
         max_diff(model.parameters(), ref_p),
         max(abs(a - b) / b for a, b in zip(losses, ref_l)),
@@ -209,9 +206,8 @@ refused = section.refused  # (call, words) -> (refused before any collective, wh
 
 def unused_param_net():
     net = Net()
-    net.spare = nn.Parameter(
-        torch.zeros(2, dtype=F64, device=d.device)
-    )  # trainable, never in the loss
+    # trainable, never in the loss
+    net.spare = nn.Parameter(torch.zeros(2, dtype=F64, device=d.device))
     return net
 
 
@@ -261,9 +257,8 @@ check_unchecked_lets_through(check, "dp.py", bad_calls, core)
 summaries = []
 write_summary = harness.write_summary
 harness.write_summary = lambda *a, **k: summaries.append(write_summary(*a, **k)) or summaries[-1]
-harness.close_dist = dp.close_dist = lambda ok=True: (
-    None
-)  # main() returns instead of ending the process
+# main() returns instead of ending the process
+harness.close_dist = dp.close_dist = lambda ok=True: None
 dp.init_dist = lambda timeout=120: d
 TINY = [
     "--vocab",
@@ -343,9 +338,8 @@ kept, real_send = [], dp.Server._send
 
 def keep_every_send(self, w, *tensors):
     real_send(self, w, *tensors)
-    kept.extend(
-        self.sends[w]
-    )  # the bug: every send's work (and so its tensor) stays alive to the end
+    # the bug: every send's work (and so its tensor) stays alive to the end
+    kept.extend(self.sends[w])
 
 
 dp.Server._send = keep_every_send

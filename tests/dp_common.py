@@ -29,9 +29,8 @@ class Checks:
             print(f"{'ok  ' if ok else 'FAIL'} (rank {self.d.rank}) {what}", flush=True)
 
     def finish(self):
-        n_failed = torch.tensor(
-            [len(self.failures)], device=self.d.device
-        )  # each rank printed its own above
+        # each rank printed its own above
+        n_failed = torch.tensor([len(self.failures)], device=self.d.device)
         dist.all_reduce(n_failed)
         self.d.log(f"{int(n_failed)} CHECK(S) FAILED" if int(n_failed) else "ALL CHECKS PASSED")
         close_dist(ok=int(n_failed) == 0)

@@ -93,9 +93,8 @@ def story(ns, store, lease_store, rid):
     store.add("alive", 1)
     expected = lambda: int(store.add("alive", 0))  # noqa: E731  (the replicas the story has in)
     store.set(f"up/{rid}", "1")
-    for r in range(
-        R
-    ):  # all three start together (fault_tolerance.py: a first round waits for all R)
+    # all three start together (fault_tolerance.py: a first round waits for all R)
+    for r in range(R):
         store_wait(f"up/{r}")
     held, k, waited, corrupted = None, 0, False, False
     while rep.step < STEPS:
@@ -109,14 +108,12 @@ def story(ns, store, lease_store, rid):
             rep.version, k = -1, int(store.get("round"))  # where the rounds are now
             store.add("alive", 1)
             store.set("back", "1")
-        if (
-            rid != 2 and rep.step == 4 and not waited
-        ):  # (so that step 4 has it back: the story is fixed)
+        # (so that step 4 has it back: the story is fixed)
+        if rid != 2 and rep.step == 4 and not waited:
             store_wait("back")
             waited = True
-        if (
-            rid == 1 and rep.step == 6 and not corrupted
-        ):  # silent corruption: one weight, nothing fails
+        # silent corruption: one weight, nothing fails
+        if rid == 1 and rep.step == 6 and not corrupted:
             with torch.no_grad():
                 rep.params[0].view(-1)[0] += 1e-3
             corrupted = True
@@ -128,9 +125,8 @@ def story(ns, store, lease_store, rid):
             continue
         held = ns["quorum_group"](store, k - 1, members, me, held, WAIT, live)
         pg, newest = held[1], max(m.step for m in members)
-        bad, receivers, _ = ns["sync_state"](
-            pg, members, me, rep, newest % 3 == 0
-        )  # verify at 0, 3, 6
+        # verify at 0, 3, 6
+        bad, receivers, _ = ns["sync_state"](pg, members, me, rep, newest % 3 == 0)
         step, b = rep.step, rep.batch
         x, y = batch(b)
         mine = ns["local_grads"](rep.model, x, y, members, me, R, sq_loss, len)
@@ -145,9 +141,8 @@ def story(ns, store, lease_store, rid):
             held = None
             continue
         what = ns["apply_update"](rep, loss, spike, norm, CLIP, 2, 4)
-        if (
-            rid == members[0].rid
-        ):  # the record the reference replays (the test's, as fault_tolerance's Log)
+        # the record the reference replays (the test's, as fault_tolerance's Log)
+        if rid == members[0].rid:
             rids = ",".join(str(m.rid) for m in members)
             if what == "update":
                 store.set(f"upd/{step}", f"{b} {rids} {loss!r}")
@@ -185,9 +180,8 @@ def run_story(ns, store, lease_store, rid):
     loss_diff = max(abs(float(r[2]) - x) / abs(x) for r, x in zip(recs, ref_losses))
     param_diff = max((p.detach() - q).abs().max().item() for p, q in zip(rep.params, ref_params))
     store.set(f"diff/{rid}", repr(param_diff))
-    param_diff = max(
-        float(store.get(f"diff/{r}")) for r in range(R)
-    )  # (get waits for each replica's)
+    # (get waits for each replica's)
+    param_diff = max(float(store.get(f"diff/{r}")) for r in range(R))
     events = [store.get(f"event/{i}").decode() for i in range(1, store.add("events", 0) + 1)]
     return dict(batches=batches, members=members, events=events), loss_diff, param_diff
 

@@ -96,9 +96,8 @@ def _bound(nodes):
                 targets(e, line)
         elif isinstance(t, ast.Starred):
             targets(t.value, line)
-        elif isinstance(
-            t, (ast.Attribute, ast.Subscript)
-        ):  # X.y = / X[k] = : binds into X, at module level
+        # X.y = / X[k] = : binds into X, at module level
+        elif isinstance(t, (ast.Attribute, ast.Subscript)):
             root = t.value
             while isinstance(root, (ast.Attribute, ast.Subscript)):
                 root = root.value
@@ -255,9 +254,8 @@ def _run():
             optimizers.append(opt)
         index = next(i for i, o in enumerate(optimizers) if o is opt)
         params = [p.detach().cpu().clone() for g in opt.param_groups for p in g["params"]]
-        record["trajectory"].append(
-            (index, params)
-        )  # tiny models, a few steps: every step's parameters
+        # tiny models, a few steps: every step's parameters
+        record["trajectory"].append((index, params))
         save()
 
     register_optimizer_step_post_hook(stepped)

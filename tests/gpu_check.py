@@ -231,9 +231,8 @@ DILOCO = ["--inner-steps", 2, "--fragments", 2, "--overlap", 1]
 
 def extra_plan(w):
     """The modes review 2 (issue 31) found never run on a GPU, at world w >= 2: [(name, file, flags)]."""
-    half = max(
-        q for q in range(1, w) if w % q == 0
-    )  # the largest proper divisor: w / 2 when w is even
+    # the largest proper divisor: w / 2 when w is even
+    half = max(q for q in range(1, w) if w % q == 0)
     runs = [
         ("dp async free-running", "dp.py", ["--mode", "async"]),
         (
@@ -497,9 +496,8 @@ def launch(w, f, flags, cpu, env=None, restarts=0, timeout=300):
         sys.path.insert(0, str(ROOT / "tests"))
         import helpers
 
-        helpers.ENV = (
-            env  # the environment of this request (the server keeps the one it started with)
-        )
+        # the environment of this request (the server keeps the one it started with)
+        helpers.ENV = env
         try:
             return helpers.forked(f, w, *flags, timeout=timeout, max_restarts=restarts)
         except subprocess.TimeoutExpired as e:
@@ -564,9 +562,8 @@ def run_check(job, cpu, tmp, timeout):
 
 def losses(job, flags, cpu, tmp, tag, timeout, restart=False):
     """One run under the deterministic settings; its per-step losses (None if it failed)."""
-    tmp = tmp / re.sub(
-        r"\W+", "_", job["name"]
-    )  # each job its own checkpoints: never another job's resumed
+    # each job its own checkpoints: never another job's resumed
+    tmp = tmp / re.sub(r"\W+", "_", job["name"])
     tmp.mkdir(parents=True, exist_ok=True)
     path = tmp / f"{tag}.json"
     extra = (
@@ -762,9 +759,8 @@ def build(args, gpus):
         [args.world] if args.world else ([1] if args.one_gpu else sorted({gpus, 1}, reverse=True))
     )
     todo = [j for w in worlds for j in jobs(w, args.cpu, gpus)]
-    if (
-        args.cpu and not args.world and not args.one_gpu and gpus < 3
-    ):  # the straggler check tried on CPU too
+    # the straggler check tried on CPU too
+    if args.cpu and not args.world and not args.one_gpu and gpus < 3:
         todo.append(
             dict(
                 kind="stragglers",
@@ -896,9 +892,8 @@ def main(argv=None):
         gpus = args.for_gpus or args.world or (1 if args.one_gpu else 2)
     else:
         gpus = 0
-        if (
-            os.environ.get("CUDA_VISIBLE_DEVICES") != ""
-        ):  # set and empty: every GPU hidden, no import needed
+        # set and empty: every GPU hidden, no import needed
+        if os.environ.get("CUDA_VISIBLE_DEVICES") != "":
             import torch
 
             gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -928,9 +923,8 @@ def main(argv=None):
     t0, ran_est, skipped, tmp = time.time(), 0.0, [], Path(tempfile.mkdtemp(prefix="gpu_check"))
     for j in todo:
         spent = ran_est if args.dry_run else time.time() - t0
-        scale = (
-            spent / ran_est if ran_est and not args.dry_run else 1.0
-        )  # measured / estimated so far
+        # measured / estimated so far
+        scale = spent / ran_est if ran_est and not args.dry_run else 1.0
         est = estimate(j, where) * max(scale, 0.5)
         if spent + est > budget:
             skipped.append(j)

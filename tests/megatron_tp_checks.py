@@ -179,9 +179,8 @@ def unsharded(S, tp, group, net):
     linear that `net` built without one is returned apart, under its name: it must still be zero."""
     t, out, absent = dist.get_world_size(group), {}, {}
     for kind in ("weight", "bias"):
-        mine = getattr(
-            tp.gate_up, kind
-        )  # None: the layer dropped every bias (the old defect): count zeros
+        # None: the layer dropped every bias (the old defect): count zeros
+        mine = getattr(tp.gate_up, kind)
         mine = (
             tp.gate_up.weight.new_zeros(len(tp.gate_up.weight)) if mine is None else mine.detach()
         )
@@ -484,12 +483,10 @@ def main():
     # --- MLP and attention, plain and sequence parallel; then each conjugate operator broken ---
     cfg = GPTConfig(vocab=12, seq_len=T, d_model=D, n_heads=H, n_layers=1, dropout=0.0)
 
-    def run_layer(
-        par, x, w, sp
-    ):  # output, input grad, {name: gradient}, the counter of its collectives
-        x2 = (
-            (shard_of(x, 1) if sp else x).detach().clone().requires_grad_()
-        )  # (B, T/t, D) chunk under SP
+    # output, input grad, {name: gradient}, the counter of its collectives
+    def run_layer(par, x, w, sp):
+        # (B, T/t, D) chunk under SP
+        x2 = (shard_of(x, 1) if sp else x).detach().clone().requires_grad_()
         with counter() as comm:
             y = par(x2)
             (y * (shard_of(w, 1) if sp else w)).sum().backward()
@@ -503,9 +500,8 @@ def main():
                 mt.all_reduce(grads[n], group)
         return y, x2.grad, grads, comm
 
-    def expected(
-        par, ref, x, w, sp
-    ):  # the unsharded output, input grad and this rank's slice of its grads
+    # the unsharded output, input grad and this rank's slice of its grads
+    def expected(par, ref, x, w, sp):
         ref.zero_grad()
         x = x.detach().clone().requires_grad_()
         y = ref(x)
@@ -549,9 +545,8 @@ def main():
         ("attention", Attention, mt.ParallelAttention),
     ):
         ref = Full(cfg)
-        if (
-            name == "attention"
-        ):  # biased q, k, v (common.Attention has none): a dropped bias would show
+        # biased q, k, v (common.Attention has none): a dropped bias would show
+        if name == "attention":
             ref.q, ref.k, ref.v = (nn.Linear(D, D) for _ in range(3))
         for p in ref.parameters():  # nonzero biases, so a bias added t times would show
             nn.init.normal_(p, 0.0, 0.3)
@@ -577,9 +572,8 @@ def main():
                 if sp
                 else {"all_reduce/tp/fwd": 1, "all_reduce/tp/bwd": 1}
             )
-            bsd = (
-                B * T * D * es
-            )  # bytes of one (B, T, D) activation; an all-gather is handed 1/t of it
+            # bytes of one (B, T, D) activation; an all-gather is handed 1/t of it
+            bsd = B * T * D * es
             handed = (
                 {
                     "all_gather/tp/fwd": bsd // t,
@@ -614,9 +608,8 @@ def main():
                     worst[None],
                     torch.zeros(1),
                 )
-        if (
-            name == "attention"
-        ):  # an old forward, F.linear(x, weight), dropped the q/k/v biases (par: the SP one)
+        # an old forward, F.linear(x, weight), dropped the q/k/v biases (par: the SP one)
+        if name == "attention":
 
             def weights_only(self, x):
                 x = mt.all_gather(x, 1, group)
@@ -679,9 +672,8 @@ def main():
         True,
     )
 
-    def saves_gathered(
-        self, x
-    ):  # the defect, put back: F.linear on the gathered X (f_sp's output) keeps the gathered X
+    # the defect, put back: F.linear on the gathered X (f_sp's output) keeps the gathered X
+    def saves_gathered(self, x):
         return F.linear(mt.all_gather(x.detach(), 1, self.group), self.weight, self.bias)
 
     real, mt.SPColumnParallelLinear.forward = mt.SPColumnParallelLinear.forward, saves_gathered
@@ -739,12 +731,11 @@ def main():
         [(n, getattr(p, "tp_dim", None)) for n, p in gpt.named_parameters()],
         marks,
     )
+    # --- the gradient norm across shards, against its closed form; bfloat16 squares summed in float32 ---
+    # 300 replicated scalars with gradient 1 and one split tensor with gradient 1 in each of its 64 elements
     equal(
         "every parameter on the device", {p.device for p in gpt.parameters()}, {torch.device(dev)}
     )
-
-    # --- the gradient norm across shards, against its closed form; bfloat16 squares summed in float32 ---
-    # 300 replicated scalars with gradient 1 and one split tensor with gradient 1 in each of its 64 elements
     # per rank: norm^2 = 300 + 64 t, exact in float32. Summed in bfloat16, 256 + 1 rounds back to 256.
     bf = nn.ParameterList(
         nn.Parameter(torch.zeros((), dtype=torch.bfloat16, device=dev)) for _ in range(300)
@@ -754,13 +745,12 @@ def main():
     for p in bf:
         p.grad = torch.ones_like(p)
     want = torch.tensor(300.0 + 64 * t).float().sqrt()  # float32, as the norm is taken
+    # the defect, put back: squares summed in the gradients' own dtype
     close(
         "bfloat16 gradient norm vs sqrt(300 + 64 t)", mt.global_grad_norm(bf, group).cpu(), want, 0
     )
 
-    def bf16_sum(
-        model, tp_group
-    ):  # the defect, put back: squares summed in the gradients' own dtype
+    def bf16_sum(model, tp_group):
         params = list(model.parameters())
         split = mt.all_reduce(
             sum(p.grad.pow(2).sum() for p in params if hasattr(p, "tp_dim")), tp_group
@@ -800,23 +790,20 @@ def main():
         gw = torch.randn(N, device=dev)
         (grad_full,) = torch.autograd.grad((want * gw).sum(), logits)
         V_pad = V + (-V % t)
-        junk = torch.cat(
-            [logits.detach(), torch.full((N, V_pad - V), 50.0, device=dev)], 1
-        )  # big logits in the padding
+        # big logits in the padding
+        junk = torch.cat([logits.detach(), torch.full((N, V_pad - V), 50.0, device=dev)], 1)
         local = junk.chunk(t, 1)[r].clone().requires_grad_()
         got = mt.VocabParallelCrossEntropy.apply(local, target, V, group, *extra)
         tag = f"cross-entropy V={V} (pad {V_pad - V}, ignore {ignore})"
         close(f"{tag} loss", got, want)
         (got * gw).sum().backward()
         close(f"{tag} logits grad", local.grad, shard_of(grad_full, 1))
-        if (
-            V_pad > V
-        ):  # the padding is predictable if the mask is dropped: it must be what the mask does
+        # the padding is predictable if the mask is dropped: it must be what the mask does
+        if V_pad > V:
             unmasked = mt.VocabParallelCrossEntropy.apply(local, target, V_pad, group, *extra)
             differs(f"{tag} loss without the padding mask", unmasked, want)
-        if (
-            extra
-        ):  # the argument must be what ignores class 3: the default (-100) counts those targets
+        # the argument must be what ignores class 3: the default (-100) counts those targets
+        if extra:
             default = mt.VocabParallelCrossEntropy.apply(local, target, V, group)
             differs(f"{tag} loss with the default ignore index", default, want)
 
@@ -864,9 +851,8 @@ def main():
 
     # the fork is re-entrant (SPGPT runs its whole forward forked, and attention forks inside it): a nested fork
     # continues the per-rank stream and leaves the default one as it was; a flat fork (put back) restarts it
-    def draws(
-        tr, nested
-    ):  # 64 draws in a fork, 64 in a nested one, then 64 from the default stream
+    # 64 draws in a fork, 64 in a nested one, then 64 from the default stream
+    def draws(tr, nested):
         with tr.fork():
             a = torch.rand(64, device=dev)
             with tr.fork() if nested else contextlib.nullcontext():
@@ -903,9 +889,10 @@ def main():
     tr = mt.RNGTracker(dev, 0, 0, r)
     sp_gpt = mt.SPGPT(build_gpt(cfg_p, 0, torch.float64), group, tr).to(dev).train()
 
+    # (default stream advanced, per-rank stream advanced) by one forward
     def streams_drawn(
         forward,
-    ):  # (default stream advanced, per-rank stream advanced) by one forward
+    ):
         default, mine = tr.gen.get_state(), tr.tp_state
         forward(torch.zeros(B, T, dtype=torch.long, device=dev))
         return not torch.equal(tr.gen.get_state(), default), not torch.equal(tr.tp_state, mine)

@@ -206,12 +206,10 @@ def dispatch_combine(d, data, layouts):
             layer.row0 = d.rank * layer.group_rows
             dispatch, combine = route(layer, xg)
             n_assigned = dispatch.sum((2, 3))[..., None]  # (1, S, 1)
-            scale = torch.arange(
-                1, layer.E + 1, dtype=torch.float64, device=d.device
-            )  # expert i: x (i + 1)
-            with (
-                torch.no_grad()
-            ):  # my expert e's w1[e, 0, 0] holds its scale, read by the stand-in below
+            # expert i: x (i + 1)
+            scale = torch.arange(1, layer.E + 1, dtype=torch.float64, device=d.device)
+            # my expert e's w1[e, 0, 0] holds its scale, read by the stand-in below
+            with torch.no_grad():
                 layer.w1[:, 0, 0] = scale[lay.ep_rank * layer.El : (lay.ep_rank + 1) * layer.El]
             identity, scaled = (
                 (lambda h, *w: h),
@@ -225,9 +223,8 @@ def dispatch_combine(d, data, layouts):
             finally:
                 moe.mlps = real_mlps
             want_sc = torch.einsum("gsec,e->gs", dispatch, scale)[..., None] * xg
-            remote = dispatch.sum(
-                (0, 1, 3)
-            )  # tokens sent to each expert; some must live on other ranks
+            # tokens sent to each expert; some must live on other ranks
+            remote = dispatch.sum((0, 1, 3))
             remote = (
                 remote.sum() - remote[lay.ep_rank * layer.El : (lay.ep_rank + 1) * layer.El].sum()
             )
@@ -308,9 +305,8 @@ def hand_written(d):
         want[0, s, e, c] = 1
     g = logits.softmax(-1).topk(2).values
     g = g / g.sum(-1, keepdim=True)
-    token_gates = torch.tensor(
-        [[1.0, 1.0, 0.0, g[0, 3, 0].item()]], dtype=torch.float64
-    )  # token 3: its g1 only
+    # token 3: its g1 only
+    token_gates = torch.tensor([[1.0, 1.0, 0.0, g[0, 3, 0].item()]], dtype=torch.float64)
     gates_ok = torch.allclose(combine.sum((2, 3)), token_gates, atol=1e-15)
     expert, gate, keep, _ = moe.route_gshard(logits, torch.ones(1, 4, dtype=torch.float64))
     dispatch_u1, _ = moe.fill_slots(expert, gate, keep, C, 3)
@@ -330,13 +326,11 @@ def hand_written(d):
     )
     # Random routing frequency: 2 * g2 = 0.5 for every token, uniforms from a generator: ~half kept.
     n = 20000
-    lg = torch.tensor([math.log(3.0), 0.0, -30.0], dtype=torch.float64).expand(
-        1, n, 3
-    )  # g1, g2 = 3/4, 1/4
+    # g1, g2 = 3/4, 1/4
+    lg = torch.tensor([math.log(3.0), 0.0, -30.0], dtype=torch.float64).expand(1, n, 3)
     u = torch.rand(1, n, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
-    kept = (
-        moe.route_gshard(lg, u)[2][0, :, 1].sum().item() / n
-    )  # wanted 2nd choices (all on expert 1)
+    # wanted 2nd choices (all on expert 1)
+    kept = moe.route_gshard(lg, u)[2][0, :, 1].sum().item() / n
     check(
         d,
         "gshard random routing keeps the 2nd expert with probability 2*g2 = 0.5",
@@ -421,9 +415,8 @@ def balance(d):
     owner = dict(noisy_topk=0, gshard=1, switch=2, expert_choice=3)
     mine = [r for r in moe.ROUTERS if owner[r] % d.world == d.rank]
     for router in moe.ROUTERS:
-        out = torch.zeros(
-            4, dtype=torch.float64, device=d.device
-        )  # cv without, with, first LM, last LMs
+        # cv without, with, first LM, last LMs
+        out = torch.zeros(4, dtype=torch.float64, device=d.device)
         if router in mine:
             cvs, lms_of = {}, {}
             for w in (0.0, weight.get(router, 0.1)):
@@ -484,9 +477,8 @@ def bad_input(d, lay):
     g, axes = lay.ep_group, {"ep": lay.ep_group}
     x = lambda b: torch.randn(b, 3, 6, dtype=torch.float64, device=d.device)  # noqa: E731  (b, n, D)
 
-    def layer(
-        ns, experts=4, router=None, **kw
-    ):  # a layer of the section `ns`, its router built for `router`
+    # a layer of the section `ns`, its router built for `router`
+    def layer(ns, experts=4, router=None, **kw):
         gen = torch.Generator().manual_seed(0)
         router = ns["Switch"](6, experts, generator=gen) if router is None else router(ns, gen)
         return ns["MoE"](6, experts, router, ep_group=g, group_rows=2, generator=gen, **kw).to(

@@ -189,9 +189,8 @@ class ResidualMoEStack(nn.Module):
         super().__init__()
         self.gain = nn.Parameter(torch.ones(D))  # on the root module
         self.inp = nn.Linear(FEATURES, D)
-        gen = torch.Generator().manual_seed(
-            5
-        )  # the experts' initial weights: the same whatever the layout
+        # the experts' initial weights: the same whatever the layout
+        gen = torch.Generator().manual_seed(5)
         self.blocks = nn.ModuleList(nn.Sequential(nn.LayerNorm(D), layer(i, gen)) for i in range(2))
 
     def forward(self, x):  # (b, SEQ, FEATURES) -> (b, SEQ, D)

@@ -261,9 +261,8 @@ def balance(d):
     """One process each, rank 0 at bias rate 0 and rank 1 (rank 0 at world 1) at 0.01: train from a deliberately
     sharp router (x50); MaxVio over the last 10 of 30 steps. 0.01 moves the bias across the score gaps within
     30 steps, while 0.1 overshoots them every step and oscillates. The LM loss falls toward the Markov floor."""
-    out = torch.zeros(
-        2 + 2 * 30, dtype=torch.float64, device=d.device
-    )  # first, last LMs; MaxVio at 0 and 0.01
+    # first, last LMs; MaxVio at 0 and 0.01
+    out = torch.zeros(2 + 2 * 30, dtype=torch.float64, device=d.device)
     args = dict(
         vocab=32,
         seq_len=16,
@@ -426,9 +425,8 @@ def main():
     dropless(d, layouts)
     balance(d)
     resume_bias(d, data)
-    finish(
-        d, layouts, "test_moe_deepseek", bad_input
-    )  # the copy-out check is written in the test module
+    # the copy-out check is written in the test module
+    finish(d, layouts, "test_moe_deepseek", bad_input)
 
 
 if __name__ == "__main__":

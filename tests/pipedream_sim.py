@@ -66,9 +66,8 @@ def items_for(mode, p, m, steps, save_every, s, start=0):
 def simulate(queues):
     """'ok', or what went wrong: a deadlock (the items each rank is stuck in), a payload or a count mismatch."""
     seq, qs = collections.Counter(), []
-    for r, q in enumerate(
-        queues
-    ):  # number each message per (sender, receiver), as NCCL pairs them in order
+    # number each message per (sender, receiver), as NCCL pairs them in order
+    for r, q in enumerate(queues):
         out = []
         for kind, x in q:
             if kind == "batch":

@@ -131,9 +131,8 @@ def watch(pipedream, harness):
     to_device = pipedream.to_device
 
     def counted_to_device(m, device, *batch):
-        counts["copies"] += any(
-            t.numel() for t in batch
-        )  # check_args's call, on a batch of no data, copies none
+        # check_args's call, on a batch of no data, copies none
+        counts["copies"] += any(t.numel() for t in batch)
         return to_device(m, device, *batch)
 
     pipedream.to_device = counted_to_device
@@ -171,24 +170,21 @@ class Residual(nn.Module):
         return x + self.mix(self.norm(x))
 
 
-class Head(
-    nn.Module
-):  # (b, T, d) -> (b, out): a 2-D input into a Linear, root parameters, one of them 0-dim
+# (b, T, d) -> (b, out): a 2-D input into a Linear, root parameters, one of them 0-dim
+class Head(nn.Module):
     def __init__(self, d, out):
         super().__init__()
         self.shift = nn.Parameter(torch.full((out,), 0.1))
-        self.temp = nn.Parameter(
-            torch.tensor(1.5)
-        )  # shape (): its gradient is 0-dim too (issue 30, defect 4)
+        # shape (): its gradient is 0-dim too (issue 30, defect 4)
+        self.temp = nn.Parameter(torch.tensor(1.5))
         self.proj = nn.Linear(d, out, bias=False)
 
     def forward(self, x):
         return (self.proj(x.mean(1)) + self.shift) * self.temp
 
 
-TOY = dict(
-    widths=(5, 7, 11, 3), T=4, b=3, m=4, steps=3, lr=1e-2, clip=0.3
-)  # 3 stages, batch m * b = 12
+# 3 stages, batch m * b = 12
+TOY = dict(widths=(5, 7, 11, 3), T=4, b=3, m=4, steps=3, lr=1e-2, clip=0.3)
 
 
 def toy_stages(dtype=torch.float64):
@@ -216,9 +212,8 @@ def toy_data(dtype=torch.float64):
     ]
 
 
-def toy_loss(
-    out, y, n
-):  # not a cross-entropy: smooth L1, summed, over the global batch's element count
+# not a cross-entropy: smooth L1, summed, over the global batch's element count
+def toy_loss(out, y, n):
     return F.smooth_l1_loss(out, y, reduction="sum") / n
 
 
@@ -238,24 +233,23 @@ def copy_out(out_dir):
     assert dist.get_world_size() == 3, "copy-out runs three stages"
     data = toy_data()
 
+    # micro-batch k: (b, T, 5) inputs for stage 0; (b, 3) targets and the global count for the last
     def source(
         k,
-    ):  # micro-batch k: (b, T, 5) inputs for stage 0; (b, 3) targets and the global count for the last
+    ):
         x, y = data[k // m]
         j = slice(k % m * b, (k % m + 1) * b)
         return x[j], (y[j], y.numel())
 
-    pair = dist.new_group(
-        [2, 0], sort_ranks=False
-    )  # the two-stage pipeline: stage 0 on rank 2, 1 on rank 0
+    # the two-stage pipeline: stage 0 on rank 2, 1 on rank 0
+    pair = dist.new_group([2, 0], sort_ranks=False)
     for name in ("1f1b", "1f1b-no-zero-grad", "1f1b-2-stages"):
         group, cuts = (pair, [0, 2, 3]) if "2-stages" in name else (None, [0, 1, 2, 3])
         r, n = dist.get_rank(group), dist.get_world_size(group)  # this rank's stage, the stages
         if r < 0:  # rank 1 sits out the two-stage pipeline
             continue
-        dist.all_reduce(
-            torch.zeros(1), group=group
-        )  # the collective NCCL wants before batched point-to-point
+        # the collective NCCL wants before batched point-to-point
+        dist.all_reduce(torch.zeros(1), group=group)
         whole = nn.Sequential(*toy_stages())
         stage, ins, outs = (
             whole[cuts[r] : cuts[r + 1]],
@@ -263,9 +257,8 @@ def copy_out(out_dir):
             w[cuts[r + 1]],
         )  # toy stages [cut, next cut)
         policy = core["Flush"](stage, toy_optimizer(stage.parameters()), TOY["clip"], group=group)
-        if (
-            name == "1f1b-no-zero-grad"
-        ):  # broken on purpose: each step's gradient adds to the last one's
+        # broken on purpose: each step's gradient adds to the last one's
+        if name == "1f1b-no-zero-grad":
             policy.opt.zero_grad = lambda set_to_none=True: None
         runner = core["StageRunner"](
             policy,
@@ -350,9 +343,8 @@ class ZBNet(nn.Module):
         super().__init__()
         torch.manual_seed(0)
         self.scale = nn.Parameter(torch.linspace(0.5, 1.5, ZB["width"]))
-        self.temp = nn.Parameter(
-            torch.tensor(1.5)
-        )  # shape (): a 0-dim gradient to clip (issue 30, defect 4)
+        # shape (): a 0-dim gradient to clip (issue 30, defect 4)
+        self.temp = nn.Parameter(torch.tensor(1.5))
         self.inp = nn.Linear(ZB["n_in"], ZB["width"])
         self.blocks = nn.ModuleList(ZBResidual() for _ in range(ZB["blocks"]))
         self.out = nn.Linear(ZB["width"], ZB["n_out"])
@@ -405,9 +397,8 @@ def zb_batch(step):
     return toy_batch(step, ZB["b"], ZB["n_in"], ZB["n_out"])
 
 
-def zb_loss(
-    out, y
-):  # squared error summed, over the whole batch's elements: micro-batch losses add up
+# squared error summed, over the whole batch's elements: micro-batch losses add up
+def zb_loss(out, y):
     return ((out - y) ** 2).sum() / (ZB["b"] * ZB["n_out"])
 
 
@@ -422,9 +413,8 @@ def zb_copy_out(d, out_path):
 
     import section
 
-    zero_bubble = SimpleNamespace(
-        **section.load("zero_bubble.py")
-    )  # the section alone, as a copier takes it
+    # the section alone, as a copier takes it
+    zero_bubble = SimpleNamespace(**section.load("zero_bubble.py"))
     pp = dist.new_group([1, 0], sort_ranks=False)  # the pipeline: pp rank 0 on global rank 1
     p, m, steps, r = dist.get_world_size(pp), ZB["m"], ZB["steps"], dist.get_rank(pp)
     ref, losses_ref, norms_ref, grads0 = ZBNet(), [], [], None
@@ -457,9 +447,8 @@ def zb_copy_out(d, out_path):
         )
         if "never" in case:
             split.backward_weight = lambda saved: None
-        if (
-            "previous" in case
-        ):  # W of micro-batch k on k-1's saved (x, dy): k-1's weight gradient twice, k's never
+        # W of micro-batch k on k-1's saved (x, dy): k-1's weight gradient twice, k's never
+        if "previous" in case:
 
             def previous(saved, seen=[]):  # noqa: B006  (a memo kept across calls, on purpose)
                 real_w(seen[-1] if seen else saved)
@@ -480,9 +469,8 @@ def zb_copy_out(d, out_path):
             ]  # a W never run leaves its Linears without one:
             for q in missing:  # zeros, so that finish_batch runs and the comparison sees them
                 q.grad = torch.zeros_like(q)
-            loss, _ = zero_bubble.finish_batch(
-                params, loss, alone, pp, ZB["clip"]
-            )  # summed loss; clipped
+            # summed loss; clipped
+            loss, _ = zero_bubble.finish_batch(params, loss, alone, pp, ZB["clip"])
             losses.append(loss)
             if step == 0:
                 err = max(
@@ -553,9 +541,8 @@ def zb_bad_inputs(zb, pp, r):
 
 if __name__ == "__main__":
     case = sys.argv.pop(1)
-    if (
-        case == "zb-copy-out"
-    ):  # then zero_bubble.py's own main, in the same processes (no extra launch)
+    # then zero_bubble.py's own main, in the same processes (no extra launch)
+    if case == "zb-copy-out":
         import zero_bubble
         from common import init_dist
 
@@ -592,9 +579,8 @@ if __name__ == "__main__":
         pipedream.fail = lambda msg: None if "2bw needs m >= p" in msg else real_fail(msg)
 
         def unguarded(self, stage, opt, m, clip, group=None):
-            real_init(
-                self, stage, opt, max(m, int(os.environ["WORLD_SIZE"])), clip, group
-            )  # passes the guard
+            # passes the guard
+            real_init(self, stage, opt, max(m, int(os.environ["WORLD_SIZE"])), clip, group)
             self.m = m  # ... and then runs with m < p
 
         pipedream.TwoBW.__init__ = unguarded

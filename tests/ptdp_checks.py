@@ -61,9 +61,8 @@ class Net(nn.Module):
     def __init__(self):
         super().__init__()
         self.scale = nn.Parameter(torch.linspace(0.5, 1.5, D))  # a parameter on the root module
-        self.temp = nn.Parameter(
-            torch.tensor(1.5)
-        )  # shape (): a 0-dim gradient to clip (issue 30, defect 4)
+        # shape (): a 0-dim gradient to clip (issue 30, defect 4)
+        self.temp = nn.Parameter(torch.tensor(1.5))
         self.inp = nn.Linear(IN, D)
         self.blocks = nn.ModuleList(Residual() for _ in range(BLOCKS))
         self.out = nn.Linear(D, OUT)
@@ -96,17 +95,15 @@ class TPResidual(nn.Module):
         return x + core["g"].apply(F.linear(h, self.w2), self.group) + self.b2
 
 
-class NetChunk(
-    ToyChunk
-):  # its forward: inp * scale on the first chunk, the blocks, out * temp on the last
+# its forward: inp * scale on the first chunk, the blocks, out * temp on the last
+class NetChunk(ToyChunk):
     def __init__(self, full, c, n, group):
         super().__init__()
         self.first, self.last = c == 0, c == n - 1
         if self.first:
             self.scale, self.inp = full.scale, full.inp
-        self.blocks = nn.ModuleList(
-            TPResidual(full.blocks[i], group) for i in (c,)
-        )  # one block each
+        # one block each
+        self.blocks = nn.ModuleList(TPResidual(full.blocks[i], group) for i in (c,))
         if self.last:
             self.out, self.temp = full.out, full.temp
 
@@ -115,9 +112,8 @@ def batch(step):
     return toy_batch(step, B, IN, OUT)
 
 
-def loss_of(
-    out, y
-):  # squared error summed, over the whole batch's elements: micro-batch losses add up
+# squared error summed, over the whole batch's elements: micro-batch losses add up
+def loss_of(out, y):
     return ((out - y) ** 2).sum() / (B * OUT)
 
 
@@ -223,12 +219,10 @@ def copy_out(out_path):
             x, y = batch(step)
             with CommCounter(axes={"pp": pp_group, "tp": tp_group}) as comm:
                 loss = runner.run(list(x.view(M, -1, IN)), list(y.view(M, -1, OUT)), loss_of)
-                loss, _ = core["finish_batch"](
-                    params, loss, alone, tp_rank, CLIP, dist.group.WORLD
-                )  # clipped
-            counted = counted or dict(
-                comm.calls
-            )  # the positive control: the counter sees this code's traffic
+                # clipped
+                loss, _ = core["finish_batch"](params, loss, alone, tp_rank, CLIP, dist.group.WORLD)
+            # the positive control: the counter sees this code's traffic
+            counted = counted or dict(comm.calls)
             losses.append(loss)
             if step == 0:  # every local gradient against the same slice of the one-process gradient
                 err = max(
@@ -294,9 +288,8 @@ H4, T4, B4, HID4, LR4, CLIP4 = (
 )  # 2 heads of 3 over tp 2, 8 tokens over cp 2 (4 each)
 
 
-class Attn(
-    nn.Module
-):  # the attribute names TPBlock reads (common.Block's), in a model that is not the GPT
+# the attribute names TPBlock reads (common.Block's), in a model that is not the GPT
+class Attn(nn.Module):
     def __init__(self):
         super().__init__()
         self.q, self.k, self.v = (nn.Linear(D, D, bias=False) for _ in range(3))
@@ -347,9 +340,8 @@ def seq_batch(step):
     return x, torch.sin(x[..., :OUT] * 3).cumsum(1) / 4  # targets that need the tokens before
 
 
-def seq_loss(
-    out, y
-):  # summed over this rank's elements / the whole batch's count: the ranks' losses add up
+# summed over this rank's elements / the whole batch's count: the ranks' losses add up
+def seq_loss(out, y):
     return ((out - y) ** 2).sum() / (B4 * T4 * OUT)
 
 
@@ -397,9 +389,8 @@ def cp_copy_out(d):
         )
         losses = []
         for step in range(STEPS):
-            x, y = (
-                mod["zigzag"](z, cp, cp_rank) for z in seq_batch(step)
-            )  # (b, T/cp, ..) my tokens
+            # (b, T/cp, ..) my tokens
+            x, y = (mod["zigzag"](z, cp, cp_rank) for z in seq_batch(step))
             with CommCounter(axes={"tp": tp_group, "cp": cp_group}) as comm:
                 h = net.inp(x)
                 for b in blocks:
@@ -532,9 +523,10 @@ class Finished(Exception):
 
 
 def runs(d, spec, outdir):
+    # Run.finish ends a run through harness.close_dist: here the next run follows
     def no_exit(
         ok=True,
-    ):  # Run.finish ends a run through harness.close_dist: here the next run follows
+    ):
         raise Finished(ok)
 
     real_close, harness.close_dist = harness.close_dist, no_exit

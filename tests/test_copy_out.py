@@ -19,9 +19,8 @@ def test_section_needs_only_torch_and_einops(name):
         f"{name}'s technique section reads names it does not define: "
         f"{sorted(section.free_names(name))}"
     )
-    section.load(
-        name
-    )  # runs: its definitions, defaults and class bodies evaluate with torch and einops alone
+    # runs: its definitions, defaults and class bodies evaluate with torch and einops alone
+    section.load(name)
 
 
 @pytest.mark.parametrize("name", TECHNIQUES)
@@ -50,9 +49,8 @@ def test_the_checks_catch_what_they_are_for():
         body = text[:start] + line + "\n\n\n" + text[start:]
         return imports + body if imports else body
 
-    assert not section.free_names("x.py", text) and not section.ungrouped(
-        "x.py", text
-    )  # the unbroken sample passes
+    # the unbroken sample passes
+    assert not section.free_names("x.py", text) and not section.ungrouped("x.py", text)
     assert "IGNORE" in section.free_names(
         "x.py", with_("# " + "-" * 20 + "\ndef loss(y):\n    return y != IGNORE")
     )

@@ -100,10 +100,10 @@ def test_restart_rebuilds_the_same_buckets(tmp_path):
     assert layouts[0] != layouts[1]  # the rebuild after step 0 changed the layout...
     # ...and the restart kept the rebuilt one
     assert rs["figures"]["bucket_order_per_step"] == layouts[2:]
+    # the bucket layout, checkpointed beside the model
     a, b = (
         torch.load(tmp_path / k / "rank0" / "step6.pt", weights_only=False) for k in ("full", "rs")
     )
-    # the bucket layout, checkpointed beside the model
     assert a["model"].keys() == b["model"].keys() and all(
         torch.equal(a["model"][n], b["model"][n]) for n in a["model"]
     )

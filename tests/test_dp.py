@@ -46,9 +46,8 @@ def test_sync_matches_reference(tmp_path, world, accum):
     )
     assert_matches_reference(s)
     n_tensors = len(list(GPT(TINY_CFG).parameters()))
-    assert (
-        s["figures"]["all_reduces_per_step"] == n_tensors
-    )  # counted at the calls: one per tensor, the naive way
+    # counted at the calls: one per tensor, the naive way
+    assert s["figures"]["all_reduces_per_step"] == n_tensors
 
 
 def test_world_2_ragged_accumulation_resume_and_restart(tmp_path):
@@ -208,9 +207,8 @@ def test_async_lockstep_equals_delayed_update_reference(tmp_path, world, D):
         max(t - D, 0) for t in range(n)
     ]  # exactly D stale after the start
     assert f["staleness_max"] == D
-    assert (
-        f["server_bytes_sent_per_update"] >= PARAM_BYTES
-    )  # measured at the sends: the weights, at least
+    # measured at the sends: the weights, at least
+    assert f["server_bytes_sent_per_update"] >= PARAM_BYTES
     assert f["sent_weight_copies_alive_max"] == min(world - 1, D + 1)  # one per pull in flight
     if world == 3:
         rs, out = torchrun(
@@ -239,9 +237,8 @@ def test_async_lockstep_equals_delayed_update_reference(tmp_path, world, D):
             for k in ("full", "rs")
         )
         assert all(torch.equal(a[k], b[k]) for k in a)
-    if (
-        D > 0
-    ):  # stale gradients are not synchronous training: the one-process sync reference differs
+    # stale gradients are not synchronous training: the one-process sync reference differs
+    if D > 0:
         sync, _ = torchrun("dp.py", 1, *TINY, "--steps", "6", tmp_path=tmp_path, name="sync")
         assert sync["losses"][0] == pytest.approx(s["losses"][0], rel=1e-12)  # both start from W_0
         assert max(abs(a - b) for a, b in zip(sync["losses"], s["losses"])) > 1e-4
@@ -262,9 +259,8 @@ def replay_async(used, batch_ids, lr):
     for v, b in zip(used, batch_ids):
         stale.load_state_dict(versions[v])
         x, y = data.batch(b, 12, 8)
-        loss = F.cross_entropy(
-            stale(x).flatten(0, 1), y.flatten()
-        )  # no padding: the mean over tokens
+        # no padding: the mean over tokens
+        loss = F.cross_entropy(stale(x).flatten(0, 1), y.flatten())
         for p, g in zip(model.parameters(), torch.autograd.grad(loss, list(stale.parameters()))):
             p.grad = g
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -301,17 +297,14 @@ def test_async_free_running_holds_a_staleness_bound_below_workers(tmp_path):
     assert max(stale) <= 1 == f["staleness_bound"] and f["staleness_max"] == max(stale), stale
     assert max(stale) == 1  # two in flight: gradients do arrive stale
     assert sorted(f["batch_ids"]) == list(range(30))  # every batch applied exactly once
-    assert (
-        f["sent_weight_copies_alive_max"] <= 2
-    )  # at most S + 1 pulls in flight, measured from outside
+    # at most S + 1 pulls in flight, measured from outside
+    assert f["sent_weight_copies_alive_max"] <= 2
     assert_matches_reference(s)  # dp.py's own replay
     replay = replay_async(f["used_versions"], f["batch_ids"], 1e-2)
-    assert (
-        max(abs(a - b) / b for a, b in zip(s["losses"], replay)) <= 1e-9
-    )  # each loss was computed on W_used
-    fresh = replay_async(
-        list(range(30)), f["batch_ids"], 1e-2
-    )  # negative: every gradient on the newest weights
+    # each loss was computed on W_used
+    assert max(abs(a - b) / b for a, b in zip(s["losses"], replay)) <= 1e-9
+    # negative: every gradient on the newest weights
+    fresh = replay_async(list(range(30)), f["batch_ids"], 1e-2)
     assert max(abs(a - b) / b for a, b in zip(s["losses"], fresh)) > 1e-6
     first, last = sum(s["losses"][:5]) / 5, sum(s["losses"][-5:]) / 5
     assert last < first - 0.2, s["losses"]
@@ -323,9 +316,8 @@ def test_bad_input_exits_2_with_one_line():
         (["--mode", "nope"], ["--mode", "nope"]),
         (["--mode", "async"], ["async", "nproc_per_node"]),
     ]:
-        p = run_python(
-            "dp.py", *args, timeout=120
-        )  # a bound against a hang; 30 s timed out at load 25
+        # a bound against a hang; 30 s timed out at load 25
+        p = run_python("dp.py", *args, timeout=120)
         assert_bad_input(p, 1, words)
     p = torchrun_bad_input("dp.py", 2, "--batch-size", "7", timeout=120)
     assert_bad_input(p, 2, ["--batch-size 7", "divisible"])

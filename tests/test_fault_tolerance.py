@@ -100,9 +100,8 @@ def pids(s):
 def measured_failure(s, replica, step):
     (f,) = s["figures"]["failures"]
     assert f["replica"] == replica and f["step"] == step, f
-    assert 0 < f["ms_to_next_commit"] < 600_000, (
-        f
-    )  # measured from the kill's timestamp to the commit
+    # measured from the kill's timestamp to the commit
+    assert 0 < f["ms_to_next_commit"] < 600_000, f
     return f
 
 
@@ -354,9 +353,8 @@ def test_lost_coordinator_ends_every_replica_with_one_line(tmp_path):
             if line.startswith("step    1 "):
                 break
         p.kill()  # the launcher, and with it the coordinator's store
-        out, err = p.communicate(
-            timeout=180
-        )  # returns once every replica (holding the pipes) has exited
+        # returns once every replica (holding the pipes) has exited
+        out, err = p.communicate(timeout=180)
     finally:
         for q in processes_of(marker):
             os.kill(q, 9)
@@ -562,14 +560,12 @@ def test_recovery_sends_each_tensor_in_its_own_dtype():
     wire_ok = lambda sent, nbytes: sent[0] == sent[1] == one * 2 and nbytes == state_bytes  # noqa: E731
     sent, nbytes, src, dst = recovery_wire(section.load("fault_tolerance.py"), steps)
     assert wire_ok(sent, nbytes) and state_bytes == 388, (sent, nbytes)
-    for a, b in itertools.zip_longest(
-        src.full(), dst.full()
-    ):  # (bit for bit, dtype too; the NaN padding)
+    # (bit for bit, dtype too; the NaN padding)
+    for a, b in itertools.zip_longest(src.full(), dst.full()):
         torch.testing.assert_close(b, a, rtol=0, atol=0, equal_nan=True)
     assert (dst.version, dst.step, dst.batch, dst.losses) == (3, 1, 2, [0.25])
-    assert all(
-        t.device.type == "cpu" for t in dst.snapshot
-    )  # (the rollback snapshot stays on the host)
+    # (the rollback snapshot stays on the host)
+    assert all(t.device.type == "cpu" for t in dst.snapshot)
     mutant = section.load("fault_tolerance.py")
     float64_flattening(mutant)
     sent64, nbytes64, src, dst = recovery_wire(mutant, steps)
@@ -663,12 +659,12 @@ def test_bad_input_is_one_line_and_exit_2(flags, words):
     """The launcher, and a replica as the launcher starts it (before it touches the coordinator)."""
     p = run_python("fault_tolerance.py", *TINY, *flags)
     lines = (p.stdout + p.stderr).strip().splitlines()
+    # One use of every flag `--help` lists (with the companions it needs), each accepted by check_args.
     assert p.returncode == 2 and len(lines) == 1 and all(w in lines[0] for w in words), (
         p.stdout + p.stderr
     )
 
 
-# One use of every flag `--help` lists (with the companions it needs), each accepted by check_args.
 USES = """--steps 5|--batch-size 6|--seq-len 9|--vocab 40|--d-model 32|--n-layers 3|--n-heads 4|--lr 0.01
 |--weight-decay 0|--clip 0|--seed 1|--dtype float32|--ragged|--no-ragged|--check|--no-check|--json x.json
 |--ckpt-dir D --recipe restart --save-every 2|--save-every 2 --ckpt-dir D --recipe restart|--timeout 30
@@ -818,6 +814,7 @@ def test_no_minority_round_closes_or_commits():
     text = (ROOT / "fault_tolerance.py").read_text()
     for old, new in (NO_MAJORITY, NO_FENCE):
         assert text.count(old) == 1, old
+        # ----------------------------------------------------------------------------- signals sent from outside
         seen, alone, lone_committed = split_brain(
             section.load("fault_tolerance.py", text.replace(old, new))
         )
@@ -826,7 +823,6 @@ def test_no_minority_round_closes_or_commits():
         ), old
 
 
-# ----------------------------------------------------------------------------- signals sent from outside
 def replica_pid(marker, r):
     """The pid of replica r's live process in the launch whose --json is `marker` (None: there is none)."""
     for pid in processes_of(marker):
@@ -846,9 +842,8 @@ class Live:
         import threading
 
         self.marker = str(tmp_path / f"{name}.json")
-        first = (
-            list(map(str, args[:1])) if script else []
-        )  # (a mutant's NAME comes before the flags)
+        # (a mutant's NAME comes before the flags)
+        first = list(map(str, args[:1])) if script else []
         argv = [
             str(ROOT / (script or "fault_tolerance.py")),
             *first,
@@ -917,18 +912,16 @@ def every_replica_equals_the_replay(marker, s, args):
     ref = ft.replay_reference(a, s["figures"]["batches"], s["figures"]["members"])["params"]
     finals = [torch.load(f"{marker}.replica{r}.pt") for r in s["figures"]["final_members"]]
     worst = max((f[n] - p).abs().max().item() for f in finals for n, p in ref.items())
-    assert worst <= 1e-12, (
-        worst
-    )  # (float64: every replica is the replay, so each equals the others)
+    # (float64: every replica is the replay, so each equals the others)
+    assert worst <= 1e-12, worst
     return worst
 
 
 STRAGGLER = ["--replicas", 3, "--steps", 10, "--join-ms", 50, "--timeout", 20, "--check"]
 
 
-@pytest.mark.parametrize(
-    "run", range(1)
-)  # (one in the suite, for its time; six runs passed by hand)
+# (one in the suite, for its time; six runs passed by hand)
+@pytest.mark.parametrize("run", range(1))
 def test_a_straggler_in_bursts_never_forks_the_replicas(tmp_path, run):
     """Issue 39's fork, sent from outside: replica 2 paused and resumed in short bursts (SIGSTOP 60-150 ms,
     SIGCONT 30 ms, by pid) so that it misses --join-ms 50 windows by a little, round after round, for the

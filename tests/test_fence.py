@@ -65,9 +65,8 @@ def differences(normal, stubbed):
         )
     for key in sorted(set(normal) & set(stubbed)):
         a, b = normal[key], stubbed[key]
-        if b["losses"] and repr(a["losses"]) != repr(
-            b["losses"]
-        ):  # repr: nan (a stage without the loss) too
+        # repr: nan (a stage without the loss) too
+        if b["losses"] and repr(a["losses"]) != repr(b["losses"]):
             found.append(f"{key}: losses {a['losses']} as written, {b['losses']} stubbed")
         ta, tb = a["trajectory"], b["trajectory"]
         if len(ta) != len(tb):

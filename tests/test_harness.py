@@ -99,9 +99,8 @@ def test_comm_counter_sees_what_each_collective_hands_over(tmp_path, world):
     assert log["send/fwd"]["peer"] == 1 and log["send/fwd"]["tag"] == 1
     assert log["recv/fwd"]["peer"] == world - 1
     rows = [3 + q for q in range(world)]
-    assert log["all_to_all/fwd"]["to_others"] == 8 * 2 * (
-        sum(rows) - rows[0]
-    )  # the block to itself stays
+    # the block to itself stays
+    assert log["all_to_all/fwd"]["to_others"] == 8 * 2 * (sum(rows) - rows[0])
     # the check can fail: a counter that adds up every tensor argument gets other numbers
     real = {k.split("/")[0]: 0 for k in expected_table(world)}
     for k, v in expected_table(world).items():
@@ -136,12 +135,11 @@ def test_comm_counter_knows_every_communication_op_of_this_torch():
 
     names = [n.split("::") for n in torch._C._dispatch_get_all_op_names()]
     ops = {name for ns, name in names if ns in ("c10d", "_c10d_functional")}
+    # the check can fail
     assert len(ops) >= 35 and ops <= set(harness._OPS) | harness._NOT_TRAFFIC, ops - set(
         harness._OPS
     )
-    assert (
-        not ops <= set(harness._OPS) - {"recv_any_source_"} | harness._NOT_TRAFFIC
-    )  # the check can fail
+    assert not ops <= set(harness._OPS) - {"recv_any_source_"} | harness._NOT_TRAFFIC
 
 
 def test_saved_activations_and_live_storages():
@@ -331,9 +329,8 @@ def test_gpu_check_budget_and_rerun_verdicts(capsys, monkeypatch):
         )[1],
     )
     monkeypatch.setattr(gpu_check, "run_bench", lambda *a: timeouts.append("bench"))
-    run_same = (
-        gpu_check.run_same
-    )  # zero.py's restart pair: recorded here, its verdict is checked below
+    # zero.py's restart pair: recorded here, its verdict is checked below
+    run_same = gpu_check.run_same
     monkeypatch.setattr(
         gpu_check, "run_same", lambda job, cpu, tmp, deadline: timeouts.append("same")
     )
@@ -348,9 +345,8 @@ def test_gpu_check_budget_and_rerun_verdicts(capsys, monkeypatch):
         and "bench" not in timeouts
     ), out
     checks = [t for t in timeouts if t != "same"]
-    assert len(checks) == 2 and all(t <= 24 for t in checks), (
-        timeouts
-    )  # 2 zero.py runs, each <= 0.4 min
+    # 2 zero.py runs, each <= 0.4 min
+    assert len(checks) == 2 and all(t <= 24 for t in checks), timeouts
     job = dict(name="x", world=1, file="dp.py", a=[], b=[[]], restart=True)
 
     def verdict(a, b, again, killed=True):
@@ -363,12 +359,10 @@ def test_gpu_check_budget_and_rerun_verdicts(capsys, monkeypatch):
         return not gpu_check.FAILED
 
     assert verdict([4.0, 3.0], [4.0, 3.0], None)  # bit for bit: no third run
-    assert not verdict(
-        [4.0, 3.0], [4.0, 3.0 + 1e-9], [4.0, 3.0]
-    )  # reruns agree bit for bit: it may not
-    assert verdict(
-        [4.0, 3.0], [4.0, 3.0 + 1e-7], [4.0, 3.0 + 3e-8]
-    )  # within 10 x a measured spread
+    # reruns agree bit for bit: it may not
+    assert not verdict([4.0, 3.0], [4.0, 3.0 + 1e-9], [4.0, 3.0])
+    # within 10 x a measured spread
+    assert verdict([4.0, 3.0], [4.0, 3.0 + 1e-7], [4.0, 3.0 + 3e-8])
     assert not verdict([4.0, 3.0], [4.0, 3.1], [4.0, 3.0 + 3e-8])  # far outside it
     assert not verdict([4.0, 3.0], None, [4.0, 3.0])  # a restart that failed
     assert not verdict([4.0, 3.0], [4.0, 3.0], None, killed=False)  # equal, but nothing was killed

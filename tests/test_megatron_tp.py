@@ -63,9 +63,8 @@ def test_copy_out_and_layer_checks(tmp_path, nproc):
     _, out = torchrun("tests/megatron_tp_checks.py", nproc, tmp_path=tmp_path, timeout=240)
     assert "ALL CHECKS PASSED" in out, out[-6000:]
     assert "DTensor reference skipped" not in out, out[-3000:]
-    t, layouts = (
-        (2, 3) if nproc == 2 else (3, 2)
-    )  # t = 2: both biases, gate's only, up's only; t = 3: mixed
+    # t = 2: both biases, gate's only, up's only; t = 3: mixed
+    t, layouts = (2, 3) if nproc == 2 else (3, 2)
     assert out.count(f"copy-out: SwiGLU net at t = {t}") == 3 * layouts, out[
         -3000:
     ]  # x SP off / on / overlapped (ring)
@@ -110,9 +109,8 @@ def assert_tp_run(s, t, dp, sp, overlap=False, S=S, H=H):
             "bwd": (6 * L + 3) * (t - 1) * bsh * es // t,
         }
         assert f["tp_wire_bytes"] == wire, (f["tp_wire_bytes"], wire)
-    if (
-        t > 1 and overlap
-    ):  # each column / row layer's collective as t - 1 sends of a (b, S/t, H) chunk
+    # each column / row layer's collective as t - 1 sends of a (b, S/t, H) chunk
+    if t > 1 and overlap:
         for phase, rings in (("fwd", 4 * L + 1), ("bwd", 6 * L + 2)):  # bwd: column 2, row 1
             steps = rings * (t - 1)
             assert counted[f"send/tp/{phase}"] == [steps, steps * bsh // t, steps * bsh // t * es]
@@ -120,9 +118,8 @@ def assert_tp_run(s, t, dp, sp, overlap=False, S=S, H=H):
         assert counted["reduce_scatter/tp/fwd"] == [1, bsh, bsh * es]  # the embedding's g_sp
         assert counted["all_gather/tp/bwd"] == [1, bsh, bsh * es // t]
         assert not {"all_gather/tp/fwd", "reduce_scatter/tp/bwd"} & counted.keys(), counted
-    elif (
-        t > 1
-    ):  # the paper's count, written here independently; bytes handed: an all-gather gets its 1/t chunk
+    # the paper's count, written here independently; bytes handed: an all-gather gets its 1/t chunk
+    elif t > 1:
         if sp:
             assert counted["all_gather/tp/fwd"] == [n, n * bsh, n * bsh * es // t], counted
             assert (
@@ -130,9 +127,10 @@ def assert_tp_run(s, t, dp, sp, overlap=False, S=S, H=H):
                 == counted["reduce_scatter/tp/bwd"]
                 == [n, n * bsh, n * bsh * es]
             )
+            # + re-gathers
             assert counted["all_gather/tp/bwd"] == [2 * n, 2 * n * bsh, 2 * n * bsh * es // t], (
                 counted
-            )  # + re-gathers
+            )
             assert "all_reduce/tp/bwd" not in counted
         else:
             assert counted["all_reduce/tp/bwd"] == [n, n * bsh, n * bsh * es], counted

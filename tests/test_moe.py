@@ -88,11 +88,11 @@ def test_replicas_x_ep_gshard_figures(tmp_path):
     assert all(0 <= l <= f["groups"] * f["capacity"] for l in load), f  # never past G x C slots
     assert f["expert_load_theory_balanced"] == tokens * 2 / cfg["experts"]
     # a token with no expert lost at least one of its (at most 2) wanted assignments
+    # 4 all-to-alls per MoE layer per step (dispatch, combine, and their backward), each sending the
+    # (E, G/W, C, D) buffer's other-rank half: 4 x 1 x (1/2) x 4 x 1 x 12 x 16 x 8 bytes.
     assert (
         0 <= f["dropped_frac"] < 1 and f["tokens_without_expert_frac"] <= 2 * f["dropped_frac"]
     ), f
-    # 4 all-to-alls per MoE layer per step (dispatch, combine, and their backward), each sending the
-    # (E, G/W, C, D) buffer's other-rank half: 4 x 1 x (1/2) x 4 x 1 x 12 x 16 x 8 bytes.
     assert (
         s["comm_bytes"]
         == f["alltoall_bytes_per_step"]
@@ -283,12 +283,10 @@ def noisy_topk_diff(k=2):
 
 
 def test_noisy_topk_by_hand(monkeypatch):
-    assert (
-        noisy_topk_diff() < 1e-9
-    )  # moe.cv_squared's 1e-10 guard on mean^2 (0.56 here) is the 2e-10
-    with (
-        monkeypatch.context() as m
-    ):  # broken: the load threshold counts the expert itself among the top k
+    # moe.cv_squared's 1e-10 guard on mean^2 (0.56 here) is the 2e-10
+    assert noisy_topk_diff() < 1e-9
+    # broken: the load threshold counts the expert itself among the top k
+    with monkeypatch.context() as m:
         m.setattr(
             moe,
             "smooth_load",
@@ -311,13 +309,11 @@ def all_experts_chosen_grads():
 
 
 def test_noisy_topk_with_every_expert_chosen(monkeypatch):
-    load, grads = (
-        all_experts_chosen_grads()
-    )  # gpu_check's 2 experts, top-2: NaN from step 1 before the fix
+    # gpu_check's 2 experts, top-2: NaN from step 1 before the fix
+    load, grads = all_experts_chosen_grads()
     assert torch.equal(load, torch.ones_like(load)) and torch.isfinite(grads).all()
-    with (
-        monkeypatch.context() as m
-    ):  # broken: the old margin to a k+1-th expert of -inf (0 x inf in backward)
+    # broken: the old margin to a k+1-th expert of -inf (0 x inf in backward)
+    with monkeypatch.context() as m:
         m.setattr(moe, "smooth_load", lambda c, s, H, k: torch.special.ndtr((c + math.inf) / s))
         assert not torch.isfinite(all_experts_chosen_grads()[1]).all()
 
@@ -355,14 +351,12 @@ def gshard_diff():
 def test_gshard_by_hand(monkeypatch):
     assert gshard_diff() < 1e-12
     route, balance = moe.route_gshard, moe.balance_loss
-    with (
-        monkeypatch.context() as m
-    ):  # broken: random routing keeps the 2nd expert with probability g2
+    # broken: random routing keeps the 2nd expert with probability g2
+    with monkeypatch.context() as m:
         m.setattr(moe, "route_gshard", lambda logits, u: route(logits, 2 * u))
         assert gshard_diff() > 1e-2
-    with (
-        monkeypatch.context() as m
-    ):  # broken: P_e from the 1st-choice mask instead of the router's gates
+    # broken: P_e from the 1st-choice mask instead of the router's gates
+    with monkeypatch.context() as m:
         m.setattr(
             moe, "balance_loss", lambda probs, top1: balance(F.one_hot(top1, 3).to(probs), top1)
         )
@@ -380,9 +374,8 @@ def test_second_choice_depends_on_later_tokens():
         *moe.route_gshard(group([[2.0, 1.0, -1.0], [-1.0, 1.0, 2.0]]), u)[:3], 1, 3
     )[0]
     assert later_takes_e1[0, 0, 1].sum() == 0 and later_takes_e2[0, 0, 1].sum() == 1
-    assert (
-        later_takes_e1[0, 0, 0].sum() == later_takes_e2[0, 0, 0].sum() == 1
-    )  # the 1st choice: served
+    # the 1st choice: served
+    assert later_takes_e1[0, 0, 0].sum() == later_takes_e2[0, 0, 0].sum() == 1
 
 
 SW_LOGITS = [
@@ -417,9 +410,8 @@ def switch_diff(alpha=1e-2, C=2):
     _, combine = moe.fill_slots(expert, gate, keep, C, N)
     if aux.requires_grad:
         (alpha * aux).sum().backward()
-    got_grad = (
-        torch.zeros_like(logits) if logits.grad is None else logits.grad
-    )  # no path: no gradient
+    # no path: no gradient
+    got_grad = torch.zeros_like(logits) if logits.grad is None else logits.grad
     return max(
         rel_diff(combine.sum(-1), gates),
         rel_diff(alpha * aux, alpha * N * sum(a * b for a, b in zip(f, P))),
@@ -434,9 +426,10 @@ def test_switch_by_hand(monkeypatch):
         m.setattr(moe, "balance_loss", lambda probs, top1: balance(probs.detach(), top1))
         assert switch_diff() > 1e-2
 
+    # broken: f counts the tokens that kept a slot (C = 2, as switch_diff's)
     def f_after_capacity(
         logits,
-    ):  # broken: f counts the tokens that kept a slot (C = 2, as switch_diff's)
+    ):
         expert, gate, keep, _ = route(logits)
         probs, N, T = logits.softmax(-1), logits.shape[-1], logits.shape[1]
         dispatch, _ = moe.fill_slots(expert, gate, keep, 2, N)
@@ -483,9 +476,8 @@ def test_expert_choice_by_hand(monkeypatch):
     def softmax_over_tokens(logits, C):  # broken: affinities normalised over the group's tokens
         probs = logits.softmax(1)  # (G, T, E)
         top = probs.topk(C, dim=1)  # (G, C, E)
-        dispatch = (
-            F.one_hot(top.indices, logits.shape[1]).permute(0, 3, 2, 1).to(probs)
-        )  # (G, T, E, C)
+        # (G, T, E, C)
+        dispatch = F.one_hot(top.indices, logits.shape[1]).permute(0, 3, 2, 1).to(probs)
         return dispatch, dispatch * top.values.transpose(1, 2)[:, None]
 
     with monkeypatch.context() as m:
@@ -501,9 +493,8 @@ def test_peak_memory_read_before_reference(monkeypatch, tmp_path):
     peak, reference = moe.peak_memory_bytes, moe.moe_reference
     monkeypatch.setattr(moe, "peak_memory_bytes", lambda *a: calls.append("peak") or peak(*a))
     monkeypatch.setattr(moe, "moe_reference", lambda *a: calls.append("reference") or reference(*a))
-    monkeypatch.setattr(
-        harness, "close_dist", lambda ok: calls.append(ok)
-    )  # Run.finish ends the run through it
+    # Run.finish ends the run through it
+    monkeypatch.setattr(harness, "close_dist", lambda ok: calls.append(ok))
     monkeypatch.setattr(
         sys,
         "argv",

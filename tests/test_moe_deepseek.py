@@ -99,9 +99,8 @@ def test_ep3_restart(tmp_path):
         [2 * tokens] * 2
     ] * 2, f  # steps 2, 3
     assert len(f["maxvio_per_step"]) == 2 and all(v >= 0 for v in f["maxvio_per_step"])
-    assert any(b != 0 for bias in f["expert_bias"] for b in bias) and len(f["expert_bias"]) == 2, (
-        f
-    )  # (at 0.02 it
+    # (at 0.02 it
+    assert any(b != 0 for bias in f["expert_bias"] for b in bias) and len(f["expert_bias"]) == 2, f
     # oscillates back to 0 in 4 steps: the tiny gates' score gaps are smaller than the rate)
     sent, expected = f["alltoall_bytes_per_rank"], f["alltoall_bytes_expected_per_rank"]
     assert sent == expected and min(sent) > 0 and len(set(sent)) > 1, (
@@ -109,9 +108,8 @@ def test_ep3_restart(tmp_path):
         expected,
     )  # uneven across ranks
     assert s["comm_bytes"] == sent[0] and f["counts_bytes_per_step"] == 2 * 6 * 8, f
-    assert (
-        len(s["losses"]) == len(f["lm_losses"]) == len(f["aux_losses"]) == 4
-    )  # the history resumes too
+    # the history resumes too
+    assert len(s["losses"]) == len(f["lm_losses"]) == len(f["aux_losses"]) == 4
     for total, lm, aux in zip(s["losses"], f["lm_losses"], f["aux_losses"]):
         assert abs(total - (lm + 0.01 * aux)) < 1e-12 and aux > 0
 
@@ -191,9 +189,8 @@ def loss_free_diff(k=2, n=2):
     scores = torch.tensor(LF_LOGITS, dtype=torch.float64).requires_grad_().sigmoid()
     expert, gate = ds.route(scores, bias, k)
     aux = ds.seq_balance_loss(scores, expert, n)
-    dense = torch.zeros_like(scores).scatter(
-        -1, expert, gate
-    )  # (N, E): each token's gate per expert
+    # (N, E): each token's gate per expert
+    dense = torch.zeros_like(scores).scatter(-1, expert, gate)
     weights = torch.arange(1.0, 5.0, dtype=torch.float64)  # any loss of the gates and the aux loss
     grad = torch.autograd.grad(
         (dense.sum(-1) * weights).sum() + (dense * dense).sum() + aux.sum(), bias, allow_unused=True
@@ -249,12 +246,10 @@ def test_bias_update_closed_form(monkeypatch):
     flat = lambda rows: [v for row in rows for v in row]  # noqa: E731
     ds.update_biases(layers, u, None)
     assert flat(l.expert_bias.tolist() for l in layers) == pytest.approx(flat(want()), abs=1e-15)
-    assert (
-        want()[0][2] == bias[0][2] and want()[1][1] == bias[1][1] + u
-    )  # at the mean: stays; below: up
-    for l, b in zip(
-        layers, bias
-    ):  # broken: the sign reversed (over-loaded experts made more attractive)
+    # at the mean: stays; below: up
+    assert want()[0][2] == bias[0][2] and want()[1][1] == bias[1][1] + u
+    # broken: the sign reversed (over-loaded experts made more attractive)
+    for l, b in zip(layers, bias):
         l.expert_bias = torch.tensor(b, dtype=torch.float64)
     monkeypatch.setattr(ds.torch, "sign", lambda t: t.neg().sign_())
     ds.update_biases(layers, u, None)
@@ -264,12 +259,11 @@ def test_bias_update_closed_form(monkeypatch):
 def test_ties_go_to_the_lower_expert_index(monkeypatch):
     """Review 2, R4: a near-tie that rounds to an exact tie on one device must route the same everywhere, so
     the top k of s + b breaks exact ties by index (torch.topk leaves their order to the kernel)."""
+    # expert 3's 0.7 + 0.2 leads token 0
     scores = torch.tensor(
         [[0.5, 0.7, 0.7, 0.7], [0.6, 0.6, 0.6, 0.6], [0.9, 0.1, 0.9, 0.1]], dtype=torch.float64
     )
-    bias = torch.tensor(
-        [0.0, 0.0, 0.0, 0.2], dtype=torch.float64
-    )  # expert 3's 0.7 + 0.2 leads token 0
+    bias = torch.tensor([0.0, 0.0, 0.0, 0.2], dtype=torch.float64)
     want = [[3, 1, 2], [3, 0, 1], [0, 2, 3]]
     assert ds.route(scores, bias, 3)[0].tolist() == want
     top_k = ds.top_k
@@ -300,9 +294,10 @@ def copy_out(d, lay, steps=3, aux_weight=0.1, bias_rate=0.05):
             c = m.wanted.double()
             m.expert_bias += bias_rate * torch.sign(c.mean() - c)
 
+    # the EP run's: the section's update, its counts summed over every rank
     def loss_free_by_section(
         model,
-    ):  # the EP run's: the section's update, its counts summed over every rank
+    ):
         core["update_biases"](core["moe_layers"](model), bias_rate, dist.group.WORLD)
 
     verdicts = []

@@ -51,9 +51,8 @@ CFG = [
     "--batch-size",
     "16",
 ]  # 4 blocks to split; 16 sequences = 4 or 8 micro-batches
-MB_BYTES = (
-    16 * 8 * 16 * 8
-)  # a whole batch's (B, T, D) float64 activations: what crosses a boundary per step
+# a whole batch's (B, T, D) float64 activations: what crosses a boundary per step
+MB_BYTES = 16 * 8 * 16 * 8
 WATCH = "watch"  # run through tests/pipeline_checks.py watch: where gradients land, tags against the schedule
 
 
@@ -153,12 +152,12 @@ def drained_between_steps(events, m):
     """True when every event of step t (on any stage) ends before any event of step t+1 starts."""
     steps = max(e["mb"] for e in events) // m + 1
     step_of = [[e for e in events if e["mb"] // m == t] for t in range(steps)]
+    # ----------------------------------------------------------------------------- no launch
     return all(
         max(e["end"] for e in a) <= min(e["start"] for e in b) for a, b in zip(step_of, step_of[1:])
     )
 
 
-# ----------------------------------------------------------------------------- no launch
 def test_split_and_schedule_rules():
     assert pipedream.split_layers(4, 3) == [
         (0, 2),
@@ -183,9 +182,8 @@ def test_split_and_schedule_rules():
                     peak = max(peak, alive)
                 assert peak == min(p - s, n)  # 1F1B: at most p - s alive
                 steady = ops[warm - 1 : len(ops) - (min(p - s, n) - 1)]
-                assert all(
-                    a[0] != b[0] for a, b in zip(steady, steady[1:])
-                )  # one F, one B, in turn
+                # one F, one B, in turn
+                assert all(a[0] != b[0] for a, b in zip(steady, steady[1:]))
     chunks = pipedream.split_at_step_ends(pipedream.one_f_one_b(12, 3, 0), 4)
     assert len(chunks) == 3 and [c[-1] for c in chunks] == [("B", 3), ("B", 7), ("B", 11)]
     assert ("F", 5) in chunks[
@@ -223,9 +221,8 @@ def test_norm_takes_no_float64_copy_of_a_gradient():
 def test_tag_check_catches_a_wrong_tag():
     """The watcher's check of the tags (tests/pipeline_checks.py), shown to fail: a tag whose version is not the
     sender's, or whose 2bw norm is not the one stage 0 knew, is reported; the right ones are not."""
-    expect = pipeline_checks.expected_tag(
-        "stash", False, 4, 4, 2, "F", 9, -1
-    )  # from stage 1: lag 2 -> 7
+    # from stage 1: lag 2 -> 7
+    expect = pipeline_checks.expected_tag("stash", False, 4, 4, 2, "F", 9, -1)
     assert expect == {0: 9, 1: 7}
     assert (
         pipeline_checks.tag_errors([(expect, torch.tensor([9.0, 7, 0, 0], dtype=torch.float64))])
@@ -236,9 +233,8 @@ def test_tag_check_catches_a_wrong_tag():
         0: 9,
         1: 6,
     }  # vertical sync
-    two = pipeline_checks.expected_tag(
-        "2bw", False, 3, 4, 1, "F", 10, -1
-    )  # stage 0 had batch 0's norm
+    # stage 0 had batch 0's norm
+    two = pipeline_checks.expected_tag("2bw", False, 3, 4, 1, "F", 10, -1)
     assert two == {0: 10, 1: 1, 2: 1} and pipeline_checks.tag_errors(
         [(two, torch.tensor([10.0, 1, 0, 5.0]))]
     )
@@ -253,9 +249,8 @@ def test_messages_pair_under_nccl_rules():
         if (r := pipedream_sim.simulate([pipedream_sim.items_for(*c, s) for s in range(c[1])]))
         != "ok"
     ]
-    assert (
-        bad == [] and len(list(pipedream_sim.configs())) == 315
-    )  # 3 modes x p 2..6 x m 1..8 x 3 runs
+    # 3 modes x p 2..6 x m 1..8 x 3 runs
+    assert bad == [] and len(list(pipedream_sim.configs())) == 315
     facing = [
         [("batch", [("S", 1, "x")]), ("batch", [("R", 1, "y")])],
         [("batch", [("S", 0, "y")]), ("batch", [("R", 0, "x")])],
@@ -280,13 +275,11 @@ def test_flush_matches_reference_and_obeys_1f1b(launch, key):
             (kind, t * m + k) for t in range(STEPS) for kind, k in one_step
         ]
     assert drained_between_steps(events, m)
-    assert all(
-        e["version"] == e["mb"] // m for e in events
-    )  # one optimizer step per step, after the drain
+    # one optimizer step per step, after the drain
+    assert all(e["version"] == e["mb"] // m for e in events)
     alive = [min(p - r, m) for r in range(p)]
-    assert (
-        f["peak_alive_microbatches"] == alive == [sweep(events, r)[0] for r in range(p)]
-    )  # p - s, not m
+    # p - s, not m
+    assert f["peak_alive_microbatches"] == alive == [sweep(events, r)[0] for r in range(p)]
     assert f["versions_kept"] == [1] * p and f["bubble_theory"] == pytest.approx(
         (p - 1) / (m + p - 1)
     )
@@ -295,12 +288,11 @@ def test_flush_matches_reference_and_obeys_1f1b(launch, key):
     assert f["sent_bytes_per_rank"] == [
         (MB_BYTES + tag) * ((r > 0) + (r < p - 1)) for r in range(p)
     ]
+    # ASCII timeline
     assert f["sent_bytes_per_rank"] == f["sent_bytes_theory"] and summary["comm_bytes"] == max(
         f["sent_bytes_per_rank"]
     )
-    assert all(
-        re.search(rf"^stage {r} \|[^|]*F[^|]*B[^|]*\|$", out, re.M) for r in range(p)
-    )  # ASCII timeline
+    assert all(re.search(rf"^stage {r} \|[^|]*F[^|]*B[^|]*\|$", out, re.M) for r in range(p))
 
 
 def test_stage_ms_bubble_near_theory(launch):
@@ -403,9 +395,8 @@ def test_copy_out_runner_on_a_model_that_is_not_the_gpt(copied_out):
         norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), toy["clip"]).item())
         opt.step()
         losses.append(loss.item())
-    assert min(norms) > toy["clip"], (
-        norms
-    )  # the clip scales every step's gradients, the 0-dim one among them
+    # the clip scales every step's gradients, the 0-dim one among them
+    assert min(norms) > toy["clip"], norms
     for name, ranks in (("1f1b", 3), ("1f1b-no-zero-grad", 3), ("1f1b-2-stages", 2)):
         runs = [
             torch.load(tmp_path / f"{name}-stage{r}.pt", weights_only=False) for r in range(ranks)
@@ -441,9 +432,8 @@ def test_cores_refuse_what_they_cannot_do(copied_out):
             copied_out / f"bad-rank{rank}.pt", weights_only=False
         ).items():
             seen.setdefault(what, []).append(rank)
-            if what.startswith(
-                "control"
-            ):  # a valid call: the same counter sees the broadcast it makes
+            # a valid call: the same counter sees the broadcast it makes
+            if what.startswith("control"):
                 assert error == "no error" and sum(calls.values()) == 1, (rank, what, error, calls)
                 continue
             assert error.startswith("ValueError") and all(w in error for w in BAD[what]), (
@@ -480,19 +470,15 @@ def test_stash_weight_stashing(launch):
     assert "against the one-process simulation of the stash rule" in out
     f, events = summary["figures"], summary["figures"]["events"]
     assert pipeline_schedule_errors(events, p, STEPS * m) == []
-    assert all(
-        executed(events, r) == pipedream.one_f_one_b(STEPS * m, p, r) for r in range(p)
-    )  # one stream
-    assert not drained_between_steps(
-        events, m
-    )  # no flush: step t+1's forwards start before step t's backwards end
+    # one stream
+    assert all(executed(events, r) == pipedream.one_f_one_b(STEPS * m, p, r) for r in range(p))
+    # no flush: step t+1's forwards start before step t's backwards end
+    assert not drained_between_steps(events, m)
     fwd = versions_of(events, "F")
-    assert (
-        stashing_errors(events) == []
-    )  # every backward's gradient on the version its forward read
-    assert all(
-        v == max(0, k - (p - r - 1)) for (r, k), v in fwd.items()
-    )  # stage s lags by its warm-up, p-s-1
+    # every backward's gradient on the version its forward read
+    assert stashing_errors(events) == []
+    # stage s lags by its warm-up, p-s-1
+    assert all(v == max(0, k - (p - r - 1)) for (r, k), v in fwd.items())
     assert (
         len({fwd[0, k] for k in range(STEPS * m)}) > 1 < len({fwd[1, k] for k in range(STEPS * m)})
     )
@@ -550,9 +536,8 @@ def test_stash_vertical_sync(launch):
     assert all(abs(a - b) > 1e-9 for a, b in zip(summary["losses"], plain["losses"]))
     args = Namespace(**summary["config"])
     flipped = pipedream.simulate_rule(Namespace(**{**vars(args), "vertical_sync": False}), p)
-    assert flipped["losses"] == pytest.approx(
-        plain["losses"], rel=1e-12
-    )  # the simulation of the other rule
+    # the simulation of the other rule
+    assert flipped["losses"] == pytest.approx(plain["losses"], rel=1e-12)
     assert all(abs(a - b) > 1e-9 for a, b in zip(flipped["losses"][1:], summary["losses"][1:]))
 
 
@@ -560,18 +545,16 @@ def test_stash_vertical_sync(launch):
 def test_2bw_delayed_update(launch):
     summary, out, _ = launch(*TWO_BW)
     p, m = 3, 4
-    assert_matches_reference(
-        summary
-    )  # against simulate_rule: W_{t+1} = AdamW(W_t, clip(grad at W_{t-1}))
+    # against simulate_rule: W_{t+1} = AdamW(W_t, clip(grad at W_{t-1}))
+    assert_matches_reference(summary)
     assert "against the one-process simulation of the 2bw rule" in out
     f, events = summary["figures"], summary["figures"]["events"]
     assert pipeline_schedule_errors(events, p, STEPS * m) == [] and not drained_between_steps(
         events, m
     )
     assert stashing_errors(events) == []  # each batch's gradient summed on the version it read
-    assert all(
-        e["version"] == max(e["mb"] // m - 1, 0) for e in events
-    )  # batch t reads update t-1, everywhere
+    # batch t reads update t-1, everywhere
+    assert all(e["version"] == max(e["mb"] // m - 1, 0) for e in events)
     assert f["versions_kept"] == [2] * p and all(sweep(events, r)[1] <= 2 for r in range(p))
     # the negative: synchronous training (the common reference, same config) agrees on batch 0, which reads W_0 in
     # both, and differs from batch 1 on, which 2BW still runs on W_0
@@ -667,12 +650,11 @@ def test_bad_input():
             "a batch of 16 does not cut into m = 3 equal micro-batches: use m = 2",
         ],
     )
+    # ZB-H1: zero_bubble.py
     one_error_line(
         as_rank(2, "--mode", "2bw", "--vertical-sync"), ["--vertical-sync belongs to --mode stash"]
     )
-    one_error_line(
-        as_rank(2, "--mode", "zb"), ["--mode", "invalid choice: 'zb'"]
-    )  # ZB-H1: zero_bubble.py
+    one_error_line(as_rank(2, "--mode", "zb"), ["--mode", "invalid choice: 'zb'"])
 
 
 @pytest.mark.parametrize(

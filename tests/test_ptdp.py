@@ -304,16 +304,13 @@ def test_schedule_counts_equal_theory(p, v, m):
     assert [i / (3 * v * m) for i in idle] == [
         pytest.approx((p - 1) / (v * m))
     ] * p  # ... = (p-1)/(v m) of busy
-    idle_sim, fwd = simulate_plan(
-        p, v, m, ptdp.comm_plan
-    )  # the plan, run under rendezvous semantics
-    assert (
-        fwd == [m * (v - (r == p - 1)) for r in range(p)] and sum(fwd) == (v * p - 1) * m
-    )  # 24 -> 56 at p 4, m 8
+    # the plan, run under rendezvous semantics
+    idle_sim, fwd = simulate_plan(p, v, m, ptdp.comm_plan)
+    # 24 -> 56 at p 4, m 8
+    assert fwd == [m * (v - (r == p - 1)) for r in range(p)] and sum(fwd) == (v * p - 1) * m
     if (p, v, m) == (4, 2, 8):
-        assert (
-            sum(fwd) == 56 and idle_sim == idle
-        )  # no wait beyond the ideal: messages never delay an op
+        # no wait beyond the ideal: messages never delay an op
+        assert sum(fwd) == 56 and idle_sim == idle
     for r in range(p):
         ops = ptdp.schedule(p, v, m, r)
         assert sorted(ops) == sorted(
@@ -363,9 +360,8 @@ def torch_order(p, v, m, r):
 def test_matches_torch_interleaved_1f1b(p, v, m, monkeypatch):
     for r in range(p):
         assert ptdp.schedule(p, v, m, r) == torch_order(p, v, m, r)
-    monkeypatch.setattr(
-        ptdp, "warmup", lambda p, v, m, r: min(p - r - 1, m)
-    )  # the negative: 1F1B's warm-up
+    # the negative: 1F1B's warm-up
+    monkeypatch.setattr(ptdp, "warmup", lambda p, v, m, r: min(p - r - 1, m))
     assert any(ptdp.schedule(p, v, m, r) != torch_order(p, v, m, r) for r in range(p))
 
 
@@ -429,9 +425,8 @@ def test_matches_reference_and_obeys_schedule(launch, name):
     )
     b, s_local = cfg["batch_size"] // (f["dp"] * m), cfg["seq_len"] // cp
     b_bytes = b * s_local * cfg["d_model"] * 8
-    per_layer = (
-        4 * m * (cfg["n_layers"] // p) if f["tp"] > 1 else 0
-    )  # f, g: 2 + 2 per layer and micro-batch
+    # f, g: 2 + 2 per layer and micro-batch
+    per_layer = 4 * m * (cfg["n_layers"] // p) if f["tp"] > 1 else 0
     kv = 2 * b * (cfg["n_heads"] // f["tp"]) * s_local * (cfg["d_model"] // cfg["n_heads"]) * 8
     assert len(f["counts_per_rank"]) == summary["world_size"]
     for key, row in f["counts_per_rank"].items():
@@ -440,12 +435,10 @@ def test_matches_reference_and_obeys_schedule(launch, name):
         assert (row["fwd_msgs"], row["bwd_msgs"]) == msgs, key
         assert row["p2p_bytes"] == (row["fwd_msgs"] + row["bwd_msgs"]) * b_bytes
         assert row["tp_calls"] == per_layer and row["tp_fwd"] == row["tp_bwd"] == per_layer // 2
-        assert row["dp_calls"] == (1 + zero) * (
-            f["dp"] * cp > 1
-        )  # after the flush: all-reduce, or RS + AG
-        hops = (
-            m * cfg["n_layers"] // p * (cp - 1)
-        )  # per rank: its layers x micro-batches x (cp - 1) hops
+        # after the flush: all-reduce, or RS + AG
+        assert row["dp_calls"] == (1 + zero) * (f["dp"] * cp > 1)
+        # per rank: its layers x micro-batches x (cp - 1) hops
+        hops = m * cfg["n_layers"] // p * (cp - 1)
         assert (
             row["cp_calls"] == 3 * hops
             and row["cp_fwd_bytes"] == hops * kv
@@ -585,9 +578,8 @@ def test_clipping_clips_and_equals_reference(launch):
     summary = launch("pp2 tp2 dp2 v2 ragged clip")[0]
     norms = summary["figures"]["grad_norms"]
     ref = reference_train(Namespace(**summary["config"]))
-    assert (
-        norms == pytest.approx(ref["grad_norms"], rel=1e-9) and min(norms) > 0.05
-    )  # every step clipped
+    # every step clipped
+    assert norms == pytest.approx(ref["grad_norms"], rel=1e-9) and min(norms) > 0.05
     unclipped = reference_train(Namespace(**{**summary["config"], "clip": 0.0}))["losses"]
     assert all(abs(a - b) > 1e-6 for a, b in zip(summary["losses"][1:], unclipped[1:]))
 
@@ -596,9 +588,10 @@ def test_rule_checks_catch_broken_schedules(launch):
     events = launch("pp2 v2")[0]["figures"]["events"]
     assert rule_errors(events, 2, 2, 4) == []
     first = [e for e in events if e["step"] == 0]
+    # noqa
     pick = lambda evs, kind, c, k: next(
         e for e in evs if (e["kind"], e["chunk"], e["mb"]) == (kind, c, k)
-    )  # noqa
+    )
     early = [
         dict(e, start=e["start"] - 1e4, end=e["end"] - 1e4) if e is pick(first, "F", 1, 0) else e
         for e in first
@@ -677,9 +670,8 @@ def test_stage_ms_bubbles_shrink_as_the_theory_says(launch):
         f = summary["figures"]
         assert_matches_reference(summary)
         assert rule_errors(f["events"], 4, f["virtual_stages"], 8) == []
-        assert (
-            "compute simulated" in out and f["stage_ms"] == 50 and f["bubble_mean"] > 0
-        )  # reported
+        # reported
+        assert "compute simulated" in out and f["stage_ms"] == 50 and f["bubble_mean"] > 0
     b1, b2 = one[0]["figures"], two[0]["figures"]
     assert b1["bubble_theory"] == 3 / 8 and b2["bubble_theory"] == 3 / 16
     for b in (b1, b2):
@@ -697,9 +689,8 @@ def test_stage_ms_bubbles_shrink_as_the_theory_says(launch):
         dict(e, start=f1["start"]) if e is f0 else dict(e, start=f0["start"]) if e is f1 else e
         for e in b2["events"]
     ]
-    assert (
-        replayed_bubble(swapped, 4, 0) > b2["bubble_theory"] + 0.01
-    )  # 0.208: all wait one slot for F0
+    # 0.208: all wait one slot for F0
+    assert replayed_bubble(swapped, 4, 0) > b2["bubble_theory"] + 0.01
 
 
 # ----------------------------------------------------------------------------- checkpoints, bad input

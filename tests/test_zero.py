@@ -181,9 +181,8 @@ def test_checkpoint_world4_resumes_at_world2_and_3(tmp_path):
         )
         assert "at step 4 (saved at world size 4; RNG streams start afresh)" in out, out[-3000:]
         assert b["figures"]["resumed_from_step"] == 4 and b["losses"][:4] == a["losses"]
-        assert_matches_reference(
-            b
-        )  # all 6 losses and the final parameters == one uninterrupted run
+        # all 6 losses and the final parameters == one uninterrupted run
+        assert_matches_reference(b)
     assert_figures(b)
     # two nodes with node-local disks, as rank 1..3's node sees it: its files of steps 2 and 4, no .metadata
     # (rank 0 writes it on its own node). Refused in one line, not a silent restart from step 0 (N3-7).
@@ -481,9 +480,8 @@ def test_hsdp_bad_input():
 
 
 # ----------------------------------------------------------------------------- copy-out: check your own trainer
-class Mix(
-    nn.Module
-):  # a nested unit: a norm without bias, an MLP inside a Sequential, and a tied pair
+# a nested unit: a norm without bias, an MLP inside a Sequential, and a tied pair
+class Mix(nn.Module):
     def __init__(self, d, hidden):
         super().__init__()
         self.norm = nn.LayerNorm(d, bias=False)
@@ -526,9 +524,8 @@ def tower():
     return Tower().double()
 
 
-def huber(
-    out, y, n
-):  # not cross-entropy; summed over the piece, divided by the global batch's count
+# not cross-entropy; summed over the piece, divided by the global batch's count
+def huber(out, y, n):
     return F.huber_loss(out, y, reduction="sum", delta=0.5) / n
 
 
@@ -589,16 +586,14 @@ def default_backward_step(zero, x, y, accum):
     zero.step()
 
 
-def keep_local(
-    self, u, g
-):  # mutant: this rank's shard of its own gradient, never summed over the ranks
+# mutant: this rank's shard of its own gradient, never summed over the ranks
+def keep_local(self, u, g):
     u.accumulate(g.to(u.grad.dtype)[u.lo : u.lo + u.S])
     self.next += 1  # (its turn taken)
 
 
-def accumulate_in_flight(
-    self, g
-):  # mutant: accumulate as before issue 30, into a buffer a reduction may be
+# mutant: accumulate as before issue 30, into a buffer a reduction may be
+def accumulate_in_flight(self, g):
     if self.has_grad:  # reading (stage 1) or has summed over the ranks already (stage 0)
         self.grad += g
     else:
@@ -612,9 +607,8 @@ def copy_out_worker(json_path, steps=3, accum=2, clip=0.2):
     default group) and at world 2 (a group of ranks 0 and 1: the core on a group, as a copier passes one)."""
     from datetime import timedelta
 
-    dist.init_process_group(
-        "gloo", timeout=timedelta(seconds=180)
-    )  # a collective mismatch fails in bounded time
+    # a collective mismatch fails in bounded time
+    dist.init_process_group("gloo", timeout=timedelta(seconds=180))
     core, rank = copied_out(), dist.get_rank()
     pair, singles = (
         dist.new_group([0, 1]),
@@ -627,9 +621,8 @@ def copy_out_worker(json_path, steps=3, accum=2, clip=0.2):
         moved=max((want[n] - p).abs().max().item() for n, p in tower().named_parameters()),
     )
 
-    def trained(
-        data, group, loop=None, make=tower, units=UNITS, kind="Zero", **kw
-    ):  # params, largest difference
+    # params, largest difference
+    def trained(data, group, loop=None, make=tower, units=UNITS, kind="Zero", **kw):
         zero = core[kind](make(), units, optimizer=adamw, clip=clip, group=group, **kw)
         for x, y in data:  # every rank passes the global batch; train_step takes its own rows
             loop(zero, x, y, accum) if loop else core["train_step"](
@@ -647,10 +640,10 @@ def copy_out_worker(json_path, steps=3, accum=2, clip=0.2):
             # the tied pair: both names read the one trained tensor
             tied = got["body.mix.proj.weight"] - got["body.mix.gate.weight"]
             diff[f"stage {s}: tied names differ"] = tied.abs().max().item()
+            # the variants in the model's own dtype (float64): a master copy of its own, on the device or the host
             _, diff[f"stage {s}, backward(loss) on every micro-batch"] = trained(
                 plain, group, default_backward_step, stage=s
             )
-        # the variants in the model's own dtype (float64): a master copy of its own, on the device or the host
         _, diff["stage 2 MixedPrecisionZero"] = trained(
             plain, group, stage=2, kind="MixedPrecisionZero", compute_dtype=None
         )
@@ -708,9 +701,10 @@ def copy_out_worker(json_path, steps=3, accum=2, clip=0.2):
     x, y = batches(3, 1, branch_on=3)[0]
     mine = slice(rank * 4, (rank + 1) * 4)
 
+    # [(op, elements)] handed to collectives, in order, as a tensor (3 numbers per call)
     def issued(
         stage,
-    ):  # [(op, elements)] handed to collectives, in order, as a tensor (3 numbers per call)
+    ):
         zero = core["Zero"](
             tower(), UNITS, optimizer=adamw, clip=clip, group=singles[rank], stage=stage
         )
@@ -721,9 +715,8 @@ def copy_out_worker(json_path, steps=3, accum=2, clip=0.2):
             [float(c["op"] == "all_reduce"), float(c["op"] == "reduce"), float(c["elems"])]
             for c in comm.calls_log
         ]
-        return torch.tensor(
-            calls + [[-1.0] * 3] * (40 - len(calls)), dtype=torch.float64
-        )  # padded: 40 calls
+        # padded: 40 calls
+        return torch.tensor(calls + [[-1.0] * 3] * (40 - len(calls)), dtype=torch.float64)
 
     def same_everywhere(stage):
         seq = issued(stage)
@@ -734,9 +727,8 @@ def copy_out_worker(json_path, steps=3, accum=2, clip=0.2):
     out["same order"] = {s: same_everywhere(s) for s in range(3)}
     reduce_grad = core["Zero"].reduce_grad
 
-    def arrival_order(
-        self, u, g
-    ):  # the old rule: each unit reduced as soon as autograd finishes it
+    # the old rule: each unit reduced as soon as autograd finishes it
+    def arrival_order(self, u, g):
         if u not in self.reduce_order[: self.next]:  # (its turn moves up to the next one)
             rest = [v for v in self.reduce_order[self.next :] if v is not u]
             self.reduce_order = [*self.reduce_order[: self.next], u, *rest]
@@ -766,9 +758,8 @@ def copy_out_worker(json_path, steps=3, accum=2, clip=0.2):
     out["stage 3, body.side skipped"] = stage3(skips, UNITS)
     out["stage 3, the last unit skipped"] = stage3(skips, UNITS[:2])  # (body.mix in the root unit)
 
-    tied = nn.Sequential(
-        nn.Linear(3, 3), nn.Linear(3, 3)
-    )  # a tie across units: refused, naming both
+    # a tie across units: refused, naming both
+    tied = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 3))
     tied[1].weight = tied[0].weight
     try:
         core["Zero"](tied, ["0"])

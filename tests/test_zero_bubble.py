@@ -353,20 +353,17 @@ def test_split_backward_is_one_backward_bit_for_bit():
                 if any(q is lin.weight or q is lin.bias for lin in linears)
             }
             after_b = gradients(split_model)
-            assert deferred and all(
-                after_b[n] is None for n in deferred
-            )  # B left the Linears' to W
+            # B left the Linears' to W
+            assert deferred and all(after_b[n] is None for n in deferred)
             assert all(torch.equal(after_b[n], ref[n]) for n in ref if n not in deferred)
             for w in {"right": saved, "never": saved[:1], "wrong": [saved[0], saved[0]]}[variant]:
-                zb.SplitBackward.backward_weight(
-                    w
-                )  # W, W (or one W never run, or on the wrong one)
+                # W, W (or one W never run, or on the wrong one)
+                zb.SplitBackward.backward_weight(w)
             got = gradients(split_model)
             same = all(got[n] is not None and torch.equal(got[n], ref[n]) for n in ref)
             assert same == (variant == "right"), (type(model).__name__, variant)
-    block = (
-        pipeline_checks.ZBResidual().double()
-    )  # the input's gradient, through a chunk that receives one
+    # the input's gradient, through a chunk that receives one
+    block = pipeline_checks.ZBResidual().double()
     h = torch.randn(3, 6, dtype=torch.float64, generator=g)
     a, b = h.clone().requires_grad_(), h.clone().requires_grad_()
     split_block = copy.deepcopy(block)
@@ -390,9 +387,8 @@ def test_matches_reference_and_runs_the_schedule(launch, name):
     for s in range(steps):
         for r in range(p):
             for j in range(dp):
-                assert executed(events, s, r, j) == TORCH[schedule](
-                    p, m, r
-                )  # exactly torch's order
+                # exactly torch's order
+                assert executed(events, s, r, j) == TORCH[schedule](p, m, r)
     alive = [
         inflight([e for e in events if e["step"] == steps - 1 and e["pp"] == r and e["dp"] == 0])
         for r in range(p)
@@ -403,9 +399,8 @@ def test_matches_reference_and_runs_the_schedule(launch, name):
         == alive
         == [min(p, m) if schedule == "zbh1" else 2 * p] * p
     )
-    b_bytes = (
-        cfg["batch_size"] // (dp * m) * cfg["seq_len"] * cfg["d_model"] * 8
-    )  # one (b, T, D) float64 message
+    # one (b, T, D) float64 message
+    b_bytes = cfg["batch_size"] // (dp * m) * cfg["seq_len"] * cfg["d_model"] * 8
     msgs = [
         (m * (r < p - 1), m * (r > 0))
         if schedule == "zbh1"
@@ -433,9 +428,10 @@ def test_rule_checks_catch_broken_schedules(launch):
     events = launch("zbv pp2 dp2 ragged")[0]["figures"]["events"]
     assert rule_errors(events, 2, 4, "zbv") == []
     one = [e for e in events if e["step"] == 0 and e["dp"] == 0]
+    # noqa
     pick = lambda kind, c, k: next(
         e for e in one if (e["kind"], e["chunk"], e["mb"]) == (kind, c, k)
-    )  # noqa
+    )
     w = pick("W", 3, 2)
     before = [dict(e, start=pick("B", 3, 2)["start"] - 1e-3) if e is w else e for e in one]
     assert any(
@@ -448,9 +444,8 @@ def test_rule_checks_catch_broken_schedules(launch):
     late = [dict(e, end=step1 + 1) if e is w else e for e in events]
     assert any("ends after step 1 started" in x for x in rule_errors(late, 2, 4, "zbv"))
     h1 = [e for e in launch("zbh1 p2")[0]["figures"]["events"] if e["step"] == 0]
-    assert rule_errors(h1, 2, 4, "zbh1") == [] and rule_errors(
-        h1, 2, 4, "zbv"
-    )  # wrong holder, wrong counts
+    # wrong holder, wrong counts
+    assert rule_errors(h1, 2, 4, "zbh1") == [] and rule_errors(h1, 2, 4, "zbv")
 
 
 def test_copy_out_core_on_another_model(launch):
@@ -490,9 +485,8 @@ def test_cores_refuse_what_they_cannot_do(launch):
     the group [0], meets the outsider's case; the PipelineRank cases are on the copy-out's own pipeline group."""
     bad = launch("zbh1 p2")[3]["bad"]
     for rank, cases in enumerate(bad):
-        control = cases.pop(
-            "control: finish_batch"
-        )  # a valid call: the same counter sees its two all-reduces
+        # a valid call: the same counter sees its two all-reduces
+        control = cases.pop("control: finish_batch")
         assert control[0] == "no error" and sum(control[1].values()) == 2, (rank, control)
         assert sorted(cases) == sorted(w for w in BAD if rank == 1 or "outside" not in w), (
             rank,
@@ -525,9 +519,8 @@ def test_stage_ms_bubbles(launch):
     ops = h1["op_ms"]
     assert h1["idle_ms_theory"] == pytest.approx(3 * (ops["F"] + ops["B"] - ops["W"]))
 
-    def replayed(
-        f, n
-    ):  # per rank: (idle slots, busy slots) of the last step's recorded order, replayed
+    # per rank: (idle slots, busy slots) of the last step's recorded order, replayed
+    def replayed(f, n):
         last = max(e["step"] for e in f["events"])
         at = zb.ideal_timeline([executed(f["events"], last, r) for r in range(4)], n)
         end = max(e for _, _, e in at.values())

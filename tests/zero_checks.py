@@ -149,9 +149,8 @@ def check_awkward(d, args, steps=3):
         opt.step()
     want = {n: p.detach().cpu() for n, p in plain.named_parameters()}
 
-    z1 = awkward(
-        d.device
-    )  # torch's ZeRO-1: gradients summed by hand (our loss is already divided globally)
+    # torch's ZeRO-1: gradients summed by hand (our loss is already divided globally)
+    z1 = awkward(d.device)
     opt = ZeroRedundancyOptimizer(
         z1.parameters(),
         optimizer_class=torch.optim.AdamW,
@@ -171,9 +170,8 @@ def check_awkward(d, args, steps=3):
         opt.step()
     torch_zero1 = {n: p.detach().cpu() for n, p in z1.named_parameters()}
 
-    f = awkward(
-        d.device
-    )  # torch's FSDP2, the same units; it averages gradients over ranks, so the loss is x N
+    # torch's FSDP2, the same units; it averages gradients over ranks, so the loss is x N
+    f = awkward(d.device)
     for unit in (f.a, f.b, f):
         fully_shard(unit)
     opt = make_optimizer(f.parameters(), args)
@@ -201,9 +199,8 @@ def check_awkward(d, args, steps=3):
 
     def run(stage, **kw):
         a = replace(args, stage=stage, **kw)
-        zero = make_zero(
-            awkward(), a, ["a", "b"], d.device
-        )  # built on the CPU, sharded to the device
+        # built on the CPU, sharded to the device
+        zero = make_zero(awkward(), a, ["a", "b"], d.device)
         for s in range(steps):
             x, y = batch(d, s)
             Z.train_step(zero, x, y, y.numel(), a.accum, mse)
@@ -247,9 +244,8 @@ def check_node_local_ckpt(d, args):
     zero = make_zero(awkward(), replace(args, stage=1), ["a", "b"], d.device)
     x, y = batch(d, 0)
     Z.train_step(zero, x, y, y.numel(), args.accum, mse)
-    tmp = os.path.join(
-        tempfile.gettempdir(), f"zero_checks_{os.environ['MASTER_PORT']}"
-    )  # the same on every rank
+    # the same on every rank
+    tmp = os.path.join(tempfile.gettempdir(), f"zero_checks_{os.environ['MASTER_PORT']}")
     shared, node = (
         os.path.join(tmp, "shared"),
         os.path.join(tmp, "node1" if d.rank == d.world - 1 else "node0"),
@@ -531,9 +527,8 @@ def check_gpt(d, args):
         f"{problems}"
         + (" (CPU only here: on/off device is trivially true)" if d.device.type == "cpu" else ""),
     )
-    problems = offload_problems(
-        results[3][0], d.device
-    )  # negative: without offload the master IS the compute copy
+    # negative: without offload the master IS the compute copy
+    problems = offload_problems(results[3][0], d.device)
     check(
         d,
         "offload check catches a master that shares the compute copy's storage (no offload)",
@@ -581,13 +576,11 @@ def check_mixed(d, args):
     for target in range(n_units):
         rs = Z.Zero.reduce_grad
 
-        def dropped(
-            self, u, g, target=target
-        ):  # this unit's gradient is never summed over the ranks
+        # this unit's gradient is never summed over the ranks
+        def dropped(self, u, g, target=target):
             if u is self.units[target]:
-                u.accumulate(
-                    g.to(u.grad.dtype)[u.lo : u.lo + u.S]
-                )  # kept local; its turn taken with zeros
+                # kept local; its turn taken with zeros
+                u.accumulate(g.to(u.grad.dtype)[u.lo : u.lo + u.S])
                 g = torch.zeros_like(g)
             rs(self, u, g)
 
