@@ -4,12 +4,13 @@
                fail(): bad input, one line and exit 2 on every rank, before any collective
     model      GPTConfig, build_gpt(): a small GPT whose weights come from one seed
     data       MarkovData: a random sparse Markov chain with an exact entropy floor; batch(step) is a pure
-               function of (seed, step), so any rank can make any step's global batch without talking
+               function of (seed, step), so any rank can make any step's global batch without
+               talking
     training   lm_loss() (sum over tokens / tokens of the *global* batch), make_optimizer() (AdamW),
-               clip_grads_() (torch's clipping rule), reference_train(): the one-process trainer that every
-               --check compares with
-The bookkeeping around a lesson (flags, --check's verdict, checkpoints, counters, timelines, the summary)
-is in harness.py, which no reader needs in order to learn a technique.
+               clip_grads_() (torch's clipping rule), reference_train(): the one-process trainer
+               that every --check compares with
+The bookkeeping around a lesson (flags, --check's verdict, checkpoints, counters, timelines, the
+summary) is in harness.py, which no reader needs in order to learn a technique.
 """
 
 import os
@@ -27,7 +28,7 @@ IGNORE = -100  # target id that carries no loss (padding); F.cross_entropy's def
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
 
 
-# ----------------------------------------------------------------------------- setup (same in every file)
+# ----------------------------------------------------------------------- setup (same in every file)
 def fail(msg):
     """Bad input: one line on stderr and exit code 2, on every rank, before any collective."""
     rank = os.environ.get("RANK", "0")  # one write, so the lines of two ranks never interleave
@@ -50,18 +51,20 @@ class Dist:
 
 
 def gpu_layout_error(n_gpus, local_world):
-    """Why `local_world` processes per node cannot each take their own GPU, or None when they can."""
+    """Why `local_world` processes per node cannot each take their own GPU, or None when they
+    can."""
     if local_world > n_gpus:
         return (
-            f"{local_world} processes on this node but {n_gpus} GPU(s) found (NCCL cannot put two ranks "
-            f"on one GPU): launch torchrun --nproc_per_node={n_gpus}, or run on CPU with gloo by hiding "
-            f"the GPUs (CUDA_VISIBLE_DEVICES=)"
+            f"{local_world} processes on this node but {n_gpus} GPU(s) found (NCCL cannot put two "
+            f"ranks on one GPU): launch torchrun --nproc_per_node={n_gpus}, or run on CPU with "
+            "gloo by hiding the GPUs (CUDA_VISIBLE_DEVICES=)"
         )
     return None
 
 
 def init_dist(timeout_s=120):
-    """NCCL on cuda:LOCAL_RANK when CUDA is there, gloo on CPU otherwise. Without torchrun: a world of 1."""
+    """NCCL on cuda:LOCAL_RANK when CUDA is there, gloo on CPU otherwise. Without torchrun: a world
+    of 1."""
     cuda = torch.cuda.is_available()
     backend = "nccl" if cuda else "gloo"
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -76,10 +79,11 @@ def init_dist(timeout_s=120):
     # launched by torchrun: rendezvous through the store at MASTER_ADDR:MASTER_PORT
     if "RANK" in os.environ:
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-        # torchrun's agent hosts that store and keeps it across restarts (--max-restarts), so the keys a
-        # dead attempt wrote (gloo's and NCCL's addresses) are still there and a restarted worker may
-        # connect to a dead peer (pytorch/pytorch#135712). Each attempt therefore rendezvous under its own
-        # prefix; the attempt number is the same for every worker, since the agents restart all of them.
+        # torchrun's agent hosts that store and keeps it across restarts (--max-restarts), so the
+        # keys a dead attempt wrote (gloo's and NCCL's addresses) are still there and a restarted
+        # worker may connect to a dead peer (pytorch/pytorch#135712). Each attempt therefore
+        # rendezvous under its own prefix; the attempt number is the same for every worker, since
+        # the agents restart all of them.
         agent_hosts = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
         store = dist.TCPStore(
             os.environ["MASTER_ADDR"],
@@ -90,8 +94,8 @@ def init_dist(timeout_s=120):
             multi_tenant=True,
         )
         attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-        # device_id binds the group to this rank's GPU: NCCL's communicator is created now (eager), not
-        # at the first collective, and nothing has to guess the device "under current context".
+        # device_id binds the group to this rank's GPU: NCCL's communicator is created now (eager),
+        # not at the first collective, and nothing has to guess the device "under current context".
         store = dist.PrefixStore(
             f"{os.environ.get('TORCHELASTIC_RUN_ID', 'run')}/attempt{attempt}", store
         )
@@ -116,9 +120,10 @@ def init_dist(timeout_s=120):
 
 
 def close_dist(ok=True):
-    """End the run: barrier (nobody tears down the group while a peer still uses it), destroy the group,
-    exit 0 (or 1 when `ok` is false, e.g. a failed --check). os._exit skips the interpreter's teardown, in
-    which gloo's worker threads may still hold tensors and abort the process (see pytorch/pytorch#179291)."""
+    """End the run: barrier (nobody tears down the group while a peer still uses it), destroy the
+    group, exit 0 (or 1 when `ok` is false, e.g. a failed --check). os._exit skips the interpreter's
+    teardown, in which gloo's worker threads may still hold tensors and abort the process (see
+    pytorch/pytorch#179291)."""
     dist.barrier()
     dist.destroy_process_group()
     sys.stdout.flush()
@@ -149,8 +154,9 @@ class Attention(nn.Module):
         d = cfg.d_model
         self.n_heads = cfg.n_heads
         self.p = cfg.dropout
-        # No bias on q/k/v: a key bias gets an exactly-zero gradient (softmax ignores a per-query shift),
-        # and Adam would turn the roundoff in that zero into lr-sized noise that differs between layouts.
+        # No bias on q/k/v: a key bias gets an exactly-zero gradient (softmax ignores a per-query
+        # shift), and Adam would turn the roundoff in that zero into lr-sized noise that differs
+        # between layouts.
         self.q, self.k, self.v = (nn.Linear(d, d, bias=False) for _ in range(3))
         self.proj = nn.Linear(d, d)
         self.drop = nn.Dropout(cfg.dropout)
@@ -219,8 +225,9 @@ class GPT(nn.Module):
 
 
 def build_gpt(cfg, seed, dtype=torch.float32, device="cpu"):
-    """The full model from one seed, on CPU first, so every layout (any TP/PP/EP/DP degree, any device)
-    starts from identical numbers; sharded layouts slice these tensors, they never seed a shard."""
+    """The full model from one seed, on CPU first, so every layout (any TP/PP/EP/DP degree, any
+    device) starts from identical numbers; sharded layouts slice these tensors, they never seed a
+    shard."""
     g = torch.Generator().manual_seed(seed)
     model = GPT(cfg)
     for (
@@ -238,9 +245,10 @@ def build_gpt(cfg, seed, dtype=torch.float32, device="cpu"):
 
 # ----------------------------------------------------------------------------- data
 class MarkovData:
-    """Tokens from a fixed random sparse Markov chain: each state moves to `branching` successors with
-    random probabilities. The entropy rate sum_s pi(s) H(P[s, :]) (pi = stationary distribution) is
-    the lowest mean loss any model can reach; sequences start from pi, so it holds at every position."""
+    """Tokens from a fixed random sparse Markov chain: each state moves to `branching` successors
+    with random probabilities. The entropy rate sum_s pi(s) H(P[s, :]) (pi = stationary
+    distribution) is the lowest mean loss any model can reach; sequences start from pi, so it holds
+    at every position."""
 
     def __init__(self, vocab, seed, branching=4):
         g = torch.Generator().manual_seed(10_007 * seed + 1)
@@ -273,14 +281,14 @@ class MarkovData:
         return x, y
 
 
-# ----------------------------------------------------------------------------- loss, optimizer, clipping
+# ------------------------------------------------------------------------ loss, optimizer, clipping
 def count_tokens(targets):
     return int((targets != IGNORE).sum())
 
 
 def lm_loss(logits, targets, n_tokens):
-    """Sum of token losses divided by the token count of the *whole global batch*: then micro-batch and
-    per-rank losses (and gradients) simply add up to the full-batch ones, whatever the split."""
+    """Sum of token losses divided by the token count of the *whole global batch*: then micro-batch
+    and per-rank losses (and gradients) simply add up to the full-batch ones, whatever the split."""
     if logits.dtype in (torch.float16, torch.bfloat16):
         logits = logits.float()  # softmax in low precision loses the small probabilities
     total = F.cross_entropy(
@@ -290,8 +298,8 @@ def lm_loss(logits, targets, n_tokens):
 
 
 def make_optimizer(params, args):
-    # foreach=False: the per-tensor code path, elementwise, so a shard of a tensor updates exactly as
-    # the same elements of the whole tensor would.
+    # foreach=False: the per-tensor code path, elementwise, so a shard of a tensor updates exactly
+    # as the same elements of the whole tensor would.
     return torch.optim.AdamW(
         params, lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay, foreach=False
     )

@@ -1,33 +1,37 @@
-r"""context_parallel.py: context parallelism: each rank holds T/cp tokens of every sequence, in every layer.
+r"""context_parallel.py: context parallelism: each rank holds T/cp tokens of every sequence, in
+every layer.
 
-Data parallelism splits the batch, tensor parallelism the matrices, a pipeline the layers; context parallelism
-splits the *sequence*. The embedding (at the tokens' global positions), LayerNorms, MLPs, head and loss work
-per token, so they run on a rank's T/cp tokens alone; attention is where tokens meet, the one place where
-ranks exchange anything: keys and values. The weights stay whole on every rank; a rank's gradient is its
-tokens' share of the global loss's, and one all-reduce over dp x cp sums them. Three attentions, one answer:
+Data parallelism splits the batch, tensor parallelism the matrices, a pipeline the layers; context
+parallelism splits the *sequence*. The embedding (at the tokens' global positions), LayerNorms,
+MLPs, head and loss work per token, so they run on a rank's T/cp tokens alone; attention is where
+tokens meet, the one place where ranks exchange anything: keys and values. The weights stay whole on
+every rank; a rank's gradient is its tokens' share of the global loss's, and one all-reduce over dp
+x cp sums them. Three attentions, one answer:
 
   allgather  gather K and V of the whole sequence once per layer; backward reduce-scatters dK/dV to their
              owners (the form Llama 3 trains with, Dubey et al. 2024): simple, but K/V memory x cp
   ring       K/V blocks go round the ring by batch_isend_irecv while the block in hand is computed, partial
-             softmaxes merged by their log-sum-exp; backward runs the ring the other way, a dK/dV accumulator
-             travelling with each block (Liu, Zaharia, Abbeel 2023, "Ring Attention with Blockwise
-             Transformers for Near-Infinite Context"). Blocks that the causal mask hides are skipped.
+             softmaxes merged by their log-sum-exp; backward runs the ring the other way, a dK/dV
+             accumulator travelling with each block (Liu, Zaharia, Abbeel 2023, "Ring Attention with
+             Blockwise Transformers for Near-Infinite Context"). Blocks that the causal mask hides
+             are skipped.
   ulysses    all-to-all from sequence-sharded to head-sharded, attention over the whole sequence for H/cp
-             heads, all-to-all back (Jacobs et al. 2023, "DeepSpeed Ulysses"); cp must divide the heads
+             heads, all-to-all back (Jacobs et al. 2023, "DeepSpeed Ulysses"); cp must divide the
+             heads
 
 The split, T = 16, cp = 4 (c0 .. c7: 2cp chunks of T/2cp tokens):
     --layout contiguous   rank 0: t0-t3    rank 1: t4-t7    rank 2: t8-t11   rank 3: t12-t15
     --layout zigzag       rank 0: c0 c7    rank 1: c1 c6    rank 2: c2 c5    rank 3: c3 c4
-The ring, contiguous: rank r's queries (rows) against rank s's keys (columns). At step j rank r holds block
-s = r - j, sends it on to r + 1 and receives block r - j - 1 from r - 1. \ the diagonal block (causal mask),
-# a whole block, . hidden by the mask: skipped, not computed.
+The ring, contiguous: rank r's queries (rows) against rank s's keys (columns). At step j rank r
+holds block s = r - j, sends it on to r + 1 and receives block r - j - 1 from r - 1. \ the diagonal
+block (causal mask), # a whole block, . hidden by the mask: skipped, not computed.
               s=0 s=1 s=2 s=3
         r=0    \   .   .   .        contiguous: rank r computes r + 1 of the cp blocks (rank 3: 4x rank 0)
         r=1    #   \   .   .        zigzag: the diagonal, then half a block per other rank, so every rank
         r=2    #   #   \   .        computes the same cp blocks (Brandon et al. 2023, "Striped Attention",
         r=3    #   #   #   \        balance the ring so; the chunks are Llama 3's and Megatron-Core's)
-Groups come from one grid, arange(world).view(dp, cp): a row is a sequence's cp group (neighbours: one node),
-a column a data-parallel group.
+Groups come from one grid, arange(world).view(dp, cp): a row is a sequence's cp group (neighbours:
+one node), a column a data-parallel group.
 
     python context_parallel.py --check                                           # cp = 1: no exchange
     torchrun --nproc_per_node=4 context_parallel.py --check                      # ring, zigzag, cp = 4
@@ -81,18 +85,19 @@ class Args(CommonArgs):
     layout: Literal["contiguous", "zigzag"] = "zigzag"
 
 
-# ----------------------------------------------------------------------------- the split of every sequence
+# ---------------------------------------------------------------------- the split of every sequence
 def chunk_ids(rank, cp, zigzag):
-    """The chunks of every sequence that rank `rank` of cp holds. Contiguous: chunk r of cp. Zig-zag: chunks r
-    and 2cp-1-r of 2cp, an early one and a late one, so that under the causal mask all ranks do equal work."""
+    """The chunks of every sequence that rank `rank` of cp holds. Contiguous: chunk r of cp.
+    Zig-zag: chunks r and 2cp-1-r of 2cp, an early one and a late one, so that under the causal mask
+    all ranks do equal work."""
     return [rank, 2 * cp - 1 - rank] if zigzag else [rank]
 
 
 def check_split(T, cp, zigzag, heads=None, what=("T =", "heads =", "cp =")):
-    """What the split and the attentions rely on, raised before any exchange (else gloo aborts, NCCL hangs):
-    T tokens in cp equal chunks (zig-zag: 2cp); for Ulysses, heads that cp divides. That every rank holds as
-    many tokens (as shard_sequence cuts them), no rank can see alone. `what` names T, heads and cp in the
-    error: check_args gives the flags' names."""
+    """What the split and the attentions rely on, raised before any exchange (else gloo aborts, NCCL
+    hangs): T tokens in cp equal chunks (zig-zag: 2cp); for Ulysses, heads that cp divides. That
+    every rank holds as many tokens (as shard_sequence cuts them), no rank can see alone. `what`
+    names T, heads and cp in the error: check_args gives the flags' names."""
     n = 2 * cp if zigzag else cp
     if T % n:
         raise ValueError(
@@ -101,27 +106,29 @@ def check_split(T, cp, zigzag, heads=None, what=("T =", "heads =", "cp =")):
         )
     if heads is not None and heads % cp:
         raise ValueError(
-            f"{what[1]} {heads} is not divisible by {what[2]} {cp}: ulysses gives each of cp = {cp} "
-            f"ranks whole heads, {heads} heads do not split; use a multiple of {cp} heads, or "
+            f"{what[1]} {heads} is not divisible by {what[2]} {cp}: ulysses gives each of cp = "
+            f"{cp} ranks whole heads, {heads} heads do not split; use a multiple of {cp} heads, or "
             "ring / allgather attention"
         )
 
 
 def shard_sequence(x, rank, cp, zigzag, dim=1):
-    """(.., T, ..) whole sequences -> (.., T/cp, ..) this rank's tokens, its chunks in sequence order."""
+    """(.., T, ..) whole sequences -> (.., T/cp, ..) this rank's tokens, its chunks in sequence
+    order."""
     check_split(x.shape[dim], cp, zigzag)
     chunks = x.chunk(2 * cp if zigzag else cp, dim)
     return torch.cat([chunks[c] for c in chunk_ids(rank, cp, zigzag)], dim)
 
 
 def positions(rank, cp, zigzag, seq_len, device=None):
-    """(T/cp,) the global positions of this rank's tokens, for the position embedding and the causal mask."""
+    """(T/cp,) the global positions of this rank's tokens, for the position embedding and the causal
+    mask."""
     return shard_sequence(torch.arange(seq_len, device=device), rank, cp, zigzag, 0)
 
 
 def reorder(x, cp, zigzag, dim, to_sequence=True):
-    """(.., T, ..) every rank's tokens, rank 0's first (as a gather or an all-to-all leaves them) -> the
-    sequence's own order; to_sequence=False: back. Contiguous: the two orders are one."""
+    """(.., T, ..) every rank's tokens, rank 0's first (as a gather or an all-to-all leaves them) ->
+    the sequence's own order; to_sequence=False: back. Contiguous: the two orders are one."""
     ranked = [c for r in range(cp) for c in chunk_ids(r, cp, zigzag)]  # chunk ids, in rank order
     have, want = (ranked, sorted(ranked)) if to_sequence else (sorted(ranked), ranked)
     pieces = dict(zip(have, x.chunk(len(have), dim)))
@@ -130,8 +137,8 @@ def reorder(x, cp, zigzag, dim, to_sequence=True):
 
 # ----------------------------------------------------------------------------- all-gather attention
 class GatherSequence(torch.autograd.Function):
-    """All-gather forward; backward reduce-scatter: the gradients every rank computed for its gathered copy of
-    rank j's tokens are summed onto rank j (each rank's queries looked at them)."""
+    """All-gather forward; backward reduce-scatter: the gradients every rank computed for its
+    gathered copy of rank j's tokens are summed onto rank j (each rank's queries looked at them)."""
 
     @staticmethod
     def forward(ctx, x, group):  # (..) this rank's -> (cp, ..) every rank's, rank j's at [j]
@@ -150,8 +157,9 @@ class GatherSequence(torch.autograd.Function):
 
 
 def allgather_attention(q, k, v, group, zigzag):
-    """Causal attention of this rank's queries q (B, H, t, E), t = T/cp, over the keys and values of the whole
-    sequence, gathered once: every rank holds, and saves for backward, K and V of all T tokens."""
+    """Causal attention of this rank's queries q (B, H, t, E), t = T/cp, over the keys and values of
+    the whole sequence, gathered once: every rank holds, and saves for backward, K and V of all T
+    tokens."""
     cp, r = dist.get_world_size(group), dist.get_rank(group)
     check_split(cp * q.shape[2], cp, zigzag)
     if cp == 1:
@@ -168,9 +176,10 @@ def allgather_attention(q, k, v, group, zigzag):
 
 # ----------------------------------------------------------------------------- ring attention
 def attend(q, k, v, causal):
-    """Exact attention of queries q (B, H, tq, E) over one block of keys and values (B, H, tk, E): the output
-    (B, H, tq, E) and each query's log-sum-exp over the block (B, H, tq), by which partial results merge.
-    `causal`: the diagonal block (tq = tk), query i sees keys <= i. Softmax in float32 at least (as flash)."""
+    """Exact attention of queries q (B, H, tq, E) over one block of keys and values (B, H, tk, E):
+    the output (B, H, tq, E) and each query's log-sum-exp over the block (B, H, tq), by which
+    partial results merge. `causal`: the diagonal block (tq = tk), query i sees keys <= i. Softmax
+    in float32 at least (as flash)."""
     acc = torch.promote_types(q.dtype, torch.float32)
     s = q.to(acc) @ k.to(acc).transpose(-2, -1) * q.shape[-1] ** -0.5  # (B, H, tq, tk)
     if causal:
@@ -180,9 +189,10 @@ def attend(q, k, v, causal):
 
 
 def merge(out, lse, block_out, block_lse):
-    """Online softmax (Milakov & Gimelshein 2018, as ring attention merges its blocks): two attentions over
-    disjoint sets of keys, each normalised over its own set -> the attention over their union, each weighted
-    by its share exp(lse_i - lse) of the total exp-sum. (B, H, tq, E) and (B, H, tq) each."""
+    """Online softmax (Milakov & Gimelshein 2018, as ring attention merges its blocks): two
+    attentions over disjoint sets of keys, each normalised over its own set -> the attention over
+    their union, each weighted by its share exp(lse_i - lse) of the total exp-sum. (B, H, tq, E) and
+    (B, H, tq) each."""
     new = torch.logaddexp(lse, block_lse)
     return out * torch.exp(lse - new)[..., None] + block_out * torch.exp(block_lse - new)[
         ..., None
@@ -190,9 +200,10 @@ def merge(out, lse, block_out, block_lse):
 
 
 def attend_backward(q, k, v, dout, lse, delta, causal):
-    """One block's gradients from every query's *final* log-sum-exp (so exp(s - lse) is this block's share of
-    the softmax over all keys) and delta = rowsum(dout * out): flash attention's backward, block by block (Dao
-    et al. 2022, "FlashAttention", App. B). Returns dq (B, H, tq, E), dk and dv (B, H, tk, E)."""
+    """One block's gradients from every query's *final* log-sum-exp (so exp(s - lse) is this block's
+    share of the softmax over all keys) and delta = rowsum(dout * out): flash attention's backward,
+    block by block (Dao et al. 2022, "FlashAttention", App. B). Returns dq (B, H, tq, E), dk and dv
+    (B, H, tk, E)."""
     scale = q.shape[-1] ** -0.5
     q, k, v, dout = (x.to(lse.dtype) for x in (q, k, v, dout))
     s = q @ k.transpose(-2, -1) * scale  # (B, H, tq, tk), recomputed rather than saved
@@ -204,10 +215,11 @@ def attend_backward(q, k, v, dout, lse, delta, causal):
 
 
 def ring_block(rank, src, cp, zigzag, t):
-    """The part of (this rank's queries) x (rank src's keys) that causal attention needs, as (query rows, key
-    rows, causal), or None when the mask hides all of it: skipped. t: tokens per rank. Zig-zag (chunks r,
-    2cp-1-r): src < rank, every query against src's early chunk (its late one follows both of mine); src >
-    rank, only my late chunk, against both of src's. Half a block each: cp blocks on every rank."""
+    """The part of (this rank's queries) x (rank src's keys) that causal attention needs, as (query
+    rows, key rows, causal), or None when the mask hides all of it: skipped. t: tokens per rank.
+    Zig-zag (chunks r, 2cp-1-r): src < rank, every query against src's early chunk (its late one
+    follows both of mine); src > rank, only my late chunk, against both of src's. Half a block each:
+    cp blocks on every rank."""
     whole, half = slice(None), t // 2
     # zig-zag too: my two chunks are in sequence order, so a causal mask over t is right
     if src == rank:
@@ -218,10 +230,11 @@ def ring_block(rank, src, cp, zigzag, t):
 
 
 def ring_exchange(send, group, to, frm):
-    """Start sending the named tensors `send` to rank `to` of `group` and receiving as many (same names and
-    shapes) from `frm`, in one batch_isend_irecv: paired, so that on NCCL no send waits on a receive posted
-    later. Returns (received by name, wait); read them after wait(). On a GPU waiting makes the compute stream
-    wait, not the host, so the block computed meanwhile overlaps the transfer."""
+    """Start sending the named tensors `send` to rank `to` of `group` and receiving as many (same
+    names and shapes) from `frm`, in one batch_isend_irecv: paired, so that on NCCL no send waits on
+    a receive posted later. Returns (received by name, wait); read them after wait(). On a GPU
+    waiting makes the compute stream wait, not the host, so the block computed meanwhile overlaps
+    the transfer."""
     got = {name: torch.empty_like(x) for name, x in send.items()}
     ops = [dist.P2POp(dist.isend, x, group=group, group_peer=to) for x in send.values()]
     ops += [dist.P2POp(dist.irecv, x, group=group, group_peer=frm) for x in got.values()]
@@ -230,8 +243,8 @@ def ring_exchange(send, group, to, frm):
 
 
 class RingAttention(torch.autograd.Function):
-    """Causal attention of this rank's queries over the whole sequence, keys and values coming round the ring
-    a block at a time (Liu et al. 2023, Sec. 3)."""
+    """Causal attention of this rank's queries over the whole sequence, keys and values coming round
+    the ring a block at a time (Liu et al. 2023, Sec. 3)."""
 
     @staticmethod
     def forward(ctx, q, k, v, group, zigzag):  # q, k, v (B, H, t, E): this rank's tokens
@@ -257,8 +270,8 @@ class RingAttention(torch.autograd.Function):
             if step < cp - 1:  # 3. the next block has arrived
                 wait()
                 kv = got["kv"]
-        # (B, H, t, E) stored as (B, t, H, E), as flash attention stores it: the output projection's b t (h e)
-        # is then a view of it, not a copy that would be saved a second time
+        # (B, H, t, E) stored as (B, t, H, E), as flash attention stores it: the output projection's
+        # b t (h e) is then a view of it, not a copy that would be saved a second time
         out = out.to(q.dtype).transpose(1, 2).contiguous().transpose(1, 2)
         # (B, H, t, E) x 4 and (B, H, t): 1/cp of the sequence's
         ctx.save_for_backward(q, k, v, out, lse)
@@ -293,9 +306,10 @@ class RingAttention(torch.autograd.Function):
                 dkv[:, :, :, cols] += torch.stack([dk_b, dv_b])  # (2, B, H, tk, E)
             return dkv
 
-        # The forward's ring run the other way (the adjoint of "send to r+1" is "receive from r+1"): blocks go
-        # to r-1, so rank r sees its own, then r+1's, ..., r-1's. Block s's dK/dV accumulator starts at rank
-        # s-1 and travels with the block, each rank adding its queries' share, back to s on the last hop.
+        # The forward's ring run the other way (the adjoint of "send to r+1" is "receive from r+1"):
+        # blocks go to r-1, so rank r sees its own, then r+1's, ..., r-1's. Block s's dK/dV
+        # accumulator starts at rank s-1 and travels with the block, each rank adding its queries'
+        # share, back to s on the last hop.
         kv = torch.stack([k, v])
         own = None
         acc = None
@@ -328,8 +342,8 @@ def ring_attention(q, k, v, group, zigzag):
 
 # ----------------------------------------------------------------------------- Ulysses attention
 class AllToAll(torch.autograd.Function):
-    """(cp, ..) chunk j to rank j, and chunk j of the result from rank j. Its own adjoint: the gradient of
-    what rank j received from me is sent back to me by the same exchange."""
+    """(cp, ..) chunk j to rank j, and chunk j of the result from rank j. Its own adjoint: the
+    gradient of what rank j received from me is sent back to me by the same exchange."""
 
     @staticmethod
     def forward(ctx, x, group):
@@ -344,9 +358,10 @@ class AllToAll(torch.autograd.Function):
 
 
 def ulysses_attention(q, k, v, group, zigzag):
-    """Causal attention of this rank's tokens (B, H, t, E): an all-to-all trades my tokens of every head for
-    every token of my H/cp heads, attention runs over the whole sequence for those heads, and a second
-    all-to-all trades back (Jacobs et al. 2023, Sec. 3.1). Rank j takes heads [j H/cp, (j+1) H/cp)."""
+    """Causal attention of this rank's tokens (B, H, t, E): an all-to-all trades my tokens of every
+    head for every token of my H/cp heads, attention runs over the whole sequence for those heads,
+    and a second all-to-all trades back (Jacobs et al. 2023, Sec. 3.1). Rank j takes heads [j H/cp,
+    (j+1) H/cp)."""
     cp = dist.get_world_size(group)
     check_split(cp * q.shape[2], cp, zigzag, heads=q.shape[1])
     if cp == 1:
@@ -371,10 +386,10 @@ ATTENTIONS = {
 }
 
 
-# ----------------------------------------------------------------------------- the GPT on T/cp tokens
+# --------------------------------------------------------------------------- the GPT on T/cp tokens
 class ContextParallelAttention(nn.Module):
-    """common.Attention (q, k, v, proj) on this rank's T/cp tokens: the same projections, per token, around
-    one of the three attentions."""
+    """common.Attention (q, k, v, proj) on this rank's T/cp tokens: the same projections, per token,
+    around one of the three attentions."""
 
     def __init__(self, attn, group, attention, zigzag):
         super().__init__()
@@ -398,8 +413,9 @@ class ContextParallelAttention(nn.Module):
 
 
 class ContextParallelGPT(nn.Module):
-    """common.GPT on this rank's T/cp tokens of every sequence: the GPT's own modules (same names and weights:
-    only the activations are split), embedding at global positions, each block's attention swapped."""
+    """common.GPT on this rank's T/cp tokens of every sequence: the GPT's own modules (same names
+    and weights: only the activations are split), embedding at global positions, each block's
+    attention swapped."""
 
     def __init__(self, gpt, group, attention, zigzag):
         super().__init__()
@@ -422,8 +438,8 @@ class ContextParallelGPT(nn.Module):
 
 
 def sync_gradients(params, group=None):
-    """Sum the gradients over the dp x cp ranks (here the world): each rank holds the gradient of its tokens'
-    share of the global batch's loss, so the sum is the whole batch's, on every rank."""
+    """Sum the gradients over the dp x cp ranks (here the world): each rank holds the gradient of
+    its tokens' share of the global batch's loss, so the sum is the whole batch's, on every rank."""
     grads = [p.grad for p in params]
     flat = torch.cat([g.reshape(-1) for g in grads])  # (P,): one all-reduce for the whole model
     dist.all_reduce(flat, group=group)
@@ -436,14 +452,15 @@ def check_args(args, world):
     check_common_args(args)
     if args.cp < 0 or args.dp < 0:
         fail(
-            f"--cp and --dp must be >= 0 (0 = the rest of the world), got --cp {args.cp} --dp {args.dp}"
+            f"--cp and --dp must be >= 0 (0 = the rest of the world), got --cp {args.cp} --dp "
+            f"{args.dp}"
         )
     cp = args.cp or world // max(args.dp, 1)
     dp = args.dp or world // max(cp, 1)
     if dp * cp != world or cp < 1:
         fail(
-            f"world size {world} != dp {dp} x cp {cp}: launch dp x cp processes, or give --cp / --dp that "
-            "divide the world"
+            f"world size {world} != dp {dp} x cp {cp}: launch dp x cp processes, or give --cp / "
+            "--dp that divide the world"
         )
     try:  # the cores' own check, their ValueError as fail's one line
         # only ulysses splits the heads
@@ -459,8 +476,8 @@ def check_args(args, world):
         )
     if args.dropout:
         fail(
-            f"--dropout {args.dropout}: context_parallel.py trains without dropout (one query's attention "
-            "probabilities are spread over cp ranks); use --dropout 0"
+            f"--dropout {args.dropout}: context_parallel.py trains without dropout (one query's "
+            "attention probabilities are spread over cp ranks); use --dropout 0"
         )
     return dp, cp
 
@@ -481,9 +498,9 @@ def main():
     zigzag = args.layout == "zigzag"
     data = MarkovData(args.vocab, args.seed)
     d.log(
-        f"context_parallel.py --attention {args.attention} --layout {args.layout}: world {d.world} = dp "
-        f"{dp} x cp {cp} on {d.backend}, a rank holds {args.seq_len // cp} of the {args.seq_len} tokens of "
-        f"{b} sequences; entropy floor {data.entropy:.4f} nats/token"
+        f"context_parallel.py --attention {args.attention} --layout {args.layout}: world {d.world} "
+        f"= dp {dp} x cp {cp} on {d.backend}, a rank holds {args.seq_len // cp} of the "
+        f"{args.seq_len} tokens of {b} sequences; entropy floor {data.entropy:.4f} nats/token"
     )
     # the full model, one seed
     gpt = build_gpt(GPTConfig.from_args(args), args.seed, DTYPES[args.dtype])
@@ -491,8 +508,8 @@ def main():
     opt = make_optimizer(model.parameters(), args)
     run, comm = Run(d, args, {"model": model, "optim": opt}), CommCounter(axes={"cp": cp_group})
     saved = SavedActivations()  # what the last step saves for backward, for the peak
-    # The log line's loss on a group of its own: on NCCL its own communicator, never queued behind the
-    # K/V exchanges and the gradients' all-reduces.
+    # The log line's loss on a group of its own: on NCCL its own communicator, never queued behind
+    # the K/V exchanges and the gradients' all-reduces.
     log_group = dist.new_group()
     for step in run.steps():
         # (B, T) the global batch, on CPU
@@ -526,7 +543,8 @@ def main():
 # --- measurement ---
 THEORY = {
     "ring": "2(cp-1) K/V blocks of (b, T/cp, d) forward; as many and 2(cp-1) dK/dV blocks backward",
-    "allgather": "K, V of T/cp tokens to the all-gather forward; dK, dV of all T to the reduce-scatter",
+    "allgather": "K, V of T/cp tokens to the all-gather forward; dK, dV of all T to the "
+    "reduce-scatter",
     "ulysses": "Q, K, V and the output, 4 (b, T/cp, d) blocks, to the all-to-all each way",
 }
 EXTRA = {
@@ -537,8 +555,9 @@ EXTRA = {
 
 
 class CountBlocks:
-    """Inside the `with` block, every call of this module's `attend` (the ring's, one per block it computes)
-    appends (query rows, key rows) to `.blocks`, by a wrapper around it: RingAttention is unchanged."""
+    """Inside the `with` block, every call of this module's `attend` (the ring's, one per block it
+    computes) appends (query rows, key rows) to `.blocks`, by a wrapper around it: RingAttention is
+    unchanged."""
 
     def __enter__(self):
         self.blocks, self.real = [], globals()["attend"]
@@ -555,10 +574,10 @@ class CountBlocks:
 
 
 def report(d, args, model, comm, dp_rank, cp_rank, dp, cp):
-    """The last step, watched from outside: bytes handed to the cp group per layer (the CommCounter); one more
-    forward of the last batch: the activation bytes it saves for backward, beside the unsplit GPT's on the
-    same sequences, and the ring's blocks (layer 0's calls of `attend`, which only the ring makes;
-    CountBlocks)."""
+    """The last step, watched from outside: bytes handed to the cp group per layer (the
+    CommCounter); one more forward of the last batch: the activation bytes it saves for backward,
+    beside the unsplit GPT's on the same sequences, and the ring's blocks (layer 0's calls of
+    `attend`, which only the ring makes; CountBlocks)."""
     L = args.n_layers
     T = args.seq_len
     D = args.d_model
@@ -608,19 +627,23 @@ def report(d, args, model, comm, dp_rank, cp_rank, dp, cp):
         [t * t * (cp + 1) // 2 if zigzag else t * t * (c + 1) for c in range(cp)] if ring else []
     )
     d.log(
-        f"\nlast step, per rank and layer: bytes handed to the cp group (theory: {THEORY[args.attention]}),"
-        f" the ring's blocks and query-key scores computed (theory: contiguous r + 1 blocks, zigzag cp),"
-        f" the activation bytes saved for backward (theory: the unsplit GPT's / cp{EXTRA[args.attention]})"
+        "\nlast step, per rank and layer: bytes handed to the cp group (theory: "
+        f"{THEORY[args.attention]}),"
+        " the ring's blocks and query-key scores computed (theory: contiguous r + 1 blocks, "
+        "zigzag cp),"
+        " the activation bytes saved for backward (theory: the unsplit GPT's / "
+        f"cp{EXTRA[args.attention]})"
     )
     d.log(
-        "rank | dp cp | fwd bytes | theory | bwd bytes | theory | blocks | theory | scores | theory | "
-        "saved, all layers | theory"
+        "rank | dp cp | fwd bytes | theory | bwd bytes | theory | blocks | theory | scores | "
+        "theory | saved, all layers | theory"
     )
     for r in range(d.world):
         c = r % cp
         ring_cols = [blocks[r], blocks_th[c], scores[r], scores_th[c]] if ring else ["-"] * 4
         d.log(
-            f"{r:4d} | {r // cp:2d} {c:2d} | {fwd[r]:9d} | {theory[0]:6d} | {bwd[r]:9d} | {theory[1]:6d} | "
+            f"{r:4d} | {r // cp:2d} {c:2d} | {fwd[r]:9d} | {theory[0]:6d} | {bwd[r]:9d} | "
+            f"{theory[1]:6d} | "
             + " | ".join(f"{v:>6}" for v in ring_cols)
             + f" | {saved[r]:17d} | {saved_th[r]:d}"
         )

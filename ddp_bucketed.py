@@ -1,44 +1,55 @@
-"""ddp_bucketed.py: data parallel as torch's DistributedDataParallel does it, written out: gradients that
-live in flat buckets, each bucket all-reduced the moment its last gradient lands, overlapping the rest of
-backward.
+"""ddp_bucketed.py: data parallel as torch's DistributedDataParallel does it, written out: gradients
+that live in flat buckets, each bucket all-reduced the moment its last gradient lands, overlapping
+the rest of backward.
 
-Every rank holds the whole model and runs forward + backward on its slice of the global batch; the gradients
-are then averaged over ranks, so every replica takes the same optimizer step. dp.py averages every gradient
-after backward has finished; the network then idles during backward and compute idles during the
-all-reduce. Here (Li et al., "PyTorch Distributed: Experiences on Accelerating Data Parallel
-Training", VLDB 2020, Sec. 3.2):
-  1. Bucketing (Sec. 3.2.2): one all-reduce of a few MB costs about as much as one of a few KB (latency
-     dominates small messages), so gradients live in a few flat buffers and each is reduced as one. DDP's
-     cut rule: walk the parameters, add each to the open bucket, and close the bucket as soon as it holds
-     at least the cap (so a bucket passes the cap by up to one parameter, and there are fewer of them).
-  2. Gradients live in the buckets (DDP's gradient_as_bucket_view): each parameter's .grad is a view into
+Every rank holds the whole model and runs forward + backward on its slice of the global batch; the
+gradients are then averaged over ranks, so every replica takes the same optimizer step. dp.py
+averages every gradient after backward has finished; the network then idles during backward and
+compute idles during the all-reduce. Here (Li et al., "PyTorch Distributed: Experiences on
+Accelerating Data Parallel Training", VLDB 2020, Sec. 3.2):
+  1. Bucketing (Sec. 3.2.2): one all-reduce of a few MB costs about as much as one of a few KB
+     (latency
+     dominates small messages), so gradients live in a few flat buffers and each is reduced as one.
+     DDP's cut rule: walk the parameters, add each to the open bucket, and close the bucket as soon
+     as it holds at least the cap (so a bucket passes the cap by up to one parameter, and there are
+     fewer of them).
+  2. Gradients live in the buckets (DDP's gradient_as_bucket_view): each parameter's .grad is a view
+     into
      its bucket, so the all-reduce's result *is* the gradient, never copied back. With
-     zero_grad(set_to_none=False) the views survive and autograd adds into them: no copy at all. With
-     set_to_none=True (used here: on a CPU one pass costs less than zeroing and adding) .grad starts as None
-     and each hook writes the new gradient / N into its slot in one pass, then points .grad at it.
-  3. Overlap (Sec. 3.2.3): backward produces gradients from the last layer to the first. A hook on every
-     parameter marks its gradient ready; when a bucket is full, its async all-reduce starts while autograd
-     is still computing the earlier layers. The end of backward waits for all of them.
-  4. Bucket order: first the reverse of registration (a guess at backward order); after the first iteration,
-     rebuilt once from the order gradients *actually* arrived, so bucket 0 fills first. Buckets are launched
-     in index order only: every rank must issue the same collectives in the same order (NCCL matches by
-     order).
-     Where torch differs: without find_unused_parameters its first iteration uses ONE bucket (no overlap
-     until the rebuild; registration order may be far from backward order); here the first iteration
-     already uses capped reverse-registration buckets, so the rebuild's gain is visible in the summary.
-     With find_unused_parameters=True torch never rebuilds (the set of gradients can change every
-     iteration), and neither does this file: its buckets stay in reverse registration order.
-  5. no_sync() (Sec. 3.2.4): gradient accumulation; inside it the hooks only note which parameters were
-     used, and gradients add up locally in .grad. The next synced backward reduces the accumulated .grad.
+     zero_grad(set_to_none=False) the views survive and autograd adds into them: no copy at all.
+     With set_to_none=True (used here: on a CPU one pass costs less than zeroing and adding) .grad
+     starts as None and each hook writes the new gradient / N into its slot in one pass, then points
+     .grad at it.
+  3. Overlap (Sec. 3.2.3): backward produces gradients from the last layer to the first. A hook on
+     every
+     parameter marks its gradient ready; when a bucket is full, its async all-reduce starts while
+     autograd is still computing the earlier layers. The end of backward waits for all of them.
+  4. Bucket order: first the reverse of registration (a guess at backward order); after the first
+     iteration,
+     rebuilt once from the order gradients *actually* arrived, so bucket 0 fills first. Buckets are
+     launched in index order only: every rank must issue the same collectives in the same order
+     (NCCL matches by order). Where torch differs: without find_unused_parameters its first
+     iteration uses ONE bucket (no overlap until the rebuild; registration order may be far from
+     backward order); here the first iteration already uses capped reverse-registration buckets, so
+     the rebuild's gain is visible in the summary. With find_unused_parameters=True torch never
+     rebuilds (the set of gradients can change every iteration), and neither does this file: its
+     buckets stay in reverse registration order.
+  5. no_sync() (Sec. 3.2.4): gradient accumulation; inside it the hooks only note which parameters
+     were
+     used, and gradients add up locally in .grad. The next synced backward reduces the accumulated
+     .grad.
   6. A parameter that gets no gradient would leave its bucket waiting forever: an error names it, or
-     find_unused_parameters=True fills its slot with its .grad (what no_sync() accumulated) or zeros, and
-     all-reduces a used-map (used in any backward since the last sync) to tell "unused here" from "unused
-     everywhere": the latter keep their .grad untouched (torch DDP's local_used_map, the same rule).
+     find_unused_parameters=True fills its slot with its .grad (what no_sync() accumulated) or
+     zeros, and all-reduces a used-map (used in any backward since the last sync) to tell "unused
+     here" from "unused everywhere": the latter keep their .grad untouched (torch DDP's
+     local_used_map, the same rule).
   7. --compress bf16|fp16: each bucket travels as a 16-bit copy (half the bytes of fp32, a quarter of fp64),
      copied back into the bucket when it lands: gradient compression in its simplest form (torch's
-     fp16_compress_hook / bf16_compress_hook). fp16 can underflow tiny gradients; bf16 keeps fp32's range.
-     --check then compares with a one-process run of the same recipe (compressed_reference), exact on 2 ranks.
-  8. The bucket layout is checkpointed beside the model (BucketLayout, below the fence): a restarted run
+     fp16_compress_hook / bf16_compress_hook). fp16 can underflow tiny gradients; bf16 keeps fp32's
+     range. --check then compares with a one-process run of the same recipe (compressed_reference),
+     exact on 2 ranks.
+  8. The bucket layout is checkpointed beside the model (BucketLayout, below the fence): a restarted
+     run
      keeps the rebuilt buckets.
 Ring all-reduce (Patarasuk & Yuan, 2009; Sergeev & Del Balso, "Horovod", 2018) sends 2(N-1)/N of the
 payload per rank, whatever N: adding ranks does not add bytes per rank.
@@ -53,9 +64,10 @@ payload per rank, whatever N: adding ranks does not add bytes per rank.
   bucket 1                                  [AR 1 ..........]
   bucket 2                                                    [AR 2 .........]
   bucket 3                                                                  [AR 3]  wait all: .grad is ready
-                                                                                  ^ loss.backward() returns
-In production, use torch.nn.parallel.DistributedDataParallel (or FSDP's fully_shard when the model does not
-fit).
+                                                                                  ^ loss.backward()
+                                                                                  returns
+In production, use torch.nn.parallel.DistributedDataParallel (or FSDP's fully_shard when the model
+does not fit).
 """
 
 import contextlib
@@ -108,8 +120,8 @@ MiB = 1024 * 1024  # bucket caps are given in MiB, as torch DDP's bucket_cap_mb
 
 
 def check_cap(mb, what):
-    """What the buckets rely on: a positive cap, in MiB (fractions allowed). Written so that nan fails too.
-    `what` names the cap: the parameter's name here, the flag's in check_args."""
+    """What the buckets rely on: a positive cap, in MiB (fractions allowed). Written so that nan
+    fails too. `what` names the cap: the parameter's name here, the flag's in check_args."""
     if not mb * MiB >= 1:
         raise ValueError(
             f"BucketedDDP: bucket caps must be positive sizes in MiB, fractions too (0.05), "
@@ -118,9 +130,9 @@ def check_cap(mb, what):
 
 
 class Bucket:
-    """One bucket (picotron's Bucket): the parameters `idx` (indices into the module's), their gradients in
-    one flat `buffer` in the parameter dtype, each a fixed slice of it shaped like its parameter (`views`),
-    and `pending`, the gradients it still waits for in this backward."""
+    """One bucket (picotron's Bucket): the parameters `idx` (indices into the module's), their
+    gradients in one flat `buffer` in the parameter dtype, each a fixed slice of it shaped like its
+    parameter (`views`), and `pending`, the gradients it still waits for in this backward."""
 
     def __init__(self, idx, params):
         self.idx = idx
@@ -133,19 +145,19 @@ class Bucket:
 
 class BucketedDDP(nn.Module):
     """Drop-in for torch.nn.parallel.DistributedDataParallel(gradient_as_bucket_view=True): when
-    loss.backward() returns, every .grad holds the average over the ranks of `group`, as a view into its
-    bucket.
+    loss.backward() returns, every .grad holds the average over the ranks of `group`, as a view into
+    its bucket.
 
-    Why post-accumulate-grad hooks + queue_callback: `Tensor.register_post_accumulate_grad_hook` runs right
-    after autograd has written a parameter's .grad (including what no_sync() accumulated before), which is
-    exactly "this gradient is final"; torch DDP hooks the same spot in C++ (the AccumulateGrad node). A plain
-    `p.register_hook` would fire *before* accumulation and see only this backward's part, not the sum. The
-    end-of-backward wait must run once, after the *whole* graph, before backward() returns:
-    `Variable._execution_engine.queue_callback`, queued from the first hook of each backward, is that
-    moment (torch DDP's Reducer queues its finalize_backward the same way). Waiting in the hook of the
-    last bucket instead would hang on a parameter that gets no gradient; the callback can name it.
-    Left out of torch DDP: re-broadcasting buffers every forward (the GPT has none), static_graph, general
-    comm hooks."""
+    Why post-accumulate-grad hooks + queue_callback: `Tensor.register_post_accumulate_grad_hook`
+    runs right after autograd has written a parameter's .grad (including what no_sync() accumulated
+    before), which is exactly "this gradient is final"; torch DDP hooks the same spot in C++ (the
+    AccumulateGrad node). A plain `p.register_hook` would fire *before* accumulation and see only
+    this backward's part, not the sum. The end-of-backward wait must run once, after the *whole*
+    graph, before backward() returns: `Variable._execution_engine.queue_callback`, queued from the
+    first hook of each backward, is that moment (torch DDP's Reducer queues its finalize_backward
+    the same way). Waiting in the hook of the last bucket instead would hang on a parameter that
+    gets no gradient; the callback can name it. Left out of torch DDP: re-broadcasting buffers every
+    forward (the GPT has none), static_graph, general comm hooks."""
 
     def __init__(
         self,
@@ -193,8 +205,8 @@ class BucketedDDP(nn.Module):
         self._sync = False
         # got a gradient since the last synced backward (no_sync too)
         self._used = [False] * len(self.params)
-        # order gradients arrive in the first synced backward (None: never rebuild, or rebuilt already);
-        # torch rebuilds only without find_unused_parameters, and so does this file
+        # order gradients arrive in the first synced backward (None: never rebuild, or rebuilt
+        # already); torch rebuilds only without find_unused_parameters, and so does this file
         self._arrival = None if find_unused_parameters else []
         self._rebuild_pending = False
         self.works, self._wires = (
@@ -203,9 +215,10 @@ class BucketedDDP(nn.Module):
         )  # this backward's all-reduces (and 16-bit copies), bucket by bucket
 
     def _assign(self, order):
-        """DDP's cut rule (compute_bucket_assignment_by_size in its reducer): walk `order`, add each parameter
-        to the open bucket of its dtype, and close that bucket once it holds at least its cap (caps[0] for
-        the first bucket of each dtype, caps[1] after). Returns the buckets, as lists of parameter indices."""
+        """DDP's cut rule (compute_bucket_assignment_by_size in its reducer): walk `order`, add each
+        parameter to the open bucket of its dtype, and close that bucket once it holds at least its
+        cap (caps[0] for the first bucket of each dtype, caps[1] after). Returns the buckets, as
+        lists of parameter indices."""
         buckets = []
         open_ = {}
         closed = {}
@@ -226,8 +239,8 @@ class BucketedDDP(nn.Module):
 
     @contextlib.contextmanager
     def no_sync(self):
-        """Forward and backward inside: gradients accumulate in .grad, locally; the next synced backward
-        reduces the accumulated sum (torch DDP's no_sync)."""
+        """Forward and backward inside: gradients accumulate in .grad, locally; the next synced
+        backward reduces the accumulated sum (torch DDP's no_sync)."""
         old, self.require_sync = self.require_sync, False
         try:
             yield
@@ -269,10 +282,10 @@ class BucketedDDP(nn.Module):
         self._launch_ready()
 
     def _into_bucket(self, i):
-        """Slot i of its bucket := .grad / N in one pass (the average is a sum of grad/N; torch DDP divides
-        before the sum too; compressed, the 16-bit copy is divided instead, as torch's hook does); zeros for
-        no .grad. A .grad that already is the slot (zero_grad(set_to_none=False) kept it, and autograd added
-        into it in place): divided where it is, no copy."""
+        """Slot i of its bucket := .grad / N in one pass (the average is a sum of grad/N; torch DDP
+        divides before the sum too; compressed, the 16-bit copy is divided instead, as torch's hook
+        does); zeros for no .grad. A .grad that already is the slot (zero_grad(set_to_none=False)
+        kept it, and autograd added into it in place): divided where it is, no copy."""
         g = self.params[i].grad
         view = self.bucket_of[i].views[i]
         n = 1 if self.wire_dtype else self.world
@@ -284,7 +297,8 @@ class BucketedDDP(nn.Module):
             torch.div(g, n, out=view)
 
     def _launch_ready(self):
-        """Launch every full bucket, in index order only (a full bucket waits for the earlier ones)."""
+        """Launch every full bucket, in index order only (a full bucket waits for the earlier
+        ones)."""
         while self._next < len(self.buckets) and self.buckets[self._next].pending == 0:
             buf = self.buckets[self._next].buffer  # (n_b,) this rank's gradients / N
             # a 16-bit copy travels: rounded, then divided (torch's hook)
@@ -295,7 +309,8 @@ class BucketedDDP(nn.Module):
             self._next += 1
 
     def _reduce(self, b, buf):
-        """Start bucket b's all-reduce: (n_b,) this rank's gradients / N -> their sum over ranks, in place."""
+        """Start bucket b's all-reduce: (n_b,) this rank's gradients / N -> their sum over ranks, in
+        place."""
         return dist.all_reduce(buf, group=self.group, async_op=True)
 
     def _finish_backward(self):
@@ -318,9 +333,9 @@ class BucketedDDP(nn.Module):
         self._sync, self._used = False, [False] * len(self.params)
 
     def _fill_missing(self):
-        """Slots of parameters that got no gradient in this backward: what no_sync() accumulated in .grad
-        (torch reduces a defined .grad), else zeros; so every bucket still launches, in the same order on
-        every rank. Returns those parameters."""
+        """Slots of parameters that got no gradient in this backward: what no_sync() accumulated in
+        .grad (torch reduces a defined .grad), else zeros; so every bucket still launches, in the
+        same order on every rank. Returns those parameters."""
         missing = [i for i, got in enumerate(self.arrived) if not got]
         for i in missing:
             self._into_bucket(i)
@@ -336,8 +351,8 @@ class BucketedDDP(nn.Module):
         return {i for i, u in enumerate(used.tolist()) if u == 0}
 
     def _wait(self, unused_everywhere=()):
-        """Wait for every bucket; .grad = its view (the average), but where no rank used the parameter: its
-        .grad is left alone, as torch DDP leaves it."""
+        """Wait for every bucket; .grad = its view (the average), but where no rank used the
+        parameter: its .grad is left alone, as torch DDP leaves it."""
         for b, work in enumerate(self.works):
             work.wait()
             bucket = self.buckets[b]
@@ -348,8 +363,9 @@ class BucketedDDP(nn.Module):
                     self.params[i].grad = bucket.views[i]
 
     def _rebuild(self):
-        """After the first iteration: buckets in the order gradients arrived (torch DDP's rebuild_buckets).
-        Rank 0's order is broadcast, so the layout (and so the collectives) is the same on every rank."""
+        """After the first iteration: buckets in the order gradients arrived (torch DDP's
+        rebuild_buckets). Rank 0's order is broadcast, so the layout (and so the collectives) is the
+        same on every rank."""
         seen = set(self._arrival)
         order = self._arrival + [i for i in reversed(range(len(self.params))) if i not in seen]
         t = torch.tensor(order, dtype=torch.int64, device=self.device)  # (P,)
@@ -370,8 +386,9 @@ def check_args(args):
     check_common_args(args)  # every rank checks, before any collective
     if args.batch_size % world:
         fail(
-            f"--batch-size {args.batch_size} is not divisible by the world size {world}: each rank takes an "
-            f"equal slice; use a multiple of {world}, e.g. {world * max(1, args.batch_size // world)}"
+            f"--batch-size {args.batch_size} is not divisible by the world size {world}: each rank "
+            f"takes an equal slice; use a multiple of {world}, e.g. "
+            f"{world * max(1, args.batch_size // world)}"
         )
     try:  # the core's own check, its ValueError as fail's one line
         check_cap(args.bucket_cap_mb, "--bucket-cap-mb")
@@ -399,11 +416,12 @@ def main():
     overlap = Overlap(ddp)
     acts = SavedActivations()
     b = args.batch_size // d.world
-    # measurement: the dispatcher counter sends every op through Python, so it watches one step, the second
-    # (after the rebuild; bench.py times the steps after its warm-up, and counts torch's in its last warm-up)
+    # measurement: the dispatcher counter sends every op through Python, so it watches one step, the
+    # second (after the rebuild; bench.py times the steps after its warm-up, and counts torch's in
+    # its last warm-up)
     count_at = min(max(run.start, 1), args.steps - 1)
-    # The log line's loss on a group of its own: on NCCL its own communicator, never queued behind the
-    # buckets' all-reduces, and never counted with them (it reduces outside the watched step).
+    # The log line's loss on a group of its own: on NCCL its own communicator, never queued behind
+    # the buckets' all-reduces, and never counted with them (it reduces outside the watched step).
     log_group = dist.new_group()
     for step in run.steps():
         # (B, T) global batch, CPU
@@ -418,7 +436,8 @@ def main():
             opt.zero_grad(set_to_none=True)
             # this rank's share L_r of the global loss L = sum_r L_r
             loss = lm_loss(ddp(x), y, n_tok)
-            # DDP *averages*: backpropagate N * L_r, so mean_r grad(N L_r) = grad L exactly, ragged or not
+            # DDP *averages*: backpropagate N * L_r, so mean_r grad(N L_r) = grad L exactly, ragged
+            # or not
             (loss * d.world).backward()  # returns with every .grad averaged over ranks
             if args.clip > 0:  # grads are now replicated, so this local norm is the global norm
                 torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
@@ -456,7 +475,8 @@ def main():
 
 # --- measurement ---
 def bucket_layout(ddp):
-    """[(parameter names, bytes in the parameter dtype, bytes on the wire)] per bucket, launch order."""
+    """[(parameter names, bytes in the parameter dtype, bytes on the wire)] per bucket, launch
+    order."""
     out = []
     for bucket in ddp.buckets:
         buf = bucket.buffer
@@ -472,9 +492,9 @@ def bucket_layout(ddp):
 
 
 class BucketLayout:
-    """A BucketedDDP's bucket layout as checkpoint state, beside the model's: a restarted run rebuilds exactly
-    these buckets, not the first guess, so it issues the same all-reduces with the same elements in them (on
-    3+ ranks the layout decides the order of each element's sum)."""
+    """A BucketedDDP's bucket layout as checkpoint state, beside the model's: a restarted run
+    rebuilds exactly these buckets, not the first guess, so it issues the same all-reduces with the
+    same elements in them (on 3+ ranks the layout decides the order of each element's sum)."""
 
     def __init__(self, ddp):
         self.ddp = ddp
@@ -493,11 +513,11 @@ class BucketLayout:
 
 
 class Overlap:
-    """Watches a BucketedDDP, per synced backward: the buckets launched while gradients were still to come
-    (fewer had arrived than at the end), and the all-reduces complete when backward ended. CPU: the works'
-    is_completed() as the end-of-backward callback starts. A GPU's host runs ahead of the device, so there:
-    a CUDA event on a side stream made to wait for each all-reduce, against one where backward's kernels
-    end."""
+    """Watches a BucketedDDP, per synced backward: the buckets launched while gradients were still
+    to come (fewer had arrived than at the end), and the all-reduces complete when backward ended.
+    CPU: the works' is_completed() as the end-of-backward callback starts. A GPU's host runs ahead
+    of the device, so there: a CUDA event on a side stream made to wait for each all-reduce, against
+    one where backward's kernels end."""
 
     def __init__(self, ddp):
         self.ddp = ddp
@@ -544,7 +564,8 @@ class Overlap:
         return e
 
     def per_step(self):
-        """Per synced backward: buckets, launched_early, bytes_early, hidden, payload_bytes, order."""
+        """Per synced backward: buckets, launched_early, bytes_early, hidden, payload_bytes,
+        order."""
         if self.cuda:
             torch.cuda.synchronize(self.ddp.device)
         out = []
@@ -581,7 +602,8 @@ def summary_figures(d, ddp, comm, overlap):
         buckets=len(layout),
         bucket_bytes=[wire for *_, wire in layout],
         bucket_params=[len(names) for names, *_ in layout],
-        allreduce_payload_bytes_per_step=payload,  # counted at the dispatcher: what each rank hands over
+        # counted at the dispatcher: what each rank hands over
+        allreduce_payload_bytes_per_step=payload,
         ring_bytes_sent_per_rank_theory=2 * (d.world - 1) / d.world * payload,  # theory
         launched_before_backward_end=last["launched_early"],
         bytes_launched_before_backward_end=last["bytes_early"],
@@ -594,12 +616,14 @@ def summary_figures(d, ddp, comm, overlap):
         f"buckets                          {f['buckets']}: {f['bucket_bytes']} bytes on the wire, "
         f"{f['bucket_params']} parameters\n"
         f"all-reduce payload per rank/step {payload} bytes (counted)\n"
-        f"ring all-reduce sent per rank    {f['ring_bytes_sent_per_rank_theory']:.0f} bytes (theory: "
+        f"ring all-reduce sent per rank    {f['ring_bytes_sent_per_rank_theory']:.0f} bytes "
+        "(theory: "
         f"2(N-1)/N * payload)\n"
         f"overlap, last step               {last['launched_early']}/{f['buckets']} buckets "
         f"({last['bytes_early']} bytes) launched before backward finished; {last['hidden']} had "
         f"completed when it did (measured)\n"
-        f"overlap, first step              {first['launched_early']}/{f['buckets']} buckets launched early "
+        f"overlap, first step              {first['launched_early']}/{f['buckets']} buckets "
+        "launched early "
         f"(registration-order buckets, before the rebuild)"
     )
     return f
@@ -607,10 +631,11 @@ def summary_figures(d, ddp, comm, overlap):
 
 # --- reference for --check ---
 def compressed_reference(args, world, wire, device):
-    """--check's answer for --compress: one process, no buckets, no communication, the same precision recipe:
-    each rank r's gradient of N * L_r rounded to the wire dtype and divided by N there, the N terms summed in
-    the wire dtype, cast back, clipped, stepped. Exactly the run's arithmetic on 1 or 2 ranks (a + b = b + a);
-    on 3 or more the collective picks the order of the sum."""
+    """--check's answer for --compress: one process, no buckets, no communication, the same
+    precision recipe: each rank r's gradient of N * L_r rounded to the wire dtype and divided by N
+    there, the N terms summed in the wire dtype, cast back, clipped, stepped. Exactly the run's
+    arithmetic on 1 or 2 ranks (a + b = b + a); on 3 or more the collective picks the order of the
+    sum."""
     data = MarkovData(args.vocab, args.seed)
     model = build_gpt(GPTConfig.from_args(args), args.seed, DTYPES[args.dtype], device)
     opt, params = make_optimizer(model.parameters(), args), list(model.parameters())
@@ -637,9 +662,10 @@ def compressed_reference(args, world, wire, device):
 
 def compress_tolerance(args, world):
     """(loss, parameter) tolerances of --check with --compress: the dtype's on <= 2 ranks (the same
-    arithmetic). On N >= 3 the order of the sum moves each summed gradient by up to N - 2 roundings of
-    relative u, so each AdamW step (about lr) by that fraction: losses within steps * lr * (N - 2) * u;
-    parameters within AdamW's largest move, 2 * lr * steps (a roundoff-sized sum can flip sign)."""
+    arithmetic). On N >= 3 the order of the sum moves each summed gradient by up to N - 2 roundings
+    of relative u, so each AdamW step (about lr) by that fraction: losses within steps * lr * (N -
+    2) * u; parameters within AdamW's largest move, 2 * lr * steps (a roundoff-sized sum can flip
+    sign)."""
     if world <= 2:
         return tolerance(args.dtype), tolerance(args.dtype)
     u = torch.finfo(WIRE[args.compress]).eps / 2

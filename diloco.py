@@ -1,63 +1,70 @@
 """diloco.py: synchronise every H steps. Local SGD, DiLoCo and Streaming DiLoCo, written by hand.
 
-dp.py is one end of data parallelism's trade-off (every rank agrees after every step) and its parameter
-server the other (nobody waits). This is the middle, the one that trains across poorly connected islands of
-GPUs: each of M workers (one process each, its own slice of every global batch) trains its own copy of the
-model for H inner steps with its own AdamW, and only then do they talk.
+dp.py is one end of data parallelism's trade-off (every rank agrees after every step) and its
+parameter server the other (nobody waits). This is the middle, the one that trains across poorly
+connected islands of GPUs: each of M workers (one process each, its own slice of every global batch)
+trains its own copy of the model for H inner steps with its own AdamW, and only then do they talk.
 
 1. Local SGD / DiLoCo (Douillard et al., "DiLoCo: Distributed Low-Communication Training of Language
-   Models", 2023, Algorithm 1). Every worker starts a round from the same global weights theta; after H
-   inner steps worker m holds theta_m. The *pseudo-gradient* Delta = theta - mean_m(theta_m) (the average
-   change, sign flipped, so that it points uphill like a gradient) is the only thing exchanged, with one
-   all-reduce; an *outer* optimizer steps theta with it, and every worker restarts from the new theta:
+   Models", 2023, Algorithm 1). Every worker starts a round from the same global weights theta;
+   after H inner steps worker m holds theta_m. The *pseudo-gradient* Delta = theta - mean_m(theta_m)
+   (the average change, sign flipped, so that it points uphill like a gradient) is the only thing
+   exchanged, with one all-reduce; an *outer* optimizer steps theta with it, and every worker
+   restarts from the new theta:
        theta <- OuterOpt(theta, Delta)        Nesterov momentum, lr 0.7, momentum 0.9 (the paper's)
-   Each worker keeps its inner AdamW state across rounds; all start from rank 0's weights (a broadcast
-   at a fresh run's first inner step, not at construction: a resumed worker keeps its own, mid-round).
-   --outer sgd --outer-lr 1 is theta <- mean(theta_m): local SGD / federated averaging (McMahan et al. 2017).
-   With plain SGD inside, H = 1 and that outer step, it is synchronous data parallel SGD exactly (a test): the
-   averaged weights are the averaged gradient step.
+   Each worker keeps its inner AdamW state across rounds; all start from rank 0's weights (a
+   broadcast at a fresh run's first inner step, not at construction: a resumed worker keeps its own,
+   mid-round). --outer sgd --outer-lr 1 is theta <- mean(theta_m): local SGD / federated averaging
+   (McMahan et al. 2017). With plain SGD inside, H = 1 and that outer step, it is synchronous data
+   parallel SGD exactly (a test): the averaged weights are the averaged gradient step.
 
        worker 0   theta --[H AdamW steps on its slice]--> theta_0   --+
        worker 1   theta --[H AdamW steps on its slice]--> theta_1   --+-- all-reduce theta - theta_m: the
        ...                                                            |   only traffic; then on every worker
        worker M-1 theta --[H AdamW steps on its slice]--> theta_M-1 --+   theta' = OuterOpt(theta, Delta)
-   The paper: on C4, 8 workers with H = 500 match fully synchronous training while communicating 500x
-   less. Memory: theta and the outer momentum are two more copies of the model on every worker.
+   The paper: on C4, 8 workers with H = 500 match fully synchronous training while communicating
+   500x less. Memory: theta and the outer momentum are two more copies of the model on every worker.
 2. Streaming DiLoCo (Douillard et al., "Streaming DiLoCo with overlapping communication", 2025):
-   a. --fragments F: the blocks are dealt into F fragments (strided: fragment f holds blocks f, f+F, ...;
-      the embeddings ride with fragment 0, the head with the last block's). Fragment f is synced every H
-      steps, but at its own offset, (f+1) H/F: the same bytes per round, spread out, so the peak
-      bandwidth is F times lower.
-   b. --overlap TAU: a fragment's exchange is launched asynchronously and its outer update lands TAU inner
-      steps later; meanwhile the workers keep training. On landing the worker's fragment becomes
-      mix * (its own, TAU steps further) + (1 - mix) * (the new global one) (--mix; torchft's
-      fragment_update_alpha; 0 drops the TAU local steps of that fragment). The exchange runs on a group of
-      its own: on NCCL its own communicator and stream, so the loss's all-reduce (on WORLD) does not queue
-      behind it, and the step is timed on the host after the loss's .item() (its compute stream), not with a
-      device-wide synchronize that would wait for the exchange. The run prints how long training stalled on
-      each exchange at its landing (exposed: on CUDA between two events around the wait, since NCCL's
-      wait() returns at once) beside the exchange's own time (launch to completion).
-      Where the schedule differs from torchft's Streaming DiLoCo:
-      - launched at the sync point, landed TAU steps later; torchft launches TAU steps early and lands on it;
-      - TAU may be up to H - 1 (exchanges of several fragments then overlap); torchft requires TAU < H/F;
+   a. --fragments F: the blocks are dealt into F fragments (strided: fragment f holds blocks f, f+F,
+   ...;
+      the embeddings ride with fragment 0, the head with the last block's). Fragment f is synced
+      every H steps, but at its own offset, (f+1) H/F: the same bytes per round, spread out, so the
+      peak bandwidth is F times lower.
+   b. --overlap TAU: a fragment's exchange is launched asynchronously and its outer update lands TAU
+   inner
+      steps later; meanwhile the workers keep training. On landing the worker's fragment becomes mix
+      * (its own, TAU steps further) + (1 - mix) * (the new global one) (--mix; torchft's
+      fragment_update_alpha; 0 drops the TAU local steps of that fragment). The exchange runs on a
+      group of its own: on NCCL its own communicator and stream, so the loss's all-reduce (on WORLD)
+      does not queue behind it, and the step is timed on the host after the loss's .item() (its
+      compute stream), not with a device-wide synchronize that would wait for the exchange. The run
+      prints how long training stalled on each exchange at its landing (exposed: on CUDA between two
+      events around the wait, since NCCL's wait() returns at once) beside the exchange's own time
+      (launch to completion). Where the schedule differs from torchft's Streaming DiLoCo:
+      - launched at the sync point, landed TAU steps later; torchft launches TAU steps early and
+        lands on it;
+      - TAU may be up to H - 1 (exchanges of several fragments then overlap); torchft requires TAU <
+        H/F;
       - the average is over the fixed world; torchft's is over the live quorum of replicas.
-   c. --outer-dtype bfloat16 (float16, float8_e4m3fn; float32 under float64): pseudo-gradients travel in
-      low precision. An all-reduce in bfloat16 would round every partial sum in an order only the backend
-      knows; here each worker's rounded pseudo-gradient is all-gathered and summed in rank order in the
-      parameter dtype, on every rank: exact, and --check's reference rounds and sums the same way. float8
-      is scaled first (one scale per fragment and worker, so that its largest element is float8's
-      largest; a pseudo-gradient of 1e-3 would otherwise flush to 0) and travels as bytes, scale appended.
-      It costs bytes: an all-gather hands over n x b B per rank but a ring sends (M-1) n x b B, against
-      2 (M-1)/M n x 4 B for a float32 all-reduce: for bfloat16 cheaper below M = 4, dearer beyond (the
-      paper quantises to 4 bits; exactness against a reference is what this file chose).
+   c. --outer-dtype bfloat16 (float16, float8_e4m3fn; float32 under float64): pseudo-gradients
+   travel in
+      low precision. An all-reduce in bfloat16 would round every partial sum in an order only the
+      backend knows; here each worker's rounded pseudo-gradient is all-gathered and summed in rank
+      order in the parameter dtype, on every rank: exact, and --check's reference rounds and sums
+      the same way. float8 is scaled first (one scale per fragment and worker, so that its largest
+      element is float8's largest; a pseudo-gradient of 1e-3 would otherwise flush to 0) and travels
+      as bytes, scale appended. It costs bytes: an all-gather hands over n x b B per rank but a ring
+      sends (M-1) n x b B, against 2 (M-1)/M n x 4 B for a float32 all-reduce: for bfloat16 cheaper
+      below M = 4, dearer beyond (the paper quantises to 4 bits; exactness against a reference is
+      what this file chose).
 
       step    1 2 3 4 5 6 7 8 9 10 11 12      H = 4, F = 2, TAU = 1 (each fragment syncs every 4 steps)
       frag 0  . S L . . S L . . S  L  .       S: its all-reduce is launched after that inner step
       frag 1  . . . S L . . S L .  .  S       L: it lands one step later: outer step, merge
       bytes   . n . n . n . n . n  .  n       n = half the model (the pseudo-gradient of one fragment)
 
-Bytes per inner step: DDP all-reduces every gradient every step (P x 4 B in float32); DiLoCo P x b / H (b:
-bytes per element on the wire), measured at the dispatcher below: the ratio is H (x 4/b).
+Bytes per inner step: DDP all-reduces every gradient every step (P x 4 B in float32); DiLoCo P x b /
+H (b: bytes per element on the wire), measured at the dispatcher below: the ratio is H (x 4/b).
 
 Loss gap to the entropy floor against bytes, DDP beside H = 5, 20 and 50 at world 4 (600 steps):
 docs/diloco.md. In that run H = 20 and 50 reach DDP's training loss with 20x and 50x fewer bytes.
@@ -122,7 +129,7 @@ class Args(CommonArgs):
     outer_dtype: WIRES = "same"  # the pseudo-gradients' dtype on the wire
 
 
-# ----------------------------------------------------------------------------- 1: DiLoCo (and local SGD)
+# ------------------------------------------------------------------------ 1: DiLoCo (and local SGD)
 def check_outer(inner_steps, outer_lr, outer_momentum, nesterov):
     """What DiLoCo relies on (check_args calls it too): a ValueError naming what would work."""
     if inner_steps < 1:
@@ -136,10 +143,10 @@ def check_outer(inner_steps, outer_lr, outer_momentum, nesterov):
 
 class DiLoCo:
     """The outer loop of DiLoCo around any model and inner optimizer: on every worker (every rank of
-    `group`) call before_inner_step() before and after_inner_step(t) after each inner step t (0-based);
-    every H-th one syncs. This holds the global weights theta (a copy of `params`, the worker's own
-    parameters) and the outer optimizer's state. Outer SGD with lr 1 and no momentum (nesterov=False,
-    outer_momentum=0) is local SGD."""
+    `group`) call before_inner_step() before and after_inner_step(t) after each inner step t
+    (0-based); every H-th one syncs. This holds the global weights theta (a copy of `params`, the
+    worker's own parameters) and the outer optimizer's state. Outer SGD with lr 1 and no momentum
+    (nesterov=False, outer_momentum=0) is local SGD."""
 
     def __init__(
         self, params, inner_steps, outer_lr=0.7, outer_momentum=0.9, nesterov=True, group=None
@@ -157,9 +164,9 @@ class DiLoCo:
             momentum=outer_momentum if nesterov else 0.0,
             nesterov=nesterov,
         )
-        # Not synced here: a worker whose model was loaded before this was built holds its own weights,
-        # which differ from rank 0's mid-round. The first inner step of a fresh run syncs (torchft's
-        # Manager does so too); a resumed run's state says it has started.
+        # Not synced here: a worker whose model was loaded before this was built holds its own
+        # weights, which differ from rank 0's mid-round. The first inner step of a fresh run syncs
+        # (torchft's Manager does so too); a resumed run's state says it has started.
         self.started = False
 
     def before_inner_step(self):
@@ -168,8 +175,8 @@ class DiLoCo:
 
     @torch.no_grad()
     def start(self):
-        """Every worker starts from the group's rank 0's theta, as DDP and torchft do: workers built from
-        other seeds would otherwise train apart, silently."""
+        """Every worker starts from the group's rank 0's theta, as DDP and torchft do: workers built
+        from other seeds would otherwise train apart, silently."""
         for frag, glob in zip(self.local, self.glob):
             for p, g in zip(frag, glob):
                 dist.broadcast(p, group_src=0, group=self.group)
@@ -184,7 +191,8 @@ class DiLoCo:
 
     @torch.no_grad()
     def sync(self):
-        # 1. this worker's pseudo-gradient Delta_m = theta - theta_m, flat: one all-reduce for the model
+        # 1. this worker's pseudo-gradient Delta_m = theta - theta_m, flat: one all-reduce for the
+        #   model
         delta = torch.cat([(g - p).flatten() for g, p in zip(self.glob[0], self.local[0])])  # (P,)
         dist.all_reduce(delta, group=self.group)  # (P,) sum over workers, the same on every rank
         self.outer_step(0, delta / self.M)  # 2. Delta = mean_m Delta_m: the outer step on theta
@@ -255,12 +263,13 @@ def check_schedule(inner_steps, n_fragments, overlap, mix):
 
 
 class StreamingDiLoCo(DiLoCo):
-    """DiLoCo with the model in `fragments` (lists of the worker's parameters, disjoint, covering it),
-    fragment f synced after the inner steps t with t + 1 = (f + 1) H / F (mod H); each exchange launched
-    asynchronously and landed `overlap` inner steps later, the worker's fragment then mixed with the new
-    theta by `mix`. wire_dtype: None = all-reduce in the parameters' dtype; else all-gather in wire_dtype
-    and sum in rank order in the parameters' dtype (exact). Every rank makes the same calls in the same
-    order, so the same collectives are issued in the same order, as NCCL requires."""
+    """DiLoCo with the model in `fragments` (lists of the worker's parameters, disjoint, covering
+    it), fragment f synced after the inner steps t with t + 1 = (f + 1) H / F (mod H); each exchange
+    launched asynchronously and landed `overlap` inner steps later, the worker's fragment then mixed
+    with the new theta by `mix`. wire_dtype: None = all-reduce in the parameters' dtype; else
+    all-gather in wire_dtype and sum in rank order in the parameters' dtype (exact). Every rank
+    makes the same calls in the same order, so the same collectives are issued in the same order, as
+    NCCL requires."""
 
     def __init__(
         self,
@@ -299,7 +308,8 @@ class StreamingDiLoCo(DiLoCo):
         self.mix = mix
         self.wire = wire_dtype
         self.offsets = [(f + 1) * H // F % H for f in range(F)]  # t + 1 = offset (mod H): a sync
-        self.pending = []  # Exchanges in flight, in launch order (= landing order: TAU is one number)
+        # Exchanges in flight, in launch order (= landing order: TAU is one number)
+        self.pending = []
 
     def syncs_after(self, t):
         """The fragments whose exchange starts after inner step t (0-based)."""
@@ -349,8 +359,8 @@ class StreamingDiLoCo(DiLoCo):
 
     @torch.no_grad()
     def land(self, ex):
-        """2. Wait for the exchange (TAU steps later), the outer step on fragment f of theta; 3. the worker's
-        fragment = mix * its own (TAU steps further) + (1 - mix) * the new theta."""
+        """2. Wait for the exchange (TAU steps later), the outer step on fragment f of theta; 3. the
+        worker's fragment = mix * its own (TAU steps further) + (1 - mix) * the new theta."""
         self.wait(ex)
         dtype = self.glob[ex.fragment][0].dtype
         if self.wire is None:
@@ -377,7 +387,8 @@ class StreamingDiLoCo(DiLoCo):
         while self.pending:
             self.land(self.pending.pop(0))
 
-    # The exchanges in flight too: waited here, so their results are saved and nothing is sent twice.
+    # The exchanges in flight too: waited here, so their results are saved and nothing is sent
+    # twice.
     def state_dict(self):
         for ex in self.pending:
             self.wait(ex)
@@ -399,9 +410,9 @@ def check_fragment_count(n, n_blocks):
 
 
 def gpt_fragments(model, n):
-    """Streaming DiLoCo's fragments of the repo's GPT: block i in fragment i mod n (strided, which the paper
-    found a little better than contiguous); the embeddings join fragment 0, ln_f and the head the fragment
-    of the last block."""
+    """Streaming DiLoCo's fragments of the repo's GPT: block i in fragment i mod n (strided, which
+    the paper found a little better than contiguous); the embeddings join fragment 0, ln_f and the
+    head the fragment of the last block."""
     check_fragment_count(n, len(model.blocks))
     frags = [list(b.parameters()) for b in model.blocks[:n]]
     for i, b in enumerate(model.blocks[n:], n):
@@ -413,14 +424,14 @@ def gpt_fragments(model, n):
     return frags
 
 
-# ----------------------------------------------------------------------------- argument checks, main
+# ---------------------------------------------------------------------------- argument checks, main
 def check_args(args):
     check_common_args(args)
     world = env_world_size()
     if args.batch_size % world:
         fail(
-            f"--batch-size {args.batch_size} is not divisible by the {world} workers; try --batch-size "
-            f"{world * max(1, args.batch_size // world)}"
+            f"--batch-size {args.batch_size} is not divisible by the {world} workers; try "
+            f"--batch-size {world * max(1, args.batch_size // world)}"
         )
     try:  # the cores' own checks, before any process group exists (--inner-steps, --fragments, ...)
         check_outer(args.inner_steps, args.outer_lr, args.outer_momentum, args.outer == "nesterov")
@@ -430,8 +441,8 @@ def check_args(args):
         fail(str(e))
     if args.check and args.dropout > 0:
         fail(
-            f"--check needs --dropout 0 (got {args.dropout}): the reference cannot replay every worker's "
-            "dropout stream"
+            f"--check needs --dropout 0 (got {args.dropout}): the reference cannot replay every "
+            "worker's dropout stream"
         )
     if (
         args.outer_dtype != "same"
@@ -439,7 +450,8 @@ def check_args(args):
         > torch.finfo(DTYPES[args.dtype]).bits
     ):
         fail(
-            f"--outer-dtype {args.outer_dtype} is wider than --dtype {args.dtype}: use --outer-dtype same"
+            f"--outer-dtype {args.outer_dtype} is wider than --dtype {args.dtype}: use "
+            "--outer-dtype same"
         )
 
 
@@ -450,8 +462,8 @@ def make_inner(model, args):
 
 
 def inner_step(model, opt, x, y, clip):
-    """One inner step of this worker on its own slice (b, T): the loss is the mean over *its* tokens (a
-    worker trains alone), clipped by the norm of its own gradient. No communication."""
+    """One inner step of this worker on its own slice (b, T): the loss is the mean over *its* tokens
+    (a worker trains alone), clipped by the norm of its own gradient. No communication."""
     loss = lm_loss(model(x), y, count_tokens(y))
     opt.zero_grad(set_to_none=True)
     loss.backward()
@@ -469,9 +481,9 @@ def wire_dtype(args):
 def train_diloco(d, args, data, model):
     inner = make_inner(model, args)
     outer = (args.outer_lr, args.outer_momentum, args.outer == "nesterov")
-    # The exchange on a group of its own: on NCCL its own communicator, hence its own stream, so that the
-    # loss's all-reduce on WORLD below is not queued behind an exchange in flight (work on one communicator
-    # runs in issue order) and the exchange overlaps the next inner steps for real.
+    # The exchange on a group of its own: on NCCL its own communicator, hence its own stream, so
+    # that the loss's all-reduce on WORLD below is not queued behind an exchange in flight (work on
+    # one communicator runs in issue order) and the exchange overlaps the next inner steps for real.
     exchange = dist.new_group(list(range(d.world)))
     if args.fragments == 1 and args.overlap == 0 and args.mix == 0 and wire_dtype(args) is None:
         diloco = DiLoCo(model.parameters(), args.inner_steps, *outer, group=exchange)
@@ -486,8 +498,8 @@ def train_diloco(d, args, data, model):
             group=exchange,
         )
     run = Run(d, args, {"model": model, "inner": inner, "diloco": diloco})
-    # A host timer: loss.item() below has waited for the step's compute stream; StepTimer's device-wide
-    # synchronize would also wait for the exchange on its own stream, exposing it.
+    # A host timer: loss.item() below has waited for the step's compute stream; StepTimer's
+    # device-wide synchronize would also wait for the exchange on its own stream, exposing it.
     run.timer = StepTimer(torch.device("cpu"))
     watch = ExchangeWatch(diloco)  # measurement, below
     comm = CommCounter({"exchange": exchange}, log=True)
@@ -522,9 +534,9 @@ def main():
     d = init_dist(args.timeout)  # --- setup (same in every file) ---
     data = MarkovData(args.vocab, args.seed)
     d.log(
-        f"diloco.py: {d.world} workers, H {args.inner_steps}, {args.fragments} fragment(s), overlap "
-        f"{args.overlap}, outer {args.outer} lr {args.outer_lr}, wire {args.outer_dtype}; entropy floor "
-        f"{data.entropy:.4f} nats/token"
+        f"diloco.py: {d.world} workers, H {args.inner_steps}, {args.fragments} fragment(s), "
+        f"overlap {args.overlap}, outer {args.outer} lr {args.outer_lr}, wire {args.outer_dtype}; "
+        f"entropy floor {data.entropy:.4f} nats/token"
     )
     torch.manual_seed(args.seed + d.rank)  # dropout differs across workers, as on other data
     model = build_gpt(GPTConfig.from_args(args), args.seed, DTYPES[args.dtype], d.device)
@@ -533,18 +545,19 @@ def main():
 
 # --- measurement ---
 class ExchangeWatch:
-    """Streaming DiLoCo's exchanges, watched from outside through this instance's send and wait (wrapped
-    here): when each was launched (after which inner step), when its work completed (a thread polls
-    is_completed(), which waits for nothing), and how long training stalled on it at landing: the exposed
-    communication. On NCCL wait() only makes the compute stream wait for the exchange's and returns at
-    once, so the host's time in wait() says nothing there: on CUDA the stall is the time between two events
-    recorded on the current stream around the wait; elsewhere, from the wait's start to the completion the
-    poller saw (gloo's wait() blocks until then). DiLoCo's all-reduce is blocking: all of it is exposed, and
-    nothing is recorded here."""
+    """Streaming DiLoCo's exchanges, watched from outside through this instance's send and wait
+    (wrapped here): when each was launched (after which inner step), when its work completed (a
+    thread polls is_completed(), which waits for nothing), and how long training stalled on it at
+    landing: the exposed communication. On NCCL wait() only makes the compute stream wait for the
+    exchange's and returns at once, so the host's time in wait() says nothing there: on CUDA the
+    stall is the time between two events recorded on the current stream around the wait; elsewhere,
+    from the wait's start to the completion the poller saw (gloo's wait() blocks until then).
+    DiLoCo's all-reduce is blocking: all of it is exposed, and nothing is recorded here."""
 
     def __init__(self, diloco):
         self.done = {}  # id(Exchange) -> perf_counter when its work was first seen complete
-        # [launched after step, landed in step, launch time, wait start, wait end, Exchange, CUDA events]
+        # [launched after step, landed in step, launch time, wait start, wait end, Exchange, CUDA
+        # events]
         self.rows = []
         self.poll = []  # (Exchange, work) not yet seen complete
         self.step = None
@@ -605,9 +618,10 @@ class ExchangeWatch:
         return 1e3 * max(0.0, self.done[id(row[5])] - row[3])  # from the wait to the completion
 
     def figures(self, d, start, step_ms):
-        """Per exchange: its own time (launch to completion), the stall it caused at landing (exposed) and
-        the host's time in wait(); per step: exposed time over the run; and the median step time while an
-        exchange is in flight (strictly between its launch and its landing step) beside the other steps'."""
+        """Per exchange: its own time (launch to completion), the stall it caused at landing
+        (exposed) and the host's time in wait(); per step: exposed time over the run; and the median
+        step time while an exchange is in flight (strictly between its launch and its landing step)
+        beside the other steps'."""
         if self.thread is not None:
             # the poller sees every work complete (all were waited for)
             self.thread.join(timeout=60)
@@ -625,11 +639,11 @@ class ExchangeWatch:
         per_step = sum(exposed) / max(len(step_ms), 1)
         where = "CUDA events around the wait" if rows[0][6] else "from the wait to its completion"
         d.log(
-            f"summary: exchange time {sum(own) / len(own):.1f} ms (measured, launch to completion, mean of "
-            f"{len(own)}); exposed {sum(exposed) / len(exposed):.1f} ms per exchange, {per_step:.2f} ms "
-            f"per inner step (measured: {where}; the host blocked in wait() "
-            f"{sum(blocked) / len(blocked):.1f} ms); median step {in_flight:.1f} ms with an exchange in "
-            f"flight, {other:.1f} ms otherwise"
+            f"summary: exchange time {sum(own) / len(own):.1f} ms (measured, launch to completion, "
+            f"mean of {len(own)}); exposed {sum(exposed) / len(exposed):.1f} ms per exchange, "
+            f"{per_step:.2f} ms per inner step (measured: {where}; the host blocked in wait() "
+            f"{sum(blocked) / len(blocked):.1f} ms); median step {in_flight:.1f} ms with an "
+            f"exchange in flight, {other:.1f} ms otherwise"
         )
         return dict(
             exchange_ms=own,
@@ -643,7 +657,8 @@ class ExchangeWatch:
 
 
 def state_bytes_of(diloco):
-    """The global copy and the outer momentum: DiLoCo's memory on top of plain training (2 models more)."""
+    """The global copy and the outer momentum: DiLoCo's memory on top of plain training (2 models
+    more)."""
     held = diloco.global_params() + [
         v for s in diloco.outer.state.values() for v in s.values() if torch.is_tensor(v)
     ]
@@ -651,8 +666,9 @@ def state_bytes_of(diloco):
 
 
 def figures_of(d, args, model, diloco, comm, counted_steps, data):
-    """Bytes handed to collectives per inner step, counted at the dispatcher over the last H steps (one
-    period: every fragment once), beside theory and beside DDP's (theory: every gradient, every step)."""
+    """Bytes handed to collectives per inner step, counted at the dispatcher over the last H steps
+    (one period: every fragment once), beside theory and beside DDP's (theory: every gradient, every
+    step)."""
     n_params = sum(p.numel() for p in model.parameters())
     elem = next(model.parameters()).element_size()
     wire = torch.finfo(wire_dtype(args)).bits // 8 if wire_dtype(args) else elem
@@ -675,12 +691,12 @@ def figures_of(d, args, model, diloco, comm, counted_steps, data):
         x, y = (t.to(d.device) for t in data.batch(10**6, args.batch_size, args.seq_len))
         held_out = lm_loss(glob(x), y, count_tokens(y)).item()
     d.log(
-        f"summary: {per_step:.0f} B handed to {op} per inner step (measured over {counted_steps} steps); "
-        f"theory P x {wire} B / H = {theory:.0f}; DDP all-reduces P x {elem} B = {ddp} B per step "
-        f"(theory): {ddp / max(per_step, 1e-9):.1f}x more; one exchange hands over at most {peak_sync} B "
-        f"(measured; the largest fragment, theory {peak_theory} B); ring bytes sent per inner step "
-        f"{ring:.0f} (theory); the final global weights' loss on a held-out batch {held_out:.4f} (floor "
-        f"{data.entropy:.4f})"
+        f"summary: {per_step:.0f} B handed to {op} per inner step (measured over {counted_steps} "
+        f"steps); theory P x {wire} B / H = {theory:.0f}; DDP all-reduces P x {elem} B = {ddp} B "
+        f"per step (theory): {ddp / max(per_step, 1e-9):.1f}x more; one exchange hands over at "
+        f"most {peak_sync} B (measured; the largest fragment, theory {peak_theory} B); ring bytes "
+        f"sent per inner step {ring:.0f} (theory); the final global weights' loss on a held-out "
+        f"batch {held_out:.4f} (floor {data.entropy:.4f})"
     )
     return dict(
         bytes_per_inner_step=per_step,
@@ -697,13 +713,15 @@ def figures_of(d, args, model, diloco, comm, counted_steps, data):
 
 
 def theta_by_name(model, diloco):
-    """The global weights by the model's parameter names (fragments deal the parameters out of order)."""
+    """The global weights by the model's parameter names (fragments deal the parameters out of
+    order)."""
     by_param = dict(zip((id(p) for f in diloco.local for p in f), diloco.global_params()))
     return {n: by_param[id(p)].detach() for n, p in model.named_parameters()}
 
 
 def final_params(d, model, diloco):
-    """{"global.<name>": theta, "worker<m>": worker m's flat weights}, on every rank (one all-gather)."""
+    """{"global.<name>": theta, "worker<m>": worker m's flat weights}, on every rank (one
+    all-gather)."""
     out = {f"global.{n}": g for n, g in theta_by_name(model, diloco).items()}
     flat = torch.cat([p.detach().flatten() for p in model.parameters()])  # (P,)
     every = flat.new_empty(d.world * flat.numel())
@@ -714,9 +732,10 @@ def final_params(d, model, diloco):
 
 # --- reference for --check ---
 def reference(args, M, device="cpu"):
-    """One process, no communication: the M workers in turn, each with its own model and inner optimizer,
-    the global weights and a Nesterov / SGD outer step written out here, the same fragment schedule and
-    delay, and the same rounding and rank-order sum of a low-precision exchange."""
+    """One process, no communication: the M workers in turn, each with its own model and inner
+    optimizer, the global weights and a Nesterov / SGD outer step written out here, the same
+    fragment schedule and delay, and the same rounding and rank-order sum of a low-precision
+    exchange."""
     data, dt = MarkovData(args.vocab, args.seed), DTYPES[args.dtype]
     cfg = GPTConfig.from_args(args)
     H = args.inner_steps
@@ -725,7 +744,8 @@ def reference(args, M, device="cpu"):
     workers = [build_gpt(cfg, args.seed, dt, device) for _ in range(M)]
     opts = [make_inner(w, args) for w in workers]
     names = [n for n, _ in workers[0].named_parameters()]
-    frag_of = {}  # parameter name -> fragment, from the block index (the same dealing, written again)
+    # parameter name -> fragment, from the block index (the same dealing, written again)
+    frag_of = {}
     for n in names:
         if n.startswith("blocks."):
             frag_of[n] = int(n.split(".")[1]) % F
@@ -780,8 +800,8 @@ def reference(args, M, device="cpu"):
 
 
 def rounded(delta, wire):
-    """A worker's pseudo-gradient of one fragment {name: tensor} as the wire rounds it; float8 with one
-    scale per fragment and worker, its largest element at float8's largest."""
+    """A worker's pseudo-gradient of one fragment {name: tensor} as the wire rounds it; float8 with
+    one scale per fragment and worker, its largest element at float8's largest."""
     if wire.itemsize > 1:
         return {n: v.to(wire).to(v.dtype) for n, v in delta.items()}
     scale = max(v.abs().max() for v in delta.values()).clamp_min(1e-30) / torch.finfo(wire).max
@@ -790,8 +810,8 @@ def rounded(delta, wire):
 
 @torch.no_grad()
 def outer_update(args, theta, buf, workers, f, mean):
-    """theta <- theta - lr (g + mu buf') with buf' = mu buf + g (torch's Nesterov SGD); plain: - lr g. Then
-    every worker's fragment: mix * its own + (1 - mix) * theta."""
+    """theta <- theta - lr (g + mu buf') with buf' = mu buf + g (torch's Nesterov SGD); plain: - lr
+    g. Then every worker's fragment: mix * its own + (1 - mix) * theta."""
     for n, g in mean.items():
         if args.outer == "nesterov":
             buf[n] = g.clone() if n not in buf else args.outer_momentum * buf[n] + g

@@ -1,15 +1,16 @@
 r"""dualpipev.py: DualPipeV, DeepSeek-V3's DualPipe folded into a V, the backward cut into B and W.
 
-DeepSeek-AI, "DeepSeek-V3 Technical Report" (2024), Sec. 3.2.1; the schedule as deepseek-ai/DualPipe's
-DualPipeV runs it. The model in 2p chunks, two per rank in a V as in ZB-V (zero_bubble.py): rank r holds
-chunk r (down) and chunk 2p-1-r (back up), so rank 0 holds the embedding and the head and the turn of the V
-stays on rank p-1. Its new object is the F&B slot: the forward of one micro-batch on one chunk and the full
-backward (B then W) of another micro-batch on the other chunk, run as one unit, both inputs received before
-it and both outputs sent after it. In DeepSeek-V3 the pair overlaps the forward's MoE all-to-all with the
-backward's compute and back (a model hook, overlapped_forward_backward); this dense GPT has no all-to-all,
-so here the pair runs F then B then W, as torch's ScheduleDualPipeV does without a custom OVERLAP_F_B.
-Backward is split as in Zero Bubble (Qi et al. 2024): B, the input's gradient, which the chunk before
-waits for; W, the weights' gradient, which nobody waits for, deferred where a rank would otherwise idle.
+DeepSeek-AI, "DeepSeek-V3 Technical Report" (2024), Sec. 3.2.1; the schedule as
+deepseek-ai/DualPipe's DualPipeV runs it. The model in 2p chunks, two per rank in a V as in ZB-V
+(zero_bubble.py): rank r holds chunk r (down) and chunk 2p-1-r (back up), so rank 0 holds the
+embedding and the head and the turn of the V stays on rank p-1. Its new object is the F&B slot: the
+forward of one micro-batch on one chunk and the full backward (B then W) of another micro-batch on
+the other chunk, run as one unit, both inputs received before it and both outputs sent after it. In
+DeepSeek-V3 the pair overlaps the forward's MoE all-to-all with the backward's compute and back (a
+model hook, overlapped_forward_backward); this dense GPT has no all-to-all, so here the pair runs F
+then B then W, as torch's ScheduleDualPipeV does without a custom OVERLAP_F_B. Backward is split as
+in Zero Bubble (Qi et al. 2024): B, the input's gradient, which the chunk before waits for; W, the
+weights' gradient, which nobody waits for, deferred where a rank would otherwise idle.
 
     DualPipeV, p = 3, m = 6 (F, B, W one slot each; capitals: down the V, lower case: back up;
     \____/ an F&B slot)                                                                      time ->
@@ -19,25 +20,28 @@ waits for; W, the weights' gradient, which nobody waits for, deferred where a ra
                                 \____/  \____/\____/\____/      \____/
     rank 2  ....F0f0F1f1F2f2F3b0w0f3B0W0F4b1w1f4B1W1F5b2w2f5B2W2b3w3B3W3..b4w4B4..b5B5W4w5W5
                                   \____/\____/\____/\____/\____/
-The schedule, generated for any p >= 2 and m >= 2p (dualpipev() below; equal to torch's ScheduleDualPipeV):
+The schedule, generated for any p >= 2 and m >= 2p (dualpipev() below; equal to torch's
+ScheduleDualPipeV):
 1. warm-up: 2(p-r-1) F down; r+1 times F down, F up; p-r-1 times B up, W (the oldest held), F up
-2. steady: m-2p+r+1 times the two F&B slots F down & B up, F up & B down (rank p-1's first pair split)
-3. cool-down: p-r-1 times B up, F up & B down; r+1 times B up, B down, their W's held from the middle on;
+2. steady: m-2p+r+1 times the two F&B slots F down & B up, F up & B down (rank p-1's first pair
+   split)
+3. cool-down: p-r-1 times B up, F up & B down; r+1 times B up, B down, their W's held from the
+   middle on;
    p-r-1 times W, B down; then the W's left
-DeepSeek-V3's Table 2 (per rank, PP = 2p stages in all, F&B the time of an F&B slot, B a full backward):
-bubble (PP/2-1)(F&B+B-3W), p-1 times (T_F+2T_B-T_W) here, where the pair runs unoverlapped, = 2(p-1)
-slots of 6m at one slot per F, B, W: bubble (p-1)/(3m), ZB-H1's (ZB-V: (p-1)/(6m)): the gain of DualPipeV
-is the hidden all-to-all, not the bubble. Activations PP+1 = 2p+1 chunk micro-batches alive (F to W) per
-rank, one more than ZB-V; parameters per rank 2x a stage of the 2p (the table's 2x): as 1F1B over p ranks,
-where the two-way DualPipe holds every stage twice. m(2 - [r = 0] - [r = p-1]) messages each way.
-Synchronous: every step drains before one optimizer step, so --check compares with one-process training.
-Data parallel outermost (--dp): each replica runs its pipeline on its slice of the batch, then one gradient
-all-reduce per step.
+DeepSeek-V3's Table 2 (per rank, PP = 2p stages in all, F&B the time of an F&B slot, B a full
+backward): bubble (PP/2-1)(F&B+B-3W), p-1 times (T_F+2T_B-T_W) here, where the pair runs
+unoverlapped, = 2(p-1) slots of 6m at one slot per F, B, W: bubble (p-1)/(3m), ZB-H1's (ZB-V:
+(p-1)/(6m)): the gain of DualPipeV is the hidden all-to-all, not the bubble. Activations PP+1 = 2p+1
+chunk micro-batches alive (F to W) per rank, one more than ZB-V; parameters per rank 2x a stage of
+the 2p (the table's 2x): as 1F1B over p ranks, where the two-way DualPipe holds every stage twice.
+m(2 - [r = 0] - [r = p-1]) messages each way. Synchronous: every step drains before one optimizer
+step, so --check compares with one-process training. Data parallel outermost (--dp): each replica
+runs its pipeline on its slice of the batch, then one gradient all-reduce per step.
 
-Messages: every activation and gradient is one tensor in a batch_isend_irecv, posted by both ranks at the
-moment of the ideal timeline its slot ends (comm_plan()), so that no batch waits on a later one (NCCL
-deadlocks otherwise; the tests simulate it). Measured from outside, each beside its theory: the bubble,
-micro-batches alive, bytes held and sent; an ASCII timeline.
+Messages: every activation and gradient is one tensor in a batch_isend_irecv, posted by both ranks
+at the moment of the ideal timeline its slot ends (comm_plan()), so that no batch waits on a later
+one (NCCL deadlocks otherwise; the tests simulate it). Measured from outside, each beside its
+theory: the bubble, micro-batches alive, bytes held and sent; an ASCII timeline.
 
 Run (one process per rank of the V; a world of 1 is not a pipeline):
     torchrun --nproc_per_node=4 dualpipev.py --n-layers 8 --microbatches 8 --stage-ms 30 --steps 3
@@ -96,7 +100,7 @@ class Args(CommonArgs):
     stage_ms: float = 0.0  # simulate compute: each F, B and W of a chunk also waits this many ms
 
 
-# ----------------------------------------------------------------------------- B and W: one backward in two
+# --------------------------------------------------------------------- B and W: one backward in two
 class _LinearDeferringW(torch.autograd.Function):
     """F.linear whose backward returns dx only and keeps (x, dy), what W needs, in split.saved."""
 
@@ -120,10 +124,11 @@ class _LinearDeferringW(torch.autograd.Function):
 
 
 class SplitBackward:
-    """Zero Bubble's B and W for `module` (Qi et al. 2024, Sec. 2): every nn.Linear inside defers its weight
-    gradient. backward_input(out, grad), B: one autograd backward, the input's gradient and every non-Linear
-    parameter's (LayerNorm, embeddings: small beside the products); returns what W needs. backward_weight
-    (that), W: dW = dy^T x, db = sum(dy) per Linear, autograd's products: B then W is one backward bitwise."""
+    """Zero Bubble's B and W for `module` (Qi et al. 2024, Sec. 2): every nn.Linear inside defers
+    its weight gradient. backward_input(out, grad), B: one autograd backward, the input's gradient
+    and every non-Linear parameter's (LayerNorm, embeddings: small beside the products); returns
+    what W needs. backward_weight (that), W: dW = dy^T x, db = sum(dy) per Linear, autograd's
+    products: B then W is one backward bitwise."""
 
     def __init__(self, module):
         self.saved = []  # (layer, x, dy), appended by the B in progress
@@ -145,7 +150,8 @@ class SplitBackward:
                 x.detach().reshape(-1, x.shape[-1]),
                 dy.reshape(-1, dy.shape[-1]),
             )  # (N, in), (N, out)
-            # autograd's addmm / mm backward products, same layout and bits; x detached: W builds no graph
+            # autograd's addmm / mm backward products, same layout and bits; x detached: W builds no
+            # graph
             grads = [(layer.weight, dy2.t().mm(x2))]  # (out, in)
             if layer.bias is not None:
                 grads.append((layer.bias, dy2.sum(0)))  # (out,)
@@ -153,9 +159,10 @@ class SplitBackward:
                 q.grad = g if q.grad is None else q.grad.add_(g)
 
 
-# ----------------------------------------------------------------------------- the chunks of the model
+# -------------------------------------------------------------------------- the chunks of the model
 def split_layers(n_layers, n):
-    """Blocks [start, end) of each of n chunks, as even as possible; the earlier chunks take the extras."""
+    """Blocks [start, end) of each of n chunks, as even as possible; the earlier chunks take the
+    extras."""
     if not 1 <= n <= n_layers:
         raise ValueError(
             f"{n} chunks of {n_layers} blocks: this cuts the model into {n} chunks but "
@@ -166,7 +173,8 @@ def split_layers(n_layers, n):
 
 
 class Chunk(nn.Module):
-    """Blocks [start, end) of the GPT (names kept); the first chunk adds the embedding, the last ln_f+head."""
+    """Blocks [start, end) of the GPT (names kept); the first chunk adds the embedding, the last
+    ln_f+head."""
 
     def __init__(self, gpt, c, bounds):
         super().__init__()
@@ -189,11 +197,11 @@ class Chunk(nn.Module):
         return self.head(self.ln_f(h)) if self.last else h  # last: logits (b, T, V)
 
 
-# ----------------------------------------------------------------------------- DualPipeV: the schedule
+# -------------------------------------------------------------------------- DualPipeV: the schedule
 def dualpipev(p, m, r):
-    """Rank r's slots in order, each a list of ops (kind, chunk, micro-batch) run as one unit: [F], [B],
-    [W], a full backward [B, W], an F&B slot [F, B, W]. Down is chunk r, up chunk 2p-1-r. The steps of
-    deepseek-ai/DualPipe's DualPipeV (torch's ScheduleDualPipeV the same); m >= 2p."""
+    """Rank r's slots in order, each a list of ops (kind, chunk, micro-batch) run as one unit: [F],
+    [B], [W], a full backward [B, W], an F&B slot [F, B, W]. Down is chunk r, up chunk 2p-1-r. The
+    steps of deepseek-ai/DualPipe's DualPipeV (torch's ScheduleDualPipeV the same); m >= 2p."""
     if p < 2 or m < 2 * p:  # rank 0's warm-up and its first pairs need 2p micro-batches
         raise ValueError(
             f"DualPipeV at pp {p} with {m} micro-batches: it needs pp >= 2 and m >= 2p = {2 * p} "
@@ -243,9 +251,10 @@ def holder(c, p):  # the pp rank holding chunk c of 2p: the V
     return min(c, 2 * p - 1 - c)
 
 
-# ----------------------------------------------------------------------------- messages, placed in time
+# ------------------------------------------------------------------------- messages, placed in time
 def needs(op, n):
-    """The message op (kind, c, k) waits for, from chunk c-1 (F) or c+1 (B); None: tokens, a loss, a B (W)."""
+    """The message op (kind, c, k) waits for, from chunk c-1 (F) or c+1 (B); None: tokens, a loss, a
+    B (W)."""
     kind, c, _ = op
     return None if kind == "W" or (kind, c) in (("F", 0), ("B", n - 1)) else op
 
@@ -255,9 +264,10 @@ def producer(msg):  # the op that makes message (kind, c, k)
 
 
 def ideal_timeline(orders, n):
-    """Every rank's slots (orders[r], n chunks in all) at their earliest start when F, B, W take one time
-    unit each, a slot the sum of its ops, and messages are free: {op: (rank, slot start, slot end)}. A slot
-    starts once all it waits for from outside it is done. Its idle units are the schedule's bubble."""
+    """Every rank's slots (orders[r], n chunks in all) at their earliest start when F, B, W take one
+    time unit each, a slot the sum of its ops, and messages are free: {op: (rank, slot start, slot
+    end)}. A slot starts once all it waits for from outside it is done. Its idle units are the
+    schedule's bubble."""
     p = len(orders)
     at = {}
     nxt = [0] * p
@@ -286,12 +296,12 @@ def ideal_timeline(orders, n):
 
 
 def comm_plan(orders, n, r):
-    """Rank r's steps for one batch: ("slot", ops) and ("p2p", sends, recvs) with [(peer pp rank, message)].
-    Each message travels at the moment G of the ideal timeline that the slot making it ends. Both ranks post
-    it in their batch of G, after every slot that starts before G, so all post batches in order of G, none
-    waiting for a later one: no cycle (NCCL deadlocks on a send whose receive is posted behind a wait on the
-    sender). Sorted alike on both sides. (zero_bubble.py waits for a moment both ranks are between ops:
-    fewer batches, more code.)"""
+    """Rank r's steps for one batch: ("slot", ops) and ("p2p", sends, recvs) with [(peer pp rank,
+    message)]. Each message travels at the moment G of the ideal timeline that the slot making it
+    ends. Both ranks post it in their batch of G, after every slot that starts before G, so all post
+    batches in order of G, none waiting for a later one: no cycle (NCCL deadlocks on a send whose
+    receive is posted behind a wait on the sender). Sorted alike on both sides. (zero_bubble.py
+    waits for a moment both ranks are between ops: fewer batches, more code.)"""
     at = ideal_timeline(orders, n)
     items = collections.defaultdict(lambda: ([], []))
     for msg in (needs(op, n) for op in at):
@@ -307,7 +317,7 @@ def comm_plan(orders, n, r):
     return [step for _, step in sorted(steps, key=lambda x: x[0])]
 
 
-# ----------------------------------------------------------------------------- one rank running its plan
+# ------------------------------------------------------------------------ one rank running its plan
 TAG = {
     "F": 0,
     "B": 1,
@@ -315,12 +325,14 @@ TAG = {
 
 
 class PipelineRank:
-    """One rank of one pipeline: runs `plan` (comm_plan's steps) over its chunks for one batch, to the flush.
+    """One rank of one pipeline: runs `plan` (comm_plan's steps) over its chunks for one batch, to
+    the flush.
     chunks   {global chunk index: module} of n; chunk 0 reads inputs[k], chunk n-1 loss_fn(., targets[k])
     split    a SplitBackward over this rank's chunks: B keeps what W needs, W adds the weight gradients
     group    the pipeline's ranks in pp rank order; every message is one tensor of msg_shape and dtype
     observe  a context around every F, B, W (observe(kind, mb, chunk=c)) and p2p (observe("p2p", None,
-             recvs=[message, ...])). NCCL wants a collective on the group first: the caller runs it."""
+             recvs=[message, ...])). NCCL wants a collective on the group first: the caller runs
+             it."""
 
     def __init__(self, chunks, n, plan, split, group, msg_shape, dtype, device, observe=None):
         self.chunks = chunks
@@ -347,7 +359,8 @@ class PipelineRank:
         self.m = 1 + max(op[2] for step, slot, *_ in plan if step == "slot" for op in slot)
 
     def run(self, inputs, targets, loss_fn):
-        """inputs, targets: m micro-batches each. Returns the summed loss of those scored here (0-dim)."""
+        """inputs, targets: m micro-batches each. Returns the summed loss of those scored here
+        (0-dim)."""
         if len(inputs) != self.m or len(targets) != self.m or len({x.shape for x in inputs}) > 1:
             raise ValueError(
                 f"the plan runs m = {self.m} micro-batches of one shape: got {len(inputs)} "
@@ -370,7 +383,8 @@ class PipelineRank:
         return self.loss
 
     def exchange(self, sends, recvs):
-        """One batch_isend_irecv: sends [(pp rank, message)] from the outbox, receives into the inbox."""
+        """One batch_isend_irecv: sends [(pp rank, message)] from the outbox, receives into the
+        inbox."""
         into = {
             msg: torch.empty(self.msg_shape, dtype=self.dtype, device=self.device)
             for _, msg in recvs
@@ -385,7 +399,8 @@ class PipelineRank:
         self.inbox.update(into)
 
     def hand_on(self, msg, t):
-        """To the chunk that waits for `msg`: here when this rank holds it (the V's turn), else a message."""
+        """To the chunk that waits for `msg`: here when this rank holds it (the V's turn), else a
+        message."""
         (self.inbox if msg[1] in self.chunks else self.outbox)[msg] = t
 
     def forward(self, c, k, inputs, targets, loss_fn):
@@ -408,11 +423,12 @@ class PipelineRank:
             self.hand_on(("B", c - 1, k), inp.grad)  # (b, T, D) to chunk c-1
 
 
-# ----------------------------------------------------------------------------- after the flush: DP, clipping
+# -------------------------------------------------------------------- after the flush: DP, clipping
 def finish_batch(params, loss, dp_group, group, max_norm):
-    """1. Data parallel: every gradient summed over the replicas in one all-reduce (micro-batch losses are
-    divided by the global token count: the sum is the batch's gradient). 2. The squared norm and the loss in
-    one all-reduce over `group`, all pipelines (norm from dp rank 0). 3. Clip (0: none). -> (loss, norm)"""
+    """1. Data parallel: every gradient summed over the replicas in one all-reduce (micro-batch
+    losses are divided by the global token count: the sum is the batch's gradient). 2. The squared
+    norm and the loss in one all-reduce over `group`, all pipelines (norm from dp rank 0). 3. Clip
+    (0: none). -> (loss, norm)"""
     if dist.get_world_size(dp_group) > 1:
         flat = torch.cat([q.grad.reshape(-1) for q in params])  # (this rank's elements,)
         dist.all_reduce(flat, group=dp_group)
@@ -433,7 +449,7 @@ def finish_batch(params, loss, dp_group, group, max_norm):
     return total[0].item(), total[1].sqrt().item()
 
 
-# ----------------------------------------------------------------------------- argument checks, main
+# ---------------------------------------------------------------------------- argument checks, main
 def check_args(args):
     world = env_world_size()
     check_common_args(args)
@@ -447,8 +463,8 @@ def check_args(args):
         )
     if p < 2:
         fail(
-            f"dualpipev.py needs one process per rank of the V, at least 2: torchrun --nproc_per_node="
-            f"{2 * args.dp} dualpipev.py {' '.join(sys.argv[1:])}".rstrip()
+            "dualpipev.py needs one process per rank of the V, at least 2: torchrun "
+            f"--nproc_per_node={2 * args.dp} dualpipev.py {' '.join(sys.argv[1:])}".rstrip()
         )
     try:  # the cores' own checks, the model's cut and the schedule: their ValueError as fail's line
         split_layers(args.n_layers, 2 * p)
@@ -485,8 +501,8 @@ def main():
     dp_group = [dist.new_group(grid[i, :].tolist()) for i in range(p)][pp_rank]
     pp_group = [dist.new_group(grid[:, j].tolist()) for j in range(dp)][dp_rank]  # pp rank order
     d.log(
-        f"dualpipev.py: pp {p} x dp {dp}, {len(bounds)} chunks in a V, m = {m} micro-batches of {b} "
-        f"per replica, on {d.backend}; entropy floor {data.entropy:.4f} nats/token"
+        f"dualpipev.py: pp {p} x dp {dp}, {len(bounds)} chunks in a V, m = {m} micro-batches of "
+        f"{b} per replica, on {d.backend}; entropy floor {data.entropy:.4f} nats/token"
     )
     torch.manual_seed(args.seed + d.rank)  # dropout masks (if any) differ per rank
     dtype = DTYPES[args.dtype]
@@ -503,7 +519,8 @@ def main():
     run = Run(d, args, {"model": chunks, "optim": opt})
     orders = [dualpipev(p, m, r) for r in range(p)]
     plan = comm_plan(orders, len(bounds), pp_rank)
-    # NCCL sets up a group's communicator at its first collective; batched point-to-point must not come first
+    # NCCL sets up a group's communicator at its first collective; batched point-to-point must not
+    # come first
     dist.all_reduce(torch.zeros(1, device=d.device), group=pp_group)
     watch = Watch(d, args, (pp_rank, dp_rank))
     comm = CommCounter(log=True)
@@ -528,7 +545,8 @@ def main():
         # (m, b, T) each
         mbs = [rearrange(z[rows], "(m b) t -> m b t", m=m).to(d.device) for z in (x, y)]
         watch.step = step
-        # count the sends of the step before last (counting slows ops; the last step's bubble is reported)
+        # count the sends of the step before last (counting slows ops; the last step's bubble is
+        # reported)
         with run.watching(step, comm, at=max(run.start, args.steps - 2)):
             loss = runner.run(*mbs, lambda logits, tgt: lm_loss(logits, tgt, n_tok))
             loss, _ = finish_batch(params, loss, dp_group, dist.group.WORLD, args.clip)
@@ -547,12 +565,12 @@ def main():
     run.finish("dualpipev", peak, max(figures.get("sent_bytes_per_rank", [0])), check, figures)
 
 
-# --- measurement --- (from outside the schedule: its observe callback, the collective counter, the report) --
+# --- measurement --- (from outside the schedule: its observe callback, the counter, the report)
 class Watch(PipelineWatch):
-    """harness.PipelineWatch (--stage-ms: each F, B, W waits that), tagged with the step, the rank's grid
-    coordinates and when its input arrived, reading the runner's attributes as each op begins: micro-batch
-    chunks alive (F to W); after a forward, the bytes alive: what forwards saved for backward, the inputs and
-    outputs held to B, what B left for W, and the state."""
+    """harness.PipelineWatch (--stage-ms: each F, B, W waits that), tagged with the step, the rank's
+    grid coordinates and when its input arrived, reading the runner's attributes as each op begins:
+    micro-batch chunks alive (F to W); after a forward, the bytes alive: what forwards saved for
+    backward, the inputs and outputs held to B, what B left for W, and the state."""
 
     def __init__(self, d, args, coords):
         ms = args.stage_ms
@@ -574,17 +592,17 @@ class Watch(PipelineWatch):
 
 
 def theory(p, m):
-    """Per pp rank, DeepSeek-V3's Table 2 for DualPipeV at PP = 2p stages, one slot per F, B, W (the F&B
-    slot unoverlapped: F&B = 3, a full backward B = 2, W = 1): idle (PP/2-1)(F&B+B-3W) = 2(p-1) slots of
-    6m, bubble (p-1)/(3m); activations PP+1 = 2p+1 chunk micro-batches alive (F to W); messages each way
-    m(2 - [r = 0] - [r = p-1]) (the V's turn is local)."""
+    """Per pp rank, DeepSeek-V3's Table 2 for DualPipeV at PP = 2p stages, one slot per F, B, W (the
+    F&B slot unoverlapped: F&B = 3, a full backward B = 2, W = 1): idle (PP/2-1)(F&B+B-3W) = 2(p-1)
+    slots of 6m, bubble (p-1)/(3m); activations PP+1 = 2p+1 chunk micro-batches alive (F to W);
+    messages each way m(2 - [r = 0] - [r = p-1]) (the V's turn is local)."""
     msgs = [m * (2 - (r == 0) - (r == p - 1)) for r in range(p)]
     return (p - 1) / (3 * m), [2 * p + 1] * p, msgs, msgs
 
 
 def report(d, args, p, watch, comm, bounds):
-    """Every rank's events and counts, gathered (tensors only); rank 0: each figure beside its theory, the
-    table, the timeline of the last step of pipeline 0, --trace."""
+    """Every rank's events and counts, gathered (tensors only); rank 0: each figure beside its
+    theory, the table, the timeline of the last step of pipeline 0, --trace."""
     m = args.microbatches
     tags = [c["tag"] for c in comm.calls_log if c["op"] == "send"]  # one tag per direction
     events = watch.timeline.gather()
@@ -637,22 +655,24 @@ def report(d, args, p, watch, comm, bounds):
     sent_theory = [(f + g) * b_bytes for f, g in zip(f_theory, b_theory)]
     formula = "(p-1)/(3m)"
     d.log(
-        f"\nsummary (dualpipev, pp {p}, dp {args.dp}, m {m}), pipeline of dp 0: bubble = idle / busy "
-        f"over the last step, theory {formula}; idle ms, theory (p-1)(T_F+2T_B-T_W) at the measured "
+        f"\nsummary (dualpipev, pp {p}, dp {args.dp}, m {m}), pipeline of dp 0: bubble = idle / "
+        "busy "
+        f"over the last step, theory {formula}; idle ms, theory (p-1)(T_F+2T_B-T_W) at the "
+        "measured "
         + ", ".join(f"T_{k} {x:.1f}" for k, x in op_ms.items())
         + " ms; alive = micro-batch chunks between "
         "F and W; bytes sent per step (b, T, D) per message; mem B: state + held, after a forward"
     )
     d.log(
-        "rank | chunks | bubble | theory | idle ms | theory | alive | theory | sent B/step | theory | "
-        "mem B"
+        "rank | chunks | bubble | theory | idle ms | theory | alive | theory | sent B/step | "
+        "theory | mem B"
     )
     for r in range(p):
         held = ",".join(str(c) for c in range(len(bounds)) if holder(c, p) == r)
         d.log(
-            f"{r:4d} | {held:6s} | {bub[r]:6.3f} | {bub_theory:6.3f} | {idle[r]:7.1f} | {idle_theory:6.1f} "
-            f"| {counts[r][0]:5d} | {alive_theory[r]:6d} | {sent[r]:11d} | {sent_theory[r]:6d} | "
-            f"{counts[r][2]}"
+            f"{r:4d} | {held:6s} | {bub[r]:6.3f} | {bub_theory:6.3f} | {idle[r]:7.1f} | "
+            f"{idle_theory:6.1f} | {counts[r][0]:5d} | {alive_theory[r]:6d} | {sent[r]:11d} | "
+            f"{sent_theory[r]:6d} | {counts[r][2]}"
         )
     mean = sum(bub) / p
     d.log(
@@ -664,7 +684,8 @@ def report(d, args, p, watch, comm, bounds):
             else " (real compute only: on shared cores this times the OS scheduler; try --stage-ms)"
         )
     )
-    label = lambda e: (e["kind"] if e["chunk"] < p else e["kind"].lower()) + str(e["mb"])  # noqa: E731
+    # noqa: E731
+    label = lambda e: (e["kind"] if e["chunk"] < p else e["kind"].lower()) + str(e["mb"])
     d.log(
         "\ntimeline of the last step, measured (Fk Bk Wk: chunk < p, fk bk wk: the later chunks):\n"
         + draw_timeline(last, p, lo, hi, label, row_key="pp", row_name="rank")

@@ -1,65 +1,77 @@
-"""fault_tolerance.py: data parallel training that goes on when a replica is lost, hangs or is corrupted.
+"""fault_tolerance.py: data parallel training that goes on when a replica is lost, hangs or is
+corrupted.
 
-Per-step fault tolerance: a quorum per step, live recovery from a peer, loss-spike skip and rollback,
-silent-corruption checks. The 2020 way to survive a failure is to stop: torchrun kills every worker,
-restarts them all, they reload the last checkpoint from disk and train the steps since it again. On 16K GPUs
-that is the dominant loss (Llama 3 405B: 419 unexpected interruptions in 54 days, Dubey et al. 2024, Sec.
-3.3.4). Per-step fault tolerance on the replicated dimension (torchft, PyTorch Conference 2024; used in
-torchtitan) lets the healthy replicas go on:
+Per-step fault tolerance: a quorum per step, live recovery from a peer, loss-spike skip and
+rollback, silent-corruption checks. The 2020 way to survive a failure is to stop: torchrun kills
+every worker, restarts them all, they reload the last checkpoint from disk and train the steps since
+it again. On 16K GPUs that is the dominant loss (Llama 3 405B: 419 unexpected interruptions in 54
+days, Dubey et al. 2024, Sec. 3.3.4). Per-step fault tolerance on the replicated dimension (torchft,
+PyTorch Conference 2024; used in torchtitan) lets the healthy replicas go on:
 
-1. Replicas, a coordinator, leases, a quorum per step. R replicas each hold the whole model (each would be
-   an FSDP/TP group in production). torchrun's agent stops every worker of a job when one dies, so each
-   replica is its own process, started by a plain supervisor (ft_launcher.py, which `python
-   fault_tolerance.py --replicas R` starts), which restarts a dead one (as that replica's own `torchrun
-   --max-restarts` would). They meet at a coordinator: a torch TCPStore server held by the supervisor
-   (torchft's lighthouse; the one single point of the design: if it goes, every replica says so in one line
-   and exits; --host binds it where other nodes reach it). Each replica owns its failure detection: a
-   thread keeps its lease on the coordinator fresh (torchft's heartbeats), and a replica whose lease is
-   older than --lease-ms (killed, or frozen) is gone for its peers at once. Before each step every live
-   replica checks in to round k with its state version; the first to see every replica holding a lease
-   checked in, or its --join-ms window pass with a strict majority of them (torchft's rule: no split
-   brain), closes the round by one atomic add (a later check-in sees it closed and tries round k+1, where
-   it waits for the others). The members are who checked in before the close; with fewer than
-   --min-replicas (torchft's min_replica_size) nobody trains, and they wait (bounded) for a restarted one.
-2. A group per quorum, every wait with a deadline. The step's collectives run on the group the members
-   still share when the membership is unchanged, else on a new one under the fresh store prefix `g{k}`:
-   never on a group with a dead member. On CPU gloo; with CUDA each replica on cuda:(id % GPUs) and a
-   non-blocking ProcessGroupNCCL, connected as soon as it is made, inside the round (a member lost in NCCL's
-   bootstrap fails the round; torch waits for that init by TORCH_NCCL_NONBLOCKING_TIMEOUT alone, which the
-   supervisor sets to --timeout: its default is 30 minutes). NCCL reports no dead or frozen peer, it waits:
-   so the host polls every collective, and as soon as a member's lease lapses, or past the --timeout
-   deadline (a member alive but stuck keeps its lease), it aborts the group (pg.abort() ends its pending
-   kernels; destroy_process_group would wait for them) and votes no (torchft's ProcessGroupNCCL). The
-   supervisor sets TORCH_NCCL_ASYNC_ERROR_HANDLING=0 and TORCH_NCCL_ENABLE_MONITORING=0 for the replicas:
-   the watchdog, which by default takes the *healthy* process down at the group's timeout, must not decide;
-   the group's own timeout, 2 x --timeout, only bounds how long pg.abort() waits for NCCL's abort. An
-   ncclCommAbort that hangs holds the replica that long (torchft's ProcessGroupBabyNCCL runs NCCL in a
-   subprocess it can kill, for this).
+1. Replicas, a coordinator, leases, a quorum per step. R replicas each hold the whole model (each
+   would be
+   an FSDP/TP group in production). torchrun's agent stops every worker of a job when one dies, so
+   each replica is its own process, started by a plain supervisor (ft_launcher.py, which `python
+   fault_tolerance.py --replicas R` starts), which restarts a dead one (as that replica's own
+   `torchrun --max-restarts` would). They meet at a coordinator: a torch TCPStore server held by the
+   supervisor (torchft's lighthouse; the one single point of the design: if it goes, every replica
+   says so in one line and exits; --host binds it where other nodes reach it). Each replica owns its
+   failure detection: a thread keeps its lease on the coordinator fresh (torchft's heartbeats), and
+   a replica whose lease is older than --lease-ms (killed, or frozen) is gone for its peers at once.
+   Before each step every live replica checks in to round k with its state version; the first to see
+   every replica holding a lease checked in, or its --join-ms window pass with a strict majority of
+   them (torchft's rule: no split brain), closes the round by one atomic add (a later check-in sees
+   it closed and tries round k+1, where it waits for the others). The members are who checked in
+   before the close; with fewer than --min-replicas (torchft's min_replica_size) nobody trains, and
+   they wait (bounded) for a restarted one.
+2. A group per quorum, every wait with a deadline. The step's collectives run on the group the
+   members
+   still share when the membership is unchanged, else on a new one under the fresh store prefix
+   `g{k}`: never on a group with a dead member. On CPU gloo; with CUDA each replica on cuda:(id %
+   GPUs) and a non-blocking ProcessGroupNCCL, connected as soon as it is made, inside the round (a
+   member lost in NCCL's bootstrap fails the round; torch waits for that init by
+   TORCH_NCCL_NONBLOCKING_TIMEOUT alone, which the supervisor sets to --timeout: its default is 30
+   minutes). NCCL reports no dead or frozen peer, it waits: so the host polls every collective, and
+   as soon as a member's lease lapses, or past the --timeout deadline (a member alive but stuck
+   keeps its lease), it aborts the group (pg.abort() ends its pending kernels; destroy_process_group
+   would wait for them) and votes no (torchft's ProcessGroupNCCL). The supervisor sets
+   TORCH_NCCL_ASYNC_ERROR_HANDLING=0 and TORCH_NCCL_ENABLE_MONITORING=0 for the replicas: the
+   watchdog, which by default takes the *healthy* process down at the group's timeout, must not
+   decide; the group's own timeout, 2 x --timeout, only bounds how long pg.abort() waits for NCCL's
+   abort. An ncclCommAbort that hangs holds the replica that long (torchft's ProcessGroupBabyNCCL
+   runs NCCL in a subprocess it can kill, for this).
 3. The batch rule. Replica r always owns shard r of every global batch (rows r*B/R..(r+1)*B/R), as
-   torchft's replica groups own their data. A step's loss is the sum over the participants' tokens divided
-   by the participants' token count, so the gradient is the mean over the tokens that took part: with all
-   R it is plain one-process training; with fewer, one-process training on the participants' shards.
-4. Commit or discard. After its all-reduce each member votes on the coordinator; the first to see every
+   torchft's replica groups own their data. A step's loss is the sum over the participants' tokens
+   divided by the participants' token count, so the gradient is the mean over the tokens that took
+   part: with all R it is plain one-process training; with fewer, one-process training on the
+   participants' shards.
+4. Commit or discard. After its all-reduce each member votes on the coordinator; the first to see
+   every
    "yes", or a "no", or a member whose lease lapsed, or the --timeout pass, writes the decision
-   (compare_set: there is exactly one). Rounds decide in order, each decision carrying the committed version,
-   and a round commits only from the newest one: at most one quorum commits each step, whatever the timing.
-   Only on "commit" does anyone take the optimizer step. Otherwise the
-   gradient (maybe holding a dead replica's partial work) is thrown away and the same step is retried with
+   (compare_set: there is exactly one). Rounds decide in order, each decision carrying the committed
+   version, and a round commits only from the newest one: at most one quorum commits each step,
+   whatever the timing. Only on "commit" does anyone take the optimizer step. Otherwise the gradient
+   (maybe holding a dead replica's partial work) is thrown away and the same step is retried with
    the next quorum: no restart of the healthy processes, no checkpoint read.
-5. Live recovery. A restarted replica checks in with version -1; the quorum's lowest member with the newest
-   version broadcasts its whole state (weights, AdamW moments and steps, rollback snapshot: one broadcast per
-   tensor, in its own dtype, one tensor at a time, so that a member holds one extra tensor, never a second
-   state; step, data cursor and loss history in one small float64 tensor) and it takes part at once.
-6. Loss spikes (PaLM's rollback-and-skip, Chowdhery et al. 2022, Sec. 5.1). A non-finite loss or gradient
-   norm, or a loss above the mean of the last 16 by --spike-sigma standard deviations, is flagged; one
-   all-reduce of the flag makes every member agree; the step is skipped (its batch consumed). After
-   --max-skips in a row all roll back to the in-memory snapshot (taken every --snapshot-every steps) and go
-   on from the next batch, so the batches that caused it are skipped.
-7. Silent data corruption, forks. Every --verify-every steps, and whenever the membership changed, the
-   members all-reduce an exact checksum of their weights' bytes; one that differs from the majority (same
-   version, other weights) is reported and repaired by the same broadcast before it trains.
-The code's sections 1-4 are the whole protocol (quorum, group, recovery, step and commit); its sections 5
-and 6 add the loss-spike guard (6. above) and the corruption check (7.), each readable alone.
+5. Live recovery. A restarted replica checks in with version -1; the quorum's lowest member with the
+   newest
+   version broadcasts its whole state (weights, AdamW moments and steps, rollback snapshot: one
+   broadcast per tensor, in its own dtype, one tensor at a time, so that a member holds one extra
+   tensor, never a second state; step, data cursor and loss history in one small float64 tensor) and
+   it takes part at once.
+6. Loss spikes (PaLM's rollback-and-skip, Chowdhery et al. 2022, Sec. 5.1). A non-finite loss or
+   gradient
+   norm, or a loss above the mean of the last 16 by --spike-sigma standard deviations, is flagged;
+   one all-reduce of the flag makes every member agree; the step is skipped (its batch consumed).
+   After --max-skips in a row all roll back to the in-memory snapshot (taken every --snapshot-every
+   steps) and go on from the next batch, so the batches that caused it are skipped.
+7. Silent data corruption, forks. Every --verify-every steps, and whenever the membership changed,
+   the
+   members all-reduce an exact checksum of their weights' bytes; one that differs from the majority
+   (same version, other weights) is reported and repaired by the same broadcast before it trains.
+The code's sections 1-4 are the whole protocol (quorum, group, recovery, step and commit); its
+sections 5 and 6 add the loss-spike guard (6. above) and the corruption check (7.), each readable
+alone.
 
        supervisor: TCPStore (coordinator)   restarts replica 1 -------------.
        replica 0  [join k][fwd|bwd|AR  X  vote: no ][join k+1][fwd|bwd|AR][commit]   [join k+2] [recv state]..
@@ -76,18 +88,19 @@ Run (one command starts the coordinator and the replicas; R in one place, no tor
     python fault_tolerance.py --replicas 3 --verify-every 2 --corrupt-replica 2 --at-step 6 --check
     python fault_tolerance.py --replicas 3 --kill-replica 1 --at-step 5 --recipe restart --ckpt-dir D \
         --save-every 4        # the 2020 recipe on the same run: every replica restarts, reloads from disk
-Measured and printed: per failure, the ms from the kill (its timestamp on the coordinator) to the next commit
-of the step it interrupted, the steps trained again, the ms until the replica is back in a quorum; goodput
-(the time of the rounds whose updates are in the final model over the wall time). --recipe restart runs the
-same kill the 2020 way for the same figures side by side.
-Goodput at scale (the arithmetic; the run prints its own measured figures beside it). N GPUs failing at
-lambda per GPU-hour give a failure every M = 1 / (N lambda) hours: Llama 3's 419 in 54 days on 16,384 GPUs is
-lambda = 2.0e-5, M = 3.1 h. Restart-from-checkpoint with checkpoint cost C and restart cost T_r loses, per
-failure, T_r plus on average half an interval tau, and C every tau: lost fraction ~ C/tau + (tau/2 + T_r)/M,
-least at Young/Daly's tau = sqrt(2 C M): C = 1 min gives tau = 19 min, and with T_r = 10 min a loss of
-0.05 + 0.11 = 16% (goodput 84%). Per-step recovery loses one step t plus the lost replica's share while it
-restarts: ~ (t + T_r/R) / M per failure: t = 10 s, T_r = 10 min, R = 8 replicas is 85 s / 3.1 h = 0.8%.
-In production, use torchft (its Manager, ProcessGroupBabyNCCL and lighthouse) with torchtitan.
+Measured and printed: per failure, the ms from the kill (its timestamp on the coordinator) to the
+next commit of the step it interrupted, the steps trained again, the ms until the replica is back in
+a quorum; goodput (the time of the rounds whose updates are in the final model over the wall time).
+--recipe restart runs the same kill the 2020 way for the same figures side by side. Goodput at scale
+(the arithmetic; the run prints its own measured figures beside it). N GPUs failing at lambda per
+GPU-hour give a failure every M = 1 / (N lambda) hours: Llama 3's 419 in 54 days on 16,384 GPUs is
+lambda = 2.0e-5, M = 3.1 h. Restart-from-checkpoint with checkpoint cost C and restart cost T_r
+loses, per failure, T_r plus on average half an interval tau, and C every tau: lost fraction ~ C/tau
++ (tau/2 + T_r)/M, least at Young/Daly's tau = sqrt(2 C M): C = 1 min gives tau = 19 min, and with
+T_r = 10 min a loss of 0.05 + 0.11 = 16% (goodput 84%). Per-step recovery loses one step t plus the
+lost replica's share while it restarts: ~ (t + T_r/R) / M per failure: t = 10 s, T_r = 10 min, R = 8
+replicas is 85 s / 3.1 h = 0.8%. In production, use torchft (its Manager, ProcessGroupBabyNCCL and
+lighthouse) with torchtitan.
 """
 
 import math
@@ -151,7 +164,7 @@ class Args(CommonArgs):
     HIDDEN = ("coordinator", "replica", "life", "fail_at_step", "dropout")
 
 
-# ----------------------------------------------------------------------------- 1. the lease and the quorum
+# ---------------------------------------------------------------------- 1. the lease and the quorum
 # added to a round's check-in count to close it: a later check-in sees a count above it
 CLOSED = 1 << 20
 
@@ -167,13 +180,14 @@ class Member:
 
 
 class Lease:
-    """Each replica owns its failure detection (torchft's heartbeats to its lighthouse): a thread writes
-    `lease/{rid}` = "life time" every lease_s / 5, and a peer whose lease is older than lease_s, or held by
-    another life of its replica (it was restarted), is gone: the round, the vote and the group decide from
-    it at once. A replica killed, or frozen (SIGSTOP stops the thread too), is dropped within lease_s; one
-    alive but stuck in a collective keeps its lease, and the collective's deadline leaves it behind. `store`:
-    a connection of the lease's own (a get that waits on another must not hold up the heartbeat). The
-    replicas' clocks must agree to well within lease_s (one host here; NTP across nodes)."""
+    """Each replica owns its failure detection (torchft's heartbeats to its lighthouse): a thread
+    writes `lease/{rid}` = "life time" every lease_s / 5, and a peer whose lease is older than
+    lease_s, or held by another life of its replica (it was restarted), is gone: the round, the vote
+    and the group decide from it at once. A replica killed, or frozen (SIGSTOP stops the thread
+    too), is dropped within lease_s; one alive but stuck in a collective keeps its lease, and the
+    collective's deadline leaves it behind. `store`: a connection of the lease's own (a get that
+    waits on another must not hold up the heartbeat). The replicas' clocks must agree to well within
+    lease_s (one host here; NTP across nodes)."""
 
     def __init__(self, store, me, lease_s):
         if lease_s <= 0:
@@ -226,10 +240,11 @@ def check_round(k, window_s, timeout_s):
 
 
 def join_round(store, k, me, expected, window_s, timeout_s):
-    """Check in to round k. Returns its members, or None when the round had closed before this check-in
-    (try k + 1). `expected()`: the replicas alive. The round closes when all of them checked in, or once the
-    window passed with a strict majority of them (torchft's lighthouse: more than half the known alive): a
-    replica that missed a round waits in the next one for the others, it never opens a quorum of its own."""
+    """Check in to round k. Returns its members, or None when the round had closed before this
+    check-in (try k + 1). `expected()`: the replicas alive. The round closes when all of them
+    checked in, or once the window passed with a strict majority of them (torchft's lighthouse: more
+    than half the known alive): a replica that missed a round waits in the next one for the others,
+    it never opens a quorum of its own."""
     check_round(k, window_s, timeout_s)
     slot = store.add(f"q{k}/n", 1)
     if slot > CLOSED:
@@ -247,14 +262,16 @@ def join_round(store, k, me, expected, window_s, timeout_s):
                 store.set(f"q{k}/size", str(n - CLOSED))
                 store.set("round", str(k))  # where a newly started replica begins to look
         elif waited > window_s + 4 * timeout_s:
-            # (the others may still be ending a round: its group, collectives and vote wait timeout_s each)
+            # (the others may still be ending a round: its group, collectives and vote wait
+            # timeout_s each)
             raise TimeoutError(f"round {k}: {n} of {alive} live replicas checked in, no majority")
         time.sleep(0.001)
     return members_of(store, k)
 
 
 def rank_in(members, me):
-    """me's rank in the quorum's group: its place among the members (sorted by id, as join_round's)."""
+    """me's rank in the quorum's group: its place among the members (sorted by id, as
+    join_round's)."""
     rids = [m.rid for m in members]
     if me.rid not in rids or rids != sorted(set(rids)):
         raise ValueError(
@@ -264,10 +281,10 @@ def rank_in(members, me):
 
 
 def decided_before(store, k, timeout_s, live):
-    """Rounds decide in order: wait until round k - 1 has its decision, and return the version committed
-    before round k (each decision carries the one after it: "commit 7", "abort 6"). A round whose members
-    all lost their lease, or undecided past the deadline, is decided "abort" here (the same compare_set).
-    `live(member)`: whether it holds its lease (Lease.live)."""
+    """Rounds decide in order: wait until round k - 1 has its decision, and return the version
+    committed before round k (each decision carries the one after it: "commit 7", "abort 6"). A
+    round whose members all lost their lease, or undecided past the deadline, is decided "abort"
+    here (the same compare_set). `live(member)`: whether it holds its lease (Lease.live)."""
     if k == 0:
         return 0
     key, t0 = f"q{k - 1}/decision", time.monotonic()
@@ -280,11 +297,12 @@ def decided_before(store, k, timeout_s, live):
 
 
 def vote(store, k, members, me, ok, timeout_s, live):
-    """Two-phase commit on the coordinator: each member says whether its collectives succeeded; the first
-    to see every "yes", any "no", a member without its lease (`live`), or the deadline, proposes the
-    decision, and compare_set keeps only the first proposal: every member reads the same one. A round
-    commits only with every vote "yes" and a member holding the version committed before it (one commit
-    per version: a quorum holding an older state, or open beside another, can never commit)."""
+    """Two-phase commit on the coordinator: each member says whether its collectives succeeded; the
+    first to see every "yes", any "no", a member without its lease (`live`), or the deadline,
+    proposes the decision, and compare_set keeps only the first proposal: every member reads the
+    same one. A round commits only with every vote "yes" and a member holding the version committed
+    before it (one commit per version: a quorum holding an older state, or open beside another, can
+    never commit)."""
     rank_in(members, me)  # (refuses a `me` outside the members)
     if timeout_s <= 0:
         raise ValueError(
@@ -310,13 +328,14 @@ def vote(store, k, members, me, ok, timeout_s, live):
     return store.get(f"q{k}/decision").startswith(b"commit")
 
 
-# ----------------------------------------------------------------------------- 2. the group, with a deadline
+# -------------------------------------------------------------------- 2. the group, with a deadline
 class Bounded:
-    """The quorum's group, every collective of it waited for on the host (torchft's _WorkCUDATimeout): by
-    polling is_completed(), which never blocks, on NCCL either. On NCCL a dead or frozen peer raises
-    nothing (wait() only orders the stream); as soon as a member loses its lease (`lost()`), or past the
-    deadline (a member alive but stuck), this member aborts the group itself (pg.abort(): ends its pending
-    kernels; never shutdown() or destroy_process_group(), which wait for them) and raises: it votes no."""
+    """The quorum's group, every collective of it waited for on the host (torchft's
+    _WorkCUDATimeout): by polling is_completed(), which never blocks, on NCCL either. On NCCL a dead
+    or frozen peer raises nothing (wait() only orders the stream); as soon as a member loses its
+    lease (`lost()`), or past the deadline (a member alive but stuck), this member aborts the group
+    itself (pg.abort(): ends its pending kernels; never shutdown() or destroy_process_group(), which
+    wait for them) and raises: it votes no."""
 
     def __init__(self, pg, timeout_s, lost):
         self.pg = pg
@@ -336,8 +355,9 @@ class Bounded:
     def abort(self):
         if self.pg is None:
             return
-        # NCCL: abort() ends the kernels. gloo: only freeing the group closes its connections (a peer
-        # waiting on this member is let go), and that waits for the hung work: freed on a thread of its own
+        # NCCL: abort() ends the kernels. gloo: only freeing the group closes its connections (a
+        # peer waiting on this member is let go), and that waits for the hung work: freed on a
+        # thread of its own
         self.pg.abort()
         dropped = [self.pg]
         self.pg = None
@@ -365,15 +385,16 @@ class Deadline:
 
 
 def quorum_group(store, k, members, me, held, timeout_s, live, device=torch.device("cpu")):
-    """The quorum's process group: the one all members still hold when they hold the same one and nobody
-    left (unchanged membership), else a new one under the fresh prefix g{k}, made once every member said it
-    is there (a member lost before that is found by its lease or the deadline, not by a hung rendezvous).
-    `held`: (gid, group). On CUDA: ProcessGroupNCCL, non-blocking, connected at once (a member lost during
-    NCCL's bootstrap raises here, inside the round, bounded by TORCH_NCCL_NONBLOCKING_TIMEOUT, which the
-    launcher sets to timeout_s: torch waits for a non-blocking init by it alone, 30 min by default). Its own
-    timeout, 2 x ours, is a backstop: the watchdog must not decide, and it bounds pg.abort()'s wait for
-    NCCL's abort (an ncclCommAbort that hangs holds the replica that long: torchft's ProcessGroupBabyNCCL
-    runs NCCL in a subprocess it can kill)."""
+    """The quorum's process group: the one all members still hold when they hold the same one and
+    nobody left (unchanged membership), else a new one under the fresh prefix g{k}, made once every
+    member said it is there (a member lost before that is found by its lease or the deadline, not by
+    a hung rendezvous). `held`: (gid, group). On CUDA: ProcessGroupNCCL, non-blocking, connected at
+    once (a member lost during NCCL's bootstrap raises here, inside the round, bounded by
+    TORCH_NCCL_NONBLOCKING_TIMEOUT, which the launcher sets to timeout_s: torch waits for a
+    non-blocking init by it alone, 30 min by default). Its own timeout, 2 x ours, is a backstop: the
+    watchdog must not decide, and it bounds pg.abort()'s wait for NCCL's abort (an ncclCommAbort
+    that hangs holds the replica that long: torchft's ProcessGroupBabyNCCL runs NCCL in a subprocess
+    it can kill)."""
     if held and {m.gid for m in members} == {held[0]} and members[0].gsize == len(members):
         return held
     rank = rank_in(members, me)
@@ -401,8 +422,9 @@ def quorum_group(store, k, members, me, held, timeout_s, live, device=torch.devi
 
 
 def replica_device(rid):
-    """cuda:(rid % device_count), made current before any CUDA work (the launcher starts the replicas, not
-    torchrun: there is no LOCAL_RANK, and NCCL refuses two ranks of one communicator on one GPU); else CPU."""
+    """cuda:(rid % device_count), made current before any CUDA work (the launcher starts the
+    replicas, not torchrun: there is no LOCAL_RANK, and NCCL refuses two ranks of one communicator
+    on one GPU); else CPU."""
     if not torch.cuda.is_available():
         return torch.device("cpu")
     device = torch.device("cuda", rid % torch.cuda.device_count())
@@ -410,12 +432,13 @@ def replica_device(rid):
     return device
 
 
-# ----------------------------------------------------------------------------- 3. the state and its recovery
+# -------------------------------------------------------------------- 3. the state and its recovery
 class Replica:
-    """One replica's state. Recovery sends it tensor by tensor, each in its own dtype and shape (a receiver
-    allocates them from its own model and optimizer: same shapes, same dtypes, same order on every member).
-    The loss history, the skips in a row and the rollback snapshot are the loss-spike guard's (section 5):
-    they travel with the state, so that a recovered replica guards as its peers do."""
+    """One replica's state. Recovery sends it tensor by tensor, each in its own dtype and shape (a
+    receiver allocates them from its own model and optimizer: same shapes, same dtypes, same order
+    on every member). The loss history, the skips in a row and the rollback snapshot are the
+    loss-spike guard's (section 5): they travel with the state, so that a recovered replica guards
+    as its peers do."""
 
     def __init__(self, model, opt, steps):
         if type(opt).__name__ not in ("Adam", "AdamW") or any(
@@ -445,8 +468,9 @@ class Replica:
         self.snapshot = self.on_host()  # what a rollback restores (a recent step's core, on host)
 
     def core(self):
-        """weights, exp_avg, exp_avg_sq, AdamW steps (the live tensors), then the counters and the losses as
-        one (5 + steps,) float64 tensor (the losses are Python floats: float64 holds them exactly)."""
+        """weights, exp_avg, exp_avg_sq, AdamW steps (the live tensors), then the counters and the
+        losses as one (5 + steps,) float64 tensor (the losses are Python floats: float64 holds them
+        exactly)."""
         meta = [self.version, self.step, self.batch, self.skips, len(self.losses)]
         meta += self.losses + [math.nan] * (self.steps - len(self.losses))
         return [t.detach() for t in self.tensors] + [torch.tensor(meta, dtype=torch.float64)]
@@ -479,9 +503,9 @@ def check_group(pg, members, me):
 
 
 def recover(pg, members, me, rep, bad=()):
-    """Before the step every member holds the same state: the lowest member with the newest version (and
-    not in `bad`, section 6) broadcasts its whole state to the members behind (a restarted replica recovers
-    live) and to `bad` (repaired). Returns (receiving ids, bytes broadcast)."""
+    """Before the step every member holds the same state: the lowest member with the newest version
+    (and not in `bad`, section 6) broadcasts its whole state to the members behind (a restarted
+    replica recovers live) and to `bad` (repaired). Returns (receiving ids, bytes broadcast)."""
     i_me = check_group(pg, members, me)
     newest = max(m.version for m in members)
     if newest < 0:  # (a later quorum may have one)
@@ -490,9 +514,10 @@ def recover(pg, members, me, rep, bad=()):
     receivers = [i for i, m in enumerate(members) if m.version < newest or m.rid in bad]
     if not receivers:
         return [], 0
-    # one broadcast per tensor, in its dtype, on the device (NCCL's: the snapshot and AdamW's step counts
-    # live on the host), one at a time: the extra memory is one tensor, never the whole state (NCCL review
-    # 4, N4-6); a receiver copies each into its own state (its own shapes), then loads the counters
+    # one broadcast per tensor, in its dtype, on the device (NCCL's: the snapshot and AdamW's step
+    # counts live on the host), one at a time: the extra memory is one tensor, never the whole state
+    # (NCCL review 4, N4-6); a receiver copies each into its own state (its own shapes), then loads
+    # the counters
     device = rep.params[0].device
     state = rep.full()
     nbytes = 0
@@ -508,7 +533,7 @@ def recover(pg, members, me, rep, bad=()):
     return [members[i].rid for i in receivers], nbytes
 
 
-# ----------------------------------------------------------------------------- 4. the step and its commit
+# ----------------------------------------------------------------------- 4. the step and its commit
 def check_shard(rows, rid, replicas):
     if replicas < 1 or rows % replicas or not 0 <= rid < replicas:
         raise ValueError(
@@ -524,8 +549,9 @@ def shard(x, y, rid, replicas):
 
 
 def local_grads(model, x, y, members, me, replicas, loss_fn, count):
-    """Forward + backward on this replica's shard; `loss_fn(out, y, n)` sums over its shard and divides by
-    n = `count` of *all participants'* shards, so the all-reduced sum is the mean over who took part."""
+    """Forward + backward on this replica's shard; `loss_fn(out, y, n)` sums over its shard and
+    divides by n = `count` of *all participants'* shards, so the all-reduced sum is the mean over
+    who took part."""
     n_tok = sum(count(shard(x, y, m.rid, replicas)[1]) for m in members)
     xs, ys = shard(x, y, me.rid, replicas)
     model.zero_grad(set_to_none=True)
@@ -535,7 +561,8 @@ def local_grads(model, x, y, members, me, replicas, loss_fn, count):
 
 
 def allreduce_grads(pg, params, loss):
-    """One all-reduce of the flat gradient and the loss over the quorum; returns the participants' loss."""
+    """One all-reduce of the flat gradient and the loss over the quorum; returns the participants'
+    loss."""
     if any(p.grad is None for p in params):
         raise ValueError(
             "a parameter has no gradient: every replica's loss must reach every parameter"
@@ -550,8 +577,8 @@ def allreduce_grads(pg, params, loss):
 
 
 def update(rep, norm, clip):
-    """The committed step (after the vote, section 1): clip by the whole gradient's `norm`, the optimizer
-    step; the state is one version, one step and one batch further."""
+    """The committed step (after the vote, section 1): clip by the whole gradient's `norm`, the
+    optimizer step; the state is one version, one step and one batch further."""
     if clip > 0:
         torch.nn.utils.clip_grads_with_norm_(rep.params, clip, norm)
     rep.opt.step()
@@ -560,7 +587,7 @@ def update(rep, norm, clip):
     rep.batch += 1
 
 
-# ----------------------------------------------------------------------------- 5. loss spikes (added)
+# --------------------------------------------------------------------------- 5. loss spikes (added)
 def is_spike(loss, norm, history, sigma, window=16):
     """Non-finite, or above the mean of the last `window` losses by `sigma` standard deviations."""
     if not (math.isfinite(loss) and math.isfinite(norm)):
@@ -584,9 +611,10 @@ def check_update(max_skips, snapshot_every):
 
 
 def apply_update(rep, loss, spike, norm, clip, max_skips, snapshot_every):
-    """Section 4's update, guarded: without a spike, the update (its loss joins the history, a snapshot
-    every `snapshot_every` steps); with one, a skip (the batch is consumed, the weights stay), or after
-    `max_skips` skips in a row a rollback to the snapshot, going on from the next batch. Returns which."""
+    """Section 4's update, guarded: without a spike, the update (its loss joins the history, a
+    snapshot every `snapshot_every` steps); with one, a skip (the batch is consumed, the weights
+    stay), or after `max_skips` skips in a row a rollback to the snapshot, going on from the next
+    batch. Returns which."""
     check_update(max_skips, snapshot_every)
     if not spike:
         update(rep, norm, clip)
@@ -609,10 +637,11 @@ def apply_update(rep, loss, spike, norm, clip, max_skips, snapshot_every):
     return "rollback"
 
 
-# ----------------------------------------------------------------------------- 6. silent corruption (added)
+# --------------------------------------------------------------------- 6. silent corruption (added)
 def checksum(params, chunk=1 << 20):
-    """An exact fingerprint of the weights' bytes (a position-weighted byte sum: any changed byte shows),
-    `chunk` bytes at a time (an int64 per byte of the whole model at once would be 8x its size)."""
+    """An exact fingerprint of the weights' bytes (a position-weighted byte sum: any changed byte
+    shows), `chunk` bytes at a time (an int64 per byte of the whole model at once would be 8x its
+    size)."""
     total, at = torch.zeros((), dtype=torch.long, device=params[0].device), 0
     for p in params:
         for b in p.detach().reshape(-1).view(torch.uint8).split(chunk):  # (<= chunk,) bytes
@@ -624,9 +653,10 @@ def checksum(params, chunk=1 << 20):
 
 
 def sync_state(pg, members, me, rep, verify):
-    """Section 3's recovery, verified: with `verify`, the newest members all-reduce their checksums (one
-    slot each) first, and one that differs from the majority is corrupt: it is repaired by the same
-    broadcast, from the lowest member of the majority. Returns (corrupt ids, receiving ids, bytes)."""
+    """Section 3's recovery, verified: with `verify`, the newest members all-reduce their checksums
+    (one slot each) first, and one that differs from the majority is corrupt: it is repaired by the
+    same broadcast, from the lowest member of the majority. Returns (corrupt ids, receiving ids,
+    bytes)."""
     i_me = check_group(pg, members, me)
     newest = max(m.version for m in members)
     up = [i for i, m in enumerate(members) if m.version == newest]
@@ -647,9 +677,11 @@ def check_args(args):
     R = args.replicas
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         fail(
-            "start it with python fault_tolerance.py --replicas R, not torchrun: it starts its own replicas"
+            "start it with python fault_tolerance.py --replicas R, not torchrun: it starts its own "
+            "replicas"
         )
-    try:  # the cores' own checks: --batch-size and --replicas, --join-ms, --max-skips, --snapshot-every
+    # the cores' own checks: --batch-size and --replicas, --join-ms, --max-skips, --snapshot-every
+    try:
         check_shard(args.batch_size, 0, R), check_round(0, args.join_ms / 1e3, args.timeout)
         check_update(args.max_skips, args.snapshot_every)
     except ValueError as e:
@@ -663,12 +695,13 @@ def check_args(args):
             )
     if (args.kill_replica >= 0 and args.recipe == "live" or args.freeze_replica >= 0) and R < 2:
         fail(
-            "--kill-replica (live) and --freeze-replica need --replicas 2 or more: someone must go on"
+            "--kill-replica (live) and --freeze-replica need --replicas 2 or more: someone must go "
+            "on"
         )
     if torch.cuda.is_available() and R > torch.cuda.device_count():
         fail(
-            f"--replicas {R} needs a GPU each ({torch.cuda.device_count()} here): NCCL refuses two ranks of "
-            "one group on one GPU"
+            f"--replicas {R} needs a GPU each ({torch.cuda.device_count()} here): NCCL refuses two "
+            "ranks of one group on one GPU"
         )
     if args.dropout:
         fail("--dropout must be 0: the replayed reference draws no dropout masks")
@@ -689,15 +722,17 @@ def check_args(args):
     if args.max_restarts < 0 or args.verify_every < 0:
         fail("--max-restarts and --verify-every must be >= 0")
     if args.replica >= R or (args.replica >= 0 and ":" not in args.coordinator):
-        # ----------------------------------------------------------------------------- 7. this repo's run of it
-        # One replica: the GPT and its data on the cores above, its log, and one hook `on(phase, rep)` for the faults
+        # ----------------------------------------------------------------- 7. this repo's run of it
+        # One replica: the GPT and its data on the cores above, its log, and one hook `on(phase,
+        # rep)` for the faults
         fail(
-            "--replica and --coordinator are the launcher's: run python fault_tolerance.py --replicas N"
+            "--replica and --coordinator are the launcher's: run python fault_tolerance.py "
+            "--replicas N"
         )
 
 
-# the tests inject (built below the fence). ft_launcher.py starts the replicas and restarts a dead one; it
-# decides nothing: each replica's lease is what a round's close, a vote and a group read.
+# the tests inject (built below the fence). ft_launcher.py starts the replicas and restarts a dead
+# one; it decides nothing: each replica's lease is what a round's close, a vote and a group read.
 def train_replica(args, connect, on):
     store = connect()  # the coordinator
     device = replica_device(args.replica)
@@ -711,8 +746,9 @@ def train_replica(args, connect, on):
     lease = Lease(connect(), me, args.lease_ms / 1e3)  # (a connection of its own)
     load_checkpoint(args, rep, store, lease.live)  # (--recipe restart only: the 2020 way)
     started = False
-    # Until its first round a replica waits for all R (a run starts, or the whole job restarts, together);
-    # afterwards only for the replicas holding a lease now (torchft's lighthouse counts heartbeats).
+    # Until its first round a replica waits for all R (a run starts, or the whole job restarts,
+    # together); afterwards only for the replicas holding a lease now (torchft's lighthouse counts
+    # heartbeats).
     expected = lambda: lease.count(R) if started else R  # noqa: E731
     held = None
     k = int(store.get("round")) if store.check(["round"]) else 0
@@ -789,7 +825,8 @@ def train_replica(args, connect, on):
             store.set("ending", "1")
     else:
         print(
-            f"replica {me.rid}: the run finished without it (it was in no quorum since step {rep.step})",
+            f"replica {me.rid}: the run finished without it (it was in no quorum since step "
+            f"{rep.step})",
             flush=True,
         )
         return 0
@@ -808,7 +845,8 @@ def main():
     try:
         host, port = args.coordinator.rsplit(":", 1)
         timeout = timedelta(seconds=args.timeout)
-        connect = lambda: dist.TCPStore(host, int(port), is_master=False, timeout=timeout)  # noqa: E731
+        # noqa: E731
+        connect = lambda: dist.TCPStore(host, int(port), is_master=False, timeout=timeout)
         code = train_replica(args, connect, faults(args, connect()))
     except TimeoutError as e:
         sys.stderr.write(f"fault_tolerance.py: error (replica {args.replica}): {e}\n")
@@ -826,13 +864,13 @@ def main():
 
 
 # --- measurement ---
-# The faults the tests inject (one hook on the technique path), the log and the figures, and the checkpoint
-# of the recipe measured beside live recovery (--recipe restart).
+# The faults the tests inject (one hook on the technique path), the log and the figures, and the
+# checkpoint of the recipe measured beside live recovery (--recipe restart).
 def faults(args, store):
-    """The hook `on(phase, rep, loss=None)` for the tests' faults: --inject-spike multiplies a listed
-    batch's loss by 1e4 (in place); on a replica's first life at --at-step, --corrupt-replica perturbs one
-    weight (before its check-in), and in --phase --kill-replica sends it SIGKILL, --freeze-replica SIGSTOP
-    (hung: a peer as NCCL sees one that hangs)."""
+    """The hook `on(phase, rep, loss=None)` for the tests' faults: --inject-spike multiplies a
+    listed batch's loss by 1e4 (in place); on a replica's first life at --at-step, --corrupt-replica
+    perturbs one weight (before its check-in), and in --phase --kill-replica sends it SIGKILL,
+    --freeze-replica SIGSTOP (hung: a peer as NCCL sees one that hangs)."""
 
     def on(phase, rep, loss=None):
         if loss is not None and str(rep.batch) in args.inject_spike.split(","):
@@ -874,15 +912,17 @@ def ckpt_path(args):
 
 
 def load_checkpoint(args, rep, store, live):
-    """--recipe restart: a restarted replica reads the whole state from disk (live recovery reads none).
-    The whole job restarted from it: it is the current state, whatever was committed since."""
+    """--recipe restart: a restarted replica reads the whole state from disk (live recovery reads
+    none). The whole job restarted from it: it is the current state, whatever was committed
+    since."""
     if args.recipe == "restart" and args.life > 0 and os.path.exists(ckpt_path(args)):
         rep.load_full(torch.load(ckpt_path(args), map_location=rep.params[0].device))
         rep.version = decided_before(store, int(store.get("round")) + 1, args.timeout, live)
 
 
 def save_checkpoint(args, rep, writer):
-    """--recipe restart: the lowest member writes the whole state (atomic: a temporary file, renamed)."""
+    """--recipe restart: the lowest member writes the whole state (atomic: a temporary file,
+    renamed)."""
     if writer:
         os.makedirs(args.ckpt_dir, exist_ok=True)
         torch.save(rep.full(), ckpt_path(args) + ".tmp")
@@ -890,8 +930,9 @@ def save_checkpoint(args, rep, writer):
 
 
 class Log:
-    """What the run records on the coordinator (per committed round and per update, by the round's lowest
-    member) and prints; at the end, the figures and the --check. Watches from outside the technique."""
+    """What the run records on the coordinator (per committed round and per update, by the round's
+    lowest member) and prints; at the end, the figures and the --check. Watches from outside the
+    technique."""
 
     def __init__(self, store, args, me, rep):
         self.store = store
@@ -902,8 +943,8 @@ class Log:
 
     def failed(self, k, e):
         print(
-            f"replica {self.me.rid}: round {k} failed ({type(e).__name__}: {str(e).splitlines()[0][:90]}); "
-            "the step is discarded",
+            f"replica {self.me.rid}: round {k} failed ({type(e).__name__}: "
+            f"{str(e).splitlines()[0][:90]}); the step is discarded",
             flush=True,
         )
 
@@ -912,8 +953,8 @@ class Log:
             return
         for rid in bad:
             print(
-                f"silent corruption: replica {rid}'s weights differ from the majority at step {step}; "
-                f"repaired from a peer",
+                f"silent corruption: replica {rid}'s weights differ from the majority at step "
+                f"{step}; repaired from a peer",
                 flush=True,
             )
             self.store.set(f"sdc/{self.store.add('sdc', 1)}", f"{rid} {step}")
@@ -949,8 +990,9 @@ class Log:
             s.set(f"{what}/{s.add(what, 1)}", f"{step} {batch}")
 
     def finish(self, members, pg):
-        """The members of the last round end together: one all-reduce of their checksums shows whether they
-        hold identical weights. The lowest then writes the figures and runs the --check."""
+        """The members of the last round end together: one all-reduce of their checksums shows
+        whether they hold identical weights. The lowest then writes the figures and runs the
+        --check."""
         s = self.store
         a = self.args
         rep = self.rep
@@ -973,7 +1015,8 @@ class Log:
         masks = [list(map(int, r[2].split(","))) for r in recs]
         losses = [float(r[3]) for r in recs]
         figures = recovery_figures(s, a, rounds)
-        listed = lambda key: [s.get(f"{key}/{i}").decode() for i in range(1, s.add(key, 0) + 1)]  # noqa: E731
+        # noqa: E731
+        listed = lambda key: [s.get(f"{key}/{i}").decode() for i in range(1, s.add(key, 0) + 1)]
         figures.update(
             batches=batches,
             members=masks,
@@ -1000,7 +1043,8 @@ class Log:
             passed = identical and loss_diff <= tol and param_diff <= ptol
             print(
                 f"check vs the one-process reference replaying the membership: max rel loss diff "
-                f"{loss_diff:.3e} (tolerance {tol:.0e}), max param diff {param_diff:.3e} ({ptol:.0e}), "
+                f"{loss_diff:.3e} (tolerance {tol:.0e}), max param diff {param_diff:.3e} "
+                f"({ptol:.0e}), "
                 f"replicas identical {identical} -> {'PASSED' if passed else 'FAILED'}",
                 flush=True,
             )
@@ -1024,8 +1068,9 @@ class Log:
 
 
 def recovery_figures(s, a, rounds):
-    """Per failure: ms and rounds from the kill to the next commit of the step it interrupted (or a later
-    one); goodput: the time of the rounds whose updates are in the final model over the wall time."""
+    """Per failure: ms and rounds from the kill to the next commit of the step it interrupted (or a
+    later one); goodput: the time of the rounds whose updates are in the final model over the wall
+    time."""
     t = {k: s.get(f"t/{k}").decode().split() for k in range(max(rounds) + 1) if s.check([f"t/{k}"])}
     t = {k: (float(v[0]), float(v[1]), int(v[2]), v[3]) for k, v in t.items()}
     wall = max(v[1] for v in t.values()) - min(v[0] for v in t.values())
@@ -1058,8 +1103,8 @@ def recovery_figures(s, a, rounds):
         if not after:
             continue
         t_next, k_next = after[0]
-        # redone: an update begun after the kill for a step the run had passed (a restart's rollback); a
-        # round of an earlier step that was still ending when the kill came is not one
+        # redone: an update begun after the kill for a step the run had passed (a restart's
+        # rollback); a round of an earlier step that was still ending when the kill came is not one
         redone = sum(
             1
             for k, v in t.items()
@@ -1087,8 +1132,8 @@ def recovery_figures(s, a, rounds):
             flush=True,
         )
     print(
-        f"summary: goodput {out['goodput']:.3f} (committed steps' time {useful:.2f} s / wall {wall:.2f} s, "
-        "measured); theory at scale: see the docstring (Young/Daly)",
+        f"summary: goodput {out['goodput']:.3f} (committed steps' time {useful:.2f} s / wall "
+        f"{wall:.2f} s, measured); theory at scale: see the docstring (Young/Daly)",
         flush=True,
     )
     return out
@@ -1101,8 +1146,9 @@ def member_ids(s, k):
 
 # --- reference for --check ---
 def replay_reference(args, batches, members, device="cpu"):
-    """One process, the membership the run had: update s trains on the shards of the replicas in members[s]
-    of batch batches[s] (a skipped or rolled-back batch is simply absent), AdamW, torch's clipping."""
+    """One process, the membership the run had: update s trains on the shards of the replicas in
+    members[s] of batch batches[s] (a skipped or rolled-back batch is simply absent), AdamW, torch's
+    clipping."""
     data = MarkovData(args.vocab, args.seed)
     model = build_gpt(GPTConfig.from_args(args), args.seed, DTYPES[args.dtype], device)
     opt = make_optimizer(model.parameters(), args)

@@ -1,21 +1,22 @@
 """ft_launcher.py: the supervisor of fault_tolerance.py's replicas, a tool apart from the lesson.
 
 `python fault_tolerance.py --replicas R ...` starts it (the file's one-line default when it is not a
-replica): it holds the coordinator, a torch TCPStore server (torchft's lighthouse, which torchft runs apart
-from the trainers: the single point of the design), and starts R replica processes, each
+replica): it holds the coordinator, a torch TCPStore server (torchft's lighthouse, which torchft
+runs apart from the trainers: the single point of the design), and starts R replica processes, each
 `python fault_tolerance.py ... --coordinator host:port --replica r --life n`, as torchrun's agent (a
-cluster's scheduler in production) would. It restarts a replica killed by a signal (`--recipe restart`:
-it kills and restarts all of them, the 2020 way), and adds its own record (every pid it started, the
-restarts, the exit codes) to the run's --json. It decides nothing about the protocol: each replica's
-lease on the coordinator is what the rounds, the votes and the groups read. It records each death it sees
-(`died/n` on the coordinator) only for the recovery figures the run prints.
+cluster's scheduler in production) would. It restarts a replica killed by a signal (`--recipe
+restart`: it kills and restarts all of them, the 2020 way), and adds its own record (every pid it
+started, the restarts, the exit codes) to the run's --json. It decides nothing about the protocol:
+each replica's lease on the coordinator is what the rounds, the votes and the groups read. It
+records each death it sees (`died/n` on the coordinator) only for the recovery figures the run
+prints.
 
 The replicas' environment: TORCH_NCCL_ASYNC_ERROR_HANDLING=0 and TORCH_NCCL_ENABLE_MONITORING=0 (the
-watchdog, which by default takes the *healthy* process down at the group's timeout, and the heartbeat
-monitor, which would kill one whose watchdog hangs in an abort, must not decide);
-TORCH_NCCL_NONBLOCKING_TIMEOUT=--timeout (torch waits for a non-blocking NCCL communicator's init by it
-alone, 30 minutes by default: NCCL review 4, N4-2); torch's C++ warnings (a 14-line stack per peer gone)
-quieted: a failure is the one line the replica prints.
+watchdog, which by default takes the *healthy* process down at the group's timeout, and the
+heartbeat monitor, which would kill one whose watchdog hangs in an abort, must not decide);
+TORCH_NCCL_NONBLOCKING_TIMEOUT=--timeout (torch waits for a non-blocking NCCL communicator's init by
+it alone, 30 minutes by default: NCCL review 4, N4-2); torch's C++ warnings (a 14-line stack per
+peer gone) quieted: a failure is the one line the replica prints.
 """
 
 import json
@@ -30,7 +31,8 @@ import torch.distributed as dist
 
 
 def environment(timeout_s):
-    """What the replicas run with, beside the launcher's own environment (the docstring says why)."""
+    """What the replicas run with, beside the launcher's own environment (the docstring says
+    why)."""
     return dict(
         TORCH_NCCL_ASYNC_ERROR_HANDLING="0",
         TORCH_NCCL_ENABLE_MONITORING="0",
@@ -40,7 +42,8 @@ def environment(timeout_s):
 
 
 def stop_all(lives, r):
-    """--recipe restart: replica r died; the launcher kills every other one too. Returns whom to restart."""
+    """--recipe restart: replica r died; the launcher kills every other one too. Returns whom to
+    restart."""
     for q, procs in lives.items():
         if q != r and procs[-1].poll() is None:
             procs[-1].kill()
@@ -49,9 +52,9 @@ def stop_all(lives, r):
 
 
 def launch(args, script=None):
-    """The coordinator and R replica processes of `script` (by default this process's own, sys.argv[0],
-    with its own flags): restarts a replica killed by a signal, up to --max-restarts; returns the run's exit
-    code (a replica's error, or 1 when the run did not finish)."""
+    """The coordinator and R replica processes of `script` (by default this process's own,
+    sys.argv[0], with its own flags): restarts a replica killed by a signal, up to --max-restarts;
+    returns the run's exit code (a replica's error, or 1 when the run did not finish)."""
     print(
         f"fault_tolerance.py: {args.replicas} replicas, recipe {args.recipe}, coordinator in this "
         f"process (pid {os.getpid()}) on {args.host}",
@@ -99,8 +102,8 @@ def launch(args, script=None):
             if done_at and time.time() - done_at > args.timeout:
                 for r in [r for r in lives if r not in codes]:
                     print(
-                        f"fault_tolerance.py: replica {r} still running {args.timeout:g} s after the run "
-                        f"finished (frozen?): stopped",
+                        f"fault_tolerance.py: replica {r} still running {args.timeout:g} s after "
+                        "the run finished (frozen?): stopped",
                         flush=True,
                     )
                     lives[r][-1].kill()
@@ -122,7 +125,8 @@ def launch(args, script=None):
 
 
 def add_launcher_figures(args, lives, codes, restarts, wall_s):
-    """The launcher's own record in --json: every process it started (the healthy ones keep one pid)."""
+    """The launcher's own record in --json: every process it started (the healthy ones keep one
+    pid)."""
     if not args.json or not os.path.exists(args.json):
         return
     with open(args.json) as f:

@@ -1,40 +1,46 @@
-"""gpipe.py: GPipe pipeline parallelism: p stages, m micro-batches, all forwards, then all backwards.
+"""gpipe.py: GPipe pipeline parallelism: p stages, m micro-batches, all forwards, then all
+backwards.
 
-GPipe (Huang et al., "GPipe: Efficient Training of Giant Neural Networks using Pipeline Parallelism",
-NeurIPS 2019) cuts the model into p consecutive stages, one per device, and the global batch into m
-micro-batches. Every stage runs the forward (F) of all m micro-batches, handing activations to the next
-stage, then the backward (B) of all m, handing gradients back; the m micro-batch gradients add up to the
-full-batch gradient, so the one optimizer step after this "flush" is exactly one-process training
-(Sec. 2.2). The price is the bubble: with equal F and B times a stage idles (p-1)/(m+p-1) of the step
-(Sec. 2.3). B runs here in the order F ran; any order gives the same sum and the same bubble.
+GPipe (Huang et al., "GPipe: Efficient Training of Giant Neural Networks using Pipeline
+Parallelism", NeurIPS 2019) cuts the model into p consecutive stages, one per device, and the global
+batch into m micro-batches. Every stage runs the forward (F) of all m micro-batches, handing
+activations to the next stage, then the backward (B) of all m, handing gradients back; the m
+micro-batch gradients add up to the full-batch gradient, so the one optimizer step after this
+"flush" is exactly one-process training (Sec. 2.2). The price is the bubble: with equal F and B
+times a stage idles (p-1)/(m+p-1) of the step (Sec. 2.3). B runs here in the order F ran; any order
+gives the same sum and the same bubble.
 
     p = 4, m = 4 (B drawn as long as F)                       time ->
     stage 0   F0 F1 F2 F3 .. .. .. .. .. .. B0 B1 B2 B3     embedding + blocks
     stage 1   .. F0 F1 F2 F3 .. .. .. .. B0 B1 B2 B3 ..     blocks
     stage 2   .. .. F0 F1 F2 F3 .. .. B0 B1 B2 B3 .. ..     blocks
     stage 3   .. .. .. F0 F1 F2 F3 B0 B1 B2 B3 .. .. ..     blocks + final norm + head + loss
-              idle ("..") = 6 of 14 slots per stage = (p-1)/(m+p-1), the bubble; then one optimizer step
+              idle ("..") = 6 of 14 slots per stage = (p-1)/(m+p-1), the bubble; then one optimizer
+              step
 
-Between its F and its B a micro-batch's activations stay alive, so a stage holds all m of them at the flush.
---recompute is the paper's re-materialisation (Sec. 2.3, after Chen et al. 2016): F keeps only the stage
-input of each micro-batch, and B reruns the stage's forward from it first: the same numbers for about one
-extra forward, with m stage inputs plus one micro-batch's activations alive instead of m full sets.
+Between its F and its B a micro-batch's activations stay alive, so a stage holds all m of them at
+the flush. --recompute is the paper's re-materialisation (Sec. 2.3, after Chen et al. 2016): F keeps
+only the stage input of each micro-batch, and B reruns the stage's forward from it first: the same
+numbers for about one extra forward, with m stage inputs plus one micro-batch's activations alive
+instead of m full sets.
 
-The schedule, `gpipe_step`, runs any stage module over any list of micro-batches and counts nothing itself:
-it enters one callback, `observe(kind, mb)`, around every F and B. Through it the run measures, from outside,
-every F and B (start, end) on every stage, and prints the bubble beside its theory, the peak number of
-micro-batches alive, the activation bytes held for backward (the live storages), the bytes sent, and an ASCII
-timeline of the last step; --trace writes the same events for Perfetto / chrome://tracing. On a laptop,
-processes that share a few cores time the operating system's scheduling, not the schedule: --stage-ms F
-simulates compute time (each F also waits F ms, each B 2F ms; the numbers computed are unchanged), so the
-measured bubble approaches its theory and the timeline looks like the picture above.
+The schedule, `gpipe_step`, runs any stage module over any list of micro-batches and counts nothing
+itself: it enters one callback, `observe(kind, mb)`, around every F and B. Through it the run
+measures, from outside, every F and B (start, end) on every stage, and prints the bubble beside its
+theory, the peak number of micro-batches alive, the activation bytes held for backward (the live
+storages), the bytes sent, and an ASCII timeline of the last step; --trace writes the same events
+for Perfetto / chrome://tracing. On a laptop, processes that share a few cores time the operating
+system's scheduling, not the schedule: --stage-ms F simulates compute time (each F also waits F ms,
+each B 2F ms; the numbers computed are unchanged), so the measured bubble approaches its theory and
+the timeline looks like the picture above.
 
 Run (one process per stage; a world of 1 is not a pipeline):
     torchrun --nproc_per_node=4 gpipe.py --microbatches 8
     torchrun --nproc_per_node=4 gpipe.py --microbatches 8 --stage-ms 30 --steps 3   # simulated compute
     torchrun --nproc_per_node=4 gpipe.py --microbatches 8 --recompute --trace gpipe_trace.json
     torchrun --nproc_per_node=3 gpipe.py --n-layers 4 --dtype float64 --check   # uneven split: 2 + 1 + 1
-In production, use torch.distributed.pipelining (ScheduleGPipe), or DeepSpeed's / Megatron-LM's pipelines.
+In production, use torch.distributed.pipelining (ScheduleGPipe), or DeepSpeed's / Megatron-LM's
+pipelines.
 """
 
 import contextlib
@@ -93,9 +99,9 @@ class Args(CommonArgs):
 
 # ----------------------------------------------------------------------------- the stages
 def split_layers(n_layers, p, what="n_layers"):
-    """Blocks [start, end) of each of p stages, as even as possible; when p does not divide n_layers the
-    earlier stages take one block more (the last stage already carries the head and the loss). `what`
-    names n_layers in the error: check_args gives the flag's name."""
+    """Blocks [start, end) of each of p stages, as even as possible; when p does not divide n_layers
+    the earlier stages take one block more (the last stage already carries the head and the loss).
+    `what` names n_layers in the error: check_args gives the flag's name."""
     if not 1 <= p <= n_layers:
         raise ValueError(
             f"{p} stages but {what} {n_layers}: {p} stages of {n_layers} blocks leave a "
@@ -111,10 +117,10 @@ def split_layers(n_layers, p, what="n_layers"):
 
 
 class Stage(nn.Module):
-    """Stage s of p: blocks [start, end) of the GPT, the embedding on the first stage, the final LayerNorm and
-    LM head on the last. Taken from the full seeded model, so every stage starts from the reference's numbers;
-    the ModuleDict keeps the GPT's own names (`blocks.3.mlp.fc.weight`), so the stages' parameters put
-    together are exactly `GPT.named_parameters()`."""
+    """Stage s of p: blocks [start, end) of the GPT, the embedding on the first stage, the final
+    LayerNorm and LM head on the last. Taken from the full seeded model, so every stage starts from
+    the reference's numbers; the ModuleDict keeps the GPT's own names (`blocks.3.mlp.fc.weight`), so
+    the stages' parameters put together are exactly `GPT.named_parameters()`."""
 
     def __init__(self, gpt, s, bounds):
         super().__init__()
@@ -139,8 +145,8 @@ class Stage(nn.Module):
 
 
 def check_microbatches(rows, m, what=("rows", "m")):
-    """What cutting a batch of `rows` sequences into m micro-batches relies on (ValueError: what works).
-    `what` names rows and m in the error: check_args gives the flags' names."""
+    """What cutting a batch of `rows` sequences into m micro-batches relies on (ValueError: what
+    works). `what` names rows and m in the error: check_args gives the flags' names."""
     if m < 1:
         raise ValueError(f"{what[1]} must be >= 1, got {m}")
     if rows % m:
@@ -153,8 +159,9 @@ def check_microbatches(rows, m, what=("rows", "m")):
 
 
 def micro_batches(batch, m, device):
-    """The step's (B, T) batch on the device in one copy (on CUDA from pinned memory, non-blocking: the host
-    goes on), cut into m micro-batches (B/m, T), each in its own storage like a received input."""
+    """The step's (B, T) batch on the device in one copy (on CUDA from pinned memory, non-blocking:
+    the host goes on), cut into m micro-batches (B/m, T), each in its own storage like a received
+    input."""
     check_microbatches(len(batch), m)
     if device.type == "cuda":
         batch = batch.pin_memory()
@@ -163,14 +170,16 @@ def micro_batches(batch, m, device):
 
 # ----------------------------------------------------------------------------- the GPipe schedule
 def post(op, tensor, peer, group):
-    """Start one transfer (op: dist.isend or dist.irecv) with peer, a rank within group; return its request,
-    through batch_isend_irecv even alone: on NCCL every transfer then runs on the group's one communicator,
-    in the order posted. A request's wait() makes the host wait on gloo; on NCCL the stream, not the host."""
+    """Start one transfer (op: dist.isend or dist.irecv) with peer, a rank within group; return its
+    request, through batch_isend_irecv even alone: on NCCL every transfer then runs on the group's
+    one communicator, in the order posted. A request's wait() makes the host wait on gloo; on NCCL
+    the stream, not the host."""
     return dist.batch_isend_irecv([dist.P2POp(op, tensor, group=group, group_peer=peer)])[0]
 
 
 def rng_state(device):
-    """Where the random generators stand (the CPU's, and the device's on CUDA): what dropout draws from."""
+    """Where the random generators stand (the CPU's, and the device's on CUDA): what dropout draws
+    from."""
     return torch.get_rng_state(), torch.cuda.get_rng_state(
         device
     ) if device.type == "cuda" else None
@@ -179,9 +188,9 @@ def rng_state(device):
 def gpipe_step(
     stage, xs, ys, loss_fn, prev, nxt, recv_shape, recompute=False, observe=None, group=None
 ):
-    """One global batch through this rank's stage: F of micro-batches 0..m-1, then B of 0..m-1 (the flush),
-    leaving the whole batch's gradient summed in the stage's .grad. Returns the sum of the m micro-batch
-    losses (0-dim, float64; 0 except on the last stage).
+    """One global batch through this rank's stage: F of micro-batches 0..m-1, then B of 0..m-1 (the
+    flush), leaving the whole batch's gradient summed in the stage's .grad. Returns the sum of the m
+    micro-batch losses (0-dim, float64; 0 except on the last stage).
       stage       this rank's nn.Module; what crosses a boundary has its first parameter's dtype and device
       xs, ys      the m micro-batches' inputs and targets, on the device; only the first stage reads xs, only
                   the last ys (the others may pass Nones)
@@ -192,11 +201,12 @@ def gpipe_step(
       recv_shape  shape of the activation received from prev, the same for every micro-batch: (b, T, D) here
       recompute   re-materialisation: F keeps only its input, B reruns F first
       observe     observe(kind, mb): a context manager entered around every F and B, to time or measure it
-    Each transfer is posted as soon as its buffer exists and waited only where its data is needed: a receive
-    one micro-batch ahead (it arrives while this stage computes), a send when the next is posted (the stage
-    computes on while it travels). On NCCL those waits hold the stream: the host queues ahead of the GPU.
-    NCCL wants one collective on the group before its first batch_isend_irecv: the caller runs it (see main).
-    What the schedule relies on is checked before any transfer (ValueError)."""
+    Each transfer is posted as soon as its buffer exists and waited only where its data is needed: a
+    receive one micro-batch ahead (it arrives while this stage computes), a send when the next is
+    posted (the stage computes on while it travels). On NCCL those waits hold the stream: the host
+    queues ahead of the GPU. NCCL wants one collective on the group before its first
+    batch_isend_irecv: the caller runs it (see main). What the schedule relies on is checked before
+    any transfer (ValueError)."""
     observe = observe or (lambda kind, mb: contextlib.nullcontext())
     m = len(xs)
     first = prev is None
@@ -263,7 +273,8 @@ def gpipe_step(
         outputs[i] = None if recompute else out
     finish_sends()  # under --recompute, then, only the m inputs are left
 
-    # 2. all backwards, in the same order. B of micro-batch i starts when d loss / d output has arrived.
+    # 2. all backwards, in the same order. B of micro-batch i starts when d loss / d output has
+    #   arrived.
     pending = None if last else recv(out_shape, nxt)
     for i in range(m):
         grad = None  # last stage: B starts from the loss itself (d loss / d loss = 1)
@@ -276,7 +287,8 @@ def gpipe_step(
             out = outputs[i]
             # Sec. 2.3: rerun F from the kept input, this time keeping the graph, with the same
             if recompute:
-                # dropout masks: replay the RNG state F started from (as torch.utils.checkpoint does)
+                # dropout masks: replay the RNG state F started from (as torch.utils.checkpoint
+                # does)
                 cpu_state, device_state = rng[i]
                 with torch.random.fork_rng(
                     devices=[like.device] if device_state is not None else []
@@ -296,9 +308,10 @@ def gpipe_step(
 
 
 def squared_norm(grads):
-    """This stage's part of the whole model's squared gradient norm, in float64, with no float64 copy of a
-    gradient (the norm's dtype=float64 would cast its input first): each tensor's norm in its own dtype
-    (bf16 / fp16 accumulated as float32, which CUDA reads in place), the few norms squared in float64."""
+    """This stage's part of the whole model's squared gradient norm, in float64, with no float64
+    copy of a gradient (the norm's dtype=float64 would cast its input first): each tensor's norm in
+    its own dtype (bf16 / fp16 accumulated as float32, which CUDA reads in place), the few norms
+    squared in float64."""
     low = (torch.float16, torch.bfloat16)
     return sum(
         torch.linalg.vector_norm(g, dtype=torch.float32 if g.dtype in low else None).double() ** 2
@@ -307,7 +320,8 @@ def squared_norm(grads):
 
 
 def check_args(args, p):
-    """The cores' own checks (check_microbatches, split_layers), their ValueError as fail's one line."""
+    """The cores' own checks (check_microbatches, split_layers), their ValueError as fail's one
+    line."""
     check_common_args(args)
     try:
         check_microbatches(args.batch_size, args.microbatches, ("--batch-size", "--microbatches"))
@@ -332,7 +346,8 @@ def main():
     data = MarkovData(args.vocab, args.seed)
     bounds = split_layers(args.n_layers, p)
     d.log(
-        f"gpipe.py: {p} stages x {m} micro-batches of {args.batch_size // m} sequences on {d.backend}"
+        f"gpipe.py: {p} stages x {m} micro-batches of {args.batch_size // m} sequences on "
+        f"{d.backend}"
         f"{', --recompute' if args.recompute else ''}; entropy floor {data.entropy:.4f} nats/token"
     )
     d.log(
@@ -360,7 +375,8 @@ def main():
     comm = CommCounter()
     held = HeldForB(d, args, stage)
     count_at = max(run.start, args.steps - 2)
-    # NCCL sets up its communicator at the first collective; batched point-to-point must not come first
+    # NCCL sets up its communicator at the first collective; batched point-to-point must not come
+    # first
     dist.all_reduce(torch.zeros(1, device=d.device))
     for step in run.steps():
         # (B, T) global batch, on CPU
@@ -385,8 +401,9 @@ def main():
                 args.recompute,
                 observe=held if watched else None,
             )
-        # 3. after the flush, one optimizer step: the norm of the whole model from every stage's squared norm,
-        # and the batch loss that only the last stage knows, in one all-reduce of two numbers
+        # 3. after the flush, one optimizer step: the norm of the whole model from every stage's
+        #   squared norm, and the batch loss that only the last stage knows, in one all-reduce of
+        #   two numbers
         grads = [q.grad for q in stage.parameters()]
         both = torch.stack([squared_norm(grads), loss])  # (2,) this stage's part
         dist.all_reduce(both)  # (2,) sums over stages: squared norm of the whole model, batch loss
@@ -407,19 +424,20 @@ def main():
 
 
 # --- measurement ---
-# The last step is the one reported: timed and its bytes held for B measured (HeldForB, the schedule's observe
-# callback in it only). The bytes sent are counted by harness.CommCounter, which sends every op through
-# Python: one step earlier when there is one, to keep that cost out of the timed step (every step sends the
-# same).
+# The last step is the one reported: timed and its bytes held for B measured (HeldForB, the
+# schedule's observe callback in it only). The bytes sent are counted by harness.CommCounter, which
+# sends every op through Python: one step earlier when there is one, to keep that cost out of the
+# timed step (every step sends the same).
 class HeldForB(PipelineWatch):
-    """harness.PipelineWatch (--stage-ms: each F waits that, each B twice) that also measures the activation
-    bytes held for B: saved-tensor hooks around every op register what autograd saves (parameters excluded),
-    module hooks each stage input and output (what the schedule holds itself; the last stage's 0-dim loss,
-    one number, is not seen), weakly, per micro-batch (LiveStorages): a graph freed by its B, or never built
-    (a recomputing F), drops out by itself. Sampled as
-    each F ends and as each B first unpacks a saved tensor, when its whole graph is alive: .live.peak (bytes),
-    .full_bytes (the most one op registered: one micro-batch's input, saved tensors and output),
-    .input_bytes (the largest stage input), .alive (micro-batches whose F's storages are alive)."""
+    """harness.PipelineWatch (--stage-ms: each F waits that, each B twice) that also measures the
+    activation bytes held for B: saved-tensor hooks around every op register what autograd saves
+    (parameters excluded), module hooks each stage input and output (what the schedule holds itself;
+    the last stage's 0-dim loss, one number, is not seen), weakly, per micro-batch (LiveStorages): a
+    graph freed by its B, or never built (a recomputing F), drops out by itself. Sampled as each F
+    ends and as each B first unpacks a saved tensor, when its whole graph is alive: .live.peak
+    (bytes), .full_bytes (the most one op registered: one micro-batch's input, saved tensors and
+    output), .input_bytes (the largest stage input), .alive (micro-batches whose F's storages are
+    alive)."""
 
     def __init__(self, d, args, stage):
         super().__init__(d, {"F": args.stage_ms, "B": 2 * args.stage_ms})
@@ -476,8 +494,8 @@ class HeldForB(PipelineWatch):
 
 
 def report(d, args, bounds, act_shape, dtype, held, sent, counted):
-    """Every rank's last-step figures and events on every rank (rows of numbers: no object collective); rank 0
-    prints them beside their theory. Returns (figures, bytes sent per rank)."""
+    """Every rank's last-step figures and events on every rank (rows of numbers: no object
+    collective); rank 0 prints them beside their theory. Returns (figures, bytes sent per rank)."""
     p, m = d.world, args.microbatches
     mine = [held.alive, held.live.peak, held.input_bytes, held.full_bytes]
     rows = gather_rows(d, [mine + [sent, counted]])
@@ -492,8 +510,9 @@ def report(d, args, bounds, act_shape, dtype, held, sent, counted):
     end = max(e["end"] for e in events)  # the flush: the last B anywhere
     busy = [busy_ms(events, r, 0, end) for r in range(p)]
     bubble, theory = [1 - b / end for b in busy], (p - 1) / (m + p - 1)
-    # Theory, a formula on measured parts: held for B per stage, m full sets without re-materialisation,
-    # m stage inputs + one full set (during its B) with it; sent, one (b, T, D) per micro-batch and direction.
+    # Theory, a formula on measured parts: held for B per stage, m full sets without
+    # re-materialisation, m stage inputs + one full set (during its B) with it; sent, one (b, T, D)
+    # per micro-batch and direction.
     without, with_rc = [m * f for f in full], [m * i + f - i for i, f in zip(inp, full)]
     one = torch.Size(act_shape).numel() * dtype.itemsize
     sent_theory = [m * one * ((r > 0) + (r < p - 1)) for r in range(p)]
@@ -517,8 +536,9 @@ def report(d, args, bounds, act_shape, dtype, held, sent, counted):
         state_bytes=state,
     )
     d.log(
-        "\nlast step, measured per stage (theory: bubble (p-1)/(m+p-1), alive m, sent m x (b, T, D) a way)"
-        "\nstage | blocks | busy ms | bubble | theory | alive | theory | held for B | sent bytes | theory"
+        "\nlast step, measured per stage (theory: bubble (p-1)/(m+p-1), alive m, sent m x (b, T, "
+        "D) a way)\nstage | blocks | busy ms | bubble | theory | alive | theory | held for B | "
+        "sent bytes | theory"
     )
     for r, (a, z) in enumerate(bounds):
         d.log(
@@ -536,9 +556,9 @@ def report(d, args, bounds, act_shape, dtype, held, sent, counted):
         f"difference {mean - theory:+.3f} ({why})"
     )
     d.log(
-        f"activation bytes held for B per stage, peak, measured from the live storages: {peak}; theory "
-        f"from the measured parts: without --recompute m x full set = {without}, with it m x input + one "
-        f"full set = {with_rc}"
+        f"activation bytes held for B per stage, peak, measured from the live storages: {peak}; "
+        f"theory from the measured parts: without --recompute m x full set = {without}, with it m "
+        f"x input + one full set = {with_rc}"
     )
     label = lambda e: f"{e['kind']}{e['mb']}"  # noqa: E731
     d.log(

@@ -1,12 +1,14 @@
-"""harness.py: what every technique file runs with and no reader needs in order to learn a technique.
+"""harness.py: what every technique file runs with and no reader needs in order to learn a
+technique.
 
-Read common.py to learn what the lessons stand on (the model, the data, process groups, the reference). This
-module holds the bookkeeping that wraps each lesson, kept out of the technique files so that they read as
-their technique:
+Read common.py to learn what the lessons stand on (the model, the data, process groups, the
+reference). This module holds the bookkeeping that wraps each lesson, kept out of the technique
+files so that they read as their technique:
 
     flags        CommonArgs + parse_args(): an Args dataclass becomes the command line; check_common_args()
     the loop     Run: resume from --ckpt-dir, --fail-at-step, the step timer, the log line, checkpoints, the
-                 --json summary (Checkpointer, maybe_fail, StepTimer, log_step, write_summary underneath)
+                 --json summary (Checkpointer, maybe_fail, StepTimer, log_step, write_summary
+                 underneath)
     --check      check_against_reference(): per-step losses and final parameters against
                  common.reference_train (or a file's own reference), one verdict on every rank;
                  assemble_full(), gather_rows()
@@ -71,9 +73,9 @@ class _Parser(argparse.ArgumentParser):
 
 
 def parse_args(cls, argv=None):
-    """Turn an Args dataclass into flags: `n_layers: int = 4  # help` becomes `--n-layers 4`; a help too
-    long for the field's line stands in the comment lines right above it. The fields named in the class
-    attribute HIDDEN (a launcher's own, or flags the file refuses) parse, unlisted."""
+    """Turn an Args dataclass into flags: `n_layers: int = 4  # help` becomes `--n-layers 4`; a help
+    too long for the field's line stands in the comment lines right above it. The fields named in
+    the class attribute HIDDEN (a launcher's own, or flags the file refuses) parse, unlisted."""
     helps = {}
     for klass in reversed(cls.__mro__):
         try:
@@ -111,7 +113,8 @@ def parse_args(cls, argv=None):
 
 
 def env_world_size():
-    """The world size torchrun will give init_dist, known before any collective (1 without torchrun)."""
+    """The world size torchrun will give init_dist, known before any collective (1 without
+    torchrun)."""
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
@@ -142,7 +145,8 @@ def check_common_args(args):
 
 # ----------------------------------------------------------------------------- the loop's edges
 class StepTimer:
-    """Wall time of each step (CUDA-synchronised on a GPU, so it measures the work, not the launch)."""
+    """Wall time of each step (CUDA-synchronised on a GPU, so it measures the work, not the
+    launch)."""
 
     def __init__(self, device):
         self.device, self.ms = device, []
@@ -164,12 +168,14 @@ class StepTimer:
 
 def log_step(d, step, loss, ms, tokens):
     d.log(
-        f"step {step:4d} | loss {loss:.6f} | {ms:8.1f} ms | {tokens / max(ms, 1e-9) * 1e3:10.0f} tok/s"
+        f"step {step:4d} | loss {loss:.6f} | {ms:8.1f} ms | {tokens / max(ms, 1e-9) * 1e3:10.0f} "
+        "tok/s"
     )
 
 
 def maybe_fail(d, args, step):
-    """--fail-at-step: the last rank dies at the start of `step`, on torchrun's first attempt only."""
+    """--fail-at-step: the last rank dies at the start of `step`, on torchrun's first attempt
+    only."""
     first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
     if step == args.fail_at_step and d.rank == d.world - 1 and first_attempt:
         print(f"rank {d.rank}: simulated failure at step {step}", file=sys.stderr, flush=True)
@@ -177,17 +183,18 @@ def maybe_fail(d, args, step):
 
 
 class Run:
-    """The edges of a training loop that every file shares: resume from --ckpt-dir, --fail-at-step, time the
-    step, print its line, save checkpoints, and at the end the --json summary. The loop stays in the file:
+    """The edges of a training loop that every file shares: resume from --ckpt-dir, --fail-at-step,
+    time the step, print its line, save checkpoints, and at the end the --json summary. The loop
+    stays in the file:
 
         run = Run(d, args, {"model": model, "optim": opt})     # resumes: run.start, run.losses, run.history
         for step in run.steps():                               # --fail-at-step, then the timer starts
             loss = ...                                         # the technique's step
             run.end_step(step, loss)                           # timer, log line, checkpoint
         run.finish("name", peak, comm_bytes, check, figures)   # summary; exits (1 if --check failed)
-    `state` maps names to objects with state_dict / load_state_dict (saved every --save-every steps). `ckpt`:
-    another checkpointer, with load(state) -> (step, history) and maybe_save(step, state, history), e.g.
-    zero.py's ZeroCheckpoint; `state` is then what it takes (the Zero)."""
+    `state` maps names to objects with state_dict / load_state_dict (saved every --save-every
+    steps). `ckpt`: another checkpointer, with load(state) -> (step, history) and maybe_save(step,
+    state, history), e.g. zero.py's ZeroCheckpoint; `state` is then what it takes (the Zero)."""
 
     def __init__(self, d, args, state, ckpt=None):
         self.d = d
@@ -205,7 +212,8 @@ class Run:
             yield step
 
     def end_step(self, step, loss, **history):
-        """`loss` of the global batch (a float); `history`: more per-run lists to checkpoint and resume."""
+        """`loss` of the global batch (a float); `history`: more per-run lists to checkpoint and
+        resume."""
         ms = self.timer.stop()
         self.losses.append(loss)
         self.history.update(history, losses=self.losses)
@@ -214,9 +222,10 @@ class Run:
 
     @contextlib.contextmanager
     def watching(self, step, *counters, at=None):
-        """Enter `counters` (a CommCounter, ...) during one step only (`at`; default the run's last, the step
-        whose figures the summary reports): a dispatcher counter sends every op through Python, so the other
-        steps run without it. `with run.watching(step, comm):` around the step's work."""
+        """Enter `counters` (a CommCounter, ...) during one step only (`at`; default the run's last,
+        the step whose figures the summary reports): a dispatcher counter sends every op through
+        Python, so the other steps run without it. `with run.watching(step, comm):` around the
+        step's work."""
         with contextlib.ExitStack() as stack:
             if step == (self.args.steps - 1 if at is None else at):
                 for c in counters:
@@ -280,10 +289,11 @@ def write_summary(
 
 # ----------------------------------------------------------------------------- checkpoints
 class Checkpointer:
-    """Rank-local checkpoints `DIR/rank{r}/step{s}.pt`, written to a temporary file and renamed (atomic),
-    the last two kept. At start every rank resumes from the newest step that *all* ranks have. Each file
-    records which script wrote it and at what world size; a directory from another file, another world
-    size, another model size or layout, or a damaged file is refused with one line (exit 2)."""
+    """Rank-local checkpoints `DIR/rank{r}/step{s}.pt`, written to a temporary file and renamed
+    (atomic), the last two kept. At start every rank resumes from the newest step that *all* ranks
+    have. Each file records which script wrote it and at what world size; a directory from another
+    file, another world size, another model size or layout, or a damaged file is refused with one
+    line (exit 2)."""
 
     def __init__(self, d, ckpt_dir, save_every, steps):
         self.d = d
@@ -300,25 +310,29 @@ class Checkpointer:
         return sorted(int(m.group(1)) for m in names if m)
 
     def _read(self, step):
-        """One checkpoint file, checked against this run; a bad one ends the run with one clear line."""
+        """One checkpoint file, checked against this run; a bad one ends the run with one clear
+        line."""
         path = os.path.join(self.dir, f"step{step}.pt")
         try:  # on CPU: the RNG states must be CPU byte tensors; load_state_dict moves the rest
             state = torch.load(path, map_location="cpu", weights_only=False)
         except Exception as e:
             fail(
-                f"cannot read checkpoint {path} ({type(e).__name__}): delete it or use another --ckpt-dir"
+                f"cannot read checkpoint {path} ({type(e).__name__}): delete it or use another "
+                "--ckpt-dir"
             )
         meta = state.get("meta") if isinstance(state, dict) else None
         if meta != self.meta:
-            what = lambda m: f"{m['file']} at world {m['world']}" if m else "an unknown writer"  # noqa: E731
+            # noqa: E731
+            what = lambda m: f"{m['file']} at world {m['world']}" if m else "an unknown writer"
             fail(
-                f"checkpoint {path} was written by {what(meta)}, this run is {what(self.meta)}: use another "
-                "--ckpt-dir"
+                f"checkpoint {path} was written by {what(meta)}, this run is {what(self.meta)}: "
+                "use another --ckpt-dir"
             )
         return state
 
     def load(self, objects):
-        """Restore `objects` (name -> thing with load_state_dict) and RNG; return (step, history)."""
+        """Restore `objects` (name -> thing with load_state_dict) and RNG; return (step,
+        history)."""
         if not self.dir:
             return 0, {}
         # 1. checks that need no other rank, before any collective
@@ -330,8 +344,7 @@ class Checkpointer:
         if ranks and max(ranks) >= self.d.world:
             fail(
                 f"--ckpt-dir {self.root} holds checkpoints of {max(ranks) + 1} ranks, this run has "
-                f"{self.d.world}: "
-                f"resume at the same world size, or use another --ckpt-dir"
+                f"{self.d.world}: resume at the same world size, or use another --ckpt-dir"
             )
         mine = self._steps_on_disk()
         if mine:
@@ -349,8 +362,8 @@ class Checkpointer:
         except Exception as e:  # another model size or layout: shapes or names differ
             why = " ".join(str(e).replace("Error(s) in loading state_dict for", "").split())[:160]
             fail(
-                f"checkpoint in {self.dir} does not fit this model or layout ({why}...): use another "
-                "--ckpt-dir"
+                f"checkpoint in {self.dir} does not fit this model or layout ({why}...): use "
+                "another --ckpt-dir"
             )
         torch.set_rng_state(state["rng_cpu"])
         if self.d.device.type == "cuda":
@@ -379,19 +392,21 @@ class Checkpointer:
 
 # ----------------------------------------------------------------------------- --check
 def tolerance(dtype):
-    """--check's tolerance on the relative difference of per-step losses (see check_against_reference)."""
+    """--check's tolerance on the relative difference of per-step losses (see
+    check_against_reference)."""
     return {"float64": 1e-9, "float32": 1e-4, "bfloat16": 5e-2}[dtype]
 
 
 def check_against_reference(d, args, losses, params, ref=None, tol=None, ptol=None):
-    """Rank 0 trains the reference (or takes `ref`) and compares per-step losses (relative, within `tol`)
-    and final parameters (max abs difference by name, within `ptol`; `tol` when only that is given).
-    `params`: the full, unsharded model on rank 0."""
+    """Rank 0 trains the reference (or takes `ref`) and compares per-step losses (relative, within
+    `tol`) and final parameters (max abs difference by name, within `ptol`; `tol` when only that is
+    given). `params`: the full, unsharded model on rank 0."""
     result = None
     if d.rank == 0:
         ref = ref or reference_train(args, d.device)
-        # Parameters get the loss tolerance, but 10x by default in float32: AdamW divides each gradient by
-        # its own RMS, so an element whose gradient is mostly roundoff still moves by up to lr, either way.
+        # Parameters get the loss tolerance, but 10x by default in float32: AdamW divides each
+        # gradient by its own RMS, so an element whose gradient is mostly roundoff still moves by up
+        # to lr, either way.
         ptol = ptol or tol or (10 if args.dtype == "float32" else 1) * tolerance(args.dtype)
         tol = tol or tolerance(args.dtype)
         loss_diff = max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(losses, ref["losses"]))
@@ -408,22 +423,23 @@ def check_against_reference(d, args, losses, params, ref=None, tol=None, ptol=No
             and param_diff <= ptol
         )
         d.log(
-            f"check vs one-process reference: max rel loss diff {loss_diff:.3e} (tolerance {tol:.0e}), "
-            f"max param diff {param_diff:.3e} ({ptol:.0e}){', missing ' + str(missing) if missing else ''}"
-            f" -> {'PASSED' if passed else 'FAILED'}"
+            f"check vs one-process reference: max rel loss diff {loss_diff:.3e} (tolerance "
+            f"{tol:.0e}), max param diff {param_diff:.3e} "
+            f"({ptol:.0e}){', missing ' + str(missing) if missing else ''} -> "
+            f"{'PASSED' if passed else 'FAILED'}"
         )
         result = [loss_diff, param_diff, float(passed)]
-    # Rank 0's verdict for every rank, as three numbers in a tensor (no object collective: those pickle
-    # through numpy and, on NCCL, take a host round trip through the GPU).
+    # Rank 0's verdict for every rank, as three numbers in a tensor (no object collective: those
+    # pickle through numpy and, on NCCL, take a host round trip through the GPU).
     t = torch.tensor(result or [0.0, 0.0, 0.0], dtype=torch.float64, device=d.device)
     dist.broadcast(t, src=0)
     return dict(max_loss_diff=t[0].item(), max_param_diff=t[1].item(), passed=bool(t[2].item()))
 
 
 def gather_rows(d, rows):
-    """Every rank's (n_r, k) rows of numbers (events, counters), on every rank, as a list of (n_r, k)
-    float64 CPU tensors: the row counts first, then the rows padded to the longest, two all_gathers of
-    tensors on the device."""
+    """Every rank's (n_r, k) rows of numbers (events, counters), on every rank, as a list of (n_r,
+    k) float64 CPU tensors: the row counts first, then the rows padded to the longest, two
+    all_gathers of tensors on the device."""
     rows = torch.as_tensor(rows, dtype=torch.float64).to(d.device)
     n = torch.tensor([rows.shape[0]], device=d.device)
     counts = [torch.zeros_like(n) for _ in range(d.world)]
@@ -437,10 +453,11 @@ def gather_rows(d, rows):
 
 
 def assemble_full(d, owned, shapes, dtype):
-    """The full model, by name, on every rank, from the disjoint pieces the ranks own (a pipeline stage's
-    blocks, say). `owned`: full-model name -> tensor this rank holds; `shapes`: every name -> shape, the
-    same on every rank. Each rank writes its pieces into a zero vector of the whole model and one
-    all-reduce adds them up: exact, since x + 0 = x. A name owned by no rank or by two is an error."""
+    """The full model, by name, on every rank, from the disjoint pieces the ranks own (a pipeline
+    stage's blocks, say). `owned`: full-model name -> tensor this rank holds; `shapes`: every name
+    -> shape, the same on every rank. Each rank writes its pieces into a zero vector of the whole
+    model and one all-reduce adds them up: exact, since x + 0 = x. A name owned by no rank or by two
+    is an error."""
     names = list(shapes)
     sizes = [torch.Size(shapes[n]).numel() for n in names]
     flat = torch.zeros(sum(sizes), dtype=dtype, device=d.device)
@@ -469,7 +486,8 @@ def tensor_bytes(tensors):
 
 
 def state_bytes(model, optimizer=None):
-    """Parameters + gradients + optimizer state of this rank, counted from the tensors themselves."""
+    """Parameters + gradients + optimizer state of this rank, counted from the tensors
+    themselves."""
     ts = [p for p in model.parameters()] + [p.grad for p in model.parameters()]
     if optimizer is not None:
         ts += [
@@ -481,12 +499,13 @@ def state_bytes(model, optimizer=None):
     return tensor_bytes(ts)
 
 
-_counted = {}  # the largest counted bytes over ranks, as of the last peak_memory_bytes (for the summary)
+# the largest counted bytes over ranks, as of the last peak_memory_bytes (for the summary)
+_counted = {}
 
 
 def peak_memory_bytes(d, counted_bytes):
-    """Largest over ranks: CUDA's own peak on a GPU, else the bytes the file counted itself (on a GPU those go
-    into the summary beside CUDA's peak, as counted_mem_bytes)."""
+    """Largest over ranks: CUDA's own peak on a GPU, else the bytes the file counted itself (on a
+    GPU those go into the summary beside CUDA's peak, as counted_mem_bytes)."""
     cuda = d.device.type == "cuda"
     own = [torch.cuda.max_memory_allocated(d.device), counted_bytes] if cuda else [counted_bytes]
     t = torch.tensor([float(x) for x in own], dtype=torch.float64, device=d.device)
@@ -500,9 +519,10 @@ def is_parameter(t):
 
 
 class LiveStorages:
-    """Bytes of the storages handed to `add` that are still alive, and the peak seen by `alive`. Held weakly
-    (StorageWeakRef): registering keeps nothing alive, so a storage freed by anyone (a graph freed by its
-    backward, a gathered buffer dropped) drops out by itself, and one kept by mistake stays counted."""
+    """Bytes of the storages handed to `add` that are still alive, and the peak seen by `alive`.
+    Held weakly (StorageWeakRef): registering keeps nothing alive, so a storage freed by anyone (a
+    graph freed by its backward, a gathered buffer dropped) drops out by itself, and one kept by
+    mistake stays counted."""
 
     def __init__(self):
         self.refs, self.peak = {}, 0
@@ -513,7 +533,8 @@ class LiveStorages:
             self.refs.setdefault(StorageWeakRef(s), s.nbytes())
 
     def alive(self, *held):
-        """Bytes alive now: the registered storages not yet freed, plus `held` tensors (each storage once)."""
+        """Bytes alive now: the registered storages not yet freed, plus `held` tensors (each storage
+        once)."""
         self.refs = {w: n for w, n in self.refs.items() if not w.expired()}
         extra = {
             StorageWeakRef(t.untyped_storage()): t.untyped_storage().nbytes()
@@ -526,12 +547,13 @@ class LiveStorages:
 
 
 class SavedActivations:
-    """Counts the bytes autograd saves for backward inside the `with` block: activations, not parameters
-    (nor views of them, such as the transposed weight a Linear saves). `saved_tensors_hooks` sees every
-    tensor autograd packs. A storage saved by several ops (one input feeding q, k and v) counts once.
-    `.bytes` is what the block saved; `.live` keeps them weakly, so `.live.alive()` later says how much of
-    it is still held (backward frees a graph's saved tensors). Wrap a forward: what it saves stays alive until
-    backward, so no address is reused inside. Nested saved-tensor hooks hide outer ones: wrap outside them."""
+    """Counts the bytes autograd saves for backward inside the `with` block: activations, not
+    parameters (nor views of them, such as the transposed weight a Linear saves).
+    `saved_tensors_hooks` sees every tensor autograd packs. A storage saved by several ops (one
+    input feeding q, k and v) counts once. `.bytes` is what the block saved; `.live` keeps them
+    weakly, so `.live.alive()` later says how much of it is still held (backward frees a graph's
+    saved tensors). Wrap a forward: what it saves stays alive until backward, so no address is
+    reused inside. Nested saved-tensor hooks hide outer ones: wrap outside them."""
 
     def __init__(self, live=None):
         self.bytes = 0
@@ -555,10 +577,10 @@ class SavedActivations:
         self._hooks.__exit__(*exc)
 
 
-# ------------------------------------------------------------------------ collectives, seen at the dispatcher
-# Every communication op of c10d (torch.distributed's process-group ops) and of _c10d_functional (DTensor's,
-# returning its output) by name: the kind it is counted as. tests/test_harness.py checks that the installed
-# torch has no other op in these two namespaces that moves data.
+# -------------------------------------------------------------- collectives, seen at the dispatcher
+# Every communication op of c10d (torch.distributed's process-group ops) and of _c10d_functional
+# (DTensor's, returning its output) by name: the kind it is counted as. tests/test_harness.py checks
+# that the installed torch has no other op in these two namespaces that moves data.
 _OPS = {
     "allreduce_": "all_reduce",
     "allreduce_coalesced_": "all_reduce",
@@ -595,7 +617,8 @@ _OPS = {
     "gather_into_tensor_": "gather",
     "scatter_": "scatter",
 }
-# seen, moves no data (_wrap_tensor_autograd: registered when torch.distributed._functional_collectives loads)
+# seen, moves no data (_wrap_tensor_autograd: registered when
+# torch.distributed._functional_collectives loads)
 _NOT_TRAFFIC = {
     "barrier",
     "monitored_barrier_",
@@ -603,7 +626,8 @@ _NOT_TRAFFIC = {
     "check_for_nan",
     "_wrap_tensor_autograd",
 }
-# c10d ops' arguments: (tensors, pg, ...) but for these, (outputs, inputs, pg, ...): what is handed is inputs
+# c10d ops' arguments: (tensors, pg, ...) but for these, (outputs, inputs, pg, ...): what is handed
+# is inputs
 _OUT_IN = ("all_gather", "reduce_scatter", "all_to_all", "gather", "scatter")
 # where the peer (a rank in the op's group) and the tag are, and the root of a broadcast or scatter
 _PEER_TAG = {
@@ -638,21 +662,22 @@ def _nbytes(ts):
 
 
 class CommCounter(TorchDispatchMode):
-    """Every collective and point-to-point op this rank hands to c10d while the counter is entered (`with
-    counter:`), seen at the dispatcher, where torch's own DDP, FSDP, pipelining and DTensor pass too. The
-    technique code never calls it. Per key "op/axis/phase" it counts calls, the elements of the whole tensor
-    (an all-reduce's tensor, an all-gather's output, a reduce-scatter's or all-to-all's input) and the bytes
-    this rank hands over: an all-reduce's tensor, an all-gather's local input, a reduce-scatter's whole input,
-    an all-to-all's input, a send's tensor, a broadcast's tensor at its root only; a receive hands nothing.
+    """Every collective and point-to-point op this rank hands to c10d while the counter is entered
+    (`with counter:`), seen at the dispatcher, where torch's own DDP, FSDP, pipelining and DTensor
+    pass too. The technique code never calls it. Per key "op/axis/phase" it counts calls, the
+    elements of the whole tensor (an all-reduce's tensor, an all-gather's output, a reduce-scatter's
+    or all-to-all's input) and the bytes this rank hands over: an all-reduce's tensor, an
+    all-gather's local input, a reduce-scatter's whole input, an all-to-all's input, a send's
+    tensor, a broadcast's tensor at its root only; a receive hands nothing.
       axis   the name given to the op's group in `axes` ({"tp": tp_group, ...}); "world" for the default group
       phase  "bwd" inside an autograd backward (hooks and autograd.Functions included), else the innermost
              `with counter.phase(name)` ("fwd" when none)
-    With `log=True` every call is also kept in `.calls_log` (op, axis, phase, bytes, elems, peer as a global
-    rank for send/recv (None: a receive from any source), tag, and `to_others`: the bytes of an all-to-all
-    that leave this rank). Coalesced ops count once, with all their tensors; a functional batch of sends and
-    receives counts each. The counter makes every op pass through Python: enter it around the steps you
-    report (one is enough), not the whole run when you time it. DTensor ops are passed on, so that the
-    collectives they issue are seen instead."""
+    With `log=True` every call is also kept in `.calls_log` (op, axis, phase, bytes, elems, peer as
+    a global rank for send/recv (None: a receive from any source), tag, and `to_others`: the bytes
+    of an all-to-all that leave this rank). Coalesced ops count once, with all their tensors; a
+    functional batch of sends and receives counts each. The counter makes every op pass through
+    Python: enter it around the steps you report (one is enough), not the whole run when you time
+    it. DTensor ops are passed on, so that the collectives they issue are seen instead."""
 
     def __init__(self, axes=None, log=False):
         super().__init__()
@@ -686,7 +711,8 @@ class CommCounter(TorchDispatchMode):
 
     @staticmethod
     def _group(ns, args):
-        """The op's process group: a boxed ProcessGroup (c10d ops), or the group's name (functional ops)."""
+        """The op's process group: a boxed ProcessGroup (c10d ops), or the group's name (functional
+        ops)."""
         for a in args:
             if isinstance(a, torch.ScriptObject) and "ProcessGroup" in str(a._type()):
                 return dist.ProcessGroup.unbox(a)
@@ -799,20 +825,22 @@ class CommCounter(TorchDispatchMode):
 
 # ----------------------------------------------------------------------------- pipeline timelines
 class Timeline:
-    """Every F, B (and W) a pipeline schedule runs, timed from one zero common to all ranks. A schedule takes
-    one callback, `observe(kind, mb, **tags)`, and runs each op inside it; `Timeline.span` is that callback:
+    """Every F, B (and W) a pipeline schedule runs, timed from one zero common to all ranks. A
+    schedule takes one callback, `observe(kind, mb, **tags)`, and runs each op inside it;
+    `Timeline.span` is that callback:
 
         with observe("F", i):          # the schedule's side: one line per op, nothing else
             out = stage(x)
-    CPU: the wall clock, zeroed by `zero()` at the wall time the last rank arrived (an all-reduce of each
-    rank's clock, its maximum: per-process perf_counter zeros after a barrier would differ by its exit skew).
-    (The collective NCCL wants before a group's first batched point-to-point is the schedule's caller's: each
-    pipeline file runs its own, before its loop.) CUDA: events recorded on the stream, so timing stops
-    neither the host nor the stream; `resolve()` turns them into ms, one synchronize per step, none per op.
-    `simulate` ({"F": ms, "B": ms, "W": ms}, --stage-ms): each span also waits that long before its end, so
-    that on a few shared cores the schedule, not the operating system, sets the measured bubble (on a GPU
-    the host waits before the end event is recorded, so the stream's span covers it). Events are dicts
-    {rank, kind, mb, start, end, **tags}; tags are numbers named in `tags` (gathered as rows of numbers)."""
+    CPU: the wall clock, zeroed by `zero()` at the wall time the last rank arrived (an all-reduce of
+    each rank's clock, its maximum: per-process perf_counter zeros after a barrier would differ by
+    its exit skew). (The collective NCCL wants before a group's first batched point-to-point is the
+    schedule's caller's: each pipeline file runs its own, before its loop.) CUDA: events recorded on
+    the stream, so timing stops neither the host nor the stream; `resolve()` turns them into ms, one
+    synchronize per step, none per op. `simulate` ({"F": ms, "B": ms, "W": ms}, --stage-ms): each
+    span also waits that long before its end, so that on a few shared cores the schedule, not the
+    operating system, sets the measured bubble (on a GPU the host waits before the end event is
+    recorded, so the stream's span covers it). Events are dicts {rank, kind, mb, start, end,
+    **tags}; tags are numbers named in `tags` (gathered as rows of numbers)."""
 
     KINDS = "FBW"
 
@@ -833,7 +861,8 @@ class Timeline:
             self.zero_event = self.now()
 
     def now(self):
-        """A stamp: ms since the zero on CPU; on a GPU a recorded CUDA event, turned into ms by resolve()."""
+        """A stamp: ms since the zero on CPU; on a GPU a recorded CUDA event, turned into ms by
+        resolve()."""
         if not self.cuda:
             return time.time() * 1e3 - self.t0
         event = torch.cuda.Event(enable_timing=True)
@@ -864,8 +893,9 @@ class Timeline:
         return self.events
 
     def gather(self, events=None):
-        """Every rank's events (default: all of this rank's) on every rank, as dicts sorted by (rank, start),
-        with the tags named in the constructor (a tag an event lacks, or None, travels as -1)."""
+        """Every rank's events (default: all of this rank's) on every rank, as dicts sorted by
+        (rank, start), with the tags named in the constructor (a tag an event lacks, or None,
+        travels as -1)."""
         events = self.resolve() if events is None else events
         rows = [
             [e["rank"], self.KINDS.index(e["kind"]), e["mb"], e["start"], e["end"]]
@@ -892,8 +922,8 @@ def busy_ms(events, rank, lo, hi, key="rank"):
 
 
 def draw_timeline(events, rows, lo, hi, label, row_key="rank", row_name="stage", max_cols=160):
-    """One line per pipeline rank, to scale, from the measured events in [lo, hi]: label(e) ("F3", "B3", ...)
-    where an op ran (blank to its end), "." where the rank sat idle."""
+    """One line per pipeline rank, to scale, from the measured events in [lo, hi]: label(e) ("F3",
+    "B3", ...) where an op ran (blank to its end), "." where the rank sat idle."""
     shown = [e for e in events if e["end"] > lo and e["start"] < hi]
     if not shown:
         return "(no events)"
@@ -914,8 +944,8 @@ def draw_timeline(events, rows, lo, hi, label, row_key="rank", row_name="stage",
 
 
 def write_trace(path, events, label, row_key="rank", row_name="stage"):
-    """Chrome trace format: one complete event ("ph": "X", microseconds) per op, one process per row. Open in
-    https://ui.perfetto.dev or chrome://tracing."""
+    """Chrome trace format: one complete event ("ph": "X", microseconds) per op, one process per
+    row. Open in https://ui.perfetto.dev or chrome://tracing."""
     names = {
         "F": "forward",
         "B": "backward (input)" if any(e["kind"] == "W" for e in events) else "backward",
@@ -943,15 +973,15 @@ def write_trace(path, events, label, row_key="rank", row_name="stage"):
 
 
 class PipelineWatch:
-    """A pipeline schedule's `observe(kind, mb, chunk=None, recvs=(), **tags)` callback, the one every
-    pipeline file builds before its loop. Timeline.span times each F, B (and W), tagged with those of
-    these that the Timeline names: the schedule's **tags, `chunk`, `.step` (the loop sets it), the grid
-    `coords`, and `recv` (when the op's input arrived: a "p2p" op, not timed, stamps its `recvs` messages).
-    Measured the same way for all: F runs under SavedActivations (`saving`), so what forwards save for
-    backward is registered weakly in `.live`, and `.saved[chunk]` keeps one micro-batch's bytes. `.alive`
-    and `.bytes` are peaks that a file fills from its runner's attributes in `before(kind, mb)`, as an op
-    begins (`.last`: the kind of the op before), and `after(kind, mb)`; a file may replace `saving(kind)`,
-    what runs inside the span."""
+    """A pipeline schedule's `observe(kind, mb, chunk=None, recvs=(), **tags)` callback, the one
+    every pipeline file builds before its loop. Timeline.span times each F, B (and W), tagged with
+    those of these that the Timeline names: the schedule's **tags, `chunk`, `.step` (the loop sets
+    it), the grid `coords`, and `recv` (when the op's input arrived: a "p2p" op, not timed, stamps
+    its `recvs` messages). Measured the same way for all: F runs under SavedActivations (`saving`),
+    so what forwards save for backward is registered weakly in `.live`, and `.saved[chunk]` keeps
+    one micro-batch's bytes. `.alive` and `.bytes` are peaks that a file fills from its runner's
+    attributes in `before(kind, mb)`, as an op begins (`.last`: the kind of the op before), and
+    `after(kind, mb)`; a file may replace `saving(kind)`, what runs inside the span."""
 
     def __init__(self, d, simulate, tags=(), coords=None):
         self.timeline, self.coords = Timeline(d, simulate, tags=tags), dict(coords or {})

@@ -1,15 +1,16 @@
-"""megatron_tp.py: Megatron-LM tensor (intra-layer) model parallelism, every split and collective written out.
+"""megatron_tp.py: Megatron-LM tensor (intra-layer) model parallelism, every split and collective
+written out.
 
 Shoeybi et al. 2019, "Megatron-LM: Training Multi-Billion Parameter Language Models Using Model
-Parallelism" (Sec. 3): each transformer block's matmuls are split across the t ranks of a TP group, so
-that a block needs only two all-reduces forward and two backward. Plus --sequence-parallel from
-Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models" (Sec. 4.2.2):
-the LayerNorm / dropout / residual regions are split along the sequence instead of being replicated. Plus
---overlap (implies --sequence-parallel) from Wang et al. 2023, "Overlap Communication with Dependent
-Computation via Decomposition in Large Deep Learning Models": each all-gather + GEMM and GEMM +
-reduce-scatter cut into t ring steps of point-to-point exchange, each step's GEMM on one chunk of T while
-the next chunk travels (torchtitan's async TP; torch's _fused_all_gather_matmul and
-_fused_matmul_reduce_scatter).
+Parallelism" (Sec. 3): each transformer block's matmuls are split across the t ranks of a TP group,
+so that a block needs only two all-reduces forward and two backward. Plus --sequence-parallel from
+Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models" (Sec.
+4.2.2): the LayerNorm / dropout / residual regions are split along the sequence instead of being
+replicated. Plus --overlap (implies --sequence-parallel) from Wang et al. 2023, "Overlap
+Communication with Dependent Computation via Decomposition in Large Deep Learning Models": each
+all-gather + GEMM and GEMM + reduce-scatter cut into t ring steps of point-to-point exchange, each
+step's GEMM on one chunk of T while the next chunk travels (torchtitan's async TP; torch's
+_fused_all_gather_matmul and _fused_matmul_reduce_scatter).
 
     python megatron_tp.py --check                                     # t = 1: the same code, no communication
     torchrun --nproc_per_node=4 megatron_tp.py --check                # t = 4, the whole world
@@ -31,9 +32,9 @@ The MLP, column-then-row, so the GeLU needs no communication (Sec. 3, Fig. 3a), 
                  |
             Z (B,T,D) replicated  (+ the proj bias, replicated, added once after g)
 
-Attention is the same pattern over heads. The LM head, column-split over the vocabulary, feeds a cross-entropy
-that combines max and sum(exp) across ranks: the (B, T, V) logits never exist anywhere. Layer by layer
-(column: output features split; row: input features split):
+Attention is the same pattern over heads. The LM head, column-split over the vocabulary, feeds a
+cross-entropy that combines max and sum(exp) across ranks: the (B, T, V) logits never exist
+anywhere. Layer by layer (column: output features split; row: input features split):
 
     common.GPT          split                  rank r holds                       enters / leaves the region
     tok_emb             vocabulary (rows)      ids [r V/t, (r+1) V/t)             -  / g     (SP: g_sp)
@@ -44,10 +45,12 @@ that combines max and sum(exp) across ranks: the (B, T, V) logits never exist an
     head                column (vocabulary)    V/t logits, for the parallel loss  f  / -     (SP: f_sp)
     ln1, ln2, ln_f, pos_emb, row biases        replicated (SP: their gradients summed over the TP group)
 
---sequence-parallel: f / g become f_sp / g_sp, an all-gather / reduce-scatter along T (a ring all-reduce IS a
-reduce-scatter then an all-gather), and LayerNorm, dropout and the residual add run on (B, T/t, D) chunks:
+--sequence-parallel: f / g become f_sp / g_sp, an all-gather / reduce-scatter along T (a ring
+all-reduce IS a reduce-scatter then an all-gather), and LayerNorm, dropout and the residual add run
+on (B, T/t, D) chunks:
 
-    (B,T/t,D) -LN-> all-gather T -> [column .. row] -> reduce-scatter T -> (B,T/t,D) -dropout, + residual->
+    (B,T/t,D) -LN-> all-gather T -> [column .. row] -> reduce-scatter T -> (B,T/t,D) -dropout, +
+    residual->
 
     operator  forward                  backward                  stands
     f         identity                 all-reduce dL/dX          before a column layer, X replicated
@@ -55,23 +58,24 @@ reduce-scatter then an all-gather), and LayerNorm, dropout and the residual add 
     f_sp      all-gather along T       reduce-scatter along T    before a column layer, X split along T
     g_sp      reduce-scatter along T   all-gather along T        after a row layer, back to T/t positions
 
-The column layers keep only the (B, T/t, D) chunk for backward and all-gather it again there (Sec. 4.2.2),
-so every activation a block saves is 1/t of the unsharded block's, at the price of one more all-gather:
-f_sp is therefore written inside the column layer's GEMM (GatherGEMM), as Megatron-Core writes it.
-The file reads as Megatron-LM's TP complete first (f and g, the layers, the RNG tracker, the sharded GPT,
-gradients and clipping); the "sequence parallelism" heading then adds g_sp, f_sp inside the GEMM that
-saves the chunk, the SP layers and SPGPT as subclasses, and the sum of the replicated gradients; the
-"overlapped TP" heading then runs f_sp + column GEMM and row GEMM + g_sp as one ring, written once and
-used forward and backward (RingGPT: GatherGEMM's ring mode, and GEMMScatter). The ring sends what the
-collectives' ring algorithms send: t - 1 chunks of (B, T/t, D) per rank and operation. Backward is
-decomposed too: a column layer's dL/dW over its input's chunks gathered again by the ring and its dL/dX
-reduce-scattered by it; a row layer's dL/dY gathered by it.
+The column layers keep only the (B, T/t, D) chunk for backward and all-gather it again there (Sec.
+4.2.2), so every activation a block saves is 1/t of the unsharded block's, at the price of one more
+all-gather: f_sp is therefore written inside the column layer's GEMM (GatherGEMM), as Megatron-Core
+writes it. The file reads as Megatron-LM's TP complete first (f and g, the layers, the RNG tracker,
+the sharded GPT, gradients and clipping); the "sequence parallelism" heading then adds g_sp, f_sp
+inside the GEMM that saves the chunk, the SP layers and SPGPT as subclasses, and the sum of the
+replicated gradients; the "overlapped TP" heading then runs f_sp + column GEMM and row GEMM + g_sp
+as one ring, written once and used forward and backward (RingGPT: GatherGEMM's ring mode, and
+GEMMScatter). The ring sends what the collectives' ring algorithms send: t - 1 chunks of (B, T/t, D)
+per rank and operation. Backward is decomposed too: a column layer's dL/dW over its input's chunks
+gathered again by the ring and its dL/dX reduce-scattered by it; a row layer's dL/dY gathered by it.
 On NCCL the GEMM overlaps the transfer only if the exchange runs on its own stream, which NCCL's
-point-to-point does; on gloo (CPU) each exchange is a host thread's work, and the GEMM runs meanwhile.
+point-to-point does; on gloo (CPU) each exchange is a host thread's work, and the GEMM runs
+meanwhile.
 
-Groups come from one grid, arange(world).view(dp, tp): a row is a TP group (adjacent ranks, one node), a
-column a data-parallel group.
-In production, use Megatron-Core (megatron.core.tensor_parallel) or torch.distributed.tensor.parallel.
+Groups come from one grid, arange(world).view(dp, tp): a row is a TP group (adjacent ranks, one
+node), a column a data-parallel group. In production, use Megatron-Core
+(megatron.core.tensor_parallel) or torch.distributed.tensor.parallel.
 """
 
 import math
@@ -120,7 +124,7 @@ class Args(CommonArgs):
     overlap: bool = False  # implies --sequence-parallel: its AG / RS as ring steps under the GEMMs
 
 
-# ----------------------------------------------------------------------------- f and g, the conjugate pair
+# ---------------------------------------------------------------------- f and g, the conjugate pair
 def all_reduce(x, group, op=dist.ReduceOp.SUM):  # in place, any shape
     if dist.get_world_size(group) > 1:  # a group of one has nothing to add (t = 1 or dp = 1)
         dist.all_reduce(x, op=op, group=group)
@@ -128,7 +132,8 @@ def all_reduce(x, group, op=dist.ReduceOp.SUM):  # in place, any shape
 
 
 class f(torch.autograd.Function):
-    """Each rank multiplies X by its own shard, so its dL/dX is a partial sum: backward adds them up."""
+    """Each rank multiplies X by its own shard, so its dL/dX is a partial sum: backward adds them
+    up."""
 
     @staticmethod
     def forward(ctx, x, group):  # (B, T, D) replicated
@@ -142,7 +147,8 @@ class f(torch.autograd.Function):
 
 
 class g(torch.autograd.Function):
-    """The row-parallel partial products are summed; a sum's gradient reaches every term unchanged."""
+    """The row-parallel partial products are summed; a sum's gradient reaches every term
+    unchanged."""
 
     @staticmethod
     def forward(ctx, x, group):
@@ -162,9 +168,10 @@ def check_tp_split(n, t, what):
 
 
 def shard(full, dim, group):
-    """This rank's slice along `dim` of a full tensor (or of several, their slices stacked), as one Parameter
-    marked tp_dim (split along it) and tp_full (the unpadded size), so that clipping and gathering know.
-    A size that t does not divide is zero-padded to a multiple of t (only the vocabulary ever needs it)."""
+    """This rank's slice along `dim` of a full tensor (or of several, their slices stacked), as one
+    Parameter marked tp_dim (split along it) and tp_full (the unpadded size), so that clipping and
+    gathering know. A size that t does not divide is zero-padded to a multiple of t (only the
+    vocabulary ever needs it)."""
     parts, t = (full if isinstance(full, (list, tuple)) else [full]), dist.get_world_size(group)
     if len(parts) > 1 and any(x.shape[dim] % t for x in parts):
         raise ValueError(
@@ -184,7 +191,8 @@ def shard(full, dim, group):
 
 
 class ColumnParallelLinear(nn.Module):
-    """Y = X W^T + b with W's output features split (the paper's "A split along its columns": A = W^T).
+    """Y = X W^T + b with W's output features split (the paper's "A split along its columns": A =
+    W^T).
 
         W (out, in)               rank r holds W_r (out/t, in) and b_r (out/t)
         +---------------+
@@ -192,9 +200,9 @@ class ColumnParallelLinear(nn.Module):
         +---------------+
         |  W_1  rank 1  |
         +---------------+
-    Built from one nn.Linear, or from several that read the same X (attention's q, k, v): rank r then holds
-    [W_q,r; W_k,r; W_v,r] as one weight, so one GEMM behind one f serves all three (Megatron fuses them so),
-    and its output is their outputs side by side."""
+    Built from one nn.Linear, or from several that read the same X (attention's q, k, v): rank r
+    then holds [W_q,r; W_k,r; W_v,r] as one weight, so one GEMM behind one f serves all three
+    (Megatron fuses them so), and its output is their outputs side by side."""
 
     def __init__(self, linears, group):
         super().__init__()
@@ -244,9 +252,10 @@ class RowParallelLinear(nn.Module):
 
 
 class VocabParallelEmbedding(nn.Module):
-    """The token table E (V_pad, D) split over the vocabulary: rank r holds E_r (V_pad/t, D), the rows of ids
-    [r V_pad/t, (r+1) V_pad/t) (V_pad: V rounded up to a multiple of t, rows no id reaches). Each rank looks
-    up the ids it owns, writes zeros for the others; one rank holds each row, so g's sum is the lookup."""
+    """The token table E (V_pad, D) split over the vocabulary: rank r holds E_r (V_pad/t, D), the
+    rows of ids [r V_pad/t, (r+1) V_pad/t) (V_pad: V rounded up to a multiple of t, rows no id
+    reaches). Each rank looks up the ids it owns, writes zeros for the others; one rank holds each
+    row, so g's sum is the lookup."""
 
     leave = g
 
@@ -265,10 +274,11 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class VocabParallelCrossEntropy(torch.autograd.Function):
-    """Per-token cross-entropy from logits split over the vocabulary (Megatron-LM Sec. 3: fuse the output
-    GEMM with the loss). loss = log sum_v exp(z_v - m) - (z_target - m), with m the global max; the three
-    numbers per token (m, z_target - m, sum exp) are combined across ranks by three all-reduces of N values
-    instead of an all-gather of N * V logits. Backward is local: dL/dz = softmax(z) - onehot(target)."""
+    """Per-token cross-entropy from logits split over the vocabulary (Megatron-LM Sec. 3: fuse the
+    output GEMM with the loss). loss = log sum_v exp(z_v - m) - (z_target - m), with m the global
+    max; the three numbers per token (m, z_target - m, sum exp) are combined across ranks by three
+    all-reduces of N values instead of an all-gather of N * V logits. Backward is local: dL/dz =
+    softmax(z) - onehot(target)."""
 
     @staticmethod
     def forward(ctx, logits, target, vocab, group, ignore_index=-100):
@@ -301,17 +311,19 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):  # (N,)
         softmax, local_t, hit, valid = ctx.saved_tensors
-        # (N, V_pad/t): softmax - onehot(target), the 1 subtracted where this rank holds the target's logit
+        # (N, V_pad/t): softmax - onehot(target), the 1 subtracted where this rank holds the
+        # target's logit
         d = softmax.scatter_add(1, local_t[:, None], -hit[:, None].to(softmax.dtype))
         return d * (grad * valid)[:, None], None, None, None, None
 
 
 # ----------------------------------------------------------------------------- dropout RNG
 class RNGTracker:
-    """Megatron's RNG states tracker (megatron.core.tensor_parallel.random): two streams of the device's
-    generator. The default one, seeded alike on every TP rank of a replica, drives dropout in replicated
-    regions, which so stay identical; fork() runs a block on the second, seeded per TP rank, for dropout in
-    TP regions, where each rank holds other heads and equal masks would correlate. Both differ by replica."""
+    """Megatron's RNG states tracker (megatron.core.tensor_parallel.random): two streams of the
+    device's generator. The default one, seeded alike on every TP rank of a replica, drives dropout
+    in replicated regions, which so stay identical; fork() runs a block on the second, seeded per TP
+    rank, for dropout in TP regions, where each rank holds other heads and equal masks would
+    correlate. Both differ by replica."""
 
     def __init__(self, device, seed, dp_rank, tp_rank):
         base = 100_003 * seed + 7_919 * dp_rank + 1
@@ -341,8 +353,9 @@ class RNGTracker:
 
 # ----------------------------------------------------------------------------- the sharded GPT
 class ParallelAttention(nn.Module):
-    """common.Attention with heads split: q, k, v one column-parallel layer (the features are head-major, so
-    rank r owns heads [rH/t, (r+1)H/t)); proj row-parallel. One all-reduce forward (g), one backward (f)."""
+    """common.Attention with heads split: q, k, v one column-parallel layer (the features are
+    head-major, so rank r owns heads [rH/t, (r+1)H/t)); proj row-parallel. One all-reduce forward
+    (g), one backward (f)."""
 
     def __init__(self, full, group, tracker, Column=ColumnParallelLinear, Row=RowParallelLinear):
         super().__init__()
@@ -382,8 +395,9 @@ class ParallelMLP(nn.Module):
 
 
 class ParallelGPT(nn.Module):
-    """common.GPT sharded by the docstring's table, from the full model (one seed: any t starts from the same
-    numbers), which it consumes. Names stay common.GPT's, but for the fused attn.qkv (attn.q, .k, .v)."""
+    """common.GPT sharded by the docstring's table, from the full model (one seed: any t starts from
+    the same numbers), which it consumes. Names stay common.GPT's, but for the fused attn.qkv
+    (attn.q, .k, .v)."""
 
     # SPGPT: its own
     Column = ColumnParallelLinear
@@ -418,7 +432,7 @@ class ParallelGPT(nn.Module):
         return torch.arange(h.shape[1], device=h.device)
 
 
-# ----------------------------------------------------------------------------- gradients and clipping
+# --------------------------------------------------------------------------- gradients and clipping
 def flat_all_reduce(tensors, group):
     """One all-reduce of many tensors through a flat buffer (a single bucket)."""
     if dist.get_world_size(group) == 1 or not tensors:
@@ -429,9 +443,10 @@ def flat_all_reduce(tensors, group):
 
 
 def global_grad_norm(model, tp_group):
-    """The norm of the whole model's gradient: squares of split parameters summed over the TP group (each
-    rank holds a different piece), replicated ones added once (every TP rank holds the same copy). Summed
-    in float32 at least: in bfloat16 (8 significant bits) a sum stops growing once it is 256 times a term."""
+    """The norm of the whole model's gradient: squares of split parameters summed over the TP group
+    (each rank holds a different piece), replicated ones added once (every TP rank holds the same
+    copy). Summed in float32 at least: in bfloat16 (8 significant bits) a sum stops growing once it
+    is 256 times a term."""
     params = list(model.parameters())
     acc = torch.promote_types(params[0].dtype, torch.float32)
     # the two sums: tensors, even if nothing is added to one
@@ -447,8 +462,8 @@ def global_grad_norm(model, tp_group):
 
 
 # ============================================================================= sequence parallelism
-# Korthikanti et al. 2022 Sec. 4.2.2: the regions replicated above (LayerNorm, dropout, residual) are split
-# along T; f and g become f_sp and g_sp (the paper's g and g-bar), as the docstring draws.
+# Korthikanti et al. 2022 Sec. 4.2.2: the regions replicated above (LayerNorm, dropout, residual)
+# are split along T; f and g become f_sp and g_sp (the paper's g and g-bar), as the docstring draws.
 def all_gather(x, dim, group):
     """(.., n, ..) this rank's chunk -> (.., t*n, ..), rank r's chunk r-th."""
     t = dist.get_world_size(group)
@@ -473,7 +488,8 @@ def reduce_scatter(x, dim, group):  # (.., t*n, ..) partial sums -> (.., n, ..) 
 
 
 class g_sp(torch.autograd.Function):
-    """The partial products are summed, each rank keeping its T/t positions; backward gathers all T again."""
+    """The partial products are summed, each rank keeping its T/t positions; backward gathers all T
+    again."""
 
     @staticmethod
     def forward(ctx, x, group):  # (B, T, D) partial -> (B, T/t, D) summed chunk
@@ -486,28 +502,30 @@ class g_sp(torch.autograd.Function):
 
 
 # f_sp is written inside the column layer's GEMM (GatherGEMM, as Megatron-Core's
-# LinearWithGradAccumulationAndAsyncCommunication does), so that the layer saves only its (B, T/t, D) chunk
-# of X: F.linear on f_sp's output would keep the whole gathered X. The GEMM is handed over as gemm(c, x_c),
-# c the chunk of T that x_c holds; SP runs it once on all T, one chunk (c = 0); --overlap, below, runs it
-# on each rank's chunk as it arrives.
+# LinearWithGradAccumulationAndAsyncCommunication does), so that the layer saves only its (B, T/t,
+# D) chunk of X: F.linear on f_sp's output would keep the whole gathered X. The GEMM is handed over
+# as gemm(c, x_c), c the chunk of T that x_c holds; SP runs it once on all T, one chunk (c = 0);
+# --overlap, below, runs it on each rank's chunk as it arrives.
 def gather_gemm(x, group, gemm, overlap):
-    """f_sp's all-gather of X's chunks x along T, then the GEMM after it: [gemm(c, x_c)] in the order of T."""
+    """f_sp's all-gather of X's chunks x along T, then the GEMM after it: [gemm(c, x_c)] in the
+    order of T."""
     if overlap:
         return ring_gather_gemm(x, group, gemm)
     return [gemm(0, all_gather(x, 1, group))]  # (B, T, in): all T, one chunk
 
 
 def gemm_scatter(gemm, group, overlap):
-    """The GEMM, then g_sp's reduce-scatter along T of its partial sums: this rank's (B, T/t, ..) summed."""
+    """The GEMM, then g_sp's reduce-scatter along T of its partial sums: this rank's (B, T/t, ..)
+    summed."""
     if overlap:
         return ring_gemm_scatter(gemm, group)
     return reduce_scatter(gemm(0), 1, group)
 
 
 class GatherGEMM(torch.autograd.Function):
-    """f_sp + the column GEMM Y = X W^T (the bias is added outside), saving only X's chunk: backward gathers
-    it again for dL/dW = dY^T X (Sec. 4.2.2; Megatron-Core overlaps that with the dL/dX GEMM), and
-    reduce-scatters dL/dX = dY W (f_sp's backward)."""
+    """f_sp + the column GEMM Y = X W^T (the bias is added outside), saving only X's chunk: backward
+    gathers it again for dL/dW = dY^T X (Sec. 4.2.2; Megatron-Core overlaps that with the dL/dX
+    GEMM), and reduce-scatters dL/dX = dY W (f_sp's backward)."""
 
     @staticmethod
     def forward(ctx, x, weight, group, overlap):  # x (B, T/t, in) chunk -> (B, T, out/t) local
@@ -521,8 +539,8 @@ class GatherGEMM(torch.autograd.Function):
         x, weight = ctx.saved_tensors
         # dY's chunks of T, as gather_gemm hands X's over: t with the ring, else one
         dys = dy.chunk(dist.get_world_size(ctx.group) if ctx.overlap else 1, 1)
-        # dL/dW (out/t, in): each chunk's term over X gathered again (first, as Megatron-Core, which runs
-        # the gather under the dL/dX GEMM)
+        # dL/dW (out/t, in): each chunk's term over X gathered again (first, as Megatron-Core, which
+        # runs the gather under the dL/dX GEMM)
         dws = gather_gemm(
             x, ctx.group, lambda c, x_c: torch.einsum("bto,bti->oi", dys[c], x_c), ctx.overlap
         )
@@ -547,7 +565,8 @@ class SPVocabParallelEmbedding(VocabParallelEmbedding):
 
 
 class SPGPT(ParallelGPT):
-    """ParallelGPT with LayerNorm, dropout, residual on (B, T/t, D): every dropout on the per-rank stream."""
+    """ParallelGPT with LayerNorm, dropout, residual on (B, T/t, D): every dropout on the per-rank
+    stream."""
 
     Column = SPColumnParallelLinear
     Row = SPRowParallelLinear
@@ -563,27 +582,36 @@ class SPGPT(ParallelGPT):
 
 
 def sum_replicated_grads(model, tp_group):
-    """Replicated parameters (LN, row biases, positions) saw only my T/t positions: sum over the TP group."""
+    """Replicated parameters (LN, row biases, positions) saw only my T/t positions: sum over the TP
+    group."""
     flat_all_reduce([p.grad for p in model.parameters() if not hasattr(p, "tp_dim")], tp_group)
 
 
-# ============================================================================= overlapped TP: --overlap
-# Wang et al. 2023, "Overlap Communication with Dependent Computation via Decomposition in Large Deep
-# Learning Models" (ASPLOS '23); torch's _fused_all_gather_matmul / _fused_matmul_reduce_scatter, torchtitan's
-# async TP. Under SP the column GEMM waits for f_sp's all-gather and g_sp's reduce-scatter for the row GEMM.
-# Cut both into ring steps: each step's GEMM on one chunk of T runs while the next chunk travels.
+# ============================================================================= overlapped TP:
+# --overlap Wang et al. 2023, "Overlap Communication with Dependent Computation via Decomposition in
+# Large Deep Learning Models" (ASPLOS '23); torch's _fused_all_gather_matmul /
+# _fused_matmul_reduce_scatter, torchtitan's async TP. Under SP the column GEMM waits for f_sp's
+# all-gather and g_sp's reduce-scatter for the row GEMM. Cut both into ring steps: each step's GEMM
+# on one chunk of T runs while the next chunk travels.
 #
-#     all-gather + GEMM on rank r (t = 3)              GEMM + reduce-scatter on rank r
-#     step  computes             meanwhile             step  computes         meanwhile
-#     0     Y_r   = X_r W^T      X_r   -> r-1          0     P = X[r+1] W^T   -
-#     1     Y_r+1 = X_r+1 W^T    X_r+1 -> r-1          1     Q = X[r+2] W^T   P -> r-1, P' <- r+1; P' + Q
-#     2     Y_r+2 = X_r+2 W^T    -                     2     R = X[r] W^T     P'+Q -> r-1, ... + R: chunk r
+#     all-gather + GEMM on rank r (t = 3)
+#     step  computes             meanwhile
+#     0     Y_r   = X_r W^T      X_r   -> r-1
+#     1     Y_r+1 = X_r+1 W^T    X_r+1 -> r-1
+#     2     Y_r+2 = X_r+2 W^T    -
+#
+#     GEMM + reduce-scatter on rank r
+#     step  computes             meanwhile
+#     0     P = X[r+1] W^T       -
+#     1     Q = X[r+2] W^T       P -> r-1, P' <- r+1; P' + Q
+#     2     R = X[r] W^T         P'+Q -> r-1, ... + R: chunk r
 #
 # t - 1 sends of one (B, T/t, D) chunk: the bytes the ring algorithms of both collectives send.
 def ring(carry, group, work):
-    """t - 1 steps round `group`'s ring: each rank sends `carry` to rank r - 1 and receives rank r + 1's,
-    while work(s, carry) runs, the GEMM that the exchange hides behind; what arrives, plus what work returned
-    (None: nothing), is carried on. Returns the last carry. Written once: both directions, both passes."""
+    """t - 1 steps round `group`'s ring: each rank sends `carry` to rank r - 1 and receives rank r +
+    1's, while work(s, carry) runs, the GEMM that the exchange hides behind; what arrives, plus what
+    work returned (None: nothing), is carried on. Returns the last carry. Written once: both
+    directions, both passes."""
     t = dist.get_world_size(group)
     r = dist.get_rank(group)
     for s in range(t - 1):
@@ -599,8 +627,8 @@ def ring(carry, group, work):
 
 
 def ring_gather_gemm(x, group, gemm):
-    """gather_gemm by the ring: gemm(c, x_c) for the chunk x_c of every rank c, each computed as it arrives,
-    returned in rank order; after s steps rank r holds rank r + s's chunk."""
+    """gather_gemm by the ring: gemm(c, x_c) for the chunk x_c of every rank c, each computed as it
+    arrives, returned in rank order; after s steps rank r holds rank r + s's chunk."""
     t = dist.get_world_size(group)
     r = dist.get_rank(group)
     out = [None] * t
@@ -613,9 +641,9 @@ def ring_gather_gemm(x, group, gemm):
 
 
 def ring_gemm_scatter(gemm, group):
-    """gemm_scatter by the ring: gemm(c) is this rank's partial sum of chunk c of T. The sum of chunk
-    r + 1 starts here and travels to r - 1, r - 2, ..., each rank adding its own, and arrives whole at
-    rank r + 1."""
+    """gemm_scatter by the ring: gemm(c) is this rank's partial sum of chunk c of T. The sum of
+    chunk r + 1 starts here and travels to r - 1, r - 2, ..., each rank adding its own, and arrives
+    whole at rank r + 1."""
     t = dist.get_world_size(group)
     r = dist.get_rank(group)
     return ring(gemm((r + 1) % t), group, lambda s, _: gemm((r + s + 2) % t))
@@ -626,8 +654,8 @@ class RingColumnParallelLinear(SPColumnParallelLinear):
 
 
 class GEMMScatter(torch.autograd.Function):
-    """The row GEMM + g_sp by the ring. Backward gathers dY by the ring: for each chunk as it arrives,
-    dL/dX_c = dY_c W and its term dY_c^T X_c of dL/dW."""
+    """The row GEMM + g_sp by the ring. Backward gathers dY by the ring: for each chunk as it
+    arrives, dL/dX_c = dY_c W and its term dY_c^T X_c of dL/dW."""
 
     @staticmethod
     def forward(ctx, x, weight, group):  # (B, T, in/t) local -> (B, T/t, out) summed
@@ -641,7 +669,8 @@ class GEMMScatter(torch.autograd.Function):
     def backward(ctx, dy):  # (B, T/t, out)
         x, weight = ctx.saved_tensors
         xs = x.chunk(dist.get_world_size(ctx.group), 1)
-        # each chunk of dY as it arrives: dL/dX_c = dY_c W (B, T/t, in/t), dY_c^T X_c (out, in/t) of dL/dW
+        # each chunk of dY as it arrives: dL/dX_c = dY_c W (B, T/t, in/t), dY_c^T X_c (out, in/t) of
+        # dL/dW
         grads = ring_gather_gemm(
             dy, ctx.group, lambda c, d: (d @ weight, torch.einsum("bto,bti->oi", d, xs[c]))
         )
@@ -656,7 +685,8 @@ class RingRowParallelLinear(SPRowParallelLinear):
 
 
 class RingGPT(SPGPT):
-    """SPGPT with every column and row GEMM overlapped (the embedding's g_sp has no GEMM to hide behind)."""
+    """SPGPT with every column and row GEMM overlapped (the embedding's g_sp has no GEMM to hide
+    behind)."""
 
     Column = RingColumnParallelLinear
     Row = RingRowParallelLinear
@@ -671,10 +701,12 @@ def check_args(args):  # bad input: one line and exit 2, on every rank, before a
     if world % t:
         # --overlap is SP with its collectives cut into ring steps
         fail(
-            f"world size {world} is not divisible by --tp {args.tp}: use a --tp dividing {world} (0 = all)"
+            f"world size {world} is not divisible by --tp {args.tp}: use a --tp dividing {world} "
+            "(0 = all)"
         )
     args.sequence_parallel |= args.overlap
-    try:  # the layers' own check (ParallelAttention's heads, SP's reduce_scatter), as fail's one line
+    # the layers' own check (ParallelAttention's heads, SP's reduce_scatter), as fail's one line
+    try:
         check_tp_split(args.n_heads, t, "--n-heads")
         if args.sequence_parallel:
             check_tp_split(args.seq_len, t, "--sequence-parallel (or --overlap): --seq-len")
@@ -682,7 +714,8 @@ def check_args(args):  # bad input: one line and exit 2, on every rank, before a
         fail(str(e))
     if args.batch_size % (world // t):
         fail(
-            f"--batch-size {args.batch_size} is not divisible by the data-parallel degree {world // t}"
+            f"--batch-size {args.batch_size} is not divisible by the data-parallel degree "
+            f"{world // t}"
         )
     return t, world // t
 
@@ -700,16 +733,17 @@ def main():
     dp_groups = [dist.new_group(col) for col in grid.T.tolist()]
     dp_rank, tp_rank = divmod(d.rank, t)
     tp_group, dp_group = tp_groups[dp_rank], dp_groups[tp_rank]
-    # the same replicas again, for the log line's loss only: on NCCL its own communicator, so that the
-    # loss's all-reduce and .item() never queue behind the training's collectives (DESIGN.md)
+    # the same replicas again, for the log line's loss only: on NCCL its own communicator, so that
+    # the loss's all-reduce and .item() never queue behind the training's collectives (DESIGN.md)
     log_groups = [dist.new_group(col) for col in grid.T.tolist()]
     log_group = log_groups[tp_rank]
     d.log(
         f"megatron_tp.py: world {d.world} = dp {dp} x tp {t} on {d.backend}, sequence parallel "
-        f"{args.sequence_parallel}, overlap {args.overlap}, entropy floor {data.entropy:.4f} nats/token"
+        f"{args.sequence_parallel}, overlap {args.overlap}, entropy floor {data.entropy:.4f} "
+        "nats/token"
     )
 
-    # --- the model: the full GPT from one seed on the CPU, sliced there; only the slices go to the device ---
+    # --- the model: the full GPT from one seed on the CPU, sliced there; slices to the device
     tracker = RNGTracker(d.device, args.seed, dp_rank, tp_rank)
     full = build_gpt(GPTConfig.from_args(args), args.seed, DTYPES[args.dtype])  # CPU
     full_bytes = tensor_bytes(full.parameters())
@@ -743,7 +777,8 @@ def main():
             with comm.phase("step"):
                 if args.sequence_parallel:
                     sum_replicated_grads(model, tp_group)
-                # data parallel: losses divide by the *global* token count, so the SUM is the batch's gradient
+                # data parallel: losses divide by the *global* token count, so the SUM is the
+                # batch's gradient
                 flat_all_reduce([p.grad for p in model.parameters()], dp_group)
                 if args.clip > 0:
                     norm = global_grad_norm(model, tp_group)
@@ -757,8 +792,9 @@ def main():
 
 
 # --- measurement ---
-# Closed forms and the summary, apart so that the technique above reads without them. The collectives were
-# counted by harness.CommCounter at the dispatcher, per "op/axis/phase", during the last step.
+# Closed forms and the summary, apart so that the technique above reads without them. The
+# collectives were counted by harness.CommCounter at the dispatcher, per "op/axis/phase", during the
+# last step.
 FORMULA = (
     "per layer 2 all-reduce fwd + 2 bwd of b*s*h (SP: AG+RS pairs + 1 AG re-gather per column "
     "layer; overlap: each as t-1 sends of b*s*h/t); + embedding g, head f, 3 loss all-reduces of "
@@ -773,8 +809,9 @@ RING = {
 
 
 class TrackerState:
-    """An RNGTracker's TP-region stream as checkpoint state (the checkpointer saves the default stream
-    itself): a restart draws the same dropout masks inside TP regions as the uninterrupted run."""
+    """An RNGTracker's TP-region stream as checkpoint state (the checkpointer saves the default
+    stream itself): a restart draws the same dropout masks inside TP regions as the uninterrupted
+    run."""
 
     def __init__(self, tracker):
         self.tracker = tracker
@@ -799,9 +836,10 @@ def params_per_rank(args, t):
 
 
 def theory_collectives(args, t, dp):
-    """What one step must hand to collectives, from the shapes alone: {op/axis/phase: [calls, elements,
-    bytes handed, ring bytes sent]}, by the rule of FORMULA (Megatron-LM Sec. 3; Korthikanti Sec. 4.2.2);
-    SP adds one bucket of replicated grads. Ring bytes sent per rank: the ring algorithm's, never measured."""
+    """What one step must hand to collectives, from the shapes alone: {op/axis/phase: [calls,
+    elements, bytes handed, ring bytes sent]}, by the rule of FORMULA (Megatron-LM Sec. 3;
+    Korthikanti Sec. 4.2.2); SP adds one bucket of replicated grads. Ring bytes sent per rank: the
+    ring algorithm's, never measured."""
     b = args.batch_size // dp
     s = args.seq_len
     h = args.d_model
@@ -857,10 +895,11 @@ def theory_collectives(args, t, dp):
 
 
 def tp_wire_bytes(counted, t):
-    """Per phase, the bytes this rank puts on the TP group's wire for its all-gathers, reduce-scatters and
-    sends, from the bytes counted at the dispatcher: a send's tensor as handed; an all-gather's or a
-    reduce-scatter's by the ring algorithm, (t-1) x the chunk handed and (t-1)/t x the input handed. The same
-    for the plain SP path and --overlap, if the ring steps move what the collectives would."""
+    """Per phase, the bytes this rank puts on the TP group's wire for its all-gathers,
+    reduce-scatters and sends, from the bytes counted at the dispatcher: a send's tensor as handed;
+    an all-gather's or a reduce-scatter's by the ring algorithm, (t-1) x the chunk handed and
+    (t-1)/t x the input handed. The same for the plain SP path and --overlap, if the ring steps move
+    what the collectives would."""
     wire = {}
     per_op = {"send": (1, 1), "all_gather": (t - 1, 1), "reduce_scatter": (t - 1, t)}
     for key, (_, _, nbytes) in counted.items():
@@ -887,7 +926,8 @@ def report(d, args, model, tp_group, counted, full_bytes, acts, t, dp):
     )
     spread = (hi - lo).abs().max().item()
     d.log(
-        f"{'collective per step (op/axis/phase)':36s} {'calls':>5s} {'theory':>6s} {'elements':>9s} "
+        f"{'collective per step (op/axis/phase)':36s} {'calls':>5s} {'theory':>6s} "
+        f"{'elements':>9s} "
         f"{'theory':>9s} {'bytes handed':>12s} {'theory':>9s} {'ring sends (theory)':>19s}"
     )
     for k in sorted(set(counted) | set(theory)):
@@ -900,7 +940,8 @@ def report(d, args, model, tp_group, counted, full_bytes, acts, t, dp):
     D = args.d_model
     d.log(f"theory: {FORMULA}; b*s*h = {b}*{T}*{D} elements")
     d.log(
-        f"TP all-gather / reduce-scatter / send bytes on the wire per phase {wire} (from the bytes handed, "
+        f"TP all-gather / reduce-scatter / send bytes on the wire per phase {wire} (from the bytes "
+        "handed, "
         "a collective's by its ring algorithm: --overlap's and the plain SP path's are to be equal)"
     )
 
@@ -909,7 +950,8 @@ def report(d, args, model, tp_group, counted, full_bytes, acts, t, dp):
             block(x.detach().requires_grad_())
         return saved.bytes
 
-    # one block's saved activations, sharded vs an unsharded common.Block on the same (b, T, D) batch
+    # one block's saved activations, sharded vs an unsharded common.Block on the same (b, T, D)
+    # batch
     x = torch.randn(b, T, D, dtype=dtype, device=d.device)
     # (b, T/t, D)
     mine = x.chunk(t, 1)[dist.get_rank(tp_group)].contiguous() if args.sequence_parallel else x
@@ -919,12 +961,13 @@ def report(d, args, model, tp_group, counted, full_bytes, acts, t, dp):
     )
     d.log(
         f"activations saved per block {block_saved} B, unsharded block {block_full} B, ratio "
-        f"{block_saved / block_full:.3f} (1/t = {1 / t:.3f}: every saved tensor sharded, as with SP)"
+        f"{block_saved / block_full:.3f} (1/t = {1 / t:.3f}: every saved tensor sharded, as with "
+        "SP)"
     )
     d.log(
-        f"parameters per rank {param_bytes} B (theory split/t + replicated = {(split + repl) * es} B), "
-        f"full model {full_bytes} B, ratio {param_bytes / full_bytes:.3f} (1/t = {1 / t:.3f}); replicated "
-        f"params spread across TP ranks {spread:.1e}"
+        f"parameters per rank {param_bytes} B (theory split/t + replicated = {(split + repl) * es} "
+        f"B), full model {full_bytes} B, ratio {param_bytes / full_bytes:.3f} (1/t = {1 / t:.3f}); "
+        f"replicated params spread across TP ranks {spread:.1e}"
     )
     return dict(
         tp=t,
@@ -958,8 +1001,9 @@ def summarize(d, args, run, model, opt, tp_group, comm, saved, full_bytes, t, dp
 
 
 def gather_full(model, group):
-    """For --check: the unsharded model as {common.GPT name: tensor}: split parameters all-gathered, padding
-    cut off, and the fused attn.qkv, rank-major [q_0; k_0; v_0; q_1; ...], split back into q, k and v."""
+    """For --check: the unsharded model as {common.GPT name: tensor}: split parameters all-gathered,
+    padding cut off, and the fused attn.qkv, rank-major [q_0; k_0; v_0; q_1; ...], split back into
+    q, k and v."""
     t, out = dist.get_world_size(group), {}
     for name, p in model.named_parameters():
         w = p.detach()

@@ -1,26 +1,29 @@
-"""memory_savers.py: the memory savers that sit beside ZeRO (zero.py), each on plain data parallel, each
-beside what it saves, measured.
+"""memory_savers.py: the memory savers that sit beside ZeRO (zero.py), each on plain data parallel,
+each beside what it saves, measured.
 
 ZeRO shards the model states (parameters, gradients, optimizer state). What is left per rank is the
-activations autograd keeps from forward for backward, and the optimizer state itself. Three designs of
-the literature cut those, and any of them composes with any data-parallel layout:
+activations autograd keeps from forward for backward, and the optimizer state itself. Three designs
+of the literature cut those, and any of them composes with any data-parallel layout:
 
   --recompute full       activation recomputation (Chen, Xu, Zhang, Guestrin 2016): keep only each block's
-                         input; backward re-runs the block's forward (the same dropout masks: the RNG state
-                         is replayed) and takes its gradient from that. One extra forward per block.
+                         input; backward re-runs the block's forward (the same dropout masks: the
+                         RNG state is replayed) and takes its gradient from that. One extra forward
+                         per block.
   --recompute selective  selective recomputation (Korthikanti et al. 2022): keep what is costly to compute,
-                         the outputs of the linear layers (the matmuls: most of the FLOPs), and recompute
-                         what is cheap and large: layer norms, the attention core (QK^T, softmax, dropout,
-                         x V: the paper's 5 a s / h term), GELU, dropout. torch's selective checkpointing.
+                         the outputs of the linear layers (the matmuls: most of the FLOPs), and
+                         recompute what is cheap and large: layer norms, the attention core (QK^T,
+                         softmax, dropout, x V: the paper's 5 a s / h term), GELU, dropout. torch's
+                         selective checkpointing.
   --compress-activations bf16|int8   Gist (Jain et al. 2018): each activation autograd saves is encoded
-                         when forward saves it (bf16: a cast; int8: one absmax scale per row) and decoded
-                         when backward needs it. Lossy by design: a gradient of slightly wrong activations.
+                         when forward saves it (bf16: a cast; int8: one absmax scale per row) and
+                         decoded when backward needs it. Lossy by design: a gradient of slightly
+                         wrong activations.
   --optimizer adafactor  Adafactor (Shazeer & Stern 2018): second moments factored into a row vector and a
-                         column vector per matrix, no first moment: e (R + C) bytes per (R, C) matrix, where
-                         AdamW keeps 2 e R C.
+                         column vector per matrix, no first moment: e (R + C) bytes per (R, C)
+                         matrix, where AdamW keeps 2 e R C.
 
-What one block keeps for backward (b sequences of T tokens, width D, e bytes per element; measured in the
-summary, theory beside it):
+What one block keeps for backward (b sequences of T tokens, width D, e bytes per element; measured
+in the summary, theory beside it):
     plain                        [ln1 | q k v | scores, softmax | proj | ln2 | fc | gelu | proj]  everything
     --recompute full             [x]                                                          1 b T D e
     --recompute selective        [x | q k v | proj | fc (4D) | proj]                          10 b T D e
@@ -88,13 +91,14 @@ class Args(CommonArgs):
     optimizer: Literal["adamw", "adafactor"] = "adamw"
 
 
-# ============================================================================= the base: data parallel
+# ============================================================================= the base: data
+# parallel
 def dp_step(model, opt, micro_batches, loss_fn, clip=0.0, group=None, saver=None):
-    """One step of plain data parallel (dp.py's sync_step): each rank's micro-batches (x, y) on the device,
-    forward and backward, the gradients summed over `group`, clipping by the global norm, the step.
-    `saver`: a context around each forward (Gist's saved-tensor hooks); recomputation lives in the model.
-    loss_fn(out, y) sums over its rows and divides by the global batch's count. Returns this rank's loss
-    (float64, on the device: no host sync per micro-batch)."""
+    """One step of plain data parallel (dp.py's sync_step): each rank's micro-batches (x, y) on the
+    device, forward and backward, the gradients summed over `group`, clipping by the global norm,
+    the step. `saver`: a context around each forward (Gist's saved-tensor hooks); recomputation
+    lives in the model. loss_fn(out, y) sums over its rows and divides by the global batch's count.
+    Returns this rank's loss (float64, on the device: no host sync per micro-batch)."""
     opt.zero_grad(set_to_none=True)
     total = 0
     for x, y in micro_batches:  # (B/(N*accum), T) each
@@ -118,8 +122,8 @@ def dp_step(model, opt, micro_batches, loss_fn, clip=0.0, group=None, saver=None
     return total
 
 
-# ============================================================================= 1. activation recomputation
-# where the RNG stands (the CPU's, and the GPU's on one): dropout draws from it
+# ============================================================================= 1. activation
+# recomputation where the RNG stands (the CPU's, and the GPU's on one): dropout draws from it
 def rng_state(
     device,
 ):
@@ -140,11 +144,12 @@ def replayed(rng, device):
 
 
 class Recompute(torch.autograd.Function):
-    """Full recomputation (Chen et al. 2016, Sec. 3), as gpipe.py's --recompute: forward runs the block
-    under no_grad, keeping only its input x (b, T, D) and the RNG state; backward reruns it from them with
-    the graph (the same dropout masks) and backpropagates through it. Its parameters' gradients accumulate
-    into their .grad there (a backward inside backward); x's is returned. The parameters are inputs too, only
-    so that autograd calls backward when x needs no gradient (a first block fed the data itself)."""
+    """Full recomputation (Chen et al. 2016, Sec. 3), as gpipe.py's --recompute: forward runs the
+    block under no_grad, keeping only its input x (b, T, D) and the RNG state; backward reruns it
+    from them with the graph (the same dropout masks) and backpropagates through it. Its parameters'
+    gradients accumulate into their .grad there (a backward inside backward); x's is returned. The
+    parameters are inputs too, only so that autograd calls backward when x needs no gradient (a
+    first block fed the data itself)."""
 
     @staticmethod
     def forward(ctx, run, x, *params):
@@ -166,9 +171,9 @@ class Recompute(torch.autograd.Function):
         return Recompute.apply(run, x, *params)
 
 
-# Selective: torch's selective activation checkpointing (SAC) policy keeps the outputs of the linear layers
-# (MUST_SAVE); every other op of the block is run again in backward (PREFER_RECOMPUTE). On a GPU the attention
-# core is one fused op; it is recomputed too.
+# Selective: torch's selective activation checkpointing (SAC) policy keeps the outputs of the linear
+# layers (MUST_SAVE); every other op of the block is run again in backward (PREFER_RECOMPUTE). On a
+# GPU the attention core is one fused op; it is recomputed too.
 KEEP = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default}
 
 
@@ -178,9 +183,10 @@ def keep_matmuls(ctx, op, *args, **kwargs):
 
 def recompute(blocks, how):
     """Each block's forward (one input, one output) runs inside Recompute (full), or inside torch's
-    checkpoint with its selective policy (selective: torch's mechanism, replaying the RNG as Recompute does).
-    Parameter names and state_dict stay the model's own. With zero.py's Zero, apply it after Zero, to its
-    units (full: any stage; selective: 0-2); before, Zero refuses it (the rerun would miss the parameters)."""
+    checkpoint with its selective policy (selective: torch's mechanism, replaying the RNG as
+    Recompute does). Parameter names and state_dict stay the model's own. With zero.py's Zero, apply
+    it after Zero, to its units (full: any stage; selective: 0-2); before, Zero refuses it (the
+    rerun would miss the parameters)."""
     if how not in ("none", "full", "selective"):
         raise ValueError(f"recompute {how!r}: use 'none', 'full' or 'selective'")
     sac = functools.partial(create_selective_checkpoint_contexts, keep_matmuls)
@@ -189,7 +195,8 @@ def recompute(blocks, how):
             block.forward = functools.partial(
                 Recompute.wrap, block.forward, tuple(block.parameters())
             )
-        else:  # (respect_saved_tensors_hooks=False: an outer pair of hooks is not the recomputation's)
+        # (respect_saved_tensors_hooks=False: an outer pair of hooks is not the recomputation's)
+        else:
             block.forward = functools.partial(
                 checkpoint,
                 block.forward,
@@ -199,9 +206,11 @@ def recompute(blocks, how):
             )
 
 
-# ============================================================================= 2. activation compression
+# ============================================================================= 2. activation
+# compression
 class Encoded(NamedTuple):
-    """An activation as kept for backward: bf16 (scale None), or int8 with one scale per row (last dim)."""
+    """An activation as kept for backward: bf16 (scale None), or int8 with one scale per row (last
+    dim)."""
 
     data: torch.Tensor
     scale: Optional[torch.Tensor]
@@ -226,11 +235,12 @@ def decode(
 
 
 class Gist(torch.autograd.graph.saved_tensors_hooks):
-    """Gist (Jain et al. 2018) as a pair of saved-tensor hooks: `with gist: out = model(x)`. Each floating-
-    point activation autograd saves is encoded when forward saves it and decoded when backward needs it.
-    The parameters (`keep`: held anyway) and integer tensors (token ids) are kept as they are. A tensor
-    saved by several ops (the input of q, k and v) is encoded once while it is alive: the cache, cleared
-    at every forward, remembers it (the graph holds the encodings themselves)."""
+    """Gist (Jain et al. 2018) as a pair of saved-tensor hooks: `with gist: out = model(x)`. Each
+    floating- point activation autograd saves is encoded when forward saves it and decoded when
+    backward needs it. The parameters (`keep`: held anyway) and integer tensors (token ids) are kept
+    as they are. A tensor saved by several ops (the input of q, k and v) is encoded once while it is
+    alive: the cache, cleared at every forward, remembers it (the graph holds the encodings
+    themselves)."""
 
     def __init__(self, how, keep=()):
         if how not in ("bf16", "int8"):
@@ -260,8 +270,9 @@ class Gist(torch.autograd.graph.saved_tensors_hooks):
 # ============================================================================= 3. Adafactor
 class Adafactor(torch.optim.Optimizer):
     """Adafactor (Shazeer & Stern 2018), computed as torch.optim.Adafactor does: beta1 = 0 (no first
-    moment), 1 - beta2_t = t^-0.8, update clipping at RMS d = 1, decoupled weight decay, and the relative
-    step alpha = max(1e-3, RMS(X)) min(lr, 1/sqrt t). Per step and parameter X with gradient G:
+    moment), 1 - beta2_t = t^-0.8, update clipping at RMS d = 1, decoupled weight decay, and the
+    relative step alpha = max(1e-3, RMS(X)) min(lr, 1/sqrt t). Per step and parameter X with
+    gradient G:
       matrix (R, C)  row <- lerp(row, mean_j G^2, 1 - beta2_t)  (R,);  col <- ... mean_i G^2  (C,)
                      V = row col^T / mean(row)   the rank-1 estimate of the second moment, never stored
       vector         V <- lerp(V, G^2, 1 - beta2_t)   (unfactored, as small as the vector)
@@ -315,17 +326,19 @@ def check_args(args, world):
         )
     if args.recompute != "none" and args.compress_activations != "none":
         fail(
-            "--recompute and --compress-activations: pick one (a recomputed block keeps little to compress)"
+            "--recompute and --compress-activations: pick one (a recomputed block keeps little to "
+            "compress)"
         )
     if args.compress_activations == "bf16" and args.dtype == "bfloat16":
         # (recomputation's exactness with dropout: memory_savers_checks.py)
         fail(
-            "--compress-activations bf16 with --dtype bfloat16 saves nothing: use int8, or --dtype float32"
+            "--compress-activations bf16 with --dtype bfloat16 saves nothing: use int8, or --dtype "
+            "float32"
         )
     if args.check and args.dropout > 0:
         fail(
-            f"--check needs --dropout 0 (got {args.dropout}): the one-process reference cannot replay the "
-            "ranks' dropout streams"
+            f"--check needs --dropout 0 (got {args.dropout}): the one-process reference cannot "
+            "replay the ranks' dropout streams"
         )
 
 
@@ -336,7 +349,8 @@ def main():
     data = MarkovData(args.vocab, args.seed)
     d.log(
         f"memory_savers.py on {d.world} ranks ({d.backend}): recompute {args.recompute}, compress "
-        f"{args.compress_activations}, {args.optimizer}; entropy floor {data.entropy:.4f} nats/token"
+        f"{args.compress_activations}, {args.optimizer}; entropy floor {data.entropy:.4f} "
+        "nats/token"
     )
     # whole, one seed
     model = build_gpt(GPTConfig.from_args(args), args.seed, DTYPES[args.dtype], d.device)
@@ -353,8 +367,8 @@ def main():
     acts = savers_measured(d, args, data, model, gist)  # one forward without the savers, one with
     torch.manual_seed(args.seed + d.rank)  # dropout masks differ per rank; a resume restores them
     run, comm = Run(d, args, {"model": model, "optim": opt}), CommCounter()
-    # The log line's loss on a group of its own: on NCCL its own communicator, never queued behind the
-    # gradients' all-reduces.
+    # The log line's loss on a group of its own: on NCCL its own communicator, never queued behind
+    # the gradients' all-reduces.
     log_group = dist.new_group()
     for step in run.steps():
         # (B, T) global, on the CPU
@@ -382,10 +396,11 @@ def main():
 
 # --- measurement --- (two extra forwards before training, watched from outside) ------------------
 class MadeStorages(TorchDispatchMode):
-    """Every storage an op makes inside the `with` block, held weakly (harness.LiveStorages), told apart by
-    whether a transformer block made it. After a forward, `.alive()` is what is still held for backward,
-    whoever holds it: autograd's saved tensors, a checkpoint's block inputs, the selective policy's cache,
-    Gist's encodings. Storages that existed before (parameters, the token ids) are not counted."""
+    """Every storage an op makes inside the `with` block, held weakly (harness.LiveStorages), told
+    apart by whether a transformer block made it. After a forward, `.alive()` is what is still held
+    for backward, whoever holds it: autograd's saved tensors, a checkpoint's block inputs, the
+    selective policy's cache, Gist's encodings. Storages that existed before (parameters, the token
+    ids) are not counted."""
 
     def __init__(self, model, x):
         super().__init__()
@@ -420,10 +435,11 @@ class MadeStorages(TorchDispatchMode):
 
 
 def activations(model, x, saver=None):
-    """One forward of micro-batch x (and no backward), drawing no RNG the run would see: the bytes of the
-    storages it made that are alive when it returns (blocks, and the rest: embedding, final norm, head),
-    and, without savers, what harness.SavedActivations sees autograd save (each storage once). CUDA's
-    peak is reset after it, so that the peak the summary reports comes from the training steps."""
+    """One forward of micro-batch x (and no backward), drawing no RNG the run would see: the bytes
+    of the storages it made that are alive when it returns (blocks, and the rest: embedding, final
+    norm, head), and, without savers, what harness.SavedActivations sees autograd save (each storage
+    once). CUDA's peak is reset after it, so that the peak the summary reports comes from the
+    training steps."""
     devices = [x.device] if x.device.type == "cuda" else []
     with torch.random.fork_rng(devices=devices), SavedActivations() as acts:
         with MadeStorages(model, x) as made, saver or contextlib.nullcontext():
@@ -436,8 +452,9 @@ def activations(model, x, saver=None):
 
 
 def savers_measured(d, args, data, model, gist):
-    """What one micro-batch's forward keeps (activations): `plain` on a twin of the model (the same seed,
-    no savers), `saved` on the model with its savers (recompute applied, Gist's hooks around it)."""
+    """What one micro-batch's forward keeps (activations): `plain` on a twin of the model (the same
+    seed, no savers), `saved` on the model with its savers (recompute applied, Gist's hooks around
+    it)."""
     mb = args.batch_size // (d.world * args.accum)
     x0 = data.batch(0, args.batch_size, args.seq_len)[0][:mb].to(d.device)  # (b, T)
     twin = build_gpt(GPTConfig.from_args(args), args.seed, DTYPES[args.dtype], d.device)
@@ -445,7 +462,8 @@ def savers_measured(d, args, data, model, gist):
 
 
 def optimizer_state(model, opt):
-    """Bytes of the optimizer's state tensors, counted, and the closed forms of AdamW and Adafactor."""
+    """Bytes of the optimizer's state tensors, counted, and the closed forms of AdamW and
+    Adafactor."""
     e, shapes = next(model.parameters()).element_size(), [p.shape for p in model.parameters()]
     psi = sum(s.numel() for s in shapes)
     counted = tensor_bytes(
@@ -470,30 +488,34 @@ def report(d, args, model, opt, acts, comm):
     ratio = {"none": None, "bf16": 2 / e, "int8": 1 / e}[args.compress_activations]
     st = optimizer_state(model, opt)
     d.log(
-        f"\nactivations one micro-batch's forward keeps for backward (b={b}, T={T}, D={D}, L={L}, e={e})"
+        f"\nactivations one micro-batch's forward keeps for backward (b={b}, T={T}, D={D}, L={L}, "
+        f"e={e})"
     )
     d.log(f"  saved, plain (harness.SavedActivations)    {plain['saved']:>10,d} B")
     d.log(
-        f"  alive after forward, plain: blocks {plain['blocks']:>10,d} B + rest {plain['rest']:,d} B"
+        f"  alive after forward, plain: blocks {plain['blocks']:>10,d} B + rest {plain['rest']:,d} "
+        "B"
     )
     d.log(
-        f"  alive after forward, with savers: blocks {saved['blocks']:>10,d} B + rest {saved['rest']:,d} B"
+        f"  alive after forward, with savers: blocks {saved['blocks']:>10,d} B + rest "
+        f"{saved['rest']:,d} B"
     )
     if theory:
         d.log(
-            f"  --recompute {args.recompute}: blocks keep {saved['blocks']:,d} B | theory {theory:,d} B = "
-            f"L x {per_block} b T D e"
+            f"  --recompute {args.recompute}: blocks keep {saved['blocks']:,d} B | theory "
+            f"{theory:,d} B = L x {per_block} b T D e"
         )
     if ratio:
         d.log(
             f"  --compress-activations {args.compress_activations}: with / plain "
-            f"{saved['alive'] / plain['alive']:.3f} | theory {ratio:.3f} = {args.compress_activations} "
+            f"{saved['alive'] / plain['alive']:.3f} | theory {ratio:.3f} = "
+            f"{args.compress_activations} "
             f"bytes / {e} (+ int8's scales per row, + integer tensors kept as they are)"
         )
     d.log(
         f"optimizer state: counted {st['counted']:,d} B | theory {args.optimizer} "
-        f"{st[args.optimizer + '_theory']:,d} B (AdamW 2 e Psi = {st['adamw_theory']:,d} B; Adafactor "
-        f"e (R + C) per matrix + e per vector element = {st['adafactor_theory']:,d} B)"
+        f"{st[args.optimizer + '_theory']:,d} B (AdamW 2 e Psi = {st['adamw_theory']:,d} B; "
+        f"Adafactor e (R + C) per matrix + e per vector element = {st['adafactor_theory']:,d} B)"
     )
     psi_bytes = st["psi"] * e
     d.log(
@@ -514,7 +536,7 @@ def report(d, args, model, opt, acts, comm):
     )
 
 
-# --- reference for --check --- (one process, the same recipe) ---------------------------------------------
+# --- reference for --check --- (one process, the same recipe) -------------------------------------
 def check_run(d, args, losses, params):
     """Recomputation is exact: plain one-process training (common.reference_train). Compression and
     Adafactor have their own one-process reference, written independently below."""
@@ -526,9 +548,10 @@ def check_run(d, args, losses, params):
 
 def reference(args, device="cpu"):
     """One process, the whole global batch: torch.optim.Adafactor (foreach=False) for --optimizer
-    adafactor; for --compress-activations, a forward whose saved tensors backward sees rounded exactly as
-    the encoding rounds them (bf16: a round trip through bfloat16; int8: each row's absmax / 127 steps),
-    written as a quantise-dequantise at save time: the same numbers, none of the memory saved."""
+    adafactor; for --compress-activations, a forward whose saved tensors backward sees rounded
+    exactly as the encoding rounds them (bf16: a round trip through bfloat16; int8: each row's
+    absmax / 127 steps), written as a quantise-dequantise at save time: the same numbers, none of
+    the memory saved."""
     data = MarkovData(args.vocab, args.seed)
     model = build_gpt(GPTConfig.from_args(args), args.seed, DTYPES[args.dtype], device)
     opt = (

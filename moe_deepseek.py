@@ -1,54 +1,64 @@
-"""moe_deepseek.py: mixture of experts the 2024 way, as DeepSeek trains it: fine-grained and shared experts,
-sigmoid gates, loss-free balancing, dropless dispatch, on expert parallelism (the 2017-2022 line: moe.py).
+"""moe_deepseek.py: mixture of experts the 2024 way, as DeepSeek trains it: fine-grained and shared
+experts, sigmoid gates, loss-free balancing, dropless dispatch, on expert parallelism (the 2017-2022
+line: moe.py).
 
-The GPT of common.py with the MLP of every block (or every --moe-every'th) replaced by a DeepSeekMoE layer
-(Dai et al. 2024, "DeepSeekMoE"; DeepSeek-V3, 2024, Sec. 2.1.2):
+The GPT of common.py with the MLP of every block (or every --moe-every'th) replaced by a DeepSeekMoE
+layer (Dai et al. 2024, "DeepSeekMoE"; DeepSeek-V3, 2024, Sec. 2.1.2):
   fine-grained experts  each expert of a dense-equivalent MoE cut into --granularity m narrower ones (hidden
-                        4D/m): E and k count the fine experts, so more combinations at the same compute.
+                        4D/m): E and k count the fine experts, so more combinations at the same
+                        compute.
   shared experts        --shared-experts S experts of the same width that every token goes through beside its
-                        routed ones: common knowledge stays out of the routed ones. Replicated, data parallel.
+                        routed ones: common knowledge stays out of the routed ones. Replicated, data
+                        parallel.
   sigmoid gates         affinities s = sigmoid(x W_g) (--score softmax: DeepSeek-V2's); the gates are the
                         chosen s normalised over the k (V3 eq. 12-16).
   loss-free balancing   Wang et al. 2024: the top k of s + b choose, the gates are the chosen s alone, so the
-                        bias b chooses but never weighs. After each step b_e += u sign(mean c - c_e) from the
-                        whole batch's counts c (--bias-rate u); no auxiliary loss pulls on the router, except
-                        V3's small sequence-wise balance loss (--seq-aux-weight; 0: off).
+                        bias b chooses but never weighs. After each step b_e += u sign(mean c - c_e)
+                        from the whole batch's counts c (--bias-rate u); no auxiliary loss pulls on
+                        the router, except V3's small sequence-wise balance loss (--seq-aux-weight;
+                        0: off).
   dropless dispatch     no capacity and nothing dropped (as MegaBlocks, Gale et al. 2023; V3 drops no token):
-                        each rank sorts its (token, choice) pairs by expert and sends every EP rank exactly
-                        its experts' tokens in one uneven all-to-all:
+                        each rank sorts its (token, choice) pairs by expert and sends every EP rank
+                        exactly its experts' tokens in one uneven all-to-all:
       rank 0 chose  e0 e0 e0 e1 | e2 e3 e3     counts [3 1 | 1 2]: keeps 4, sends 3 to rank 1
       rank 1 chose  e0 e1 e1 | e2 e2 e2 e3     counts [1 2 | 3 1]: sends 3 to rank 0, keeps 4
-      all-gather the counts, so every rank knows every split; all_to_all_single(out, in, recv, send);
+      all-gather the counts, so every rank knows every split; all_to_all_single(out, in, recv,
+      send);
       rank 0 then runs e0 on [3 own | 1 from rank 1], e1 on [1 | 2]; the way back swaps the splits.
-The splits must reach the host to size the buffers: one host sync per layer (Megatron-Core's dropless
-dispatcher has it too). Total loss = LM loss + --seq-aux-weight x the sequence-wise loss (mean over sequences
-and MoE layers). Exact ties in the top k go to the lower expert index (a stable sort, not torch.topk, whose
-order for equal values is the kernel's, and CPU and CUDA differ).
+The splits must reach the host to size the buffers: one host sync per layer (Megatron-Core's
+dropless dispatcher has it too). Total loss = LM loss + --seq-aux-weight x the sequence-wise loss
+(mean over sequences and MoE layers). Exact ties in the top k go to the lower expert index (a stable
+sort, not torch.topk, whose order for equal values is the kernel's, and CPU and CUDA differ).
 
-Ranks form the grid torch.arange(world).view(world // ep, ep): a row is an EP group (together all E experts),
-a column holds copies of the same E/ep experts (their gradients summed over it); the rest is data parallel.
+Ranks form the grid torch.arange(world).view(world // ep, ep): a row is an EP group (together all E
+experts), a column holds copies of the same E/ep experts (their gradients summed over it); the rest
+is data parallel.
 
-Reading order: the layer first, complete (the gates, the routed and shared experts, the dropless all-to-all
-exchange); then the balancing (the loss-free bias update and the sequence-wise loss); then expert
-parallelism's step (the grid, the expert + data parallel gradients, the global norm). That is the technique
-section (torch and einops only); after check_args, this repo's run of it: the GPT with DeepSeekMoE blocks
-(build_moe_gpt) and one optimizer step (train_step: LM loss, sync, clipping, the step, the bias update).
+Reading order: the layer first, complete (the gates, the routed and shared experts, the dropless
+all-to-all exchange); then the balancing (the loss-free bias update and the sequence-wise loss);
+then expert parallelism's step (the grid, the expert + data parallel gradients, the global norm).
+That is the technique section (torch and einops only); after check_args, this repo's run of it: the
+GPT with DeepSeekMoE blocks (build_moe_gpt) and one optimizer step (train_step: LM loss, sync,
+clipping, the step, the bias update).
 
-What repeats moe.py, on purpose, so that this file reads alone (each marked "as in moe.py" where it stands):
-the same code in init, top_k, mlps, make_layout, split_params and sync_grads (tests/test_moe_deepseek.py holds
-them identical, and no other function); AllToAll, here with uneven splits; moe_layers and aux_share for
-DeepSeekMoE; check_args, build_moe_gpt, train_step and main in moe.py's shape. New here: route,
-DeepSeekMoE (affinities, dropless, the shared experts), update_biases and seq_balance_loss.
+What repeats moe.py, on purpose, so that this file reads alone (each marked "as in moe.py" where it
+stands): the same code in init, top_k, mlps, make_layout, split_params and sync_grads
+(tests/test_moe_deepseek.py holds them identical, and no other function); AllToAll, here with uneven
+splits; moe_layers and aux_share for DeepSeekMoE; check_args, build_moe_gpt, train_step and main in
+moe.py's shape. New here: route, DeepSeekMoE (affinities, dropless, the shared experts),
+update_biases and seq_balance_loss.
 
 Run:
     python moe_deepseek.py --check                                   # world 1: all experts local
     torchrun --nproc_per_node=4 moe_deepseek.py --check              # EP 4
     torchrun --nproc_per_node=4 moe_deepseek.py --ep 2 --experts 16 --top-k 4 --granularity 4 --check
-In production, use a fused MoE (Megatron-Core, DeepSpeed-MoE, torchtitan): grouped GEMMs over the sorted
-tokens instead of the loop over experts written out here for clarity, and DeepEP's all-to-all kernels.
+In production, use a fused MoE (Megatron-Core, DeepSpeed-MoE, torchtitan): grouped GEMMs over the
+sorted tokens instead of the loop over experts written out here for clarity, and DeepEP's all-to-all
+kernels.
 
-Legend (shape comments): N tokens on this rank (b sequences of n), E routed experts, El = E/ep of them on this
-rank, K choices per token, S shared experts, D model width, H expert width (4D/m), r ranks of the EP group.
+Legend (shape comments): N tokens on this rank (b sequences of n), E routed experts, El = E/ep of
+them on this rank, K choices per token, S shared experts, D model width, H expert width (4D/m), r
+ranks of the EP group.
 """
 
 from dataclasses import dataclass
@@ -102,7 +112,7 @@ class Args(CommonArgs):
     ep: int = 0  # expert-parallel degree: ranks that split one set of experts (0 = world size)
 
 
-# --------------------------------------------- the DeepSeekMoE layer: gates, fine + shared experts, dropless
+# ------------------------------------ the DeepSeekMoE layer: gates, fine + shared experts, dropless
 def check_layer(experts, ep, top_k, score):
     """What the layer relies on (DeepSeekMoE and check_args both call it, before any collective)."""
     if experts < 1 or experts % ep:
@@ -120,22 +130,24 @@ def check_layer(experts, ep, top_k, score):
 
 # as in moe.py: the same code
 def init(generator, dtype, *shape):
-    """N(0, 0.02) weights drawn in float64 from the MoE weights' one generator (the same at any EP)."""
+    """N(0, 0.02) weights drawn in float64 from the MoE weights' one generator (the same at any
+    EP)."""
     return (0.02 * torch.randn(*shape, generator=generator, dtype=torch.float64)).to(dtype)
 
 
 # as in moe.py: the same code
 def top_k(scores, k):
-    """torch.topk with exact ties broken by the lower index: a stable descending sort (topk leaves the order
-    of equal values to the kernel: a CPU rank and a GPU one could route differently). (.., n) -> (.., k)."""
+    """torch.topk with exact ties broken by the lower index: a stable descending sort (topk leaves
+    the order of equal values to the kernel: a CPU rank and a GPU one could route differently). (..,
+    n) -> (.., k)."""
     order = torch.sort(scores, dim=-1, descending=True, stable=True)
     return order.values[..., :k], order.indices[..., :k]
 
 
 def route(scores, bias, k):
-    """Wang et al. 2024 (Alg. 1), as DeepSeek-V3 uses it (Sec. 2.1.2, eq. 12-16): scores (N, E), bias (E,) ->
-    expert, gate (N, K). Only the indices of the top k see b (no gradient reaches it); the gates are the
-    chosen scores, normalised over the k."""
+    """Wang et al. 2024 (Alg. 1), as DeepSeek-V3 uses it (Sec. 2.1.2, eq. 12-16): scores (N, E),
+    bias (E,) -> expert, gate (N, K). Only the indices of the top k see b (no gradient reaches it);
+    the gates are the chosen scores, normalised over the k."""
     expert = top_k(scores + bias, k)[1]  # (N, K): the bias only chooses ...
     s = scores.gather(-1, expert)  # (N, K): ... the gates are the scores without it
     return expert, s / s.sum(-1, keepdim=True)
@@ -144,7 +156,8 @@ def route(scores, bias, k):
 # as in moe.py, with uneven splits (moe.py's exchange is even)
 class AllToAll(torch.autograd.Function):
     """all_to_all_single over dim 0: in_splits[j] rows to rank j, out_splits[i] rows from rank i.
-    Its backward is the same exchange, splits swapped: the gradient of the rows I sent to j comes from j."""
+    Its backward is the same exchange, splits swapped: the gradient of the rows I sent to j comes
+    from j."""
 
     @staticmethod
     def forward(ctx, x, group, out_splits, in_splits):
@@ -168,16 +181,17 @@ class AllToAll(torch.autograd.Function):
 
 # as in moe.py: the same code
 def mlps(h, w1, b1, w2, b2):
-    """gelu(h w1 + b1) w2 + b2: one expert (h (N, D), w1 (D, H), b1 (H,)), or X experts at once as batched
-    matmuls (w1 (X, D, H), b1 (X, H); h (N, D) for all X) -> (X, N, D)."""
+    """gelu(h w1 + b1) w2 + b2: one expert (h (N, D), w1 (D, H), b1 (H,)), or X experts at once as
+    batched matmuls (w1 (X, D, H), b1 (X, H); h (N, D) for all X) -> (X, N, D)."""
     return F.gelu(h @ w1 + b1[..., None, :]) @ w2 + b2[..., None, :]
 
 
 class DeepSeekMoE(nn.Module):
-    """Replaces an MLP: gates -> sort by expert -> all-to-all -> routed experts -> all-to-all -> weighted sum,
-    plus the shared experts. x (b, n, D) -> (b, n, D); ep_group: the ranks that split the E routed experts
-    (None: all local). A forward leaves `aux` (b,), the sequence-wise balance loss per sequence, and `wanted`
-    (E,), this rank's choices per expert (update_biases reads it)."""
+    """Replaces an MLP: gates -> sort by expert -> all-to-all -> routed experts -> all-to-all ->
+    weighted sum, plus the shared experts. x (b, n, D) -> (b, n, D); ep_group: the ranks that split
+    the E routed experts (None: all local). A forward leaves `aux` (b,), the sequence-wise balance
+    loss per sequence, and `wanted` (E,), this rank's choices per expert (update_biases reads
+    it)."""
 
     def __init__(
         self,
@@ -206,9 +220,9 @@ class DeepSeekMoE(nn.Module):
         self.El = E // max(1, self.ep)  # experts on this rank
         check_layer(E, self.ep, top_k, score)  # what it cannot do, before any collective
         self.w_gate = nn.Parameter(init(generator, dtype, D, E))  # W_g: replicated, data parallel
-        # b: a buffer (so checkpointed), moved by update_biases, never by autograd; float32 at least (bf16
-        # would round its --bias-rate steps away)
-        # All E experts drawn from one generator, my slice kept: every EP degree starts from the same numbers.
+        # b: a buffer (so checkpointed), moved by update_biases, never by autograd; float32 at least
+        # (bf16 would round its --bias-rate steps away) All E experts drawn from one generator, my
+        # slice kept: every EP degree starts from the same numbers.
         self.register_buffer(
             "expert_bias", torch.zeros(E, dtype=torch.promote_types(dtype, torch.float32))
         )
@@ -227,14 +241,15 @@ class DeepSeekMoE(nn.Module):
         self.aux = None
 
     def affinities(self, xt):
-        """s (N, E): sigmoid (or softmax) of x W_g in float32 or wider (Switch Sec. 2.4: bf16 routing is
-        unstable)."""
+        """s (N, E): sigmoid (or softmax) of x W_g in float32 or wider (Switch Sec. 2.4: bf16
+        routing is unstable)."""
         x = xt.to(torch.promote_types(xt.dtype, torch.float32))
         logits = x @ self.w_gate.to(x.dtype)
         return logits.sigmoid() if self.score == "sigmoid" else logits.softmax(-1)
 
     def dropless(self, xt, expert, gate):
-        """Every choice served: xt (N, D), expert and gate (N, K) -> (N, D), gate-weighted sums per token."""
+        """Every choice served: xt (N, D), expert and gate (N, K) -> (N, D), gate-weighted sums per
+        token."""
         N, K = expert.shape
         D = xt.shape[-1]
         E = self.E
@@ -295,15 +310,17 @@ def moe_layers(model):
 
 # as in moe.py, over sequences instead of routing groups
 def aux_share(model, sequences):
-    """This rank's share of the sequence-wise loss averaged over the global batch's sequences and layers."""
+    """This rank's share of the sequence-wise loss averaged over the global batch's sequences and
+    layers."""
     layers = moe_layers(model)
     return sum(m.aux.sum() for m in layers) / (sequences * len(layers))
 
 
-# ------------------------------------------------------------- balancing: loss-free bias, sequence-wise loss
+# ---------------------------------------------------- balancing: loss-free bias, sequence-wise loss
 def update_biases(layers, rate, group):
-    """Wang et al. 2024, Alg. 1, after each step: b_e += u * sign(mean_e c - c_e), c_e = tokens that chose
-    expert e in the whole batch, summed over `group` (None: one process) by one all-reduce of (L, E)."""
+    """Wang et al. 2024, Alg. 1, after each step: b_e += u * sign(mean_e c - c_e), c_e = tokens that
+    chose expert e in the whole batch, summed over `group` (None: one process) by one all-reduce of
+    (L, E)."""
     counts = torch.stack([m.wanted for m in layers]).to(torch.float64)  # (L, E), exact integers
     if group is not None:
         dist.all_reduce(counts, group=group)
@@ -312,9 +329,9 @@ def update_biases(layers, rate, group):
 
 
 def seq_balance_loss(scores, expert, n):
-    """DeepSeek-V3's sequence-wise balance loss (Sec. 2.1.2, eq. 17-20) of scores (N, E), expert (N, K), per
-    sequence of n tokens: sum_e f_e P_e, f_e = E / (K n) x (tokens choosing e: top k of s + b), P_e = mean
-    over the sequence of s_e / sum_j s_j; 1 under uniform routing. -> (N / n,)."""
+    """DeepSeek-V3's sequence-wise balance loss (Sec. 2.1.2, eq. 17-20) of scores (N, E), expert (N,
+    K), per sequence of n tokens: sum_e f_e P_e, f_e = E / (K n) x (tokens choosing e: top k of s +
+    b), P_e = mean over the sequence of s_e / sum_j s_j; 1 under uniform routing. -> (N / n,)."""
     E, K = scores.shape[-1], expert.shape[-1]
     f = (
         rearrange(F.one_hot(expert, E).sum(1).to(scores.dtype), "(b n) e -> b n e", n=n).sum(1)
@@ -325,7 +342,7 @@ def seq_balance_loss(scores, expert, n):
     return (f * P).sum(-1)
 
 
-# ----------------------------------------------------------------------------- expert + data parallel step
+# ---------------------------------------------------------------------- expert + data parallel step
 # as in moe.py: the same code
 def make_layout(d, ep):
     """The grid of the module docstring: my row is my EP group, my column my expert replicas."""
@@ -345,8 +362,8 @@ def make_layout(d, ep):
 
 # as in moe.py: the same code
 def split_params(model):
-    """(dense, expert) parameters: the routed experts are sharded over the EP group, the rest (the shared
-    experts and the gate included) replicated."""
+    """(dense, expert) parameters: the routed experts are sharded over the EP group, the rest (the
+    shared experts and the gate included) replicated."""
     expert = {id(p) for m in moe_layers(model) for p in (m.w1, m.b1, m.w2, m.b2)}
     params = list(model.parameters())
     return [p for p in params if id(p) not in expert], [p for p in params if id(p) in expert]
@@ -354,22 +371,25 @@ def split_params(model):
 
 # as in moe.py: the same code
 def sync_grads(model, ep_group, replica_group, dense_group):
-    """Make every gradient the gradient of the global loss; return the global gradient norm. Each rank's loss
-    is already its share (token sums / global token count, aux / all sequences): all reductions are SUMs."""
+    """Make every gradient the gradient of the global loss; return the global gradient norm. Each
+    rank's loss is already its share (token sums / global token count, aux / all sequences): all
+    reductions are SUMs."""
     dense, expert = split_params(model)
-    # 1. Dense parameters: data parallel over every rank (dense_group; one flat bucket, as ddp_bucketed.py).
+    # 1. Dense parameters: data parallel over every rank (dense_group; one flat bucket, as
+    #   ddp_bucketed.py).
     flat = torch.cat([p.grad.flatten() for p in dense])  # (n_dense,)
     dist.all_reduce(flat, group=dense_group)
     for p, g in zip(dense, flat.split([p.numel() for p in dense])):
         p.grad.copy_(g.view_as(p))
-    # 2. Routed experts: the all-to-all backward already brought the gradient of every token of my EP
-    #    group that was routed to my experts; the other replicas of my experts saw other tokens.
+    # 2. Routed experts: the all-to-all backward already brought the gradient of every token of my
+    #    EP group that was routed to my experts; the other replicas of my experts saw other tokens.
     if dist.get_world_size(replica_group) > 1:
         for p in expert:
             dist.all_reduce(p.grad, group=replica_group)
 
-    # 3. Global norm for clipping: dense gradients are identical everywhere (count once); expert shards are
-    #    distinct within an EP group (sum their squares over it), identical over replicas. bf16: float32 sums.
+    # 3. Global norm for clipping: dense gradients are identical everywhere (count once); expert
+    #    shards are distinct within an EP group (sum their squares over it), identical over
+    #    replicas. bf16: float32 sums.
     def squared_norm(ps):  # summed in float32 at least (bf16 gradients)
         return sum(
             torch.linalg.vector_norm(p.grad, dtype=torch.promote_types(p.grad.dtype, torch.float32))
@@ -385,7 +405,7 @@ def sync_grads(model, ep_group, replica_group, dense_group):
     return (sq_dense + sq_expert).sqrt()
 
 
-# ------------------------------------ main: the checks, the GPT with DeepSeekMoE blocks, one training step
+# ----------------------------- main: the checks, the GPT with DeepSeekMoE blocks, one training step
 def check_args(args, world):
     ep = args.ep or world
     try:  # the layer's own checks
@@ -399,7 +419,8 @@ def check_args(args, world):
             fail(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
     if args.granularity < 1 or 4 * args.d_model % args.granularity:
         fail(
-            f"--granularity {args.granularity} must divide 4 x --d-model = {4 * args.d_model} (the width)"
+            f"--granularity {args.granularity} must divide 4 x --d-model = {4 * args.d_model} (the "
+            "width)"
         )
     if not 1 <= args.moe_every <= args.n_layers:
         fail(f"--moe-every must be in 1..--n-layers {args.n_layers}, got {args.moe_every}")
@@ -407,13 +428,15 @@ def check_args(args, world):
         fail(f"world size {world} must be a multiple of --ep {ep} (world = replicas x ep)")
     if args.batch_size % world:
         fail(
-            f"--batch-size {args.batch_size} must be divisible by the world size {world} (whole sequences)"
+            f"--batch-size {args.batch_size} must be divisible by the world size {world} (whole "
+            "sequences)"
         )
     return ep
 
 
 def build_moe_gpt(args, ep_group=None, device="cpu"):
-    """common's GPT (same seed, same dense weights) with the MLP of every moe_every-th block replaced."""
+    """common's GPT (same seed, same dense weights) with the MLP of every moe_every-th block
+    replaced."""
     model = build_gpt(GPTConfig.from_args(args), args.seed, DTYPES[args.dtype])
     # the MoE weights: one stream, same on every rank
     gen = torch.Generator().manual_seed(args.seed + 7919)
@@ -437,8 +460,9 @@ def build_moe_gpt(args, ep_group=None, device="cpu"):
 
 
 def train_step(args, layout, model, opt, x, y, n_tok):
-    """One optimizer step. x, y (b, n): this rank's rows of the global batch, on the device; n_tok: the global
-    batch's token count. Returns this rank's shares of the LM and sequence-wise losses (device scalars)."""
+    """One optimizer step. x, y (b, n): this rank's rows of the global batch, on the device; n_tok:
+    the global batch's token count. Returns this rank's shares of the LM and sequence-wise losses
+    (device scalars)."""
     opt.zero_grad(set_to_none=True)
     # common.GPT's forward, unchanged: the MoE layers sit in its blocks
     lm = lm_loss(model(x), y, n_tok)
@@ -484,10 +508,10 @@ def main():
 
 # --- measurement ---
 class Watch:
-    """What the summary prints, watched from outside the technique: a forward hook on every MoE layer keeps,
-    per step, each expert's load (device tensors, summed over ranks once, at the end); a CommCounter entered
-    on the last step sees each all-to-all at the dispatcher; SavedActivations the bytes autograd saves for
-    backward in that step."""
+    """What the summary prints, watched from outside the technique: a forward hook on every MoE
+    layer keeps, per step, each expert's load (device tensors, summed over ranks once, at the end);
+    a CommCounter entered on the last step sees each all-to-all at the dispatcher; SavedActivations
+    the bytes autograd saves for backward in that step."""
 
     def __init__(self, d, args, layout, model, run, data):
         self.d = d
@@ -504,15 +528,16 @@ class Watch:
             m.register_forward_hook(lambda m, i, o: self.rows.append(m.wanted.double()))
         E, ep = args.experts, layout.ep
         d.log(
-            f"moe_deepseek.py: world {d.world} = {layout.replicas} replicas x ep {ep} on {d.backend}; {E} "
-            f"routed experts ({E // ep} per rank, width {4 * args.d_model // args.granularity}), "
-            f"top-{args.top_k}, "
-            f"{args.shared_experts} shared, {args.score} gates, bias rate {args.bias_rate:g}, dropless; "
-            f"entropy floor {data.entropy:.4f} nats/token"
+            f"moe_deepseek.py: world {d.world} = {layout.replicas} replicas x ep {ep} on "
+            f"{d.backend}; {E} routed experts ({E // ep} per rank, width "
+            f"{4 * args.d_model // args.granularity}), top-{args.top_k}, {args.shared_experts} "
+            f"shared, {args.score} gates, bias rate {args.bias_rate:g}, dropless; entropy floor "
+            f"{data.entropy:.4f} nats/token"
         )
 
     def end_step(self, step, lm, aux):
-        """The global batch's LM and aux losses for the log line (one all-reduce, one host sync per step)."""
+        """The global batch's LM and aux losses for the log line (one all-reduce, one host sync per
+        step)."""
         parts = torch.stack([lm.double(), aux.double()])
         dist.all_reduce(parts)
         lm, aux = parts.tolist()
@@ -521,8 +546,8 @@ class Watch:
         self.run.end_step(step, lm + self.args.seq_aux_weight * aux, lm=self.lms, aux=self.auxes)
 
     def finish(self, model, opt):
-        """The summary; the technique's own peak, read before --check trains the one-process reference on rank
-        0's device; --check; the --json summary. Exits."""
+        """The summary; the technique's own peak, read before --check trains the one-process
+        reference on rank 0's device; --check; the --json summary. Exits."""
         d = self.d
         args = self.args
         layout = self.layout
@@ -535,7 +560,8 @@ class Watch:
         run.finish("moe-deepseek", peak, f["alltoall_bytes_per_step"], check, f)
 
     def summarize(self, d, args, layout, lms, auxes):
-        """Every step's routing summed over all ranks (one all-reduce), the last step's bytes; and theory."""
+        """Every step's routing summed over all ranks (one all-reduce), the last step's bytes; and
+        theory."""
         E = args.experts
         L = len(self.layers)
         ep = layout.ep
@@ -546,8 +572,9 @@ class Watch:
         mine = torch.stack(rows).view(-1, L, E)  # (steps, L, E): my tokens' choices
         load = mine.clone()
         dist.all_reduce(load)  # the global batch's routing, every step of this run
-        # All-to-all bytes handed to other ranks in the last step, 4 exchanges per layer (dispatch, combine
-        # and their backward), from the routed counts: 2 x (my pairs for others + theirs for me) x D x bytes.
+        # All-to-all bytes handed to other ranks in the last step, 4 exchanges per layer (dispatch,
+        # combine and their backward), from the routed counts: 2 x (my pairs for others + theirs for
+        # me) x D x bytes.
         sent = sum(c["to_others"] for c in self.comm.calls_log if c["op"] == "all_to_all")
         pairs = mine[-1].contiguous()  # (L, E): my pairs per expert, last step
         got = torch.empty(ep * L * E, dtype=pairs.dtype, device=d.device)
@@ -585,19 +612,23 @@ class Watch:
         d.log(
             "summary (last step, all ranks)          measured   | theory\n"
             + "".join(
-                f"  expert load, MoE layer {i}           {[int(v) for v in l]} | {tokens * k / E:g} "
+                f"  expert load, MoE layer {i}           {[int(v) for v in l]} | "
+                f"{tokens * k / E:g} "
                 "each if balanced (nothing dropped)\n"
                 for i, l in enumerate(f["expert_load"])
             )
-            + f"  MaxVio per step (max/mean load - 1)  {' '.join(f'{v:.3f}' for v in f['maxvio_per_step'])}"
+            + "  MaxVio per step (max/mean load - 1)  "
+            f"{' '.join(f'{v:.3f}' for v in f['maxvio_per_step'])}"
             + "\n"
             + "".join(
                 f"  expert bias, MoE layer {i}           {[round(v, 4) for v in b]}\n"
                 for i, b in enumerate(biases)
             )
-            + f"  LM loss, seq aux loss (x {args.seq_aux_weight:g})  {lms[-1]:.6f}, {auxes[-1]:.6f}\n"
+            + f"  LM loss, seq aux loss (x {args.seq_aux_weight:g})  {lms[-1]:.6f}, "
+            f"{auxes[-1]:.6f}\n"
             f"  all-to-all bytes sent / step / rank  {f['alltoall_bytes_per_rank']} | "
-            f"{f['alltoall_bytes_expected_per_rank']} = 2 x (pairs to others + pairs from them) x D x bytes"
+            f"{f['alltoall_bytes_expected_per_rank']} = 2 x (pairs to others + pairs from them) x "
+            "D x bytes"
             + (
                 f"\n  counts all-gathered / step / rank    {f['counts_bytes_per_step']:<10} | "
                 f"{L * E * 8} = layers x E x 8"
@@ -610,8 +641,8 @@ class Watch:
 
 # --- reference for --check ---
 def full_params(layout, model):
-    """The whole model by name (routed expert shards all-gathered over the EP group) and its buffers (the
-    loss-free bias), for --check on rank 0."""
+    """The whole model by name (routed expert shards all-gathered over the EP group) and its buffers
+    (the loss-free bias), for --check on rank 0."""
     _, expert = split_params(model)
     ids, out = {id(p) for p in expert}, {}
     for name, p in [*model.named_parameters(), *model.named_buffers()]:
@@ -625,8 +656,8 @@ def full_params(layout, model):
 
 
 def moe_reference(args, device):
-    """The one-process answer: every expert local, the bias moved by the whole batch's counts (one process
-    routes them all: nothing to all-reduce)."""
+    """The one-process answer: every expert local, the bias moved by the whole batch's counts (one
+    process routes them all: nothing to all-reduce)."""
     model = build_moe_gpt(args, device=device)
     layers, steps = (
         moe_layers(model),

@@ -1,42 +1,51 @@
-"""pipedream.py: one-forward-one-backward (1F1B) pipelines: PipeDream-flush, PipeDream, PipeDream-2BW.
+"""pipedream.py: one-forward-one-backward (1F1B) pipelines: PipeDream-flush, PipeDream,
+PipeDream-2BW.
 
-As in gpipe.py the GPT is cut into p stages, one per rank (embedding + first blocks on stage 0, last blocks +
-final norm + head + loss on stage p-1), and the global batch into m micro-batches. What changes is the order
-of work on a stage (PipeDream: Narayanan, Harlap, Phanishayee, Seshadri, Devanur, Ganger, Gibbons, Zaharia,
-SOSP 2019): p-s-1 warm-up forwards fill the stages after s, then stage s alternates one forward (F) and one
-backward (B), so each micro-batch's activations are freed as early as the pipeline allows: at most p - s
-micro-batches are alive on stage s, where GPipe keeps all m.
+As in gpipe.py the GPT is cut into p stages, one per rank (embedding + first blocks on stage 0, last
+blocks + final norm + head + loss on stage p-1), and the global batch into m micro-batches. What
+changes is the order of work on a stage (PipeDream: Narayanan, Harlap, Phanishayee, Seshadri,
+Devanur, Ganger, Gibbons, Zaharia, SOSP 2019): p-s-1 warm-up forwards fill the stages after s, then
+stage s alternates one forward (F) and one backward (B), so each micro-batch's activations are freed
+as early as the pipeline allows: at most p - s micro-batches are alive on stage s, where GPipe keeps
+all m.
 
     1F1B, p = 4, m = 8 (B drawn as long as F)                                    time ->
     stage 0   F0 F1 F2 F3 .. .. .. B0 F4 B1 F5 B2 F6 B3 F7 B4 .. B5 .. B6 .. B7   warm-up 3, alive <= 4
     stage 1   .. F0 F1 F2 .. .. B0 F3 B1 F4 B2 F5 B3 F6 B4 F7 B5 .. B6 .. B7 ..   warm-up 2, alive <= 3
     stage 2   .. .. F0 F1 .. B0 F2 B1 F3 B2 F4 B3 F5 B4 F6 B5 F7 B6 .. B7 .. ..   warm-up 1, alive <= 2
     stage 3   .. .. .. F0 B0 F1 B1 F2 B2 F3 B3 F4 B4 F5 B5 F6 B6 F7 B7 .. .. ..   alive 1
-              idle ("..") = 6 of 22 slots = (p-1)/(m+p-1): the same bubble as GPipe, if the pipeline drains
+              idle ("..") = 6 of 22 slots = (p-1)/(m+p-1): the same bubble as GPipe, if the pipeline
+              drains
 
 --mode says when the weights change (flush, stash, 2bw: the three systems differ only there):
-1. flush (PipeDream-flush; Narayanan, Phanishayee, Shi, Chen, Zaharia, "Memory-Efficient Pipeline-Parallel
-   DNN Training", ICML 2021; the 1F1B of Megatron-LM and DeepSpeed): the picture above once per step, then
-   one optimizer step on the drained pipeline. Synchronous: exactly one-process training (--check).
-2. stash (PipeDream 2019): never drain. Micro-batches stream through one long 1F1B schedule, and every stage
-   steps its optimizer after every backward, with that one micro-batch's gradient. Micro-batch k's forward on
-   stage s therefore reads the stage's weights after max(0, k - (p-s-1)) updates; weight stashing keeps that
-   version until k's backward, so the gradient belongs to the weights that produced it (--clip 0 only: k's
-   whole-model norm exists once stage 0 ends B_k, after the later stages stepped):
+1. flush (PipeDream-flush; Narayanan, Phanishayee, Shi, Chen, Zaharia, "Memory-Efficient
+   Pipeline-Parallel
+   DNN Training", ICML 2021; the 1F1B of Megatron-LM and DeepSpeed): the picture above once per
+   step, then one optimizer step on the drained pipeline. Synchronous: exactly one-process training
+   (--check).
+2. stash (PipeDream 2019): never drain. Micro-batches stream through one long 1F1B schedule, and
+   every stage
+   steps its optimizer after every backward, with that one micro-batch's gradient. Micro-batch k's
+   forward on stage s therefore reads the stage's weights after max(0, k - (p-s-1)) updates; weight
+   stashing keeps that version until k's backward, so the gradient belongs to the weights that
+   produced it (--clip 0 only: k's whole-model norm exists once stage 0 ends B_k, after the later
+   stages stepped):
        micro-batch k           0  1  2  3  4  5  6  7      (p = 4)
        stage 0 reads version   0  0  0  0  1  2  3  4      max(0, k-3)   versions kept <= p - s
        stage 3 reads version   0  1  2  3  4  5  6  7      k
-   --vertical-sync: every stage reads the version stage 0 read (the number travels with the activation), so
-   a micro-batch sees one consistent model; a later stage then keeps p versions, not p - s.
+   --vertical-sync: every stage reads the version stage 0 read (the number travels with the
+   activation), so a micro-batch sees one consistent model; a later stage then keeps p versions, not
+   p - s.
 3. 2bw (PipeDream-2BW, 2021): never drain either, but a stage sums the gradient over a batch's m
-   micro-batches and steps once per batch. Batch t runs on the weights of update t-1, and its gradient
-   updates the newest: W_{t+1} = AdamW(W_t, clip(grad at W_{t-1})) (the paper's W_t - lr*grad f(W_{t-1})).
-   Two versions alive per stage, ever (the double buffer). Needs m >= p, as in the paper. Clipping needs
-   batch t's whole-model norm, complete only on stage 0 (last to finish the batch): it rides back down with
-   an activation, before any stage needs W_{t+1}.
-stash and 2bw are meant to differ from synchronous training: --check compares each with a one-process
-simulation of its own rule (simulate_rule, at the end of the file). Measured from outside the schedule, each
-beside its theory: the bubble, micro-batches alive, weight versions kept, bytes sent; an ASCII timeline.
+   micro-batches and steps once per batch. Batch t runs on the weights of update t-1, and its
+   gradient updates the newest: W_{t+1} = AdamW(W_t, clip(grad at W_{t-1})) (the paper's W_t -
+   lr*grad f(W_{t-1})). Two versions alive per stage, ever (the double buffer). Needs m >= p, as in
+   the paper. Clipping needs batch t's whole-model norm, complete only on stage 0 (last to finish
+   the batch): it rides back down with an activation, before any stage needs W_{t+1}.
+stash and 2bw are meant to differ from synchronous training: --check compares each with a
+one-process simulation of its own rule (simulate_rule, at the end of the file). Measured from
+outside the schedule, each beside its theory: the bubble, micro-batches alive, weight versions kept,
+bytes sent; an ASCII timeline.
 
 Run (one process per stage; a world of 1 is not a pipeline):
     torchrun --nproc_per_node=4 pipedream.py --microbatches 8 --stage-ms 30 --steps 3  # simulated compute
@@ -99,19 +108,21 @@ class Args(CommonArgs):
 
 # ----------------------------------------------------------------------------- the stages
 def split_layers(n_layers, p):
-    """Blocks [start, end) of each of p stages, as even as possible; the earlier ones take the extras."""
+    """Blocks [start, end) of each of p stages, as even as possible; the earlier ones take the
+    extras."""
     if not 1 <= p <= n_layers:
         raise ValueError(
-            f"{p} stages of {n_layers} blocks leave a stage without one: use 1 to {n_layers} stages, "
-            f"or {p} blocks or more"
+            f"{p} stages of {n_layers} blocks leave a stage without one: use 1 to {n_layers} "
+            f"stages, or {p} blocks or more"
         )
     base, extra = divmod(n_layers, p)
     return [(s * base + min(s, extra), (s + 1) * base + min(s + 1, extra)) for s in range(p)]
 
 
 class Stage(nn.Module):
-    """Blocks [start, end) of the seeded GPT, plus the embedding on the first stage and ln_f + head on the
-    last. The GPT's parameter names are kept ("blocks.2.attn.q.weight"): together the stages are the GPT."""
+    """Blocks [start, end) of the seeded GPT, plus the embedding on the first stage and ln_f + head
+    on the last. The GPT's parameter names are kept ("blocks.2.attn.q.weight"): together the stages
+    are the GPT."""
 
     def __init__(self, gpt, s, bounds):
         super().__init__()
@@ -136,7 +147,8 @@ class Stage(nn.Module):
 
 # ----------------------------------------------------------------------------- the schedules
 def one_f_one_b(n, p, s):
-    """Stage s's ops for a stream of n micro-batches: p-s-1 warm-up Fs, then F and B in turn, then Bs."""
+    """Stage s's ops for a stream of n micro-batches: p-s-1 warm-up Fs, then F and B in turn, then
+    Bs."""
     if not 0 <= s < p or n < 1:
         raise ValueError(f"stage {s} of {p}, {n} micro-batches: give a stage 0..p-1 and n >= 1")
     warm = min(p - s - 1, n)
@@ -150,15 +162,16 @@ def one_f_one_b(n, p, s):
 
 
 def split_at_step_ends(ops, m):
-    """Cut a stage's ops after the B of each step's last micro-batch: chunk t is what it runs in step t.
-    Without a flush (stash, 2bw), chunk t already holds forwards of step t+1."""
+    """Cut a stage's ops after the B of each step's last micro-batch: chunk t is what it runs in
+    step t. Without a flush (stash, 2bw), chunk t already holds forwards of step t+1."""
     ends = [i + 1 for i, (kind, k) in enumerate(ops) if kind == "B" and k % m == m - 1]
     return [ops[a:z] for a, z in zip([0] + ends, ends)]
 
 
 def p2p(sends, recvs, group):
-    """One batch_isend_irecv of [(tensor, peer: a rank within group)] sends and receives, then wait. Two
-    blocking sends facing each other deadlock under NCCL; sends and receives in one batch cannot."""
+    """One batch_isend_irecv of [(tensor, peer: a rank within group)] sends and receives, then wait.
+    Two blocking sends facing each other deadlock under NCCL; sends and receives in one batch
+    cannot."""
     ops = [dist.P2POp(dist.isend, t, group=group, group_peer=peer) for t, peer in sends]
     ops += [dist.P2POp(dist.irecv, t, group=group, group_peer=peer) for t, peer in recvs]
     for req in dist.batch_isend_irecv(ops) if ops else []:
@@ -177,8 +190,9 @@ def check_microbatches(rows, m):
 
 
 def to_device(m, device, *batch):
-    """A step's global (B, ...) tensors as m micro-batches (m, B/m, ...), copied to the device once per step
-    (pinned and non-blocking on a GPU), never once per micro-batch in the middle of the schedule."""
+    """A step's global (B, ...) tensors as m micro-batches (m, B/m, ...), copied to the device once
+    per step (pinned and non-blocking on a GPU), never once per micro-batch in the middle of the
+    schedule."""
     for t in batch:
         check_microbatches(len(t), m)
     batch = [rearrange(t, "(m b) ... -> m b ...", m=m) for t in batch]
@@ -187,20 +201,25 @@ def to_device(m, device, *batch):
     return [t.to(device, non_blocking=True) for t in batch]
 
 
-# ----------------------------------------------------------------------------- one stage running its ops
-# Every activation and gradient travels with a 4-number float64 tag (float64: a loss is exact), on the device:
-#   forward  [micro-batch k, weight version, 2bw: newest batch whose whole-model norm is known, its norm^2]
-#   backward [micro-batch k, weight version, loss of k (from the last stage), 2bw: partial grad norm^2]
-# The host never reads one while the pipeline runs (on a GPU that would stop the stream at every message).
+# ------------------------------------------------------------------------ one stage running its ops
+# Every activation and gradient travels with a 4-number float64 tag (float64: a loss is exact), on
+# the device:
+#   forward  [micro-batch k, weight version, 2bw: newest batch whose whole-model norm is known,
+#             its norm^2]
+#   backward [micro-batch k, weight version, loss of k (from the last stage), 2bw: partial grad
+#             norm^2]
+# The host never reads one while the pipeline runs (on a GPU that would stop the stream at every
+# message).
 TAG = 4
 
 
 class StageRunner:
-    """One pipeline stage running its ops ("F", k), ("B", k) in order, for any stage module; when the weights
-    change is the policy's (Flush, Stash, TwoBW). source(k): (stage 0's input, the last stage's target) of
-    micro-batch k, for loss_fn(output, target); in_shape / out_shape: what arrives from prev / leaves for
-    next, its neighbours in `group` (the pipeline's ranks in stage order; None: the default group);
-    observe(kind, k, **tags): a context around every op. NCCL wants a collective on the group first."""
+    """One pipeline stage running its ops ("F", k), ("B", k) in order, for any stage module; when
+    the weights change is the policy's (Flush, Stash, TwoBW). source(k): (stage 0's input, the last
+    stage's target) of micro-batch k, for loss_fn(output, target); in_shape / out_shape: what
+    arrives from prev / leaves for next, its neighbours in `group` (the pipeline's ranks in stage
+    order; None: the default group); observe(kind, k, **tags): a context around every op. NCCL wants
+    a collective on the group first."""
 
     def __init__(
         self,
@@ -251,8 +270,9 @@ class StageRunner:
             (self.forward if kind == "F" else self.backward)(k, x, tag)
 
     def exchange(self, kind, k):
-        """The last op's message and this op's receive in one batch: F's output leaves with the next B's
-        gradient receive, B's with the next F's activation receive (Megatron's send_forward_recv_backward)."""
+        """The last op's message and this op's receive in one batch: F's output leaves with the next
+        B's gradient receive, B's with the next F's activation receive (Megatron's
+        send_forward_recv_backward)."""
         peer = {"F": self.prev, "B": self.next}.get(kind)
         x = None
         tag = None
@@ -297,13 +317,14 @@ class StageRunner:
             ]
 
     def drain(self, t):
-        """The end of step t (flush) or of a stream's segment: send what the last op left, then the policy's
-        end of batch (flush: the optimizer step; 2bw: the last batch's norm, which no activation carries)."""
+        """The end of step t (flush) or of a stream's segment: send what the last op left, then the
+        policy's end of batch (flush: the optimizer step; 2bw: the last batch's norm, which no
+        activation carries)."""
         self.exchange("end", None)
         self.policy.drain(t)
 
 
-# ----------------------------------------------------------------------------- policies: when weights change
+# -------------------------------------------------------------------- policies: when weights change
 def squared_norm(grads):  # in float64, without a float64 copy of each gradient (the norm's dtype=)
     return (
         torch.stack([torch.linalg.vector_norm(g, dtype=torch.float64) for g in grads])
@@ -313,7 +334,8 @@ def squared_norm(grads):  # in float64, without a float64 copy of each gradient 
 
 
 class Flush:
-    """PipeDream-flush: one version of the weights; once the pipeline has drained, one optimizer step."""
+    """PipeDream-flush: one version of the weights; once the pipeline has drained, one optimizer
+    step."""
 
     def __init__(self, stage, opt, clip, group=None):
         self.stage = stage
@@ -350,11 +372,12 @@ class Flush:
         self.version += 1
 
 
-# ----------------------------------------------------------------------------- PipeDream and 2BW: no flush
+# ---------------------------------------------------------------------- PipeDream and 2BW: no flush
 class Stash(Flush):
-    """PipeDream (2019), weight stashing: a forward never reads the live weights the optimizer steps (the
-    next step would change, in place, tensors autograd saved for a backward still to come); each version is a
-    frozen copy, made right after its step, kept while a micro-batch in flight or still to come reads it."""
+    """PipeDream (2019), weight stashing: a forward never reads the live weights the optimizer steps
+    (the next step would change, in place, tensors autograd saved for a backward still to come);
+    each version is a frozen copy, made right after its step, kept while a micro-batch in flight or
+    still to come reads it."""
 
     def __init__(self, stage, opt, lag):
         super().__init__(stage, opt, clip=0)
@@ -418,9 +441,10 @@ def check_2bw(m, p):  # TwoBW's invariant (learn_norm), which check_args checks 
 
 
 class TwoBW(Stash):
-    """PipeDream-2BW: two versions, ever (the newest also lives in the master weights the optimizer steps:
-    autograd must never see a tensor it saved change in place). Batch t's whole-model norm: each stage adds
-    its squared norm to the partial sum riding up with the gradients; stage 0 has the total."""
+    """PipeDream-2BW: two versions, ever (the newest also lives in the master weights the optimizer
+    steps: autograd must never see a tensor it saved change in place). Batch t's whole-model norm:
+    each stage adds its squared norm to the partial sum riding up with the gradients; stage 0 has
+    the total."""
 
     def __init__(self, stage, opt, m, clip, group=None):  # group: the pipeline's, in stage order
         super().__init__(stage, opt, lag=None)
@@ -459,9 +483,10 @@ class TwoBW(Stash):
         return partial
 
     def learn_norm(self, t, sq):
-        """Batch t's whole-model squared norm (on the device) is known here now: its update is made, first
-        needed by batch t+2, which starts here after the norm passes with micro-batch (t+1)m + p-1. A message
-        carries its sender's newest norm only, so each norm learnt must be the next expected (m >= p)."""
+        """Batch t's whole-model squared norm (on the device) is known here now: its update is made,
+        first needed by batch t+2, which starts here after the norm passes with micro-batch (t+1)m +
+        p-1. A message carries its sender's newest norm only, so each norm learnt must be the next
+        expected (m >= p)."""
         if t == self.known[0]:
             return  # nothing new
         if t != self.known[0] + 1 or t not in self.batch_grads:
@@ -483,12 +508,13 @@ def check_args(args, p, m):
     check_common_args(args)
     if args.vertical_sync and args.mode != "stash":
         fail(
-            f"--vertical-sync belongs to --mode stash (--mode {args.mode}: no per-micro-batch versions)"
+            f"--vertical-sync belongs to --mode stash (--mode {args.mode}: no per-micro-batch "
+            "versions)"
         )
     if args.mode == "stash" and args.clip > 0:
         fail(
-            "--mode stash updates each stage right after its backward, before the whole-model gradient "
-            "norm of that micro-batch exists (stage 0 finishes it last): pass --clip 0"
+            "--mode stash updates each stage right after its backward, before the whole-model "
+            "gradient norm of that micro-batch exists (stage 0 finishes it last): pass --clip 0"
         )
     try:  # the cores' own checks: the micro-batches, the split, 2bw's invariant
         check_microbatches(args.batch_size, m)
@@ -518,8 +544,9 @@ def main():
     data = MarkovData(args.vocab, args.seed)
     bounds = split_layers(args.n_layers, p)
     d.log(
-        f"pipedream.py --mode {args.mode}{' --vertical-sync' * args.vertical_sync}: {p} stages x {m} "
-        f"micro-batches of {args.batch_size // m} on {d.backend}; entropy floor {data.entropy:.4f} nats"
+        f"pipedream.py --mode {args.mode}{' --vertical-sync' * args.vertical_sync}: {p} stages x "
+        f"{m} micro-batches of {args.batch_size // m} on {d.backend}; entropy floor "
+        f"{data.entropy:.4f} nats"
     )
     d.log(
         "split: "
@@ -569,7 +596,8 @@ def main():
     )
     observer.runner = runner
     run = Run(d, args, {"model": stage, "optim": opt, "pipe": PolicyState(policy)})
-    # flush: a schedule per step, drained before the update. stash, 2bw: one, drained only at a checkpoint
+    # flush: a schedule per step, drained before the update. stash, 2bw: one, drained only at a
+    # checkpoint
     ends = [
         t
         for t in range(run.start + 1, args.steps + 1)
@@ -581,7 +609,8 @@ def main():
         for kind, k in one_f_one_b((z - a) * m, p, s)
     ]
     chunks = split_at_step_ends(stream, m)  # chunks[i]: what this stage runs in step start + i
-    # NCCL sets up its communicator at the first collective; batched point-to-point must not come first
+    # NCCL sets up its communicator at the first collective; batched point-to-point must not come
+    # first
     dist.all_reduce(torch.zeros(1, device=d.device))
     for step in run.steps():
         chunk = chunks[step - run.start]
@@ -591,13 +620,15 @@ def main():
             x, y = data.batch(t, args.batch_size, args.seq_len, args.ragged)
             # (m, b, T) each; count: on CPU
             batches[t] = (*to_device(m, d.device, x, y), count_tokens(y))
-        # bytes sent, counted at the slow dispatcher: flush, in the step before the timed last; a stream, all
+        # bytes sent, counted at the slow dispatcher: flush, in the step before the timed last; a
+        # stream, all
         with run.watching(step, comm, at=max(run.start, args.steps - 2) if sync else step):
             runner.run(chunk)
             if step + 1 in ends:
                 runner.drain(step)
         del batches[step]
-        # stage 0 has every loss of the step now (they came back with the gradients); other ranks log nothing
+        # stage 0 has every loss of the step now (they came back with the gradients); other ranks
+        # log nothing
         loss = (
             sum(runner.losses.pop(step * m + j) for j in range(m)).item()
             if s == 0
@@ -609,11 +640,11 @@ def main():
     summarize(d, args, p, run, observer, comm, bounds, len(ends), stage)
 
 
-# --- measurement --- (from outside the schedule: its observe callback, the collective counter, the report) --
+# --- measurement --- (from outside the schedule: its observe callback, the counter, the report)
 # A policy's checkpoint state (Run saves and loads it; no part of the schedule)
 class PolicyState:
-    """A stage policy's part of a checkpoint, saved after a drain: the updates taken, the versions kept
-    (stash, 2bw), the whole-model norm known (2bw). Loaded after the live stage itself."""
+    """A stage policy's part of a checkpoint, saved after a drain: the updates taken, the versions
+    kept (stash, 2bw), the whole-model norm known (2bw). Loaded after the live stage itself."""
 
     def __init__(self, policy):
         self.policy = policy
@@ -642,11 +673,11 @@ class PolicyState:
 
 
 class Observer(PipelineWatch):
-    """harness.PipelineWatch (--stage-ms: each F waits that, each B twice), reading as each op begins this
-    stage's peaks in the state the ops before it left, from the runner's and the policy's attributes:
-    micro-batches alive (F to B), weight versions kept, bytes alive after a forward (what forwards saved for
-    backward, plus inputs and outputs, and parameters, gradients and optimizer state of the live and the
-    stashed versions)."""
+    """harness.PipelineWatch (--stage-ms: each F waits that, each B twice), reading as each op
+    begins this stage's peaks in the state the ops before it left, from the runner's and the
+    policy's attributes: micro-batches alive (F to B), weight versions kept, bytes alive after a
+    forward (what forwards saved for backward, plus inputs and outputs, and parameters, gradients
+    and optimizer state of the live and the stashed versions)."""
 
     def __init__(self, d, args):
         super().__init__(d, {"F": args.stage_ms, "B": 2 * args.stage_ms}, tags=("version",))
@@ -664,8 +695,9 @@ class Observer(PipelineWatch):
 
 
 def summarize(d, args, p, run, observer, comm, bounds, segments, stage):
-    """The report, the peak (counted) read before --check trains, then --check: the full model, by name, from
-    every stage's parameters (one all-reduce); stash and 2bw against their own rule (simulate_rule)."""
+    """The report, the peak (counted) read before --check trains, then --check: the full model, by
+    name, from every stage's parameters (one all-reduce); stash and 2bw against their own rule
+    (simulate_rule)."""
     figures = report(d, args, observer, comm, bounds, args.steps - run.start, segments)
     peak = peak_memory_bytes(d, observer.bytes)
     check = None
@@ -683,8 +715,9 @@ def summarize(d, args, p, run, observer, comm, bounds, segments, stage):
 
 
 def report(d, args, observer, comm, bounds, steps_run, segments):
-    """Every rank's events and counts, gathered (tensors only); rank 0: the summary's figures, each beside its
-    theory, the table, the timeline, --trace. segments: the schedules between drains in this run."""
+    """Every rank's events and counts, gathered (tensors only); rank 0: the summary's figures, each
+    beside its theory, the table, the timeline, --trace. segments: the schedules between drains in
+    this run."""
     events = observer.timeline.gather()
     every = [
         r[0].tolist()
@@ -727,15 +760,15 @@ def report(d, args, observer, comm, bounds, steps_run, segments):
         mode, [1] * p
     )
     d.log(
-        f"\nsummary ({mode}, {p} stages, m = {m}) over {'the last step' if sync else 'the run'}, theory "
-        f"beside each measurement: bubble {formula}; idle ms (p-1)(T_F+T_B) per drain at the measured "
-        + ", ".join(f"T_{k} {v:.1f}" for k, v in op_ms.items())
-        + " ms; alive p - s; "
+        f"\nsummary ({mode}, {p} stages, m = {m}) over {'the last step' if sync else 'the run'}, "
+        "theory "
+        f"beside each measurement: bubble {formula}; idle ms (p-1)(T_F+T_B) per drain at the "
+        "measured " + ", ".join(f"T_{k} {v:.1f}" for k, v in op_ms.items()) + " ms; alive p - s; "
         f"weight versions kept; bytes sent per step m x ((b, T, D) + {8 * TAG} B tag) each way"
     )
     d.log(
-        "stage | blocks | bubble | theory | idle ms | theory | alive | theory | versions | theory | "
-        "sent B/step | theory | mem B"
+        "stage | blocks | bubble | theory | idle ms | theory | alive | theory | versions | theory "
+        "| sent B/step | theory | mem B"
     )
     for s, (a, z) in enumerate(bounds):
         d.log(
@@ -757,8 +790,8 @@ def report(d, args, observer, comm, bounds, steps_run, segments):
     d.log(
         "\ntimeline of the last step, measured (micro-batch numbers within the step):"
         if sync
-        else "\ntimeline of the last two steps, measured (micro-batches numbered from the start; no drain "
-        "between but at a checkpoint):"
+        else "\ntimeline of the last two steps, measured (micro-batches numbered from the start; "
+        "no drain between but at a checkpoint):"
     )
     lo = lo if sync else min(e["start"] for e in events if e["mb"] >= max(args.steps - 2, 0) * m)
     d.log(
@@ -788,15 +821,17 @@ def report(d, args, observer, comm, bounds, steps_run, segments):
     )
 
 
-# --- reference for --check --- (the stash and 2bw rules in one process) -------------------------------------
+# --- reference for --check --- (the stash and 2bw rules in one process) ---------------------------
 def simulate_rule(args, p, device="cpu", log=lambda line: None):
-    """The stash or 2bw rule without a pipeline, on the whole model. stash: micro-batches in stream order
-    k = step*m + j, whose forward and backward read, on stage s, the weights after max(0, k - lag_s) updates,
-    lag_s = p-s-1 (p-1 everywhere with --vertical-sync); then one AdamW step with k's gradient. 2bw: whole
-    batches t, reading W_{max(t-1, 0)}: W_{t+1} = AdamW(W_t, clip(grad at W_{t-1})), torch's clip_grad_norm_.
-    One AdamW over the whole model equals one per stage: with foreach=False it updates each tensor alone."""
+    """The stash or 2bw rule without a pipeline, on the whole model. stash: micro-batches in stream
+    order k = step*m + j, whose forward and backward read, on stage s, the weights after max(0, k -
+    lag_s) updates, lag_s = p-s-1 (p-1 everywhere with --vertical-sync); then one AdamW step with
+    k's gradient. 2bw: whole batches t, reading W_{max(t-1, 0)}: W_{t+1} = AdamW(W_t, clip(grad at
+    W_{t-1})), torch's clip_grad_norm_. One AdamW over the whole model equals one per stage: with
+    foreach=False it updates each tensor alone."""
     log(
-        f"--check: against the one-process simulation of the {args.mode} rule, not synchronous training"
+        f"--check: against the one-process simulation of the {args.mode} rule, not synchronous "
+        "training"
     )
     stash, bounds = args.mode == "stash", split_layers(args.n_layers, p)
     m = args.microbatches if stash else 1  # updates per step
@@ -807,7 +842,8 @@ def simulate_rule(args, p, device="cpu", log=lambda line: None):
     }  # name -> stage
     names = [n for n, _ in model.named_parameters()]
     lag = {n: (p - 1 if args.vertical_sync else p - owner[n] - 1) if stash else 1 for n in names}
-    frozen = lambda: {n: q.detach().clone().requires_grad_() for n, q in model.named_parameters()}  # noqa
+    # noqa
+    frozen = lambda: {n: q.detach().clone().requires_grad_() for n, q in model.named_parameters()}
     history, losses = {0: frozen()}, []  # history[v]: the weights after v updates
     for step in range(args.steps):
         x, y = data.batch(step, args.batch_size, args.seq_len, args.ragged)

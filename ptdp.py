@@ -1,8 +1,9 @@
-"""ptdp.py: PTD-P, pipeline x tensor x data parallelism with the interleaved 1F1B schedule, plus context
-parallelism and a sharded optimizer: the four axes Llama 3 405B trained on (Dubey et al. 2024, Sec. 3.3).
+"""ptdp.py: PTD-P, pipeline x tensor x data parallelism with the interleaved 1F1B schedule, plus
+context parallelism and a sharded optimizer: the four axes Llama 3 405B trained on (Dubey et al.
+2024, Sec. 3.3).
 
-Narayanan et al., "Efficient Large-Scale Language Model Training on GPU Clusters Using Megatron-LM" (SC 2021).
-Four ways to split one GPT, composed on one grid of ranks:
+Narayanan et al., "Efficient Large-Scale Language Model Training on GPU Clusters Using Megatron-LM"
+(SC 2021). Four ways to split one GPT, composed on one grid of ranks:
 
     grid = torch.arange(world).view(pp, dp, cp, tp)     e.g. pp 2 x dp 1 x cp 2 x tp 2 = 8 ranks:
                          tp 0  tp 1
@@ -15,58 +16,68 @@ Four ways to split one GPT, composed on one grid of ranks:
     a DP x CP group is grid[i, :, :, k]    the same shard of the same chunks: its gradients summed (ZeRO-1:
                                            reduce-scattered, optimizer state sharded) once per batch
     a pipeline is grid[:, j, c, k]         point-to-point activations forward, gradients backward
-Why this order (Megatron-Core's, tp-cp-dp-pp): TP sends the most, two all-reduces of every activation per
-layer that nothing overlaps, so it gets the fastest links; CP next, a K/V block per layer that can overlap the
-block's attention; DP once per batch; PP least, one activation per micro-batch and chunk: it may cross nodes.
+Why this order (Megatron-Core's, tp-cp-dp-pp): TP sends the most, two all-reduces of every
+activation per layer that nothing overlaps, so it gets the fastest links; CP next, a K/V block per
+layer that can overlap the block's attention; DP once per batch; PP least, one activation per
+micro-batch and chunk: it may cross nodes.
 
-1. Tensor parallel (Megatron-LM, Shoeybi et al. 2019, Sec. 3), innermost, so a TP group sits inside a node
-   where links are fastest (the PTD-P paper's Takeaway #1): q, k, v and the MLP's fc are split by output
-   features (column-parallel; rank k owns heads k*H/t .. (k+1)*H/t - 1), both output projections by input
-   features (row-parallel). f (identity forward, all-reduce backward) opens each split region and g
-   (all-reduce forward, identity backward) closes it. LayerNorms, the row-parallel biases, the embedding and
-   the head are replicated over the TP group (megatron_tp.py shows the vocab-parallel head).
-2. Context parallel (--cp; Liu et al. 2023, "Ring Attention"; Llama 3 Sec. 3.3.2): every sequence is cut into
-   2cp chunks and CP rank r holds chunks r and 2cp-1-r (zig-zag: an early and a late one, so under the causal
-   mask every rank does equal work) through the whole model: every tensor between layers is (b, T/cp, D), the
-   positions are the rank's own. Only attention looks across tokens: inside each TP rank's heads, K/V blocks
-   go round the CP group's ring, cp - 1 hops, each block's partial attention merged by its log-sum-exp; the
-   backward recomputes the ring and sends each dK/dV block back the way it came. A CP rank holds the same
-   weights as its DP peers; its loss covers its tokens, divided by the global token count as everywhere.
-3. Pipeline parallel: the n_layers blocks are cut into p*v chunks of equal size. Rank i of a pipeline holds
-   the v non-contiguous chunks i, i+p, i+2p, ... (the paper's "virtual stages"), so a micro-batch visits
-   every rank v times and the bubble shrinks v-fold: (p-1)/(v*m) of the ideal compute time. The schedule is
-   Megatron's interleaved 1F1B: warm-up forwards, then one forward and one backward in turn, then the
-   cool-down backwards, then a flush; with v = 1 it is plain 1F1B (PipeDream-flush). Forwards run in groups of
-   p micro-batches per chunk, so like Megatron we require m to be a multiple of p when v > 1. Picture, p = 2,
-   v = 2, m = 4 (capitals: a rank's first chunk, lower case: its second; B takes twice F's time; idle ".."),
-   the ideal timeline that ideal_timeline() computes (the run draws the measured one):
+1. Tensor parallel (Megatron-LM, Shoeybi et al. 2019, Sec. 3), innermost, so a TP group sits inside
+   a node
+   where links are fastest (the PTD-P paper's Takeaway #1): q, k, v and the MLP's fc are split by
+   output features (column-parallel; rank k owns heads k*H/t .. (k+1)*H/t - 1), both output
+   projections by input features (row-parallel). f (identity forward, all-reduce backward) opens
+   each split region and g (all-reduce forward, identity backward) closes it. LayerNorms, the
+   row-parallel biases, the embedding and the head are replicated over the TP group (megatron_tp.py
+   shows the vocab-parallel head).
+2. Context parallel (--cp; Liu et al. 2023, "Ring Attention"; Llama 3 Sec. 3.3.2): every sequence is
+   cut into
+   2cp chunks and CP rank r holds chunks r and 2cp-1-r (zig-zag: an early and a late one, so under
+   the causal mask every rank does equal work) through the whole model: every tensor between layers
+   is (b, T/cp, D), the positions are the rank's own. Only attention looks across tokens: inside
+   each TP rank's heads, K/V blocks go round the CP group's ring, cp - 1 hops, each block's partial
+   attention merged by its log-sum-exp; the backward recomputes the ring and sends each dK/dV block
+   back the way it came. A CP rank holds the same weights as its DP peers; its loss covers its
+   tokens, divided by the global token count as everywhere.
+3. Pipeline parallel: the n_layers blocks are cut into p*v chunks of equal size. Rank i of a
+   pipeline holds
+   the v non-contiguous chunks i, i+p, i+2p, ... (the paper's "virtual stages"), so a micro-batch
+   visits every rank v times and the bubble shrinks v-fold: (p-1)/(v*m) of the ideal compute time.
+   The schedule is Megatron's interleaved 1F1B: warm-up forwards, then one forward and one backward
+   in turn, then the cool-down backwards, then a flush; with v = 1 it is plain 1F1B
+   (PipeDream-flush). Forwards run in groups of p micro-batches per chunk, so like Megatron we
+   require m to be a multiple of p when v > 1. Picture, p = 2, v = 2, m = 4 (capitals: a rank's
+   first chunk, lower case: its second; B takes twice F's time; idle ".."), the ideal timeline that
+   ideal_timeline() computes (the run draws the measured one):
 
       rank 0  F0F1f0f1F2..b0b0F3b1b1f2B0B0f3B1B1..b2b2..b3b3B2B2B3B3      idle 3 slots per 24 busy
       rank 1  ..F0F1f0b0b0f1b1b1F2B0B0F3B1B1f2b2b2f3b3b3B2B2B3B3....      = (p-1)/(v*m) = 1/8
-    v = 1, the same work per micro-batch (a rank's one chunk holds both layers: F two slots, B four):
+    v = 1, the same work per micro-batch (a rank's one chunk holds both layers: F two slots, B
+    four):
       rank 0  F0F0F1F1........B0B0B0B0F2F2B1B1B1B1F3F3B2B2B2B2....B3B3B3B3  idle 6 per 24 busy
       rank 1  ....F0F0B0B0B0B0F1F1B1B1B1B1F2F2B2B2B2B2F3F3B3B3B3B3........  = (p-1)/m = 1/4
-   The price: (v*p-1)*m messages per direction instead of (p-1)*m, and more chunks in flight on early ranks.
-   schedule() for r = 0, p = 2, v = 2, m = 4 (warm-up 4), chunk = global index l*p + r of local chunk l:
+   The price: (v*p-1)*m messages per direction instead of (p-1)*m, and more chunks in flight on
+   early ranks. schedule() for r = 0, p = 2, v = 2, m = 4 (warm-up 4), chunk = global index l*p + r
+   of local chunk l:
         k                              0  1  2  3  4  5  6  7
         forward chunk  (k%pv)//p*p+r   0  0  2  2  0  0  2  2
         micro-batch    k//pv*p + k%p   0  1  0  1  2  3  2  3
         backward chunk (v-1-l)*p+r     2  2  0  0  2  2  0  0     (l = k%pv//p, the forward's local chunk)
         ops  F0 F1 f0 f1 | F2 b0 F3 b1 f2 B0 f3 B1 | b2 b3 B2 B3   (capitals chunk 0, lower case chunk 2)
-4. Data parallel: each replica runs its pipelines on its slice of the global batch; after the flush the
-   gradients are summed over the dp x cp ranks holding the same chunk shard, once per batch: all-reduced, or
-   with --zero 1 (ZeRO-1, Rajbhandari et al. 2020; Megatron's distributed optimizer) reduce-scattered, each
-   rank updating only its 1/(dp cp) of the flat parameters with its share of AdamW's state, then all-gathering
-   them. The gradients are clipped by the norm of the whole model, every piece counted once: TP-split pieces
-   where they live, TP-replicated ones on TP rank 0, the pp ranks' disjoint chunks, of the dp x cp copies one
-   (rank 0 of the group), or each shard where it lives: one all-reduce of two numbers over the world, which
-   also sums the loss.
+4. Data parallel: each replica runs its pipelines on its slice of the global batch; after the flush
+   the
+   gradients are summed over the dp x cp ranks holding the same chunk shard, once per batch:
+   all-reduced, or with --zero 1 (ZeRO-1, Rajbhandari et al. 2020; Megatron's distributed optimizer)
+   reduce-scattered, each rank updating only its 1/(dp cp) of the flat parameters with its share of
+   AdamW's state, then all-gathering them. The gradients are clipped by the norm of the whole model,
+   every piece counted once: TP-split pieces where they live, TP-replicated ones on TP rank 0, the
+   pp ranks' disjoint chunks, of the dp x cp copies one (rank 0 of the group), or each shard where
+   it lives: one all-reduce of two numbers over the world, which also sums the loss.
 
-Messages: each activation and gradient is one tensor in a batch_isend_irecv, posted at the moment of the ideal
-timeline that comm_plan() gives it, so that no batch waits on a later one (NCCL deadlocks otherwise; the tests
-simulate it). Measured from outside, each beside its theory: every F and B, the bubble, chunks in flight and
-saved activations alive, messages and bytes sent, bytes per axis (tp, cp, pp, dp), model state and
-optimizer-state bytes per rank; an ASCII timeline.
+Messages: each activation and gradient is one tensor in a batch_isend_irecv, posted at the moment of
+the ideal timeline that comm_plan() gives it, so that no batch waits on a later one (NCCL deadlocks
+otherwise; the tests simulate it). Measured from outside, each beside its theory: every F and B, the
+bubble, chunks in flight and saved activations alive, messages and bytes sent, bytes per axis (tp,
+cp, pp, dp), model state and optimizer-state bytes per rank; an ASCII timeline.
 
 Run (--dp 0 = world / (pp * cp * tp); --pp 1 runs the other three axes, its "pipeline" one rank):
     torchrun --nproc_per_node=2 ptdp.py --pp 2 --virtual-stages 2 --dtype float64 --check
@@ -132,10 +143,11 @@ class Args(CommonArgs):
     stage_ms: float = 0.0  # simulate compute time: a chunk's F waits stage_ms/v ms, B twice that
 
 
-# ------------------------------------------------------------------------- tensor parallel: f, g, the layers
+# ---------------------------------------------------------------- tensor parallel: f, g, the layers
 class f(torch.autograd.Function):
-    """Megatron's f: identity forward, all-reduce backward. It opens a TP region: every rank multiplies the
-    same X by its own shard, so each rank's dL/dX is a partial sum, completed here."""
+    """Megatron's f: identity forward, all-reduce backward. It opens a TP region: every rank
+    multiplies the same X by its own shard, so each rank's dL/dX is a partial sum, completed
+    here."""
 
     @staticmethod
     def forward(ctx, x, group):
@@ -149,7 +161,8 @@ class f(torch.autograd.Function):
 
 
 class g(torch.autograd.Function):
-    """Megatron's g: all-reduce forward (sum the row-parallel partial products), identity backward."""
+    """Megatron's g: all-reduce forward (sum the row-parallel partial products), identity
+    backward."""
 
     @staticmethod
     def forward(ctx, x, group):  # (b, T, D) partial -> summed, replicated
@@ -164,14 +177,16 @@ class g(torch.autograd.Function):
 
 
 def check_split(n, k, what, by):
-    """The cores' check that `by` = k divides `what` = n; check_args's too, with the flags' names."""
+    """The cores' check that `by` = k divides `what` = n; check_args's too, with the flags'
+    names."""
     if n % k:
         raise ValueError(f"{what} {n} is not divisible by {by} = {k}: use a multiple of {k}")
 
 
 def tp_dim(name):
-    """The dimension of GPT parameter `name` split over the TP group (None: replicated). Column-parallel
-    weights (out, in) split dim 0, with their biases; row-parallel ones split dim 1, their bias is whole."""
+    """The dimension of GPT parameter `name` split over the TP group (None: replicated).
+    Column-parallel weights (out, in) split dim 0, with their biases; row-parallel ones split dim 1,
+    their bias is whole."""
     if name.endswith(
         ("attn.q.weight", "attn.k.weight", "attn.v.weight", "mlp.fc.weight", "mlp.fc.bias")
     ):
@@ -180,8 +195,9 @@ def tp_dim(name):
 
 
 class TPBlock(nn.Module):
-    """common.Block with Megatron's split, keeping its parameter names; its own forward: f, local matmuls, g.
-    Split parameters are marked `tp_split` (the clipping norm counts them on every TP rank).
+    """common.Block with Megatron's split, keeping its parameter names; its own forward: f, local
+    matmuls, g. Split parameters are marked `tp_split` (the clipping norm counts them on every TP
+    rank).
 
         q, k, v, fc  (out, in) = [W_0; W_1; ..]  rows: rank k computes its heads / its 4D/t hidden features
         proj         (out, in) = [W_0 | W_1 ..]  columns: rank k's partial product; g sums, then the bias"""
@@ -214,7 +230,8 @@ class TPBlock(nn.Module):
             rearrange(F.linear(h, lin.weight), "b t (h e) -> b h t e", h=self.heads)
             for lin in (a.q, a.k, a.v)
         )
-        # CP: T is this rank's T/cp tokens, and the others' K/V come round the CP ring (this rank's heads)
+        # CP: T is this rank's T/cp tokens, and the others' K/V come round the CP ring (this rank's
+        # heads)
         if self.cp_group:
             y = RingAttention.apply(q, k, v, self.cp_group)  # (b, H/t, T, E)
         else:
@@ -227,18 +244,20 @@ class TPBlock(nn.Module):
         return x + g.apply(F.linear(h, mlp.proj.weight), grp) + mlp.proj.bias
 
 
-# ------------------------------------------------------------------------- context parallel: the zig-zag ring
+# --------------------------------------------------------------- context parallel: the zig-zag ring
 def zigzag(x, cp, r, dim=1):
-    """(.., T, ..) whole sequences -> (.., T/cp, ..) CP rank r's tokens: chunks r and 2cp-1-r of 2cp, an early
-    one and a late one, so that under the causal mask every rank does the same work (Llama 3, Sec. 3.3.2)."""
+    """(.., T, ..) whole sequences -> (.., T/cp, ..) CP rank r's tokens: chunks r and 2cp-1-r of
+    2cp, an early one and a late one, so that under the causal mask every rank does the same work
+    (Llama 3, Sec. 3.3.2)."""
     check_split(x.shape[dim], 2 * cp, "tokens", "2 x cp")
     pieces = x.chunk(2 * cp, dim)
     return torch.cat([pieces[r], pieces[2 * cp - 1 - r]], dim)
 
 
 class Pass(torch.autograd.Function):
-    """One step of the ring: x to rank r+1 of the group, rank r-1's in, paired in one batch_isend_irecv (NCCL
-    safe). Its adjoint runs the ring backwards: the gradient of what came from r-1 goes back to r-1."""
+    """One step of the ring: x to rank r+1 of the group, rank r-1's in, paired in one
+    batch_isend_irecv (NCCL safe). Its adjoint runs the ring backwards: the gradient of what came
+    from r-1 goes back to r-1."""
 
     @staticmethod
     def forward(ctx, x, group, step=1):  # x (2, b, H/t, T/cp, E): a block of keys and values
@@ -262,18 +281,21 @@ class Pass(torch.autograd.Function):
 
 
 def attend(q, k, v, causal=False):
-    """Attention of q (b, h, tq, E) over one block k, v (b, h, tk, E): (output, log-sum-exp (b, h, tq, 1))."""
+    """Attention of q (b, h, tq, E) over one block k, v (b, h, tk, E): (output, log-sum-exp (b, h,
+    tq, 1))."""
     s = q @ k.transpose(-2, -1) * q.shape[-1] ** -0.5  # (b, h, tq, tk)
-    if causal:  # the diagonal block: my two chunks are in sequence order, so a causal mask over T/cp is right
+    # the diagonal block: my two chunks are in sequence order, so a causal mask over T/cp is right
+    if causal:
         s = s.masked_fill(torch.ones_like(s[0, 0], dtype=torch.bool).triu(1), float("-inf"))
     lse = s.logsumexp(-1, keepdim=True)
     return torch.exp(s - lse) @ v, lse
 
 
 def ring(q, k, v, group):
-    """CP rank r's queries (b, h, T/cp, E) over the whole sequence (Liu et al. 2023, "Ring Attention"): cp - 1
-    steps pass the K/V block on, each block's result merged by its log-sum-exp (online softmax). Zig-zag:
-    all my queries see src < r's early chunk (not its late one); only my late chunk sees src > r's two."""
+    """CP rank r's queries (b, h, T/cp, E) over the whole sequence (Liu et al. 2023, "Ring
+    Attention"): cp - 1 steps pass the K/V block on, each block's result merged by its log-sum-exp
+    (online softmax). Zig-zag: all my queries see src < r's early chunk (not its late one); only my
+    late chunk sees src > r's two."""
     cp = dist.get_world_size(group)
     r = dist.get_rank(group)
     half = q.shape[2] // 2
@@ -294,8 +316,9 @@ def ring(q, k, v, group):
 
 
 class RingAttention(torch.autograd.Function):
-    """ring() saving only q, k, v (b, h, T/cp, E); backward runs it again under autograd and back through it
-    (K/V go round twice, each dK/dV block returns one hop per step): recomputation, exact."""
+    """ring() saving only q, k, v (b, h, T/cp, E); backward runs it again under autograd and back
+    through it (K/V go round twice, each dK/dV block returns one hop per step): recomputation,
+    exact."""
 
     @staticmethod
     def forward(ctx, q, k, v, group):
@@ -314,9 +337,10 @@ class RingAttention(torch.autograd.Function):
 
 
 class Chunk(nn.Module):
-    """Model chunk c of n: blocks [c*L/n, (c+1)*L/n), plus the embedding on chunk 0 and ln_f + head on chunk
-    n-1. Parameter names are common.GPT's, so the chunks together name the whole GPT. With a CP group of cp
-    ranks every tensor holds the rank's T/cp tokens (zigzag()), the position embedding their positions."""
+    """Model chunk c of n: blocks [c*L/n, (c+1)*L/n), plus the embedding on chunk 0 and ln_f + head
+    on chunk n-1. Parameter names are common.GPT's, so the chunks together name the whole GPT. With
+    a CP group of cp ranks every tensor holds the rank's T/cp tokens (zigzag()), the position
+    embedding their positions."""
 
     def __init__(self, full, c, n, group, cp_group=None):
         super().__init__()
@@ -354,14 +378,16 @@ class Chunk(nn.Module):
 
 # ------------------------------------------------------------------------- the schedules
 def warmup(p, v, m, r):
-    """Forwards rank r runs before its first backward. v = 1: 1F1B fills the p-r-1 ranks after it. v > 1:
-    (v-1)*p to get the first micro-batch group through its earlier chunks, + 2 per rank downstream."""
+    """Forwards rank r runs before its first backward. v = 1: 1F1B fills the p-r-1 ranks after it. v
+    > 1: (v-1)*p to get the first micro-batch group through its earlier chunks, + 2 per rank
+    downstream."""
     return min(p - r - 1, m) if v == 1 else min(2 * (p - r - 1) + (v - 1) * p, v * m)
 
 
 def schedule(p, v, m, r):
-    """Interleaved 1F1B: rank r's ops in order, (kind, chunk, micro-batch). Groups of p micro-batches sweep
-    the rank's chunks in order forwards (fwd), in reverse backwards (bwd), as the docstring's table shows."""
+    """Interleaved 1F1B: rank r's ops in order, (kind, chunk, micro-batch). Groups of p
+    micro-batches sweep the rank's chunks in order forwards (fwd), in reverse backwards (bwd), as
+    the docstring's table shows."""
 
     def fwd(k):
         return ((k % (p * v)) // p) * p + r, (k // (p * v)) * p + k % p
@@ -380,7 +406,8 @@ def schedule(p, v, m, r):
         )
     w = warmup(p, v, m, r)
     n = v * m
-    # warm-up: w forwards, enough to fill the ranks downstream (and, v > 1, this rank's later chunks)
+    # warm-up: w forwards, enough to fill the ranks downstream (and, v > 1, this rank's later
+    # chunks)
     ops = [("F", *fwd(k)) for k in range(w)]
     # steady state: one forward, then the backward of the oldest chunk-micro-batch still held
     for i in range(n - w):
@@ -390,7 +417,8 @@ def schedule(p, v, m, r):
 
 
 def needs(op, n):
-    """The message op (kind, c, k) waits for (from chunk c-1 for F, c+1 for B); None: tokens or its loss."""
+    """The message op (kind, c, k) waits for (from chunk c-1 for F, c+1 for B); None: tokens or its
+    loss."""
     kind, c, _ = op
     return None if (kind, c) in (("F", 0), ("B", n - 1)) else op
 
@@ -401,8 +429,8 @@ def producer(msg):
 
 
 def ideal_timeline(p, v, m):
-    """Every rank's ops at their earliest start when each takes its slots (F 1, B 2) and messages are free:
-    {op: (rank, start, end)}. Its idle slots are the schedule's bubble."""
+    """Every rank's ops at their earliest start when each takes its slots (F 1, B 2) and messages
+    are free: {op: (rank, start, end)}. Its idle slots are the schedule's bubble."""
     ops = [schedule(p, v, m, r) for r in range(p)]
     n = p * v
     at = {}
@@ -429,11 +457,11 @@ def ideal_timeline(p, v, m):
 
 
 def comm_plan(p, v, m, r):
-    """Rank r's steps for one batch: ("op", op) and ("p2p", sends, recvs) with [(peer pp rank, message)].
-    Each message travels at one moment G of the ideal timeline, the first between its making and its use at
-    which both ranks are between ops (else right after it is made); both post it in their batch of G. So all
-    ranks post their batches in order of G and none waits for a later one: no cycle (NCCL deadlocks on a
-    send whose receive is posted behind a wait on the sender)."""
+    """Rank r's steps for one batch: ("op", op) and ("p2p", sends, recvs) with [(peer pp rank,
+    message)]. Each message travels at one moment G of the ideal timeline, the first between its
+    making and its use at which both ranks are between ops (else right after it is made); both post
+    it in their batch of G. So all ranks post their batches in order of G and none waits for a later
+    one: no cycle (NCCL deadlocks on a send whose receive is posted behind a wait on the sender)."""
     at = ideal_timeline(p, v, m)
     n = p * v
     items = collections.defaultdict(lambda: ([], []))
@@ -458,10 +486,11 @@ def comm_plan(p, v, m, r):
 
 
 class PipelineRank:
-    """Rank r of the p in a pipeline's `group`: runs comm_plan's steps over its chunks {global index: module},
-    r, r + p, ... of n = p * v, for a batch of m micro-batches to the flush; each message: a msg_shape tensor.
-    Chunk 0 takes inputs[k]; chunk n-1's output goes to loss_fn(output, targets[k]). `observe`: a context
-    manager around each F, B and exchange. NCCL: the caller runs one collective in `group` first (main)."""
+    """Rank r of the p in a pipeline's `group`: runs comm_plan's steps over its chunks {global
+    index: module}, r, r + p, ... of n = p * v, for a batch of m micro-batches to the flush; each
+    message: a msg_shape tensor. Chunk 0 takes inputs[k]; chunk n-1's output goes to loss_fn(output,
+    targets[k]). `observe`: a context manager around each F, B and exchange. NCCL: the caller runs
+    one collective in `group` first (main)."""
 
     TAG = {"F": 0, "B": 1}  # a point-to-point tag per direction (NCCL ignores tags)
 
@@ -488,7 +517,8 @@ class PipelineRank:
         self.alive = {}
 
     def run(self, inputs, targets, loss_fn):
-        """inputs, targets: m micro-batches each. Returns the summed loss of those scored here (0-dim)."""
+        """inputs, targets: m micro-batches each. Returns the summed loss of those scored here
+        (0-dim)."""
         if len(inputs) != self.m or len(targets) != self.m:
             raise ValueError(
                 f"m = {self.m} micro-batches, got {len(inputs)} inputs, {len(targets)} targets"
@@ -508,7 +538,8 @@ class PipelineRank:
         return self.loss
 
     def exchange(self, sends, recvs):
-        """One batch_isend_irecv: sends [(peer, message)] from the outbox, receives into the inbox."""
+        """One batch_isend_irecv: sends [(peer, message)] from the outbox, receives into the
+        inbox."""
         into = {
             msg: torch.empty(self.msg_shape, dtype=self.dtype, device=self.device)
             for _, msg in recvs
@@ -551,11 +582,11 @@ class PipelineRank:
             self.outbox["B", c - 1, k] = inp.grad  # (b, T, D) to chunk c-1, on the rank before
 
 
-# ------------------------------------------------------------- after the flush: DP x CP, ZeRO-1, clipping
+# ------------------------------------------------------- after the flush: DP x CP, ZeRO-1, clipping
 class ShardedOptimizer:
-    """ZeRO-1 (Rajbhandari et al. 2020; Megatron's distributed optimizer) over `group`, R ranks holding the
-    same parameters: rank i keeps a copy `shard` of shard i of their flat vector (padded to R shards of S)
-    and its optimizer, make_opt([shard]) (elementwise, as AdamW: exact)."""
+    """ZeRO-1 (Rajbhandari et al. 2020; Megatron's distributed optimizer) over `group`, R ranks
+    holding the same parameters: rank i keeps a copy `shard` of shard i of their flat vector (padded
+    to R shards of S) and its optimizer, make_opt([shard]) (elementwise, as AdamW: exact)."""
 
     def __init__(self, params, group, make_opt):
         self.params = list(params)
@@ -587,16 +618,18 @@ class ShardedOptimizer:
 
 
 def squared_norm(grads):
-    """Summed in float32 at least (float64 for a float64 model) by the norm's dtype=, not float64 copies."""
+    """Summed in float32 at least (float64 for a float64 model) by the norm's dtype=, not float64
+    copies."""
     acc = torch.promote_types(grads[0].dtype, torch.float32)
     norms = torch.stack([torch.linalg.vector_norm(x, dtype=acc) for x in grads])
     return norms.square().sum().double()
 
 
 def finish_batch(params, loss, group, tp_rank, max_norm, world, zero=None):
-    """After the flush: 1. gradients summed over `group`, the dp x cp ranks holding the same parameters (a CP
-    rank's weights are its DP peers'), all-reduced whole or reduce-scattered (ZeRO-1); 2. the squared norm and
-    loss in one all-reduce over `world`, each piece counted once; 3. clip as torch does. -> (loss, norm)"""
+    """After the flush: 1. gradients summed over `group`, the dp x cp ranks holding the same
+    parameters (a CP rank's weights are its DP peers'), all-reduced whole or reduce-scattered
+    (ZeRO-1); 2. the squared norm and loss in one all-reduce over `world`, each piece counted once;
+    3. clip as torch does. -> (loss, norm)"""
     counted = [float(getattr(q, "tp_split", False) or tp_rank == 0) for q in params]
     if zero is None:  # one all-reduce, flat: each rank's loss is already / the global token count
         grads = [q.grad for q in params]
@@ -637,17 +670,20 @@ def check_args(args):
             fail(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.dropout > 0:
         fail(
-            "ptdp.py runs without dropout (TP regions would need Megatron's RNG tracker: megatron_tp.py)"
+            "ptdp.py runs without dropout (TP regions would need Megatron's RNG tracker: "
+            "megatron_tp.py)"
         )
     if args.zero not in (0, 1):
         fail(
-            f"--zero {args.zero}: ptdp.py shards the optimizer state (ZeRO-1) or nothing: use --zero 0 or 1"
+            f"--zero {args.zero}: ptdp.py shards the optimizer state (ZeRO-1) or nothing: use "
+            "--zero 0 or 1"
         )
     dp = args.dp or world // (p * cp * t)
     if args.dp < 0 or dp < 1 or p * cp * t * dp != world:
         fail(
-            f"world size {world} != pp {p} x tp {t} x dp {args.dp or '(world / pp / tp / cp)'} x cp {cp}: "
-            f"launch torchrun --nproc_per_node={p * cp * t * max(args.dp, 1)} or change --pp/--tp/--dp/--cp"
+            f"world size {world} != pp {p} x tp {t} x dp {args.dp or '(world / pp / tp / cp)'} x "
+            f"cp {cp}: launch torchrun --nproc_per_node={p * cp * t * max(args.dp, 1)} or change "
+            "--pp/--tp/--dp/--cp"
         )
     if args.stage_ms < 0:
         fail(f"--stage-ms must be >= 0, got {args.stage_ms}")
@@ -702,11 +738,12 @@ def main():
     pp_group = new_groups(rearrange(grid, "p d c t -> (d c t) p"))
     dp_cp_group = new_groups(rearrange(grid, "p d c t -> (p t) (d c)"))  # grid[i, :, :, k]
     d.log(
-        f"ptdp.py: world {world} = pp {p} x dp {dp} x cp {cp} x tp {t}, interleaved 1F1B, v = {v}, m = {m} "
+        f"ptdp.py: world {world} = pp {p} x dp {dp} x cp {cp} x tp {t}, interleaved 1F1B, v = {v}, "
+        f"m = {m} "
         f"micro-batches of {b} x {args.seq_len // cp} tokens, ZeRO-{args.zero}, on {d.backend}"
     )
 
-    # --- the model: the full GPT on CPU from one seed, then this rank's chunks, TP-sliced, to the device ---
+    # --- the model: the full GPT on CPU from one seed, this rank's chunks TP-sliced, to the device
     dtype = DTYPES[args.dtype]
     full = build_gpt(GPTConfig.from_args(args), args.seed, dtype)
     # chunk c on pp rank c % p: a loop
@@ -764,9 +801,10 @@ def main():
 
 # --- measurement ---
 class Watch(PipelineWatch):
-    """harness.PipelineWatch (--stage-ms: the stage's F time split over its v chunks, B twice F), tagged with
-    the step, the rank's grid coordinates and when its input arrived; it counts the micro-batch chunks between
-    F and B, and after each op the saved activations alive plus the outputs the runner holds to B."""
+    """harness.PipelineWatch (--stage-ms: the stage's F time split over its v chunks, B twice F),
+    tagged with the step, the rank's grid coordinates and when its input arrived; it counts the
+    micro-batch chunks between F and B, and after each op the saved activations alive plus the
+    outputs the runner holds to B."""
 
     def __init__(self, d, args, coords):
         f_ms = args.stage_ms / args.virtual_stages
@@ -809,8 +847,8 @@ class Watch(PipelineWatch):
 
 
 def summarize(d, args, run, dp, watch, comm, norms, chunks, coords):
-    """Each measured figure beside its theory, the peak (counted; CUDA's own on a GPU) read before --check
-    trains the reference, then the verdict."""
+    """Each measured figure beside its theory, the peak (counted; CUDA's own on a GPU) read before
+    --check trains the reference, then the verdict."""
     figures, comm_bytes = report(d, args, dp, watch, comm)
     figures.update(
         pp=args.pp,
@@ -833,8 +871,9 @@ def summarize(d, args, run, dp, watch, comm, norms, chunks, coords):
 
 
 def held_bytes(chunks, opt, zero):
-    """This rank's model state, counted from the tensors: parameters; gradients (ZeRO-1: + the reduced shard);
-    optimizer state: AdamW's moments (ZeRO-1: of the shard, + the shard's own copy of its parameters)."""
+    """This rank's model state, counted from the tensors: parameters; gradients (ZeRO-1: + the
+    reduced shard); optimizer state: AdamW's moments (ZeRO-1: of the shard, + the shard's own copy
+    of its parameters)."""
     params = list(chunks.parameters())
     moments = [
         x for st in opt.state.values() for x in st.values() if torch.is_tensor(x) and x.dim() > 0
@@ -847,9 +886,9 @@ def held_bytes(chunks, opt, zero):
 
 
 def theory(p, v, m):
-    """Per pp rank: the bubble (idle / busy of the ideal timeline), (p-1)/(v*m); the most micro-batch chunks
-    between F and B, warm-up + 1; the forward and backward messages per batch, m(v - 1 if the last rank) and
-    m(v - 1 if rank 0)."""
+    """Per pp rank: the bubble (idle / busy of the ideal timeline), (p-1)/(v*m); the most
+    micro-batch chunks between F and B, warm-up + 1; the forward and backward messages per batch,
+    m(v - 1 if the last rank) and m(v - 1 if rank 0)."""
     return (
         (p - 1) / (v * m),
         [min(warmup(p, v, m, r) + 1, v * m) for r in range(p)],
@@ -863,8 +902,8 @@ def inflight_bound(p, v, m, r):
 
 
 def report(d, args, dp, watch, comm):
-    """All ranks: gather events and this rank's counts of the counted step, its sends told apart by their tag
-    (one per way); tensors only. Rank 0: each figure beside its theory."""
+    """All ranks: gather events and this rank's counts of the counted step, its sends told apart by
+    their tag (one per way); tensors only. Rank 0: each figure beside its theory."""
     p = args.pp
     v = args.virtual_stages
     m = args.microbatches
@@ -917,19 +956,22 @@ def report(d, args, dp, watch, comm):
     )
     alive = [c["act_peak"] / max(c["act_per_microbatch"], 1) for c in pipe]
     d.log(
-        f"\nsummary, pipeline dp 0 tp 0 (interleaved, p {p}, v {v}, m {m}): bubble = idle / busy in the "
+        f"\nsummary, pipeline dp 0 tp 0 (interleaved, p {p}, v {v}, m {m}): bubble = idle / busy "
+        "in the "
         "last "
-        "step, in flight = micro-batch chunks between F and their last op, alive = saved activations at "
-        "their peak in micro-batches of the rank's chunks, messages and bytes handed to the sends; each "
+        "step, in flight = micro-batch chunks between F and their last op, alive = saved "
+        "activations at "
+        "their peak in micro-batches of the rank's chunks, messages and bytes handed to the sends; "
+        "each "
         "measured | theory\nrank | chunks | bubble | theory | in flight | bound | alive | theory | "
         "fwd msgs | theory | bwd msgs | theory | bytes sent"
     )
     for r in range(p):
         held = ",".join(str(c) for c in range(r, p * v, p))
         d.log(
-            f"{r:4d} | {held:6s} | {bub[r]:6.3f} | {bub_theory:6.3f} | {inflight[r]:9d} | {bound[r]:5d} | "
-            f"{alive[r]:5.2f} | {bound[r] / v:6.2f} | {f_msgs[r]:8d} | {f_theory[r]:6d} | {b_msgs[r]:8d} | "
-            f"{b_theory[r]:6d} | {sent[r]}"
+            f"{r:4d} | {held:6s} | {bub[r]:6.3f} | {bub_theory:6.3f} | {inflight[r]:9d} | "
+            f"{bound[r]:5d} | {alive[r]:5.2f} | {bound[r] / v:6.2f} | {f_msgs[r]:8d} | "
+            f"{f_theory[r]:6d} | {b_msgs[r]:8d} | {b_theory[r]:6d} | {sent[r]}"
         )
     mean = sum(bub) / p
     c0 = pipe[0]
@@ -939,7 +981,8 @@ def report(d, args, dp, watch, comm):
     dp_theory = (1 + args.zero) * (dp * cp > 1)
     waits = ", ".join(f"{k} waits {x:g} ms" for k, x in watch.timeline.simulate.items())
     d.log(
-        f"bubble mean {mean:.3f} vs theory {formula} = {bub_theory:.3f} ({mean - bub_theory:+.3f}); "
+        f"bubble mean {mean:.3f} vs theory {formula} = {bub_theory:.3f} "
+        f"({mean - bub_theory:+.3f}); "
         + (
             f"--stage-ms {args.stage_ms:g}: compute simulated, a chunk's {waits}"
             if args.stage_ms
@@ -947,13 +990,14 @@ def report(d, args, dp, watch, comm):
         )
     )
     d.log(
-        f"forward messages per batch and pipeline {sum(f_msgs)} = {per_pipe} = {sum(f_theory)}, each "
-        f"{sent[0] // max(f_msgs[0] + b_msgs[0], 1)} B = (b, T/cp, D); rank 0 collectives per batch: TP "
-        f"all-reduces {c0['tp_calls']} ({c0['tp_fwd']} forward, {c0['tp_bwd']} backward), theory "
-        f"{tp_theory} (g twice forward, f twice backward, per layer and micro-batch); DP x CP collectives "
-        f"{c0['dp_calls']}, theory {dp_theory}"
+        f"forward messages per batch and pipeline {sum(f_msgs)} = {per_pipe} = {sum(f_theory)}, "
+        f"each {sent[0] // max(f_msgs[0] + b_msgs[0], 1)} B = (b, T/cp, D); rank 0 collectives per "
+        f"batch: TP all-reduces {c0['tp_calls']} ({c0['tp_fwd']} forward, {c0['tp_bwd']} "
+        f"backward), theory {tp_theory} (g twice forward, f twice backward, per layer and "
+        f"micro-batch); DP x CP collectives {c0['dp_calls']}, theory {dp_theory}"
     )
-    label = lambda e: (e["kind"] if e["chunk"] < p else e["kind"].lower()) + str(e["mb"])  # noqa: E731
+    # noqa: E731
+    label = lambda e: (e["kind"] if e["chunk"] < p else e["kind"].lower()) + str(e["mb"])
     d.log(
         "\ntimeline of the last step, measured (Fk Bk: chunk < p, fk bk: the later chunks):\n"
         + draw_timeline(last, p, lo, hi, label, row_key="pp", row_name="rank")
@@ -997,8 +1041,9 @@ def report(d, args, dp, watch, comm):
 
 # --- reference for --check ---
 def full_model(d, args, chunks, coords):
-    """The whole GPT by name on every rank (for --check), exactly: TP shard k of `name` travels as `name#k`,
-    a replicated tensor once (from TP rank 0), all from DP rank 0; harness.assemble_full adds them up."""
+    """The whole GPT by name on every rank (for --check), exactly: TP shard k of `name` travels as
+    `name#k`, a replicated tensor once (from TP rank 0), all from DP rank 0; harness.assemble_full
+    adds them up."""
     _, dp_rank, cp_rank, tp_rank = coords
     t = args.tp
     dtype = DTYPES[args.dtype]

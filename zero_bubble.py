@@ -1,11 +1,14 @@
 """zero_bubble.py: zero-bubble pipelines: the backward cut in two (B and W), ZB-H1 and ZB-V.
 
-Qi, Wan, Huang, Lin, "Zero Bubble Pipeline Parallelism" (ICLR 2024). A backward does two things: B, the
-gradient of the stage's input, which the stage before waits for; and W, the gradient of the stage's weights,
-which nobody waits for until the optimizer step. Cut apart, W can run wherever a stage would sit idle.
-1. ZB-H1 (Sec. 3.1), one stage per rank as in 1F1B (pipedream.py): 1F1B's order of F and B, each B followed
-   by a W, except that stage s holds back its first s W's; its last s W's fill the cool-down, where 1F1B's
-   stage s waits. The same activation memory as 1F1B: at most p micro-batches alive (F to W) per stage.
+Qi, Wan, Huang, Lin, "Zero Bubble Pipeline Parallelism" (ICLR 2024). A backward does two things: B,
+the gradient of the stage's input, which the stage before waits for; and W, the gradient of the
+stage's weights, which nobody waits for until the optimizer step. Cut apart, W can run wherever a
+stage would sit idle.
+1. ZB-H1 (Sec. 3.1), one stage per rank as in 1F1B (pipedream.py): 1F1B's order of F and B, each B
+   followed
+   by a W, except that stage s holds back its first s W's; its last s W's fill the cool-down, where
+   1F1B's stage s waits. The same activation memory as 1F1B: at most p micro-batches alive (F to W)
+   per stage.
 
     ZB-H1, p = 4, m = 8 (F, B, W one slot each)                                                 time ->
     stage 0   F0 F1 F2 F3 .. .. .. B0 W0 F4 B1 W1 F5 B2 W2 F6 B3 W3 F7 B4 W4 B5 W5 B6 W6 B7 W7
@@ -15,32 +18,34 @@ which nobody waits for until the optimizer step. Cut apart, W can run wherever a
               idle (p-1)(T_F+T_B-T_W) = 3 slots per stage, a third of 1F1B's (p-1)(T_F+T_B+T_W) = 9:
               bubble = idle / busy = (p-1)/(3m) at T_F = T_B = T_W (1F1B: (p-1)/m)
 
-2. ZB-V (Sec. 6): the model in 2p chunks, two per rank in a V: rank r holds chunk r (down) and chunk 2p-1-r
-   (back up), so rank 0 holds the embedding and the head, and the turn of the V (chunk p-1 to p) stays on
-   rank p-1. The order is torch's ScheduleZBVZeroBubble (m >= 2p-1). p = 2, m = 4, F, B and W one slot each
-   of a half-stage chunk (capitals: down the V, lower case: back up):
+2. ZB-V (Sec. 6): the model in 2p chunks, two per rank in a V: rank r holds chunk r (down) and chunk
+   2p-1-r
+   (back up), so rank 0 holds the embedding and the head, and the turn of the V (chunk p-1 to p)
+   stays on rank p-1. The order is torch's ScheduleZBVZeroBubble (m >= 2p-1). p = 2, m = 4, F, B and
+   W one slot each of a half-stage chunk (capitals: down the V, lower case: back up):
 
       rank 0  F0F1F2f0b0w0f1b1w1F3B0W0f2b2w2B1W1f3b3w3B2W2B3W3..      idle 1 slot per 24 busy
       rank 1  ..F0f0F1f1b0w0F2B0W0f2b1w1F3B1W1f3b2w2B2b3B3W2w3W3      = (p-1)/(6m): the paper's "about 0"
-   At most 2p chunks of micro-batches alive per rank (p micro-batches of a whole stage, as 1F1B), for twice
-   1F1B's messages: 2(p-1)m per direction and pipeline.
-Both are synchronous: B then W is one backward bit for bit, every step drains before one optimizer step, so
---check compares with one-process training. Data parallel (--dp) wraps the pipelines: each replica runs its
-pipeline on its slice of the batch, then one gradient all-reduce per step. Outermost in the step, it is the
-innermost axis in rank order: grid = arange(world).view(p, dp), a replica group is a row grid[i, :] of
-adjacent ranks, a pipeline a column grid[:, j].
+   At most 2p chunks of micro-batches alive per rank (p micro-batches of a whole stage, as 1F1B),
+   for twice 1F1B's messages: 2(p-1)m per direction and pipeline.
+Both are synchronous: B then W is one backward bit for bit, every step drains before one optimizer
+step, so --check compares with one-process training. Data parallel (--dp) wraps the pipelines: each
+replica runs its pipeline on its slice of the batch, then one gradient all-reduce per step.
+Outermost in the step, it is the innermost axis in rank order: grid = arange(world).view(p, dp), a
+replica group is a row grid[i, :] of adjacent ranks, a pipeline a column grid[:, j].
 
-Messages: every activation and gradient is one tensor in a batch_isend_irecv, posted at the moment of the
-ideal timeline that comm_plan() gives it, so that no batch waits on a later one (NCCL deadlocks otherwise;
-the tests simulate it). Measured from outside, each beside its theory: the bubble, micro-batches alive, bytes
-held and sent; an ASCII timeline.
+Messages: every activation and gradient is one tensor in a batch_isend_irecv, posted at the moment
+of the ideal timeline that comm_plan() gives it, so that no batch waits on a later one (NCCL
+deadlocks otherwise; the tests simulate it). Measured from outside, each beside its theory: the
+bubble, micro-batches alive, bytes held and sent; an ASCII timeline.
 
 Run (one process per stage; a world of 1 is not a pipeline):
     torchrun --nproc_per_node=4 zero_bubble.py --microbatches 8 --stage-ms 30 --steps 3      # ZB-H1
     torchrun --nproc_per_node=4 zero_bubble.py --schedule zbv --n-layers 8 --microbatches 8 --stage-ms 30 \\
         --steps 3                                                                            # ZB-V
     torchrun --nproc_per_node=4 zero_bubble.py --pp 2 --dp 2 --schedule zbv --dtype float64 --check
-In production, use torch.distributed.pipelining (ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble).
+In production, use torch.distributed.pipelining (ScheduleInterleavedZeroBubble,
+ScheduleZBVZeroBubble).
 """
 
 import collections
@@ -96,7 +101,7 @@ class Args(CommonArgs):
     stage_ms: float = 0.0  # simulate compute: each F, B and W of a chunk also waits this many ms
 
 
-# ----------------------------------------------------------------------------- B and W: one backward in two
+# --------------------------------------------------------------------- B and W: one backward in two
 class _LinearDeferringW(torch.autograd.Function):
     """F.linear whose backward returns dx only and keeps (x, dy), what W needs, in split.saved."""
 
@@ -121,10 +126,11 @@ class _LinearDeferringW(torch.autograd.Function):
 
 
 class SplitBackward:
-    """Zero Bubble's B and W for `module` (Qi et al. 2024, Sec. 2): every nn.Linear inside defers its weight
-    gradient. backward_input(out, grad), B: one autograd backward, the input's gradient and every non-Linear
-    parameter's (LayerNorm, embeddings: small beside the products); returns what W needs. backward_weight
-    (that), W: dW = dy^T x, db = sum(dy) per Linear, autograd's products: B then W is one backward bitwise."""
+    """Zero Bubble's B and W for `module` (Qi et al. 2024, Sec. 2): every nn.Linear inside defers
+    its weight gradient. backward_input(out, grad), B: one autograd backward, the input's gradient
+    and every non-Linear parameter's (LayerNorm, embeddings: small beside the products); returns
+    what W needs. backward_weight (that), W: dW = dy^T x, db = sum(dy) per Linear, autograd's
+    products: B then W is one backward bitwise."""
 
     def __init__(self, module):
         self.saved = []  # (layer, x, dy), appended by the B in progress
@@ -144,7 +150,8 @@ class SplitBackward:
         for layer, x, dy in saved:
             x2 = x.detach().reshape(-1, x.shape[-1])  # (N, in)
             dy2 = dy.reshape(-1, dy.shape[-1])  # (N, out)
-            # autograd's addmm / mm backward products, same layout and bits; x detached: W builds no graph
+            # autograd's addmm / mm backward products, same layout and bits; x detached: W builds no
+            # graph
             grads = [(layer.weight, dy2.t().mm(x2))]  # (out, in)
             if layer.bias is not None:
                 grads.append((layer.bias, dy2.sum(0)))  # (out,)
@@ -152,9 +159,10 @@ class SplitBackward:
                 q.grad = g if q.grad is None else q.grad.add_(g)
 
 
-# ----------------------------------------------------------------------------- the chunks of the model
+# -------------------------------------------------------------------------- the chunks of the model
 def split_layers(n_layers, n):
-    """Blocks [start, end) of each of n chunks, as even as possible; the earlier chunks take the extras."""
+    """Blocks [start, end) of each of n chunks, as even as possible; the earlier chunks take the
+    extras."""
     if not 1 <= n <= n_layers:
         raise ValueError(
             f"{n} chunks of {n_layers} blocks: use 1 to {n_layers} chunks, or {n} blocks or more"
@@ -164,7 +172,8 @@ def split_layers(n_layers, n):
 
 
 class Chunk(nn.Module):
-    """Blocks [start, end) of the GPT (names kept); the first chunk adds the embedding, the last ln_f+head."""
+    """Blocks [start, end) of the GPT (names kept); the first chunk adds the embedding, the last
+    ln_f+head."""
 
     def __init__(self, gpt, c, bounds):
         super().__init__()
@@ -180,7 +189,8 @@ class Chunk(nn.Module):
             self.ln_f, self.head = gpt.ln_f, gpt.head
 
     def forward(self, h):  # first chunk: (b, T) token ids; others: (b, T, D) from the chunk before
-        # the first chunk embeds as the GPT does: GPT.embed reads tok_emb, pos_emb and drop, held here
+        # the first chunk embeds as the GPT does: GPT.embed reads tok_emb, pos_emb and drop, held
+        # here
         if self.first:
             h = GPT.embed(self, h)  # (b, T, D)
         for block in self.blocks.values():
@@ -191,27 +201,30 @@ class Chunk(nn.Module):
 # ----------------------------------------------------------------------------- ZB-H1: the schedule
 def zbh1(p, m, r):
     """ZB-H1 on rank r (chunk r of p): ops (kind, chunk, micro-batch). 1F1B's F and B: p-r-1 warm-up
-    forwards, then one F and one B in turn, then the cool-down B's; each B followed by the oldest W still to
-    run, but the first r B's: their W's end it (torch's ScheduleInterleavedZeroBubble, one stage per rank)."""
+    forwards, then one F and one B in turn, then the cool-down B's; each B followed by the oldest W
+    still to run, but the first r B's: their W's end it (torch's ScheduleInterleavedZeroBubble, one
+    stage per rank)."""
     warm = min(p - r - 1, m)
     # warm-up: forwards only, enough to fill the ranks after this one
     ops = [("F", r, k) for k in range(warm)]
-    # steady state: one forward, then the backward B k (input gradient) of the oldest micro-batch held; once
-    # every forward ran, the cool-down: the backwards of the micro-batches still held ...
+    # steady state: one forward, then the backward B k (input gradient) of the oldest micro-batch
+    # held; once every forward ran, the cool-down: the backwards of the micro-batches still held ...
     for k in range(m):
         if warm + k < m:
             ops.append(("F", r, warm + k))
         ops.append(("B", r, k))
-        # ... each followed by the oldest weight gradient waiting, r behind: the first r W's are held back
+        # ... each followed by the oldest weight gradient waiting, r behind: the first r W's are
+        # held back
         if k >= r:
             ops.append(("W", r, k - r))
     # the r W's held back fill the cool-down's end, where 1F1B's stage r waits
     return ops + [("W", r, k) for k in range(max(m - r, 0), m)]
 
 
-# ----------------------------------------------------------------------------- messages, placed in time
+# ------------------------------------------------------------------------- messages, placed in time
 def needs(op, n):
-    """The message op (kind, c, k) waits for, from chunk c-1 (F) or c+1 (B); None: tokens, a loss, a B (W)."""
+    """The message op (kind, c, k) waits for, from chunk c-1 (F) or c+1 (B); None: tokens, a loss, a
+    B (W)."""
     kind, c, _ = op
     return None if kind == "W" or (kind, c) in (("F", 0), ("B", n - 1)) else op
 
@@ -223,8 +236,9 @@ def producer(msg):
 
 
 def ideal_timeline(orders, n):
-    """Every rank's ops (orders[r], n chunks in all) at their earliest start when F, B, W take one slot
-    each and messages are free: {op: (rank, start, end)}. Its idle slots are the schedule's bubble."""
+    """Every rank's ops (orders[r], n chunks in all) at their earliest start when F, B, W take one
+    slot each and messages are free: {op: (rank, start, end)}. Its idle slots are the schedule's
+    bubble."""
     p = len(orders)
     at = {}
     nxt = [0] * p
@@ -253,11 +267,12 @@ def ideal_timeline(orders, n):
 
 
 def comm_plan(orders, n, r):
-    """Rank r's steps for one batch: ("op", op) and ("p2p", sends, recvs) with [(peer pp rank, message)].
-    Each message travels at one moment G of the ideal timeline between the op that makes it and the one that
-    uses it: the first at which both ranks are between ops (else when made). Both post it in their batch of
-    G, so all post batches in order of G, none waiting for a later one: no cycle (NCCL deadlocks on a send
-    whose receive is posted behind a wait on the sender). Sorted alike on both sides; none within a rank."""
+    """Rank r's steps for one batch: ("op", op) and ("p2p", sends, recvs) with [(peer pp rank,
+    message)]. Each message travels at one moment G of the ideal timeline between the op that makes
+    it and the one that uses it: the first at which both ranks are between ops (else when made).
+    Both post it in their batch of G, so all post batches in order of G, none waiting for a later
+    one: no cycle (NCCL deadlocks on a send whose receive is posted behind a wait on the sender).
+    Sorted alike on both sides; none within a rank."""
     at = ideal_timeline(orders, n)
     items = collections.defaultdict(lambda: ([], []))
     spans = collections.defaultdict(list)  # pp rank -> (start, end) of its ops
@@ -282,18 +297,20 @@ def comm_plan(orders, n, r):
     return [step for _, step in sorted(steps)]
 
 
-# ----------------------------------------------------------------------------- one rank running its plan
+# ------------------------------------------------------------------------ one rank running its plan
 # a point-to-point tag per direction: activations 0, gradients 1 (NCCL ignores tags)
 TAG = {"F": 0, "B": 1}
 
 
 class PipelineRank:
-    """One rank of one pipeline: runs `plan` (comm_plan's steps) over its chunks for one batch, to the flush.
+    """One rank of one pipeline: runs `plan` (comm_plan's steps) over its chunks for one batch, to
+    the flush.
     chunks   {global chunk index: module} of n; chunk 0 reads inputs[k], chunk n-1 loss_fn(., targets[k])
     split    a SplitBackward over this rank's chunks: B keeps what W needs, W adds the weight gradients
     group    the pipeline's ranks in pp rank order; every message is one tensor of msg_shape and dtype
     observe  a context around every F, B, W (observe(kind, mb, chunk=c)) and p2p (observe("p2p", None,
-             recvs=[message, ...])). NCCL wants a collective on the group first: the caller runs it."""
+             recvs=[message, ...])). NCCL wants a collective on the group first: the caller runs
+             it."""
 
     def __init__(self, chunks, n, plan, split, group, msg_shape, dtype, device, observe=None):
         self.chunks = chunks
@@ -318,7 +335,8 @@ class PipelineRank:
         self.m = 1 + max(op[2] for step, op, *_ in plan if step == "op")
 
     def run(self, inputs, targets, loss_fn):
-        """inputs, targets: m micro-batches each. Returns the summed loss of those scored here (0-dim)."""
+        """inputs, targets: m micro-batches each. Returns the summed loss of those scored here
+        (0-dim)."""
         if len(inputs) != self.m or len(targets) != self.m or len({x.shape for x in inputs}) > 1:
             raise ValueError(
                 f"the plan runs m = {self.m} micro-batches of one shape: got {len(inputs)} "
@@ -341,7 +359,8 @@ class PipelineRank:
         return self.loss
 
     def exchange(self, sends, recvs):
-        """One batch_isend_irecv: sends [(pp rank, message)] from the outbox, receives into the inbox."""
+        """One batch_isend_irecv: sends [(pp rank, message)] from the outbox, receives into the
+        inbox."""
         into = {
             msg: torch.empty(self.msg_shape, dtype=self.dtype, device=self.device)
             for _, msg in recvs
@@ -357,7 +376,8 @@ class PipelineRank:
         self.inbox.update(into)
 
     def hand_on(self, msg, t):
-        """To the chunk that waits for `msg`: here when this rank holds it (the V's turn), else a message."""
+        """To the chunk that waits for `msg`: here when this rank holds it (the V's turn), else a
+        message."""
         (self.inbox if msg[1] in self.chunks else self.outbox)[msg] = t
 
     def forward(self, c, k, inputs, targets, loss_fn):
@@ -380,11 +400,12 @@ class PipelineRank:
             self.hand_on(("B", c - 1, k), inp.grad)  # (b, T, D) to chunk c-1
 
 
-# ----------------------------------------------------------------------------- after the flush: DP, clipping
+# -------------------------------------------------------------------- after the flush: DP, clipping
 def finish_batch(params, loss, dp_group, group, max_norm):
-    """1. Data parallel: every gradient summed over the replicas in one all-reduce (micro-batch losses are
-    divided by the global token count: the sum is the batch's gradient). 2. The squared norm and the loss in
-    one all-reduce over `group`, all pipelines (norm from dp rank 0). 3. Clip (0: none). -> (loss, norm)"""
+    """1. Data parallel: every gradient summed over the replicas in one all-reduce (micro-batch
+    losses are divided by the global token count: the sum is the batch's gradient). 2. The squared
+    norm and the loss in one all-reduce over `group`, all pipelines (norm from dp rank 0). 3. Clip
+    (0: none). -> (loss, norm)"""
     if dist.get_world_size(dp_group) > 1:
         flat = torch.cat([q.grad.reshape(-1) for q in params])  # (this rank's elements,)
         dist.all_reduce(flat, group=dp_group)
@@ -400,12 +421,15 @@ def finish_batch(params, loss, dp_group, group, max_norm):
     return total[0].item(), total[1].sqrt().item()
 
 
-# ----------------------------------------------------------------------------- ZB-V: two chunks in a V
+# -------------------------------------------------------------------------- ZB-V: two chunks in a V
 def zbv(p, m, r):
-    """ZB-V, rank r's ops in order (torch's ScheduleZBVZeroBubble; m >= 2p-1). Down is chunk r, up 2p-1-r.
+    """ZB-V, rank r's ops in order (torch's ScheduleZBVZeroBubble; m >= 2p-1). Down is chunk r, up
+    2p-1-r.
     1. warm-up: 2(p-r)-1 F down; then r times F up, F down; then p-r times F up, B up, W up
-    2. steady: F down (while micro-batches remain), B down, W down, F up, B up, W up, until every F ran
-    3. cool-down: r times B down, B up; p-r times B down, W down (the oldest); then the W's left, up first."""
+    2. steady: F down (while micro-batches remain), B down, W down, F up, B up, W up, until every F
+       ran
+    3. cool-down: r times B down, B up; p-r times B down, W down (the oldest); then the W's left, up
+       first."""
     if m < 2 * p - 1:  # rank 0's warm-up alone runs 2p-1 forwards
         raise ValueError(f"zbv at p = {p} needs m >= 2p-1 = {2 * p - 1} micro-batches, got {m}")
     down, up = r, 2 * p - 1 - r
@@ -449,7 +473,7 @@ SCHEDULES = {  # name -> (rank r's ops, chunks in all, the pp rank holding chunk
 }
 
 
-# ----------------------------------------------------------------------------- argument checks, main
+# ---------------------------------------------------------------------------- argument checks, main
 def check_args(args):
     world = env_world_size()
     m = args.microbatches
@@ -465,8 +489,8 @@ def check_args(args):
         )
     if p < 2:
         fail(
-            f"zero_bubble.py needs one process per pipeline stage, at least 2: torchrun --nproc_per_node="
-            f"{2 * args.dp} zero_bubble.py {' '.join(sys.argv[1:])}".rstrip()
+            "zero_bubble.py needs one process per pipeline stage, at least 2: torchrun "
+            f"--nproc_per_node={2 * args.dp} zero_bubble.py {' '.join(sys.argv[1:])}".rstrip()
         )
     order, n_chunks, _ = SCHEDULES[args.schedule]
     try:  # the cores' own checks, the model's cut and the schedule's order
@@ -479,7 +503,8 @@ def check_args(args):
         )
     if args.batch_size % (args.dp * m):
         fail(
-            f"--batch-size {args.batch_size} is not divisible by dp x microbatches = {args.dp * m}: use "
+            f"--batch-size {args.batch_size} is not divisible by dp x microbatches = "
+            f"{args.dp * m}: use "
             f"--batch-size {(args.batch_size // (args.dp * m) + 1) * args.dp * m}"
         )
     if args.stage_ms < 0:
@@ -508,8 +533,9 @@ def main():
     dp_group = [dist.new_group(grid[i, :].tolist()) for i in range(p)][pp_rank]
     pp_group = [dist.new_group(grid[:, j].tolist()) for j in range(dp)][dp_rank]  # pp rank order
     d.log(
-        f"zero_bubble.py --schedule {args.schedule}: pp {p} x dp {dp}, {len(bounds)} chunks, m = {m} "
-        f"micro-batches of {b} per replica, on {d.backend}; entropy floor {data.entropy:.4f} nats/token"
+        f"zero_bubble.py --schedule {args.schedule}: pp {p} x dp {dp}, {len(bounds)} chunks, m = "
+        f"{m} micro-batches of {b} per replica, on {d.backend}; entropy floor {data.entropy:.4f} "
+        "nats/token"
     )
     torch.manual_seed(args.seed + d.rank)  # dropout masks (if any) differ per rank
     dtype = DTYPES[args.dtype]
@@ -526,7 +552,8 @@ def main():
     run = Run(d, args, {"model": chunks, "optim": opt})
     orders = [order(p, m, r) for r in range(p)]
     plan = comm_plan(orders, len(bounds), pp_rank)
-    # NCCL sets up a group's communicator at its first collective; batched point-to-point must not come first
+    # NCCL sets up a group's communicator at its first collective; batched point-to-point must not
+    # come first
     dist.all_reduce(torch.zeros(1, device=d.device), group=pp_group)
     watch = Watch(d, args, (pp_rank, dp_rank))
     comm = CommCounter(log=True)
@@ -552,7 +579,8 @@ def main():
             rearrange(z, "(dp m b) t -> dp m b t", dp=dp, m=m)[dp_rank].to(d.device) for z in (x, y)
         ]
         watch.step = step
-        # count the sends of the step before last (counting slows ops; the last step's bubble is reported)
+        # count the sends of the step before last (counting slows ops; the last step's bubble is
+        # reported)
         with run.watching(step, comm, at=max(run.start, args.steps - 2)):
             loss = runner.run(*mbs, lambda logits, tgt: lm_loss(logits, tgt, n_tok))
             loss, _ = finish_batch(params, loss, dp_group, dist.group.WORLD, args.clip)
@@ -564,12 +592,12 @@ def main():
     summarize(d, args, p, run, watch, comm, bounds, holder, chunks, dp_rank)
 
 
-# --- measurement --- (from outside the schedule: its observe callback, the collective counter, the report) --
+# --- measurement --- (from outside the schedule: its observe callback, the counter, the report)
 class Watch(PipelineWatch):
-    """harness.PipelineWatch (--stage-ms: each F, B, W waits that), tagged with the step, the rank's grid
-    coordinates and when its input arrived, reading the runner's attributes as each op begins: micro-batch
-    chunks alive (F to W); after a forward, the bytes alive: what forwards saved for backward, the inputs and
-    outputs held to B, what B left for W, and the state."""
+    """harness.PipelineWatch (--stage-ms: each F, B, W waits that), tagged with the step, the rank's
+    grid coordinates and when its input arrived, reading the runner's attributes as each op begins:
+    micro-batch chunks alive (F to W); after a forward, the bytes alive: what forwards saved for
+    backward, the inputs and outputs held to B, what B left for W, and the state."""
 
     def __init__(self, d, args, coords):
         ms = args.stage_ms
@@ -591,11 +619,12 @@ class Watch(PipelineWatch):
 
 
 def theory(p, m, schedule):
-    """Per pp rank: the bubble (idle / busy at T_F = T_B = T_W), the most micro-batch chunks between F and
-    W, the messages per step each way.
+    """Per pp rank: the bubble (idle / busy at T_F = T_B = T_W), the most micro-batch chunks between
+    F and W, the messages per step each way.
         zbh1  (p-1)/(3m): p-1 idle slots of 3m; p (or m if fewer), as 1F1B's stage 0; m to each neighbour
         zbv   (p-1)/(6m): p-1 chunk ops of 6m idle (the paper: about 0); 2p, p micro-batches of a whole
-              stage as in 1F1B; m(2 - 1 if rank 0 - 1 if rank p-1) each way (the V's turn is local)"""
+              stage as in 1F1B; m(2 - 1 if rank 0 - 1 if rank p-1) each way (the V's turn is
+              local)"""
     if schedule == "zbh1":
         return (
             (p - 1) / (3 * m),
@@ -608,8 +637,8 @@ def theory(p, m, schedule):
 
 
 def summarize(d, args, p, run, watch, comm, bounds, holder, chunks, dp_rank):
-    """The report, the peak (counted; CUDA's own on a GPU), then --check: the full model, by name, from the
-    chunks of dp replica 0 (one all-reduce)."""
+    """The report, the peak (counted; CUDA's own on a GPU), then --check: the full model, by name,
+    from the chunks of dp replica 0 (one all-reduce)."""
     figures = report(d, args, p, watch, comm, bounds, holder)
     peak = peak_memory_bytes(d, watch.bytes)
     check = None
@@ -631,8 +660,8 @@ def summarize(d, args, p, run, watch, comm, bounds, holder, chunks, dp_rank):
 
 
 def report(d, args, p, watch, comm, bounds, holder):
-    """Every rank's events and counts, gathered (tensors only); rank 0: each figure beside its theory, the
-    table, the timeline of the last step of pipeline 0, --trace."""
+    """Every rank's events and counts, gathered (tensors only); rank 0: each figure beside its
+    theory, the table, the timeline of the last step of pipeline 0, --trace."""
     m, schedule = args.microbatches, args.schedule
     tags = [c["tag"] for c in comm.calls_log if c["op"] == "send"]  # one tag per direction
     events = watch.timeline.gather()
@@ -684,22 +713,23 @@ def report(d, args, p, watch, comm, bounds, holder):
     sent_theory = [(f + g) * b_bytes for f, g in zip(f_theory, b_theory)]
     formula = "(p-1)/(3m)" if schedule == "zbh1" else "(p-1)/(6m)"
     d.log(
-        f"\nsummary ({schedule}, pp {p}, dp {args.dp}, m {m}), pipeline of dp 0: bubble = idle / busy "
+        f"\nsummary ({schedule}, pp {p}, dp {args.dp}, m {m}), pipeline of dp 0: bubble = idle / "
+        "busy "
         f"over the last step, theory {formula}; idle ms, theory (p-1)(T_F+T_B-T_W) at the measured "
         + ", ".join(f"T_{k} {x:.1f}" for k, x in op_ms.items())
         + " ms; alive = micro-batch chunks between "
         "F and W; bytes sent per step (b, T, D) per message; mem B: state + held, after a forward"
     )
     d.log(
-        "rank | chunks | bubble | theory | idle ms | theory | alive | theory | sent B/step | theory | "
-        "mem B"
+        "rank | chunks | bubble | theory | idle ms | theory | alive | theory | sent B/step | "
+        "theory | mem B"
     )
     for r in range(p):
         held = ",".join(str(c) for c in range(len(bounds)) if holder(c, p) == r)
         d.log(
-            f"{r:4d} | {held:6s} | {bub[r]:6.3f} | {bub_theory:6.3f} | {idle[r]:7.1f} | {idle_theory:6.1f} "
-            f"| {counts[r][0]:5d} | {alive_theory[r]:6d} | {sent[r]:11d} | {sent_theory[r]:6d} | "
-            f"{counts[r][2]}"
+            f"{r:4d} | {held:6s} | {bub[r]:6.3f} | {bub_theory:6.3f} | {idle[r]:7.1f} | "
+            f"{idle_theory:6.1f} | {counts[r][0]:5d} | {alive_theory[r]:6d} | {sent[r]:11d} | "
+            f"{sent_theory[r]:6d} | {counts[r][2]}"
         )
     mean = sum(bub) / p
     d.log(
@@ -711,7 +741,8 @@ def report(d, args, p, watch, comm, bounds, holder):
             else " (real compute only: on shared cores this times the OS scheduler; try --stage-ms)"
         )
     )
-    label = lambda e: (e["kind"] if e["chunk"] < p else e["kind"].lower()) + str(e["mb"])  # noqa: E731
+    # noqa: E731
+    label = lambda e: (e["kind"] if e["chunk"] < p else e["kind"].lower()) + str(e["mb"])
     d.log(
         "\ntimeline of the last step, measured (Fk Bk Wk: chunk < p, fk bk wk: the later chunks):\n"
         + draw_timeline(last, p, lo, hi, label, row_key="pp", row_name="rank")
