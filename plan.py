@@ -178,28 +178,22 @@ class Layout:
     recompute: str = "none"  # none, selective (the attention core), full (keep each layer's input)
     precision: str = "bf16"
     schedule: str = "1f1b"  # gpipe, 1f1b, interleaved, zb-h1, zb-v
-    vocab_parallel: bool = (
-        True  # embedding and head split over V (megatron_tp.py), else replicated (ptdp.py)
-    )
-    outputs: bool = (
-        False  # also each stage's output, held to its backward as this repo's pipelines hold it
-    )
-    # (Megatron frees its data once sent)
+    # embedding and head split over V (megatron_tp.py), else replicated (ptdp.py)
+    vocab_parallel: bool = True
+    # also each stage's output, held to its backward as this repo's pipelines hold it (Megatron frees
+    # its data once sent)
+    outputs: bool = False
     split: tuple = ()  # blocks per chunk in pipeline order (--stage-layers); () the files' cut
-    cp: int = (
-        1  # context-parallel ranks sharing each sequence (context_parallel.py), between tp and dp
-    )
-    cp_attention: str = (
-        "ring"  # allgather, ring, ulysses: how a sequence's cp ranks exchange K and V
-    )
-    attention: str = (
-        "flash"  # eager: s x s scores saved, through HBM (2021's Megatron); flash: one pass
-    )
+    # context-parallel ranks sharing each sequence (context_parallel.py), between tp and dp
+    cp: int = 1
+    # allgather, ring, ulysses: how a sequence's cp ranks exchange K and V
+    cp_attention: str = "ring"
+    # eager: s x s scores saved, through HBM (2021's Megatron); flash: one pass
+    attention: str = "flash"
     dropout: bool = False  # dropout after attention and MLP (its masks saved), as in PTD-P's GPT
     gpus = property(lambda lay: lay.dp * lay.cp * lay.tp * lay.pp)
-    grad_group = property(
-        lambda lay: lay.dp * lay.cp
-    )  # gradients are summed (ZeRO: sharded) over dp x cp
+    # gradients are summed (ZeRO: sharded) over dp x cp
+    grad_group = property(lambda lay: lay.dp * lay.cp)
 
     def __str__(self):
         pipe = (
@@ -229,9 +223,8 @@ PRECISION = {
     "fp64": (8, 8, 16, 8),
     "fp8": (2, 2, 12, 2),
 }
-TILE = (
-    128  # FP8 weights: one fp32 scale per 128x128 block (DeepSeek-V3; fp8.py --recipe fine-grained)
-)
+# FP8 weights: one fp32 scale per 128x128 block (DeepSeek-V3; fp8.py --recipe fine-grained)
+TILE = 128
 
 
 def capacity(M, tokens):
@@ -434,9 +427,8 @@ def microbatch_bytes(M, lay, b, e, c):
     """What chunk c holds per micro-batch, by part: embedding (int64 token and position ids, the
     vocab-parallel mask), blocks, final norm and head input, loss (log-softmax or vocab-parallel softmax,
     int64 targets), and with lay.outputs its output, held until its backward (the last chunk's: the loss)."""
-    return dict(
-        _microbatch_bytes(M, replace(lay, dp=1, zero=0, m=1, ep=1), b, e, c)
-    )  # (for --search)
+    # (for --search)
+    return dict(_microbatch_bytes(M, replace(lay, dp=1, zero=0, m=1, ep=1), b, e, c))
 
 
 @lru_cache(maxsize=None)
@@ -455,12 +447,10 @@ def _microbatch_bytes(M, lay, b, e, c):
         loss=0,
         out=(bs * M.d * e if c < n - 1 else ce) * lay.outputs,
     )
-    if (
-        moe and lay.recompute != "full"
-    ):  # E C slots (dispatched input, fc and GeLU outputs, expert output)
-        out["blocks"] += moe * moe_extra(
-            M, bs, e
-        )  # for the MLP's 2f: not measured; full: the inputs only
+    # E C slots (dispatched input, fc and GeLU outputs, expert output)
+    if moe and lay.recompute != "full":
+        # for the MLP's 2f: not measured; full: the inputs only
+        out["blocks"] += moe * moe_extra(M, bs, e)
     if c == n - 1:
         out["final"] = bs * (M.d * e + 2 * ce) // t_sp + bs * M.d * e // (t_sp if vp else 1)
         out["loss"] = (
@@ -639,56 +629,48 @@ def collectives(M, lay, B, r=0):
     emb = first and lay.vocab_parallel
     head = last and lay.vocab_parallel
     again = lay.recompute == "full"
-    if (
-        lay.sp
-    ):  # all-gather before each column layer, reduce-scatter after each row layer; backward mirrors
+    # all-gather before each column layer, reduce-scatter after each row layer; backward mirrors
+    if lay.sp:
         k = 2 * layers
         add("all_gather/tp/fwd", m * (k + head), bsh // t, t)
         add("reduce_scatter/tp/fwd", m * (k + emb), bsh, t)
         add("reduce_scatter/tp/bwd", m * (k * (1 + again) + head), bsh, t)
-        add(
-            "all_gather/tp/bwd", m * (k * (2 + again) + emb + head), bsh // t, t
-        )  # + each column's re-gather
+        # + each column's re-gather
+        add("all_gather/tp/bwd", m * (k * (2 + again) + emb + head), bsh // t, t)
         repl = sum(
             layer_params(M, moe)[1] * k
             for c in chunks_r
             for moe, k in zip((0, 1), kinds(M, lay, c))
         )
-        repl += (
-            M.seq * M.d * (first and gpt) + M.d * (1 + gpt) * last
-        )  # their gradients saw T/t positions
+        # their gradients saw T/t positions
+        repl += M.seq * M.d * (first and gpt) + M.d * (1 + gpt) * last
         add("all_reduce/tp/step", 1, e * repl, t)
     else:  # g forward, f backward, twice per layer; the vocab-parallel embedding's g and head's f
         add("all_reduce/tp/fwd", m * (2 * layers + emb), bsh, t)
         add("all_reduce/tp/bwd", m * (2 * layers * (1 + again) + head), bsh, t)
-    add(
-        "all_reduce/tp/fwd", 3 * m * head, b * s * max(e, 4), t
-    )  # vocab-parallel loss: max, target, sum
-    for c in (
-        chunks_r
-    ):  # an activation to chunk c+1, a gradient to chunk c-1, per micro-batch, off the rank
+    # vocab-parallel loss: max, target, sum
+    add("all_reduce/tp/fwd", 3 * m * head, b * s * max(e, 4), t)
+    # an activation to chunk c+1, a gradient to chunk c-1, per micro-batch, off the rank
+    for c in chunks_r:
         add("send/pp/fwd", m * (c < n - 1 and owner(lay, c + 1) != r), bsh, lay.pp)
         add("send/pp/bwd", m * (c > 0 and owner(lay, c - 1) != r), bsh, lay.pp)
     if M.experts:  # dispatch and combine, forward and backward: (E, C, h) slots each
         calls = 2 * m * sum(kinds(M, lay, c)[1] for c in chunks_r)
         add("all_to_all/ep/fwd", calls, M.experts * capacity(M, b * s) * M.d * e, lay.ep)
         add("all_to_all/ep/bwd", calls, M.experts * capacity(M, b * s) * M.d * e, lay.ep)
-    if (
-        cp > 1
-    ):  # per layer and micro-batch (context_parallel.py); full recomputation runs the forward's again
+    # per layer and micro-batch (context_parallel.py); full recomputation runs the forward's again
+    if cp > 1:
         kv, k = (
             2 * b * s * (M.kv * (M.d // M.heads)) // t * e,
             m * layers,
         )  # K and V of my tokens, stacked
-        if (
-            lay.cp_attention == "ring"
-        ):  # each block on to the next rank; backward: blocks and dK/dV (fp32+)
+        # each block on to the next rank; backward: blocks and dK/dV (fp32+)
+        if lay.cp_attention == "ring":
             add("send/cp/fwd", k * (cp - 1), kv, cp)
             add("send/cp/bwd", k * (cp - 1) * (1 + again), kv, cp)
             add("send/cp/bwd", k * (cp - 1), kv // e * max(e, 4), cp)
-        elif (
-            lay.cp_attention == "allgather"
-        ):  # my K, V to the gather; everyone's dK, dV to the scatter
+        # my K, V to the gather; everyone's dK, dV to the scatter
+        elif lay.cp_attention == "allgather":
             add("all_gather/cp/fwd", k, kv, cp)
             add("all_gather/cp/bwd", k * again, kv, cp)
             add("reduce_scatter/cp/bwd", k, kv * cp, cp)
@@ -701,9 +683,8 @@ def collectives(M, lay, B, r=0):
     psi = padded(units, d) if z else sum(units)
     reduce = {0: "all_reduce/dp/step", 1: "reduce_scatter/dp/step"}.get(z, "reduce_scatter/dp/bwd")
     add(reduce, m if z > 1 else 1, g * psi, d)
-    fp8 = (
-        sum(gemm_units(M, lay, r)) if lay.precision == "fp8" else 0
-    )  # its GEMM weights gathered as FP8
+    # its GEMM weights gathered as FP8
+    fp8 = sum(gemm_units(M, lay, r)) if lay.precision == "fp8" else 0
     add("all_gather/dp/step", z in (1, 2), p * psi // d, d)
     add("all_gather/dp/fwd", m * (z == 3), weight_gather(psi, fp8, d, p), d)
     add("all_gather/dp/bwd", m * (z == 3), weight_gather(psi, fp8, d, p, scales=False), d)
@@ -750,9 +731,8 @@ def ptdp_4d_figures(M, lay, B, r):
             for c in mine_c
         ]
 
-        def batch(
-            k,
-        ):  # the storages behind the token ids (chunk 0) and targets (the last chunk), whole
+        # the storages behind the token ids (chunk 0) and targets (the last chunk), whole
+        def batch(k):
             whole = (B * (M.seq + 1), B * M.seq) if lay.cp == 1 else (lay.m * b * s, lay.m * b * s)
             return sum(
                 8 * (w - k[i] * b * s) for i, w in zip((first, last), whole) if i is not None
@@ -871,10 +851,9 @@ def block_s(M, C, lay, b, eff, moe=False, attention="flash", dropout=False):
     )
 
 
+# fp8: the GEMMs' peak x
 @lru_cache(maxsize=None)
-def _block_s(
-    M, C, t, sp, cp, ep, e, b, eff, moe, attention, dropout, fp8=1
-):  # fp8: the GEMMs' peak x
+def _block_s(M, C, t, sp, cp, ep, e, b, eff, moe, attention, dropout, fp8=1):
     sq = M.seq // cp
     h = M.d
     f = M.f
@@ -889,9 +868,8 @@ def _block_s(
             [(slots, h, f // t, k), (slots, f // t, h, k)],
             gemm_s(C, eff, e, n, h, M.experts),
         )
-    G = C._replace(
-        tflops=C.tflops * fp8
-    )  # FP8: gemm_units' GEMMs at its peak; attention, gate, head bf16
+    # FP8: gemm_units' GEMMs at its peak; attention, gate, head bf16
+    G = C._replace(tflops=C.tflops * fp8)
     gemms = gate + sum(
         gemm_s(G, eff, e, *x) for x in [(n, h, (h + 2 * kvh) // t), (n, h // t, h), *mlp]
     )
@@ -959,9 +937,8 @@ def predict(
         tp_overlap or "none",
         dp_overlap or "full" * overlap_dp or "none",
     )
-    ranks = (
-        range(lay.pp) if lay.split else sorted({0, lay.pp - 1})
-    )  # a hand-made cut: any rank the worst
+    # a hand-made cut: any rank the worst
+    ranks = range(lay.pp) if lay.split else sorted({0, lay.pp - 1})
     b, n = B // (lay.dp * lay.m), lay.pp * lay.v
     mem, comm = (
         {r: memory(M, lay, B, r) for r in ranks},
@@ -981,9 +958,8 @@ def predict(
         for r in ranks
     }  # (s, of it attention) per mb
 
-    def per_axis_mb(
-        r,
-    ):  # per micro-batch: (on the links, exposed on its critical path) of TP, CP, all-to-all
+    # per micro-batch: (on the links, exposed on its critical path) of TP, CP, all-to-all
+    def per_axis_mb(r):
         x = {
             a: sum(v for k, v in secs[r].items() if f"/{a}/" in k and "step" not in k) / lay.m
             for a in ("tp", "cp", "ep")
@@ -1007,9 +983,8 @@ def predict(
     behind = 2 / 3 * compute  # one micro-batch's backward
     if lay.zero == 3:  # prefetched one unit ahead: hides behind each micro-batch
         exposed = lay.m * exposed_s((gathers + reduce) / lay.m, per_mb, dp_overlap)
-    elif (
-        lay.zero == 2
-    ):  # each micro-batch's reduce-scatter behind its backward, the all-gather after
+    # each micro-batch's reduce-scatter behind its backward, the all-gather after
+    elif lay.zero == 2:
         exposed = lay.m * exposed_s(reduce / lay.m, behind, dp_overlap) + gathers
     else:  # the reduction behind the last micro-batch's backward (DDP's buckets); ZeRO-1's all-gather after
         exposed = exposed_s(reduce, behind, dp_overlap) + gathers
@@ -1024,9 +999,8 @@ def predict(
     )
     step, model = sum(parts.values()), chunk_flops(M, Layout(), B, 0, "none")
     hardware = chunk_flops(M, Layout(recompute=lay.recompute), B, 0)
-    pp = sum(
-        x for k, x in secs[slow].items() if "/pp/" in k
-    )  # the steady state's behind the compute
+    # the steady state's behind the compute
+    pp = sum(x for k, x in secs[slow].items() if "/pp/" in k)
     axes = {a: (x * lay.m, e * lay.m) for a, (x, e) in axes.items()}
     axes.update(dp=(sum(dp.values()), exposed), pp=(pp, parts["pp_s"]))
     return dict(
@@ -1410,9 +1384,8 @@ def report(C, B, got, error=None):
 # ----------------------------------------------------------------------------- main
 @dataclass
 class Args:
-    model: Literal[tuple(PRESETS)] = (
-        "gpt3-6.7b"  # a preset shape (the model flags below override it)
-    )
+    # a preset shape (the model flags below override it)
+    model: Literal[tuple(PRESETS)] = "gpt3-6.7b"
     n_layers: int = 0  # transformer blocks L (0: the preset's, as for every model flag)
     d_model: int = 0  # width h
     n_heads: int = 0  # attention heads a
@@ -1425,9 +1398,8 @@ class Args:
     capacity_factor: float = 1.25  # MoE: slots per expert = cf x k x tokens / experts
     moe_every: int = 1  # MoE: an MoE layer every n-th block
     batch_size: int = 512  # global batch, in sequences
-    cluster: Literal[tuple(CLUSTERS)] = (
-        "h100-80g"  # per-GPU figures (the cluster flags below override them)
-    )
+    # per-GPU figures (the cluster flags below override them)
+    cluster: Literal[tuple(CLUSTERS)] = "h100-80g"
     nodes: int = 1  # nodes
     gpus_per_node: int = 0  # GPUs per node (0: the preset's, as for every cluster flag)
     gpu_mem_gb: float = 0  # memory per GPU, GB
@@ -1435,31 +1407,24 @@ class Args:
     intra_gbs: float = 0  # GB/s per GPU and direction inside a node
     inter_gbs: float = 0  # GB/s per GPU and direction across nodes
     hbm_gbs: float = 0  # GB/s of each GPU's memory (memory-bound work, each GEMM's operands)
-    efficiency: float = (
-        0  # the GEMMs' ceiling share of peak (0: the stack's, fitted on its published rows)
-    )
-    stack: Literal[tuple(STACKS)] = (
-        "2024"  # a published stack: the next 4 flags' defaults, a ceiling
-    )
-    attention: Literal["", "eager", "flash"] = (
-        ""  # eager: the s x s scores (2021's); "": the stack's
-    )
+    # the GEMMs' ceiling share of peak (0: the stack's, fitted on its published rows)
+    efficiency: float = 0
+    # a published stack: the next 4 flags' defaults, a ceiling
+    stack: Literal[tuple(STACKS)] = "2024"
+    # eager: the s x s scores (2021's); "": the stack's
+    attention: Literal["", "eager", "flash"] = ""
     dropout: bool = None  # dropout after attention and MLP (--no-dropout: off); unset: the stack's
-    tp_overlap: str = (
-        ""  # TP's exchanges behind the GEMMs: none, partial, full, or the exposed share
-    )
-    dp_overlap: str = (
-        ""  # gradients' reduction behind the backward: none (after the flush) ... as above
-    )
-    headroom: float = (
-        0.1  # share of GPU memory kept free for what is not counted (workspace, fragmentation)
-    )
+    # TP's exchanges behind the GEMMs: none, partial, full, or the exposed share
+    tp_overlap: str = ""
+    # gradients' reduction behind the backward: none (after the flush) ... as above
+    dp_overlap: str = ""
+    # share of GPU memory kept free for what is not counted (workspace, fragmentation)
+    headroom: float = 0.1
     dp: int = 0  # data-parallel degree d (0: GPUs / (tp x pp))
     tp: int = 1  # tensor-parallel degree t
     cp: int = 1  # context-parallel degree: ranks sharing each sequence (context_parallel.py)
-    cp_attention: Literal["ring", "allgather", "ulysses"] = (
-        "ring"  # how they exchange keys and values
-    )
+    # how they exchange keys and values
+    cp_attention: Literal["ring", "allgather", "ulysses"] = "ring"
     pp: int = 1  # pipeline stages p
     virtual_stages: int = 1  # model chunks per pipeline rank v
     ep: int = 1  # expert-parallel degree, inside dp
@@ -1467,50 +1432,40 @@ class Args:
     microbatches: int = 1  # m per step and replica
     sequence_parallel: bool = False  # split norm and dropout regions along the sequence (--tp > 1)
     recompute: Literal["none", "selective", "full"] = "none"  # activation recomputation
-    precision: Literal["bf16", "fp32", "fp64", "fp8"] = (
-        "bf16"  # bf16: mixed-precision Adam, 2 + 2 + 12
-    )
-    # bytes; fp8: as bf16, the blocks' GEMMs at the FP8 peak, ZeRO-3 gathering their weights in FP8 + scales
+    # bf16: mixed-precision Adam, 2 + 2 + 12 bytes; fp8: as bf16, the blocks' GEMMs at the FP8 peak,
+    # ZeRO-3 gathering their weights in FP8 + scales
+    precision: Literal["bf16", "fp32", "fp64", "fp8"] = "bf16"
     schedule: Literal["1f1b", "gpipe", "interleaved", "zb-h1", "zb-v"] = "1f1b"  # pipeline schedule
-    vocab_parallel: bool = (
-        True  # split embedding and head over the vocabulary (else replicated over tp)
-    )
-    stage_layers: str = (
-        ""  # blocks per chunk in pipeline order, e.g. 7,8,...,8,7 or 0,9,...,9,0 (fewer on
-    )
-    # the first and last; 0: a chunk of the embedding or the head and loss alone, as Llama 3's)
+    # split embedding and head over the vocabulary (else replicated over tp)
+    vocab_parallel: bool = True
+    # blocks per chunk in pipeline order, e.g. 7,8,...,8,7 or 0,9,...,9,0 (fewer on the first and
+    # last; 0: a chunk of the embedding or the head and loss alone, as Llama 3's)
+    stage_layers: str = ""
     search: bool = False  # rank every legal layout that fits by predicted tokens/s
     top: int = 10  # layouts --search prints
     tokens: float = 0  # the whole run: train on this many tokens (wall time, GPU-hours, cost)
-    gpu_hours: float = (
-        0  # a budget in GPU-hours: the compute-optimal model and tokens for it (--law)
-    )
+    # a budget in GPU-hours: the compute-optimal model and tokens for it (--law)
+    gpu_hours: float = 0
     days: float = 0  # a budget in days on this cluster, failures and checkpoints included
     flops: float = 0  # a budget in training FLOPs, C = 6ND
-    law: Literal["chinchilla", "llama3"] = (
-        "chinchilla"  # a budget's N and D: Chinchilla's Approach 3 or
-    )
-    # Llama 3's fit of the optimal tokens (D = 0.299 C^0.537: more tokens per parameter as C grows)
-    tokens_per_param: float = (
-        None  # a budget's N and D at D = R N in place of --law (Llama 3 405B: 38.5)
-    )
+    # a budget's N and D: Chinchilla's Approach 3 or Llama 3's fit of the optimal tokens (D = 0.299
+    # C^0.537: more tokens per parameter as C grows)
+    law: Literal["chinchilla", "llama3"] = "chinchilla"
+    # a budget's N and D at D = R N in place of --law (Llama 3 405B: 38.5)
+    tokens_per_param: float = None
     usd_per_gpu_hour: float = 0  # price per GPU-hour, for the cost
-    failures_per_gpu_hour: float = (
-        0  # interruptions per GPU-hour (Llama 3: 419 in 54 days on 16384: 2e-5)
-    )
+    # interruptions per GPU-hour (Llama 3: 419 in 54 days on 16384: 2e-5)
+    failures_per_gpu_hour: float = 0
     ckpt_minutes: float = 0  # checkpoint interval (0: Young/Daly's optimum for the failure rate)
     ckpt_write_s: float = 30  # seconds each checkpoint stops training
-    restart_minutes: float = (
-        10  # minutes from a failure to training again (detect, replace, reload)
-    )
-    inner_steps: int = (
-        0  # DiLoCo beside DDP: H inner steps per outer sync (0: off), dp across --inter-gbs
-    )
+    # minutes from a failure to training again (detect, replace, reload)
+    restart_minutes: float = 10
+    # DiLoCo beside DDP: H inner steps per outer sync (0: off), dp across --inter-gbs
+    inner_steps: int = 0
     fragments: int = 1  # Streaming DiLoCo: fragments synced in turn
     overlap: int = 0  # Streaming DiLoCo: inner steps each fragment's exchange overlaps
-    outer_dtype: Literal["float32", "bfloat16"] = (
-        "float32"  # DiLoCo: the pseudo-gradient's type on the wire
-    )
+    # DiLoCo: the pseudo-gradient's type on the wire
+    outer_dtype: Literal["float32", "bfloat16"] = "float32"
 
 
 def check_args(a):
@@ -1729,9 +1684,8 @@ def main():
         print(
             f"--search: {n_legal} legal layouts on {gpus} GPUs, {n_fit} fit; the fastest of each grid:"
         )
-        for i, x in enumerate(
-            ranked[: a.top]
-        ):  # each MFU with its band (+- x.x), where there is one
+        # each MFU with its band (+- x.x), where there is one
+        for i, x in enumerate(ranked[: a.top]):
             print(
                 f"  {i + 1:2d}. {x['tokens_per_s']:11,.0f} tok/s  MFU {x['mfu']:5.1%}"
                 f"{band(error)[:7] * (error is not None)}  step {x['step_s']:8.3f} s  {x['layout']}"
