@@ -191,9 +191,13 @@ class Layout:
     # eager: s x s scores saved, through HBM (2021's Megatron); flash: one pass
     attention: str = "flash"
     dropout: bool = False  # dropout after attention and MLP (its masks saved), as in PTD-P's GPT
+    # HSDP (zero.py --replicate): R copies of the model, each ZeRO-sharded over dp x cp / R ranks
+    replicate: int = 1
     gpus = property(lambda lay: lay.dp * lay.cp * lay.tp * lay.pp)
     # gradients are summed (ZeRO: sharded) over dp x cp
     grad_group = property(lambda lay: lay.dp * lay.cp)
+    # the ranks that shard the model state: all of them, or one HSDP shard group
+    shard = property(lambda lay: lay.grad_group // lay.replicate)
 
     def __str__(self):
         pipe = (
@@ -203,7 +207,8 @@ class Layout:
         ep = f" ep {self.ep}" * (self.ep > 1)
         return (
             f"dp {self.dp}{cp} tp {self.tp}{' sp' if self.sp else ''}{pipe}{ep}"
-            f" zero {self.zero} m {self.m} recompute {self.recompute}"
+            f" zero {self.zero}{f' replicate {self.replicate}' * (self.replicate > 1)} m {self.m}"
+            f" recompute {self.recompute}"
             + (f" blocks {'/'.join(runs(self.split))}" if self.split else "")
             + f" attention {self.attention}" * (self.attention != "flash")
             + " dropout" * self.dropout
@@ -582,11 +587,9 @@ def memory(M, lay, B, r):
     p, g, K, e = PRECISION[lay.precision]
     units = rank_units(M, lay, r)
     return dict(
-        model_state(units, lay.grad_group, lay.zero, p, g, K),
+        model_state(units, lay.shard, lay.zero, p, g, K),
         activations=peak_activations(M, lay, B // (lay.dp * lay.m), e, r),
-        gathered=gathered(
-            units, lay.grad_group, p, lay.precision == "fp8" and gemm_units(M, lay, r)
-        )
+        gathered=gathered(units, lay.shard, p, lay.precision == "fp8" and gemm_units(M, lay, r))
         if lay.zero == 3
         else 0,
     )
@@ -607,7 +610,7 @@ def collectives(M, lay, B, r=0):
     counts them; the bookkeeping each file does its own way (the loss for its log line, the clipping norm)
     is left out."""
     t = lay.tp
-    d = lay.grad_group
+    d = lay.shard
     n = lay.pp * lay.v
     m = lay.m
     cp = lay.cp
@@ -688,6 +691,13 @@ def collectives(M, lay, B, r=0):
     add("all_gather/dp/step", z in (1, 2), p * psi // d, d)
     add("all_gather/dp/fwd", m * (z == 3), weight_gather(psi, fp8, d, p), d)
     add("all_gather/dp/bwd", m * (z == 3), weight_gather(psi, fp8, d, p, scales=False), d)
+    # HSDP: each reduced shard then summed over the R replicas, as often as it is reduced
+    add(
+        reduce.replace("reduce_scatter/dp", "all_reduce/replicate"),
+        m if z > 1 else 1,
+        g * psi // d,
+        lay.replicate,
+    )
     return dict(sorted(out.items()))
 
 
@@ -769,7 +779,10 @@ def link(C, lay, axis):
     """'nvlink' when every group of this axis sits inside one node of the grid arange(world).view(pp, dp, cp,
     tp), else 'ib'."""
     tc = lay.tp * lay.cp
-    span = {"tp": lay.tp, "cp": tc, "ep": tc * lay.ep, "dp": tc * lay.dp, "pp": lay.gpus}[axis]
+    dp = tc * lay.dp
+    span = dict(
+        tp=lay.tp, cp=tc, ep=tc * lay.ep, dp=dp // lay.replicate, replicate=dp, pp=lay.gpus
+    )[axis]
     return "nvlink" if span <= C.gpus_per_node else "ib"
 
 
@@ -977,7 +990,11 @@ def predict(
     axes = per_axis_mb(slow)
     compute, comm_mb = work[slow][0], sum(x for _, x in axes.values())
     per_mb = compute + comm_mb
-    dp = {k: x for k, x in secs[slow].items() if k.endswith("step") or "/dp/" in k}
+    dp = {
+        k: x
+        for k, x in secs[slow].items()
+        if k.endswith("step") or "/dp/" in k or "/replicate/" in k
+    }
     gathers = sum(x for k, x in dp.items() if "all_gather" in k)
     reduce = sum(dp.values()) - gathers
     behind = 2 / 3 * compute  # one micro-batch's backward
@@ -1089,6 +1106,11 @@ def legal(M, C, lay, B):
             f"--ep {lay.ep} must divide the experts and dp",
         ),
         (lay.zero in (0, 1, 2, 3), f"--stage must be 0, 1, 2 or 3, got {lay.zero}"),
+        (
+            lay.replicate == 1 or lay.zero and lay.grad_group % lay.replicate == 0,
+            f"--replicate {lay.replicate} (HSDP) needs --stage 1, 2 or 3 and must divide dp x cp = "
+            f"{lay.grad_group}",
+        ),
         (lay.precision != "fp8" or C.fp8, NO_FP8),
     ]:
         if not ok:
@@ -1429,6 +1451,7 @@ class Args:
     virtual_stages: int = 1  # model chunks per pipeline rank v
     ep: int = 1  # expert-parallel degree, inside dp
     stage: int = 0  # ZeRO stage over the data-parallel group
+    replicate: int = 1  # HSDP: R copies, each ZeRO-sharded over dp x cp / R ranks (a node, say)
     microbatches: int = 1  # m per step and replica
     sequence_parallel: bool = False  # split norm and dropout regions along the sequence (--tp > 1)
     recompute: Literal["none", "selective", "full"] = "none"  # activation recomputation
@@ -1473,7 +1496,10 @@ def check_args(a):
     for name, x in vars(a).items():
         if isinstance(x, float) and not math.isfinite(x):
             fail(f"--{name.replace('_', '-')} must be a finite number, got {x}")
-    ones = "batch_size nodes tp cp pp virtual_stages ep microbatches top top_k moe_every fragments".split()
+    ones = (
+        "batch_size nodes tp cp pp virtual_stages ep replicate microbatches top top_k moe_every "
+        "fragments"
+    ).split()
     zeros = (
         "n_layers d_model n_heads kv_heads vocab seq_len ffn experts dp gpus_per_node gpu_mem_gb tflops "
         "intra_gbs inter_gbs hbm_gbs stage tokens gpu_hours days flops usd_per_gpu_hour "
@@ -1714,6 +1740,7 @@ def main():
             cp_attention=a.cp_attention,
             attention=attention,
             dropout=dropout,
+            replicate=a.replicate,
         )
         if a.stage_layers:
             lay = replace(lay, split=tuple(map(int, a.stage_layers.split(","))))
