@@ -1476,6 +1476,37 @@ def test_llama3_8k_cut_names_the_term(monkeypatch, capsys, source_once):
     assert "does NOT fit" in out and line in out and r == 1 and over > 0, (line, out)
 
 
+def interleaved_mismatches(grid):
+    """(p, v, m, r) where plan's alive chunk-micro-batches (the maximal counts per local chunk) differ from
+    ptdp.py's own interleaved schedule walked op by op (a pure function: ptdp.schedule, whose counted peak
+    test_plan_equals_what_the_files_count holds to plan's at 2 x 2 x 2)."""
+    import ptdp
+
+    bad = []
+    for p, v, m in grid:
+        for r in range(p):
+            alive = [0] * v
+            seen = set()
+            for kind, c, _ in ptdp.schedule(p, v, m, r):
+                alive[c // p] += 1 if kind == "F" else -1
+                seen.add(tuple(alive))
+            if plan.maximal(seen) != plan.alive_patterns(p, v, m, r, "interleaved"):
+                bad.append((p, v, m, r))
+    return bad
+
+
+def test_interleaved_warmup_is_the_repos_schedule_at_llama3_scale(monkeypatch):
+    """Issue 49 item 5: the 141 chunk-micro-batches plan holds on rank 1 of Llama 3's 8K cut (p 16, v 8, m 32)
+    are what the repo's interleaved schedule (Megatron's order, warm-up 2(p-r-1) + (v-1)p, capped by vm)
+    holds: ptdp.schedule walked at that size and at small ones agrees chunk by chunk; plan does not
+    over-count. Interleaving taken as plain 1F1B's p - r (a mutant) disagrees."""
+    grid = [(2, 2, 4), (4, 2, 8), (4, 2, 4), (3, 4, 9), (4, 3, 16), (16, 8, 32)]
+    assert not interleaved_mismatches(grid)
+    assert max(map(sum, plan.alive_patterns(16, 8, 32, 1, "interleaved"))) == 2 * 14 + 7 * 16 + 1
+    drop_interleaving(monkeypatch)
+    assert interleaved_mismatches(grid)
+
+
 # ----------------------------------------------------------------------------- worked examples, bad input
 EXAMPLES = {
     "7B on one node": ["--model", "gpt3-6.7b", "--nodes", "1", "--search", "--top", "5"],
