@@ -11,7 +11,8 @@ activation element, Psi parameters of one rank (its pipeline stage, its 1/t).
   model state  ZeRO (Rajbhandari et al. 2020, Sec. 5, Fig. 1), p, g, K bytes per parameter (mixed-precision
                Adam 2, 2, 12): stage 0 (p+g+K) Psi, 1 (p+g) Psi + K Psi/d, 2 p Psi + (g+K) Psi/d, 3 (p+g+K)
                Psi/d; units (each block, the rest) padded to d ceil(P/d) as zero.py's and FSDP's flat
-               parameters; stage 3 also holds p (root + 2 largest units) gathered.
+               parameters; stage 3 also holds p (root + 2 largest units) gathered. HSDP (--replicate R,
+               zero.py; FSDP's hybrid sharding): ZeRO at d = dp x cp / R, the shard group.
   activations  saved for backward per layer and micro-batch (Korthikanti et al. 2022, Table 2: eager
                attention, fp16, dropout): sbh(34 + 5as/h), TP sbh(10 + 24/t + 5as/(ht)), TP+SP sbh/t (34 +
                5as/h); selective recomputation drops 5as/h, full keeps 2sbh. layer_items sums the same tensor
@@ -29,10 +30,12 @@ activation element, Psi parameters of one rank (its pipeline stage, its 1/t).
                PP a bsh message per chunk boundary, micro-batch and direction; ZeRO 0 all-reduce g Psi, 1
                reduce-scatter g Psi + all-gather p Psi/d, 2 the reduce-scatter per micro-batch, 3 per
                micro-batch 2 all-gathers p Psi/d (fp8: its GEMM weights at 1 byte, forward's + 4 per 128x128
-               block) + a reduce-scatter; MoE (Lepikhin et al. 2020) 4 all-to-alls of E C h e per MoE layer
-               and micro-batch, C = ceil(cf k bs / E). On the wire (ring): all-reduce 2(n-1)/n, others (n-1)/n
-               of the whole; NVLink when the group fits in a node of the grid arange(world).view(pp, dp, cp,
-               tp) (tp innermost, ep inside dp), else InfiniBand.
+               block) + a reduce-scatter; HSDP those in its shard group of d, then each reduced shard g Psi/d
+               all-reduced across the R replicas, once per step at stage 1, per micro-batch at 2-3; MoE
+               (Lepikhin et al. 2020) 4 all-to-alls of E C h e per MoE layer and micro-batch, C = ceil(cf k
+               bs / E). On the wire (ring): all-reduce 2(n-1)/n, others (n-1)/n of the whole; NVLink when
+               the group fits in a node of the grid arange(world).view(pp, dp, cp, tp) (tp innermost, ep
+               inside dp, an HSDP shard group d consecutive of dp x cp), else InfiniBand.
   bubble       idle share of the step (Narayanan et al. 2021, PTD-P, Sec. 2.2): GPipe, 1F1B (p-1)/(m+p-1);
                interleaved (p-1)/(vm) of ideal compute; with backward split into B and W of a forward's time
                each (Qi et al. 2023, Zero Bubble): ZB-H1 (p-1)(T_F + T_B - T_W), a third of 1F1B's; ZB-V 0.
