@@ -14,7 +14,7 @@
 Each check is shown to fail when plan.py drops a term of its model (monkeypatched here).
 
 --json keys read: zero.py figures.memory.{params,grads,optim}.counted, gathered_peak_bytes,
-saved_activation_bytes, comm_bytes; megatron_tp.py figures.collectives_per_step, param_bytes_per_rank,
+saved_activation_bytes, comm_bytes, (HSDP) comm_by_group.{shard,replicate}.counted; megatron_tp.py figures.collectives_per_step, param_bytes_per_rank,
 activation_bytes_per_block, activation_bytes_saved, peak_mem_bytes; gpipe.py figures.saved_activation_bytes,
 state_bytes, sent_bytes_per_rank, bubble_mean; pipedream.py figures.mem_bytes_per_rank, sent_bytes_per_rank,
 bubble_mean; ptdp.py figures.counts_per_rank (named figures per rank, over one step), bubble_mean,
