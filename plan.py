@@ -11,7 +11,8 @@ activation element, Psi parameters of one rank (its pipeline stage, its 1/t).
   model state  ZeRO (Rajbhandari et al. 2020, Sec. 5, Fig. 1), p, g, K bytes per parameter (mixed-precision
                Adam 2, 2, 12): stage 0 (p+g+K) Psi, 1 (p+g) Psi + K Psi/d, 2 p Psi + (g+K) Psi/d, 3 (p+g+K)
                Psi/d; units (each block, the rest) padded to d ceil(P/d) as zero.py's and FSDP's flat
-               parameters; stage 3 also holds p (root + 2 largest units) gathered.
+               parameters; stage 3 also holds p (root + 2 largest units) gathered. HSDP (--replicate R,
+               zero.py; FSDP's hybrid sharding): ZeRO at d = dp x cp / R, the shard group.
   activations  saved for backward per layer and micro-batch (Korthikanti et al. 2022, Table 2: eager
                attention, fp16, dropout): sbh(34 + 5as/h), TP sbh(10 + 24/t + 5as/(ht)), TP+SP sbh/t (34 +
                5as/h); selective recomputation drops 5as/h, full keeps 2sbh. layer_items sums the same tensor
@@ -29,10 +30,12 @@ activation element, Psi parameters of one rank (its pipeline stage, its 1/t).
                PP a bsh message per chunk boundary, micro-batch and direction; ZeRO 0 all-reduce g Psi, 1
                reduce-scatter g Psi + all-gather p Psi/d, 2 the reduce-scatter per micro-batch, 3 per
                micro-batch 2 all-gathers p Psi/d (fp8: its GEMM weights at 1 byte, forward's + 4 per 128x128
-               block) + a reduce-scatter; MoE (Lepikhin et al. 2020) 4 all-to-alls of E C h e per MoE layer
-               and micro-batch, C = ceil(cf k bs / E). On the wire (ring): all-reduce 2(n-1)/n, others (n-1)/n
-               of the whole; NVLink when the group fits in a node of the grid arange(world).view(pp, dp, cp,
-               tp) (tp innermost, ep inside dp), else InfiniBand.
+               block) + a reduce-scatter; HSDP those in its shard group of d, then each reduced shard g Psi/d
+               all-reduced across the R replicas, once per step at stage 1, per micro-batch at 2-3; MoE
+               (Lepikhin et al. 2020) 4 all-to-alls of E C h e per MoE layer and micro-batch, C = ceil(cf k
+               bs / E). On the wire (ring): all-reduce 2(n-1)/n, others (n-1)/n of the whole; NVLink when
+               the group fits in a node of the grid arange(world).view(pp, dp, cp, tp) (tp innermost, ep
+               inside dp, an HSDP shard group d consecutive of dp x cp), else InfiniBand.
   bubble       idle share of the step (Narayanan et al. 2021, PTD-P, Sec. 2.2): GPipe, 1F1B (p-1)/(m+p-1);
                interleaved (p-1)/(vm) of ideal compute; with backward split into B and W of a forward's time
                each (Qi et al. 2023, Zero Bubble): ZB-H1 (p-1)(T_F + T_B - T_W), a third of 1F1B's; ZB-V 0.
@@ -178,28 +181,26 @@ class Layout:
     recompute: str = "none"  # none, selective (the attention core), full (keep each layer's input)
     precision: str = "bf16"
     schedule: str = "1f1b"  # gpipe, 1f1b, interleaved, zb-h1, zb-v
-    vocab_parallel: bool = (
-        True  # embedding and head split over V (megatron_tp.py), else replicated (ptdp.py)
-    )
-    outputs: bool = (
-        False  # also each stage's output, held to its backward as this repo's pipelines hold it
-    )
-    # (Megatron frees its data once sent)
+    # embedding and head split over V (megatron_tp.py), else replicated (ptdp.py)
+    vocab_parallel: bool = True
+    # also each stage's output, held to its backward as this repo's pipelines hold it (Megatron frees
+    # its data once sent)
+    outputs: bool = False
     split: tuple = ()  # blocks per chunk in pipeline order (--stage-layers); () the files' cut
-    cp: int = (
-        1  # context-parallel ranks sharing each sequence (context_parallel.py), between tp and dp
-    )
-    cp_attention: str = (
-        "ring"  # allgather, ring, ulysses: how a sequence's cp ranks exchange K and V
-    )
-    attention: str = (
-        "flash"  # eager: s x s scores saved, through HBM (2021's Megatron); flash: one pass
-    )
+    # context-parallel ranks sharing each sequence (context_parallel.py), between tp and dp
+    cp: int = 1
+    # allgather, ring, ulysses: how a sequence's cp ranks exchange K and V
+    cp_attention: str = "ring"
+    # eager: s x s scores saved, through HBM (2021's Megatron); flash: one pass
+    attention: str = "flash"
     dropout: bool = False  # dropout after attention and MLP (its masks saved), as in PTD-P's GPT
+    # HSDP (zero.py --replicate): R copies of the model, each ZeRO-sharded over dp x cp / R ranks
+    replicate: int = 1
     gpus = property(lambda lay: lay.dp * lay.cp * lay.tp * lay.pp)
-    grad_group = property(
-        lambda lay: lay.dp * lay.cp
-    )  # gradients are summed (ZeRO: sharded) over dp x cp
+    # gradients are summed (ZeRO: sharded) over dp x cp
+    grad_group = property(lambda lay: lay.dp * lay.cp)
+    # the ranks that shard the model state: all of them, or one HSDP shard group
+    shard = property(lambda lay: lay.grad_group // lay.replicate)
 
     def __str__(self):
         pipe = (
@@ -209,7 +210,8 @@ class Layout:
         ep = f" ep {self.ep}" * (self.ep > 1)
         return (
             f"dp {self.dp}{cp} tp {self.tp}{' sp' if self.sp else ''}{pipe}{ep}"
-            f" zero {self.zero} m {self.m} recompute {self.recompute}"
+            f" zero {self.zero}{f' replicate {self.replicate}' * (self.replicate > 1)} m {self.m}"
+            f" recompute {self.recompute}"
             + (f" blocks {'/'.join(runs(self.split))}" if self.split else "")
             + f" attention {self.attention}" * (self.attention != "flash")
             + " dropout" * self.dropout
@@ -229,9 +231,8 @@ PRECISION = {
     "fp64": (8, 8, 16, 8),
     "fp8": (2, 2, 12, 2),
 }
-TILE = (
-    128  # FP8 weights: one fp32 scale per 128x128 block (DeepSeek-V3; fp8.py --recipe fine-grained)
-)
+# FP8 weights: one fp32 scale per 128x128 block (DeepSeek-V3; fp8.py --recipe fine-grained)
+TILE = 128
 
 
 def capacity(M, tokens):
@@ -434,9 +435,8 @@ def microbatch_bytes(M, lay, b, e, c):
     """What chunk c holds per micro-batch, by part: embedding (int64 token and position ids, the
     vocab-parallel mask), blocks, final norm and head input, loss (log-softmax or vocab-parallel softmax,
     int64 targets), and with lay.outputs its output, held until its backward (the last chunk's: the loss)."""
-    return dict(
-        _microbatch_bytes(M, replace(lay, dp=1, zero=0, m=1, ep=1), b, e, c)
-    )  # (for --search)
+    # (for --search)
+    return dict(_microbatch_bytes(M, replace(lay, dp=1, zero=0, m=1, ep=1), b, e, c))
 
 
 @lru_cache(maxsize=None)
@@ -455,12 +455,10 @@ def _microbatch_bytes(M, lay, b, e, c):
         loss=0,
         out=(bs * M.d * e if c < n - 1 else ce) * lay.outputs,
     )
-    if (
-        moe and lay.recompute != "full"
-    ):  # E C slots (dispatched input, fc and GeLU outputs, expert output)
-        out["blocks"] += moe * moe_extra(
-            M, bs, e
-        )  # for the MLP's 2f: not measured; full: the inputs only
+    # E C slots (dispatched input, fc and GeLU outputs, expert output)
+    if moe and lay.recompute != "full":
+        # for the MLP's 2f: not measured; full: the inputs only
+        out["blocks"] += moe * moe_extra(M, bs, e)
     if c == n - 1:
         out["final"] = bs * (M.d * e + 2 * ce) // t_sp + bs * M.d * e // (t_sp if vp else 1)
         out["loss"] = (
@@ -592,11 +590,9 @@ def memory(M, lay, B, r):
     p, g, K, e = PRECISION[lay.precision]
     units = rank_units(M, lay, r)
     return dict(
-        model_state(units, lay.grad_group, lay.zero, p, g, K),
+        model_state(units, lay.shard, lay.zero, p, g, K),
         activations=peak_activations(M, lay, B // (lay.dp * lay.m), e, r),
-        gathered=gathered(
-            units, lay.grad_group, p, lay.precision == "fp8" and gemm_units(M, lay, r)
-        )
+        gathered=gathered(units, lay.shard, p, lay.precision == "fp8" and gemm_units(M, lay, r))
         if lay.zero == 3
         else 0,
     )
@@ -617,7 +613,7 @@ def collectives(M, lay, B, r=0):
     counts them; the bookkeeping each file does its own way (the loss for its log line, the clipping norm)
     is left out."""
     t = lay.tp
-    d = lay.grad_group
+    d = lay.shard
     n = lay.pp * lay.v
     m = lay.m
     cp = lay.cp
@@ -639,56 +635,48 @@ def collectives(M, lay, B, r=0):
     emb = first and lay.vocab_parallel
     head = last and lay.vocab_parallel
     again = lay.recompute == "full"
-    if (
-        lay.sp
-    ):  # all-gather before each column layer, reduce-scatter after each row layer; backward mirrors
+    # all-gather before each column layer, reduce-scatter after each row layer; backward mirrors
+    if lay.sp:
         k = 2 * layers
         add("all_gather/tp/fwd", m * (k + head), bsh // t, t)
         add("reduce_scatter/tp/fwd", m * (k + emb), bsh, t)
         add("reduce_scatter/tp/bwd", m * (k * (1 + again) + head), bsh, t)
-        add(
-            "all_gather/tp/bwd", m * (k * (2 + again) + emb + head), bsh // t, t
-        )  # + each column's re-gather
+        # + each column's re-gather
+        add("all_gather/tp/bwd", m * (k * (2 + again) + emb + head), bsh // t, t)
         repl = sum(
             layer_params(M, moe)[1] * k
             for c in chunks_r
             for moe, k in zip((0, 1), kinds(M, lay, c))
         )
-        repl += (
-            M.seq * M.d * (first and gpt) + M.d * (1 + gpt) * last
-        )  # their gradients saw T/t positions
+        # their gradients saw T/t positions
+        repl += M.seq * M.d * (first and gpt) + M.d * (1 + gpt) * last
         add("all_reduce/tp/step", 1, e * repl, t)
     else:  # g forward, f backward, twice per layer; the vocab-parallel embedding's g and head's f
         add("all_reduce/tp/fwd", m * (2 * layers + emb), bsh, t)
         add("all_reduce/tp/bwd", m * (2 * layers * (1 + again) + head), bsh, t)
-    add(
-        "all_reduce/tp/fwd", 3 * m * head, b * s * max(e, 4), t
-    )  # vocab-parallel loss: max, target, sum
-    for c in (
-        chunks_r
-    ):  # an activation to chunk c+1, a gradient to chunk c-1, per micro-batch, off the rank
+    # vocab-parallel loss: max, target, sum
+    add("all_reduce/tp/fwd", 3 * m * head, b * s * max(e, 4), t)
+    # an activation to chunk c+1, a gradient to chunk c-1, per micro-batch, off the rank
+    for c in chunks_r:
         add("send/pp/fwd", m * (c < n - 1 and owner(lay, c + 1) != r), bsh, lay.pp)
         add("send/pp/bwd", m * (c > 0 and owner(lay, c - 1) != r), bsh, lay.pp)
     if M.experts:  # dispatch and combine, forward and backward: (E, C, h) slots each
         calls = 2 * m * sum(kinds(M, lay, c)[1] for c in chunks_r)
         add("all_to_all/ep/fwd", calls, M.experts * capacity(M, b * s) * M.d * e, lay.ep)
         add("all_to_all/ep/bwd", calls, M.experts * capacity(M, b * s) * M.d * e, lay.ep)
-    if (
-        cp > 1
-    ):  # per layer and micro-batch (context_parallel.py); full recomputation runs the forward's again
+    # per layer and micro-batch (context_parallel.py); full recomputation runs the forward's again
+    if cp > 1:
         kv, k = (
             2 * b * s * (M.kv * (M.d // M.heads)) // t * e,
             m * layers,
         )  # K and V of my tokens, stacked
-        if (
-            lay.cp_attention == "ring"
-        ):  # each block on to the next rank; backward: blocks and dK/dV (fp32+)
+        # each block on to the next rank; backward: blocks and dK/dV (fp32+)
+        if lay.cp_attention == "ring":
             add("send/cp/fwd", k * (cp - 1), kv, cp)
             add("send/cp/bwd", k * (cp - 1) * (1 + again), kv, cp)
             add("send/cp/bwd", k * (cp - 1), kv // e * max(e, 4), cp)
-        elif (
-            lay.cp_attention == "allgather"
-        ):  # my K, V to the gather; everyone's dK, dV to the scatter
+        # my K, V to the gather; everyone's dK, dV to the scatter
+        elif lay.cp_attention == "allgather":
             add("all_gather/cp/fwd", k, kv, cp)
             add("all_gather/cp/bwd", k * again, kv, cp)
             add("reduce_scatter/cp/bwd", k, kv * cp, cp)
@@ -701,12 +689,18 @@ def collectives(M, lay, B, r=0):
     psi = padded(units, d) if z else sum(units)
     reduce = {0: "all_reduce/dp/step", 1: "reduce_scatter/dp/step"}.get(z, "reduce_scatter/dp/bwd")
     add(reduce, m if z > 1 else 1, g * psi, d)
-    fp8 = (
-        sum(gemm_units(M, lay, r)) if lay.precision == "fp8" else 0
-    )  # its GEMM weights gathered as FP8
+    # its GEMM weights gathered as FP8
+    fp8 = sum(gemm_units(M, lay, r)) if lay.precision == "fp8" else 0
     add("all_gather/dp/step", z in (1, 2), p * psi // d, d)
     add("all_gather/dp/fwd", m * (z == 3), weight_gather(psi, fp8, d, p), d)
     add("all_gather/dp/bwd", m * (z == 3), weight_gather(psi, fp8, d, p, scales=False), d)
+    # HSDP: each reduced shard then summed over the R replicas, as often as it is reduced
+    add(
+        reduce.replace("reduce_scatter/dp", "all_reduce/replicate"),
+        m if z > 1 else 1,
+        g * psi // d,
+        lay.replicate,
+    )
     return dict(sorted(out.items()))
 
 
@@ -750,9 +744,8 @@ def ptdp_4d_figures(M, lay, B, r):
             for c in mine_c
         ]
 
-        def batch(
-            k,
-        ):  # the storages behind the token ids (chunk 0) and targets (the last chunk), whole
+        # the storages behind the token ids (chunk 0) and targets (the last chunk), whole
+        def batch(k):
             whole = (B * (M.seq + 1), B * M.seq) if lay.cp == 1 else (lay.m * b * s, lay.m * b * s)
             return sum(
                 8 * (w - k[i] * b * s) for i, w in zip((first, last), whole) if i is not None
@@ -789,7 +782,10 @@ def link(C, lay, axis):
     """'nvlink' when every group of this axis sits inside one node of the grid arange(world).view(pp, dp, cp,
     tp), else 'ib'."""
     tc = lay.tp * lay.cp
-    span = {"tp": lay.tp, "cp": tc, "ep": tc * lay.ep, "dp": tc * lay.dp, "pp": lay.gpus}[axis]
+    dp = tc * lay.dp
+    span = dict(
+        tp=lay.tp, cp=tc, ep=tc * lay.ep, dp=dp // lay.replicate, replicate=dp, pp=lay.gpus
+    )[axis]
     return "nvlink" if span <= C.gpus_per_node else "ib"
 
 
@@ -871,10 +867,9 @@ def block_s(M, C, lay, b, eff, moe=False, attention="flash", dropout=False):
     )
 
 
+# fp8: the GEMMs' peak x
 @lru_cache(maxsize=None)
-def _block_s(
-    M, C, t, sp, cp, ep, e, b, eff, moe, attention, dropout, fp8=1
-):  # fp8: the GEMMs' peak x
+def _block_s(M, C, t, sp, cp, ep, e, b, eff, moe, attention, dropout, fp8=1):
     sq = M.seq // cp
     h = M.d
     f = M.f
@@ -889,9 +884,8 @@ def _block_s(
             [(slots, h, f // t, k), (slots, f // t, h, k)],
             gemm_s(C, eff, e, n, h, M.experts),
         )
-    G = C._replace(
-        tflops=C.tflops * fp8
-    )  # FP8: gemm_units' GEMMs at its peak; attention, gate, head bf16
+    # FP8: gemm_units' GEMMs at its peak; attention, gate, head bf16
+    G = C._replace(tflops=C.tflops * fp8)
     gemms = gate + sum(
         gemm_s(G, eff, e, *x) for x in [(n, h, (h + 2 * kvh) // t), (n, h // t, h), *mlp]
     )
@@ -959,9 +953,8 @@ def predict(
         tp_overlap or "none",
         dp_overlap or "full" * overlap_dp or "none",
     )
-    ranks = (
-        range(lay.pp) if lay.split else sorted({0, lay.pp - 1})
-    )  # a hand-made cut: any rank the worst
+    # a hand-made cut: any rank the worst
+    ranks = range(lay.pp) if lay.split else sorted({0, lay.pp - 1})
     b, n = B // (lay.dp * lay.m), lay.pp * lay.v
     mem, comm = (
         {r: memory(M, lay, B, r) for r in ranks},
@@ -981,9 +974,8 @@ def predict(
         for r in ranks
     }  # (s, of it attention) per mb
 
-    def per_axis_mb(
-        r,
-    ):  # per micro-batch: (on the links, exposed on its critical path) of TP, CP, all-to-all
+    # per micro-batch: (on the links, exposed on its critical path) of TP, CP, all-to-all
+    def per_axis_mb(r):
         x = {
             a: sum(v for k, v in secs[r].items() if f"/{a}/" in k and "step" not in k) / lay.m
             for a in ("tp", "cp", "ep")
@@ -1001,15 +993,18 @@ def predict(
     axes = per_axis_mb(slow)
     compute, comm_mb = work[slow][0], sum(x for _, x in axes.values())
     per_mb = compute + comm_mb
-    dp = {k: x for k, x in secs[slow].items() if k.endswith("step") or "/dp/" in k}
+    dp = {
+        k: x
+        for k, x in secs[slow].items()
+        if k.endswith("step") or "/dp/" in k or "/replicate/" in k
+    }
     gathers = sum(x for k, x in dp.items() if "all_gather" in k)
     reduce = sum(dp.values()) - gathers
     behind = 2 / 3 * compute  # one micro-batch's backward
     if lay.zero == 3:  # prefetched one unit ahead: hides behind each micro-batch
         exposed = lay.m * exposed_s((gathers + reduce) / lay.m, per_mb, dp_overlap)
-    elif (
-        lay.zero == 2
-    ):  # each micro-batch's reduce-scatter behind its backward, the all-gather after
+    # each micro-batch's reduce-scatter behind its backward, the all-gather after
+    elif lay.zero == 2:
         exposed = lay.m * exposed_s(reduce / lay.m, behind, dp_overlap) + gathers
     else:  # the reduction behind the last micro-batch's backward (DDP's buckets); ZeRO-1's all-gather after
         exposed = exposed_s(reduce, behind, dp_overlap) + gathers
@@ -1024,9 +1019,8 @@ def predict(
     )
     step, model = sum(parts.values()), chunk_flops(M, Layout(), B, 0, "none")
     hardware = chunk_flops(M, Layout(recompute=lay.recompute), B, 0)
-    pp = sum(
-        x for k, x in secs[slow].items() if "/pp/" in k
-    )  # the steady state's behind the compute
+    # the steady state's behind the compute
+    pp = sum(x for k, x in secs[slow].items() if "/pp/" in k)
     axes = {a: (x * lay.m, e * lay.m) for a, (x, e) in axes.items()}
     axes.update(dp=(sum(dp.values()), exposed), pp=(pp, parts["pp_s"]))
     return dict(
@@ -1115,6 +1109,11 @@ def legal(M, C, lay, B):
             f"--ep {lay.ep} must divide the experts and dp",
         ),
         (lay.zero in (0, 1, 2, 3), f"--stage must be 0, 1, 2 or 3, got {lay.zero}"),
+        (
+            lay.replicate == 1 or lay.zero and lay.grad_group % lay.replicate == 0,
+            f"--replicate {lay.replicate} (HSDP) needs --stage 1, 2 or 3 and must divide dp x cp = "
+            f"{lay.grad_group}",
+        ),
         (lay.precision != "fp8" or C.fp8, NO_FP8),
     ]:
         if not ok:
@@ -1410,9 +1409,8 @@ def report(C, B, got, error=None):
 # ----------------------------------------------------------------------------- main
 @dataclass
 class Args:
-    model: Literal[tuple(PRESETS)] = (
-        "gpt3-6.7b"  # a preset shape (the model flags below override it)
-    )
+    # a preset shape (the model flags below override it)
+    model: Literal[tuple(PRESETS)] = "gpt3-6.7b"
     n_layers: int = 0  # transformer blocks L (0: the preset's, as for every model flag)
     d_model: int = 0  # width h
     n_heads: int = 0  # attention heads a
@@ -1425,9 +1423,8 @@ class Args:
     capacity_factor: float = 1.25  # MoE: slots per expert = cf x k x tokens / experts
     moe_every: int = 1  # MoE: an MoE layer every n-th block
     batch_size: int = 512  # global batch, in sequences
-    cluster: Literal[tuple(CLUSTERS)] = (
-        "h100-80g"  # per-GPU figures (the cluster flags below override them)
-    )
+    # per-GPU figures (the cluster flags below override them)
+    cluster: Literal[tuple(CLUSTERS)] = "h100-80g"
     nodes: int = 1  # nodes
     gpus_per_node: int = 0  # GPUs per node (0: the preset's, as for every cluster flag)
     gpu_mem_gb: float = 0  # memory per GPU, GB
@@ -1435,82 +1432,66 @@ class Args:
     intra_gbs: float = 0  # GB/s per GPU and direction inside a node
     inter_gbs: float = 0  # GB/s per GPU and direction across nodes
     hbm_gbs: float = 0  # GB/s of each GPU's memory (memory-bound work, each GEMM's operands)
-    efficiency: float = (
-        0  # the GEMMs' ceiling share of peak (0: the stack's, fitted on its published rows)
-    )
-    stack: Literal[tuple(STACKS)] = (
-        "2024"  # a published stack: the next 4 flags' defaults, a ceiling
-    )
-    attention: Literal["", "eager", "flash"] = (
-        ""  # eager: the s x s scores (2021's); "": the stack's
-    )
+    # the GEMMs' ceiling share of peak (0: the stack's, fitted on its published rows)
+    efficiency: float = 0
+    # a published stack: the next 4 flags' defaults, a ceiling
+    stack: Literal[tuple(STACKS)] = "2024"
+    # eager: the s x s scores (2021's); "": the stack's
+    attention: Literal["", "eager", "flash"] = ""
     dropout: bool = None  # dropout after attention and MLP (--no-dropout: off); unset: the stack's
-    tp_overlap: str = (
-        ""  # TP's exchanges behind the GEMMs: none, partial, full, or the exposed share
-    )
-    dp_overlap: str = (
-        ""  # gradients' reduction behind the backward: none (after the flush) ... as above
-    )
-    headroom: float = (
-        0.1  # share of GPU memory kept free for what is not counted (workspace, fragmentation)
-    )
+    # TP's exchanges behind the GEMMs: none, partial, full, or the exposed share
+    tp_overlap: str = ""
+    # gradients' reduction behind the backward: none (after the flush) ... as above
+    dp_overlap: str = ""
+    # share of GPU memory kept free for what is not counted (workspace, fragmentation)
+    headroom: float = 0.1
     dp: int = 0  # data-parallel degree d (0: GPUs / (tp x pp))
     tp: int = 1  # tensor-parallel degree t
     cp: int = 1  # context-parallel degree: ranks sharing each sequence (context_parallel.py)
-    cp_attention: Literal["ring", "allgather", "ulysses"] = (
-        "ring"  # how they exchange keys and values
-    )
+    # how they exchange keys and values
+    cp_attention: Literal["ring", "allgather", "ulysses"] = "ring"
     pp: int = 1  # pipeline stages p
     virtual_stages: int = 1  # model chunks per pipeline rank v
     ep: int = 1  # expert-parallel degree, inside dp
     stage: int = 0  # ZeRO stage over the data-parallel group
+    replicate: int = 1  # HSDP: R copies, each ZeRO-sharded over dp x cp / R ranks (a node, say)
     microbatches: int = 1  # m per step and replica
     sequence_parallel: bool = False  # split norm and dropout regions along the sequence (--tp > 1)
     recompute: Literal["none", "selective", "full"] = "none"  # activation recomputation
-    precision: Literal["bf16", "fp32", "fp64", "fp8"] = (
-        "bf16"  # bf16: mixed-precision Adam, 2 + 2 + 12
-    )
-    # bytes; fp8: as bf16, the blocks' GEMMs at the FP8 peak, ZeRO-3 gathering their weights in FP8 + scales
+    # bf16: mixed-precision Adam, 2 + 2 + 12 bytes; fp8: as bf16, the blocks' GEMMs at the FP8 peak,
+    # ZeRO-3 gathering their weights in FP8 + scales
+    precision: Literal["bf16", "fp32", "fp64", "fp8"] = "bf16"
     schedule: Literal["1f1b", "gpipe", "interleaved", "zb-h1", "zb-v"] = "1f1b"  # pipeline schedule
-    vocab_parallel: bool = (
-        True  # split embedding and head over the vocabulary (else replicated over tp)
-    )
-    stage_layers: str = (
-        ""  # blocks per chunk in pipeline order, e.g. 7,8,...,8,7 or 0,9,...,9,0 (fewer on
-    )
-    # the first and last; 0: a chunk of the embedding or the head and loss alone, as Llama 3's)
+    # split embedding and head over the vocabulary (else replicated over tp)
+    vocab_parallel: bool = True
+    # blocks per chunk in pipeline order, e.g. 7,8,...,8,7 or 0,9,...,9,0 (fewer on the first and
+    # last; 0: a chunk of the embedding or the head and loss alone, as Llama 3's)
+    stage_layers: str = ""
     search: bool = False  # rank every legal layout that fits by predicted tokens/s
     top: int = 10  # layouts --search prints
     tokens: float = 0  # the whole run: train on this many tokens (wall time, GPU-hours, cost)
-    gpu_hours: float = (
-        0  # a budget in GPU-hours: the compute-optimal model and tokens for it (--law)
-    )
+    # a budget in GPU-hours: the compute-optimal model and tokens for it (--law)
+    gpu_hours: float = 0
     days: float = 0  # a budget in days on this cluster, failures and checkpoints included
     flops: float = 0  # a budget in training FLOPs, C = 6ND
-    law: Literal["chinchilla", "llama3"] = (
-        "chinchilla"  # a budget's N and D: Chinchilla's Approach 3 or
-    )
-    # Llama 3's fit of the optimal tokens (D = 0.299 C^0.537: more tokens per parameter as C grows)
-    tokens_per_param: float = (
-        None  # a budget's N and D at D = R N in place of --law (Llama 3 405B: 38.5)
-    )
+    # a budget's N and D: Chinchilla's Approach 3 or Llama 3's fit of the optimal tokens (D = 0.299
+    # C^0.537: more tokens per parameter as C grows)
+    law: Literal["chinchilla", "llama3"] = "chinchilla"
+    # a budget's N and D at D = R N in place of --law (Llama 3 405B: 38.5)
+    tokens_per_param: float = None
     usd_per_gpu_hour: float = 0  # price per GPU-hour, for the cost
-    failures_per_gpu_hour: float = (
-        0  # interruptions per GPU-hour (Llama 3: 419 in 54 days on 16384: 2e-5)
-    )
+    # interruptions per GPU-hour (Llama 3: 419 in 54 days on 16384: 2e-5)
+    failures_per_gpu_hour: float = 0
     ckpt_minutes: float = 0  # checkpoint interval (0: Young/Daly's optimum for the failure rate)
     ckpt_write_s: float = 30  # seconds each checkpoint stops training
-    restart_minutes: float = (
-        10  # minutes from a failure to training again (detect, replace, reload)
-    )
-    inner_steps: int = (
-        0  # DiLoCo beside DDP: H inner steps per outer sync (0: off), dp across --inter-gbs
-    )
+    # minutes from a failure to training again (detect, replace, reload)
+    restart_minutes: float = 10
+    # DiLoCo beside DDP: H inner steps per outer sync (0: off), dp across --inter-gbs
+    inner_steps: int = 0
     fragments: int = 1  # Streaming DiLoCo: fragments synced in turn
     overlap: int = 0  # Streaming DiLoCo: inner steps each fragment's exchange overlaps
-    outer_dtype: Literal["float32", "bfloat16"] = (
-        "float32"  # DiLoCo: the pseudo-gradient's type on the wire
-    )
+    # DiLoCo: the pseudo-gradient's type on the wire
+    outer_dtype: Literal["float32", "bfloat16"] = "float32"
 
 
 def check_args(a):
@@ -1518,7 +1499,10 @@ def check_args(a):
     for name, x in vars(a).items():
         if isinstance(x, float) and not math.isfinite(x):
             fail(f"--{name.replace('_', '-')} must be a finite number, got {x}")
-    ones = "batch_size nodes tp cp pp virtual_stages ep microbatches top top_k moe_every fragments".split()
+    ones = (
+        "batch_size nodes tp cp pp virtual_stages ep replicate microbatches top top_k moe_every "
+        "fragments"
+    ).split()
     zeros = (
         "n_layers d_model n_heads kv_heads vocab seq_len ffn experts dp gpus_per_node gpu_mem_gb tflops "
         "intra_gbs inter_gbs hbm_gbs stage tokens gpu_hours days flops usd_per_gpu_hour "
@@ -1729,9 +1713,8 @@ def main():
         print(
             f"--search: {n_legal} legal layouts on {gpus} GPUs, {n_fit} fit; the fastest of each grid:"
         )
-        for i, x in enumerate(
-            ranked[: a.top]
-        ):  # each MFU with its band (+- x.x), where there is one
+        # each MFU with its band (+- x.x), where there is one
+        for i, x in enumerate(ranked[: a.top]):
             print(
                 f"  {i + 1:2d}. {x['tokens_per_s']:11,.0f} tok/s  MFU {x['mfu']:5.1%}"
                 f"{band(error)[:7] * (error is not None)}  step {x['step_s']:8.3f} s  {x['layout']}"
@@ -1760,6 +1743,7 @@ def main():
             cp_attention=a.cp_attention,
             attention=attention,
             dropout=dropout,
+            replicate=a.replicate,
         )
         if a.stage_layers:
             lay = replace(lay, split=tuple(map(int, a.stage_layers.split(","))))

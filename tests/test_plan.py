@@ -14,7 +14,7 @@
 Each check is shown to fail when plan.py drops a term of its model (monkeypatched here).
 
 --json keys read: zero.py figures.memory.{params,grads,optim}.counted, gathered_peak_bytes,
-saved_activation_bytes, comm_bytes; megatron_tp.py figures.collectives_per_step, param_bytes_per_rank,
+saved_activation_bytes, comm_bytes, (HSDP) comm_by_group.{shard,replicate}.counted; megatron_tp.py figures.collectives_per_step, param_bytes_per_rank,
 activation_bytes_per_block, activation_bytes_saved, peak_mem_bytes; gpipe.py figures.saved_activation_bytes,
 state_bytes, sent_bytes_per_rank, bubble_mean; pipedream.py figures.mem_bytes_per_rank, sent_bytes_per_rank,
 bubble_mean; ptdp.py figures.counts_per_rank (named figures per rank, over one step), bubble_mean,
@@ -55,6 +55,13 @@ RUNS = {  # name: (file, processes, flags)
         4,
         [*T, "--stage", "3", "--batch-size", "16", "--accum", "2"],
     ),
+    # HSDP (zero.py --replicate R): R x N, ZeRO over each row of N, the shard summed down each column
+    "hsdp 2 x 2 stage 3, accum 2": (
+        "zero.py",
+        4,
+        [*T, "--stage", "3", "--replicate", "2", "--batch-size", "16", "--accum", "2"],
+    ),
+    "hsdp 3 x 2 stage 1": ("zero.py", 6, [*T, "--stage", "1", "--replicate", "3"]),
     "megatron tp 1": ("megatron_tp.py", 1, T),
     "megatron tp 2 x dp 2": ("megatron_tp.py", 4, [*T, "--tp", "2"]),
     "megatron tp 4 + SP": (
@@ -126,6 +133,7 @@ RUNS.update({name: ("context_parallel.py", 4, argv) for name, argv in CP_RUNS.it
 FOLDED = (
     "zero stage 2, d 4, accum 2",
     "zero stage 3, d 4, accum 2",
+    "hsdp 2 x 2 stage 3, accum 2",
     "megatron tp 2 x dp 2",
     "megatron tp 4 + SP",
     "moe ep 4",
@@ -244,13 +252,15 @@ def batch_storage(M, B, b, alive, tokens, targets):
 # ----------------------------------------------------------------------------- what each file counts
 def zero_rows(s, name):
     """zero.py: model state, stage 3's gathered peak, saved bytes of one micro-batch's forward (embedding,
-    blocks, final norm and head input; the loss runs outside its hooks), bytes handed per step."""
+    blocks, final norm and head input; the loss runs outside its hooks), bytes handed per step; HSDP
+    (--replicate R): those at shard world N = d / R, and the bytes of each group (figures.comm_by_group):
+    the shard group's (ZeRO's at N, + the norm's 8) and the replicate group's all-reduces."""
     M, d, stage = model_of(name), RUNS[name][1], flag(name, "--stage")
-    B, accum = (
-        flag(name, "--batch-size"),
-        (flag(name, "--accum") if "--accum" in RUNS[name][2] else 1),
+    given = lambda key: flag(name, key) if key in RUNS[name][2] else 1  # noqa: E731
+    B, accum, R = flag(name, "--batch-size"), given("--accum"), given("--replicate")
+    lay = plan.Layout(
+        dp=d, zero=stage, m=accum, precision="fp64", vocab_parallel=False, replicate=R
     )
-    lay = plan.Layout(dp=d, zero=stage, m=accum, precision="fp64", vocab_parallel=False)
     mem, f, b = plan.memory(M, lay, B, 0), s["figures"], B // (d * accum)
     rows = [(f"{k} bytes", f["memory"][k]["counted"], mem[k]) for k in ("params", "grads", "optim")]
     if stage == 3:
@@ -263,10 +273,16 @@ def zero_rows(s, name):
             part["embedding"] + part["blocks"] + part["final"] + batch_storage(M, B, b, 1, 1, 0),
         )
     )
-    handed = sum(x[1] for x in plan.collectives(M, lay, B).values())
-    return rows + [
-        ("bytes handed per step", s["comm_bytes"], handed + 8)
-    ]  # + the norm, one float64
+    comm = plan.collectives(M, lay, B)
+    handed = sum(x[1] for x in comm.values())
+    # + the norm, one float64, on the shard group
+    rows.append(("bytes handed per step", s["comm_bytes"], handed + 8))
+    if R > 1:
+        groups = f["comm_by_group"]
+        across = sum(x[1] for k, x in comm.items() if "/replicate/" in k)
+        rows.append(("shard group bytes", groups["shard"]["counted"], handed - across + 8))
+        rows.append(("replicate group bytes", groups["replicate"]["counted"], across))
+    return rows
 
 
 def megatron_rows(s, name):
@@ -608,6 +624,7 @@ def cp_rows(s, name):
 
 ROWS = {
     "zero": zero_rows,
+    "hsdp": zero_rows,
     "megatron": megatron_rows,
     "gpipe": pipeline_rows,
     "1f1b": pipeline_rows,
@@ -618,7 +635,7 @@ ROWS = {
     "cp": cp_rows,
 }
 FAMILIES = {
-    "zero": ("zero",),
+    "zero": ("zero", "hsdp"),
     "megatron": ("megatron",),
     "pipelines": ("gpipe", "1f1b", "ptdp"),
     "zero bubble": ("zb-h1", "zbv"),
@@ -741,11 +758,42 @@ def whole_sequence(mp):  # each block's saved bytes as if the rank held every to
     )
 
 
+def drop_replicas(mp):  # HSDP's shard never summed across the replicas
+    real = plan.collectives
+    mp.setattr(
+        plan,
+        "collectives",
+        lambda *a: {k: x for k, x in real(*a).items() if "/replicate/" not in k},
+    )
+
+
+def replicas_once(mp):  # HSDP's all-reduce once per step at every stage, not per micro-batch at 2-3
+    real = plan.collectives
+
+    def once(M, lay, B, r=0):
+        out = real(M, lay, B, r)
+        for k in [k for k in out if "/replicate/" in k]:
+            out[k] = [1, out[k][1] // out[k][0], out[k][2]]
+        return out
+
+    mp.setattr(plan, "collectives", once)
+
+
+def shard_as(
+    shard,
+):  # HSDP's model state and ZeRO collectives over another group than its rows of N
+    return lambda mp: mp.setattr(plan.Layout, "shard", property(shard))
+
+
 MUTANTS = {  # what plan.py forgets -> a launch whose figures must then disagree
     "ZB-H1 holds 1F1B's p - r": (zb_h1_as_1f1b, "zb-h1 p 4 m 8"),
     "ZB-V chunks in a loop": (zb_v_as_a_loop, "zbv p 3 m 6"),
     "stage 3 forgets its gathered units": (drop_gathered, "zero stage 3, d 4, accum 2"),
     "sharded units without padding": (drop_padding, "zero stage 1, d 3"),
+    "HSDP without its all-reduce across replicas": (drop_replicas, "hsdp 3 x 2 stage 1"),
+    "HSDP sharded over every rank": (shard_as(lambda lay: lay.grad_group), "hsdp 3 x 2 stage 1"),
+    "HSDP sharded over R, not N": (shard_as(lambda lay: lay.replicate), "hsdp 3 x 2 stage 1"),
+    "HSDP stage 3's all-reduce once a step": (replicas_once, "hsdp 2 x 2 stage 3, accum 2"),
     "1F1B without its p-r-1 warm-up": (drop_warmup, "1f1b p 4 m 8"),
     "interleaving holds no more than 1F1B": (drop_interleaving, "ptdp 2x2x2 v 2"),
     "no logsumexp saved by attention": (drop_logsumexp, "megatron tp 2 x dp 2"),
@@ -782,6 +830,27 @@ def test_a_dropped_term_fails_the_comparison(run, monkeypatch, mutant):
         assert mismatches(rows_of(run, name), name), f"{mutant}: still matches {name}"
     finally:
         clear_caches()
+
+
+def test_hsdp_gathers_inside_a_node_and_sums_across():
+    """HSDP of Llama 3 70B on 8 nodes, a replica per node (R 8, N 8): the model state of ZeRO-3 at N = 8, its
+    all-gathers and reduce-scatters on NVLink, the replicas' all-reduce g Psi'/N per micro-batch (closed form
+    here: Psi' the units padded to N) on InfiniBand; plain ZeRO-3 over 64 gathers across the nodes."""
+    M, C = plan.PRESETS["llama3-70b"], plan.CLUSTERS["h100-80g"]._replace(nodes=8)
+    lay = plan.Layout(dp=64, zero=3, m=4, replicate=8, recompute="full")
+    flat = replace(lay, replicate=1)
+    units = plan.rank_units(M, lay, 0)
+    psi = sum(-(-u // 8) * 8 for u in units)
+    assert plan.memory(M, lay, 256, 0)["optim"] == 12 * psi // 8
+    comm = plan.collectives(M, lay, 256)
+    # [calls, bytes handed over them, group size]
+    assert comm["all_reduce/replicate/bwd"] == [4, 4 * 2 * psi // 8, 8]
+    assert comm["reduce_scatter/dp/bwd"] == [4, 4 * 2 * psi, 8]
+    assert [plan.link(C, lay, a) for a in ("dp", "replicate")] == ["nvlink", "ib"]
+    assert plan.link(C, flat, "dp") == "ib"
+    got = {x: plan.predict(M, C, x, 256) for x in (lay, flat)}
+    assert got[lay]["exposed"]["dp"][0] < got[flat]["exposed"]["dp"][0] / 2
+    assert "replicate 8" in str(lay)
 
 
 def test_moe_model_state_equals_the_files_parameters(monkeypatch):
@@ -1408,6 +1477,37 @@ def test_llama3_8k_cut_names_the_term(monkeypatch, capsys, source_once):
     assert "does NOT fit" in out and line in out and r == 1 and over > 0, (line, out)
 
 
+def interleaved_mismatches(grid):
+    """(p, v, m, r) where plan's alive chunk-micro-batches (the maximal counts per local chunk) differ from
+    ptdp.py's own interleaved schedule walked op by op (a pure function: ptdp.schedule, whose counted peak
+    test_plan_equals_what_the_files_count holds to plan's at 2 x 2 x 2)."""
+    import ptdp
+
+    bad = []
+    for p, v, m in grid:
+        for r in range(p):
+            alive = [0] * v
+            seen = set()
+            for kind, c, _ in ptdp.schedule(p, v, m, r):
+                alive[c // p] += 1 if kind == "F" else -1
+                seen.add(tuple(alive))
+            if plan.maximal(seen) != plan.alive_patterns(p, v, m, r, "interleaved"):
+                bad.append((p, v, m, r))
+    return bad
+
+
+def test_interleaved_warmup_is_the_repos_schedule_at_llama3_scale(monkeypatch):
+    """Issue 49 item 5: the 141 chunk-micro-batches plan holds on rank 1 of Llama 3's 8K cut (p 16, v 8, m 32)
+    are what the repo's interleaved schedule (Megatron's order, warm-up 2(p-r-1) + (v-1)p, capped by vm)
+    holds: ptdp.schedule walked at that size and at small ones agrees chunk by chunk; plan does not
+    over-count. Interleaving taken as plain 1F1B's p - r (a mutant) disagrees."""
+    grid = [(2, 2, 4), (4, 2, 8), (4, 2, 4), (3, 4, 9), (4, 3, 16), (16, 8, 32)]
+    assert not interleaved_mismatches(grid)
+    assert max(map(sum, plan.alive_patterns(16, 8, 32, 1, "interleaved"))) == 2 * 14 + 7 * 16 + 1
+    drop_interleaving(monkeypatch)
+    assert interleaved_mismatches(grid)
+
+
 # ----------------------------------------------------------------------------- worked examples, bad input
 EXAMPLES = {
     "7B on one node": ["--model", "gpt3-6.7b", "--nodes", "1", "--search", "--top", "5"],
@@ -1519,6 +1619,8 @@ def bad_values():
             ["--microbatches >= 2p-1 = 3"],
         ),
         (["--stage", "4"], ["--stage must be 0, 1, 2 or 3"]),
+        (["--replicate", "2"], ["--replicate 2 (HSDP) needs --stage 1, 2 or 3"]),
+        (["--stage", "3", "--replicate", "3"], ["must divide dp x cp = 8"]),
         (
             ["--pp", "2", "--dp", "4", "--stage-layers", "1,2"],
             ["--stage-layers 1,2: pp x virtual stages = 2", "summing to --n-layers 32"],
