@@ -1,68 +1,78 @@
-"""plan.py: before a run, what fits and what it costs (memory, bytes, bubble, time), any layout, any scale.
+"""plan.py: before a run, what fits and what it costs (memory, bytes, bubble, time), any layout, any
+scale.
 
-The technique files print measured figures beside theory for the tiny model they train; this is that theory
-for your model and cluster, small functions with their formulas, then a search over every legal layout.
-tests/test_plan.py launches the files at many layouts and holds these predictions to each run's counted
-memory and collective bytes exactly, and to its bubble under --stage-ms. Time, tokens/s, MFU: predictions.
+The technique files print measured figures beside theory for the tiny model they train; this is that
+theory for your model and cluster, small functions with their formulas, then a search over every
+legal layout. tests/test_plan.py launches the files at many layouts and holds these predictions to
+each run's counted memory and collective bytes exactly, and to its bubble under --stage-ms. Time,
+tokens/s, MFU: predictions.
 
-L layers, h width, a heads, s sequence, V vocabulary, b sequences per micro-batch, m micro-batches per step
-and replica, t tensor-, p pipeline-, d data-parallel degree, v chunks per pipeline rank, e bytes per
-activation element, Psi parameters of one rank (its pipeline stage, its 1/t).
+L layers, h width, a heads, s sequence, V vocabulary, b sequences per micro-batch, m micro-batches
+per step and replica, t tensor-, p pipeline-, d data-parallel degree, v chunks per pipeline rank, e
+bytes per activation element, Psi parameters of one rank (its pipeline stage, its 1/t).
   model state  ZeRO (Rajbhandari et al. 2020, Sec. 5, Fig. 1), p, g, K bytes per parameter (mixed-precision
-               Adam 2, 2, 12): stage 0 (p+g+K) Psi, 1 (p+g) Psi + K Psi/d, 2 p Psi + (g+K) Psi/d, 3 (p+g+K)
-               Psi/d; units (each block, the rest) padded to d ceil(P/d) as zero.py's and FSDP's flat
-               parameters; stage 3 also holds p (root + 2 largest units) gathered. HSDP (--replicate R,
-               zero.py; FSDP's hybrid sharding): ZeRO at d = dp x cp / R, the shard group.
+               Adam 2, 2, 12): stage 0 (p+g+K) Psi, 1 (p+g) Psi + K Psi/d, 2 p Psi + (g+K) Psi/d, 3
+               (p+g+K) Psi/d; units (each block, the rest) padded to d ceil(P/d) as zero.py's and
+               FSDP's flat parameters; stage 3 also holds p (root + 2 largest units) gathered. HSDP
+               (--replicate R, zero.py; FSDP's hybrid sharding): ZeRO at d = dp x cp / R, the shard
+               group.
   activations  saved for backward per layer and micro-batch (Korthikanti et al. 2022, Table 2: eager
-               attention, fp16, dropout): sbh(34 + 5as/h), TP sbh(10 + 24/t + 5as/(ht)), TP+SP sbh/t (34 +
-               5as/h); selective recomputation drops 5as/h, full keeps 2sbh. layer_items sums the same tensor
-               by tensor, here as this repo's GPT saves them: flash attention (a logsumexp per head, no s x s
-               terms), norm statistics, no dropout. Micro-batches alive on pipeline rank r: GPipe m, 1F1B
-               p - r, interleaved its warm-up + 1 chunks; zero bubble (ZB-H1, ZB-V) the schedule walked, each
-               micro-batch until its W, from its B holding each linear's input and output gradient (ZB-H1: p
-               on every rank); with Layout.outputs also each stage's output, which this repo's pipelines hold
-               to its backward. Chunks: the files' cut (earlier ones one block more) or --stage-layers; ZB-V
-               puts chunks r and 2p-1-r on rank r.
+               attention, fp16, dropout): sbh(34 + 5as/h), TP sbh(10 + 24/t + 5as/(ht)), TP+SP sbh/t
+               (34 + 5as/h); selective recomputation drops 5as/h, full keeps 2sbh. layer_items sums
+               the same tensor by tensor, here as this repo's GPT saves them: flash attention (a
+               logsumexp per head, no s x s terms), norm statistics, no dropout. Micro-batches alive
+               on pipeline rank r: GPipe m, 1F1B p - r, interleaved its warm-up + 1 chunks; zero
+               bubble (ZB-H1, ZB-V) the schedule walked, each micro-batch until its W, from its B
+               holding each linear's input and output gradient (ZB-H1: p on every rank); with
+               Layout.outputs also each stage's output, which this repo's pipelines hold to its
+               backward. Chunks: the files' cut (earlier ones one block more) or --stage-layers;
+               ZB-V puts chunks r and 2p-1-r on rank r.
   bytes        handed to collectives per rank and step, as harness.CommCounter counts (an all-reduce's tensor,
-               an all-gather's local input, a reduce-scatter's or all-to-all's whole input, a send): TP
-               (Shoeybi et al. 2019, Sec. 3) 2 all-reduces of bsh forward, 2 backward per layer; SP
-               (Korthikanti Sec. 4.2.2) each an all-gather + reduce-scatter, + 1 re-gather per column layer;
-               PP a bsh message per chunk boundary, micro-batch and direction; ZeRO 0 all-reduce g Psi, 1
-               reduce-scatter g Psi + all-gather p Psi/d, 2 the reduce-scatter per micro-batch, 3 per
-               micro-batch 2 all-gathers p Psi/d (fp8: its GEMM weights at 1 byte, forward's + 4 per 128x128
-               block) + a reduce-scatter; HSDP those in its shard group of d, then each reduced shard g Psi/d
-               all-reduced across the R replicas, once per step at stage 1, per micro-batch at 2-3; MoE
-               (Lepikhin et al. 2020) 4 all-to-alls of E C h e per MoE layer and micro-batch, C = ceil(cf k
-               bs / E). On the wire (ring): all-reduce 2(n-1)/n, others (n-1)/n of the whole; NVLink when
-               the group fits in a node of the grid arange(world).view(pp, dp, cp, tp) (tp innermost, ep
-               inside dp, an HSDP shard group d consecutive of dp x cp), else InfiniBand.
+               an all-gather's local input, a reduce-scatter's or all-to-all's whole input, a send):
+               TP (Shoeybi et al. 2019, Sec. 3) 2 all-reduces of bsh forward, 2 backward per layer;
+               SP (Korthikanti Sec. 4.2.2) each an all-gather + reduce-scatter, + 1 re-gather per
+               column layer; PP a bsh message per chunk boundary, micro-batch and direction; ZeRO 0
+               all-reduce g Psi, 1 reduce-scatter g Psi + all-gather p Psi/d, 2 the reduce-scatter
+               per micro-batch, 3 per micro-batch 2 all-gathers p Psi/d (fp8: its GEMM weights at 1
+               byte, forward's + 4 per 128x128 block) + a reduce-scatter; HSDP those in its shard
+               group of d, then each reduced shard g Psi/d all-reduced across the R replicas, once
+               per step at stage 1, per micro-batch at 2-3; MoE (Lepikhin et al. 2020) 4 all-to-alls
+               of E C h e per MoE layer and micro-batch, C = ceil(cf k bs / E). On the wire (ring):
+               all-reduce 2(n-1)/n, others (n-1)/n of the whole; NVLink when the group fits in a
+               node of the grid arange(world).view(pp, dp, cp, tp) (tp innermost, ep inside dp, an
+               HSDP shard group d consecutive of dp x cp), else InfiniBand.
   bubble       idle share of the step (Narayanan et al. 2021, PTD-P, Sec. 2.2): GPipe, 1F1B (p-1)/(m+p-1);
-               interleaved (p-1)/(vm) of ideal compute; with backward split into B and W of a forward's time
-               each (Qi et al. 2023, Zero Bubble): ZB-H1 (p-1)(T_F + T_B - T_W), a third of 1F1B's; ZB-V 0.
+               interleaved (p-1)/(vm) of ideal compute; with backward split into B and W of a
+               forward's time each (Qi et al. 2023, Zero Bubble): ZB-H1 (p-1)(T_F + T_B - T_W), a
+               third of 1F1B's; ZB-V 0.
   context      cp ranks share each sequence (context_parallel.py; Liu et al. 2023 ring, Jacobs et al. 2023
-               Ulysses): activations of s/cp tokens, + the all-gather's other K, V and (s/cp, s) mask, or
-               Ulysses' head-sharded output; per layer and micro-batch the ring sends cp-1 K/V blocks forward,
-               as many + fp32 dK/dV backward, all-gather K, V in and a reduce-scatter of cp x theirs back,
-               Ulysses 2 all-to-alls each way; gradients summed (ZeRO: sharded) over dp x cp.
+               Ulysses): activations of s/cp tokens, + the all-gather's other K, V and (s/cp, s)
+               mask, or Ulysses' head-sharded output; per layer and micro-batch the ring sends cp-1
+               K/V blocks forward, as many + fp32 dK/dV backward, all-gather K, V in and a
+               reduce-scatter of cp x theirs back, Ulysses 2 all-to-alls each way; gradients summed
+               (ZeRO: sharded) over dp x cp.
   time         forward FLOPs per layer 24bsh^2 + 4bs^2h, head 2bshV; training 3x, full recomputation 4x the
-               blocks: PTD-P's 96Bslh^2(1 + s/(6h) + V/(16lh)). Seconds per micro-batch: each GEMM's FLOPs at
-               --efficiency of peak (fp8: the blocks' projections at the FP8 peak, 2x bf16's on an H100; MFU
-               still of bf16's) + its operands and result at HBM speed (so a GEMM reaches eff / (1 + eff peak
-               / (HBM x FLOPs per byte)): thin ones less), attention per head (eager: s x s scores through
-               HBM; flash: one pass), norms, residuals and activations at HBM speed. A step: (m + bubble
-               slots) micro-batch times of the slowest stage, + TP (exposed, as Megatron-LM and torchtitan
-               run it unless --tp-overlap says), CP (the ring behind attention) and all-to-all time, + what
-               cannot hide: the data-parallel reduction beyond the last micro-batch's backward (ZeRO-2: each
-               one's; ZeRO-3: all its traffic beyond each micro-batch), the all-gather of stages 1-2, a
-               pipeline message (1/t of it per TP rank) per chunk boundary in and out. The GEMM ceiling is
-               the stack's per GPU, fitted on published runs; the band beside each MFU is its leave-one-out
-               error (STACKS, docs/plan.md). MFU: model FLOPs (3x) / (step x GPUs x peak).
+               blocks: PTD-P's 96Bslh^2(1 + s/(6h) + V/(16lh)). Seconds per micro-batch: each GEMM's
+               FLOPs at --efficiency of peak (fp8: the blocks' projections at the FP8 peak, 2x
+               bf16's on an H100; MFU still of bf16's) + its operands and result at HBM speed (so a
+               GEMM reaches eff / (1 + eff peak / (HBM x FLOPs per byte)): thin ones less),
+               attention per head (eager: s x s scores through HBM; flash: one pass), norms,
+               residuals and activations at HBM speed. A step: (m + bubble slots) micro-batch times
+               of the slowest stage, + TP (exposed, as Megatron-LM and torchtitan run it unless
+               --tp-overlap says), CP (the ring behind attention) and all-to-all time, + what cannot
+               hide: the data-parallel reduction beyond the last micro-batch's backward (ZeRO-2:
+               each one's; ZeRO-3: all its traffic beyond each micro-batch), the all-gather of
+               stages 1-2, a pipeline message (1/t of it per TP rank) per chunk boundary in and out.
+               The GEMM ceiling is the stack's per GPU, fitted on published runs; the band beside
+               each MFU is its leave-one-out error (STACKS, docs/plan.md). MFU: model FLOPs (3x) /
+               (step x GPUs x peak).
   the run      --tokens: wall time = tokens / tokens/s, with failures (rate per GPU-hour, a checkpoint every
-               tau, Young/Daly's sqrt(2 delta M) by default) to first order; a budget (--gpu-hours, --days,
-               --flops) gives N and D by --law: Chinchilla's compute-optimal (Hoffmann et al. 2022, Approach
-               3, Besiroglu et al. 2024's refit), Llama 3's D = A C^alpha (Dubey et al. 2024, Sec. 3.2.1), or
-               D = R N (--tokens-per-param); Chinchilla's final loss. DiLoCo (--inner-steps): the
-               pseudo-gradient's all-reduce every H steps beside DDP's every step. docs/plan.md: examples.
+               tau, Young/Daly's sqrt(2 delta M) by default) to first order; a budget (--gpu-hours,
+               --days, --flops) gives N and D by --law: Chinchilla's compute-optimal (Hoffmann et
+               al. 2022, Approach 3, Besiroglu et al. 2024's refit), Llama 3's D = A C^alpha (Dubey
+               et al. 2024, Sec. 3.2.1), or D = R N (--tokens-per-param); Chinchilla's final loss.
+               DiLoCo (--inner-steps): the pseudo-gradient's all-reduce every H steps beside DDP's
+               every step. docs/plan.md: examples.
 
     python plan.py --model gpt3-6.7b --nodes 1 --search             # a 7B model on one node of 8 H100s
     python plan.py --model llama3-70b --nodes 8 --batch-size 256 --search
@@ -88,7 +98,7 @@ from harness import parse_args
 GB = 1e9
 
 
-# ----------------------------------------------------------------------------- model, cluster, layout
+# --------------------------------------------------------------------------- model, cluster, layout
 class Model(
     namedtuple(
         "Model",
@@ -96,15 +106,16 @@ class Model(
         defaults=(0, 0, "gpt", 0, 1, 1.25, 1),
     )
 ):
-    """L, h, a, V, s; kv_heads (grouped-query attention, 0: a), ffn (MLP width, 0: 4h), arch (gpt: common.GPT,
-    LayerNorm, learned positions, biases; llama: RMSNorm, RoPE, SwiGLU); MoE: experts in every moe_every-th
-    block (0: dense), top_k per token, capacity factor."""
+    """L, h, a, V, s; kv_heads (grouped-query attention, 0: a), ffn (MLP width, 0: 4h), arch (gpt:
+    common.GPT, LayerNorm, learned positions, biases; llama: RMSNorm, RoPE, SwiGLU); MoE: experts in
+    every moe_every-th block (0: dense), top_k per token, capacity factor."""
 
     kv = property(lambda M: M.kv_heads or M.heads)
     f = property(lambda M: M.ffn or 4 * M.d)
 
 
-PRESETS = {  # GPT-3 Table 2.1, Llama 3 Table 3, PTD-P Table 1; harness.CommonArgs, tests/helpers.TINY
+# GPT-3 Table 2.1, Llama 3 Table 3, PTD-P Table 1; harness.CommonArgs, tests/helpers.TINY
+PRESETS = {
     "repo": Model(4, 64, 4, 64, 32),
     "tiny": Model(2, 16, 2, 32, 8),
     "gpt3-6.7b": Model(32, 4096, 32, 50257, 2048),
@@ -116,8 +127,9 @@ PRESETS = {  # GPT-3 Table 2.1, Llama 3 Table 3, PTD-P Table 1; harness.CommonAr
 }
 
 
-# per GPU: memory GB, peak dense bf16 TFLOP/s, GB/s per direction inside a node (NVLink) and across nodes
-# (its share of the node's InfiniBand), GB/s of its memory (HBM), dense FP8 peak / bf16's (0: no FP8)
+# per GPU: memory GB, peak dense bf16 TFLOP/s, GB/s per direction inside a node (NVLink) and across
+# nodes (its share of the node's InfiniBand), GB/s of its memory (HBM), dense FP8 peak / bf16's (0:
+# no FP8)
 Cluster = namedtuple(
     "Cluster", "nodes gpus_per_node mem_gb tflops intra_gbs inter_gbs hbm_gbs fp8", defaults=(0,)
 )
@@ -125,15 +137,19 @@ CLUSTERS = {
     "a100-80g": Cluster(1, 8, 80, 312, 300, 25, 2039),  # NVSwitch 600 GB/s both ways, 8 x 200 Gb/s
     "h100-80g": Cluster(1, 8, 80, 989, 450, 50, 3350, 2),
 }  # 900 GB/s, 8 x 400 Gb/s; FP8 1979 TFLOP/s
-NO_FP8 = "--precision fp8 needs FP8 tensor cores (H100 and later); this cluster's GPUs have none: use bf16"
+NO_FP8 = (
+    "--precision fp8 needs FP8 tensor cores (H100 and later); this cluster's GPUs have none: "
+    "use bf16"
+)
 EFFICIENCY = 0.7333  # the GEMMs' ceiling, fitted on seven rows of PTD-P's Table 1 (STACKS below)
 
 
-# The software stack of published runs, as flags: attention, dropout, the TP and DP overlaps (exposed_s)
-# its software runs by default (docs/plan.md cites each); per GPU {cluster: (GEMM ceiling, band, which
-# rows)}: the ceiling the mean of the ceilings that put each fitted row at its published figure, the band
-# the largest leave-one-out error over those rows (points of peak); about a third of each GPU's rows never
-# fitted (held out; docs/plan.md counts those inside the band). tests/test_plan.py refits both.
+# The software stack of published runs, as flags: attention, dropout, the TP and DP overlaps
+# (exposed_s) its software runs by default (docs/plan.md cites each); per GPU {cluster: (GEMM
+# ceiling, band, which rows)}: the ceiling the mean of the ceilings that put each fitted row at its
+# published figure, the band the largest leave-one-out error over those rows (points of peak); about
+# a third of each GPU's rows never fitted (held out; docs/plan.md counts those inside the band).
+# tests/test_plan.py refits both.
 Stack = namedtuple("Stack", "attention dropout tp_overlap dp_overlap ceilings")
 STACKS = {
     "megatron-2021": Stack(
@@ -159,8 +175,8 @@ STACKS = {
 
 
 def ceiling(stack, cluster):
-    """(GEMM ceiling, band or None, source) of a stack on a cluster preset; where the stack has no rows on
-    that GPU, it says so and has no band (the A100 ceiling of 2021 stands in)."""
+    """(GEMM ceiling, band or None, source) of a stack on a cluster preset; where the stack has no
+    rows on that GPU, it says so and has no band (the A100 ceiling of 2021 stands in)."""
     return STACKS[stack].ceilings.get(cluster) or (
         EFFICIENCY,
         None,
@@ -183,8 +199,8 @@ class Layout:
     schedule: str = "1f1b"  # gpipe, 1f1b, interleaved, zb-h1, zb-v
     # embedding and head split over V (megatron_tp.py), else replicated (ptdp.py)
     vocab_parallel: bool = True
-    # also each stage's output, held to its backward as this repo's pipelines hold it (Megatron frees
-    # its data once sent)
+    # also each stage's output, held to its backward as this repo's pipelines hold it (Megatron
+    # frees its data once sent)
     outputs: bool = False
     split: tuple = ()  # blocks per chunk in pipeline order (--stage-layers); () the files' cut
     # context-parallel ranks sharing each sequence (context_parallel.py), between tp and dp
@@ -223,8 +239,9 @@ def runs(split):  # 7/8/8/8/8/7 as 7/8x4/7 where a count repeats more than 3 tim
     return [f"{x}x{k}" if k > 3 else "/".join([str(x)] * k) for x, k in groups]
 
 
-# p, g, K (AdamW), e. fp8: the blocks' GEMMs in FP8 (fp8.py, DeepSeek-V3 Sec. 3.3), all else as bf16's:
-# weights, gradients, fp32 master and moments, what backward saves (the bf16 inputs, as fp8.py keeps them)
+# p, g, K (AdamW), e. fp8: the blocks' GEMMs in FP8 (fp8.py, DeepSeek-V3 Sec. 3.3), all else as
+# bf16's: weights, gradients, fp32 master and moments, what backward saves (the bf16 inputs, as
+# fp8.py keeps them)
 PRECISION = {
     "bf16": (2, 2, 12, 2),
     "fp32": (4, 4, 8, 4),
@@ -236,17 +253,18 @@ TILE = 128
 
 
 def capacity(M, tokens):
-    """Slots per expert for tokens routed together (GShard, moe.py): ceil(cf k tokens / E), at most tokens."""
+    """Slots per expert for tokens routed together (GShard, moe.py): ceil(cf k tokens / E), at most
+    tokens."""
     return min(tokens, math.ceil(M.capacity * M.top_k * tokens / M.experts))
 
 
 # ----------------------------------------------------------------------------- parameters
 @lru_cache(maxsize=None)
 def layer_params(M, moe=False):
-    """Elements of one block: (split over t, replicated, experts). common.Block: q, k, v, proj 4h^2 + h, fc
-    4h^2 + 4h, proj 4h^2 + h, LayerNorms 4h: 12h^2 + 4h split (column layers, row weights), 6h replicated.
-    Llama: GQA q, k, v, o, SwiGLU 3hf, 2 RMSNorms. MoE (moe.py): the MLP becomes E of (2hf + f + h), a gate
-    hE."""
+    """Elements of one block: (split over t, replicated, experts). common.Block: q, k, v, proj 4h^2
+    + h, fc 4h^2 + 4h, proj 4h^2 + h, LayerNorms 4h: 12h^2 + 4h split (column layers, row weights),
+    6h replicated. Llama: GQA q, k, v, o, SwiGLU 3hf, 2 RMSNorms. MoE (moe.py): the MLP becomes E of
+    (2hf + f + h), a gate hE."""
     h = M.d
     f = M.f
     gpt = M.arch == "gpt"
@@ -259,9 +277,9 @@ def layer_params(M, moe=False):
 
 @lru_cache(maxsize=None)
 def chunks(layers, n, split=()):
-    """Blocks of each of n chunks in pipeline order: `split` (blocks per chunk, a hand-made cut: fewer on the
-    first and last stages, say), else the files' cut: when n does not divide L the earlier chunks take one
-    more (gpipe.py's split)."""
+    """Blocks of each of n chunks in pipeline order: `split` (blocks per chunk, a hand-made cut:
+    fewer on the first and last stages, say), else the files' cut: when n does not divide L the
+    earlier chunks take one more (gpipe.py's split)."""
     if split:
         ends = [sum(split[:c]) for c in range(n + 1)]
     else:
@@ -283,8 +301,9 @@ def _kinds(M, n, split, c):
 
 
 def mine(lay, r):
-    """The chunks pipeline rank r holds, in pipeline order: c = r, r + p, ... (a loop); ZB-V r and 2p-1-r (a
-    V: down, then back up, so rank 0 holds the embedding and the head, and the turn stays on rank p-1)."""
+    """The chunks pipeline rank r holds, in pipeline order: c = r, r + p, ... (a loop); ZB-V r and
+    2p-1-r (a V: down, then back up, so rank 0 holds the embedding and the head, and the turn stays
+    on rank p-1)."""
     if lay.schedule == "zb-v":
         return (r, 2 * lay.pp - 1 - r)
     return tuple(range(r, lay.pp * lay.v, lay.pp))
@@ -299,8 +318,9 @@ def vocab_padded(M, lay):  # megatron_tp.py rounds V up to a multiple of t
 
 
 def rank_units(M, lay, r):
-    """Parameter elements pipeline rank r holds, one per ZeRO unit: each block of its chunks (its 1/t, its
-    1/ep of the experts), then the root: embedding (+ positions) on chunk 0, final norm, head on the last."""
+    """Parameter elements pipeline rank r holds, one per ZeRO unit: each block of its chunks (its
+    1/t, its 1/ep of the experts), then the root: embedding (+ positions) on chunk 0, final norm,
+    head on the last."""
     units = []
     n = lay.pp * lay.v
     gpt = M.arch == "gpt"
@@ -316,8 +336,8 @@ def rank_units(M, lay, r):
 
 def gemm_units(M, lay, r):
     """The GEMM weights in each of rank_units' units, what --precision fp8 runs in FP8: attention's
-    projections, the MLP's or the experts' weights (not biases, norms, gate, embedding, head: fp8.py keeps
-    them as they are, as DeepSeek-V3 does); the root's 0."""
+    projections, the MLP's or the experts' weights (not biases, norms, gate, embedding, head: fp8.py
+    keeps them as they are, as DeepSeek-V3 does); the root's 0."""
     attn, mlp = layer_params(M, True)[0], (2 if M.arch == "gpt" else 3) * M.d * M.f
     return [
         attn // lay.tp + (M.experts * mlp // lay.ep if moe else mlp // lay.tp)
@@ -332,15 +352,17 @@ def padded(units, d):
 
 
 def weight_gather(psi, gemm, d, p, scales=True):
-    """Bytes a rank hands to one ZeRO-3 all-gather of psi elements (padded), `gemm` of them FP8 GEMM weights:
-    p bytes an element; the FP8 ones 1 byte, and with `scales` their fp32 scale per TILE x TILE block (fp8.py
-    --fp8-all-gather --recipe fine-grained: forward gathers them, backward reuses them)."""
+    """Bytes a rank hands to one ZeRO-3 all-gather of psi elements (padded), `gemm` of them FP8 GEMM
+    weights: p bytes an element; the FP8 ones 1 byte, and with `scales` their fp32 scale per TILE x
+    TILE block (fp8.py --fp8-all-gather --recipe fine-grained: forward gathers them, backward reuses
+    them)."""
     return p * (psi - gemm) // d + gemm // d + 4 * (gemm // (d * TILE**2)) * scales
 
 
 def model_state(units, d, stage, p, g, K):
-    """ZeRO per rank: parameters p Psi (/d at stage 3), gradients g Psi (/d from 2), optimizer K Psi (/d from
-    1); sharded stages pad each unit to d ceil(P/d) (zero.py pads at stage 0 too; DDP does not)."""
+    """ZeRO per rank: parameters p Psi (/d at stage 3), gradients g Psi (/d from 2), optimizer K Psi
+    (/d from 1); sharded stages pad each unit to d ceil(P/d) (zero.py pads at stage 0 too; DDP does
+    not)."""
     psi = padded(units, d) if stage else sum(units)
     return dict(
         params=p * psi // (d if stage >= 3 else 1),
@@ -350,8 +372,8 @@ def model_state(units, d, stage, p, g, K):
 
 
 def gathered(units, d, p, gemms=None):
-    """ZeRO-3: the root and the two largest units gathered at once (zero.py's bound, FSDP's rate limiter);
-    with `gemms` (fp8) their GEMM weights gathered as FP8 and block scales."""
+    """ZeRO-3: the root and the two largest units gathered at once (zero.py's bound, FSDP's rate
+    limiter); with `gemms` (fp8) their GEMM weights gathered as FP8 and block scales."""
     gemms, top = (
         gemms or [0] * len(units),
         sorted(range(len(units) - 1), key=units.__getitem__)[-2:],
@@ -365,10 +387,10 @@ def gathered(units, d, p, gemms=None):
 # ----------------------------------------------------------------------------- activations
 def layer_items(M, e, attention="flash", dropout=False, stats=True):
     """Bytes one block saves per token: (what, bytes, split by TP, kept by selective recomputation).
-    Korthikanti's row is attention="eager", dropout=True, stats=False, e=2: norm inputs and outputs 8, q, k,
-    v 6, proj input 2, fc and GeLU outputs 16, two dropout masks 2 = 34 per h; softmax, mask, output 5as/h.
-    Llama (tests/test_plan.py holds each term to the tensors a block saves): fused RMSNorm (input, 1/rms),
-    RoPE, grouped-query K/V, fused SwiGLU."""
+    Korthikanti's row is attention="eager", dropout=True, stats=False, e=2: norm inputs and outputs
+    8, q, k, v 6, proj input 2, fc and GeLU outputs 16, two dropout masks 2 = 34 per h; softmax,
+    mask, output 5as/h. Llama (tests/test_plan.py holds each term to the tensors a block saves):
+    fused RMSNorm (input, 1/rms), RoPE, grouped-query K/V, fused SwiGLU."""
     # statistics: fp32 at least
     h = M.d
     f = M.f
@@ -383,7 +405,9 @@ def layer_items(M, e, attention="flash", dropout=False, stats=True):
     ]
     if M.arch == "gpt":
         items += [("fc output, GeLU output", 2 * f * e, True, True)]
-    else:  # k, v of the kv heads only (GQA); RoPE's backward rotates the gradient back: it keeps none of its
+    # k, v of the kv heads only (GQA); RoPE's backward rotates the gradient back: it keeps none of
+    # its
+    else:
         # inputs (only the rotated q, k the attention saves); a fused SwiGLU keeps gate and up (silu
         # recomputed in its backward), the down projection its input silu(gate) x up: 3 of width f
         items += [("SwiGLU gate, up, product", 3 * f * e, True, True)]
@@ -397,9 +421,9 @@ def layer_items(M, e, attention="flash", dropout=False, stats=True):
 
 
 def layer_bytes(M, lay, b, e, **kw):
-    """One block, one micro-batch: the items x bs, / t where split by TP or SP; full: its input only. Under
-    context parallelism s is the rank's s/cp, and the attention core keeps what its exchange adds
-    (cp_extra). The layout's attention and dropout unless kw names them."""
+    """One block, one micro-batch: the items x bs, / t where split by TP or SP; full: its input
+    only. Under context parallelism s is the rank's s/cp, and the attention core keeps what its
+    exchange adds (cp_extra). The layout's attention and dropout unless kw names them."""
     s, kw = M.seq // lay.cp, dict(dict(attention=lay.attention, dropout=lay.dropout), **kw)
     if lay.recompute == "full":
         return b * s * M.d * e // (lay.tp if lay.sp else 1)
@@ -411,10 +435,11 @@ def layer_bytes(M, lay, b, e, **kw):
 
 
 def cp_extra(M, lay, b, e):
-    """What one block's attention keeps beyond its s/cp tokens' own items (context_parallel.py): all-gather
-    the other ranks' K and V and the (s/cp, s) causal mask (as the file's scaled_dot_product_attention saves
-    it, e bytes each); Ulysses the heads' output beside the tokens' (b s/cp h/t); the ring nothing (its
-    blocks pass through). Selective recomputation drops the core, and this with it."""
+    """What one block's attention keeps beyond its s/cp tokens' own items (context_parallel.py):
+    all-gather the other ranks' K and V and the (s/cp, s) causal mask (as the file's
+    scaled_dot_product_attention saves it, e bytes each); Ulysses the heads' output beside the
+    tokens' (b s/cp h/t); the ring nothing (its blocks pass through). Selective recomputation drops
+    the core, and this with it."""
     s = M.seq // lay.cp
     t = lay.tp
     kvh = M.kv * (M.d // M.heads)
@@ -433,8 +458,9 @@ def moe_extra(M, bs, e):
 
 def microbatch_bytes(M, lay, b, e, c):
     """What chunk c holds per micro-batch, by part: embedding (int64 token and position ids, the
-    vocab-parallel mask), blocks, final norm and head input, loss (log-softmax or vocab-parallel softmax,
-    int64 targets), and with lay.outputs its output, held until its backward (the last chunk's: the loss)."""
+    vocab-parallel mask), blocks, final norm and head input, loss (log-softmax or vocab-parallel
+    softmax, int64 targets), and with lay.outputs its output, held until its backward (the last
+    chunk's: the loss)."""
     # (for --search)
     return dict(_microbatch_bytes(M, replace(lay, dp=1, zero=0, m=1, ep=1), b, e, c))
 
@@ -468,11 +494,12 @@ def _microbatch_bytes(M, lay, b, e, c):
 
 
 def pending_bytes(M, lay, b, e, c):
-    """What a zero-bubble schedule keeps of chunk c's micro-batch from its B to its W (Qi et al. 2023, Sec.
-    2): each linear's input x (a tensor its forward saved, kept alive) and output gradient dy, for W's dy^T x.
-    Per token, a block's x: the two norm outputs (whole over TP), the attention output and the MLP's inner
-    activation (/ t); dy: the column layers' outputs (/ t) and the two row layers' (whole); the head's x its
-    input h, dy the logits' V (/ t when vocab-parallel). Experts' linears left out. (x bytes, dy bytes)."""
+    """What a zero-bubble schedule keeps of chunk c's micro-batch from its B to its W (Qi et al.
+    2023, Sec. 2): each linear's input x (a tensor its forward saved, kept alive) and output
+    gradient dy, for W's dy^T x. Per token, a block's x: the two norm outputs (whole over TP), the
+    attention output and the MLP's inner activation (/ t); dy: the column layers' outputs (/ t) and
+    the two row layers' (whole); the head's x its input h, dy the logits' V (/ t when
+    vocab-parallel). Experts' linears left out. (x bytes, dy bytes)."""
     h = M.d
     f = M.f
     t = lay.tp
@@ -488,11 +515,12 @@ def pending_bytes(M, lay, b, e, c):
 
 
 def zero_bubble_ops(p, m, r, schedule):
-    """Rank r's ops in order, (kind, local chunk). ZB-H1 (Qi et al. Sec. 3.1): 1F1B's F and B, each B followed
-    by the oldest W still to run, except rank r's first r B's: their W's end the step. ZB-V (Sec. 6, torch's
-    ScheduleZBVZeroBubble; local chunk 0 is r, down the V, 1 is 2p-1-r, back up): 2(p-r)-1 F down; r times F
-    up, F down; p-r times F, B, W up; then F down (while any remain), B, W down, F, B, W up until every F
-    ran; then r times B down, B up; p-r times B down, W down; the W's left, up first."""
+    """Rank r's ops in order, (kind, local chunk). ZB-H1 (Qi et al. Sec. 3.1): 1F1B's F and B, each
+    B followed by the oldest W still to run, except rank r's first r B's: their W's end the step.
+    ZB-V (Sec. 6, torch's ScheduleZBVZeroBubble; local chunk 0 is r, down the V, 1 is 2p-1-r, back
+    up): 2(p-r)-1 F down; r times F up, F down; p-r times F, B, W up; then F down (while any
+    remain), B, W down, F, B, W up until every F ran; then r times B down, B up; p-r times B down, W
+    down; the W's left, up first."""
     if schedule == "zb-h1":
         warm = min(p - r - 1, m)
         steady = [x for _ in range(m - warm) for x in (("F", 0), ("B", 0))]
@@ -527,8 +555,8 @@ def zero_bubble_ops(p, m, r, schedule):
 
 
 def maximal(states):
-    """The states no other state holds as much of, chunk by chunk (largest totals first: a state another holds
-    as much of is held by one of the maximal ones kept before it)."""
+    """The states no other state holds as much of, chunk by chunk (largest totals first: a state
+    another holds as much of is held by one of the maximal ones kept before it)."""
     kept = []
     for x in sorted(set(states), key=sum, reverse=True):
         if not any(min(map(int.__sub__, y, x)) >= 0 for y in kept):
@@ -538,12 +566,12 @@ def maximal(states):
 
 @lru_cache(maxsize=None)
 def alive_patterns(p, v, m, r, schedule):
-    """Rank r's micro-batch chunks alive after each op, as counts per local chunk (the maximal ones).
-    GPipe: all m; 1F1B: p - r. Interleaved: Megatron's order walked, 2(p-r-1) + (v-1)p warm-up forwards, then
-    forward k and backward k - warm-up in turn (forward on local chunk (k % pv) // p, backward on v-1 minus
-    it); the order repeats every p micro-batches: 4p suffice. Zero bubble: their orders walked, and each
-    count twice, (between F and B per local chunk, then between B and W): a micro-batch lives until its W,
-    p on every ZB-H1 rank, not 1F1B's p - r."""
+    """Rank r's micro-batch chunks alive after each op, as counts per local chunk (the maximal
+    ones). GPipe: all m; 1F1B: p - r. Interleaved: Megatron's order walked, 2(p-r-1) + (v-1)p
+    warm-up forwards, then forward k and backward k - warm-up in turn (forward on local chunk (k %
+    pv) // p, backward on v-1 minus it); the order repeats every p micro-batches: 4p suffice. Zero
+    bubble: their orders walked, and each count twice, (between F and B per local chunk, then
+    between B and W): a micro-batch lives until its W, p on every ZB-H1 rank, not 1F1B's p - r."""
     if schedule in ("zb-h1", "zb-v"):
         full = [0] * v
         pend = [0] * v
@@ -569,8 +597,9 @@ def alive_patterns(p, v, m, r, schedule):
 
 
 def peak_activations(M, lay, b, e, r):
-    """Most bytes rank r holds for backward at once: the largest sum of its alive chunks' bytes (zero bubble:
-    and of what W needs); full recomputation adds one layer's whole set, rebuilt in its backward."""
+    """Most bytes rank r holds for backward at once: the largest sum of its alive chunks' bytes
+    (zero bubble: and of what W needs); full recomputation adds one layer's whole set, rebuilt in
+    its backward."""
     per = [sum(microbatch_bytes(M, lay, b, e, c).values()) for c in mine(lay, r)]
     if lay.schedule in ("zb-h1", "zb-v"):
         per += [sum(pending_bytes(M, lay, b, e, c)) for c in mine(lay, r)]
@@ -586,7 +615,8 @@ def peak_activations(M, lay, b, e, r):
 
 @lru_cache(maxsize=None)
 def memory(M, lay, B, r):
-    """Bytes on pipeline rank r: parameters, gradients, optimizer state, activations, gathered (ZeRO-3)."""
+    """Bytes on pipeline rank r: parameters, gradients, optimizer state, activations, gathered
+    (ZeRO-3)."""
     p, g, K, e = PRECISION[lay.precision]
     units = rank_units(M, lay, r)
     return dict(
@@ -598,7 +628,7 @@ def memory(M, lay, B, r):
     )
 
 
-# ----------------------------------------------------------------------------- bytes handed to collectives
+# ---------------------------------------------------------------------- bytes handed to collectives
 WIRE = {
     "all_reduce": lambda n: 2 * (n - 1) / n,
     "all_gather": lambda n: n - 1,
@@ -609,9 +639,9 @@ WIRE = {
 
 
 def collectives(M, lay, B, r=0):
-    """{"op/axis/phase": [calls, bytes handed, group size]} per step on pipeline rank r, as the docstring
-    counts them; the bookkeeping each file does its own way (the loss for its log line, the clipping norm)
-    is left out."""
+    """{"op/axis/phase": [calls, bytes handed, group size]} per step on pipeline rank r, as the
+    docstring counts them; the bookkeeping each file does its own way (the loss for its log line,
+    the clipping norm) is left out."""
     t = lay.tp
     d = lay.shard
     n = lay.pp * lay.v
@@ -705,18 +735,20 @@ def collectives(M, lay, B, r=0):
 
 
 def ptdp_4d_figures(M, lay, B, r):
-    """ptdp.py's --json figures of pipeline rank r (figures.counts_per_rank, any dp, cp, tp coordinate) on its
-    four axes, lay = Layout(pp, dp, cp, tp, v, m, zero 0 or 1, schedule="interleaved", precision="fp64",
-    vocab_parallel=False, cp_attention="ring"), not ragged. Bytes handed per step, per axis: collectives()'s
-    (its ring: K/V forward, K/V again and dK/dV backward, as ptdp's recomputing ring sends them), but the
-    dp x cp gradients as ptdp.py flattens them, the rank's parameters in one vector padded to a multiple of
-    dp x cp (collectives() pads each unit). Model state counted from ptdp's tensors: parameters; gradients
-    (ZeRO-1: + the reduced shard); optimizer state, AdamW's two moments (ZeRO-1: of the shard, + the shard's
-    own copy of its parameters, Megatron's main parameters). Saved for backward at the peak (act_peak) and
-    with each chunk's output held to its B (held_peak): microbatch_bytes() of the alive patterns, less the
-    log-sum-exp per block under CP (ptdp's ring saves q, k, v only and recomputes), plus the micro-batches'
-    token ids and targets, views of one storage per step (cp 1: the global batch, (B, s+1) and (B, s); cp > 1:
-    the replica's zig-zag copy, (m b, s/cp) each), counted whole however few micro-batches are alive."""
+    """ptdp.py's --json figures of pipeline rank r (figures.counts_per_rank, any dp, cp, tp
+    coordinate) on its four axes, lay = Layout(pp, dp, cp, tp, v, m, zero 0 or 1,
+    schedule="interleaved", precision="fp64", vocab_parallel=False, cp_attention="ring"), not
+    ragged. Bytes handed per step, per axis: collectives()'s (its ring: K/V forward, K/V again and
+    dK/dV backward, as ptdp's recomputing ring sends them), but the dp x cp gradients as ptdp.py
+    flattens them, the rank's parameters in one vector padded to a multiple of dp x cp
+    (collectives() pads each unit). Model state counted from ptdp's tensors: parameters; gradients
+    (ZeRO-1: + the reduced shard); optimizer state, AdamW's two moments (ZeRO-1: of the shard, + the
+    shard's own copy of its parameters, Megatron's main parameters). Saved for backward at the peak
+    (act_peak) and with each chunk's output held to its B (held_peak): microbatch_bytes() of the
+    alive patterns, less the log-sum-exp per block under CP (ptdp's ring saves q, k, v only and
+    recomputes), plus the micro-batches' token ids and targets, views of one storage per step (cp 1:
+    the global batch, (B, s+1) and (B, s); cp > 1: the replica's zig-zag copy, (m b, s/cp) each),
+    counted whole however few micro-batches are alive."""
     p, g, K, e = PRECISION[lay.precision]
     d = lay.grad_group
     b = B // (lay.dp * lay.m)
@@ -779,8 +811,8 @@ def on_the_wire(key, calls, handed, n):
 
 
 def link(C, lay, axis):
-    """'nvlink' when every group of this axis sits inside one node of the grid arange(world).view(pp, dp, cp,
-    tp), else 'ib'."""
+    """'nvlink' when every group of this axis sits inside one node of the grid
+    arange(world).view(pp, dp, cp, tp), else 'ib'."""
     tc = lay.tp * lay.cp
     dp = tc * lay.dp
     span = dict(
@@ -791,7 +823,8 @@ def link(C, lay, axis):
 
 # ----------------------------------------------------------------------------- bubble, FLOPs, time
 def bubble_slots(lay):
-    """Idle micro-batch times per step: GPipe, 1F1B p-1; interleaved (p-1)/v; ZB-H1 (p-1)/3; ZB-V 0."""
+    """Idle micro-batch times per step: GPipe, 1F1B p-1; interleaved (p-1)/v; ZB-H1 (p-1)/3; ZB-V
+    0."""
     p = lay.pp
     slots = {
         "gpipe": p - 1,
@@ -804,14 +837,15 @@ def bubble_slots(lay):
 
 
 def bubble(lay):
-    """(idle / step, idle / ideal compute): GPipe, 1F1B (p-1)/(m+p-1), (p-1)/m; interleaved ../(vm)."""
+    """(idle / step, idle / ideal compute): GPipe, 1F1B (p-1)/(m+p-1), (p-1)/m; interleaved
+    ../(vm)."""
     k = bubble_slots(lay)
     return k / (lay.m + k), k / lay.m
 
 
 def layer_flops(M, b, moe=False):
-    """Forward FLOPs of one block on b sequences: 2 bs x its matmul weights + 4bs^2h (QK^T, AV); an MoE
-    layer runs k cf slots per token through its experts, and the gate."""
+    """Forward FLOPs of one block on b sequences: 2 bs x its matmul weights + 4bs^2h (QK^T, AV); an
+    MoE layer runs k cf slots per token through its experts, and the gate."""
     h, bs = M.d, b * M.seq
     mlp = (2 if M.arch == "gpt" else 3) * h * M.f
     attn = 2 * bs * (2 * h * h + 2 * h * M.kv * (h // M.heads)) + 4 * bs * M.seq * h
@@ -819,9 +853,9 @@ def layer_flops(M, b, moe=False):
 
 
 def chunk_flops(M, lay, b, c, recompute=None):
-    """Training FLOPs one rank of chunk c runs per micro-batch: 3x forward, + the blocks' forward again under
-    full recomputation or the attention core's (4bs^2h) under selective, / t; head 3 x 2bshV (/ t when
-    vocab-parallel: a replicated head runs whole on every TP rank)."""
+    """Training FLOPs one rank of chunk c runs per micro-batch: 3x forward, + the blocks' forward
+    again under full recomputation or the attention core's (4bs^2h) under selective, / t; head 3 x
+    2bshV (/ t when vocab-parallel: a replicated head runs whole on every TP rank)."""
     rc = lay.recompute if recompute is None else recompute
     core = 4 * b * M.seq**2 * M.d * (rc == "selective")
     blocks = sum(
@@ -829,27 +863,26 @@ def chunk_flops(M, lay, b, c, recompute=None):
         for moe, k in zip((False, True), kinds(M, lay, c))
     )
     head = 6 * b * M.seq * M.d * M.vocab * (c == lay.pp * lay.v - 1)
-    return (
-        blocks / lay.tp + head / (lay.tp if lay.vocab_parallel else 1)
-    ) / lay.cp  # cp: s/cp queries
+    # cp: s/cp queries
+    return (blocks / lay.tp + head / (lay.tp if lay.vocab_parallel else 1)) / lay.cp
 
 
 def gemm_s(C, eff, e, m, k, n, batch=1):
-    """Seconds of `batch` products (m x k) @ (k x n): the FLOPs at eff of peak, plus the operands read and the
-    result written once at memory speed (a roofline taken as a sum): a GEMM reaches eff / (1 + eff x peak /
-    (HBM x its FLOPs per byte)) of peak, so small and thin ones (attention's per head, a micro-batch's
-    against a wide weight) less than large square ones."""
+    """Seconds of `batch` products (m x k) @ (k x n): the FLOPs at eff of peak, plus the operands
+    read and the result written once at memory speed (a roofline taken as a sum): a GEMM reaches eff
+    / (1 + eff x peak / (HBM x its FLOPs per byte)) of peak, so small and thin ones (attention's per
+    head, a micro-batch's against a wide weight) less than large square ones."""
     return batch * (
         2 * m * k * n / (eff * C.tflops * 1e12) + e * (m * k + k * n + m * n) / (C.hbm_gbs * GB)
     )
 
 
 def block_s(M, C, lay, b, eff, moe=False, attention="flash", dropout=False):
-    """(seconds, of which the attention core) of one block's forward on b sequences (s/cp tokens each) on one
-    rank: each GEMM by gemm_s, the attention core per head (eager: QK^T and AV, its s/cp x s scores through
-    HBM with a softmax, and dropout; flash: one pass, q, k, v, o read and written), and the memory-bound rest
-    at HBM speed: two norms and two residual adds (read and write h; whole unless SP), the activation
-    (GeLU 2f, SwiGLU 3f, / t)."""
+    """(seconds, of which the attention core) of one block's forward on b sequences (s/cp tokens
+    each) on one rank: each GEMM by gemm_s, the attention core per head (eager: QK^T and AV, its
+    s/cp x s scores through HBM with a softmax, and dropout; flash: one pass, q, k, v, o read and
+    written), and the memory-bound rest at HBM speed: two norms and two residual adds (read and
+    write h; whole unless SP), the activation (GeLU 2f, SwiGLU 3f, / t)."""
     return _block_s(
         M,
         C,
@@ -902,10 +935,10 @@ def _block_s(M, C, t, sp, cp, ep, e, b, eff, moe, attention, dropout, fp8=1):
 
 
 def chunk_s(M, C, lay, b, c, eff, attention="flash", dropout=False):
-    """(seconds, of which attention cores) one rank of chunk c computes per micro-batch: each block's forward
-    (block_s) 3 times (a backward does twice a forward's work, both gradients of each product), 4 under full
-    recomputation, + the core again under selective; the head 3 x (its GEMM + the softmax's read and
-    write)."""
+    """(seconds, of which attention cores) one rank of chunk c computes per micro-batch: each
+    block's forward (block_s) 3 times (a backward does twice a forward's work, both gradients of
+    each product), 4 under full recomputation, + the core again under selective; the head 3 x (its
+    GEMM + the softmax's read and write)."""
     rc = lay.recompute
     total = 0.0
     cores = 0.0
@@ -922,8 +955,9 @@ def chunk_s(M, C, lay, b, c, eff, attention="flash", dropout=False):
 
 
 def exposed_s(comm_s, window_s, overlap):
-    """Seconds of comm_s left on the critical path by an overlap: "full" hides it behind window_s (what is
-    longer shows), "none" nothing, "partial" half of it; a number is the exposed share, as measured."""
+    """Seconds of comm_s left on the critical path by an overlap: "full" hides it behind window_s
+    (what is longer shows), "none" nothing, "partial" half of it; a number is the exposed share, as
+    measured."""
     share = {"none": 1.0, "partial": 0.5, "full": None}.get(overlap, overlap)
     return max(0.0, comm_s - window_s) if share is None else comm_s * float(share)
 
@@ -941,13 +975,14 @@ def predict(
     tp_overlap=None,
     dp_overlap=None,
 ):
-    """Memory of the first and last pipeline rank (the most micro-batches; the head and loss; every rank
-    under a hand-made cut), bytes per collective, bubble, and the predicted step, as the docstring composes
-    it. The overlaps, stated (exposed_s): TP's exchanges (default: exposed, as Megatron-LM and torchtitan run
-    them unless told; "full" only where the caller says), the ring's blocks behind attention, the
-    gradients' reduction behind the backward (dp_overlap; overlap_dp=False: "none", as 2021's Megatron
-    reduced after the flush). Attention and dropout: the layout's unless given. exposed: per axis, (seconds
-    on its links per step, of which exposed)."""
+    """Memory of the first and last pipeline rank (the most micro-batches; the head and loss; every
+    rank under a hand-made cut), bytes per collective, bubble, and the predicted step, as the
+    docstring composes it. The overlaps, stated (exposed_s): TP's exchanges (default: exposed, as
+    Megatron-LM and torchtitan run them unless told; "full" only where the caller says), the ring's
+    blocks behind attention, the gradients' reduction behind the backward (dp_overlap;
+    overlap_dp=False: "none", as 2021's Megatron reduced after the flush). Attention and dropout:
+    the layout's unless given. exposed: per axis, (seconds on its links per step, of which
+    exposed)."""
     attention, dropout = attention or lay.attention, lay.dropout if dropout is None else dropout
     tp_overlap, dp_overlap = (
         tp_overlap or "none",
@@ -1006,9 +1041,12 @@ def predict(
     # each micro-batch's reduce-scatter behind its backward, the all-gather after
     elif lay.zero == 2:
         exposed = lay.m * exposed_s(reduce / lay.m, behind, dp_overlap) + gathers
-    else:  # the reduction behind the last micro-batch's backward (DDP's buckets); ZeRO-1's all-gather after
+    # the reduction behind the last micro-batch's backward (DDP's buckets); ZeRO-1's all-gather
+    # after
+    else:
         exposed = exposed_s(reduce, behind, dp_overlap) + gathers
-    # one message's time: each TP rank sends 1/t of it across (Megatron's scatter/gather, SP's shard)
+    # one message's time: each TP rank sends 1/t of it across (Megatron's scatter/gather, SP's
+    # shard)
     one = secs[0]["send/pp/fwd"] / comm[0]["send/pp/fwd"][0] / lay.tp if lay.pp > 1 else 0.0
     parts = dict(
         compute_s=compute * lay.m,
@@ -1052,7 +1090,8 @@ def legal(M, C, lay, B):
         ),
         (
             M.heads % lay.tp == M.kv % lay.tp == M.f % lay.tp == 0,
-            f"--n-heads {M.heads}, kv heads {M.kv} or MLP width {M.f} not divisible by --tp {lay.tp}",
+            f"--n-heads {M.heads}, kv heads {M.kv} or MLP width {M.f} not divisible by --tp "
+            f"{lay.tp}",
         ),
         (
             not lay.sp or lay.tp > 1 and M.seq // lay.cp % lay.tp == 0,
@@ -1067,14 +1106,15 @@ def legal(M, C, lay, B):
             or lay.cp_attention != "ulysses"
             or M.heads % (lay.tp * lay.cp) == 0
             and M.kv % (lay.tp * lay.cp) == 0,
-            f"--cp-attention ulysses gives each of tp x cp = {lay.tp * lay.cp} ranks whole heads: --n-heads "
-            f"{M.heads} and kv heads {M.kv} must divide by it",
+            f"--cp-attention ulysses gives each of tp x cp = {lay.tp * lay.cp} ranks whole heads: "
+            f"--n-heads {M.heads} and kv heads {M.kv} must divide by it",
         ),
         (
             lay.split
             or lay.pp * lay.v <= M.layers
             and (lay.schedule != "interleaved" or M.layers % (lay.pp * lay.v) == 0),
-            f"--n-layers {M.layers} does not split into pp x virtual stages = {lay.pp * lay.v} chunks (of a "
+            f"--n-layers {M.layers} does not split into pp x virtual stages = {lay.pp * lay.v} "
+            "chunks (of a "
             f"block at least; equal ones when interleaved, unless --stage-layers cuts them)",
         ),
         (
@@ -1083,9 +1123,9 @@ def legal(M, C, lay, B):
             and sum(lay.split) == M.layers
             and min(lay.split[1:-1], default=1)
             >= 1,  # the ends may hold the embedding, the head alone
-            f"--stage-layers {','.join(map(str, lay.split))}: pp x virtual stages = {lay.pp * lay.v} "
-            f"numbers summing to --n-layers {M.layers}, >= 1 but for the first and last (0: the embedding, "
-            f"the head and loss alone)",
+            f"--stage-layers {','.join(map(str, lay.split))}: pp x virtual stages = "
+            f"{lay.pp * lay.v} numbers summing to --n-layers {M.layers}, >= 1 but for the first "
+            "and last (0: the embedding, the head and loss alone)",
         ),
         (
             B % (lay.dp * lay.m) == 0,
@@ -1097,12 +1137,13 @@ def legal(M, C, lay, B):
         ),
         (
             lay.v == {"interleaved": max(lay.v, 2), "zb-v": 2}.get(lay.schedule, 1),
-            f"--schedule {lay.schedule} with --virtual-stages {lay.v}: interleaved needs v > 1, zb-v 2, "
-            "the others 1",
+            f"--schedule {lay.schedule} with --virtual-stages {lay.v}: interleaved needs v > 1, "
+            "zb-v 2, the others 1",
         ),
         (
             lay.schedule != "zb-v" or lay.pp > 1 and lay.m >= 2 * lay.pp - 1,
-            f"--schedule zb-v needs --pp > 1 and --microbatches >= 2p-1 = {2 * lay.pp - 1}, got {lay.m}",
+            f"--schedule zb-v needs --pp > 1 and --microbatches >= 2p-1 = {2 * lay.pp - 1}, got "
+            f"{lay.m}",
         ),
         (
             lay.ep == 1 or M.experts % lay.ep == lay.dp % lay.ep == 0,
@@ -1125,11 +1166,12 @@ CP_FROM = 32768  # tokens per sequence from which --search also shares each sequ
 
 
 def layouts(M, C, B, precision="bf16"):
-    """Every legal layout on all the cluster's GPUs: tp dividing a node, every pp up to L (the files' cut when
-    it does not divide L), from CP_FROM tokens every cp of 2^k (the ring, zig-zag), b in 1, 2, 4, 8, each
-    schedule and every v (interleaved: each v > 1 cutting L into equal chunks, as Megatron asks, and where
-    none does, Llama 3's cut: L + 2 in equal chunks, the first and last one block short; ZB-V 2), ZeRO stage,
-    SP, recomputation (GPipe left out: 1F1B's time, more memory)."""
+    """Every legal layout on all the cluster's GPUs: tp dividing a node, every pp up to L (the
+    files' cut when it does not divide L), from CP_FROM tokens every cp of 2^k (the ring, zig-zag),
+    b in 1, 2, 4, 8, each schedule and every v (interleaved: each v > 1 cutting L into equal chunks,
+    as Megatron asks, and where none does, Llama 3's cut: L + 2 in equal chunks, the first and last
+    one block short; ZB-V 2), ZeRO stage, SP, recomputation (GPipe left out: 1F1B's time, more
+    memory)."""
     gpus = C.nodes * C.gpus_per_node
     cps = [2**k for k in range(gpus.bit_length()) if M.seq >= CP_FROM or k == 0]
     for tp, pp, cp in [
@@ -1143,7 +1185,8 @@ def layouts(M, C, B, precision="bf16"):
         even = [
             ("interleaved", v, ()) for v in range(2, M.layers // pp + 1) if M.layers % (pp * v) == 0
         ]
-        # where none is, Llama 3's cut (Dubey et al. 2024, Sec. 3.3.2): k blocks a chunk, k - 1 at the ends
+        # where none is, Llama 3's cut (Dubey et al. 2024, Sec. 3.3.2): k blocks a chunk, k - 1 at
+        # the ends
         llama3 = [
             ("interleaved", v, (k - 1,) + (k,) * (pp * v - 2) + (k - 1,))
             for v in range(2, (M.layers + 2) // pp + 1)
@@ -1194,9 +1237,9 @@ def search(
     dropout=False,
     **overlaps,
 ):
-    """The fastest layout that fits, of each grid (dp, cp, tp, pp, ep), ranked by predicted tokens/s; with the
-    counts of legal and fitting layouts. `keep` limits the options (a paper's, say); attention, dropout and
-    overlaps (tp_overlap, dp_overlap) as the stack's."""
+    """The fastest layout that fits, of each grid (dp, cp, tp, pp, ep), ranked by predicted
+    tokens/s; with the counts of legal and fitting layouts. `keep` limits the options (a paper's,
+    say); attention, dropout and overlaps (tp_overlap, dp_overlap) as the stack's."""
     best = {}
     n_legal = 0
     n_fit = 0
@@ -1230,33 +1273,37 @@ PARTS = dict(
 
 
 def why_faster(a, b):
-    """One line: where the predicted step of a is shorter than b's, and where longer, part by part."""
+    """One line: where the predicted step of a is shorter than b's, and where longer, part by
+    part."""
     d = sorted(((b[k] - a[k]) * 1e3, w) for k, w in PARTS.items() if abs(b[k] - a[k]) >= 5e-4)
     less = ", ".join(f"{w} {x:,.0f} ms" for x, w in d[::-1] if x > 0) or "nothing"
     more = ", ".join(f"{w} {-x:,.0f} ms" for x, w in d if x < 0)
     return (
-        f"{a['tokens_per_s'] / b['tokens_per_s']:.3f}x the tokens/s of {b['layout']}: its step spends "
-        f"less on {less}" + (f"; more on {more}" if more else "")
+        f"{a['tokens_per_s'] / b['tokens_per_s']:.3f}x the tokens/s of {b['layout']}: its step "
+        f"spends less on {less}" + (f"; more on {more}" if more else "")
     )
 
 
 # ----------------------------------------------------------------------------- the whole run
-# Hoffmann et al. 2022 (Chinchilla), Approach 3: the final loss L(N, D) = E + A / N^alpha + B / D^beta of N
-# parameters trained on D tokens, compute C = 6ND. Constants: Besiroglu et al. 2024's refit of the paper's own
-# points; the paper's Eq. 10 (HOFFMANN) gives compute-optimal models 2-3x smaller than its Approaches 1 and 2
-# and its Table 3, which the refit matches within 15% up to 1T parameters (tests/test_plan.py checks it).
+# Hoffmann et al. 2022 (Chinchilla), Approach 3: the final loss L(N, D) = E + A / N^alpha + B /
+# D^beta of N parameters trained on D tokens, compute C = 6ND. Constants: Besiroglu et al. 2024's
+# refit of the paper's own points; the paper's Eq. 10 (HOFFMANN) gives compute-optimal models 2-3x
+# smaller than its Approaches 1 and 2 and its Table 3, which the refit matches within 15% up to 1T
+# parameters (tests/test_plan.py checks it).
 CHINCHILLA = dict(E=1.82, A=482.01, B=2085.43, alpha=0.3478, beta=0.3658)
 HOFFMANN = dict(E=1.69, A=406.4, B=410.7, alpha=0.34, beta=0.28)
-# Llama 3 (Dubey et al. 2024, Sec. 3.2.1): the compute-optimal TOKENS D*(C) = A C^alpha, fitted on IsoFLOP
-# minima of 6e18 to 1e22 FLOPs; N = C / 6D. Figure 3's legend; the text rounds it to (0.53, 0.29), which gives
-# 10.5T tokens at 3.8e25 FLOPs, not the text's 16.55T (a 0.007 in alpha is 10^(0.007 x 25.6) = 1.5x): the
-# legend's give 16.3T and 389B, and the text's 402B x 16.55T is 6ND = 3.99e25 (tests/test_plan.py).
+# Llama 3 (Dubey et al. 2024, Sec. 3.2.1): the compute-optimal TOKENS D*(C) = A C^alpha, fitted on
+# IsoFLOP minima of 6e18 to 1e22 FLOPs; N = C / 6D. Figure 3's legend; the text rounds it to (0.53,
+# 0.29), which gives 10.5T tokens at 3.8e25 FLOPs, not the text's 16.55T (a 0.007 in alpha is
+# 10^(0.007 x 25.6) = 1.5x): the legend's give 16.3T and 389B, and the text's 402B x 16.55T is 6ND =
+# 3.99e25 (tests/test_plan.py).
 LAWS = {"chinchilla": CHINCHILLA, "llama3": dict(A=0.299, alpha=0.537)}
 
 
 def compute_optimal(C, law=CHINCHILLA, ratio=0):
-    """(N, D) at 6ND = C. Chinchilla: minimising L(N, D), N = G (C/6)^(beta/(alpha+beta)), G = (alpha A /
-    (beta B))^(1/(alpha+beta)) (Hoffmann et al. Eq. 4); Llama 3: D = A C^alpha; `ratio` R: D = R N."""
+    """(N, D) at 6ND = C. Chinchilla: minimising L(N, D), N = G (C/6)^(beta/(alpha+beta)), G =
+    (alpha A / (beta B))^(1/(alpha+beta)) (Hoffmann et al. Eq. 4); Llama 3: D = A C^alpha; `ratio`
+    R: D = R N."""
     a, b = law["alpha"], law.get("beta")
     if ratio or not b:
         N = math.sqrt(C / (6 * ratio)) if ratio else C / (6 * law["A"] * C**a)
@@ -1274,8 +1321,9 @@ def n_params(M):
 
 
 def shaped(P, N):
-    """A model of about N parameters in preset P's proportions: its head width, MLP width / h, depth / h,
-    vocabulary, sequence and kv heads; heads a multiple of 8 (so every tp up to 8 divides them)."""
+    """A model of about N parameters in preset P's proportions: its head width, MLP width / h, depth
+    / h, vocabulary, sequence and kv heads; heads a multiple of 8 (so every tp up to 8 divides
+    them)."""
     hd, best = P.d // P.heads, None
     for heads in range(8, 100000, 8):
         d = heads * hd
@@ -1292,11 +1340,12 @@ def shaped(P, N):
 
 
 def with_failures(work_s, gpus, rate, write_s, restart_s, interval_s=0.0):
-    """Wall time of work_s seconds of training on `gpus` GPUs that each fail at `rate` per GPU-hour (the job
-    stops at the first: mean time between failures M = 3600 / (rate x gpus) s). A checkpoint every tau s
-    (0: Young 1974 / Daly 2006's optimum sqrt(2 delta M)) costs delta = write_s; each failure a restart R and,
-    on average, half an interval of work: wall = work (1 + delta/tau) / (1 - (tau/2 + R) / M), to first order.
-    (wall s, tau s, expected failures); wall inf when failures come faster than the run recovers."""
+    """Wall time of work_s seconds of training on `gpus` GPUs that each fail at `rate` per GPU-hour
+    (the job stops at the first: mean time between failures M = 3600 / (rate x gpus) s). A
+    checkpoint every tau s (0: Young 1974 / Daly 2006's optimum sqrt(2 delta M)) costs delta =
+    write_s; each failure a restart R and, on average, half an interval of work: wall = work (1 +
+    delta/tau) / (1 - (tau/2 + R) / M), to first order. (wall s, tau s, expected failures); wall inf
+    when failures come faster than the run recovers."""
     if rate == 0:
         return work_s, interval_s, 0.0
     mtbf = 3600 / (rate * gpus)
@@ -1307,19 +1356,21 @@ def with_failures(work_s, gpus, rate, write_s, restart_s, interval_s=0.0):
 
 
 def work_in(wall_s, gpus, rate, write_s, restart_s, interval_s=0.0):
-    """The training seconds a wall time holds, failures and checkpoints taken out: with_failures inverted."""
+    """The training seconds a wall time holds, failures and checkpoints taken out: with_failures
+    inverted."""
     wall, tau, _ = with_failures(1.0, gpus, rate, write_s, restart_s, interval_s)
     return wall_s / wall
 
 
-# ----------------------------------------------------------------------------- DiLoCo across slow links
+# ------------------------------------------------------------------------- DiLoCo across slow links
 def diloco(M, C, got, H, outer_bytes=4, fragments=1, overlap=0):
-    """DiLoCo (Douillard et al. 2023) beside DDP for the layout of `got`, its data-parallel group across the
-    slow link: every H inner steps one all-reduce of the pseudo-gradient (outer_bytes per parameter), where
-    DDP all-reduces g bytes per parameter every step. Streaming DiLoCo (Douillard et al. 2025): F fragments,
-    each synced once per H steps, staggered, its exchange overlapped with `overlap` inner steps. Per inner
-    step: bytes handed, bytes on the wire (ring: 2(d-1)/d), and the exposed communication time; DDP's exposed
-    time is what predict found beyond the backward. Theory: diloco.py measures its own bytes."""
+    """DiLoCo (Douillard et al. 2023) beside DDP for the layout of `got`, its data-parallel group
+    across the slow link: every H inner steps one all-reduce of the pseudo-gradient (outer_bytes per
+    parameter), where DDP all-reduces g bytes per parameter every step. Streaming DiLoCo (Douillard
+    et al. 2025): F fragments, each synced once per H steps, staggered, its exchange overlapped with
+    `overlap` inner steps. Per inner step: bytes handed, bytes on the wire (ring: 2(d-1)/d), and the
+    exposed communication time; DDP's exposed time is what predict found beyond the backward.
+    Theory: diloco.py measures its own bytes."""
     lay, d = got["layout"], got["layout"].dp
     g, psi = (
         PRECISION[lay.precision][1],
@@ -1342,8 +1393,8 @@ def diloco(M, C, got, H, outer_bytes=4, fragments=1, overlap=0):
 
 # ----------------------------------------------------------------------------- report
 def band(error, got=None):
-    """The band beside an MFU (its stack's leave-one-out error, points of peak); with got, beside its step:
-    the steps at that MFU less and more the band."""
+    """The band beside an MFU (its stack's leave-one-out error, points of peak); with got, beside
+    its step: the steps at that MFU less and more the band."""
     if error is None:
         return " (no band: see the stack line)"
     if got is None:
@@ -1400,9 +1451,9 @@ def report(C, B, got, error=None):
         + ", ".join(f"{a} {x:.3f} / {e:.3f} ({how[a]})" for a, (x, e) in got["exposed"].items())
     )
     print(
-        f"predicted {got['tokens_per_s']:,.0f} tokens/s, MFU {got['mfu']:.1%}{band(error)} (model FLOPs "
-        f"{got['model_flops']:.3e} / the bf16 peak), HFU {got['hfu']:.1%} (with recomputation, as PTD-P "
-        "counts)"
+        f"predicted {got['tokens_per_s']:,.0f} tokens/s, MFU {got['mfu']:.1%}{band(error)} (model "
+        f"FLOPs {got['model_flops']:.3e} / the bf16 peak), HFU {got['hfu']:.1%} (with "
+        "recomputation, as PTD-P counts)"
     )
 
 
@@ -1504,18 +1555,17 @@ def check_args(a):
         "fragments"
     ).split()
     zeros = (
-        "n_layers d_model n_heads kv_heads vocab seq_len ffn experts dp gpus_per_node gpu_mem_gb tflops "
-        "intra_gbs inter_gbs hbm_gbs stage tokens gpu_hours days flops usd_per_gpu_hour "
-        "failures_per_gpu_hour "
-        "ckpt_minutes ckpt_write_s restart_minutes inner_steps overlap"
+        "n_layers d_model n_heads kv_heads vocab seq_len ffn experts dp gpus_per_node gpu_mem_gb "
+        "tflops intra_gbs inter_gbs hbm_gbs stage tokens gpu_hours days flops usd_per_gpu_hour "
+        "failures_per_gpu_hour ckpt_minutes ckpt_write_s restart_minutes inner_steps overlap"
     ).split()
     for name, low in [(n, 1) for n in ones] + [(n, 0) for n in zeros]:
         if getattr(a, name) < low:
             fail(f"--{name.replace('_', '-')} must be >= {low}, got {getattr(a, name)}")
     if not 0 <= a.efficiency <= 1 or not 0 <= a.headroom < 1:
         fail(
-            f"--efficiency must be in (0, 1] (0: the stack's) and --headroom in [0, 1), got {a.efficiency}, "
-            f"{a.headroom}"
+            "--efficiency must be in (0, 1] (0: the stack's) and --headroom in [0, 1), got "
+            f"{a.efficiency}, {a.headroom}"
         )
     for name in ("tp_overlap", "dp_overlap"):
         x = getattr(a, name)
@@ -1523,8 +1573,8 @@ def check_args(a):
             re.fullmatch(r"[0-9.]+", x) and x.count(".") < 2 and 0 <= float(x) <= 1
         ):
             fail(
-                f"--{name.replace('_', '-')} must be none, partial, full or an exposed share in [0, 1], "
-                f"got {x!r}"
+                f"--{name.replace('_', '-')} must be none, partial, full or an exposed share in "
+                f"[0, 1], got {x!r}"
             )
     if not a.capacity_factor > 0:
         fail(f"--capacity-factor must be > 0 (slots: cf x k x tokens / E), got {a.capacity_factor}")
@@ -1553,8 +1603,9 @@ def check_args(a):
 
 
 def run_report(M, C, got, D, a, optimal=None):
-    """The whole run at the chosen layout: training D tokens, its checkpoints and failures, GPU-hours, cost,
-    the fitted law's final loss (and the compute-optimal N, D the budget asked for)."""
+    """The whole run at the chosen layout: training D tokens, its checkpoints and failures,
+    GPU-hours, cost, the fitted law's final loss (and the compute-optimal N, D the budget asked
+    for)."""
     gpus, work = got["layout"].gpus, D / got["tokens_per_s"]
     wall, tau, fails = with_failures(
         work,
@@ -1579,25 +1630,26 @@ def run_report(M, C, got, D, a, optimal=None):
     print("the whole run (theory):")
     if optimal:
         print(
-            f"  compute-optimal for C = {optimal[0]:.3e} FLOPs ({law}): N {optimal[1] / 1e9:,.1f}B, "
-            f"D {optimal[2] / 1e9:,.0f}B tokens"
+            f"  compute-optimal for C = {optimal[0]:.3e} FLOPs ({law}): N "
+            f"{optimal[1] / 1e9:,.1f}B, D {optimal[2] / 1e9:,.0f}B tokens"
         )
     print(
         f"  model {N / 1e9:,.2f}B parameters: L {M.layers} h {M.d} a {M.heads} kv {M.kv} ffn {M.f} "
-        f"V {M.vocab} "
-        f"s {M.seq}; {D / 1e9:,.0f}B tokens ({D / N:.1f} per parameter), 6ND = {6 * N * D:.3e} FLOPs"
+        f"V {M.vocab} s {M.seq}; {D / 1e9:,.0f}B tokens ({D / N:.1f} per parameter), 6ND = "
+        f"{6 * N * D:.3e} FLOPs"
     )
     print(f"  layout {got['layout']}: {got['tokens_per_s']:,.0f} tokens/s, MFU {got['mfu']:.1%}")
     lost = (
         f", {fails:,.1f} failures expected, a checkpoint every {tau / 60:,.1f} min" if fails else ""
     )
     print(
-        f"  wall time {wall / day:,.2f} days (training {work / day:,.2f}{lost}); {gpus * wall / 3600:,.0f} "
-        f"GPU-hours"
+        f"  wall time {wall / day:,.2f} days (training {work / day:,.2f}{lost}); "
+        f"{gpus * wall / 3600:,.0f} GPU-hours"
         + (f", ${a.usd_per_gpu_hour * gpus * wall / 3600:,.0f}" if a.usd_per_gpu_hour else "")
     )
     print(
-        f"  predicted final loss {final_loss(N, D):.3f} nats/token (Chinchilla's fit, on its MassiveText)"
+        f"  predicted final loss {final_loss(N, D):.3f} nats/token (Chinchilla's fit, on its "
+        "MassiveText)"
     )
     return dict(
         wall_s=wall, work_s=work, tau_s=tau, failures=fails, N=N, D=D, loss=final_loss(N, D)
@@ -1605,8 +1657,9 @@ def run_report(M, C, got, D, a, optimal=None):
 
 
 def budget_model(P, C, B, a, stack):
-    """The compute-optimal model for the budget: C from the budget's training seconds x GPUs x peak x MFU, the
-    MFU of the best layout found for the model of the step before (twice, from --efficiency)."""
+    """The compute-optimal model for the budget: C from the budget's training seconds x GPUs x peak
+    x MFU, the MFU of the best layout found for the model of the step before (twice, from
+    --efficiency)."""
     gpus, mfu = C.nodes * C.gpus_per_node, a.efficiency
     wall = a.days * 86400 or a.gpu_hours * 3600 / gpus
     work = (
@@ -1628,8 +1681,8 @@ def budget_model(P, C, B, a, stack):
         ranked = search(M, C, B, a.efficiency, a.headroom, a.precision, **stack)[0]
         if not ranked:
             fail(
-                f"no layout of the compute-optimal {n_params(M) / 1e9:.1f}B model fits {gpus} GPUs of "
-                f"{C.mem_gb:g} GB at --batch-size {B}"
+                f"no layout of the compute-optimal {n_params(M) / 1e9:.1f}B model fits {gpus} GPUs "
+                f"of {C.mem_gb:g} GB at --batch-size {B}"
             )
         mfu = ranked[0]["mfu"]
     tokens = flops / (6 * n_params(M)) if a.flops else work * ranked[0]["tokens_per_s"]
@@ -1655,7 +1708,8 @@ def main():
     )
     if M.d % M.heads or M.heads % M.kv:
         fail(
-            f"--d-model {M.d} must be divisible by --n-heads {M.heads}, and that by --kv-heads {M.kv}"
+            f"--d-model {M.d} must be divisible by --n-heads {M.heads}, and that by --kv-heads "
+            f"{M.kv}"
         )
     C = Cluster(
         a.nodes,
@@ -1692,15 +1746,15 @@ def main():
         source += f"; measured on {a.stack}'s own attention, dropout and overlaps, not these"
     stack = dict(attention=attention, dropout=dropout, **overlaps)
     print(
-        f"plan (predictions): {a.model}, {n_params(M) / 1e9:.2f}B parameters, "
-        f"L {M.layers} h {M.d} a {M.heads} V {M.vocab} s {M.seq}; batch {B} x {M.seq} tokens; {C.nodes} x "
+        f"plan (predictions): {a.model}, {n_params(M) / 1e9:.2f}B parameters, L {M.layers} h {M.d} "
+        f"a {M.heads} V {M.vocab} s {M.seq}; batch {B} x {M.seq} tokens; {C.nodes} x "
         f"{C.gpus_per_node} GPUs of {C.mem_gb:g} GB, {C.tflops:g} TFLOP/s, {C.intra_gbs:g} / "
         f"{C.inter_gbs:g} GB/s in / across nodes, {C.hbm_gbs:g} GB/s memory"
     )
     print(
-        f"  stack {a.stack}: {attention} attention, dropout {'on' if dropout else 'off'}, overlaps tp "
-        f"{overlaps['tp_overlap']}, dp {overlaps['dp_overlap']}; GEMM ceiling "
-        f"{a.efficiency:g} ({source})"
+        f"  stack {a.stack}: {attention} attention, dropout {'on' if dropout else 'off'}, overlaps "
+        f"tp {overlaps['tp_overlap']}, dp {overlaps['dp_overlap']}; GEMM ceiling {a.efficiency:g} "
+        f"({source})"
     )
     if a.gpu_hours or a.days or a.flops:
         M, ranked, tokens, optimal = budget_model(P, C, B, a, stack)
@@ -1710,10 +1764,11 @@ def main():
         ranked, n_legal, n_fit = search(M, C, B, a.efficiency, a.headroom, a.precision, **stack)
         if not ranked:
             fail(f"no layout of {a.model} fits {gpus} GPUs of {C.mem_gb:g} GB at --batch-size {B}")
-        print(
-            f"--search: {n_legal} legal layouts on {gpus} GPUs, {n_fit} fit; the fastest of each grid:"
-        )
         # each MFU with its band (+- x.x), where there is one
+        print(
+            f"--search: {n_legal} legal layouts on {gpus} GPUs, {n_fit} fit; the fastest of each "
+            "grid:"
+        )
         for i, x in enumerate(ranked[: a.top]):
             print(
                 f"  {i + 1:2d}. {x['tokens_per_s']:11,.0f} tok/s  MFU {x['mfu']:5.1%}"
@@ -1757,10 +1812,10 @@ def main():
         x = diloco(M, C, got, a.inner_steps, outer, a.fragments, a.overlap)
         print(
             f"DiLoCo (theory), H {a.inner_steps}, {a.fragments} fragment(s), overlap {a.overlap}, "
-            f"{a.outer_dtype}: per inner step {x['bytes'] / GB:.3f} GB handed ({x['wire'] / GB:.3f} on the "
-            f"wire), exposed {x['exposed_s'] * 1e3:.1f} ms; DDP {x['ddp_bytes'] / GB:.3f} GB "
-            f"({x['ddp_wire'] / GB:.3f}), exposed {x['ddp_exposed_s'] * 1e3:.1f} ms: "
-            f"{x['ddp_bytes'] / x['bytes']:.0f}x fewer bytes"
+            f"{a.outer_dtype}: per inner step {x['bytes'] / GB:.3f} GB handed "
+            f"({x['wire'] / GB:.3f} on the wire), exposed {x['exposed_s'] * 1e3:.1f} ms; DDP "
+            f"{x['ddp_bytes'] / GB:.3f} GB ({x['ddp_wire'] / GB:.3f}), exposed "
+            f"{x['ddp_exposed_s'] * 1e3:.1f} ms: {x['ddp_bytes'] / x['bytes']:.0f}x fewer bytes"
         )
     if a.tokens:
         run_report(M, C, got, a.tokens, a)

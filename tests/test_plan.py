@@ -244,12 +244,12 @@ def batch_storage(M, B, b, alive, tokens, targets):
     """Bytes a file's count adds when its micro-batches' token ids (targets) are views of the step's whole
     (B, s+1) token ((B, s) target) storage: a saved view holds the whole storage, which the file's live
     storages count once however many views are alive, where plan.py counts each alive micro-batch's b x s."""
+    # ----------------------------------------------------------------------------- what each file counts
     return 8 * (
         (B * (M.seq + 1) - alive * b * M.seq) * tokens + (B * M.seq - alive * b * M.seq) * targets
     )
 
 
-# ----------------------------------------------------------------------------- what each file counts
 def zero_rows(s, name):
     """zero.py: model state, stage 3's gathered peak, saved bytes of one micro-batch's forward (embedding,
     blocks, final norm and head input; the loss runs outside its hooks), bytes handed per step; HSDP
@@ -358,9 +358,8 @@ def pipeline_rows(s, name):
                 (f"stage {r} state + held, peak", f["mem_bytes_per_rank"][r], held),
                 (f"stage {r} bytes sent", f["sent_bytes_per_rank"][r], sent + sends * 8 * 4),
             ]
-    steps = flag(
-        name, "--steps"
-    )  # pipedream numbers micro-batches through the run: the last step's
+    # pipedream numbers micro-batches through the run: the last step's
+    steps = flag(name, "--steps")
     events = [e for e in f["events"] if gpipe or e["mb"] // m == steps - 1]
     order = replayed(events, p, dict(F=1, B=2), lambda e: e["rank"])
     return rows + [
@@ -409,14 +408,16 @@ def ptdp_rows(s, name):
             mine.index(n - 1) if n - 1 in mine else None,
         )
 
+        # the largest sum over the alive patterns of the chunks' bytes per micro-batch
         def alive_peak(
             held,
-        ):  # the largest sum over the alive patterns of the chunks' bytes per micro-batch
+        ):
             per = [sum(plan.microbatch_bytes(M, held, b, E, c).values()) for c in mine]
 
+            # chunk 0's tokens and the last chunk's targets: views of the replica's batch, its
             def batch(
                 k,
-            ):  # chunk 0's tokens and the last chunk's targets: views of the replica's batch, its
+            ):
                 # storage once
                 return (batch_storage(M, B, b, k[first], 1, 0) if first is not None else 0) + (
                     batch_storage(M, B, b, k[last], 0, 1) if last is not None else 0
@@ -485,13 +486,11 @@ def zero_bubble_rows(s, name):
             sum(plan.pending_bytes(M, lay, b, E, c)) + bsh * (c > 0) for c in mine
         ]  # B to W, + input
 
-        def held(
-            k, turn=0
-        ):  # k: micro-batch chunks between F and B per local chunk, then between B and W
+        # k: micro-batch chunks between F and B per local chunk, then between B and W
+        def held(k, turn=0):
             x = sum(map(int.__mul__, k, per + pend)) - turn * bsh
-            x += (
-                batch_storage(M, B, b, k[mine.index(0)], 1, 0) if 0 in mine else 0
-            )  # tokens, targets: views
+            # tokens, targets: views
+            x += batch_storage(M, B, b, k[mine.index(0)], 1, 0) if 0 in mine else 0
             return x + (batch_storage(M, B, b, k[mine.index(n - 1)], 0, 1) if n - 1 in mine else 0)
 
         if zbv:  # walked over plan's order, after each forward (where the file looks)
@@ -499,9 +498,8 @@ def zero_bubble_rows(s, name):
             for kind, c in plan.zero_bubble_ops(p, m, r, "zb-v"):
                 done[kind, c] += 1
                 F, B_, W = ([done[x, c] for c in (0, 1)] for x in "FBW")
-                turn = (
-                    max(0, min(F) - max(B_[0], W[1])) if r == p - 1 else 0
-                )  # k in [B, F) down, [W, F) up
+                # k in [B, F) down, [W, F) up
+                turn = max(0, min(F) - max(B_[0], W[1])) if r == p - 1 else 0
                 peak = max(
                     peak,
                     held([F[c] - B_[c] for c in (0, 1)] + [B_[c] - W[c] for c in (0, 1)], turn)
@@ -535,9 +533,8 @@ def zero_bubble_rows(s, name):
         for e in f["events"]
         if e["dp"] == 0 and e["step"] == f["events"][-1]["step"]
     ]
-    local = (
-        max(e["chunk"] for e in last) < lay.v
-    )  # chunks numbered on each rank: its own, in pipeline order
+    # chunks numbered on each rank: its own, in pipeline order
+    local = max(e["chunk"] for e in last) < lay.v
 
     def chunk_of(e):
         return plan.mine(lay, e["rank"])[e["chunk"]] if local else e["chunk"]
@@ -677,9 +674,10 @@ def drop_padding(mp):
     mp.setattr(plan, "padded", lambda units, d: sum(units))
 
 
+# every 1F1B-like schedule as if one micro-batch were alive (no warm-up forwards)
 def drop_warmup(
     mp,
-):  # every 1F1B-like schedule as if one micro-batch were alive (no warm-up forwards)
+):
     real = plan.alive_patterns
 
     def one(p, v, m, r, s):
@@ -689,9 +687,10 @@ def drop_warmup(
     mp.setattr(plan, "alive_patterns", one)
 
 
+# interleaved 1F1B as if it held plain 1F1B's p - r micro-batches, on one chunk
 def drop_interleaving(
     mp,
-):  # interleaved 1F1B as if it held plain 1F1B's p - r micro-batches, on one chunk
+):
     real = plan.alive_patterns
     mp.setattr(
         plan,
@@ -779,9 +778,10 @@ def replicas_once(mp):  # HSDP's all-reduce once per step at every stage, not pe
     mp.setattr(plan, "collectives", once)
 
 
+# HSDP's model state and ZeRO collectives over another group than its rows of N
 def shard_as(
     shard,
-):  # HSDP's model state and ZeRO collectives over another group than its rows of N
+):
     return lambda mp: mp.setattr(plan.Layout, "shard", property(shard))
 
 
@@ -1093,9 +1093,8 @@ PTDP_TABLE_1 = [
     (1008.0, 160, 25600, 128, 8, 64, 3072, 3072, 52),
 ]
 CALIBRATION = tuple(r[0] for i, r in enumerate(PTDP_TABLE_1) if i % 3 != 2)  # the fit's 7 rows
-HELD_OUT_TOL = (
-    5  # points of peak: the issue's goal; the published shares are whole percents (+-0.5), and
-)
+# points of peak: the issue's goal; the published shares are whole percents (+-0.5), and
+HELD_OUT_TOL = 5
 # one fitted constant against three rows it never saw, over 1.7B to 530B, t 1 to 8, p 1 to 35
 
 
@@ -1721,9 +1720,8 @@ CHINCHILLA_TABLE_3 = [
     (1e12, 1.27e26, 21.2e12),
     (10e12, 1.30e28, 216.2e12),
 ]
-TABLE_3_TOL = (
-    0.25  # the refit's exponent 0.513 against Approach 1's 0.50: 1-15% off to 1T, 23% at 10T
-)
+# the refit's exponent 0.513 against Approach 1's 0.50: 1-15% off to 1T, 23% at 10T
+TABLE_3_TOL = 0.25
 
 
 def table_3_errors(law):
@@ -1770,9 +1768,8 @@ def test_failures_follow_a_simulated_run():
     for _ in range(400):
         t, done, nxt = 0.0, 0.0, rng.expovariate(1 / mtbf)
         while done < work:
-            seg = min(tau, work - done) + delta * (
-                done + tau < work
-            )  # an interval, then its checkpoint
+            # an interval, then its checkpoint
+            seg = min(tau, work - done) + delta * (done + tau < work)
             if t + seg <= nxt:
                 t, done = t + seg, done + min(tau, work - done)
             else:  # lost: the part of this interval run, then the restart
@@ -1927,9 +1924,8 @@ def fp8_mismatches(got):
     bad = []
     for (recipe, how, world, _), (counted, M) in got.items():
         lay = plan.Layout(dp=world, zero=3, precision="fp8" if how == "FP8" else "bf16")
-        g = sum(
-            plan.gemm_units(M, lay, 0)
-        )  # fp8.py's psi: its GEMM weights, in FP8 with --fp8-all-gather
+        # fp8.py's psi: its GEMM weights, in FP8 with --fp8-all-gather
+        g = sum(plan.gemm_units(M, lay, 0))
         g8 = g * (how == "FP8")
         want = sum(
             plan.weight_gather(g, g8, world, 2, s) for s in (recipe == "fine-grained", False)
@@ -1994,9 +1990,8 @@ def test_fp8_time_and_memory_closed_form():
         plan.block_s(M, C._replace(fp8=1), lay["fp8"], b, eff)[0] + half, fwd["bf16"], rel_tol=1e-6
     )
     mem = {p: plan.memory(M, x, 16, 0) for p, x in lay.items()}
-    g = (
-        12 * h * h
-    )  # a block's GEMM weights; the two largest units gathered beside the root are blocks
+    # a block's GEMM weights; the two largest units gathered beside the root are blocks
+    g = 12 * h * h
     assert {k: v for k, v in mem["fp8"].items() if k != "gathered"} == {
         k: v for k, v in mem["bf16"].items() if k != "gathered"
     }
@@ -2104,9 +2099,8 @@ def llama_block(M, b, fused=True, seed=0):
             is_causal=True,
             enable_gqa=True,
         )
-        o = mark(
-            "attention output", o.transpose(1, 2).reshape(b, s, h)
-        )  # flash's (b, s, a, dh): a view
+        # flash's (b, s, a, dh): a view
+        o = mark("attention output", o.transpose(1, 2).reshape(b, s, h))
         mark("projections")
         x = x + F.linear(o, W["o"])
         mark("norm 2")
@@ -2421,9 +2415,8 @@ def test_search_costs_what_it_exposes(monkeypatch, capsys, source_once):
     out = cli([*argv, "--search", "--top", "5"], monkeypatch, capsys)
     lines = [x for x in out.splitlines() if " tok/s  MFU " in x]
     assert len(lines) == 5 and all(f"+- {band:.1f}  step" in x for x in lines), out
-    T = plan.Model(
-        6, 16, 2, 32, 8
-    )  # 6 blocks on 4 stages: no equal cut; Llama 3's: 8 chunks of 0/1x6/0
+    # 6 blocks on 4 stages: no equal cut; Llama 3's: 8 chunks of 0/1x6/0
+    T = plan.Model(6, 16, 2, 32, 8)
     cuts = {lay.split for lay in plan.layouts(T, plan.CLUSTERS["h100-80g"], 16) if lay.pp == 4}
     assert cuts == {(), (0, 1, 1, 1, 1, 1, 1, 0)}, cuts
 
