@@ -86,11 +86,11 @@ READ_PATH = {name: line_counts.BUDGET.get(name, line_counts.DEFAULT_BUDGET) for 
 # is rewritten, one system per file.
 READ_PATH.update(
     {
-        "fault_tolerance.py": 4895,
-        "zero.py": 4464,
-        "megatron_tp.py": 4169,
-        "ptdp.py": 5255,
-        "dualpipev.py": 3871,
+        "fault_tolerance.py": 4897,
+        "zero.py": 4461,
+        "megatron_tp.py": 4170,
+        "ptdp.py": 5259,
+        "dualpipev.py": 3869,
     }
 )
 # Whole-file ceilings in code tokens against drift for the shared modules and tools (about today's + room).
