@@ -11,40 +11,52 @@ two quantized operands is (q_a @ q_b^T) * s_a * s_b. Where the amax comes from i
   delayed       TransformerEngine's delayed scaling (Micikevicius et al., "FP8 Formats for Deep Learning",
                 2022): the scale comes from the max of the last --amax-history amaxes, so it is known before
                 the tensor is (no extra pass over it); E4M3 forward, E5M2 for the gradients (their range).
+                Each layer keeps its own histories (a buffer, saved and moved with the model). torchao has
+                deleted its delayed scaling (dynamic scaling only); TransformerEngine keeps it.
   fine-grained  DeepSeek-V3 (Tech. Report 2024, Sec. 3.3): one scale per 1x128 tile of an activation or
                 gradient and per 128x128 block of a weight, E4M3 everywhere, so an outlier spoils 128
                 numbers, not the tensor; and "promotion": the tensor cores' partial sums are moved to FP32
-                every 128 elements of K, where the tile scales are applied (Sec. 3.3.2). _scaled_mm takes
-                per-tensor or per-row scales, not tile scales, so the blocked GEMM is written out: one FP8
-                GEMM per 128 of K, scaled and accumulated in FP32.
+                every 128 elements of K, where the tile scales are applied (Sec. 3.3.2). torch 2.14's
+                _scaled_mm takes 1x128 / 128x128 scales on CUDA sm90 only (cuBLASLt >= 12.9, no fast
+                accumulation), not on sm100 nor on the CPU, so the blocked GEMM is written out, portable:
+                one FP8 GEMM per 128 of K (per-tensor scales, which run everywhere), scaled in FP32.
 The GEMMs of y = x W^T (x: M tokens x K, W: N x K) and the formats of their operands:
     forward   y  (M, N) = x (M, K)  @ W^T          x, W: E4M3                inner dim K
     dgrad     dx (M, K) = dy (M, N) @ W            dy: E5M2 (fine-grained E4M3)   inner dim N
     wgrad     dW (N, K) = dy^T (N, M) @ x          dy, x as above            inner dim M (tokens)
-On the data-parallel axis (the other files' group of N ranks, each with its own M tokens):
-  1. amax all-reduced (MAX) over the group: every rank then scales as one process seeing the whole
-     batch would (TransformerEngine's amax reduction), so the quantized numbers are the same as on one
-     GPU. Fine-grained tiles never cross a rank (tokens per rank: a multiple of 128), so need none.
-  2. ZeRO-3 sharding of the FP8 layers' weights (rows of W, rank r owns N/world of them): gathered before
-     forward and again for backward, the weight gradient reduce-scattered. By default the gather moves
-     bf16 (FSDP2's mixed precision), then each rank quantizes the whole weight; --fp8-all-gather
-     quantizes the shard first (amax all-reduced) and gathers FP8 bytes and the block scales: half of
-     bf16's bytes (torchao's float8 all-gather for FSDP2).
+Every GEMM dimension is padded with zeros to whole tiles, M', N', K' (16: cuBLASLt's FP8 rule; 128 where
+fine-grained tiles run): zeros change no amax and add nothing to a product, and the padding is cut from
+every result, so it reaches neither the loss nor the optimizer, and any size trains.
+On the data-parallel axis (the other files' group of n ranks, each with its own M tokens):
+  1. amax all-reduced (MAX) over the group, per GEMM: x's in forward, dy's in backward, and with
+     --fp8-all-gather the weight shard's: two or three blocking all-reduces of 4 bytes per layer and
+     step, so that every rank scales as one process seeing the whole batch would (TransformerEngine's
+     amax reduction) and --check is exact. torchao scales x and dy by each rank's own amax instead, and
+     reduces all the weights' amaxes in one all-reduce after the optimizer step. Per-tensor recipes only:
+     fine-grained tiles never cross a rank (each rank's tokens are padded to whole tiles).
+  2. ZeRO-3 sharding of the FP8 layers' weights by rows (a row is one output feature, so a shard is whole
+     rows and whole 128x128 blocks; zero.py shards any module): W is padded with zero rows to n shards of
+     whole tiles, as zero.py pads its flat shards, the last shards short or empty. Gathered before forward
+     and again for backward, the weight gradient reduce-scattered. By default the gather moves bf16
+     (FSDP2's mixed precision), then each rank quantizes the whole weight; --fp8-all-gather quantizes the
+     shard first (amax all-reduced) and gathers FP8 bytes and the block scales: half of bf16's bytes
+     (torchao's float8 all-gather for FSDP2).
 
-        rank r:  W shard (N/world, K) fp32 --quantize--> fp8 shard --all-gather (uint8)--> W fp8 (N, K)
-                 backward: dW (N, K) from my tokens --reduce-scatter (sum)--> dW shard (N/world, K) fp32
+        rank r:  W shard (N'/n, K') fp32 --quantize--> fp8 shard --all-gather (uint8)--> W fp8 (N', K')
+                 backward: dW (N', K') from my tokens --reduce-scatter (sum)--> dW shard (N'/n, K') fp32
 
 Embeddings, LayerNorms, attention, the LM head and the biases stay in --dtype and replicated (DeepSeek-V3
 keeps these in high precision too); their gradients are all-reduced. --recipe none and --recipe bf16 (torch
 autocast, --dtype float32) are the baselines. docs/fp8.md: what FP8 costs in loss (600 steps) and saves in
 bytes. The masters default to float64 here: --check then holds at 1e-9 (float32's roundoff, moved across an
-FP8 rounding boundary, grows chaotically; docs/fp8.md says how far).
+FP8 rounding boundary, grows chaotically; docs/fp8.md says how far). On CUDA the FP8 GEMMs need compute
+capability 8.9 or more (Ada, Hopper, Blackwell): an older GPU is refused in one line.
 
     python fp8.py --recipe current --check
     torchrun --nproc_per_node=2 fp8.py --recipe current --check
     torchrun --nproc_per_node=2 fp8.py --recipe delayed --amax-history 16 --check
-    torchrun --nproc_per_node=2 fp8.py --recipe fine-grained --d-model 256 --seq-len 64 --check
-    torchrun --nproc_per_node=3 fp8.py --recipe current --fp8-all-gather --d-model 48 --batch-size 6 --check
+    torchrun --nproc_per_node=4 fp8.py --recipe fine-grained --check
+    torchrun --nproc_per_node=3 fp8.py --recipe current --fp8-all-gather --batch-size 6 --check
 
 In production, use torchao.float8 (with FSDP2) or NVIDIA TransformerEngine.
 """
@@ -138,18 +150,20 @@ def pad(t, rows, cols):
 
 def scaled_mm(a, sa, b, sb):
     """a (M, K) and b (N, K) in FP8 with their scales -> a @ b^T (M, N) in float32. Per-tensor scales: one
-    _scaled_mm. Tile scales, sa (M, K/T) and sb (N, K/T): the blocked GEMM of DeepSeek-V3 Sec. 3.3.2, one
-    FP8 GEMM per 128 of K, its partial sum promoted to FP32 where the two tiles' scales multiply it."""
+    FP8 GEMM, the scales applied to its FP32 sum, as cuBLASLt's epilogue applies scale_a and scale_b (the
+    CPU kernel given them dequantizes first, in an order of its own). Tile scales, sa (M, K/T) and sb
+    (N, K/T): the blocked GEMM of DeepSeek-V3 Sec. 3.3.2, one FP8 GEMM per 128 of K, its partial sum
+    promoted to FP32 where the two tiles' scales multiply it."""
     one = torch.ones((), dtype=torch.float32, device=a.device)
-    mm = lambda a, b, sa, sb: torch._scaled_mm(  # noqa: E731  cuBLASLt's layout: a row-major, b column-major
-        a.contiguous(), b.contiguous().t(), scale_a=sa, scale_b=sb, out_dtype=torch.float32
+    mm = lambda a, b: torch._scaled_mm(  # noqa: E731  cuBLASLt's layout: a row-major, b column-major
+        a.contiguous(), b.contiguous().t(), scale_a=one, scale_b=one, out_dtype=torch.float32
     )
     if not sa.dim():
-        return mm(a, b, sa, sb)
+        return mm(a, b) * (sa * sb)
     acc = torch.zeros(a.shape[0], b.shape[0], dtype=torch.float32, device=a.device)  # (M, N) FP32
     for k in range(a.shape[1] // TILE):
         cols = slice(k * TILE, (k + 1) * TILE)
-        acc += mm(a[:, cols], b[:, cols], one, one) * sa[:, k, None] * sb[None, :, k]
+        acc += mm(a[:, cols], b[:, cols]) * sa[:, k, None] * sb[None, :, k]
     return acc
 
 
@@ -554,13 +568,16 @@ def full_params(model, group):
 
 # --- reference for --check ---
 # One process on the whole global batch, written apart from the technique: its own quantizer, formats and amax
-# history, and each GEMM a plain float32 matmul computed as the ranks compute it (rows cut into the ranks'
-# rows; fine-grained: per 128 of K, each partial sum scaled; the weight gradient per rank's tokens, summed in
-# the master dtype). The amaxes are the whole batch's, as the run's all-reduced ones. With float64 masters
-# everything outside the FP8 GEMMs is float64, the FP8 numbers are then the same, and the check holds at
-# 1e-9 (measured 1e-16). With float32 masters, float32 sums in another order (the all-reduces, torch's own
-# kernels on fewer rows) move values by a roundoff, a value a roundoff from an FP8 rounding boundary lands on
-# the other side (1/16 of it), and roundoff grows chaotically (2e-2 in 20 steps): check_args refuses that.
+# history, and each GEMM a plain float32 matmul of the FP8 values computed as the ranks compute it (rows cut
+# into the ranks' rows; the sum scaled; fine-grained: per 128 of K, each partial sum scaled; the weight
+# gradient per rank's tokens, summed in the master dtype). The amaxes are the whole batch's, as the run's
+# all-reduced ones. With float64 masters everything outside the FP8 GEMMs is float64, the FP8 numbers are
+# then the same, and the check holds at 1e-9 (measured 1e-16; it needs torch's float32 matmul and its FP8
+# GEMM to sum in one order, as they do on this CPU up to K = 256 at least: a different order moves a value
+# across an FP8 rounding boundary now and then, and the runs then part as chaotically as in float32).
+# With float32 masters, float32 sums in another order (the all-reduces, torch's own kernels on fewer rows)
+# move values by a roundoff, a value a roundoff from an FP8 rounding boundary lands on the other side (1/16
+# of it), and roundoff grows chaotically (2e-2 in 20 steps): check_args refuses that.
 REF_E4M3, REF_E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 
 
@@ -587,8 +604,8 @@ def ref_mm(a, sa, b, sb, world, tile):
     per tensor, of the dequantized operands; with tiles, per 128 of K, each partial sum scaled and added."""
     out = []
     for rows, srows in zip(a.chunk(world), sa.chunk(world) if tile else [sa] * world):
-        if not tile:
-            out.append((rows * sa) @ (b * sb).t())
+        if not tile:  # the scales on the float32 sum, as cuBLASLt applies them
+            out.append((rows @ b.t()) * (sa * sb))
             continue
         out.append(
             sum(
