@@ -271,9 +271,8 @@ class Fp8Matmul(torch.autograd.Function):
         if r.tile:
             sgt = r.scale(dy.t(), r.bwd, None, None)  # (N', M'/128)
             sxt = r.scale(x.t(), r.fwd, None, None)  # (K', M'/128)
-        dw = scaled_mm(
-            quantize(dy.t(), sgt, r.bwd), sgt, quantize(x.t(), sxt, r.fwd), sxt
-        )  # (N', K')
+        # (N', K')
+        dw = scaled_mm(quantize(dy.t(), sgt, r.bwd), sgt, quantize(x.t(), sxt, r.fwd), sxt)
         # summed over ranks in the master dtype (exact in float64 for float32 partials: any order, one answer)
         dx = dx[:m, : layer.in_features].to(x.dtype)  # (M, K)
         return dx, layer.reduce_scatter(dw.to(w_shard.dtype)), None
@@ -299,9 +298,8 @@ class Fp8Linear(nn.Module):
         self.tile = recipe.tile or 16
         self.k = whole(self.in_features, self.tile)  # K'
         self.rows = whole(self.out_features, self.world * self.tile) // self.world  # N' / n
-        mine = weight.detach()[
-            rank * self.rows : (rank + 1) * self.rows
-        ]  # (<= rows, K) my rows of W
+        # (<= rows, K) my rows of W: short or empty in the last shards
+        mine = weight.detach()[rank * self.rows : (rank + 1) * self.rows]
         self.weight = nn.Parameter(mine.clone())
         self.bias = bias  # (N,) the same parameter, replicated
         n = getattr(recipe, "history", 0)
@@ -322,31 +320,27 @@ class Fp8Linear(nn.Module):
         if self.group is None:  # not sharded: quantize W as it is
             s = r.scale(shard, r.fwd, history, None, block=True) if s is None else s
             return quantize(shard, s, r.fwd), s
-        if (
-            not self.fp8_all_gather
-        ):  # FSDP2's mixed precision: gather bf16, then quantize the whole W
+        # FSDP2's mixed precision: gather bf16, then quantize the whole W
+        if not self.fp8_all_gather:
             full = all_gather_rows(shard.to(torch.bfloat16), self.group).to(shard.dtype)  # (N', K')
             s = r.scale(full, r.fwd, history, None, block=True) if s is None else s
             return quantize(full, s, r.fwd), s
         # torchao's float8 all-gather: per tensor, the amax is reduced over the shards first; fine-grained,
         # a shard holds whole 128x128 blocks. Either way the quantized shard is my rows of the quantized W.
-        s = (
-            r.scale(shard, r.fwd, history, self.group, block=True) if s is None else s
-        )  # () or blocks
+        # () or blocks
+        s = r.scale(shard, r.fwd, history, self.group, block=True) if s is None else s
         rank = dist.get_rank(self.group)
         mine = s.chunk(self.world)[rank] if s.dim() and given is not None else s  # my rows' blocks
         q = quantize(shard, mine, r.fwd)  # (N'/n, K') FP8
         # gloo has no float8 type: the bytes travel as uint8 (NCCL's FP8 all-gather moves the same bytes)
         w = all_gather_rows(q.view(torch.uint8), self.group).view(r.fwd)  # (N', K') FP8
-        if (
-            s.dim() and given is None
-        ):  # the block scales travel with their rows: (N'/n/128, K'/128) each
+        # the block scales travel with their rows: (N'/n/128, K'/128) each
+        if s.dim() and given is None:
             s = all_gather_rows(s, self.group)  # (N'/128, K'/128)
         return w, s
 
-    def reduce_scatter(
-        self, dw
-    ):  # (N', K') float32, this rank's tokens -> my rows of the sum, unpadded
+    # (N', K') float32, this rank's tokens -> my rows of the sum, unpadded
+    def reduce_scatter(self, dw):
         if self.group is not None:
             out = torch.empty(self.rows, self.k, dtype=dw.dtype, device=dw.device)  # (N'/n, K')
             dist.reduce_scatter_single(out, dw, op=dist.ReduceOp.SUM, group=self.group)
