@@ -161,7 +161,7 @@ _CHECKS = {}  # world: the launch's "ok" lines; "run": the file's run; for the s
 
 def shared_checks(world):
     if world not in _CHECKS:
-        _CHECKS[world] = check_lines("tests/fp8_checks.py", world, timeout=400)
+        _CHECKS[world] = check_lines("tests/fp8_checks.py", world, timeout=600)
     return _CHECKS[world]
 
 
