@@ -658,15 +658,13 @@ class RefFp8(torch.autograd.Function):
         swt = sw[::t].t().repeat_interleave(t, 0)[: x.shape[1]] if t else sw
         dx = ref_mm(gq, sg, wq.t(), swt, q.world, t).to(x.dtype)
         parts = []
-        for r in range(
-            q.world
-        ):  # each rank's tokens: a float32 GEMM; their sum in the master dtype
-            g, xs = dy.chunk(q.world)[r].t(), x.chunk(q.world)[r].t()  # (N, M/n), (K, M/n)
+        # each rank's tokens: a float32 GEMM; their sum in the master dtype
+        for r in range(q.world):
+            a, sa = gq.chunk(q.world)[r].t(), sg  # (N, M/n)
+            b, sb = xq.chunk(q.world)[r].t(), sx  # (K, M/n)
             if t:  # the weight gradient's tiles run along this rank's tokens
-                a, sa = ref_quant(g, q.fmt["bwd"], t)
-                b, sb = ref_quant(xs, q.fmt["fwd"], t)
-            else:
-                a, sa, b, sb = gq.chunk(q.world)[r].t(), sg, xq.chunk(q.world)[r].t(), sx
+                a, sa = ref_quant(dy.chunk(q.world)[r].t(), q.fmt["bwd"], t)
+                b, sb = ref_quant(x.chunk(q.world)[r].t(), q.fmt["fwd"], t)
             parts.append(ref_mm(a, sa, b, sb, 1, t).to(x.dtype))
         return dx, sum(parts), None, None
 

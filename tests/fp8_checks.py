@@ -178,8 +178,8 @@ for recipe in ("current", "delayed", "fine-grained"):
 # world 3 (ranks with an empty shard), 32 tokens a rank; weights gathered in bf16 at world 2, FP8 at 3
 for recipe in ("current", "delayed", "fine-grained"):
     gather = d.world == 3
-    argv = ["--recipe", recipe, "--n-layers", "1", "--batch-size", str(2 * d.world), "--seq-len", "16"]
-    argv += ["--steps", "2"]
+    argv = ["--recipe", recipe, "--n-layers", "1", "--seq-len", "16", "--steps", "2"]
+    argv += ["--batch-size", str(2 * d.world)]
     args = parse_args(fp8.Args, argv + (["--fp8-all-gather"] if gather else []))
     comm = CommCounter()
     losses, params, model = train(args, comm)
