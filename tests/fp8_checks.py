@@ -11,6 +11,9 @@
    (harness.CommCounter, at the dispatcher) == the closed form computed here from the layer shapes: 2 gathers
    x shard elements x 2 bytes (bf16) or 1 byte (FP8) (+ 4 bytes per 128x128 block scale, once, fine-grained);
    FP8 about half of bf16. Each line names the model's shape (tests/test_plan.py reads them).
+4. The file's default width (d_model 64: no dimension a multiple of 128, W's rows uneven over 3 ranks,
+   some shards empty), each recipe: == fp8.reference at 1e-9, and the all-gather bytes of the padded
+   shards == their closed form (rows a rank in whole tiles x K in whole tiles).
 `python tests/fp8_checks.py fence [noop] ARGS` instead runs fp8.py's main() with ARGS, with every function and
 class below its measurement fence replaced by a no-op when `noop` is given (tests/test_fp8.py compares the
 losses of the two).
@@ -170,6 +173,31 @@ for recipe in ("current", "delayed", "fine-grained"):
     if d.world == 2:
         ratio = gathered[recipe, True] / gathered[recipe, False]
         check(0.5 <= ratio < 0.51, f"{recipe}: FP8 all-gather bytes / bf16's = {ratio:.4f}")
+
+# 4. the file's default width (d_model 64, 4 heads): no dimension a multiple of 128, W's rows uneven at
+# world 3 (ranks with an empty shard), 32 tokens a rank; weights gathered in bf16 at world 2, FP8 at 3
+for recipe in ("current", "delayed", "fine-grained"):
+    gather = d.world == 3
+    argv = ["--recipe", recipe, "--n-layers", "1", "--seq-len", "16", "--steps", "2"]
+    argv += ["--batch-size", str(2 * d.world)]
+    args = parse_args(fp8.Args, argv + (["--fp8-all-gather"] if gather else []))
+    comm = CommCounter()
+    losses, params, model = train(args, comm)
+    loss, par = diff(args, losses, params)
+    t = (
+        128 if recipe == "fine-grained" else 16
+    )  # padded: K to whole tiles, W's rows to whole tiles a rank
+    shapes = [(64, 64)] * 4 + [(256, 64), (64, 256)]  # (N, K): q, k, v, attn proj; mlp fc, proj
+    rows = [-(-n // (d.world * t)) * t for n, _ in shapes]
+    ks = [-(-k // t) * t for _, k in shapes]
+    scales = sum(r * k // 128**2 * 4 for r, k in zip(rows, ks)) if gather and t == 128 else 0
+    theory = sum(2 * r * k * (1 if gather else 2) for r, k in zip(rows, ks)) + scales
+    got = comm.total("all_gather")
+    check(
+        loss <= 1e-9 and par <= 1e-9 and got == theory,
+        f"default width, {recipe}, {'FP8' if gather else 'bf16'} gather at world {d.world}: == one-process "
+        f"reference (loss {loss:.1e}, params {par:.1e}); padded shards' all-gather {got} bytes == {theory}",
+    )
 
 # 2. mutants: each must be caught by the same comparison
 mutants = {
