@@ -1,56 +1,64 @@
-"""fp8.py: training in 8-bit floats as the large runs of 2024-26 do it: the GEMMs of every transformer block
-(forward, and both GEMMs of backward) run through torch._scaled_mm on float8 operands, while the master
-weights, their gradients and AdamW stay in --dtype (float32). torch 2.14's _scaled_mm runs on CPU too, so
-everything here is real FP8 arithmetic, not an emulation, on a laptop as on an H100.
+"""fp8.py: training in 8-bit floats as the large runs of 2024-26 do it: the GEMMs of every
+transformer block (forward, and both GEMMs of backward) run through torch._scaled_mm on float8
+operands, while the master weights, their gradients and AdamW stay in --dtype (float32). torch
+2.14's _scaled_mm runs on CPU too, so everything here is real FP8 arithmetic, not an emulation, on a
+laptop as on an H100.
 
 An FP8 number has 8 bits: E4M3 (4 exponent bits, 3 mantissa: max 448, ~2 significant digits) or E5M2
-(max 57344, 1.5 digits, more range). A tensor fits in FP8 only after it is scaled: q = fp8(t / s), with
-s = amax / fp8_max chosen so that the largest element lands on the format's largest value; a GEMM of
-two quantized operands is (q_a @ q_b^T) * s_a * s_b. Where the amax comes from is the recipe:
+(max 57344, 1.5 digits, more range). A tensor fits in FP8 only after it is scaled: q = fp8(t / s),
+with s = amax / fp8_max chosen so that the largest element lands on the format's largest value; a
+GEMM of two quantized operands is (q_a @ q_b^T) * s_a * s_b. Where the amax comes from is the
+recipe:
   current       per-tensor current scaling: the amax of the tensor as it is now (torchao's default).
   delayed       TransformerEngine's delayed scaling (Micikevicius et al., "FP8 Formats for Deep Learning",
-                2022): the scale comes from the max of the last --amax-history amaxes, so it is known before
-                the tensor is (no extra pass over it); E4M3 forward, E5M2 for the gradients (their range).
-                Each layer keeps its own histories (a buffer, saved and moved with the model). torchao has
-                deleted its delayed scaling (dynamic scaling only); TransformerEngine keeps it.
+                2022): the scale comes from the max of the last --amax-history amaxes, so it is
+                known before the tensor is (no extra pass over it); E4M3 forward, E5M2 for the
+                gradients (their range). Each layer keeps its own histories (a buffer, saved and
+                moved with the model). torchao has deleted its delayed scaling (dynamic scaling
+                only); TransformerEngine keeps it.
   fine-grained  DeepSeek-V3 (Tech. Report 2024, Sec. 3.3): one scale per 1x128 tile of an activation or
-                gradient and per 128x128 block of a weight, E4M3 everywhere, so an outlier spoils 128
-                numbers, not the tensor; and "promotion": the tensor cores' partial sums are moved to FP32
-                every 128 elements of K, where the tile scales are applied (Sec. 3.3.2). torch 2.14's
-                _scaled_mm takes 1x128 / 128x128 scales on CUDA sm90 only (cuBLASLt >= 12.9, no fast
-                accumulation), not on sm100 nor on the CPU, so the blocked GEMM is written out, portable:
-                one FP8 GEMM per 128 of K (per-tensor scales, which run everywhere), scaled in FP32.
+                gradient and per 128x128 block of a weight, E4M3 everywhere, so an outlier spoils
+                128 numbers, not the tensor; and "promotion": the tensor cores' partial sums are
+                moved to FP32 every 128 elements of K, where the tile scales are applied (Sec.
+                3.3.2). torch 2.14's _scaled_mm takes 1x128 / 128x128 scales on CUDA sm90 only
+                (cuBLASLt >= 12.9, no fast accumulation), not on sm100 nor on the CPU, so the
+                blocked GEMM is written out, portable: one FP8 GEMM per 128 of K (per-tensor scales,
+                which run everywhere), scaled in FP32.
 The GEMMs of y = x W^T (x: M tokens x K, W: N x K) and the formats of their operands:
     forward   y  (M, N) = x (M, K)  @ W^T          x, W: E4M3                inner dim K
     dgrad     dx (M, K) = dy (M, N) @ W            dy: E5M2 (fine-grained E4M3)   inner dim N
     wgrad     dW (N, K) = dy^T (N, M) @ x          dy, x as above            inner dim M (tokens)
-Every GEMM dimension is padded with zeros to whole tiles, M', N', K' (16: cuBLASLt's FP8 rule; 128 where
-fine-grained tiles run): zeros change no amax and add nothing to a product, and the padding is cut from
-every result, so it reaches neither the loss nor the optimizer, and any size trains.
-On the data-parallel axis (the other files' group of n ranks, each with its own M tokens):
+Every GEMM dimension is padded with zeros to whole tiles, M', N', K' (16: cuBLASLt's FP8 rule; 128
+where fine-grained tiles run): zeros change no amax and add nothing to a product, and the padding is
+cut from every result, so it reaches neither the loss nor the optimizer, and any size trains. On the
+data-parallel axis (the other files' group of n ranks, each with its own M tokens):
   1. amax all-reduced (MAX) over the group, per GEMM: x's in forward, dy's in backward, and with
      --fp8-all-gather the weight shard's: two or three blocking all-reduces of 4 bytes per layer and
-     step, so that every rank scales as one process seeing the whole batch would (TransformerEngine's
-     amax reduction) and --check is exact. torchao scales x and dy by each rank's own amax instead, and
-     reduces all the weights' amaxes in one all-reduce after the optimizer step. Per-tensor recipes only:
-     fine-grained tiles never cross a rank (each rank's tokens are padded to whole tiles).
-  2. ZeRO-3 sharding of the FP8 layers' weights by rows (a row is one output feature, so a shard is whole
-     rows and whole 128x128 blocks; zero.py shards any module): W is padded with zero rows to n shards of
-     whole tiles, as zero.py pads its flat shards, the last shards short or empty. Gathered before forward
-     and again for backward, the weight gradient reduce-scattered. By default the gather moves bf16
-     (FSDP2's mixed precision), then each rank quantizes the whole weight; --fp8-all-gather quantizes the
-     shard first (amax all-reduced) and gathers FP8 bytes and the block scales: half of bf16's bytes
-     (torchao's float8 all-gather for FSDP2).
+     step, so that every rank scales as one process seeing the whole batch would
+     (TransformerEngine's amax reduction) and --check is exact. torchao scales x and dy by each
+     rank's own amax instead, and reduces all the weights' amaxes in one all-reduce after the
+     optimizer step. Per-tensor recipes only: fine-grained tiles never cross a rank (each rank's
+     tokens are padded to whole tiles).
+  2. ZeRO-3 sharding of the FP8 layers' weights by rows (a row is one output feature, so a shard is
+     whole
+     rows and whole 128x128 blocks; zero.py shards any module): W is padded with zero rows to n
+     shards of whole tiles, as zero.py pads its flat shards, the last shards short or empty.
+     Gathered before forward and again for backward, the weight gradient reduce-scattered. By
+     default the gather moves bf16 (FSDP2's mixed precision), then each rank quantizes the whole
+     weight; --fp8-all-gather quantizes the shard first (amax all-reduced) and gathers FP8 bytes and
+     the block scales: half of bf16's bytes (torchao's float8 all-gather for FSDP2).
 
         rank r:  W shard (N'/n, K') fp32 --quantize--> fp8 shard --all-gather (uint8)--> W fp8 (N', K')
-                 backward: dW (N', K') from my tokens --reduce-scatter (sum)--> dW shard (N'/n, K') fp32
+                 backward: dW (N', K') from my tokens --reduce-scatter (sum)--> dW shard (N'/n, K')
+                 fp32
 
-Embeddings, LayerNorms, attention, the LM head and the biases stay in --dtype and replicated (DeepSeek-V3
-keeps these in high precision too); their gradients are all-reduced. --recipe none and --recipe bf16 (torch
-autocast, --dtype float32) are the baselines. docs/fp8.md: what FP8 costs in loss (600 steps) and saves in
-bytes. The masters default to float64 here: --check then holds at 1e-9 (float32's roundoff, moved across an
-FP8 rounding boundary, grows chaotically; docs/fp8.md says how far). On CUDA the FP8 GEMMs need compute
-capability 8.9 or more (Ada, Hopper, Blackwell): an older GPU is refused in one line.
+Embeddings, LayerNorms, attention, the LM head and the biases stay in --dtype and replicated
+(DeepSeek-V3 keeps these in high precision too); their gradients are all-reduced. --recipe none and
+--recipe bf16 (torch autocast, --dtype float32) are the baselines. docs/fp8.md: what FP8 costs in
+loss (600 steps) and saves in bytes. The masters default to float64 here: --check then holds at 1e-9
+(float32's roundoff, moved across an FP8 rounding boundary, grows chaotically; docs/fp8.md says how
+far). On CUDA the FP8 GEMMs need compute capability 8.9 or more (Ada, Hopper, Blackwell): an older
+GPU is refused in one line.
 
     python fp8.py --recipe current --check
     torchrun --nproc_per_node=2 fp8.py --recipe current --check
@@ -94,21 +102,20 @@ from harness import (
 
 @dataclass
 class Args(CommonArgs):
-    recipe: Literal["current", "delayed", "fine-grained", "bf16", "none"] = (
-        "current"  # bf16, none: baselines
-    )
+    # bf16, none: baselines
+    recipe: Literal["current", "delayed", "fine-grained", "bf16", "none"] = "current"
     amax_history: int = 16  # delayed: amaxes kept per tensor; the scale comes from their max
-    fp8_all_gather: bool = (
-        False  # all-gather the sharded weights as FP8 + scales (default: as bf16)
-    )
-    dtype: Literal["float32", "float64", "bfloat16"] = (
-        "float64"  # master weights (--check: float64 only)
-    )
+    # all-gather the sharded weights as FP8 + scales (default: as bf16)
+    fp8_all_gather: bool = False
+    # master weights (--check: float64 only)
+    dtype: Literal["float32", "float64", "bfloat16"] = "float64"
 
 
-# ============================================================================= FP8 numbers and the GEMM
+# ============================================================================= FP8 numbers and the
+# GEMM
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
-TILE = 128  # DeepSeek-V3's tile: 1x128 of activations and gradients, 128x128 of weights, promotion every 128
+# DeepSeek-V3's tile: 1x128 of activations and gradients, 128x128 of weights, promotion every 128
+TILE = 128
 
 
 def check_format(fmt):
@@ -117,14 +124,16 @@ def check_format(fmt):
 
 
 def scale_of(amax, fmt):
-    """s = amax / fp8_max: the largest element lands on the format's largest value (torchao stores the
-    inverse, fp8_max / amax, and multiplies). float32 whatever the default dtype: _scaled_mm's scales are."""
+    """s = amax / fp8_max: the largest element lands on the format's largest value (torchao stores
+    the inverse, fp8_max / amax, and multiplies). float32 whatever the default dtype: _scaled_mm's
+    scales are."""
     return amax.float().clamp_min(1e-12) / torch.finfo(fmt).max
 
 
 def quantize(t, s, fmt):
-    """t (R, C) high precision -> FP8 (R, C): t / s, saturated at the format's largest value (delayed scaling
-    can meet an amax above its history's). `s`: a scalar, or one per tile, (R, C/T) or (R/T, C/T)."""
+    """t (R, C) high precision -> FP8 (R, C): t / s, saturated at the format's largest value
+    (delayed scaling can meet an amax above its history's). `s`: a scalar, or one per tile, (R, C/T)
+    or (R/T, C/T)."""
     if s.dim():  # one scale per tile: (R', C') -> (R, C)
         s = s.repeat_interleave(t.shape[0] // s.shape[0], 0).repeat_interleave(
             t.shape[1] // s.shape[1], 1
@@ -134,8 +143,8 @@ def quantize(t, s, fmt):
 
 
 def per_row(s, rows):
-    """Scales of an operand (rows, K) as one per row and K-tile, (rows, K/T): a block's scale for each of its
-    rows. A scalar stays a scalar."""
+    """Scales of an operand (rows, K) as one per row and K-tile, (rows, K/T): a block's scale for
+    each of its rows. A scalar stays a scalar."""
     return s.repeat_interleave(rows // s.shape[0], 0) if s.dim() else s
 
 
@@ -149,13 +158,14 @@ def pad(t, rows, cols):
 
 
 def scaled_mm(a, sa, b, sb):
-    """a (M, K) and b (N, K) in FP8 with their scales -> a @ b^T (M, N) in float32. Per-tensor scales: one
-    FP8 GEMM, the scales applied to its FP32 sum, as cuBLASLt's epilogue applies scale_a and scale_b (the
-    CPU kernel given them dequantizes first, in an order of its own). Tile scales, sa (M, K/T) and sb
-    (N, K/T): the blocked GEMM of DeepSeek-V3 Sec. 3.3.2, one FP8 GEMM per 128 of K, its partial sum
-    promoted to FP32 where the two tiles' scales multiply it."""
+    """a (M, K) and b (N, K) in FP8 with their scales -> a @ b^T (M, N) in float32. Per-tensor
+    scales: one FP8 GEMM, the scales applied to its FP32 sum, as cuBLASLt's epilogue applies scale_a
+    and scale_b (the CPU kernel given them dequantizes first, in an order of its own). Tile scales,
+    sa (M, K/T) and sb (N, K/T): the blocked GEMM of DeepSeek-V3 Sec. 3.3.2, one FP8 GEMM per 128 of
+    K, its partial sum promoted to FP32 where the two tiles' scales multiply it."""
     one = torch.ones((), dtype=torch.float32, device=a.device)
-    mm = lambda a, b: torch._scaled_mm(  # noqa: E731  cuBLASLt's layout: a row-major, b column-major
+    # noqa: E731  cuBLASLt's layout: a row-major, b column-major
+    mm = lambda a, b: torch._scaled_mm(
         a.contiguous(), b.contiguous().t(), scale_a=one, scale_b=one, out_dtype=torch.float32
     )
     if not sa.dim():
@@ -178,8 +188,9 @@ def global_amax(t, group):
 
 
 class Current:
-    """Per-tensor current scaling: s = amax(t) / fp8_max, the amax of the tensor now, reduced over `group`.
-    E4M3 for the forward operands, E5M2 for the gradients (TransformerEngine's HYBRID formats)."""
+    """Per-tensor current scaling: s = amax(t) / fp8_max, the amax of the tensor now, reduced over
+    `group`. E4M3 for the forward operands, E5M2 for the gradients (TransformerEngine's HYBRID
+    formats)."""
 
     fwd = E4M3
     bwd = E5M2
@@ -194,10 +205,11 @@ class Current:
 
 
 class Delayed(Current):
-    """TransformerEngine's delayed scaling: s = max(the last `history` amaxes of this tensor) / fp8_max,
-    known before the tensor is; the amax of the tensor now (reduced over the group) joins the history for
-    the steps after. The first step has no history (all 0) and scales by its own amax (TE starts from s = 1).
-    Each history is its layer's own buffer (Fp8Linear.amax_history), saved and moved with the model."""
+    """TransformerEngine's delayed scaling: s = max(the last `history` amaxes of this tensor) /
+    fp8_max, known before the tensor is; the amax of the tensor now (reduced over the group) joins
+    the history for the steps after. The first step has no history (all 0) and scales by its own
+    amax (TE starts from s = 1). Each history is its layer's own buffer (Fp8Linear.amax_history),
+    saved and moved with the model."""
 
     def __init__(self, history=16, fwd=None, bwd=None):
         super().__init__(fwd, bwd)
@@ -205,9 +217,8 @@ class Delayed(Current):
             raise ValueError(f"delayed scaling needs an amax history of at least 1, got {history}")
         self.history = history
 
-    def scale(
-        self, t, fmt, history, group, block=False
-    ):  # history (n,) this tensor's, newest first
+    # history (n,) this tensor's, newest first
+    def scale(self, t, fmt, history, group, block=False):
         amax = global_amax(t, group)
         past = history.max()
         s = scale_of(torch.where(past > 0, past, amax), fmt)  # no host sync
@@ -216,8 +227,9 @@ class Delayed(Current):
 
 
 class FineGrained:
-    """DeepSeek-V3's fine-grained scaling: one scale per 1x128 tile along the GEMM's inner dimension (per
-    128x128 block for a weight: `block`), E4M3 for all. A tile lies within a rank's rows, so no reduction."""
+    """DeepSeek-V3's fine-grained scaling: one scale per 1x128 tile along the GEMM's inner dimension
+    (per 128x128 block for a weight: `block`), E4M3 for all. A tile lies within a rank's rows, so no
+    reduction."""
 
     tile = TILE
 
@@ -225,20 +237,21 @@ class FineGrained:
         self.fwd, self.bwd = fwd, bwd
         check_format(fwd), check_format(bwd)
 
-    def scale(
-        self, t, fmt, history, group, block=False
-    ):  # t (R, C) -> (R, C/128), or (R/128, C/128)
+    # t (R, C) -> (R, C/128), or (R/128, C/128)
+    def scale(self, t, fmt, history, group, block=False):
         amax = t.detach().abs().unflatten(1, (-1, TILE)).amax(2).float()  # (R, C/128)
         if block:
             amax = amax.unflatten(0, (-1, TILE)).amax(1)  # (R/128, C/128)
         return scale_of(amax, fmt)
 
 
-# ============================================================================= the FP8 linear, ZeRO-3-sharded
+# ============================================================================= the FP8 linear,
+# ZeRO-3-sharded
 class Fp8Matmul(torch.autograd.Function):
-    """x (M, K) @ W^T -> (M, N), the three GEMMs in FP8; W is gathered from its shards for forward and again
-    for backward (ZeRO-3: it is not kept in between), its gradient reduce-scattered back to the shards.
-    Every operand is padded with zeros to whole tiles ('), and the padding cut off each result."""
+    """x (M, K) @ W^T -> (M, N), the three GEMMs in FP8; W is gathered from its shards for forward
+    and again for backward (ZeRO-3: it is not kept in between), its gradient reduce-scattered back
+    to the shards. Every operand is padded with zeros to whole tiles ('), and the padding cut off
+    each result."""
 
     @staticmethod
     def forward(ctx, x, w_shard, layer):
@@ -262,10 +275,11 @@ class Fp8Matmul(torch.autograd.Function):
         dy = pad(dy, x.shape[0], w.shape[0])  # (M', N')
         # dgrad: dx (M, K) = dy (M, N) @ W (N, K); inner dim N, so W enters as W^T (K, N)
         sg = r.scale(dy, r.bwd, layer.amax_history[2], layer.group)  # () or (M', N'/128)
+        # wgrad: dW (N, K) = dy^T (N, M) @ x (M, K); inner dim M. Per-tensor scales are the same as
+        # above;
         dx = scaled_mm(
             quantize(dy, sg, r.bwd), sg, w.t(), per_row(sw.t() if sw.dim() else sw, layer.k)
         )
-        # wgrad: dW (N, K) = dy^T (N, M) @ x (M, K); inner dim M. Per-tensor scales are the same as above;
         # tiles now run along the tokens (DeepSeek-V3's 128x1 tiles of dy and x): quantized again.
         sgt, sxt = sg, sx
         if r.tile:
@@ -273,19 +287,21 @@ class Fp8Matmul(torch.autograd.Function):
             sxt = r.scale(x.t(), r.fwd, None, None)  # (K', M'/128)
         # (N', K')
         dw = scaled_mm(quantize(dy.t(), sgt, r.bwd), sgt, quantize(x.t(), sxt, r.fwd), sxt)
-        # summed over ranks in the master dtype (exact in float64 for float32 partials: any order, one answer)
+        # summed over ranks in the master dtype (exact in float64 for float32 partials: any order,
+        # one answer)
         dx = dx[:m, : layer.in_features].to(x.dtype)  # (M, K)
         return dx, layer.reduce_scatter(dw.to(w_shard.dtype)), None
 
 
 class Fp8Linear(nn.Module):
-    """nn.Linear's y = x W^T + b with the GEMMs in FP8 (Fp8Matmul). `weight`, `bias`: the whole layer's.
-    With a `group` of n ranks, W's rows are sharded (ZeRO-3: the weight is the big tensor; its rows are the
-    GEMM's output features, so a shard is whole rows and whole 128-row blocks; zero.py shards any module)
-    and b is kept as it is, replicated. Every GEMM dimension is padded with zeros to whole tiles, 16
-    (cuBLASLt's FP8 rule) or 128 (fine-grained tiles), and W to n shards of `rows` rows each, as zero.py pads
-    its flat shards: the last shards are short or empty. The padding is never a parameter: it reaches neither
-    the loss nor the optimizer. `amax_history`: the delayed recipe's history of x, W and dy, this layer's."""
+    """nn.Linear's y = x W^T + b with the GEMMs in FP8 (Fp8Matmul). `weight`, `bias`: the whole
+    layer's. With a `group` of n ranks, W's rows are sharded (ZeRO-3: the weight is the big tensor;
+    its rows are the GEMM's output features, so a shard is whole rows and whole 128-row blocks;
+    zero.py shards any module) and b is kept as it is, replicated. Every GEMM dimension is padded
+    with zeros to whole tiles, 16 (cuBLASLt's FP8 rule) or 128 (fine-grained tiles), and W to n
+    shards of `rows` rows each, as zero.py pads its flat shards: the last shards are short or empty.
+    The padding is never a parameter: it reaches neither the loss nor the optimizer. `amax_history`:
+    the delayed recipe's history of x, W and dy, this layer's."""
 
     def __init__(self, weight, bias, recipe, group=None, fp8_all_gather=False):
         super().__init__()
@@ -311,8 +327,8 @@ class Fp8Linear(nn.Module):
         return y if self.bias is None else y + self.bias
 
     def gather_weight(self, shard, s=None):
-        """The whole W (N', K') in FP8, its scale: () or (N'/128, K'/128) blocks; `s`: forward's, for
-        backward."""
+        """The whole W (N', K') in FP8, its scale: () or (N'/128, K'/128) blocks; `s`: forward's,
+        for backward."""
         r = self.recipe
         history = self.amax_history[1]
         given = s
@@ -325,14 +341,15 @@ class Fp8Linear(nn.Module):
             full = all_gather_rows(shard.to(torch.bfloat16), self.group).to(shard.dtype)  # (N', K')
             s = r.scale(full, r.fwd, history, None, block=True) if s is None else s
             return quantize(full, s, r.fwd), s
-        # torchao's float8 all-gather: per tensor, the amax is reduced over the shards first; fine-grained,
-        # a shard holds whole 128x128 blocks. Either way the quantized shard is my rows of the quantized W.
-        # () or blocks
+        # torchao's float8 all-gather: per tensor, the amax is reduced over the shards first;
+        # fine-grained, a shard holds whole 128x128 blocks. Either way the quantized shard is my
+        # rows of the quantized W. () or blocks
         s = r.scale(shard, r.fwd, history, self.group, block=True) if s is None else s
         rank = dist.get_rank(self.group)
         mine = s.chunk(self.world)[rank] if s.dim() and given is not None else s  # my rows' blocks
         q = quantize(shard, mine, r.fwd)  # (N'/n, K') FP8
-        # gloo has no float8 type: the bytes travel as uint8 (NCCL's FP8 all-gather moves the same bytes)
+        # gloo has no float8 type: the bytes travel as uint8 (NCCL's FP8 all-gather moves the same
+        # bytes)
         w = all_gather_rows(q.view(torch.uint8), self.group).view(r.fwd)  # (N', K') FP8
         # the block scales travel with their rows: (N'/n/128, K'/128) each
         if s.dim() and given is None:
@@ -360,9 +377,10 @@ def all_gather_rows(shard, group):  # (R, C) on each rank -> (n R, C), rank 0's 
 
 
 def to_fp8(model, recipe, group=None, fp8_all_gather=False, skip=("head",)):
-    """Every nn.Linear of `model` but those named in `skip` becomes an Fp8Linear (sharded over `group`).
-    Returns the names of the FP8 layers. A weight tied to another module's (an embedding and its head, one
-    linear under two names) is refused before anything changes: an Fp8Linear keeps its own rows of W."""
+    """Every nn.Linear of `model` but those named in `skip` becomes an Fp8Linear (sharded over
+    `group`). Returns the names of the FP8 layers. A weight tied to another module's (an embedding
+    and its head, one linear under two names) is refused before anything changes: an Fp8Linear keeps
+    its own rows of W."""
     names = [
         n
         for n, m in model.named_modules()
@@ -378,7 +396,8 @@ def to_fp8(model, recipe, group=None, fp8_all_gather=False, skip=("head",)):
         tied = [n for n, p in held if p is weight and n != name]
         if tied:
             raise ValueError(
-                f"to_fp8: {name!r}'s weight is tied to {tied[0]!r} (one parameter), and an Fp8Linear "
+                f"to_fp8: {name!r}'s weight is tied to {tied[0]!r} (one parameter), and an "
+                "Fp8Linear "
                 f"keeps its own copy of it: untie them, or put {name.split('.')[-1]!r} in skip"
             )
     for name in names:
@@ -400,16 +419,17 @@ def make_recipe(name, amax_history=16):
     )
 
 
-# ============================================================================= data parallel training step
+# ============================================================================= data parallel
+# training step
 def train_step(model, opt, x, y, loss_fn, group, clip, autocast=False):
-    """One step on this rank's rows of the global batch. Sharded weights got their gradient (the sum over
-    ranks) from Fp8Matmul's reduce-scatter; the replicated rest is all-reduced (sum) here. Clipping by the
-    norm of the whole model: the shards' squares summed over ranks, the replicas' counted once. A parameter
-    without a gradient (frozen, unused: the same on every rank) is skipped, as torch's optimizers skip it."""
+    """One step on this rank's rows of the global batch. Sharded weights got their gradient (the sum
+    over ranks) from Fp8Matmul's reduce-scatter; the replicated rest is all-reduced (sum) here.
+    Clipping by the norm of the whole model: the shards' squares summed over ranks, the replicas'
+    counted once. A parameter without a gradient (frozen, unused: the same on every rank) is
+    skipped, as torch's optimizers skip it."""
     opt.zero_grad(set_to_none=True)
-    with torch.autocast(
-        x.device.type, torch.bfloat16, enabled=autocast
-    ):  # --recipe bf16's baseline
+    # --recipe bf16's baseline
+    with torch.autocast(x.device.type, torch.bfloat16, enabled=autocast):
         loss = loss_fn(model(x), y)  # this rank's share L_r of the global loss L = sum_r L_r
     loss.backward()
     params = [p for p in model.parameters() if p.grad is not None]
@@ -437,13 +457,14 @@ def check_args(args):
     check_common_args(args)
     if args.batch_size % world:
         fail(
-            f"--batch-size {args.batch_size} is not divisible by the world size {world}: each rank takes an "
-            f"equal slice; use a multiple of {world}"
+            f"--batch-size {args.batch_size} is not divisible by the world size {world}: each rank "
+            f"takes an equal slice; use a multiple of {world}"
         )
     if args.check and args.dtype != "float64":
         fail(
-            f"--check compares with the reference at 1e-9 in float64 masters; in {args.dtype} FP8 rounding "
-            f"turns roundoff chaotic (docs/fp8.md): use --dtype float64 (the default) or drop --check"
+            f"--check compares with the reference at 1e-9 in float64 masters; in {args.dtype} FP8 "
+            "rounding turns roundoff chaotic (docs/fp8.md): use --dtype float64 (the default) or "
+            "drop --check"
         )
     if args.recipe == "bf16" and args.dtype != "float32":
         fail("--recipe bf16 (autocast) casts float32 only: use --dtype float32")
@@ -458,8 +479,8 @@ def check_args(args):
     if torch.cuda.is_available() and torch.cuda.get_device_capability() < (8, 9):
         cap = "%d.%d" % torch.cuda.get_device_capability()
         fail(
-            f"FP8 GEMMs (torch._scaled_mm) need a GPU of compute capability 8.9 or more (Ada, Hopper, "
-            f"Blackwell); this one is {cap}: use --recipe bf16 or none"
+            "FP8 GEMMs (torch._scaled_mm) need a GPU of compute capability 8.9 or more (Ada, "
+            f"Hopper, Blackwell); this one is {cap}: use --recipe bf16 or none"
         )
 
 
@@ -482,9 +503,8 @@ def main():
     run = Run(d, args, {"model": model, "optim": opt})  # resumes from --ckpt-dir
     comm = CommCounter()
     for step in run.steps():
-        x, y = data.batch(
-            step, args.batch_size, args.seq_len, args.ragged
-        )  # (B, T) global batch, CPU
+        # (B, T) global batch, CPU
+        x, y = data.batch(step, args.batch_size, args.seq_len, args.ragged)
         n_tok = count_tokens(y)  # tokens of the whole global batch: the loss divisor on every rank
         x, y = (t[d.rank * b : (d.rank + 1) * b].to(d.device) for t in (x, y))  # (B/N, T) mine
         with run.watching(step, comm):
@@ -498,9 +518,8 @@ def main():
                 args.clip,
                 autocast=args.recipe == "bf16",
             )
-        run.end_step(
-            step, loss.item() * d.world
-        )  # about my tokens' mean: no all-reduce a step to log
+        # about my tokens' mean: no all-reduce a step to log
+        run.end_step(step, loss.item() * d.world)
     # the global batch's losses for --json and --check: sum_r L_r, in one all-reduce at the end
     losses = torch.tensor(run.losses, dtype=torch.float64, device=d.device) / d.world  # (steps,)
     dist.all_reduce(losses, group=group)
@@ -516,10 +535,10 @@ def main():
 
 # --- measurement ---
 def summary(d, args, model, comm):
-    """Bytes per rank and step handed to each collective (counted at the dispatcher), the all-gather beside
-    theory: every sharded weight gathered twice (forward, backward), its padded shard (rows x K', whole
-    tiles: Fp8Linear), 1 byte an element in FP8, 2 in bf16, and with --fp8-all-gather fine-grained, its fp32
-    block scales once (backward reuses forward's)."""
+    """Bytes per rank and step handed to each collective (counted at the dispatcher), the all-gather
+    beside theory: every sharded weight gathered twice (forward, backward), its padded shard (rows x
+    K', whole tiles: Fp8Linear), 1 byte an element in FP8, 2 in bf16, and with --fp8-all-gather
+    fine-grained, its fp32 block scales once (backward reuses forward's)."""
     layers = [m for m in model.modules() if isinstance(m, Fp8Linear)]
     elem, tiles = (1, args.recipe == "fine-grained") if args.fp8_all_gather else (2, False)
     theory = sum(
@@ -537,9 +556,11 @@ def summary(d, args, model, comm):
     )
     d.log(
         f"--- summary (rank 0 of {d.world}) ---\n"
-        f"FP8 layers                       {len(layers)} ({args.recipe}), {f['shard_elements']} weight "
+        f"FP8 layers                       {len(layers)} ({args.recipe}), {f['shard_elements']} "
+        "weight "
         f"elements in this rank's shards\n"
-        f"all-gather per rank/step         {f['all_gather_bytes_per_step']} bytes (counted), {theory} "
+        f"all-gather per rank/step         {f['all_gather_bytes_per_step']} bytes (counted), "
+        f"{theory} "
         f"(theory: 2 x padded shard elements x {elem}{' + block scales' if tiles else ''})\n"
         f"reduce-scatter per rank/step     {f['reduce_scatter_bytes_per_step']} bytes (counted)\n"
         f"all-reduce per rank/step         {f['all_reduce_bytes_per_step']} bytes in "
@@ -549,7 +570,8 @@ def summary(d, args, model, comm):
 
 
 def full_params(model, group):
-    """The whole model by name (the Fp8Linear shards gathered in their dtype), as the reference names it."""
+    """The whole model by name (the Fp8Linear shards gathered in their dtype), as the reference
+    names it."""
     layers = {id(m.weight): m for m in model.modules() if isinstance(m, Fp8Linear)}
     full = {}
     for n, p in model.named_parameters():
@@ -561,24 +583,25 @@ def full_params(model, group):
 
 
 # --- reference for --check ---
-# One process on the whole global batch, written apart from the technique: its own quantizer, formats and amax
-# history, and each GEMM a plain float32 matmul of the FP8 values computed as the ranks compute it (rows cut
-# into the ranks' rows; the sum scaled; fine-grained: per 128 of K, each partial sum scaled; the weight
-# gradient per rank's tokens, summed in the master dtype). The amaxes are the whole batch's, as the run's
-# all-reduced ones. With float64 masters everything outside the FP8 GEMMs is float64, the FP8 numbers are
-# then the same, and the check holds at 1e-9 (measured 1e-16; it needs torch's float32 matmul and its FP8
-# GEMM to sum in one order, as they do on this CPU up to K = 256 at least: a different order moves a value
-# across an FP8 rounding boundary now and then, and the runs then part as chaotically as in float32).
-# With float32 masters, float32 sums in another order (the all-reduces, torch's own kernels on fewer rows)
-# move values by a roundoff, a value a roundoff from an FP8 rounding boundary lands on the other side (1/16
-# of it), and roundoff grows chaotically (2e-2 in 20 steps): check_args refuses that.
+# One process on the whole global batch, written apart from the technique: its own quantizer,
+# formats and amax history, and each GEMM a plain float32 matmul of the FP8 values computed as the
+# ranks compute it (rows cut into the ranks' rows; the sum scaled; fine-grained: per 128 of K, each
+# partial sum scaled; the weight gradient per rank's tokens, summed in the master dtype). The amaxes
+# are the whole batch's, as the run's all-reduced ones. With float64 masters everything outside the
+# FP8 GEMMs is float64, the FP8 numbers are then the same, and the check holds at 1e-9 (measured
+# 1e-16; it needs torch's float32 matmul and its FP8 GEMM to sum in one order, as they do on this
+# CPU up to K = 256 at least: a different order moves a value across an FP8 rounding boundary now
+# and then, and the runs then part as chaotically as in float32). With float32 masters, float32 sums
+# in another order (the all-reduces, torch's own kernels on fewer rows) move values by a roundoff, a
+# value a roundoff from an FP8 rounding boundary lands on the other side (1/16 of it), and roundoff
+# grows chaotically (2e-2 in 20 steps): check_args refuses that.
 REF_E4M3, REF_E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 
 
 def ref_quant(t, fmt, tile=None, block=False, amax=None):
-    """t (R, C) -> (its FP8 values as floats, scale): one scale (from `amax`, else |t|'s max), or one per
-    1 x tile (tile x tile with `block`) along the last dim, given per row: (R, ceil(C/tile)). A last tile or
-    block shorter than `tile` has the amax of what it holds."""
+    """t (R, C) -> (its FP8 values as floats, scale): one scale (from `amax`, else |t|'s max), or
+    one per 1 x tile (tile x tile with `block`) along the last dim, given per row: (R,
+    ceil(C/tile)). A last tile or block shorter than `tile` has the amax of what it holds."""
     fmax = torch.finfo(fmt).max
     if tile is None:
         s = (t.abs().max().float() if amax is None else amax).clamp_min(1e-12) / fmax
@@ -594,8 +617,9 @@ def ref_quant(t, fmt, tile=None, block=False, amax=None):
 
 
 def ref_mm(a, sa, b, sb, world, tile):
-    """(a, sa) @ (b, sb)^T as the ranks compute it: a's rows split into the ranks' rows, each a float32 GEMM:
-    per tensor, of the dequantized operands; with tiles, per 128 of K, each partial sum scaled and added."""
+    """(a, sa) @ (b, sb)^T as the ranks compute it: a's rows split into the ranks' rows, each a
+    float32 GEMM: per tensor, of the dequantized operands; with tiles, per 128 of K, each partial
+    sum scaled and added."""
     out = []
     for rows, srows in zip(a.chunk(world), sa.chunk(world) if tile else [sa] * world):
         if not tile:  # the scales on the float32 sum, as cuBLASLt applies them
@@ -613,7 +637,8 @@ def ref_mm(a, sa, b, sb, world, tile):
 
 
 class RefQuant:
-    """The recipe, as the reference applies it to whole tensors: delayed keeps its own amax history."""
+    """The recipe, as the reference applies it to whole tensors: delayed keeps its own amax
+    history."""
 
     def __init__(self, args, world):
         self.recipe = args.recipe
@@ -631,9 +656,8 @@ class RefQuant:
         if self.recipe == "delayed":
             past = self.hist.get(key, [])
             self.hist[key] = ([amax] + past)[: self.n]
-            amax = (
-                max(past) if past else amax
-            )  # the scale the history gave before this amax joined it
+            # the scale the history gave before this amax joined it
+            amax = max(past) if past else amax
         return ref_quant(t, self.fmt[role], amax=amax)
 
 

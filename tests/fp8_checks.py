@@ -184,9 +184,8 @@ for recipe in ("current", "delayed", "fine-grained"):
     comm = CommCounter()
     losses, params, model = train(args, comm)
     loss, par = diff(args, losses, params)
-    t = (
-        128 if recipe == "fine-grained" else 16
-    )  # padded: K to whole tiles, W's rows to whole tiles a rank
+    # padded: K to whole tiles, W's rows to whole tiles a rank
+    t = 128 if recipe == "fine-grained" else 16
     shapes = [(64, 64)] * 4 + [(256, 64), (64, 256)]  # (N, K): q, k, v, attn proj; mlp fc, proj
     rows = [-(-n // (d.world * t)) * t for n, _ in shapes]
     ks = [-(-k // t) * t for _, k in shapes]

@@ -18,9 +18,8 @@ from helpers import ENV, ROOT, check_lines, passed, run_python, torchrun
 sys.path.insert(0, str(ROOT))  # section.refused counts collectives with harness.CommCounter
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
-core = section.load(
-    "fp8.py"
-)  # what a copier takes: the technique section alone, torch and einops only
+# what a copier takes: the technique section alone, torch and einops only
+core = section.load("fp8.py")
 
 
 def dequant(t, fmt, tile=None, block=False):
@@ -57,9 +56,8 @@ def test_scaled_mm_is_the_dequantized_product(tile):
     want = dequant(a, E4M3, tile) @ dequant(b, E4M3, tile, block=True).t()
     err = ((got - want).abs().max() / want.abs().max()).item()
     assert err < 1e-6, err
-    if (
-        tile
-    ):  # the mutant: one scale for the whole tensor in place of the tiles' (the same FP8 numbers)
+    # the mutant: one scale for the whole tensor in place of the tiles' (the same FP8 numbers)
+    if tile:
         wrong = core["scaled_mm"](qa, sa.mean(), qb, sb.mean()).double()
         assert ((wrong - want).abs().max() / want.abs().max()).item() > 1e-2
 
@@ -120,9 +118,8 @@ def test_copy_out_fp8_linear_on_a_foreign_model(recipe, odd):
         assert rel(getattr(model, n).weight.grad, dw) < 1e-5, n
         if seen[n + ".dx"] is not None:  # "up" takes the data, which needs no gradient
             assert rel(seen[n + ".dx"], dx) < 1e-5, n
-        wrong = closed_form(
-            n, E5M2, E5M2 if bwd == E4M3 else E4M3
-        )  # the mutant: the formats swapped
+        # the mutant: the formats swapped
+        wrong = closed_form(n, E5M2, E5M2 if bwd == E4M3 else E4M3)
         assert rel(getattr(model, n).weight.grad, wrong[0]) > 1e-3, n
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     first = loss.item()
@@ -241,9 +238,8 @@ def test_file_check_with_fp8_all_gather_at_world_3(tmp_path_factory):
     summary, out = shared_file_run(tmp_path_factory)
     c = summary["check"]
     assert c["passed"] and c["max_loss_diff"] <= 1e-9 and c["max_param_diff"] <= 1e-9, c
-    shard_elements = (
-        2 * (4 * 48 * 48 + 2 * 4 * 48 * 48) // 3
-    )  # per block: q, k, v, proj; fc, proj (4x)
+    # per block: q, k, v, proj; fc, proj (4x)
+    shard_elements = 2 * (4 * 48 * 48 + 2 * 4 * 48 * 48) // 3
     assert summary["figures"]["shard_elements"] == shard_elements
     assert (
         summary["comm_bytes"] == summary["figures"]["all_gather_bytes_theory"] == 2 * shard_elements
@@ -284,9 +280,8 @@ def test_bad_input_exits_2_with_one_line(tmp_path):
         for w, a, words in BAD
         for r in range(w)
     ]
-    cases.append(
-        dict(file="fp8.py", world=2, rank=1, argv=TINY, words=[])
-    )  # the control: reaches rendezvous
+    # the control: reaches rendezvous
+    cases.append(dict(file="fp8.py", world=2, rank=1, argv=TINY, words=[]))
     (tmp_path / "cases.json").write_text(json.dumps(cases))
     runner = [
         sys.executable,
@@ -333,9 +328,8 @@ def test_copy_out_a_tied_weight_stays_one_parameter_or_is_refused():
         core["to_fp8"](m, core["Current"]())
     except ValueError as e:
         assert "emb" in str(e) and "out" in str(e), e
-        assert (
-            type(m.out).__name__ == "Linear" and m.out.weight is m.emb.weight
-        )  # nothing converted
+        # nothing converted
+        assert type(m.out).__name__ == "Linear" and m.out.weight is m.emb.weight
     else:
         assert m.out.weight is m.emb.weight
     m = nn.Module()
