@@ -189,10 +189,8 @@ class Chunk(nn.Module):
             self.ln_f, self.head = gpt.ln_f, gpt.head
 
     def forward(self, h):  # first chunk: (b, T) token ids; others: (b, T, D) from the chunk before
-        # the first chunk embeds as the GPT does: GPT.embed reads tok_emb, pos_emb and drop, held
-        # here
-        if self.first:
-            h = GPT.embed(self, h)  # (b, T, D)
+        if self.first:  # = GPT.embed (written out: the section needs only torch)
+            h = self.drop(self.tok_emb(h) + self.pos_emb(torch.arange(h.shape[1], device=h.device)))
         for block in self.blocks.values():
             h = block(h)  # (b, T, D)
         return self.head(self.ln_f(h)) if self.last else h  # last: logits (b, T, V)
