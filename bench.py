@@ -35,8 +35,14 @@ are the samples (at least --rounds). Both sides train the same GPT from one seed
     fp8       fp8.py --recipe current            torchao's float8 training (convert_to_float8_training, its
               --fp8-all-gather                   default: tensorwise current scaling) on fully_shard, weights
                                                  all-gathered in FP8 (torchao, if installed; not required)
-A pair whose file does not offer the mode it needs yet (its Args, as its --help shows), or whose torch side
-needs a package not installed here (torchao), is skipped, one line.
+    hsdp      zero.py --stage 3 --replicate 2    fully_shard per block, then root, on a (replicate 2, shard
+                                                 world/2) DeviceMesh (at world 2: 2 x 1, replication only)
+    dualpipev dualpipev.py                       ScheduleDualPipeV, 2 stages per rank in a V (m >= 2 x world)
+    tp_overlap megatron_tp.py --overlap          symm_mem fused_all_gather_matmul, fused_matmul_reduce_scatter
+                                                 in megatron_tp's SP layers (CUDA, >= 2 peer-connected GPUs)
+A pair whose file does not offer the mode it needs yet (its Args, as its --help shows), whose torch side
+needs a package not installed here (torchao), or whose layout or kernels this world and machine lack (hsdp
+at an odd world, dualpipev where m < 2 x world, tp_overlap without CUDA peers) is skipped, one line.
 
 Per pair (OUT.json, OUT.md): the verdict and interval (paired: wall and CPU time, the one it rests on), the
 ratio per block (`ratio_per_round`) or round, the load at each, step time, tokens/s, peak memory
