@@ -707,13 +707,16 @@ def our_zero_bubble(d, args, pair):
     gradient deferred to W by SplitBackward, then finish_batch: as zero_bubble.py's main at --dp 1; dualpipev:
     dualpipev.py's own PipelineRank, comm_plan, SplitBackward and finish_batch on its dualpipev() orders."""
     core = importlib.import_module(PAIRS[pair][0].removesuffix(".py"))
+    p = d.world
     if pair == "dualpipev":  # 2p chunks in a V, as ZB-V's
-        order, n_chunks, holder = core.dualpipev, lambda p: 2 * p, core.holder
+        order = core.dualpipev
+        holder = core.holder
+        n = 2 * p
     else:
         order, n_chunks, holder = core.SCHEDULES[NEEDS[pair][1]]
-    p = d.world
+        n = n_chunks(p)
     m = args.microbatches
-    bounds = core.split_layers(args.n_layers, n_chunks(p))
+    bounds = core.split_layers(args.n_layers, n)
     gpt = build_gpt(
         GPTConfig.from_args(args), args.seed, DTYPES[args.dtype]
     )  # a rank takes its chunks
