@@ -490,9 +490,10 @@ def test_verdict_rests_on_cpu_time_above_the_core_count(monkeypatch):
 
 
 def test_one_pair_end_to_end(tmp_path, monkeypatch, capsys):
-    """`python bench.py --pairs dualpipev,zb` at tiny size within a 6 s budget: dualpipev paired in one launch
-    (3 blocks of 1 step per side; dualpipev.PipelineRank beside ScheduleDualPipeV in the same processes; it
-    took gpipe's place here, whose sides test_torch_sides_match_reference_and_counts holds), then each side
+    """`python bench.py --pairs dualpipev,hsdp,zb` at tiny size within a 6 s budget: dualpipev and hsdp each
+    paired in one launch (3 blocks of 1 step per side; dualpipev.PipelineRank beside ScheduleDualPipeV, and
+    zero.Zero on a 2 x 1 grid beside fully_shard on a (2, 1) mesh, in the same processes; they took gpipe's
+    place here, whose sides test_torch_sides_match_reference_and_counts holds), then each side
     in a launch of its own for its peak, bytes and bubble: its row of the documented shape, with a wall and
     a CPU-time interval over the blocks, a verdict that agrees with the one it rests on, the load, printed and
     in the table; the two sides' losses equal in the paired launch as in their own (float32). zb pointed at a
@@ -519,8 +520,9 @@ def test_one_pair_end_to_end(tmp_path, monkeypatch, capsys):
         [
             "bench.py",
             "--pairs",
-            "dualpipev,zb",
+            "dualpipev,hsdp,zb",
             *TINY,
+            "--no-scaling",
             "--steps",
             "2",
             "--warmup",
@@ -548,38 +550,43 @@ def test_one_pair_end_to_end(tmp_path, monkeypatch, capsys):
         "zb: pair skipped, gpipe.py has no --schedule zbh1 yet (--schedule offers [])"
     ], stdout
     rows = json.loads((tmp_path / "b.json").read_text())
-    assert (
-        [r["pair"] for r in rows] == ["dualpipev", "zb"]
-        and rows[1]["skipped"]
-        and rows[1]["ours"] is None
-    )
-    r = rows[0]
-    for side in ("ours", "torch"):
-        s = r[side]
-        assert (
-            s["name"] and s["step_ms"] > 0 and s["tokens_per_s"] > 0 and s["peak_mem_bytes"] > 0
-        ), s
-        # DualPipeV's (p-1)/(3m) idle / busy (dualpipev.py, DeepSeek-V3's Table 2) as a share of the step
-        assert s["sent_bytes_per_rank"] > 0 and 0 <= s["bubble"] <= 1, s
-        assert abs(s["bubble_theory"] - 1 / (3 * 4 + 1)) < 1e-12, s
-    (lo, hi), per = r["interval"], r["ratio_per_round"]
-    assert r["rounds"] == len(per) >= 3 and lo <= r["ratio"] <= hi and r["unit"] == "block", r
-    assert r[{"wall time": "wall", "CPU time": "cpu"}[r["rests_on"]]]["interval"] == [lo, hi], r
-    assert len(r["cpu"]["ratio_per_round"]) == len(per) == len(r["load"]), r
-    assert abs(math.log(r["ratio"]) - sum(map(math.log, per)) / len(per)) < 1e-12, (
-        r
-    )  # the geometric mean
-    word = "faster" if hi < 1 else "slower" if lo > 1 else "no difference measurable"
-    assert r["verdict"] == word, r
-    line = f"dualpipev: dualpipev.py vs pipelining ScheduleDualPipeV: {word}: "
-    assert any(
-        x.startswith(line) and f"[{lo:.2f}, {hi:.2f}], {len(per)} blocks" in x and "load" in x
-        for x in stdout.splitlines()
-    ), stdout
-    # both sides trained the same model on the same data (float32), in one launch and apart
-    assert r["max_loss_diff"] <= 1e-4 and r["paired_loss_diff"] <= 1e-4, r
+    assert [r["pair"] for r in rows] == ["dualpipev", "hsdp", "zb"], rows
+    assert rows[2]["skipped"] and rows[2]["ours"] is None, rows
     md = (tmp_path / "b.md").read_text()
-    assert f"| {word}: " in md and "| zb | skipped: gpipe.py has no --schedule zbh1" in md, md
+    assert "| zb | skipped: gpipe.py has no --schedule zbh1" in md, md
+    heads = (
+        "dualpipev.py vs pipelining ScheduleDualPipeV",
+        "zero.py vs fully_shard on a (replicate 2",
+    )
+    for r, head in zip(rows, heads):
+        for side in ("ours", "torch"):
+            s = r[side]
+            assert s["name"] and s["step_ms"] > 0 and s["tokens_per_s"] > 0, s
+            assert s["peak_mem_bytes"] > 0 and s["sent_bytes_per_rank"] > 0, s
+            if (
+                r["pair"] == "dualpipev"
+            ):  # (p-1)/(3m) idle / busy (dualpipev.py) as a share of the step
+                assert (
+                    0 <= s["bubble"] <= 1 and abs(s["bubble_theory"] - 1 / (3 * 4 + 1)) < 1e-12
+                ), s
+        (lo, hi), per = r["interval"], r["ratio_per_round"]
+        assert r["rounds"] == len(per) >= 3 and lo <= r["ratio"] <= hi and r["unit"] == "block", r
+        assert r[{"wall time": "wall", "CPU time": "cpu"}[r["rests_on"]]]["interval"] == [lo, hi], r
+        assert len(r["cpu"]["ratio_per_round"]) == len(per) == len(r["load"]), r
+        # the geometric mean
+        assert abs(math.log(r["ratio"]) - sum(map(math.log, per)) / len(per)) < 1e-12, r
+        word = "faster" if hi < 1 else "slower" if lo > 1 else "no difference measurable"
+        assert r["verdict"] == word, r
+        line = f"{r['pair']}: {head}"
+        assert any(
+            x.startswith(line)
+            and f"{word}: " in x
+            and f"[{lo:.2f}, {hi:.2f}], {len(per)} blocks" in x
+            for x in stdout.splitlines()
+        ), stdout
+        # both sides trained the same model on the same data (float32), in one launch and apart
+        assert r["max_loss_diff"] <= 1e-4 and r["paired_loss_diff"] <= 1e-4, r
+        assert f"| {r['pair']} | `{r['ours']['name']}` | {r['torch']['name']} |" in md, md
 
 
 def test_bad_input(capsys):
