@@ -91,6 +91,19 @@ for name in [w for w in bench.WORKERS if w not in ("single", "float8", "tp_overl
         if ops != dict(F=p * v * m, B=p * v * m, W=w):
             bad.append(f"ops {name}")
 
+# tp_overlap's torch side on CPU, where bench skips it: its autograd around torch's fused ops, the ops replaced
+# by torch's own reference implementations of them (symm_mem's fallbacks: all-gather then matmul, matmul then
+# reduce-scatter), to hold the wrapper's math; the CUDA kernels themselves need a GPU
+import types
+import torch.distributed._symmetric_memory as sm
+real_ops = torch.ops.symm_mem
+torch.ops.symm_mem = types.SimpleNamespace(
+    fused_all_gather_matmul=sm._fused_all_gather_matmul_fallback,
+    fused_matmul_reduce_scatter=sm._fused_matmul_reduce_scatter_fallback,
+)
+compare("tp_overlap torch side on symm_mem's fallbacks", run("tp_overlap")[0])
+torch.ops.symm_mem = real_ops
+
 # our side of every paired pair, built by bench.py from the file's core (as the paired launch runs it)
 def run_ours(name, steps=3):
     step = bench.OURS[name](d, args, name)
@@ -162,7 +175,8 @@ sys.exit(1 if bad else 0)
 def test_torch_sides_match_reference_and_counts(tmp_path):
     """Every torch side (zero-bubble ZB1P, ZB-V and DualPipeV, and HSDP on a (2, 1) mesh, included; not
     torchao's FP8, held to fp8.py by test_fp8_pair_against_torchao where torchao is installed, nor the
-    CUDA-only fused TP ops), and our side of every paired pair as bench.py builds it from the file's core
+    CUDA-only fused TP ops, whose autograd wrapper is held there on torch's CPU fallbacks of the ops),
+    and our side of every paired pair as bench.py builds it from the file's core
     (hsdp: zero.Zero on a 2 x 1 grid; dualpipev; tp_overlap: megatron_tp.RingGPT), reproduces one-process
     training in float64 (1e-9); ScheduleGPipe's default scale_grads=True, a ZB-V whose W never runs
     (torch's) or adds nothing (ours, ZB-H1), an HSDP without its all-reduce across replicas would not, and
@@ -175,6 +189,7 @@ def test_torch_sides_match_reference_and_counts(tmp_path):
     assert rc == 0 and "ALL CHECKS PASSED" in out, out[-6000:]
     assert out.count("must differ): max rel loss diff") == 4, out[-6000:]
     assert all(f"ours {name}: max rel loss diff" in out for name in bench.OURS), out[-6000:]
+    assert "tp_overlap torch side on symm_mem's fallbacks: max rel loss diff" in out, out[-6000:]
     assert "(a counter blind to all-reduce)" in out, out[-6000:]
 
 
