@@ -35,8 +35,14 @@ are the samples (at least --rounds). Both sides train the same GPT from one seed
     fp8       fp8.py --recipe current            torchao's float8 training (convert_to_float8_training, its
               --fp8-all-gather                   default: tensorwise current scaling) on fully_shard, weights
                                                  all-gathered in FP8 (torchao, if installed; not required)
-A pair whose file does not offer the mode it needs yet (its Args, as its --help shows), or whose torch side
-needs a package not installed here (torchao), is skipped, one line.
+    hsdp      zero.py --stage 3 --replicate 2    fully_shard per block, then root, on a (replicate 2, shard
+                                                 world/2) DeviceMesh (at world 2: 2 x 1, replication only)
+    dualpipev dualpipev.py                       ScheduleDualPipeV, 2 stages per rank in a V (m >= 2 x world)
+    tp_overlap megatron_tp.py --overlap          symm_mem fused_all_gather_matmul, fused_matmul_reduce_scatter
+                                                 in megatron_tp's SP layers (CUDA, >= 2 peer-connected GPUs)
+A pair whose file does not offer the mode it needs yet (its Args, as its --help shows), whose torch side
+needs a package not installed here (torchao), or whose layout or kernels this world and machine lack (hsdp
+at an odd world, dualpipev where m < 2 x world, tp_overlap without CUDA peers) is skipped, one line.
 
 Per pair (OUT.json, OUT.md): the verdict and interval (paired: wall and CPU time, the one it rests on), the
 ratio per block (`ratio_per_round`) or round, the load at each, step time, tokens/s, peak memory
@@ -60,6 +66,7 @@ import statistics
 import subprocess
 import sys
 import time
+import types
 import typing
 from dataclasses import dataclass
 from pathlib import Path
@@ -112,7 +119,9 @@ class Args(CommonArgs):
     d_model: int = 448  # model width (with the defaults: 10.6 M parameters)
     n_layers: int = 4  # transformer blocks (a multiple of world x 2 for the ptdp and zbv pairs)
     n_heads: int = 8  # attention heads
-    pairs: str = "all"  # comma-separated: ddp,dp_sync,zero1,zero2,zero3,gpipe,1f1b,zb,tp,ptdp,zbv,fp8, or all
+    pairs: str = (
+        "all"  # comma-separated names of PAIRS (ddp, zero3, hsdp, tp, zbv, fp8, ...), or all
+    )
     world: int = 2  # processes per run (on GPUs: GPUs)
     rounds: int = 3  # at least this many alternations A B per pair (2 or more give an interval)
     budget_min: float = (
@@ -153,6 +162,9 @@ PAIRS = {  # pair -> (our file, its flags, torch's worker, kind)
     "ptdp": ("ptdp.py", PTDP, "interleaved", "pp"),
     "zbv": ("zero_bubble.py", "--schedule zbv --microbatches {m}", "zbv", "pp"),
     "fp8": ("fp8.py", "--recipe current --fp8-all-gather", "float8", "fp8"),
+    "hsdp": ("zero.py", "--stage 3 --replicate 2", "hsdp", "dp"),
+    "dualpipev": ("dualpipev.py", "--microbatches {m}", "dualpipev", "pp"),
+    "tp_overlap": ("megatron_tp.py", "--overlap", "tp_overlap", "tp"),
 }
 NEEDS = {
     "zb": ("--schedule", "zbh1"),
@@ -174,7 +186,7 @@ def data_parallel_side(d, args, name, comm):
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     fsdp, cfg = (
-        name.startswith("fsdp") or name == "float8",
+        name.startswith("fsdp") or name in ("float8", "hsdp"),
         GPTConfig.from_args(args),
     )  # FSDP2 moves its
     model = net = build_gpt(
@@ -192,8 +204,10 @@ def data_parallel_side(d, args, name, comm):
         ao.convert_to_float8_training(
             model, config=config, module_filter_fn=lambda m, fqn: fqn != "head"
         )
-    if fsdp:  # each block its own unit, then the root, as torch's docs do
-        mesh = dist.device_mesh.init_device_mesh(d.device.type, (d.world,))
+    if fsdp:  # each block its own unit, then the root, as torch's docs do; hsdp: a 2-D mesh, R = 2
+        shape = (2, d.world // 2) if name == "hsdp" else (d.world,)
+        names = ("replicate", "shard")[-len(shape) :]
+        mesh = dist.device_mesh.init_device_mesh(d.device.type, shape, mesh_dim_names=names)
         for unit in [*model.blocks, model]:
             net = fully_shard(unit, mesh=mesh, reshard_after_forward=name != "fsdp_noreshard")
         gathered = gathered_bytes(model)
@@ -314,6 +328,8 @@ SCHEDULES = {
         2,
     ),  # stages r and r + p: (p-1)/(v*m+p-1), v = 2
     "zbv": ("ScheduleZBVZeroBubble", "v", 0),  # stages r and 2p-1-r; ZB-V's bubble: about 0
+    # DualPipeV's (p-1)/(3m) idle / busy (DeepSeek-V3's Table 2, the F&B slot unoverlapped) as a share
+    "dualpipev": ("ScheduleDualPipeV", "v", 3),
 }
 
 
@@ -369,7 +385,8 @@ def pipeline_side(d, args, name, comm):
         sq = sum((torch.linalg.vector_norm(g, dtype=torch.float64) ** 2 for g in grads), zero)
         both = torch.stack([sq, sum(losses, zero).double()])  # (2,)
         dist.all_reduce(both)  # squared norm of the whole model, batch loss (as gpipe.py does)
-        clip_grads_(grads, both[0].sqrt(), args.clip)
+        with torch.no_grad():  # ScheduleDualPipeV leaves grads that are views made under no_grad
+            clip_grads_(grads, both[0].sqrt(), args.clip)
         return both[1].item(), live.peak
 
     def figures():  # the last step's bubble per rank: 1 - busy / (the last op's end anywhere)
@@ -463,6 +480,61 @@ def tensor_parallel_side(d, args, name, comm):
     return params, make_optimizer(params, args), train
 
 
+def fused_tp_side(d, args, name, comm):
+    """torch's fused_all_gather_matmul and fused_matmul_reduce_scatter (symmetric memory: CUDA, peer-connected
+    GPUs) in place of megatron_tp's ring: megatron_tp.SPGPT's layers (sequence parallel, tp = world), each
+    all-gather + column GEMM and row GEMM + reduce-scatter one torch op, forward and backward."""
+    from torch.distributed._symmetric_memory import enable_symm_mem_for_group
+
+    tp = importlib.import_module("megatron_tp")
+    ops = torch.ops.symm_mem
+    group = dist.group.WORLD.group_name
+    enable_symm_mem_for_group(group)
+
+    class GatherGEMM(torch.autograd.Function):  # (B, T/t, in) -> (B, T, out/t); keeps X gathered
+        @staticmethod
+        def forward(ctx, x, weight):
+            whole, (y,) = ops.fused_all_gather_matmul(x, [weight.T], 1, group)
+            ctx.save_for_backward(whole, weight)
+            return y
+
+        @staticmethod
+        def backward(ctx, dy):  # dL/dX = RS(dY W); dL/dW = dY^T X
+            whole, weight = ctx.saved_tensors
+            dx = ops.fused_matmul_reduce_scatter(dy, weight, "sum", 1, group)
+            return dx, torch.einsum("bto,bti->oi", dy, whole)
+
+    class GEMMScatter(torch.autograd.Function):  # (B, T, in/t) -> (B, T/t, out) summed
+        @staticmethod
+        def forward(ctx, x, weight):
+            ctx.save_for_backward(x, weight)
+            return ops.fused_matmul_reduce_scatter(x, weight.T, "sum", 1, group)
+
+        @staticmethod
+        def backward(ctx, dy):  # dL/dX = AG(dY) W; dL/dW = AG(dY)^T X
+            x, weight = ctx.saved_tensors
+            whole, (dx,) = ops.fused_all_gather_matmul(dy, [weight], 1, group)
+            return dx, torch.einsum("bto,bti->oi", whole, x)
+
+    class Column(tp.SPColumnParallelLinear):
+        def forward(self, x):
+            y = GatherGEMM.apply(x, self.weight)
+            return y if self.bias is None else y + self.masked_bias()
+
+    class Row(tp.SPRowParallelLinear):
+        def forward(self, x):
+            y = GEMMScatter.apply(x, self.weight)
+            return y if self.bias is None else y + self.bias
+
+    step = our_tensor_parallel(
+        d, args, name, type("FusedGPT", (tp.SPGPT,), dict(Column=Column, Row=Row))
+    )
+    done = types.SimpleNamespace(
+        zero_grad=lambda **k: None, step=lambda: None, state={}
+    )  # step ran them
+    return step.params, done, lambda i: (step(i), 0)
+
+
 class LocalSaved(SavedActivations):
     """harness.SavedActivations, counting the tensors inside a wrapper subclass, which itself has no storage:
     a DTensor's local shard, torchao's Float8TrainingTensor's FP8 data and scale."""
@@ -490,8 +562,9 @@ def unwrapped(t):
 # processes.
 def our_data_parallel(d, args, pair):
     """ddp_bucketed.BucketedDDP at --bucket-cap-mb (its first bucket too), dp.sync_step, zero.Zero at the
-    pair's stage with a unit per block (as zero.py builds it, on the CPU first)."""
-    zero = pair.startswith("zero")
+    pair's stage with a unit per block (as zero.py builds it, on the CPU first); hsdp: stage 3 on zero.py's
+    (replicate, shard) grid with R = 2, sharded in rows of world / 2 ranks, replicated down columns."""
+    zero = pair.startswith("zero") or pair == "hsdp"
     core = importlib.import_module(PAIRS[pair][0].removesuffix(".py"))
     model = build_gpt(
         GPTConfig.from_args(args), args.seed, DTYPES[args.dtype], "cpu" if zero else d.device
@@ -501,13 +574,19 @@ def our_data_parallel(d, args, pair):
     opt = make_optimizer(model.parameters(), args)
     if zero:
         units = [f"blocks.{i}" for i in range(args.n_layers)]
+        groups = {}
+        if pair == "hsdp":
+            grid = torch.arange(d.world).view(2, d.world // 2)
+            groups["group"] = dist.new_subgroups_by_enumeration(grid.tolist())[0]
+            groups["replicate_group"] = dist.new_subgroups_by_enumeration(grid.T.tolist())[0]
         opt = core.Zero(
             model,
             units,
-            stage=int(pair[-1]),
+            stage=3 if pair == "hsdp" else int(pair[-1]),
             optimizer=lambda ps: make_optimizer(ps, args),
             clip=args.clip,
             device=d.device,
+            **groups,
         )
     elif pair == "ddp":
         net = core.BucketedDDP(model, args.bucket_cap_mb, args.bucket_cap_mb)
@@ -539,14 +618,16 @@ def reduced(loss):  # this rank's share of the loss summed over ranks: the globa
     return total.item()
 
 
-def our_tensor_parallel(d, args, pair):
-    """megatron_tp.ParallelGPT over the whole world (tp = world), its vocabulary-parallel cross-entropy and
-    its global norm, as megatron_tp.py's main at --dp 1."""
+def our_tensor_parallel(d, args, pair, GPT=None):
+    """megatron_tp.ParallelGPT (tp_overlap: RingGPT, sequence parallelism's all-gather + column GEMM and row
+    GEMM + reduce-scatter as ring steps; or `GPT`) over the whole world (tp = world), its vocabulary-parallel
+    cross-entropy and its global norm, as megatron_tp.py's main at --dp 1."""
     tp = importlib.import_module("megatron_tp")
+    GPT = GPT or (tp.RingGPT if pair == "tp_overlap" else tp.ParallelGPT)
     world = dist.group.WORLD
     tracker = tp.RNGTracker(d.device, args.seed, 0, d.rank)
     full = build_gpt(GPTConfig.from_args(args), args.seed, DTYPES[args.dtype])  # CPU, sliced there
-    model = tp.ParallelGPT(full, world, tracker).to(d.device)
+    model = GPT(full, world, tracker).to(d.device)
     data = MarkovData(args.vocab, args.seed)
     opt = make_optimizer(model.parameters(), args)
 
@@ -558,11 +639,14 @@ def our_tensor_parallel(d, args, pair):
         loss = tp.VocabParallelCrossEntropy.apply(*flat, args.vocab, world, IGNORE).sum() / n_tok
         opt.zero_grad(set_to_none=True)
         loss.backward()
+        if issubclass(GPT, tp.SPGPT):  # LayerNorms, biases, positions saw T/t positions each
+            tp.sum_replicated_grads(model, world)
         grads = [w.grad for w in model.parameters()]
         clip_grads_(grads, tp.global_grad_norm(model, world), args.clip)
         opt.step()
         return loss.item()  # the same on every rank
 
+    step.params = list(model.parameters())
     return step
 
 
@@ -620,28 +704,35 @@ def our_pipeline(d, args, pair):
 
 def our_zero_bubble(d, args, pair):
     """zero_bubble.PipelineRank running comm_plan's steps for ZB-H1 (zb) or ZB-V (zbv), every Linear's weight
-    gradient deferred to W by SplitBackward, then finish_batch: as zero_bubble.py's main at --dp 1."""
-    zb = importlib.import_module("zero_bubble")
-    order, n_chunks, holder = zb.SCHEDULES[NEEDS[pair][1]]
+    gradient deferred to W by SplitBackward, then finish_batch: as zero_bubble.py's main at --dp 1; dualpipev:
+    dualpipev.py's own PipelineRank, comm_plan, SplitBackward and finish_batch on its dualpipev() orders."""
+    core = importlib.import_module(PAIRS[pair][0].removesuffix(".py"))
     p = d.world
+    if pair == "dualpipev":  # 2p chunks in a V, as ZB-V's
+        order = core.dualpipev
+        holder = core.holder
+        n = 2 * p
+    else:
+        order, n_chunks, holder = core.SCHEDULES[NEEDS[pair][1]]
+        n = n_chunks(p)
     m = args.microbatches
-    bounds = zb.split_layers(args.n_layers, n_chunks(p))
+    bounds = core.split_layers(args.n_layers, n)
     gpt = build_gpt(
         GPTConfig.from_args(args), args.seed, DTYPES[args.dtype]
     )  # a rank takes its chunks
     mine = [c for c in range(len(bounds)) if holder(c, p) == d.rank]
-    chunks = nn.ModuleDict({str(c): zb.Chunk(gpt, c, bounds) for c in mine}).to(d.device)
+    chunks = nn.ModuleDict({str(c): core.Chunk(gpt, c, bounds) for c in mine}).to(d.device)
     params = list(chunks.parameters())
     opt = make_optimizer(params, args)
-    plan = zb.comm_plan([order(p, m, r) for r in range(p)], len(bounds), d.rank)
+    plan = core.comm_plan([order(p, m, r) for r in range(p)], len(bounds), d.rank)
     alone = [dist.new_group([r]) for r in range(p)][
         d.rank
     ]  # data parallel of 1: every rank makes each
-    runner = zb.PipelineRank(
+    runner = core.PipelineRank(
         {c: chunks[str(c)] for c in mine},
         len(bounds),
         plan,
-        zb.SplitBackward(
+        core.SplitBackward(
             chunks
         ),  # every Linear of this rank's chunks defers its weight gradient to W
         dist.group.WORLD,
@@ -656,7 +747,7 @@ def our_zero_bubble(d, args, pair):
         n_tok = count_tokens(y)
         mbs = [z.reshape(m, -1, args.seq_len).to(d.device) for z in (x, y)]  # (m, b, T) each
         loss = runner.run(*mbs, lambda logits, t: lm_loss(logits, t, n_tok))
-        loss = zb.finish_batch(params, loss, alone, dist.group.WORLD, args.clip)[0]
+        loss = core.finish_batch(params, loss, alone, dist.group.WORLD, args.clip)[0]
         opt.step()
         opt.zero_grad(set_to_none=True)
         return loss
@@ -700,10 +791,10 @@ def our_interleaved(d, args, pair):
 
 
 OURS = {  # pair -> our side, for the pairs paired in one launch
-    **dict.fromkeys(("ddp", "dp_sync", "zero1", "zero2", "zero3"), our_data_parallel),
-    "tp": our_tensor_parallel,
+    **dict.fromkeys(("ddp", "dp_sync", "zero1", "zero2", "zero3", "hsdp"), our_data_parallel),
+    **dict.fromkeys(("tp", "tp_overlap"), our_tensor_parallel),
     **dict.fromkeys(("gpipe", "1f1b"), our_pipeline),
-    **dict.fromkeys(("zb", "zbv"), our_zero_bubble),
+    **dict.fromkeys(("zb", "zbv", "dualpipev"), our_zero_bubble),
     "ptdp": our_interleaved,
 }
 
@@ -718,6 +809,7 @@ WORKERS = {  # worker -> (torch's side, its name in the table)
             ("fsdp", "fully_shard"),
             ("zero1", "DDP + ZeroRedundancyOptimizer"),
             ("fsdp_noreshard", "fully_shard(reshard_after_forward=False)"),
+            ("hsdp", "fully_shard on a (replicate 2, shard) mesh"),
         )
     },
     **{
@@ -725,6 +817,7 @@ WORKERS = {  # worker -> (torch's side, its name in the table)
         for w, (cls, *_) in SCHEDULES.items()
     },
     "tp": (tensor_parallel_side, "DTensor Colwise/RowwiseParallel"),
+    "tp_overlap": (fused_tp_side, "symm_mem fused_all_gather_matmul / fused_matmul_reduce_scatter"),
     "float8": (data_parallel_side, "torchao float8 + fully_shard (FP8 all-gather)"),
 }
 
@@ -1365,6 +1458,27 @@ def why_skipped(pair):
     )
 
 
+def cannot_run(pair, args):
+    """'' where this world and machine have the pair's layout and torch's kernels; else why not."""
+    if pair == "hsdp" and args.world % 2:
+        return f"needs an even --world (2 replicas x world/2 shards), got {args.world}"
+    if pair == "dualpipev" and not 2 <= args.world <= args.microbatches // 2:
+        return f"needs 2 <= --world <= --microbatches / 2 (DualPipeV's m >= 2p), got {args.world}"
+    cuda = torch.cuda.is_available() and 2 <= args.world <= torch.cuda.device_count()
+    peers = cuda and all(
+        torch.cuda.can_device_access_peer(i, j)
+        for i in range(args.world)
+        for j in range(args.world)
+        if i != j
+    )
+    if pair == "tp_overlap" and not (peers and args.seq_len % args.world == 0):
+        return (
+            "torch's fused_all_gather_matmul / fused_matmul_reduce_scatter run on CUDA only, on --world "
+            f">= 2 peer-connected GPUs dividing --seq-len; here {torch.cuda.device_count()} GPU(s)"
+        )
+    return ""
+
+
 def check_bench_args(args):
     check_common_args(args)
     names = (
@@ -1395,13 +1509,13 @@ def check_bench_args(args):
             f"{args.world * args.microbatches}"
         )
     if (
-        {"ptdp", "zbv"} & set(names)
+        {"ptdp", "zbv", "dualpipev"} & set(names)
         and args.n_layers % (2 * args.world)
         or args.n_layers < args.world
     ):
         fail(
-            f"--n-layers {args.n_layers} must be >= --world {args.world} (a block per stage) and, for ptdp "
-            f"and zbv, divide by 2 x --world = {2 * args.world} (two stages per rank)"
+            f"--n-layers {args.n_layers} must be >= --world {args.world} (a block per stage) and, for ptdp, "
+            f"zbv and dualpipev, divide by 2 x --world = {2 * args.world} (two stages per rank)"
         )
     if args.n_heads % args.world:
         fail(
@@ -1427,7 +1541,7 @@ def main():
     groups = {}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     for p in names:
-        if why := why_skipped(p):
+        if why := why_skipped(p) or cannot_run(p, args):
             print(f"{p}: pair skipped, {why}", flush=True)
             rows.append(dict(pair=p, ours=None, torch=None, ratio=None, skipped=why))
         else:

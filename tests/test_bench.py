@@ -76,15 +76,33 @@ def compare(name, losses, expect_equal=True):
         bad.append(name)
 
 m, p, comms = args.microbatches, d.world, {}
-for name in [w for w in bench.WORKERS if w not in ("single", "float8")]:  # float8 differs by design: below
+# float8 differs by design (below); tp_overlap's fused ops run on CUDA only (test_tp_overlap_skipped_on_cpu)
+for name in [w for w in bench.WORKERS if w not in ("single", "float8", "tp_overlap")]:
     losses, comms[name], train = run(name)
     compare(name, losses)
     if name in bench.SCHEDULES:  # every F, B and W each rank's stages ran in the last step, seen from outside
         ops, v = train.figures()["ops"], 1 + (bench.SCHEDULES[name][1] != "one")
         w = p * v * m if "Bubble" in bench.SCHEDULES[name][0] else 0  # zero-bubble: B and W are split
+        if name == "dualpipev":  # W apart where dualpipev.py's generator defers it: its [W] slots (5 here)
+            import dualpipev
+            orders = [dualpipev.dualpipev(p, m, r) for r in range(p)]
+            w = sum(len(slot) == 1 and slot[0][0] == "W" for order in orders for slot in order)
         d.log(f"{name}: ops seen {ops}, expected F = B = {p * v * m}, W = {w}")
         if ops != dict(F=p * v * m, B=p * v * m, W=w):
             bad.append(f"ops {name}")
+
+# tp_overlap's torch side on CPU, where bench skips it: its autograd around torch's fused ops, the ops replaced
+# by torch's own reference implementations of them (symm_mem's fallbacks: all-gather then matmul, matmul then
+# reduce-scatter), to hold the wrapper's math; the CUDA kernels themselves need a GPU
+import types
+import torch.distributed._symmetric_memory as sm
+real_ops = torch.ops.symm_mem
+torch.ops.symm_mem = types.SimpleNamespace(
+    fused_all_gather_matmul=sm._fused_all_gather_matmul_fallback,
+    fused_matmul_reduce_scatter=sm._fused_matmul_reduce_scatter_fallback,
+)
+compare("tp_overlap torch side on symm_mem's fallbacks", run("tp_overlap")[0])
+torch.ops.symm_mem = real_ops
 
 # our side of every paired pair, built by bench.py from the file's core (as the paired launch runs it)
 def run_ours(name, steps=3):
@@ -105,6 +123,17 @@ orig_bw = zero_bubble.SplitBackward.backward_weight
 zero_bubble.SplitBackward.backward_weight = staticmethod(no_w)
 compare("ours zb with W adding nothing (must differ)", run_ours("zb", steps=2), expect_equal=False)
 zero_bubble.SplitBackward.backward_weight = orig_bw
+import zero  # HSDP without its all-reduce across the replicas: each copy trains on its half of the batch
+orig_init = zero.Zero.__init__
+
+def no_replicas(self, *a, **k):
+    orig_init(self, *a, **k)
+    self.replicate_group = None
+
+zero.Zero.__init__ = no_replicas
+compare("ours hsdp without the all-reduce across replicas (must differ)", run_ours("hsdp", steps=2),
+        expect_equal=False)
+zero.Zero.__init__ = orig_init
 
 # break it on purpose: torch's default scale_grads=True divides every gradient by m once more
 import torch.distributed.pipelining as pl
@@ -144,18 +173,23 @@ sys.exit(1 if bad else 0)
 
 
 def test_torch_sides_match_reference_and_counts(tmp_path):
-    """Every torch side (zero-bubble ZB1P and ZB-V included; not torchao's FP8, held to fp8.py by
-    test_fp8_pair_against_torchao where torchao is installed), and our side of every paired pair as bench.py
-    builds it from the file's core, reproduces one-process training in float64 (1e-9); ScheduleGPipe's
-    default scale_grads=True, a ZB-V whose W never runs (torch's) or adds nothing (ours, ZB-H1) would
-    not, and the check sees it; CommCounter equals the closed forms, and misses DDP's bytes with
-    all-reduce dropped from its op table; the stage hooks see m F, m B (and m W when split) per stage."""
+    """Every torch side (zero-bubble ZB1P, ZB-V and DualPipeV, and HSDP on a (2, 1) mesh, included; not
+    torchao's FP8, held to fp8.py by test_fp8_pair_against_torchao where torchao is installed, nor the
+    CUDA-only fused TP ops, whose autograd wrapper is held there on torch's CPU fallbacks of the ops),
+    and our side of every paired pair as bench.py builds it from the file's core
+    (hsdp: zero.Zero on a 2 x 1 grid; dualpipev; tp_overlap: megatron_tp.RingGPT), reproduces one-process
+    training in float64 (1e-9); ScheduleGPipe's default scale_grads=True, a ZB-V whose W never runs
+    (torch's) or adds nothing (ours, ZB-H1), an HSDP without its all-reduce across replicas would not, and
+    the check sees it; CommCounter equals the closed forms, and misses DDP's bytes with all-reduce dropped
+    from its op table; the stage hooks see m F, m B (and m W when split; DualPipeV: the W its [W] slots
+    defer, as dualpipev.py generates them) per stage."""
     script = tmp_path / "bench_checks.py"
     script.write_text(CHECKS)
     rc, out = forked(script, 2, str(ROOT), timeout=300)
     assert rc == 0 and "ALL CHECKS PASSED" in out, out[-6000:]
-    assert out.count("must differ): max rel loss diff") == 3, out[-6000:]
+    assert out.count("must differ): max rel loss diff") == 4, out[-6000:]
     assert all(f"ours {name}: max rel loss diff" in out for name in bench.OURS), out[-6000:]
+    assert "tp_overlap torch side on symm_mem's fallbacks: max rel loss diff" in out, out[-6000:]
     assert "(a counter blind to all-reduce)" in out, out[-6000:]
 
 
@@ -471,8 +505,10 @@ def test_verdict_rests_on_cpu_time_above_the_core_count(monkeypatch):
 
 
 def test_one_pair_end_to_end(tmp_path, monkeypatch, capsys):
-    """`python bench.py --pairs gpipe,zb` at tiny size within a 6 s budget: gpipe paired in one launch (3
-    blocks of 1 step per side; gpipe.gpipe_step beside ScheduleGPipe in the same processes), then each side
+    """`python bench.py --pairs dualpipev,hsdp,zb` at tiny size within a 6 s budget: dualpipev and hsdp each
+    paired in one launch (3 blocks of 1 step per side; dualpipev.PipelineRank beside ScheduleDualPipeV, and
+    zero.Zero on a 2 x 1 grid beside fully_shard on a (2, 1) mesh, in the same processes; they took gpipe's
+    place here, whose sides test_torch_sides_match_reference_and_counts holds), then each side
     in a launch of its own for its peak, bytes and bubble: its row of the documented shape, with a wall and
     a CPU-time interval over the blocks, a verdict that agrees with the one it rests on, the load, printed and
     in the table; the two sides' losses equal in the paired launch as in their own (float32). zb pointed at a
@@ -499,8 +535,9 @@ def test_one_pair_end_to_end(tmp_path, monkeypatch, capsys):
         [
             "bench.py",
             "--pairs",
-            "gpipe,zb",
+            "dualpipev,hsdp,zb",
             *TINY,
+            "--no-scaling",
             "--steps",
             "2",
             "--warmup",
@@ -512,7 +549,7 @@ def test_one_pair_end_to_end(tmp_path, monkeypatch, capsys):
             "--budget-min",
             "0.1",
             "--microbatches",
-            "2",
+            "4",
             "--out",
             str(out),
             "--launch-timeout",
@@ -528,38 +565,43 @@ def test_one_pair_end_to_end(tmp_path, monkeypatch, capsys):
         "zb: pair skipped, gpipe.py has no --schedule zbh1 yet (--schedule offers [])"
     ], stdout
     rows = json.loads((tmp_path / "b.json").read_text())
-    assert (
-        [r["pair"] for r in rows] == ["gpipe", "zb"]
-        and rows[1]["skipped"]
-        and rows[1]["ours"] is None
-    )
-    r = rows[0]
-    for side in ("ours", "torch"):
-        s = r[side]
-        assert (
-            s["name"] and s["step_ms"] > 0 and s["tokens_per_s"] > 0 and s["peak_mem_bytes"] > 0
-        ), s
-        assert (
-            s["sent_bytes_per_rank"] > 0 and 0 <= s["bubble"] <= 1 and s["bubble_theory"] == 1 / 3
-        ), s
-    (lo, hi), per = r["interval"], r["ratio_per_round"]
-    assert r["rounds"] == len(per) >= 3 and lo <= r["ratio"] <= hi and r["unit"] == "block", r
-    assert r[{"wall time": "wall", "CPU time": "cpu"}[r["rests_on"]]]["interval"] == [lo, hi], r
-    assert len(r["cpu"]["ratio_per_round"]) == len(per) == len(r["load"]), r
-    assert abs(math.log(r["ratio"]) - sum(map(math.log, per)) / len(per)) < 1e-12, (
-        r
-    )  # the geometric mean
-    word = "faster" if hi < 1 else "slower" if lo > 1 else "no difference measurable"
-    assert r["verdict"] == word, r
-    line = f"gpipe: gpipe.py vs pipelining ScheduleGPipe: {word}: "
-    assert any(
-        x.startswith(line) and f"[{lo:.2f}, {hi:.2f}], {len(per)} blocks" in x and "load" in x
-        for x in stdout.splitlines()
-    ), stdout
-    # both sides trained the same model on the same data (float32), in one launch and apart
-    assert r["max_loss_diff"] <= 1e-4 and r["paired_loss_diff"] <= 1e-4, r
+    assert [r["pair"] for r in rows] == ["dualpipev", "hsdp", "zb"], rows
+    assert rows[2]["skipped"] and rows[2]["ours"] is None, rows
     md = (tmp_path / "b.md").read_text()
-    assert f"| {word}: " in md and "| zb | skipped: gpipe.py has no --schedule zbh1" in md, md
+    assert "| zb | skipped: gpipe.py has no --schedule zbh1" in md, md
+    heads = (
+        "dualpipev.py vs pipelining ScheduleDualPipeV",
+        "zero.py vs fully_shard on a (replicate 2",
+    )
+    for r, head in zip(rows, heads):
+        for side in ("ours", "torch"):
+            s = r[side]
+            assert s["name"] and s["step_ms"] > 0 and s["tokens_per_s"] > 0, s
+            assert s["peak_mem_bytes"] > 0 and s["sent_bytes_per_rank"] > 0, s
+            if (
+                r["pair"] == "dualpipev"
+            ):  # (p-1)/(3m) idle / busy (dualpipev.py) as a share of the step
+                assert (
+                    0 <= s["bubble"] <= 1 and abs(s["bubble_theory"] - 1 / (3 * 4 + 1)) < 1e-12
+                ), s
+        (lo, hi), per = r["interval"], r["ratio_per_round"]
+        assert r["rounds"] == len(per) >= 3 and lo <= r["ratio"] <= hi and r["unit"] == "block", r
+        assert r[{"wall time": "wall", "CPU time": "cpu"}[r["rests_on"]]]["interval"] == [lo, hi], r
+        assert len(r["cpu"]["ratio_per_round"]) == len(per) == len(r["load"]), r
+        # the geometric mean
+        assert abs(math.log(r["ratio"]) - sum(map(math.log, per)) / len(per)) < 1e-12, r
+        word = "faster" if hi < 1 else "slower" if lo > 1 else "no difference measurable"
+        assert r["verdict"] == word, r
+        line = f"{r['pair']}: {head}"
+        assert any(
+            x.startswith(line)
+            and f"{word}: " in x
+            and f"[{lo:.2f}, {hi:.2f}], {len(per)} blocks" in x
+            for x in stdout.splitlines()
+        ), stdout
+        # both sides trained the same model on the same data (float32), in one launch and apart
+        assert r["max_loss_diff"] <= 1e-4 and r["paired_loss_diff"] <= 1e-4, r
+        assert f"| {r['pair']} | `{r['ours']['name']}` | {r['torch']['name']} |" in md, md
 
 
 def test_bad_input(capsys):
@@ -605,6 +647,33 @@ def test_gpu_check_runs_each_pair_once_without_alternating(monkeypatch, tmp_path
         sys, "argv", ["bench.py", *[a for a in cmd[2:] if a not in ("--budget-min", "0")]]
     )
     assert harness.parse_args(bench.Args).budget_min > 0
+
+
+def test_tp_overlap_skipped_on_cpu(tmp_path, monkeypatch, capsys):
+    """torch's fused_all_gather_matmul / fused_matmul_reduce_scatter run on CUDA only (symmetric memory, >= 2
+    peer-connected GPUs): on a CPU machine `--pairs tp_overlap` prints one line saying so, launches nothing
+    (no torch side is faked), writes a skipped row and exits 0, as fp8 does without torchao. A bench that
+    does not ask (cannot_run always '') launches the pair: caught."""
+    monkeypatch.setattr(bench.torch.cuda, "is_available", lambda: False)
+
+    def launch(args, pair, tag, worker=None):
+        raise RuntimeError(f"launched {tag}")
+
+    monkeypatch.setattr(bench, "launch", launch)
+    argv = ["bench.py", "--pairs", "tp_overlap", *TINY, "--out", str(tmp_path / "b")]
+    monkeypatch.setattr(sys, "argv", argv)
+    with pytest.raises(SystemExit) as e:
+        bench.main()
+    lines = [x for x in capsys.readouterr().out.splitlines() if x.startswith("tp_overlap")]
+    why = "torch's fused_all_gather_matmul / fused_matmul_reduce_scatter run on CUDA only"
+    assert e.value.code == 0 and len(lines) == 1, lines
+    assert lines[0].startswith(f"tp_overlap: pair skipped, {why}"), lines
+    rows = json.loads((tmp_path / "b.json").read_text())
+    assert rows[0]["skipped"].startswith(why) and rows[0]["ours"] is None, rows
+    assert f"| tp_overlap | skipped: {why}" in (tmp_path / "b.md").read_text()
+    monkeypatch.setattr(bench, "cannot_run", lambda pair, args: "")  # the mutant
+    with pytest.raises(RuntimeError, match="launched tp_overlap_paired"):
+        bench.main()
 
 
 # ----------------------------------------------------------------------------- fp8 (torchao optional)
