@@ -5,19 +5,20 @@
     python bench.py --world 4 --d-model 1024 --batch-size 16 --n-layers 8   # GPUs: NCCL, cuda:LOCAL_RANK
 
 Paired pairs (all but fp8): one `torchrun bench.py --worker paired` launch builds both sides in its
-processes, ours from the technique file's core (OURS, below), torch's own (WORKERS), and runs them in blocks
-of --block-steps steps, A B, B A, ..., so that whatever the machine does hits neighbouring blocks alike. A
-block's ratio ours / torch, of wall time per step and of process CPU time (user + system, all threads, summed
-over ranks), is a sample; over the blocks a 95% interval (Student's t on their logs, below) says "faster" or
-"slower" if it excludes 1, else "no difference measurable" (no ratio printed). The verdict rests on wall
-time, or on CPU time where the 1-minute load average passed the core count at a block (the pair's line says
-so). Another launch (starting with the other side) while the interval is wider than ratio x (1 +-
---precision) and one fits in the pair's share of --budget-min; one still wider is "noisy". Then each side
-runs once in a launch of its own for its peak memory, bytes and bubble, measured apart. fp8 (torchao's side
-optional, fp8.py's core not driven from here yet) alternates whole launches (`torchrun fp8.py`, then
-`torchrun bench.py --worker float8`), A B: a round's ratio is of the median steps after --warmup, the rounds
-are the samples (at least --rounds). Both sides train the same GPT from one seed on one global batch
-(float32, AdamW, clipping at the global norm), made in the step:
+processes, ours from the technique file's core (OURS, below), torch's own (WORKERS), and runs them
+in blocks of --block-steps steps, A B, B A, ..., so that whatever the machine does hits neighbouring
+blocks alike. A block's ratio ours / torch, of wall time per step and of process CPU time (user +
+system, all threads, summed over ranks), is a sample; over the blocks a 95% interval (Student's t on
+their logs, below) says "faster" or "slower" if it excludes 1, else "no difference measurable" (no
+ratio printed). The verdict rests on wall time, or on CPU time where the 1-minute load average
+passed the core count at a block (the pair's line says so). Another launch (starting with the other
+side) while the interval is wider than ratio x (1 +- --precision) and one fits in the pair's share
+of --budget-min; one still wider is "noisy". Then each side runs once in a launch of its own for its
+peak memory, bytes and bubble, measured apart. fp8 (torchao's side optional, fp8.py's core not
+driven from here yet) alternates whole launches (`torchrun fp8.py`, then `torchrun bench.py --worker
+float8`), A B: a round's ratio is of the median steps after --warmup, the rounds are the samples (at
+least --rounds). Both sides train the same GPT from one seed on one global batch (float32, AdamW,
+clipping at the global norm), made in the step:
 
     pair      ours                               torch's own
     ddp       ddp_bucketed.py                    DistributedDataParallel, the same bucket cap
@@ -28,28 +29,34 @@ are the samples (at least --rounds). Both sides train the same GPT from one seed
     gpipe     gpipe.py                           pipelining PipelineStage + ScheduleGPipe, same layer bounds
     1f1b      pipedream.py --mode flush          pipelining Schedule1F1B
     zb        zero_bubble.py (ZB-H1)             ScheduleInterleavedZeroBubble on one stage per rank (ZB1P:
-                                                 the nearest zero-bubble schedule torch ships to ZB-H1)
+                                                 the nearest zero-bubble schedule torch ships to
+                                                 ZB-H1)
     tp        megatron_tp.py                     DTensor ColwiseParallel / RowwiseParallel, parallelize_module
     ptdp      ptdp.py --virtual-stages 2         ScheduleInterleaved1F1B, 2 stages per rank, looped
     zbv       zero_bubble.py --schedule zbv      ScheduleZBVZeroBubble, 2 stages per rank in a V
     fp8       fp8.py --recipe current            torchao's float8 training (convert_to_float8_training, its
               --fp8-all-gather                   default: tensorwise current scaling) on fully_shard, weights
-                                                 all-gathered in FP8 (torchao, if installed; not required)
+                                                 all-gathered in FP8 (torchao, if installed; not
+                                                 required)
     hsdp      zero.py --stage 3 --replicate 2    fully_shard per block, then root, on a (replicate 2, shard
-                                                 world/2) DeviceMesh (at world 2: 2 x 1, replication only)
+                                                 world/2) DeviceMesh (at world 2: 2 x 1, replication
+                                                 only)
     dualpipev dualpipev.py                       ScheduleDualPipeV, 2 stages per rank in a V (m >= 2 x world)
     tp_overlap megatron_tp.py --overlap          symm_mem fused_all_gather_matmul, fused_matmul_reduce_scatter
-                                                 in megatron_tp's SP layers (CUDA, >= 2 peer-connected GPUs)
-A pair whose file does not offer the mode it needs yet (its Args, as its --help shows), whose torch side
-needs a package not installed here (torchao), or whose layout or kernels this world and machine lack (hsdp
-at an odd world, dualpipev where m < 2 x world, tp_overlap without CUDA peers) is skipped, one line.
+                                                 in megatron_tp's SP layers (CUDA, >= 2
+                                                 peer-connected GPUs)
+A pair whose file does not offer the mode it needs yet (its Args, as its --help shows), whose torch
+side needs a package not installed here (torchao), or whose layout or kernels this world and machine
+lack (hsdp at an odd world, dualpipev where m < 2 x world, tp_overlap without CUDA peers) is
+skipped, one line.
 
-Per pair (OUT.json, OUT.md): the verdict and interval (paired: wall and CPU time, the one it rests on), the
-ratio per block (`ratio_per_round`) or round, the load at each, step time, tokens/s, peak memory
-and bytes handed to collectives per rank and step (torch's side counted at the dispatcher by
-harness.CommCounter), the pipelines' bubble beside theory, data parallel's scaling efficiency, the two sides'
-loss difference, and for ddp the share of all-reduce hidden behind backward. --profile DIR: a Chrome trace
-of every run and rank (not of the paired launches), and each run's biggest top-level ops printed.
+Per pair (OUT.json, OUT.md): the verdict and interval (paired: wall and CPU time, the one it rests
+on), the ratio per block (`ratio_per_round`) or round, the load at each, step time, tokens/s, peak
+memory and bytes handed to collectives per rank and step (torch's side counted at the dispatcher by
+harness.CommCounter), the pipelines' bubble beside theory, data parallel's scaling efficiency, the
+two sides' loss difference, and for ddp the share of all-reduce hidden behind backward. --profile
+DIR: a Chrome trace of every run and rank (not of the paired launches), and each run's biggest
+top-level ops printed.
 """
 
 import collections
@@ -113,32 +120,27 @@ class Args(CommonArgs):
     steps: int = 6  # optimizer steps per run (the first --warmup are not timed)
     batch_size: int = 8  # global batch, in sequences
     seq_len: int = 64  # tokens per sequence
-    vocab: int = (
-        1024  # vocabulary size (every launch computes the chain's stationary law: eig of V x V)
-    )
+    # vocabulary size (every launch computes the chain's stationary law: eig of V x V)
+    vocab: int = 1024
     d_model: int = 448  # model width (with the defaults: 10.6 M parameters)
     n_layers: int = 4  # transformer blocks (a multiple of world x 2 for the ptdp and zbv pairs)
     n_heads: int = 8  # attention heads
-    pairs: str = (
-        "all"  # comma-separated names of PAIRS (ddp, zero3, hsdp, tp, zbv, fp8, ...), or all
-    )
+    # comma-separated names of PAIRS (ddp, zero3, hsdp, tp, zbv, fp8, ...), or all
+    pairs: str = "all"
     world: int = 2  # processes per run (on GPUs: GPUs)
     rounds: int = 3  # at least this many alternations A B per pair (2 or more give an interval)
-    budget_min: float = (
-        20.0  # whole bench: go on alternating while an interval is wide, until this is spent
-    )
+    # whole bench: go on alternating while an interval is wide, until this is spent
+    budget_min: float = 20.0
     precision: float = 0.05  # an interval is narrow enough within ratio x (1 +- this)
     warmup: int = 2  # steps per run left out of the step time
     microbatches: int = 4  # pipelines: micro-batches per step
     bucket_cap_mb: float = 4.0  # ddp, dp_sync, zero1: bucket cap in MiB on both sides
     threads: int = 1  # OMP_NUM_THREADS of every rank
-    scaling: bool = (
-        True  # data-parallel pairs: also time one-process training, for the scaling efficiency
-    )
+    # data-parallel pairs: also time one-process training, for the scaling efficiency
+    scaling: bool = True
     out: str = "bench"  # writes OUT.json and OUT.md
-    profile: str = (
-        ""  # write a torch.profiler Chrome trace of every run and rank into this directory
-    )
+    # write a torch.profiler Chrome trace of every run and rank into this directory
+    profile: str = ""
     launch_timeout: int = 600  # seconds one torchrun launch may take
     blocks: int = 10  # paired pairs: timed blocks per side in one launch (A B, B A, ...)
     block_steps: int = 2  # paired pairs: steps per block
@@ -146,9 +148,8 @@ class Args(CommonArgs):
     flip: int = 0  # (internal) paired: 1 starts the first block with torch's side
 
 
-PTDP = (
-    "--pp {world} --tp 1 --dp 1 --virtual-stages 2 --microbatches {m}"  # ptdp.py as a pure pipeline
-)
+# ptdp.py as a pure pipeline
+PTDP = "--pp {world} --tp 1 --dp 1 --virtual-stages 2 --microbatches {m}"
 PAIRS = {  # pair -> (our file, its flags, torch's worker, kind)
     "ddp": ("ddp_bucketed.py", "--bucket-cap-mb {cap} --first-bucket-mb {cap}", "ddp", "dp"),
     "dp_sync": ("dp.py", "--mode sync", "ddp", "dp"),
@@ -171,16 +172,20 @@ NEEDS = {
     "zbv": ("--schedule", "zbv"),
 }  # pair -> a choice its file must offer
 IMPORTS = {"fp8": "torchao"}  # pair -> a package its torch side needs beyond requirements.txt
-MODEL = "steps batch_size seq_len vocab d_model n_layers n_heads lr weight_decay clip seed dtype timeout"
+MODEL = (
+    "steps batch_size seq_len vocab d_model n_layers n_heads lr weight_decay clip seed dtype "
+    "timeout"
+)
 
 
 # ----------------------------------------------------------------------------- torch's side
-# Each side returns (this rank's parameters, its optimizer, train(i)); train runs step i's forward, backward
-# and clipping and returns the global batch's loss and the bytes it held beyond parameters, grads, state.
+# Each side returns (this rank's parameters, its optimizer, train(i)); train runs step i's forward,
+# backward and clipping and returns the global batch's loss and the bytes it held beyond parameters,
+# grads, state.
 def data_parallel_side(d, args, name, comm):
-    """DDP (+ ZeroRedundancyOptimizer) or FSDP2 over the whole world, each used as torch documents it; or
-    ("single") plain one-process training on the whole batch, the baseline of the scaling efficiency; or
-    ("float8") torchao's float8 training on FSDP2, as torchao's README sets it up."""
+    """DDP (+ ZeroRedundancyOptimizer) or FSDP2 over the whole world, each used as torch documents
+    it; or ("single") plain one-process training on the whole batch, the baseline of the scaling
+    efficiency; or ("float8") torchao's float8 training on FSDP2, as torchao's README sets it up."""
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.optim import ZeroRedundancyOptimizer
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -189,18 +194,14 @@ def data_parallel_side(d, args, name, comm):
         name.startswith("fsdp") or name in ("float8", "hsdp"),
         GPTConfig.from_args(args),
     )  # FSDP2 moves its
-    model = net = build_gpt(
-        cfg, args.seed, DTYPES[args.dtype], "cpu" if fsdp else d.device
-    )  # units there
-    if (
-        name == "float8"
-    ):  # torchao's default config: tensorwise current scaling, E4M3 input and weight, E5M2
-        ao = importlib.import_module(
-            "torchao.float8"
-        )  # grad_output; the head kept in --dtype, as in fp8.py
-        config = ao.Float8LinearConfig(
-            enable_fsdp_float8_all_gather=True
-        )  # shards quantized, gathered
+    # units there
+    model = net = build_gpt(cfg, args.seed, DTYPES[args.dtype], "cpu" if fsdp else d.device)
+    # torchao's default config: tensorwise current scaling, E4M3 input and weight, E5M2
+    if name == "float8":
+        # grad_output; the head kept in --dtype, as in fp8.py
+        ao = importlib.import_module("torchao.float8")
+        # shards quantized, gathered
+        config = ao.Float8LinearConfig(enable_fsdp_float8_all_gather=True)
         ao.convert_to_float8_training(
             model, config=config, module_filter_fn=lambda m, fqn: fqn != "head"
         )
@@ -232,25 +233,20 @@ def data_parallel_side(d, args, name, comm):
     def train(i):
         x, y = data.batch(i, args.batch_size, args.seq_len)  # (B, T) global batch, CPU
         n_tok, rows = count_tokens(y), slice(d.rank * b, (d.rank + 1) * b)
-        if (
-            name == "float8"
-        ):  # after the last update: every FP8 weight's amax over the shards, one all-reduce
+        # after the last update: every FP8 weight's amax over the shards, one all-reduce
+        if name == "float8":
             ao.precompute_float8_dynamic_scale_for_fsdp(model)
         with LocalSaved() as acts:  # this rank's (B/N, T) to the device: one copy per step
-            loss = lm_loss(
-                net(x[rows].to(d.device)), y[rows].to(d.device), n_tok
-            )  # its share of the loss
-        (
-            loss * d.world
-        ).backward()  # DDP and FSDP average over ranks: N x share, averaged = the global grad
-        torch.nn.utils.clip_grad_norm_(
-            model.parameters(), args.clip
-        )  # FSDP: DTensor grads, a global norm
+            # its share of the loss
+            loss = lm_loss(net(x[rows].to(d.device)), y[rows].to(d.device), n_tok)
+        # DDP and FSDP average over ranks: N x share, averaged = the global grad
+        (loss * d.world).backward()
+        # FSDP: DTensor grads, a global norm
+        torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
         total = loss.detach().reshape(1)
         with comm.paused():
-            dist.all_reduce(
-                total
-            )  # logging only (the technique files leave it out of their count too)
+            # logging only (the technique files leave it out of their count too)
+            dist.all_reduce(total)
         held = gathered.peak if fsdp else sum(ddp_bucket_sizes(net)) if name != "single" else 0
         return total.item(), acts.bytes + held
 
@@ -258,7 +254,8 @@ def data_parallel_side(d, args, name, comm):
 
 
 def ddp_bucket_sizes(net):
-    """The bytes of each of DDP's gradient buckets, as its C++ reducer reports them (rebuilt after step 1)."""
+    """The bytes of each of DDP's gradient buckets, as its C++ reducer reports them (rebuilt after
+    step 1)."""
     data = net._get_ddp_logging_data()
     return [
         int(s)
@@ -267,9 +264,10 @@ def ddp_bucket_sizes(net):
 
 
 def gathered_bytes(model):
-    """FSDP2 on CPU: the bytes of all-gathered (unsharded) parameters alive, sampled as each unit starts its
-    forward and its backward (on a GPU, CUDA's peak covers them); `.peak` is the largest. FSDP2 frees them
-    by resizing the storage to 0, which a weak reference cannot see: `alive(*held)` reads the size now."""
+    """FSDP2 on CPU: the bytes of all-gathered (unsharded) parameters alive, sampled as each unit
+    starts its forward and its backward (on a GPU, CUDA's peak covers them); `.peak` is the largest.
+    FSDP2 frees them by resizing the storage to 0, which a weak reference cannot see: `alive(*held)`
+    reads the size now."""
     units, live = [m for m in model.modules() if hasattr(m, "_get_fsdp_state")], LiveStorages()
 
     def sample(*_):
@@ -280,9 +278,8 @@ def gathered_bytes(model):
             for w in getattr(g, "fsdp_params", [])
             if hasattr(w, "_unsharded_param")
         ]
-        live.alive(
-            *[t for w in params for t in unwrapped(w)]
-        )  # torchao's FP8 weights: their FP8 data
+        # torchao's FP8 weights: their FP8 data
+        live.alive(*[t for w in params for t in unwrapped(w)])
 
     for m in units:
         for hook in (
@@ -313,7 +310,8 @@ class PipeStage(nn.Module):
         return self.head(self.ln_f(h)) if self.last else h  # last: (b, T, V) logits
 
 
-# worker -> (torch's schedule, stages of a rank, k: bubble theory (p-1)/(k*m+p-1) when T_F = T_B = T_W)
+# worker -> (torch's schedule, stages of a rank, k: bubble theory (p-1)/(k*m+p-1) when T_F = T_B =
+# T_W)
 SCHEDULES = {
     "gpipe": ("ScheduleGPipe", "one", 1),
     "1f1b": ("Schedule1F1B", "one", 1),
@@ -328,14 +326,15 @@ SCHEDULES = {
         2,
     ),  # stages r and r + p: (p-1)/(v*m+p-1), v = 2
     "zbv": ("ScheduleZBVZeroBubble", "v", 0),  # stages r and 2p-1-r; ZB-V's bubble: about 0
-    # DualPipeV's (p-1)/(3m) idle / busy (DeepSeek-V3's Table 2, the F&B slot unoverlapped) as a share
+    # DualPipeV's (p-1)/(3m) idle / busy (DeepSeek-V3's Table 2, the F&B slot unoverlapped) as a
+    # share
     "dualpipev": ("ScheduleDualPipeV", "v", 3),
 }
 
 
 def pipeline_side(d, args, name, comm):
-    """torch.distributed.pipelining: a PipelineStage per stage, the blocks split as gpipe.py splits them
-    (evenly, the earlier stages take the extra block)."""
+    """torch.distributed.pipelining: a PipelineStage per stage, the blocks split as gpipe.py splits
+    them (evenly, the earlier stages take the extra block)."""
     from torch.distributed import pipelining
 
     cls, placement, k = SCHEDULES[name]
@@ -348,9 +347,8 @@ def pipeline_side(d, args, name, comm):
         0,
         *itertools.accumulate(args.n_layers // n + (s < args.n_layers % n) for s in range(n)),
     ]
-    full = build_gpt(
-        GPTConfig.from_args(args), args.seed, DTYPES[args.dtype]
-    )  # CPU; a rank moves its stages
+    # CPU; a rank moves its stages
+    full = build_gpt(GPTConfig.from_args(args), args.seed, DTYPES[args.dtype])
     mods = [PipeStage(full, ends[s], ends[s + 1], s == 0, s == n - 1).to(d.device) for s in ids]
     stages = [pipelining.PipelineStage(mod, s, n, d.device) for mod, s in zip(mods, ids)]
     timeline = Timeline(d)
@@ -359,7 +357,8 @@ def pipeline_side(d, args, name, comm):
     watch_stages(stages, timeline, live)
     schedule = getattr(pipelining, cls)
     multi = issubclass(schedule, pipelining.schedules.PipelineScheduleMulti)
-    # scale_grads=False: each micro-batch loss is already divided by the global token count (common.lm_loss)
+    # scale_grads=False: each micro-batch loss is already divided by the global token count
+    # (common.lm_loss)
     sched = schedule(
         stages if multi else stages[0],
         m,
@@ -375,13 +374,11 @@ def pipeline_side(d, args, name, comm):
         with comm.paused():
             timeline.zero()  # one zero for every rank: the wall time the last rank arrived
         kwargs = dict(target=y.to(d.device), losses=losses) if n - 1 in ids else {}
-        sched.step(
-            *([x.to(d.device)] if 0 in ids else []), **kwargs
-        )  # the schedule splits the batch into m
+        # the schedule splits the batch into m
+        sched.step(*([x.to(d.device)] if 0 in ids else []), **kwargs)
         grads = [w.grad for w in params if w.grad is not None]
-        zero = torch.zeros(
-            (), dtype=torch.float64, device=d.device
-        )  # this rank's part of the squared norm:
+        # this rank's part of the squared norm:
+        zero = torch.zeros((), dtype=torch.float64, device=d.device)
         sq = sum((torch.linalg.vector_norm(g, dtype=torch.float64) ** 2 for g in grads), zero)
         both = torch.stack([sq, sum(losses, zero).double()])  # (2,)
         dist.all_reduce(both)  # squared norm of the whole model, batch loss (as gpipe.py does)
@@ -407,9 +404,10 @@ def pipeline_side(d, args, name, comm):
 
 def watch_stages(stages, timeline, live):
     """From outside: each forward_one_chunk (F), backward_one_chunk (B: the whole backward, or in a
-    zero-bubble schedule the input gradient only) and backward_weight_one_chunk (W) of a stage runs in
-    Timeline.span, one micro-batch's compute (sends and receives run outside). What each F saves for backward
-    is held weakly in `live`, sampled after every op: its peak is the saved activations' peak."""
+    zero-bubble schedule the input gradient only) and backward_weight_one_chunk (W) of a stage runs
+    in Timeline.span, one micro-batch's compute (sends and receives run outside). What each F saves
+    for backward is held weakly in `live`, sampled after every op: its peak is the saved
+    activations' peak."""
 
     def observed(fn, kind):
         def run(chunk, *a, **kw):
@@ -429,9 +427,9 @@ def watch_stages(stages, timeline, live):
 
 
 def tensor_parallel_side(d, args, name, comm):
-    """DTensor: Megatron's layout via parallelize_module, over the whole world (tp = world, no data parallel):
-    q, k, v and fc column-wise, the projections row-wise, the embedding split over the vocabulary, the head
-    column-wise into loss_parallel's vocabulary-parallel cross-entropy."""
+    """DTensor: Megatron's layout via parallelize_module, over the whole world (tp = world, no data
+    parallel): q, k, v and fc column-wise, the projections row-wise, the embedding split over the
+    vocabulary, the head column-wise into loss_parallel's vocabulary-parallel cross-entropy."""
     from torch.distributed.tensor import DTensor, Replicate, Shard
     from torch.distributed.tensor.parallel import (
         ColwiseParallel as Col,
@@ -443,9 +441,8 @@ def tensor_parallel_side(d, args, name, comm):
     )
 
     mesh = dist.device_mesh.init_device_mesh(d.device.type, (d.world,))
-    model = build_gpt(
-        GPTConfig.from_args(args), args.seed, DTYPES[args.dtype], d.device
-    )  # as megatron_tp.py
+    # as megatron_tp.py
+    model = build_gpt(GPTConfig.from_args(args), args.seed, DTYPES[args.dtype], d.device)
     plan = dict(
         tok_emb=Row(input_layouts=Replicate()),
         head=Col(output_layouts=Shard(-1), use_local_output=False),
@@ -459,14 +456,13 @@ def tensor_parallel_side(d, args, name, comm):
     local = lambda g: g.to_local() if isinstance(g, DTensor) else g  # noqa: E731
 
     def train(i):
-        x, y = (
-            t.to(d.device) for t in data.batch(i, args.batch_size, args.seq_len)
-        )  # (B, T) on every rank
+        # (B, T) on every rank
+        x, y = (t.to(d.device) for t in data.batch(i, args.batch_size, args.seq_len))
         with LocalSaved() as acts, loss_parallel():
             loss = lm_loss(model(x), y, count_tokens(y))  # logits (B, T, V/tp) never gathered
             loss.backward()
-        # global norm: sharded gradients' squares summed over ranks, replicated ones (LayerNorms, biases of
-        # row-wise layers, position embedding) counted once
+        # global norm: sharded gradients' squares summed over ranks, replicated ones (LayerNorms,
+        # biases of row-wise layers, position embedding) counted once
         sq = torch.zeros(2, dtype=torch.float64, device=d.device)
         for w in params:
             sharded = isinstance(w.grad, DTensor) and w.grad.placements[0].is_shard()
@@ -481,9 +477,10 @@ def tensor_parallel_side(d, args, name, comm):
 
 
 def fused_tp_side(d, args, name, comm):
-    """torch's fused_all_gather_matmul and fused_matmul_reduce_scatter (symmetric memory: CUDA, peer-connected
-    GPUs) in place of megatron_tp's ring: megatron_tp.SPGPT's layers (sequence parallel, tp = world), each
-    all-gather + column GEMM and row GEMM + reduce-scatter one torch op, forward and backward."""
+    """torch's fused_all_gather_matmul and fused_matmul_reduce_scatter (symmetric memory: CUDA,
+    peer-connected GPUs) in place of megatron_tp's ring: megatron_tp.SPGPT's layers (sequence
+    parallel, tp = world), each all-gather + column GEMM and row GEMM + reduce-scatter one torch op,
+    forward and backward."""
     from torch.distributed._symmetric_memory import enable_symm_mem_for_group
 
     tp = importlib.import_module("megatron_tp")
@@ -529,15 +526,14 @@ def fused_tp_side(d, args, name, comm):
     step = our_tensor_parallel(
         d, args, name, type("FusedGPT", (tp.SPGPT,), dict(Column=Column, Row=Row))
     )
-    done = types.SimpleNamespace(
-        zero_grad=lambda **k: None, step=lambda: None, state={}
-    )  # step ran them
+    # step ran them
+    done = types.SimpleNamespace(zero_grad=lambda **k: None, step=lambda: None, state={})
     return step.params, done, lambda i: (step(i), 0)
 
 
 class LocalSaved(SavedActivations):
-    """harness.SavedActivations, counting the tensors inside a wrapper subclass, which itself has no storage:
-    a DTensor's local shard, torchao's Float8TrainingTensor's FP8 data and scale."""
+    """harness.SavedActivations, counting the tensors inside a wrapper subclass, which itself has no
+    storage: a DTensor's local shard, torchao's Float8TrainingTensor's FP8 data and scale."""
 
     def _pack(self, t):
         if not isinstance(t, nn.Parameter):
@@ -554,16 +550,17 @@ def unwrapped(t):
     return [x for i in inner if torch.is_tensor(i) for x in unwrapped(i)]
 
 
-# ----------------------------------------------------------------------------- our side, from the cores
-# Built as a copier builds it: the core a file teaches (BucketedDDP, sync_step, Zero, the Megatron layers,
-# gpipe_step, StageRunner + Flush, zero_bubble's and ptdp's PipelineRank) in a loop like its file's main,
-# on the same GPT, data and AdamW. Each returns step(i): trains step i whole (forward, backward, clipping,
-# the update) and returns the global batch's loss. paired_worker runs it beside torch's side in the same
-# processes.
+# ------------------------------------------------------------------------- our side, from the cores
+# Built as a copier builds it: the core a file teaches (BucketedDDP, sync_step, Zero, the Megatron
+# layers, gpipe_step, StageRunner + Flush, zero_bubble's and ptdp's PipelineRank) in a loop like its
+# file's main, on the same GPT, data and AdamW. Each returns step(i): trains step i whole (forward,
+# backward, clipping, the update) and returns the global batch's loss. paired_worker runs it beside
+# torch's side in the same processes.
 def our_data_parallel(d, args, pair):
-    """ddp_bucketed.BucketedDDP at --bucket-cap-mb (its first bucket too), dp.sync_step, zero.Zero at the
-    pair's stage with a unit per block (as zero.py builds it, on the CPU first); hsdp: stage 3 on zero.py's
-    (replicate, shard) grid with R = 2, sharded in rows of world / 2 ranks, replicated down columns."""
+    """ddp_bucketed.BucketedDDP at --bucket-cap-mb (its first bucket too), dp.sync_step, zero.Zero
+    at the pair's stage with a unit per block (as zero.py builds it, on the CPU first); hsdp: stage
+    3 on zero.py's (replicate, shard) grid with R = 2, sharded in rows of world / 2 ranks,
+    replicated down columns."""
     zero = pair.startswith("zero") or pair == "hsdp"
     core = importlib.import_module(PAIRS[pair][0].removesuffix(".py"))
     model = build_gpt(
@@ -619,9 +616,9 @@ def reduced(loss):  # this rank's share of the loss summed over ranks: the globa
 
 
 def our_tensor_parallel(d, args, pair, GPT=None):
-    """megatron_tp.ParallelGPT (tp_overlap: RingGPT, sequence parallelism's all-gather + column GEMM and row
-    GEMM + reduce-scatter as ring steps; or `GPT`) over the whole world (tp = world), its vocabulary-parallel
-    cross-entropy and its global norm, as megatron_tp.py's main at --dp 1."""
+    """megatron_tp.ParallelGPT (tp_overlap: RingGPT, sequence parallelism's all-gather + column GEMM
+    and row GEMM + reduce-scatter as ring steps; or `GPT`) over the whole world (tp = world), its
+    vocabulary-parallel cross-entropy and its global norm, as megatron_tp.py's main at --dp 1."""
     tp = importlib.import_module("megatron_tp")
     GPT = GPT or (tp.RingGPT if pair == "tp_overlap" else tp.ParallelGPT)
     world = dist.group.WORLD
@@ -651,15 +648,14 @@ def our_tensor_parallel(d, args, pair, GPT=None):
 
 
 def our_pipeline(d, args, pair):
-    """gpipe.gpipe_step, or pipedream's StageRunner with the Flush policy (one 1F1B schedule per step, drained
-    before the update), on a Stage per rank at the files' layer bounds."""
+    """gpipe.gpipe_step, or pipedream's StageRunner with the Flush policy (one 1F1B schedule per
+    step, drained before the update), on a Stage per rank at the files' layer bounds."""
     core = importlib.import_module(PAIRS[pair][0].removesuffix(".py"))
     p = d.world
     s = d.rank
     m = args.microbatches
-    gpt = build_gpt(
-        GPTConfig.from_args(args), args.seed, DTYPES[args.dtype]
-    )  # a stage takes its part
+    # a stage takes its part
+    gpt = build_gpt(GPTConfig.from_args(args), args.seed, DTYPES[args.dtype])
     stage = core.Stage(gpt, s, core.split_layers(args.n_layers, p)).to(d.device)
     opt = make_optimizer(stage.parameters(), args)
     act = (args.batch_size // m, args.seq_len, args.d_model)  # (b, T, D) crossing a boundary
@@ -703,9 +699,10 @@ def our_pipeline(d, args, pair):
 
 
 def our_zero_bubble(d, args, pair):
-    """zero_bubble.PipelineRank running comm_plan's steps for ZB-H1 (zb) or ZB-V (zbv), every Linear's weight
-    gradient deferred to W by SplitBackward, then finish_batch: as zero_bubble.py's main at --dp 1; dualpipev:
-    dualpipev.py's own PipelineRank, comm_plan, SplitBackward and finish_batch on its dualpipev() orders."""
+    """zero_bubble.PipelineRank running comm_plan's steps for ZB-H1 (zb) or ZB-V (zbv), every
+    Linear's weight gradient deferred to W by SplitBackward, then finish_batch: as zero_bubble.py's
+    main at --dp 1; dualpipev: dualpipev.py's own PipelineRank, comm_plan, SplitBackward and
+    finish_batch on its dualpipev() orders."""
     core = importlib.import_module(PAIRS[pair][0].removesuffix(".py"))
     p = d.world
     if pair == "dualpipev":  # 2p chunks in a V, as ZB-V's
@@ -717,9 +714,8 @@ def our_zero_bubble(d, args, pair):
         n = n_chunks(p)
     m = args.microbatches
     bounds = core.split_layers(args.n_layers, n)
-    gpt = build_gpt(
-        GPTConfig.from_args(args), args.seed, DTYPES[args.dtype]
-    )  # a rank takes its chunks
+    # a rank takes its chunks
+    gpt = build_gpt(GPTConfig.from_args(args), args.seed, DTYPES[args.dtype])
     mine = [c for c in range(len(bounds)) if holder(c, p) == d.rank]
     chunks = nn.ModuleDict({str(c): core.Chunk(gpt, c, bounds) for c in mine}).to(d.device)
     params = list(chunks.parameters())
@@ -732,9 +728,8 @@ def our_zero_bubble(d, args, pair):
         {c: chunks[str(c)] for c in mine},
         len(bounds),
         plan,
-        core.SplitBackward(
-            chunks
-        ),  # every Linear of this rank's chunks defers its weight gradient to W
+        # every Linear of this rank's chunks defers its weight gradient to W
+        core.SplitBackward(chunks),
         dist.group.WORLD,
         (args.batch_size // m, args.seq_len, args.d_model),  # (b, T, D): every message
         DTYPES[args.dtype],
@@ -756,8 +751,9 @@ def our_zero_bubble(d, args, pair):
 
 
 def our_interleaved(d, args, pair):
-    """ptdp.PipelineRank running interleaved 1F1B over 2 chunks per rank (r and r + p, a loop), tp, cp and dp
-    of 1, then finish_batch: as ptdp.py's main at --pp world --tp 1 --dp 1 --virtual-stages 2."""
+    """ptdp.PipelineRank running interleaved 1F1B over 2 chunks per rank (r and r + p, a loop), tp,
+    cp and dp of 1, then finish_batch: as ptdp.py's main at --pp world --tp 1 --dp 1
+    --virtual-stages 2."""
     ptdp = importlib.import_module("ptdp")
     p = d.world
     m = args.microbatches
@@ -799,7 +795,7 @@ OURS = {  # pair -> our side, for the pairs paired in one launch
 }
 
 
-# ----------------------------------------------------------------------------- the workers (under torchrun)
+# --------------------------------------------------------------------- the workers (under torchrun)
 WORKERS = {  # worker -> (torch's side, its name in the table)
     **{
         w: (data_parallel_side, name)
@@ -824,7 +820,8 @@ WORKERS = {  # worker -> (torch's side, its name in the table)
 
 def run_worker(args):
     """`torchrun bench.py --worker NAME`: torch's side of a pair. The last untimed step runs under
-    harness.CommCounter (lazy initialisation is done by then); the summary is harness.write_summary's."""
+    harness.CommCounter (lazy initialisation is done by then); the summary is
+    harness.write_summary's."""
     d, comm = init_dist(args.timeout), CommCounter()
     torch.set_num_threads(args.threads)
     params, opt, train = WORKERS[args.worker][0](d, args, args.worker, comm)
@@ -838,9 +835,8 @@ def run_worker(args):
                 opt.zero_grad(set_to_none=True)
                 loss, held = train(i)
                 opt.step()
-            ms = (
-                timer.stop()
-            )  # then, untimed: parameters, gradients and optimizer state (ZeRO's in .optim)
+            # then, untimed: parameters, gradients and optimizer state (ZeRO's in .optim)
+            ms = timer.stop()
             state = [v for s in getattr(opt, "optim", opt).state.values() for v in s.values()]
             state = [
                 x
@@ -872,14 +868,15 @@ def run_worker(args):
 
 
 def paired_worker(args):
-    """`torchrun bench.py --worker paired --pairs NAME`: both sides of one pair in these processes, each its
-    own model, on the same data: --warmup steps of each (untimed), then --blocks blocks of --block-steps steps
-    per side in the order A B, B A, A B, ... (A: ours; --flip 1 starts with torch's), so that whatever the
-    machine does hits two neighbouring blocks alike, and a drift across the launch cancels in the mean of the
-    blocks' log ratios. Each block starts once every rank has arrived and ends at the loss of its last step
-    (.item(): the device is done). Per block and side: wall ms per step (mean over ranks) and process CPU ms
-    per step (user + system, all threads, summed over ranks); the 1-minute load average. Peaks and bytes
-    are not counted here: each side's are from a launch of its own (bench_paired)."""
+    """`torchrun bench.py --worker paired --pairs NAME`: both sides of one pair in these processes,
+    each its own model, on the same data: --warmup steps of each (untimed), then --blocks blocks of
+    --block-steps steps per side in the order A B, B A, A B, ... (A: ours; --flip 1 starts with
+    torch's), so that whatever the machine does hits two neighbouring blocks alike, and a drift
+    across the launch cancels in the mean of the blocks' log ratios. Each block starts once every
+    rank has arrived and ends at the loss of its last step (.item(): the device is done). Per block
+    and side: wall ms per step (mean over ranks) and process CPU ms per step (user + system, all
+    threads, summed over ranks); the 1-minute load average. Peaks and bytes are not counted here:
+    each side's are from a launch of its own (bench_paired)."""
     d = init_dist(args.timeout)
     torch.set_num_threads(args.threads)
     worker = PAIRS[args.pairs][2]
@@ -896,9 +893,8 @@ def paired_worker(args):
     blocks = []
     for j in range(-1, args.blocks):  # j = -1: the warm-up
         ours_first = first_in_block(j, args.flip) == 0
-        clock = torch.zeros(
-            4, dtype=torch.float64, device=d.device
-        )  # wall ours, torch; CPU ours, torch
+        # wall ours, torch; CPU ours, torch
+        clock = torch.zeros(4, dtype=torch.float64, device=d.device)
         for side in (0, 1) if ours_first else (1, 0):
             arrived = torch.zeros(1, device=d.device)
             dist.all_reduce(arrived)
@@ -919,9 +915,8 @@ def paired_worker(args):
     harness.close_dist()
 
 
-def first_in_block(
-    j, flip
-):  # 0: ours first. A B, B A, ...: a steady drift cancels in pairs of blocks
+# 0: ours first. A B, B A, ...: a steady drift cancels in pairs of blocks
+def first_in_block(j, flip):
     return (j + flip) % 2
 
 
@@ -931,10 +926,11 @@ def load():  # the machine's 1-minute load average (runnable processes), where t
 
 def overlap_worker(d, args):
     """`torchrun bench.py --worker overlap`: how much of the gradient all-reduce backward hides, for
-    ddp_bucketed.BucketedDDP and torch's DDP at --bucket-cap-mb. Each step times, whole (StepTimer: on a GPU
-    synchronised at both ends), (1) backward with the buckets overlapped, as trained, (2) backward under
-    no_sync (compute only), (3) the same bucket sizes all-reduced after it. Hidden share = (t2 + t3 - t1)
-    / t3: 1 if the all-reduce cost nothing extra, 0 if overlapping saved nothing. No optimizer step needed."""
+    ddp_bucketed.BucketedDDP and torch's DDP at --bucket-cap-mb. Each step times, whole (StepTimer:
+    on a GPU synchronised at both ends), (1) backward with the buckets overlapped, as trained, (2)
+    backward under no_sync (compute only), (3) the same bucket sizes all-reduced after it. Hidden
+    share = (t2 + t3 - t1) / t3: 1 if the all-reduce cost nothing extra, 0 if overlapping saved
+    nothing. No optimizer step needed."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from ddp_bucketed import BucketedDDP, bucket_layout
@@ -967,16 +963,14 @@ def overlap_worker(d, args):
             t[key].append(timer.stop())
 
         def all_reduce_buckets():
-            flat = torch.cat(
-                [w.grad.reshape(-1) for w in model.parameters()]
-            )  # the gradients, into buckets
+            # the gradients, into buckets
+            flat = torch.cat([w.grad.reshape(-1) for w in model.parameters()])
             bufs = flat.split([s // flat.element_size() for s in sizes()])
             for work in [dist.all_reduce(buf, async_op=True) for buf in bufs]:
                 work.wait()
 
-        for i in range(
-            2 * args.steps
-        ):  # twice the steps: three short timings each, noisier than a step
+        # twice the steps: three short timings each, noisier than a step
+        for i in range(2 * args.steps):
             x, y = data.batch(i, args.batch_size, args.seq_len)  # (B, T) global batch
             n_tok = count_tokens(y)  # of the global batch
             x = x[d.rank * b : (d.rank + 1) * b]
@@ -1001,8 +995,9 @@ def overlap_worker(d, args):
 
 @contextlib.contextmanager
 def profiled(out_dir, stem):
-    """--profile: the block under torch.profiler; writes OUT_DIR/STEM.rank<r>.json (a Chrome trace), and rank
-    0 prints the main thread's biggest top-level ops from the first batch on (set-up left out)."""
+    """--profile: the block under torch.profiler; writes OUT_DIR/STEM.rank<r>.json (a Chrome trace),
+    and rank 0 prints the main thread's biggest top-level ops from the first batch on (set-up left
+    out)."""
     if not out_dir:
         yield
         return
@@ -1015,9 +1010,8 @@ def profiled(out_dir, stem):
     os.makedirs(out_dir, exist_ok=True)
     p.export_chrome_trace(os.path.join(out_dir, f"{stem}.rank{rank}.json"))
     main = statistics.mode(e.thread for e in top)
-    t0 = min(
-        (e.time_range.start for e in top if e.name == "aten::multinomial"), default=0
-    )  # the first batch
+    # the first batch
+    t0 = min((e.time_range.start for e in top if e.name == "aten::multinomial"), default=0)
     ms, calls = collections.Counter(), collections.Counter()
     for e in (e for e in top if e.thread == main and e.time_range.start >= t0):
         ms[e.name], calls[e.name] = ms[e.name] + e.cpu_time_total / 1e3, calls[e.name] + 1
@@ -1028,9 +1022,10 @@ def profiled(out_dir, stem):
 
 
 def profile_run(argv):
-    """`torchrun bench.py --profile-run DIR FILE ARGS...`: one of our files as __main__ under the profiler,
-    which stops when the file reaches close_dist. The files end through harness.Run.finish, which calls
-    harness's close_dist (imported from common): both names are patched."""
+    """`torchrun bench.py --profile-run DIR FILE ARGS...`: one of our files as __main__ under the
+    profiler, which stops when the file reaches close_dist. The files end through
+    harness.Run.finish, which calls harness's close_dist (imported from common): both names are
+    patched."""
     import runpy
 
     import common
@@ -1050,19 +1045,21 @@ def profile_run(argv):
     runpy.run_path(str(ROOT / script), run_name="__main__")
 
 
-# ----------------------------------------------------------------------------- how sure: an interval per pair
-# Samples: the rounds' ratios ours / torch (a round's runs are neighbours in time: drift cancels in their
-# ratio; one run's steps share its drift). Student's t on their logs (0.8 and 1.25 are as far from 1): exact
-# for log-normal noise at any number of rounds, where a percentile bootstrap over 3 rounds cannot reach past
-# the extreme rounds, which hold the median between them 1 - 2 x 2^-3 = 75% of the time, not 95%. The spread
-# is the first --rounds rounds' (Stein's two-stage interval, exact): rounds added because it was wide must not
-# re-estimate it, or the alternation stops when it happens to be low, and undercovers (docs/bench.md).
+# ------------------------------------------------------------------- how sure: an interval per pair
+# Samples: the rounds' ratios ours / torch (a round's runs are neighbours in time: drift cancels in
+# their ratio; one run's steps share its drift). Student's t on their logs (0.8 and 1.25 are as far
+# from 1): exact for log-normal noise at any number of rounds, where a percentile bootstrap over 3
+# rounds cannot reach past the extreme rounds, which hold the median between them 1 - 2 x 2^-3 = 75%
+# of the time, not 95%. The spread is the first --rounds rounds' (Stein's two-stage interval,
+# exact): rounds added because it was wide must not re-estimate it, or the alternation stops when it
+# happens to be low, and undercovers (docs/bench.md).
 LEVEL = 0.95
 
 
 @functools.lru_cache(maxsize=None)
 def t_quantile(p, df):
-    """Student's t quantile, p > 1/2 (none in torch): bisection on 1/2 + Simpson's integral from 0."""
+    """Student's t quantile, p > 1/2 (none in torch): bisection on 1/2 + Simpson's integral from
+    0."""
     c = math.exp(math.lgamma((df + 1) / 2) - math.lgamma(df / 2)) / math.sqrt(df * math.pi)
     lo = 0.0
     hi = 1e3
@@ -1119,13 +1116,16 @@ def say(row):
     ratio = "" if row["verdict"][0] == "n" else "%.2f "
     noise = f", noisy (+-{100 * (math.sqrt(hi / lo) - 1):.0f}%)" if row["noisy"] and lo else ""
     span = f"[{lo:.2f}, {hi:.2f}]" if lo else "no interval"
-    return f"{row['verdict']}: {ratio and ratio % row['ratio']}{span}, {n} {unit}{'s' * (n != 1)}{noise}"
+    return (
+        f"{row['verdict']}: {ratio and ratio % row['ratio']}{span}, {n} "
+        f"{unit}{'s' * (n != 1)}{noise}"
+    )
 
 
-def paired(
-    args, ours, torch_runs
-):  # per round where both sides ran: median step ms of ours / of torch's
-    ok = lambda r: r["rc"] == 0 and statistics.median(r["ms"][args.warmup :] or [0]) > 0  # noqa: E731
+# per round where both sides ran: median step ms of ours / of torch's
+def paired(args, ours, torch_runs):
+    # noqa: E731
+    ok = lambda r: r["rc"] == 0 and statistics.median(r["ms"][args.warmup :] or [0]) > 0
     return [
         statistics.median(a["ms"][args.warmup :]) / statistics.median(b["ms"][args.warmup :])
         for a, b in zip(ours, torch_runs)
@@ -1138,7 +1138,8 @@ STEP_LINE = re.compile(r"^step\s+(\d+) \| loss .*?\|\s+([\d.]+) ms", re.M)
 
 
 def launch(args, pair, tag, worker=None):
-    """One torchrun launch of our file of `pair`, or of bench.py's `worker`: summary, step ms, command."""
+    """One torchrun launch of our file of `pair`, or of bench.py's `worker`: summary, step ms,
+    command."""
     opts = lambda names: [
         str(x) for n in names.split() for x in ("--" + n.replace("_", "-"), vars(args)[n])
     ]
@@ -1194,24 +1195,23 @@ def launch(args, pair, tag, worker=None):
         if rc
         else [x for x in output.splitlines() if x.startswith("profile ")]
     )
-    print(
-        "".join(f"    | {line}\n" for line in shown), end="", flush=True
-    )  # why it failed, or its profile
+    # why it failed, or its profile
+    print("".join(f"    | {line}\n" for line in shown), end="", flush=True)
     summary = json.loads(out_json.read_text()) if rc == 0 and out_json.exists() else None
     return dict(rc=rc, summary=summary, ms=ms, cmd=" ".join(cmd[3:]), load=load())
 
 
 def side_row(args, pair, side, runs, one_ms, med=None):
-    """A side's row from its runs; the step time `med`, else the median over its runs' timed steps."""
+    """A side's row from its runs; the step time `med`, else the median over its runs' timed
+    steps."""
     ok = [r for r in runs if r["rc"] == 0 and len(r["ms"]) > args.warmup]
     if not ok:
         return dict(name=None, error=(runs[-1]["cmd"] if runs else "not run"))
     s, tokens = ok[-1]["summary"] or {}, args.batch_size * args.seq_len
     med = med or statistics.median(t for r in ok for t in r["ms"][args.warmup :])
     f = s.get("figures", {})
-    sent = s.get(
-        "comm_bytes"
-    )  # a file that reports one collective's bytes (fp8.py: its all-gather) and
+    # a file that reports one collective's bytes (fp8.py: its all-gather) and
+    sent = s.get("comm_bytes")
     if isinstance(f.get("comm"), dict):  # CommCounter's table of all: the sum of the table
         sent = sum(handed for _, _, handed in f["comm"].values())
     row = dict(
@@ -1223,9 +1223,8 @@ def side_row(args, pair, side, runs, one_ms, med=None):
         losses=s.get("losses"),
         command=ok[-1]["cmd"],
     )
-    if (
-        "bubble_mean" in f
-    ):  # the idle share of the step; ptdp.py and zero_bubble.py report idle / busy
+    # the idle share of the step; ptdp.py and zero_bubble.py report idle / busy
+    if "bubble_mean" in f:
         share = (
             (lambda b: b / (1 + b))
             if "idle / busy" in f.get("bubble_definition", "")
@@ -1240,9 +1239,10 @@ def side_row(args, pair, side, runs, one_ms, med=None):
 
 
 def bench_group(args, pairs, one_ms, share_s):
-    """Pairs that share torch's side (ddp and dp_sync: both against DDP) run in one alternation, A C B: at
-    least --rounds times, then on while an interval is wider than --precision and one more round (at the mean
-    round's time) ends within share_s seconds of the start; a failed launch ends the extra rounds."""
+    """Pairs that share torch's side (ddp and dp_sync: both against DDP) run in one alternation, A C
+    B: at least --rounds times, then on while an interval is wider than --precision and one more
+    round (at the mean round's time) ends within share_s seconds of the start; a failed launch ends
+    the extra rounds."""
     worker, runs = PAIRS[pairs[0]][2], {p: [] for p in [*pairs, "torch"]}
     print(f"{', '.join(PAIRS[p][0] for p in pairs)} vs {WORKERS[worker][1]}", flush=True)
     t0, judged = time.time(), {}
@@ -1287,12 +1287,13 @@ def with_overlap(args, pairs, rows):  # ddp's row: the share of all-reduce hidde
 
 
 def bench_paired(args, pairs, one_ms, share_s):
-    """A pair paired in one launch (paired_worker): a launch, then more (each starting with the other side)
-    while the interval the verdict rests on is wider than --precision and one more launch fits in share_s;
-    the samples are the blocks' ratios, the spread the first launch's blocks'. The verdict rests on wall time,
-    or on CPU time where the load passed the core count at some block (other processes then took time from
-    both sides, which CPU time does not count). Then each side once in a launch of its own (our file, torch's
-    worker): its peak memory, bytes sent, bubble and losses, measured apart."""
+    """A pair paired in one launch (paired_worker): a launch, then more (each starting with the
+    other side) while the interval the verdict rests on is wider than --precision and one more
+    launch fits in share_s; the samples are the blocks' ratios, the spread the first launch's
+    blocks'. The verdict rests on wall time, or on CPU time where the load passed the core count at
+    some block (other processes then took time from both sides, which CPU time does not count). Then
+    each side once in a launch of its own (our file, torch's worker): its peak memory, bytes sent,
+    bubble and losses, measured apart."""
     pair = pairs[0]
     worker = PAIRS[pair][2]
     print(f"{PAIRS[pair][0]} vs {WORKERS[worker][1]}, paired in one launch", flush=True)
@@ -1362,16 +1363,16 @@ def markdown(args, rows, wall_s, one_ms):
         f"world {a.world} on {'NCCL' if torch.cuda.is_available() else 'gloo, CPU'}, {a.threads} "
         f"thread(s) per rank, {os.cpu_count()} CPU cores; GPT {n / 1e6:.1f} M parameters (vocab "
         f"{a.vocab}, width {a.d_model}, {a.n_layers} blocks, {a.seq_len} tokens x {a.batch_size} "
-        f"sequences), {a.dtype}; paired pairs: {a.warmup} untimed steps per side, then "
-        f"{a.blocks} blocks of {a.block_steps} steps per side per launch, A B, B A, ...; the others: "
-        f"{a.steps} steps per run, the first {a.warmup} untimed, at least {a.rounds} rounds A B; more "
-        f"while an interval was wider than +-{a.precision:.0%}, within --budget-min "
+        f"sequences), {a.dtype}; paired pairs: {a.warmup} untimed steps per side, then {a.blocks} "
+        f"blocks of {a.block_steps} steps per side per launch, A B, B A, ...; the others: "
+        f"{a.steps} steps per run, the first {a.warmup} untimed, at least {a.rounds} rounds A B; "
+        f"more while an interval was wider than +-{a.precision:.0%}, within --budget-min "
         f"{a.budget_min:g}; whole bench {wall_s / 60:.1f} min.",
         "",
         f"| pair | ours | torch | ours ms | torch ms | wall time: ours / torch [{LEVEL:.0%}] | CPU "
-        f"time: ours / torch [{LEVEL:.0%}] | the verdict rests on, at load | tok/s "
-        "ours / torch | peak MiB/rank ours / torch | sent MiB/rank/step ours / torch | bubble ours / "
-        "torch (theory) | scaling eff. ours / torch | loss diff (apart / paired) |",
+        f"time: ours / torch [{LEVEL:.0%}] | the verdict rests on, at load | tok/s ours / torch | "
+        "peak MiB/rank ours / torch | sent MiB/rank/step ours / torch | bubble ours / torch "
+        "(theory) | scaling eff. ours / torch | loss diff (apart / paired) |",
         "|---|---|---|---:|---:|---|---|---|---|---|---|---|---|---:|",
     ]
     for r in rows:
@@ -1403,7 +1404,8 @@ def markdown(args, rows, wall_s, one_ms):
         f"{100 * x['hidden_share']:.0f}% hidden ({x['buckets']} buckets)"
     )
     lines += [
-        f"\nAll-reduce hidden behind backward ({a.bucket_cap_mb} MiB buckets; median ms of backward "
+        f"\nAll-reduce hidden behind backward ({a.bucket_cap_mb} MiB buckets; median ms of "
+        "backward "
         f"overlapped / backward alone + the same buckets reduced after it): ddp_bucketed "
         f"{hid(r['overlap']['ours'])}; torch DDP {hid(r['overlap']['torch'])}."
         for r in rows
@@ -1411,35 +1413,33 @@ def markdown(args, rows, wall_s, one_ms):
     ]
     lines += [
         "",
-        "Verdict: paired pairs (both sides in one launch): each block's ratio of wall time (or "
-        "of process CPU time, user + system of all threads, summed over ranks) per step ours / "
-        f"torch (< 1: ours faster); their geometric mean and {LEVEL:.0%} interval (Student's t on "
-        "the logs, the first launch's blocks' spread); the verdict rests on wall time, or on CPU "
-        "time where the 1-minute load average passed the core count at a block (load: its range "
-        "over the blocks). Other pairs: each round's ratio of median step times of separate "
-        f"launches, the first {a.rounds} rounds' spread. faster / slower: the whole interval "
-        "below / above 1; no difference "
-        f"measurable (no ratio printed): it holds 1; noisy: wider than +-{a.precision:.0%} when the "
-        "budget ran out. ms: median over all blocks (rounds' timed steps). Loss diff: the largest "
-        "relative difference of a step's loss between the sides, each in a launch of its own "
-        "(paired pairs: that launch also gives the peak, bytes and bubble). Peak memory: CUDA's "
-        "peak on GPUs, on CPU "
-        "counted from tensors (parameters, gradients, optimizer state, saved activations, DDP "
-        "buckets / FSDP gathered parameters). Sent: bytes the busiest rank hands to collectives and "
-        "sends in a step (ours counted by the file, torch's at the dispatcher by "
-        "harness.CommCounter): an all-gather's shard, a reduce-scatter's whole input, a broadcast at "
-        "its root. Bubble: idle share of the last step; theory with equal F, B (and W) times. "
-        f"Scaling efficiency: tokens/s at world {a.world} / ({a.world} x tokens/s "
-        "of one-process training on the whole batch"
+        "Verdict: paired pairs (both sides in one launch): each block's ratio of wall time (or of "
+        "process CPU time, user + system of all threads, summed over ranks) per step ours / torch "
+        f"(< 1: ours faster); their geometric mean and {LEVEL:.0%} interval (Student's t on the "
+        "logs, the first launch's blocks' spread); the verdict rests on wall time, or on CPU time "
+        "where the 1-minute load average passed the core count at a block (load: its range over "
+        "the blocks). Other pairs: each round's ratio of median step times of separate launches, "
+        f"the first {a.rounds} rounds' spread. faster / slower: the whole interval below / above "
+        "1; no difference measurable (no ratio printed): it holds 1; noisy: wider than "
+        f"+-{a.precision:.0%} when the budget ran out. ms: median over all blocks (rounds' timed "
+        "steps). Loss diff: the largest relative difference of a step's loss between the sides, "
+        "each in a launch of its own (paired pairs: that launch also gives the peak, bytes and "
+        "bubble). Peak memory: CUDA's peak on GPUs, on CPU counted from tensors (parameters, "
+        "gradients, optimizer state, saved activations, DDP buckets / FSDP gathered parameters). "
+        "Sent: bytes the busiest rank hands to collectives and sends in a step (ours counted by "
+        "the file, torch's at the dispatcher by harness.CommCounter): an all-gather's shard, a "
+        "reduce-scatter's whole input, a broadcast at its root. Bubble: idle share of the last "
+        "step; theory with equal F, B (and W) times. Scaling efficiency: tokens/s at world "
+        f"{a.world} / ({a.world} x tokens/s of one-process training on the whole batch"
         + (f", {a.batch_size * a.seq_len / one_ms * 1e3:.0f} tok/s here)." if one_ms else ")."),
     ]
     return "\n".join(lines) + "\n"
 
 
 def why_skipped(pair):
-    """'' when torch's side can import what it needs (IMPORTS) and our file offers the choice `pair` needs
-    (NEEDS); else why not (a package outside requirements.txt, or a mode still being written in another
-    branch). The choice is read from the file's Args, which its --help shows."""
+    """'' when torch's side can import what it needs (IMPORTS) and our file offers the choice `pair`
+    needs (NEEDS); else why not (a package outside requirements.txt, or a mode still being written
+    in another branch). The choice is read from the file's Args, which its --help shows."""
     if pair in IMPORTS:
         try:
             importlib.import_module(IMPORTS[pair])
@@ -1473,7 +1473,8 @@ def cannot_run(pair, args):
     )
     if pair == "tp_overlap" and not (peers and args.seq_len % args.world == 0):
         return (
-            "torch's fused_all_gather_matmul / fused_matmul_reduce_scatter run on CUDA only, on --world "
+            "torch's fused_all_gather_matmul / fused_matmul_reduce_scatter run on CUDA only, on "
+            "--world "
             f">= 2 peer-connected GPUs dividing --seq-len; here {torch.cuda.device_count()} GPU(s)"
         )
     return ""
@@ -1493,7 +1494,8 @@ def check_bench_args(args):
         )
     if not (0 < args.precision <= 1 and 0 <= args.budget_min <= 1e4):  # NaN fails both
         fail(
-            f"need 0 < --precision <= 1, 0 <= --budget-min <= 1e4: got {args.precision}, {args.budget_min}"
+            f"need 0 < --precision <= 1, 0 <= --budget-min <= 1e4: got {args.precision}, "
+            f"{args.budget_min}"
         )
     for flag in ("world", "rounds", "microbatches", "threads", "launch_timeout"):
         if getattr(args, flag) < 1:
@@ -1514,12 +1516,14 @@ def check_bench_args(args):
         or args.n_layers < args.world
     ):
         fail(
-            f"--n-layers {args.n_layers} must be >= --world {args.world} (a block per stage) and, for ptdp, "
+            f"--n-layers {args.n_layers} must be >= --world {args.world} (a block per stage) and, "
+            "for ptdp, "
             f"zbv and dualpipev, divide by 2 x --world = {2 * args.world} (two stages per rank)"
         )
     if args.n_heads % args.world:
         fail(
-            f"--n-heads {args.n_heads} must divide by --world {args.world} (the tp pair splits heads)"
+            f"--n-heads {args.n_heads} must divide by --world {args.world} (the tp pair splits "
+            "heads)"
         )
     if not args.bucket_cap_mb * MiB >= 1:
         fail(f"--bucket-cap-mb must be positive, got {args.bucket_cap_mb}")
@@ -1546,19 +1550,16 @@ def main():
             rows.append(dict(pair=p, ours=None, torch=None, ratio=None, skipped=why))
         else:
             groups.setdefault(p if p in OURS else PAIRS[p][2], []).append(p)
-    if args.scaling and any(
-        PAIRS[p][3] == "dp" for ps in groups.values() for p in ps
-    ):  # the baseline:
+    # the baseline:
+    if args.scaling and any(PAIRS[p][3] == "dp" for ps in groups.values() for p in ps):
         ms = launch(args, names[0], "one_process", "single")["ms"][
             args.warmup :
         ]  # one-process training
         one_ms = statistics.median(ms) if ms else None
-    for i, pairs in enumerate(
-        [*groups.values(), []]
-    ):  # after each group what is done so far, then all
-        share = (t0 + 60 * args.budget_min - time.time()) / max(
-            len(groups) - i, 1
-        )  # the budget left, shared
+    # after each group what is done so far, then all
+    for i, pairs in enumerate([*groups.values(), []]):
+        # the budget left, shared
+        share = (t0 + 60 * args.budget_min - time.time()) / max(len(groups) - i, 1)
         rows = sorted(
             rows
             + (
@@ -1580,7 +1581,8 @@ def main():
     )
     if noisy := sum(r["noisy"] for r in judged):
         print(
-            f"noisy machine: {noisy} interval(s) wider than +-{args.precision:.0%} when the budget ran out"
+            f"noisy machine: {noisy} interval(s) wider than +-{args.precision:.0%} when the budget "
+            "ran out"
         )
     failed = [
         r["pair"]

@@ -294,9 +294,8 @@ def verdict_errors():
             bad.append(f"{ratio}x: {j}")
         if not bench.say(j).startswith(f"{word}: {j['ratio']:.2f} ["):
             bad.append(f"{ratio}x said {bench.say(j)!r}")
-    claims = (
-        0  # no difference, 10% noise per run: a difference claimed in about 5% of 3-round benches
-    )
+    # no difference, 10% noise per run: a difference claimed in about 5% of 3-round benches
+    claims = 0
     for _ in range(400):
         j = judged(rounds(1.0, 0.1, 3, rng))
         claims += j["verdict"] != "no difference measurable"
@@ -415,12 +414,12 @@ def test_budget_shared_between_groups(tmp_path, monkeypatch, capsys):
         ("zb", 3, False),
         ("zbv", 27, True),
     ]
+    # ----------------------------------------------------------------------------- paired in one launch
     assert out.rstrip().endswith(
         "noisy machine: 1 interval(s) wider than +-5% when the budget ran out"
     ), out
 
 
-# ----------------------------------------------------------------------------- paired in one launch
 def paired_bench(monkeypatch, ratio, drift, load=1.0, cpu_ratio=None, seed=7):
     """bench_paired on one pair (ddp) whose launches run paired_worker's loop in this process on synthetic
     sides, no torchrun: a step advances a fake wall clock by its work (100 ms, ours x ratio, 3% log-normal
@@ -578,9 +577,8 @@ def test_one_pair_end_to_end(tmp_path, monkeypatch, capsys):
             s = r[side]
             assert s["name"] and s["step_ms"] > 0 and s["tokens_per_s"] > 0, s
             assert s["peak_mem_bytes"] > 0 and s["sent_bytes_per_rank"] > 0, s
-            if (
-                r["pair"] == "dualpipev"
-            ):  # (p-1)/(3m) idle / busy (dualpipev.py) as a share of the step
+            # (p-1)/(3m) idle / busy (dualpipev.py) as a share of the step
+            if r["pair"] == "dualpipev":
                 assert (
                     0 <= s["bubble"] <= 1 and abs(s["bubble_theory"] - 1 / (3 * 4 + 1)) < 1e-12
                 ), s
@@ -639,10 +637,10 @@ def test_gpu_check_runs_each_pair_once_without_alternating(monkeypatch, tmp_path
         cmd = gpu_check.bench_command(w, "ddp", tmp_path / "b")
         monkeypatch.setattr(sys, "argv", ["bench.py", *cmd[2:]])
         args = harness.parse_args(bench.Args)
+        # the check can fail: the command as it was, without the budget, keeps bench's default
         assert (
             args.rounds == 1 and args.budget_min == 0 and bench.check_bench_args(args) == ["ddp"]
         ), cmd
-    # the check can fail: the command as it was, without the budget, keeps bench's default
     monkeypatch.setattr(
         sys, "argv", ["bench.py", *[a for a in cmd[2:] if a not in ("--budget-min", "0")]]
     )
@@ -783,9 +781,10 @@ def fp8_bench(tmp_path, monkeypatch, world):
     return row, sides, mutant
 
 
+# bytes handed to all-gathers per rank in the counted step, either side's table
 def all_gathered(
     summary,
-):  # bytes handed to all-gathers per rank in the counted step, either side's table
+):
     table = summary["figures"].get("comm") or summary["figures"]["comm_ops_rank0"]
     return sum(handed for key, (_, _, handed) in table.items() if key.startswith("all_gather/"))
 

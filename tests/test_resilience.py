@@ -296,6 +296,8 @@ def test_gpu_check_plans_a_legal_run_for_any_gpu_count(tmp_path):
             # our side of each pair, as bench.py launches it with gpu_check's flags
             if j["kind"] == "bench":
                 pairs = list(bench.PAIRS) if j["pairs"] == "all" else j["pairs"].split(",")
+                # bench.py skips hsdp at an odd world (2 replicas), in one line, launching nothing
+                pairs = [q for q in pairs if not (q == "hsdp" and w % 2)]
                 sides = [
                     [
                         *gpu_check.bench_flags(w)[:-4],
