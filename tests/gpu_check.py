@@ -56,7 +56,7 @@ per warm launch and 20-30 s of cold imports and CUDA context on the first ones.
 World N's plan also runs ptdp's context parallel and ZeRO-1, Streaming DiLoCo (bfloat16 and float8 wires),
 fp8.py's delayed and fine-grained recipes (d_model 128 N: whole 128-row blocks per shard) and zero.py's
 stage-2 checkpoint saved at world N and resumed at world N / 2 (--check over every step). The whole plan at
-N GPUs takes about 39 min (bench.py's pairs take three launches each: both sides in one, then each
+N GPUs takes about 41 min (bench.py's pairs take three launches each: both sides in one, then each
 side apart for its peak); --minutes 14 keeps the runs that cover the most.
 Estimated time: launches x 10 s at world 1, 15 s at world >= 2 (see docs/gpus.md); --minutes rescales the
 estimates of what is left by the measured time of what ran."""
@@ -470,7 +470,7 @@ def jobs(w, cpu, gpus):
     )
     if w >= 3:
         add("stragglers", "dp async stragglers overlap", "dp.py", 2)
-    add("bench", f"bench world {w}", "bench.py", 36, pairs="all")
+    add("bench", f"bench world {w}", "bench.py", 45, pairs="all")
     return out
 
 
