@@ -713,7 +713,7 @@ def test_help_lists_only_what_the_file_accepts(tmp_path, capsys):
             ft.check_args(ft.parse_args(ft.Args, [*TINY, flag, str(value)]))
         assert refused.value.code == 2 and words in capsys.readouterr().err, flag
     description = p.stdout.split("\n\n")[1]  # (between the usage and the options)
-    assert " ".join(description.split()) == ft.__doc__.split("\n\n")[0], description
+    assert description.split() == ft.__doc__.split("\n\n")[0].split(), description  # word for word
 
 
 def listed(help_text):
