@@ -314,9 +314,10 @@ def fp8_plan(w):
     """fp8.py on CUDA: [(name, flags)] of runs whose loss must fall, finite (no --check: the reference
     multiplies the dequantized operands in FP32, while the tensor cores' FP8 GEMM accumulates in its own
     order, and an FP8 rounding boundary crossed turns that roundoff chaotic; docs/fp8.md). Fine-grained
-    needs K and the tokens per rank in whole 128-tiles."""
+    runs at d_model 128 (128 w at world w): whole 128-tiles in every shard, with no padding; fp8.py pads
+    any other size (checked on CPU by the suite)."""
     steps = ["--steps", 20]
-    if w > 1:  # fine-grained: each rank's shard of a weight whole 128-row blocks, so d_model 128 w
+    if w > 1:  # fine-grained: each rank's shard of a weight whole 128-row blocks at d_model 128 w
         fine = ["--d-model", 128 * w, "--n-layers", 2]
         return [
             (
