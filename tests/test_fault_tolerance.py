@@ -1095,7 +1095,9 @@ def test_a_frozen_replica_is_dropped_by_its_lease_not_the_deadline(tmp_path):
     assert len(pids(s)[0]) == len(pids(s)[2]) == 1, pids(s)
     assert s["figures"]["members"][2] == [0, 2], s["figures"]["members"]
     lost = [l for l in live.lines if "failed" in l and "lost its lease" in l]
-    assert {l.split(":")[0] for l in lost} == {"replica 0", "replica 2"}, live.lines[-30:]
+    # both survivors failed the round on the lease; the frozen replica, once resumed, may find its own
+    # lease lapsed too (whether its heartbeat or its wait runs first is the scheduler's choice)
+    assert {l.split(":")[0] for l in lost} >= {"replica 0", "replica 2"}, live.lines[-30:]
     assert not [l for l in live.lines if "took over 120" in l]
     every_replica_equals_the_replay(live.marker, s, [*LEASE, "--at-step", 2, "--phase", "during"])
     print(
