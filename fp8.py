@@ -502,6 +502,9 @@ def main():
     opt = make_optimizer(model.parameters(), args)
     run = Run(d, args, {"model": model, "optim": opt})  # resumes from --ckpt-dir
     comm = CommCounter()
+    # The log line's loss on a group of its own: on NCCL its own communicator, never queued behind
+    # the amaxes' and the gradients' all-reduces.
+    log_group = dist.new_group()
     for step in run.steps():
         # (B, T) global batch, CPU
         x, y = data.batch(step, args.batch_size, args.seq_len, args.ragged)
@@ -518,12 +521,8 @@ def main():
                 args.clip,
                 autocast=args.recipe == "bf16",
             )
-        # about my tokens' mean: no all-reduce a step to log
-        run.end_step(step, loss.item() * d.world)
-    # the global batch's losses for --json and --check: sum_r L_r, in one all-reduce at the end
-    losses = torch.tensor(run.losses, dtype=torch.float64, device=d.device) / d.world  # (steps,)
-    dist.all_reduce(losses, group=group)
-    run.losses[:] = losses.tolist()
+        dist.all_reduce(loss, group=log_group)  # the global batch's loss, for the log line only
+        run.end_step(step, loss.item())
     figures = summary(d, args, model, comm)
     peak = peak_memory_bytes(d, state_bytes(model, opt))
     full, check = full_params(model, group), None
