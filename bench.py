@@ -142,7 +142,7 @@ class Args(CommonArgs):
     # write a torch.profiler Chrome trace of every run and rank into this directory
     profile: str = ""
     launch_timeout: int = 600  # seconds one torchrun launch may take
-    blocks: int = 10  # paired pairs: timed blocks per side in one launch (A B, B A, ...)
+    blocks: int = 10  # paired pairs: timed blocks per side in the first launch (A B, B A, ...)
     block_steps: int = 2  # paired pairs: steps per block
     worker: str = ""  # (internal) run torch's side of a pair, or both (paired), under torchrun
     flip: int = 0  # (internal) paired: 1 starts the first block with torch's side
@@ -1286,22 +1286,33 @@ def with_overlap(args, pairs, rows):  # ddp's row: the share of all-reduce hidde
     return rows
 
 
+def samples_needed(ratios, first, precision, level=LEVEL):
+    """Stein's second stage: the samples in all that bring the interval's log half-width, at the
+    spread of the first `first`, to log(1 + precision)."""
+    logs = [math.log(r) for r in ratios[:first]]
+    t = t_quantile((1 + level) / 2, first - 1)
+    return math.ceil((t * statistics.stdev(logs) / math.log1p(precision)) ** 2)
+
+
 def bench_paired(args, pairs, one_ms, share_s):
-    """A pair paired in one launch (paired_worker): a launch, then more (each starting with the
-    other side) while the interval the verdict rests on is wider than --precision and one more
-    launch fits in share_s; the samples are the blocks' ratios, the spread the first launch's
-    blocks'. The verdict rests on wall time, or on CPU time where the load passed the core count at
-    some block (other processes then took time from both sides, which CPU time does not count). Then
-    each side once in a launch of its own (our file, torch's worker): its peak memory, bytes sent,
-    bubble and losses, measured apart."""
+    """A pair paired in one launch (paired_worker): a launch of --blocks blocks, then (each starting
+    with the other side) the blocks that the first launch's spread says both intervals, wall and
+    CPU, need to reach --precision (Stein's second stage), in as few launches as share_s holds;
+    the samples are the blocks' ratios. The verdict rests on wall time, or on CPU time where the
+    load passed the core count at some block (other processes then took time from both sides,
+    which CPU time does not count). Then each side once in a launch of its own (our file, torch's
+    worker): its peak memory, bytes sent, bubble and losses, measured apart."""
     pair = pairs[0]
     worker = PAIRS[pair][2]
     print(f"{PAIRS[pair][0]} vs {WORKERS[worker][1]}, paired in one launch", flush=True)
     t0 = time.time()
     runs = []
+    k = args.blocks  # the first stage
     while True:
         tag = f"{pair}_paired_w{args.world}_l{len(runs)}"
-        runs.append(launch(dataclasses.replace(args, flip=len(runs) % 2), pair, tag, "paired"))
+        t1 = time.time()
+        paired_args = dataclasses.replace(args, flip=len(runs) % 2, blocks=k)
+        runs.append(launch(paired_args, pair, tag, "paired"))
         done = [r["summary"] for r in runs if r["summary"]]
         blocks = [b for s in done for b in s["figures"]["blocks"]]
         first = len(done[0]["figures"]["blocks"]) if done else None
@@ -1319,8 +1330,16 @@ def bench_paired(args, pairs, one_ms, share_s):
         print(
             f"  after launch {len(runs)}: wall {say(wall)}; CPU {say(cpu)}{row['note']}", flush=True
         )
-        n = len(runs)
-        if not row["noisy"] or runs[-1]["rc"] or (time.time() - t0) * (n + 1) / n > share_s:
+        noisy = [r for r in (wall, cpu) if r["noisy"]]
+        if not noisy or runs[-1]["rc"] or not blocks:
+            break
+        # the next launch: its start-up (this one's, less its blocks) and k blocks, within share_s
+        block_s = statistics.fmean(sum(b["wall_ms"]) * args.block_steps / 1e3 for b in blocks)
+        start_s = max(time.time() - t1 - block_s * k, 0.0)
+        need = max(samples_needed(r["ratio_per_round"], first, args.precision) for r in noisy)
+        room = (t0 + share_s - time.time() - start_s) / block_s
+        k = min(max(need - len(blocks), 2), int(room))
+        if k < 2:
             break
     sides = []
     for side, tag, w in (("ours", pair, None), ("torch", worker, worker)):
@@ -1364,9 +1383,10 @@ def markdown(args, rows, wall_s, one_ms):
         f"thread(s) per rank, {os.cpu_count()} CPU cores; GPT {n / 1e6:.1f} M parameters (vocab "
         f"{a.vocab}, width {a.d_model}, {a.n_layers} blocks, {a.seq_len} tokens x {a.batch_size} "
         f"sequences), {a.dtype}; paired pairs: {a.warmup} untimed steps per side, then {a.blocks} "
-        f"blocks of {a.block_steps} steps per side per launch, A B, B A, ...; the others: "
-        f"{a.steps} steps per run, the first {a.warmup} untimed, at least {a.rounds} rounds A B; "
-        f"more while an interval was wider than +-{a.precision:.0%}, within --budget-min "
+        f"blocks of {a.block_steps} steps per side in the first launch, A B, B A, ..., then in one "
+        f"more the blocks its spread says wall and CPU time need; the others: {a.steps} steps per "
+        f"run, the first {a.warmup} untimed, at least {a.rounds} rounds A B, more while an "
+        f"interval was wider than +-{a.precision:.0%}; within --budget-min "
         f"{a.budget_min:g}; whole bench {wall_s / 60:.1f} min.",
         "",
         f"| pair | ours | torch | ours ms | torch ms | wall time: ours / torch [{LEVEL:.0%}] | CPU "

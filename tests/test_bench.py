@@ -420,7 +420,9 @@ def test_budget_shared_between_groups(tmp_path, monkeypatch, capsys):
     ), out
 
 
-def paired_bench(monkeypatch, ratio, drift, load=1.0, cpu_ratio=None, seed=7):
+def paired_bench(
+    monkeypatch, ratio, drift, load=1.0, cpu_ratio=None, seed=7, noise=0.03, seen=None
+):
     """bench_paired on one pair (ddp) whose launches run paired_worker's loop in this process on synthetic
     sides, no torchrun: a step advances a fake wall clock by its work (100 ms, ours x ratio, 3% log-normal
     noise) times the machine's load at that moment, exp(drift x t / 1 s), which slows both sides alike, and
@@ -431,9 +433,9 @@ def paired_bench(monkeypatch, ratio, drift, load=1.0, cpu_ratio=None, seed=7):
 
     def side(r_wall, r_cpu):
         def step(i):
-            noise = math.exp(rng.gauss(0, 0.03))
-            wall[0] += 0.1 * r_wall * noise * math.exp(drift * wall[0])
-            cpu[0] += 0.1 * r_cpu * noise
+            jitter = math.exp(rng.gauss(0, noise))
+            wall[0] += 0.1 * r_wall * jitter * math.exp(drift * wall[0])
+            cpu[0] += 0.1 * r_cpu * jitter
             return 1.0
 
         return step
@@ -460,6 +462,7 @@ def paired_bench(monkeypatch, ratio, drift, load=1.0, cpu_ratio=None, seed=7):
         if worker != "paired":
             return dict(rc=1, summary=None, ms=[], cmd=tag, load=load)
         bench.paired_worker(dataclasses.replace(args, pairs=pair))
+        (seen if seen is not None else []).append(args.blocks)
         return dict(rc=0, summary=dict(summary), ms=[], cmd=tag, load=load)
 
     monkeypatch.setattr(bench, "write_summary", write_summary)
@@ -481,6 +484,27 @@ def test_block_pairing_cancels_drift(monkeypatch):
     assert row["verdict"] == "slower" and row["interval"][0] <= 1.1 <= row["interval"][1], row
     monkeypatch.setattr(bench, "first_in_block", lambda j, flip: 0)  # the mutant
     assert paired_bench(monkeypatch, 1.0, 0.15)["verdict"] == "faster"
+
+
+def test_second_stage_runs_the_blocks_the_first_launch_asks(monkeypatch):
+    """Stein's second stage in blocks: at 12% noise per step the first launch's 10 blocks leave both
+    intervals wider than +-5%; one more launch runs exactly the blocks that the first 10 blocks' spread
+    asks for, (t s / log 1.05)^2 in all (t at 9 degrees of freedom, computed here), and both intervals,
+    wall and CPU, end within +-5%. Launches of a fixed 10 blocks (the mutant: the second stage not
+    sized) take more launches and end at a multiple of 10."""
+    seen = []
+    row = paired_bench(monkeypatch, 1.0, 0.0, noise=0.12, seen=seen)
+    for r in (row["wall"], row["cpu"]):
+        logs = [math.log(x) for x in r["ratio_per_round"][:10]]
+        t = bench.t_quantile(0.975, 9)
+        assert abs(t - 2.262) < 1e-3
+        need = math.ceil((t * statistics.stdev(logs) / math.log(1.05)) ** 2)
+        assert need > 10 and r["rounds"] == need and not r["noisy"], (need, r)
+    assert seen == [10, row["rounds"] - 10], seen  # one more launch, sized
+    monkeypatch.setattr(bench, "samples_needed", lambda ratios, first, p: len(ratios) + 10)
+    seen = []
+    row = paired_bench(monkeypatch, 1.0, 0.0, noise=0.12, seen=seen)
+    assert len(seen) > 2 and row["rounds"] % 10 == 0, seen
 
 
 def test_verdict_rests_on_cpu_time_above_the_core_count(monkeypatch):
