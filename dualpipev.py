@@ -52,6 +52,7 @@ model's overlapped_forward_backward).
 
 import collections
 import contextlib
+import itertools
 import sys
 from dataclasses import dataclass
 
@@ -63,6 +64,7 @@ from einops import rearrange
 
 from common import (
     DTYPES,
+    GPT,
     GPTConfig,
     MarkovData,
     build_gpt,
@@ -108,18 +110,15 @@ class _LinearDeferringW(torch.autograd.Function):
     def forward(ctx, x, weight, bias, layer, split):
         # x for W, the weight for dx: what nn.Linear's own backward keeps
         ctx.save_for_backward(x, weight)
-        ctx.layer, ctx.split = layer, split
+        ctx.layer = layer
+        ctx.split = split
         return F.linear(x, weight, bias)
 
     @staticmethod
     def backward(ctx, dy):  # dy: (..., out)
         x, weight = ctx.saved_tensors  # x: (..., in)
         ctx.split.saved.append((ctx.layer, x, dy))
-        dx = (
-            dy.reshape(-1, dy.shape[-1]).mm(weight).view(x.shape)
-            if ctx.needs_input_grad[0]
-            else None
-        )
+        dx = dy.matmul(weight) if ctx.needs_input_grad[0] else None  # (..., in)
         return dx, None, None, None, None  # no weight or bias gradient now: W adds it
 
 
@@ -138,7 +137,7 @@ class SplitBackward:
                     x, layer.weight, layer.bias, layer, self
                 )
 
-    def backward_input(self, out, grad=None):
+    def backward_input(self, out, grad):
         torch.autograd.backward(out, grad)
         saved, self.saved = self.saved, []
         return saved
@@ -146,10 +145,8 @@ class SplitBackward:
     @staticmethod
     def backward_weight(saved):
         for layer, x, dy in saved:
-            x2, dy2 = (
-                x.detach().reshape(-1, x.shape[-1]),
-                dy.reshape(-1, dy.shape[-1]),
-            )  # (N, in), (N, out)
+            x2 = x.detach().reshape(-1, x.shape[-1])  # (N, in)
+            dy2 = dy.reshape(-1, dy.shape[-1])  # (N, out)
             # autograd's addmm / mm backward products, same layout and bits; x detached: W builds no
             # graph
             grads = [(layer.weight, dy2.t().mm(x2))]  # (out, in)
@@ -178,16 +175,16 @@ class Chunk(nn.Module):
 
     def __init__(self, gpt, c, bounds):
         super().__init__()
-        start, end = bounds[c]
         self.first = c == 0
         self.last = c == len(bounds) - 1
         if self.first:
             self.tok_emb = gpt.tok_emb
             self.pos_emb = gpt.pos_emb
             self.drop = gpt.drop
-        self.blocks = nn.ModuleDict({str(i): gpt.blocks[i] for i in range(start, end)})
+        self.blocks = nn.ModuleDict({str(i): gpt.blocks[i] for i in range(*bounds[c])})
         if self.last:
-            self.ln_f, self.head = gpt.ln_f, gpt.head
+            self.ln_f = gpt.ln_f
+            self.head = gpt.head
 
     def forward(self, h):  # first chunk: (b, T) token ids; others: (b, T, D) from the chunk before
         if self.first:  # = GPT.embed
@@ -209,42 +206,40 @@ def dualpipev(p, m, r):
         )
     down = r
     up = 2 * p - 1 - r
+    after = p - r - 1  # ranks after this one down the V
     slots = []
-    done = collections.Counter()  # (kind, chunk) -> ops run: the next micro-batch
-    held = collections.deque()  # [W] slots of B's run alone, oldest first
+    nxt = collections.defaultdict(itertools.count)  # (kind, chunk) -> its next micro-batch
+    held = []  # [W] slots of B's run alone, oldest first
 
     def f(c):
-        done["F", c] += 1
-        return [("F", c, done["F", c] - 1)]
+        return [("F", c, next(nxt["F", c]))]
 
-    def b(c, w_now):  # B; its W at once (a full backward) or held for later
-        done["B", c] += 1
-        k = done["B", c] - 1
-        if w_now:
-            return [("B", c, k), ("W", c, k)]
-        held.append([("W", c, k)])
-        return [("B", c, k)]
+    def b(c, hold=False):  # B, then its W at once (a full backward) or, held, in a later slot
+        k = next(nxt["B", c])
+        if hold:
+            held.append([("W", c, k)])
+            return [("B", c, k)]
+        return [("B", c, k), ("W", c, k)]
 
-    slots += [f(down) for _ in range(2 * (p - r - 1))]  # 1. warm-up
+    slots += [f(down) for _ in range(2 * after)]  # 1. warm-up
     for _ in range(r + 1):
         slots += [f(down), f(up)]
-    for _ in range(p - r - 1):
-        slots += [b(up, False), held.popleft(), f(up)]
+    for _ in range(after):
+        slots += [b(up, hold=True), held.pop(0), f(up)]
     for i in range(m - 2 * p + r + 1):  # 2. steady: F&B slots
         if i == 0 and r == p - 1:  # not paired, to shorten the bubble (DeepSeek's DualPipeV)
-            slots += [f(down), b(up, True)]
+            slots += [f(down), b(up)]
         else:
-            slots.append(f(down) + b(up, True))
-        slots.append(f(up) + b(down, True))
-    for _ in range(p - r - 1):  # 3. cool-down
-        slots += [b(up, True), f(up) + b(down, True)]
+            slots.append(f(down) + b(up))
+        slots.append(f(up) + b(down))
+    for _ in range(after):  # 3. cool-down
+        slots += [b(up), f(up) + b(down)]
     half = (r + 1) // 2  # from the middle on, W's are held to fill the drain (odd r: from B up)
     for i in range(r + 1):
-        slots.append(b(up, i < half + (r % 2 == 0)))
-        slots.append(b(down, i < half))
-    for _ in range(p - r - 1):
-        slots += [held.popleft(), b(down, False)]
-    return slots + list(held)
+        slots += [b(up, hold=i >= half + (r % 2 == 0)), b(down, hold=i >= half)]
+    for _ in range(after):
+        slots += [held.pop(0), b(down, hold=True)]
+    return slots + held  # the W's still held
 
 
 def holder(c, p):  # the pp rank holding chunk c of 2p: the V
@@ -252,15 +247,17 @@ def holder(c, p):  # the pp rank holding chunk c of 2p: the V
 
 
 # ------------------------------------------------------------------------- messages, placed in time
-def needs(op, n):
-    """The message op (kind, c, k) waits for, from chunk c-1 (F) or c+1 (B); None: tokens, a loss, a
-    B (W)."""
-    kind, c, _ = op
-    return None if kind == "W" or (kind, c) in (("F", 0), ("B", n - 1)) else op
-
-
-def producer(msg):  # the op that makes message (kind, c, k)
-    return ("F", msg[1] - 1, msg[2]) if msg[0] == "F" else ("B", msg[1] + 1, msg[2])
+def waits_for(op, n):
+    """The ops that op (kind, c, k), on one of n chunks, waits for: F the F of chunk c-1 (chunk 0
+    reads tokens); B its own F and the B of chunk c+1 (chunk n-1 starts from its loss); W its B. One
+    run on another rank is a message, named by the op that reads it: an activation (F) or a
+    gradient (B) for chunk c."""
+    kind, c, k = op
+    if kind == "F":
+        return [("F", c - 1, k)] if c > 0 else []
+    if kind == "B":
+        return [("F", c, k)] + ([("B", c + 1, k)] if c < n - 1 else [])
+    return [("B", c, k)]
 
 
 def ideal_timeline(orders, n):
@@ -268,25 +265,21 @@ def ideal_timeline(orders, n):
     time unit each, a slot the sum of its ops, and messages are free: {op: (rank, slot start, slot
     end)}. A slot starts once all it waits for from outside it is done. Its idle units are the
     schedule's bubble."""
-    p = len(orders)
     at = {}
-    nxt = [0] * p
-    free = [0] * p
-    while any(nxt[r] < len(orders[r]) for r in range(p)):
+    left = [collections.deque(order) for order in orders]  # each rank's slots still to place
+    free = [0] * len(orders)  # when each rank's last placed slot ends
+    while any(left):
         moved = False
-        for r in range(p):
-            while nxt[r] < len(orders[r]):
-                slot = orders[r][nxt[r]]
-                deps = [producer(op) for op in slot if needs(op, n)]
-                deps += [("F", *op[1:]) for op in slot if op[0] == "B"]
-                deps += [("B", *op[1:]) for op in slot if op[0] == "W"]
-                deps = [dep for dep in deps if dep not in slot]
+        for r, todo in enumerate(left):
+            while todo:
+                slot = todo[0]
+                deps = [dep for op in slot for dep in waits_for(op, n) if dep not in slot]
                 if any(dep not in at for dep in deps):
                     break
                 start = max([free[r]] + [at[dep][2] for dep in deps])
                 free[r] = start + len(slot)
                 at.update((o, (r, start, free[r])) for o in slot)
-                nxt[r] += 1
+                todo.popleft()
                 moved = True
         if not moved:
             raise ValueError(
@@ -300,28 +293,29 @@ def comm_plan(orders, n, r):
     message)]. Each message travels at the moment G of the ideal timeline that the slot making it
     ends. Both ranks post it in their batch of G, after every slot that starts before G, so all post
     batches in order of G, none waiting for a later one: no cycle (NCCL deadlocks on a send whose
-    receive is posted behind a wait on the sender). Sorted alike on both sides. (zero_bubble.py
-    waits for a moment both ranks are between ops: fewer batches, more code.)"""
+    receive is posted behind a wait on the sender). Both sides list a batch's messages in the same
+    order: they walk the same timeline. (zero_bubble.py waits for a moment both ranks are between
+    ops: fewer batches, more code.)"""
     at = ideal_timeline(orders, n)
-    items = collections.defaultdict(lambda: ([], []))
-    for msg in (needs(op, n) for op in at):
-        if msg is not None and at[producer(msg)][0] != at[msg][0]:
-            src, _, when = at[producer(msg)]
-            dst = at[msg][0]
+    sends = collections.defaultdict(list)  # moment -> [(pp rank, message)]
+    recvs = collections.defaultdict(list)
+    for op, (dst, _, _) in at.items():
+        # a message: what op waits for, made on another rank (the V's turn stays on rank p-1)
+        for src, _, when in [at[dep] for dep in waits_for(op, n) if at[dep][0] != dst]:
             if src == r:
-                items[when][0].append((dst, msg))
+                sends[when].append((dst, op))
             if dst == r:
-                items[when][1].append((src, msg))
+                recvs[when].append((src, op))
     steps = [((at[slot[0]][1], 1), ("slot", slot)) for slot in orders[r]]
-    steps += [((when, 0), ("p2p", sorted(s), sorted(rv))) for when, (s, rv) in items.items()]
-    return [step for _, step in sorted(steps, key=lambda x: x[0])]
+    steps += [((when, 0), ("p2p", sends[when], recvs[when])) for when in {*sends, *recvs}]
+    # keys are distinct: a rank's slots start at distinct moments, one batch per moment, batches
+    # first
+    return [step for _, step in sorted(steps)]
 
 
 # ------------------------------------------------------------------------ one rank running its plan
-TAG = {
-    "F": 0,
-    "B": 1,
-}  # a point-to-point tag per direction: activations 0, gradients 1 (NCCL ignores tags)
+# a point-to-point tag per direction: activations 0, gradients 1 (NCCL ignores tags)
+TAG = {"F": 0, "B": 1}
 
 
 class PipelineRank:
@@ -332,7 +326,10 @@ class PipelineRank:
     group    the pipeline's ranks in pp rank order; every message is one tensor of msg_shape and dtype
     observe  a context around every F, B, W (observe(kind, mb, chunk=c)) and p2p (observe("p2p", None,
              recvs=[message, ...])). NCCL wants a collective on the group first: the caller runs
-             it."""
+             it.
+    Every activation and gradient waits in one box, keyed by the op that reads it (kind, chunk, mb):
+    for a chunk here, made here (the V's turn) or received; for a chunk of another rank, to be sent
+    by the plan's next batch."""
 
     def __init__(self, chunks, n, plan, split, group, msg_shape, dtype, device, observe=None):
         self.chunks = chunks
@@ -344,18 +341,16 @@ class PipelineRank:
         self.dtype = dtype
         self.device = device
         self.observe = observe or (lambda *a, **k: contextlib.nullcontext())
-        self.inbox = {}
-        self.outbox = {}
+        self.box = {}
         self.alive = {}
         self.waiting = {}
-        peers = {
-            q for step, *what in plan if step == "p2p" for q, _ in what[0] + what[1]
-        }  # pp ranks
+        # pp ranks
+        peers = {q for step, *what in plan if step == "p2p" for q, _ in what[0] + what[1]}
         if dist.get_rank(group) < 0 or not peers <= set(range(dist.get_world_size(group))):
-            # micro-batches the plan runs
             raise ValueError(
                 f"the plan's peers {sorted(peers)} are not in the group: plan for p = its size"
             )
+        # micro-batches the plan runs
         self.m = 1 + max(op[2] for step, slot, *_ in plan if step == "slot" for op in slot)
 
     def run(self, inputs, targets, loss_fn):
@@ -383,44 +378,37 @@ class PipelineRank:
         return self.loss
 
     def exchange(self, sends, recvs):
-        """One batch_isend_irecv: sends [(pp rank, message)] from the outbox, receives into the
-        inbox."""
-        into = {
-            msg: torch.empty(self.msg_shape, dtype=self.dtype, device=self.device)
-            for _, msg in recvs
-        }
-        out = [(dist.isend, self.outbox.pop(msg).contiguous(), q, msg) for q, msg in sends]
-        ops = [
+        """One batch_isend_irecv: sends [(pp rank, message)] out of the box, receives into it."""
+        ops = [(dist.isend, self.box.pop(msg).contiguous(), q, msg) for q, msg in sends]
+        for q, msg in recvs:
+            self.box[msg] = torch.empty(self.msg_shape, dtype=self.dtype, device=self.device)
+            ops.append((dist.irecv, self.box[msg], q, msg))
+        p2p = [
             dist.P2POp(op, t, group=self.group, group_peer=q, tag=TAG[msg[0]])  # q: a pp rank
-            for op, t, q, msg in out + [(dist.irecv, into[msg], q, msg) for q, msg in recvs]
+            for op, t, q, msg in ops
         ]
-        for req in dist.batch_isend_irecv(ops) if ops else []:
+        # never empty: comm_plan makes a batch only for a message
+        for req in dist.batch_isend_irecv(p2p):
             req.wait()
-        self.inbox.update(into)
-
-    def hand_on(self, msg, t):
-        """To the chunk that waits for `msg`: here when this rank holds it (the V's turn), else a
-        message."""
-        (self.inbox if msg[1] in self.chunks else self.outbox)[msg] = t
 
     def forward(self, c, k, inputs, targets, loss_fn):
         # (b, T) ids or (b, T, D)
-        inp = inputs[k] if c == 0 else self.inbox.pop(("F", c, k)).requires_grad_()
+        inp = inputs[k] if c == 0 else self.box.pop(("F", c, k)).requires_grad_()
         out = self.chunks[c](inp)  # (b, T, D); last chunk: logits (b, T, V) ...
         if c == self.n - 1:
             out = loss_fn(out, targets[k])  # ... and its loss
             self.loss += out.detach()
         else:
-            self.hand_on(("F", c + 1, k), out.detach())  # (b, T, D) to chunk c+1
+            self.box["F", c + 1, k] = out.detach()  # (b, T, D) to chunk c+1
         self.alive[c, k] = inp, out
 
     # B: the input's gradient now; the Linears' weight gradients wait for W
     def backward(self, c, k):
         inp, out = self.alive.pop((c, k))
-        grad = None if c == self.n - 1 else self.inbox.pop(("B", c, k))  # last chunk: from its loss
+        grad = None if c == self.n - 1 else self.box.pop(("B", c, k))  # last chunk: from its loss
         self.waiting[c, k] = self.split.backward_input(out, grad)
         if c > 0:
-            self.hand_on(("B", c - 1, k), inp.grad)  # (b, T, D) to chunk c-1
+            self.box["B", c - 1, k] = inp.grad  # (b, T, D) to chunk c-1
 
 
 # -------------------------------------------------------------------- after the flush: DP, clipping
@@ -430,17 +418,13 @@ def finish_batch(params, loss, dp_group, group, max_norm):
     norm and the loss in one all-reduce over `group`, all pipelines (norm from dp rank 0). 3. Clip
     (0: none). -> (loss, norm)"""
     if dist.get_world_size(dp_group) > 1:
-        flat = torch.cat([q.grad.reshape(-1) for q in params])  # (this rank's elements,)
+        flat = torch.cat([q.grad.flatten() for q in params])  # (this rank's elements,)
         dist.all_reduce(flat, group=dp_group)
         for q, part in zip(params, flat.split([q.numel() for q in params])):
             q.grad.copy_(part.view_as(q))
     acc = torch.promote_types(params[0].dtype, torch.float32)
-    sq = (
-        torch.stack([torch.linalg.vector_norm(q.grad, dtype=acc) for q in params])
-        .square()
-        .sum()
-        .double()
-    )
+    # this rank's squared norm, summed in float64 (norms in float32 at least)
+    sq = sum(torch.linalg.vector_norm(q.grad, dtype=acc).double() ** 2 for q in params)
     # (2,) pieces
     total = torch.stack([loss, sq if dist.get_rank(dp_group) == 0 else torch.zeros_like(sq)])
     dist.all_reduce(total, group=group)  # (2,) the batch loss, the whole model's squared norm
@@ -471,8 +455,8 @@ def check_args(args):
         dualpipev(p, args.microbatches, 0)
     except ValueError as e:
         fail(str(e))
-    if args.batch_size % (args.dp * args.microbatches):
-        per = args.dp * args.microbatches
+    per = args.dp * args.microbatches
+    if args.batch_size % per:
         fail(
             f"--batch-size {args.batch_size} is not divisible by dp x microbatches = {per}: use "
             f"--batch-size {(args.batch_size // per + 1) * per}"
@@ -488,7 +472,7 @@ def main():
     # b: micro-batch
     dp = args.dp
     m = args.microbatches
-    b = args.batch_size // (args.dp * args.microbatches)
+    b = args.batch_size // (dp * m)
 
     # --- setup (same in every file) ---
     d = init_dist(args.timeout)
@@ -496,7 +480,7 @@ def main():
     bounds = split_layers(args.n_layers, 2 * p)
     # data parallel outermost: a pipeline is a column, grid[:, j]
     grid = torch.arange(world).view(p, dp)
-    pp_rank, dp_rank = [int(i) for i in (grid == d.rank).nonzero()[0]]
+    pp_rank, dp_rank = divmod(d.rank, dp)  # this rank's row and column in the grid
     # every rank makes each group
     dp_group = [dist.new_group(grid[i, :].tolist()) for i in range(p)][pp_rank]
     pp_group = [dist.new_group(grid[:, j].tolist()) for j in range(dp)][dp_rank]  # pp rank order
@@ -508,25 +492,23 @@ def main():
     dtype = DTYPES[args.dtype]
     # whole, on CPU; a rank takes its two chunks
     gpt = build_gpt(GPTConfig.from_args(args), args.seed, dtype)
-    shapes = {n: q.shape for n, q in gpt.named_parameters()}
-    mine = [c for c in range(len(bounds)) if holder(c, p) == pp_rank]
-    chunks = nn.ModuleDict({str(c): Chunk(gpt, c, bounds) for c in mine}).to(d.device)
+    mine = {c: Chunk(gpt, c, bounds) for c in range(2 * p) if holder(c, p) == pp_rank}
+    # one module of them both, for the optimizer, the checkpoint and the names; moved in place
+    chunks = nn.ModuleDict({str(c): chunk for c, chunk in mine.items()}).to(d.device)
     del gpt
     # every Linear of this rank's chunks defers its weight gradient to W
     split = SplitBackward(chunks)
-    opt = make_optimizer(chunks.parameters(), args)
     params = list(chunks.parameters())
+    opt = make_optimizer(params, args)
     run = Run(d, args, {"model": chunks, "optim": opt})
-    orders = [dualpipev(p, m, r) for r in range(p)]
-    plan = comm_plan(orders, len(bounds), pp_rank)
+    plan = comm_plan([dualpipev(p, m, r) for r in range(p)], 2 * p, pp_rank)
     # NCCL sets up a group's communicator at its first collective; batched point-to-point must not
     # come first
     dist.all_reduce(torch.zeros(1, device=d.device), group=pp_group)
-    watch = Watch(d, args, (pp_rank, dp_rank))
-    comm = CommCounter(log=True)
+    watch = Watch(d, args, (pp_rank, dp_rank), chunks, opt)
     runner = PipelineRank(
-        {c: chunks[str(c)] for c in mine},
-        len(bounds),
+        mine,
+        2 * p,
         plan,
         split,
         pp_group,
@@ -536,33 +518,24 @@ def main():
         observe=watch,
     )
     watch.runner = runner
-    watch.state = lambda: state_bytes(chunks, opt)
     for step in run.steps():
         # (B, T) global batch, CPU
         x, y = data.batch(step, args.batch_size, args.seq_len, args.ragged)
         n_tok = count_tokens(y)  # the whole global batch's: every micro-batch loss divides by it
-        rows = slice(dp_rank * b * m, (dp_rank + 1) * b * m)  # this replica's rows
-        # (m, b, T) each
-        mbs = [rearrange(z[rows], "(m b) t -> m b t", m=m).to(d.device) for z in (x, y)]
-        watch.step = step
-        # count the sends of the step before last (counting slows ops; the last step's bubble is
-        # reported)
-        with run.watching(step, comm, at=max(run.start, args.steps - 2)):
+        # (m, b, T) each: this replica's rows, cut into micro-batches
+        mbs = [
+            rearrange(z, "(dp m b) t -> dp m b t", dp=dp, m=m)[dp_rank].to(d.device) for z in (x, y)
+        ]
+        # its events tagged with the step; the sends counted in the step before last
+        with watch.watching(run, step):
             loss = runner.run(*mbs, lambda logits, tgt: lm_loss(logits, tgt, n_tok))
             loss, _ = finish_batch(params, loss, dp_group, dist.group.WORLD, args.clip)
         opt.step()
         opt.zero_grad(set_to_none=True)
         run.end_step(step, loss)
 
-    figures = report(d, args, p, watch, comm, bounds)
-    peak = peak_memory_bytes(d, watch.bytes)  # counted; CUDA's own peak on a GPU
-    check = None
-    if args.check:  # the full model, by name, from the chunks of dp replica 0 (one all-reduce)
-        owned = {}
-        if dp_rank == 0:
-            owned = {n.split(".", 1)[1]: q for n, q in chunks.named_parameters()}
-        check = check_against_reference(d, args, run.losses, assemble_full(d, owned, shapes, dtype))
-    run.finish("dualpipev", peak, max(figures.get("sent_bytes_per_rank", [0])), check, figures)
+    # the summary, then --check
+    summarize(d, args, p, run, watch, bounds, chunks)
 
 
 # --- measurement --- (from outside the schedule: its observe callback, the counter, the report)
@@ -572,13 +545,15 @@ class Watch(PipelineWatch):
     micro-batch chunks alive (F to W); after a forward, the bytes alive: what forwards saved for
     backward, the inputs and outputs held to B, what B left for W, and the state."""
 
-    def __init__(self, d, args, coords):
+    def __init__(self, d, args, coords, model, opt):
         ms = args.stage_ms
         pp, dp = coords
         super().__init__(
             d, dict(F=ms, B=ms, W=ms), ("chunk", "step", "pp", "dp", "recv"), dict(pp=pp, dp=dp)
         )
-        self.runner, self.state = None, None
+        self.runner = None
+        self.state = lambda: state_bytes(model, opt)  # parameters, gradients, optimizer state
+        self.comm = CommCounter(log=True)  # sends, at the dispatcher
 
     def before(self, kind, mb):
         r = self.runner
@@ -590,6 +565,12 @@ class Watch(PipelineWatch):
             ]  # what W needs
             self.bytes = max(self.bytes, self.live.alive(*held) + self.state())
 
+    def watching(self, run, step):
+        """Around one step's work: its events tagged with the step; the sends counted in the step
+        before last only (counting slows ops; the last step's bubble is reported)."""
+        self.step = step
+        return run.watching(step, self.comm, at=max(run.start, run.args.steps - 2))
+
 
 def theory(p, m):
     """Per pp rank, DeepSeek-V3's Table 2 for DualPipeV at PP = 2p stages, one slot per F, B, W (the
@@ -600,10 +581,28 @@ def theory(p, m):
     return (p - 1) / (3 * m), [2 * p + 1] * p, msgs, msgs
 
 
-def report(d, args, p, watch, comm, bounds):
+def summarize(d, args, p, run, watch, bounds, chunks):
+    """The report, the peak (counted; CUDA's own on a GPU), then --check: the full model, by name,
+    from the chunks of dp replica 0 (one all-reduce)."""
+    figures = report(d, args, p, watch, bounds)
+    peak = peak_memory_bytes(d, watch.bytes)
+    check = None
+    if args.check:
+        with torch.device("meta"):  # the names and shapes of the whole GPT, no storage
+            shapes = {n: q.shape for n, q in GPT(GPTConfig.from_args(args)).named_parameters()}
+        owned = {}
+        if watch.coords["dp"] == 0:
+            owned = {n.split(".", 1)[1]: q for n, q in chunks.named_parameters()}
+        full = assemble_full(d, owned, shapes, DTYPES[args.dtype])
+        check = check_against_reference(d, args, run.losses, full)
+    run.finish("dualpipev", peak, max(figures.get("sent_bytes_per_rank", [0])), check, figures)
+
+
+def report(d, args, p, watch, bounds):
     """Every rank's events and counts, gathered (tensors only); rank 0: each figure beside its
     theory, the table, the timeline of the last step of pipeline 0, --trace."""
     m = args.microbatches
+    comm = watch.comm
     tags = [c["tag"] for c in comm.calls_log if c["op"] == "send"]  # one tag per direction
     events = watch.timeline.gather()
     rows = gather_rows(

@@ -249,8 +249,8 @@ def test_plans_never_deadlock():
         plans = [expand(dpv.comm_plan(orders, n, r)) for r in range(p)]
         idle, fwd = simulate_p2p_plans(
             plans,
-            lambda op: dpv.needs(op, n),
-            dpv.producer,
+            lambda op: needs(op, n),
+            producer,
             {"F": 1, "B": 1, "W": 1},
             lambda msg: msg[:2] in (("F", p), ("B", p - 1)),
         )
@@ -259,7 +259,20 @@ def test_plans_never_deadlock():
     reverse = [p2p for p2p in plans[0] if p2p[0] == "p2p"][::-1]
     broken = [[s for s in plans[0] if s[0] != "p2p"] + reverse] + plans[1:]
     with pytest.raises(AssertionError):
-        simulate_p2p_plans(broken, lambda op: dpv.needs(op, n), dpv.producer, dict(F=1, B=1, W=1))
+        simulate_p2p_plans(broken, lambda op: needs(op, n), producer, dict(F=1, B=1, W=1))
+
+
+def needs(op, n):
+    """The message an op (kind, c, k) of n chunks waits for, named as the op: F's activation from chunk
+    c-1, B's gradient from chunk c+1; None for chunk 0's F (tokens), chunk n-1's B (its loss) and W."""
+    kind, c, _ = op
+    return None if kind == "W" or (kind, c) in (("F", 0), ("B", n - 1)) else op
+
+
+def producer(msg):
+    """The op that makes message (kind, c, k): the same kind on chunk c-1 (F) or c+1 (B)."""
+    kind, c, k = msg
+    return (kind, c - 1 if kind == "F" else c + 1, k)
 
 
 def expand(plan):
@@ -426,8 +439,8 @@ def test_a_swapped_pair_in_the_source_is_caught():
     import section
 
     text = (ROOT / "dualpipev.py").read_text()
-    old = "            slots.append(f(down) + b(up, True))\n        slots.append(f(up) + b(down, True))\n"
-    new = "            slots.append(f(up) + b(down, True))\n        slots.append(f(down) + b(up, True))\n"
+    old = "            slots.append(f(down) + b(up))\n        slots.append(f(up) + b(down))\n"
+    new = "            slots.append(f(up) + b(down))\n        slots.append(f(down) + b(up))\n"
     assert text.count(old) == 1
     mutant = section.load("dualpipev.py", text.replace(old, new))["dualpipev"]
     for p, m in [(2, 4), (3, 7), (4, 8)]:
