@@ -167,12 +167,11 @@ def check_tp_split(n, t, what):
         raise ValueError(f"{what} {n} is not divisible by the TP degree {t}: use a multiple of {t}")
 
 
-def shard(full, dim, group):
-    """This rank's slice along `dim` of a full tensor (or of several, their slices stacked), as one
-    Parameter marked tp_dim (split along it) and tp_full (the unpadded size), so that clipping and
-    gathering know. A size that t does not divide is zero-padded to a multiple of t (only the
-    vocabulary ever needs it)."""
-    parts, t = (full if isinstance(full, (list, tuple)) else [full]), dist.get_world_size(group)
+def shard(parts, dim, group):
+    """This rank's slice along `dim` of the full tensors `parts` (several: their slices stacked), as
+    one Parameter marked tp_dim (split along it), so that clipping knows. A single tensor that t
+    does not divide is zero-padded to a multiple of t (only the vocabulary ever needs it)."""
+    t = dist.get_world_size(group)
     if len(parts) > 1 and any(x.shape[dim] % t for x in parts):
         raise ValueError(
             f"fused parts of sizes {[x.shape[dim] for x in parts]} must each split evenly over "
@@ -186,7 +185,7 @@ def shard(full, dim, group):
             torch.cat([x.detach(), x.new_zeros(pad)], dim).chunk(t, dim)[dist.get_rank(group)]
         )
     p = nn.Parameter(torch.cat(slices, dim).clone())
-    p.tp_dim, p.tp_full = dim, sum(x.shape[dim] for x in parts)
+    p.tp_dim = dim
     return p
 
 
@@ -242,7 +241,7 @@ class RowParallelLinear(nn.Module):
 
     def __init__(self, linear, group):
         super().__init__()
-        self.weight, self.group = shard(linear.weight, 1, group), group
+        self.weight, self.group = shard([linear.weight], 1, group), group
         # replicated
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone())
 
@@ -261,7 +260,7 @@ class VocabParallelEmbedding(nn.Module):
 
     def __init__(self, embedding, group):
         super().__init__()
-        self.weight, self.group = shard(embedding.weight, 0, group), group
+        self.weight, self.group = shard([embedding.weight], 0, group), group
         self.start = dist.get_rank(group) * self.weight.shape[0]
 
     def forward(self, idx):  # (B, T) global token ids
@@ -387,11 +386,11 @@ class ParallelMLP(nn.Module):
         super().__init__()
         self.fc = Column(full.fc, group)
         self.proj = Row(full.proj, group)
-        self.p = full.drop.p
+        self.drop = nn.Dropout(full.drop.p)  # replicated region: the default stream
 
     def forward(self, x):  # (B, T, D) replicated
         y = self.proj(F.gelu(self.fc(x)))  # fc: (B, T, 4D/t) local; proj: (B, T, D) summed
-        return F.dropout(y, self.p, self.training)
+        return self.drop(y)
 
 
 class ParallelGPT(nn.Module):
@@ -416,14 +415,14 @@ class ParallelGPT(nn.Module):
         self.blocks = full.blocks
         self.ln_f = full.ln_f
         self.head = self.Column(full.head, group)  # untied, no bias
-        self.p = full.cfg.dropout
+        self.drop = full.drop
         self.group = group
         self.tracker = tracker
 
     # (B, T) global ids -> (B, T, V_pad/t) logits, this rank's vocabulary slice
     def forward(self, idx):
         h = self.tok_emb(idx)  # (B, T, D) replicated
-        h = F.dropout(h + self.pos_emb(self.positions(h)), self.p, self.training)
+        h = self.drop(h + self.pos_emb(self.positions(h)))
         for block in self.blocks:
             h = block(h)
         return self.head(self.ln_f(h))  # head: f then (B, T, V_pad/t) local
@@ -469,10 +468,10 @@ def all_gather(x, dim, group):
     t = dist.get_world_size(group)
     if t == 1:
         return x
+    out = x.new_empty(t, *x.shape)  # (t, .., n, ..): slot r from rank r
     # flat: every backend takes 1-D
-    out = x.new_empty(t * x.numel())
-    dist.all_gather_single(out, x.contiguous().view(-1), group=group)
-    return torch.cat(out.view(t, *x.shape).unbind(0), dim)
+    dist.all_gather_single(out.view(-1), x.contiguous().view(-1), group=group)
+    return torch.cat(out.unbind(0), dim)
 
 
 def reduce_scatter(x, dim, group):  # (.., t*n, ..) partial sums -> (.., n, ..) summed, chunk r
@@ -481,7 +480,7 @@ def reduce_scatter(x, dim, group):  # (.., t*n, ..) partial sums -> (.., n, ..) 
     check_tp_split(x.shape[dim], t, "sequence parallelism's T =")
     if t == 1:
         return x
-    whole = torch.stack(x.chunk(t, dim)).contiguous()  # (t, .., n, ..): slot r goes to rank r
+    whole = torch.stack(x.chunk(t, dim))  # (t, .., n, ..), contiguous: slot r goes to rank r
     out = x.new_empty(whole.shape[1:])
     dist.reduce_scatter_single(out.view(-1), whole.view(-1), group=group)
     return out
@@ -505,21 +504,34 @@ class g_sp(torch.autograd.Function):
 # LinearWithGradAccumulationAndAsyncCommunication does), so that the layer saves only its (B, T/t,
 # D) chunk of X: F.linear on f_sp's output would keep the whole gathered X. The GEMM is handed over
 # as gemm(c, x_c), c the chunk of T that x_c holds; SP runs it once on all T, one chunk (c = 0);
-# --overlap, below, runs it on each rank's chunk as it arrives.
+# --overlap runs it on each rank's chunk as it arrives by the ring (`ring`, the next heading's).
 def gather_gemm(x, group, gemm, overlap):
     """f_sp's all-gather of X's chunks x along T, then the GEMM after it: [gemm(c, x_c)] in the
-    order of T."""
-    if overlap:
-        return ring_gather_gemm(x, group, gemm)
-    return [gemm(0, all_gather(x, 1, group))]  # (B, T, in): all T, one chunk
+    order of T. --overlap: by the ring, each chunk's GEMM as it arrives; after s steps rank r holds
+    rank r + s's chunk."""
+    if not overlap:
+        return [gemm(0, all_gather(x, 1, group))]  # (B, T, in): all T, one chunk
+    t = dist.get_world_size(group)
+    r = dist.get_rank(group)
+    out = [None] * t
+
+    def work(s, x_c):
+        out[(r + s) % t] = gemm((r + s) % t, x_c)
+
+    work(t - 1, ring(x.contiguous(), group, work))  # the last chunk to arrive
+    return out
 
 
 def gemm_scatter(gemm, group, overlap):
     """The GEMM, then g_sp's reduce-scatter along T of its partial sums: this rank's (B, T/t, ..)
-    summed."""
-    if overlap:
-        return ring_gemm_scatter(gemm, group)
-    return reduce_scatter(gemm(0), 1, group)
+    summed. --overlap: by the ring, gemm(c) this rank's partial sum of chunk c of T; the sum of
+    chunk r + 1 starts here and travels to r - 1, r - 2, ..., each rank adding its own, and arrives
+    whole at rank r + 1."""
+    if not overlap:
+        return reduce_scatter(gemm(0), 1, group)
+    t = dist.get_world_size(group)
+    r = dist.get_rank(group)
+    return ring(gemm((r + 1) % t), group, lambda s, _: gemm((r + s + 2) % t))
 
 
 class GatherGEMM(torch.autograd.Function):
@@ -606,6 +618,7 @@ def sum_replicated_grads(model, tp_group):
 #     1     Q = X[r+2] W^T       P -> r-1, P' <- r+1; P' + Q
 #     2     R = X[r] W^T         P'+Q -> r-1, ... + R: chunk r
 #
+# gather_gemm and gemm_scatter, above, run these steps when given overlap; ring is their step loop.
 # t - 1 sends of one (B, T/t, D) chunk: the bytes the ring algorithms of both collectives send.
 def ring(carry, group, work):
     """t - 1 steps round `group`'s ring: each rank sends `carry` to rank r - 1 and receives rank r +
@@ -626,29 +639,6 @@ def ring(carry, group, work):
     return carry
 
 
-def ring_gather_gemm(x, group, gemm):
-    """gather_gemm by the ring: gemm(c, x_c) for the chunk x_c of every rank c, each computed as it
-    arrives, returned in rank order; after s steps rank r holds rank r + s's chunk."""
-    t = dist.get_world_size(group)
-    r = dist.get_rank(group)
-    out = [None] * t
-
-    def work(s, x_c):
-        out[(r + s) % t] = gemm((r + s) % t, x_c)
-
-    work(t - 1, ring(x.contiguous(), group, work))  # the last chunk to arrive
-    return out
-
-
-def ring_gemm_scatter(gemm, group):
-    """gemm_scatter by the ring: gemm(c) is this rank's partial sum of chunk c of T. The sum of
-    chunk r + 1 starts here and travels to r - 1, r - 2, ..., each rank adding its own, and arrives
-    whole at rank r + 1."""
-    t = dist.get_world_size(group)
-    r = dist.get_rank(group)
-    return ring(gemm((r + 1) % t), group, lambda s, _: gemm((r + s + 2) % t))
-
-
 class RingColumnParallelLinear(SPColumnParallelLinear):
     overlap = True  # GatherGEMM's all-gathers and its reduce-scatter as the ring's steps
 
@@ -663,7 +653,7 @@ class GEMMScatter(torch.autograd.Function):
         check_tp_split(x.shape[1], t, "the ring's T =")  # before any exchange
         ctx.save_for_backward(x, weight)
         ctx.group = group
-        return ring_gemm_scatter(lambda c: x.chunk(t, 1)[c] @ weight.T, group)
+        return gemm_scatter(lambda c: x.chunk(t, 1)[c] @ weight.T, group, overlap=True)
 
     @staticmethod
     def backward(ctx, dy):  # (B, T/t, out)
@@ -671,8 +661,11 @@ class GEMMScatter(torch.autograd.Function):
         xs = x.chunk(dist.get_world_size(ctx.group), 1)
         # each chunk of dY as it arrives: dL/dX_c = dY_c W (B, T/t, in/t), dY_c^T X_c (out, in/t) of
         # dL/dW
-        grads = ring_gather_gemm(
-            dy, ctx.group, lambda c, d: (d @ weight, torch.einsum("bto,bti->oi", d, xs[c]))
+        grads = gather_gemm(
+            dy,
+            ctx.group,
+            lambda c, d: (d @ weight, torch.einsum("bto,bti->oi", d, xs[c])),
+            overlap=True,
         )
         dx, dw = zip(*grads)
         return torch.cat(dx, 1), sum(dw), None
@@ -728,15 +721,13 @@ def main():
     d = init_dist(args.timeout)
     data = MarkovData(args.vocab, args.seed)
     grid = torch.arange(d.world).view(dp, t)  # rows: TP groups (adjacent ranks); columns: DP groups
-    # every rank creates every group, same order
-    tp_groups = [dist.new_group(row) for row in grid.tolist()]
-    dp_groups = [dist.new_group(col) for col in grid.T.tolist()]
-    dp_rank, tp_rank = divmod(d.rank, t)
-    tp_group, dp_group = tp_groups[dp_rank], dp_groups[tp_rank]
+    # every rank creates every group, same order, and gets the one it is in
+    tp_group, _ = dist.new_subgroups_by_enumeration(grid.tolist())
+    dp_group, _ = dist.new_subgroups_by_enumeration(grid.T.tolist())
     # the same replicas again, for the log line's loss only: on NCCL its own communicator, so that
     # the loss's all-reduce and .item() never queue behind the training's collectives (DESIGN.md)
-    log_groups = [dist.new_group(col) for col in grid.T.tolist()]
-    log_group = log_groups[tp_rank]
+    log_group, _ = dist.new_subgroups_by_enumeration(grid.T.tolist())
+    dp_rank, tp_rank = divmod(d.rank, t)
     d.log(
         f"megatron_tp.py: world {d.world} = dp {dp} x tp {t} on {d.backend}, sequence parallel "
         f"{args.sequence_parallel}, overlap {args.overlap}, entropy floor {data.entropy:.4f} "
@@ -746,7 +737,6 @@ def main():
     # --- the model: the full GPT from one seed on the CPU, sliced there; slices to the device
     tracker = RNGTracker(d.device, args.seed, dp_rank, tp_rank)
     full = build_gpt(GPTConfig.from_args(args), args.seed, DTYPES[args.dtype])  # CPU
-    full_bytes = tensor_bytes(full.parameters())
     GPT = RingGPT if args.overlap else SPGPT if args.sequence_parallel else ParallelGPT
     model = GPT(full, tp_group, tracker).to(d.device)  # shards
     del full
@@ -774,21 +764,21 @@ def main():
             loss = per_tok.sum() / n_tok  # this replica's piece of the global batch's loss
             opt.zero_grad(set_to_none=True)
             loss.backward()
+            grads = [p.grad for p in model.parameters()]
             with comm.phase("step"):
                 if args.sequence_parallel:
                     sum_replicated_grads(model, tp_group)
                 # data parallel: losses divide by the *global* token count, so the SUM is the
                 # batch's gradient
-                flat_all_reduce([p.grad for p in model.parameters()], dp_group)
+                flat_all_reduce(grads, dp_group)
                 if args.clip > 0:
-                    norm = global_grad_norm(model, tp_group)
-                    clip_grads_([p.grad for p in model.parameters()], norm, args.clip)
+                    clip_grads_(grads, global_grad_norm(model, tp_group), args.clip)
                 opt.step()
         # the global batch's loss, for the log line: the sum of the replicas' pieces
         run.end_step(step, all_reduce(loss.detach(), log_group).item())
 
     # the summary and --check
-    summarize(d, args, run, model, opt, tp_group, comm, saved, full_bytes, t, dp)
+    summarize(d, args, run, model, opt, tp_group, comm, saved)
 
 
 # --- measurement ---
@@ -988,33 +978,40 @@ def report(d, args, model, tp_group, counted, full_bytes, acts, t, dp):
     )
 
 
-def summarize(d, args, run, model, opt, tp_group, comm, saved, full_bytes, t, dp):
+def summarize(d, args, run, model, opt, tp_group, comm, saved):
     """The technique's own peak first, each measured figure beside its theory, then --check."""
     peak = peak_memory_bytes(d, state_bytes(model, opt) + saved.bytes)
-    figures = report(d, args, model, tp_group, comm.table(), full_bytes, saved.bytes, t, dp)
+    t = dist.get_world_size(tp_group)
+    # the unsharded model main sliced, built again from the same seed: its bytes and sizes
+    full = build_gpt(GPTConfig.from_args(args), args.seed, DTYPES[args.dtype])
+    full_bytes = tensor_bytes(full.parameters())
+    figures = report(
+        d, args, model, tp_group, comm.table(), full_bytes, saved.bytes, t, d.world // t
+    )
     check = (
-        check_against_reference(d, args, run.losses, gather_full(model, tp_group))
+        check_against_reference(d, args, run.losses, gather_full(model, tp_group, full))
         if args.check
         else None
     )
     run.finish("megatron_tp", peak, comm.total(), check, figures)
 
 
-def gather_full(model, group):
+def gather_full(model, group, full):
     """For --check: the unsharded model as {common.GPT name: tensor}: split parameters all-gathered,
-    padding cut off, and the fused attn.qkv, rank-major [q_0; k_0; v_0; q_1; ...], split back into
-    q, k and v."""
+    the fused attn.qkv, rank-major [q_0; k_0; v_0; q_1; ...], split back into q, k and v, and the
+    padding cut off (each tensor to its size in `full`, the unsharded common.GPT)."""
     t, out = dist.get_world_size(group), {}
     for name, p in model.named_parameters():
         w = p.detach()
         if hasattr(p, "tp_dim"):
-            w = all_gather(w, p.tp_dim, group).narrow(p.tp_dim, 0, p.tp_full)  # padding cut off
+            w = all_gather(w, p.tp_dim, group)  # (.., t * n, ..): the padding, if any, at the end
         if ".qkv." in name:  # (t * 3 * D/t, ..) -> 3 x (D, ..)
             for part, w_i in zip("qkv", rearrange(w, "(t n o) ... -> n (t o) ...", t=t, n=3)):
-                out[name.replace(".qkv.", f".{part}.")] = w_i.clone()
+                out[name.replace(".qkv.", f".{part}.")] = w_i
         else:
-            out[name] = w.clone()
-    return out
+            out[name] = w
+    sizes = {name: p.shape for name, p in full.named_parameters()}
+    return {name: w[tuple(slice(n) for n in sizes[name])].clone() for name, w in out.items()}
 
 
 if __name__ == "__main__":

@@ -741,7 +741,7 @@ def main():
         nn.Parameter(torch.zeros((), dtype=torch.bfloat16, device=dev)) for _ in range(300)
     )
     bf.append(nn.Parameter(torch.zeros(64, dtype=torch.bfloat16, device=dev)))
-    bf[-1].tp_dim, bf[-1].tp_full = 0, 64 * t
+    bf[-1].tp_dim = 0
     for p in bf:
         p.grad = torch.ones_like(p)
     want = torch.tensor(300.0 + 64 * t).float().sqrt()  # float32, as the norm is taken
