@@ -4,9 +4,9 @@ Parity with the one-process reference (float64, 1e-9) at (pp, tp, dp) = (2, 1, 1
 (2, 1, 2) v 2 ragged, (2, 2, 2) v 2 ragged with a small --clip, at pp 4, m 8, v 1 and v 2 with --stage-ms, and
 on four axes (issue 41): cp 2 x tp 2 (pp 1), pp 2 x cp 2 ragged, pp 2 x cp 2 x tp 2 v 2, pp 2 x dp 2 x cp 2
 with ZeRO-1 and --clip, dp 2 x cp 2 x tp 2 with ZeRO-1 (pp 1), and pp 1 v 2 (one rank holds both chunks, its
-messages stay on it); the executed schedule (measured events) obeys
-the pipeline's rules and is the schedule's order; messages, the CP ring's sends and the DP x CP collectives
-counted at the dispatcher equal the theory on every rank; the schedules' ideal timelines have the paper's
+messages stay on it); the executed schedule (measured events) obeys the pipeline's rules and is the
+schedule's order; messages, the CP ring's sends and the DP x CP collectives counted at the dispatcher equal
+the theory on every rank; the schedules' ideal timelines have the paper's
 bubble and message counts, they equal torch's ScheduleInterleaved1F1B order, and their communication plans
 cannot deadlock under NCCL's semantics (simulated); the pieces, copied out (the technique section alone) onto
 other models and layouts unlike main's grid, train them as one process does, and each core refuses what it
