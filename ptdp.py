@@ -112,21 +112,11 @@ from common import (
     make_optimizer,
 )
 from harness import (
-    CommCounter,
     CommonArgs,
-    PipelineWatch,
     Run,
-    assemble_full,
-    busy_ms,
-    check_against_reference,
     check_common_args,
-    draw_timeline,
     env_world_size,
-    gather_rows,
     parse_args,
-    peak_memory_bytes,
-    tensor_bytes,
-    write_trace,
 )
 
 
@@ -206,10 +196,8 @@ class TPBlock(nn.Module):
         super().__init__()
         t, r = dist.get_world_size(group), dist.get_rank(group)
         check_split(full.attn.n_heads, t, "heads", "t")
-        self.ln1 = full.ln1
-        self.attn = full.attn
-        self.ln2 = full.ln2
-        self.mlp = full.mlp
+        for name, part in full.named_children():  # ln1, attn, ln2, mlp: the block's own, shared
+            self.add_module(name, part)
         for name, w in list(self.named_parameters()):
             if tp_dim(name) is not None:
                 owner, leaf = name.rsplit(".", 1)
@@ -218,7 +206,7 @@ class TPBlock(nn.Module):
                 setattr(self.get_submodule(owner), leaf, shard)
         self.group = group
         self.heads = full.attn.n_heads // t
-        self.cp_group = cp_group if cp_group and dist.get_world_size(cp_group) > 1 else None
+        self.cp_group = cp_group  # None: no context parallelism
 
     def forward(self, x):  # (b, T, D) replicated on the TP group
         a = self.attn
@@ -227,11 +215,9 @@ class TPBlock(nn.Module):
         h = f.apply(self.ln1(x), grp)
         # (b, H/t, T, E) each: this rank's heads
         q, k, v = (
-            rearrange(F.linear(h, lin.weight), "b t (h e) -> b h t e", h=self.heads)
-            for lin in (a.q, a.k, a.v)
+            rearrange(lin(h), "b t (h e) -> b h t e", h=self.heads) for lin in (a.q, a.k, a.v)
         )
-        # CP: T is this rank's T/cp tokens, and the others' K/V come round the CP ring (this rank's
-        # heads)
+        # CP: T is this rank's T/cp tokens; the others' K/V of these heads come round the CP ring
         if self.cp_group:
             y = RingAttention.apply(q, k, v, self.cp_group)  # (b, H/t, T, E)
         else:
@@ -239,7 +225,7 @@ class TPBlock(nn.Module):
         y = rearrange(y, "b h t e -> b t (h e)")  # (b, T, D/t)
         x = x + g.apply(F.linear(y, a.proj.weight), grp) + a.proj.bias  # bias after g: added once
         # (b, T, 4D/t) local
-        h = F.gelu(F.linear(f.apply(self.ln2(x), grp), mlp.fc.weight, mlp.fc.bias))
+        h = F.gelu(mlp.fc(f.apply(self.ln2(x), grp)))
         # (b, T, D) replicated
         return x + g.apply(F.linear(h, mlp.proj.weight), grp) + mlp.proj.bias
 
@@ -249,9 +235,11 @@ def zigzag(x, cp, r, dim=1):
     """(.., T, ..) whole sequences -> (.., T/cp, ..) CP rank r's tokens: chunks r and 2cp-1-r of
     2cp, an early one and a late one, so that under the causal mask every rank does the same work
     (Llama 3, Sec. 3.3.2)."""
+    if cp == 1:
+        return x  # one rank holds whole sequences, in order
     check_split(x.shape[dim], 2 * cp, "tokens", "2 x cp")
     pieces = x.chunk(2 * cp, dim)
-    return torch.cat([pieces[r], pieces[2 * cp - 1 - r]], dim)
+    return torch.cat([pieces[r], pieces[-1 - r]], dim)  # chunks r and 2cp-1-r
 
 
 class Pass(torch.autograd.Function):
@@ -265,11 +253,10 @@ class Pass(torch.autograd.Function):
         r = dist.get_rank(group)
         got = torch.empty_like(x)
         ctx.group = group
-        to, frm = (r + step) % cp, (r - step) % cp
         for req in dist.batch_isend_irecv(
             [
-                dist.P2POp(dist.isend, x.contiguous(), group=group, group_peer=to),
-                dist.P2POp(dist.irecv, got, group=group, group_peer=frm),
+                dist.P2POp(dist.isend, x.contiguous(), group=group, group_peer=(r + step) % cp),
+                dist.P2POp(dist.irecv, got, group=group, group_peer=(r - step) % cp),
             ]
         ):
             req.wait()
@@ -283,10 +270,10 @@ class Pass(torch.autograd.Function):
 def attend(q, k, v, causal=False):
     """Attention of q (b, h, tq, E) over one block k, v (b, h, tk, E): (output, log-sum-exp (b, h,
     tq, 1))."""
-    s = q @ k.transpose(-2, -1) * q.shape[-1] ** -0.5  # (b, h, tq, tk)
+    s = q @ k.mT * q.shape[-1] ** -0.5  # (b, h, tq, tk)
     # the diagonal block: my two chunks are in sequence order, so a causal mask over T/cp is right
     if causal:
-        s = s.masked_fill(torch.ones_like(s[0, 0], dtype=torch.bool).triu(1), float("-inf"))
+        s = s + torch.full_like(s[0, 0], float("-inf")).triu(1)  # -inf above the diagonal
     lse = s.logsumexp(-1, keepdim=True)
     return torch.exp(s - lse) @ v, lse
 
@@ -303,16 +290,20 @@ def ring(q, k, v, group):
     acc = torch.promote_types(q.dtype, torch.float32)
     q = q.to(acc)
     kv = torch.stack([k, v]).to(acc)  # (2, b, h, T/cp, E): the block that travels
-    out, lse = attend(q, kv[0], kv[1], causal=True)
+    out, lse = attend(q, *kv, causal=True)
     for i in range(1, cp):
         kv = Pass.apply(kv, group)  # now holding rank r-i's block
         early = (r - i) % cp < r
-        lo = 0 if early else half  # my rows lo.. see it; those before keep what they have
-        o, l = attend(q, *kv[:, :, :, :half]) if early else attend(q[:, :, half:], *kv)
-        new = torch.logaddexp(lse[:, :, lo:], l)  # (b, h, T/cp - lo, 1): the union's exp-sum
-        o = out[:, :, lo:] * torch.exp(lse[:, :, lo:] - new) + o * torch.exp(l - new)
-        out, lse = torch.cat([out[:, :, :lo], o], 2), torch.cat([lse[:, :, :lo], new], 2)
-    return out
+        lo = 0 if early else half  # my rows lo.. see it
+        o, l = attend(q[:, :, lo:], *(kv[:, :, :, :half] if early else kv))
+        # the rows before lo see nothing of it: output 0, log-sum-exp -inf, which the merge below
+        # leaves as they were (exactly: logaddexp(x, -inf) = x)
+        o = F.pad(o, (0, 0, lo, 0))  # (b, h, T/cp, E)
+        l = F.pad(l, (0, 0, lo, 0), value=float("-inf"))  # (b, h, T/cp, 1)
+        new = torch.logaddexp(lse, l)  # the union's exp-sum
+        out = out * torch.exp(lse - new) + o * torch.exp(l - new)
+        lse = new
+    return out.to(k.dtype)  # in the inputs' dtype (k: not cast above)
 
 
 class RingAttention(torch.autograd.Function):
@@ -326,13 +317,13 @@ class RingAttention(torch.autograd.Function):
         ctx.group = group
         check_split(cp * q.shape[2], 2 * cp, "tokens", "2 x cp")  # zigzag's check, before any send
         ctx.save_for_backward(q, k, v)
-        return ring(q, k, v, group).to(q.dtype)
+        return ring(q, k, v, group)
 
     @staticmethod
     def backward(ctx, dout):  # (b, h, T/cp, E)
         q, k, v = (x.detach().requires_grad_() for x in ctx.saved_tensors)
         with torch.enable_grad():
-            out = ring(q, k, v, ctx.group).to(q.dtype)
+            out = ring(q, k, v, ctx.group)
         return *torch.autograd.grad(out, (q, k, v), dout), None
 
 
@@ -367,9 +358,8 @@ class Chunk(nn.Module):
     # chunk 0: (b, T/cp) token ids; others: (b, T/cp, D) from the chunk before
     def forward(self, h):
         if self.first:
-            pos = torch.arange(h.shape[1] * self.cp[0], device=h.device)  # (T,)
-            if self.cp[0] > 1:
-                pos = zigzag(pos, *self.cp, 0)  # this rank's (T/cp,)
+            # (T/cp,): this rank's positions, of the T = cp * T/cp of its sequences
+            pos = zigzag(torch.arange(h.shape[1] * self.cp[0], device=h.device), *self.cp, 0)
             h = self.tok_emb(h) + self.pos_emb(pos)
         for block in self.blocks.values():
             h = block(h)
@@ -389,12 +379,12 @@ def schedule(p, v, m, r):
     micro-batches sweep the rank's chunks in order forwards (fwd), in reverse backwards (bwd), as
     the docstring's table shows."""
 
-    def fwd(k):
-        return ((k % (p * v)) // p) * p + r, (k // (p * v)) * p + k % p
+    def fwd(k):  # the k-th forward: ("F", chunk, micro-batch), the docstring's table
+        return "F", k % (p * v) // p * p + r, k // (p * v) * p + k % p
 
-    def bwd(k):
-        c, mb = fwd(k)
-        return (v - 1 - c // p) * p + r, mb
+    def bwd(k):  # the k-th backward: the k-th forward's micro-batch, the chunks in reverse
+        _, c, mb = fwd(k)
+        return "B", (v - 1 - c // p) * p + r, mb
 
     if min(p, v, m) < 1 or not 0 <= r < p:
         raise ValueError(
@@ -408,19 +398,18 @@ def schedule(p, v, m, r):
     n = v * m
     # warm-up: w forwards, enough to fill the ranks downstream (and, v > 1, this rank's later
     # chunks)
-    ops = [("F", *fwd(k)) for k in range(w)]
+    ops = [fwd(k) for k in range(w)]
     # steady state: one forward, then the backward of the oldest chunk-micro-batch still held
     for i in range(n - w):
-        ops += [("F", *fwd(w + i)), ("B", *bwd(i))]
+        ops += [fwd(w + i), bwd(i)]
     # cool-down: the backwards still held; then the flush
-    return ops + [("B", *bwd(i)) for i in range(n - w, n)]
+    return ops + [bwd(i) for i in range(n - w, n)]
 
 
 def needs(op, n):
     """The message op (kind, c, k) waits for (from chunk c-1 for F, c+1 for B); None: tokens or its
     loss."""
-    kind, c, _ = op
-    return None if (kind, c) in (("F", 0), ("B", n - 1)) else op
+    return None if op[:2] in (("F", 0), ("B", n - 1)) else op  # op[:2]: its kind and chunk
 
 
 def producer(msg):
@@ -431,25 +420,22 @@ def producer(msg):
 def ideal_timeline(p, v, m):
     """Every rank's ops at their earliest start when each takes its slots (F 1, B 2) and messages
     are free: {op: (rank, start, end)}. Its idle slots are the schedule's bubble."""
-    ops = [schedule(p, v, m, r) for r in range(p)]
-    n = p * v
+    todo = [collections.deque(schedule(p, v, m, r)) for r in range(p)]  # each rank's ops to place
     at = {}
-    slots = {"F": 1, "B": 2}
-    nxt = [0] * p
-    free = [0] * p
-    while any(nxt[r] < len(ops[r]) for r in range(p)):
+    free = [0] * p  # when each rank's last placed op ends
+    while any(todo):
         moved = False
-        for r in range(p):
-            while nxt[r] < len(ops[r]):
-                op = ops[r][nxt[r]]
-                deps = [producer(op)] if needs(op, n) else []
-                deps += [("F", *op[1:])] if op[0] == "B" else []
-                if any(dep not in at for dep in deps):
-                    break
-                start = max([free[r]] + [at[dep][2] for dep in deps])
-                free[r] = start + slots[op[0]]
-                at[op] = (r, start, free[r])
-                nxt[r] += 1
+        for r, ops in enumerate(todo):
+            while ops:
+                op = ops[0]
+                # its input's producer, if another chunk made it; the last chunk's B waits for its
+                # own F (its loss), so no B runs before its micro-batch's forwards
+                dep = producer(op) if needs(op, p * v) else ("F", *op[1:]) if op[0] == "B" else None
+                if dep and dep not in at:
+                    break  # not made yet: the rank waits
+                start = max(free[r], at[dep][2] if dep else 0)
+                free[r] = start + (1 if op[0] == "F" else 2)
+                at[ops.popleft()] = (r, start, free[r])
                 moved = True
         if not moved:
             raise RuntimeError(f"schedule ({p}, {v}, {m}) waits on itself")
@@ -463,24 +449,27 @@ def comm_plan(p, v, m, r):
     it in their batch of G. So all ranks post their batches in order of G and none waits for a later
     one: no cycle (NCCL deadlocks on a send whose receive is posted behind a wait on the sender)."""
     at = ideal_timeline(p, v, m)
-    n = p * v
-    items = collections.defaultdict(lambda: ([], []))
-    spans = {q: [(a, z) for x, a, z in at.values() if x == q] for q in range(p)}  # (start, end)
-    for msg in (needs(op, n) for op in at):
-        if msg is not None and at[producer(msg)][0] != at[msg][0]:
-            src, _, made = at[producer(msg)]
-            dst, used, _ = at[msg]
-            both = spans[src] + spans[dst]
-            # the ends of both ranks' ops from made to used (made and used among them) ...
-            edges = {x for span in both for x in span if made <= x <= used}
-            # ... the first at which neither rank is inside an op
-            when = next((x for x in sorted(edges) if not any(a < x < z for a, z in both)), made)
-            if src == r:
-                items[when][0].append((dst, msg))
-            if dst == r:
-                items[when][1].append((src, msg))
-    steps = [((at[op][1], 1), ("op", op)) for op in schedule(p, v, m, r)]
-    steps += [((when, 0), ("p2p", sorted(s), sorted(rv))) for when, (s, rv) in items.items()]
+    steps = [((at[op][1], 1), ("op", op)) for op in schedule(p, v, m, r)]  # (moment, 1): an op
+    # moment G -> rank r's batch of G: ("p2p", its sends, its recvs), each [(peer, message)] in the
+    # order of `at`, the same on both ranks of a pair
+    batches = collections.defaultdict(lambda: ("p2p", [], []))
+    for msg, (dst, used, _) in at.items():  # a message is named by the op that waits for it
+        if not needs(msg, p * v):
+            continue  # tokens or its loss: nothing travels
+        src, _, made = at[producer(msg)]
+        if src == dst:
+            continue  # made on the same rank (p = 1)
+        both = [
+            (a, z) for x, a, z in at.values() if x in (src, dst)
+        ]  # both ranks' ops: (start, end)
+        # the first moment from made to used at which neither rank is inside an op (ops start and
+        # end on whole slots, so the moments to try are whole too)
+        when = next((x for x in range(made, used + 1) if not any(a < x < z for a, z in both)), made)
+        if src == r:
+            batches[when][1].append((dst, msg))
+        if dst == r:
+            batches[when][2].append((src, msg))
+    steps += [((when, 0), batch) for when, batch in batches.items()]  # (moment, 0): a batch
     # keys are distinct: a rank's ops start at distinct moments, one batch per moment, batches first
     return [step for _, step in sorted(steps)]
 
@@ -489,8 +478,9 @@ class PipelineRank:
     """Rank r of the p in a pipeline's `group`: runs comm_plan's steps over its chunks {global
     index: module}, r, r + p, ... of n = p * v, for a batch of m micro-batches to the flush; each
     message: a msg_shape tensor. Chunk 0 takes inputs[k]; chunk n-1's output goes to loss_fn(output,
-    targets[k]). `observe`: a context manager around each F, B and exchange. NCCL: the caller runs
-    one collective in `group` first (main)."""
+    targets[k]). `observe`: a context manager around each F and B, observe(kind, k, chunk=c), and
+    each exchange, observe("p2p", None, recvs=[(peer, message)]). NCCL: the caller runs one
+    collective in `group` first (main)."""
 
     TAG = {"F": 0, "B": 1}  # a point-to-point tag per direction (NCCL ignores tags)
 
@@ -504,16 +494,16 @@ class PipelineRank:
                 f"rank {r} of {p} holds chunks {list(range(r, p * v, p))}, not {sorted(chunks)}"
             )
         self.chunks = chunks
-        self.n = p * v
+        self.last = p * v - 1  # the last chunk, n - 1
         self.group = group
         self.m = m
         self.plan = comm_plan(p, v, m, r)
-        self.msg_shape = msg_shape
-        self.dtype = dtype
-        self.device = device
+        # each message's buffer: torch.empty(**buffer)
+        self.buffer = dict(size=msg_shape, dtype=dtype, device=device)
         self.observe = observe or (lambda *a, **k: contextlib.nullcontext())
-        self.inbox = {}
-        self.outbox = {}
+        # (kind, chunk, micro-batch) -> tensor: each message made here (to send, or for a chunk here
+        # when p = 1) or received, until its op takes it
+        self.messages = {}
         self.alive = {}
 
     def run(self, inputs, targets, loss_fn):
@@ -523,10 +513,10 @@ class PipelineRank:
             raise ValueError(
                 f"m = {self.m} micro-batches, got {len(inputs)} inputs, {len(targets)} targets"
             )
-        self.loss = torch.zeros((), dtype=torch.float64, device=self.device)
+        self.loss = torch.zeros((), dtype=torch.float64, device=self.buffer["device"])
         for step, *what in self.plan:
             if step == "p2p":
-                with self.observe("p2p", None, recvs=[msg for _, msg in what[1]]):
+                with self.observe("p2p", None, recvs=what[1]):
                     self.exchange(*what)
                 continue
             kind, c, k = what[0]
@@ -538,51 +528,67 @@ class PipelineRank:
         return self.loss
 
     def exchange(self, sends, recvs):
-        """One batch_isend_irecv: sends [(peer, message)] from the outbox, receives into the
-        inbox."""
-        into = {
-            msg: torch.empty(self.msg_shape, dtype=self.dtype, device=self.device)
-            for _, msg in recvs
-        }
+        """One batch_isend_irecv: sends [(peer, message)] out of `messages`, receives into it."""
         ops = [
             dist.P2POp(
                 dist.isend,
-                self.outbox.pop(msg).contiguous(),
+                self.messages.pop(msg).contiguous(),
                 group=self.group,
                 group_peer=q,
                 tag=self.TAG[msg[0]],
             )
             for q, msg in sends
         ]
-        ops += [
-            dist.P2POp(dist.irecv, into[msg], group=self.group, group_peer=q, tag=self.TAG[msg[0]])
-            for q, msg in recvs
-        ]
+        # each receive: a new buffer under the message's name, filled when the batch completes
+        for q, msg in recvs:
+            self.messages[msg] = torch.empty(**self.buffer)
+            ops.append(
+                dist.P2POp(
+                    dist.irecv,
+                    self.messages[msg],
+                    group=self.group,
+                    group_peer=q,
+                    tag=self.TAG[msg[0]],
+                )
+            )
         # never empty: comm_plan makes a step only for a message
         for req in dist.batch_isend_irecv(ops):
             req.wait()
-        self.inbox.update(into)
 
     def forward(self, c, k, inputs, targets, loss_fn):
         # (b, T) ids or (b, T, D)
-        inp = inputs[k] if c == 0 else self.inbox.pop(("F", c, k)).requires_grad_()
+        inp = inputs[k] if c == 0 else self.messages.pop(("F", c, k)).requires_grad_()
         out = self.chunks[c](inp)  # (b, T, D); last chunk: logits (b, T, V) ...
-        if c == self.n - 1:
+        if c == self.last:
             out = loss_fn(out, targets[k])  # ... and its loss
             self.loss += out.detach()
         else:
-            self.outbox["F", c + 1, k] = out.detach()  # (b, T, D) to chunk c+1, on the next rank
+            self.messages["F", c + 1, k] = out.detach()  # (b, T, D) to chunk c+1, on the next rank
         self.alive[c, k] = inp, out
 
     def backward(self, c, k):
         inp, out = self.alive.pop((c, k))
-        grad = None if c == self.n - 1 else self.inbox.pop(("B", c, k))  # last chunk: from its loss
+        grad = (
+            None if c == self.last else self.messages.pop(("B", c, k))
+        )  # last chunk: from its loss
         torch.autograd.backward(out, grad)  # grads add up
         if c > 0:
-            self.outbox["B", c - 1, k] = inp.grad  # (b, T, D) to chunk c-1, on the rank before
+            self.messages["B", c - 1, k] = inp.grad  # (b, T, D) to chunk c-1, on the rank before
 
 
 # ------------------------------------------------------- after the flush: DP x CP, ZeRO-1, clipping
+def flatten(tensors):  # -> (their elements,): the tensors in order, one buffer for one collective
+    return torch.cat([x.reshape(-1) for x in tensors])
+
+
+def unflatten(flat, tensors):
+    """flatten's inverse: flat's elements copied back into `tensors`, in order (padding left)."""
+    i = 0
+    for x in tensors:
+        x.copy_(flat[i : i + x.numel()].view_as(x))
+        i += x.numel()
+
+
 class ShardedOptimizer:
     """ZeRO-1 (Rajbhandari et al. 2020; Megatron's distributed optimizer) over `group`, R ranks
     holding the same parameters: rank i keeps a copy `shard` of shard i of their flat vector (padded
@@ -592,29 +598,30 @@ class ShardedOptimizer:
         self.params = list(params)
         self.group = group
         R = dist.get_world_size(group)
-        self.size = -(-sum(q.numel() for q in self.params) // R)  # S: elements per shard
+        S = -(-sum(q.numel() for q in self.params) // R)  # elements per shard
+        self.total = R * S  # R*S: the flat vector, zero-padded to R shards
         i = dist.get_rank(group)
-        self.mine = slice(i * self.size, (i + 1) * self.size)
-        self.shard = nn.Parameter(self.flat([q.detach() for q in self.params])[self.mine].clone())
+        self.mine = slice(i * S, (i + 1) * S)
+        self.shard = nn.Parameter(self.flat(self.params)[self.mine].detach().clone())
         self.opt = make_opt([self.shard])
 
     def flat(self, tensors):  # -> (R*S,): the tensors in order, zero-padded
-        flat = torch.cat([x.reshape(-1) for x in tensors])
-        return F.pad(flat, (0, self.size * dist.get_world_size(self.group) - flat.numel()))
+        flat = flatten(tensors)
+        return F.pad(flat, (0, self.total - flat.numel()))
 
     def reduce_scatter(self):  # flat gradients (R*S,) -> shard.grad (S,): my shard of their sum
         self.shard.grad = torch.empty_like(self.shard)
-        grads = self.flat([q.grad for q in self.params])  # (R*S,) this rank's gradients
-        # -> (S,) my shard of the sum
-        dist.reduce_scatter_tensor(self.shard.grad, grads, group=self.group)
+        # this rank's gradients (R*S,) -> (S,) my shard of the sum
+        dist.reduce_scatter_tensor(
+            self.shard.grad, self.flat([q.grad for q in self.params]), group=self.group
+        )
 
     def step(self):  # update my shard, all-gather the R shards (R*S,), every parameter written back
         self.opt.step()
-        full = self.shard.new_empty(self.size * dist.get_world_size(self.group))  # (R*S,)
+        full = self.shard.new_empty(self.total)  # (R*S,)
         dist.all_gather_into_tensor(full, self.shard.detach(), group=self.group)
         with torch.no_grad():
-            for q, part in zip(self.params, full.split([q.numel() for q in self.params])):
-                q.copy_(part.view_as(q))
+            unflatten(full, self.params)
 
 
 def squared_norm(grads):
@@ -630,19 +637,18 @@ def finish_batch(params, loss, group, tp_rank, max_norm, world, zero=None):
     parameters (a CP rank's weights are its DP peers'), all-reduced whole or reduce-scattered
     (ZeRO-1); 2. the squared norm and loss in one all-reduce over `world`, each piece counted once;
     3. clip as torch does. -> (loss, norm)"""
-    counted = [float(getattr(q, "tp_split", False) or tp_rank == 0) for q in params]
-    if zero is None:  # one all-reduce, flat: each rank's loss is already / the global token count
+    counted = [getattr(q, "tp_split", False) or tp_rank == 0 for q in params]
+    if not zero:  # one all-reduce, flat: each rank's loss is already / the global token count
         grads = [q.grad for q in params]
         if dist.get_world_size(group) > 1:  # (a group of one: nothing to add)
-            flat = torch.cat([x.reshape(-1) for x in grads])  # (this rank's elements,)
+            flat = flatten(grads)  # (this rank's elements,)
             dist.all_reduce(flat, group=group)
-            for x, part in zip(grads, flat.split([x.numel() for x in grads])):
-                x.copy_(part.view_as(x))
+            unflatten(flat, grads)
         sq = squared_norm([x for x, c in zip(grads, counted) if c]) * (dist.get_rank(group) == 0)
     else:  # ZeRO-1: reduce-scattered
         zero.reduce_scatter()
         # (S,): my shard of the summed gradient; the others' are theirs to count
-        weights = zero.flat([q.grad.new_full((q.numel(),), c) for q, c in zip(params, counted)])
+        weights = zero.flat([torch.full_like(q.grad, c) for q, c in zip(params, counted)])
         sq = squared_norm([zero.shard.grad * weights[zero.mine]])
     total = torch.stack([loss * (tp_rank == 0), sq])
     # (2,): this rank's piece of the loss, of the squared norm -> sums
@@ -662,8 +668,6 @@ def check_args(args):
     p = args.pp
     t = args.tp
     cp = args.cp
-    v = args.virtual_stages
-    m = args.microbatches
     check_common_args(args)
     for name in ("pp", "tp", "cp", "virtual_stages", "microbatches"):
         if getattr(args, name) < 1:
@@ -679,7 +683,7 @@ def check_args(args):
             "--zero 0 or 1"
         )
     dp = args.dp or world // (p * cp * t)
-    if args.dp < 0 or dp < 1 or p * cp * t * dp != world:
+    if dp < 1 or p * cp * t * dp != world:  # (a negative --dp is dp < 1 too)
         fail(
             f"world size {world} != pp {p} x tp {t} x dp {args.dp or '(world / pp / tp / cp)'} x "
             f"cp {cp}: launch torchrun --nproc_per_node={p * cp * t * max(args.dp, 1)} or change "
@@ -689,15 +693,18 @@ def check_args(args):
         fail(f"--stage-ms must be >= 0, got {args.stage_ms}")
     try:  # validation once: the cores' check with the flags' names, its ValueError as fail's line
         check_split(args.n_heads, t, "--n-heads", "--tp")
-        check_split(args.n_layers, p * v, "--n-layers", "--pp x --virtual-stages")
+        check_split(args.n_layers, p * args.virtual_stages, "--n-layers", "--pp x --virtual-stages")
         check_split(args.seq_len, 2 * cp, "--seq-len", "2 x --cp")
-        check_split(args.batch_size, dp * m, "--batch-size", "dp x --microbatches")
+        check_split(args.batch_size, dp * args.microbatches, "--batch-size", "dp x --microbatches")
     except ValueError as e:
         fail(str(e))
     try:  # the schedule's own check (self-contained: copied out alone), with the flags
-        schedule(p, v, m, 0)
+        schedule(p, args.virtual_stages, args.microbatches, 0)
     except ValueError as e:
-        fail(f"--pp {p}, --virtual-stages {v}, --microbatches {m}: {e}")
+        fail(
+            f"--pp {p}, --virtual-stages {args.virtual_stages}, "
+            f"--microbatches {args.microbatches}: {e}"
+        )
     return world, dp
 
 
@@ -707,9 +714,8 @@ def main():
     p = args.pp
     t = args.tp
     cp = args.cp
-    v = args.virtual_stages
+    n = p * args.virtual_stages  # chunks in a pipeline, v per rank
     m = args.microbatches
-    b = args.batch_size // (dp * m)  # micro-batch rows
 
     # --- setup (same in every file) ---
     d = init_dist(args.timeout)
@@ -719,38 +725,30 @@ def main():
     grid = torch.arange(world).view(p, dp, cp, t)
     coords = pp_rank, dp_rank, cp_rank, tp_rank = [int(i) for i in (grid == d.rank).nonzero()[0]]
 
-    # a group per row of `rows` (groups, ranks), made by every rank in the same order (new_group is
-    # a
-    # collective over the world); each rank keeps its own
+    # a group per row of `rows` (groups, ranks): every rank makes every group, in the same order
+    # (new_group is a collective over the world), and keeps the one it is in
     def new_groups(rows):
-        groups = [dist.new_group(row) for row in rows.tolist()]
-        return groups[int((rows == d.rank).nonzero()[0, 0])]
+        return dist.new_subgroups_by_enumeration(rows.tolist())[0]
 
     # where each axis acts: tp_group in TPBlock (f and g, two all-reduces per layer and pass);
-    # cp_group in
-    # RingAttention (K/V round the ring); pp_group in PipelineRank (activations forward, gradients
-    # back);
-    # dp_cp_group after the flush, in finish_batch or ShardedOptimizer (the gradients, once per
-    # batch)
+    # cp_group in RingAttention (K/V round the ring); pp_group in PipelineRank (activations
+    # forward, gradients back); dp_cp_group after the flush, in finish_batch or ShardedOptimizer
+    # (the gradients, once per batch)
     tp_group = new_groups(rearrange(grid, "p d c t -> (p d c) t"))  # grid[i, j, c, :]
     cp_group = new_groups(rearrange(grid, "p d c t -> (p d t) c"))  # grid[i, j, :, k]
     # grid[:, j, c, k], in pp order: a pipeline's group rank is its pp rank
     pp_group = new_groups(rearrange(grid, "p d c t -> (d c t) p"))
     dp_cp_group = new_groups(rearrange(grid, "p d c t -> (p t) (d c)"))  # grid[i, :, :, k]
-    d.log(
-        f"ptdp.py: world {world} = pp {p} x dp {dp} x cp {cp} x tp {t}, interleaved 1F1B, v = {v}, "
-        f"m = {m} "
-        f"micro-batches of {b} x {args.seq_len // cp} tokens, ZeRO-{args.zero}, on {d.backend}"
-    )
 
     # --- the model: the full GPT on CPU from one seed, this rank's chunks TP-sliced, to the device
     dtype = DTYPES[args.dtype]
     full = build_gpt(GPTConfig.from_args(args), args.seed, dtype)
     # chunk c on pp rank c % p: a loop
-    mine = {c: Chunk(full, c, p * v, tp_group, cp_group) for c in range(pp_rank, p * v, p)}
-    # one module of them all, for the optimizer, the checkpoint and the names
-    chunks = nn.ModuleDict({str(c): chunk for c, chunk in mine.items()})
-    chunks.to(d.device)
+    mine = {
+        c: Chunk(full, c, n, tp_group, cp_group if cp > 1 else None) for c in range(pp_rank, n, p)
+    }
+    # one module of them all, for the optimizer and the checkpoint (its names: "i." + GPT's)
+    chunks = nn.ModuleList(mine.values()).to(d.device)
     del full
     params = list(chunks.parameters())
     zero = None
@@ -761,12 +759,10 @@ def main():
     shard = nn.ParameterList([zero.shard] if zero else [])
     run = Run(d, args, {"model": chunks, "optim": opt, "zero": shard})
     norms = run.history.get("norms", [])
-    watch = Watch(d, args, coords)  # times every F and B
-    # every activation and gradient between chunks
-    comm = CommCounter(
-        axes={"tp": tp_group, "cp": cp_group, "dp_cp": dp_cp_group, "pp": pp_group}, log=True
-    )
-    msg_shape = (b, args.seq_len // cp, args.d_model)
+    # measured from outside: each F, B and exchange (the runner's observe), each collective by axis
+    watch = Watch(d, args, coords, tp=tp_group, cp=cp_group, dp_cp=dp_cp_group, pp=pp_group)
+    # every message between chunks, an activation or a gradient: (b, T/cp, D)
+    msg_shape = (args.batch_size // (dp * m), args.seq_len // cp, args.d_model)
     runner = PipelineRank(mine, pp_group, m, msg_shape, dtype, d.device, observe=watch)
     watch.runner = runner  # what it holds to B, for the counted peak
     # NCCL: a group's first collective (its set-up) must not be p2p
@@ -774,39 +770,53 @@ def main():
         dist.all_reduce(torch.zeros(1, device=d.device), group=group)
 
     def split(z):  # (B, T) global batch -> (m, b, T/cp): this replica's rows, this CP rank's tokens
-        z = z.chunk(dp)[dp_rank]
-        if cp > 1:
-            z = zigzag(z, cp, cp_rank)
+        z = zigzag(z.chunk(dp)[dp_rank], cp, cp_rank)  # (cp = 1: all its tokens)
         return rearrange(z, "(m b) n -> m b n", m=m).to(d.device)
 
     for step in run.steps():
         x, y = data.batch(step, args.batch_size, args.seq_len, args.ragged)  # (B, T) global, CPU
         n_tok = count_tokens(y)  # the whole global batch's: every micro-batch loss divides by it
         watch.step = step
+        # gradients freed as the step begins: the last step's stay for the summary to count
+        chunks.zero_grad(set_to_none=True)
+        opt.zero_grad(set_to_none=True)
         # the first step counted (slower), the last one timed
-        with run.watching(step, comm, at=run.start):
+        with run.watching(step, watch.comm, at=run.start):
             loss = runner.run(split(x), split(y), lambda logits, tgt: lm_loss(logits, tgt, n_tok))
             loss, norm = finish_batch(
                 params, loss, dp_cp_group, tp_rank, args.clip, dist.group.WORLD, zero
             )
             (zero or opt).step()
-        watch.state = held_bytes(chunks, opt, zero)  # parameters, gradients, optimizer state
-        chunks.zero_grad(set_to_none=True)
-        opt.zero_grad(set_to_none=True)
         norms.append(norm)
         run.end_step(step, loss, norms=norms)
 
-    summarize(d, args, run, dp, watch, comm, norms, chunks, coords)  # the summary, then --check
+    summarize(run, watch, opt, zero)  # the summary, then --check
 
 
 # --- measurement ---
+# Its tools, imported where they are used: the imports above are the lesson's.
+from harness import (  # noqa: E402
+    CommCounter,
+    PipelineWatch,
+    assemble_full,
+    busy_ms,
+    check_against_reference,
+    draw_timeline,
+    gather_rows,
+    peak_memory_bytes,
+    tensor_bytes,
+    write_trace,
+)
+
+
 class Watch(PipelineWatch):
     """harness.PipelineWatch (--stage-ms: the stage's F time split over its v chunks, B twice F),
     tagged with the step, the rank's grid coordinates and when its input arrived; it counts the
     micro-batch chunks between F and B, and after each op the saved activations alive plus the
-    outputs the runner holds to B."""
+    outputs the runner holds to B. Its `comm` counts every collective and message by its group
+    (`axes`: name -> group) at the dispatcher."""
 
-    def __init__(self, d, args, coords):
+    def __init__(self, d, args, coords, **axes):
         f_ms = args.stage_ms / args.virtual_stages
         pp, dp, cp, tp = coords
         super().__init__(
@@ -815,14 +825,24 @@ class Watch(PipelineWatch):
             ("chunk", "step", "pp", "dp", "cp", "tp", "recv"),
             dict(pp=pp, dp=dp, cp=cp, tp=tp),
         )
-        self.state, self.inflight = (
-            {},
-            [0, 0],
-        )  # state bytes by kind (main sets it); in flight: now, peak
-        self.runner, self.held_peak = (
-            None,
-            0,
-        )  # + what the runner holds to B: outputs (the last: losses)
+        self.d = d
+        self.args = args
+        dp = d.world // (args.pp * args.cp * args.tp)
+        m = args.microbatches
+        d.log(
+            f"ptdp.py: world {d.world} = pp {args.pp} x dp {dp} x cp {args.cp} x tp {args.tp}, "
+            f"interleaved 1F1B, v = {args.virtual_stages}, m = {m} micro-batches of "
+            f"{args.batch_size // (dp * m)} x {args.seq_len // args.cp} tokens, ZeRO-{args.zero}, "
+            f"on {d.backend}"
+        )
+        self.comm = CommCounter(axes=axes, log=True)  # log: each send's tag, for its direction
+        self.state = {}  # state bytes by kind (summarize counts them after the last step)
+        self.inflight = [0, 0]  # micro-batch chunks between F and B: now, peak
+        self.runner = None  # main sets it: what it holds to B, outputs (the last chunk's: losses)
+        self.held_peak = 0
+
+    def __call__(self, kind, mb, recvs=(), **tags):  # recvs: the runner's [(peer, message)]
+        return super().__call__(kind, mb, recvs=[msg for _, msg in recvs], **tags)
 
     def before(self, kind, mb):
         self.inflight[0] += kind == "F"
@@ -846,10 +866,18 @@ class Watch(PipelineWatch):
         )
 
 
-def summarize(d, args, run, dp, watch, comm, norms, chunks, coords):
+def summarize(run, watch, opt, zero):
     """Each measured figure beside its theory, the peak (counted; CUDA's own on a GPU) read before
     --check trains the reference, then the verdict."""
-    figures, comm_bytes = report(d, args, dp, watch, comm)
+    d = watch.d
+    args = watch.args
+    dp = d.world // (args.pp * args.cp * args.tp)
+    coords = tuple(watch.coords.values())  # pp, dp, cp, tp ranks
+    chunks = nn.ModuleList(watch.runner.chunks.values())  # this rank's, as main holds them
+    norms = run.history.get("norms", [])  # every step's, resumed ones too
+    # this rank's parameters, gradients and optimizer state as the last step left them
+    watch.state = held_bytes(chunks, opt, zero)
+    figures, comm_bytes = report(d, args, dp, watch, watch.comm)
     figures.update(
         pp=args.pp,
         tp=args.tp,
@@ -888,12 +916,13 @@ def held_bytes(chunks, opt, zero):
 def theory(p, v, m):
     """Per pp rank: the bubble (idle / busy of the ideal timeline), (p-1)/(v*m); the most
     micro-batch chunks between F and B, warm-up + 1; the forward and backward messages per batch,
-    m(v - 1 if the last rank) and m(v - 1 if rank 0)."""
+    m(v - 1 if the last rank) and m(v - 1 if rank 0), none at p = 1 (the messages stay on the
+    rank)."""
     return (
         (p - 1) / (v * m),
         [min(warmup(p, v, m, r) + 1, v * m) for r in range(p)],
-        [m * (v - (r == p - 1)) for r in range(p)],
-        [m * (v - (r == 0)) for r in range(p)],
+        [m * (v - (r == p - 1)) * (p > 1) for r in range(p)],
+        [m * (v - (r == 0)) * (p > 1) for r in range(p)],
     )
 
 

@@ -13,9 +13,10 @@ on a layout unlike main's grid: TP groups {0, 1} and {2, 3}, pipelines {0, 3} an
 ranks are not 0..p-1 and its two stages' TP ranks differ), against plain one-process training written here
 (torch's clip_grad_norm_). Then the four-axis pieces (issue 41): TPBlock with its zig-zag ring attention and
 ShardedOptimizer (ZeRO-1) on a foreign attention model (continuous inputs, width 6, 2 heads of 3, MLP width
-10, a 0-dim parameter, squared error), tp 2 x cp 2 on groups unlike main's: TP {0, 2} and {1, 3}, CP {0, 1}
-and {2, 3} (cp innermost), optimizer state sharded over the CP group, against one-process AdamW with torch's
-clip_grad_norm_; and the same with the optimizer shard updated from its neighbour's slice (must fail).
+10, a 0-dim parameter, 407 elements per TP rank: ZeRO-1 pads them to 2 shards, squared error), tp 2 x
+cp 2 on groups unlike main's: TP {0, 2} and {1, 3}, CP {0, 1} and {2, 3} (cp innermost), optimizer state
+sharded over the CP group, against one-process AdamW with torch's clip_grad_norm_; and the same with the
+optimizer shard updated from its neighbour's slice (must fail).
 It writes the errors to OUT.json.
 runs: ptdp.py's own main() once per entry of RUNS.json ({"name", "argv", "mutant"}), in these processes
 and this process group, each writing OUTDIR/NAME.json (a launch costs no new processes per run).
@@ -326,12 +327,14 @@ class SeqNet(nn.Module):
         self.inp, self.out = nn.Linear(IN, D), nn.Linear(D, OUT)
         self.blocks = nn.ModuleList(AttnBlock() for _ in range(2))
         self.temp = nn.Parameter(torch.tensor(1.5))  # 0-dim
+        # 3 more: a TP rank's 407 elements, which 2 shards do not divide (ZeRO-1 pads its flat vector)
+        self.shift = nn.Parameter(torch.linspace(-0.1, 0.1, OUT))
 
     def forward(self, x):  # (b, T, IN) -> (b, T, OUT)
         h = self.inp(x)
         for block in self.blocks:
             h = block(h)
-        return self.out(h) * self.temp
+        return self.out(h) * self.temp + self.shift
 
 
 def seq_batch(step):
@@ -383,6 +386,7 @@ def cp_copy_out(d):
             *(q for b in blocks for q in b.parameters()),
             *net.out.parameters(),
             net.temp,
+            net.shift,
         ]
         zero = mod["ShardedOptimizer"](
             params, cp_group, lambda ps: torch.optim.AdamW(ps, lr=LR4, foreach=False)
@@ -395,7 +399,7 @@ def cp_copy_out(d):
                 h = net.inp(x)
                 for b in blocks:
                     h = b(h)
-                loss = seq_loss(net.out(h) * net.temp, y)
+                loss = seq_loss(net.out(h) * net.temp + net.shift, y)
                 loss.backward()
                 loss, _ = mod["finish_batch"](
                     params, loss.detach(), cp_group, tp_rank, CLIP4, dist.group.WORLD, zero
@@ -483,8 +487,8 @@ def diff(name, mine, ref, c, tp_rank, t):
 TEXT = (section.ROOT / "ptdp.py").read_text()
 MUTANTS = {  # name: (a line of ptdp.py, what the mutant has instead)
     "norm-counts-replicas": (
-        'counted = [float(getattr(q, "tp_split", False) or tp_rank == 0) for q in params]',
-        "counted = [1.0 for q in params]",
+        'counted = [getattr(q, "tp_split", False) or tp_rank == 0 for q in params]',
+        "counted = [True for q in params]",
     ),  # every TP rank adds its replicated copies
     "no-dp-all-reduce": (
         "            dist.all_reduce(flat, group=group)\n",

@@ -3,16 +3,17 @@
 Parity with the one-process reference (float64, 1e-9) at (pp, tp, dp) = (2, 1, 1) v 1 and v 2, (2, 2, 1) v 2,
 (2, 1, 2) v 2 ragged, (2, 2, 2) v 2 ragged with a small --clip, at pp 4, m 8, v 1 and v 2 with --stage-ms, and
 on four axes (issue 41): cp 2 x tp 2 (pp 1), pp 2 x cp 2 ragged, pp 2 x cp 2 x tp 2 v 2, pp 2 x dp 2 x cp 2
-with ZeRO-1 and --clip, dp 2 x cp 2 x tp 2 with ZeRO-1 (pp 1); the executed schedule (measured events) obeys
-the pipeline's rules and is the schedule's order; messages, the CP ring's sends and the DP x CP collectives
-counted at the dispatcher equal the theory on every rank; the schedules' ideal timelines have the paper's
+with ZeRO-1 and --clip, dp 2 x cp 2 x tp 2 with ZeRO-1 (pp 1), and pp 1 v 2 (one rank holds both chunks, its
+messages stay on it); the executed schedule (measured events) obeys the pipeline's rules and is the
+schedule's order; messages, the CP ring's sends and the DP x CP collectives counted at the dispatcher equal
+the theory on every rank; the schedules' ideal timelines have the paper's
 bubble and message counts, they equal torch's ScheduleInterleaved1F1B order, and their communication plans
 cannot deadlock under NCCL's semantics (simulated); the pieces, copied out (the technique section alone) onto
 other models and layouts unlike main's grid, train them as one process does, and each core refuses what it
 cannot run before sending anything; clipping clips and counts replicated tensors once; five mutants fail
 --check; a restarted run continues to bit-identical losses; bad input exits 2 on every rank. Launches: 4 of
 tests/ptdp_checks.py (worlds 2, 4, 4, 8; ptdp's main once per run inside, 19 runs; one also runs the copy-out
-checks), 1 torchrun that restarts once, 8 plain python."""
+checks), 1 torchrun that restarts once, 1 of world 1, 8 plain python."""
 
 import collections
 import json
@@ -531,7 +532,8 @@ def test_copy_out_pipeline_and_tp_match_one_process(launch):
 def test_copy_out_cp_attention_in_tp_and_zero1_match_one_process(launch):
     """Issue 41, deliver 4: TPBlock with its zig-zag ring attention, zigzag(), ShardedOptimizer (ZeRO-1) and
     finish_batch from the technique section alone, on a foreign attention model (continuous inputs, width 6,
-    2 heads of 3, MLP width 10, a 0-dim parameter, squared error, AdamW), tp 2 x cp 2 on groups unlike main's
+    2 heads of 3, MLP width 10, a 0-dim parameter, squared error, AdamW; 407 elements per TP rank, which
+    ZeRO-1's 2 shards do not divide, so its flat vector is padded), tp 2 x cp 2 on groups unlike main's
     (TP {0, 2}, {1, 3}; CP {0, 1}, {2, 3}: a TP group's rank 1 is global rank 2 or 3), the optimizer state
     sharded over the CP group, clipped: every loss and final parameter equal one-process AdamW with torch's
     clip_grad_norm_ within 1e-12; the counter saw the ring's sends and ZeRO-1's reduce-scatter and all-gather
@@ -776,3 +778,24 @@ def test_world_of_one_and_help():
     assert "Traceback" not in p.stderr and len(p.stderr.strip().splitlines()) == 1
     help_text = run_python("ptdp.py", "--help").stdout
     assert "simulate compute time" in help_text and "zbv" not in help_text  # ZB-V: zero_bubble.py
+
+
+def test_one_rank_holds_every_chunk(tmp_path):
+    """--pp 1 --virtual-stages 2: the "pipeline" is one rank holding chunks 0 and 1, so every message
+    between them stays on the rank (PipelineRank keeps it under its name for the chunk that takes it;
+    comm_plan sends nothing), and training equals one process's (float64, 1e-9)."""
+    summary, _ = torchrun(
+        "ptdp.py",
+        1,
+        *TINY,
+        "--pp",
+        "1",
+        "--virtual-stages",
+        "2",
+        "--steps",
+        "2",
+        "--check",
+        tmp_path=tmp_path,
+    )
+    assert_matches_reference(summary)
+    assert summary["figures"]["fwd_msgs_per_rank"] == [0] == summary["figures"]["fwd_msgs_theory"]
