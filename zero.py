@@ -154,12 +154,8 @@ class Args(CommonArgs):
 # ============================================================================= the ZeRO core
 # ZeRO's two collectives, on flat vectors, asynchronous: a ring all-gather or reduce-scatter
 # (Zero.reduce_grad) moves (N-1)/N of the vector over each link. `group`: the N ranks that split it.
-def all_gather_(full, shard, group):
-    # (S,) local -> (N*S,) global, into `full`; returns (work, input)
-    # stages 1-2 publish a slice of `full`: the input may not alias the output
-    if shard.untyped_storage().data_ptr() == full.untyped_storage().data_ptr():
-        shard = shard.clone()
-    return dist.all_gather_single(full, shard, group=group, async_op=True), shard
+def all_gather_(full, shard, group):  # (S,) local -> (N*S,) global, into `full`; returns its work
+    return dist.all_gather_single(full, shard, group=group, async_op=True)
 
 
 class GatherParams(torch.autograd.Function):
@@ -192,8 +188,9 @@ class FlatUnit(nn.Module):
         self.zero = zero
         self.module = module
         self.path = prefix[:-1] or "(root)"
-        # its own parameters (a unit inside it is replaced already), every name of a tied one
-        named = list(module.named_parameters(remove_duplicate=False))
+        # its own parameters (a unit inside it is replaced already), each tensor once, under its
+        # first name
+        named = list(module.named_parameters())
         for n, p in named:
             if id(p) in zero.taken:
                 raise ValueError(
@@ -209,19 +206,17 @@ class FlatUnit(nn.Module):
                     "in backward it would miss the parameters Zero moves into the flat vector; "
                     "wrap the unit after Zero"
                 )
-        # name -> the first name of its tensor: a tied weight is one slot, read by each of its names
-        self.tied = {n: next(m for m, q in named if q is p) for n, p in named}
-        named = [(n, p) for n, p in named if self.tied[n] == n]  # each tensor once
-        self.names = [prefix + n for n in self.tied]  # every name in the original model
-        self.local = [n for n, _ in named]  # names inside `module`
-        self.shapes = [p.shape for _, p in named]
-        self.numel = sum(p.numel() for _, p in named)  # P, laid out in `named`'s order
+        # every name -> the first name of its tensor: a tied weight is one slot, read by each name
+        every = module.named_parameters(remove_duplicate=False)
+        self.tied = {n: next(m for m, q in named if q is p) for n, p in every}
+        self.prefix = prefix  # + a name inside `module`: its name in the original model
+        # {name inside `module`: shape}, in the flat vector's order
+        self.shapes = {n: p.shape for n, p in named}
+        self.numel = sum(p.numel() for _, p in named)  # P
         # shard length ceil(P / N); the last shards hold the padding
         self.S = -(-self.numel // zero.world)
         self.padded = self.S * zero.world
         self.lo = zero.rank * self.S  # this rank owns flat elements [lo, lo + S)
-        # real (not padding) elements in my shard
-        self.valid = max(0, min(self.S, self.numel - self.lo))
         flat = torch.cat(
             [p.detach().cpu().flatten() for _, p in named]  # (N*S,) global, on the CPU
             + [torch.zeros(self.padded - self.numel, dtype=zero.master_dtype)]
@@ -229,21 +224,18 @@ class FlatUnit(nn.Module):
         # from here on the parameters exist only as (slices of) the flat vector
         for owner, _, attr in (n.rpartition(".") for n in self.tied):
             del module.get_submodule(owner)._parameters[attr]
-        # what this rank's optimizer updates
-        mine = flat if zero.stage == 0 else flat[self.lo : self.lo + self.S]
+        # what this rank's optimizer updates: stage 0 the whole vector, stages 1-3 my shard
+        own = slice(None) if zero.stage == 0 else slice(self.lo, self.lo + self.S)
         if zero.stage < 3:
             # the whole vector, a leaf: autograd accumulates each micro-batch's gradient into it
             self.full = flat.to(zero.device, zero.compute_dtype, copy=True).requires_grad_()
             self.full.register_post_accumulate_grad_hook(self._grad_ready)
-            self.compute = (
-                self.full.detach()[self.lo : self.lo + self.S] if zero.stage else self.full.detach()
-            )
+            self.compute = self.full.detach()[own]
         else:
             # (S,) local. requires_grad only so that autograd runs GatherParams.backward.
-            self.full = None
-            self.shard = mine.to(zero.device, zero.compute_dtype, copy=True).requires_grad_()
+            self.shard = flat[own].to(zero.device, zero.compute_dtype, copy=True).requires_grad_()
             self.compute = self.shard.detach()
-        self.master = zero.new_master(self, mine)  # what the optimizer updates
+        self.master = zero.new_master(self, flat[own])  # what the optimizer updates
         # the gradient accumulator, in the master dtype: whole (N*S,) in stages 0-1, this rank's
         # (S,) in 2-3
         self.grad = torch.zeros(
@@ -257,16 +249,17 @@ class FlatUnit(nn.Module):
     def views(self, full):
         # {name inside module: view of the flat vector with the parameter's shape} one split,
         # padding last (a slice per parameter: each slice's backward zero-fills the unit: 5x)
-        parts = full.split([s.numel() for s in self.shapes] + [self.padded - self.numel])
-        views = {n: p.view(s) for n, p, s in zip(self.local, parts, self.shapes)}
-        # a tied weight: one view, under each of its names
-        return {n: views[first] for n, first in self.tied.items()}
+        parts = full.split([s.numel() for s in self.shapes.values()] + [self.padded - self.numel])
+        slots = dict(zip(self.shapes, parts))  # {name inside module: its slice}
+        # a tied weight: its one slot, under each of its names
+        return {n: slots[first].view(self.shapes[first]) for n, first in self.tied.items()}
 
     def forward(self, *args):
-        if self.zero.stage < 3 or not self.numel:  # (a root unit may have no parameters of its own)
+        if self.zero.stage < 3:
             self.zero.wait_published(self)  # stages 1-2: the all-gather of the last step's update
-            flat = self.full if self.numel else self.compute
-            return functional_call(self.module, self.views(flat), args)
+            return functional_call(self.module, self.views(self.full), args)
+        if not self.numel:  # (a root unit may have no parameters of its own: nothing to gather)
+            return self.module(*args)
         self.zero.check_order(self)  # the unit next in order, or refused before its all-gather
         full = GatherParams.apply(self.shard, self)  # (N*S,) global: all-gathered just before use
         self.in_forward = full.untyped_storage().data_ptr()  # for Zero._pack (not a reference)
@@ -366,8 +359,7 @@ class Zero:
         self.taken = {}  # id of each parameter -> its name
         for path in units:  # each named submodule becomes a unit, in its parent's place
             self.units.append(FlatUnit(self, model.get_submodule(path), path + "."))
-            parent, _, child = path.rpartition(".")
-            setattr(model.get_submodule(parent), child, self.units[-1])
+            model.set_submodule(path, self.units[-1])
         self.root = FlatUnit(self, model, "")  # whatever parameters are left
         self.units.append(self.root)
         model.to(self.device)  # the buffers (no parameters are left in the modules)
@@ -378,12 +370,10 @@ class Zero:
         blocks = [u for u in self.units[:-1] if u.numel]
         self.forward_order = root + blocks
         self.backward_order = root + blocks[::-1]
-        self.order = self.forward_order
         self.prefetched = {}  # stage 3: unit -> (its all-gather in flight, its buffer)
         self.pending = []  # reductions in flight
-        self.last_microbatch = False
-        self.reduce_order = [*self.units[-2::-1], self.root]  # (reduce_grad)
-        self.next = 0
+        self.reduce_order = self.units[-2::-1] + [self.root]  # (reduce_grad)
+        self.waiting = list(self.reduce_order)  # this round's units not yet reduced, in turn
         self.ready = {}
         self.publishing = {}  # stages 1-2: unit -> (all-gather in flight, its input)
 
@@ -399,11 +389,11 @@ class Zero:
 
     def _launch_gather(self, u):  # (S,) local -> a new (N*S,) buffer; returns (work, buffer)
         buf = torch.empty(u.padded, dtype=self.compute_dtype, device=self.device)
-        return all_gather_(buf, u.shard.detach(), self.group)[0], buf
+        return all_gather_(buf, u.shard.detach(), self.group), buf
 
     def check_order(self, u=None):
         # u: the unit forward runs now (None: forward ended). The top says why
-        want = self.forward_order[self.ran] if self.ran < len(self.forward_order) else None
+        want = self.to_run.pop(0) if self.to_run else None
         # (backward may rerun a unit: recomputation)
         if u is not want and self.order is self.forward_order:
             raise ValueError(
@@ -412,7 +402,6 @@ class Zero:
                 "per forward, in `units` order (collectives pair by order); stages 0-2 take any "
                 "graph"
             )
-        self.ran += 1
 
     def _new_pass(self, order):
         # a prefetch the last pass did not use (a forward without its units) ends
@@ -420,17 +409,16 @@ class Zero:
             work.wait()
         self.order = order
         self.prefetched = {}
-        self.ran = 0
+        self.to_run = list(order)  # (check_order)
 
     # --- the gradient reductions, launched during backward ----------------------------------------
     def reduce_grad(self, u, g):
         """u's gradient g (N*S,) is ready: launch each reduction whose turn in `reduce_order` came
         (top)."""
         self.ready[u] = g
-        while self.next < len(self.units) and self.reduce_order[self.next] in self.ready:
-            u = self.reduce_order[self.next]
+        while self.waiting and self.waiting[0] in self.ready:
+            u = self.waiting.pop(0)
             g = self.ready.pop(u)
-            self.next += 1
             if self.stage >= 2:
                 self.finish_reductions()
                 g = g.to(self.master_dtype).contiguous()
@@ -443,14 +431,14 @@ class Zero:
                 work.wait()  # (on NCCL: the next collective's stream waits, the host does not)
                 work = dist.all_reduce(out, group=self.replicate_group, async_op=True)
             self.pending.append((u, work, out, g))  # g referenced until done
-            # stages 0-1: the step's sum, once work is done
-            u.reduced = out if self.stage <= 1 else None
+            if self.stage <= 1:  # the step's sum, once work is done
+                u.reduced = out
 
     def end_round(self):
         # backward ended (stages 0-1: the step's last): units it did not reach, zeros
         # (each call launches its unit and the ready ones after it)
-        while self.next < len(self.units):
-            u = self.reduce_order[self.next]
+        while self.waiting:
+            u = self.waiting[0]
             zeros = torch.zeros(u.padded, dtype=self.compute_dtype, device=self.device)
             # stages 0-1: with what it has
             self.reduce_grad(u, zeros if self.stage >= 2 else u.accumulate(zeros))
@@ -469,7 +457,7 @@ class Zero:
         # 3: a view of the gathered unit would keep it alive until backward, so keep where it lies
         # and gather it again
         for u in self.units:
-            if self.stage == 3 and t.untyped_storage().data_ptr() == u.in_forward:
+            if t.untyped_storage().data_ptr() == u.in_forward:
                 return u, t.storage_offset(), t.shape, t.stride()
         return t
 
@@ -478,7 +466,8 @@ class Zero:
         if not isinstance(x, tuple):
             return x
         u, offset, shape, stride = x
-        u.gathered = self.acquire(u) if u.gathered is None else u.gathered
+        if u.gathered is None:  # (the unit's first saved view in this backward)
+            u.gathered = self.acquire(u)
         return u.gathered.as_strided(shape, stride, offset)
 
     # --- training ---------------------------------------------------------------------------------
@@ -486,8 +475,7 @@ class Zero:
         self._new_pass(self.forward_order)
         with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
             out = self.root(*args)
-        # a unit skipped last: before backward
-        if self.stage == 3 and self.ran < len(self.forward_order):
+        if self.stage == 3:  # a unit skipped last: refused before backward
             self.check_order()
         return out
 
@@ -496,7 +484,7 @@ class Zero:
         per step (DDP's no_sync); any other pattern is right too, with more reductions."""
         self._new_pass(self.backward_order)
         self.last_microbatch = last
-        self.next = 0  # a new round of reductions (stages 0-1: if last)
+        self.waiting = list(self.reduce_order)  # a new round of reductions (stages 0-1: if last)
         loss.backward()
         if last or self.stage >= 2:
             self.end_round()
@@ -504,11 +492,11 @@ class Zero:
             self.finish_reductions()
 
     def step(self):
-        # 1. the reduced gradients 2. their global norm 3. clip, AdamW, publish. Returns {norm}.
+        # 1. the reduced gradients 2. their global norm 3. clip, AdamW, publish. Returns the norm.
         grads = self.gradients()
         norm = self.global_norm(grads)
         self.update(grads, norm)
-        return dict(norm=norm)
+        return norm
 
     def gradients(self):
         # wait for every reduction; returns what AdamW reads (stages 1-3: my shards)
@@ -516,24 +504,17 @@ class Zero:
         self.end_round()  # (stages 0-1 when no backward said last=True, or none ran: reduce now)
         self.finish_reductions()
         grads = [u.reduced if self.stage <= 1 else u.grad for u in self.units]
-        self.next = 0
+        self.waiting = list(self.reduce_order)
         for u in self.units:  # the next step's backward starts a new sum
             u.has_grad, u.reduced = False, None
         return grads
 
     def global_norm(self, grads):
-        # the L2 norm of the whole gradient: each element in one rank's slice
-        parts = [
-            g[u.lo : u.lo + u.valid] if self.stage == 0 else g[: u.valid]  # padding excluded
-            for u, g in zip(self.units, grads)
-        ]
+        # the L2 norm of the whole gradient: each element in one rank's slice (the padding's
+        # gradient is zero: it adds nothing)
+        parts = [g[u.lo : u.lo + u.S] if self.stage == 0 else g for u, g in zip(self.units, grads)]
         # each slice's norm in its own dtype, as clip_grad_norm_ (a float64 norm: 18x slower on CPU)
-        sq = (
-            torch.stack([torch.linalg.vector_norm(p).double() for p in parts])
-            .square()
-            .sum()
-            .view(1)
-        )
+        sq = torch.stack([torch.linalg.vector_norm(p).double() for p in parts]).square().sum()
         dist.all_reduce(sq, group=self.group)  # (HSDP: each replica holds the same shards)
         return sq.sqrt()
 
@@ -550,13 +531,19 @@ class Zero:
         return u.compute
 
     def publish(self):
+        # the master into the compute copy: MixedPrecisionZero's rounds fp32 to bf16, OffloadZero's
+        # on a GPU comes from pinned host memory, async (Zero's is one tensor: nothing to copy)
+        for u in self.units:
+            u.compute.copy_(u.master, non_blocking=True)
         # stages 1-2: all-gather each unit's updated shards, async, waited for at its forward
         for u in self.forward_order if self.stage in (1, 2) else ():
-            self.publishing[u] = all_gather_(u.full.detach(), u.compute, self.group)
+            # the input is a copy: my shard is a slice of `full`, the output
+            shard = u.compute.clone()
+            self.publishing[u] = all_gather_(u.full.detach(), shard, self.group), shard
 
     def wait_published(self, u=None):
         # stages 1-2: unit u's all-gather from publish() (None: every unit's)
-        for v in [v for v in list(self.publishing) if u in (None, v)]:
+        for v in [v for v in self.publishing if u in (None, v)]:
             self.publishing.pop(v)[0].wait()
 
 
@@ -571,8 +558,8 @@ def full_state_dict(zero):
         if zero.stage > 0 and u.numel:  # stages 1-3: my (S,) shard -> (N*S,)
             shard = flat
             flat = shard.new_empty(u.padded)
-            all_gather_(flat, shard, zero.group)[0].wait()
-        out.update({n: v.detach().cpu().clone() for n, v in zip(u.names, u.views(flat).values())})
+            all_gather_(flat, shard, zero.group).wait()
+        out.update({u.prefix + n: v.to("cpu", copy=True) for n, v in u.views(flat).items()})
     return out
 
 
@@ -583,12 +570,11 @@ def to_device(t, device):
 
 def train_step(zero, x, y, n_tok, accum, loss_fn):
     """One optimizer step on this rank's rows of (x, y), copied to the device once, in `accum`
-    micro-batches; returns this rank's loss (on the device) and zero.step()'s. loss_fn(out, y,
+    micro-batches; returns this rank's loss (on the device) and the global norm. loss_fn(out, y,
     n_tok): sum / global count."""
     check_split(x.shape[0], zero.dp_world, accum)  # before any collective
-    rows = x.shape[0] // zero.dp_world
-    mine = slice(zero.dp_rank * rows, (zero.dp_rank + 1) * rows)
-    x, y = (to_device(t[mine], zero.device) for t in (x, y))  # (B/(R*N), ...)
+    # (B/(R*N), ...) this rank's rows
+    x, y = (to_device(t.chunk(zero.dp_world)[zero.dp_rank], zero.device) for t in (x, y))
     local = torch.zeros((), dtype=torch.float64, device=zero.device)
     for i, (xm, ym) in enumerate(zip(x.chunk(accum), y.chunk(accum))):  # (B/(R*N*accum), ...) each
         loss = loss_fn(zero(xm), ym, n_tok)
@@ -619,26 +605,25 @@ class MixedPrecisionZero(Zero):
     def backward(self, loss, last=True):
         super().backward(loss * self.scale if self.scaling else loss, last)
 
-    def step(self):
-        # Zero.step, unscaled; an overflow (a non-finite norm, on every rank alike) skips it
-        grads = self.gradients()
+    def gradients(self):  # Zero's, unscaled (fp16: divided by the loss scale)
+        grads = super().gradients()
         for g in grads if self.scaling else ():
             g.mul_(1.0 / self.scale)
-        norm = self.global_norm(grads)
-        finite = not self.scaling or bool(torch.isfinite(norm))  # (fp16: one host sync per step)
-        if finite:
-            self.update(grads, norm)
-        if self.scaling:  # an overflow halves the scale, `window` clean steps in a row double it
-            self.clean = self.clean + 1 if finite else 0
-            if not finite or self.clean == self.window:
-                self.scale, self.clean = self.scale * (2.0 if finite else 0.5), 0
-        return dict(norm=norm, skipped=not finite)
+        return grads
 
-    def publish(self):
-        # master -> compute copy (fp32 -> bf16), then Zero's all-gather of stages 1-2
-        for u in self.units:  # (OffloadZero on a GPU: from pinned host memory)
-            u.compute.copy_(u.master, non_blocking=True)
-        super().publish()
+    def update(self, grads, norm):
+        # fp16: an overflow (a non-finite norm, the same on every rank: one host sync per step)
+        # skips the step and halves the scale; `window` clean steps in a row double it
+        self.skipped = self.scaling and not bool(torch.isfinite(norm))
+        if self.skipped:
+            self.scale /= 2
+            self.clean = 0
+            return
+        super().update(grads, norm)
+        self.clean += 1
+        if self.scaling and self.clean == self.window:
+            self.scale *= 2
+            self.clean = 0
 
 
 # ============================================================================= CPU offload
@@ -651,8 +636,8 @@ class OffloadZero(MixedPrecisionZero):
         # on a GPU both page-locked: the copies to and from it are async
         pin = self.device.type == "cuda"
         u.host_grad = torch.zeros(mine.shape, dtype=mine.dtype, pin_memory=pin)
-        host = mine.to("cpu", copy=True)
-        return host.pin_memory() if pin else host
+        # (mine: on the CPU, where Zero builds it)
+        return mine.pin_memory() if pin else mine.clone()
 
     def update(self, grads, norm):
         # device -> host (every shard's copy queued, then one wait): AdamW there
@@ -695,15 +680,11 @@ def check_args(args, world):
 
 def train_zero(d, args):  # build, train, report, check; returns the --json summary
     data = MarkovData(args.vocab, args.seed)
-    d.log(
-        f"ZeRO stage {args.stage} on {d.world} ranks ({d.backend}); entropy floor "
-        f"{data.entropy:.4f}"
-    )
     model = build_gpt(GPTConfig.from_args(args), args.seed, DTYPES[args.dtype])  # whole, on the CPU
     shard_group = replicate_group = None  # R = 1: ZeRO over the whole world
     if args.replicate > 1:
         # HSDP's grid (the top): row i is copy i of the model, column j the R copies of shard j
-        grid = torch.arange(d.world).view(args.replicate, d.world // args.replicate)
+        grid = torch.arange(d.world).view(args.replicate, -1)  # (R, N)
         shard_group, _ = dist.new_subgroups_by_enumeration(grid.tolist())
         replicate_group, _ = dist.new_subgroups_by_enumeration(grid.T.tolist())
     kind = Zero
@@ -728,23 +709,17 @@ def train_zero(d, args):  # build, train, report, check; returns the --json summ
     )
     # dropout masks (if any) differ per rank; a resume restores them
     torch.manual_seed(args.seed + d.rank)
-    ckpt = ZeroCheckpoint(
-        d, args.ckpt_dir, args.save_every, args.steps, zero.group, replicate_group
-    )
-    run = Run(d, args, zero, ckpt=ckpt)
-    comm = CommCounter(dict(shard=zero.group, replicate=replicate_group))
-    watch = Watch(zero)
-    log_group = dist.new_group()  # the log line's loss, on a group of its own (the top says why)
+    run = Run(d, args, zero, ckpt=ZeroCheckpoint(d, args, zero))  # resumes from --ckpt-dir
+    # below the fence: the figures, and the log line's loss summed on a group of its own (the top
+    # says why)
+    watch = LoopWatch(zero, run, data)
     for step in run.steps():
         # (B, T) global, on the CPU
         x, y = data.batch(step, args.batch_size, args.seq_len, args.ragged)
-        with run.watching(step, comm):  # the bytes of the last step, seen at the dispatcher
-            local, info = train_step(zero, x, y, count_tokens(y), args.accum, lm_loss)
-        dist.all_reduce(local, group=log_group)  # the global batch's loss
-        # fp16: the loss scale; a skipped step, logged
-        watch.end_step(d, step, info.get("skipped", False))
-        run.end_step(step, local.item())  # the timer, the log line, the checkpoint
-    return summary(d, args, zero, run, watch, comm)
+        with run.watching(step, watch.comm):  # the bytes of the last step, seen at the dispatcher
+            local, _ = train_step(zero, x, y, count_tokens(y), args.accum, lm_loss)
+        watch.end_step(step, local)  # the global batch's loss, the log line, the checkpoint
+    return watch.finish()  # the closing table, --check, the --json summary
 
 
 def main():
@@ -756,6 +731,35 @@ def main():
 
 
 # --- measurement --- (what the summary prints, watching Zero from outside) ------------------------
+class LoopWatch:
+    """train_zero's bookkeeping around the loop: the opening line, the bytes handed to each group
+    (one CommCounter at the dispatcher, `comm`, entered by run.watching for the last step), Watch,
+    the log line's loss summed on a group of its own (NCCL: the training group's stream stays free
+    for the overlap), then the closing table, --check and the --json summary."""
+
+    def __init__(self, zero, run, data):
+        self.zero = zero
+        self.run = run
+        d = run.d
+        d.log(
+            f"ZeRO stage {zero.stage} on {d.world} ranks ({d.backend}); entropy floor "
+            f"{data.entropy:.4f}"
+        )
+        self.comm = CommCounter(dict(shard=zero.group, replicate=zero.replicate_group))
+        self.watch = Watch(zero)
+        self.log_group = dist.new_group()
+
+    def end_step(self, step, local):
+        dist.all_reduce(local, group=self.log_group)  # the global batch's loss
+        # fp16: the loss scale; a skipped step, logged
+        self.watch.end_step(self.run.d, step, getattr(self.zero, "skipped", False))
+        self.run.end_step(step, local.item())  # the timer, the log line, the checkpoint
+
+    def finish(self):
+        run = self.run
+        return summary(run.d, run.args, self.zero, run, self.watch, self.comm)
+
+
 class Watch:
     """What zero.py measures, through Zero's plain attributes and methods (Zero counts nothing).
     saved activations  a wrapper around Zero's own pack hook (the innermost pair of saved-tensor hooks,
@@ -1116,12 +1120,14 @@ class ZeroCheckpoint:
 
     MOMENTS = ("exp_avg", "exp_avg_sq")
 
-    def __init__(self, d, ckpt_dir, save_every, steps, group=None, replicate_group=None):
+    def __init__(self, d, args, zero):
+        # --ckpt-dir, --save-every, --steps; the groups are the Zero's
         self.d = d
-        self.root = ckpt_dir
-        self.save_every = save_every
-        self.steps = steps
-        self.group = group or dist.group.WORLD
+        self.root = args.ckpt_dir
+        self.save_every = args.save_every
+        self.steps = args.steps
+        self.group = zero.group
+        replicate_group = zero.replicate_group
         # the mesh lays out CPU copies; a unit's vector is Shard(0) over `group`, and with HSDP also
         # Replicate() over `replicate_group` (DCP writes each shard once); DCP then talks to every
         # rank
@@ -1153,7 +1159,8 @@ class ZeroCheckpoint:
                 k: torch.zeros_like(u.master) for k in self.MOMENTS
             }
             whole = zero.stage == 0 and loading
-            lo, n = (0, u.numel) if whole else (u.lo if zero.stage == 0 else 0, u.valid)
+            valid = max(0, min(u.S, u.numel - u.lo))  # real (not padding) elements in my shard
+            lo, n = (0, u.numel) if whole else (u.lo if zero.stage == 0 else 0, valid)
             for k, v in (("master", u.master), *((k, st[k]) for k in self.MOMENTS)):
                 part = v.detach()[lo : lo + n]
                 place = [Replicate()] if whole else self.place

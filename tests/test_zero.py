@@ -589,7 +589,7 @@ def default_backward_step(zero, x, y, accum):
 # mutant: this rank's shard of its own gradient, never summed over the ranks
 def keep_local(self, u, g):
     u.accumulate(g.to(u.grad.dtype)[u.lo : u.lo + u.S])
-    self.next += 1  # (its turn taken)
+    self.waiting.remove(u)  # (its turn taken)
 
 
 # mutant: accumulate as before issue 30, into a buffer a reduction may be
@@ -600,6 +600,14 @@ def accumulate_in_flight(self, g):
         self.grad.copy_(g)
     self.has_grad = True
     return self.grad
+
+
+# mutant: publish without the master -> compute copy, Zero.publish's all-gathers of stages 1-2 only
+def publish_without_copy(self):
+    for u in self.forward_order if self.stage in (1, 2) else ():
+        shard = u.compute.clone()
+        work = dist.all_gather_single(u.full.detach(), shard, group=self.group, async_op=True)
+        self.publishing[u] = work, shard
 
 
 def copy_out_worker(json_path, steps=3, accum=2, clip=0.2):
@@ -670,8 +678,9 @@ def copy_out_worker(json_path, steps=3, accum=2, clip=0.2):
                 {},
             ),  # a stage 2 that never reduces
             "accumulate_during_reduction": ("FlatUnit", "accumulate", 0, accumulate_in_flight, {}),
-            # a MixedPrecisionZero whose compute copy never takes the master's update (Zero's publish only)
-            "stale_compute_copy": ("MixedPrecisionZero", "publish", 2, core["Zero"].publish, mixed),
+            # a MixedPrecisionZero whose compute copy never takes the master's update (publish without
+            # its copy: the all-gathers of stages 1-2 only)
+            "stale_compute_copy": ("Zero", "publish", 2, publish_without_copy, mixed),
         }
         for name, (cls, attr, stage, fake, kw) in broken.items():
             real = getattr(core[cls], attr)
@@ -729,9 +738,9 @@ def copy_out_worker(json_path, steps=3, accum=2, clip=0.2):
 
     # the old rule: each unit reduced as soon as autograd finishes it
     def arrival_order(self, u, g):
-        if u not in self.reduce_order[: self.next]:  # (its turn moves up to the next one)
-            rest = [v for v in self.reduce_order[self.next :] if v is not u]
-            self.reduce_order = [*self.reduce_order[: self.next], u, *rest]
+        if u in self.waiting:  # (its turn moves up to the next one)
+            self.waiting.remove(u)
+            self.waiting.insert(0, u)
         reduce_grad(self, u, g)
 
     core["Zero"].reduce_grad = arrival_order
