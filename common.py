@@ -144,7 +144,12 @@ class GPTConfig:
     @classmethod
     def from_args(cls, args):
         return cls(
-            args.vocab, args.seq_len, args.d_model, args.n_heads, args.n_layers, args.dropout
+            args.vocab,
+            args.seq_len,
+            args.d_model,
+            args.n_heads,
+            args.n_layers,
+            getattr(args, "dropout", 0.0),  # (harness.BaseArgs has none: no dropout)
         )
 
 

@@ -20,10 +20,10 @@ PyTorch Conference 2024; used in torchtitan) lets the healthy replicas go on:
    a replica whose lease is older than --lease-ms (killed, or frozen) is gone for its peers at once.
    Before each step every live replica checks in to round k with its state version; the first to see
    every replica holding a lease checked in, or its --join-ms window pass with a strict majority of
-   them (torchft's rule: no split brain), closes the round by one atomic add (a later check-in sees
-   it closed and tries round k+1, where it waits for the others). The members are who checked in
-   before the close; with fewer than --min-replicas (torchft's min_replica_size) nobody trains, and
-   they wait (bounded) for a restarted one.
+   them (torchft's rule: no split brain), closes the round: one compare_set of its size n, the first
+   n check-ins (a later check-in sees it closed and tries round k+1, where it waits for the others).
+   It never closes with fewer than --min-replicas (torchft's min_replica_size): they wait (bounded)
+   for a restarted one.
 2. A group per quorum, every wait with a deadline. The step's collectives run on the group the
    members
    still share when the membership is unchanged, else on a new one under the fresh store prefix
@@ -103,6 +103,8 @@ replicas is 85 s / 3.1 h = 0.8%. In production, use torchft (its Manager, Proces
 lighthouse) with torchtitan.
 """
 
+import importlib
+import itertools
 import math
 import os
 import signal
@@ -110,7 +112,6 @@ import statistics
 import sys
 import threading
 import time
-from collections import Counter
 from dataclasses import astuple, dataclass
 from datetime import timedelta
 from typing import Literal
@@ -129,13 +130,19 @@ from common import (
     lm_loss,
     make_optimizer,
 )
-from harness import CommonArgs, check_common_args, log_step, parse_args, tolerance, write_summary
-
-PHASES = Literal["before", "join", "group", "during", "after"]  # where a kill or freeze strikes
+from harness import (
+    BaseArgs,
+    check_common_args,
+    env_world_size,
+    log_step,
+    parse_args,
+    tolerance,
+    write_summary,
+)
 
 
 @dataclass
-class Args(CommonArgs):
+class Args(BaseArgs):
     batch_size: int = 12  # global batch, in sequences: R shards of B/R (divisible by 2, 3, 4)
     replicas: int = 3  # R replica processes, each holding the whole model
     join_ms: float = 300.0  # a round closes when all live replicas are in, or this long after one
@@ -143,7 +150,8 @@ class Args(CommonArgs):
     kill_replica: int = -1  # SIGKILL this replica (first life only) at --at-step, in --phase
     at_step: int = -1  # the step of --kill-replica and of --corrupt-replica
     freeze_replica: int = -1  # SIGSTOP this replica (first life only) at --at-step, in --phase
-    phase: PHASES = "during"  # before check-in, after the round closed, before group/AR/vote
+    # where a kill or freeze strikes: before check-in, after the round closed, before group/AR/vote
+    phase: Literal["before", "join", "group", "during", "after"] = "during"
     max_restarts: int = 1  # restarts of a killed replica (--recipe restart: of the job)
     recipe: Literal["live", "restart"] = "live"  # live recovery, or a restart from --ckpt-dir
     spike_sigma: float = 6.0  # a spike: a loss above the mean of the last 16 by this many stdevs
@@ -160,15 +168,12 @@ class Args(CommonArgs):
     coordinator: str = ""  # (set by the launcher) host:port of the coordinator's store
     replica: int = -1  # (set by the launcher) this process's replica id; -1: be the launcher
     life: int = 0  # (set by the launcher) how many times this replica was started before
-    # out of --help (and refused)
-    HIDDEN = ("coordinator", "replica", "life", "fail_at_step", "dropout")
+    # out of --help: a replica's identity, given by the launcher on its command line (as torchrun
+    # gives a worker its RANK), never typed
+    HIDDEN = ("coordinator", "replica", "life")
 
 
 # ---------------------------------------------------------------------- 1. the lease and the quorum
-# added to a round's check-in count to close it: a later check-in sees a count above it
-CLOSED = 1 << 20
-
-
 @dataclass
 class Member:
     rid: int  # replica id: it owns shard rid of every batch
@@ -176,7 +181,6 @@ class Member:
     version: int  # committed rounds its state has seen; -1: it has no state and must recover
     step: int  # its step (the quorum's step is the newest member's)
     gid: int  # the round whose process group it still holds (-1: none)
-    gsize: int  # that group's size
 
 
 class Lease:
@@ -208,18 +212,18 @@ class Lease:
         except Exception:  # the coordinator is gone: the main thread says so in one line
             return
 
-    def read(self, rid):  # (life, time of its last heartbeat)
+    def read(self, rid):  # (life, seconds since its last heartbeat)
         if not self.store.check([f"lease/{rid}"]):
-            return -1, -math.inf
+            return -1, math.inf
         life, t = self.store.get(f"lease/{rid}").split()
-        return int(life), float(t)
+        return int(life), time.time() - float(t)
 
     def live(self, m):
-        life, t = self.read(m.rid)
-        return life == m.life and time.time() - t < self.lease_s
+        life, age = self.read(m.rid)
+        return life == m.life and age < self.lease_s
 
     def count(self, replicas):  # the replicas holding a live lease, whatever their life
-        return sum(time.time() - self.read(r)[1] < self.lease_s for r in range(replicas))
+        return sum(self.read(r)[1] < self.lease_s for r in range(replicas))
 
 
 def members_of(store, k):
@@ -239,33 +243,35 @@ def check_round(k, window_s, timeout_s):
         )
 
 
-def join_round(store, k, me, expected, window_s, timeout_s):
+def join_round(store, k, me, expected, window_s, timeout_s, min_size=1):
     """Check in to round k. Returns its members, or None when the round had closed before this
     check-in (try k + 1). `expected()`: the replicas alive. The round closes when all of them
     checked in, or once the window passed with a strict majority of them (torchft's lighthouse: more
     than half the known alive): a replica that missed a round waits in the next one for the others,
-    it never opens a quorum of its own."""
+    it never opens a quorum of its own. Never with fewer than `min_size` (torchft's
+    min_replica_size): then the round waits (bounded) for a replica to come back."""
     check_round(k, window_s, timeout_s)
-    slot = store.add(f"q{k}/n", 1)
-    if slot > CLOSED:
-        return None
+    slot = store.add(f"q{k}/n", 1)  # check-ins are numbered in arrival order
     store.set(f"q{k}/slot{slot}", " ".join(map(str, astuple(me))))
     t0 = time.monotonic()
     while not store.check([f"q{k}/size"]):
         n = store.add(f"q{k}/n", 0)
         alive = expected()
         waited = time.monotonic() - t0
-        if n >= alive or (waited > window_s and 2 * n > alive):
-            # atomic: whoever gets n < 2 * CLOSED closed it, at n - CLOSED
-            n = store.add(f"q{k}/n", CLOSED)
-            if n < 2 * CLOSED:
-                store.set(f"q{k}/size", str(n - CLOSED))
-                store.set("round", str(k))  # where a newly started replica begins to look
+        if n >= min_size and (n >= alive or waited > window_s and 2 * n > alive):
+            # the first n check-ins are its members: compare_set keeps the first close, the one
+            store.compare_set(f"q{k}/size", "", str(n))
+            store.set("round", str(k))  # where a newly started replica begins to look
         elif waited > window_s + 4 * timeout_s:
             # (the others may still be ending a round: its group, collectives and vote wait
             # timeout_s each)
-            raise TimeoutError(f"round {k}: {n} of {alive} live replicas checked in, no majority")
+            raise TimeoutError(
+                f"round {k}: {n} of {alive} live replicas checked in (a round needs a majority "
+                f"of them, and {min_size})"
+            )
         time.sleep(0.001)
+    if slot > int(store.get(f"q{k}/size")):  # it checked in after the close
+        return None
     return members_of(store, k)
 
 
@@ -309,26 +315,38 @@ def vote(store, k, members, me, ok, timeout_s, live):
             f"vote needs timeout_s > 0 (else it aborts before the others vote), got {timeout_s}"
         )
     base = decided_before(store, k, timeout_s, live)  # (rounds decide in order: one in flight)
-    store.set(f"q{k}/vote{me.rid}", "yes" if ok else "no")
-    keys = [f"q{k}/vote{m.rid}" for m in members]
+    store.add(f"q{k}/yes" if ok else f"q{k}/no", 1)  # (each member votes once)
     current, t0 = max(m.version for m in members) >= base, time.monotonic()
     while not store.check([f"q{k}/decision"]):
-        votes = [store.get(key) for key in keys if store.check([key])]
+        every_yes = store.add(f"q{k}/yes", 0) == len(members)
         if (
-            len(votes) == len(keys)
-            or b"no" in votes
+            every_yes
+            or store.add(f"q{k}/no", 0)
             or not all(map(live, members))
             or time.monotonic() - t0 > timeout_s
         ):
-            yes = votes.count(b"yes") == len(keys) and current
+            commit = every_yes and current
             store.compare_set(
-                f"q{k}/decision", "", f"commit {base + 1}" if yes else f"abort {base}"
+                f"q{k}/decision", "", f"commit {base + 1}" if commit else f"abort {base}"
             )
         time.sleep(0.001)
     return store.get(f"q{k}/decision").startswith(b"commit")
 
 
 # -------------------------------------------------------------------- 2. the group, with a deadline
+def wait_for(done, lost, timeout_s, what):
+    """Poll `done()` on the host until it holds (never a blocking wait: on NCCL a dead or frozen
+    peer raises nothing); raise as soon as `lost()` (a member's lease lapsed), or past timeout_s (a
+    member alive but stuck keeps its lease)."""
+    t0 = time.monotonic()
+    while not done():
+        if lost():
+            raise RuntimeError(f"{what}: a member lost its lease")
+        if time.monotonic() - t0 > timeout_s:
+            raise TimeoutError(f"{what} took over {timeout_s} s")
+        time.sleep(0.001)
+
+
 class Bounded:
     """The quorum's group, every collective of it waited for on the host (torchft's
     _WorkCUDATimeout): by polling is_completed(), which never blocks, on NCCL either. On NCCL a dead
@@ -337,8 +355,9 @@ class Bounded:
     itself (pg.abort(): ends its pending kernels; never shutdown() or destroy_process_group(), which
     wait for them) and raises: it votes no."""
 
-    def __init__(self, pg, timeout_s, lost):
+    def __init__(self, pg, gid, timeout_s, lost):
         self.pg = pg
+        self.gid = gid  # the round that made it
         self.n = pg.size()
         self.timeout_s = timeout_s
         self.lost = lost
@@ -353,14 +372,13 @@ class Bounded:
         return Deadline(self, self.pg.broadcast(tensor, src))
 
     def abort(self):
-        if self.pg is None:
+        if self.pg is None:  # (aborted once)
             return
         # NCCL: abort() ends the kernels. gloo: only freeing the group closes its connections (a
         # peer waiting on this member is let go), and that waits for the hung work: freed on a
         # thread of its own
         self.pg.abort()
-        dropped = [self.pg]
-        self.pg = None
+        dropped, self.pg = [self.pg], None
         threading.Thread(target=dropped.clear, daemon=True).start()
 
 
@@ -370,14 +388,8 @@ class Deadline:
     work: object
 
     def wait(self):
-        t0 = time.monotonic()
         try:
-            while not self.work.is_completed():
-                if self.group.lost():
-                    raise RuntimeError("a member of the group lost its lease")
-                if time.monotonic() - t0 > self.group.timeout_s:
-                    raise TimeoutError(f"a collective took over {self.group.timeout_s} s")
-                time.sleep(0.001)
+            wait_for(self.work.is_completed, self.group.lost, self.group.timeout_s, "a collective")
             self.work.wait()  # (gloo: raises a failed collective's error; NCCL: orders the stream)
         except Exception:
             self.group.abort()
@@ -385,28 +397,24 @@ class Deadline:
 
 
 def quorum_group(store, k, members, me, held, timeout_s, live, device=torch.device("cpu")):
-    """The quorum's process group: the one all members still hold when they hold the same one and
-    nobody left (unchanged membership), else a new one under the fresh prefix g{k}, made once every
-    member said it is there (a member lost before that is found by its lease or the deadline, not by
-    a hung rendezvous). `held`: (gid, group). On CUDA: ProcessGroupNCCL, non-blocking, connected at
-    once (a member lost during NCCL's bootstrap raises here, inside the round, bounded by
-    TORCH_NCCL_NONBLOCKING_TIMEOUT, which the launcher sets to timeout_s: torch waits for a
-    non-blocking init by it alone, 30 min by default). Its own timeout, 2 x ours, is a backstop: the
-    watchdog must not decide, and it bounds pg.abort()'s wait for NCCL's abort (an ncclCommAbort
-    that hangs holds the replica that long: torchft's ProcessGroupBabyNCCL runs NCCL in a subprocess
-    it can kill)."""
-    if held and {m.gid for m in members} == {held[0]} and members[0].gsize == len(members):
+    """The quorum's process group (a Bounded, its gid the round k that made it): the one all members
+    still hold when they hold the same one and nobody left (unchanged membership), else a new one
+    under the fresh prefix g{k}, made once every member said it is there (a member lost before that
+    is found by its lease or the deadline, not by a hung rendezvous). `held`: the group this member
+    holds, or None. On CUDA: ProcessGroupNCCL, non-blocking, connected at once (a member lost during
+    NCCL's bootstrap raises here, inside the round, bounded by TORCH_NCCL_NONBLOCKING_TIMEOUT, which
+    the launcher sets to timeout_s: torch waits for a non-blocking init by it alone, 30 min by
+    default). Its own timeout, 2 x ours, is a backstop: the watchdog must not decide, and it bounds
+    pg.abort()'s wait for NCCL's abort (an ncclCommAbort that hangs holds the replica that long:
+    torchft's ProcessGroupBabyNCCL runs NCCL in a subprocess it can kill)."""
+    if held and {m.gid for m in members} == {held.gid} and held.size() == len(members):
         return held
     rank = rank_in(members, me)
     prefix = dist.PrefixStore(f"g{k}", store)
-    t0 = time.monotonic()
     prefix.set(f"here{me.rid}", "1")
-    while not prefix.check([f"here{m.rid}" for m in members]):
-        if not all(map(live, members)):  # (checked in, then lost)
-            raise RuntimeError(f"group g{k}: a member lost its lease")
-        if time.monotonic() - t0 > timeout_s:
-            raise TimeoutError(f"group g{k}: a member did not come within {timeout_s} s")
-        time.sleep(0.001)
+    here = [f"here{m.rid}" for m in members]
+    lost = lambda: not all(map(live, members))  # (checked in, then lost)
+    wait_for(lambda: prefix.check(here), lost, timeout_s, f"group g{k}'s creation")
     if store.check([f"q{k}/decision"]):  # this member came late: the others gave up on the group
         raise RuntimeError(f"round {k} was decided without this member")
     backstop = timedelta(seconds=2 * timeout_s)
@@ -418,7 +426,7 @@ def quorum_group(store, k, members, me, held, timeout_s, live, device=torch.devi
         pg.eager_connect_single_device(device)
     else:
         pg = dist.ProcessGroupGloo(prefix, rank, len(members), backstop)
-    return k, Bounded(pg, timeout_s, lambda: not all(map(live, members)))
+    return Bounded(pg, k, timeout_s, lost)
 
 
 def replica_device(rid):
@@ -441,9 +449,8 @@ class Replica:
     as its peers do."""
 
     def __init__(self, model, opt, steps):
-        if type(opt).__name__ not in ("Adam", "AdamW") or any(
-            g["amsgrad"] for g in opt.param_groups
-        ):
+        # (AdamW is an Adam)
+        if not isinstance(opt, torch.optim.Adam) or any(g["amsgrad"] for g in opt.param_groups):
             raise ValueError(
                 f"Replica sends Adam(W)'s exp_avg, exp_avg_sq, step, not {type(opt).__name__}'s "
                 "or amsgrad's: give it torch.optim.AdamW, or Adam without amsgrad"
@@ -511,7 +518,7 @@ def recover(pg, members, me, rep, bad=()):
     if newest < 0:  # (a later quorum may have one)
         raise RuntimeError("no member of the quorum holds a state to recover from")
     src = min(i for i, m in enumerate(members) if m.version == newest and m.rid not in bad)
-    receivers = [i for i, m in enumerate(members) if m.version < newest or m.rid in bad]
+    receivers = [m.rid for m in members if m.version < newest or m.rid in bad]
     if not receivers:
         return [], 0
     # one broadcast per tensor, in its dtype, on the device (NCCL's: the snapshot and AdamW's step
@@ -524,13 +531,13 @@ def recover(pg, members, me, rep, bad=()):
     for t in state:
         buf = t.to(device) if i_me == src else torch.empty_like(t, device=device)
         pg.broadcast(buf, src).wait()
-        if i_me in receivers:
+        if me.rid in receivers:
             t.copy_(buf)
         nbytes += buf.numel() * buf.element_size()
         del buf  # (before the next is allocated)
-    if i_me in receivers:
+    if me.rid in receivers:
         rep.load_full(state)
-    return [members[i].rid for i in receivers], nbytes
+    return receivers, nbytes
 
 
 # ----------------------------------------------------------------------- 4. the step and its commit
@@ -544,8 +551,8 @@ def check_shard(rows, rid, replicas):
 
 def shard(x, y, rid, replicas):
     check_shard(x.shape[0], rid, replicas)
-    rows = x.shape[0] // replicas  # replica rid always owns these rows of the global batch
-    return x[rid * rows : (rid + 1) * rows], y[rid * rows : (rid + 1) * rows]  # (B/R, T) each
+    # replica rid always owns rows rid * B/R .. (rid + 1) * B/R of the global batch
+    return x.chunk(replicas)[rid], y.chunk(replicas)[rid]  # (B/R, T) each
 
 
 def local_grads(model, x, y, members, me, replicas, loss_fn, count):
@@ -588,11 +595,11 @@ def update(rep, norm, clip):
 
 
 # --------------------------------------------------------------------------- 5. loss spikes (added)
-def is_spike(loss, norm, history, sigma, window=16):
-    """Non-finite, or above the mean of the last `window` losses by `sigma` standard deviations."""
+def is_spike(loss, norm, history, sigma):
+    """Non-finite, or above the mean of the last 16 losses by `sigma` standard deviations."""
     if not (math.isfinite(loss) and math.isfinite(norm)):
         return True
-    h = history[-window:]
+    h = history[-16:]
     return len(h) >= 4 and loss > statistics.mean(h) + sigma * statistics.stdev(h)
 
 
@@ -638,13 +645,12 @@ def apply_update(rep, loss, spike, norm, clip, max_skips, snapshot_every):
 
 
 # --------------------------------------------------------------------- 6. silent corruption (added)
-def checksum(params, chunk=1 << 20):
+def checksum(params):
     """An exact fingerprint of the weights' bytes (a position-weighted byte sum: any changed byte
-    shows), `chunk` bytes at a time (an int64 per byte of the whole model at once would be 8x its
-    size)."""
+    shows), 1 MiB at a time (an int64 per byte of the whole model at once would be 8x its size)."""
     total, at = torch.zeros((), dtype=torch.long, device=params[0].device), 0
     for p in params:
-        for b in p.detach().reshape(-1).view(torch.uint8).split(chunk):  # (<= chunk,) bytes
+        for b in p.detach().reshape(-1).view(torch.uint8).split(1 << 20):  # (<= 1 MiB,) bytes
             total += (
                 b.long() * (torch.arange(at, at + b.numel(), device=b.device) % 251 + 1)
             ).sum()
@@ -653,39 +659,188 @@ def checksum(params, chunk=1 << 20):
 
 
 def sync_state(pg, members, me, rep, verify):
-    """Section 3's recovery, verified: with `verify`, the newest members all-reduce their checksums
-    (one slot each) first, and one that differs from the majority is corrupt: it is repaired by the
-    same broadcast, from the lowest member of the majority. Returns (corrupt ids, receiving ids,
-    bytes)."""
+    """Section 3's recovery, verified: with `verify`, the members all-reduce their checksums (one
+    slot each) first, and a member of the newest version whose checksum differs from the majority of
+    that version's is corrupt: it is repaired by the same broadcast, from the lowest member of the
+    majority. Returns (corrupt ids, receiving ids, bytes)."""
     i_me = check_group(pg, members, me)
     newest = max(m.version for m in members)
     up = [i for i, m in enumerate(members) if m.version == newest]
     sums = torch.zeros(len(members), dtype=torch.long, device=rep.params[0].device)
     if verify and newest >= 0:
-        if i_me in up:
-            sums[i_me] = checksum(rep.params)
+        sums[i_me] = checksum(rep.params)
         pg.allreduce([sums]).wait()  # (members,) every member's checksum, everywhere
-    votes = Counter(sums[i].item() for i in up)
-    # the majority's checksum (a tie: the one of the lowest member)
-    best = max(votes, key=lambda c: (votes[c], -min(i for i in up if sums[i] == c)))
-    bad = [members[i].rid for i in up if sums[i] != best]
+    seen = sums[up].tolist()  # the newest members' checksums, lowest member first
+    best = max(seen, key=seen.count)  # the majority's (a tie: the first, the lowest member's)
+    bad = [members[i].rid for i, c in zip(up, seen) if c != best]
     return bad, *recover(pg, members, me, rep, bad)
 
 
 def check_args(args):
     check_common_args(args)
     R = args.replicas
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+    # the cores' own checks: --batch-size and --replicas, --join-ms, --max-skips, --snapshot-every
+    try:
+        check_shard(args.batch_size, 0, R)
+        check_round(0, args.join_ms / 1e3, args.timeout)
+        check_update(args.max_skips, args.snapshot_every)
+    except ValueError as e:
+        fail(str(e))
+    # below the fence: how it is started (the launcher), the faults the tests inject, the recipe
+    # measured beside
+    check_outside(args)
+    if torch.cuda.is_available() and R > torch.cuda.device_count():
+        fail(
+            f"--replicas {R} needs a GPU each ({torch.cuda.device_count()} here): NCCL refuses two "
+            "ranks of one group on one GPU"
+        )
+    if args.lease_ms <= 0:
+        fail(f"--lease-ms must be > 0, got {args.lease_ms}")
+    if args.spike_sigma <= 0:
+        fail(f"--spike-sigma must be > 0, got {args.spike_sigma}")
+    if not 1 <= args.min_replicas <= R:
+        fail(f"--min-replicas must be in 1..--replicas {R}, got {args.min_replicas}")
+    if args.verify_every < 0:
+        fail(f"--verify-every must be >= 0, got {args.verify_every}")
+
+
+# ----------------------------------------------------------------------- 7. this repo's run of it
+# One replica: the GPT and its data on the cores above, and its log (built below the fence), whose
+# one hook `log.on(phase)` on the way is where the tests inject their faults. ft_launcher.py starts
+# the replicas and restarts a dead one; it decides nothing: each replica's lease is what a round's
+# close, a vote and a group read.
+def train_replica(args, connect):
+    store = connect()  # the coordinator
+    device = replica_device(args.replica)
+    data = MarkovData(args.vocab, args.seed)
+    R = args.replicas
+    model = build_gpt(GPTConfig.from_args(args), args.seed, DTYPES[args.dtype], device)
+    rep = Replica(model, make_optimizer(model.parameters(), args), args.steps)
+    rep.version = -1 if args.life > 0 else 0  # restarted: no state until a peer gives it
+    me = Member(args.replica, args.life, rep.version, 0, -1)
+    lease = Lease(connect(), me, args.lease_ms / 1e3)  # (a connection of its own)
+    load_checkpoint(args, rep, store, lease.live)  # (--recipe restart only: the 2020 way)
+    log = Log(store, args, me, rep)
+    started = False
+    # Until its first round a replica waits for all R (a run starts, or the whole job restarts,
+    # together); afterwards only for the replicas holding a lease now (torchft's lighthouse counts
+    # heartbeats).
+    expected = lambda: lease.count(R) if started else R
+    group = None
+    # a new replica begins to look at the newest round closed
+    for k in itertools.count(int(store.get("round")) if store.check(["round"]) else 0):
+        if store.check(["finished"]):  # the run ended without it
+            return log.left_out()
+        log.on("before")
+        me.version, me.step = rep.version, rep.step
+        me.gid = group.gid if group else -1
+        ending = store.check(["ending"])  # (set by the members that committed the last update)
+        # a start waits for everyone; so does the end (every live replica ends with the final state)
+        window = args.join_ms / 1e3 if started and not ending else max(60, args.timeout)
+        members = join_round(store, k, me, expected, window, args.timeout, args.min_replicas)
+        if members is None:  # closed before this check-in: try the next round
+            continue
+        started = True
+        log.on("join")
+        if rep.batch > 4 * args.steps + 16:  # every loop is bounded, a spike that never ends too
+            raise TimeoutError(
+                f"{rep.batch} batches used for {rep.step} steps: the loss keeps spiking"
+            )
+        # A round that fails anywhere in here is voted down: nothing after the vote reads what the
+        # try did not reach.
+        ok = False
+        try:
+            log.on("group")
+            group = quorum_group(store, k, members, me, group, args.timeout, lease.live, device)
+            newest = max(members, key=lambda m: m.version)
+            # compare weights when due, and whenever the membership changed (a fork shows there)
+            verify = (
+                group.gid == k or args.verify_every > 0 and newest.step % args.verify_every == 0
+            )
+            log.synced(k, members, *sync_state(group, members, me, rep, verify))
+            last = rep.step >= args.steps
+            if not last:  # (the last round: every member now holds the final state)
+                x, y = data.batch(rep.batch, args.batch_size, args.seq_len, args.ragged)  # (B, T)
+                mine = local_grads(
+                    model, x.to(device), y.to(device), members, me, R, lm_loss, count_tokens
+                )
+                log.on("during", mine)  # (--inject-spike scales the loss here)
+                loss = allreduce_grads(group, rep.params, mine)
+                norm = torch.nn.utils.get_total_norm([p.grad for p in rep.params])  # (whole model)
+                spike = agree(
+                    group, is_spike(loss, norm.item(), rep.losses, args.spike_sigma), device
+                )
+                log.on("after")
+            ok = True
+        except (RuntimeError, TimeoutError, dist.DistError) as e:
+            log.failed(k, e)
+        if not vote(store, k, members, me, ok, args.timeout, lease.live):
+            if group:  # it may hold a lost member: its pending work ends, never waited for
+                group.abort()
+            group = None
+            continue
+        if last:
+            break
+        what = apply_update(rep, loss, spike, norm, args.clip, args.max_skips, args.snapshot_every)
+        log.committed(k, members, what, loss)  # (restart: and saves)
+        if rep.step >= args.steps:
+            store.set("ending", "1")
+    code = log.finish(members, group)  # (the members compare their weights: the --check)
+    store.set("finished", "1")  # a replica restarted now exits at once
+    return code
+
+
+def main():
+    args = parse_args(Args)
+    check_args(args)
+    if args.replica < 0:  # the command a user types: ft_launcher.py, a tool apart, starts them
+        sys.exit(importlib.import_module("ft_launcher").launch(args))
+    try:
+        host, port = args.coordinator.rsplit(":", 1)
+        timeout = timedelta(seconds=args.timeout)
+
+        connect = lambda: dist.TCPStore(host, int(port), is_master=False, timeout=timeout)
+        code = train_replica(args, connect)
+    except (TimeoutError, dist.DistStoreError, dist.DistNetworkError, ConnectionError) as e:
+        code = ended_by(args, e)  # (its one line, below the fence)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)  # no interpreter teardown, in which gloo's threads may still hold tensors
+
+
+# --- measurement ---
+# The log: its one hook on the technique's path (where the tests inject their faults: their flags'
+# checks too), what it records and prints, the figures; and the checkpoint of the recipe measured
+# beside live recovery (--recipe restart).
+def ended_by(args, e):
+    """A replica ended by a wait past its deadline (exit 1), or by the loss of the coordinator (exit
+    3), says so in one line."""
+    if isinstance(e, TimeoutError):
+        sys.stderr.write(f"fault_tolerance.py: error (replica {args.replica}): {e}\n")
+        return 1
+    sys.stderr.write(
+        f"fault_tolerance.py: error (replica {args.replica}): the coordinator at "
+        f"{args.coordinator} is gone ({type(e).__name__}); it is the single point of this "
+        "design, as torchft's lighthouse is: restart the run\n"
+    )
+    return 3
+
+
+def check_outside(args):
+    """check_args' part for the flags of what stands outside the technique: how it is started (the
+    launcher's), the faults of the hook below, --recipe restart's checkpoint (one line, exit 2, as
+    every refusal)."""
+    R = args.replicas
+    if env_world_size() > 1:
         fail(
             "start it with python fault_tolerance.py --replicas R, not torchrun: it starts its own "
             "replicas"
         )
-    # the cores' own checks: --batch-size and --replicas, --join-ms, --max-skips, --snapshot-every
-    try:
-        check_shard(args.batch_size, 0, R), check_round(0, args.join_ms / 1e3, args.timeout)
-        check_update(args.max_skips, args.snapshot_every)
-    except ValueError as e:
-        fail(str(e))
+    if args.replica >= R or (args.replica >= 0 and ":" not in args.coordinator):
+        fail(
+            "--replica and --coordinator are the launcher's: run python fault_tolerance.py "
+            "--replicas N"
+        )
     for name in ("kill_replica", "corrupt_replica", "freeze_replica"):
         v = getattr(args, name)
         if v >= 0 and not (v < R and 0 <= args.at_step < args.steps):
@@ -698,213 +853,12 @@ def check_args(args):
             "--kill-replica (live) and --freeze-replica need --replicas 2 or more: someone must go "
             "on"
         )
-    if torch.cuda.is_available() and R > torch.cuda.device_count():
-        fail(
-            f"--replicas {R} needs a GPU each ({torch.cuda.device_count()} here): NCCL refuses two "
-            "ranks of one group on one GPU"
-        )
-    if args.dropout:
-        fail("--dropout must be 0: the replayed reference draws no dropout masks")
-    if args.fail_at_step >= 0:
-        fail("--fail-at-step is torchrun's restart test: here use --kill-replica R --at-step S")
+    if not all(b.strip().isdigit() for b in args.inject_spike.split(",") if b):
+        fail(f"--inject-spike takes comma-separated batch ids, got {args.inject_spike!r}")
     if args.recipe == "restart" and not (args.ckpt_dir and args.save_every > 0):
         fail("--recipe restart needs --ckpt-dir DIR and --save-every N (it restarts from disk)")
     if args.recipe == "live" and args.ckpt_dir:
         fail("--ckpt-dir is for --recipe restart: live recovery reads no disk")
-    if not all(b.strip().isdigit() for b in args.inject_spike.split(",") if b):
-        fail(f"--inject-spike takes comma-separated batch ids, got {args.inject_spike!r}")
-    if args.lease_ms <= 0:
-        fail(f"--lease-ms must be > 0, got {args.lease_ms}")
-    if args.spike_sigma <= 0:
-        fail(f"--spike-sigma must be > 0, got {args.spike_sigma}")
-    if not 1 <= args.min_replicas <= R:
-        fail(f"--min-replicas must be in 1..--replicas {R}, got {args.min_replicas}")
-    if args.max_restarts < 0 or args.verify_every < 0:
-        fail("--max-restarts and --verify-every must be >= 0")
-    if args.replica >= R or (args.replica >= 0 and ":" not in args.coordinator):
-        # ----------------------------------------------------------------- 7. this repo's run of it
-        # One replica: the GPT and its data on the cores above, its log, and one hook `on(phase,
-        # rep)` for the faults
-        fail(
-            "--replica and --coordinator are the launcher's: run python fault_tolerance.py "
-            "--replicas N"
-        )
-
-
-# the tests inject (built below the fence). ft_launcher.py starts the replicas and restarts a dead
-# one; it decides nothing: each replica's lease is what a round's close, a vote and a group read.
-def train_replica(args, connect, on):
-    store = connect()  # the coordinator
-    device = replica_device(args.replica)
-    data = MarkovData(args.vocab, args.seed)
-    R = args.replicas
-    B = args.batch_size
-    model = build_gpt(GPTConfig.from_args(args), args.seed, DTYPES[args.dtype], device)
-    rep = Replica(model, make_optimizer(model.parameters(), args), args.steps)
-    rep.version = -1 if args.life > 0 else 0  # restarted: no state until a peer gives it
-    me = Member(args.replica, args.life, rep.version, 0, -1, 0)
-    lease = Lease(connect(), me, args.lease_ms / 1e3)  # (a connection of its own)
-    load_checkpoint(args, rep, store, lease.live)  # (--recipe restart only: the 2020 way)
-    started = False
-    # Until its first round a replica waits for all R (a run starts, or the whole job restarts,
-    # together); afterwards only for the replicas holding a lease now (torchft's lighthouse counts
-    # heartbeats).
-    expected = lambda: lease.count(R) if started else R  # noqa: E731
-    held = None
-    k = int(store.get("round")) if store.check(["round"]) else 0
-    short_since = None
-    log = Log(store, args, me, rep)
-    while not store.check(["finished"]):
-        on("before", rep)
-        me.version, me.step = rep.version, rep.step
-        me.gid, me.gsize = (held[0], held[1].size()) if held else (-1, 0)
-        t_start, ending = time.time(), rep.step >= args.steps or store.check(["ending"])
-        # a start waits for everyone; so does the end (every live replica ends with the final state)
-        window = args.join_ms / 1e3 if started and not ending else max(60, args.timeout)
-        members = join_round(store, k, me, expected, window, args.timeout)
-        k += 1
-        if members is None:
-            continue
-        started = True
-        on("join", rep)
-        if len(members) < args.min_replicas:  # too few: voted down; wait (bounded) for a restart
-            short_since = short_since or time.monotonic()
-            if time.monotonic() - short_since > max(60, args.timeout):
-                raise TimeoutError(
-                    f"fewer than --min-replicas {args.min_replicas} replicas for too long"
-                )
-            vote(store, k - 1, members, me, False, args.timeout, lease.live)
-            time.sleep(args.join_ms / 1e3)
-            continue
-        if rep.batch > 4 * args.steps + 16:  # every loop is bounded, a spike that never ends too
-            raise TimeoutError(
-                f"{rep.batch} batches used for {rep.step} steps: the loss keeps spiking"
-            )
-        ok = False
-        spike = False
-        last = False
-        loss = math.nan
-        norm = torch.tensor(math.nan)
-        short_since = None
-        step, batch = rep.step, rep.batch
-        try:
-            on("group", rep)
-            held = quorum_group(store, k - 1, members, me, held, args.timeout, lease.live, device)
-            pg, newest = held[1], max(members, key=lambda m: m.version)
-            # compare weights when due, and whenever the membership changed (a fork shows there)
-            verify = (
-                held[0] == k - 1 or args.verify_every > 0 and newest.step % args.verify_every == 0
-            )
-            log.synced(k - 1, members, newest.step, *sync_state(pg, members, me, rep, verify))
-            step = rep.step
-            batch = rep.batch
-            last = rep.step >= args.steps
-            if not last:  # (the last round: every member now holds the final state)
-                x, y = data.batch(batch, B, args.seq_len, args.ragged)  # (B, T) the global batch
-                mine = local_grads(
-                    model, x.to(device), y.to(device), members, me, R, lm_loss, count_tokens
-                )
-                on("during", rep, mine)  # (--inject-spike scales the loss here)
-                loss = allreduce_grads(pg, rep.params, mine)
-                norm = torch.nn.utils.get_total_norm([p.grad for p in rep.params])  # (whole model)
-                spike = agree(pg, is_spike(loss, norm.item(), rep.losses, args.spike_sigma), device)
-                on("after", rep)
-            ok = True
-        except (RuntimeError, TimeoutError, dist.DistError) as e:
-            log.failed(k - 1, e)
-        if not vote(store, k - 1, members, me, ok, args.timeout, lease.live):
-            if held:  # it may hold a lost member: its pending work ends, never waited for
-                held[1].abort()
-            held = None
-            continue
-        if last:
-            break
-        what = apply_update(rep, loss, spike, norm, args.clip, args.max_skips, args.snapshot_every)
-        log.committed(k - 1, members, t_start, step, batch, what, loss)  # (restart: and saves)
-        if rep.step >= args.steps:
-            store.set("ending", "1")
-    else:
-        print(
-            f"replica {me.rid}: the run finished without it (it was in no quorum since step "
-            f"{rep.step})",
-            flush=True,
-        )
-        return 0
-    code = log.finish(members, held[1])  # (the members compare their weights: the --check)
-    store.set("finished", "1")  # a replica restarted now exits at once
-    return code
-
-
-def main():
-    args = parse_args(Args)
-    check_args(args)
-    if args.replica < 0:  # the command a user types: the launcher, a tool of its own, starts them
-        import ft_launcher
-
-        sys.exit(ft_launcher.launch(args))
-    try:
-        host, port = args.coordinator.rsplit(":", 1)
-        timeout = timedelta(seconds=args.timeout)
-        # noqa: E731
-        connect = lambda: dist.TCPStore(host, int(port), is_master=False, timeout=timeout)
-        code = train_replica(args, connect, faults(args, connect()))
-    except TimeoutError as e:
-        sys.stderr.write(f"fault_tolerance.py: error (replica {args.replica}): {e}\n")
-        code = 1
-    except (dist.DistStoreError, dist.DistNetworkError, ConnectionError) as e:
-        sys.stderr.write(
-            f"fault_tolerance.py: error (replica {args.replica}): the coordinator at "
-            f"{args.coordinator} is gone ({type(e).__name__}); it is the single point of this "
-            "design, as torchft's lighthouse is: restart the run\n"
-        )
-        code = 3
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)  # no interpreter teardown, in which gloo's threads may still hold tensors
-
-
-# --- measurement ---
-# The faults the tests inject (one hook on the technique path), the log and the figures, and the
-# checkpoint of the recipe measured beside live recovery (--recipe restart).
-def faults(args, store):
-    """The hook `on(phase, rep, loss=None)` for the tests' faults: --inject-spike multiplies a
-    listed batch's loss by 1e4 (in place); on a replica's first life at --at-step, --corrupt-replica
-    perturbs one weight (before its check-in), and in --phase --kill-replica sends it SIGKILL,
-    --freeze-replica SIGSTOP (hung: a peer as NCCL sees one that hangs)."""
-
-    def on(phase, rep, loss=None):
-        if loss is not None and str(rep.batch) in args.inject_spike.split(","):
-            loss.mul_(1e4)
-        if args.life > 0 or rep.step != args.at_step:
-            return
-        if (
-            args.replica == args.corrupt_replica
-            and phase == "before"
-            and rep.version >= 0
-            and not getattr(rep, "corrupted", False)
-        ):
-            # a silent flip of one weight: nothing fails, the numbers are wrong
-            with torch.no_grad():
-                rep.params[0].view(-1)[0] += 1e-3
-            rep.corrupted = True  # once (a discarded step comes back to this point)
-        for victim, sig, what in [
-            (args.kill_replica, signal.SIGKILL, "killed"),
-            (args.freeze_replica, signal.SIGSTOP, "frozen"),
-        ]:
-            if (
-                args.replica == victim
-                and phase == args.phase
-                and not store.check([f"{what}/{victim}"])
-            ):
-                # when, for the recovery figures
-                store.set(f"{what}/{victim}", f"{time.time()!r} {rep.step}")
-                print(
-                    f"replica {victim}: {signal.Signals(sig).name} at step {rep.step} ({phase})",
-                    flush=True,
-                )
-                os.kill(os.getpid(), sig)
-
-    return on
 
 
 def ckpt_path(args):
@@ -940,6 +894,59 @@ class Log:
         self.me = me
         self.rep = rep
         self.step_ms = []
+        self.t_start = time.time()
+        self.step = 0
+        self.batch = 0
+
+    def on(self, phase, loss=None):
+        """The one hook on the technique's path: at "before" (each round's start) the time, for the
+        round's span; and the tests' faults: --inject-spike multiplies a listed batch's loss by 1e4
+        (in place); on a replica's first life at --at-step, --corrupt-replica perturbs one weight
+        (before its check-in), and in --phase --kill-replica sends it SIGKILL, --freeze-replica
+        SIGSTOP (hung: a peer as NCCL sees one that hangs)."""
+        args = self.args
+        rep = self.rep
+        store = self.store
+        if phase == "before":
+            self.t_start = time.time()
+        if loss is not None and str(rep.batch) in args.inject_spike.split(","):
+            loss.mul_(1e4)
+        if args.life > 0 or rep.step != args.at_step:
+            return
+        if (
+            args.replica == args.corrupt_replica
+            and phase == "before"
+            and rep.version >= 0
+            and not getattr(rep, "corrupted", False)
+        ):
+            # a silent flip of one weight: nothing fails, the numbers are wrong
+            with torch.no_grad():
+                rep.params[0].view(-1)[0] += 1e-3
+            rep.corrupted = True  # once (a discarded step comes back to this point)
+        for victim, sig, what in [
+            (args.kill_replica, signal.SIGKILL, "killed"),
+            (args.freeze_replica, signal.SIGSTOP, "frozen"),
+        ]:
+            if (
+                args.replica == victim
+                and phase == args.phase
+                and not store.check([f"{what}/{victim}"])
+            ):
+                # when, for the recovery figures
+                store.set(f"{what}/{victim}", f"{time.time()!r} {rep.step}")
+                print(
+                    f"replica {victim}: {signal.Signals(sig).name} at step {rep.step} ({phase})",
+                    flush=True,
+                )
+                os.kill(os.getpid(), sig)
+
+    def left_out(self):
+        print(
+            f"replica {self.me.rid}: the run finished without it (it was in no quorum since step "
+            f"{self.rep.step})",
+            flush=True,
+        )
+        return 0
 
     def failed(self, k, e):
         print(
@@ -948,7 +955,11 @@ class Log:
             flush=True,
         )
 
-    def synced(self, k, members, step, bad, receivers, nbytes):
+    def synced(self, k, members, bad, receivers, nbytes):
+        # the round's step and batch (every member holds the newest state now), for committed()
+        self.step = self.rep.step
+        self.batch = self.rep.batch
+        step = self.step
         if self.me.rid != members[0].rid:
             return
         for rid in bad:
@@ -962,16 +973,18 @@ class Log:
             who = ",".join(map(str, receivers))
             self.store.set(f"recv/{self.store.add('recv', 1)}", f"{k} {who} {nbytes}")
 
-    def committed(self, k, members, t_start, step, batch, what, loss):
+    def committed(self, k, members, what, loss):
         a, writer = self.args, self.me.rid == members[0].rid
+        step = self.step
+        batch = self.batch
         if a.recipe == "restart" and what == "update" and self.rep.step % a.save_every == 0:
             save_checkpoint(a, self.rep, writer)
         if not writer:
             return
         s, t_end = self.store, time.time()
         rids = ",".join(str(m.rid) for m in members)
-        s.set(f"t/{k}", f"{t_start!r} {t_end!r} {step} {what}")
-        self.step_ms.append(1e3 * (t_end - t_start))
+        s.set(f"t/{k}", f"{self.t_start!r} {t_end!r} {step} {what}")
+        self.step_ms.append(1e3 * (t_end - self.t_start))
         if what == "update":
             log_step(
                 Dist(0, 1, 0, self.rep.params[0].device, "gloo"),
@@ -1015,7 +1028,6 @@ class Log:
         masks = [list(map(int, r[2].split(","))) for r in recs]
         losses = [float(r[3]) for r in recs]
         figures = recovery_figures(s, a, rounds)
-        # noqa: E731
         listed = lambda key: [s.get(f"{key}/{i}").decode() for i in range(1, s.add(key, 0) + 1)]
         figures.update(
             batches=batches,

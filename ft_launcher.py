@@ -29,6 +29,8 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
+from common import fail
+
 
 def environment(timeout_s):
     """What the replicas run with, beside the launcher's own environment (the docstring says
@@ -55,6 +57,8 @@ def launch(args, script=None):
     """The coordinator and R replica processes of `script` (by default this process's own,
     sys.argv[0], with its own flags): restarts a replica killed by a signal, up to --max-restarts;
     returns the run's exit code (a replica's error, or 1 when the run did not finish)."""
+    if args.max_restarts < 0:  # (its own flag: fault_tolerance.check_args checks the replicas')
+        fail(f"--max-restarts must be >= 0, got {args.max_restarts}")
     print(
         f"fault_tolerance.py: {args.replicas} replicas, recipe {args.recipe}, coordinator in this "
         f"process (pid {os.getpid()}) on {args.host}",

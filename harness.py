@@ -44,7 +44,10 @@ from common import close_dist, fail, reference_train
 
 # ----------------------------------------------------------------------------- flags
 @dataclass
-class CommonArgs:
+class BaseArgs:
+    """The flags every file shares. fault_tolerance.py takes these alone: its replayed reference
+    draws no dropout masks, and its replicas die by --kill-replica, not by --fail-at-step."""
+
     steps: int = 20  # optimizer steps to run (in total, counting resumed ones)
     batch_size: int = 8  # global batch, in sequences
     seq_len: int = 32  # tokens per sequence
@@ -52,7 +55,6 @@ class CommonArgs:
     d_model: int = 64  # model width
     n_layers: int = 4  # transformer blocks
     n_heads: int = 4  # attention heads
-    dropout: float = 0.0  # dropout probability (0 keeps runs comparable across layouts)
     lr: float = 3e-3  # AdamW learning rate
     weight_decay: float = 0.1  # AdamW weight decay
     clip: float = 1.0  # clip gradients to this global norm (0 = off)
@@ -63,8 +65,15 @@ class CommonArgs:
     json: str = ""  # write the run summary to this path
     ckpt_dir: str = ""  # save rank-local checkpoints here and resume from the latest
     save_every: int = 0  # checkpoint every N steps (and at the end) when --ckpt-dir is set
-    fail_at_step: int = -1  # kill the last rank at this step, on the first attempt only
     timeout: int = 120  # process-group timeout in seconds: a desynchronised rank fails, never hangs
+
+
+@dataclass
+class CommonArgs(BaseArgs):
+    """BaseArgs and the two flags every file but fault_tolerance.py takes."""
+
+    dropout: float = 0.0  # dropout probability (0 keeps runs comparable across layouts)
+    fail_at_step: int = -1  # kill the last rank at this step, on the first attempt only
 
 
 class _Parser(argparse.ArgumentParser):
@@ -135,7 +144,7 @@ def check_common_args(args):
             fail(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.d_model % args.n_heads:
         fail(f"--d-model {args.d_model} is not divisible by --n-heads {args.n_heads}")
-    if not 0 <= args.dropout < 1:
+    if not 0 <= getattr(args, "dropout", 0.0) < 1:  # (BaseArgs has none)
         fail(f"--dropout must be in [0, 1), got {args.dropout}")
     if args.save_every and not args.ckpt_dir:
         fail("--save-every needs --ckpt-dir")

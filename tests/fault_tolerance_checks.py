@@ -87,7 +87,7 @@ def story(ns, store, lease_store, rid):
     (`expected`, counted on the store), so that the story is fixed."""
     Member, store_wait = ns["Member"], lambda key: store.wait([key], timedelta(seconds=60))
     model, opt = make(0)
-    rep, me = ns["Replica"](model, opt, STEPS), Member(rid, 0, 0, 0, -1, 0)
+    rep, me = ns["Replica"](model, opt, STEPS), Member(rid, 0, 0, 0, -1)
     lease = ns["Lease"](lease_store, me, 10.0)
     live = lease.live
     store.add("alive", 1)
@@ -102,7 +102,7 @@ def story(ns, store, lease_store, rid):
             store.add("alive", -1)
             store_wait("upd/3")
             model, opt = make(7)  # a new life: other weights, a fresh AdamW, no state (version -1)
-            rep, me, held = ns["Replica"](model, opt, STEPS), Member(2, 1, -1, 0, -1, 0), None
+            rep, me, held = ns["Replica"](model, opt, STEPS), Member(2, 1, -1, 0, -1), None
             lease.beat = lambda me: None  # life 0's process is gone: its heartbeat stops
             live = ns["Lease"](lease_store, me, 10.0).live  # (life 0's lease is no longer live)
             rep.version, k = -1, int(store.get("round"))  # where the rounds are now
@@ -118,13 +118,13 @@ def story(ns, store, lease_store, rid):
                 rep.params[0].view(-1)[0] += 1e-3
             corrupted = True
         me.version, me.step = rep.version, rep.step
-        me.gid, me.gsize = (held[0], held[1].size()) if held else (-1, 0)
+        me.gid = held.gid if held else -1
         members = ns["join_round"](store, k, me, expected, WAIT, WAIT)
         k += 1
         if members is None:
             continue
         held = ns["quorum_group"](store, k - 1, members, me, held, WAIT, live)
-        pg, newest = held[1], max(m.step for m in members)
+        pg, newest = held, max(m.step for m in members)
         # verify at 0, 3, 6
         bad, receivers, _ = ns["sync_state"](pg, members, me, rep, newest % 3 == 0)
         step, b = rep.step, rep.batch
@@ -188,7 +188,7 @@ def run_story(ns, store, lease_store, rid):
 
 def old_membership(ns):
     real = ns["local_grads"]
-    everyone = [ns["Member"](r, 0, 0, 0, -1, 0) for r in range(R)]
+    everyone = [ns["Member"](r, 0, 0, 0, -1) for r in range(R)]
     ns["local_grads"] = lambda model, x, y, members, me, *rest: real(
         model, x, y, everyone, me, *rest
     )
@@ -302,7 +302,7 @@ local_grads, vote, apply_update, load_full = (
 
 
 def old_membership(model, x, y, members, me, replicas, *loss_and_scale):
-    everyone = [ft.Member(r, 0, 0, 0, -1, 0) for r in range(replicas)]
+    everyone = [ft.Member(r, 0, 0, 0, -1) for r in range(replicas)]
     return local_grads(model, x, y, everyone, me, replicas, *loss_and_scale)
 
 
