@@ -390,7 +390,7 @@ HIDE = '        h = argparse.SUPPRESS if f.name in getattr(cls, "HIDDEN", ()) el
 
 def test_hidden_flags_parse_but_are_not_listed(capsys):
     """parse_args leaves out of --help the fields a class names in HIDDEN (fault_tolerance.py's launcher-
-    internal flags, and those it refuses) and still parses them. A class without HIDDEN lists every field as
+    internal flags) and still parses them. A class without HIDDEN lists every field as
     before, and only fault_tolerance.py's Args has one: every other file's --help is unchanged. The mutant
     without the HIDDEN line (parse_args before issue 43) lists the hidden flag: caught."""
     shown, hidden = (

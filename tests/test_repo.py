@@ -83,16 +83,18 @@ TECHNIQUES += [
 # code tokens (tests/line_counts.py: comments and layout left out, a string is one token), what a learner parses.
 READ_PATH = {name: line_counts.BUDGET.get(name, line_counts.DEFAULT_BUDGET) for name in TECHNIQUES}
 # Over the design budget, recorded so that growth stays a decision (nothing was moved below the fence to meet
-# a budget). The token budgets are new (they replace the line budgets); these are the weights the files had
-# when the budgets changed (after `ruff format`, whose trailing commas add a few), to come down as each file
-# is rewritten, one system per file.
+# a budget, no refusal cut, no golfing), each with its reason; the weight is a ceiling, to come down.
 READ_PATH.update(
     {
-        "fault_tolerance.py": 4897,
-        "zero.py": 4461,
-        "megatron_tp.py": 4170,
-        "ptdp.py": 5259,
-        "dualpipev.py": 3869,
+        # the protocol base-first (leases, quorum, vote, group, recovery, commit) plus the loss-spike guard
+        # and corruption repair the file's table names; the launcher left for ft_launcher.py
+        "fault_tolerance.py": 4331,
+        # stages 0-3, prefetch, ordered asynchronous reductions, HSDP, mixed precision and offload on one
+        # core: a second file could not import Zero and would copy its ~3,000 tokens
+        "zero.py": 4109,
+        # TP, SP and the overlapped ring of issue 51 (its GEMM-scatter needs its own autograd pair, ~490);
+        # `megatron_tp.py --overlap` is the issue's command, so the ring stays in this file
+        "megatron_tp.py": 4029,
     }
 )
 # Whole-file ceilings in code tokens against drift for the shared modules and tools (about today's + room).
