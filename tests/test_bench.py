@@ -807,11 +807,11 @@ def test_fp8_pair_against_torchao(tmp_path, monkeypatch):
     tensors by the same amaxes (E4M3 x and W, E5M2 dy): equal losses to float32 roundoff (1e-6 asked; the
     scale is amax / 448 here, 448 / amax in float64 there, an ulp apart); torchao with E4M3 gradients is
     caught. World 2: both all-gather the block weights in FP8, bytes per rank = 2 (forward, backward) x FP8
-    weight elements / world, plus on torch's side 4 bytes for each element of what FSDP2 shards too
-    (LayerNorms, biases, embeddings, head): a float32 weight all-gather is caught; losses within 1e-3 (torchao
-    scales activations and gradients by each rank's own amax, fp8.py by the group's, as TransformerEngine).
-    Both bounds hold the two sides in launches of their own and in the paired launch, where fp8.py's core
-    and torchao train in the same processes."""
+    weight elements / world (fp8.py: of its shards padded to whole 16-element tiles), plus on torch's side 4
+    bytes for each element of what FSDP2 shards too (LayerNorms, biases, embeddings, head): a float32 weight
+    all-gather is caught; losses within 1e-3 (torchao scales activations and gradients by each rank's own
+    amax, fp8.py by the group's, as TransformerEngine). Both bounds hold the two sides in launches of their
+    own and in the paired launch, where fp8.py's core and torchao train in the same processes."""
     pytest.importorskip("torchao.float8")
     row, sides, mutant = fp8_bench(tmp_path, monkeypatch, 1)
     diff = lambda a, b: max(abs(x - y) / abs(y) for x, y in zip(a, b))  # noqa: E731
@@ -828,19 +828,23 @@ def test_fp8_pair_against_torchao(tmp_path, monkeypatch):
     w = 2
     row, sides, mutant = fp8_bench(tmp_path, monkeypatch, w)
     model = bench.build_gpt(bench.GPTConfig.from_args(bench.parse_args(bench.Args)), 0)
-    fp8 = sum(
-        m.weight.numel()
-        for n, m in model.named_modules()
-        if isinstance(m, bench.nn.Linear) and n != "head"
-    )
+    linears = [
+        m for n, m in model.named_modules() if isinstance(m, bench.nn.Linear) and n != "head"
+    ]
+    fp8 = sum(m.weight.numel() for m in linears)
     rest = sum(p.numel() for p in model.parameters()) - fp8  # float32 on torch's side
+    # fp8.py pads every GEMM dimension to 16 (cuBLASLt's FP8 rule) and W to w shards of whole 16-row
+    # tiles: a rank gathers w x (its padded rows x padded K) FP8 bytes, forward and backward
+    up = lambda n, k: -(-n // k) * k  # noqa: E731
+    padded = sum(2 * up(m.out_features, 16 * w) * up(m.in_features, 16) // w for m in linears)
     ours, theirs = all_gathered(sides["ours"]), all_gathered(sides["torch"])
     f32 = all_gathered(mutant("float32 all-gather"))
     print(
-        f"world {w}: all-gather bytes per rank and step: fp8.py {ours}, torchao {theirs} (theory "
-        f"{2 * fp8 // w} FP8 + {2 * rest * 4 // w} float32), torchao's weights gathered in float32 {f32}; "
-        f"max rel loss diff {row['max_loss_diff']:.1e}\n" + (tmp_path / f"w{w}.md").read_text()
+        f"world {w}: all-gather bytes per rank and step: fp8.py {ours} (theory {padded}: padded), torchao "
+        f"{theirs} (theory {2 * fp8 // w} FP8 + {2 * rest * 4 // w} float32), torchao's weights gathered in "
+        f"float32 {f32}; max rel loss diff {row['max_loss_diff']:.1e} apart, {row['paired_loss_diff']:.1e} "
+        "in the paired launch\n" + (tmp_path / f"w{w}.md").read_text()
     )
-    assert ours == 2 * fp8 // w and theirs == ours + 2 * rest * 4 // w != f32, (ours, theirs, f32)
+    assert ours == padded and theirs == 2 * fp8 // w + 2 * rest * 4 // w != f32, (ours, theirs, f32)
     assert max(row["max_loss_diff"], row["paired_loss_diff"]) <= 1e-3, row
     assert row["ours"]["name"] == "fp8.py" and row["unit"] == "block", row
