@@ -1168,16 +1168,7 @@ def launch(args, pair, tag, worker=None):
         str(out_json),
     ]
     env, t0 = dict(os.environ, OMP_NUM_THREADS=str(args.threads), PYTHONUNBUFFERED="1"), time.time()
-    try:
-        p = subprocess.run(
-            cmd, cwd=ROOT, env=env, text=True, capture_output=True, timeout=args.launch_timeout
-        )
-        output, rc = p.stdout + p.stderr, p.returncode
-    except subprocess.TimeoutExpired as e:
-        output, rc = (
-            f"{e.stdout or ''}{e.stderr or ''}\ntimed out after {args.launch_timeout} s",
-            -1,
-        )
+    output, rc = torchrun(cmd, env, args.launch_timeout)
     steps = {int(s): float(v) for s, v in STEP_LINE.findall(output)}
     ms = [steps[k] for k in sorted(steps)]
     timed = (
@@ -1193,6 +1184,20 @@ def launch(args, pair, tag, worker=None):
     print("".join(f"    | {line}\n" for line in shown), end="", flush=True)
     summary = json.loads(out_json.read_text()) if rc == 0 and out_json.exists() else None
     return dict(rc=rc, summary=summary, ms=ms, cmd=" ".join(cmd[3:]), load=load())
+
+
+def torchrun(cmd, env, timeout):
+    """(output, exit code) of a torchrun command. Past `timeout` s the agent gets SIGTERM, on which it
+    stops its workers (each in a session of its own) and exits; a SIGKILL, as subprocess.run's
+    timeout sends, would leave the workers running, training on."""
+    with subprocess.Popen(
+        cmd, cwd=ROOT, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+    ) as p:
+        try:
+            return p.communicate(timeout=timeout)[0], p.returncode
+        except subprocess.TimeoutExpired:
+            p.terminate()
+            return f"{p.communicate()[0]}\ntimed out after {timeout} s", -1
 
 
 def side_row(args, pair, side, runs, one_ms, med=None):

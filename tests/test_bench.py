@@ -13,7 +13,6 @@ import math
 import os
 import random
 import statistics
-import subprocess
 import sys
 import types
 
@@ -521,15 +520,13 @@ def fork_launches(monkeypatch):
     script -> the script to run in its place."""
     swap = {}
 
-    def torchrun(cmd, cwd, env, text, capture_output, timeout):
+    def torchrun(cmd, env, timeout):
         nproc = int(next(a for a in cmd if a.startswith("--nproc_per_node=")).split("=")[1])
         script, *args = cmd[cmd.index("--standalone") + 2 :]
         rc, out = forked(swap.get(script, script), nproc, *args, timeout=timeout)
-        return subprocess.CompletedProcess(cmd, rc, out, "")
+        return out, rc
 
-    monkeypatch.setattr(
-        bench, "subprocess", types.SimpleNamespace(run=torchrun, TimeoutExpired=None)
-    )
+    monkeypatch.setattr(bench, "torchrun", torchrun)
     return swap
 
 
