@@ -1187,8 +1187,8 @@ def launch(args, pair, tag, worker=None):
 
 
 def torchrun(cmd, env, timeout):
-    """(output, exit code) of a torchrun command. Past `timeout` s the agent gets SIGTERM, on which it
-    stops its workers (each in a session of its own) and exits; a SIGKILL, as subprocess.run's
+    """(output, exit code) of a torchrun command. Past `timeout` s the agent gets SIGTERM, on which
+    it stops its workers (each in a session of its own) and exits; a SIGKILL, as subprocess.run's
     timeout sends, would leave the workers running, training on."""
     with subprocess.Popen(
         cmd, cwd=ROOT, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
