@@ -4,16 +4,19 @@ stage hooks see every F, B and W the schedules run; the interval and the verdict
 synthetic timings, the alternation keeps the interval's level and shares the budget between groups (a verdict
 that ignores the interval, a normal quantile for Student's, a spread re-estimated every round, a loop that
 stops before its interval narrows are caught); one pair end to end writes well-formed rows with a verdict, a
-pair whose file lacks the mode it needs is skipped with one line, and bad input exits 2. No real timing is
-asserted."""
+pair whose file lacks the mode it needs is skipped with one line, bad input exits 2, and a launch past its
+timeout leaves no worker running. No real timing is asserted."""
 
 import dataclasses
 import json
 import math
 import os
 import random
+import signal
 import statistics
+import subprocess
 import sys
+import time
 import types
 
 import pytest
@@ -845,3 +848,46 @@ def test_fp8_pair_against_torchao(tmp_path, monkeypatch):
     assert ours == padded and theirs == 2 * fp8 // w + 2 * rest * 4 // w != f32, (ours, theirs, f32)
     assert max(row["max_loss_diff"], row["paired_loss_diff"]) <= 1e-3, row
     assert row["ours"]["name"] == "fp8.py" and row["unit"] == "block", row
+
+
+SLEEPER = "import os, sys, time\nopen(sys.argv[1], 'w').write(str(os.getpid()))\ntime.sleep(900)\n"
+
+
+def test_a_launch_past_its_timeout_leaves_no_worker(tmp_path):
+    """A torchrun launch past --launch-timeout: bench.torchrun stops the agent with SIGTERM, on which
+    torchrun stops its worker (in a session of its own) and exits; subprocess.run's timeout, which bench.py
+    used before, sends SIGKILL and leaves the worker running (the mutant, caught). No time is asserted: a
+    launch whose worker had not started by the timeout is run again with a longer one."""
+    script = tmp_path / "sleeper.py"
+    script.write_text(SLEEPER)
+
+    def alive(pid):
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        return True
+
+    def old(cmd, env, timeout):  # bench.launch as it was
+        try:
+            subprocess.run(cmd, env=env, capture_output=True, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return "", -1
+
+    left = {}
+    for name, run in (("bench.torchrun", bench.torchrun), ("subprocess.run", old)):
+        pid_file = tmp_path / name
+        for timeout in (6, 30, 90, 270):
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+            run([*cmd, "--nproc_per_node=1", str(script), str(pid_file)], dict(os.environ), timeout)
+            if pid_file.exists():  # the worker had started
+                break
+        pid = int(pid_file.read_text())
+        for _ in range(30):  # the agent has stopped its worker; its exit is reaped within moments
+            if not alive(pid):
+                break
+            time.sleep(0.1)
+        left[name] = alive(pid)
+        if left[name]:
+            os.kill(pid, signal.SIGKILL)
+    assert left == {"bench.torchrun": False, "subprocess.run": True}, left
