@@ -4,7 +4,7 @@
     python bench.py --pairs ddp,zero1 --budget-min 3 # some pairs: a paired launch each, more while 3 min last
     python bench.py --world 4 --d-model 1024 --batch-size 16 --n-layers 8   # GPUs: NCCL, cuda:LOCAL_RANK
 
-Paired pairs (all but fp8): one `torchrun bench.py --worker paired` launch builds both sides in its
+Every pair is paired: one `torchrun bench.py --worker paired` launch builds both sides in its
 processes, ours from the technique file's core (OURS, below), torch's own (WORKERS), and runs them
 in blocks of --block-steps steps, A B, B A, ..., so that whatever the machine does hits neighbouring
 blocks alike. A block's ratio ours / torch, of wall time per step and of process CPU time (user +
@@ -14,11 +14,11 @@ ratio printed). The verdict rests on wall time, or on CPU time where the 1-minut
 passed the core count at a block (the pair's line says so). Another launch (starting with the other
 side) while the interval is wider than ratio x (1 +- --precision) and one fits in the pair's share
 of --budget-min; one still wider is "noisy". Then each side runs once in a launch of its own for its
-peak memory, bytes and bubble, measured apart. fp8 (torchao's side optional, fp8.py's core not
-driven from here yet) alternates whole launches (`torchrun fp8.py`, then `torchrun bench.py --worker
-float8`), A B: a round's ratio is of the median steps after --warmup, the rounds are the samples (at
-least --rounds). Both sides train the same GPT from one seed on one global batch (float32, AdamW,
-clipping at the global norm), made in the step:
+peak memory, bytes and bubble, measured apart. A pair given no builder in OURS would alternate
+whole launches instead (`torchrun FILE`, then `torchrun bench.py --worker W`), A B: a round's ratio
+is of the median steps after --warmup, the rounds are the samples (at least --rounds). Both sides
+train the same GPT from one seed on one global batch (float32, AdamW, clipping at the global norm),
+made in the step:
 
     pair      ours                               torch's own
     ddp       ddp_bucketed.py                    DistributedDataParallel, the same bucket cap
@@ -178,6 +178,22 @@ MODEL = (
 )
 
 
+def gpt(args, device="cpu"):  # the pair's GPT from the one seed, in --dtype
+    return build_gpt(GPTConfig.from_args(args), args.seed, DTYPES[args.dtype], device)
+
+
+def my_rows(d, *batches):  # this rank's B/N rows of each (B, T) batch, on the device
+    b = batches[0].shape[0] // d.world
+    return [t[d.rank * b : (d.rank + 1) * b].to(d.device) for t in batches]
+
+
+def torch_ddp(model, d, args):  # torch's DDP at --bucket-cap-mb, as torch documents it
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    gpu = [d.local_rank] if d.device.type == "cuda" else None
+    return DDP(model, device_ids=gpu, bucket_cap_mb=args.bucket_cap_mb)
+
+
 # ----------------------------------------------------------------------------- torch's side
 # Each side returns (this rank's parameters, its optimizer, train(i)); train runs step i's forward,
 # backward and clipping and returns the global batch's loss and the bytes it held beyond parameters,
@@ -188,19 +204,12 @@ def data_parallel_side(d, args, name, comm):
     efficiency; or ("float8") torchao's float8 training on FSDP2, as torchao's README sets it up."""
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.optim import ZeroRedundancyOptimizer
-    from torch.nn.parallel import DistributedDataParallel as DDP
 
-    fsdp, cfg = (
-        name.startswith("fsdp") or name in ("float8", "hsdp"),
-        GPTConfig.from_args(args),
-    )  # FSDP2 moves its
-    # units there
-    model = net = build_gpt(cfg, args.seed, DTYPES[args.dtype], "cpu" if fsdp else d.device)
-    # torchao's default config: tensorwise current scaling, E4M3 input and weight, E5M2
-    if name == "float8":
-        # grad_output; the head kept in --dtype, as in fp8.py
+    fsdp = name.startswith("fsdp") or name in ("float8", "hsdp")
+    model = net = gpt(args, "cpu" if fsdp else d.device)  # FSDP2 moves its units there
+    if name == "float8":  # torchao's default: tensorwise current scaling, E4M3 input and weight,
+        # E5M2 grad_output; the head kept in --dtype, as in fp8.py; shards quantized, then gathered
         ao = importlib.import_module("torchao.float8")
-        # shards quantized, gathered
         config = ao.Float8LinearConfig(enable_fsdp_float8_all_gather=True)
         ao.convert_to_float8_training(
             model, config=config, module_filter_fn=lambda m, fqn: fqn != "head"
@@ -213,11 +222,7 @@ def data_parallel_side(d, args, name, comm):
             net = fully_shard(unit, mesh=mesh, reshard_after_forward=name != "fsdp_noreshard")
         gathered = gathered_bytes(model)
     elif name != "single":
-        net = DDP(
-            model,
-            device_ids=[d.local_rank] if d.device.type == "cuda" else None,
-            bucket_cap_mb=args.bucket_cap_mb,
-        )
+        net = torch_ddp(model, d, args)
     opt = make_optimizer(model.parameters(), args)
     if name == "zero1":  # AdamW's state sharded over ranks; every rank broadcasts its updated shard
         opt = ZeroRedundancyOptimizer(
@@ -228,17 +233,17 @@ def data_parallel_side(d, args, name, comm):
             weight_decay=args.weight_decay,
             foreach=False,
         )
-    data, b = MarkovData(args.vocab, args.seed), args.batch_size // d.world
+    data = MarkovData(args.vocab, args.seed)
 
     def train(i):
         x, y = data.batch(i, args.batch_size, args.seq_len)  # (B, T) global batch, CPU
-        n_tok, rows = count_tokens(y), slice(d.rank * b, (d.rank + 1) * b)
+        n_tok = count_tokens(y)
+        x, y = my_rows(d, x, y)  # (B/N, T) this rank's, to the device: one copy per step
         # after the last update: every FP8 weight's amax over the shards, one all-reduce
         if name == "float8":
             ao.precompute_float8_dynamic_scale_for_fsdp(model)
-        with LocalSaved() as acts:  # this rank's (B/N, T) to the device: one copy per step
-            # its share of the loss
-            loss = lm_loss(net(x[rows].to(d.device)), y[rows].to(d.device), n_tok)
+        with LocalSaved() as acts:
+            loss = lm_loss(net(x), y, n_tok)  # its share of the loss
         # DDP and FSDP average over ranks: N x share, averaged = the global grad
         (loss * d.world).backward()
         # FSDP: DTensor grads, a global norm
@@ -347,8 +352,7 @@ def pipeline_side(d, args, name, comm):
         0,
         *itertools.accumulate(args.n_layers // n + (s < args.n_layers % n) for s in range(n)),
     ]
-    # CPU; a rank moves its stages
-    full = build_gpt(GPTConfig.from_args(args), args.seed, DTYPES[args.dtype])
+    full = gpt(args)  # CPU; a rank moves its stages
     mods = [PipeStage(full, ends[s], ends[s + 1], s == 0, s == n - 1).to(d.device) for s in ids]
     stages = [pipelining.PipelineStage(mod, s, n, d.device) for mod, s in zip(mods, ids)]
     timeline = Timeline(d)
@@ -441,8 +445,7 @@ def tensor_parallel_side(d, args, name, comm):
     )
 
     mesh = dist.device_mesh.init_device_mesh(d.device.type, (d.world,))
-    # as megatron_tp.py
-    model = build_gpt(GPTConfig.from_args(args), args.seed, DTYPES[args.dtype], d.device)
+    model = gpt(args, d.device)  # as megatron_tp.py
     plan = dict(
         tok_emb=Row(input_layouts=Replicate()),
         head=Col(output_layouts=Shard(-1), use_local_output=False),
@@ -552,22 +555,22 @@ def unwrapped(t):
 
 # ------------------------------------------------------------------------- our side, from the cores
 # Built as a copier builds it: the core a file teaches (BucketedDDP, sync_step, Zero, the Megatron
-# layers, gpipe_step, StageRunner + Flush, zero_bubble's and ptdp's PipelineRank) in a loop like its
-# file's main, on the same GPT, data and AdamW. Each returns step(i): trains step i whole (forward,
-# backward, clipping, the update) and returns the global batch's loss. paired_worker runs it beside
-# torch's side in the same processes.
+# layers, gpipe_step, StageRunner + Flush, zero_bubble's and ptdp's PipelineRank, fp8's to_fp8 and
+# train_step) in a loop like its file's main, on the same GPT, data and AdamW. Each returns step(i):
+# trains step i whole (forward, backward, clipping, the update) and returns the global batch's loss.
+# paired_worker runs it beside torch's side in the same processes.
 def our_data_parallel(d, args, pair):
     """ddp_bucketed.BucketedDDP at --bucket-cap-mb (its first bucket too), dp.sync_step, zero.Zero
     at the pair's stage with a unit per block (as zero.py builds it, on the CPU first); hsdp: stage
     3 on zero.py's (replicate, shard) grid with R = 2, sharded in rows of world / 2 ranks,
-    replicated down columns."""
+    replicated down columns; fp8: fp8.to_fp8 (the current recipe, each FP8 weight's rows sharded
+    over the world and gathered in FP8) and fp8.train_step on this rank's rows, as fp8.py's main."""
     zero = pair.startswith("zero") or pair == "hsdp"
     core = importlib.import_module(PAIRS[pair][0].removesuffix(".py"))
-    model = build_gpt(
-        GPTConfig.from_args(args), args.seed, DTYPES[args.dtype], "cpu" if zero else d.device
-    )
+    model = gpt(args, "cpu" if zero else d.device)
     data = MarkovData(args.vocab, args.seed)
-    b = args.batch_size // d.world
+    if pair == "fp8":  # fp8.py --recipe current --fp8-all-gather: the blocks' Linears in FP8
+        core.to_fp8(model, core.make_recipe("current"), dist.group.WORLD, fp8_all_gather=True)
     opt = make_optimizer(model.parameters(), args)
     if zero:
         units = [f"blocks.{i}" for i in range(args.n_layers)]
@@ -594,10 +597,13 @@ def our_data_parallel(d, args, pair):
         if zero:  # this rank's rows, one micro-batch
             loss = core.train_step(opt, x, y, n_tok, 1, lm_loss)[0]
             return reduced(loss)
-        x, y = (t[d.rank * b : (d.rank + 1) * b].to(d.device) for t in (x, y))  # (B/N, T)
+        x, y = my_rows(d, x, y)  # (B/N, T)
         if pair == "dp_sync":
             loss_fn = lambda m, xm, ym: lm_loss(m(xm), ym, n_tok)  # noqa: E731
             loss = core.sync_step(model, opt, [(x, y)], loss_fn, args.clip)[0]
+        elif pair == "fp8":  # amaxes, replicated gradients and the norm reduced over the world
+            loss_fn = lambda logits, t: lm_loss(logits, t, n_tok)
+            loss = core.train_step(model, opt, x, y, loss_fn, dist.group.WORLD, args.clip)
         else:
             opt.zero_grad(set_to_none=True)
             loss = lm_loss(net(x), y, n_tok)
@@ -623,7 +629,7 @@ def our_tensor_parallel(d, args, pair, GPT=None):
     GPT = GPT or (tp.RingGPT if pair == "tp_overlap" else tp.ParallelGPT)
     world = dist.group.WORLD
     tracker = tp.RNGTracker(d.device, args.seed, 0, d.rank)
-    full = build_gpt(GPTConfig.from_args(args), args.seed, DTYPES[args.dtype])  # CPU, sliced there
+    full = gpt(args)  # CPU, sliced there
     model = GPT(full, world, tracker).to(d.device)
     data = MarkovData(args.vocab, args.seed)
     opt = make_optimizer(model.parameters(), args)
@@ -654,9 +660,7 @@ def our_pipeline(d, args, pair):
     p = d.world
     s = d.rank
     m = args.microbatches
-    # a stage takes its part
-    gpt = build_gpt(GPTConfig.from_args(args), args.seed, DTYPES[args.dtype])
-    stage = core.Stage(gpt, s, core.split_layers(args.n_layers, p)).to(d.device)
+    stage = core.Stage(gpt(args), s, core.split_layers(args.n_layers, p)).to(d.device)
     opt = make_optimizer(stage.parameters(), args)
     act = (args.batch_size // m, args.seq_len, args.d_model)  # (b, T, D) crossing a boundary
     prev = s - 1 if s > 0 else None
@@ -714,16 +718,14 @@ def our_zero_bubble(d, args, pair):
         n = n_chunks(p)
     m = args.microbatches
     bounds = core.split_layers(args.n_layers, n)
-    # a rank takes its chunks
-    gpt = build_gpt(GPTConfig.from_args(args), args.seed, DTYPES[args.dtype])
+    full = gpt(args)  # CPU; a rank takes its chunks
     mine = [c for c in range(len(bounds)) if holder(c, p) == d.rank]
-    chunks = nn.ModuleDict({str(c): core.Chunk(gpt, c, bounds) for c in mine}).to(d.device)
+    chunks = nn.ModuleDict({str(c): core.Chunk(full, c, bounds) for c in mine}).to(d.device)
     params = list(chunks.parameters())
     opt = make_optimizer(params, args)
     plan = core.comm_plan([order(p, m, r) for r in range(p)], len(bounds), d.rank)
-    alone = [dist.new_group([r]) for r in range(p)][
-        d.rank
-    ]  # data parallel of 1: every rank makes each
+    # data parallel of 1: every rank makes each
+    alone = [dist.new_group([r]) for r in range(p)][d.rank]
     runner = core.PipelineRank(
         {c: chunks[str(c)] for c in mine},
         len(bounds),
@@ -735,14 +737,23 @@ def our_zero_bubble(d, args, pair):
         DTYPES[args.dtype],
         d.device,
     )
+    finish = lambda loss: core.finish_batch(params, loss, alone, dist.group.WORLD, args.clip)
+    return rank_step(d, args, runner, opt, finish)
+
+
+def rank_step(d, args, runner, opt, finish):
+    """step(i) of a PipelineRank (zero_bubble's, dualpipev's, ptdp's), as its file's main runs it:
+    the global batch as m micro-batches through the rank's plan, then `finish(loss)`, the file's
+    finish_batch (gradients summed, the whole model's norm, clipping: -> (loss, norm)), the
+    update."""
     data = MarkovData(args.vocab, args.seed)
+    m = args.microbatches
 
     def step(i):
         x, y = data.batch(i, args.batch_size, args.seq_len)  # (B, T) global batch, CPU
         n_tok = count_tokens(y)
         mbs = [z.reshape(m, -1, args.seq_len).to(d.device) for z in (x, y)]  # (m, b, T) each
-        loss = runner.run(*mbs, lambda logits, t: lm_loss(logits, t, n_tok))
-        loss = core.finish_batch(params, loss, alone, dist.group.WORLD, args.clip)[0]
+        loss = finish(runner.run(*mbs, lambda logits, t: lm_loss(logits, t, n_tok)))[0]
         opt.step()
         opt.zero_grad(set_to_none=True)
         return loss
@@ -758,7 +769,7 @@ def our_interleaved(d, args, pair):
     p = d.world
     m = args.microbatches
     alone = [dist.new_group([r]) for r in range(p)][d.rank]  # tp and dp of 1: every rank makes each
-    full = build_gpt(GPTConfig.from_args(args), args.seed, DTYPES[args.dtype])  # CPU, one seed
+    full = gpt(args)  # CPU, one seed
     mine = [d.rank, d.rank + p]  # chunk c on rank c % p
     chunks = nn.ModuleDict({str(c): ptdp.Chunk(full, c, 2 * p, alone) for c in mine}).to(d.device)
     params = list(chunks.parameters())
@@ -771,23 +782,14 @@ def our_interleaved(d, args, pair):
         DTYPES[args.dtype],
         d.device,
     )
-    data = MarkovData(args.vocab, args.seed)
-
-    def step(i):
-        x, y = data.batch(i, args.batch_size, args.seq_len)  # (B, T) global batch, CPU
-        n_tok = count_tokens(y)
-        mbs = [z.reshape(m, -1, args.seq_len).to(d.device) for z in (x, y)]  # (m, b, T) each
-        loss = runner.run(*mbs, lambda logits, t: lm_loss(logits, t, n_tok))
-        loss = ptdp.finish_batch(params, loss, alone, 0, args.clip, dist.group.WORLD)[0]
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return loss
-
-    return step
+    finish = lambda loss: ptdp.finish_batch(params, loss, alone, 0, args.clip, dist.group.WORLD)
+    return rank_step(d, args, runner, opt, finish)
 
 
 OURS = {  # pair -> our side, for the pairs paired in one launch
-    **dict.fromkeys(("ddp", "dp_sync", "zero1", "zero2", "zero3", "hsdp"), our_data_parallel),
+    **dict.fromkeys(
+        ("ddp", "dp_sync", "zero1", "zero2", "zero3", "hsdp", "fp8"), our_data_parallel
+    ),
     **dict.fromkeys(("tp", "tp_overlap"), our_tensor_parallel),
     **dict.fromkeys(("gpipe", "1f1b"), our_pipeline),
     **dict.fromkeys(("zb", "zbv", "dualpipev"), our_zero_bubble),
@@ -931,28 +933,21 @@ def overlap_worker(d, args):
     backward under no_sync (compute only), (3) the same bucket sizes all-reduced after it. Hidden
     share = (t2 + t3 - t1) / t3: 1 if the all-reduce cost nothing extra, 0 if overlapping saved
     nothing. No optimizer step needed."""
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
     from ddp_bucketed import BucketedDDP, bucket_layout
 
     torch.set_num_threads(args.threads)
     data = MarkovData(args.vocab, args.seed)
-    b = args.batch_size // d.world
     out = {}
     timer = StepTimer(d.device)
     for impl in ("ours", "torch"):
-        model = build_gpt(GPTConfig.from_args(args), args.seed, DTYPES[args.dtype], d.device)
+        model = gpt(args, d.device)
         if impl == "ours":
             net = BucketedDDP(
                 model, bucket_cap_mb=args.bucket_cap_mb, first_bucket_mb=args.bucket_cap_mb
             )
             sizes = lambda: [wire for *_, wire in bucket_layout(net)]  # noqa: E731
         else:
-            net = DDP(
-                model,
-                device_ids=[d.local_rank] if d.device.type == "cuda" else None,
-                bucket_cap_mb=args.bucket_cap_mb,
-            )
+            net = torch_ddp(model, d, args)
             sizes = lambda: ddp_bucket_sizes(net)  # noqa: E731
         t = collections.defaultdict(list)
 
@@ -973,14 +968,13 @@ def overlap_worker(d, args):
         for i in range(2 * args.steps):
             x, y = data.batch(i, args.batch_size, args.seq_len)  # (B, T) global batch
             n_tok = count_tokens(y)  # of the global batch
-            x = x[d.rank * b : (d.rank + 1) * b]
-            y = y[d.rank * b : (d.rank + 1) * b]
+            x, y = my_rows(d, x, y)  # (B/N, T)
             for key, sync in (("overlapped", contextlib.nullcontext), ("backward", net.no_sync)):
                 model.zero_grad(set_to_none=True)
                 with sync():  # the forward untimed, then its backward timed
                     timed(
                         key,
-                        (lm_loss(net(x.to(d.device)), y.to(d.device), n_tok) * d.world).backward,
+                        (lm_loss(net(x), y, n_tok) * d.world).backward,
                     )
             timed("allreduce", all_reduce_buckets)
         med = {key: statistics.median(v[args.warmup :]) for key, v in t.items()}
@@ -1174,16 +1168,7 @@ def launch(args, pair, tag, worker=None):
         str(out_json),
     ]
     env, t0 = dict(os.environ, OMP_NUM_THREADS=str(args.threads), PYTHONUNBUFFERED="1"), time.time()
-    try:
-        p = subprocess.run(
-            cmd, cwd=ROOT, env=env, text=True, capture_output=True, timeout=args.launch_timeout
-        )
-        output, rc = p.stdout + p.stderr, p.returncode
-    except subprocess.TimeoutExpired as e:
-        output, rc = (
-            f"{e.stdout or ''}{e.stderr or ''}\ntimed out after {args.launch_timeout} s",
-            -1,
-        )
+    output, rc = torchrun(cmd, env, args.launch_timeout)
     steps = {int(s): float(v) for s, v in STEP_LINE.findall(output)}
     ms = [steps[k] for k in sorted(steps)]
     timed = (
@@ -1199,6 +1184,20 @@ def launch(args, pair, tag, worker=None):
     print("".join(f"    | {line}\n" for line in shown), end="", flush=True)
     summary = json.loads(out_json.read_text()) if rc == 0 and out_json.exists() else None
     return dict(rc=rc, summary=summary, ms=ms, cmd=" ".join(cmd[3:]), load=load())
+
+
+def torchrun(cmd, env, timeout):
+    """(output, exit code) of a torchrun command. Past `timeout` s the agent gets SIGTERM, on which
+    it stops its workers (each in a session of its own) and exits; a SIGKILL, as subprocess.run's
+    timeout sends, would leave the workers running, training on."""
+    with subprocess.Popen(
+        cmd, cwd=ROOT, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+    ) as p:
+        try:
+            return p.communicate(timeout=timeout)[0], p.returncode
+        except subprocess.TimeoutExpired:
+            p.terminate()
+            return f"{p.communicate()[0]}\ntimed out after {timeout} s", -1
 
 
 def side_row(args, pair, side, runs, one_ms, med=None):
@@ -1374,7 +1373,7 @@ def markdown(args, rows, wall_s, one_ms):
     two = lambda o, t, k, *f: f"{fmt(o.get(k), *f)} / {fmt(t.get(k), *f)}"  # noqa: E731
     a, n = (
         args,
-        sum(w.numel() for w in build_gpt(GPTConfig.from_args(args), args.seed).parameters()),
+        sum(w.numel() for w in gpt(args).parameters()),
     )
     lines = [
         f"`python bench.py {' '.join(sys.argv[1:])}`".replace(" `", "`"),

@@ -4,17 +4,19 @@ stage hooks see every F, B and W the schedules run; the interval and the verdict
 synthetic timings, the alternation keeps the interval's level and shares the budget between groups (a verdict
 that ignores the interval, a normal quantile for Student's, a spread re-estimated every round, a loop that
 stops before its interval narrows are caught); one pair end to end writes well-formed rows with a verdict, a
-pair whose file lacks the mode it needs is skipped with one line, and bad input exits 2. No real timing is
-asserted."""
+pair whose file lacks the mode it needs is skipped with one line, bad input exits 2, and a launch past its
+timeout leaves no worker running. No real timing is asserted."""
 
 import dataclasses
 import json
 import math
 import os
 import random
+import signal
 import statistics
 import subprocess
 import sys
+import time
 import types
 
 import pytest
@@ -66,10 +68,11 @@ def run(name, steps=3, counted_step=1):
             opt.step()
     return losses, comm, train
 
-def compare(name, losses, expect_equal=True):
+def compare(name, losses, expect_equal=True, against=None):
+    """against: rank 0's reference losses (default: one-process training, `ref`)"""
     t = torch.zeros(1, dtype=torch.float64, device=d.device)
     if d.rank == 0:
-        t[0] = max(abs(a - b) / abs(b) for a, b in zip(losses, ref))
+        t[0] = max(abs(a - b) / abs(b) for a, b in zip(losses, against or ref))
         print(f"{name}: max rel loss diff vs one-process reference {t.item():.2e}", flush=True)
     dist.broadcast(t, 0)
     if (t.item() <= 1e-9) != expect_equal:
@@ -109,8 +112,19 @@ def run_ours(name, steps=3):
     step = bench.OURS[name](d, args, name)
     return [step(i) for i in range(steps)]
 
+# fp8 against fp8.py's own one-process reference for --check (written apart from its core: its own
+# quantizer, each GEMM a float32 matmul of the FP8 values), at the recipe the pair runs
+import dataclasses, fp8
+shared = {f.name: getattr(args, f.name) for f in dataclasses.fields(harness.CommonArgs)}
+fp8_args = fp8.Args(**shared, recipe="current", fp8_all_gather=True)
+fp8_ref = fp8.reference(fp8_args, d.world, d.device)["losses"] if d.rank == 0 else None
 for name in bench.OURS:
-    compare(f"ours {name}", run_ours(name))
+    compare(f"ours {name}", run_ours(name), against=fp8_ref if name == "fp8" else None)
+orig_amax = fp8.global_amax  # each rank scales by its own amax (torchao's way): fp8.py's must differ
+fp8.global_amax = lambda t, group: orig_amax(t, None)
+compare("ours fp8 with a rank's own amax (must differ)", run_ours("fp8", steps=2), expect_equal=False,
+        against=fp8_ref)
+fp8.global_amax = orig_amax
 import zero_bubble  # a ZB-H1 whose W adds nothing (the Linear weights never learn): ours must differ too
 
 def no_w(saved):
@@ -178,16 +192,17 @@ def test_torch_sides_match_reference_and_counts(tmp_path):
     CUDA-only fused TP ops, whose autograd wrapper is held there on torch's CPU fallbacks of the ops),
     and our side of every paired pair as bench.py builds it from the file's core
     (hsdp: zero.Zero on a 2 x 1 grid; dualpipev; tp_overlap: megatron_tp.RingGPT), reproduces one-process
-    training in float64 (1e-9); ScheduleGPipe's default scale_grads=True, a ZB-V whose W never runs
-    (torch's) or adds nothing (ours, ZB-H1), an HSDP without its all-reduce across replicas would not, and
-    the check sees it; CommCounter equals the closed forms, and misses DDP's bytes with all-reduce dropped
-    from its op table; the stage hooks see m F, m B (and m W when split; DualPipeV: the W its [W] slots
-    defer, as dualpipev.py generates them) per stage."""
+    training in float64 (1e-9), and fp8 (fp8.to_fp8 + train_step, FP8 all-gather) the one-process training
+    fp8.py defines, its --check reference; ScheduleGPipe's default scale_grads=True, a ZB-V whose W never
+    runs (torch's) or adds nothing (ours, ZB-H1), an HSDP without its all-reduce across replicas, an fp8
+    whose ranks scale by their own amax would not, and the check sees it; CommCounter equals the closed
+    forms, and misses DDP's bytes with all-reduce dropped from its op table; the stage hooks see m F, m B
+    (and m W when split; DualPipeV: the W its [W] slots defer, as dualpipev.py generates them) per stage."""
     script = tmp_path / "bench_checks.py"
     script.write_text(CHECKS)
     rc, out = forked(script, 2, str(ROOT), timeout=300)
     assert rc == 0 and "ALL CHECKS PASSED" in out, out[-6000:]
-    assert out.count("must differ): max rel loss diff") == 4, out[-6000:]
+    assert out.count("must differ): max rel loss diff") == 5, out[-6000:]
     assert all(f"ours {name}: max rel loss diff" in out for name in bench.OURS), out[-6000:]
     assert "tp_overlap torch side on symm_mem's fallbacks: max rel loss diff" in out, out[-6000:]
     assert "(a counter blind to all-reduce)" in out, out[-6000:]
@@ -527,6 +542,27 @@ def test_verdict_rests_on_cpu_time_above_the_core_count(monkeypatch):
     assert row["note"].endswith(f"load {busy:.1f}-{busy:.1f} > {os.cpu_count()} cores"), row
 
 
+def fork_launches(monkeypatch):
+    """bench.py's torchrun commands run by tests/forkserver.py, as torchrun would run them; returns a dict
+    script -> the script to run in its place."""
+    swap = {}
+
+    def torchrun(cmd, env, timeout):
+        nproc = int(next(a for a in cmd if a.startswith("--nproc_per_node=")).split("=")[1])
+        script, *args = cmd[cmd.index("--standalone") + 2 :]
+        rc, out = forked(swap.get(script, script), nproc, *args, timeout=timeout)
+        return out, rc
+
+    monkeypatch.setattr(bench, "torchrun", torchrun)
+    return swap
+
+
+def refuse_launch(
+    args, pair, tag, worker=None
+):  # in place of bench.launch: a pair must launch nothing
+    raise RuntimeError(f"launched {tag}")
+
+
 def test_one_pair_end_to_end(tmp_path, monkeypatch, capsys):
     """`python bench.py --pairs dualpipev,hsdp,zb` at tiny size within a 6 s budget: dualpipev and hsdp each
     paired in one launch (3 blocks of 1 step per side; dualpipev.PipelineRank beside ScheduleDualPipeV, and
@@ -538,16 +574,7 @@ def test_one_pair_end_to_end(tmp_path, monkeypatch, capsys):
     file that will never offer `--schedule zbh1` (gpipe.py) is skipped with one line, no launch, and a choice
     the file does offer (pipedream.py --mode flush) is not. The torchrun commands bench.py builds are run by
     tests/forkserver.py, as torchrun would run them."""
-
-    def torchrun(cmd, cwd, env, text, capture_output, timeout):
-        nproc = int(next(a for a in cmd if a.startswith("--nproc_per_node=")).split("=")[1])
-        script, *args = cmd[cmd.index("--standalone") + 2 :]
-        rc, out = forked(script, nproc, *args, timeout=timeout)
-        return subprocess.CompletedProcess(cmd, rc, out, "")
-
-    monkeypatch.setattr(
-        bench, "subprocess", types.SimpleNamespace(run=torchrun, TimeoutExpired=None)
-    )
+    fork_launches(monkeypatch)
     monkeypatch.setitem(bench.NEEDS, "1f1b", ("--mode", "flush"))  # offered: not skipped
     assert bench.why_skipped("1f1b") == "", bench.why_skipped("1f1b")
     monkeypatch.setitem(bench.PAIRS, "zb", ("gpipe.py", *bench.PAIRS["zb"][1:]))
@@ -677,11 +704,7 @@ def test_tp_overlap_skipped_on_cpu(tmp_path, monkeypatch, capsys):
     (no torch side is faked), writes a skipped row and exits 0, as fp8 does without torchao. A bench that
     does not ask (cannot_run always '') launches the pair: caught."""
     monkeypatch.setattr(bench.torch.cuda, "is_available", lambda: False)
-
-    def launch(args, pair, tag, worker=None):
-        raise RuntimeError(f"launched {tag}")
-
-    monkeypatch.setattr(bench, "launch", launch)
+    monkeypatch.setattr(bench, "launch", refuse_launch)
     argv = ["bench.py", "--pairs", "tp_overlap", *TINY, "--out", str(tmp_path / "b")]
     monkeypatch.setattr(sys, "argv", argv)
     with pytest.raises(SystemExit) as e:
@@ -705,13 +728,9 @@ SKIP_LINE = "fp8: pair skipped, torchao not installed: pip install torchao to ru
 def test_fp8_pair_skipped_without_torchao(tmp_path, monkeypatch, capsys):
     """torchao is not a requirement: without it (blocked here; the suite's venv has none) `--pairs fp8`
     prints one line saying how to get it, launches nothing (nor the one-process baseline), writes a skipped
-    row and exits 0. A bench that does not look for torchao (IMPORTS emptied) launches fp8.py: caught."""
+    row and exits 0. A bench that does not look for torchao (IMPORTS emptied) launches the pair: caught."""
     monkeypatch.setitem(sys.modules, "torchao", None)  # `import torchao` now raises ImportError
-
-    def launch(args, pair, tag, worker=None):
-        raise RuntimeError(f"launched {tag}")
-
-    monkeypatch.setattr(bench, "launch", launch)
+    monkeypatch.setattr(bench, "launch", refuse_launch)
     monkeypatch.setattr(
         sys, "argv", ["bench.py", "--pairs", "fp8", *TINY, "--out", str(tmp_path / "b")]
     )
@@ -726,7 +745,7 @@ def test_fp8_pair_skipped_without_torchao(tmp_path, monkeypatch, capsys):
     assert rows == [dict(pair="fp8", ours=None, torch=None, ratio=None, skipped=why)], rows
     assert f"| fp8 | skipped: {why} |" in (tmp_path / "b.md").read_text()
     monkeypatch.setattr(bench, "IMPORTS", {})  # the mutant
-    with pytest.raises(RuntimeError, match="launched fp8_ours"):
+    with pytest.raises(RuntimeError, match="launched fp8_paired"):
         bench.main()
 
 
@@ -745,20 +764,11 @@ MUTANTS = {  # torchao reads config.e5m2_dtype when a Float8LinearConfig is made
 
 
 def fp8_bench(tmp_path, monkeypatch, world):
-    """`python bench.py --pairs fp8 --world W` at tiny size, one round, its torchrun launches forked (as in
-    test_one_pair_end_to_end). Returns (its row, the two sides' summaries, mutant: a name -> the summary of
+    """`python bench.py --pairs fp8 --world W` at tiny size, one paired launch (2 blocks of 1 step per side:
+    fp8.py's core beside torchao in the same processes), then each side apart, its torchrun launches forked
+    (as in test_one_pair_end_to_end). Returns (its row, the two sides' summaries, mutant: a name -> the summary of
     torch's side run broken that way)."""
-    swap = {}
-
-    def torchrun(cmd, cwd, env, text, capture_output, timeout):
-        nproc = int(next(a for a in cmd if a.startswith("--nproc_per_node=")).split("=")[1])
-        script, *args = cmd[cmd.index("--standalone") + 2 :]
-        rc, out = forked(swap.get(script, script), nproc, *args, timeout=timeout)
-        return subprocess.CompletedProcess(cmd, rc, out, "")
-
-    monkeypatch.setattr(
-        bench, "subprocess", types.SimpleNamespace(run=torchrun, TimeoutExpired=None)
-    )
+    swap = fork_launches(monkeypatch)
     out = tmp_path / f"w{world}"
     monkeypatch.setattr(
         sys,
@@ -774,7 +784,9 @@ def fp8_bench(tmp_path, monkeypatch, world):
             "3",
             "--warmup",
             "1",
-            "--rounds",
+            "--blocks",
+            "2",
+            "--block-steps",
             "1",
             "--budget-min",
             "0",
@@ -789,7 +801,7 @@ def fp8_bench(tmp_path, monkeypatch, world):
     assert e.value.code == 0
     row = json.loads((tmp_path / f"w{world}.json").read_text())[0]
     sides = {
-        side: json.loads((tmp_path / f"w{world}_runs" / f"{tag}_w{world}_r0.json").read_text())
+        side: json.loads((tmp_path / f"w{world}_runs" / f"{tag}_w{world}.json").read_text())
         for side, tag in (("ours", "fp8_ours"), ("torch", "float8_torch"))
     }
 
@@ -819,33 +831,87 @@ def test_fp8_pair_against_torchao(tmp_path, monkeypatch):
     tensors by the same amaxes (E4M3 x and W, E5M2 dy): equal losses to float32 roundoff (1e-6 asked; the
     scale is amax / 448 here, 448 / amax in float64 there, an ulp apart); torchao with E4M3 gradients is
     caught. World 2: both all-gather the block weights in FP8, bytes per rank = 2 (forward, backward) x FP8
-    weight elements / world, plus on torch's side 4 bytes for each element of what FSDP2 shards too
-    (LayerNorms, biases, embeddings, head): a float32 weight all-gather is caught; losses within 1e-3 (torchao
-    scales activations and gradients by each rank's own amax, fp8.py by the group's, as TransformerEngine)."""
+    weight elements / world (fp8.py: of its shards padded to whole 16-element tiles), plus on torch's side 4
+    bytes for each element of what FSDP2 shards too (LayerNorms, biases, embeddings, head): a float32 weight
+    all-gather is caught; losses within 1e-3 (torchao scales activations and gradients by each rank's own
+    amax, fp8.py by the group's, as TransformerEngine). Both bounds hold the two sides in launches of their
+    own and in the paired launch, where fp8.py's core and torchao train in the same processes."""
     pytest.importorskip("torchao.float8")
     row, sides, mutant = fp8_bench(tmp_path, monkeypatch, 1)
     diff = lambda a, b: max(abs(x - y) / abs(y) for x, y in zip(a, b))  # noqa: E731
     e4m3 = diff(sides["ours"]["losses"], mutant("E4M3 gradients")["losses"])
     print(
-        f"world 1: max rel loss diff {row['max_loss_diff']:.1e}; torchao with E4M3 gradients {e4m3:.1e}"
+        f"world 1: max rel loss diff {row['max_loss_diff']:.1e} apart, {row['paired_loss_diff']:.1e} in the "
+        f"paired launch; torchao with E4M3 gradients {e4m3:.1e}"
     )
-    assert row["max_loss_diff"] <= 1e-6 < e4m3 and len(row["torch"]["losses"]) == 3, row
+    assert (
+        max(row["max_loss_diff"], row["paired_loss_diff"]) <= 1e-6 < e4m3
+        and len(row["torch"]["losses"]) == 3
+    ), row
 
     w = 2
     row, sides, mutant = fp8_bench(tmp_path, monkeypatch, w)
     model = bench.build_gpt(bench.GPTConfig.from_args(bench.parse_args(bench.Args)), 0)
-    fp8 = sum(
-        m.weight.numel()
-        for n, m in model.named_modules()
-        if isinstance(m, bench.nn.Linear) and n != "head"
-    )
+    linears = [
+        m for n, m in model.named_modules() if isinstance(m, bench.nn.Linear) and n != "head"
+    ]
+    fp8 = sum(m.weight.numel() for m in linears)
     rest = sum(p.numel() for p in model.parameters()) - fp8  # float32 on torch's side
+    # fp8.py pads every GEMM dimension to 16 (cuBLASLt's FP8 rule) and W to w shards of whole 16-row
+    # tiles: a rank gathers w x (its padded rows x padded K) FP8 bytes, forward and backward
+    up = lambda n, k: -(-n // k) * k  # noqa: E731
+    padded = sum(2 * up(m.out_features, 16 * w) * up(m.in_features, 16) // w for m in linears)
     ours, theirs = all_gathered(sides["ours"]), all_gathered(sides["torch"])
     f32 = all_gathered(mutant("float32 all-gather"))
     print(
-        f"world {w}: all-gather bytes per rank and step: fp8.py {ours}, torchao {theirs} (theory "
-        f"{2 * fp8 // w} FP8 + {2 * rest * 4 // w} float32), torchao's weights gathered in float32 {f32}; "
-        f"max rel loss diff {row['max_loss_diff']:.1e}\n" + (tmp_path / f"w{w}.md").read_text()
+        f"world {w}: all-gather bytes per rank and step: fp8.py {ours} (theory {padded}: padded), torchao "
+        f"{theirs} (theory {2 * fp8 // w} FP8 + {2 * rest * 4 // w} float32), torchao's weights gathered in "
+        f"float32 {f32}; max rel loss diff {row['max_loss_diff']:.1e} apart, {row['paired_loss_diff']:.1e} "
+        "in the paired launch\n" + (tmp_path / f"w{w}.md").read_text()
     )
-    assert ours == 2 * fp8 // w and theirs == ours + 2 * rest * 4 // w != f32, (ours, theirs, f32)
-    assert row["max_loss_diff"] <= 1e-3 and row["ours"]["name"] == "fp8.py", row
+    assert ours == padded and theirs == 2 * fp8 // w + 2 * rest * 4 // w != f32, (ours, theirs, f32)
+    assert max(row["max_loss_diff"], row["paired_loss_diff"]) <= 1e-3, row
+    assert row["ours"]["name"] == "fp8.py" and row["unit"] == "block", row
+
+
+SLEEPER = "import os, sys, time\nopen(sys.argv[1], 'w').write(str(os.getpid()))\ntime.sleep(900)\n"
+
+
+def test_a_launch_past_its_timeout_leaves_no_worker(tmp_path):
+    """A torchrun launch past --launch-timeout: bench.torchrun stops the agent with SIGTERM, on which
+    torchrun stops its worker (in a session of its own) and exits; subprocess.run's timeout, which bench.py
+    used before, sends SIGKILL and leaves the worker running (the mutant, caught). No time is asserted: a
+    launch whose worker had not started by the timeout is run again with a longer one."""
+    script = tmp_path / "sleeper.py"
+    script.write_text(SLEEPER)
+
+    def alive(pid):
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        return True
+
+    def old(cmd, env, timeout):  # bench.launch as it was
+        try:
+            subprocess.run(cmd, env=env, capture_output=True, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return "", -1
+
+    left = {}
+    for name, run in (("bench.torchrun", bench.torchrun), ("subprocess.run", old)):
+        pid_file = tmp_path / name
+        for timeout in (6, 30, 90, 270):
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+            run([*cmd, "--nproc_per_node=1", str(script), str(pid_file)], dict(os.environ), timeout)
+            if pid_file.exists():  # the worker had started
+                break
+        pid = int(pid_file.read_text())
+        for _ in range(30):  # the agent has stopped its worker; its exit is reaped within moments
+            if not alive(pid):
+                break
+            time.sleep(0.1)
+        left[name] = alive(pid)
+        if left[name]:
+            os.kill(pid, signal.SIGKILL)
+    assert left == {"bench.torchrun": False, "subprocess.run": True}, left
