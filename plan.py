@@ -346,9 +346,10 @@ def gemm_shapes(M, lay, moe=False):
     --precision fp8 runs in FP8: attention's q, k, v (column layers: N / t) and output (row: K / t),
     the MLP's fc (SwiGLU: gate and up) and proj, or this rank's E/ep experts' (whole); not biases,
     norms, gate, embedding, head (fp8.py keeps them as they are, as DeepSeek-V3 does)."""
-    h, f, t = M.d, M.f, lay.tp
+    h = M.d
+    t = lay.tp
     kvh = M.kv * (h // M.heads)
-    f_rank = f if moe else f // t
+    f_rank = M.f if moe else M.f // t
     mlp = [(f_rank, h)] * (1 if M.arch == "gpt" else 2) + [(h, f_rank)]
     attn = [(h // t, h), (kvh // t, h), (kvh // t, h), (h, h // t)]
     return attn + mlp * (M.experts // lay.ep if moe else 1)
@@ -550,9 +551,9 @@ def zero_bubble_ops(p, m, r, schedule):
     down; the W's left, up first. DualPipeV (DeepSeek-V3 Sec. 3.2.1, as deepseek-ai/DualPipe and
     torch's ScheduleDualPipeV order it; an F&B slot is its F, B, W in turn): 2(p-r-1) F down; r+1
     times F down, F up; p-r-1 times B up (its W held), the oldest W held, F up; m-2p+r+1 times F
-    down, B and W up, F up, B and W down; p-r-1 times B and W up, F up, B and W down; r+1 times B up,
-    B down, each W at once in the first half (B up's one more when r is even), else held; p-r-1
-    times the oldest W held, B down (its W held); the W's held, oldest first."""
+    down, B and W up, F up, B and W down; p-r-1 times B and W up, F up, B and W down; r+1 times B
+    up, B down, each W at once in the first half (B up's one more when r is even), else held;
+    p-r-1 times the oldest W held, B down (its W held); the W's held, oldest first."""
     if schedule == "dualpipev":
         k = p - r - 1
         ops = spelled("F0") * 2 * k + spelled("F0 F1") * (r + 1) + spelled("B1 W1 F1") * k
