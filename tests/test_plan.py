@@ -7,9 +7,10 @@
    bubble, which load moves, reported beside it). Where a file counts something plan.py leaves out
    (its bookkeeping all-reduces of the loss and the clipping norm, pipedream's message tags, the storage of a
    whole batch behind micro-batch views, zero_bubble's received inputs kept to W, ZB-V's turn held once, the
-   idle of torch's V order), the test adds it, named, as that file does it.
-2. Papers: ZeRO Fig. 1, Korthikanti et al. Table 2, the PTD-P bubble and FLOPs, the ZB bubbles, PTD-P's 1T
-   layout in the top five of --search.
+   idle of torch's V order, the V's gradients not yet made at its peak), the test adds it, named, as that
+   file does it.
+2. Papers: ZeRO Fig. 1, Korthikanti et al. Table 2, the PTD-P bubble and FLOPs, the ZB bubbles, DeepSeek-V3's
+   DualPipeV bubble and activations (Table 2), PTD-P's 1T layout in the top five of --search.
 3. The README's worked examples, against closed forms written here.
 Each check is shown to fail when plan.py drops a term of its model (monkeypatched here).
 
@@ -19,7 +20,8 @@ activation_bytes_per_block, activation_bytes_saved, peak_mem_bytes; gpipe.py fig
 state_bytes, sent_bytes_per_rank, bubble_mean; pipedream.py figures.mem_bytes_per_rank, sent_bytes_per_rank,
 bubble_mean; ptdp.py figures.counts_per_rank (named figures per rank, over one step), bubble_mean,
 peak_mem_bytes; zero_bubble.py figures.mem_bytes_per_rank, peak_alive_microbatches, sent_bytes_per_rank,
-bubble_mean (idle / busy), peak_mem_bytes; moe.py figures.alltoall_bytes_per_step, capacity.
+bubble_mean (idle / busy), peak_mem_bytes; dualpipev.py the same, and fwd_msgs_per_rank, bwd_msgs_per_rank,
+peak_alive_theory, bubble_theory; moe.py figures.alltoall_bytes_per_step, capacity.
 """
 
 import contextlib
