@@ -64,10 +64,12 @@ bytes per activation element, Psi parameters of one rank (its pipeline stage, it
                --tp-overlap says), CP (the ring behind attention) and all-to-all time, + what cannot
                hide: the data-parallel reduction beyond the last micro-batch's backward (ZeRO-2:
                each one's; ZeRO-3: all its traffic beyond each micro-batch), the all-gather of
-               stages 1-2, a pipeline message (1/t of it per TP rank) per chunk boundary in and out.
-               The GEMM ceiling is the stack's per GPU, fitted on published runs; the band beside
-               each MFU is its leave-one-out error (STACKS, docs/plan.md). MFU: model FLOPs (3x) /
-               (step x GPUs x peak).
+               stages 1-2, a pipeline message (1/t of it per TP rank) per chunk boundary in and out;
+               and one NIC a GPU: what the axes across nodes hide (ring, data-parallel, pipeline),
+               together, beyond the step's compute (counted with the data-parallel part). The GEMM
+               ceiling is the stack's per GPU, fitted on published runs; the band beside each MFU is
+               its leave-one-out error (STACKS, docs/plan.md). MFU: model FLOPs (3x) / (step x GPUs
+               x peak).
   the run      --tokens: wall time = tokens / tokens/s, with failures (rate per GPU-hour, a checkpoint every
                tau, Young/Daly's sqrt(2 delta M) by default) to first order; a budget (--gpu-hours,
                --days, --flops) gives N and D by --law: Chinchilla's compute-optimal (Hoffmann et
@@ -569,8 +571,7 @@ def zero_bubble_ops(p, m, r, schedule):
         return ops + held
     if schedule == "zb-h1":
         warm = min(p - r - 1, m)
-        steady = [x for _ in range(m - warm) for x in (("F", 0), ("B", 0))]
-        ones = [("F", 0)] * warm + steady + [("B", 0)] * warm
+        ones = spelled("F0") * warm + spelled("F0 B0") * (m - warm) + spelled("B0") * warm
         ops = []
         held = 0
         backwards = 0
@@ -581,7 +582,7 @@ def zero_bubble_ops(p, m, r, schedule):
                 if backwards > r:
                     ops.append(("W", 0))
                     held -= 1
-        return ops + [("W", 0)] * held
+        return ops + spelled("W0") * held
     ops = spelled("F0") * (2 * (p - r) - 1) + spelled("F1 F0") * r + spelled("F1 B1 W1") * (p - r)
     forwards = [2 * (p - r) - 1 + r, p]
     while forwards[1] < m:
@@ -1099,12 +1100,18 @@ def predict(
         bubble_s=per_mb * bubble_slots(lay),
         pp_s=2 * (n - 1) * one,
     )
-    step, model = sum(parts.values()), chunk_flops(M, Layout(), B, 0, "none")
+    model = chunk_flops(M, Layout(), B, 0, "none")
     hardware = chunk_flops(M, Layout(recompute=lay.recompute), B, 0)
     # the steady state's behind the compute
     pp = sum(x for k, x in secs[slow].items() if "/pp/" in k)
     axes = {a: (x * lay.m, e * lay.m) for a, (x, e) in axes.items()}
     axes.update(dp=(sum(dp.values()), exposed), pp=(pp, parts["pp_s"]))
+    # one NIC a GPU: what the axes across nodes hide, together, past the compute shows (counted as
+    # data-parallel)
+    hidden = sum(x - e for a, (x, e) in axes.items() if link(C, lay, a) == "ib")
+    parts["dp_s"] += max(0.0, hidden - parts["compute_s"])
+    axes["dp"] = (axes["dp"][0], parts["dp_s"])
+    step = sum(parts.values())
     return dict(
         parts,
         layout=lay,

@@ -2572,6 +2572,31 @@ def test_search_costs_what_it_exposes(monkeypatch, capsys, source_once):
     assert cuts == {(), (0, 1, 1, 1, 1, 1, 1, 0)}, cuts
 
 
+def test_one_nic_shared_by_the_axes_across_nodes():
+    """Llama 3 405B at 128K on 16,384 H100s, dp 16 cp 128 tp 8 sp ZeRO-3: the ring's K/V blocks (cp spans 16
+    nodes) and FSDP's traffic each hide behind the compute on their own, but they share each GPU's NIC, so
+    their sum on InfiniBand past the step's compute shows (with the data-parallel part). Closed form here
+    from the bytes plan hands, on the wire, at --inter-gbs; dropping the shared NIC leaves 0 exposed."""
+    M = plan.PRESETS["llama3-405b"]._replace(seq=131072)
+    C = plan.CLUSTERS["h100-80g"]._replace(nodes=2048)
+    lay = plan.Layout(dp=16, cp=128, tp=8, sp=True, zero=3, m=1)
+    got = plan.predict(M, C, lay, 128, 0.5802, dp_overlap="full")
+    # the data-parallel part as plan groups it: the dp axis and every once-a-step reduction (here the TP
+    # group's replicated gradients, 3e-5 s on NVLink)
+    bw = {"nvlink": C.intra_gbs * 1e9, "ib": C.inter_gbs * 1e9}
+    wire = {
+        a: sum(
+            plan.on_the_wire(k, *x) / bw[plan.link(C, lay, k.split("/")[1])]
+            for k, x in got["comm"].items()
+            if f"/{a}/" in k or a == "dp" and k.endswith("/step")
+        )
+        for a in ("cp", "dp")
+    }
+    assert max(wire.values()) < got["compute_s"] < sum(wire.values()), (wire, got["compute_s"])
+    assert math.isclose(got["dp_s"], sum(wire.values()) - got["compute_s"], rel_tol=1e-9)
+    assert got["exposed"]["dp"][1] == got["dp_s"] and got["exposed"]["cp"][1] == 0
+
+
 def test_search_tries_every_v():
     """Interleaved: every v > 1 cutting L into equal chunks (Megatron's condition), not only 2, 4, 8."""
     M, C = plan.PRESETS["gpt3-6.7b"], plan.CLUSTERS["h100-80g"]
