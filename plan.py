@@ -22,11 +22,12 @@ bytes per activation element, Psi parameters of one rank (its pipeline stage, it
                the same tensor by tensor, here as this repo's GPT saves them: flash attention (a
                logsumexp per head, no s x s terms), norm statistics, no dropout. Micro-batches alive
                on pipeline rank r: GPipe m, 1F1B p - r, interleaved its warm-up + 1 chunks; zero
-               bubble (ZB-H1, ZB-V) the schedule walked, each micro-batch until its W, from its B
-               holding each linear's input and output gradient (ZB-H1: p on every rank); with
+               bubble (ZB-H1, ZB-V, DualPipeV) the schedule walked, each micro-batch until its W,
+               from its B holding each linear's input and output gradient (ZB-H1: p on every rank,
+               DualPipeV 2p+1 chunks); with
                Layout.outputs also each stage's output, which this repo's pipelines hold to its
                backward. Chunks: the files' cut (earlier ones one block more) or --stage-layers;
-               ZB-V puts chunks r and 2p-1-r on rank r.
+               ZB-V and DualPipeV put chunks r and 2p-1-r on rank r.
   bytes        handed to collectives per rank and step, as harness.CommCounter counts (an all-reduce's tensor,
                an all-gather's local input, a reduce-scatter's or all-to-all's whole input, a send):
                TP (Shoeybi et al. 2019, Sec. 3) 2 all-reduces of bsh forward, 2 backward per layer;
@@ -44,7 +45,8 @@ bytes per activation element, Psi parameters of one rank (its pipeline stage, it
   bubble       idle share of the step (Narayanan et al. 2021, PTD-P, Sec. 2.2): GPipe, 1F1B (p-1)/(m+p-1);
                interleaved (p-1)/(vm) of ideal compute; with backward split into B and W of a
                forward's time each (Qi et al. 2023, Zero Bubble): ZB-H1 (p-1)(T_F + T_B - T_W), a
-               third of 1F1B's; ZB-V 0.
+               third of 1F1B's; ZB-V 0; DualPipeV (DeepSeek-V3 2024, Table 2) ZB-H1's, its F&B
+               pair's all-to-all overlap left out (dualpipev.py runs the pair F, B, W in turn).
   context      cp ranks share each sequence (context_parallel.py; Liu et al. 2023 ring, Jacobs et al. 2023
                Ulysses): activations of s/cp tokens, + the all-gather's other K, V and (s/cp, s)
                mask, or Ulysses' head-sharded output; per layer and micro-batch the ring sends cp-1
@@ -62,10 +64,12 @@ bytes per activation element, Psi parameters of one rank (its pipeline stage, it
                --tp-overlap says), CP (the ring behind attention) and all-to-all time, + what cannot
                hide: the data-parallel reduction beyond the last micro-batch's backward (ZeRO-2:
                each one's; ZeRO-3: all its traffic beyond each micro-batch), the all-gather of
-               stages 1-2, a pipeline message (1/t of it per TP rank) per chunk boundary in and out.
-               The GEMM ceiling is the stack's per GPU, fitted on published runs; the band beside
-               each MFU is its leave-one-out error (STACKS, docs/plan.md). MFU: model FLOPs (3x) /
-               (step x GPUs x peak).
+               stages 1-2, a pipeline message (1/t of it per TP rank) per chunk boundary in and out;
+               and one NIC a GPU: what the axes across nodes hide (ring, data-parallel, pipeline),
+               together, beyond the step's compute (counted with the data-parallel part). The GEMM
+               ceiling is the stack's per GPU, fitted on published runs; the band beside each MFU is
+               its leave-one-out error (STACKS, docs/plan.md). MFU: model FLOPs (3x) / (step x GPUs
+               x peak).
   the run      --tokens: wall time = tokens / tokens/s, with failures (rate per GPU-hour, a checkpoint every
                tau, Young/Daly's sqrt(2 delta M) by default) to first order; a budget (--gpu-hours,
                --days, --flops) gives N and D by --law: Chinchilla's compute-optimal (Hoffmann et
@@ -196,7 +200,7 @@ class Layout:
     sp: bool = False  # sequence parallelism
     recompute: str = "none"  # none, selective (the attention core), full (keep each layer's input)
     precision: str = "bf16"
-    schedule: str = "1f1b"  # gpipe, 1f1b, interleaved, zb-h1, zb-v
+    schedule: str = "1f1b"  # gpipe, 1f1b, interleaved, zb-h1, zb-v, dualpipev
     # embedding and head split over V (megatron_tp.py), else replicated (ptdp.py)
     vocab_parallel: bool = True
     # also each stage's output, held to its backward as this repo's pipelines hold it (Megatron
@@ -300,17 +304,22 @@ def _kinds(M, n, split, c):
     return len(blocks) - moe, moe
 
 
+# the schedules that place their 2p chunks in a V; those that split backward into B and W
+V_SHAPED = ("zb-v", "dualpipev")
+SPLIT_BACKWARD = ("zb-h1", *V_SHAPED)
+
+
 def mine(lay, r):
-    """The chunks pipeline rank r holds, in pipeline order: c = r, r + p, ... (a loop); ZB-V r and
-    2p-1-r (a V: down, then back up, so rank 0 holds the embedding and the head, and the turn stays
-    on rank p-1)."""
-    if lay.schedule == "zb-v":
+    """The chunks pipeline rank r holds, in pipeline order: c = r, r + p, ... (a loop); ZB-V and
+    DualPipeV r and 2p-1-r (a V: down, then back up, so rank 0 holds the embedding and the head, and
+    the turn stays on rank p-1)."""
+    if lay.schedule in V_SHAPED:
         return (r, 2 * lay.pp - 1 - r)
     return tuple(range(r, lay.pp * lay.v, lay.pp))
 
 
 def owner(lay, c):
-    return min(c, 2 * lay.pp - 1 - c) if lay.schedule == "zb-v" else c % lay.pp
+    return min(c, 2 * lay.pp - 1 - c) if lay.schedule in V_SHAPED else c % lay.pp
 
 
 def vocab_padded(M, lay):  # megatron_tp.py rounds V up to a multiple of t
@@ -334,29 +343,45 @@ def rank_units(M, lay, r):
     ]
 
 
+def gemm_shapes(M, lay, moe=False):
+    """(N, K) of each GEMM weight of one block on a TP rank, as nn.Linear holds it (out, in), what
+    --precision fp8 runs in FP8: attention's q, k, v (column layers: N / t) and output (row: K / t),
+    the MLP's fc (SwiGLU: gate and up) and proj, or this rank's E/ep experts' (whole); not biases,
+    norms, gate, embedding, head (fp8.py keeps them as they are, as DeepSeek-V3 does)."""
+    h = M.d
+    t = lay.tp
+    kvh = M.kv * (h // M.heads)
+    f_rank = M.f if moe else M.f // t
+    mlp = [(f_rank, h)] * (1 if M.arch == "gpt" else 2) + [(h, f_rank)]
+    attn = [(h // t, h), (kvh // t, h), (kvh // t, h), (h, h // t)]
+    return attn + mlp * (M.experts // lay.ep if moe else 1)
+
+
 def gemm_units(M, lay, r):
-    """The GEMM weights in each of rank_units' units, what --precision fp8 runs in FP8: attention's
-    projections, the MLP's or the experts' weights (not biases, norms, gate, embedding, head: fp8.py
-    keeps them as they are, as DeepSeek-V3 does); the root's 0."""
-    attn, mlp = layer_params(M, True)[0], (2 if M.arch == "gpt" else 3) * M.d * M.f
+    """The GEMM weights' shapes in each of rank_units' units (gemm_shapes); the root's none."""
     return [
-        attn // lay.tp + (M.experts * mlp // lay.ep if moe else mlp // lay.tp)
+        gemm_shapes(M, lay, moe)
         for c in mine(lay, r)
         for moe, k in zip((False, True), kinds(M, lay, c))
         for _ in range(k)
-    ] + [0]
+    ] + [[]]
 
 
 def padded(units, d):
     return sum(-(-u // d) * d for u in units)
 
 
-def weight_gather(psi, gemm, d, p, scales=True):
-    """Bytes a rank hands to one ZeRO-3 all-gather of psi elements (padded), `gemm` of them FP8 GEMM
-    weights: p bytes an element; the FP8 ones 1 byte, and with `scales` their fp32 scale per TILE x
-    TILE block (fp8.py --fp8-all-gather --recipe fine-grained: forward gathers them, backward reuses
-    them)."""
-    return p * (psi - gemm) // d + gemm // d + 4 * (gemm // (d * TILE**2)) * scales
+def weight_gather(psi, gemms, d, p, scales=True, tile=TILE):
+    """Bytes a rank hands to one ZeRO-3 all-gather of psi elements (padded), `gemms` the (N, K) of
+    the FP8 GEMM weights among them: p bytes an element of the rest; each GEMM weight as fp8.py
+    shards it, its N rows padded to d shards of whole tiles, ceil(N / (d tile)) tile rows a rank, K
+    padded to whole tiles, 1 byte an element, and with `scales` an fp32 scale per TILE x TILE block
+    (--fp8-all-gather --recipe fine-grained: forward gathers them, backward reuses them); tile 16
+    for fp8.py's per-tensor recipes (cuBLASLt's FP8 rule)."""
+    shards = [(-(-n // (d * tile)) * tile, -(-k // tile) * tile) for n, k in gemms]
+    rest = psi - sum(n * k for n, k in gemms)
+    fp8 = sum(n * k for n, k in shards)
+    return p * rest // d + fp8 + 4 * sum(n * k // TILE**2 for n, k in shards) * scales
 
 
 def model_state(units, d, stage, p, g, K):
@@ -375,7 +400,7 @@ def gathered(units, d, p, gemms=None):
     """ZeRO-3: the root and the two largest units gathered at once (zero.py's bound, FSDP's rate
     limiter); with `gemms` (fp8) their GEMM weights gathered as FP8 and block scales."""
     gemms, top = (
-        gemms or [0] * len(units),
+        gemms or [[]] * len(units),
         sorted(range(len(units) - 1), key=units.__getitem__)[-2:],
     )
     return sum(
@@ -514,17 +539,39 @@ def pending_bytes(M, lay, b, e, c):
     return x * bs * e, dy * bs * e
 
 
+def spelled(ops):
+    """Ops as the pictures write them, "F0 B1 W1", as (kind, local chunk) pairs."""
+    return [(x[0], int(x[1:])) for x in ops.split()]
+
+
 def zero_bubble_ops(p, m, r, schedule):
     """Rank r's ops in order, (kind, local chunk). ZB-H1 (Qi et al. Sec. 3.1): 1F1B's F and B, each
     B followed by the oldest W still to run, except rank r's first r B's: their W's end the step.
     ZB-V (Sec. 6, torch's ScheduleZBVZeroBubble; local chunk 0 is r, down the V, 1 is 2p-1-r, back
     up): 2(p-r)-1 F down; r times F up, F down; p-r times F, B, W up; then F down (while any
     remain), B, W down, F, B, W up until every F ran; then r times B down, B up; p-r times B down, W
-    down; the W's left, up first."""
+    down; the W's left, up first. DualPipeV (DeepSeek-V3 Sec. 3.2.1, as deepseek-ai/DualPipe and
+    torch's ScheduleDualPipeV order it; an F&B slot is its F, B, W in turn): 2(p-r-1) F down; r+1
+    times F down, F up; p-r-1 times B up (its W held), the oldest W held, F up; m-2p+r+1 times F
+    down, B and W up, F up, B and W down; p-r-1 times B and W up, F up, B and W down; r+1 times B
+    up, B down, each W at once in the first half (B up's one more when r is even), else held;
+    p-r-1 times the oldest W held, B down (its W held); the W's held, oldest first."""
+    if schedule == "dualpipev":
+        k = p - r - 1
+        ops = spelled("F0") * 2 * k + spelled("F0 F1") * (r + 1) + spelled("B1 W1 F1") * k
+        ops += spelled("F0 B1 W1 F1 B0 W0") * (m - 2 * p + r + 1) + spelled("B1 W1 F1 B0 W0") * k
+        held = []
+        for i in range(r + 1):  # the drain: from the middle on, W's held
+            for c, now in ((1, i < (r + 1) // 2 + (r % 2 == 0)), (0, i < (r + 1) // 2)):
+                ops.append(("B", c))
+                (ops if now else held).append(("W", c))
+        for _ in range(k):
+            ops += [held.pop(0), ("B", 0)]
+            held.append(("W", 0))
+        return ops + held
     if schedule == "zb-h1":
         warm = min(p - r - 1, m)
-        steady = [x for _ in range(m - warm) for x in (("F", 0), ("B", 0))]
-        ones = [("F", 0)] * warm + steady + [("B", 0)] * warm
+        ones = spelled("F0") * warm + spelled("F0 B0") * (m - warm) + spelled("B0") * warm
         ops = []
         held = 0
         backwards = 0
@@ -535,20 +582,16 @@ def zero_bubble_ops(p, m, r, schedule):
                 if backwards > r:
                     ops.append(("W", 0))
                     held -= 1
-        return ops + [("W", 0)] * held
-    ops = (
-        [("F", 0)] * (2 * (p - r) - 1)
-        + [("F", 1), ("F", 0)] * r
-        + [("F", 1), ("B", 1), ("W", 1)] * (p - r)
-    )
+        return ops + spelled("W0") * held
+    ops = spelled("F0") * (2 * (p - r) - 1) + spelled("F1 F0") * r + spelled("F1 B1 W1") * (p - r)
     forwards = [2 * (p - r) - 1 + r, p]
     while forwards[1] < m:
         if forwards[0] < m:
             ops.append(("F", 0))
             forwards[0] += 1
-        ops += [("B", 0), ("W", 0), ("F", 1), ("B", 1), ("W", 1)]
+        ops += spelled("B0 W0 F1 B1 W1")
         forwards[1] += 1
-    ops += [("B", 0), ("B", 1)] * r + [("B", 0), ("W", 0)] * (p - r)
+    ops += spelled("B0 B1") * r + spelled("B0 W0") * (p - r)
     for c in (1, 0):
         ops += [("W", c)] * (sum(o == ("B", c) for o in ops) - sum(o == ("W", c) for o in ops))
     return ops
@@ -572,7 +615,7 @@ def alive_patterns(p, v, m, r, schedule):
     pv) // p, backward on v-1 minus it); the order repeats every p micro-batches: 4p suffice. Zero
     bubble: their orders walked, and each count twice, (between F and B per local chunk, then
     between B and W): a micro-batch lives until its W, p on every ZB-H1 rank, not 1F1B's p - r."""
-    if schedule in ("zb-h1", "zb-v"):
+    if schedule in SPLIT_BACKWARD:
         full = [0] * v
         pend = [0] * v
         seen = set()
@@ -601,7 +644,7 @@ def peak_activations(M, lay, b, e, r):
     (zero bubble: and of what W needs); full recomputation adds one layer's whole set, rebuilt in
     its backward."""
     per = [sum(microbatch_bytes(M, lay, b, e, c).values()) for c in mine(lay, r)]
-    if lay.schedule in ("zb-h1", "zb-v"):
+    if lay.schedule in SPLIT_BACKWARD:
         per += [sum(pending_bytes(M, lay, b, e, c)) for c in mine(lay, r)]
     peak = max(
         sum(map(int.__mul__, k, per)) for k in alive_patterns(lay.pp, lay.v, lay.m, r, lay.schedule)
@@ -720,7 +763,7 @@ def collectives(M, lay, B, r=0):
     reduce = {0: "all_reduce/dp/step", 1: "reduce_scatter/dp/step"}.get(z, "reduce_scatter/dp/bwd")
     add(reduce, m if z > 1 else 1, g * psi, d)
     # its GEMM weights gathered as FP8
-    fp8 = sum(gemm_units(M, lay, r)) if lay.precision == "fp8" else 0
+    fp8 = [x for u in gemm_units(M, lay, r) for x in u] if lay.precision == "fp8" else []
     add("all_gather/dp/step", z in (1, 2), p * psi // d, d)
     add("all_gather/dp/fwd", m * (z == 3), weight_gather(psi, fp8, d, p), d)
     add("all_gather/dp/bwd", m * (z == 3), weight_gather(psi, fp8, d, p, scales=False), d)
@@ -824,7 +867,8 @@ def link(C, lay, axis):
 # ----------------------------------------------------------------------------- bubble, FLOPs, time
 def bubble_slots(lay):
     """Idle micro-batch times per step: GPipe, 1F1B p-1; interleaved (p-1)/v; ZB-H1 (p-1)/3; ZB-V
-    0."""
+    0; DualPipeV (p-1)/3, ZB-H1's (DeepSeek-V3 Table 2: (PP/2-1)(F&B+B-3W), 2(p-1) of a rank's 6m
+    chunk ops at T_F = T_B = T_W, its F&B pair unoverlapped as this repo runs it)."""
     p = lay.pp
     slots = {
         "gpipe": p - 1,
@@ -832,6 +876,7 @@ def bubble_slots(lay):
         "interleaved": (p - 1) / lay.v,
         "zb-h1": (p - 1) / 3,
         "zb-v": 0,
+        "dualpipev": (p - 1) / 3,
     }
     return slots[lay.schedule] if p > 1 else 0
 
@@ -1055,12 +1100,18 @@ def predict(
         bubble_s=per_mb * bubble_slots(lay),
         pp_s=2 * (n - 1) * one,
     )
-    step, model = sum(parts.values()), chunk_flops(M, Layout(), B, 0, "none")
+    model = chunk_flops(M, Layout(), B, 0, "none")
     hardware = chunk_flops(M, Layout(recompute=lay.recompute), B, 0)
     # the steady state's behind the compute
     pp = sum(x for k, x in secs[slow].items() if "/pp/" in k)
     axes = {a: (x * lay.m, e * lay.m) for a, (x, e) in axes.items()}
     axes.update(dp=(sum(dp.values()), exposed), pp=(pp, parts["pp_s"]))
+    # one NIC a GPU: what the axes across nodes hide, together, past the compute shows (counted as
+    # data-parallel)
+    hidden = sum(x - e for a, (x, e) in axes.items() if link(C, lay, a) == "ib")
+    parts["dp_s"] += max(0.0, hidden - parts["compute_s"])
+    axes["dp"] = (axes["dp"][0], parts["dp_s"])
+    step = sum(parts.values())
     return dict(
         parts,
         layout=lay,
@@ -1083,6 +1134,9 @@ def predict(
 # ----------------------------------------------------------------------------- the search
 def legal(M, C, lay, B):
     """Why this layout cannot run this model and batch on this cluster, or None."""
+    # the V's micro-batches: ZB-V's warm-up, DualPipeV's warm-up and first pairs
+    least = "2p-1" if lay.schedule == "zb-v" else "2p"
+    fewest = 2 * lay.pp - (lay.schedule == "zb-v")
     for ok, why in [
         (
             lay.gpus <= C.nodes * C.gpus_per_node,
@@ -1136,14 +1190,14 @@ def legal(M, C, lay, B):
             "interleaving needs --pp > 1 dividing --microbatches",
         ),
         (
-            lay.v == {"interleaved": max(lay.v, 2), "zb-v": 2}.get(lay.schedule, 1),
+            lay.v == {"interleaved": max(lay.v, 2), "zb-v": 2, "dualpipev": 2}.get(lay.schedule, 1),
             f"--schedule {lay.schedule} with --virtual-stages {lay.v}: interleaved needs v > 1, "
-            "zb-v 2, the others 1",
+            "zb-v and dualpipev 2, the others 1",
         ),
         (
-            lay.schedule != "zb-v" or lay.pp > 1 and lay.m >= 2 * lay.pp - 1,
-            f"--schedule zb-v needs --pp > 1 and --microbatches >= 2p-1 = {2 * lay.pp - 1}, got "
-            f"{lay.m}",
+            lay.schedule not in V_SHAPED or lay.pp > 1 and lay.m >= fewest,
+            f"--schedule {lay.schedule} needs --pp > 1 and --microbatches >= {least} = {fewest}, "
+            f"got {lay.m}",
         ),
         (
             lay.ep == 1 or M.experts % lay.ep == lay.dp % lay.ep == 0,
@@ -1512,7 +1566,8 @@ class Args:
     # bf16: mixed-precision Adam, 2 + 2 + 12 bytes; fp8: as bf16, the blocks' GEMMs at the FP8 peak,
     # ZeRO-3 gathering their weights in FP8 + scales
     precision: Literal["bf16", "fp32", "fp64", "fp8"] = "bf16"
-    schedule: Literal["1f1b", "gpipe", "interleaved", "zb-h1", "zb-v"] = "1f1b"  # pipeline schedule
+    # pipeline schedule
+    schedule: Literal["1f1b", "gpipe", "interleaved", "zb-h1", "zb-v", "dualpipev"] = "1f1b"
     # split embedding and head over the vocabulary (else replicated over tp)
     vocab_parallel: bool = True
     # blocks per chunk in pipeline order, e.g. 7,8,...,8,7 or 0,9,...,9,0 (fewer on the first and

@@ -7,9 +7,10 @@
    bubble, which load moves, reported beside it). Where a file counts something plan.py leaves out
    (its bookkeeping all-reduces of the loss and the clipping norm, pipedream's message tags, the storage of a
    whole batch behind micro-batch views, zero_bubble's received inputs kept to W, ZB-V's turn held once, the
-   idle of torch's V order), the test adds it, named, as that file does it.
-2. Papers: ZeRO Fig. 1, Korthikanti et al. Table 2, the PTD-P bubble and FLOPs, the ZB bubbles, PTD-P's 1T
-   layout in the top five of --search.
+   idle of torch's V order, the V's gradients not yet made at its peak), the test adds it, named, as that
+   file does it.
+2. Papers: ZeRO Fig. 1, Korthikanti et al. Table 2, the PTD-P bubble and FLOPs, the ZB bubbles, DeepSeek-V3's
+   DualPipeV bubble and activations (Table 2), PTD-P's 1T layout in the top five of --search.
 3. The README's worked examples, against closed forms written here.
 Each check is shown to fail when plan.py drops a term of its model (monkeypatched here).
 
@@ -19,7 +20,8 @@ activation_bytes_per_block, activation_bytes_saved, peak_mem_bytes; gpipe.py fig
 state_bytes, sent_bytes_per_rank, bubble_mean; pipedream.py figures.mem_bytes_per_rank, sent_bytes_per_rank,
 bubble_mean; ptdp.py figures.counts_per_rank (named figures per rank, over one step), bubble_mean,
 peak_mem_bytes; zero_bubble.py figures.mem_bytes_per_rank, peak_alive_microbatches, sent_bytes_per_rank,
-bubble_mean (idle / busy), peak_mem_bytes; moe.py figures.alltoall_bytes_per_step, capacity.
+bubble_mean (idle / busy), peak_mem_bytes; dualpipev.py the same, and fwd_msgs_per_rank, bwd_msgs_per_rank,
+peak_alive_theory, bubble_theory; moe.py figures.alltoall_bytes_per_step, capacity.
 """
 
 import contextlib
@@ -37,6 +39,7 @@ from helpers import ROOT, TINY, run_python, torchrun
 
 sys.path.insert(0, str(ROOT))
 import plan  # noqa: E402
+from harness import CommonArgs  # noqa: E402
 
 T = [*TINY, "--steps", "2"]  # vocab 32, seq 8, width 16, 2 heads, 2 layers, batch 12, float64
 TINY_MODEL = plan.Model(layers=2, d=16, heads=2, vocab=32, seq=8)
@@ -117,6 +120,29 @@ RUNS = {  # name: (file, processes, flags)
             "200",
         ],
     ),
+    # DualPipeV: a dp axis at p 2; the V over 4 ranks (8 chunks)
+    "dualpipev p 2 x dp 2 m 4": (
+        "dualpipev.py",
+        4,
+        [
+            *T,
+            "--pp",
+            "2",
+            "--dp",
+            "2",
+            "--n-layers",
+            "4",
+            "--batch-size",
+            "16",
+            "--microbatches",
+            "4",
+        ],
+    ),
+    "dualpipev p 4 m 8": (
+        "dualpipev.py",
+        4,
+        [*T, "--pp", "4", "--n-layers", "8", "--batch-size", "16", "--microbatches", "8"],
+    ),
     "moe ep 1": ("moe.py", 1, [*T, "--router", "switch"]),
     "moe ep 2": ("moe.py", 2, [*T, "--router", "switch", "--ep", "2"]),
     "moe ep 4": ("moe.py", 4, [*T, "--router", "switch", "--ep", "4"]),
@@ -138,6 +164,8 @@ FOLDED = (
     "megatron tp 4 + SP",
     "moe ep 4",
     "gpipe p 4 m 8, 6 blocks 2/2/1/1",
+    "dualpipev p 2 x dp 2 m 4",
+    "dualpipev p 4 m 8",
 )
 TABLE, _done = [], {}
 
@@ -225,6 +253,7 @@ def replayed(events, n, times, chunk_of, idle_over_busy=False):
 def clear_caches():  # plan's memoised figures, recomputed after (and before) a mutant changes its terms
     plan.memory.cache_clear()
     plan._microbatch_bytes.cache_clear()
+    getattr(plan.alive_patterns, "cache_clear", lambda: None)()  # a mutant may stand in for it
 
 
 def flag(name, key):  # the value of a flag in RUNS[name] (the last one given wins, as in argparse)
@@ -445,7 +474,7 @@ def ptdp_rows(s, name):
 
 
 def zero_bubble_rows(s, name):
-    """zero_bubble.py (--schedule zbh1, zbv; dp 0's pipeline): per rank the model state + bytes held, at its
+    """zero_bubble.py (--schedule zbh1, zbv) and dualpipev.py (dp 0's pipeline): per rank the model state + bytes held, at its
     peak after a forward (what forwards saved, each chunk's input and output held to B, W's x and dy held
     from B to W, the batch's storage), the most micro-batch chunks between F and W, bytes sent per step; the
     bubble, idle / busy. Terms plan.py leaves out, named:
@@ -456,24 +485,40 @@ def zero_bubble_rows(s, name):
              (chunk p-1's output to its B, chunk p's input to its B and to its W): once per micro-batch alive
              on both
       idle   ZB-V: torch's V order at T_F = T_B = T_W idles p-1 chunk slots of its 6m, (p-1)/(6m) (zero
-             bubble's ideal timeline, its printed theory), where plan.py keeps the paper's 0"""
+             bubble's ideal timeline, its printed theory), where plan.py keeps the paper's 0
+      grads  the V's walk: the files set gradients to None after each step and count the state as it stands,
+             so until a chunk's first B its gradients do not exist yet (plan counts them allocated, as DDP's and
+             Megatron's buffers are): DualPipeV's rank 0 peaks with every micro-batch of chunk 0 forward and
+             none backward
+    DualPipeV: the same terms (its V and its split backward are ZB-V's), walked over plan's DualPipeV order;
+    its messages each way, and plan's bubble and alive beside the file's theory (Table 2). Its recorded order
+    replayed op by op (reported) idles (p-1)/(6m), half of Table 2's: there F&B slots run as units."""
     M, B, m, p = (
         model_of(name),
         flag(name, "--batch-size"),
         flag(name, "--microbatches"),
         flag(name, "--pp"),
     )
-    zbv = "zbv" in RUNS[name][2]
+    dp = flag(name, "--dp") if "--dp" in RUNS[name][2] else 1
+    sched = (
+        "dualpipev"
+        if name.startswith("dualpipev")
+        else "zb-v"
+        if "zbv" in RUNS[name][2]
+        else "zb-h1"
+    )
+    zbv = sched in plan.V_SHAPED
     lay = plan.Layout(
+        dp=dp,
         pp=p,
         v=1 + zbv,
         m=m,
-        schedule="zb-v" if zbv else "zb-h1",
+        schedule=sched,
         precision="fp64",
         vocab_parallel=False,
         outputs=True,
     )
-    f, b, n, rows, peaks = s["figures"], B // m, p * lay.v, [], []
+    f, b, n, rows, peaks = s["figures"], B // (dp * m), p * lay.v, [], []
     bsh = b * M.seq * M.d * E
     for r in range(p):
         mem, comm, mine = (
@@ -495,26 +540,29 @@ def zero_bubble_rows(s, name):
 
         if zbv:  # walked over plan's order, after each forward (where the file looks)
             done, peak = {(kind, c): 0 for kind in "FBW" for c in (0, 1)}, 0
-            for kind, c in plan.zero_bubble_ops(p, m, r, "zb-v"):
+            for kind, c in plan.zero_bubble_ops(p, m, r, sched):
                 done[kind, c] += 1
                 F, B_, W = ([done[x, c] for c in (0, 1)] for x in "FBW")
                 # k in [B, F) down, [W, F) up
                 turn = max(0, min(F) - max(B_[0], W[1])) if r == p - 1 else 0
+                no_grads = sum(E * chunk_params(M, lay, g) for g, b_ in zip(mine, B_) if not b_)
                 peak = max(
                     peak,
                     held([F[c] - B_[c] for c in (0, 1)] + [B_[c] - W[c] for c in (0, 1)], turn)
+                    - no_grads
                     if kind == "F"
                     else 0,
                 )
         else:
             peak = max(held(k) for k in plan.alive_patterns(p, 1, m, r, "zb-h1"))
         peaks.append(state(mem) + peak)
+        alive = max(sum(k) for k in plan.alive_patterns(p, lay.v, m, r, lay.schedule))
         rows += [
             (f"rank {r} state + held, peak (+ input, turn)", f["mem_bytes_per_rank"][r], peaks[-1]),
             (
                 f"rank {r} micro-batch chunks alive, F to W",
                 f["peak_alive_microbatches"][r],
-                max(sum(k) for k in plan.alive_patterns(p, lay.v, m, r, lay.schedule)),
+                alive,
             ),
             (
                 f"rank {r} bytes sent",
@@ -522,12 +570,24 @@ def zero_bubble_rows(s, name):
                 sum(x for k, (_, x, _) in comm.items() if k.startswith("send")),
             ),
         ]
+        if sched == "dualpipev":  # its messages each way, its own theory of the alive
+            rows += [
+                (
+                    f"rank {r} {phase} messages",
+                    f[f"{phase}_msgs_per_rank"][r],
+                    comm.get(f"send/pp/{phase}", [0])[0],
+                )
+                for phase in ("fwd", "bwd")
+            ]
+            rows.append(
+                (f"rank {r} alive, the file's theory 2p+1", f["peak_alive_theory"][r], alive)
+            )
     rows.append(("peak bytes, any rank", s["peak_mem_bytes"], max(peaks)))
     # three ops per micro-batch (per chunk), each with its host overhead and message waits beside --stage-ms:
     # under a load of 7 on 2 cores ZB-H1 measured 0.22-0.23 at --stage-ms 50, 0.170-0.178 at 100 (theory
     # 0.125); ZB-V 0.120 at 50, 0.107 at 100, 0.071 at 200 (theory 0.056): reported; the recorded order,
     # replayed, is asserted
-    idle = (p - 1) / (6 * m) if zbv else 0
+    idle = (p - 1) / (6 * m) if sched == "zb-v" else 0
     last = [
         dict(e, rank=e["pp"])
         for e in f["events"]
@@ -540,18 +600,35 @@ def zero_bubble_rows(s, name):
         return plan.mine(lay, e["rank"])[e["chunk"]] if local else e["chunk"]
 
     order = replayed(last, n, dict(F=1, B=1, W=1), chunk_of, idle_over_busy=True)
-    return rows + [
-        (
-            "bubble, idle / busy (+ idle) (measured: reported)",
-            f["bubble_mean"],
-            plan.bubble(lay)[1] + idle,
-        ),
-        (
-            "bubble of the recorded order, replayed at F = B = W (+ idle)",
-            order,
-            plan.bubble(lay)[1] + idle,
-        ),
-    ]
+    return (
+        rows
+        + [
+            (
+                "bubble, idle / busy (+ idle) (measured: reported)",
+                f["bubble_mean"],
+                plan.bubble(lay)[1] + idle,
+            ),
+            (
+                "bubble of the recorded order, replayed at F = B = W (+ idle)"
+                + " (reported: per op)" * (sched == "dualpipev"),
+                order,
+                plan.bubble(lay)[1] + idle,
+            ),
+        ]
+        + [("bubble, the file's theory", f.get("bubble_theory"), plan.bubble(lay)[1])]
+        * (sched == "dualpipev")
+    )
+
+
+def chunk_params(M, lay, c):
+    """Parameter elements of chunk c (tp 1, embedding and head replicated): its blocks, the embedding and
+    positions on chunk 0, the final norm and the head on the last."""
+    blocks = sum(
+        k * sum(plan.layer_params(M, moe)[:2])
+        for moe, k in zip((False, True), plan.kinds(M, lay, c))
+    )
+    last = c == lay.pp * lay.v - 1
+    return blocks + (M.vocab + M.seq) * M.d * (c == 0) + (M.vocab + 2) * M.d * last
 
 
 def moe_rows(s, name):
@@ -628,6 +705,7 @@ ROWS = {
     "zb-h1": zero_bubble_rows,
     "ptdp": ptdp_rows,
     "zbv": zero_bubble_rows,
+    "dualpipev": zero_bubble_rows,
     "moe": moe_rows,
     "cp": cp_rows,
 }
@@ -635,7 +713,7 @@ FAMILIES = {
     "zero": ("zero", "hsdp"),
     "megatron": ("megatron",),
     "pipelines": ("gpipe", "1f1b", "ptdp"),
-    "zero bubble": ("zb-h1", "zbv"),
+    "zero bubble": ("zb-h1", "zbv", "dualpipev"),
     "moe": ("moe",),
     "context parallel": ("cp",),
 }
@@ -738,6 +816,13 @@ def zb_v_as_a_loop(mp):  # ZB-V's chunks placed as interleaving's, c % p
     mp.setattr(plan, "owner", lambda lay, c: c % lay.pp)
 
 
+def dualpipev_as_zb_v(mp):  # DualPipeV run in ZB-V's order (the same V, no F&B pairs)
+    real = plan.zero_bubble_ops
+    mp.setattr(
+        plan, "zero_bubble_ops", lambda p, m, r, s: real(p, m, r, "zb-v" if s == "dualpipev" else s)
+    )
+
+
 def ring_blocks_only(mp):  # the ring's backward as its forward: K/V blocks, no dK/dV accumulators
     real = plan.collectives
 
@@ -788,6 +873,11 @@ def shard_as(
 MUTANTS = {  # what plan.py forgets -> a launch whose figures must then disagree
     "ZB-H1 holds 1F1B's p - r": (zb_h1_as_1f1b, "zb-h1 p 4 m 8"),
     "ZB-V chunks in a loop": (zb_v_as_a_loop, "zbv p 3 m 6"),
+    "DualPipeV in ZB-V's order": (dualpipev_as_zb_v, "dualpipev p 4 m 8"),
+    "DualPipeV's bubble as ZB-V's": (
+        lambda mp: mp.setattr(plan, "bubble_slots", lambda lay: 0),
+        "dualpipev p 2 x dp 2 m 4",
+    ),
     "stage 3 forgets its gathered units": (drop_gathered, "zero stage 3, d 4, accum 2"),
     "sharded units without padding": (drop_padding, "zero stage 1, d 3"),
     "HSDP without its all-reduce across replicas": (drop_replicas, "hsdp 3 x 2 stage 1"),
@@ -921,6 +1011,22 @@ def paper_rows(with_search=True, table=False):
     ]:  # ZB's table at T_F = T_B = T_W
         lay = L(pp=8, m=32, schedule=sched, v=1 + (sched == "zb-v"))
         rows.append(("ZB bubble rate", f"{sched}, p 8, m 32", x, plan.bubble(lay)[1]))
+    # DeepSeek-V3 Table 2, DualPipeV (PP = 2p stages): bubble (PP/2-1)(F&B+B-3W) at T_F = T_B = T_W, F&B = 3,
+    # B = 2 (B and W) of a rank's 6m chunk ops; PP+1 chunk micro-batches alive on every rank
+    lay = L(pp=8, v=2, m=32, schedule="dualpipev")
+    rows.append(
+        (
+            "DeepSeek-V3 Table 2",
+            "DualPipeV bubble, p 8, m 32",
+            7 * 2 / (6 * 32),
+            plan.bubble(lay)[1],
+        )
+    )
+    alive = [max(map(sum, plan.alive_patterns(8, 2, 32, r, "dualpipev"))) for r in range(8)]
+    for what, x in (("fewest", min(alive)), ("most", max(alive))):
+        rows.append(
+            ("DeepSeek-V3 Table 2", f"DualPipeV p 8, m 32: alive, {what} over ranks", 17, x)
+        )
     M, B = plan.PRESETS["ptdp-1t"], 3072
     paper = (
         96
@@ -1026,11 +1132,12 @@ def test_one_enumeration_ranks_as_two_searches():
 
 def test_paper_rows():
     """ZeRO Fig. 1 (120, 31.4, 16.6, 1.9 GB); Korthikanti's six rows for a GPT-3 175B layer; PTD-P's bubble
-    (p-1)/(vm) and FLOPs 96Bslh^2(1 + s/6h + V/16lh); the ZB bubbles; PTD-P's 1T layout (t 8, p 64) in the
-    top five of --search on 384 nodes of 8 A100s at batch 3072 x 2048, and first with 2021's options."""
+    (p-1)/(vm) and FLOPs 96Bslh^2(1 + s/6h + V/16lh); the ZB bubbles; DeepSeek-V3's DualPipeV bubble and
+    activations (Table 2); PTD-P's 1T layout (t 8, p 64) in the top five of --search on 384 nodes of 8 A100s
+    at batch 3072 x 2048, and first with 2021's options."""
     rows, bad = paper_checks(table=True)
     TABLE.extend(("paper", f"{p}: {w}", theirs, ours) for p, w, theirs, ours in rows)
-    assert not bad and len(rows) == 19, bad
+    assert not bad and len(rows) == 22, bad
 
 
 def drop_optimizer_state(mp):
@@ -1060,6 +1167,7 @@ PAPER_MUTANTS = {
         "PTD-P (p-1)/(vm)",
     ),
     "FLOPs without attention": (drop_attention_flops, "PTD-P FLOPs"),
+    "DualPipeV in ZB-V's order": (dualpipev_as_zb_v, "DeepSeek-V3 Table 2"),
     "1F1B without warm-up, 1T search": (drop_warmup, "PTD-P Table 1"),
 }
 
@@ -1617,6 +1725,23 @@ def bad_values():
             ],
             ["--microbatches >= 2p-1 = 3"],
         ),
+        (
+            ["--pp", "2", "--dp", "4", "--schedule", "dualpipev", "--virtual-stages", "2"],
+            ["--schedule dualpipev needs --pp > 1 and --microbatches >= 2p = 4, got 1"],
+        ),
+        (
+            [
+                "--dp",
+                "8",
+                "--schedule",
+                "dualpipev",
+                "--virtual-stages",
+                "2",
+                "--microbatches",
+                "4",
+            ],
+            ["--schedule dualpipev needs --pp > 1"],
+        ),
         (["--stage", "4"], ["--stage must be 0, 1, 2 or 3"]),
         (["--replicate", "2"], ["--replicate 2 (HSDP) needs --stage 1, 2 or 3"]),
         (["--stage", "3", "--replicate", "3"], ["must divide dp x cp = 8"]),
@@ -1913,24 +2038,39 @@ def fp8_counted(tmp_path_factory):
         if x:
             M = plan.Model(layers=int(x[5]), d=int(x[4]), heads=2, vocab=32, seq=8)
             got[x[1], x[2], int(x[6]), "fp8_checks"] = int(x[3]), M
+        # the file's default width, 1 layer: no GEMM dimension a whole tile, W's rows uneven at world 3
+        x = re.search(
+            r"default width, (\S+), (FP8) gather at world (\d+): .* padded shards' all-gather (\d+) bytes",
+            line,
+        )
+        if x:
+            M = plan.Model(
+                layers=1, d=CommonArgs.d_model, heads=CommonArgs.n_heads, vocab=32, seq=16
+            )
+            got[x[1], x[2], int(x[3]), "fp8_checks, default width"] = int(x[4]), M
     return got
 
 
-def fp8_mismatches(got):
+def fp8_mismatches(got, with_step=True):
     """plan against fp8.py's counts: fp8.py shards only the blocks' GEMM weights (plan.gemm_units), gathered
     for forward and for backward: each == plan.weight_gather twice, forward's with the block scales
-    (per-tensor recipes send their one scale by a 4-byte all-reduce: none in the gather). And plan's own
-    ZeRO-3 step (collectives, the CLI's) changes by what fp8.py's does: FP8 less bf16, one model, world 2."""
+    (per-tensor recipes send their one scale by a 4-byte all-reduce: none in the gather), each weight's shard
+    padded to whole tiles (128 fine-grained, 16 per tensor). And plan's own ZeRO-3 step (collectives, the
+    CLI's) changes by what fp8.py's does: FP8 less bf16, one model, world 2 (unless with_step=False)."""
     bad = []
     for (recipe, how, world, _), (counted, M) in got.items():
         lay = plan.Layout(dp=world, zero=3, precision="fp8" if how == "FP8" else "bf16")
         # fp8.py's psi: its GEMM weights, in FP8 with --fp8-all-gather
-        g = sum(plan.gemm_units(M, lay, 0))
-        g8 = g * (how == "FP8")
+        shapes = [x for unit in plan.gemm_units(M, lay, 0) for x in unit]
+        g = sum(n * k for n, k in shapes)
+        tile = 128 if recipe == "fine-grained" else 16
         want = sum(
-            plan.weight_gather(g, g8, world, 2, s) for s in (recipe == "fine-grained", False)
+            plan.weight_gather(g, shapes * (how == "FP8"), world, 2, s, tile)
+            for s in (recipe == "fine-grained", False)
         )
         bad += [(recipe, how, world, counted, want)] * (counted != want)
+    if not with_step:
+        return bad
     (fp8, M), (bf16, _) = (got["fine-grained", how, 2, "fp8_checks"] for how in ("FP8", "bf16"))
     step = {
         p: sum(
@@ -1945,9 +2085,11 @@ def fp8_mismatches(got):
 
 def test_fp8_gather_bytes_equal_fp8s_counts(monkeypatch, tmp_path_factory):
     """--precision fp8's all-gather bytes == fp8.py's counted, byte for byte, at world 2 (bf16 and FP8
-    gathers of every recipe) and world 3 (FP8; and fp8.py's own --json), both with fine-grained block scales;
-    the ZeRO-3 step of the CLI changes by what fp8.py's counts change. Mutants caught: the block scales
-    forgotten, the FP8 weights at bf16's 2 bytes."""
+    gathers of every recipe) and world 3 (FP8; and fp8.py's own --json), both with fine-grained block scales,
+    and at the file's default width (d_model 64: no dimension a whole tile, W's rows uneven over 3 ranks; its
+    FP8 gathers at world 3, each recipe); the ZeRO-3 step of the CLI changes by what fp8.py's counts change.
+    Mutants caught: the block scales forgotten, the FP8 weights at bf16's 2 bytes, shards as if whole tiles
+    (the flat 1/d of the old formula: caught at the default width, each recipe)."""
     got = fp8_counted(tmp_path_factory)
     assert {(r, h, w) for r, h, w, _ in got} >= {
         ("fine-grained", "FP8", 2),
@@ -1966,11 +2108,20 @@ def test_fp8_gather_bytes_equal_fp8s_counts(monkeypatch, tmp_path_factory):
     )
     real = plan.weight_gather
     for mutant in (
-        lambda psi, g, d, p, scales=True: real(psi, g, d, p, False),  # scales forgotten
-        lambda psi, g, d, p, scales=True: real(psi, 0, d, p, scales),
-    ):  # 2 bytes an FP8 element
+        lambda psi, g, d, p, scales=True, tile=128: real(psi, g, d, p, False, tile),  # no scales
+        lambda psi, g, d, p, scales=True, tile=128: real(psi, [], d, p, scales, tile),  # 2 bytes
+    ):  # an FP8 element
         monkeypatch.setattr(plan, "weight_gather", mutant)
         assert fp8_mismatches(got)
+    monkeypatch.setattr(plan, "weight_gather", real)
+    # the padding: shards of whole tiles at the default width (FP8 at world 3), the shards as if whole
+    padded = {k: x for k, x in got.items() if k[3].endswith("default width")}
+    assert len(padded) == 3, got
+    flat = lambda psi, g, d, p, scales=True, tile=128: (  # noqa: E731
+        real(psi, [], d, 1, False) + 4 * sum(n * k for n, k in g) // (d * 128**2) * scales
+    )
+    monkeypatch.setattr(plan, "weight_gather", flat)
+    assert len(fp8_mismatches(padded, with_step=False)) == 3
     monkeypatch.setattr(plan, "weight_gather", real)
 
 
@@ -2419,6 +2570,31 @@ def test_search_costs_what_it_exposes(monkeypatch, capsys, source_once):
     T = plan.Model(6, 16, 2, 32, 8)
     cuts = {lay.split for lay in plan.layouts(T, plan.CLUSTERS["h100-80g"], 16) if lay.pp == 4}
     assert cuts == {(), (0, 1, 1, 1, 1, 1, 1, 0)}, cuts
+
+
+def test_one_nic_shared_by_the_axes_across_nodes():
+    """Llama 3 405B at 128K on 16,384 H100s, dp 16 cp 128 tp 8 sp ZeRO-3: the ring's K/V blocks (cp spans 16
+    nodes) and FSDP's traffic each hide behind the compute on their own, but they share each GPU's NIC, so
+    their sum on InfiniBand past the step's compute shows (with the data-parallel part). Closed form here
+    from the bytes plan hands, on the wire, at --inter-gbs; dropping the shared NIC leaves 0 exposed."""
+    M = plan.PRESETS["llama3-405b"]._replace(seq=131072)
+    C = plan.CLUSTERS["h100-80g"]._replace(nodes=2048)
+    lay = plan.Layout(dp=16, cp=128, tp=8, sp=True, zero=3, m=1)
+    got = plan.predict(M, C, lay, 128, 0.5802, dp_overlap="full")
+    # the data-parallel part as plan groups it: the dp axis and every once-a-step reduction (here the TP
+    # group's replicated gradients, 3e-5 s on NVLink)
+    bw = {"nvlink": C.intra_gbs * 1e9, "ib": C.inter_gbs * 1e9}
+    wire = {
+        a: sum(
+            plan.on_the_wire(k, *x) / bw[plan.link(C, lay, k.split("/")[1])]
+            for k, x in got["comm"].items()
+            if f"/{a}/" in k or a == "dp" and k.endswith("/step")
+        )
+        for a in ("cp", "dp")
+    }
+    assert max(wire.values()) < got["compute_s"] < sum(wire.values()), (wire, got["compute_s"])
+    assert math.isclose(got["dp_s"], sum(wire.values()) - got["compute_s"], rel_tol=1e-9)
+    assert got["exposed"]["dp"][1] == got["dp_s"] and got["exposed"]["cp"][1] == 0
 
 
 def test_search_tries_every_v():
