@@ -270,9 +270,8 @@ def join_round(store, k, me, expected, window_s, timeout_s, min_size=1):
                 f"of them, and {min_size})"
             )
         time.sleep(0.001)
-    if slot > int(store.get(f"q{k}/size")):  # it checked in after the close
-        return None
-    return members_of(store, k)
+    # None: it checked in after the close
+    return None if slot > int(store.get(f"q{k}/size")) else members_of(store, k)
 
 
 def rank_in(members, me):
@@ -466,7 +465,7 @@ class Replica:
             opt.state[p] = dict(
                 step=torch.tensor(0.0), exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p)
             )
-        self.tensors = self.params + [
+        self.tensors = [p.detach() for p in self.params] + [
             opt.state[p][key] for key in ("exp_avg", "exp_avg_sq", "step") for p in self.params
         ]  # everything that a step changes in place
         self.version = 0
@@ -482,14 +481,14 @@ class Replica:
         exactly)."""
         meta = [self.version, self.step, self.batch, self.skips, len(self.losses)]
         meta += self.losses + [math.nan] * (self.steps - len(self.losses))
-        return [t.detach() for t in self.tensors] + [torch.tensor(meta, dtype=torch.float64)]
+        return self.tensors + [torch.tensor(meta, dtype=torch.float64)]
 
     def on_host(self):
         return [t.to("cpu", copy=True) for t in self.core()]
 
     def load_core(self, core):
         for t, v in zip(self.tensors, core):
-            t.detach().copy_(v)
+            t.copy_(v)
         meta = core[-1].tolist()
         self.version, self.step, self.batch, self.skips, n_losses = map(int, meta[:5])
         self.losses = meta[5 : 5 + n_losses]
@@ -535,7 +534,7 @@ def recover(pg, members, me, rep, bad=()):
         pg.broadcast(buf, src).wait()
         if me.rid in receivers:
             t.copy_(buf)
-        nbytes += buf.numel() * buf.element_size()
+        nbytes += buf.nbytes
         del buf  # (before the next is allocated)
     if me.rid in receivers:
         rep.load_full(state)
@@ -563,7 +562,7 @@ def local_grads(model, x, y, members, me, replicas, loss_fn, count):
     who took part."""
     n_tok = sum(count(shard(x, y, m.rid, replicas)[1]) for m in members)
     xs, ys = shard(x, y, me.rid, replicas)
-    model.zero_grad(set_to_none=True)
+    model.zero_grad()  # (grads set to None)
     loss = loss_fn(model(xs), ys, n_tok)
     loss.backward()
     return loss.detach()
@@ -650,7 +649,7 @@ def apply_update(rep, loss, spike, norm, clip, max_skips, snapshot_every):
 def checksum(params):
     """An exact fingerprint of the weights' bytes (a position-weighted byte sum: any changed byte
     shows), 1 MiB at a time (an int64 per byte of the whole model at once would be 8x its size)."""
-    total, at = torch.zeros((), dtype=torch.long, device=params[0].device), 0
+    total, at = 0, 0  # (total: an int64 tensor on the weights' device from the first chunk on)
     for p in params:
         for b in p.detach().reshape(-1).view(torch.uint8).split(1 << 20):  # (<= 1 MiB,) bytes
             total += (
@@ -686,7 +685,7 @@ def check_args(args):
         check_round(0, args.join_ms / 1e3, args.timeout)
         check_update(args.max_skips, args.snapshot_every)
     except ValueError as e:
-        fail(str(e))
+        fail(e)
     # below the fence: how it is started (the launcher), the faults the tests inject, the recipe
     # measured beside
     check_outside(args)
@@ -730,9 +729,11 @@ def train_replica(args, connect):
         log.on("before")
         me.version, me.step = rep.version, rep.step
         me.gid = group.gid if group else -1
-        ending = store.check(["ending"])  # (set by the members that committed the last update)
-        # a start waits for everyone; so does the end (every live replica ends with the final state)
-        window = args.join_ms / 1e3 if started and not ending else max(60, args.timeout)
+        # a start waits for everyone; so does the end (every live replica ends with the final state;
+        # "ending": set by the members that committed the last update)
+        window = (
+            args.join_ms / 1e3 if started and not store.check(["ending"]) else max(60, args.timeout)
+        )
         members = join_round(store, k, me, expected, window, args.timeout, args.min_replicas)
         if members is None:  # closed before this check-in: try the next round
             continue
@@ -766,7 +767,7 @@ def train_replica(args, connect):
                 )
                 log.on("after")
             ok = True
-        except (RuntimeError, TimeoutError, dist.DistError) as e:
+        except (RuntimeError, TimeoutError) as e:  # (torch.distributed's errors are RuntimeErrors)
             log.failed(k, e)
         if not vote(store, k, members, me, ok, args.timeout, lease.live):
             if group:  # it may hold a lost member: its pending work ends, never waited for
@@ -791,9 +792,8 @@ def main():
         sys.exit(importlib.import_module("ft_launcher").launch(args))
     try:
         host, port = args.coordinator.rsplit(":", 1)
-        connect = lambda: dist.TCPStore(
-            host, int(port), is_master=False, timeout=timedelta(seconds=args.timeout)
-        )
+        # (a client: the launcher holds the store)
+        connect = lambda: dist.TCPStore(host, int(port), timeout=timedelta(seconds=args.timeout))
         code = train_replica(args, connect)
     except (TimeoutError, dist.DistStoreError, dist.DistNetworkError, ConnectionError) as e:
         code = ended_by(args, e)  # (its one line, below the fence)
