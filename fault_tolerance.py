@@ -270,9 +270,8 @@ def join_round(store, k, me, expected, window_s, timeout_s, min_size=1):
                 f"of them, and {min_size})"
             )
         time.sleep(0.001)
-    if slot > int(store.get(f"q{k}/size")):  # it checked in after the close
-        return None
-    return members_of(store, k)
+    # None: it checked in after the close
+    return None if slot > int(store.get(f"q{k}/size")) else members_of(store, k)
 
 
 def rank_in(members, me):
@@ -347,6 +346,7 @@ def wait_for(done, lost, timeout_s, what):
         time.sleep(0.001)
 
 
+@dataclass
 class Bounded:
     """The quorum's group, every collective of it waited for on the host (torchft's
     _WorkCUDATimeout): by polling is_completed(), which never blocks, on NCCL either. On NCCL a dead
@@ -355,12 +355,13 @@ class Bounded:
     itself (pg.abort(): ends its pending kernels; never shutdown() or destroy_process_group(), which
     wait for them) and raises: it votes no."""
 
-    def __init__(self, pg, gid, timeout_s, lost):
-        self.pg = pg
-        self.gid = gid  # the round that made it
-        self.n = pg.size()
-        self.timeout_s = timeout_s
-        self.lost = lost
+    pg: object
+    gid: int  # the round that made it
+    timeout_s: float
+    lost: object
+
+    def __post_init__(self):
+        self.n = self.pg.size()
 
     def size(self):
         return self.n
@@ -464,7 +465,7 @@ class Replica:
             opt.state[p] = dict(
                 step=torch.tensor(0.0), exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p)
             )
-        self.tensors = self.params + [
+        self.tensors = [p.detach() for p in self.params] + [
             opt.state[p][key] for key in ("exp_avg", "exp_avg_sq", "step") for p in self.params
         ]  # everything that a step changes in place
         self.version = 0
@@ -480,14 +481,14 @@ class Replica:
         exactly)."""
         meta = [self.version, self.step, self.batch, self.skips, len(self.losses)]
         meta += self.losses + [math.nan] * (self.steps - len(self.losses))
-        return [t.detach() for t in self.tensors] + [torch.tensor(meta, dtype=torch.float64)]
+        return self.tensors + [torch.tensor(meta, dtype=torch.float64)]
 
     def on_host(self):
         return [t.to("cpu", copy=True) for t in self.core()]
 
     def load_core(self, core):
         for t, v in zip(self.tensors, core):
-            t.detach().copy_(v)
+            t.copy_(v)
         meta = core[-1].tolist()
         self.version, self.step, self.batch, self.skips, n_losses = map(int, meta[:5])
         self.losses = meta[5 : 5 + n_losses]
@@ -497,24 +498,24 @@ class Replica:
 
     def load_full(self, tensors):
         self.load_core(tensors[: len(tensors) // 2])
-        self.snapshot = [t.cpu() for t in tensors[len(tensors) // 2 :]]  # (on the host already)
+        self.snapshot = tensors[len(tensors) // 2 :]  # (on the host)
 
 
 def check_group(pg, members, me):
-    """me's rank in the quorum's group, which must have one rank per member."""
+    """me's rank in the quorum's group, which must have one rank per member, and the members'
+    newest version."""
     if pg.size() != len(members):
         raise ValueError(
             f"pg must be the quorum's group, of {len(members)} members: got {pg.size()}"
         )
-    return rank_in(members, me)
+    return rank_in(members, me), max(m.version for m in members)
 
 
 def recover(pg, members, me, rep, bad=()):
     """Before the step every member holds the same state: the lowest member with the newest version
     (and not in `bad`, section 6) broadcasts its whole state to the members behind (a restarted
     replica recovers live) and to `bad` (repaired). Returns (receiving ids, bytes broadcast)."""
-    i_me = check_group(pg, members, me)
-    newest = max(m.version for m in members)
+    i_me, newest = check_group(pg, members, me)
     if newest < 0:  # (a later quorum may have one)
         raise RuntimeError("no member of the quorum holds a state to recover from")
     src = min(i for i, m in enumerate(members) if m.version == newest and m.rid not in bad)
@@ -533,7 +534,7 @@ def recover(pg, members, me, rep, bad=()):
         pg.broadcast(buf, src).wait()
         if me.rid in receivers:
             t.copy_(buf)
-        nbytes += buf.numel() * buf.element_size()
+        nbytes += buf.nbytes
         del buf  # (before the next is allocated)
     if me.rid in receivers:
         rep.load_full(state)
@@ -561,7 +562,7 @@ def local_grads(model, x, y, members, me, replicas, loss_fn, count):
     who took part."""
     n_tok = sum(count(shard(x, y, m.rid, replicas)[1]) for m in members)
     xs, ys = shard(x, y, me.rid, replicas)
-    model.zero_grad(set_to_none=True)
+    model.zero_grad()  # (grads set to None)
     loss = loss_fn(model(xs), ys, n_tok)
     loss.backward()
     return loss.detach()
@@ -585,13 +586,12 @@ def allreduce_grads(pg, params, loss):
 
 def update(rep, norm, clip):
     """The committed step (after the vote, section 1): clip by the whole gradient's `norm`, the
-    optimizer step; the state is one version, one step and one batch further."""
+    optimizer step; the state is one step further (apply_update, below, counts the round's version
+    and batch: every decided round has them, whether it updates or not)."""
     if clip > 0:
         torch.nn.utils.clip_grads_with_norm_(rep.params, clip, norm)
     rep.opt.step()
-    rep.version += 1
     rep.step += 1
-    rep.batch += 1
 
 
 # --------------------------------------------------------------------------- 5. loss spikes (added)
@@ -623,6 +623,8 @@ def apply_update(rep, loss, spike, norm, clip, max_skips, snapshot_every):
     stay), or after `max_skips` skips in a row a rollback to the snapshot, going on from the next
     batch. Returns which."""
     check_update(max_skips, snapshot_every)
+    rep.version += 1  # an update, a skip or a rollback: one version further, its batch consumed
+    rep.batch += 1
     if not spike:
         update(rep, norm, clip)
         rep.skips = 0
@@ -630,17 +632,16 @@ def apply_update(rep, loss, spike, norm, clip, max_skips, snapshot_every):
         if rep.step % snapshot_every == 0:
             rep.snapshot = rep.on_host()
         return "update"
-    rep.version += 1
-    rep.batch += 1
     rep.skips += 1
     if rep.skips < max_skips:
         return "skip"
     version, batch = rep.version, rep.batch
-    rep.load_core(rep.snapshot)  # weights, AdamW, step and loss history of the snapshot's step
+    # weights, AdamW, step, loss history and skips (0: a snapshot follows an update) of the
+    # snapshot's step
+    rep.load_core(rep.snapshot)
     # but the data goes on: the bad batches are skipped
     rep.version = version
     rep.batch = batch
-    rep.skips = 0
     return "rollback"
 
 
@@ -648,7 +649,7 @@ def apply_update(rep, loss, spike, norm, clip, max_skips, snapshot_every):
 def checksum(params):
     """An exact fingerprint of the weights' bytes (a position-weighted byte sum: any changed byte
     shows), 1 MiB at a time (an int64 per byte of the whole model at once would be 8x its size)."""
-    total, at = torch.zeros((), dtype=torch.long, device=params[0].device), 0
+    total, at = 0, 0  # (total: an int64 tensor on the weights' device from the first chunk on)
     for p in params:
         for b in p.detach().reshape(-1).view(torch.uint8).split(1 << 20):  # (<= 1 MiB,) bytes
             total += (
@@ -663,11 +664,10 @@ def sync_state(pg, members, me, rep, verify):
     slot each) first, and a member of the newest version whose checksum differs from the majority of
     that version's is corrupt: it is repaired by the same broadcast, from the lowest member of the
     majority. Returns (corrupt ids, receiving ids, bytes)."""
-    i_me = check_group(pg, members, me)
-    newest = max(m.version for m in members)
+    i_me, newest = check_group(pg, members, me)
     up = [i for i, m in enumerate(members) if m.version == newest]
     sums = torch.zeros(len(members), dtype=torch.long, device=rep.params[0].device)
-    if verify and newest >= 0:
+    if verify:  # (newest < 0: recover refuses, after)
         sums[i_me] = checksum(rep.params)
         pg.allreduce([sums]).wait()  # (members,) every member's checksum, everywhere
     seen = sums[up].tolist()  # the newest members' checksums, lowest member first
@@ -685,15 +685,10 @@ def check_args(args):
         check_round(0, args.join_ms / 1e3, args.timeout)
         check_update(args.max_skips, args.snapshot_every)
     except ValueError as e:
-        fail(str(e))
+        fail(e)
     # below the fence: how it is started (the launcher), the faults the tests inject, the recipe
     # measured beside
     check_outside(args)
-    if torch.cuda.is_available() and R > torch.cuda.device_count():
-        fail(
-            f"--replicas {R} needs a GPU each ({torch.cuda.device_count()} here): NCCL refuses two "
-            "ranks of one group on one GPU"
-        )
     if args.lease_ms <= 0:
         fail(f"--lease-ms must be > 0, got {args.lease_ms}")
     if args.spike_sigma <= 0:
@@ -727,16 +722,18 @@ def train_replica(args, connect):
     # heartbeats).
     expected = lambda: lease.count(R) if started else R
     group = None
-    # a new replica begins to look at the newest round closed
-    for k in itertools.count(int(store.get("round")) if store.check(["round"]) else 0):
+    # a new replica begins to look at the newest round closed (the coordinator starts at 0)
+    for k in itertools.count(int(store.get("round"))):
         if store.check(["finished"]):  # the run ended without it
             return log.left_out()
         log.on("before")
         me.version, me.step = rep.version, rep.step
         me.gid = group.gid if group else -1
-        ending = store.check(["ending"])  # (set by the members that committed the last update)
-        # a start waits for everyone; so does the end (every live replica ends with the final state)
-        window = args.join_ms / 1e3 if started and not ending else max(60, args.timeout)
+        # a start waits for everyone; so does the end (every live replica ends with the final state;
+        # "ending": set by the members that committed the last update)
+        window = (
+            args.join_ms / 1e3 if started and not store.check(["ending"]) else max(60, args.timeout)
+        )
         members = join_round(store, k, me, expected, window, args.timeout, args.min_replicas)
         if members is None:  # closed before this check-in: try the next round
             continue
@@ -752,11 +749,9 @@ def train_replica(args, connect):
         try:
             log.on("group")
             group = quorum_group(store, k, members, me, group, args.timeout, lease.live, device)
-            newest = max(members, key=lambda m: m.version)
+            newest = max(members, key=lambda m: m.version).step
             # compare weights when due, and whenever the membership changed (a fork shows there)
-            verify = (
-                group.gid == k or args.verify_every > 0 and newest.step % args.verify_every == 0
-            )
+            verify = group.gid == k or args.verify_every > 0 and newest % args.verify_every == 0
             log.synced(k, members, *sync_state(group, members, me, rep, verify))
             last = rep.step >= args.steps
             if not last:  # (the last round: every member now holds the final state)
@@ -772,7 +767,7 @@ def train_replica(args, connect):
                 )
                 log.on("after")
             ok = True
-        except (RuntimeError, TimeoutError, dist.DistError) as e:
+        except (RuntimeError, TimeoutError) as e:  # (torch.distributed's errors are RuntimeErrors)
             log.failed(k, e)
         if not vote(store, k, members, me, ok, args.timeout, lease.live):
             if group:  # it may hold a lost member: its pending work ends, never waited for
@@ -797,9 +792,8 @@ def main():
         sys.exit(importlib.import_module("ft_launcher").launch(args))
     try:
         host, port = args.coordinator.rsplit(":", 1)
-        timeout = timedelta(seconds=args.timeout)
-
-        connect = lambda: dist.TCPStore(host, int(port), is_master=False, timeout=timeout)
+        # (a client: the launcher holds the store)
+        connect = lambda: dist.TCPStore(host, int(port), timeout=timedelta(seconds=args.timeout))
         code = train_replica(args, connect)
     except (TimeoutError, dist.DistStoreError, dist.DistNetworkError, ConnectionError) as e:
         code = ended_by(args, e)  # (its one line, below the fence)
@@ -836,6 +830,11 @@ def check_outside(args):
             "start it with python fault_tolerance.py --replicas R, not torchrun: it starts its own "
             "replicas"
         )
+    if torch.cuda.is_available() and R > torch.cuda.device_count():
+        fail(
+            f"--replicas {R} needs a GPU each ({torch.cuda.device_count()} here): NCCL refuses two "
+            "ranks of one group on one GPU"
+        )
     if args.replica >= R or (args.replica >= 0 and ":" not in args.coordinator):
         fail(
             "--replica and --coordinator are the launcher's: run python fault_tolerance.py "
@@ -870,7 +869,7 @@ def load_checkpoint(args, rep, store, live):
     none). The whole job restarted from it: it is the current state, whatever was committed
     since."""
     if args.recipe == "restart" and args.life > 0 and os.path.exists(ckpt_path(args)):
-        rep.load_full(torch.load(ckpt_path(args), map_location=rep.params[0].device))
+        rep.load_full(torch.load(ckpt_path(args), map_location="cpu"))
         rep.version = decided_before(store, int(store.get("round")) + 1, args.timeout, live)
 
 

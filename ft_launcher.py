@@ -71,6 +71,7 @@ def launch(args, script=None):
         wait_for_workers=False,
         timeout=timedelta(seconds=args.timeout),
     )
+    store.set("round", "0")  # the newest round closed: where a replica begins to look
     cmd = [sys.executable, script or sys.argv[0], *sys.argv[1:]]
     cmd += ["--coordinator", f"{args.host}:{store.port}"]
     env = dict(os.environ, **environment(args.timeout))
