@@ -86,9 +86,6 @@ READ_PATH = {name: line_counts.BUDGET.get(name, line_counts.DEFAULT_BUDGET) for 
 # a budget, no refusal cut, no golfing), each with its reason; the weight is a ceiling, to come down.
 READ_PATH.update(
     {
-        # the protocol base-first (leases, quorum, vote, group, recovery, commit) plus the loss-spike guard
-        # and corruption repair the file's table names; the launcher left for ft_launcher.py
-        "fault_tolerance.py": 4331,
         # stages 0-3, prefetch, ordered asynchronous reductions, HSDP, mixed precision and offload on one
         # core: a second file could not import Zero and would copy its ~3,000 tokens
         "zero.py": 4109,
