@@ -145,7 +145,7 @@ NO_FP8 = (
     "--precision fp8 needs FP8 tensor cores (H100 and later); this cluster's GPUs have none: "
     "use bf16"
 )
-EFFICIENCY = 0.7333  # the GEMMs' ceiling, fitted on seven rows of PTD-P's Table 1 (STACKS below)
+EFFICIENCY = 0.7346  # the GEMMs' ceiling, fitted on seven rows of PTD-P's Table 1 (STACKS below)
 
 
 # The software stack of published runs, as flags: attention, dropout, the TP and DP overlaps
@@ -171,7 +171,7 @@ STACKS = {
         "none",
         "full",
         {  # TP overlap opt-in in Megatron-LM and torchtitan; FSDP's and DDP's reduction overlapped
-            "h100-80g": (0.5802, 1.2, "Llama 3 Table 4: 2 rows fitted (8K), 1 held out (128K)"),
+            "h100-80g": (0.5814, 1.3, "Llama 3 Table 4: 2 rows fitted (8K), 1 held out (128K)"),
             "a100-80g": (0.6853, 6.1, "torchtitan's A100 table: 2 rows fitted, 1 held out"),
         },
     ),
@@ -853,32 +853,77 @@ def on_the_wire(key, calls, handed, n):
     return handed * WIRE[key.split("/")[0]](n)
 
 
-def link(C, lay, axis):
-    """'nvlink' when every group of this axis sits inside one node of the grid
-    arange(world).view(pp, dp, cp, tp), else 'ib'."""
+def span(lay, axis):
+    """GPUs from the first rank of one group of this axis to its last, in the grid
+    arange(world).view(pp, dp, cp, tp)."""
     tc = lay.tp * lay.cp
     dp = tc * lay.dp
-    span = dict(
+    return dict(
         tp=lay.tp, cp=tc, ep=tc * lay.ep, dp=dp // lay.replicate, replicate=dp, pp=lay.gpus
     )[axis]
-    return "nvlink" if span <= C.gpus_per_node else "ib"
+
+
+def link(C, lay, axis):
+    """'nvlink' when every group of this axis sits inside one node, else 'ib'."""
+    return "nvlink" if span(lay, axis) <= C.gpus_per_node else "ib"
+
+
+# s each step of a ring across nodes waits: NCCL's latency model, Ring / Simple on the network
+# (src/graph/tuning.cc, hwLat)
+ALPHA = 14e-6
+
+
+def latency_s(C, lay, key, calls, units):
+    """What NCCL's ring waits past the bytes: ALPHA at each step that crosses nodes, one a send,
+    nodes - 1 a gather or scatter, twice that an all-reduce; ZeRO and DDP run theirs once a unit."""
+    op, axis = key.split("/")[:2]
+    nodes = span(lay, axis) // C.gpus_per_node
+    steps = 1 if op == "send" else (nodes - 1) * (1 + (op == "all_reduce"))
+    return calls * (units if axis in ("dp", "replicate") else 1) * steps * ALPHA * (nodes > 1)
 
 
 # ----------------------------------------------------------------------------- bubble, FLOPs, time
-def bubble_slots(lay):
-    """Idle micro-batch times per step: GPipe, 1F1B p-1; interleaved (p-1)/v; ZB-H1 (p-1)/3; ZB-V
-    0; DualPipeV (p-1)/3, ZB-H1's (DeepSeek-V3 Table 2: (PP/2-1)(F&B+B-3W), 2(p-1) of a rank's 6m
-    chunk ops at T_F = T_B = T_W, its F&B pair unoverlapped as this repo runs it)."""
+def bubble_slots(lay, F=1.0, B=1.0, W=1.0):
+    """Idle micro-batch times per step: GPipe, 1F1B p-1; interleaved (p-1)/v; ZB-H1 and ZB-V their
+    orders walked at a chunk's F, B, W times; DualPipeV (p-1)/3, ZB-H1's (DeepSeek-V3 Table 2:
+    (PP/2-1)(F&B+B-3W), 2(p-1) of a rank's 6m chunk ops at T_F = T_B = T_W, its F&B pair
+    unoverlapped as this repo runs it)."""
     p = lay.pp
+    if lay.schedule in ("zb-h1", "zb-v") and p > 1:
+        return walked(p, lay.m, lay.schedule, F, B, W) / (lay.v * (F + B + W))
     slots = {
         "gpipe": p - 1,
         "1f1b": p - 1,
         "interleaved": (p - 1) / lay.v,
-        "zb-h1": (p - 1) / 3,
-        "zb-v": 0,
         "dualpipev": (p - 1) / 3,
     }
     return slots[lay.schedule] if p > 1 else 0
+
+
+@lru_cache(maxsize=None)
+def walked(p, m, schedule, F, B, W):
+    """Idle time per step of ZB-H1's or ZB-V's order (zero_bubble_ops) walked, messages free: an op
+    starts when its rank is free and its input ready (F after F on the chunk before, B after B on
+    the chunk after). ZB-V at T_F = T_B = T_W idles p-1 F's (the last rank's first F waits for
+    them), not the paper's 0; where W is short (long sequences: attention's backward is all B)
+    neither fills its gaps."""
+    n = p * (1 + (schedule == "zb-v"))
+    ops = [zero_bubble_ops(p, m, r, schedule) for r in range(p)]
+    done, at, free, seen = {}, [0] * p, [0.0] * p, [{} for _ in range(p)]
+    took, moved = dict(F=F, B=B, W=W), True
+    while moved:
+        moved = False
+        for r in range(p):
+            while at[r] < len(ops[r]):
+                kind, c = ops[r][at[r]]
+                g = r if c == 0 else n - 1 - r  # down the V, then back up
+                i = seen[r].get((kind, c), 0)  # the micro-batch
+                need = {"F": ("F", g - 1, i), "B": ("B", g + 1, i)}.get(kind)
+                if need and 0 <= need[1] < n and need not in done:
+                    break
+                free[r] = done[kind, g, i] = max(free[r], done.get(need, 0)) + took[kind]
+                seen[r][kind, c], at[r], moved = i + 1, at[r] + 1, True
+    return max(free) - m * (n // p) * (F + B + W)
 
 
 def bubble(lay):
@@ -1043,7 +1088,11 @@ def predict(
     worst = max(ranks, key=lambda r: sum(mem[r].values()))
     bw = {"nvlink": C.intra_gbs * GB, "ib": C.inter_gbs * GB}
     secs = {
-        r: {k: on_the_wire(k, *x) / bw[link(C, lay, k.split("/")[1])] for k, x in comm[r].items()}
+        r: {
+            k: on_the_wire(k, *x) / bw[link(C, lay, k.split("/")[1])]
+            + latency_s(C, lay, k, x[0], len(rank_units(M, lay, r)))
+            for k, x in comm[r].items()
+        }
         for r in ranks
     }
     work = {
@@ -1090,6 +1139,9 @@ def predict(
     # after
     else:
         exposed = exposed_s(reduce, behind, dp_overlap) + gathers
+    # a chunk's F, B (input gradients: all of attention's backward) and W (the GEMMs' weights)
+    k, (total, cores) = 3 + (lay.recompute == "full"), work[slow]
+    fbw = total / k, total - total / k - (total - cores) / k, (total - cores) / k
     # one message's time: each TP rank sends 1/t of it across (Megatron's scatter/gather, SP's
     # shard)
     one = secs[0]["send/pp/fwd"] / comm[0]["send/pp/fwd"][0] / lay.tp if lay.pp > 1 else 0.0
@@ -1097,7 +1149,7 @@ def predict(
         compute_s=compute * lay.m,
         tp_ep_s=comm_mb * lay.m,
         dp_s=exposed,
-        bubble_s=per_mb * bubble_slots(lay),
+        bubble_s=per_mb * bubble_slots(lay, *fbw),
         pp_s=2 * (n - 1) * one,
     )
     model = chunk_flops(M, Layout(), B, 0, "none")

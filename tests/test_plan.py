@@ -7,8 +7,7 @@
    bubble, which load moves, reported beside it). Where a file counts something plan.py leaves out
    (its bookkeeping all-reduces of the loss and the clipping norm, pipedream's message tags, the storage of a
    whole batch behind micro-batch views, zero_bubble's received inputs kept to W, ZB-V's turn held once, the
-   idle of torch's V order, the V's gradients not yet made at its peak), the test adds it, named, as that
-   file does it.
+   V's gradients not yet made at its peak), the test adds it, named, as that file does it.
 2. Papers: ZeRO Fig. 1, Korthikanti et al. Table 2, the PTD-P bubble and FLOPs, the ZB bubbles, DeepSeek-V3's
    DualPipeV bubble and activations (Table 2), PTD-P's 1T layout in the top five of --search.
 3. The README's worked examples, against closed forms written here.
@@ -484,8 +483,6 @@ def zero_bubble_rows(s, name):
       turn   ZB-V on rank p-1: chunk p's input is chunk p-1's output, one storage, which plan counts twice
              (chunk p-1's output to its B, chunk p's input to its B and to its W): once per micro-batch alive
              on both
-      idle   ZB-V: torch's V order at T_F = T_B = T_W idles p-1 chunk slots of its 6m, (p-1)/(6m) (zero
-             bubble's ideal timeline, its printed theory), where plan.py keeps the paper's 0
       grads  the V's walk: the files set gradients to None after each step and count the state as it stands,
              so until a chunk's first B its gradients do not exist yet (plan counts them allocated, as DDP's and
              Megatron's buffers are): DualPipeV's rank 0 peaks with every micro-batch of chunk 0 forward and
@@ -587,7 +584,6 @@ def zero_bubble_rows(s, name):
     # under a load of 7 on 2 cores ZB-H1 measured 0.22-0.23 at --stage-ms 50, 0.170-0.178 at 100 (theory
     # 0.125); ZB-V 0.120 at 50, 0.107 at 100, 0.071 at 200 (theory 0.056): reported; the recorded order,
     # replayed, is asserted
-    idle = (p - 1) / (6 * m) if sched == "zb-v" else 0
     last = [
         dict(e, rank=e["pp"])
         for e in f["events"]
@@ -604,15 +600,15 @@ def zero_bubble_rows(s, name):
         rows
         + [
             (
-                "bubble, idle / busy (+ idle) (measured: reported)",
+                "bubble, idle / busy (measured: reported)",
                 f["bubble_mean"],
-                plan.bubble(lay)[1] + idle,
+                plan.bubble(lay)[1],
             ),
             (
-                "bubble of the recorded order, replayed at F = B = W (+ idle)"
+                "bubble of the recorded order, replayed at F = B = W"
                 + " (reported: per op)" * (sched == "dualpipev"),
                 order,
-                plan.bubble(lay)[1] + idle,
+                plan.bubble(lay)[1],
             ),
         ]
         + [("bubble, the file's theory", f.get("bubble_theory"), plan.bubble(lay)[1])]
