@@ -29,6 +29,7 @@ import json
 import math
 import re
 import sys
+from collections import Counter
 from dataclasses import replace
 from pathlib import Path
 
@@ -871,7 +872,7 @@ MUTANTS = {  # what plan.py forgets -> a launch whose figures must then disagree
     "ZB-V chunks in a loop": (zb_v_as_a_loop, "zbv p 3 m 6"),
     "DualPipeV in ZB-V's order": (dualpipev_as_zb_v, "dualpipev p 4 m 8"),
     "DualPipeV's bubble as ZB-V's": (
-        lambda mp: mp.setattr(plan, "bubble_slots", lambda lay: 0),
+        lambda mp: mp.setattr(plan, "bubble_slots", lambda lay, *fbw: 0),
         "dualpipev p 2 x dp 2 m 4",
     ),
     "stage 3 forgets its gathered units": (drop_gathered, "zero stage 3, d 4, accum 2"),
@@ -888,9 +889,16 @@ MUTANTS = {  # what plan.py forgets -> a launch whose figures must then disagree
         lambda mp: mp.setattr(plan, "capacity", lambda M, n: math.ceil(M.top_k * n / M.experts)),
         "moe ep 2",
     ),
-    "no bubble": (lambda mp: mp.setattr(plan, "bubble_slots", lambda lay: 0), "gpipe p 4 m 8"),
+    "no bubble": (
+        lambda mp: mp.setattr(plan, "bubble_slots", lambda lay, *fbw: 0),
+        "gpipe p 4 m 8",
+    ),
+    "ZB-V's bubble the paper's 0": (
+        lambda mp: mp.setattr(plan, "walked", lambda *a: 0),
+        "zbv p 3 m 6",
+    ),
     "ZB-H1's bubble as 1F1B's": (
-        lambda mp: mp.setattr(plan, "bubble_slots", lambda lay: lay.pp - 1),
+        lambda mp: mp.setattr(plan, "bubble_slots", lambda lay, *fbw: lay.pp - 1),
         "zb-h1 p 4 m 8",
     ),
     "all-gather CP keeps only its own K, V": (
@@ -1000,11 +1008,10 @@ def paper_rows(with_search=True, table=False):
         rows.append(
             ("PTD-P (p-1)/(vm)", f"p {p} v {v} m {m}", (p - 1) / (v * m), plan.bubble(lay)[1])
         )
-    for sched, x in [
-        ("1f1b", 7 / 32),
-        ("zb-h1", 7 / 96),
-        ("zb-v", 0.0),
-    ]:  # ZB's table at T_F = T_B = T_W
+    # ZB's table at T_F = T_B = T_W. Its ZB-V 0 bypasses the optimizer's synchronisation (Qi et al. Sec. 4:
+    # the next step's F's fill the V's ramp); torch's ScheduleZBVZeroBubble and zero_bubble.py step after
+    # the flush, so the last rank's first F waits for p - 1 chunk F's: (p-1) / (6m) of a rank's 6m chunk ops
+    for sched, x in [("1f1b", 7 / 32), ("zb-h1", 7 / 96), ("zb-v", 7 / 192)]:
         lay = L(pp=8, m=32, schedule=sched, v=1 + (sched == "zb-v"))
         rows.append(("ZB bubble rate", f"{sched}, p 8, m 32", x, plan.bubble(lay)[1]))
     # DeepSeek-V3 Table 2, DualPipeV (PP = 2p stages): bubble (PP/2-1)(F&B+B-3W) at T_F = T_B = T_W, F&B = 3,
@@ -1159,7 +1166,7 @@ PAPER_MUTANTS = {
     "ZeRO without K": (drop_optimizer_state, "ZeRO Fig. 1"),
     "Korthikanti without masks": (drop_dropout_masks, "Korthikanti Table 2"),
     "PTD-P bubble without v": (
-        lambda mp: mp.setattr(plan, "bubble_slots", lambda lay: lay.pp - 1),
+        lambda mp: mp.setattr(plan, "bubble_slots", lambda lay, *fbw: lay.pp - 1),
         "PTD-P (p-1)/(vm)",
     ),
     "FLOPs without attention": (drop_attention_flops, "PTD-P FLOPs"),
@@ -2568,7 +2575,7 @@ def test_search_costs_what_it_exposes(monkeypatch, capsys, source_once):
     assert cuts == {(), (0, 1, 1, 1, 1, 1, 1, 0)}, cuts
 
 
-def test_one_nic_shared_by_the_axes_across_nodes():
+def test_one_nic_shared_by_the_axes_across_nodes(monkeypatch):
     """Llama 3 405B at 128K on 16,384 H100s, dp 16 cp 128 tp 8 sp ZeRO-3: the ring's K/V blocks (cp spans 16
     nodes) and FSDP's traffic each hide behind the compute on their own, but they share each GPU's NIC, so
     their sum on InfiniBand past the step's compute shows (with the data-parallel part). Closed form here
@@ -2576,6 +2583,8 @@ def test_one_nic_shared_by_the_axes_across_nodes():
     M = plan.PRESETS["llama3-405b"]._replace(seq=131072)
     C = plan.CLUSTERS["h100-80g"]._replace(nodes=2048)
     lay = plan.Layout(dp=16, cp=128, tp=8, sp=True, zero=3, m=1)
+    # bytes only: the rings' latency has its own test
+    monkeypatch.setattr(plan, "LATENCY", dict.fromkeys(plan.LATENCY, 0.0))
     got = plan.predict(M, C, lay, 128, 0.5802, dp_overlap="full")
     # the data-parallel part as plan groups it: the dp axis and every once-a-step reduction (here the TP
     # group's replicated gradients, 3e-5 s on NVLink)
@@ -2593,12 +2602,106 @@ def test_one_nic_shared_by_the_axes_across_nodes():
     assert got["exposed"]["dp"][1] == got["dp_s"] and got["exposed"]["cp"][1] == 0
 
 
+def ring_latency_mismatches():
+    """Llama 3 405B at 128K on 16,384 H100s, dp 128 cp 16 tp 8 sp ZeRO-3 m 1 (the first pick before NCCL's
+    latency was counted): seconds each axis spends on its links, against bytes / bandwidth + NCCL's ring
+    latency written here (src/graph/tuning.cc, Ring, Simple: 8.4 us a call, 3.4 us a step on NVLink, 14 us
+    across nodes): ZeRO-3's gather, re-gather and reduce-scatter once a unit (126 blocks and the root), each
+    2,047 steps round 2,048 nodes, one GPU in each; each of the ring's K/V sends one step across nodes; the
+    TP group's once-a-step all-reduce (counted with the data-parallel part) 14 steps on NVLink."""
+    M = plan.PRESETS["llama3-405b"]._replace(seq=131072)
+    C = plan.CLUSTERS["h100-80g"]._replace(nodes=2048)
+    lay = plan.Layout(dp=128, cp=16, tp=8, sp=True, zero=3, m=1)
+    got = plan.predict(M, C, lay, 128, 0.5802)
+    bw = {"nvlink": C.intra_gbs * 1e9, "ib": C.inter_gbs * 1e9}
+    wire = {
+        a: sum(
+            plan.on_the_wire(k, *x) / bw[plan.link(C, lay, k.split("/")[1])]
+            for k, x in got["comm"].items()
+            if f"/{a}/" in k or a == "dp" and k.endswith("/step")
+        )
+        for a in ("cp", "dp")
+    }
+    sends = sum(x[0] for k, x in got["comm"].items() if k.startswith("send/cp/"))
+    zero3 = 3 * 127 * (8.4e-6 + 2047 * 14e-6)
+    want = dict(
+        cp=wire["cp"] + sends * (8.4e-6 + 14e-6), dp=wire["dp"] + zero3 + 8.4e-6 + 14 * 3.4e-6
+    )
+    bad = [a for a in want if not math.isclose(got["exposed"][a][0], want[a], rel_tol=1e-9)]
+    return bad, got
+
+
+def test_nccl_ring_latency_across_nodes(monkeypatch):
+    """What a ring across 2,048 nodes waits past its bytes (ring_latency_mismatches): ZeRO-3's 381 collectives
+    wait 10.9 s, more than its bytes take (6.1 s), and with the ring's sends past the step's compute: the
+    layout that --search put first at 52.8% now shows data-parallel time. Without the latency (a mutant)
+    the seconds differ and nothing shows."""
+    bad, got = ring_latency_mismatches()
+    assert not bad and got["dp_s"] > 1.0, (bad, got["dp_s"])
+    monkeypatch.setattr(plan, "LATENCY", dict.fromkeys(plan.LATENCY, 0.0))
+    bad, got = ring_latency_mismatches()
+    assert bad == ["cp", "dp"] and got["dp_s"] == 0, (bad, got["dp_s"])
+
+
 def test_search_tries_every_v():
     """Interleaved: every v > 1 cutting L into equal chunks (Megatron's condition), not only 2, 4, 8."""
     M, C = plan.PRESETS["gpt3-6.7b"], plan.CLUSTERS["h100-80g"]
     got = {(lay.pp, lay.v) for lay in plan.layouts(M, C, 512) if lay.schedule == "interleaved"}
     assert got == {(p, v) for p in (2, 4, 8) for v in range(2, 33) if 32 % (p * v) == 0}
     assert (2, 16) in got
+
+
+def walked_here(p, m, sched, F, B, W):
+    """plan's ZB-H1 or ZB-V order (zero_bubble_ops) replayed by this file's replay (replayed, which the files'
+    recorded orders go through): idle time per step of a rank."""
+    v = 1 + (sched == "zb-v")
+    events = []
+    for r in range(p):
+        seen = Counter()
+        for i, (kind, c) in enumerate(plan.zero_bubble_ops(p, m, r, sched)):
+            chunk = r if c == 0 else 2 * p - 1 - r
+            events.append(dict(rank=r, kind=kind, mb=seen[kind, c], start=i, chunk=chunk))
+            seen[kind, c] += 1
+    times = dict(F=F, B=B, W=W)
+    idle = replayed(events, p * v, times, lambda e: e["chunk"], idle_over_busy=True)
+    return idle * v * m * (F + B + W)
+
+
+def walked_mismatches():
+    """(p, m, schedule, F, B, W) where plan.walked differs from this file's replay or from a closed form."""
+    bad = []
+    for p, m in ((2, 4), (3, 7), (4, 8), (6, 12)):
+        for F, B, W in ((1.0, 1.0, 1.0), (1.0, 1.7, 0.3), (2.0, 1.0, 0.5), (1.0, 1.0, 2.0)):
+            for sched in ("zb-h1", "zb-v"):
+                want = [walked_here(p, m, sched, F, B, W)]
+                if sched == "zb-h1" and W <= min(F, B):
+                    want.append((p - 1) * (F + B - W))
+                if sched == "zb-v" and F == B == W:
+                    want.append((p - 1) * F)
+                got = plan.walked(p, m, sched, F, B, W)
+                bad += [
+                    (p, m, sched, F, B, W) for x in want if not math.isclose(got, x, abs_tol=1e-9)
+                ]
+    return bad
+
+
+def test_zero_bubble_schedules_cost_their_orders_walked(monkeypatch):
+    """Issue 49 item 4: ZB-H1's and ZB-V's bubbles are their orders walked at a chunk's F, B, W times
+    (plan.walked), equal to this file's replay of the same orders at unequal times; closed forms: ZB-V at
+    T_F = T_B = T_W idles the p - 1 F's its last rank waits for, ZB-H1 (p-1)(T_F + T_B - T_W) wherever W is
+    the shortest (Qi et al. Sec. 3.1). At 128K tokens attention's backward is all B, so W is short: the
+    ZB-V layout's bubble in predict is more than at equal times. The paper's 0 (a mutant) fails."""
+    assert not walked_mismatches()
+    M, C = (
+        plan.PRESETS["llama3-8b"]._replace(seq=131072),
+        plan.CLUSTERS["h100-80g"]._replace(nodes=4),
+    )
+    lay = plan.Layout(dp=4, cp=2, tp=2, pp=2, v=2, schedule="zb-v", m=8, sp=True, zero=1)
+    got = plan.predict(M, C, lay, 32)
+    per_mb = (got["compute_s"] + got["tp_ep_s"]) / lay.m
+    assert got["bubble_s"] > per_mb * plan.bubble_slots(lay) > 0, (got["bubble_s"], per_mb)
+    monkeypatch.setattr(plan, "walked", lambda *a: 0)
+    assert walked_mismatches()
 
 
 # ----------------------------------------------------------------------------- DiLoCo across a slow link
