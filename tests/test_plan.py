@@ -2575,6 +2575,20 @@ def test_search_costs_what_it_exposes(monkeypatch, capsys, source_once):
     assert cuts == {(), (0, 1, 1, 1, 1, 1, 1, 0)}, cuts
 
 
+def wire_s(C, lay, comm):
+    """Seconds of the cp and the data-parallel part's bytes on the wire at the link's bandwidth, the
+    data-parallel part as plan groups it: the dp axis and every once-a-step reduction."""
+    bw = {"nvlink": C.intra_gbs * 1e9, "ib": C.inter_gbs * 1e9}
+    return {
+        a: sum(
+            plan.on_the_wire(k, *x) / bw[plan.link(C, lay, k.split("/")[1])]
+            for k, x in comm.items()
+            if f"/{a}/" in k or a == "dp" and k.endswith("/step")
+        )
+        for a in ("cp", "dp")
+    }
+
+
 def test_one_nic_shared_by_the_axes_across_nodes(monkeypatch):
     """Llama 3 405B at 128K on 16,384 H100s, dp 16 cp 128 tp 8 sp ZeRO-3: the ring's K/V blocks (cp spans 16
     nodes) and FSDP's traffic each hide behind the compute on their own, but they share each GPU's NIC, so
@@ -2586,17 +2600,8 @@ def test_one_nic_shared_by_the_axes_across_nodes(monkeypatch):
     # bytes only: the rings' latency has its own test
     monkeypatch.setattr(plan, "ALPHA", 0.0)
     got = plan.predict(M, C, lay, 128, 0.5802, dp_overlap="full")
-    # the data-parallel part as plan groups it: the dp axis and every once-a-step reduction (here the TP
-    # group's replicated gradients, 3e-5 s on NVLink)
-    bw = {"nvlink": C.intra_gbs * 1e9, "ib": C.inter_gbs * 1e9}
-    wire = {
-        a: sum(
-            plan.on_the_wire(k, *x) / bw[plan.link(C, lay, k.split("/")[1])]
-            for k, x in got["comm"].items()
-            if f"/{a}/" in k or a == "dp" and k.endswith("/step")
-        )
-        for a in ("cp", "dp")
-    }
+    # the data-parallel part: here with the TP group's replicated gradients, 3e-5 s on NVLink
+    wire = wire_s(C, lay, got["comm"])
     assert max(wire.values()) < got["compute_s"] < sum(wire.values()), (wire, got["compute_s"])
     assert math.isclose(got["dp_s"], sum(wire.values()) - got["compute_s"], rel_tol=1e-9)
     assert got["exposed"]["dp"][1] == got["dp_s"] and got["exposed"]["cp"][1] == 0
@@ -2612,15 +2617,7 @@ def ring_latency_mismatches():
     C = plan.CLUSTERS["h100-80g"]._replace(nodes=2048)
     lay = plan.Layout(dp=128, cp=16, tp=8, sp=True, zero=3, m=1)
     got = plan.predict(M, C, lay, 128, 0.5802)
-    bw = {"nvlink": C.intra_gbs * 1e9, "ib": C.inter_gbs * 1e9}
-    wire = {
-        a: sum(
-            plan.on_the_wire(k, *x) / bw[plan.link(C, lay, k.split("/")[1])]
-            for k, x in got["comm"].items()
-            if f"/{a}/" in k or a == "dp" and k.endswith("/step")
-        )
-        for a in ("cp", "dp")
-    }
+    wire = wire_s(C, lay, got["comm"])
     sends = sum(x[0] for k, x in got["comm"].items() if k.startswith("send/cp/"))
     want = dict(cp=wire["cp"] + sends * 14e-6, dp=wire["dp"] + 3 * 127 * 2047 * 14e-6)
     bad = [a for a in want if not math.isclose(got["exposed"][a][0], want[a], rel_tol=1e-9)]
