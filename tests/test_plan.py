@@ -1444,6 +1444,209 @@ def test_overlap_flags_state_the_exposed_communication(monkeypatch, capsys, sour
 # A100 80 GB, FSDP2, local batch 1 or 2, MFU counted as plan counts it: 6N + 12 L h s per token): the rows
 # whose activation checkpointing plan can state (none, full); its "selective op" (every second matmul
 # recomputed) and "selective layer" (every second block) are not plan's selective, and are left out.
+# PTD-P's Table 2 (its PTD rows: GPT-3 175B at model-parallel size 96, t 8 x p 12, and Table 1's 530B at t 8
+# x p 35, batch fixed while the GPUs double; achieved TFLOP/s per GPU by its equation (3), the share of 312
+# TFLOP/s here), run as Table 1's rows are. Korthikanti et al. 2022 (Reducing Activation Recomputation):
+# Table 3's four layouts and Table 5's MFU, then Sec. 6.3's 530B at 8-way data parallelism (2240 GPUs,
+# 39.15 s, MFU 54.2%): Megatron-LM of 2022, SP and selective recomputation, the interleaved schedule with 3
+# chunks for 175B and 530B (Sec. 6), the backward's TP all-reduces overlapped with the weight-gradient GEMMs
+# (Sec. 6.2: --tp-overlap partial, half of TP's exchanges), no gradient all-reduce overlap (Sec. 6.3).
+PTDP_TABLE_2 = [  # (parameters in billions, a, h, L, t, p, GPUs, batch, % of peak = TFLOP/s / 312)
+    (174.6, 96, 12288, 96, 8, 12, 384, 1536, 100 * 153 / 312),
+    (174.6, 96, 12288, 96, 8, 12, 768, 1536, 100 * 149 / 312),
+    (174.6, 96, 12288, 96, 8, 12, 1536, 1536, 100 * 141 / 312),
+    (529.6, 128, 20480, 105, 8, 35, 560, 2240, 100 * 171 / 312),
+    (529.6, 128, 20480, 105, 8, 35, 1120, 2240, 100 * 167 / 312),
+    (529.6, 128, 20480, 105, 8, 35, 2240, 2240, 100 * 159 / 312),
+]
+
+
+def sp_selective_argv(
+    L, h, a, p, v, G, B, mb=1
+):  # Korthikanti et al.'s Table 3: t 8, s 2048, V 51,200
+    return [
+        *("--stack", "megatron-2021", "--cluster", "a100-80g", "--nodes", str(G // 8)),
+        *("--n-layers", str(L), "--d-model", str(h), "--n-heads", str(a)),
+        *("--vocab", "51200", "--seq-len", "2048", "--tp", "8", "--pp", str(p)),
+        *("--virtual-stages", str(v), "--batch-size", str(B)),
+        *("--microbatches", str(B // mb // (G // (8 * p))), "--sequence-parallel"),
+        *("--recompute", "selective", "--tp-overlap", "partial"),
+    ]
+
+
+# MPT's benchmarks (mosaicml/llm-foundry, scripts/train/benchmarking/README.md as of 2024-04, its tables "H100
+# 80GB BF16 (Large Scale, >= 128 GPUs)", "H100 80GB BF16" and "A100 80GB with 1600 Gbps node-node interconnect"):
+# Composer and FSDP over every GPU (FULL_SHARD: ZeRO-3, SHARD_GRAD_OP: ZeRO-2), amp_bf16, block-wise activation
+# checkpointing (True: full) or none, flash attention, no dropout; MPT's GPT (LayerNorm, learned positions, biases,
+# GeLU 4h, V 50,368; L, h, a from scripts/train/yamls/pretrain/mpt-*.yaml, their NumParams matched exactly). Its
+# MFU counts 6 x NumParams (the positions' table too) + 12 L h s a token; plan's published share is that MFU
+# rescaled to plan's count, 6 (12 L h^2 + V h) + 12 L h s. Each row: (model, s, GPUs, MFU %, micro-batch,
+# accumulation steps, batch, FULL_SHARD, checkpointing, NumParams), the tables' amp_bf16 rows in their order.
+MPT = {  # L, h, a
+    "125m": (12, 768, 12),
+    "350m": (24, 1024, 16),
+    "760m": (24, 1536, 12),
+    "1b": (24, 2048, 16),
+    "3b": (32, 2560, 20),
+    "7b": (32, 4096, 32),
+    "13b": (40, 5120, 40),
+    "30b": (48, 7168, 56),
+    "70b": (80, 8192, 64),
+}
+MPT_H100_LARGE = [
+    ("70b", 2048, 512, 41.25, 8, 1, 4096, True, True, 64862437376),
+    ("70b", 2048, 256, 42.42, 8, 1, 2048, True, True, 64862437376),
+    ("70b", 2048, 128, 43.36, 8, 1, 1024, True, True, 64862437376),
+    ("30b", 2048, 512, 40.27, 8, 1, 4096, True, True, 29975214080),
+    ("30b", 2048, 256, 40.89, 8, 1, 2048, True, True, 29975214080),
+    ("30b", 2048, 128, 41.85, 8, 1, 1024, True, True, 29975214080),
+    ("13b", 2048, 512, 41.12, 16, 1, 8192, True, True, 12853954560),
+    ("13b", 2048, 256, 41.42, 16, 1, 4096, True, True, 12853954560),
+    ("13b", 2048, 128, 42.18, 16, 1, 2048, True, True, 12853954560),
+    ("7b", 2048, 512, 42.2, 6, 1, 3072, True, False, 6658859008),
+    ("7b", 2048, 256, 44.15, 6, 1, 1536, True, False, 6658859008),
+    ("7b", 2048, 128, 45.71, 6, 1, 768, True, False, 6658859008),
+    ("3b", 2048, 512, 39.24, 8, 1, 4096, False, False, 2651837440),
+    ("3b", 2048, 256, 41.25, 8, 1, 2048, False, False, 2651837440),
+    ("3b", 2048, 128, 42.43, 8, 1, 1024, False, False, 2651837440),
+    ("1b", 2048, 512, 36.65, 12, 1, 6144, False, False, 1315950592),
+    ("1b", 2048, 256, 39.15, 12, 1, 3072, False, False, 1315950592),
+    ("1b", 2048, 128, 40.6, 12, 1, 1536, False, False, 1315950592),
+]
+MPT_H100 = [
+    ("70b", 2048, 64, 42.57, 8, 4, 2048, True, True, 64862437376),
+    ("70b", 2048, 32, 36.15, 2, 16, 1024, True, True, 64862437376),
+    ("30b", 8192, 8, 29.92, 1, 21, 168, True, True, 30019254272),
+    ("30b", 4096, 8, 35.86, 1, 21, 168, True, True, 29989894144),
+    ("30b", 2048, 32, 43.92, 14, 3, 1344, True, True, 29975214080),
+    ("30b", 2048, 16, 43.07, 10, 3, 480, True, True, 29975214080),
+    ("30b", 2048, 8, 38.11, 3, 21, 504, True, True, 29975214080),
+    ("30b", 1024, 8, 38.76, 6, 21, 1008, True, True, 29967874048),
+    ("13b", 32768, 8, 31.68, 1, 3, 24, True, True, 13011240960),
+    ("13b", 16384, 8, 35.55, 3, 3, 72, True, True, 12927354880),
+    ("13b", 4096, 8, 41.6, 10, 3, 240, True, True, 12864440320),
+    ("13b", 2048, 64, 39.86, 2, 1, 128, True, False, 12853954560),
+    ("13b", 2048, 32, 39.95, 2, 1, 64, True, False, 12853954560),
+    ("13b", 2048, 16, 39.58, 2, 1, 32, True, False, 12853954560),
+    ("13b", 2048, 8, 39.79, 2, 1, 16, True, False, 12853954560),
+    ("13b", 1024, 8, 44.27, 40, 3, 960, True, True, 12848711680),
+    ("7b", 65536, 8, 28.59, 1, 2, 16, True, True, 6918905856),
+    ("7b", 32768, 8, 30.94, 2, 2, 32, True, True, 6784688128),
+    ("7b", 8192, 8, 37.14, 8, 2, 128, True, True, 6684024832),
+    ("7b", 4096, 8, 40.42, 16, 2, 256, True, True, 6667247616),
+    ("7b", 2048, 8, 46.44, 6, 1, 48, True, False, 6658859008),
+    ("7b", 1024, 8, 42.83, 64, 2, 1024, True, True, 6654664704),
+    ("3b", 65536, 8, 26.81, 1, 2, 16, True, True, 2814366720),
+    ("3b", 32768, 8, 28.84, 3, 6, 144, True, True, 2730480640),
+    ("3b", 16384, 8, 36.34, 1, 6, 48, True, False, 2688537600),
+    ("3b", 8192, 8, 40.31, 3, 6, 144, True, False, 2667566080),
+    ("3b", 4096, 8, 42.31, 5, 6, 240, True, False, 2657080320),
+    ("3b", 2048, 64, 40.8, 6, 3, 1152, True, False, 2651837440),
+    ("3b", 2048, 32, 41.7, 6, 3, 576, True, False, 2651837440),
+    ("3b", 2048, 16, 43.73, 10, 3, 480, True, False, 2651837440),
+    ("3b", 1024, 8, 46.2, 20, 6, 960, True, False, 2649216000),
+    ("3b", 512, 8, 46.32, 40, 6, 1920, True, False, 2647905280),
+    ("1b", 65536, 8, 26.34, 1, 2, 16, True, True, 1445974016),
+    ("1b", 32768, 8, 33.54, 1, 4, 32, True, False, 1378865152),
+    ("1b", 16384, 8, 35.22, 2, 4, 64, True, False, 1345310720),
+    ("1b", 8192, 8, 37.73, 3, 4, 96, True, False, 1328533504),
+    ("1b", 4096, 8, 40.26, 7, 4, 224, True, False, 1320144896),
+    ("1b", 2048, 64, 40.85, 20, 1, 1280, True, False, 1315950592),
+    ("1b", 2048, 32, 41.52, 20, 1, 640, True, False, 1315950592),
+    ("1b", 2048, 16, 42.36, 20, 1, 320, True, False, 1315950592),
+    ("1b", 2048, 8, 41.82, 14, 1, 112, True, False, 1315950592),
+    ("1b", 1024, 8, 41.95, 18, 4, 576, True, False, 1313853440),
+    ("1b", 512, 8, 43.21, 56, 4, 1792, True, False, 1312804864),
+    ("760m", 32768, 8, 31.84, 1, 2, 16, True, False, 807656448),
+    ("760m", 16384, 8, 33.57, 3, 2, 48, True, False, 782490624),
+    ("760m", 8192, 8, 34.84, 6, 2, 96, True, False, 769907712),
+    ("760m", 4096, 8, 35.83, 12, 2, 192, True, False, 763616256),
+    ("760m", 2048, 32, 37.57, 24, 1, 768, True, False, 760470528),
+    ("760m", 2048, 16, 37.89, 24, 1, 384, True, False, 760470528),
+    ("760m", 2048, 8, 34.9, 24, 2, 384, True, False, 760470528),
+    ("760m", 1024, 8, 39.76, 48, 2, 768, True, False, 758897664),
+    ("760m", 512, 8, 40.42, 96, 2, 1536, True, False, 758111232),
+]
+MPT_A100 = [
+    ("30b", 8192, 8, 39.38, 1, 21, 168, True, True, 30019254272),
+    ("30b", 4096, 8, 51.37, 1, 21, 168, True, True, 29989894144),
+    ("30b", 2048, 8, 55.3, 3, 21, 504, True, True, 29975214080),
+    ("30b", 1024, 8, 55.82, 6, 21, 1008, True, True, 29967874048),
+    ("30b", 512, 8, 56.4, 12, 21, 2016, True, True, 29964204032),
+    ("13b", 32768, 8, 51.69, 1, 3, 24, True, True, 13011240960),
+    ("13b", 16384, 8, 54.07, 3, 3, 72, True, True, 12927354880),
+    ("13b", 8192, 8, 56.07, 5, 3, 120, True, True, 12885411840),
+    ("13b", 4096, 8, 57.62, 10, 3, 240, True, True, 12864440320),
+    ("13b", 2048, 8, 59.57, 2, 3, 48, True, False, 12853954560),
+    ("13b", 1024, 8, 59.48, 40, 3, 960, True, True, 12848711680),
+    ("7b", 65536, 8, 46.97, 1, 2, 16, True, True, 6918905856),
+    ("7b", 32768, 8, 49.46, 2, 2, 32, True, True, 6784688128),
+    ("7b", 16384, 8, 51.96, 4, 2, 64, True, True, 6717579264),
+    ("7b", 8192, 8, 54.47, 8, 2, 128, True, True, 6684024832),
+    ("7b", 4096, 8, 54.84, 16, 2, 256, True, True, 6667247616),
+    ("7b", 2048, 8, 64.23, 6, 2, 96, True, False, 6658859008),
+    ("7b", 1024, 8, 58.01, 64, 2, 1024, True, True, 6654664704),
+    ("3b", 65536, 8, 46.05, 1, 2, 16, True, True, 2814366720),
+    ("3b", 32768, 8, 47.18, 3, 6, 144, True, True, 2730480640),
+    ("3b", 16384, 8, 57.13, 1, 6, 48, True, False, 2688537600),
+    ("3b", 8192, 8, 59.34, 3, 6, 144, True, False, 2667566080),
+    ("3b", 4096, 8, 60.53, 5, 6, 240, True, False, 2657080320),
+    ("3b", 2048, 8, 62.11, 10, 2, 160, True, False, 2651837440),
+    ("3b", 1024, 8, 62.73, 20, 6, 960, True, False, 2649216000),
+    ("3b", 512, 8, 63.71, 40, 6, 1920, True, False, 2647905280),
+    ("1b", 65536, 8, 46.18, 1, 2, 16, True, True, 1445974016),
+    ("1b", 32768, 8, 55.52, 1, 4, 32, True, False, 1378865152),
+    ("1b", 16384, 8, 56.6, 2, 4, 64, True, False, 1345310720),
+    ("1b", 8192, 8, 56.69, 3, 4, 96, True, False, 1328533504),
+    ("1b", 4096, 8, 59.0, 7, 4, 224, True, False, 1320144896),
+    ("1b", 2048, 8, 59.86, 14, 4, 448, True, False, 1315950592),
+    ("1b", 1024, 8, 60.15, 18, 4, 576, True, False, 1313853440),
+    ("1b", 512, 8, 60.68, 56, 4, 1792, True, False, 1312804864),
+    ("760m", 65536, 8, 45.34, 1, 2, 16, True, True, 857988096),
+    ("760m", 32768, 8, 54.57, 1, 2, 16, True, False, 807656448),
+    ("760m", 16384, 8, 54.64, 3, 2, 48, True, False, 782490624),
+    ("760m", 8192, 8, 55.31, 6, 2, 96, True, False, 769907712),
+    ("760m", 4096, 8, 56.05, 12, 2, 192, True, False, 763616256),
+    ("760m", 2048, 8, 56.85, 24, 2, 384, True, False, 760470528),
+    ("760m", 1024, 8, 47.76, 48, 2, 768, True, False, 758897664),
+    ("760m", 512, 8, 45.07, 96, 2, 1536, True, False, 758111232),
+    ("350m", 65536, 8, 52.7, 1, 2, 16, True, False, 420997120),
+    ("350m", 32768, 8, 52.46, 2, 2, 32, True, False, 387442688),
+    ("350m", 16384, 8, 53.28, 4, 2, 64, True, False, 370665472),
+    ("350m", 8192, 8, 53.8, 8, 2, 128, True, False, 362276864),
+    ("350m", 4096, 8, 53.31, 16, 2, 256, True, False, 358082560),
+    ("350m", 2048, 8, 51.62, 32, 2, 512, True, False, 355985408),
+    ("350m", 1024, 8, 50.51, 64, 2, 1024, True, False, 354936832),
+    ("350m", 512, 8, 50.61, 128, 2, 2048, True, False, 354412544),
+    ("125m", 65536, 8, 54.13, 1, 2, 16, True, False, 174070272),
+    ("125m", 32768, 8, 52.71, 2, 2, 32, True, False, 148904448),
+    ("125m", 16384, 8, 50.61, 4, 2, 64, True, False, 136321536),
+    ("125m", 8192, 8, 48.85, 8, 2, 128, True, False, 130030080),
+    ("125m", 4096, 8, 46.08, 16, 2, 256, True, False, 126884352),
+    ("125m", 2048, 8, 44.79, 40, 2, 640, True, False, 125311488),
+    ("125m", 2048, 8, 44.45, 32, 2, 512, True, False, 125311488),
+    ("125m", 1024, 8, 43.15, 64, 2, 1024, True, False, 124525056),
+    ("125m", 512, 8, 42.56, 128, 2, 2048, True, False, 124131840),
+]
+
+
+def mpt_row(source, cluster, row):
+    """(name, MFU % as plan counts it, command line) of one MPT benchmark row."""
+    model, s, gpus, mfu, mb, accum, B, full_shard, ckpt, n_params = row
+    L, h, a = MPT[model]
+    ours = 6 * (12 * L * h * h + 50368 * h) + 12 * L * h * s
+    return (
+        f"{source}, {model}, s {s}, {gpus} GPUs, batch {B}",
+        mfu * ours / (6 * n_params + 12 * L * h * s),
+        [
+            *("--cluster", cluster, "--nodes", str(gpus // 8), "--dp", str(gpus)),
+            *("--n-layers", str(L), "--d-model", str(h), "--n-heads", str(a), "--vocab", "50368"),
+            *("--seq-len", str(s), "--batch-size", str(B), "--microbatches", str(accum)),
+            *("--stage", "3" if full_shard else "2", "--recompute", "full" if ckpt else "none"),
+        ],
+    )
+
+
 def llama3_argv(nodes, dp, s, B, m, cp=1):
     return [
         *("--model", "llama3-405b", "--nodes", str(nodes), "--seq-len", str(s)),
@@ -1475,12 +1678,32 @@ LLAMA2_13B = [
 ]
 PUBLISHED = {
     ("megatron-2021", "a100-80g"): [
-        (f"PTD-P Table 1, {r[0]:g}B", r[-1], ptdp_argv(r)) for r in PTDP_TABLE_1
+        *((f"PTD-P Table 1, {r[0]:g}B", r[-1], ptdp_argv(r)) for r in PTDP_TABLE_1),
+        *((f"PTD-P Table 2, {r[0]:g}B, {r[6]} GPUs", r[-1], ptdp_argv(r)) for r in PTDP_TABLE_2),
+        ("Korthikanti 2022, Table 5, 22B", 41.5, sp_selective_argv(48, 6144, 64, 1, 1, 8, 4, mb=4)),
+        ("Korthikanti 2022, Table 5, 175B", 51.4, sp_selective_argv(96, 12288, 96, 8, 3, 64, 64)),
+        (
+            "Korthikanti 2022, Table 5, 530B",
+            56.0,
+            sp_selective_argv(105, 20480, 128, 35, 3, 280, 280),
+        ),
+        (
+            "Korthikanti 2022, Table 5, 1T",
+            56.3,
+            sp_selective_argv(128, 25600, 160, 64, 1, 512, 512),
+        ),
+        (
+            "Korthikanti 2022, Sec. 6.3, 530B at DP 8",
+            54.2,
+            sp_selective_argv(105, 20480, 128, 35, 3, 2240, 2240),
+        ),
     ],
     ("2024", "h100-80g"): [
         ("Llama 3 Table 4, 8K, 8,192 GPUs", 43, llama3_argv(1024, 64, 8192, 2048, 32)),
         ("Llama 3 Table 4, 8K, 16,384 GPUs", 41, llama3_argv(2048, 128, 8192, 2048, 16)),
         ("Llama 3 Table 4, 128K, 16,384 GPUs", 38, llama3_argv(2048, 8, 131072, 128, 16, cp=16)),
+        *(mpt_row("MPT H100 >= 128 GPUs", "h100-80g", r) for r in MPT_H100_LARGE),
+        *(mpt_row("MPT H100", "h100-80g", r) for r in MPT_H100),
     ],
     ("2024", "a100-80g"): [
         ("torchtitan A100, Llama 3 70B, full", 51.7, titan_argv("llama3-70b", 64, "full")),
@@ -1494,12 +1717,16 @@ PUBLISHED = {
             50.5,
             titan_argv("llama3-70b", 128, "full", *LLAMA2),
         ),
+        *(mpt_row("MPT A100 80GB", "a100-80g", r) for r in MPT_A100),
     ],
 }
 
 
-def held_out(i):  # every third row of each source, in its order, never fitted
-    return i % 3 == 2
+def held_out(
+    rows, i
+):  # every third row of each source (a name's text before its first comma), in its order
+    source = rows[i][0].split(",")[0]
+    return sum(r[0].split(",")[0] == source for r in rows[:i]) % 3 == 2
 
 
 def run_plan(argv):
@@ -1515,11 +1742,10 @@ def run_plan(argv):
 
 def share_of(stack, argv, eff):
     """% of peak plan predicts for a published row at GEMM ceiling eff, through the CLI: MFU; PTD-P's rows
-    as the paper counts them (its FLOPs formula over plan's step)."""
+    (Tables 1 and 2) as the paper counts them (its FLOPs formula over plan's step)."""
     got = run_plan(["--stack", stack, *argv, "--efficiency", repr(eff)])
-    if stack == "2024":
-        return 100 * got["mfu"]
-    return paper_share(next(r for r in PTDP_TABLE_1 if ptdp_argv(r) == argv), got["step_s"])
+    ptdp = [r for r in PTDP_TABLE_1 + PTDP_TABLE_2 if ptdp_argv(r) == argv]
+    return paper_share(ptdp[0], got["step_s"]) if ptdp else 100 * got["mfu"]
 
 
 def refit(stack, rows):
@@ -1527,11 +1753,11 @@ def refit(stack, rows):
     mean of the ceilings that put each fitted row at its published share; the band the largest error of a
     fitted row predicted at the mean of the others' (leave-one-out); the held-out rows at the ceiling."""
     share = [lambda e, a=argv: share_of(stack, a, e) for _, _, argv in rows]
-    fit = [i for i in range(len(rows)) if not held_out(i)]
+    fit = [i for i in range(len(rows)) if not held_out(rows, i)]
     ceil = {i: implied(share[i], rows[i][1]) for i in fit}
     eff = sum(ceil.values()) / len(fit)
     loo = [share[i](sum(ceil[j] for j in fit if j != i) / (len(fit) - 1)) - rows[i][1] for i in fit]
-    held = [share[i](eff) - rows[i][1] for i in range(len(rows)) if held_out(i)]
+    held = [share[i](eff) - rows[i][1] for i in range(len(rows)) if held_out(rows, i)]
     return eff, max(map(abs, loo)), loo, held
 
 
@@ -1550,13 +1776,13 @@ def test_ceilings_and_bands_refit_from_the_published_rows(monkeypatch, capsys, s
         for i, (name, pub, argv) in enumerate(rows):
             out = cli(["--stack", stack, *argv], monkeypatch, capsys)
             mfu, printed_band = printed(out, "MFU")
-            mfu = printed(out, "HFU")[0] if stack == "megatron-2021" else mfu  # as PTD-P counts
+            mfu = printed(out, "HFU")[0] if name.startswith("PTD-P") else mfu  # as PTD-P counts
             step = re.search(r"predicted step ([0-9.]+) s \(([0-9.]+) to ([0-9.]+) s at MFU", out)
             assert printed_band == stored[1] and float(step[2]) < float(step[1]) < float(step[3])
             TABLE.append(
-                (f"{stack} on {gpu}", f"{name}, %" + " (held out)" * held_out(i), pub, mfu)
+                (f"{stack} on {gpu}", f"{name}, %" + " (held out)" * held_out(rows, i), pub, mfu)
             )
-            assert not held_out(i) or abs(next(errors) - (mfu - pub)) < 0.5, (name, mfu)
+            assert not held_out(rows, i) or abs(next(errors) - (mfu - pub)) < 0.5, (name, mfu)
         TABLE.append((f"{stack} on {gpu}", "ceiling, band; leave-one-out errors", (eff, band), loo))
     docs = (ROOT / "docs" / "plan.md").read_text()
     assert f"held-out rows inside their band: {sum(inside)} of {len(inside)}" in docs, inside
