@@ -1278,10 +1278,11 @@ def table_1_verdict(cluster=None):
 
 
 def test_time_model_follows_ptdp_table_1():
-    """Fitted on three rows of PTD-P's Table 1 (1.7B, 18.4B, 1T), the one constant is plan.py's EFFICIENCY;
-    each of the seven other rows is predicted within 5 points of peak, and the trend is the paper's: the
-    shares rise with size (Spearman > 0.7 over the ten rows; the 1T row above the 1.7B). With one efficiency
-    for every GEMM and no memory-bound work (HBM taken as infinitely fast: the old model) the fit cannot."""
+    """Fitted on three rows of PTD-P's Table 1 (1.7B, 18.4B, 1T), each of the seven other rows is predicted
+    within 5 points of peak, and the trend is the paper's: the shares rise with size (Spearman > 0.7 over the
+    ten rows; the 1T row above the 1.7B). With one efficiency for every GEMM and no memory-bound work (HBM
+    taken as infinitely fast: the old model) the fit cannot. (plan.py's EFFICIENCY, megatron-2021's A100
+    ceiling, is fitted on that stack's 15 rows: test_ceilings_and_bands_refit_from_the_published_rows.)"""
     eff, got, off, rho = table_1_verdict()
     TABLE.extend(
         (
@@ -1295,7 +1296,7 @@ def test_time_model_follows_ptdp_table_1():
     TABLE.append(
         ("PTD-P Table 1", "fitted GEMM ceiling; Spearman over the ten rows", eff, round(rho, 2))
     )
-    assert abs(eff - plan.EFFICIENCY) < 0.0025 and not off, (eff, off)
+    assert not off, (eff, off)
     assert rho > 0.7 and got[-1][1] > got[0][1], rho
     flat_eff, flat, flat_off, flat_rho = table_1_verdict(
         plan.CLUSTERS["a100-80g"]._replace(hbm_gbs=math.inf)
@@ -1722,9 +1723,8 @@ PUBLISHED = {
 }
 
 
-def held_out(
-    rows, i
-):  # every third row of each source (a name's text before its first comma), in its order
+def held_out(rows, i):
+    """Every third row of each source (a name's text before its first comma), in its order."""
     source = rows[i][0].split(",")[0]
     return sum(r[0].split(",")[0] == source for r in rows[:i]) % 3 == 2
 
@@ -1748,17 +1748,26 @@ def share_of(stack, argv, eff):
     return paper_share(ptdp[0], got["step_s"]) if ptdp else 100 * got["mfu"]
 
 
+def jackknife(errors, coverage=0.8):
+    """The jackknife's prediction band (Barber et al. 2021, "Predictive inference with the jackknife+"): of n
+    leave-one-out errors, the ceil(coverage (n + 1))-th smallest in size (the largest when n is too few), what
+    a new row's error stays within about `coverage` of the time."""
+    k = math.ceil(coverage * (len(errors) + 1))
+    return sorted(map(abs, errors))[min(k, len(errors)) - 1]
+
+
 def refit(stack, rows):
     """(ceiling, band, leave-one-out errors, held-out errors) of a stack's rows on one GPU: the ceiling the
-    mean of the ceilings that put each fitted row at its published share; the band the largest error of a
-    fitted row predicted at the mean of the others' (leave-one-out); the held-out rows at the ceiling."""
+    mean of the ceilings that put each fitted row at its published share; the band the jackknife's over the
+    errors of each fitted row predicted at the mean of the others' (leave-one-out); the held-out rows at the
+    ceiling."""
     share = [lambda e, a=argv: share_of(stack, a, e) for _, _, argv in rows]
     fit = [i for i in range(len(rows)) if not held_out(rows, i)]
     ceil = {i: implied(share[i], rows[i][1]) for i in fit}
     eff = sum(ceil.values()) / len(fit)
     loo = [share[i](sum(ceil[j] for j in fit if j != i) / (len(fit) - 1)) - rows[i][1] for i in fit]
     held = [share[i](eff) - rows[i][1] for i in range(len(rows)) if held_out(rows, i)]
-    return eff, max(map(abs, loo)), loo, held
+    return eff, jackknife(loo), loo, held
 
 
 def test_ceilings_and_bands_refit_from_the_published_rows(monkeypatch, capsys, source_once):
