@@ -41,11 +41,14 @@ bytes per activation element, Psi parameters of one rank (its pipeline stage, it
                of E C h e per MoE layer and micro-batch, C = ceil(cf k bs / E). On the wire (ring):
                all-reduce 2(n-1)/n, others (n-1)/n of the whole; NVLink when the group fits in a
                node of the grid arange(world).view(pp, dp, cp, tp) (tp innermost, ep inside dp, an
-               HSDP shard group d consecutive of dp x cp), else InfiniBand.
+               HSDP shard group d consecutive of dp x cp), else InfiniBand, where NCCL's ring waits
+               14 us at each step from a node to the next (its tuning model; ZeRO's once a unit).
   bubble       idle share of the step (Narayanan et al. 2021, PTD-P, Sec. 2.2): GPipe, 1F1B (p-1)/(m+p-1);
                interleaved (p-1)/(vm) of ideal compute; with backward split into B and W of a
                forward's time each (Qi et al. 2023, Zero Bubble): ZB-H1 (p-1)(T_F + T_B - T_W), a
-               third of 1F1B's; ZB-V 0; DualPipeV (DeepSeek-V3 2024, Table 2) ZB-H1's, its F&B
+               third of 1F1B's; ZB-V (p-1) T_F, its ramp (the paper's 0 bypasses the optimizer's
+               synchronisation); both their orders walked at the layout's own F, B (attention's
+               backward all here) and W; DualPipeV (DeepSeek-V3 2024, Table 2) ZB-H1's, its F&B
                pair's all-to-all overlap left out (dualpipev.py runs the pair F, B, W in turn).
   context      cp ranks share each sequence (context_parallel.py; Liu et al. 2023 ring, Jacobs et al. 2023
                Ulysses): activations of s/cp tokens, + the all-gather's other K, V and (s/cp, s)
@@ -68,7 +71,8 @@ bytes per activation element, Psi parameters of one rank (its pipeline stage, it
                and one NIC a GPU: what the axes across nodes hide (ring, data-parallel, pipeline),
                together, beyond the step's compute (counted with the data-parallel part). The GEMM
                ceiling is the stack's per GPU, fitted on published runs; the band beside each MFU is
-               its leave-one-out error (STACKS, docs/plan.md). MFU: model FLOPs (3x) / (step x GPUs
+               the jackknife's over its leave-one-out errors, about 80% of new runs inside (STACKS,
+               docs/plan.md). MFU: model FLOPs (3x) / (step x GPUs
                x peak).
   the run      --tokens: wall time = tokens / tokens/s, with failures (rate per GPU-hour, a checkpoint every
                tau, Young/Daly's sqrt(2 delta M) by default) to first order; a budget (--gpu-hours,
@@ -1185,6 +1189,7 @@ def predict(
         memory=mem,
         worst=worst,
         comm=comm[0],
+        secs=secs[0],
         bubble=bubble(lay),
         step_s=step,
         fits=sum(mem[worst].values()) <= C.mem_gb * GB * (1 - headroom),
@@ -1528,7 +1533,6 @@ def band(error, got=None):
 def report(C, B, got, error=None):
     lay = got["layout"]
     mem = got["memory"]
-    bw = {"nvlink": C.intra_gbs, "ib": C.inter_gbs}
     print(f"layout: {lay}, {lay.precision}, {B // (lay.dp * lay.m)} sequences per micro-batch")
     print("memory per rank, GB    params    grads    optim  activations  gathered     total")
     for r, x in [(r, x) for r, x in mem.items() if r in (0, got["worst"], lay.pp - 1)]:
@@ -1548,12 +1552,13 @@ def report(C, B, got, error=None):
             + f", {alive} chunk-micro-batches alive at once)" * (top == "activations")
             + ")" * (top != "activations")
         )
+    # ms: the bytes at the link's speed and NCCL's latency across nodes
     print("bytes per step, pipeline rank 0     calls  handed GB  on the wire GB  link       ms")
     for k, (calls, handed, n) in got["comm"].items():
         wire, where = on_the_wire(k, calls, handed, n), link(C, lay, k.split("/")[1])
         print(
             f"  {k:30s} {calls:7d} {handed / GB:10.3f} {wire / GB:15.3f}  {where:6s} "
-            f"{wire / GB / bw[where] * 1e3:8.1f}"
+            f"{got['secs'][k] * 1e3:8.1f}"
         )
     print(f"bubble: {got['bubble'][0]:.3f} of the step, {got['bubble'][1]:.3f} of ideal compute")
     print(
