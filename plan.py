@@ -156,8 +156,9 @@ EFFICIENCY = 0.7147  # the GEMMs' ceiling: megatron-2021's on A100, fitted on 15
 # (exposed_s) its software runs by default (docs/plan.md cites each); per GPU {cluster: (GEMM
 # ceiling, band, which rows)}: the ceiling the mean of the ceilings that put each fitted row at its
 # published figure, the band the jackknife's: of the n leave-one-out errors over those rows, the
-# ceil(0.8 (n + 1))-th smallest (points of peak), what about 80% of new runs' errors stay within; about
-# a third of each GPU's rows never fitted (held out; docs/plan.md counts those inside the band).
+# ceil(0.8 (n + 1))-th smallest (points of peak), what about 80% of new runs' errors stay
+# within; about a third of each GPU's rows never fitted (held out; docs/plan.md counts those inside
+# the band).
 # tests/test_plan.py refits both.
 Stack = namedtuple("Stack", "attention dropout tp_overlap dp_overlap ceilings")
 STACKS = {
@@ -892,9 +893,9 @@ ALPHA = 14e-6
 
 
 def latency_s(C, lay, key, calls, units):
-    """What NCCL's ring waits past the bytes across nodes, growing with them: ALPHA at each step from
-    a node to the next, one a send, nodes - 1 a gather or scatter, twice that an all-reduce; ZeRO and
-    DDP run theirs once a unit."""
+    """What NCCL's ring waits past the bytes across nodes, growing with them: ALPHA at each step
+    from a node to the next, one a send, nodes - 1 a gather or scatter, twice that an all-reduce;
+    ZeRO and DDP run theirs once a unit."""
     op, axis = key.split("/")[:2]
     nodes = span(lay, axis) // C.gpus_per_node
     steps = 1 if op == "send" else (nodes - 1) * (1 + (op == "all_reduce"))
@@ -928,8 +929,11 @@ def walked(p, m, schedule, F, B, W):
     neither fills its gaps."""
     n = p * (1 + (schedule == "zb-v"))
     ops = [zero_bubble_ops(p, m, r, schedule) for r in range(p)]
-    done, at, free, seen = {}, [0] * p, [0.0] * p, [{} for _ in range(p)]
-    took, moved = dict(F=F, B=B, W=W), True
+    took = dict(F=F, B=B, W=W)
+    done = {}  # (kind, chunk, micro-batch): when it ends
+    at, free = [0] * p, [0.0] * p  # each rank's next op, and when it is free
+    seen = [{} for _ in range(p)]  # each rank's ops run so far, per (kind, local chunk)
+    moved = True
     while moved:
         moved = False
         for r in range(p):
@@ -941,7 +945,8 @@ def walked(p, m, schedule, F, B, W):
                 if need and 0 <= need[1] < n and need not in done:
                     break
                 free[r] = done[kind, g, i] = max(free[r], done.get(need, 0)) + took[kind]
-                seen[r][kind, c], at[r], moved = i + 1, at[r] + 1, True
+                seen[r][kind, c] = i + 1
+                at[r], moved = at[r] + 1, True
     return max(free) - m * (n // p) * (F + B + W)
 
 
@@ -1159,7 +1164,8 @@ def predict(
     else:
         exposed = exposed_s(reduce, behind, dp_overlap) + gathers
     # a chunk's F, B (input gradients: all of attention's backward) and W (the GEMMs' weights)
-    k, (total, cores) = 3 + (lay.recompute == "full"), work[slow]
+    k = 3 + (lay.recompute == "full")
+    total, cores = work[slow]
     fbw = total / k, total - total / k - (total - cores) / k, (total - cores) / k
     # one message's time: each TP rank sends 1/t of it across (Megatron's scatter/gather, SP's
     # shard)

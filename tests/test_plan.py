@@ -1462,9 +1462,8 @@ PTDP_TABLE_2 = [  # (parameters in billions, a, h, L, t, p, GPUs, batch, % of pe
 ]
 
 
-def sp_selective_argv(
-    L, h, a, p, v, G, B, mb=1
-):  # Korthikanti et al.'s Table 3: t 8, s 2048, V 51,200
+def sp_selective_argv(L, h, a, p, v, G, B, mb=1):
+    """A row of Korthikanti et al.'s Table 3 (t 8, s 2048, V 51,200) as plan's command line."""
     return [
         *("--stack", "megatron-2021", "--cluster", "a100-80g", "--nodes", str(G // 8)),
         *("--n-layers", str(L), "--d-model", str(h), "--n-heads", str(a)),
