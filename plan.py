@@ -921,18 +921,17 @@ def bubble_slots(lay, F=1.0, B=1.0, W=1.0):
 
 
 @lru_cache(maxsize=None)
-def walked(p, m, schedule, F, B, W):
-    """Idle time per step of ZB-H1's or ZB-V's order (zero_bubble_ops) walked, messages free: an op
-    starts when its rank is free and its input ready (F after F on the chunk before, B after B on
-    the chunk after). ZB-V at T_F = T_B = T_W idles p-1 F's (the last rank's first F waits for
-    them), not the paper's 0; where W is short (long sequences: attention's backward is all B)
-    neither fills its gaps."""
+def zero_bubble_graph(p, m, schedule):
+    """ZB-H1's or ZB-V's ops (zero_bubble_ops) in the order a walk meets them, one order whatever
+    the ops' times: (rank, kind, the index of the op it waits for or -1). An op runs when its
+    rank's op before it ran and its input did: F after F on the chunk before, B after B on the
+    chunk after, W after its B (on its rank, before it)."""
     n = p * (1 + (schedule == "zb-v"))
     ops = [zero_bubble_ops(p, m, r, schedule) for r in range(p)]
-    took = dict(F=F, B=B, W=W)
-    done = {}  # (kind, chunk, micro-batch): when it ends
-    at, free = [0] * p, [0.0] * p  # each rank's next op, and when it is free
-    seen = [{} for _ in range(p)]  # each rank's ops run so far, per (kind, local chunk)
+    index = {}  # (kind, chunk, micro-batch): its place in the order
+    order = []
+    at = [0] * p  # each rank's next op
+    seen = [{} for _ in range(p)]  # each rank's ops met so far, per (kind, local chunk)
     moved = True
     while moved:
         moved = False
@@ -942,12 +941,28 @@ def walked(p, m, schedule, F, B, W):
                 g = r if c == 0 else n - 1 - r  # down the V, then back up
                 i = seen[r].get((kind, c), 0)  # the micro-batch
                 need = {"F": ("F", g - 1, i), "B": ("B", g + 1, i)}.get(kind)
-                if need and 0 <= need[1] < n and need not in done:
+                if need and 0 <= need[1] < n and need not in index:
                     break
-                free[r] = done[kind, g, i] = max(free[r], done.get(need, 0)) + took[kind]
+                index[kind, g, i] = len(order)
+                order.append((r, kind, index.get(need, -1)))
                 seen[r][kind, c] = i + 1
                 at[r], moved = at[r] + 1, True
-    return max(free) - m * (n // p) * (F + B + W)
+    return order
+
+
+@lru_cache(maxsize=None)
+def walked(p, m, schedule, F, B, W):
+    """Idle time per step of ZB-H1's or ZB-V's order walked at these op times, messages free: each
+    op starts when its rank is free and its input is done. ZB-V at T_F = T_B = T_W idles p-1 F's
+    (the last rank's first F waits for them), not the paper's 0; where W is short (long sequences:
+    attention's backward is all B) neither fills its gaps."""
+    took = dict(F=F, B=B, W=W)
+    free = [0.0] * p  # when each rank is free
+    done = []  # when each op ends, in the graph's order
+    for r, kind, need in zero_bubble_graph(p, m, schedule):
+        free[r] = max(free[r], done[need] if need >= 0 else 0.0) + took[kind]
+        done.append(free[r])
+    return max(free) - m * (1 + (schedule == "zb-v")) * (F + B + W)
 
 
 def bubble(lay):

@@ -98,7 +98,7 @@ READ_PATH.update(
 # bench.py 8,000 -> 12,000: both sides of a pair now run in the same processes, ours built from each file's
 # core (2,041 tokens of builders, the paired worker and its statistics), and three pairs more (HSDP,
 # DualPipeV, the overlapped TP ring). plan.py 13,000 -> 13,700: issue 49's two costs --search lacked
-# (ZB-H1's and ZB-V's orders walked at each layout's F, B, W; NCCL's ring latency across nodes), 549
+# (ZB-H1's and ZB-V's orders walked at each layout's F, B, W; NCCL's ring latency across nodes), 630
 # tokens, and the published rows' sources in STACKS.
 TOTAL = {"common.py": 2400, "harness.py": 7000, "bench.py": 12000, "plan.py": 13700}
 README_LINES = 200
