@@ -1126,10 +1126,11 @@ def predict(
     )
     worst = max(ranks, key=lambda r: sum(mem[r].values()))
     bw = {"nvlink": C.intra_gbs * GB, "ib": C.inter_gbs * GB}
+    units = {r: len(rank_units(M, lay, r)) for r in ranks}
     secs = {
         r: {
             k: on_the_wire(k, *x) / bw[link(C, lay, k.split("/")[1])]
-            + latency_s(C, lay, k, x[0], len(rank_units(M, lay, r)))
+            + latency_s(C, lay, k, x[0], units[r])
             for k, x in comm[r].items()
         }
         for r in ranks
