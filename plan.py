@@ -72,8 +72,7 @@ bytes per activation element, Psi parameters of one rank (its pipeline stage, it
                together, beyond the step's compute (counted with the data-parallel part). The GEMM
                ceiling is the stack's per GPU, fitted on published runs; the band beside each MFU is
                the jackknife's over its leave-one-out errors, about 80% of new runs inside (STACKS,
-               docs/plan.md). MFU: model FLOPs (3x) / (step x GPUs
-               x peak).
+               docs/plan.md). MFU: model FLOPs (3x) / (step x GPUs x peak).
   the run      --tokens: wall time = tokens / tokens/s, with failures (rate per GPU-hour, a checkpoint every
                tau, Young/Daly's sqrt(2 delta M) by default) to first order; a budget (--gpu-hours,
                --days, --flops) gives N and D by --law: Chinchilla's compute-optimal (Hoffmann et
@@ -1179,10 +1178,13 @@ def predict(
     # after
     else:
         exposed = exposed_s(reduce, behind, dp_overlap) + gathers
-    # a chunk's F, B (input gradients: all of attention's backward) and W (the GEMMs' weights)
+    # a chunk's F, W and B: the forward; the weight gradients (the GEMMs' second product, no
+    # attention); the rest of the backward (input gradients, all of attention's backward)
     k = 3 + (lay.recompute == "full")
     total, cores = work[slow]
-    fbw = total / k, total - total / k - (total - cores) / k, (total - cores) / k
+    F = total / k
+    W = (total - cores) / k
+    fbw = F, total - F - W, W
     # one message's time: each TP rank sends 1/t of it across (Megatron's scatter/gather, SP's
     # shard)
     one = secs[0]["send/pp/fwd"] / comm[0]["send/pp/fwd"][0] / lay.tp if lay.pp > 1 else 0.0
