@@ -43,13 +43,23 @@ def environment(timeout_s):
     )
 
 
-def stop_all(lives, r):
+def stop_all(lives, r, store):
     """--recipe restart: replica r died; the launcher kills every other one too. Returns whom to
-    restart."""
+    restart. The dead job's undecided rounds are closed and aborted for it: one killed between
+    counting itself in and writing its slot would leave a round whose members no one can read, and
+    the restarted job reads the decision before its first round."""
     for q, procs in lives.items():
         if q != r and procs[-1].poll() is None:
             procs[-1].kill()
             procs[-1].wait()
+    k = 0
+    while store.check([f"q{k}/decision"]):  # rounds decide in order
+        k += 1
+    version = int(store.get(f"q{k - 1}/decision").split()[1]) if k else 0
+    while store.check([f"q{k}/n"]):  # every round the dead job checked in to, undecided
+        store.compare_set(f"q{k}/size", "", "0")  # (closed with none, where it had not closed)
+        store.compare_set(f"q{k}/decision", "", f"abort {version}")
+        k += 1
     return list(lives)
 
 
@@ -98,7 +108,7 @@ def launch(args, script=None):
                     store.set(f"died/{store.add('died', 1)}", f"{r} {time.time()!r}")
                 if code < 0 and restarts < args.max_restarts and not finished:
                     restarts += 1
-                    for q in [r] if args.recipe == "live" else stop_all(lives, r):
+                    for q in [r] if args.recipe == "live" else stop_all(lives, r, store):
                         lives[q].append(spawn(q, len(lives[q])))
                 else:
                     codes[r] = code

@@ -32,6 +32,9 @@ environment, so the launcher and every replica run the mutant. NAME is one of
     no-deadline         a collective is waited for without the host's deadline (as NCCL's wait() would):
                         only the group's own timeout, the backstop, ends it
     no-lease            a lease never lapses: a replica killed or frozen is found only by the deadline
+and one fault (not a mutant):
+    killed-mid-check-in replica 0 counts itself in to round 4 and stops before writing its slot, and the
+                        launcher (slowed 5 s) stops the job there (--recipe restart)
 """
 
 import os
@@ -328,7 +331,30 @@ def weights_only(self, state):  # (state: the list of tensors recovery broadcast
         t.zero_()
 
 
+def killed_mid_check_in():
+    """A fault, not a mutant: replica 0's first life counts itself in to round 4 and stops there, as if
+    killed before writing its slot; the launcher, slowed 5 s, stops the job while it sits there."""
+    import time
+
+    import ft_launcher
+
+    join, stop = ft.join_round, ft_launcher.stop_all
+
+    def join_round(store, k, me, *rest):
+        if (me.rid, me.life, k) == (0, 0, 4):
+            store.add(f"q{k}/n", 1)
+            time.sleep(600)
+        return join(store, k, me, *rest)
+
+    def stop_all(*a):
+        time.sleep(5)
+        return stop(*a)
+
+    ft.join_round, ft_launcher.stop_all = join_round, stop_all
+
+
 MUTANTS = {
+    "killed-mid-check-in": killed_mid_check_in,
     "old-membership": lambda: setattr(ft, "local_grads", old_membership),
     "commit-anyway": lambda: setattr(ft, "vote", commit_anyway),
     "no-detector": lambda: setattr(ft, "is_spike", lambda *a, **k: False),

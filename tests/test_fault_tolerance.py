@@ -218,6 +218,21 @@ def test_restart_recipe_on_the_same_kill_is_measured_and_equals_one_process_trai
     )
 
 
+def test_restart_recipe_survives_a_kill_between_check_in_and_slot(tmp_path):
+    """The launcher stops the job while replica 0 has counted itself in to round 4 but not written its
+    slot (tests/fault_tolerance_checks.py's fault killed-mid-check-in): the restarted job still equals
+    one-process training, because the launcher closes and aborts the dead job's undecided rounds. Before
+    it did, every restarted replica waited on the missing slot and the run ended "coordinator gone"
+    (exit 3), as CI once saw in the test above when the launcher's kill fell there by chance."""
+    p, s = launch(
+        tmp_path,
+        *R3,
+        *("--recipe", "restart", "--ckpt-dir", tmp_path / "ck", "--save-every", 2),
+        mutant="killed-mid-check-in",
+    )
+    exact(p, s)
+
+
 # ----------------------------------------------------------------------------- R = 4: after, corruption
 R4 = [
     "--replicas",
